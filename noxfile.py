@@ -1,0 +1,58 @@
+"""Sessions for the project: tests, lint, typing, bench, soak.
+
+Every session runs on the interpreter that runs nox; nox never downloads one.
+"""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.download_python = "never"
+nox.options.reuse_venv = "yes"
+nox.options.sessions = ["tests", "lint", "typing"]
+
+PYPROJECT = nox.project.load_toml("pyproject.toml")
+
+
+def install_group(session: nox.Session, group: str) -> None:
+    session.install(*nox.project.dependency_groups(PYPROJECT, group))
+
+
+@nox.session(python=None)
+def tests(session: nox.Session) -> None:
+    """The whole test suite, crash tests included (bounded; well under 5 minutes)."""
+    session.install(".")
+    install_group(session, "test")
+    session.run("pytest", *session.posargs)
+
+
+@nox.session(python=None)
+def lint(session: nox.Session) -> None:
+    """ruff check (ASYNC rules on) and ruff format --check."""
+    install_group(session, "lint")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session(python=None)
+def typing(session: nox.Session) -> None:
+    """mypy --strict over the package, the tests and the examples."""
+    session.install(".")
+    install_group(session, "typing")
+    session.run("mypy")
+
+
+@nox.session(python=None)
+def bench(session: nox.Session) -> None:
+    """Throughput, heartbeat, recovery and memory against raw SQLite in the same run."""
+    session.install(".")
+    session.run("python", "-m", "trio_sessions.bench", *session.posargs)
+
+
+@nox.session(python=None)
+def soak(session: nox.Session) -> None:
+    """Kill soak with an audit, and the long stateful-model run."""
+    session.install(".")
+    install_group(session, "test")
+    session.run("python", "-m", "trio_sessions.soak", *session.posargs)

@@ -1,0 +1,127 @@
+"""The in-process registry of sessions this runtime is busy with (pure trio, no SQL).
+
+One `SessionEntry` per busy session: it exists from the moment a wake or recovery decides to
+acquire (the *prospective* claim, registered before any I/O) until the busy period ends,
+including successor executions started from the same entry. Idle sessions have no entry, no
+task and no memory here.
+
+Invariants:
+* at most one entry - hence one execution - per session in this runtime;
+* a ring that reaches an entry while a deciding transaction (acquire or finish) is in flight
+  is honoured by a successor acquisition from the same entry, so no wake is lost between the
+  durable doorbell and the local registry; rings before that are covered by the transaction;
+* every joiner is resolved exactly once with the outcome of the execution it joined, and a
+  cancelled joiner never cancels the execution;
+* an entry is always removed when its busy period ends, whatever ended it.
+"""
+
+from __future__ import annotations
+
+import attrs
+import trio
+
+from ._model import InterruptReason, Outcome
+
+
+@attrs.define(eq=False)
+class Execution:
+    """One claim's busy period, as its joiners see it."""
+
+    done: trio.Event = attrs.Factory(trio.Event)
+    outcome: Outcome | None = None
+    forward: Execution | None = None
+
+    def resolve(self, outcome: Outcome) -> None:
+        if not self.done.is_set():
+            self.outcome = outcome
+            self.done.set()
+
+    def merge_into(self, other: Execution) -> None:
+        """This would-be successor turned out unnecessary: its joiners follow `other`."""
+        self.forward = other
+        self.done.set()
+
+    async def wait(self) -> Outcome:
+        execution = self
+        while True:
+            await execution.done.wait()
+            if execution.forward is None:
+                assert execution.outcome is not None
+                return execution.outcome
+            execution = execution.forward
+
+
+@attrs.define(eq=False)
+class SessionEntry:
+    """The local registration of one busy session."""
+
+    session_id: str
+    execution_id: str
+    current: Execution = attrs.Factory(Execution)
+    successor: Execution | None = None
+    scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
+    owned: bool = False
+    resumed: bool = False
+    attempt: int = 0
+    reason: InterruptReason | None = None
+    deciding: bool = False
+    rings: int = 0
+    rings_seen: int = 0
+    renewed_at: int = 0
+    released: trio.Event = attrs.Factory(trio.Event)
+
+    def ring(self) -> Execution:
+        """A wake reached this entry; returns the execution that will take it."""
+        self.rings += 1
+        if self.deciding:
+            if self.successor is None:
+                self.successor = Execution()
+            return self.successor
+        return self.current
+
+    def begin_deciding(self) -> None:
+        """A transaction that reads the doorbell starts: later rings need a successor."""
+        self.deciding = True
+        self.rings_seen = self.rings
+
+    def keep_going(self) -> None:
+        """The deciding transaction kept the claim (claimed, or took a doorbell): rings during
+        it are covered by this claim's next finish, so a would-be successor merges in."""
+        self.deciding = False
+        if self.successor is not None:
+            self.successor.merge_into(self.current)
+            self.successor = None
+
+    def rung_since_decision(self) -> bool:
+        return self.rings > self.rings_seen
+
+    def interrupt(self, reason: InterruptReason) -> bool:
+        """Accept an interrupt: cancel the execution's scope at once. False if already stopping."""
+        if self.reason is not None:
+            return False
+        self.reason = reason
+        self.scope.cancel()
+        return True
+
+    def lose_lease(self) -> None:
+        """The lease is gone: whatever else was happening, write nothing more for this claim."""
+        self.reason = "lease_lost"
+        self.scope.cancel()
+
+    def start_successor(self, execution_id: str) -> None:
+        """Reuse this entry for a fresh acquisition (new execution id, scope and joiners)."""
+        self.current = self.successor or Execution()
+        self.successor = None
+        self.execution_id = execution_id
+        self.scope = trio.CancelScope()
+        self.owned = False
+        self.resumed = False
+        self.reason = None
+        self.deciding = False
+
+    def close(self, outcome: Outcome) -> None:
+        """The busy period is over: resolve every joiner still waiting."""
+        self.current.resolve(outcome)
+        if self.successor is not None:
+            self.successor.resolve(Outcome("deferred"))
+        self.released.set()

@@ -1,0 +1,54 @@
+"""The one error hierarchy of trio_sessions.
+
+Every error the library raises on purpose derives from `TrioSessionsError`, except bad
+arguments, which raise the builtin `ValueError`/`TypeError` before anything is written.
+None of these is an ExceptionGroup: trio code can catch each one by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class TrioSessionsError(Exception):
+    """Root of every error trio_sessions raises on purpose."""
+
+
+class StoreError(TrioSessionsError):
+    """The durable store failed (I/O error, a schema we cannot use, a lock that never cleared).
+
+    The failed transaction was rolled back: durable state is as it was before the call.
+    """
+
+
+class SchemaTooNew(StoreError):
+    """The database was written by a newer trio_sessions; it is left untouched."""
+
+
+class LeaseLost(TrioSessionsError):
+    """A fenced write found its claim gone, taken over, or its lease expired; nothing was written."""
+
+
+class InputConflict(TrioSessionsError):
+    """An input id that is already stored belongs to a different session."""
+
+
+class DuplicateSettlement(TrioSessionsError):
+    """A tool call was settled a second time; the transcript keeps the first settlement."""
+
+
+class UnknownToolCall(TrioSessionsError):
+    """A settlement named a tool call id that the assistant message never started."""
+
+
+class MalformedRecord(TrioSessionsError):
+    """A durable row could not be decoded.
+
+    Carries the `table`, the row's `key` and the readable `reasons` (one line each).
+    """
+
+    def __init__(self, table: str, key: str, reasons: Sequence[str]) -> None:
+        self.table = table
+        self.key = key
+        self.reasons = tuple(reasons)
+        super().__init__(f"malformed {table} row {key!r}: " + "; ".join(self.reasons))

@@ -1,0 +1,826 @@
+"""`open_runtime`: the claim handoff, the drain loop, heartbeats, interrupts and recovery.
+
+Each busy session runs in one task of the runtime's nursery. Its shielded scope covers only
+the claim commit, the local registration flip and the finalizer installation; the drain,
+heartbeats, reads and cleanup stay cancellable. The recovery pass runs as a sibling task.
+
+Invariants kept here (DESIGN §6): one live owner per session; a claim committed while an
+interrupt is pending is cleaned (user) or retained with an expired lease (shutdown) and its
+drain never starts; wakes recorded when an interrupt begins survive into exactly one
+successor; nothing is written for a claim after its lease is lost; one terminal outcome per
+busy period and every registry entry released.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+import trio
+
+from . import _codec, _store, _transcript
+from ._coordinator import Execution, SessionEntry
+from ._decisions import AcquireVerdict, RecoveryDecision
+from ._errors import DuplicateSettlement, LeaseLost, MalformedRecord, StoreError, UnknownToolCall
+from ._executor import Executor, InlineExecutor, open_thread_executor
+from ._model import (
+    AssistantData,
+    Claim,
+    Input,
+    InterruptReason,
+    Message,
+    Outcome,
+    RecoveryReport,
+)
+
+Drain = Callable[["DrainContext"], Awaitable[None]]
+AcquisitionHook = Callable[[Claim], Awaitable[None]]
+
+MAX_ID_LENGTH = 200
+SHUTDOWN_GRACE = 5.0
+
+
+@attrs.frozen
+class Store:
+    """An SQLite file, and how to reach it from trio.
+
+    `inline=True` runs SQLite on the trio thread (deterministic tests with a virtual clock);
+    the default hands work to a thread and groups concurrent operations per hand-off.
+    """
+
+    path: str | os.PathLike[str]
+    inline: bool = False
+
+
+def validate_session_id(session_id: object) -> str:
+    if not isinstance(session_id, str):
+        raise TypeError(f"session id must be a str, got {type(session_id).__name__}")
+    if not 1 <= len(session_id) <= MAX_ID_LENGTH:
+        raise ValueError(
+            f"session id must be 1-{MAX_ID_LENGTH} characters, got {len(session_id)}: "
+            f"{session_id[:40]!r}"
+        )
+    if not session_id.isprintable():
+        raise ValueError(f"session id must be printable, got {session_id!r}")
+    return session_id
+
+
+def _validate_input_id(input_id: object) -> str:
+    if input_id is None:
+        return _store.new_id()
+    if not isinstance(input_id, str):
+        raise TypeError(f"input_id must be a str or None, got {type(input_id).__name__}")
+    if not 1 <= len(input_id) <= MAX_ID_LENGTH or not input_id.isprintable():
+        raise ValueError(f"input_id must be 1-{MAX_ID_LENGTH} printable characters: {input_id!r}")
+    return input_id
+
+
+def make_owner_id(name: str | None) -> str:
+    """name + host + pid + a random nonce: unique per runtime instance, never reused."""
+    nonce = _store.new_id()[:12]
+    base = f"{socket.gethostname()}:{os.getpid()}:{nonce}"
+    return base if name is None else f"{name}@{base}"
+
+
+def _seconds(value: object, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{what} must be a number of seconds, got {type(value).__name__}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{what} must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+def _count(value: object, what: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{what} must be >= {minimum}, got {value}")
+    return value
+
+
+@attrs.define(eq=False)
+class Seams:
+    """Test seams (see `trio_sessions.testing`): awaited at named steps when set."""
+
+    before_finish: Callable[[str], Awaitable[None]] | None = None
+    before_recovery_apply: Callable[[list[str]], Awaitable[None]] | None = None
+
+
+@attrs.frozen
+class _Ending:
+    """How one claim's drain section ended, before the finalizer acted on it."""
+
+    kind: str  # "not_claimed" | "released" | "failed" | "interrupted"
+    holder: str | None = None
+    error: BaseException | None = None
+
+
+class Runtime:
+    """Handle returned by `open_runtime`. Create it only through `open_runtime`."""
+
+    def __init__(
+        self,
+        *,
+        executor: Executor,
+        nursery: trio.Nursery,
+        drain: Drain,
+        owner_id: str,
+        lease: float,
+        heartbeat_interval: float,
+        recovery_interval: float,
+        recovery_batch: int,
+        max_resumes: int,
+        clock: Callable[[], float],
+        acquisition_hook: AcquisitionHook | None,
+    ) -> None:
+        self._db = executor
+        self._nursery = nursery
+        self._drain = drain
+        self._owner_id = owner_id
+        self._lease_ms = int(lease * 1000)
+        self._heartbeat_interval = heartbeat_interval
+        self._recovery_interval = recovery_interval
+        self._recovery_batch = recovery_batch
+        self._max_resumes = max_resumes
+        self._clock = clock
+        self._hook = acquisition_hook
+        self._entries: dict[str, SessionEntry] = {}
+        self._recovery_lock = trio.Lock()
+        self._closing = False
+        self._crashed = False
+        self._seams = Seams()
+        self.heartbeat_transactions = 0
+
+    # -- public API ---------------------------------------------------------------------------
+
+    @property
+    def owner_id(self) -> str:
+        """name + host + pid + nonce, unique to this runtime instance."""
+        return self._owner_id
+
+    async def submit(
+        self, session_id: str, payload: dict[str, Any], *, input_id: str | None = None
+    ) -> str:
+        """Store an input and wake the session. Durable when it returns; returns the input id.
+
+        Idempotent by `input_id` (also after the input was taken); an id that belongs to
+        another session raises `InputConflict`. Cancellation before the write commits
+        leaves nothing written.
+        """
+        validate_session_id(session_id)
+        text = _codec.check_json_object(payload, "payload")
+        input_id = _validate_input_id(input_id)
+        stored = await self._db.run(_store.submit, session_id, text, input_id)
+        self._ring(session_id)
+        return stored
+
+    async def wake(self, session_id: str) -> None:
+        """Record a durable wake, then start or ring the local execution.
+
+        Wakes coalesce: N wakes during a drain cause one more drain iteration.
+        """
+        validate_session_id(session_id)
+        await self._db.run(_store.wake, session_id)
+        self._ring(session_id)
+
+    async def run(self, session_id: str) -> Outcome:
+        """Wake the session and wait for the outcome of the execution that takes the wake.
+
+        `Outcome(kind='deferred')` when another owner holds the session: the wake stays
+        durable for it. Cancelling this call never cancels the execution.
+        """
+        validate_session_id(session_id)
+        await self._db.run(_store.wake, session_id)
+        execution = self._ring(session_id)
+        if execution is None:
+            return Outcome("deferred")
+        return await execution.wait()
+
+    async def interrupt(self, session_id: str, *, reason: str = "user") -> bool:
+        """Stop the session's running work; returns at acceptance, before cleanup finishes.
+
+        Local claim (or one being acquired): its drain is cancelled at once. Claim held by
+        another owner: `phase='cancelling'` is written for its heartbeat to act on. False
+        when nothing is running or it is already stopping.
+        """
+        validate_session_id(session_id)
+        if reason not in ("user", "shutdown"):
+            raise ValueError(f"interrupt reason must be 'user' or 'shutdown', got {reason!r}")
+        entry = self._entries.get(session_id)
+        if entry is not None:
+            return entry.interrupt(reason)  # type: ignore[arg-type]
+        return await self._db.run(_store.request_cancel, session_id)
+
+    async def wait_idle(self, session_id: str) -> None:
+        """Wait until this runtime holds no execution for the session, successors included.
+
+        Never starts work.
+        """
+        validate_session_id(session_id)
+        while (entry := self._entries.get(session_id)) is not None:
+            await entry.released.wait()
+        await trio.lowlevel.checkpoint()
+
+    def is_active(self, session_id: str) -> bool:
+        return session_id in self._entries
+
+    def active_sessions(self) -> frozenset[str]:
+        return frozenset(self._entries)
+
+    async def transcript(self, session_id: str) -> list[Message]:
+        """The session's messages in seq order; `MalformedRecord` for a row that does not decode."""
+        validate_session_id(session_id)
+        return await self._db.run(_store.read_transcript, session_id)
+
+    async def recover_once(self) -> RecoveryReport:
+        """Run one bounded recovery pass now (never concurrently with another)."""
+        async with self._recovery_lock:
+            return await self._recovery_pass()
+
+    async def release_quarantine(self, execution_id: str, *, resume: bool) -> None:
+        """Act on a quarantined execution.
+
+        `resume=True` clears the quarantine and recovers it at once under the normal rules;
+        still malformed -> quarantined again and `MalformedRecord` raised. `resume=False`
+        finishes its open transcript as owner-lost, deletes the claim, resets the resume
+        budget and re-arms the doorbell if inputs remain. `ValueError` unless quarantined.
+        """
+        if not isinstance(execution_id, str):
+            raise TypeError(f"execution_id must be a str, got {type(execution_id).__name__}")
+        if not isinstance(resume, bool):
+            raise TypeError(f"resume must be a bool, got {type(resume).__name__}")
+        async with self._recovery_lock:
+            if not resume:
+                await self._db.run(_store.drop_quarantined, execution_id)
+                return
+            candidate = await self._db.run(
+                _store.lift_quarantine, execution_id, self._owner_id, self._lease_ms
+            )
+            report = await self._apply_recovery([candidate])
+            if report.quarantined:
+                rows = await self._db.run(_store.quarantined)
+                why = [r["recovery_error"] for r in rows if r["execution_id"] == execution_id]
+                raise MalformedRecord("session_message", execution_id, why or ["malformed"])
+
+    # -- local registry -----------------------------------------------------------------------
+
+    def _ring(self, session_id: str) -> Execution | None:
+        """After a durable wake: ring the local entry, or register one and start acquiring."""
+        entry = self._entries.get(session_id)
+        if entry is not None:
+            return entry.ring()
+        if self._closing:
+            return None
+        entry = self._register(session_id)
+        self._nursery.start_soon(self._busy_period, entry, None)
+        return entry.current
+
+    def _register(self, session_id: str) -> SessionEntry:
+        # The prospective exact claim, registered before any I/O.
+        entry = SessionEntry(session_id, _store.new_id())
+        self._entries[session_id] = entry
+        return entry
+
+    def _release(self, entry: SessionEntry, outcome: Outcome) -> None:
+        entry.owned = False
+        if self._entries.get(entry.session_id) is entry:
+            del self._entries[entry.session_id]
+        entry.close(outcome)
+
+    def _now(self) -> int:
+        return _store.now_ms(self._clock)
+
+    # -- one busy period ----------------------------------------------------------------------
+
+    async def _busy_period(
+        self, entry: SessionEntry, recovered: _store.Recovered | None
+    ) -> None:
+        outcome = Outcome("deferred")
+        try:
+            while True:
+                outcome, successor_due = await self._one_claim(entry, recovered)
+                recovered = None
+                if not successor_due or self._closing or self._crashed:
+                    break
+                entry.start_successor(_store.new_id())
+        finally:
+            self._release(entry, outcome)
+
+    async def _one_claim(
+        self, entry: SessionEntry, recovered: _store.Recovered | None
+    ) -> tuple[Outcome, bool]:
+        """Acquire (or take over a recovered claim), drain, finalize. Returns the outcome
+        and whether a successor acquisition is due."""
+        ending: _Ending | None = None
+        try:
+            with entry.scope:
+                ending = await self._claim_and_drain(entry, recovered)
+        except Exception as exc:  # a drain's ExceptionGroup once our Cancelled was removed
+            ending = _Ending("failed", error=exc)
+        if ending is None:
+            ending = _Ending("interrupted")
+        outcome, successor_due = await self._finalize(entry, ending)
+        entry.current.resolve(outcome)
+        return outcome, successor_due
+
+    async def _claim_and_drain(
+        self, entry: SessionEntry, recovered: _store.Recovered | None
+    ) -> _Ending:
+        if recovered is None:
+            entry.begin_deciding()
+            # Shielded: the claim commit, the registration flip and the finalizer
+            # installation (entry.owned is what the finalizer acts on) happen together or
+            # not at all; an interrupt meanwhile is honoured right after.
+            with trio.CancelScope(shield=True):
+                acquired = await self._db.run(
+                    _store.acquire, entry.session_id, entry.execution_id, self._owner_id,
+                    self._lease_ms,
+                )
+                if acquired.verdict is AcquireVerdict.CLAIM:
+                    self._own(entry, attempt=acquired.attempt, resumed=False)
+            if acquired.verdict is not AcquireVerdict.CLAIM:
+                return _Ending("not_claimed", holder=acquired.holder)
+            entry.keep_going()
+        if self._hook is not None:
+            await self._hook(
+                Claim(entry.session_id, entry.execution_id, self._owner_id, entry.resumed)
+            )
+        # The drain never starts for a claim whose interrupt arrived during the handoff.
+        await trio.lowlevel.checkpoint_if_cancelled()
+        return await self._drain_loop(entry)
+
+    def _own(self, entry: SessionEntry, *, attempt: int, resumed: bool) -> None:
+        entry.owned = True
+        entry.attempt = attempt
+        entry.resumed = resumed
+        entry.renewed_at = self._now()
+
+    async def _drain_loop(self, entry: SessionEntry) -> _Ending:
+        while True:
+            context = DrainContext(self, entry)
+            try:
+                await self._drain(context)
+            except Exception as exc:
+                return _Ending("failed", error=exc)
+            if context._defect is not None:
+                return _Ending("failed", error=context._defect)
+            entry.begin_deciding()
+            if self._seams.before_finish is not None:
+                await self._seams.before_finish(entry.session_id)
+            try:
+                continued = await self._db.run(
+                    _store.finish_iteration, entry.execution_id, self._owner_id
+                )
+            except LeaseLost as exc:
+                return _Ending("failed", error=exc)
+            if not continued:
+                entry.owned = False
+                return _Ending("released")
+            entry.keep_going()
+
+    async def _finalize(self, entry: SessionEntry, ending: _Ending) -> tuple[Outcome, bool]:
+        """The finalizer: act on how the claim ended. Cancellable (runtime closing): then
+        the claim stays as it is durably and recovery finishes it."""
+        if self._crashed:
+            return Outcome("interrupted", "shutdown"), False
+        if ending.kind == "released":
+            return Outcome("succeeded"), entry.rung_since_decision()
+        if ending.kind == "not_claimed":
+            if entry.reason is not None:
+                return Outcome("interrupted", entry.reason), False
+            return Outcome("deferred"), entry.rung_since_decision()
+        if isinstance(ending.error, LeaseLost) or entry.reason == "lease_lost":
+            # Lease lost: no durable write, and no successor - recovery owns it now.
+            entry.owned = False
+            return Outcome("interrupted", "lease_lost", ending.error), False
+        if ending.kind == "failed":
+            return await self._finish_failed(entry, ending.error)
+        reason = entry.reason or "user"
+        if reason == "shutdown":
+            await self._expire(entry)
+            return Outcome("interrupted", "shutdown"), False
+        return await self._finish_interrupted(entry)
+
+    async def _finish_failed(
+        self, entry: SessionEntry, error: BaseException | None
+    ) -> tuple[Outcome, bool]:
+        outcome = Outcome("failed", error=error)
+        if not entry.owned:
+            return outcome, False
+        entry.begin_deciding()
+        try:
+            doorbell = await self._db.run(
+                _store.finish_failed, entry.execution_id, self._owner_id, f"failed: {error!r}"
+            )
+        except (LeaseLost, StoreError):
+            # The claim stays durable; its lease runs out and recovery takes it from there.
+            return outcome, False
+        entry.owned = False
+        return outcome, doorbell or entry.rung_since_decision()
+
+    async def _finish_interrupted(self, entry: SessionEntry) -> tuple[Outcome, bool]:
+        outcome = Outcome("interrupted", "user")
+        if not entry.owned:
+            return outcome, entry.rung_since_decision()
+        try:
+            await self._db.run(_store.mark_cancelling, entry.execution_id, self._owner_id)
+            entry.begin_deciding()
+            doorbell = await self._db.run(
+                _store.finish_interrupted, entry.execution_id, self._owner_id
+            )
+        except (LeaseLost, StoreError):
+            # Left as 'cancelling' (or running with a lease that runs out): recovery
+            # finishes it as cancelled and never resumes it.
+            return outcome, False
+        entry.owned = False
+        return outcome, doorbell or entry.rung_since_decision()
+
+    async def _expire(self, entry: SessionEntry) -> None:
+        """Shutdown: keep the claim, end its lease now so any owner can recover it at once."""
+        if not entry.owned:
+            return
+        try:
+            await self._db.run(_store.expire_claims, self._owner_id, [entry.execution_id])
+        except StoreError:
+            pass  # best effort: otherwise the lease simply runs out
+        entry.owned = False
+
+    # -- heartbeat ----------------------------------------------------------------------------
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await trio.sleep(self._heartbeat_interval)
+            await self._heartbeat_once()
+
+    async def _heartbeat_once(self) -> None:
+        """One transaction renews every claim this runtime holds; lost leases are cancelled."""
+        claims = {e.execution_id: e for e in self._entries.values() if e.owned}
+        if claims:
+            started = self._now()
+            try:
+                self.heartbeat_transactions += 1
+                phases = await self._db.run(
+                    _store.heartbeat, self._owner_id, list(claims), self._lease_ms
+                )
+            except StoreError:
+                phases = {}  # retried at the next tick; the watchdog below still applies
+            for execution_id, phase in phases.items():
+                entry = claims[execution_id]
+                if not entry.owned or entry.execution_id != execution_id:
+                    continue  # finished or replaced while the heartbeat was in flight
+                if phase is None:
+                    entry.lose_lease()
+                    continue
+                entry.renewed_at = started
+                if phase == "cancelling":
+                    entry.interrupt("user")  # written by another process
+        self._watchdog()
+
+    def _watchdog(self) -> None:
+        """A claim with no successful renewal for a whole lease is lost, store reachable or not."""
+        now = self._now()
+        for entry in list(self._entries.values()):
+            if entry.owned and now - entry.renewed_at >= self._lease_ms:
+                entry.lose_lease()
+
+    # -- recovery -----------------------------------------------------------------------------
+
+    async def _recovery_loop(self) -> None:
+        while True:
+            await trio.sleep(self._recovery_interval)
+            try:
+                await self.recover_once()
+            except StoreError:
+                pass  # the next pass retries; leases keep every row recoverable
+
+    async def _recovery_pass(self) -> RecoveryReport:
+        candidates = await self._db.run(
+            _store.recovery_candidates,
+            self._owner_id,
+            self._recovery_batch,
+            list(self._entries),
+        )
+        expired = [c for c in candidates if c.execution_id is not None]
+        doorbells = [c for c in candidates if c.execution_id is None]
+        report = RecoveryReport(examined=len(candidates))
+        if expired:
+            leased = await self._db.run(
+                _store.take_recovery_leases, self._owner_id, self._lease_ms, expired
+            )
+            applied = await self._apply_recovery(leased)
+            report = _add(report, applied, fence_lost=len(expired) - len(leased))
+        started = 0
+        for candidate in doorbells:
+            if candidate.session_id not in self._entries and not self._closing:
+                self._ring(candidate.session_id)
+                started += 1
+        return attrs.evolve(report, doorbells_started=started)
+
+    async def _apply_recovery(self, leased: list[_store.Candidate]) -> RecoveryReport:
+        """Apply recovery to claims whose recovery lease we hold, then start resumed drains."""
+        if self._seams.before_recovery_apply is not None:
+            await self._seams.before_recovery_apply([c.execution_id or "" for c in leased])
+        entries = []
+        for candidate in leased:
+            if candidate.session_id in self._entries:
+                continue  # became busy locally since the scan; its own claim rules apply
+            entries.append((candidate, self._register(candidate.session_id)))
+        counts: dict[str, int] = {}
+        resumed: list[tuple[SessionEntry, _store.Recovered]] = []
+        try:
+            # Shielded: the takeover commit and the registration flips happen together.
+            with trio.CancelScope(shield=True):
+                results = await self._db.run(
+                    _apply_recovery_batch,
+                    self._owner_id,
+                    [(c, e.execution_id) for c, e in entries],
+                    self._lease_ms,
+                    self._max_resumes,
+                )
+                for (_, entry), result in zip(entries, results, strict=True):
+                    key = _report_key(result)
+                    counts[key] = counts.get(key, 0) + 1
+                    if result.decision is RecoveryDecision.RESUME and not result.fence_lost:
+                        self._own(entry, attempt=result.attempt, resumed=True)
+                        entry.keep_going()
+                        resumed.append((entry, result))
+        finally:
+            for _, entry in entries:
+                if not entry.owned:
+                    self._release_or_acquire(entry)
+        for entry, result in resumed:
+            self._nursery.start_soon(self._busy_period, entry, result)
+        return RecoveryReport(**{k: v for k, v in counts.items() if k != "ignored"})
+
+    def _release_or_acquire(self, entry: SessionEntry) -> None:
+        """A prospective recovery entry that did not take over: a ring that reached it
+        meanwhile still gets its acquisition."""
+        if entry.rings and not self._closing:
+            self._nursery.start_soon(self._busy_period, entry, None)
+        else:
+            self._release(entry, Outcome("deferred"))
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def _shutdown(self) -> None:
+        """Cancel drains; their finalizers keep the claims and expire the leases."""
+        self._closing = True
+        for entry in list(self._entries.values()):
+            entry.interrupt("shutdown")
+        for entry in list(self._entries.values()):
+            await entry.released.wait()
+
+
+def _report_key(result: _store.Recovered) -> str:
+    if result.fence_lost:
+        return "fence_lost"
+    return {
+        RecoveryDecision.RESUME: "resumed",
+        RecoveryDecision.FINISH_CANCELLED: "finished_cancelled",
+        RecoveryDecision.DROP_SUPERSEDED: "dropped_superseded",
+        RecoveryDecision.QUARANTINE: "quarantined",
+        RecoveryDecision.EXHAUSTED: "exhausted",
+        RecoveryDecision.SKIP_LIVE: "skipped_live",
+        RecoveryDecision.GONE: "ignored",
+    }[result.decision]
+
+
+def _add(report: RecoveryReport, other: RecoveryReport, *, fence_lost: int) -> RecoveryReport:
+    return attrs.evolve(
+        other, examined=report.examined, fence_lost=other.fence_lost + fence_lost
+    )
+
+
+def _apply_recovery_batch(
+    tx: _store.Tx,
+    owner_id: str,
+    items: list[tuple[_store.Candidate, str]],
+    lease_ms: int,
+    max_resumes: int,
+) -> list[_store.Recovered]:
+    """Every item in its own savepoint: one row's failure never undoes another's recovery."""
+    results = []
+    for candidate, new_execution_id in items:
+        tx.execute("SAVEPOINT recover_one")
+        try:
+            result = _store.apply_recovery(
+                tx, owner_id, candidate, new_execution_id, lease_ms, max_resumes
+            )
+        except LeaseLost:
+            tx.execute("ROLLBACK TO recover_one")
+            result = _store.Recovered(RecoveryDecision.GONE, fence_lost=True)
+        tx.execute("RELEASE recover_one")
+        results.append(result)
+    return results
+
+
+# ---------------------------------------------------------------------------------------------
+# What a drain sees
+
+
+class DrainContext:
+    """One drain iteration's view of its claim. Every write is fenced on the live claim and
+    raises `LeaseLost` (writing nothing) once the lease is gone."""
+
+    def __init__(self, runtime: Runtime, entry: SessionEntry) -> None:
+        self._runtime = runtime
+        self.session_id = entry.session_id
+        self.execution_id = entry.execution_id
+        self.owner_id = runtime.owner_id
+        self.attempt = entry.attempt
+        self.resumed = entry.resumed
+        self._defect: BaseException | None = None
+
+    async def take_inputs(self) -> list[Input]:
+        """Consume pending inputs in seq order; each becomes a user message, atomically."""
+        return await self._runtime._db.run(
+            _store.take_inputs, self.execution_id, self.owner_id
+        )
+
+    async def begin_assistant(self) -> AssistantWriter:
+        """Start an assistant message (unfinished, no parts) and return its writer."""
+        message_id = _store.new_id()
+        await self._runtime._db.run(
+            _store.begin_assistant, self.execution_id, self.owner_id, message_id
+        )
+        return AssistantWriter(self, message_id)
+
+
+class AssistantWriter:
+    """Writes one assistant message; each call is one fenced transaction.
+
+    A second settlement of a tool call raises `DuplicateSettlement` (an unknown call id,
+    `UnknownToolCall`): a defect that fails the drain even if the drain catches it.
+    """
+
+    def __init__(self, context: DrainContext, message_id: str) -> None:
+        self._context = context
+        self.message_id = message_id
+
+    async def append_text(self, text: str) -> None:
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        await self._update(lambda data: _transcript.append_text(data, text))
+
+    async def start_tool(self, call_id: str, name: str, input: dict[str, Any]) -> None:
+        for value, what in ((call_id, "call_id"), (name, "name")):
+            if not isinstance(value, str) or not value:
+                raise TypeError(f"{what} must be a non-empty str, got {value!r}")
+        _codec.check_json_object(input, "tool input")
+        await self._update(lambda data: _transcript.start_tool(data, call_id, name, input))
+
+    async def settle_tool(self, call_id: str, output: Any) -> None:
+        _codec.check_json(output, "tool output")
+        await self._update(lambda data: _transcript.settle_tool(data, call_id, output=output))
+
+    async def fail_tool(self, call_id: str, error: str) -> None:
+        if not isinstance(error, str):
+            raise TypeError(f"error must be a str, got {type(error).__name__}")
+        await self._update(lambda data: _transcript.settle_tool(data, call_id, error=error))
+
+    async def finish(self) -> None:
+        await self._update(_transcript.finish)
+
+    async def _update(self, transition: Callable[[AssistantData], AssistantData]) -> None:
+        context = self._context
+        try:
+            await context._runtime._db.run(
+                _store.update_assistant,
+                context.execution_id,
+                context.owner_id,
+                self.message_id,
+                transition,
+            )
+        except (DuplicateSettlement, UnknownToolCall) as exc:
+            context._defect = context._defect or exc
+            raise
+
+
+# ---------------------------------------------------------------------------------------------
+# open_runtime
+
+
+@asynccontextmanager
+async def open_runtime(
+    store: str | os.PathLike[str] | Store,
+    drain: Drain,
+    *,
+    owner_id: str | None = None,
+    lease: float = 30.0,
+    heartbeat_interval: float | None = None,
+    recovery_interval: float = 5.0,
+    recovery_batch: int = 100,
+    max_resumes: int = 10,
+    clock: Callable[[], float] | None = None,
+    acquisition_hook: AcquisitionHook | None = None,
+) -> AsyncIterator[Runtime]:
+    """Open the store, run the first recovery pass, and yield a `Runtime`.
+
+    The runtime owns a nursery: drains, the heartbeat and the recovery task run in it.
+    Leaving the block cancels the drains, keeps their claims and expires their leases so any
+    owner can recover them at once. A store error in the first recovery pass fails the open.
+    Exceptions from drains become outcomes; only the block's own exception escapes.
+    """
+    if not isinstance(store, Store):
+        if not isinstance(store, str | os.PathLike):
+            raise TypeError(f"store must be a path or a Store, got {type(store).__name__}")
+        store = Store(store)
+    if not callable(drain):
+        raise TypeError("drain must be an async function taking a DrainContext")
+    lease = _seconds(lease, "lease")
+    heartbeat = lease / 3 if heartbeat_interval is None else _seconds(heartbeat_interval, "heartbeat_interval")
+    if heartbeat >= lease:
+        raise ValueError(f"heartbeat_interval ({heartbeat}) must be shorter than lease ({lease})")
+    recovery_interval = _seconds(recovery_interval, "recovery_interval")
+    recovery_batch = _count(recovery_batch, "recovery_batch", 1)
+    max_resumes = _count(max_resumes, "max_resumes", 0)
+    if owner_id is not None:
+        owner_id = validate_session_id(owner_id)
+    if clock is not None and not callable(clock):
+        raise TypeError("clock must be a zero-argument callable returning epoch seconds")
+    if acquisition_hook is not None and not callable(acquisition_hook):
+        raise TypeError("acquisition_hook must be an async callable taking a Claim")
+    the_clock = clock or time.time
+    try:
+        async with _open_runtime(
+            store,
+            drain,
+            owner_id=make_owner_id(owner_id),
+            lease=lease,
+            heartbeat_interval=heartbeat,
+            recovery_interval=recovery_interval,
+            recovery_batch=recovery_batch,
+            max_resumes=max_resumes,
+            clock=the_clock,
+            acquisition_hook=acquisition_hook,
+        ) as runtime:
+            yield runtime
+    except BaseExceptionGroup as group:
+        # Background tasks never raise, so a group here wraps the block's own exception:
+        # exactly one exception escapes, as from any context manager.
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
+
+
+@asynccontextmanager
+async def _open_runtime(
+    store: Store,
+    drain: Drain,
+    *,
+    owner_id: str,
+    lease: float,
+    heartbeat_interval: float,
+    recovery_interval: float,
+    recovery_batch: int,
+    max_resumes: int,
+    clock: Callable[[], float],
+    acquisition_hook: AcquisitionHook | None,
+) -> AsyncIterator[Runtime]:
+    async with _open_executor(store, clock) as executor, trio.open_nursery() as nursery:
+        runtime = Runtime(
+            executor=executor,
+            nursery=nursery,
+            drain=drain,
+            owner_id=owner_id,
+            lease=lease,
+            heartbeat_interval=heartbeat_interval,
+            recovery_interval=recovery_interval,
+            recovery_batch=recovery_batch,
+            max_resumes=max_resumes,
+            clock=clock,
+            acquisition_hook=acquisition_hook,
+        )
+        await runtime.recover_once()
+        nursery.start_soon(runtime._heartbeat_loop)
+        nursery.start_soon(runtime._recovery_loop)
+        try:
+            yield runtime
+        finally:
+            if not runtime._crashed:
+                with trio.move_on_after(SHUTDOWN_GRACE, shield=True):
+                    await runtime._shutdown()
+            nursery.cancel_scope.cancel()
+
+
+@asynccontextmanager
+async def _open_executor(store: Store, clock: Callable[[], float]) -> AsyncIterator[Executor]:
+    if store.inline:
+        conn = _store.connect(store.path)
+        try:
+            yield InlineExecutor(conn, clock)
+        finally:
+            conn.close()
+        return
+    conn = await trio.to_thread.run_sync(_store.connect, store.path)
+    try:
+        async with open_thread_executor(conn, clock) as executor:
+            yield executor
+    finally:
+        conn.close()

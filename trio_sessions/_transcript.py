@@ -1,0 +1,102 @@
+"""The assistant message state machine: pure transitions of `AssistantData`.
+
+Invariants: a tool call settles at most once (`running` -> `completed` | `error`, never
+again); a finished message accepts no further change; interrupting or orphaning a message
+fails exactly its unsettled tools and finishes it. No I/O: the store applies these inside
+its fenced transactions, so the durable row is the state that is checked.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from ._errors import DuplicateSettlement, UnknownToolCall
+from ._model import UNSETTLED_AT_FINISH, AssistantData, Part, TextPart, ToolPart
+
+EMPTY = AssistantData(parts=(), finished=False, error=None)
+
+
+class MessageFinished(ValueError):
+    """A write to an assistant message that was already finished."""
+
+
+def _require_open(data: AssistantData) -> None:
+    if data.finished:
+        raise MessageFinished("the assistant message is already finished")
+
+
+def append_text(data: AssistantData, text: str) -> AssistantData:
+    """Append text, extending the last part when it is text (streamed tokens stay one part)."""
+    _require_open(data)
+    parts = data.parts
+    if parts and isinstance(parts[-1], TextPart):
+        return attrs.evolve(data, parts=(*parts[:-1], TextPart(parts[-1].text + text)))
+    return attrs.evolve(data, parts=(*parts, TextPart(text)))
+
+
+def start_tool(data: AssistantData, call_id: str, name: str, input: dict[str, Any]) -> AssistantData:
+    _require_open(data)
+    if _find_tool(data, call_id) is not None:
+        raise ValueError(f"tool call {call_id!r} was already started in this message")
+    part = ToolPart(call_id, name, input, "running", None, None)
+    return attrs.evolve(data, parts=(*data.parts, part))
+
+
+def settle_tool(
+    data: AssistantData, call_id: str, *, output: Any = None, error: str | None = None
+) -> AssistantData:
+    """Settle a running call: `completed` with `output`, or `error` when `error` is given."""
+    _require_open(data)
+    index = _find_tool(data, call_id)
+    if index is None:
+        raise UnknownToolCall(f"tool call {call_id!r} was never started in this message")
+    part = data.parts[index]
+    assert isinstance(part, ToolPart)
+    if part.status != "running":
+        raise DuplicateSettlement(f"tool call {call_id!r} is already settled ({part.status})")
+    if error is None:
+        settled = attrs.evolve(part, status="completed", output=output, error=None)
+    else:
+        settled = attrs.evolve(part, status="error", output=None, error=error)
+    return attrs.evolve(data, parts=_replace(data.parts, index, settled))
+
+
+def finish(data: AssistantData) -> AssistantData:
+    """Finish normally; a tool still running is failed rather than left running forever."""
+    _require_open(data)
+    return _close(data, tool_error=UNSETTLED_AT_FINISH, message_error=None)
+
+
+def interrupt(data: AssistantData, reason: str) -> AssistantData:
+    """Finish interrupted or orphaned work: running tools fail with `reason`, and so does the
+    message. An already finished message is left exactly as it is."""
+    if data.finished:
+        return data
+    return _close(data, tool_error=reason, message_error=reason)
+
+
+def unsettled_calls(data: AssistantData) -> list[str]:
+    return [p.call_id for p in data.parts if isinstance(p, ToolPart) and p.status == "running"]
+
+
+def _close(data: AssistantData, *, tool_error: str, message_error: str | None) -> AssistantData:
+    parts = tuple(
+        attrs.evolve(p, status="error", error=tool_error)
+        if isinstance(p, ToolPart) and p.status == "running"
+        else p
+        for p in data.parts
+    )
+    return AssistantData(parts=parts, finished=True, error=message_error)
+
+
+def _find_tool(data: AssistantData, call_id: str) -> int | None:
+    for index, part in enumerate(data.parts):
+        if isinstance(part, ToolPart) and part.call_id == call_id:
+            return index
+    return None
+
+
+def _replace(parts: tuple[Part, ...], index: int, part: Part) -> tuple[Part, ...]:
+    return (*parts[:index], part, *parts[index + 1 :])

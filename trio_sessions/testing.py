@@ -1,0 +1,56 @@
+"""Helpers for testing drains deterministically (public API, like `trio.testing`).
+
+* `trio_clock()`: a runtime clock tied to trio's (virtual) clock, so `MockClock` jumps drive
+  lease expiry; callable from any thread.
+* `inline_store(path)`: a `Store` whose SQLite work runs on the trio thread, so autojump
+  never advances virtual time while a worker thread blocks.
+* `set_seams(runtime, ...)`: pause an owner at a named step (before its finish transaction,
+  before recovery applies its decisions); `crash(runtime)`: make an owner vanish like a
+  killed process - no further durable write, claims left to expire.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Awaitable, Callable
+
+import trio
+
+from ._runtime import Runtime, Seams, Store
+
+DEFAULT_EPOCH = 1_800_000_000.0
+
+
+def trio_clock(epoch: float = DEFAULT_EPOCH) -> Callable[[], float]:
+    """A clock returning `epoch + trio time`. Call it inside `trio.run`; use it anywhere."""
+    clock = trio.lowlevel.current_clock()
+
+    def now() -> float:
+        return epoch + clock.current_time()
+
+    return now
+
+
+def inline_store(path: str | os.PathLike[str]) -> Store:
+    """A store whose operations run inline on the trio thread (deterministic tests)."""
+    return Store(path, inline=True)
+
+
+def set_seams(
+    runtime: Runtime,
+    *,
+    before_finish: Callable[[str], Awaitable[None]] | None = None,
+    before_recovery_apply: Callable[[list[str]], Awaitable[None]] | None = None,
+) -> None:
+    """Install test seams: `before_finish(session_id)` runs before a drain's finish
+    transaction; `before_recovery_apply(execution_ids)` between taking recovery leases and
+    applying recovery's decisions."""
+    runtime._seams = Seams(before_finish=before_finish, before_recovery_apply=before_recovery_apply)
+
+
+def crash(runtime: Runtime) -> None:
+    """Make the owner vanish as if its process was killed: every task stops and nothing more
+    is written; its claims stay with live leases until they run out."""
+    runtime._crashed = True
+    runtime._closing = True
+    runtime._nursery.cancel_scope.cancel()
