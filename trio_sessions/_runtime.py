@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+import sqlite3
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -56,6 +57,11 @@ class Store:
 
     path: str | os.PathLike[str]
     inline: bool = False
+    # Test seam (see trio_sessions.testing.faulty_store): wraps the connection, e.g. to
+    # raise sqlite3.OperationalError at a chosen statement.
+    wrap_connection: Callable[[sqlite3.Connection], Any] | None = attrs.field(
+        default=None, kw_only=True, repr=False
+    )
 
 
 def validate_session_id(session_id: object) -> str:
@@ -809,18 +815,22 @@ async def _open_runtime(
             nursery.cancel_scope.cancel()
 
 
+def _wrapped(store: Store, conn: sqlite3.Connection) -> sqlite3.Connection:
+    return conn if store.wrap_connection is None else store.wrap_connection(conn)
+
+
 @asynccontextmanager
 async def _open_executor(store: Store, clock: Callable[[], float]) -> AsyncIterator[Executor]:
     if store.inline:
         conn = _store.connect(store.path)
         try:
-            yield InlineExecutor(conn, clock)
+            yield InlineExecutor(_wrapped(store, conn), clock)
         finally:
             conn.close()
         return
     conn = await trio.to_thread.run_sync(_store.connect, store.path)
     try:
-        async with open_thread_executor(conn, clock) as executor:
+        async with open_thread_executor(_wrapped(store, conn), clock) as executor:
             yield executor
     finally:
         conn.close()
