@@ -34,7 +34,11 @@ def store(db_path: Path) -> Store:
 
 @pytest.fixture
 def clock(autojump_clock: trio.testing.MockClock) -> Callable[[], float]:
-    """A runtime clock tied to the autojump virtual clock (must be used inside trio)."""
+    """A runtime clock (epoch seconds) tied to the autojump virtual clock.
+
+    pytest-trio hands a clock to `trio.run` only when the test itself takes it as an
+    argument, so a test using this fixture must also take `autojump_clock` directly.
+    """
 
     def now() -> float:
         return testing.DEFAULT_EPOCH + autojump_clock.current_time()

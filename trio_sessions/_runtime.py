@@ -202,6 +202,11 @@ class Runtime:
         durable for it. Cancelling this call never cancels the execution.
         """
         validate_session_id(session_id)
+        entry = self._entries.get(session_id)
+        if entry is not None and not entry.deciding:
+            # Running here, and its finish has not begun: join it without forcing another
+            # iteration. (Once a finish transaction is in flight, a wake is needed.)
+            return await entry.current.wait()
         await self._db.run(_store.wake, session_id)
         execution = self._ring(session_id)
         if execution is None:
@@ -220,7 +225,9 @@ class Runtime:
             raise ValueError(f"interrupt reason must be 'user' or 'shutdown', got {reason!r}")
         entry = self._entries.get(session_id)
         if entry is not None:
-            return entry.interrupt(reason)  # type: ignore[arg-type]
+            accepted = entry.interrupt(reason)  # type: ignore[arg-type]
+            await trio.lowlevel.checkpoint()
+            return accepted
         return await self._db.run(_store.request_cancel, session_id)
 
     async def wait_idle(self, session_id: str) -> None:

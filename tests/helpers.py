@@ -1,0 +1,133 @@
+"""Shared helpers for the runtime tests: open a deterministic runtime, gates, raw rows."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+
+import trio_sessions
+from trio_sessions import DrainContext, Runtime, Store, testing
+from trio_sessions._codec import encode_assistant
+from trio_sessions._model import AssistantData, ToolPart
+
+Drain = Callable[[DrainContext], Awaitable[None]]
+
+
+@asynccontextmanager
+async def runtime(
+    store: Store, drain: Drain, clock: Callable[[], float], **options: Any
+) -> AsyncIterator[Runtime]:
+    """A runtime on the inline store and the virtual clock (lease 30 s unless given)."""
+    async with trio_sessions.open_runtime(store, drain, clock=clock, **options) as rt:
+        yield rt
+
+
+@attrs.define
+class Recorder:
+    """A drain that records each call and can be held on a gate."""
+
+    calls: list[DrainContext] = attrs.Factory(list)
+    gate: trio.Event | None = None
+    entered: trio.Event = attrs.Factory(trio.Event)
+    take_inputs: bool = True
+    taken: list[str] = attrs.Factory(list)
+
+    async def __call__(self, ctx: DrainContext) -> None:
+        self.calls.append(ctx)
+        if self.take_inputs:
+            self.taken += [i.id for i in await ctx.take_inputs()]
+        self.entered.set()
+        if self.gate is not None:
+            await self.gate.wait()
+
+    def hold(self) -> trio.Event:
+        self.gate = trio.Event()
+        self.entered = trio.Event()
+        return self.gate
+
+
+class Raw:
+    """Direct SQL on the database file, as a test or an operator would do it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def rows(self, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        conn = sqlite3.connect(self.path)
+        try:
+            return conn.execute(sql, params).fetchall()
+        finally:
+            conn.close()
+
+    def one(self, sql: str, params: tuple[Any, ...] = ()) -> Any:
+        rows = self.rows(sql, params)
+        return rows[0] if rows else None
+
+    def write(self, sql: str, params: tuple[Any, ...] = ()) -> None:
+        conn = sqlite3.connect(self.path)
+        try:
+            with conn:
+                conn.execute("PRAGMA foreign_keys = ON")
+                conn.execute(sql, params)
+        finally:
+            conn.close()
+
+    def claim(self, session_id: str) -> Any:
+        return self.one(
+            "SELECT id, owner_id, phase, expires_at FROM session_execution WHERE session_id = ?",
+            (session_id,),
+        )
+
+    def seed_claim(
+        self,
+        session_id: str,
+        execution_id: str,
+        *,
+        expires_at: int,
+        owner_id: str = "dead-owner",
+        phase: str = "running",
+        anchor_seq: int | None = None,
+        wake_attempts: int = 0,
+    ) -> None:
+        """A claim left behind by another owner (typically a dead one)."""
+        self.write(
+            "INSERT INTO session(id, time_created, wake_attempts) VALUES (?, 0, ?)"
+            " ON CONFLICT(id) DO UPDATE SET wake_attempts = excluded.wake_attempts",
+            (session_id, wake_attempts),
+        )
+        self.write(
+            "INSERT INTO session_execution(id, session_id, owner_id, phase, anchor_seq,"
+            " time_created, expires_at) VALUES (?, ?, ?, ?, ?, 0, ?)",
+            (execution_id, session_id, owner_id, phase, anchor_seq, expires_at),
+        )
+
+    def seed_assistant(
+        self, session_id: str, execution_id: str, seq: int, data: str | AssistantData
+    ) -> str:
+        message_id = f"m-{execution_id}-{seq}"
+        text = data if isinstance(data, str) else encode_assistant(data)
+        self.write(
+            "INSERT INTO session_message(id, session_id, execution_id, role, seq, data,"
+            " time_created, time_updated) VALUES (?, ?, ?, 'assistant', ?, ?, 0, 0)",
+            (message_id, session_id, execution_id, seq, text),
+        )
+        return message_id
+
+
+def open_tool_message(call_id: str = "call-1") -> AssistantData:
+    """An unfinished assistant message with one running tool call."""
+    part = ToolPart(call_id, "search", {"q": "x"}, "running", None, None)
+    return AssistantData(parts=(part,), finished=False, error=None)
+
+
+def now_ms(clock: Callable[[], float]) -> int:
+    return int(clock() * 1000)
+
+
+__all__ = ["Recorder", "Raw", "open_tool_message", "runtime", "testing"]

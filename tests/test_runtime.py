@@ -1,0 +1,755 @@
+"""The runtime: coordinator scenarios, claim handoff, heartbeat, interrupt, drain loop.
+
+Deterministic: inline store, autojump virtual clock, gates and seams. Scenario titles follow
+the reference coordinator suite (reference-design.md §6.1), adapted to our semantics.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+from trio.testing import MockClock
+
+import trio_sessions
+from trio_sessions import Claim, DrainContext, LeaseLost, Outcome, Store, testing
+from helpers import Raw, Recorder, now_ms, runtime
+
+Clock = Callable[[], float]
+
+
+async def test_joins_concurrent_runs_for_one_session(store: Store, clock: Clock, autojump_clock: MockClock) -> None:
+    """Two concurrent runs of one session share one drain and one outcome."""
+    drain = Recorder()
+    gate = drain.hold()
+    outcomes: list[Outcome] = []
+    async with runtime(store, drain, clock) as rt:
+        async with trio.open_nursery() as nursery:
+
+            async def run() -> None:
+                outcomes.append(await rt.run("s"))
+
+            nursery.start_soon(run)
+            nursery.start_soon(run)
+            await drain.entered.wait()
+            gate.set()
+    assert outcomes == [Outcome("succeeded"), Outcome("succeeded")]
+    assert len(drain.calls) == 1
+
+
+async def test_wake_while_idle_starts_execution(store: Store, clock: Clock, autojump_clock: MockClock) -> None:
+    """A wake on an idle session starts a drain; wait_idle waits for it to finish."""
+    drain = Recorder()
+    async with runtime(store, drain, clock) as rt:
+        await rt.wake("s")
+        await rt.wait_idle("s")
+        assert len(drain.calls) == 1
+        assert not rt.is_active("s")
+
+
+async def test_active_sessions_snapshot(store: Store, clock: Clock, autojump_clock: MockClock) -> None:
+    """active_sessions goes {} -> {A} -> {A,B} -> {B} -> {} as gated drains finish."""
+    gates = {"A": trio.Event(), "B": trio.Event()}
+    entered = {"A": trio.Event(), "B": trio.Event()}
+
+    async def drain(ctx: DrainContext) -> None:
+        entered[ctx.session_id].set()
+        await gates[ctx.session_id].wait()
+
+    async with runtime(store, drain, clock) as rt:
+        assert rt.active_sessions() == frozenset()
+        await rt.wake("A")
+        await entered["A"].wait()
+        assert rt.active_sessions() == {"A"}
+        await rt.wake("B")
+        await entered["B"].wait()
+        assert rt.active_sessions() == {"A", "B"}
+        gates["A"].set()
+        await rt.wait_idle("A")
+        assert rt.active_sessions() == {"B"}
+        gates["B"].set()
+        await rt.wait_idle("B")
+        assert rt.active_sessions() == frozenset()
+
+
+async def test_failure_is_an_outcome_and_releases_everything(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """A raising drain gives Outcome('failed', error) and leaves no claim and no entry."""
+    boom = ValueError("boom")
+
+    async def drain(ctx: DrainContext) -> None:
+        raise boom
+
+    async with runtime(store, drain, clock) as rt:
+        outcome = await rt.run("s")
+        assert outcome == Outcome("failed", error=boom)
+        assert rt.active_sessions() == frozenset()
+    assert Raw(db_path).claim("s") is None
+
+
+async def test_closing_runtime_keeps_claims_with_expired_lease(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """Leaving open_runtime cancels drains, keeps their claims and sets expires_at=now."""
+    drain = Recorder()
+    drain.hold()
+    async with runtime(store, drain, clock) as rt:
+        await rt.wake("s")
+        await drain.entered.wait()
+        execution_id = drain.calls[0].execution_id
+        closed_at = now_ms(clock)
+    claim = Raw(db_path).claim("s")
+    assert claim is not None
+    assert claim[0] == execution_id and claim[2] == "running"
+    assert claim[3] == closed_at
+
+
+async def test_wakes_during_a_drain_coalesce(store: Store, clock: Clock, autojump_clock: MockClock) -> None:
+    """Three wakes during drain 1 cause exactly one more drain, not three (invariant 8)."""
+    drain = Recorder()
+    gate = drain.hold()
+    async with runtime(store, drain, clock) as rt:
+        await rt.wake("s")
+        await drain.entered.wait()
+        for _ in range(3):
+            await rt.wake("s")
+        drain.gate = None
+        gate.set()
+        await rt.wait_idle("s")
+    assert len(drain.calls) == 2
+    assert drain.calls[0].execution_id == drain.calls[1].execution_id
+
+
+async def test_wake_during_follow_up_runs_again(store: Store, clock: Clock, autojump_clock: MockClock) -> None:
+    """A wake during drain 1 and another during drain 2 give exactly three drains."""
+    gates = [trio.Event(), trio.Event(), trio.Event()]
+    entered = [trio.Event(), trio.Event(), trio.Event()]
+    calls = 0
+
+    async def drain(ctx: DrainContext) -> None:
+        nonlocal calls
+        index = calls
+        calls += 1
+        entered[index].set()
+        await gates[index].wait()
+
+    async with runtime(store, drain, clock) as rt:
+        await rt.wake("s")
+        await entered[0].wait()
+        await rt.wake("s")
+        gates[0].set()
+        await entered[1].wait()
+        await rt.wake("s")
+        gates[1].set()
+        gates[2].set()
+        await rt.wait_idle("s")
+    assert calls == 3
+
+
+async def test_interrupt_while_idle_does_nothing(store: Store, clock: Clock, autojump_clock: MockClock) -> None:
+    """interrupt() on an idle session returns False and the next run is unaffected."""
+    async with runtime(store, Recorder(), clock) as rt:
+        assert await rt.interrupt("s") is False
+        assert await rt.run("s") == Outcome("succeeded")
+
+
+async def test_interrupt_active_execution(store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock) -> None:
+    """A user interrupt cancels the drain, the caller sees interrupted(user), the claim goes."""
+    drain = Recorder()
+    drain.hold()
+    async with runtime(store, drain, clock) as rt, trio.open_nursery() as nursery:
+        outcomes: list[Outcome] = []
+
+        async def run() -> None:
+            outcomes.append(await rt.run("s"))
+
+        nursery.start_soon(run)
+        await drain.entered.wait()
+        assert await rt.interrupt("s") is True
+        await rt.wait_idle("s")
+    assert outcomes == [Outcome("interrupted", "user")]
+    assert len(drain.calls) == 1
+    assert Raw(db_path).claim("s") is None
+
+
+async def test_interrupt_is_acknowledged_before_cleanup_settles(
+    store: Store, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """interrupt() returns while the drain's own cleanup is still blocked; a second
+    interrupt is a no-op; the single outcome is interrupted(user)."""
+    cleanup_gate = trio.Event()
+    entered = trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        try:
+            entered.set()
+            await trio.sleep_forever()
+        finally:
+            with trio.CancelScope(shield=True):
+                await cleanup_gate.wait()
+
+    async with runtime(store, drain, clock) as rt, trio.open_nursery() as nursery:
+        outcomes: list[Outcome] = []
+
+        async def run() -> None:
+            outcomes.append(await rt.run("s"))
+
+        nursery.start_soon(run)
+        await entered.wait()
+        assert await rt.interrupt("s") is True
+        await trio.testing.wait_all_tasks_blocked()
+        assert rt.is_active("s") and outcomes == []
+        assert await rt.interrupt("s") is False
+        cleanup_gate.set()
+        await rt.wait_idle("s")
+    assert outcomes == [Outcome("interrupted", "user")]
+
+
+async def test_wake_during_interrupt_cleanup_starts_exactly_one_successor(
+    store: Store, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """A wake recorded while an interrupt's cleanup runs survives into exactly one
+    successor execution with its own claim (invariant 7)."""
+    cleanup_gate = trio.Event()
+    entered = trio.Event()
+    executions: list[str] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        executions.append(ctx.execution_id)
+        if len(executions) > 1:
+            return
+        try:
+            entered.set()
+            await trio.sleep_forever()
+        finally:
+            with trio.CancelScope(shield=True):
+                await cleanup_gate.wait()
+
+    async with runtime(store, drain, clock) as rt:
+        await rt.wake("s")
+        await entered.wait()
+        await rt.interrupt("s")
+        await rt.wake("s")
+        await rt.wake("s")
+        cleanup_gate.set()
+        await rt.wait_idle("s")
+    assert len(executions) == 2
+    assert executions[0] != executions[1]
+
+
+async def test_wakes_recorded_before_interrupt_survive(store: Store, clock: Clock, autojump_clock: MockClock) -> None:
+    """Wakes pending when the interrupt begins start exactly one successor (invariant 7)."""
+    drain = Recorder()
+    drain.hold()
+    async with runtime(store, drain, clock) as rt:
+        await rt.wake("s")
+        await drain.entered.wait()
+        drain.gate = None
+        await rt.wake("s")
+        await rt.wake("s")
+        await rt.interrupt("s")
+        await rt.wait_idle("s")
+    assert len(drain.calls) == 2
+    assert drain.calls[0].execution_id != drain.calls[1].execution_id
+
+
+async def test_failure_racing_a_wake_gets_one_follow_up(store: Store, clock: Clock, autojump_clock: MockClock) -> None:
+    """A wake during a drain that then fails gives exactly one follow-up execution."""
+    calls = 0
+    entered = trio.Event()
+    gate = trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            entered.set()
+            await gate.wait()
+            raise RuntimeError("first drain fails")
+
+    async with runtime(store, drain, clock) as rt, trio.open_nursery() as nursery:
+        outcomes: list[Outcome] = []
+
+        async def run() -> None:
+            outcomes.append(await rt.run("s"))
+
+        nursery.start_soon(run)
+        await entered.wait()
+        await rt.wake("s")
+        gate.set()
+        await rt.wait_idle("s")
+    assert calls == 2
+    assert outcomes[0].kind == "failed"
+
+
+async def test_cancelled_joiner_does_not_cancel_execution(store: Store, clock: Clock, autojump_clock: MockClock) -> None:
+    """Cancelling one of two joined run() calls leaves the execution running to success."""
+    drain = Recorder()
+    gate = drain.hold()
+    async with runtime(store, drain, clock) as rt, trio.open_nursery() as nursery:
+        outcomes: list[Outcome] = []
+
+        async def run() -> None:
+            outcomes.append(await rt.run("s"))
+
+        nursery.start_soon(run)
+        await drain.entered.wait()
+        with trio.move_on_after(1):
+            await rt.run("s")
+        assert rt.is_active("s")
+        gate.set()
+        await rt.wait_idle("s")
+    assert outcomes == [Outcome("succeeded")]
+    assert len(drain.calls) == 1
+
+
+async def test_different_sessions_run_concurrently(store: Store, clock: Clock, autojump_clock: MockClock) -> None:
+    """Two sessions' drains are inside the drain at the same time (invariant 14)."""
+    inside: set[str] = set()
+    both = trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        inside.add(ctx.session_id)
+        if len(inside) == 2:
+            both.set()
+        await both.wait()
+
+    async with runtime(store, drain, clock) as rt:
+        with trio.fail_after(5):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(rt.run, "a")
+                nursery.start_soon(rt.run, "b")
+    assert inside == {"a", "b"}
+
+
+async def test_self_waking_drain_does_not_grow_the_stack(store: Store, clock: Clock, autojump_clock: MockClock) -> None:
+    """A drain that wakes itself 20,000 times completes in one claim, iteratively."""
+    runs = 0
+    limit = 20_000
+    holder: list[trio_sessions.Runtime] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        nonlocal runs
+        runs += 1
+        if runs < limit:
+            await holder[0].wake(ctx.session_id)
+
+    async with runtime(store, drain, clock) as rt:
+        holder.append(rt)
+        outcome = await rt.run("s")
+    assert outcome == Outcome("succeeded")
+    assert runs == limit
+
+
+# --- claim handoff ------------------------------------------------------------------------
+
+
+def _pausing_hook(paused: trio.Event, release: trio.Event) -> Callable[[Claim], Any]:
+    async def hook(claim: Claim) -> None:
+        paused.set()
+        await release.wait()
+
+    return hook
+
+
+async def test_user_interrupt_at_commit_boundary_cleans_claim(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """Interrupted right after the claim commits: the drain never runs, the claim is
+    deleted (invariant 6, user)."""
+    drain = Recorder()
+    paused, release = trio.Event(), trio.Event()
+    async with runtime(store, drain, clock, acquisition_hook=_pausing_hook(paused, release)) as rt:
+        async with trio.open_nursery() as nursery:
+            outcomes: list[Outcome] = []
+
+            async def run() -> None:
+                outcomes.append(await rt.run("s"))
+
+            nursery.start_soon(run)
+            await paused.wait()
+            assert Raw(db_path).claim("s") is not None
+            assert await rt.interrupt("s") is True
+            release.set()
+        assert outcomes == [Outcome("interrupted", "user")]
+        assert drain.calls == []
+        assert Raw(db_path).claim("s") is None
+        assert not rt.is_active("s")
+
+
+async def test_shutdown_interrupt_at_commit_boundary_retains_claim(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """Interrupted with reason shutdown right after commit: the drain never runs, the
+    claim is retained with expires_at = now (invariant 6, shutdown)."""
+    drain = Recorder()
+    paused, release = trio.Event(), trio.Event()
+    async with runtime(store, drain, clock, acquisition_hook=_pausing_hook(paused, release)) as rt:
+        await rt.wake("s")
+        await paused.wait()
+        execution_id = Raw(db_path).claim("s")[0]
+        assert await rt.interrupt("s", reason="shutdown") is True
+        release.set()
+        await rt.wait_idle("s")
+        assert drain.calls == []
+        claim = Raw(db_path).claim("s")
+        assert claim is not None and claim[0] == execution_id and claim[2] == "running"
+        assert claim[3] == now_ms(clock)
+
+
+async def test_runtime_closing_during_handoff_retains_claim(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """The runtime closing while a claim is in its handoff keeps the claim, lease expired."""
+    drain = Recorder()
+    paused = trio.Event()
+    async with runtime(
+        store, drain, clock, acquisition_hook=_pausing_hook(paused, trio.Event())
+    ) as rt:
+        await rt.wake("s")
+        await paused.wait()
+        closed_at = now_ms(clock)
+    claim = Raw(db_path).claim("s")
+    assert claim is not None and claim[3] == closed_at
+    assert drain.calls == []
+
+
+async def test_prospective_interrupt_before_commit(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """An interrupt accepted while the claim is only prospective (registered, not yet
+    committed) returns True; the claim then commits inside the shield, is cleaned, and the
+    drain never starts."""
+    drain = Recorder()
+    async with runtime(store, drain, clock) as rt:
+        await rt.wake("s")
+        # wake() registered the prospective claim and returned without a checkpoint: the
+        # acquisition task has not run yet.
+        assert rt.is_active("s") and Raw(db_path).claim("s") is None
+        assert await rt.interrupt("s") is True
+        await rt.wait_idle("s")
+    assert drain.calls == []
+    assert Raw(db_path).claim("s") is None
+
+
+async def test_never_reenters_own_claim_missing_from_registry(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """A live claim row with this runtime's own owner id but no registry entry is never
+    re-entered or overwritten by acquire (invariants 2 and 3)."""
+    drain = Recorder()
+    async with runtime(store, drain, clock) as rt:
+        raw = Raw(db_path)
+        raw.seed_claim("s", "orphan", expires_at=now_ms(clock) + 60_000, owner_id=rt.owner_id)
+        assert await rt.run("s") == Outcome("deferred")
+        assert drain.calls == []
+        assert raw.claim("s")[0] == "orphan"
+        assert raw.one("SELECT time_woken IS NOT NULL FROM session WHERE id='s'") == (1,)
+
+
+async def test_run_defers_to_another_owner(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """run() on a session held by another owner returns deferred; the wake stays durable
+    and the other owner's finish takes it (never a second owner: invariant 1)."""
+    first, second = Recorder(), Recorder()
+    gate = first.hold()
+    async with runtime(store, first, clock) as a, runtime(store, second, clock) as b:
+        await a.wake("s")
+        await first.entered.wait()
+        assert await b.run("s") == Outcome("deferred")
+        assert second.calls == []
+        first.gate = None
+        gate.set()
+        await a.wait_idle("s")
+    assert len(first.calls) == 2  # A's finish saw B's durable wake
+    assert Raw(db_path).claim("s") is None
+
+
+# --- heartbeat -----------------------------------------------------------------------------
+
+
+class JumpingClock:
+    """The virtual clock plus a wall-clock offset the test can jump."""
+
+    def __init__(self, base: Clock) -> None:
+        self.base = base
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        return self.base() + self.offset
+
+
+async def test_heartbeat_keeps_lease_alive(store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock) -> None:
+    """A drain running for ten leases keeps its claim: heartbeats renew it."""
+    async def drain(ctx: DrainContext) -> None:
+        await trio.sleep(100)
+        assert await ctx.take_inputs() == []
+
+    async with runtime(store, drain, clock, lease=10.0) as rt:
+        assert await rt.run("s") == Outcome("succeeded")
+
+
+async def test_heartbeat_never_revives_expired_lease(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """The wall clock passes the lease between ticks: the drain is cancelled with
+    lease_lost and the row is left untouched (invariant 4, invariant 13)."""
+    jumping = JumpingClock(clock)
+    drain = Recorder()
+    drain.hold()
+    async with runtime(store, drain, jumping, lease=9.0) as rt, trio.open_nursery() as nursery:
+        outcomes: list[Outcome] = []
+
+        async def run() -> None:
+            outcomes.append(await rt.run("s"))
+
+        nursery.start_soon(run)
+        await drain.entered.wait()
+        before = Raw(db_path).claim("s")
+        jumping.offset += 60.0
+        await rt.wait_idle("s")
+        assert outcomes == [Outcome("interrupted", "lease_lost")]
+        assert Raw(db_path).claim("s") == before
+
+
+async def test_one_heartbeat_transaction_per_tick(store: Store, clock: Clock, autojump_clock: MockClock) -> None:
+    """Fifty active drains cost one heartbeat transaction per tick."""
+    gate = trio.Event()
+    entered = 0
+
+    async def drain(ctx: DrainContext) -> None:
+        nonlocal entered
+        entered += 1
+        await gate.wait()
+
+    async with runtime(store, drain, clock, lease=30.0) as rt:
+        for index in range(50):
+            await rt.wake(f"s{index}")
+        await trio.testing.wait_all_tasks_blocked()
+        assert entered == 50
+        before = rt.heartbeat_transactions
+        await trio.sleep(10.5)
+        assert rt.heartbeat_transactions - before == 1
+        gate.set()
+
+
+async def test_remote_interrupt_through_heartbeat(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """interrupt() on a runtime that does not hold the claim writes phase='cancelling' and
+    returns True; the owner's next heartbeat cancels its drain and cleans the claim."""
+    drain = Recorder()
+    drain.hold()
+    async with runtime(store, drain, clock) as owner, runtime(store, Recorder(), clock) as other:
+        async with trio.open_nursery() as nursery:
+            outcomes: list[Outcome] = []
+
+            async def run() -> None:
+                outcomes.append(await owner.run("s"))
+
+            nursery.start_soon(run)
+            await drain.entered.wait()
+            assert await other.interrupt("s") is True
+            assert Raw(db_path).claim("s")[2] == "cancelling"
+            assert await other.interrupt("s") is False
+        assert outcomes == [Outcome("interrupted", "user")]
+        assert Raw(db_path).claim("s") is None
+
+
+# --- inputs and interrupts ------------------------------------------------------------------
+
+
+async def test_interrupt_with_untaken_inputs_rearms_doorbell(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """Inputs left untaken by an interrupted drain start exactly one successor that takes
+    them (invariant 16)."""
+    drain = Recorder()
+    drain.take_inputs = False
+    gate = drain.hold()
+    async with runtime(store, drain, clock) as rt:
+        await rt.submit("s", {"n": 1}, input_id="i1")
+        await drain.entered.wait()
+        await rt.submit("s", {"n": 2}, input_id="i2")
+        drain.take_inputs = True
+        drain.gate = None
+        await rt.interrupt("s")
+        await rt.wait_idle("s")
+        gate.set()
+    assert len(drain.calls) == 2
+    assert drain.taken == ["i1", "i2"]
+    assert Raw(db_path).rows("SELECT id FROM session_input") == []
+
+
+async def test_two_runtimes_hammering_three_sessions(store: Store, clock: Clock, autojump_clock: MockClock) -> None:
+    """Two owners on one file: never two drains of one session at once, no input lost."""
+    inside: dict[str, int] = {}
+    overlap: list[str] = []
+    taken: list[str] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        inside[ctx.session_id] = inside.get(ctx.session_id, 0) + 1
+        if inside[ctx.session_id] > 1:
+            overlap.append(ctx.session_id)
+        taken.extend(i.id for i in await ctx.take_inputs())
+        await trio.sleep(0.01)
+        inside[ctx.session_id] -= 1
+
+    sent: list[str] = []
+    async with runtime(store, drain, clock, recovery_interval=0.5) as a:
+        async with runtime(store, drain, clock, recovery_interval=0.5) as b:
+            for index in range(120):
+                rt = a if index % 3 else b
+                input_id = f"in-{index}"
+                sent.append(input_id)
+                await rt.submit(f"s{index % 3}", {"n": index}, input_id=input_id)
+                await trio.sleep(0.003 * (index % 5))
+            for session in ("s0", "s1", "s2"):
+                await a.wait_idle(session)
+                await b.wait_idle(session)
+    assert overlap == []
+    assert sorted(taken) == sorted(sent)
+
+
+async def test_cross_process_wake_before_finish_is_drained(store: Store, clock: Clock, autojump_clock: MockClock) -> None:
+    """Another owner's wake committed just before the holder's finish transaction makes
+    the holder continue (invariant 9, one order)."""
+    drain = Recorder()
+    paused, release = trio.Event(), trio.Event()
+
+    async def before_finish(session_id: str) -> None:
+        if not release.is_set():
+            paused.set()
+            await release.wait()
+
+    async with runtime(store, drain, clock) as a, runtime(store, Recorder(), clock) as b:
+        testing.set_seams(a, before_finish=before_finish)
+        await a.wake("s")
+        await paused.wait()
+        await b.wake("s")  # durable; B's acquire sees A's claim and defers
+        release.set()
+        await a.wait_idle("s")
+        await b.wait_idle("s")
+    assert len(drain.calls) == 2
+
+
+async def test_cross_process_wake_after_finish_is_drained(
+    db_path: Path, store: Store, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """Another owner's wake committed just after the holder's finish deleted the claim
+    finds no claim and acquires itself (invariant 9, the other order)."""
+    first, second = Recorder(), Recorder()
+    async with runtime(store, second, clock) as other, trio.open_nursery() as nursery:
+        woken = trio.Event()
+
+        async def wake_from_other() -> None:
+            await other.wake("s")
+            woken.set()
+
+        trigger = _TriggerOnStatement("DELETE FROM session_execution", wake_from_other)
+        trigger.nursery = nursery
+        holder_store = Store(db_path, inline=True, wrap_connection=trigger.wrap)
+        async with runtime(holder_store, first, clock) as holder:
+            await holder.wake("s")
+            await holder.wait_idle("s")
+        await woken.wait()
+        await other.wait_idle("s")
+    assert len(first.calls) == 1
+    assert len(second.calls) == 1
+
+
+class _TriggerOnStatement:
+    """Connection proxy: after a statement containing `needle` runs, start `action` once
+    (it runs at the executor's next checkpoint, i.e. right after that transaction)."""
+
+    def __init__(self, needle: str, action: Callable[[], Any]) -> None:
+        self.needle = needle
+        self.action = action
+        self.fired = False
+        self.nursery: trio.Nursery | None = None
+
+    def wrap(self, conn: sqlite3.Connection) -> Any:
+        trigger = self
+
+        class Proxy:
+            @property
+            def in_transaction(self) -> bool:
+                return conn.in_transaction
+
+            def execute(self, sql: str, params: Any = ()) -> sqlite3.Cursor:
+                cursor = conn.execute(sql, params)
+                if not trigger.fired and trigger.needle in sql and trigger.nursery is not None:
+                    trigger.fired = True
+                    trigger.nursery.start_soon(trigger.action)
+                return cursor
+
+        return Proxy()
+
+
+async def test_local_ring_after_finish_began_starts_one_successor(
+    db_path: Path, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """A local wake whose ring reaches the entry after the finish transaction deleted the
+    claim is honoured by exactly one successor from the same entry (invariant 9, local)."""
+    drain = Recorder()
+    holder: list[trio_sessions.Runtime] = []
+    done = trio.Event()
+
+    async def wake_again() -> None:
+        await holder[0].wake("s")
+        done.set()
+
+    trigger = _TriggerOnStatement("DELETE FROM session_execution", wake_again)
+    async with trio.open_nursery() as nursery:
+        trigger.nursery = nursery
+        store = Store(db_path, inline=True, wrap_connection=trigger.wrap)
+        async with runtime(store, drain, clock) as rt:
+            holder.append(rt)
+            await rt.wake("s")
+            await done.wait()
+            await rt.wait_idle("s")
+    assert len(drain.calls) == 2
+    assert drain.calls[0].execution_id != drain.calls[1].execution_id
+    assert Raw(db_path).rows("SELECT time_woken FROM session") == [(None,)]
+
+
+async def test_body_exception_escapes_alone(store: Store, clock: Clock, autojump_clock: MockClock) -> None:
+    """An exception raised in the runtime block escapes as itself, not as a group."""
+    with pytest.raises(KeyError):
+        async with runtime(store, Recorder(), clock):
+            raise KeyError("mine")
+
+
+async def test_lease_lost_drain_writes_nothing(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """After the lease is lost, a drain's write raises LeaseLost and stores nothing
+    (invariant 13)."""
+    jumping = JumpingClock(clock)
+    errors: list[BaseException] = []
+    jumped = trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        await jumped.wait()
+        try:
+            with trio.CancelScope(shield=True):
+                await ctx.begin_assistant()
+        except LeaseLost as exc:
+            errors.append(exc)
+            raise
+
+    async with runtime(store, drain, jumping, lease=9.0) as rt:
+        await rt.wake("s")
+        await trio.testing.wait_all_tasks_blocked()
+        jumping.offset += 60.0
+        jumped.set()
+        await rt.wait_idle("s")
+    assert len(errors) == 1
+    assert Raw(db_path).rows("SELECT id FROM session_message") == []
