@@ -17,15 +17,20 @@ from trio_sessions._codec import encode_assistant
 from trio_sessions._model import AssistantData, ToolPart
 
 Drain = Callable[[DrainContext], Awaitable[None]]
+VIRTUAL_TIME_LIMIT = 3_600.0
 
 
 @asynccontextmanager
 async def runtime(
     store: Store, drain: Drain, clock: Callable[[], float], **options: Any
 ) -> AsyncIterator[Runtime]:
-    """A runtime on the inline store and the virtual clock (lease 30 s unless given)."""
-    async with trio_sessions.open_runtime(store, drain, clock=clock, **options) as rt:
-        yield rt
+    """A runtime on the inline store and the virtual clock (lease 30 s unless given).
+
+    Bounded in virtual time, so a test whose runtime hangs fails fast instead of blocking.
+    """
+    with trio.fail_after(VIRTUAL_TIME_LIMIT):
+        async with trio_sessions.open_runtime(store, drain, clock=clock, **options) as rt:
+            yield rt
 
 
 @attrs.define
@@ -130,4 +135,4 @@ def now_ms(clock: Callable[[], float]) -> int:
     return int(clock() * 1000)
 
 
-__all__ = ["Recorder", "Raw", "open_tool_message", "runtime", "testing"]
+__all__ = ["Raw", "Recorder", "open_tool_message", "runtime", "testing"]

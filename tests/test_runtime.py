@@ -14,35 +14,38 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
+from helpers import Raw, Recorder, now_ms, runtime
 from trio.testing import MockClock
 
 import trio_sessions
 from trio_sessions import Claim, DrainContext, LeaseLost, Outcome, Store, testing
-from helpers import Raw, Recorder, now_ms, runtime
 
 Clock = Callable[[], float]
 
 
-async def test_joins_concurrent_runs_for_one_session(store: Store, clock: Clock, autojump_clock: MockClock) -> None:
+async def test_joins_concurrent_runs_for_one_session(
+    store: Store, clock: Clock, autojump_clock: MockClock
+) -> None:
     """Two concurrent runs of one session share one drain and one outcome."""
     drain = Recorder()
     gate = drain.hold()
     outcomes: list[Outcome] = []
-    async with runtime(store, drain, clock) as rt:
-        async with trio.open_nursery() as nursery:
+    async with runtime(store, drain, clock) as rt, trio.open_nursery() as nursery:
 
-            async def run() -> None:
-                outcomes.append(await rt.run("s"))
+        async def run() -> None:
+            outcomes.append(await rt.run("s"))
 
-            nursery.start_soon(run)
-            nursery.start_soon(run)
-            await drain.entered.wait()
-            gate.set()
+        nursery.start_soon(run)
+        nursery.start_soon(run)
+        await drain.entered.wait()
+        gate.set()
     assert outcomes == [Outcome("succeeded"), Outcome("succeeded")]
     assert len(drain.calls) == 1
 
 
-async def test_wake_while_idle_starts_execution(store: Store, clock: Clock, autojump_clock: MockClock) -> None:
+async def test_wake_while_idle_starts_execution(
+    store: Store, clock: Clock, autojump_clock: MockClock
+) -> None:
     """A wake on an idle session starts a drain; wait_idle waits for it to finish."""
     drain = Recorder()
     async with runtime(store, drain, clock) as rt:
@@ -52,7 +55,9 @@ async def test_wake_while_idle_starts_execution(store: Store, clock: Clock, auto
         assert not rt.is_active("s")
 
 
-async def test_active_sessions_snapshot(store: Store, clock: Clock, autojump_clock: MockClock) -> None:
+async def test_active_sessions_snapshot(
+    store: Store, clock: Clock, autojump_clock: MockClock
+) -> None:
     """active_sessions goes {} -> {A} -> {A,B} -> {B} -> {} as gated drains finish."""
     gates = {"A": trio.Event(), "B": trio.Event()}
     entered = {"A": trio.Event(), "B": trio.Event()}
@@ -110,7 +115,9 @@ async def test_closing_runtime_keeps_claims_with_expired_lease(
     assert claim[3] == closed_at
 
 
-async def test_wakes_during_a_drain_coalesce(store: Store, clock: Clock, autojump_clock: MockClock) -> None:
+async def test_wakes_during_a_drain_coalesce(
+    store: Store, clock: Clock, autojump_clock: MockClock
+) -> None:
     """Three wakes during drain 1 cause exactly one more drain, not three (invariant 8)."""
     drain = Recorder()
     gate = drain.hold()
@@ -126,7 +133,9 @@ async def test_wakes_during_a_drain_coalesce(store: Store, clock: Clock, autojum
     assert drain.calls[0].execution_id == drain.calls[1].execution_id
 
 
-async def test_wake_during_follow_up_runs_again(store: Store, clock: Clock, autojump_clock: MockClock) -> None:
+async def test_wake_during_follow_up_runs_again(
+    store: Store, clock: Clock, autojump_clock: MockClock
+) -> None:
     """A wake during drain 1 and another during drain 2 give exactly three drains."""
     gates = [trio.Event(), trio.Event(), trio.Event()]
     entered = [trio.Event(), trio.Event(), trio.Event()]
@@ -152,14 +161,18 @@ async def test_wake_during_follow_up_runs_again(store: Store, clock: Clock, auto
     assert calls == 3
 
 
-async def test_interrupt_while_idle_does_nothing(store: Store, clock: Clock, autojump_clock: MockClock) -> None:
+async def test_interrupt_while_idle_does_nothing(
+    store: Store, clock: Clock, autojump_clock: MockClock
+) -> None:
     """interrupt() on an idle session returns False and the next run is unaffected."""
     async with runtime(store, Recorder(), clock) as rt:
         assert await rt.interrupt("s") is False
         assert await rt.run("s") == Outcome("succeeded")
 
 
-async def test_interrupt_active_execution(store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock) -> None:
+async def test_interrupt_active_execution(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
     """A user interrupt cancels the drain, the caller sees interrupted(user), the claim goes."""
     drain = Recorder()
     drain.hold()
@@ -243,7 +256,9 @@ async def test_wake_during_interrupt_cleanup_starts_exactly_one_successor(
     assert executions[0] != executions[1]
 
 
-async def test_wakes_recorded_before_interrupt_survive(store: Store, clock: Clock, autojump_clock: MockClock) -> None:
+async def test_wakes_recorded_before_interrupt_survive(
+    store: Store, clock: Clock, autojump_clock: MockClock
+) -> None:
     """Wakes pending when the interrupt begins start exactly one successor (invariant 7)."""
     drain = Recorder()
     drain.hold()
@@ -259,7 +274,9 @@ async def test_wakes_recorded_before_interrupt_survive(store: Store, clock: Cloc
     assert drain.calls[0].execution_id != drain.calls[1].execution_id
 
 
-async def test_failure_racing_a_wake_gets_one_follow_up(store: Store, clock: Clock, autojump_clock: MockClock) -> None:
+async def test_failure_racing_a_wake_gets_one_follow_up(
+    store: Store, clock: Clock, autojump_clock: MockClock
+) -> None:
     """A wake during a drain that then fails gives exactly one follow-up execution."""
     calls = 0
     entered = trio.Event()
@@ -288,7 +305,9 @@ async def test_failure_racing_a_wake_gets_one_follow_up(store: Store, clock: Clo
     assert outcomes[0].kind == "failed"
 
 
-async def test_cancelled_joiner_does_not_cancel_execution(store: Store, clock: Clock, autojump_clock: MockClock) -> None:
+async def test_cancelled_joiner_does_not_cancel_execution(
+    store: Store, clock: Clock, autojump_clock: MockClock
+) -> None:
     """Cancelling one of two joined run() calls leaves the execution running to success."""
     drain = Recorder()
     gate = drain.hold()
@@ -309,7 +328,9 @@ async def test_cancelled_joiner_does_not_cancel_execution(store: Store, clock: C
     assert len(drain.calls) == 1
 
 
-async def test_different_sessions_run_concurrently(store: Store, clock: Clock, autojump_clock: MockClock) -> None:
+async def test_different_sessions_run_concurrently(
+    store: Store, clock: Clock, autojump_clock: MockClock
+) -> None:
     """Two sessions' drains are inside the drain at the same time (invariant 14)."""
     inside: set[str] = set()
     both = trio.Event()
@@ -328,7 +349,9 @@ async def test_different_sessions_run_concurrently(store: Store, clock: Clock, a
     assert inside == {"a", "b"}
 
 
-async def test_self_waking_drain_does_not_grow_the_stack(store: Store, clock: Clock, autojump_clock: MockClock) -> None:
+async def test_self_waking_drain_does_not_grow_the_stack(
+    store: Store, clock: Clock, autojump_clock: MockClock
+) -> None:
     """A drain that wakes itself 20,000 times completes in one claim, iteratively."""
     runs = 0
     limit = 20_000
@@ -486,8 +509,11 @@ class JumpingClock:
         return self.base() + self.offset
 
 
-async def test_heartbeat_keeps_lease_alive(store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock) -> None:
+async def test_heartbeat_keeps_lease_alive(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
     """A drain running for ten leases keeps its claim: heartbeats renew it."""
+
     async def drain(ctx: DrainContext) -> None:
         await trio.sleep(100)
         assert await ctx.take_inputs() == []
@@ -519,7 +545,9 @@ async def test_heartbeat_never_revives_expired_lease(
         assert Raw(db_path).claim("s") == before
 
 
-async def test_one_heartbeat_transaction_per_tick(store: Store, clock: Clock, autojump_clock: MockClock) -> None:
+async def test_one_heartbeat_transaction_per_tick(
+    store: Store, clock: Clock, autojump_clock: MockClock
+) -> None:
     """Fifty active drains cost one heartbeat transaction per tick."""
     gate = trio.Event()
     entered = 0
@@ -569,26 +597,28 @@ async def test_remote_interrupt_through_heartbeat(
 async def test_interrupt_with_untaken_inputs_rearms_doorbell(
     store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
 ) -> None:
-    """Inputs left untaken by an interrupted drain start exactly one successor that takes
-    them (invariant 16)."""
+    """Inputs whose doorbell the claim already took, left untaken by an interrupted drain,
+    re-arm the doorbell so exactly one successor takes them (invariant 16)."""
     drain = Recorder()
     drain.take_inputs = False
-    gate = drain.hold()
+    drain.hold()
     async with runtime(store, drain, clock) as rt:
         await rt.submit("s", {"n": 1}, input_id="i1")
-        await drain.entered.wait()
         await rt.submit("s", {"n": 2}, input_id="i2")
+        await drain.entered.wait()
+        assert Raw(db_path).rows("SELECT time_woken FROM session") == [(None,)]
         drain.take_inputs = True
         drain.gate = None
         await rt.interrupt("s")
         await rt.wait_idle("s")
-        gate.set()
     assert len(drain.calls) == 2
     assert drain.taken == ["i1", "i2"]
     assert Raw(db_path).rows("SELECT id FROM session_input") == []
 
 
-async def test_two_runtimes_hammering_three_sessions(store: Store, clock: Clock, autojump_clock: MockClock) -> None:
+async def test_two_runtimes_hammering_three_sessions(
+    store: Store, clock: Clock, autojump_clock: MockClock
+) -> None:
     """Two owners on one file: never two drains of one session at once, no input lost."""
     inside: dict[str, int] = {}
     overlap: list[str] = []
@@ -603,22 +633,26 @@ async def test_two_runtimes_hammering_three_sessions(store: Store, clock: Clock,
         inside[ctx.session_id] -= 1
 
     sent: list[str] = []
-    async with runtime(store, drain, clock, recovery_interval=0.5) as a:
-        async with runtime(store, drain, clock, recovery_interval=0.5) as b:
-            for index in range(120):
-                rt = a if index % 3 else b
-                input_id = f"in-{index}"
-                sent.append(input_id)
-                await rt.submit(f"s{index % 3}", {"n": index}, input_id=input_id)
-                await trio.sleep(0.003 * (index % 5))
-            for session in ("s0", "s1", "s2"):
-                await a.wait_idle(session)
-                await b.wait_idle(session)
+    async with (
+        runtime(store, drain, clock, recovery_interval=0.5) as a,
+        runtime(store, drain, clock, recovery_interval=0.5) as b,
+    ):
+        for index in range(120):
+            rt = a if index % 3 else b
+            input_id = f"in-{index}"
+            sent.append(input_id)
+            await rt.submit(f"s{index % 3}", {"n": index}, input_id=input_id)
+            await trio.sleep(0.003 * (index % 5))
+        for session in ("s0", "s1", "s2"):
+            await a.wait_idle(session)
+            await b.wait_idle(session)
     assert overlap == []
     assert sorted(taken) == sorted(sent)
 
 
-async def test_cross_process_wake_before_finish_is_drained(store: Store, clock: Clock, autojump_clock: MockClock) -> None:
+async def test_cross_process_wake_before_finish_is_drained(
+    store: Store, clock: Clock, autojump_clock: MockClock
+) -> None:
     """Another owner's wake committed just before the holder's finish transaction makes
     the holder continue (invariant 9, one order)."""
     drain = Recorder()
@@ -694,33 +728,34 @@ class _TriggerOnStatement:
 
 
 async def test_local_ring_after_finish_began_starts_one_successor(
-    db_path: Path, clock: Clock, autojump_clock: MockClock
+    store: Store, db_path: Path, clock: Clock, autojump_clock: MockClock
 ) -> None:
-    """A local wake whose ring reaches the entry after the finish transaction deleted the
-    claim is honoured by exactly one successor from the same entry (invariant 9, local)."""
+    """A local wake committed after the finish transaction deleted the claim, whose ring
+    reaches the still-held registry entry, is honoured by exactly one successor from the
+    same entry (invariant 9, local race at the finish boundary)."""
     drain = Recorder()
-    holder: list[trio_sessions.Runtime] = []
-    done = trio.Event()
+    async with runtime(store, drain, clock) as rt:
+        rang = False
 
-    async def wake_again() -> None:
-        await holder[0].wake("s")
-        done.set()
+        async def wake_at_finish_boundary(session_id: str) -> None:
+            nonlocal rang
+            if not rang:
+                rang = True
+                assert Raw(db_path).claim(session_id) is None  # the finish released it
+                await rt.wake(session_id)  # durable, then rings the entry still held
 
-    trigger = _TriggerOnStatement("DELETE FROM session_execution", wake_again)
-    async with trio.open_nursery() as nursery:
-        trigger.nursery = nursery
-        store = Store(db_path, inline=True, wrap_connection=trigger.wrap)
-        async with runtime(store, drain, clock) as rt:
-            holder.append(rt)
-            await rt.wake("s")
-            await done.wait()
-            await rt.wait_idle("s")
+        testing.set_seams(rt, after_finish=wake_at_finish_boundary)
+        await rt.wake("s")
+        await rt.wait_idle("s")
+    assert rang
     assert len(drain.calls) == 2
     assert drain.calls[0].execution_id != drain.calls[1].execution_id
     assert Raw(db_path).rows("SELECT time_woken FROM session") == [(None,)]
 
 
-async def test_body_exception_escapes_alone(store: Store, clock: Clock, autojump_clock: MockClock) -> None:
+async def test_body_exception_escapes_alone(
+    store: Store, clock: Clock, autojump_clock: MockClock
+) -> None:
     """An exception raised in the runtime block escapes as itself, not as a group."""
     with pytest.raises(KeyError):
         async with runtime(store, Recorder(), clock):

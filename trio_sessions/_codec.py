@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, NoReturn
+from typing import Any, Literal, NoReturn, get_args, get_origin
 
 import cattrs
+from cattrs.errors import IterableValidationNote
 from cattrs.v import format_exception
 
 from ._errors import MalformedRecord
@@ -34,10 +35,25 @@ def _structure_object(value: Any, _: type) -> dict[str, Any]:
     return value
 
 
-def _structure_parts(value: Any, _: type) -> tuple[Part, ...]:
+def _structure_parts(value: Any, type_: type) -> tuple[Part, ...]:
     if type(value) is not list:
         raise TypeError(f"expected a list of parts, got {type(value).__name__} {value!r}")
-    return tuple(_converter.structure(item, Part) for item in value)  # type: ignore[arg-type]
+    parts: list[Part] = []
+    errors: list[Exception] = []
+    for index, item in enumerate(value):
+        try:
+            parts.append(_converter.structure(item, Part))  # type: ignore[arg-type]
+        except Exception as exc:
+            # The note gives the reason its list index: "@ $.parts[2].status".
+            exc.__notes__ = [*getattr(exc, "__notes__", []), _index_note(index, type_)]
+            errors.append(exc)
+    if errors:
+        raise cattrs.IterableValidationError("invalid parts", errors, type_)
+    return tuple(parts)
+
+
+def _index_note(index: int, type_: type) -> IterableValidationNote:
+    return IterableValidationNote(f"Structuring {type_} @ index {index}", index, Part)
 
 
 def _structure_part(value: Any, _: type) -> Part:
@@ -66,11 +82,23 @@ def _format_reason(exc: BaseException, type_: type | None) -> str:
         return "; ".join(cattrs.transform_error(exc, format_exception=_format_reason))
     if isinstance(exc, TypeError | ValueError) and not isinstance(exc, KeyError):
         return str(exc)
+    if type(exc) is Exception and get_origin(type_) is Literal:
+        # cattrs says "x not in literal typing.Literal[...]"; say what was allowed.
+        got = str(exc).split(" not in literal", 1)[0]
+        allowed = ", ".join(repr(option) for option in get_args(type_))
+        return f"expected one of {allowed}, got {got!r}"
     return format_exception(exc, type_)
 
 
 def _reject_constant(name: str) -> NoReturn:
     raise ValueError(f"{name} is not JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text} does not fit a float")
+    return value
 
 
 def dumps(value: Any) -> str:
@@ -79,10 +107,14 @@ def dumps(value: Any) -> str:
 
 
 def loads(text: Any) -> Any:
-    """Decode JSON text, rejecting NaN/Infinity, which `dumps` never writes."""
+    """Decode JSON text, rejecting what `dumps` could never write back (NaN, Infinity,
+    numbers that overflow a float, nesting beyond Python's recursion limit)."""
     if not isinstance(text, str):
         raise TypeError(f"expected JSON text, got {type(text).__name__}")
-    return json.loads(text, parse_constant=_reject_constant)
+    try:
+        return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
 
 
 def check_json_object(value: Any, what: str) -> str:
@@ -92,25 +124,35 @@ def check_json_object(value: Any, what: str) -> str:
     return check_json(value, what)
 
 
+MAX_DEPTH = 100
+
+
 def check_json(value: Any, what: str) -> str:
-    """Validate that `value` is plain JSON and return its encoding."""
+    """Validate that `value` is plain JSON that reads back as itself; return its encoding.
+
+    Refused before anything is written: non-str object keys (JSON would turn `1` into
+    `"1"`), NaN and infinities, nesting deeper than `MAX_DEPTH`, non-JSON types.
+    """
+    _check_plain(value, what, "$", 0)
     try:
-        text = dumps(value)
+        return dumps(value)
     except (TypeError, ValueError) as exc:
         raise TypeError(f"{what} is not JSON-serialisable: {exc}") from None
-    if _contains_non_finite(value):  # pragma: no cover - dumps(allow_nan=False) already refuses
-        raise ValueError(f"{what} contains a non-finite number")
-    return text
 
 
-def _contains_non_finite(value: Any) -> bool:
-    if isinstance(value, float):
-        return not math.isfinite(value)
+def _check_plain(value: Any, what: str, path: str, depth: int) -> None:
+    if depth > MAX_DEPTH:
+        raise ValueError(f"{what} is nested deeper than {MAX_DEPTH} levels at {path}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{what} holds a non-finite number at {path}: {value!r}")
     if isinstance(value, dict):
-        return any(_contains_non_finite(v) for v in value.values())
-    if isinstance(value, list | tuple):
-        return any(_contains_non_finite(v) for v in value)
-    return False
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise TypeError(f"{what} has a non-str key {key!r} at {path}")
+            _check_plain(item, what, f"{path}.{key}", depth + 1)
+    elif isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            _check_plain(item, what, f"{path}[{index}]", depth + 1)
 
 
 def encode_assistant(data: AssistantData) -> str:

@@ -26,7 +26,7 @@ class SchemaTooNew(StoreError):
 
 
 class LeaseLost(TrioSessionsError):
-    """A fenced write found its claim gone, taken over, or its lease expired; nothing was written."""
+    """A fenced write found its claim gone, taken over or expired; nothing was written."""
 
 
 class InputConflict(TrioSessionsError):

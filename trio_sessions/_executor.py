@@ -70,9 +70,11 @@ class ThreadExecutor:
     handoffs: int = 0
 
     async def run(self, op: Callable[..., T], *args: Any) -> T:
+        # Cancellation first: a caller cancelled while the runtime closes sees Cancelled,
+        # not an error about the executor it was cancelled out of.
+        await trio.lowlevel.checkpoint_if_cancelled()
         if self._closed:
             raise StoreError("the store executor is closed")
-        await trio.lowlevel.checkpoint_if_cancelled()
         queued = _Queued(Job(op, args))
         self._queue.append(queued)
         self._work.set()

@@ -13,6 +13,7 @@ busy period and every registry entry released.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import socket
@@ -20,7 +21,7 @@ import sqlite3
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import trio
@@ -34,12 +35,12 @@ from ._model import (
     AssistantData,
     Claim,
     Input,
-    InterruptReason,
     Message,
     Outcome,
     RecoveryReport,
 )
 
+T = TypeVar("T")
 Drain = Callable[["DrainContext"], Awaitable[None]]
 AcquisitionHook = Callable[[Claim], Awaitable[None]]
 
@@ -97,8 +98,9 @@ def make_owner_id(name: str | None) -> str:
 def _seconds(value: object, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"{what} must be a number of seconds, got {type(value).__name__}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{what} must be a positive number of seconds, got {value!r}")
+    # Durable times are whole milliseconds: anything shorter would round to nothing.
+    if not math.isfinite(value) or value < 0.001:
+        raise ValueError(f"{what} must be at least 0.001 seconds, got {value!r}")
     return float(value)
 
 
@@ -115,6 +117,7 @@ class Seams:
     """Test seams (see `trio_sessions.testing`): awaited at named steps when set."""
 
     before_finish: Callable[[str], Awaitable[None]] | None = None
+    after_finish: Callable[[str], Awaitable[None]] | None = None
     before_recovery_apply: Callable[[list[str]], Awaitable[None]] | None = None
 
 
@@ -135,7 +138,7 @@ class Runtime:
         *,
         executor: Executor,
         nursery: trio.Nursery,
-        drain: Drain,
+        drain: Drain | None,
         owner_id: str,
         lease: float,
         heartbeat_interval: float,
@@ -252,7 +255,13 @@ class Runtime:
         return await self._db.run(_store.read_transcript, session_id)
 
     async def recover_once(self) -> RecoveryReport:
-        """Run one bounded recovery pass now (never concurrently with another)."""
+        """Run one bounded recovery pass now (never concurrently with another).
+
+        A producer runtime (`drain=None`) recovers nothing and reports nothing.
+        """
+        if self._drain is None:
+            await trio.lowlevel.checkpoint()
+            return RecoveryReport()
         async with self._recovery_lock:
             return await self._recovery_pass()
 
@@ -288,7 +297,7 @@ class Runtime:
         entry = self._entries.get(session_id)
         if entry is not None:
             return entry.ring()
-        if self._closing:
+        if self._closing or self._drain is None:
             return None
         entry = self._register(session_id)
         self._nursery.start_soon(self._busy_period, entry, None)
@@ -311,9 +320,7 @@ class Runtime:
 
     # -- one busy period ----------------------------------------------------------------------
 
-    async def _busy_period(
-        self, entry: SessionEntry, recovered: _store.Recovered | None
-    ) -> None:
+    async def _busy_period(self, entry: SessionEntry, recovered: _store.Recovered | None) -> None:
         outcome = Outcome("deferred")
         try:
             while True:
@@ -352,7 +359,10 @@ class Runtime:
             # not at all; an interrupt meanwhile is honoured right after.
             with trio.CancelScope(shield=True):
                 acquired = await self._db.run(
-                    _store.acquire, entry.session_id, entry.execution_id, self._owner_id,
+                    _store.acquire,
+                    entry.session_id,
+                    entry.execution_id,
+                    self._owner_id,
                     self._lease_ms,
                 )
                 if acquired.verdict is AcquireVerdict.CLAIM:
@@ -377,6 +387,7 @@ class Runtime:
     async def _drain_loop(self, entry: SessionEntry) -> _Ending:
         while True:
             context = DrainContext(self, entry)
+            assert self._drain is not None  # producers never register an entry
             try:
                 await self._drain(context)
             except Exception as exc:
@@ -394,6 +405,8 @@ class Runtime:
                 return _Ending("failed", error=exc)
             if not continued:
                 entry.owned = False
+                if self._seams.after_finish is not None:
+                    await self._seams.after_finish(entry.session_id)
                 return _Ending("released")
             entry.keep_going()
 
@@ -428,8 +441,12 @@ class Runtime:
             return outcome, False
         entry.begin_deciding()
         try:
-            doorbell = await self._db.run(
-                _store.finish_failed, entry.execution_id, self._owner_id, f"failed: {error!r}"
+            doorbell = await self._retrying(
+                entry,
+                _store.finish_failed,
+                entry.execution_id,
+                self._owner_id,
+                f"failed: {error!r}",
             )
         except (LeaseLost, StoreError):
             # The claim stays durable; its lease runs out and recovery takes it from there.
@@ -442,26 +459,42 @@ class Runtime:
         if not entry.owned:
             return outcome, entry.rung_since_decision()
         try:
-            await self._db.run(_store.mark_cancelling, entry.execution_id, self._owner_id)
+            await self._retrying(entry, _store.mark_cancelling, entry.execution_id, self._owner_id)
             entry.begin_deciding()
-            doorbell = await self._db.run(
-                _store.finish_interrupted, entry.execution_id, self._owner_id
+            doorbell = await self._retrying(
+                entry, _store.finish_interrupted, entry.execution_id, self._owner_id
             )
         except (LeaseLost, StoreError):
-            # Left as 'cancelling' (or running with a lease that runs out): recovery
-            # finishes it as cancelled and never resumes it.
+            # Left as 'cancelling' once that write landed: recovery finishes it as
+            # cancelled and never resumes it.
             return outcome, False
         entry.owned = False
         return outcome, doorbell or entry.rung_since_decision()
+
+    async def _retrying(self, entry: SessionEntry, op: Callable[..., T], *args: Any) -> T:
+        """A finalizer write, retried through store errors while the claim is still ours.
+
+        Giving up early would release the registry entry with the claim still 'running',
+        and recovery would then resume work that was meant to stop. The heartbeat keeps
+        renewing the claim meanwhile; once the lease is lost (or the runtime closes), the
+        last error is raised and the durable state is left for recovery.
+        """
+        pause = 0.01
+        while True:
+            try:
+                return await self._db.run(op, *args)
+            except StoreError:
+                if entry.reason == "lease_lost" or self._closing:
+                    raise
+            await trio.sleep(pause)
+            pause = min(pause * 2, self._heartbeat_interval)
 
     async def _expire(self, entry: SessionEntry) -> None:
         """Shutdown: keep the claim, end its lease now so any owner can recover it at once."""
         if not entry.owned:
             return
-        try:
+        with contextlib.suppress(StoreError):  # best effort: else the lease simply runs out
             await self._db.run(_store.expire_claims, self._owner_id, [entry.execution_id])
-        except StoreError:
-            pass  # best effort: otherwise the lease simply runs out
         entry.owned = False
 
     # -- heartbeat ----------------------------------------------------------------------------
@@ -470,6 +503,13 @@ class Runtime:
         while True:
             await trio.sleep(self._heartbeat_interval)
             await self._heartbeat_once()
+
+    async def _watchdog_loop(self) -> None:
+        """Independent of the heartbeat, so a store call that hangs cannot keep a drain
+        running past its lease."""
+        while True:
+            await trio.sleep(self._heartbeat_interval / 2)
+            self._watchdog()
 
     async def _heartbeat_once(self) -> None:
         """One transaction renews every claim this runtime holds; lost leases are cancelled."""
@@ -493,7 +533,6 @@ class Runtime:
                 entry.renewed_at = started
                 if phase == "cancelling":
                     entry.interrupt("user")  # written by another process
-        self._watchdog()
 
     def _watchdog(self) -> None:
         """A claim with no successful renewal for a whole lease is lost, store reachable or not."""
@@ -507,10 +546,8 @@ class Runtime:
     async def _recovery_loop(self) -> None:
         while True:
             await trio.sleep(self._recovery_interval)
-            try:
+            with contextlib.suppress(StoreError):  # the next pass retries; leases keep rows
                 await self.recover_once()
-            except StoreError:
-                pass  # the next pass retries; leases keep every row recoverable
 
     async def _recovery_pass(self) -> RecoveryReport:
         candidates = await self._db.run(
@@ -605,9 +642,7 @@ def _report_key(result: _store.Recovered) -> str:
 
 
 def _add(report: RecoveryReport, other: RecoveryReport, *, fence_lost: int) -> RecoveryReport:
-    return attrs.evolve(
-        other, examined=report.examined, fence_lost=other.fence_lost + fence_lost
-    )
+    return attrs.evolve(other, examined=report.examined, fence_lost=other.fence_lost + fence_lost)
 
 
 def _apply_recovery_batch(
@@ -628,6 +663,11 @@ def _apply_recovery_batch(
         except LeaseLost:
             tx.execute("ROLLBACK TO recover_one")
             result = _store.Recovered(RecoveryDecision.GONE, fence_lost=True)
+        except (MalformedRecord, ValueError, TypeError, RecursionError) as exc:
+            # A row recovery cannot process is poison: quarantine it (exact fence) rather
+            # than fail the pass, so it never starves the rows behind it.
+            tx.execute("ROLLBACK TO recover_one")
+            result = _store.quarantine(tx, owner_id, candidate, f"recovery failed: {exc!r}")
         tx.execute("RELEASE recover_one")
         results.append(result)
     return results
@@ -652,9 +692,7 @@ class DrainContext:
 
     async def take_inputs(self) -> list[Input]:
         """Consume pending inputs in seq order; each becomes a user message, atomically."""
-        return await self._runtime._db.run(
-            _store.take_inputs, self.execution_id, self.owner_id
-        )
+        return await self._runtime._db.run(_store.take_inputs, self.execution_id, self.owner_id)
 
     async def begin_assistant(self) -> AssistantWriter:
         """Start an assistant message (unfinished, no parts) and return its writer."""
@@ -722,7 +760,7 @@ class AssistantWriter:
 @asynccontextmanager
 async def open_runtime(
     store: str | os.PathLike[str] | Store,
-    drain: Drain,
+    drain: Drain | None,
     *,
     owner_id: str | None = None,
     lease: float = 30.0,
@@ -739,15 +777,23 @@ async def open_runtime(
     Leaving the block cancels the drains, keeps their claims and expires their leases so any
     owner can recover them at once. A store error in the first recovery pass fails the open.
     Exceptions from drains become outcomes; only the block's own exception escapes.
+
+    `drain=None` opens a producer: `submit`, `wake`, `interrupt` and `transcript` work and
+    are durable, but it never claims a session, recovers, or heartbeats; `run` returns
+    `deferred` and the wakes wait for a runtime that drains.
     """
     if not isinstance(store, Store):
         if not isinstance(store, str | os.PathLike):
             raise TypeError(f"store must be a path or a Store, got {type(store).__name__}")
         store = Store(store)
-    if not callable(drain):
-        raise TypeError("drain must be an async function taking a DrainContext")
+    if drain is not None and not callable(drain):
+        raise TypeError("drain must be an async function taking a DrainContext, or None")
     lease = _seconds(lease, "lease")
-    heartbeat = lease / 3 if heartbeat_interval is None else _seconds(heartbeat_interval, "heartbeat_interval")
+    heartbeat = (
+        lease / 3
+        if heartbeat_interval is None
+        else _seconds(heartbeat_interval, "heartbeat_interval")
+    )
     if heartbeat >= lease:
         raise ValueError(f"heartbeat_interval ({heartbeat}) must be shorter than lease ({lease})")
     recovery_interval = _seconds(recovery_interval, "recovery_interval")
@@ -775,17 +821,21 @@ async def open_runtime(
         ) as runtime:
             yield runtime
     except BaseExceptionGroup as group:
-        # Background tasks never raise, so a group here wraps the block's own exception:
-        # exactly one exception escapes, as from any context manager.
-        if len(group.exceptions) == 1:
-            raise group.exceptions[0] from None
-        raise
+        # Background tasks never raise, so a group here wraps the block's own exception
+        # (once per nursery it crossed): exactly one exception escapes, as from any
+        # context manager.
+        single: BaseException = group
+        while isinstance(single, BaseExceptionGroup) and len(single.exceptions) == 1:
+            single = single.exceptions[0]
+        if single is group:
+            raise
+        raise single from None
 
 
 @asynccontextmanager
 async def _open_runtime(
     store: Store,
-    drain: Drain,
+    drain: Drain | None,
     *,
     owner_id: str,
     lease: float,
@@ -810,9 +860,11 @@ async def _open_runtime(
             clock=clock,
             acquisition_hook=acquisition_hook,
         )
-        await runtime.recover_once()
-        nursery.start_soon(runtime._heartbeat_loop)
-        nursery.start_soon(runtime._recovery_loop)
+        if drain is not None:
+            await runtime.recover_once()
+            nursery.start_soon(runtime._heartbeat_loop)
+            nursery.start_soon(runtime._watchdog_loop)
+            nursery.start_soon(runtime._recovery_loop)
         try:
             yield runtime
         finally:

@@ -158,7 +158,14 @@ def _configure(conn: sqlite3.Connection) -> None:
         conn.execute("PRAGMA foreign_keys = ON")
         conn.execute("PRAGMA synchronous = NORMAL")
     except sqlite3.DatabaseError as exc:
-        raise StoreError(f"not an SQLite database: {exc}") from exc
+        raise StoreError(f"{_database_name(conn)!r} is not an SQLite database: {exc}") from exc
+
+
+def _database_name(conn: sqlite3.Connection) -> str:
+    try:
+        return str(conn.execute("PRAGMA database_list").fetchone()[2])
+    except sqlite3.Error:
+        return "the database"
 
 
 def schema_version(conn: sqlite3.Connection) -> int:
@@ -205,7 +212,7 @@ def _require_ours(conn: sqlite3.Connection, path: str) -> None:
         tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master")}
     except sqlite3.DatabaseError as exc:
         raise StoreError(f"{path!r} is not an SQLite database: {exc}") from exc
-    if not OUR_TABLES <= tables:
+    if not tables >= OUR_TABLES:
         raise StoreError(f"{path!r} is not a trio_sessions database")
     if schema_version(conn) > SCHEMA_VERSION:
         raise SchemaTooNew(_too_new(conn))
@@ -335,8 +342,7 @@ def _require_claim(tx: Tx, execution_id: str, owner_id: str) -> str:
     writes that follow commit.
     """
     row = tx.one(
-        "SELECT session_id FROM session_execution"
-        " WHERE id = ? AND owner_id = ? AND expires_at > ?",
+        "SELECT session_id FROM session_execution WHERE id = ? AND owner_id = ? AND expires_at > ?",
         (execution_id, owner_id, tx.now),
     )
     if row is None:
@@ -355,7 +361,10 @@ def _newest_seq(tx: Tx, session_id: str) -> int | None:
 
 
 def _has_pending_inputs(tx: Tx, session_id: str) -> bool:
-    return tx.one("SELECT 1 FROM session_input WHERE session_id = ? LIMIT 1", (session_id,)) is not None
+    return (
+        tx.one("SELECT 1 FROM session_input WHERE session_id = ? LIMIT 1", (session_id,))
+        is not None
+    )
 
 
 def _doorbell_set(tx: Tx, session_id: str) -> bool:
@@ -451,7 +460,14 @@ def acquire(tx: Tx, session_id: str, execution_id: str, owner_id: str, lease_ms:
         "INSERT INTO session_execution"
         "(id, session_id, owner_id, phase, anchor_seq, time_created, heartbeat_at, expires_at)"
         " VALUES (?, ?, ?, 'running', ?, ?, NULL, ?)",
-        (execution_id, session_id, owner_id, _newest_seq(tx, session_id), tx.now, tx.now + lease_ms),
+        (
+            execution_id,
+            session_id,
+            owner_id,
+            _newest_seq(tx, session_id),
+            tx.now,
+            tx.now + lease_ms,
+        ),
     )
     _take_doorbell(tx, session_id)
     return Acquired(verdict, attempt=int(session[1]))
@@ -811,12 +827,10 @@ def apply_recovery(
     """
     execution_id = candidate.execution_id
     assert execution_id is not None
-    if not _holds_recovery_lease(tx, execution_id, owner_id):
-        return Recovered(RecoveryDecision.GONE, fence_lost=True)
     facts = _recovery_facts(tx, candidate)
     decision = _decisions.decide_recovery(facts, execution_id, tx.now, max_resumes)
     if decision is RecoveryDecision.QUARANTINE:
-        return _quarantine(tx, owner_id, candidate)
+        return quarantine(tx, owner_id, candidate, _newest_malformed_reason(tx, candidate))
     if decision is RecoveryDecision.RESUME:
         return _take_over(tx, owner_id, candidate, new_execution_id, lease_ms, facts)
     if decision in (
@@ -825,34 +839,28 @@ def apply_recovery(
         RecoveryDecision.EXHAUSTED,
     ):
         _end_expired_claim(tx, candidate, decision)
-    _delete_recovery_row(tx, execution_id)
+    _delete_recovery_row(tx, execution_id, owner_id)
     return Recovered(decision)
 
 
-def _holds_recovery_lease(tx: Tx, execution_id: str, owner_id: str) -> bool:
-    return (
-        tx.one(
-            "SELECT 1 FROM session_recovery WHERE execution_id = ? AND owner_id = ?"
-            " AND expires_at > ? AND recovery_error IS NULL",
-            (execution_id, owner_id, tx.now),
-        )
-        is not None
-    )
-
-
-def _quarantine(tx: Tx, owner_id: str, candidate: Candidate) -> Recovered:
+def _newest_malformed_reason(tx: Tx, candidate: Candidate) -> str:
     newest = tx.one(
         "SELECT id, data FROM session_message WHERE execution_id = ? AND role = 'assistant'"
         " ORDER BY seq DESC LIMIT 1",
         (candidate.execution_id,),
     )
     why = _malformed_reason(newest[0], newest[1]) if newest is not None else None
+    return why or "malformed record"
+
+
+def quarantine(tx: Tx, owner_id: str, candidate: Candidate, why: str) -> Recovered:
+    """Quarantine with the exact fence; zero rows means another owner holds it now."""
     updated = tx.execute(
         "UPDATE session_recovery SET recovery_error = :why, time_quarantined = :now"
         " WHERE execution_id = :e AND session_id = :s AND owner_id = :me"
         " AND expires_at > :now AND recovery_error IS NULL",
         {
-            "why": why or "malformed record",
+            "why": why,
             "now": tx.now,
             "e": candidate.execution_id,
             "s": candidate.session_id,
@@ -864,8 +872,13 @@ def _quarantine(tx: Tx, owner_id: str, candidate: Candidate) -> Recovered:
     return Recovered(RecoveryDecision.QUARANTINE)
 
 
-def _delete_recovery_row(tx: Tx, execution_id: str) -> None:
-    tx.execute("DELETE FROM session_recovery WHERE execution_id = ?", (execution_id,))
+def _delete_recovery_row(tx: Tx, execution_id: str, owner_id: str) -> None:
+    # Only our own recovery row: another owner's lease or quarantine is not ours to touch.
+    tx.execute(
+        "DELETE FROM session_recovery WHERE execution_id = ? AND owner_id = ?"
+        " AND recovery_error IS NULL",
+        (execution_id, owner_id),
+    )
 
 
 def _delete_expired_claim(tx: Tx, execution_id: str) -> None:
@@ -925,7 +938,7 @@ def _take_over(
         " WHERE id = ?",
         (candidate.session_id,),
     )
-    _delete_recovery_row(tx, old)
+    _delete_recovery_row(tx, old, owner_id)
     return Recovered(
         RecoveryDecision.RESUME,
         new_execution_id=new_execution_id,
@@ -962,7 +975,7 @@ def drop_quarantined(tx: Tx, execution_id: str) -> None:
     _reset_attempts(tx, session_id)
     if _has_pending_inputs(tx, session_id):
         _ring(tx, session_id)
-    _delete_recovery_row(tx, execution_id)
+    tx.execute("DELETE FROM session_recovery WHERE execution_id = ?", (execution_id,))
 
 
 def _quarantined_row(tx: Tx, execution_id: str) -> Any:
@@ -976,10 +989,11 @@ def _quarantined_row(tx: Tx, execution_id: str) -> Any:
     return row
 
 
-def run_op(conn: sqlite3.Connection, clock: Callable[[], float], op: Callable[..., T], *args: Any) -> T:
+def run_op(
+    conn: sqlite3.Connection, clock: Callable[[], float], op: Callable[..., T], *args: Any
+) -> T:
     """Run one operation in its own transaction, synchronously (tools, CLI, tests)."""
     job = Job(op, args)
     run_batch(conn, clock, [job])
     result: T = job.unwrap()
     return result
-

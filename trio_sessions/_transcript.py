@@ -36,7 +36,9 @@ def append_text(data: AssistantData, text: str) -> AssistantData:
     return attrs.evolve(data, parts=(*parts, TextPart(text)))
 
 
-def start_tool(data: AssistantData, call_id: str, name: str, input: dict[str, Any]) -> AssistantData:
+def start_tool(
+    data: AssistantData, call_id: str, name: str, input: dict[str, Any]
+) -> AssistantData:
     _require_open(data)
     if _find_tool(data, call_id) is not None:
         raise ValueError(f"tool call {call_id!r} was already started in this message")

@@ -40,12 +40,18 @@ def set_seams(
     runtime: Runtime,
     *,
     before_finish: Callable[[str], Awaitable[None]] | None = None,
+    after_finish: Callable[[str], Awaitable[None]] | None = None,
     before_recovery_apply: Callable[[list[str]], Awaitable[None]] | None = None,
 ) -> None:
     """Install test seams: `before_finish(session_id)` runs before a drain's finish
-    transaction; `before_recovery_apply(execution_ids)` between taking recovery leases and
-    applying recovery's decisions."""
-    runtime._seams = Seams(before_finish=before_finish, before_recovery_apply=before_recovery_apply)
+    transaction and `after_finish(session_id)` after one that released the claim, while the
+    registry entry is still held; `before_recovery_apply(execution_ids)` runs between
+    taking recovery leases and applying recovery's decisions."""
+    runtime._seams = Seams(
+        before_finish=before_finish,
+        after_finish=after_finish,
+        before_recovery_apply=before_recovery_apply,
+    )
 
 
 def crash(runtime: Runtime) -> None:

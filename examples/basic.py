@@ -1,0 +1,53 @@
+"""The smallest trio_sessions program: submit inputs, let a drain answer, read the transcript.
+
+Run it: `python examples/basic.py`. It uses a temporary SQLite file; pass a path to keep it.
+
+The drain is an async function taking a `DrainContext`. It takes the session's pending
+inputs (each becomes a user message, atomically) and writes one assistant message per input.
+`submit` is durable when it returns: had this process died right after it, the next runtime
+opened on the same file would have found the input and drained it.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+import trio
+
+import trio_sessions
+
+
+async def echo(ctx: trio_sessions.DrainContext) -> None:
+    """Answer every pending input of the session with one assistant message."""
+    for item in await ctx.take_inputs():
+        reply = await ctx.begin_assistant()
+        await reply.append_text(f"You said: {item.payload['text']}")
+        await reply.finish()
+
+
+def show(message: trio_sessions.Message) -> str:
+    if message.role == "user":
+        return f"{message.seq}. user: {message.data['text']}"
+    text = "".join(p.text for p in message.data.parts if isinstance(p, trio_sessions.TextPart))
+    return f"{message.seq}. assistant: {text}"
+
+
+async def main(db: Path) -> None:
+    async with trio_sessions.open_runtime(db, echo) as runtime:
+        for text in ("hello", "how are you?"):
+            # Durable when it returns; the drain starts at once, in the runtime's nursery.
+            await runtime.submit("greeting", {"text": text})
+            # Returns when the session is idle again, whatever drained it.
+            await runtime.wait_idle("greeting")
+        for message in await runtime.transcript("greeting"):
+            print(show(message))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1:
+        trio.run(main, Path(sys.argv[1]))
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            trio.run(main, Path(tmp) / "sessions.db")

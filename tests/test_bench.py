@@ -1,0 +1,59 @@
+"""Smoke run of `python -m trio_sessions.bench` with tiny N: every section's code path runs and
+the machine-readable last line parses. Timings are never asserted (DESIGN §7: speed is
+measured by the benchmark, not by timed tests)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from trio_sessions import bench
+
+TINY = [
+    "--rounds", "1",
+    "--cycles", "6",
+    "--concurrent", "5",
+    "--wakes", "20",
+    "--heartbeat-drains", "3,7",
+    "--heartbeat-ticks", "2",
+    "--recovery", "12",
+    "--recovery-rounds", "1",
+    "--recovery-batch", "5",
+    "--idle", "50",
+    "--active", "10",
+    "--interrupts", "4",
+]  # fmt: skip
+
+
+def test_smoke_run_prints_table_and_machine_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A tiny full run prints the table and ends with one parseable key=value line whose
+    counts (not timings) are the ones the design promises."""
+    assert bench.main([*TINY, "--dir", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert any(line.startswith("| cycle") for line in lines)
+    assert any(line.startswith("| memory") for line in lines)
+    values = bench.parse_machine_line(lines[-1])
+    assert list(values) == list(bench.MACHINE_KEYS)
+    assert all(math.isfinite(v) and v > 0 for v in values.values())
+    assert values["heartbeat_tx_per_tick"] == 1
+    assert values["wakes_per_iteration"] == 20 / 2
+
+
+def test_sections_subset_leaves_other_figures_nan(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--sections` runs only the named sections; figures of the others print as nan."""
+    assert bench.main([*TINY, "--sections", "coalescing", "--dir", str(tmp_path)]) == 0
+    values = bench.parse_machine_line(capsys.readouterr().out.strip().splitlines()[-1])
+    assert values["wakes_per_iteration"] == 10
+    assert math.isnan(values["cycle_ratio"])
+
+
+def test_rejects_unknown_section() -> None:
+    """An unknown section name is a usage error, not a silent no-op."""
+    with pytest.raises(SystemExit):
+        bench.main(["--sections", "cycle,nonsense"])

@@ -1,0 +1,359 @@
+"""The operator CLI (`python -m trio_sessions`) against a seeded database.
+
+The database is seeded through the store's own operations at chosen instants, so every state
+an operator meets is present: an idle session, a doorbell with pending inputs, a live claim,
+an expired claim of a dead owner and a quarantined execution.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from conftest import query
+
+import trio_sessions
+from trio_sessions import _cli, _store
+from trio_sessions._decisions import RecoveryDecision
+
+LIVE_LEASE_MS = 600_000
+DEAD_FOR = 100  # the dead owner took its claims this many seconds ago, with a 10 s lease
+MALFORMED = '{"parts": [], "finished": "no", "error": null}'
+
+
+def _op(conn: sqlite3.Connection, at: float, op: Any, *args: Any) -> Any:
+    return _store.run_op(conn, lambda: at, op, *args)
+
+
+def _seed_quarantined(conn: sqlite3.Connection, now: float) -> None:
+    """A dead owner's expired claim whose assistant message no longer decodes, with an
+    untaken input and no doorbell (taken by the owner's last finish), quarantined."""
+    dead_at = now - DEAD_FOR
+    _op(conn, dead_at, _store.submit, "poison", '{"text": "first"}', "in-poison-1")
+    _op(conn, dead_at, _store.acquire, "poison", "exec-poison", "owner-dead", 10_000)
+    _op(conn, dead_at, _store.take_inputs, "exec-poison", "owner-dead")
+    _op(conn, dead_at, _store.begin_assistant, "exec-poison", "owner-dead", "msg-poison")
+    _op(conn, dead_at, _store.submit, "poison", '{"text": "second"}', "in-poison-2")
+    conn.execute("UPDATE session SET time_woken = NULL, wakes = 0 WHERE id = 'poison'")
+    conn.execute("UPDATE session_message SET data = ? WHERE id = 'msg-poison'", (MALFORMED,))
+    candidate = _store.Candidate("poison", "exec-poison")
+    assert _op(conn, now, _store.take_recovery_leases, "owner-rec", 30_000, [candidate])
+    result = _op(conn, now, _store.apply_recovery, "owner-rec", candidate, "new", 30_000, 10)
+    assert result.decision is RecoveryDecision.QUARANTINE
+
+
+def seed(path: Path) -> None:
+    """Seed relative to the wall clock now: the CLI reads leases against the wall clock."""
+    now = time.time()
+    dead_at = now - DEAD_FOR
+    conn = _store.connect(path)
+    try:
+        _op(conn, now - 50, _store.submit, "idle", '{"text": "hi"}', "in-idle")
+        _op(conn, now - 50, _store.acquire, "idle", "exec-idle", "owner-a", 60_000)
+        _op(conn, now - 50, _store.take_inputs, "exec-idle", "owner-a")
+        _op(conn, now - 50, _store.finish_iteration, "exec-idle", "owner-a")
+        _op(conn, now - 5, _store.submit, "pending", '{"text": "1"}', "in-pending-1")
+        _op(conn, now - 4, _store.submit, "pending", '{"text": "2"}', "in-pending-2")
+        _op(conn, now - 3, _store.submit, "live", '{"text": "go"}', "in-live")
+        _op(conn, now - 3, _store.acquire, "live", "exec-live", "owner-live", LIVE_LEASE_MS)
+        _op(conn, now - 2, _store.heartbeat, "owner-live", ["exec-live"], LIVE_LEASE_MS)
+        _op(conn, dead_at, _store.submit, "expired", '{"text": "x"}', "in-expired")
+        _op(conn, dead_at, _store.acquire, "expired", "exec-expired", "owner-dead", 10_000)
+        _seed_quarantined(conn, now)
+    finally:
+        conn.close()
+
+
+@pytest.fixture
+def seeded(tmp_path: Path) -> Path:
+    path = tmp_path / "seeded.db"
+    seed(path)
+    return path
+
+
+def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = _cli.main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def cli_json(capsys: pytest.CaptureFixture[str], *argv: str) -> Any:
+    code, out, err = cli(capsys, *argv, "--json")
+    assert code == 0, err
+    return json.loads(out)
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# status
+
+
+def test_status_json_reports_claims_leases_doorbells_and_inputs(
+    seeded: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`status --json` gives each session's claim, lease, heartbeat, doorbell and inputs."""
+    status = cli_json(capsys, "status", str(seeded))
+    sessions = {s["id"]: s for s in status["sessions"]}
+    assert sorted(sessions) == ["expired", "idle", "live", "pending", "poison"]
+    assert sessions["idle"]["claim"] is None
+    assert sessions["idle"]["doorbell"] is None
+    assert sessions["pending"]["pending_inputs"] == 2
+    assert sessions["pending"]["doorbell"]["wakes"] == 2
+    live = sessions["live"]["claim"]
+    assert live["owner_id"] == "owner-live"
+    assert live["phase"] == "running"
+    assert not live["expired"]
+    assert 500 < live["lease_remaining_s"] <= 600
+    assert 1.5 < live["heartbeat_age_s"] < 60
+    expired = sessions["expired"]["claim"]
+    assert expired["expired"]
+    assert 80 < expired["expired_since_s"] < 200
+    assert expired["heartbeat_age_s"] is None
+    assert not expired["quarantined"]
+    assert sessions["poison"]["claim"]["quarantined"]
+    assert status["summary"] == {
+        **{"sessions": 5, "claims": 3, "live_claims": 1, "expired_claims": 2},
+        **{"quarantined": 1, "doorbells": 1, "pending_inputs": 5},
+    }
+
+
+def test_status_text_is_a_readable_table(seeded: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The text listing shows owners, lease remaining or expired since, heartbeat age."""
+    code, out, _ = cli(capsys, "status", str(seeded))
+    assert code == 0
+    lines = {line.split()[0]: line for line in out.splitlines()[3:]}
+    assert "owner-live" in lines["live"]
+    assert "s left" in lines["live"]
+    assert "s ago" in lines["live"].split("left", 1)[1]  # heartbeat age
+    assert "expired" in lines["expired"]
+    assert "never" in lines["expired"]
+    assert "QUARANTINED" in lines["poison"]
+    assert "set" in lines["pending"]
+    assert "(2 wakes)" in lines["pending"]
+    assert "idle" in lines["idle"]
+    assert out.startswith("5 sessions; claims: 1 live, 2 expired (1 quarantined)")
+
+
+def test_listings_do_not_modify_the_database(
+    seeded: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """status and quarantine list only read: the file is byte-for-byte unchanged."""
+    before = digest(seeded)
+    for argv in (["status"], ["quarantine", "list"]):
+        for extra in ([], ["--json"]):
+            assert cli(capsys, *argv, str(seeded), *extra)[0] == 0
+    assert digest(seeded) == before
+    assert sorted(p.name for p in seeded.parent.iterdir()) == ["seeded.db"]
+
+
+# ---------------------------------------------------------------------------------------------
+# quarantine
+
+
+def test_quarantine_list_names_the_execution_and_why(
+    seeded: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`quarantine list` shows the quarantined execution, its claim owner and the reason."""
+    rows = cli_json(capsys, "quarantine", "list", str(seeded))
+    assert [(r["execution_id"], r["session_id"]) for r in rows] == [("exec-poison", "poison")]
+    assert rows[0]["claim_owner_id"] == "owner-dead"
+    assert rows[0]["recovery_owner"] == "owner-rec"
+    assert "finished" in rows[0]["recovery_error"]
+    code, out, _ = cli(capsys, "quarantine", "list", str(seeded))
+    assert code == 0
+    assert "execution exec-poison  session poison" in out
+    assert "claim owner: owner-dead (running)" in out
+
+
+def test_release_drop_deletes_the_claim_and_rearms_the_doorbell(
+    seeded: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--drop deletes the claim and the quarantine, resets attempts, re-arms pending inputs."""
+    result = cli_json(capsys, "quarantine", "release", str(seeded), "exec-poison", "--drop")
+    assert result == {"execution_id": "exec-poison", "session_id": "poison", "action": "drop"}
+    assert query(seeded, "SELECT * FROM session_execution WHERE id = 'exec-poison'") == []
+    assert query(seeded, "SELECT * FROM session_recovery") == []
+    [(woken, attempts)] = query(
+        seeded, "SELECT time_woken, wake_attempts FROM session WHERE id = 'poison'"
+    )
+    assert woken is not None
+    assert attempts == 0
+    assert cli_json(capsys, "quarantine", "list", str(seeded)) == []
+
+
+def test_release_resume_lets_the_next_recovery_pass_resume_a_repaired_record(
+    seeded: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--resume clears the quarantine at once; a runtime's next pass resumes the execution."""
+    conn = sqlite3.connect(seeded)
+    with conn:  # the operator repairs the record first
+        conn.execute(
+            "UPDATE session_message SET data = ? WHERE id = 'msg-poison'",
+            ('{"parts": [], "finished": false, "error": null}',),
+        )
+    conn.close()
+    code, out, _ = cli(capsys, "quarantine", "release", str(seeded), "exec-poison", "--resume")
+    assert code == 0
+    assert "lifted the quarantine on execution exec-poison" in out
+    [(error, expires)] = query(seeded, "SELECT recovery_error, expires_at FROM session_recovery")
+    assert error is None
+    assert isinstance(expires, int)
+    assert expires <= time.time() * 1000
+    assert _resumed_sessions(seeded) == {"poison", "expired"}
+
+
+def test_release_resume_of_a_still_malformed_record_quarantines_it_again(
+    seeded: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--resume without a repair: the next recovery pass quarantines the execution again."""
+    assert cli(capsys, "quarantine", "release", str(seeded), "exec-poison", "--resume")[0] == 0
+    assert cli_json(capsys, "quarantine", "list", str(seeded)) == []
+    assert _resumed_sessions(seeded) == {"expired"}
+    rows = cli_json(capsys, "quarantine", "list", str(seeded))
+    assert [r["execution_id"] for r in rows] == ["exec-poison"]
+
+
+def _resumed_sessions(path: Path) -> set[str]:
+    """Open a runtime (its first recovery pass runs during the open); the sessions it
+    resumed."""
+    resumed: set[str] = set()
+
+    async def drain(ctx: trio_sessions.DrainContext) -> None:
+        if ctx.resumed:
+            resumed.add(ctx.session_id)
+        await ctx.take_inputs()
+
+    async def main() -> None:
+        async with trio_sessions.open_runtime(path, drain, recovery_interval=60) as runtime:
+            for session_id in ("poison", "expired", "pending"):
+                await runtime.wait_idle(session_id)
+
+    trio.run(main)
+    return resumed
+
+
+def test_release_of_an_execution_that_is_not_quarantined_fails(
+    seeded: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Releasing a live or unknown execution is refused with exit 1 and changes nothing."""
+    before = digest(seeded)
+    for execution_id in ("exec-live", "no-such-execution"):
+        code, out, err = cli(capsys, "quarantine", "release", str(seeded), execution_id, "--drop")
+        assert code == 1
+        assert out == ""
+        assert f"{execution_id!r} is not quarantined" in err
+    assert digest(seeded) == before
+
+
+def test_release_needs_exactly_one_of_resume_and_drop(
+    seeded: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without --resume or --drop, or with both, argparse refuses with exit 2."""
+    for flags in ([], ["--resume", "--drop"]):
+        with pytest.raises(SystemExit) as exit_info:
+            _cli.main(["quarantine", "release", str(seeded), "exec-poison", *flags])
+        assert exit_info.value.code == 2
+    assert "one of the arguments --resume --drop is required" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# Refusals: never create or touch a database that is not ours
+
+COMMANDS = (
+    ["status"],
+    ["quarantine", "list"],
+    ["quarantine", "release", "--drop"],
+    ["quarantine", "release", "--resume"],
+)
+
+
+def _argv(command: list[str], path: Path) -> list[str]:
+    if command[:2] == ["quarantine", "release"]:
+        return [*command[:2], str(path), "exec-poison", command[2]]
+    return [*command, str(path)]
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
+def test_a_missing_file_is_refused_and_not_created(
+    command: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A missing path: clear error, exit 1, and no file is created."""
+    path = tmp_path / "missing.db"
+    code, out, err = cli(capsys, *_argv(command, path))
+    assert code == 1
+    assert out == ""
+    assert err.startswith("error:")
+    assert "no database" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
+def test_a_file_that_is_not_sqlite_is_refused_and_untouched(
+    command: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A non-SQLite file: clear error, exit 1, its bytes and mtime unchanged."""
+    path = tmp_path / "notes.txt"
+    path.write_text("these are my notes, not a database\n" * 20)
+    before = (digest(path), path.stat().st_mtime_ns)
+    code, out, err = cli(capsys, *_argv(command, path))
+    assert code == 1
+    assert out == ""
+    assert "not an SQLite database" in err
+    assert str(path) in err
+    assert (digest(path), path.stat().st_mtime_ns) == before
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
+def test_an_sqlite_file_that_is_not_ours_is_refused_and_untouched(
+    command: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Someone else's SQLite database: clear error, exit 1, no table added, bytes unchanged."""
+    path = tmp_path / "other.db"
+    conn = sqlite3.connect(path)
+    with conn:
+        conn.execute("CREATE TABLE session(id TEXT PRIMARY KEY, note TEXT)")
+        conn.execute("INSERT INTO session VALUES ('a', 'theirs')")
+    conn.close()
+    before = (digest(path), path.stat().st_mtime_ns)
+    code, out, err = cli(capsys, *_argv(command, path))
+    assert code == 1
+    assert out == ""
+    assert "is not a trio_sessions database" in err
+    assert (digest(path), path.stat().st_mtime_ns) == before
+    assert query(path, "SELECT name FROM sqlite_master") == [
+        ("session",),
+        ("sqlite_autoindex_session_1",),
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# The entry point
+
+
+def test_python_dash_m_runs_the_cli(seeded: Path) -> None:
+    """`python -m trio_sessions` is the CLI: JSON on stdout, exit 0; usage errors exit 2."""
+    run = subprocess.run(
+        [sys.executable, "-m", "trio_sessions", "status", str(seeded), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["summary"]["sessions"] == 5
+    usage = subprocess.run(
+        [sys.executable, "-m", "trio_sessions"], capture_output=True, text=True, timeout=30
+    )
+    assert usage.returncode == 2
+    assert "usage: python -m trio_sessions" in usage.stderr

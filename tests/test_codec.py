@@ -1,0 +1,400 @@
+"""The strict codec: valid assistant records round-trip exactly (also through a real SQLite
+row), every malformed shape raises `MalformedRecord` with readable reasons, and arbitrary
+JSON either decodes or raises `MalformedRecord` - never anything else.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from trio_sessions import (
+    AssistantData,
+    MalformedRecord,
+    TextPart,
+    ToolPart,
+    TrioSessionsError,
+    _codec,
+    _store,
+)
+
+SETTINGS = settings(max_examples=200, deadline=None)
+# Whole assistant records are costly to generate; fewer examples keep the file fast.
+RECORD_SETTINGS = settings(max_examples=100, deadline=None)
+
+json_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**63), max_value=2**63 - 1)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=20)
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
+    ),
+    max_leaves=8,
+)
+json_objects = st.dictionaries(st.text(max_size=8), json_values, max_size=4)
+
+text_parts = st.builds(TextPart, text=st.text(max_size=30))
+tool_parts = st.builds(
+    ToolPart,
+    call_id=st.text(max_size=10),
+    name=st.text(max_size=10),
+    input=json_objects,
+    status=st.sampled_from(["running", "completed", "error"]),
+    output=json_values,
+    error=st.none() | st.text(max_size=20),
+)
+assistant_data = st.builds(
+    AssistantData,
+    parts=st.lists(text_parts | tool_parts, max_size=4).map(tuple),
+    finished=st.booleans(),
+    error=st.none() | st.text(max_size=20),
+)
+
+
+@RECORD_SETTINGS
+@given(assistant_data)
+def test_round_trip_is_identity(data: AssistantData) -> None:
+    """encode -> decode returns exactly the value written, and re-encodes to the same text."""
+    text = _codec.encode_assistant(data)
+    decoded = _codec.decode_assistant(text, key="m")
+    assert decoded == data
+    assert _codec.encode_assistant(decoded) == text
+
+
+class Db:
+    """A real SQLite file where each example gets its own session, claim and message."""
+
+    def __init__(self, path: Path) -> None:
+        self.conn = _store.connect(path)
+
+    def clock(self) -> float:
+        return 1_800_000_000.0
+
+    def run(self, op: Callable[..., Any], *args: Any) -> Any:
+        return _store.run_op(self.conn, self.clock, op, *args)
+
+    def write_assistant(self, data: AssistantData) -> str:
+        """Write `data` as a fresh assistant message through the fenced store operations."""
+        session_id = uuid.uuid4().hex
+        self.run(_store.wake, session_id)
+        self.run(_store.acquire, session_id, "exec-" + session_id, "owner", 30_000)
+        self.run(_store.begin_assistant, "exec-" + session_id, "owner", "m-" + session_id)
+        self.run(
+            _store.update_assistant,
+            "exec-" + session_id,
+            "owner",
+            "m-" + session_id,
+            lambda _: data,
+        )
+        return session_id
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Iterator[Db]:
+    database = Db(tmp_path / "codec.db")
+    try:
+        yield database
+    finally:
+        database.conn.close()
+
+
+@settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=assistant_data)
+def test_round_trip_through_sqlite_row(db: Db, data: AssistantData) -> None:
+    """begin_assistant + update_assistant, then read_transcript, returns the value written."""
+    session_id = db.write_assistant(data)
+    [message] = db.run(_store.read_transcript, session_id)
+    assert message.role == "assistant"
+    assert message.data == data
+
+
+# ---------------------------------------------------------------------------------------------
+# Malformed shapes
+
+VALID: dict[str, Any] = {
+    "parts": [
+        {
+            "type": "tool",
+            "call_id": "c1",
+            "name": "search",
+            "input": {"q": "x"},
+            "status": "running",
+            "output": None,
+            "error": None,
+        },
+        {"type": "text", "text": "hello"},
+    ],
+    "finished": False,
+    "error": None,
+}
+
+
+def mutated(change: Callable[[dict[str, Any]], object]) -> str:
+    record = copy.deepcopy(VALID)
+    change(record)
+    return json.dumps(record)
+
+
+def tool_part(record: dict[str, Any]) -> dict[str, Any]:
+    part: dict[str, Any] = record["parts"][0]
+    return part
+
+
+def text_part(record: dict[str, Any]) -> dict[str, Any]:
+    part: dict[str, Any] = record["parts"][1]
+    return part
+
+
+NAN_OUTPUT = json.dumps(VALID).replace('"output": null', '"output": NaN')
+INFINITY_ERROR = json.dumps(VALID).replace(
+    '"finished": false, "error": null', '"finished": false, "error": Infinity'
+)
+MINUS_INFINITY = json.dumps(VALID).replace('"output": null', '"output": -Infinity')
+assert "NaN" in NAN_OUTPUT
+assert "Infinity" in INFINITY_ERROR
+assert "-Infinity" in MINUS_INFINITY
+
+MALFORMED: list[Any] = [
+    pytest.param("{", ["not JSON"], id="not-json"),
+    pytest.param("", ["not JSON"], id="empty-text"),
+    pytest.param(b'{"parts": []}', ["not JSON", "bytes"], id="blob-not-text"),
+    pytest.param(None, ["not JSON", "NoneType"], id="sql-null"),
+    pytest.param("[]", ["expected a JSON object"], id="top-level-list"),
+    pytest.param('"finished"', ["expected a JSON object"], id="top-level-string"),
+    pytest.param(
+        mutated(lambda r: r.pop("error")), ["required field missing", "error"], id="missing-key"
+    ),
+    pytest.param(mutated(lambda r: r.update(extra=1)), ["extra fields", "extra"], id="extra-key"),
+    pytest.param(
+        mutated(lambda r: r.update(finished="false")),
+        ["expected bool", "'false'", "finished"],
+        id="string-boolean",
+    ),
+    pytest.param(
+        mutated(lambda r: r.update(finished=0)), ["expected bool", "int"], id="int-boolean"
+    ),
+    pytest.param(
+        mutated(lambda r: text_part(r).update(type="image")),
+        ["unknown part type", "image"],
+        id="wrong-part-type",
+    ),
+    pytest.param(
+        mutated(lambda r: text_part(r).pop("type")), ["unknown part type"], id="part-without-type"
+    ),
+    pytest.param(
+        mutated(lambda r: tool_part(r).update(status="pending")),
+        ["pending", "status"],
+        id="unknown-status",
+    ),
+    pytest.param(
+        mutated(lambda r: tool_part(r).update(input=[1, 2])),
+        ["expected a JSON object", "input"],
+        id="non-object-tool-input",
+    ),
+    pytest.param(
+        mutated(lambda r: tool_part(r).update(input="{}")),
+        ["expected a JSON object", "input"],
+        id="string-tool-input",
+    ),
+    pytest.param(mutated(lambda r: r.update(parts=None)), ["list of parts"], id="null-parts"),
+    pytest.param(
+        mutated(lambda r: r.update(finished=None)),
+        ["expected bool", "NoneType"],
+        id="null-finished",
+    ),
+    pytest.param(
+        mutated(lambda r: text_part(r).update(text=None)), ["expected str", "text"], id="null-text"
+    ),
+    pytest.param(
+        mutated(lambda r: tool_part(r).update(call_id=None)),
+        ["expected str", "call_id"],
+        id="null-call-id",
+    ),
+    pytest.param(
+        mutated(lambda r: tool_part(r).update(name=5)),
+        ["expected str, got int 5", "name"],
+        id="nested-wrong-type",
+    ),
+    pytest.param(
+        mutated(lambda r: tool_part(r).update(error=["x"])),
+        ["expected str", "error"],
+        id="nested-error-list",
+    ),
+    pytest.param(mutated(lambda r: r.update(error=3)), ["expected str, got int 3"], id="error-int"),
+    pytest.param(mutated(lambda r: r.update(parts={})), ["list of parts"], id="parts-object"),
+    pytest.param(
+        mutated(lambda r: r.update(parts=["hi"])), ["expected a part object"], id="part-str"
+    ),
+    pytest.param(
+        mutated(lambda r: tool_part(r).pop("output")),
+        ["required field missing", "output"],
+        id="part-missing-key",
+    ),
+    pytest.param(
+        mutated(lambda r: text_part(r).update(bold=True)),
+        ["extra fields", "bold"],
+        id="part-extra-key",
+    ),
+    pytest.param(NAN_OUTPUT, ["NaN is not JSON"], id="nan-literal"),
+    pytest.param(INFINITY_ERROR, ["Infinity is not JSON"], id="infinity-literal"),
+    pytest.param(MINUS_INFINITY, ["-Infinity is not JSON"], id="minus-infinity-literal"),
+]
+
+
+@pytest.mark.parametrize(("text", "fragments"), MALFORMED)
+def test_malformed_shape_is_rejected_with_readable_reason(text: Any, fragments: list[str]) -> None:
+    """Each malformed shape raises MalformedRecord naming table and key, with a one-line reason
+    that says what is wrong."""
+    with pytest.raises(MalformedRecord) as caught:
+        _codec.decode_assistant(text, key="msg-1")
+    error = caught.value
+    assert type(error) is MalformedRecord
+    assert (error.table, error.key) == ("session_message", "msg-1")
+    assert error.reasons
+    for reason in error.reasons:
+        assert isinstance(reason, str)
+        assert reason
+        assert "\n" not in reason
+        assert "ExceptionGroup" not in reason
+        assert "Traceback" not in reason
+    joined = " | ".join(error.reasons)
+    for fragment in fragments:
+        assert fragment in joined
+    assert "msg-1" in str(error)
+
+
+def test_every_problem_gets_its_own_reason() -> None:
+    """Two independent problems are reported as two readable reasons, not one opaque error."""
+    text = mutated(lambda r: r.update(finished="yes", error=7))
+    with pytest.raises(MalformedRecord) as caught:
+        _codec.decode_assistant(text, key="k")
+    reasons = caught.value.reasons
+    assert len(reasons) == 2
+    assert any("finished" in r for r in reasons)
+    assert any("$.error" in r for r in reasons)
+
+
+def test_malformed_record_is_not_an_exception_group() -> None:
+    """MalformedRecord is a plain TrioSessionsError, caught by name, not an ExceptionGroup."""
+    with pytest.raises(MalformedRecord) as caught:
+        _codec.decode_assistant(mutated(lambda r: r.update(finished="false")), key="k")
+    assert not isinstance(caught.value, BaseExceptionGroup)
+    assert isinstance(caught.value, TrioSessionsError)
+    assert caught.value.__cause__ is None
+
+
+def test_number_overflowing_to_infinity_is_malformed() -> None:
+    """A number too large for a float (decoded as inf) is rejected like the Infinity literal."""
+    text = json.dumps(VALID).replace('"output": null', '"output": 1e400')
+    with pytest.raises(MalformedRecord):
+        _codec.decode_assistant(text, key="k")
+
+
+def test_deeply_nested_json_is_malformed_not_recursion_error() -> None:
+    """A pathologically nested row is reported as MalformedRecord, never as RecursionError."""
+    depth = 100_000
+    text = '{"parts": [], "finished": false, "error": null, "x": ' + "[" * depth + "]" * depth + "}"
+    with pytest.raises(MalformedRecord):
+        _codec.decode_assistant(text, key="k")
+
+
+def test_malformed_stored_row_raises_from_read_transcript(db: Db) -> None:
+    """A malformed assistant row in SQLite surfaces as MalformedRecord keyed by its message id."""
+    session_id = db.write_assistant(AssistantData(parts=(), finished=False, error=None))
+    db.conn.execute(
+        "UPDATE session_message SET data = ? WHERE session_id = ?",
+        ('{"parts": [], "finished": "false", "error": null}', session_id),
+    )
+    with pytest.raises(MalformedRecord) as caught:
+        db.run(_store.read_transcript, session_id)
+    assert caught.value.key == "m-" + session_id
+    assert any("finished" in r for r in caught.value.reasons)
+
+
+def test_user_payload_must_be_an_object() -> None:
+    """decode_object rejects a stored payload that is JSON but not an object."""
+    assert _codec.decode_object('{"a": [1]}', table="session_input", key="i") == {"a": [1]}
+    with pytest.raises(MalformedRecord) as caught:
+        _codec.decode_object("[1]", table="session_input", key="i")
+    assert caught.value.table == "session_input"
+    assert "expected a JSON object" in caught.value.reasons[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Arbitrary input: decode or MalformedRecord, nothing else
+
+
+def decodes_or_malformed(text: Any) -> AssistantData | None:
+    try:
+        return _codec.decode_assistant(text, key="k")
+    except MalformedRecord as exc:
+        reasons = exc.reasons
+    assert reasons
+    assert all(isinstance(r, str) and r for r in reasons)
+    return None
+
+
+@SETTINGS
+@given(json_values)
+def test_random_json_decodes_or_raises_malformed(value: Any) -> None:
+    """Any JSON value either decodes to AssistantData or raises MalformedRecord."""
+    decoded = decodes_or_malformed(json.dumps(value))
+    if decoded is not None:
+        assert _codec.decode_assistant(_codec.encode_assistant(decoded), key="k") == decoded
+
+
+@SETTINGS
+@given(st.text(max_size=60))
+def test_random_text_decodes_or_raises_malformed(text: str) -> None:
+    """Any text (mostly not JSON) either decodes or raises MalformedRecord."""
+    decodes_or_malformed(text)
+
+
+@st.composite
+def corrupted_records(draw: st.DrawFn) -> str:
+    """A valid record with one node (anywhere in the tree) replaced by an arbitrary JSON value."""
+    record: Any = json.loads(_codec.encode_assistant(draw(assistant_data)))
+    container: Any = None
+    key: Any = None
+    node = record
+    while isinstance(node, dict | list) and node and draw(st.booleans()):
+        keys = list(node) if isinstance(node, dict) else list(range(len(node)))
+        key = draw(st.sampled_from(keys))
+        container, node = node, node[key]
+    replacement = draw(json_values)
+    if container is None:
+        return json.dumps(replacement)
+    container[key] = replacement
+    return json.dumps(record)
+
+
+@RECORD_SETTINGS
+@given(corrupted_records())
+def test_corrupted_records_decode_or_raise_malformed(text: str) -> None:
+    """A valid record with any one node replaced decodes (and then round-trips) or raises
+    MalformedRecord - never a cattrs ExceptionGroup, KeyError or TypeError."""
+    decoded = decodes_or_malformed(text)
+    if decoded is not None:
+        assert _codec.decode_assistant(_codec.encode_assistant(decoded), key="k") == decoded
+
+
+def test_dumps_refuses_what_loads_would_refuse() -> None:
+    """The encoder never writes NaN or Infinity, so everything it writes decodes again."""
+    for value in (float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(ValueError, match="not JSON compliant"):
+            _codec.dumps({"x": value})

@@ -1,0 +1,107 @@
+"""`python -m trio_sessions.demo`: a bounded real run, its refusals, Ctrl-C, and its checks.
+
+The demo spawns and SIGKILLs a worker process and waits out a real lease, so these tests
+run real processes (marked `slow`, bounded by timeouts).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import query
+
+from trio_sessions import _store, demo
+
+DEMO = [sys.executable, "-m", "trio_sessions.demo"]
+TIMEOUT = 60  # the demo itself takes about 5 s; the issue allows 30
+
+
+@pytest.mark.slow
+def test_demo_runs_every_scene_and_every_check_passes(tmp_path: Path) -> None:
+    """The demo exits 0 with every summary check PASS, and its kept database agrees."""
+    db = tmp_path / "demo.db"
+    run = subprocess.run([*DEMO, "--db", str(db)], capture_output=True, text=True, timeout=TIMEOUT)
+    assert run.returncode == 0, run.stdout + run.stderr
+    summary = run.stdout.split("-- Summary", 1)[1]
+    verdicts = [line.split()[0] for line in summary.splitlines() if line.startswith("  ")]
+    verdicts = [v for v in verdicts if v in ("PASS", "FAIL")]
+    assert verdicts == ["PASS"] * len(demo.CHECKS)
+    for check in (
+        "normal turn",
+        "coalescing",
+        "interrupt: chat-3's running tool call failed",
+        "exactly one successor turn",
+        "SIGKILLed",
+        "only after the lease expired",
+        "quarantine",
+        "carry on",
+        "no stranded work",
+    ):
+        assert check in summary
+    assert f"{len(demo.CHECKS)}/{len(demo.CHECKS)} checks passed" in run.stdout
+    assert "KILLED (exit status" in run.stdout
+    assert "RESUMED" in run.stdout
+    # Kept for the operator CLI: the quarantined record is really there.
+    assert query(
+        db, "SELECT execution_id FROM session_recovery WHERE recovery_error IS NOT NULL"
+    ) == [(demo.GHOST_EXECUTION,)]
+
+
+def test_checks_are_computed_not_printed(tmp_path: Path) -> None:
+    """On a database where nothing happened, every check fails (they read the database)."""
+    db = tmp_path / "empty.db"
+    _store.connect(db).close()
+    checks = demo.verify(db, demo.Facts())
+    assert len(checks) == len(demo.CHECKS)
+    assert [check.name for check in checks if check.passed] == []
+
+
+def test_demo_refuses_an_existing_database(tmp_path: Path) -> None:
+    """--db naming an existing file: exit 2 and the file is left alone."""
+    db = tmp_path / "precious.db"
+    db.write_bytes(b"keep me")
+    run = subprocess.run([*DEMO, "--db", str(db)], capture_output=True, text=True, timeout=TIMEOUT)
+    assert run.returncode == 2
+    assert "needs a fresh database" in run.stderr
+    assert db.read_bytes() == b"keep me"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="POSIX signals")
+def test_ctrl_c_stops_the_demo_cleanly_and_its_worker_too(tmp_path: Path) -> None:
+    """SIGINT while the worker process is mid-turn: one line, exit 130, no traceback, no
+    worker left running."""
+    process = subprocess.Popen(
+        [*DEMO, "--db", str(tmp_path / "demo.db")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        worker_pid = _wait_for_worker_mid_turn(process)
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=TIMEOUT)
+    finally:
+        process.kill()
+        process.wait(timeout=TIMEOUT)
+    assert process.returncode == 130
+    assert err.strip() == "Stopped by Ctrl-C; the runtime shut down cleanly."
+    with pytest.raises(ProcessLookupError):
+        os.kill(worker_pid, 0)
+
+
+def _wait_for_worker_mid_turn(process: subprocess.Popen[str]) -> int:
+    """Read the demo's lines until its worker process reports a running tool call."""
+    assert process.stdout is not None
+    worker_pid = None
+    for line in process.stdout:
+        if "started worker process pid" in line:
+            worker_pid = int(line.rsplit(" ", 1)[1])
+        if worker_pid is not None and "compile_report(" in line:
+            return worker_pid
+    raise AssertionError("the demo ended before its worker started a tool call")

@@ -1,0 +1,488 @@
+"""Recovery: the sibling pass, its exclusions, quarantine without starvation, the resume
+budget, unclaimed doorbells and release_quarantine. Rows from "dead" owners are seeded raw.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from helpers import Raw, Recorder, now_ms, open_tool_message, runtime
+from trio.testing import MockClock
+
+from trio_sessions import (
+    DrainContext,
+    MalformedRecord,
+    RecoveryReport,
+    Store,
+    StoreError,
+    testing,
+)
+from trio_sessions._codec import decode_assistant
+
+Clock = Callable[[], float]
+QUIET = {"recovery_interval": 10_000.0}  # passes only when the test asks for one
+MALFORMED = '{"parts": [], "finished": "false", "error": null}'
+
+
+def expired(clock: Clock, by_ms: int = 1) -> int:
+    return now_ms(clock) - by_ms
+
+
+async def test_resumes_expired_claim_of_dead_owner(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """An expired claim is taken over once: new execution, resumed=True, attempt 1, the
+    dead owner's running tool failed as owner-lost and its message finished."""
+    drain = Recorder()
+    raw = Raw(db_path)
+    async with runtime(store, drain, clock, **QUIET) as rt:
+        raw.seed_claim("s", "dead-exec", expires_at=expired(clock))
+        message_id = raw.seed_assistant("s", "dead-exec", 1, open_tool_message())
+        report = await rt.recover_once()
+        await rt.wait_idle("s")
+    assert report == RecoveryReport(examined=1, resumed=1)
+    assert len(drain.calls) == 1
+    ctx = drain.calls[0]
+    assert ctx.resumed is True and ctx.attempt == 1 and ctx.execution_id != "dead-exec"
+    old = decode_assistant(
+        raw.one("SELECT data FROM session_message WHERE id=?", (message_id,))[0], key="m"
+    )
+    assert old.finished is True and old.error == "interrupted: owner lost"
+    assert old.parts[0].status == "error"  # type: ignore[union-attr]
+    assert old.parts[0].error == "interrupted: owner lost"  # type: ignore[union-attr]
+    assert raw.claim("s") is None
+    assert raw.rows("SELECT * FROM session_recovery") == []
+    assert raw.one("SELECT wake_attempts FROM session WHERE id='s'") == (0,)
+
+
+async def test_first_pass_runs_while_opening(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """open_runtime returns only after its first recovery pass took over expired claims."""
+    raw = Raw(db_path)
+    async with runtime(store, Recorder(), clock, **QUIET):
+        pass  # create the schema
+    raw.seed_claim("s", "dead-exec", expires_at=expired(clock))
+    drain = Recorder()
+    drain.hold()
+    async with runtime(store, drain, clock, **QUIET) as rt:
+        claim = raw.claim("s")
+        assert claim is not None and claim[0] != "dead-exec" and claim[1] == rt.owner_id
+
+
+async def test_recovery_runs_every_interval(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """The sibling recovery task picks up an expired claim within one recovery_interval."""
+    drain = Recorder()
+    async with runtime(store, drain, clock, recovery_interval=2.0) as rt:
+        Raw(db_path).seed_claim("s", "dead-exec", expires_at=expired(clock))
+        await trio.sleep(2.5)
+        await rt.wait_idle("s")
+    assert len(drain.calls) == 1 and drain.calls[0].resumed
+
+
+async def test_open_fails_when_first_pass_hits_store_error(
+    db_path: Path, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """A store error in the first recovery pass fails open_runtime with StoreError."""
+
+    class Broken:
+        def __init__(self, conn: sqlite3.Connection) -> None:
+            self.conn = conn
+
+        @property
+        def in_transaction(self) -> bool:
+            return self.conn.in_transaction
+
+        def execute(self, sql: str, params: Any = ()) -> sqlite3.Cursor:
+            if "json_each" in sql:
+                raise sqlite3.OperationalError("disk I/O error")
+            return self.conn.execute(sql, params)
+
+    with pytest.raises(StoreError, match="disk I/O error"):
+        async with runtime(Store(db_path, inline=True, wrap_connection=Broken), Recorder(), clock):
+            pytest.fail("the runtime must not open")
+
+
+async def test_never_recovers_a_live_lease(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """A live claim is not a candidate, and one renewed between scan and apply is skipped
+    untouched (invariant 5)."""
+    drain = Recorder()
+    raw = Raw(db_path)
+    async with runtime(store, drain, clock, **QUIET) as rt:
+        raw.seed_claim("live", "live-exec", expires_at=now_ms(clock) + 60_000)
+        assert (await rt.recover_once()).examined == 0
+        raw.seed_claim("renewed", "renewed-exec", expires_at=expired(clock))
+
+        async def renew(execution_ids: list[str]) -> None:
+            raw.write(
+                "UPDATE session_execution SET expires_at = ? WHERE id = 'renewed-exec'",
+                (now_ms(clock) + 60_000,),
+            )
+
+        testing.set_seams(rt, before_recovery_apply=renew)
+        report = await rt.recover_once()
+    assert report == RecoveryReport(examined=1, skipped_live=1)
+    assert drain.calls == []
+    assert raw.claim("renewed")[0] == "renewed-exec"
+    assert raw.claim("live")[0] == "live-exec"
+
+
+async def test_expired_cancellation_claim_is_finished_not_resumed(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """phase='cancelling' + expired: finished as cancelled (transcript interrupted, claim
+    deleted, inputs re-armed), never resumed (invariant 5)."""
+    raw = Raw(db_path)
+    async with runtime(store, Recorder(), clock, **QUIET) as rt:
+        raw.seed_claim("s", "dead-exec", expires_at=expired(clock), phase="cancelling")
+        message_id = raw.seed_assistant("s", "dead-exec", 1, open_tool_message())
+        raw.write(
+            "INSERT INTO session_input(id, session_id, seq, payload, time_created)"
+            " VALUES ('left', 's', 1, '{}', 0)"
+        )
+        report = await rt.recover_once()
+        assert report == RecoveryReport(examined=1, finished_cancelled=1)
+        assert raw.claim("s") is None
+        data = decode_assistant(
+            raw.one("SELECT data FROM session_message WHERE id=?", (message_id,))[0], key="m"
+        )
+        assert data.finished and data.error == "interrupted"
+        assert raw.one("SELECT time_woken IS NOT NULL FROM session WHERE id='s'") == (1,)
+
+
+async def test_superseded_execution_is_dropped_not_resumed(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """An assistant message from another execution newer than the claim's anchor drops the
+    claim without resuming it (invariant 5)."""
+    drain = Recorder()
+    raw = Raw(db_path)
+    async with runtime(store, drain, clock, **QUIET) as rt:
+        raw.seed_claim("s", "old-exec", expires_at=expired(clock), anchor_seq=1)
+        raw.seed_assistant("s", "other-exec", 2, open_tool_message())
+        report = await rt.recover_once()
+        await rt.wait_idle("s")
+    assert report == RecoveryReport(examined=1, dropped_superseded=1)
+    assert drain.calls == []
+    assert raw.claim("s") is None
+
+
+async def test_not_superseded_by_older_message(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """A message from another execution at or before the anchor does not supersede."""
+    drain = Recorder()
+    raw = Raw(db_path)
+    async with runtime(store, drain, clock, **QUIET) as rt:
+        raw.seed_claim("s", "old-exec", expires_at=expired(clock), anchor_seq=1)
+        raw.seed_assistant("s", "other-exec", 1, open_tool_message())
+        report = await rt.recover_once()
+        await rt.wait_idle("s")
+    assert report == RecoveryReport(examined=1, resumed=1)
+
+
+async def test_malformed_projection_is_quarantined_and_never_rescanned(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """A claim whose newest assistant message does not decode is quarantined with a
+    readable reason, and later passes never examine it again."""
+    raw = Raw(db_path)
+    async with runtime(store, Recorder(), clock, **QUIET) as rt:
+        raw.seed_claim("s", "poison", expires_at=expired(clock))
+        raw.seed_assistant("s", "poison", 1, MALFORMED)
+        assert await rt.recover_once() == RecoveryReport(examined=1, quarantined=1)
+        row = raw.one("SELECT recovery_error, time_quarantined FROM session_recovery")
+        assert "expected bool" in row[0] and row[1] == now_ms(clock)
+        await trio.sleep(100)
+        assert (await rt.recover_once()).examined == 0
+        assert raw.claim("s")[0] == "poison"
+
+
+async def test_quarantine_fence_lost_touches_nothing(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """Another recovery owner takes the row before our quarantine write: zero rows, no
+    quarantine counted, the successor's recovery lease and the claim untouched
+    (invariant 10)."""
+    raw = Raw(db_path)
+    async with runtime(store, Recorder(), clock, **QUIET) as rt:
+        raw.seed_claim("s", "poison", expires_at=expired(clock))
+        raw.seed_assistant("s", "poison", 1, MALFORMED)
+        successor_lease = now_ms(clock) + 60_000
+
+        async def steal(execution_ids: list[str]) -> None:
+            raw.write(
+                "UPDATE session_recovery SET owner_id = 'successor', expires_at = ?",
+                (successor_lease,),
+            )
+
+        testing.set_seams(rt, before_recovery_apply=steal)
+        report = await rt.recover_once()
+    assert report == RecoveryReport(examined=1, fence_lost=1)
+    assert raw.rows("SELECT owner_id, expires_at, recovery_error FROM session_recovery") == [
+        ("successor", successor_lease, None)
+    ]
+    assert raw.claim("s")[0] == "poison"
+
+
+async def test_resume_budget_exhaustion_finishes_as_failed(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """wake_attempts >= max_resumes: finished as failed, attempts reset, no resume, and
+    untaken inputs do not re-arm the doorbell."""
+    drain = Recorder()
+    raw = Raw(db_path)
+    async with runtime(store, drain, clock, max_resumes=3, **QUIET) as rt:
+        raw.seed_claim("s", "tired", expires_at=expired(clock), wake_attempts=3)
+        message_id = raw.seed_assistant("s", "tired", 1, open_tool_message())
+        raw.write(
+            "INSERT INTO session_input(id, session_id, seq, payload, time_created)"
+            " VALUES ('left', 's', 1, '{}', 0)"
+        )
+        report = await rt.recover_once()
+        await rt.wait_idle("s")
+    assert report == RecoveryReport(examined=1, exhausted=1)
+    assert drain.calls == []
+    assert raw.claim("s") is None
+    assert raw.one("SELECT wake_attempts, time_woken FROM session WHERE id='s'") == (0, None)
+    data = decode_assistant(
+        raw.one("SELECT data FROM session_message WHERE id=?", (message_id,))[0], key="m"
+    )
+    assert data.error == "resume budget exhausted"
+
+
+async def test_resumes_count_toward_the_budget(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """Each takeover adds one to wake_attempts; a normal finish resets it."""
+    raw = Raw(db_path)
+    seen: list[int] = []
+    stop = trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        seen.append(ctx.attempt)
+        await stop.wait()
+
+    async with runtime(store, drain, clock, **QUIET) as rt:
+        raw.seed_claim("s", "dead", expires_at=expired(clock), wake_attempts=1)
+        await rt.recover_once()
+        await trio.testing.wait_all_tasks_blocked()
+        assert raw.one("SELECT wake_attempts FROM session WHERE id='s'") == (2,)
+        stop.set()
+        await rt.wait_idle("s")
+    assert seen == [2]
+    assert raw.one("SELECT wake_attempts FROM session WHERE id='s'") == (0,)
+
+
+async def test_unclaimed_doorbell_is_acquired(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """A doorbell set with no claim (a crash between wake and acquire) starts a drain."""
+    drain = Recorder()
+    raw = Raw(db_path)
+    async with runtime(store, drain, clock, **QUIET) as rt:
+        raw.write("INSERT INTO session(id, time_created, time_woken, wakes) VALUES ('s', 0, 5, 1)")
+        raw.write(
+            "INSERT INTO session_input(id, session_id, seq, payload, time_created)"
+            " VALUES ('in', 's', 1, '{\"a\": 1}', 0)"
+        )
+        report = await rt.recover_once()
+        await rt.wait_idle("s")
+    assert report == RecoveryReport(examined=1, doorbells_started=1)
+    assert drain.taken == ["in"] and drain.calls[0].resumed is False
+
+
+async def test_exclusions_never_use_the_budget(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """Quarantined rows, rows under another owner's live recovery lease and sessions held
+    locally are excluded in SQL: with a budget of one, the valid row behind them is
+    examined."""
+    raw = Raw(db_path)
+    drain = Recorder()
+    local_gate = trio.Event()
+
+    async def gated(ctx: DrainContext) -> None:
+        if ctx.session_id == "local":
+            await local_gate.wait()
+        else:
+            await drain(ctx)
+
+    async with runtime(store, gated, clock, recovery_batch=1, **QUIET) as rt:
+        oldest = expired(clock, 10_000)
+        raw.seed_claim("quarantined", "q-exec", expires_at=oldest)
+        raw.write(
+            "INSERT INTO session_recovery(execution_id, session_id, owner_id, expires_at,"
+            " recovery_error, time_created, time_quarantined)"
+            " VALUES ('q-exec', 'quarantined', 'x', 0, 'bad', 0, 0)"
+        )
+        raw.seed_claim("leased", "l-exec", expires_at=oldest + 1)
+        raw.write(
+            "INSERT INTO session_recovery(execution_id, session_id, owner_id, expires_at,"
+            " time_created) VALUES ('l-exec', 'leased', 'other-recoverer', ?, 0)",
+            (now_ms(clock) + 60_000,),
+        )
+        await rt.wake("local")
+        await trio.testing.wait_all_tasks_blocked()
+        raw.write(
+            "UPDATE session_execution SET expires_at = ? WHERE session_id = 'local'", (oldest + 2,)
+        )
+        raw.seed_claim("valid", "v-exec", expires_at=oldest + 3)
+        report = await rt.recover_once()
+        await rt.wait_idle("valid")
+        local_gate.set()
+    assert report == RecoveryReport(examined=1, resumed=1)
+    assert [c.session_id for c in drain.calls] == ["valid"]
+
+
+async def test_poison_rows_do_not_starve_valid_work(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """300 older malformed projections are quarantined across three passes of 100; after
+    one scan interval the valid claim 301 progresses on the fourth pass (invariant 11)."""
+    raw = Raw(db_path)
+    drain = Recorder()
+    async with runtime(store, drain, clock, **QUIET) as rt:
+        base = expired(clock, 100_000)
+        conn = sqlite3.connect(db_path)
+        with conn:
+            for index in range(300):
+                conn.execute("INSERT INTO session(id, time_created) VALUES (?, 0)", (f"p{index}",))
+                conn.execute(
+                    "INSERT INTO session_execution(id, session_id, owner_id, phase,"
+                    " time_created, expires_at) VALUES (?, ?, 'dead', 'running', 0, ?)",
+                    (f"pe{index}", f"p{index}", base + index),
+                )
+                conn.execute(
+                    "INSERT INTO session_message(id, session_id, execution_id, role, seq,"
+                    " data, time_created, time_updated) VALUES (?, ?, ?, 'assistant', 1, ?, 0, 0)",
+                    (f"pm{index}", f"p{index}", f"pe{index}", MALFORMED),
+                )
+        conn.close()
+        raw.seed_claim("valid", "v-exec", expires_at=base + 300)
+        reports = []
+        for _ in range(4):
+            reports.append(await rt.recover_once())
+            await trio.sleep(5.0)
+        await rt.wait_idle("valid")
+    assert [r.quarantined for r in reports] == [100, 100, 100, 0]
+    assert reports[3] == RecoveryReport(examined=1, resumed=1)
+    assert [c.session_id for c in drain.calls] == ["valid"]
+
+
+async def test_two_runtimes_recover_each_claim_exactly_once(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """Two runtimes recovering the same 30 expired claims at once resume each exactly once."""
+    raw = Raw(db_path)
+    resumed: list[str] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        if ctx.resumed:
+            resumed.append(ctx.session_id)
+        await trio.sleep(1)
+
+    async with (
+        runtime(store, drain, clock, **QUIET) as a,
+        runtime(store, drain, clock, **QUIET) as b,
+    ):
+        for index in range(30):
+            raw.seed_claim(f"s{index}", f"e{index}", expires_at=expired(clock, 1000 - index))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(a.recover_once)
+            nursery.start_soon(b.recover_once)
+            nursery.start_soon(a.recover_once)
+            nursery.start_soon(b.recover_once)
+        for index in range(30):
+            await a.wait_idle(f"s{index}")
+            await b.wait_idle(f"s{index}")
+    assert sorted(resumed) == sorted(f"s{index}" for index in range(30))
+
+
+async def test_release_quarantine_drop(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """resume=False finishes the transcript as owner-lost where it can, deletes the claim,
+    resets attempts and re-arms the doorbell for remaining inputs."""
+    raw = Raw(db_path)
+    drain = Recorder()
+    async with runtime(store, drain, clock, **QUIET) as rt:
+        raw.seed_claim("s", "poison", expires_at=expired(clock), wake_attempts=2)
+        raw.seed_assistant("s", "poison", 1, MALFORMED)
+        raw.write(
+            "INSERT INTO session_input(id, session_id, seq, payload, time_created)"
+            " VALUES ('left', 's', 1, '{}', 0)"
+        )
+        await rt.recover_once()
+        with pytest.raises(ValueError, match="not quarantined"):
+            await rt.release_quarantine("no-such-execution", resume=False)
+        await rt.release_quarantine("poison", resume=False)
+        assert raw.claim("s") is None
+        assert raw.rows("SELECT * FROM session_recovery") == []
+        assert raw.one("SELECT wake_attempts, time_woken IS NOT NULL FROM session") == (0, 1)
+        report = await rt.recover_once()
+        await rt.wait_idle("s")
+    assert report.doorbells_started == 1
+    assert drain.taken == ["left"]
+
+
+async def test_release_quarantine_resume_after_repair(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """resume=True on a repaired row recovers it at once, counting toward the budget."""
+    raw = Raw(db_path)
+    drain = Recorder()
+    async with runtime(store, drain, clock, **QUIET) as rt:
+        raw.seed_claim("s", "poison", expires_at=expired(clock))
+        message_id = raw.seed_assistant("s", "poison", 1, MALFORMED)
+        await rt.recover_once()
+        raw.write(
+            "UPDATE session_message SET data = ? WHERE id = ?",
+            ('{"parts": [], "finished": false, "error": null}', message_id),
+        )
+        await rt.release_quarantine("poison", resume=True)
+        await rt.wait_idle("s")
+    assert len(drain.calls) == 1 and drain.calls[0].resumed and drain.calls[0].attempt == 1
+
+
+async def test_release_quarantine_resume_still_malformed(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """resume=True on a row that is still malformed quarantines it again and raises."""
+    raw = Raw(db_path)
+    drain = Recorder()
+    async with runtime(store, drain, clock, **QUIET) as rt:
+        raw.seed_claim("s", "poison", expires_at=expired(clock))
+        raw.seed_assistant("s", "poison", 1, MALFORMED)
+        await rt.recover_once()
+        with pytest.raises(MalformedRecord) as caught:
+            await rt.release_quarantine("poison", resume=True)
+        assert "expected bool" in str(caught.value)
+        assert not isinstance(caught.value, BaseExceptionGroup)
+    assert drain.calls == []
+    assert raw.one("SELECT recovery_error IS NOT NULL FROM session_recovery") == (1,)
+
+
+async def test_shutdown_claim_is_resumed_by_next_owner(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """A claim kept at shutdown (lease expired at once) is resumed by the next runtime's
+    first pass, and the resume counts toward wake_attempts."""
+    first = Recorder()
+    first.hold()
+    async with runtime(store, first, clock, **QUIET) as rt:
+        await rt.wake("s")
+        await first.entered.wait()
+    second = Recorder()
+    async with runtime(store, second, clock, **QUIET) as rt:
+        await rt.wait_idle("s")
+    assert len(second.calls) == 1 and second.calls[0].resumed and second.calls[0].attempt == 1

@@ -1,0 +1,280 @@
+"""Bad arguments to the public API raise ValueError/TypeError before any write: the database
+file (main file and WAL) is byte-for-byte unchanged, and `open_runtime` refuses bad
+configuration before it creates anything.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+import trio_sessions
+from trio_sessions import DrainContext, Runtime, _store, testing
+
+Call = Callable[[Runtime], Awaitable[Any]]
+
+
+async def idle_drain(ctx: DrainContext) -> None:
+    raise AssertionError("no drain may start from a rejected call")
+
+
+def file_bytes(path: Path) -> tuple[bytes, bytes | None]:
+    wal = path.with_name(path.name + "-wal")
+    return path.read_bytes(), (wal.read_bytes() if wal.exists() else None)
+
+
+def populate(path: Path) -> None:
+    """An idle session with history (a taken input and a finished claim): nothing pending,
+    so opening a runtime on it starts no work."""
+    conn = _store.connect(path)
+    try:
+        _store.run_op(conn, time.time, _store.submit, "existing", '{"n": 1}', "in-1")
+        _store.run_op(conn, time.time, _store.acquire, "existing", "exec-1", "owner", 30_000)
+        _store.run_op(conn, time.time, _store.take_inputs, "exec-1", "owner")
+        assert _store.run_op(conn, time.time, _store.finish_iteration, "exec-1", "owner") is False
+    finally:
+        conn.close()
+
+
+class NotJson:
+    pass
+
+
+def nested(depth: int) -> dict[str, Any]:
+    value: dict[str, Any] = {}
+    for _ in range(depth):
+        value = {"a": value}
+    return value
+
+
+LONG_ID = "x" * 201
+BAD_IDS: list[Any] = [
+    pytest.param("", ValueError, id="empty"),
+    pytest.param(LONG_ID, ValueError, id="201-chars"),
+    pytest.param("a\x00b", ValueError, id="nul"),
+    pytest.param("line\nbreak", ValueError, id="newline"),
+    pytest.param("tab\t", ValueError, id="tab"),
+    pytest.param(42, TypeError, id="int"),
+    pytest.param(None, TypeError, id="none"),
+    pytest.param(b"bytes", TypeError, id="bytes"),
+]
+
+SESSION_METHODS: dict[str, Callable[[Runtime, Any], Awaitable[Any]]] = {
+    "submit": lambda rt, s: rt.submit(s, {"n": 1}),
+    "wake": lambda rt, s: rt.wake(s),
+    "run": lambda rt, s: rt.run(s),
+    "interrupt": lambda rt, s: rt.interrupt(s),
+    "transcript": lambda rt, s: rt.transcript(s),
+    "wait_idle": lambda rt, s: rt.wait_idle(s),
+}
+
+BAD_CALLS: list[Any] = [
+    pytest.param(lambda rt: rt.submit("s", ["not", "a", "dict"]), TypeError, id="payload-list"),
+    pytest.param(lambda rt: rt.submit("s", "text"), TypeError, id="payload-str"),
+    pytest.param(lambda rt: rt.submit("s", None), TypeError, id="payload-none"),
+    pytest.param(lambda rt: rt.submit("s", {"a": {1, 2}}), TypeError, id="payload-set"),
+    pytest.param(
+        lambda rt: rt.submit("s", {"a": float("nan")}), (TypeError, ValueError), id="payload-nan"
+    ),
+    pytest.param(
+        lambda rt: rt.submit("s", {"a": float("inf")}), (TypeError, ValueError), id="payload-inf"
+    ),
+    pytest.param(lambda rt: rt.submit("s", {"a": NotJson()}), TypeError, id="payload-object"),
+    pytest.param(lambda rt: rt.submit("s", {("t",): 1}), TypeError, id="payload-tuple-key"),
+    pytest.param(
+        lambda rt: rt.submit("existing", {}, input_id=""), ValueError, id="input-id-empty"
+    ),
+    pytest.param(
+        lambda rt: rt.submit("existing", {}, input_id=LONG_ID), ValueError, id="input-id-long"
+    ),
+    pytest.param(
+        lambda rt: rt.submit("existing", {}, input_id="a\nb"), ValueError, id="input-id-newline"
+    ),
+    pytest.param(lambda rt: rt.submit("existing", {}, input_id=7), TypeError, id="input-id-int"),
+    pytest.param(
+        lambda rt: rt.interrupt("existing", reason="lease_lost"), ValueError, id="reason-lease-lost"
+    ),
+    pytest.param(
+        lambda rt: rt.interrupt("existing", reason="bogus"), ValueError, id="reason-bogus"
+    ),
+    pytest.param(lambda rt: rt.interrupt("existing", reason=None), ValueError, id="reason-none"),
+    pytest.param(lambda rt: rt.release_quarantine(5, resume=True), TypeError, id="release-int-id"),
+    pytest.param(
+        lambda rt: rt.release_quarantine("exec-1", resume="yes"), TypeError, id="release-str-resume"
+    ),
+    pytest.param(
+        lambda rt: rt.release_quarantine("exec-1", resume=False),
+        ValueError,
+        id="release-not-quarantined",
+    ),
+]
+
+
+async def assert_rejected_without_writes(
+    db_path: Path, call: Call, error: type[BaseException] | tuple[type[BaseException], ...]
+) -> None:
+    populate(db_path)
+    async with trio_sessions.open_runtime(testing.inline_store(db_path), idle_drain) as runtime:
+        before = file_bytes(db_path)
+        with pytest.raises(error):
+            await call(runtime)
+        assert file_bytes(db_path) == before
+        assert runtime.active_sessions() == frozenset()
+
+
+@pytest.mark.parametrize(("session_id", "error"), BAD_IDS)
+@pytest.mark.parametrize("method", sorted(SESSION_METHODS))
+async def test_bad_session_id_is_rejected_before_any_write(
+    db_path: Path, method: str, session_id: Any, error: type[BaseException]
+) -> None:
+    """Every session-taking method rejects an empty, too long, non-printable or non-str id with
+    ValueError/TypeError, and the database file bytes do not change."""
+    await assert_rejected_without_writes(
+        db_path, lambda rt: SESSION_METHODS[method](rt, session_id), error
+    )
+
+
+@pytest.mark.parametrize(("call", "error"), BAD_CALLS)
+async def test_bad_argument_is_rejected_before_any_write(
+    db_path: Path, call: Call, error: type[BaseException]
+) -> None:
+    """Non-dict or non-JSON payloads, bad input ids, bad interrupt reasons and bad quarantine
+    arguments raise ValueError/TypeError and leave the database file bytes unchanged."""
+    await assert_rejected_without_writes(db_path, call, error)
+
+
+async def test_session_id_of_200_printable_chars_is_accepted(db_path: Path) -> None:
+    """The boundary is inclusive: a 200-character printable id (non-ASCII too) is a valid key."""
+
+    async def leave_inputs(ctx: DrainContext) -> None:
+        pass
+
+    populate(db_path)
+    async with trio_sessions.open_runtime(testing.inline_store(db_path), leave_inputs) as runtime:
+        session_id = "é" * 200
+        assert await runtime.submit(session_id, {"n": 1}, input_id="i" * 200) == "i" * 200
+        await runtime.wait_idle(session_id)
+    conn = _store.connect(db_path)
+    try:
+        assert conn.execute("SELECT id FROM session_input").fetchall() == [("i" * 200,)]
+    finally:
+        conn.close()
+
+
+def test_deeply_nested_payload_is_a_value_or_type_error(db_path: Path) -> None:
+    """A payload too deep to encode is rejected as a bad argument, not with RecursionError."""
+    # trio.run directly (not pytest-trio) so an escaping exception is not wrapped in a group.
+    trio.run(
+        assert_rejected_without_writes,
+        db_path,
+        lambda rt: rt.submit("s", nested(100_000)),
+        (TypeError, ValueError),
+    )
+
+
+def test_non_string_payload_key_is_rejected(db_path: Path) -> None:
+    """A payload whose keys are not strings is not a JSON object and is rejected."""
+    trio.run(
+        assert_rejected_without_writes, db_path, lambda rt: rt.submit("s", {1: "a"}), TypeError
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# open_runtime configuration
+
+BAD_CONFIG: list[Any] = [
+    pytest.param({"lease": 0}, ValueError, id="lease-zero"),
+    pytest.param({"lease": -1.0}, ValueError, id="lease-negative"),
+    pytest.param({"lease": float("nan")}, ValueError, id="lease-nan"),
+    pytest.param({"lease": float("inf")}, ValueError, id="lease-inf"),
+    pytest.param({"lease": "30"}, TypeError, id="lease-str"),
+    pytest.param({"lease": True}, TypeError, id="lease-bool"),
+    pytest.param({"lease": 10.0, "heartbeat_interval": 10.0}, ValueError, id="heartbeat-equal"),
+    pytest.param({"lease": 10.0, "heartbeat_interval": 11.0}, ValueError, id="heartbeat-longer"),
+    pytest.param({"heartbeat_interval": 0}, ValueError, id="heartbeat-zero"),
+    pytest.param({"heartbeat_interval": -5}, ValueError, id="heartbeat-negative"),
+    pytest.param({"recovery_interval": 0}, ValueError, id="recovery-interval-zero"),
+    pytest.param({"recovery_interval": None}, TypeError, id="recovery-interval-none"),
+    pytest.param({"recovery_batch": 0}, ValueError, id="recovery-batch-zero"),
+    pytest.param({"recovery_batch": -1}, ValueError, id="recovery-batch-negative"),
+    pytest.param({"recovery_batch": 1.5}, TypeError, id="recovery-batch-float"),
+    pytest.param({"recovery_batch": True}, TypeError, id="recovery-batch-bool"),
+    pytest.param({"max_resumes": -1}, ValueError, id="max-resumes-negative"),
+    pytest.param({"max_resumes": "3"}, TypeError, id="max-resumes-str"),
+    pytest.param({"owner_id": ""}, ValueError, id="owner-empty"),
+    pytest.param({"owner_id": "a\nb"}, ValueError, id="owner-newline"),
+    pytest.param({"owner_id": 3}, TypeError, id="owner-int"),
+    pytest.param({"clock": 1.0}, TypeError, id="clock-not-callable"),
+    pytest.param({"acquisition_hook": "hook"}, TypeError, id="hook-not-callable"),
+]
+
+
+def created_files(tmp_path: Path) -> list[str]:
+    return sorted(p.name for p in tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(("options", "error"), BAD_CONFIG)
+async def test_open_runtime_rejects_bad_configuration_before_creating_anything(
+    tmp_path: Path, options: dict[str, Any], error: type[BaseException]
+) -> None:
+    """lease <= 0, heartbeat >= lease, bad intervals, batch sizes, budgets, owner ids, clocks
+    or hooks raise ValueError/TypeError and no database file is created."""
+    path = tmp_path / "never.db"
+    with pytest.raises(error):
+        async with trio_sessions.open_runtime(testing.inline_store(path), idle_drain, **options):
+            pytest.fail("the runtime must not open")
+    assert created_files(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    ("store", "drain", "error"),
+    [
+        pytest.param(42, idle_drain, TypeError, id="store-int"),
+        pytest.param(None, idle_drain, TypeError, id="store-none"),
+        pytest.param("unused.db", "not callable", TypeError, id="drain-not-callable"),
+    ],
+)
+async def test_open_runtime_rejects_bad_store_or_drain(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    store: Any,
+    drain: Any,
+    error: type[BaseException],
+) -> None:
+    """A store that is neither a path nor a Store, or a drain that is not callable, is refused
+    before anything is created."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(error):
+        async with trio_sessions.open_runtime(store, drain):
+            pytest.fail("the runtime must not open")
+    assert created_files(tmp_path) == []
+
+
+async def test_bad_configuration_leaves_an_existing_file_unchanged(db_path: Path) -> None:
+    """Refusing a configuration never touches an existing database."""
+    populate(db_path)
+    before = file_bytes(db_path)
+    with pytest.raises(ValueError, match="heartbeat"):
+        async with trio_sessions.open_runtime(
+            testing.inline_store(db_path), idle_drain, lease=5.0, heartbeat_interval=6.0
+        ):
+            pytest.fail("the runtime must not open")
+    assert file_bytes(db_path) == before
+
+
+def test_lease_below_one_millisecond_is_rejected(tmp_path: Path) -> None:
+    """A lease that truncates to 0 ms is as unusable as lease=0 and is rejected the same way."""
+
+    async def main() -> None:
+        with pytest.raises(ValueError, match="lease"):
+            async with trio_sessions.open_runtime(
+                testing.inline_store(tmp_path / "x.db"), idle_drain, lease=0.0004
+            ):
+                pass
+
+    trio.run(main)
