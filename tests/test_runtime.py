@@ -443,20 +443,27 @@ async def test_runtime_closing_during_handoff_retains_claim(
     assert drain.calls == []
 
 
-async def test_prospective_interrupt_before_commit(
-    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+async def test_interrupt_while_the_claim_commits(
+    db_path: Path, clock: Clock, autojump_clock: MockClock
 ) -> None:
-    """An interrupt accepted while the claim is only prospective (registered, not yet
-    committed) returns True; the claim then commits inside the shield, is cleaned, and the
-    drain never starts."""
+    """An interrupt that arrives while the wake's claim transaction commits is accepted;
+    the claim is cleaned and the drain never starts (invariant 6)."""
     drain = Recorder()
-    async with runtime(store, drain, clock) as rt:
-        await rt.wake("s")
-        # wake() registered the prospective claim and returned without a checkpoint: the
-        # acquisition task has not run yet.
-        assert rt.is_active("s") and Raw(db_path).claim("s") is None
-        assert await rt.interrupt("s") is True
-        await rt.wait_idle("s")
+    accepted: list[bool] = []
+    holder: list[trio_sessions.Runtime] = []
+
+    async def interrupt() -> None:
+        accepted.append(await holder[0].interrupt("s"))
+
+    trigger = _TriggerOnStatement("INSERT INTO session_execution", interrupt)
+    async with trio.open_nursery() as nursery:
+        trigger.nursery = nursery
+        store = Store(db_path, inline=True, wrap_connection=trigger.wrap)
+        async with runtime(store, drain, clock) as rt:
+            holder.append(rt)
+            await rt.wake("s")
+            await rt.wait_idle("s")
+    assert accepted == [True]
     assert drain.calls == []
     assert Raw(db_path).claim("s") is None
 
@@ -599,13 +606,14 @@ async def test_interrupt_with_untaken_inputs_rearms_doorbell(
 ) -> None:
     """Inputs whose doorbell the claim already took, left untaken by an interrupted drain,
     re-arm the doorbell so exactly one successor takes them (invariant 16)."""
+    async with trio_sessions.open_runtime(store, None, clock=clock) as producer:
+        await producer.submit("s", {"n": 1}, input_id="i1")
+        await producer.submit("s", {"n": 2}, input_id="i2")
     drain = Recorder()
     drain.take_inputs = False
     drain.hold()
     async with runtime(store, drain, clock) as rt:
-        await rt.submit("s", {"n": 1}, input_id="i1")
-        await rt.submit("s", {"n": 2}, input_id="i2")
-        await drain.entered.wait()
+        await drain.entered.wait()  # the first recovery pass acquired the doorbell
         assert Raw(db_path).rows("SELECT time_woken FROM session") == [(None,)]
         drain.take_inputs = True
         drain.gate = None

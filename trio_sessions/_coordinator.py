@@ -92,6 +92,10 @@ class SessionEntry:
             self.successor.merge_into(self.current)
             self.successor = None
 
+    def finishing(self) -> bool:
+        """A transaction that may release the claim is in flight."""
+        return self.deciding and self.owned
+
     def rung_since_decision(self) -> bool:
         return self.rings > self.rings_seen
 

@@ -3,8 +3,14 @@
 `ThreadExecutor` (production) hands operations to a worker thread and groups every
 operation that arrives while a hand-off is in flight into the next transaction (group
 commit): a trio -> thread hand-off costs more than a whole SQLite cycle on our machines, so
-concurrent operations share one. `InlineExecutor` (tests) runs each operation on the trio
-thread, so virtual time never jumps while SQLite works.
+concurrent operations share one. When nothing is queued, nothing is in flight and no other
+task is waiting to run (a lone caller: the group would be just itself), it instead runs the
+operation on the trio thread on a second connection that never waits: if the write lock is
+not free at once, the operation takes the thread path. That connection never checkpoints
+(a checkpoint may fsync); the worker does, every `CHECKPOINT_EVERY` inline commits. With
+WAL and synchronous=NORMAL a commit does not fsync, so the event loop never blocks on a
+lock or a disk flush. `InlineExecutor` (tests) runs each operation on the trio thread, so
+virtual time never jumps while SQLite works.
 
 Invariant, both executors: an operation that has begun is never abandoned. If its caller is
 cancelled while it is queued, it is withdrawn unrun; once taken, the caller waits for it (as
@@ -23,9 +29,12 @@ import attrs
 import trio
 
 from ._errors import StoreError
-from ._store import Job, run_batch
+from ._store import Job, checkpoint, run_batch, try_run_batch
 
 T = TypeVar("T")
+
+# WAL grows by a few pages per commit; checkpoint well before SQLite's own 1000-page mark.
+CHECKPOINT_EVERY = 200
 
 
 class Executor(Protocol):
@@ -63,11 +72,15 @@ class ThreadExecutor:
 
     conn: sqlite3.Connection
     clock: Callable[[], float]
+    inline_conn: sqlite3.Connection | None = None
     _queue: list[_Queued] = attrs.Factory(list)
     _work: trio.Event = attrs.Factory(trio.Event)
     _closed: bool = False
+    _in_flight: bool = False
     _limiter: trio.CapacityLimiter = attrs.Factory(lambda: trio.CapacityLimiter(1))
+    _inline_since_checkpoint: int = 0
     handoffs: int = 0
+    inline_runs: int = 0
 
     async def run(self, op: Callable[..., T], *args: Any) -> T:
         # Cancellation first: a caller cancelled while the runtime closes sees Cancelled,
@@ -75,6 +88,14 @@ class ThreadExecutor:
         await trio.lowlevel.checkpoint_if_cancelled()
         if self._closed:
             raise StoreError("the store executor is closed")
+        if self._lone_caller():
+            job = Job(op, args)
+            assert self.inline_conn is not None
+            if try_run_batch(self.inline_conn, self.clock, [job]):
+                self._count_inline_commit()
+                await trio.lowlevel.cancel_shielded_checkpoint()
+                inline_result: T = job.unwrap()
+                return inline_result
         queued = _Queued(Job(op, args))
         self._queue.append(queued)
         self._work.set()
@@ -91,12 +112,35 @@ class ThreadExecutor:
         result: T = queued.job.unwrap()
         return result
 
+    def _lone_caller(self) -> bool:
+        return (
+            self.inline_conn is not None
+            and not self._queue
+            and not self._in_flight
+            and trio.lowlevel.current_statistics().tasks_runnable == 0
+        )
+
+    def _count_inline_commit(self) -> None:
+        self.inline_runs += 1
+        self._inline_since_checkpoint += 1
+        if self._inline_since_checkpoint >= CHECKPOINT_EVERY:
+            self._inline_since_checkpoint = 0
+            self._checkpoint_due = True
+            self._work.set()
+
+    _checkpoint_due: bool = False
+
     async def pump(self) -> None:
         """Feed the worker: every operation queued during a hand-off joins the next one."""
         try:
             while True:
                 await self._work.wait()
                 self._work = trio.Event()
+                if self._checkpoint_due:
+                    self._checkpoint_due = False
+                    # Not in flight: a PASSIVE checkpoint never holds the write lock, so
+                    # inline transactions carry on meanwhile.
+                    await trio.to_thread.run_sync(checkpoint, self.conn, limiter=self._limiter)
                 batch, self._queue = self._queue, []
                 if not batch:
                     continue
@@ -104,11 +148,13 @@ class ThreadExecutor:
                     queued.taken = True
                 jobs = [queued.job for queued in batch]
                 self.handoffs += 1
+                self._in_flight = True
                 try:
                     await trio.to_thread.run_sync(
                         run_batch, self.conn, self.clock, jobs, limiter=self._limiter
                     )
                 finally:
+                    self._in_flight = False
                     for queued in batch:
                         queued.done.set()
         finally:
@@ -121,10 +167,16 @@ class ThreadExecutor:
 
 @asynccontextmanager
 async def open_thread_executor(
-    conn: sqlite3.Connection, clock: Callable[[], float]
+    conn: sqlite3.Connection,
+    clock: Callable[[], float],
+    *,
+    inline_conn: sqlite3.Connection | None = None,
 ) -> AsyncIterator[ThreadExecutor]:
-    """A `ThreadExecutor` whose pump lives in its own nursery, for the block's duration."""
-    executor = ThreadExecutor(conn, clock)
+    """A `ThreadExecutor` whose pump lives in its own nursery, for the block's duration.
+
+    `inline_conn` (from `_store.connect_nonblocking`) enables the lone-caller fast path.
+    """
+    executor = ThreadExecutor(conn, clock, inline_conn=inline_conn)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(executor.pump)
         try:

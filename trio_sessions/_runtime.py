@@ -185,8 +185,9 @@ class Runtime:
         validate_session_id(session_id)
         text = _codec.check_json_object(payload, "payload")
         input_id = _validate_input_id(input_id)
-        stored = await self._db.run(_store.submit, session_id, text, input_id)
-        self._ring(session_id)
+        stored, _ = await self._signal(
+            session_id, (_store.submit, _store.submit_and_acquire), session_id, text, input_id
+        )
         return stored
 
     async def wake(self, session_id: str) -> None:
@@ -195,8 +196,7 @@ class Runtime:
         Wakes coalesce: N wakes during a drain cause one more drain iteration.
         """
         validate_session_id(session_id)
-        await self._db.run(_store.wake, session_id)
-        self._ring(session_id)
+        await self._signal(session_id, (_store.wake, _store.wake_and_acquire), session_id)
 
     async def run(self, session_id: str) -> Outcome:
         """Wake the session and wait for the outcome of the execution that takes the wake.
@@ -206,12 +206,13 @@ class Runtime:
         """
         validate_session_id(session_id)
         entry = self._entries.get(session_id)
-        if entry is not None and not entry.deciding:
-            # Running here, and its finish has not begun: join it without forcing another
-            # iteration. (Once a finish transaction is in flight, a wake is needed.)
+        if entry is not None and not entry.finishing():
+            # Acquiring or running here: join it without forcing another iteration. (Once
+            # its finish transaction is in flight, only a new wake can reach it.)
             return await entry.current.wait()
-        await self._db.run(_store.wake, session_id)
-        execution = self._ring(session_id)
+        _, execution = await self._signal(
+            session_id, (_store.wake, _store.wake_and_acquire), session_id
+        )
         if execution is None:
             return Outcome("deferred")
         return await execution.wait()
@@ -292,6 +293,45 @@ class Runtime:
 
     # -- local registry -----------------------------------------------------------------------
 
+    async def _signal(
+        self, session_id: str, ops: tuple[Callable[..., Any], Callable[..., Any]], *args: Any
+    ) -> tuple[Any, Execution | None]:
+        """Run a durable wake (`ops[0]`), then ring the local execution that will take it.
+
+        For a session idle here, the prospective exact claim is registered before any I/O
+        and the acquire joins the wake's transaction: one transaction instead of two. The
+        executor never abandons a transaction it started, so once it returns, the claim
+        commit, the registration flip and the finalizer installation (handing the owned
+        entry to its task) happen with no checkpoint between them; if the caller is
+        cancelled before the transaction starts, nothing was written and the prospective
+        registration is dropped.
+        """
+        wake_only, wake_and_acquire = ops
+        if session_id in self._entries or self._closing or self._drain is None:
+            result = await self._db.run(wake_only, *args)
+            return result, self._ring(session_id)
+        entry = self._register(session_id)
+        entry.begin_deciding()
+        try:
+            result, acquired = await self._db.run(
+                wake_and_acquire, *args, entry.execution_id, self._owner_id, self._lease_ms
+            )
+        except BaseException:
+            self._release_or_acquire(entry)
+            raise
+        if acquired.verdict is AcquireVerdict.CLAIM:
+            self._own(entry, attempt=acquired.attempt, resumed=False)
+            entry.keep_going()
+            self._nursery.start_soon(self._busy_period, entry)
+        elif entry.rung_since_decision() and not self._closing:
+            entry.start_successor(_store.new_id())
+            self._nursery.start_soon(self._busy_period, entry)
+        else:
+            execution = entry.current
+            self._release(entry, Outcome("deferred"))
+            return result, execution
+        return result, entry.current
+
     def _ring(self, session_id: str) -> Execution | None:
         """After a durable wake: ring the local entry, or register one and start acquiring."""
         entry = self._entries.get(session_id)
@@ -300,7 +340,7 @@ class Runtime:
         if self._closing or self._drain is None:
             return None
         entry = self._register(session_id)
-        self._nursery.start_soon(self._busy_period, entry, None)
+        self._nursery.start_soon(self._busy_period, entry)
         return entry.current
 
     def _register(self, session_id: str) -> SessionEntry:
@@ -320,27 +360,25 @@ class Runtime:
 
     # -- one busy period ----------------------------------------------------------------------
 
-    async def _busy_period(self, entry: SessionEntry, recovered: _store.Recovered | None) -> None:
+    async def _busy_period(self, entry: SessionEntry) -> None:
+        """One busy period: this claim (already owned, or acquired here) and its successors."""
         outcome = Outcome("deferred")
         try:
             while True:
-                outcome, successor_due = await self._one_claim(entry, recovered)
-                recovered = None
+                outcome, successor_due = await self._one_claim(entry)
                 if not successor_due or self._closing or self._crashed:
                     break
                 entry.start_successor(_store.new_id())
         finally:
             self._release(entry, outcome)
 
-    async def _one_claim(
-        self, entry: SessionEntry, recovered: _store.Recovered | None
-    ) -> tuple[Outcome, bool]:
+    async def _one_claim(self, entry: SessionEntry) -> tuple[Outcome, bool]:
         """Acquire (or take over a recovered claim), drain, finalize. Returns the outcome
         and whether a successor acquisition is due."""
         ending: _Ending | None = None
         try:
             with entry.scope:
-                ending = await self._claim_and_drain(entry, recovered)
+                ending = await self._claim_and_drain(entry)
         except Exception as exc:  # a drain's ExceptionGroup once our Cancelled was removed
             ending = _Ending("failed", error=exc)
         if ending is None:
@@ -349,10 +387,8 @@ class Runtime:
         entry.current.resolve(outcome)
         return outcome, successor_due
 
-    async def _claim_and_drain(
-        self, entry: SessionEntry, recovered: _store.Recovered | None
-    ) -> _Ending:
-        if recovered is None:
+    async def _claim_and_drain(self, entry: SessionEntry) -> _Ending:
+        if not entry.owned:
             entry.begin_deciding()
             # Shielded: the claim commit, the registration flip and the finalizer
             # installation (entry.owned is what the finalizer acts on) happen together or
@@ -582,7 +618,7 @@ class Runtime:
                 continue  # became busy locally since the scan; its own claim rules apply
             entries.append((candidate, self._register(candidate.session_id)))
         counts: dict[str, int] = {}
-        resumed: list[tuple[SessionEntry, _store.Recovered]] = []
+        resumed: list[SessionEntry] = []
         try:
             # Shielded: the takeover commit and the registration flips happen together.
             with trio.CancelScope(shield=True):
@@ -599,20 +635,20 @@ class Runtime:
                     if result.decision is RecoveryDecision.RESUME and not result.fence_lost:
                         self._own(entry, attempt=result.attempt, resumed=True)
                         entry.keep_going()
-                        resumed.append((entry, result))
+                        resumed.append(entry)
         finally:
             for _, entry in entries:
                 if not entry.owned:
                     self._release_or_acquire(entry)
-        for entry, result in resumed:
-            self._nursery.start_soon(self._busy_period, entry, result)
+        for entry in resumed:
+            self._nursery.start_soon(self._busy_period, entry)
         return RecoveryReport(**{k: v for k, v in counts.items() if k != "ignored"})
 
     def _release_or_acquire(self, entry: SessionEntry) -> None:
         """A prospective recovery entry that did not take over: a ring that reached it
         meanwhile still gets its acquisition."""
         if entry.rings and not self._closing:
-            self._nursery.start_soon(self._busy_period, entry, None)
+            self._nursery.start_soon(self._busy_period, entry)
         else:
             self._release(entry, Outcome("deferred"))
 
@@ -889,7 +925,15 @@ async def _open_executor(store: Store, clock: Callable[[], float]) -> AsyncItera
         return
     conn = await trio.to_thread.run_sync(_store.connect, store.path)
     try:
-        async with open_thread_executor(_wrapped(store, conn), clock) as executor:
+        inline_conn = _store.connect_nonblocking(store.path)
+    except BaseException:
+        conn.close()
+        raise
+    try:
+        async with open_thread_executor(
+            _wrapped(store, conn), clock, inline_conn=_wrapped(store, inline_conn)
+        ) as executor:
             yield executor
     finally:
+        inline_conn.close()
         conn.close()

@@ -52,6 +52,9 @@ T = TypeVar("T")
 
 SCHEMA_VERSION = 1
 
+# The small, hot tables are WITHOUT ROWID: keyed by their text primary key directly, each
+# write touches one b-tree less (fewer WAL pages per commit). Messages keep a rowid: their
+# rows are large.
 _MIGRATIONS: dict[int, str] = {
     1: """
 CREATE TABLE session(
@@ -62,7 +65,7 @@ CREATE TABLE session(
     wake_attempts INTEGER NOT NULL DEFAULT 0
         CONSTRAINT session_wake_attempts_check CHECK (wake_attempts >= 0),
     input_seq INTEGER NOT NULL DEFAULT 0
-);
+) WITHOUT ROWID;
 CREATE INDEX session_time_woken ON session(time_woken) WHERE time_woken IS NOT NULL;
 CREATE TABLE session_input(
     id TEXT PRIMARY KEY,
@@ -71,7 +74,7 @@ CREATE TABLE session_input(
     payload TEXT NOT NULL,
     time_created INTEGER NOT NULL,
     UNIQUE(session_id, seq)
-);
+) WITHOUT ROWID;
 CREATE TABLE session_execution(
     id TEXT PRIMARY KEY,
     session_id TEXT NOT NULL UNIQUE REFERENCES session(id) ON DELETE CASCADE,
@@ -82,7 +85,7 @@ CREATE TABLE session_execution(
     time_created INTEGER NOT NULL,
     heartbeat_at INTEGER,
     expires_at INTEGER NOT NULL
-);
+) WITHOUT ROWID;
 CREATE INDEX session_execution_expires_at ON session_execution(expires_at);
 CREATE TABLE session_recovery(
     execution_id TEXT PRIMARY KEY,
@@ -92,7 +95,7 @@ CREATE TABLE session_recovery(
     recovery_error TEXT,
     time_created INTEGER NOT NULL,
     time_quarantined INTEGER
-);
+) WITHOUT ROWID;
 CREATE TABLE session_message(
     id TEXT PRIMARY KEY,
     session_id TEXT NOT NULL REFERENCES session(id) ON DELETE CASCADE,
@@ -287,6 +290,43 @@ def run_batch(conn: sqlite3.Connection, clock: Callable[[], float], jobs: list[J
         for job in jobs:
             job.error = _store_error(exc)
         return
+    _run_jobs(conn, clock, jobs)
+
+
+def try_run_batch(conn: sqlite3.Connection, clock: Callable[[], float], jobs: list[Job]) -> bool:
+    """Like `run_batch`, but only if the write lock is free right now: False, with nothing
+    run, when another connection holds it. Never waits (the connection's busy timeout is
+    expected to be 0), so it is safe to call on the event loop."""
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+    except sqlite3.OperationalError as exc:
+        if _is_locked(exc):
+            return False
+        for job in jobs:
+            job.error = _store_error(exc)
+        return True
+    _run_jobs(conn, clock, jobs)
+    return True
+
+
+def connect_nonblocking(path: str | os.PathLike[str]) -> sqlite3.Connection:
+    """A second connection for work on the event loop: it never waits for a lock and never
+    checkpoints (a checkpoint may fsync); `checkpoint` runs on the worker connection."""
+    conn = sqlite3.connect(
+        os.fspath(path), timeout=0, isolation_level=None, check_same_thread=False
+    )
+    _configure(conn)
+    conn.execute("PRAGMA busy_timeout = 0")
+    conn.execute("PRAGMA wal_autocheckpoint = 0")
+    return conn
+
+
+def checkpoint(conn: sqlite3.Connection) -> None:
+    """Copy the WAL back into the database without blocking writers (PASSIVE)."""
+    conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+
+
+def _run_jobs(conn: sqlite3.Connection, clock: Callable[[], float], jobs: list[Job]) -> None:
     tx = Tx(conn, now_ms(clock))
     grouped = len(jobs) > 1
     for job in jobs:
@@ -384,7 +424,10 @@ def _take_doorbell(tx: Tx, session_id: str) -> None:
 
 
 def _reset_attempts(tx: Tx, session_id: str) -> None:
-    tx.execute("UPDATE session SET wake_attempts = 0 WHERE id = ?", (session_id,))
+    # Conditional, so the common case (already 0) dirties no page.
+    tx.execute(
+        "UPDATE session SET wake_attempts = 0 WHERE id = ? AND wake_attempts != 0", (session_id,)
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -407,31 +450,44 @@ def submit(tx: Tx, session_id: str, payload: str, input_id: str) -> str:
     The same id for the same session returns the stored id and writes nothing, also after
     the input was taken; the same id for another session raises `InputConflict`.
     """
+    if not _known_input(tx, session_id, input_id):
+        _insert_input(tx, session_id, payload, input_id, ring=True)
+    return input_id
+
+
+def _known_input(tx: Tx, session_id: str, input_id: str) -> bool:
+    """Whether the input id is stored (pending or taken); `InputConflict` for another session."""
     known = tx.one(
         "SELECT session_id FROM session_input WHERE id = ?"
         " UNION ALL SELECT session_id FROM session_message WHERE input_id = ? LIMIT 1",
         (input_id, input_id),
     )
-    if known is not None:
-        if known[0] != session_id:
-            raise InputConflict(
-                f"input id {input_id!r} belongs to session {known[0]!r}, not {session_id!r}"
-            )
-        return input_id
+    if known is None:
+        return False
+    if known[0] != session_id:
+        raise InputConflict(
+            f"input id {input_id!r} belongs to session {known[0]!r}, not {session_id!r}"
+        )
+    return True
+
+
+def _insert_input(tx: Tx, session_id: str, payload: str, input_id: str, *, ring: bool) -> None:
+    """Insert a pending input; `ring=False` when a claim inserted in this same transaction
+    takes the wake at once (so the doorbell is never written)."""
+    doorbell = tx.now if ring else None
     row = tx.one(
         "INSERT INTO session(id, time_created, time_woken, wakes, input_seq)"
-        " VALUES (?, ?, ?, 1, 1)"
+        " VALUES (?, ?, ?, ?, 1)"
         " ON CONFLICT(id) DO UPDATE SET time_woken = COALESCE(session.time_woken, ?),"
-        " wakes = session.wakes + 1, input_seq = session.input_seq + 1"
+        " wakes = session.wakes + ?, input_seq = session.input_seq + 1"
         " RETURNING input_seq",
-        (session_id, tx.now, tx.now, tx.now),
+        (session_id, tx.now, doorbell, int(ring), doorbell, int(ring)),
     )
     tx.execute(
         "INSERT INTO session_input(id, session_id, seq, payload, time_created)"
         " VALUES (?, ?, ?, ?, ?)",
         (input_id, session_id, row[0], payload, tx.now),
     )
-    return input_id
 
 
 # ---------------------------------------------------------------------------------------------
@@ -471,6 +527,70 @@ def acquire(tx: Tx, session_id: str, execution_id: str, owner_id: str, lease_ms:
     )
     _take_doorbell(tx, session_id)
     return Acquired(verdict, attempt=int(session[1]))
+
+
+def wake_and_acquire(
+    tx: Tx, session_id: str, execution_id: str, owner_id: str, lease_ms: int
+) -> tuple[None, Acquired]:
+    """`wake` and the acquire it rings for, in one transaction.
+
+    When the claim is taken here, the doorbell is rung and taken at once, so it is never
+    written: the same durable result with fewer pages per commit.
+    """
+    claim = _claim_row(tx, session_id)
+    if claim is not None:
+        wake(tx, session_id)
+        return None, Acquired(AcquireVerdict.HELD, holder=claim.owner_id)
+    _ensure_session(tx, session_id)
+    return None, _insert_claim(tx, session_id, execution_id, owner_id, lease_ms)
+
+
+def submit_and_acquire(
+    tx: Tx,
+    session_id: str,
+    payload: str,
+    input_id: str,
+    execution_id: str,
+    owner_id: str,
+    lease_ms: int,
+) -> tuple[str, Acquired]:
+    """`submit` and the acquire it rings for, in one transaction (see `wake_and_acquire`)."""
+    claim = _claim_row(tx, session_id)
+    if claim is not None or _known_input(tx, session_id, input_id):
+        stored = submit(tx, session_id, payload, input_id)
+        return stored, acquire(tx, session_id, execution_id, owner_id, lease_ms)
+    _insert_input(tx, session_id, payload, input_id, ring=False)
+    return input_id, _insert_claim(tx, session_id, execution_id, owner_id, lease_ms)
+
+
+def _ensure_session(tx: Tx, session_id: str) -> None:
+    tx.execute(
+        "INSERT INTO session(id, time_created) VALUES (?, ?) ON CONFLICT(id) DO NOTHING",
+        (session_id, tx.now),
+    )
+
+
+def _insert_claim(
+    tx: Tx, session_id: str, execution_id: str, owner_id: str, lease_ms: int
+) -> Acquired:
+    """Insert the claim for a session known to have no claim row; take a set doorbell."""
+    row = tx.one("SELECT time_woken, wake_attempts FROM session WHERE id = ?", (session_id,))
+    tx.execute(
+        "INSERT INTO session_execution"
+        "(id, session_id, owner_id, phase, anchor_seq, time_created, heartbeat_at, expires_at)"
+        " VALUES (?, ?, ?, 'running', ?, ?, NULL, ?)",
+        (
+            execution_id,
+            session_id,
+            owner_id,
+            _newest_seq(tx, session_id),
+            tx.now,
+            tx.now + lease_ms,
+        ),
+    )
+    if row[0] is not None:
+        _take_doorbell(tx, session_id)
+    return Acquired(AcquireVerdict.CLAIM, attempt=int(row[1]))
 
 
 def heartbeat(
@@ -831,6 +951,9 @@ def apply_recovery(
     decision = _decisions.decide_recovery(facts, execution_id, tx.now, max_resumes)
     if decision is RecoveryDecision.QUARANTINE:
         return quarantine(tx, owner_id, candidate, _newest_malformed_reason(tx, candidate))
+    if not _holds_recovery_lease(tx, execution_id, owner_id):
+        # Another recovery owner holds this row now: act on nothing of theirs.
+        return Recovered(RecoveryDecision.GONE, fence_lost=True)
     if decision is RecoveryDecision.RESUME:
         return _take_over(tx, owner_id, candidate, new_execution_id, lease_ms, facts)
     if decision in (
@@ -841,6 +964,16 @@ def apply_recovery(
         _end_expired_claim(tx, candidate, decision)
     _delete_recovery_row(tx, execution_id, owner_id)
     return Recovered(decision)
+
+
+def _holds_recovery_lease(tx: Tx, execution_id: str, owner_id: str) -> bool:
+    """The recovery-lease fence: our live, unquarantined `session_recovery` row."""
+    row = tx.one(
+        "SELECT 1 FROM session_recovery WHERE execution_id = ? AND owner_id = ?"
+        " AND expires_at > ? AND recovery_error IS NULL",
+        (execution_id, owner_id, tx.now),
+    )
+    return row is not None
 
 
 def _newest_malformed_reason(tx: Tx, candidate: Candidate) -> str:
