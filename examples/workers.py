@@ -3,7 +3,8 @@
 Run it: `python examples/workers.py [--workers 3] [--orders 12]`. It stops by itself once
 every order is answered, and exits non-zero if that does not happen within a deadline.
 
-* The producer (this process) runs no drains: it only records inputs and their wakes.
+* The producer (this process) opens its runtime with `drain=None`: it only records inputs
+  and their wakes, durably, and never claims a session.
 * Each worker process opens a runtime on the same file. Its recovery task starts, every
   `recovery_interval`, the sessions whose doorbell is set but which nobody claims; the
   claim guarantees that exactly one worker drains a session at a time, and inputs arriving
@@ -20,13 +21,11 @@ import sqlite3
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import trio
 
 import trio_sessions
-from trio_sessions import _store
 
 SESSIONS = ("kitchen", "bar", "terrace", "delivery")
 DEADLINE = 30.0  # seconds for the whole run, workers' start-up included
@@ -68,16 +67,6 @@ def run_worker(name: str, db: Path) -> None:
 # The producer
 
 
-def submit_without_draining(conn: sqlite3.Connection, session_id: str, order: int) -> None:
-    """Record an input and ring the session's doorbell, without draining it here.
-
-    trio_sessions has no public submit-only handle yet: this runs the very transaction
-    `Runtime.submit` runs, minus the local drain `Runtime.submit` would start.
-    """
-    payload = json.dumps({"order": order})
-    _store.run_op(conn, time.time, _store.submit, session_id, payload, _store.new_id())
-
-
 def all_answered(conn: sqlite3.Connection, orders: int) -> bool:
     """Every order taken, no claim held, no doorbell set: the workers are done."""
     taken, claims, doorbells = conn.execute(
@@ -99,30 +88,37 @@ def packed_by(conn: sqlite3.Connection) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
-def produce(db: Path, workers: int, orders: int) -> bool:
-    conn = _store.connect(db)  # creates the schema
-    command = [sys.executable, __file__, "--worker"]
-    processes = [
-        subprocess.Popen([*command, f"worker-{n}", str(db)], stdin=subprocess.PIPE)
-        for n in range(1, workers + 1)
-    ]
-    deadline = time.monotonic() + DEADLINE
-    try:
-        for order in range(1, orders + 1):
-            session_id = SESSIONS[order % len(SESSIONS)]
-            submit_without_draining(conn, session_id, order)
-            print(f"producer: order {order} -> {session_id}", flush=True)
-            time.sleep(0.15)  # a trickle, so every worker gets a share
-        while not (done := all_answered(conn, orders)) and time.monotonic() < deadline:
-            time.sleep(0.1)
-    finally:
-        for process in processes:
-            assert process.stdin is not None
-            process.stdin.close()
-        for process in processes:
-            process.wait(timeout=DEADLINE)
-    counts = packed_by(conn)
-    conn.close()
+async def produce(db: Path, workers: int, orders: int) -> bool:
+    # drain=None: a producer records inputs and their wakes durably but never drains.
+    async with trio_sessions.open_runtime(db, None) as producer:  # creates the schema
+        command = [sys.executable, __file__, "--worker"]
+        processes = [
+            await trio.lowlevel.open_process(
+                [*command, f"worker-{n}", str(db)], stdin=subprocess.PIPE
+            )
+            for n in range(1, workers + 1)
+        ]
+        conn = sqlite3.connect(db)
+        done = False
+        try:
+            with trio.move_on_after(DEADLINE):
+                for order in range(1, orders + 1):
+                    session_id = SESSIONS[order % len(SESSIONS)]
+                    await producer.submit(session_id, {"order": order})
+                    print(f"producer: order {order} -> {session_id}", flush=True)
+                    await trio.sleep(0.15)  # a trickle, so every worker gets a share
+                # The workers are other processes: poll the shared file for their progress.
+                while not (done := all_answered(conn, orders)):  # noqa: ASYNC110
+                    await trio.sleep(0.1)
+        finally:
+            for process in processes:
+                assert process.stdin is not None
+                await process.stdin.aclose()
+            with trio.fail_after(DEADLINE):
+                for process in processes:
+                    await process.wait()
+        counts = packed_by(conn)
+        conn.close()
     print(f"producer: {sum(counts.values())}/{orders} orders packed, by {counts}")
     return done and sum(counts.values()) == orders
 
@@ -137,7 +133,8 @@ def main() -> int:
         run_worker(args.worker[0], Path(args.worker[1]))
         return 0
     with tempfile.TemporaryDirectory() as tmp:
-        return 0 if produce(Path(tmp) / "orders.db", args.workers, args.orders) else 1
+        ok = trio.run(produce, Path(tmp) / "orders.db", args.workers, args.orders)
+        return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -188,7 +188,7 @@ class Runtime:
         stored, _ = await self._signal(
             session_id, (_store.submit, _store.submit_and_acquire), session_id, text, input_id
         )
-        return stored
+        return str(stored)
 
     async def wake(self, session_id: str) -> None:
         """Record a durable wake, then start or ring the local execution.

@@ -265,8 +265,11 @@ async def wait_all_idle(runtime: Runtime) -> None:
 
 
 def handoffs(runtime: Runtime) -> int | None:
+    """Worker hand-offs plus lone-caller transactions run inline: each is one transaction."""
     executor = runtime._db
-    return executor.handoffs if isinstance(executor, ThreadExecutor) else None
+    if not isinstance(executor, ThreadExecutor):
+        return None
+    return executor.handoffs + executor.inline_runs
 
 
 class CountingConnection:
@@ -779,13 +782,15 @@ async def bench_heartbeat(config: Config, folder: Path, report: Report) -> None:
             await start_held_drains(rt, held, ids("h", n))
             walls, txs, hops, begins = [], [], [], []
             for _ in range(config.heartbeat_ticks):
-                tx0, hop0, begin0 = rt.heartbeat_transactions, handoffs(rt), counting[0].begins
+                # Every connection the runtime opened (worker and inline) is counted.
+                begin0 = sum(c.begins for c in counting)
+                tx0, hop0 = rt.heartbeat_transactions, handoffs(rt)
                 started = time.perf_counter()
                 await rt._heartbeat_once()
                 walls.append(time.perf_counter() - started)
                 txs.append(rt.heartbeat_transactions - tx0)
                 hops.append((handoffs(rt) or 0) - (hop0 or 0))
-                begins.append(counting[0].begins - begin0)
+                begins.append(sum(c.begins for c in counting) - begin0)
             lost = n - len(rt.active_sessions())
             held.gate.set()
             await wait_all_idle(rt)
