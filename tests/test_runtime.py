@@ -796,3 +796,24 @@ async def test_lease_lost_drain_writes_nothing(
         await rt.wait_idle("s")
     assert len(errors) == 1
     assert Raw(db_path).rows("SELECT id FROM session_message") == []
+
+
+async def test_serve_runtime_with_nursery_start(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """nursery.start(serve_runtime, ...) returns an open runtime; cancelling it closes the
+    runtime like leaving open_runtime (claims kept, leases expired)."""
+    drain = Recorder()
+    drain.hold()
+    async with trio.open_nursery() as nursery:
+        rt = await nursery.start(
+            lambda task_status: trio_sessions.serve_runtime(
+                store, drain, clock=clock, task_status=task_status
+            )
+        )
+        await rt.wake("s")
+        await drain.entered.wait()
+        closed_at = now_ms(clock)
+        nursery.cancel_scope.cancel()
+    claim = Raw(db_path).claim("s")
+    assert claim is not None and claim[3] == closed_at

@@ -24,5 +24,6 @@ from ._runtime import DrainContext as DrainContext
 from ._runtime import Runtime as Runtime
 from ._runtime import Store as Store
 from ._runtime import open_runtime as open_runtime
+from ._runtime import serve_runtime as serve_runtime
 
 __version__ = "0.1.0"

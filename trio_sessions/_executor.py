@@ -130,39 +130,47 @@ class ThreadExecutor:
 
     _checkpoint_due: bool = False
 
-    async def pump(self) -> None:
-        """Feed the worker: every operation queued during a hand-off joins the next one."""
+    async def pump(self, scope: trio.CancelScope) -> None:
+        """Feed the worker: every operation queued during a hand-off joins the next one.
+
+        Runs in `scope`, shielded and cancelled only when the executor closes, so cleanup
+        that runs shielded while the runtime is cancelled from outside still reaches SQLite.
+        """
         try:
-            while True:
-                await self._work.wait()
-                self._work = trio.Event()
-                if self._checkpoint_due:
-                    self._checkpoint_due = False
-                    # Not in flight: a PASSIVE checkpoint never holds the write lock, so
-                    # inline transactions carry on meanwhile.
-                    await trio.to_thread.run_sync(checkpoint, self.conn, limiter=self._limiter)
-                batch, self._queue = self._queue, []
-                if not batch:
-                    continue
-                for queued in batch:
-                    queued.taken = True
-                jobs = [queued.job for queued in batch]
-                self.handoffs += 1
-                self._in_flight = True
-                try:
-                    await trio.to_thread.run_sync(
-                        run_batch, self.conn, self.clock, jobs, limiter=self._limiter
-                    )
-                finally:
-                    self._in_flight = False
-                    for queued in batch:
-                        queued.done.set()
+            with scope:
+                await self._pump_forever()
         finally:
             self._closed = True
             for queued in self._queue:
                 queued.job.error = StoreError("the store executor closed before this ran")
                 queued.done.set()
             self._queue.clear()
+
+    async def _pump_forever(self) -> None:
+        while True:
+            await self._work.wait()
+            self._work = trio.Event()
+            if self._checkpoint_due:
+                self._checkpoint_due = False
+                # Not in flight: a PASSIVE checkpoint never holds the write lock, so
+                # inline transactions carry on meanwhile.
+                await trio.to_thread.run_sync(checkpoint, self.conn, limiter=self._limiter)
+            batch, self._queue = self._queue, []
+            if not batch:
+                continue
+            for queued in batch:
+                queued.taken = True
+            jobs = [queued.job for queued in batch]
+            self.handoffs += 1
+            self._in_flight = True
+            try:
+                await trio.to_thread.run_sync(
+                    run_batch, self.conn, self.clock, jobs, limiter=self._limiter
+                )
+            finally:
+                self._in_flight = False
+                for queued in batch:
+                    queued.done.set()
 
 
 @asynccontextmanager
@@ -177,9 +185,10 @@ async def open_thread_executor(
     `inline_conn` (from `_store.connect_nonblocking`) enables the lone-caller fast path.
     """
     executor = ThreadExecutor(conn, clock, inline_conn=inline_conn)
+    pump_scope = trio.CancelScope(shield=True)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(executor.pump)
+        nursery.start_soon(executor.pump, pump_scope)
         try:
             yield executor
         finally:
-            nursery.cancel_scope.cancel()
+            pump_scope.cancel()

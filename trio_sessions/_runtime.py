@@ -21,7 +21,7 @@ import sqlite3
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import attrs
 import trio
@@ -369,6 +369,14 @@ class Runtime:
                 if not successor_due or self._closing or self._crashed:
                     break
                 entry.start_successor(_store.new_id())
+        except BaseException:
+            # Cancelled from outside (the runtime's scope) or an internal error, with the
+            # claim still ours: expire the lease so any owner can recover it at once.
+            # Bounded and best effort, as trio asks of cleanup; else the lease runs out.
+            if entry.owned and not self._crashed:
+                with trio.move_on_after(SHUTDOWN_GRACE, shield=True):
+                    await self._expire(entry)
+            raise
         finally:
             self._release(entry, outcome)
 
@@ -655,10 +663,17 @@ class Runtime:
     # -- lifecycle ----------------------------------------------------------------------------
 
     async def _shutdown(self) -> None:
-        """Cancel drains; their finalizers keep the claims and expire the leases."""
+        """Cancel drains, keep their claims and expire their leases (one transaction, run
+        here, so it lands even when the drains' own tasks were cancelled from outside)."""
         self._closing = True
+        owned = [entry for entry in self._entries.values() if entry.owned]
         for entry in list(self._entries.values()):
             entry.interrupt("shutdown")
+        if owned:
+            with contextlib.suppress(StoreError):  # best effort: else the leases run out
+                await self._db.run(
+                    _store.expire_claims, self._owner_id, [e.execution_id for e in owned]
+                )
         for entry in list(self._entries.values()):
             await entry.released.wait()
 
@@ -866,6 +881,21 @@ async def open_runtime(
         if single is group:
             raise
         raise single from None
+
+
+async def serve_runtime(
+    store: str | os.PathLike[str] | Store,
+    drain: Drain | None,
+    *,
+    task_status: trio.TaskStatus[Runtime] = trio.TASK_STATUS_IGNORED,
+    **options: Any,
+) -> NoReturn:
+    """`open_runtime` for `nursery.start`: returns the `Runtime` once it is open (its first
+    recovery pass done), then runs until cancelled; cancelling it closes the runtime as
+    leaving `open_runtime` does. Options are `open_runtime`'s."""
+    async with open_runtime(store, drain, **options) as runtime:
+        task_status.started(runtime)
+        await trio.sleep_forever()
 
 
 @asynccontextmanager
