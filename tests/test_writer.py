@@ -1,0 +1,264 @@
+"""The transcript through the runtime: take_inputs, the fenced assistant writer, at-most-once
+tool settlement as a drain defect, zombie writes and interrupt effects."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+from helpers import Raw, runtime
+from trio.testing import MockClock
+
+import trio_sessions
+from trio_sessions import (
+    AssistantData,
+    DrainContext,
+    DuplicateSettlement,
+    LeaseLost,
+    MalformedRecord,
+    Outcome,
+    Store,
+    TextPart,
+    ToolPart,
+    UnknownToolCall,
+)
+
+Clock = Callable[[], float]
+
+
+async def test_inputs_become_user_messages_in_order(
+    store: Store, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """take_inputs returns pending inputs in seq order and appends each as a user message;
+    the assistant reply follows them in the transcript."""
+    seen: list[list[str]] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        inputs = await ctx.take_inputs()
+        seen.append([i.id for i in inputs])
+        writer = await ctx.begin_assistant()
+        await writer.append_text("a")
+        await writer.append_text("b")
+        await writer.start_tool("c1", "search", {"q": "x"})
+        await writer.settle_tool("c1", {"hits": 2})
+        await writer.finish()
+
+    async with runtime(store, drain, clock) as rt:
+        async with trio_sessions_producer(store, clock) as producer:
+            await producer.submit("s", {"n": 1}, input_id="i1")
+            await producer.submit("s", {"n": 2}, input_id="i2")
+        await rt.run("s")
+        messages = await rt.transcript("s")
+    assert seen == [["i1", "i2"]]
+    assert [(m.role, m.seq, m.input_id) for m in messages] == [
+        ("user", 1, "i1"),
+        ("user", 2, "i2"),
+        ("assistant", 3, None),
+    ]
+    assert messages[0].data == {"n": 1}
+    assert messages[2].data == AssistantData(
+        parts=(
+            TextPart("ab"),
+            ToolPart("c1", "search", {"q": "x"}, "completed", {"hits": 2}, None),
+        ),
+        finished=True,
+        error=None,
+    )
+
+
+def trio_sessions_producer(store: Store, clock: Clock) -> Any:
+    """A producer runtime: it records inputs but never drains them."""
+    return trio_sessions.open_runtime(store, None, clock=clock)
+
+
+SETTLE_TWICE: list[tuple[str, str]] = [
+    ("settle", "settle"),
+    ("settle", "fail"),
+    ("fail", "fail"),
+    ("fail", "settle"),
+]
+
+
+@pytest.mark.parametrize(("first", "second"), SETTLE_TWICE)
+async def test_second_settlement_fails_the_drain_and_keeps_the_first(
+    store: Store, clock: Clock, autojump_clock: MockClock, first: str, second: str
+) -> None:
+    """Every double settlement raises DuplicateSettlement, fails the drain even if the
+    drain swallows it, and the transcript keeps exactly the first settlement (inv. 12)."""
+
+    async def settle(writer: Any, how: str, value: str) -> None:
+        if how == "settle":
+            await writer.settle_tool("c1", value)
+        else:
+            await writer.fail_tool("c1", value)
+
+    async def drain(ctx: DrainContext) -> None:
+        writer = await ctx.begin_assistant()
+        await writer.start_tool("c1", "run", {})
+        await settle(writer, first, "first")
+        with pytest.raises(DuplicateSettlement):
+            await settle(writer, second, "second")
+        await writer.finish()  # a drain that carries on is still failed
+
+    async with runtime(store, drain, clock) as rt:
+        outcome = await rt.run("s")
+        [message] = await rt.transcript("s")
+    assert outcome.kind == "failed"
+    assert isinstance(outcome.error, DuplicateSettlement)
+    [part] = message.data.parts
+    if first == "settle":
+        assert (part.status, part.output, part.error) == ("completed", "first", None)
+    else:
+        assert (part.status, part.output, part.error) == ("error", None, "first")
+
+
+async def test_settling_an_unknown_call_fails_the_drain(
+    store: Store, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """Settling a call id the message never started raises UnknownToolCall and fails it."""
+
+    async def drain(ctx: DrainContext) -> None:
+        writer = await ctx.begin_assistant()
+        await writer.settle_tool("nope", 1)
+
+    async with runtime(store, drain, clock) as rt:
+        outcome = await rt.run("s")
+    assert outcome.kind == "failed"
+    assert isinstance(outcome.error, UnknownToolCall)
+
+
+class JumpingClock:
+    def __init__(self, base: Clock) -> None:
+        self.base = base
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        return self.base() + self.offset
+
+
+@pytest.mark.parametrize(
+    "write",
+    [
+        lambda ctx, w: w.append_text("late"),
+        lambda ctx, w: w.start_tool("c2", "late", {}),
+        lambda ctx, w: w.settle_tool("c1", "late"),
+        lambda ctx, w: w.finish(),
+        lambda ctx, w: ctx.take_inputs(),
+        lambda ctx, w: ctx.begin_assistant(),
+    ],
+    ids=["append_text", "start_tool", "settle_tool", "finish", "take_inputs", "begin_assistant"],
+)
+async def test_zombie_write_raises_lease_lost_and_stores_nothing(
+    store: Store,
+    clock: Clock,
+    db_path: Path,
+    autojump_clock: MockClock,
+    write: Callable[[DrainContext, Any], Awaitable[object]],
+) -> None:
+    """The wall clock passes the lease: the next write of every kind raises LeaseLost and
+    nothing is stored (invariant 13)."""
+    jumping = JumpingClock(clock)
+    jumped = trio.Event()
+    errors: list[BaseException] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        writer = await ctx.begin_assistant()
+        await writer.start_tool("c1", "search", {})
+        await jumped.wait()
+        try:
+            with trio.CancelScope(shield=True):  # reach the write despite lease_lost
+                await write(ctx, writer)
+        except LeaseLost as exc:
+            errors.append(exc)
+
+    async with runtime(store, drain, jumping, lease=9.0) as rt:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(rt.run, "s")
+            await trio.testing.wait_all_tasks_blocked()
+            before = Raw(db_path).rows("SELECT id, seq, data FROM session_message ORDER BY seq")
+            jumping.offset += 60.0
+            jumped.set()
+        after = Raw(db_path).rows("SELECT id, seq, data FROM session_message ORDER BY seq")
+    assert len(errors) == 1
+    assert after == before
+
+
+async def test_interrupt_during_running_tool(
+    store: Store, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """A user interrupt while a tool runs: that tool ends as error 'interrupted', the
+    message finished with error 'interrupted'; a settled tool keeps its settlement."""
+    in_tool = trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        writer = await ctx.begin_assistant()
+        await writer.append_text("checking")
+        await writer.start_tool("done", "search", {})
+        await writer.settle_tool("done", [1])
+        await writer.start_tool("slow", "fetch", {"url": "x"})
+        in_tool.set()
+        await trio.sleep_forever()
+
+    async with runtime(store, drain, clock) as rt, trio.open_nursery() as nursery:
+        outcomes: list[Outcome] = []
+
+        async def run() -> None:
+            outcomes.append(await rt.run("s"))
+
+        nursery.start_soon(run)
+        await in_tool.wait()
+        assert await rt.interrupt("s") is True
+        await rt.wait_idle("s")
+        [message] = await rt.transcript("s")
+    assert outcomes == [Outcome("interrupted", "user")]
+    data = message.data
+    assert (data.finished, data.error) == (True, "interrupted")
+    done, slow = data.parts[1], data.parts[2]
+    assert (done.status, done.output) == ("completed", [1])
+    assert (slow.status, slow.error) == ("error", "interrupted")
+
+
+async def test_malformed_row_reported_without_breaking_other_sessions(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """transcript() raises MalformedRecord (not a group) for a corrupt row, and another
+    session's transcript still reads."""
+
+    async def drain(ctx: DrainContext) -> None:
+        writer = await ctx.begin_assistant()
+        await writer.finish()
+
+    async with runtime(store, drain, clock) as rt:
+        await rt.run("good")
+        await rt.run("bad")
+        Raw(db_path).write(
+            "UPDATE session_message SET data = '{\"parts\": 3}' WHERE session_id = 'bad'"
+        )
+        with pytest.raises(MalformedRecord) as caught:
+            await rt.transcript("bad")
+        assert caught.value.table == "session_message"
+        assert any("parts" in reason for reason in caught.value.reasons)
+        assert len(await rt.transcript("good")) == 1
+
+
+async def test_writes_after_finish_are_refused(
+    store: Store, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """A finished message accepts no further write; the error is a ValueError."""
+    errors: list[BaseException] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        writer = await ctx.begin_assistant()
+        await writer.finish()
+        try:
+            await writer.append_text("more")
+        except ValueError as exc:
+            errors.append(exc)
+
+    async with runtime(store, drain, clock) as rt:
+        assert await rt.run("s") == Outcome("succeeded")
+    assert len(errors) == 1 and "finished" in str(errors[0])
