@@ -134,31 +134,19 @@ class Runtime:
     """Handle returned by `open_runtime`. Create it only through `open_runtime`."""
 
     def __init__(
-        self,
-        *,
-        executor: Executor,
-        nursery: trio.Nursery,
-        drain: Drain | None,
-        owner_id: str,
-        lease: float,
-        heartbeat_interval: float,
-        recovery_interval: float,
-        recovery_batch: int,
-        max_resumes: int,
-        clock: Callable[[], float],
-        acquisition_hook: AcquisitionHook | None,
+        self, *, executor: Executor, nursery: trio.Nursery, drain: Drain | None, config: _Config
     ) -> None:
         self._db = executor
         self._nursery = nursery
         self._drain = drain
-        self._owner_id = owner_id
-        self._lease_ms = int(lease * 1000)
-        self._heartbeat_interval = heartbeat_interval
-        self._recovery_interval = recovery_interval
-        self._recovery_batch = recovery_batch
-        self._max_resumes = max_resumes
-        self._clock = clock
-        self._hook = acquisition_hook
+        self._owner_id = config.owner_id
+        self._lease_ms = int(config.lease * 1000)
+        self._heartbeat_interval = config.heartbeat_interval
+        self._recovery_interval = config.recovery_interval
+        self._recovery_batch = config.recovery_batch
+        self._max_resumes = config.max_resumes
+        self._clock = config.clock
+        self._hook = config.acquisition_hook
         self._entries: dict[str, SessionEntry] = {}
         self._recovery_lock = trio.Lock()
         self._closing = False
@@ -856,20 +844,18 @@ async def open_runtime(
         raise TypeError("clock must be a zero-argument callable returning epoch seconds")
     if acquisition_hook is not None and not callable(acquisition_hook):
         raise TypeError("acquisition_hook must be an async callable taking a Claim")
-    the_clock = clock or time.time
+    config = _Config(
+        owner_id=make_owner_id(owner_id),
+        lease=lease,
+        heartbeat_interval=heartbeat,
+        recovery_interval=recovery_interval,
+        recovery_batch=recovery_batch,
+        max_resumes=max_resumes,
+        clock=clock or time.time,
+        acquisition_hook=acquisition_hook,
+    )
     try:
-        async with _open_runtime(
-            store,
-            drain,
-            owner_id=make_owner_id(owner_id),
-            lease=lease,
-            heartbeat_interval=heartbeat,
-            recovery_interval=recovery_interval,
-            recovery_batch=recovery_batch,
-            max_resumes=max_resumes,
-            clock=the_clock,
-            acquisition_hook=acquisition_hook,
-        ) as runtime:
+        async with _open_runtime(store, drain, config) as runtime:
             yield runtime
     except BaseExceptionGroup as group:
         # Background tasks never raise, so a group here wraps the block's own exception
@@ -898,34 +884,29 @@ async def serve_runtime(
         await trio.sleep_forever()
 
 
+@attrs.frozen
+class _Config:
+    """`open_runtime`'s options, validated."""
+
+    owner_id: str
+    lease: float
+    heartbeat_interval: float
+    recovery_interval: float
+    recovery_batch: int
+    max_resumes: int
+    clock: Callable[[], float]
+    acquisition_hook: AcquisitionHook | None
+
+
 @asynccontextmanager
 async def _open_runtime(
-    store: Store,
-    drain: Drain | None,
-    *,
-    owner_id: str,
-    lease: float,
-    heartbeat_interval: float,
-    recovery_interval: float,
-    recovery_batch: int,
-    max_resumes: int,
-    clock: Callable[[], float],
-    acquisition_hook: AcquisitionHook | None,
+    store: Store, drain: Drain | None, config: _Config
 ) -> AsyncIterator[Runtime]:
-    async with _open_executor(store, clock) as executor, trio.open_nursery() as nursery:
-        runtime = Runtime(
-            executor=executor,
-            nursery=nursery,
-            drain=drain,
-            owner_id=owner_id,
-            lease=lease,
-            heartbeat_interval=heartbeat_interval,
-            recovery_interval=recovery_interval,
-            recovery_batch=recovery_batch,
-            max_resumes=max_resumes,
-            clock=clock,
-            acquisition_hook=acquisition_hook,
-        )
+    async with (
+        _open_executor(store, config.clock) as executor,
+        trio.open_nursery() as nursery,
+    ):
+        runtime = Runtime(executor=executor, nursery=nursery, drain=drain, config=config)
         if drain is not None:
             await runtime.recover_once()
             nursery.start_soon(runtime._heartbeat_loop)

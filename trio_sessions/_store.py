@@ -505,28 +505,14 @@ class Acquired:
 
 def acquire(tx: Tx, session_id: str, execution_id: str, owner_id: str, lease_ms: int) -> Acquired:
     """Insert the claim only if no claim row exists and the doorbell is set; take the doorbell."""
-    session = tx.one("SELECT time_woken, wake_attempts FROM session WHERE id = ?", (session_id,))
+    session = tx.one("SELECT time_woken FROM session WHERE id = ?", (session_id,))
     claim = _claim_row(tx, session_id)
     verdict = _decisions.acquire_verdict(
         doorbell_set=session is not None and session[0] is not None, claim_row=claim
     )
     if verdict is not AcquireVerdict.CLAIM:
         return Acquired(verdict, holder=None if claim is None else claim.owner_id)
-    tx.execute(
-        "INSERT INTO session_execution"
-        "(id, session_id, owner_id, phase, anchor_seq, time_created, heartbeat_at, expires_at)"
-        " VALUES (?, ?, ?, 'running', ?, ?, NULL, ?)",
-        (
-            execution_id,
-            session_id,
-            owner_id,
-            _newest_seq(tx, session_id),
-            tx.now,
-            tx.now + lease_ms,
-        ),
-    )
-    _take_doorbell(tx, session_id)
-    return Acquired(verdict, attempt=int(session[1]))
+    return _insert_claim(tx, session_id, execution_id, owner_id, lease_ms)
 
 
 def wake_and_acquire(
