@@ -682,7 +682,9 @@ def test_fence_holds_one_ms_before_expiry(db: Db, op: str) -> None:
     execution = busy_claim(db)
     db.expire()
     db.now -= 1
-    FENCED[op](db, execution, "owner-a")
+    before = db.snapshot()
+    FENCED[op](db, execution, "owner-a")  # raises LeaseLost if the fence refused
+    assert db.snapshot() != before
 
 
 @pytest.mark.parametrize("how", REFUSALS)
