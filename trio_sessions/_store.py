@@ -211,12 +211,18 @@ def _too_new(conn: sqlite3.Connection) -> str:
 
 
 def _require_ours(conn: sqlite3.Connection, path: str) -> None:
+    """Refuse a file that is not SQLite, or not ours, without writing to it."""
+    # Imported here: sqlite-utils costs ~0.2 s to import, and only operators' tools (which
+    # open with create=False) need its introspection.
+    import sqlite_utils
+
     try:
-        tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master")}
+        tables = set(sqlite_utils.Database(conn).table_names())
     except sqlite3.DatabaseError as exc:
         raise StoreError(f"{path!r} is not an SQLite database: {exc}") from exc
-    if not tables >= OUR_TABLES:
-        raise StoreError(f"{path!r} is not a trio_sessions database")
+    if not OUR_TABLES <= tables:
+        missing = ", ".join(sorted(OUR_TABLES - tables))
+        raise StoreError(f"{path!r} is not a trio_sessions database (no {missing})")
     if schema_version(conn) > SCHEMA_VERSION:
         raise SchemaTooNew(_too_new(conn))
 
