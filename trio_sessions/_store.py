@@ -220,7 +220,7 @@ def _require_ours(conn: sqlite3.Connection, path: str) -> None:
         tables = set(sqlite_utils.Database(conn).table_names())
     except sqlite3.DatabaseError as exc:
         raise StoreError(f"{path!r} is not an SQLite database: {exc}") from exc
-    if not OUR_TABLES <= tables:
+    if not tables >= OUR_TABLES:
         missing = ", ".join(sorted(OUR_TABLES - tables))
         raise StoreError(f"{path!r} is not a trio_sessions database (no {missing})")
     if schema_version(conn) > SCHEMA_VERSION:
