@@ -82,7 +82,7 @@ def _format_reason(exc: BaseException, type_: type | None) -> str:
         return "; ".join(cattrs.transform_error(exc, format_exception=_format_reason))
     if isinstance(exc, TypeError | ValueError) and not isinstance(exc, KeyError):
         return str(exc)
-    if type(exc) is Exception and get_origin(type_) is Literal:
+    if " not in literal " in str(exc) and get_origin(type_) is Literal:
         # cattrs says "x not in literal typing.Literal[...]"; say what was allowed.
         got = str(exc).split(" not in literal", 1)[0]
         allowed = ", ".join(repr(option) for option in get_args(type_))
