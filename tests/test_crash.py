@@ -94,3 +94,34 @@ def test_sigkilled_owner_is_resumed_once(tmp_path: Path) -> None:
     assert was_resumed and attempt == 1 and execution_id != dead_execution
     assert raw.claim("chat") is None
     assert raw.one("SELECT wake_attempts FROM session WHERE id = 'chat'") == (0,)
+
+
+@pytest.mark.slow
+def test_close_does_not_wait_for_another_process_lock(tmp_path: Path) -> None:
+    """Closing while another process holds the write lock finishes within the shutdown
+    grace: expiring leases is best effort and never waits for that lock (the leases run
+    out instead)."""
+    import sqlite3
+
+    path = tmp_path / "locked.db"
+    entered = trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        entered.set()
+        await trio.sleep_forever()
+
+    async def main() -> None:
+        async with trio_sessions.open_runtime(path, drain, lease=LEASE) as runtime:
+            await runtime.wake("s")
+            await entered.wait()
+            other = sqlite3.connect(path, isolation_level=None)
+            other.execute("BEGIN IMMEDIATE")  # another process's long write transaction
+            closing_started = trio.current_time()
+        closed_after = trio.current_time() - closing_started
+        other.execute("ROLLBACK")
+        other.close()
+        assert closed_after < 2.0  # SHUTDOWN_GRACE is 5 s; lock patience is 120 s
+
+    trio.run(main)
+    claim = Raw(path).claim("s")
+    assert claim is not None and claim[2] == "running"  # kept; its lease runs out

@@ -817,3 +817,134 @@ async def test_serve_runtime_with_nursery_start(
         nursery.cancel_scope.cancel()
     claim = Raw(db_path).claim("s")
     assert claim is not None and claim[3] == closed_at
+
+
+# --- regressions found in review ----------------------------------------------------------
+
+
+async def test_closing_during_user_interrupt_cleanup_never_resumes_it(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """The runtime closing while a user interrupt's cleanup runs does not expire that claim
+    as if it were shut down: the interrupt completes, and no later owner resumes it."""
+    entered = trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        entered.set()
+        try:
+            await trio.sleep_forever()
+        finally:
+            with trio.CancelScope(shield=True):
+                await trio.sleep(0.5)  # a drain that needs a moment to clean up
+
+    async with runtime(store, drain, clock) as rt:
+        await rt.wake("s")
+        await entered.wait()
+        assert await rt.interrupt("s") is True
+    assert Raw(db_path).claim("s") is None
+    later = Recorder()
+    async with runtime(store, later, clock):
+        pass
+    assert later.calls == []
+
+
+async def test_run_after_interrupt_takes_the_successor(
+    store: Store, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """run() asked for after an accepted interrupt records a wake and returns the outcome
+    of the successor that takes it, not the interrupted execution's."""
+    calls = 0
+    entered = trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            entered.set()
+            await trio.sleep_forever()
+
+    async with runtime(store, drain, clock) as rt:
+        await rt.wake("s")
+        await entered.wait()
+        assert await rt.interrupt("s") is True
+        assert await rt.run("s") == Outcome("succeeded")
+    assert calls == 2
+
+
+async def test_outer_cancellation_resolves_joiners_as_shutdown(
+    store: Store, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """Cancelling the runtime from outside resolves every joiner with interrupted/shutdown,
+    never with deferred or an earlier iteration's outcome (invariant 15)."""
+    calls = 0
+    entered = trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("first execution fails")
+        entered.set()
+        await trio.sleep_forever()
+
+    outcomes: list[Outcome] = []
+    async with trio.open_nursery() as joiners, trio.open_nursery() as runtimes:
+        rt = await runtimes.start(
+            lambda task_status: trio_sessions.serve_runtime(
+                store, drain, clock=clock, task_status=task_status
+            )
+        )
+        first = await rt.run("s")
+        assert first.kind == "failed"
+
+        async def join() -> None:
+            outcomes.append(await rt.run("s"))
+
+        joiners.start_soon(join)  # outside the scope that is cancelled
+        await entered.wait()
+        runtimes.cancel_scope.cancel()
+    assert outcomes == [Outcome("interrupted", "shutdown")]
+
+
+async def test_no_recovery_while_closing(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """While the runtime waits for a slow drain to close, recovery starts nothing: a dead
+    owner's expired claim is neither resumed nor charged a resume."""
+    entered = trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        entered.set()
+        try:
+            await trio.sleep_forever()
+        finally:
+            with trio.CancelScope(shield=True):
+                await trio.sleep(3)  # slow, bounded cleanup while the runtime closes
+
+    raw = Raw(db_path)
+    async with runtime(store, drain, clock, recovery_interval=0.5) as rt:
+        await rt.wake("busy")
+        await entered.wait()
+        raw.seed_claim("dead", "dead-exec", expires_at=now_ms(clock) + 1_000)
+    assert raw.claim("dead")[0] == "dead-exec"
+    assert raw.one("SELECT wake_attempts FROM session WHERE id = 'dead'") == (0,)
+
+
+async def test_accepted_interrupt_reaches_the_owner_found_at_acquire(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """An interrupt accepted while this runtime was still acquiring, when the acquire finds
+    another owner holding the session, is passed on to that owner (phase='cancelling')."""
+    raw = Raw(db_path)
+    async with runtime(store, Recorder(), clock, **{"recovery_interval": 10_000.0}) as rt:
+        raw.seed_claim("s", "foreign", expires_at=now_ms(clock) + 60_000, owner_id="other")
+        raw.write("UPDATE session SET time_woken = 1 WHERE id = 's'")
+        report = await rt.recover_once()  # a doorbell with a claim: not a candidate
+        assert report.doorbells_started == 0
+        raw.write("DELETE FROM session_execution WHERE id = 'foreign'")
+        await rt.recover_once()  # registers a prospective acquisition for 's'
+        assert rt.is_active("s")
+        raw.seed_claim("s", "foreign", expires_at=now_ms(clock) + 60_000, owner_id="other")
+        assert await rt.interrupt("s") is True
+        await rt.wait_idle("s")
+    assert raw.claim("s")[1:3] == ("other", "cancelling")

@@ -1204,3 +1204,25 @@ def test_recovery_quarantines_a_deeply_nested_row(db: Db) -> None:
     )
     db.expire()
     assert recover(db, execution).decision is RecoveryDecision.QUARANTINE
+
+
+def test_group_commit_survives_sqlite_rolling_back_on_its_own(tmp_path: Path) -> None:
+    """When SQLite itself rolls the whole transaction back after one job's error (disk
+    full, I/O error), no job in the group reports success and nothing raises."""
+    conn = _store.connect(tmp_path / "db")
+
+    def first(tx: _store.Tx) -> str:
+        _store.wake(tx, "a")
+        return "ok"
+
+    def second(tx: _store.Tx) -> None:
+        tx.conn.execute("ROLLBACK")  # what SQLite does by itself for SQLITE_FULL
+        raise sqlite3.OperationalError("database or disk is full")
+
+    jobs = [_store.Job(first, ()), _store.Job(second, ())]
+    _store.run_batch(conn, lambda: 1.8e9, jobs)
+    assert all(isinstance(job.error, StoreError) for job in jobs)
+    assert jobs[0].result is None
+    assert conn.execute("SELECT id FROM session").fetchall() == []
+    assert not conn.in_transaction
+    conn.close()

@@ -73,7 +73,9 @@ class SessionEntry:
     def ring(self) -> Execution:
         """A wake reached this entry; returns the execution that will take it."""
         self.rings += 1
-        if self.deciding:
+        # Once a deciding transaction is in flight, or the execution is stopping, only a
+        # successor can take this wake.
+        if self.deciding or self.reason is not None:
             if self.successor is None:
                 self.successor = Execution()
             return self.successor

@@ -42,6 +42,11 @@ class Executor(Protocol):
 
     async def run(self, op: Callable[..., T], *args: Any) -> T: ...
 
+    async def run_nowait(self, op: Callable[..., T], *args: Any) -> T:
+        """Like `run`, but if another process holds the write lock, raise `StoreError` at
+        once instead of waiting for it (best-effort writes with a deadline: shutdown)."""
+        ...
+
 
 @attrs.define(eq=False)
 class InlineExecutor:
@@ -57,6 +62,25 @@ class InlineExecutor:
         await trio.lowlevel.cancel_shielded_checkpoint()
         result: T = job.unwrap()
         return result
+
+    async def run_nowait(self, op: Callable[..., T], *args: Any) -> T:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        result: T = _run_nowait(self.conn, self.clock, op, args)
+        await trio.lowlevel.cancel_shielded_checkpoint()
+        return result
+
+
+def _run_nowait(
+    conn: sqlite3.Connection,
+    clock: Callable[[], float],
+    op: Callable[..., T],
+    args: tuple[Any, ...],
+) -> T:
+    job = Job(op, args)
+    if not try_run_batch(conn, clock, [job]):
+        raise StoreError("the database is locked by another process; not waiting")
+    result: T = job.unwrap()
+    return result
 
 
 @attrs.define(eq=False)
@@ -110,6 +134,15 @@ class ThreadExecutor:
             with trio.CancelScope(shield=True):
                 await queued.done.wait()
         result: T = queued.job.unwrap()
+        return result
+
+    async def run_nowait(self, op: Callable[..., T], *args: Any) -> T:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if self._in_flight or self.inline_conn is None:
+            # The worker holds this process's write lock now: its batch ends soon.
+            return await self.run(op, *args)
+        result: T = _run_nowait(self.inline_conn, self.clock, op, args)
+        await trio.lowlevel.cancel_shielded_checkpoint()
         return result
 
     def _lone_caller(self) -> bool:

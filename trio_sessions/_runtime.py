@@ -194,7 +194,7 @@ class Runtime:
         """
         validate_session_id(session_id)
         entry = self._entries.get(session_id)
-        if entry is not None and not entry.finishing():
+        if entry is not None and entry.reason is None and not entry.finishing():
             # Acquiring or running here: join it without forcing another iteration. (Once
             # its finish transaction is in flight, only a new wake can reach it.)
             return await entry.current.wait()
@@ -218,7 +218,8 @@ class Runtime:
         entry = self._entries.get(session_id)
         if entry is not None:
             accepted = entry.interrupt(reason)  # type: ignore[arg-type]
-            await trio.lowlevel.checkpoint()
+            # Accepted is accepted: a cancellation arriving now must not hide that.
+            await trio.lowlevel.cancel_shielded_checkpoint()
             return accepted
         return await self._db.run(_store.request_cancel, session_id)
 
@@ -248,7 +249,7 @@ class Runtime:
 
         A producer runtime (`drain=None`) recovers nothing and reports nothing.
         """
-        if self._drain is None:
+        if self._drain is None or self._closing:
             await trio.lowlevel.checkpoint()
             return RecoveryReport()
         async with self._recovery_lock:
@@ -310,15 +311,28 @@ class Runtime:
         if acquired.verdict is AcquireVerdict.CLAIM:
             self._own(entry, attempt=acquired.attempt, resumed=False)
             entry.keep_going()
-            self._nursery.start_soon(self._busy_period, entry)
-        elif entry.rung_since_decision() and not self._closing:
+        elif entry.reason is None and entry.rung_since_decision() and not self._closing:
             entry.start_successor(_store.new_id())
-            self._nursery.start_soon(self._busy_period, entry)
         else:
+            # Not claimed, nothing rang meanwhile (or it was interrupted): the busy period
+            # only settles it (passing an accepted interrupt on to the holder).
+            entry.deciding = False
             execution = entry.current
-            self._release(entry, Outcome("deferred"))
+            if entry.reason is None:
+                self._release(entry, Outcome("deferred"))
+            else:
+                self._nursery.start_soon(self._settle_not_claimed, entry)
             return result, execution
+        self._nursery.start_soon(self._busy_period, entry)
         return result, entry.current
+
+    async def _settle_not_claimed(self, entry: SessionEntry) -> None:
+        """An interrupted acquisition that found the session held elsewhere."""
+        assert entry.reason is not None
+        try:
+            await self._pass_on_interrupt(entry)
+        finally:
+            self._release(entry, Outcome("interrupted", entry.reason))
 
     def _ring(self, session_id: str) -> Execution | None:
         """After a durable wake: ring the local entry, or register one and start acquiring."""
@@ -358,9 +372,11 @@ class Runtime:
                     break
                 entry.start_successor(_store.new_id())
         except BaseException:
-            # Cancelled from outside (the runtime's scope) or an internal error, with the
-            # claim still ours: expire the lease so any owner can recover it at once.
-            # Bounded and best effort, as trio asks of cleanup; else the lease runs out.
+            # Cancelled from outside (the runtime's scope) or an internal error: this busy
+            # period was stopped, whatever an earlier iteration's outcome was.
+            outcome = Outcome("interrupted", entry.reason or "shutdown")
+            # With the claim still ours, expire the lease so any owner can recover it at
+            # once. Bounded and best effort, as trio asks of cleanup; else it runs out.
             if entry.owned and not self._crashed:
                 with trio.move_on_after(SHUTDOWN_GRACE, shield=True):
                     await self._expire(entry)
@@ -451,6 +467,7 @@ class Runtime:
             return Outcome("succeeded"), entry.rung_since_decision()
         if ending.kind == "not_claimed":
             if entry.reason is not None:
+                await self._pass_on_interrupt(entry)
                 return Outcome("interrupted", entry.reason), False
             return Outcome("deferred"), entry.rung_since_decision()
         if isinstance(ending.error, LeaseLost) or entry.reason == "lease_lost":
@@ -464,6 +481,13 @@ class Runtime:
             await self._expire(entry)
             return Outcome("interrupted", "shutdown"), False
         return await self._finish_interrupted(entry)
+
+    async def _pass_on_interrupt(self, entry: SessionEntry) -> None:
+        """A user interrupt accepted while this runtime was still acquiring, and another
+        owner turned out to hold the claim: interrupt that owner as a remote one would."""
+        if entry.reason == "user":
+            with contextlib.suppress(StoreError):
+                await self._db.run(_store.request_cancel, entry.session_id)
 
     async def _finish_failed(
         self, entry: SessionEntry, error: BaseException | None
@@ -525,8 +549,10 @@ class Runtime:
         """Shutdown: keep the claim, end its lease now so any owner can recover it at once."""
         if not entry.owned:
             return
-        with contextlib.suppress(StoreError):  # best effort: else the lease simply runs out
-            await self._db.run(_store.expire_claims, self._owner_id, [entry.execution_id])
+        # Best effort and never waiting for another process's lock: else the lease simply
+        # runs out.
+        with contextlib.suppress(StoreError):
+            await self._db.run_nowait(_store.expire_claims, self._owner_id, [entry.execution_id])
         entry.owned = False
 
     # -- heartbeat ----------------------------------------------------------------------------
@@ -637,6 +663,10 @@ class Runtime:
                 if not entry.owned:
                     self._release_or_acquire(entry)
         for entry in resumed:
+            # Closing meanwhile: the busy period starts already interrupted (shutdown), so
+            # the takeover is kept with an expired lease, never drained.
+            if self._closing:
+                entry.interrupt("shutdown")
             self._nursery.start_soon(self._busy_period, entry)
         return RecoveryReport(**{k: v for k, v in counts.items() if k != "ignored"})
 
@@ -654,16 +684,15 @@ class Runtime:
         """Cancel drains, keep their claims and expire their leases (one transaction, run
         here, so it lands even when the drains' own tasks were cancelled from outside)."""
         self._closing = True
-        owned = [entry for entry in self._entries.values() if entry.owned]
-        for entry in list(self._entries.values()):
-            entry.interrupt("shutdown")
+        # Only claims that this shutdown stops: one already stopping for a user interrupt
+        # finishes its own cleanup (expiring it would let recovery resume the work).
+        stopped = [e for e in list(self._entries.values()) if e.interrupt("shutdown")]
+        owned = [e.execution_id for e in stopped if e.owned]
         if owned:
             with contextlib.suppress(StoreError):  # best effort: else the leases run out
-                await self._db.run(
-                    _store.expire_claims, self._owner_id, [e.execution_id for e in owned]
-                )
-        for entry in list(self._entries.values()):
-            await entry.released.wait()
+                await self._db.run_nowait(_store.expire_claims, self._owner_id, owned)
+        while self._entries:
+            await next(iter(self._entries.values())).released.wait()
 
 
 def _report_key(result: _store.Recovered) -> str:

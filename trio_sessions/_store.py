@@ -21,6 +21,7 @@ single-writer lock except `BEGIN IMMEDIATE` itself.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sqlite3
 import time
@@ -38,6 +39,7 @@ from ._errors import (
     MalformedRecord,
     SchemaTooNew,
     StoreError,
+    TrioSessionsError,
 )
 from ._model import (
     BUDGET_EXHAUSTED,
@@ -333,6 +335,26 @@ def checkpoint(conn: sqlite3.Connection) -> None:
 
 
 def _run_jobs(conn: sqlite3.Connection, clock: Callable[[], float], jobs: list[Job]) -> None:
+    """Run jobs inside the open transaction and commit. Never raises: errors go on jobs.
+
+    SQLite may roll a whole transaction back by itself (disk full, I/O error): then no job
+    committed, whatever it returned, and every job reports the failure.
+    """
+    try:
+        _run_jobs_or_raise(conn, clock, jobs)
+    except sqlite3.Error as exc:
+        if conn.in_transaction:
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+        for job in jobs:
+            job.result = None
+            if not isinstance(job.error, TrioSessionsError):  # a job's own refusal stays
+                job.error = _store_error(exc)
+
+
+def _run_jobs_or_raise(
+    conn: sqlite3.Connection, clock: Callable[[], float], jobs: list[Job]
+) -> None:
     tx = Tx(conn, now_ms(clock))
     grouped = len(jobs) > 1
     for job in jobs:
@@ -342,6 +364,8 @@ def _run_jobs(conn: sqlite3.Connection, clock: Callable[[], float], jobs: list[J
             job.result = job.op(tx, *job.args)
         except Exception as exc:
             job.error = _store_error(exc)
+            if not conn.in_transaction:
+                raise _TransactionLost(exc) from exc
             if grouped:
                 conn.execute("ROLLBACK TO job")
                 conn.execute("RELEASE job")
@@ -351,14 +375,11 @@ def _run_jobs(conn: sqlite3.Connection, clock: Callable[[], float], jobs: list[J
         else:
             if grouped:
                 conn.execute("RELEASE job")
-    try:
-        conn.execute("COMMIT")
-    except sqlite3.Error as exc:
-        if conn.in_transaction:
-            conn.execute("ROLLBACK")
-        for job in jobs:
-            if job.error is None:
-                job.error = _store_error(exc)
+    conn.execute("COMMIT")
+
+
+class _TransactionLost(sqlite3.Error):
+    """SQLite rolled the whole transaction back on its own after a job's error."""
 
 
 def now_ms(clock: Callable[[], float]) -> int:
