@@ -58,8 +58,8 @@ class Store:
 
     path: str | os.PathLike[str]
     inline: bool = False
-    # Test seam (see trio_sessions.testing.faulty_store): wraps the connection, e.g. to
-    # raise sqlite3.OperationalError at a chosen statement.
+    # Test seam: wraps each connection the runtime opens, e.g. to raise
+    # sqlite3.OperationalError at a chosen statement (fault injection, counting).
     wrap_connection: Callable[[sqlite3.Connection], Any] | None = attrs.field(
         default=None, kw_only=True, repr=False
     )
@@ -126,7 +126,6 @@ class _Ending:
     """How one claim's drain section ended, before the finalizer acted on it."""
 
     kind: str  # "not_claimed" | "released" | "failed" | "interrupted"
-    holder: str | None = None
     error: BaseException | None = None
 
 
@@ -314,8 +313,8 @@ class Runtime:
         elif entry.reason is None and entry.rung_since_decision() and not self._closing:
             entry.start_successor(_store.new_id())
         else:
-            # Not claimed, nothing rang meanwhile (or it was interrupted): the busy period
-            # only settles it (passing an accepted interrupt on to the holder).
+            # Not claimed (another owner holds it) and nothing rang meanwhile: deferred. An
+            # interrupt accepted meanwhile is passed on to that owner first.
             entry.deciding = False
             execution = entry.current
             if entry.reason is None:
@@ -416,7 +415,7 @@ class Runtime:
                 if acquired.verdict is AcquireVerdict.CLAIM:
                     self._own(entry, attempt=acquired.attempt, resumed=False)
             if acquired.verdict is not AcquireVerdict.CLAIM:
-                return _Ending("not_claimed", holder=acquired.holder)
+                return _Ending("not_claimed")
             entry.keep_going()
         if self._hook is not None:
             await self._hook(
