@@ -61,6 +61,9 @@ class SessionEntry:
     successor: Execution | None = None
     scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
     owned: bool = False
+    # The transaction acquiring this claim also records a wake (`Runtime._signal`): a run
+    # that joins the acquisition needs no wake of its own.
+    woken: bool = False
     resumed: bool = False
     attempt: int = 0
     reason: InterruptReason | None = None
@@ -98,6 +101,11 @@ class SessionEntry:
         """A transaction that may release the claim is in flight."""
         return self.deciding and self.owned
 
+    def joinable(self) -> bool:
+        """A run may join without recording a wake: the execution is running (not stopping,
+        not finishing), or its acquiring transaction records a wake itself."""
+        return self.reason is None and not self.finishing() and (self.owned or self.woken)
+
     def rung_since_decision(self) -> bool:
         return self.rings > self.rings_seen
 
@@ -115,12 +123,20 @@ class SessionEntry:
         self.scope.cancel()
 
     def start_successor(self, execution_id: str) -> None:
-        """Reuse this entry for a fresh acquisition (new execution id, scope and joiners)."""
-        self.current = self.successor or Execution()
+        """Reuse this entry for a fresh acquisition (new execution id, scope and joiners).
+
+        Joiners of an execution that never settled (an acquisition that did not claim but
+        was rung meanwhile) follow the successor instead of waiting forever.
+        """
+        successor = self.successor or Execution()
+        if not self.current.done.is_set():
+            self.current.merge_into(successor)
+        self.current = successor
         self.successor = None
         self.execution_id = execution_id
         self.scope = trio.CancelScope()
         self.owned = False
+        self.woken = False
         self.resumed = False
         self.reason = None
         self.deciding = False

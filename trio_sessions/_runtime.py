@@ -193,9 +193,10 @@ class Runtime:
         """
         validate_session_id(session_id)
         entry = self._entries.get(session_id)
-        if entry is not None and entry.reason is None and not entry.finishing():
-            # Acquiring or running here: join it without forcing another iteration. (Once
-            # its finish transaction is in flight, only a new wake can reach it.)
+        if entry is not None and entry.joinable():
+            # Running here (or being acquired by a transaction that records a wake): join
+            # it without forcing another iteration. Otherwise - finishing, stopping, or a
+            # recovery placeholder that may not take the session - record a wake first.
             return await entry.current.wait()
         _, execution = await self._signal(
             session_id, (_store.wake, _store.wake_and_acquire), session_id
@@ -299,6 +300,7 @@ class Runtime:
             result = await self._db.run(wake_only, *args)
             return result, self._ring(session_id)
         entry = self._register(session_id)
+        entry.woken = True
         entry.begin_deciding()
         try:
             result, acquired = await self._db.run(

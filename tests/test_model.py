@@ -1,0 +1,1039 @@
+"""A stateful model of the durable protocol, checked step by step against the real store.
+
+Hypothesis drives the synchronous store operations (`trio_sessions._store`, and the
+runtime's recovery batch) for several owners on one SQLite database, with wall-clock jumps,
+wakes, submits, acquisitions, heartbeats, drain writes, finishes, interrupts, crashes,
+recovery passes split into their three transactions (so other owners act in between), a
+malformed assistant row now and then, and operator releases of quarantined executions.
+
+An independent model predicts every result from the contract (DESIGN §4); after every step
+the database must equal the model, and the §6 invariants must hold on the database itself:
+at most one owner that believes its lease live per session (and that belief is true), no
+revived lease, no lost wake, quarantined rows never returned by a scan, cancelled work never
+resumed.
+
+`TRIO_SESSIONS_MODEL_STEPS` raises the number of steps (default 10,000; the soak runs many
+more: `python -m trio_sessions.soak --model-steps N`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from trio_sessions import _codec, _store, _transcript
+from trio_sessions._decisions import AcquireVerdict, RecoveryDecision
+from trio_sessions._errors import (
+    DuplicateSettlement,
+    InputConflict,
+    LeaseLost,
+    MalformedRecord,
+    UnknownToolCall,
+)
+from trio_sessions._model import (
+    BUDGET_EXHAUSTED,
+    INTERRUPTED,
+    OWNER_LOST,
+    AssistantData,
+    TextPart,
+    ToolPart,
+)
+from trio_sessions._runtime import _apply_recovery_batch
+
+LEASE_MS = 3_000
+MAX_RESUMES = 2
+RECOVERY_BATCH = 2
+SESSIONS = ("s1", "s2", "s3")
+OWNER_SLOTS = ("a", "b", "c")
+STEP_COUNT = 100
+TARGET_STEPS = int(os.environ.get("TRIO_SESSIONS_MODEL_STEPS", "10000"))
+# A strict decoder rejects "false" for a bool: the row is malformed, not coerced.
+MALFORMED = '{"parts":[],"finished":"false","error":null}'
+JUMPS = (1, 10, 100, 999, 1_000, 1_001, 2_999, 3_000, 3_001, 7_000)
+FAILED = "failed: RuntimeError('drain raised')"
+
+
+@attrs.define
+class ClaimModel:
+    execution_id: str
+    owner_id: str
+    phase: str
+    expires_at: int
+    anchor_seq: int | None
+
+
+@attrs.define
+class MessageModel:
+    id: str | None  # user message ids are generated inside the store
+    role: str
+    seq: int
+    execution_id: str | None
+    input_id: str | None
+    data: AssistantData | str  # assistant data, or the user payload / malformed text
+
+
+@attrs.define
+class SessionModel:
+    time_woken: int | None = None
+    wakes: int = 0
+    wake_attempts: int = 0
+    input_seq: int = 0
+    pending: list[tuple[str, int, str]] = attrs.Factory(list)  # (input id, seq, payload)
+    claim: ClaimModel | None = None
+    # Pending inputs left without doorbell or claim by the drain's own choice (it returned
+    # without taking them) or by a failed ending; every other strand is a lost wake.
+    excused: bool = False
+
+
+@attrs.define
+class RecoveryRowModel:
+    session_id: str
+    owner_id: str
+    expires_at: int
+    error: str | None = None
+
+
+@attrs.define
+class OwnerModel:
+    """One runtime instance as it sees itself: the claims it believes it holds."""
+
+    owner_id: str
+    held: dict[str, str] = attrs.Factory(dict)  # session -> execution id
+    renewed_at: dict[str, int] = attrs.Factory(dict)  # execution id -> last renewal instant
+    open_message: dict[str, str] = attrs.Factory(dict)  # execution id -> message id
+    scan: list[_store.Candidate] | None = None
+    leased: list[_store.Candidate] | None = None
+
+    def forget(self, session_id: str) -> None:
+        execution_id = self.held.pop(session_id, None)
+        if execution_id is not None:
+            self.renewed_at.pop(execution_id, None)
+            self.open_message.pop(execution_id, None)
+
+
+def _is_running_tool(part: object) -> bool:
+    return isinstance(part, ToolPart) and part.status == "running"
+
+
+class ProtocolModel(RuleBasedStateMachine):
+    """The store and the decisions under an independent model of owners, leases and wakes."""
+
+    steps = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conn = _store.connect(":memory:")
+        self.now = 1_000_000
+        self.sessions: dict[str, SessionModel] = {}
+        self.messages: dict[str, list[MessageModel]] = {}
+        self.recovery_rows: dict[str, RecoveryRowModel] = {}
+        self.generation = dict.fromkeys(OWNER_SLOTS, 0)
+        self.owners = [OwnerModel(self._new_owner_id(slot)) for slot in OWNER_SLOTS]
+        self.counter = 0
+        self.cancelled: set[str] = set()
+        self.gone_executions: set[str] = set()
+        self.expired_at_seen: dict[str, int] = {}
+        self.quarantined: set[str] = set()
+        self.all_inputs: dict[str, str] = {}  # input id -> session id
+
+    # -- plumbing -----------------------------------------------------------------------------
+
+    def teardown(self) -> None:
+        self.conn.close()
+
+    def clock(self) -> float:
+        # Half a millisecond above the instant, so float rounding never lands a ms early.
+        return (self.now + 0.5) / 1000
+
+    def op(self, operation: Any, *args: Any) -> Any:
+        return _store.run_op(self.conn, self.clock, operation, *args)
+
+    def fresh(self, prefix: str) -> str:
+        self.counter += 1
+        return f"{prefix}{self.counter}"
+
+    def _new_owner_id(self, slot: str) -> str:
+        self.generation[slot] += 1
+        return f"{slot}#{self.generation[slot]}"
+
+    def step(self) -> None:
+        ProtocolModel.steps += 1
+
+    def session(self, session_id: str) -> SessionModel:
+        return self.sessions.setdefault(session_id, SessionModel(time_woken=None))
+
+    def newest_seq(self, session_id: str) -> int | None:
+        seqs = [m.seq for m in self.messages.get(session_id, [])]
+        return max(seqs) if seqs else None
+
+    def next_seq(self, session_id: str) -> int:
+        newest = self.newest_seq(session_id)
+        return 1 if newest is None else newest + 1
+
+    def live(self, claim: ClaimModel | None, execution_id: str, owner_id: str) -> bool:
+        """The claim fence: exact execution, exact owner, live lease."""
+        return (
+            claim is not None
+            and claim.execution_id == execution_id
+            and claim.owner_id == owner_id
+            and claim.expires_at > self.now
+        )
+
+    def held_claim(self, owner: OwnerModel, pick: int) -> tuple[str, str]:
+        items = sorted(owner.held.items())
+        return items[pick % len(items)]
+
+    def ring(self, session: SessionModel) -> None:
+        if session.time_woken is None:
+            session.time_woken = self.now
+        session.wakes += 1
+        session.excused = False
+
+    def assistant_messages(self, execution_id: str) -> list[MessageModel]:
+        return [
+            m
+            for messages in self.messages.values()
+            for m in messages
+            if m.role == "assistant" and m.execution_id == execution_id
+        ]
+
+    def close_open_messages(self, execution_id: str, reason: str) -> None:
+        for message in self.assistant_messages(execution_id):
+            if isinstance(message.data, AssistantData) and not message.data.finished:
+                message.data = _transcript.interrupt(message.data, reason)
+
+    def end_claim(self, session_id: str) -> None:
+        session = self.sessions[session_id]
+        assert session.claim is not None
+        self.gone_executions.add(session.claim.execution_id)
+        session.claim = None
+
+    def lose(self, owner: OwnerModel, session_id: str) -> None:
+        owner.forget(session_id)
+
+    # -- time, wakes, inputs --------------------------------------------------------------------
+
+    @initialize(holders=st.lists(st.integers(0, 2), min_size=len(SESSIONS), max_size=len(SESSIONS)))
+    def busy_start(self, holders: list[int]) -> None:
+        """Start where the protocol is interesting: every session has an input and an owner."""
+        for session_id, slot in zip(SESSIONS, holders, strict=True):
+            self.submit(session_id)
+            self._acquire(self.owners[slot], session_id)
+
+    @rule(jump=st.sampled_from(JUMPS))
+    def advance_clock(self, jump: int) -> None:
+        """Wall-clock jumps, around the lease and heartbeat boundaries."""
+        self.step()
+        self.now += jump
+
+    @rule(session_id=st.sampled_from(SESSIONS))
+    def wake(self, session_id: str) -> None:
+        self.step()
+        self.op(_store.wake, session_id)
+        session = self.sessions.get(session_id)
+        if session is None:
+            self.sessions[session_id] = SessionModel(time_woken=self.now, wakes=1)
+            self.messages[session_id] = []
+        else:
+            self.ring(session)
+
+    @rule(session_id=st.sampled_from(SESSIONS))
+    def submit(self, session_id: str) -> None:
+        self.step()
+        input_id = self.fresh("in")
+        payload = _codec.dumps({"n": self.counter})
+        assert self.op(_store.submit, session_id, payload, input_id) == input_id
+        self.all_inputs[input_id] = session_id
+        session = self.sessions.get(session_id)
+        if session is None:
+            session = self.sessions[session_id] = SessionModel(time_woken=None)
+            self.messages[session_id] = []
+        self.ring(session)
+        session.input_seq += 1
+        session.pending.append((input_id, session.input_seq, payload))
+
+    @precondition(lambda self: self.all_inputs)
+    @rule(pick=st.integers(0, 1_000), session_id=st.sampled_from(SESSIONS))
+    def resubmit(self, pick: int, session_id: str) -> None:
+        """Same id, same session: idempotent (also once taken); another session: conflict."""
+        self.step()
+        input_id = sorted(self.all_inputs)[pick % len(self.all_inputs)]
+        if self.all_inputs[input_id] == session_id:
+            assert self.op(_store.submit, session_id, "{}", input_id) == input_id
+        else:
+            with pytest.raises(InputConflict):
+                self.op(_store.submit, session_id, "{}", input_id)
+
+    # -- acquire and heartbeat ----------------------------------------------------------------
+
+    @rule(slot=st.integers(0, 2), session_id=st.sampled_from(SESSIONS))
+    def acquire(self, slot: int, session_id: str) -> None:
+        self.step()
+        self._acquire(self.owners[slot], session_id)
+
+    def _acquire(self, owner: OwnerModel, session_id: str) -> None:
+        if session_id in owner.held:
+            return  # the local registry rings its own entry instead (invariant 3)
+        execution_id = self.fresh("e")
+        result = self.op(_store.acquire, session_id, execution_id, owner.owner_id, LEASE_MS)
+        session = self.sessions.get(session_id)
+        if session is not None and session.claim is not None:
+            assert result.verdict is AcquireVerdict.HELD
+            assert result.holder == session.claim.owner_id
+            return
+        if session is None or session.time_woken is None:
+            assert result.verdict is AcquireVerdict.NO_DOORBELL
+            return
+        assert result.verdict is AcquireVerdict.CLAIM
+        assert result.attempt == session.wake_attempts
+        session.claim = ClaimModel(
+            execution_id,
+            owner.owner_id,
+            "running",
+            self.now + LEASE_MS,
+            self.newest_seq(session_id),
+        )
+        session.time_woken = None
+        session.wakes = 0
+        owner.held[session_id] = execution_id
+        owner.renewed_at[execution_id] = self.now
+
+    @rule(slot=st.integers(0, 2), session_id=st.sampled_from(SESSIONS), with_input=st.booleans())
+    def signal_and_acquire(self, slot: int, session_id: str, with_input: bool) -> None:
+        """The fused wake (or submit) and acquire of an idle session, one transaction."""
+        self.step()
+        owner = self.owners[slot]
+        if session_id in owner.held:
+            return  # the runtime rings its own entry instead
+        execution_id = self.fresh("e")
+        session = self.sessions.get(session_id)
+        claim = None if session is None else session.claim
+        if with_input:
+            input_id = self.fresh("in")
+            payload = _codec.dumps({"n": self.counter})
+            stored, result = self.op(
+                _store.submit_and_acquire,
+                session_id,
+                payload,
+                input_id,
+                execution_id,
+                owner.owner_id,
+                LEASE_MS,
+            )
+            assert stored == input_id
+            self.all_inputs[input_id] = session_id
+        else:
+            _, result = self.op(
+                _store.wake_and_acquire, session_id, execution_id, owner.owner_id, LEASE_MS
+            )
+        if session is None:
+            session = self.sessions[session_id] = SessionModel(time_woken=None)
+            self.messages[session_id] = []
+        if with_input:
+            session.input_seq += 1
+            session.pending.append((input_id, session.input_seq, payload))
+        if claim is not None:
+            self.ring(session)
+            assert result.verdict is AcquireVerdict.HELD
+            assert result.holder == claim.owner_id
+            return
+        assert result.verdict is AcquireVerdict.CLAIM
+        assert result.attempt == session.wake_attempts
+        session.claim = ClaimModel(
+            execution_id,
+            owner.owner_id,
+            "running",
+            self.now + LEASE_MS,
+            self.newest_seq(session_id),
+        )
+        if session.time_woken is not None:
+            session.time_woken = None
+            session.wakes = 0
+        session.excused = False
+        owner.held[session_id] = execution_id
+        owner.renewed_at[execution_id] = self.now
+
+    @precondition(lambda self: any(o.held for o in self.owners))
+    @rule(slot=st.integers(0, 2))
+    def heartbeat(self, slot: int) -> None:
+        """One transaction for all of an owner's claims; never revives an expired lease."""
+        self.step()
+        owner = self.owners[slot]
+        if not owner.held:
+            return
+        execution_ids = sorted(owner.held.values())
+        phases = self.op(_store.heartbeat, owner.owner_id, execution_ids, LEASE_MS)
+        for session_id, execution_id in sorted(owner.held.items()):
+            claim = self.sessions[session_id].claim
+            if self.live(claim, execution_id, owner.owner_id):
+                assert claim is not None
+                assert phases[execution_id] == claim.phase
+                claim.expires_at = self.now + LEASE_MS
+                owner.renewed_at[execution_id] = self.now
+            else:
+                assert phases[execution_id] is None
+                self.lose(owner, session_id)
+
+    # -- what a drain writes --------------------------------------------------------------------
+
+    def fenced(self, owner: OwnerModel, session_id: str, execution_id: str) -> bool:
+        live = self.live(self.sessions[session_id].claim, execution_id, owner.owner_id)
+        if not live:
+            self.lose(owner, session_id)
+        return live
+
+    @precondition(lambda self: any(o.held for o in self.owners))
+    @rule(slot=st.integers(0, 2), pick=st.integers(0, 100))
+    def take_inputs(self, slot: int, pick: int) -> None:
+        self.step()
+        owner = self.owners[slot]
+        if not owner.held:
+            return
+        session_id, execution_id = self.held_claim(owner, pick)
+        if not self.fenced(owner, session_id, execution_id):
+            with pytest.raises(LeaseLost):
+                self.op(_store.take_inputs, execution_id, owner.owner_id)
+            return
+        taken = self.op(_store.take_inputs, execution_id, owner.owner_id)
+        session = self.sessions[session_id]
+        assert [i.id for i in taken] == [input_id for input_id, _, _ in session.pending]
+        for input_id, _, payload in session.pending:
+            self.messages[session_id].append(
+                MessageModel(
+                    None, "user", self.next_seq(session_id), execution_id, input_id, payload
+                )
+            )
+        session.pending = []
+
+    @precondition(lambda self: any(o.held for o in self.owners))
+    @rule(slot=st.integers(0, 2), pick=st.integers(0, 100))
+    def begin_assistant(self, slot: int, pick: int) -> None:
+        self.step()
+        owner = self.owners[slot]
+        if not owner.held:
+            return
+        session_id, execution_id = self.held_claim(owner, pick)
+        message_id = self.fresh("m")
+        if not self.fenced(owner, session_id, execution_id):
+            with pytest.raises(LeaseLost):
+                self.op(_store.begin_assistant, execution_id, owner.owner_id, message_id)
+            return
+        self.op(_store.begin_assistant, execution_id, owner.owner_id, message_id)
+        self.messages[session_id].append(
+            MessageModel(
+                message_id,
+                "assistant",
+                self.next_seq(session_id),
+                execution_id,
+                None,
+                _transcript.EMPTY,
+            )
+        )
+        owner.open_message[execution_id] = message_id
+
+    @precondition(lambda self: any(o.open_message for o in self.owners))
+    @rule(
+        slot=st.integers(0, 2),
+        pick=st.integers(0, 100),
+        action=st.sampled_from(["text", "start", "settle", "fail", "finish", "unknown"]),
+        call=st.integers(0, 2),
+    )
+    def assistant_write(self, slot: int, pick: int, action: str, call: int) -> None:
+        """Every assistant write is fenced; a tool call settles at most once."""
+        self.step()
+        owner = self.owners[slot]
+        if not owner.open_message:
+            return
+        execution_id, message_id = sorted(owner.open_message.items())[
+            pick % len(owner.open_message)
+        ]
+        session_id = next(s for s, e in owner.held.items() if e == execution_id)
+        call_id = f"call{call}"
+        transitions: dict[str, Callable[[AssistantData], AssistantData]] = {
+            "text": lambda d: _transcript.append_text(d, "x"),
+            "start": lambda d: _transcript.start_tool(d, call_id, "tool", {"k": call}),
+            "settle": lambda d: _transcript.settle_tool(d, call_id, output=call),
+            "fail": lambda d: _transcript.settle_tool(d, call_id, error="boom"),
+            "finish": _transcript.finish,
+            "unknown": lambda d: _transcript.settle_tool(d, "nope", output=None),
+        }
+        transition = transitions[action]
+        args = (execution_id, owner.owner_id, message_id, transition)
+        if not self.fenced(owner, session_id, execution_id):
+            with pytest.raises(LeaseLost):
+                self.op(_store.update_assistant, *args)
+            return
+        message = next(m for m in self.messages[session_id] if m.id == message_id)
+        if not isinstance(message.data, AssistantData):
+            with pytest.raises(MalformedRecord):
+                self.op(_store.update_assistant, *args)
+            return
+        try:
+            expected = transition(message.data)
+        except (DuplicateSettlement, UnknownToolCall, ValueError) as exc:
+            with pytest.raises(type(exc)):
+                self.op(_store.update_assistant, *args)
+            return
+        assert self.op(_store.update_assistant, *args) == expected
+        message.data = expected
+
+    @precondition(lambda self: any(o.held for o in self.owners))
+    @rule(slot=st.integers(0, 2), pick=st.integers(0, 100))
+    def finish_iteration(self, slot: int, pick: int) -> None:
+        """A set doorbell continues the claim; otherwise it is released."""
+        self.step()
+        owner = self.owners[slot]
+        if not owner.held:
+            return
+        session_id, execution_id = self.held_claim(owner, pick)
+        if not self.fenced(owner, session_id, execution_id):
+            with pytest.raises(LeaseLost):
+                self.op(_store.finish_iteration, execution_id, owner.owner_id)
+            return
+        continued = self.op(_store.finish_iteration, execution_id, owner.owner_id)
+        session = self.sessions[session_id]
+        assert continued == (session.time_woken is not None)
+        if continued:
+            session.time_woken = None
+            session.wakes = 0
+            return
+        self.end_claim(session_id)
+        session.wake_attempts = 0
+        session.excused = bool(session.pending)  # it returned without taking them
+        owner.forget(session_id)
+
+    @precondition(lambda self: any(o.held for o in self.owners))
+    @rule(slot=st.integers(0, 2), pick=st.integers(0, 100))
+    def finish_failed(self, slot: int, pick: int) -> None:
+        """A failed drain closes its messages and its claim; untaken inputs are not re-armed."""
+        self.step()
+        owner = self.owners[slot]
+        if not owner.held:
+            return
+        session_id, execution_id = self.held_claim(owner, pick)
+        if not self.fenced(owner, session_id, execution_id):
+            with pytest.raises(LeaseLost):
+                self.op(_store.finish_failed, execution_id, owner.owner_id, FAILED)
+            return
+        doorbell = self.op(_store.finish_failed, execution_id, owner.owner_id, FAILED)
+        session = self.sessions[session_id]
+        assert doorbell == (session.time_woken is not None)
+        self.close_open_messages(execution_id, FAILED)
+        self.end_claim(session_id)
+        session.wake_attempts = 0
+        session.excused = bool(session.pending) and session.time_woken is None
+        owner.forget(session_id)
+
+    # -- interrupts -----------------------------------------------------------------------------
+
+    @precondition(lambda self: any(o.held for o in self.owners))
+    @rule(slot=st.integers(0, 2), pick=st.integers(0, 100), cleanup_finishes=st.booleans())
+    def interrupt_local(self, slot: int, pick: int, cleanup_finishes: bool) -> None:
+        """mark_cancelling, then (unless the cleanup is cancelled) finish_interrupted."""
+        self.step()
+        owner = self.owners[slot]
+        if not owner.held:
+            return
+        session_id, execution_id = self.held_claim(owner, pick)
+        session = self.sessions[session_id]
+        if not self.fenced(owner, session_id, execution_id):
+            with pytest.raises(LeaseLost):
+                self.op(_store.mark_cancelling, execution_id, owner.owner_id)
+            return
+        self.op(_store.mark_cancelling, execution_id, owner.owner_id)
+        assert session.claim is not None
+        session.claim.phase = "cancelling"
+        self.cancelled.add(execution_id)
+        if not cleanup_finishes:
+            # The cleanup was cancelled: the claim stays 'cancelling'; the owner moves on.
+            owner.forget(session_id)
+            return
+        doorbell = self.op(_store.finish_interrupted, execution_id, owner.owner_id)
+        self.close_open_messages(execution_id, INTERRUPTED)
+        self.end_claim(session_id)
+        session.wake_attempts = 0
+        if session.pending:
+            self.ring(session)
+        assert doorbell == (session.time_woken is not None)
+        owner.forget(session_id)
+
+    @rule(session_id=st.sampled_from(SESSIONS))
+    def request_cancel(self, session_id: str) -> None:
+        """An interrupt from a process that does not hold the claim."""
+        self.step()
+        accepted = self.op(_store.request_cancel, session_id)
+        session = self.sessions.get(session_id)
+        claim = None if session is None else session.claim
+        expected = claim is not None and claim.phase == "running" and claim.expires_at > self.now
+        assert accepted == expected
+        if expected:
+            assert claim is not None
+            claim.phase = "cancelling"
+            self.cancelled.add(claim.execution_id)
+
+    # -- owners disappear -----------------------------------------------------------------------
+
+    @rule(slot=st.integers(0, 2))
+    def crash(self, slot: int) -> None:
+        """The owner vanishes: its claims and recovery leases simply stay."""
+        self.step()
+        self.owners[slot] = OwnerModel(self._new_owner_id(OWNER_SLOTS[slot]))
+
+    @precondition(lambda self: any(o.held for o in self.owners))
+    @rule(slot=st.integers(0, 2))
+    def shutdown(self, slot: int) -> None:
+        """Closing runtime: claims kept, leases ended now (fenced), then the owner is gone."""
+        self.step()
+        owner = self.owners[slot]
+        execution_ids = sorted(owner.held.values())
+        expired = self.op(_store.expire_claims, owner.owner_id, execution_ids)
+        expected = 0
+        for session_id, execution_id in owner.held.items():
+            claim = self.sessions[session_id].claim
+            if self.live(claim, execution_id, owner.owner_id):
+                assert claim is not None
+                claim.expires_at = self.now
+                expected += 1
+        assert expired == expected
+        self.owners[slot] = OwnerModel(self._new_owner_id(OWNER_SLOTS[slot]))
+
+    # -- recovery, in three transactions ------------------------------------------------------
+
+    @rule(slot=st.integers(0, 2))
+    def recovery_pass(self, slot: int) -> None:
+        """One whole pass, as `recover_once` runs it: scan, lease, apply, acquire doorbells."""
+        self.step()
+        owner = self.owners[slot]
+        self._scan(owner)
+        self._lease(owner)
+        self._apply_leased(owner)
+
+    @rule(slot=st.integers(0, 2))
+    def recovery_scan(self, slot: int) -> None:
+        """Candidates: expired claims by expiry, then unclaimed doorbells; exclusions in SQL."""
+        self.step()
+        self._scan(self.owners[slot])
+
+    def _scan(self, owner: OwnerModel) -> None:
+        candidates = self.op(
+            _store.recovery_candidates, owner.owner_id, RECOVERY_BATCH, sorted(owner.held)
+        )
+        for candidate in candidates:
+            assert candidate.execution_id not in self.quarantined
+        assert candidates == self.expected_candidates(owner)
+        owner.scan = candidates
+        owner.leased = None
+
+    def expected_candidates(self, owner: OwnerModel) -> list[_store.Candidate]:
+        expired = []
+        for session_id, session in self.sessions.items():
+            claim = session.claim
+            if claim is None or claim.expires_at > self.now or session_id in owner.held:
+                continue
+            row = self.recovery_rows.get(claim.execution_id)
+            if row is not None and (
+                row.error is not None
+                or (row.owner_id != owner.owner_id and row.expires_at > self.now)
+            ):
+                continue
+            expired.append((claim.expires_at, claim.execution_id, session_id))
+        expired.sort()
+        result = [_store.Candidate(s, e) for _, e, s in expired[:RECOVERY_BATCH]]
+        doorbells = sorted(
+            (session.time_woken, session_id)
+            for session_id, session in self.sessions.items()
+            if session.time_woken is not None
+            and session.claim is None
+            and session_id not in owner.held
+        )
+        result += [_store.Candidate(s, None) for _, s in doorbells]
+        return result[:RECOVERY_BATCH]
+
+    @precondition(lambda self: any(o.scan is not None for o in self.owners))
+    @rule(pick=st.integers(0, 2))
+    def recovery_lease(self, pick: int) -> None:
+        """Recovery leases: only if absent, expired or ours, never on a quarantined row."""
+        self.step()
+        scanning = [o for o in self.owners if o.scan is not None]
+        self._lease(scanning[pick % len(scanning)])
+
+    def _lease(self, owner: OwnerModel) -> None:
+        if owner.scan is None:
+            return
+        expired = [c for c in owner.scan if c.execution_id is not None]
+        leased = self.op(_store.take_recovery_leases, owner.owner_id, LEASE_MS, expired)
+        expected = []
+        for candidate in expired:
+            assert candidate.execution_id is not None
+            row = self.recovery_rows.get(candidate.execution_id)
+            if row is None:
+                self.recovery_rows[candidate.execution_id] = RecoveryRowModel(
+                    candidate.session_id, owner.owner_id, self.now + LEASE_MS
+                )
+            elif row.error is None and (
+                row.owner_id == owner.owner_id or row.expires_at <= self.now
+            ):
+                row.owner_id = owner.owner_id
+                row.expires_at = self.now + LEASE_MS
+            else:
+                continue
+            expected.append(candidate)
+        assert leased == expected
+        owner.leased = leased + [c for c in owner.scan if c.execution_id is None]
+        owner.scan = None
+
+    @precondition(lambda self: any(o.leased is not None for o in self.owners))
+    @rule(pick=st.integers(0, 2))
+    def recovery_apply(self, pick: int) -> None:
+        """Apply the decisions (exact fences), then acquire the unclaimed doorbells."""
+        self.step()
+        leasing = [o for o in self.owners if o.leased is not None]
+        self._apply_leased(leasing[pick % len(leasing)])
+
+    def _apply_leased(self, owner: OwnerModel) -> None:
+        if owner.leased is None:
+            return
+        leased, owner.leased = owner.leased, None
+        items = [
+            (c, self.fresh("e"))
+            for c in leased
+            if c.execution_id is not None and c.session_id not in owner.held
+        ]
+        self.apply(owner, items)
+        for candidate in leased:
+            if candidate.execution_id is None:
+                self._acquire(owner, candidate.session_id)
+
+    def apply(self, owner: OwnerModel, items: list[tuple[_store.Candidate, str]]) -> None:
+        results = self.op(_apply_recovery_batch, owner.owner_id, items, LEASE_MS, MAX_RESUMES)
+        for (candidate, new_execution_id), result in zip(items, results, strict=True):
+            decision, fence_lost = self.predict_recovery(owner, candidate, new_execution_id)
+            assert result.fence_lost == fence_lost, candidate
+            if fence_lost:
+                # Nothing was ours to act on: whichever fence noticed, nothing is touched
+                # (the database comparison after this step proves it) and nothing counts.
+                assert result.decision in (RecoveryDecision.GONE, RecoveryDecision.QUARANTINE)
+            else:
+                assert result.decision == decision, candidate
+            if decision is RecoveryDecision.RESUME:
+                assert candidate.execution_id not in self.cancelled
+                assert result.new_execution_id == new_execution_id
+                assert result.attempt == self.sessions[candidate.session_id].wake_attempts
+
+    def predict_recovery(
+        self, owner: OwnerModel, candidate: _store.Candidate, new_execution_id: str
+    ) -> tuple[RecoveryDecision, bool]:
+        """The contract's recovery rules, applied to the model (DESIGN §4, recovery pass)."""
+        execution_id = candidate.execution_id
+        assert execution_id is not None
+        row = self.recovery_rows.get(execution_id)
+        if (
+            row is None
+            or row.owner_id != owner.owner_id
+            or row.expires_at <= self.now
+            or row.error is not None
+        ):
+            return RecoveryDecision.GONE, True
+        session_id = candidate.session_id
+        session = self.sessions[session_id]
+        claim = session.claim
+        if claim is None or claim.execution_id != execution_id:
+            del self.recovery_rows[execution_id]
+            return RecoveryDecision.GONE, False
+        if claim.expires_at > self.now:
+            del self.recovery_rows[execution_id]
+            return RecoveryDecision.SKIP_LIVE, False
+        superseded = any(
+            m.role == "assistant"
+            and m.execution_id != execution_id
+            and (claim.anchor_seq is None or m.seq > claim.anchor_seq)
+            for m in self.messages[session_id]
+        )
+        own = sorted(self.assistant_messages(execution_id), key=lambda m: m.seq)
+        malformed = bool(own) and not isinstance(own[-1].data, AssistantData)
+        if claim.phase == "cancelling" or superseded:
+            decision = (
+                RecoveryDecision.FINISH_CANCELLED
+                if claim.phase == "cancelling"
+                else RecoveryDecision.DROP_SUPERSEDED
+            )
+            reason = INTERRUPTED if claim.phase == "cancelling" else OWNER_LOST
+            self.close_open_messages(execution_id, reason)
+            self.end_claim(session_id)
+            if session.pending:
+                self.ring(session)
+            del self.recovery_rows[execution_id]
+            return decision, False
+        if malformed:
+            row.error = "malformed"
+            self.quarantined.add(execution_id)
+            return RecoveryDecision.QUARANTINE, False
+        if session.wake_attempts >= MAX_RESUMES:
+            self.close_open_messages(execution_id, BUDGET_EXHAUSTED)
+            self.end_claim(session_id)
+            session.wake_attempts = 0
+            session.excused = bool(session.pending) and session.time_woken is None
+            del self.recovery_rows[execution_id]
+            return RecoveryDecision.EXHAUSTED, False
+        self.close_open_messages(execution_id, OWNER_LOST)
+        self.gone_executions.add(execution_id)
+        session.claim = ClaimModel(
+            new_execution_id,
+            owner.owner_id,
+            "running",
+            self.now + LEASE_MS,
+            self.newest_seq(session_id),
+        )
+        session.wake_attempts += 1
+        session.time_woken = None
+        session.wakes = 0
+        del self.recovery_rows[execution_id]
+        owner.held[session_id] = new_execution_id
+        owner.renewed_at[new_execution_id] = self.now
+        return RecoveryDecision.RESUME, False
+
+    # -- bad records and operators --------------------------------------------------------------
+
+    @precondition(lambda self: any(s.claim for s in self.sessions.values()))
+    @rule(pick=st.integers(0, 100))
+    def corrupt_assistant(self, pick: int) -> None:
+        """A malformed assistant row for a claimed execution: recovery must quarantine it."""
+        self.step()
+        claimed = sorted(s for s, m in self.sessions.items() if m.claim is not None)
+        session_id = claimed[pick % len(claimed)]
+        claim = self.sessions[session_id].claim
+        assert claim is not None
+        own = sorted(self.assistant_messages(claim.execution_id), key=lambda m: m.seq)
+        if own:
+            assert own[-1].id is not None
+            self.conn.execute(
+                "UPDATE session_message SET data = ? WHERE id = ?", (MALFORMED, own[-1].id)
+            )
+            own[-1].data = MALFORMED
+            return
+        message_id = self.fresh("bad")
+        seq = self.next_seq(session_id)
+        self.conn.execute(
+            "INSERT INTO session_message(id, session_id, execution_id, role, seq, data,"
+            " time_created, time_updated) VALUES (?, ?, ?, 'assistant', ?, ?, 0, 0)",
+            (message_id, session_id, claim.execution_id, seq, MALFORMED),
+        )
+        self.messages[session_id].append(
+            MessageModel(message_id, "assistant", seq, claim.execution_id, None, MALFORMED)
+        )
+
+    @precondition(lambda self: self.sessions)
+    @rule(session_id=st.sampled_from(SESSIONS))
+    def foreign_assistant(self, session_id: str) -> None:
+        """An assistant message written by no execution: supersedes an older claim."""
+        self.step()
+        if session_id not in self.sessions:
+            return
+        message_id = self.fresh("op")
+        seq = self.next_seq(session_id)
+        data = AssistantData((TextPart("operator"),), True, None)
+        self.conn.execute(
+            "INSERT INTO session_message(id, session_id, execution_id, role, seq, data,"
+            " time_created, time_updated) VALUES (?, ?, NULL, 'assistant', ?, ?, 0, 0)",
+            (message_id, session_id, seq, _codec.encode_assistant(data)),
+        )
+        self.messages[session_id].append(
+            MessageModel(message_id, "assistant", seq, None, None, data)
+        )
+
+    @precondition(lambda self: any(r.error for r in self.recovery_rows.values()))
+    @rule(
+        slot=st.integers(0, 2),
+        pick=st.integers(0, 100),
+        resume=st.booleans(),
+        repair=st.booleans(),
+    )
+    def release_quarantine(self, slot: int, pick: int, resume: bool, repair: bool) -> None:
+        """Operator: drop (finish as owner-lost, re-arm) or resume (after an optional repair)."""
+        self.step()
+        owner = self.owners[slot]
+        rows = sorted(e for e, r in self.recovery_rows.items() if r.error is not None)
+        execution_id = rows[pick % len(rows)]
+        row = self.recovery_rows[execution_id]
+        session = self.sessions[row.session_id]
+        if not resume:
+            self.op(_store.drop_quarantined, execution_id)
+            self.close_open_messages(execution_id, OWNER_LOST)
+            if session.claim is not None and session.claim.execution_id == execution_id:
+                self.end_claim(row.session_id)
+            session.wake_attempts = 0
+            if session.pending:
+                self.ring(session)
+            del self.recovery_rows[execution_id]
+            self.quarantined.discard(execution_id)
+            return
+        if repair:
+            for message in self.assistant_messages(execution_id):
+                if not isinstance(message.data, AssistantData):
+                    self.conn.execute(
+                        "UPDATE session_message SET data = ? WHERE id = ?",
+                        (_codec.encode_assistant(_transcript.EMPTY), message.id),
+                    )
+                    message.data = _transcript.EMPTY
+        candidate = self.op(_store.lift_quarantine, execution_id, owner.owner_id, LEASE_MS)
+        assert candidate == _store.Candidate(row.session_id, execution_id)
+        row.error = None
+        row.owner_id = owner.owner_id
+        row.expires_at = self.now + LEASE_MS
+        self.quarantined.discard(execution_id)
+        if row.session_id in owner.held:
+            return  # the runtime would skip it: this owner's own claim rules apply
+        self.apply(owner, [(candidate, self.fresh("e"))])
+
+    # -- invariants -----------------------------------------------------------------------------
+
+    @invariant()
+    def database_equals_model(self) -> None:
+        """Every table holds exactly what the contract predicts."""
+        sessions = {
+            row[0]: row[1:]
+            for row in self.conn.execute("SELECT id, time_woken, wakes, wake_attempts FROM session")
+        }
+        assert sessions == {
+            s: (m.time_woken, m.wakes, m.wake_attempts) for s, m in self.sessions.items()
+        }
+        claims = {
+            row[0]: row[1:]
+            for row in self.conn.execute(
+                "SELECT session_id, id, owner_id, phase, expires_at, anchor_seq"
+                " FROM session_execution"
+            )
+        }
+        assert claims == {
+            s: (c.execution_id, c.owner_id, c.phase, c.expires_at, c.anchor_seq)
+            for s, m in self.sessions.items()
+            if (c := m.claim) is not None
+        }
+        pending = sorted(
+            self.conn.execute("SELECT session_id, id, seq, payload FROM session_input")
+        )
+        assert pending == sorted((s, *p) for s, m in self.sessions.items() for p in m.pending)
+        recovery = {
+            row[0]: (row[1], row[2], row[3], row[4] is not None)
+            for row in self.conn.execute(
+                "SELECT execution_id, session_id, owner_id, expires_at, recovery_error"
+                " FROM session_recovery"
+            )
+        }
+        assert recovery == {
+            e: (r.session_id, r.owner_id, r.expires_at, r.error is not None)
+            for e, r in self.recovery_rows.items()
+        }
+        stored = self.conn.execute(
+            "SELECT session_id, id, role, seq, execution_id, input_id, data"
+            " FROM session_message ORDER BY session_id, seq"
+        ).fetchall()
+        expected = [
+            (s, m)
+            for s in sorted(self.messages)
+            for m in sorted(self.messages[s], key=lambda m: m.seq)
+        ]
+        assert len(stored) == len(expected)
+        for (session_id, message_id, role, seq, execution_id, input_id, data), (s, m) in zip(
+            stored, expected, strict=True
+        ):
+            assert (session_id, role, seq, execution_id, input_id) == (
+                s,
+                m.role,
+                m.seq,
+                m.execution_id,
+                m.input_id,
+            )
+            if m.id is not None:
+                assert message_id == m.id
+            if isinstance(m.data, AssistantData):
+                assert _codec.decode_assistant(data, key=message_id) == m.data
+            else:
+                assert data == m.data
+
+    @invariant()
+    def one_live_owner(self) -> None:
+        """An owner that believes its lease live really holds it: never two live owners."""
+        live_owners: dict[str, list[str]] = {}
+        claims = {
+            row[0]: row[1:]
+            for row in self.conn.execute(
+                "SELECT session_id, id, owner_id, expires_at FROM session_execution"
+            )
+        }
+        for owner in self.owners:
+            for session_id, execution_id in owner.held.items():
+                if self.now - owner.renewed_at[execution_id] >= LEASE_MS:
+                    continue  # its own watchdog already treats this lease as lost
+                assert claims[session_id][:2] == (execution_id, owner.owner_id)
+                assert claims[session_id][2] > self.now
+                live_owners.setdefault(session_id, []).append(owner.owner_id)
+        assert all(len(owners) == 1 for owners in live_owners.values())
+
+    @invariant()
+    def no_revived_lease(self) -> None:
+        """Once a claim was seen expired its expiry never grows, and a gone claim never returns."""
+        for execution_id, expires_at in self.conn.execute(
+            "SELECT id, expires_at FROM session_execution"
+        ):
+            assert execution_id not in self.gone_executions
+            seen = self.expired_at_seen.get(execution_id)
+            if seen is not None:
+                assert expires_at <= seen
+            if expires_at <= self.now:
+                self.expired_at_seen[execution_id] = min(expires_at, seen or expires_at)
+
+    @invariant()
+    def no_lost_wake(self) -> None:
+        """Every pending input has a set doorbell or a claim (unless its drain chose so)."""
+        stranded = {
+            row[0]
+            for row in self.conn.execute(
+                "SELECT DISTINCT i.session_id FROM session_input i JOIN session s"
+                " ON s.id = i.session_id WHERE s.time_woken IS NULL AND NOT EXISTS"
+                " (SELECT 1 FROM session_execution e WHERE e.session_id = i.session_id)"
+            )
+        }
+        assert stranded == {s for s in stranded if self.sessions[s].excused}
+
+    @invariant()
+    def cancellation_is_durable(self) -> None:
+        """A claim that was asked to cancel stays 'cancelling' until it is finished."""
+        for execution_id, phase in self.conn.execute("SELECT id, phase FROM session_execution"):
+            if execution_id in self.cancelled:
+                assert phase == "cancelling"
+
+
+def test_protocol_model() -> None:
+    """The store matches the contract's model and keeps the §6 invariants for ≥10k steps."""
+    ProtocolModel.steps = 0
+    while ProtocolModel.steps < TARGET_STEPS:
+        # Examples end early now and then, so run until the step budget is really spent.
+        remaining = TARGET_STEPS - ProtocolModel.steps
+        run_state_machine_as_test(  # type: ignore[no-untyped-call]
+            ProtocolModel,
+            settings=settings(
+                max_examples=math.ceil(remaining / STEP_COUNT * 1.5),
+                stateful_step_count=STEP_COUNT,
+                deadline=None,
+                database=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+            ),
+        )
+    print(f"model steps: {ProtocolModel.steps}")
+    assert ProtocolModel.steps >= TARGET_STEPS
