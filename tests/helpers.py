@@ -12,7 +12,7 @@ import attrs
 import trio
 
 import trio_sessions
-from trio_sessions import DrainContext, Runtime, Store, testing
+from trio_sessions import DrainContext, Outcome, Runtime, Store, testing
 from trio_sessions._codec import encode_assistant
 from trio_sessions._model import AssistantData, ToolPart
 
@@ -123,6 +123,17 @@ class Raw:
             (message_id, session_id, execution_id, seq, text),
         )
         return message_id
+
+
+def start_run(nursery: trio.Nursery, rt: Runtime, session_id: str) -> list[Outcome]:
+    """Start `rt.run(session_id)` in `nursery`; its outcome lands in the returned list."""
+    outcomes: list[Outcome] = []
+
+    async def run() -> None:
+        outcomes.append(await rt.run(session_id))
+
+    nursery.start_soon(run)
+    return outcomes
 
 
 def open_tool_message(call_id: str = "call-1") -> AssistantData:

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from helpers import Raw, Recorder, now_ms, runtime
+from helpers import Raw, Recorder, now_ms, runtime, start_run
 from trio.testing import MockClock
 
 import trio_sessions
@@ -177,12 +177,7 @@ async def test_interrupt_active_execution(
     drain = Recorder()
     drain.hold()
     async with runtime(store, drain, clock) as rt, trio.open_nursery() as nursery:
-        outcomes: list[Outcome] = []
-
-        async def run() -> None:
-            outcomes.append(await rt.run("s"))
-
-        nursery.start_soon(run)
+        outcomes = start_run(nursery, rt, "s")
         await drain.entered.wait()
         assert await rt.interrupt("s") is True
         await rt.wait_idle("s")
@@ -208,12 +203,7 @@ async def test_interrupt_is_acknowledged_before_cleanup_settles(
                 await cleanup_gate.wait()
 
     async with runtime(store, drain, clock) as rt, trio.open_nursery() as nursery:
-        outcomes: list[Outcome] = []
-
-        async def run() -> None:
-            outcomes.append(await rt.run("s"))
-
-        nursery.start_soon(run)
+        outcomes = start_run(nursery, rt, "s")
         await entered.wait()
         assert await rt.interrupt("s") is True
         await trio.testing.wait_all_tasks_blocked()
@@ -291,12 +281,7 @@ async def test_failure_racing_a_wake_gets_one_follow_up(
             raise RuntimeError("first drain fails")
 
     async with runtime(store, drain, clock) as rt, trio.open_nursery() as nursery:
-        outcomes: list[Outcome] = []
-
-        async def run() -> None:
-            outcomes.append(await rt.run("s"))
-
-        nursery.start_soon(run)
+        outcomes = start_run(nursery, rt, "s")
         await entered.wait()
         await rt.wake("s")
         gate.set()
@@ -312,12 +297,7 @@ async def test_cancelled_joiner_does_not_cancel_execution(
     drain = Recorder()
     gate = drain.hold()
     async with runtime(store, drain, clock) as rt, trio.open_nursery() as nursery:
-        outcomes: list[Outcome] = []
-
-        async def run() -> None:
-            outcomes.append(await rt.run("s"))
-
-        nursery.start_soon(run)
+        outcomes = start_run(nursery, rt, "s")
         await drain.entered.wait()
         with trio.move_on_after(1):
             await rt.run("s")
@@ -390,12 +370,7 @@ async def test_user_interrupt_at_commit_boundary_cleans_claim(
     paused, release = trio.Event(), trio.Event()
     async with runtime(store, drain, clock, acquisition_hook=_pausing_hook(paused, release)) as rt:
         async with trio.open_nursery() as nursery:
-            outcomes: list[Outcome] = []
-
-            async def run() -> None:
-                outcomes.append(await rt.run("s"))
-
-            nursery.start_soon(run)
+            outcomes = start_run(nursery, rt, "s")
             await paused.wait()
             assert Raw(db_path).claim("s") is not None
             assert await rt.interrupt("s") is True
@@ -538,12 +513,7 @@ async def test_heartbeat_never_revives_expired_lease(
     drain = Recorder()
     drain.hold()
     async with runtime(store, drain, jumping, lease=9.0) as rt, trio.open_nursery() as nursery:
-        outcomes: list[Outcome] = []
-
-        async def run() -> None:
-            outcomes.append(await rt.run("s"))
-
-        nursery.start_soon(run)
+        outcomes = start_run(nursery, rt, "s")
         await drain.entered.wait()
         before = Raw(db_path).claim("s")
         jumping.offset += 60.0
@@ -584,12 +554,7 @@ async def test_remote_interrupt_through_heartbeat(
     drain.hold()
     async with runtime(store, drain, clock) as owner, runtime(store, Recorder(), clock) as other:
         async with trio.open_nursery() as nursery:
-            outcomes: list[Outcome] = []
-
-            async def run() -> None:
-                outcomes.append(await owner.run("s"))
-
-            nursery.start_soon(run)
+            outcomes = start_run(nursery, owner, "s")
             await drain.entered.wait()
             assert await other.interrupt("s") is True
             assert Raw(db_path).claim("s")[2] == "cancelling"

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from helpers import Raw, runtime
+from helpers import Raw, runtime, start_run
 from trio.testing import MockClock
 
 import trio_sessions
@@ -204,12 +204,7 @@ async def test_interrupt_during_running_tool(
         await trio.sleep_forever()
 
     async with runtime(store, drain, clock) as rt, trio.open_nursery() as nursery:
-        outcomes: list[Outcome] = []
-
-        async def run() -> None:
-            outcomes.append(await rt.run("s"))
-
-        nursery.start_soon(run)
+        outcomes = start_run(nursery, rt, "s")
         await in_tool.wait()
         assert await rt.interrupt("s") is True
         await rt.wait_idle("s")
