@@ -913,3 +913,32 @@ async def test_accepted_interrupt_reaches_the_owner_found_at_acquire(
         assert await rt.interrupt("s") is True
         await rt.wait_idle("s")
     assert raw.claim("s")[1:3] == ("other", "cancelling")
+
+
+async def test_outer_cancellation_never_undoes_an_accepted_interrupt(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """A user interrupt accepted as the runtime is cancelled from outside leaves the claim
+    'cancelling' (its cleanup was cut short), so the next owner finishes it as cancelled
+    and never resumes the work the user stopped."""
+    started = trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        writer = await ctx.begin_assistant()
+        await writer.start_tool("c1", "slow", {})
+        started.set()
+        await trio.sleep_forever()
+
+    with trio.CancelScope() as outer:
+        async with runtime(store, drain, clock, lease=10.0) as rt:
+            await rt.wake("s")
+            await started.wait()
+            outer.cancel()  # Ctrl-C, a supervisor, serve_runtime's scope...
+            assert await rt.interrupt("s") is True  # ...in the same scheduling step
+            await trio.sleep_forever()
+    assert Raw(db_path).claim("s")[2] == "cancelling"
+    later = Recorder()
+    async with runtime(store, later, clock, lease=10.0) as rt:
+        await trio.sleep(11)  # past the lease: recovery has examined the claim
+    assert later.calls == []
+    assert Raw(db_path).claim("s") is None

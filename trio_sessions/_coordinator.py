@@ -64,6 +64,9 @@ class SessionEntry:
     # The transaction acquiring this claim also records a wake (`Runtime._signal`): a run
     # that joins the acquisition needs no wake of its own.
     woken: bool = False
+    # A run joined this acquisition without a wake of its own: if it does not claim, the
+    # next acquisition records a wake for that run (it must never be lost or deferred idly).
+    needs_wake: bool = False
     resumed: bool = False
     attempt: int = 0
     reason: InterruptReason | None = None
@@ -93,7 +96,10 @@ class SessionEntry:
         """The deciding transaction kept the claim (claimed, or took a doorbell): rings during
         it are covered by this claim's next finish, so a would-be successor merges in."""
         self.deciding = False
-        if self.successor is not None:
+        self.needs_wake = False
+        # A stopping execution ends with its interrupt: rings after it belong to a real
+        # successor (started if the doorbell is set after cleanup), not to it.
+        if self.successor is not None and self.reason is None:
             self.successor.merge_into(self.current)
             self.successor = None
 
@@ -118,8 +124,11 @@ class SessionEntry:
         return True
 
     def lose_lease(self) -> None:
-        """The lease is gone: whatever else was happening, write nothing more for this claim."""
-        self.reason = "lease_lost"
+        """The lease is gone: whatever else was happening, write nothing more for this claim.
+
+        A shutdown already ended the lease on purpose; it stays the reason joiners see."""
+        if self.reason != "shutdown":
+            self.reason = "lease_lost"
         self.scope.cancel()
 
     def start_successor(self, execution_id: str) -> None:

@@ -29,7 +29,7 @@ import attrs
 import trio
 
 from ._errors import StoreError
-from ._store import Job, checkpoint, run_batch, try_run_batch
+from ._store import BUSY_TIMEOUT_MS, Job, checkpoint, run_batch, try_run_batch
 
 T = TypeVar("T")
 
@@ -65,7 +65,11 @@ class InlineExecutor:
 
     async def run_nowait(self, op: Callable[..., T], *args: Any) -> T:
         await trio.lowlevel.checkpoint_if_cancelled()
-        result: T = _run_nowait(self.conn, self.clock, op, args)
+        self.conn.execute("PRAGMA busy_timeout = 0")  # really not waiting, here too
+        try:
+            result: T = _run_nowait(self.conn, self.clock, op, args)
+        finally:
+            self.conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
         await trio.lowlevel.cancel_shielded_checkpoint()
         return result
 
@@ -185,9 +189,15 @@ class ThreadExecutor:
             self._work = trio.Event()
             if self._checkpoint_due:
                 self._checkpoint_due = False
-                # Not in flight: a PASSIVE checkpoint never holds the write lock, so
-                # inline transactions carry on meanwhile.
-                await trio.to_thread.run_sync(checkpoint, self.conn, limiter=self._limiter)
+                # In flight for the inline path too: a checkpoint racing new commits never
+                # copies every frame, and the WAL then cannot restart (it grew past 90 MB
+                # in a 100k-cycle run). Operations meanwhile queue for the worker and
+                # group-commit right after.
+                self._in_flight = True
+                try:
+                    await trio.to_thread.run_sync(checkpoint, self.conn, limiter=self._limiter)
+                finally:
+                    self._in_flight = False
             batch, self._queue = self._queue, []
             if not batch:
                 continue

@@ -197,6 +197,8 @@ class Runtime:
             # Running here (or being acquired by a transaction that records a wake): join
             # it without forcing another iteration. Otherwise - finishing, stopping, or a
             # recovery placeholder that may not take the session - record a wake first.
+            if not entry.owned:
+                entry.needs_wake = True  # if this acquisition fails, ours is recorded
             return await entry.current.wait()
         _, execution = await self._signal(
             session_id, (_store.wake, _store.wake_and_acquire), session_id
@@ -312,7 +314,19 @@ class Runtime:
         if acquired.verdict is AcquireVerdict.CLAIM:
             self._own(entry, attempt=acquired.attempt, resumed=False)
             entry.keep_going()
-        elif entry.reason is None and entry.rung_since_decision() and not self._closing:
+            if self._closing:
+                # Committed while the runtime closes (its nursery may be gone): keep the
+                # claim for recovery with an expired lease; never start a drain now.
+                entry.interrupt("shutdown")
+                await self._expire(entry)
+                execution = entry.current
+                self._release(entry, Outcome("interrupted", "shutdown"))
+                return result, execution
+        elif (
+            entry.reason is None
+            and (entry.rung_since_decision() or entry.needs_wake)
+            and not self._closing
+        ):
             entry.start_successor(_store.new_id())
         else:
             # Not claimed (another owner holds it) and nothing rang meanwhile: deferred. An
@@ -378,9 +392,14 @@ class Runtime:
             outcome = Outcome("interrupted", entry.reason or "shutdown")
             # With the claim still ours, expire the lease so any owner can recover it at
             # once. Bounded and best effort, as trio asks of cleanup; else it runs out.
+            # A claim whose user interrupt was accepted is marked cancelling instead, so
+            # recovery finishes it and never resumes it.
             if entry.owned and not self._crashed:
                 with trio.move_on_after(SHUTDOWN_GRACE, shield=True):
-                    await self._expire(entry)
+                    if entry.reason == "user":
+                        await self._mark_cancelling_nowait(entry)
+                    else:
+                        await self._expire(entry)
             raise
         finally:
             self._release(entry, outcome)
@@ -407,13 +426,23 @@ class Runtime:
             # installation (entry.owned is what the finalizer acts on) happen together or
             # not at all; an interrupt meanwhile is honoured right after.
             with trio.CancelScope(shield=True):
-                acquired = await self._db.run(
-                    _store.acquire,
-                    entry.session_id,
-                    entry.execution_id,
-                    self._owner_id,
-                    self._lease_ms,
-                )
+                if entry.needs_wake:  # a joiner's wake, recorded with the acquire
+                    _, acquired = await self._db.run(
+                        _store.wake_and_acquire,
+                        entry.session_id,
+                        entry.execution_id,
+                        self._owner_id,
+                        self._lease_ms,
+                    )
+                    entry.needs_wake = False
+                else:
+                    acquired = await self._db.run(
+                        _store.acquire,
+                        entry.session_id,
+                        entry.execution_id,
+                        self._owner_id,
+                        self._lease_ms,
+                    )
                 if acquired.verdict is AcquireVerdict.CLAIM:
                     self._own(entry, attempt=acquired.attempt, resumed=False)
             if acquired.verdict is not AcquireVerdict.CLAIM:
@@ -485,10 +514,16 @@ class Runtime:
 
     async def _pass_on_interrupt(self, entry: SessionEntry) -> None:
         """A user interrupt accepted while this runtime was still acquiring, and another
-        owner turned out to hold the claim: interrupt that owner as a remote one would."""
+        owner turned out to hold the claim: mark that claim cancelling, live or expired
+        (an expired one is finished by recovery as cancelled, never resumed)."""
         if entry.reason == "user":
             with contextlib.suppress(StoreError):
-                await self._db.run(_store.request_cancel, entry.session_id)
+                await self._db.run(_store.cancel_held_claim, entry.session_id)
+
+    async def _mark_cancelling_nowait(self, entry: SessionEntry) -> None:
+        with contextlib.suppress(StoreError, LeaseLost):
+            await self._db.run_nowait(_store.mark_cancelling, entry.execution_id, self._owner_id)
+        entry.owned = False
 
     async def _finish_failed(
         self, entry: SessionEntry, error: BaseException | None
@@ -674,7 +709,7 @@ class Runtime:
     def _release_or_acquire(self, entry: SessionEntry) -> None:
         """A prospective recovery entry that did not take over: a ring that reached it
         meanwhile still gets its acquisition."""
-        if entry.rings and not self._closing:
+        if (entry.rings or entry.needs_wake) and not self._closing:
             self._nursery.start_soon(self._busy_period, entry)
         else:
             self._release(entry, Outcome("deferred"))

@@ -699,6 +699,20 @@ def request_cancel(tx: Tx, session_id: str) -> bool:
     )
 
 
+def cancel_held_claim(tx: Tx, session_id: str) -> bool:
+    """An interrupt accepted locally while another owner's claim turned up at acquire: mark
+    that claim cancelling even if its lease already expired, so recovery finishes it as
+    cancelled instead of resuming it."""
+    return (
+        tx.execute(
+            "UPDATE session_execution SET phase = 'cancelling'"
+            " WHERE session_id = ? AND phase = 'running'",
+            (session_id,),
+        ).rowcount
+        == 1
+    )
+
+
 def expire_claims(tx: Tx, owner_id: str, execution_ids: Sequence[str]) -> int:
     """Shutdown: keep the claims (phase unchanged) but end their leases now, fenced."""
     expired = 0

@@ -1,0 +1,103 @@
+"""Races only the threaded production store can show: operations queue behind a worker
+hand-off while another connection holds the write lock. Real time, bounded; the lock is
+released by the test itself, so ordering is forced, not hoped for."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+import trio
+
+import trio_sessions
+from trio_sessions import DrainContext, Outcome
+
+pytestmark = pytest.mark.slow
+
+
+@asynccontextmanager
+async def write_lock_held(path: Path) -> AsyncIterator[None]:
+    """Another process's write transaction, held for the block's duration."""
+    other = sqlite3.connect(path, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+
+
+def test_run_joining_a_withdrawn_wake_still_runs(tmp_path: Path) -> None:
+    """run() joins an acquisition whose wake is still queued; the wake's caller is then
+    cancelled and its transaction withdrawn unrun: the run records its own wake and gets
+    the outcome of the execution that drains it (never an idle 'deferred')."""
+    path = tmp_path / "db"
+    drained: list[str] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        drained.append(ctx.session_id)
+
+    async def main() -> Outcome:
+        outcomes: list[Outcome] = []
+        with trio.fail_after(20):
+            async with trio_sessions.open_runtime(path, drain, lease=5) as rt:
+                # The lock is released inside the nursery: its tasks wait on it.
+                async with trio.open_nursery() as nursery, write_lock_held(path):
+                    nursery.start_soon(rt.wake, "other")  # in flight, blocked on the lock
+                    await trio.sleep(0.05)
+                    with trio.CancelScope() as waker:
+
+                        async def join() -> None:
+                            outcomes.append(await rt.run("s"))
+
+                        async def cancel_waker_soon() -> None:
+                            await trio.sleep(0.05)
+                            waker.cancel()
+
+                        nursery.start_soon(join)
+                        nursery.start_soon(cancel_waker_soon)
+                        await rt.wake("s")  # queued behind "other", then withdrawn
+                    assert waker.cancelled_caught
+                await rt.wait_idle("s")
+        return outcomes[0]
+
+    assert trio.run(main) == Outcome("succeeded")
+    assert drained.count("s") == 1
+
+
+def test_run_after_an_interrupt_gets_the_successor(tmp_path: Path) -> None:
+    """A run() whose wake comes after an interrupt accepted on an acquiring claim returns
+    the outcome of the successor that takes its wake, not the interrupted one (5 rounds:
+    before the fix, 12 of 20 rounds returned 'interrupted')."""
+
+    async def one(path: Path) -> tuple[bool, Outcome, int]:
+        drains: list[str] = []
+
+        async def drain(ctx: DrainContext) -> None:
+            drains.append(ctx.session_id)
+
+        result: list[Outcome] = []
+        with trio.fail_after(20):
+            async with trio_sessions.open_runtime(path, drain, lease=5) as rt:
+                async with trio.open_nursery() as nursery, write_lock_held(path):
+                    nursery.start_soon(rt.wake, "other")  # in flight, blocked on the lock
+                    await trio.sleep(0.02)
+                    nursery.start_soon(rt.wake, "s")  # its wake+acquire queued behind
+                    await trio.sleep(0.01)
+                    accepted = await rt.interrupt("s")
+
+                    async def run() -> None:
+                        result.append(await rt.run("s"))
+
+                    nursery.start_soon(run)
+                    await trio.sleep(0.01)
+                await rt.wait_idle("s")
+        return accepted, result[0], drains.count("s")
+
+    for round_ in range(5):
+        accepted, outcome, drains_of_s = trio.run(one, tmp_path / f"db{round_}")
+        assert accepted
+        assert (outcome, drains_of_s) == (Outcome("succeeded"), 1)
