@@ -61,9 +61,6 @@ class SessionEntry:
     successor: Execution | None = None
     scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
     owned: bool = False
-    # The transaction acquiring this claim also records a wake (`Runtime._signal`): a run
-    # that joins the acquisition needs no wake of its own.
-    woken: bool = False
     # A run joined this acquisition without a wake of its own: if it does not claim, the
     # next acquisition records a wake for that run (it must never be lost or deferred idly).
     needs_wake: bool = False
@@ -108,9 +105,9 @@ class SessionEntry:
         return self.deciding and self.owned
 
     def joinable(self) -> bool:
-        """A run may join without recording a wake: the execution is running (not stopping,
-        not finishing), or its acquiring transaction records a wake itself."""
-        return self.reason is None and not self.finishing() and (self.owned or self.woken)
+        """A run may join without recording a wake: nothing is stopping or finishing. (If it
+        joins an acquisition that then does not claim, `needs_wake` records one for it.)"""
+        return self.reason is None and not self.finishing()
 
     def rung_since_decision(self) -> bool:
         return self.rings > self.rings_seen
@@ -145,7 +142,6 @@ class SessionEntry:
         self.execution_id = execution_id
         self.scope = trio.CancelScope()
         self.owned = False
-        self.woken = False
         self.resumed = False
         self.reason = None
         self.deciding = False

@@ -194,9 +194,8 @@ class Runtime:
         validate_session_id(session_id)
         entry = self._entries.get(session_id)
         if entry is not None and entry.joinable():
-            # Running here (or being acquired by a transaction that records a wake): join
-            # it without forcing another iteration. Otherwise - finishing, stopping, or a
-            # recovery placeholder that may not take the session - record a wake first.
+            # Running or being acquired here: join it without forcing another iteration.
+            # (Finishing or stopping: only a new wake can reach it, so record one first.)
             if not entry.owned:
                 entry.needs_wake = True  # if this acquisition fails, ours is recorded
             return await entry.current.wait()
@@ -302,52 +301,53 @@ class Runtime:
             result = await self._db.run(wake_only, *args)
             return result, self._ring(session_id)
         entry = self._register(session_id)
-        entry.woken = True
         entry.begin_deciding()
         try:
             result, acquired = await self._db.run(
                 wake_and_acquire, *args, entry.execution_id, self._owner_id, self._lease_ms
             )
         except BaseException:
-            self._release_or_acquire(entry)
+            self._settle_unclaimed(entry)
             raise
-        if acquired.verdict is AcquireVerdict.CLAIM:
-            self._own(entry, attempt=acquired.attempt, resumed=False)
-            entry.keep_going()
-            if self._closing:
-                # Committed while the runtime closes (its nursery may be gone): keep the
-                # claim for recovery with an expired lease; never start a drain now.
-                entry.interrupt("shutdown")
-                await self._expire(entry)
-                execution = entry.current
-                self._release(entry, Outcome("interrupted", "shutdown"))
-                return result, execution
-        elif (
-            entry.reason is None
-            and (entry.rung_since_decision() or entry.needs_wake)
-            and not self._closing
-        ):
-            entry.start_successor(_store.new_id())
-        else:
-            # Not claimed (another owner holds it) and nothing rang meanwhile: deferred. An
-            # interrupt accepted meanwhile is passed on to that owner first.
-            entry.deciding = False
-            execution = entry.current
-            if entry.reason is None:
-                self._release(entry, Outcome("deferred"))
-            else:
-                self._nursery.start_soon(self._settle_not_claimed, entry)
+        execution = entry.current  # joiners follow a successor if one starts from it
+        if acquired.verdict is not AcquireVerdict.CLAIM:
+            self._settle_unclaimed(entry)
             return result, execution
-        self._nursery.start_soon(self._busy_period, entry)
-        return result, entry.current
+        self._own(entry, attempt=acquired.attempt, resumed=False)
+        entry.keep_going()
+        if self._closing:
+            # Committed while the runtime closes (its nursery may be gone): keep the claim
+            # for recovery with an expired lease; never start a drain now.
+            entry.interrupt("shutdown")
+            await self._expire(entry)
+            self._release(entry, Outcome("interrupted", "shutdown"))
+        else:
+            self._nursery.start_soon(self._busy_period, entry)
+        return result, execution
 
-    async def _settle_not_claimed(self, entry: SessionEntry) -> None:
-        """An interrupted acquisition that found the session held elsewhere."""
-        assert entry.reason is not None
+    def _settle_unclaimed(self, entry: SessionEntry) -> None:
+        """A prospective acquisition that did not claim (held elsewhere, withdrawn, failed,
+        or a recovery placeholder that did not take over).
+
+        A user interrupt accepted meanwhile is passed on to the holder; a ring since it
+        decided, or a joined run's wake, gets a fresh acquisition; otherwise: deferred.
+        """
+        entry.deciding = False
+        if entry.reason == "user":
+            self._nursery.start_soon(self._pass_on_then_release, entry)
+        elif entry.reason is not None:
+            self._release(entry, Outcome("interrupted", entry.reason))
+        elif (entry.rung_since_decision() or entry.needs_wake) and not self._closing:
+            entry.start_successor(_store.new_id())
+            self._nursery.start_soon(self._busy_period, entry)
+        else:
+            self._release(entry, Outcome("deferred"))
+
+    async def _pass_on_then_release(self, entry: SessionEntry) -> None:
         try:
             await self._pass_on_interrupt(entry)
         finally:
-            self._release(entry, Outcome("interrupted", entry.reason))
+            self._release(entry, Outcome("interrupted", "user"))
 
     def _ring(self, session_id: str) -> Execution | None:
         """After a durable wake: ring the local entry, or register one and start acquiring."""
@@ -697,7 +697,7 @@ class Runtime:
         finally:
             for _, entry in entries:
                 if not entry.owned:
-                    self._release_or_acquire(entry)
+                    self._settle_unclaimed(entry)
         for entry in resumed:
             # Closing meanwhile: the busy period starts already interrupted (shutdown), so
             # the takeover is kept with an expired lease, never drained.
@@ -705,14 +705,6 @@ class Runtime:
                 entry.interrupt("shutdown")
             self._nursery.start_soon(self._busy_period, entry)
         return RecoveryReport(**{k: v for k, v in counts.items() if k != "ignored"})
-
-    def _release_or_acquire(self, entry: SessionEntry) -> None:
-        """A prospective recovery entry that did not take over: a ring that reached it
-        meanwhile still gets its acquisition."""
-        if (entry.rings or entry.needs_wake) and not self._closing:
-            self._nursery.start_soon(self._busy_period, entry)
-        else:
-            self._release(entry, Outcome("deferred"))
 
     # -- lifecycle ----------------------------------------------------------------------------
 
