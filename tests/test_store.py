@@ -1165,7 +1165,7 @@ def test_takeover_is_fenced_on_the_old_claim_still_expired(db: Db) -> None:
     """The takeover UPDATE refuses a claim that is live (LeaseLost) and writes nothing, even
     the message it would have closed."""
     execution = busy_claim(db)
-    facts = db.run(_store._recovery_facts, _store.Candidate("s", execution))
+    facts, _ = db.run(_store._recovery_facts, _store.Candidate("s", execution))
     before = db.snapshot()
     with pytest.raises(LeaseLost):
         db.run(_store._take_over, ME, _store.Candidate("s", execution), "exec-new", LEASE, facts)

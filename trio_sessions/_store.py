@@ -912,11 +912,18 @@ def take_recovery_leases(
     return taken
 
 
-def _recovery_facts(tx: Tx, candidate: Candidate) -> RecoveryFacts:
+def _recovery_facts(tx: Tx, candidate: Candidate) -> tuple[RecoveryFacts, str | None]:
+    """What recovery decides on, and why the newest assistant message is malformed (None
+    when it decodes or there is none)."""
     session_id, execution_id = candidate.session_id, candidate.execution_id
-    claim = _claim_row(tx, session_id)
-    anchor = tx.one("SELECT anchor_seq FROM session_execution WHERE id = ?", (execution_id,))
-    anchor_seq = None if anchor is None else anchor[0]
+    row = tx.one(
+        "SELECT id, owner_id, phase, expires_at, anchor_seq FROM session_execution"
+        " WHERE session_id = ?",
+        (session_id,),
+    )
+    claim = None if row is None else ClaimRow(*row[:4])
+    # Another execution's anchor is never used: the decision for a replaced claim is GONE.
+    anchor_seq = row[4] if claim is not None and claim.execution_id == execution_id else None
     superseded = (
         tx.one(
             "SELECT 1 FROM session_message WHERE session_id = ? AND role = 'assistant'"
@@ -932,12 +939,13 @@ def _recovery_facts(tx: Tx, candidate: Candidate) -> RecoveryFacts:
     )
     malformed_reason = None if newest is None else _malformed_reason(newest[0], newest[1])
     attempts = tx.one("SELECT wake_attempts FROM session WHERE id = ?", (session_id,))
-    return RecoveryFacts(
+    facts = RecoveryFacts(
         claim=claim,
         superseded=superseded,
         newest_assistant_malformed=malformed_reason is not None,
         wake_attempts=0 if attempts is None else int(attempts[0]),
     )
+    return facts, malformed_reason
 
 
 def _malformed_reason(message_id: str, text: str) -> str | None:
@@ -974,10 +982,11 @@ def apply_recovery(
     """
     execution_id = candidate.execution_id
     assert execution_id is not None
-    facts = _recovery_facts(tx, candidate)
+    facts, malformed_reason = _recovery_facts(tx, candidate)
     decision = _decisions.decide_recovery(facts, execution_id, tx.now, max_resumes)
     if decision is RecoveryDecision.QUARANTINE:
-        return quarantine(tx, owner_id, candidate, _newest_malformed_reason(tx, candidate))
+        assert malformed_reason is not None
+        return quarantine(tx, owner_id, candidate, malformed_reason)
     if not _holds_recovery_lease(tx, execution_id, owner_id):
         # Another recovery owner holds this row now: act on nothing of theirs.
         return Recovered(RecoveryDecision.GONE, fence_lost=True)
@@ -1001,16 +1010,6 @@ def _holds_recovery_lease(tx: Tx, execution_id: str, owner_id: str) -> bool:
         (execution_id, owner_id, tx.now),
     )
     return row is not None
-
-
-def _newest_malformed_reason(tx: Tx, candidate: Candidate) -> str:
-    newest = tx.one(
-        "SELECT id, data FROM session_message WHERE execution_id = ? AND role = 'assistant'"
-        " ORDER BY seq DESC LIMIT 1",
-        (candidate.execution_id,),
-    )
-    why = _malformed_reason(newest[0], newest[1]) if newest is not None else None
-    return why or "malformed record"
 
 
 def quarantine(tx: Tx, owner_id: str, candidate: Candidate, why: str) -> Recovered:
