@@ -107,6 +107,7 @@ class ThreadExecutor:
     _in_flight: bool = False
     _limiter: trio.CapacityLimiter = attrs.Factory(lambda: trio.CapacityLimiter(1))
     _inline_since_checkpoint: int = 0
+    _checkpoint_due: bool = False
     handoffs: int = 0
     inline_runs: int = 0
 
@@ -164,8 +165,6 @@ class ThreadExecutor:
             self._inline_since_checkpoint = 0
             self._checkpoint_due = True
             self._work.set()
-
-    _checkpoint_due: bool = False
 
     async def pump(self, scope: trio.CancelScope) -> None:
         """Feed the worker: every operation queued during a hand-off joins the next one.
