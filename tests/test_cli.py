@@ -21,7 +21,7 @@ import trio
 from conftest import query
 
 import trio_sessions
-from trio_sessions import _cli, _store
+from trio_sessions import _cli, _sqlite, _store
 from trio_sessions._decisions import RecoveryDecision
 
 LIVE_LEASE_MS = 600_000
@@ -30,7 +30,7 @@ MALFORMED = '{"parts": [], "finished": "no", "error": null}'
 
 
 def _op(conn: sqlite3.Connection, at: float, op: Any, *args: Any) -> Any:
-    return _store.run_op(conn, lambda: at, op, *args)
+    return _sqlite.run_op(conn, lambda: at, op, *args)
 
 
 def _seed_quarantined(conn: sqlite3.Connection, now: float) -> None:
@@ -54,7 +54,7 @@ def seed(path: Path) -> None:
     """Seed relative to the wall clock now: the CLI reads leases against the wall clock."""
     now = time.time()
     dead_at = now - DEAD_FOR
-    conn = _store.connect(path)
+    conn = _sqlite.connect(path)
     try:
         _op(conn, now - 50, _store.submit, "idle", '{"text": "hi"}', "in-idle")
         _op(conn, now - 50, _store.acquire, "idle", "exec-idle", "owner-a", 60_000)

@@ -23,6 +23,7 @@ from trio_sessions import (
     ToolPart,
     TrioSessionsError,
     _codec,
+    _sqlite,
     _store,
 )
 
@@ -78,13 +79,13 @@ class Db:
     """A real SQLite file where each example gets its own session, claim and message."""
 
     def __init__(self, path: Path) -> None:
-        self.conn = _store.connect(path)
+        self.conn = _sqlite.connect(path)
 
     def clock(self) -> float:
         return 1_800_000_000.0
 
     def run(self, op: Callable[..., Any], *args: Any) -> Any:
-        return _store.run_op(self.conn, self.clock, op, *args)
+        return _sqlite.run_op(self.conn, self.clock, op, *args)
 
     def write_assistant(self, data: AssistantData) -> str:
         """Write `data` as a fresh assistant message through the fenced store operations."""

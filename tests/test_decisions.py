@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from trio_sessions import LeaseLost, _codec, _store, _transcript
+from trio_sessions import LeaseLost, _backend, _codec, _sqlite, _store, _transcript
 from trio_sessions._decisions import (
     AcquireVerdict,
     ClaimRow,
@@ -72,7 +72,7 @@ def fence_cases(draw: st.DrawFn) -> tuple[int, ClaimRow | None, str, str]:
 def fixed_clock(now: int) -> Callable[[], float]:
     """A clock in seconds that the store turns back into exactly `now` milliseconds."""
     clock = lambda: now / 1000  # noqa: E731
-    assert _store.now_ms(clock) == now
+    assert _backend.now_ms(clock) == now
     return clock
 
 
@@ -275,10 +275,10 @@ class Db:
     """One SQLite file reused across hypothesis examples; `reset` empties it."""
 
     def __init__(self, path: Path) -> None:
-        self.conn = _store.connect(path)
+        self.conn = _sqlite.connect(path)
 
     def run(self, now: int, op: Callable[..., Any], *args: Any) -> Any:
-        return _store.run_op(self.conn, fixed_clock(now), op, *args)
+        return _sqlite.run_op(self.conn, fixed_clock(now), op, *args)
 
     def reset(self) -> None:
         for table in (
@@ -296,7 +296,7 @@ class Db:
     def snapshot(self) -> dict[str, list[tuple[Any, ...]]]:
         return {
             table: sorted(self.rows(f"SELECT * FROM {table}"), key=repr)
-            for table in sorted(_store.OUR_TABLES)
+            for table in sorted(_sqlite.OUR_TABLES)
         }
 
     def put_session(self, *, doorbell: bool, wake_attempts: int = 0) -> None:
@@ -568,4 +568,4 @@ def test_apply_recovery_sql_agrees_with_decide_recovery(
 def test_db_helper_clock_is_exact() -> None:
     """The fixed clock used above converts back to the very millisecond it was built from."""
     for now in (1_000_000_000, 1_800_000_000_000, 4_000_000_000_000):
-        assert _store.now_ms(fixed_clock(now)) == now
+        assert _backend.now_ms(fixed_clock(now)) == now

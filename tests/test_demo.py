@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import query
 
-from trio_sessions import _store, demo
+from trio_sessions import _sqlite, demo
 
 DEMO = [sys.executable, "-m", "trio_sessions.demo"]
 TIMEOUT = 60  # the demo itself takes about 5 s; the issue allows 30
@@ -55,7 +55,7 @@ def test_demo_runs_every_scene_and_every_check_passes(tmp_path: Path) -> None:
 def test_checks_are_computed_not_printed(tmp_path: Path) -> None:
     """On a database where nothing happened, every check fails (they read the database)."""
     db = tmp_path / "empty.db"
-    _store.connect(db).close()
+    _sqlite.connect(db).close()
     checks = demo.verify(db, demo.Facts())
     assert len(checks) == len(demo.CHECKS)
     assert [check.name for check in checks if check.passed] == []

@@ -27,7 +27,16 @@ import trio
 from trio.testing import MockClock
 
 import trio_sessions
-from trio_sessions import DrainContext, Outcome, Runtime, StoreError, ToolPart, _store, testing
+from trio_sessions import (
+    DrainContext,
+    Outcome,
+    Runtime,
+    StoreError,
+    ToolPart,
+    _sqlite,
+    _store,
+    testing,
+)
 from trio_sessions._codec import decode_assistant
 
 Clock = Callable[[], float]
@@ -351,9 +360,9 @@ async def test_acquire_fault_leaves_the_wake_durable_for_recovery(
     acquire_statements: set[str] = set()
 
     async def scenario(path: Path, faults: Faults, k: int) -> None:
-        conn = _store.connect(path)
+        conn = _sqlite.connect(path)
         try:
-            _store.run_op(conn, clock, _store.submit, "s", '{"n":1}', "i1")
+            _sqlite.run_op(conn, clock, _store.submit, "s", '{"n":1}', "i1")
         finally:
             conn.close()
         worker = Worker()
@@ -396,7 +405,7 @@ async def test_heartbeat_fault_is_retried_and_claims_survive(
             await trio.sleep(LEASE / 3)
             assert faults.fired or faults.completed_unfired
             if faults.fired and not faults.fired_at_begin_locked:
-                assert runtime.heartbeat_transactions == 1
+                assert runtime.statistics().heartbeat_transactions == 1
                 assert rows(path, "SELECT id, expires_at FROM session_execution ORDER BY id") == (
                     before
                 )
@@ -432,7 +441,7 @@ async def test_heartbeats_failing_for_a_lease_lose_it_without_writing(
 
             nursery.start_soon(run)
             await worker.entered.wait()
-            faults.arm_matching("heartbeat_at = ?", message)
+            faults.arm_matching("heartbeat_at = :now", message)
             transcript = rows(path, "SELECT id, data FROM session_message ORDER BY seq")
             claim = rows(path, "SELECT * FROM session_execution")
             await trio.sleep(LEASE + 0.01)
@@ -476,7 +485,7 @@ class StuckConnection:
             if threading.current_thread() is threading.main_thread():
                 if sql.startswith("BEGIN"):
                     raise sqlite3.OperationalError("database is locked")
-            elif "heartbeat_at = ?" in sql:
+            elif "heartbeat_at = :now" in sql:
                 self._store.stuck.set()
                 self._store.release.wait(60)
         return self._conn.execute(sql, params)
@@ -705,7 +714,7 @@ async def test_interrupt_mark_cancelling_fault_never_resumes_the_work(
     path = tmp_path / "db"
     faults = Faults(path)
     with trio.fail_after(600):
-        worker, outcome = await interrupt_scenario(path, faults, 2, clock, message, 1)
+        worker, outcome = await interrupt_scenario(path, faults, 3, clock, message, 1)
     faults.close()
     assert faults.fired[0].startswith("UPDATE session_execution SET phase = 'cancelling'")
     assert outcome == Outcome("interrupted", "user")
@@ -836,7 +845,7 @@ async def test_shutdown_expire_fault_leaves_a_claim_that_recovery_resumes(
     path = tmp_path / "db"
     faults = Faults(path)
     claim = await hold_and_close(
-        path, clock, faults, lambda: faults.arm_matching("SET expires_at = ? WHERE", message)
+        path, clock, faults, lambda: faults.arm_matching("SET expires_at = :now WHERE", message)
     )
     assert faults.fired
     assert rows(path, "SELECT id, phase, expires_at FROM session_execution") == claim

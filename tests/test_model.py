@@ -36,7 +36,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from trio_sessions import _codec, _store, _transcript
+from trio_sessions import _codec, _sqlite, _store, _transcript
 from trio_sessions._decisions import AcquireVerdict, RecoveryDecision
 from trio_sessions._errors import (
     DuplicateSettlement,
@@ -53,7 +53,6 @@ from trio_sessions._model import (
     TextPart,
     ToolPart,
 )
-from trio_sessions._runtime import _apply_recovery_batch
 
 LEASE_MS = 3_000
 MAX_RESUMES = 2
@@ -137,7 +136,7 @@ class ProtocolModel(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.conn = _store.connect(":memory:")
+        self.conn = _sqlite.connect(":memory:")
         self.now = 1_000_000
         self.sessions: dict[str, SessionModel] = {}
         self.messages: dict[str, list[MessageModel]] = {}
@@ -161,7 +160,7 @@ class ProtocolModel(RuleBasedStateMachine):
         return (self.now + 0.5) / 1000
 
     def op(self, operation: Any, *args: Any) -> Any:
-        return _store.run_op(self.conn, self.clock, operation, *args)
+        return _sqlite.run_op(self.conn, self.clock, operation, *args)
 
     def fresh(self, prefix: str) -> str:
         self.counter += 1
@@ -720,7 +719,7 @@ class ProtocolModel(RuleBasedStateMachine):
                 self._acquire(owner, candidate.session_id)
 
     def apply(self, owner: OwnerModel, items: list[tuple[_store.Candidate, str]]) -> None:
-        results = self.op(_apply_recovery_batch, owner.owner_id, items, LEASE_MS, MAX_RESUMES)
+        results = self.op(_store.apply_recovery_batch, owner.owner_id, items, LEASE_MS, MAX_RESUMES)
         for (candidate, new_execution_id), result in zip(items, results, strict=True):
             decision, fence_lost = self.predict_recovery(owner, candidate, new_execution_id)
             assert result.fence_lost == fence_lost, candidate

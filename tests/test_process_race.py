@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from trio_sessions import _store
+from trio_sessions import _sqlite, _store
 
 ROUNDS = 200
 LEASE_MS = 30_000
@@ -25,13 +25,13 @@ STEP_TIMEOUT_S = 10.0
 def contender(path: str, owner_id: str, parent: Connection, barrier: Barrier) -> None:
     """Child process: for each session id received, meet the rival at the barrier, then try
     to acquire it; report the verdict or the error text."""
-    conn = _store.connect(path)
+    conn = _sqlite.connect(path)
     try:
         parent.send(("ready", owner_id))
         while (session_id := parent.recv()) is not None:
             barrier.wait(timeout=STEP_TIMEOUT_S)
             try:
-                acquired = _store.run_op(
+                acquired = _sqlite.run_op(
                     conn, time.time, _store.acquire, session_id, _store.new_id(), owner_id, LEASE_MS
                 )
             except Exception as exc:  # reported to the parent, which fails the test
@@ -54,7 +54,7 @@ def test_two_processes_racing_acquire_have_one_winner_per_round(tmp_path: Path) 
     round, the claim row names the winner, and no "database is locked" error ever escapes."""
     started = time.monotonic()
     path = tmp_path / "race.db"
-    conn = _store.connect(path)
+    conn = _sqlite.connect(path)
     context = multiprocessing.get_context("spawn")
     barrier = context.Barrier(2)
     owners = ("owner-a", "owner-b")
@@ -76,7 +76,7 @@ def test_two_processes_racing_acquire_have_one_winner_per_round(tmp_path: Path) 
         errors: list[str] = []
         for round_no in range(ROUNDS):
             session_id = f"race-{round_no}"
-            _store.run_op(conn, time.time, _store.wake, session_id)
+            _sqlite.run_op(conn, time.time, _store.wake, session_id)
             for pipe in pipes:
                 pipe.send(session_id)
             answers = [receive(pipe) for pipe in pipes]

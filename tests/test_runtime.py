@@ -539,9 +539,9 @@ async def test_one_heartbeat_transaction_per_tick(
             await rt.wake(f"s{index}")
         await trio.testing.wait_all_tasks_blocked()
         assert entered == 50
-        before = rt.heartbeat_transactions
+        before = rt.statistics().heartbeat_transactions
         await trio.sleep(10.5)
-        assert rt.heartbeat_transactions - before == 1
+        assert rt.statistics().heartbeat_transactions - before == 1
         gate.set()
 
 

@@ -2,7 +2,7 @@
 operation (its positive case and each way its fence refuses), acquire, submit, the
 finish/wake serialisation, group commit, and the recovery reads and outcomes.
 
-Every operation runs through `_store.run_op` on a real SQLite file at a fixed instant of a
+Every operation runs through `_sqlite.run_op` on a real SQLite file at a fixed instant of a
 fake clock; "nothing written" is checked by comparing every row of every table.
 """
 
@@ -22,7 +22,9 @@ from trio_sessions import (
     SchemaTooNew,
     StoreError,
     ToolPart,
+    _backend,
     _codec,
+    _sqlite,
     _store,
     _transcript,
 )
@@ -39,15 +41,15 @@ class Db:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.conn = _store.connect(path)
+        self.conn = _sqlite.connect(path)
         self.now = NOW
 
     def clock(self) -> float:
         return self.now / 1000
 
     def run(self, op: Callable[..., Any], *args: Any) -> Any:
-        assert _store.now_ms(self.clock) == self.now
-        return _store.run_op(self.conn, self.clock, op, *args)
+        assert _backend.now_ms(self.clock) == self.now
+        return _sqlite.run_op(self.conn, self.clock, op, *args)
 
     def rows(self, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
         return self.conn.execute(sql, params).fetchall()
@@ -55,7 +57,7 @@ class Db:
     def snapshot(self) -> dict[str, list[tuple[Any, ...]]]:
         return {
             table: sorted(self.rows(f"SELECT * FROM {table}"), key=repr)
-            for table in sorted(_store.OUR_TABLES)
+            for table in sorted(_sqlite.OUR_TABLES)
         }
 
     def claim(
@@ -267,7 +269,7 @@ def test_connection_settings(db: Db) -> None:
     assert db.rows("PRAGMA foreign_keys") == [(1,)]
     assert db.rows("PRAGMA synchronous") == [(1,)]
     assert db.rows("PRAGMA busy_timeout")[0][0] > 0
-    assert db.rows("PRAGMA user_version") == [(_store.SCHEMA_VERSION,)]
+    assert db.rows("PRAGMA user_version") == [(_sqlite.SCHEMA_VERSION,)]
     assert db.conn.isolation_level is None
 
 
@@ -286,7 +288,7 @@ def test_migration_is_idempotent(db: Db) -> None:
     schema = db.rows("SELECT type, name, tbl_name, sql FROM sqlite_master ORDER BY name")
     data = db.snapshot()
     for _ in range(2):
-        again = _store.connect(db.path)
+        again = _sqlite.connect(db.path)
         try:
             assert (
                 again.execute(
@@ -294,7 +296,7 @@ def test_migration_is_idempotent(db: Db) -> None:
                 ).fetchall()
                 == schema
             )
-            assert _store.schema_version(again) == _store.SCHEMA_VERSION
+            assert _sqlite.schema_version(again) == _sqlite.SCHEMA_VERSION
         finally:
             again.close()
     assert db.snapshot() == data
@@ -311,15 +313,15 @@ def file_bytes(path: Path) -> dict[str, bytes | None]:
 def test_schema_too_new_leaves_our_file_unchanged(tmp_path: Path) -> None:
     """A trio_sessions file from a newer version raises SchemaTooNew and is not modified."""
     path = tmp_path / "newer.db"
-    _store.connect(path).close()
+    _sqlite.connect(path).close()
     raw = sqlite3.connect(path)
-    raw.execute(f"PRAGMA user_version = {_store.SCHEMA_VERSION + 1}")
+    raw.execute(f"PRAGMA user_version = {_sqlite.SCHEMA_VERSION + 1}")
     raw.close()
     before = file_bytes(path)
     with pytest.raises(SchemaTooNew, match="newer"):
-        _store.connect(path)
+        _sqlite.connect(path)
     with pytest.raises(SchemaTooNew):
-        _store.connect(path, create=False)
+        _sqlite.connect(path, create=False)
     assert file_bytes(path) == before
     assert issubclass(SchemaTooNew, StoreError)
 
@@ -335,7 +337,7 @@ def test_schema_too_new_foreign_file_gets_no_tables(tmp_path: Path) -> None:
     raw.close()
     before = file_bytes(path)
     with pytest.raises(SchemaTooNew):
-        _store.connect(path)
+        _sqlite.connect(path)
     assert file_bytes(path) == before
     check = sqlite3.connect(path)
     try:
@@ -743,12 +745,12 @@ def test_zombie_owner_cannot_write_after_takeover(db: Db) -> None:
 # Group commit
 
 
-def wake_then_fail(tx: _store.Tx, session_id: str) -> None:
+def wake_then_fail(tx: _sqlite.SQLiteTx, session_id: str) -> None:
     _store.wake(tx, session_id)
     raise RuntimeError("boom")
 
 
-def bad_sql(tx: _store.Tx, session_id: str) -> None:
+def bad_sql(tx: _sqlite.SQLiteTx, session_id: str) -> None:
     _store.wake(tx, session_id)
     tx.execute("INSERT INTO no_such_table VALUES (1)")
 
@@ -760,13 +762,13 @@ def sessions(db: Db) -> list[str]:
 def test_group_commit_isolates_a_failing_job(db: Db) -> None:
     """One job raising rolls back only its own writes; the other jobs commit together."""
     jobs = [
-        _store.Job(_store.wake, ("s1",)),
-        _store.Job(wake_then_fail, ("s2",)),
-        _store.Job(_store.submit, ("s3", '{"n": 1}', "in-3")),
-        _store.Job(bad_sql, ("s4",)),
-        _store.Job(_store.wake, ("s5",)),
+        _backend.Job(_store.wake, ("s1",)),
+        _backend.Job(wake_then_fail, ("s2",)),
+        _backend.Job(_store.submit, ("s3", '{"n": 1}', "in-3")),
+        _backend.Job(bad_sql, ("s4",)),
+        _backend.Job(_store.wake, ("s5",)),
     ]
-    _store.run_batch(db.conn, db.clock, jobs)
+    _sqlite.run_batch(db.conn, db.clock, jobs)
     assert sessions(db) == ["s1", "s3", "s5"]
     assert [job.error is None for job in jobs] == [True, False, True, False, True]
     assert isinstance(jobs[1].error, RuntimeError)
@@ -782,10 +784,10 @@ def test_group_commit_with_a_refused_fence(db: Db) -> None:
     """A LeaseLost in one job of a batch leaves the batch's other writes committed."""
     execution = db.claim()
     jobs = [
-        _store.Job(_store.mark_cancelling, (execution, "owner-b")),
-        _store.Job(_store.heartbeat, ("owner-a", [execution], LEASE)),
+        _backend.Job(_store.mark_cancelling, (execution, "owner-b")),
+        _backend.Job(_store.heartbeat, ("owner-a", [execution], LEASE)),
     ]
-    _store.run_batch(db.conn, db.clock, jobs)
+    _sqlite.run_batch(db.conn, db.clock, jobs)
     assert isinstance(jobs[0].error, LeaseLost)
     assert jobs[1].unwrap() == {execution: "running"}
     row = db.claim_row()
@@ -1209,18 +1211,18 @@ def test_recovery_quarantines_a_deeply_nested_row(db: Db) -> None:
 def test_group_commit_survives_sqlite_rolling_back_on_its_own(tmp_path: Path) -> None:
     """When SQLite itself rolls the whole transaction back after one job's error (disk
     full, I/O error), no job in the group reports success and nothing raises."""
-    conn = _store.connect(tmp_path / "db")
+    conn = _sqlite.connect(tmp_path / "db")
 
-    def first(tx: _store.Tx) -> str:
+    def first(tx: _sqlite.SQLiteTx) -> str:
         _store.wake(tx, "a")
         return "ok"
 
-    def second(tx: _store.Tx) -> None:
+    def second(tx: _sqlite.SQLiteTx) -> None:
         tx.conn.execute("ROLLBACK")  # what SQLite does by itself for SQLITE_FULL
         raise sqlite3.OperationalError("database or disk is full")
 
-    jobs = [_store.Job(first, ()), _store.Job(second, ())]
-    _store.run_batch(conn, lambda: 1.8e9, jobs)
+    jobs = [_backend.Job(first, ()), _backend.Job(second, ())]
+    _sqlite.run_batch(conn, lambda: 1.8e9, jobs)
     assert all(isinstance(job.error, StoreError) for job in jobs)
     assert jobs[0].result is None
     assert conn.execute("SELECT id FROM session").fetchall() == []

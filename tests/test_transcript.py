@@ -22,6 +22,7 @@ from trio_sessions import (
     TextPart,
     ToolPart,
     UnknownToolCall,
+    _sqlite,
     _store,
     _transcript,
 )
@@ -247,7 +248,7 @@ class Claimed:
     """A real SQLite file holding one live claim with one open assistant message."""
 
     def __init__(self, path: Path) -> None:
-        self.conn = _store.connect(path)
+        self.conn = _sqlite.connect(path)
         self.execution_id = "exec-1"
         self.run(_store.wake, "s")
         acquired = self.run(_store.acquire, "s", self.execution_id, "owner", 30_000)
@@ -258,7 +259,7 @@ class Claimed:
         return NOW_MS / 1000
 
     def run(self, op: Callable[..., Any], *args: Any) -> Any:
-        return _store.run_op(self.conn, self.clock, op, *args)
+        return _sqlite.run_op(self.conn, self.clock, op, *args)
 
     def update(self, transition: Settle) -> AssistantData:
         result: AssistantData = self.run(

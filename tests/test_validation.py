@@ -14,7 +14,7 @@ import pytest
 import trio
 
 import trio_sessions
-from trio_sessions import DrainContext, Runtime, _store, testing
+from trio_sessions import DrainContext, Runtime, _sqlite, _store, testing
 
 Call = Callable[[Runtime], Awaitable[Any]]
 
@@ -31,12 +31,12 @@ def file_bytes(path: Path) -> tuple[bytes, bytes | None]:
 def populate(path: Path) -> None:
     """An idle session with history (a taken input and a finished claim): nothing pending,
     so opening a runtime on it starts no work."""
-    conn = _store.connect(path)
+    conn = _sqlite.connect(path)
     try:
-        _store.run_op(conn, time.time, _store.submit, "existing", '{"n": 1}', "in-1")
-        _store.run_op(conn, time.time, _store.acquire, "existing", "exec-1", "owner", 30_000)
-        _store.run_op(conn, time.time, _store.take_inputs, "exec-1", "owner")
-        assert _store.run_op(conn, time.time, _store.finish_iteration, "exec-1", "owner") is False
+        _sqlite.run_op(conn, time.time, _store.submit, "existing", '{"n": 1}', "in-1")
+        _sqlite.run_op(conn, time.time, _store.acquire, "existing", "exec-1", "owner", 30_000)
+        _sqlite.run_op(conn, time.time, _store.take_inputs, "exec-1", "owner")
+        assert _sqlite.run_op(conn, time.time, _store.finish_iteration, "exec-1", "owner") is False
     finally:
         conn.close()
 
@@ -159,7 +159,7 @@ async def test_session_id_of_200_printable_chars_is_accepted(db_path: Path) -> N
         session_id = "é" * 200
         assert await runtime.submit(session_id, {"n": 1}, input_id="i" * 200) == "i" * 200
         await runtime.wait_idle(session_id)
-    conn = _store.connect(db_path)
+    conn = _sqlite.connect(db_path)
     try:
         assert conn.execute("SELECT id FROM session_input").fetchall() == [("i" * 200,)]
     finally:

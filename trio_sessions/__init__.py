@@ -22,8 +22,11 @@ from ._model import ToolPart as ToolPart
 from ._runtime import AssistantWriter as AssistantWriter
 from ._runtime import DrainContext as DrainContext
 from ._runtime import Runtime as Runtime
-from ._runtime import Store as Store
 from ._runtime import open_runtime as open_runtime
 from ._runtime import serve_runtime as serve_runtime
+from ._sqlite import SQLiteStore as SQLiteStore
 
 __version__ = "0.1.0"
+
+# The 0.1 name of `SQLiteStore`, kept through 0.x.
+Store = SQLiteStore

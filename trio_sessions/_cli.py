@@ -8,7 +8,7 @@ Commands:
 Every listing takes `--json`.
 
 Invariants: a database is never created or migrated by accident - every command opens it
-with `_store.connect(path, create=False)`, which refuses a missing file, a file that is not
+with `_sqlite.connect(path, create=False)`, which refuses a missing file, a file that is not
 SQLite and an SQLite file that is not ours. Listings only read (one read snapshot, no write
 lock); `quarantine release` is the only command that writes, and it writes through the
 store's own operations, in one transaction each.
@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from . import _store
+from . import _backend, _sqlite, _store
 from ._errors import StoreError
 from ._runtime import make_owner_id
 
@@ -40,14 +40,14 @@ EXIT_FAILED = 1  # the database was refused or the command could not be carried 
 
 
 def now_ms() -> int:
-    return _store.now_ms(time.time)
+    return _backend.now_ms(time.time)
 
 
-def read_snapshot(conn: sqlite3.Connection, read: Callable[[_store.Tx], T]) -> T:
+def read_snapshot(conn: sqlite3.Connection, read: Callable[[_sqlite.SQLiteTx], T]) -> T:
     """Run `read` inside one deferred read transaction: a consistent snapshot, no lock."""
     conn.execute("BEGIN")
     try:
-        return read(_store.Tx(conn, now_ms()))
+        return read(_sqlite.SQLiteTx(conn, now_ms()))
     finally:
         conn.execute("COMMIT")
 
@@ -65,7 +65,7 @@ ORDER BY s.id
 """
 
 
-def read_status(tx: _store.Tx) -> dict[str, Any]:
+def read_status(tx: _sqlite.SQLiteTx) -> dict[str, Any]:
     """Every session with its doorbell, pending inputs and claim, as plain JSON values."""
     sessions = [_session(tx.now, row) for row in tx.execute(_STATUS_SQL).fetchall()]
     claims = [s["claim"] for s in sessions if s["claim"] is not None]
@@ -121,7 +121,7 @@ def _claim(now: int, row: Sequence[Any]) -> dict[str, Any]:
     }
 
 
-def read_quarantine(tx: _store.Tx) -> list[dict[str, Any]]:
+def read_quarantine(tx: _sqlite.SQLiteTx) -> list[dict[str, Any]]:
     """Quarantined executions, oldest first, with the claim they hold back."""
     rows = _store.quarantined(tx)
     for row in rows:
@@ -153,13 +153,13 @@ def release(conn: sqlite3.Connection, execution_id: str, *, resume: bool) -> dic
     if they still do not. The CLI runs no drains, so it cannot resume the work itself.
     """
     if resume:
-        candidate = _store.run_op(
+        candidate = _sqlite.run_op(
             conn, time.time, _store.lift_quarantine, execution_id, make_owner_id("cli"), 0
         )
         session_id = candidate.session_id
     else:
         session_id = _session_of_quarantined(conn, execution_id)
-        _store.run_op(conn, time.time, _store.drop_quarantined, execution_id)
+        _sqlite.run_op(conn, time.time, _store.drop_quarantined, execution_id)
     return {
         "execution_id": execution_id,
         "session_id": session_id,
@@ -302,7 +302,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; returns the exit status (0 done, 1 refused or failed, 2 usage)."""
     args = build_parser().parse_args(argv)
     try:
-        conn = _store.connect(args.db, create=False)
+        conn = _sqlite.connect(args.db, create=False)
     except StoreError as exc:
         return _fail(args.db, exc)
     try:

@@ -70,7 +70,6 @@ class SessionEntry:
     deciding: bool = False
     rings: int = 0
     rings_seen: int = 0
-    renewed_at: int = 0
     released: trio.Event = attrs.Factory(trio.Event)
 
     def ring(self) -> Execution:
@@ -119,6 +118,30 @@ class SessionEntry:
         self.reason = reason
         self.scope.cancel()
         return True
+
+    def own(self, *, attempt: int, resumed: bool, deadline: float) -> None:
+        """The claim committed: this entry owns it until `deadline` (trio clock) unless
+        renewed. The deadline is the drain scope's: trio cancels the drain there."""
+        self.owned = True
+        self.attempt = attempt
+        self.resumed = resumed
+        self.scope.deadline = deadline
+
+    def renewed(self, deadline: float) -> None:
+        """A renewal sent before `deadline - lease` succeeded. A renewal that was sent
+        earlier but answered later never moves the deadline back."""
+        self.scope.deadline = max(self.scope.deadline, deadline)
+
+    def disown(self) -> None:
+        """The claim left this entry durably (released, finished, expired on purpose)."""
+        self.owned = False
+
+    def self_fenced(self) -> bool:
+        """The drain was stopped by its local lease deadline (nobody interrupted it): the
+        lease must be treated as lost, with no durable write."""
+        if self.reason is None and self.owned and trio.current_time() >= self.scope.deadline:
+            self.reason = "lease_lost"
+        return self.reason == "lease_lost"
 
     def lose_lease(self) -> None:
         """The lease is gone: whatever else was happening, write nothing more for this claim.

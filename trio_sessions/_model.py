@@ -10,6 +10,8 @@ from typing import Any, Literal
 
 import attrs
 
+from ._backend import StoreStatistics
+
 OutcomeKind = Literal["succeeded", "failed", "interrupted", "deferred"]
 InterruptReason = Literal["user", "shutdown", "lease_lost"]
 Role = Literal["user", "assistant", "system"]
@@ -103,3 +105,18 @@ class RecoveryReport:
     skipped_live: int = 0
     fence_lost: int = 0
     doorbells_started: int = 0
+
+
+@attrs.frozen
+class RuntimeStatistics:
+    """A snapshot of what one runtime is doing, for graphs and health checks (trio-style:
+    a frozen record, never live counters)."""
+
+    active_sessions: int
+    owned_claims: int
+    drains_running: int
+    tasks: int
+    heartbeat_transactions: int
+    recovery: RecoveryReport
+    remote_signals: int
+    store: StoreStatistics

@@ -17,20 +17,19 @@ import contextlib
 import math
 import os
 import socket
-import sqlite3
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any, NoReturn, TypeVar
+from typing import Any, Literal, NoReturn, TypeVar
 
 import attrs
 import trio
 
 from . import _codec, _store, _transcript
+from ._backend import Executor, StoreBackend
 from ._coordinator import Execution, SessionEntry
 from ._decisions import AcquireVerdict, RecoveryDecision
 from ._errors import DuplicateSettlement, LeaseLost, MalformedRecord, StoreError, UnknownToolCall
-from ._executor import Executor, InlineExecutor, open_thread_executor
+from ._lease import LeaseKeeper, self_fence_deadline
 from ._model import (
     AssistantData,
     Claim,
@@ -38,31 +37,17 @@ from ._model import (
     Message,
     Outcome,
     RecoveryReport,
+    RuntimeStatistics,
 )
+from ._sqlite import SQLiteStore
 
 T = TypeVar("T")
 Drain = Callable[["DrainContext"], Awaitable[None]]
 AcquisitionHook = Callable[[Claim], Awaitable[None]]
 
 MAX_ID_LENGTH = 200
+POSTGRES_SCHEMES = ("postgresql://", "postgres://")
 SHUTDOWN_GRACE = 5.0
-
-
-@attrs.frozen
-class Store:
-    """An SQLite file, and how to reach it from trio.
-
-    `inline=True` runs SQLite on the trio thread (deterministic tests with a virtual clock);
-    the default hands work to a thread and groups concurrent operations per hand-off.
-    """
-
-    path: str | os.PathLike[str]
-    inline: bool = False
-    # Test seam: wraps each connection the runtime opens, e.g. to raise
-    # sqlite3.OperationalError at a chosen statement (fault injection, counting).
-    wrap_connection: Callable[[sqlite3.Connection], Any] | None = attrs.field(
-        default=None, kw_only=True, repr=False
-    )
 
 
 def validate_session_id(session_id: object) -> str:
@@ -125,7 +110,7 @@ class Seams:
 class _Ending:
     """How one claim's drain section ended, before the finalizer acted on it."""
 
-    kind: str  # "not_claimed" | "released" | "failed" | "interrupted"
+    kind: Literal["not_claimed", "released", "failed", "interrupted"]
     error: BaseException | None = None
 
 
@@ -144,14 +129,23 @@ class Runtime:
         self._recovery_interval = config.recovery_interval
         self._recovery_batch = config.recovery_batch
         self._max_resumes = config.max_resumes
-        self._clock = config.clock
+        self._lease = config.lease
+        self._lease_keeper = LeaseKeeper(
+            executor,
+            self._owned_entries,
+            owner_id=config.owner_id,
+            lease=config.lease,
+            interval=config.heartbeat_interval,
+        )
         self._hook = config.acquisition_hook
         self._entries: dict[str, SessionEntry] = {}
         self._recovery_lock = trio.Lock()
         self._closing = False
         self._crashed = False
         self._seams = Seams()
-        self.heartbeat_transactions = 0
+        self._drains_running = 0
+        self._recovery_totals = RecoveryReport()
+        self._remote_signals = 0
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -234,6 +228,19 @@ class Runtime:
             await entry.released.wait()
         await trio.lowlevel.checkpoint()
 
+    def statistics(self) -> RuntimeStatistics:
+        """A snapshot of this runtime's counts and its store's own figures."""
+        return RuntimeStatistics(
+            active_sessions=len(self._entries),
+            owned_claims=len(self._owned_entries()),
+            drains_running=self._drains_running,
+            tasks=len(self._nursery.child_tasks),
+            heartbeat_transactions=self._lease_keeper.transactions,
+            recovery=self._recovery_totals,
+            remote_signals=self._remote_signals,
+            store=self._db.statistics(),
+        )
+
     def is_active(self, session_id: str) -> bool:
         return session_id in self._entries
 
@@ -254,7 +261,9 @@ class Runtime:
             await trio.lowlevel.checkpoint()
             return RecoveryReport()
         async with self._recovery_lock:
-            return await self._recovery_pass()
+            report = await self._recovery_pass()
+        self._recovery_totals = _sum_reports(self._recovery_totals, report)
+        return report
 
     async def release_quarantine(self, execution_id: str, *, resume: bool) -> None:
         """Act on a quarantined execution.
@@ -302,6 +311,7 @@ class Runtime:
             return result, self._ring(session_id)
         entry = self._register(session_id)
         entry.begin_deciding()
+        sent_at = trio.current_time()
         try:
             result, acquired = await self._db.run(
                 wake_and_acquire, *args, entry.execution_id, self._owner_id, self._lease_ms
@@ -313,7 +323,7 @@ class Runtime:
         if acquired.verdict is not AcquireVerdict.CLAIM:
             self._settle_unclaimed(entry)
             return result, execution
-        self._own(entry, attempt=acquired.attempt, resumed=False)
+        self._own(entry, attempt=acquired.attempt, resumed=False, sent_at=sent_at)
         entry.keep_going()
         if self._closing:
             # Committed while the runtime closes (its nursery may be gone): keep the claim
@@ -360,6 +370,9 @@ class Runtime:
         self._nursery.start_soon(self._busy_period, entry)
         return entry.current
 
+    def _owned_entries(self) -> list[SessionEntry]:
+        return [entry for entry in self._entries.values() if entry.owned]
+
     def _register(self, session_id: str) -> SessionEntry:
         # The prospective exact claim, registered before any I/O.
         entry = SessionEntry(session_id, _store.new_id())
@@ -367,13 +380,10 @@ class Runtime:
         return entry
 
     def _release(self, entry: SessionEntry, outcome: Outcome) -> None:
-        entry.owned = False
+        entry.disown()
         if self._entries.get(entry.session_id) is entry:
             del self._entries[entry.session_id]
         entry.close(outcome)
-
-    def _now(self) -> int:
-        return _store.now_ms(self._clock)
 
     # -- one busy period ----------------------------------------------------------------------
 
@@ -426,6 +436,7 @@ class Runtime:
             # installation (entry.owned is what the finalizer acts on) happen together or
             # not at all; an interrupt meanwhile is honoured right after.
             with trio.CancelScope(shield=True):
+                sent_at = trio.current_time()
                 if entry.needs_wake:  # a joiner's wake, recorded with the acquire
                     _, acquired = await self._db.run(
                         _store.wake_and_acquire,
@@ -444,7 +455,7 @@ class Runtime:
                         self._lease_ms,
                     )
                 if acquired.verdict is AcquireVerdict.CLAIM:
-                    self._own(entry, attempt=acquired.attempt, resumed=False)
+                    self._own(entry, attempt=acquired.attempt, resumed=False, sent_at=sent_at)
             if acquired.verdict is not AcquireVerdict.CLAIM:
                 return _Ending("not_claimed")
             entry.keep_going()
@@ -456,20 +467,23 @@ class Runtime:
         await trio.lowlevel.checkpoint_if_cancelled()
         return await self._drain_loop(entry)
 
-    def _own(self, entry: SessionEntry, *, attempt: int, resumed: bool) -> None:
-        entry.owned = True
-        entry.attempt = attempt
-        entry.resumed = resumed
-        entry.renewed_at = self._now()
+    def _own(self, entry: SessionEntry, *, attempt: int, resumed: bool, sent_at: float) -> None:
+        """The claim committed; its local deadline counts from before it was sent."""
+        entry.own(
+            attempt=attempt, resumed=resumed, deadline=self_fence_deadline(sent_at, self._lease)
+        )
 
     async def _drain_loop(self, entry: SessionEntry) -> _Ending:
         while True:
             context = DrainContext(self, entry)
             assert self._drain is not None  # producers never register an entry
+            self._drains_running += 1
             try:
                 await self._drain(context)
             except Exception as exc:
                 return _Ending("failed", error=exc)
+            finally:
+                self._drains_running -= 1
             if context._defect is not None:
                 return _Ending("failed", error=context._defect)
             entry.begin_deciding()
@@ -482,7 +496,7 @@ class Runtime:
             except LeaseLost as exc:
                 return _Ending("failed", error=exc)
             if not continued:
-                entry.owned = False
+                entry.disown()
                 if self._seams.after_finish is not None:
                     await self._seams.after_finish(entry.session_id)
                 return _Ending("released")
@@ -500,9 +514,9 @@ class Runtime:
                 await self._pass_on_interrupt(entry)
                 return Outcome("interrupted", entry.reason), False
             return Outcome("deferred"), entry.rung_since_decision()
-        if isinstance(ending.error, LeaseLost) or entry.reason == "lease_lost":
+        if isinstance(ending.error, LeaseLost) or entry.self_fenced():
             # Lease lost: no durable write, and no successor - recovery owns it now.
-            entry.owned = False
+            entry.disown()
             return Outcome("interrupted", "lease_lost", ending.error), False
         if ending.kind == "failed":
             return await self._finish_failed(entry, ending.error)
@@ -523,7 +537,7 @@ class Runtime:
     async def _mark_cancelling_nowait(self, entry: SessionEntry) -> None:
         with contextlib.suppress(StoreError, LeaseLost):
             await self._db.run_nowait(_store.mark_cancelling, entry.execution_id, self._owner_id)
-        entry.owned = False
+        entry.disown()
 
     async def _finish_failed(
         self, entry: SessionEntry, error: BaseException | None
@@ -543,7 +557,7 @@ class Runtime:
         except (LeaseLost, StoreError):
             # The claim stays durable; its lease runs out and recovery takes it from there.
             return outcome, False
-        entry.owned = False
+        entry.disown()
         return outcome, doorbell or entry.rung_since_decision()
 
     async def _finish_interrupted(self, entry: SessionEntry) -> tuple[Outcome, bool]:
@@ -560,7 +574,7 @@ class Runtime:
             # Left as 'cancelling' once that write landed: recovery finishes it as
             # cancelled and never resumes it.
             return outcome, False
-        entry.owned = False
+        entry.disown()
         return outcome, doorbell or entry.rung_since_decision()
 
     async def _retrying(self, entry: SessionEntry, op: Callable[..., T], *args: Any) -> T:
@@ -589,51 +603,7 @@ class Runtime:
         # runs out.
         with contextlib.suppress(StoreError):
             await self._db.run_nowait(_store.expire_claims, self._owner_id, [entry.execution_id])
-        entry.owned = False
-
-    # -- heartbeat ----------------------------------------------------------------------------
-
-    async def _heartbeat_loop(self) -> None:
-        while True:
-            await trio.sleep(self._heartbeat_interval)
-            await self._heartbeat_once()
-
-    async def _watchdog_loop(self) -> None:
-        """Independent of the heartbeat, so a store call that hangs cannot keep a drain
-        running past its lease."""
-        while True:
-            await trio.sleep(self._heartbeat_interval / 2)
-            self._watchdog()
-
-    async def _heartbeat_once(self) -> None:
-        """One transaction renews every claim this runtime holds; lost leases are cancelled."""
-        claims = {e.execution_id: e for e in self._entries.values() if e.owned}
-        if claims:
-            started = self._now()
-            try:
-                self.heartbeat_transactions += 1
-                phases = await self._db.run(
-                    _store.heartbeat, self._owner_id, list(claims), self._lease_ms
-                )
-            except StoreError:
-                phases = {}  # retried at the next tick; the watchdog below still applies
-            for execution_id, phase in phases.items():
-                entry = claims[execution_id]
-                if not entry.owned or entry.execution_id != execution_id:
-                    continue  # finished or replaced while the heartbeat was in flight
-                if phase is None:
-                    entry.lose_lease()
-                    continue
-                entry.renewed_at = started
-                if phase == "cancelling":
-                    entry.interrupt("user")  # written by another process
-
-    def _watchdog(self) -> None:
-        """A claim with no successful renewal for a whole lease is lost, store reachable or not."""
-        now = self._now()
-        for entry in list(self._entries.values()):
-            if entry.owned and now - entry.renewed_at >= self._lease_ms:
-                entry.lose_lease()
+        entry.disown()
 
     # -- recovery -----------------------------------------------------------------------------
 
@@ -680,8 +650,9 @@ class Runtime:
         try:
             # Shielded: the takeover commit and the registration flips happen together.
             with trio.CancelScope(shield=True):
+                sent_at = trio.current_time()
                 results = await self._db.run(
-                    _apply_recovery_batch,
+                    _store.apply_recovery_batch,
                     self._owner_id,
                     [(c, e.execution_id) for c, e in entries],
                     self._lease_ms,
@@ -691,7 +662,7 @@ class Runtime:
                     key = _report_key(result)
                     counts[key] = counts.get(key, 0) + 1
                     if result.decision is RecoveryDecision.RESUME and not result.fence_lost:
-                        self._own(entry, attempt=result.attempt, resumed=True)
+                        self._own(entry, attempt=result.attempt, resumed=True, sent_at=sent_at)
                         entry.keep_going()
                         resumed.append(entry)
         finally:
@@ -737,36 +708,17 @@ def _report_key(result: _store.Recovered) -> str:
     }[result.decision]
 
 
+def _sum_reports(total: RecoveryReport, report: RecoveryReport) -> RecoveryReport:
+    return RecoveryReport(
+        **{
+            field.name: getattr(total, field.name) + getattr(report, field.name)
+            for field in attrs.fields(RecoveryReport)
+        }
+    )
+
+
 def _add(report: RecoveryReport, other: RecoveryReport, *, fence_lost: int) -> RecoveryReport:
     return attrs.evolve(other, examined=report.examined, fence_lost=other.fence_lost + fence_lost)
-
-
-def _apply_recovery_batch(
-    tx: _store.Tx,
-    owner_id: str,
-    items: list[tuple[_store.Candidate, str]],
-    lease_ms: int,
-    max_resumes: int,
-) -> list[_store.Recovered]:
-    """Every item in its own savepoint: one row's failure never undoes another's recovery."""
-    results = []
-    for candidate, new_execution_id in items:
-        tx.execute("SAVEPOINT recover_one")
-        try:
-            result = _store.apply_recovery(
-                tx, owner_id, candidate, new_execution_id, lease_ms, max_resumes
-            )
-        except LeaseLost:
-            tx.execute("ROLLBACK TO recover_one")
-            result = _store.Recovered(RecoveryDecision.GONE, fence_lost=True)
-        except (MalformedRecord, ValueError, TypeError, RecursionError) as exc:
-            # A row recovery cannot process is poison: quarantine it (exact fence) rather
-            # than fail the pass, so it never starves the rows behind it.
-            tx.execute("ROLLBACK TO recover_one")
-            result = _store.quarantine(tx, owner_id, candidate, f"recovery failed: {exc!r}")
-        tx.execute("RELEASE recover_one")
-        results.append(result)
-    return results
 
 
 # ---------------------------------------------------------------------------------------------
@@ -855,7 +807,7 @@ class AssistantWriter:
 
 @asynccontextmanager
 async def open_runtime(
-    store: str | os.PathLike[str] | Store,
+    store: str | os.PathLike[str] | StoreBackend,
     drain: Drain | None,
     *,
     owner_id: str | None = None,
@@ -878,10 +830,7 @@ async def open_runtime(
     are durable, but it never claims a session, recovers, or heartbeats; `run` returns
     `deferred` and the wakes wait for a runtime that drains.
     """
-    if not isinstance(store, Store):
-        if not isinstance(store, str | os.PathLike):
-            raise TypeError(f"store must be a path or a Store, got {type(store).__name__}")
-        store = Store(store)
+    backend = _resolve_store(store)
     if drain is not None and not callable(drain):
         raise TypeError("drain must be an async function taking a DrainContext, or None")
     lease = _seconds(lease, "lease")
@@ -908,11 +857,11 @@ async def open_runtime(
         recovery_interval=recovery_interval,
         recovery_batch=recovery_batch,
         max_resumes=max_resumes,
-        clock=clock or time.time,
+        clock=clock,
         acquisition_hook=acquisition_hook,
     )
     try:
-        async with _open_runtime(store, drain, config) as runtime:
+        async with _open_runtime(backend, drain, config) as runtime:
             yield runtime
     except BaseExceptionGroup as group:
         # Background tasks never raise, so a group here wraps the block's own exception
@@ -927,7 +876,7 @@ async def open_runtime(
 
 
 async def serve_runtime(
-    store: str | os.PathLike[str] | Store,
+    store: str | os.PathLike[str] | StoreBackend,
     drain: Drain | None,
     *,
     task_status: trio.TaskStatus[Runtime] = trio.TASK_STATUS_IGNORED,
@@ -941,6 +890,21 @@ async def serve_runtime(
         await trio.sleep_forever()
 
 
+def _resolve_store(store: object) -> StoreBackend:
+    """A path is an SQLite file; a postgresql:// or postgres:// URL a PostgreSQL database."""
+    if isinstance(store, str) and store.startswith(POSTGRES_SCHEMES):
+        from ._postgres import PostgresStore  # psycopg is an optional extra
+
+        return PostgresStore(store)
+    if isinstance(store, str | os.PathLike):
+        return SQLiteStore(store)
+    if callable(getattr(store, "open_executor", None)):
+        return store  # type: ignore[return-value]
+    raise TypeError(
+        f"store must be a path, a postgresql:// URL or a store object, got {type(store).__name__}"
+    )
+
+
 @attrs.frozen
 class _Config:
     """`open_runtime`'s options, validated."""
@@ -951,23 +915,22 @@ class _Config:
     recovery_interval: float
     recovery_batch: int
     max_resumes: int
-    clock: Callable[[], float]
+    clock: Callable[[], float] | None
     acquisition_hook: AcquisitionHook | None
 
 
 @asynccontextmanager
 async def _open_runtime(
-    store: Store, drain: Drain | None, config: _Config
+    store: StoreBackend, drain: Drain | None, config: _Config
 ) -> AsyncIterator[Runtime]:
     async with (
-        _open_executor(store, config.clock) as executor,
+        store.open_executor(config.clock) as executor,
         trio.open_nursery() as nursery,
     ):
         runtime = Runtime(executor=executor, nursery=nursery, drain=drain, config=config)
         if drain is not None:
             await runtime.recover_once()
-            nursery.start_soon(runtime._heartbeat_loop)
-            nursery.start_soon(runtime._watchdog_loop)
+            nursery.start_soon(runtime._lease_keeper.run)
             nursery.start_soon(runtime._recovery_loop)
         try:
             yield runtime
@@ -976,32 +939,3 @@ async def _open_runtime(
                 with trio.move_on_after(SHUTDOWN_GRACE, shield=True):
                     await runtime._shutdown()
             nursery.cancel_scope.cancel()
-
-
-def _wrapped(store: Store, conn: sqlite3.Connection) -> sqlite3.Connection:
-    return conn if store.wrap_connection is None else store.wrap_connection(conn)
-
-
-@asynccontextmanager
-async def _open_executor(store: Store, clock: Callable[[], float]) -> AsyncIterator[Executor]:
-    if store.inline:
-        conn = _store.connect(store.path)
-        try:
-            yield InlineExecutor(_wrapped(store, conn), clock)
-        finally:
-            conn.close()
-        return
-    conn = await trio.to_thread.run_sync(_store.connect, store.path)
-    try:
-        inline_conn = _store.connect_nonblocking(store.path)
-    except BaseException:
-        conn.close()
-        raise
-    try:
-        async with open_thread_executor(
-            _wrapped(store, conn), clock, inline_conn=_wrapped(store, inline_conn)
-        ) as executor:
-            yield executor
-    finally:
-        inline_conn.close()
-        conn.close()

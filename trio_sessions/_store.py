@@ -1,46 +1,41 @@
-"""All SQL of trio_sessions: schema, migrations and the fenced operations (synchronous).
+"""The fenced store operations, written once for every backend (synchronous).
 
-Each operation is a function `op(tx, ...)` run inside one write transaction that the
-executor opened with `BEGIN IMMEDIATE` (several operations may share one transaction: group
-commit, each inside its own savepoint). `tx.now` is read once, after the write lock was
-taken, so a fence never compares against a time from before a lock wait.
+Each operation is a function `op(tx, ...)` that a backend runs inside one write transaction
+(`_backend.Tx`; several operations may share one transaction: group commit). SQL here is the
+subset SQLite and PostgreSQL agree on; where they differ, `tx` offers a named hook
+(`lock_session`, `lock_claims`, `not_in`, `savepoint`) and nothing else here knows the
+dialect.
+
+Serialisation: every operation that reads and then writes a session's rows first takes
+`tx.lock_session(session_id)` - a no-op on SQLite (its write transaction holds the only
+write lock), a lock held to COMMIT on PostgreSQL, whose READ COMMITTED would otherwise let a
+takeover commit between a fence read and the write behind it. Operations keyed by an
+execution look up its session (which an execution never changes), lock it, then check the
+fence under the lock. `tx.now` is read after the operation's locks, so a fence never
+compares against a time from before a lock wait.
 
 Invariants kept here:
 * the acquire path inserts a claim only when no `session_execution` row exists for the
   session (never an overwrite, live or expired, own or foreign) and the doorbell is set;
-* every write a drain makes is fenced on its claim - the *claim fence*: `id = :execution
-  AND owner_id = :owner AND expires_at > :now` - and a fence that matches no row raises
-  `LeaseLost` with nothing written;
+* every write a drain makes is fenced on its claim - the *claim fence* (`CLAIM_FENCE`) -
+  and a fence that matches no row raises `LeaseLost` with nothing written;
 * a heartbeat never revives an expired lease; recovery replaces a claim only fenced on the
-  exact old execution id still being expired;
+  exact old execution id still being expired (the *recovery fence*);
 * an input is either pending in `session_input` or a user message, never both, never none.
-
-PostgreSQL can mirror these statements one for one; nothing here depends on SQLite's
-single-writer lock except `BEGIN IMMEDIATE` itself.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import sqlite3
-import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import attrs
 
 from . import _codec, _decisions, _transcript
+from ._backend import Tx
 from ._decisions import AcquireVerdict, ClaimRow, RecoveryDecision, RecoveryFacts
-from ._errors import (
-    InputConflict,
-    LeaseLost,
-    MalformedRecord,
-    SchemaTooNew,
-    StoreError,
-    TrioSessionsError,
-)
+from ._errors import InputConflict, LeaseLost, MalformedRecord
 from ._model import (
     BUDGET_EXHAUSTED,
     INTERRUPTED,
@@ -50,340 +45,24 @@ from ._model import (
     Message,
 )
 
-T = TypeVar("T")
-
-SCHEMA_VERSION = 1
-
-# The small, hot tables are WITHOUT ROWID: keyed by their text primary key directly, each
-# write touches one b-tree less (fewer WAL pages per commit). Messages keep a rowid: their
-# rows are large.
-_MIGRATIONS: dict[int, str] = {
-    1: """
-CREATE TABLE session(
-    id TEXT PRIMARY KEY,
-    time_created INTEGER NOT NULL,
-    time_woken INTEGER,
-    wakes INTEGER NOT NULL DEFAULT 0,
-    wake_attempts INTEGER NOT NULL DEFAULT 0
-        CONSTRAINT session_wake_attempts_check CHECK (wake_attempts >= 0),
-    input_seq INTEGER NOT NULL DEFAULT 0
-) WITHOUT ROWID;
-CREATE INDEX session_time_woken ON session(time_woken) WHERE time_woken IS NOT NULL;
-CREATE TABLE session_input(
-    id TEXT PRIMARY KEY,
-    session_id TEXT NOT NULL REFERENCES session(id) ON DELETE CASCADE,
-    seq INTEGER NOT NULL,
-    payload TEXT NOT NULL,
-    time_created INTEGER NOT NULL,
-    UNIQUE(session_id, seq)
-) WITHOUT ROWID;
-CREATE TABLE session_execution(
-    id TEXT PRIMARY KEY,
-    session_id TEXT NOT NULL UNIQUE REFERENCES session(id) ON DELETE CASCADE,
-    owner_id TEXT NOT NULL,
-    phase TEXT NOT NULL
-        CONSTRAINT session_execution_phase_check CHECK (phase IN ('running', 'cancelling')),
-    anchor_seq INTEGER,
-    time_created INTEGER NOT NULL,
-    heartbeat_at INTEGER,
-    expires_at INTEGER NOT NULL
-) WITHOUT ROWID;
-CREATE INDEX session_execution_expires_at ON session_execution(expires_at);
-CREATE TABLE session_recovery(
-    execution_id TEXT PRIMARY KEY,
-    session_id TEXT NOT NULL,
-    owner_id TEXT NOT NULL,
-    expires_at INTEGER NOT NULL,
-    recovery_error TEXT,
-    time_created INTEGER NOT NULL,
-    time_quarantined INTEGER
-) WITHOUT ROWID;
-CREATE TABLE session_message(
-    id TEXT PRIMARY KEY,
-    session_id TEXT NOT NULL REFERENCES session(id) ON DELETE CASCADE,
-    execution_id TEXT,
-    input_id TEXT UNIQUE,
-    role TEXT NOT NULL CONSTRAINT session_message_role_check
-        CHECK (role IN ('user', 'assistant', 'system')),
-    seq INTEGER NOT NULL,
-    data TEXT NOT NULL,
-    time_created INTEGER NOT NULL,
-    time_updated INTEGER NOT NULL,
-    UNIQUE(session_id, seq)
-);
-CREATE INDEX session_message_execution ON session_message(execution_id)
-    WHERE execution_id IS NOT NULL;
-""",
-}
-
-OUR_TABLES = frozenset(
-    {"session", "session_input", "session_execution", "session_recovery", "session_message"}
-)
-
-BUSY_TIMEOUT_MS = 5_000
-# How long BEGIN IMMEDIATE keeps retrying a lock held by another process before the caller
-# sees a StoreError. Each attempt already waits `BUSY_TIMEOUT_MS` inside SQLite.
-LOCK_PATIENCE_S = 120.0
+# The claim fence: the exact execution, held by this owner, on a live lease. Every write a
+# drain makes carries it - in the WHERE clause of the write, or checked by `_require_claim`
+# under the session lock before the writes that follow.
+CLAIM_FENCE = "id = :execution AND owner_id = :owner AND expires_at > :now"
+# The recovery fence: the exact old execution, still expired.
+RECOVERY_FENCE = "id = :execution AND expires_at <= :now"
 
 
-# ---------------------------------------------------------------------------------------------
-# Connection, schema, transactions
+def _fence(tx: Tx, execution_id: str, owner_id: str | None = None) -> dict[str, Any]:
+    return {"execution": execution_id, "owner": owner_id, "now": tx.now}
 
 
-def connect(path: str | os.PathLike[str], *, create: bool = True) -> sqlite3.Connection:
-    """Open a connection with our settings and bring the schema up to date.
-
-    `SchemaTooNew` (and nothing written) when the file comes from a newer library;
-    `StoreError` when `create` is false and the file is missing or not ours.
-    """
-    path = os.fspath(path)
-    if not create and not os.path.exists(path):
-        raise StoreError(f"no database at {path!r}")
-    try:
-        conn = sqlite3.connect(
-            path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False
-        )
-    except sqlite3.Error as exc:
-        raise StoreError(f"cannot open {path!r}: {exc}") from exc
-    try:
-        _configure(conn)
-        if create:
-            migrate(conn)
-        else:
-            _require_ours(conn, path)
-    except BaseException:
-        conn.close()
-        raise
-    return conn
+def _lease_lost(execution_id: str) -> LeaseLost:
+    return LeaseLost(f"execution {execution_id!r} no longer holds a live claim")
 
 
-def _configure(conn: sqlite3.Connection) -> None:
-    try:
-        conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-        conn.execute("PRAGMA foreign_keys = ON")
-        conn.execute("PRAGMA synchronous = NORMAL")
-    except sqlite3.DatabaseError as exc:
-        raise StoreError(f"{_database_name(conn)!r} is not an SQLite database: {exc}") from exc
-
-
-def _database_name(conn: sqlite3.Connection) -> str:
-    try:
-        return str(conn.execute("PRAGMA database_list").fetchone()[2])
-    except sqlite3.Error:
-        return "the database"
-
-
-def schema_version(conn: sqlite3.Connection) -> int:
-    return int(conn.execute("PRAGMA user_version").fetchone()[0])
-
-
-def migrate(conn: sqlite3.Connection) -> None:
-    """Apply pending migrations in one `BEGIN IMMEDIATE` transaction; idempotent."""
-    try:
-        if schema_version(conn) > SCHEMA_VERSION:
-            raise SchemaTooNew(_too_new(conn))
-        if schema_version(conn) == SCHEMA_VERSION:
-            conn.execute("PRAGMA journal_mode = WAL")
-            return
-        conn.execute("PRAGMA journal_mode = WAL")
-        _begin_immediate(conn)
-        try:
-            # Re-read under the write lock: another process may have migrated meanwhile.
-            version = schema_version(conn)
-            if version > SCHEMA_VERSION:
-                raise SchemaTooNew(_too_new(conn))
-            for target in range(version + 1, SCHEMA_VERSION + 1):
-                for statement in _MIGRATIONS[target].split(";"):
-                    if statement.strip():
-                        conn.execute(statement)
-            conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-            conn.execute("COMMIT")
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-    except sqlite3.Error as exc:
-        raise StoreError(f"cannot migrate the schema: {exc}") from exc
-
-
-def _too_new(conn: sqlite3.Connection) -> str:
-    return (
-        f"database schema version {schema_version(conn)} is newer than this trio_sessions "
-        f"understands ({SCHEMA_VERSION}); upgrade trio_sessions. The file was not modified."
-    )
-
-
-def _require_ours(conn: sqlite3.Connection, path: str) -> None:
-    """Refuse a file that is not SQLite, or not ours, without writing to it."""
-    # Imported here: sqlite-utils costs ~0.2 s to import, and only operators' tools (which
-    # open with create=False) need its introspection.
-    import sqlite_utils
-
-    try:
-        tables = set(sqlite_utils.Database(conn).table_names())
-    except sqlite3.DatabaseError as exc:
-        raise StoreError(f"{path!r} is not an SQLite database: {exc}") from exc
-    if not tables >= OUR_TABLES:
-        missing = ", ".join(sorted(OUR_TABLES - tables))
-        raise StoreError(f"{path!r} is not a trio_sessions database (no {missing})")
-    if schema_version(conn) > SCHEMA_VERSION:
-        raise SchemaTooNew(_too_new(conn))
-
-
-def _is_locked(exc: sqlite3.OperationalError) -> bool:
-    return "locked" in str(exc) or "busy" in str(exc)
-
-
-def _begin_immediate(conn: sqlite3.Connection) -> None:
-    """Take the write lock, waiting out other processes; "database is locked" never escapes."""
-    deadline = time.monotonic() + LOCK_PATIENCE_S
-    pause = 0.001
-    while True:
-        try:
-            conn.execute("BEGIN IMMEDIATE")
-            return
-        except sqlite3.OperationalError as exc:
-            if not _is_locked(exc) or time.monotonic() >= deadline:
-                raise
-            time.sleep(pause)
-            pause = min(pause * 2, 0.05)
-
-
-@attrs.define
-class Tx:
-    """One open write transaction: the connection and the instant it runs at (ms)."""
-
-    conn: sqlite3.Connection
-    now: int
-
-    def execute(self, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> sqlite3.Cursor:
-        return self.conn.execute(sql, params)
-
-    def one(self, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> Any:
-        return self.conn.execute(sql, params).fetchone()
-
-
-@attrs.define(eq=False)
-class Job:
-    """One operation waiting for a transaction; `result`/`error` are filled by `run_batch`."""
-
-    op: Callable[..., Any]
-    args: tuple[Any, ...]
-    result: Any = None
-    error: BaseException | None = None
-
-    def unwrap(self) -> Any:
-        if self.error is not None:
-            raise self.error
-        return self.result
-
-
-def _store_error(exc: BaseException) -> BaseException:
-    if isinstance(exc, sqlite3.Error):
-        error = StoreError(f"{type(exc).__name__}: {exc}")
-        error.__cause__ = exc
-        return error
-    return exc
-
-
-def run_batch(conn: sqlite3.Connection, clock: Callable[[], float], jobs: list[Job]) -> None:
-    """Run `jobs` in one `BEGIN IMMEDIATE` transaction (group commit).
-
-    Each job runs in its own savepoint, so one job's error rolls back only its own writes;
-    the others commit together. A failed BEGIN or COMMIT fails every job, with nothing
-    written. Errors are stored on the jobs, never raised.
-    """
-    try:
-        _begin_immediate(conn)
-    except sqlite3.Error as exc:
-        for job in jobs:
-            job.error = _store_error(exc)
-        return
-    _run_jobs(conn, clock, jobs)
-
-
-def try_run_batch(conn: sqlite3.Connection, clock: Callable[[], float], jobs: list[Job]) -> bool:
-    """Like `run_batch`, but only if the write lock is free right now: False, with nothing
-    run, when another connection holds it. Never waits (the connection's busy timeout is
-    expected to be 0), so it is safe to call on the event loop."""
-    try:
-        conn.execute("BEGIN IMMEDIATE")
-    except sqlite3.OperationalError as exc:
-        if _is_locked(exc):
-            return False
-        for job in jobs:
-            job.error = _store_error(exc)
-        return True
-    _run_jobs(conn, clock, jobs)
-    return True
-
-
-def connect_nonblocking(path: str | os.PathLike[str]) -> sqlite3.Connection:
-    """A second connection for work on the event loop: it never waits for a lock and never
-    checkpoints (a checkpoint may fsync); `checkpoint` runs on the worker connection."""
-    conn = sqlite3.connect(
-        os.fspath(path), timeout=0, isolation_level=None, check_same_thread=False
-    )
-    _configure(conn)
-    conn.execute("PRAGMA busy_timeout = 0")
-    conn.execute("PRAGMA wal_autocheckpoint = 0")
-    return conn
-
-
-def checkpoint(conn: sqlite3.Connection) -> None:
-    """Copy the WAL back into the database without blocking writers (PASSIVE)."""
-    conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
-
-
-def _run_jobs(conn: sqlite3.Connection, clock: Callable[[], float], jobs: list[Job]) -> None:
-    """Run jobs inside the open transaction and commit. Never raises: errors go on jobs.
-
-    SQLite may roll a whole transaction back by itself (disk full, I/O error): then no job
-    committed, whatever it returned, and every job reports the failure.
-    """
-    try:
-        _run_jobs_or_raise(conn, clock, jobs)
-    except sqlite3.Error as exc:
-        if conn.in_transaction:
-            with contextlib.suppress(sqlite3.Error):
-                conn.execute("ROLLBACK")
-        for job in jobs:
-            job.result = None
-            if not isinstance(job.error, TrioSessionsError):  # a job's own refusal stays
-                job.error = _store_error(exc)
-
-
-def _run_jobs_or_raise(
-    conn: sqlite3.Connection, clock: Callable[[], float], jobs: list[Job]
-) -> None:
-    tx = Tx(conn, now_ms(clock))
-    grouped = len(jobs) > 1
-    for job in jobs:
-        if grouped:
-            conn.execute("SAVEPOINT job")
-        try:
-            job.result = job.op(tx, *job.args)
-        except Exception as exc:
-            job.error = _store_error(exc)
-            if not conn.in_transaction:
-                raise _TransactionLost(exc) from exc
-            if grouped:
-                conn.execute("ROLLBACK TO job")
-                conn.execute("RELEASE job")
-            else:
-                conn.execute("ROLLBACK")
-                return
-        else:
-            if grouped:
-                conn.execute("RELEASE job")
-    conn.execute("COMMIT")
-
-
-class _TransactionLost(sqlite3.Error):
-    """SQLite rolled the whole transaction back on its own after a job's error."""
-
-
-def now_ms(clock: Callable[[], float]) -> int:
-    return int(clock() * 1000)
+def _no_longer_expired(execution_id: str) -> LeaseLost:
+    return LeaseLost(f"execution {execution_id!r} is no longer an expired claim")
 
 
 def new_id() -> str:
@@ -402,29 +81,41 @@ def _claim_row(tx: Tx, session_id: str) -> ClaimRow | None:
     return None if row is None else ClaimRow(*row)
 
 
-def _require_claim(tx: Tx, execution_id: str, owner_id: str) -> str:
-    """The claim fence for writes to other tables; returns the claim's session id.
-
-    Read inside this BEGIN IMMEDIATE transaction, so nobody can move the claim before the
-    writes that follow commit.
-    """
-    row = tx.one(
-        "SELECT session_id FROM session_execution WHERE id = ? AND owner_id = ? AND expires_at > ?",
-        (execution_id, owner_id, tx.now),
-    )
+def _lock_execution(tx: Tx, execution_id: str) -> str | None:
+    """Take the session lock of an execution's session; its session id, or None when no
+    claim row carries this execution id (an execution never changes session)."""
+    row = tx.one("SELECT session_id FROM session_execution WHERE id = ?", (execution_id,))
     if row is None:
-        raise LeaseLost(f"execution {execution_id!r} no longer holds a live claim")
+        return None
+    tx.lock_session(str(row[0]))
     return str(row[0])
 
 
-def _next_message_seq(tx: Tx, session_id: str) -> int:
-    row = tx.one("SELECT MAX(seq) FROM session_message WHERE session_id = ?", (session_id,))
-    return 1 if row[0] is None else int(row[0]) + 1
+def _require_claim(tx: Tx, execution_id: str, owner_id: str) -> str:
+    """The claim fence for writes to other tables; returns the claim's session id.
+
+    Checked under the session lock, held to COMMIT, so nobody can move the claim before the
+    writes that follow commit.
+    """
+    session_id = _lock_execution(tx, execution_id)
+    if session_id is None or (
+        tx.one(
+            f"SELECT 1 FROM session_execution WHERE {CLAIM_FENCE}",
+            _fence(tx, execution_id, owner_id),
+        )
+        is None
+    ):
+        raise _lease_lost(execution_id)
+    return session_id
 
 
 def _newest_seq(tx: Tx, session_id: str) -> int | None:
     row = tx.one("SELECT MAX(seq) FROM session_message WHERE session_id = ?", (session_id,))
     return None if row[0] is None else int(row[0])
+
+
+def _next_message_seq(tx: Tx, session_id: str) -> int:
+    return (_newest_seq(tx, session_id) or 0) + 1
 
 
 def _has_pending_inputs(tx: Tx, session_id: str) -> bool:
@@ -463,6 +154,7 @@ def _reset_attempts(tx: Tx, session_id: str) -> None:
 
 def wake(tx: Tx, session_id: str) -> None:
     """Durable doorbell: create the session if absent, set `time_woken` (if unset), count it."""
+    tx.lock_session(session_id)
     tx.execute(
         "INSERT INTO session(id, time_created, time_woken, wakes) VALUES (?, ?, ?, 1)"
         " ON CONFLICT(id) DO UPDATE SET time_woken = COALESCE(session.time_woken, ?),"
@@ -477,6 +169,7 @@ def submit(tx: Tx, session_id: str, payload: str, input_id: str) -> str:
     The same id for the same session returns the stored id and writes nothing, also after
     the input was taken; the same id for another session raises `InputConflict`.
     """
+    tx.lock_session(session_id)
     if not _known_input(tx, session_id, input_id):
         _insert_input(tx, session_id, payload, input_id, ring=True)
     return input_id
@@ -532,6 +225,7 @@ class Acquired:
 
 def acquire(tx: Tx, session_id: str, execution_id: str, owner_id: str, lease_ms: int) -> Acquired:
     """Insert the claim only if no claim row exists and the doorbell is set; take the doorbell."""
+    tx.lock_session(session_id)
     session = tx.one("SELECT time_woken FROM session WHERE id = ?", (session_id,))
     claim = _claim_row(tx, session_id)
     verdict = _decisions.acquire_verdict(
@@ -550,6 +244,7 @@ def wake_and_acquire(
     When the claim is taken here, the doorbell is rung and taken at once, so it is never
     written: the same durable result with fewer pages per commit.
     """
+    tx.lock_session(session_id)
     claim = _claim_row(tx, session_id)
     if claim is not None:
         wake(tx, session_id)
@@ -568,6 +263,7 @@ def submit_and_acquire(
     lease_ms: int,
 ) -> tuple[str, Acquired]:
     """`submit` and the acquire it rings for, in one transaction (see `wake_and_acquire`)."""
+    tx.lock_session(session_id)
     claim = _claim_row(tx, session_id)
     if claim is not None or _known_input(tx, session_id, input_id):
         stored = submit(tx, session_id, payload, input_id)
@@ -614,12 +310,14 @@ def heartbeat(
     None means the lease is lost: the fence (exact id, owner, live lease) matched nothing,
     so an expired lease is never revived.
     """
+    execution_ids = sorted(execution_ids)
+    tx.lock_claims(execution_ids)
     phases: dict[str, str | None] = {}
     for execution_id in execution_ids:
         row = tx.one(
-            "UPDATE session_execution SET expires_at = ?, heartbeat_at = ?"
-            " WHERE id = ? AND owner_id = ? AND expires_at > ? RETURNING phase",
-            (tx.now + lease_ms, tx.now, execution_id, owner_id, tx.now),
+            "UPDATE session_execution SET expires_at = :expires, heartbeat_at = :now"
+            f" WHERE {CLAIM_FENCE} RETURNING phase",
+            {**_fence(tx, execution_id, owner_id), "expires": tx.now + lease_ms},
         )
         phases[execution_id] = None if row is None else str(row[0])
     return phases
@@ -641,13 +339,11 @@ def finish_iteration(tx: Tx, execution_id: str, owner_id: str) -> bool:
 
 
 def _delete_claim(tx: Tx, execution_id: str, owner_id: str) -> None:
-    # The claim fence, in the WHERE clause of the write itself.
     deleted = tx.execute(
-        "DELETE FROM session_execution WHERE id = ? AND owner_id = ? AND expires_at > ?",
-        (execution_id, owner_id, tx.now),
+        f"DELETE FROM session_execution WHERE {CLAIM_FENCE}", _fence(tx, execution_id, owner_id)
     ).rowcount
     if deleted != 1:
-        raise LeaseLost(f"execution {execution_id!r} no longer holds a live claim")
+        raise _lease_lost(execution_id)
 
 
 def finish_failed(tx: Tx, execution_id: str, owner_id: str, error: str) -> bool:
@@ -665,13 +361,13 @@ def finish_failed(tx: Tx, execution_id: str, owner_id: str, error: str) -> bool:
 
 def mark_cancelling(tx: Tx, execution_id: str, owner_id: str) -> None:
     """First step of an interrupt's cleanup: make the cancellation durable (claim fence)."""
+    _lock_execution(tx, execution_id)
     updated = tx.execute(
-        "UPDATE session_execution SET phase = 'cancelling'"
-        " WHERE id = ? AND owner_id = ? AND expires_at > ?",
-        (execution_id, owner_id, tx.now),
+        f"UPDATE session_execution SET phase = 'cancelling' WHERE {CLAIM_FENCE}",
+        _fence(tx, execution_id, owner_id),
     ).rowcount
     if updated != 1:
-        raise LeaseLost(f"execution {execution_id!r} no longer holds a live claim")
+        raise _lease_lost(execution_id)
 
 
 def finish_interrupted(tx: Tx, execution_id: str, owner_id: str) -> bool:
@@ -689,6 +385,7 @@ def finish_interrupted(tx: Tx, execution_id: str, owner_id: str) -> bool:
 
 def request_cancel(tx: Tx, session_id: str) -> bool:
     """Interrupt another owner's claim: `phase='cancelling'` fenced on the live running row."""
+    tx.lock_session(session_id)
     return (
         tx.execute(
             "UPDATE session_execution SET phase = 'cancelling'"
@@ -703,6 +400,7 @@ def cancel_held_claim(tx: Tx, session_id: str) -> bool:
     """An interrupt accepted locally while another owner's claim turned up at acquire: mark
     that claim cancelling even if its lease already expired, so recovery finishes it as
     cancelled instead of resuming it."""
+    tx.lock_session(session_id)
     return (
         tx.execute(
             "UPDATE session_execution SET phase = 'cancelling'"
@@ -715,12 +413,13 @@ def cancel_held_claim(tx: Tx, session_id: str) -> bool:
 
 def expire_claims(tx: Tx, owner_id: str, execution_ids: Sequence[str]) -> int:
     """Shutdown: keep the claims (phase unchanged) but end their leases now, fenced."""
+    execution_ids = sorted(execution_ids)
+    tx.lock_claims(execution_ids)
     expired = 0
     for execution_id in execution_ids:
         expired += tx.execute(
-            "UPDATE session_execution SET expires_at = ?"
-            " WHERE id = ? AND owner_id = ? AND expires_at > ?",
-            (tx.now, execution_id, owner_id, tx.now),
+            f"UPDATE session_execution SET expires_at = :now WHERE {CLAIM_FENCE}",
+            _fence(tx, execution_id, owner_id),
         ).rowcount
     return expired
 
@@ -862,24 +561,23 @@ def recovery_candidates(
     """The oldest `limit` candidates: expired claims by `expires_at`, then unclaimed doorbells
     by `time_woken`. Quarantined executions, executions under another owner's live recovery
     lease and sessions held locally are excluded here, so they never use up the budget."""
-    local = _codec.dumps(list(local_sessions))
+    not_local, local = tx.not_in("e.session_id", local_sessions)
     expired = tx.execute(
         "SELECT e.session_id, e.id FROM session_execution e"
-        " WHERE e.expires_at <= :now"
-        " AND e.session_id NOT IN (SELECT value FROM json_each(:local))"
+        f" WHERE e.expires_at <= :now AND {not_local}"
         " AND NOT EXISTS (SELECT 1 FROM session_recovery r WHERE r.execution_id = e.id"
         "   AND (r.recovery_error IS NOT NULL OR (r.owner_id != :me AND r.expires_at > :now)))"
         " ORDER BY e.expires_at, e.id LIMIT :limit",
-        {"now": tx.now, "local": local, "me": owner_id, "limit": limit},
+        {"now": tx.now, "excluded": local, "me": owner_id, "limit": limit},
     ).fetchall()
     candidates = [Candidate(session_id, execution_id) for session_id, execution_id in expired]
     if len(candidates) < limit:
+        not_local, local = tx.not_in("s.id", local_sessions)
         doorbells = tx.execute(
             "SELECT s.id FROM session s WHERE s.time_woken IS NOT NULL"
             " AND NOT EXISTS (SELECT 1 FROM session_execution e WHERE e.session_id = s.id)"
-            " AND s.id NOT IN (SELECT value FROM json_each(:local))"
-            " ORDER BY s.time_woken, s.id LIMIT :limit",
-            {"local": local, "limit": limit - len(candidates)},
+            f" AND {not_local} ORDER BY s.time_woken, s.id LIMIT :limit",
+            {"excluded": local, "limit": limit - len(candidates)},
         ).fetchall()
         candidates += [Candidate(row[0], None) for row in doorbells]
     return candidates
@@ -926,9 +624,11 @@ def _recovery_facts(tx: Tx, candidate: Candidate) -> tuple[RecoveryFacts, str | 
     anchor_seq = row[4] if claim is not None and claim.execution_id == execution_id else None
     superseded = (
         tx.one(
-            "SELECT 1 FROM session_message WHERE session_id = ? AND role = 'assistant'"
-            " AND execution_id IS NOT ? AND (? IS NULL OR seq > ?) LIMIT 1",
-            (session_id, execution_id, anchor_seq, anchor_seq),
+            "SELECT 1 FROM session_message WHERE session_id = :session AND role = 'assistant'"
+            " AND (execution_id IS NULL OR execution_id != :execution) AND seq > :anchor"
+            " LIMIT 1",
+            # Any other execution's message supersedes a claim taken before any message.
+            {"session": session_id, "execution": execution_id, "anchor": anchor_seq or 0},
         )
         is not None
     )
@@ -982,6 +682,7 @@ def apply_recovery(
     """
     execution_id = candidate.execution_id
     assert execution_id is not None
+    tx.lock_session(candidate.session_id)
     facts, malformed_reason = _recovery_facts(tx, candidate)
     decision = _decisions.decide_recovery(facts, execution_id, tx.now, max_resumes)
     if decision is RecoveryDecision.QUARANTINE:
@@ -1041,12 +742,11 @@ def _delete_recovery_row(tx: Tx, execution_id: str, owner_id: str) -> None:
 
 
 def _delete_expired_claim(tx: Tx, execution_id: str) -> None:
-    # The recovery fence: the exact old execution id, still expired.
     deleted = tx.execute(
-        "DELETE FROM session_execution WHERE id = ? AND expires_at <= ?", (execution_id, tx.now)
+        f"DELETE FROM session_execution WHERE {RECOVERY_FENCE}", _fence(tx, execution_id)
     ).rowcount
     if deleted != 1:
-        raise LeaseLost(f"execution {execution_id!r} is no longer an expired claim")
+        raise _no_longer_expired(execution_id)
 
 
 def _end_expired_claim(tx: Tx, candidate: Candidate, decision: RecoveryDecision) -> None:
@@ -1077,21 +777,19 @@ def _take_over(
     assert old is not None
     _close_open_messages(tx, old, OWNER_LOST)
     replaced = tx.execute(
-        "UPDATE session_execution SET id = ?, owner_id = ?, phase = 'running', anchor_seq = ?,"
-        " time_created = ?, heartbeat_at = NULL, expires_at = ?"
-        " WHERE id = ? AND expires_at <= ?",  # the recovery fence
-        (
-            new_execution_id,
-            owner_id,
-            _newest_seq(tx, candidate.session_id),
-            tx.now,
-            tx.now + lease_ms,
-            old,
-            tx.now,
-        ),
+        "UPDATE session_execution SET id = :new, owner_id = :me, phase = 'running',"
+        " anchor_seq = :anchor, time_created = :now, heartbeat_at = NULL, expires_at = :expires"
+        f" WHERE {RECOVERY_FENCE}",
+        {
+            **_fence(tx, old),
+            "new": new_execution_id,
+            "me": owner_id,
+            "anchor": _newest_seq(tx, candidate.session_id),
+            "expires": tx.now + lease_ms,
+        },
     ).rowcount
     if replaced != 1:
-        raise LeaseLost(f"execution {old!r} is no longer an expired claim")
+        raise _no_longer_expired(old)
     tx.execute(
         "UPDATE session SET wake_attempts = wake_attempts + 1, time_woken = NULL, wakes = 0"
         " WHERE id = ?",
@@ -1138,6 +836,7 @@ def drop_quarantined(tx: Tx, execution_id: str) -> None:
 
 
 def _quarantined_row(tx: Tx, execution_id: str) -> Any:
+    """The quarantined row's (session id,), under its session lock; `ValueError` if none."""
     row = tx.one(
         "SELECT session_id FROM session_recovery WHERE execution_id = ?"
         " AND recovery_error IS NOT NULL",
@@ -1145,14 +844,31 @@ def _quarantined_row(tx: Tx, execution_id: str) -> Any:
     )
     if row is None:
         raise ValueError(f"execution {execution_id!r} is not quarantined")
+    tx.lock_session(str(row[0]))
     return row
 
 
-def run_op(
-    conn: sqlite3.Connection, clock: Callable[[], float], op: Callable[..., T], *args: Any
-) -> T:
-    """Run one operation in its own transaction, synchronously (tools, CLI, tests)."""
-    job = Job(op, args)
-    run_batch(conn, clock, [job])
-    result: T = job.unwrap()
-    return result
+def apply_recovery_batch(
+    tx: Tx,
+    owner_id: str,
+    items: list[tuple[Candidate, str]],
+    lease_ms: int,
+    max_resumes: int,
+) -> list[Recovered]:
+    """`apply_recovery` for each (candidate, new execution id), each in its own savepoint:
+    one row's failure never undoes another's recovery."""
+    results = []
+    for candidate, new_execution_id in items:
+        try:
+            with tx.savepoint():
+                result = apply_recovery(
+                    tx, owner_id, candidate, new_execution_id, lease_ms, max_resumes
+                )
+        except LeaseLost:
+            result = Recovered(RecoveryDecision.GONE, fence_lost=True)
+        except (MalformedRecord, ValueError, TypeError, RecursionError) as exc:
+            # A row recovery cannot process is poison: quarantine it (exact fence) rather
+            # than fail the pass, so it never starves the rows behind it.
+            result = quarantine(tx, owner_id, candidate, f"recovery failed: {exc!r}")
+        results.append(result)
+    return results

@@ -47,10 +47,11 @@ from typing import Any
 import attrs
 import trio
 
-from . import _codec, _store
+from . import _codec, _sqlite, _store
 from ._errors import LeaseLost
 from ._model import Claim, Message, TextPart
-from ._runtime import DrainContext, Runtime, Store, open_runtime
+from ._runtime import DrainContext, Runtime, open_runtime
+from ._sqlite import SQLiteStore as Store
 
 AUDIT_SCHEMA = """
 CREATE TABLE IF NOT EXISTS soak_drain(
@@ -289,7 +290,7 @@ class Soak:
         self.result = SoakResult()
         self.restart_at: dict[int, float] = {}
         self.next_n = 1
-        conn = _store.connect(self.db)
+        conn = _sqlite.connect(self.db)
         conn.executescript(AUDIT_SCHEMA)
         self.conn = conn
 
@@ -361,7 +362,7 @@ class Soak:
         self.next_n += 1
         session_id = session_name(self.rng.randrange(self.args.sessions))
         payload = _codec.dumps({"n": n})
-        _store.run_op(self.conn, time.time, _store.submit, session_id, payload, f"in-{n}")
+        _sqlite.run_op(self.conn, time.time, _store.submit, session_id, payload, f"in-{n}")
         self.conn.execute(
             "INSERT INTO soak_submitted(n, session_id, t) VALUES (?, ?, ?)",
             (n, session_id, time.time()),
@@ -433,7 +434,7 @@ class Soak:
             # wakes are still caught: the stranded-input sampling never stops.
             time.sleep(0.5)
             for index in range(args.sessions):
-                _store.run_op(self.conn, time.time, _store.wake, session_name(index))
+                _sqlite.run_op(self.conn, time.time, _store.wake, session_name(index))
         earliest = time.monotonic() + args.lease + args.recovery_interval
         deadline = time.monotonic() + args.settle_timeout
         while time.monotonic() < deadline:

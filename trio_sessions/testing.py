@@ -16,7 +16,8 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from ._runtime import Runtime, Seams, Store
+from ._runtime import Runtime, Seams
+from ._sqlite import SQLiteStore as Store
 
 DEFAULT_EPOCH = 1_800_000_000.0
 

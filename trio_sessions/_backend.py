@@ -1,0 +1,141 @@
+"""The seam between the runtime and a store backend: three small protocols and a job.
+
+The runtime knows nothing of drivers or dialects. It calls `Executor.run(op, *args)`, and a
+backend runs the synchronous operation `op(tx, *args)` (written once, in `_store.py`) inside
+one write transaction, off the event loop or inline, possibly grouped with other operations
+(group commit). A `StoreBackend` is the user-facing store object (`SQLiteStore`,
+`PostgresStore`) that opens an executor.
+
+Invariants every backend keeps:
+* an operation that has begun is never abandoned: a caller cancelled while its operation is
+  queued sees it withdrawn unrun; once taken, the caller waits for its outcome, so a write
+  that committed is always reported, never mistaken for one that did not happen;
+* an operation that raises has written nothing (its own writes are rolled back, others in
+  the same transaction are not);
+* `tx.now` is the *lease clock* in integer milliseconds, read after the operation's own
+  locks (`lock_session`): the runtime's injected clock on SQLite, the server's clock on
+  PostgreSQL unless a test passes one. Hosts' clocks never decide a fence there.
+* `StoreError` reaches a caller only for a failure the backend could not retry within its
+  bound, never for a race between owners.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
+from typing import Any, Literal, Protocol, TypeVar, TypeVarTuple, Unpack
+
+import attrs
+
+T = TypeVar("T")
+Ts = TypeVarTuple("Ts")
+
+BackendName = Literal["sqlite", "postgres"]
+Params = Sequence[Any] | Mapping[str, Any]
+
+
+class Cursor(Protocol):
+    """What an operation reads back from a statement."""
+
+    @property
+    def rowcount(self) -> int: ...
+
+    def fetchone(self) -> Any: ...
+
+    def fetchall(self) -> list[Any]: ...
+
+
+class Tx(Protocol):
+    """One open write transaction, as an operation sees it.
+
+    SQL uses `?` positional or `:name` named parameters; a backend translates them.
+    """
+
+    @property
+    def now(self) -> int:
+        """The lease clock (ms since the epoch), read once per operation after its locks."""
+        ...
+
+    def execute(self, sql: str, params: Params = ()) -> Cursor: ...
+
+    def one(self, sql: str, params: Params = ()) -> Any: ...
+
+    def lock_session(self, session_id: str) -> None:
+        """The per-session serialisation point, held to COMMIT: every operation that reads
+        and then writes a session's rows takes it first. A no-op on SQLite, whose write
+        transaction already holds the database's only write lock."""
+        ...
+
+    def lock_claims(self, execution_ids: Sequence[str]) -> None:
+        """Lock these claim rows (sorted, so two owners never deadlock) before a fenced
+        write compares their leases with `now`: a row lock waited for must not make `now`
+        older than the row it guards. A no-op on SQLite."""
+        ...
+
+    def not_in(self, column: str, values: Sequence[str]) -> tuple[str, Any]:
+        """A `column NOT IN (values)` condition for one named parameter: returns the SQL
+        fragment (naming `:excluded`) and the parameter's value."""
+        ...
+
+    def savepoint(self) -> AbstractContextManager[None]:
+        """A nested scope whose writes roll back alone if it raises (the error propagates)."""
+        ...
+
+
+@attrs.define(eq=False)
+class Job:
+    """One operation waiting for a transaction; a backend fills `result` or `error`."""
+
+    op: Callable[..., Any]
+    args: tuple[Any, ...]
+    result: Any = None
+    error: BaseException | None = None
+
+    def unwrap(self) -> Any:
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+@attrs.frozen
+class StoreStatistics:
+    """A backend's own figures, as `Runtime.statistics().store` reports them."""
+
+    backend: BackendName
+    transactions: int = 0
+    handoffs: int = 0
+    inline_runs: int = 0
+    retries: int = 0
+    reconnects: int = 0
+
+
+class Executor(Protocol):
+    """Runs store operations `op(tx, *args)`, each inside a write transaction."""
+
+    backend: BackendName
+
+    async def run(self, op: Callable[[Tx, Unpack[Ts]], T], *args: Unpack[Ts]) -> T: ...
+
+    async def run_nowait(self, op: Callable[[Tx, Unpack[Ts]], T], *args: Unpack[Ts]) -> T:
+        """Like `run`, but never wait for another process's lock: raise `StoreError` at
+        once instead (best-effort writes with a deadline: shutdown)."""
+        ...
+
+    def statistics(self) -> StoreStatistics: ...
+
+
+class StoreBackend(Protocol):
+    """A user-facing store object: where the data lives and how to reach it."""
+
+    def open_executor(
+        self, clock: Callable[[], float] | None
+    ) -> AbstractAsyncContextManager[Executor]:
+        """Connect, migrate the schema, and yield an executor for the block's duration.
+
+        `clock=None` means the backend's own lease clock (wall clock on SQLite, the
+        server's clock on PostgreSQL)."""
+        ...
+
+
+def now_ms(clock: Callable[[], float]) -> int:
+    return int(clock() * 1000)

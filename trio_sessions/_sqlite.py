@@ -1,0 +1,650 @@
+"""The SQLite engine: connections, schema and migrations, transactions, and the executors
+that bring operations from trio to SQLite (one writer path, group commit).
+
+Every write transaction is `BEGIN IMMEDIATE`, retried past "database is locked" for up to
+`LOCK_PATIENCE_S`, so the lock error never reaches a caller. Several operations may share
+one transaction (group commit), each inside its own savepoint, so one operation's error
+rolls back only its own writes.
+
+`ThreadExecutor` (production) hands operations to a worker thread and groups every
+operation that arrives while a hand-off is in flight into the next transaction: a trio ->
+thread hand-off costs more than a whole SQLite cycle on our machines, so concurrent
+operations share one. When nothing is queued, nothing is in flight and no other task is
+waiting to run (a lone caller: the group would be just itself), it instead runs the
+operation on the trio thread on a second connection that never waits: if the write lock is
+not free at once, the operation takes the thread path. That connection never checkpoints
+(a checkpoint may fsync); the worker does, every `CHECKPOINT_EVERY` inline commits. With
+WAL and synchronous=NORMAL a commit does not fsync, so the event loop never blocks on a
+lock or a disk flush. `InlineExecutor` (tests) runs each operation on the trio thread, so
+virtual time never jumps while SQLite works.
+
+Invariant, both executors: an operation that has begun is never abandoned. If its caller is
+cancelled while it is queued, it is withdrawn unrun; once taken, the caller waits for it (as
+`trio.to_thread.run_sync` does with `abandon_on_cancel=False`), so a write that committed is
+always reported, never mistaken for one that did not happen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sqlite3
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar, TypeVarTuple, Unpack
+
+import attrs
+import trio
+
+from ._backend import BackendName, Job, Params, StoreStatistics, Tx, now_ms
+from ._errors import SchemaTooNew, StoreError, TrioSessionsError
+
+T = TypeVar("T")
+Ts = TypeVarTuple("Ts")
+
+SCHEMA_VERSION = 1
+
+# The small, hot tables are WITHOUT ROWID: keyed by their text primary key directly, each
+# write touches one b-tree less (fewer WAL pages per commit). Messages keep a rowid: their
+# rows are large.
+_MIGRATIONS: dict[int, str] = {
+    1: """
+CREATE TABLE session(
+    id TEXT PRIMARY KEY,
+    time_created INTEGER NOT NULL,
+    time_woken INTEGER,
+    wakes INTEGER NOT NULL DEFAULT 0,
+    wake_attempts INTEGER NOT NULL DEFAULT 0
+        CONSTRAINT session_wake_attempts_check CHECK (wake_attempts >= 0),
+    input_seq INTEGER NOT NULL DEFAULT 0
+) WITHOUT ROWID;
+CREATE INDEX session_time_woken ON session(time_woken) WHERE time_woken IS NOT NULL;
+CREATE TABLE session_input(
+    id TEXT PRIMARY KEY,
+    session_id TEXT NOT NULL REFERENCES session(id) ON DELETE CASCADE,
+    seq INTEGER NOT NULL,
+    payload TEXT NOT NULL,
+    time_created INTEGER NOT NULL,
+    UNIQUE(session_id, seq)
+) WITHOUT ROWID;
+CREATE TABLE session_execution(
+    id TEXT PRIMARY KEY,
+    session_id TEXT NOT NULL UNIQUE REFERENCES session(id) ON DELETE CASCADE,
+    owner_id TEXT NOT NULL,
+    phase TEXT NOT NULL
+        CONSTRAINT session_execution_phase_check CHECK (phase IN ('running', 'cancelling')),
+    anchor_seq INTEGER,
+    time_created INTEGER NOT NULL,
+    heartbeat_at INTEGER,
+    expires_at INTEGER NOT NULL
+) WITHOUT ROWID;
+CREATE INDEX session_execution_expires_at ON session_execution(expires_at);
+CREATE TABLE session_recovery(
+    execution_id TEXT PRIMARY KEY,
+    session_id TEXT NOT NULL,
+    owner_id TEXT NOT NULL,
+    expires_at INTEGER NOT NULL,
+    recovery_error TEXT,
+    time_created INTEGER NOT NULL,
+    time_quarantined INTEGER
+) WITHOUT ROWID;
+CREATE TABLE session_message(
+    id TEXT PRIMARY KEY,
+    session_id TEXT NOT NULL REFERENCES session(id) ON DELETE CASCADE,
+    execution_id TEXT,
+    input_id TEXT UNIQUE,
+    role TEXT NOT NULL CONSTRAINT session_message_role_check
+        CHECK (role IN ('user', 'assistant', 'system')),
+    seq INTEGER NOT NULL,
+    data TEXT NOT NULL,
+    time_created INTEGER NOT NULL,
+    time_updated INTEGER NOT NULL,
+    UNIQUE(session_id, seq)
+);
+CREATE INDEX session_message_execution ON session_message(execution_id)
+    WHERE execution_id IS NOT NULL;
+""",
+}
+
+OUR_TABLES = frozenset(
+    {"session", "session_input", "session_execution", "session_recovery", "session_message"}
+)
+
+BUSY_TIMEOUT_MS = 5_000
+# How long BEGIN IMMEDIATE keeps retrying a lock held by another process before the caller
+# sees a StoreError. Each attempt already waits `BUSY_TIMEOUT_MS` inside SQLite.
+LOCK_PATIENCE_S = 120.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Connection, schema, transactions
+
+
+def connect(path: str | os.PathLike[str], *, create: bool = True) -> sqlite3.Connection:
+    """Open a connection with our settings and bring the schema up to date.
+
+    `SchemaTooNew` (and nothing written) when the file comes from a newer library;
+    `StoreError` when `create` is false and the file is missing or not ours.
+    """
+    path = os.fspath(path)
+    if not create and not os.path.exists(path):
+        raise StoreError(f"no database at {path!r}")
+    try:
+        conn = sqlite3.connect(
+            path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False
+        )
+    except sqlite3.Error as exc:
+        raise StoreError(f"cannot open {path!r}: {exc}") from exc
+    try:
+        _configure(conn)
+        if create:
+            migrate(conn)
+        else:
+            _require_ours(conn, path)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _configure(conn: sqlite3.Connection) -> None:
+    try:
+        conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+        conn.execute("PRAGMA foreign_keys = ON")
+        conn.execute("PRAGMA synchronous = NORMAL")
+    except sqlite3.DatabaseError as exc:
+        raise StoreError(f"{_database_name(conn)!r} is not an SQLite database: {exc}") from exc
+
+
+def _database_name(conn: sqlite3.Connection) -> str:
+    try:
+        return str(conn.execute("PRAGMA database_list").fetchone()[2])
+    except sqlite3.Error:
+        return "the database"
+
+
+def schema_version(conn: sqlite3.Connection) -> int:
+    return int(conn.execute("PRAGMA user_version").fetchone()[0])
+
+
+def migrate(conn: sqlite3.Connection) -> None:
+    """Apply pending migrations in one `BEGIN IMMEDIATE` transaction; idempotent."""
+    try:
+        if schema_version(conn) > SCHEMA_VERSION:
+            raise SchemaTooNew(_too_new(conn))
+        if schema_version(conn) == SCHEMA_VERSION:
+            conn.execute("PRAGMA journal_mode = WAL")
+            return
+        conn.execute("PRAGMA journal_mode = WAL")
+        _begin_immediate(conn)
+        try:
+            # Re-read under the write lock: another process may have migrated meanwhile.
+            version = schema_version(conn)
+            if version > SCHEMA_VERSION:
+                raise SchemaTooNew(_too_new(conn))
+            for target in range(version + 1, SCHEMA_VERSION + 1):
+                for statement in _MIGRATIONS[target].split(";"):
+                    if statement.strip():
+                        conn.execute(statement)
+            conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+    except sqlite3.Error as exc:
+        raise StoreError(f"cannot migrate the schema: {exc}") from exc
+
+
+def _too_new(conn: sqlite3.Connection) -> str:
+    return (
+        f"database schema version {schema_version(conn)} is newer than this trio_sessions "
+        f"understands ({SCHEMA_VERSION}); upgrade trio_sessions. The file was not modified."
+    )
+
+
+def _require_ours(conn: sqlite3.Connection, path: str) -> None:
+    """Refuse a file that is not SQLite, or not ours, without writing to it."""
+    # Imported here: sqlite-utils costs ~0.2 s to import, and only operators' tools (which
+    # open with create=False) need its introspection.
+    import sqlite_utils
+
+    try:
+        tables = set(sqlite_utils.Database(conn).table_names())
+    except sqlite3.DatabaseError as exc:
+        raise StoreError(f"{path!r} is not an SQLite database: {exc}") from exc
+    if not tables >= OUR_TABLES:
+        missing = ", ".join(sorted(OUR_TABLES - tables))
+        raise StoreError(f"{path!r} is not a trio_sessions database (no {missing})")
+    if schema_version(conn) > SCHEMA_VERSION:
+        raise SchemaTooNew(_too_new(conn))
+
+
+def _is_locked(exc: sqlite3.OperationalError) -> bool:
+    return "locked" in str(exc) or "busy" in str(exc)
+
+
+def _begin_immediate(conn: sqlite3.Connection) -> None:
+    """Take the write lock, waiting out other processes; "database is locked" never escapes."""
+    deadline = time.monotonic() + LOCK_PATIENCE_S
+    pause = 0.001
+    while True:
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            return
+        except sqlite3.OperationalError as exc:
+            if not _is_locked(exc) or time.monotonic() >= deadline:
+                raise
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+
+
+class SQLiteTx:
+    """One open `BEGIN IMMEDIATE` transaction. The write lock is the database's only one,
+    so it already serialises every session: `lock_session` is a no-op, and `now` is read
+    once, after the lock was taken."""
+
+    def __init__(self, conn: sqlite3.Connection, now: int) -> None:
+        self.conn = conn
+        self.now = now
+
+    def execute(self, sql: str, params: Params = ()) -> sqlite3.Cursor:
+        return self.conn.execute(sql, params)
+
+    def one(self, sql: str, params: Params = ()) -> Any:
+        return self.conn.execute(sql, params).fetchone()
+
+    def lock_session(self, session_id: str) -> None:
+        # BEGIN IMMEDIATE holds the only write lock: every session is already serialised.
+        pass
+
+    def lock_claims(self, execution_ids: Sequence[str]) -> None:
+        pass
+
+    def not_in(self, column: str, values: Sequence[str]) -> tuple[str, Any]:
+        return f"{column} NOT IN (SELECT value FROM json_each(:excluded))", json.dumps(list(values))
+
+    @contextlib.contextmanager
+    def savepoint(self) -> Iterator[None]:
+        self.conn.execute("SAVEPOINT nested")
+        try:
+            yield
+        except BaseException:
+            self.conn.execute("ROLLBACK TO nested")
+            raise
+        finally:
+            self.conn.execute("RELEASE nested")
+
+
+def _store_error(exc: BaseException) -> BaseException:
+    if isinstance(exc, sqlite3.Error):
+        error = StoreError(f"{type(exc).__name__}: {exc}")
+        error.__cause__ = exc
+        return error
+    return exc
+
+
+def run_batch(conn: sqlite3.Connection, clock: Callable[[], float], jobs: list[Job]) -> None:
+    """Run `jobs` in one `BEGIN IMMEDIATE` transaction (group commit).
+
+    Each job runs in its own savepoint, so one job's error rolls back only its own writes;
+    the others commit together. A failed BEGIN or COMMIT fails every job, with nothing
+    written. Errors are stored on the jobs, never raised.
+    """
+    try:
+        _begin_immediate(conn)
+    except sqlite3.Error as exc:
+        for job in jobs:
+            job.error = _store_error(exc)
+        return
+    _run_jobs(conn, clock, jobs)
+
+
+def try_run_batch(conn: sqlite3.Connection, clock: Callable[[], float], jobs: list[Job]) -> bool:
+    """Like `run_batch`, but only if the write lock is free right now: False, with nothing
+    run, when another connection holds it. Never waits (the connection's busy timeout is
+    expected to be 0), so it is safe to call on the event loop."""
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+    except sqlite3.OperationalError as exc:
+        if _is_locked(exc):
+            return False
+        for job in jobs:
+            job.error = _store_error(exc)
+        return True
+    _run_jobs(conn, clock, jobs)
+    return True
+
+
+def connect_nonblocking(path: str | os.PathLike[str]) -> sqlite3.Connection:
+    """A second connection for work on the event loop: it never waits for a lock and never
+    checkpoints (a checkpoint may fsync); `checkpoint` runs on the worker connection."""
+    conn = sqlite3.connect(
+        os.fspath(path), timeout=0, isolation_level=None, check_same_thread=False
+    )
+    _configure(conn)
+    conn.execute("PRAGMA busy_timeout = 0")
+    conn.execute("PRAGMA wal_autocheckpoint = 0")
+    return conn
+
+
+def checkpoint(conn: sqlite3.Connection) -> None:
+    """Copy the WAL back into the database without blocking writers (PASSIVE)."""
+    conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+
+
+def _run_jobs(conn: sqlite3.Connection, clock: Callable[[], float], jobs: list[Job]) -> None:
+    """Run jobs inside the open transaction and commit. Never raises: errors go on jobs.
+
+    SQLite may roll a whole transaction back by itself (disk full, I/O error): then no job
+    committed, whatever it returned, and every job reports the failure.
+    """
+    try:
+        _run_jobs_or_raise(conn, clock, jobs)
+    except sqlite3.Error as exc:
+        if conn.in_transaction:
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+        for job in jobs:
+            job.result = None
+            if not isinstance(job.error, TrioSessionsError):  # a job's own refusal stays
+                job.error = _store_error(exc)
+
+
+def _run_jobs_or_raise(
+    conn: sqlite3.Connection, clock: Callable[[], float], jobs: list[Job]
+) -> None:
+    tx = SQLiteTx(conn, now_ms(clock))
+    grouped = len(jobs) > 1
+    for job in jobs:
+        if grouped:
+            conn.execute("SAVEPOINT job")
+        try:
+            job.result = job.op(tx, *job.args)
+        except Exception as exc:
+            job.error = _store_error(exc)
+            if not conn.in_transaction:
+                raise _TransactionLost(exc) from exc
+            if grouped:
+                conn.execute("ROLLBACK TO job")
+                conn.execute("RELEASE job")
+            else:
+                conn.execute("ROLLBACK")
+                return
+        else:
+            if grouped:
+                conn.execute("RELEASE job")
+    conn.execute("COMMIT")
+
+
+class _TransactionLost(sqlite3.Error):
+    """SQLite rolled the whole transaction back on its own after a job's error."""
+
+
+def run_op(
+    conn: sqlite3.Connection,
+    clock: Callable[[], float],
+    op: Callable[[Tx, Unpack[Ts]], T],
+    *args: Unpack[Ts],
+) -> T:
+    """Run one operation in its own transaction, synchronously (tools, CLI, tests)."""
+    job = Job(op, args)
+    run_batch(conn, clock, [job])
+    result: T = job.unwrap()
+    return result
+
+
+# WAL grows by a few pages per commit; checkpoint well before SQLite's own 1000-page mark.
+CHECKPOINT_EVERY = 200
+
+
+@attrs.define(eq=False)
+class InlineExecutor:
+    """Each operation runs in its own transaction on the trio thread (deterministic tests)."""
+
+    conn: sqlite3.Connection
+    clock: Callable[[], float]
+    backend: BackendName = "sqlite"
+    transactions: int = 0
+
+    def statistics(self) -> StoreStatistics:
+        return StoreStatistics("sqlite", transactions=self.transactions)
+
+    async def run(self, op: Callable[[Tx, Unpack[Ts]], T], *args: Unpack[Ts]) -> T:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        job = Job(op, args)
+        self.transactions += 1
+        run_batch(self.conn, self.clock, [job])
+        await trio.lowlevel.cancel_shielded_checkpoint()
+        result: T = job.unwrap()
+        return result
+
+    async def run_nowait(self, op: Callable[[Tx, Unpack[Ts]], T], *args: Unpack[Ts]) -> T:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        self.conn.execute("PRAGMA busy_timeout = 0")  # really not waiting, here too
+        try:
+            result: T = _run_nowait(self.conn, self.clock, op, args)
+        finally:
+            self.conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+        await trio.lowlevel.cancel_shielded_checkpoint()
+        return result
+
+
+def _run_nowait(
+    conn: sqlite3.Connection,
+    clock: Callable[[], float],
+    op: Callable[..., T],
+    args: tuple[Any, ...],
+) -> T:
+    job = Job(op, args)
+    if not try_run_batch(conn, clock, [job]):
+        raise StoreError("the database is locked by another process; not waiting")
+    result: T = job.unwrap()
+    return result
+
+
+@attrs.define(eq=False)
+class _Queued:
+    job: Job
+    done: trio.Event = attrs.Factory(trio.Event)
+    taken: bool = False
+
+
+@attrs.define(eq=False)
+class ThreadExecutor:
+    """Group commit through one worker hand-off at a time. Use `open_thread_executor`."""
+
+    conn: sqlite3.Connection
+    clock: Callable[[], float]
+    inline_conn: sqlite3.Connection | None = None
+    _queue: list[_Queued] = attrs.Factory(list)
+    _work: trio.Event = attrs.Factory(trio.Event)
+    _closed: bool = False
+    _in_flight: bool = False
+    _limiter: trio.CapacityLimiter = attrs.Factory(lambda: trio.CapacityLimiter(1))
+    _inline_since_checkpoint: int = 0
+    _checkpoint_due: bool = False
+    handoffs: int = 0
+    inline_runs: int = 0
+    backend: BackendName = "sqlite"
+
+    def statistics(self) -> StoreStatistics:
+        return StoreStatistics(
+            "sqlite",
+            transactions=self.handoffs + self.inline_runs,
+            handoffs=self.handoffs,
+            inline_runs=self.inline_runs,
+        )
+
+    async def run(self, op: Callable[[Tx, Unpack[Ts]], T], *args: Unpack[Ts]) -> T:
+        # Cancellation first: a caller cancelled while the runtime closes sees Cancelled,
+        # not an error about the executor it was cancelled out of.
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if self._closed:
+            raise StoreError("the store executor is closed")
+        if self._lone_caller():
+            job = Job(op, args)
+            assert self.inline_conn is not None
+            if try_run_batch(self.inline_conn, self.clock, [job]):
+                self._count_inline_commit()
+                await trio.lowlevel.cancel_shielded_checkpoint()
+                inline_result: T = job.unwrap()
+                return inline_result
+        queued = _Queued(Job(op, args))
+        self._queue.append(queued)
+        self._work.set()
+        try:
+            await queued.done.wait()
+        except trio.Cancelled:
+            if not queued.taken:
+                self._queue.remove(queued)
+                raise
+            # Taken: the operation is running; wait for its result like a non-abandoning
+            # to_thread call, then let the next checkpoint deliver the cancellation.
+            with trio.CancelScope(shield=True):
+                await queued.done.wait()
+        result: T = queued.job.unwrap()
+        return result
+
+    async def run_nowait(self, op: Callable[[Tx, Unpack[Ts]], T], *args: Unpack[Ts]) -> T:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if self._in_flight or self.inline_conn is None:
+            # The worker holds this process's write lock now: its batch ends soon.
+            return await self.run(op, *args)
+        result: T = _run_nowait(self.inline_conn, self.clock, op, args)
+        await trio.lowlevel.cancel_shielded_checkpoint()
+        return result
+
+    def _lone_caller(self) -> bool:
+        return (
+            self.inline_conn is not None
+            and not self._queue
+            and not self._in_flight
+            and trio.lowlevel.current_statistics().tasks_runnable == 0
+        )
+
+    def _count_inline_commit(self) -> None:
+        self.inline_runs += 1
+        self._inline_since_checkpoint += 1
+        if self._inline_since_checkpoint >= CHECKPOINT_EVERY:
+            self._inline_since_checkpoint = 0
+            self._checkpoint_due = True
+            self._work.set()
+
+    async def pump(self, scope: trio.CancelScope) -> None:
+        """Feed the worker: every operation queued during a hand-off joins the next one.
+
+        Runs in `scope`, shielded and cancelled only when the executor closes, so cleanup
+        that runs shielded while the runtime is cancelled from outside still reaches SQLite.
+        """
+        try:
+            with scope:
+                await self._pump_forever()
+        finally:
+            self._closed = True
+            for queued in self._queue:
+                queued.job.error = StoreError("the store executor closed before this ran")
+                queued.done.set()
+            self._queue.clear()
+
+    async def _pump_forever(self) -> None:
+        while True:
+            await self._work.wait()
+            self._work = trio.Event()
+            if self._checkpoint_due:
+                self._checkpoint_due = False
+                # In flight for the inline path too: a checkpoint racing new commits never
+                # copies every frame, and the WAL then cannot restart (it grew past 90 MB
+                # in a 100k-cycle run). Operations meanwhile queue for the worker and
+                # group-commit right after.
+                self._in_flight = True
+                try:
+                    await trio.to_thread.run_sync(checkpoint, self.conn, limiter=self._limiter)
+                finally:
+                    self._in_flight = False
+            batch, self._queue = self._queue, []
+            if not batch:
+                continue
+            for queued in batch:
+                queued.taken = True
+            jobs = [queued.job for queued in batch]
+            self.handoffs += 1
+            self._in_flight = True
+            try:
+                await trio.to_thread.run_sync(
+                    run_batch, self.conn, self.clock, jobs, limiter=self._limiter
+                )
+            finally:
+                self._in_flight = False
+                for queued in batch:
+                    queued.done.set()
+
+
+@asynccontextmanager
+async def open_thread_executor(
+    conn: sqlite3.Connection,
+    clock: Callable[[], float],
+    *,
+    inline_conn: sqlite3.Connection | None = None,
+) -> AsyncIterator[ThreadExecutor]:
+    """A `ThreadExecutor` whose pump lives in its own nursery, for the block's duration.
+
+    `inline_conn` (from `_store.connect_nonblocking`) enables the lone-caller fast path.
+    """
+    executor = ThreadExecutor(conn, clock, inline_conn=inline_conn)
+    pump_scope = trio.CancelScope(shield=True)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(executor.pump, pump_scope)
+        try:
+            yield executor
+        finally:
+            pump_scope.cancel()
+
+
+@attrs.frozen
+class SQLiteStore:
+    """An SQLite file, and how to reach it from trio (the embedded default, one host).
+
+    `inline=True` runs SQLite on the trio thread (deterministic tests with a virtual clock);
+    the default hands work to a thread and groups concurrent operations per hand-off.
+    """
+
+    path: str | os.PathLike[str]
+    inline: bool = False
+    # Test seam: wraps each connection the runtime opens, e.g. to raise
+    # sqlite3.OperationalError at a chosen statement (fault injection, counting).
+    wrap_connection: Callable[[sqlite3.Connection], Any] | None = attrs.field(
+        default=None, kw_only=True, repr=False
+    )
+
+    @asynccontextmanager
+    async def open_executor(
+        self, clock: Callable[[], float] | None
+    ) -> AsyncIterator[InlineExecutor | ThreadExecutor]:
+        # One host: the lease clock is the runtime's (wall clock unless a test passes one).
+        clock = clock or time.time
+        if self.inline:
+            conn = connect(self.path)
+            try:
+                yield InlineExecutor(self._wrapped(conn), clock)
+            finally:
+                conn.close()
+            return
+        conn = await trio.to_thread.run_sync(connect, self.path)
+        try:
+            inline_conn = connect_nonblocking(self.path)
+        except BaseException:
+            conn.close()
+            raise
+        try:
+            async with open_thread_executor(
+                self._wrapped(conn), clock, inline_conn=self._wrapped(inline_conn)
+            ) as executor:
+                yield executor
+        finally:
+            inline_conn.close()
+            conn.close()
+
+    def _wrapped(self, conn: sqlite3.Connection) -> sqlite3.Connection:
+        return conn if self.wrap_connection is None else self.wrap_connection(conn)
