@@ -28,7 +28,7 @@ from . import _codec, _store, _transcript
 from ._backend import Executor, StoreBackend
 from ._coordinator import Execution, SessionEntry
 from ._decisions import AcquireVerdict, RecoveryDecision
-from ._errors import DuplicateSettlement, LeaseLost, MalformedRecord, StoreError, UnknownToolCall
+from ._errors import DuplicateSettlement, LeaseLost, StoreError, UnknownToolCall
 from ._lease import LeaseKeeper, self_fence_deadline
 from ._model import (
     AssistantData,
@@ -39,6 +39,7 @@ from ._model import (
     RecoveryReport,
     RuntimeStatistics,
 )
+from ._recovery import Recovery, report_of
 from ._sqlite import SQLiteStore
 
 T = TypeVar("T")
@@ -127,8 +128,6 @@ class Runtime:
         self._lease_ms = int(config.lease * 1000)
         self._heartbeat_interval = config.heartbeat_interval
         self._recovery_interval = config.recovery_interval
-        self._recovery_batch = config.recovery_batch
-        self._max_resumes = config.max_resumes
         self._lease = config.lease
         self._lease_keeper = LeaseKeeper(
             executor,
@@ -139,12 +138,17 @@ class Runtime:
         )
         self._hook = config.acquisition_hook
         self._entries: dict[str, SessionEntry] = {}
-        self._recovery_lock = trio.Lock()
+        self._recovery = Recovery(
+            executor,
+            owner_id=config.owner_id,
+            lease_ms=self._lease_ms,
+            batch=config.recovery_batch,
+            max_resumes=config.max_resumes,
+        )
         self._closing = False
         self._crashed = False
         self._seams = Seams()
         self._drains_running = 0
-        self._recovery_totals = RecoveryReport()
         self._remote_signals = 0
 
     # -- public API ---------------------------------------------------------------------------
@@ -236,7 +240,7 @@ class Runtime:
             drains_running=self._drains_running,
             tasks=len(self._nursery.child_tasks),
             heartbeat_transactions=self._lease_keeper.transactions,
-            recovery=self._recovery_totals,
+            recovery=self._recovery.totals,
             remote_signals=self._remote_signals,
             store=self._db.statistics(),
         )
@@ -260,9 +264,9 @@ class Runtime:
         if self._drain is None or self._closing:
             await trio.lowlevel.checkpoint()
             return RecoveryReport()
-        async with self._recovery_lock:
+        async with self._recovery.lock:
             report = await self._recovery_pass()
-        self._recovery_totals = _sum_reports(self._recovery_totals, report)
+        self._recovery.record(report)
         return report
 
     async def release_quarantine(self, execution_id: str, *, resume: bool) -> None:
@@ -277,18 +281,14 @@ class Runtime:
             raise TypeError(f"execution_id must be a str, got {type(execution_id).__name__}")
         if not isinstance(resume, bool):
             raise TypeError(f"resume must be a bool, got {type(resume).__name__}")
-        async with self._recovery_lock:
+        async with self._recovery.lock:
             if not resume:
-                await self._db.run(_store.drop_quarantined, execution_id)
+                await self._recovery.drop_quarantine(execution_id)
                 return
-            candidate = await self._db.run(
-                _store.lift_quarantine, execution_id, self._owner_id, self._lease_ms
-            )
+            candidate = await self._recovery.lift_quarantine(execution_id)
             report = await self._apply_recovery([candidate])
             if report.quarantined:
-                rows = await self._db.run(_store.quarantined)
-                why = [r["recovery_error"] for r in rows if r["execution_id"] == execution_id]
-                raise MalformedRecord("session_message", execution_id, why or ["malformed"])
+                raise await self._recovery.quarantine_error(execution_id)
 
     # -- local registry -----------------------------------------------------------------------
 
@@ -614,23 +614,13 @@ class Runtime:
                 await self.recover_once()
 
     async def _recovery_pass(self) -> RecoveryReport:
-        candidates = await self._db.run(
-            _store.recovery_candidates,
-            self._owner_id,
-            self._recovery_batch,
-            list(self._entries),
+        scan = await self._recovery.scan(list(self._entries))
+        applied = await self._apply_recovery(scan.leased) if scan.leased else RecoveryReport()
+        report = attrs.evolve(
+            applied, examined=scan.examined, fence_lost=applied.fence_lost + scan.fence_lost
         )
-        expired = [c for c in candidates if c.execution_id is not None]
-        doorbells = [c for c in candidates if c.execution_id is None]
-        report = RecoveryReport(examined=len(candidates))
-        if expired:
-            leased = await self._db.run(
-                _store.take_recovery_leases, self._owner_id, self._lease_ms, expired
-            )
-            applied = await self._apply_recovery(leased)
-            report = _add(report, applied, fence_lost=len(expired) - len(leased))
         started = 0
-        for candidate in doorbells:
+        for candidate in scan.doorbells:
             if candidate.session_id not in self._entries and not self._closing:
                 self._ring(candidate.session_id)
                 started += 1
@@ -645,22 +635,13 @@ class Runtime:
             if candidate.session_id in self._entries:
                 continue  # became busy locally since the scan; its own claim rules apply
             entries.append((candidate, self._register(candidate.session_id)))
-        counts: dict[str, int] = {}
         resumed: list[SessionEntry] = []
         try:
             # Shielded: the takeover commit and the registration flips happen together.
             with trio.CancelScope(shield=True):
                 sent_at = trio.current_time()
-                results = await self._db.run(
-                    _store.apply_recovery_batch,
-                    self._owner_id,
-                    [(c, e.execution_id) for c, e in entries],
-                    self._lease_ms,
-                    self._max_resumes,
-                )
+                results = await self._recovery.apply([(c, e.execution_id) for c, e in entries])
                 for (_, entry), result in zip(entries, results, strict=True):
-                    key = _report_key(result)
-                    counts[key] = counts.get(key, 0) + 1
                     if result.decision is RecoveryDecision.RESUME and not result.fence_lost:
                         self._own(entry, attempt=result.attempt, resumed=True, sent_at=sent_at)
                         entry.keep_going()
@@ -675,7 +656,7 @@ class Runtime:
             if self._closing:
                 entry.interrupt("shutdown")
             self._nursery.start_soon(self._busy_period, entry)
-        return RecoveryReport(**{k: v for k, v in counts.items() if k != "ignored"})
+        return report_of(results)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -692,33 +673,6 @@ class Runtime:
                 await self._db.run_nowait(_store.expire_claims, self._owner_id, owned)
         while self._entries:
             await next(iter(self._entries.values())).released.wait()
-
-
-def _report_key(result: _store.Recovered) -> str:
-    if result.fence_lost:
-        return "fence_lost"
-    return {
-        RecoveryDecision.RESUME: "resumed",
-        RecoveryDecision.FINISH_CANCELLED: "finished_cancelled",
-        RecoveryDecision.DROP_SUPERSEDED: "dropped_superseded",
-        RecoveryDecision.QUARANTINE: "quarantined",
-        RecoveryDecision.EXHAUSTED: "exhausted",
-        RecoveryDecision.SKIP_LIVE: "skipped_live",
-        RecoveryDecision.GONE: "ignored",
-    }[result.decision]
-
-
-def _sum_reports(total: RecoveryReport, report: RecoveryReport) -> RecoveryReport:
-    return RecoveryReport(
-        **{
-            field.name: getattr(total, field.name) + getattr(report, field.name)
-            for field in attrs.fields(RecoveryReport)
-        }
-    )
-
-
-def _add(report: RecoveryReport, other: RecoveryReport, *, fence_lost: int) -> RecoveryReport:
-    return attrs.evolve(other, examined=report.examined, fence_lost=other.fence_lost + fence_lost)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,111 @@
+"""Recovery's conversation with the store: scan, recovery leases, decisions applied, reports.
+
+A pass examines at most `batch` candidates, oldest first: expired claims, then unclaimed
+doorbells, one shared budget. Quarantined executions, executions under another owner's live
+recovery lease and sessions this runtime holds are excluded in SQL, so poison rows never use
+up the budget (300 poison rows cost three passes; row 301 progresses on the fourth).
+
+This module knows nothing of the local registry: the runtime registers the prospective
+claims before `apply` and starts the resumed drains after it (the claim handoff stays in one
+place, `_runtime.py`). Passes never overlap: the runtime holds `lock` around each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import trio
+
+from . import _store
+from ._backend import Executor
+from ._decisions import RecoveryDecision
+from ._errors import MalformedRecord
+from ._model import RecoveryReport
+from ._store import Candidate, Recovered
+
+_REPORT_KEYS = {
+    RecoveryDecision.RESUME: "resumed",
+    RecoveryDecision.FINISH_CANCELLED: "finished_cancelled",
+    RecoveryDecision.DROP_SUPERSEDED: "dropped_superseded",
+    RecoveryDecision.QUARANTINE: "quarantined",
+    RecoveryDecision.EXHAUSTED: "exhausted",
+    RecoveryDecision.SKIP_LIVE: "skipped_live",
+}
+
+
+@attrs.frozen
+class Scan:
+    """One pass's candidates: expired claims whose recovery lease we took, and doorbells."""
+
+    examined: int
+    leased: list[Candidate]
+    fence_lost: int
+    doorbells: list[Candidate]
+
+
+class Recovery:
+    """The store side of recovery for one runtime."""
+
+    def __init__(
+        self, executor: Executor, *, owner_id: str, lease_ms: int, batch: int, max_resumes: int
+    ) -> None:
+        self._db = executor
+        self._owner_id = owner_id
+        self._lease_ms = lease_ms
+        self._batch = batch
+        self._max_resumes = max_resumes
+        self.lock = trio.Lock()
+        self.totals = RecoveryReport()
+
+    async def scan(self, local_sessions: Sequence[str]) -> Scan:
+        """Find candidates and take a recovery lease on each expired claim."""
+        candidates = await self._db.run(
+            _store.recovery_candidates, self._owner_id, self._batch, list(local_sessions)
+        )
+        expired = [c for c in candidates if c.execution_id is not None]
+        doorbells = [c for c in candidates if c.execution_id is None]
+        leased = []
+        if expired:
+            leased = await self._db.run(
+                _store.take_recovery_leases, self._owner_id, self._lease_ms, expired
+            )
+        return Scan(len(candidates), leased, len(expired) - len(leased), doorbells)
+
+    async def apply(self, items: list[tuple[Candidate, str]]) -> list[Recovered]:
+        """Decide and act on each (leased candidate, new execution id) in one transaction."""
+        return await self._db.run(
+            _store.apply_recovery_batch, self._owner_id, items, self._lease_ms, self._max_resumes
+        )
+
+    async def lift_quarantine(self, execution_id: str) -> Candidate:
+        return await self._db.run(
+            _store.lift_quarantine, execution_id, self._owner_id, self._lease_ms
+        )
+
+    async def drop_quarantine(self, execution_id: str) -> None:
+        await self._db.run(_store.drop_quarantined, execution_id)
+
+    async def quarantine_error(self, execution_id: str) -> MalformedRecord:
+        """The `MalformedRecord` an operator sees for a row quarantined again."""
+        rows = await self._db.run(_store.quarantined)
+        why = [r["recovery_error"] for r in rows if r["execution_id"] == execution_id]
+        return MalformedRecord("session_message", execution_id, why or ["malformed"])
+
+    def record(self, report: RecoveryReport) -> None:
+        self.totals = RecoveryReport(
+            **{
+                field.name: getattr(self.totals, field.name) + getattr(report, field.name)
+                for field in attrs.fields(RecoveryReport)
+            }
+        )
+
+
+def report_of(results: Sequence[Recovered]) -> RecoveryReport:
+    """Count what applying recovery did (a replaced claim, GONE, counts nothing)."""
+    counts: dict[str, int] = {}
+    for result in results:
+        key = "fence_lost" if result.fence_lost else _REPORT_KEYS.get(result.decision)
+        if key is not None:
+            counts[key] = counts.get(key, 0) + 1
+    return RecoveryReport(**counts)
