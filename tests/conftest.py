@@ -12,23 +12,55 @@
 
 from __future__ import annotations
 
-import sqlite3
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+import backends
 import pytest
 import trio
+from backends import PgLocation
 
-from trio_sessions import Store, testing
+from trio_sessions import testing
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Every test that takes `store` is a contract test: it runs on both backends."""
+    parametrized = {
+        name.strip()
+        for marker in metafunc.definition.iter_markers("parametrize")
+        for name in (
+            marker.args[0].split(",") if isinstance(marker.args[0], str) else marker.args[0]
+        )
+    }
+    if (
+        "store" in metafunc.fixturenames
+        and "store" not in parametrized
+        and metafunc.definition.get_closest_marker("sqlite_only") is None
+    ):
+        metafunc.parametrize("backend", ["sqlite", "postgres"], indirect=True)
 
 
 @pytest.fixture
-def db_path(tmp_path: Path) -> Path:
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(getattr(request, "param", "sqlite"))
+
+
+@pytest.fixture
+def db_path(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> Any:
+    """Where the test's data lives: an SQLite file, or a fresh PostgreSQL schema."""
+    if backend == "postgres":
+        return PgLocation(request.getfixturevalue("pg_url"), request.getfixturevalue("pg_schema"))
     return tmp_path / "sessions.db"
 
 
 @pytest.fixture
-def store(db_path: Path) -> Store:
+def store(db_path: Any) -> Any:
+    """The contract tests' store: inline (deterministic under the virtual clock)."""
+    if isinstance(db_path, PgLocation):
+        from trio_sessions._postgres import PostgresStore
+
+        return PostgresStore(db_path.url, schema=db_path.schema, inline=True)
     return testing.inline_store(db_path)
 
 
@@ -46,10 +78,36 @@ def clock(autojump_clock: trio.testing.MockClock) -> Callable[[], float]:
     return now
 
 
-def query(db_path: Path, sql: str, params: tuple[object, ...] = ()) -> list[tuple[object, ...]]:
+def query(db_path: Any, sql: str, params: tuple[object, ...] = ()) -> list[tuple[object, ...]]:
     """Read the database as an operator would, on a separate connection."""
-    conn = sqlite3.connect(db_path)
-    try:
-        return conn.execute(sql, params).fetchall()
-    finally:
-        conn.close()
+    return backends.rows(db_path, sql, params)
+
+
+# ---------------------------------------------------------------------------------------------
+# PostgreSQL: one throwaway server per test session (or TRIO_SESSIONS_PG_URL), a fresh schema
+# per test. Imported lazily, so SQLite-only runs never touch psycopg.
+
+
+@pytest.fixture(scope="session")
+def pg_url() -> Iterator[str]:
+    """A PostgreSQL URL for the whole session; the server fails loudly if it cannot start."""
+    from pg_server import postgres_url
+
+    with postgres_url() as url:
+        yield url
+
+
+@pytest.fixture
+def pg_schema(pg_url: str) -> Iterator[str]:
+    """A fresh, empty schema (unique name), dropped with everything in it after the test."""
+    import uuid
+
+    import psycopg
+    from psycopg import sql
+
+    name = f"test_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(name)))
+    yield name
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(name)))

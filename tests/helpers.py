@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any
 
 import attrs
+import backends
 import trio
 
 import trio_sessions
@@ -58,30 +57,20 @@ class Recorder:
 
 
 class Raw:
-    """Direct SQL on the database file, as a test or an operator would do it."""
+    """Direct SQL on the database (SQLite file or PostgreSQL schema), as an operator would."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: backends.Location) -> None:
         self.path = path
 
     def rows(self, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-        conn = sqlite3.connect(self.path)
-        try:
-            return conn.execute(sql, params).fetchall()
-        finally:
-            conn.close()
+        return backends.rows(self.path, sql, params)
 
     def one(self, sql: str, params: tuple[Any, ...] = ()) -> Any:
         rows = self.rows(sql, params)
         return rows[0] if rows else None
 
     def write(self, sql: str, params: tuple[Any, ...] = ()) -> None:
-        conn = sqlite3.connect(self.path)
-        try:
-            with conn:
-                conn.execute("PRAGMA foreign_keys = ON")
-                conn.execute(sql, params)
-        finally:
-            conn.close()
+        backends.write(self.path, sql, params)
 
     def claim(self, session_id: str) -> Any:
         return self.one(

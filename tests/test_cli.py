@@ -157,6 +157,145 @@ def test_listings_do_not_modify_the_database(
     assert sorted(p.name for p in seeded.parent.iterdir()) == ["seeded.db"]
 
 
+@pytest.mark.parametrize(
+    ("state", "expected"),
+    [
+        ("idle", ["idle"]),
+        ("woken", ["pending"]),
+        ("active", ["live"]),
+        ("expired", ["expired", "poison"]),
+        ("quarantined", ["poison"]),
+    ],
+)
+def test_status_state_filter_keeps_only_sessions_in_that_state(
+    seeded: Path, capsys: pytest.CaptureFixture[str], state: str, expected: list[str]
+) -> None:
+    """`--state` lists the matching sessions; the summary still counts the whole database."""
+    status = cli_json(capsys, "status", str(seeded), "--state", state)
+    assert [s["id"] for s in status["sessions"]] == expected
+    assert status["matched"] == len(expected)
+    assert status["summary"]["sessions"] == 5
+    code, out, _ = cli(capsys, "status", str(seeded), "--state", state)
+    assert code == 0
+    assert f"showing {len(expected)} of {len(expected)} matching sessions" in out
+    assert [line.split()[0] for line in out.splitlines()[4:]] == expected
+
+
+def test_status_session_filter_and_limit(seeded: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--session` (repeatable) picks sessions by id; `--limit` keeps the first N in id order
+    and `matched` says how many there were before it."""
+    picked = cli_json(capsys, "status", str(seeded), "--session", "live", "--session", "idle")
+    assert [s["id"] for s in picked["sessions"]] == ["idle", "live"]
+    assert picked["sessions"][1]["claim"]["owner_id"] == "owner-live"
+    limited = cli_json(capsys, "status", str(seeded), "--limit", "2")
+    assert [s["id"] for s in limited["sessions"]] == ["expired", "idle"]
+    assert limited["matched"] == 5
+    both = cli_json(capsys, "status", str(seeded), "--state", "expired", "--session", "idle")
+    assert (both["sessions"], both["matched"]) == ([], 0)
+    code, out, _ = cli(capsys, "status", str(seeded), "--session", "nobody")
+    assert code == 0
+    assert out.splitlines()[1:] == ["showing 0 of 0 matching sessions"]
+
+
+@pytest.mark.parametrize("flags", [["--limit", "0"], ["--limit", "x"], ["--state", "busy"]])
+def test_status_refuses_bad_filters_as_usage_errors(
+    seeded: Path, capsys: pytest.CaptureFixture[str], flags: list[str]
+) -> None:
+    """A non-positive limit or an unknown state is a usage error (exit 2)."""
+    with pytest.raises(SystemExit) as exit_info:
+        _cli.main(["status", str(seeded), *flags])
+    assert exit_info.value.code == 2
+    assert "usage:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("command", "flags"),
+    [
+        (["status"], []),
+        (["status"], ["--state", "active", "--limit", "1"]),
+        (["quarantine", "list"], []),
+        (["health"], []),
+    ],
+    ids=["status", "status filtered", "quarantine list", "health"],
+)
+def test_every_listing_prints_one_json_document_with_json(
+    seeded: Path, capsys: pytest.CaptureFixture[str], command: list[str], flags: list[str]
+) -> None:
+    """With `--json`, stdout is exactly one JSON document and nothing goes to stderr."""
+    code, out, err = cli(capsys, *command, str(seeded), *flags, "--json")
+    assert (code, err) == (0, "")
+    json.loads(out)  # raises on trailing text or a second document
+
+
+# ---------------------------------------------------------------------------------------------
+# health
+
+
+def test_health_of_a_current_database_exits_0(
+    seeded: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`health` on a database with the current schema: exit 0, one line, file untouched."""
+    before = digest(seeded)
+    code, out, err = cli(capsys, "health", str(seeded))
+    assert (code, err) == (0, "")
+    assert out == f"ok: {seeded} (schema version {_sqlite.SCHEMA_VERSION})\n"
+    assert cli_json(capsys, "health", str(seeded)) == {
+        "ok": True,
+        "db": str(seeded),
+        "schema_version": _sqlite.SCHEMA_VERSION,
+        "expected_schema_version": _sqlite.SCHEMA_VERSION,
+        "reason": None,
+    }
+    assert digest(seeded) == before
+    assert sorted(p.name for p in seeded.parent.iterdir()) == ["seeded.db"]
+
+
+def _set_version(path: Path, version: int) -> None:
+    conn = sqlite3.connect(path)
+    conn.execute(f"PRAGMA user_version = {version}")
+    conn.close()
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        ("missing", "no database at"),
+        ("not sqlite", "is not an SQLite database"),
+        ("older schema", f"schema version 0 is not the current {_sqlite.SCHEMA_VERSION}"),
+        ("newer schema", "is newer than this trio_sessions understands"),
+    ],
+)
+def test_health_fails_with_a_one_line_reason(
+    seeded: Path, capsys: pytest.CaptureFixture[str], damage: str, reason: str
+) -> None:
+    """`health` exits 1 with one line saying why: missing file, not SQLite, an old schema
+    (not yet migrated) or a newer one; and it never creates or migrates the file."""
+    path = seeded
+    if damage == "missing":
+        path = seeded.parent / "missing.db"
+    elif damage == "not sqlite":
+        seeded.write_text("not a database\n" * 100)
+    else:
+        _set_version(seeded, 0 if damage == "older schema" else _sqlite.SCHEMA_VERSION + 1)
+    code, out, err = cli(capsys, "health", str(path))
+    assert (code, out) == (1, "")
+    assert err.startswith("unhealthy: ")
+    assert reason in err
+    assert err.count("\n") == 1
+    health = cli_json_failing(capsys, "health", str(path))
+    assert health["ok"] is False
+    assert reason in health["reason"]
+    assert not (seeded.parent / "missing.db").exists()
+    if damage == "older schema":
+        assert query(seeded, "PRAGMA user_version") == [(0,)]
+
+
+def cli_json_failing(capsys: pytest.CaptureFixture[str], *argv: str) -> Any:
+    code, out, _ = cli(capsys, *argv, "--json")
+    assert code == 1
+    return json.loads(out)
+
+
 # ---------------------------------------------------------------------------------------------
 # quarantine
 
@@ -357,3 +496,41 @@ def test_python_dash_m_runs_the_cli(seeded: Path) -> None:
     )
     assert usage.returncode == 2
     assert "usage: python -m trio_sessions" in usage.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Rejected inputs
+
+
+def test_inputs_list_and_drop_a_rejected_input(
+    seeded: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`inputs list` shows an input set aside as malformed (session, payload, reason), filtered
+    by --session; `inputs drop` deletes it; an unknown id exits 1 and changes nothing."""
+    conn = _sqlite.connect(seeded)
+    try:
+        now = time.time()
+        _op(conn, now, _store.submit, "badin", '{"n": 1}', "in-ok")
+        _op(conn, now, _store.submit, "badin", "[1]", "in-bad")
+        _op(conn, now, _store.acquire, "badin", "exec-badin", "owner-a", 60_000)
+        taken = _op(conn, now, _store.take_inputs, "exec-badin", "owner-a")
+        assert [i.id for i in taken] == ["in-ok"]
+        _op(conn, now, _store.finish_iteration, "exec-badin", "owner-a")
+    finally:
+        conn.close()
+    rows = cli_json(capsys, "inputs", "list", str(seeded))
+    assert [(r["id"], r["session_id"], r["payload"]) for r in rows] == [("in-bad", "badin", "[1]")]
+    assert "JSON object" in rows[0]["reason"]
+    assert cli_json(capsys, "inputs", "list", str(seeded), "--session", "other") == []
+    code, out, _ = cli(capsys, "inputs", "list", str(seeded))
+    assert code == 0
+    assert "in-bad" in out and "badin" in out
+    before = digest(seeded)
+    code, _, err = cli(capsys, "inputs", "drop", str(seeded), "no-such-input")
+    assert code == 1
+    assert "'no-such-input' is not a rejected input" in err
+    assert digest(seeded) == before
+    result = cli_json(capsys, "inputs", "drop", str(seeded), "in-bad")
+    assert result == {"input_id": "in-bad", "session_id": "badin", "action": "drop"}
+    assert query(seeded, "SELECT * FROM session_input_rejected") == []
+    assert cli_json(capsys, "inputs", "list", str(seeded)) == []

@@ -845,7 +845,7 @@ async def test_shutdown_expire_fault_leaves_a_claim_that_recovery_resumes(
     path = tmp_path / "db"
     faults = Faults(path)
     claim = await hold_and_close(
-        path, clock, faults, lambda: faults.arm_matching("SET expires_at = :now WHERE", message)
+        path, clock, faults, lambda: faults.arm_matching("SET expires_at = :now", message)
     )
     assert faults.fired
     assert rows(path, "SELECT id, phase, expires_at FROM session_execution") == claim
@@ -1031,3 +1031,59 @@ async def test_group_commit_fault_fails_no_caller_silently(tmp_path: Path, rollb
             assert len(failed) == 1  # a savepoint undoes only its own job
         await runtime.submit("after", {"n": 0})
         await runtime.wait_idle("after")
+
+
+class FailingCheckpoints:
+    """Fails the first `failures` WAL checkpoints with "disk I/O error"; counts the rest."""
+
+    def __init__(self, failures: int) -> None:
+        self.failures = failures
+        self.failed = 0
+        self.succeeded = 0
+
+    def wrap(self, conn: sqlite3.Connection) -> FailingCheckpointConnection:
+        return FailingCheckpointConnection(conn, self)
+
+
+class FailingCheckpointConnection:
+    def __init__(self, conn: sqlite3.Connection, plan: FailingCheckpoints) -> None:
+        self._conn = conn
+        self._plan = plan
+
+    def execute(self, sql: str, params: Any = ()) -> sqlite3.Cursor:
+        if "wal_checkpoint" in sql:
+            if self._plan.failed < self._plan.failures:
+                self._plan.failed += 1
+                raise sqlite3.OperationalError("disk I/O error")
+            self._plan.succeeded += 1
+        return self._conn.execute(sql, params)
+
+    @property
+    def in_transaction(self) -> bool:
+        return self._conn.in_transaction
+
+
+async def test_failed_checkpoint_is_logged_and_retried_while_the_runtime_serves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A WAL checkpoint failing with "disk I/O error" is logged ("checkpoint failed") and
+    retried later; every submit around it stays durable and the runtime keeps serving."""
+    monkeypatch.setattr(_sqlite, "CHECKPOINT_EVERY", 2)
+    plan = FailingCheckpoints(failures=2)
+    path = tmp_path / "db"
+    caplog.set_level("WARNING", logger="trio_sessions")
+    submitted = 0
+    with trio.fail_after(20):
+        async with trio_sessions.open_runtime(
+            trio_sessions.Store(path, wrap_connection=plan.wrap), None
+        ) as producer:
+            while plan.succeeded == 0:
+                await producer.submit(f"s{submitted}", {"n": submitted})
+                submitted += 1
+                await trio.sleep(0.001)  # lets the executor's pump run a due checkpoint
+            await producer.submit("after", {"n": -1})
+    assert plan.failed == 2
+    assert len(rows(path, "SELECT id FROM session_input")) == submitted + 1
+    failures = [r for r in caplog.records if r.getMessage() == "checkpoint failed"]
+    assert len(failures) == 2
+    assert all("disk I/O error" in str(r.error) for r in failures)  # type: ignore[attr-defined]

@@ -74,6 +74,7 @@ class ClaimModel:
     phase: str
     expires_at: int
     anchor_seq: int | None
+    handed_back: bool = False  # by a graceful shutdown: resumed without counting
 
 
 @attrs.define
@@ -149,6 +150,7 @@ class ProtocolModel(RuleBasedStateMachine):
         self.expired_at_seen: dict[str, int] = {}
         self.quarantined: set[str] = set()
         self.all_inputs: dict[str, str] = {}  # input id -> session id
+        self.payloads: dict[str, str] = {}  # input id -> payload as submitted
 
     # -- plumbing -----------------------------------------------------------------------------
 
@@ -258,6 +260,7 @@ class ProtocolModel(RuleBasedStateMachine):
         payload = _codec.dumps({"n": self.counter})
         assert self.op(_store.submit, session_id, payload, input_id) == input_id
         self.all_inputs[input_id] = session_id
+        self.payloads[input_id] = payload
         session = self.sessions.get(session_id)
         if session is None:
             session = self.sessions[session_id] = SessionModel(time_woken=None)
@@ -269,14 +272,18 @@ class ProtocolModel(RuleBasedStateMachine):
     @precondition(lambda self: self.all_inputs)
     @rule(pick=st.integers(0, 1_000), session_id=st.sampled_from(SESSIONS))
     def resubmit(self, pick: int, session_id: str) -> None:
-        """Same id, same session: idempotent (also once taken); another session: conflict."""
+        """Same id, session and payload: idempotent (also once taken); another session or
+        another payload: conflict."""
         self.step()
         input_id = sorted(self.all_inputs)[pick % len(self.all_inputs)]
+        payload = self.payloads[input_id]
         if self.all_inputs[input_id] == session_id:
-            assert self.op(_store.submit, session_id, "{}", input_id) == input_id
-        else:
+            assert self.op(_store.submit, session_id, payload, input_id) == input_id
             with pytest.raises(InputConflict):
                 self.op(_store.submit, session_id, "{}", input_id)
+        else:
+            with pytest.raises(InputConflict):
+                self.op(_store.submit, session_id, payload, input_id)
 
     # -- acquire and heartbeat ----------------------------------------------------------------
 
@@ -336,6 +343,7 @@ class ProtocolModel(RuleBasedStateMachine):
             )
             assert stored == input_id
             self.all_inputs[input_id] = session_id
+            self.payloads[input_id] = payload
         else:
             _, result = self.op(
                 _store.wake_and_acquire, session_id, execution_id, owner.owner_id, LEASE_MS
@@ -488,13 +496,14 @@ class ProtocolModel(RuleBasedStateMachine):
             with pytest.raises(type(exc)):
                 self.op(_store.update_assistant, *args)
             return
-        assert self.op(_store.update_assistant, *args) == expected
+        assert self.op(_store.update_assistant, *args)[0] == expected
         message.data = expected
 
     @precondition(lambda self: any(o.held for o in self.owners))
     @rule(slot=st.integers(0, 2), pick=st.integers(0, 100))
     def finish_iteration(self, slot: int, pick: int) -> None:
-        """A set doorbell continues the claim; otherwise it is released."""
+        """A set doorbell continues the claim; otherwise it is released. Either way the
+        drain's open messages are finished ('interrupted')."""
         self.step()
         owner = self.owners[slot]
         if not owner.held:
@@ -505,6 +514,7 @@ class ProtocolModel(RuleBasedStateMachine):
                 self.op(_store.finish_iteration, execution_id, owner.owner_id)
             return
         continued = self.op(_store.finish_iteration, execution_id, owner.owner_id)
+        self.close_open_messages(execution_id, INTERRUPTED)
         session = self.sessions[session_id]
         assert continued == (session.time_woken is not None)
         if continued:
@@ -607,6 +617,7 @@ class ProtocolModel(RuleBasedStateMachine):
             if self.live(claim, execution_id, owner.owner_id):
                 assert claim is not None
                 claim.expires_at = self.now
+                claim.handed_back = True
                 expected += 1
         assert expired == expected
         self.owners[slot] = OwnerModel(self._new_owner_id(OWNER_SLOTS[slot]))
@@ -782,7 +793,7 @@ class ProtocolModel(RuleBasedStateMachine):
             row.error = "malformed"
             self.quarantined.add(execution_id)
             return RecoveryDecision.QUARANTINE, False
-        if session.wake_attempts >= MAX_RESUMES:
+        if not claim.handed_back and session.wake_attempts >= MAX_RESUMES:
             self.close_open_messages(execution_id, BUDGET_EXHAUSTED)
             self.end_claim(session_id)
             session.wake_attempts = 0
@@ -798,7 +809,8 @@ class ProtocolModel(RuleBasedStateMachine):
             self.now + LEASE_MS,
             self.newest_seq(session_id),
         )
-        session.wake_attempts += 1
+        if not claim.handed_back:
+            session.wake_attempts += 1
         session.time_woken = None
         session.wakes = 0
         del self.recovery_rows[execution_id]
@@ -872,6 +884,16 @@ class ProtocolModel(RuleBasedStateMachine):
         session = self.sessions[row.session_id]
         if not resume:
             self.op(_store.drop_quarantined, execution_id)
+            # Its malformed messages are set aside: the transcript reads again.
+            self.messages[row.session_id] = [
+                m
+                for m in self.messages[row.session_id]
+                if not (
+                    m.execution_id == execution_id
+                    and m.role == "assistant"
+                    and not isinstance(m.data, AssistantData)
+                )
+            ]
             self.close_open_messages(execution_id, OWNER_LOST)
             if session.claim is not None and session.claim.execution_id == execution_id:
                 self.end_claim(row.session_id)

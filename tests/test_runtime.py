@@ -7,7 +7,7 @@ the reference coordinator suite (reference-design.md §6.1), adapted to our sema
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -647,6 +647,7 @@ async def test_cross_process_wake_before_finish_is_drained(
     assert len(drain.calls) == 2
 
 
+@pytest.mark.sqlite_only  # the SQLite connection seam forces the interleaving
 async def test_cross_process_wake_after_finish_is_drained(
     db_path: Path, store: Store, clock: Clock, autojump_clock: MockClock
 ) -> None:
@@ -941,4 +942,144 @@ async def test_outer_cancellation_never_undoes_an_accepted_interrupt(
     async with runtime(store, later, clock, lease=10.0) as rt:
         await trio.sleep(11)  # past the lease: recovery has examined the claim
     assert later.calls == []
+    assert Raw(db_path).claim("s") is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 14: what a returned drain leaves, its stale context, waiting on itself, restarts
+
+
+async def test_open_messages_are_finished_when_a_drain_returns(
+    store: Store, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """A drain that returns without finish(): its message is finished and its running tool
+    failed ('interrupted') before the next coalesced iteration and after the release."""
+    seen: list[list[Any]] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        seen.append([(m.role, m.data) for m in await ctx.transcript()])
+        if len(seen) <= 2:
+            writer = await ctx.begin_assistant()
+            await writer.start_tool(f"c{len(seen)}", "search", {})
+        if len(seen) == 1:
+            await rt.wake("s")  # one more iteration of the same claim
+
+    async with runtime(store, drain, clock) as rt:
+        assert await rt.run("s") == Outcome("succeeded")
+        messages = await rt.transcript("s")
+    assert len(seen) == 2
+    [(role, data)] = seen[1]
+    assert (role, data.finished, data.error) == ("assistant", True, "interrupted")
+    for message in messages:
+        assert (message.data.finished, message.data.error) == (True, "interrupted")
+        [part] = message.data.parts
+        assert (part.status, part.error) == ("error", "interrupted")
+
+
+async def test_run_or_wait_idle_from_a_drain_on_its_own_session_raises(
+    store: Store, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """run() and wait_idle() called from a drain (or its child task) on its own session raise
+    RuntimeError at once instead of waiting for themselves; other sessions still work."""
+    errors: list[BaseException] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        if ctx.session_id != "s":
+            return
+        with trio.fail_after(1):
+            for call in (rt.run, rt.wait_idle):
+                try:
+                    await call("s")
+                except RuntimeError as exc:
+                    errors.append(exc)
+            async with trio.open_nursery() as nursery:
+
+                async def child() -> None:
+                    try:
+                        await rt.run("s")
+                    except RuntimeError as exc:
+                        errors.append(exc)
+
+                nursery.start_soon(child)
+            assert await rt.run("other") == Outcome("succeeded")
+
+    async with runtime(store, drain, clock) as rt:
+        assert await rt.run("s") == Outcome("succeeded")
+    assert len(errors) == 3
+    assert all("own session" in str(e) for e in errors)
+
+
+async def test_a_context_used_after_its_drain_returned_raises_lease_lost(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """A DrainContext (and its writers) used after its drain returned raises LeaseLost for
+    every call, also during the next coalesced iteration of the same claim, writing nothing."""
+    stale: list[Any] = []
+    errors: dict[str, BaseException] = {}
+
+    async def drain(ctx: DrainContext) -> None:
+        if not stale:
+            writer = await ctx.begin_assistant()
+            await writer.start_tool("c1", "search", {})
+            stale.extend([ctx, writer])
+            await rt.wake("s")
+            return
+        old_ctx, old_writer = stale
+        assert old_ctx.execution_id == ctx.execution_id  # the same claim, next iteration
+        calls: dict[str, Callable[[], Awaitable[object]]] = {
+            "take_inputs": lambda: old_ctx.take_inputs(),
+            "begin_assistant": lambda: old_ctx.begin_assistant(),
+            "transcript": lambda: old_ctx.transcript(),
+            "append_text": lambda: old_writer.append_text("late"),
+            "start_tool": lambda: old_writer.start_tool("c2", "late", {}),
+            "settle_tool": lambda: old_writer.settle_tool("c1", 1),
+            "fail_tool": lambda: old_writer.fail_tool("c1", "late"),
+            "finish": lambda: old_writer.finish(),
+        }
+        before = Raw(db_path).rows("SELECT id, seq, data FROM session_message ORDER BY seq")
+        for name, call in calls.items():
+            try:
+                await call()
+            except LeaseLost as exc:
+                errors[name] = exc
+        assert Raw(db_path).rows("SELECT id, seq, data FROM session_message ORDER BY seq") == (
+            before
+        )
+
+    async with runtime(store, drain, clock) as rt:
+        assert await rt.run("s") == Outcome("succeeded")
+        with pytest.raises(LeaseLost):
+            await stale[0].take_inputs()
+    assert sorted(errors) == sorted(
+        [
+            "take_inputs",
+            "begin_assistant",
+            "transcript",
+            "append_text",
+            "start_tool",
+            "settle_tool",
+            "fail_tool",
+            "finish",
+        ]
+    )
+
+
+async def test_graceful_restarts_do_not_use_up_the_resume_budget(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """Rolling restarts: a claim handed back at shutdown is resumed by the next runtime every
+    time, with max_resumes=1, and wake_attempts stays 0."""
+    drain = Recorder()
+    for restart in range(3):
+        drain.hold()
+        async with runtime(store, drain, clock, max_resumes=1) as rt:
+            if restart == 0:
+                await rt.wake("s")
+            await drain.entered.wait()
+            assert (drain.calls[-1].resumed, drain.calls[-1].attempt) == (restart > 0, 0)
+        assert Raw(db_path).one("SELECT wake_attempts FROM session WHERE id = 's'") == (0,)
+    drain.gate = None
+    async with runtime(store, drain, clock, max_resumes=1) as rt:
+        await rt.wait_idle("s")
+    assert [c.resumed for c in drain.calls] == [False, True, True, True]
     assert Raw(db_path).claim("s") is None

@@ -372,11 +372,11 @@ def test_submit_stores_input_and_rings(db: Db) -> None:
 
 
 def test_submit_is_idempotent_by_input_id(db: Db) -> None:
-    """The same input id for the same session returns the id and writes nothing."""
+    """The same input id and payload for the same session returns the id, writes nothing."""
     db.run(_store.submit, "s", '{"n": 1}', "in-1")
     before = db.snapshot()
     db.now += 5000
-    assert db.run(_store.submit, "s", '{"n": "different"}', "in-1") == "in-1"
+    assert db.run(_store.submit, "s", '{"n": 1}', "in-1") == "in-1"
     assert db.snapshot() == before
 
 
@@ -508,7 +508,7 @@ def test_finish_failed_closes_message_and_does_not_rearm(db: Db) -> None:
     """finish_failed fails the open message and its running tools, deletes the claim, resets
     attempts, and leaves untaken inputs without re-arming the doorbell."""
     execution = busy_claim(db)
-    db.run(_store.finish_iteration, execution, "owner-a")  # takes the doorbell, continues
+    db.conn.execute("UPDATE session SET time_woken = NULL, wakes = 0")  # taken mid-drain
     db.conn.execute("UPDATE session SET wake_attempts = 2")
     assert db.run(_store.finish_failed, execution, "owner-a", "failed: boom") is False
     assert db.claim_row() is None
@@ -594,13 +594,14 @@ def test_begin_and_update_assistant(db: Db) -> None:
         ("assistant", 2, execution)
     ]
     assert db.message("m-1") == _transcript.EMPTY
-    result = db.run(
+    result, version = db.run(
         _store.update_assistant,
         execution,
         "owner-a",
         "m-1",
         lambda d: _transcript.append_text(d, "hi"),
     )
+    assert version == 1
     assert result == db.message("m-1") == _transcript.append_text(_transcript.EMPTY, "hi")
 
 
@@ -1127,7 +1128,7 @@ def test_recovery_exhausted_budget_fails_without_rearming(db: Db) -> None:
     """wake_attempts >= max_resumes finishes as failed ('resume budget exhausted'), resets the
     attempts and does not re-arm the doorbell for the pending input."""
     execution = busy_claim(db)
-    db.run(_store.finish_iteration, execution, "owner-a")  # doorbell taken
+    db.conn.execute("UPDATE session SET time_woken = NULL, wakes = 0")  # taken mid-drain
     db.conn.execute("UPDATE session SET wake_attempts = 3")
     db.expire()
     recovered = recover(db, execution, max_resumes=3)
@@ -1228,3 +1229,152 @@ def test_group_commit_survives_sqlite_rolling_back_on_its_own(tmp_path: Path) ->
     assert conn.execute("SELECT id FROM session").fetchall() == []
     assert not conn.in_transaction
     conn.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 14: set-aside records, handed-back claims, input conflicts, schema version 2
+
+
+def test_submit_same_id_different_payload_conflicts(db: Db) -> None:
+    """The same input id with another payload raises InputConflict, pending or taken; the same
+    payload (any key order or spacing) stays idempotent."""
+    db.run(_store.submit, "s", '{"a": 1, "b": [2]}', "in-1")
+    db.run(_store.submit, "s", '{"n": 2}', "in-2")
+    execution = db.claim()
+    db.run(_store.submit, "s", '{"n": 3}', "in-3")
+    db.run(_store.take_inputs, execution, "owner-a")
+    db.run(_store.submit, "s", '{"n": 4}', "in-4")
+    before = db.snapshot()
+    for input_id, payload in (("in-1", '{"a": 1, "b": [2, 3]}'), ("in-4", '{"n": 4.0}')):
+        with pytest.raises(InputConflict, match=input_id):
+            db.run(_store.submit, "s", payload, input_id)
+    assert db.run(_store.submit, "s", '{"b":[2],"a":1}', "in-1") == "in-1"
+    assert db.run(_store.submit, "s", '{"n":4}', "in-4") == "in-4"
+    assert db.snapshot() == before
+
+
+def test_take_inputs_sets_a_malformed_input_aside(db: Db) -> None:
+    """An input that is not a JSON object moves to session_input_rejected with its reason;
+    the valid inputs around it are delivered in order and nothing stays pending."""
+    db.run(_store.submit, "s", '{"n": 1}', "in-1")
+    db.run(_store.submit, "s", "[1]", "in-bad")
+    db.run(_store.submit, "s", '{"n": 3}', "in-3")
+    execution = db.claim()
+    taken = db.run(_store.take_inputs, execution, "owner-a")
+    assert [(i.id, i.payload) for i in taken] == [("in-1", {"n": 1}), ("in-3", {"n": 3})]
+    assert db.rows("SELECT * FROM session_input") == []
+    [(input_id, session_id, seq, payload, reason, created)] = db.rows(
+        "SELECT id, session_id, seq, payload, reason, time_created FROM session_input_rejected"
+    )
+    assert (input_id, session_id, seq, payload, created) == ("in-bad", "s", 2, "[1]", NOW)
+    assert "in-bad" in reason and "JSON object" in reason
+    assert db.rows("SELECT input_id, seq FROM session_message ORDER BY seq") == [
+        ("in-1", 1),
+        ("in-3", 2),
+    ]
+    assert db.run(_store.take_inputs, execution, "owner-a") == []
+    assert [r["id"] for r in db.run(_store.rejected_inputs, None)] == ["in-bad"]
+    assert db.run(_store.drop_rejected_input, "in-bad") == "s"
+    assert db.rows("SELECT * FROM session_input_rejected") == []
+    with pytest.raises(ValueError, match="in-bad"):
+        db.run(_store.drop_rejected_input, "in-bad")
+
+
+def test_drop_quarantined_sets_the_malformed_message_aside(db: Db) -> None:
+    """Dropping a quarantine moves the malformed message (raw text kept) to
+    session_message_rejected, so the session's transcript reads again."""
+    execution = busy_claim(db)
+    db.conn.execute("UPDATE session_message SET data = '{\"parts\": 1}' WHERE id = 'm-1'")
+    db.expire()
+    assert recover(db, execution).decision is RecoveryDecision.QUARANTINE
+    db.run(_store.drop_quarantined, execution)
+    [row] = db.rows(
+        "SELECT id, session_id, execution_id, seq, data, reason, time_created"
+        " FROM session_message_rejected"
+    )
+    assert row[:5] == ("m-1", "s", execution, 2, '{"parts": 1}')
+    assert "parts" in row[5]
+    assert row[6] == db.now
+    messages = db.run(_store.read_transcript, "s")
+    assert [(m.role, m.input_id) for m in messages] == [("user", "in-taken")]
+
+
+def test_finish_iteration_closes_open_messages(db: Db) -> None:
+    """A drain that returned without finish(): finish_iteration finishes its open message and
+    fails its running tools ('interrupted'), whether the claim continues or is released."""
+    execution = busy_claim(db)
+    db.run(_store.wake, "s")
+    assert db.run(_store.finish_iteration, execution, "owner-a") is True
+    message = db.message("m-1")
+    assert (message.finished, message.error) == (True, INTERRUPTED)
+    assert tools(message) == {"running": ("error", INTERRUPTED), "done": ("completed", None)}
+    db.run(_store.begin_assistant, execution, "owner-a", "m-2")
+    assert db.run(_store.finish_iteration, execution, "owner-a") is False
+    assert (db.message("m-2").finished, db.message("m-2").error) == (True, INTERRUPTED)
+
+
+def test_handed_back_claim_resumes_without_counting(db: Db) -> None:
+    """A claim handed back by a graceful shutdown is resumed even with the resume budget used
+    up, and does not count wake_attempts; the new claim is not marked handed back."""
+    execution = busy_claim(db)
+    db.conn.execute("UPDATE session SET wake_attempts = 3")
+    assert db.run(_store.expire_claims, "owner-a", [execution]) == 1
+    assert db.rows("SELECT handed_back FROM session_execution") == [(1,)]
+    recovered = recover(db, execution, max_resumes=3)
+    assert recovered.decision is RecoveryDecision.RESUME
+    assert recovered.attempt == 3
+    assert db.doorbell()[2] == 3
+    assert db.rows("SELECT id, handed_back FROM session_execution") == [("exec-new", 0)]
+
+
+def test_upgrade_of_a_version_1_file_adds_set_aside_tables(tmp_path: Path) -> None:
+    """A version-1 file is upgraded in place on open: its rows kept, the set-aside tables and
+    session_execution.handed_back (0 for existing claims) added."""
+    path = tmp_path / "v1.db"
+    old = sqlite3.connect(path)
+    old.executescript(_sqlite._MIGRATIONS[1])
+    old.execute("PRAGMA user_version = 1")
+    old.execute("INSERT INTO session(id, time_created) VALUES ('s', 0)")
+    old.execute(
+        "INSERT INTO session_execution(id, session_id, owner_id, phase, time_created,"
+        " expires_at) VALUES ('e', 's', 'o', 'running', 0, 1)"
+    )
+    old.commit()
+    old.close()
+    conn = _sqlite.connect(path)
+    try:
+        assert _sqlite.schema_version(conn) == _sqlite.SCHEMA_VERSION == 3
+        assert conn.execute("SELECT id, handed_back FROM session_execution").fetchall() == [
+            ("e", 0)
+        ]
+        for table, columns in (
+            ("session_input_rejected", ["id", "session_id", "seq", "payload", "reason"]),
+            ("session_message_rejected", ["id", "session_id", "execution_id", "seq", "data"]),
+        ):
+            found = [row[1] for row in conn.execute(f"PRAGMA table_info({table})")]
+            assert columns == [c for c in found if c in columns]
+    finally:
+        conn.close()
+
+
+def test_synchronous_option_applies_to_every_connection(tmp_path: Path) -> None:
+    """SQLiteStore(synchronous='FULL') sets PRAGMA synchronous=FULL on each connection the
+    runtime opens (default NORMAL)."""
+    import trio
+
+    seen: list[int] = []
+
+    def capture(conn: sqlite3.Connection) -> sqlite3.Connection:
+        seen.append(conn.execute("PRAGMA synchronous").fetchone()[0])
+        return conn
+
+    async def main() -> None:
+        for synchronous in ("FULL", "NORMAL"):
+            store = _sqlite.SQLiteStore(
+                tmp_path / "db", synchronous=synchronous, wrap_connection=capture
+            )
+            async with store.open_executor(None):
+                pass
+
+    trio.run(main)
+    assert seen == [2, 2, 1, 1]

@@ -264,7 +264,7 @@ class Claimed:
     def update(self, transition: Settle) -> AssistantData:
         result: AssistantData = self.run(
             _store.update_assistant, self.execution_id, "owner", "m-1", transition
-        )
+        )[0]
         return result
 
     def stored(self) -> AssistantData:

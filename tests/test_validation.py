@@ -278,3 +278,76 @@ def test_lease_below_one_millisecond_is_rejected(tmp_path: Path) -> None:
                 pass
 
     trio.run(main)
+
+
+def sync_drain(ctx: DrainContext) -> None:
+    pass
+
+
+class SyncCallable:
+    def __call__(self, ctx: DrainContext) -> None:
+        pass
+
+
+class AsyncCallable:
+    async def __call__(self, ctx: DrainContext) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    "drain",
+    [
+        pytest.param(sync_drain, id="def"),
+        pytest.param(lambda ctx: None, id="lambda"),
+        pytest.param(SyncCallable(), id="sync-callable-object"),
+    ],
+)
+async def test_open_runtime_refuses_a_drain_that_is_not_async(tmp_path: Path, drain: Any) -> None:
+    """A plain def drain (function, lambda or object with a sync __call__) is refused with
+    TypeError before anything is created."""
+    with pytest.raises(TypeError, match="async"):
+        async with trio_sessions.open_runtime(testing.inline_store(tmp_path / "db"), drain):
+            pytest.fail("the runtime must not open")
+    assert created_files(tmp_path) == []
+
+
+async def test_open_runtime_accepts_an_object_with_an_async_call(tmp_path: Path) -> None:
+    """A callable object whose __call__ is async is a valid drain."""
+    async with trio_sessions.open_runtime(
+        testing.inline_store(tmp_path / "db"), AsyncCallable()
+    ) as runtime:
+        assert await runtime.run("s") == trio_sessions.Outcome("succeeded")
+
+
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [
+        pytest.param("full", ValueError, id="lowercase"),
+        pytest.param("OFF", ValueError, id="off"),
+        pytest.param("", ValueError, id="empty"),
+        pytest.param(2, TypeError, id="int"),
+    ],
+)
+def test_sqlite_store_rejects_a_bad_synchronous_setting(
+    tmp_path: Path, value: Any, error: type[BaseException]
+) -> None:
+    """SQLiteStore(synchronous=...) accepts only 'NORMAL' or 'FULL', refused at construction."""
+    with pytest.raises(error, match="synchronous"):
+        trio_sessions.SQLiteStore(tmp_path / "db", synchronous=value)
+    assert trio_sessions.SQLiteStore(tmp_path / "db").synchronous == "NORMAL"
+    assert created_files(tmp_path) == []
+
+
+async def test_payload_over_the_size_limit_is_refused_naming_its_size(db_path: Path) -> None:
+    """A payload whose encoding exceeds MAX_PAYLOAD_BYTES (1 MiB) raises ValueError naming its
+    size and the limit, before any write; one exactly at the limit is stored."""
+    from trio_sessions._codec import MAX_PAYLOAD_BYTES
+
+    assert MAX_PAYLOAD_BYTES == 1024 * 1024
+    at_limit = {"x": "a" * (MAX_PAYLOAD_BYTES - len('{"x":""}'))}
+    too_big = {"x": "a" * (MAX_PAYLOAD_BYTES - len('{"x":""}') + 1)}
+    await assert_rejected_without_writes(db_path, lambda rt: rt.submit("s", too_big), ValueError)
+    async with trio_sessions.open_runtime(testing.inline_store(db_path), None) as producer:
+        with pytest.raises(ValueError, match=f"{MAX_PAYLOAD_BYTES + 1} bytes.*{MAX_PAYLOAD_BYTES}"):
+            await producer.submit("s", too_big)
+        assert await producer.submit("s", at_limit, input_id="big") == "big"

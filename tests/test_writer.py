@@ -257,3 +257,35 @@ async def test_writes_after_finish_are_refused(
     async with runtime(store, drain, clock) as rt:
         assert await rt.run("s") == Outcome("succeeded")
     assert len(errors) == 1 and "finished" in str(errors[0])
+
+
+async def test_writes_after_finish_raise_a_public_library_error(
+    store: Store, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """Every write to a finished message raises the public MessageFinished, a
+    TrioSessionsError, and leaves the message as finished."""
+    errors: list[BaseException] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        writer = await ctx.begin_assistant()
+        await writer.start_tool("c1", "search", {})
+        await writer.settle_tool("c1", 1)
+        await writer.finish()
+        writes: list[Callable[[], Awaitable[object]]] = [
+            lambda: writer.append_text("more"),
+            lambda: writer.start_tool("c2", "search", {}),
+            lambda: writer.settle_tool("c1", 2),
+            lambda: writer.finish(),
+        ]
+        for write in writes:
+            try:
+                await write()
+            except trio_sessions.TrioSessionsError as exc:
+                errors.append(exc)
+
+    async with runtime(store, drain, clock) as rt:
+        await rt.run("s")
+        [message] = await rt.transcript("s")
+    assert len(errors) == 4
+    assert all(isinstance(e, trio_sessions.MessageFinished) for e in errors)
+    assert message.data.finished and message.data.error is None

@@ -7,6 +7,7 @@ from ._errors import DuplicateSettlement as DuplicateSettlement
 from ._errors import InputConflict as InputConflict
 from ._errors import LeaseLost as LeaseLost
 from ._errors import MalformedRecord as MalformedRecord
+from ._errors import MessageFinished as MessageFinished
 from ._errors import SchemaTooNew as SchemaTooNew
 from ._errors import StoreError as StoreError
 from ._errors import TrioSessionsError as TrioSessionsError

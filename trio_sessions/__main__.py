@@ -1,4 +1,4 @@
-"""`python -m trio_sessions`: the operator CLI (see `trio_sessions._cli`)."""
+"""`python -m trio_sessions`: the operator CLI and the worker command (see `trio_sessions._cli`)."""
 
 import sys
 

@@ -26,6 +26,7 @@ from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from typing import Any, Literal, Protocol, TypeVar, TypeVarTuple, Unpack
 
 import attrs
+import trio
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
@@ -70,6 +71,12 @@ class Tx(Protocol):
         """Lock these claim rows (sorted, so two owners never deadlock) before a fenced
         write compares their leases with `now`: a row lock waited for must not make `now`
         older than the row it guards. A no-op on SQLite."""
+        ...
+
+    def notify(self, session_id: str) -> None:
+        """Signal other runtimes on the store that this session changed, if the transaction
+        commits. A no-op on SQLite, whose readers notice any commit (`PRAGMA data_version`);
+        `pg_notify` in the same transaction on PostgreSQL."""
         ...
 
     def not_in(self, column: str, values: Sequence[str]) -> tuple[str, Any]:
@@ -119,6 +126,17 @@ class Executor(Protocol):
     async def run_nowait(self, op: Callable[[Tx, Unpack[Ts]], T], *args: Unpack[Ts]) -> T:
         """Like `run`, but never wait for another process's lock: raise `StoreError` at
         once instead (best-effort writes with a deadline: shutdown)."""
+        ...
+
+    async def read(self, op: Callable[[Tx, Unpack[Ts]], T], *args: Unpack[Ts]) -> T:
+        """Run a read-only operation on one consistent snapshot, never taking the write
+        lock (transcripts, watchers, the change scan)."""
+        ...
+
+    async def wait_for_change(self, kick: trio.Event, timeout: float) -> None:
+        """Return when another connection may have committed (SQLite: `data_version`;
+        PostgreSQL: a notification), when `kick` is set, or after `timeout` (the slow
+        fallback poll: a lost signal costs latency, never work)."""
         ...
 
     def statistics(self) -> StoreStatistics: ...

@@ -1,17 +1,25 @@
 """The operator CLI, `python -m trio_sessions`: look at a database and act on quarantine.
 
 Commands:
-* `status DB` - every session with its claim (owner, phase, lease remaining or expired
-  since, heartbeat age), its pending doorbell and inputs;
+* `status DB [--session S] [--state STATE] [--limit N]` - every session (or those matching
+  the filters) with its claim (owner, phase, lease remaining or expired since, heartbeat
+  age), its pending doorbell and inputs;
 * `quarantine list DB` - executions that recovery set aside because a record is malformed;
-* `quarantine release DB EXECUTION_ID --resume|--drop` - the operator's decision.
-Every listing takes `--json`.
+* `quarantine release DB EXECUTION_ID --resume|--drop` - the operator's decision;
+* `inputs list DB [--session S]` - inputs set aside because their payload does not decode
+  (they never block the inputs behind them);
+* `inputs drop DB INPUT_ID` - delete one of them;
+* `health DB` - exit 0 when the database opens and its schema is current (for probes);
+* `worker MODULE:DRAIN --store ...` - run a drain as a long-lived worker (`_worker`).
+Every listing takes `--json` (one JSON document on stdout).
 
 Invariants: a database is never created or migrated by accident - every command opens it
 with `_sqlite.connect(path, create=False)`, which refuses a missing file, a file that is not
 SQLite and an SQLite file that is not ours. Listings only read (one read snapshot, no write
-lock); `quarantine release` is the only command that writes, and it writes through the
-store's own operations, in one transaction each.
+lock); `quarantine release` and `inputs drop` are the only commands that write, and they
+write through the store's own operations, in one transaction each. The `worker` command is
+the exception: it runs a runtime, which creates and migrates its store as `open_runtime`
+always does.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from . import _backend, _sqlite, _store
+from . import _backend, _sqlite, _store, _worker
 from ._errors import StoreError
 from ._runtime import make_owner_id
 
@@ -80,8 +88,50 @@ def read_status(tx: _sqlite.SQLiteTx) -> dict[str, Any]:
             "doorbells": sum(s["doorbell"] is not None for s in sessions),
             "pending_inputs": sum(s["pending_inputs"] for s in sessions),
         },
+        "matched": len(sessions),
         "sessions": sessions,
     }
+
+
+# A session can be in several states at once: a live claim with a doorbell set is both
+# `active` and `woken`; a quarantined claim is also `expired` (as in the summary's counts).
+STATES = ("idle", "woken", "active", "expired", "quarantined")
+
+
+def in_state(session: dict[str, Any], state: str) -> bool:
+    """Whether a session of `read_status` is in `state` (one of `STATES`)."""
+    claim = session["claim"]
+    if state == "idle":
+        return claim is None and session["doorbell"] is None
+    if state == "woken":
+        return session["doorbell"] is not None
+    if claim is None:
+        return False
+    if state == "active":
+        return not claim["expired"]
+    if state == "expired":
+        return bool(claim["expired"])
+    return bool(claim["quarantined"])
+
+
+def filter_status(
+    status: dict[str, Any],
+    *,
+    session_ids: Sequence[str] = (),
+    state: str | None = None,
+    limit: int | None = None,
+) -> dict[str, Any]:
+    """`status` with only the matching sessions, at most `limit` of them in id order.
+
+    The summary still counts the whole database; `matched` counts the sessions that match
+    the filters before `limit`.
+    """
+    sessions = [
+        s
+        for s in status["sessions"]
+        if (not session_ids or s["id"] in session_ids) and (state is None or in_state(s, state))
+    ]
+    return {**status, "matched": len(sessions), "sessions": sessions[:limit]}
 
 
 def _session(now: int, row: Sequence[Any]) -> dict[str, Any]:
@@ -134,8 +184,51 @@ def read_quarantine(tx: _sqlite.SQLiteTx) -> list[dict[str, Any]]:
     return rows
 
 
+# The schema version that added `session_input_rejected`: an older file has none.
+REJECTED_INPUTS_SINCE = 3
+
+
+def read_rejected_inputs(conn: sqlite3.Connection, session_id: str | None) -> list[Any]:
+    """Inputs set aside as malformed, oldest first (of one session, if given)."""
+    if _sqlite.schema_version(conn) < REJECTED_INPUTS_SINCE:
+        return []
+    return read_snapshot(conn, lambda tx: _store.rejected_inputs(tx, session_id))
+
+
 def _seconds(ms: int) -> float:
     return round(ms / 1000, 3)
+
+
+def check_health(db: str) -> dict[str, Any]:
+    """Open `db` as the listings do (never creating or migrating it) and read from it: `ok`
+    when it is ours, its schema is the one this library writes, and its tables answer."""
+    expected = _sqlite.SCHEMA_VERSION
+    health: dict[str, Any] = {
+        "ok": False,
+        "db": db,
+        "schema_version": None,
+        "expected_schema_version": expected,
+        "reason": None,
+    }
+    try:
+        conn = _sqlite.connect(db, create=False)
+    except StoreError as exc:
+        return {**health, "reason": str(exc) if db in str(exc) else f"{db}: {exc}"}
+    try:
+        version = _sqlite.schema_version(conn)
+        health["schema_version"] = version
+        if version != expected:
+            reason = (
+                f"{db}: schema version {version} is not the current {expected}; opening it"
+                " with a runtime of this library migrates it"
+            )
+            return {**health, "reason": reason}
+        read_snapshot(conn, lambda tx: tx.execute("SELECT COUNT(*) FROM session").fetchone())
+    except sqlite3.Error as exc:
+        return {**health, "reason": f"{db}: cannot read: {exc}"}
+    finally:
+        conn.close()
+    return {**health, "ok": True}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,6 +260,14 @@ def release(conn: sqlite3.Connection, execution_id: str, *, resume: bool) -> dic
     }
 
 
+def drop_input(conn: sqlite3.Connection, input_id: str) -> dict[str, Any]:
+    """Delete one set-aside input; `ValueError` unless it is one."""
+    if _sqlite.schema_version(conn) < REJECTED_INPUTS_SINCE:
+        raise ValueError(f"input {input_id!r} is not a rejected input")
+    session_id = _sqlite.run_op(conn, time.time, _store.drop_rejected_input, input_id)
+    return {"input_id": input_id, "session_id": session_id, "action": "drop"}
+
+
 def _session_of_quarantined(conn: sqlite3.Connection, execution_id: str) -> str:
     for row in read_snapshot(conn, _store.quarantined):
         if row["execution_id"] == execution_id:
@@ -193,8 +294,11 @@ def format_status(status: dict[str, Any]) -> str:
         f" expired ({s['quarantined']} quarantined); doorbells set: {s['doorbells']};"
         f" pending inputs: {s['pending_inputs']}"
     ]
-    if not status["sessions"]:
-        return lines[0]
+    shown = len(status["sessions"])
+    if shown != s["sessions"]:
+        lines.append(f"showing {shown} of {status['matched']} matching sessions")
+    if not shown:
+        return "\n".join(lines)
     header = ["SESSION", "DOORBELL", "INPUTS", "OWNER", "PHASE", "LEASE", "HEARTBEAT", "NOTE"]
     rows = [_status_row(session) for session in status["sessions"]]
     return "\n".join([*lines, "", *_table(header, rows)])
@@ -237,6 +341,35 @@ def format_quarantine(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def format_rejected_inputs(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return "no rejected inputs"
+    lines = [f"{len(rows)} rejected input(s):"]
+    for row in rows:
+        lines += [
+            "",
+            f"input {row['id']}  session {row['session_id']}  seq {row['seq']}",
+            f"  payload: {_shorten(row['payload'])}",
+            f"  - {row['reason']}",
+        ]
+    lines += ["", "delete one with: inputs drop DB INPUT_ID"]
+    return "\n".join(lines)
+
+
+def _shorten(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def format_input_drop(result: dict[str, Any]) -> str:
+    return f"dropped rejected input {result['input_id']} of session {result['session_id']}"
+
+
+def format_health(health: dict[str, Any]) -> str:
+    if health["ok"]:
+        return f"ok: {health['db']} (schema version {health['schema_version']})"
+    return f"unhealthy: {health['reason']}"
+
+
 def format_release(result: dict[str, Any]) -> str:
     execution, session = result["execution_id"], result["session_id"]
     if result["action"] == "drop":
@@ -262,12 +395,29 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--json", action="store_true", help="print JSON instead of text")
     parser = argparse.ArgumentParser(
         prog="python -m trio_sessions",
-        description="Inspect a trio_sessions database and act on quarantined executions. "
-        "Listings only read; a missing file or a database that is not ours is refused.",
+        description="Inspect a trio_sessions database and act on quarantined executions, or "
+        "run a worker. Listings only read; a missing file or a database that is not ours is "
+        "refused.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    commands.add_parser(
+    status = commands.add_parser(
         "status", parents=[common], help="sessions, claims, leases, doorbells and inputs"
+    )
+    status.add_argument(
+        "--session",
+        action="append",
+        default=[],
+        metavar="S",
+        help="only this session (repeatable)",
+    )
+    status.add_argument(
+        "--state",
+        choices=STATES,
+        help="only sessions in this state: idle (no claim, no doorbell), woken (doorbell"
+        " set), active (live claim), expired (expired claim), quarantined",
+    )
+    status.add_argument(
+        "--limit", type=_positive_int, metavar="N", help="at most N sessions, in id order"
     )
     quarantine = commands.add_parser("quarantine", help="list or release quarantined executions")
     actions = quarantine.add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -283,14 +433,47 @@ def build_parser() -> argparse.ArgumentParser:
     choice.add_argument(
         "--drop", action="store_true", help="finish it as owner-lost and delete its claim"
     )
+    inputs = commands.add_parser("inputs", help="list or drop inputs set aside as malformed")
+    input_actions = inputs.add_subparsers(dest="inputs_action", required=True, metavar="ACTION")
+    list_inputs = input_actions.add_parser(
+        "list", parents=[common], help="inputs whose payload does not decode, and why"
+    )
+    list_inputs.add_argument("--session", metavar="S", help="only this session's")
+    drop_cmd = input_actions.add_parser(
+        "drop", parents=[common], help="delete one rejected input (writes)"
+    )
+    drop_cmd.add_argument("input_id", metavar="INPUT_ID")
+    commands.add_parser(
+        "health",
+        parents=[common],
+        help="exit 0 when the database opens and its schema is current (for probes)",
+    )
+    _worker.add_parser(commands)
     return parser
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected at least 1, got {value}")
+    return value
 
 
 def run_command(args: argparse.Namespace, conn: sqlite3.Connection) -> tuple[Any, str]:
     """Carry out the parsed command; returns (JSON value, text)."""
     if args.command == "status":
         status = read_snapshot(conn, read_status)
+        status = filter_status(status, session_ids=args.session, state=args.state, limit=args.limit)
         return status, format_status(status)
+    if args.command == "inputs":
+        if args.inputs_action == "list":
+            rows = read_rejected_inputs(conn, args.session)
+            return rows, format_rejected_inputs(rows)
+        dropped = drop_input(conn, args.input_id)
+        return dropped, format_input_drop(dropped)
     if args.action == "list":
         rows = read_snapshot(conn, read_quarantine)
         return rows, format_quarantine(rows)
@@ -301,6 +484,17 @@ def run_command(args: argparse.Namespace, conn: sqlite3.Connection) -> tuple[Any
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; returns the exit status (0 done, 1 refused or failed, 2 usage)."""
     args = build_parser().parse_args(argv)
+    if args.command == "worker":
+        return _worker.run(args)
+    if args.command == "health":
+        health = check_health(args.db)
+        if args.json:
+            _print(json.dumps(health, indent=2))
+        elif health["ok"]:
+            _print(format_health(health))
+        else:
+            print(format_health(health), file=sys.stderr)
+        return EXIT_OK if health["ok"] else EXIT_FAILED
     try:
         conn = _sqlite.connect(args.db, create=False)
     except StoreError as exc:
@@ -311,13 +505,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(args.db, exc)
     finally:
         conn.close()
+    _print(json.dumps(value, indent=2) if args.json else text)
+    return EXIT_OK
+
+
+def _print(text: str) -> None:
     try:
-        print(json.dumps(value, indent=2) if args.json else text, flush=True)
+        print(text, flush=True)
     except BrokenPipeError:
         # `... | head`: the reader left. Point stdout at devnull so the interpreter's own
         # flush at exit does not fail again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return EXIT_OK
 
 
 def _fail(db: str, exc: Exception) -> int:

@@ -117,11 +117,27 @@ def loads(text: Any) -> Any:
         raise ValueError("JSON nested too deeply") from None
 
 
+# The largest JSON object a caller may store as one record - an input payload or a tool
+# input - measured as its compact UTF-8 encoding. Larger data belongs in a blob store, with
+# its reference in the payload: every input is read whole by each `take_inputs`.
+MAX_PAYLOAD_BYTES = 1024 * 1024  # 1 MiB
+
+
 def check_json_object(value: Any, what: str) -> str:
-    """Validate a caller's JSON object argument and return its encoding (nothing is written)."""
+    """Validate a caller's JSON object argument and return its encoding (nothing is written).
+
+    `ValueError` naming the size when the encoding exceeds `MAX_PAYLOAD_BYTES`.
+    """
     if not isinstance(value, dict):
         raise TypeError(f"{what} must be a JSON object (dict), got {type(value).__name__}")
-    return check_json(value, what)
+    text = check_json(value, what)
+    size = len(text.encode("utf-8"))
+    if size > MAX_PAYLOAD_BYTES:
+        raise ValueError(
+            f"{what} is {size} bytes encoded as JSON; the limit is {MAX_PAYLOAD_BYTES} bytes"
+            " (1 MiB)"
+        )
+    return text
 
 
 MAX_DEPTH = 100

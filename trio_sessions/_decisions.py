@@ -6,7 +6,8 @@ rule here can be checked exhaustively without a database:
 * a lease is live iff `expires_at > now`; an expired lease is never revived;
 * the acquire path inserts a claim only when the doorbell is set and no claim row exists;
 * recovery acts only on an expired claim it holds a recovery lease for, and decides in this
-  order: live again, cancelling, superseded, malformed, budget exhausted, resume.
+  order: live again, cancelling, superseded, malformed, budget exhausted (never for a claim
+  handed back by a graceful shutdown), resume.
 """
 
 from __future__ import annotations
@@ -99,6 +100,8 @@ class RecoveryFacts:
     superseded: bool
     newest_assistant_malformed: bool
     wake_attempts: int
+    # Handed back by a graceful shutdown: resumed without counting against the budget.
+    handed_back: bool = False
 
 
 def decide_recovery(
@@ -116,7 +119,7 @@ def decide_recovery(
         return RecoveryDecision.DROP_SUPERSEDED
     if facts.newest_assistant_malformed:
         return RecoveryDecision.QUARANTINE
-    if facts.wake_attempts >= max_resumes:
+    if not facts.handed_back and facts.wake_attempts >= max_resumes:
         return RecoveryDecision.EXHAUSTED
     return RecoveryDecision.RESUME
 

@@ -30,11 +30,19 @@ class LeaseLost(TrioSessionsError):
 
 
 class InputConflict(TrioSessionsError):
-    """An input id that is already stored belongs to a different session."""
+    """An input id that is already stored belongs to a different session, or was stored with
+    a different payload."""
 
 
 class DuplicateSettlement(TrioSessionsError):
     """A tool call was settled a second time; the transcript keeps the first settlement."""
+
+
+class MessageFinished(TrioSessionsError, ValueError):
+    """A write to an assistant message that was already finished; nothing was written.
+
+    Also a `ValueError`, as it was before it became public.
+    """
 
 
 class UnknownToolCall(TrioSessionsError):

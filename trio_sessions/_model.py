@@ -6,6 +6,7 @@ record handed to a drain, a joiner or a test cannot change under it.
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Literal
 
 import attrs
@@ -55,6 +56,10 @@ class TextPart:
     text: str
     type: Literal["text"] = "text"
 
+    def to_json(self) -> dict[str, Any]:
+        """The part as stored (DESIGN §3): `{"type": "text", "text": ...}`."""
+        return {"type": self.type, "text": self.text}
+
 
 @attrs.frozen
 class ToolPart:
@@ -65,6 +70,18 @@ class ToolPart:
     output: Any
     error: str | None
     type: Literal["tool"] = "tool"
+
+    def to_json(self) -> dict[str, Any]:
+        """The part as stored (DESIGN §3); `input` and `output` are copies."""
+        return {
+            "type": self.type,
+            "call_id": self.call_id,
+            "name": self.name,
+            "input": copy.deepcopy(self.input),
+            "status": self.status,
+            "output": copy.deepcopy(self.output),
+            "error": self.error,
+        }
 
 
 Part = TextPart | ToolPart
@@ -78,6 +95,14 @@ class AssistantData:
     finished: bool
     error: str | None
 
+    def to_json(self) -> dict[str, Any]:
+        """The dict stored in the `data` column (DESIGN §3), ready for `json.dumps`."""
+        return {
+            "parts": [part.to_json() for part in self.parts],
+            "finished": self.finished,
+            "error": self.error,
+        }
+
 
 @attrs.frozen
 class Message:
@@ -90,6 +115,23 @@ class Message:
     data: Any
     execution_id: str | None
     input_id: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        """The message as a JSON-ready dict; `data` is the stored dict (a copy), for an
+        assistant message the DESIGN §3 projection."""
+        if isinstance(self.data, AssistantData):
+            data = self.data.to_json()
+        else:
+            data = copy.deepcopy(self.data)
+        return {
+            "id": self.id,
+            "session_id": self.session_id,
+            "role": self.role,
+            "seq": self.seq,
+            "data": data,
+            "execution_id": self.execution_id,
+            "input_id": self.input_id,
+        }
 
 
 @attrs.frozen

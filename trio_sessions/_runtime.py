@@ -14,6 +14,8 @@ busy period and every registry entry released.
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import inspect
 import math
 import os
 import socket
@@ -40,6 +42,7 @@ from ._model import (
     RuntimeStatistics,
 )
 from ._recovery import Recovery, report_of
+from ._signals import Watcher, WatchHub
 from ._sqlite import SQLiteStore
 
 T = TypeVar("T")
@@ -49,6 +52,10 @@ AcquisitionHook = Callable[[Claim], Awaitable[None]]
 MAX_ID_LENGTH = 200
 POSTGRES_SCHEMES = ("postgresql://", "postgres://")
 SHUTDOWN_GRACE = 5.0
+# The change loop looks at the store at least this often, signal or not.
+CHANGE_FALLBACK_POLL = 2.0
+# Durable wakes taken per look (the rest at the next one).
+CHANGE_BATCH = 100
 
 
 def validate_session_id(session_id: object) -> str:
@@ -150,6 +157,10 @@ class Runtime:
         self._seams = Seams()
         self._drains_running = 0
         self._remote_signals = 0
+        self._max_active = config.max_active
+        self._watchers = WatchHub()
+        # Set to look at the store now rather than at the next change signal.
+        self._kick = trio.Event()
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -187,9 +198,11 @@ class Runtime:
         """Wake the session and wait for the outcome of the execution that takes the wake.
 
         `Outcome(kind='deferred')` when another owner holds the session: the wake stays
-        durable for it. Cancelling this call never cancels the execution.
+        durable for it. Cancelling this call never cancels the execution. `RuntimeError`
+        when called from a drain (or a task it started) on its own session.
         """
         validate_session_id(session_id)
+        _refuse_waiting_for_own_drain(self, session_id, "run")
         entry = self._entries.get(session_id)
         if entry is not None and entry.joinable():
             # Running or being acquired here: join it without forcing another iteration.
@@ -225,9 +238,11 @@ class Runtime:
     async def wait_idle(self, session_id: str) -> None:
         """Wait until this runtime holds no execution for the session, successors included.
 
-        Never starts work.
+        Never starts work. `RuntimeError` when called from a drain (or a task it started) on
+        its own session.
         """
         validate_session_id(session_id)
+        _refuse_waiting_for_own_drain(self, session_id, "wait_idle")
         while (entry := self._entries.get(session_id)) is not None:
             await entry.released.wait()
         await trio.lowlevel.checkpoint()
@@ -254,7 +269,7 @@ class Runtime:
     async def transcript(self, session_id: str) -> list[Message]:
         """The session's messages in seq order; `MalformedRecord` for a row that does not decode."""
         validate_session_id(session_id)
-        return await self._db.run(_store.read_transcript, session_id)
+        return await self._db.read(_store.read_transcript, session_id)
 
     async def recover_once(self) -> RecoveryReport:
         """Run one bounded recovery pass now (never concurrently with another).
@@ -306,7 +321,12 @@ class Runtime:
         registration is dropped.
         """
         wake_only, wake_and_acquire = ops
-        if session_id in self._entries or self._closing or self._drain is None:
+        if (
+            session_id in self._entries
+            or self._closing
+            or self._drain is None
+            or not self._has_capacity()
+        ):
             result = await self._db.run(wake_only, *args)
             return result, self._ring(session_id)
         entry = self._register(session_id)
@@ -364,11 +384,19 @@ class Runtime:
         entry = self._entries.get(session_id)
         if entry is not None:
             return entry.ring()
-        if self._closing or self._drain is None:
-            return None
+        if self._closing or self._drain is None or not self._has_capacity():
+            return None  # the wake stays durable for a runtime with room
         entry = self._register(session_id)
         self._nursery.start_soon(self._busy_period, entry)
         return entry.current
+
+    def _has_capacity(self) -> bool:
+        return self._max_active is None or len(self._entries) < self._max_active
+
+    def _capacity_left(self, wanted: int) -> int:
+        if self._max_active is None:
+            return wanted
+        return max(0, min(wanted, self._max_active - len(self._entries)))
 
     def _owned_entries(self) -> list[SessionEntry]:
         return [entry for entry in self._entries.values() if entry.owned]
@@ -383,6 +411,8 @@ class Runtime:
         entry.disown()
         if self._entries.get(entry.session_id) is entry:
             del self._entries[entry.session_id]
+            if self._max_active is not None:
+                self._kick.set()  # room again: look for durable wakes left waiting
         entry.close(outcome)
 
     # -- one busy period ----------------------------------------------------------------------
@@ -605,6 +635,57 @@ class Runtime:
             await self._db.run_nowait(_store.expire_claims, self._owner_id, [entry.execution_id])
         entry.disown()
 
+    # -- signals between processes ------------------------------------------------------------
+
+    async def _change_loop(self) -> None:
+        """React to other processes' commits: take durable wakes that no runtime holds,
+        honour remote interrupts of our claims at once, feed watchers. A lost signal costs
+        latency only: the fallback poll and recovery still find the work."""
+        while True:
+            await self._db.wait_for_change(self._kick, CHANGE_FALLBACK_POLL)
+            self._kick = trio.Event()
+            with contextlib.suppress(StoreError):  # looked at again at the next signal
+                await self._look_at_changes()
+
+    async def _look_at_changes(self) -> None:
+        takes_wakes = self._drain is not None and not self._closing
+        changes = await self._db.read(
+            _store.changes,
+            self._owner_id,
+            list(self._entries),
+            self._capacity_left(CHANGE_BATCH) if takes_wakes else 0,
+            self._watchers.watched(),
+        )
+        for session_id in changes.doorbells:
+            if session_id not in self._entries and self._ring(session_id) is not None:
+                self._remote_signals += 1
+        cancelling = set(changes.cancelling)
+        for entry in list(self._entries.values()):
+            if entry.owned and entry.execution_id in cancelling and entry.interrupt("user"):
+                self._remote_signals += 1
+        for snapshot in changes.messages:
+            self._watchers.publish(*snapshot)
+
+    @asynccontextmanager
+    async def watch(self, session_id: str, *, after_seq: int = 0) -> AsyncIterator[Watcher]:
+        """Follow a session's transcript: first every stored message with `seq > after_seq`,
+        then a snapshot of each message whenever it is created or changed, by this runtime
+        or any other process on the store, until the block exits or the runtime closes.
+
+        Per message, snapshots arrive in write order; a slow watcher may skip intermediate
+        snapshots but never the latest. A malformed row raises `MalformedRecord` in this
+        watcher only. Costs no task and no polling of its own.
+        """
+        validate_session_id(session_id)
+        after_seq = _count(after_seq, "after_seq", 0)
+        watcher = self._watchers.add(session_id, after_seq)
+        try:
+            for snapshot in await self._db.read(_store.watched_messages, session_id, after_seq):
+                self._watchers.publish(*snapshot)
+            yield watcher
+        finally:
+            self._watchers.remove(watcher)
+
     # -- recovery -----------------------------------------------------------------------------
 
     async def _recovery_loop(self) -> None:
@@ -620,7 +701,7 @@ class Runtime:
             applied, examined=scan.examined, fence_lost=applied.fence_lost + scan.fence_lost
         )
         started = 0
-        for candidate in scan.doorbells:
+        for candidate in scan.doorbells[: self._capacity_left(len(scan.doorbells))]:
             if candidate.session_id not in self._entries and not self._closing:
                 self._ring(candidate.session_id)
                 started += 1
@@ -631,7 +712,7 @@ class Runtime:
         if self._seams.before_recovery_apply is not None:
             await self._seams.before_recovery_apply([c.execution_id or "" for c in leased])
         entries = []
-        for candidate in leased:
+        for candidate in leased[: self._capacity_left(len(leased))]:
             if candidate.session_id in self._entries:
                 continue  # became busy locally since the scan; its own claim rules apply
             entries.append((candidate, self._register(candidate.session_id)))
@@ -679,9 +760,49 @@ class Runtime:
 # What a drain sees
 
 
+# The (runtime, session id) whose drain the current task runs - also in tasks the drain
+# started - so that waiting on that very session fails at once instead of deadlocking.
+_draining: contextvars.ContextVar[tuple[Runtime, str] | None] = contextvars.ContextVar(
+    "trio_sessions_draining", default=None
+)
+
+
+def _refuse_waiting_for_own_drain(runtime: Runtime, session_id: str, what: str) -> None:
+    draining = _draining.get()
+    if draining is not None and draining[0] is runtime and draining[1] == session_id:
+        raise RuntimeError(
+            f"{what}() called from the drain of its own session {session_id!r}: it would wait"
+            " for itself (the drain's return ends the execution it waits for)"
+        )
+
+
+def _is_async_callable(drain: object) -> bool:
+    """An `async def` function (also bound or wrapped in `functools.partial`), or an object
+    whose `__call__` is one."""
+    return inspect.iscoroutinefunction(drain) or (
+        callable(drain) and inspect.iscoroutinefunction(type(drain).__call__)
+    )
+
+
+def _guarded(drain: Drain) -> Drain:
+    """The drain as the runtime calls it: marks the task as draining its session, and
+    retires the context when the drain returns (or raises)."""
+
+    async def guarded(context: DrainContext) -> None:
+        token = _draining.set((context._runtime, context.session_id))
+        try:
+            await drain(context)
+        finally:
+            _draining.reset(token)
+            context._returned = True
+
+    return guarded
+
+
 class DrainContext:
     """One drain iteration's view of its claim. Every write is fenced on the live claim and
-    raises `LeaseLost` (writing nothing) once the lease is gone."""
+    raises `LeaseLost` (writing nothing) once the lease is gone - and so does every call
+    once this iteration's drain returned, even during the claim's next iteration."""
 
     def __init__(self, runtime: Runtime, entry: SessionEntry) -> None:
         self._runtime = runtime
@@ -691,18 +812,36 @@ class DrainContext:
         self.attempt = entry.attempt
         self.resumed = entry.resumed
         self._defect: BaseException | None = None
+        self._returned = False
+
+    def _check_live(self) -> None:
+        if self._returned:
+            raise LeaseLost(
+                f"this DrainContext of execution {self.execution_id!r} is stale: its drain"
+                " already returned"
+            )
 
     async def take_inputs(self) -> list[Input]:
         """Consume pending inputs in seq order; each becomes a user message, atomically."""
+        self._check_live()
         return await self._runtime._db.run(_store.take_inputs, self.execution_id, self.owner_id)
+
+    async def transcript(self) -> list[Message]:
+        """The session's messages in seq order (`MalformedRecord` for a row that does not
+        decode): a resumed drain finds here the user message it still owes an answer to."""
+        self._check_live()
+        return await self._runtime._db.read(_store.read_transcript, self.session_id)
 
     async def begin_assistant(self) -> AssistantWriter:
         """Start an assistant message (unfinished, no parts) and return its writer."""
+        self._check_live()
         message_id = _store.new_id()
-        await self._runtime._db.run(
+        seq = await self._runtime._db.run(
             _store.begin_assistant, self.execution_id, self.owner_id, message_id
         )
-        return AssistantWriter(self, message_id)
+        writer = AssistantWriter(self, message_id, seq)
+        writer._publish(_transcript.EMPTY, 0)
+        return writer
 
 
 class AssistantWriter:
@@ -712,9 +851,10 @@ class AssistantWriter:
     `UnknownToolCall`): a defect that fails the drain even if the drain catches it.
     """
 
-    def __init__(self, context: DrainContext, message_id: str) -> None:
+    def __init__(self, context: DrainContext, message_id: str, seq: int) -> None:
         self._context = context
         self.message_id = message_id
+        self._seq = seq
 
     async def append_text(self, text: str) -> None:
         if not isinstance(text, str):
@@ -742,8 +882,9 @@ class AssistantWriter:
 
     async def _update(self, transition: Callable[[AssistantData], AssistantData]) -> None:
         context = self._context
+        context._check_live()
         try:
-            await context._runtime._db.run(
+            data, version = await context._runtime._db.run(
                 _store.update_assistant,
                 context.execution_id,
                 context.owner_id,
@@ -753,6 +894,23 @@ class AssistantWriter:
         except (DuplicateSettlement, UnknownToolCall) as exc:
             context._defect = context._defect or exc
             raise
+        self._publish(data, version)
+
+    def _publish(self, data: AssistantData, version: int) -> None:
+        """Local watchers get the snapshot now, with no store round trip."""
+        context = self._context
+        message = Message(
+            self.message_id,
+            context.session_id,
+            "assistant",
+            self._seq,
+            data,
+            context.execution_id,
+            None,
+        )
+        context._runtime._watchers.publish(
+            context.session_id, self.message_id, self._seq, message, version
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -770,6 +928,7 @@ async def open_runtime(
     recovery_interval: float = 5.0,
     recovery_batch: int = 100,
     max_resumes: int = 10,
+    max_active: int | None = None,
     clock: Callable[[], float] | None = None,
     acquisition_hook: AcquisitionHook | None = None,
 ) -> AsyncIterator[Runtime]:
@@ -785,8 +944,13 @@ async def open_runtime(
     `deferred` and the wakes wait for a runtime that drains.
     """
     backend = _resolve_store(store)
-    if drain is not None and not callable(drain):
-        raise TypeError("drain must be an async function taking a DrainContext, or None")
+    if drain is not None:
+        if not _is_async_callable(drain):
+            raise TypeError(
+                "drain must be an async function (or an object with an async __call__)"
+                f" taking a DrainContext, or None; got {drain!r}"
+            )
+        drain = _guarded(drain)
     lease = _seconds(lease, "lease")
     heartbeat = (
         lease / 3
@@ -798,6 +962,8 @@ async def open_runtime(
     recovery_interval = _seconds(recovery_interval, "recovery_interval")
     recovery_batch = _count(recovery_batch, "recovery_batch", 1)
     max_resumes = _count(max_resumes, "max_resumes", 0)
+    if max_active is not None:
+        max_active = _count(max_active, "max_active", 1)
     if owner_id is not None:
         owner_id = validate_session_id(owner_id)
     if clock is not None and not callable(clock):
@@ -811,6 +977,7 @@ async def open_runtime(
         recovery_interval=recovery_interval,
         recovery_batch=recovery_batch,
         max_resumes=max_resumes,
+        max_active=max_active,
         clock=clock,
         acquisition_hook=acquisition_hook,
     )
@@ -869,6 +1036,7 @@ class _Config:
     recovery_interval: float
     recovery_batch: int
     max_resumes: int
+    max_active: int | None
     clock: Callable[[], float] | None
     acquisition_hook: AcquisitionHook | None
 
@@ -886,9 +1054,11 @@ async def _open_runtime(
             await runtime.recover_once()
             nursery.start_soon(runtime._lease_keeper.run)
             nursery.start_soon(runtime._recovery_loop)
+        nursery.start_soon(runtime._change_loop)
         try:
             yield runtime
         finally:
+            runtime._watchers.close()
             if not runtime._crashed:
                 with trio.move_on_after(SHUTDOWN_GRACE, shield=True):
                     await runtime._shutdown()

@@ -26,6 +26,7 @@ Invariants kept here:
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -131,6 +132,7 @@ def _doorbell_set(tx: Tx, session_id: str) -> bool:
 
 
 def _ring(tx: Tx, session_id: str) -> None:
+    tx.notify(session_id)
     tx.execute(
         "UPDATE session SET time_woken = COALESCE(time_woken, ?), wakes = wakes + 1 WHERE id = ?",
         (tx.now, session_id),
@@ -155,6 +157,7 @@ def _reset_attempts(tx: Tx, session_id: str) -> None:
 def wake(tx: Tx, session_id: str) -> None:
     """Durable doorbell: create the session if absent, set `time_woken` (if unset), count it."""
     tx.lock_session(session_id)
+    tx.notify(session_id)
     tx.execute(
         "INSERT INTO session(id, time_created, time_woken, wakes) VALUES (?, ?, ?, 1)"
         " ON CONFLICT(id) DO UPDATE SET time_woken = COALESCE(session.time_woken, ?),"
@@ -166,21 +169,25 @@ def wake(tx: Tx, session_id: str) -> None:
 def submit(tx: Tx, session_id: str, payload: str, input_id: str) -> str:
     """Admit an input and ring the doorbell, idempotently by `input_id`.
 
-    The same id for the same session returns the stored id and writes nothing, also after
-    the input was taken; the same id for another session raises `InputConflict`.
+    The same id and payload for the same session returns the stored id and writes nothing,
+    also after the input was taken; the same id for another session, or with another
+    payload, raises `InputConflict`.
     """
     tx.lock_session(session_id)
-    if not _known_input(tx, session_id, input_id):
+    if not _known_input(tx, session_id, input_id, payload):
         _insert_input(tx, session_id, payload, input_id, ring=True)
     return input_id
 
 
-def _known_input(tx: Tx, session_id: str, input_id: str) -> bool:
-    """Whether the input id is stored (pending or taken); `InputConflict` for another session."""
+def _known_input(tx: Tx, session_id: str, input_id: str, payload: str) -> bool:
+    """Whether the input id is stored (pending, taken or set aside); `InputConflict` for
+    another session or another payload (compared as JSON values, not as text)."""
     known = tx.one(
-        "SELECT session_id FROM session_input WHERE id = ?"
-        " UNION ALL SELECT session_id FROM session_message WHERE input_id = ? LIMIT 1",
-        (input_id, input_id),
+        "SELECT session_id, payload FROM session_input WHERE id = ?"
+        " UNION ALL SELECT session_id, data FROM session_message WHERE input_id = ?"
+        " UNION ALL SELECT session_id, payload FROM session_input_rejected WHERE id = ?"
+        " LIMIT 1",
+        (input_id, input_id, input_id),
     )
     if known is None:
         return False
@@ -188,13 +195,27 @@ def _known_input(tx: Tx, session_id: str, input_id: str) -> bool:
         raise InputConflict(
             f"input id {input_id!r} belongs to session {known[0]!r}, not {session_id!r}"
         )
+    if known[1] != payload and _canonical(known[1]) != _canonical(payload):
+        raise InputConflict(
+            f"input id {input_id!r} of session {session_id!r} was stored with another payload"
+        )
     return True
+
+
+def _canonical(text: str) -> str | None:
+    """One spelling per JSON value (key order and spacing ignored; 1 and 1.0 differ)."""
+    try:
+        return json.dumps(_codec.loads(text), sort_keys=True, separators=(",", ":"))
+    except (TypeError, ValueError):
+        return None  # malformed: equal to nothing
 
 
 def _insert_input(tx: Tx, session_id: str, payload: str, input_id: str, *, ring: bool) -> None:
     """Insert a pending input; `ring=False` when a claim inserted in this same transaction
     takes the wake at once (so the doorbell is never written)."""
     doorbell = tx.now if ring else None
+    if ring:
+        tx.notify(session_id)
     row = tx.one(
         "INSERT INTO session(id, time_created, time_woken, wakes, input_seq)"
         " VALUES (?, ?, ?, ?, 1)"
@@ -265,7 +286,7 @@ def submit_and_acquire(
     """`submit` and the acquire it rings for, in one transaction (see `wake_and_acquire`)."""
     tx.lock_session(session_id)
     claim = _claim_row(tx, session_id)
-    if claim is not None or _known_input(tx, session_id, input_id):
+    if claim is not None or _known_input(tx, session_id, input_id, payload):
         stored = submit(tx, session_id, payload, input_id)
         return stored, acquire(tx, session_id, execution_id, owner_id, lease_ms)
     _insert_input(tx, session_id, payload, input_id, ring=False)
@@ -326,10 +347,13 @@ def heartbeat(
 def finish_iteration(tx: Tx, execution_id: str, owner_id: str) -> bool:
     """After a drain returned: take a set doorbell and continue (True), or release (False).
 
-    Serialised with `wake` by the write lock: a wake either committed before this, and is
-    taken here, or finds no claim afterwards and leads to a fresh acquisition.
+    Either way, a message the drain left open is finished and its running tools failed
+    (`interrupted`): nothing stays `running` forever. Serialised with `wake` by the write
+    lock: a wake either committed before this, and is taken here, or finds no claim
+    afterwards and leads to a fresh acquisition.
     """
     session_id = _require_claim(tx, execution_id, owner_id)
+    _close_open_messages(tx, execution_id, INTERRUPTED)
     if _doorbell_set(tx, session_id):
         _take_doorbell(tx, session_id)
         return True
@@ -386,6 +410,7 @@ def finish_interrupted(tx: Tx, execution_id: str, owner_id: str) -> bool:
 def request_cancel(tx: Tx, session_id: str) -> bool:
     """Interrupt another owner's claim: `phase='cancelling'` fenced on the live running row."""
     tx.lock_session(session_id)
+    tx.notify(session_id)
     return (
         tx.execute(
             "UPDATE session_execution SET phase = 'cancelling'"
@@ -401,6 +426,7 @@ def cancel_held_claim(tx: Tx, session_id: str) -> bool:
     that claim cancelling even if its lease already expired, so recovery finishes it as
     cancelled instead of resuming it."""
     tx.lock_session(session_id)
+    tx.notify(session_id)
     return (
         tx.execute(
             "UPDATE session_execution SET phase = 'cancelling'"
@@ -412,13 +438,14 @@ def cancel_held_claim(tx: Tx, session_id: str) -> bool:
 
 
 def expire_claims(tx: Tx, owner_id: str, execution_ids: Sequence[str]) -> int:
-    """Shutdown: keep the claims (phase unchanged) but end their leases now, fenced."""
+    """Shutdown: keep the claims (phase unchanged) but end their leases now, fenced, and
+    mark them handed back: recovery resumes them without counting a resume."""
     execution_ids = sorted(execution_ids)
     tx.lock_claims(execution_ids)
     expired = 0
     for execution_id in execution_ids:
         expired += tx.execute(
-            f"UPDATE session_execution SET expires_at = :now WHERE {CLAIM_FENCE}",
+            f"UPDATE session_execution SET expires_at = :now, handed_back = 1 WHERE {CLAIM_FENCE}",
             _fence(tx, execution_id, owner_id),
         ).rowcount
     return expired
@@ -429,17 +456,30 @@ def expire_claims(tx: Tx, owner_id: str, execution_ids: Sequence[str]) -> int:
 
 
 def take_inputs(tx: Tx, execution_id: str, owner_id: str) -> list[Input]:
-    """Consume pending inputs in seq order, appending each as a user message (claim fence)."""
+    """Consume pending inputs in seq order, appending each as a user message (claim fence).
+
+    An input whose payload does not decode to a JSON object never blocks the ones behind
+    it: it moves to `session_input_rejected` (raw text and reason kept for the operator).
+    """
     session_id = _require_claim(tx, execution_id, owner_id)
+    tx.notify(session_id)
     rows = tx.execute(
-        "SELECT id, payload FROM session_input WHERE session_id = ? ORDER BY seq", (session_id,)
+        "SELECT id, seq, payload FROM session_input WHERE session_id = ? ORDER BY seq",
+        (session_id,),
     ).fetchall()
     taken = []
     seq = _next_message_seq(tx, session_id)
-    for input_id, payload in rows:
-        taken.append(
-            Input(input_id, _codec.decode_object(payload, table="session_input", key=input_id))
-        )
+    for input_id, input_seq, payload in rows:
+        try:
+            decoded = _codec.decode_object(payload, table="session_input", key=input_id)
+        except MalformedRecord as exc:
+            tx.execute(
+                "INSERT INTO session_input_rejected(id, session_id, seq, payload, reason,"
+                " time_created) VALUES (?, ?, ?, ?, ?, ?)",
+                (input_id, session_id, input_seq, payload, str(exc), tx.now),
+            )
+            continue
+        taken.append(Input(input_id, decoded))
         tx.execute(
             "INSERT INTO session_message(id, session_id, execution_id, input_id, role, seq, data,"
             " time_created, time_updated) VALUES (?, ?, ?, ?, 'user', ?, ?, ?, ?)",
@@ -450,8 +490,10 @@ def take_inputs(tx: Tx, execution_id: str, owner_id: str) -> list[Input]:
     return taken
 
 
-def begin_assistant(tx: Tx, execution_id: str, owner_id: str, message_id: str) -> None:
+def begin_assistant(tx: Tx, execution_id: str, owner_id: str, message_id: str) -> int:
+    """Start an empty, unfinished assistant message; returns its seq."""
     session_id = _require_claim(tx, execution_id, owner_id)
+    seq = _next_message_seq(tx, session_id)
     tx.execute(
         "INSERT INTO session_message(id, session_id, execution_id, role, seq, data,"
         " time_created, time_updated) VALUES (?, ?, ?, 'assistant', ?, ?, ?, ?)",
@@ -459,12 +501,14 @@ def begin_assistant(tx: Tx, execution_id: str, owner_id: str, message_id: str) -
             message_id,
             session_id,
             execution_id,
-            _next_message_seq(tx, session_id),
+            seq,
             _codec.encode_assistant(_transcript.EMPTY),
             tx.now,
             tx.now,
         ),
     )
+    tx.notify(session_id)
+    return seq
 
 
 def update_assistant(
@@ -473,13 +517,14 @@ def update_assistant(
     owner_id: str,
     message_id: str,
     transition: Callable[[AssistantData], AssistantData],
-) -> AssistantData:
-    """Read-modify-write of one assistant message under the claim fence.
+) -> tuple[AssistantData, int]:
+    """Read-modify-write of one assistant message under the claim fence; returns the new
+    data and its version (for watchers, without another round trip).
 
     The transition runs on the durable row, so the settlement state machine checks what is
     stored, not what a writer remembers.
     """
-    _require_claim(tx, execution_id, owner_id)
+    session_id = _require_claim(tx, execution_id, owner_id)
     row = tx.one(
         "SELECT data FROM session_message WHERE id = ? AND execution_id = ?",
         (message_id, execution_id),
@@ -487,15 +532,19 @@ def update_assistant(
     if row is None:
         raise LeaseLost(f"message {message_id!r} is not owned by execution {execution_id!r}")
     data = transition(_codec.decode_assistant(row[0], key=message_id))
-    _write_assistant(tx, message_id, data)
-    return data
+    version = _write_assistant(tx, message_id, data)
+    tx.notify(session_id)
+    return data, version
 
 
-def _write_assistant(tx: Tx, message_id: str, data: AssistantData) -> None:
-    tx.execute(
-        "UPDATE session_message SET data = ?, time_updated = ? WHERE id = ?",
+def _write_assistant(tx: Tx, message_id: str, data: AssistantData) -> int:
+    """Store new data; every change bumps `version`, which orders watchers' snapshots."""
+    row = tx.one(
+        "UPDATE session_message SET data = ?, time_updated = ?, version = version + 1"
+        " WHERE id = ? RETURNING version",
         (_codec.encode_assistant(data), tx.now, message_id),
     )
+    return int(row[0])
 
 
 def _close_open_messages(tx: Tx, execution_id: str, reason: str) -> None:
@@ -615,13 +664,14 @@ def _recovery_facts(tx: Tx, candidate: Candidate) -> tuple[RecoveryFacts, str | 
     when it decodes or there is none)."""
     session_id, execution_id = candidate.session_id, candidate.execution_id
     row = tx.one(
-        "SELECT id, owner_id, phase, expires_at, anchor_seq FROM session_execution"
+        "SELECT id, owner_id, phase, expires_at, anchor_seq, handed_back FROM session_execution"
         " WHERE session_id = ?",
         (session_id,),
     )
     claim = None if row is None else ClaimRow(*row[:4])
     # Another execution's anchor is never used: the decision for a replaced claim is GONE.
-    anchor_seq = row[4] if claim is not None and claim.execution_id == execution_id else None
+    ours = claim is not None and claim.execution_id == execution_id
+    anchor_seq = row[4] if ours else None
     superseded = (
         tx.one(
             "SELECT 1 FROM session_message WHERE session_id = :session AND role = 'assistant'"
@@ -644,6 +694,7 @@ def _recovery_facts(tx: Tx, candidate: Candidate) -> tuple[RecoveryFacts, str | 
         superseded=superseded,
         newest_assistant_malformed=malformed_reason is not None,
         wake_attempts=0 if attempts is None else int(attempts[0]),
+        handed_back=ours and bool(row[5]),
     )
     return facts, malformed_reason
 
@@ -778,8 +829,8 @@ def _take_over(
     _close_open_messages(tx, old, OWNER_LOST)
     replaced = tx.execute(
         "UPDATE session_execution SET id = :new, owner_id = :me, phase = 'running',"
-        " anchor_seq = :anchor, time_created = :now, heartbeat_at = NULL, expires_at = :expires"
-        f" WHERE {RECOVERY_FENCE}",
+        " anchor_seq = :anchor, time_created = :now, heartbeat_at = NULL, expires_at = :expires,"
+        f" handed_back = 0 WHERE {RECOVERY_FENCE}",
         {
             **_fence(tx, old),
             "new": new_execution_id,
@@ -790,16 +841,19 @@ def _take_over(
     ).rowcount
     if replaced != 1:
         raise _no_longer_expired(old)
+    # A claim handed back by a graceful shutdown resumes without counting: rolling
+    # restarts are not a crash loop.
+    counted = 0 if facts.handed_back else 1
     tx.execute(
-        "UPDATE session SET wake_attempts = wake_attempts + 1, time_woken = NULL, wakes = 0"
+        "UPDATE session SET wake_attempts = wake_attempts + ?, time_woken = NULL, wakes = 0"
         " WHERE id = ?",
-        (candidate.session_id,),
+        (counted, candidate.session_id),
     )
     _delete_recovery_row(tx, old, owner_id)
     return Recovered(
         RecoveryDecision.RESUME,
         new_execution_id=new_execution_id,
-        attempt=facts.wake_attempts + 1,
+        attempt=facts.wake_attempts + counted,
     )
 
 
@@ -824,15 +878,56 @@ def lift_quarantine(tx: Tx, execution_id: str, owner_id: str, lease_ms: int) -> 
 
 
 def drop_quarantined(tx: Tx, execution_id: str) -> None:
-    """Operator drop: finish the open transcript as owner-lost, delete the claim, reset
-    attempts, re-arm the doorbell if inputs remain."""
+    """Operator drop: set the execution's messages that do not decode aside (raw text kept
+    in `session_message_rejected`), so the transcript reads again; finish the rest of its
+    open transcript as owner-lost, delete the claim, reset attempts, re-arm the doorbell if
+    inputs remain."""
     session_id = _quarantined_row(tx, execution_id)[0]
+    _set_aside_malformed_messages(tx, session_id, execution_id)
     _close_open_messages(tx, execution_id, OWNER_LOST)
     tx.execute("DELETE FROM session_execution WHERE id = ?", (execution_id,))
     _reset_attempts(tx, session_id)
     if _has_pending_inputs(tx, session_id):
         _ring(tx, session_id)
     tx.execute("DELETE FROM session_recovery WHERE execution_id = ?", (execution_id,))
+
+
+def _set_aside_malformed_messages(tx: Tx, session_id: str, execution_id: str) -> None:
+    rows = tx.execute(
+        "SELECT id, role, seq, data, input_id FROM session_message WHERE execution_id = ?",
+        (execution_id,),
+    ).fetchall()
+    for message_id, role, seq, data, input_id in rows:
+        try:
+            _decode_message(session_id, message_id, role, seq, data, execution_id, input_id)
+        except MalformedRecord as exc:
+            tx.execute(
+                "INSERT INTO session_message_rejected(id, session_id, execution_id, seq, data,"
+                " reason, time_created) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (message_id, session_id, execution_id, seq, data, str(exc), tx.now),
+            )
+            tx.execute("DELETE FROM session_message WHERE id = ?", (message_id,))
+
+
+def rejected_inputs(tx: Tx, session_id: str | None) -> list[dict[str, Any]]:
+    """Inputs set aside by `take_inputs` because they do not decode, oldest first."""
+    rows = tx.execute(
+        "SELECT id, session_id, seq, payload, reason, time_created FROM session_input_rejected"
+        " WHERE CAST(:session AS TEXT) IS NULL OR session_id = :session ORDER BY time_created, session_id, seq",
+        {"session": session_id},
+    ).fetchall()
+    keys = ("id", "session_id", "seq", "payload", "reason", "time_created")
+    return [dict(zip(keys, row, strict=True)) for row in rows]
+
+
+def drop_rejected_input(tx: Tx, input_id: str) -> str:
+    """Operator drop of a set-aside input; returns its session id, `ValueError` if none."""
+    row = tx.one("SELECT session_id FROM session_input_rejected WHERE id = ?", (input_id,))
+    if row is None:
+        raise ValueError(f"input {input_id!r} is not a rejected input")
+    tx.lock_session(str(row[0]))
+    tx.execute("DELETE FROM session_input_rejected WHERE id = ?", (input_id,))
+    return str(row[0])
 
 
 def _quarantined_row(tx: Tx, execution_id: str) -> Any:
@@ -872,3 +967,97 @@ def apply_recovery_batch(
             result = quarantine(tx, owner_id, candidate, f"recovery failed: {exc!r}")
         results.append(result)
     return results
+
+
+# ---------------------------------------------------------------------------------------------
+# Changes made by other processes (read-only)
+
+
+# (session id, message id, seq, the message or why it does not decode, version)
+Snapshot = tuple[str, str, int, Message | MalformedRecord, int]
+
+
+@attrs.frozen
+class Changes:
+    """What another process (or this one) may have changed since the last look."""
+
+    doorbells: list[str]  # unclaimed sessions with a set doorbell, oldest first
+    cancelling: list[str]  # execution ids of our claims another process marked cancelling
+    messages: list[Snapshot]  # of watched sessions only
+
+
+def changes(
+    tx: Tx,
+    owner_id: str,
+    local_sessions: Sequence[str],
+    doorbell_limit: int,
+    watched: dict[str, dict[str, int]],
+) -> Changes:
+    """Read what the change signal points at: doorbells this runtime may take, cancellations
+    of its claims, and messages of watched sessions whose version is newer than the one
+    given (`watched[session][message_id]`; absent = never seen)."""
+    doorbells: list[str] = []
+    if doorbell_limit > 0:
+        not_local, local = tx.not_in("s.id", local_sessions)
+        doorbells = [
+            str(row[0])
+            for row in tx.execute(
+                "SELECT s.id FROM session s WHERE s.time_woken IS NOT NULL"
+                " AND NOT EXISTS (SELECT 1 FROM session_execution e WHERE e.session_id = s.id)"
+                f" AND {not_local} ORDER BY s.time_woken, s.id LIMIT :limit",
+                {"excluded": local, "limit": doorbell_limit},
+            ).fetchall()
+        ]
+    cancelling = [
+        str(row[0])
+        for row in tx.execute(
+            "SELECT id FROM session_execution WHERE owner_id = ? AND phase = 'cancelling'",
+            (owner_id,),
+        ).fetchall()
+    ]
+    messages = [
+        snapshot
+        for session_id, seen in watched.items()
+        for snapshot in _message_snapshots(
+            tx,
+            "session_id = :session AND version > :unseen",
+            {"session": session_id, "unseen": -1},
+            seen,
+        )
+    ]
+    return Changes(doorbells, cancelling, messages)
+
+
+def watched_messages(tx: Tx, session_id: str, after_seq: int) -> list[Snapshot]:
+    """Every stored message of the session with `seq > after_seq`, in seq order."""
+    return _message_snapshots(
+        tx, "session_id = :session AND seq > :after", {"session": session_id, "after": after_seq}
+    )
+
+
+def _message_snapshots(
+    tx: Tx, where: str, params: dict[str, Any], seen: dict[str, int] | None = None
+) -> list[Snapshot]:
+    """Messages matching `where`, skipping those whose version is not newer than `seen`;
+    the data of a skipped message is never read."""
+    stale = [
+        (str(row[0]), int(row[1]))
+        for row in tx.execute(
+            f"SELECT id, version FROM session_message WHERE {where} ORDER BY seq", params
+        ).fetchall()
+        if seen is None or seen.get(row[0], -1) < row[1]
+    ]
+    snapshots: list[Snapshot] = []
+    for message_id, _ in stale:
+        row = tx.one(
+            "SELECT session_id, id, role, seq, data, execution_id, input_id, version"
+            " FROM session_message WHERE id = ?",
+            (message_id,),
+        )
+        snapshot: Message | MalformedRecord
+        try:
+            snapshot = _decode_message(*row[:7])
+        except MalformedRecord as exc:
+            snapshot = exc
+        snapshots.append((str(row[0]), message_id, int(row[3]), snapshot, int(row[7])))
+    return snapshots

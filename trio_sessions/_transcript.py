@@ -13,13 +13,10 @@ from typing import Any
 import attrs
 
 from ._errors import DuplicateSettlement, UnknownToolCall
+from ._errors import MessageFinished as MessageFinished  # public in trio_sessions since 0.1
 from ._model import UNSETTLED_AT_FINISH, AssistantData, Part, TextPart, ToolPart
 
 EMPTY = AssistantData(parts=(), finished=False, error=None)
-
-
-class MessageFinished(ValueError):
-    """A write to an assistant message that was already finished."""
 
 
 def _require_open(data: AssistantData) -> None:

@@ -1,0 +1,512 @@
+"""The PostgreSQL engine: schema and migrations, the isolation races of
+reference/postgres.md §4.1 as two-connection regression tests, group commit, uncertain
+commits, and a runtime end to end.
+
+The races run on raw connections, each transaction held open by the test, with an injected
+lease clock so "expired" and "live" are exact. A waiting transaction runs in a thread; the
+test sees it wait in `pg_stat_activity` (no sleeping) before letting the other side commit.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+import trio
+from psycopg import sql
+from trio.testing import MockClock
+
+from trio_sessions import (
+    DrainContext,
+    LeaseLost,
+    SchemaTooNew,
+    StoreError,
+    _store,
+    open_runtime,
+    testing,
+)
+from trio_sessions._backend import Job, Tx
+from trio_sessions._decisions import AcquireVerdict, RecoveryDecision
+from trio_sessions._postgres import PgEngine, PgTx, PostgresStore, connect, run_op
+
+REPO = Path(__file__).resolve().parent.parent
+LEASE_MS = 30_000
+
+
+def fixed(seconds: float) -> Callable[[], float]:
+    """A lease clock stopped at `seconds` (ms = seconds * 1000)."""
+    return lambda: seconds
+
+
+@contextmanager
+def opened(engine: PgEngine) -> Iterator[PgEngine]:
+    engine.open()
+    try:
+        yield engine
+    finally:
+        engine.close()
+
+
+@contextmanager
+def raw(url: str, schema: str) -> Iterator[psycopg.Connection[Any]]:
+    """An operator's autocommit connection to the test schema."""
+    with psycopg.connect(url, autocommit=True, options=f"-c search_path={schema}") as conn:
+        yield conn
+
+
+@contextmanager
+def open_tx(
+    url: str, schema: str, clock: Callable[[], float] | None
+) -> Iterator[tuple[psycopg.Connection[Any], PgTx]]:
+    """A store transaction the test holds open (rolled back unless the test commits)."""
+    conn = connect(url, schema)
+    try:
+        yield conn, PgTx(conn, clock)
+    finally:
+        conn.rollback()
+        conn.close()
+
+
+def wait_until_blocked(url: str, pid: int) -> None:
+    """Return once backend `pid` waits for a lock; fail after 10 s."""
+    deadline = time.monotonic() + 10
+    with psycopg.connect(url, autocommit=True) as conn:
+        while time.monotonic() < deadline:
+            row = conn.execute(
+                "SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", (pid,)
+            ).fetchone()
+            if row is not None and row[0] == "Lock":
+                return
+            time.sleep(0.005)
+    pytest.fail(f"backend {pid} never waited for a lock")
+
+
+class Background:
+    """Run a blocking call in a thread; `result()` joins it and returns or raises."""
+
+    def __init__(self, call: Callable[[], Any]) -> None:
+        self._call = call
+        self._outcome: list[Any] = []
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._outcome.append(("ok", self._call()))
+        except BaseException as exc:
+            self._outcome.append(("error", exc))
+
+    def result(self) -> Any:
+        self._thread.join(30)
+        assert self._outcome, "the background call did not finish"
+        kind, value = self._outcome[0]
+        if kind == "error":
+            raise value
+        return value
+
+
+def claim(engine: PgEngine, session_id: str, execution_id: str, owner: str, lease_ms: int) -> None:
+    run_op(engine, _store.wake, session_id)
+    acquired = run_op(engine, _store.acquire, session_id, execution_id, owner, lease_ms)
+    assert acquired.verdict is AcquireVerdict.CLAIM
+
+
+# ---------------------------------------------------------------------------------------------
+# Schema and migrations
+
+
+def test_migration_creates_the_named_checks(pg_url: str, pg_schema: str) -> None:
+    """An insert with phase='invalid' fails naming session_execution_phase_check."""
+    with opened(PostgresStore(pg_url, schema=pg_schema).engine()) as engine:
+        run_op(engine, _store.wake, "s")
+    with raw(pg_url, pg_schema) as conn:
+        with pytest.raises(psycopg.errors.CheckViolation, match="session_execution_phase_check"):
+            conn.execute(
+                "INSERT INTO session_execution(id, session_id, owner_id, phase, time_created,"
+                " expires_at) VALUES ('bad', 's', 'owner', 'invalid', 0, 1)"
+            )
+        names = {
+            row[0]
+            for row in conn.execute(
+                "SELECT conname FROM pg_constraint WHERE connamespace = %s::regnamespace",
+                (pg_schema,),
+            )
+        }
+        assert {
+            "session_execution_phase_check",
+            "session_wake_attempts_check",
+            "session_message_role_check",
+        } <= names
+        fillfactor = conn.execute(
+            "SELECT reloptions FROM pg_class WHERE oid = 'session_execution'::regclass"
+        ).fetchone()
+        assert fillfactor == (["fillfactor=80"],)
+
+
+_MIGRATE_CHILD = """
+import os, sys, time
+from trio_sessions._postgres import PostgresStore
+url, schema, go = sys.argv[1:]
+while not os.path.exists(go):
+    time.sleep(0.001)
+engine = PostgresStore(url, schema=schema).engine()
+engine.open()
+engine.close()
+"""
+
+
+def test_concurrent_migrations_of_an_empty_schema_all_succeed(
+    pg_url: str, pg_schema: str, tmp_path: Path
+) -> None:
+    """Four processes migrating an empty schema at once all succeed; one schema_version row."""
+    go = tmp_path / "go"
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", _MIGRATE_CHILD, pg_url, pg_schema, str(go)],
+            cwd=REPO,
+            stderr=subprocess.PIPE,
+        )
+        for _ in range(4)
+    ]
+    time.sleep(0.3)  # let the children import and reach the start line together
+    go.touch()
+    errors = [child.communicate(timeout=60)[1] for child in children]
+    assert [child.returncode for child in children] == [0, 0, 0, 0], errors
+    with raw(pg_url, pg_schema) as conn:
+        assert conn.execute("SELECT version FROM schema_version").fetchall() == [(1,)]
+
+
+def test_newer_schema_version_is_refused_untouched(pg_url: str, pg_schema: str) -> None:
+    """A schema written by a newer library raises SchemaTooNew and nothing is written."""
+    with raw(pg_url, pg_schema) as conn:
+        conn.execute("CREATE TABLE schema_version(version INTEGER NOT NULL)")
+        conn.execute("INSERT INTO schema_version VALUES (2)")
+    with pytest.raises(SchemaTooNew):
+        PostgresStore(pg_url, schema=pg_schema).engine().open()
+    with raw(pg_url, pg_schema) as conn:
+        tables = conn.execute(
+            "SELECT tablename FROM pg_tables WHERE schemaname = %s", (pg_schema,)
+        ).fetchall()
+        assert tables == [("schema_version",)]
+        assert conn.execute("SELECT version FROM schema_version").fetchall() == [(2,)]
+
+
+def test_schema_is_created_when_missing(pg_url: str) -> None:
+    """A store names a schema that does not exist yet: it is created and migrated."""
+    schema = f"missing_{os.getpid()}_{time.monotonic_ns()}"
+    try:
+        with opened(PostgresStore(pg_url, schema=schema).engine()) as engine:
+            run_op(engine, _store.wake, "s")
+        with raw(pg_url, schema) as conn:
+            assert conn.execute("SELECT wakes FROM session").fetchall() == [(1,)]
+    finally:
+        with psycopg.connect(pg_url, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Isolation: reference/postgres.md §4.1 as regression tests
+
+
+@contextmanager
+def renewed_under_session_lock(
+    pg_url: str, pg_schema: str
+) -> Iterator[tuple[psycopg.Connection[Any], PgTx]]:
+    """Owner tx at t=1.2 s: session lock, lease renewed to 31.2 s, left open."""
+    with open_tx(pg_url, pg_schema, fixed(1.2)) as (conn, tx):
+        tx.lock_session("s")
+        assert _store.heartbeat(tx, "owner", ["e1"], LEASE_MS) == {"e1": "running"}
+        yield conn, tx
+
+
+def test_takeover_waits_for_the_owners_renewal_then_finds_nothing(
+    pg_url: str, pg_schema: str
+) -> None:
+    """Recovery (apply_recovery) waits for an open owner tx that renewed the lease, then
+    skips the claim as live instead of taking it over."""
+    with opened(PostgresStore(pg_url, schema=pg_schema).engine(fixed(1.0))) as engine:
+        claim(engine, "s", "e1", "owner", 500)  # expires at 1.5 s
+    candidate = _store.Candidate("s", "e1")
+    with opened(PostgresStore(pg_url, schema=pg_schema).engine(fixed(2.0))) as rescuer:
+        taken = run_op(rescuer, _store.take_recovery_leases, "rescuer", LEASE_MS, [candidate])
+        assert taken == [candidate]
+    with (
+        renewed_under_session_lock(pg_url, pg_schema) as (owner, _),
+        open_tx(pg_url, pg_schema, fixed(2.0)) as (recovery, recovery_tx),
+    ):
+
+        def take_over() -> _store.Recovered:
+            result = _store.apply_recovery(
+                recovery_tx, "rescuer", candidate, "e2", LEASE_MS, max_resumes=10
+            )
+            recovery.commit()
+            return result
+
+        waiting = Background(take_over)
+        wait_until_blocked(pg_url, recovery.info.backend_pid)
+        owner.commit()
+        recovered = waiting.result()
+    assert recovered.decision is RecoveryDecision.SKIP_LIVE
+    with raw(pg_url, pg_schema) as conn:
+        assert conn.execute(
+            "SELECT id, owner_id, expires_at FROM session_execution"
+        ).fetchall() == [("e1", "owner", 1200 + LEASE_MS)]
+
+
+def test_raw_takeover_update_waits_for_the_owners_renewal_then_matches_nothing(
+    pg_url: str, pg_schema: str
+) -> None:
+    """The recovery-fenced UPDATE waits for the owner's open renewal, re-checks the new row
+    version after its COMMIT and updates 0 rows."""
+    with opened(PostgresStore(pg_url, schema=pg_schema).engine(fixed(1.0))) as engine:
+        claim(engine, "s", "e1", "owner", 500)
+    with (
+        renewed_under_session_lock(pg_url, pg_schema) as (owner, _),
+        open_tx(pg_url, pg_schema, fixed(2.0)) as (recovery, recovery_tx),
+    ):
+
+        def take_over() -> int:
+            updated = recovery_tx.execute(
+                "UPDATE session_execution SET id = :new, owner_id = 'thief'"
+                f" WHERE {_store.RECOVERY_FENCE}",
+                {"new": "e2", "execution": "e1", "now": 2000},
+            ).rowcount
+            recovery.commit()
+            return updated
+
+        waiting = Background(take_over)
+        wait_until_blocked(pg_url, recovery.info.backend_pid)
+        owner.commit()
+        assert waiting.result() == 0
+    with raw(pg_url, pg_schema) as conn:
+        assert conn.execute("SELECT id, owner_id FROM session_execution").fetchall() == [
+            ("e1", "owner")
+        ]
+
+
+def test_failed_claim_does_not_block_the_owners_heartbeat(pg_url: str, pg_schema: str) -> None:
+    """An acquire that answered HELD, its transaction still open, does not delay the
+    owner's heartbeat (no row lock on the live claim)."""
+    with opened(PostgresStore(pg_url, schema=pg_schema).engine(fixed(1.0))) as engine:
+        claim(engine, "s", "e1", "owner", LEASE_MS)
+    with (
+        open_tx(pg_url, pg_schema, fixed(2.0)) as (_, claimant),
+        open_tx(pg_url, pg_schema, fixed(2.0)) as (owner, owner_tx),
+    ):
+        acquired = _store.acquire(claimant, "s", "e2", "other", LEASE_MS)
+        assert acquired.verdict is AcquireVerdict.HELD
+        owner.execute("SET lock_timeout = 500")  # blocked would raise LockNotAvailable
+        started = time.monotonic()
+        assert _store.heartbeat(owner_tx, "owner", ["e1"], LEASE_MS) == {"e1": "running"}
+        owner.commit()
+        assert time.monotonic() - started < 0.5
+    with raw(pg_url, pg_schema) as conn:
+        assert conn.execute("SELECT expires_at FROM session_execution").fetchall() == [
+            (2000 + LEASE_MS,)
+        ]
+
+
+def test_session_lock_is_retaken_after_a_savepoint_rolled_back(pg_url: str, pg_schema: str) -> None:
+    """A session lock taken inside a savepoint that rolled back (and so was released) is
+    taken again by the next lock_session of the same transaction."""
+    with opened(PostgresStore(pg_url, schema=pg_schema).engine()):
+        pass
+    with open_tx(pg_url, pg_schema, None) as (conn, tx), raw(pg_url, pg_schema) as observer:
+
+        def advisory_locks() -> int:
+            row = observer.execute(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = %s",
+                (conn.info.backend_pid,),
+            ).fetchone()
+            assert row is not None
+            return int(row[0])
+
+        def lock_then_fail() -> None:
+            with tx.savepoint():
+                tx.lock_session("s")
+                assert advisory_locks() == 1
+                raise RuntimeError
+
+        with pytest.raises(RuntimeError):
+            lock_then_fail()
+        assert advisory_locks() == 0
+        tx.lock_session("s")
+        assert advisory_locks() == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Group commit
+
+
+def broken_statement(tx: Tx) -> None:
+    tx.execute("SELECT * FROM no_such_table")
+
+
+def test_group_commit_batch_with_a_refusal_commits_the_others(pg_url: str, pg_schema: str) -> None:
+    """One job of a batch raises LeaseLost, another a database error: both get their error,
+    nothing of theirs is written, and the other jobs still commit."""
+    with opened(PostgresStore(pg_url, schema=pg_schema).engine()) as engine:
+        jobs = [
+            Job(_store.wake, ("s1",)),
+            Job(_store.take_inputs, ("no-such-execution", "owner")),
+            Job(_store.wake, ("s2",)),
+            Job(broken_statement, ()),
+            Job(_store.wake, ("s1",)),
+        ]
+        engine.run_batch(jobs)
+        # One batch, rolled back, then each job alone.
+        assert engine.transactions == 1 + len(jobs)
+    assert isinstance(jobs[1].error, LeaseLost)
+    assert isinstance(jobs[3].error, StoreError)
+    assert [job.error for job in jobs[::2]] == [None, None, None]
+    with raw(pg_url, pg_schema) as conn:
+        rows = conn.execute("SELECT id, wakes FROM session ORDER BY id").fetchall()
+        assert rows == [("s1", 2), ("s2", 1)]
+
+
+def test_group_commit_batch_runs_in_one_transaction(pg_url: str, pg_schema: str) -> None:
+    """A batch whose jobs all succeed is one transaction, and every job gets its result."""
+    with opened(PostgresStore(pg_url, schema=pg_schema).engine()) as engine:
+        jobs = [Job(_store.submit, (f"s{i}", '{"n": 1}', f"in-{i}")) for i in range(10)]
+        engine.run_batch(jobs)
+        assert engine.transactions == 1
+    assert [job.unwrap() for job in jobs] == [f"in-{i}" for i in range(10)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Uncertain commits
+
+
+def _terminate(url: str, pid: int) -> None:
+    """Kill backend `pid` from another connection and wait until it is gone."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        deadline = time.monotonic() + 10
+        while conn.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone():
+            assert time.monotonic() < deadline, f"backend {pid} survived termination"
+            time.sleep(0.005)
+
+
+class BreakAtCommit:
+    """A connection whose next COMMIT loses its connection: the backend is killed before
+    the COMMIT reaches it (`land=False`: the transaction aborts) or right after it
+    committed (`land=True`: the answer is lost)."""
+
+    def __init__(self, conn: psycopg.Connection[Any], url: str, *, land: bool) -> None:
+        self._conn = conn
+        self._url = url
+        self._land = land
+        self.armed = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+    def commit(self) -> None:
+        if not self.armed:
+            self._conn.commit()
+            return
+        self.armed = False
+        if self._land:
+            self._conn.commit()
+        _terminate(self._url, self._conn.info.backend_pid)
+        if self._land:
+            raise psycopg.OperationalError("server closed the connection (injected)")
+        self._conn.commit()  # on a dead connection: raises
+
+
+@pytest.mark.parametrize("land", [True, False], ids=["committed", "aborted"])
+def test_uncertain_commit_is_read_back(pg_url: str, pg_schema: str, land: bool) -> None:
+    """The writer's connection dies at COMMIT: the outcome is read back from the server, so
+    a submit is stored once and an acquire is reported as a claim exactly once."""
+    wrapped: list[BreakAtCommit] = []
+
+    def wrap(conn: psycopg.Connection[Any]) -> BreakAtCommit:
+        wrapped.append(BreakAtCommit(conn, pg_url, land=land))
+        return wrapped[-1]
+
+    store = PostgresStore(pg_url, schema=pg_schema, wrap_connection=wrap)
+    with opened(store.engine()) as engine:
+        wrapped[-1].armed = True
+        assert run_op(engine, _store.submit, "s", '{"n": 1}', "in-1") == "in-1"
+        # Committed: read back, not re-applied. Aborted: run again on a new connection.
+        assert (engine.reconnects, engine.transactions) == (1, 1 if land else 2)
+
+        wrapped[-1].armed = True
+        acquired = run_op(engine, _store.acquire, "s", "e1", "owner", LEASE_MS)
+        assert acquired.verdict is AcquireVerdict.CLAIM
+        assert engine.reconnects == 2
+        again = run_op(engine, _store.acquire, "s", "e2", "owner", LEASE_MS)
+        assert again.verdict is not AcquireVerdict.CLAIM
+    with raw(pg_url, pg_schema) as conn:
+        assert conn.execute("SELECT id, seq FROM session_input").fetchall() == [("in-1", 1)]
+        assert conn.execute("SELECT wakes, input_seq FROM session").fetchall() == [(0, 1)]
+        assert conn.execute("SELECT id FROM session_execution").fetchall() == [("e1",)]
+
+
+def test_lost_connection_before_commit_reruns(pg_url: str, pg_schema: str) -> None:
+    """The writer's backend is killed between transactions: the next operation reconnects
+    and runs once."""
+    with opened(PostgresStore(pg_url, schema=pg_schema).engine()) as engine:
+        run_op(engine, _store.wake, "s")
+        _terminate(pg_url, engine.conn.info.backend_pid)
+        run_op(engine, _store.wake, "s")
+        assert engine.reconnects == 1
+    with raw(pg_url, pg_schema) as conn:
+        assert conn.execute("SELECT wakes FROM session").fetchall() == [(2,)]
+
+
+# ---------------------------------------------------------------------------------------------
+# The runtime end to end
+
+
+async def echo(ctx: DrainContext) -> None:
+    for item in await ctx.take_inputs():
+        writer = await ctx.begin_assistant()
+        await writer.append_text(f"echo {item.payload['text']}")
+        await writer.finish()
+
+
+async def test_runtime_drains_on_the_inline_store(
+    pg_url: str, pg_schema: str, autojump_clock: MockClock
+) -> None:
+    """open_runtime on an inline PostgresStore with a virtual clock drains end to end."""
+    store = PostgresStore(pg_url, schema=pg_schema, inline=True)
+    async with open_runtime(store, echo, clock=testing.trio_clock()) as rt:
+        await rt.submit("s", {"text": "hi"})
+        await rt.wait_idle("s")
+        messages = await rt.transcript("s")
+        assert rt.statistics().store.backend == "postgres"
+    assert [m.role for m in messages] == ["user", "assistant"]
+    assert messages[0].data == {"text": "hi"}
+    assert messages[1].data.parts[0].text == "echo hi"
+    with raw(pg_url, pg_schema) as conn:
+        assert conn.execute("SELECT count(*) FROM session_execution").fetchone() == (0,)
+
+
+async def test_runtime_drains_on_the_thread_executor_with_the_server_clock(
+    pg_url: str, pg_schema: str
+) -> None:
+    """The default (threaded, group-commit) executor on the server's clock drains 20
+    sessions submitted concurrently."""
+    store = PostgresStore(pg_url, schema=pg_schema)
+    with trio.fail_after(60):
+        async with open_runtime(store, echo) as rt:
+            async with trio.open_nursery() as nursery:
+                for i in range(20):
+                    nursery.start_soon(rt.submit, f"s{i}", {"text": str(i)})
+            for i in range(20):
+                await rt.wait_idle(f"s{i}")
+            transcripts = [await rt.transcript(f"s{i}") for i in range(20)]
+            stats = rt.statistics().store
+    assert all(len(messages) == 2 for messages in transcripts)
+    assert stats.backend == "postgres"
+    assert 0 < stats.handoffs <= stats.transactions

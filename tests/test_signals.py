@@ -1,0 +1,307 @@
+"""Signals between processes: prompt pickup of other runtimes' wakes, remote interrupts within
+milliseconds, and `watch()` for live transcripts (DESIGN §5, §8).
+
+Two runtimes on one SQLite file, each with its own connections, stand for two processes:
+`PRAGMA data_version` sees the other's commits exactly as it sees another process's. One
+test uses a real producer process. These run on the threaded store in real time, bounded by
+`fail_after`; `recovery_interval=3600` makes sure recovery is never what picks the work up.
+"""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import trio_sessions
+from trio_sessions import AssistantData, DrainContext, MalformedRecord, Message, Outcome
+from trio_sessions._signals import Watcher
+
+NO_RECOVERY = {"recovery_interval": 3600.0}
+BOUND = 2.0  # seconds; the change signal's p99 target is 50 ms
+
+
+async def test_a_submit_from_another_runtime_starts_the_drain_without_recovery(
+    tmp_path: Path,
+) -> None:
+    """A producer's submit starts the worker's drain via the change signal, not recovery."""
+    db = tmp_path / "s.db"
+    started = trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        await ctx.take_inputs()
+        started.set()
+
+    async with (
+        trio_sessions.open_runtime(db, drain, **NO_RECOVERY) as worker,
+        trio_sessions.open_runtime(db, None) as producer,
+    ):
+        await producer.submit("s", {"text": "hi"})
+        with trio.fail_after(BOUND):
+            await started.wait()
+        assert worker.statistics().remote_signals >= 1
+
+
+async def test_a_real_producer_process_wakes_the_worker(tmp_path: Path) -> None:
+    """A submit from another OS process starts the drain within the bound."""
+    db = tmp_path / "s.db"
+    started = trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        await ctx.take_inputs()
+        started.set()
+
+    script = textwrap.dedent(
+        f"""
+        import trio, trio_sessions
+        async def main():
+            async with trio_sessions.open_runtime({str(db)!r}, None) as producer:
+                await producer.submit("s", {{"text": "hi"}})
+        trio.run(main)
+        """
+    )
+    async with trio_sessions.open_runtime(db, drain, **NO_RECOVERY):
+        completed = await trio.run_process([sys.executable, "-c", script], check=False)
+        assert completed.returncode == 0
+        with trio.fail_after(BOUND):
+            await started.wait()
+
+
+async def test_a_remote_interrupt_stops_the_owner_long_before_its_heartbeat(
+    tmp_path: Path,
+) -> None:
+    """interrupt() from a producer cancels the owner's drain through the signal, with the
+    default heartbeat (lease/3 = 10 s) far away."""
+    db = tmp_path / "s.db"
+    entered = trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        await ctx.take_inputs()
+        entered.set()
+        await trio.sleep_forever()
+
+    async with (
+        trio_sessions.open_runtime(db, drain, **NO_RECOVERY) as worker,
+        trio_sessions.open_runtime(db, None) as producer,
+        trio.open_nursery() as nursery,
+    ):
+        outcomes: list[Outcome] = []
+
+        async def run() -> None:
+            outcomes.append(await worker.run("s"))
+
+        nursery.start_soon(run)
+        await entered.wait()
+        assert await producer.interrupt("s") is True
+        with trio.fail_after(BOUND):
+            await worker.wait_idle("s")
+        assert outcomes == [Outcome("interrupted", "user")]
+
+
+async def test_a_lost_signal_is_made_good_by_the_fallback_poll(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the data_version signal blinded, the slow fallback poll still starts the drain."""
+    from trio_sessions import _runtime, _sqlite
+
+    monkeypatch.setattr(_sqlite, "CHANGE_POLL", 3600.0)  # the signal never fires in time
+    monkeypatch.setattr(_runtime, "CHANGE_FALLBACK_POLL", 0.2)
+    db = tmp_path / "s.db"
+    started = trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        started.set()
+
+    async with (
+        trio_sessions.open_runtime(db, drain, **NO_RECOVERY),
+        trio_sessions.open_runtime(db, None) as producer,
+    ):
+        await producer.wake("s")
+        with trio.fail_after(BOUND):
+            await started.wait()
+
+
+async def test_max_active_bounds_drains_and_the_rest_complete_without_recovery(
+    tmp_path: Path,
+) -> None:
+    """max_active=2: never more than two drains at once; all ten sessions still drain, taken
+    as capacity frees (no recovery pass)."""
+    db = tmp_path / "s.db"
+    running = 0
+    peak = 0
+    done: set[str] = set()
+
+    async def drain(ctx: DrainContext) -> None:
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        await trio.sleep(0.01)
+        running -= 1
+        done.add(ctx.session_id)
+
+    async with (
+        trio_sessions.open_runtime(db, drain, max_active=2, **NO_RECOVERY),
+        trio_sessions.open_runtime(db, None) as producer,
+    ):
+        for n in range(10):
+            await producer.wake(f"s{n}")
+        with trio.fail_after(BOUND * 3):
+            while len(done) < 10:
+                await trio.sleep(0.01)
+    assert peak <= 2
+
+
+async def test_watch_replays_then_follows_local_writes_in_order(tmp_path: Path) -> None:
+    """A watcher gets the stored messages after `after_seq`, then every local snapshot of
+    the reply growing to its final state."""
+    db = tmp_path / "s.db"
+    gate = trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        await ctx.take_inputs()
+        await gate.wait()
+        writer = await ctx.begin_assistant()
+        for word in ("a", "b", "c"):
+            await writer.append_text(word)
+        await writer.finish()
+
+    async with trio_sessions.open_runtime(db, drain, **NO_RECOVERY) as rt:
+        await rt.submit("s", {"text": "q"})
+        async with rt.watch("s") as updates:
+            first = await updates.__anext__()
+            assert (first.role, first.seq, first.data) == ("user", 1, {"text": "q"})
+            gate.set()
+            texts = []
+            with trio.fail_after(BOUND):
+                async for message in updates:
+                    assert message.seq == 2
+                    assert isinstance(message.data, AssistantData)
+                    texts.append("".join(p.text for p in message.data.parts))  # type: ignore[union-attr]
+                    if message.data.finished:
+                        break
+        assert texts[-1] == "abc"
+        assert texts == sorted(texts, key=len)  # never an older state after a newer one
+        async with rt.watch("s", after_seq=1) as replay:
+            again = await replay.__anext__()
+        assert again.seq == 2 and again.data.finished
+
+
+async def test_a_producer_watcher_sees_another_runtimes_reply(tmp_path: Path) -> None:
+    """watch() in a producer runtime follows a reply written by a worker runtime."""
+    db = tmp_path / "s.db"
+
+    async def drain(ctx: DrainContext) -> None:
+        await ctx.take_inputs()
+        writer = await ctx.begin_assistant()
+        await writer.append_text("answer")
+        await writer.finish()
+
+    async with (
+        trio_sessions.open_runtime(db, drain, **NO_RECOVERY),
+        trio_sessions.open_runtime(db, None) as producer,
+        producer.watch("s") as updates,
+    ):
+        await producer.submit("s", {"text": "q"})
+        with trio.fail_after(BOUND):
+            async for message in updates:
+                if message.role == "assistant" and message.data.finished:
+                    assert message.data.parts[0].text == "answer"
+                    break
+
+
+async def test_local_snapshots_cost_no_store_round_trip(tmp_path: Path) -> None:
+    """Three watchers of a streaming reply add no write transaction: the writer's own
+    results fan out locally."""
+
+    async def drain(ctx: DrainContext) -> None:
+        writer = await ctx.begin_assistant()
+        for _ in range(5):
+            await writer.append_text("x")
+        await writer.finish()
+
+    async def transactions(db: Path, watchers: int) -> int:
+        async with trio_sessions.open_runtime(db, drain, **NO_RECOVERY) as rt:
+            async with trio.open_nursery() as nursery:
+                for _ in range(watchers):
+                    nursery.start_soon(_follow_until_finished, rt)
+                await trio.sleep(0.05)  # the watchers are registered before the run
+                before = rt.statistics().store.transactions
+                await rt.run("s")
+            return rt.statistics().store.transactions - before
+
+    assert await transactions(tmp_path / "a.db", 3) == await transactions(tmp_path / "b.db", 0)
+
+
+async def _follow_until_finished(rt: trio_sessions.Runtime) -> None:
+    async with rt.watch("s") as updates:
+        async for message in updates:
+            if message.role == "assistant" and message.data.finished:
+                return
+
+
+async def test_a_malformed_row_raises_in_its_watcher_only(tmp_path: Path) -> None:
+    """A row that does not decode raises MalformedRecord in the watcher of that session;
+    another session's watcher carries on."""
+    import sqlite3
+
+    db = tmp_path / "s.db"
+    async with trio_sessions.open_runtime(db, None) as rt:
+        await rt.submit("bad", {"n": 1})
+        await rt.submit("good", {"n": 1})
+        conn = sqlite3.connect(db)
+        with conn:
+            conn.execute(
+                "INSERT INTO session_message(id, session_id, role, seq, data, time_created,"
+                " time_updated) VALUES ('m-bad', 'bad', 'assistant', 1, '{oops', 0, 0)"
+            )
+        conn.close()
+        async with rt.watch("bad") as bad, rt.watch("good") as good:
+            with pytest.raises(MalformedRecord):
+                await bad.__anext__()
+            conn = sqlite3.connect(db)
+            with conn:
+                conn.execute(
+                    "INSERT INTO session_message(id, session_id, role, seq, data, time_created,"
+                    " time_updated) VALUES ('m-good', 'good', 'system', 1, '{\"ok\": 1}', 0, 0)"
+                )
+            conn.close()
+            with trio.fail_after(BOUND):
+                message = await good.__anext__()
+            assert (message.id, message.data) == ("m-good", {"ok": 1})
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 20), st.booleans()), max_size=40))
+def test_a_slow_watcher_gets_the_latest_snapshot_and_never_an_older_one(
+    offers: list[tuple[int, int, bool]],
+) -> None:
+    """Offers in any order, read at any moments: per message the versions delivered only
+    grow, and the last delivered is the newest offered."""
+    watcher = Watcher("s", after_seq=0)
+    delivered: dict[str, list[int]] = {}
+
+    def drain_ready() -> None:
+        while watcher._pending:
+            message_id = next(iter(watcher._pending))
+            _, version = watcher._pending.pop(message_id)
+            watcher._seen[message_id] = version
+            delivered.setdefault(message_id, []).append(version)
+
+    newest: dict[str, int] = {}
+    for message, version, read_now in offers:
+        message_id = f"m{message}"
+        snapshot = Message(message_id, "s", "user", message + 1, {"v": version}, None, None)
+        watcher.offer(message_id, message + 1, snapshot, version)
+        newest[message_id] = max(newest.get(message_id, -1), version)
+        if read_now:
+            drain_ready()
+    drain_ready()
+    for message_id, versions in delivered.items():
+        assert versions == sorted(set(versions))
+        assert versions[-1] == newest[message_id]
+    assert set(delivered) == set(newest)

@@ -1,0 +1,379 @@
+"""The worker command, `python -m trio_sessions worker MODULE:DRAIN`, and `Message.to_json`.
+
+End-to-end tests run the worker as a real subprocess on an SQLite file, with the drains of
+`tests/worker_drain.py` importable through PYTHONPATH, and a producer runtime in the test
+feeding it. They wait for the subprocess by polling its durable state or its log with a
+bounded deadline; nothing sleeps "to let things settle".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+import worker_drain
+from conftest import query
+
+import trio_sessions
+from trio_sessions import _cli, _worker
+from trio_sessions._codec import encode_assistant
+from trio_sessions._model import AssistantData, Message, TextPart, ToolPart
+
+TESTS = Path(__file__).parent
+DEADLINE = 20.0  # seconds a subprocess gets to reach an expected state (generous for CI)
+POLL = 0.05
+HELD_CLAIM = "SELECT owner_id, expires_at FROM session_execution WHERE session_id = 'held'"
+
+
+def worker_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRIO_SESSIONS_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))
+    return {**env, **extra}
+
+
+class Worker:
+    """A worker subprocess with its stderr (the log) in a file."""
+
+    def __init__(self, process: trio.Process, log: Path) -> None:
+        self.process = process
+        self.log = log
+
+    def output(self) -> str:
+        return self.log.read_text()
+
+    def alive(self) -> None:
+        if self.process.poll() is not None:
+            pytest.fail(f"worker exited early ({self.process.returncode}):\n{self.output()}")
+
+    async def exit_status(self) -> int:
+        with trio.move_on_after(DEADLINE):
+            return await self.process.wait()
+        pytest.fail(f"worker still running after {DEADLINE}s:\n{self.output()}")
+
+    async def until_logged(self, text: str) -> None:
+        await until(lambda: _async(text in self.output()), f"log line {text!r}", self)
+
+
+async def _async(value: bool) -> bool:
+    return value
+
+
+async def until(check: Callable[[], Awaitable[bool]], what: str, worker: Worker) -> None:
+    """Poll `check` until it holds, failing with the worker's log after `DEADLINE`."""
+    with trio.move_on_after(DEADLINE):
+        while not await check():
+            worker.alive()
+            await trio.sleep(POLL)
+        return
+    pytest.fail(f"timed out waiting for {what}; worker log:\n{worker.output()}")
+
+
+async def start_worker(tmp_path: Path, *args: str, **env: str) -> Worker:
+    log = tmp_path / "worker.log"
+    with log.open("wb") as handle:
+        process = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "trio_sessions", "worker", *args],
+            cwd=tmp_path,
+            env=worker_env(**env),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=handle,
+        )
+    return Worker(process, log)
+
+
+async def stop(worker: Worker) -> None:
+    if worker.process.returncode is None:
+        worker.process.kill()
+        await worker.process.wait()
+
+
+def texts(message: Message) -> list[str]:
+    return [p.text for p in message.data.parts if isinstance(p, TextPart)]
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end
+
+
+async def test_worker_replies_and_a_sigterm_hands_the_running_claim_back(
+    db_path: Path, tmp_path: Path
+) -> None:
+    """The worker drains a producer's inputs; SIGTERM exits 0 and expires the running claim,
+    so another runtime resumes it at once, long before its 30 s lease would run out."""
+    async with trio_sessions.open_runtime(db_path, None) as producer:
+        await producer.submit("echo", {"text": "hi"}, input_id="in-echo")
+        await producer.submit("held", {"hold": True}, input_id="in-held")
+        worker = await start_worker(
+            tmp_path,
+            "worker_drain:reply",
+            *("--store", str(db_path), "--max-active", "2"),
+            TRIO_SESSIONS_OWNER="env-worker",
+        )
+        try:
+
+            async def replied() -> bool:
+                echo = await producer.transcript("echo")
+                held = await producer.transcript("held")
+                answered = len(echo) == 2 and echo[1].data.finished
+                return answered and len(held) == 2 and texts(held[1]) == [worker_drain.HOLDING]
+
+            await until(replied, "the echo reply and the held drain", worker)
+            [(claim_owner, expires_before)] = query(db_path, HELD_CLAIM)
+            assert isinstance(claim_owner, str)
+            assert isinstance(expires_before, int)
+            assert claim_owner.startswith("env-worker@")
+            assert expires_before > time.time() * 1000 + 20_000
+            worker.process.send_signal(signal.SIGTERM)
+            assert await worker.exit_status() == 0, worker.output()
+        finally:
+            await stop(worker)
+        user, assistant = await producer.transcript("echo")
+
+    [(owner_after, expires_at)] = query(db_path, HELD_CLAIM)
+    assert owner_after == claim_owner  # kept, not finished: the work is still owed
+    assert isinstance(expires_at, int)
+    assert expires_at <= time.time() * 1000
+    log = worker.output()
+    assert f"worker started: owner {claim_owner}, store {db_path}" in log
+    assert "worker stopping on SIGTERM" in log
+    assert f"worker stopped: owner {claim_owner}" in log
+
+    resumed: list[tuple[str, bool]] = []
+
+    async def finish(ctx: trio_sessions.DrainContext) -> None:
+        resumed.append((ctx.session_id, ctx.resumed))
+
+    with trio.fail_after(DEADLINE):
+        async with trio_sessions.open_runtime(db_path, finish, recovery_interval=60) as other:
+            report = await other.recover_once()
+            await other.wait_idle("held")
+            totals = other.statistics().recovery
+    # The pass that runs while open_runtime opens already found it; the explicit one has
+    # nothing left to do.
+    assert resumed == [("held", True)]
+    assert (totals.resumed, report.resumed) == (1, 0)
+
+    assert json.loads(json.dumps([user.to_json(), assistant.to_json()])) == [
+        {
+            "id": user.id,
+            "session_id": "echo",
+            "role": "user",
+            "seq": user.seq,
+            "data": {"text": "hi"},
+            "execution_id": user.execution_id,
+            "input_id": "in-echo",
+        },
+        {
+            "id": assistant.id,
+            "session_id": "echo",
+            "role": "assistant",
+            "seq": user.seq + 1,
+            "data": {
+                "parts": [
+                    {
+                        **{"type": "tool", "call_id": "call-1", "name": "echo"},
+                        **{"input": {"text": "hi"}, "status": "completed"},
+                        **{"output": {"echo": "hi"}, "error": None},
+                    },
+                    {"type": "text", "text": "echo: hi"},
+                ],
+                "finished": True,
+                "error": None,
+            },
+            "execution_id": user.execution_id,
+            "input_id": None,
+        },
+    ]
+
+
+@pytest.mark.parametrize(
+    ("second", "status"), [(signal.SIGTERM, 1), (signal.SIGINT, 130)], ids=["TERM", "INT"]
+)
+async def test_a_second_signal_exits_at_once_while_a_drain_stalls_shutdown(
+    db_path: Path, tmp_path: Path, second: signal.Signals, status: int
+) -> None:
+    """A drain that ignores cancellation stalls the graceful shutdown forever; a second
+    signal ends the process at once (1 after SIGTERM, 130 after SIGINT)."""
+    async with trio_sessions.open_runtime(db_path, None) as producer:
+        await producer.submit("stuck", {"stubborn": True})
+        worker = await start_worker(
+            tmp_path, "worker_drain:reply", TRIO_SESSIONS_STORE=str(db_path)
+        )
+        try:
+
+            async def stalled() -> bool:
+                held = await producer.transcript("stuck")
+                return len(held) == 2 and texts(held[1]) == [worker_drain.STUBBORN]
+
+            await until(stalled, "the stubborn drain", worker)
+            worker.process.send_signal(signal.SIGTERM)
+            await worker.until_logged("worker stopping on SIGTERM")
+            worker.alive()  # still waiting for the drain
+            worker.process.send_signal(second)
+            assert await worker.exit_status() == status, worker.output()
+        finally:
+            await stop(worker)
+    assert f"worker exiting at once on a second {second.name}" in worker.output()
+    assert "worker stopped" not in worker.output()
+
+
+async def test_a_bad_drain_exits_1_with_a_clear_message_before_touching_the_store(
+    db_path: Path, tmp_path: Path
+) -> None:
+    """An unimportable MODULE:DRAIN: exit 1, the reason on stderr, no database created."""
+    worker = await start_worker(tmp_path, "no_such_module_here:drain", "--store", str(db_path))
+    try:
+        assert await worker.exit_status() == 1
+    finally:
+        await stop(worker)
+    assert "error: cannot import module 'no_such_module_here'" in worker.output()
+    assert "ModuleNotFoundError" in worker.output()
+    assert not db_path.exists()  # noqa: ASYNC240 - one stat, after the process ended
+
+
+async def test_a_store_that_cannot_open_exits_1_and_logs_why(tmp_path: Path) -> None:
+    """A store path in a missing directory: the runtime fails to open, the worker logs the
+    error and exits 1 instead of hanging."""
+    worker = await start_worker(
+        tmp_path, "worker_drain:reply", "--store", str(tmp_path / "missing" / "w.db")
+    )
+    try:
+        assert await worker.exit_status() == 1
+    finally:
+        await stop(worker)
+    assert "worker failed: StoreError" in worker.output()
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading the drain
+
+
+@pytest.mark.parametrize(
+    ("spec", "reason"),
+    [
+        ("worker_drain", "must be given as MODULE:DRAIN"),
+        ("worker_drain:", "must be given as MODULE:DRAIN"),
+        ("no_such_module_here:reply", "cannot import module 'no_such_module_here'"),
+        ("worker_drain:missing", "'worker_drain' has no attribute 'missing'"),
+        ("worker_drain:NOT_CALLABLE", "is not callable: int"),
+        ("worker_drain:not_async", "must be an async function taking a DrainContext"),
+    ],
+)
+def test_load_drain_refuses_what_is_not_an_async_drain(spec: str, reason: str) -> None:
+    """Each way MODULE:DRAIN can be wrong gives a message that says which."""
+    with pytest.raises(_worker.DrainLoadError, match=reason):
+        _worker.load_drain(spec)
+
+
+def test_load_drain_returns_the_named_async_function() -> None:
+    """MODULE:DRAIN resolves to the drain itself (DRAIN may be a dotted path)."""
+    assert _worker.load_drain("worker_drain:reply") is worker_drain.reply
+    assert _worker.load_drain("worker_drain:trio.sleep") is trio.sleep
+
+
+# ---------------------------------------------------------------------------------------------
+# Settings
+
+
+def parse(*argv: str) -> Any:
+    return _cli.build_parser().parse_args(["worker", "m:drain", *argv])
+
+
+ENVIRONMENT = {
+    "TRIO_SESSIONS_STORE": "env.db",
+    "TRIO_SESSIONS_MAX_ACTIVE": "4",
+    "TRIO_SESSIONS_OWNER": "env-owner",
+    "TRIO_SESSIONS_LOG_LEVEL": "debug",
+}
+
+
+def test_settings_come_from_the_environment_and_flags_win() -> None:
+    """Every setting can come from its TRIO_SESSIONS_* variable; a flag overrides it."""
+    assert _worker.settings_from(parse(), ENVIRONMENT) == _worker.WorkerSettings(
+        drain="m:drain", store="env.db", max_active=4, owner="env-owner", log_level="DEBUG"
+    )
+    flags = parse(
+        *("--store", "flag.db", "--max-active", "2", "--owner", "flag-owner"),
+        *("--log-level", "warning", "--lease", "7.5"),
+    )
+    assert _worker.settings_from(flags, ENVIRONMENT) == _worker.WorkerSettings(
+        drain="m:drain",
+        store="flag.db",
+        max_active=2,
+        owner="flag-owner",
+        log_level="WARNING",
+        lease=7.5,
+    )
+
+
+def test_open_runtime_gets_only_the_options_that_were_set() -> None:
+    """Unset max_active and lease are left out, so open_runtime's defaults apply."""
+    bare = _worker.settings_from(parse("--store", "a.db"), {})
+    assert _worker.runtime_options(bare) == {"owner_id": None}
+    full = _worker.settings_from(parse(), {**ENVIRONMENT, "TRIO_SESSIONS_MAX_ACTIVE": "3"})
+    assert _worker.runtime_options(full) == {"owner_id": "env-owner", "max_active": 3}
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ", "message"),
+    [
+        ([], {}, "no store: pass --store PATH_OR_URL or set TRIO_SESSIONS_STORE"),
+        (["--max-active", "0"], ENVIRONMENT, "max-active must be at least 1, got 0"),
+        ([], {**ENVIRONMENT, "TRIO_SESSIONS_MAX_ACTIVE": "many"}, "must be a whole number"),
+        (["--log-level", "loud"], ENVIRONMENT, "log level must be one of DEBUG"),
+        (["--lease", "0"], ENVIRONMENT, "lease must be positive"),
+    ],
+)
+def test_bad_settings_exit_2_with_a_message(
+    argv: list[str], environ: dict[str, str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A missing store or a malformed value is a usage error (exit 2) naming the setting."""
+    assert _worker.run(parse(*argv), environ) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_postgres_password_is_not_logged() -> None:
+    """The store shown in the log line hides a URL's password."""
+    url = "postgresql://app:s3cret@db.example:5432/sessions"
+    assert _worker.redact(url) == "postgresql://app:***@db.example:5432/sessions"
+    assert _worker.redact("/var/lib/app/sessions.db") == "/var/lib/app/sessions.db"
+
+
+# ---------------------------------------------------------------------------------------------
+# Message.to_json
+
+
+def test_message_to_json_is_the_stored_projection_and_a_copy() -> None:
+    """An assistant message's `to_json()["data"]` is exactly what the store writes (DESIGN
+    §3), and mutating the dict leaves the frozen message unchanged."""
+    data = AssistantData(
+        parts=(
+            TextPart("thinking"),
+            ToolPart("c1", "search", {"q": ["a"]}, "error", None, "interrupted"),
+            ToolPart("c2", "fetch", {}, "completed", {"rows": [1, 2]}, None),
+        ),
+        finished=True,
+        error="interrupted: owner lost",
+    )
+    message = Message("m1", "s1", "assistant", 3, data, "e1", None)
+    as_json = message.to_json()
+    assert as_json["data"] == json.loads(encode_assistant(data))
+    assert {k: v for k, v in as_json.items() if k != "data"} == {
+        **{"id": "m1", "session_id": "s1", "role": "assistant", "seq": 3},
+        **{"execution_id": "e1", "input_id": None},
+    }
+    as_json["data"]["parts"][1]["input"]["q"].append("b")
+    assert data.parts[1] == ToolPart("c1", "search", {"q": ["a"]}, "error", None, "interrupted")
+    user = Message("m0", "s1", "user", 2, {"text": ["hi"]}, "e1", "in-1")
+    user.to_json()["data"]["text"].append("there")
+    assert user.data == {"text": ["hi"]}

@@ -1,0 +1,1010 @@
+"""The PostgreSQL engine: connections, schema and migrations, transactions, and the executors
+that bring operations from trio to PostgreSQL (one writer path, group commit).
+
+psycopg is an optional extra (`trio-sessions[postgres]`): only this module imports it. We use
+its sync API from threads; its async API is asyncio-only.
+
+Connections: TWO per executor, hence per runtime (size `max_connections` at two per process
+plus headroom): the writer, which runs every operation (writes in batches, reads and nowait
+work alone) on one worker thread at a time (`PgThreadExecutor`) or on the trio thread
+(`PgInlineExecutor`, tests); and the listener (`listen=True`), an autocommit LISTEN
+connection awaited on libpq's socket. Each is set up by libpq options so that a dead, paused
+or partitioned host releases its locks within about one default lease, not the 2-hour
+default keepalive: server-side `idle_in_transaction_session_timeout`, `statement_timeout`,
+`lock_timeout`, TCP keepalives and `client_connection_check_interval`; client-side libpq
+keepalives, `tcp_user_timeout` and `connect_timeout`. `search_path` is the configured
+schema; isolation is READ COMMITTED, autocommit off.
+
+Transactions (`PgEngine.run_batch`, group commit): every operation queued during one
+hand-off runs in ONE transaction, without per-operation savepoints (more than 64
+subtransactions slow the whole server down). If any operation raises - a refusal such as
+`LeaseLost` or a database error - the whole batch rolls back and each operation re-runs
+alone in its own transaction, where an operation that raises is rolled back and gets the
+error. Serialisation failures, deadlocks, lock and statement timeouts (40001, 40P01, 55P03,
+57014) retry the whole transaction with a small, bounded backoff; a connection lost before
+COMMIT is re-opened and the transaction re-run (nothing committed). Other database errors
+reach the caller as `StoreError`. Sessions a transaction signals (`tx.notify`) get one
+`pg_notify` per session just before its COMMIT, on the schema's channel.
+
+Uncertain COMMIT: just before COMMIT the transaction's id is read. If the connection breaks
+during COMMIT, the outcome is unknown: we reconnect and ask the server
+(`pg_xact_status`): committed -> the operations' results stand (never re-applied); aborted
+-> re-run; in progress -> poll. Past the bound every operation gets `StoreError`, so the
+runtime never treats an uncertain claim as its own: if it landed, it expires and recovery
+takes it.
+
+Invariants:
+* an operation that has begun is never abandoned (as in `_sqlite`): a caller cancelled while
+  its operation is queued sees it withdrawn unrun; once taken, the caller waits for its
+  outcome, so a committed write is always reported;
+* an operation that raised has written nothing; results are reported only after COMMIT;
+* `tx.now` is the server's `clock_timestamp()` in ms (or the injected test clock), read
+  lazily once per operation AFTER its locks: it is reset before each operation and whenever
+  `lock_session`/`lock_claims` takes a lock, so a fence never compares with a time from
+  before a lock wait;
+* `lock_session` is a transaction-scoped advisory lock, held to COMMIT: the serialisation
+  point `_store` relies on under READ COMMITTED.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import logging
+import random
+import re
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any, Literal, TypeVar, TypeVarTuple, Unpack
+
+import attrs
+import psycopg
+import psycopg.conninfo
+import psycopg.pq
+import trio
+from psycopg import sql
+
+from ._backend import BackendName, Job, Params, StoreStatistics, Tx, now_ms
+from ._errors import SchemaTooNew, StoreError
+
+T = TypeVar("T")
+Ts = TypeVarTuple("Ts")
+
+logger = logging.getLogger("trio_sessions")
+
+SCHEMA_VERSION = 1
+
+# Same names, meanings and named CHECKs as the SQLite schema (`_sqlite._MIGRATIONS`, whose
+# versions 1-3 are PostgreSQL's first: no PostgreSQL store predates them); times
+# are BIGINT milliseconds; JSON stays TEXT so a malformed row is stored byte for byte for the
+# operator. Heartbeats rewrite the indexed `expires_at`, so claim updates are never HOT:
+# fillfactor leaves room on each page for the new row versions.
+_MIGRATIONS: dict[int, str] = {
+    1: """
+CREATE TABLE session(
+    id TEXT PRIMARY KEY,
+    time_created BIGINT NOT NULL,
+    time_woken BIGINT,
+    wakes BIGINT NOT NULL DEFAULT 0,
+    wake_attempts BIGINT NOT NULL DEFAULT 0
+        CONSTRAINT session_wake_attempts_check CHECK (wake_attempts >= 0),
+    input_seq BIGINT NOT NULL DEFAULT 0
+);
+CREATE INDEX session_time_woken ON session(time_woken) WHERE time_woken IS NOT NULL;
+CREATE TABLE session_input(
+    id TEXT PRIMARY KEY,
+    session_id TEXT NOT NULL REFERENCES session(id) ON DELETE CASCADE,
+    seq BIGINT NOT NULL,
+    payload TEXT NOT NULL,
+    time_created BIGINT NOT NULL,
+    UNIQUE(session_id, seq)
+);
+CREATE TABLE session_execution(
+    id TEXT PRIMARY KEY,
+    session_id TEXT NOT NULL UNIQUE REFERENCES session(id) ON DELETE CASCADE,
+    owner_id TEXT NOT NULL,
+    phase TEXT NOT NULL
+        CONSTRAINT session_execution_phase_check CHECK (phase IN ('running', 'cancelling')),
+    anchor_seq BIGINT,
+    time_created BIGINT NOT NULL,
+    heartbeat_at BIGINT,
+    expires_at BIGINT NOT NULL,
+    handed_back INTEGER NOT NULL DEFAULT 0
+) WITH (fillfactor = 80);
+CREATE INDEX session_execution_expires_at ON session_execution(expires_at);
+CREATE TABLE session_recovery(
+    execution_id TEXT PRIMARY KEY,
+    session_id TEXT NOT NULL,
+    owner_id TEXT NOT NULL,
+    expires_at BIGINT NOT NULL,
+    recovery_error TEXT,
+    time_created BIGINT NOT NULL,
+    time_quarantined BIGINT
+);
+CREATE TABLE session_message(
+    id TEXT PRIMARY KEY,
+    session_id TEXT NOT NULL REFERENCES session(id) ON DELETE CASCADE,
+    execution_id TEXT,
+    input_id TEXT UNIQUE,
+    role TEXT NOT NULL CONSTRAINT session_message_role_check
+        CHECK (role IN ('user', 'assistant', 'system')),
+    seq BIGINT NOT NULL,
+    data TEXT NOT NULL,
+    time_created BIGINT NOT NULL,
+    time_updated BIGINT NOT NULL,
+    version BIGINT NOT NULL DEFAULT 0,
+    UNIQUE(session_id, seq)
+);
+CREATE INDEX session_message_execution ON session_message(execution_id)
+    WHERE execution_id IS NOT NULL;
+CREATE TABLE session_input_rejected(
+    id TEXT PRIMARY KEY,
+    session_id TEXT NOT NULL REFERENCES session(id) ON DELETE CASCADE,
+    seq BIGINT NOT NULL,
+    payload TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    time_created BIGINT NOT NULL
+);
+CREATE INDEX session_input_rejected_session ON session_input_rejected(session_id);
+CREATE TABLE session_message_rejected(
+    id TEXT PRIMARY KEY,
+    session_id TEXT NOT NULL REFERENCES session(id) ON DELETE CASCADE,
+    execution_id TEXT,
+    seq BIGINT NOT NULL,
+    data TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    time_created BIGINT NOT NULL
+);
+CREATE INDEX session_message_rejected_session ON session_message_rejected(session_id);
+""",
+}
+
+# Advisory-lock namespaces (the first int4 of the two-key form), so our keys never collide
+# with an application's single-bigint advisory locks. Session locks hash the session id;
+# the migration lock hashes the schema, so stores in different schemas migrate in parallel.
+SESSION_LOCK_NAMESPACE = 0x74735331  # "tsS1"
+MIGRATION_LOCK_NAMESPACE = 0x74734D31  # "tsM1"
+
+# Per-connection server settings. A few seconds for statements and lock waits: our
+# transactions are short, and a wait that long means a stuck peer (retried, bounded).
+STATEMENT_TIMEOUT_MS = 10_000
+LOCK_TIMEOUT_MS = 5_000
+# A paused or partitioned owner's open transaction (and its locks) ends within this.
+IDLE_IN_TRANSACTION_TIMEOUT_MS = 15_000
+# run_nowait: a lock held by another process is not waited for beyond this.
+NOWAIT_LOCK_TIMEOUT_MS = 50
+SERVER_KEEPALIVES = {"idle": 10, "interval": 5, "count": 3}
+CLIENT_CONNECT_TIMEOUT_S = 5
+TCP_USER_TIMEOUT_MS = 15_000
+
+# Retries: SQLSTATEs after which the whole transaction is re-run.
+RETRYABLE_SQLSTATES = frozenset({"40001", "40P01", "55P03", "57014"})
+MAX_ATTEMPTS = 8
+# How long a lost connection is re-opened (and an uncertain commit polled) before StoreError.
+RECONNECT_PATIENCE_S = 10.0
+# At most this many operations per transaction (the rest follow in the same hand-off): a
+# huge transaction holds many session locks at once and costs more to re-run alone.
+BATCH_LIMIT = 64
+
+_SERVER_NOW = "SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
+
+# How a transaction runs: `write` (retried, group-committed), `nowait` (alone, a short
+# lock_timeout, lock waits not retried), `read` (alone, one REPEATABLE READ snapshot).
+Mode = Literal["write", "nowait", "read"]
+
+
+# ---------------------------------------------------------------------------------------------
+# SQL dialect: `?` and `:name` parameters become psycopg's `%s` and `%(name)s`
+
+# A quoted string or a `::` cast is kept as it is; a bare `%` is escaped for psycopg.
+_TOKEN = re.compile(r"'(?:[^']|'')*'|::|\?|:([A-Za-z_][A-Za-z0-9_]*)|%")
+
+
+def _token(match: re.Match[str]) -> str:
+    token = match.group(0)
+    if token == "?":
+        return "%s"
+    if token == "%":
+        return "%%"
+    if match.group(1) is not None:
+        return f"%({match.group(1)})s"
+    return token
+
+
+@functools.lru_cache(maxsize=2048)
+def translate(statement: str) -> str:
+    """The shared SQL of `_store` (SQLite's parameter styles) in psycopg's style."""
+    return _TOKEN.sub(_token, statement)
+
+
+# ---------------------------------------------------------------------------------------------
+# Connections and schema
+
+
+def _quote_ident(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+def _option(name: str, value: object) -> str:
+    # libpq's `options` splits on spaces; a backslash escapes a space or a backslash.
+    text = f"{name}={value}".replace("\\", "\\\\").replace(" ", "\\ ")
+    return f"-c {text}"
+
+
+def _server_options(schema: str) -> str:
+    settings: dict[str, object] = {
+        "search_path": _quote_ident(schema),
+        "statement_timeout": STATEMENT_TIMEOUT_MS,
+        "lock_timeout": LOCK_TIMEOUT_MS,
+        "idle_in_transaction_session_timeout": IDLE_IN_TRANSACTION_TIMEOUT_MS,
+        "tcp_keepalives_idle": SERVER_KEEPALIVES["idle"],
+        "tcp_keepalives_interval": SERVER_KEEPALIVES["interval"],
+        "tcp_keepalives_count": SERVER_KEEPALIVES["count"],
+        # The server notices a vanished client during a long statement, too.
+        "client_connection_check_interval": 5_000,
+    }
+    return " ".join(_option(name, value) for name, value in settings.items())
+
+
+def channel(schema: str) -> str:
+    """The LISTEN/NOTIFY channel of a schema's store (channels are per database)."""
+    name = "trio_sessions" if schema == "public" else f"trio_sessions.{schema}"
+    if len(name.encode()) > 63:  # NAMEDATALEN: longer names are truncated by the server
+        name = f"trio_sessions.{hashlib.sha1(schema.encode()).hexdigest()}"
+    return name
+
+
+def connect(url: str, schema: str) -> psycopg.Connection[Any]:
+    """A connection with our settings (not yet migrated); `StoreError` if it fails."""
+    try:
+        given = psycopg.conninfo.conninfo_to_dict(url)
+        options = " ".join(filter(None, [str(given.get("options") or ""), _server_options(schema)]))
+        conn = psycopg.connect(
+            url,
+            autocommit=False,
+            options=options,
+            application_name=str(given.get("application_name") or "trio_sessions"),
+            connect_timeout=CLIENT_CONNECT_TIMEOUT_S,
+            keepalives=1,
+            keepalives_idle=10,
+            keepalives_interval=5,
+            keepalives_count=3,
+            tcp_user_timeout=TCP_USER_TIMEOUT_MS,
+        )
+    except psycopg.Error as exc:
+        raise _as_store_error(exc) from exc
+    # Explicit: a database or role default must not change the isolation the fences assume.
+    conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
+    return conn
+
+
+def schema_version(conn: Any) -> int:
+    """The schema's version; 0 when it has no `schema_version` table (or does not exist)."""
+    if conn.execute("SELECT to_regclass('schema_version')").fetchone()[0] is None:
+        return 0
+    row = conn.execute("SELECT max(version) FROM schema_version").fetchone()
+    return 0 if row[0] is None else int(row[0])
+
+
+def migrate(conn: Any, schema: str) -> None:
+    """Bring the schema up to date in one transaction; idempotent, safe from many hosts.
+
+    Serialised by an advisory lock per schema, so processes starting together wait for the
+    first one's migration and then find nothing to do. `SchemaTooNew`, with nothing
+    written (not even the schema), when a newer library migrated it.
+    """
+    try:
+        conn.execute(
+            f"SELECT pg_advisory_xact_lock({MIGRATION_LOCK_NAMESPACE}, hashtext(%s))", (schema,)
+        )
+        # Read under the lock: another process may have migrated while we waited.
+        version = schema_version(conn)
+        if version > SCHEMA_VERSION:
+            raise SchemaTooNew(
+                f"schema {schema!r} has version {version}, newer than this trio_sessions "
+                f"understands ({SCHEMA_VERSION}); upgrade trio_sessions. Nothing was modified."
+            )
+        if version < SCHEMA_VERSION:
+            exists = conn.execute(
+                "SELECT 1 FROM pg_namespace WHERE nspname = %s", (schema,)
+            ).fetchone()
+            if exists is None:
+                # Checked first: CREATE ... IF NOT EXISTS still needs the CREATE privilege.
+                conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
+            if version == 0:
+                conn.execute("CREATE TABLE schema_version(version INTEGER NOT NULL)")
+                conn.execute("INSERT INTO schema_version(version) VALUES (0)")
+            for target in range(version + 1, SCHEMA_VERSION + 1):
+                for statement in _MIGRATIONS[target].split(";"):
+                    if statement.strip():
+                        conn.execute(statement)
+            conn.execute("UPDATE schema_version SET version = %s", (SCHEMA_VERSION,))
+        conn.commit()
+    except BaseException as exc:
+        with contextlib.suppress(psycopg.Error):
+            conn.rollback()
+        if isinstance(exc, psycopg.Error):
+            raise StoreError(f"cannot migrate schema {schema!r}: {exc}") from exc
+        raise
+
+
+# ---------------------------------------------------------------------------------------------
+# Transactions
+
+
+class PgTx:
+    """One open READ COMMITTED transaction, as an operation sees it (`_backend.Tx`)."""
+
+    def __init__(self, conn: Any, clock: Callable[[], float] | None) -> None:
+        self.conn = conn
+        self._clock = clock
+        self._now: int | None = None
+        # Sessions to signal at COMMIT (insertion-ordered; one pg_notify per session).
+        self.notified: dict[str, None] = {}
+        # Advisory xact locks are re-entrant and held to COMMIT: taking one twice in a
+        # transaction (two operations of a batch on one session) costs a round trip only.
+        self._locked: set[str] = set()
+
+    @property
+    def now(self) -> int:
+        if self._now is None:
+            if self._clock is not None:
+                self._now = now_ms(self._clock)
+            else:
+                self._now = int(self.conn.execute(_SERVER_NOW).fetchone()[0])
+        return self._now
+
+    def begin_operation(self) -> None:
+        """Each operation reads its own `now`, after its own locks."""
+        self._now = None
+
+    def execute(self, statement: str, params: Params = ()) -> psycopg.Cursor[Any]:
+        cursor: psycopg.Cursor[Any] = self.conn.execute(translate(statement), params)
+        return cursor
+
+    def one(self, statement: str, params: Params = ()) -> Any:
+        return self.execute(statement, params).fetchone()
+
+    def lock_session(self, session_id: str) -> None:
+        if session_id in self._locked:
+            return
+        self.conn.execute(
+            f"SELECT pg_advisory_xact_lock({SESSION_LOCK_NAMESPACE}, hashtext(%s))",
+            (session_id,),
+        )
+        self._locked.add(session_id)
+        self._now = None  # the wait may have been long: read the clock after it
+
+    def lock_claims(self, execution_ids: Sequence[str]) -> None:
+        if not execution_ids:
+            return
+        # NO KEY UPDATE (not KEY SHARE): it conflicts with a takeover's UPDATE. Sorted, so
+        # two owners locking overlapping sets never deadlock.
+        self.conn.execute(
+            "SELECT id FROM session_execution WHERE id = ANY(%s) ORDER BY id FOR NO KEY UPDATE",
+            (sorted(execution_ids),),
+        )
+        self._now = None
+
+    def notify(self, session_id: str) -> None:
+        # Sent once per transaction, just before COMMIT: the server delivers notifications
+        # only if it commits, and drops duplicates within one transaction anyway.
+        self.notified[session_id] = None
+
+    def not_in(self, column: str, values: Sequence[str]) -> tuple[str, Any]:
+        return f"NOT ({column} = ANY(:excluded))", list(values)
+
+    @contextlib.contextmanager
+    def savepoint(self) -> Iterator[None]:
+        locked = set(self._locked)
+        self.conn.execute("SAVEPOINT nested")
+        try:
+            yield
+        except BaseException:
+            self.conn.execute("ROLLBACK TO SAVEPOINT nested")
+            # Locks taken inside a rolled-back subtransaction are released with it.
+            self._locked = locked
+            raise
+        finally:
+            self.conn.execute("RELEASE SAVEPOINT nested")
+
+
+def _as_store_error(exc: psycopg.Error) -> StoreError:
+    error = StoreError(f"{type(exc).__name__}: {exc}")
+    error.__cause__ = exc
+    return error
+
+
+def _store_error(exc: BaseException) -> BaseException:
+    return _as_store_error(exc) if isinstance(exc, psycopg.Error) else exc
+
+
+def _connection_lost(conn: Any, exc: BaseException) -> bool:
+    """Whether `exc` means the connection is gone (not a server-reported statement error)."""
+    if not isinstance(exc, psycopg.Error):
+        return False
+    if conn is not None and (conn.closed or conn.broken):
+        return True
+    state = exc.sqlstate
+    # No SQLSTATE: a client-side failure (socket closed, EOF). 08: connection exceptions;
+    # 57P01-57P03: the server terminated us (pg_terminate_backend, shutdown); 25P03: our
+    # idle-in-transaction timeout fired.
+    return state is None or state.startswith("08") or state in {"57P01", "57P02", "57P03", "25P03"}
+
+
+class _JobRaised(Exception):
+    """An operation raised; the transaction was rolled back."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class _Rerun(Exception):
+    """Nothing committed and the transaction may be run again (a retryable error, or a
+    connection lost before COMMIT or during an aborted one)."""
+
+    def __init__(self, cause: BaseException) -> None:
+        self.cause = cause
+
+
+class PgEngine:
+    """One connection and the transactions run on it, by one thread at a time.
+
+    Sync, and blocking: `PgThreadExecutor` calls it from its worker thread,
+    `PgInlineExecutor` from the trio thread.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        schema: str,
+        clock: Callable[[], float] | None,
+        wrap_connection: Callable[[psycopg.Connection[Any]], Any] | None = None,
+    ) -> None:
+        self.url = url
+        self.schema = schema
+        self.clock = clock
+        self.wrap_connection = wrap_connection
+        self.conn: Any = None
+        self.channel = channel(schema)
+        self.transactions = 0
+        self.retries = 0
+        self.reconnects = 0
+
+    # -- connection ---------------------------------------------------------------------------
+
+    def open(self) -> None:
+        """Connect and migrate (`SchemaTooNew` / `StoreError` on failure)."""
+        conn = connect(self.url, self.schema)
+        try:
+            migrate(conn, self.schema)
+        except BaseException:
+            conn.close()
+            raise
+        self.conn = self._wrapped(conn)
+
+    def close(self) -> None:
+        if self.conn is not None:
+            with contextlib.suppress(psycopg.Error):
+                self.conn.close()
+            self.conn = None
+
+    def _wrapped(self, conn: psycopg.Connection[Any]) -> Any:
+        return conn if self.wrap_connection is None else self.wrap_connection(conn)
+
+    def _connection(self, deadline: float) -> Any:
+        """The open connection, re-opened with backoff if it broke (until `deadline`)."""
+        conn = self.conn
+        if conn is not None and not conn.closed and not conn.broken:
+            return conn
+        self.close()
+        pause = 0.02
+        while True:
+            try:
+                self.conn = self._wrapped(connect(self.url, self.schema))
+            except StoreError:
+                if time.monotonic() + pause >= deadline:
+                    raise
+                time.sleep(pause * random.uniform(0.5, 1.0))
+                pause = min(pause * 2, 1.0)
+            else:
+                self.reconnects += 1
+                return self.conn
+
+    def _rollback(self) -> None:
+        with contextlib.suppress(psycopg.Error):
+            self.conn.rollback()
+
+    # -- transactions -------------------------------------------------------------------------
+
+    def statistics(self, handoffs: int = 0) -> StoreStatistics:
+        return StoreStatistics(
+            "postgres",
+            transactions=self.transactions,
+            handoffs=handoffs,
+            retries=self.retries,
+            reconnects=self.reconnects,
+        )
+
+    def run_jobs(
+        self, jobs: Sequence[Job], nowait: Sequence[Job] = (), reads: Sequence[Job] = ()
+    ) -> None:
+        """One hand-off: `nowait` and `reads` jobs alone each, the rest in batches of
+        `BATCH_LIMIT`."""
+        for job in nowait:
+            self.run_alone(job, "nowait")
+        for start in range(0, len(jobs), BATCH_LIMIT):
+            self.run_batch(jobs[start : start + BATCH_LIMIT])
+        for job in reads:
+            self.run_alone(job, "read")
+
+    def run_batch(self, jobs: Sequence[Job]) -> None:
+        """Run `jobs` in one transaction (group commit). Never raises: outcomes go on jobs.
+
+        If any job raises, nothing of the batch is kept and every job runs again alone: no
+        savepoint per job, so the common case costs one transaction and no subtransaction.
+        """
+        if len(jobs) == 1:
+            self.run_alone(jobs[0])
+            return
+        try:
+            results = self._transaction(jobs, "write", alone=False)
+        except _JobRaised:
+            for job in jobs:
+                self.run_alone(job)
+            return
+        except StoreError as exc:
+            for job in jobs:
+                job.error = exc
+            return
+        for job, result in zip(jobs, results, strict=True):
+            job.result = result
+
+    def run_alone(self, job: Job, mode: Mode = "write") -> None:
+        """Run one job in its own transaction. Never raises: the outcome goes on the job."""
+        try:
+            [job.result] = self._transaction([job], mode, alone=True)
+        except _JobRaised as raised:
+            job.error = _store_error(raised.error)
+        except StoreError as exc:
+            job.error = exc
+
+    def _transaction(self, jobs: Sequence[Job], mode: Mode, *, alone: bool) -> list[Any]:
+        """Run and commit; retried within the bounds. `_JobRaised` when a job raised (rolled
+        back), `StoreError` past the bounds."""
+        deadline = time.monotonic() + RECONNECT_PATIENCE_S
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                conn = self._connection(deadline)
+                return self._attempt(conn, jobs, mode, alone=alone, deadline=deadline)
+            except _Rerun as rerun:
+                if attempt >= MAX_ATTEMPTS or time.monotonic() >= deadline:
+                    raise _as_store_error_any(rerun.cause) from rerun.cause
+                self.retries += 1
+                time.sleep(min(0.005 * 2**attempt, 0.2) * random.uniform(0.5, 1.0))
+
+    def _attempt(
+        self, conn: Any, jobs: Sequence[Job], mode: Mode, *, alone: bool, deadline: float
+    ) -> list[Any]:
+        self.transactions += 1
+        tx = PgTx(conn, self.clock)
+        results = []
+        nowait = mode == "nowait"
+        try:
+            if nowait:
+                conn.execute(f"SET LOCAL lock_timeout = {NOWAIT_LOCK_TIMEOUT_MS}")
+            elif mode == "read":
+                conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+            for job in jobs:
+                tx.begin_operation()
+                results.append(job.op(tx, *job.args))
+            if tx.notified:
+                conn.execute(
+                    "SELECT pg_notify(%s, s) FROM unnest(%s::text[]) AS s",
+                    (self.channel, list(tx.notified)),
+                )
+            # Read just before COMMIT (not at BEGIN): only a transaction that wrote has an
+            # id, and a read-only one needs no read-back.
+            xid = conn.execute("SELECT pg_current_xact_id_if_assigned()::text").fetchone()[0]
+        except Exception as exc:
+            self._rollback()
+            if _connection_lost(conn, exc):
+                self.close()  # the next attempt re-opens it
+                raise _Rerun(exc) from exc
+            retryable = isinstance(exc, psycopg.Error) and exc.sqlstate in RETRYABLE_SQLSTATES
+            # A batch re-runs its jobs alone instead (a deadlock between two batches is
+            # unlikely to recur between single operations); nowait never waits again.
+            if retryable and alone and not nowait:
+                raise _Rerun(exc) from exc
+            raise _JobRaised(exc) from exc
+        except BaseException:
+            self._rollback()
+            raise
+        try:
+            conn.commit()
+        except psycopg.Error as exc:
+            if not _connection_lost(conn, exc):
+                # The server answered: it rolled the transaction back.
+                self._rollback()
+                if exc.sqlstate in RETRYABLE_SQLSTATES and not nowait:
+                    raise _Rerun(exc) from exc
+                raise _JobRaised(exc) from exc
+            if self._committed(xid, exc, deadline):
+                return results
+            raise _Rerun(exc) from exc
+        return results
+
+    def _committed(self, xid: str | None, lost: psycopg.Error, deadline: float) -> bool:
+        """After a connection broke during COMMIT: did it commit? Read back from the server;
+        `StoreError` when that cannot be known within the bound (never guessed)."""
+        if xid is None:
+            return False  # it wrote nothing: running it again changes nothing
+        self.close()
+        while True:
+            try:
+                conn = self._connection(deadline)
+                status = conn.execute("SELECT pg_xact_status(%s::xid8)", (xid,)).fetchone()[0]
+                conn.rollback()  # end the read's transaction
+            except psycopg.Error as exc:
+                self.close()
+                status = None
+                if time.monotonic() >= deadline:
+                    raise _as_store_error(exc) from exc
+            except StoreError as exc:
+                raise StoreError(
+                    f"the outcome of a COMMIT is unknown (connection lost: {lost}); {exc}"
+                ) from lost
+            if status == "committed":
+                return True
+            if status == "aborted":
+                return False
+            # 'in progress': the server has not yet noticed the broken connection.
+            if time.monotonic() >= deadline:
+                raise StoreError(
+                    f"the outcome of a COMMIT is unknown (connection lost: {lost}); "
+                    f"transaction {xid} is still {status!r}"
+                ) from lost
+            time.sleep(0.02)
+
+
+def _as_store_error_any(exc: BaseException) -> StoreError:
+    if isinstance(exc, psycopg.Error):
+        return _as_store_error(exc)
+    error = StoreError(f"{type(exc).__name__}: {exc}")
+    error.__cause__ = exc
+    return error
+
+
+def run_op(engine: PgEngine, op: Callable[[Tx, Unpack[Ts]], T], *args: Unpack[Ts]) -> T:
+    """Run one operation in its own transaction, synchronously (tools, CLI, tests)."""
+    job = Job(op, args)
+    engine.run_batch([job])
+    result: T = job.unwrap()
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Signals between processes
+
+
+class PgListener:
+    """The LISTEN connection (autocommit), awaited trio-natively on libpq's socket: nothing
+    is ever in flight on it, so waiting is cancellable at any instant.
+
+    Notifications are lost while it is disconnected (the server queues nothing for a
+    listener that is gone): after every reconnect it reports a change, so the runtime
+    rescans. The doorbell stays the truth; this only cuts latency.
+    """
+
+    def __init__(self, url: str, schema: str, *, inline: bool) -> None:
+        self.url = url
+        self.schema = schema
+        self.channel = channel(schema)
+        self.inline = inline
+        self.conn: psycopg.Connection[Any] | None = None
+        self.reconnects = 0
+
+    def _connect(self) -> psycopg.Connection[Any]:
+        conn = connect(self.url, self.schema)
+        try:
+            conn.autocommit = True  # a listener inside a transaction holds the queue back
+            conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
+        except psycopg.Error as exc:
+            conn.close()
+            raise _as_store_error(exc) from exc
+        return conn
+
+    async def open(self) -> None:
+        self.conn = await self._connect_async()
+
+    async def _connect_async(self) -> psycopg.Connection[Any]:
+        if self.inline:
+            return self._connect()
+        return await trio.to_thread.run_sync(self._connect)
+
+    def close(self) -> None:
+        if self.conn is not None:
+            with contextlib.suppress(psycopg.Error):
+                self.conn.close()
+            self.conn = None
+
+    async def wait(self, kick: trio.Event, timeout: float) -> None:
+        """Return on a notification, when `kick` is set, or after `timeout`."""
+        with trio.move_on_after(timeout):
+            async with trio.open_nursery() as nursery:
+
+                async def kicked() -> None:
+                    await kick.wait()
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(kicked)
+                await self._notified()
+                nursery.cancel_scope.cancel()
+
+    async def _notified(self) -> None:
+        if self.conn is None or self.conn.closed or self.conn.broken:
+            self.close()
+            try:
+                self.conn = await self._connect_async()
+            except StoreError as exc:
+                logger.warning("listener reconnect failed", extra={"error": str(exc)})
+                await trio.sleep_forever()  # until the fallback poll's timeout
+            self.reconnects += 1
+            logger.info("listener reconnected", extra={"channel": self.channel})
+            return  # notifications sent meanwhile are lost: rescan now
+        pgconn = self.conn.pgconn
+        while True:
+            if self._take_notifications(pgconn):
+                return
+            await trio.lowlevel.wait_readable(pgconn.socket)
+            try:
+                pgconn.consume_input()
+            except psycopg.OperationalError:
+                self.close()
+                return  # reconnect at the next wait; rescan now
+
+    @staticmethod
+    def _take_notifications(pgconn: psycopg.pq.abc.PGconn) -> bool:
+        got = False
+        while pgconn.notifies() is not None:
+            got = True
+        return got
+
+
+async def _wait_for_change(listener: PgListener | None, kick: trio.Event, timeout: float) -> None:
+    if listener is not None:
+        await listener.wait(kick, timeout)
+        return
+    with trio.move_on_after(timeout):  # poll-only (listen=False): e.g. behind PgBouncer
+        await kick.wait()
+
+
+# ---------------------------------------------------------------------------------------------
+# Executors
+
+
+def _statistics(
+    engine: PgEngine, listener: PgListener | None, handoffs: int = 0
+) -> StoreStatistics:
+    figures = engine.statistics(handoffs)
+    if listener is not None:
+        figures = attrs.evolve(figures, reconnects=figures.reconnects + listener.reconnects)
+    return figures
+
+
+@attrs.define(eq=False)
+class PgInlineExecutor:
+    """Each operation runs in its own transaction on the trio thread (deterministic tests:
+    virtual time never jumps while PostgreSQL works)."""
+
+    engine: PgEngine
+    listener: PgListener | None = None
+    backend: BackendName = "postgres"
+
+    def statistics(self) -> StoreStatistics:
+        return _statistics(self.engine, self.listener)
+
+    async def _run(self, mode: Mode, op: Callable[..., T], args: tuple[Any, ...]) -> T:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        job = Job(op, args)
+        self.engine.run_alone(job, mode)
+        await trio.lowlevel.cancel_shielded_checkpoint()
+        result: T = job.unwrap()
+        return result
+
+    async def run(self, op: Callable[[Tx, Unpack[Ts]], T], *args: Unpack[Ts]) -> T:
+        return await self._run("write", op, args)
+
+    async def run_nowait(self, op: Callable[[Tx, Unpack[Ts]], T], *args: Unpack[Ts]) -> T:
+        return await self._run("nowait", op, args)
+
+    async def read(self, op: Callable[[Tx, Unpack[Ts]], T], *args: Unpack[Ts]) -> T:
+        return await self._run("read", op, args)
+
+    async def wait_for_change(self, kick: trio.Event, timeout: float) -> None:
+        await _wait_for_change(self.listener, kick, timeout)
+
+
+@attrs.define(eq=False)
+class _Queued:
+    job: Job
+    mode: Mode = "write"
+    done: trio.Event = attrs.Factory(trio.Event)
+    taken: bool = False
+
+
+@attrs.define(eq=False)
+class PgThreadExecutor:
+    """Group commit through one worker hand-off at a time. Use `open_thread_executor`."""
+
+    engine: PgEngine
+    listener: PgListener | None = None
+    _queue: list[_Queued] = attrs.Factory(list)
+    _work: trio.Event = attrs.Factory(trio.Event)
+    _closed: bool = False
+    _limiter: trio.CapacityLimiter = attrs.Factory(lambda: trio.CapacityLimiter(1))
+    handoffs: int = 0
+    backend: BackendName = "postgres"
+
+    def statistics(self) -> StoreStatistics:
+        return _statistics(self.engine, self.listener, self.handoffs)
+
+    async def run(self, op: Callable[[Tx, Unpack[Ts]], T], *args: Unpack[Ts]) -> T:
+        result: T = await self._submit(Job(op, args), "write")
+        return result
+
+    async def run_nowait(self, op: Callable[[Tx, Unpack[Ts]], T], *args: Unpack[Ts]) -> T:
+        # Queued like any operation (the writer's batch ends soon), then run alone with a
+        # short lock_timeout: another process's lock is not waited for.
+        result: T = await self._submit(Job(op, args), "nowait")
+        return result
+
+    async def read(self, op: Callable[[Tx, Unpack[Ts]], T], *args: Unpack[Ts]) -> T:
+        # Through the same writer hand-off: one connection per process. Alone, on one
+        # REPEATABLE READ snapshot; PostgreSQL readers never wait for writers.
+        result: T = await self._submit(Job(op, args), "read")
+        return result
+
+    async def wait_for_change(self, kick: trio.Event, timeout: float) -> None:
+        await _wait_for_change(self.listener, kick, timeout)
+
+    async def _submit(self, job: Job, mode: Mode) -> Any:
+        # Cancellation first: a caller cancelled while the runtime closes sees Cancelled,
+        # not an error about the executor it was cancelled out of.
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if self._closed:
+            raise StoreError("the store executor is closed")
+        queued = _Queued(job, mode)
+        self._queue.append(queued)
+        self._work.set()
+        try:
+            await queued.done.wait()
+        except trio.Cancelled:
+            if not queued.taken:
+                self._queue.remove(queued)
+                raise
+            # Taken: the operation is running; wait for its result like a non-abandoning
+            # to_thread call, then let the next checkpoint deliver the cancellation.
+            with trio.CancelScope(shield=True):
+                await queued.done.wait()
+        return queued.job.unwrap()
+
+    async def pump(self, scope: trio.CancelScope) -> None:
+        """Feed the worker: every operation queued during a hand-off joins the next one.
+
+        Runs in `scope`, shielded and cancelled only when the executor closes, so cleanup
+        that runs shielded while the runtime is cancelled from outside still reaches the
+        database.
+        """
+        try:
+            with scope:
+                await self._pump_forever()
+        finally:
+            self._closed = True
+            for queued in self._queue:
+                queued.job.error = StoreError("the store executor closed before this ran")
+                queued.done.set()
+            self._queue.clear()
+
+    async def _pump_forever(self) -> None:
+        while True:
+            await self._work.wait()
+            self._work = trio.Event()
+            batch, self._queue = self._queue, []
+            if not batch:
+                continue
+            for queued in batch:
+                queued.taken = True
+            by_mode: dict[Mode, list[Job]] = {"write": [], "nowait": [], "read": []}
+            for queued in batch:
+                by_mode[queued.mode].append(queued.job)
+            self.handoffs += 1
+            try:
+                await trio.to_thread.run_sync(
+                    self.engine.run_jobs,
+                    by_mode["write"],
+                    by_mode["nowait"],
+                    by_mode["read"],
+                    limiter=self._limiter,
+                )
+            finally:
+                for queued in batch:
+                    queued.done.set()
+
+
+@asynccontextmanager
+async def open_thread_executor(
+    engine: PgEngine, listener: PgListener | None = None
+) -> AsyncIterator[PgThreadExecutor]:
+    """A `PgThreadExecutor` whose pump lives in its own nursery, for the block's duration."""
+    executor = PgThreadExecutor(engine, listener)
+    pump_scope = trio.CancelScope(shield=True)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(executor.pump, pump_scope)
+        try:
+            yield executor
+        finally:
+            pump_scope.cancel()
+
+
+def _redacted(url: str) -> str:
+    return repr(re.sub(r"(://[^:/@]*:)[^@/]*@", r"\1***@", url))
+
+
+@attrs.frozen
+class PostgresStore:
+    """A PostgreSQL database (and schema), and how to reach it from trio (many hosts).
+
+    Leases are judged by the server's clock unless `open_executor` gets one (tests).
+    `inline=True` runs psycopg on the trio thread (deterministic tests with a virtual
+    clock); the default hands work to one writer thread and groups concurrent operations
+    per hand-off. `listen=True` keeps a LISTEN connection, so other hosts' wakes and
+    interrupts arrive within milliseconds; `listen=False` (poll-only, e.g. behind a
+    transaction-pooling PgBouncer) relies on the runtime's fallback poll.
+    """
+
+    url: str = attrs.field(repr=_redacted)
+    schema: str = attrs.field(default="public", kw_only=True)
+    inline: bool = attrs.field(default=False, kw_only=True)
+    listen: bool = attrs.field(default=True, kw_only=True)
+    # Test seam: wraps each connection the engine opens (also after a reconnect), e.g. to
+    # break the connection at COMMIT (fault injection, counting).
+    wrap_connection: Callable[[psycopg.Connection[Any]], Any] | None = attrs.field(
+        default=None, kw_only=True, repr=False
+    )
+
+    def engine(self, clock: Callable[[], float] | None = None) -> PgEngine:
+        """An engine for this store (not yet connected; call `open()`)."""
+        return PgEngine(self.url, self.schema, clock, self.wrap_connection)
+
+    @asynccontextmanager
+    async def open_executor(
+        self, clock: Callable[[], float] | None
+    ) -> AsyncIterator[PgInlineExecutor | PgThreadExecutor]:
+        # clock=None: the server's clock_timestamp() is the lease clock of every host.
+        engine = self.engine(clock)
+        listener = PgListener(self.url, self.schema, inline=self.inline) if self.listen else None
+        if self.inline:
+            engine.open()
+        else:
+            await trio.to_thread.run_sync(engine.open)
+        try:
+            if listener is not None:
+                await listener.open()
+            if self.inline:
+                yield PgInlineExecutor(engine, listener)
+            else:
+                async with open_thread_executor(engine, listener) as executor:
+                    yield executor
+        finally:
+            if listener is not None:
+                listener.close()
+            if self.inline:
+                engine.close()
+            else:
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(engine.close)

@@ -1,0 +1,250 @@
+"""`python -m trio_sessions worker MODULE:DRAIN`: run an application's drain as a worker.
+
+Settings come from flags, else from the environment (`TRIO_SESSIONS_STORE`,
+`TRIO_SESSIONS_MAX_ACTIVE`, `TRIO_SESSIONS_OWNER`, `TRIO_SESSIONS_LOG_LEVEL`), else from
+`open_runtime`'s defaults. Logging goes to stderr at the chosen level.
+
+Signals: the first SIGTERM or SIGINT is a graceful shutdown - the runtime's block is left,
+which cancels the drains and expires their leases in one transaction, so any other runtime's
+next recovery pass resumes them at once - and the worker exits 0. A second signal while that
+runs exits at once (130 after SIGINT, 1 after SIGTERM), leaving the remaining leases to run
+out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import logging
+import os
+import signal
+import sys
+import urllib.parse
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import attrs
+import trio
+
+from ._runtime import POSTGRES_SCHEMES, open_runtime
+
+logger = logging.getLogger("trio_sessions.worker")
+
+ENV_STORE = "TRIO_SESSIONS_STORE"
+ENV_MAX_ACTIVE = "TRIO_SESSIONS_MAX_ACTIVE"
+ENV_OWNER = "TRIO_SESSIONS_OWNER"
+ENV_LOG_LEVEL = "TRIO_SESSIONS_LOG_LEVEL"
+
+EXIT_OK = 0
+EXIT_FAILED = 1  # the drain could not be loaded, or the runtime failed to open or crashed
+EXIT_USAGE = 2
+EXIT_SIGINT = 128 + signal.SIGINT
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class UsageError(Exception):
+    """A setting is missing or malformed (exit 2)."""
+
+
+class DrainLoadError(Exception):
+    """`MODULE:DRAIN` does not name an async drain (exit 1)."""
+
+
+@attrs.frozen
+class WorkerSettings:
+    """The worker's settings once flags and environment are merged and validated."""
+
+    drain: str
+    store: str
+    max_active: int | None = None
+    owner: str | None = None
+    log_level: str = "INFO"
+    lease: float | None = None
+
+
+def add_parser(commands: Any) -> None:
+    """Register the `worker` command on the CLI's subparsers."""
+    parser = commands.add_parser(
+        "worker",
+        help="run MODULE:DRAIN as a long-lived worker until SIGTERM/SIGINT",
+        description="Run an async drain as a worker. Settings not given as flags come from "
+        f"{ENV_STORE}, {ENV_MAX_ACTIVE}, {ENV_OWNER} and {ENV_LOG_LEVEL}. The first SIGTERM "
+        "or SIGINT shuts down gracefully (claims handed back at once, exit 0); a second one "
+        "exits at once.",
+    )
+    parser.add_argument("drain", metavar="MODULE:DRAIN", help="the drain, e.g. myapp.agent:drain")
+    parser.add_argument(
+        "--store",
+        metavar="PATH_OR_URL",
+        help=f"SQLite path or postgresql:// URL (env {ENV_STORE})",
+    )
+    parser.add_argument(
+        "--max-active",
+        metavar="N",
+        help=f"sessions drained at once by this worker (env {ENV_MAX_ACTIVE}; default unlimited)",
+    )
+    parser.add_argument(
+        "--owner", metavar="NAME", help=f"name prefixed to the owner id (env {ENV_OWNER})"
+    )
+    parser.add_argument(
+        "--log-level",
+        metavar="LEVEL",
+        help=f"{', '.join(LOG_LEVELS)} (env {ENV_LOG_LEVEL}; default INFO)",
+    )
+    parser.add_argument("--lease", metavar="S", help="lease in seconds (default 30)")
+
+
+def settings_from(args: argparse.Namespace, environ: Mapping[str, str]) -> WorkerSettings:
+    """Merge flags over the environment and validate; `UsageError` with a clear message."""
+
+    def pick(flag: str | None, env: str) -> str | None:
+        if flag is not None:
+            return flag
+        return environ.get(env) or None
+
+    store = pick(args.store, ENV_STORE)
+    if store is None:
+        raise UsageError(f"no store: pass --store PATH_OR_URL or set {ENV_STORE}")
+    max_active = pick(args.max_active, ENV_MAX_ACTIVE)
+    log_level = (pick(args.log_level, ENV_LOG_LEVEL) or "INFO").upper()
+    if log_level not in LOG_LEVELS:
+        raise UsageError(f"log level must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}")
+    return WorkerSettings(
+        drain=args.drain,
+        store=store,
+        max_active=None if max_active is None else _positive_int(max_active, "max-active"),
+        owner=pick(args.owner, ENV_OWNER),
+        log_level=log_level,
+        lease=None if args.lease is None else _positive_float(args.lease, "lease"),
+    )
+
+
+def _positive_int(text: str, what: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise UsageError(f"{what} must be a whole number, got {text!r}") from None
+    if value < 1:
+        raise UsageError(f"{what} must be at least 1, got {value}")
+    return value
+
+
+def _positive_float(text: str, what: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise UsageError(f"{what} must be a number of seconds, got {text!r}") from None
+    if not value > 0:
+        raise UsageError(f"{what} must be positive, got {text!r}")
+    return value
+
+
+def load_drain(spec: str) -> Any:
+    """Import `MODULE:DRAIN` (DRAIN may be dotted) and check it is an async callable."""
+    module_name, colon, attribute = spec.partition(":")
+    if not colon or not module_name or not attribute:
+        raise DrainLoadError(f"drain must be given as MODULE:DRAIN, got {spec!r}")
+    try:
+        target: Any = importlib.import_module(module_name)
+    except Exception as exc:  # whatever the module raises while importing
+        reason = f"{type(exc).__name__}: {exc}"
+        raise DrainLoadError(f"cannot import module {module_name!r}: {reason}") from exc
+    for name in attribute.split("."):
+        try:
+            target = getattr(target, name)
+        except AttributeError:
+            raise DrainLoadError(
+                f"{spec!r}: {module_name!r} has no attribute {attribute!r}"
+            ) from None
+    if not callable(target):
+        raise DrainLoadError(f"{spec!r} is not callable: {type(target).__name__}")
+    if not (
+        inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(type(target).__call__)
+    ):
+        raise DrainLoadError(f"{spec!r} must be an async function taking a DrainContext")
+    return target
+
+
+def redact(store: str) -> str:
+    """The store for a log line: a URL's password replaced by `***`."""
+    if not store.startswith(POSTGRES_SCHEMES):
+        return store
+    parts = urllib.parse.urlsplit(store)
+    if parts.password is None:
+        return store
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> int:
+    """The `worker` command: returns the exit status (the second signal exits directly)."""
+    try:
+        settings = settings_from(args, os.environ if environ is None else environ)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    logging.basicConfig(level=settings.log_level, stream=sys.stderr, format=LOG_FORMAT)
+    try:
+        drain = load_drain(settings.drain)
+    except DrainLoadError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    return trio.run(serve, settings, drain)
+
+
+def runtime_options(settings: WorkerSettings) -> dict[str, Any]:
+    """`open_runtime`'s keyword arguments: only the ones the operator set, so the
+    runtime's own defaults apply otherwise (`max_active` unlimited, `lease` 30 s)."""
+    options: dict[str, Any] = {"owner_id": settings.owner}
+    if settings.max_active is not None:
+        options["max_active"] = settings.max_active
+    if settings.lease is not None:
+        options["lease"] = settings.lease
+    return options
+
+
+async def serve(settings: WorkerSettings, drain: Any) -> int:
+    """Run the runtime until the first signal, then leave its block; returns the status."""
+    options = runtime_options(settings)
+    runtime_scope = trio.CancelScope()
+    status = EXIT_OK
+    owner: str | None = None
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_watch_signals, signals, runtime_scope)
+            with runtime_scope:
+                try:
+                    async with open_runtime(settings.store, drain, **options) as runtime:
+                        owner = runtime.owner_id
+                        store = redact(settings.store)
+                        logger.info(
+                            "worker started: owner %s, store %s",
+                            owner,
+                            store,
+                            extra={"owner_id": owner, "store": store},
+                        )
+                        await trio.sleep_forever()
+                except Exception as exc:
+                    logger.error("worker failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
+                    status = EXIT_FAILED
+            nursery.cancel_scope.cancel()
+    if status == EXIT_OK:
+        logger.info("worker stopped: owner %s", owner, extra={"owner_id": owner})
+    return status
+
+
+async def _watch_signals(signals: AsyncIterator[int], runtime_scope: trio.CancelScope) -> None:
+    """First signal: leave the runtime's block. Second: exit the process at once."""
+    async for signum in signals:
+        name = signal.Signals(signum).name
+        if not runtime_scope.cancel_called:
+            logger.info("worker stopping on %s", name, extra={"signal": name})
+            runtime_scope.cancel()
+            continue
+        logger.warning("worker exiting at once on a second %s", name, extra={"signal": name})
+        sys.stderr.flush()
+        # The runtime's shutdown is shielded; only leaving the process skips it. Leases the
+        # shutdown did not expire yet run out on their own.
+        os._exit(EXIT_SIGINT if signum == signal.SIGINT else EXIT_FAILED)
