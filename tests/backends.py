@@ -35,11 +35,11 @@ def rows(location: Location, sql: str, params: tuple[Any, ...] = ()) -> list[tup
 
         with psycopg.connect(location.url, options=f"-c search_path={location.schema}") as conn:
             return [tuple(row) for row in conn.execute(_pg(sql), params).fetchall()]
-    conn = sqlite3.connect(location)
+    lite = sqlite3.connect(location)
     try:
-        return conn.execute(sql, params).fetchall()
+        return lite.execute(sql, params).fetchall()
     finally:
-        conn.close()
+        lite.close()
 
 
 def write(location: Location, sql: str, params: tuple[Any, ...] = ()) -> None:
@@ -49,13 +49,13 @@ def write(location: Location, sql: str, params: tuple[Any, ...] = ()) -> None:
         with psycopg.connect(location.url, options=f"-c search_path={location.schema}") as conn:
             conn.execute(_pg(sql), params)
         return
-    conn = sqlite3.connect(location)
+    lite = sqlite3.connect(location)
     try:
-        with conn:
-            conn.execute("PRAGMA foreign_keys = ON")
-            conn.execute(sql, params)
+        with lite:
+            lite.execute("PRAGMA foreign_keys = ON")
+            lite.execute(sql, params)
     finally:
-        conn.close()
+        lite.close()
 
 
 def _pg(sql: str) -> str:

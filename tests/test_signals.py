@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -22,7 +23,7 @@ import trio_sessions
 from trio_sessions import AssistantData, DrainContext, MalformedRecord, Message, Outcome
 from trio_sessions._signals import Watcher
 
-NO_RECOVERY = {"recovery_interval": 3600.0}
+NO_RECOVERY: dict[str, Any] = {"recovery_interval": 3600.0}
 BOUND = 2.0  # seconds; the change signal's p99 target is 50 ms
 
 

@@ -121,21 +121,21 @@ class Executor(Protocol):
 
     backend: BackendName
 
-    async def run(self, op: Callable[[Tx, Unpack[Ts]], T], *args: Unpack[Ts]) -> T: ...
+    async def run(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T: ...
 
-    async def run_nowait(self, op: Callable[[Tx, Unpack[Ts]], T], *args: Unpack[Ts]) -> T:
+    async def run_nowait(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
         """Like `run`, but never wait for another process's lock: raise `StoreError` at
         once instead (best-effort writes with a deadline: shutdown)."""
         ...
 
-    async def read(self, op: Callable[[Tx, Unpack[Ts]], T], *args: Unpack[Ts]) -> T:
+    async def read(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
         """Run a read-only operation on one consistent snapshot, never taking the write
         lock (transcripts, watchers, the change scan)."""
         ...
 
-    async def wait_for_change(self, kick: trio.Event, timeout: float) -> None:
+    async def wait_for_change(self, kick: trio.Event, fallback: float) -> None:
         """Return when another connection may have committed (SQLite: `data_version`;
-        PostgreSQL: a notification), when `kick` is set, or after `timeout` (the slow
+        PostgreSQL: a notification), when `kick` is set, or after `fallback` seconds (the slow
         fallback poll: a lost signal costs latency, never work)."""
         ...
 

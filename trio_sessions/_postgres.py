@@ -679,7 +679,7 @@ def _as_store_error_any(exc: BaseException) -> StoreError:
     return error
 
 
-def run_op(engine: PgEngine, op: Callable[[Tx, Unpack[Ts]], T], *args: Unpack[Ts]) -> T:
+def run_op(engine: PgEngine, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
     """Run one operation in its own transaction, synchronously (tools, CLI, tests)."""
     job = Job(op, args)
     engine.run_batch([job])
@@ -732,9 +732,9 @@ class PgListener:
                 self.conn.close()
             self.conn = None
 
-    async def wait(self, kick: trio.Event, timeout: float) -> None:
-        """Return on a notification, when `kick` is set, or after `timeout`."""
-        with trio.move_on_after(timeout):
+    async def wait(self, kick: trio.Event, fallback: float) -> None:
+        """Return on a notification, when `kick` is set, or after `fallback` seconds."""
+        with trio.move_on_after(fallback):
             async with trio.open_nursery() as nursery:
 
                 async def kicked() -> None:
@@ -775,11 +775,11 @@ class PgListener:
         return got
 
 
-async def _wait_for_change(listener: PgListener | None, kick: trio.Event, timeout: float) -> None:
+async def _wait_for_change(listener: PgListener | None, kick: trio.Event, fallback: float) -> None:
     if listener is not None:
-        await listener.wait(kick, timeout)
+        await listener.wait(kick, fallback)
         return
-    with trio.move_on_after(timeout):  # poll-only (listen=False): e.g. behind PgBouncer
+    with trio.move_on_after(fallback):  # poll-only (listen=False): e.g. behind PgBouncer
         await kick.wait()
 
 
@@ -816,17 +816,17 @@ class PgInlineExecutor:
         result: T = job.unwrap()
         return result
 
-    async def run(self, op: Callable[[Tx, Unpack[Ts]], T], *args: Unpack[Ts]) -> T:
+    async def run(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
         return await self._run("write", op, args)
 
-    async def run_nowait(self, op: Callable[[Tx, Unpack[Ts]], T], *args: Unpack[Ts]) -> T:
+    async def run_nowait(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
         return await self._run("nowait", op, args)
 
-    async def read(self, op: Callable[[Tx, Unpack[Ts]], T], *args: Unpack[Ts]) -> T:
+    async def read(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
         return await self._run("read", op, args)
 
-    async def wait_for_change(self, kick: trio.Event, timeout: float) -> None:
-        await _wait_for_change(self.listener, kick, timeout)
+    async def wait_for_change(self, kick: trio.Event, fallback: float) -> None:
+        await _wait_for_change(self.listener, kick, fallback)
 
 
 @attrs.define(eq=False)
@@ -853,24 +853,24 @@ class PgThreadExecutor:
     def statistics(self) -> StoreStatistics:
         return _statistics(self.engine, self.listener, self.handoffs)
 
-    async def run(self, op: Callable[[Tx, Unpack[Ts]], T], *args: Unpack[Ts]) -> T:
+    async def run(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
         result: T = await self._submit(Job(op, args), "write")
         return result
 
-    async def run_nowait(self, op: Callable[[Tx, Unpack[Ts]], T], *args: Unpack[Ts]) -> T:
+    async def run_nowait(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
         # Queued like any operation (the writer's batch ends soon), then run alone with a
         # short lock_timeout: another process's lock is not waited for.
         result: T = await self._submit(Job(op, args), "nowait")
         return result
 
-    async def read(self, op: Callable[[Tx, Unpack[Ts]], T], *args: Unpack[Ts]) -> T:
+    async def read(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
         # Through the same writer hand-off: one connection per process. Alone, on one
         # REPEATABLE READ snapshot; PostgreSQL readers never wait for writers.
         result: T = await self._submit(Job(op, args), "read")
         return result
 
-    async def wait_for_change(self, kick: trio.Event, timeout: float) -> None:
-        await _wait_for_change(self.listener, kick, timeout)
+    async def wait_for_change(self, kick: trio.Event, fallback: float) -> None:
+        await _wait_for_change(self.listener, kick, fallback)
 
     async def _submit(self, job: Job, mode: Mode) -> Any:
         # Cancellation first: a caller cancelled while the runtime closes sees Cancelled,

@@ -333,8 +333,13 @@ class Runtime:
         entry.begin_deciding()
         sent_at = trio.current_time()
         try:
+            # mypy cannot check `*args` of a Callable[..., Any] against a TypeVarTuple.
             result, acquired = await self._db.run(
-                wake_and_acquire, *args, entry.execution_id, self._owner_id, self._lease_ms
+                wake_and_acquire,  # type: ignore[arg-type]
+                *args,
+                entry.execution_id,
+                self._owner_id,
+                self._lease_ms,
             )
         except BaseException:
             self._settle_unclaimed(entry)

@@ -453,7 +453,7 @@ def run_op(
     conn: sqlite3.Connection,
     clock: Callable[[], float],
     op: Callable[[Tx, Unpack[Ts]], T],
-    *args: Unpack[Ts],
+    *args: *Ts,
 ) -> T:
     """Run one operation in its own transaction, synchronously (tools, CLI, tests)."""
     job = Job(op, args)
@@ -482,7 +482,7 @@ class ChangeReader:
     poll: float
     _version: int = 0
 
-    def read(self, op: Callable[[Tx, Unpack[Ts]], T], *args: Unpack[Ts]) -> T:
+    def read(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
         self.conn.execute("BEGIN")  # one snapshot for the whole operation
         try:
             return op(SQLiteTx(self.conn, now_ms(self.clock)), *args)
@@ -491,9 +491,9 @@ class ChangeReader:
         finally:
             self.conn.execute("ROLLBACK")
 
-    async def wait_for_change(self, kick: trio.Event, timeout: float) -> None:
-        """Return when another connection committed, `kick` is set, or after `timeout`."""
-        with trio.move_on_after(timeout):
+    async def wait_for_change(self, kick: trio.Event, fallback: float) -> None:
+        """Return when another connection committed, `kick` is set, or after `fallback` seconds."""
+        with trio.move_on_after(fallback):
             while not kick.is_set():
                 version = self.conn.execute("PRAGMA data_version").fetchone()[0]
                 if version != self._version:
@@ -513,13 +513,13 @@ class InlineExecutor:
     backend: BackendName = "sqlite"
     transactions: int = 0
 
-    async def read(self, op: Callable[[Tx, Unpack[Ts]], T], *args: Unpack[Ts]) -> T:
+    async def read(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
         await trio.lowlevel.checkpoint_if_cancelled()
         result = self.reader.read(op, *args)
         await trio.lowlevel.cancel_shielded_checkpoint()
         return result
 
-    async def wait_for_change(self, kick: trio.Event, timeout: float) -> None:
+    async def wait_for_change(self, kick: trio.Event, fallback: float) -> None:
         # Deterministic tests: no background look at the store (it would race the steps a
         # test drives under the virtual clock), only an explicit kick. The change signal
         # itself is tested on the threaded store, in real time.
@@ -528,7 +528,7 @@ class InlineExecutor:
     def statistics(self) -> StoreStatistics:
         return StoreStatistics("sqlite", transactions=self.transactions)
 
-    async def run(self, op: Callable[[Tx, Unpack[Ts]], T], *args: Unpack[Ts]) -> T:
+    async def run(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
         await trio.lowlevel.checkpoint_if_cancelled()
         job = Job(op, args)
         self.transactions += 1
@@ -537,7 +537,7 @@ class InlineExecutor:
         result: T = job.unwrap()
         return result
 
-    async def run_nowait(self, op: Callable[[Tx, Unpack[Ts]], T], *args: Unpack[Ts]) -> T:
+    async def run_nowait(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
         await trio.lowlevel.checkpoint_if_cancelled()
         self.conn.execute("PRAGMA busy_timeout = 0")  # really not waiting, here too
         try:
@@ -595,7 +595,7 @@ class ThreadExecutor:
             inline_runs=self.inline_runs,
         )
 
-    async def run(self, op: Callable[[Tx, Unpack[Ts]], T], *args: Unpack[Ts]) -> T:
+    async def run(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
         # Cancellation first: a caller cancelled while the runtime closes sees Cancelled,
         # not an error about the executor it was cancelled out of.
         await trio.lowlevel.checkpoint_if_cancelled()
@@ -625,7 +625,7 @@ class ThreadExecutor:
         result: T = queued.job.unwrap()
         return result
 
-    async def run_nowait(self, op: Callable[[Tx, Unpack[Ts]], T], *args: Unpack[Ts]) -> T:
+    async def run_nowait(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
         await trio.lowlevel.checkpoint_if_cancelled()
         if self._in_flight or self.inline_conn is None:
             # The worker holds this process's write lock now: its batch ends soon.
@@ -634,14 +634,14 @@ class ThreadExecutor:
         await trio.lowlevel.cancel_shielded_checkpoint()
         return result
 
-    async def read(self, op: Callable[[Tx, Unpack[Ts]], T], *args: Unpack[Ts]) -> T:
+    async def read(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
         await trio.lowlevel.checkpoint_if_cancelled()
         result = self.reader.read(op, *args)
         await trio.lowlevel.cancel_shielded_checkpoint()
         return result
 
-    async def wait_for_change(self, kick: trio.Event, timeout: float) -> None:
-        await self.reader.wait_for_change(kick, timeout)
+    async def wait_for_change(self, kick: trio.Event, fallback: float) -> None:
+        await self.reader.wait_for_change(kick, fallback)
 
     def _lone_caller(self) -> bool:
         return (

@@ -913,7 +913,8 @@ def rejected_inputs(tx: Tx, session_id: str | None) -> list[dict[str, Any]]:
     """Inputs set aside by `take_inputs` because they do not decode, oldest first."""
     rows = tx.execute(
         "SELECT id, session_id, seq, payload, reason, time_created FROM session_input_rejected"
-        " WHERE CAST(:session AS TEXT) IS NULL OR session_id = :session ORDER BY time_created, session_id, seq",
+        " WHERE CAST(:session AS TEXT) IS NULL OR session_id = :session"
+        " ORDER BY time_created, session_id, seq",
         {"session": session_id},
     ).fetchall()
     keys = ("id", "session_id", "seq", "payload", "reason", "time_created")

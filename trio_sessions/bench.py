@@ -51,6 +51,7 @@ import trio
 import trio.testing
 
 from . import __version__, _sqlite
+from ._backend import Tx
 from ._runtime import DrainContext, Runtime, open_runtime
 from ._sqlite import SQLiteStore as Store
 
@@ -489,7 +490,7 @@ async def concurrent_cycles(runtime: Runtime, session_ids: Sequence[str]) -> flo
     return time.perf_counter() - started
 
 
-def _empty(tx: _sqlite.SQLiteTx) -> None:
+def _empty(tx: Tx) -> None:
     return None
 
 
