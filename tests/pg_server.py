@@ -106,15 +106,21 @@ def postgres_url() -> Iterator[str]:
         log = base / "server.log"
         data.mkdir()
         log.touch()
+        bin_dir = _bin_dir()
+        if _as_user():
+            # The unprivileged server user may not reach the virtualenv (a checkout in a
+            # private directory): it runs a copy of the binaries it can read.
+            install = base / "pginstall"
+            shutil.copytree(bin_dir.parent, install, symlinks=True)
+            bin_dir = install / "bin"
         _chown_tree(base)
         with contextlib.ExitStack() as stack:
-            url = stack.enter_context(_server(data, log))
+            url = stack.enter_context(_server(bin_dir, data, log))
             yield url
 
 
 @contextlib.contextmanager
-def _server(data: Path, log: Path) -> Iterator[str]:
-    bin_dir = _bin_dir()
+def _server(bin_dir: Path, data: Path, log: Path) -> Iterator[str]:
     with log.open("ab") as out:
         initdb = subprocess.run(
             [
