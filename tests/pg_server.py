@@ -110,9 +110,12 @@ def postgres_url() -> Iterator[str]:
         if _as_user():
             # The unprivileged server user may not reach the virtualenv (a checkout in a
             # private directory): it runs a copy of the binaries it can read.
-            install = base / "pginstall"
-            shutil.copytree(bin_dir.parent, install, symlinks=True)
-            bin_dir = install / "bin"
+            # The package and its vendored libraries keep their relative layout (RPATH).
+            package = bin_dir.parent.parent
+            for source in (package, package.with_name(package.name + ".libs")):
+                if source.exists():
+                    shutil.copytree(source, base / source.name, symlinks=True)
+            bin_dir = base / package.name / "pginstall" / "bin"
         _chown_tree(base)
         with contextlib.ExitStack() as stack:
             url = stack.enter_context(_server(bin_dir, data, log))
