@@ -68,6 +68,7 @@ from psycopg import sql
 
 from ._backend import BackendName, Job, Params, StoreStatistics, Tx, now_ms
 from ._errors import SchemaTooNew, StoreError
+from ._handoff import HandoffQueue, Queued, pumping
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
@@ -830,28 +831,17 @@ class PgInlineExecutor:
 
 
 @attrs.define(eq=False)
-class _Queued:
-    job: Job
-    mode: Mode = "write"
-    done: trio.Event = attrs.Factory(trio.Event)
-    taken: bool = False
-
-
-@attrs.define(eq=False)
 class PgThreadExecutor:
     """Group commit through one worker hand-off at a time. Use `open_thread_executor`."""
 
     engine: PgEngine
     listener: PgListener | None = None
-    _queue: list[_Queued] = attrs.Factory(list)
-    _work: trio.Event = attrs.Factory(trio.Event)
-    _closed: bool = False
+    _handoff: HandoffQueue = attrs.Factory(HandoffQueue)
     _limiter: trio.CapacityLimiter = attrs.Factory(lambda: trio.CapacityLimiter(1))
-    handoffs: int = 0
     backend: BackendName = "postgres"
 
     def statistics(self) -> StoreStatistics:
-        return _statistics(self.engine, self.listener, self.handoffs)
+        return _statistics(self.engine, self.listener, self._handoff.handoffs)
 
     async def run(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
         result: T = await self._submit(Job(op, args), "write")
@@ -876,64 +866,19 @@ class PgThreadExecutor:
         # Cancellation first: a caller cancelled while the runtime closes sees Cancelled,
         # not an error about the executor it was cancelled out of.
         await trio.lowlevel.checkpoint_if_cancelled()
-        if self._closed:
-            raise StoreError("the store executor is closed")
-        queued = _Queued(job, mode)
-        self._queue.append(queued)
-        self._work.set()
-        try:
-            await queued.done.wait()
-        except trio.Cancelled:
-            if not queued.taken:
-                self._queue.remove(queued)
-                raise
-            # Taken: the operation is running; wait for its result like a non-abandoning
-            # to_thread call, then let the next checkpoint deliver the cancellation.
-            with trio.CancelScope(shield=True):
-                await queued.done.wait()
-        return queued.job.unwrap()
+        return await self._handoff.submit(job, mode)
 
-    async def pump(self, scope: trio.CancelScope) -> None:
-        """Feed the worker: every operation queued during a hand-off joins the next one.
-
-        Runs in `scope`, shielded and cancelled only when the executor closes, so cleanup
-        that runs shielded while the runtime is cancelled from outside still reaches the
-        database.
-        """
-        try:
-            with scope:
-                await self._pump_forever()
-        finally:
-            self._closed = True
-            for queued in self._queue:
-                queued.job.error = StoreError("the store executor closed before this ran")
-                queued.done.set()
-            self._queue.clear()
-
-    async def _pump_forever(self) -> None:
-        while True:
-            await self._work.wait()
-            self._work = trio.Event()
-            batch, self._queue = self._queue, []
-            if not batch:
-                continue
-            for queued in batch:
-                queued.taken = True
-            by_mode: dict[Mode, list[Job]] = {"write": [], "nowait": [], "read": []}
-            for queued in batch:
-                by_mode[queued.mode].append(queued.job)
-            self.handoffs += 1
-            try:
-                await trio.to_thread.run_sync(
-                    self.engine.run_jobs,
-                    by_mode["write"],
-                    by_mode["nowait"],
-                    by_mode["read"],
-                    limiter=self._limiter,
-                )
-            finally:
-                for queued in batch:
-                    queued.done.set()
+    async def _hand_off(self, batch: list[Queued]) -> None:
+        by_mode: dict[str, list[Job]] = {"write": [], "nowait": [], "read": []}
+        for queued in batch:
+            by_mode[queued.mode].append(queued.job)
+        await trio.to_thread.run_sync(
+            self.engine.run_jobs,
+            by_mode["write"],
+            by_mode["nowait"],
+            by_mode["read"],
+            limiter=self._limiter,
+        )
 
 
 @asynccontextmanager
@@ -942,13 +887,8 @@ async def open_thread_executor(
 ) -> AsyncIterator[PgThreadExecutor]:
     """A `PgThreadExecutor` whose pump lives in its own nursery, for the block's duration."""
     executor = PgThreadExecutor(engine, listener)
-    pump_scope = trio.CancelScope(shield=True)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(executor.pump, pump_scope)
-        try:
-            yield executor
-        finally:
-            pump_scope.cancel()
+    async with pumping(executor._handoff, executor._hand_off):
+        yield executor
 
 
 def _redacted(url: str) -> str:

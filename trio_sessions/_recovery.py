@@ -53,15 +53,18 @@ class Recovery:
         self._db = executor
         self._owner_id = owner_id
         self._lease_ms = lease_ms
-        self._batch = batch
+        self.batch = batch
         self._max_resumes = max_resumes
         self.lock = trio.Lock()
         self.totals = RecoveryReport()
 
-    async def scan(self, local_sessions: Sequence[str]) -> Scan:
-        """Find candidates and take a recovery lease on each expired claim."""
+    async def scan(self, local_sessions: Sequence[str], limit: int) -> Scan:
+        """Find at most `limit` candidates (at most `batch`) and take a recovery lease on
+        each expired claim."""
+        if limit == 0:
+            return Scan(0, [], 0, [])
         candidates = await self._db.run(
-            _store.recovery_candidates, self._owner_id, self._batch, list(local_sessions)
+            _store.recovery_candidates, self._owner_id, min(limit, self.batch), local_sessions
         )
         expired = [c for c in candidates if c.execution_id is not None]
         doorbells = [c for c in candidates if c.execution_id is None]

@@ -512,6 +512,9 @@ class Runtime:
         while True:
             context = DrainContext(self, entry)
             assert self._drain is not None  # producers never register an entry
+            # The task (and every task the drain starts) knows which session it drains, so
+            # waiting on that very session fails at once instead of waiting for itself.
+            draining = _draining.set((self, entry.session_id))
             self._drains_running += 1
             try:
                 await self._drain(context)
@@ -519,6 +522,8 @@ class Runtime:
                 return _Ending("failed", error=exc)
             finally:
                 self._drains_running -= 1
+                _draining.reset(draining)
+                context._returned = True
             if context._defect is not None:
                 return _Ending("failed", error=context._defect)
             entry.begin_deciding()
@@ -700,15 +705,21 @@ class Runtime:
                 await self.recover_once()
 
     async def _recovery_pass(self) -> RecoveryReport:
-        scan = await self._recovery.scan(list(self._entries))
+        # With max_active, take recovery leases only on what this runtime has room for: a
+        # lease it would not act on keeps the row from every other runtime for a lease.
+        scan = await self._recovery.scan(
+            list(self._entries), self._capacity_left(self._recovery.batch)
+        )
         applied = await self._apply_recovery(scan.leased) if scan.leased else RecoveryReport()
         report = attrs.evolve(
             applied, examined=scan.examined, fence_lost=applied.fence_lost + scan.fence_lost
         )
         started = 0
-        for candidate in scan.doorbells[: self._capacity_left(len(scan.doorbells))]:
-            if candidate.session_id not in self._entries and not self._closing:
-                self._ring(candidate.session_id)
+        for candidate in scan.doorbells:
+            if (
+                candidate.session_id not in self._entries
+                and self._ring(candidate.session_id) is not None
+            ):
                 started += 1
         return attrs.evolve(report, doorbells_started=started)
 
@@ -767,6 +778,7 @@ class Runtime:
 
 # The (runtime, session id) whose drain the current task runs - also in tasks the drain
 # started - so that waiting on that very session fails at once instead of deadlocking.
+# Set around each drain call by `Runtime._drain_loop`.
 _draining: contextvars.ContextVar[tuple[Runtime, str] | None] = contextvars.ContextVar(
     "trio_sessions_draining", default=None
 )
@@ -787,21 +799,6 @@ def _is_async_callable(drain: object) -> bool:
     return inspect.iscoroutinefunction(drain) or (
         callable(drain) and inspect.iscoroutinefunction(type(drain).__call__)
     )
-
-
-def _guarded(drain: Drain) -> Drain:
-    """The drain as the runtime calls it: marks the task as draining its session, and
-    retires the context when the drain returns (or raises)."""
-
-    async def guarded(context: DrainContext) -> None:
-        token = _draining.set((context._runtime, context.session_id))
-        try:
-            await drain(context)
-        finally:
-            _draining.reset(token)
-            context._returned = True
-
-    return guarded
 
 
 class DrainContext:
@@ -949,13 +946,11 @@ async def open_runtime(
     `deferred` and the wakes wait for a runtime that drains.
     """
     backend = _resolve_store(store)
-    if drain is not None:
-        if not _is_async_callable(drain):
-            raise TypeError(
-                "drain must be an async function (or an object with an async __call__)"
-                f" taking a DrainContext, or None; got {drain!r}"
-            )
-        drain = _guarded(drain)
+    if drain is not None and not _is_async_callable(drain):
+        raise TypeError(
+            "drain must be an async function (or an object with an async __call__)"
+            f" taking a DrainContext, or None; got {drain!r}"
+        )
     lease = _seconds(lease, "lease")
     heartbeat = (
         lease / 3

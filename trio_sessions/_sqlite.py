@@ -42,6 +42,7 @@ import trio
 
 from ._backend import BackendName, Job, Params, StoreStatistics, Tx, now_ms
 from ._errors import SchemaTooNew, StoreError, TrioSessionsError
+from ._handoff import HandoffQueue, Queued, pumping
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
@@ -482,14 +483,18 @@ class ChangeReader:
     poll: float
     _version: int = 0
 
-    def read(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
+    async def read(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
+        """Run a read-only operation on one snapshot, on the trio thread."""
+        await trio.lowlevel.checkpoint_if_cancelled()
         self.conn.execute("BEGIN")  # one snapshot for the whole operation
         try:
-            return op(SQLiteTx(self.conn, now_ms(self.clock)), *args)
+            result = op(SQLiteTx(self.conn, now_ms(self.clock)), *args)
         except sqlite3.Error as exc:
             raise _store_error(exc) from exc
         finally:
             self.conn.execute("ROLLBACK")
+        await trio.lowlevel.cancel_shielded_checkpoint()
+        return result
 
     async def wait_for_change(self, kick: trio.Event, fallback: float) -> None:
         """Return when another connection committed, `kick` is set, or after `fallback` seconds."""
@@ -514,10 +519,7 @@ class InlineExecutor:
     transactions: int = 0
 
     async def read(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
-        await trio.lowlevel.checkpoint_if_cancelled()
-        result = self.reader.read(op, *args)
-        await trio.lowlevel.cancel_shielded_checkpoint()
-        return result
+        return await self.reader.read(op, *args)
 
     async def wait_for_change(self, kick: trio.Event, fallback: float) -> None:
         # Deterministic tests: no background look at the store (it would race the steps a
@@ -562,13 +564,6 @@ def _run_nowait(
 
 
 @attrs.define(eq=False)
-class _Queued:
-    job: Job
-    done: trio.Event = attrs.Factory(trio.Event)
-    taken: bool = False
-
-
-@attrs.define(eq=False)
 class ThreadExecutor:
     """Group commit through one worker hand-off at a time. Use `open_thread_executor`."""
 
@@ -576,22 +571,19 @@ class ThreadExecutor:
     clock: Callable[[], float]
     reader: ChangeReader
     inline_conn: sqlite3.Connection | None = None
-    _queue: list[_Queued] = attrs.Factory(list)
-    _work: trio.Event = attrs.Factory(trio.Event)
-    _closed: bool = False
-    _in_flight: bool = False
+    _handoff: HandoffQueue = attrs.Factory(HandoffQueue)
     _limiter: trio.CapacityLimiter = attrs.Factory(lambda: trio.CapacityLimiter(1))
     _inline_since_checkpoint: int = 0
     _checkpoint_due: bool = False
-    handoffs: int = 0
     inline_runs: int = 0
     backend: BackendName = "sqlite"
 
     def statistics(self) -> StoreStatistics:
+        handoffs = self._handoff.handoffs
         return StoreStatistics(
             "sqlite",
-            transactions=self.handoffs + self.inline_runs,
-            handoffs=self.handoffs,
+            transactions=handoffs + self.inline_runs,
+            handoffs=handoffs,
             inline_runs=self.inline_runs,
         )
 
@@ -599,35 +591,21 @@ class ThreadExecutor:
         # Cancellation first: a caller cancelled while the runtime closes sees Cancelled,
         # not an error about the executor it was cancelled out of.
         await trio.lowlevel.checkpoint_if_cancelled()
-        if self._closed:
-            raise StoreError("the store executor is closed")
+        self._handoff.check_open()
+        job = Job(op, args)
         if self._lone_caller():
-            job = Job(op, args)
             assert self.inline_conn is not None
             if try_run_batch(self.inline_conn, self.clock, [job]):
                 self._count_inline_commit()
                 await trio.lowlevel.cancel_shielded_checkpoint()
                 inline_result: T = job.unwrap()
                 return inline_result
-        queued = _Queued(Job(op, args))
-        self._queue.append(queued)
-        self._work.set()
-        try:
-            await queued.done.wait()
-        except trio.Cancelled:
-            if not queued.taken:
-                self._queue.remove(queued)
-                raise
-            # Taken: the operation is running; wait for its result like a non-abandoning
-            # to_thread call, then let the next checkpoint deliver the cancellation.
-            with trio.CancelScope(shield=True):
-                await queued.done.wait()
-        result: T = queued.job.unwrap()
+        result: T = await self._handoff.submit(job)
         return result
 
     async def run_nowait(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
         await trio.lowlevel.checkpoint_if_cancelled()
-        if self._in_flight or self.inline_conn is None:
+        if self._handoff.in_flight or self.inline_conn is None:
             # The worker holds this process's write lock now: its batch ends soon.
             return await self.run(op, *args)
         result: T = _run_nowait(self.inline_conn, self.clock, op, args)
@@ -635,10 +613,7 @@ class ThreadExecutor:
         return result
 
     async def read(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
-        await trio.lowlevel.checkpoint_if_cancelled()
-        result = self.reader.read(op, *args)
-        await trio.lowlevel.cancel_shielded_checkpoint()
-        return result
+        return await self.reader.read(op, *args)
 
     async def wait_for_change(self, kick: trio.Event, fallback: float) -> None:
         await self.reader.wait_for_change(kick, fallback)
@@ -646,8 +621,7 @@ class ThreadExecutor:
     def _lone_caller(self) -> bool:
         return (
             self.inline_conn is not None
-            and not self._queue
-            and not self._in_flight
+            and self._handoff.idle()
             and trio.lowlevel.current_statistics().tasks_runnable == 0
         )
 
@@ -657,55 +631,24 @@ class ThreadExecutor:
         if self._inline_since_checkpoint >= CHECKPOINT_EVERY:
             self._inline_since_checkpoint = 0
             self._checkpoint_due = True
-            self._work.set()
+            self._handoff.poke()
 
-    async def pump(self, scope: trio.CancelScope) -> None:
-        """Feed the worker: every operation queued during a hand-off joins the next one.
+    async def _hand_off(self, batch: list[Queued]) -> None:
+        jobs = [queued.job for queued in batch]
+        await trio.to_thread.run_sync(run_batch, self.conn, self.clock, jobs, limiter=self._limiter)
 
-        Runs in `scope`, shielded and cancelled only when the executor closes, so cleanup
-        that runs shielded while the runtime is cancelled from outside still reaches SQLite.
-        """
+    async def _checkpoint_if_due(self) -> None:
+        if not self._checkpoint_due:
+            return
+        self._checkpoint_due = False
+        # In flight for the inline path too: a checkpoint racing new commits never copies
+        # every frame, and the WAL then cannot restart (it grew past 90 MB in a 100k-cycle
+        # run). Operations meanwhile queue for the worker and group-commit right after.
+        self._handoff.in_flight = True
         try:
-            with scope:
-                await self._pump_forever()
+            await trio.to_thread.run_sync(checkpoint, self.conn, limiter=self._limiter)
         finally:
-            self._closed = True
-            for queued in self._queue:
-                queued.job.error = StoreError("the store executor closed before this ran")
-                queued.done.set()
-            self._queue.clear()
-
-    async def _pump_forever(self) -> None:
-        while True:
-            await self._work.wait()
-            self._work = trio.Event()
-            if self._checkpoint_due:
-                self._checkpoint_due = False
-                # In flight for the inline path too: a checkpoint racing new commits never
-                # copies every frame, and the WAL then cannot restart (it grew past 90 MB
-                # in a 100k-cycle run). Operations meanwhile queue for the worker and
-                # group-commit right after.
-                self._in_flight = True
-                try:
-                    await trio.to_thread.run_sync(checkpoint, self.conn, limiter=self._limiter)
-                finally:
-                    self._in_flight = False
-            batch, self._queue = self._queue, []
-            if not batch:
-                continue
-            for queued in batch:
-                queued.taken = True
-            jobs = [queued.job for queued in batch]
-            self.handoffs += 1
-            self._in_flight = True
-            try:
-                await trio.to_thread.run_sync(
-                    run_batch, self.conn, self.clock, jobs, limiter=self._limiter
-                )
-            finally:
-                self._in_flight = False
-                for queued in batch:
-                    queued.done.set()
+            self._handoff.in_flight = False
 
 
 @asynccontextmanager
@@ -718,16 +661,11 @@ async def open_thread_executor(
 ) -> AsyncIterator[ThreadExecutor]:
     """A `ThreadExecutor` whose pump lives in its own nursery, for the block's duration.
 
-    `inline_conn` (from `_store.connect_nonblocking`) enables the lone-caller fast path.
+    `inline_conn` (from `connect_nonblocking`) enables the lone-caller fast path.
     """
     executor = ThreadExecutor(conn, clock, reader, inline_conn=inline_conn)
-    pump_scope = trio.CancelScope(shield=True)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(executor.pump, pump_scope)
-        try:
-            yield executor
-        finally:
-            pump_scope.cancel()
+    async with pumping(executor._handoff, executor._hand_off, executor._checkpoint_if_due):
+        yield executor
 
 
 @attrs.frozen

@@ -621,15 +621,22 @@ def recovery_candidates(
     ).fetchall()
     candidates = [Candidate(session_id, execution_id) for session_id, execution_id in expired]
     if len(candidates) < limit:
-        not_local, local = tx.not_in("s.id", local_sessions)
-        doorbells = tx.execute(
-            "SELECT s.id FROM session s WHERE s.time_woken IS NOT NULL"
-            " AND NOT EXISTS (SELECT 1 FROM session_execution e WHERE e.session_id = s.id)"
-            f" AND {not_local} ORDER BY s.time_woken, s.id LIMIT :limit",
-            {"excluded": local, "limit": limit - len(candidates)},
-        ).fetchall()
-        candidates += [Candidate(row[0], None) for row in doorbells]
+        doorbells = _unclaimed_doorbells(tx, local_sessions, limit - len(candidates))
+        candidates += [Candidate(session_id, None) for session_id in doorbells]
     return candidates
+
+
+def _unclaimed_doorbells(tx: Tx, local_sessions: Sequence[str], limit: int) -> list[str]:
+    """Sessions with a set doorbell and no claim row, oldest wake first, except those held
+    locally (a crash between wake and acquire, or a wake from another process)."""
+    not_local, local = tx.not_in("s.id", local_sessions)
+    rows = tx.execute(
+        "SELECT s.id FROM session s WHERE s.time_woken IS NOT NULL"
+        " AND NOT EXISTS (SELECT 1 FROM session_execution e WHERE e.session_id = s.id)"
+        f" AND {not_local} ORDER BY s.time_woken, s.id LIMIT :limit",
+        {"excluded": local, "limit": limit},
+    ).fetchall()
+    return [str(row[0]) for row in rows]
 
 
 def take_recovery_leases(
@@ -997,18 +1004,7 @@ def changes(
     """Read what the change signal points at: doorbells this runtime may take, cancellations
     of its claims, and messages of watched sessions whose version is newer than the one
     given (`watched[session][message_id]`; absent = never seen)."""
-    doorbells: list[str] = []
-    if doorbell_limit > 0:
-        not_local, local = tx.not_in("s.id", local_sessions)
-        doorbells = [
-            str(row[0])
-            for row in tx.execute(
-                "SELECT s.id FROM session s WHERE s.time_woken IS NOT NULL"
-                " AND NOT EXISTS (SELECT 1 FROM session_execution e WHERE e.session_id = s.id)"
-                f" AND {not_local} ORDER BY s.time_woken, s.id LIMIT :limit",
-                {"excluded": local, "limit": doorbell_limit},
-            ).fetchall()
-        ]
+    doorbells = _unclaimed_doorbells(tx, local_sessions, doorbell_limit) if doorbell_limit else []
     cancelling = [
         str(row[0])
         for row in tx.execute(
@@ -1020,10 +1016,7 @@ def changes(
         snapshot
         for session_id, seen in watched.items()
         for snapshot in _message_snapshots(
-            tx,
-            "session_id = :session AND version > :unseen",
-            {"session": session_id, "unseen": -1},
-            seen,
+            tx, "session_id = :session", {"session": session_id}, seen
         )
     ]
     return Changes(doorbells, cancelling, messages)
@@ -1042,14 +1035,14 @@ def _message_snapshots(
     """Messages matching `where`, skipping those whose version is not newer than `seen`;
     the data of a skipped message is never read."""
     stale = [
-        (str(row[0]), int(row[1]))
+        str(row[0])
         for row in tx.execute(
             f"SELECT id, version FROM session_message WHERE {where} ORDER BY seq", params
         ).fetchall()
         if seen is None or seen.get(row[0], -1) < row[1]
     ]
     snapshots: list[Snapshot] = []
-    for message_id, _ in stale:
+    for message_id in stale:
         row = tx.one(
             "SELECT session_id, id, role, seq, data, execution_id, input_id, version"
             " FROM session_message WHERE id = ?",

@@ -1,0 +1,138 @@
+"""One writer path from trio to a worker thread, shared by both engines (group commit).
+
+Operations queue here; a pump hands everything queued to the engine's worker thread in one
+go, and whatever arrives while that hand-off is in flight joins the next one. A trio ->
+thread hand-off costs more than a whole SQLite cycle on our machines and a PostgreSQL commit
+costs an fsync, so concurrent operations share both.
+
+Invariant: an operation that has begun is never abandoned. If its caller is cancelled while
+it is queued, it is withdrawn unrun; once taken, the caller waits for its outcome (as
+`trio.to_thread.run_sync` does with `abandon_on_cancel=False`), so a write that committed is
+always reported, never mistaken for one that did not happen. When the pump stops, every
+operation still queued fails with `StoreError`, and later ones are refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+import trio
+
+from ._backend import Job
+from ._errors import StoreError
+
+
+@attrs.define(eq=False)
+class Queued:
+    """One operation waiting for a hand-off; `mode` tells the engine how to run it."""
+
+    job: Job
+    mode: str = "write"
+    done: trio.Event = attrs.Factory(trio.Event)
+    taken: bool = False
+
+
+HandOff = Callable[[list[Queued]], Awaitable[None]]
+
+
+@attrs.define(eq=False)
+class HandoffQueue:
+    """The operations waiting for the worker, and whether a hand-off is in flight."""
+
+    _queue: list[Queued] = attrs.Factory(list)
+    _work: trio.Event = attrs.Factory(trio.Event)
+    closed: bool = False
+    # True while the worker holds this process's connection (a batch, or engine upkeep).
+    in_flight: bool = False
+    handoffs: int = 0
+
+    def idle(self) -> bool:
+        return not self._queue and not self.in_flight
+
+    def poke(self) -> None:
+        """Wake the pump with nothing queued (the engine has upkeep to do)."""
+        self._work.set()
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise StoreError("the store executor is closed")
+
+    async def submit(self, job: Job, mode: str = "write") -> Any:
+        """Queue `job` for the next hand-off and return its outcome (see the invariant)."""
+        self.check_open()
+        queued = Queued(job, mode)
+        self._queue.append(queued)
+        self._work.set()
+        try:
+            await queued.done.wait()
+        except trio.Cancelled:
+            if not queued.taken:
+                self._queue.remove(queued)
+                raise
+            # Taken: the operation is running; wait for its result like a non-abandoning
+            # to_thread call, then let the next checkpoint deliver the cancellation.
+            with trio.CancelScope(shield=True):
+                await queued.done.wait()
+        return queued.job.unwrap()
+
+    async def pump(
+        self,
+        scope: trio.CancelScope,
+        hand_off: HandOff,
+        upkeep: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        """Hand every queued operation to `hand_off`, batch after batch; `upkeep` runs at
+        each wake-up before the batch is taken (it may set `in_flight` while it works).
+
+        Runs in `scope`, shielded and cancelled only when the executor closes, so cleanup
+        that runs shielded while the runtime is cancelled from outside still reaches the
+        database.
+        """
+        try:
+            with scope:
+                while True:
+                    await self._work.wait()
+                    self._work = trio.Event()
+                    if upkeep is not None:
+                        await upkeep()
+                    await self._hand_off_queued(hand_off)
+        finally:
+            self.closed = True
+            for queued in self._queue:
+                queued.job.error = StoreError("the store executor closed before this ran")
+                queued.done.set()
+            self._queue.clear()
+
+    async def _hand_off_queued(self, hand_off: HandOff) -> None:
+        batch, self._queue = self._queue, []
+        if not batch:
+            return
+        for queued in batch:
+            queued.taken = True
+        self.handoffs += 1
+        self.in_flight = True
+        try:
+            await hand_off(batch)
+        finally:
+            self.in_flight = False
+            for queued in batch:
+                queued.done.set()
+
+
+@asynccontextmanager
+async def pumping(
+    queue: HandoffQueue,
+    hand_off: HandOff,
+    upkeep: Callable[[], Awaitable[None]] | None = None,
+) -> AsyncIterator[None]:
+    """Run `queue`'s pump in a nursery of its own for the block's duration."""
+    pump_scope = trio.CancelScope(shield=True)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(queue.pump, pump_scope, hand_off, upkeep)
+        try:
+            yield
+        finally:
+            pump_scope.cancel()
