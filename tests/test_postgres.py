@@ -155,7 +155,8 @@ def test_migration_creates_the_named_checks(pg_url: str, pg_schema: str) -> None
 _MIGRATE_CHILD = """
 import os, sys, time
 from trio_sessions._postgres import PostgresStore
-url, schema, go = sys.argv[1:]
+url, schema, ready, go = sys.argv[1:]
+open(ready, "w").close()
 while not os.path.exists(go):
     time.sleep(0.001)
 engine = PostgresStore(url, schema=schema).engine()
@@ -169,15 +170,19 @@ def test_concurrent_migrations_of_an_empty_schema_all_succeed(
 ) -> None:
     """Four processes migrating an empty schema at once all succeed; one schema_version row."""
     go = tmp_path / "go"
+    ready = [tmp_path / f"ready-{n}" for n in range(4)]
     children = [
         subprocess.Popen(
-            [sys.executable, "-c", _MIGRATE_CHILD, pg_url, pg_schema, str(go)],
+            [sys.executable, "-c", _MIGRATE_CHILD, pg_url, pg_schema, str(flag), str(go)],
             cwd=REPO,
             stderr=subprocess.PIPE,
         )
-        for _ in range(4)
+        for flag in ready
     ]
-    time.sleep(0.3)  # let the children import and reach the start line together
+    deadline = time.monotonic() + 60
+    while not all(flag.exists() for flag in ready):  # every child imported: a fair start
+        assert time.monotonic() < deadline, "a migrating child never reached the start line"
+        time.sleep(0.005)
     go.touch()
     errors = [child.communicate(timeout=60)[1] for child in children]
     assert [child.returncode for child in children] == [0, 0, 0, 0], errors

@@ -119,12 +119,14 @@ async def test_a_lost_signal_is_made_good_by_the_fallback_poll(
         started.set()
 
     async with (
-        trio_sessions.open_runtime(db, drain, **NO_RECOVERY),
+        trio_sessions.open_runtime(db, drain, **NO_RECOVERY) as worker,
         trio_sessions.open_runtime(db, None) as producer,
     ):
         await producer.wake("s")
         with trio.fail_after(BOUND):
             await started.wait()
+        assert worker.statistics().remote_signals == 1  # taken by a look, not by recovery
+        assert worker.statistics().recovery.doorbells_started == 0
 
 
 async def test_max_active_bounds_drains_and_the_rest_complete_without_recovery(
