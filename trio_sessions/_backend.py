@@ -28,6 +28,8 @@ from typing import Any, Literal, Protocol, TypeVar, TypeVarTuple, Unpack
 import attrs
 import trio
 
+from ._errors import StoreError
+
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
 
@@ -153,6 +155,13 @@ class StoreBackend(Protocol):
         `clock=None` means the backend's own lease clock (wall clock on SQLite, the
         server's clock on PostgreSQL)."""
         ...
+
+
+def driver_error(exc: BaseException) -> StoreError:
+    """A driver's error as the `StoreError` callers see (the driver's one kept as cause)."""
+    error = StoreError(f"{type(exc).__name__}: {exc}")
+    error.__cause__ = exc
+    return error
 
 
 def now_ms(clock: Callable[[], float]) -> int:

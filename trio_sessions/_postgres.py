@@ -66,7 +66,7 @@ import psycopg.pq
 import trio
 from psycopg import sql
 
-from ._backend import BackendName, Job, Params, StoreStatistics, Tx, now_ms
+from ._backend import BackendName, Job, Params, StoreStatistics, Tx, driver_error, now_ms
 from ._errors import SchemaTooNew, StoreError
 from ._handoff import HandoffQueue, Queued, pumping
 
@@ -275,7 +275,7 @@ def connect(url: str, schema: str) -> psycopg.Connection[Any]:
             tcp_user_timeout=TCP_USER_TIMEOUT_MS,
         )
     except psycopg.Error as exc:
-        raise _as_store_error(exc) from exc
+        raise driver_error(exc) from exc
     # Explicit: a database or role default must not change the isolation the fences assume.
     conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
     return conn
@@ -412,14 +412,8 @@ class PgTx:
             self.conn.execute("RELEASE SAVEPOINT nested")
 
 
-def _as_store_error(exc: psycopg.Error) -> StoreError:
-    error = StoreError(f"{type(exc).__name__}: {exc}")
-    error.__cause__ = exc
-    return error
-
-
 def _store_error(exc: BaseException) -> BaseException:
-    return _as_store_error(exc) if isinstance(exc, psycopg.Error) else exc
+    return driver_error(exc) if isinstance(exc, psycopg.Error) else exc
 
 
 def _connection_lost(conn: Any, exc: BaseException) -> bool:
@@ -584,7 +578,7 @@ class PgEngine:
                 return self._attempt(conn, jobs, mode, alone=alone, deadline=deadline)
             except _Rerun as rerun:
                 if attempt >= MAX_ATTEMPTS or time.monotonic() >= deadline:
-                    raise _as_store_error_any(rerun.cause) from rerun.cause
+                    raise driver_error(rerun.cause) from rerun.cause
                 self.retries += 1
                 time.sleep(min(0.005 * 2**attempt, 0.2) * random.uniform(0.5, 1.0))
 
@@ -654,7 +648,7 @@ class PgEngine:
                 self.close()
                 status = None
                 if time.monotonic() >= deadline:
-                    raise _as_store_error(exc) from exc
+                    raise driver_error(exc) from exc
             except StoreError as exc:
                 raise StoreError(
                     f"the outcome of a COMMIT is unknown (connection lost: {lost}); {exc}"
@@ -670,14 +664,6 @@ class PgEngine:
                     f"transaction {xid} is still {status!r}"
                 ) from lost
             time.sleep(0.02)
-
-
-def _as_store_error_any(exc: BaseException) -> StoreError:
-    if isinstance(exc, psycopg.Error):
-        return _as_store_error(exc)
-    error = StoreError(f"{type(exc).__name__}: {exc}")
-    error.__cause__ = exc
-    return error
 
 
 def run_op(engine: PgEngine, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
@@ -716,7 +702,7 @@ class PgListener:
             conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
         except psycopg.Error as exc:
             conn.close()
-            raise _as_store_error(exc) from exc
+            raise driver_error(exc) from exc
         return conn
 
     async def open(self) -> None:

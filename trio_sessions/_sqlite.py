@@ -40,7 +40,7 @@ from typing import Any, TypeVar, TypeVarTuple, Unpack
 import attrs
 import trio
 
-from ._backend import BackendName, Job, Params, StoreStatistics, Tx, now_ms
+from ._backend import BackendName, Job, Params, StoreStatistics, Tx, driver_error, now_ms
 from ._errors import SchemaTooNew, StoreError, TrioSessionsError
 from ._handoff import HandoffQueue, Queued, pumping
 
@@ -333,11 +333,7 @@ class SQLiteTx:
 
 
 def _store_error(exc: BaseException) -> BaseException:
-    if isinstance(exc, sqlite3.Error):
-        error = StoreError(f"{type(exc).__name__}: {exc}")
-        error.__cause__ = exc
-        return error
-    return exc
+    return driver_error(exc) if isinstance(exc, sqlite3.Error) else exc
 
 
 def run_batch(conn: sqlite3.Connection, clock: Callable[[], float], jobs: list[Job]) -> None:
