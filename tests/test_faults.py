@@ -931,14 +931,14 @@ class AutoRollback:
         message: str,
         *,
         skip: int = 0,
-        in_worker: bool = False,
+        in_group: bool = False,
         rollback: bool = True,
     ) -> None:
         self.rollback = rollback  # False: SQLite kept the transaction (the savepoint path)
         self.match = match
         self.message = message
         self.skip = skip  # let this many matching statements through first
-        self.in_worker = in_worker  # only in the store's worker thread (a group commit)
+        self.in_group = in_group  # only inside a group commit (jobs in savepoints)
         self.armed = False
         self.fired = 0
 
@@ -950,11 +950,15 @@ class AutoRollbackConnection:
     def __init__(self, conn: sqlite3.Connection, plan: AutoRollback) -> None:
         self._conn = conn
         self._plan = plan
+        self._grouped = False
 
     def execute(self, sql: str, params: Any = ()) -> sqlite3.Cursor:
         plan = self._plan
-        on_loop = threading.current_thread() is threading.main_thread()
-        if plan.armed and plan.match in sql and not (plan.in_worker and on_loop):
+        if sql == "SAVEPOINT job":
+            self._grouped = True
+        elif sql in ("COMMIT", "ROLLBACK"):
+            self._grouped = False
+        if plan.armed and plan.match in sql and (self._grouped or not plan.in_group):
             if plan.skip:
                 plan.skip -= 1
                 return self._conn.execute(sql, params)
@@ -993,9 +997,9 @@ async def test_group_commit_fault_fails_no_caller_silently(tmp_path: Path, rollb
     an error (after which SQLite may have rolled everything back): every submit either
     raises StoreError or is durable, and the runtime keeps working."""
     path = tmp_path / "db"
-    # The third submit that reaches the worker thread fails: two ran before it in its batch.
+    # The third submit inside a group commit fails: two ran before it in its batch.
     plan = AutoRollback(
-        "INSERT INTO session_input", "disk I/O error", skip=2, in_worker=True, rollback=rollback
+        "INSERT INTO session_input", "disk I/O error", skip=2, in_group=True, rollback=rollback
     )
     results: dict[int, str | BaseException] = {}
 

@@ -6,17 +6,20 @@ Every write transaction is `BEGIN IMMEDIATE`, retried past "database is locked" 
 one transaction (group commit), each inside its own savepoint, so one operation's error
 rolls back only its own writes.
 
-`ThreadExecutor` (production) hands operations to a worker thread and groups every
-operation that arrives while a hand-off is in flight into the next transaction: a trio ->
-thread hand-off costs more than a whole SQLite cycle on our machines, so concurrent
-operations share one. When nothing is queued, nothing is in flight and no other task is
-waiting to run (a lone caller: the group would be just itself), it instead runs the
-operation on the trio thread on a second connection that never waits: if the write lock is
-not free at once, the operation takes the thread path. That connection never checkpoints
-(a checkpoint may fsync); the worker does, every `CHECKPOINT_EVERY` inline commits. With
-WAL and synchronous=NORMAL a commit does not fsync, so the event loop never blocks on a
-lock or a disk flush. `InlineExecutor` (tests) runs each operation on the trio thread, so
-virtual time never jumps while SQLite works.
+`ThreadExecutor` (production) queues operations and groups every operation queued in one
+round of the event loop into one transaction (group commit). It runs that transaction on the
+trio thread, on a second connection that never waits: when the write lock is free at once
+(the common case, no other process writing), nothing crosses to a thread - a trio -> thread
+hand-off costs more than a whole SQLite cycle on our machines, and when the event loop is
+never idle (a producer submitting while drains run) every operation would pay one. When
+another process holds the lock, the group goes to the worker thread, which waits for it;
+operations arriving meanwhile join the next group. A lone caller (nothing queued, nothing
+in flight, no other task runnable: the group would be just itself) skips the queue. The
+loop's connection never checkpoints (a checkpoint may fsync); the worker does, every
+`CHECKPOINT_EVERY` commits on the loop. With WAL and synchronous=NORMAL a commit does not
+fsync, so the event loop never blocks on a lock or a disk flush. `InlineExecutor` (tests)
+runs each operation on the trio thread in its own transaction, so virtual time never jumps
+while SQLite works.
 
 Invariant, both executors: an operation that has begun is never abandoned. If its caller is
 cancelled while it is queued, it is withdrawn unrun; once taken, the caller waits for it (as
@@ -561,7 +564,8 @@ def _run_nowait(
 
 @attrs.define(eq=False)
 class ThreadExecutor:
-    """Group commit through one worker hand-off at a time. Use `open_thread_executor`."""
+    """Group commit on the loop, or through the worker thread when another process holds
+    the write lock. Use `open_thread_executor`."""
 
     conn: sqlite3.Connection
     clock: Callable[[], float]
@@ -572,10 +576,11 @@ class ThreadExecutor:
     _inline_since_checkpoint: int = 0
     _checkpoint_due: bool = False
     inline_runs: int = 0
+    thread_handoffs: int = 0
     backend: BackendName = "sqlite"
 
     def statistics(self) -> StoreStatistics:
-        handoffs = self._handoff.handoffs
+        handoffs = self.thread_handoffs
         return StoreStatistics(
             "sqlite",
             transactions=handoffs + self.inline_runs,
@@ -631,6 +636,14 @@ class ThreadExecutor:
 
     async def _hand_off(self, batch: list[Queued]) -> None:
         jobs = [queued.job for queued in batch]
+        # Group commit on the trio thread when the write lock is free: a thread hand-off
+        # costs more than the whole group's SQL, and when the event loop is never idle
+        # (a producer submitting while drains run) every operation would pay one.
+        if self.inline_conn is not None and try_run_batch(self.inline_conn, self.clock, jobs):
+            self._count_inline_commit()
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return
+        self.thread_handoffs += 1
         await trio.to_thread.run_sync(run_batch, self.conn, self.clock, jobs, limiter=self._limiter)
 
     async def _checkpoint_if_due(self) -> None:
