@@ -16,8 +16,10 @@ another process holds the lock, the group goes to the worker thread, which waits
 operations arriving meanwhile join the next group. A lone caller (nothing queued, nothing
 in flight, no other task runnable: the group would be just itself) skips the queue. The
 loop's connection never checkpoints (a checkpoint may fsync); the worker does, every
-`CHECKPOINT_EVERY` commits on the loop. With WAL and synchronous=NORMAL a commit does not
-fsync, so the event loop never blocks on a lock or a disk flush. `InlineExecutor` (tests)
+`CHECKPOINT_EVERY` commits on the loop, beside the writers (PASSIVE), and holds them back
+only when the WAL could not restart for `WAL_RESTART_FRAMES` frames. With WAL and
+synchronous=NORMAL a commit does not fsync, so the event loop never blocks on a lock or a
+disk flush. `InlineExecutor` (tests)
 runs each operation on the trio thread in its own transaction, so virtual time never jumps
 while SQLite works.
 
@@ -385,20 +387,22 @@ def connect_nonblocking(
     return conn
 
 
-def checkpoint(conn: sqlite3.Connection) -> bool:
-    """Copy the WAL back into the database without blocking writers (PASSIVE).
+def checkpoint(conn: sqlite3.Connection) -> tuple[int, int] | None:
+    """Copy the WAL back into the database without blocking writers (PASSIVE); returns the
+    WAL's length in frames and how many of them are copied. With no commit meanwhile, a
+    whole copy lets the WAL restart from 0 at the next commit.
 
     Never raises: a failed checkpoint (an I/O error, a full disk) loses nothing - the WAL
-    keeps every commit - so it is logged and False returned; the next one is due after
-    another `CHECKPOINT_EVERY` inline commits (SQLite's own autocheckpoint on the worker
-    connection runs meanwhile).
+    keeps every commit - so it is logged and None returned; the next one is due after
+    another `CHECKPOINT_EVERY` commits on the loop (SQLite's own autocheckpoint on the
+    worker connection runs meanwhile).
     """
     try:
-        conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+        _busy, frames, copied = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
     except sqlite3.Error as exc:
         logger.warning("checkpoint failed", extra={"error": str(exc)})
-        return False
-    return True
+        return None
+    return int(frames), int(copied)
 
 
 def _run_jobs(conn: sqlite3.Connection, clock: Callable[[], float], jobs: list[Job]) -> None:
@@ -464,6 +468,10 @@ def run_op(
 
 # WAL grows by a few pages per commit; checkpoint well before SQLite's own 1000-page mark.
 CHECKPOINT_EVERY = 200
+# A checkpoint that runs while commits continue never copies the newest frames, so the WAL
+# cannot restart and keeps growing; once it is this long (~16 MB at 4 KiB pages), the next
+# checkpoint holds the writers back until it is done.
+WAL_RESTART_FRAMES = 4_000
 
 
 # How often a runtime looks for other connections' commits (`PRAGMA data_version` costs a
@@ -573,8 +581,11 @@ class ThreadExecutor:
     inline_conn: sqlite3.Connection | None = None
     _handoff: HandoffQueue = attrs.Factory(HandoffQueue)
     _limiter: trio.CapacityLimiter = attrs.Factory(lambda: trio.CapacityLimiter(1))
+    _nursery: trio.Nursery | None = None
     _inline_since_checkpoint: int = 0
     _checkpoint_due: bool = False
+    _checkpointing: bool = False
+    _wal_frames: int = 0
     inline_runs: int = 0
     thread_handoffs: int = 0
     backend: BackendName = "sqlite"
@@ -629,10 +640,27 @@ class ThreadExecutor:
     def _count_inline_commit(self) -> None:
         self.inline_runs += 1
         self._inline_since_checkpoint += 1
-        if self._inline_since_checkpoint >= CHECKPOINT_EVERY:
-            self._inline_since_checkpoint = 0
-            self._checkpoint_due = True
+        if self._inline_since_checkpoint < CHECKPOINT_EVERY or self._checkpointing:
+            return
+        self._inline_since_checkpoint = 0
+        if self._wal_frames >= WAL_RESTART_FRAMES or self._nursery is None:
+            self._checkpoint_due = True  # the pump runs it with the writers held back
             self._handoff.poke()
+        else:
+            self._checkpointing = True
+            self._nursery.start_soon(self._checkpoint_beside_writers)
+
+    async def _checkpoint_beside_writers(self) -> None:
+        # PASSIVE never takes the write lock: commits on the loop go on meanwhile, so the
+        # event loop never waits for the copy or its fsync.
+        try:
+            done = await trio.to_thread.run_sync(checkpoint, self.conn, limiter=self._limiter)
+        finally:
+            self._checkpointing = False
+        if done is not None:
+            # Commits went on meanwhile: the WAL restarts only after a checkpoint with the
+            # writers held back, so its length is what counts.
+            self._wal_frames = done[0]
 
     async def _hand_off(self, batch: list[Queued]) -> None:
         jobs = [queued.job for queued in batch]
@@ -650,14 +678,17 @@ class ThreadExecutor:
         if not self._checkpoint_due:
             return
         self._checkpoint_due = False
-        # In flight for the inline path too: a checkpoint racing new commits never copies
+        # In flight for the loop's commits too: a checkpoint racing new commits never copies
         # every frame, and the WAL then cannot restart (it grew past 90 MB in a 100k-cycle
-        # run). Operations meanwhile queue for the worker and group-commit right after.
+        # run). Operations meanwhile queue and group-commit right after.
         self._handoff.in_flight = True
         try:
-            await trio.to_thread.run_sync(checkpoint, self.conn, limiter=self._limiter)
+            done = await trio.to_thread.run_sync(checkpoint, self.conn, limiter=self._limiter)
         finally:
             self._handoff.in_flight = False
+        if done is not None:
+            frames, copied = done
+            self._wal_frames = frames - copied  # copied whole: the WAL restarts
 
 
 @asynccontextmanager
@@ -673,7 +704,11 @@ async def open_thread_executor(
     `inline_conn` (from `connect_nonblocking`) enables the lone-caller fast path.
     """
     executor = ThreadExecutor(conn, clock, reader, inline_conn=inline_conn)
-    async with pumping(executor._handoff, executor._hand_off, executor._checkpoint_if_due):
+    async with (
+        trio.open_nursery() as nursery,
+        pumping(executor._handoff, executor._hand_off, executor._checkpoint_if_due),
+    ):
+        executor._nursery = nursery
         yield executor
 
 
