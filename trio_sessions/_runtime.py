@@ -663,6 +663,7 @@ class Runtime:
             _store.changes,
             self._owner_id,
             list(self._entries),
+            [entry.execution_id for entry in self._owned_entries()],
             self._capacity_left(CHANGE_BATCH) if takes_wakes else 0,
             self._watchers.watched(),
         )

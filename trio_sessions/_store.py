@@ -664,27 +664,37 @@ def take_recovery_leases(
     tx: Tx, owner_id: str, lease_ms: int, candidates: Sequence[Candidate]
 ) -> list[Candidate]:
     """Take a recovery lease on each expired claim: only if absent, expired or ours, and never
-    on a quarantined row. Returns the candidates whose lease we now hold."""
-    taken = []
-    for candidate in candidates:
-        row = tx.one(
+    on a quarantined row. Returns the candidates whose lease we now hold. One statement per
+    `_IN_CHUNK` parameters (a multi-row upsert)."""
+    expires = tx.now + lease_ms
+    taken: set[str] = set()
+    per_statement = _IN_CHUNK // 5  # five parameters per row
+    for start in range(0, len(candidates), per_statement):
+        chunk = candidates[start : start + per_statement]
+        rows = tx.execute(
             "INSERT INTO session_recovery(execution_id, session_id, owner_id, expires_at,"
-            " time_created) VALUES (:e, :s, :me, :exp, :now)"
-            " ON CONFLICT(execution_id) DO UPDATE SET owner_id = :me, expires_at = :exp"
+            " time_created) VALUES "
+            + ", ".join(["(?, ?, ?, ?, ?)"] * len(chunk))
+            + " ON CONFLICT(execution_id) DO UPDATE SET owner_id = excluded.owner_id,"
+            " expires_at = excluded.expires_at"
             " WHERE session_recovery.recovery_error IS NULL"
-            " AND (session_recovery.owner_id = :me OR session_recovery.expires_at <= :now)"
+            " AND (session_recovery.owner_id = excluded.owner_id"
+            "   OR session_recovery.expires_at <= excluded.time_created)"
             " RETURNING execution_id",
-            {
-                "e": candidate.execution_id,
-                "s": candidate.session_id,
-                "me": owner_id,
-                "exp": tx.now + lease_ms,
-                "now": tx.now,
-            },
-        )
-        if row is not None:
-            taken.append(candidate)
-    return taken
+            [
+                value
+                for candidate in chunk
+                for value in (
+                    candidate.execution_id,
+                    candidate.session_id,
+                    owner_id,
+                    expires,
+                    tx.now,
+                )
+            ],
+        ).fetchall()
+        taken.update(str(row[0]) for row in rows)
+    return [candidate for candidate in candidates if candidate.execution_id in taken]
 
 
 def _recovery_facts(tx: Tx, candidate: Candidate) -> tuple[RecoveryFacts, str | None]:
@@ -979,22 +989,183 @@ def apply_recovery_batch(
     lease_ms: int,
     max_resumes: int,
 ) -> list[Recovered]:
-    """`apply_recovery` for each (candidate, new execution id), each in its own savepoint:
-    one row's failure never undoes another's recovery."""
-    results = []
-    for candidate, new_execution_id in items:
-        try:
-            with tx.savepoint():
-                result = apply_recovery(
-                    tx, owner_id, candidate, new_execution_id, lease_ms, max_resumes
-                )
-        except LeaseLost:
-            result = Recovered(RecoveryDecision.GONE, fence_lost=True)
-        except (MalformedRecord, ValueError, TypeError, RecursionError) as exc:
-            # A row recovery cannot process is poison: quarantine it (exact fence) rather
-            # than fail the pass, so it never starves the rows behind it.
-            result = quarantine(tx, owner_id, candidate, f"recovery failed: {exc!r}")
-        results.append(result)
+    """`apply_recovery` for each (candidate, new execution id); one row's failure never
+    undoes another's recovery.
+
+    Set-wise where no transcript needs decoding: the facts of every candidate come from one
+    statement, and a claim whose execution wrote no assistant message is taken over (or
+    skipped) with the same fences, row by row in SQL but with no savepoint, since its first
+    write is its fence. Every other candidate goes through `apply_recovery` in a savepoint.
+    """
+    results: dict[int, Recovered] = {}
+    plain: list[_PlainItem] = []
+    for session_id in sorted({candidate.session_id for candidate, _ in items}):
+        tx.lock_session(session_id)
+    facts_of = _plain_recovery_facts(tx, owner_id, [c for c, _ in items])
+    for index, (candidate, new_execution_id) in enumerate(items):
+        known = facts_of.get(candidate.execution_id or "")
+        decision: RecoveryDecision | None = None
+        if known is not None:
+            facts, newest_seq, leased = known
+            decision = _decisions.decide_recovery(
+                facts, candidate.execution_id or "", tx.now, max_resumes
+            )
+        if known is None or decision not in _PLAIN_DECISIONS:
+            results[index] = _apply_one(
+                tx, owner_id, candidate, new_execution_id, lease_ms, max_resumes
+            )
+        elif not leased:
+            # Another recovery owner holds this row now: act on nothing of theirs.
+            results[index] = Recovered(RecoveryDecision.GONE, fence_lost=True)
+        else:
+            plain.append(
+                _PlainItem(index, candidate, new_execution_id, facts, newest_seq, decision)
+            )
+    results.update(_apply_plain(tx, owner_id, plain, lease_ms))
+    return [results[index] for index in range(len(items))]
+
+
+@attrs.frozen
+class _PlainItem:
+    """A candidate `apply_recovery_batch` acts on set-wise, with what it read about it."""
+
+    position: int
+    candidate: Candidate
+    new_execution_id: str
+    facts: RecoveryFacts
+    newest_seq: int | None
+    decision: RecoveryDecision
+
+
+# Decisions `apply_recovery_batch` applies set-wise to a claim with no assistant message
+# (no transcript to close); a superseded, cancelled or exhausted claim goes row by row.
+_PLAIN_DECISIONS = (RecoveryDecision.RESUME, RecoveryDecision.SKIP_LIVE, RecoveryDecision.GONE)
+# Parameters per IN list: well below SQLite's and PostgreSQL's limits.
+_IN_CHUNK = 500
+
+
+def _apply_one(
+    tx: Tx,
+    owner_id: str,
+    candidate: Candidate,
+    new_execution_id: str,
+    lease_ms: int,
+    max_resumes: int,
+) -> Recovered:
+    try:
+        with tx.savepoint():
+            return apply_recovery(tx, owner_id, candidate, new_execution_id, lease_ms, max_resumes)
+    except LeaseLost:
+        return Recovered(RecoveryDecision.GONE, fence_lost=True)
+    except (MalformedRecord, ValueError, TypeError, RecursionError) as exc:
+        # A row recovery cannot process is poison: quarantine it (exact fence) rather
+        # than fail the pass, so it never starves the rows behind it.
+        return quarantine(tx, owner_id, candidate, f"recovery failed: {exc!r}")
+
+
+def _chunks(values: Sequence[str]) -> Iterable[Sequence[str]]:
+    for start in range(0, len(values), _IN_CHUNK):
+        yield values[start : start + _IN_CHUNK]
+
+
+def _in_list(values: Sequence[str]) -> str:
+    return "(" + ", ".join("?" * len(values)) + ")"
+
+
+def _plain_recovery_facts(
+    tx: Tx, owner_id: str, candidates: Sequence[Candidate]
+) -> dict[str, tuple[RecoveryFacts, int | None, bool]]:
+    """For each candidate claim (still present) whose execution wrote no assistant message:
+    its recovery facts, the session's newest message seq, and whether we hold its recovery
+    lease. Read under the session locks, after which `tx.now` is read."""
+    execution_ids = [c.execution_id for c in candidates if c.execution_id is not None]
+    found: dict[str, tuple[RecoveryFacts, int | None, bool]] = {}
+    for chunk in _chunks(execution_ids):
+        rows = tx.execute(
+            "SELECT e.id, e.owner_id, e.phase, e.expires_at, e.handed_back, s.wake_attempts,"
+            " (SELECT MAX(m.seq) FROM session_message m WHERE m.session_id = e.session_id),"
+            # Any other execution's message supersedes a claim taken before any message.
+            " EXISTS (SELECT 1 FROM session_message m WHERE m.session_id = e.session_id"
+            "   AND m.role = 'assistant' AND (m.execution_id IS NULL OR m.execution_id != e.id)"
+            "   AND m.seq > COALESCE(e.anchor_seq, 0)),"
+            " EXISTS (SELECT 1 FROM session_recovery r WHERE r.execution_id = e.id"
+            "   AND r.owner_id = ? AND r.expires_at > ? AND r.recovery_error IS NULL)"
+            " FROM session_execution e JOIN session s ON s.id = e.session_id"
+            f" WHERE e.id IN {_in_list(chunk)} AND NOT EXISTS (SELECT 1 FROM session_message m"
+            "   WHERE m.execution_id = e.id AND m.role = 'assistant')",
+            (owner_id, tx.now, *chunk),
+        ).fetchall()
+        for row in rows:
+            execution_id, owner, phase, expires_at, handed_back, attempts = row[:6]
+            facts = RecoveryFacts(
+                claim=ClaimRow(execution_id, owner, phase, expires_at),
+                superseded=bool(row[7]),
+                newest_assistant_malformed=False,
+                wake_attempts=int(attempts),
+                handed_back=bool(handed_back),
+            )
+            found[execution_id] = (facts, None if row[6] is None else int(row[6]), bool(row[8]))
+    return found
+
+
+def _apply_plain(
+    tx: Tx,
+    owner_id: str,
+    plain: list[_PlainItem],
+    lease_ms: int,
+) -> dict[int, Recovered]:
+    """Take over (RESUME) or let go (SKIP_LIVE, GONE) of claims whose recovery lease we
+    hold and whose execution wrote no assistant message: nothing to close or decode."""
+    results: dict[int, Recovered] = {}
+    done: list[str] = []  # recovery rows of ours to delete
+    counted: dict[bool, list[str]] = {True: [], False: []}
+    for item in plain:
+        index, candidate, facts, decision = item.position, item.candidate, item.facts, item.decision
+        old = candidate.execution_id
+        assert old is not None
+        if decision is not RecoveryDecision.RESUME:
+            done.append(old)
+            results[index] = Recovered(decision)
+            continue
+        # The recovery fence comes first: zero rows means nothing was written for it.
+        replaced = tx.execute(
+            "UPDATE session_execution SET id = :new, owner_id = :me, phase = 'running',"
+            " anchor_seq = :anchor, time_created = :now, heartbeat_at = NULL,"
+            f" expires_at = :expires, handed_back = 0 WHERE {RECOVERY_FENCE}",
+            {
+                **_fence(tx, old),
+                "new": item.new_execution_id,
+                "me": owner_id,
+                "anchor": item.newest_seq,
+                "expires": tx.now + lease_ms,
+            },
+        ).rowcount
+        if replaced != 1:
+            results[index] = Recovered(RecoveryDecision.GONE, fence_lost=True)
+            continue
+        # A claim handed back by a graceful shutdown resumes without counting.
+        counts = not facts.handed_back
+        counted[counts].append(candidate.session_id)
+        done.append(old)
+        results[index] = Recovered(
+            RecoveryDecision.RESUME,
+            new_execution_id=item.new_execution_id,
+            attempt=facts.wake_attempts + int(counts),
+        )
+    for counts, session_ids in counted.items():
+        for chunk in _chunks(session_ids):
+            tx.execute(
+                "UPDATE session SET wake_attempts = wake_attempts + ?, time_woken = NULL,"
+                f" wakes = 0 WHERE id IN {_in_list(chunk)}",
+                (int(counts), *chunk),
+            )
+    for chunk in _chunks(done):
+        # Only our own recovery rows: another owner's lease or quarantine is not ours.
+        tx.execute(
+            f"DELETE FROM session_recovery WHERE execution_id IN {_in_list(chunk)}"
+            " AND owner_id = ? AND recovery_error IS NULL",
+            (*chunk, owner_id),
+        )
     return results
 
 
@@ -1019,18 +1190,22 @@ def changes(
     tx: Tx,
     owner_id: str,
     local_sessions: Sequence[str],
+    owned_executions: Sequence[str],
     doorbell_limit: int,
     watched: dict[str, dict[str, int]],
 ) -> Changes:
     """Read what the change signal points at: doorbells this runtime may take, cancellations
-    of its claims, and messages of watched sessions whose version is newer than the one
-    given (`watched[session][message_id]`; absent = never seen)."""
+    of its claims (`owned_executions`), and messages of watched sessions whose version is
+    newer than the one given (`watched[session][message_id]`; absent = never seen)."""
     doorbells = _unclaimed_doorbells(tx, local_sessions, doorbell_limit) if doorbell_limit else []
+    # Looked up by key among our own claims: no scan of every owner's claims.
     cancelling = [
         str(row[0])
+        for chunk in _chunks(owned_executions)
         for row in tx.execute(
-            "SELECT id FROM session_execution WHERE owner_id = ? AND phase = 'cancelling'",
-            (owner_id,),
+            f"SELECT id FROM session_execution WHERE id IN {_in_list(chunk)}"
+            " AND owner_id = ? AND phase = 'cancelling'",
+            (*chunk, owner_id),
         ).fetchall()
     ]
     messages = [
