@@ -483,3 +483,60 @@ async def test_shutdown_claim_is_resumed_by_next_owner(
     async with runtime(store, second, clock, **QUIET) as rt:
         await rt.wait_idle("s")
     assert len(second.calls) == 1 and second.calls[0].resumed and second.calls[0].attempt == 0
+
+
+async def test_recovery_takes_plain_claims_over_set_wise(
+    tmp_path: Path, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """Expired claims whose execution wrote no assistant message are taken over with about
+    one statement each (the fenced replace), not a savepoint and a dozen reads per claim;
+    a claim with a transcript to close still goes row by row, and both end the same way."""
+    statements: list[str] = []
+
+    class Counting:
+        def __init__(self, conn: sqlite3.Connection) -> None:
+            self._conn = conn
+
+        def execute(self, sql: str, params: Any = ()) -> sqlite3.Cursor:
+            statements.append(sql)
+            return self._conn.execute(sql, params)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._conn, name)
+
+    path = tmp_path / "db"
+    raw = Raw(path)
+    plain = [f"s{i}" for i in range(60)]
+    resumed: list[DrainContext] = []
+    all_entered, gate = trio.Event(), trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        resumed.append(ctx)
+        if len(resumed) == len(plain) + 1:
+            all_entered.set()
+        await gate.wait()
+
+    store = Store(path, inline=True, wrap_connection=Counting)
+    async with runtime(store, drain, clock, **QUIET) as rt:
+        for session_id in plain:
+            raw.seed_claim(session_id, f"dead-{session_id}", expires_at=expired(clock))
+        raw.seed_claim("t", "dead-t", expires_at=expired(clock))
+        message_id = raw.seed_assistant("t", "dead-t", 1, open_tool_message())
+        statements.clear()
+        report = await rt.recover_once()
+        counted = len(statements)
+        assert report == RecoveryReport(examined=61, resumed=61)
+        await all_entered.wait()
+        assert {ctx.session_id for ctx in resumed} == {*plain, "t"}
+        assert all(ctx.resumed and ctx.attempt == 1 for ctx in resumed)
+        for session_id in plain:
+            assert raw.claim(session_id)[1] == rt.owner_id
+            assert raw.one("SELECT wake_attempts FROM session WHERE id=?", (session_id,)) == (1,)
+        assert raw.rows("SELECT * FROM session_recovery") == []
+        old = decode_assistant(
+            raw.one("SELECT data FROM session_message WHERE id=?", (message_id,))[0], key="m"
+        )
+        assert old.finished is True and old.error == "interrupted: owner lost"
+        gate.set()
+    # Scan, leases and apply: 3 transactions; 60 takeovers; the transcript row by row.
+    assert counted <= len(plain) + 30, counted
