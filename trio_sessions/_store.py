@@ -107,25 +107,35 @@ def _require_claim(tx: Tx, execution_id: str, owner_id: str) -> str:
     Checked under the session lock, held to COMMIT, so nobody can move the claim before the
     writes that follow commit.
     """
-    return _require_claim_doorbell(tx, execution_id, owner_id)[0]
+    return _require_claim_session(tx, execution_id, owner_id).session_id
 
 
-def _require_claim_doorbell(tx: Tx, execution_id: str, owner_id: str) -> tuple[str, bool]:
-    """`_require_claim`, and whether the session's doorbell is set, read in the same
-    statement under the same lock (a wake serialises on that lock, so it cannot move)."""
+@attrs.frozen
+class _ClaimedSession:
+    """What the claim fence read about the claim's session, under the session lock (a wake
+    serialises on that lock, so none of it can move before COMMIT)."""
+
+    session_id: str
+    doorbell: bool
+    wake_attempts: int
+
+
+def _require_claim_session(tx: Tx, execution_id: str, owner_id: str) -> _ClaimedSession:
+    """`_require_claim`, reading the session's doorbell and resume count in the same
+    statement."""
     session_id = _lock_execution(tx, execution_id)
     row = (
         None
         if session_id is None
         else tx.one(
-            "SELECT s.time_woken FROM session_execution e JOIN session s ON s.id = e.session_id"
-            f" WHERE {_CLAIM_FENCE_OF.format(t='e.')}",
+            "SELECT s.time_woken, s.wake_attempts FROM session_execution e"
+            f" JOIN session s ON s.id = e.session_id WHERE {_CLAIM_FENCE_OF.format(t='e.')}",
             _fence(tx, execution_id, owner_id),
         )
     )
     if session_id is None or row is None:
         raise _lease_lost(execution_id)
-    return session_id, row[0] is not None
+    return _ClaimedSession(session_id, row[0] is not None, int(row[1]))
 
 
 def _newest_seq(tx: Tx, session_id: str) -> int | None:
@@ -380,13 +390,14 @@ def finish_iteration(tx: Tx, execution_id: str, owner_id: str) -> bool:
     lock: a wake either committed before this, and is taken here, or finds no claim
     afterwards and leads to a fresh acquisition.
     """
-    session_id, doorbell = _require_claim_doorbell(tx, execution_id, owner_id)
+    claimed = _require_claim_session(tx, execution_id, owner_id)
     _close_open_messages(tx, execution_id, INTERRUPTED)
-    if doorbell:
-        _take_doorbell(tx, session_id)
+    if claimed.doorbell:
+        _take_doorbell(tx, claimed.session_id)
         return True
     _delete_claim(tx, execution_id, owner_id)
-    _reset_attempts(tx, session_id)
+    if claimed.wake_attempts:
+        _reset_attempts(tx, claimed.session_id)
     return False
 
 
