@@ -128,8 +128,8 @@ def _require_claim_session(tx: Tx, execution_id: str, owner_id: str) -> _Claimed
         None
         if session_id is None
         else tx.one(
-            "SELECT s.time_woken, s.wake_attempts FROM session_execution e"
-            f" JOIN session s ON s.id = e.session_id WHERE {_CLAIM_FENCE_OF.format(t='e.')}",
+            "SELECT s.time_woken, s.wake_attempts FROM session_execution c"
+            f" JOIN session s ON s.id = c.session_id WHERE {_CLAIM_FENCE_OF.format(t='c.')}",
             _fence(tx, execution_id, owner_id),
         )
     )
