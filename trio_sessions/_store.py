@@ -1216,16 +1216,21 @@ def changes(
     of its claims (`owned_executions`), and messages of watched sessions whose version is
     newer than the one given (`watched[session][message_id]`; absent = never seen)."""
     doorbells = _unclaimed_doorbells(tx, local_sessions, doorbell_limit) if doorbell_limit else []
-    # Looked up by key among our own claims: no scan of every owner's claims.
-    cancelling = [
-        str(row[0])
-        for chunk in _chunks(owned_executions)
-        for row in tx.execute(
-            f"SELECT id FROM session_execution WHERE id IN {_in_list(chunk)}"
+    rows: list[Any] = []  # no claim of ours: none to be cancelled
+    if 0 < len(owned_executions) <= _IN_CHUNK:
+        # A few claims of ours: looked up by key, no scan of every owner's claims.
+        rows = tx.execute(
+            f"SELECT id FROM session_execution WHERE id IN {_in_list(owned_executions)}"
             " AND owner_id = ? AND phase = 'cancelling'",
-            (*chunk, owner_id),
+            (*owned_executions, owner_id),
         ).fetchall()
-    ]
+    elif owned_executions:
+        # Many: one scan costs less than as many lookups.
+        rows = tx.execute(
+            "SELECT id FROM session_execution WHERE owner_id = ? AND phase = 'cancelling'",
+            (owner_id,),
+        ).fetchall()
+    cancelling = [str(row[0]) for row in rows]
     messages = [
         snapshot
         for session_id, seen in watched.items()
