@@ -36,7 +36,14 @@ from trio_sessions import (
 )
 from trio_sessions._backend import Job, Tx
 from trio_sessions._decisions import AcquireVerdict, RecoveryDecision
-from trio_sessions._postgres import PgEngine, PgTx, PostgresStore, connect, run_op
+from trio_sessions._postgres import (
+    SCHEMA_VERSION,
+    PgEngine,
+    PgTx,
+    PostgresStore,
+    connect,
+    run_op,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 LEASE_MS = 30_000
@@ -187,14 +194,14 @@ def test_concurrent_migrations_of_an_empty_schema_all_succeed(
     errors = [child.communicate(timeout=60)[1] for child in children]
     assert [child.returncode for child in children] == [0, 0, 0, 0], errors
     with raw(pg_url, pg_schema) as conn:
-        assert conn.execute("SELECT version FROM schema_version").fetchall() == [(1,)]
+        assert conn.execute("SELECT version FROM schema_version").fetchall() == [(SCHEMA_VERSION,)]
 
 
 def test_newer_schema_version_is_refused_untouched(pg_url: str, pg_schema: str) -> None:
     """A schema written by a newer library raises SchemaTooNew and nothing is written."""
     with raw(pg_url, pg_schema) as conn:
         conn.execute("CREATE TABLE schema_version(version INTEGER NOT NULL)")
-        conn.execute("INSERT INTO schema_version VALUES (2)")
+        conn.execute("INSERT INTO schema_version VALUES (%s)", (SCHEMA_VERSION + 1,))
     with pytest.raises(SchemaTooNew):
         PostgresStore(pg_url, schema=pg_schema).engine().open()
     with raw(pg_url, pg_schema) as conn:
@@ -202,7 +209,9 @@ def test_newer_schema_version_is_refused_untouched(pg_url: str, pg_schema: str) 
             "SELECT tablename FROM pg_tables WHERE schemaname = %s", (pg_schema,)
         ).fetchall()
         assert tables == [("schema_version",)]
-        assert conn.execute("SELECT version FROM schema_version").fetchall() == [(2,)]
+        assert conn.execute("SELECT version FROM schema_version").fetchall() == [
+            (SCHEMA_VERSION + 1,)
+        ]
 
 
 def test_schema_is_created_when_missing(pg_url: str) -> None:

@@ -8,6 +8,7 @@ its fenced transactions, so the durable row is the state that is checked.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -27,6 +28,16 @@ def _require_open(data: AssistantData) -> None:
 def append_text(data: AssistantData, text: str) -> AssistantData:
     """Append text, extending the last part when it is text (streamed tokens stay one part)."""
     _require_open(data)
+    return _extend_text(data, text)
+
+
+def with_streamed(data: AssistantData, texts: Sequence[str]) -> AssistantData:
+    """The message as readers see it: stored `data` with the texts streamed onto it since
+    (in order), exactly what `append_text` of each would have made of it."""
+    return _extend_text(data, "".join(texts)) if texts else data
+
+
+def _extend_text(data: AssistantData, text: str) -> AssistantData:
     parts = data.parts
     if parts and isinstance(parts[-1], TextPart):
         return attrs.evolve(data, parts=(*parts[:-1], TextPart(parts[-1].text + text)))
