@@ -3,7 +3,9 @@
 Invariants: a tool call settles at most once (`running` -> `completed` | `error`, never
 again); a finished message accepts no further change; interrupting or orphaning a message
 fails exactly its unsettled tools and finishes it. No I/O: the store applies these inside
-its fenced transactions, so the durable row is the state that is checked.
+its fenced transactions, so the durable row is the state that is checked. Text streamed
+onto a message is stored apart and merged by `with_streamed`, which makes of it exactly
+what `append_text` would have.
 """
 
 from __future__ import annotations
