@@ -270,6 +270,32 @@ async def test_watchers_in_another_runtime_see_every_append(db_path: Location) -
     assert texts == ["a", "ab", "abc"]
 
 
+@pytest.mark.sqlite_only  # PostgreSQL's TEXT column cannot hold anything but text
+async def test_a_streamed_row_that_is_not_text_makes_the_message_malformed(
+    store: Any, clock: Clock, db_path: Location, autojump_clock: MockClock
+) -> None:
+    """A delta row corrupted into a blob is reported like a malformed message: transcript()
+    raises MalformedRecord naming session_message_delta and the message, never a crash."""
+    streamed, release = trio.Event(), trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        writer = await ctx.begin_assistant()
+        await writer.append_text("a")
+        streamed.set()
+        await release.wait()
+
+    async with runtime(store, drain, clock) as rt, trio.open_nursery() as nursery:
+        start_run(nursery, rt, "s")
+        await streamed.wait()
+        Raw(db_path).write("UPDATE session_message_delta SET text = X'00'")
+        with pytest.raises(trio_sessions.MalformedRecord) as caught:
+            await rt.transcript("s")
+        release.set()
+    [message_id] = [row[0] for row in Raw(db_path).rows("SELECT id FROM session_message")]
+    assert (caught.value.table, caught.value.key) == ("session_message_delta", message_id)
+    assert "not text" in caught.value.reasons[0]
+
+
 # ---------------------------------------------------------------------------------------------
 # Fences and crashes
 
