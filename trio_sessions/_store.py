@@ -978,7 +978,19 @@ def lift_quarantine(tx: Tx, execution_id: str, owner_id: str, lease_ms: int) -> 
         " owner_id = ?, expires_at = ? WHERE execution_id = ?",
         (owner_id, tx.now + lease_ms, execution_id),
     )
+    _unmark_finished(tx, execution_id)
     return Candidate(row[0], execution_id)
+
+
+def _unmark_finished(tx: Tx, execution_id: str) -> None:
+    """The operator may have repaired the execution's messages by hand (the documented way
+    out of a quarantine), and `finished` does not follow a hand-written `data`: count them
+    as maybe open again, so closing the execution reads what they say now."""
+    tx.execute(
+        "UPDATE session_message SET finished = 0"
+        " WHERE execution_id = ? AND role = 'assistant' AND finished = 1",
+        (execution_id,),
+    )
 
 
 def drop_quarantined(tx: Tx, execution_id: str) -> None:
@@ -988,6 +1000,7 @@ def drop_quarantined(tx: Tx, execution_id: str) -> None:
     inputs remain."""
     session_id = _quarantined_row(tx, execution_id)[0]
     _set_aside_malformed_messages(tx, session_id, execution_id)
+    _unmark_finished(tx, execution_id)
     _close_open_messages(tx, execution_id, OWNER_LOST)
     tx.execute("DELETE FROM session_execution WHERE id = ?", (execution_id,))
     _reset_attempts(tx, session_id)
