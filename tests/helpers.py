@@ -12,8 +12,8 @@ import trio
 
 import trio_sessions
 from trio_sessions import DrainContext, Outcome, Runtime, Store, testing
-from trio_sessions._codec import encode_assistant
-from trio_sessions._model import AssistantData, ToolPart
+from trio_sessions._codec import decode_assistant, encode_assistant
+from trio_sessions._model import AssistantData, TextPart, ToolPart
 
 Drain = Callable[[DrainContext], Awaitable[None]]
 VIRTUAL_TIME_LIMIT = 3_600.0
@@ -133,6 +133,70 @@ def open_tool_message(call_id: str = "call-1") -> AssistantData:
 
 def now_ms(clock: Callable[[], float]) -> int:
     return int(clock() * 1000)
+
+
+# A store written before streaming (SQLite version 3, PostgreSQL version 1): a user
+# message, another execution's malformed and finished replies, and the open reply of an
+# expired claim. Nested "finished" keys must not be mistaken for the message's own.
+PRE_STREAMING_OPEN = AssistantData(
+    parts=(
+        TextPart("partial"),
+        ToolPart("c1", "search", {"finished": True}, "running", None, None),
+    ),
+    finished=False,
+    error=None,
+)
+PRE_STREAMING_DONE = AssistantData(
+    parts=(ToolPart("c0", "search", {}, "completed", {"finished": False}, None),),
+    finished=True,
+    error=None,
+)
+
+
+def seed_pre_streaming(raw: Raw) -> None:
+    raw.write("INSERT INTO session(id, time_created) VALUES ('s', 0)")
+    raw.write(
+        "INSERT INTO session_execution(id, session_id, owner_id, phase, anchor_seq,"
+        " time_created, expires_at) VALUES ('e', 's', 'dead', 'running', 3, 0, 1)"
+    )
+    for message_id, execution_id, input_id, role, seq, data in (
+        ("u1", "e", "i1", "user", 1, '{"text": "q"}'),
+        ("bad", "old", None, "assistant", 2, '{"parts": 1}'),
+        ("done", "old", None, "assistant", 3, encode_assistant(PRE_STREAMING_DONE)),
+        ("open", "e", None, "assistant", 4, encode_assistant(PRE_STREAMING_OPEN)),
+    ):
+        raw.write(
+            "INSERT INTO session_message(id, session_id, execution_id, input_id, role, seq,"
+            " data, time_created, time_updated) VALUES (?, 's', ?, ?, ?, ?, ?, 0, 0)",
+            (message_id, execution_id, input_id, role, seq, data),
+        )
+
+
+async def check_pre_streaming_upgrade(raw: Raw, store: Any) -> None:
+    """After the upgrade: user and finished messages are marked finished, the open and the
+    malformed one are not; no stream rows. Then recovery resumes the expired claim and
+    closes its open reply: nothing written before the upgrade stays running forever."""
+    assert raw.rows("SELECT id, finished FROM session_message ORDER BY seq") == [
+        ("u1", 1),
+        ("bad", 0),
+        ("done", 1),
+        ("open", 0),
+    ]
+    assert raw.rows("SELECT COUNT(*) FROM session_message_stream") == [(0,)]
+    assert raw.rows("SELECT COUNT(*) FROM session_message_delta") == [(0,)]
+    resumed: list[bool] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        resumed.append(ctx.resumed)
+
+    with trio.fail_after(10):
+        async with trio_sessions.open_runtime(store, drain) as rt:
+            await rt.wait_idle("s")
+    assert resumed == [True]
+    data, finished = raw.one("SELECT data, finished FROM session_message WHERE id = 'open'")
+    closed = decode_assistant(data, key="open")
+    assert (closed.finished, closed.error, finished) == (True, "interrupted: owner lost", 1)
+    assert closed.parts[0] == TextPart("partial")
 
 
 __all__ = ["Raw", "Recorder", "open_tool_message", "runtime", "testing"]

@@ -271,6 +271,10 @@ def test_rearms_doorbell_only_for_cancelled_and_superseded() -> None:
 # The store's SQL fences agree with the pure predicates
 
 
+# Rows a streamed append writes (beside the tables every store has had).
+STREAMING_TABLES = frozenset({"session_message_stream", "session_message_delta"})
+
+
 class Db:
     """One SQLite file reused across hypothesis examples; `reset` empties it."""
 
@@ -296,7 +300,7 @@ class Db:
     def snapshot(self) -> dict[str, list[tuple[Any, ...]]]:
         return {
             table: sorted(self.rows(f"SELECT * FROM {table}"), key=repr)
-            for table in sorted(_sqlite.OUR_TABLES)
+            for table in sorted(_sqlite.OUR_TABLES | STREAMING_TABLES)
         }
 
     def put_session(self, *, doorbell: bool, wake_attempts: int = 0) -> None:
@@ -385,6 +389,9 @@ def _put_pending_input(db: Db) -> None:
 
 
 FENCED_OPS: dict[str, Callable[[Db, int, str, str], Any]] = {
+    "append_assistant_text": lambda db, now, e, o: db.run(
+        now, _store.append_assistant_text, e, o, "m-1", "x"
+    ),
     "mark_cancelling": lambda db, now, e, o: db.run(now, _store.mark_cancelling, e, o),
     "take_inputs": lambda db, now, e, o: db.run(now, _store.take_inputs, e, o),
     "finish_iteration": lambda db, now, e, o: db.run(now, _store.finish_iteration, e, o),
@@ -415,6 +422,12 @@ def test_fenced_writes_agree_with_holds_live_claim(
             "INSERT INTO session_message(id, session_id, execution_id, role, seq, data,"
             " time_created, time_updated) VALUES ('m-1', 's', ?, 'assistant', 1, ?, 0, 0)",
             (row.execution_id, _codec.encode_assistant(_transcript.EMPTY)),
+        )
+        # Open for streaming, as begin_assistant leaves it.
+        db.conn.execute(
+            "INSERT INTO session_message_stream(message_id, execution_id, version)"
+            " VALUES ('m-1', ?, 0)",
+            (row.execution_id,),
         )
     before = db.snapshot()
     held = holds_live_claim(row, execution_id, owner_id, now)

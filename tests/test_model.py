@@ -480,23 +480,29 @@ class ProtocolModel(RuleBasedStateMachine):
             "unknown": lambda d: _transcript.settle_tool(d, "nope", output=None),
         }
         transition = transitions[action]
-        args = (execution_id, owner.owner_id, message_id, transition)
+        # Text streams (a delta row); every other change rewrites the message.
+        operation: tuple[Any, ...] = (
+            (_store.append_assistant_text, execution_id, owner.owner_id, message_id, "x")
+            if action == "text"
+            else (_store.update_assistant, execution_id, owner.owner_id, message_id, transition)
+        )
         if not self.fenced(owner, session_id, execution_id):
             with pytest.raises(LeaseLost):
-                self.op(_store.update_assistant, *args)
+                self.op(*operation)
             return
         message = next(m for m in self.messages[session_id] if m.id == message_id)
         if not isinstance(message.data, AssistantData):
             with pytest.raises(MalformedRecord):
-                self.op(_store.update_assistant, *args)
+                self.op(*operation)
             return
         try:
             expected = transition(message.data)
         except (DuplicateSettlement, UnknownToolCall, ValueError) as exc:
             with pytest.raises(type(exc)):
-                self.op(_store.update_assistant, *args)
+                self.op(*operation)
             return
-        assert self.op(_store.update_assistant, *args)[0] == expected
+        written = self.op(*operation)[0]
+        assert written == expected or (action == "text" and written is None)
         message.data = expected
 
     @precondition(lambda self: any(o.held for o in self.owners))
@@ -906,9 +912,14 @@ class ProtocolModel(RuleBasedStateMachine):
         if repair:
             for message in self.assistant_messages(execution_id):
                 if not isinstance(message.data, AssistantData):
+                    # The operator writes the whole message: text streamed onto the
+                    # corrupt one goes with it.
                     self.conn.execute(
                         "UPDATE session_message SET data = ? WHERE id = ?",
                         (_codec.encode_assistant(_transcript.EMPTY), message.id),
+                    )
+                    self.conn.execute(
+                        "DELETE FROM session_message_delta WHERE message_id = ?", (message.id,)
                     )
                     message.data = _transcript.EMPTY
         candidate = self.op(_store.lift_quarantine, execution_id, owner.owner_id, LEASE_MS)
@@ -982,8 +993,19 @@ class ProtocolModel(RuleBasedStateMachine):
             )
             if m.id is not None:
                 assert message_id == m.id
+            streamed = [
+                row[0]
+                for row in self.conn.execute(
+                    "SELECT text FROM session_message_delta WHERE message_id = ? ORDER BY version",
+                    (message_id,),
+                )
+            ]
             if isinstance(m.data, AssistantData):
-                assert _codec.decode_assistant(data, key=message_id) == m.data
+                # Readers merge the text streamed since data was written; a finished
+                # message holds all of it in data.
+                stored_data = _codec.decode_assistant(data, key=message_id)
+                assert _transcript.with_streamed(stored_data, streamed) == m.data
+                assert not (m.data.finished and streamed)
             else:
                 assert data == m.data
 

@@ -22,6 +22,8 @@ from typing import Any
 import psycopg
 import pytest
 import trio
+from backends import PgLocation
+from helpers import Raw, check_pre_streaming_upgrade, seed_pre_streaming
 from psycopg import sql
 from trio.testing import MockClock
 
@@ -30,13 +32,21 @@ from trio_sessions import (
     LeaseLost,
     SchemaTooNew,
     StoreError,
+    _postgres,
     _store,
     open_runtime,
     testing,
 )
 from trio_sessions._backend import Job, Tx
 from trio_sessions._decisions import AcquireVerdict, RecoveryDecision
-from trio_sessions._postgres import PgEngine, PgTx, PostgresStore, connect, run_op
+from trio_sessions._postgres import (
+    SCHEMA_VERSION,
+    PgEngine,
+    PgTx,
+    PostgresStore,
+    connect,
+    run_op,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 LEASE_MS = 30_000
@@ -187,14 +197,32 @@ def test_concurrent_migrations_of_an_empty_schema_all_succeed(
     errors = [child.communicate(timeout=60)[1] for child in children]
     assert [child.returncode for child in children] == [0, 0, 0, 0], errors
     with raw(pg_url, pg_schema) as conn:
-        assert conn.execute("SELECT version FROM schema_version").fetchall() == [(1,)]
+        assert conn.execute("SELECT version FROM schema_version").fetchall() == [(SCHEMA_VERSION,)]
+
+
+async def test_upgrade_of_a_version_1_schema_adds_streaming(pg_url: str, pg_schema: str) -> None:
+    """A version-1 schema is upgraded on open (version 2), as SQLite's version 3 file is:
+    messages marked finished from their JSON (a malformed one kept as it is), stream and
+    delta tables added, an open reply from before still closed by recovery."""
+    with raw(pg_url, pg_schema) as conn:
+        conn.execute("CREATE TABLE schema_version(version INTEGER NOT NULL)")
+        conn.execute("INSERT INTO schema_version VALUES (1)")
+        for statement in _postgres._MIGRATIONS[1].split(";"):
+            if statement.strip():
+                conn.execute(statement)
+    location = Raw(PgLocation(pg_url, pg_schema))
+    seed_pre_streaming(location)
+    with opened(PostgresStore(pg_url, schema=pg_schema).engine()):
+        pass
+    assert location.rows("SELECT version FROM schema_version") == [(2,)]
+    await check_pre_streaming_upgrade(location, PostgresStore(pg_url, schema=pg_schema))
 
 
 def test_newer_schema_version_is_refused_untouched(pg_url: str, pg_schema: str) -> None:
     """A schema written by a newer library raises SchemaTooNew and nothing is written."""
     with raw(pg_url, pg_schema) as conn:
         conn.execute("CREATE TABLE schema_version(version INTEGER NOT NULL)")
-        conn.execute("INSERT INTO schema_version VALUES (2)")
+        conn.execute("INSERT INTO schema_version VALUES (%s)", (SCHEMA_VERSION + 1,))
     with pytest.raises(SchemaTooNew):
         PostgresStore(pg_url, schema=pg_schema).engine().open()
     with raw(pg_url, pg_schema) as conn:
@@ -202,7 +230,9 @@ def test_newer_schema_version_is_refused_untouched(pg_url: str, pg_schema: str) 
             "SELECT tablename FROM pg_tables WHERE schemaname = %s", (pg_schema,)
         ).fetchall()
         assert tables == [("schema_version",)]
-        assert conn.execute("SELECT version FROM schema_version").fetchall() == [(2,)]
+        assert conn.execute("SELECT version FROM schema_version").fetchall() == [
+            (SCHEMA_VERSION + 1,)
+        ]
 
 
 def test_schema_is_created_when_missing(pg_url: str) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import Raw, check_pre_streaming_upgrade, seed_pre_streaming
 
 from trio_sessions import (
     AssistantData,
@@ -1343,7 +1344,7 @@ def test_upgrade_of_a_version_1_file_adds_set_aside_tables(tmp_path: Path) -> No
     old.close()
     conn = _sqlite.connect(path)
     try:
-        assert _sqlite.schema_version(conn) == _sqlite.SCHEMA_VERSION == 3
+        assert _sqlite.schema_version(conn) == _sqlite.SCHEMA_VERSION == 4
         assert conn.execute("SELECT id, handed_back FROM session_execution").fetchall() == [
             ("e", 0)
         ]
@@ -1355,6 +1356,23 @@ def test_upgrade_of_a_version_1_file_adds_set_aside_tables(tmp_path: Path) -> No
             assert columns == [c for c in found if c in columns]
     finally:
         conn.close()
+
+
+async def test_upgrade_of_a_version_3_file_adds_streaming(tmp_path: Path) -> None:
+    """A version-3 file is upgraded in place on open (version 4): messages are marked
+    finished from their JSON, the stream and delta tables are added, and an open reply
+    written before the upgrade is still closed by recovery."""
+    path = tmp_path / "v3.db"
+    old = sqlite3.connect(path)
+    for version in (1, 2, 3):
+        old.executescript(_sqlite._MIGRATIONS[version])
+    old.execute("PRAGMA user_version = 3")
+    old.close()
+    raw = Raw(path)
+    seed_pre_streaming(raw)
+    _sqlite.connect(path).close()
+    assert raw.rows("PRAGMA user_version") == [(4,)]
+    await check_pre_streaming_upgrade(raw, path)
 
 
 def test_synchronous_option_applies_to_every_connection(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from typing import Any, Literal, NoReturn, get_args, get_origin
 
 import cattrs
@@ -187,6 +188,19 @@ def decode_assistant(text: Any, *, key: str) -> AssistantData:
         raise MalformedRecord("session_message", key, reasons) from None
     except (TypeError, ValueError, AttributeError) as exc:
         raise MalformedRecord("session_message", key, [str(exc)]) from None
+
+
+def decode_streamed(texts: Sequence[Any], *, key: str) -> list[str]:
+    """The text rows streamed onto a message (`session_message_delta.text`, in order);
+    `MalformedRecord` naming the message when one is not text."""
+    reasons = [
+        f"streamed text #{index} is {type(text).__name__} {text!r}, not text"
+        for index, text in enumerate(texts)
+        if type(text) is not str
+    ]
+    if reasons:
+        raise MalformedRecord("session_message_delta", key, reasons)
+    return list(texts)
 
 
 def decode_object(text: Any, *, table: str, key: str) -> dict[str, Any]:

@@ -66,6 +66,7 @@ import psycopg.pq
 import trio
 from psycopg import sql
 
+from . import _codec
 from ._backend import BackendName, Job, Params, StoreStatistics, Tx, driver_error, now_ms
 from ._errors import SchemaTooNew, StoreError
 from ._handoff import HandoffQueue, Queued, pumping
@@ -75,7 +76,7 @@ Ts = TypeVarTuple("Ts")
 
 logger = logging.getLogger("trio_sessions")
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 # Same names, meanings and named CHECKs as the SQLite schema (`_sqlite._MIGRATIONS`, whose
 # versions 1-3 are PostgreSQL's first: no PostgreSQL store predates them); times
@@ -160,7 +161,46 @@ CREATE TABLE session_message_rejected(
 );
 CREATE INDEX session_message_rejected_session ON session_message_rejected(session_id);
 """,
+    # Streaming, as SQLite's version 4 (see there). Existing assistant rows are marked
+    # finished from their JSON by `_mark_finished_messages` (a row that does not parse
+    # stays 0, "maybe open", as a hand-written one).
+    2: """
+ALTER TABLE session_message ADD COLUMN finished INTEGER NOT NULL DEFAULT 0;
+UPDATE session_message SET finished = 1 WHERE role <> 'assistant';
+CREATE INDEX session_message_open ON session_message(execution_id) WHERE finished = 0;
+CREATE TABLE session_message_stream(
+    message_id TEXT PRIMARY KEY REFERENCES session_message(id) ON DELETE CASCADE,
+    execution_id TEXT NOT NULL,
+    version BIGINT NOT NULL
+);
+CREATE TABLE session_message_delta(
+    message_id TEXT NOT NULL REFERENCES session_message(id) ON DELETE CASCADE,
+    version BIGINT NOT NULL,
+    text TEXT NOT NULL,
+    PRIMARY KEY (message_id, version)
+);
+""",
 }
+
+
+def _mark_finished_messages(conn: Any) -> None:
+    """Version 2: `finished = 1` on the assistant rows whose JSON says so. In Python, as
+    `data::jsonb` would abort the migration on a malformed row (kept byte for byte)."""
+    finished = []
+    with conn.cursor(name="trio_sessions_migrate_finished") as rows:
+        rows.execute("SELECT id, data FROM session_message WHERE role = 'assistant'")
+        for message_id, data in rows:
+            try:
+                decoded = _codec.loads(data)
+            except (TypeError, ValueError):
+                continue
+            if isinstance(decoded, dict) and decoded.get("finished") is True:
+                finished.append(message_id)
+    conn.execute("UPDATE session_message SET finished = 1 WHERE id = ANY(%s)", (finished,))
+
+
+# Python steps that follow a version's SQL, in the same transaction.
+_BACKFILLS: dict[int, Callable[[Any], None]] = {2: _mark_finished_messages}
 
 # Advisory-lock namespaces (the first int4 of the two-key form), so our keys never collide
 # with an application's single-bigint advisory locks. Session locks hash the session id;
@@ -321,6 +361,8 @@ def migrate(conn: Any, schema: str) -> None:
                 for statement in _MIGRATIONS[target].split(";"):
                     if statement.strip():
                         conn.execute(statement)
+                if target in _BACKFILLS:
+                    _BACKFILLS[target](conn)
             conn.execute("UPDATE schema_version SET version = %s", (SCHEMA_VERSION,))
         conn.commit()
     except BaseException as exc:

@@ -843,7 +843,7 @@ class DrainContext:
             _store.begin_assistant, self.execution_id, self.owner_id, message_id
         )
         writer = AssistantWriter(self, message_id, seq)
-        writer._publish(_transcript.EMPTY, 0)
+        writer._publish(0)
         return writer
 
 
@@ -858,11 +858,29 @@ class AssistantWriter:
         self._context = context
         self.message_id = message_id
         self._seq = seq
+        # The message as stored: `_data` plus the texts streamed onto it since, merged only
+        # when a local watcher needs a snapshot (an append costs the same on any message).
+        self._data = _transcript.EMPTY
+        self._streamed: list[str] = []
 
     async def append_text(self, text: str) -> None:
+        """Stream text onto the message: one small durable write, whatever its size."""
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
-        await self._update(lambda data: _transcript.append_text(data, text))
+        context = self._context
+        context._check_live()
+        data, version = await context._runtime._db.run(
+            _store.append_assistant_text,
+            context.execution_id,
+            context.owner_id,
+            self.message_id,
+            text,
+        )
+        if data is None:
+            self._streamed.append(text)
+        else:
+            self._data, self._streamed = data, []
+        self._publish(version)
 
     async def start_tool(self, call_id: str, name: str, input: dict[str, Any]) -> None:
         for value, what in ((call_id, "call_id"), (name, "name")):
@@ -897,17 +915,23 @@ class AssistantWriter:
         except (DuplicateSettlement, UnknownToolCall) as exc:
             context._defect = context._defect or exc
             raise
-        self._publish(data, version)
+        self._data, self._streamed = data, []
+        self._publish(version)
 
-    def _publish(self, data: AssistantData, version: int) -> None:
+    def _publish(self, version: int) -> None:
         """Local watchers get the snapshot now, with no store round trip."""
         context = self._context
+        if not context._runtime._watchers.watching(context.session_id):
+            return
+        if self._streamed:
+            self._data = _transcript.with_streamed(self._data, self._streamed)
+            self._streamed = []
         message = Message(
             self.message_id,
             context.session_id,
             "assistant",
             self._seq,
-            data,
+            self._data,
             context.execution_id,
             None,
         )

@@ -84,6 +84,10 @@ class WatchHub:
             self._watchers.pop(watcher.session_id, None)
             self._known.pop(watcher.session_id, None)
 
+    def watching(self, session_id: str) -> bool:
+        """Whether any watcher follows this session (a writer builds no snapshot otherwise)."""
+        return session_id in self._watchers
+
     def watched(self) -> dict[str, dict[str, int]]:
         """Per watched session, the newest version offered of each message (a store scan
         only fetches messages newer than this)."""

@@ -59,7 +59,7 @@ logger = logging.getLogger("trio_sessions")
 # commit, so a commit that returned survives those too.
 SYNCHRONOUS = ("NORMAL", "FULL")
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 # The small, hot tables are WITHOUT ROWID: keyed by their text primary key directly, each
 # write touches one b-tree less (fewer WAL pages per commit). Messages keep a rowid: their
@@ -149,6 +149,30 @@ CREATE TABLE session_message_rejected(
 );
 CREATE INDEX session_message_rejected_session ON session_message_rejected(session_id);
 ALTER TABLE session_execution ADD COLUMN handed_back INTEGER NOT NULL DEFAULT 0;
+""",
+    # Streaming: an append is one small row in session_message_delta (keyed by the message
+    # and the version it makes), folded into data at the next tool-part change or finish;
+    # session_message_stream holds each open message's base version, so an append never
+    # reads or rewrites the wide message row. `finished` mirrors data.finished (1 for
+    # messages that are never open); 0 means "maybe open", also for a row written by hand,
+    # so closing an execution's open messages reads only the partial index. Existing rows
+    # are marked from their JSON; one that does not parse stays 0, as a hand-written one.
+    4: """
+ALTER TABLE session_message ADD COLUMN finished INTEGER NOT NULL DEFAULT 0;
+UPDATE session_message SET finished = 1 WHERE role != 'assistant'
+    OR CASE WHEN json_valid(data) THEN json_type(data, '$.finished') = 'true' ELSE 0 END;
+CREATE INDEX session_message_open ON session_message(execution_id) WHERE finished = 0;
+CREATE TABLE session_message_stream(
+    message_id TEXT PRIMARY KEY REFERENCES session_message(id) ON DELETE CASCADE,
+    execution_id TEXT NOT NULL,
+    version INTEGER NOT NULL
+) WITHOUT ROWID;
+CREATE TABLE session_message_delta(
+    message_id TEXT NOT NULL REFERENCES session_message(id) ON DELETE CASCADE,
+    version INTEGER NOT NULL,
+    text TEXT NOT NULL,
+    PRIMARY KEY (message_id, version)
+) WITHOUT ROWID;
 """,
 }
 

@@ -21,7 +21,12 @@ Invariants kept here:
   and a fence that matches no row raises `LeaseLost` with nothing written;
 * a heartbeat never revives an expired lease; recovery replaces a claim only fenced on the
   exact old execution id still being expired (the *recovery fence*);
-* an input is either pending in `session_input` or a user message, never both, never none.
+* an input is either pending in `session_input` or a user message, never both, never none;
+* a streamed append writes one small `session_message_delta` row, whatever the message's
+  size; every tool-part change and every finish folds the message's deltas into
+  `session_message.data` in the same transaction, and every reader merges the deltas still
+  pending, so each sees the complete message. A message's version - the newest of its
+  row's and its deltas' - grows with every change.
 """
 
 from __future__ import annotations
@@ -521,7 +526,7 @@ def take_inputs(tx: Tx, execution_id: str, owner_id: str) -> list[Input]:
         taken.append(Input(input_id, decoded))
         tx.execute(
             "INSERT INTO session_message(id, session_id, execution_id, input_id, role, seq, data,"
-            " time_created, time_updated) VALUES (?, ?, ?, ?, 'user', ?, ?, ?, ?)",
+            " time_created, time_updated, finished) VALUES (?, ?, ?, ?, 'user', ?, ?, ?, ?, 1)",
             (new_id(), session_id, execution_id, input_id, seq, payload, tx.now, tx.now),
         )
         seq += 1
@@ -530,7 +535,7 @@ def take_inputs(tx: Tx, execution_id: str, owner_id: str) -> list[Input]:
 
 
 def begin_assistant(tx: Tx, execution_id: str, owner_id: str, message_id: str) -> int:
-    """Start an empty, unfinished assistant message; returns its seq."""
+    """Start an empty, unfinished assistant message, open for streaming; returns its seq."""
     session_id = _require_claim(tx, execution_id, owner_id)
     seq = _next_message_seq(tx, session_id)
     tx.execute(
@@ -546,8 +551,48 @@ def begin_assistant(tx: Tx, execution_id: str, owner_id: str, message_id: str) -
             tx.now,
         ),
     )
+    tx.execute(
+        "INSERT INTO session_message_stream(message_id, execution_id, version) VALUES (?, ?, 0)",
+        (message_id, execution_id),
+    )
     tx.notify(session_id)
     return seq
+
+
+def append_assistant_text(
+    tx: Tx, execution_id: str, owner_id: str, message_id: str, text: str
+) -> tuple[AssistantData | None, int]:
+    """Stream text onto an open assistant message under the claim fence: one small
+    `session_message_delta` row, never a rewrite of the message, so an append costs the
+    same however large the message grew. Returns (None, the new version): the message is
+    what it was plus `text`.
+
+    A message with no stream row - finished, another execution's, or written by hand -
+    takes `update_assistant`'s whole-row path instead, which raises as it always did
+    (`MessageFinished`, `LeaseLost`, `MalformedRecord`) or returns the new data.
+    """
+    session_id = _require_claim(tx, execution_id, owner_id)
+    # Serialised with every other write to this message by the session lock, so the
+    # newest version read here is still the newest when the row lands.
+    row = tx.one(
+        "INSERT INTO session_message_delta(message_id, version, text)"
+        " SELECT s.message_id, COALESCE((SELECT MAX(d.version) FROM session_message_delta d"
+        "   WHERE d.message_id = s.message_id), s.version) + 1, :text"
+        " FROM session_message_stream s"
+        " WHERE s.message_id = :message AND s.execution_id = :execution"
+        " RETURNING version",
+        {"message": message_id, "execution": execution_id, "text": text},
+    )
+    if row is None:
+        return update_assistant(
+            tx,
+            execution_id,
+            owner_id,
+            message_id,
+            lambda data: _transcript.append_text(data, text),
+        )
+    tx.notify(session_id)
+    return None, int(row[0])
 
 
 def update_assistant(
@@ -557,11 +602,12 @@ def update_assistant(
     message_id: str,
     transition: Callable[[AssistantData], AssistantData],
 ) -> tuple[AssistantData, int]:
-    """Read-modify-write of one assistant message under the claim fence; returns the new
-    data and its version (for watchers, without another round trip).
+    """Read-modify-write of one assistant message under the claim fence, its streamed text
+    folded in; returns the new data and its version (for watchers, without another round
+    trip).
 
-    The transition runs on the durable row, so the settlement state machine checks what is
-    stored, not what a writer remembers.
+    The transition runs on the durable message, so the settlement state machine checks what
+    is stored, not what a writer remembers.
     """
     session_id = _require_claim(tx, execution_id, owner_id)
     row = tx.one(
@@ -570,65 +616,116 @@ def update_assistant(
     )
     if row is None:
         raise LeaseLost(f"message {message_id!r} is not owned by execution {execution_id!r}")
-    data = transition(_codec.decode_assistant(row[0], key=message_id))
-    version = _write_assistant(tx, message_id, data)
+    data = transition(_assistant_data(tx, message_id, row[0]))
+    version = _write_assistant(tx, message_id, execution_id, data)
     tx.notify(session_id)
     return data, version
 
 
-def _write_assistant(tx: Tx, message_id: str, data: AssistantData) -> int:
-    """Store new data; every change bumps `version`, which orders watchers' snapshots."""
+def _streamed_texts(tx: Tx, message_id: str) -> list[Any]:
+    """The texts streamed onto a message since its data was last written, in order, as
+    stored (`_codec.decode_streamed` checks them)."""
+    rows = tx.execute(
+        "SELECT text FROM session_message_delta WHERE message_id = ? ORDER BY version",
+        (message_id,),
+    ).fetchall()
+    return [row[0] for row in rows]
+
+
+def _assistant_data(tx: Tx, message_id: str, text: str) -> AssistantData:
+    """An assistant message as every reader sees it: its data with its streamed text merged
+    (`MalformedRecord` when either does not decode)."""
+    data = _codec.decode_assistant(text, key=message_id)
+    streamed = _codec.decode_streamed(_streamed_texts(tx, message_id), key=message_id)
+    return _transcript.with_streamed(data, streamed)
+
+
+# The version a write makes: one past the newest of the row's and its deltas'.
+_NEXT_VERSION = (
+    "COALESCE((SELECT MAX(d.version) FROM session_message_delta d"
+    " WHERE d.message_id = :message), version) + 1"
+)
+
+
+def _write_assistant(tx: Tx, message_id: str, execution_id: str, data: AssistantData) -> int:
+    """Store the complete message (deltas folded in, then dropped) and return its version:
+    every change bumps it, which orders watchers' snapshots. An open message keeps its
+    stream row, at the new version; a finished one loses it (nothing streams onto it)."""
     row = tx.one(
-        "UPDATE session_message SET data = ?, time_updated = ?, version = version + 1"
-        " WHERE id = ? RETURNING version",
-        (_codec.encode_assistant(data), tx.now, message_id),
+        f"UPDATE session_message SET data = :data, finished = :finished, time_updated = :now,"
+        f" version = {_NEXT_VERSION} WHERE id = :message RETURNING version",
+        {
+            "data": _codec.encode_assistant(data),
+            "finished": int(data.finished),
+            "now": tx.now,
+            "message": message_id,
+        },
     )
-    return int(row[0])
+    version = int(row[0])
+    tx.execute("DELETE FROM session_message_delta WHERE message_id = ?", (message_id,))
+    if data.finished:
+        tx.execute("DELETE FROM session_message_stream WHERE message_id = ?", (message_id,))
+    else:
+        tx.execute(
+            "INSERT INTO session_message_stream(message_id, execution_id, version)"
+            " VALUES (?, ?, ?) ON CONFLICT(message_id) DO UPDATE SET version = excluded.version",
+            (message_id, execution_id, version),
+        )
+    return version
 
 
 def _close_open_messages(tx: Tx, execution_id: str, reason: str) -> None:
     """Finish every open assistant message of an execution as interrupted/failed.
 
-    A row that does not decode is left as it is: recovery quarantines such rows, and
-    rewriting it would destroy what an operator needs to see.
+    Only rows not marked finished are read (a partial index: a drain's finish does not grow
+    with its transcript). A row that does not decode is left as it is: recovery quarantines
+    such rows, and rewriting it would destroy what an operator needs to see.
     """
     rows = tx.execute(
-        "SELECT id, data FROM session_message WHERE execution_id = ? AND role = 'assistant'",
+        "SELECT id, data FROM session_message"
+        " WHERE execution_id = ? AND finished = 0 AND role = 'assistant'",
         (execution_id,),
     ).fetchall()
     for message_id, text in rows:
         try:
-            data = _codec.decode_assistant(text, key=message_id)
+            data = _assistant_data(tx, message_id, text)
         except MalformedRecord:
             continue
-        if not data.finished:
-            _write_assistant(tx, message_id, _transcript.interrupt(data, reason))
+        if not data.finished:  # a finished row written by hand stays exactly as it is
+            _write_assistant(tx, message_id, execution_id, _transcript.interrupt(data, reason))
 
 
 def read_transcript(tx: Tx, session_id: str) -> list[Message]:
+    """The session's messages in seq order, each with its streamed text merged."""
     rows = tx.execute(
         "SELECT id, role, seq, data, execution_id, input_id FROM session_message"
         " WHERE session_id = ? ORDER BY seq",
         (session_id,),
     ).fetchall()
-    return [_decode_message(session_id, *row) for row in rows]
+    streamed: dict[str, list[Any]] = {}
+    for message_id, text in tx.execute(
+        "SELECT d.message_id, d.text FROM session_message_delta d"
+        " JOIN session_message m ON m.id = d.message_id"
+        " WHERE m.session_id = ? ORDER BY d.message_id, d.version",
+        (session_id,),
+    ).fetchall():
+        streamed.setdefault(message_id, []).append(text)
+    return [_decode_message(session_id, row, streamed.get(row[0], ())) for row in rows]
 
 
-def _decode_message(
-    session_id: str,
-    message_id: str,
-    role: str,
-    seq: int,
-    data: str,
-    execution_id: str | None,
-    input_id: str | None,
-) -> Message:
+def _decode_message(session_id: str, row: Sequence[Any], streamed: Sequence[Any]) -> Message:
+    """A message row - (id, role, seq, data, execution_id, input_id) - with the texts
+    streamed onto it since its data was written."""
+    message_id, role, seq, data, execution_id, input_id = row
     decoded: Any
     if role == "assistant":
-        decoded = _codec.decode_assistant(data, key=message_id)
+        decoded = _transcript.with_streamed(
+            _codec.decode_assistant(data, key=message_id),
+            _codec.decode_streamed(streamed, key=message_id),
+        )
     else:
         decoded = _codec.decode_object(data, table="session_message", key=message_id)
-    return Message(message_id, session_id, role, seq, decoded, execution_id, input_id)  # type: ignore[arg-type]
+    return Message(message_id, session_id, role, seq, decoded, execution_id, input_id)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -743,7 +840,7 @@ def _recovery_facts(tx: Tx, candidate: Candidate) -> tuple[RecoveryFacts, str | 
         " ORDER BY seq DESC LIMIT 1",
         (execution_id,),
     )
-    malformed_reason = None if newest is None else _malformed_reason(newest[0], newest[1])
+    malformed_reason = None if newest is None else _malformed_reason(tx, newest[0], newest[1])
     attempts = tx.one("SELECT wake_attempts FROM session WHERE id = ?", (session_id,))
     facts = RecoveryFacts(
         claim=claim,
@@ -755,9 +852,9 @@ def _recovery_facts(tx: Tx, candidate: Candidate) -> tuple[RecoveryFacts, str | 
     return facts, malformed_reason
 
 
-def _malformed_reason(message_id: str, text: str) -> str | None:
+def _malformed_reason(tx: Tx, message_id: str, text: str) -> str | None:
     try:
-        _codec.decode_assistant(text, key=message_id)
+        _assistant_data(tx, message_id, text)
     except MalformedRecord as exc:
         return str(exc)
     return None
@@ -930,7 +1027,19 @@ def lift_quarantine(tx: Tx, execution_id: str, owner_id: str, lease_ms: int) -> 
         " owner_id = ?, expires_at = ? WHERE execution_id = ?",
         (owner_id, tx.now + lease_ms, execution_id),
     )
+    _unmark_finished(tx, execution_id)
     return Candidate(row[0], execution_id)
+
+
+def _unmark_finished(tx: Tx, execution_id: str) -> None:
+    """The operator may have repaired the execution's messages by hand (the documented way
+    out of a quarantine), and `finished` does not follow a hand-written `data`: count them
+    as maybe open again, so closing the execution reads what they say now."""
+    tx.execute(
+        "UPDATE session_message SET finished = 0"
+        " WHERE execution_id = ? AND role = 'assistant' AND finished = 1",
+        (execution_id,),
+    )
 
 
 def drop_quarantined(tx: Tx, execution_id: str) -> None:
@@ -940,6 +1049,7 @@ def drop_quarantined(tx: Tx, execution_id: str) -> None:
     inputs remain."""
     session_id = _quarantined_row(tx, execution_id)[0]
     _set_aside_malformed_messages(tx, session_id, execution_id)
+    _unmark_finished(tx, execution_id)
     _close_open_messages(tx, execution_id, OWNER_LOST)
     tx.execute("DELETE FROM session_execution WHERE id = ?", (execution_id,))
     _reset_attempts(tx, session_id)
@@ -954,13 +1064,19 @@ def _set_aside_malformed_messages(tx: Tx, session_id: str, execution_id: str) ->
         (execution_id,),
     ).fetchall()
     for message_id, role, seq, data, input_id in rows:
+        streamed = _streamed_texts(tx, message_id)
         try:
-            _decode_message(session_id, message_id, role, seq, data, execution_id, input_id)
+            _decode_message(
+                session_id, (message_id, role, seq, data, execution_id, input_id), streamed
+            )
         except MalformedRecord as exc:
+            # The raw data is kept; text streamed onto it since goes into the reason (its
+            # rows leave with the message).
+            reason = str(exc) + (f"; streamed since: {streamed!r}" if streamed else "")
             tx.execute(
                 "INSERT INTO session_message_rejected(id, session_id, execution_id, seq, data,"
                 " reason, time_created) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (message_id, session_id, execution_id, seq, data, str(exc), tx.now),
+                (message_id, session_id, execution_id, seq, data, reason, tx.now),
             )
             tx.execute("DELETE FROM session_message WHERE id = ?", (message_id,))
 
@@ -1252,25 +1368,35 @@ def _message_snapshots(
     tx: Tx, where: str, params: dict[str, Any], seen: dict[str, int] | None = None
 ) -> list[Snapshot]:
     """Messages matching `where`, skipping those whose version is not newer than `seen`;
-    the data of a skipped message is never read."""
+    the data of a skipped message is never read. A message's version is the newest of its
+    row's and its streamed deltas'; its snapshot has the streamed text merged."""
     stale = [
         str(row[0])
         for row in tx.execute(
-            f"SELECT id, version FROM session_message WHERE {where} ORDER BY seq", params
+            f"SELECT m.id, {_VERSION} FROM session_message m WHERE {where} ORDER BY m.seq",
+            params,
         ).fetchall()
         if seen is None or seen.get(row[0], -1) < row[1]
     ]
     snapshots: list[Snapshot] = []
     for message_id in stale:
-        row = tx.one(
-            "SELECT session_id, id, role, seq, data, execution_id, input_id, version"
-            " FROM session_message WHERE id = ?",
+        session_id, *message, version = tx.one(
+            "SELECT m.session_id, m.id, m.role, m.seq, m.data, m.execution_id, m.input_id,"
+            f" {_VERSION} FROM session_message m WHERE m.id = ?",
             (message_id,),
         )
         snapshot: Message | MalformedRecord
+        streamed = _streamed_texts(tx, message_id) if message[1] == "assistant" else []
         try:
-            snapshot = _decode_message(*row[:7])
+            snapshot = _decode_message(session_id, message, streamed)
         except MalformedRecord as exc:
             snapshot = exc
-        snapshots.append((str(row[0]), message_id, int(row[3]), snapshot, int(row[7])))
+        snapshots.append((str(session_id), message_id, int(message[2]), snapshot, int(version)))
     return snapshots
+
+
+# A message's version as watchers order it (for `session_message m`).
+_VERSION = (
+    "COALESCE((SELECT MAX(d.version) FROM session_message_delta d WHERE d.message_id = m.id),"
+    " m.version)"
+)

@@ -3,11 +3,14 @@
 Invariants: a tool call settles at most once (`running` -> `completed` | `error`, never
 again); a finished message accepts no further change; interrupting or orphaning a message
 fails exactly its unsettled tools and finishes it. No I/O: the store applies these inside
-its fenced transactions, so the durable row is the state that is checked.
+its fenced transactions, so the durable row is the state that is checked. Text streamed
+onto a message is stored apart and merged by `with_streamed`, which makes of it exactly
+what `append_text` would have.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -27,6 +30,16 @@ def _require_open(data: AssistantData) -> None:
 def append_text(data: AssistantData, text: str) -> AssistantData:
     """Append text, extending the last part when it is text (streamed tokens stay one part)."""
     _require_open(data)
+    return _extend_text(data, text)
+
+
+def with_streamed(data: AssistantData, texts: Sequence[str]) -> AssistantData:
+    """The message as readers see it: stored `data` with the texts streamed onto it since
+    (in order), exactly what `append_text` of each would have made of it."""
+    return _extend_text(data, "".join(texts)) if texts else data
+
+
+def _extend_text(data: AssistantData, text: str) -> AssistantData:
     parts = data.parts
     if parts and isinstance(parts[-1], TextPart):
         return attrs.evolve(data, parts=(*parts[:-1], TextPart(parts[-1].text + text)))
