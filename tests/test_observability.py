@@ -128,10 +128,10 @@ async def test_failing_drain_logs_error_with_traceback(
     assert record.error == "ValueError('the model said no')"
 
 
-async def test_lease_lost_by_heartbeat_and_by_write_each_log_once(
+async def test_claim_lost_by_heartbeat_and_by_write_each_log_once(
     tmp_path: Path, clock: Clock, autojump_clock: MockClock, logs: pytest.LogCaptureFixture
 ) -> None:
-    """The heartbeat finding a claim gone logs `lease lost` (cause heartbeat) once; a drain's
+    """The heartbeat finding a claim gone logs `claim lost` (cause heartbeat) once; a drain's
     fenced write finding it gone logs it with cause write."""
     jumping = JumpingClock(clock)
     drain = Recorder()
@@ -141,7 +141,7 @@ async def test_lease_lost_by_heartbeat_and_by_write_each_log_once(
         await drain.entered.wait()
         jumping.offset += 60.0
         await rt.wait_idle("held")
-    [record] = records(logs, events.LEASE_LOST)
+    [record] = records(logs, events.CLAIM_LOST)
     assert record.levelno == logging.WARNING
     assert (record.session_id, record.cause, record.owner_id) == ("held", "heartbeat", rt.owner_id)
     assert record.execution_id == drain.calls[0].execution_id
@@ -162,7 +162,7 @@ async def test_lease_lost_by_heartbeat_and_by_write_each_log_once(
         jumping.offset += 60.0
         jumped.set()
         await rt.wait_idle("writes")
-    [record] = records(logs, events.LEASE_LOST)
+    [record] = records(logs, events.CLAIM_LOST)
     assert (record.session_id, record.cause) == ("writes", "write")
 
 
@@ -170,7 +170,7 @@ async def test_self_fence_and_failed_heartbeats_are_logged(
     tmp_path: Path, clock: Clock, autojump_clock: MockClock, logs: pytest.LogCaptureFixture
 ) -> None:
     """Heartbeats failing log `heartbeat failed`; the drain stopped at its local deadline
-    logs `self-fenced` (and no `lease lost`: the store never said so)."""
+    logs `self-fenced` (and no `claim lost`: the store never said so)."""
     drain = Recorder()
     drain.hold()
     store = store_at(tmp_path, wrap_connection=FailingHeartbeat)
@@ -194,7 +194,7 @@ async def test_self_fence_and_failed_heartbeats_are_logged(
     assert fenced.execution_id == drain.calls[0].execution_id
     failed = records(logs, events.HEARTBEAT_FAILED)
     assert failed and all(r.claims == 1 and "disk I/O error" in r.error for r in failed)
-    assert records(logs, events.LEASE_LOST) == []
+    assert records(logs, events.CLAIM_LOST) == []
 
 
 async def test_recovery_events_and_shutdown_hand_back(
@@ -382,14 +382,18 @@ async def test_otel_spans_and_metrics(
 ) -> None:
     """A span per drain call (ids, attempt, resumed, outcome; a failure recorded) and per
     recovery pass (its counts); active drains, wake-to-start latency, drain duration by
-    outcome, takeovers and quarantines as metrics."""
+    outcome, takeovers, quarantines and lost claims as metrics."""
     exporter, reader = otel
     exporter.clear()
     raw = Raw(tmp_path / "sessions.db")
-    gate, entered = trio.Event(), trio.Event()
+    gate, entered, lost = trio.Event(), trio.Event(), trio.Event()
+    jumping = JumpingClock(clock)
 
     async def drain(ctx: DrainContext) -> None:
         await ctx.take_inputs()
+        if ctx.session_id == "lost":
+            lost.set()
+            await trio.sleep_forever()  # until the heartbeat finds the claim gone
         if ctx.session_id == "bad":
             raise ValueError("boom")
         if ctx.session_id == "defect":  # a second settlement, caught: still a failure
@@ -406,7 +410,8 @@ async def test_otel_spans_and_metrics(
     async def hook(claim: Claim) -> None:
         await trio.sleep(1)  # between the wake and the drain's start
 
-    async with runtime(store_at(tmp_path), drain, clock, acquisition_hook=hook, **QUIET) as rt:
+    options: dict[str, Any] = {"acquisition_hook": hook, **QUIET}
+    async with runtime(store_at(tmp_path), drain, jumping, **options) as rt:
         assert await rt.run("ok") == Outcome("succeeded")
         assert (await rt.run("bad")).kind == "failed"
         assert (await rt.run("defect")).kind == "failed"
@@ -427,6 +432,10 @@ async def test_otel_spans_and_metrics(
         assert active.value == 1
         gate.set()
         await rt.wait_idle("held")
+        await rt.wake("lost")
+        await lost.wait()
+        jumping.offset += 3600.0
+        assert await rt.run("lost") == Outcome("interrupted", "lease_lost")
 
     points = metric_points(reader)
     assert [p.value for p in points[events.ACTIVE_DRAINS]] == [0]
@@ -434,15 +443,20 @@ async def test_otel_spans_and_metrics(
     assert [p.value for p in points[events.QUARANTINES]] == [1]
     # Every drain started by a wake (local or remote); not the resumed one.
     [latency] = points[events.WAKE_LATENCY]
-    assert (latency.count, latency.sum) == (5, 5.0)
+    assert (latency.count, latency.sum) == (6, 6.0)
     durations = {p.attributes["outcome"]: (p.count, p.sum) for p in points[events.DRAIN_DURATION]}
+    assert durations.pop("interrupted")[0] == 1  # stopped at the next heartbeat
     assert durations == {"succeeded": (4, 20.0), "failed": (2, 5.0)}  # defect: after 5 s
+    assert [(p.value, p.attributes) for p in points[events.CLAIMS_LOST]] == [
+        (1, {"cause": "heartbeat"})
+    ]
 
     drains = {
         str((s.attributes or {})["trio_sessions.session_id"]): s
         for s in spans_named(exporter, events.DRAIN_SPAN)
     }
-    assert sorted(drains) == ["bad", "dead", "defect", "held", "ok", "remote"]
+    assert sorted(drains) == ["bad", "dead", "defect", "held", "lost", "ok", "remote"]
+    assert drains["lost"].attributes["trio_sessions.outcome"] == "interrupted"  # type: ignore[index]
     assert drains["defect"].attributes["trio_sessions.outcome"] == "failed"  # type: ignore[index]
     bad = drains["bad"]
     assert bad.attributes is not None and bad.attributes["trio_sessions.outcome"] == "failed"

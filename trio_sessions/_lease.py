@@ -85,7 +85,7 @@ class LeaseKeeper:
                 continue  # finished or replaced while the heartbeat was in flight
             if phase is None:
                 if entry.reason not in ("shutdown", "lease_lost"):  # on purpose, or known
-                    _observe.lease_lost(entry, self._owner_id, cause="heartbeat")
+                    _observe.claim_lost(entry, self._owner_id, cause="heartbeat")
                 entry.lose_lease()
                 continue
             entry.renewed(self_fence_deadline(sent_at, self._lease))

@@ -43,7 +43,7 @@ logger = logging.getLogger("trio_sessions")
 # -- messages (record.msg): part of the public surface, listed in the README --------------------
 
 DRAIN_FAILED = "drain failed: session %s, execution %s"
-LEASE_LOST = "lease lost: session %s, execution %s"
+CLAIM_LOST = "claim lost: session %s, execution %s"
 SELF_FENCED = "self-fenced: session %s, execution %s"
 HEARTBEAT_FAILED = "heartbeat failed: %d claims not renewed"
 TAKEOVER = "takeover: session %s, execution %s replaces %s"
@@ -70,7 +70,7 @@ WAKE_LATENCY = "trio_sessions.drain.wake_latency"
 DRAIN_DURATION = "trio_sessions.drain.duration"
 TAKEOVERS = "trio_sessions.takeovers"
 QUARANTINES = "trio_sessions.quarantines"
-LEASES_LOST = "trio_sessions.leases_lost"
+CLAIMS_LOST = "trio_sessions.claims_lost"
 
 # Seconds: from a fast local drain to a long agent turn (OTel's default buckets are for ms).
 _SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0)
@@ -91,18 +91,18 @@ def drain_failed(entry: SessionEntry, owner_id: str, error: BaseException | None
     )
 
 
-def lease_lost(entry: SessionEntry, owner_id: str, *, cause: str) -> None:
+def claim_lost(entry: SessionEntry, owner_id: str, *, cause: str) -> None:
     """WARNING: the store no longer holds this claim for us (expired, or taken over); its
     drain is stopped and nothing more is written for it. extra: session_id, execution_id,
     owner_id, attempt, resumed, cause (`heartbeat`: a renewal matched nothing; `write`: a
     fenced write did)."""
     logger.warning(
-        LEASE_LOST,
+        CLAIM_LOST,
         entry.session_id,
         entry.execution_id,
         extra={**_claim(entry, owner_id), "cause": cause},
     )
-    _telemetry.count(LEASES_LOST, {"cause": cause})
+    _telemetry.count(CLAIMS_LOST, {"cause": cause})
 
 
 def self_fenced(entry: SessionEntry, owner_id: str) -> None:
@@ -110,7 +110,7 @@ def self_fenced(entry: SessionEntry, owner_id: str) -> None:
     store slow or unreachable, or the process paused) and was stopped before the durable
     expiry. extra: session_id, execution_id, owner_id, attempt, resumed."""
     logger.warning(SELF_FENCED, entry.session_id, entry.execution_id, extra=_claim(entry, owner_id))
-    _telemetry.count(LEASES_LOST, {"cause": "self_fenced"})
+    _telemetry.count(CLAIMS_LOST, {"cause": "self_fenced"})
 
 
 def heartbeat_failed(owner_id: str, claims: int, error: BaseException) -> None:
@@ -392,8 +392,8 @@ class _Telemetry:
             QUARANTINES: meter.create_counter(
                 QUARANTINES, unit="{claim}", description="Expired claims quarantined."
             ),
-            LEASES_LOST: meter.create_counter(
-                LEASES_LOST, unit="{claim}", description="Claims whose lease was lost, by cause."
+            CLAIMS_LOST: meter.create_counter(
+                CLAIMS_LOST, unit="{claim}", description="Claims whose lease was lost, by cause."
             ),
         }
 

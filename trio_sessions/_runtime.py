@@ -566,7 +566,7 @@ class Runtime:
         if isinstance(ending.error, LeaseLost) or entry.self_fenced():
             # Lease lost: no durable write, and no successor - recovery owns it now.
             if not known_lost:
-                self._log_lease_lost(entry, ending.error)
+                self._log_claim_lost(entry, ending.error)
             entry.disown()
             return Outcome("interrupted", "lease_lost", ending.error), False
         if ending.kind == "failed":
@@ -578,9 +578,9 @@ class Runtime:
             return Outcome("interrupted", "shutdown"), False
         return await self._finish_interrupted(entry)
 
-    def _log_lease_lost(self, entry: SessionEntry, error: BaseException | None) -> None:
+    def _log_claim_lost(self, entry: SessionEntry, error: BaseException | None) -> None:
         if isinstance(error, LeaseLost):
-            _observe.lease_lost(entry, self._owner_id, cause="write")
+            _observe.claim_lost(entry, self._owner_id, cause="write")
         else:
             _observe.self_fenced(entry, self._owner_id)
 
