@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import sqlite3
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -126,6 +128,20 @@ async def test_failing_drain_logs_error_with_traceback(
     }
     assert (record.attempt, record.resumed) == (0, False)
     assert record.error == "ValueError('the model said no')"
+
+
+def test_nothing_is_printed_when_logging_is_unconfigured() -> None:
+    """An ERROR event in a program that configured no logging prints nothing."""
+    program = (
+        "import trio_sessions._observe as o\n"
+        "from trio_sessions._coordinator import SessionEntry\n"
+        "o.drain_failed(SessionEntry('s', 'e'), 'me', ValueError('x'))\n"
+        "o.checkpoint_failed(OSError('disk'))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert (done.stdout, done.stderr) == ("", "")
 
 
 async def test_claim_lost_by_heartbeat_and_by_write_each_log_once(

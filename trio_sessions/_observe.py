@@ -39,6 +39,9 @@ if TYPE_CHECKING:
     from ._store import Candidate, Recovered
 
 logger = logging.getLogger("trio_sessions")
+# With logging left unconfigured, Python would print WARNING and above to stderr (its "last
+# resort" handler); a library's events are the application's to route, so nothing is printed.
+logger.addHandler(logging.NullHandler())
 
 # -- messages (record.msg): part of the public surface, listed in the README --------------------
 
