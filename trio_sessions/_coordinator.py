@@ -71,6 +71,9 @@ class SessionEntry:
     rings: int = 0
     rings_seen: int = 0
     released: trio.Event = attrs.Factory(trio.Event)
+    # When a wake reached this runtime and started the busy period (trio clock), until its
+    # first drain call starts: the wake-to-start latency (telemetry only).
+    woken_at: float | None = None
 
     def ring(self) -> Execution:
         """A wake reached this entry; returns the execution that will take it."""

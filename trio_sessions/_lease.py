@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 
 import trio
 
+from . import _observe
 from ._backend import Executor
 from ._coordinator import SessionEntry
 from ._errors import StoreError
@@ -75,13 +76,16 @@ class LeaseKeeper:
             phases = await self._db.run(
                 heartbeat, self._owner_id, list(claims), int(self._lease * 1000)
             )
-        except StoreError:
+        except StoreError as exc:
+            _observe.heartbeat_failed(self._owner_id, len(claims), exc)
             return
         for execution_id, phase in phases.items():
             entry = claims[execution_id]
             if not entry.owned or entry.execution_id != execution_id:
                 continue  # finished or replaced while the heartbeat was in flight
             if phase is None:
+                if entry.reason not in ("shutdown", "lease_lost"):  # on purpose, or known
+                    _observe.claim_lost(entry, self._owner_id, cause="heartbeat")
                 entry.lose_lease()
                 continue
             entry.renewed(self_fence_deadline(sent_at, self._lease))

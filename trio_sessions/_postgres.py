@@ -51,7 +51,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import logging
 import random
 import re
 import time
@@ -66,15 +65,13 @@ import psycopg.pq
 import trio
 from psycopg import sql
 
-from . import _codec
+from . import _codec, _observe
 from ._backend import BackendName, Job, Params, StoreStatistics, Tx, driver_error, now_ms
 from ._errors import SchemaTooNew, StoreError
 from ._handoff import HandoffQueue, Queued, pumping
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
-
-logger = logging.getLogger("trio_sessions")
 
 SCHEMA_VERSION = 2
 
@@ -548,6 +545,7 @@ class PgEngine:
                 pause = min(pause * 2, 1.0)
             else:
                 self.reconnects += 1
+                _observe.store_reconnected("postgres")
                 return self.conn
 
     def _rollback(self) -> None:
@@ -622,6 +620,7 @@ class PgEngine:
                 if attempt >= MAX_ATTEMPTS or time.monotonic() >= deadline:
                     raise driver_error(rerun.cause) from rerun.cause
                 self.retries += 1
+                _observe.store_retry("postgres", rerun.cause, attempt)
                 time.sleep(min(0.005 * 2**attempt, 0.2) * random.uniform(0.5, 1.0))
 
     def _attempt(
@@ -780,10 +779,10 @@ class PgListener:
             try:
                 self.conn = await self._connect_async()
             except StoreError as exc:
-                logger.warning("listener reconnect failed", extra={"error": str(exc)})
+                _observe.listener_reconnect_failed(self.channel, exc)
                 await trio.sleep_forever()  # until the fallback poll's timeout
             self.reconnects += 1
-            logger.info("listener reconnected", extra={"channel": self.channel})
+            _observe.listener_reconnected(self.channel)
             return  # notifications sent meanwhile are lost: rescan now
         pgconn = self.conn.pgconn
         while True:

@@ -26,7 +26,7 @@ from typing import Any, Literal, NoReturn, TypeVar
 import attrs
 import trio
 
-from . import _codec, _store, _transcript
+from . import _codec, _observe, _store, _transcript
 from ._backend import Executor, StoreBackend
 from ._coordinator import Execution, SessionEntry
 from ._decisions import AcquireVerdict, RecoveryDecision
@@ -280,7 +280,9 @@ class Runtime:
             await trio.lowlevel.checkpoint()
             return RecoveryReport()
         async with self._recovery.lock:
-            report = await self._recovery_pass()
+            with _observe.recovery_pass(self._owner_id) as observed:
+                report = await self._recovery_pass()
+                observed.done(report)
         self._recovery.record(report)
         return report
 
@@ -299,8 +301,10 @@ class Runtime:
         async with self._recovery.lock:
             if not resume:
                 await self._recovery.drop_quarantine(execution_id)
+                _observe.quarantine_released(execution_id, self._owner_id, resume=False)
                 return
             candidate = await self._recovery.lift_quarantine(execution_id)
+            _observe.quarantine_released(execution_id, self._owner_id, resume=True)
             report = await self._apply_recovery([candidate])
             if report.quarantined:
                 raise await self._recovery.quarantine_error(execution_id)
@@ -331,7 +335,7 @@ class Runtime:
             return result, self._ring(session_id)
         entry = self._register(session_id)
         entry.begin_deciding()
-        sent_at = trio.current_time()
+        sent_at = entry.woken_at = trio.current_time()
         try:
             # mypy cannot check `*args` of a Callable[..., Any] against a TypeVarTuple.
             result, acquired = await self._db.run(
@@ -392,6 +396,7 @@ class Runtime:
         if self._closing or self._drain is None or not self._has_capacity():
             return None  # the wake stays durable for a runtime with room
         entry = self._register(session_id)
+        entry.woken_at = trio.current_time()
         self._nursery.start_soon(self._busy_period, entry)
         return entry.current
 
@@ -516,8 +521,11 @@ class Runtime:
             # waiting on that very session fails at once instead of waiting for itself.
             draining = _draining.set((self, entry.session_id))
             self._drains_running += 1
+            woken_at, entry.woken_at = entry.woken_at, None
             try:
-                await self._drain(context)
+                with _observe.drain_iteration(entry, self._owner_id, woken_at) as iteration:
+                    await self._drain(context)
+                    iteration.fail(context._defect)
             except Exception as exc:
                 return _Ending("failed", error=exc)
             finally:
@@ -554,17 +562,27 @@ class Runtime:
                 await self._pass_on_interrupt(entry)
                 return Outcome("interrupted", entry.reason), False
             return Outcome("deferred"), entry.rung_since_decision()
+        known_lost = entry.reason == "lease_lost"  # the heartbeat found it (and logged it)
         if isinstance(ending.error, LeaseLost) or entry.self_fenced():
             # Lease lost: no durable write, and no successor - recovery owns it now.
+            if not known_lost:
+                self._log_claim_lost(entry, ending.error)
             entry.disown()
             return Outcome("interrupted", "lease_lost", ending.error), False
         if ending.kind == "failed":
+            _observe.drain_failed(entry, self._owner_id, ending.error)
             return await self._finish_failed(entry, ending.error)
         reason = entry.reason or "user"
         if reason == "shutdown":
             await self._expire(entry)
             return Outcome("interrupted", "shutdown"), False
         return await self._finish_interrupted(entry)
+
+    def _log_claim_lost(self, entry: SessionEntry, error: BaseException | None) -> None:
+        if isinstance(error, LeaseLost):
+            _observe.claim_lost(entry, self._owner_id, cause="write")
+        else:
+            _observe.self_fenced(entry, self._owner_id)
 
     async def _pass_on_interrupt(self, entry: SessionEntry) -> None:
         """A user interrupt accepted while this runtime was still acquiring, and another
@@ -739,7 +757,8 @@ class Runtime:
             with trio.CancelScope(shield=True):
                 sent_at = trio.current_time()
                 results = await self._recovery.apply([(c, e.execution_id) for c, e in entries])
-                for (_, entry), result in zip(entries, results, strict=True):
+                for (candidate, entry), result in zip(entries, results, strict=True):
+                    _observe.recovered(candidate, entry.execution_id, result, self._owner_id)
                     if result.decision is RecoveryDecision.RESUME and not result.fence_lost:
                         self._own(entry, attempt=result.attempt, resumed=True, sent_at=sent_at)
                         entry.keep_going()
@@ -767,8 +786,12 @@ class Runtime:
         stopped = [e for e in list(self._entries.values()) if e.interrupt("shutdown")]
         owned = [e.execution_id for e in stopped if e.owned]
         if owned:
-            with contextlib.suppress(StoreError):  # best effort: else the leases run out
+            try:
                 await self._db.run_nowait(_store.expire_claims, self._owner_id, owned)
+            except StoreError as exc:  # best effort: else the leases run out
+                _observe.hand_back_failed(self._owner_id, owned, exc)
+            else:
+                _observe.handed_back(self._owner_id, owned)
         while self._entries:
             await next(iter(self._entries.values())).released.wait()
 

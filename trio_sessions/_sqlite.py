@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import logging
 import os
 import sqlite3
 import time
@@ -45,14 +44,13 @@ from typing import Any, TypeVar, TypeVarTuple, Unpack
 import attrs
 import trio
 
+from . import _observe
 from ._backend import BackendName, Job, Params, StoreStatistics, Tx, driver_error, now_ms
 from ._errors import SchemaTooNew, StoreError, TrioSessionsError
 from ._handoff import HandoffQueue, Queued, pumping
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
-
-logger = logging.getLogger("trio_sessions")
 
 # PRAGMA synchronous in WAL mode: NORMAL (the default) survives a process crash, but the
 # newest commits may roll back after a power loss or OS crash; FULL syncs the WAL at every
@@ -424,7 +422,7 @@ def checkpoint(conn: sqlite3.Connection) -> tuple[int, int] | None:
     try:
         _busy, frames, copied = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
     except sqlite3.Error as exc:
-        logger.warning("checkpoint failed", extra={"error": str(exc)})
+        _observe.checkpoint_failed(exc)
         return None
     return int(frames), int(copied)
 

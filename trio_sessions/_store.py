@@ -868,6 +868,7 @@ class Recovered:
     fence_lost: bool = False
     new_execution_id: str | None = None
     attempt: int = 0
+    reason: str | None = None  # why a quarantined row does not decode
 
 
 def apply_recovery(
@@ -933,7 +934,7 @@ def quarantine(tx: Tx, owner_id: str, candidate: Candidate, why: str) -> Recover
     ).rowcount
     if updated != 1:
         return Recovered(RecoveryDecision.QUARANTINE, fence_lost=True)
-    return Recovered(RecoveryDecision.QUARANTINE)
+    return Recovered(RecoveryDecision.QUARANTINE, reason=why)
 
 
 def _delete_recovery_row(tx: Tx, execution_id: str, owner_id: str) -> None:

@@ -1,0 +1,441 @@
+"""What the library tells an operator: log events, and OpenTelemetry spans and metrics.
+
+Every event is defined here once, as one function with a stable message and documented
+`extra` keys, so the modules that detect an event call it by name and never spell a message
+themselves. The message (`record.msg`) is a constant template: its values are the record's
+args and, for machines, its `extra` fields (`record.session_id`, ...). Nothing is printed:
+records go to `logging.getLogger("trio_sessions")` and the application decides where.
+
+OpenTelemetry is optional (the `otel` extra) and imported here only. Without
+`opentelemetry-api` installed every telemetry call is a plain no-op. With it, spans and
+metrics go to the global tracer and meter providers, the OTel convention for libraries: they
+are no-ops until the application configures an SDK, and record from then on (also into
+runtimes opened earlier). Metric attributes have low cardinality (never a session id);
+spans carry the ids.
+
+Invariants: no event raises into its caller (logging reports its own handler errors), and
+the engine events (`store_retry`, `store_reconnected`, `checkpoint_failed`) are safe from
+the store's worker threads: they never touch trio.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import trio
+
+from ._decisions import RecoveryDecision
+from ._model import RecoveryReport
+
+if TYPE_CHECKING:
+    from opentelemetry.metrics import Counter, Histogram, UpDownCounter
+    from opentelemetry.trace import Span, StatusCode, Tracer
+
+    from ._coordinator import SessionEntry
+    from ._store import Candidate, Recovered
+
+logger = logging.getLogger("trio_sessions")
+# With logging left unconfigured, Python would print WARNING and above to stderr (its "last
+# resort" handler); a library's events are the application's to route, so nothing is printed.
+logger.addHandler(logging.NullHandler())
+
+# -- messages (record.msg): part of the public surface, listed in the README --------------------
+
+DRAIN_FAILED = "drain failed: session %s, execution %s"
+CLAIM_LOST = "claim lost: session %s, execution %s"
+SELF_FENCED = "self-fenced: session %s, execution %s"
+HEARTBEAT_FAILED = "heartbeat failed: %d claims not renewed"
+TAKEOVER = "takeover: session %s, execution %s replaces %s"
+QUARANTINED = "quarantined: session %s, execution %s"
+RESUMES_EXHAUSTED = "resume budget exhausted: session %s, execution %s"
+QUARANTINE_LIFTED = "quarantine lifted: execution %s"
+QUARANTINE_DROPPED = "quarantine dropped: execution %s"
+RECOVERY_PASS = "recovery pass: examined %d, resumed %d, quarantined %d"
+RECOVERY_PASS_FAILED = "recovery pass failed"
+HANDED_BACK = "claims handed back: %d"
+HAND_BACK_FAILED = "hand-back failed: %d claims keep their leases"
+STORE_RETRY = "store transaction retried: %s"
+STORE_RECONNECTED = "store reconnected"
+LISTENER_RECONNECTED = "listener reconnected"
+LISTENER_RECONNECT_FAILED = "listener reconnect failed"
+CHECKPOINT_FAILED = "checkpoint failed"
+
+# -- span and metric names ------------------------------------------------------------------------
+
+DRAIN_SPAN = "trio_sessions.drain"
+RECOVERY_SPAN = "trio_sessions.recovery_pass"
+ACTIVE_DRAINS = "trio_sessions.drains.active"
+WAKE_LATENCY = "trio_sessions.drain.wake_latency"
+DRAIN_DURATION = "trio_sessions.drain.duration"
+TAKEOVERS = "trio_sessions.takeovers"
+QUARANTINES = "trio_sessions.quarantines"
+CLAIMS_LOST = "trio_sessions.claims_lost"
+
+# Seconds: from a fast local drain to a long agent turn (OTel's default buckets are for ms).
+_SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+
+# -- the drain ------------------------------------------------------------------------------------
+
+
+def drain_failed(entry: SessionEntry, owner_id: str, error: BaseException | None) -> None:
+    """ERROR, with the traceback. extra: session_id, execution_id, owner_id, attempt,
+    resumed, error (its repr)."""
+    logger.error(
+        DRAIN_FAILED,
+        entry.session_id,
+        entry.execution_id,
+        exc_info=error,
+        extra={**_claim(entry, owner_id), "error": repr(error)},
+    )
+
+
+def claim_lost(entry: SessionEntry, owner_id: str, *, cause: str) -> None:
+    """WARNING: the store no longer holds this claim for us (expired, or taken over); its
+    drain is stopped and nothing more is written for it. extra: session_id, execution_id,
+    owner_id, attempt, resumed, cause (`heartbeat`: a renewal matched nothing; `write`: a
+    fenced write did)."""
+    logger.warning(
+        CLAIM_LOST,
+        entry.session_id,
+        entry.execution_id,
+        extra={**_claim(entry, owner_id), "cause": cause},
+    )
+    _telemetry.count(CLAIMS_LOST, {"cause": cause})
+
+
+def self_fenced(entry: SessionEntry, owner_id: str) -> None:
+    """WARNING: the drain reached its local lease deadline with no renewal confirmed (the
+    store slow or unreachable, or the process paused) and was stopped before the durable
+    expiry. extra: session_id, execution_id, owner_id, attempt, resumed."""
+    logger.warning(SELF_FENCED, entry.session_id, entry.execution_id, extra=_claim(entry, owner_id))
+    _telemetry.count(CLAIMS_LOST, {"cause": "self_fenced"})
+
+
+def heartbeat_failed(owner_id: str, claims: int, error: BaseException) -> None:
+    """WARNING: a renewal transaction failed; retried at the next tick while each drain's
+    local deadline still bounds it. extra: owner_id, claims, error."""
+    logger.warning(
+        HEARTBEAT_FAILED,
+        claims,
+        extra={"owner_id": owner_id, "claims": claims, "error": str(error)},
+    )
+
+
+def _claim(entry: SessionEntry, owner_id: str) -> dict[str, Any]:
+    return {
+        "session_id": entry.session_id,
+        "execution_id": entry.execution_id,
+        "owner_id": owner_id,
+        "attempt": entry.attempt,
+        "resumed": entry.resumed,
+    }
+
+
+@attrs.define
+class DrainIteration:
+    """One drain call as telemetry sees it; `fail` marks a defect found after it returned."""
+
+    outcome: str = "succeeded"
+    error: BaseException | None = None
+
+    def fail(self, error: BaseException | None) -> None:
+        if error is not None:
+            self.outcome, self.error = "failed", error
+
+
+@contextmanager
+def drain_iteration(
+    entry: SessionEntry, owner_id: str, woken_at: float | None
+) -> Iterator[DrainIteration]:
+    """Around one drain call: a span, the active-drains count, the drain duration and (for
+    an iteration a wake started, `woken_at` on trio's clock) the wake-to-start latency.
+
+    Outcome: `succeeded`, `failed` (it raised, or a defect) or `interrupted` (cancelled).
+    """
+    iteration = DrainIteration()
+    telemetry = _telemetry
+    if not telemetry.enabled:
+        yield iteration
+        return
+    started = trio.current_time()
+    if woken_at is not None:
+        telemetry.record(WAKE_LATENCY, started - woken_at, {})
+    telemetry.add(ACTIVE_DRAINS, 1)
+    attributes = {
+        "trio_sessions.session_id": entry.session_id,
+        "trio_sessions.execution_id": entry.execution_id,
+        "trio_sessions.attempt": entry.attempt,
+        "trio_sessions.resumed": entry.resumed,
+        "trio_sessions.owner_id": owner_id,
+    }
+    with telemetry.span(DRAIN_SPAN, attributes) as span:
+        try:
+            yield iteration
+        except Exception as exc:
+            iteration.fail(exc)
+            raise
+        except BaseException:
+            iteration.outcome = "interrupted"
+            raise
+        finally:
+            telemetry.add(ACTIVE_DRAINS, -1)
+            telemetry.record(
+                DRAIN_DURATION, trio.current_time() - started, {"outcome": iteration.outcome}
+            )
+            telemetry.end_iteration(span, iteration)
+
+
+# -- recovery -------------------------------------------------------------------------------------
+
+
+@attrs.define
+class RecoveryPass:
+    """One recovery pass as telemetry sees it; `done` logs its summary."""
+
+    owner_id: str
+    span: Span | None
+
+    def done(self, report: RecoveryReport) -> None:
+        """DEBUG, every pass: RECOVERY_PASS. extra: owner_id and each `RecoveryReport` count
+        (examined, resumed, finished_cancelled, dropped_superseded, quarantined, exhausted,
+        skipped_live, fence_lost, doorbells_started)."""
+        counts = attrs.asdict(report)
+        logger.debug(
+            RECOVERY_PASS,
+            report.examined,
+            report.resumed,
+            report.quarantined,
+            extra={"owner_id": self.owner_id, **counts},
+        )
+        if self.span is not None:
+            self.span.set_attributes({f"trio_sessions.{k}": v for k, v in counts.items()})
+
+
+@contextmanager
+def recovery_pass(owner_id: str) -> Iterator[RecoveryPass]:
+    """Around one recovery pass: a span; a pass that fails logs RECOVERY_PASS_FAILED
+    (WARNING, with the traceback; extra: owner_id, error) - the next pass retries."""
+    with _telemetry.span(RECOVERY_SPAN, {"trio_sessions.owner_id": owner_id}) as span:
+        try:
+            yield RecoveryPass(owner_id, span)
+        except Exception as exc:
+            logger.warning(
+                RECOVERY_PASS_FAILED, exc_info=exc, extra={"owner_id": owner_id, "error": str(exc)}
+            )
+            _telemetry.end_failed(span, exc)
+            raise
+
+
+def recovered(
+    candidate: Candidate, new_execution_id: str, result: Recovered, owner_id: str
+) -> None:
+    """What applying recovery to one expired claim did, when an operator should know:
+
+    * TAKEOVER (INFO): resumed under a new execution. extra: session_id, execution_id (the
+      new one), previous_execution_id, owner_id, attempt.
+    * QUARANTINED (WARNING): its rows do not decode; nothing resumes it until an operator
+      acts. extra: session_id, execution_id, owner_id, reason.
+    * RESUMES_EXHAUSTED (WARNING): finished as failed after `max_resumes` takeovers.
+      extra: session_id, execution_id, owner_id.
+    A result whose fence was lost (another recovery owner acted) is not an event here.
+    """
+    if result.fence_lost:
+        return
+    ids = {"session_id": candidate.session_id, "owner_id": owner_id}
+    if result.decision is RecoveryDecision.RESUME:
+        logger.info(
+            TAKEOVER,
+            candidate.session_id,
+            new_execution_id,
+            candidate.execution_id,
+            extra={
+                **ids,
+                "execution_id": new_execution_id,
+                "previous_execution_id": candidate.execution_id,
+                "attempt": result.attempt,
+            },
+        )
+        _telemetry.count(TAKEOVERS, {})
+    elif result.decision is RecoveryDecision.QUARANTINE:
+        logger.warning(
+            QUARANTINED,
+            candidate.session_id,
+            candidate.execution_id,
+            extra={**ids, "execution_id": candidate.execution_id, "reason": result.reason},
+        )
+        _telemetry.count(QUARANTINES, {})
+    elif result.decision is RecoveryDecision.EXHAUSTED:
+        logger.warning(
+            RESUMES_EXHAUSTED,
+            candidate.session_id,
+            candidate.execution_id,
+            extra={**ids, "execution_id": candidate.execution_id},
+        )
+
+
+def quarantine_released(execution_id: str, owner_id: str, *, resume: bool) -> None:
+    """INFO: an operator acted on a quarantine (QUARANTINE_LIFTED for a resume, else
+    QUARANTINE_DROPPED). extra: execution_id, owner_id."""
+    message = QUARANTINE_LIFTED if resume else QUARANTINE_DROPPED
+    logger.info(message, execution_id, extra={"execution_id": execution_id, "owner_id": owner_id})
+
+
+# -- shutdown -------------------------------------------------------------------------------------
+
+
+def handed_back(owner_id: str, execution_ids: Sequence[str]) -> None:
+    """INFO: shutdown kept these claims and expired their leases, so any owner recovers them
+    at once. extra: owner_id, claims, execution_ids."""
+    logger.info(
+        HANDED_BACK,
+        len(execution_ids),
+        extra={"owner_id": owner_id, "claims": len(execution_ids), "execution_ids": execution_ids},
+    )
+
+
+def hand_back_failed(owner_id: str, execution_ids: Sequence[str], error: BaseException) -> None:
+    """WARNING: the hand-back did not land; the claims wait for their leases to run out.
+    extra: owner_id, claims, execution_ids, error."""
+    logger.warning(
+        HAND_BACK_FAILED,
+        len(execution_ids),
+        extra={
+            "owner_id": owner_id,
+            "claims": len(execution_ids),
+            "execution_ids": execution_ids,
+            "error": str(error),
+        },
+    )
+
+
+# -- the store engines (any thread) ---------------------------------------------------------------
+
+
+def store_retry(backend: str, error: BaseException, retry: int) -> None:
+    """INFO: a transaction that committed nothing runs again (serialisation failure,
+    deadlock, lock or statement timeout, or a connection lost before COMMIT). extra: backend,
+    sqlstate (None for a lost connection), retry (1 for the first re-run), error."""
+    sqlstate = getattr(error, "sqlstate", None)
+    logger.info(
+        STORE_RETRY,
+        sqlstate or "connection lost",
+        extra={"backend": backend, "sqlstate": sqlstate, "retry": retry, "error": str(error)},
+    )
+
+
+def store_reconnected(backend: str) -> None:
+    """WARNING: the engine's connection broke and a new one was opened. extra: backend."""
+    logger.warning(STORE_RECONNECTED, extra={"backend": backend})
+
+
+def listener_reconnected(channel: str) -> None:
+    """INFO: the LISTEN connection is back (signals sent meanwhile are lost; the runtime
+    rescans). extra: channel."""
+    logger.info(LISTENER_RECONNECTED, extra={"channel": channel})
+
+
+def listener_reconnect_failed(channel: str, error: BaseException) -> None:
+    """WARNING: the LISTEN connection could not be re-opened; the fallback poll covers it
+    until the next try. extra: channel, error."""
+    logger.warning(LISTENER_RECONNECT_FAILED, extra={"channel": channel, "error": str(error)})
+
+
+def checkpoint_failed(error: BaseException) -> None:
+    """WARNING: an SQLite WAL checkpoint failed (nothing is lost: the WAL keeps every
+    commit). extra: error."""
+    logger.warning(CHECKPOINT_FAILED, extra={"error": str(error)})
+
+
+# -- OpenTelemetry (the only place that imports it) -----------------------------------------------
+
+
+class _Telemetry:
+    """The tracer and instruments, or nothing at all when opentelemetry-api is absent."""
+
+    def __init__(self) -> None:
+        try:
+            from opentelemetry import metrics, trace
+        except ImportError:  # the `otel` extra is not installed
+            self.enabled = False
+            return
+        self.enabled = True
+        self._error: StatusCode = trace.StatusCode.ERROR
+        self._tracer_provider = trace.get_tracer_provider
+        self._no_sdk = trace.ProxyTracerProvider
+        self._tracer: Tracer = trace.get_tracer("trio_sessions")
+        meter = metrics.get_meter("trio_sessions")
+        self._up_down: dict[str, UpDownCounter] = {
+            ACTIVE_DRAINS: meter.create_up_down_counter(
+                ACTIVE_DRAINS, unit="{drain}", description="Drain calls running now."
+            )
+        }
+        self._histograms: dict[str, Histogram] = {
+            WAKE_LATENCY: meter.create_histogram(
+                WAKE_LATENCY,
+                unit="s",
+                description="From a wake reaching this runtime to the drain starting.",
+                explicit_bucket_boundaries_advisory=_SECONDS_BUCKETS,
+            ),
+            DRAIN_DURATION: meter.create_histogram(
+                DRAIN_DURATION,
+                unit="s",
+                description="One drain call, by outcome.",
+                explicit_bucket_boundaries_advisory=_SECONDS_BUCKETS,
+            ),
+        }
+        self._counters: dict[str, Counter] = {
+            TAKEOVERS: meter.create_counter(
+                TAKEOVERS, unit="{claim}", description="Expired claims resumed by recovery."
+            ),
+            QUARANTINES: meter.create_counter(
+                QUARANTINES, unit="{claim}", description="Expired claims quarantined."
+            ),
+            CLAIMS_LOST: meter.create_counter(
+                CLAIMS_LOST, unit="{claim}", description="Claims whose lease was lost, by cause."
+            ),
+        }
+
+    def count(self, name: str, attributes: dict[str, str]) -> None:
+        if self.enabled:
+            self._counters[name].add(1, attributes)
+
+    def add(self, name: str, amount: int) -> None:
+        self._up_down[name].add(amount)
+
+    def record(self, name: str, seconds: float, attributes: dict[str, str]) -> None:
+        self._histograms[name].record(seconds, attributes)
+
+    @contextmanager
+    def span(self, name: str, attributes: dict[str, Any]) -> Iterator[Span | None]:
+        # With no SDK configured (the global provider is still the API's proxy) a span would
+        # record nothing, yet cost about 10 us per drain call: skip it.
+        if not self.enabled or isinstance(self._tracer_provider(), self._no_sdk):
+            yield None
+            return
+        # Exceptions are recorded by the callers, which know which ones are failures (a
+        # cancellation is not).
+        with self._tracer.start_as_current_span(
+            name, attributes=attributes, record_exception=False, set_status_on_exception=False
+        ) as span:
+            yield span
+
+    def end_iteration(self, span: Span | None, iteration: DrainIteration) -> None:
+        if span is None:
+            return
+        span.set_attribute("trio_sessions.outcome", iteration.outcome)
+        if iteration.error is not None:
+            self.end_failed(span, iteration.error)
+
+    def end_failed(self, span: Span | None, error: BaseException) -> None:
+        if span is None:
+            return
+        span.record_exception(error)
+        span.set_status(self._error, f"{type(error).__name__}: {error}")
+
+
+_telemetry = _Telemetry()
