@@ -500,9 +500,12 @@ class PgEngine:
             try:
                 self.conn = self._wrapped(connect(self.url, self.schema))
             except StoreError:
-                if time.monotonic() + pause >= deadline:
+                # The last attempt is made at the deadline, not a pause before it: the
+                # caller gets StoreError only once the whole bound has passed.
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
                     raise
-                time.sleep(pause * random.uniform(0.5, 1.0))
+                time.sleep(min(pause * random.uniform(0.5, 1.0), remaining))
                 pause = min(pause * 2, 1.0)
             else:
                 self.reconnects += 1
