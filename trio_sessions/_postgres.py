@@ -639,9 +639,9 @@ class PgEngine:
     def _committed(self, xid: str | None, lost: psycopg.Error, deadline: float) -> bool:
         """After a connection broke during COMMIT: did it commit? Read back from the server;
         `StoreError` when that cannot be known within the bound (never guessed)."""
+        self.close()  # lost, even if the client has not yet read the connection's end
         if xid is None:
             return False  # it wrote nothing: running it again changes nothing
-        self.close()
         while True:
             try:
                 conn = self._connection(deadline)
