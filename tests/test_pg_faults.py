@@ -136,6 +136,13 @@ class Plan:
     mode: Mode
     match: str | None = None
     then_unreachable: bool = False  # after firing, every reconnect fails
+    every: int = 0  # instead: every `every`-th statement, `times` times, `mode` then `LOST`
+    times: int = 1
+
+    def hit(self, index: int, text: str) -> bool:
+        if self.every:
+            return index % self.every == 0
+        return self.index == index if self.match is None else self.match in text
 
 
 class Faults:
@@ -150,6 +157,7 @@ class Faults:
         self.index = 0
         self.recorded: list[str] | None = None
         self.fired: str | None = None
+        self.firings = 0
         self.unreachable = False
 
     def wrap(self, conn: psycopg.Connection[Any]) -> FaultyConnection:
@@ -161,6 +169,7 @@ class Faults:
     def arm(self, plan: Plan) -> None:
         self.plan = plan
         self.index = 0
+        self.firings = 0
         self.fired = None
 
     def statement(
@@ -172,13 +181,15 @@ class Faults:
         if plan is None:
             return run()
         self.index += 1
-        hit = plan.index == self.index if plan.match is None else plan.match in text
-        if not hit:
+        if not plan.hit(self.index, text):
             return run()
-        self.plan = None
+        mode = (plan.mode, Mode.LOST)[self.firings % 2]
+        self.firings += 1
+        if self.firings >= plan.times:
+            self.plan = None
         self.fired = text
         try:
-            return self._fire(conn, plan.mode, text, params, run)
+            return self._fire(conn, mode, text, params, run)
         finally:
             self.unreachable = plan.then_unreachable
 
@@ -811,3 +822,52 @@ async def test_wake_sent_while_the_listener_is_down_is_taken_without_waiting_for
                 ),
             ).fetchall()
             assert relistening == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# The runtime on the group-commit executor carries on
+
+
+async def test_group_commit_runtime_carries_on_while_its_connection_keeps_dying(
+    pg_url: str, pg_schema: str
+) -> None:
+    """The threaded executor (group commit, the server's clock) drains 20 sessions submitted
+    at once while the writer's connection is lost five times (fewer than a transaction's
+    attempts), at every 40th statement (before it is sent, or with its reply lost, COMMITs
+    included): every submit returns,
+    every input is drained exactly once and answered once, and no claim is left."""
+    answered: list[str] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        for item in await ctx.take_inputs():
+            writer = await ctx.begin_assistant()
+            await writer.append_text(f"echo {item.payload['n']}")
+            await writer.finish()
+            answered.append(item.id)
+
+    with control_connection(pg_url, pg_schema) as control:
+        faults = Faults(pg_url, pg_schema, control)
+        store = PostgresStore(pg_url, schema=pg_schema, listen=False, wrap_connection=faults.wrap)
+        with trio.fail_after(60):
+            async with open_runtime(store, drain) as runtime:
+                faults.arm(Plan(None, Mode.BEFORE, every=40, times=5))
+                async with trio.open_nursery() as nursery:
+                    for n in range(20):
+                        nursery.start_soon(
+                            functools.partial(runtime.submit, input_id=f"i{n}"), f"s{n}", {"n": n}
+                        )
+                for n in range(20):
+                    await runtime.wait_idle(f"s{n}")
+                assert faults.firings == 5
+                assert runtime.statistics().store.reconnects >= 5
+        assert sorted(answered) == sorted(f"i{n}" for n in range(20))
+        rows = control.execute(
+            "SELECT session_id, role, input_id FROM session_message ORDER BY session_id, seq"
+        ).fetchall()
+        assert rows == [
+            row
+            for n in sorted(range(20), key=str)
+            for row in ((f"s{n}", "user", f"i{n}"), (f"s{n}", "assistant", None))
+        ]
+        assert control.execute("SELECT count(*) FROM session_input").fetchall() == [(0,)]
+        assert control.execute("SELECT count(*) FROM session_execution").fetchall() == [(0,)]
