@@ -1,30 +1,34 @@
 """Fault injection on PostgreSQL: the connection is lost at every statement of every write
 operation, and at its COMMIT; the durable state is exactly the committed one.
 
-Each write operation of `_store` (and a group-commit batch) is a row of `OPERATIONS`: a
-setup that builds its pre-state and the call. `test_every_statement_of_every_operation`
-first runs the call cleanly, recording its statements and the committed post-state; then,
-on the same pre-state rebuilt from scratch, it loses the connection at statement k, for
-every k and every fault point:
+Each write operation of `_store` (and two group-commit batches) is a row of `OPERATIONS`:
+a setup that builds its pre-state, and the call. `test_every_statement_of_every_operation`
+first runs the call cleanly, recording its statements (through the engine's
+`wrap_connection` seam) and the committed post-state; then, on the same pre-state restored
+row for row, it loses the connection at statement k, for every k and every fault point:
 
-* `before`: the backend is terminated (`pg_terminate_backend`, from a control connection)
+* `before`: the backend is terminated (`pg_terminate_backend` from a control connection)
   before the statement is sent. Terminating right *after* statement k is the same event
-  as `before` statement k+1, so it is covered without a mode of its own;
-* `sent`: the statement is sent, then the reply is never read (the client socket's read
-  side is shut: the server runs the statement, the client sees the connection end);
-* `blocked`: for a session lock, the backend is terminated while the statement waits for
-  that lock on the server (held by the test);
-* at COMMIT also `lost` (the COMMIT lands, the backend is killed, the reply never comes)
-  and `after` (it lands and is answered, then the backend is killed).
+  as `before` statement k+1, so it needs no mode of its own;
+* `blocked`: for a statement that waits for a lock (the session lock, the claim rows'
+  lock), the test holds that lock and terminates the backend during the wait - a kill in
+  the middle of a statement the server is running;
+* `lost`: the statement runs, the backend is terminated, its reply never arrives (at
+  COMMIT: the COMMIT landed and the client cannot know);
+* at COMMIT also `farewell` (terminated first; the client reads only the server's 57P01)
+  and `after` (it landed and was answered, then the backend is terminated).
+
+(Shutting the client socket's read side after sending is no deterministic "during": Linux
+still returns a reply that arrived before the read.)
 
 Whatever the fault, the operation reports what its clean run reported, the durable state
 (read by a connection of its own) equals the clean post-state - never the pre-state of an
-operation that reported success, never half of it, never twice - a COMMIT that landed is
-read back instead of re-applied, and the next operation succeeds on a re-opened connection.
-New statements and new operations are covered by the recording, without editing a table
-of statements. The bound (StoreError only once the server stayed unreachable), the
-uncertain claim never treated as owned (DESIGN §6.19) and the listener's loss (§8: re-LISTEN
-and rescan) have tests of their own below.
+operation that reported success, never half of it, never twice - a landed COMMIT is read
+back instead of re-applied, and the next operation succeeds on one re-opened connection.
+A new statement or operation is swept by the recording, without a table of statements to
+edit. Tests of their own: StoreError only once the whole bound has passed; an uncertain
+claim never treated as owned (DESIGN §6.19); the runtime on the group-commit executor
+carrying on; and the listener's loss (§8: reconnect, re-LISTEN, rescan the doorbells).
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ T0 = 1_800_000_000.0
 LEASE_MS = 30_000
 OWNER = "owner"
 RESCUER = "rescuer"
-# Children first: rows in tables without a foreign key to `session` are deleted explicitly.
+# `session` first: the other tables refer to it (restored in this order).
 TABLES = (
     "session",
     "session_input",
