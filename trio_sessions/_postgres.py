@@ -539,9 +539,12 @@ class PgEngine:
             try:
                 self.conn = self._wrapped(connect(self.url, self.schema))
             except StoreError:
-                if time.monotonic() + pause >= deadline:
+                # The last attempt is made at the deadline, not a pause before it: the
+                # caller gets StoreError only once the whole bound has passed.
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
                     raise
-                time.sleep(pause * random.uniform(0.5, 1.0))
+                time.sleep(min(pause * random.uniform(0.5, 1.0), remaining))
                 pause = min(pause * 2, 1.0)
             else:
                 self.reconnects += 1
@@ -677,9 +680,9 @@ class PgEngine:
     def _committed(self, xid: str | None, lost: psycopg.Error, deadline: float) -> bool:
         """After a connection broke during COMMIT: did it commit? Read back from the server;
         `StoreError` when that cannot be known within the bound (never guessed)."""
+        self.close()  # lost, even if the client has not yet read the connection's end
         if xid is None:
             return False  # it wrote nothing: running it again changes nothing
-        self.close()
         while True:
             try:
                 conn = self._connection(deadline)

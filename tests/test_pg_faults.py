@@ -1,0 +1,877 @@
+"""Fault injection on PostgreSQL: the connection is lost at every statement of every write
+operation, and at its COMMIT; the durable state is exactly the committed one.
+
+Each write operation of `_store` (and two group-commit batches) is a row of `OPERATIONS`:
+a setup that builds its pre-state, and the call. `test_every_statement_of_every_operation`
+first runs the call cleanly, recording its statements (through the engine's
+`wrap_connection` seam) and the committed post-state; then, on the same pre-state restored
+row for row, it loses the connection at statement k, for every k and every fault point:
+
+* `before`: the backend is terminated (`pg_terminate_backend` from a control connection)
+  before the statement is sent. Terminating right *after* statement k is the same event
+  as `before` statement k+1, so it needs no mode of its own;
+* `blocked`: for a statement that waits for a lock (the session lock, the claim rows'
+  lock), the test holds that lock and terminates the backend during the wait - a kill in
+  the middle of a statement the server is running;
+* `lost`: the statement runs, the backend is terminated, its reply never arrives (at
+  COMMIT: the COMMIT landed and the client cannot know);
+* at COMMIT also `farewell` (terminated first; the client reads only the server's 57P01)
+  and `after` (it landed and was answered, then the backend is terminated).
+
+(Shutting the client socket's read side after sending is no deterministic "during": Linux
+still returns a reply that arrived before the read.)
+
+Whatever the fault, the operation reports what its clean run reported, the durable state
+(read by a connection of its own) equals the clean post-state - never the pre-state of an
+operation that reported success, never half of it, never twice - a landed COMMIT is read
+back instead of re-applied, and the next operation succeeds on one re-opened connection.
+A new statement or operation is swept by the recording, without a table of statements to
+edit. Tests of their own: StoreError only once the whole bound has passed; an uncertain
+claim never treated as owned (DESIGN §6.19); the runtime on the group-commit executor
+carrying on; and the listener's loss (§8: reconnect, re-LISTEN, rescan the doorbells).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import functools
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import attrs
+import psycopg
+import pytest
+import trio
+from psycopg import sql
+from trio.testing import MockClock
+
+from trio_sessions import DrainContext, StoreError, _postgres, _store, _transcript, open_runtime
+from trio_sessions import testing as ts_testing
+from trio_sessions._backend import Job
+from trio_sessions._codec import encode_assistant
+from trio_sessions._postgres import SESSION_LOCK_NAMESPACE, PgEngine, PostgresStore, run_op
+from trio_sessions._runtime import CHANGE_FALLBACK_POLL
+
+T0 = 1_800_000_000.0
+LEASE_MS = 30_000
+OWNER = "owner"
+RESCUER = "rescuer"
+# `session` first: the other tables refer to it (restored in this order).
+TABLES = (
+    "session",
+    "session_input",
+    "session_execution",
+    "session_recovery",
+    "session_message",
+    "session_input_rejected",
+    "session_message_rejected",
+)
+
+
+class Mode(enum.Enum):
+    BEFORE = "before"  # killed before the statement is sent
+    BLOCKED = "blocked"  # killed while the statement waits for a lock on the server
+    LOST = "lost"  # the statement ran; killed before its reply was read
+    AFTER = "after"  # COMMIT only: it landed and was answered, then killed
+    FAREWELL = "farewell"  # COMMIT only: killed first; the client read the server's 57P01
+    # (terminating connection) but not yet the connection's end
+
+
+# After these the COMMIT has landed: its outcome is read back, never re-applied.
+LANDED = {Mode.LOST, Mode.AFTER}
+
+
+# The locks a statement can wait for, as the test takes them first (in a transaction of its
+# own, released by rolling it back): the session lock, and the claim rows' lock.
+BLOCKERS = {
+    "pg_advisory_xact_lock": (
+        f"SELECT pg_advisory_xact_lock({SESSION_LOCK_NAMESPACE}, hashtext(%s))"
+    ),
+    "FOR NO KEY UPDATE": "SELECT 1 FROM session_execution WHERE id = ANY(%s) FOR UPDATE",
+}
+
+
+def blocker(statement: str) -> str | None:
+    return next((lock for key, lock in BLOCKERS.items() if key in statement), None)
+
+
+def modes_for(statement: str) -> list[Mode]:
+    if statement == "COMMIT":
+        return [Mode.BEFORE, Mode.FAREWELL, Mode.LOST, Mode.AFTER]
+    if blocker(statement) is not None:
+        return [Mode.BEFORE, Mode.BLOCKED, Mode.LOST]
+    return [Mode.BEFORE, Mode.LOST]
+
+
+@contextmanager
+def control_connection(url: str, schema: str) -> Iterator[psycopg.Connection[Any]]:
+    with psycopg.connect(url, autocommit=True, options=f"-c search_path={schema}") as conn:
+        yield conn
+
+
+def terminate(control: psycopg.Connection[Any], pid: int) -> None:
+    """Kill backend `pid` and return once it is gone."""
+    control.execute("SELECT pg_terminate_backend(%s)", (pid,))
+    deadline = time.monotonic() + 10
+    while control.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone():
+        assert time.monotonic() < deadline, f"backend {pid} survived termination"
+        time.sleep(0.001)
+
+
+def wait_for_lock(control: psycopg.Connection[Any], pid: int) -> None:
+    deadline = time.monotonic() + 10
+    while True:
+        row = control.execute(
+            "SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", (pid,)
+        ).fetchone()
+        if row is not None and row[0] == "Lock":
+            return
+        assert time.monotonic() < deadline, f"backend {pid} never waited for the lock"
+        time.sleep(0.001)
+
+
+@attrs.define
+class Plan:
+    index: int | None  # the k-th statement after arming (COMMIT counts); None: `match`
+    mode: Mode
+    match: str | None = None
+    then_unreachable: bool = False  # after firing, every reconnect fails
+    every: int = 0  # instead: every `every`-th statement, `times` times, `mode` then `LOST`
+    times: int = 1
+
+    def hit(self, index: int, text: str) -> bool:
+        if self.every:
+            return index % self.every == 0
+        return self.index == index if self.match is None else self.match in text
+
+
+class Faults:
+    """The seam (`PostgresStore(wrap_connection=...)`): records statements, and loses the
+    connection at a planned one."""
+
+    def __init__(self, url: str, schema: str, control: psycopg.Connection[Any]) -> None:
+        self.url = url
+        self.schema = schema
+        self.control = control
+        self.plan: Plan | None = None
+        self.index = 0
+        self.recorded: list[str] | None = None
+        self.fired: str | None = None
+        self.firings = 0
+        self.unreachable = False
+
+    def wrap(self, conn: psycopg.Connection[Any]) -> FaultyConnection:
+        if self.unreachable:
+            conn.close()
+            raise StoreError("cannot connect: server unreachable (injected)")
+        return FaultyConnection(conn, self)
+
+    def arm(self, plan: Plan) -> None:
+        self.plan = plan
+        self.index = 0
+        self.firings = 0
+        self.fired = None
+
+    def statement(
+        self, conn: psycopg.Connection[Any], text: str, params: Any, run: Callable[[], Any]
+    ) -> Any:
+        if self.recorded is not None:
+            self.recorded.append(text)
+        plan = self.plan
+        if plan is None:
+            return run()
+        self.index += 1
+        if not plan.hit(self.index, text):
+            return run()
+        mode = (plan.mode, Mode.LOST)[self.firings % 2]
+        self.firings += 1
+        if self.firings >= plan.times:
+            self.plan = None
+        self.fired = text
+        try:
+            return self._fire(conn, mode, text, params, run)
+        finally:
+            self.unreachable = plan.then_unreachable
+
+    def _fire(
+        self,
+        conn: psycopg.Connection[Any],
+        mode: Mode,
+        text: str,
+        params: Any,
+        run: Callable[[], Any],
+    ) -> Any:
+        pid = conn.info.backend_pid
+        if mode is Mode.BEFORE:
+            terminate(self.control, pid)
+            return run()
+        if mode is Mode.FAREWELL:
+            terminate(self.control, pid)
+            raise psycopg.errors.AdminShutdown("terminating connection (injected)")
+        if mode is Mode.BLOCKED:
+            return self._killed_while_blocked(pid, text, params, run)
+        result = run()
+        terminate(self.control, pid)
+        if mode is Mode.LOST:
+            # As when the reply never came: the client has found the connection gone (the
+            # first statement may only read the server's 57P01 farewell, the next its end).
+            for _ in range(3):
+                with contextlib.suppress(psycopg.OperationalError):
+                    conn.execute("SELECT 1")
+                if conn.broken:
+                    break
+            assert conn.broken
+            raise psycopg.OperationalError("server closed the connection (injected)")
+        return result
+
+    def _killed_while_blocked(
+        self, pid: int, text: str, params: Any, run: Callable[[], Any]
+    ) -> Any:
+        """The statement waits on the server for a lock the test holds; the backend is
+        killed during that wait."""
+        lock = blocker(text)
+        assert lock is not None
+        with psycopg.connect(self.url, options=f"-c search_path={self.schema}") as holder:
+            holder.execute(lock, params)
+            outcome: list[Any] = []
+
+            def statement() -> None:
+                try:
+                    outcome.append(run())
+                except BaseException as exc:
+                    outcome.append(exc)
+
+            thread = threading.Thread(target=statement, daemon=True)
+            thread.start()
+            wait_for_lock(self.control, pid)
+            terminate(self.control, pid)
+            thread.join(10)
+            holder.rollback()
+        assert outcome and isinstance(outcome[0], psycopg.Error), outcome
+        raise outcome[0]
+
+
+class FaultyConnection:
+    """A connection proxy: the engine uses `execute`, `commit`, `rollback` and state."""
+
+    def __init__(self, conn: psycopg.Connection[Any], faults: Faults) -> None:
+        self._conn = conn
+        self._faults = faults
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+    def execute(self, query: Any, params: Any = None) -> Any:
+        return self._faults.statement(
+            self._conn, str(query), params, lambda: self._conn.execute(query, params)
+        )
+
+    def commit(self) -> None:
+        self._faults.statement(self._conn, "COMMIT", None, self._conn.commit)
+
+
+@attrs.define
+class ManualClock:
+    """The lease clock (epoch seconds), moved by the setups: every `now` is exact."""
+
+    now: float = T0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+Step = Callable[["Env"], object]
+
+
+@attrs.define
+class Env:
+    engine: PgEngine
+    faults: Faults
+    clock: ManualClock
+    control: psycopg.Connection[Any]
+
+    def run(self, op: Callable[..., Any], *args: Any) -> Any:
+        return run_op(self.engine, op, *args)
+
+    def raw(self, statement: str, params: Sequence[Any] = ()) -> None:
+        self.control.execute(statement, params)
+
+    def reset(self) -> None:
+        self.control.execute("DELETE FROM session_recovery; DELETE FROM session")
+        self.clock.now = T0
+
+
+@contextmanager
+def environment(url: str, schema: str) -> Iterator[Env]:
+    with control_connection(url, schema) as control:
+        faults = Faults(url, schema, control)
+        clock = ManualClock()
+        engine = PostgresStore(url, schema=schema, wrap_connection=faults.wrap).engine(clock)
+        engine.open()
+        try:
+            yield Env(engine, faults, clock, control)
+        finally:
+            engine.close()
+
+
+def snapshot(control: psycopg.Connection[Any]) -> dict[str, list[tuple[Any, ...]]]:
+    """Every committed row of every table. User messages' ids are random (`new_id`), so
+    they are left out; everything else must match exactly."""
+    state = {}
+    for table in TABLES:
+        cursor = control.execute(sql.SQL("SELECT * FROM {}").format(sql.Identifier(table)))
+        names = [column.name for column in cursor.description or ()]
+        rows = [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+        for row in rows:
+            if table == "session_message" and row["role"] == "user":
+                row["id"] = None
+        state[table] = sorted((tuple(row.items()) for row in rows), key=repr)
+    return state
+
+
+def outcome_of(jobs: Sequence[Job]) -> list[tuple[str, Any]]:
+    return [
+        ("ok", job.result) if job.error is None else (type(job.error).__name__, str(job.error))
+        for job in jobs
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Pre-states
+
+
+def claimed(env: Env, session_id: str = "s", execution_id: str = "e1", owner: str = OWNER) -> None:
+    env.run(_store.submit, session_id, '{"n": 1}', f"{session_id}-i1")
+    env.run(_store.acquire, session_id, execution_id, owner, LEASE_MS)
+
+
+def drained(env: Env) -> None:
+    """A claim that took its inputs (one of them malformed) and is mid-answer: an open
+    assistant message with text and a running tool."""
+    env.run(_store.submit, "s", '{"n": 1}', "i1")
+    env.run(_store.submit, "s", "[1]", "i2")  # not an object: set aside by take_inputs
+    env.run(_store.acquire, "s", "e1", OWNER, LEASE_MS)
+    env.run(_store.take_inputs, "e1", OWNER)
+    env.run(_store.begin_assistant, "e1", OWNER, "m1")
+    env.run(_store.update_assistant, "e1", OWNER, "m1", APPEND)
+    env.run(_store.update_assistant, "e1", OWNER, "m1", START_TOOL)
+
+
+APPEND = functools.partial(_transcript.append_text, text="hello")
+START_TOOL = functools.partial(_transcript.start_tool, call_id="c1", name="echo", input={"x": 1})
+
+
+def expired(env: Env, *, cancelling: bool = False) -> None:
+    """The drained claim's owner died: its lease ran out."""
+    drained(env)
+    if cancelling:
+        env.run(_store.mark_cancelling, "e1", OWNER)
+    lapse(env)
+
+
+def lapse(env: Env) -> None:
+    env.clock.now += 2 * LEASE_MS / 1000
+
+
+def recovery_leased(env: Env, *, cancelling: bool = False) -> None:
+    expired(env, cancelling=cancelling)
+    env.run(_store.take_recovery_leases, RESCUER, LEASE_MS, [CANDIDATE])
+
+
+CANDIDATE = _store.Candidate("s", "e1")
+
+
+def superseded(env: Env) -> None:
+    recovery_leased(env)
+    env.raw(
+        "INSERT INTO session_message(id, session_id, execution_id, role, seq, data,"
+        " time_created, time_updated) VALUES ('m9', 's', 'other', 'assistant', 99, %s, 0, 0)",
+        (encode_assistant(_transcript.EMPTY),),
+    )
+
+
+def malformed(env: Env) -> None:
+    recovery_leased(env)
+    env.raw("UPDATE session_message SET data = '{' WHERE id = 'm1'")
+
+
+def exhausted(env: Env) -> None:
+    recovery_leased(env)
+    env.raw("UPDATE session SET wake_attempts = 10")
+
+
+def quarantined(env: Env) -> None:
+    malformed(env)
+    env.run(_store.apply_recovery_batch, RESCUER, [(CANDIDATE, "e2")], LEASE_MS, 10)
+
+
+def empty(env: Env) -> None:
+    pass
+
+
+def two_claims(env: Env) -> None:
+    claimed(env, "s1", "e1")
+    claimed(env, "s2", "e2")
+    env.clock.now += 1.0
+
+
+# ---------------------------------------------------------------------------------------------
+# The operations
+
+
+@attrs.frozen
+class Operation:
+    name: str
+    setup: Step
+    jobs: Callable[[], list[Job]]  # more than one: a group-commit batch
+    mode: _postgres.Mode = "write"
+    writes: bool = True  # False: an idempotent repeat or a refusal, post-state == pre-state
+
+    def call(self, env: Env) -> list[tuple[str, Any]]:
+        jobs = self.jobs()
+        if len(jobs) == 1:
+            env.engine.run_alone(jobs[0], self.mode)
+        else:
+            env.engine.run_batch(jobs)
+        return outcome_of(jobs)
+
+
+def do(op: Callable[..., Any], *args: Any) -> Step:
+    """A setup step: run `op` in a transaction of its own."""
+    return lambda env: env.run(op, *args)
+
+
+def steps(*parts: Step) -> Step:
+    def run(env: Env) -> None:
+        for part in parts:
+            part(env)
+
+    return run
+
+
+def one(op: Callable[..., Any], *args: Any) -> Callable[[], list[Job]]:
+    return lambda: [Job(op, args)]
+
+
+def recover(*items: tuple[_store.Candidate, str]) -> Callable[[], list[Job]]:
+    return one(_store.apply_recovery_batch, RESCUER, list(items), LEASE_MS, 10)
+
+
+OPERATIONS = [
+    Operation("wake", empty, one(_store.wake, "s")),
+    Operation("submit", empty, one(_store.submit, "s", '{"n": 1}', "i1")),
+    Operation(
+        "submit-retried",
+        do(_store.submit, "s", '{"n": 1}', "i1"),
+        one(_store.submit, "s", '{"n": 1}', "i1"),
+        writes=False,
+    ),
+    Operation(
+        "acquire",
+        do(_store.wake, "s"),
+        one(_store.acquire, "s", "e1", OWNER, LEASE_MS),
+    ),
+    Operation("wake_and_acquire", empty, one(_store.wake_and_acquire, "s", "e1", OWNER, LEASE_MS)),
+    Operation(
+        "submit_and_acquire",
+        empty,
+        one(_store.submit_and_acquire, "s", '{"n": 1}', "i1", "e1", OWNER, LEASE_MS),
+    ),
+    Operation(
+        "take_inputs",
+        steps(
+            do(_store.submit, "s", '{"n": 1}', "i1"),
+            do(_store.submit, "s", "[1]", "i2"),
+            do(_store.acquire, "s", "e1", OWNER, LEASE_MS),
+        ),
+        one(_store.take_inputs, "e1", OWNER),
+    ),
+    Operation(
+        "take_inputs-lease-lost",
+        steps(claimed, lapse),
+        one(_store.take_inputs, "e1", OWNER),
+        writes=False,
+    ),
+    Operation(
+        "begin_assistant",
+        steps(claimed, do(_store.take_inputs, "e1", OWNER)),
+        one(_store.begin_assistant, "e1", OWNER, "m1"),
+    ),
+    Operation("update_assistant", drained, one(_store.update_assistant, "e1", OWNER, "m1", APPEND)),
+    Operation("finish_iteration-release", drained, one(_store.finish_iteration, "e1", OWNER)),
+    Operation(
+        "finish_iteration-continue",
+        steps(drained, do(_store.wake, "s")),
+        one(_store.finish_iteration, "e1", OWNER),
+    ),
+    Operation(
+        "finish_failed",
+        steps(drained, do(_store.submit, "s", '{"n": 3}', "i3")),
+        one(_store.finish_failed, "e1", OWNER, "boom"),
+    ),
+    Operation("mark_cancelling", drained, one(_store.mark_cancelling, "e1", OWNER)),
+    Operation(
+        "mark_cancelling-nowait", drained, one(_store.mark_cancelling, "e1", OWNER), mode="nowait"
+    ),
+    Operation(
+        "finish_interrupted",
+        steps(
+            drained,
+            do(_store.mark_cancelling, "e1", OWNER),
+            do(_store.submit, "s", '{"n": 3}', "i3"),
+        ),
+        one(_store.finish_interrupted, "e1", OWNER),
+    ),
+    Operation(
+        "request_cancel", lambda env: claimed(env, owner="other"), one(_store.request_cancel, "s")
+    ),
+    Operation(
+        "cancel_held_claim",
+        lambda env: claimed(env, owner="other"),
+        one(_store.cancel_held_claim, "s"),
+    ),
+    Operation("heartbeat", two_claims, one(_store.heartbeat, OWNER, ["e1", "e2"], LEASE_MS)),
+    Operation(
+        "expire_claims-nowait",
+        two_claims,
+        one(_store.expire_claims, OWNER, ["e1", "e2"]),
+        mode="nowait",
+    ),
+    Operation(
+        "take_recovery_leases",
+        expired,
+        one(_store.take_recovery_leases, RESCUER, LEASE_MS, [CANDIDATE]),
+    ),
+    Operation("recovery-takeover", recovery_leased, recover((CANDIDATE, "e2"))),
+    Operation(
+        "recovery-finish-cancelled",
+        functools.partial(recovery_leased, cancelling=True),
+        recover((CANDIDATE, "e2")),
+    ),
+    Operation("recovery-drop-superseded", superseded, recover((CANDIDATE, "e2"))),
+    Operation("recovery-exhausted", exhausted, recover((CANDIDATE, "e2"))),
+    Operation("recovery-quarantine", malformed, recover((CANDIDATE, "e2"))),
+    Operation(
+        "recovery-two-rows",
+        steps(
+            functools.partial(claimed, session_id="t", execution_id="f1"),
+            do(_store.mark_cancelling, "f1", OWNER),
+            recovery_leased,
+            do(_store.take_recovery_leases, RESCUER, LEASE_MS, [_store.Candidate("t", "f1")]),
+        ),
+        recover((CANDIDATE, "e2"), (_store.Candidate("t", "f1"), "f2")),
+    ),
+    Operation("lift_quarantine", quarantined, one(_store.lift_quarantine, "e1", RESCUER, LEASE_MS)),
+    Operation("drop_quarantined", quarantined, one(_store.drop_quarantined, "e1")),
+    Operation("drop_rejected_input", drained, one(_store.drop_rejected_input, "i2")),
+    Operation(
+        "group-commit",
+        empty,
+        lambda: [
+            Job(_store.submit, ("s1", '{"n": 1}', "i1")),
+            Job(_store.wake, ("s2",)),
+            Job(_store.submit, ("s3", '{"n": 3}', "i3")),
+        ],
+    ),
+    Operation(
+        "group-commit-with-a-refusal",
+        empty,
+        lambda: [
+            Job(_store.submit, ("s1", '{"n": 1}', "i1")),
+            Job(_store.take_inputs, ("no-such-execution", OWNER)),
+            Job(_store.wake, ("s2",)),
+        ],
+    ),
+]
+
+
+def reruns(operation: Operation, statements: list[str], k: int, mode: Mode) -> int:
+    """How many transactions a fault at statement k must run again: one, unless its COMMIT
+    landed, which is read back and never applied again."""
+    if statements[k - 1] != "COMMIT" or mode not in LANDED:
+        return 1
+    if mode is Mode.AFTER:
+        # Answered: nothing to read back; the operation's next transaction, if any, finds
+        # the connection gone before it sent anything.
+        return int(k < len(statements))
+    # A transaction that wrote nothing has no id to read back: it runs again, harmlessly.
+    return int(not operation.writes)
+
+
+def prepare(env: Env, operation: Operation) -> dict[str, list[tuple[Any, ...]]]:
+    env.reset()
+    operation.setup(env)
+    return snapshot(env.control)
+
+
+@attrs.frozen
+class Saved:
+    """A pre-state as rows, restored in one transaction (cheaper than its setup)."""
+
+    tables: dict[str, tuple[list[str], list[tuple[Any, ...]]]]
+    now: float
+
+    @classmethod
+    def take(cls, env: Env) -> Saved:
+        tables = {}
+        for table in TABLES:
+            cursor = env.control.execute(sql.SQL("SELECT * FROM {}").format(sql.Identifier(table)))
+            tables[table] = (
+                [column.name for column in cursor.description or ()],
+                cursor.fetchall(),
+            )
+        return cls(tables, env.clock.now)
+
+    def restore(self, env: Env) -> None:
+        with env.control.transaction(), env.control.cursor() as cursor:
+            cursor.execute("DELETE FROM session_recovery; DELETE FROM session")
+            for table, (columns, rows) in self.tables.items():  # `session` first
+                if rows:
+                    cursor.executemany(
+                        sql.SQL("INSERT INTO {} ({}) VALUES ({})").format(
+                            sql.Identifier(table),
+                            sql.SQL(", ").join(map(sql.Identifier, columns)),
+                            sql.SQL(", ").join(sql.Placeholder() * len(columns)),
+                        ),
+                        rows,
+                    )
+        env.clock.now = self.now
+
+
+@pytest.mark.parametrize("operation", OPERATIONS, ids=[op.name for op in OPERATIONS])
+def test_every_statement_of_every_operation(
+    pg_url: str, pg_schema: str, operation: Operation
+) -> None:
+    """The connection lost before, while and after each statement and its COMMIT: the
+    operation reports what its clean run reported, the durable state is exactly the clean
+    post-state (a landed COMMIT read back, not re-applied), and the engine carries on."""
+    with environment(pg_url, pg_schema) as env:
+        pre = prepare(env, operation)
+        saved = Saved.take(env)
+        env.faults.recorded = []
+        transactions = env.engine.transactions
+        expected = operation.call(env)
+        statements, env.faults.recorded = env.faults.recorded, None
+        clean_transactions = env.engine.transactions - transactions
+        post = snapshot(env.control)
+        assert (post != pre) == operation.writes, "the clean run did not do what it should"
+        assert "COMMIT" in statements or not operation.writes
+        fired = 0
+        for k, statement in enumerate(statements, 1):
+            for mode in modes_for(statement):
+                where = f"statement {k} ({statement[:60]!r}), {mode.value}"
+                saved.restore(env)
+                assert snapshot(env.control) == pre, f"{where}: the pre-state was not restored"
+                transactions = env.engine.transactions
+                reconnects = env.engine.reconnects
+                env.faults.arm(Plan(k, mode))
+                got = operation.call(env)
+                assert env.faults.fired == statement, f"{where}: another statement ran"
+                assert got == expected, where
+                assert snapshot(env.control) == post, where
+                extra = env.engine.transactions - transactions - clean_transactions
+                assert extra == reruns(operation, statements, k, mode), where
+                # The next operation succeeds, on the one re-opened connection.
+                env.run(_store.wake, "probe")
+                assert env.engine.reconnects == reconnects + 1, where
+                fired += 1
+        assert fired >= 2 * len(statements)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bounds: StoreError only once the server stayed unreachable
+
+
+@pytest.fixture
+def short_patience(monkeypatch: pytest.MonkeyPatch) -> float:
+    monkeypatch.setattr(_postgres, "RECONNECT_PATIENCE_S", 0.3)
+    return 0.3
+
+
+@pytest.mark.parametrize("mode", [Mode.BEFORE, Mode.LOST])
+def test_unreachable_server_fails_the_operation_after_the_bound_with_nothing_written(
+    pg_url: str, pg_schema: str, short_patience: float, mode: Mode
+) -> None:
+    """The connection is lost mid-transaction and the server stays unreachable: StoreError
+    once the bound has passed, nothing of the operation is durable, and once the server is
+    back the same operation succeeds."""
+    with environment(pg_url, pg_schema) as env:
+        pre = prepare(env, OPERATIONS[1])  # submit
+        env.faults.arm(Plan(2, mode, then_unreachable=True))
+        started = time.monotonic()
+        [(kind, message)] = OPERATIONS[1].call(env)
+        assert kind == "StoreError", message
+        assert time.monotonic() - started >= short_patience
+        assert snapshot(env.control) == pre
+        env.faults.unreachable = False
+        assert OPERATIONS[1].call(env) == [("ok", "i1")]
+        assert env.control.execute("SELECT id FROM session_input").fetchall() == [("i1",)]
+
+
+def test_commit_whose_outcome_stays_unknown_is_reported_as_store_error(
+    pg_url: str, pg_schema: str, short_patience: float
+) -> None:
+    """The acquire's COMMIT lands, its reply is lost and the server cannot be asked: the
+    acquire reports StoreError (never a claim), though the claim row is durable."""
+    with environment(pg_url, pg_schema) as env:
+        env.run(_store.wake, "s")
+        env.faults.arm(Plan(None, Mode.LOST, match="COMMIT", then_unreachable=True))
+        job = Job(_store.acquire, ("s", "e1", OWNER, LEASE_MS))
+        env.engine.run_alone(job)
+        [(kind, message)] = outcome_of([job])
+        assert kind == "StoreError"
+        assert "outcome of a COMMIT is unknown" in message
+        env.faults.unreachable = False
+        assert env.control.execute("SELECT id, owner_id FROM session_execution").fetchall() == [
+            ("e1", OWNER)
+        ]
+
+
+# ---------------------------------------------------------------------------------------------
+# The runtime: an uncertain claim is never treated as owned (DESIGN §6.19)
+
+
+async def test_uncertain_claim_is_never_owned_and_recovery_takes_it(
+    pg_url: str, pg_schema: str, autojump_clock: MockClock, short_patience: float
+) -> None:
+    """submit's claim COMMIT lands but its outcome cannot be read back: submit raises
+    StoreError and no drain starts; the retried submit (same input id) stores one input and
+    does not re-enter the claim; once the lease ran out, recovery takes the claim over and
+    the input is drained exactly once."""
+    calls: list[tuple[str, bool]] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        calls.append((ctx.session_id, ctx.resumed))
+        await ctx.take_inputs()
+
+    with control_connection(pg_url, pg_schema) as control:
+        faults = Faults(pg_url, pg_schema, control)
+        store = PostgresStore(
+            pg_url, schema=pg_schema, inline=True, listen=False, wrap_connection=faults.wrap
+        )
+        async with open_runtime(
+            store, drain, clock=ts_testing.trio_clock(), lease=3.0, recovery_interval=0.5
+        ) as runtime:
+            faults.arm(Plan(None, Mode.LOST, match="COMMIT", then_unreachable=True))
+            with pytest.raises(StoreError, match="outcome of a COMMIT is unknown"):
+                await runtime.submit("s", {"n": 1}, input_id="i1")
+            faults.unreachable = False
+            claim = control.execute("SELECT id, owner_id FROM session_execution").fetchall()
+            assert [owner for _, owner in claim] == [runtime.owner_id]  # it did land
+            assert not runtime.is_active("s")
+            assert await runtime.submit("s", {"n": 1}, input_id="i1") == "i1"
+            assert not runtime.is_active("s")  # its own claim row: not re-entered
+            await trio.sleep(1.0)
+            assert calls == []
+            await trio.sleep(3.0)  # the lease runs out; a recovery pass takes the claim over
+            await runtime.wait_idle("s")
+        assert calls == [("s", True)]
+        assert control.execute("SELECT input_id FROM session_message").fetchall() == [("i1",)]
+        assert control.execute("SELECT count(*) FROM session_input").fetchall() == [(0,)]
+        assert control.execute("SELECT count(*) FROM session_execution").fetchall() == [(0,)]
+
+
+# ---------------------------------------------------------------------------------------------
+# The listener: lost, re-LISTENed, and the doorbells rescanned
+
+
+async def test_wake_sent_while_the_listener_is_down_is_taken_without_waiting_for_the_poll(
+    pg_url: str, pg_schema: str, autojump_clock: MockClock
+) -> None:
+    """The LISTEN connection's backend is terminated and a wake commits from another process
+    before the listener noticed (its notification is lost): the listener reconnects and the
+    runtime rescans the doorbells, so the drain starts long before the fallback poll."""
+    entered = trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        entered.set()
+        await ctx.take_inputs()
+
+    store = PostgresStore(pg_url, schema=pg_schema, inline=True)
+    producer = PostgresStore(pg_url, schema=pg_schema, listen=False).engine()
+    channel = _postgres.channel(pg_schema)
+    with control_connection(pg_url, pg_schema) as control:
+        async with open_runtime(
+            store, drain, clock=ts_testing.trio_clock(), recovery_interval=1_000.0
+        ) as runtime:
+            await trio.testing.wait_all_tasks_blocked()
+            [(listener,)] = control.execute(
+                "SELECT pid FROM pg_stat_activity WHERE query = %s",
+                (sql.SQL("LISTEN {}").format(sql.Identifier(channel)).as_string(control),),
+            ).fetchall()
+            reconnects = runtime.statistics().store.reconnects
+            started = trio.current_time()
+            # Both on the trio thread: the listener cannot see anything in between.
+            terminate(control, listener)
+            producer.open()
+            try:
+                run_op(producer, _store.submit, "s", '{"n": 1}', "i1")
+            finally:
+                producer.close()
+            with trio.fail_after(CHANGE_FALLBACK_POLL / 4):
+                await entered.wait()
+                await runtime.wait_idle("s")
+            assert trio.current_time() - started < CHANGE_FALLBACK_POLL / 4
+            await trio.testing.wait_all_tasks_blocked()
+            assert runtime.statistics().store.reconnects == reconnects + 1
+            [(relistening,)] = control.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE query = %s AND pid != %s",
+                (
+                    sql.SQL("LISTEN {}").format(sql.Identifier(channel)).as_string(control),
+                    listener,
+                ),
+            ).fetchall()
+            assert relistening == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# The runtime on the group-commit executor carries on
+
+
+async def test_group_commit_runtime_carries_on_while_its_connection_keeps_dying(
+    pg_url: str, pg_schema: str
+) -> None:
+    """The threaded executor (group commit, the server's clock) drains 20 sessions submitted
+    at once while the writer's connection is lost five times (fewer than a transaction's
+    attempts), at every 40th statement (before it is sent, or with its reply lost, COMMITs
+    included): every submit returns,
+    every input is drained exactly once and answered once, and no claim is left."""
+    answered: list[str] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        for item in await ctx.take_inputs():
+            writer = await ctx.begin_assistant()
+            await writer.append_text(f"echo {item.payload['n']}")
+            await writer.finish()
+            answered.append(item.id)
+
+    with control_connection(pg_url, pg_schema) as control:
+        faults = Faults(pg_url, pg_schema, control)
+        store = PostgresStore(pg_url, schema=pg_schema, listen=False, wrap_connection=faults.wrap)
+        with trio.fail_after(60):
+            async with open_runtime(store, drain) as runtime:
+                faults.arm(Plan(None, Mode.BEFORE, every=40, times=5))
+                async with trio.open_nursery() as nursery:
+                    for n in range(20):
+                        nursery.start_soon(
+                            functools.partial(runtime.submit, input_id=f"i{n}"), f"s{n}", {"n": n}
+                        )
+                for n in range(20):
+                    await runtime.wait_idle(f"s{n}")
+                assert faults.firings == 5
+                assert runtime.statistics().store.reconnects >= 5
+        assert sorted(answered) == sorted(f"i{n}" for n in range(20))
+        rows = control.execute(
+            "SELECT session_id, role, input_id FROM session_message ORDER BY session_id, seq"
+        ).fetchall()
+        assert rows == [
+            row
+            for n in sorted(range(20), key=str)
+            for row in ((f"s{n}", "user", f"i{n}"), (f"s{n}", "assistant", None))
+        ]
+        assert control.execute("SELECT count(*) FROM session_input").fetchall() == [(0,)]
+        assert control.execute("SELECT count(*) FROM session_execution").fetchall() == [(0,)]
