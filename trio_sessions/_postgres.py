@@ -338,14 +338,9 @@ def migrate(conn: Any, schema: str) -> None:
 class PgTx:
     """One open READ COMMITTED transaction, as an operation sees it (`_backend.Tx`)."""
 
-    def __init__(
-        self, conn: Any, clock: Callable[[], float] | None, pipeline: Any = None
-    ) -> None:
+    def __init__(self, conn: Any, clock: Callable[[], float] | None) -> None:
         self.conn = conn
         self._clock = clock
-        # In pipeline mode (`PgEngine` batches) a statement is sent without waiting for its
-        # result; reading a result waits for it (and for everything sent before it).
-        self.pipeline = pipeline
         self._now: int | None = None
         # Sessions to signal at COMMIT (insertion-ordered; one pg_notify per session).
         self.notified: dict[str, None] = {}
@@ -366,14 +361,9 @@ class PgTx:
         """Each operation reads its own `now`, after its own locks."""
         self._now = None
 
-    def execute(self, statement: str, params: Params = ()) -> _PendingCursor:
-        return _PendingCursor(self.conn.execute(translate(statement), params), self)
-
-    def wait_for_results(self) -> None:
-        """Wait until every statement sent so far has its result: a server error of any of
-        them is raised here, not later outside the block that sent it."""
-        if self.pipeline is not None:
-            self.pipeline.sync()
+    def execute(self, statement: str, params: Params = ()) -> psycopg.Cursor[Any]:
+        cursor: psycopg.Cursor[Any] = self.conn.execute(translate(statement), params)
+        return cursor
 
     def one(self, statement: str, params: Params = ()) -> Any:
         return self.execute(statement, params).fetchone()
@@ -413,7 +403,6 @@ class PgTx:
         self.conn.execute("SAVEPOINT nested")
         try:
             yield
-            self.wait_for_results()  # the block's own errors roll back to the savepoint
         except BaseException:
             self.conn.execute("ROLLBACK TO SAVEPOINT nested")
             # Locks taken inside a rolled-back subtransaction are released with it.
@@ -421,30 +410,6 @@ class PgTx:
             raise
         finally:
             self.conn.execute("RELEASE SAVEPOINT nested")
-
-
-class _PendingCursor:
-    """A cursor whose result may still be on its way (pipeline mode). Fetching waits for it
-    (psycopg does that); so does `rowcount`, which psycopg would report stale (-1)."""
-
-    def __init__(self, cursor: psycopg.Cursor[Any], tx: PgTx) -> None:
-        self._cursor = cursor
-        self._tx = tx
-
-    @property
-    def rowcount(self) -> int:
-        if self._cursor.pgresult is None:
-            self._tx.wait_for_results()
-        return self._cursor.rowcount
-
-    def fetchone(self) -> Any:
-        return self._cursor.fetchone()
-
-    def fetchall(self) -> list[Any]:
-        return self._cursor.fetchall()
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self._cursor)
 
 
 def _store_error(exc: BaseException) -> BaseException:
@@ -621,32 +586,25 @@ class PgEngine:
         self, conn: Any, jobs: Sequence[Job], mode: Mode, *, alone: bool, deadline: float
     ) -> list[Any]:
         self.transactions += 1
+        tx = PgTx(conn, self.clock)
         results = []
         nowait = mode == "nowait"
         try:
-            # Pipeline mode: BEGIN and every statement whose result an operation does not
-            # read travel with the next one that it does, so a transaction costs the round
-            # trips of its reads, not of its statements. Left before COMMIT (one Sync
-            # collects every result and error first), so COMMIT is alone on the wire and a
-            # connection lost during it is the only uncertain case.
-            with conn.pipeline() as pipeline:
-                tx = PgTx(conn, self.clock, pipeline)
-                if nowait:
-                    conn.execute(f"SET LOCAL lock_timeout = {NOWAIT_LOCK_TIMEOUT_MS}")
-                elif mode == "read":
-                    conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-                for job in jobs:
-                    tx.begin_operation()
-                    results.append(job.op(tx, *job.args))
-                if tx.notified:
-                    conn.execute(
-                        "SELECT pg_notify(%s, s) FROM unnest(%s::text[]) AS s",
-                        (self.channel, list(tx.notified)),
-                    )
-                # Read just before COMMIT (not at BEGIN): only a transaction that wrote has
-                # an id, and a read-only one needs no read-back.
-                xid_cursor = conn.execute("SELECT pg_current_xact_id_if_assigned()::text")
-            xid = xid_cursor.fetchone()[0]
+            if nowait:
+                conn.execute(f"SET LOCAL lock_timeout = {NOWAIT_LOCK_TIMEOUT_MS}")
+            elif mode == "read":
+                conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+            for job in jobs:
+                tx.begin_operation()
+                results.append(job.op(tx, *job.args))
+            if tx.notified:
+                conn.execute(
+                    "SELECT pg_notify(%s, s) FROM unnest(%s::text[]) AS s",
+                    (self.channel, list(tx.notified)),
+                )
+            # Read just before COMMIT (not at BEGIN): only a transaction that wrote has an
+            # id, and a read-only one needs no read-back.
+            xid = conn.execute("SELECT pg_current_xact_id_if_assigned()::text").fetchone()[0]
         except Exception as exc:
             self._rollback()
             if _connection_lost(conn, exc):

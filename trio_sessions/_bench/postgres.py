@@ -201,7 +201,7 @@ async def bench_pg_cycle(config: Config, schemas: PgSchemas, report: Report) -> 
     report.add(
         "postgres",
         "raw psycopg, 2 tx claim/release (baseline)",
-        f"{fmt_rate(raw_rate)} = {fmt_us(1 / raw_rate)}, 4 statements",
+        f"{fmt_rate(raw_rate)} = {fmt_us(1 / raw_rate)}, 6 round trips",
     )
     for variant, label, target in (
         ("sequential", "default store, sequential", 0.5),
@@ -212,7 +212,7 @@ async def bench_pg_cycle(config: Config, schemas: PgSchemas, report: Report) -> 
             "postgres",
             label,
             f"{fmt_rate(rate)} = {fmt_us(1 / rate)}, "
-            f"{median(trips[variant][1:]):.1f} statements/cycle",
+            f"{median(trips[variant][1:]):.1f} round trips/cycle",
             fmt_rate(raw_rate),
             fmt_ratio(ratios[variant]),
             f">= {target}x",
