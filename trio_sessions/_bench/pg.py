@@ -16,7 +16,6 @@ import importlib.util
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import attrs
@@ -28,7 +27,7 @@ from .._postgres import PostgresStore
 DURABLE = {"fsync": "on", "synchronous_commit": "on", "full_page_writes": "on"}
 
 
-def _test_server_module() -> ModuleType:
+def _test_server_module() -> Any:
     # Until the throwaway server moves into the package (helper "pgsoak"), it is the test
     # suite's: only a source checkout has it.
     path = Path(__file__).resolve().parent.parent.parent / "tests" / "pg_server.py"
