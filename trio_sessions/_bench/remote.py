@@ -26,7 +26,7 @@ from .._runtime import DrainContext
 from .._sqlite import SQLiteStore
 from .config import Config
 from .pg import PgSchemas
-from .report import Report, fmt_ms, median, percentile, progress, verdict
+from .report import Report, percentile, progress, verdict
 from .tools import PAYLOAD, ids, open_bench_runtime, run_child
 
 PAUSE_S = 0.010
@@ -49,18 +49,19 @@ def store_from_spec(spec: dict[str, Any]) -> StoreBackend:
     return SQLiteStore(Path(spec["sqlite"]))
 
 
-async def send_remote(arguments: dict[str, Any]) -> dict[str, float]:
+async def send_remote(arguments: dict[str, Any]) -> dict[str, list[float]]:
     """The child's side: a producer runtime submits to (or interrupts) each session in
-    turn; returns each call's start on the monotonic clock."""
-    sent: dict[str, float] = {}
+    turn; returns each call's start and return on the monotonic clock."""
+    sent: dict[str, list[float]] = {}
     async with open_bench_runtime(store_from_spec(arguments["store"]), None) as rt:
         for session_id in arguments["sessions"]:
             await trio.sleep(PAUSE_S * random.uniform(0.5, 1.5))
-            sent[session_id] = time.monotonic()
+            started = time.monotonic()
             if arguments["action"] == "submit":
                 await rt.submit(session_id, PAYLOAD)
             elif not await rt.interrupt(session_id):
                 raise RuntimeError(f"interrupt of {session_id} was refused")
+            sent[session_id] = [started, time.monotonic()]
     return sent
 
 
@@ -79,8 +80,21 @@ class Arrivals:
                 self.all_in.set()
 
 
-async def remote_submits(store: StoreBackend, n: int) -> list[float]:
-    """Seconds from another process's `submit()` to the drain starting here."""
+@attrs.frozen
+class Latencies:
+    to_effect: list[float]  # seconds from the sender's call to the effect here
+    call: list[float]  # seconds the sender's call itself took (its commit)
+
+
+def _latencies(sent: dict[str, list[float]], arrivals: Arrivals) -> Latencies:
+    return Latencies(
+        [arrivals.at[s] - start for s, (start, _) in sent.items()],
+        [end - start for start, end in sent.values()],
+    )
+
+
+async def remote_submits(store: StoreBackend, n: int) -> Latencies:
+    """From another process's `submit()` to the drain starting here."""
     started = Arrivals(n)
 
     async def drain(ctx: DrainContext) -> None:
@@ -94,11 +108,11 @@ async def remote_submits(store: StoreBackend, n: int) -> list[float]:
         )
         with trio.fail_after(ARRIVAL_TIMEOUT_S):
             await started.all_in.wait()
-    return [started.at[s] - sent[s] for s in sessions]
+    return _latencies(sent, started)
 
 
-async def remote_interrupts(store: StoreBackend, n: int) -> list[float]:
-    """Seconds from another process's `interrupt()` to the owner's drain cancelled."""
+async def remote_interrupts(store: StoreBackend, n: int) -> Latencies:
+    """From another process's `interrupt()` to the owner's drain cancelled."""
     entered = Arrivals(n)
     cancelled = Arrivals(n)
 
@@ -120,7 +134,7 @@ async def remote_interrupts(store: StoreBackend, n: int) -> list[float]:
         )
         with trio.fail_after(ARRIVAL_TIMEOUT_S):
             await cancelled.all_in.wait()
-    return [cancelled.at[s] - sent[s] for s in sessions]
+    return _latencies(sent, cancelled)
 
 
 def _ms(values: list[float], q: float) -> float:
@@ -146,12 +160,12 @@ async def bench_remote(
         )
     for name, key, wake_store, interrupt_store in backends:
         wakes = await remote_submits(wake_store, n)
-        p50, p99 = _ms(wakes, 50), _ms(wakes, 99)
+        p50, p99 = _ms(wakes.to_effect, 50), _ms(wakes.to_effect, 99)
         report.add(
             "remote",
             f"{name}: submit in another process -> drain starts",
-            f"p50 {p50:.1f} ms / p99 {p99:.1f} ms (max {max(wakes) * 1000:.1f})",
-            "",
+            f"p50 {p50:.1f} ms / p99 {p99:.1f} ms (max {max(wakes.to_effect) * 1000:.1f})",
+            f"the submit call itself: p50 {_ms(wakes.call, 50):.1f} ms",
             "",
             f"p50 <= {WAKE_P50_MS:g} ms, p99 <= {WAKE_P99_MS:g} ms",
             verdict(p50 <= WAKE_P50_MS and p99 <= WAKE_P99_MS),
@@ -162,14 +176,15 @@ async def bench_remote(
         report.add(
             "remote",
             f"{name}: interrupt in another process -> drain cancelled",
-            f"p50 {fmt_ms(median(interrupts))} / p99 {fmt_ms(percentile(interrupts, 99))}",
-            "",
+            f"p50 {_ms(interrupts.to_effect, 50):.1f} ms / "
+            f"p99 {_ms(interrupts.to_effect, 99):.1f} ms",
+            f"the interrupt call itself: p50 {_ms(interrupts.call, 50):.1f} ms",
             "",
             "milliseconds, not a heartbeat",
-            verdict(median(interrupts) <= WAKE_P50_MS / 1000),
+            verdict(_ms(interrupts.to_effect, 50) <= WAKE_P50_MS),
         )
         if name == "sqlite":
-            report.machine["remote_interrupt_p50_ms"] = median(interrupts) * 1000
+            report.machine["remote_interrupt_p50_ms"] = _ms(interrupts.to_effect, 50)
     report.notes.append(
         "remote: the sender is a second interpreter with a producer runtime (`drain=None`) "
         "on the same store; the receiver's recovery pass never runs during the section "
