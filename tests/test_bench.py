@@ -6,6 +6,8 @@ tests)."""
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -75,3 +77,19 @@ def test_rejects_pg_url_with_no_pg() -> None:
     """`--no-pg` with `--pg-url` contradicts itself: a usage error before anything runs."""
     with pytest.raises(SystemExit):
         bench.main(["--no-pg", "--pg-url", "postgresql://nowhere/db"])
+
+
+def test_runs_without_psycopg_given_no_pg(tmp_path: Path) -> None:
+    """psycopg is an optional extra: where it cannot be imported, `--no-pg` still runs."""
+    code = (
+        "import sys; sys.modules['psycopg'] = None; from trio_sessions import bench; "
+        "sys.exit(bench.main(sys.argv[1:]))"
+    )
+    args = [*TINY, "--sections", "coalescing", "--no-pg", "--dir", str(tmp_path)]
+    done = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert (
+        bench.parse_machine_line(done.stdout.strip().splitlines()[-1])["wakes_per_iteration"] == 10
+    )

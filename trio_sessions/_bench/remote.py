@@ -15,19 +15,21 @@ from __future__ import annotations
 import random
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import attrs
 import trio
 
 from .._backend import StoreBackend
-from .._postgres import PostgresStore
 from .._runtime import DrainContext
 from .._sqlite import SQLiteStore
 from .config import Config
-from .pg import PgSchemas
 from .report import Report, percentile, progress, verdict
 from .tools import PAYLOAD, ids, open_bench_runtime, run_child
+
+if TYPE_CHECKING:
+    from .._postgres import PostgresStore
+    from .pg import PgSchemas  # psycopg is an optional extra
 
 PAUSE_S = 0.010
 ARRIVAL_TIMEOUT_S = 30.0
@@ -37,14 +39,16 @@ WAKE_P99_MS = 50.0
 
 def store_spec(store: StoreBackend) -> dict[str, Any]:
     """How a child process opens the same store."""
-    if isinstance(store, PostgresStore):
-        return {"postgres": store.url, "schema": store.schema}
-    assert isinstance(store, SQLiteStore)
-    return {"sqlite": str(store.path)}
+    if isinstance(store, SQLiteStore):
+        return {"sqlite": str(store.path)}
+    postgres = cast("PostgresStore", store)
+    return {"postgres": postgres.url, "schema": postgres.schema}
 
 
 def store_from_spec(spec: dict[str, Any]) -> StoreBackend:
     if "postgres" in spec:
+        from .._postgres import PostgresStore  # psycopg is an optional extra
+
         return PostgresStore(spec["postgres"], schema=spec["schema"])
     return SQLiteStore(Path(spec["sqlite"]))
 
