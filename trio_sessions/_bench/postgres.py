@@ -6,7 +6,7 @@ Raw baselines, written as a careful psycopg user would (autocommit off, the serv
 inline in the statement): the cycle is two transactions - a fenced claim upsert, then a
 fenced delete; the reclaim takes `batch` expired claims per transaction with one
 `UPDATE ... WHERE id IN (SELECT ... FOR UPDATE SKIP LOCKED)`. Round trips per cycle are
-counted at the library's connection (each `execute` and `COMMIT` is one).
+counted at the library's connection: BEGIN, each statement and COMMIT is one.
 """
 
 from __future__ import annotations
