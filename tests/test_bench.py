@@ -1,10 +1,13 @@
-"""Smoke run of `python -m trio_sessions.bench` with tiny N: every section's code path runs and
-the machine-readable last line parses. Timings are never asserted (DESIGN §7: speed is
-measured by the benchmark, not by timed tests)."""
+"""Smoke run of `python -m trio_sessions.bench` with tiny N: every section's code path runs,
+PostgreSQL included (the suite's server), and the machine-readable last line parses.
+Timings are never asserted (DESIGN §7: speed is measured by the benchmark, not by timed
+tests)."""
 
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,21 +27,30 @@ TINY = [
     "--idle", "50",
     "--active", "10",
     "--interrupts", "4",
+    "--appends", "3",
+    "--append-rounds", "1",
+    "--remote", "3",
+    "--idle-seconds", "0.2",
+    "--pg-rounds", "1",
+    "--pg-cycles", "4",
+    "--pg-concurrent", "5",
+    "--pg-recovery", "12",
 ]  # fmt: skip
 
 
 def test_smoke_run_prints_table_and_machine_line(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], pg_url: str
 ) -> None:
-    """A tiny full run prints the table and ends with one parseable key=value line whose
-    counts (not timings) are the ones the design promises."""
-    assert bench.main([*TINY, "--dir", str(tmp_path)]) == 0
+    """A tiny full run prints the table and ends with one parseable key=value line with
+    every key, whose counts (not timings) are the ones the design promises."""
+    assert bench.main([*TINY, "--dir", str(tmp_path), "--pg-url", pg_url]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert any(line.startswith("| cycle") for line in lines)
-    assert any(line.startswith("| memory") for line in lines)
+    for section in ("cycle", "memory", "append", "remote", "idle", "postgres"):
+        assert any(line.startswith(f"| {section} ") for line in lines), section
     values = bench.parse_machine_line(lines[-1])
     assert list(values) == list(bench.MACHINE_KEYS)
-    assert all(math.isfinite(v) and v > 0 for v in values.values())
+    assert all(math.isfinite(v) and v >= 0 for v in values.values()), values
+    assert all(v > 0 for key, v in values.items() if key != "idle_cpu_pct"), values
     assert values["heartbeat_tx_per_tick"] == 1
     assert values["wakes_per_iteration"] == 20 / 2
 
@@ -46,14 +58,38 @@ def test_smoke_run_prints_table_and_machine_line(
 def test_sections_subset_leaves_other_figures_nan(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """`--sections` runs only the named sections; figures of the others print as nan."""
-    assert bench.main([*TINY, "--sections", "coalescing", "--dir", str(tmp_path)]) == 0
+    """`--sections` runs only the named sections; figures of the others print as nan, and
+    `--no-pg` starts no server."""
+    assert bench.main([*TINY, "--sections", "coalescing", "--no-pg", "--dir", str(tmp_path)]) == 0
     values = bench.parse_machine_line(capsys.readouterr().out.strip().splitlines()[-1])
     assert values["wakes_per_iteration"] == 10
     assert math.isnan(values["cycle_ratio"])
+    assert math.isnan(values["pg_cycle_ratio"])
 
 
 def test_rejects_unknown_section() -> None:
     """An unknown section name is a usage error, not a silent no-op."""
     with pytest.raises(SystemExit):
         bench.main(["--sections", "cycle,nonsense"])
+
+
+def test_rejects_pg_url_with_no_pg() -> None:
+    """`--no-pg` with `--pg-url` contradicts itself: a usage error before anything runs."""
+    with pytest.raises(SystemExit):
+        bench.main(["--no-pg", "--pg-url", "postgresql://nowhere/db"])
+
+
+def test_runs_without_psycopg_given_no_pg(tmp_path: Path) -> None:
+    """psycopg is an optional extra: where it cannot be imported, `--no-pg` still runs."""
+    code = (
+        "import sys; sys.modules['psycopg'] = None; from trio_sessions import bench; "
+        "sys.exit(bench.main(sys.argv[1:]))"
+    )
+    args = [*TINY, "--sections", "coalescing", "--no-pg", "--dir", str(tmp_path)]
+    done = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert (
+        bench.parse_machine_line(done.stdout.strip().splitlines()[-1])["wakes_per_iteration"] == 10
+    )

@@ -350,6 +350,47 @@ def test_failed_claim_does_not_block_the_owners_heartbeat(pg_url: str, pg_schema
         ]
 
 
+class CountingStatements:
+    """A connection that counts the statements sent on it (one round trip each)."""
+
+    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+        self._conn = conn
+        self.statements = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+    def execute(self, *args: Any, **kwargs: Any) -> Any:
+        self.statements += 1
+        return self._conn.execute(*args, **kwargs)
+
+
+def test_server_now_is_read_after_the_session_lock_is_granted(pg_url: str, pg_schema: str) -> None:
+    """On the server's clock, `tx.now` after a waited-for `lock_session` is no earlier than
+    the moment the lock's previous holder let go, and costs no round trip of its own."""
+    with (
+        open_tx(pg_url, pg_schema, None) as (holder, holder_tx),
+        open_tx(pg_url, pg_schema, None) as (waiter, _),
+    ):
+        holder_tx.lock_session("s")
+        counted = CountingStatements(waiter)
+        waiter_tx = PgTx(counted, None)
+
+        def lock_then_now() -> int:
+            waiter_tx.lock_session("s")
+            return waiter_tx.now
+
+        waiting = Background(lock_then_now)
+        wait_until_blocked(pg_url, waiter.info.backend_pid)
+        released = holder.execute(
+            "SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
+        ).fetchone()
+        assert released is not None
+        holder.commit()
+        assert waiting.result() >= released[0]
+        assert counted.statements == 1
+
+
 def test_session_lock_is_retaken_after_a_savepoint_rolled_back(pg_url: str, pg_schema: str) -> None:
     """A session lock taken inside a savepoint that rolled back (and so was released) is
     taken again by the next lock_session of the same transaction."""

@@ -39,9 +39,9 @@ Invariants:
   outcome, so a committed write is always reported;
 * an operation that raised has written nothing; results are reported only after COMMIT;
 * `tx.now` is the server's `clock_timestamp()` in ms (or the injected test clock), read
-  lazily once per operation AFTER its locks: it is reset before each operation and whenever
-  `lock_session`/`lock_claims` takes a lock, so a fence never compares with a time from
-  before a lock wait;
+  once per operation AFTER its locks: it is reset before each operation and whenever
+  `lock_claims` takes a lock, and `lock_session` reads it in the lock's own statement once
+  the lock is granted, so a fence never compares with a time from before a lock wait;
 * `lock_session` is a transaction-scoped advisory lock, held to COMMIT: the serialisation
   point `_store` relies on under READ COMMITTED.
 """
@@ -226,7 +226,14 @@ RECONNECT_PATIENCE_S = 10.0
 # huge transaction holds many session locks at once and costs more to re-run alone.
 BATCH_LIMIT = 64
 
-_SERVER_NOW = "SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
+_SERVER_MS = "floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
+_SERVER_NOW = f"SELECT {_SERVER_MS}"
+# A session lock and the server's clock read after it is granted: one round trip.
+_LOCK_SESSION = (
+    "WITH locked AS MATERIALIZED"
+    f" (SELECT pg_advisory_xact_lock({SESSION_LOCK_NAMESPACE}, hashtext(%s)))"
+    f" SELECT {_SERVER_MS} FROM locked"
+)
 
 # How a transaction runs: `write` (retried, group-committed), `nowait` (alone, a short
 # lock_timeout, lock waits not retried), `read` (alone, one REPEATABLE READ snapshot).
@@ -410,12 +417,11 @@ class PgTx:
     def lock_session(self, session_id: str) -> None:
         if session_id in self._locked:
             return
-        self.conn.execute(
-            f"SELECT pg_advisory_xact_lock({SESSION_LOCK_NAMESPACE}, hashtext(%s))",
-            (session_id,),
-        )
+        # The wait may have been long: the clock is read after it, in the same round trip
+        # (the MATERIALIZED CTE runs first).
+        row = self.conn.execute(_LOCK_SESSION, (session_id,)).fetchone()
         self._locked.add(session_id)
-        self._now = None  # the wait may have been long: read the clock after it
+        self._now = int(row[0]) if self._clock is None else None
 
     def lock_claims(self, execution_ids: Sequence[str]) -> None:
         if not execution_ids:
@@ -641,14 +647,18 @@ class PgEngine:
             for job in jobs:
                 tx.begin_operation()
                 results.append(job.op(tx, *job.args))
-            if tx.notified:
-                conn.execute(
-                    "SELECT pg_notify(%s, s) FROM unnest(%s::text[]) AS s",
-                    (self.channel, list(tx.notified)),
-                )
             # Read just before COMMIT (not at BEGIN): only a transaction that wrote has an
-            # id, and a read-only one needs no read-back.
-            xid = conn.execute("SELECT pg_current_xact_id_if_assigned()::text").fetchone()[0]
+            # id, and a read-only one needs no read-back. The signals travel with it (a
+            # notification alone assigns no id before COMMIT: re-sent after an uncertain
+            # COMMIT, it costs a duplicate wake-up, which the doorbell absorbs).
+            if tx.notified:
+                xid = conn.execute(
+                    "SELECT pg_current_xact_id_if_assigned()::text,"
+                    " (SELECT count(pg_notify(%s, s)) FROM unnest(%s::text[]) AS s)",
+                    (self.channel, list(tx.notified)),
+                ).fetchone()[0]
+            else:
+                xid = conn.execute("SELECT pg_current_xact_id_if_assigned()::text").fetchone()[0]
         except Exception as exc:
             self._rollback()
             if _connection_lost(conn, exc):

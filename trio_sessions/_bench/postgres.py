@@ -1,0 +1,288 @@
+"""Section `postgres`: the cycle and recovery on PostgreSQL against raw psycopg on the same
+server in the same run (DESIGN §7: sequential >= 0.5x, 1,000 in flight >= 5x the raw
+sequential cycle, recovery >= 0.5x a raw batched reclaim).
+
+Raw baselines, written as a careful psycopg user would (autocommit off, the server's clock
+inline in the statement): the cycle is two transactions - a fenced claim upsert, then a
+fenced delete; the reclaim takes `batch` expired claims per transaction with one
+`UPDATE ... WHERE id IN (SELECT ... FOR UPDATE SKIP LOCKED)`. Round trips per cycle are
+counted at the library's connection: BEGIN, each statement and COMMIT is one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from .._postgres import PostgresStore
+from .config import Config
+from .pg import PgSchemas
+from .recovery import RecoveryTarget, library_recovery
+from .report import Report, fmt_ms, fmt_rate, fmt_ratio, fmt_us, median, progress, verdict
+from .tools import concurrent_cycles, ids, noop_drain, open_bench_runtime, rotate, sequential_cycles
+
+SERVER_MS = "floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
+
+RAW_CLAIMS = """
+CREATE TABLE IF NOT EXISTS claims(
+    session_id TEXT PRIMARY KEY, owner TEXT NOT NULL, fence BIGINT NOT NULL,
+    expires_at BIGINT NOT NULL)
+"""
+RAW_CLAIMS_INDEX = "CREATE INDEX IF NOT EXISTS claims_expires_at ON claims(expires_at)"
+
+RAW_CLAIM = (
+    "INSERT INTO claims(session_id, owner, fence, expires_at)"
+    f" VALUES (%s, %s, 1, {SERVER_MS} + 30000)"
+    " ON CONFLICT (session_id) DO UPDATE SET owner = excluded.owner,"
+    " fence = claims.fence + 1, expires_at = excluded.expires_at"
+    f" WHERE claims.expires_at < {SERVER_MS} RETURNING fence"
+)
+RAW_RELEASE = "DELETE FROM claims WHERE session_id = %s AND owner = %s AND fence = %s"
+RAW_RECLAIM = (
+    f"UPDATE session_execution SET owner_id = %s, expires_at = {SERVER_MS} + 30000,"
+    f" heartbeat_at = {SERVER_MS} WHERE id IN (SELECT id FROM session_execution"
+    f" WHERE expires_at <= (SELECT {SERVER_MS}) ORDER BY expires_at LIMIT %s"
+    " FOR UPDATE SKIP LOCKED) RETURNING id"
+)
+SEED_SESSIONS = (
+    "INSERT INTO session(id, time_created)"
+    " SELECT %(owner)s || '-' || g, 0 FROM generate_series(0, %(n)s - 1) AS g"
+)
+SEED_CLAIMS = (
+    "INSERT INTO session_execution(id, session_id, owner_id, phase, time_created,"
+    " heartbeat_at, expires_at)"
+    " SELECT md5(%(owner)s || g), %(owner)s || '-' || g, %(owner)s, 'running', 0, 0,"
+    f" {SERVER_MS} + %(offset)s + g FROM generate_series(0, %(n)s - 1) AS g"
+)
+
+
+def raw_pg_cycles(conn: psycopg.Connection[Any], session_ids: Sequence[str]) -> float:
+    """The baseline's two transactions per session; returns elapsed seconds."""
+    owner = "raw-owner"
+    started = time.perf_counter()
+    for session_id in session_ids:
+        row = conn.execute(RAW_CLAIM, (session_id, owner)).fetchone()
+        conn.commit()
+        assert row is not None
+        conn.execute(RAW_RELEASE, (session_id, owner, row[0]))
+        conn.commit()
+    return time.perf_counter() - started
+
+
+class CountingPgConnection:
+    """Counts round trips (`execute`, `commit`) on the connection it wraps."""
+
+    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+        self._conn = conn
+        self.round_trips = 0
+
+    def execute(self, *args: Any, **kwargs: Any) -> Any:
+        self.round_trips += 1
+        return self._conn.execute(*args, **kwargs)
+
+    def commit(self) -> None:
+        self.round_trips += 1
+        self._conn.commit()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+
+class Counter:
+    """`PostgresStore.wrap_connection` hook: wraps every connection the engine opens."""
+
+    def __init__(self) -> None:
+        self.made: list[CountingPgConnection] = []
+
+    def __call__(self, conn: psycopg.Connection[Any]) -> Any:
+        self.made.append(CountingPgConnection(conn))
+        return self.made[-1]
+
+    def round_trips(self) -> int:
+        return sum(c.round_trips for c in self.made)
+
+
+def seed_expired(conn: psycopg.Connection[Any], n: int) -> None:
+    """`n` expired claims of owner 'dead' and `n` live claims of owner 'alive'."""
+    for owner, offset in (("dead", -3_600_000), ("alive", 3_600_000)):
+        conn.execute(SEED_SESSIONS, {"owner": owner, "n": n})
+        conn.execute(SEED_CLAIMS, {"owner": owner, "n": n, "offset": offset})
+    conn.commit()
+
+
+def raw_pg_reclaim(conn: psycopg.Connection[Any], batch: int) -> tuple[float, int]:
+    """Baseline: reclaim the expired claims, `batch` per transaction, one statement each."""
+    reclaimed = 0
+    started = time.perf_counter()
+    while True:
+        rows = conn.execute(RAW_RECLAIM, ("raw-owner", batch)).fetchall()
+        conn.commit()
+        reclaimed += len(rows)
+        if not rows:
+            return time.perf_counter() - started, reclaimed
+
+
+def pg_target(schemas: PgSchemas, label: str) -> RecoveryTarget:
+    store = schemas.store(label)
+
+    def seed(n: int) -> None:
+        with schemas.connect(store.schema) as conn:
+            seed_expired(conn, n)
+
+    def claims_left() -> int:
+        with schemas.connect(store.schema) as conn:
+            row = conn.execute(
+                "SELECT count(*) FROM session_execution WHERE owner_id != 'alive'"
+            ).fetchone()
+        return int(row[0]) if row else -1
+
+    return RecoveryTarget(store, seed, claims_left)
+
+
+def migrated(schemas: PgSchemas, label: str) -> str:
+    """A fresh schema with the library's tables (for the raw baselines)."""
+    store = schemas.store(label)
+    engine = store.engine()
+    engine.open()
+    engine.close()
+    return store.schema
+
+
+VARIANTS = ["raw", "sequential", "concurrent"]
+
+
+async def bench_pg_cycle(config: Config, schemas: PgSchemas, report: Report) -> None:
+    per_round = max(1, config.pg_cycles // config.pg_rounds)
+    progress(
+        f"postgres cycle: {config.pg_rounds} rounds + warm-up, {per_round} sequential per "
+        f"variant per round, {config.pg_concurrent} in flight"
+    )
+    rates: dict[str, list[float]] = {}
+    ratios: dict[str, list[float]] = {}
+    trips: dict[str, list[float]] = {}
+    counter = Counter()
+    store: PostgresStore = schemas.store("cycle", wrap_connection=counter)
+    with schemas.connect(schemas.name("cycle_raw")) as raw:
+        raw.execute(RAW_CLAIMS)
+        raw.execute(RAW_CLAIMS_INDEX)
+        raw.commit()
+        async with open_bench_runtime(store, noop_drain) as rt:
+            for round_ in range(config.pg_rounds + 1):
+                seconds: dict[str, float] = {}
+                for variant in rotate(VARIANTS, round_):
+                    tag = f"{variant}-{round_}"
+                    # Statements and COMMITs, plus the BEGIN psycopg sends per transaction.
+                    before = counter.round_trips() + rt.statistics().store.transactions
+                    if variant == "raw":
+                        seconds[variant] = raw_pg_cycles(raw, ids(tag, per_round))
+                    elif variant == "sequential":
+                        seconds[variant] = await sequential_cycles(rt, ids(tag, per_round))
+                    else:
+                        seconds[variant] = await concurrent_cycles(
+                            rt, ids(tag, config.pg_concurrent)
+                        )
+                    count = config.pg_concurrent if variant == "concurrent" else per_round
+                    after = counter.round_trips() + rt.statistics().store.transactions
+                    trips.setdefault(variant, []).append((after - before) / count)
+                if round_ == 0:
+                    continue
+                round_rates = {
+                    "raw": per_round / seconds["raw"],
+                    "sequential": per_round / seconds["sequential"],
+                    "concurrent": config.pg_concurrent / seconds["concurrent"],
+                }
+                for variant, rate in round_rates.items():
+                    rates.setdefault(variant, []).append(rate)
+                    ratios.setdefault(variant, []).append(rate / round_rates["raw"])
+            transactions = rt.statistics().store.transactions
+    raw_rate = median(rates["raw"])
+    report.add(
+        "postgres",
+        "raw psycopg, 2 tx claim/release (baseline)",
+        f"{fmt_rate(raw_rate)} = {fmt_us(1 / raw_rate)}, 6 round trips",
+    )
+    for variant, label, target in (
+        ("sequential", "default store, sequential", 0.5),
+        ("concurrent", f"default store, {config.pg_concurrent} in flight", 5.0),
+    ):
+        rate = median(rates[variant])
+        report.add(
+            "postgres",
+            label,
+            f"{fmt_rate(rate)} = {fmt_us(1 / rate)}, "
+            f"{median(trips[variant][1:]):.1f} round trips/cycle",
+            fmt_rate(raw_rate),
+            fmt_ratio(ratios[variant]),
+            f">= {target}x",
+            verdict(median(ratios[variant]) >= target),
+        )
+    report.machine["pg_cycle_ratio"] = median(ratios["sequential"])
+    report.machine["pg_concurrent_ratio"] = median(ratios["concurrent"])
+    report.notes.append(
+        f"postgres: the library ran {transactions} transactions over the section; round trips "
+        "are BEGIN, statements and COMMIT on the library's writer connection (the LISTEN "
+        "connection is not counted), as for raw psycopg (BEGIN, the statement and COMMIT per "
+        "transaction)."
+    )
+
+
+async def bench_pg_recovery(config: Config, schemas: PgSchemas, report: Report) -> None:
+    n, batch = config.pg_recovery, config.recovery_batch
+    progress(f"postgres recovery: {n} expired claims, {config.pg_rounds} rounds + warm-up")
+    secs: dict[str, list[float]] = {}
+    ratios: dict[str, list[float]] = {}
+    passes = 0
+    variants = ["raw", "threaded", "held"]
+    for round_ in range(config.pg_rounds + 1):
+        seconds: dict[str, float] = {}
+        for variant in rotate(variants, round_):
+            label = f"recovery_{variant}_{round_}"
+            if variant == "raw":
+                with schemas.connect(migrated(schemas, label)) as conn:
+                    seed_expired(conn, n)
+                    seconds[variant], reclaimed = raw_pg_reclaim(conn, batch)
+                if reclaimed != n:
+                    raise RuntimeError(f"raw reclaim took {reclaimed} of {n}")
+                continue
+            done = await library_recovery(
+                pg_target(schemas, label), n, batch, hold=variant == "held"
+            )
+            passes = done.passes
+            seconds[variant] = done.total
+            if variant == "held":
+                seconds["takeover"] = done.takeover
+        if round_ == 0:
+            continue
+        for variant, taken in seconds.items():
+            secs.setdefault(variant, []).append(taken)
+            ratios.setdefault(variant, []).append(seconds["raw"] / taken)
+    raw = median(secs["raw"])
+    report.add(
+        "postgres",
+        f"raw batched reclaim of {n}, {batch}/tx (baseline)",
+        f"{fmt_ms(raw)} ({fmt_us(raw / n)}/claim, {fmt_rate(n / raw)})",
+    )
+    for variant, label, target in (
+        ("threaded", f"default store: {n} to completion, {passes} passes", ">= 0.5x"),
+        ("takeover", "default store, drains held: takeover only", ""),
+    ):
+        taken = median(secs[variant])
+        report.add(
+            "postgres",
+            label,
+            f"{fmt_ms(taken)} ({fmt_us(taken / n)}/claim, {fmt_rate(n / taken)})",
+            fmt_rate(n / raw),
+            fmt_ratio(ratios[variant]),
+            target,
+            verdict(median(ratios[variant]) >= 0.5) if target else "",
+        )
+    report.machine["pg_recovery_ratio"] = median(ratios["threaded"])
+
+
+async def bench_postgres(config: Config, folder: Path, report: Report, schemas: PgSchemas) -> None:
+    await bench_pg_cycle(config, schemas, report)
+    await bench_pg_recovery(config, schemas, report)
