@@ -27,9 +27,14 @@ The audit (`audit` explains the zombie-write triggers and the overlap clock):
 * `lost`: submitted inputs never answered, samples of a pending input with neither a
   doorbell nor a claim, doorbells left at the end, and inputs answered twice outside the
   documented rules (a repeat only after the first drain was killed, cancelled or failed);
-* `orphaned`: claims seen expired for longer than lease + one recovery interval (+ 1 s of
-  scheduling slack on a loaded machine; not counted while the server restarts), and any
-  claim or recovery row left at the end;
+* `orphaned`: claims seen expired for longer than lease + two recovery intervals (+ 1 s of
+  scheduling slack on a loaded machine) - the lease being the recovery lease of a recoverer
+  killed or paused before it acted, which others must let run out - and any claim or
+  recovery row left at the end.
+  Not judged while the server restarts, nor while a paused or partitioned host may hold
+  the session locks of its open transaction (other hosts' recovery waits for them: the
+  server ends such a transaction only after `idle_in_transaction_session_timeout`) or
+  within a recovery interval + 1 s after it let go;
 * `zombie_writes`: writes that landed after the claim they were fenced on had ended, in
   commit order, and heartbeats that revived an expired lease.
 The last line gives the faults actually injected and these four figures; the exit status is
@@ -44,6 +49,7 @@ import contextlib
 import functools
 import itertools
 import json
+import logging
 import os
 import random
 import shutil
@@ -76,7 +82,9 @@ T = TypeVar("T")
 HANDOFF_KILL_HOLD = 60.0  # seconds a hook held for a SIGKILL waits for it
 HANDOFF_STOP_HOLD = 0.5  # seconds a hook held for a SIGSTOP waits (it returns after SIGCONT)
 ORPHAN_SLACK = 1.0  # seconds of scheduling slack before an expired claim counts as orphaned
+STARTUP = 2.0  # seconds the workers get to boot before the first host fault
 MIN_FAULTS = 3  # each fault kind, in a run at least as long as the default
+WORK_STEP = 0.05  # seconds between two effects of a drain's work
 
 STRANDED_SQL = (
     "SELECT COUNT(DISTINCT i.session_id) FROM session_input i JOIN session s"
@@ -87,10 +95,15 @@ EXPIRED_SQL = (
     "SELECT id, floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint - expires_at"
     " FROM session_execution"
 )
+# Recovery rows of executions that no longer have a claim are counted apart (see
+# `stale_recovery_rows`): nothing can ever act on them, they are litter, not lost work.
 LEFT_SQL = (
     "SELECT (SELECT COUNT(*) FROM session_input), (SELECT COUNT(*) FROM session"
     " WHERE time_woken IS NOT NULL), (SELECT COUNT(*) FROM session_execution),"
-    " (SELECT COUNT(*) FROM session_recovery)"
+    " (SELECT COUNT(*) FROM session_recovery r WHERE EXISTS"
+    "   (SELECT 1 FROM session_execution e WHERE e.id = r.execution_id)),"
+    " (SELECT COUNT(*) FROM session_recovery r WHERE NOT EXISTS"
+    "   (SELECT 1 FROM session_execution e WHERE e.id = r.execution_id))"
 )
 
 
@@ -166,8 +179,13 @@ async def run_worker(config: WorkerConfig) -> None:
                 writer = await ctx.begin_assistant()
                 call_id = f"work-{drain_id}"
                 await writer.start_tool(call_id, "work", {"inputs": todo})
-                await trio.sleep(rng.uniform(0.0, config.work_max))
-                await effect("work", drain_id, ctx)
+                # The work outside the database, in steps (a streamed reply, say): an effect
+                # after every step, so a drain that outlives its lease is seen acting.
+                work = rng.uniform(0.0, config.work_max)
+                while work > 0:
+                    await trio.sleep(min(work, WORK_STEP))
+                    work -= WORK_STEP
+                    await effect("work", drain_id, ctx)
                 await writer.settle_tool(call_id, {"done": len(todo)})
                 await writer.append_text(json.dumps(todo))
                 await writer.finish()
@@ -234,7 +252,21 @@ def worker_main(args: argparse.Namespace) -> None:
         interrupt_rate=args.interrupt_rate,
         skew_ms=args.skew_ms,
     )
+    print(f"soak worker {config.name}: trio_sessions from {Path(__file__).parents[1]}", flush=True)
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(EventFormatter(f"%(asctime)s {config.name} %(levelname)s %(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
     trio.run(run_worker, config)
+
+
+class EventFormatter(logging.Formatter):
+    """The runtime's events with their structured `extra` fields, for the worker's log."""
+
+    STANDARD = frozenset(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
+
+    def format(self, record: logging.LogRecord) -> str:
+        extra = {k: v for k, v in vars(record).items() if k not in self.STANDARD}
+        return f"{super().format(record)} {extra}" if extra else super().format(record)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -270,6 +302,9 @@ class Result:
     orphans_seen: int = 0
     claims_left: int = 0
     recovery_rows_left: int = 0
+    # A recovery lease taken for a claim that was already gone (the scan's candidate was
+    # stale), by a recoverer killed before it applied: a library defect, reported apart.
+    stale_recovery_rows: int = 0
     overlaps: int = 0
     zombie_writes: int = 0
     repeats: audit.Repeats = attrs.Factory(lambda: audit.Repeats(0, 0, 0, 0))
@@ -363,6 +398,9 @@ class Soak:
         self.submitted: dict[int, str] = {}
         self.orphans: set[str] = set()
         self.sampling_paused_until = 0.0
+        self.hosts_held = 0
+        self.held_until = 0.0
+        self.started = time.monotonic()
         self.server_down = False
         self.admin = Admin(url, self.schema)
         self.producer = _postgres.PgEngine(url, self.schema, None)
@@ -397,7 +435,11 @@ class Soak:
         args = self.args
         env = dict(os.environ)
         if self.worker_path is not None:
-            env["PYTHONPATH"] = self.worker_path
+            # First on the path; and the worker's cwd (which `-m` puts before it) holds no
+            # package, so the broken copy is the one imported.
+            env["PYTHONPATH"] = os.pathsep.join(
+                filter(None, [self.worker_path, env.get("PYTHONPATH")])
+            )
         with open(log, "wb") as out:
             process = subprocess.Popen(
                 [
@@ -420,6 +462,7 @@ class Soak:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=env,
+                cwd=self.workdir,
             )
         self.workers[slot] = Worker(slot, name, process, log)
 
@@ -467,7 +510,8 @@ class Soak:
             in_handoff = await self.held_in_handoff(worker, "stop")
         worker.process.send_signal(signal.SIGSTOP)
         try:
-            await trio.sleep(self.hold_time())
+            with self.holding_locks():
+                await trio.sleep(self.hold_time())
         finally:
             worker.process.send_signal(signal.SIGCONT)
             (self.control / f"held.{worker.name}").unlink(missing_ok=True)
@@ -477,21 +521,36 @@ class Soak:
     async def partition(self, worker: Worker) -> None:
         proxy = self.proxies[worker.slot]
         in_tx = False
-        if self.rng.random() < 0.5:
-            tripped = proxy.arm_partition(self.rng.randint(1, 3))
+        if self.rng.random() < 0.7:
+            # BEGIN, then a drain's write reads its execution's session, locks it, reads the
+            # clock and the fence: a cut after the 3rd to 6th message lands around the fence.
+            tripped = proxy.arm_partition(self.rng.randint(3, 6))
             with trio.move_on_after(2.0):
                 await tripped.wait()
             in_tx = tripped.is_set()
         proxy.blackhole()
         try:
-            await trio.sleep(self.hold_time())
+            with self.holding_locks():
+                await trio.sleep(self.hold_time())
         finally:
             proxy.heal()
         self.result.partitions += 1
         self.result.partitions_in_tx += in_tx
 
+    @contextlib.contextmanager
+    def holding_locks(self) -> Iterator[None]:
+        """A paused or partitioned host keeps the locks of its open transaction (its
+        sessions cannot be recovered meanwhile): orphans are judged only after it let go."""
+        self.hosts_held += 1
+        try:
+            yield
+        finally:
+            self.hosts_held -= 1
+            self.held_until = time.monotonic()
+
     async def host_faults(self, nursery: trio.Nursery) -> None:
         """One host fault at a time, kinds in shuffled rounds, on a random live worker."""
+        await trio.sleep(STARTUP)  # the workers boot first
         while True:
             kinds = ["kill", "pause", "partition"]
             self.rng.shuffle(kinds)
@@ -500,6 +559,7 @@ class Soak:
                 if not self.workers:
                     continue
                 worker = self.rng.choice(list(self.workers.values()))
+                print(f"soak: {kind} {worker.name} at {time.monotonic() - self.started:.1f} s")
                 if kind == "kill":
                     await self.kill(worker, nursery)
                 elif kind == "pause":
@@ -552,6 +612,8 @@ class Soak:
             await self.kill_at_commit(link)
 
     async def kill_at_commit(self, link: Link) -> None:
+        if link.scope.cancel_called:
+            return  # the proxy gave up waiting and ended it: its port may be reused
         try:
             killed = await self.terminate("client_port = %s", link.upstream_port)
         finally:
@@ -564,10 +626,12 @@ class Soak:
             return
         await trio.sleep(self.args.duration / 2)
         self.server_down = True
+        print(f"soak: restarting the server at {time.monotonic() - self.started:.1f} s")
         try:
             await trio.to_thread.run_sync(self.restart_server)
         finally:
             self.server_down = False
+            print(f"soak: server back at {time.monotonic() - self.started:.1f} s")
             # Nobody could recover while the server was down: give recovery its window.
             self.sampling_paused_until = time.monotonic() + self.orphan_grace()
         self.result.restarts += 1
@@ -606,7 +670,9 @@ class Soak:
         )
 
     def orphan_grace(self) -> float:
-        return self.args.lease + self.args.recovery_interval + ORPHAN_SLACK
+        """How long a claim may stay expired: a recoverer that took its recovery lease may be
+        killed or paused before it acted (one more lease), then the next scan, plus slack."""
+        return self.args.lease + 2 * self.args.recovery_interval + ORPHAN_SLACK
 
     async def sample(self) -> None:
         try:
@@ -617,13 +683,43 @@ class Soak:
         if stranded:
             print(f"soak: {stranded} session(s) with a pending input, no doorbell, no claim")
         self.result.stranded_observations += stranded
-        if self.server_down or time.monotonic() < self.sampling_paused_until:
+        now = time.monotonic()
+        if (
+            self.server_down
+            or now < self.sampling_paused_until
+            or self.hosts_held
+            or now < self.held_until + self.args.recovery_interval + ORPHAN_SLACK
+        ):
             return
         grace_ms = self.orphan_grace() * 1000
-        for execution_id, expired_for_ms in expired:
-            if expired_for_ms > grace_ms and execution_id not in self.orphans:
-                print(f"soak: ORPHAN {execution_id} expired {expired_for_ms} ms ago")
-                self.orphans.add(execution_id)
+        new = [
+            execution_id
+            for execution_id, expired_for_ms in expired
+            if expired_for_ms > grace_ms and execution_id not in self.orphans
+        ]
+        if new:
+            self.orphans.update(new)
+            print(f"soak: ORPHANS at {time.monotonic() - self.started:.1f} s: {new}")
+            await self.explain_orphans(new)
+
+    async def explain_orphans(self, execution_ids: list[str]) -> None:
+        """Evidence for the report: the claims, their recovery rows, the workers' backends."""
+        with contextlib.suppress(psycopg.Error, StoreError):
+            for row in await self.admin.rows(
+                "SELECT e.id, e.session_id, e.owner_id, e.phase, r.owner_id, r.expires_at"
+                " - floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint,"
+                " r.recovery_error FROM session_execution e"
+                " LEFT JOIN session_recovery r ON r.execution_id = e.id WHERE e.id = ANY(%s)",
+                execution_ids,
+            ):
+                print(f"soak:   claim {row}")
+            for row in await self.admin.rows(
+                "SELECT application_name, state, wait_event_type, wait_event,"
+                " round(extract(epoch FROM clock_timestamp() - xact_start)::numeric, 2),"
+                " left(query, 80) FROM pg_stat_activity WHERE application_name LIKE %s",
+                f"{self.schema}-%",
+            ):
+                print(f"soak:   backend {row}")
 
     def check_exits(self) -> None:
         for worker in list(self.workers.values()):
@@ -688,7 +784,7 @@ class Soak:
     async def quiescent(self) -> bool:
         try:
             [left] = await self.admin.rows(LEFT_SQL)
-            return tuple(left) == (0, 0, 0, 0) and not await self.unanswered_inputs()
+            return tuple(left[:4]) == (0, 0, 0, 0) and not await self.unanswered_inputs()
         except (psycopg.Error, StoreError):
             return False
 
@@ -706,8 +802,14 @@ class Soak:
             result.doorbells_left,
             result.claims_left,
             result.recovery_rows_left,
+            result.stale_recovery_rows,
         ) = left
         result.orphans_seen = len(self.orphans)
+        for row in await self.admin.rows(
+            "SELECT r.execution_id, r.owner_id, r.recovery_error, r.expires_at, e.id IS NOT NULL"
+            " FROM session_recovery r LEFT JOIN session_execution e ON e.id = r.execution_id"
+        ):
+            print(f"soak: RECOVERY ROW LEFT (execution, owner, error, expires, claim?) {row}")
         effects = audit.read_effects(sorted(self.workdir.glob("effects.*.jsonl")))
         found = audit.overlaps(effects)
         for line in found:
@@ -780,7 +882,7 @@ def database(args: argparse.Namespace) -> Iterator[tuple[str, Callable[[], None]
 
 
 def run_soak(args: argparse.Namespace) -> int:
-    workdir = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="trio-pgsoak-"))
+    workdir = Path(args.dir).resolve() if args.dir else Path(tempfile.mkdtemp(prefix="trio-pgsoak-"))
     workdir.mkdir(parents=True, exist_ok=True)
     print(
         f"soak: backend=postgres workers={args.workers} sessions={args.sessions}"
@@ -810,6 +912,7 @@ def run_soak(args: argparse.Namespace) -> int:
         f" doorbells_left={result.doorbells_left} pending_left={result.pending_left}"
         f" orphans_seen={result.orphans_seen} claims_left={result.claims_left}"
         f" recovery_rows_left={result.recovery_rows_left}"
+        f" stale_recovery_rows={result.stale_recovery_rows}"
         f" repeats_after_kill={repeats.after_kill} repeats_after_cancel={repeats.after_cancel}"
         f" repeats_after_failure={repeats.after_failure}"
         f" unexpected_repeats={repeats.unexpected} unexpected_exits={result.unexpected_exits}"

@@ -34,6 +34,7 @@ import trio
 # carry an isolation level.
 COMMIT = b"Q\x00\x00\x00\x0bCOMMIT\x00"
 CHUNK = 65536
+TRAP_PATIENCE = 1.0  # seconds a trapped COMMIT's link waits for the chaos loop
 
 
 @attrs.define(eq=False)
@@ -159,6 +160,10 @@ class FaultProxy:
             await sink.send_all(data)
             link.commit_forwarded = True
         self._trapped_send.send_nowait(link)
+        # The chaos loop kills the backend and ends the link. Should it have stopped
+        # waiting, end the link anyway: a frozen link must never hang its client.
+        await trio.sleep(TRAP_PATIENCE)
+        link.scope.cancel()
         await trio.sleep_forever()
 
     def _count_statement(self, link: Link, data: bytes) -> None:
