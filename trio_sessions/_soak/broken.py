@@ -39,6 +39,15 @@ DEFECTS = {
         "        if session_id in self._locked:\n            return\n",
         "        return\n",
     ),
+    "unlocked-write-fence": Defect(
+        "a drain's writes check the claim fence without the session lock (acquire and"
+        " recovery keep it): a takeover can commit between the check and the write",
+        "_store.py",
+        "    session_id = _lock_execution(tx, execution_id)\n    if session_id is None or (",
+        '    row = tx.one("SELECT session_id FROM session_execution WHERE id = ?", (execution_id,))\n'
+        "    session_id = None if row is None else str(row[0])\n"
+        "    if session_id is None or (",
+    ),
     "no-self-fence": Defect(
         "no local lease deadline: a drain runs until the store says its lease is lost",
         "_lease.py",

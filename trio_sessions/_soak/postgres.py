@@ -33,8 +33,9 @@ The audit (`audit` explains the zombie-write triggers and the overlap clock):
   recovery row left at the end.
   Not judged while the server restarts, nor while a paused or partitioned host may hold
   the session locks of its open transaction (other hosts' recovery waits for them: the
-  server ends such a transaction only after `idle_in_transaction_session_timeout`) or
-  within a recovery interval + 1 s after it let go;
+  server ends such a transaction only after `idle_in_transaction_session_timeout`), nor
+  within the same window after it let go (the peers whose writer connection waited behind
+  those locks resume their recovery passes then);
 * `zombie_writes`: writes that landed after the claim they were fenced on had ended, in
   commit order, and heartbeats that revived an expired lease.
 The last line gives the faults actually injected and these four figures; the exit status is
@@ -131,8 +132,8 @@ def skew_wall_clock(offset_ms: int) -> None:
     if not offset_ms:
         return
     real_time, real_time_ns = time.time, time.time_ns
-    time.time = lambda: real_time() + offset_ms / 1000  # type: ignore[assignment]
-    time.time_ns = lambda: real_time_ns() + offset_ms * 1_000_000  # type: ignore[assignment]
+    time.time = lambda: real_time() + offset_ms / 1000
+    time.time_ns = lambda: real_time_ns() + offset_ms * 1_000_000
 
 
 async def run_worker(config: WorkerConfig) -> None:
@@ -252,7 +253,11 @@ def worker_main(args: argparse.Namespace) -> None:
         interrupt_rate=args.interrupt_rate,
         skew_ms=args.skew_ms,
     )
-    print(f"soak worker {config.name}: trio_sessions from {Path(__file__).parents[1]}", flush=True)
+    print(
+        f"soak worker {config.name}: trio_sessions from {Path(__file__).parents[1]},"
+        f" wall clock offset {config.skew_ms} ms",
+        flush=True,
+    )
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(EventFormatter(f"%(asctime)s {config.name} %(levelname)s %(message)s"))
     logging.basicConfig(level=logging.INFO, handlers=[handler])
@@ -469,7 +474,7 @@ class Soak:
     # -- host faults ----------------------------------------------------------------------------
 
     def hold_time(self) -> float:
-        return self.rng.uniform(1.1, 1.5) * self.args.lease
+        return self.rng.uniform(1.1, 1.5) * float(self.args.lease)
 
     async def held_in_handoff(self, worker: Worker, flag: str) -> bool:
         """Ask `worker`'s hook to hold the next claim handoff; whether it did within 2 s."""
@@ -672,7 +677,7 @@ class Soak:
     def orphan_grace(self) -> float:
         """How long a claim may stay expired: a recoverer that took its recovery lease may be
         killed or paused before it acted (one more lease), then the next scan, plus slack."""
-        return self.args.lease + 2 * self.args.recovery_interval + ORPHAN_SLACK
+        return float(self.args.lease + 2 * self.args.recovery_interval + ORPHAN_SLACK)
 
     async def sample(self) -> None:
         try:
@@ -688,7 +693,7 @@ class Soak:
             self.server_down
             or now < self.sampling_paused_until
             or self.hosts_held
-            or now < self.held_until + self.args.recovery_interval + ORPHAN_SLACK
+            or now < self.held_until + self.orphan_grace()
         ):
             return
         grace_ms = self.orphan_grace() * 1000
@@ -882,7 +887,9 @@ def database(args: argparse.Namespace) -> Iterator[tuple[str, Callable[[], None]
 
 
 def run_soak(args: argparse.Namespace) -> int:
-    workdir = Path(args.dir).resolve() if args.dir else Path(tempfile.mkdtemp(prefix="trio-pgsoak-"))
+    workdir = (
+        Path(args.dir).resolve() if args.dir else Path(tempfile.mkdtemp(prefix="trio-pgsoak-"))
+    )
     workdir.mkdir(parents=True, exist_ok=True)
     print(
         f"soak: backend=postgres workers={args.workers} sessions={args.sessions}"
