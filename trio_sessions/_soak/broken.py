@@ -44,7 +44,8 @@ DEFECTS = {
         " recovery keep it): a takeover can commit between the check and the write",
         "_store.py",
         "    session_id = _lock_execution(tx, execution_id)\n    if session_id is None or (",
-        '    row = tx.one("SELECT session_id FROM session_execution WHERE id = ?", (execution_id,))\n'
+        '    row = tx.one("SELECT session_id FROM session_execution WHERE id = ?",'
+        " (execution_id,))\n"
         "    session_id = None if row is None else str(row[0])\n"
         "    if session_id is None or (",
     ),
