@@ -27,10 +27,10 @@ The audit (`audit` explains the zombie-write triggers and the overlap clock):
 * `lost`: submitted inputs never answered, samples of a pending input with neither a
   doorbell nor a claim, doorbells left at the end, and inputs answered twice outside the
   documented rules (a repeat only after the first drain was killed, cancelled or failed);
-* `orphaned`: claims seen expired for longer than lease + two recovery intervals (+ 1 s of
-  scheduling slack on a loaded machine) - the lease being the recovery lease of a recoverer
-  killed or paused before it acted, which others must let run out - and any claim or
-  recovery row left at the end.
+* `orphaned`: claims seen expired, with no live recovery lease on them (a recoverer that
+  took one and was then killed or paused holds it for a lease, which the others must let
+  run out), for longer than lease + one recovery interval (+ 1 s of scheduling slack on a
+  loaded machine), and any claim or recovery row left at the end.
   Not judged while the server restarts, nor while a paused or partitioned host may hold
   the session locks of its open transaction (other hosts' recovery waits for them: the
   server ends such a transaction only after `idle_in_transaction_session_timeout`), nor
@@ -92,9 +92,12 @@ STRANDED_SQL = (
     " ON s.id = i.session_id WHERE s.time_woken IS NULL AND NOT EXISTS"
     " (SELECT 1 FROM session_execution e WHERE e.session_id = i.session_id)"
 )
+# How long each claim has been expired with nobody on it: since the later of its own expiry
+# and that of the recovery lease a recoverer took on it (negative: not expired).
 EXPIRED_SQL = (
-    "SELECT id, floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint - expires_at"
-    " FROM session_execution"
+    "SELECT e.id, floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
+    " - GREATEST(e.expires_at, COALESCE(r.expires_at, e.expires_at))"
+    " FROM session_execution e LEFT JOIN session_recovery r ON r.execution_id = e.id"
 )
 # Recovery rows of executions that no longer have a claim are counted apart (see
 # `stale_recovery_rows`): nothing can ever act on them, they are litter, not lost work.
@@ -675,9 +678,10 @@ class Soak:
         )
 
     def orphan_grace(self) -> float:
-        """How long a claim may stay expired: a recoverer that took its recovery lease may be
-        killed or paused before it acted (one more lease), then the next scan, plus slack."""
-        return float(self.args.lease + 2 * self.args.recovery_interval + ORPHAN_SLACK)
+        """How long a claim may stay expired with nobody on it: a lease and the next scan
+        (whose recoverer, should it be killed or paused before it acted, holds the recovery
+        lease for another lease), plus slack."""
+        return float(self.args.lease + self.args.recovery_interval + ORPHAN_SLACK)
 
     async def sample(self) -> None:
         try:
