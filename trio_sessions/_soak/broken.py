@@ -3,8 +3,9 @@
 `python -m trio_sessions.soak --backend postgres --broken NAME` copies the package to the
 work directory, applies the defect NAME (a textual patch that must match exactly once, so a
 defect never silently stops applying when the code moves) and runs the workers on the copy
-(`PYTHONPATH`); the producer and the audit keep the real package. The report says which
-audit figure went non-zero.
+(`PYTHONPATH`, from a working directory that holds no other copy); the producer and the
+audit keep the real package. The README's "Reliability" section lists which audit figure
+each defect turned non-zero in a default-length run.
 """
 
 from __future__ import annotations

@@ -67,6 +67,7 @@ from typing import Any, TypeVar
 import attrs
 import psycopg
 import psycopg.conninfo
+import psycopg.sql
 import trio
 
 from .. import _codec, _postgres, _store
@@ -908,6 +909,14 @@ def run_soak(args: argparse.Namespace) -> int:
             trio.run(soak.run)
         finally:
             soak.close()
+        if soak.result.clean and not args.keep and args.pg_url:
+            # Someone else's server: leave no schema behind (ours is deleted with it).
+            with psycopg.connect(url, autocommit=True) as conn:
+                conn.execute(
+                    psycopg.sql.SQL("DROP SCHEMA {} CASCADE").format(
+                        psycopg.sql.Identifier(soak.schema)
+                    )
+                )
     result = soak.result
     repeats = result.repeats
     print(
