@@ -54,7 +54,8 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(python=None)
 def soak(session: nox.Session) -> None:
-    """Kill soak with an audit, and the long stateful-model run."""
+    """Soak with an audit (`-- --backend postgres` for the PostgreSQL one), and the long
+    stateful-model run."""
     session.install(".")
     install_group(session, "test")
     session.run("python", "-m", "trio_sessions.soak", *session.posargs)

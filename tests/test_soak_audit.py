@@ -1,0 +1,130 @@
+"""The PostgreSQL soak's instruments: its audit finds what it claims to find, its fault proxy
+does what its modes say, and every broken copy still applies to the current code."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import trio
+import trio.testing
+
+from trio_sessions._soak import audit, broken
+from trio_sessions._soak.proxy import FaultProxy
+
+
+def claim(session: str, n: int, txid: str, old: str | None, new: str | None) -> audit.Write:
+    change = "insert" if old is None else "delete" if new is None else "update"
+    kind = f"session_execution {change}"
+    return audit.Write(session, n, txid, kind, old, new)
+
+
+def message(session: str, n: int, txid: str, execution: str) -> audit.Write:
+    return audit.Write(session, n, txid, "session_message update", execution)
+
+
+def test_zombie_write_after_takeover_in_commit_order() -> None:
+    """A write of execution E ordered after the takeover that replaced E is a zombie write;
+    the takeover's own cleanup of E's messages, and E's writes before it, are not."""
+    writes = [
+        claim("s", 1, "t1", None, "E"),
+        message("s", 2, "t2", "E"),
+        message("s", 3, "t3", "E"),  # the takeover closes E's open message...
+        claim("s", 4, "t3", "E", "F"),  # ...and replaces the claim, in one transaction
+        message("s", 5, "t4", "F"),
+        message("s", 6, "t5", "E"),  # E's write landed after: a zombie
+    ]
+    assert audit.zombie_writes(writes) == [writes[5]]
+    assert audit.zombie_writes(writes[:5]) == []
+
+
+def test_zombie_write_after_delete_or_without_claim_and_revivals() -> None:
+    """Writes after a claim was deleted, writes of an execution that never held a claim, and
+    heartbeats that revived an expired lease all count."""
+    writes = [
+        claim("s", 1, "t1", None, "E"),
+        claim("s", 2, "t2", "E", None),
+        message("s", 3, "t3", "E"),
+        message("r", 1, "t4", "X"),
+        audit.Write("q", None, "t5", "revival", "Q"),
+    ]
+    assert audit.zombie_writes(writes) == [writes[4], writes[2], writes[3]]
+
+
+def effect(kind: str, drain: str, execution: str, t: float, **fields: object) -> audit.Effect:
+    return audit.Effect(kind, drain, drain.split(":")[0], "s", execution, t, **fields)  # type: ignore[arg-type]
+
+
+def test_overlaps_compare_effect_spans_of_executions() -> None:
+    """Executions of one session overlap when one acts inside the other's span; an exit
+    record (not an effect) never extends a span."""
+    clean = [
+        effect("enter", "w1:1", "E", 1.0),
+        effect("work", "w1:1", "E", 2.0),
+        effect("exit", "w1:1", "E", 9.0, status="cancelled"),
+        effect("enter", "w2:1", "F", 3.0),
+    ]
+    assert audit.overlaps(clean) == []
+    late = [*clean, effect("work", "w1:1", "E", 3.5)]
+    assert len(audit.overlaps(late)) == 1
+
+
+def test_repeats_are_allowed_only_after_a_kill_a_cancel_or_a_failure() -> None:
+    """A repeated input counts by how the first drain ended; after a clean exit it is a
+    violation."""
+    effects = [
+        effect("take", "w1:1", "E", 1.0, numbers=(1, 2)),  # killed: no exit
+        effect("take", "w2:1", "F", 2.0, numbers=(1,)),
+        effect("exit", "w2:1", "F", 2.5, status="cancelled"),
+        effect("take", "w2:2", "G", 3.0, numbers=(1, 2)),
+        effect("exit", "w2:2", "G", 3.5, status="ok"),
+        effect("take", "w2:3", "H", 4.0, numbers=(2,)),
+    ]
+    repeats = audit.repeats(effects, killed_workers={"w1"})
+    assert repeats == audit.Repeats(after_kill=2, after_cancel=1, after_failure=0, unexpected=1)
+
+
+def test_every_broken_copy_applies_exactly_once() -> None:
+    """Each defect's text to break occurs once in the current package (so the broken-copy
+    checks cannot silently test the real code)."""
+    for defect in broken.DEFECTS.values():
+        assert broken.patched(defect) != (broken.PACKAGE / defect.path).read_text()
+
+
+async def echo(stream: trio.SocketStream) -> None:
+    async with stream:
+        while data := await stream.receive_some(1024):
+            await stream.send_all(data)
+
+
+async def test_proxy_passes_holds_while_blackholed_and_resets() -> None:
+    """Pass forwards bytes unchanged; a blackhole holds them (also a new connection) until
+    healed, then delivers them in order; a reset aborts every connection."""
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(
+            functools.partial(trio.serve_tcp, host="127.0.0.1"), echo, 0
+        )
+        listener = listeners[0]
+        proxy = FaultProxy(listener.socket.getsockname()[1])
+        port = await nursery.start(proxy.serve)
+        client = await trio.open_tcp_stream("127.0.0.1", port)
+        await client.send_all(b"ping")
+        assert await client.receive_some(1024) == b"ping"
+
+        proxy.blackhole()
+        await client.send_all(b"held")
+        await trio.testing.wait_all_tasks_blocked(0.05)
+        with trio.move_on_after(0.05):
+            await client.receive_some(1024)
+            raise AssertionError("a blackholed proxy answered")
+        proxy.heal()
+        received = b""
+        while len(received) < 4:
+            received += await client.receive_some(1024)
+        assert received == b"held"
+
+        proxy.reset()
+        with contextlib.suppress(trio.BrokenResourceError):  # RST: the abortive close
+            assert await client.receive_some(1024) == b""
+        await client.aclose()
+        nursery.cancel_scope.cancel()

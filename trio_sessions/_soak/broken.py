@@ -1,0 +1,116 @@
+"""Broken copies of the package: one deliberate defect each, to check the soak's audit.
+
+`python -m trio_sessions.soak --backend postgres --broken NAME` copies the package to the
+work directory, applies the defect NAME (a textual patch that must match exactly once, so a
+defect never silently stops applying when the code moves) and runs the workers on the copy
+(`PYTHONPATH`, from a working directory that holds no other copy); the producer and the
+audit keep the real package. The README's "Reliability" section lists which audit figure
+each defect turned non-zero in a default-length run.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import attrs
+
+PACKAGE = Path(__file__).resolve().parent.parent
+
+
+@attrs.frozen
+class Defect:
+    what: str
+    path: str  # inside the package
+    old: str
+    new: str
+
+
+DEFECTS = {
+    "fence-key-share": Defect(
+        "the session lock is a FOR KEY SHARE row lock on the session (a takeover's updates"
+        " do not conflict with it)",
+        "_postgres.py",
+        'f"SELECT pg_advisory_xact_lock({SESSION_LOCK_NAMESPACE}, hashtext(%s))",',
+        '"SELECT 1 FROM session WHERE id = %s FOR KEY SHARE",',
+    ),
+    "no-session-lock": Defect(
+        "fences are read without any session lock (READ COMMITTED alone)",
+        "_postgres.py",
+        "        if session_id in self._locked:\n            return\n",
+        "        return\n",
+    ),
+    "unlocked-write-fence": Defect(
+        "a drain's writes check the claim fence without the session lock (acquire and"
+        " recovery keep it): a takeover can commit between the check and the write",
+        "_store.py",
+        "    session_id = _lock_execution(tx, execution_id)\n    if session_id is None or (",
+        '    row = tx.one("SELECT session_id FROM session_execution WHERE id = ?",'
+        " (execution_id,))\n"
+        "    session_id = None if row is None else str(row[0])\n"
+        "    if session_id is None or (",
+    ),
+    "no-self-fence": Defect(
+        "no local lease deadline: a drain runs until the store says its lease is lost",
+        "_lease.py",
+        "    return sent_at + lease * (1 - SELF_FENCE_MARGIN)",
+        '    return float("inf")',
+    ),
+    "no-margin": Defect(
+        "the self-fencing deadline has no margin (exactly one lease after the renewal was sent)",
+        "_lease.py",
+        "SELF_FENCE_MARGIN = 0.1",
+        "SELF_FENCE_MARGIN = 0.0",
+    ),
+    "late-self-fence": Defect(
+        "the self-fencing deadline falls half a lease after the durable expiry",
+        "_lease.py",
+        "SELF_FENCE_MARGIN = 0.1",
+        "SELF_FENCE_MARGIN = -0.5",
+    ),
+    "heartbeat-revives": Defect(
+        "the heartbeat renews a claim of this owner even after its lease expired",
+        "_store.py",
+        '            f" WHERE {CLAIM_FENCE} RETURNING phase",',
+        '            " WHERE id = :execution AND owner_id = :owner RETURNING phase",',
+    ),
+    "no-expired-recovery": Defect(
+        "the recovery scan never selects expired claims (only unclaimed doorbells)",
+        "_store.py",
+        '        f" WHERE e.expires_at <= :now AND {not_local}"',
+        '        f" WHERE e.expires_at <= :now AND {not_local} AND 1 = 0"',
+    ),
+    "interrupt-no-rearm": Defect(
+        "an interrupt's cleanup does not re-arm the doorbell for inputs still pending",
+        "_store.py",
+        "    _reset_attempts(tx, session_id)\n"
+        "    if _has_pending_inputs(tx, session_id):\n"
+        "        _ring(tx, session_id)\n"
+        "    return _doorbell_set(tx, session_id)\n",
+        "    _reset_attempts(tx, session_id)\n    return _doorbell_set(tx, session_id)\n",
+    ),
+}
+
+
+def patched(defect: Defect) -> str:
+    """The defect's file with the defect applied (`ValueError` unless `old` matches once)."""
+    text = (PACKAGE / defect.path).read_text()
+    if text.count(defect.old) != 1:
+        raise ValueError(f"{defect.path}: the text to break must occur exactly once")
+    return text.replace(defect.old, defect.new)
+
+
+def make_copy(name: str, dest: Path) -> Path:
+    """A copy of the package with defect `name` under `dest`; returns the import root."""
+    if name not in DEFECTS:
+        raise SystemExit(f"unknown defect {name!r}; known: {', '.join(DEFECTS)}")
+    defect = DEFECTS[name]
+    target = dest / PACKAGE.name
+    shutil.copytree(PACKAGE, target, ignore=shutil.ignore_patterns("__pycache__"))
+    (target / defect.path).write_text(patched(defect))
+    return dest
+
+
+def print_list() -> None:
+    for name, defect in DEFECTS.items():
+        print(f"{name}: {defect.what}")

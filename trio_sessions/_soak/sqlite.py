@@ -1,0 +1,588 @@
+"""The SQLite kill soak: worker processes on one file, SIGKILLed at random, and an audit.
+
+`python -m trio_sessions.soak` (`--backend sqlite`, the default) starts N worker processes
+(default 3), each running `open_runtime` on one SQLite file with a short lease, and a
+producer (this process) that submits numbered inputs to M sessions (default 20) the way a
+process that runs no drains does: durable inputs and doorbells, picked up by the workers'
+recovery passes and by their own random wakes. A chaos loop SIGKILLs a random worker at
+random moments - some of them inside the claim handoff, where the `acquisition_hook` pauses
+on request - and restarts it. The workers also interrupt random sessions now and then, their
+own claims or (through `phase='cancelling'`) each other's. Every drain iteration records its
+enter and exit (worker, execution id, wall times) in an audit table of the same file,
+through its own connection, before its first durable effect and after its last.
+
+When the chaos stops, the surviving workers get the lease plus recovery passes to settle,
+then the audit proves, and the last line says:
+
+* `overlaps=0`: the drain intervals of different executions of one session never overlap
+  (an execution killed mid-drain ends when its process was reaped);
+* `lost=0`: every submitted input was answered by a finished assistant message, and no
+  committed state ever held a pending input without a doorbell or a claim (sampled all
+  along), and no doorbell is left;
+* `orphaned=0`: no claim and no recovery row is left;
+* `duplicates_after_kill`: inputs answered again because the drain that first answered them
+  was killed before finishing; repeats after an interrupted drain are counted apart, and any
+  other repeat is a violation.
+
+The exit status is non-zero on any violation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+
+from .. import _codec, _sqlite, _store
+from .._errors import LeaseLost
+from .._model import Claim
+from .._runtime import DrainContext, Runtime, open_runtime
+from .._sqlite import SQLiteStore as Store
+from .common import answered_numbers, session_name, unanswered
+
+AUDIT_SCHEMA = """
+CREATE TABLE IF NOT EXISTS soak_drain(
+    id INTEGER PRIMARY KEY,
+    session_id TEXT NOT NULL,
+    execution_id TEXT NOT NULL,
+    worker TEXT NOT NULL,
+    resumed INTEGER NOT NULL,
+    t_enter REAL NOT NULL,
+    t_exit REAL,
+    status TEXT
+);
+CREATE TABLE IF NOT EXISTS soak_processed(
+    n INTEGER NOT NULL,
+    drain_id INTEGER NOT NULL,
+    execution_id TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS soak_submitted(
+    n INTEGER PRIMARY KEY,
+    session_id TEXT NOT NULL,
+    t REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS soak_kill(
+    worker TEXT PRIMARY KEY,
+    t REAL NOT NULL,
+    in_handoff INTEGER NOT NULL
+);
+"""
+
+# A pending input with neither a doorbell nor a claim: a lost wake, in one snapshot.
+STRANDED_SQL = (
+    "SELECT COUNT(DISTINCT i.session_id) FROM session_input i JOIN session s"
+    " ON s.id = i.session_id WHERE s.time_woken IS NULL AND NOT EXISTS"
+    " (SELECT 1 FROM session_execution e WHERE e.session_id = i.session_id)"
+)
+HANDOFF_PAUSE = 60.0  # seconds a paused acquisition_hook waits for its SIGKILL
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker process
+
+
+class Audit:
+    """The drain's own connection to the audit tables (autocommit, one writer thread)."""
+
+    def __init__(self, path: Path) -> None:
+        self._conn = sqlite3.connect(
+            path, timeout=60.0, isolation_level=None, check_same_thread=False
+        )
+        self._limiter = trio.CapacityLimiter(1)
+
+    async def write(self, sql: str, params: Sequence[Any]) -> int:
+        def run() -> int:
+            return int(self._conn.execute(sql, params).lastrowid or 0)
+
+        return await trio.to_thread.run_sync(run, limiter=self._limiter)
+
+    async def write_many(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
+        def run() -> None:
+            self._conn.executemany(sql, rows)
+
+        await trio.to_thread.run_sync(run, limiter=self._limiter)
+
+
+@attrs.define
+class WorkerConfig:
+    name: str
+    db: Path
+    control: Path
+    sessions: int
+    lease: float
+    recovery_interval: float
+    work_max: float
+    interrupt_rate: float
+
+
+async def run_worker(config: WorkerConfig) -> None:
+    """One worker process: a runtime whose drain answers numbered inputs, plus random wakes."""
+    audit = Audit(config.db)
+    rng = random.Random()
+    pause_flag = config.control / f"pause.{config.name}"
+    paused_marker = config.control / f"paused.{config.name}"
+    stop_wakes = config.control / "stop-wakes"
+    runtimes: list[Runtime] = []
+
+    async def hook(claim: Claim) -> None:
+        # Inside the claim handoff: committed, drain not started. The chaos loop asked for a
+        # kill right here, so wait for it.
+        if pause_flag.exists():
+            paused_marker.write_text(claim.session_id)
+            await trio.sleep(HANDOFF_PAUSE)
+
+    async def drain(ctx: DrainContext) -> None:
+        row = await audit.write(
+            "INSERT INTO soak_drain(session_id, execution_id, worker, resumed, t_enter)"
+            " VALUES (?, ?, ?, ?, ?)",
+            (ctx.session_id, ctx.execution_id, config.name, int(ctx.resumed), time.time()),
+        )
+        status = "cancelled"
+        try:
+            await ctx.take_inputs()
+            todo = unanswered(await runtimes[0].transcript(ctx.session_id))
+            if todo:
+                await audit.write_many(
+                    "INSERT INTO soak_processed(n, drain_id, execution_id) VALUES (?, ?, ?)",
+                    [(n, row, ctx.execution_id) for n in todo],
+                )
+                writer = await ctx.begin_assistant()
+                call_id = f"work-{row}"
+                await writer.start_tool(call_id, "work", {"inputs": todo})
+                await trio.sleep(rng.uniform(0.0, config.work_max))
+                await writer.settle_tool(call_id, {"done": len(todo)})
+                await writer.append_text(json.dumps(todo))
+                await writer.finish()
+            status = "ok"
+        except LeaseLost:
+            status = "lease_lost"
+            raise
+        finally:
+            t_exit = time.time()
+            with trio.CancelScope(shield=True):  # the exit row is the audit's evidence
+                await audit.write(
+                    "UPDATE soak_drain SET t_exit = ?, status = ? WHERE id = ?",
+                    (t_exit, status, row),
+                )
+
+    async def interrupt_now_and_then(runtime: Runtime) -> None:
+        # Interrupts of local claims and, through phase='cancelling', of other workers'.
+        while config.interrupt_rate > 0:
+            await trio.sleep(rng.expovariate(config.interrupt_rate))
+            if not stop_wakes.exists():
+                await runtime.interrupt(session_name(rng.randrange(config.sessions)))
+
+    async with (
+        open_runtime(
+            Store(config.db),
+            drain,
+            owner_id=config.name,
+            lease=config.lease,
+            recovery_interval=config.recovery_interval,
+            max_resumes=1_000_000,
+            acquisition_hook=hook,
+        ) as runtime,
+        trio.open_nursery() as nursery,
+    ):
+        runtimes.append(runtime)
+        nursery.start_soon(interrupt_now_and_then, runtime)
+        while True:
+            await trio.sleep(rng.uniform(0.02, 0.3))
+            if not stop_wakes.exists():
+                await runtime.wake(session_name(rng.randrange(config.sessions)))
+
+
+# ---------------------------------------------------------------------------------------------
+# The parent: producer, chaos, audit
+
+
+@attrs.define
+class Worker:
+    slot: int
+    name: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+
+@attrs.define
+class SoakResult:
+    kills: int = 0
+    handoff_kills: int = 0
+    inputs: int = 0
+    duplicates_after_kill: int = 0
+    duplicates_after_cancel: int = 0
+    unexpected_duplicates: int = 0
+    unanswered: int = 0
+    stranded_observations: int = 0
+    doorbells_left: int = 0
+    pending_left: int = 0
+    overlaps: int = 0
+    claims_left: int = 0
+    recovery_rows_left: int = 0
+    unexpected_exits: int = 0
+    drains: int = 0
+    executions: int = 0
+    resumed: int = 0
+    statuses: dict[str, int] = attrs.Factory(dict)
+    settled: bool = False
+
+    @property
+    def lost(self) -> int:
+        return self.unanswered + self.stranded_observations + self.doorbells_left
+
+    @property
+    def orphaned(self) -> int:
+        return self.claims_left + self.recovery_rows_left
+
+    @property
+    def ok(self) -> bool:
+        return (
+            self.settled
+            and self.lost == 0
+            and self.overlaps == 0
+            and self.orphaned == 0
+            and self.pending_left == 0
+            and self.unexpected_duplicates == 0
+            and self.unexpected_exits == 0
+        )
+
+
+class Soak:
+    def __init__(self, args: argparse.Namespace, workdir: Path) -> None:
+        self.args = args
+        self.workdir = workdir
+        self.db = workdir / "soak.db"
+        self.control = workdir / "control"
+        self.control.mkdir()
+        self.rng = random.Random(args.seed)
+        self.generation = 0
+        self.workers: dict[int, Worker] = {}
+        self.result = SoakResult()
+        self.restart_at: dict[int, float] = {}
+        self.next_n = 1
+        conn = _sqlite.connect(self.db)
+        conn.executescript(AUDIT_SCHEMA)
+        self.conn = conn
+
+    # -- workers --------------------------------------------------------------------------------
+
+    def spawn(self, slot: int) -> None:
+        self.generation += 1
+        name = f"w{slot}.{self.generation}"
+        log = self.workdir / f"{name}.log"
+        with open(log, "wb") as out:
+            process = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "trio_sessions.soak",
+                    "--worker",
+                    name,
+                    "--db",
+                    str(self.db),
+                    "--control",
+                    str(self.control),
+                    "--sessions",
+                    str(self.args.sessions),
+                    "--lease",
+                    str(self.args.lease),
+                    "--recovery-interval",
+                    str(self.args.recovery_interval),
+                    "--work-max",
+                    str(self.args.work_max),
+                    "--interrupt-rate",
+                    str(self.args.interrupt_rate),
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        self.workers[slot] = Worker(slot, name, process, log)
+
+    def kill(self, worker: Worker, *, in_handoff: bool) -> None:
+        worker.process.kill()
+        worker.process.wait()
+        # Taken after the process was reaped: no drain of it can run later than this.
+        self.conn.execute(
+            "INSERT INTO soak_kill(worker, t, in_handoff) VALUES (?, ?, ?)",
+            (worker.name, time.time(), int(in_handoff)),
+        )
+        self.result.kills += 1
+        self.result.handoff_kills += int(in_handoff)
+        for path in (self.control / f"pause.{worker.name}", self.control / f"paused.{worker.name}"):
+            path.unlink(missing_ok=True)
+        del self.workers[worker.slot]
+
+    def check_exits(self) -> None:
+        for worker in list(self.workers.values()):
+            if worker.process.poll() is not None:
+                self.result.unexpected_exits += 1
+                tail = worker.log.read_text(errors="replace")[-2000:]
+                print(
+                    f"soak: worker {worker.name} exited by itself"
+                    f" (status {worker.process.returncode}):\n{tail}",
+                    file=sys.stderr,
+                )
+                del self.workers[worker.slot]
+                self.spawn(worker.slot)
+
+    # -- producer and sampling -------------------------------------------------------------------
+
+    def submit_one(self) -> None:
+        n = self.next_n
+        self.next_n += 1
+        session_id = session_name(self.rng.randrange(self.args.sessions))
+        payload = _codec.dumps({"n": n})
+        _sqlite.run_op(self.conn, time.time, _store.submit, session_id, payload, f"in-{n}")
+        self.conn.execute(
+            "INSERT INTO soak_submitted(n, session_id, t) VALUES (?, ?, ?)",
+            (n, session_id, time.time()),
+        )
+        self.result.inputs += 1
+
+    def sample_stranded(self) -> None:
+        stranded = int(self.conn.execute(STRANDED_SQL).fetchone()[0])
+        if stranded:
+            print(f"soak: {stranded} session(s) with a pending input, no doorbell, no claim")
+        self.result.stranded_observations += stranded
+
+    # -- phases --------------------------------------------------------------------------------
+
+    def chaos(self) -> None:
+        """Produce, kill and restart until the duration is over."""
+        args = self.args
+        start = time.monotonic()
+        end = start + args.duration
+        next_submit = start
+        next_kill = start + self.rng.uniform(*args.kill_gap)
+        next_sample = start
+        handoff: tuple[Worker, float] | None = None
+        while (now := time.monotonic()) < end:
+            while next_submit <= now:
+                self.submit_one()
+                next_submit += 1.0 / args.rate
+            if handoff is not None:
+                worker, deadline = handoff
+                paused = (self.control / f"paused.{worker.name}").exists()
+                if paused or now >= deadline:
+                    self.kill(worker, in_handoff=paused)
+                    self.restart_at[worker.slot] = now + self.rng.uniform(0.0, 0.5)
+                    handoff = None
+                    next_kill = now + self.rng.uniform(*args.kill_gap)
+            elif now >= next_kill and self.workers:
+                worker = self.rng.choice(list(self.workers.values()))
+                if self.rng.random() < args.handoff_ratio:
+                    (self.control / f"pause.{worker.name}").touch()
+                    handoff = (worker, now + 2.0)
+                else:
+                    self.kill(worker, in_handoff=False)
+                    self.restart_at[worker.slot] = now + self.rng.uniform(0.0, 0.5)
+                    next_kill = now + self.rng.uniform(*args.kill_gap)
+            for slot, when in list(self.restart_at.items()):
+                if when <= now:
+                    del self.restart_at[slot]
+                    self.spawn(slot)
+            if now >= next_sample:
+                self.sample_stranded()
+                self.check_exits()
+                next_sample = now + 0.25
+            time.sleep(0.005)
+        if handoff is not None:  # a hook paused for a kill that is due now
+            worker, _ = handoff
+            self.kill(worker, in_handoff=(self.control / f"paused.{worker.name}").exists())
+        for slot in range(args.workers):
+            if slot not in self.workers:
+                self.spawn(slot)
+        self.restart_at.clear()
+
+    def settle(self) -> None:
+        """No more chaos or wakes: give the survivors the lease plus scans to finish."""
+        (self.control / "stop-wakes").touch()
+        args = self.args
+        if args.interrupt_rate > 0:
+            # Inputs taken by an interrupted drain are answered by the session's next drain;
+            # one wake per session (as from a process that runs no drains) brings it. Lost
+            # wakes are still caught: the stranded-input sampling never stops.
+            time.sleep(0.5)
+            for index in range(args.sessions):
+                _sqlite.run_op(self.conn, time.time, _store.wake, session_name(index))
+        earliest = time.monotonic() + args.lease + args.recovery_interval
+        deadline = time.monotonic() + args.settle_timeout
+        while time.monotonic() < deadline:
+            self.sample_stranded()
+            self.check_exits()
+            if time.monotonic() >= earliest and self.quiescent():
+                self.result.settled = True
+                return
+            time.sleep(0.2)
+
+    def quiescent(self) -> bool:
+        left = self.conn.execute(
+            "SELECT (SELECT COUNT(*) FROM session_input), (SELECT COUNT(*) FROM session"
+            " WHERE time_woken IS NOT NULL), (SELECT COUNT(*) FROM session_execution),"
+            " (SELECT COUNT(*) FROM session_recovery)"
+        ).fetchone()
+        return tuple(left) == (0, 0, 0, 0) and not self.unanswered_inputs()
+
+    def unanswered_inputs(self) -> set[int]:
+        answered = answered_numbers(
+            data
+            for (data,) in self.conn.execute(
+                "SELECT data FROM session_message WHERE role = 'assistant'"
+            )
+        )
+        submitted = {n for (n,) in self.conn.execute("SELECT n FROM soak_submitted")}
+        return submitted - answered
+
+    def audit(self) -> None:
+        result = self.result
+        result.unanswered = len(self.unanswered_inputs())
+        (
+            result.pending_left,
+            result.doorbells_left,
+            result.claims_left,
+            result.recovery_rows_left,
+        ) = self.conn.execute(
+            "SELECT (SELECT COUNT(*) FROM session_input), (SELECT COUNT(*) FROM session"
+            " WHERE time_woken IS NOT NULL), (SELECT COUNT(*) FROM session_execution),"
+            " (SELECT COUNT(*) FROM session_recovery)"
+        ).fetchone()
+        kills = dict(self.conn.execute("SELECT worker, t FROM soak_kill"))
+        drains = self.conn.execute(
+            "SELECT id, session_id, execution_id, worker, resumed, t_enter, t_exit, status"
+            " FROM soak_drain ORDER BY id"
+        ).fetchall()
+        result.drains = len(drains)
+        for *_, status in drains:
+            key = status or "killed"
+            result.statuses[key] = result.statuses.get(key, 0) + 1
+        result.overlaps = self.count_overlaps(drains, kills)
+        killed_drains = {
+            drain_id
+            for drain_id, _, _, worker, _, _, t_exit, _ in drains
+            if t_exit is None and worker in kills
+        }
+        # Interrupted (or lease-lost) drains end 'cancelled': their inputs are answered again.
+        cancelled_drains = {
+            drain_id for drain_id, *_, status in drains if status in ("cancelled", "lease_lost")
+        }
+        processed: dict[int, list[int]] = {}
+        for n, drain_id in self.conn.execute(
+            "SELECT n, drain_id FROM soak_processed ORDER BY drain_id"
+        ):
+            processed.setdefault(n, []).append(drain_id)
+        for drain_ids in processed.values():
+            for earlier in drain_ids[:-1]:
+                if earlier in killed_drains:
+                    result.duplicates_after_kill += 1
+                elif earlier in cancelled_drains:
+                    result.duplicates_after_cancel += 1
+                else:
+                    result.unexpected_duplicates += 1
+
+    def count_overlaps(self, drains: list[Any], kills: dict[str, float]) -> int:
+        """Intervals of different executions of one session must never overlap."""
+        executions: dict[str, list[Any]] = {}
+        for _, session_id, execution_id, worker, resumed, t_enter, t_exit, _ in drains:
+            end = t_exit if t_exit is not None else kills.get(worker, float("inf"))
+            span = executions.setdefault(execution_id, [session_id, t_enter, end])
+            span[1] = min(span[1], t_enter)
+            span[2] = max(span[2], end)
+            self.result.resumed += int(resumed)
+        self.result.executions = len(executions)
+        by_session: dict[str, list[tuple[float, float, str]]] = {}
+        for execution_id, (session_id, start, end) in executions.items():
+            by_session.setdefault(session_id, []).append((start, end, execution_id))
+        overlaps = 0
+        for session_id, spans in by_session.items():
+            spans.sort()
+            latest_end, latest_id = float("-inf"), ""
+            for start, end, execution_id in spans:
+                if start < latest_end:
+                    overlaps += 1
+                    print(
+                        f"soak: OVERLAP on {session_id}: {execution_id} entered at {start:.3f}"
+                        f" while {latest_id} ran until {latest_end:.3f}"
+                    )
+                if end > latest_end:
+                    latest_end, latest_id = end, execution_id
+        return overlaps
+
+    def stop(self) -> None:
+        for worker in list(self.workers.values()):
+            worker.process.kill()
+            worker.process.wait()
+        self.workers.clear()
+        self.conn.close()
+
+
+def run_soak(args: argparse.Namespace) -> int:
+    workdir = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="trio-soak-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    print(
+        f"soak: workers={args.workers} sessions={args.sessions} duration={args.duration}s"
+        f" rate={args.rate}/s lease={args.lease}s recovery_interval={args.recovery_interval}s"
+        f" seed={args.seed} dir={workdir}",
+        flush=True,
+    )
+    soak = Soak(args, workdir)
+    try:
+        for slot in range(args.workers):
+            soak.spawn(slot)
+        soak.chaos()
+        soak.settle()
+        soak.audit()
+    finally:
+        soak.stop()
+    result = soak.result
+    print(
+        f"soak: settled={result.settled} handoff_kills={result.handoff_kills}"
+        f" drains={result.drains} executions={result.executions} resumed={result.resumed}"
+        f" statuses={result.statuses}"
+        f" duplicates_after_cancel={result.duplicates_after_cancel}"
+    )
+    print(
+        f"soak: unanswered={result.unanswered}"
+        f" stranded_observations={result.stranded_observations}"
+        f" doorbells_left={result.doorbells_left} pending_left={result.pending_left}"
+        f" claims_left={result.claims_left} recovery_rows_left={result.recovery_rows_left}"
+        f" unexpected_duplicates={result.unexpected_duplicates}"
+        f" unexpected_exits={result.unexpected_exits}"
+    )
+    if result.ok and not args.keep:
+        shutil.rmtree(workdir, ignore_errors=True)
+    elif not result.ok:
+        print(f"soak: VIOLATION; evidence kept in {workdir}")
+    print(
+        f"kills={result.kills} inputs={result.inputs}"
+        f" duplicates_after_kill={result.duplicates_after_kill} lost={result.lost}"
+        f" overlaps={result.overlaps} orphaned={result.orphaned}",
+        flush=True,
+    )
+    return 0 if result.ok else 1
+
+
+def worker_main(args: argparse.Namespace) -> None:
+    """The `--worker` side of `python -m trio_sessions.soak`."""
+    config = WorkerConfig(
+        name=args.worker,
+        db=Path(args.db),
+        control=Path(args.control),
+        sessions=args.sessions,
+        lease=args.lease,
+        recovery_interval=args.recovery_interval,
+        work_max=args.work_max,
+        interrupt_rate=args.interrupt_rate,
+    )
+    trio.run(run_worker, config)
