@@ -62,6 +62,7 @@ class WorkerSettings:
     owner: str | None = None
     log_level: str = "INFO"
     lease: float | None = None
+    recovery_interval: float | None = None
 
 
 def add_parser(commands: Any) -> None:
@@ -94,6 +95,12 @@ def add_parser(commands: Any) -> None:
         help=f"{', '.join(LOG_LEVELS)} (env {ENV_LOG_LEVEL}; default INFO)",
     )
     parser.add_argument("--lease", metavar="S", help="lease in seconds (default 30)")
+    parser.add_argument(
+        "--recovery-interval",
+        metavar="S",
+        help="seconds between recovery passes: how soon a dead worker's sessions are taken"
+        " over once their leases ran out (default 5)",
+    )
 
 
 def settings_from(args: argparse.Namespace, environ: Mapping[str, str]) -> WorkerSettings:
@@ -118,6 +125,9 @@ def settings_from(args: argparse.Namespace, environ: Mapping[str, str]) -> Worke
         owner=pick(args.owner, ENV_OWNER),
         log_level=log_level,
         lease=None if args.lease is None else _positive_float(args.lease, "lease"),
+        recovery_interval=None
+        if args.recovery_interval is None
+        else _positive_float(args.recovery_interval, "recovery-interval"),
     )
 
 
@@ -196,12 +206,15 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
 
 def runtime_options(settings: WorkerSettings) -> dict[str, Any]:
     """`open_runtime`'s keyword arguments: only the ones the operator set, so the
-    runtime's own defaults apply otherwise (`max_active` unlimited, `lease` 30 s)."""
+    runtime's own defaults apply otherwise (`max_active` unlimited, `lease` 30 s,
+    `recovery_interval` 5 s)."""
     options: dict[str, Any] = {"owner_id": settings.owner}
     if settings.max_active is not None:
         options["max_active"] = settings.max_active
     if settings.lease is not None:
         options["lease"] = settings.lease
+    if settings.recovery_interval is not None:
+        options["recovery_interval"] = settings.recovery_interval
     return options
 
 
