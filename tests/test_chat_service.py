@@ -107,6 +107,7 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
         for name in ("chat-a", "chat-b")
     }  # fmt: skip
     processes = [web, *workers.values()]
+    stopped: list[subprocess.Popen[bytes]] = []
     try:
         url = _wait_for(lambda: _listening(logs / "web.log"), "the web process to listen", logs)
         _wait_for(lambda: _healthy(url), "/health", logs)
@@ -117,12 +118,16 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
         for process in processes:
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
+                stopped.append(process)
         for process in processes:
             try:
                 process.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+    # A graceful stop: every process still running was stopped by SIGTERM with status 0.
+    output = "\n".join(f"--- {p.name}\n{p.read_text()}" for p in sorted(logs.iterdir()))
+    assert [process.returncode for process in stopped] == [0] * len(stopped), output
 
 
 async def transcript(client: httpx.AsyncClient, session: str) -> list[dict[str, Any]]:
