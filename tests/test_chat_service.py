@@ -158,8 +158,8 @@ async def until_answers(
     pytest.fail(f"session {session}: no answer in {DEADLINE}s\n{service.output()}")
 
 
-def long_question(tag: str) -> str:
-    return " ".join(f"{tag}{n}" for n in range(WORDS))
+def long_question(tag: str, words: int = WORDS) -> str:
+    return " ".join(f"{tag}{n}" for n in range(words))
 
 
 async def post(client: httpx.AsyncClient, session: str, text: str, **headers: str) -> str:
@@ -227,7 +227,7 @@ async def read_events(
 async def test_the_event_stream_delivers_growing_snapshots(service: Service) -> None:
     """GET /events streams the user message, then snapshots of the streamed answer in write
     order, up to the finished one."""
-    question = long_question("s")
+    question = long_question("s", 30)
     expected = f"You said: {question}"
     responded = trio.Event()
     result: list[tuple[bytes, list[dict[str, Any]]]] = []
