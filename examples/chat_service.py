@@ -171,24 +171,27 @@ class ChatApp:
     ) -> None:
         """Server-sent events: one `data:` line per message snapshot, until the client leaves."""
         after_seq = int(_query(scope).get("after_seq", "0"))
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [
-                    (b"content-type", b"text/event-stream"),
-                    (b"cache-control", b"no-cache"),
-                ],
-            }
-        )
-        disconnected = trio.Event()
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope, disconnected)
-            async with self.runtime.watch(session_id, after_seq=after_seq) as updates:
+        # Entered before the response starts: a bad session id is still a plain 400.
+        async with self.runtime.watch(session_id, after_seq=after_seq) as updates:
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [
+                        (b"content-type", b"text/event-stream"),
+                        (b"cache-control", b"no-cache"),
+                    ],
+                }
+            )
+            disconnected = trio.Event()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(
+                    _cancel_on_disconnect, receive, nursery.cancel_scope, disconnected
+                )
                 async for message in updates:
                     event = f"data: {json.dumps(message.to_json())}\n\n".encode()
                     await send({"type": "http.response.body", "body": event, "more_body": True})
-            nursery.cancel_scope.cancel()  # the runtime closed: end the stream
+                nursery.cancel_scope.cancel()  # the runtime closed: end the stream
         if not disconnected.is_set():
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 

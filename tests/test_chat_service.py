@@ -253,6 +253,25 @@ async def test_the_event_stream_delivers_growing_snapshots(service: Service) -> 
     assert texts[-1] == expected
 
 
+async def test_bad_requests_get_a_4xx_and_store_nothing(service: Service) -> None:
+    """A body that is not {"text": ...}, a session id over 200 characters (also for the event
+    stream) and an unknown path are refused with a JSON error; nothing is stored."""
+    long_id = "x" * 201
+    async with httpx.AsyncClient(base_url=service.url, timeout=5) as client:
+        for path, body in [
+            ("/sessions/bad/messages", b"not json"),
+            ("/sessions/bad/messages", b'{"text": 1}'),
+            (f"/sessions/{long_id}/messages", b'{"text": "hi"}'),
+        ]:
+            response = await client.post(path, content=body)
+            assert response.status_code == 400, response.text
+            assert "error" in response.json()
+        assert (await client.get(f"/sessions/{long_id}/events")).status_code == 400
+        assert (await client.get("/sessions/bad/nothing")).status_code == 404
+        assert (await client.get("/sessions/bad/messages")).status_code == 405
+        assert await transcript(client, "bad") == []
+
+
 async def test_an_interrupt_mid_answer_ends_that_answer_interrupted(service: Service) -> None:
     """POST /interrupt while a worker streams an answer: the answer ends 'interrupted' after
     a few words, and the session answers the next message normally (not the cut one)."""
