@@ -10,6 +10,15 @@ session's claim, so a drain that lost its lease can never write again.
 An interrupt cancels the drain wherever it is - here inside a slow tool call. The runtime
 then finishes the open assistant message with `error="interrupted"` and fails the running
 tool call the same way; the drain needs no cleanup code of its own.
+
+Resume: if the process dies mid-answer, another runtime resumes the drain after the lease
+runs out (`ctx.resumed`). The dead owner had already taken the inputs, so the drain finds
+the question it still owes an answer to in the transcript (`owed`), not among the inputs.
+Recovery closed the dead owner's answer as "interrupted: owner lost", failing its running
+tool calls the same way: such a call may or may not have happened. A tool with side effects
+(a payment, an e-mail) must not simply run again: give it an idempotency key that is the same
+on every attempt (here the call id, made from the user message's id) and let it check
+whether that key already happened before doing it again.
 """
 
 from __future__ import annotations
@@ -38,15 +47,30 @@ def run_tool(name: str, args: dict[str, Any]) -> Any:
     return {"city": args.get("city"), "forecast": "mild"} if name == "weather" else []
 
 
+def owed(transcript: list[trio_sessions.Message]) -> list[trio_sessions.Message]:
+    """The user messages after the last answer, looking past answers a dead owner left
+    unfinished (recovery closed them as "interrupted: owner lost"): those are still owed."""
+    unanswered: list[trio_sessions.Message] = []
+    for message in reversed(transcript):
+        if message.role == "assistant" and message.data.error != "interrupted: owner lost":
+            break
+        if message.role == "user":
+            unanswered.insert(0, message)
+    return unanswered
+
+
 async def agent(ctx: trio_sessions.DrainContext) -> None:
-    inputs = await ctx.take_inputs()
-    if not inputs:
-        return  # a wake with nothing new to answer
-    question = " ".join(str(item.payload["text"]) for item in inputs)
+    await ctx.take_inputs()  # pending inputs become user messages, atomically
+    questions = owed(await ctx.transcript())
+    if not questions:
+        return  # a wake with nothing left to answer
+    question = " ".join(str(message.data["text"]) for message in questions)
     reply = await ctx.begin_assistant()
     await reply.append_text("Looking into it. ")
     for n, (name, args, seconds) in enumerate(plan(question)):
-        call_id = f"call-{n}"
+        # The same id on every attempt at this turn: a side-effecting tool uses it as its
+        # idempotency key (a resumed drain runs the plan again).
+        call_id = f"{questions[-1].id}-{n}"
         await reply.start_tool(call_id, name, args)
         await trio.sleep(seconds)  # the tool's work; an interrupt cancels it right here
         await reply.settle_tool(call_id, run_tool(name, args))

@@ -3,7 +3,12 @@
 Run it: `python examples/basic.py`. It uses a temporary SQLite file; pass a path to keep it.
 
 The drain is an async function taking a `DrainContext`. It takes the session's pending
-inputs (each becomes a user message, atomically) and writes one assistant message per input.
+inputs (each becomes a user message, atomically), then answers the user messages still owed
+an answer with one assistant message. It finds them in the transcript rather than among the
+inputs it took: after a crash the runtime resumes the drain (`ctx.resumed`), but the dead
+owner had already taken the inputs, so `take_inputs()` returns nothing for them. Its
+unfinished answer was closed as "interrupted: owner lost", so `owed` looks past it.
+
 `submit` is durable when it returns: had this process died right after it, the next runtime
 opened on the same file would have found the input and drained it.
 """
@@ -19,12 +24,27 @@ import trio
 import trio_sessions
 
 
+def owed(transcript: list[trio_sessions.Message]) -> list[trio_sessions.Message]:
+    """The user messages after the last answer, looking past answers a dead owner left
+    unfinished (recovery closed them as "interrupted: owner lost"): those are still owed."""
+    unanswered: list[trio_sessions.Message] = []
+    for message in reversed(transcript):
+        if message.role == "assistant" and message.data.error != "interrupted: owner lost":
+            break
+        if message.role == "user":
+            unanswered.insert(0, message)
+    return unanswered
+
+
 async def echo(ctx: trio_sessions.DrainContext) -> None:
-    """Answer every pending input of the session with one assistant message."""
-    for item in await ctx.take_inputs():
-        reply = await ctx.begin_assistant()
-        await reply.append_text(f"You said: {item.payload['text']}")
-        await reply.finish()
+    """Answer the session's unanswered user messages with one assistant message."""
+    await ctx.take_inputs()  # pending inputs become user messages, atomically
+    questions = owed(await ctx.transcript())
+    if not questions:
+        return  # a wake with nothing left to answer
+    reply = await ctx.begin_assistant()
+    await reply.append_text("You said: " + " / ".join(m.data["text"] for m in questions))
+    await reply.finish()
 
 
 def show(message: trio_sessions.Message) -> str:

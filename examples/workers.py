@@ -5,10 +5,12 @@ every order is answered, and exits non-zero if that does not happen within a dea
 
 * The producer (this process) opens its runtime with `drain=None`: it only records inputs
   and their wakes, durably, and never claims a session.
-* Each worker process opens a runtime on the same file. Its recovery task starts, every
-  `recovery_interval`, the sessions whose doorbell is set but which nobody claims; the
-  claim guarantees that exactly one worker drains a session at a time, and inputs arriving
-  while a worker drains a session coalesce into that worker's next drain iteration.
+* Each worker process opens a runtime on the same file. It notices the producer's commits
+  within milliseconds and starts the sessions whose doorbell is set but which nobody
+  claims; the claim guarantees that exactly one worker drains a session at a time, and
+  inputs arriving while a worker drains a session coalesce into that worker's next drain
+  iteration. A worker that dies mid-answer is resumed by another after its lease: the
+  drain finds the orders still owed in the transcript (`owed`).
 * A worker stops when its standard input closes: the producer closes it when done (and the
   operating system closes it if the producer dies), so no worker outlives the example.
 """
@@ -35,12 +37,27 @@ DEADLINE = 30.0  # seconds for the whole run, workers' start-up included
 # Worker processes
 
 
+def owed(transcript: list[trio_sessions.Message]) -> list[trio_sessions.Message]:
+    """The user messages after the last answer, looking past answers a dead owner left
+    unfinished (recovery closed them as "interrupted: owner lost"): those are still owed."""
+    unanswered: list[trio_sessions.Message] = []
+    for message in reversed(transcript):
+        if message.role == "assistant" and message.data.error != "interrupted: owner lost":
+            break
+        if message.role == "user":
+            unanswered.insert(0, message)
+    return unanswered
+
+
 async def work(name: str, db: Path) -> None:
     async def pack_orders(ctx: trio_sessions.DrainContext) -> None:
-        inputs = await ctx.take_inputs()
-        if not inputs:
+        await ctx.take_inputs()  # pending inputs become user messages, atomically
+        # From the transcript, not the inputs: a drain resumed after its worker died finds
+        # there the orders the dead worker had taken but not packed.
+        questions = owed(await ctx.transcript())
+        if not questions:
             return
-        orders = [item.payload["order"] for item in inputs]
+        orders = [message.data["order"] for message in questions]
         reply = await ctx.begin_assistant()
         await reply.start_tool("pack", "pack_orders", {"orders": orders})
         await trio.sleep(0.1 * len(orders))  # the work itself
@@ -82,6 +99,8 @@ def packed_by(conn: sqlite3.Connection) -> dict[str, int]:
     counts: dict[str, int] = {}
     for (data,) in conn.execute("SELECT data FROM session_message WHERE role = 'assistant'"):
         message = json.loads(data)
+        if message["error"] is not None:
+            continue  # cut off (a worker died): its orders were packed by a resumed drain
         pack = next(p for p in message["parts"] if p["type"] == "tool")
         worker = message["parts"][-1]["text"].split()[0]
         counts[worker] = counts.get(worker, 0) + pack["output"]["packed"]

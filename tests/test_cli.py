@@ -13,11 +13,14 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import backends
 import pytest
 import trio
+from backends import PgLocation
 from conftest import query
 
 import trio_sessions
@@ -33,43 +36,74 @@ def _op(conn: sqlite3.Connection, at: float, op: Any, *args: Any) -> Any:
     return _sqlite.run_op(conn, lambda: at, op, *args)
 
 
-def _seed_quarantined(conn: sqlite3.Connection, now: float) -> None:
+# Seeding runs store operations at chosen instants (`Op`) plus an operator's raw statement
+# (`Execute`), so one seed serves the SQLite file and the PostgreSQL schema.
+Op = Callable[..., Any]  # op(at, store_operation, *args)
+Execute = Callable[[str, tuple[Any, ...]], None]
+
+
+def _seed_quarantined(op: Op, execute: Execute, now: float) -> None:
     """A dead owner's expired claim whose assistant message no longer decodes, with an
     untaken input and no doorbell (taken by the owner's last finish), quarantined."""
     dead_at = now - DEAD_FOR
-    _op(conn, dead_at, _store.submit, "poison", '{"text": "first"}', "in-poison-1")
-    _op(conn, dead_at, _store.acquire, "poison", "exec-poison", "owner-dead", 10_000)
-    _op(conn, dead_at, _store.take_inputs, "exec-poison", "owner-dead")
-    _op(conn, dead_at, _store.begin_assistant, "exec-poison", "owner-dead", "msg-poison")
-    _op(conn, dead_at, _store.submit, "poison", '{"text": "second"}', "in-poison-2")
-    conn.execute("UPDATE session SET time_woken = NULL, wakes = 0 WHERE id = 'poison'")
-    conn.execute("UPDATE session_message SET data = ? WHERE id = 'msg-poison'", (MALFORMED,))
+    op(dead_at, _store.submit, "poison", '{"text": "first"}', "in-poison-1")
+    op(dead_at, _store.acquire, "poison", "exec-poison", "owner-dead", 10_000)
+    op(dead_at, _store.take_inputs, "exec-poison", "owner-dead")
+    op(dead_at, _store.begin_assistant, "exec-poison", "owner-dead", "msg-poison")
+    op(dead_at, _store.submit, "poison", '{"text": "second"}', "in-poison-2")
+    execute("UPDATE session SET time_woken = NULL, wakes = 0 WHERE id = 'poison'", ())
+    execute("UPDATE session_message SET data = ? WHERE id = 'msg-poison'", (MALFORMED,))
     candidate = _store.Candidate("poison", "exec-poison")
-    assert _op(conn, now, _store.take_recovery_leases, "owner-rec", 30_000, [candidate])
-    result = _op(conn, now, _store.apply_recovery, "owner-rec", candidate, "new", 30_000, 10)
+    assert op(now, _store.take_recovery_leases, "owner-rec", 30_000, [candidate])
+    result = op(now, _store.apply_recovery, "owner-rec", candidate, "new", 30_000, 10)
     assert result.decision is RecoveryDecision.QUARANTINE
 
 
-def seed(path: Path) -> None:
-    """Seed relative to the wall clock now: the CLI reads leases against the wall clock."""
+def seed_operations(op: Op, execute: Execute) -> None:
+    """Seed relative to the wall clock now: the CLI reads leases against the wall clock (or
+    the PostgreSQL server's, on this same host)."""
     now = time.time()
     dead_at = now - DEAD_FOR
+    op(now - 50, _store.submit, "idle", '{"text": "hi"}', "in-idle")
+    op(now - 50, _store.acquire, "idle", "exec-idle", "owner-a", 60_000)
+    op(now - 50, _store.take_inputs, "exec-idle", "owner-a")
+    op(now - 50, _store.finish_iteration, "exec-idle", "owner-a")
+    op(now - 5, _store.submit, "pending", '{"text": "1"}', "in-pending-1")
+    op(now - 4, _store.submit, "pending", '{"text": "2"}', "in-pending-2")
+    op(now - 3, _store.submit, "live", '{"text": "go"}', "in-live")
+    op(now - 3, _store.acquire, "live", "exec-live", "owner-live", LIVE_LEASE_MS)
+    op(now - 2, _store.heartbeat, "owner-live", ["exec-live"], LIVE_LEASE_MS)
+    op(dead_at, _store.submit, "expired", '{"text": "x"}', "in-expired")
+    op(dead_at, _store.acquire, "expired", "exec-expired", "owner-dead", 10_000)
+    _seed_quarantined(op, execute, now)
+
+
+def seed(path: Path) -> None:
     conn = _sqlite.connect(path)
+
+    def execute(sql: str, params: tuple[Any, ...]) -> None:
+        conn.execute(sql, params)
+
     try:
-        _op(conn, now - 50, _store.submit, "idle", '{"text": "hi"}', "in-idle")
-        _op(conn, now - 50, _store.acquire, "idle", "exec-idle", "owner-a", 60_000)
-        _op(conn, now - 50, _store.take_inputs, "exec-idle", "owner-a")
-        _op(conn, now - 50, _store.finish_iteration, "exec-idle", "owner-a")
-        _op(conn, now - 5, _store.submit, "pending", '{"text": "1"}', "in-pending-1")
-        _op(conn, now - 4, _store.submit, "pending", '{"text": "2"}', "in-pending-2")
-        _op(conn, now - 3, _store.submit, "live", '{"text": "go"}', "in-live")
-        _op(conn, now - 3, _store.acquire, "live", "exec-live", "owner-live", LIVE_LEASE_MS)
-        _op(conn, now - 2, _store.heartbeat, "owner-live", ["exec-live"], LIVE_LEASE_MS)
-        _op(conn, dead_at, _store.submit, "expired", '{"text": "x"}', "in-expired")
-        _op(conn, dead_at, _store.acquire, "expired", "exec-expired", "owner-dead", 10_000)
-        _seed_quarantined(conn, now)
+        seed_operations(lambda at, op, *args: _op(conn, at, op, *args), execute)
     finally:
         conn.close()
+
+
+def seed_postgres(location: PgLocation) -> None:
+    from trio_sessions import _postgres
+
+    engine = _postgres.PostgresStore(location.url, schema=location.schema).engine()
+    engine.open()
+
+    def op(at: float, operation: Any, *args: Any) -> Any:
+        engine.clock = lambda: at
+        return _postgres.run_op(engine, operation, *args)
+
+    try:
+        seed_operations(op, lambda sql, params: backends.write(location, sql, params))
+    finally:
+        engine.close()
 
 
 @pytest.fixture
@@ -534,3 +568,68 @@ def test_inputs_list_and_drop_a_rejected_input(
     assert result == {"input_id": "in-bad", "session_id": "badin", "action": "drop"}
     assert query(seeded, "SELECT * FROM session_input_rejected") == []
     assert cli_json(capsys, "inputs", "list", str(seeded)) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# PostgreSQL: the same commands on a URL
+
+
+def test_every_command_takes_a_postgres_url(
+    pg_url: str, pg_schema: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """status, health, quarantine and inputs work on a postgresql:// URL (with --schema) as
+    on a file: the same sessions, leases read against the server's clock, the same release."""
+    location = PgLocation(pg_url, pg_schema)
+    seed_postgres(location)
+    db = (pg_url, "--schema", pg_schema)
+    status = cli_json(capsys, "status", *db)
+    sessions = {s["id"]: s for s in status["sessions"]}
+    assert sorted(sessions) == ["expired", "idle", "live", "pending", "poison"]
+    assert sessions["live"]["claim"]["expired"] is False
+    assert sessions["live"]["claim"]["lease_remaining_s"] > 500
+    assert sessions["expired"]["claim"]["expired_since_s"] > 80
+    assert sessions["pending"]["pending_inputs"] == 2
+    assert sessions["poison"]["claim"]["quarantined"] is True
+    expired = cli_json(capsys, "status", *db, "--state", "expired")
+    assert [s["id"] for s in expired["sessions"]] == ["expired", "poison"]
+    code, out, _ = cli(capsys, "status", *db)
+    assert code == 0 and "owner-live" in out
+    health = cli_json(capsys, "health", *db)
+    assert health["ok"] is True and health["schema_version"] == health["expected_schema_version"]
+    rows = cli_json(capsys, "quarantine", "list", *db)
+    assert [(r["execution_id"], r["claim_owner_id"]) for r in rows] == [
+        ("exec-poison", "owner-dead")
+    ]
+    assert cli_json(capsys, "inputs", "list", *db) == []
+    code, _, err = cli(capsys, "inputs", "drop", *db, "no-such-input")
+    assert code == 1 and "'no-such-input' is not a rejected input" in err
+    result = cli_json(capsys, "quarantine", "release", *db, "exec-poison", "--drop")
+    assert result == {"execution_id": "exec-poison", "session_id": "poison", "action": "drop"}
+    assert query(location, "SELECT id FROM session_execution WHERE id = 'exec-poison'") == []
+    assert cli_json(capsys, "quarantine", "list", *db) == []
+
+
+def test_a_postgres_schema_that_is_not_ours_is_refused_and_not_migrated(
+    pg_url: str, pg_schema: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A reachable database whose schema holds no store: every command exits 1 saying so,
+    health included, and nothing is created in it."""
+    code, _, err = cli(capsys, "status", pg_url, "--schema", pg_schema)
+    assert code == 1 and "is not a trio_sessions store" in err
+    code, out, err = cli(capsys, "health", pg_url, "--schema", pg_schema)
+    assert (code, out) == (1, "")
+    assert err.startswith("unhealthy: ") and "schema version 0 is not the current" in err
+    tables = query(
+        PgLocation(pg_url, pg_schema),
+        "SELECT table_name FROM information_schema.tables WHERE table_schema = ?",
+        (pg_schema,),
+    )
+    assert tables == []
+
+
+def test_schema_needs_a_url(seeded: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--schema with an SQLite path is a usage error (exit 2)."""
+    with pytest.raises(SystemExit) as exited:
+        _cli.main(["status", str(seeded), "--schema", "other"])
+    assert exited.value.code == 2
+    assert "--schema needs a postgresql:// URL" in capsys.readouterr().err

@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
+import trio
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+import trio_sessions
+
+TESTS = Path(__file__).resolve().parent
+EXAMPLES = TESTS.parent / "examples"
 TIMEOUT = 60
+DEADLINE = 20.0  # seconds a real process gets to reach an expected state
 
 
 def run_example(name: str) -> str:
@@ -33,6 +41,61 @@ def test_basic_answers_each_input_in_order() -> None:
         "3. user: how are you?",
         "4. assistant: You said: how are you?",
     ]
+
+
+def load_example(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+async def until_transcript(runtime: trio_sessions.Runtime, session: str, length: int) -> None:
+    with trio.fail_after(DEADLINE):
+        while len(await runtime.transcript(session)) < length:
+            await trio.sleep(0.05)
+
+
+@pytest.mark.slow
+async def test_basic_answers_the_question_a_sigkilled_owner_left_owed(tmp_path: Path) -> None:
+    """basic.py's drain, resumed after the owner that took the input was SIGKILLed mid-answer,
+    finds the question in the transcript and answers it (take_inputs returns nothing)."""
+    echo = load_example("basic").echo
+    db = tmp_path / "sessions.db"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRIO_SESSIONS_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))
+    async with trio_sessions.open_runtime(db, None) as producer:
+        await producer.submit("greeting", {"text": "hello", "hold": True})
+        # worker_drain:reply takes the input, writes "holding" and waits: killed there.
+        owner = await trio.lowlevel.open_process(
+            [
+                sys.executable,
+                "-m",
+                "trio_sessions",
+                "worker",
+                "worker_drain:reply",
+                "--store",
+                str(db),
+                "--lease",
+                "1",
+            ],
+            env=env,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            await until_transcript(producer, "greeting", 2)
+        finally:
+            owner.kill()
+            await owner.wait()
+    async with trio_sessions.open_runtime(db, echo, lease=1, recovery_interval=0.1) as runtime:
+        await until_transcript(runtime, "greeting", 3)
+        await runtime.wait_idle("greeting")
+        user, cut, answer = await runtime.transcript("greeting")
+    assert user.data == {"text": "hello", "hold": True}
+    assert cut.data.finished and cut.data.error == "interrupted: owner lost"
+    assert answer.data.error is None
+    assert [part.text for part in answer.data.parts] == ["You said: hello"]
 
 
 def test_agent_loop_records_tools_and_the_interrupt() -> None:

@@ -289,6 +289,34 @@ def parse(*argv: str) -> Any:
     return _cli.build_parser().parse_args(["worker", "m:drain", *argv])
 
 
+async def test_a_worker_on_a_postgres_url_drains_the_schema_it_is_given(
+    pg_url: str, pg_schema: str, tmp_path: Path
+) -> None:
+    """`--store postgresql://... --schema S`: the worker drains that schema's sessions (and
+    SIGTERM still exits 0)."""
+    from trio_sessions._postgres import PostgresStore
+
+    store = PostgresStore(pg_url, schema=pg_schema)
+    async with trio_sessions.open_runtime(store, None) as producer:
+        await producer.submit("echo", {"text": "hi"})
+        worker = await start_worker(
+            tmp_path, "worker_drain:reply", "--store", pg_url, "--schema", pg_schema
+        )
+        try:
+
+            async def replied() -> bool:
+                messages = await producer.transcript("echo")
+                return len(messages) == 2 and messages[1].data.finished
+
+            await until(replied, "the echo reply", worker)
+            worker.process.send_signal(signal.SIGTERM)
+            assert await worker.exit_status() == 0, worker.output()
+        finally:
+            await stop(worker)
+        _, answer = await producer.transcript("echo")
+    assert texts(answer) == ["echo: hi"]
+
+
 ENVIRONMENT = {
     "TRIO_SESSIONS_STORE": "env.db",
     "TRIO_SESSIONS_MAX_ACTIVE": "4",
@@ -304,7 +332,7 @@ def test_settings_come_from_the_environment_and_flags_win() -> None:
     )
     flags = parse(
         *("--store", "flag.db", "--max-active", "2", "--owner", "flag-owner"),
-        *("--log-level", "warning", "--lease", "7.5"),
+        *("--log-level", "warning", "--lease", "7.5", "--recovery-interval", "0.5"),
     )
     assert _worker.settings_from(flags, ENVIRONMENT) == _worker.WorkerSettings(
         drain="m:drain",
@@ -313,15 +341,24 @@ def test_settings_come_from_the_environment_and_flags_win() -> None:
         owner="flag-owner",
         log_level="WARNING",
         lease=7.5,
+        recovery_interval=0.5,
     )
 
 
 def test_open_runtime_gets_only_the_options_that_were_set() -> None:
-    """Unset max_active and lease are left out, so open_runtime's defaults apply."""
+    """Unset max_active, lease and recovery interval are left out, so open_runtime's
+    defaults apply."""
     bare = _worker.settings_from(parse("--store", "a.db"), {})
     assert _worker.runtime_options(bare) == {"owner_id": None}
     full = _worker.settings_from(parse(), {**ENVIRONMENT, "TRIO_SESSIONS_MAX_ACTIVE": "3"})
     assert _worker.runtime_options(full) == {"owner_id": "env-owner", "max_active": 3}
+    timed = _worker.settings_from(parse("--lease", "2", "--recovery-interval", "0.5"), ENVIRONMENT)
+    assert _worker.runtime_options(timed) == {
+        "owner_id": "env-owner",
+        "max_active": 4,
+        "lease": 2.0,
+        "recovery_interval": 0.5,
+    }
 
 
 @pytest.mark.parametrize(
@@ -332,6 +369,8 @@ def test_open_runtime_gets_only_the_options_that_were_set() -> None:
         ([], {**ENVIRONMENT, "TRIO_SESSIONS_MAX_ACTIVE": "many"}, "must be a whole number"),
         (["--log-level", "loud"], ENVIRONMENT, "log level must be one of DEBUG"),
         (["--lease", "0"], ENVIRONMENT, "lease must be positive"),
+        (["--recovery-interval", "soon"], ENVIRONMENT, "recovery-interval must be a number"),
+        (["--schema", "s1"], ENVIRONMENT, "a schema needs a postgresql:// URL as the store"),
     ],
 )
 def test_bad_settings_exit_2_with_a_message(

@@ -3,6 +3,25 @@
 The public surface: everything else lives in private modules.
 """
 
+# Layering, bottom up (imports only point down; nothing below _runtime knows of it):
+#
+# * _errors, _model: exceptions and frozen attrs records - no behaviour.
+# * _codec, _decisions, _transcript: pure. The strict JSON codec; the claim, lease and
+#   recovery rules as functions of (row, now, owner); the assistant message state machine.
+#   No I/O and no clock: tests run them exhaustively.
+# * _store: every fenced operation, written once as a synchronous transaction script
+#   `op(tx, *args)` in the SQL both dialects share. It decides nothing the pure layer
+#   decides, and knows no driver.
+# * _backend (the Tx/Executor/StoreBackend protocols), _handoff (the one group-commit queue),
+#   _sqlite and _postgres: the engines that run those operations off the event loop, one
+#   writer path each, with the lease clock read after the operation's locks.
+# * _coordinator, _lease, _recovery, _signals: the trio state - the per-session registry,
+#   heartbeats and self-fencing, the recovery pass, and watchers fed by the change signal.
+# * _runtime: the choreography (claim handoff, drain loop, interrupts, shutdown): no SQL,
+#   no driver import.
+# * Entry points on top: _worker and _cli (`python -m trio_sessions`), testing (public
+#   helpers for users' tests), demo, bench and soak.
+
 from ._errors import DuplicateSettlement as DuplicateSettlement
 from ._errors import InputConflict as InputConflict
 from ._errors import LeaseLost as LeaseLost

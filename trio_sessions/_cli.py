@@ -13,13 +13,18 @@ Commands:
 * `worker MODULE:DRAIN --store ...` - run a drain as a long-lived worker (`_worker`).
 Every listing takes `--json` (one JSON document on stdout).
 
+`DB` is an SQLite path or a `postgresql://` URL (with `--schema S`, default `public`);
+every command works on both (`Database` is the one seam): leases are read against the
+SQLite host's clock, or the PostgreSQL server's.
+
 Invariants: a database is never created or migrated by accident - every command opens it
 with `_sqlite.connect(path, create=False)`, which refuses a missing file, a file that is not
-SQLite and an SQLite file that is not ours. Listings only read (one read snapshot, no write
-lock); `quarantine release` and `inputs drop` are the only commands that write, and they
-write through the store's own operations, in one transaction each. The `worker` command is
-the exception: it runs a runtime, which creates and migrates its store as `open_runtime`
-always does.
+SQLite and an SQLite file that is not ours, or with a PostgreSQL connection that never
+migrates and refuses a schema without our `schema_version` table. Listings only read (one
+read snapshot, no write lock); `quarantine release` and `inputs drop` are the only commands
+that write, and they write through the store's own operations, in one transaction each. The
+`worker` command is the exception: it runs a runtime, which creates and migrates its store
+as `open_runtime` always does.
 """
 
 from __future__ import annotations
@@ -31,13 +36,17 @@ import sqlite3
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar, TypeVarTuple, Unpack
+
+import attrs
 
 from . import _backend, _sqlite, _store, _worker
-from ._errors import StoreError
-from ._runtime import make_owner_id
+from ._backend import Tx
+from ._errors import SchemaTooNew, StoreError
+from ._runtime import POSTGRES_SCHEMES, make_owner_id
 
 T = TypeVar("T")
+Ts = TypeVarTuple("Ts")
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # the database was refused or the command could not be carried out
@@ -51,7 +60,129 @@ def now_ms() -> int:
     return _backend.now_ms(time.time)
 
 
-def read_snapshot(conn: sqlite3.Connection, read: Callable[[_sqlite.SQLiteTx], T]) -> T:
+class Database(Protocol):
+    """An existing store opened for the operator: SQLite or PostgreSQL, never migrated."""
+
+    name: str  # for messages (a URL's password masked)
+    expected_version: int  # the schema version this library writes
+
+    def schema_version(self) -> int: ...
+
+    def read(self, op: Callable[[Tx], T]) -> T:
+        """Run `op` on one consistent read snapshot, taking no write lock."""
+        ...
+
+    def write(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
+        """Run the store operation `op` in one write transaction."""
+        ...
+
+    def has_rejected_inputs(self) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+@attrs.define
+class SQLiteDatabase:
+    """An SQLite file; leases are read against this host's wall clock."""
+
+    conn: sqlite3.Connection
+    name: str
+    expected_version: int = _sqlite.SCHEMA_VERSION
+
+    def schema_version(self) -> int:
+        return _sqlite.schema_version(self.conn)
+
+    def read(self, op: Callable[[Tx], T]) -> T:
+        return read_snapshot(self.conn, op)
+
+    def write(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
+        return _sqlite.run_op(self.conn, time.time, op, *args)
+
+    def has_rejected_inputs(self) -> bool:
+        return self.schema_version() >= REJECTED_INPUTS_SINCE
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+@attrs.define
+class PgDatabase:
+    """A PostgreSQL schema; leases are read against the server's clock.
+
+    Its engine's connection is opened without `PgEngine.open()`, which would migrate; a
+    broken connection is re-opened the same way (`PgEngine` reconnects with `connect`).
+    psycopg is an optional extra, so `_postgres` is imported only when a URL is given.
+    """
+
+    engine: Any  # _postgres.PgEngine
+    name: str
+    schema: str
+    expected_version: int
+
+    @classmethod
+    def connect(cls, url: str, schema: str) -> PgDatabase:
+        _postgres = _postgres_module()
+        engine = _postgres.PgEngine(url, schema, None)
+        engine.conn = _postgres.connect(url, schema)
+        return cls(engine, _worker.redact(url), schema, _postgres.SCHEMA_VERSION)
+
+    def schema_version(self) -> int:
+        import psycopg
+
+        from . import _postgres
+
+        try:
+            return _postgres.schema_version(self.engine.conn)
+        except psycopg.Error as exc:
+            raise _backend.driver_error(exc) from exc
+        finally:
+            self.engine.conn.rollback()
+
+    def read(self, op: Callable[[Tx], T]) -> T:
+        job = _backend.Job(op, ())
+        self.engine.run_alone(job, "read")
+        result: T = job.unwrap()
+        return result
+
+    def write(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
+        from . import _postgres
+
+        return _postgres.run_op(self.engine, op, *args)
+
+    def has_rejected_inputs(self) -> bool:
+        return True  # in PostgreSQL's first schema version
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def is_url(db: str) -> bool:
+    return db.startswith(POSTGRES_SCHEMES)
+
+
+def open_database(db: str, schema: str | None) -> Database:
+    """Open an existing store without creating or migrating it; `StoreError` (or
+    `SchemaTooNew`) when it is missing, unreachable, not ours or newer than this library."""
+    if not is_url(db):
+        return SQLiteDatabase(_sqlite.connect(db, create=False), db)
+    database = PgDatabase.connect(db, schema or "public")
+    version = database.schema_version()
+    if version == 0:
+        database.close()
+        raise StoreError(
+            f"{database.name}: schema {database.schema!r} is not a trio_sessions store"
+            " (no schema_version table)"
+        )
+    if version > database.expected_version:
+        database.close()
+        raise SchemaTooNew(
+            f"{database.name}: schema version {version} is newer than this trio_sessions"
+            f" understands ({database.expected_version}); upgrade trio_sessions"
+        )
+    return database
+
+
+def read_snapshot(conn: sqlite3.Connection, read: Callable[[Tx], T]) -> T:
     """Run `read` inside one deferred read transaction: a consistent snapshot, no lock."""
     conn.execute("BEGIN")
     try:
@@ -73,7 +204,7 @@ ORDER BY s.id
 """
 
 
-def read_status(tx: _sqlite.SQLiteTx) -> dict[str, Any]:
+def read_status(tx: Tx) -> dict[str, Any]:
     """Every session with its doorbell, pending inputs and claim, as plain JSON values."""
     sessions = [_session(tx.now, row) for row in tx.execute(_STATUS_SQL).fetchall()]
     claims = [s["claim"] for s in sessions if s["claim"] is not None]
@@ -171,7 +302,7 @@ def _claim(now: int, row: Sequence[Any]) -> dict[str, Any]:
     }
 
 
-def read_quarantine(tx: _sqlite.SQLiteTx) -> list[dict[str, Any]]:
+def read_quarantine(tx: Tx) -> list[dict[str, Any]]:
     """Quarantined executions, oldest first, with the claim they hold back."""
     rows = _store.quarantined(tx)
     for row in rows:
@@ -188,71 +319,94 @@ def read_quarantine(tx: _sqlite.SQLiteTx) -> list[dict[str, Any]]:
 REJECTED_INPUTS_SINCE = 3
 
 
-def read_rejected_inputs(conn: sqlite3.Connection, session_id: str | None) -> list[Any]:
+def read_rejected_inputs(database: Database, session_id: str | None) -> list[Any]:
     """Inputs set aside as malformed, oldest first (of one session, if given)."""
-    if _sqlite.schema_version(conn) < REJECTED_INPUTS_SINCE:
+    if not database.has_rejected_inputs():
         return []
-    return read_snapshot(conn, lambda tx: _store.rejected_inputs(tx, session_id))
+    return database.read(lambda tx: _store.rejected_inputs(tx, session_id))
 
 
 def _seconds(ms: int) -> float:
     return round(ms / 1000, 3)
 
 
-def check_health(db: str) -> dict[str, Any]:
+def check_health(db: str, schema: str | None = None) -> dict[str, Any]:
     """Open `db` as the listings do (never creating or migrating it) and read from it: `ok`
     when it is ours, its schema is the one this library writes, and its tables answer."""
-    expected = _sqlite.SCHEMA_VERSION
+    name = _worker.redact(db)
     health: dict[str, Any] = {
         "ok": False,
-        "db": db,
+        "db": name,
         "schema_version": None,
-        "expected_schema_version": expected,
+        "expected_schema_version": None,
         "reason": None,
     }
     try:
-        conn = _sqlite.connect(db, create=False)
+        health["expected_schema_version"] = expected = _expected_version(db)
+        database = _open_for_health(db, schema)
     except StoreError as exc:
-        return {**health, "reason": str(exc) if db in str(exc) else f"{db}: {exc}"}
+        return {**health, "reason": str(exc) if name in str(exc) else f"{name}: {exc}"}
     try:
-        version = _sqlite.schema_version(conn)
+        version = database.schema_version()
         health["schema_version"] = version
         if version != expected:
             reason = (
-                f"{db}: schema version {version} is not the current {expected}; opening it"
+                f"{name}: schema version {version} is not the current {expected}; opening it"
                 " with a runtime of this library migrates it"
             )
             return {**health, "reason": reason}
-        read_snapshot(conn, lambda tx: tx.execute("SELECT COUNT(*) FROM session").fetchone())
-    except sqlite3.Error as exc:
-        return {**health, "reason": f"{db}: cannot read: {exc}"}
+        database.read(lambda tx: tx.execute("SELECT COUNT(*) FROM session").fetchone())
+    except (sqlite3.Error, StoreError) as exc:
+        return {**health, "reason": f"{name}: cannot read: {exc}"}
     finally:
-        conn.close()
+        database.close()
     return {**health, "ok": True}
+
+
+def _expected_version(db: str) -> int:
+    if not is_url(db):
+        return _sqlite.SCHEMA_VERSION
+    return int(_postgres_module().SCHEMA_VERSION)
+
+
+def _postgres_module() -> Any:
+    """`_postgres`, imported on first use: psycopg is an optional extra."""
+    try:
+        from . import _postgres
+    except ImportError as exc:
+        raise StoreError(
+            f"a postgresql:// URL needs psycopg: pip install 'trio-sessions[postgres]' ({exc})"
+        ) from exc
+    return _postgres
+
+
+def _open_for_health(db: str, schema: str | None) -> Database:
+    """Like `open_database`, but an older or missing schema is reported, not refused."""
+    if not is_url(db):
+        return SQLiteDatabase(_sqlite.connect(db, create=False), db)
+    return PgDatabase.connect(db, schema or "public")
 
 
 # ---------------------------------------------------------------------------------------------
 # Writing
 
 
-def release(conn: sqlite3.Connection, execution_id: str, *, resume: bool) -> dict[str, Any]:
+def release(database: Database, execution_id: str, *, resume: bool) -> dict[str, Any]:
     """Act on one quarantined execution; `ValueError` unless it is quarantined.
 
     `--drop` runs the store's drop: the open transcript is finished as owner-lost (a row
     that does not decode is left as it is), the claim deleted, the resume budget reset and
     the doorbell re-armed if inputs remain. `--resume` clears the quarantine and ends our
-    recovery lease at once: the next recovery pass of any runtime on this file examines the
+    recovery lease at once: the next recovery pass of any runtime on this store examines the
     execution under the normal rules - resumed if its records now decode, quarantined again
     if they still do not. The CLI runs no drains, so it cannot resume the work itself.
     """
     if resume:
-        candidate = _sqlite.run_op(
-            conn, time.time, _store.lift_quarantine, execution_id, make_owner_id("cli"), 0
-        )
+        candidate = database.write(_store.lift_quarantine, execution_id, make_owner_id("cli"), 0)
         session_id = candidate.session_id
     else:
-        session_id = _session_of_quarantined(conn, execution_id)
-        _sqlite.run_op(conn, time.time, _store.drop_quarantined, execution_id)
+        session_id = _session_of_quarantined(database, execution_id)
+        database.write(_store.drop_quarantined, execution_id)
     return {
         "execution_id": execution_id,
         "session_id": session_id,
@@ -260,16 +414,16 @@ def release(conn: sqlite3.Connection, execution_id: str, *, resume: bool) -> dic
     }
 
 
-def drop_input(conn: sqlite3.Connection, input_id: str) -> dict[str, Any]:
+def drop_input(database: Database, input_id: str) -> dict[str, Any]:
     """Delete one set-aside input; `ValueError` unless it is one."""
-    if _sqlite.schema_version(conn) < REJECTED_INPUTS_SINCE:
+    if not database.has_rejected_inputs():
         raise ValueError(f"input {input_id!r} is not a rejected input")
-    session_id = _sqlite.run_op(conn, time.time, _store.drop_rejected_input, input_id)
+    session_id = database.write(_store.drop_rejected_input, input_id)
     return {"input_id": input_id, "session_id": session_id, "action": "drop"}
 
 
-def _session_of_quarantined(conn: sqlite3.Connection, execution_id: str) -> str:
-    for row in read_snapshot(conn, _store.quarantined):
+def _session_of_quarantined(database: Database, execution_id: str) -> str:
+    for row in database.read(_store.quarantined):
         if row["execution_id"] == execution_id:
             return str(row["session_id"])
     raise ValueError(f"execution {execution_id!r} is not quarantined")
@@ -391,7 +545,16 @@ def format_release(result: dict[str, Any]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("db", metavar="DB", help="path of an existing trio_sessions database")
+    common.add_argument(
+        "db",
+        metavar="DB",
+        help="path of an existing trio_sessions SQLite database, or a postgresql:// URL",
+    )
+    common.add_argument(
+        "--schema",
+        metavar="S",
+        help="the PostgreSQL schema of the store (default public; only with a URL)",
+    )
     common.add_argument("--json", action="store_true", help="print JSON instead of text")
     parser = argparse.ArgumentParser(
         prog="python -m trio_sessions",
@@ -462,32 +625,35 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def run_command(args: argparse.Namespace, conn: sqlite3.Connection) -> tuple[Any, str]:
+def run_command(args: argparse.Namespace, database: Database) -> tuple[Any, str]:
     """Carry out the parsed command; returns (JSON value, text)."""
     if args.command == "status":
-        status = read_snapshot(conn, read_status)
+        status = database.read(read_status)
         status = filter_status(status, session_ids=args.session, state=args.state, limit=args.limit)
         return status, format_status(status)
     if args.command == "inputs":
         if args.inputs_action == "list":
-            rows = read_rejected_inputs(conn, args.session)
+            rows = read_rejected_inputs(database, args.session)
             return rows, format_rejected_inputs(rows)
-        dropped = drop_input(conn, args.input_id)
+        dropped = drop_input(database, args.input_id)
         return dropped, format_input_drop(dropped)
     if args.action == "list":
-        rows = read_snapshot(conn, read_quarantine)
+        rows = database.read(read_quarantine)
         return rows, format_quarantine(rows)
-    result = release(conn, args.execution_id, resume=args.resume)
+    result = release(database, args.execution_id, resume=args.resume)
     return result, format_release(result)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; returns the exit status (0 done, 1 refused or failed, 2 usage)."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.command == "worker":
         return _worker.run(args)
+    if args.schema is not None and not is_url(args.db):
+        parser.error("--schema needs a postgresql:// URL as DB")
     if args.command == "health":
-        health = check_health(args.db)
+        health = check_health(args.db, args.schema)
         if args.json:
             _print(json.dumps(health, indent=2))
         elif health["ok"]:
@@ -495,16 +661,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             print(format_health(health), file=sys.stderr)
         return EXIT_OK if health["ok"] else EXIT_FAILED
+    name = _worker.redact(args.db)
     try:
-        conn = _sqlite.connect(args.db, create=False)
+        database = open_database(args.db, args.schema)
     except StoreError as exc:
-        return _fail(args.db, exc)
+        return _fail(name, exc)
     try:
-        value, text = run_command(args, conn)
+        value, text = run_command(args, database)
     except (StoreError, ValueError) as exc:
-        return _fail(args.db, exc)
+        return _fail(name, exc)
     finally:
-        conn.close()
+        database.close()
     _print(json.dumps(value, indent=2) if args.json else text)
     return EXIT_OK
 

@@ -123,7 +123,23 @@ class _Ending:
 
 
 class Runtime:
-    """Handle returned by `open_runtime`. Create it only through `open_runtime`."""
+    """Handle returned by `open_runtime`. Create it only through `open_runtime`.
+
+    Conventions of its coroutines (each docstring says what differs):
+
+    * *Durable when it returns* means committed: on SQLite with `synchronous="NORMAL"` (the
+      default) a commit survives a process crash but may roll back after a power loss or an
+      OS crash, with `"FULL"` it survives both; on PostgreSQL it follows the server's
+      `synchronous_commit`.
+    * *Cancellation* of a call that writes: cancelled while its transaction is still queued,
+      nothing is written and `trio.Cancelled` propagates; once the transaction has started,
+      the call waits for it, returns its result as usual, and the cancellation arrives at the
+      caller's next checkpoint - so a write that committed is never reported as undone.
+    * *Raises*: `TypeError`/`ValueError` for a bad argument, before anything is written;
+      `StoreError` when the store failed beyond the backend's retries (never for a race
+      between owners; nothing of that call was written, except on PostgreSQL after a
+      COMMIT whose outcome stayed unknown, which the runtime never treats as its own).
+    """
 
     def __init__(
         self, *, executor: Executor, nursery: trio.Nursery, drain: Drain | None, config: _Config
@@ -172,11 +188,18 @@ class Runtime:
     async def submit(
         self, session_id: str, payload: dict[str, Any], *, input_id: str | None = None
     ) -> str:
-        """Store an input and wake the session. Durable when it returns; returns the input id.
+        """Store an input and wake the session; returns the input id.
 
-        Idempotent by `input_id` (also after the input was taken); an id that belongs to
-        another session raises `InputConflict`. Cancellation before the write commits
-        leaves nothing written.
+        Durable when it returns: the input and the wake are committed in one transaction, and
+        the drain starts at once - here if this runtime drains and has room (`max_active`),
+        else in any runtime on the store.
+
+        Idempotent by `input_id` (also after the input was taken): a retry with the same id
+        and payload stores nothing new and returns the id. Raises `InputConflict` when the
+        id belongs to another session or to a different payload; `TypeError`/`ValueError`
+        for a bad session id, a payload that is not a JSON object or is over 1 MiB, or a bad
+        `input_id`; `StoreError`. Cancellation: nothing written if the transaction had not
+        started, else the input is stored and the call returns (see `Runtime`).
         """
         validate_session_id(session_id)
         text = _codec.check_json_object(payload, "payload")
@@ -189,7 +212,10 @@ class Runtime:
     async def wake(self, session_id: str) -> None:
         """Record a durable wake, then start or ring the local execution.
 
-        Wakes coalesce: N wakes during a drain cause one more drain iteration.
+        Durable when it returns: the session's doorbell is set (the session row is created
+        if absent). Wakes coalesce: N wakes during a drain cause one more drain iteration.
+        Raises `TypeError`/`ValueError` for a bad session id, `StoreError`. Cancellation:
+        as `submit` - no wake if the transaction had not started, else it is recorded.
         """
         validate_session_id(session_id)
         await self._signal(session_id, (_store.wake, _store.wake_and_acquire), session_id)
@@ -197,9 +223,14 @@ class Runtime:
     async def run(self, session_id: str) -> Outcome:
         """Wake the session and wait for the outcome of the execution that takes the wake.
 
-        `Outcome(kind='deferred')` when another owner holds the session: the wake stays
-        durable for it. Cancelling this call never cancels the execution. `RuntimeError`
-        when called from a drain (or a task it started) on its own session.
+        Durable before it waits: the wake is committed (or, with the session already
+        running here, joined). `Outcome(kind='deferred')` when another owner holds the
+        session: the wake stays durable for it. A drain's exception is returned in the
+        outcome (`failed`, `error=`), never raised here. Raises `RuntimeError` when called
+        from a drain (or a task it started) on its own session, `TypeError`/`ValueError`
+        for a bad session id, `StoreError` when the wake could not be recorded.
+        Cancellation: cancelling this call only stops the waiting - it never cancels the
+        execution, and a wake already committed stays.
         """
         validate_session_id(session_id)
         _refuse_waiting_for_own_drain(self, session_id, "run")
@@ -220,9 +251,20 @@ class Runtime:
     async def interrupt(self, session_id: str, *, reason: str = "user") -> bool:
         """Stop the session's running work; returns at acceptance, before cleanup finishes.
 
-        Local claim (or one being acquired): its drain is cancelled at once. Claim held by
-        another owner: `phase='cancelling'` is written for its heartbeat to act on. False
-        when nothing is running or it is already stopping.
+        Local claim (or one being acquired): its drain is cancelled at once and `True`
+        returned; nothing is durable yet - the cleanup that follows within milliseconds
+        marks the claim `cancelling`, finishes the open message as `interrupted` and
+        releases the claim (had the process died first, recovery would resume the work).
+        Claim held by another owner: durable when it returns - `phase='cancelling'` is
+        committed and signalled, so the owner cancels within milliseconds and recovery
+        finishes the claim (never resumes it) if the owner is dead. `False` when nothing is
+        running or it is already stopping. Wakes recorded before or during the interrupt
+        survive into exactly one successor.
+
+        Raises `ValueError` for a reason other than `user`/`shutdown`, `TypeError`/
+        `ValueError` for a bad session id, `StoreError` (the remote case only).
+        Cancellation: an interrupt accepted locally stays accepted (the call returns);
+        the remote write behaves as `submit`'s.
         """
         validate_session_id(session_id)
         if reason not in ("user", "shutdown"):
@@ -238,8 +280,10 @@ class Runtime:
     async def wait_idle(self, session_id: str) -> None:
         """Wait until this runtime holds no execution for the session, successors included.
 
-        Never starts work. `RuntimeError` when called from a drain (or a task it started) on
-        its own session.
+        Never starts work and writes nothing; it does not wait for other processes' claims.
+        Raises `RuntimeError` when called from a drain (or a task it started) on its own
+        session, `TypeError`/`ValueError` for a bad session id. Cancellation only stops the
+        waiting.
         """
         validate_session_id(session_id)
         _refuse_waiting_for_own_drain(self, session_id, "wait_idle")
@@ -261,20 +305,35 @@ class Runtime:
         )
 
     def is_active(self, session_id: str) -> bool:
+        """Whether this runtime holds or is acquiring an execution for the session."""
         return session_id in self._entries
 
     def active_sessions(self) -> frozenset[str]:
+        """The sessions this runtime holds or is acquiring executions for, now."""
         return frozenset(self._entries)
 
     async def transcript(self, session_id: str) -> list[Message]:
-        """The session's messages in seq order; `MalformedRecord` for a row that does not decode."""
+        """The session's messages in seq order, from one consistent read snapshot.
+
+        Writes nothing; open assistant messages are read as merged so far (every
+        acknowledged append). Raises `MalformedRecord` for a row that does not decode,
+        `TypeError`/`ValueError` for a bad session id, `StoreError`. Cancellation: the read
+        is dropped or completes; either way nothing changes.
+        """
         validate_session_id(session_id)
         return await self._db.read(_store.read_transcript, session_id)
 
     async def recover_once(self) -> RecoveryReport:
         """Run one bounded recovery pass now (never concurrently with another).
 
-        A producer runtime (`drain=None`) recovers nothing and reports nothing.
+        Durable when it returns: every decision of the pass is committed - takeovers (their
+        drains already started here), cancelled or superseded claims finished, quarantines
+        recorded, exhausted budgets failed - and unclaimed doorbells have been started.
+        A producer runtime (`drain=None`) recovers nothing and reports nothing. Raises
+        `StoreError` when a transaction of the pass failed (what committed before stands;
+        the rows keep their recovery leases and a later pass retries them). Cancellation
+        stops the pass between transactions: each takeover commits together with the start
+        of its drain (shielded), so a claim taken over is never left without its drain.
         """
         if self._drain is None or self._closing:
             await trio.lowlevel.checkpoint()
@@ -289,10 +348,18 @@ class Runtime:
     async def release_quarantine(self, execution_id: str, *, resume: bool) -> None:
         """Act on a quarantined execution.
 
-        `resume=True` clears the quarantine and recovers it at once under the normal rules;
-        still malformed -> quarantined again and `MalformedRecord` raised. `resume=False`
-        finishes its open transcript as owner-lost, deletes the claim, resets the resume
-        budget and re-arms the doorbell if inputs remain. `ValueError` unless quarantined.
+        `resume=True` clears the quarantine and recovers it at once under the normal rules
+        (the budget counts); durable when it returns: the takeover is committed and its
+        drain started here, or it was quarantined again and `MalformedRecord` is raised.
+        `resume=False` sets its malformed messages aside (raw text kept), finishes its open
+        transcript as owner-lost, deletes the claim, resets the resume budget and re-arms
+        the doorbell if inputs remain, in one transaction, durable when it returns.
+
+        Raises `ValueError` unless the execution is quarantined, `TypeError` for bad
+        arguments, `StoreError`. Cancellation: the drop is one transaction (as `submit`);
+        a resume cancelled after the quarantine was lifted leaves the execution under this
+        runtime's recovery lease, and the next recovery pass anywhere examines it once that
+        runs out.
         """
         if not isinstance(execution_id, str):
             raise TypeError(f"execution_id must be a str, got {type(execution_id).__name__}")
@@ -702,8 +769,11 @@ class Runtime:
         or any other process on the store, until the block exits or the runtime closes.
 
         Per message, snapshots arrive in write order; a slow watcher may skip intermediate
-        snapshots but never the latest. A malformed row raises `MalformedRecord` in this
-        watcher only. Costs no task and no polling of its own.
+        snapshots but never the latest. Every snapshot is of committed state. Writes
+        nothing. A malformed row raises `MalformedRecord` in this watcher only; entering
+        raises `TypeError`/`ValueError` for bad arguments and `StoreError` if the first read
+        fails. Costs no task and no polling of its own; cancelling the block simply leaves
+        it.
         """
         validate_session_id(session_id)
         after_seq = _count(after_seq, "after_seq", 0)
@@ -828,7 +898,24 @@ def _is_async_callable(drain: object) -> bool:
 class DrainContext:
     """One drain iteration's view of its claim. Every write is fenced on the live claim and
     raises `LeaseLost` (writing nothing) once the lease is gone - and so does every call
-    once this iteration's drain returned, even during the claim's next iteration."""
+    once this iteration's drain returned, even during the claim's next iteration.
+
+    Attributes:
+        session_id: the session being drained.
+        execution_id: this claim's id (`session_execution.id`); messages written here carry
+            it. A takeover by recovery gets a new one.
+        owner_id: the runtime that holds the claim (`Runtime.owner_id`).
+        attempt: `session.wake_attempts` - automatic resumes after crashes since the session
+            last finished normally (0 on a fresh claim; a graceful hand-back does not count).
+        resumed: `True` when recovery took this claim over from a dead or stopped owner; its
+            inputs were taken by that owner, so find what is owed in `transcript()`.
+
+    Writes are durable when they return and cancellation behaves as for `Runtime`'s calls
+    (queued: nothing written; started: completes, cancellation at the next checkpoint). An
+    interrupt, a lost lease or the runtime closing reaches the drain as `trio.Cancelled`:
+    let it propagate - the runtime finishes the open messages (nothing at all for a lost
+    lease).
+    """
 
     def __init__(self, runtime: Runtime, entry: SessionEntry) -> None:
         self._runtime = runtime
@@ -848,18 +935,36 @@ class DrainContext:
             )
 
     async def take_inputs(self) -> list[Input]:
-        """Consume pending inputs in seq order; each becomes a user message, atomically."""
+        """Consume pending inputs in seq order; each becomes a user message, atomically.
+
+        Durable when it returns: in one fenced transaction the inputs left `session_input`
+        and were appended as `role='user'` messages. An input whose payload does not decode
+        is set aside for the operator, never returned and never blocking the others.
+        Raises `LeaseLost` (nothing taken) when the claim is gone or this context is stale,
+        `StoreError`. Cancellation: nothing taken if the transaction had not started, else
+        the inputs are taken (they are user messages now, found again by `transcript()`).
+        """
         self._check_live()
         return await self._runtime._db.run(_store.take_inputs, self.execution_id, self.owner_id)
 
     async def transcript(self) -> list[Message]:
         """The session's messages in seq order (`MalformedRecord` for a row that does not
-        decode): a resumed drain finds here the user message it still owes an answer to."""
+        decode): a resumed drain finds here the user message it still owes an answer to.
+
+        Reads one consistent snapshot and writes nothing. Raises `LeaseLost` when this
+        context is stale, `StoreError`. Cancellation drops the read.
+        """
         self._check_live()
         return await self._runtime._db.read(_store.read_transcript, self.session_id)
 
     async def begin_assistant(self) -> AssistantWriter:
-        """Start an assistant message (unfinished, no parts) and return its writer."""
+        """Start an assistant message (unfinished, no parts) and return its writer.
+
+        Durable when it returns (one fenced transaction); local watchers see it at once.
+        Raises `LeaseLost`, `StoreError`. A message left open when the drain ends, however
+        it ends, is finished by the runtime: `interrupted`, failed with the drain's error,
+        or normally with its running tools failed.
+        """
         self._check_live()
         message_id = _store.new_id()
         seq = await self._runtime._db.run(
@@ -872,6 +977,13 @@ class DrainContext:
 
 class AssistantWriter:
     """Writes one assistant message; each call is one fenced transaction.
+
+    Every method is durable when it returns (an acknowledged append survives a crash) and
+    reaches local watchers without a store round trip. Each raises `TypeError`/`ValueError`
+    for a bad argument before writing, `MessageFinished` once the message is finished,
+    `LeaseLost` (nothing written) once the claim is gone or the drain returned, and
+    `StoreError`. Cancellation: nothing written if the transaction had not started, else
+    the change is stored and the cancellation arrives at the next checkpoint.
 
     A second settlement of a tool call raises `DuplicateSettlement` (an unknown call id,
     `UnknownToolCall`): a defect that fails the drain even if the drain catches it.
@@ -887,7 +999,8 @@ class AssistantWriter:
         self._streamed: list[str] = []
 
     async def append_text(self, text: str) -> None:
-        """Stream text onto the message: one small durable write, whatever its size."""
+        """Stream text onto the message: one small durable write whatever the message's size;
+        consecutive appends extend one text part (streamed tokens)."""
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
         context = self._context
@@ -906,6 +1019,10 @@ class AssistantWriter:
         self._publish(version)
 
     async def start_tool(self, call_id: str, name: str, input: dict[str, Any]) -> None:
+        """Record a tool call as `running`, before running it. `ValueError` if `call_id` was
+        already started in this message or `input` is not a JSON object (at most 1 MiB).
+        If the owner dies before it settles, recovery fails it with "interrupted: owner
+        lost": the call may or may not have happened."""
         for value, what in ((call_id, "call_id"), (name, "name")):
             if not isinstance(value, str) or not value:
                 raise TypeError(f"{what} must be a non-empty str, got {value!r}")
@@ -913,15 +1030,19 @@ class AssistantWriter:
         await self._update(lambda data: _transcript.start_tool(data, call_id, name, input))
 
     async def settle_tool(self, call_id: str, output: Any) -> None:
+        """Record a running tool call as `completed` with its JSON `output`."""
         _codec.check_json(output, "tool output")
         await self._update(lambda data: _transcript.settle_tool(data, call_id, output=output))
 
     async def fail_tool(self, call_id: str, error: str) -> None:
+        """Record a running tool call as `error` with the reason `error`."""
         if not isinstance(error, str):
             raise TypeError(f"error must be a str, got {type(error).__name__}")
         await self._update(lambda data: _transcript.settle_tool(data, call_id, error=error))
 
     async def finish(self) -> None:
+        """Finish the message normally; a tool call still running is failed, not left
+        running forever. No further change is accepted."""
         await self._update(_transcript.finish)
 
     async def _update(self, transition: Callable[[AssistantData], AssistantData]) -> None:
@@ -984,10 +1105,18 @@ async def open_runtime(
 ) -> AsyncIterator[Runtime]:
     """Open the store, run the first recovery pass, and yield a `Runtime`.
 
-    The runtime owns a nursery: drains, the heartbeat and the recovery task run in it.
-    Leaving the block cancels the drains, keeps their claims and expires their leases so any
-    owner can recover them at once. A store error in the first recovery pass fails the open.
-    Exceptions from drains become outcomes; only the block's own exception escapes.
+    The store is created and migrated on open (an SQLite file, a PostgreSQL schema). The
+    runtime owns a nursery: drains, the heartbeat and the recovery task run in it.
+    Leaving the block - normally, by an exception or by cancellation - cancels the drains,
+    keeps their claims and expires their leases (one transaction, shielded, bounded by a
+    few seconds; if it cannot land the leases simply run out) so any owner can recover them
+    at once, without counting against their resume budget. Exceptions from drains become
+    outcomes; only the block's own exception escapes, unwrapped.
+
+    Raises, before anything is opened, `TypeError`/`ValueError` for a bad option (and
+    `TypeError` for a plain `def` drain); then `SchemaTooNew` for a store written by a newer
+    library and `StoreError` when the store cannot be opened or the first recovery pass
+    fails. Cancelled while opening: whatever opened is closed again.
 
     `drain=None` opens a producer: `submit`, `wake`, `interrupt` and `transcript` work and
     are durable, but it never claims a session, recovers, or heartbeats; `run` returns
@@ -1053,7 +1182,8 @@ async def serve_runtime(
 ) -> NoReturn:
     """`open_runtime` for `nursery.start`: returns the `Runtime` once it is open (its first
     recovery pass done), then runs until cancelled; cancelling it closes the runtime as
-    leaving `open_runtime` does. Options are `open_runtime`'s."""
+    leaving `open_runtime` does (drains cancelled, claims handed back with expired leases).
+    Options are `open_runtime`'s, and so are the errors, raised from `nursery.start`."""
     async with open_runtime(store, drain, **options) as runtime:
         task_status.started(runtime)
         await trio.sleep_forever()

@@ -1,8 +1,9 @@
 """`python -m trio_sessions worker MODULE:DRAIN`: run an application's drain as a worker.
 
 Settings come from flags, else from the environment (`TRIO_SESSIONS_STORE`,
-`TRIO_SESSIONS_MAX_ACTIVE`, `TRIO_SESSIONS_OWNER`, `TRIO_SESSIONS_LOG_LEVEL`), else from
-`open_runtime`'s defaults. Logging goes to stderr at the chosen level.
+`TRIO_SESSIONS_SCHEMA`, `TRIO_SESSIONS_MAX_ACTIVE`, `TRIO_SESSIONS_OWNER`,
+`TRIO_SESSIONS_LOG_LEVEL`), else from `open_runtime`'s defaults. Logging goes to stderr at
+the chosen level.
 
 Signals: the first SIGTERM or SIGINT is a graceful shutdown - the runtime's block is left,
 which cancels the drains and expires their leases in one transaction, so any other runtime's
@@ -32,6 +33,7 @@ from ._runtime import POSTGRES_SCHEMES, open_runtime
 logger = logging.getLogger("trio_sessions.worker")
 
 ENV_STORE = "TRIO_SESSIONS_STORE"
+ENV_SCHEMA = "TRIO_SESSIONS_SCHEMA"
 ENV_MAX_ACTIVE = "TRIO_SESSIONS_MAX_ACTIVE"
 ENV_OWNER = "TRIO_SESSIONS_OWNER"
 ENV_LOG_LEVEL = "TRIO_SESSIONS_LOG_LEVEL"
@@ -62,6 +64,8 @@ class WorkerSettings:
     owner: str | None = None
     log_level: str = "INFO"
     lease: float | None = None
+    recovery_interval: float | None = None
+    schema: str | None = None
 
 
 def add_parser(commands: Any) -> None:
@@ -70,15 +74,20 @@ def add_parser(commands: Any) -> None:
         "worker",
         help="run MODULE:DRAIN as a long-lived worker until SIGTERM/SIGINT",
         description="Run an async drain as a worker. Settings not given as flags come from "
-        f"{ENV_STORE}, {ENV_MAX_ACTIVE}, {ENV_OWNER} and {ENV_LOG_LEVEL}. The first SIGTERM "
-        "or SIGINT shuts down gracefully (claims handed back at once, exit 0); a second one "
-        "exits at once.",
+        f"{ENV_STORE}, {ENV_SCHEMA}, {ENV_MAX_ACTIVE}, {ENV_OWNER} and {ENV_LOG_LEVEL}. "
+        "The first SIGTERM or SIGINT shuts down gracefully (claims handed back at once, "
+        "exit 0); a second one exits at once.",
     )
     parser.add_argument("drain", metavar="MODULE:DRAIN", help="the drain, e.g. myapp.agent:drain")
     parser.add_argument(
         "--store",
         metavar="PATH_OR_URL",
         help=f"SQLite path or postgresql:// URL (env {ENV_STORE})",
+    )
+    parser.add_argument(
+        "--schema",
+        metavar="S",
+        help=f"PostgreSQL schema of the store (env {ENV_SCHEMA}; default public; URL only)",
     )
     parser.add_argument(
         "--max-active",
@@ -94,6 +103,12 @@ def add_parser(commands: Any) -> None:
         help=f"{', '.join(LOG_LEVELS)} (env {ENV_LOG_LEVEL}; default INFO)",
     )
     parser.add_argument("--lease", metavar="S", help="lease in seconds (default 30)")
+    parser.add_argument(
+        "--recovery-interval",
+        metavar="S",
+        help="seconds between recovery passes: how soon a dead worker's sessions are taken"
+        " over once their leases ran out (default 5)",
+    )
 
 
 def settings_from(args: argparse.Namespace, environ: Mapping[str, str]) -> WorkerSettings:
@@ -107,6 +122,9 @@ def settings_from(args: argparse.Namespace, environ: Mapping[str, str]) -> Worke
     store = pick(args.store, ENV_STORE)
     if store is None:
         raise UsageError(f"no store: pass --store PATH_OR_URL or set {ENV_STORE}")
+    schema = pick(args.schema, ENV_SCHEMA)
+    if schema is not None and not store.startswith(POSTGRES_SCHEMES):
+        raise UsageError("a schema needs a postgresql:// URL as the store")
     max_active = pick(args.max_active, ENV_MAX_ACTIVE)
     log_level = (pick(args.log_level, ENV_LOG_LEVEL) or "INFO").upper()
     if log_level not in LOG_LEVELS:
@@ -118,6 +136,10 @@ def settings_from(args: argparse.Namespace, environ: Mapping[str, str]) -> Worke
         owner=pick(args.owner, ENV_OWNER),
         log_level=log_level,
         lease=None if args.lease is None else _positive_float(args.lease, "lease"),
+        recovery_interval=None
+        if args.recovery_interval is None
+        else _positive_float(args.recovery_interval, "recovery-interval"),
+        schema=schema,
     )
 
 
@@ -196,13 +218,26 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
 
 def runtime_options(settings: WorkerSettings) -> dict[str, Any]:
     """`open_runtime`'s keyword arguments: only the ones the operator set, so the
-    runtime's own defaults apply otherwise (`max_active` unlimited, `lease` 30 s)."""
+    runtime's own defaults apply otherwise (`max_active` unlimited, `lease` 30 s,
+    `recovery_interval` 5 s)."""
     options: dict[str, Any] = {"owner_id": settings.owner}
     if settings.max_active is not None:
         options["max_active"] = settings.max_active
     if settings.lease is not None:
         options["lease"] = settings.lease
+    if settings.recovery_interval is not None:
+        options["recovery_interval"] = settings.recovery_interval
     return options
+
+
+def store_of(settings: WorkerSettings) -> Any:
+    """The store `open_runtime` gets: the path or URL itself, or a `PostgresStore` when a
+    schema other than the default was chosen."""
+    if settings.schema is None:
+        return settings.store
+    from ._postgres import PostgresStore  # psycopg is an optional extra
+
+    return PostgresStore(settings.store, schema=settings.schema)
 
 
 async def serve(settings: WorkerSettings, drain: Any) -> int:
@@ -216,7 +251,7 @@ async def serve(settings: WorkerSettings, drain: Any) -> int:
             nursery.start_soon(_watch_signals, signals, runtime_scope)
             with runtime_scope:
                 try:
-                    async with open_runtime(settings.store, drain, **options) as runtime:
+                    async with open_runtime(store_of(settings), drain, **options) as runtime:
                         owner = runtime.owner_id
                         store = redact(settings.store)
                         logger.info(

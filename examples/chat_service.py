@@ -1,0 +1,290 @@
+"""An HTTP chat service: one web process and any number of workers on one store.
+
+Run it (SQLite here; a `postgresql://` URL works the same, across hosts):
+
+    python examples/chat_service.py --store chat.db --bind 127.0.0.1:8000
+    PYTHONPATH=examples python -m trio_sessions worker chat_service:drain --store chat.db
+    PYTHONPATH=examples python -m trio_sessions worker chat_service:drain --store chat.db
+
+    curl -X POST localhost:8000/sessions/s1/messages -d '{"text": "hello there"}'
+    curl -N localhost:8000/sessions/s1/events        # live snapshots (server-sent events)
+    curl localhost:8000/sessions/s1/transcript
+    curl -X POST localhost:8000/sessions/s1/interrupt
+
+* The web process (`serve_web`) is an ASGI app on hypercorn's trio worker. It opens a
+  *producer* runtime (`drain=None`): posting a message is a durable `submit` (the 202 means
+  the message is stored), the transcript and the event stream read the store, and an
+  interrupt marks the worker's claim `cancelling` - the worker cancels its drain within
+  milliseconds. It never drains, so a web process can restart at any time.
+* Workers run `drain` with the worker command. The drain streams its answer a word at a
+  time (a stand-in for an LLM's tokens), so an interrupt or a dead worker can land
+  mid-answer. Killed mid-answer, a worker's session is resumed by another worker once the
+  lease runs out; the resumed drain finds the question it still owes in the transcript.
+* `GET /health` answers 200 once the runtime is open (a readiness probe); `GET /metrics`
+  is the runtime's `statistics()` as JSON.
+
+`CHAT_WORD_DELAY` (seconds, default 0.05) sets the pause between streamed words.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import logging
+import os
+import re
+import signal
+import sys
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import attrs
+import hypercorn.config
+import hypercorn.trio
+import trio
+
+import trio_sessions
+
+logger = logging.getLogger("chat_service")
+
+WORD_DELAY = float(os.environ.get("CHAT_WORD_DELAY", "0.05"))
+MAX_BODY = 64 * 1024
+
+# ---------------------------------------------------------------------------------------------
+# The drain (run by the workers)
+
+
+def owed(transcript: list[trio_sessions.Message]) -> list[trio_sessions.Message]:
+    """The user messages after the last answer, looking past answers a dead owner left
+    unfinished (recovery closed them as "interrupted: owner lost"): those are still owed."""
+    unanswered: list[trio_sessions.Message] = []
+    for message in reversed(transcript):
+        if message.role == "assistant" and message.data.error != "interrupted: owner lost":
+            break
+        if message.role == "user":
+            unanswered.insert(0, message)
+    return unanswered
+
+
+def compose(questions: list[trio_sessions.Message]) -> list[str]:
+    """The stand-in for a model: the answer's words, echoing the user's."""
+    words = [word for message in questions for word in str(message.data["text"]).split()]
+    return ["You", "said:", *words]
+
+
+async def drain(ctx: trio_sessions.DrainContext) -> None:
+    """Answer the session's unanswered user messages, streaming one word at a time."""
+    await ctx.take_inputs()  # pending inputs become user messages, atomically
+    questions = owed(await ctx.transcript())
+    if not questions:
+        return  # a wake with nothing left to answer
+    reply = await ctx.begin_assistant()
+    for n, word in enumerate(compose(questions)):
+        # Each append is durable and reaches every watcher; an interrupt or a shutdown
+        # cancels the drain at the sleep, and the runtime closes the message.
+        await reply.append_text(word if n == 0 else f" {word}")
+        await trio.sleep(WORD_DELAY)
+    await reply.finish()
+
+
+# ---------------------------------------------------------------------------------------------
+# The web process: a small hand-written ASGI app
+
+Scope = Mapping[str, Any]
+Receive = Callable[[], Awaitable[Mapping[str, Any]]]
+Send = Callable[[Any], Awaitable[None]]
+
+ROUTE = re.compile(
+    r"^/sessions/(?P<session>[^/]+)/(?P<action>messages|transcript|interrupt|events)$"
+)
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@attrs.define
+class ChatApp:
+    """POST messages, GET the transcript, POST interrupt, GET events (SSE), over a runtime."""
+
+    runtime: trio_sessions.Runtime
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        try:
+            await self.route(scope, receive, send)
+        except HTTPError as exc:
+            await _respond(send, exc.status, {"error": str(exc)})
+        except (ValueError, TypeError, trio_sessions.InputConflict) as exc:
+            await _respond(send, 400, {"error": str(exc)})
+
+    async def route(self, scope: Scope, receive: Receive, send: Send) -> None:
+        method, path = scope["method"], scope["path"]
+        if path == "/health" and method == "GET":
+            await _respond(send, 200, {"ok": True, "owner_id": self.runtime.owner_id})
+            return
+        if path == "/metrics" and method == "GET":
+            await _respond(send, 200, attrs.asdict(self.runtime.statistics()))
+            return
+        match = ROUTE.match(path)
+        if match is None:
+            raise HTTPError(404, f"no such resource: {path}")
+        session_id, action = match["session"], match["action"]
+        expected = "GET" if action in ("transcript", "events") else "POST"
+        if method != expected:
+            raise HTTPError(405, f"{action} takes {expected}")
+        if action == "messages":
+            await self.post_message(session_id, scope, receive, send)
+        elif action == "transcript":
+            messages = await self.runtime.transcript(session_id)
+            await _respond(send, 200, [message.to_json() for message in messages])
+        elif action == "interrupt":
+            accepted = await self.runtime.interrupt(session_id)
+            await _respond(send, 200, {"accepted": accepted})
+        else:
+            await self.stream_events(session_id, scope, receive, send)
+
+    async def post_message(
+        self, session_id: str, scope: Scope, receive: Receive, send: Send
+    ) -> None:
+        body = await _read_body(receive)
+        try:
+            payload = json.loads(body)
+        except json.JSONDecodeError as exc:
+            raise HTTPError(400, f"the body must be JSON: {exc}") from None
+        if not isinstance(payload, dict) or not isinstance(payload.get("text"), str):
+            raise HTTPError(400, 'the body must be {"text": "..."}')
+        # A client retrying after a timeout sends the same key: stored once.
+        key = _header(scope, b"idempotency-key")
+        input_id = await self.runtime.submit(session_id, {"text": payload["text"]}, input_id=key)
+        await _respond(send, 202, {"input_id": input_id})
+
+    async def stream_events(
+        self, session_id: str, scope: Scope, receive: Receive, send: Send
+    ) -> None:
+        """Server-sent events: one `data:` line per message snapshot, until the client leaves."""
+        after_seq = int(_query(scope).get("after_seq", "0"))
+        # Entered before the response starts: a bad session id is still a plain 400.
+        async with self.runtime.watch(session_id, after_seq=after_seq) as updates:
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [
+                        (b"content-type", b"text/event-stream"),
+                        (b"cache-control", b"no-cache"),
+                    ],
+                }
+            )
+            disconnected = trio.Event()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(
+                    _cancel_on_disconnect, receive, nursery.cancel_scope, disconnected
+                )
+                async for message in updates:
+                    event = f"data: {json.dumps(message.to_json())}\n\n".encode()
+                    await send({"type": "http.response.body", "body": event, "more_body": True})
+                nursery.cancel_scope.cancel()  # the runtime closed: end the stream
+        if not disconnected.is_set():
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _lifespan(receive: Receive, send: Send) -> None:
+    while True:
+        event = await receive()
+        if event["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif event["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+async def _cancel_on_disconnect(
+    receive: Receive, scope: trio.CancelScope, disconnected: trio.Event
+) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    disconnected.set()
+    scope.cancel()
+
+
+async def _read_body(receive: Receive) -> bytes:
+    body = b""
+    while True:
+        event = await receive()
+        body += bytes(event.get("body", b""))
+        if len(body) > MAX_BODY:
+            raise HTTPError(413, f"the body is larger than {MAX_BODY} bytes")
+        if not event.get("more_body", False):
+            return body
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key.lower() == name:
+            return bytes(value).decode("latin-1")
+    return None
+
+
+def _query(scope: Scope) -> dict[str, str]:
+    pairs = (item.partition("=") for item in scope["query_string"].decode().split("&") if item)
+    return {key: value for key, _, value in pairs}
+
+
+async def _respond(send: Send, status: int, value: Any) -> None:
+    body = json.dumps(value).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _until_signal() -> None:
+    """Hypercorn's shutdown trigger: SIGTERM or SIGINT starts a graceful shutdown."""
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            logger.info("web process stopping on %s", signal.Signals(signum).name)
+            return
+
+
+async def serve_web(store: str, bind: str) -> None:
+    """The web process: a producer runtime behind hypercorn, until SIGTERM or SIGINT."""
+    async with trio_sessions.open_runtime(store, None, owner_id="web") as runtime:
+        config = hypercorn.config.Config()
+        config.bind = [bind]
+        config.errorlog = logging.getLogger("hypercorn.error")  # through our handler, once
+        config.graceful_timeout = 2.0  # event streams are cut after this on shutdown
+        serve = functools.partial(
+            hypercorn.trio.serve, ChatApp(runtime), config, shutdown_trigger=_until_signal
+        )
+        async with trio.open_nursery() as nursery:
+            binds = await nursery.start(serve)
+            logger.info("chat service listening on %s", " ".join(binds))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument(
+        "--store",
+        default=os.environ.get("TRIO_SESSIONS_STORE"),
+        help="SQLite path or postgresql:// URL (env TRIO_SESSIONS_STORE)",
+    )
+    parser.add_argument("--bind", default="127.0.0.1:8000", help="HOST:PORT (port 0: any free)")
+    args = parser.parse_args()
+    if args.store is None:
+        parser.error("no store: pass --store or set TRIO_SESSIONS_STORE")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    trio.run(serve_web, args.store, args.bind)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
