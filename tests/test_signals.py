@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import trio_sessions
-from trio_sessions import AssistantData, DrainContext, MalformedRecord, Message, Outcome
+from trio_sessions import AssistantData, DrainContext, MalformedRecord, Message, Outcome, _filewatch
 from trio_sessions._signals import Watcher
 
 NO_RECOVERY: dict[str, Any] = {"recovery_interval": 3600.0}
@@ -111,6 +111,7 @@ async def test_a_lost_signal_is_made_good_by_the_fallback_poll(
     from trio_sessions import _runtime, _sqlite
 
     monkeypatch.setattr(_sqlite, "CHANGE_POLL", 3600.0)  # the signal never fires in time
+    monkeypatch.setattr(_sqlite, "open_watch", lambda path: None)
     monkeypatch.setattr(_runtime, "CHANGE_FALLBACK_POLL", 0.2)
     db = tmp_path / "s.db"
     started = trio.Event()
@@ -127,6 +128,41 @@ async def test_a_lost_signal_is_made_good_by_the_fallback_poll(
             await started.wait()
         assert worker.statistics().remote_signals == 1  # taken by a look, not by recovery
         assert worker.statistics().recovery.doorbells_started == 0
+
+
+async def test_a_commit_in_another_process_wakes_a_watching_reader_without_polling(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the WAL file can be watched (Linux inotify), another process's commit is the
+    signal: with every poll an hour away the drain still starts within the bound. (The
+    worker is asleep long before the producer process has even imported trio.)"""
+    from trio_sessions import _runtime, _sqlite
+
+    if _filewatch.open_watch(__file__) is None:
+        pytest.fail("inotify is unavailable here, so the change signal is a 5 ms poll")
+    monkeypatch.setattr(_sqlite, "CHANGE_POLL", 3600.0)
+    monkeypatch.setattr(_runtime, "CHANGE_FALLBACK_POLL", 3600.0)
+    db = tmp_path / "s.db"
+    started = trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        started.set()
+
+    script = textwrap.dedent(
+        f"""
+        import trio, trio_sessions
+        async def main():
+            async with trio_sessions.open_runtime({str(db)!r}, None) as producer:
+                await producer.wake("s")
+        trio.run(main)
+        """
+    )
+    async with trio_sessions.open_runtime(db, drain, **NO_RECOVERY) as worker:
+        completed = await trio.run_process([sys.executable, "-c", script], check=False)
+        assert completed.returncode == 0
+        with trio.fail_after(BOUND):
+            await started.wait()
+        assert worker.statistics().remote_signals == 1
 
 
 async def test_max_active_bounds_drains_and_the_rest_complete_without_recovery(

@@ -919,6 +919,21 @@ def test_recovery_candidates_include_own_and_expired_recovery_leases(db: Db) -> 
     ]
 
 
+def test_a_stale_candidate_gets_no_recovery_lease(db: Db) -> None:
+    """A candidate whose claim another recoverer took over after this scan read it gets no
+    recovery lease: a lease row with no claim behind it is never scanned again, so if its
+    recoverer then died it would stay forever (found by the PostgreSQL soak)."""
+    execution = busy_claim(db)
+    db.expire()
+    candidate = _store.Candidate("s", execution)
+    assert db.run(_store.recovery_candidates, ME, 10, []) == [candidate]
+    assert db.run(_store.take_recovery_leases, "other", LEASE, [candidate]) == [candidate]
+    db.run(_store.apply_recovery, "other", candidate, "exec-new", LEASE, 10)
+    assert db.rows("SELECT * FROM session_recovery") == []
+    assert db.run(_store.take_recovery_leases, ME, LEASE, [candidate]) == []
+    assert db.rows("SELECT * FROM session_recovery") == []
+
+
 def test_recovery_candidates_writes_nothing(db: Db) -> None:
     """The candidate scan is a read."""
     ordering_fixture(db)

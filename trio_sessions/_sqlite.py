@@ -37,7 +37,7 @@ import json
 import os
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar, TypeVarTuple, Unpack
 
@@ -47,6 +47,7 @@ import trio
 from . import _observe
 from ._backend import BackendName, Job, Params, StoreStatistics, Tx, driver_error, now_ms
 from ._errors import SchemaTooNew, StoreError, TrioSessionsError
+from ._filewatch import FileWatch, open_watch
 from ._handoff import HandoffQueue, Queued, pumping
 
 T = TypeVar("T")
@@ -497,20 +498,26 @@ WAL_RESTART_FRAMES = 4_000
 
 
 # How often a runtime looks for other connections' commits (`PRAGMA data_version` costs a
-# few µs): the cross-process pickup latency, at ~0.1 % of a core when idle.
+# few µs) where the WAL file cannot be watched.
 CHANGE_POLL = 0.005
+# The most often a reader reports a change: under load every commit is one, and a look per
+# commit would cost more than the commits.
+CHANGE_GAP = 0.005
 
 
 @attrs.define(eq=False)
 class ChangeReader:
     """Reads on the trio thread on a connection of its own: a WAL reader never waits for the
     write lock, and `PRAGMA data_version` on it changes with every commit made on any other
-    connection - this process's writers included, so watchers see their writes too."""
+    connection - this process's writers included, so watchers see their writes too. With a
+    watch on the WAL file (`_filewatch`), an idle reader sleeps until a commit writes it."""
 
     conn: sqlite3.Connection
     clock: Callable[[], float]
     poll: float
+    watch: FileWatch | None = None
     _version: int = 0
+    _next_look: float = 0.0
 
     async def read(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
         """Run a read-only operation on one snapshot, on the trio thread."""
@@ -528,13 +535,33 @@ class ChangeReader:
     async def wait_for_change(self, kick: trio.Event, fallback: float) -> None:
         """Return when another connection committed, `kick` is set, or after `fallback` seconds."""
         with trio.move_on_after(fallback):
+            with trio.move_on_at(self._next_look):
+                await kick.wait()
             while not kick.is_set():
+                if self.watch is not None:
+                    self.watch.discard()  # events so far are covered by the look below
                 version = self.conn.execute("PRAGMA data_version").fetchone()[0]
                 if version != self._version:
                     self._version = version
+                    self._next_look = trio.current_time() + CHANGE_GAP
                     return
-                with trio.move_on_after(self.poll):
-                    await kick.wait()
+                await self._signal(kick)
+
+    async def _signal(self, kick: trio.Event) -> None:
+        """Sleep until the WAL file is written or `kick` is set (or one poll, unwatched)."""
+        watch = self.watch
+        if watch is None:
+            with trio.move_on_after(self.poll):
+                await kick.wait()
+            return
+        async with trio.open_nursery() as nursery:
+
+            async def first(wait: Callable[[], Awaitable[None]]) -> None:
+                await wait()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(first, kick.wait)
+            nursery.start_soon(first, watch.wait)
 
 
 @attrs.define(eq=False)
@@ -792,7 +819,11 @@ class SQLiteStore:
         conn = connections.enter_context(
             contextlib.closing(connect_nonblocking(self.path, synchronous=self.synchronous))
         )
-        return ChangeReader(conn, clock, poll)
+        conn.execute("SELECT 1 FROM sqlite_master LIMIT 1")  # the WAL file exists from here
+        watch = open_watch(f"{os.fspath(self.path)}-wal")
+        if watch is not None:
+            connections.callback(watch.close)
+        return ChangeReader(conn, clock, poll, watch)
 
     def _wrapped(self, conn: sqlite3.Connection) -> sqlite3.Connection:
         return conn if self.wrap_connection is None else self.wrap_connection(conn)

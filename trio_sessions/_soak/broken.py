@@ -31,8 +31,8 @@ DEFECTS = {
         "the session lock is a FOR KEY SHARE row lock on the session (a takeover's updates"
         " do not conflict with it)",
         "_postgres.py",
-        'f"SELECT pg_advisory_xact_lock({SESSION_LOCK_NAMESPACE}, hashtext(%s))",',
-        '"SELECT 1 FROM session WHERE id = %s FOR KEY SHARE",',
+        'f" (SELECT pg_advisory_xact_lock({SESSION_LOCK_NAMESPACE}, hashtext(%s)))"',
+        '" (SELECT count(*) FROM (SELECT 1 FROM session WHERE id = %s FOR KEY SHARE) AS k)"',
     ),
     "no-session-lock": Defect(
         "fences are read without any session lock (READ COMMITTED alone)",
@@ -44,11 +44,11 @@ DEFECTS = {
         "a drain's writes check the claim fence without the session lock (acquire and"
         " recovery keep it): a takeover can commit between the check and the write",
         "_store.py",
-        "    session_id = _lock_execution(tx, execution_id)\n    if session_id is None or (",
+        "    session_id = _lock_execution(tx, execution_id)\n    row = (\n",
         '    row = tx.one("SELECT session_id FROM session_execution WHERE id = ?",'
         " (execution_id,))\n"
         "    session_id = None if row is None else str(row[0])\n"
-        "    if session_id is None or (",
+        "    row = (\n",
     ),
     "no-self-fence": Defect(
         "no local lease deadline: a drain runs until the store says its lease is lost",

@@ -101,7 +101,7 @@ EXPIRED_SQL = (
     " FROM session_execution e LEFT JOIN session_recovery r ON r.execution_id = e.id"
 )
 # Recovery rows of executions that no longer have a claim are counted apart (see
-# `stale_recovery_rows`): nothing can ever act on them, they are litter, not lost work.
+# `stale_recovery_rows`): nothing can ever act on them; they count as orphaned.
 LEFT_SQL = (
     "SELECT (SELECT COUNT(*) FROM session_input), (SELECT COUNT(*) FROM session"
     " WHERE time_woken IS NOT NULL), (SELECT COUNT(*) FROM session_execution),"
@@ -311,8 +311,9 @@ class Result:
     orphans_seen: int = 0
     claims_left: int = 0
     recovery_rows_left: int = 0
-    # A recovery lease taken for a claim that was already gone (the scan's candidate was
-    # stale), by a recoverer killed before it applied: a library defect, reported apart.
+    # A recovery lease left on a claim that is gone (a stale candidate of a recoverer killed
+    # before it applied; `_store.take_recovery_leases` undoes such leases since the soak
+    # found them): counted apart, and as orphaned.
     stale_recovery_rows: int = 0
     overlaps: int = 0
     zombie_writes: int = 0
@@ -335,7 +336,12 @@ class Result:
 
     @property
     def orphaned(self) -> int:
-        return self.orphans_seen + self.claims_left + self.recovery_rows_left
+        return (
+            self.orphans_seen
+            + self.claims_left
+            + self.recovery_rows_left
+            + self.stale_recovery_rows
+        )
 
     def fault_counts(self) -> dict[str, int]:
         return {
