@@ -492,6 +492,14 @@ class ProtocolModel(RuleBasedStateMachine):
             return
         message = next(m for m in self.messages[session_id] if m.id == message_id)
         if not isinstance(message.data, AssistantData):
+            streaming = self.conn.execute(
+                "SELECT 1 FROM session_message_stream WHERE message_id = ? AND execution_id = ?",
+                (message_id, execution_id),
+            ).fetchone()
+            if action == "text" and streaming is not None:
+                # An append never reads the message: its delta lands beside the corrupt row.
+                assert self.op(*operation)[0] is None
+                return
             with pytest.raises(MalformedRecord):
                 self.op(*operation)
             return
@@ -697,6 +705,17 @@ class ProtocolModel(RuleBasedStateMachine):
         for candidate in expired:
             assert candidate.execution_id is not None
             row = self.recovery_rows.get(candidate.execution_id)
+            claim = self.sessions[candidate.session_id].claim
+            if claim is None or claim.execution_id != candidate.execution_id:
+                # A stale candidate (its claim is gone): a lease it could take is undone,
+                # with whatever lease row it would have taken over.
+                if (
+                    row is not None
+                    and row.error is None
+                    and (row.owner_id == owner.owner_id or row.expires_at <= self.now)
+                ):
+                    del self.recovery_rows[candidate.execution_id]
+                continue
             if row is None:
                 self.recovery_rows[candidate.execution_id] = RecoveryRowModel(
                     candidate.session_id, owner.owner_id, self.now + LEASE_MS
