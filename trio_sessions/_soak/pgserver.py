@@ -24,7 +24,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -108,8 +108,9 @@ def postgres_url() -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def throwaway_server() -> Iterator[PgServer]:
-    """A server of our own in a temporary directory, stopped and removed after the block."""
+def throwaway_server(settings: Mapping[str, str] | None = None) -> Iterator[PgServer]:
+    """A server of our own in a temporary directory, stopped and removed after the block;
+    `settings` override `SERVER_SETTINGS` (the bench switches durability back on)."""
     with tempfile.TemporaryDirectory(prefix="trio-sessions-pg-") as tmp:
         base = Path(tmp)
         data = base / "data"
@@ -128,7 +129,7 @@ def throwaway_server() -> Iterator[PgServer]:
             bin_dir = base / package.name / "pginstall" / "bin"
         _chown_tree(base)
         _initdb(bin_dir, data, log)
-        server = PgServer(bin_dir, data, log, _free_port())
+        server = PgServer(bin_dir, data, log, _free_port(), {**SERVER_SETTINGS, **(settings or {})})
         server.start()
         try:
             yield server
@@ -162,8 +163,11 @@ def _initdb(bin_dir: Path, data: Path, log: Path) -> None:
 class PgServer:
     """One `postgres` process on a data directory and a fixed port (kept across restarts)."""
 
-    def __init__(self, bin_dir: Path, data: Path, log: Path, port: int) -> None:
+    def __init__(
+        self, bin_dir: Path, data: Path, log: Path, port: int, settings: Mapping[str, str]
+    ) -> None:
         self.bin_dir = bin_dir
+        self.settings = settings
         self.data = data
         self.log = log
         self.port = port
@@ -172,7 +176,7 @@ class PgServer:
 
     def start(self) -> None:
         settings = {
-            **SERVER_SETTINGS,
+            **self.settings,
             "port": str(self.port),
             "unix_socket_directories": str(self.data),
         }
