@@ -13,7 +13,8 @@ tool call the same way; the drain needs no cleanup code of its own.
 
 Resume: if the process dies mid-answer, another runtime resumes the drain after the lease
 runs out (`ctx.resumed`). The dead owner had already taken the inputs, so the drain finds
-the question it still owes an answer to in the transcript (`owed`), not among the inputs.
+the question it still owes an answer to in the transcript (`trio_sessions.unanswered`),
+not among the inputs.
 Recovery closed the dead owner's answer as "interrupted: owner lost", failing its running
 tool calls the same way: such a call may or may not have happened. A tool with side effects
 (a payment, an e-mail) must not simply run again: give it an idempotency key that is the same
@@ -47,21 +48,9 @@ def run_tool(name: str, args: dict[str, Any]) -> Any:
     return {"city": args.get("city"), "forecast": "mild"} if name == "weather" else []
 
 
-def owed(transcript: list[trio_sessions.Message]) -> list[trio_sessions.Message]:
-    """The user messages after the last answer, looking past answers a dead owner left
-    unfinished (recovery closed them as "interrupted: owner lost"): those are still owed."""
-    unanswered: list[trio_sessions.Message] = []
-    for message in reversed(transcript):
-        if message.role == "assistant" and message.data.error != "interrupted: owner lost":
-            break
-        if message.role == "user":
-            unanswered.insert(0, message)
-    return unanswered
-
-
 async def agent(ctx: trio_sessions.DrainContext) -> None:
     await ctx.take_inputs()  # pending inputs become user messages, atomically
-    questions = owed(await ctx.transcript())
+    questions = trio_sessions.unanswered(await ctx.transcript())
     if not questions:
         return  # a wake with nothing left to answer
     question = " ".join(str(message.data["text"]) for message in questions)

@@ -7,7 +7,8 @@ inputs (each becomes a user message, atomically), then answers the user messages
 an answer with one assistant message. It finds them in the transcript rather than among the
 inputs it took: after a crash the runtime resumes the drain (`ctx.resumed`), but the dead
 owner had already taken the inputs, so `take_inputs()` returns nothing for them. Its
-unfinished answer was closed as "interrupted: owner lost", so `owed` looks past it.
+unfinished answer was closed as "interrupted: owner lost", so `trio_sessions.unanswered`
+looks past it.
 
 `submit` is durable when it returns: had this process died right after it, the next runtime
 opened on the same file would have found the input and drained it.
@@ -24,22 +25,10 @@ import trio
 import trio_sessions
 
 
-def owed(transcript: list[trio_sessions.Message]) -> list[trio_sessions.Message]:
-    """The user messages after the last answer, looking past answers a dead owner left
-    unfinished (recovery closed them as "interrupted: owner lost"): those are still owed."""
-    unanswered: list[trio_sessions.Message] = []
-    for message in reversed(transcript):
-        if message.role == "assistant" and message.data.error != "interrupted: owner lost":
-            break
-        if message.role == "user":
-            unanswered.insert(0, message)
-    return unanswered
-
-
 async def echo(ctx: trio_sessions.DrainContext) -> None:
     """Answer the session's unanswered user messages with one assistant message."""
     await ctx.take_inputs()  # pending inputs become user messages, atomically
-    questions = owed(await ctx.transcript())
+    questions = trio_sessions.unanswered(await ctx.transcript())
     if not questions:
         return  # a wake with nothing left to answer
     reply = await ctx.begin_assistant()

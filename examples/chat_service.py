@@ -55,18 +55,6 @@ MAX_BODY = 64 * 1024
 # The drain (run by the workers)
 
 
-def owed(transcript: list[trio_sessions.Message]) -> list[trio_sessions.Message]:
-    """The user messages after the last answer, looking past answers a dead owner left
-    unfinished (recovery closed them as "interrupted: owner lost"): those are still owed."""
-    unanswered: list[trio_sessions.Message] = []
-    for message in reversed(transcript):
-        if message.role == "assistant" and message.data.error != "interrupted: owner lost":
-            break
-        if message.role == "user":
-            unanswered.insert(0, message)
-    return unanswered
-
-
 def compose(questions: list[trio_sessions.Message]) -> list[str]:
     """The stand-in for a model: the answer's words, echoing the user's."""
     words = [word for message in questions for word in str(message.data["text"]).split()]
@@ -76,7 +64,7 @@ def compose(questions: list[trio_sessions.Message]) -> list[str]:
 async def drain(ctx: trio_sessions.DrainContext) -> None:
     """Answer the session's unanswered user messages, streaming one word at a time."""
     await ctx.take_inputs()  # pending inputs become user messages, atomically
-    questions = owed(await ctx.transcript())
+    questions = trio_sessions.unanswered(await ctx.transcript())
     if not questions:
         return  # a wake with nothing left to answer
     reply = await ctx.begin_assistant()

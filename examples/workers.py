@@ -10,7 +10,7 @@ every order is answered, and exits non-zero if that does not happen within a dea
   claims; the claim guarantees that exactly one worker drains a session at a time, and
   inputs arriving while a worker drains a session coalesce into that worker's next drain
   iteration. A worker that dies mid-answer is resumed by another after its lease: the
-  drain finds the orders still owed in the transcript (`owed`).
+  drain finds the orders still owed in the transcript (`trio_sessions.unanswered`).
 * A worker stops when its standard input closes: the producer closes it when done (and the
   operating system closes it if the producer dies), so no worker outlives the example.
 """
@@ -37,24 +37,12 @@ DEADLINE = 30.0  # seconds for the whole run, workers' start-up included
 # Worker processes
 
 
-def owed(transcript: list[trio_sessions.Message]) -> list[trio_sessions.Message]:
-    """The user messages after the last answer, looking past answers a dead owner left
-    unfinished (recovery closed them as "interrupted: owner lost"): those are still owed."""
-    unanswered: list[trio_sessions.Message] = []
-    for message in reversed(transcript):
-        if message.role == "assistant" and message.data.error != "interrupted: owner lost":
-            break
-        if message.role == "user":
-            unanswered.insert(0, message)
-    return unanswered
-
-
 async def work(name: str, db: Path) -> None:
     async def pack_orders(ctx: trio_sessions.DrainContext) -> None:
         await ctx.take_inputs()  # pending inputs become user messages, atomically
         # From the transcript, not the inputs: a drain resumed after its worker died finds
         # there the orders the dead worker had taken but not packed.
-        questions = owed(await ctx.transcript())
+        questions = trio_sessions.unanswered(await ctx.transcript())
         if not questions:
             return
         orders = [message.data["order"] for message in questions]

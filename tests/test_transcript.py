@@ -19,12 +19,14 @@ from hypothesis import strategies as st
 from trio_sessions import (
     AssistantData,
     DuplicateSettlement,
+    Message,
     TextPart,
     ToolPart,
     UnknownToolCall,
     _sqlite,
     _store,
     _transcript,
+    unanswered,
 )
 from trio_sessions._model import INTERRUPTED, OWNER_LOST, UNSETTLED_AT_FINISH
 from trio_sessions._transcript import EMPTY, MessageFinished
@@ -302,3 +304,35 @@ def test_durable_unknown_call_id_writes_nothing(claimed: Claimed) -> None:
     with pytest.raises(UnknownToolCall):
         claimed.update(settle("ghost"))
     assert claimed.stored() == before
+
+
+def _user(seq: int) -> Message:
+    return Message(f"u{seq}", "s", "user", seq, {"text": str(seq)}, None, f"i{seq}")
+
+
+def _answer(seq: int, error: str | None) -> Message:
+    data = AssistantData(parts=(), finished=True, error=error)
+    return Message(f"a{seq}", "s", "assistant", seq, data, "e", None)
+
+
+@pytest.mark.parametrize(
+    ("transcript", "owed"),
+    [
+        ([], []),
+        ([_user(1)], [1]),
+        ([_user(1), _user(2)], [1, 2]),
+        ([_user(1), _answer(2, None)], []),
+        ([_user(1), _answer(2, None), _user(3)], [3]),
+        # A dead owner's unfinished answer is looked past: its question is still owed.
+        ([_user(1), _answer(2, OWNER_LOST)], [1]),
+        ([_user(1), _answer(2, OWNER_LOST), _user(3), _answer(4, OWNER_LOST)], [1, 3]),
+        ([_user(1), _answer(2, None), _user(3), _answer(4, OWNER_LOST)], [3]),
+        # An answer cut by a user interrupt or a failure counts as given.
+        ([_user(1), _answer(2, INTERRUPTED)], []),
+        ([_user(1), _answer(2, "failed: KeyError('x')")], []),
+    ],
+)
+def test_unanswered_finds_the_questions_still_owed(
+    transcript: list[Message], owed: list[int]
+) -> None:
+    assert [message.seq for message in unanswered(transcript)] == owed

@@ -22,6 +22,8 @@ The public surface: everything else lives in private modules.
 # * Entry points on top: _worker and _cli (`python -m trio_sessions`), testing (public
 #   helpers for users' tests), demo, bench and soak.
 
+from typing import TYPE_CHECKING
+
 from ._errors import DuplicateSettlement as DuplicateSettlement
 from ._errors import InputConflict as InputConflict
 from ._errors import LeaseLost as LeaseLost
@@ -45,8 +47,22 @@ from ._runtime import Runtime as Runtime
 from ._runtime import open_runtime as open_runtime
 from ._runtime import serve_runtime as serve_runtime
 from ._sqlite import SQLiteStore as SQLiteStore
+from ._transcript import unanswered as unanswered
+
+if TYPE_CHECKING:
+    from ._postgres import PostgresStore as PostgresStore
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    # psycopg is an optional extra: `PostgresStore` imports it only when it is asked for.
+    if name == "PostgresStore":
+        from ._postgres import PostgresStore
+
+        return PostgresStore
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 # The 0.1 name of `SQLiteStore`, kept through 0.x.
 Store = SQLiteStore

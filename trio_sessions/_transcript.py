@@ -17,7 +17,15 @@ import attrs
 
 from ._errors import DuplicateSettlement, UnknownToolCall
 from ._errors import MessageFinished as MessageFinished  # public in trio_sessions since 0.1
-from ._model import UNSETTLED_AT_FINISH, AssistantData, Part, TextPart, ToolPart
+from ._model import (
+    OWNER_LOST,
+    UNSETTLED_AT_FINISH,
+    AssistantData,
+    Message,
+    Part,
+    TextPart,
+    ToolPart,
+)
 
 EMPTY = AssistantData(parts=(), finished=False, error=None)
 
@@ -112,3 +120,24 @@ def _find_tool(data: AssistantData, call_id: str) -> int | None:
 
 def _replace(parts: tuple[Part, ...], index: int, part: Part) -> tuple[Part, ...]:
     return (*parts[:index], part, *parts[index + 1 :])
+
+
+def unanswered(messages: Sequence[Message]) -> list[Message]:
+    """The user messages a drain still owes an answer, from a session's transcript: those
+    after the last assistant message, looking past answers a dead owner left unfinished
+    (recovery closed them as "interrupted: owner lost", after a crash or a graceful
+    shutdown alike). An answer cut short by a user interrupt or a failed drain counts as
+    given.
+
+    Pass it `await ctx.transcript()`: a resumed drain's inputs were taken by the owner that
+    died, so they are found here and never in `take_inputs()`.
+    """
+    owed: list[Message] = []
+    for message in reversed(messages):
+        if message.role == "assistant" and not (
+            isinstance(message.data, AssistantData) and message.data.error == OWNER_LOST
+        ):
+            break
+        if message.role == "user":
+            owed.append(message)
+    return owed[::-1]
