@@ -156,10 +156,10 @@ async def bench_cycle(config: Config, folder: Path, report: Report) -> None:
     report.machine["serial_ratio"] = median(serial_ratios)
     report.notes.append(
         "cycle: the library's cycle is 2 write transactions (submit with its claim, then "
-        "finish) like the raw 2 (claim, release), but it also stores the input; sequential = `await submit(); await wait_idle()` per "
-        "session; the drain does one checkpoint and takes no input. 'one task submitting in "
-        "a loop' awaits `submit()` per session while the drains it started run; its ratio is "
-        "against the default store's sequential cycle of the same round. 'one empty "
-        "operation' is a store round trip with nothing written: for the default store, the "
-        "trio -> worker thread hand-off."
+        "finish) like the raw 2 (claim, release), but it also stores the input; sequential "
+        "= `await submit(); await wait_idle()` per session; the drain does one checkpoint "
+        "and takes no input. 'one task submitting in a loop' awaits `submit()` per session "
+        "while the drains it started run; its ratio is against the default store's "
+        "sequential cycle of the same round. 'one empty operation' is a store round trip "
+        "with nothing written: for the default store, the trio -> worker thread hand-off."
     )

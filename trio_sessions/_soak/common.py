@@ -13,6 +13,8 @@ import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+import attrs
+
 from .._model import Message, TextPart
 
 
@@ -63,3 +65,13 @@ def run_model(steps: int) -> int:
         check=False,
     )
     return completed.returncode
+
+
+@attrs.define
+class Worker:
+    """A worker process of a soak, by its slot (restarted workers reuse theirs)."""
+
+    slot: int
+    name: str
+    process: subprocess.Popen[bytes]
+    log: Path

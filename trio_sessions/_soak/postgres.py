@@ -76,7 +76,7 @@ from .._model import Claim
 from .._postgres import PostgresStore
 from .._runtime import DrainContext, Runtime, open_runtime
 from . import audit, broken
-from .common import answered_numbers, session_name, unanswered
+from .common import Worker, answered_numbers, session_name, unanswered
 from .proxy import FaultProxy, Link
 
 T = TypeVar("T")
@@ -280,14 +280,6 @@ class EventFormatter(logging.Formatter):
 
 # ---------------------------------------------------------------------------------------------
 # The parent: proxies, producer, chaos, audit
-
-
-@attrs.define
-class Worker:
-    slot: int
-    name: str
-    process: subprocess.Popen[bytes]
-    log: Path
 
 
 @attrs.define

@@ -50,7 +50,7 @@ from .._errors import LeaseLost
 from .._model import Claim
 from .._runtime import DrainContext, Runtime, open_runtime
 from .._sqlite import SQLiteStore as Store
-from .common import answered_numbers, session_name, unanswered
+from .common import Worker, answered_numbers, session_name, unanswered
 
 AUDIT_SCHEMA = """
 CREATE TABLE IF NOT EXISTS soak_drain(
@@ -206,14 +206,6 @@ async def run_worker(config: WorkerConfig) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # The parent: producer, chaos, audit
-
-
-@attrs.define
-class Worker:
-    slot: int
-    name: str
-    process: subprocess.Popen[bytes]
-    log: Path
 
 
 @attrs.define
