@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
-from typing import Any
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 import backends
 import trio
+import trio.testing
 
 import trio_sessions
 from trio_sessions import DrainContext, Outcome, Runtime, Store, testing
 from trio_sessions._codec import decode_assistant, encode_assistant
 from trio_sessions._model import AssistantData, TextPart, ToolPart
 
+if TYPE_CHECKING:
+    from trio_sessions._postgres import PgEngine
+
+T = TypeVar("T")
 Drain = Callable[[DrainContext], Awaitable[None]]
 VIRTUAL_TIME_LIMIT = 3_600.0
 
@@ -30,6 +36,66 @@ async def runtime(
     with trio.fail_after(VIRTUAL_TIME_LIMIT):
         async with trio_sessions.open_runtime(store, drain, clock=clock, **options) as rt:
             yield rt
+
+
+class JumpingClock:
+    """The virtual clock plus a wall-clock offset the test can jump."""
+
+    def __init__(self, base: Callable[[], float]) -> None:
+        self.base = base
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        return self.base() + self.offset
+
+
+async def write_as_zombie(
+    jumped: trio.Event, write: Callable[[], Awaitable[object]], errors: list[BaseException]
+) -> None:
+    """In a drain: once the test jumped the clock past the lease, attempt `write` (shielded,
+    so it is reached despite lease_lost) and record the `LeaseLost` it raises in `errors`."""
+    await jumped.wait()
+    try:
+        with trio.CancelScope(shield=True):
+            await write()
+    except trio_sessions.LeaseLost as exc:
+        errors.append(exc)
+
+
+async def run_and_jump(
+    rt: Runtime, clock: JumpingClock, jumped: trio.Event, snapshot: Callable[[], T]
+) -> T:
+    """Run session 's' until its drain blocks, take `snapshot()`, jump `clock` a minute
+    (past any test lease), set `jumped`, and return the snapshot once the run ended."""
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(rt.run, "s")
+        await trio.testing.wait_all_tasks_blocked()
+        before = snapshot()
+        clock.offset += 60.0
+        jumped.set()
+    return before
+
+
+@contextmanager
+def opened(engine: PgEngine) -> Iterator[PgEngine]:
+    """A PostgreSQL engine, open for the block."""
+    engine.open()
+    try:
+        yield engine
+    finally:
+        engine.close()
+
+
+def terminate_backend(url: str, pid: int) -> None:
+    """Kill backend `pid` from another connection and wait until it is gone."""
+    import psycopg  # lazily: SQLite-only runs never touch psycopg
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        deadline = time.monotonic() + 10
+        while conn.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone():
+            assert time.monotonic() < deadline, f"backend {pid} survived termination"
+            time.sleep(0.005)
 
 
 @attrs.define

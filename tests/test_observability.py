@@ -12,9 +12,7 @@ import logging
 import sqlite3
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +20,16 @@ import psycopg
 import pytest
 import trio
 import trio.testing
-from helpers import Raw, Recorder, now_ms, open_tool_message, runtime
+from helpers import (
+    JumpingClock,
+    Raw,
+    Recorder,
+    now_ms,
+    open_tool_message,
+    opened,
+    runtime,
+    terminate_backend,
+)
 from opentelemetry import metrics, trace
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
@@ -45,7 +52,7 @@ from trio_sessions import (
     _store,
 )
 from trio_sessions import _observe as events
-from trio_sessions._postgres import PgEngine, PostgresStore, run_op
+from trio_sessions._postgres import PostgresStore, run_op
 
 Clock = Callable[[], float]
 QUIET = {"recovery_interval": 10_000.0}  # passes only when the test asks for one
@@ -68,17 +75,6 @@ def records(caplog: pytest.LogCaptureFixture, message: str) -> list[Any]:
 
 def store_at(tmp_path: Path, **options: Any) -> Store:
     return Store(tmp_path / "sessions.db", inline=True, **options)
-
-
-class JumpingClock:
-    """The virtual clock plus a wall-clock offset the test can jump."""
-
-    def __init__(self, base: Clock) -> None:
-        self.base = base
-        self.offset = 0.0
-
-    def __call__(self) -> float:
-        return self.base() + self.offset
 
 
 class FailingHeartbeat:
@@ -313,7 +309,7 @@ def test_postgres_retry_and_reconnect_are_logged(
         [retry] = records(caplog, events.STORE_RETRY)
         assert retry.getMessage() == "store transaction retried: 40001"
         assert (retry.backend, retry.sqlstate, retry.retry) == ("postgres", "40001", 1)
-        _terminate(pg_url, engine.conn.info.backend_pid)
+        terminate_backend(pg_url, engine.conn.info.backend_pid)
         run_op(engine, _store.wake, "s")
     [reconnected] = records(caplog, events.STORE_RECONNECTED)
     assert (reconnected.levelno, reconnected.backend) == (logging.WARNING, "postgres")
@@ -334,24 +330,6 @@ class FailOnce:
             self.armed = False
             raise psycopg.errors.SerializationFailure("could not serialize access (injected)")
         return self._conn.execute(*args, **kwargs)
-
-
-@contextmanager
-def opened(engine: PgEngine) -> Iterator[PgEngine]:
-    engine.open()
-    try:
-        yield engine
-    finally:
-        engine.close()
-
-
-def _terminate(url: str, pid: int) -> None:
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
-        deadline = time.monotonic() + 10
-        while conn.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone():
-            assert time.monotonic() < deadline, f"backend {pid} survived termination"
-            time.sleep(0.005)
 
 
 # --- OpenTelemetry ------------------------------------------------------------------------

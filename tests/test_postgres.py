@@ -23,7 +23,7 @@ import psycopg
 import pytest
 import trio
 from backends import PgLocation
-from helpers import Raw, check_pre_streaming_upgrade, seed_pre_streaming
+from helpers import Raw, check_pre_streaming_upgrade, opened, seed_pre_streaming, terminate_backend
 from psycopg import sql
 from trio.testing import MockClock
 
@@ -55,15 +55,6 @@ LEASE_MS = 30_000
 def fixed(seconds: float) -> Callable[[], float]:
     """A lease clock stopped at `seconds` (ms = seconds * 1000)."""
     return lambda: seconds
-
-
-@contextmanager
-def opened(engine: PgEngine) -> Iterator[PgEngine]:
-    engine.open()
-    try:
-        yield engine
-    finally:
-        engine.close()
 
 
 @contextmanager
@@ -462,16 +453,6 @@ def test_group_commit_batch_runs_in_one_transaction(pg_url: str, pg_schema: str)
 # Uncertain commits
 
 
-def _terminate(url: str, pid: int) -> None:
-    """Kill backend `pid` from another connection and wait until it is gone."""
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
-        deadline = time.monotonic() + 10
-        while conn.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone():
-            assert time.monotonic() < deadline, f"backend {pid} survived termination"
-            time.sleep(0.005)
-
-
 class BreakAtCommit:
     """A connection whose next COMMIT loses its connection: the backend is killed before
     the COMMIT reaches it (`land=False`: the transaction aborts) or right after it
@@ -493,7 +474,7 @@ class BreakAtCommit:
         self.armed = False
         if self._land:
             self._conn.commit()
-        _terminate(self._url, self._conn.info.backend_pid)
+        terminate_backend(self._url, self._conn.info.backend_pid)
         if self._land:
             raise psycopg.OperationalError("server closed the connection (injected)")
         self._conn.commit()  # on a dead connection: raises
@@ -533,7 +514,7 @@ def test_lost_connection_before_commit_reruns(pg_url: str, pg_schema: str) -> No
     and runs once."""
     with opened(PostgresStore(pg_url, schema=pg_schema).engine()) as engine:
         run_op(engine, _store.wake, "s")
-        _terminate(pg_url, engine.conn.info.backend_pid)
+        terminate_backend(pg_url, engine.conn.info.backend_pid)
         run_op(engine, _store.wake, "s")
         assert engine.reconnects == 1
     with raw(pg_url, pg_schema) as conn:

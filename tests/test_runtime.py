@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from helpers import Raw, Recorder, now_ms, runtime, start_run
+from helpers import JumpingClock, Raw, Recorder, now_ms, runtime, start_run
 from trio.testing import MockClock
 
 import trio_sessions
@@ -480,17 +480,6 @@ async def test_run_defers_to_another_owner(
 
 
 # --- heartbeat -----------------------------------------------------------------------------
-
-
-class JumpingClock:
-    """The virtual clock plus a wall-clock offset the test can jump."""
-
-    def __init__(self, base: Clock) -> None:
-        self.base = base
-        self.offset = 0.0
-
-    def __call__(self) -> float:
-        return self.base() + self.offset
 
 
 async def test_heartbeat_keeps_lease_alive(

@@ -17,28 +17,13 @@ LAST_LINE = re.compile(
 )
 
 
-@pytest.mark.slow
-def test_short_kill_soak_audit_is_clean(tmp_path: Path) -> None:
-    """Workers killed at random (also inside the claim handoff) lose no input, never overlap
-    on a session and leave no orphaned claim; the soak prints its figures last."""
+def run_soak(
+    tmp_path: Path, last_line: re.Pattern[str], *args: str
+) -> tuple[dict[str, int], str, str]:
+    """Run `python -m trio_sessions.soak` with `args` to a clean exit; the figures of its
+    last line (which must match `last_line`), its stdout, and its stdout and stderr."""
     completed = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "trio_sessions.soak",
-            "--workers=3",
-            "--sessions=6",
-            "--duration=12",
-            "--rate=15",
-            "--kill-gap",
-            "0.4",
-            "1.5",
-            "--handoff-ratio=0.5",
-            "--settle-timeout=12",
-            "--seed=8",
-            "--model-steps=0",
-            f"--dir={tmp_path / 'soak'}",
-        ],
+        [sys.executable, "-m", "trio_sessions.soak", *args, f"--dir={tmp_path / 'soak'}"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -47,14 +32,35 @@ def test_short_kill_soak_audit_is_clean(tmp_path: Path) -> None:
     )
     output = completed.stdout + completed.stderr
     assert completed.returncode == 0, output
-    lines = completed.stdout.strip().splitlines()
-    match = LAST_LINE.match(lines[-1])
+    match = last_line.match(completed.stdout.strip().splitlines()[-1])
     assert match is not None, output
     figures = {key: int(value) for key, value in match.groupdict().items()}
+    return figures, completed.stdout, output
+
+
+@pytest.mark.slow
+def test_short_kill_soak_audit_is_clean(tmp_path: Path) -> None:
+    """Workers killed at random (also inside the claim handoff) lose no input, never overlap
+    on a session and leave no orphaned claim; the soak prints its figures last."""
+    figures, stdout, output = run_soak(
+        tmp_path,
+        LAST_LINE,
+        "--workers=3",
+        "--sessions=6",
+        "--duration=12",
+        "--rate=15",
+        "--kill-gap",
+        "0.4",
+        "1.5",
+        "--handoff-ratio=0.5",
+        "--settle-timeout=12",
+        "--seed=8",
+        "--model-steps=0",
+    )
     assert (figures["lost"], figures["overlaps"], figures["orphaned"]) == (0, 0, 0), output
     assert figures["kills"] >= 3, output
     assert figures["inputs"] >= 100, output
-    handoff = re.search(r"handoff_kills=(\d+)", completed.stdout)
+    handoff = re.search(r"handoff_kills=(\d+)", stdout)
     assert handoff is not None and int(handoff.group(1)) >= 1, output
 
 
@@ -72,44 +78,30 @@ def test_short_postgres_soak_audit_is_clean(tmp_path: Path) -> None:
     past the lease, their connections killed (COMMITs included), clocks skewed by more than
     a lease and the server restarted once: no input lost, no overlap, no orphan, no zombie
     write; every fault kind was injected."""
-    completed = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "trio_sessions.soak",
-            "--backend=postgres",
-            "--workers=3",
-            "--sessions=6",
-            "--duration=16",
-            "--rate=10",
-            "--lease=1.5",
-            "--kill-gap",
-            "0.2",
-            "0.8",
-            "--conn-kill-gap",
-            "0.5",
-            "1.5",
-            "--handoff-ratio=0.5",
-            "--settle-timeout=15",
-            "--seed=8",
-            "--model-steps=0",
-            f"--dir={tmp_path / 'soak'}",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
+    figures, stdout, output = run_soak(
+        tmp_path,
+        PG_LAST_LINE,
+        "--backend=postgres",
+        "--workers=3",
+        "--sessions=6",
+        "--duration=16",
+        "--rate=10",
+        "--lease=1.5",
+        "--kill-gap",
+        "0.2",
+        "0.8",
+        "--conn-kill-gap",
+        "0.5",
+        "1.5",
+        "--handoff-ratio=0.5",
+        "--settle-timeout=15",
+        "--seed=8",
+        "--model-steps=0",
     )
-    output = completed.stdout + completed.stderr
-    assert completed.returncode == 0, output
-    match = PG_LAST_LINE.match(completed.stdout.strip().splitlines()[-1])
-    assert match is not None, output
-    figures = {key: int(value) for key, value in match.groupdict().items()}
     audit = ("lost", "overlaps", "orphaned", "zombie_writes")
     assert [figures[key] for key in audit] == [0, 0, 0, 0], output
     for fault in ("kills", "pauses", "partitions", "conn_kills"):
         assert figures[fault] >= 1, output
     assert figures["skew_ms"] > 1500, output  # more than a lease
     assert figures["inputs"] >= 50, output
-    assert re.search(r" restarts=1 ", completed.stdout) is not None, output
+    assert re.search(r" restarts=1 ", stdout) is not None, output

@@ -19,14 +19,13 @@ import pytest
 import trio
 import trio.testing
 from backends import Location, PgLocation
-from helpers import Raw, runtime, start_run
+from helpers import JumpingClock, Raw, run_and_jump, runtime, start_run, write_as_zombie
 from trio.testing import MockClock
 
 import trio_sessions
 from trio_sessions import (
     AssistantData,
     DrainContext,
-    LeaseLost,
     Outcome,
     TextPart,
     ToolPart,
@@ -300,15 +299,6 @@ async def test_a_streamed_row_that_is_not_text_makes_the_message_malformed(
 # Fences and crashes
 
 
-class JumpingClock:
-    def __init__(self, base: Clock) -> None:
-        self.base = base
-        self.offset = 0.0
-
-    def __call__(self) -> float:
-        return self.base() + self.offset
-
-
 async def test_a_zombie_append_is_refused_and_stores_nothing(
     store: Any, clock: Clock, db_path: Location, autojump_clock: MockClock
 ) -> None:
@@ -321,25 +311,16 @@ async def test_a_zombie_append_is_refused_and_stores_nothing(
     async def drain(ctx: DrainContext) -> None:
         writer = await ctx.begin_assistant()
         await writer.append_text("kept")
-        await jumped.wait()
-        try:
-            with trio.CancelScope(shield=True):  # reach the write despite lease_lost
-                await writer.append_text(" late")
-        except LeaseLost as exc:
-            errors.append(exc)
+        await write_as_zombie(jumped, lambda: writer.append_text(" late"), errors)
 
-    async with runtime(store, drain, jumping, lease=9.0) as rt:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(rt.run, "s")
-            await trio.testing.wait_all_tasks_blocked()
-            before = Raw(db_path).rows(
-                "SELECT message_id, version, text FROM session_message_delta ORDER BY version"
-            )
-            jumping.offset += 60.0
-            jumped.set()
-        after = Raw(db_path).rows(
+    def deltas() -> list[Any]:
+        return Raw(db_path).rows(
             "SELECT message_id, version, text FROM session_message_delta ORDER BY version"
         )
+
+    async with runtime(store, drain, jumping, lease=9.0) as rt:
+        before = await run_and_jump(rt, jumping, jumped, deltas)
+        after = deltas()
         [message] = await rt.transcript("s")
     assert len(errors) == 1
     assert after == before and [row[2] for row in before] == ["kept"]

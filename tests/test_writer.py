@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from helpers import Raw, runtime, start_run
+from helpers import JumpingClock, Raw, run_and_jump, runtime, start_run, write_as_zombie
 from trio.testing import MockClock
 
 import trio_sessions
@@ -18,7 +18,6 @@ from trio_sessions import (
     AssistantData,
     DrainContext,
     DuplicateSettlement,
-    LeaseLost,
     MalformedRecord,
     Outcome,
     Store,
@@ -131,15 +130,6 @@ async def test_settling_an_unknown_call_fails_the_drain(
     assert isinstance(outcome.error, UnknownToolCall)
 
 
-class JumpingClock:
-    def __init__(self, base: Clock) -> None:
-        self.base = base
-        self.offset = 0.0
-
-    def __call__(self) -> float:
-        return self.base() + self.offset
-
-
 @pytest.mark.parametrize(
     "write",
     [
@@ -168,21 +158,14 @@ async def test_zombie_write_raises_lease_lost_and_stores_nothing(
     async def drain(ctx: DrainContext) -> None:
         writer = await ctx.begin_assistant()
         await writer.start_tool("c1", "search", {})
-        await jumped.wait()
-        try:
-            with trio.CancelScope(shield=True):  # reach the write despite lease_lost
-                await write(ctx, writer)
-        except LeaseLost as exc:
-            errors.append(exc)
+        await write_as_zombie(jumped, lambda: write(ctx, writer), errors)
+
+    def messages() -> list[Any]:
+        return Raw(db_path).rows("SELECT id, seq, data FROM session_message ORDER BY seq")
 
     async with runtime(store, drain, jumping, lease=9.0) as rt:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(rt.run, "s")
-            await trio.testing.wait_all_tasks_blocked()
-            before = Raw(db_path).rows("SELECT id, seq, data FROM session_message ORDER BY seq")
-            jumping.offset += 60.0
-            jumped.set()
-        after = Raw(db_path).rows("SELECT id, seq, data FROM session_message ORDER BY seq")
+        before = await run_and_jump(rt, jumping, jumped, messages)
+        after = messages()
     assert len(errors) == 1
     assert after == before
 

@@ -21,8 +21,8 @@ import psycopg
 from .._postgres import PostgresStore
 from .config import Config
 from .pg import PgSchemas
-from .recovery import RecoveryTarget, library_recovery
-from .report import Report, fmt_ms, fmt_rate, fmt_ratio, fmt_us, median, progress, verdict
+from .recovery import RecoveryTarget, add_recovery_rows, recovery_rounds
+from .report import Report, fmt_rate, fmt_ratio, fmt_us, median, progress, verdict
 from .tools import concurrent_cycles, ids, noop_drain, open_bench_runtime, rotate, sequential_cycles
 
 SERVER_MS = "floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
@@ -233,54 +233,24 @@ async def bench_pg_cycle(config: Config, schemas: PgSchemas, report: Report) -> 
 async def bench_pg_recovery(config: Config, schemas: PgSchemas, report: Report) -> None:
     n, batch = config.pg_recovery, config.recovery_batch
     progress(f"postgres recovery: {n} expired claims, {config.pg_rounds} rounds + warm-up")
-    secs: dict[str, list[float]] = {}
-    ratios: dict[str, list[float]] = {}
-    passes = 0
-    variants = ["raw", "threaded", "held"]
-    for round_ in range(config.pg_rounds + 1):
-        seconds: dict[str, float] = {}
-        for variant in rotate(variants, round_):
-            label = f"recovery_{variant}_{round_}"
-            if variant == "raw":
-                with schemas.connect(migrated(schemas, label)) as conn:
-                    seed_expired(conn, n)
-                    seconds[variant], reclaimed = raw_pg_reclaim(conn, batch)
-                if reclaimed != n:
-                    raise RuntimeError(f"raw reclaim took {reclaimed} of {n}")
-                continue
-            done = await library_recovery(
-                pg_target(schemas, label), n, batch, hold=variant == "held"
-            )
-            passes = done.passes
-            seconds[variant] = done.total
-            if variant == "held":
-                seconds["takeover"] = done.takeover
-        if round_ == 0:
-            continue
-        for variant, taken in seconds.items():
-            secs.setdefault(variant, []).append(taken)
-            ratios.setdefault(variant, []).append(seconds["raw"] / taken)
-    raw = median(secs["raw"])
-    report.add(
-        "postgres",
-        f"raw batched reclaim of {n}, {batch}/tx (baseline)",
-        f"{fmt_ms(raw)} ({fmt_us(raw / n)}/claim, {fmt_rate(n / raw)})",
+
+    def raw(round_: int) -> tuple[float, int]:
+        with schemas.connect(migrated(schemas, f"recovery_raw_{round_}")) as conn:
+            seed_expired(conn, n)
+            return raw_pg_reclaim(conn, batch)
+
+    def target(variant: str, round_: int) -> RecoveryTarget:
+        return pg_target(schemas, f"recovery_{variant}_{round_}")
+
+    times = await recovery_rounds(
+        ["raw", "threaded", "held"], config.pg_rounds, n, batch, raw=raw, target=target
     )
-    for variant, label, target in (
-        ("threaded", f"default store: {n} to completion, {passes} passes", ">= 0.5x"),
+    rows = (
+        ("threaded", f"default store: {n} to completion, {times.passes} passes", ">= 0.5x"),
         ("takeover", "default store, drains held: takeover only", ""),
-    ):
-        taken = median(secs[variant])
-        report.add(
-            "postgres",
-            label,
-            f"{fmt_ms(taken)} ({fmt_us(taken / n)}/claim, {fmt_rate(n / taken)})",
-            fmt_rate(n / raw),
-            fmt_ratio(ratios[variant]),
-            target,
-            verdict(median(ratios[variant]) >= 0.5) if target else "",
-        )
-    report.machine["pg_recovery_ratio"] = median(ratios["threaded"])
+    )
+    add_recovery_rows(report, "postgres", n, batch, times, rows)
+    report.machine["pg_recovery_ratio"] = median(times.ratios["threaded"])
 
 
 async def bench_postgres(config: Config, folder: Path, report: Report, schemas: PgSchemas) -> None:

@@ -1,11 +1,12 @@
 """Section `recovery`: the expired claims of a dead owner recovered to completion, against
-a raw batched reclaim of the same rows (DESIGN §7: >= 0.5x). The library part is shared
-with the PostgreSQL section (`library_recovery`)."""
+a raw batched reclaim of the same rows (DESIGN §7: >= 0.5x). The library part, the rounds
+and their report rows are shared with the PostgreSQL section (`library_recovery`,
+`recovery_rounds`, `add_recovery_rows`)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import attrs
@@ -114,27 +115,40 @@ def sqlite_target(path: Path, *, inline: bool) -> RecoveryTarget:
     return RecoveryTarget(SQLiteStore(path, inline=inline), seed, claims_left)
 
 
-async def bench_recovery(config: Config, folder: Path, report: Report) -> None:
-    n, batch = config.recovery, config.recovery_batch
-    progress(
-        f"recovery: {n} expired claims, passes of {batch}, "
-        f"{config.recovery_rounds} rounds + warm-up"
-    )
+@attrs.frozen
+class RecoveryTimes:
+    """Seconds per variant over the measured rounds (plus 'takeover' from 'held'), each
+    round's ratio raw / variant, and the passes a library recovery took."""
+
+    secs: dict[str, list[float]]
+    ratios: dict[str, list[float]]
+    passes: int
+
+
+async def recovery_rounds(
+    variants: Sequence[str],
+    rounds: int,
+    n: int,
+    batch: int,
+    *,
+    raw: Callable[[int], tuple[float, int]],
+    target: Callable[[str, int], RecoveryTarget],
+) -> RecoveryTimes:
+    """`rounds` measured rounds after a warm-up, variants rotated: 'raw' is `raw(round_)`
+    (seconds, claims reclaimed), any other recovers `target(variant, round_)`, 'held'
+    with its drains held."""
     secs: dict[str, list[float]] = {}
     ratios: dict[str, list[float]] = {}
     passes = 0
-    variants = ["raw", "threaded", "inline", "held"]
-    for round_ in range(config.recovery_rounds + 1):
+    for round_ in range(rounds + 1):
         seconds: dict[str, float] = {}
-        for variant in rotate(variants, round_):
-            path = folder / f"recovery-{variant}-{round_}.db"
+        for variant in rotate(list(variants), round_):
             if variant == "raw":
-                seed_recovery(path, n)
-                seconds[variant], reclaimed = raw_reclaim(path, batch)
+                seconds[variant], reclaimed = raw(round_)
                 if reclaimed != n:
                     raise RuntimeError(f"raw reclaim took {reclaimed} of {n}")
                 continue
-            where = sqlite_target(path, inline=variant == "inline")
+            where = target(variant, round_)
             done = await library_recovery(where, n, batch, hold=variant == "held")
             passes = done.passes
             seconds[variant] = done.total
@@ -145,30 +159,71 @@ async def bench_recovery(config: Config, folder: Path, report: Report) -> None:
         for variant, taken in seconds.items():
             secs.setdefault(variant, []).append(taken)
             ratios.setdefault(variant, []).append(seconds["raw"] / taken)
-    raw = median(secs["raw"])
+    return RecoveryTimes(secs, ratios, passes)
+
+
+def add_recovery_rows(
+    report: Report,
+    section: str,
+    n: int,
+    batch: int,
+    times: RecoveryTimes,
+    rows: Sequence[tuple[str, str, str]],
+) -> None:
+    """The raw baseline's row, then one per (variant, label, target) against it."""
+    raw = median(times.secs["raw"])
     report.add(
-        "recovery",
+        section,
         f"raw batched reclaim of {n}, {batch}/tx (baseline)",
         f"{fmt_ms(raw)} ({fmt_us(raw / n)}/claim, {fmt_rate(n / raw)})",
     )
+    for variant, label, target in rows:
+        taken = median(times.secs[variant])
+        report.add(
+            section,
+            label,
+            f"{fmt_ms(taken)} ({fmt_us(taken / n)}/claim, {fmt_rate(n / taken)})",
+            fmt_rate(n / raw),
+            fmt_ratio(times.ratios[variant]),
+            target,
+            verdict(median(times.ratios[variant]) >= 0.5) if target else "",
+        )
+
+
+async def bench_recovery(config: Config, folder: Path, report: Report) -> None:
+    n, batch = config.recovery, config.recovery_batch
+    progress(
+        f"recovery: {n} expired claims, passes of {batch}, "
+        f"{config.recovery_rounds} rounds + warm-up"
+    )
+
+    def path(variant: str, round_: int) -> Path:
+        return folder / f"recovery-{variant}-{round_}.db"
+
+    def raw(round_: int) -> tuple[float, int]:
+        seed_recovery(path("raw", round_), n)
+        return raw_reclaim(path("raw", round_), batch)
+
+    def target(variant: str, round_: int) -> RecoveryTarget:
+        return sqlite_target(path(variant, round_), inline=variant == "inline")
+
+    times = await recovery_rounds(
+        ["raw", "threaded", "inline", "held"],
+        config.recovery_rounds,
+        n,
+        batch,
+        raw=raw,
+        target=target,
+    )
+    passes = times.passes
     rows = (
         ("threaded", f"default store: {n} to completion, {passes} passes", ">= 0.5x"),
         ("inline", f"inline store: {n} to completion, {passes} passes", ">= 0.5x"),
         ("takeover", "default store, drains held: takeover only", ""),
         ("held", "default store, drains held: to completion", ""),
     )
-    for variant, label, target in rows:
-        taken = median(secs[variant])
-        report.add(
-            "recovery",
-            label,
-            f"{fmt_ms(taken)} ({fmt_us(taken / n)}/claim, {fmt_rate(n / taken)})",
-            fmt_rate(n / raw),
-            fmt_ratio(ratios[variant]),
-            target,
-            verdict(median(ratios[variant]) >= 0.5) if target else "",
-        )
-    report.machine["recovery_ratio"] = median(ratios["threaded"])
+    add_recovery_rows(report, "recovery", n, batch, times, rows)
+    report.machine["recovery_ratio"] = median(times.ratios["threaded"])
     report.notes.append(
         f"recovery: {n} live claims of another owner are present too (as in the baseline). "
         "The library takes each expired claim over, runs its no-op drain and releases it; "

@@ -8,7 +8,8 @@
 * `pgserver`: the throwaway PostgreSQL server the soak (and the test suite) starts.
 * `broken`: copies of the package with one deliberate defect each, to show which audit
   figure catches it.
-* `common`: what both soaks' drains and audits share.
+* `common`: what both soaks share: the drain's answer, the worker's runtime loop and
+  config, starting, restarting and stopping workers, the audit's answered-input checks.
 
 Nothing here is imported by the library itself.
 """

@@ -1,21 +1,36 @@
-"""What both soaks share: session names, the drain's answer format, the model run.
+"""What both soaks share: session names, the drain's answer, the workers' life, the model run.
 
 A drain answers the numbered inputs it owes with one finished assistant message whose text
 is the JSON list of their numbers; an input counts as answered once such a message exists.
+A worker process is started with its output in its own log file, and one that exits by
+itself (never the chaos's doing) is reported with the log's tail and started again.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
+import shutil
 import subprocess
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import attrs
+import trio
 
-from .._model import Message, TextPart
+from .._backend import StoreBackend
+from .._model import Claim, Message, TextPart
+from .._runtime import DrainContext, Runtime, open_runtime
+
+# A pending input with neither a doorbell nor a claim: a lost wake, in one snapshot.
+STRANDED_SQL = (
+    "SELECT COUNT(DISTINCT i.session_id) FROM session_input i JOIN session s"
+    " ON s.id = i.session_id WHERE s.time_woken IS NULL AND NOT EXISTS"
+    " (SELECT 1 FROM session_execution e WHERE e.session_id = i.session_id)"
+)
 
 
 def session_name(index: int) -> str:
@@ -47,6 +62,94 @@ def answered_numbers(assistant_data: Iterable[str]) -> set[int]:
     return answered
 
 
+async def answer(
+    ctx: DrainContext, todo: list[int], call_id: str, work: Callable[[], Awaitable[None]]
+) -> None:
+    """Answer inputs `todo`: a `work` tool call around `work()`, then the JSON list of them."""
+    writer = await ctx.begin_assistant()
+    await writer.start_tool(call_id, "work", {"inputs": todo})
+    await work()
+    await writer.settle_tool(call_id, {"done": len(todo)})
+    await writer.append_text(json.dumps(todo))
+    await writer.finish()
+
+
+@attrs.frozen(kw_only=True)
+class WorkerConfig:
+    """What every soak worker is told (each backend's worker adds where its store is)."""
+
+    name: str
+    control: Path
+    sessions: int
+    lease: float
+    recovery_interval: float
+    work_max: float
+    interrupt_rate: float
+
+
+async def serve(
+    store: StoreBackend,
+    drain: Callable[[DrainContext], Awaitable[None]],
+    hook: Callable[[Claim], Awaitable[None]],
+    config: WorkerConfig,
+    rng: random.Random,
+    *,
+    opened: Callable[[Runtime], object],
+) -> None:
+    """Run the worker's runtime (`opened(runtime)` once it is open) and its random wakes
+    and interrupts until the control file `stop-wakes` exists; then forever."""
+    async with open_runtime(
+        store,
+        drain,
+        owner_id=config.name,
+        lease=config.lease,
+        recovery_interval=config.recovery_interval,
+        max_resumes=1_000_000,
+        acquisition_hook=hook,
+    ) as runtime:
+        opened(runtime)
+        await wake_and_interrupt(
+            runtime,
+            rng,
+            sessions=config.sessions,
+            interrupt_rate=config.interrupt_rate,
+            stopped=(config.control / "stop-wakes").exists,
+        )
+
+
+async def wake_and_interrupt(
+    runtime: Runtime,
+    rng: random.Random,
+    *,
+    sessions: int,
+    interrupt_rate: float,
+    stopped: Callable[[], bool],
+) -> None:
+    """Wake random sessions, and interrupt random ones (local claims and, through
+    phase='cancelling', other workers'), until `stopped()`; runs forever."""
+
+    async def interrupts() -> None:
+        while interrupt_rate > 0:
+            await trio.sleep(rng.expovariate(interrupt_rate))
+            if not stopped():
+                await runtime.interrupt(session_name(rng.randrange(sessions)))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(interrupts)
+        while True:
+            await trio.sleep(rng.uniform(0.02, 0.3))
+            if not stopped():
+                await runtime.wake(session_name(rng.randrange(sessions)))
+
+
+def finish_workdir(workdir: Path, *, ok: bool, keep: bool) -> None:
+    """A clean run leaves nothing behind (unless asked to); a violation keeps its evidence."""
+    if ok and not keep:
+        shutil.rmtree(workdir, ignore_errors=True)
+    elif not ok:
+        print(f"soak: VIOLATION; evidence kept in {workdir}")
+
+
 def run_model(steps: int) -> int:
     """The stateful model's long run (tests/test_model.py), when the tests are at hand."""
     candidates = [
@@ -75,3 +178,41 @@ class Worker:
     name: str
     process: subprocess.Popen[bytes]
     log: Path
+
+
+def start_worker(workdir: Path, slot: int, name: str, argv: list[str], **popen: Any) -> Worker:
+    """Start worker `name` (`python -m trio_sessions.soak` + `argv`), logging to its file."""
+    log = workdir / f"{name}.log"
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "trio_sessions.soak", *argv],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            **popen,
+        )
+    return Worker(slot, name, process, log)
+
+
+def restart_exited(workers: dict[int, Worker], spawn: Callable[[int], None]) -> int:
+    """Report and restart the workers that exited by themselves; how many did."""
+    exited = 0
+    for worker in list(workers.values()):
+        if worker.process.poll() is not None:
+            exited += 1
+            tail = worker.log.read_text(errors="replace")[-2000:]
+            print(
+                f"soak: worker {worker.name} exited by itself"
+                f" (status {worker.process.returncode}):\n{tail}",
+                file=sys.stderr,
+            )
+            del workers[worker.slot]
+            spawn(worker.slot)
+    return exited
+
+
+def stop_workers(workers: dict[int, Worker]) -> None:
+    """SIGKILL and reap every worker."""
+    for worker in workers.values():
+        worker.process.kill()
+        worker.process.wait()
+    workers.clear()

@@ -49,13 +49,10 @@ import argparse
 import contextlib
 import functools
 import itertools
-import json
 import logging
 import os
 import random
-import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -74,9 +71,8 @@ from .. import _codec, _postgres, _store
 from .._errors import LeaseLost, StoreError
 from .._model import Claim
 from .._postgres import PostgresStore
-from .._runtime import DrainContext, Runtime, open_runtime
-from . import audit, broken
-from .common import Worker, answered_numbers, session_name, unanswered
+from .._runtime import DrainContext, Runtime
+from . import audit, broken, common
 from .proxy import FaultProxy, Link
 
 T = TypeVar("T")
@@ -88,11 +84,6 @@ STARTUP = 2.0  # seconds the workers get to boot before the first host fault
 MIN_FAULTS = 3  # each fault kind, in a run at least as long as the default
 WORK_STEP = 0.05  # seconds between two effects of a drain's work
 
-STRANDED_SQL = (
-    "SELECT COUNT(DISTINCT i.session_id) FROM session_input i JOIN session s"
-    " ON s.id = i.session_id WHERE s.time_woken IS NULL AND NOT EXISTS"
-    " (SELECT 1 FROM session_execution e WHERE e.session_id = i.session_id)"
-)
 # How long each claim has been expired with nobody on it: since the later of its own expiry
 # and that of the recovery lease a recoverer took on it (negative: not expired).
 EXPIRED_SQL = (
@@ -117,17 +108,10 @@ LEFT_SQL = (
 
 
 @attrs.frozen(kw_only=True)
-class WorkerConfig:
-    name: str
+class WorkerConfig(common.WorkerConfig):
     url: str
     schema: str
-    control: Path
     effects: Path
-    sessions: int
-    lease: float
-    recovery_interval: float
-    work_max: float
-    interrupt_rate: float
     skew_ms: int
 
 
@@ -147,7 +131,6 @@ async def run_worker(config: WorkerConfig) -> None:
     rng = random.Random()
     drains = itertools.count(1)
     control = config.control
-    stop_wakes = control / "stop-wakes"
 
     def log(kind: str, drain_id: str, ctx: DrainContext, **fields: Any) -> None:
         now = time.monotonic()
@@ -172,28 +155,27 @@ async def run_worker(config: WorkerConfig) -> None:
             marker.write_text(claim.session_id)
             await trio.sleep(HANDOFF_STOP_HOLD)
 
+    async def work(drain_id: str, ctx: DrainContext) -> None:
+        # The work outside the database, in steps (a streamed reply, say): an effect after
+        # every step, so a drain that outlives its lease is seen acting.
+        left = rng.uniform(0.0, config.work_max)
+        while left > 0:
+            await trio.sleep(min(left, WORK_STEP))
+            left -= WORK_STEP
+            await effect("work", drain_id, ctx)
+
     async def drain(ctx: DrainContext) -> None:
         drain_id = f"{config.name}:{next(drains)}"
         status = "cancelled"
         try:
             await effect("enter", drain_id, ctx)
             await ctx.take_inputs()
-            todo = unanswered(await ctx.transcript())
+            todo = common.unanswered(await ctx.transcript())
             if todo:
                 await effect("take", drain_id, ctx, numbers=tuple(todo))
-                writer = await ctx.begin_assistant()
-                call_id = f"work-{drain_id}"
-                await writer.start_tool(call_id, "work", {"inputs": todo})
-                # The work outside the database, in steps (a streamed reply, say): an effect
-                # after every step, so a drain that outlives its lease is seen acting.
-                work = rng.uniform(0.0, config.work_max)
-                while work > 0:
-                    await trio.sleep(min(work, WORK_STEP))
-                    work -= WORK_STEP
-                    await effect("work", drain_id, ctx)
-                await writer.settle_tool(call_id, {"done": len(todo)})
-                await writer.append_text(json.dumps(todo))
-                await writer.finish()
+                await common.answer(
+                    ctx, todo, f"work-{drain_id}", functools.partial(work, drain_id, ctx)
+                )
             status = "ok"
         except LeaseLost:
             status = "lease_lost"
@@ -204,35 +186,11 @@ async def run_worker(config: WorkerConfig) -> None:
         finally:
             log("exit", drain_id, ctx, status=status)
 
-    async def wake_and_interrupt(runtime: Runtime) -> None:
-        async def interrupts() -> None:
-            while config.interrupt_rate > 0:
-                await trio.sleep(rng.expovariate(config.interrupt_rate))
-                if not stop_wakes.exists():
-                    await runtime.interrupt(session_name(rng.randrange(config.sessions)))
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(interrupts)
-            while True:
-                await trio.sleep(rng.uniform(0.02, 0.3))
-                if not stop_wakes.exists():
-                    await runtime.wake(session_name(rng.randrange(config.sessions)))
-
     store = PostgresStore(config.url, schema=config.schema)
     while True:
-        opened = False
+        opened: list[Runtime] = []
         try:
-            async with open_runtime(
-                store,
-                drain,
-                owner_id=config.name,
-                lease=config.lease,
-                recovery_interval=config.recovery_interval,
-                max_resumes=1_000_000,
-                acquisition_hook=hook,
-            ) as runtime:
-                opened = True
-                await wake_and_interrupt(runtime)
+            await common.serve(store, drain, hook, config, rng, opened=opened.append)
         except StoreError as exc:
             if opened:
                 raise
@@ -398,7 +356,7 @@ class Soak:
         self.control.mkdir()
         self.rng = random.Random(args.seed)
         self.generation = 0
-        self.workers: dict[int, Worker] = {}
+        self.workers: dict[int, common.Worker] = {}
         self.killed: set[str] = set()
         self.proxies: list[FaultProxy] = []
         self.result = Result(skew_ms=args.skew_ms)
@@ -438,7 +396,6 @@ class Soak:
     def spawn(self, slot: int) -> None:
         self.generation += 1
         name = f"w{slot}.{self.generation}"
-        log = self.workdir / f"{name}.log"
         args = self.args
         env = dict(os.environ)
         if self.worker_path is not None:
@@ -447,38 +404,30 @@ class Soak:
             env["PYTHONPATH"] = os.pathsep.join(
                 filter(None, [self.worker_path, env.get("PYTHONPATH")])
             )
-        with open(log, "wb") as out:
-            process = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "trio_sessions.soak",
-                    "--backend=postgres",
-                    f"--worker={name}",
-                    f"--pg-url={self.worker_url(self.proxies[slot], name)}",
-                    f"--schema={self.schema}",
-                    f"--control={self.control}",
-                    f"--effects={self.workdir / f'effects.{name}.jsonl'}",
-                    f"--sessions={args.sessions}",
-                    f"--lease={args.lease}",
-                    f"--recovery-interval={args.recovery_interval}",
-                    f"--work-max={args.work_max}",
-                    f"--interrupt-rate={args.interrupt_rate}",
-                    f"--skew-ms={self.skew_of(slot)}",
-                ],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=self.workdir,
-            )
-        self.workers[slot] = Worker(slot, name, process, log)
+        argv = [
+            "--backend=postgres",
+            f"--worker={name}",
+            f"--pg-url={self.worker_url(self.proxies[slot], name)}",
+            f"--schema={self.schema}",
+            f"--control={self.control}",
+            f"--effects={self.workdir / f'effects.{name}.jsonl'}",
+            f"--sessions={args.sessions}",
+            f"--lease={args.lease}",
+            f"--recovery-interval={args.recovery_interval}",
+            f"--work-max={args.work_max}",
+            f"--interrupt-rate={args.interrupt_rate}",
+            f"--skew-ms={self.skew_of(slot)}",
+        ]
+        self.workers[slot] = common.start_worker(
+            self.workdir, slot, name, argv, env=env, cwd=self.workdir
+        )
 
     # -- host faults ----------------------------------------------------------------------------
 
     def hold_time(self) -> float:
         return self.rng.uniform(1.1, 1.5) * float(self.args.lease)
 
-    async def held_in_handoff(self, worker: Worker, flag: str) -> bool:
+    async def held_in_handoff(self, worker: common.Worker, flag: str) -> bool:
         """Ask `worker`'s hook to hold the next claim handoff; whether it did within 2 s."""
         request = self.control / f"{flag}.{worker.name}"
         marker = self.control / f"held.{worker.name}"
@@ -493,7 +442,7 @@ class Soak:
         finally:
             request.unlink(missing_ok=True)
 
-    async def kill(self, worker: Worker, nursery: trio.Nursery) -> None:
+    async def kill(self, worker: common.Worker, nursery: trio.Nursery) -> None:
         in_handoff = False
         if self.rng.random() < self.args.handoff_ratio:
             in_handoff = await self.held_in_handoff(worker, "kill")
@@ -511,7 +460,7 @@ class Soak:
 
         nursery.start_soon(restart)
 
-    async def pause(self, worker: Worker) -> None:
+    async def pause(self, worker: common.Worker) -> None:
         in_handoff = False
         if self.rng.random() < self.args.handoff_ratio:
             in_handoff = await self.held_in_handoff(worker, "stop")
@@ -525,7 +474,7 @@ class Soak:
         self.result.pauses += 1
         self.result.handoff_pauses += in_handoff
 
-    async def partition(self, worker: Worker) -> None:
+    async def partition(self, worker: common.Worker) -> None:
         proxy = self.proxies[worker.slot]
         in_tx = False
         if self.rng.random() < 0.7:
@@ -652,7 +601,7 @@ class Soak:
             await trio.sleep_until(next_at)
             next_at = max(next_at + 1.0 / self.args.rate, trio.current_time() - 1.0)
             n += 1
-            await self.submit(n, session_name(self.rng.randrange(self.args.sessions)))
+            await self.submit(n, common.session_name(self.rng.randrange(self.args.sessions)))
 
     async def submit(self, n: int, session_id: str) -> None:
         """Submit input `n` until it is stored (the same id again after a StoreError: a
@@ -684,7 +633,7 @@ class Soak:
 
     async def sample(self) -> None:
         try:
-            [(stranded,)] = await self.admin.rows(STRANDED_SQL)
+            [(stranded,)] = await self.admin.rows(common.STRANDED_SQL)
             expired = await self.admin.rows(EXPIRED_SQL)
         except (psycopg.Error, StoreError):
             return  # the server restarts
@@ -730,17 +679,7 @@ class Soak:
                 print(f"soak:   backend {row}")
 
     def check_exits(self) -> None:
-        for worker in list(self.workers.values()):
-            if worker.process.poll() is not None:
-                self.result.unexpected_exits += 1
-                tail = worker.log.read_text(errors="replace")[-2000:]
-                print(
-                    f"soak: worker {worker.name} exited by itself"
-                    f" (status {worker.process.returncode}):\n{tail}",
-                    file=sys.stderr,
-                )
-                del self.workers[worker.slot]
-                self.spawn(worker.slot)
+        self.result.unexpected_exits += common.restart_exited(self.workers, self.spawn)
 
     async def watch(self) -> None:
         while True:
@@ -780,7 +719,7 @@ class Soak:
             # Inputs taken by a cancelled drain are answered by the session's next drain;
             # one wake per session brings it (lost wakes are still caught by the sampling).
             with contextlib.suppress(StoreError):
-                await self.db(_store.wake, session_name(index))
+                await self.db(_store.wake, common.session_name(index))
         earliest = time.monotonic() + args.lease + args.recovery_interval
         with trio.move_on_after(args.settle_timeout):
             while True:
@@ -798,7 +737,7 @@ class Soak:
 
     async def unanswered_inputs(self) -> set[int]:
         rows = await self.admin.rows("SELECT data FROM session_message WHERE role = 'assistant'")
-        answered = answered_numbers(data for (data,) in rows)
+        answered = common.answered_numbers(data for (data,) in rows)
         return set(self.submitted) - answered
 
     async def audit(self) -> None:
@@ -867,10 +806,7 @@ class Soak:
                 nursery.cancel_scope.cancel()
 
     def stop(self) -> None:
-        for worker in list(self.workers.values()):
-            worker.process.kill()
-            worker.process.wait()
-        self.workers.clear()
+        common.stop_workers(self.workers)
 
     def close(self) -> None:
         self.admin.close()
@@ -941,10 +877,7 @@ def run_soak(args: argparse.Namespace) -> int:
         ok = False
     else:
         ok = result.clean
-    if ok and not args.keep:
-        shutil.rmtree(workdir, ignore_errors=True)
-    elif not ok:
-        print(f"soak: VIOLATION; evidence kept in {workdir}")
+    common.finish_workdir(workdir, ok=ok, keep=args.keep)
     print(
         f"backend=postgres kills={result.kills} pauses={result.pauses}"
         f" partitions={result.partitions} conn_kills={result.conn_kills}"

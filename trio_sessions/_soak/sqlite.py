@@ -30,12 +30,8 @@ The exit status is non-zero on any violation.
 from __future__ import annotations
 
 import argparse
-import json
 import random
-import shutil
 import sqlite3
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -48,9 +44,9 @@ import trio
 from .. import _codec, _sqlite, _store
 from .._errors import LeaseLost
 from .._model import Claim
-from .._runtime import DrainContext, Runtime, open_runtime
+from .._runtime import DrainContext, Runtime
 from .._sqlite import SQLiteStore as Store
-from .common import Worker, answered_numbers, session_name, unanswered
+from . import common
 
 AUDIT_SCHEMA = """
 CREATE TABLE IF NOT EXISTS soak_drain(
@@ -80,12 +76,6 @@ CREATE TABLE IF NOT EXISTS soak_kill(
 );
 """
 
-# A pending input with neither a doorbell nor a claim: a lost wake, in one snapshot.
-STRANDED_SQL = (
-    "SELECT COUNT(DISTINCT i.session_id) FROM session_input i JOIN session s"
-    " ON s.id = i.session_id WHERE s.time_woken IS NULL AND NOT EXISTS"
-    " (SELECT 1 FROM session_execution e WHERE e.session_id = i.session_id)"
-)
 HANDOFF_PAUSE = 60.0  # seconds a paused acquisition_hook waits for its SIGKILL
 
 
@@ -115,16 +105,9 @@ class Audit:
         await trio.to_thread.run_sync(run, limiter=self._limiter)
 
 
-@attrs.define
-class WorkerConfig:
-    name: str
+@attrs.frozen(kw_only=True)
+class WorkerConfig(common.WorkerConfig):
     db: Path
-    control: Path
-    sessions: int
-    lease: float
-    recovery_interval: float
-    work_max: float
-    interrupt_rate: float
 
 
 async def run_worker(config: WorkerConfig) -> None:
@@ -133,7 +116,6 @@ async def run_worker(config: WorkerConfig) -> None:
     rng = random.Random()
     pause_flag = config.control / f"pause.{config.name}"
     paused_marker = config.control / f"paused.{config.name}"
-    stop_wakes = config.control / "stop-wakes"
     runtimes: list[Runtime] = []
 
     async def hook(claim: Claim) -> None:
@@ -142,6 +124,9 @@ async def run_worker(config: WorkerConfig) -> None:
         if pause_flag.exists():
             paused_marker.write_text(claim.session_id)
             await trio.sleep(HANDOFF_PAUSE)
+
+    async def work() -> None:
+        await trio.sleep(rng.uniform(0.0, config.work_max))
 
     async def drain(ctx: DrainContext) -> None:
         row = await audit.write(
@@ -152,19 +137,13 @@ async def run_worker(config: WorkerConfig) -> None:
         status = "cancelled"
         try:
             await ctx.take_inputs()
-            todo = unanswered(await runtimes[0].transcript(ctx.session_id))
+            todo = common.unanswered(await runtimes[0].transcript(ctx.session_id))
             if todo:
                 await audit.write_many(
                     "INSERT INTO soak_processed(n, drain_id, execution_id) VALUES (?, ?, ?)",
                     [(n, row, ctx.execution_id) for n in todo],
                 )
-                writer = await ctx.begin_assistant()
-                call_id = f"work-{row}"
-                await writer.start_tool(call_id, "work", {"inputs": todo})
-                await trio.sleep(rng.uniform(0.0, config.work_max))
-                await writer.settle_tool(call_id, {"done": len(todo)})
-                await writer.append_text(json.dumps(todo))
-                await writer.finish()
+                await common.answer(ctx, todo, f"work-{row}", work)
             status = "ok"
         except LeaseLost:
             status = "lease_lost"
@@ -177,31 +156,7 @@ async def run_worker(config: WorkerConfig) -> None:
                     (t_exit, status, row),
                 )
 
-    async def interrupt_now_and_then(runtime: Runtime) -> None:
-        # Interrupts of local claims and, through phase='cancelling', of other workers'.
-        while config.interrupt_rate > 0:
-            await trio.sleep(rng.expovariate(config.interrupt_rate))
-            if not stop_wakes.exists():
-                await runtime.interrupt(session_name(rng.randrange(config.sessions)))
-
-    async with (
-        open_runtime(
-            Store(config.db),
-            drain,
-            owner_id=config.name,
-            lease=config.lease,
-            recovery_interval=config.recovery_interval,
-            max_resumes=1_000_000,
-            acquisition_hook=hook,
-        ) as runtime,
-        trio.open_nursery() as nursery,
-    ):
-        runtimes.append(runtime)
-        nursery.start_soon(interrupt_now_and_then, runtime)
-        while True:
-            await trio.sleep(rng.uniform(0.02, 0.3))
-            if not stop_wakes.exists():
-                await runtime.wake(session_name(rng.randrange(config.sessions)))
+    await common.serve(Store(config.db), drain, hook, config, rng, opened=runtimes.append)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -260,7 +215,7 @@ class Soak:
         self.control.mkdir()
         self.rng = random.Random(args.seed)
         self.generation = 0
-        self.workers: dict[int, Worker] = {}
+        self.workers: dict[int, common.Worker] = {}
         self.result = SoakResult()
         self.restart_at: dict[int, float] = {}
         self.next_n = 1
@@ -273,36 +228,27 @@ class Soak:
     def spawn(self, slot: int) -> None:
         self.generation += 1
         name = f"w{slot}.{self.generation}"
-        log = self.workdir / f"{name}.log"
-        with open(log, "wb") as out:
-            process = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "trio_sessions.soak",
-                    "--worker",
-                    name,
-                    "--db",
-                    str(self.db),
-                    "--control",
-                    str(self.control),
-                    "--sessions",
-                    str(self.args.sessions),
-                    "--lease",
-                    str(self.args.lease),
-                    "--recovery-interval",
-                    str(self.args.recovery_interval),
-                    "--work-max",
-                    str(self.args.work_max),
-                    "--interrupt-rate",
-                    str(self.args.interrupt_rate),
-                ],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
-        self.workers[slot] = Worker(slot, name, process, log)
+        argv = [
+            "--worker",
+            name,
+            "--db",
+            str(self.db),
+            "--control",
+            str(self.control),
+            "--sessions",
+            str(self.args.sessions),
+            "--lease",
+            str(self.args.lease),
+            "--recovery-interval",
+            str(self.args.recovery_interval),
+            "--work-max",
+            str(self.args.work_max),
+            "--interrupt-rate",
+            str(self.args.interrupt_rate),
+        ]
+        self.workers[slot] = common.start_worker(self.workdir, slot, name, argv)
 
-    def kill(self, worker: Worker, *, in_handoff: bool) -> None:
+    def kill(self, worker: common.Worker, *, in_handoff: bool) -> None:
         worker.process.kill()
         worker.process.wait()
         # Taken after the process was reaped: no drain of it can run later than this.
@@ -317,24 +263,14 @@ class Soak:
         del self.workers[worker.slot]
 
     def check_exits(self) -> None:
-        for worker in list(self.workers.values()):
-            if worker.process.poll() is not None:
-                self.result.unexpected_exits += 1
-                tail = worker.log.read_text(errors="replace")[-2000:]
-                print(
-                    f"soak: worker {worker.name} exited by itself"
-                    f" (status {worker.process.returncode}):\n{tail}",
-                    file=sys.stderr,
-                )
-                del self.workers[worker.slot]
-                self.spawn(worker.slot)
+        self.result.unexpected_exits += common.restart_exited(self.workers, self.spawn)
 
     # -- producer and sampling -------------------------------------------------------------------
 
     def submit_one(self) -> None:
         n = self.next_n
         self.next_n += 1
-        session_id = session_name(self.rng.randrange(self.args.sessions))
+        session_id = common.session_name(self.rng.randrange(self.args.sessions))
         payload = _codec.dumps({"n": n})
         _sqlite.run_op(self.conn, time.time, _store.submit, session_id, payload, f"in-{n}")
         self.conn.execute(
@@ -344,7 +280,7 @@ class Soak:
         self.result.inputs += 1
 
     def sample_stranded(self) -> None:
-        stranded = int(self.conn.execute(STRANDED_SQL).fetchone()[0])
+        stranded = int(self.conn.execute(common.STRANDED_SQL).fetchone()[0])
         if stranded:
             print(f"soak: {stranded} session(s) with a pending input, no doorbell, no claim")
         self.result.stranded_observations += stranded
@@ -359,7 +295,7 @@ class Soak:
         next_submit = start
         next_kill = start + self.rng.uniform(*args.kill_gap)
         next_sample = start
-        handoff: tuple[Worker, float] | None = None
+        handoff: tuple[common.Worker, float] | None = None
         while (now := time.monotonic()) < end:
             while next_submit <= now:
                 self.submit_one()
@@ -408,7 +344,7 @@ class Soak:
             # wakes are still caught: the stranded-input sampling never stops.
             time.sleep(0.5)
             for index in range(args.sessions):
-                _sqlite.run_op(self.conn, time.time, _store.wake, session_name(index))
+                _sqlite.run_op(self.conn, time.time, _store.wake, common.session_name(index))
         earliest = time.monotonic() + args.lease + args.recovery_interval
         deadline = time.monotonic() + args.settle_timeout
         while time.monotonic() < deadline:
@@ -428,7 +364,7 @@ class Soak:
         return tuple(left) == (0, 0, 0, 0) and not self.unanswered_inputs()
 
     def unanswered_inputs(self) -> set[int]:
-        answered = answered_numbers(
+        answered = common.answered_numbers(
             data
             for (data,) in self.conn.execute(
                 "SELECT data FROM session_message WHERE role = 'assistant'"
@@ -512,10 +448,7 @@ class Soak:
         return overlaps
 
     def stop(self) -> None:
-        for worker in list(self.workers.values()):
-            worker.process.kill()
-            worker.process.wait()
-        self.workers.clear()
+        common.stop_workers(self.workers)
         self.conn.close()
 
 
@@ -552,10 +485,7 @@ def run_soak(args: argparse.Namespace) -> int:
         f" unexpected_duplicates={result.unexpected_duplicates}"
         f" unexpected_exits={result.unexpected_exits}"
     )
-    if result.ok and not args.keep:
-        shutil.rmtree(workdir, ignore_errors=True)
-    elif not result.ok:
-        print(f"soak: VIOLATION; evidence kept in {workdir}")
+    common.finish_workdir(workdir, ok=result.ok, keep=args.keep)
     print(
         f"kills={result.kills} inputs={result.inputs}"
         f" duplicates_after_kill={result.duplicates_after_kill} lost={result.lost}"
