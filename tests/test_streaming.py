@@ -328,7 +328,7 @@ async def test_a_zombie_append_is_refused_and_stores_nothing(
 
 
 CRASHING_OWNER = """
-import sys, trio, trio_sessions
+import os, sys, trio, trio_sessions
 
 async def drain(ctx):
     await ctx.take_inputs()
@@ -338,7 +338,7 @@ async def drain(ctx):
     n = 0
     while True:
         await writer.append_text(f"<{n}>")
-        print("ACK", n, flush=True)
+        os.write(1, f"ACK {n}\\n".encode())  # one write: a kill never leaves half a line
         n += 1
 
 async def main(store):
@@ -376,7 +376,9 @@ def killed_mid_stream(db_path: Location, tmp_path: Path) -> int:
             acked = int(line.split()[1])
         process.send_signal(signal.SIGKILL)
         assert process.wait(timeout=REAL_TIME_BOUND) == -signal.SIGKILL
-        for line in process.stdout.read().splitlines():  # acknowledged before it died
+        rest = process.stdout.read()
+        for line in rest.splitlines():  # acknowledged before it died
+            assert line.startswith("ACK "), repr(rest)
             acked = int(line.split()[1])
     return acked
 
