@@ -18,6 +18,8 @@ from trio_sessions._codec import decode_assistant, encode_assistant
 from trio_sessions._model import AssistantData, TextPart, ToolPart
 
 if TYPE_CHECKING:
+    import psycopg
+
     from trio_sessions._postgres import PgEngine
 
 T = TypeVar("T")
@@ -87,15 +89,21 @@ def opened(engine: PgEngine) -> Iterator[PgEngine]:
 
 
 def terminate_backend(url: str, pid: int) -> None:
-    """Kill backend `pid` from another connection and wait until it is gone."""
+    """Kill backend `pid` from a connection of its own and wait until it is gone."""
     import psycopg  # lazily: SQLite-only runs never touch psycopg
 
     with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
-        deadline = time.monotonic() + 10
-        while conn.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone():
-            assert time.monotonic() < deadline, f"backend {pid} survived termination"
-            time.sleep(0.005)
+        terminate_on(conn, pid)
+
+
+def terminate_on(control: psycopg.Connection[Any], pid: int) -> None:
+    """Kill backend `pid` from the autocommit connection `control` and return once it is
+    gone (a real server: this waits in real time, bounded)."""
+    control.execute("SELECT pg_terminate_backend(%s)", (pid,))
+    deadline = time.monotonic() + 10
+    while control.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone():
+        assert time.monotonic() < deadline, f"backend {pid} survived termination"
+        time.sleep(0.001)
 
 
 @attrs.define

@@ -46,6 +46,7 @@ import attrs
 import psycopg
 import pytest
 import trio
+from helpers import terminate_on
 from psycopg import sql
 from trio.testing import MockClock
 
@@ -111,15 +112,6 @@ def modes_for(statement: str) -> list[Mode]:
 def control_connection(url: str, schema: str) -> Iterator[psycopg.Connection[Any]]:
     with psycopg.connect(url, autocommit=True, options=f"-c search_path={schema}") as conn:
         yield conn
-
-
-def terminate(control: psycopg.Connection[Any], pid: int) -> None:
-    """Kill backend `pid` and return once it is gone."""
-    control.execute("SELECT pg_terminate_backend(%s)", (pid,))
-    deadline = time.monotonic() + 10
-    while control.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone():
-        assert time.monotonic() < deadline, f"backend {pid} survived termination"
-        time.sleep(0.001)
 
 
 def wait_for_lock(control: psycopg.Connection[Any], pid: int) -> None:
@@ -207,15 +199,15 @@ class Faults:
     ) -> Any:
         pid = conn.info.backend_pid
         if mode is Mode.BEFORE:
-            terminate(self.control, pid)
+            terminate_on(self.control, pid)
             return run()
         if mode is Mode.FAREWELL:
-            terminate(self.control, pid)
+            terminate_on(self.control, pid)
             raise psycopg.errors.AdminShutdown("terminating connection (injected)")
         if mode is Mode.BLOCKED:
             return self._killed_while_blocked(pid, text, params, run)
         result = run()
-        terminate(self.control, pid)
+        terminate_on(self.control, pid)
         if mode is Mode.LOST:
             # As when the reply never came: the client has found the connection gone (the
             # first statement may only read the server's 57P01 farewell, the next its end;
@@ -248,7 +240,7 @@ class Faults:
             thread = threading.Thread(target=statement, daemon=True)
             thread.start()
             wait_for_lock(self.control, pid)
-            terminate(self.control, pid)
+            terminate_on(self.control, pid)
             thread.join(10)
             holder.rollback()
         assert outcome and isinstance(outcome[0], psycopg.Error), outcome
@@ -806,7 +798,7 @@ async def test_wake_sent_while_the_listener_is_down_is_taken_without_waiting_for
             reconnects = runtime.statistics().store.reconnects
             started = trio.current_time()
             # Both on the trio thread: the listener cannot see anything in between.
-            terminate(control, listener)
+            terminate_on(control, listener)
             producer.open()
             try:
                 run_op(producer, _store.submit, "s", '{"n": 1}', "i1")

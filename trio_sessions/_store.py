@@ -808,20 +808,22 @@ def take_recovery_leases(
                 )
             ],
         ).fetchall()
-        taken.update(str(row[0]) for row in rows)
-        taken.difference_update(_drop_leases_without_claim(tx, owner_id, chunk))
+        leased = [str(row[0]) for row in rows]
+        taken.update(leased)
+        taken.difference_update(_drop_leases_without_claim(tx, owner_id, leased))
     return [candidate for candidate in candidates if candidate.execution_id in taken]
 
 
-def _drop_leases_without_claim(tx: Tx, owner_id: str, chunk: Sequence[Candidate]) -> set[str]:
+def _drop_leases_without_claim(tx: Tx, owner_id: str, execution_ids: Sequence[str]) -> set[str]:
     """Undo the leases just taken on claims that are gone: another recoverer took them over
     after our scan read them. Nothing scans a lease row without its claim, so one left behind
     by a recoverer that then died would stay forever. A separate statement, so on
     PostgreSQL it sees a takeover that committed while the upsert waited on its lease row."""
-    execution_ids = [candidate.execution_id for candidate in chunk]
+    if not execution_ids:
+        return set()
     rows = tx.execute(
         "DELETE FROM session_recovery WHERE owner_id = ? AND recovery_error IS NULL"
-        f" AND execution_id IN ({', '.join('?' * len(execution_ids))})"
+        f" AND execution_id IN {_in_list(execution_ids)}"
         " AND NOT EXISTS (SELECT 1 FROM session_execution e"
         "   WHERE e.id = session_recovery.execution_id)"
         " RETURNING execution_id",
