@@ -38,6 +38,19 @@ from .common import (
 )
 from .transcript import _assistant_data, _close_open_messages
 
+# Whether a claim is superseded: any other execution's assistant message after the claim's
+# anchor (any at all for a claim taken before any message). One spelling for the
+# row-by-row read (parameters) and the set-wise one (correlated on the claim row).
+_SUPERSEDED_OF = (
+    "EXISTS (SELECT 1 FROM session_message m WHERE m.session_id = {session}"
+    " AND m.role = 'assistant' AND (m.execution_id IS NULL OR m.execution_id != {execution})"
+    " AND m.seq > COALESCE({anchor}, 0))"
+)
+
+
+def _superseded(*, session: str, execution: str, anchor: str) -> str:
+    return _SUPERSEDED_OF.format(session=session, execution=execution, anchor=anchor)
+
 
 @attrs.frozen
 class Candidate:
@@ -152,15 +165,11 @@ def _recovery_facts(tx: Tx, candidate: Candidate) -> tuple[RecoveryFacts, str | 
     # Another execution's anchor is never used: the decision for a replaced claim is GONE.
     ours = claim is not None and claim.execution_id == execution_id
     anchor_seq = row[4] if ours else None
-    superseded = (
+    superseded = bool(
         tx.one(
-            "SELECT 1 FROM session_message WHERE session_id = :session AND role = 'assistant'"
-            " AND (execution_id IS NULL OR execution_id != :execution) AND seq > :anchor"
-            " LIMIT 1",
-            # Any other execution's message supersedes a claim taken before any message.
+            "SELECT " + _superseded(session=":session", execution=":execution", anchor=":anchor"),
             {"session": session_id, "execution": execution_id, "anchor": anchor_seq or 0},
-        )
-        is not None
+        )[0]
     )
     newest = tx.one(
         "SELECT id, data FROM session_message WHERE execution_id = ? AND role = 'assistant'"
@@ -265,12 +274,7 @@ def quarantine(tx: Tx, owner_id: str, candidate: Candidate, why: str) -> Recover
 
 
 def _delete_recovery_row(tx: Tx, execution_id: str, owner_id: str) -> None:
-    # Only our own recovery row: another owner's lease or quarantine is not ours to touch.
-    tx.execute(
-        "DELETE FROM session_recovery WHERE execution_id = ? AND owner_id = ?"
-        " AND recovery_error IS NULL",
-        (execution_id, owner_id),
-    )
+    _delete_recovery_rows(tx, owner_id, [execution_id])
 
 
 def _delete_expired_claim(tx: Tx, execution_id: str) -> None:
@@ -308,28 +312,13 @@ def _take_over(
     old = candidate.execution_id
     assert old is not None
     _close_open_messages(tx, old, OWNER_LOST)
-    replaced = tx.execute(
-        "UPDATE session_execution SET id = :new, owner_id = :me, phase = 'running',"
-        " anchor_seq = :anchor, time_created = :now, heartbeat_at = NULL, expires_at = :expires,"
-        f" handed_back = 0 WHERE {RECOVERY_FENCE}",
-        {
-            **_fence(tx, old),
-            "new": new_execution_id,
-            "me": owner_id,
-            "anchor": _newest_seq(tx, candidate.session_id),
-            "expires": tx.now + lease_ms,
-        },
-    ).rowcount
-    if replaced != 1:
+    anchor = _newest_seq(tx, candidate.session_id)
+    if not _replace_claim(tx, old, new_execution_id, owner_id, anchor, lease_ms):
         raise _no_longer_expired(old)
     # A claim handed back by a graceful shutdown resumes without counting: rolling
     # restarts are not a crash loop.
     counted = 0 if facts.handed_back else 1
-    tx.execute(
-        "UPDATE session SET wake_attempts = wake_attempts + ?, time_woken = NULL, wakes = 0"
-        " WHERE id = ?",
-        (counted, candidate.session_id),
-    )
+    _count_resumes(tx, bool(counted), [candidate.session_id])
     _delete_recovery_row(tx, old, owner_id)
     return Recovered(
         RecoveryDecision.RESUME,
@@ -429,10 +418,7 @@ def _plain_recovery_facts(
         rows = tx.execute(
             "SELECT e.id, e.owner_id, e.phase, e.expires_at, e.handed_back, s.wake_attempts,"
             " (SELECT MAX(m.seq) FROM session_message m WHERE m.session_id = e.session_id),"
-            # Any other execution's message supersedes a claim taken before any message.
-            " EXISTS (SELECT 1 FROM session_message m WHERE m.session_id = e.session_id"
-            "   AND m.role = 'assistant' AND (m.execution_id IS NULL OR m.execution_id != e.id)"
-            "   AND m.seq > COALESCE(e.anchor_seq, 0)),"
+            f" {_superseded(session='e.session_id', execution='e.id', anchor='e.anchor_seq')},"
             " EXISTS (SELECT 1 FROM session_recovery r WHERE r.execution_id = e.id"
             "   AND r.owner_id = ? AND r.expires_at > ? AND r.recovery_error IS NULL)"
             " FROM session_execution e JOIN session s ON s.id = e.session_id"
@@ -473,19 +459,7 @@ def _apply_plain(
             results[index] = Recovered(decision)
             continue
         # The recovery fence comes first: zero rows means nothing was written for it.
-        replaced = tx.execute(
-            "UPDATE session_execution SET id = :new, owner_id = :me, phase = 'running',"
-            " anchor_seq = :anchor, time_created = :now, heartbeat_at = NULL,"
-            f" expires_at = :expires, handed_back = 0 WHERE {RECOVERY_FENCE}",
-            {
-                **_fence(tx, old),
-                "new": item.new_execution_id,
-                "me": owner_id,
-                "anchor": item.newest_seq,
-                "expires": tx.now + lease_ms,
-            },
-        ).rowcount
-        if replaced != 1:
+        if not _replace_claim(tx, old, item.new_execution_id, owner_id, item.newest_seq, lease_ms):
             results[index] = Recovered(RecoveryDecision.GONE, fence_lost=True)
             continue
         # A claim handed back by a graceful shutdown resumes without counting.
@@ -498,17 +472,53 @@ def _apply_plain(
             attempt=facts.wake_attempts + int(counts),
         )
     for counts, session_ids in counted.items():
-        for chunk in _chunks(session_ids):
-            tx.execute(
-                "UPDATE session SET wake_attempts = wake_attempts + ?, time_woken = NULL,"
-                f" wakes = 0 WHERE id IN {_in_list(chunk)}",
-                (int(counts), *chunk),
-            )
-    for chunk in _chunks(done):
-        # Only our own recovery rows: another owner's lease or quarantine is not ours.
+        _count_resumes(tx, counts, session_ids)
+    _delete_recovery_rows(tx, owner_id, done)
+    return results
+
+
+def _replace_claim(
+    tx: Tx,
+    old_execution_id: str,
+    new_execution_id: str,
+    owner_id: str,
+    anchor_seq: int | None,
+    lease_ms: int,
+) -> bool:
+    """The takeover, fenced on the exact old execution still expired (`RECOVERY_FENCE`): the
+    claim becomes ours, running, on a fresh lease. False when the fence matched nothing
+    (nothing written)."""
+    replaced = tx.execute(
+        "UPDATE session_execution SET id = :new, owner_id = :me, phase = 'running',"
+        " anchor_seq = :anchor, time_created = :now, heartbeat_at = NULL, expires_at = :expires,"
+        f" handed_back = 0 WHERE {RECOVERY_FENCE}",
+        {
+            **_fence(tx, old_execution_id),
+            "new": new_execution_id,
+            "me": owner_id,
+            "anchor": anchor_seq,
+            "expires": tx.now + lease_ms,
+        },
+    ).rowcount
+    return bool(replaced == 1)
+
+
+def _count_resumes(tx: Tx, counts: bool, session_ids: Sequence[str]) -> None:
+    """After a takeover: take each session's doorbell, and count a resume when `counts` (a
+    claim handed back by a graceful shutdown resumes without counting)."""
+    for chunk in _chunks(session_ids):
+        tx.execute(
+            "UPDATE session SET wake_attempts = wake_attempts + ?, time_woken = NULL,"
+            f" wakes = 0 WHERE id IN {_in_list(chunk)}",
+            (int(counts), *chunk),
+        )
+
+
+def _delete_recovery_rows(tx: Tx, owner_id: str, execution_ids: Sequence[str]) -> None:
+    # Only our own recovery rows: another owner's lease or quarantine is not ours to touch.
+    for chunk in _chunks(execution_ids):
         tx.execute(
             f"DELETE FROM session_recovery WHERE execution_id IN {_in_list(chunk)}"
             " AND owner_id = ? AND recovery_error IS NULL",
             (*chunk, owner_id),
         )
-    return results
