@@ -25,6 +25,7 @@ from .transcript import _close_open_messages, _decode_message, _streamed_texts
 
 
 def quarantined(tx: Tx) -> list[dict[str, Any]]:
+    """Quarantined executions, oldest quarantine first, as plain JSON values."""
     rows = tx.execute(
         "SELECT execution_id, session_id, owner_id, recovery_error, time_quarantined"
         " FROM session_recovery WHERE recovery_error IS NOT NULL ORDER BY time_quarantined"
