@@ -27,7 +27,7 @@ import attrs
 import trio
 
 from . import _codec, _observe, _store, _transcript
-from ._backend import Executor, StoreBackend
+from ._backend import POSTGRES_SCHEMES, Executor, StoreBackend
 from ._coordinator import Execution, SessionEntry
 from ._decisions import AcquireVerdict, RecoveryDecision
 from ._errors import DuplicateSettlement, LeaseLost, StoreError, UnknownToolCall
@@ -50,7 +50,6 @@ Drain = Callable[["DrainContext"], Awaitable[None]]
 AcquisitionHook = Callable[[Claim], Awaitable[None]]
 
 MAX_ID_LENGTH = 200
-POSTGRES_SCHEMES = ("postgresql://", "postgres://")
 SHUTDOWN_GRACE = 5.0
 # The change loop looks at the store at least this often, signal or not.
 CHANGE_FALLBACK_POLL = 2.0
