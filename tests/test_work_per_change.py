@@ -22,6 +22,7 @@ from helpers import runtime
 
 import trio_sessions
 from trio_sessions import AssistantData, DrainContext, Store, TextPart, _store
+
 TAKE_INPUTS_CHUNK = 1_000  # placeholder until the runtime names it
 
 NO_RECOVERY: dict[str, Any] = {"recovery_interval": 3600.0}
@@ -37,7 +38,7 @@ class StepMeter(trio.abc.Instrument):
 
     def __init__(self) -> None:
         self.longest = 0.0
-        self._started = 0.0
+        self._started = time.thread_time()  # the step that adds it ends first
 
     def before_task_step(self, task: trio.lowlevel.Task) -> None:
         self._started = time.thread_time()
@@ -164,10 +165,10 @@ async def test_a_watched_long_transcript_never_stalls_the_loop(tmp_path: Path) -
         await writer.append_text("answer")
         await writer.finish()
 
-    meter = StepMeter()
     seqs: list[int] = []
     with trio.fail_after(BOUND):
         async with trio_sessions.open_runtime(db, drain, **NO_RECOVERY) as rt:
+            meter = StepMeter()  # its clock starts in the step that adds it
             trio.lowlevel.add_instrument(meter)
             try:
                 async with rt.watch("big") as updates:
@@ -206,9 +207,7 @@ async def test_take_inputs_takes_a_bounded_chunk_and_the_rest_stays_rung(
     assert [m.data["n"] for m in transcript] == [0, 1, 2, 3, 4]
 
 
-async def test_take_inputs_limit_is_checked(
-    store: Store, clock: Any, autojump_clock: Any
-) -> None:
+async def test_take_inputs_limit_is_checked(store: Store, clock: Any, autojump_clock: Any) -> None:
     """A limit that is not a positive int is refused before anything is taken."""
     errors: list[BaseException] = []
 
@@ -246,9 +245,9 @@ async def test_a_200k_backlog_is_taken_in_chunks_without_stalling_the_loop(
             assert batch[0].payload["n"] == last[0] + 1
             last[0] = batch[-1].payload["n"]
 
-    meter = StepMeter()
     with trio.fail_after(10 * BOUND):
         async with trio_sessions.open_runtime(db, drain, **NO_RECOVERY) as rt:
+            meter = StepMeter()  # its clock starts in the step that adds it
             trio.lowlevel.add_instrument(meter)
             try:
                 await rt.run("backlog")
@@ -258,3 +257,37 @@ async def test_a_200k_backlog_is_taken_in_chunks_without_stalling_the_loop(
     assert sum(sizes) == BACKLOG and last[0] == BACKLOG
     assert max(sizes) <= TAKE_INPUTS_CHUNK
     assert meter.longest < STALL_S, meter.longest
+
+
+async def test_a_watcher_sees_messages_written_at_reused_seqs(tmp_path: Path) -> None:
+    """A watched session truncated and grown again past its old end (seqs reused by new
+    messages) still reaches the watcher: a look that finds its covered seq holding another
+    message reads the session's versions whole, once. Real time, bounded."""
+    db = tmp_path / "s.db"
+    await make_schema(db)
+    seed_transcript(db, "s", 3)
+    seen: list[tuple[int, str]] = []
+    with trio.fail_after(BOUND):
+        async with (
+            trio_sessions.open_runtime(db, None) as rt,
+            rt.watch("s") as updates,
+        ):
+            async for message in updates:
+                seen.append((message.seq, message.id))
+                if message.seq == 3:
+                    break
+            conn = sqlite3.connect(db)
+            with conn:
+                conn.execute("DELETE FROM session_message WHERE session_id = 's' AND seq > 1")
+                conn.executemany(
+                    "INSERT INTO session_message(id, session_id, role, seq, data,"
+                    " time_created, time_updated, finished) VALUES (?, 's', 'user', ?, '{}',"
+                    " 0, 0, 1)",
+                    [(f"new{seq}", seq) for seq in (2, 3, 4)],
+                )
+            conn.close()
+            async for message in updates:
+                seen.append((message.seq, message.id))
+                if message.seq == 4:
+                    break
+    assert seen[3:] == [(2, "new2"), (3, "new3"), (4, "new4")]

@@ -767,7 +767,7 @@ class Runtime:
             list(self._entries),
             [entry.execution_id for entry in self._owned_entries()],
             self._capacity_left(CHANGE_BATCH) if takes_wakes else 0,
-            self._watchers.watched(),
+            self._watchers.followed(),
         )
         for session_id in changes.doorbells:
             if session_id not in self._entries and self._ring(session_id) is not None:
@@ -776,8 +776,7 @@ class Runtime:
         for entry in list(self._entries.values()):
             if entry.owned and entry.execution_id in cancelling and entry.interrupt("user"):
                 self._remote_signals += 1
-        for snapshot in changes.messages:
-            self._watchers.publish(*snapshot)
+        self._watchers.apply(changes.watched)
 
     @asynccontextmanager
     async def watch(self, session_id: str, *, after_seq: int = 0) -> AsyncIterator[Watcher]:
@@ -796,8 +795,19 @@ class Runtime:
         after_seq = _count(after_seq, "after_seq", 0)
         watcher = self._watchers.add(session_id, after_seq)
         try:
-            for snapshot in await self._db.read(_store.watched_messages, session_id, after_seq):
-                self._watchers.publish(*snapshot)
+            # The history up to the newest message now, in short reads (a long transcript
+            # never holds the event loop); what comes after, the change loop finds.
+            through, _ = head = await self._db.read(_store.newest_message, session_id)
+            self._watchers.cover(session_id, head)
+            while after_seq < through:
+                replayed = await self._db.read(
+                    _store.watched_messages, session_id, after_seq, through
+                )
+                if not replayed:
+                    break
+                for snapshot in replayed:
+                    self._watchers.publish(snapshot, only=watcher)
+                after_seq = replayed[-1].seq
             yield watcher
         finally:
             self._watchers.remove(watcher)
@@ -1109,7 +1119,15 @@ class AssistantWriter:
             None,
         )
         context._runtime._watchers.publish(
-            context.session_id, self.message_id, self._seq, message, version
+            _store.Snapshot(
+                context.session_id,
+                self.message_id,
+                self._seq,
+                message,
+                version,
+                None,  # the row's version is not known here: a look reads it whole
+                not self._data.finished,
+            )
         )
 
 

@@ -29,7 +29,17 @@ write `_store.submit(...)` whatever module the operation lives in.
 
 from __future__ import annotations
 
-from .changes import Changes, Snapshot, changes, watched_messages
+from .changes import (
+    REPLAY_CHUNK,
+    Changes,
+    Followed,
+    Snapshot,
+    Watched,
+    changes,
+    newest_message,
+    watched_changes,
+    watched_messages,
+)
 from .claims import (
     Acquired,
     acquire,
@@ -78,11 +88,14 @@ from .transcript import (
 __all__ = [
     "CLAIM_FENCE",
     "RECOVERY_FENCE",
+    "REPLAY_CHUNK",
     "Acquired",
     "Candidate",
     "Changes",
+    "Followed",
     "Recovered",
     "Snapshot",
+    "Watched",
     "_recovery_facts",
     "_take_over",
     "acquire",
@@ -102,6 +115,7 @@ __all__ = [
     "lift_quarantine",
     "mark_cancelling",
     "new_id",
+    "newest_message",
     "quarantine",
     "quarantine_report",
     "quarantined",
@@ -118,5 +132,6 @@ __all__ = [
     "update_assistant",
     "wake",
     "wake_and_acquire",
+    "watched_changes",
     "watched_messages",
 ]
