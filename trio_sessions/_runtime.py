@@ -57,6 +57,9 @@ HAND_BACK_TIMEOUT = 5.0
 CHANGE_FALLBACK_POLL = 2.0
 # Durable wakes taken per look (the rest at the next one).
 CHANGE_BATCH = 100
+# The most inputs one `take_inputs()` takes by default (one short transaction and one short
+# step of the event loop, whatever the backlog).
+TAKE_INPUTS_CHUNK = _store.TAKE_INPUTS_CHUNK
 
 
 def validate_session_id(session_id: object) -> str:
@@ -973,18 +976,27 @@ class DrainContext:
                 " already returned"
             )
 
-    async def take_inputs(self) -> list[Input]:
-        """Consume pending inputs in seq order; each becomes a user message, atomically.
+    async def take_inputs(self, *, limit: int | None = None) -> list[Input]:
+        """Consume the oldest pending inputs in seq order, at most `limit` of them
+        (default `TAKE_INPUTS_CHUNK`); each becomes a user message, atomically.
 
         Durable when it returns: in one fenced transaction the inputs left `session_input`
-        and were appended as `role='user'` messages. An input whose payload does not decode
-        is set aside for the operator, never returned and never blocking the others.
-        Raises `LeaseLost` (nothing taken) when the claim is gone or this context is stale,
-        `StoreError`. Cancellation: nothing taken if the transaction had not started, else
-        the inputs are taken (they are user messages now, found again by `transcript()`).
+        and were appended as `role='user'` messages. A bounded chunk keeps each call one
+        short transaction and one short step of the event loop, whatever the backlog: to
+        drain everything, call again until it returns `[]`; a drain that returns instead
+        gets the rest in its busy period's next iteration (the doorbell stays set while
+        inputs are pending). An input whose payload does not decode is set aside for the
+        operator, never returned and never blocking the others. Raises
+        `TypeError`/`ValueError` for a bad `limit`, `LeaseLost` (nothing taken) when the
+        claim is gone or this context is stale, `StoreError`. Cancellation: nothing taken if
+        the transaction had not started, else the inputs are taken (they are user messages
+        now, found again by `transcript()`).
         """
+        limit = TAKE_INPUTS_CHUNK if limit is None else _count(limit, "limit", 1)
         self._check_live()
-        return await self._runtime._db.run(_store.take_inputs, self.execution_id, self.owner_id)
+        return await self._runtime._db.run(
+            _store.take_inputs, self.execution_id, self.owner_id, limit
+        )
 
     async def transcript(self) -> list[Message]:
         """The session's messages in seq order (`MalformedRecord` for a row that does not

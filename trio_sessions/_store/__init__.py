@@ -78,6 +78,7 @@ from .recovery import (
     take_recovery_leases,
 )
 from .transcript import (
+    TAKE_INPUTS_CHUNK,
     append_assistant_text,
     begin_assistant,
     read_transcript,
@@ -89,6 +90,7 @@ __all__ = [
     "CLAIM_FENCE",
     "RECOVERY_FENCE",
     "REPLAY_CHUNK",
+    "TAKE_INPUTS_CHUNK",
     "Acquired",
     "Candidate",
     "Changes",
