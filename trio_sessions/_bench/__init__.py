@@ -16,7 +16,11 @@ folder on local disk). Sections, in order (`--sections` picks a subset):
 * remote - submit / interrupt from another process to the drain started / cancelled,
   SQLite and PostgreSQL (`remote`);
 * idle - an idle runtime's CPU, SQLite and PostgreSQL (`idle`);
-* postgres - the cycle and recovery against raw psycopg (`postgres`).
+* postgres - the cycle and recovery against raw psycopg (`postgres`);
+* load - cycles beside a watched long session, and the longest loop stall while a large
+  input backlog is taken (`load`);
+* chat - N chats streaming answers: a web process watching each, two worker processes,
+  SQLite and PostgreSQL (`chat`).
 
 PostgreSQL: `--pg-url`, else `$TRIO_SESSIONS_PG_URL`, else a throwaway server with fsync
 on; `--no-pg` skips every PostgreSQL figure (they print as `nan`).
@@ -44,12 +48,14 @@ from typing import Any
 import trio
 
 from .append import bench_append
+from .chat import bench_chat, serve_chat_worker
 from .coalescing import bench_coalescing
 from .config import SECTIONS, Config, make_config, parse_args
 from .cycle import bench_cycle
 from .heartbeat import bench_heartbeat
 from .idle import bench_idle
 from .interrupt import bench_interrupt
+from .load import bench_load
 from .memory import bench_memory, measure_memory
 from .recovery import bench_recovery
 from .remote import bench_remote, send_remote
@@ -95,6 +101,8 @@ BENCHES: dict[str, Section] = {
     "remote": bench_remote,
     "idle": bench_idle,
     "postgres": _postgres,
+    "load": _sqlite_only(bench_load),
+    "chat": bench_chat,
 }
 
 
@@ -114,6 +122,8 @@ def run_child(kind: str, arguments: dict[str, Any]) -> Any:
         )
     if kind == "remote":
         return trio.run(send_remote, arguments)
+    if kind == "chat-worker":
+        return trio.run(serve_chat_worker, arguments)
     raise SystemExit(f"unknown bench child {kind!r}")
 
 

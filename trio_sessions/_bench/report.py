@@ -24,7 +24,11 @@ from .. import __version__
 MACHINE_KEYS = (
     "cycle_ratio",
     "concurrent_ratio",
+    "trio_floor_ratio",
+    "trio_floor_concurrent_ratio",
+    "raw_cycle_us",
     "recovery_ratio",
+    "raw_recovery_us",
     "heartbeat_tx_per_tick",
     "wakes_per_iteration",
     "serial_ratio",
@@ -38,6 +42,18 @@ MACHINE_KEYS = (
     "pg_cycle_ratio",
     "pg_concurrent_ratio",
     "pg_recovery_ratio",
+    "watched_slowdown",
+    "backlog_stall_ms",
+    "chat_ttfw_p99_ms",
+    "chat_slowdown_p50",
+    "chat_slowdown_p99",
+    "chat_submit_p99_ms",
+    "chat_errors",
+    "pg_chat_ttfw_p99_ms",
+    "pg_chat_slowdown_p50",
+    "pg_chat_slowdown_p99",
+    "pg_chat_submit_p99_ms",
+    "pg_chat_errors",
 )
 
 
