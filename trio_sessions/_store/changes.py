@@ -111,10 +111,10 @@ def watched_changes(tx: Tx, watched: Mapping[str, Followed]) -> Watched:
     past each session's covered seq, and followed open messages whose version grew (for
     one whose row is unchanged, only the deltas streamed since are read)."""
     found = Watched([], {}, [])
-    open_ids: list[str] = []
-    for session_id, followed in watched.items():
-        _new_messages(tx, session_id, followed, found)
-        open_ids.extend(followed.open)
+    sessions = list(watched)
+    for start in range(0, len(sessions), _IN_CHUNK // 2):
+        _new_messages(tx, {s: watched[s] for s in sessions[start : start + _IN_CHUNK // 2]}, found)
+    open_ids = [message_id for followed in watched.values() for message_id in followed.open]
     for chunk in _chunks(open_ids):
         rows = tx.execute(
             f"SELECT m.id, m.session_id, m.version, {_VERSION}, m.finished"
@@ -133,14 +133,27 @@ def watched_changes(tx: Tx, watched: Mapping[str, Followed]) -> Watched:
     return found
 
 
-def _new_messages(tx: Tx, session_id: str, followed: Followed, found: Watched) -> None:
-    """Messages of one session past its covered seq (by the `(session_id, seq)` index), the
-    covered one included to see it is still the same message."""
+def _new_messages(tx: Tx, watched: Mapping[str, Followed], found: Watched) -> None:
+    """Messages of each session from its covered seq on, the covered one included to see
+    it is still the same message: one statement for many sessions, each term one seek of
+    the `(session_id, seq)` index (both dialects plan an OR of index ranges)."""
+    terms = " OR ".join(["(m.session_id = ? AND m.seq >= ?)"] * len(watched))
     rows = tx.execute(
-        f"SELECT m.id, m.seq, {_VERSION} FROM session_message m"
-        " WHERE m.session_id = ? AND m.seq >= ? ORDER BY m.seq",
-        (session_id, followed.high_seq),
+        f"SELECT m.session_id, m.id, m.seq, {_VERSION} FROM session_message m WHERE {terms}"
+        " ORDER BY m.session_id, m.seq",
+        tuple(value for session_id, f in watched.items() for value in (session_id, f.high_seq)),
     ).fetchall()
+    by_session: dict[str, list[Any]] = {}
+    for session_id, *row in rows:
+        by_session.setdefault(str(session_id), []).append(row)
+    for session_id, followed in watched.items():
+        _session_news(tx, session_id, followed, by_session.get(session_id, []), found)
+
+
+def _session_news(
+    tx: Tx, session_id: str, followed: Followed, rows: list[Any], found: Watched
+) -> None:
+    """One session's rows from its covered seq on, (id, seq, version) in seq order."""
     if followed.high_id is not None:
         if not rows or (rows[0][0], rows[0][1]) != (followed.high_id, followed.high_seq):
             # Truncated (and maybe grown again): seqs up to the old head may name new
@@ -150,8 +163,7 @@ def _new_messages(tx: Tx, session_id: str, followed: Followed, found: Watched) -
                     tx, "session_id = :session", {"session": session_id}, followed.known
                 )
             )
-            head = _newest(tx, session_id)
-            found.heads[session_id] = head
+            found.heads[session_id] = _newest(tx, session_id)
             return
         rows = rows[1:]
     for message_id, _seq, version in rows:
