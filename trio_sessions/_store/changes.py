@@ -115,7 +115,8 @@ def watched_changes(tx: Tx, watched: Mapping[str, Followed]) -> Watched:
     for start in range(0, len(sessions), _IN_CHUNK // 2):
         _new_messages(tx, {s: watched[s] for s in sessions[start : start + _IN_CHUNK // 2]}, found)
     open_ids = [message_id for followed in watched.values() for message_id in followed.open]
-    for chunk in _chunks(open_ids):
+    step = _IN_CHUNK // 2  # the deltas' statement takes two parameters per message
+    for chunk in (open_ids[start : start + step] for start in range(0, len(open_ids), step)):
         rows = tx.execute(
             f"SELECT m.id, m.session_id, m.version, {_VERSION}, m.finished"
             f" FROM session_message m WHERE m.id IN {_in_list(chunk)}",
@@ -123,13 +124,16 @@ def watched_changes(tx: Tx, watched: Mapping[str, Followed]) -> Watched:
         ).fetchall()
         present = {str(row[0]) for row in rows}
         found.gone.extend(message_id for message_id in chunk if message_id not in present)
+        grown: list[tuple[Snapshot, int, bool]] = []  # only deltas were added
         for message_id, session_id, row_version, version, finished in rows:
             held = watched[str(session_id)].open[str(message_id)]
-            if int(version) > held.version:
-                found.messages.append(
-                    _extended(tx, held, int(row_version), int(version), not finished)
-                    or _snapshot(tx, str(message_id))
-                )
+            if int(version) <= held.version:
+                continue
+            if held.row_version == int(row_version) and _extensible(held):
+                grown.append((held, int(version), not finished))
+            else:
+                found.messages.append(_snapshot(tx, str(message_id)))
+        found.messages.extend(_extended(tx, grown))
     return found
 
 
@@ -175,34 +179,40 @@ def _session_news(
         found.heads[session_id] = (int(rows[-1][1]), str(rows[-1][0]))
 
 
-def _extended(
-    tx: Tx, held: Snapshot, row_version: int, version: int, still_open: bool
-) -> Snapshot | None:
-    """The held snapshot with the deltas streamed since it, when only deltas changed (the
-    row's own version is the one it was read at); None when the row must be read."""
-    message = held.message
-    if (
-        held.row_version != row_version
-        or not isinstance(message, Message)
-        or not isinstance(message.data, AssistantData)
-    ):
-        return None
-    texts = [
-        row[0]
-        for row in tx.execute(
-            "SELECT text FROM session_message_delta WHERE message_id = ? AND version > ?"
-            " ORDER BY version",
-            (held.message_id, held.version),
-        ).fetchall()
-    ]
-    try:
-        streamed = _codec.decode_streamed(texts, key=held.message_id)
-    except MalformedRecord as exc:
-        return attrs.evolve(held, message=exc, version=version, open=still_open)
-    data = _transcript.with_streamed(message.data, streamed)
-    return attrs.evolve(
-        held, message=attrs.evolve(message, data=data), version=version, open=still_open
-    )
+def _extensible(held: Snapshot) -> bool:
+    """Whether deltas can extend the held snapshot (a decoded assistant message)."""
+    return isinstance(held.message, Message) and isinstance(held.message.data, AssistantData)
+
+
+def _extended(tx: Tx, grown: Sequence[tuple[Snapshot, int, bool]]) -> list[Snapshot]:
+    """Each held snapshot (its row unchanged since it was read) with the deltas streamed
+    onto it since, read in one statement: one primary-key range per message."""
+    if not grown:
+        return []
+    terms = " OR ".join(["(message_id = ? AND version > ?)"] * len(grown))
+    texts: dict[str, list[Any]] = {}
+    for message_id, text in tx.execute(
+        f"SELECT message_id, text FROM session_message_delta WHERE {terms}"
+        " ORDER BY message_id, version",
+        tuple(value for held, _, _ in grown for value in (held.message_id, held.version)),
+    ).fetchall():
+        texts.setdefault(str(message_id), []).append(text)
+    snapshots = []
+    for held, version, still_open in grown:
+        message = held.message
+        assert isinstance(message, Message) and isinstance(message.data, AssistantData)
+        try:
+            streamed = _codec.decode_streamed(texts.get(held.message_id, []), key=held.message_id)
+        except MalformedRecord as exc:
+            snapshots.append(attrs.evolve(held, message=exc, version=version, open=still_open))
+            continue
+        data = _transcript.with_streamed(message.data, streamed)
+        snapshots.append(
+            attrs.evolve(
+                held, message=attrs.evolve(message, data=data), version=version, open=still_open
+            )
+        )
+    return snapshots
 
 
 def newest_message(tx: Tx, session_id: str) -> tuple[int, str | None]:
