@@ -308,3 +308,66 @@ async def test_a_watcher_sees_messages_written_at_reused_seqs(tmp_path: Path) ->
                 if message.seq == 4:
                     break
     assert seen[3:] == [(2, "new2"), (3, "new3"), (4, "new4")]
+
+
+async def test_many_watchers_of_one_session_share_one_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """However many watchers follow a session, a look reads its change once: the look that
+    finds a new message executes the same SQLite instructions for 25 watchers as for 1,
+    and every watcher gets the message. Real time, bounded."""
+    looks: list[int] = []
+    scan = _store.changes
+
+    def counted_scan(tx: Any, *args: Any) -> Any:
+        calls = [0]
+
+        def count() -> int:
+            calls[0] += 1
+            return 0
+
+        tx.conn.set_progress_handler(count, 1)
+        try:
+            found = scan(tx, *args)
+        finally:
+            tx.conn.set_progress_handler(None, 1)
+        if found.watched.messages:
+            looks.append(calls[0])
+        return found
+
+    monkeypatch.setattr(_store, "changes", counted_scan)
+
+    async def first_finding_look(db: Path, watchers: int) -> int:
+        await make_schema(db)
+        seed_transcript(db, "s", 100)
+        received: list[str] = []
+        looks.clear()
+        with trio.fail_after(BOUND):
+            async with trio_sessions.open_runtime(db, None) as rt:
+
+                async def follow(entered: trio.Event) -> None:
+                    async with rt.watch("s", after_seq=100) as updates:
+                        entered.set()
+                        async for message in updates:
+                            received.append(message.id)
+                            return
+
+                async with trio.open_nursery() as nursery:
+                    for _ in range(watchers):
+                        entered = trio.Event()
+                        nursery.start_soon(follow, entered)
+                        await entered.wait()
+                    conn = sqlite3.connect(db)
+                    with conn:
+                        conn.execute(
+                            "INSERT INTO session_message(id, session_id, role, seq, data,"
+                            " time_created, time_updated, finished)"
+                            " VALUES ('new', 's', 'user', 101, '{}', 0, 0, 1)"
+                        )
+                    conn.close()
+        assert received == ["new"] * watchers
+        return looks[0]
+
+    one = await first_finding_look(tmp_path / "one.db", 1)
+    many = await first_finding_look(tmp_path / "many.db", 25)
+    assert many == one, (one, many)
