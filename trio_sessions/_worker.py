@@ -76,8 +76,8 @@ def add_parser(commands: Any) -> None:
         help="run MODULE:DRAIN as a long-lived worker until SIGTERM/SIGINT",
         description="Run an async drain as a worker. Settings not given as flags come from "
         f"{ENV_STORE}, {ENV_SCHEMA}, {ENV_MAX_ACTIVE}, {ENV_OWNER} and {ENV_LOG_LEVEL}. "
-        "The first SIGTERM or SIGINT shuts down gracefully (claims handed back at once, "
-        "exit 0); a second one exits at once.",
+        "The first SIGTERM or SIGINT shuts down gracefully (each claim handed back once "
+        "its drain exited, exit 0); a second one exits at once.",
     )
     parser.add_argument("drain", metavar="MODULE:DRAIN", help="the drain, e.g. myapp.agent:drain")
     parser.add_argument(
