@@ -37,7 +37,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from . import _backend, _sqlite, _store, _worker
+from . import _backend, _console, _sqlite, _store, _worker
 from ._backend import POSTGRES_SCHEMES, Engine
 from ._errors import SchemaTooNew, StoreError
 from ._runtime import make_owner_id
@@ -417,6 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="exit 0 when the database opens and its schema is current (for probes)",
     )
     _worker.add_parser(commands)
+    _console.add_parser(commands)
     return parser
 
 
@@ -455,6 +456,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "worker":
         return _worker.run(args)
+    if args.command == "console":
+        return _console.run(args, os.environ)
     if args.schema is not None and not is_url(args.db):
         parser.error("--schema needs a postgresql:// URL as DB")
     if args.command == "health":
