@@ -96,3 +96,32 @@ def worker(store: str, log_dir: Path, drain: str, name: str, *args: str) -> Iter
         yield process
     finally:
         process.stop()
+
+
+def seed_quarantine(path: Path, session_id: str, execution_id: str, seq: int = 1) -> None:
+    """A quarantined execution as recovery leaves one: an expired claim whose assistant
+    message does not decode, and its recovery row with the reason."""
+    import time
+
+    from helpers import Raw
+
+    raw = Raw(path)
+    now = int(time.time() * 1000)
+    raw.seed_claim(session_id, execution_id, expires_at=now - 1)
+    raw.seed_assistant(session_id, execution_id, seq, MALFORMED)
+    raw.write(
+        "INSERT INTO session_recovery(execution_id, session_id, owner_id, expires_at,"
+        " recovery_error, time_created, time_quarantined) VALUES (?, ?, ?, ?, ?, ?, ?)",
+        (
+            execution_id,
+            session_id,
+            "recovery",
+            now + 60_000,
+            "data.finished: expected bool",
+            now,
+            now,
+        ),
+    )
+
+
+MALFORMED = '{"parts": [], "finished": "false", "error": null}'

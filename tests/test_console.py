@@ -14,7 +14,14 @@ from pathlib import Path
 import httpx
 import pytest
 import trio
-from console_process import DEADLINE, console, environment, wait_for_line, worker
+from console_process import (
+    DEADLINE,
+    console,
+    environment,
+    seed_quarantine,
+    wait_for_line,
+    worker,
+)
 from helpers import Raw
 
 import trio_sessions
@@ -22,7 +29,6 @@ import trio_sessions
 pytestmark = pytest.mark.slow
 
 TOKEN = "console-test-token-0123456789"
-MALFORMED = '{"parts": [], "finished": "false", "error": null}'
 
 
 def seed(path: Path, sessions: int) -> None:
@@ -97,9 +103,7 @@ def test_actions_need_the_csrf_field_and_read_only_refuses_them(tmp_path: Path) 
     store = tmp_path / "db"
     raw = Raw(store)
     seed(store, 1)
-    raw.seed_claim("s000", "dead", expires_at=int(time.time() * 1000) - 1)
-    raw.seed_assistant("s000", "dead", 2, MALFORMED)
-    quarantine(store)
+    seed_quarantine(store, "s000", "dead")
     with (
         console(str(store), tmp_path, "--token", TOKEN) as (url, _),
         httpx.Client(base_url=url, timeout=DEADLINE) as browser,
@@ -113,9 +117,7 @@ def test_actions_need_the_csrf_field_and_read_only_refuses_them(tmp_path: Path) 
         done = browser.post("/quarantine/dead/drop", data={"csrf": csrf_of(page)})
         assert done.status_code == 303
         assert raw.one("SELECT COUNT(*) FROM session_execution") == (0,)
-    raw.seed_claim("s000", "again", expires_at=int(time.time() * 1000) - 1)
-    raw.seed_assistant("s000", "again", 3, MALFORMED)
-    quarantine(store)
+    seed_quarantine(store, "s000", "again", seq=2)
     log_dir = tmp_path / "ro"
     log_dir.mkdir()
     with console(str(store), log_dir, "--token", TOKEN, "--read-only") as (url, _):
@@ -127,19 +129,6 @@ def test_actions_need_the_csrf_field_and_read_only_refuses_them(tmp_path: Path) 
             assert client.post("/quarantine/again/drop").status_code == 403
             assert client.post("/sessions/s000/interrupt").status_code == 403
     assert raw.one("SELECT COUNT(*) FROM session_execution") == (1,)
-
-
-def quarantine(store: Path) -> None:
-    """Run one recovery pass, which quarantines the malformed execution."""
-
-    async def drain(ctx: trio_sessions.DrainContext) -> None:
-        raise AssertionError("never resumed: quarantined")
-
-    async def recover() -> None:
-        async with trio_sessions.open_runtime(store, drain) as runtime:
-            assert (await runtime.recover_once()).quarantined == 0  # the first pass did it
-
-    trio.run(recover)
 
 
 def test_sessions_are_paged_and_searched_in_the_store(tmp_path: Path) -> None:
