@@ -208,3 +208,39 @@ def test_a_worker_serves_metrics_a_scraper_reads(tmp_path: Path) -> None:
     ):
         assert re.search(rf"^{name}\{{", text, re.MULTILINE), text
     assert 'owner_id="w1@' in text
+
+
+def test_opentelemetry_instrument_traces_a_worker_without_touching_the_drain(
+    tmp_path: Path,
+) -> None:
+    """The README's recipe: `opentelemetry-instrument` around the unchanged worker command
+    configures the SDK, and the drain call and recovery pass come out as spans."""
+    store = tmp_path / "db"
+    seed(store, 1)
+    launcher = Path(sys.executable).parent / "opentelemetry-instrument"
+    env = environment(
+        OTEL_SERVICE_NAME="worker",
+        OTEL_TRACES_EXPORTER="console",
+        OTEL_METRICS_EXPORTER="none",
+        OTEL_LOGS_EXPORTER="none",
+    )
+    log = tmp_path / "worker.log"
+    with log.open("wb") as out:
+        worker_command = ["-m", "trio_sessions", "worker", "worker_drain:reply"]
+        process = subprocess.Popen(
+            [str(launcher), sys.executable, *worker_command, "--store", str(store)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+    try:
+        deadline = time.monotonic() + DEADLINE
+        while '"name": "trio_sessions.drain"' not in log.read_text():
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+    finally:
+        process.terminate()
+        process.wait(timeout=DEADLINE)
+    spans = log.read_text()
+    assert '"trio_sessions.session_id": "s000"' in spans
+    assert '"name": "trio_sessions.recovery_pass"' in spans
