@@ -1,8 +1,7 @@
 """Section `console`: one page of the operator console with 100,000 sessions in the store
-(`--console-sessions`),
-SQLite and PostgreSQL (`console_page_ms`, `pg_console_page_ms`: the slowest median of the
-first page, a page deep in the list and a search that matches nothing - the whole render,
-the store's reads included)."""
+(`--console-sessions`), SQLite and PostgreSQL (`console_page_ms`, `pg_console_page_ms`: the
+slowest median of the first page, a page deep in the list and a search that matches nothing -
+the whole render, the store's reads included)."""
 
 from __future__ import annotations
 
