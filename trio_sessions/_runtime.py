@@ -41,6 +41,8 @@ from ._model import (
     RecoveryReport,
     RuntimeStatistics,
 )
+from ._naming import ACCEPTED_FORMS, store_kind
+from ._naming import POSTGRES_SCHEMES as POSTGRES_SCHEMES
 from ._recovery import Recovery, report_of
 from ._signals import Watcher, WatchHub
 from ._sqlite import SQLiteStore
@@ -50,7 +52,6 @@ Drain = Callable[["DrainContext"], Awaitable[None]]
 AcquisitionHook = Callable[[Claim], Awaitable[None]]
 
 MAX_ID_LENGTH = 200
-POSTGRES_SCHEMES = ("postgresql://", "postgres://")
 SHUTDOWN_GRACE = 5.0
 # The change loop looks at the store at least this often, signal or not.
 CHANGE_FALLBACK_POLL = 2.0
@@ -1190,18 +1191,17 @@ async def serve_runtime(
 
 
 def _resolve_store(store: object) -> StoreBackend:
-    """A path is an SQLite file; a postgresql:// or postgres:// URL a PostgreSQL database."""
-    if isinstance(store, str) and store.startswith(POSTGRES_SCHEMES):
-        from ._postgres import PostgresStore  # psycopg is an optional extra
-
-        return PostgresStore(store)
+    """A path is an SQLite file; a postgresql:// or postgres:// URL a PostgreSQL database;
+    another connection string a `ValueError` (`_naming.store_kind` decides)."""
     if isinstance(store, str | os.PathLike):
+        if store_kind(store) == "postgres":
+            from ._postgres import PostgresStore  # psycopg is an optional extra
+
+            return PostgresStore(os.fspath(store))
         return SQLiteStore(store)
     if callable(getattr(store, "open_executor", None)):
         return store  # type: ignore[return-value]
-    raise TypeError(
-        f"store must be a path, a postgresql:// URL or a store object, got {type(store).__name__}"
-    )
+    raise TypeError(f"store must be {ACCEPTED_FORMS}, got {type(store).__name__}")
 
 
 @attrs.frozen
