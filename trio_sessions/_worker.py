@@ -28,9 +28,11 @@ import attrs
 import trio
 
 from ._naming import check_schema, mask_password, secrets_of, store_kind
+from ._observe import MaskTracebacks
 from ._runtime import open_runtime
 
 logger = logging.getLogger("trio_sessions.worker")
+logger.addFilter(MaskTracebacks())
 
 ENV_STORE = "TRIO_SESSIONS_STORE"
 ENV_SCHEMA = "TRIO_SESSIONS_SCHEMA"
