@@ -240,11 +240,12 @@ async def test_a_large_value_within_the_cap_is_checked_in_a_worker_thread(
         await writer.settle_tool("c2", {"r": 1})
         await writer.finish()
 
+    async with producer(store, clock) as p:
+        await p.submit("s", many)
+        await p.submit("s", {"t": "small"})
     async with runtime(store, drain, clock) as rt:
-        async with producer(store, clock) as p:
-            await p.submit("s", many)
-            await p.submit("s", {"t": "small"})
-        await rt.run("s")
+        outcome = await rt.run("s")
+    assert outcome.kind == "succeeded", outcome
     assert threads == [
         ("payload", False),
         ("payload", True),

@@ -55,6 +55,7 @@ def dsn_forms(base: str) -> dict[str, str]:
     return {
         "dsn": f"{common} dbname={parts.path[1:]} password={PLAIN}",
         "dsn-quoted": f"{common} password='{PLAIN} x\\'y' dbname={parts.path[1:]}",
+        "dsn-password-first": f"password={PLAIN} {common} dbname={parts.path[1:]}",
     }
 
 

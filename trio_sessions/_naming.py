@@ -68,6 +68,8 @@ def check_postgres_name(name: str) -> str:
     (libpq would take part of the password for the host or the database)."""
     if not isinstance(name, str):
         raise TypeError(f"url must be a str, got {type(name).__name__}")
+    if not name.strip():
+        return name  # libpq's defaults: PGHOST, PGDATABASE, ... from the environment
     if not name.startswith(POSTGRES_SCHEMES):
         if _URL.match(name) or not _DSN.match(name):
             raise ValueError(
@@ -117,7 +119,7 @@ _URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"]*")
 # `password=value` as a libpq pair (`password = 'it''s'`, backslash escapes) or a URL
 # query parameter (up to the next `&`); group 1 is everything before the value.
 _PASSWORD_PAIR = re.compile(
-    r"((?:^|(?<=[\s?&;]))password\s*=\s*)(?:'(?:\\.|[^'\\])*'?|[^\s&'\"]*)", re.IGNORECASE
+    r"((?<![A-Za-z0-9_])password\s*=\s*)(?:'(?:\\.|[^'\\])*'?|[^\s&'\"]*)", re.IGNORECASE
 )
 
 
