@@ -279,3 +279,27 @@ def test_names_the_server_would_truncate_are_refused() -> None:
     for name in ("x" * 63 + "a", "x" * 63 + "b", "é" * 31 + "ab"):
         with pytest.raises(ValueError, match="1-63 bytes"):
             PostgresStore("postgresql://app@127.0.0.1:1/app", schema=name)
+
+
+@pytest.mark.parametrize(
+    "url", [f"postgresql+psycopg://app:{SECRET}@127.0.0.1:1/app", "mysql://a@b/c", "sessions.db"]
+)
+def test_postgres_store_refuses_what_is_neither_a_url_nor_a_dsn(url: str) -> None:
+    """PostgresStore takes a postgresql:// or postgres:// URL or a libpq key=value string
+    (or "" for libpq's environment defaults); anything else is a ValueError without the
+    password."""
+    from trio_sessions._postgres import PostgresStore
+
+    with pytest.raises(ValueError, match="not a postgresql:// or postgres:// URL") as raised:
+        PostgresStore(url)
+    assert SECRET not in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    "url", ["postgres://app@127.0.0.1:1/app", "host=127.0.0.1 port=1 dbname=app", ""]
+)
+def test_postgres_store_takes_urls_dsns_and_the_environment(url: str) -> None:
+    """The forms psycopg itself takes are accepted as given."""
+    from trio_sessions._postgres import PostgresStore
+
+    assert PostgresStore(url).url == url
