@@ -21,6 +21,7 @@ the store's worker threads: they never touch trio.
 from __future__ import annotations
 
 import logging
+import traceback
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from types import TracebackType
@@ -31,6 +32,7 @@ import trio
 
 from ._decisions import RecoveryDecision
 from ._model import RecoveryReport
+from ._naming import mask_password
 
 if TYPE_CHECKING:
     from opentelemetry.metrics import Counter, Histogram, UpDownCounter
@@ -124,7 +126,7 @@ def heartbeat_failed(owner_id: str, claims: int, error: BaseException) -> None:
     logger.warning(
         HEARTBEAT_FAILED,
         claims,
-        extra={"owner_id": owner_id, "claims": claims, "error": str(error)},
+        extra={"owner_id": owner_id, "claims": claims, "error": _text(error)},
     )
 
 
@@ -249,7 +251,9 @@ def recovery_pass(owner_id: str) -> Iterator[RecoveryPass]:
             yield RecoveryPass(owner_id, span)
         except Exception as exc:
             logger.warning(
-                RECOVERY_PASS_FAILED, exc_info=exc, extra={"owner_id": owner_id, "error": str(exc)}
+                RECOVERY_PASS_FAILED,
+                exc_info=exc,
+                extra={"owner_id": owner_id, "error": _text(exc)},
             )
             _telemetry.end_failed(span, exc)
             raise
@@ -343,7 +347,7 @@ def hand_back_failed(owner_id: str, execution_ids: Sequence[str], error: BaseExc
             "owner_id": owner_id,
             "claims": len(execution_ids),
             "execution_ids": execution_ids,
-            "error": str(error),
+            "error": _text(error),
         },
     )
 
@@ -359,7 +363,7 @@ def store_retry(backend: str, error: BaseException, retry: int) -> None:
     logger.info(
         STORE_RETRY,
         sqlstate or "connection lost",
-        extra={"backend": backend, "sqlstate": sqlstate, "retry": retry, "error": str(error)},
+        extra={"backend": backend, "sqlstate": sqlstate, "retry": retry, "error": _text(error)},
     )
 
 
@@ -377,13 +381,34 @@ def listener_reconnected(channel: str) -> None:
 def listener_reconnect_failed(channel: str, error: BaseException) -> None:
     """WARNING: the LISTEN connection could not be re-opened; the fallback poll covers it
     until the next try. extra: channel, error."""
-    logger.warning(LISTENER_RECONNECT_FAILED, extra={"channel": channel, "error": str(error)})
+    logger.warning(LISTENER_RECONNECT_FAILED, extra={"channel": channel, "error": _text(error)})
 
 
 def checkpoint_failed(error: BaseException) -> None:
     """WARNING: an SQLite WAL checkpoint failed (nothing is lost: the WAL keeps every
     commit). extra: error."""
-    logger.warning(CHECKPOINT_FAILED, extra={"error": str(error)})
+    logger.warning(CHECKPOINT_FAILED, extra={"error": _text(error)})
+
+
+class MaskTracebacks(logging.Filter):
+    """Formats a record's traceback once, with passwords masked, before any handler does
+    (a handler's formatter uses the text it finds): an exception's text may quote a
+    connection string."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[1] is not None and record.exc_text is None:
+            text = "".join(traceback.format_exception(record.exc_info[1]))
+            record.exc_text = mask_password(text).rstrip("\n")
+        return True
+
+
+logger.addFilter(MaskTracebacks())
+
+
+def _text(error: BaseException) -> str:
+    """An error's text for a log field or a span: a driver's error may quote the store's
+    connection string, so any password in it is masked."""
+    return mask_password(str(error))
 
 
 # -- OpenTelemetry (the only place that imports it) -----------------------------------------------
@@ -472,8 +497,19 @@ class _Telemetry:
     def end_failed(self, span: Span | None, error: BaseException) -> None:
         if span is None:
             return
-        span.record_exception(error)
-        span.set_status(self._error, f"{type(error).__name__}: {error}")
+        # As `span.record_exception` records it, with the password of any connection string
+        # the error's text or traceback quotes masked.
+        stacktrace = "".join(traceback.format_exception(error))
+        span.add_event(
+            "exception",
+            {
+                "exception.type": type(error).__qualname__,
+                "exception.message": _text(error),
+                "exception.stacktrace": mask_password(stacktrace),
+                "exception.escaped": False,
+            },
+        )
+        span.set_status(self._error, f"{type(error).__name__}: {_text(error)}")
 
 
 _telemetry = _Telemetry()

@@ -22,7 +22,6 @@ import logging
 import os
 import signal
 import sys
-import urllib.parse
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -30,10 +29,12 @@ import attrs
 import trio
 
 from . import _metrics
-from ._backend import POSTGRES_SCHEMES
+from ._naming import check_schema, mask_password, secrets_of, store_kind
+from ._observe import MaskTracebacks
 from ._runtime import open_runtime
 
 logger = logging.getLogger("trio_sessions.worker")
+logger.addFilter(MaskTracebacks())
 
 ENV_STORE = "TRIO_SESSIONS_STORE"
 ENV_SCHEMA = "TRIO_SESSIONS_SCHEMA"
@@ -133,9 +134,18 @@ def settings_from(args: argparse.Namespace, environ: Mapping[str, str]) -> Worke
     store = pick(args.store, ENV_STORE)
     if store is None:
         raise UsageError(f"no store: pass --store PATH_OR_URL or set {ENV_STORE}")
+    try:
+        kind = store_kind(store)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     schema = pick(args.schema, ENV_SCHEMA)
-    if schema is not None and not store.startswith(POSTGRES_SCHEMES):
+    if schema is not None and kind != "postgres":
         raise UsageError("a schema needs a postgresql:// URL as the store")
+    if schema is not None:
+        try:
+            check_schema(schema)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
     max_active = pick(args.max_active, ENV_MAX_ACTIVE)
     log_level = (pick(args.log_level, ENV_LOG_LEVEL) or "INFO").upper()
     metrics_bind = pick(args.metrics_bind, ENV_METRICS_BIND)
@@ -208,14 +218,9 @@ def load_drain(spec: str) -> Any:
 
 
 def redact(store: str) -> str:
-    """The store for a log line: a URL's password replaced by `***`."""
-    if not store.startswith(POSTGRES_SCHEMES):
-        return store
-    parts = urllib.parse.urlsplit(store)
-    if parts.password is None:
-        return store
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+    """The store for a log line or a message: its password replaced by `***`, whatever
+    its form (`_naming.mask_password`)."""
+    return mask_password(store, secrets=secrets_of(store))
 
 
 def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> int:
@@ -255,11 +260,13 @@ def store_of(settings: WorkerSettings) -> Any:
 
 def store_of_url(store: str, schema: str | None) -> Any:
     """The path or URL itself, or a `PostgresStore` when a schema other than the default was
-    chosen (`ValueError` for a schema without a URL)."""
+    chosen (`ValueError` for a store name of no accepted form, a bad schema name, or a
+    schema without a URL)."""
+    if store_kind(store) == "sqlite" and schema is not None:
+        raise ValueError("a schema needs a postgresql:// URL as the store")
     if schema is None:
         return store
-    if not store.startswith(POSTGRES_SCHEMES):
-        raise ValueError("a schema needs a postgresql:// URL as the store")
+    check_schema(schema)
     from ._postgres import PostgresStore  # psycopg is an optional extra
 
     return PostgresStore(store, schema=schema)
@@ -292,7 +299,8 @@ async def serve(settings: WorkerSettings, drain: Any) -> int:
                             await _serve_metrics(served, settings.metrics_bind, runtime)
                         await trio.sleep_forever()
                 except Exception as exc:
-                    logger.error("worker failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
+                    reason = mask_password(str(exc), secrets=secrets_of(settings.store))
+                    logger.error("worker failed: %s: %s", type(exc).__name__, reason, exc_info=exc)
                     status = EXIT_FAILED
             nursery.cancel_scope.cancel()
     if status == EXIT_OK:
