@@ -30,6 +30,7 @@ import attrs
 import trio
 
 from ._decisions import RecoveryDecision
+from ._errors import StoreError
 from ._model import RecoveryReport
 
 if TYPE_CHECKING:
@@ -47,6 +48,7 @@ logger.addHandler(logging.NullHandler())
 # -- messages (record.msg): part of the public surface, listed in the README --------------------
 
 DRAIN_FAILED = "drain failed: session %s, execution %s"
+CLAIM_ATTEMPT_FAILED = "claim attempt failed: session %s"
 CLAIM_LOST = "claim lost: session %s, execution %s"
 SELF_FENCED = "self-fenced: session %s, execution %s"
 HEARTBEAT_FAILED = "heartbeat failed: %d claims not renewed"
@@ -64,6 +66,8 @@ STORE_RECONNECTED = "store reconnected"
 LISTENER_RECONNECTED = "listener reconnected"
 LISTENER_RECONNECT_FAILED = "listener reconnect failed"
 CHECKPOINT_FAILED = "checkpoint failed"
+WAL_NOT_CHECKPOINTED = "WAL not checkpointed: %d bytes"
+DATABASE_FILE_LOST = "database file %s: %s"
 
 # -- span and metric names ------------------------------------------------------------------------
 
@@ -92,6 +96,25 @@ def drain_failed(entry: SessionEntry, owner_id: str, error: BaseException | None
         entry.execution_id,
         exc_info=error,
         extra={**_claim(entry, owner_id), "error": repr(error)},
+    )
+
+
+def claim_attempt_failed(entry: SessionEntry, owner_id: str, error: BaseException | None) -> None:
+    """WARNING: acquiring a session's claim failed (the store did not answer: a server
+    stopped, a table locked beyond the retries) - no drain ran and nothing was claimed; the
+    wake stays durable and the change loop or the next recovery pass tries again. A store
+    error carries no traceback (it is not a defect); anything else does. extra:
+    session_id, execution_id (the prospective claim's), owner_id, error."""
+    logger.warning(
+        CLAIM_ATTEMPT_FAILED,
+        entry.session_id,
+        exc_info=None if isinstance(error, StoreError) else error,
+        extra={
+            "session_id": entry.session_id,
+            "execution_id": entry.execution_id,
+            "owner_id": owner_id,
+            "error": str(error),
+        },
     )
 
 

@@ -118,7 +118,7 @@ class Seams:
 class _Ending:
     """How one claim's drain section ended, before the finalizer acted on it."""
 
-    kind: Literal["not_claimed", "released", "failed", "interrupted"]
+    kind: Literal["not_claimed", "claim_failed", "released", "failed", "interrupted"]
     error: BaseException | None = None
 
 
@@ -529,7 +529,9 @@ class Runtime:
             with entry.scope:
                 ending = await self._claim_and_drain(entry)
         except Exception as exc:  # a drain's ExceptionGroup once our Cancelled was removed
-            ending = _Ending("failed", error=exc)
+            # Not owned: the claim attempt itself failed (a store error while acquiring),
+            # and no drain ran.
+            ending = _Ending("failed" if entry.owned else "claim_failed", error=exc)
         if ending is None:
             ending = _Ending("interrupted")
         outcome, successor_due = await self._finalize(entry, ending)
@@ -629,6 +631,11 @@ class Runtime:
                 await self._pass_on_interrupt(entry)
                 return Outcome("interrupted", entry.reason), False
             return Outcome("deferred"), entry.rung_since_decision()
+        if ending.kind == "claim_failed":
+            # Nothing was claimed, so nothing is written: the wake stays durable, and the
+            # change loop or a recovery pass tries again.
+            _observe.claim_attempt_failed(entry, self._owner_id, ending.error)
+            return Outcome("failed", error=ending.error), False
         known_lost = entry.reason == "lease_lost"  # the heartbeat found it (and logged it)
         if isinstance(ending.error, LeaseLost) or entry.self_fenced():
             # Lease lost: no durable write, and no successor - recovery owns it now.
@@ -670,14 +677,13 @@ class Runtime:
         outcome = Outcome("failed", error=error)
         if not entry.owned:
             return outcome, False
+        # The exception's type only: its text may hold secrets (an API key in a KeyError),
+        # and users read the transcript. Its text and traceback are in the log (DESIGN §5.1).
+        shown = "failed" if error is None else f"failed: {type(error).__name__}"
         entry.begin_deciding()
         try:
             doorbell = await self._retrying(
-                entry,
-                _store.finish_failed,
-                entry.execution_id,
-                self._owner_id,
-                f"failed: {error!r}",
+                entry, _store.finish_failed, entry.execution_id, self._owner_id, shown
             )
         except (LeaseLost, StoreError):
             # The claim stays durable; its lease runs out and recovery takes it from there.
