@@ -15,6 +15,7 @@ from backends import PgLocation
 from conftest import query
 from helpers import runtime
 
+import trio_sessions
 from trio_sessions import DrainContext, Message, Runtime, StoreError, _store
 from trio_sessions import _observe as events
 
@@ -136,11 +137,11 @@ async def test_a_failed_claim_attempt_is_logged_as_such_not_as_a_failed_drain(
         raise StoreError("server closed the connection unexpectedly")
 
     async with (
-        runtime(store, None, clock) as producer,
+        trio_sessions.open_runtime(store, None, clock=clock) as producer,
         runtime(store, drain, clock, **QUIET) as rt,
     ):
         healthy = rt._db
-        rt._db = Intercepted(healthy, {_store.acquire: refuse, _store.wake_and_acquire: refuse})
+        rt._db = Intercepted(healthy, {_store.acquire: refuse, _store.wake_and_acquire: refuse})  # type: ignore[assignment]
         await producer.submit("s", {"text": "hi"})
         report = await rt.recover_once()  # finds the doorbell; the acquire fails
         assert report.doorbells_started == 1
@@ -187,7 +188,7 @@ async def test_a_heartbeat_racing_a_normal_release_is_not_a_lost_claim(
 
     async with runtime(store, drain, clock, **QUIET) as rt:
         inner = rt._db
-        rt._db = Intercepted(inner, {_store.finish_iteration: finish_then_heartbeat})
+        rt._db = Intercepted(inner, {_store.finish_iteration: finish_then_heartbeat})  # type: ignore[assignment]
         await rt.submit("s", {"text": "hi"})
         outcome = await rt.run("s")
         rt._db = inner

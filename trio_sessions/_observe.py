@@ -14,8 +14,9 @@ runtimes opened earlier). Metric attributes have low cardinality (never a sessio
 spans carry the ids.
 
 Invariants: no event raises into its caller (logging reports its own handler errors), and
-the engine events (`store_retry`, `store_reconnected`, `checkpoint_failed`) are safe from
-the store's worker threads: they never touch trio.
+the engine events (`store_retry`, `store_reconnected`, `checkpoint_failed`,
+`database_file_lost`, `wal_not_checkpointed`) are safe from the store's worker threads: they
+never touch trio.
 """
 
 from __future__ import annotations
@@ -395,6 +396,32 @@ def checkpoint_failed(error: BaseException) -> None:
     """WARNING: an SQLite WAL checkpoint failed (nothing is lost: the WAL keeps every
     commit). extra: error."""
     logger.warning(CHECKPOINT_FAILED, extra={"error": str(error)})
+
+
+def database_file_lost(path: str, problem: str) -> None:
+    """ERROR, once per runtime: the SQLite file this runtime opened was deleted or replaced
+    (`problem`: `deleted`, `replaced`, or why it cannot be checked); every write from here
+    on fails with `StoreError` rather than committing into the orphaned file, which would
+    vanish at exit. Restart on the right file. extra: path, problem."""
+    logger.error(DATABASE_FILE_LOST, path, problem, extra={"path": path, "problem": problem})
+
+
+def wal_not_checkpointed(path: str, wal_bytes: int, wal_frames: int, bound_bytes: int) -> None:
+    """WARNING, once each time the WAL crosses the bound: the SQLite WAL grew past
+    `bound_bytes` and checkpoints cannot copy it back, because a reader that never ends (an
+    open read transaction on another connection: a shell, a backup, a long query) still
+    uses its older frames. It grows until that reader ends. extra: path, wal_bytes,
+    wal_frames, bound_bytes."""
+    logger.warning(
+        WAL_NOT_CHECKPOINTED,
+        wal_bytes,
+        extra={
+            "path": path,
+            "wal_bytes": wal_bytes,
+            "wal_frames": wal_frames,
+            "bound_bytes": bound_bytes,
+        },
+    )
 
 
 # -- OpenTelemetry (the only place that imports it) -----------------------------------------------
