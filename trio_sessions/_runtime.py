@@ -58,16 +58,17 @@ CHANGE_FALLBACK_POLL = 2.0
 CHANGE_BATCH = 100
 
 
-def validate_session_id(session_id: object) -> str:
+def validate_session_id(session_id: object, *, what: str = "session id") -> str:
+    """A valid id (`what` names it in the error: a session id, an owner id)."""
     if not isinstance(session_id, str):
-        raise TypeError(f"session id must be a str, got {type(session_id).__name__}")
+        raise TypeError(f"{what} must be a str, got {type(session_id).__name__}")
     if not 1 <= len(session_id) <= MAX_ID_LENGTH:
         raise ValueError(
-            f"session id must be 1-{MAX_ID_LENGTH} characters, got {len(session_id)}: "
+            f"{what} must be 1-{MAX_ID_LENGTH} characters, got {len(session_id)}: "
             f"{session_id[:40]!r}"
         )
     if not session_id.isprintable():
-        raise ValueError(f"session id must be printable, got {session_id!r}")
+        raise ValueError(f"{what} must be printable, got {session_id!r}")
     return session_id
 
 
@@ -1117,7 +1118,9 @@ async def open_runtime(
     keeps their claims and expires their leases (one transaction, shielded, bounded by a
     few seconds; if it cannot land the leases simply run out) so any owner can recover them
     at once, without counting against their resume budget. Exceptions from drains become
-    outcomes; only the block's own exception escapes, unwrapped.
+    outcomes; only the block's own exception escapes, unwrapped. (`Exception`s only: a
+    drain raising `KeyboardInterrupt` or `SystemExit` ends the whole runtime - trio's rule
+    for those - and it escapes this block, unwrapped, after the shutdown above.)
 
     Raises, before anything is opened, `TypeError`/`ValueError` for a bad option (and
     `TypeError` for a plain `def` drain); then `SchemaTooNew` for a store written by a newer
@@ -1148,7 +1151,7 @@ async def open_runtime(
     if max_active is not None:
         max_active = _count(max_active, "max_active", 1)
     if owner_id is not None:
-        owner_id = validate_session_id(owner_id)
+        owner_id = validate_session_id(owner_id, what="owner id")
     if clock is not None and not callable(clock):
         raise TypeError("clock must be a zero-argument callable returning epoch seconds")
     if acquisition_hook is not None and not callable(acquisition_hook):
