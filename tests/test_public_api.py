@@ -202,3 +202,17 @@ def test_the_trial_postgresql_server_recipe_works() -> None:
     on SIGTERM (as root it runs the server as an unprivileged user)."""
     assert "python -m trio_sessions pg-trial-server" in README
     run_trial_server()
+
+
+def test_every_log_event_is_in_the_readmes_logging_table() -> None:
+    """Each stable log message of `_observe` (new ones included: `claim attempt failed`,
+    the WAL and database file events) is documented in the README."""
+    from trio_sessions import _observe
+
+    messages = {
+        name: value
+        for name, value in vars(_observe).items()
+        if name.isupper() and isinstance(value, str) and not value.startswith("trio_sessions.")
+    }
+    assert {"CLAIM_ATTEMPT_FAILED", "WAL_NOT_CHECKPOINTED", "DATABASE_FILE_LOST"} <= set(messages)
+    assert [name for name, message in messages.items() if f"`{message}`" not in README] == []

@@ -400,7 +400,7 @@ def checkpoint_failed(error: BaseException) -> None:
 
 def database_file_lost(path: str, problem: str) -> None:
     """ERROR, once per runtime: the SQLite file this runtime opened was deleted or replaced
-    (`problem`: `deleted`, `replaced`, or why it cannot be checked); every write from here
+    (`problem`: `deleted`, `replaced`, or `inaccessible (reason)`); every write from here
     on fails with `StoreError` rather than committing into the orphaned file, which would
     vanish at exit. Restart on the right file. extra: path, problem."""
     logger.error(DATABASE_FILE_LOST, path, problem, extra={"path": path, "problem": problem})

@@ -23,6 +23,12 @@ disk flush. `InlineExecutor` (tests)
 runs each operation on the trio thread in its own transaction, so virtual time never jumps
 while SQLite works.
 
+The database file is created 0600 (its -wal and -shm follow its mode), and every write batch
+first checks that the path still names the file the executor opened (`DatabaseFile`): one
+deleted or replaced under a running runtime fails the batch with `StoreError` instead of
+committing into an orphaned inode. A WAL that checkpoints cannot shrink (a reader that
+never ends) is logged once it passes `WAL_WARN_BYTES`.
+
 Invariant, both executors: an operation that has begun is never abandoned. If its caller is
 cancelled while it is queued, it is withdrawn unrun; once taken, the caller waits for it (as
 `trio.to_thread.run_sync` does with `abandon_on_cancel=False`), so a write that committed is
@@ -247,7 +253,7 @@ class DatabaseFile:
     deleted or replaced under a running runtime is noticed at the next write batch instead
     of commits going on into an orphaned inode (and vanishing at exit).
 
-    `check` costs one `os.stat` (about a microsecond) per batch. `identity` is None when
+    `problem` costs one `os.stat` (a few microseconds) per batch. `identity` is None when
     there is no file to follow (`:memory:`). Safe from any thread: the worst race is the
     event logged twice.
     """
@@ -276,7 +282,7 @@ class DatabaseFile:
         except FileNotFoundError:
             problem = "deleted"
         except OSError as exc:
-            problem = f"cannot be checked ({exc.strerror})"
+            problem = f"inaccessible ({exc.strerror})"
         else:
             if (st.st_dev, st.st_ino) == self.identity:
                 return None
