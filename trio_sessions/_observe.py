@@ -14,8 +14,9 @@ runtimes opened earlier). Metric attributes have low cardinality (never a sessio
 spans carry the ids.
 
 Invariants: no event raises into its caller (logging reports its own handler errors), and
-the engine events (`store_retry`, `store_reconnected`, `checkpoint_failed`) are safe from
-the store's worker threads: they never touch trio.
+the engine events (`store_retry`, `store_reconnected`, `checkpoint_failed`,
+`database_file_lost`, `wal_not_checkpointed`) are safe from the store's worker threads: they
+never touch trio.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import attrs
 import trio
 
 from ._decisions import RecoveryDecision
+from ._errors import StoreError
 from ._model import RecoveryReport
 from ._naming import mask_password
 
@@ -49,6 +51,7 @@ logger.addHandler(logging.NullHandler())
 # -- messages (record.msg): part of the public surface, listed in the README --------------------
 
 DRAIN_FAILED = "drain failed: session %s, execution %s"
+CLAIM_ATTEMPT_FAILED = "claim attempt failed: session %s"
 CLAIM_LOST = "claim lost: session %s, execution %s"
 SELF_FENCED = "self-fenced: session %s, execution %s"
 HEARTBEAT_FAILED = "heartbeat failed: %d claims not renewed"
@@ -67,6 +70,8 @@ STORE_RECONNECTED = "store reconnected"
 LISTENER_RECONNECTED = "listener reconnected"
 LISTENER_RECONNECT_FAILED = "listener reconnect failed"
 CHECKPOINT_FAILED = "checkpoint failed"
+WAL_NOT_CHECKPOINTED = "WAL not checkpointed: %d bytes"
+DATABASE_FILE_LOST = "database file %s: %s"
 
 # -- span and metric names ------------------------------------------------------------------------
 
@@ -95,6 +100,25 @@ def drain_failed(entry: SessionEntry, owner_id: str, error: BaseException | None
         entry.execution_id,
         exc_info=error,
         extra={**_claim(entry, owner_id), "error": repr(error)},
+    )
+
+
+def claim_attempt_failed(entry: SessionEntry, owner_id: str, error: BaseException | None) -> None:
+    """WARNING: acquiring a session's claim failed (the store did not answer: a server
+    stopped, a table locked beyond the retries) - no drain ran and nothing was claimed; the
+    wake stays durable and the change loop or the next recovery pass tries again. A store
+    error carries no traceback (it is not a defect); anything else does. extra:
+    session_id, execution_id (the prospective claim's), owner_id, error."""
+    logger.warning(
+        CLAIM_ATTEMPT_FAILED,
+        entry.session_id,
+        exc_info=None if isinstance(error, StoreError) else error,
+        extra={
+            "session_id": entry.session_id,
+            "execution_id": entry.execution_id,
+            "owner_id": owner_id,
+            "error": str(error),
+        },
     )
 
 
@@ -409,6 +433,32 @@ def _text(error: BaseException) -> str:
     """An error's text for a log field or a span: a driver's error may quote the store's
     connection string, so any password in it is masked."""
     return mask_password(str(error))
+
+
+def database_file_lost(path: str, problem: str) -> None:
+    """ERROR, once per runtime: the SQLite file this runtime opened was deleted or replaced
+    (`problem`: `deleted`, `replaced`, or `inaccessible (reason)`); every write from here
+    on fails with `StoreError` rather than committing into the orphaned file, which would
+    vanish at exit. Restart on the right file. extra: path, problem."""
+    logger.error(DATABASE_FILE_LOST, path, problem, extra={"path": path, "problem": problem})
+
+
+def wal_not_checkpointed(path: str, wal_bytes: int, wal_frames: int, bound_bytes: int) -> None:
+    """WARNING, once each time the WAL crosses the bound: the SQLite WAL grew past
+    `bound_bytes` and checkpoints cannot copy it back, because a reader that never ends (an
+    open read transaction on another connection: a shell, a backup, a long query) still
+    uses its older frames. It grows until that reader ends. extra: path, wal_bytes,
+    wal_frames, bound_bytes."""
+    logger.warning(
+        WAL_NOT_CHECKPOINTED,
+        wal_bytes,
+        extra={
+            "path": path,
+            "wal_bytes": wal_bytes,
+            "wal_frames": wal_frames,
+            "bound_bytes": bound_bytes,
+        },
+    )
 
 
 # -- OpenTelemetry (the only place that imports it) -----------------------------------------------

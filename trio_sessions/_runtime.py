@@ -61,17 +61,18 @@ CHANGE_FALLBACK_POLL = 2.0
 CHANGE_BATCH = 100
 
 
-def validate_session_id(session_id: object) -> str:
+def validate_session_id(session_id: object, *, what: str = "session id") -> str:
+    """A valid id (`what` names it in the error: a session id, an owner id)."""
     if not isinstance(session_id, str):
-        raise TypeError(f"session id must be a str, got {type(session_id).__name__}")
-    _codec.check_text(session_id[: MAX_ID_LENGTH + 1], "session id")
+        raise TypeError(f"{what} must be a str, got {type(session_id).__name__}")
+    _codec.check_text(session_id[: MAX_ID_LENGTH + 1], what)
     if not 1 <= len(session_id) <= MAX_ID_LENGTH:
         raise ValueError(
-            f"session id must be 1-{MAX_ID_LENGTH} characters, got {len(session_id)}: "
+            f"{what} must be 1-{MAX_ID_LENGTH} characters, got {len(session_id)}: "
             f"{session_id[:40]!r}"
         )
     if not session_id.isprintable():
-        raise ValueError(f"session id must be printable, got {session_id!r}")
+        raise ValueError(f"{what} must be printable, got {session_id!r}")
     return session_id
 
 
@@ -123,7 +124,7 @@ class Seams:
 class _Ending:
     """How one claim's drain section ended, before the finalizer acted on it."""
 
-    kind: Literal["not_claimed", "released", "failed", "interrupted"]
+    kind: Literal["not_claimed", "claim_failed", "released", "failed", "interrupted"]
     error: BaseException | None = None
 
 
@@ -541,7 +542,9 @@ class Runtime:
             with entry.scope:
                 ending = await self._claim_and_drain(entry)
         except Exception as exc:  # a drain's ExceptionGroup once our Cancelled was removed
-            ending = _Ending("failed", error=exc)
+            # Not owned: the claim attempt itself failed (a store error while acquiring),
+            # and no drain ran.
+            ending = _Ending("failed" if entry.owned else "claim_failed", error=exc)
         if ending is None:
             ending = _Ending("interrupted")
         outcome, successor_due = await self._finalize(entry, ending)
@@ -641,6 +644,11 @@ class Runtime:
                 await self._pass_on_interrupt(entry)
                 return Outcome("interrupted", entry.reason), False
             return Outcome("deferred"), entry.rung_since_decision()
+        if ending.kind == "claim_failed":
+            # Nothing was claimed, so nothing is written: the wake stays durable, and the
+            # change loop or a recovery pass tries again.
+            _observe.claim_attempt_failed(entry, self._owner_id, ending.error)
+            return Outcome("failed", error=ending.error), False
         known_lost = entry.reason == "lease_lost"  # the heartbeat found it (and logged it)
         if isinstance(ending.error, LeaseLost) or entry.self_fenced():
             # Lease lost: no durable write, and no successor - recovery owns it now.
@@ -682,14 +690,13 @@ class Runtime:
         outcome = Outcome("failed", error=error)
         if not entry.owned:
             return outcome, False
+        # The exception's type only: its text may hold secrets (an API key in a KeyError),
+        # and users read the transcript. Its text and traceback are in the log (DESIGN §5.1).
+        shown = "failed" if error is None else f"failed: {type(error).__name__}"
         entry.begin_deciding()
         try:
             doorbell = await self._retrying(
-                entry,
-                _store.finish_failed,
-                entry.execution_id,
-                self._owner_id,
-                f"failed: {error!r}",
+                entry, _store.finish_failed, entry.execution_id, self._owner_id, shown
             )
         except (LeaseLost, StoreError):
             # The claim stays durable; its lease runs out and recovery takes it from there.
@@ -1157,7 +1164,9 @@ async def open_runtime(
     lease/3: a blocking call in a thread, a shielded `finally`) is logged and keeps its claim
     and its heartbeat until it exits, so closing waits for it: drains of one session never
     overlap in time, graceful restarts included. Exceptions from drains become outcomes;
-    only the block's own exception escapes, unwrapped.
+    only the block's own exception escapes, unwrapped. (`Exception`s only: a drain raising
+    `KeyboardInterrupt` or `SystemExit` ends the whole runtime - trio's rule for those - and
+    it escapes this block, unwrapped, after the shutdown above.)
 
     Raises, before anything is opened, `TypeError`/`ValueError` for a bad option (and
     `TypeError` for a plain `def` drain); then `SchemaTooNew` for a store written by a newer
@@ -1191,7 +1200,7 @@ async def open_runtime(
     if max_active is not None:
         max_active = _count(max_active, "max_active", 1)
     if owner_id is not None:
-        owner_id = validate_session_id(owner_id)
+        owner_id = validate_session_id(owner_id, what="owner id")
     if clock is not None and not callable(clock):
         raise TypeError("clock must be a zero-argument callable returning epoch seconds")
     if acquisition_hook is not None and not callable(acquisition_hook):
