@@ -29,7 +29,14 @@ import trio
 from . import _codec, _observe, _store, _transcript
 from ._backend import POSTGRES_SCHEMES, Executor, StoreBackend
 from ._coordinator import Execution, SessionEntry
-from ._decisions import AcquireVerdict, RecoveryDecision
+from ._decisions import (
+    AcquireVerdict,
+    EndingCause,
+    EndingWrite,
+    RecoveryDecision,
+    Successor,
+    decide_ending,
+)
 from ._errors import DuplicateSettlement, LeaseLost, StoreError, UnknownToolCall
 from ._lease import LeaseKeeper, self_fence_deadline
 from ._model import (
@@ -445,15 +452,18 @@ class Runtime:
         decided, or a joined run's wake, gets a fresh acquisition; otherwise: deferred.
         """
         entry.deciding = False
-        if entry.reason == "user":
+        plan = decide_ending(EndingCause.NOT_CLAIMED, reason=entry.reason, owned=False)
+        if plan.write is EndingWrite.PASS_ON_INTERRUPT:
             self._nursery.start_soon(self._pass_on_then_release, entry)
-        elif entry.reason is not None:
-            self._release(entry, Outcome("interrupted", entry.reason))
-        elif (entry.rung_since_decision() or entry.needs_wake) and not self._closing:
+        elif (
+            plan.successor is Successor.IF_RUNG
+            and (entry.rung_since_decision() or entry.needs_wake)
+            and not self._closing
+        ):
             entry.start_successor(_store.new_id())
             self._nursery.start_soon(self._busy_period, entry)
         else:
-            self._release(entry, Outcome("deferred"))
+            self._release(entry, Outcome(plan.outcome, plan.reason))
 
     async def _pass_on_then_release(self, entry: SessionEntry) -> None:
         try:
@@ -512,16 +522,17 @@ class Runtime:
         except BaseException:
             # Cancelled from outside (the runtime's scope) or an internal error: this busy
             # period was stopped, whatever an earlier iteration's outcome was.
-            outcome = Outcome("interrupted", entry.reason or "shutdown")
+            plan = decide_ending(EndingCause.STOPPED, reason=entry.reason, owned=entry.owned)
+            outcome = Outcome(plan.outcome, plan.reason)
             # The drain has exited (a cancellation only leaves it once it did): with the
             # claim still ours, hand it back so any owner can recover it at once. A claim
             # whose user interrupt was accepted is marked cancelling instead, so recovery
             # finishes it and never resumes it.
-            if entry.owned and not self._crashed:
-                if entry.reason == "user":
+            if not self._crashed:
+                if plan.write is EndingWrite.MARK_CANCELLING:
                     with trio.move_on_after(HAND_BACK_TIMEOUT, shield=True):
                         await self._mark_cancelling_nowait(entry)
-                else:
+                elif plan.write is EndingWrite.HAND_BACK:
                     await self._expire(entry)
             raise
         finally:
@@ -628,28 +639,32 @@ class Runtime:
         the claim stays as it is durably and recovery finishes it."""
         if self._crashed:
             return Outcome("interrupted", "shutdown"), False
-        if ending.kind == "released":
-            return Outcome("succeeded"), entry.rung_since_decision()
-        if ending.kind == "not_claimed":
-            if entry.reason is not None:
-                await self._pass_on_interrupt(entry)
-                return Outcome("interrupted", entry.reason), False
-            return Outcome("deferred"), entry.rung_since_decision()
         known_lost = entry.reason == "lease_lost"  # the heartbeat found it (and logged it)
-        if isinstance(ending.error, LeaseLost) or entry.self_fenced():
-            # Lease lost: no durable write, and no successor - recovery owns it now.
+        lease_lost = ending.kind in ("failed", "interrupted") and (
+            isinstance(ending.error, LeaseLost) or entry.self_fenced()
+        )
+        plan = decide_ending(
+            EndingCause(ending.kind), reason=entry.reason, owned=entry.owned, lease_lost=lease_lost
+        )
+        if plan.reason == "lease_lost":
             if not known_lost:
                 self._log_claim_lost(entry, ending.error)
             entry.disown()
             return Outcome("interrupted", "lease_lost", ending.error), False
-        if ending.kind == "failed":
+        if plan.outcome == "failed":
             _observe.drain_failed(entry, self._owner_id, ending.error)
-            return await self._finish_failed(entry, ending.error)
-        reason = entry.reason or "user"
-        if reason == "shutdown":
-            await self._expire(entry)
-            return Outcome("interrupted", "shutdown"), False
-        return await self._finish_interrupted(entry)
+        match plan.write:
+            case EndingWrite.FINISH_FAILED:
+                return await self._finish_failed(entry, ending.error)
+            case EndingWrite.FINISH_INTERRUPTED:
+                return await self._finish_interrupted(entry)
+            case EndingWrite.HAND_BACK:
+                await self._expire(entry)
+            case EndingWrite.PASS_ON_INTERRUPT:
+                await self._pass_on_interrupt(entry)
+        error = ending.error if plan.outcome == "failed" else None
+        successor_due = plan.successor is Successor.IF_RUNG and entry.rung_since_decision()
+        return Outcome(plan.outcome, plan.reason, error), successor_due
 
     def _log_claim_lost(self, entry: SessionEntry, error: BaseException | None) -> None:
         if isinstance(error, LeaseLost):
