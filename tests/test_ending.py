@@ -106,8 +106,9 @@ def test_ending_invariants(
 ) -> None:
     """The contract's rules hold on every row, whatever the table's detail: nothing durable
     for a claim not ours (only a user interrupt passed on to its holder), a shutdown never
-    finishes a claim whose drain did not fail on its own, a user interrupt never hands one back, no successor after a shutdown,
-    a lost lease or a stopped busy period, and a finish's successor only after a finish."""
+    finishes a claim whose drain did not fail on its own, a user interrupt never hands one
+    back, no successor after a shutdown, a lost lease or a stopped busy period, and a
+    finish's successor only after a finish."""
     plan = decide_ending(cause, reason=reason, owned=owned, lease_lost=lease_lost)
     if not owned:
         assert plan.write in (NONE, PASS)
