@@ -407,3 +407,21 @@ def test_recovery_quarantines_a_deeply_nested_row(db: Db) -> None:
     )
     db.expire()
     assert recover(db, execution).decision is RecoveryDecision.QUARANTINE
+
+
+@pytest.mark.parametrize("backend", ["postgres"], indirect=True)
+def test_recovery_scan_skips_claims_locked_by_others(db: Db) -> None:
+    """DESIGN §8 on PostgreSQL: the scan of expired claims skips a claim row another
+    transaction holds locked (a takeover or heartbeat in flight) instead of waiting for it,
+    and the skipped row does not use up the limit."""
+    import psycopg
+    from backends import PgLocation
+
+    expired_claim(db, "busy", NOW - 5000)
+    expired_claim(db, "free", NOW - 3000)
+    assert isinstance(db.location, PgLocation)
+    with psycopg.connect(db.location.url, options=f"-c search_path={db.location.schema}") as other:
+        other.execute("SELECT id FROM session_execution WHERE id = 'exec-busy' FOR UPDATE")
+        assert names(db.run(_store.recovery_candidates, ME, 1, [])) == [("free", "exec-free")]
+        other.rollback()
+    assert names(db.run(_store.recovery_candidates, ME, 1, [])) == [("busy", "exec-busy")]

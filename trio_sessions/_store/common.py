@@ -13,6 +13,7 @@ Invariants kept here:
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Iterable, Sequence
@@ -162,3 +163,12 @@ def _reset_attempts(tx: Tx, session_id: str) -> None:
     tx.execute(
         "UPDATE session SET wake_attempts = 0 WHERE id = ? AND wake_attempts != 0", (session_id,)
     )
+
+
+def not_in(tx: Tx, column: str, values: Sequence[str]) -> tuple[str, Any]:
+    """A `column NOT IN (values)` condition for one named parameter: returns the SQL
+    fragment (naming `:excluded`) and the parameter's value, in the transaction's dialect
+    (one parameter whatever the list's length: no IN list to chunk)."""
+    if tx.dialect == "postgres":
+        return f"NOT ({column} = ANY(:excluded))", list(values)
+    return f"{column} NOT IN (SELECT value FROM json_each(:excluded))", json.dumps(list(values))
