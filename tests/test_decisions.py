@@ -396,16 +396,20 @@ def _put_pending_input(db: Db) -> None:
 
 FENCED_OPS: dict[str, Callable[[Db, int, str, str], Any]] = {
     "append_assistant_text": lambda db, now, e, o: db.run(
-        now, _store.append_assistant_text, e, o, "m-1", "x"
+        now, _store.append_assistant_text, "s", e, o, "m-1", "x"
     ),
-    "mark_cancelling": lambda db, now, e, o: db.run(now, _store.mark_cancelling, e, o),
-    "take_inputs": lambda db, now, e, o: db.run(now, _store.take_inputs, e, o),
-    "finish_iteration": lambda db, now, e, o: db.run(now, _store.finish_iteration, e, o),
-    "finish_interrupted": lambda db, now, e, o: db.run(now, _store.finish_interrupted, e, o),
-    "finish_failed": lambda db, now, e, o: db.run(now, _store.finish_failed, e, o, "failed: x"),
-    "begin_assistant": lambda db, now, e, o: db.run(now, _store.begin_assistant, e, o, "m-new"),
+    "mark_cancelling": lambda db, now, e, o: db.run(now, _store.mark_cancelling, "s", e, o),
+    "take_inputs": lambda db, now, e, o: db.run(now, _store.take_inputs, "s", e, o),
+    "finish_iteration": lambda db, now, e, o: db.run(now, _store.finish_iteration, "s", e, o),
+    "finish_interrupted": lambda db, now, e, o: db.run(now, _store.finish_interrupted, "s", e, o),
+    "finish_failed": lambda db, now, e, o: db.run(
+        now, _store.finish_failed, "s", e, o, "failed: x"
+    ),
+    "begin_assistant": lambda db, now, e, o: db.run(
+        now, _store.begin_assistant, "s", e, o, "m-new"
+    ),
     "update_assistant": lambda db, now, e, o: db.run(
-        now, _store.update_assistant, e, o, "m-1", lambda d: _transcript.append_text(d, "x")
+        now, _store.update_assistant, "s", e, o, "m-1", lambda d: _transcript.append_text(d, "x")
     ),
 }
 

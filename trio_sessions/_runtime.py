@@ -623,7 +623,7 @@ class Runtime:
                 await self._seams.before_finish(entry.session_id)
             try:
                 continued = await self._db.run(
-                    _store.finish_iteration, entry.execution_id, self._owner_id
+                    _store.finish_iteration, entry.session_id, entry.execution_id, self._owner_id
                 )
             except LeaseLost as exc:
                 return _Ending("failed", error=exc)
@@ -682,7 +682,9 @@ class Runtime:
 
     async def _mark_cancelling_nowait(self, entry: SessionEntry) -> None:
         with contextlib.suppress(StoreError, LeaseLost):
-            await self._db.run_nowait(_store.mark_cancelling, entry.execution_id, self._owner_id)
+            await self._db.run_nowait(
+                _store.mark_cancelling, entry.session_id, entry.execution_id, self._owner_id
+            )
         entry.disown()
 
     async def _finish_failed(
@@ -696,6 +698,7 @@ class Runtime:
             doorbell = await self._retrying(
                 entry,
                 _store.finish_failed,
+                entry.session_id,
                 entry.execution_id,
                 self._owner_id,
                 f"failed: {error!r}",
@@ -711,10 +714,16 @@ class Runtime:
         if not entry.owned:
             return outcome, entry.rung_since_decision()
         try:
-            await self._retrying(entry, _store.mark_cancelling, entry.execution_id, self._owner_id)
+            await self._retrying(
+                entry, _store.mark_cancelling, entry.session_id, entry.execution_id, self._owner_id
+            )
             entry.begin_deciding()
             doorbell = await self._retrying(
-                entry, _store.finish_interrupted, entry.execution_id, self._owner_id
+                entry,
+                _store.finish_interrupted,
+                entry.session_id,
+                entry.execution_id,
+                self._owner_id,
             )
         except (LeaseLost, StoreError):
             # Left as 'cancelling' once that write landed: recovery finishes it as
@@ -989,7 +998,9 @@ class DrainContext:
         the inputs are taken (they are user messages now, found again by `transcript()`).
         """
         self._check_live()
-        return await self._runtime._db.run(_store.take_inputs, self.execution_id, self.owner_id)
+        return await self._runtime._db.run(
+            _store.take_inputs, self.session_id, self.execution_id, self.owner_id
+        )
 
     async def transcript(self) -> list[Message]:
         """The session's messages in seq order (`MalformedRecord` for a row that does not
@@ -1012,7 +1023,7 @@ class DrainContext:
         self._check_live()
         message_id = _store.new_id()
         seq = await self._runtime._db.run(
-            _store.begin_assistant, self.execution_id, self.owner_id, message_id
+            _store.begin_assistant, self.session_id, self.execution_id, self.owner_id, message_id
         )
         writer = AssistantWriter(self, message_id, seq)
         writer._publish(0)
@@ -1051,6 +1062,7 @@ class AssistantWriter:
         context._check_live()
         data, version = await context._runtime._db.run(
             _store.append_assistant_text,
+            context.session_id,
             context.execution_id,
             context.owner_id,
             self.message_id,
@@ -1095,6 +1107,7 @@ class AssistantWriter:
         try:
             data, version = await context._runtime._db.run(
                 _store.update_assistant,
+                context.session_id,
                 context.execution_id,
                 context.owner_id,
                 self.message_id,

@@ -98,8 +98,8 @@ def busy_claim(db: Db) -> str:
     assistant message (one running tool, one completed tool, text) and a set doorbell."""
     db.run(_store.submit, "s", '{"n": 1}', "in-taken")
     execution = db.claim()
-    db.run(_store.take_inputs, execution, "owner-a")
-    db.run(_store.begin_assistant, execution, "owner-a", "m-1")
+    db.run(_store.take_inputs, "s", execution, "owner-a")
+    db.run(_store.begin_assistant, "s", execution, "owner-a", "m-1")
 
     def build(data: AssistantData) -> AssistantData:
         data = _transcript.append_text(data, "thinking")
@@ -107,7 +107,7 @@ def busy_claim(db: Db) -> str:
         data = _transcript.start_tool(data, "done", "search", {"q": 2})
         return _transcript.settle_tool(data, "done", output=[1, 2])
 
-    db.run(_store.update_assistant, execution, "owner-a", "m-1", build)
+    db.run(_store.update_assistant, "s", execution, "owner-a", "m-1", build)
     db.run(_store.submit, "s", '{"n": 2}', "in-pending")
     return execution
 
@@ -119,15 +119,16 @@ def tools(data: AssistantData) -> dict[str, tuple[str, str | None]]:
 REFUSALS = ["wrong_owner", "wrong_execution", "expired", "expired_long_ago"]
 
 
-FENCED: dict[str, Callable[[Db, str, str], Any]] = {
-    "finish_iteration": lambda db, e, o: db.run(_store.finish_iteration, e, o),
-    "finish_failed": lambda db, e, o: db.run(_store.finish_failed, e, o, "failed"),
-    "mark_cancelling": lambda db, e, o: db.run(_store.mark_cancelling, e, o),
-    "finish_interrupted": lambda db, e, o: db.run(_store.finish_interrupted, e, o),
-    "take_inputs": lambda db, e, o: db.run(_store.take_inputs, e, o),
-    "begin_assistant": lambda db, e, o: db.run(_store.begin_assistant, e, o, "m-new"),
-    "update_assistant": lambda db, e, o: db.run(
-        _store.update_assistant, e, o, "m-1", lambda d: _transcript.append_text(d, "x")
+# Each fenced drain write as (db, execution, owner), in session "s" unless `s=` names another.
+FENCED: dict[str, Callable[..., Any]] = {
+    "finish_iteration": lambda db, e, o, s="s": db.run(_store.finish_iteration, s, e, o),
+    "finish_failed": lambda db, e, o, s="s": db.run(_store.finish_failed, s, e, o, "failed"),
+    "mark_cancelling": lambda db, e, o, s="s": db.run(_store.mark_cancelling, s, e, o),
+    "finish_interrupted": lambda db, e, o, s="s": db.run(_store.finish_interrupted, s, e, o),
+    "take_inputs": lambda db, e, o, s="s": db.run(_store.take_inputs, s, e, o),
+    "begin_assistant": lambda db, e, o, s="s": db.run(_store.begin_assistant, s, e, o, "m-new"),
+    "update_assistant": lambda db, e, o, s="s": db.run(
+        _store.update_assistant, s, e, o, "m-1", lambda d: _transcript.append_text(d, "x")
     ),
 }
 

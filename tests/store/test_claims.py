@@ -40,7 +40,7 @@ def test_acquire_never_overwrites_a_claim_row(db: Db, expired: bool, owner: str)
 def test_acquire_needs_the_doorbell(db: Db) -> None:
     """Without a set doorbell nothing is claimed, for an idle session or an unknown one."""
     execution = db.claim()
-    db.run(_store.finish_iteration, execution, "owner-a")
+    db.run(_store.finish_iteration, "s", execution, "owner-a")
     before = db.snapshot()
     assert db.run(_store.acquire, "s", "exec-2", "owner-a", LEASE).verdict is (
         AcquireVerdict.NO_DOORBELL
@@ -57,9 +57,9 @@ def test_acquire_takes_doorbell_and_anchors_at_newest_seq(db: Db) -> None:
     db.run(_store.submit, "s", '{"n": 1}', "in-1")
     db.run(_store.submit, "s", '{"n": 2}', "in-2")
     first = db.claim(execution="exec-1")
-    db.run(_store.take_inputs, first, "owner-a")
-    db.run(_store.begin_assistant, first, "owner-a", "m-1")
-    assert db.run(_store.finish_iteration, first, "owner-a") is False
+    db.run(_store.take_inputs, "s", first, "owner-a")
+    db.run(_store.begin_assistant, "s", first, "owner-a", "m-1")
+    assert db.run(_store.finish_iteration, "s", first, "owner-a") is False
     db.write("UPDATE session SET wake_attempts = 4")
     db.now += 1000
     db.run(_store.wake, "s")
@@ -83,7 +83,7 @@ def test_finish_iteration_releases_and_resets_attempts(db: Db) -> None:
     """With no doorbell, finish_iteration deletes the claim and resets wake_attempts."""
     execution = db.claim()
     db.write("UPDATE session SET wake_attempts = 3")
-    assert db.run(_store.finish_iteration, execution, "owner-a") is False
+    assert db.run(_store.finish_iteration, "s", execution, "owner-a") is False
     assert db.claim_row() is None
     assert db.doorbell() == (None, 0, 0)
 
@@ -95,10 +95,10 @@ def test_wake_during_claim_makes_finish_continue(db: Db) -> None:
     claim = db.claim_row()
     db.run(_store.wake, "s")
     db.run(_store.wake, "s")
-    assert db.run(_store.finish_iteration, execution, "owner-a") is True
+    assert db.run(_store.finish_iteration, "s", execution, "owner-a") is True
     assert db.claim_row() == claim
     assert db.doorbell()[:2] == (None, 0)
-    assert db.run(_store.finish_iteration, execution, "owner-a") is False
+    assert db.run(_store.finish_iteration, "s", execution, "owner-a") is False
     assert db.claim_row() is None
 
 
@@ -106,7 +106,7 @@ def test_wake_after_release_finds_no_claim_and_acquires(db: Db) -> None:
     """The other order of the serialisation: a wake after the finish leaves a doorbell that
     a fresh acquire takes."""
     execution = db.claim()
-    assert db.run(_store.finish_iteration, execution, "owner-a") is False
+    assert db.run(_store.finish_iteration, "s", execution, "owner-a") is False
     db.run(_store.wake, "s")
     assert db.run(_store.acquire, "s", "exec-2", "owner-b", LEASE).verdict is AcquireVerdict.CLAIM
 
@@ -116,12 +116,12 @@ def test_finish_iteration_closes_open_messages(db: Db) -> None:
     fails its running tools ('interrupted'), whether the claim continues or is released."""
     execution = busy_claim(db)
     db.run(_store.wake, "s")
-    assert db.run(_store.finish_iteration, execution, "owner-a") is True
+    assert db.run(_store.finish_iteration, "s", execution, "owner-a") is True
     message = db.message("m-1")
     assert (message.finished, message.error) == (True, INTERRUPTED)
     assert tools(message) == {"running": ("error", INTERRUPTED), "done": ("completed", None)}
-    db.run(_store.begin_assistant, execution, "owner-a", "m-2")
-    assert db.run(_store.finish_iteration, execution, "owner-a") is False
+    db.run(_store.begin_assistant, "s", execution, "owner-a", "m-2")
+    assert db.run(_store.finish_iteration, "s", execution, "owner-a") is False
     assert (db.message("m-2").finished, db.message("m-2").error) == (True, INTERRUPTED)
 
 
@@ -131,7 +131,7 @@ def test_finish_failed_closes_message_and_does_not_rearm(db: Db) -> None:
     execution = busy_claim(db)
     db.write("UPDATE session SET time_woken = NULL, wakes = 0")  # taken mid-drain
     db.write("UPDATE session SET wake_attempts = 2")
-    assert db.run(_store.finish_failed, execution, "owner-a", "failed: boom") is False
+    assert db.run(_store.finish_failed, "s", execution, "owner-a", "failed: boom") is False
     assert db.claim_row() is None
     message = db.message("m-1")
     assert message.finished
@@ -144,7 +144,7 @@ def test_finish_failed_closes_message_and_does_not_rearm(db: Db) -> None:
 def test_finish_failed_reports_an_already_set_doorbell(db: Db) -> None:
     """A doorbell set before the failure stays set and is reported (one follow-up)."""
     execution = busy_claim(db)
-    assert db.run(_store.finish_failed, execution, "owner-a", "failed") is True
+    assert db.run(_store.finish_failed, "s", execution, "owner-a", "failed") is True
     assert db.doorbell()[0] is not None
 
 
@@ -152,7 +152,7 @@ def test_mark_cancelling_changes_only_the_phase(db: Db) -> None:
     """mark_cancelling makes the cancellation durable and touches nothing else."""
     execution = busy_claim(db)
     before = db.snapshot()
-    db.run(_store.mark_cancelling, execution, "owner-a")
+    db.run(_store.mark_cancelling, "s", execution, "owner-a")
     after = db.snapshot()
     assert after["session_execution"] == [
         tuple("cancelling" if v == "running" else v for v in row)
@@ -167,10 +167,10 @@ def test_finish_interrupted_cleans_and_rearms_for_pending_inputs(db: Db) -> None
     """finish_interrupted finishes the message as interrupted, fails running tools, deletes
     the claim and re-arms the doorbell because an input is still pending."""
     execution = busy_claim(db)
-    db.run(_store.finish_iteration, execution, "owner-a")  # doorbell taken
+    db.run(_store.finish_iteration, "s", execution, "owner-a")  # doorbell taken
     assert db.doorbell()[0] is None
-    db.run(_store.mark_cancelling, execution, "owner-a")
-    assert db.run(_store.finish_interrupted, execution, "owner-a") is True
+    db.run(_store.mark_cancelling, "s", execution, "owner-a")
+    assert db.run(_store.finish_interrupted, "s", execution, "owner-a") is True
     assert db.claim_row() is None
     message = db.message("m-1")
     assert message.finished
@@ -182,7 +182,7 @@ def test_finish_interrupted_cleans_and_rearms_for_pending_inputs(db: Db) -> None
 def test_finish_interrupted_without_inputs_leaves_no_doorbell(db: Db) -> None:
     """With nothing pending and no wake, an interrupt leaves no doorbell: no successor."""
     execution = db.claim()
-    assert db.run(_store.finish_interrupted, execution, "owner-a") is False
+    assert db.run(_store.finish_interrupted, "s", execution, "owner-a") is False
     assert db.doorbell()[:2] == (None, 0)
     assert db.claim_row() is None
 
@@ -192,7 +192,7 @@ def test_heartbeat_renews_all_claims_in_one_transaction(db: Db) -> None:
     each phase (cancelling too); a lost one reports None."""
     a = db.claim("a", execution="exec-a")
     b = db.claim("b", execution="exec-b")
-    db.run(_store.mark_cancelling, b, "owner-a")
+    db.run(_store.mark_cancelling, "b", b, "owner-a")
     db.now += 10_000
     phases = db.run(_store.heartbeat, "owner-a", [a, b, "exec-gone"], LEASE)
     assert phases == {a: "running", b: "cancelling", "exec-gone": None}
@@ -206,7 +206,7 @@ def test_expire_claims_counts_only_own_live_claims(db: Db) -> None:
     """Shutdown expiry ends own live leases (phase kept) and returns how many it ended."""
     a = db.claim("a", execution="exec-a")
     b = db.claim("b", execution="exec-b")
-    db.run(_store.mark_cancelling, b, "owner-a")
+    db.run(_store.mark_cancelling, "b", b, "owner-a")
     db.claim("c", owner="owner-b", execution="exec-c")
     foreign = db.claim_row("c")
     assert db.run(_store.expire_claims, "owner-a", [a, b, "exec-c", "exec-none"]) == 2

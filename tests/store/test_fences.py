@@ -40,6 +40,20 @@ def test_fence_refusal_raises_lease_lost_and_writes_nothing(db: Db, op: str, how
 
 
 @pytest.mark.parametrize("op", sorted(FENCED))
+def test_fence_refuses_the_claim_named_with_another_session(db: Db, op: str) -> None:
+    """The claim fence includes the session a drain names: its own execution and owner on a
+    live lease, named with another session (one with a claim and inputs of its own), raise
+    LeaseLost and leave every row as it was."""
+    execution = busy_claim(db)
+    db.run(_store.submit, "t", '{"n": 1}', "in-t")
+    db.claim("t", execution="exec-t")
+    before = db.snapshot()
+    with pytest.raises(LeaseLost):
+        FENCED[op](db, execution, "owner-a", s="t")
+    assert db.snapshot() == before
+
+
+@pytest.mark.parametrize("op", sorted(FENCED))
 def test_fence_holds_one_ms_before_expiry(db: Db, op: str) -> None:
     """The lease is live until its last millisecond: each fenced write still succeeds then."""
     execution = busy_claim(db)
@@ -78,6 +92,7 @@ def test_update_assistant_refuses_another_executions_message(db: Db) -> None:
     with pytest.raises(LeaseLost):
         db.run(
             _store.update_assistant,
+            "s",
             "exec-1",
             "owner-a",
             "m-foreign",

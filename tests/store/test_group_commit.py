@@ -66,7 +66,7 @@ def test_group_commit_with_a_refused_fence(db: Db) -> None:
     """A LeaseLost in one job of a batch leaves the batch's other writes committed."""
     execution = db.claim()
     jobs = [
-        _backend.Job(_store.mark_cancelling, (execution, "owner-b")),
+        _backend.Job(_store.mark_cancelling, ("s", execution, "owner-b")),
         _backend.Job(_store.heartbeat, ("owner-a", [execution], LEASE)),
     ]
     _sqlite.run_batch(db.conn, db.clock, jobs)

@@ -50,8 +50,8 @@ def test_submit_is_idempotent_after_the_input_was_taken(db: Db) -> None:
     """After the input became a user message, resubmitting it returns the id, writes nothing."""
     db.run(_store.submit, "s", '{"n": 1}', "in-1")
     execution = db.claim()
-    db.run(_store.take_inputs, execution, "owner-a")
-    assert db.run(_store.finish_iteration, execution, "owner-a") is False
+    db.run(_store.take_inputs, "s", execution, "owner-a")
+    assert db.run(_store.finish_iteration, "s", execution, "owner-a") is False
     before = db.snapshot()
     assert db.run(_store.submit, "s", '{"n": 1}', "in-1") == "in-1"
     assert db.snapshot() == before
@@ -64,7 +64,7 @@ def test_submit_same_id_other_session_conflicts(db: Db, taken: bool) -> None:
     db.run(_store.submit, "s", '{"n": 1}', "in-1")
     if taken:
         execution = db.claim()
-        db.run(_store.take_inputs, execution, "owner-a")
+        db.run(_store.take_inputs, "s", execution, "owner-a")
     before = db.snapshot()
     with pytest.raises(InputConflict, match="in-1"):
         db.run(_store.submit, "other", '{"n": 1}', "in-1")
@@ -78,7 +78,7 @@ def test_submit_same_id_different_payload_conflicts(db: Db) -> None:
     db.run(_store.submit, "s", '{"n": 2}', "in-2")
     execution = db.claim()
     db.run(_store.submit, "s", '{"n": 3}', "in-3")
-    db.run(_store.take_inputs, execution, "owner-a")
+    db.run(_store.take_inputs, "s", execution, "owner-a")
     db.run(_store.submit, "s", '{"n": 4}', "in-4")
     before = db.snapshot()
     for input_id, payload in (("in-1", '{"a": 1, "b": [2, 3]}'), ("in-4", '{"n": 4.0}')):
@@ -94,7 +94,7 @@ def test_take_inputs_turns_inputs_into_user_messages_in_order(db: Db) -> None:
     db.run(_store.submit, "s", '{"n": 1}', "in-1")
     db.run(_store.submit, "s", '{"n": 2}', "in-2")
     execution = db.claim()
-    taken = db.run(_store.take_inputs, execution, "owner-a")
+    taken = db.run(_store.take_inputs, "s", execution, "owner-a")
     assert [(i.id, i.payload) for i in taken] == [("in-1", {"n": 1}), ("in-2", {"n": 2})]
     assert db.rows("SELECT * FROM session_input") == []
     assert db.rows(
@@ -103,7 +103,7 @@ def test_take_inputs_turns_inputs_into_user_messages_in_order(db: Db) -> None:
         ("in-1", "user", 1, '{"n": 1}', execution),
         ("in-2", "user", 2, '{"n": 2}', execution),
     ]
-    assert db.run(_store.take_inputs, execution, "owner-a") == []
+    assert db.run(_store.take_inputs, "s", execution, "owner-a") == []
 
 
 def test_take_inputs_sets_a_malformed_input_aside(db: Db) -> None:
@@ -113,7 +113,7 @@ def test_take_inputs_sets_a_malformed_input_aside(db: Db) -> None:
     db.run(_store.submit, "s", "[1]", "in-bad")
     db.run(_store.submit, "s", '{"n": 3}', "in-3")
     execution = db.claim()
-    taken = db.run(_store.take_inputs, execution, "owner-a")
+    taken = db.run(_store.take_inputs, "s", execution, "owner-a")
     assert [(i.id, i.payload) for i in taken] == [("in-1", {"n": 1}), ("in-3", {"n": 3})]
     assert db.rows("SELECT * FROM session_input") == []
     [(input_id, session_id, seq, payload, reason, created)] = db.rows(
@@ -125,7 +125,7 @@ def test_take_inputs_sets_a_malformed_input_aside(db: Db) -> None:
         ("in-1", 1),
         ("in-3", 2),
     ]
-    assert db.run(_store.take_inputs, execution, "owner-a") == []
+    assert db.run(_store.take_inputs, "s", execution, "owner-a") == []
     assert [r["id"] for r in db.run(_store.rejected_inputs, None)] == ["in-bad"]
     assert db.run(_store.drop_rejected_input, "in-bad") == "s"
     assert db.rows("SELECT * FROM session_input_rejected") == []

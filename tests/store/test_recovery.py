@@ -182,8 +182,8 @@ def test_recovery_finishes_a_cancelling_claim(db: Db) -> None:
     """Invariant 5: an expired cancellation claim is finished as cancelled, never resumed;
     running tools fail 'interrupted' and the doorbell is re-armed for the pending input."""
     execution = busy_claim(db)
-    db.run(_store.finish_iteration, execution, "owner-a")  # doorbell taken
-    db.run(_store.mark_cancelling, execution, "owner-a")
+    db.run(_store.finish_iteration, "s", execution, "owner-a")  # doorbell taken
+    db.run(_store.mark_cancelling, "s", execution, "owner-a")
     db.expire()
     recovered = recover(db, execution)
     assert recovered.decision is RecoveryDecision.FINISH_CANCELLED
@@ -201,7 +201,7 @@ def test_recovery_drops_a_superseded_execution(db: Db) -> None:
     """Invariant 5: an assistant message of another execution after the anchor means the claim
     is dropped, never resumed; the doorbell is re-armed for the pending input."""
     execution = busy_claim(db)
-    db.run(_store.finish_iteration, execution, "owner-a")  # doorbell taken
+    db.run(_store.finish_iteration, "s", execution, "owner-a")  # doorbell taken
     db.put_message("m-later", "exec-successor", 10, _codec.encode_assistant(_transcript.EMPTY))
     db.expire()
     recovered = recover(db, execution)
@@ -290,7 +290,7 @@ def test_quarantine_fence_is_exact(db: Db, how: str) -> None:
     mismatch writes zero rows and reports fence_lost."""
     owner, expires_at, error, session_id = QUARANTINE_FENCE[how]
     execution = db.claim()
-    db.run(_store.begin_assistant, execution, "owner-a", "m-1")
+    db.run(_store.begin_assistant, "s", execution, "owner-a", "m-1")
     db.write("UPDATE session_message SET data = '[]' WHERE id = 'm-1'")
     db.write("UPDATE session_execution SET expires_at = ?", (NOW - 1,))
     put_recovery(db, execution, owner, expires_at, error, session_id="s")
@@ -347,7 +347,7 @@ def test_recovery_resume_replaces_the_claim(db: Db) -> None:
     assert tools(message) == {"running": ("error", OWNER_LOST), "done": ("completed", None)}
     assert db.rows("SELECT id FROM session_input") == [("in-pending",)]
     assert recovery_rows(db) == []
-    assert db.run(_store.take_inputs, "exec-new", ME)[0].id == "in-pending"
+    assert db.run(_store.take_inputs, "s", "exec-new", ME)[0].id == "in-pending"
 
 
 def test_takeover_is_fenced_on_the_old_claim_still_expired(db: Db) -> None:
@@ -378,7 +378,7 @@ def test_handed_back_claim_resumes_without_counting(db: Db) -> None:
 def test_recovery_quarantines_a_row_that_cannot_be_rewritten(db: Db) -> None:
     """A message whose JSON cannot be written back is treated as malformed (quarantined)."""
     execution = db.claim()
-    db.run(_store.begin_assistant, execution, "owner-a", "m-1")
+    db.run(_store.begin_assistant, "s", execution, "owner-a", "m-1")
     db.write(
         "UPDATE session_message SET data = ? WHERE id = 'm-1'",
         (
@@ -394,7 +394,7 @@ def test_recovery_quarantines_a_row_that_cannot_be_rewritten(db: Db) -> None:
 def test_recovery_quarantines_a_deeply_nested_row(db: Db) -> None:
     """A pathologically nested message is quarantined like any other malformed row."""
     execution = db.claim()
-    db.run(_store.begin_assistant, execution, "owner-a", "m-1")
+    db.run(_store.begin_assistant, "s", execution, "owner-a", "m-1")
     depth = 100_000
     db.write(
         "UPDATE session_message SET data = ? WHERE id = 'm-1'",

@@ -18,14 +18,15 @@ def test_begin_and_update_assistant(db: Db) -> None:
     a transition to the stored row and returns the new value."""
     db.run(_store.submit, "s", '{"n": 1}', "in-1")
     execution = db.claim()
-    db.run(_store.take_inputs, execution, "owner-a")
-    db.run(_store.begin_assistant, execution, "owner-a", "m-1")
+    db.run(_store.take_inputs, "s", execution, "owner-a")
+    db.run(_store.begin_assistant, "s", execution, "owner-a", "m-1")
     assert db.rows("SELECT role, seq, execution_id FROM session_message WHERE id = 'm-1'") == [
         ("assistant", 2, execution)
     ]
     assert db.message("m-1") == _transcript.EMPTY
     result, version = db.run(
         _store.update_assistant,
+        "s",
         execution,
         "owner-a",
         "m-1",
