@@ -91,11 +91,6 @@ class Tx(Protocol):
         `pg_notify` in the same transaction on PostgreSQL."""
         ...
 
-    def not_in(self, column: str, values: Sequence[str]) -> tuple[str, Any]:
-        """A `column NOT IN (values)` condition for one named parameter: returns the SQL
-        fragment (naming `:excluded`) and the parameter's value."""
-        ...
-
     def savepoint(self) -> AbstractContextManager[None]:
         """A nested scope whose writes roll back alone if it raises (the error propagates)."""
         ...

@@ -326,9 +326,6 @@ class PgTx:
         # only if it commits, and drops duplicates within one transaction anyway.
         self.notified[session_id] = None
 
-    def not_in(self, column: str, values: Sequence[str]) -> tuple[str, Any]:
-        return f"NOT ({column} = ANY(:excluded))", list(values)
-
     @contextlib.contextmanager
     def savepoint(self) -> Iterator[None]:
         locked = set(self._locked)

@@ -30,7 +30,14 @@ import trio
 from . import _codec, _observe, _store, _transcript
 from ._backend import Executor, StoreBackend
 from ._coordinator import Execution, SessionEntry
-from ._decisions import AcquireVerdict, RecoveryDecision
+from ._decisions import (
+    AcquireVerdict,
+    EndingCause,
+    EndingWrite,
+    RecoveryDecision,
+    Successor,
+    decide_ending,
+)
 from ._errors import DuplicateSettlement, LeaseLost, StoreError, UnknownToolCall
 from ._lease import LeaseKeeper, self_fence_deadline
 from ._model import (
@@ -452,15 +459,18 @@ class Runtime:
         decided, or a joined run's wake, gets a fresh acquisition; otherwise: deferred.
         """
         entry.deciding = False
-        if entry.reason == "user":
+        plan = decide_ending(EndingCause.NOT_CLAIMED, reason=entry.reason, owned=False)
+        if plan.write is EndingWrite.PASS_ON_INTERRUPT:
             self._nursery.start_soon(self._pass_on_then_release, entry)
-        elif entry.reason is not None:
-            self._release(entry, Outcome("interrupted", entry.reason))
-        elif (entry.rung_since_decision() or entry.needs_wake) and not self._closing:
+        elif (
+            plan.successor is Successor.IF_RUNG
+            and (entry.rung_since_decision() or entry.needs_wake)
+            and not self._closing
+        ):
             entry.start_successor(_store.new_id())
             self._nursery.start_soon(self._busy_period, entry)
         else:
-            self._release(entry, Outcome("deferred"))
+            self._release(entry, Outcome(plan.outcome, plan.reason))
 
     async def _pass_on_then_release(self, entry: SessionEntry) -> None:
         try:
@@ -519,16 +529,17 @@ class Runtime:
         except BaseException:
             # Cancelled from outside (the runtime's scope) or an internal error: this busy
             # period was stopped, whatever an earlier iteration's outcome was.
-            outcome = Outcome("interrupted", entry.reason or "shutdown")
+            plan = decide_ending(EndingCause.STOPPED, reason=entry.reason, owned=entry.owned)
+            outcome = Outcome(plan.outcome, plan.reason)
             # The drain has exited (a cancellation only leaves it once it did): with the
             # claim still ours, hand it back so any owner can recover it at once. A claim
             # whose user interrupt was accepted is marked cancelling instead, so recovery
             # finishes it and never resumes it.
-            if entry.owned and not self._crashed:
-                if entry.reason == "user":
+            if not self._crashed:
+                if plan.write is EndingWrite.MARK_CANCELLING:
                     with trio.move_on_after(HAND_BACK_TIMEOUT, shield=True):
                         await self._mark_cancelling_nowait(entry)
-                else:
+                elif plan.write is EndingWrite.HAND_BACK:
                     await self._expire(entry)
             raise
         finally:
@@ -621,7 +632,7 @@ class Runtime:
                 await self._seams.before_finish(entry.session_id)
             try:
                 continued = await self._db.run(
-                    _store.finish_iteration, entry.execution_id, self._owner_id
+                    _store.finish_iteration, entry.session_id, entry.execution_id, self._owner_id
                 )
             except LeaseLost as exc:
                 return _Ending("failed", error=exc)
@@ -637,33 +648,35 @@ class Runtime:
         the claim stays as it is durably and recovery finishes it."""
         if self._crashed:
             return Outcome("interrupted", "shutdown"), False
-        if ending.kind == "released":
-            return Outcome("succeeded"), entry.rung_since_decision()
-        if ending.kind == "not_claimed":
-            if entry.reason is not None:
-                await self._pass_on_interrupt(entry)
-                return Outcome("interrupted", entry.reason), False
-            return Outcome("deferred"), entry.rung_since_decision()
-        if ending.kind == "claim_failed":
-            # Nothing was claimed, so nothing is written: the wake stays durable, and the
-            # change loop or a recovery pass tries again.
-            _observe.claim_attempt_failed(entry, self._owner_id, ending.error)
-            return Outcome("failed", error=ending.error), False
         known_lost = entry.reason == "lease_lost"  # the heartbeat found it (and logged it)
-        if isinstance(ending.error, LeaseLost) or entry.self_fenced():
-            # Lease lost: no durable write, and no successor - recovery owns it now.
+        lease_lost = ending.kind in ("failed", "interrupted") and (
+            isinstance(ending.error, LeaseLost) or entry.self_fenced()
+        )
+        # A claim attempt that failed is a failure of a claim not ours: the table writes
+        # nothing (the wake stays durable; the change loop or a recovery pass tries again).
+        cause = EndingCause.FAILED if ending.kind == "claim_failed" else EndingCause(ending.kind)
+        plan = decide_ending(cause, reason=entry.reason, owned=entry.owned, lease_lost=lease_lost)
+        if plan.reason == "lease_lost":
             if not known_lost:
                 self._log_claim_lost(entry, ending.error)
             entry.disown()
             return Outcome("interrupted", "lease_lost", ending.error), False
-        if ending.kind == "failed":
+        if ending.kind == "claim_failed":
+            _observe.claim_attempt_failed(entry, self._owner_id, ending.error)
+        elif plan.outcome == "failed":
             _observe.drain_failed(entry, self._owner_id, ending.error)
-            return await self._finish_failed(entry, ending.error)
-        reason = entry.reason or "user"
-        if reason == "shutdown":
-            await self._expire(entry)
-            return Outcome("interrupted", "shutdown"), False
-        return await self._finish_interrupted(entry)
+        match plan.write:
+            case EndingWrite.FINISH_FAILED:
+                return await self._finish_failed(entry, ending.error)
+            case EndingWrite.FINISH_INTERRUPTED:
+                return await self._finish_interrupted(entry)
+            case EndingWrite.HAND_BACK:
+                await self._expire(entry)
+            case EndingWrite.PASS_ON_INTERRUPT:
+                await self._pass_on_interrupt(entry)
+        error = ending.error if plan.outcome == "failed" else None
+        successor_due = plan.successor is Successor.IF_RUNG and entry.rung_since_decision()
+        return Outcome(plan.outcome, plan.reason, error), successor_due
 
     def _log_claim_lost(self, entry: SessionEntry, error: BaseException | None) -> None:
         if isinstance(error, LeaseLost):
@@ -681,7 +694,9 @@ class Runtime:
 
     async def _mark_cancelling_nowait(self, entry: SessionEntry) -> None:
         with contextlib.suppress(StoreError, LeaseLost):
-            await self._db.run_nowait(_store.mark_cancelling, entry.execution_id, self._owner_id)
+            await self._db.run_nowait(
+                _store.mark_cancelling, entry.session_id, entry.execution_id, self._owner_id
+            )
         entry.disown()
 
     async def _finish_failed(
@@ -696,7 +711,12 @@ class Runtime:
         entry.begin_deciding()
         try:
             doorbell = await self._retrying(
-                entry, _store.finish_failed, entry.execution_id, self._owner_id, shown
+                entry,
+                _store.finish_failed,
+                entry.session_id,
+                entry.execution_id,
+                self._owner_id,
+                shown,
             )
         except (LeaseLost, StoreError):
             # The claim stays durable; its lease runs out and recovery takes it from there.
@@ -709,10 +729,16 @@ class Runtime:
         if not entry.owned:
             return outcome, entry.rung_since_decision()
         try:
-            await self._retrying(entry, _store.mark_cancelling, entry.execution_id, self._owner_id)
+            await self._retrying(
+                entry, _store.mark_cancelling, entry.session_id, entry.execution_id, self._owner_id
+            )
             entry.begin_deciding()
             doorbell = await self._retrying(
-                entry, _store.finish_interrupted, entry.execution_id, self._owner_id
+                entry,
+                _store.finish_interrupted,
+                entry.session_id,
+                entry.execution_id,
+                self._owner_id,
             )
         except (LeaseLost, StoreError):
             # Left as 'cancelling' once that write landed: recovery finishes it as
@@ -987,7 +1013,9 @@ class DrainContext:
         the inputs are taken (they are user messages now, found again by `transcript()`).
         """
         self._check_live()
-        return await self._runtime._db.run(_store.take_inputs, self.execution_id, self.owner_id)
+        return await self._runtime._db.run(
+            _store.take_inputs, self.session_id, self.execution_id, self.owner_id
+        )
 
     async def transcript(self) -> list[Message]:
         """The session's messages in seq order (`MalformedRecord` for a row that does not
@@ -1010,7 +1038,7 @@ class DrainContext:
         self._check_live()
         message_id = _store.new_id()
         seq = await self._runtime._db.run(
-            _store.begin_assistant, self.execution_id, self.owner_id, message_id
+            _store.begin_assistant, self.session_id, self.execution_id, self.owner_id, message_id
         )
         writer = AssistantWriter(self, message_id, seq)
         writer._publish(0)
@@ -1050,6 +1078,7 @@ class AssistantWriter:
         context._check_live()
         data, version = await context._runtime._db.run(
             _store.append_assistant_text,
+            context.session_id,
             context.execution_id,
             context.owner_id,
             self.message_id,
@@ -1099,6 +1128,7 @@ class AssistantWriter:
         try:
             data, version = await context._runtime._db.run(
                 _store.update_assistant,
+                context.session_id,
                 context.execution_id,
                 context.owner_id,
                 self.message_id,

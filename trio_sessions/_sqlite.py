@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import os
 import sqlite3
 import time
@@ -319,9 +318,6 @@ class SQLiteTx:
     def notify(self, session_id: str) -> None:
         # Other connections notice every commit through `PRAGMA data_version`.
         pass
-
-    def not_in(self, column: str, values: Sequence[str]) -> tuple[str, Any]:
-        return f"{column} NOT IN (SELECT value FROM json_each(:excluded))", json.dumps(list(values))
 
     @contextlib.contextmanager
     def savepoint(self) -> Iterator[None]:

@@ -3,7 +3,7 @@
 Each operation is a function `op(tx, ...)` that a backend runs inside one write transaction
 (`_backend.Tx`; several operations may share one transaction: group commit). SQL here is the
 subset SQLite and PostgreSQL agree on; where they differ, `tx` offers a named hook
-(`lock_session`, `lock_claims`, `not_in`, `savepoint`) or says its `dialect`, and the
+(`lock_session`, `lock_claims`, `savepoint`) or says its `dialect`, and the
 dialect's form sits beside the shared one in the family's module.
 
 Families (one module each):

@@ -25,13 +25,13 @@ from .._model import AssistantData, Input, Message
 from .common import _next_message_seq, _require_claim, new_id
 
 
-def take_inputs(tx: Tx, execution_id: str, owner_id: str) -> list[Input]:
+def take_inputs(tx: Tx, session_id: str, execution_id: str, owner_id: str) -> list[Input]:
     """Consume pending inputs in seq order, appending each as a user message (claim fence).
 
     An input whose payload does not decode to a JSON object never blocks the ones behind
     it: it moves to `session_input_rejected` (raw text and reason kept for the operator).
     """
-    session_id = _require_claim(tx, execution_id, owner_id)
+    _require_claim(tx, session_id, execution_id, owner_id)
     tx.notify(session_id)
     rows = tx.execute(
         "SELECT id, seq, payload FROM session_input WHERE session_id = ? ORDER BY seq",
@@ -60,9 +60,11 @@ def take_inputs(tx: Tx, execution_id: str, owner_id: str) -> list[Input]:
     return taken
 
 
-def begin_assistant(tx: Tx, execution_id: str, owner_id: str, message_id: str) -> int:
+def begin_assistant(
+    tx: Tx, session_id: str, execution_id: str, owner_id: str, message_id: str
+) -> int:
     """Start an empty, unfinished assistant message, open for streaming; returns its seq."""
-    session_id = _require_claim(tx, execution_id, owner_id)
+    _require_claim(tx, session_id, execution_id, owner_id)
     seq = _next_message_seq(tx, session_id)
     tx.execute(
         "INSERT INTO session_message(id, session_id, execution_id, role, seq, data,"
@@ -86,7 +88,7 @@ def begin_assistant(tx: Tx, execution_id: str, owner_id: str, message_id: str) -
 
 
 def append_assistant_text(
-    tx: Tx, execution_id: str, owner_id: str, message_id: str, text: str
+    tx: Tx, session_id: str, execution_id: str, owner_id: str, message_id: str, text: str
 ) -> tuple[AssistantData | None, int]:
     """Stream text onto an open assistant message under the claim fence: one small
     `session_message_delta` row, never a rewrite of the message, so an append costs the
@@ -97,7 +99,7 @@ def append_assistant_text(
     takes `update_assistant`'s whole-row path instead, which raises as it always did
     (`MessageFinished`, `LeaseLost`, `MalformedRecord`) or returns the new data.
     """
-    session_id = _require_claim(tx, execution_id, owner_id)
+    _require_claim(tx, session_id, execution_id, owner_id)
     # Serialised with every other write to this message by the session lock, so the
     # newest version read here is still the newest when the row lands.
     row = tx.one(
@@ -112,6 +114,7 @@ def append_assistant_text(
     if row is None:
         return update_assistant(
             tx,
+            session_id,
             execution_id,
             owner_id,
             message_id,
@@ -123,6 +126,7 @@ def append_assistant_text(
 
 def update_assistant(
     tx: Tx,
+    session_id: str,
     execution_id: str,
     owner_id: str,
     message_id: str,
@@ -135,7 +139,7 @@ def update_assistant(
     The transition runs on the durable message, so the settlement state machine checks what
     is stored, not what a writer remembers.
     """
-    session_id = _require_claim(tx, execution_id, owner_id)
+    _require_claim(tx, session_id, execution_id, owner_id)
     row = tx.one(
         "SELECT data FROM session_message WHERE id = ? AND execution_id = ?",
         (message_id, execution_id),
