@@ -20,7 +20,8 @@ folder on local disk). Sections, in order (`--sections` picks a subset):
 * load - cycles beside a watched long session, and the longest loop stall while a large
   input backlog is taken (`load`);
 * chat - N chats streaming answers: a web process watching each, two worker processes,
-  SQLite and PostgreSQL (`chat`).
+  SQLite and PostgreSQL (`chat`);
+* console - one console page with 100,000 sessions, SQLite and PostgreSQL (`console`).
 
 PostgreSQL: `--pg-url`, else `$TRIO_SESSIONS_PG_URL`, else a throwaway server with fsync
 on; `--no-pg` skips every PostgreSQL figure (they print as `nan`).
@@ -51,6 +52,7 @@ from .append import bench_append
 from .chat import bench_chat, serve_chat_worker
 from .coalescing import bench_coalescing
 from .config import SECTIONS, Config, make_config, parse_args
+from .console import bench_console
 from .cycle import bench_cycle
 from .heartbeat import bench_heartbeat
 from .idle import bench_idle
@@ -103,6 +105,7 @@ BENCHES: dict[str, Section] = {
     "postgres": _postgres,
     "load": _sqlite_only(bench_load),
     "chat": bench_chat,
+    "console": bench_console,
 }
 
 

@@ -27,9 +27,10 @@ SECTIONS = (
     "postgres",
     "load",
     "chat",
+    "console",
 )
-# Sections that need a PostgreSQL server (`remote`, `idle` and `chat` measure both backends).
-PG_SECTIONS = ("remote", "idle", "postgres", "chat")
+# Sections that need a PostgreSQL server (`remote`, `idle`, `chat` and `console` measure both).
+PG_SECTIONS = ("remote", "idle", "postgres", "chat", "console")
 PG_URL_ENV = "TRIO_SESSIONS_PG_URL"
 
 
@@ -61,6 +62,7 @@ class Config:
     chat_sessions: int
     chat_words: int
     chat_pace: float
+    console_sessions: int
     sections: tuple[str, ...]
     folder: Path | None
     # None: PostgreSQL sections are skipped (`--no-pg`); "" : start a throwaway server.
@@ -97,6 +99,7 @@ FULL: dict[str, Any] = {
     "chat_sessions": 200,
     "chat_words": 40,
     "chat_pace": 0.05,
+    "console_sessions": 100_000,
 }
 QUICK: dict[str, Any] = {
     "rounds": 3,
@@ -125,6 +128,7 @@ QUICK: dict[str, Any] = {
     "chat_sessions": 50,
     "chat_words": 40,
     "chat_pace": 0.05,
+    "console_sessions": 5_000,
 }
 HELP = {
     "rounds": "cycle rounds after one warm-up",
@@ -153,6 +157,7 @@ HELP = {
     "chat_sessions": "concurrent chats (each one watch and one streamed answer)",
     "chat_words": "words per streamed answer",
     "chat_pace": "seconds between two words of an answer",
+    "console_sessions": "sessions in the store under one console page",
 }
 
 

@@ -56,6 +56,8 @@ MACHINE_KEYS = (
     "pg_chat_slowdown_p99",
     "pg_chat_submit_p99_ms",
     "pg_chat_errors",
+    "console_page_ms",
+    "pg_console_page_ms",
 )
 
 

@@ -31,7 +31,7 @@ TAKE_INPUTS_CHUNK = 200
 
 
 def take_inputs(
-    tx: Tx, execution_id: str, owner_id: str, limit: int = TAKE_INPUTS_CHUNK
+    tx: Tx, session_id: str, execution_id: str, owner_id: str, limit: int = TAKE_INPUTS_CHUNK
 ) -> list[Input]:
     """Consume the oldest `limit` pending inputs in seq order, appending each as a user
     message (claim fence). When more are pending, the doorbell is rung, so the rest are
@@ -40,7 +40,7 @@ def take_inputs(
     An input whose payload does not decode to a JSON object never blocks the ones behind
     it: it moves to `session_input_rejected` (raw text and reason kept for the operator).
     """
-    session_id = _require_claim(tx, execution_id, owner_id)
+    _require_claim(tx, session_id, execution_id, owner_id)
     tx.notify(session_id)
     # One more than the chunk, to learn whether any are left without counting them.
     rows = tx.execute(
@@ -87,9 +87,11 @@ def take_inputs(
     return taken
 
 
-def begin_assistant(tx: Tx, execution_id: str, owner_id: str, message_id: str) -> int:
+def begin_assistant(
+    tx: Tx, session_id: str, execution_id: str, owner_id: str, message_id: str
+) -> int:
     """Start an empty, unfinished assistant message, open for streaming; returns its seq."""
-    session_id = _require_claim(tx, execution_id, owner_id)
+    _require_claim(tx, session_id, execution_id, owner_id)
     seq = _next_message_seq(tx, session_id)
     tx.execute(
         "INSERT INTO session_message(id, session_id, execution_id, role, seq, data,"
@@ -113,7 +115,7 @@ def begin_assistant(tx: Tx, execution_id: str, owner_id: str, message_id: str) -
 
 
 def append_assistant_text(
-    tx: Tx, execution_id: str, owner_id: str, message_id: str, text: str
+    tx: Tx, session_id: str, execution_id: str, owner_id: str, message_id: str, text: str
 ) -> tuple[AssistantData | None, int]:
     """Stream text onto an open assistant message under the claim fence: one small
     `session_message_delta` row, never a rewrite of the message, so an append costs the
@@ -124,7 +126,7 @@ def append_assistant_text(
     takes `update_assistant`'s whole-row path instead, which raises as it always did
     (`MessageFinished`, `LeaseLost`, `MalformedRecord`) or returns the new data.
     """
-    session_id = _require_claim(tx, execution_id, owner_id)
+    _require_claim(tx, session_id, execution_id, owner_id)
     # Serialised with every other write to this message by the session lock, so the
     # newest version read here is still the newest when the row lands.
     row = tx.one(
@@ -139,6 +141,7 @@ def append_assistant_text(
     if row is None:
         return update_assistant(
             tx,
+            session_id,
             execution_id,
             owner_id,
             message_id,
@@ -150,6 +153,7 @@ def append_assistant_text(
 
 def update_assistant(
     tx: Tx,
+    session_id: str,
     execution_id: str,
     owner_id: str,
     message_id: str,
@@ -162,7 +166,7 @@ def update_assistant(
     The transition runs on the durable message, so the settlement state machine checks what
     is stored, not what a writer remembers.
     """
-    session_id = _require_claim(tx, execution_id, owner_id)
+    _require_claim(tx, session_id, execution_id, owner_id)
     row = tx.one(
         "SELECT data FROM session_message WHERE id = ? AND execution_id = ?",
         (message_id, execution_id),
