@@ -23,6 +23,7 @@ from .config import Config
 from .pg import PgSchemas
 from .recovery import RecoveryTarget, add_recovery_rows, recovery_rounds
 from .report import Report, fmt_rate, fmt_ratio, fmt_us, median, progress, verdict
+from .roundtrips import TURN_APPENDS, round_trips_per_cycle, turn_round_trips
 from .tools import concurrent_cycles, ids, noop_drain, open_bench_runtime, rotate, sequential_cycles
 
 SERVER_MS = "floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
@@ -253,6 +254,34 @@ async def bench_pg_recovery(config: Config, schemas: PgSchemas, report: Report) 
     report.machine["pg_recovery_ratio"] = median(times.ratios["threaded"])
 
 
+async def bench_pg_round_trips(schemas: PgSchemas, report: Report) -> None:
+    """Round trips counted on the wire (`roundtrips.RoundTripProxy`), in a run of their own."""
+    progress("postgres round trips: counted through a relay")
+    cycle = await round_trips_per_cycle(schemas.url, schemas.name("trips_cycle"))
+    turn = await turn_round_trips(schemas.url, schemas.name("trips_turn"))
+    report.add(
+        "postgres",
+        "round trips per sequential cycle (counted on the wire, every connection)",
+        f"{cycle:.1f}",
+        "",
+        "",
+        "<= 3",
+        verdict(cycle <= 3),
+    )
+    report.add(
+        "postgres",
+        f"round trips per chat turn (take inputs, begin, {TURN_APPENDS} appends, finish)",
+        f"{turn:.1f}",
+        "",
+        "",
+        "<= 50",
+        verdict(turn <= 50),
+    )
+    report.machine["pg_round_trips_per_cycle"] = cycle
+    report.machine["pg_turn_round_trips"] = turn
+
+
 async def bench_postgres(config: Config, folder: Path, report: Report, schemas: PgSchemas) -> None:
+    await bench_pg_round_trips(schemas, report)
     await bench_pg_cycle(config, schemas, report)
     await bench_pg_recovery(config, schemas, report)

@@ -38,6 +38,8 @@ MACHINE_KEYS = (
     "pg_cycle_ratio",
     "pg_concurrent_ratio",
     "pg_recovery_ratio",
+    "pg_round_trips_per_cycle",
+    "pg_turn_round_trips",
 )
 
 
