@@ -205,7 +205,7 @@ async def test_upgrade_of_a_version_1_schema_adds_streaming(pg_url: str, pg_sche
     seed_pre_streaming(location)
     with opened(PostgresStore(pg_url, schema=pg_schema).engine()):
         pass
-    assert location.rows("SELECT version FROM schema_version") == [(2,)]
+    assert location.rows("SELECT version FROM schema_version") == [(SCHEMA_VERSION,)]
     await check_pre_streaming_upgrade(location, PostgresStore(pg_url, schema=pg_schema))
 
 

@@ -55,8 +55,22 @@ class Tx(Protocol):
     """
 
     @property
+    def dialect(self) -> BackendName:
+        """Which backend runs the transaction: an operation whose PostgreSQL form is a
+        server-side function branches on it (its SQLite twin stays beside it)."""
+        ...
+
+    @property
     def now(self) -> int:
         """The lease clock (ms since the epoch), read once per operation after its locks."""
+        ...
+
+    def call(self, function: str, *args: Any, idempotent: bool = True) -> list[Any]:
+        """PostgreSQL only: one call of a server-side function of the store's schema
+        (`_pgfunctions`), one round trip; its rows. The function gets `args`, then the
+        test clock (NULL: the server's) and whether this is a retry after a lost reply.
+        `idempotent=False`: a retry could not tell whether the lost call landed, so the
+        call needs a transaction (never alone in autocommit)."""
         ...
 
     def execute(self, sql: str, params: Params = ()) -> Cursor: ...
@@ -89,6 +103,20 @@ class Tx(Protocol):
     def savepoint(self) -> AbstractContextManager[None]:
         """A nested scope whose writes roll back alone if it raises (the error propagates)."""
         ...
+
+
+class NeedsTransaction(Exception):
+    """Raised by a `Tx` in autocommit before it sends a statement that must share a
+    transaction with others: the backend runs the operation again in a transaction. Nothing
+    was written by the operation when it is raised."""
+
+
+def autocommit_when_alone(op: Callable[..., T]) -> Callable[..., T]:
+    """Mark an operation whose PostgreSQL form is one idempotent function call: alone, it
+    runs in autocommit (one round trip; a lost reply is resolved by calling again, which
+    reads back by natural key). Its other paths raise `NeedsTransaction` first."""
+    op.__dict__["autocommit_when_alone"] = True
+    return op
 
 
 @attrs.define(eq=False)

@@ -65,15 +65,24 @@ import psycopg.pq
 import trio
 from psycopg import sql
 
-from . import _codec, _observe
-from ._backend import BackendName, Job, Params, StoreStatistics, Tx, driver_error, now_ms
+from . import _codec, _observe, _pgfunctions
+from ._backend import (
+    BackendName,
+    Job,
+    NeedsTransaction,
+    Params,
+    StoreStatistics,
+    Tx,
+    driver_error,
+    now_ms,
+)
 from ._errors import SchemaTooNew, StoreError
 from ._handoff import HandoffQueue, Queued, pumping
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 # Same names, meanings and named CHECKs as the SQLite schema (`_sqlite._MIGRATIONS`, whose
 # versions 1-3 are PostgreSQL's first: no PostgreSQL store predates them); times
@@ -177,6 +186,8 @@ CREATE TABLE session_message_delta(
     PRIMARY KEY (message_id, version)
 );
 """,
+    # The server-side functions (`_create_functions`); no table changes.
+    3: "",
 }
 
 
@@ -197,7 +208,17 @@ def _mark_finished_messages(conn: Any) -> None:
 
 
 # Python steps that follow a version's SQL, in the same transaction.
-_BACKFILLS: dict[int, Callable[[Any], None]] = {2: _mark_finished_messages}
+def _create_functions(conn: Any) -> None:
+    """Version 3: the fenced operations as server-side functions (`_pgfunctions`). A later
+    change to a function is a new version that runs this again (CREATE OR REPLACE)."""
+    schema = conn.execute("SELECT current_schema()").fetchone()[0]
+    conn.execute(_pgfunctions.functions(channel(schema), SESSION_LOCK_NAMESPACE))
+
+
+_BACKFILLS: dict[int, Callable[[Any], None]] = {
+    2: _mark_finished_messages,
+    3: _create_functions,
+}
 
 # Advisory-lock namespaces (the first int4 of the two-key form), so our keys never collide
 # with an application's single-bigint advisory locks. Session locks hash the session id;
@@ -234,6 +255,11 @@ _LOCK_SESSION = (
     f" (SELECT pg_advisory_xact_lock({SESSION_LOCK_NAMESPACE}, hashtext(%s)))"
     f" SELECT {_SERVER_MS} FROM locked"
 )
+_LOCK_SESSION_ANY = _LOCK_SESSION.replace("%s", "?")
+# How each kind of transaction begins: sent with its first statement, in one message.
+_BEGIN = "BEGIN ISOLATION LEVEL READ COMMITTED; "
+_BEGIN_READ = "BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY; "
+_BEGIN_NOWAIT = f"{_BEGIN}SET LOCAL lock_timeout = {NOWAIT_LOCK_TIMEOUT_MS}; "
 
 # How a transaction runs: `write` (retried, group-committed), `nowait` (alone, a short
 # lock_timeout, lock waits not retried), `read` (alone, one REPEATABLE READ snapshot).
@@ -382,9 +408,26 @@ def migrate(conn: Any, schema: str) -> None:
 
 
 class PgTx:
-    """One open READ COMMITTED transaction, as an operation sees it (`_backend.Tx`)."""
+    """One open READ COMMITTED transaction, as an operation sees it (`_backend.Tx`), or one
+    autocommit call (`autocommit=True`: a single function call and nothing else).
 
-    def __init__(self, conn: Any, clock: Callable[[], float] | None) -> None:
+    The connection is in autocommit mode; a transaction begins with the first statement
+    sent, which carries `begin` (`BEGIN ...;`) in the same message: no round trip of its
+    own. A function call also reads the transaction's id in its reply, so a transaction
+    that ends with a call needs no read before COMMIT (DESIGN §8 "Uncertain commits").
+    """
+
+    dialect: BackendName = "postgres"
+
+    def __init__(
+        self,
+        conn: Any,
+        clock: Callable[[], float] | None,
+        *,
+        begin: str = _BEGIN,
+        autocommit: bool = False,
+        retry: bool = False,
+    ) -> None:
         self.conn = conn
         self._clock = clock
         self._now: int | None = None
@@ -393,6 +436,13 @@ class PgTx:
         # Advisory xact locks are re-entrant and held to COMMIT: taking one twice in a
         # transaction (two operations of a batch on one session) costs a round trip only.
         self._locked: set[str] = set()
+        # A connection outside autocommit (a test's) begins its transactions itself.
+        self._begin: str | None = None if autocommit or not conn.autocommit else begin
+        self.autocommit = autocommit
+        self.retry = retry
+        self.begun = False  # a statement was sent (a transaction is open unless autocommit)
+        self.xid: str | None = None
+        self.xid_fresh = False  # `xid` was read by the last statement sent
 
     @property
     def now(self) -> int:
@@ -400,26 +450,57 @@ class PgTx:
             if self._clock is not None:
                 self._now = now_ms(self._clock)
             else:
-                self._now = int(self.conn.execute(_SERVER_NOW).fetchone()[0])
+                row: Any = self._send(_SERVER_NOW, ()).fetchone()
+                self._now = int(row[0])
         return self._now
 
     def begin_operation(self) -> None:
         """Each operation reads its own `now`, after its own locks."""
         self._now = None
 
-    def execute(self, statement: str, params: Params = ()) -> psycopg.Cursor[Any]:
-        cursor: psycopg.Cursor[Any] = self.conn.execute(translate(statement), params)
+    def _send(self, statement: str, params: Params) -> psycopg.Cursor[Any]:
+        if self.autocommit and self.begun:
+            raise NeedsTransaction("a second statement needs a transaction")
+        self.begun = True  # from here on, the statement may have reached the server
+        self.xid_fresh = False
+        if self._begin is None:
+            cursor: psycopg.Cursor[Any] = self.conn.execute(statement, params)
+            return cursor
+        statement, self._begin = self._begin + statement, None
+        cursor = self.conn.execute(statement, params)
+        while cursor.nextset():  # past BEGIN (and SET LOCAL) to the statement's result
+            pass
         return cursor
+
+    def execute(self, statement: str, params: Params = ()) -> psycopg.Cursor[Any]:
+        if self.autocommit:
+            raise NeedsTransaction("only a function call runs alone in autocommit")
+        return self._send(translate(statement), params)
 
     def one(self, statement: str, params: Params = ()) -> Any:
         return self.execute(statement, params).fetchone()
+
+    def call(self, function: str, *args: Any, idempotent: bool = True) -> list[Any]:
+        if self.autocommit and not idempotent:
+            raise NeedsTransaction(f"{function} cannot be read back after a lost reply")
+        fixed_now = None if self._clock is None else now_ms(self._clock)
+        params = (*args, fixed_now, self.retry)
+        placeholders = ", ".join(["%s"] * len(params))
+        rows = self._send(
+            f"SELECT f.*, pg_current_xact_id_if_assigned()::text FROM {function}({placeholders}) f",
+            params,
+        ).fetchall()
+        if rows:
+            self.xid = rows[-1][-1]
+            self.xid_fresh = True
+        return [tuple(row[:-1]) for row in rows]
 
     def lock_session(self, session_id: str) -> None:
         if session_id in self._locked:
             return
         # The wait may have been long: the clock is read after it, in the same round trip
         # (the MATERIALIZED CTE runs first).
-        row = self.conn.execute(_LOCK_SESSION, (session_id,)).fetchone()
+        row = self.one(_LOCK_SESSION_ANY, (session_id,))
         self._locked.add(session_id)
         self._now = int(row[0]) if self._clock is None else None
 
@@ -428,8 +509,8 @@ class PgTx:
             return
         # NO KEY UPDATE (not KEY SHARE): it conflicts with a takeover's UPDATE. Sorted, so
         # two owners locking overlapping sets never deadlock.
-        self.conn.execute(
-            "SELECT id FROM session_execution WHERE id = ANY(%s) ORDER BY id FOR NO KEY UPDATE",
+        self.execute(
+            "SELECT id FROM session_execution WHERE id = ANY(?) ORDER BY id FOR NO KEY UPDATE",
             (sorted(execution_ids),),
         )
         self._now = None
@@ -445,16 +526,16 @@ class PgTx:
     @contextlib.contextmanager
     def savepoint(self) -> Iterator[None]:
         locked = set(self._locked)
-        self.conn.execute("SAVEPOINT nested")
+        self.execute("SAVEPOINT nested")
         try:
             yield
         except BaseException:
-            self.conn.execute("ROLLBACK TO SAVEPOINT nested")
+            self.execute("ROLLBACK TO SAVEPOINT nested")
             # Locks taken inside a rolled-back subtransaction are released with it.
             self._locked = locked
             raise
         finally:
-            self.conn.execute("RELEASE SAVEPOINT nested")
+            self.execute("RELEASE SAVEPOINT nested")
 
 
 def _store_error(exc: BaseException) -> BaseException:
@@ -532,6 +613,11 @@ class PgEngine:
             self.conn = None
 
     def _wrapped(self, conn: psycopg.Connection[Any]) -> Any:
+        # Transactions begin explicitly, with their first statement (`PgTx`): BEGIN costs
+        # no round trip of its own. Parameters are bound client-side, so a statement can
+        # share its message with the BEGIN before it.
+        conn.autocommit = True
+        conn.cursor_factory = psycopg.ClientCursor
         return conn if self.wrap_connection is None else self.wrap_connection(conn)
 
     def _connection(self, deadline: float) -> Any:
@@ -607,7 +693,21 @@ class PgEngine:
             job.result = result
 
     def run_alone(self, job: Job, mode: Mode = "write") -> None:
-        """Run one job in its own transaction. Never raises: the outcome goes on the job."""
+        """Run one job in its own transaction - or as one autocommit call, if it is marked
+        `autocommit_when_alone`. Never raises: the outcome goes on the job."""
+        if mode == "write" and job.op.__dict__.get("autocommit_when_alone", False):
+            try:
+                job.result = self._autocommit(job)
+            except NeedsTransaction:
+                pass  # nothing was written: run it in a transaction instead
+            except StoreError as exc:
+                job.error = exc
+                return
+            except Exception as exc:  # the operation's own refusal (LeaseLost, ...)
+                job.error = _store_error(exc)
+                return
+            else:
+                return
         try:
             [job.result] = self._transaction([job], mode, alone=True)
         except _JobRaised as raised:
@@ -632,33 +732,65 @@ class PgEngine:
                 _observe.store_retry("postgres", rerun.cause, attempt)
                 time.sleep(min(0.005 * 2**attempt, 0.2) * random.uniform(0.5, 1.0))
 
+    def _autocommit(self, job: Job) -> Any:
+        """Run a job as one autocommit call (`PgTx(autocommit=True)`), within the bounds.
+
+        A connection lost around the call leaves its outcome unknown: the call runs again
+        with `retry`, and the function reads back by natural key whether the lost one
+        landed (DESIGN §8 "Uncertain commits"). `NeedsTransaction` before anything was
+        sent; `StoreError` past the bounds; the operation's own errors as they are."""
+        deadline = time.monotonic() + RECONNECT_PATIENCE_S
+        attempt = 0
+        retry = False
+        while True:
+            attempt += 1
+            conn = self._connection(deadline)
+            self.transactions += 1
+            tx = PgTx(conn, self.clock, autocommit=True, retry=retry)
+            try:
+                return job.op(tx, *job.args)
+            except NeedsTransaction:
+                raise
+            except Exception as exc:
+                if _connection_lost(conn, exc):
+                    self.close()  # the next attempt re-opens it
+                    retry = retry or tx.begun
+                elif not (isinstance(exc, psycopg.Error) and exc.sqlstate in RETRYABLE_SQLSTATES):
+                    raise  # the operation's own refusal, or a database error
+                if attempt >= MAX_ATTEMPTS or time.monotonic() >= deadline:
+                    raise driver_error(exc) from exc
+                self.retries += 1
+                _observe.store_retry("postgres", exc, attempt)
+                time.sleep(min(0.005 * 2**attempt, 0.2) * random.uniform(0.5, 1.0))
+
     def _attempt(
         self, conn: Any, jobs: Sequence[Job], mode: Mode, *, alone: bool, deadline: float
     ) -> list[Any]:
         self.transactions += 1
-        tx = PgTx(conn, self.clock)
-        results = []
         nowait = mode == "nowait"
+        begin = _BEGIN_NOWAIT if nowait else _BEGIN_READ if mode == "read" else _BEGIN
+        tx = PgTx(conn, self.clock, begin=begin)
+        results = []
+        xid = None
         try:
-            if nowait:
-                conn.execute(f"SET LOCAL lock_timeout = {NOWAIT_LOCK_TIMEOUT_MS}")
-            elif mode == "read":
-                conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
             for job in jobs:
                 tx.begin_operation()
                 results.append(job.op(tx, *job.args))
             # Read just before COMMIT (not at BEGIN): only a transaction that wrote has an
             # id, and a read-only one needs no read-back. The signals travel with it (a
             # notification alone assigns no id before COMMIT: re-sent after an uncertain
-            # COMMIT, it costs a duplicate wake-up, which the doorbell absorbs).
+            # COMMIT, it costs a duplicate wake-up, which the doorbell absorbs). A
+            # transaction that ended with a function call has its id already.
             if tx.notified:
-                xid = conn.execute(
+                xid = tx.one(
                     "SELECT pg_current_xact_id_if_assigned()::text,"
-                    " (SELECT count(pg_notify(%s, s)) FROM unnest(%s::text[]) AS s)",
+                    " (SELECT count(pg_notify(?, s)) FROM unnest(CAST(? AS text[])) AS s)",
                     (self.channel, list(tx.notified)),
-                ).fetchone()[0]
-            else:
-                xid = conn.execute("SELECT pg_current_xact_id_if_assigned()::text").fetchone()[0]
+                )[0]
+            elif tx.xid_fresh or mode == "read":
+                xid = tx.xid
+            elif tx.begun:
+                xid = tx.one("SELECT pg_current_xact_id_if_assigned()::text")[0]
         except Exception as exc:
             self._rollback()
             if _connection_lost(conn, exc):
@@ -673,6 +805,8 @@ class PgEngine:
         except BaseException:
             self._rollback()
             raise
+        if not tx.begun:
+            return results  # nothing was sent: nothing to commit
         try:
             conn.commit()
         except psycopg.Error as exc:

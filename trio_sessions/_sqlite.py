@@ -324,9 +324,14 @@ class SQLiteTx:
     so it already serialises every session: `lock_session` is a no-op, and `now` is read
     once, after the lock was taken."""
 
+    dialect: BackendName = "sqlite"
+
     def __init__(self, conn: sqlite3.Connection, now: int) -> None:
         self.conn = conn
         self.now = now
+
+    def call(self, function: str, *args: Any, idempotent: bool = True) -> list[Any]:
+        raise NotImplementedError("server-side functions are PostgreSQL's")
 
     def execute(self, sql: str, params: Params = ()) -> sqlite3.Cursor:
         return self.conn.execute(sql, params)
