@@ -34,6 +34,7 @@ T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
 
 BackendName = Literal["sqlite", "postgres"]
+OwnChange = Callable[[str], bool] | None
 Params = Sequence[Any] | Mapping[str, Any]
 
 
@@ -163,10 +164,16 @@ class Executor(Protocol):
         lock (transcripts, watchers, the change scan)."""
         ...
 
-    async def wait_for_change(self, kick: trio.Event, fallback: float) -> None:
+    async def wait_for_change(
+        self, kick: trio.Event, fallback: float, *, own: OwnChange = None
+    ) -> None:
         """Return when another connection may have committed (SQLite: `data_version`;
         PostgreSQL: a notification), when `kick` is set, or after `fallback` seconds (the slow
-        fallback poll: a lost signal costs latency, never work)."""
+        fallback poll: a lost signal costs latency, never work).
+
+        `own(session_id)`: whether a change this runtime made itself to that session still
+        needs a look (a local watcher follows it); a backend that can tell its own commits
+        apart (PostgreSQL: the notifying backend's pid) skips the others."""
         ...
 
     def statistics(self) -> StoreStatistics: ...

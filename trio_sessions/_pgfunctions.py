@@ -222,4 +222,59 @@ BEGIN
     verdict := 'released';
     doorbell := v_woken IS NOT NULL;
 END $$;
+
+-- update_assistant, first half: the message as stored (data, and the texts streamed onto it
+-- since, in order) under the claim fence, and the clock read after the lock. Verdicts: ok,
+-- lease_lost, not_owned (no such message of this execution).
+CREATE OR REPLACE FUNCTION ts_read_message(p_exec text, p_owner text, p_message text,
+    p_now bigint, p_retry boolean,
+    OUT verdict text, OUT data text, OUT streamed text[], OUT now bigint)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_session text;
+BEGIN
+    SELECT l.session_id, l.now INTO v_session, now FROM ts_lock_execution(p_exec, p_now) l;
+    IF v_session IS NULL OR NOT ts_holds(p_exec, p_owner, now) THEN
+        verdict := 'lease_lost';
+        RETURN;
+    END IF;
+    SELECT m.data INTO data FROM session_message m
+        WHERE m.id = p_message AND m.execution_id = p_exec;
+    IF NOT FOUND THEN
+        verdict := 'not_owned';
+        RETURN;
+    END IF;
+    SELECT COALESCE(array_agg(d.text ORDER BY d.version), '{}') INTO streamed
+        FROM session_message_delta d WHERE d.message_id = p_message;
+    verdict := 'ok';
+END $$;
+
+-- update_assistant, second half (and closing an open message): store the complete message,
+-- its deltas folded in and dropped, at the next version; an open message keeps its stream
+-- row at that version, a finished one loses it. Run after ts_read_message in the same
+-- transaction (its lock and its clock `p_at`). Returns the new version.
+CREATE OR REPLACE FUNCTION ts_write_message(p_exec text, p_message text, p_data text,
+    p_finished boolean, p_at bigint, p_signal boolean, p_now bigint, p_retry boolean)
+RETURNS bigint
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_version bigint; v_session text;
+BEGIN
+    UPDATE session_message m SET data = p_data, finished = p_finished::int, time_updated = p_at,
+        version = COALESCE((SELECT MAX(d.version) FROM session_message_delta d
+                            WHERE d.message_id = p_message), m.version) + 1
+        WHERE m.id = p_message RETURNING m.version, m.session_id INTO v_version, v_session;
+    DELETE FROM session_message_delta WHERE message_id = p_message;
+    IF p_finished THEN
+        DELETE FROM session_message_stream WHERE message_id = p_message;
+    ELSE
+        INSERT INTO session_message_stream(message_id, execution_id, version)
+            VALUES (p_message, p_exec, v_version)
+            ON CONFLICT (message_id) DO UPDATE SET version = excluded.version;
+    END IF;
+    IF p_signal THEN
+        PERFORM ts_signal(v_session);
+    END IF;
+    RETURN v_version;
+END $$;
 """

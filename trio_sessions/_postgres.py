@@ -70,6 +70,7 @@ from ._backend import (
     BackendName,
     Job,
     NeedsTransaction,
+    OwnChange,
     Params,
     StoreStatistics,
     Tx,
@@ -589,6 +590,7 @@ class PgEngine:
         self.clock = clock
         self.wrap_connection = wrap_connection
         self.conn: Any = None
+        self.backend_pid: int | None = None
         self.channel = channel(schema)
         self.transactions = 0
         self.retries = 0
@@ -618,6 +620,9 @@ class PgEngine:
         # share its message with the BEGIN before it.
         conn.autocommit = True
         conn.cursor_factory = psycopg.ClientCursor
+        # Read by the listener from the trio thread: notifications this connection sent
+        # are this runtime's own changes.
+        self.backend_pid = conn.info.backend_pid
         return conn if self.wrap_connection is None else self.wrap_connection(conn)
 
     def _connection(self, deadline: float) -> Any:
@@ -907,8 +912,14 @@ class PgListener:
                 self.conn.close()
             self.conn = None
 
-    async def wait(self, kick: trio.Event, fallback: float) -> None:
-        """Return on a notification, when `kick` is set, or after `fallback` seconds."""
+    async def wait(
+        self,
+        kick: trio.Event,
+        fallback: float,
+        wanted: Callable[[int, str], bool] | None = None,
+    ) -> None:
+        """Return on a notification `wanted(sender's backend pid, session id)` (default:
+        any), when `kick` is set, or after `fallback` seconds."""
         with trio.move_on_after(fallback):
             async with trio.open_nursery() as nursery:
 
@@ -917,10 +928,10 @@ class PgListener:
                     nursery.cancel_scope.cancel()
 
                 nursery.start_soon(kicked)
-                await self._notified()
+                await self._notified(wanted)
                 nursery.cancel_scope.cancel()
 
-    async def _notified(self) -> None:
+    async def _notified(self, wanted: Callable[[int, str], bool] | None) -> None:
         if self.conn is None or self.conn.closed or self.conn.broken:
             self.close()
             try:
@@ -933,7 +944,7 @@ class PgListener:
             return  # notifications sent meanwhile are lost: rescan now
         pgconn = self.conn.pgconn
         while True:
-            if self._take_notifications(pgconn):
+            if self._take_notifications(pgconn, wanted):
                 return
             await trio.lowlevel.wait_readable(pgconn.socket)
             try:
@@ -943,16 +954,24 @@ class PgListener:
                 return  # reconnect at the next wait; rescan now
 
     @staticmethod
-    def _take_notifications(pgconn: psycopg.pq.abc.PGconn) -> bool:
+    def _take_notifications(
+        pgconn: psycopg.pq.abc.PGconn, wanted: Callable[[int, str], bool] | None
+    ) -> bool:
         got = False
-        while pgconn.notifies() is not None:
-            got = True
+        while (notify := pgconn.notifies()) is not None:
+            session_id = notify.extra.decode(errors="replace")
+            got = got or wanted is None or wanted(notify.be_pid, session_id)
         return got
 
 
-async def _wait_for_change(listener: PgListener | None, kick: trio.Event, fallback: float) -> None:
+async def _wait_for_change(
+    listener: PgListener | None,
+    kick: trio.Event,
+    fallback: float,
+    wanted: Callable[[int, str], bool] | None = None,
+) -> None:
     if listener is not None:
-        await listener.wait(kick, fallback)
+        await listener.wait(kick, fallback, wanted)
         return
     with trio.move_on_after(fallback):  # poll-only (listen=False): e.g. behind PgBouncer
         await kick.wait()
@@ -1000,8 +1019,20 @@ class PgInlineExecutor:
     async def read(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
         return await self._run("read", op, args)
 
-    async def wait_for_change(self, kick: trio.Event, fallback: float) -> None:
-        await _wait_for_change(self.listener, kick, fallback)
+    async def wait_for_change(
+        self, kick: trio.Event, fallback: float, *, own: OwnChange = None
+    ) -> None:
+        await _wait_for_change(self.listener, kick, fallback, self._own(own))
+
+    def _own(self, own: OwnChange) -> Callable[[int, str], bool]:
+        """Whether a notification (backend pid, session) is worth a look: not one our own
+        writer sent, unless `own` says this runtime still needs it."""
+        engine = self.engine
+
+        def wanted(pid: int, session_id: str) -> bool:
+            return pid != engine.backend_pid or (own is not None and own(session_id))
+
+        return wanted
 
 
 @attrs.define(eq=False)
@@ -1033,8 +1064,20 @@ class PgThreadExecutor:
         result: T = await self._submit(Job(op, args), "read")
         return result
 
-    async def wait_for_change(self, kick: trio.Event, fallback: float) -> None:
-        await _wait_for_change(self.listener, kick, fallback)
+    async def wait_for_change(
+        self, kick: trio.Event, fallback: float, *, own: OwnChange = None
+    ) -> None:
+        await _wait_for_change(self.listener, kick, fallback, self._own(own))
+
+    def _own(self, own: OwnChange) -> Callable[[int, str], bool]:
+        """Whether a notification (backend pid, session) is worth a look: not one our own
+        writer sent, unless `own` says this runtime still needs it."""
+        engine = self.engine
+
+        def wanted(pid: int, session_id: str) -> bool:
+            return pid != engine.backend_pid or (own is not None and own(session_id))
+
+        return wanted
 
     async def _submit(self, job: Job, mode: Mode) -> Any:
         # Cancellation first: a caller cancelled while the runtime closes sees Cancelled,

@@ -737,7 +737,9 @@ class Runtime:
         honour remote interrupts of our claims at once, feed watchers. A lost signal costs
         latency only: the fallback poll and recovery still find the work."""
         while True:
-            await self._db.wait_for_change(self._kick, CHANGE_FALLBACK_POLL)
+            await self._db.wait_for_change(
+                self._kick, CHANGE_FALLBACK_POLL, own=self._watchers.watching
+            )
             self._kick = trio.Event()
             with contextlib.suppress(StoreError):  # looked at again at the next signal
                 await self._look_at_changes()
@@ -997,6 +999,7 @@ class AssistantWriter:
         # when a local watcher needs a snapshot (an append costs the same on any message).
         self._data = _transcript.EMPTY
         self._streamed: list[str] = []
+        self._version = 0  # as stored, so a retried append can tell whether it landed
 
     async def append_text(self, text: str) -> None:
         """Stream text onto the message: one small durable write whatever the message's size;
@@ -1011,7 +1014,9 @@ class AssistantWriter:
             context.owner_id,
             self.message_id,
             text,
+            self._version,
         )
+        self._version = version
         if data is None:
             self._streamed.append(text)
         else:
@@ -1060,6 +1065,7 @@ class AssistantWriter:
             context._defect = context._defect or exc
             raise
         self._data, self._streamed = data, []
+        self._version = version
         self._publish(version)
 
     def _publish(self, version: int) -> None:

@@ -40,7 +40,7 @@ from typing import Any
 import attrs
 
 from . import _codec, _decisions, _transcript
-from ._backend import Tx
+from ._backend import Tx, autocommit_when_alone
 from ._decisions import AcquireVerdict, ClaimRow, RecoveryDecision, RecoveryFacts
 from ._errors import InputConflict, LeaseLost, MalformedRecord
 from ._model import (
@@ -366,6 +366,7 @@ def _insert_claim(
     return Acquired(AcquireVerdict.CLAIM, attempt=int(attempts))
 
 
+@autocommit_when_alone
 def heartbeat(
     tx: Tx, owner_id: str, execution_ids: Iterable[str], lease_ms: int
 ) -> dict[str, str | None]:
@@ -375,6 +376,11 @@ def heartbeat(
     so an expired lease is never revived.
     """
     execution_ids = sorted(execution_ids)
+    if tx.dialect == "postgres":
+        if not execution_ids:
+            return {}
+        rows = tx.call("ts_heartbeat", owner_id, execution_ids, lease_ms)
+        return {str(e): None if phase is None else str(phase) for e, phase in rows}
     tx.lock_claims(execution_ids)
     phases: dict[str, str | None] = {}
     for execution_id in execution_ids:
@@ -395,6 +401,10 @@ def finish_iteration(tx: Tx, execution_id: str, owner_id: str) -> bool:
     lock: a wake either committed before this, and is taken here, or finds no claim
     afterwards and leads to a fresh acquisition.
     """
+    if tx.dialect == "postgres":
+        verdict = _pg_finish(tx, execution_id, owner_id, "iteration")
+        if verdict is not None:
+            return verdict == "continue"
     claimed = _require_claim_session(tx, execution_id, owner_id)
     _close_open_messages(tx, execution_id, INTERRUPTED)
     if claimed.doorbell:
@@ -404,6 +414,19 @@ def finish_iteration(tx: Tx, execution_id: str, owner_id: str) -> bool:
     if claimed.wake_attempts:
         _reset_attempts(tx, claimed.session_id)
     return False
+
+
+def _pg_finish(tx: Tx, execution_id: str, owner_id: str, kind: str) -> str | None:
+    """PostgreSQL: `ts_finish` ends the iteration or busy period in one call, unless the
+    execution left a message open (None: nothing was written, the caller's own path
+    closes it by the transcript rules). `continue`, or `released` / `released-set` (the
+    doorbell is set afterwards)."""
+    [(verdict, doorbell)] = tx.call("ts_finish", execution_id, owner_id, kind, idempotent=False)
+    if verdict == "lease_lost":
+        raise _lease_lost(execution_id)
+    if verdict == "open_messages":
+        return None
+    return "released-set" if verdict == "released" and doorbell else str(verdict)
 
 
 def _delete_claim(tx: Tx, execution_id: str, owner_id: str) -> None:
@@ -420,6 +443,10 @@ def finish_failed(tx: Tx, execution_id: str, owner_id: str, error: str) -> bool:
     Untaken inputs do not re-arm the doorbell (that would loop on a drain that always
     fails); a doorbell already set stays set. Returns whether it is set (one follow-up).
     """
+    if tx.dialect == "postgres":
+        verdict = _pg_finish(tx, execution_id, owner_id, "failed")
+        if verdict is not None:
+            return verdict == "released-set"
     session_id = _require_claim(tx, execution_id, owner_id)
     _close_open_messages(tx, execution_id, error)
     _delete_claim(tx, execution_id, owner_id)
@@ -427,8 +454,13 @@ def finish_failed(tx: Tx, execution_id: str, owner_id: str, error: str) -> bool:
     return _doorbell_set(tx, session_id)
 
 
+@autocommit_when_alone
 def mark_cancelling(tx: Tx, execution_id: str, owner_id: str) -> None:
     """First step of an interrupt's cleanup: make the cancellation durable (claim fence)."""
+    if tx.dialect == "postgres":
+        if tx.call("ts_mark_cancelling", execution_id, owner_id) != [("ok",)]:
+            raise _lease_lost(execution_id)
+        return
     _lock_execution(tx, execution_id)
     updated = tx.execute(
         f"UPDATE session_execution SET phase = 'cancelling' WHERE {CLAIM_FENCE}",
@@ -442,6 +474,10 @@ def finish_interrupted(tx: Tx, execution_id: str, owner_id: str) -> bool:
     """Second step of an interrupt's cleanup, one transaction: finish the open message and
     fail its running tools (`interrupted`), delete the claim, re-arm the doorbell if inputs
     remain. Returns whether the doorbell is set afterwards (exactly one successor)."""
+    if tx.dialect == "postgres":
+        verdict = _pg_finish(tx, execution_id, owner_id, "interrupted")
+        if verdict is not None:
+            return verdict == "released-set"
     session_id = _require_claim(tx, execution_id, owner_id)
     _close_open_messages(tx, execution_id, INTERRUPTED)
     _delete_claim(tx, execution_id, owner_id)
@@ -485,6 +521,10 @@ def expire_claims(tx: Tx, owner_id: str, execution_ids: Sequence[str]) -> int:
     """Shutdown: keep the claims (phase unchanged) but end their leases now, fenced, and
     mark them handed back: recovery resumes them without counting a resume."""
     execution_ids = sorted(execution_ids)
+    if tx.dialect == "postgres":
+        if not execution_ids:
+            return 0
+        return int(tx.call("ts_expire_claims", owner_id, execution_ids, idempotent=False)[0][0])
     tx.lock_claims(execution_ids)
     expired = 0
     for execution_id in execution_ids:
@@ -534,8 +574,20 @@ def take_inputs(tx: Tx, execution_id: str, owner_id: str) -> list[Input]:
     return taken
 
 
+@autocommit_when_alone
 def begin_assistant(tx: Tx, execution_id: str, owner_id: str, message_id: str) -> int:
     """Start an empty, unfinished assistant message, open for streaming; returns its seq."""
+    if tx.dialect == "postgres":
+        [(verdict, seq)] = tx.call(
+            "ts_begin_assistant",
+            execution_id,
+            owner_id,
+            message_id,
+            _codec.encode_assistant(_transcript.EMPTY),
+        )
+        if verdict != "ok":
+            raise _lease_lost(execution_id)
+        return int(seq)
     session_id = _require_claim(tx, execution_id, owner_id)
     seq = _next_message_seq(tx, session_id)
     tx.execute(
@@ -559,8 +611,14 @@ def begin_assistant(tx: Tx, execution_id: str, owner_id: str, message_id: str) -
     return seq
 
 
+@autocommit_when_alone
 def append_assistant_text(
-    tx: Tx, execution_id: str, owner_id: str, message_id: str, text: str
+    tx: Tx,
+    execution_id: str,
+    owner_id: str,
+    message_id: str,
+    text: str,
+    after_version: int | None = None,
 ) -> tuple[AssistantData | None, int]:
     """Stream text onto an open assistant message under the claim fence: one small
     `session_message_delta` row, never a rewrite of the message, so an append costs the
@@ -570,7 +628,26 @@ def append_assistant_text(
     A message with no stream row - finished, another execution's, or written by hand -
     takes `update_assistant`'s whole-row path instead, which raises as it always did
     (`MessageFinished`, `LeaseLost`, `MalformedRecord`) or returns the new data.
+
+    `after_version` is the message's version as the writer last saw it: on PostgreSQL the
+    append is then one autocommit call, and a retry after a lost reply finds the delta
+    just after that version with this text instead of appending it twice.
     """
+    if tx.dialect == "postgres":
+        [(verdict, version)] = tx.call(
+            "ts_append_text",
+            execution_id,
+            owner_id,
+            message_id,
+            text,
+            after_version,
+            idempotent=after_version is not None,
+        )
+        if verdict == "ok":
+            return None, int(version)
+        if verdict == "lease_lost":
+            raise _lease_lost(execution_id)
+        # not_streaming: nothing was written; the whole-row path below.
     session_id = _require_claim(tx, execution_id, owner_id)
     # Serialised with every other write to this message by the session lock, so the
     # newest version read here is still the newest when the row lands.
@@ -609,17 +686,46 @@ def update_assistant(
     The transition runs on the durable message, so the settlement state machine checks what
     is stored, not what a writer remembers.
     """
+    if tx.dialect == "postgres":
+        [(verdict, text, streamed, now)] = tx.call(
+            "ts_read_message", execution_id, owner_id, message_id, idempotent=False
+        )
+        if verdict == "lease_lost":
+            raise _lease_lost(execution_id)
+        if verdict != "ok":
+            raise _not_owned(message_id, execution_id)
+        data = transition(
+            _transcript.with_streamed(
+                _codec.decode_assistant(text, key=message_id),
+                _codec.decode_streamed(list(streamed), key=message_id),
+            )
+        )
+        [(version,)] = tx.call(
+            "ts_write_message",
+            execution_id,
+            message_id,
+            _codec.encode_assistant(data),
+            data.finished,
+            now,
+            True,
+            idempotent=False,
+        )
+        return data, int(version)
     session_id = _require_claim(tx, execution_id, owner_id)
     row = tx.one(
         "SELECT data FROM session_message WHERE id = ? AND execution_id = ?",
         (message_id, execution_id),
     )
     if row is None:
-        raise LeaseLost(f"message {message_id!r} is not owned by execution {execution_id!r}")
+        raise _not_owned(message_id, execution_id)
     data = transition(_assistant_data(tx, message_id, row[0]))
     version = _write_assistant(tx, message_id, execution_id, data)
     tx.notify(session_id)
     return data, version
+
+
+def _not_owned(message_id: str, execution_id: str) -> LeaseLost:
+    return LeaseLost(f"message {message_id!r} is not owned by execution {execution_id!r}")
 
 
 def _streamed_texts(tx: Tx, message_id: str) -> list[Any]:
