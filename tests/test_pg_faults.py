@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
+import operator
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -70,6 +71,8 @@ TABLES = (
     "session_message",
     "session_input_rejected",
     "session_message_rejected",
+    "session_message_stream",
+    "session_message_delta",
 )
 
 
@@ -87,16 +90,46 @@ LANDED = {Mode.LOST, Mode.AFTER}
 
 
 # The locks a statement can wait for, as the test takes them first (in a transaction of its
-# own, released by rolling it back): the session lock, and the claim rows' lock.
-BLOCKERS = {
-    "pg_advisory_xact_lock": (
-        f"SELECT pg_advisory_xact_lock({SESSION_LOCK_NAMESPACE}, hashtext(%s))"
-    ),
-    "FOR NO KEY UPDATE": "SELECT 1 FROM session_execution WHERE id = ANY(%s) FOR UPDATE",
+# own, released by rolling it back): the session lock, and the claim rows' lock - and the
+# same locks a server-side function takes, from its arguments: (lock, the parameters
+# of the statement it needs).
+SESSION_LOCK = f"SELECT pg_advisory_xact_lock({SESSION_LOCK_NAMESPACE}, hashtext(%s))"
+EXECUTION_LOCK = (
+    f"SELECT pg_advisory_xact_lock({SESSION_LOCK_NAMESPACE}, hashtext(session_id))"
+    " FROM session_execution WHERE id = %s"
+)
+CLAIMS_LOCK = "SELECT 1 FROM session_execution WHERE id = ANY(%s) FOR UPDATE"
+Pick = Callable[[Any], Any]
+FIRST: Pick = operator.itemgetter(slice(0, 1))
+SECOND: Pick = operator.itemgetter(slice(1, 2))
+SAME: Pick = lambda params: params  # noqa: E731
+BLOCKERS: dict[str, tuple[str, Pick]] = {
+    "pg_advisory_xact_lock": (SESSION_LOCK, SAME),
+    "FOR NO KEY UPDATE": (CLAIMS_LOCK, SAME),
+    **{
+        f"{function}(": (SESSION_LOCK, FIRST)
+        for function in ("ts_submit", "ts_acquire", "ts_submit_and_acquire", "ts_wake")
+    },
+    "ts_wake_and_acquire(": (SESSION_LOCK, FIRST),
+    **{
+        f"{function}(": (EXECUTION_LOCK, FIRST)
+        for function in (
+            "ts_append_text",
+            "ts_begin_assistant",
+            "ts_mark_cancelling",
+            "ts_finish",
+            "ts_read_message",
+            "ts_take_inputs",
+        )
+    },
+    **{f"{function}(": (CLAIMS_LOCK, SECOND) for function in ("ts_heartbeat", "ts_expire_claims")},
 }
+# How the seam labels a statement that commits on its own (an autocommit function call):
+# it is its own COMMIT.
+AUTOCOMMIT = "autocommit: "
 
 
-def blocker(statement: str) -> str | None:
+def blocker(statement: str) -> tuple[str, Pick] | None:
     return next((lock for key, lock in BLOCKERS.items() if key in statement), None)
 
 
@@ -205,7 +238,17 @@ class Faults:
             terminate_on(self.control, pid)
             raise psycopg.errors.AdminShutdown("terminating connection (injected)")
         if mode is Mode.BLOCKED:
-            return self._killed_while_blocked(pid, text, params, run)
+            found = blocker(text)
+            assert found is not None
+            lock, pick = found
+            with psycopg.connect(
+                self.url, options=f"-c search_path={self.schema} -c lock_timeout=300"
+            ) as holder:
+                if self._locked(holder, lock, pick(params)):
+                    return self._killed_while_blocked(holder, pid, run)
+            # Nothing to wait for: the lock is this transaction's already (a function
+            # before it took it), or there is no such row. Killed after it instead.
+            mode = Mode.LOST
         result = run()
         terminate_on(self.control, pid)
         if mode is Mode.LOST:
@@ -220,29 +263,34 @@ class Faults:
             raise psycopg.OperationalError("server closed the connection (injected)")
         return result
 
-    def _killed_while_blocked(
-        self, pid: int, text: str, params: Any, run: Callable[[], Any]
-    ) -> Any:
-        """The statement waits on the server for a lock the test holds; the backend is
-        killed during that wait."""
-        lock = blocker(text)
-        assert lock is not None
-        with psycopg.connect(self.url, options=f"-c search_path={self.schema}") as holder:
-            holder.execute(lock, params)
-            outcome: list[Any] = []
-
-            def statement() -> None:
-                try:
-                    outcome.append(run())
-                except BaseException as exc:
-                    outcome.append(exc)
-
-            thread = threading.Thread(target=statement, daemon=True)
-            thread.start()
-            wait_for_lock(self.control, pid)
-            terminate_on(self.control, pid)
-            thread.join(10)
+    @staticmethod
+    def _locked(holder: psycopg.Connection[Any], lock: str, params: Any) -> bool:
+        """Take the lock the statement will wait for; False if there is none to take."""
+        try:
+            return bool(holder.execute(lock, params).fetchall())
+        except psycopg.errors.LockNotAvailable:
             holder.rollback()
+            return False
+
+    def _killed_while_blocked(
+        self, holder: psycopg.Connection[Any], pid: int, run: Callable[[], Any]
+    ) -> Any:
+        """The statement waits on the server for a lock the test holds (in `holder`); the
+        backend is killed during that wait."""
+        outcome: list[Any] = []
+
+        def statement() -> None:
+            try:
+                outcome.append(run())
+            except BaseException as exc:
+                outcome.append(exc)
+
+        thread = threading.Thread(target=statement, daemon=True)
+        thread.start()
+        wait_for_lock(self.control, pid)
+        terminate_on(self.control, pid)
+        thread.join(10)
+        holder.rollback()
         assert outcome and isinstance(outcome[0], psycopg.Error), outcome
         raise outcome[0]
 
@@ -258,8 +306,15 @@ class FaultyConnection:
         return getattr(self._conn, name)
 
     def execute(self, query: Any, params: Any = None) -> Any:
+        text = str(query)
+        if (
+            self._conn.autocommit
+            and self._conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+            and not text.startswith("BEGIN")
+        ):
+            text = AUTOCOMMIT + text
         return self._faults.statement(
-            self._conn, str(query), params, lambda: self._conn.execute(query, params)
+            self._conn, text, params, lambda: self._conn.execute(query, params)
         )
 
     def commit(self) -> None:
@@ -494,6 +549,59 @@ OPERATIONS = [
         one(_store.begin_assistant, "e1", OWNER, "m1"),
     ),
     Operation("update_assistant", drained, one(_store.update_assistant, "e1", OWNER, "m1", APPEND)),
+    # The writer knows the version (2: begun at 0, two updates): one autocommit call.
+    Operation(
+        "append_assistant_text",
+        drained,
+        one(_store.append_assistant_text, "e1", OWNER, "m1", " more", 2),
+    ),
+    Operation(
+        "append_assistant_text-unknown-version",
+        drained,
+        one(_store.append_assistant_text, "e1", OWNER, "m1", " more"),
+    ),
+    Operation(
+        "append_assistant_text-lease-lost",
+        steps(drained, lapse),
+        one(_store.append_assistant_text, "e1", OWNER, "m1", " more", 2),
+        writes=False,
+    ),
+    Operation(
+        "take_inputs-plain",
+        steps(
+            do(_store.submit, "s", '{"n": 1}', "i1"),
+            do(_store.submit, "s", '{"n": 2}', "i2"),
+            do(_store.acquire, "s", "e1", OWNER, LEASE_MS),
+        ),
+        one(_store.take_inputs, "e1", OWNER),
+    ),
+    Operation("finish_iteration-plain-release", claimed, one(_store.finish_iteration, "e1", OWNER)),
+    Operation(
+        "finish_iteration-plain-continue",
+        steps(claimed, do(_store.wake, "s")),
+        one(_store.finish_iteration, "e1", OWNER),
+    ),
+    Operation(
+        "finish_failed-plain",
+        steps(claimed, do(_store.wake, "s")),
+        one(_store.finish_failed, "e1", OWNER, "boom"),
+    ),
+    Operation(
+        "finish_interrupted-plain",
+        steps(claimed, do(_store.submit, "s", '{"n": 3}', "i3")),
+        one(_store.finish_interrupted, "e1", OWNER),
+    ),
+    Operation(
+        "acquire-held",
+        steps(lambda env: claimed(env, owner="other"), do(_store.wake, "s")),
+        one(_store.acquire, "s", "e2", OWNER, LEASE_MS),
+        writes=False,
+    ),
+    Operation(
+        "submit_and_acquire-held",
+        lambda env: claimed(env, owner="other"),
+        one(_store.submit_and_acquire, "s", '{"n": 2}', "i2", "e2", OWNER, LEASE_MS),
+    ),
     Operation("finish_iteration-release", drained, one(_store.finish_iteration, "e1", OWNER)),
     Operation(
         "finish_iteration-continue",
@@ -651,7 +759,9 @@ def test_every_statement_of_every_operation(
         clean_transactions = env.engine.transactions - transactions
         post = snapshot(env.control)
         assert (post != pre) == operation.writes, "the clean run did not do what it should"
-        assert "COMMIT" in statements or not operation.writes
+        # Committed by a COMMIT, or by a function call in autocommit (its own COMMIT).
+        committed = "COMMIT" in statements or any(s.startswith(AUTOCOMMIT) for s in statements)
+        assert committed or not operation.writes
         fired = 0
         for k, statement in enumerate(statements, 1):
             for mode in modes_for(statement):

@@ -277,4 +277,261 @@ BEGIN
     END IF;
     RETURN v_version;
 END $$;
+
+-- Whether an input's payload is certainly a JSON object the library's codec accepts: the
+-- fast path of ts_take_inputs takes only such inputs, and leaves every other case (not
+-- JSON, not an object, and the few JSON texts Python's codec refuses: floats beyond the
+-- double range, nesting deeper than its recursion limit) to the library's own path.
+CREATE OR REPLACE FUNCTION ts_json_object(p_payload text) RETURNS boolean
+LANGUAGE plpgsql IMMUTABLE AS $$
+BEGIN
+    RETURN json_typeof(p_payload::json) = 'object';
+EXCEPTION WHEN invalid_text_representation THEN
+    RETURN false;
+END $$;
+
+CREATE OR REPLACE FUNCTION ts_plain_object(p_payload text) RETURNS boolean
+LANGUAGE plpgsql IMMUTABLE AS $$
+BEGIN
+    IF p_payload ~ '[0-9][eE]\+?[0-9]{3}' OR p_payload ~ '[0-9]{255}'
+            OR length(p_payload) - length(translate(p_payload, '[{', '')) > 500 THEN
+        RETURN false;
+    END IF;
+    IF current_setting('server_version_num')::int < 160000 THEN
+        RETURN ts_json_object(p_payload);  -- a subtransaction per input: older servers only
+    END IF;
+    RETURN pg_input_is_valid(p_payload, 'json') AND json_typeof(p_payload::json) = 'object';
+END $$;
+
+-- take_inputs' fast path: every pending input of the claim's session becomes a user message
+-- of this execution, in seq order, if each is a plain JSON object (ts_plain_object).
+-- Rows: first (verdict, NULL, NULL) - ok, lease_lost, or mixed (nothing written: the
+-- caller's own path sets the others aside) - then (NULL, input id, payload) per input
+-- taken. Not idempotent: a lost reply is read back by the transaction's id.
+CREATE OR REPLACE FUNCTION ts_take_inputs(p_exec text, p_owner text, p_now bigint,
+    p_retry boolean)
+RETURNS TABLE(verdict text, input_id text, payload text)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_session text; v_now bigint; v_seq bigint;
+BEGIN
+    SELECT l.session_id, l.now INTO v_session, v_now FROM ts_lock_execution(p_exec, p_now) l;
+    IF v_session IS NULL OR NOT ts_holds(p_exec, p_owner, v_now) THEN
+        RETURN QUERY SELECT 'lease_lost', NULL::text, NULL::text;
+        RETURN;
+    END IF;
+    IF EXISTS (SELECT 1 FROM session_input i WHERE i.session_id = v_session
+               AND NOT ts_plain_object(i.payload)) THEN
+        RETURN QUERY SELECT 'mixed', NULL::text, NULL::text;
+        RETURN;
+    END IF;
+    SELECT COALESCE(MAX(m.seq), 0) INTO v_seq FROM session_message m
+        WHERE m.session_id = v_session;
+    RETURN QUERY SELECT 'ok', NULL::text, NULL::text;
+    RETURN QUERY
+    WITH taken AS (
+        DELETE FROM session_input i WHERE i.session_id = v_session
+        RETURNING i.id, i.seq, i.payload),
+    ordered AS (
+        SELECT t.id, t.payload, v_seq + row_number() OVER (ORDER BY t.seq) AS seq FROM taken t),
+    added AS (
+        INSERT INTO session_message(id, session_id, execution_id, input_id, role, seq, data,
+                time_created, time_updated, finished)
+            SELECT lpad(to_hex(v_now), 12, '0')
+                    || substr(md5(random()::text || clock_timestamp()::text || o.id), 1, 20),
+                v_session, p_exec, o.id, 'user', o.seq, o.payload, v_now, v_now, 1
+            FROM ordered o
+            RETURNING session_message.input_id, session_message.data, session_message.seq)
+    SELECT NULL::text, a.input_id, a.data FROM added a ORDER BY a.seq;
+    IF FOUND THEN
+        PERFORM ts_signal(v_session);
+    END IF;
+END $$;
+
+-- Under the session lock: is the input id stored (pending, taken or set aside)? NULL: no;
+-- known (same session, same payload text); other_session; other_payload (the caller
+-- compares the payloads as JSON values).
+CREATE OR REPLACE FUNCTION ts_known_input(p_session text, p_input text, p_payload text)
+RETURNS text
+LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    v_session text; v_payload text;
+BEGIN
+    SELECT k.session_id, k.payload INTO v_session, v_payload FROM (
+        SELECT i.session_id, i.payload FROM session_input i WHERE i.id = p_input
+        UNION ALL SELECT m.session_id, m.data FROM session_message m WHERE m.input_id = p_input
+        UNION ALL SELECT r.session_id, r.payload FROM session_input_rejected r
+            WHERE r.id = p_input
+        LIMIT 1) k;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    RETURN CASE WHEN v_session <> p_session THEN 'other_session'
+                WHEN v_payload = p_payload THEN 'known' ELSE 'other_payload' END;
+END $$;
+
+-- Store a pending input; p_ring: set the doorbell and count the wake (false when a claim
+-- inserted in the same call takes the wake at once). Returns the session's doorbell and
+-- resume count as they are now.
+CREATE OR REPLACE FUNCTION ts_insert_input(p_session text, p_payload text, p_input text,
+    p_ring boolean, p_at bigint, OUT time_woken bigint, OUT wake_attempts bigint)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_seq bigint; v_doorbell bigint := CASE WHEN p_ring THEN p_at END;
+BEGIN
+    IF p_ring THEN
+        PERFORM ts_signal(p_session);
+    END IF;
+    INSERT INTO session AS s (id, time_created, time_woken, wakes, input_seq)
+        VALUES (p_session, p_at, v_doorbell, p_ring::int, 1)
+        ON CONFLICT (id) DO UPDATE SET time_woken = COALESCE(s.time_woken, v_doorbell),
+            wakes = s.wakes + p_ring::int, input_seq = s.input_seq + 1
+        RETURNING s.input_seq, s.time_woken, s.wake_attempts
+        INTO v_seq, ts_insert_input.time_woken, ts_insert_input.wake_attempts;
+    INSERT INTO session_input(id, session_id, seq, payload, time_created)
+        VALUES (p_input, p_session, v_seq, p_payload, p_at);
+END $$;
+
+-- Under the session lock: insert the claim only if no claim row exists for the session
+-- (never an overwrite) and the doorbell is set (p_doorbell: the caller rang it in this same
+-- call), and take the doorbell. Verdicts: claim (attempt), held (holder), no_doorbell. A
+-- claim row carrying this very execution id is this call's own, landed before a lost reply.
+CREATE OR REPLACE FUNCTION ts_acquire_locked(p_session text, p_exec text, p_owner text,
+    p_lease bigint, p_at bigint, p_doorbell boolean,
+    OUT verdict text, OUT attempt bigint, OUT holder text)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_claim text; v_woken bigint;
+BEGIN
+    SELECT c.id, c.owner_id INTO v_claim, holder FROM session_execution c
+        WHERE c.session_id = p_session;
+    IF FOUND THEN
+        IF v_claim = p_exec THEN
+            verdict := 'claim';
+            holder := NULL;
+            SELECT s.wake_attempts INTO attempt FROM session s WHERE s.id = p_session;
+        ELSE
+            verdict := 'held';
+        END IF;
+        RETURN;
+    END IF;
+    SELECT s.time_woken, s.wake_attempts INTO v_woken, attempt FROM session s
+        WHERE s.id = p_session;
+    IF NOT FOUND OR (v_woken IS NULL AND NOT p_doorbell) THEN
+        verdict := 'no_doorbell';
+        attempt := NULL;
+        RETURN;
+    END IF;
+    INSERT INTO session_execution(id, session_id, owner_id, phase, anchor_seq, time_created,
+            heartbeat_at, expires_at)
+        VALUES (p_exec, p_session, p_owner, 'running',
+            (SELECT MAX(m.seq) FROM session_message m WHERE m.session_id = p_session),
+            p_at, NULL, p_at + p_lease);
+    IF v_woken IS NOT NULL THEN
+        UPDATE session SET time_woken = NULL, wakes = 0 WHERE id = p_session;
+    END IF;
+    verdict := 'claim';
+END $$;
+
+-- submit: store the input and ring the doorbell, idempotently by input id. Verdicts:
+-- stored, known, other_session, other_payload (ts_known_input; nothing written).
+CREATE OR REPLACE FUNCTION ts_submit(p_session text, p_payload text, p_input text,
+    p_now bigint, p_retry boolean)
+RETURNS text
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_now bigint; v_known text;
+BEGIN
+    PERFORM ts_lock(p_session);
+    v_now := ts_now(p_now);
+    v_known := ts_known_input(p_session, p_input, p_payload);
+    IF v_known IS NOT NULL THEN
+        RETURN v_known;
+    END IF;
+    PERFORM ts_insert_input(p_session, p_payload, p_input, true, v_now);
+    RETURN 'stored';
+END $$;
+
+-- acquire (see ts_acquire_locked). Idempotent by execution id.
+CREATE OR REPLACE FUNCTION ts_acquire(p_session text, p_exec text, p_owner text,
+    p_lease bigint, p_now bigint, p_retry boolean,
+    OUT verdict text, OUT attempt bigint, OUT holder text)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_now bigint;
+BEGIN
+    PERFORM ts_lock(p_session);
+    v_now := ts_now(p_now);
+    SELECT a.verdict, a.attempt, a.holder INTO verdict, attempt, holder
+        FROM ts_acquire_locked(p_session, p_exec, p_owner, p_lease, v_now, false) a;
+END $$;
+
+-- submit and the acquire it rings for, in one call: when the claim is taken here the
+-- doorbell is rung and taken at once, so it is never written. Input verdicts as ts_submit
+-- (other_*: nothing written, no acquire); then the acquire's. Idempotent by input id and
+-- execution id.
+CREATE OR REPLACE FUNCTION ts_submit_and_acquire(p_session text, p_payload text,
+    p_input text, p_exec text, p_owner text, p_lease bigint, p_now bigint, p_retry boolean,
+    OUT input_verdict text, OUT verdict text, OUT attempt bigint, OUT holder text)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_now bigint; v_held boolean;
+BEGIN
+    PERFORM ts_lock(p_session);
+    v_now := ts_now(p_now);
+    input_verdict := ts_known_input(p_session, p_input, p_payload);
+    IF input_verdict IN ('other_session', 'other_payload') THEN
+        RETURN;
+    END IF;
+    v_held := EXISTS (SELECT 1 FROM session_execution c WHERE c.session_id = p_session);
+    IF input_verdict IS NULL THEN
+        -- Rung only if a claim already holds the session: else the claim below takes it.
+        PERFORM ts_insert_input(p_session, p_payload, p_input, v_held, v_now);
+        input_verdict := 'stored';
+    END IF;
+    SELECT a.verdict, a.attempt, a.holder INTO verdict, attempt, holder
+        FROM ts_acquire_locked(p_session, p_exec, p_owner, p_lease, v_now,
+                               input_verdict = 'stored') a;
+END $$;
+
+-- wake: the durable doorbell (create the session if absent, set time_woken, count it).
+CREATE OR REPLACE FUNCTION ts_wake(p_session text, p_now bigint, p_retry boolean)
+RETURNS void
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_now bigint;
+BEGIN
+    PERFORM ts_lock(p_session);
+    v_now := ts_now(p_now);
+    PERFORM ts_signal(p_session);
+    INSERT INTO session AS s (id, time_created, time_woken, wakes)
+        VALUES (p_session, v_now, v_now, 1)
+        ON CONFLICT (id) DO UPDATE SET time_woken = COALESCE(s.time_woken, v_now),
+            wakes = s.wakes + 1;
+END $$;
+
+-- wake and the acquire it rings for: a claim taken here takes the wake at once.
+CREATE OR REPLACE FUNCTION ts_wake_and_acquire(p_session text, p_exec text, p_owner text,
+    p_lease bigint, p_now bigint, p_retry boolean,
+    OUT verdict text, OUT attempt bigint, OUT holder text)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_now bigint;
+BEGIN
+    PERFORM ts_lock(p_session);
+    v_now := ts_now(p_now);
+    IF EXISTS (SELECT 1 FROM session_execution c WHERE c.session_id = p_session
+               AND c.id <> p_exec) THEN
+        PERFORM ts_signal(p_session);
+        INSERT INTO session AS s (id, time_created, time_woken, wakes)
+            VALUES (p_session, v_now, v_now, 1)
+            ON CONFLICT (id) DO UPDATE SET time_woken = COALESCE(s.time_woken, v_now),
+                wakes = s.wakes + 1;
+    ELSE
+        INSERT INTO session(id, time_created) VALUES (p_session, v_now)
+            ON CONFLICT (id) DO NOTHING;
+    END IF;
+    SELECT a.verdict, a.attempt, a.holder INTO verdict, attempt, holder
+        FROM ts_acquire_locked(p_session, p_exec, p_owner, p_lease, v_now, true) a;
+END $$;
 """

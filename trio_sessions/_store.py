@@ -189,6 +189,9 @@ def _reset_attempts(tx: Tx, session_id: str) -> None:
 
 def wake(tx: Tx, session_id: str) -> None:
     """Durable doorbell: create the session if absent, set `time_woken` (if unset), count it."""
+    if tx.dialect == "postgres":
+        tx.call("ts_wake", session_id, idempotent=False)
+        return
     tx.lock_session(session_id)
     tx.notify(session_id)
     tx.execute(
@@ -199,6 +202,7 @@ def wake(tx: Tx, session_id: str) -> None:
     )
 
 
+@autocommit_when_alone
 def submit(tx: Tx, session_id: str, payload: str, input_id: str) -> str:
     """Admit an input and ring the doorbell, idempotently by `input_id`.
 
@@ -206,6 +210,12 @@ def submit(tx: Tx, session_id: str, payload: str, input_id: str) -> str:
     also after the input was taken; the same id for another session, or with another
     payload, raises `InputConflict`.
     """
+    if tx.dialect == "postgres":
+        [(verdict,)] = tx.call("ts_submit", session_id, payload, input_id)
+        if verdict in ("stored", "known"):
+            return input_id
+        # Another session's id, or another payload text (maybe the same JSON value):
+        # nothing was written; the path below decides (in a transaction).
     tx.lock_session(session_id)
     if not _known_input(tx, session_id, input_id, payload):
         _insert_input(tx, session_id, payload, input_id, ring=True)
@@ -281,8 +291,12 @@ class Acquired:
     holder: str | None = None
 
 
+@autocommit_when_alone
 def acquire(tx: Tx, session_id: str, execution_id: str, owner_id: str, lease_ms: int) -> Acquired:
     """Insert the claim only if no claim row exists and the doorbell is set; take the doorbell."""
+    if tx.dialect == "postgres":
+        [row] = tx.call("ts_acquire", session_id, execution_id, owner_id, lease_ms)
+        return _pg_acquired(*row)
     tx.lock_session(session_id)
     session = tx.one("SELECT time_woken FROM session WHERE id = ?", (session_id,))
     claim = _claim_row(tx, session_id)
@@ -302,6 +316,11 @@ def wake_and_acquire(
     When the claim is taken here, the doorbell is rung and taken at once, so it is never
     written: the same durable result with fewer pages per commit.
     """
+    if tx.dialect == "postgres":
+        [row] = tx.call(
+            "ts_wake_and_acquire", session_id, execution_id, owner_id, lease_ms, idempotent=False
+        )
+        return None, _pg_acquired(*row)
     tx.lock_session(session_id)
     claim = _claim_row(tx, session_id)
     if claim is not None:
@@ -311,6 +330,7 @@ def wake_and_acquire(
     return None, _insert_claim(tx, session_id, execution_id, owner_id, lease_ms)
 
 
+@autocommit_when_alone
 def submit_and_acquire(
     tx: Tx,
     session_id: str,
@@ -321,6 +341,20 @@ def submit_and_acquire(
     lease_ms: int,
 ) -> tuple[str, Acquired]:
     """`submit` and the acquire it rings for, in one transaction (see `wake_and_acquire`)."""
+    if tx.dialect == "postgres":
+        [(input_verdict, *row)] = tx.call(
+            "ts_submit_and_acquire",
+            session_id,
+            payload,
+            input_id,
+            execution_id,
+            owner_id,
+            lease_ms,
+        )
+        if input_verdict in ("stored", "known"):
+            return input_id, _pg_acquired(*row)
+        # Another session's id, or another payload text: nothing was written; the path
+        # below decides (in a transaction).
     tx.lock_session(session_id)
     claim = _claim_row(tx, session_id)
     if claim is not None or _known_input(tx, session_id, input_id, payload):
@@ -328,6 +362,11 @@ def submit_and_acquire(
         return stored, acquire(tx, session_id, execution_id, owner_id, lease_ms)
     session = _insert_input(tx, session_id, payload, input_id, ring=False)
     return input_id, _insert_claim(tx, session_id, execution_id, owner_id, lease_ms, session)
+
+
+def _pg_acquired(verdict: str, attempt: int | None, holder: str | None) -> Acquired:
+    """A PostgreSQL acquire verdict (`ts_acquire_locked`) as `Acquired`."""
+    return Acquired(AcquireVerdict(verdict), attempt=int(attempt or 0), holder=holder)
 
 
 def _ensure_session(tx: Tx, session_id: str) -> None:
@@ -545,6 +584,17 @@ def take_inputs(tx: Tx, execution_id: str, owner_id: str) -> list[Input]:
     An input whose payload does not decode to a JSON object never blocks the ones behind
     it: it moves to `session_input_rejected` (raw text and reason kept for the operator).
     """
+    if tx.dialect == "postgres":
+        found = tx.call("ts_take_inputs", execution_id, owner_id, idempotent=False)
+        if found[0][0] == "lease_lost":
+            raise _lease_lost(execution_id)
+        if found[0][0] == "ok":
+            return [
+                Input(key, _codec.decode_object(payload, table="session_input", key=key))
+                for _, key, payload in found[1:]
+            ]
+        # mixed: some input is not a plain JSON object; nothing was written, the path
+        # below sets such inputs aside.
     session_id = _require_claim(tx, execution_id, owner_id)
     tx.notify(session_id)
     rows = tx.execute(

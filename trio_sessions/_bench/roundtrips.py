@@ -175,4 +175,6 @@ async def turn_round_trips(url: str, schema: str, turns: int = 3) -> float:
         for n in range(turns + 1):  # the first turn warms up
             await runtime.submit(f"turn-{n}", PAYLOAD)
             await runtime.wait_idle(f"turn-{n}")
+    if len(counts) != turns + 1:
+        raise RuntimeError(f"{turns + 1 - len(counts)} chat turns failed (see the log)")
     return sum(counts[1:]) / turns
