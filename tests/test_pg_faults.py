@@ -794,24 +794,38 @@ def short_patience(monkeypatch: pytest.MonkeyPatch) -> float:
     return 0.3
 
 
-@pytest.mark.parametrize("mode", [Mode.BEFORE, Mode.LOST])
+def operation(name: str) -> Operation:
+    return next(op for op in OPERATIONS if op.name == name)
+
+
+@pytest.mark.parametrize(
+    ("name", "k", "mode"),
+    [
+        ("update_assistant", 2, Mode.BEFORE),  # a transaction: lost before its write
+        ("update_assistant", 2, Mode.LOST),  # its write's reply lost, before COMMIT
+        ("submit", 1, Mode.BEFORE),  # one call in autocommit: lost before it was sent
+    ],
+)
 def test_unreachable_server_fails_the_operation_after_the_bound_with_nothing_written(
-    pg_url: str, pg_schema: str, short_patience: float, mode: Mode
+    pg_url: str, pg_schema: str, short_patience: float, name: str, k: int, mode: Mode
 ) -> None:
-    """The connection is lost mid-transaction and the server stays unreachable: StoreError
-    once the bound has passed, nothing of the operation is durable, and once the server is
-    back the same operation succeeds."""
+    """The connection is lost before the operation committed and the server stays
+    unreachable: StoreError once the bound has passed, nothing of the operation is durable,
+    and once the server is back the same operation succeeds."""
     with environment(pg_url, pg_schema) as env:
-        pre = prepare(env, OPERATIONS[1])  # submit
-        env.faults.arm(Plan(2, mode, then_unreachable=True))
+        pre = prepare(env, operation(name))
+        env.faults.arm(Plan(k, mode, then_unreachable=True))
         started = time.monotonic()
-        [(kind, message)] = OPERATIONS[1].call(env)
+        [(kind, message)] = operation(name).call(env)
         assert kind == "StoreError", message
         assert time.monotonic() - started >= short_patience
         assert snapshot(env.control) == pre
         env.faults.unreachable = False
-        assert OPERATIONS[1].call(env) == [("ok", "i1")]
-        assert env.control.execute("SELECT id FROM session_input").fetchall() == [("i1",)]
+        [(kind, _)] = operation(name).call(env)
+        assert kind == "ok"
+        assert snapshot(env.control) != pre
+        if name == "submit":
+            assert env.control.execute("SELECT id FROM session_input").fetchall() == [("i1",)]
 
 
 def test_commit_whose_outcome_stays_unknown_is_reported_as_store_error(
@@ -821,7 +835,8 @@ def test_commit_whose_outcome_stays_unknown_is_reported_as_store_error(
     acquire reports StoreError (never a claim), though the claim row is durable."""
     with environment(pg_url, pg_schema) as env:
         env.run(_store.wake, "s")
-        env.faults.arm(Plan(None, Mode.LOST, match="COMMIT", then_unreachable=True))
+        # Alone, an acquire is one call in autocommit: its own COMMIT.
+        env.faults.arm(Plan(None, Mode.LOST, match="ts_acquire(", then_unreachable=True))
         job = Job(_store.acquire, ("s", "e1", OWNER, LEASE_MS))
         env.engine.run_alone(job)
         [(kind, message)] = outcome_of([job])
@@ -858,7 +873,8 @@ async def test_uncertain_claim_is_never_owned_and_recovery_takes_it(
         async with open_runtime(
             store, drain, clock=ts_testing.trio_clock(), lease=3.0, recovery_interval=0.5
         ) as runtime:
-            faults.arm(Plan(None, Mode.LOST, match="COMMIT", then_unreachable=True))
+            # The claim commits with the call itself (autocommit), its reply is lost.
+            faults.arm(Plan(None, Mode.LOST, match="ts_submit_and_acquire(", then_unreachable=True))
             with pytest.raises(StoreError, match="outcome of a COMMIT is unknown"):
                 await runtime.submit("s", {"n": 1}, input_id="i1")
             faults.unreachable = False

@@ -456,7 +456,8 @@ def test_group_commit_batch_runs_in_one_transaction(pg_url: str, pg_schema: str)
 class BreakAtCommit:
     """A connection whose next COMMIT loses its connection: the backend is killed before
     the COMMIT reaches it (`land=False`: the transaction aborts) or right after it
-    committed (`land=True`: the answer is lost)."""
+    committed (`land=True`: the answer is lost). A function call in autocommit is its own
+    COMMIT."""
 
     def __init__(self, conn: psycopg.Connection[Any], url: str, *, land: bool) -> None:
         self._conn = conn
@@ -466,6 +467,22 @@ class BreakAtCommit:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._conn, name)
+
+    def execute(self, query: Any, params: Any = None) -> Any:
+        autocommit = (
+            self._conn.autocommit
+            and self._conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+            and not str(query).startswith("BEGIN")
+        )
+        if not (self.armed and autocommit):
+            return self._conn.execute(query, params)
+        self.armed = False
+        if self._land:
+            self._conn.execute(query, params)
+        terminate_backend(self._url, self._conn.info.backend_pid)
+        if self._land:
+            raise psycopg.OperationalError("server closed the connection (injected)")
+        return self._conn.execute(query, params)  # on a dead connection: raises
 
     def commit(self) -> None:
         if not self.armed:
@@ -483,7 +500,9 @@ class BreakAtCommit:
 @pytest.mark.parametrize("land", [True, False], ids=["committed", "aborted"])
 def test_uncertain_commit_is_read_back(pg_url: str, pg_schema: str, land: bool) -> None:
     """The writer's connection dies at COMMIT: the outcome is read back from the server, so
-    a submit is stored once and an acquire is reported as a claim exactly once."""
+    a submit is stored once and an acquire is reported as a claim exactly once. A wake (a
+    transaction) is read back by its transaction id; submit and acquire (one autocommit
+    call each) are called again, and the call reads back by input id / execution id."""
     wrapped: list[BreakAtCommit] = []
 
     def wrap(conn: psycopg.Connection[Any]) -> BreakAtCommit:
@@ -493,19 +512,26 @@ def test_uncertain_commit_is_read_back(pg_url: str, pg_schema: str, land: bool) 
     store = PostgresStore(pg_url, schema=pg_schema, wrap_connection=wrap)
     with opened(store.engine()) as engine:
         wrapped[-1].armed = True
-        assert run_op(engine, _store.submit, "s", '{"n": 1}', "in-1") == "in-1"
+        run_op(engine, _store.wake, "s")
         # Committed: read back, not re-applied. Aborted: run again on a new connection.
         assert (engine.reconnects, engine.transactions) == (1, 1 if land else 2)
 
         wrapped[-1].armed = True
+        transactions = engine.transactions
+        assert run_op(engine, _store.submit, "s", '{"n": 1}', "in-1") == "in-1"
+        # Called again either way: the call finds the input it stored, or stores it.
+        assert (engine.reconnects, engine.transactions - transactions) == (2, 2)
+
+        wrapped[-1].armed = True
         acquired = run_op(engine, _store.acquire, "s", "e1", "owner", LEASE_MS)
         assert acquired.verdict is AcquireVerdict.CLAIM
-        assert engine.reconnects == 2
+        assert engine.reconnects == 3
         again = run_op(engine, _store.acquire, "s", "e2", "owner", LEASE_MS)
         assert again.verdict is not AcquireVerdict.CLAIM
     with raw(pg_url, pg_schema) as conn:
         assert conn.execute("SELECT id, seq FROM session_input").fetchall() == [("in-1", 1)]
         assert conn.execute("SELECT wakes, input_seq FROM session").fetchall() == [(0, 1)]
+        assert conn.execute("SELECT time_woken IS NULL FROM session").fetchall() == [(True,)]
         assert conn.execute("SELECT id FROM session_execution").fetchall() == [("e1",)]
 
 

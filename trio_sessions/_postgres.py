@@ -747,9 +747,15 @@ class PgEngine:
         deadline = time.monotonic() + RECONNECT_PATIENCE_S
         attempt = 0
         retry = False
+        lost: BaseException | None = None
         while True:
             attempt += 1
-            conn = self._connection(deadline)
+            try:
+                conn = self._connection(deadline)
+            except StoreError as exc:
+                if retry:  # never guessed: the lost call may have landed
+                    raise _unknown_outcome(lost, exc) from lost
+                raise
             self.transactions += 1
             tx = PgTx(conn, self.clock, autocommit=True, retry=retry)
             try:
@@ -760,9 +766,12 @@ class PgEngine:
                 if _connection_lost(conn, exc):
                     self.close()  # the next attempt re-opens it
                     retry = retry or tx.begun
+                    lost = exc
                 elif not (isinstance(exc, psycopg.Error) and exc.sqlstate in RETRYABLE_SQLSTATES):
                     raise  # the operation's own refusal, or a database error
                 if attempt >= MAX_ATTEMPTS or time.monotonic() >= deadline:
+                    if retry:
+                        raise _unknown_outcome(exc, driver_error(exc)) from exc
                     raise driver_error(exc) from exc
                 self.retries += 1
                 _observe.store_retry("postgres", exc, attempt)
@@ -857,6 +866,13 @@ class PgEngine:
                     f"transaction {xid} is still {status!r}"
                 ) from lost
             time.sleep(0.02)
+
+
+def _unknown_outcome(lost: BaseException | None, error: StoreError) -> StoreError:
+    return StoreError(
+        f"the outcome of a COMMIT is unknown (a call in autocommit; connection lost: {lost}); "
+        f"{error}"
+    )
 
 
 def run_op(engine: PgEngine, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
