@@ -1,0 +1,537 @@
+"""Claims: acquire, heartbeat, finish, interrupt and the shutdown hand-back.
+
+Invariants kept here:
+* the acquire path inserts a claim only when no `session_execution` row exists for the
+  session (never an overwrite, live or expired, own or foreign) and the doorbell is set;
+  it takes the doorbell in the same transaction;
+* every write a drain makes is fenced on its claim (`CLAIM_FENCE`), and a fence that
+  matches no row raises `LeaseLost` with nothing written;
+* a heartbeat never revives an expired lease;
+* every ending (finish, failure, interrupt) closes the execution's open messages in the
+  same transaction as it deletes the claim: nothing stays `running` forever; an
+  interrupt re-arms the doorbell when inputs remain (exactly one successor).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import attrs
+
+from .. import _decisions
+from .._backend import Tx, autocommit_when_alone
+from .._decisions import AcquireVerdict
+from .._model import INTERRUPTED
+from .common import (
+    CLAIM_FENCE,
+    _claim_row,
+    _doorbell_set,
+    _fence,
+    _has_pending_inputs,
+    _lease_lost,
+    _lock_execution,
+    _require_claim,
+    _require_claim_session,
+    _reset_attempts,
+    _ring,
+    _take_doorbell,
+)
+from .inputs import _ensure_session, _insert_input, _known_input, submit, wake
+from .transcript import _close_open_messages
+
+
+@attrs.frozen
+class Acquired:
+    """The result of the acquire transaction."""
+
+    verdict: AcquireVerdict
+    attempt: int = 0
+    holder: str | None = None
+
+
+@autocommit_when_alone
+def acquire(tx: Tx, session_id: str, execution_id: str, owner_id: str, lease_ms: int) -> Acquired:
+    """Insert the claim only if no claim row exists and the doorbell is set; take the doorbell."""
+    if tx.dialect == "postgres":
+        [row] = tx.call("ts_acquire", session_id, execution_id, owner_id, lease_ms)
+        return _pg_acquired(*row)
+    tx.lock_session(session_id)
+    session = tx.one("SELECT time_woken FROM session WHERE id = ?", (session_id,))
+    claim = _claim_row(tx, session_id)
+    verdict = _decisions.acquire_verdict(
+        doorbell_set=session is not None and session[0] is not None, claim_row=claim
+    )
+    if verdict is not AcquireVerdict.CLAIM:
+        return Acquired(verdict, holder=None if claim is None else claim.owner_id)
+    return _insert_claim(tx, session_id, execution_id, owner_id, lease_ms)
+
+
+def wake_and_acquire(
+    tx: Tx, session_id: str, execution_id: str, owner_id: str, lease_ms: int
+) -> tuple[None, Acquired]:
+    """`wake` and the acquire it rings for, in one transaction.
+
+    When the claim is taken here, the doorbell is rung and taken at once, so it is never
+    written: the same durable result with fewer pages per commit.
+    """
+    if tx.dialect == "postgres":
+        [row] = tx.call(
+            "ts_wake_and_acquire", session_id, execution_id, owner_id, lease_ms, idempotent=False
+        )
+        return None, _pg_acquired(*row)
+    tx.lock_session(session_id)
+    claim = _claim_row(tx, session_id)
+    if claim is not None:
+        wake(tx, session_id)
+        return None, Acquired(AcquireVerdict.HELD, holder=claim.owner_id)
+    _ensure_session(tx, session_id)
+    return None, _insert_claim(tx, session_id, execution_id, owner_id, lease_ms)
+
+
+@autocommit_when_alone
+def submit_and_acquire(
+    tx: Tx,
+    session_id: str,
+    payload: str,
+    input_id: str,
+    execution_id: str,
+    owner_id: str,
+    lease_ms: int,
+) -> tuple[str, Acquired]:
+    """`submit` and the acquire it rings for, in one transaction (see `wake_and_acquire`)."""
+    if tx.dialect == "postgres":
+        [(input_verdict, *row)] = tx.call(
+            "ts_submit_and_acquire",
+            session_id,
+            payload,
+            input_id,
+            execution_id,
+            owner_id,
+            lease_ms,
+        )
+        if input_verdict in ("stored", "known"):
+            return input_id, _pg_acquired(*row)
+        # Another session's id, or another payload text: nothing was written; the path
+        # below decides (in a transaction).
+    tx.lock_session(session_id)
+    claim = _claim_row(tx, session_id)
+    if claim is not None or _known_input(tx, session_id, input_id, payload):
+        stored = submit(tx, session_id, payload, input_id)
+        return stored, acquire(tx, session_id, execution_id, owner_id, lease_ms)
+    session = _insert_input(tx, session_id, payload, input_id, ring=False)
+    return input_id, _insert_claim(tx, session_id, execution_id, owner_id, lease_ms, session)
+
+
+def _pg_acquired(verdict: str, attempt: int | None, holder: str | None) -> Acquired:
+    """A PostgreSQL acquire verdict (`ts_acquire_locked`) as `Acquired`."""
+    return Acquired(AcquireVerdict(verdict), attempt=int(attempt or 0), holder=holder)
+
+
+def _insert_claim(
+    tx: Tx,
+    session_id: str,
+    execution_id: str,
+    owner_id: str,
+    lease_ms: int,
+    session: tuple[int | None, int] | None = None,
+) -> Acquired:
+    """Insert the claim for a session known to have no claim row; take a set doorbell.
+
+    `session` is the session's (time_woken, wake_attempts) when this transaction already
+    read them; `anchor_seq` is the newest message seq, read in the insert itself."""
+    if session is None:
+        session = tx.one(
+            "SELECT time_woken, wake_attempts FROM session WHERE id = ?", (session_id,)
+        )
+    time_woken, attempts = session
+    tx.execute(
+        "INSERT INTO session_execution"
+        "(id, session_id, owner_id, phase, anchor_seq, time_created, heartbeat_at, expires_at)"
+        " VALUES (?, ?, ?, 'running',"
+        " (SELECT MAX(seq) FROM session_message WHERE session_id = ?), ?, NULL, ?)",
+        (execution_id, session_id, owner_id, session_id, tx.now, tx.now + lease_ms),
+    )
+    if time_woken is not None:
+        _take_doorbell(tx, session_id)
+    return Acquired(AcquireVerdict.CLAIM, attempt=int(attempts))
+
+
+@autocommit_when_alone
+def heartbeat(
+    tx: Tx, owner_id: str, execution_ids: Iterable[str], lease_ms: int
+) -> dict[str, str | None]:
+    """Renew every listed claim in this one transaction; returns execution id -> phase.
+
+    None means the lease is lost: the fence (exact id, owner, live lease) matched nothing,
+    so an expired lease is never revived.
+    """
+    execution_ids = sorted(execution_ids)
+    if tx.dialect == "postgres":
+        if not execution_ids:
+            return {}
+        rows = tx.call("ts_heartbeat", owner_id, execution_ids, lease_ms)
+        return {str(e): None if phase is None else str(phase) for e, phase in rows}
+    tx.lock_claims(execution_ids)
+    phases: dict[str, str | None] = {}
+    for execution_id in execution_ids:
+        row = tx.one(
+            "UPDATE session_execution SET expires_at = :expires, heartbeat_at = :now"
+            f" WHERE {CLAIM_FENCE} RETURNING phase",
+            {**_fence(tx, execution_id, owner_id), "expires": tx.now + lease_ms},
+        )
+        phases[execution_id] = None if row is None else str(row[0])
+    return phases
+
+
+def finish_iteration(tx: Tx, execution_id: str, owner_id: str) -> bool:
+    """After a drain returned: take a set doorbell and continue (True), or release (False).
+
+    Either way, a message the drain left open is finished and its running tools failed
+    (`interrupted`): nothing stays `running` forever. Serialised with `wake` by the write
+    lock: a wake either committed before this, and is taken here, or finds no claim
+    afterwards and leads to a fresh acquisition.
+    """
+    if tx.dialect == "postgres":
+        verdict = _pg_finish(tx, execution_id, owner_id, "iteration")
+        if verdict is not None:
+            return verdict == "continue"
+    claimed = _require_claim_session(tx, execution_id, owner_id)
+    _close_open_messages(tx, execution_id, INTERRUPTED)
+    if claimed.doorbell:
+        _take_doorbell(tx, claimed.session_id)
+        return True
+    _delete_claim(tx, execution_id, owner_id)
+    if claimed.wake_attempts:
+        _reset_attempts(tx, claimed.session_id)
+    return False
+
+
+def _pg_finish(tx: Tx, execution_id: str, owner_id: str, kind: str) -> str | None:
+    """PostgreSQL: `ts_finish` ends the iteration or busy period in one call, unless the
+    execution left a message open (None: nothing was written, the caller's own path
+    closes it by the transcript rules). `continue`, or `released` / `released-set` (the
+    doorbell is set afterwards)."""
+    [(verdict, doorbell)] = tx.call("ts_finish", execution_id, owner_id, kind, idempotent=False)
+    if verdict == "lease_lost":
+        raise _lease_lost(execution_id)
+    if verdict == "open_messages":
+        return None
+    return "released-set" if verdict == "released" and doorbell else str(verdict)
+
+
+def _delete_claim(tx: Tx, execution_id: str, owner_id: str) -> None:
+    deleted = tx.execute(
+        f"DELETE FROM session_execution WHERE {CLAIM_FENCE}", _fence(tx, execution_id, owner_id)
+    ).rowcount
+    if deleted != 1:
+        raise _lease_lost(execution_id)
+
+
+def finish_failed(tx: Tx, execution_id: str, owner_id: str, error: str) -> bool:
+    """A drain raised: close its open message as failed, delete the claim, reset attempts.
+
+    Untaken inputs do not re-arm the doorbell (that would loop on a drain that always
+    fails); a doorbell already set stays set. Returns whether it is set (one follow-up).
+    """
+    if tx.dialect == "postgres":
+        verdict = _pg_finish(tx, execution_id, owner_id, "failed")
+        if verdict is not None:
+            return verdict == "released-set"
+    session_id = _require_claim(tx, execution_id, owner_id)
+    _close_open_messages(tx, execution_id, error)
+    _delete_claim(tx, execution_id, owner_id)
+    _reset_attempts(tx, session_id)
+    return _doorbell_set(tx, session_id)
+
+
+@autocommit_when_alone
+def mark_cancelling(tx: Tx, execution_id: str, owner_id: str) -> None:
+    """First step of an interrupt's cleanup: make the cancellation durable (claim fence)."""
+    if tx.dialect == "postgres":
+        if tx.call("ts_mark_cancelling", execution_id, owner_id) != [("ok",)]:
+            raise _lease_lost(execution_id)
+        return
+    _lock_execution(tx, execution_id)
+    updated = tx.execute(
+        f"UPDATE session_execution SET phase = 'cancelling' WHERE {CLAIM_FENCE}",
+        _fence(tx, execution_id, owner_id),
+    ).rowcount
+    if updated != 1:
+        raise _lease_lost(execution_id)
+
+
+def finish_interrupted(tx: Tx, execution_id: str, owner_id: str) -> bool:
+    """Second step of an interrupt's cleanup, one transaction: finish the open message and
+    fail its running tools (`interrupted`), delete the claim, re-arm the doorbell if inputs
+    remain. Returns whether the doorbell is set afterwards (exactly one successor)."""
+    if tx.dialect == "postgres":
+        verdict = _pg_finish(tx, execution_id, owner_id, "interrupted")
+        if verdict is not None:
+            return verdict == "released-set"
+    session_id = _require_claim(tx, execution_id, owner_id)
+    _close_open_messages(tx, execution_id, INTERRUPTED)
+    _delete_claim(tx, execution_id, owner_id)
+    _reset_attempts(tx, session_id)
+    if _has_pending_inputs(tx, session_id):
+        _ring(tx, session_id)
+    return _doorbell_set(tx, session_id)
+
+
+def request_cancel(tx: Tx, session_id: str) -> bool:
+    """Interrupt another owner's claim: `phase='cancelling'` fenced on the live running row."""
+    tx.lock_session(session_id)
+    tx.notify(session_id)
+    return (
+        tx.execute(
+            "UPDATE session_execution SET phase = 'cancelling'"
+            " WHERE session_id = ? AND phase = 'running' AND expires_at > ?",
+            (session_id, tx.now),
+        ).rowcount
+        == 1
+    )
+
+
+def cancel_held_claim(tx: Tx, session_id: str) -> bool:
+    """An interrupt accepted locally while another owner's claim turned up at acquire: mark
+    that claim cancelling even if its lease already expired, so recovery finishes it as
+    cancelled instead of resuming it."""
+    tx.lock_session(session_id)
+    tx.notify(session_id)
+    return (
+        tx.execute(
+            "UPDATE session_execution SET phase = 'cancelling'"
+            " WHERE session_id = ? AND phase = 'running'",
+            (session_id,),
+        ).rowcount
+        == 1
+    )
+
+
+def expire_claims(tx: Tx, owner_id: str, execution_ids: Sequence[str]) -> int:
+    """Shutdown: keep the claims (phase unchanged) but end their leases now, fenced, and
+    mark them handed back: recovery resumes them without counting a resume."""
+    execution_ids = sorted(execution_ids)
+    if tx.dialect == "postgres":
+        if not execution_ids:
+            return 0
+        return int(tx.call("ts_expire_claims", owner_id, execution_ids, idempotent=False)[0][0])
+    tx.lock_claims(execution_ids)
+    expired = 0
+    for execution_id in execution_ids:
+        expired += tx.execute(
+            f"UPDATE session_execution SET expires_at = :now, handed_back = 1 WHERE {CLAIM_FENCE}",
+            _fence(tx, execution_id, owner_id),
+        ).rowcount
+    return expired
+
+
+# ---------------------------------------------------------------------------------------------
+# PostgreSQL: this family's server-side functions (created by `_schema`'s migrations; see
+# `_store.pg_functions` for their conventions)
+
+PG_FUNCTIONS = r"""
+-- Renew every listed claim of this owner that is still live; the others are lost (phase
+-- NULL): an expired lease is never revived. Row locks in id order, then the clock.
+CREATE OR REPLACE FUNCTION ts_heartbeat(p_owner text, p_execs text[], p_lease bigint,
+    p_now bigint, p_retry boolean)
+RETURNS TABLE(execution_id text, phase text)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_now bigint;
+BEGIN
+    PERFORM 1 FROM session_execution c WHERE c.id = ANY(p_execs)
+        ORDER BY c.id FOR NO KEY UPDATE;
+    v_now := ts_now(p_now);
+    RETURN QUERY
+    WITH renewed AS (
+        UPDATE session_execution c SET expires_at = v_now + p_lease, heartbeat_at = v_now
+        WHERE c.id = ANY(p_execs) AND c.owner_id = p_owner AND c.expires_at > v_now
+        RETURNING c.id, c.phase)
+    SELECT e.id, r.phase FROM unnest(p_execs) AS e(id) LEFT JOIN renewed r ON r.id = e.id;
+END $$;
+
+-- Shutdown: end these claims' leases now (fenced), handed back. Returns how many.
+CREATE OR REPLACE FUNCTION ts_expire_claims(p_owner text, p_execs text[], p_now bigint,
+    p_retry boolean)
+RETURNS bigint
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_now bigint; v_count bigint;
+BEGIN
+    PERFORM 1 FROM session_execution c WHERE c.id = ANY(p_execs)
+        ORDER BY c.id FOR NO KEY UPDATE;
+    v_now := ts_now(p_now);
+    UPDATE session_execution c SET expires_at = v_now, handed_back = 1
+        WHERE c.id = ANY(p_execs) AND c.owner_id = p_owner AND c.expires_at > v_now;
+    GET DIAGNOSTICS v_count = ROW_COUNT;
+    RETURN v_count;
+END $$;
+
+-- The cancellation made durable (claim fence). Verdicts: ok, lease_lost. Idempotent.
+CREATE OR REPLACE FUNCTION ts_mark_cancelling(p_exec text, p_owner text, p_now bigint,
+    p_retry boolean)
+RETURNS text
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_session text; v_now bigint;
+BEGIN
+    SELECT l.session_id, l.now INTO v_session, v_now FROM ts_lock_execution(p_exec, p_now) l;
+    UPDATE session_execution SET phase = 'cancelling'
+        WHERE id = p_exec AND owner_id = p_owner AND expires_at > v_now;
+    RETURN CASE WHEN FOUND THEN 'ok' ELSE 'lease_lost' END;
+END $$;
+
+-- The end of a busy period or iteration, under the claim fence. p_kind: 'iteration' (take
+-- a set doorbell and continue, else release), 'failed' (release; untaken inputs do not
+-- re-arm the doorbell) or 'interrupted' (release; re-arm the doorbell if inputs remain).
+-- Verdicts: continue, released (doorbell: whether it is set afterwards), lease_lost, or
+-- open_messages when the execution left a message open: closing it needs the transcript
+-- rules, so the caller takes its own path (nothing was written here).
+CREATE OR REPLACE FUNCTION ts_finish(p_exec text, p_owner text, p_kind text, p_now bigint,
+    p_retry boolean, OUT verdict text, OUT doorbell boolean)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_session text; v_now bigint; v_woken bigint; v_attempts bigint;
+BEGIN
+    SELECT l.session_id, l.now INTO v_session, v_now FROM ts_lock_execution(p_exec, p_now) l;
+    SELECT s.time_woken, s.wake_attempts INTO v_woken, v_attempts
+        FROM session_execution c JOIN session s ON s.id = c.session_id
+        WHERE c.id = p_exec AND c.owner_id = p_owner AND c.expires_at > v_now;
+    IF NOT FOUND THEN
+        verdict := 'lease_lost';
+        RETURN;
+    END IF;
+    IF EXISTS (SELECT 1 FROM session_message m WHERE m.execution_id = p_exec
+               AND m.finished = 0 AND m.role = 'assistant') THEN
+        verdict := 'open_messages';
+        RETURN;
+    END IF;
+    IF p_kind = 'iteration' AND v_woken IS NOT NULL THEN
+        UPDATE session SET time_woken = NULL, wakes = 0 WHERE id = v_session;
+        verdict := 'continue';
+        doorbell := false;
+        RETURN;
+    END IF;
+    DELETE FROM session_execution WHERE id = p_exec;
+    IF v_attempts <> 0 THEN
+        UPDATE session SET wake_attempts = 0 WHERE id = v_session;
+    END IF;
+    IF p_kind = 'interrupted'
+            AND EXISTS (SELECT 1 FROM session_input i WHERE i.session_id = v_session) THEN
+        PERFORM ts_signal(v_session);
+        UPDATE session SET time_woken = COALESCE(time_woken, v_now), wakes = wakes + 1
+            WHERE id = v_session;
+        v_woken := v_now;
+    END IF;
+    verdict := 'released';
+    doorbell := v_woken IS NOT NULL;
+END $$;
+
+-- Under the session lock: insert the claim only if no claim row exists for the session
+-- (never an overwrite) and the doorbell is set (p_doorbell: the caller rang it in this same
+-- call), and take the doorbell. Verdicts: claim (attempt), held (holder), no_doorbell. A
+-- claim row carrying this very execution id is this call's own, landed before a lost reply.
+CREATE OR REPLACE FUNCTION ts_acquire_locked(p_session text, p_exec text, p_owner text,
+    p_lease bigint, p_at bigint, p_doorbell boolean,
+    OUT verdict text, OUT attempt bigint, OUT holder text)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_claim text; v_woken bigint;
+BEGIN
+    SELECT c.id, c.owner_id INTO v_claim, holder FROM session_execution c
+        WHERE c.session_id = p_session;
+    IF FOUND THEN
+        IF v_claim = p_exec THEN
+            verdict := 'claim';
+            holder := NULL;
+            SELECT s.wake_attempts INTO attempt FROM session s WHERE s.id = p_session;
+        ELSE
+            verdict := 'held';
+        END IF;
+        RETURN;
+    END IF;
+    SELECT s.time_woken, s.wake_attempts INTO v_woken, attempt FROM session s
+        WHERE s.id = p_session;
+    IF NOT FOUND OR (v_woken IS NULL AND NOT p_doorbell) THEN
+        verdict := 'no_doorbell';
+        attempt := NULL;
+        RETURN;
+    END IF;
+    INSERT INTO session_execution(id, session_id, owner_id, phase, anchor_seq, time_created,
+            heartbeat_at, expires_at)
+        VALUES (p_exec, p_session, p_owner, 'running',
+            (SELECT MAX(m.seq) FROM session_message m WHERE m.session_id = p_session),
+            p_at, NULL, p_at + p_lease);
+    IF v_woken IS NOT NULL THEN
+        UPDATE session SET time_woken = NULL, wakes = 0 WHERE id = p_session;
+    END IF;
+    verdict := 'claim';
+END $$;
+
+-- acquire (see ts_acquire_locked). Idempotent by execution id.
+CREATE OR REPLACE FUNCTION ts_acquire(p_session text, p_exec text, p_owner text,
+    p_lease bigint, p_now bigint, p_retry boolean,
+    OUT verdict text, OUT attempt bigint, OUT holder text)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_now bigint;
+BEGIN
+    PERFORM ts_lock(p_session);
+    v_now := ts_now(p_now);
+    SELECT a.verdict, a.attempt, a.holder INTO verdict, attempt, holder
+        FROM ts_acquire_locked(p_session, p_exec, p_owner, p_lease, v_now, false) a;
+END $$;
+
+-- submit and the acquire it rings for, in one call: when the claim is taken here the
+-- doorbell is rung and taken at once, so it is never written. Input verdicts as ts_submit
+-- (other_*: nothing written, no acquire); then the acquire's. Idempotent by input id and
+-- execution id.
+CREATE OR REPLACE FUNCTION ts_submit_and_acquire(p_session text, p_payload text,
+    p_input text, p_exec text, p_owner text, p_lease bigint, p_now bigint, p_retry boolean,
+    OUT input_verdict text, OUT verdict text, OUT attempt bigint, OUT holder text)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_now bigint; v_held boolean;
+BEGIN
+    PERFORM ts_lock(p_session);
+    v_now := ts_now(p_now);
+    input_verdict := ts_known_input(p_session, p_input, p_payload);
+    IF input_verdict IN ('other_session', 'other_payload') THEN
+        RETURN;
+    END IF;
+    v_held := EXISTS (SELECT 1 FROM session_execution c WHERE c.session_id = p_session);
+    IF input_verdict IS NULL THEN
+        -- Rung only if a claim already holds the session: else the claim below takes it.
+        PERFORM ts_insert_input(p_session, p_payload, p_input, v_held, v_now);
+        input_verdict := 'stored';
+    END IF;
+    SELECT a.verdict, a.attempt, a.holder INTO verdict, attempt, holder
+        FROM ts_acquire_locked(p_session, p_exec, p_owner, p_lease, v_now,
+                               input_verdict = 'stored') a;
+END $$;
+
+-- wake and the acquire it rings for: a claim taken here takes the wake at once.
+CREATE OR REPLACE FUNCTION ts_wake_and_acquire(p_session text, p_exec text, p_owner text,
+    p_lease bigint, p_now bigint, p_retry boolean,
+    OUT verdict text, OUT attempt bigint, OUT holder text)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_now bigint;
+BEGIN
+    PERFORM ts_lock(p_session);
+    v_now := ts_now(p_now);
+    IF EXISTS (SELECT 1 FROM session_execution c WHERE c.session_id = p_session
+               AND c.id <> p_exec) THEN
+        PERFORM ts_signal(p_session);
+        INSERT INTO session AS s (id, time_created, time_woken, wakes)
+            VALUES (p_session, v_now, v_now, 1)
+            ON CONFLICT (id) DO UPDATE SET time_woken = COALESCE(s.time_woken, v_now),
+                wakes = s.wakes + 1;
+    ELSE
+        INSERT INTO session(id, time_created) VALUES (p_session, v_now)
+            ON CONFLICT (id) DO NOTHING;
+    END IF;
+    SELECT a.verdict, a.attempt, a.holder INTO verdict, attempt, holder
+        FROM ts_acquire_locked(p_session, p_exec, p_owner, p_lease, v_now, true) a;
+END $$;
+"""

@@ -1,0 +1,531 @@
+"""The transcript: taking inputs as user messages, assistant messages and their streamed
+text, and reading the transcript back.
+
+Invariants kept here:
+* every write is under the claim fence (`_require_claim`), so a write of an execution
+  that lost its claim raises `LeaseLost` with nothing written;
+* a streamed append writes one small `session_message_delta` row, whatever the message's
+  size; every tool-part change and every finish folds the message's deltas into
+  `session_message.data` in the same transaction, and every reader merges the deltas still
+  pending, so each sees the complete message. A message's version - the newest of its
+  row's and its deltas' - grows with every change;
+* an input that does not decode never blocks those behind it (set aside, raw text kept);
+  a stored message that does not decode is never rewritten (recovery quarantines it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .. import _codec, _transcript
+from .._backend import Tx, autocommit_when_alone
+from .._errors import LeaseLost, MalformedRecord
+from .._model import AssistantData, Input, Message
+from .common import _lease_lost, _next_message_seq, _require_claim, new_id
+
+
+def take_inputs(tx: Tx, execution_id: str, owner_id: str) -> list[Input]:
+    """Consume pending inputs in seq order, appending each as a user message (claim fence).
+
+    An input whose payload does not decode to a JSON object never blocks the ones behind
+    it: it moves to `session_input_rejected` (raw text and reason kept for the operator).
+    """
+    if tx.dialect == "postgres":
+        found = tx.call("ts_take_inputs", execution_id, owner_id, idempotent=False)
+        if found[0][0] == "lease_lost":
+            raise _lease_lost(execution_id)
+        if found[0][0] == "ok":
+            return [
+                Input(key, _codec.decode_object(payload, table="session_input", key=key))
+                for _, key, payload in found[1:]
+            ]
+        # mixed: some input is not a plain JSON object; nothing was written, the path
+        # below sets such inputs aside.
+    session_id = _require_claim(tx, execution_id, owner_id)
+    tx.notify(session_id)
+    rows = tx.execute(
+        "SELECT id, seq, payload FROM session_input WHERE session_id = ? ORDER BY seq",
+        (session_id,),
+    ).fetchall()
+    taken = []
+    seq = _next_message_seq(tx, session_id)
+    for input_id, input_seq, payload in rows:
+        try:
+            decoded = _codec.decode_object(payload, table="session_input", key=input_id)
+        except MalformedRecord as exc:
+            tx.execute(
+                "INSERT INTO session_input_rejected(id, session_id, seq, payload, reason,"
+                " time_created) VALUES (?, ?, ?, ?, ?, ?)",
+                (input_id, session_id, input_seq, payload, str(exc), tx.now),
+            )
+            continue
+        taken.append(Input(input_id, decoded))
+        tx.execute(
+            "INSERT INTO session_message(id, session_id, execution_id, input_id, role, seq, data,"
+            " time_created, time_updated, finished) VALUES (?, ?, ?, ?, 'user', ?, ?, ?, ?, 1)",
+            (new_id(), session_id, execution_id, input_id, seq, payload, tx.now, tx.now),
+        )
+        seq += 1
+    tx.execute("DELETE FROM session_input WHERE session_id = ?", (session_id,))
+    return taken
+
+
+@autocommit_when_alone
+def begin_assistant(tx: Tx, execution_id: str, owner_id: str, message_id: str) -> int:
+    """Start an empty, unfinished assistant message, open for streaming; returns its seq."""
+    if tx.dialect == "postgres":
+        [(verdict, seq)] = tx.call(
+            "ts_begin_assistant",
+            execution_id,
+            owner_id,
+            message_id,
+            _codec.encode_assistant(_transcript.EMPTY),
+        )
+        if verdict != "ok":
+            raise _lease_lost(execution_id)
+        return int(seq)
+    session_id = _require_claim(tx, execution_id, owner_id)
+    seq = _next_message_seq(tx, session_id)
+    tx.execute(
+        "INSERT INTO session_message(id, session_id, execution_id, role, seq, data,"
+        " time_created, time_updated) VALUES (?, ?, ?, 'assistant', ?, ?, ?, ?)",
+        (
+            message_id,
+            session_id,
+            execution_id,
+            seq,
+            _codec.encode_assistant(_transcript.EMPTY),
+            tx.now,
+            tx.now,
+        ),
+    )
+    tx.execute(
+        "INSERT INTO session_message_stream(message_id, execution_id, version) VALUES (?, ?, 0)",
+        (message_id, execution_id),
+    )
+    tx.notify(session_id)
+    return seq
+
+
+@autocommit_when_alone
+def append_assistant_text(
+    tx: Tx,
+    execution_id: str,
+    owner_id: str,
+    message_id: str,
+    text: str,
+    after_version: int | None = None,
+) -> tuple[AssistantData | None, int]:
+    """Stream text onto an open assistant message under the claim fence: one small
+    `session_message_delta` row, never a rewrite of the message, so an append costs the
+    same however large the message grew. Returns (None, the new version): the message is
+    what it was plus `text`.
+
+    A message with no stream row - finished, another execution's, or written by hand -
+    takes `update_assistant`'s whole-row path instead, which raises as it always did
+    (`MessageFinished`, `LeaseLost`, `MalformedRecord`) or returns the new data.
+
+    `after_version` is the message's version as the writer last saw it: on PostgreSQL the
+    append is then one autocommit call, and a retry after a lost reply finds the delta
+    just after that version with this text instead of appending it twice.
+    """
+    if tx.dialect == "postgres":
+        [(verdict, version)] = tx.call(
+            "ts_append_text",
+            execution_id,
+            owner_id,
+            message_id,
+            text,
+            after_version,
+            idempotent=after_version is not None,
+        )
+        if verdict == "ok":
+            return None, int(version)
+        if verdict == "lease_lost":
+            raise _lease_lost(execution_id)
+        # not_streaming: nothing was written; the whole-row path below.
+    session_id = _require_claim(tx, execution_id, owner_id)
+    # Serialised with every other write to this message by the session lock, so the
+    # newest version read here is still the newest when the row lands.
+    row = tx.one(
+        "INSERT INTO session_message_delta(message_id, version, text)"
+        " SELECT s.message_id, COALESCE((SELECT MAX(d.version) FROM session_message_delta d"
+        "   WHERE d.message_id = s.message_id), s.version) + 1, :text"
+        " FROM session_message_stream s"
+        " WHERE s.message_id = :message AND s.execution_id = :execution"
+        " RETURNING version",
+        {"message": message_id, "execution": execution_id, "text": text},
+    )
+    if row is None:
+        return update_assistant(
+            tx,
+            execution_id,
+            owner_id,
+            message_id,
+            lambda data: _transcript.append_text(data, text),
+        )
+    tx.notify(session_id)
+    return None, int(row[0])
+
+
+def update_assistant(
+    tx: Tx,
+    execution_id: str,
+    owner_id: str,
+    message_id: str,
+    transition: Callable[[AssistantData], AssistantData],
+) -> tuple[AssistantData, int]:
+    """Read-modify-write of one assistant message under the claim fence, its streamed text
+    folded in; returns the new data and its version (for watchers, without another round
+    trip).
+
+    The transition runs on the durable message, so the settlement state machine checks what
+    is stored, not what a writer remembers.
+    """
+    if tx.dialect == "postgres":
+        [(verdict, text, streamed, now)] = tx.call(
+            "ts_read_message", execution_id, owner_id, message_id, idempotent=False
+        )
+        if verdict == "lease_lost":
+            raise _lease_lost(execution_id)
+        if verdict != "ok":
+            raise _not_owned(message_id, execution_id)
+        data = transition(
+            _transcript.with_streamed(
+                _codec.decode_assistant(text, key=message_id),
+                _codec.decode_streamed(list(streamed), key=message_id),
+            )
+        )
+        [(version,)] = tx.call(
+            "ts_write_message",
+            execution_id,
+            message_id,
+            _codec.encode_assistant(data),
+            data.finished,
+            now,
+            True,
+            idempotent=False,
+        )
+        return data, int(version)
+    session_id = _require_claim(tx, execution_id, owner_id)
+    row = tx.one(
+        "SELECT data FROM session_message WHERE id = ? AND execution_id = ?",
+        (message_id, execution_id),
+    )
+    if row is None:
+        raise _not_owned(message_id, execution_id)
+    data = transition(_assistant_data(tx, message_id, row[0]))
+    version = _write_assistant(tx, message_id, execution_id, data)
+    tx.notify(session_id)
+    return data, version
+
+
+def _not_owned(message_id: str, execution_id: str) -> LeaseLost:
+    return LeaseLost(f"message {message_id!r} is not owned by execution {execution_id!r}")
+
+
+def _streamed_texts(tx: Tx, message_id: str) -> list[Any]:
+    """The texts streamed onto a message since its data was last written, in order, as
+    stored (`_codec.decode_streamed` checks them)."""
+    rows = tx.execute(
+        "SELECT text FROM session_message_delta WHERE message_id = ? ORDER BY version",
+        (message_id,),
+    ).fetchall()
+    return [row[0] for row in rows]
+
+
+def _assistant_data(tx: Tx, message_id: str, text: str) -> AssistantData:
+    """An assistant message as every reader sees it: its data with its streamed text merged
+    (`MalformedRecord` when either does not decode)."""
+    data = _codec.decode_assistant(text, key=message_id)
+    streamed = _codec.decode_streamed(_streamed_texts(tx, message_id), key=message_id)
+    return _transcript.with_streamed(data, streamed)
+
+
+# The version a write makes: one past the newest of the row's and its deltas'.
+_NEXT_VERSION = (
+    "COALESCE((SELECT MAX(d.version) FROM session_message_delta d"
+    " WHERE d.message_id = :message), version) + 1"
+)
+
+
+def _write_assistant(tx: Tx, message_id: str, execution_id: str, data: AssistantData) -> int:
+    """Store the complete message (deltas folded in, then dropped) and return its version:
+    every change bumps it, which orders watchers' snapshots. An open message keeps its
+    stream row, at the new version; a finished one loses it (nothing streams onto it)."""
+    row = tx.one(
+        f"UPDATE session_message SET data = :data, finished = :finished, time_updated = :now,"
+        f" version = {_NEXT_VERSION} WHERE id = :message RETURNING version",
+        {
+            "data": _codec.encode_assistant(data),
+            "finished": int(data.finished),
+            "now": tx.now,
+            "message": message_id,
+        },
+    )
+    version = int(row[0])
+    tx.execute("DELETE FROM session_message_delta WHERE message_id = ?", (message_id,))
+    if data.finished:
+        tx.execute("DELETE FROM session_message_stream WHERE message_id = ?", (message_id,))
+    else:
+        tx.execute(
+            "INSERT INTO session_message_stream(message_id, execution_id, version)"
+            " VALUES (?, ?, ?) ON CONFLICT(message_id) DO UPDATE SET version = excluded.version",
+            (message_id, execution_id, version),
+        )
+    return version
+
+
+def _close_open_messages(tx: Tx, execution_id: str, reason: str) -> None:
+    """Finish every open assistant message of an execution as interrupted/failed.
+
+    Only rows not marked finished are read (a partial index: a drain's finish does not grow
+    with its transcript). A row that does not decode is left as it is: recovery quarantines
+    such rows, and rewriting it would destroy what an operator needs to see.
+    """
+    rows = tx.execute(
+        "SELECT id, data FROM session_message"
+        " WHERE execution_id = ? AND finished = 0 AND role = 'assistant'",
+        (execution_id,),
+    ).fetchall()
+    for message_id, text in rows:
+        try:
+            data = _assistant_data(tx, message_id, text)
+        except MalformedRecord:
+            continue
+        if not data.finished:  # a finished row written by hand stays exactly as it is
+            _write_assistant(tx, message_id, execution_id, _transcript.interrupt(data, reason))
+
+
+def read_transcript(tx: Tx, session_id: str) -> list[Message]:
+    """The session's messages in seq order, each with its streamed text merged."""
+    rows = tx.execute(
+        "SELECT id, role, seq, data, execution_id, input_id FROM session_message"
+        " WHERE session_id = ? ORDER BY seq",
+        (session_id,),
+    ).fetchall()
+    streamed: dict[str, list[Any]] = {}
+    for message_id, text in tx.execute(
+        "SELECT d.message_id, d.text FROM session_message_delta d"
+        " JOIN session_message m ON m.id = d.message_id"
+        " WHERE m.session_id = ? ORDER BY d.message_id, d.version",
+        (session_id,),
+    ).fetchall():
+        streamed.setdefault(message_id, []).append(text)
+    return [_decode_message(session_id, row, streamed.get(row[0], ())) for row in rows]
+
+
+def _decode_message(session_id: str, row: Sequence[Any], streamed: Sequence[Any]) -> Message:
+    """A message row - (id, role, seq, data, execution_id, input_id) - with the texts
+    streamed onto it since its data was written."""
+    message_id, role, seq, data, execution_id, input_id = row
+    decoded: Any
+    if role == "assistant":
+        decoded = _transcript.with_streamed(
+            _codec.decode_assistant(data, key=message_id),
+            _codec.decode_streamed(streamed, key=message_id),
+        )
+    else:
+        decoded = _codec.decode_object(data, table="session_message", key=message_id)
+    return Message(message_id, session_id, role, seq, decoded, execution_id, input_id)
+
+
+# ---------------------------------------------------------------------------------------------
+# PostgreSQL: this family's server-side functions (created by `_schema`'s migrations; see
+# `_store.pg_functions` for their conventions)
+
+PG_FUNCTIONS = r"""
+-- Streamed text onto an open message: one delta row. Verdicts: ok (version), lease_lost,
+-- not_streaming (no stream row of this execution: the caller's whole-row path).
+CREATE OR REPLACE FUNCTION ts_append_text(p_exec text, p_owner text, p_message text,
+    p_text text, p_after bigint, p_now bigint, p_retry boolean,
+    OUT verdict text, OUT version bigint)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_session text; v_now bigint; v_base bigint;
+BEGIN
+    SELECT l.session_id, l.now INTO v_session, v_now FROM ts_lock_execution(p_exec, p_now) l;
+    IF v_session IS NULL OR NOT ts_holds(p_exec, p_owner, v_now) THEN
+        verdict := 'lease_lost';
+        RETURN;
+    END IF;
+    SELECT s.version INTO v_base FROM session_message_stream s
+        WHERE s.message_id = p_message AND s.execution_id = p_exec;
+    IF NOT FOUND THEN
+        verdict := 'not_streaming';
+        RETURN;
+    END IF;
+    -- A lost reply: the delta after the writer's version, with this text, is this append.
+    IF p_retry AND p_after IS NOT NULL AND EXISTS (
+            SELECT 1 FROM session_message_delta d WHERE d.message_id = p_message
+            AND d.version = p_after + 1 AND d.text = p_text) THEN
+        verdict := 'ok';
+        version := p_after + 1;
+        RETURN;
+    END IF;
+    INSERT INTO session_message_delta(message_id, version, text)
+        SELECT p_message, COALESCE(MAX(d.version), v_base) + 1, p_text
+        FROM session_message_delta d WHERE d.message_id = p_message
+        RETURNING session_message_delta.version INTO version;
+    PERFORM ts_signal(v_session);
+    verdict := 'ok';
+END $$;
+
+-- An empty, unfinished assistant message open for streaming. Verdicts: ok (seq),
+-- lease_lost. Idempotent by message id (a lost reply's retry finds it).
+CREATE OR REPLACE FUNCTION ts_begin_assistant(p_exec text, p_owner text, p_message text,
+    p_data text, p_now bigint, p_retry boolean, OUT verdict text, OUT seq bigint)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_session text; v_now bigint;
+BEGIN
+    SELECT l.session_id, l.now INTO v_session, v_now FROM ts_lock_execution(p_exec, p_now) l;
+    IF v_session IS NULL OR NOT ts_holds(p_exec, p_owner, v_now) THEN
+        verdict := 'lease_lost';
+        RETURN;
+    END IF;
+    verdict := 'ok';
+    IF p_retry THEN
+        SELECT m.seq INTO seq FROM session_message m
+            WHERE m.id = p_message AND m.execution_id = p_exec;
+        IF FOUND THEN
+            RETURN;
+        END IF;
+    END IF;
+    INSERT INTO session_message(id, session_id, execution_id, role, seq, data, time_created,
+            time_updated)
+        SELECT p_message, v_session, p_exec, 'assistant', COALESCE(MAX(m.seq), 0) + 1, p_data,
+            v_now, v_now
+        FROM session_message m WHERE m.session_id = v_session
+        RETURNING session_message.seq INTO seq;
+    INSERT INTO session_message_stream(message_id, execution_id, version)
+        VALUES (p_message, p_exec, 0);
+    PERFORM ts_signal(v_session);
+END $$;
+
+-- update_assistant, first half: the message as stored (data, and the texts streamed onto it
+-- since, in order) under the claim fence, and the clock read after the lock. Verdicts: ok,
+-- lease_lost, not_owned (no such message of this execution).
+CREATE OR REPLACE FUNCTION ts_read_message(p_exec text, p_owner text, p_message text,
+    p_now bigint, p_retry boolean,
+    OUT verdict text, OUT data text, OUT streamed text[], OUT now bigint)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_session text;
+BEGIN
+    SELECT l.session_id, l.now INTO v_session, now FROM ts_lock_execution(p_exec, p_now) l;
+    IF v_session IS NULL OR NOT ts_holds(p_exec, p_owner, now) THEN
+        verdict := 'lease_lost';
+        RETURN;
+    END IF;
+    SELECT m.data INTO data FROM session_message m
+        WHERE m.id = p_message AND m.execution_id = p_exec;
+    IF NOT FOUND THEN
+        verdict := 'not_owned';
+        RETURN;
+    END IF;
+    SELECT COALESCE(array_agg(d.text ORDER BY d.version), '{}') INTO streamed
+        FROM session_message_delta d WHERE d.message_id = p_message;
+    verdict := 'ok';
+END $$;
+
+-- update_assistant, second half (and closing an open message): store the complete message,
+-- its deltas folded in and dropped, at the next version; an open message keeps its stream
+-- row at that version, a finished one loses it. Run after ts_read_message in the same
+-- transaction (its lock and its clock `p_at`). Returns the new version.
+CREATE OR REPLACE FUNCTION ts_write_message(p_exec text, p_message text, p_data text,
+    p_finished boolean, p_at bigint, p_signal boolean, p_now bigint, p_retry boolean)
+RETURNS bigint
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_version bigint; v_session text;
+BEGIN
+    UPDATE session_message m SET data = p_data, finished = p_finished::int, time_updated = p_at,
+        version = COALESCE((SELECT MAX(d.version) FROM session_message_delta d
+                            WHERE d.message_id = p_message), m.version) + 1
+        WHERE m.id = p_message RETURNING m.version, m.session_id INTO v_version, v_session;
+    DELETE FROM session_message_delta WHERE message_id = p_message;
+    IF p_finished THEN
+        DELETE FROM session_message_stream WHERE message_id = p_message;
+    ELSE
+        INSERT INTO session_message_stream(message_id, execution_id, version)
+            VALUES (p_message, p_exec, v_version)
+            ON CONFLICT (message_id) DO UPDATE SET version = excluded.version;
+    END IF;
+    IF p_signal THEN
+        PERFORM ts_signal(v_session);
+    END IF;
+    RETURN v_version;
+END $$;
+
+-- Whether an input's payload is certainly a JSON object the library's codec accepts: the
+-- fast path of ts_take_inputs takes only such inputs, and leaves every other case (not
+-- JSON, not an object, and the few JSON texts Python's codec refuses: floats beyond the
+-- double range, nesting deeper than its recursion limit) to the library's own path.
+CREATE OR REPLACE FUNCTION ts_json_object(p_payload text) RETURNS boolean
+LANGUAGE plpgsql IMMUTABLE AS $$
+BEGIN
+    RETURN json_typeof(p_payload::json) = 'object';
+EXCEPTION WHEN invalid_text_representation THEN
+    RETURN false;
+END $$;
+
+CREATE OR REPLACE FUNCTION ts_plain_object(p_payload text) RETURNS boolean
+LANGUAGE plpgsql IMMUTABLE AS $$
+BEGIN
+    IF p_payload ~ '[0-9][eE]\+?[0-9]{3}' OR p_payload ~ '[0-9]{255}'
+            OR length(p_payload) - length(translate(p_payload, '[{', '')) > 500 THEN
+        RETURN false;
+    END IF;
+    IF current_setting('server_version_num')::int < 160000 THEN
+        RETURN ts_json_object(p_payload);  -- a subtransaction per input: older servers only
+    END IF;
+    RETURN pg_input_is_valid(p_payload, 'json') AND json_typeof(p_payload::json) = 'object';
+END $$;
+
+-- take_inputs' fast path: every pending input of the claim's session becomes a user message
+-- of this execution, in seq order, if each is a plain JSON object (ts_plain_object).
+-- Rows: first (verdict, NULL, NULL) - ok, lease_lost, or mixed (nothing written: the
+-- caller's own path sets the others aside) - then (NULL, input id, payload) per input
+-- taken. Not idempotent: a lost reply is read back by the transaction's id.
+CREATE OR REPLACE FUNCTION ts_take_inputs(p_exec text, p_owner text, p_now bigint,
+    p_retry boolean)
+RETURNS TABLE(verdict text, input_id text, payload text)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_session text; v_now bigint; v_seq bigint;
+BEGIN
+    SELECT l.session_id, l.now INTO v_session, v_now FROM ts_lock_execution(p_exec, p_now) l;
+    IF v_session IS NULL OR NOT ts_holds(p_exec, p_owner, v_now) THEN
+        RETURN QUERY SELECT 'lease_lost', NULL::text, NULL::text;
+        RETURN;
+    END IF;
+    IF EXISTS (SELECT 1 FROM session_input i WHERE i.session_id = v_session
+               AND NOT ts_plain_object(i.payload)) THEN
+        RETURN QUERY SELECT 'mixed', NULL::text, NULL::text;
+        RETURN;
+    END IF;
+    SELECT COALESCE(MAX(m.seq), 0) INTO v_seq FROM session_message m
+        WHERE m.session_id = v_session;
+    RETURN QUERY SELECT 'ok', NULL::text, NULL::text;
+    RETURN QUERY
+    WITH taken AS (
+        DELETE FROM session_input i WHERE i.session_id = v_session
+        RETURNING i.id, i.seq, i.payload),
+    ordered AS (
+        SELECT t.id, t.payload, v_seq + row_number() OVER (ORDER BY t.seq) AS seq FROM taken t),
+    added AS (
+        INSERT INTO session_message(id, session_id, execution_id, input_id, role, seq, data,
+                time_created, time_updated, finished)
+            SELECT lpad(to_hex(v_now), 12, '0')
+                    || substr(md5(random()::text || clock_timestamp()::text || o.id), 1, 20),
+                v_session, p_exec, o.id, 'user', o.seq, o.payload, v_now, v_now, 1
+            FROM ordered o
+            RETURNING session_message.input_id, session_message.data, session_message.seq)
+    SELECT NULL::text, a.input_id, a.data FROM added a ORDER BY a.seq;
+    IF FOUND THEN
+        PERFORM ts_signal(v_session);
+    END IF;
+END $$;
+"""
