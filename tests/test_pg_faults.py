@@ -677,6 +677,17 @@ OPERATIONS = [
             Job(_store.submit, ("s3", '{"n": 3}', "i3")),
         ],
     ),
+    # Set-wise: two kinds, two jobs each, one call per kind (`pg_batched`).
+    Operation(
+        "group-commit-set-wise",
+        steps(two_claims, do(_store.wake, "s2")),
+        lambda: [
+            Job(_store.finish_iteration, ("e1", OWNER)),
+            Job(_store.submit_and_acquire, ("s3", '{"n": 3}', "i3", "e3", OWNER, LEASE_MS)),
+            Job(_store.finish_iteration, ("e2", OWNER)),
+            Job(_store.submit_and_acquire, ("s4", '{"n": 4}', "i4", "e4", OWNER, LEASE_MS)),
+        ],
+    ),
     Operation(
         "group-commit-with-a-refusal",
         empty,

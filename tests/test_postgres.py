@@ -593,3 +593,58 @@ async def test_runtime_drains_on_the_thread_executor_with_the_server_clock(
     assert all(len(messages) == 2 for messages in transcripts)
     assert stats.backend == "postgres"
     assert 0 < stats.handoffs <= stats.transactions
+
+
+# ---------------------------------------------------------------------------------------------
+# Group commit, set-wise
+
+
+class RecordingStatements:
+    """Counts the statements (and COMMITs) an engine's connection sends."""
+
+    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+        self._conn = conn
+        self.statements: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+    def execute(self, query: Any, params: Any = None) -> Any:
+        self.statements.append(str(query))
+        return self._conn.execute(query, params)
+
+    def commit(self) -> None:
+        self.statements.append("COMMIT")
+        self._conn.commit()
+
+
+def test_batch_runs_each_batched_kind_as_one_call(pg_url: str, pg_schema: str) -> None:
+    """A group-commit batch of 8 submit_and_acquire and then 8 finish_iteration jobs is one
+    statement per kind and a COMMIT, and answers each job as it would alone: claims, then
+    releases, with every input stored once."""
+    made: list[RecordingStatements] = []
+
+    def wrap(conn: psycopg.Connection[Any]) -> RecordingStatements:
+        made.append(RecordingStatements(conn))
+        return made[-1]
+
+    store = PostgresStore(pg_url, schema=pg_schema, wrap_connection=wrap)
+    with opened(store.engine()) as engine:
+        submits = [
+            Job(
+                _store.submit_and_acquire,
+                (f"s{n}", f'{{"n": {n}}}', f"i{n}", f"e{n}", "me", 30_000),
+            )
+            for n in range(8)
+        ]
+        engine.run_batch(submits)
+        assert [job.unwrap()[1].verdict for job in submits] == [AcquireVerdict.CLAIM] * 8
+        assert [job.unwrap()[0] for job in submits] == [f"i{n}" for n in range(8)]
+        assert len(made[-1].statements) == 2  # BEGIN + the call, COMMIT
+        finishes = [Job(_store.finish_iteration, (f"e{n}", "me")) for n in range(8)]
+        engine.run_batch(finishes)
+        assert [job.unwrap() for job in finishes] == [False] * 8
+        assert len(made[-1].statements) == 4
+    with raw(pg_url, pg_schema) as conn:
+        assert conn.execute("SELECT count(*) FROM session_input").fetchall() == [(8,)]
+        assert conn.execute("SELECT count(*) FROM session_execution").fetchall() == [(0,)]

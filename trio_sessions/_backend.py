@@ -122,6 +122,26 @@ def autocommit_when_alone(op: Callable[..., T]) -> Callable[..., T]:
     return op
 
 
+# What a batched form's `interpret` answers for a row it cannot settle: nothing was written
+# for it; the operation runs on its own in the same transaction.
+FALLBACK: Any = object()
+
+
+def pg_batched(
+    function: str, interpret: Callable[[tuple[Any, ...], tuple[Any, ...]], Any]
+) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """Mark an operation that PostgreSQL group-commits set-wise: the jobs of one batch that
+    call it become ONE call of `function` (one array per argument, in the operation's
+    order; rows `(ordinal, *row)` back), and `interpret(args, row)` gives each job's result
+    (or raises its refusal, or returns `FALLBACK`)."""
+
+    def mark(op: Callable[..., T]) -> Callable[..., T]:
+        op.__dict__["pg_batched"] = (function, interpret)
+        return op
+
+    return mark
+
+
 @attrs.define(eq=False)
 class Job:
     """One operation waiting for a transaction; a backend fills `result` or `error`."""

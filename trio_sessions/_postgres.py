@@ -67,6 +67,7 @@ from psycopg import sql
 
 from . import _observe, _schema
 from ._backend import (
+    FALLBACK,
     BackendName,
     Job,
     NeedsTransaction,
@@ -645,6 +646,35 @@ class PgEngine:
                 _observe.store_retry("postgres", exc, attempt)
                 time.sleep(min(0.005 * 2**attempt, 0.2) * random.uniform(0.5, 1.0))
 
+    @staticmethod
+    def _run_jobs(tx: PgTx, jobs: Sequence[Job]) -> list[Any]:
+        """Run the jobs in `tx`: those of one `pg_batched` kind (two or more) as one
+        set-wise call, the rest (and the rows it could not settle) one by one."""
+        results: list[Any] = [None] * len(jobs)
+        kinds: dict[str, list[int]] = {}
+        for index, job in enumerate(jobs):
+            batched = job.op.__dict__.get("pg_batched")
+            if batched is not None:
+                kinds.setdefault(batched[0], []).append(index)
+        settled: set[int] = set()
+        for function, indexes in kinds.items():
+            if len(indexes) < 2:
+                continue
+            interpret = jobs[indexes[0]].op.__dict__["pg_batched"][1]
+            tx.begin_operation()
+            arrays = [list(c) for c in zip(*(jobs[i].args for i in indexes), strict=True)]
+            for ordinal, *row in tx.call(function, *arrays):
+                index = indexes[ordinal - 1]
+                result = interpret(jobs[index].args, tuple(row))
+                if result is not FALLBACK:
+                    results[index] = result
+                    settled.add(index)
+        for index, job in enumerate(jobs):
+            if index not in settled:
+                tx.begin_operation()
+                results[index] = job.op(tx, *job.args)
+        return results
+
     def _attempt(
         self, conn: Any, jobs: Sequence[Job], mode: Mode, *, alone: bool, deadline: float
     ) -> list[Any]:
@@ -652,12 +682,9 @@ class PgEngine:
         nowait = mode == "nowait"
         begin = _BEGIN_NOWAIT if nowait else _BEGIN_READ if mode == "read" else _BEGIN
         tx = PgTx(conn, self.clock, begin=begin)
-        results = []
         xid = None
         try:
-            for job in jobs:
-                tx.begin_operation()
-                results.append(job.op(tx, *job.args))
+            results = self._run_jobs(tx, jobs)
             # Read just before COMMIT (not at BEGIN): only a transaction that wrote has an
             # id, and a read-only one needs no read-back. The signals travel with it (a
             # notification alone assigns no id before COMMIT: re-sent after an uncertain

@@ -15,11 +15,12 @@ Invariants kept here:
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import attrs
 
 from .. import _decisions
-from .._backend import Tx, autocommit_when_alone
+from .._backend import FALLBACK, Tx, autocommit_when_alone, pg_batched
 from .._decisions import AcquireVerdict
 from .._model import INTERRUPTED
 from .common import (
@@ -88,7 +89,17 @@ def wake_and_acquire(
     return None, _insert_claim(tx, session_id, execution_id, owner_id, lease_ms)
 
 
+def _pg_submitted_and_acquired(args: tuple[Any, ...], row: tuple[Any, ...]) -> Any:
+    """`ts_submit_and_acquire`'s row as `submit_and_acquire` answers; `FALLBACK` for an
+    input id stored with another session or payload text (nothing was written)."""
+    input_verdict, *acquired = row
+    if input_verdict not in ("stored", "known"):
+        return FALLBACK
+    return args[2], _pg_acquired(*acquired)
+
+
 @autocommit_when_alone
+@pg_batched("ts_submit_and_acquire_many", _pg_submitted_and_acquired)
 def submit_and_acquire(
     tx: Tx,
     session_id: str,
@@ -100,17 +111,11 @@ def submit_and_acquire(
 ) -> tuple[str, Acquired]:
     """`submit` and the acquire it rings for, in one transaction (see `wake_and_acquire`)."""
     if tx.dialect == "postgres":
-        [(input_verdict, *row)] = tx.call(
-            "ts_submit_and_acquire",
-            session_id,
-            payload,
-            input_id,
-            execution_id,
-            owner_id,
-            lease_ms,
-        )
-        if input_verdict in ("stored", "known"):
-            return input_id, _pg_acquired(*row)
+        args = (session_id, payload, input_id, execution_id, owner_id, lease_ms)
+        [row] = tx.call("ts_submit_and_acquire", *args)
+        result = _pg_submitted_and_acquired(args, row)
+        if result is not FALLBACK:
+            return result  # type: ignore[no-any-return]
         # Another session's id, or another payload text: nothing was written; the path
         # below decides (in a transaction).
     tx.lock_session(session_id)
@@ -183,6 +188,18 @@ def heartbeat(
     return phases
 
 
+def _pg_iteration_finished(args: tuple[Any, ...], row: tuple[Any, ...]) -> Any:
+    """`ts_finish`'s row for an iteration as `finish_iteration` answers; `FALLBACK` when
+    the execution left a message open (nothing was written)."""
+    verdict, _ = row
+    if verdict == "lease_lost":
+        raise _lease_lost(args[0])
+    if verdict == "open_messages":
+        return FALLBACK
+    return verdict == "continue"
+
+
+@pg_batched("ts_finish_iterations", _pg_iteration_finished)
 def finish_iteration(tx: Tx, execution_id: str, owner_id: str) -> bool:
     """After a drain returned: take a set doorbell and continue (True), or release (False).
 
@@ -192,9 +209,10 @@ def finish_iteration(tx: Tx, execution_id: str, owner_id: str) -> bool:
     afterwards and leads to a fresh acquisition.
     """
     if tx.dialect == "postgres":
-        verdict = _pg_finish(tx, execution_id, owner_id, "iteration")
-        if verdict is not None:
-            return verdict == "continue"
+        [row] = tx.call("ts_finish", execution_id, owner_id, "iteration", idempotent=False)
+        result = _pg_iteration_finished((execution_id, owner_id), row)
+        if result is not FALLBACK:
+            return bool(result)
     claimed = _require_claim_session(tx, execution_id, owner_id)
     _close_open_messages(tx, execution_id, INTERRUPTED)
     if claimed.doorbell:
@@ -533,5 +551,46 @@ BEGIN
     END IF;
     SELECT a.verdict, a.attempt, a.holder INTO verdict, attempt, holder
         FROM ts_acquire_locked(p_session, p_exec, p_owner, p_lease, v_now, true) a;
+END $$;
+
+-- Group commit, set-wise: one call for a batch's submit_and_acquire jobs (one array per
+-- argument). Rows (ordinal, ts_submit_and_acquire's row), in lock order - the sessions'
+-- (hashtext, id), arrival order among equals - so two writers never deadlock on them.
+CREATE OR REPLACE FUNCTION ts_submit_and_acquire_many(p_sessions text[], p_payloads text[],
+    p_inputs text[], p_execs text[], p_owners text[], p_leases bigint[], p_now bigint,
+    p_retry boolean)
+RETURNS TABLE(ord bigint, input_verdict text, verdict text, attempt bigint, holder text)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    r record;
+BEGIN
+    FOR r IN SELECT u.s, u.p, u.i, u.e, u.o, u.l, u.n
+             FROM unnest(p_sessions, p_payloads, p_inputs, p_execs, p_owners, p_leases)
+                 WITH ORDINALITY AS u(s, p, i, e, o, l, n)
+             ORDER BY hashtext(u.s), u.s, u.n LOOP
+        SELECT r.n, a.input_verdict, a.verdict, a.attempt, a.holder
+            INTO ord, input_verdict, verdict, attempt, holder
+            FROM ts_submit_and_acquire(r.s, r.p, r.i, r.e, r.o, r.l, p_now, p_retry) a;
+        RETURN NEXT;
+    END LOOP;
+END $$;
+
+-- Group commit, set-wise: one call for a batch's finish_iteration jobs. Rows (ordinal,
+-- ts_finish's row), in the sessions' lock order.
+CREATE OR REPLACE FUNCTION ts_finish_iterations(p_execs text[], p_owners text[],
+    p_now bigint, p_retry boolean)
+RETURNS TABLE(ord bigint, verdict text, doorbell boolean)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    r record;
+BEGIN
+    FOR r IN SELECT u.e, u.o, u.n
+             FROM unnest(p_execs, p_owners) WITH ORDINALITY AS u(e, o, n)
+             LEFT JOIN session_execution c ON c.id = u.e
+             ORDER BY hashtext(c.session_id), c.session_id, u.n LOOP
+        SELECT r.n, f.verdict, f.doorbell INTO ord, verdict, doorbell
+            FROM ts_finish(r.e, r.o, 'iteration', p_now, p_retry) f;
+        RETURN NEXT;
+    END LOOP;
 END $$;
 """
