@@ -123,6 +123,7 @@ BLOCKERS: dict[str, tuple[str, Pick]] = {
         )
     },
     **{f"{function}(": (CLAIMS_LOCK, SECOND) for function in ("ts_heartbeat", "ts_expire_claims")},
+    "ts_lock_sessions(": (SESSION_LOCK, lambda params: (params[0][0],)),
 }
 # How the seam labels a statement that commits on its own (an autocommit function call):
 # it is its own COMMIT.
