@@ -89,6 +89,20 @@ DEFECTS = {
         "    return _doorbell_set(tx, session_id)\n",
         "    _reset_attempts(tx, session_id)\n    return _doorbell_set(tx, session_id)\n",
     ),
+    "early-hand-back": Defect(
+        "a graceful shutdown hands the claims back before their drains exited (a drain"
+        " blocked in a thread still runs while another worker resumes the session)",
+        "_runtime.py",
+        "        for entry in list(self._entries.values()):\n"
+        '            entry.interrupt("shutdown")\n',
+        "        for entry in list(self._entries.values()):\n"
+        '            entry.interrupt("shutdown")\n'
+        "        await self._db.run_nowait(\n"
+        "            _store.expire_claims,\n"
+        "            self._owner_id,\n"
+        "            [e.execution_id for e in self._entries.values() if e.owned],\n"
+        "        )\n",
+    ),
 }
 
 
