@@ -21,17 +21,18 @@ import logging
 import os
 import signal
 import sys
-import urllib.parse
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import attrs
 import trio
 
-from ._backend import POSTGRES_SCHEMES
+from ._naming import check_schema, mask_password, secrets_of, store_kind
+from ._observe import MaskTracebacks
 from ._runtime import open_runtime
 
 logger = logging.getLogger("trio_sessions.worker")
+logger.addFilter(MaskTracebacks())
 
 ENV_STORE = "TRIO_SESSIONS_STORE"
 ENV_SCHEMA = "TRIO_SESSIONS_SCHEMA"
@@ -123,9 +124,18 @@ def settings_from(args: argparse.Namespace, environ: Mapping[str, str]) -> Worke
     store = pick(args.store, ENV_STORE)
     if store is None:
         raise UsageError(f"no store: pass --store PATH_OR_URL or set {ENV_STORE}")
+    try:
+        kind = store_kind(store)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     schema = pick(args.schema, ENV_SCHEMA)
-    if schema is not None and not store.startswith(POSTGRES_SCHEMES):
+    if schema is not None and kind != "postgres":
         raise UsageError("a schema needs a postgresql:// URL as the store")
+    if schema is not None:
+        try:
+            check_schema(schema)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
     max_active = pick(args.max_active, ENV_MAX_ACTIVE)
     log_level = (pick(args.log_level, ENV_LOG_LEVEL) or "INFO").upper()
     if log_level not in LOG_LEVELS:
@@ -191,14 +201,9 @@ def load_drain(spec: str) -> Any:
 
 
 def redact(store: str) -> str:
-    """The store for a log line: a URL's password replaced by `***`."""
-    if not store.startswith(POSTGRES_SCHEMES):
-        return store
-    parts = urllib.parse.urlsplit(store)
-    if parts.password is None:
-        return store
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+    """The store for a log line or a message: its password replaced by `***`, whatever
+    its form (`_naming.mask_password`)."""
+    return mask_password(store, secrets=secrets_of(store))
 
 
 def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> int:
@@ -263,7 +268,8 @@ async def serve(settings: WorkerSettings, drain: Any) -> int:
                         )
                         await trio.sleep_forever()
                 except Exception as exc:
-                    logger.error("worker failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
+                    reason = mask_password(str(exc), secrets=secrets_of(settings.store))
+                    logger.error("worker failed: %s: %s", type(exc).__name__, reason, exc_info=exc)
                     status = EXIT_FAILED
             nursery.cancel_scope.cancel()
     if status == EXIT_OK:
