@@ -1,7 +1,7 @@
 """The seam between the runtime and a store backend: three small protocols and a job.
 
 The runtime knows nothing of drivers or dialects. It calls `Executor.run(op, *args)`, and a
-backend runs the synchronous operation `op(tx, *args)` (written once, in `_store.py`) inside
+backend runs the synchronous operation `op(tx, *args)` (written once, in `_store/`) inside
 one write transaction, off the event loop or inline, possibly grouped with other operations
 (group commit). A `StoreBackend` is the user-facing store object (`SQLiteStore`,
 `PostgresStore`) that opens an executor.

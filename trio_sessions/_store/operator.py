@@ -1,0 +1,128 @@
+"""The operator's operations: quarantine (list, lift, drop), rejected inputs (list, drop),
+and the reads behind the CLI's `status`, `quarantine list` and `health`.
+
+Invariants kept here:
+* every write takes the session lock of the row it acts on, and acts only on a row that is
+  quarantined (or set aside) now: `ValueError` otherwise, with nothing written;
+* dropping a quarantined execution sets aside (raw text kept) the messages that do not
+  decode, so the transcript reads again; finishes the rest as owner-lost, deletes the
+  claim, resets the resume budget and re-arms the doorbell if inputs remain;
+* the reads only read: they run on a read snapshot.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._backend import Tx
+from .._errors import MalformedRecord
+from .._model import OWNER_LOST
+from .common import _has_pending_inputs, _reset_attempts, _ring
+from .recovery import Candidate
+from .transcript import _close_open_messages, _decode_message, _streamed_texts
+
+
+def quarantined(tx: Tx) -> list[dict[str, Any]]:
+    rows = tx.execute(
+        "SELECT execution_id, session_id, owner_id, recovery_error, time_quarantined"
+        " FROM session_recovery WHERE recovery_error IS NOT NULL ORDER BY time_quarantined"
+    ).fetchall()
+    keys = ("execution_id", "session_id", "recovery_owner", "recovery_error", "time_quarantined")
+    return [dict(zip(keys, row, strict=True)) for row in rows]
+
+
+def lift_quarantine(tx: Tx, execution_id: str, owner_id: str, lease_ms: int) -> Candidate:
+    """Clear a quarantine and take the recovery lease on it at once (for a resume)."""
+    row = _quarantined_row(tx, execution_id)
+    tx.execute(
+        "UPDATE session_recovery SET recovery_error = NULL, time_quarantined = NULL,"
+        " owner_id = ?, expires_at = ? WHERE execution_id = ?",
+        (owner_id, tx.now + lease_ms, execution_id),
+    )
+    _unmark_finished(tx, execution_id)
+    return Candidate(row[0], execution_id)
+
+
+def _unmark_finished(tx: Tx, execution_id: str) -> None:
+    """The operator may have repaired the execution's messages by hand (the documented way
+    out of a quarantine), and `finished` does not follow a hand-written `data`: count them
+    as maybe open again, so closing the execution reads what they say now."""
+    tx.execute(
+        "UPDATE session_message SET finished = 0"
+        " WHERE execution_id = ? AND role = 'assistant' AND finished = 1",
+        (execution_id,),
+    )
+
+
+def drop_quarantined(tx: Tx, execution_id: str) -> None:
+    """Operator drop: set the execution's messages that do not decode aside (raw text kept
+    in `session_message_rejected`), so the transcript reads again; finish the rest of its
+    open transcript as owner-lost, delete the claim, reset attempts, re-arm the doorbell if
+    inputs remain."""
+    session_id = _quarantined_row(tx, execution_id)[0]
+    _set_aside_malformed_messages(tx, session_id, execution_id)
+    _unmark_finished(tx, execution_id)
+    _close_open_messages(tx, execution_id, OWNER_LOST)
+    tx.execute("DELETE FROM session_execution WHERE id = ?", (execution_id,))
+    _reset_attempts(tx, session_id)
+    if _has_pending_inputs(tx, session_id):
+        _ring(tx, session_id)
+    tx.execute("DELETE FROM session_recovery WHERE execution_id = ?", (execution_id,))
+
+
+def _set_aside_malformed_messages(tx: Tx, session_id: str, execution_id: str) -> None:
+    rows = tx.execute(
+        "SELECT id, role, seq, data, input_id FROM session_message WHERE execution_id = ?",
+        (execution_id,),
+    ).fetchall()
+    for message_id, role, seq, data, input_id in rows:
+        streamed = _streamed_texts(tx, message_id)
+        try:
+            _decode_message(
+                session_id, (message_id, role, seq, data, execution_id, input_id), streamed
+            )
+        except MalformedRecord as exc:
+            # The raw data is kept; text streamed onto it since goes into the reason (its
+            # rows leave with the message).
+            reason = str(exc) + (f"; streamed since: {streamed!r}" if streamed else "")
+            tx.execute(
+                "INSERT INTO session_message_rejected(id, session_id, execution_id, seq, data,"
+                " reason, time_created) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (message_id, session_id, execution_id, seq, data, reason, tx.now),
+            )
+            tx.execute("DELETE FROM session_message WHERE id = ?", (message_id,))
+
+
+def rejected_inputs(tx: Tx, session_id: str | None) -> list[dict[str, Any]]:
+    """Inputs set aside by `take_inputs` because they do not decode, oldest first."""
+    rows = tx.execute(
+        "SELECT id, session_id, seq, payload, reason, time_created FROM session_input_rejected"
+        " WHERE CAST(:session AS TEXT) IS NULL OR session_id = :session"
+        " ORDER BY time_created, session_id, seq",
+        {"session": session_id},
+    ).fetchall()
+    keys = ("id", "session_id", "seq", "payload", "reason", "time_created")
+    return [dict(zip(keys, row, strict=True)) for row in rows]
+
+
+def drop_rejected_input(tx: Tx, input_id: str) -> str:
+    """Operator drop of a set-aside input; returns its session id, `ValueError` if none."""
+    row = tx.one("SELECT session_id FROM session_input_rejected WHERE id = ?", (input_id,))
+    if row is None:
+        raise ValueError(f"input {input_id!r} is not a rejected input")
+    tx.lock_session(str(row[0]))
+    tx.execute("DELETE FROM session_input_rejected WHERE id = ?", (input_id,))
+    return str(row[0])
+
+
+def _quarantined_row(tx: Tx, execution_id: str) -> Any:
+    """The quarantined row's (session id,), under its session lock; `ValueError` if none."""
+    row = tx.one(
+        "SELECT session_id FROM session_recovery WHERE execution_id = ?"
+        " AND recovery_error IS NOT NULL",
+        (execution_id,),
+    )
+    if row is None:
+        raise ValueError(f"execution {execution_id!r} is not quarantined")
+    tx.lock_session(str(row[0]))
+    return row
