@@ -605,12 +605,14 @@ def test_db_helper_clock_is_exact() -> None:
 @pytest.mark.parametrize("paused", [False, True])
 def test_iteration_verdict(doorbell_set: bool, phase: str, paused: bool) -> None:
     """After a normal return: paused ends the busy period (doorbell kept), a cancelling claim
-    hands over to a successor, else a set doorbell continues and none releases."""
+    never continues (a set doorbell goes to a successor), else a set doorbell continues and
+    none releases."""
     verdict = iteration_verdict(doorbell_set=doorbell_set, phase=phase, paused=paused)
     if paused:
         assert verdict is IterationVerdict.PAUSE
     elif phase == "cancelling":
-        assert verdict is IterationVerdict.HAND_OVER
+        expected = IterationVerdict.HAND_OVER if doorbell_set else IterationVerdict.RELEASE
+        assert verdict is expected
     else:
         expected = IterationVerdict.CONTINUE if doorbell_set else IterationVerdict.RELEASE
         assert verdict is expected

@@ -81,7 +81,7 @@ class IterationVerdict(enum.Enum):
 
     CONTINUE = "continue"  # doorbell set: take it, drain again under the same claim
     RELEASE = "release"  # nothing pending: delete the claim
-    HAND_OVER = "hand_over"  # cancelling: delete the claim, leave the doorbell to a successor
+    HAND_OVER = "hand_over"  # cancelling, doorbell set: delete the claim, a successor takes it
     PAUSE = "pause"  # paused: delete the claim, leave the doorbell set for `resume`
 
 
@@ -92,7 +92,7 @@ def iteration_verdict(*, doorbell_set: bool, phase: str, paused: bool) -> Iterat
     if paused:
         return IterationVerdict.PAUSE
     if phase == "cancelling":
-        return IterationVerdict.HAND_OVER
+        return IterationVerdict.HAND_OVER if doorbell_set else IterationVerdict.RELEASE
     if doorbell_set:
         return IterationVerdict.CONTINUE
     return IterationVerdict.RELEASE
