@@ -418,6 +418,12 @@ class ProtocolModel(RuleBasedStateMachine):
             return
         taken = self.op(_store.take_inputs, execution_id, owner.owner_id)
         session = self.sessions[session_id]
+        claim = session.claim
+        assert claim is not None
+        if claim.phase == "cancelling":
+            # Being interrupted: the inputs are left for the successor (DESIGN §5.1).
+            assert taken == []
+            return
         assert [i.id for i in taken] == [input_id for input_id, _, _ in session.pending]
         for input_id, _, payload in session.pending:
             self.messages[session_id].append(
@@ -516,8 +522,9 @@ class ProtocolModel(RuleBasedStateMachine):
     @precondition(lambda self: any(o.held for o in self.owners))
     @rule(slot=st.integers(0, 2), pick=st.integers(0, 100))
     def finish_iteration(self, slot: int, pick: int) -> None:
-        """A set doorbell continues the claim; otherwise it is released. Either way the
-        drain's open messages are finished ('interrupted')."""
+        """A set doorbell continues the claim - unless it was marked cancelling: then the
+        doorbell stays for a successor; otherwise it is released. Either way the drain's
+        open messages are finished ('interrupted')."""
         self.step()
         owner = self.owners[slot]
         if not owner.held:
@@ -530,7 +537,9 @@ class ProtocolModel(RuleBasedStateMachine):
         continued = self.op(_store.finish_iteration, execution_id, owner.owner_id)
         self.close_open_messages(execution_id, INTERRUPTED)
         session = self.sessions[session_id]
-        assert continued == (session.time_woken is not None)
+        claim = session.claim
+        assert claim is not None
+        assert continued == (session.time_woken is not None and claim.phase == "running")
         if continued:
             session.time_woken = None
             session.wakes = 0
