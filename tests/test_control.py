@@ -112,7 +112,8 @@ async def test_on_busy_interrupt_stops_the_drain_and_one_successor_takes_every_i
         await trio.testing.wait_all_tasks_blocked()
         await rt.submit("s", {"n": 2}, input_id="i2")
         assert await rt.submit("s", {"n": 3}, input_id="i3", on_busy="interrupt") == "i3"
-        await rt.wait_idle("s")
+        with trio.fail_after(1):  # at once, not at the next heartbeat (10 s)
+            await rt.wait_idle("s")
     assert drain.taken == [["i1"], ["i2", "i3"]]
     assert outcomes and outcomes[0].kind == "interrupted"
     messages = await _transcript(store, clock)
@@ -146,6 +147,41 @@ async def test_on_busy_interrupt_from_another_runtime_marks_the_claim_cancelling
                 await trio.sleep(0.01)
         await owner.wait_idle("s")
     assert drain.taken == [["i1"], ["i2"]]
+
+
+async def test_a_drain_whose_claim_was_marked_cancelling_takes_no_inputs(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """Between another process's on_busy="interrupt" and the owner noticing it, the drain's
+    take_inputs() takes nothing: the interrupting input and the ones before it all go to
+    the one successor."""
+    calls: list[list[str]] = []
+    interrupted = trio.Event()
+    entered = trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        if not calls:
+            calls.append([])
+            entered.set()
+            with trio.CancelScope(shield=True):  # still running when the request lands
+                await interrupted.wait()
+        calls.append([i.id for i in await ctx.take_inputs()])
+
+    async with (
+        runtime(store, drain, clock, lease=3) as owner,
+        runtime(store, None, clock) as producer,
+    ):
+        await owner.wake("s")
+        await entered.wait()
+        await producer.submit("s", {"n": 1}, input_id="i1")
+        await producer.submit("s", {"n": 2}, input_id="i2", on_busy="interrupt")
+        interrupted.set()
+        with trio.fail_after(5):
+            while len(calls) < 3:
+                await trio.sleep(0.01)
+        await owner.wait_idle("s")
+    assert calls == [[], [], ["i1", "i2"]]
+    assert Raw(db_path).rows("SELECT id FROM session_input") == []
 
 
 async def test_on_busy_reject_raises_and_stores_nothing_while_a_claim_exists(
@@ -425,7 +461,10 @@ async def test_recovery_finishes_a_paused_sessions_dead_claim_as_owner_lost(
     async with runtime(store, drain, clock) as rt:
         report = rt.statistics().recovery
         assert report.resumed == 0
+        assert report.finished_paused == 1
         assert drain.calls == []
+        # Later passes never even try to start it: its doorbell is skipped while paused.
+        assert (await rt.recover_once()).doorbells_started == 0
         assert raw.claim("s") is None
         data = decode_assistant(
             raw.one("SELECT data FROM session_message WHERE id = ?", (message_id,))[0],
@@ -529,10 +568,10 @@ async def test_purge_deletes_only_idle_sessions_in_bounded_batches(
         for index in range(250):
             await rt.submit(f"old-{index:03}", {"n": index})
         await rt.submit("scheduled", {"n": 1}, delay=10_000)
+        await rt.submit("busy", {"n": 1})  # its drain holds a claim, writing nothing more
         for index in range(250):
             await rt.wait_idle(f"old-{index:03}")
         await trio.sleep(100)
-        await rt.submit("busy", {"n": 1})  # its drain holds a claim
         await rt.submit("recent", {"n": 1})
         await rt.wait_idle("recent")
         with pytest.raises(ValueError, match="idle_for"):
