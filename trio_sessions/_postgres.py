@@ -281,6 +281,10 @@ class PgTx:
                 self._now = int(self.conn.execute(_SERVER_NOW).fetchone()[0])
         return self._now
 
+    @property
+    def dialect(self) -> BackendName:
+        return "postgres"
+
     def begin_operation(self) -> None:
         """Each operation reads its own `now`, after its own locks."""
         self._now = None
@@ -604,6 +608,56 @@ def run_op(engine: PgEngine, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T
     engine.run_batch([job])
     result: T = job.unwrap()
     return result
+
+
+class PgSyncEngine:
+    """`_backend.Engine` over one `PgEngine` (`open_engine`): the same retries, reconnects
+    and uncertain-COMMIT handling as a runtime's executor, on the calling thread."""
+
+    def __init__(self, engine: PgEngine) -> None:
+        self.engine = engine
+
+    @property
+    def dialect(self) -> BackendName:
+        return "postgres"
+
+    def run(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
+        return run_op(self.engine, op, *args)
+
+    def read(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
+        job = Job(op, args)
+        self.engine.run_alone(job, "read")
+        result: T = job.unwrap()
+        return result
+
+    def schema_version(self) -> int:
+        conn = self.engine.conn
+        try:
+            return schema_version(conn)
+        except psycopg.Error as exc:
+            raise driver_error(exc) from exc
+        finally:
+            conn.rollback()
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def open_engine(
+    url: str,
+    *,
+    schema: str = "public",
+    migrate: bool = True,
+    clock: Callable[[], float] | None = None,
+) -> PgSyncEngine:
+    """`_backend.open_engine` for a URL. `migrate=False` connects without migrating (a
+    broken connection is re-opened the same way: `PgEngine` reconnects with `connect`)."""
+    engine = PgEngine(url, schema, clock)
+    if migrate:
+        engine.open()
+    else:
+        engine.conn = connect(url, schema)
+    return PgSyncEngine(engine)
 
 
 # ---------------------------------------------------------------------------------------------

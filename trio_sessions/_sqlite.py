@@ -211,6 +211,10 @@ class SQLiteTx:
         self.conn = conn
         self.now = now
 
+    @property
+    def dialect(self) -> BackendName:
+        return "sqlite"
+
     def execute(self, sql: str, params: Params = ()) -> sqlite3.Cursor:
         return self.conn.execute(sql, params)
 
@@ -370,6 +374,46 @@ def run_op(
     run_batch(conn, clock, [job])
     result: T = job.unwrap()
     return result
+
+
+@attrs.define
+class SQLiteEngine:
+    """`_backend.Engine` on one SQLite connection (`open_engine`)."""
+
+    conn: sqlite3.Connection
+    clock: Callable[[], float] = time.time
+
+    @property
+    def dialect(self) -> BackendName:
+        return "sqlite"
+
+    def run(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
+        return run_op(self.conn, self.clock, op, *args)
+
+    def read(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
+        self.conn.execute("BEGIN")  # one deferred read transaction: a snapshot, no lock
+        try:
+            return op(SQLiteTx(self.conn, now_ms(self.clock)), *args)
+        except sqlite3.Error as exc:
+            raise _store_error(exc) from exc
+        finally:
+            self.conn.execute("ROLLBACK")
+
+    def schema_version(self) -> int:
+        return schema_version(self.conn)
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def open_engine(
+    path: str | os.PathLike[str],
+    *,
+    migrate: bool = True,
+    clock: Callable[[], float] | None = None,
+) -> SQLiteEngine:
+    """`_backend.open_engine` for a path (`connect(path, create=migrate)`)."""
+    return SQLiteEngine(connect(path, create=migrate), clock or time.time)
 
 
 # WAL grows by a few pages per commit; checkpoint well before SQLite's own 1000-page mark.

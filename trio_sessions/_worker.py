@@ -28,7 +28,8 @@ from typing import Any
 import attrs
 import trio
 
-from ._runtime import POSTGRES_SCHEMES, open_runtime
+from ._backend import POSTGRES_SCHEMES
+from ._runtime import open_runtime
 
 logger = logging.getLogger("trio_sessions.worker")
 

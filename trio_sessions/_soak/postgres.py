@@ -67,7 +67,8 @@ import psycopg.conninfo
 import psycopg.sql
 import trio
 
-from .. import _codec, _postgres, _store
+from .. import _backend, _codec, _postgres, _store
+from .._backend import Engine
 from .._errors import LeaseLost, StoreError
 from .._model import Claim
 from .._postgres import PostgresStore
@@ -368,7 +369,7 @@ class Soak:
         self.started = time.monotonic()
         self.server_down = False
         self.admin = Admin(url, self.schema)
-        self.producer = _postgres.PgEngine(url, self.schema, None)
+        self.producer: Engine | None = None  # opened (and the schema migrated) at install
         self._producer_limiter = trio.CapacityLimiter(1)
         self.worker_path: str | None = None
         if args.broken:
@@ -378,7 +379,7 @@ class Soak:
 
     def install_schema(self) -> None:
         """Migrate the soak's schema and add the audit's triggers to it (never the library)."""
-        self.producer.open()
+        self.producer = _backend.open_engine(self.url, schema=self.schema, migrate=True)
         conn = _postgres.connect(self.url, self.schema)
         with conn:
             conn.execute(audit.TRIGGERS)
@@ -620,8 +621,9 @@ class Soak:
             return
 
     async def db(self, op: Callable[..., T], *args: Any) -> T:
+        assert self.producer is not None, "install_schema() opens the producer"
         return await trio.to_thread.run_sync(
-            functools.partial(_postgres.run_op, self.producer, op, *args),
+            functools.partial(self.producer.run, op, *args),
             limiter=self._producer_limiter,
         )
 
@@ -810,7 +812,8 @@ class Soak:
 
     def close(self) -> None:
         self.admin.close()
-        self.producer.close()
+        if self.producer is not None:
+            self.producer.close()
 
 
 @contextlib.contextmanager

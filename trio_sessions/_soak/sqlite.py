@@ -219,9 +219,10 @@ class Soak:
         self.result = SoakResult()
         self.restart_at: dict[int, float] = {}
         self.next_n = 1
-        conn = _sqlite.connect(self.db)
-        conn.executescript(AUDIT_SCHEMA)
-        self.conn = conn
+        self.engine = _sqlite.open_engine(self.db, migrate=True)
+        # The same connection: the audit's own tables are written beside the store's.
+        self.conn = self.engine.conn
+        self.conn.executescript(AUDIT_SCHEMA)
 
     # -- workers --------------------------------------------------------------------------------
 
@@ -272,7 +273,7 @@ class Soak:
         self.next_n += 1
         session_id = common.session_name(self.rng.randrange(self.args.sessions))
         payload = _codec.dumps({"n": n})
-        _sqlite.run_op(self.conn, time.time, _store.submit, session_id, payload, f"in-{n}")
+        self.engine.run(_store.submit, session_id, payload, f"in-{n}")
         self.conn.execute(
             "INSERT INTO soak_submitted(n, session_id, t) VALUES (?, ?, ?)",
             (n, session_id, time.time()),
@@ -344,7 +345,7 @@ class Soak:
             # wakes are still caught: the stranded-input sampling never stops.
             time.sleep(0.5)
             for index in range(args.sessions):
-                _sqlite.run_op(self.conn, time.time, _store.wake, common.session_name(index))
+                self.engine.run(_store.wake, common.session_name(index))
         earliest = time.monotonic() + args.lease + args.recovery_interval
         deadline = time.monotonic() + args.settle_timeout
         while time.monotonic() < deadline:

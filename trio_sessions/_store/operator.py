@@ -1,5 +1,6 @@
 """The operator's operations: quarantine (list, lift, drop), rejected inputs (list, drop),
-and the reads behind the CLI's `status`, `quarantine list` and `health`.
+and the reads behind the CLI's `status`, `quarantine list` and `health` (the CLI holds
+no SQL: it formats what these return).
 
 Invariants kept here:
 * every write takes the session lock of the row it acts on, and acts only on a row that is
@@ -12,6 +13,7 @@ Invariants kept here:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from .._backend import Tx
@@ -23,6 +25,7 @@ from .transcript import _close_open_messages, _decode_message, _streamed_texts
 
 
 def quarantined(tx: Tx) -> list[dict[str, Any]]:
+    """Quarantined executions, oldest quarantine first, as plain JSON values."""
     rows = tx.execute(
         "SELECT execution_id, session_id, owner_id, recovery_error, time_quarantined"
         " FROM session_recovery WHERE recovery_error IS NOT NULL ORDER BY time_quarantined"
@@ -126,3 +129,99 @@ def _quarantined_row(tx: Tx, execution_id: str) -> Any:
         raise ValueError(f"execution {execution_id!r} is not quarantined")
     tx.lock_session(str(row[0]))
     return row
+
+
+# ---------------------------------------------------------------------------------------------
+# The CLI's reads (`python -m trio_sessions status | quarantine list | health`)
+
+
+_STATUS_SQL = """
+SELECT s.id, s.time_created, s.time_woken, s.wakes, s.wake_attempts,
+       (SELECT COUNT(*) FROM session_input i WHERE i.session_id = s.id),
+       (SELECT COUNT(*) FROM session_message m WHERE m.session_id = s.id),
+       e.id, e.owner_id, e.phase, e.time_created, e.heartbeat_at, e.expires_at,
+       r.owner_id, r.expires_at, r.recovery_error
+FROM session s
+LEFT JOIN session_execution e ON e.session_id = s.id
+LEFT JOIN session_recovery r ON r.execution_id = e.id
+ORDER BY s.id
+"""
+
+
+def status(tx: Tx) -> dict[str, Any]:
+    """Every session with its doorbell, pending inputs and claim, as plain JSON values."""
+    sessions = [_session(tx.now, row) for row in tx.execute(_STATUS_SQL).fetchall()]
+    claims = [s["claim"] for s in sessions if s["claim"] is not None]
+    return {
+        "now": tx.now,
+        "summary": {
+            "sessions": len(sessions),
+            "claims": len(claims),
+            "live_claims": sum(not c["expired"] for c in claims),
+            "expired_claims": sum(c["expired"] for c in claims),
+            "quarantined": sum(c["quarantined"] for c in claims),
+            "doorbells": sum(s["doorbell"] is not None for s in sessions),
+            "pending_inputs": sum(s["pending_inputs"] for s in sessions),
+        },
+        "matched": len(sessions),
+        "sessions": sessions,
+    }
+
+
+def _session(now: int, row: Sequence[Any]) -> dict[str, Any]:
+    (session_id, created, woken, wakes, attempts, inputs, messages, *claim) = row
+    doorbell = None
+    if woken is not None:
+        doorbell = {"time_woken": woken, "wakes": wakes, "age_s": _seconds(now - woken)}
+    return {
+        "id": session_id,
+        "time_created": created,
+        "doorbell": doorbell,
+        "pending_inputs": inputs,
+        "messages": messages,
+        "wake_attempts": attempts,
+        "claim": _claim(now, claim) if claim[0] is not None else None,
+    }
+
+
+def _claim(now: int, row: Sequence[Any]) -> dict[str, Any]:
+    (execution_id, owner, phase, created, heartbeat, expires, rec_owner, rec_expires, error) = row
+    recovery = None
+    if rec_owner is not None:
+        recovery = {"owner_id": rec_owner, "expires_at": rec_expires, "recovery_error": error}
+    return {
+        "execution_id": execution_id,
+        "owner_id": owner,
+        "phase": phase,
+        "time_created": created,
+        "expires_at": expires,
+        "expired": expires <= now,
+        "lease_remaining_s": _seconds(max(0, expires - now)),
+        "expired_since_s": _seconds(max(0, now - expires)),
+        "heartbeat_at": heartbeat,
+        "heartbeat_age_s": None if heartbeat is None else _seconds(now - heartbeat),
+        "quarantined": error is not None,
+        "recovery": recovery,
+    }
+
+
+def quarantine_report(tx: Tx) -> list[dict[str, Any]]:
+    """Quarantined executions, oldest first, with the claim they hold back."""
+    rows = quarantined(tx)
+    for row in rows:
+        claim = tx.one(
+            "SELECT owner_id, phase, expires_at FROM session_execution WHERE id = ?",
+            (row["execution_id"],),
+        )
+        row["claim_owner_id"], row["claim_phase"] = (None, None) if claim is None else claim[:2]
+        row["quarantined_for_s"] = _seconds(tx.now - (row["time_quarantined"] or tx.now))
+    return rows
+
+
+def _seconds(ms: int) -> float:
+    return round(ms / 1000, 3)
+
+
+def session_count(tx: Tx) -> int:
+    """How many sessions the store holds (the health probe's read of a table)."""
+    return int(tx.one("SELECT COUNT(*) FROM session")[0])
