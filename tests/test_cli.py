@@ -676,6 +676,9 @@ def test_control_verbs_pause_resume_cancel_delete_and_purge(
     assert cli_json(capsys, "pause", *db, "pending") == {"session_id": "pending", "action": "pause"}
     paused = "SELECT COUNT(*) FROM session WHERE id = 'pending' AND time_paused IS NOT NULL"
     assert query(location, paused) == [(1,)]
+    status = cli_json(capsys, "status", *db, "--session", "pending")
+    [pending] = status["sessions"]
+    assert pending["paused_since"] is not None and pending["scheduled_inputs"] == 0
     assert cli_json(capsys, "inputs", "cancel", *db, "in-pending-2") == {
         "input_id": "in-pending-2",
         "action": "cancel",

@@ -1176,8 +1176,11 @@ class DrainContext:
         """Consume pending inputs in seq order; each becomes a user message, atomically.
 
         Durable when it returns: in one fenced transaction the inputs left `session_input`
-        and were appended as `role='user'` messages. An input whose payload does not decode
-        is set aside for the operator, never returned and never blocking the others.
+        and were appended as `role='user'` messages. Only inputs that are due: a scheduled
+        one (`submit(delay=)`) stays unseen until its time. None once this claim was asked
+        to stop (another process's interrupt on its way): a successor takes them. An input
+        whose payload does not decode is set aside for the operator, never returned and
+        never blocking the others.
         Raises `LeaseLost` (nothing taken) when the claim is gone or this context is stale,
         `StoreError`. Cancellation: nothing taken if the transaction had not started, else
         the inputs are taken (they are user messages now, found again by `transcript()`).
