@@ -98,6 +98,7 @@ class SessionModel:
     # Pending inputs left without doorbell or claim by the drain's own choice (it returned
     # without taking them) or by a failed ending; every other strand is a lost wake.
     excused: bool = False
+    paused: bool = False  # no claim is ever taken while set (DESIGN §5.1)
 
 
 @attrs.define
@@ -302,6 +303,9 @@ class ProtocolModel(RuleBasedStateMachine):
             assert result.verdict is AcquireVerdict.HELD
             assert result.holder == session.claim.owner_id
             return
+        if session is not None and session.paused:
+            assert result.verdict is AcquireVerdict.PAUSED
+            return
         if session is None or session.time_woken is None:
             assert result.verdict is AcquireVerdict.NO_DOORBELL
             return
@@ -358,6 +362,10 @@ class ProtocolModel(RuleBasedStateMachine):
             self.ring(session)
             assert result.verdict is AcquireVerdict.HELD
             assert result.holder == claim.owner_id
+            return
+        if session.paused:
+            self.ring(session)  # kept for `resume`
+            assert result.verdict is AcquireVerdict.PAUSED
             return
         assert result.verdict is AcquireVerdict.CLAIM
         assert result.attempt == session.wake_attempts
@@ -539,7 +547,9 @@ class ProtocolModel(RuleBasedStateMachine):
         session = self.sessions[session_id]
         claim = session.claim
         assert claim is not None
-        assert continued == (session.time_woken is not None and claim.phase == "running")
+        assert continued == (
+            session.time_woken is not None and claim.phase == "running" and not session.paused
+        )
         if continued:
             session.time_woken = None
             session.wakes = 0
@@ -618,6 +628,79 @@ class ProtocolModel(RuleBasedStateMachine):
             claim.phase = "cancelling"
             self.cancelled.add(claim.execution_id)
 
+    # -- conversation control (DESIGN §5.1) ------------------------------------------------------
+
+    @rule(session_id=st.sampled_from(SESSIONS))
+    def pause(self, session_id: str) -> None:
+        """Created if absent; idempotent. Nothing else changes: a running claim ends at its
+        next iteration boundary, a dead one is finished by recovery."""
+        self.step()
+        self.op(_store.pause, session_id)
+        if session_id not in self.sessions:
+            self.sessions[session_id] = SessionModel(time_woken=None)
+            self.messages[session_id] = []
+        self.sessions[session_id].paused = True
+
+    @rule(session_id=st.sampled_from(SESSIONS))
+    def resume(self, session_id: str) -> None:
+        """Lifts the pause; pending work rings the doorbell (once: a set one stays as is)."""
+        self.step()
+        pending = self.op(_store.resume, session_id)
+        session = self.sessions.get(session_id)
+        if session is None:
+            assert pending is False
+            return
+        session.paused = False
+        if session.time_woken is not None:
+            assert pending is True
+        elif session.pending:
+            assert pending is True
+            self.ring(session)
+        else:
+            assert pending is False
+
+    @precondition(lambda self: self.all_inputs)
+    @rule(pick=st.integers(0, 1_000))
+    def cancel_input(self, pick: int) -> None:
+        """True and gone while pending; False once taken (or set aside, or deleted)."""
+        self.step()
+        input_id = sorted(self.all_inputs)[pick % len(self.all_inputs)]
+        cancelled = self.op(_store.cancel_input, input_id)
+        session = self.sessions.get(self.all_inputs[input_id])
+        pending = [] if session is None else [p for p in session.pending if p[0] == input_id]
+        assert cancelled == bool(pending)
+        if session is not None and pending:
+            session.pending.remove(pending[0])
+            del self.all_inputs[input_id]  # forgotten: a later submit of it stores it anew
+            del self.payloads[input_id]
+
+    @rule(session_id=st.sampled_from(SESSIONS))
+    def delete_session(self, session_id: str) -> None:
+        """Every row of the session goes, claims and recovery rows included. Its owner hears
+        of it through the signal and stops holding it (its later writes would fail the
+        claim fence); recovery never sees the claim again."""
+        self.step()
+        existed = self.op(_store.delete_session, session_id)
+        session = self.sessions.pop(session_id, None)
+        assert existed == (session is not None)
+        if session is None:
+            return
+        if session.claim is not None:
+            self.gone_executions.add(session.claim.execution_id)
+        self.messages.pop(session_id)
+        for execution_id, row in list(self.recovery_rows.items()):
+            if row.session_id == session_id:
+                del self.recovery_rows[execution_id]
+                self.quarantined.discard(execution_id)
+        for input_id in [i for i, s in self.all_inputs.items() if s == session_id]:
+            del self.all_inputs[input_id]  # a retry of it would store a new input
+            del self.payloads[input_id]
+        for owner in self.owners:
+            owner.forget(session_id)
+            for candidates in (owner.scan, owner.leased):
+                if candidates is not None:
+                    candidates[:] = [c for c in candidates if c.session_id != session_id]
+
     # -- owners disappear -----------------------------------------------------------------------
 
     @rule(slot=st.integers(0, 2))
@@ -692,6 +775,7 @@ class ProtocolModel(RuleBasedStateMachine):
             for session_id, session in self.sessions.items()
             if session.time_woken is not None
             and session.claim is None
+            and not session.paused
             and session_id not in owner.held
         )
         result += [_store.Candidate(s, None) for _, s in doorbells]
@@ -827,6 +911,14 @@ class ProtocolModel(RuleBasedStateMachine):
             row.error = "malformed"
             self.quarantined.add(execution_id)
             return RecoveryDecision.QUARANTINE, False
+        if session.paused:
+            # Never resumed: finished as owner-lost, pending inputs left rung for `resume`.
+            self.close_open_messages(execution_id, OWNER_LOST)
+            self.end_claim(session_id)
+            if session.pending:
+                self.ring(session)
+            del self.recovery_rows[execution_id]
+            return RecoveryDecision.FINISH_PAUSED, False
         if not claim.handed_back and session.wake_attempts >= MAX_RESUMES:
             self.close_open_messages(execution_id, BUDGET_EXHAUSTED)
             self.end_claim(session_id)
@@ -967,10 +1059,13 @@ class ProtocolModel(RuleBasedStateMachine):
         """Every table holds exactly what the contract predicts."""
         sessions = {
             row[0]: row[1:]
-            for row in self.conn.execute("SELECT id, time_woken, wakes, wake_attempts FROM session")
+            for row in self.conn.execute(
+                "SELECT id, time_woken, wakes, wake_attempts, time_paused IS NOT NULL FROM session"
+            )
         }
         assert sessions == {
-            s: (m.time_woken, m.wakes, m.wake_attempts) for s, m in self.sessions.items()
+            s: (m.time_woken, m.wakes, m.wake_attempts, int(m.paused))
+            for s, m in self.sessions.items()
         }
         claims = {
             row[0]: row[1:]

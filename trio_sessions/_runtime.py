@@ -461,8 +461,9 @@ class Runtime:
 
     async def cancel_input(self, input_id: str) -> bool:
         """Withdraw an input no drain has taken yet (a "Stop" pressed before pickup, a
-        cancelled reminder); `True` and it is gone, durably, when it returns. `False` when it
-        was already taken (it is a user message now) or is unknown; nothing is written then.
+        cancelled reminder); `True` and it is gone, durably, when it returns (its id is
+        forgotten: a later `submit` with it stores a new input). `False` when it was already
+        taken (it is a user message now) or is unknown; nothing is written then.
 
         Raises `TypeError`/`ValueError` for a bad id, `StoreError`. Cancellation: as
         `submit` - nothing withdrawn if the transaction had not started.
