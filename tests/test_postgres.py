@@ -38,7 +38,7 @@ from trio_sessions import (
     testing,
 )
 from trio_sessions._backend import Job, Tx
-from trio_sessions._decisions import AcquireVerdict, RecoveryDecision
+from trio_sessions._decisions import AcquireVerdict, IterationVerdict, RecoveryDecision
 from trio_sessions._postgres import (
     SCHEMA_VERSION,
     PgEngine,
@@ -192,7 +192,8 @@ def test_concurrent_migrations_of_an_empty_schema_all_succeed(
 
 
 async def test_upgrade_of_a_version_1_schema_adds_streaming(pg_url: str, pg_schema: str) -> None:
-    """A version-1 schema is upgraded on open (version 2), as SQLite's version 3 file is:
+    """A version-1 schema is upgraded on open (to the current version, through 2's
+    streaming), as SQLite's version 3 file is:
     messages marked finished from their JSON (a malformed one kept as it is), stream and
     delta tables added, an open reply from before still closed by recovery."""
     with raw(pg_url, pg_schema) as conn:
@@ -619,7 +620,7 @@ class RecordingStatements:
 
 
 def test_batch_runs_each_batched_kind_as_one_call(pg_url: str, pg_schema: str) -> None:
-    """A group-commit batch of 8 submit_and_acquire and then 8 finish_iteration jobs is one
+    """A group-commit batch of 8 submit_and_acquire and then 8 end_iteration jobs is one
     statement per kind and a COMMIT, and answers each job as it would alone: claims, then
     releases, with every input stored once."""
     made: list[RecordingStatements] = []
@@ -641,9 +642,9 @@ def test_batch_runs_each_batched_kind_as_one_call(pg_url: str, pg_schema: str) -
         assert [job.unwrap()[1].verdict for job in submits] == [AcquireVerdict.CLAIM] * 8
         assert [job.unwrap()[0] for job in submits] == [f"i{n}" for n in range(8)]
         assert len(made[-1].statements) == 2  # BEGIN + the call, COMMIT
-        finishes = [Job(_store.finish_iteration, (f"e{n}", "me")) for n in range(8)]
+        finishes = [Job(_store.end_iteration, (f"e{n}", "me")) for n in range(8)]
         engine.run_batch(finishes)
-        assert [job.unwrap() for job in finishes] == [False] * 8
+        assert [job.unwrap() for job in finishes] == [IterationVerdict.RELEASE] * 8
         assert len(made[-1].statements) == 4
     with raw(pg_url, pg_schema) as conn:
         assert conn.execute("SELECT count(*) FROM session_input").fetchall() == [(8,)]

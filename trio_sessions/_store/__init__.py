@@ -13,7 +13,9 @@ Families (one module each):
 * `transcript`: taking inputs, assistant messages and streamed text, reading;
 * `recovery`: candidates, recovery leases, applying the decision;
 * `operator`: quarantine and rejected inputs, the CLI's status and health reads;
-* `changes`: what other processes changed (doorbells, cancellations, watched messages).
+* `changes`: what other processes changed (doorbells, cancellations, watched messages);
+* `control`: conversation control - `on_busy`, scheduled inputs, cancel, pause and resume,
+  delete and purge, fork and truncate (DESIGN §5.1).
 
 Serialisation: every operation that reads and then writes a session's rows first takes
 `tx.lock_session(session_id)` - a no-op on SQLite (its write transaction holds the only
@@ -50,6 +52,7 @@ from .claims import (
     Acquired,
     acquire,
     cancel_held_claim,
+    end_iteration,
     expire_claims,
     finish_failed,
     finish_interrupted,
@@ -61,6 +64,21 @@ from .claims import (
     wake_and_acquire,
 )
 from .common import CLAIM_FENCE, RECOVERY_FENCE, new_id
+from .control import (
+    Due,
+    cancel_input,
+    delete_session,
+    fork,
+    next_due,
+    pause,
+    promote_due,
+    purge_batch,
+    resume,
+    submit_controlled,
+    submit_controlled_and_acquire,
+    submit_scheduled,
+    truncate,
+)
 from .inputs import submit, wake
 from .operator import (
     drop_quarantined,
@@ -97,6 +115,7 @@ __all__ = [
     "Acquired",
     "Candidate",
     "Changes",
+    "Due",
     "Recovered",
     "Snapshot",
     "_recovery_facts",
@@ -107,18 +126,26 @@ __all__ = [
     "apply_recovery_batch",
     "begin_assistant",
     "cancel_held_claim",
+    "cancel_input",
     "changes",
+    "delete_session",
     "drop_quarantined",
     "drop_rejected_input",
+    "end_iteration",
     "expire_claims",
     "finish_failed",
     "finish_interrupted",
     "finish_iteration",
+    "fork",
     "heartbeat",
     "lift_quarantine",
     "mark_cancelling",
     "new_id",
+    "next_due",
+    "pause",
     "pg_functions",
+    "promote_due",
+    "purge_batch",
     "quarantine",
     "quarantine_report",
     "quarantined",
@@ -126,12 +153,17 @@ __all__ = [
     "recovery_candidates",
     "rejected_inputs",
     "request_cancel",
+    "resume",
     "session_count",
     "status",
     "submit",
     "submit_and_acquire",
+    "submit_controlled",
+    "submit_controlled_and_acquire",
+    "submit_scheduled",
     "take_inputs",
     "take_recovery_leases",
+    "truncate",
     "update_assistant",
     "wake",
     "wake_and_acquire",

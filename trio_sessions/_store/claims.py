@@ -21,7 +21,7 @@ import attrs
 
 from .. import _decisions
 from .._backend import FALLBACK, Tx, autocommit_when_alone, pg_batched
-from .._decisions import AcquireVerdict
+from .._decisions import AcquireVerdict, IterationVerdict
 from .._model import INTERRUPTED
 from .common import (
     CLAIM_FENCE,
@@ -31,6 +31,7 @@ from .common import (
     _has_pending_inputs,
     _lease_lost,
     _lock_execution,
+    _paused,
     _require_claim,
     _require_claim_session,
     _reset_attempts,
@@ -52,15 +53,18 @@ class Acquired:
 
 @autocommit_when_alone
 def acquire(tx: Tx, session_id: str, execution_id: str, owner_id: str, lease_ms: int) -> Acquired:
-    """Insert the claim only if no claim row exists and the doorbell is set; take the doorbell."""
+    """Insert the claim only if no claim row exists, the session is not paused and the
+    doorbell is set; take the doorbell."""
     if tx.dialect == "postgres":
         [row] = tx.call("ts_acquire", session_id, execution_id, owner_id, lease_ms)
         return _pg_acquired(*row)
     tx.lock_session(session_id)
-    session = tx.one("SELECT time_woken FROM session WHERE id = ?", (session_id,))
+    session = tx.one("SELECT time_woken, time_paused FROM session WHERE id = ?", (session_id,))
     claim = _claim_row(tx, session_id)
     verdict = _decisions.acquire_verdict(
-        doorbell_set=session is not None and session[0] is not None, claim_row=claim
+        doorbell_set=session is not None and session[0] is not None,
+        claim_row=claim,
+        paused=session is not None and session[1] is not None,
     )
     if verdict is not AcquireVerdict.CLAIM:
         return Acquired(verdict, holder=None if claim is None else claim.owner_id)
@@ -85,6 +89,9 @@ def wake_and_acquire(
     if claim is not None:
         wake(tx, session_id)
         return None, Acquired(AcquireVerdict.HELD, holder=claim.owner_id)
+    if _paused(tx, session_id):
+        wake(tx, session_id)  # kept for `resume`
+        return None, Acquired(AcquireVerdict.PAUSED)
     _ensure_session(tx, session_id)
     return None, _insert_claim(tx, session_id, execution_id, owner_id, lease_ms)
 
@@ -120,7 +127,11 @@ def submit_and_acquire(
         # below decides (in a transaction).
     tx.lock_session(session_id)
     claim = _claim_row(tx, session_id)
-    if claim is not None or _known_input(tx, session_id, input_id, payload):
+    if (
+        claim is not None
+        or _known_input(tx, session_id, input_id, payload)
+        or _paused(tx, session_id)
+    ):
         stored = submit(tx, session_id, payload, input_id)
         return stored, acquire(tx, session_id, execution_id, owner_id, lease_ms)
     session = _insert_input(tx, session_id, payload, input_id, ring=False)
@@ -189,39 +200,49 @@ def heartbeat(
 
 
 def _pg_iteration_finished(args: tuple[Any, ...], row: tuple[Any, ...]) -> Any:
-    """`ts_finish`'s row for an iteration as `finish_iteration` answers; `FALLBACK` when
-    the execution left a message open (nothing was written)."""
+    """`ts_finish`'s row for an iteration as `end_iteration` answers; `FALLBACK` when the
+    execution left a message open (nothing was written)."""
     verdict, _ = row
     if verdict == "lease_lost":
         raise _lease_lost(args[0])
     if verdict == "open_messages":
         return FALLBACK
-    return verdict == "continue"
+    return IterationVerdict(verdict)
+
+
+def finish_iteration(tx: Tx, execution_id: str, owner_id: str) -> bool:
+    """`end_iteration`: True when the claim continues (the doorbell was taken)."""
+    return end_iteration(tx, execution_id, owner_id) is IterationVerdict.CONTINUE
 
 
 @pg_batched("ts_finish_iterations", _pg_iteration_finished)
-def finish_iteration(tx: Tx, execution_id: str, owner_id: str) -> bool:
-    """After a drain returned: take a set doorbell and continue (True), or release (False).
+def end_iteration(tx: Tx, execution_id: str, owner_id: str) -> IterationVerdict:
+    """After a drain returned: take a set doorbell and continue, or delete the claim.
 
     Either way, a message the drain left open is finished and its running tools failed
     (`interrupted`): nothing stays `running` forever. Serialised with `wake` by the write
     lock: a wake either committed before this, and is taken here, or finds no claim
-    afterwards and leads to a fresh acquisition.
+    afterwards and leads to a fresh acquisition. A paused session's busy period ends here
+    with its doorbell left set (for `resume`); a claim marked cancelling never continues:
+    its set doorbell is left for a successor (`_decisions.iteration_verdict`).
     """
     if tx.dialect == "postgres":
         [row] = tx.call("ts_finish", execution_id, owner_id, "iteration", idempotent=False)
         result = _pg_iteration_finished((execution_id, owner_id), row)
         if result is not FALLBACK:
-            return bool(result)
+            return IterationVerdict(result)
     claimed = _require_claim_session(tx, execution_id, owner_id)
     _close_open_messages(tx, execution_id, INTERRUPTED)
-    if claimed.doorbell:
+    verdict = _decisions.iteration_verdict(
+        doorbell_set=claimed.doorbell, phase=claimed.phase, paused=claimed.paused
+    )
+    if verdict is IterationVerdict.CONTINUE:
         _take_doorbell(tx, claimed.session_id)
-        return True
+        return verdict
     _delete_claim(tx, execution_id, owner_id)
     if claimed.wake_attempts:
         _reset_attempts(tx, claimed.session_id)
-    return False
+    return verdict
 
 
 def _pg_finish(tx: Tx, execution_id: str, owner_id: str, kind: str) -> str | None:
@@ -399,20 +420,23 @@ BEGIN
     RETURN CASE WHEN FOUND THEN 'ok' ELSE 'lease_lost' END;
 END $$;
 
--- The end of a busy period or iteration, under the claim fence. p_kind: 'iteration' (take
--- a set doorbell and continue, else release), 'failed' (release; untaken inputs do not
--- re-arm the doorbell) or 'interrupted' (release; re-arm the doorbell if inputs remain).
--- Verdicts: continue, released (doorbell: whether it is set afterwards), lease_lost, or
--- open_messages when the execution left a message open: closing it needs the transcript
--- rules, so the caller takes its own path (nothing was written here).
+-- The end of a busy period or iteration, under the claim fence. p_kind: 'iteration'
+-- (verdicts as IterationVerdict: continue takes the doorbell; release, hand_over and pause
+-- delete the claim), 'failed' (released; untaken inputs do not re-arm the doorbell) or
+-- 'interrupted' (released; due inputs re-arm it). `doorbell`: whether it is set
+-- afterwards. Also lease_lost, or open_messages when the execution left a message open:
+-- closing it needs the transcript rules, so the caller takes its own path (nothing was
+-- written here).
 CREATE OR REPLACE FUNCTION ts_finish(p_exec text, p_owner text, p_kind text, p_now bigint,
     p_retry boolean, OUT verdict text, OUT doorbell boolean)
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
-    v_session text; v_now bigint; v_woken bigint; v_attempts bigint;
+    v_session text; v_now bigint; v_woken bigint; v_attempts bigint; v_phase text;
+    v_paused bigint;
 BEGIN
     SELECT l.session_id, l.now INTO v_session, v_now FROM ts_lock_execution(p_exec, p_now) l;
-    SELECT s.time_woken, s.wake_attempts INTO v_woken, v_attempts
+    SELECT s.time_woken, s.wake_attempts, c.phase, s.time_paused
+        INTO v_woken, v_attempts, v_phase, v_paused
         FROM session_execution c JOIN session s ON s.id = c.session_id
         WHERE c.id = p_exec AND c.owner_id = p_owner AND c.expires_at > v_now;
     IF NOT FOUND THEN
@@ -424,37 +448,50 @@ BEGIN
         verdict := 'open_messages';
         RETURN;
     END IF;
-    IF p_kind = 'iteration' AND v_woken IS NOT NULL THEN
-        UPDATE session SET time_woken = NULL, wakes = 0 WHERE id = v_session;
-        verdict := 'continue';
-        doorbell := false;
-        RETURN;
+    IF p_kind = 'iteration' THEN
+        -- As _decisions.iteration_verdict: a pause ends the busy period (the doorbell stays
+        -- for resume); a claim marked cancelling never continues (a successor takes a set
+        -- doorbell: hand_over).
+        verdict := CASE WHEN v_paused IS NOT NULL THEN 'pause'
+                        WHEN v_phase = 'cancelling' AND v_woken IS NOT NULL THEN 'hand_over'
+                        WHEN v_phase = 'cancelling' THEN 'release'
+                        WHEN v_woken IS NOT NULL THEN 'continue'
+                        ELSE 'release' END;
+        IF verdict = 'continue' THEN
+            UPDATE session SET time_woken = NULL, wakes = 0 WHERE id = v_session;
+            doorbell := false;
+            RETURN;
+        END IF;
+    ELSE
+        verdict := 'released';
     END IF;
     DELETE FROM session_execution WHERE id = p_exec;
     IF v_attempts <> 0 THEN
         UPDATE session SET wake_attempts = 0 WHERE id = v_session;
     END IF;
-    IF p_kind = 'interrupted'
-            AND EXISTS (SELECT 1 FROM session_input i WHERE i.session_id = v_session) THEN
+    -- Only due inputs re-arm the doorbell (the due timer rings for scheduled ones).
+    IF p_kind = 'interrupted' AND EXISTS (
+            SELECT 1 FROM session_input i WHERE i.session_id = v_session
+            AND (i.due_at IS NULL OR i.due_at <= v_now)) THEN
         PERFORM ts_signal(v_session);
         UPDATE session SET time_woken = COALESCE(time_woken, v_now), wakes = wakes + 1
             WHERE id = v_session;
         v_woken := v_now;
     END IF;
-    verdict := 'released';
     doorbell := v_woken IS NOT NULL;
 END $$;
 
 -- Under the session lock: insert the claim only if no claim row exists for the session
--- (never an overwrite) and the doorbell is set (p_doorbell: the caller rang it in this same
--- call), and take the doorbell. Verdicts: claim (attempt), held (holder), no_doorbell. A
+-- (never an overwrite), the session is not paused and the doorbell is set (p_doorbell: the
+-- caller rang it in this same call), and take the doorbell. Verdicts: claim (attempt),
+-- held (holder), paused, no_doorbell. A
 -- claim row carrying this very execution id is this call's own, landed before a lost reply.
 CREATE OR REPLACE FUNCTION ts_acquire_locked(p_session text, p_exec text, p_owner text,
     p_lease bigint, p_at bigint, p_doorbell boolean,
     OUT verdict text, OUT attempt bigint, OUT holder text)
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
-    v_claim text; v_woken bigint;
+    v_claim text; v_woken bigint; v_paused bigint;
 BEGIN
     SELECT c.id, c.owner_id INTO v_claim, holder FROM session_execution c
         WHERE c.session_id = p_session;
@@ -468,8 +505,13 @@ BEGIN
         END IF;
         RETURN;
     END IF;
-    SELECT s.time_woken, s.wake_attempts INTO v_woken, attempt FROM session s
-        WHERE s.id = p_session;
+    SELECT s.time_woken, s.wake_attempts, s.time_paused INTO v_woken, attempt, v_paused
+        FROM session s WHERE s.id = p_session;
+    IF FOUND AND v_paused IS NOT NULL THEN
+        verdict := 'paused';  -- the doorbell stays set for resume
+        attempt := NULL;
+        RETURN;
+    END IF;
     IF NOT FOUND OR (v_woken IS NULL AND NOT p_doorbell) THEN
         verdict := 'no_doorbell';
         attempt := NULL;
@@ -517,9 +559,12 @@ BEGIN
     IF input_verdict IN ('other_session', 'other_payload') THEN
         RETURN;
     END IF;
-    v_held := EXISTS (SELECT 1 FROM session_execution c WHERE c.session_id = p_session);
+    v_held := EXISTS (SELECT 1 FROM session_execution c WHERE c.session_id = p_session)
+        OR EXISTS (SELECT 1 FROM session s WHERE s.id = p_session
+                   AND s.time_paused IS NOT NULL);
     IF input_verdict IS NULL THEN
-        -- Rung only if a claim already holds the session: else the claim below takes it.
+        -- Rung only if a claim already holds the session (or it is paused: kept for
+        -- resume): else the claim below takes it.
         PERFORM ts_insert_input(p_session, p_payload, p_input, v_held, v_now);
         input_verdict := 'stored';
     END IF;
@@ -539,7 +584,10 @@ BEGIN
     PERFORM ts_lock(p_session);
     v_now := ts_now(p_now);
     IF EXISTS (SELECT 1 FROM session_execution c WHERE c.session_id = p_session
-               AND c.id <> p_exec) THEN
+               AND c.id <> p_exec)
+            OR EXISTS (SELECT 1 FROM session s WHERE s.id = p_session
+                       AND s.time_paused IS NOT NULL) THEN
+        -- Held by another claim, or paused (kept for resume): the wake is recorded.
         PERFORM ts_signal(p_session);
         INSERT INTO session AS s (id, time_created, time_woken, wakes)
             VALUES (p_session, v_now, v_now, 1)
