@@ -13,7 +13,9 @@ Families (one module each):
 * `transcript`: taking inputs, assistant messages and streamed text, reading;
 * `recovery`: candidates, recovery leases, applying the decision;
 * `operator`: quarantine and rejected inputs, the CLI's status and health reads;
-* `changes`: what other processes changed (doorbells, cancellations, watched messages).
+* `changes`: what other processes changed (doorbells, cancellations, watched messages);
+* `control`: conversation control - `on_busy`, scheduled inputs, cancel, pause and resume,
+  delete and purge, fork and truncate (DESIGN §5.1).
 
 Serialisation: every operation that reads and then writes a session's rows first takes
 `tx.lock_session(session_id)` - a no-op on SQLite (its write transaction holds the only
@@ -23,12 +25,28 @@ execution look up its session (which an execution never changes), lock it, then 
 fence under the lock. `tx.now` is read after the operation's locks, so a fence never
 compares against a time from before a lock wait.
 
+PostgreSQL runs the fenced operations as server-side functions (DESIGN §8 "One round trip
+per operation"): each family module keeps its functions' SQL in `PG_FUNCTIONS`, beside the
+Python twins that call them (`tx.call`) when `tx.dialect == "postgres"`. Conventions: every
+function takes its locks first (the session's advisory lock, or the claim rows' row locks
+in id order), then reads the clock - `ts_now(p_now)`: the server's `clock_timestamp()`, or
+the test clock the caller passes - then checks its fence and writes. A refusal is a
+returned verdict (`ok`, `lease_lost`, `held`, ...), never an exception, so a refused call
+has written nothing. `p_retry` is true when the caller runs a call again after losing its
+reply in autocommit (`_backend.autocommit_when_alone`): such a function first reads back,
+by natural key (the input id, the execution id, the message id, the delta's version),
+whether the lost call landed, and answers as that call did.
+
 Every name the rest of the package (and its tests) uses is re-exported here, so callers
 write `_store.submit(...)` whatever module the operation lives in.
 """
 
 from __future__ import annotations
 
+from . import claims as _claims
+from . import common as _common
+from . import inputs as _inputs
+from . import transcript as _transcript_family
 from .changes import (
     REPLAY_CHUNK,
     Changes,
@@ -44,6 +62,7 @@ from .claims import (
     Acquired,
     acquire,
     cancel_held_claim,
+    end_iteration,
     expire_claims,
     finish_failed,
     finish_interrupted,
@@ -55,6 +74,21 @@ from .claims import (
     wake_and_acquire,
 )
 from .common import CLAIM_FENCE, RECOVERY_FENCE, new_id
+from .control import (
+    Due,
+    cancel_input,
+    delete_session,
+    fork,
+    next_due,
+    pause,
+    promote_due,
+    purge_batch,
+    resume,
+    submit_controlled,
+    submit_controlled_and_acquire,
+    submit_scheduled,
+    truncate,
+)
 from .inputs import submit, wake
 from .operator import (
     drop_quarantined,
@@ -97,6 +131,7 @@ __all__ = [
     "Acquired",
     "Candidate",
     "Changes",
+    "Due",
     "Followed",
     "Recovered",
     "Snapshot",
@@ -109,18 +144,27 @@ __all__ = [
     "apply_recovery_batch",
     "begin_assistant",
     "cancel_held_claim",
+    "cancel_input",
     "changes",
+    "delete_session",
     "drop_quarantined",
     "drop_rejected_input",
+    "end_iteration",
     "expire_claims",
     "finish_failed",
     "finish_interrupted",
     "finish_iteration",
+    "fork",
     "heartbeat",
     "lift_quarantine",
     "mark_cancelling",
     "new_id",
     "newest_message",
+    "next_due",
+    "pause",
+    "pg_functions",
+    "promote_due",
+    "purge_batch",
     "quarantine",
     "quarantine_report",
     "quarantined",
@@ -128,6 +172,7 @@ __all__ = [
     "recovery_candidates",
     "rejected_inputs",
     "request_cancel",
+    "resume",
     "session_count",
     "session_page",
     "session_status",
@@ -135,11 +180,25 @@ __all__ = [
     "store_counts",
     "submit",
     "submit_and_acquire",
+    "submit_controlled",
+    "submit_controlled_and_acquire",
+    "submit_scheduled",
     "take_inputs",
     "take_recovery_leases",
+    "truncate",
     "update_assistant",
     "wake",
     "wake_and_acquire",
     "watched_changes",
     "watched_messages",
 ]
+
+
+def pg_functions(channel: str, lock_namespace: int) -> str:
+    """Every family's server-side functions (DDL), for a schema whose notification channel
+    is `channel`, with session locks in `lock_namespace`."""
+    literal = "'" + channel.replace("'", "''") + "'"
+    text = "\n".join(
+        module.PG_FUNCTIONS for module in (_common, _inputs, _transcript_family, _claims)
+    )
+    return text.replace("@LOCK@", str(int(lock_namespace))).replace("@CHANNEL@", literal)

@@ -103,22 +103,27 @@ class _ClaimedSession:
     session_id: str
     doorbell: bool
     wake_attempts: int
+    phase: str = "running"  # the claim's: 'cancelling' once an interrupt was requested
+    paused: bool = False
 
 
 def _require_claim_session(
     tx: Tx, session_id: str, execution_id: str, owner_id: str
 ) -> _ClaimedSession:
-    """`_require_claim`, reading the session's doorbell and resume count in the same
-    statement."""
+    """`_require_claim`, reading the session's doorbell, resume count and pause, and the
+    claim's phase, in the same statement."""
     tx.lock_session(session_id)
     row = tx.one(
-        "SELECT s.time_woken, s.wake_attempts FROM session_execution c"
-        f" JOIN session s ON s.id = c.session_id WHERE {SESSION_FENCE.format(t='c.')}",
+        "SELECT s.time_woken, s.wake_attempts, c.phase, s.time_paused"
+        " FROM session_execution c JOIN session s ON s.id = c.session_id"
+        f" WHERE {SESSION_FENCE.format(t='c.')}",
         _session_fence(tx, session_id, execution_id, owner_id),
     )
     if row is None:
         raise _lease_lost(execution_id)
-    return _ClaimedSession(session_id, row[0] is not None, int(row[1]))
+    return _ClaimedSession(
+        session_id, row[0] is not None, int(row[1]), str(row[2]), row[3] is not None
+    )
 
 
 def _newest_seq(tx: Tx, session_id: str) -> int | None:
@@ -130,11 +135,25 @@ def _next_message_seq(tx: Tx, session_id: str) -> int:
     return (_newest_seq(tx, session_id) or 0) + 1
 
 
+# An input `take_inputs` may take now: due (scheduled ones once their time has come).
+DUE = "(due_at IS NULL OR due_at <= :now)"
+
+
 def _has_pending_inputs(tx: Tx, session_id: str) -> bool:
+    """Whether due inputs wait untaken (scheduled ones not yet due do not count: the due
+    timer rings for them)."""
     return (
-        tx.one("SELECT 1 FROM session_input WHERE session_id = ? LIMIT 1", (session_id,))
+        tx.one(
+            f"SELECT 1 FROM session_input WHERE session_id = :session AND {DUE} LIMIT 1",
+            {"session": session_id, "now": tx.now},
+        )
         is not None
     )
+
+
+def _paused(tx: Tx, session_id: str) -> bool:
+    row = tx.one("SELECT time_paused FROM session WHERE id = ?", (session_id,))
+    return row is not None and row[0] is not None
 
 
 def _doorbell_set(tx: Tx, session_id: str) -> bool:
@@ -168,3 +187,52 @@ def not_in(tx: Tx, column: str, values: Sequence[str]) -> tuple[str, Any]:
     if tx.dialect == "postgres":
         return f"NOT ({column} = ANY(:excluded))", list(values)
     return f"{column} NOT IN (SELECT value FROM json_each(:excluded))", json.dumps(list(values))
+
+
+# ---------------------------------------------------------------------------------------------
+# PostgreSQL: this family's server-side functions (created by `_schema`'s migrations; see
+# `_store.pg_functions` for their conventions)
+
+PG_FUNCTIONS = r"""
+CREATE OR REPLACE FUNCTION ts_now(p_now bigint) RETURNS bigint
+LANGUAGE sql VOLATILE AS $$
+    SELECT COALESCE(p_now, floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint)
+$$;
+
+CREATE OR REPLACE FUNCTION ts_lock(p_session text) RETURNS void
+LANGUAGE sql VOLATILE AS $$ SELECT pg_advisory_xact_lock(@LOCK@, hashtext(p_session)) $$;
+
+CREATE OR REPLACE FUNCTION ts_signal(p_session text) RETURNS void
+LANGUAGE sql VOLATILE AS $$ SELECT pg_notify(@CHANNEL@, p_session) $$;
+
+-- The session lock a drain's write names, taken at once, and the clock read after it;
+-- session_id is that session when the execution's claim is of it, NULL otherwise (no claim
+-- row carries this id, or it is another session's: the fence includes the session).
+CREATE OR REPLACE FUNCTION ts_lock_execution(p_session text, p_exec text, p_now bigint,
+    OUT session_id text, OUT now bigint)
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    PERFORM ts_lock(p_session);
+    SELECT c.session_id INTO ts_lock_execution.session_id
+        FROM session_execution c WHERE c.id = p_exec AND c.session_id = p_session;
+    now := ts_now(p_now);
+END $$;
+
+-- The claim fence under the session lock: the exact execution, this owner, a live lease.
+CREATE OR REPLACE FUNCTION ts_holds(p_exec text, p_owner text, p_now bigint) RETURNS boolean
+LANGUAGE sql STABLE AS $$
+    SELECT EXISTS (SELECT 1 FROM session_execution
+                   WHERE id = p_exec AND owner_id = p_owner AND expires_at > p_now)
+$$;
+
+-- Recovery's session locks for a whole batch, in one call and in the order every function
+-- takes several (hashtext, id), so two lockers of overlapping sets never deadlock.
+CREATE OR REPLACE FUNCTION ts_lock_sessions(p_sessions text[], p_now bigint,
+    p_retry boolean)
+RETURNS bigint
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    PERFORM ts_lock(s) FROM unnest(p_sessions) AS s ORDER BY hashtext(s), s;
+    RETURN ts_now(p_now);
+END $$;
+"""

@@ -92,10 +92,11 @@ def recovery_candidates(
 
 def _unclaimed_doorbells(tx: Tx, local_sessions: Sequence[str], limit: int) -> list[str]:
     """Sessions with a set doorbell and no claim row, oldest wake first, except those held
-    locally (a crash between wake and acquire, or a wake from another process)."""
+    locally (a crash between wake and acquire, or a wake from another process) and paused
+    ones (their doorbell waits for `resume`)."""
     not_local, local = not_in(tx, "s.id", local_sessions)
     rows = tx.execute(
-        "SELECT s.id FROM session s WHERE s.time_woken IS NOT NULL"
+        "SELECT s.id FROM session s WHERE s.time_woken IS NOT NULL AND s.time_paused IS NULL"
         " AND NOT EXISTS (SELECT 1 FROM session_execution e WHERE e.session_id = s.id)"
         f" AND {not_local} ORDER BY s.time_woken, s.id LIMIT :limit",
         {"excluded": local, "limit": limit},
@@ -185,13 +186,14 @@ def _recovery_facts(tx: Tx, candidate: Candidate) -> tuple[RecoveryFacts, str | 
         (execution_id,),
     )
     malformed_reason = None if newest is None else _malformed_reason(tx, newest[0], newest[1])
-    attempts = tx.one("SELECT wake_attempts FROM session WHERE id = ?", (session_id,))
+    attempts = tx.one("SELECT wake_attempts, time_paused FROM session WHERE id = ?", (session_id,))
     facts = RecoveryFacts(
         claim=claim,
         superseded=superseded,
         newest_assistant_malformed=malformed_reason is not None,
         wake_attempts=0 if attempts is None else int(attempts[0]),
         handed_back=ours and bool(row[5]),
+        paused=attempts is not None and attempts[1] is not None,
     )
     return facts, malformed_reason
 
@@ -245,6 +247,7 @@ def apply_recovery(
     if decision in (
         RecoveryDecision.FINISH_CANCELLED,
         RecoveryDecision.DROP_SUPERSEDED,
+        RecoveryDecision.FINISH_PAUSED,
         RecoveryDecision.EXHAUSTED,
     ):
         _end_expired_claim(tx, candidate, decision)
@@ -299,6 +302,7 @@ def _end_expired_claim(tx: Tx, candidate: Candidate, decision: RecoveryDecision)
     reason = {
         RecoveryDecision.FINISH_CANCELLED: INTERRUPTED,
         RecoveryDecision.DROP_SUPERSEDED: OWNER_LOST,
+        RecoveryDecision.FINISH_PAUSED: OWNER_LOST,
         RecoveryDecision.EXHAUSTED: BUDGET_EXHAUSTED,
     }[decision]
     _close_open_messages(tx, execution_id, reason)
@@ -352,8 +356,12 @@ def apply_recovery_batch(
     """
     results: dict[int, Recovered] = {}
     plain: list[_PlainItem] = []
-    for session_id in sorted({candidate.session_id for candidate, _ in items}):
-        tx.lock_session(session_id)
+    sessions = sorted({candidate.session_id for candidate, _ in items})
+    if tx.dialect == "postgres":
+        tx.call("ts_lock_sessions", sessions)  # one round trip, in the functions' order
+    else:
+        for session_id in sessions:
+            tx.lock_session(session_id)
     facts_of = _plain_recovery_facts(tx, owner_id, [c for c, _ in items])
     for index, (candidate, new_execution_id) in enumerate(items):
         known = facts_of.get(candidate.execution_id or "")
@@ -428,7 +436,8 @@ def _plain_recovery_facts(
             " (SELECT MAX(m.seq) FROM session_message m WHERE m.session_id = e.session_id),"
             f" {_superseded(session='e.session_id', execution='e.id', anchor='e.anchor_seq')},"
             " EXISTS (SELECT 1 FROM session_recovery r WHERE r.execution_id = e.id"
-            "   AND r.owner_id = ? AND r.expires_at > ? AND r.recovery_error IS NULL)"
+            "   AND r.owner_id = ? AND r.expires_at > ? AND r.recovery_error IS NULL),"
+            " s.time_paused"
             " FROM session_execution e JOIN session s ON s.id = e.session_id"
             f" WHERE e.id IN {_in_list(chunk)} AND NOT EXISTS (SELECT 1 FROM session_message m"
             "   WHERE m.execution_id = e.id AND m.role = 'assistant')",
@@ -442,6 +451,7 @@ def _plain_recovery_facts(
                 newest_assistant_malformed=False,
                 wake_attempts=int(attempts),
                 handed_back=bool(handed_back),
+                paused=row[9] is not None,
             )
             found[execution_id] = (facts, None if row[6] is None else int(row[6]), bool(row[8]))
     return found
@@ -458,6 +468,17 @@ def _apply_plain(
     results: dict[int, Recovered] = {}
     done: list[str] = []  # recovery rows of ours to delete
     counted: dict[bool, list[str]] = {True: [], False: []}
+    # The recovery fence comes first: a claim it matched nothing for has nothing written.
+    replaced = _replace_claims(
+        tx,
+        [
+            (item.candidate.execution_id or "", item.new_execution_id, item.newest_seq)
+            for item in plain
+            if item.decision is RecoveryDecision.RESUME
+        ],
+        owner_id,
+        lease_ms,
+    )
     for item in plain:
         index, candidate, facts, decision = item.position, item.candidate, item.facts, item.decision
         old = candidate.execution_id
@@ -466,8 +487,7 @@ def _apply_plain(
             done.append(old)
             results[index] = Recovered(decision)
             continue
-        # The recovery fence comes first: zero rows means nothing was written for it.
-        if not _replace_claim(tx, old, item.new_execution_id, owner_id, item.newest_seq, lease_ms):
+        if old not in replaced:
             results[index] = Recovered(RecoveryDecision.GONE, fence_lost=True)
             continue
         # A claim handed back by a graceful shutdown resumes without counting.
@@ -509,6 +529,38 @@ def _replace_claim(
         },
     ).rowcount
     return bool(replaced == 1)
+
+
+def _replace_claims(
+    tx: Tx, claims: Sequence[tuple[str, str, int | None]], owner_id: str, lease_ms: int
+) -> set[str]:
+    """`_replace_claim` for each (old execution id, new execution id, anchor seq); the old
+    ids it replaced. PostgreSQL: one set-wise UPDATE under the same fence."""
+    if tx.dialect != "postgres":
+        return {
+            old
+            for old, new, anchor in claims
+            if _replace_claim(tx, old, new, owner_id, anchor, lease_ms)
+        }
+    if not claims:
+        return set()
+    olds, news, anchors = (list(column) for column in zip(*claims, strict=True))
+    rows = tx.execute(
+        "UPDATE session_execution e SET id = u.new, owner_id = :me, phase = 'running',"
+        " anchor_seq = u.anchor, time_created = :now, heartbeat_at = NULL,"
+        " expires_at = :expires, handed_back = 0"
+        " FROM unnest(CAST(:olds AS text[]), CAST(:news AS text[]), CAST(:anchors AS bigint[]))"
+        " AS u(old, new, anchor) WHERE e.id = u.old AND e.expires_at <= :now RETURNING u.old",
+        {
+            "me": owner_id,
+            "now": tx.now,
+            "expires": tx.now + lease_ms,
+            "olds": olds,
+            "news": news,
+            "anchors": anchors,
+        },
+    ).fetchall()
+    return {str(row[0]) for row in rows}
 
 
 def _count_resumes(tx: Tx, counts: bool, session_ids: Sequence[str]) -> None:
