@@ -20,15 +20,16 @@ Families (one module each):
 Serialisation: every operation that reads and then writes a session's rows first takes
 `tx.lock_session(session_id)` - a no-op on SQLite (its write transaction holds the only
 write lock), a lock held to COMMIT on PostgreSQL, whose READ COMMITTED would otherwise let a
-takeover commit between a fence read and the write behind it. Operations keyed by an
-execution look up its session (which an execution never changes), lock it, then check the
-fence under the lock. `tx.now` is read after the operation's locks, so a fence never
+takeover commit between a fence read and the write behind it. A drain's operations name
+their session (the drain context holds it): they lock it at once, and the claim fence
+includes it. `tx.now` is read after the operation's locks, so a fence never
 compares against a time from before a lock wait.
 
 PostgreSQL runs the fenced operations as server-side functions (DESIGN §8 "One round trip
 per operation"): each family module keeps its functions' SQL in `PG_FUNCTIONS`, beside the
-Python twins that call them (`tx.call`) when `tx.dialect == "postgres"`. Conventions: every
-function takes its locks first (the session's advisory lock, or the claim rows' row locks
+Python twins that call them (`tx.call`) when `tx.dialect == "postgres"`. Conventions: a drain's
+function takes the session first, like its twin, and `ts_lock_execution` finds the claim
+only if it is that session's; every function takes its locks first (the session's advisory lock, or the claim rows' row locks
 in id order), then reads the clock - `ts_now(p_now)`: the server's `clock_timestamp()`, or
 the test clock the caller passes - then checks its fence and writes. A refusal is a
 returned verdict (`ok`, `lease_lost`, `held`, ...), never an exception, so a refused call
