@@ -27,11 +27,12 @@ compares against a time from before a lock wait.
 
 PostgreSQL runs the fenced operations as server-side functions (DESIGN §8 "One round trip
 per operation"): each family module keeps its functions' SQL in `PG_FUNCTIONS`, beside the
-Python twins that call them (`tx.call`) when `tx.dialect == "postgres"`. Conventions: a drain's
-function takes the session first, like its twin, and `ts_lock_execution` finds the claim
-only if it is that session's; every function takes its locks first (the session's advisory lock, or the claim rows' row locks
-in id order), then reads the clock - `ts_now(p_now)`: the server's `clock_timestamp()`, or
-the test clock the caller passes - then checks its fence and writes. A refusal is a
+Python twins that call them (`tx.call`) when `tx.dialect == "postgres"`. Conventions: a
+drain's function takes the session first, like its twin, and `ts_lock_execution` finds the
+claim only if it is that session's; every function takes its locks first (the session's
+advisory lock, or the claim rows' row locks in id order), then reads the clock -
+`ts_now(p_now)`: the server's `clock_timestamp()`, or the test clock the caller passes -
+then checks its fence and writes. A refusal is a
 returned verdict (`ok`, `lease_lost`, `held`, ...), never an exception, so a refused call
 has written nothing. `p_retry` is true when the caller runs a call again after losing its
 reply in autocommit (`_backend.autocommit_when_alone`): such a function first reads back,
