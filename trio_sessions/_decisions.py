@@ -7,7 +7,10 @@ rule here can be checked exhaustively without a database:
 * the acquire path inserts a claim only when the doorbell is set and no claim row exists;
 * recovery acts only on an expired claim it holds a recovery lease for, and decides in this
   order: live again, cancelling, superseded, malformed, budget exhausted (never for a claim
-  handed back by a graceful shutdown), resume.
+  handed back by a graceful shutdown), resume;
+* a claim whose owner is *gone* - its liveness token seen free and staying free for the
+  takeover grace (DESIGN §4 "Owner liveness") - counts as expired; an owner whose token is
+  held keeps its live claims until their leases run out.
 """
 
 from __future__ import annotations
@@ -20,6 +23,21 @@ import attrs
 def lease_is_live(expires_at: int, now: int) -> bool:
     """A lease is live strictly before its expiry instant."""
     return expires_at > now
+
+
+def token_free_since(previous: float | None, free: bool, now: float) -> float | None:
+    """When the current run of free sightings of an owner's liveness token began (None while
+    it is held): a token seen held again - an owner that re-took it - restarts the grace."""
+    if not free:
+        return None
+    return now if previous is None else previous
+
+
+def token_gone(free_since: float | None, now: float, grace: float) -> bool:
+    """An owner is gone once its token, first seen free at `free_since`, stayed free for
+    `grace`: long enough for an owner that lost its token while alive (a broken
+    connection) to have noticed and cancelled its drains, which it does in milliseconds."""
+    return free_since is not None and now - free_since >= grace
 
 
 @attrs.frozen
@@ -102,6 +120,9 @@ class RecoveryFacts:
     wake_attempts: int
     # Handed back by a graceful shutdown: resumed without counting against the budget.
     handed_back: bool = False
+    # The claim's owner is gone (`token_gone`, re-checked in this transaction): its lease
+    # counts as expired.
+    owner_gone: bool = False
 
 
 def decide_recovery(
@@ -111,7 +132,7 @@ def decide_recovery(
     claim = facts.claim
     if claim is None or claim.execution_id != execution_id:
         return RecoveryDecision.GONE
-    if lease_is_live(claim.expires_at, now):
+    if lease_is_live(claim.expires_at, now) and not facts.owner_gone:
         return RecoveryDecision.SKIP_LIVE
     if claim.phase == "cancelling":
         return RecoveryDecision.FINISH_CANCELLED
