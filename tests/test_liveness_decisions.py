@@ -52,16 +52,22 @@ def test_recovery_treats_a_gone_owners_live_claim_as_expired() -> None:
     """Every claim shape, lease live or expired, owner gone or not: with the owner gone the
     decision is the one an expired lease gets; with the owner's token held a live lease is
     always skipped (a live owner is never taken over, §6.22)."""
-    for expires_at, phase, superseded, malformed, attempts, gone, same_execution in (
-        itertools.product(
-            [5, 10, 15],
-            ["running", "cancelling"],
-            [False, True],
-            [False, True],
-            [0, 3],
-            [False, True],
-            [False, True],
-        )
+    for (
+        expires_at,
+        phase,
+        superseded,
+        malformed,
+        attempts,
+        gone,
+        same_execution,
+    ) in itertools.product(
+        [5, 10, 15],
+        ["running", "cancelling"],
+        [False, True],
+        [False, True],
+        [0, 3],
+        [False, True],
+        [False, True],
     ):
         now = 10
         claim = ClaimRow("e" if same_execution else "other", "o", phase, expires_at)

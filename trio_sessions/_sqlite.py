@@ -44,7 +44,7 @@ from typing import Any, TypeVar, TypeVarTuple, Unpack
 import attrs
 import trio
 
-from . import _observe
+from . import _liveness, _observe
 from ._backend import BackendName, Job, Params, StoreStatistics, Tx, driver_error, now_ms
 from ._errors import SchemaTooNew, StoreError, TrioSessionsError
 from ._filewatch import FileWatch, open_watch
@@ -359,6 +359,34 @@ class SQLiteTx:
         finally:
             self.conn.execute("RELEASE nested")
 
+    def free_tokens(self, owner_ids: Sequence[str] | None) -> set[str]:
+        # Lock files beside the database (`_liveness`): a few syscalls, no SQL.
+        database = _database_file(self.conn)
+        if database is None:
+            return set()
+        return _liveness.free_file_tokens(database, owner_ids)
+
+    def forget_tokens(self, owner_ids: Sequence[str]) -> None:
+        database = _database_file(self.conn)
+        if database is not None:
+            _liveness.forget_file_tokens(database, owner_ids)
+
+
+def _database_file(conn: sqlite3.Connection) -> str | None:
+    """The main database's file (None in memory: no liveness tokens there)."""
+    return str(conn.execute("PRAGMA database_list").fetchone()[2]) or None
+
+
+@asynccontextmanager
+async def _hold_token(
+    conn: sqlite3.Connection, owner_id: str, *, inline: bool
+) -> AsyncIterator[_liveness.FileToken]:
+    database = _database_file(conn)
+    if database is None:
+        raise StoreError("an in-memory database cannot hold liveness tokens")
+    async with _liveness.hold_file_token(database, owner_id, inline=inline) as token:
+        yield token
+
 
 def _store_error(exc: BaseException) -> BaseException:
     return driver_error(exc) if isinstance(exc, sqlite3.Error) else exc
@@ -586,6 +614,9 @@ class InlineExecutor:
     def statistics(self) -> StoreStatistics:
         return StoreStatistics("sqlite", transactions=self.transactions)
 
+    def hold_token(self, owner_id: str) -> contextlib.AbstractAsyncContextManager[Any]:
+        return _hold_token(self.conn, owner_id, inline=True)
+
     async def run(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
         await trio.lowlevel.checkpoint_if_cancelled()
         job = Job(op, args)
@@ -678,6 +709,9 @@ class ThreadExecutor:
 
     async def wait_for_change(self, kick: trio.Event, fallback: float) -> None:
         await self.reader.wait_for_change(kick, fallback)
+
+    def hold_token(self, owner_id: str) -> contextlib.AbstractAsyncContextManager[Any]:
+        return _hold_token(self.reader.conn, owner_id, inline=False)
 
     def _lone_caller(self) -> bool:
         return (

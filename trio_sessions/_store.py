@@ -57,12 +57,20 @@ from ._model import (
 # under the session lock before the writes that follow.
 _CLAIM_FENCE_OF = "{t}id = :execution AND {t}owner_id = :owner AND {t}expires_at > :now"
 CLAIM_FENCE = _CLAIM_FENCE_OF.format(t="")
-# The recovery fence: the exact old execution, still expired.
-RECOVERY_FENCE = "id = :execution AND expires_at <= :now"
+# The recovery fence: the exact old execution, still expired - or held by an owner found
+# gone in this very transaction (its liveness token free: `tx.free_tokens`).
+RECOVERY_FENCE = "id = :execution AND (expires_at <= :now OR owner_id = :gone_owner)"
 
 
-def _fence(tx: Tx, execution_id: str, owner_id: str | None = None) -> dict[str, Any]:
-    return {"execution": execution_id, "owner": owner_id, "now": tx.now}
+def _fence(
+    tx: Tx, execution_id: str, owner_id: str | None = None, gone_owner: str | None = None
+) -> dict[str, Any]:
+    return {"execution": execution_id, "owner": owner_id, "now": tx.now, "gone_owner": gone_owner}
+
+
+def _gone_owner(facts: RecoveryFacts) -> str | None:
+    """The claim's owner when it is gone (for the recovery fence), else None."""
+    return facts.claim.owner_id if facts.owner_gone and facts.claim is not None else None
 
 
 def _lease_lost(execution_id: str) -> LeaseLost:
@@ -741,19 +749,27 @@ class Candidate:
 
 
 def recovery_candidates(
-    tx: Tx, owner_id: str, limit: int, local_sessions: Sequence[str]
+    tx: Tx,
+    owner_id: str,
+    limit: int,
+    local_sessions: Sequence[str],
+    gone_owners: Sequence[str] = (),
 ) -> list[Candidate]:
-    """The oldest `limit` candidates: expired claims by `expires_at`, then unclaimed doorbells
-    by `time_woken`. Quarantined executions, executions under another owner's live recovery
-    lease and sessions held locally are excluded here, so they never use up the budget."""
+    """The oldest `limit` candidates: expired claims (and every claim of `gone_owners`,
+    owners whose liveness token stayed free for the grace) by `expires_at`, then unclaimed
+    doorbells by `time_woken`. Quarantined executions, executions under another owner's live
+    recovery lease and sessions held locally are excluded here, so they never use up the
+    budget."""
     not_local, local = tx.not_in("e.session_id", local_sessions)
+    gone = {f"gone{index}": owner for index, owner in enumerate(gone_owners)}
+    of_gone = "".join(f" OR e.owner_id = :{name}" for name in gone)
     expired = tx.execute(
         "SELECT e.session_id, e.id FROM session_execution e"
-        f" WHERE e.expires_at <= :now AND {not_local}"
+        f" WHERE (e.expires_at <= :now{of_gone}) AND {not_local}"
         " AND NOT EXISTS (SELECT 1 FROM session_recovery r WHERE r.execution_id = e.id"
         "   AND (r.recovery_error IS NOT NULL OR (r.owner_id != :me AND r.expires_at > :now)))"
         " ORDER BY e.expires_at, e.id LIMIT :limit",
-        {"now": tx.now, "excluded": local, "me": owner_id, "limit": limit},
+        {"now": tx.now, "excluded": local, "me": owner_id, "limit": limit, **gone},
     ).fetchall()
     candidates = [Candidate(session_id, execution_id) for session_id, execution_id in expired]
     if len(candidates) < limit:
@@ -898,6 +914,7 @@ def apply_recovery(
     new_execution_id: str,
     lease_ms: int,
     max_resumes: int,
+    gone: frozenset[str] = frozenset(),
 ) -> Recovered:
     """Decide and act on one expired claim whose recovery lease we took.
 
@@ -909,6 +926,8 @@ def apply_recovery(
     assert execution_id is not None
     tx.lock_session(candidate.session_id)
     facts, malformed_reason = _recovery_facts(tx, candidate)
+    if facts.claim is not None and facts.claim.owner_id in gone:
+        facts = attrs.evolve(facts, owner_gone=True)
     decision = _decisions.decide_recovery(facts, execution_id, tx.now, max_resumes)
     if decision is RecoveryDecision.QUARANTINE:
         assert malformed_reason is not None
@@ -923,7 +942,7 @@ def apply_recovery(
         RecoveryDecision.DROP_SUPERSEDED,
         RecoveryDecision.EXHAUSTED,
     ):
-        _end_expired_claim(tx, candidate, decision)
+        _end_expired_claim(tx, candidate, decision, _gone_owner(facts))
     _delete_recovery_row(tx, execution_id, owner_id)
     return Recovered(decision)
 
@@ -966,15 +985,18 @@ def _delete_recovery_row(tx: Tx, execution_id: str, owner_id: str) -> None:
     )
 
 
-def _delete_expired_claim(tx: Tx, execution_id: str) -> None:
+def _delete_expired_claim(tx: Tx, execution_id: str, gone_owner: str | None) -> None:
     deleted = tx.execute(
-        f"DELETE FROM session_execution WHERE {RECOVERY_FENCE}", _fence(tx, execution_id)
+        f"DELETE FROM session_execution WHERE {RECOVERY_FENCE}",
+        _fence(tx, execution_id, gone_owner=gone_owner),
     ).rowcount
     if deleted != 1:
         raise _no_longer_expired(execution_id)
 
 
-def _end_expired_claim(tx: Tx, candidate: Candidate, decision: RecoveryDecision) -> None:
+def _end_expired_claim(
+    tx: Tx, candidate: Candidate, decision: RecoveryDecision, gone_owner: str | None
+) -> None:
     execution_id = candidate.execution_id
     assert execution_id is not None
     reason = {
@@ -983,7 +1005,7 @@ def _end_expired_claim(tx: Tx, candidate: Candidate, decision: RecoveryDecision)
         RecoveryDecision.EXHAUSTED: BUDGET_EXHAUSTED,
     }[decision]
     _close_open_messages(tx, execution_id, reason)
-    _delete_expired_claim(tx, execution_id)
+    _delete_expired_claim(tx, execution_id, gone_owner)
     if decision is RecoveryDecision.EXHAUSTED:
         _reset_attempts(tx, candidate.session_id)
     if _decisions.rearms_doorbell(decision) and _has_pending_inputs(tx, candidate.session_id):
@@ -1006,7 +1028,7 @@ def _take_over(
         " anchor_seq = :anchor, time_created = :now, heartbeat_at = NULL, expires_at = :expires,"
         f" handed_back = 0 WHERE {RECOVERY_FENCE}",
         {
-            **_fence(tx, old),
+            **_fence(tx, old, gone_owner=_gone_owner(facts)),
             "new": new_execution_id,
             "me": owner_id,
             "anchor": _newest_seq(tx, candidate.session_id),
@@ -1143,6 +1165,7 @@ def apply_recovery_batch(
     items: list[tuple[Candidate, str]],
     lease_ms: int,
     max_resumes: int,
+    gone_owners: Sequence[str] = (),
 ) -> list[Recovered]:
     """`apply_recovery` for each (candidate, new execution id); one row's failure never
     undoes another's recovery.
@@ -1156,7 +1179,9 @@ def apply_recovery_batch(
     plain: list[_PlainItem] = []
     for session_id in sorted({candidate.session_id for candidate, _ in items}):
         tx.lock_session(session_id)
-    facts_of = _plain_recovery_facts(tx, owner_id, [c for c, _ in items])
+    # Re-checked here, after the locks: an owner is gone only if its token is free now.
+    gone = frozenset(tx.free_tokens(gone_owners)) if gone_owners else frozenset()
+    facts_of = _plain_recovery_facts(tx, owner_id, [c for c, _ in items], gone)
     for index, (candidate, new_execution_id) in enumerate(items):
         known = facts_of.get(candidate.execution_id or "")
         decision: RecoveryDecision | None = None
@@ -1167,7 +1192,7 @@ def apply_recovery_batch(
             )
         if known is None or decision not in _PLAIN_DECISIONS:
             results[index] = _apply_one(
-                tx, owner_id, candidate, new_execution_id, lease_ms, max_resumes
+                tx, owner_id, candidate, new_execution_id, lease_ms, max_resumes, gone
             )
         elif not leased:
             # Another recovery owner holds this row now: act on nothing of theirs.
@@ -1206,10 +1231,13 @@ def _apply_one(
     new_execution_id: str,
     lease_ms: int,
     max_resumes: int,
+    gone: frozenset[str],
 ) -> Recovered:
     try:
         with tx.savepoint():
-            return apply_recovery(tx, owner_id, candidate, new_execution_id, lease_ms, max_resumes)
+            return apply_recovery(
+                tx, owner_id, candidate, new_execution_id, lease_ms, max_resumes, gone
+            )
     except LeaseLost:
         return Recovered(RecoveryDecision.GONE, fence_lost=True)
     except (MalformedRecord, ValueError, TypeError, RecursionError) as exc:
@@ -1228,7 +1256,7 @@ def _in_list(values: Sequence[str]) -> str:
 
 
 def _plain_recovery_facts(
-    tx: Tx, owner_id: str, candidates: Sequence[Candidate]
+    tx: Tx, owner_id: str, candidates: Sequence[Candidate], gone: frozenset[str]
 ) -> dict[str, tuple[RecoveryFacts, int | None, bool]]:
     """For each candidate claim (still present) whose execution wrote no assistant message:
     its recovery facts, the session's newest message seq, and whether we hold its recovery
@@ -1258,6 +1286,7 @@ def _plain_recovery_facts(
                 newest_assistant_malformed=False,
                 wake_attempts=int(attempts),
                 handed_back=bool(handed_back),
+                owner_gone=owner in gone,
             )
             found[execution_id] = (facts, None if row[6] is None else int(row[6]), bool(row[8]))
     return found
@@ -1288,7 +1317,7 @@ def _apply_plain(
             " anchor_seq = :anchor, time_created = :now, heartbeat_at = NULL,"
             f" expires_at = :expires, handed_back = 0 WHERE {RECOVERY_FENCE}",
             {
-                **_fence(tx, old),
+                **_fence(tx, old, gone_owner=_gone_owner(facts)),
                 "new": item.new_execution_id,
                 "me": owner_id,
                 "anchor": item.newest_seq,
@@ -1322,6 +1351,32 @@ def _apply_plain(
             (*chunk, owner_id),
         )
     return results
+
+
+# ---------------------------------------------------------------------------------------------
+# Owner liveness (DESIGN §4): other owners' tokens
+
+
+def free_tokens(tx: Tx) -> set[str]:
+    """Every owner on record whose liveness token is free now (read-only)."""
+    return tx.free_tokens(None)
+
+
+def forget_gone_owners(tx: Tx, owner_ids: Sequence[str]) -> list[str]:
+    """Of these gone owners, those still holding live claims that recovery may take (not
+    quarantined); the token records of the others are removed where still free."""
+    if not owner_ids:
+        return []
+    rows = tx.execute(
+        "SELECT DISTINCT e.owner_id FROM session_execution e"
+        f" WHERE e.owner_id IN {_in_list(owner_ids)} AND e.expires_at > ?"
+        " AND NOT EXISTS (SELECT 1 FROM session_recovery r WHERE r.execution_id = e.id"
+        "   AND r.recovery_error IS NOT NULL)",
+        (*owner_ids, tx.now),
+    ).fetchall()
+    left = sorted(str(row[0]) for row in rows)
+    tx.forget_tokens([owner for owner in owner_ids if owner not in left])
+    return left
 
 
 # ---------------------------------------------------------------------------------------------
