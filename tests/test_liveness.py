@@ -85,7 +85,7 @@ def owner_process(
     )
     try:
         assert process.stdout is not None
-        claimed = set()
+        claimed: set[str] = set()
         while len(claimed) < sessions:  # blocks until every drain holds its claim
             line = process.stdout.readline()
             assert line.startswith("CLAIMED"), line
@@ -273,7 +273,7 @@ async def test_a_live_owner_keeps_its_claim_and_a_dead_ones_goes_after_the_grace
     async def resume(ctx: DrainContext) -> None:
         resumed.append((ctx.session_id, ctx.resumed))
 
-    quiet = {"clock": clock, "recovery_interval": 1e6, "takeover_grace": GRACE}
+    quiet: dict[str, Any] = {"clock": clock, "recovery_interval": 1e6, "takeover_grace": GRACE}
     async with trio_sessions.open_runtime(store, resume, **quiet) as other:
         async with trio_sessions.open_runtime(store, holding, **quiet) as owner:
             await owner.submit("s", {"n": 1})
