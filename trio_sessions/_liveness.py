@@ -52,7 +52,7 @@ from ._errors import StoreError
 # How often a runtime that drains looks at other owners' tokens (real time). With the grace
 # a SIGKILLed owner is taken over within grace + 2 polls; each look costs a few syscalls on
 # SQLite, one small query on PostgreSQL.
-LIVENESS_POLL = 0.1
+LIVENESS_POLL = 0.25
 # How long taking a token waits for a probe that holds its file's lock for a moment.
 TAKE_PATIENCE_S = 5.0
 _OWNER_ID_LIMIT = 65_536

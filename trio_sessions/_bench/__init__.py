@@ -16,6 +16,8 @@ folder on local disk). Sections, in order (`--sections` picks a subset):
 * remote - submit / interrupt from another process to the drain started / cancelled,
   SQLite and PostgreSQL (`remote`);
 * idle - an idle runtime's CPU, SQLite and PostgreSQL (`idle`);
+* takeover - a SIGKILLed owner's sessions resumed by another runtime, SQLite and
+  PostgreSQL (`takeover`);
 * postgres - the cycle and recovery against raw psycopg (`postgres`).
 
 PostgreSQL: `--pg-url`, else `$TRIO_SESSIONS_PG_URL`, else a throwaway server with fsync
@@ -62,6 +64,7 @@ from .report import (
     progress,
     render,
 )
+from .takeover import bench_takeover, hold_claims
 
 __all__ = ["MACHINE_KEYS", "SECTIONS", "main", "parse_machine_line"]
 
@@ -94,6 +97,7 @@ BENCHES: dict[str, Section] = {
     "append": _sqlite_only(bench_append),
     "remote": bench_remote,
     "idle": bench_idle,
+    "takeover": bench_takeover,
     "postgres": _postgres,
 }
 
@@ -114,6 +118,8 @@ def run_child(kind: str, arguments: dict[str, Any]) -> Any:
         )
     if kind == "remote":
         return trio.run(send_remote, arguments)
+    if kind == "takeover":
+        return trio.run(hold_claims, arguments)  # runs until it is killed
     raise SystemExit(f"unknown bench child {kind!r}")
 
 

@@ -24,10 +24,12 @@ SECTIONS = (
     "append",
     "remote",
     "idle",
+    "takeover",
     "postgres",
 )
-# Sections that need a PostgreSQL server (`remote` and `idle` measure both backends).
-PG_SECTIONS = ("remote", "idle", "postgres")
+# Sections that need a PostgreSQL server (`remote`, `idle` and `takeover` measure both
+# backends).
+PG_SECTIONS = ("remote", "idle", "takeover", "postgres")
 PG_URL_ENV = "TRIO_SESSIONS_PG_URL"
 
 
