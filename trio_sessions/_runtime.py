@@ -822,9 +822,9 @@ class Runtime:
                 await self.recover_once()
 
     async def _recovery_pass(self) -> RecoveryReport:
-        # Owners whose liveness token stayed free for the grace: their live claims count as
-        # expired (re-checked in the takeover's own transaction).
-        gone = await self._look_at_owners()
+        # Owners whose liveness token stayed free for the grace, as last seen: their live
+        # claims count as expired (re-checked in the takeover's own transaction).
+        gone = self._gone_owners.gone(trio.current_time())
         # With max_active, take recovery leases only on what this runtime has room for: a
         # lease it would not act on keeps the row from every other runtime for a lease.
         scan = await self._recovery.scan(
@@ -841,6 +841,8 @@ class Runtime:
                 and self._ring(candidate.session_id) is not None
             ):
                 started += 1
+        with contextlib.suppress(StoreError):  # sightings for the next pass
+            await self._look_at_owners()
         return attrs.evolve(report, doorbells_started=started)
 
     async def _apply_recovery(
