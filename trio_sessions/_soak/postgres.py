@@ -276,6 +276,7 @@ class Result:
     executions: int = 0
     writes_logged: int = 0
     statuses: dict[str, int] = attrs.Factory(dict)
+    takeovers: list[float] = attrs.Factory(list)  # seconds from a SIGKILL to the takeover
     settled: bool = False
 
     @property
@@ -362,6 +363,7 @@ class Soak:
         self.generation = 0
         self.workers: dict[int, common.Worker] = {}
         self.killed: set[str] = set()
+        self.kill_times: dict[str, float] = {}  # SIGKILLs of the chaos, CLOCK_MONOTONIC
         # A graceful shutdown waits for drains blocked in a thread (a step at most).
         self.retiring = common.Retiring(bound=10 * (args.lease + args.work_max))
         self.proxies: list[FaultProxy] = []
@@ -456,6 +458,7 @@ class Soak:
         worker.process.wait()  # a SIGKILLed process is reaped at once
         (self.control / f"held.{worker.name}").unlink(missing_ok=True)
         self.killed.add(worker.name)
+        self.kill_times[worker.name] = time.monotonic()
         del self.workers[worker.slot]
         self.result.kills += 1
         self.result.handoff_kills += in_handoff
@@ -792,6 +795,19 @@ class Soak:
             print(f"soak: OVERLAP {line}")
         result.overlaps = len(found)
         result.repeats = audit.repeats(effects, self.killed)
+        starts: dict[str, tuple[str, str, str, float]] = {}  # per drain iteration
+        for effect in effects:
+            if effect.kind != "exit" and effect.drain not in starts:
+                starts[effect.drain] = (
+                    effect.session_id,
+                    effect.execution_id,
+                    effect.worker,
+                    effect.t,
+                )
+        ended = {effect.drain for effect in effects if effect.kind == "exit"}
+        result.takeovers = audit.takeover_seconds(
+            self.kill_times, ((*start, drain in ended) for drain, start in starts.items())
+        )
         for effect in effects:
             if effect.kind == "exit":
                 status = effect.status or "?"
@@ -902,6 +918,7 @@ def run_soak(args: argparse.Namespace) -> int:
         f" unexpected_repeats={repeats.unexpected} unexpected_exits={result.unexpected_exits}"
         f" rolling_restarts={result.rolling_restarts}"
     )
+    print(f"soak: {audit.takeover_summary(result.takeovers)} (from a SIGKILL, reaped)")
     few = {kind: count for kind, count in result.fault_counts().items() if count < MIN_FAULTS}
     if args.duration >= 60 and (few or (restart is not None and result.restarts != 1)):
         print(f"soak: too few faults injected: {few} restarts={result.restarts}")
