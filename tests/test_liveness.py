@@ -333,3 +333,27 @@ def test_token_files_are_private_and_removed_once_free(tmp_path: Path) -> None:
         os.path.basename(_liveness.token_path(directory, "alive"))
     ]
     os.close(held)
+
+
+async def test_takeover_grace_is_validated_and_a_producer_holds_no_token(tmp_path: Path) -> None:
+    """`takeover_grace` must be a number of seconds (>= 1 ms) before anything opens; a
+    producer (`drain=None`) never takes a liveness token, a runtime that drains does."""
+    from trio_sessions import _liveness
+
+    database = tmp_path / "v.db"
+
+    async def drain(ctx: DrainContext) -> None:
+        await trio.lowlevel.checkpoint()
+
+    for bad, error in ((0, ValueError), (-1.0, ValueError), ("1", TypeError), (True, TypeError)):
+        with pytest.raises(error, match="takeover_grace"):
+            async with trio_sessions.open_runtime(database, drain, takeover_grace=bad):
+                pass  # pragma: no cover
+    assert not database.exists()
+    directory = Path(_liveness.owners_directory(database))
+    async with trio_sessions.open_runtime(database, None):
+        assert not directory.exists() or list(directory.iterdir()) == []
+    async with trio_sessions.open_runtime(database, drain) as runtime:
+        assert _liveness.free_file_tokens(database, [runtime.owner_id]) == set()
+        assert len(list(directory.iterdir())) == 1
+    assert _liveness.free_file_tokens(database, [runtime.owner_id]) == {runtime.owner_id}

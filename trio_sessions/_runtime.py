@@ -1231,14 +1231,21 @@ async def open_runtime(
     overlap in time, graceful restarts included. Exceptions from drains become outcomes;
     only the block's own exception escapes, unwrapped.
 
+    A runtime that drains holds a liveness token from open to close (DESIGN §4 "Owner
+    liveness"): when its process dies, the OS or the server releases it, and other runtimes
+    take its claims over once it stayed free for `takeover_grace` seconds (default 0.5),
+    long before their leases run out. Losing it while alive (its PostgreSQL connection
+    broke) stops every drain at once with reason `lease_lost`; their claims are handed back
+    once they exited, and the token is taken again.
+
     Raises, before anything is opened, `TypeError`/`ValueError` for a bad option (and
     `TypeError` for a plain `def` drain); then `SchemaTooNew` for a store written by a newer
     library and `StoreError` when the store cannot be opened or the first recovery pass
     fails. Cancelled while opening: whatever opened is closed again.
 
     `drain=None` opens a producer: `submit`, `wake`, `interrupt` and `transcript` work and
-    are durable, but it never claims a session, recovers, or heartbeats; `run` returns
-    `deferred` and the wakes wait for a runtime that drains.
+    are durable, but it never claims a session, recovers, or heartbeats (and holds no
+    liveness token); `run` returns `deferred` and the wakes wait for a runtime that drains.
     """
     backend = _resolve_store(store)
     if drain is not None and not _is_async_callable(drain):
