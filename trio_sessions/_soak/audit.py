@@ -258,6 +258,8 @@ def takeover_summary(waits: Sequence[float]) -> str:
     if not waits:
         return "takeovers=0"
     p50 = waits[len(waits) // 2] * 1000
+    every = ",".join(f"{wait * 1000:.0f}" for wait in waits)
     return (
-        f"takeovers={len(waits)} takeover_p50_ms={p50:.0f} takeover_max_ms={waits[-1] * 1000:.0f}"
+        f"takeovers={len(waits)} takeover_p50_ms={p50:.0f}"
+        f" takeover_max_ms={waits[-1] * 1000:.0f} (each, ms: {every})"
     )
