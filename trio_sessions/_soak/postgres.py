@@ -16,7 +16,8 @@ The chaos, one host fault at a time on a random worker, in rotation:
 * a partition (the proxy blackholes the host's connections) for 1.1-1.5 leases, then
   healed - some started inside a transaction, between its fence read and its COMMIT;
 and alongside, every `--conn-kill-gap` seconds, `pg_terminate_backend` of one of the
-workers' server connections (writer or listener), or of the one that just sent a COMMIT
+workers' server connections (writer, listener or liveness token - and, on purpose, a
+token's: a live owner losing its token), or of the one that just sent a COMMIT
 (the proxy withholds the server's answer, and sometimes the COMMIT itself), or a reset of
 every connection of one host at its proxy. Halfway
 through, the server is restarted once (fast shutdown, same data directory and port) when
@@ -252,6 +253,7 @@ class Result:
     partitions_in_tx: int = 0
     conn_kills: int = 0
     commit_kills: int = 0
+    token_kills: int = 0
     resets: int = 0
     restarts: int = 0
     skew_ms: int = 0
@@ -557,8 +559,20 @@ class Soak:
                 continue
             proxy = self.rng.choice(self.proxies)
             kind = self.rng.random()
-            if kind < 0.4:
+            if kind < 0.3:
                 self.result.conn_kills += await self.terminate("true")
+            elif kind < 0.5:
+                # A liveness token's connection (a live owner loses its token: it must stop
+                # its drains before the others' grace runs out, DESIGN §4).
+                killed = await self.terminate(
+                    "pid IN (SELECT pid FROM pg_locks WHERE locktype = 'advisory'"
+                    " AND objsubid = 2 AND granted"
+                    " AND classid = (hashtext('trio_sessions.owner:' || %s)::bigint"
+                    " & 4294967295)::oid)",
+                    self.schema,
+                )
+                self.result.conn_kills += killed
+                self.result.token_kills += killed
             elif kind < 0.8:
                 proxy.arm_commit_trap(forward=self.rng.random() < 0.5)
                 with trio.move_on_after(2.0):
@@ -902,7 +916,8 @@ def run_soak(args: argparse.Namespace) -> int:
     print(
         f"soak: settled={result.settled} handoff_kills={result.handoff_kills}"
         f" handoff_pauses={result.handoff_pauses} partitions_in_tx={result.partitions_in_tx}"
-        f" commit_kills={result.commit_kills} resets={result.resets} restarts={result.restarts}"
+        f" commit_kills={result.commit_kills} token_kills={result.token_kills}"
+        f" resets={result.resets} restarts={result.restarts}"
         f" drains={result.drains} executions={result.executions} statuses={result.statuses}"
         f" writes_logged={result.writes_logged}"
     )
