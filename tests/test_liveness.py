@@ -9,6 +9,7 @@ in-process tests use the inline stores and the virtual clock.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -372,3 +373,48 @@ def _token_files(database: Path) -> list[str] | None:
         return None
     directory = _liveness.owners_directory(database)
     return sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+
+
+@pytest.mark.slow
+async def test_the_grace_covers_a_drain_still_exiting_after_its_token_was_lost(
+    pg_url: str, pg_schema: str
+) -> None:
+    """PostgreSQL: an owner's token connection is killed while its drain needs 0.3 s to exit
+    (a blocking call in a thread). Another runtime sees the token free at once, but takes
+    nothing over within the grace; the owner hands the claim back once its drain exited and
+    the session resumes after that - the two drains never overlap (without the grace they
+    would)."""
+    location = PgLocation(pg_url, pg_schema)
+    spans: dict[str, list[float]] = {}
+    entered = trio.Event()
+    resumed = trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        started = time.monotonic()
+        if ctx.resumed:
+            spans[ctx.execution_id] = [started, started]
+            resumed.set()
+            return
+        spans[ctx.execution_id] = [started, math.inf]
+        entered.set()
+        try:
+            await trio.sleep_forever()
+        finally:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(time.sleep, 0.3)
+            spans[ctx.execution_id][1] = time.monotonic()
+
+    store = threaded_store(location)
+    options: dict[str, Any] = {"takeover_grace": 1.0}
+    async with (
+        trio_sessions.open_runtime(store, drain, **options) as owner,
+        trio_sessions.open_runtime(store, drain, **options),
+    ):
+        await owner.submit("s", {"n": 1})
+        with trio.fail_after(10):
+            await entered.wait()
+        terminate_backend(pg_url, _token_pid(location, owner.owner_id))
+        with trio.fail_after(10):
+            await resumed.wait()
+    (_, old_end), (new_start, _) = sorted(spans.values())
+    assert old_end <= new_start
