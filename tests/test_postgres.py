@@ -306,7 +306,8 @@ def test_raw_takeover_update_waits_for_the_owners_renewal_then_matches_nothing(
             updated = recovery_tx.execute(
                 "UPDATE session_execution SET id = :new, owner_id = 'thief'"
                 f" WHERE {_store.RECOVERY_FENCE}",
-                {"new": "e2", "execution": "e1", "now": 2000},
+                # No owner found gone: the fence is the expiry alone.
+                {"new": "e2", "execution": "e1", "now": 2000, "gone_owner": None},
             ).rowcount
             recovery.commit()
             return updated
