@@ -31,6 +31,8 @@ import attrs
 import trio
 
 from ._errors import StoreError
+from ._naming import POSTGRES_SCHEMES as POSTGRES_SCHEMES
+from ._naming import store_kind
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
@@ -222,11 +224,10 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
-POSTGRES_SCHEMES = ("postgresql://", "postgres://")
-
-
 def is_postgres_url(store: object) -> bool:
-    return isinstance(store, str) and store.startswith(POSTGRES_SCHEMES)
+    """Whether `store` names a PostgreSQL store (`_naming.store_kind`: `ValueError` for a
+    connection string of another form)."""
+    return isinstance(store, str | os.PathLike) and store_kind(store) == "postgres"
 
 
 def open_engine(

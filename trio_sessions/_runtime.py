@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import inspect
 import math
 import os
@@ -27,7 +28,7 @@ import attrs
 import trio
 
 from . import _codec, _observe, _store, _transcript
-from ._backend import POSTGRES_SCHEMES, Executor, StoreBackend, Token
+from ._backend import Executor, StoreBackend, Token
 from ._coordinator import Execution, SessionEntry
 from ._decisions import AcquireVerdict, RecoveryDecision
 from ._errors import DuplicateSettlement, LeaseLost, StoreError, UnknownToolCall
@@ -42,6 +43,7 @@ from ._model import (
     RecoveryReport,
     RuntimeStatistics,
 )
+from ._naming import ACCEPTED_FORMS, store_kind
 from ._recovery import Recovery, report_of
 from ._signals import Watcher, WatchHub
 from ._sqlite import SQLiteStore
@@ -60,16 +62,18 @@ CHANGE_FALLBACK_POLL = 2.0
 CHANGE_BATCH = 100
 
 
-def validate_session_id(session_id: object) -> str:
+def validate_session_id(session_id: object, *, what: str = "session id") -> str:
+    """A valid id (`what` names it in the error: a session id, an owner id)."""
     if not isinstance(session_id, str):
-        raise TypeError(f"session id must be a str, got {type(session_id).__name__}")
+        raise TypeError(f"{what} must be a str, got {type(session_id).__name__}")
+    _codec.check_text(session_id[: MAX_ID_LENGTH + 1], what)
     if not 1 <= len(session_id) <= MAX_ID_LENGTH:
         raise ValueError(
-            f"session id must be 1-{MAX_ID_LENGTH} characters, got {len(session_id)}: "
+            f"{what} must be 1-{MAX_ID_LENGTH} characters, got {len(session_id)}: "
             f"{session_id[:40]!r}"
         )
     if not session_id.isprintable():
-        raise ValueError(f"session id must be printable, got {session_id!r}")
+        raise ValueError(f"{what} must be printable, got {session_id!r}")
     return session_id
 
 
@@ -78,6 +82,7 @@ def _validate_input_id(input_id: object) -> str:
         return _store.new_id()
     if not isinstance(input_id, str):
         raise TypeError(f"input_id must be a str or None, got {type(input_id).__name__}")
+    _codec.check_text(input_id[: MAX_ID_LENGTH + 1], "input_id")
     if not 1 <= len(input_id) <= MAX_ID_LENGTH or not input_id.isprintable():
         raise ValueError(f"input_id must be 1-{MAX_ID_LENGTH} printable characters: {input_id!r}")
     return input_id
@@ -120,7 +125,7 @@ class Seams:
 class _Ending:
     """How one claim's drain section ended, before the finalizer acted on it."""
 
-    kind: Literal["not_claimed", "released", "failed", "interrupted"]
+    kind: Literal["not_claimed", "claim_failed", "released", "failed", "interrupted"]
     error: BaseException | None = None
 
 
@@ -210,11 +215,13 @@ class Runtime:
         and payload stores nothing new and returns the id. Raises `InputConflict` when the
         id belongs to another session or to a different payload; `TypeError`/`ValueError`
         for a bad session id, a payload that is not a JSON object or is over 1 MiB, or a bad
-        `input_id`; `StoreError`. Cancellation: nothing written if the transaction had not
-        started, else the input is stored and the call returns (see `Runtime`).
+        `input_id`, a NUL character in any of them (PostgreSQL cannot store one, so no
+        backend does); `StoreError`. Cancellation: nothing written if the transaction had
+        not started, else the input is stored and the call returns (see `Runtime`); a large
+        payload's check runs in a worker thread and is not interrupted.
         """
         validate_session_id(session_id)
-        text = _codec.check_json_object(payload, "payload")
+        text = await _checked_json(_codec.check_json_object, payload, "payload")
         input_id = _validate_input_id(input_id)
         stored, _ = await self._signal(
             session_id, (_store.submit, _store.submit_and_acquire), session_id, text, input_id
@@ -541,7 +548,9 @@ class Runtime:
             with entry.scope:
                 ending = await self._claim_and_drain(entry)
         except Exception as exc:  # a drain's ExceptionGroup once our Cancelled was removed
-            ending = _Ending("failed", error=exc)
+            # Not owned: the claim attempt itself failed (a store error while acquiring),
+            # and no drain ran.
+            ending = _Ending("failed" if entry.owned else "claim_failed", error=exc)
         if ending is None:
             ending = _Ending("interrupted")
         outcome, successor_due = await self._finalize(entry, ending)
@@ -646,6 +655,11 @@ class Runtime:
                 await self._pass_on_interrupt(entry)
                 return Outcome("interrupted", entry.reason), False
             return Outcome("deferred"), entry.rung_since_decision()
+        if ending.kind == "claim_failed":
+            # Nothing was claimed, so nothing is written: the wake stays durable, and the
+            # change loop or a recovery pass tries again.
+            _observe.claim_attempt_failed(entry, self._owner_id, ending.error)
+            return Outcome("failed", error=ending.error), False
         known_lost = entry.reason == "lease_lost"  # the heartbeat found it (and logged it)
         if isinstance(ending.error, LeaseLost) or entry.self_fenced():
             # Lease lost: no durable write, and no successor - recovery owns it now.
@@ -687,14 +701,13 @@ class Runtime:
         outcome = Outcome("failed", error=error)
         if not entry.owned:
             return outcome, False
+        # The exception's type only: its text may hold secrets (an API key in a KeyError),
+        # and users read the transcript. Its text and traceback are in the log (DESIGN §5.1).
+        shown = "failed" if error is None else f"failed: {type(error).__name__}"
         entry.begin_deciding()
         try:
             doorbell = await self._retrying(
-                entry,
-                _store.finish_failed,
-                entry.execution_id,
-                self._owner_id,
-                f"failed: {error!r}",
+                entry, _store.finish_failed, entry.execution_id, self._owner_id, shown
             )
         except (LeaseLost, StoreError):
             # The claim stays durable; its lease runs out and recovery takes it from there.
@@ -1112,9 +1125,10 @@ class AssistantWriter:
 
     async def append_text(self, text: str) -> None:
         """Stream text onto the message: one small durable write whatever the message's size;
-        consecutive appends extend one text part (streamed tokens)."""
-        if not isinstance(text, str):
-            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        consecutive appends extend one text part (streamed tokens). `ValueError` for a text
+        over 1 MiB in UTF-8 (`MAX_PAYLOAD_BYTES`; stream a long text in pieces) or holding a
+        NUL character."""
+        _codec.check_text(text, "text")
         context = self._context
         context._check_live()
         data, version = await context._runtime._db.run(
@@ -1132,24 +1146,29 @@ class AssistantWriter:
 
     async def start_tool(self, call_id: str, name: str, input: dict[str, Any]) -> None:
         """Record a tool call as `running`, before running it. `ValueError` if `call_id` was
-        already started in this message or `input` is not a JSON object (at most 1 MiB).
-        If the owner dies before it settles, recovery fails it with "interrupted: owner
-        lost": the call may or may not have happened."""
+        already started in this message, `input` is not a JSON object of at most 1 MiB
+        (`MAX_PAYLOAD_BYTES`, encoded), or a NUL character is in `call_id`, `name` or
+        `input`. If the owner dies before it settles, recovery fails it with "interrupted:
+        owner lost": the call may or may not have happened."""
         for value, what in ((call_id, "call_id"), (name, "name")):
             if not isinstance(value, str) or not value:
-                raise TypeError(f"{what} must be a non-empty str, got {value!r}")
-        _codec.check_json_object(input, "tool input")
+                raise TypeError(f"{what} must be a non-empty str, got {value!r:.80}")
+            _codec.check_text(value, what)
+        await _checked_json(_codec.check_json_object, input, "tool input")
         await self._update(lambda data: _transcript.start_tool(data, call_id, name, input))
 
     async def settle_tool(self, call_id: str, output: Any) -> None:
-        """Record a running tool call as `completed` with its JSON `output`."""
-        _codec.check_json(output, "tool output")
+        """Record a running tool call as `completed` with its JSON `output`: at most 1 MiB
+        encoded (`MAX_PAYLOAD_BYTES`) and no NUL character in it (`ValueError`)."""
+        await _checked_json(
+            _codec.check_json, output, "tool output", limit=_codec.MAX_PAYLOAD_BYTES
+        )
         await self._update(lambda data: _transcript.settle_tool(data, call_id, output=output))
 
     async def fail_tool(self, call_id: str, error: str) -> None:
-        """Record a running tool call as `error` with the reason `error`."""
-        if not isinstance(error, str):
-            raise TypeError(f"error must be a str, got {type(error).__name__}")
+        """Record a running tool call as `error` with the reason `error`: at most 1 MiB in
+        UTF-8 (`MAX_PAYLOAD_BYTES`) and no NUL character (`ValueError`)."""
+        _codec.check_text(error, "error")
         await self._update(lambda data: _transcript.settle_tool(data, call_id, error=error))
 
     async def finish(self) -> None:
@@ -1229,7 +1248,9 @@ async def open_runtime(
     lease/3: a blocking call in a thread, a shielded `finally`) is logged and keeps its claim
     and its heartbeat until it exits, so closing waits for it: drains of one session never
     overlap in time, graceful restarts included. Exceptions from drains become outcomes;
-    only the block's own exception escapes, unwrapped.
+    only the block's own exception escapes, unwrapped. (`Exception`s only: a drain raising
+    `KeyboardInterrupt` or `SystemExit` ends the whole runtime - trio's rule for those - and
+    it escapes this block, unwrapped, after the shutdown above.)
 
     A runtime that drains holds a liveness token from open to close (DESIGN §4 "Owner
     liveness"): when its process dies, the OS or the server releases it, and other runtimes
@@ -1270,7 +1291,7 @@ async def open_runtime(
     if max_active is not None:
         max_active = _count(max_active, "max_active", 1)
     if owner_id is not None:
-        owner_id = validate_session_id(owner_id)
+        owner_id = validate_session_id(owner_id, what="owner id")
     takeover_grace = _seconds(takeover_grace, "takeover_grace")
     if clock is not None and not callable(clock):
         raise TypeError("clock must be a zero-argument callable returning epoch seconds")
@@ -1321,18 +1342,26 @@ async def serve_runtime(
 
 
 def _resolve_store(store: object) -> StoreBackend:
-    """A path is an SQLite file; a postgresql:// or postgres:// URL a PostgreSQL database."""
-    if isinstance(store, str) and store.startswith(POSTGRES_SCHEMES):
-        from ._postgres import PostgresStore  # psycopg is an optional extra
-
-        return PostgresStore(store)
+    """A path is an SQLite file; a postgresql:// or postgres:// URL a PostgreSQL database;
+    another connection string a `ValueError` (`_naming.store_kind` decides)."""
     if isinstance(store, str | os.PathLike):
+        if store_kind(store) == "postgres":
+            from ._postgres import PostgresStore  # psycopg is an optional extra
+
+            return PostgresStore(os.fspath(store))
         return SQLiteStore(store)
     if callable(getattr(store, "open_executor", None)):
         return store  # type: ignore[return-value]
-    raise TypeError(
-        f"store must be a path, a postgresql:// URL or a store object, got {type(store).__name__}"
-    )
+    raise TypeError(f"store must be {ACCEPTED_FORMS}, got {type(store).__name__}")
+
+
+async def _checked_json(check: Callable[..., str], value: Any, what: str, **options: Any) -> str:
+    """A `_codec` JSON check of a caller's value, in a worker thread when the value is large
+    (§6.26: checking and encoding a 1 MiB value, or refusing a 50 MB one, must not stall the
+    event loop). The thread is not abandoned on cancellation: it ends with the check."""
+    if _codec.is_small(value):
+        return check(value, what, **options)
+    return await trio.to_thread.run_sync(functools.partial(check, value, what, **options))
 
 
 @attrs.frozen

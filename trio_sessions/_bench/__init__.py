@@ -18,7 +18,8 @@ folder on local disk). Sections, in order (`--sections` picks a subset):
 * idle - an idle runtime's CPU, SQLite and PostgreSQL (`idle`);
 * takeover - a SIGKILLed owner's sessions resumed by another runtime, SQLite and
   PostgreSQL (`takeover`);
-* postgres - the cycle and recovery against raw psycopg (`postgres`).
+* postgres - the cycle and recovery against raw psycopg (`postgres`);
+* console - one console page with 100,000 sessions, SQLite and PostgreSQL (`console`).
 
 PostgreSQL: `--pg-url`, else `$TRIO_SESSIONS_PG_URL`, else a throwaway server with fsync
 on; `--no-pg` skips every PostgreSQL figure (they print as `nan`).
@@ -48,6 +49,7 @@ import trio
 from .append import bench_append
 from .coalescing import bench_coalescing
 from .config import SECTIONS, Config, make_config, parse_args
+from .console import bench_console
 from .cycle import bench_cycle
 from .heartbeat import bench_heartbeat
 from .idle import bench_idle
@@ -99,6 +101,7 @@ BENCHES: dict[str, Section] = {
     "idle": bench_idle,
     "takeover": bench_takeover,
     "postgres": _postgres,
+    "console": bench_console,
 }
 
 

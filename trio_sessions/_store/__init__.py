@@ -56,7 +56,10 @@ from .operator import (
     quarantined,
     rejected_inputs,
     session_count,
+    session_page,
+    session_status,
     status,
+    store_counts,
 )
 from .recovery import (
     Candidate,
@@ -114,7 +117,10 @@ __all__ = [
     "rejected_inputs",
     "request_cancel",
     "session_count",
+    "session_page",
+    "session_status",
     "status",
+    "store_counts",
     "submit",
     "submit_and_acquire",
     "take_inputs",
