@@ -42,6 +42,8 @@ class Scan:
     leased: list[Candidate]
     fence_lost: int
     doorbells: list[Candidate]
+    # Owners whose liveness token the scan's transaction found free (None: no scan ran).
+    free_owners: set[str] | None = None
 
 
 class Recovery:
@@ -65,8 +67,8 @@ class Recovery:
         each expired claim, counting the claims of `gone` owners as expired."""
         if limit == 0:
             return Scan(0, [], 0, [])
-        candidates = await self._db.run(
-            _store.recovery_candidates,
+        candidates, free_owners = await self._db.run(
+            _store.candidates_and_free_tokens,
             self._owner_id,
             min(limit, self.batch),
             local_sessions,
@@ -79,7 +81,7 @@ class Recovery:
             leased = await self._db.run(
                 _store.take_recovery_leases, self._owner_id, self._lease_ms, expired
             )
-        return Scan(len(candidates), leased, len(expired) - len(leased), doorbells)
+        return Scan(len(candidates), leased, len(expired) - len(leased), doorbells, free_owners)
 
     async def apply(
         self, items: list[tuple[Candidate, str]], gone: frozenset[str] = frozenset()

@@ -843,6 +843,8 @@ class Runtime:
         scan = await self._recovery.scan(
             list(self._entries), self._capacity_left(self._recovery.batch), gone
         )
+        if scan.free_owners is not None:  # sightings for the next pass (no extra look)
+            self._gone_owners.observe(scan.free_owners - {self._owner_id}, trio.current_time())
         applied = await self._apply_recovery(scan.leased, gone) if scan.leased else RecoveryReport()
         report = attrs.evolve(
             applied, examined=scan.examined, fence_lost=applied.fence_lost + scan.fence_lost
@@ -854,8 +856,6 @@ class Runtime:
                 and self._ring(candidate.session_id) is not None
             ):
                 started += 1
-        with contextlib.suppress(StoreError):  # sightings for the next pass
-            await self._look_at_owners()
         return attrs.evolve(report, doorbells_started=started)
 
     async def _apply_recovery(

@@ -295,9 +295,10 @@ class SQLiteTx:
     so it already serialises every session: `lock_session` is a no-op, and `now` is read
     once, after the lock was taken."""
 
-    def __init__(self, conn: sqlite3.Connection, now: int) -> None:
+    def __init__(self, conn: sqlite3.Connection, now: int, database: str | None = None) -> None:
         self.conn = conn
         self.now = now
+        self._database = database  # its file, when the caller knows it (`DatabaseFile`)
 
     @property
     def dialect(self) -> BackendName:
@@ -336,13 +337,13 @@ class SQLiteTx:
 
     def free_tokens(self, owner_ids: Sequence[str] | None) -> set[str]:
         # Lock files beside the database (`_liveness`): a few syscalls, no SQL.
-        database = _database_file(self.conn)
+        database = self._database or _database_file(self.conn)
         if database is None:
             return set()
         return _liveness.free_file_tokens(database, owner_ids)
 
     def forget_tokens(self, owner_ids: Sequence[str]) -> None:
-        database = _database_file(self.conn)
+        database = self._database or _database_file(self.conn)
         if database is not None:
             _liveness.forget_file_tokens(database, owner_ids)
 
@@ -388,7 +389,7 @@ def run_batch(
         for job in jobs:
             job.error = _store_error(exc)
         return
-    _run_jobs(conn, clock, jobs)
+    _run_jobs(conn, clock, jobs, file)
 
 
 def try_run_batch(
@@ -410,7 +411,7 @@ def try_run_batch(
         for job in jobs:
             job.error = _store_error(exc)
         return True
-    _run_jobs(conn, clock, jobs)
+    _run_jobs(conn, clock, jobs, file)
     return True
 
 
@@ -446,14 +447,19 @@ def checkpoint(conn: sqlite3.Connection) -> tuple[int, int] | None:
     return int(frames), int(copied)
 
 
-def _run_jobs(conn: sqlite3.Connection, clock: Callable[[], float], jobs: list[Job]) -> None:
+def _run_jobs(
+    conn: sqlite3.Connection,
+    clock: Callable[[], float],
+    jobs: list[Job],
+    file: DatabaseFile | None = None,
+) -> None:
     """Run jobs inside the open transaction and commit. Never raises: errors go on jobs.
 
     SQLite may roll a whole transaction back by itself (disk full, I/O error): then no job
     committed, whatever it returned, and every job reports the failure.
     """
     try:
-        _run_jobs_or_raise(conn, clock, jobs)
+        _run_jobs_or_raise(conn, clock, jobs, file)
     except sqlite3.Error as exc:
         if conn.in_transaction:
             with contextlib.suppress(sqlite3.Error):
@@ -465,9 +471,12 @@ def _run_jobs(conn: sqlite3.Connection, clock: Callable[[], float], jobs: list[J
 
 
 def _run_jobs_or_raise(
-    conn: sqlite3.Connection, clock: Callable[[], float], jobs: list[Job]
+    conn: sqlite3.Connection,
+    clock: Callable[[], float],
+    jobs: list[Job],
+    file: DatabaseFile | None = None,
 ) -> None:
-    tx = SQLiteTx(conn, now_ms(clock))
+    tx = SQLiteTx(conn, now_ms(clock), None if file is None else file.path)
     grouped = len(jobs) > 1
     for job in jobs:
         if grouped:

@@ -47,7 +47,7 @@ from .claims import (
 )
 from .common import CLAIM_FENCE, RECOVERY_FENCE, new_id
 from .inputs import submit, wake
-from .liveness import forget_gone_owners, free_tokens
+from .liveness import candidates_and_free_tokens, forget_gone_owners, free_tokens
 from .operator import (
     drop_quarantined,
     drop_rejected_input,
@@ -96,6 +96,7 @@ __all__ = [
     "apply_recovery_batch",
     "begin_assistant",
     "cancel_held_claim",
+    "candidates_and_free_tokens",
     "changes",
     "drop_quarantined",
     "drop_rejected_input",

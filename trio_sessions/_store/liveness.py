@@ -15,11 +15,21 @@ from collections.abc import Sequence
 
 from .._backend import Tx
 from .common import _in_list
+from .recovery import Candidate, recovery_candidates
 
 
 def free_tokens(tx: Tx) -> set[str]:
     """Every owner on record whose liveness token is free now (read-only)."""
     return tx.free_tokens(None)
+
+
+def candidates_and_free_tokens(
+    tx: Tx, owner_id: str, limit: int, local_sessions: Sequence[str], gone_owners: Sequence[str]
+) -> tuple[list[Candidate], set[str]]:
+    """A recovery pass's scan (`recovery_candidates`) and, in the same transaction, every
+    owner whose token is free now: the sightings the next pass judges by."""
+    candidates = recovery_candidates(tx, owner_id, limit, local_sessions, gone_owners)
+    return candidates, tx.free_tokens(None)
 
 
 def forget_gone_owners(tx: Tx, owner_ids: Sequence[str]) -> list[str]:
