@@ -43,7 +43,7 @@ import json
 import os
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar, TypeVarTuple, Unpack
 
@@ -573,6 +573,9 @@ CHANGE_POLL = 0.005
 # The most often a reader reports a change: under load every commit is one, and a look per
 # commit would cost more than the commits.
 CHANGE_GAP = 0.005
+# After a WAL write with no commit visible yet, the reader looks again after CHANGE_GAP,
+# doubling, while the pause stays below this (seconds).
+WRITE_SETTLE_MAX = 0.5
 
 
 @attrs.define(eq=False)
@@ -607,6 +610,7 @@ class ChangeReader:
         with trio.move_on_after(fallback):
             with trio.move_on_at(self._next_look):
                 await kick.wait()
+            settle = 0.0  # > 0: the WAL was written, and no commit is visible yet
             while not kick.is_set():
                 if self.watch is not None:
                     self.watch.discard()  # events so far are covered by the look below
@@ -615,23 +619,40 @@ class ChangeReader:
                     self._version = version
                     self._next_look = trio.current_time() + CHANGE_GAP
                     return
-                await self._signal(kick)
+                if 0 < settle <= WRITE_SETTLE_MAX:
+                    # A writer writes its frames, then publishes the commit in the WAL
+                    # index (the -shm file, not watched): a look between the two sees
+                    # nothing, and no event follows. Look again shortly.
+                    with trio.move_on_after(settle):
+                        await kick.wait()
+                    settle *= 2
+                    continue
+                settle = CHANGE_GAP if await self._signal(kick) else 0.0
 
-    async def _signal(self, kick: trio.Event) -> None:
-        """Sleep until the WAL file is written or `kick` is set (or one poll, unwatched)."""
+    async def _signal(self, kick: trio.Event) -> bool:
+        """Sleep until the WAL file is written (True) or `kick` is set (or one poll,
+        unwatched)."""
         watch = self.watch
         if watch is None:
             with trio.move_on_after(self.poll):
                 await kick.wait()
-            return
+            return False
+        written = False
         async with trio.open_nursery() as nursery:
 
-            async def first(wait: Callable[[], Awaitable[None]]) -> None:
-                await wait()
+            async def on_write() -> None:
+                nonlocal written
+                await watch.wait()
+                written = True
                 nursery.cancel_scope.cancel()
 
-            nursery.start_soon(first, kick.wait)
-            nursery.start_soon(first, watch.wait)
+            async def on_kick() -> None:
+                await kick.wait()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(on_kick)
+            nursery.start_soon(on_write)
+        return written
 
 
 @attrs.define(eq=False)
