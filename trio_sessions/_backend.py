@@ -95,6 +95,17 @@ class Tx(Protocol):
         """A nested scope whose writes roll back alone if it raises (the error propagates)."""
         ...
 
+    def free_tokens(self, owner_ids: Sequence[str] | None) -> set[str]:
+        """The owners (of `owner_ids`; None: every owner on record) whose liveness token is
+        free now (DESIGN §4 "Owner liveness"). An owner with no token on record (no lock file
+        on SQLite, no `session_owner` row on PostgreSQL) is never free: its lease decides."""
+        ...
+
+    def forget_tokens(self, owner_ids: Sequence[str]) -> None:
+        """Remove the record of these owners' tokens where still free (they are gone and
+        hold no live claim)."""
+        ...
+
 
 @attrs.define(eq=False)
 class Job:
@@ -123,6 +134,23 @@ class StoreStatistics:
     reconnects: int = 0
 
 
+class Token(Protocol):
+    """This runtime's liveness token, held (`Executor.hold_token`)."""
+
+    # How often other owners' tokens are worth a look, in seconds; None: only at recovery
+    # passes (inline stores: deterministic tests look when they choose).
+    poll_interval: float | None
+
+    async def wait_lost(self) -> None:
+        """Return when the token was lost while this process lives (PostgreSQL: its
+        connection broke). Never returns on SQLite: only the process's death frees it."""
+        ...
+
+    async def retake(self) -> None:
+        """Take the token again, waiting (with backoff) until it is ours."""
+        ...
+
+
 class Executor(Protocol):
     """Runs store operations `op(tx, *args)`, each inside a write transaction."""
 
@@ -144,6 +172,11 @@ class Executor(Protocol):
         """Return when another connection may have committed (SQLite: `data_version`;
         PostgreSQL: a notification), when `kick` is set, or after `fallback` seconds (the slow
         fallback poll: a lost signal costs latency, never work)."""
+        ...
+
+    def hold_token(self, owner_id: str) -> AbstractAsyncContextManager[Token]:
+        """Take this owner's liveness token and hold it for the block (DESIGN §4 "Owner
+        liveness"): released when the block exits or the process dies."""
         ...
 
     def statistics(self) -> StoreStatistics: ...

@@ -28,7 +28,7 @@ import attrs
 import trio
 
 from . import _codec, _observe, _store, _transcript
-from ._backend import Executor, StoreBackend
+from ._backend import Executor, StoreBackend, Token
 from ._coordinator import Execution, SessionEntry
 from ._decisions import (
     AcquireVerdict,
@@ -40,6 +40,7 @@ from ._decisions import (
 )
 from ._errors import DuplicateSettlement, LeaseLost, StoreError, UnknownToolCall
 from ._lease import LeaseKeeper, self_fence_deadline
+from ._liveness import GoneOwners
 from ._model import (
     AssistantData,
     Claim,
@@ -198,6 +199,11 @@ class Runtime:
         self._watchers = WatchHub()
         # Set to look at the store now rather than at the next change signal.
         self._kick = trio.Event()
+        # Owner liveness (DESIGN §4): other owners' tokens as seen, and whether ours is
+        # lost now (between a loss and its re-take, with the claims taken meanwhile).
+        self._gone_owners = GoneOwners(config.takeover_grace)
+        self._token_lost = False
+        self._lost_claims: dict[str, SessionEntry] = {}
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -608,6 +614,11 @@ class Runtime:
         entry.own(
             attempt=attempt, resumed=resumed, deadline=self_fence_deadline(sent_at, self._lease)
         )
+        if self._token_lost:
+            # Committed while our liveness token is free: others may take it over, so its
+            # drain never starts; the claim is handed back with the others (`_keep_token`).
+            self._lost_claims[entry.execution_id] = entry
+            entry.lose_lease()
 
     async def _drain_loop(self, entry: SessionEntry) -> _Ending:
         while True:
@@ -863,12 +874,17 @@ class Runtime:
                 await self.recover_once()
 
     async def _recovery_pass(self) -> RecoveryReport:
+        # Owners whose liveness token stayed free for the grace, as last seen: their live
+        # claims count as expired (re-checked in the takeover's own transaction).
+        gone = self._gone_owners.gone(trio.current_time())
         # With max_active, take recovery leases only on what this runtime has room for: a
         # lease it would not act on keeps the row from every other runtime for a lease.
         scan = await self._recovery.scan(
-            list(self._entries), self._capacity_left(self._recovery.batch)
+            list(self._entries), self._capacity_left(self._recovery.batch), gone
         )
-        applied = await self._apply_recovery(scan.leased) if scan.leased else RecoveryReport()
+        if scan.free_owners is not None:  # sightings for the next pass (no extra look)
+            self._gone_owners.observe(scan.free_owners - {self._owner_id}, trio.current_time())
+        applied = await self._apply_recovery(scan.leased, gone) if scan.leased else RecoveryReport()
         report = attrs.evolve(
             applied, examined=scan.examined, fence_lost=applied.fence_lost + scan.fence_lost
         )
@@ -881,7 +897,9 @@ class Runtime:
                 started += 1
         return attrs.evolve(report, doorbells_started=started)
 
-    async def _apply_recovery(self, leased: list[_store.Candidate]) -> RecoveryReport:
+    async def _apply_recovery(
+        self, leased: list[_store.Candidate], gone: frozenset[str] = frozenset()
+    ) -> RecoveryReport:
         """Apply recovery to claims whose recovery lease we hold, then start resumed drains."""
         if self._seams.before_recovery_apply is not None:
             await self._seams.before_recovery_apply([c.execution_id or "" for c in leased])
@@ -895,7 +913,9 @@ class Runtime:
             # Shielded: the takeover commit and the registration flips happen together.
             with trio.CancelScope(shield=True):
                 sent_at = trio.current_time()
-                results = await self._recovery.apply([(c, e.execution_id) for c, e in entries])
+                results = await self._recovery.apply(
+                    [(c, e.execution_id) for c, e in entries], gone
+                )
                 for (candidate, entry), result in zip(entries, results, strict=True):
                     _observe.recovered(candidate, entry.execution_id, result, self._owner_id)
                     if result.decision is RecoveryDecision.RESUME and not result.fence_lost:
@@ -913,6 +933,64 @@ class Runtime:
                 entry.interrupt("shutdown")
             self._nursery.start_soon(self._busy_period, entry)
         return report_of(results)
+
+    # -- owner liveness -----------------------------------------------------------------------
+
+    async def _look_at_owners(self) -> frozenset[str]:
+        """Look at other owners' liveness tokens; the owners gone now (free for the grace)."""
+        free = await self._db.read(_store.free_tokens)
+        free.discard(self._owner_id)
+        return self._gone_owners.observe(free, trio.current_time())
+
+    async def _watch_owners(self, poll: float) -> None:
+        """Notice a released token within a poll, not a recovery interval: once an owner is
+        gone, a recovery pass takes its claims over; owners gone without live claims are
+        forgotten (their token's record removed)."""
+        while True:
+            await trio.sleep(poll)
+            with contextlib.suppress(StoreError):  # looked at again at the next poll
+                gone = await self._look_at_owners()
+                if gone and not self._token_lost:
+                    await self.recover_once()
+                    left = await self._db.run(_store.forget_gone_owners, sorted(gone))
+                    self._gone_owners.forget(gone - set(left))
+
+    async def _keep_token(self, token: Token) -> None:
+        """On the loss of our liveness token (its connection broke), stop every drain at
+        once, writing nothing for them; hand their claims back once they exited and the
+        store answers; then take the token again. Others may take the claims over after
+        the grace meanwhile: no drain of ours may still run by then."""
+        while True:
+            await token.wait_lost()
+            self._token_lost = True
+            _observe.token_lost(self._owner_id, len(self._owned_entries()))
+            for entry in self._owned_entries():
+                self._lost_claims[entry.execution_id] = entry
+                entry.lose_lease()
+            await self._hand_back_lost_claims()
+            await token.retake()
+            self._token_lost = False
+            await self._hand_back_lost_claims()  # any claimed while the token was retaken
+            _observe.token_retaken(self._owner_id)
+            with contextlib.suppress(StoreError):  # else the next pass takes them
+                await self.recover_once()  # resume the claims handed back, here or anywhere
+
+    async def _hand_back_lost_claims(self) -> None:
+        pause = 0.01
+        while self._lost_claims:
+            lost = dict(self._lost_claims)
+            for entry in lost.values():
+                # A claim is never handed back while its drain runs (§6.21); a lost lease
+                # ends the busy period, with no successor.
+                await entry.released.wait()
+            try:
+                await self._db.run(_store.expire_claims, self._owner_id, sorted(lost))
+            except StoreError:
+                await trio.sleep(pause)  # until the store answers
+                pause = min(pause * 2, 1.0)
+                continue
+            for execution_id in lost:
+                self._lost_claims.pop(execution_id, None)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -1007,6 +1085,7 @@ class DrainContext:
         self.resumed = entry.resumed
         self._defect: BaseException | None = None
         self._returned = False
+        self._entry = entry
 
     def _check_live(self) -> None:
         if self._returned:
@@ -1014,6 +1093,10 @@ class DrainContext:
                 f"this DrainContext of execution {self.execution_id!r} is stale: its drain"
                 " already returned"
             )
+        if self._entry.reason == "lease_lost":
+            # Known lost here first (the liveness token, a heartbeat): the store may still
+            # hold the lease for a moment, but nothing more is written for this claim.
+            raise LeaseLost(f"execution {self.execution_id!r} lost its claim")
 
     async def take_inputs(self, *, limit: int | None = None) -> list[Input]:
         """Consume the oldest pending inputs in seq order, at most `limit` of them
@@ -1209,6 +1292,7 @@ async def open_runtime(
     clock: Callable[[], float] | None = None,
     acquisition_hook: AcquisitionHook | None = None,
     shutdown_grace: float | None = None,
+    takeover_grace: float = 0.5,
 ) -> AsyncIterator[Runtime]:
     """Open the store, run the first recovery pass, and yield a `Runtime`.
 
@@ -1226,14 +1310,21 @@ async def open_runtime(
     `KeyboardInterrupt` or `SystemExit` ends the whole runtime - trio's rule for those - and
     it escapes this block, unwrapped, after the shutdown above.)
 
+    A runtime that drains holds a liveness token from open to close (DESIGN §4 "Owner
+    liveness"): when its process dies, the OS or the server releases it, and other runtimes
+    take its claims over once it stayed free for `takeover_grace` seconds (default 0.5),
+    long before their leases run out. Losing it while alive (its PostgreSQL connection
+    broke) stops every drain at once with reason `lease_lost`; their claims are handed back
+    once they exited, and the token is taken again.
+
     Raises, before anything is opened, `TypeError`/`ValueError` for a bad option (and
     `TypeError` for a plain `def` drain); then `SchemaTooNew` for a store written by a newer
     library and `StoreError` when the store cannot be opened or the first recovery pass
     fails. Cancelled while opening: whatever opened is closed again.
 
     `drain=None` opens a producer: `submit`, `wake`, `interrupt` and `transcript` work and
-    are durable, but it never claims a session, recovers, or heartbeats; `run` returns
-    `deferred` and the wakes wait for a runtime that drains.
+    are durable, but it never claims a session, recovers, or heartbeats (and holds no
+    liveness token); `run` returns `deferred` and the wakes wait for a runtime that drains.
     """
     backend = _resolve_store(store)
     if drain is not None and not _is_async_callable(drain):
@@ -1259,6 +1350,7 @@ async def open_runtime(
         max_active = _count(max_active, "max_active", 1)
     if owner_id is not None:
         owner_id = validate_session_id(owner_id, what="owner id")
+    takeover_grace = _seconds(takeover_grace, "takeover_grace")
     if clock is not None and not callable(clock):
         raise TypeError("clock must be a zero-argument callable returning epoch seconds")
     if acquisition_hook is not None and not callable(acquisition_hook):
@@ -1274,6 +1366,7 @@ async def open_runtime(
         clock=clock,
         acquisition_hook=acquisition_hook,
         shutdown_grace=shutdown_grace,
+        takeover_grace=takeover_grace,
     )
     try:
         async with _open_runtime(backend, drain, config) as runtime:
@@ -1343,6 +1436,18 @@ class _Config:
     clock: Callable[[], float] | None
     acquisition_hook: AcquisitionHook | None
     shutdown_grace: float
+    takeover_grace: float = 0.5
+
+
+@asynccontextmanager
+async def _holding_token(
+    executor: Executor, drain: Drain | None, owner_id: str
+) -> AsyncIterator[Token | None]:
+    if drain is None:
+        yield None
+        return
+    async with executor.hold_token(owner_id) as token:
+        yield token
 
 
 @asynccontextmanager
@@ -1351,13 +1456,19 @@ async def _open_runtime(
 ) -> AsyncIterator[Runtime]:
     async with (
         store.open_executor(config.clock) as executor,
+        # Held from before the first claim until after the last drain exited (§4 Owner
+        # liveness); a producer never claims, so it holds none.
+        _holding_token(executor, drain, config.owner_id) as token,
         trio.open_nursery() as nursery,
     ):
         runtime = Runtime(executor=executor, nursery=nursery, drain=drain, config=config)
-        if drain is not None:
+        if token is not None:
             await runtime.recover_once()
             nursery.start_soon(runtime._keep_leases)
             nursery.start_soon(runtime._recovery_loop)
+            nursery.start_soon(runtime._keep_token, token)
+            if token.poll_interval is not None:
+                nursery.start_soon(runtime._watch_owners, token.poll_interval)
         nursery.start_soon(runtime._change_loop)
         try:
             yield runtime

@@ -150,7 +150,7 @@ SQLITE_OUR_TABLES = frozenset(
 # ---------------------------------------------------------------------------------------------
 # PostgreSQL
 
-POSTGRES_SCHEMA_VERSION = 2
+POSTGRES_SCHEMA_VERSION = 3
 
 # Same names, meanings and named CHECKs as the SQLite schema (`SQLITE_MIGRATIONS`, whose
 # versions 1-3 are PostgreSQL's first: no PostgreSQL store predates them); times
@@ -252,6 +252,16 @@ CREATE TABLE session_message_delta(
     version BIGINT NOT NULL,
     text TEXT NOT NULL,
     PRIMARY KEY (message_id, version)
+);
+""",
+    # Owner liveness (DESIGN §4): an owner that holds a liveness token (a session-level
+    # advisory lock, `_liveness`) is on record here, so a claim of an owner that never held
+    # one is judged by its lease alone. Removed by whoever finds the token free and the owner
+    # without live claims. (SQLite keeps the same record as a lock file beside the database.)
+    3: """
+CREATE TABLE session_owner(
+    owner_id TEXT PRIMARY KEY,
+    time_created BIGINT NOT NULL
 );
 """,
 }

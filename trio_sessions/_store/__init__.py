@@ -13,7 +13,8 @@ Families (one module each):
 * `transcript`: taking inputs, assistant messages and streamed text, reading;
 * `recovery`: candidates, recovery leases, applying the decision;
 * `operator`: quarantine and rejected inputs, the CLI's status and health reads;
-* `changes`: what other processes changed (doorbells, cancellations, watched messages).
+* `changes`: what other processes changed (doorbells, cancellations, watched messages);
+* `liveness`: other owners' liveness tokens (free ones, forgetting gone owners).
 
 Serialisation: every operation that reads and then writes a session's rows first takes
 `tx.lock_session(session_id)` - a no-op on SQLite (its write transaction holds the only
@@ -56,6 +57,7 @@ from .claims import (
 )
 from .common import CLAIM_FENCE, RECOVERY_FENCE, new_id
 from .inputs import submit, wake
+from .liveness import candidates_and_free_tokens, forget_gone_owners, free_tokens
 from .operator import (
     drop_quarantined,
     drop_rejected_input,
@@ -109,6 +111,7 @@ __all__ = [
     "apply_recovery_batch",
     "begin_assistant",
     "cancel_held_claim",
+    "candidates_and_free_tokens",
     "changes",
     "drop_quarantined",
     "drop_rejected_input",
@@ -116,6 +119,8 @@ __all__ = [
     "finish_failed",
     "finish_interrupted",
     "finish_iteration",
+    "forget_gone_owners",
+    "free_tokens",
     "heartbeat",
     "lift_quarantine",
     "mark_cancelling",
