@@ -165,9 +165,7 @@ def finish_iteration(tx: Tx, session_id: str, execution_id: str, owner_id: str) 
     return end_iteration(tx, session_id, execution_id, owner_id) is IterationVerdict.CONTINUE
 
 
-def end_iteration(
-    tx: Tx, session_id: str, execution_id: str, owner_id: str
-) -> IterationVerdict:
+def end_iteration(tx: Tx, session_id: str, execution_id: str, owner_id: str) -> IterationVerdict:
     """After a drain returned: take a set doorbell and continue, or delete the claim.
 
     Either way, a message the drain left open is finished and its running tools failed
