@@ -35,6 +35,12 @@ TINY = [
     "--pg-cycles", "4",
     "--pg-concurrent", "5",
     "--pg-recovery", "12",
+    "--watched-cycles", "3",
+    "--watched-messages", "300",
+    "--backlog", "450",
+    "--chat-sessions", "3",
+    "--chat-words", "3",
+    "--chat-pace", "0.01",
 ]  # fmt: skip
 
 
@@ -45,12 +51,14 @@ def test_smoke_run_prints_table_and_machine_line(
     every key, whose counts (not timings) are the ones the design promises."""
     assert bench.main([*TINY, "--dir", str(tmp_path), "--pg-url", pg_url]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    for section in ("cycle", "memory", "append", "remote", "idle", "postgres"):
+    for section in ("cycle", "memory", "append", "remote", "idle", "postgres", "load", "chat"):
         assert any(line.startswith(f"| {section} ") for line in lines), section
     values = bench.parse_machine_line(lines[-1])
     assert list(values) == list(bench.MACHINE_KEYS)
     assert all(math.isfinite(v) and v >= 0 for v in values.values()), values
-    assert all(v > 0 for key, v in values.items() if key != "idle_cpu_pct"), values
+    zero_allowed = {"idle_cpu_pct", "chat_errors", "pg_chat_errors"}
+    assert all(v > 0 for key, v in values.items() if key not in zero_allowed), values
+    assert values["chat_errors"] == values["pg_chat_errors"] == 0
     assert values["heartbeat_tx_per_tick"] == 1
     assert values["wakes_per_iteration"] == 20 / 2
 

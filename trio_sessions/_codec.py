@@ -119,9 +119,13 @@ def loads(text: Any) -> Any:
     if not isinstance(text, str):
         raise TypeError(f"expected JSON text, got {type(text).__name__}")
     try:
-        return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+        return _DECODER.decode(text)
     except RecursionError:
         raise ValueError("JSON nested too deeply") from None
+
+
+# One decoder for every `loads` (`json.loads` with these options builds a new one per call).
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_float)
 
 
 # The largest value a caller may store as one record - an input payload, a tool's input,

@@ -71,6 +71,9 @@ CHANGE_FALLBACK_POLL = 2.0
 CHANGE_BATCH = 100
 # Sessions examined per purge transaction: short transactions, never blocking a drain.
 PURGE_BATCH = 200
+# The most inputs one `take_inputs()` takes by default (one short transaction and one short
+# step of the event loop, whatever the backlog).
+TAKE_INPUTS_CHUNK = _store.TAKE_INPUTS_CHUNK
 
 
 def validate_session_id(session_id: object, *, what: str = "session id") -> str:
@@ -999,7 +1002,7 @@ class Runtime:
             list(self._entries),
             [entry.execution_id for entry in self._owned_entries()],
             self._capacity_left(CHANGE_BATCH) if takes_wakes else 0,
-            self._watchers.watched(),
+            self._watchers.followed(),
         )
         for session_id in changes.doorbells:
             if session_id not in self._entries and self._ring(session_id) is not None:
@@ -1014,8 +1017,7 @@ class Runtime:
                 entry.lose_lease()
                 self._remote_signals += 1
         self._due.arm(changes.next_due_ms)
-        for snapshot in changes.messages:
-            self._watchers.publish(*snapshot)
+        self._watchers.apply(changes.watched)
 
     @asynccontextmanager
     async def watch(self, session_id: str, *, after_seq: int = 0) -> AsyncIterator[Watcher]:
@@ -1034,8 +1036,19 @@ class Runtime:
         after_seq = _count(after_seq, "after_seq", 0)
         watcher = self._watchers.add(session_id, after_seq)
         try:
-            for snapshot in await self._db.read(_store.watched_messages, session_id, after_seq):
-                self._watchers.publish(*snapshot)
+            # The history up to the newest message now, in short reads (a long transcript
+            # never holds the event loop); what comes after, the change loop finds.
+            through, _ = head = await self._db.read(_store.newest_message, session_id)
+            self._watchers.cover(session_id, head)
+            while after_seq < through:
+                replayed = await self._db.read(
+                    _store.watched_messages, session_id, after_seq, through
+                )
+                if not replayed:
+                    break
+                for snapshot in replayed:
+                    self._watchers.publish(snapshot, only=watcher)
+                after_seq = replayed[-1].seq
             yield watcher
         finally:
             self._watchers.remove(watcher)
@@ -1215,22 +1228,29 @@ class DrainContext:
                 " already returned"
             )
 
-    async def take_inputs(self) -> list[Input]:
-        """Consume pending inputs in seq order; each becomes a user message, atomically.
+    async def take_inputs(self, *, limit: int | None = None) -> list[Input]:
+        """Consume the oldest pending inputs in seq order, at most `limit` of them
+        (default `TAKE_INPUTS_CHUNK`); each becomes a user message, atomically.
 
         Durable when it returns: in one fenced transaction the inputs left `session_input`
         and were appended as `role='user'` messages. Only inputs that are due: a scheduled
         one (`submit(delay=)`) stays unseen until its time. None once this claim was asked
-        to stop (another process's interrupt on its way): a successor takes them. An input
-        whose payload does not decode is set aside for the operator, never returned and
-        never blocking the others.
-        Raises `LeaseLost` (nothing taken) when the claim is gone or this context is stale,
-        `StoreError`. Cancellation: nothing taken if the transaction had not started, else
-        the inputs are taken (they are user messages now, found again by `transcript()`).
+        to stop (another process's interrupt on its way): a successor takes them.
+        and were appended as `role='user'` messages. A bounded chunk keeps each call one
+        short transaction and one short step of the event loop, whatever the backlog: to
+        drain everything, call again until it returns `[]`; a drain that returns instead
+        gets the rest in its busy period's next iteration (the doorbell stays set while
+        inputs are pending). An input whose payload does not decode is set aside for the
+        operator, never returned and never blocking the others. Raises
+        `TypeError`/`ValueError` for a bad `limit`, `LeaseLost` (nothing taken) when the
+        claim is gone or this context is stale, `StoreError`. Cancellation: nothing taken if
+        the transaction had not started, else the inputs are taken (they are user messages
+        now, found again by `transcript()`).
         """
+        limit = TAKE_INPUTS_CHUNK if limit is None else _count(limit, "limit", 1)
         self._check_live()
         return await self._runtime._db.run(
-            _store.take_inputs, self.session_id, self.execution_id, self.owner_id
+            _store.take_inputs, self.session_id, self.execution_id, self.owner_id, limit
         )
 
     async def transcript(self) -> list[Message]:
@@ -1374,7 +1394,15 @@ class AssistantWriter:
             None,
         )
         context._runtime._watchers.publish(
-            context.session_id, self.message_id, self._seq, message, version
+            _store.Snapshot(
+                context.session_id,
+                self.message_id,
+                self._seq,
+                message,
+                version,
+                None,  # the row's version is not known here: a look reads it whole
+                not self._data.finished,
+            )
         )
 
 

@@ -5,15 +5,17 @@ by the message's durable `version` (bumped by every change), so a snapshot offer
 once by the local writer, once by a store scan - is delivered once, and an older state is
 never delivered after a newer one. A slow watcher skips intermediate snapshots of a message
 but always gets its latest. Idle watchers cost no task and no polling: the runtime's one
-change loop offers them what changed.
+change loop offers them what changed, reading only what changed (the hub below).
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import attrs
 import trio
 
+from . import _store
 from ._errors import MalformedRecord
 from ._model import Message
 
@@ -50,6 +52,9 @@ class Watcher(AsyncIterator[Message]):
         return self
 
     async def __anext__(self) -> Message:
+        # A checkpoint per message, also when one is ready: a consumer working through a
+        # long replay never holds the event loop for the whole of it.
+        await trio.lowlevel.checkpoint()
         while not self._pending:
             if self._closed:
                 raise StopAsyncIteration
@@ -63,48 +68,96 @@ class Watcher(AsyncIterator[Message]):
         return snapshot
 
 
+@attrs.define(eq=False)
+class _Session:
+    """One watched session: its watchers and what they were offered (`_store.Followed`)."""
+
+    watchers: set[Watcher] = attrs.Factory(set)
+    covered: bool = False  # a head was read: looks may follow it
+    high_seq: int = 0
+    high_id: str | None = None
+    open: dict[str, _store.Snapshot] = attrs.Factory(dict)
+    known: dict[str, int] = attrs.Factory(dict)
+
+
 class WatchHub:
-    """Every watcher of this runtime, by session; what each session's watchers have seen."""
+    """Every watcher of this runtime, by session, and what each session's watchers were
+    offered: the newest seq a look covered and the messages that may still change. One look
+    serves every watcher of a session (many watchers share one read), and it reads only
+    past that seq and those messages - never the whole transcript (DESIGN §6.26)."""
 
     def __init__(self) -> None:
-        self._watchers: dict[str, set[Watcher]] = {}
-        self._known: dict[str, dict[str, int]] = {}
+        self._sessions: dict[str, _Session] = {}
 
     def add(self, session_id: str, after_seq: int) -> Watcher:
         watcher = Watcher(session_id, after_seq)
-        self._watchers.setdefault(session_id, set()).add(watcher)
-        self._known.setdefault(session_id, {})
+        self._sessions.setdefault(session_id, _Session()).watchers.add(watcher)
         return watcher
 
     def remove(self, watcher: Watcher) -> None:
         watcher.close()
-        watchers = self._watchers.get(watcher.session_id, set())
-        watchers.discard(watcher)
-        if not watchers:
-            self._watchers.pop(watcher.session_id, None)
-            self._known.pop(watcher.session_id, None)
+        session = self._sessions.get(watcher.session_id)
+        if session is None:
+            return
+        session.watchers.discard(watcher)
+        if not session.watchers:
+            del self._sessions[watcher.session_id]
+
+    def cover(self, session_id: str, head: tuple[int, str | None]) -> None:
+        """The session's newest message when its first watcher entered: later looks read
+        only past it (its watchers replay what came before, in chunks of their own)."""
+        session = self._sessions.get(session_id)
+        if session is not None and not session.covered:
+            session.covered = True
+            session.high_seq, session.high_id = head
 
     def watching(self, session_id: str) -> bool:
         """Whether any watcher follows this session (a writer builds no snapshot otherwise)."""
-        return session_id in self._watchers
+        return session_id in self._sessions
 
-    def watched(self) -> dict[str, dict[str, int]]:
-        """Per watched session, the newest version offered of each message (a store scan
-        only fetches messages newer than this)."""
-        return {session_id: dict(known) for session_id, known in self._known.items()}
+    def followed(self) -> dict[str, _store.Followed]:
+        """Per watched session, what a look starts from. The mappings are the hub's own,
+        not copies: a look reads them on the trio thread before anything changes them."""
+        return {
+            session_id: _store.Followed(
+                session.high_seq, session.high_id, session.open, session.known
+            )
+            for session_id, session in self._sessions.items()
+            if session.covered
+        }
 
-    def publish(
-        self, session_id: str, message_id: str, seq: int, snapshot: Snapshot, version: int
-    ) -> None:
-        watchers = self._watchers.get(session_id)
-        if not watchers:
+    def apply(self, found: _store.Watched) -> None:
+        """What a look found: publish it and move each session's covered seq on."""
+        for message_id in found.gone:
+            for watched in self._sessions.values():
+                watched.open.pop(message_id, None)
+        for snapshot in found.messages:
+            self.publish(snapshot)
+        for session_id, (high_seq, high_id) in found.heads.items():
+            session = self._sessions.get(session_id)
+            if session is not None:
+                session.high_seq, session.high_id = high_seq, high_id
+
+    def publish(self, snapshot: _store.Snapshot, only: Watcher | None = None) -> None:
+        """Offer a snapshot to the session's watchers (or to `only`, a watcher replaying
+        its history) and remember it: an open message is followed until it is finished."""
+        session = self._sessions.get(snapshot.session_id)
+        if session is None:
             return
-        known = self._known[session_id]
-        known[message_id] = max(known.get(message_id, -1), version)
-        for watcher in watchers:
-            watcher.offer(message_id, seq, snapshot, version)
+        message_id = snapshot.message_id
+        # A replay past the covered seq is not remembered: the next look still finds that
+        # message new and offers it to the session's other watchers too.
+        remember = only is None or snapshot.seq <= session.high_seq
+        if remember and snapshot.version >= session.known.get(message_id, -1):
+            session.known[message_id] = snapshot.version
+            if snapshot.open:
+                session.open[message_id] = snapshot
+            else:
+                session.open.pop(message_id, None)
+        for watcher in session.watchers if only is None else (only,):
+            watcher.offer(message_id, snapshot.seq, snapshot.message, snapshot.version)
 
     def close(self) -> None:
-        for watchers in self._watchers.values():
-            for watcher in watchers:
+        for session in self._sessions.values():
+            for watcher in session.watchers:
                 watcher.close()

@@ -17,6 +17,10 @@ folder on local disk). Sections, in order (`--sections` picks a subset):
   SQLite and PostgreSQL (`remote`);
 * idle - an idle runtime's CPU, SQLite and PostgreSQL (`idle`);
 * postgres - the cycle and recovery against raw psycopg (`postgres`);
+* load - cycles beside a watched long session, and the longest loop stall while a large
+  input backlog is taken (`load`);
+* chat - N chats streaming answers: a web process watching each, two worker processes,
+  SQLite and PostgreSQL (`chat`);
 * console - one console page with 100,000 sessions, SQLite and PostgreSQL (`console`).
 
 PostgreSQL: `--pg-url`, else `$TRIO_SESSIONS_PG_URL`, else a throwaway server with fsync
@@ -45,6 +49,7 @@ from typing import Any
 import trio
 
 from .append import bench_append
+from .chat import bench_chat, serve_chat_worker
 from .coalescing import bench_coalescing
 from .config import SECTIONS, Config, make_config, parse_args
 from .console import bench_console
@@ -52,6 +57,7 @@ from .cycle import bench_cycle
 from .heartbeat import bench_heartbeat
 from .idle import bench_idle
 from .interrupt import bench_interrupt
+from .load import bench_load
 from .memory import bench_memory, measure_memory
 from .recovery import bench_recovery
 from .remote import bench_remote, send_remote
@@ -97,6 +103,8 @@ BENCHES: dict[str, Section] = {
     "remote": bench_remote,
     "idle": bench_idle,
     "postgres": _postgres,
+    "load": _sqlite_only(bench_load),
+    "chat": bench_chat,
     "console": bench_console,
 }
 
@@ -117,6 +125,8 @@ def run_child(kind: str, arguments: dict[str, Any]) -> Any:
         )
     if kind == "remote":
         return trio.run(send_remote, arguments)
+    if kind == "chat-worker":
+        return trio.run(serve_chat_worker, arguments)
     raise SystemExit(f"unknown bench child {kind!r}")
 
 

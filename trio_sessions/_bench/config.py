@@ -25,10 +25,12 @@ SECTIONS = (
     "remote",
     "idle",
     "postgres",
+    "load",
+    "chat",
     "console",
 )
-# Sections that need a PostgreSQL server (`remote`, `idle` and `console` measure both).
-PG_SECTIONS = ("remote", "idle", "postgres", "console")
+# Sections that need a PostgreSQL server (`remote`, `idle`, `chat` and `console` measure both).
+PG_SECTIONS = ("remote", "idle", "postgres", "chat", "console")
 PG_URL_ENV = "TRIO_SESSIONS_PG_URL"
 
 
@@ -54,6 +56,12 @@ class Config:
     pg_cycles: int
     pg_concurrent: int
     pg_recovery: int
+    watched_cycles: int
+    watched_messages: int
+    backlog: int
+    chat_sessions: int
+    chat_words: int
+    chat_pace: float
     console_sessions: int
     sections: tuple[str, ...]
     folder: Path | None
@@ -85,6 +93,12 @@ FULL: dict[str, Any] = {
     "pg_cycles": 1200,
     "pg_concurrent": 1000,
     "pg_recovery": 10_000,
+    "watched_cycles": 200,
+    "watched_messages": 20_000,
+    "backlog": 200_000,
+    "chat_sessions": 200,
+    "chat_words": 40,
+    "chat_pace": 0.05,
     "console_sessions": 100_000,
 }
 QUICK: dict[str, Any] = {
@@ -108,6 +122,12 @@ QUICK: dict[str, Any] = {
     "pg_cycles": 80,
     "pg_concurrent": 200,
     "pg_recovery": 300,
+    "watched_cycles": 50,
+    "watched_messages": 20_000,
+    "backlog": 20_000,
+    "chat_sessions": 50,
+    "chat_words": 40,
+    "chat_pace": 0.05,
     "console_sessions": 5_000,
 }
 HELP = {
@@ -131,6 +151,12 @@ HELP = {
     "pg_cycles": "PostgreSQL sequential cycles per variant, over all rounds",
     "pg_concurrent": "PostgreSQL sessions in flight",
     "pg_recovery": "PostgreSQL expired claims to recover",
+    "watched_cycles": "cycles per variant and round with / without a watched long session",
+    "watched_messages": "messages of the watched long session",
+    "backlog": "inputs pending on one session, taken by one drain",
+    "chat_sessions": "concurrent chats (each one watch and one streamed answer)",
+    "chat_words": "words per streamed answer",
+    "chat_pace": "seconds between two words of an answer",
     "console_sessions": "sessions in the store under one console page",
 }
 
@@ -178,7 +204,7 @@ def make_config(args: argparse.Namespace) -> Config:
     if unknown:
         raise SystemExit(f"unknown sections: {', '.join(sorted(unknown))}")
     for key, value in values.items():
-        if value < (0.1 if key == "idle_seconds" else 1):
+        if value < (0.001 if key == "chat_pace" else 0.1 if key == "idle_seconds" else 1):
             raise SystemExit(f"--{key.replace('_', '-')} is too small: {value}")
     if args.no_pg and args.pg_url:
         raise SystemExit("--no-pg and --pg-url contradict each other")

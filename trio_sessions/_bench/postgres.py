@@ -220,6 +220,7 @@ async def bench_pg_cycle(config: Config, schemas: PgSchemas, report: Report) -> 
             f">= {target}x",
             verdict(median(ratios[variant]) >= target),
         )
+    report.machine["pg_raw_cycle_us"] = 1e6 / raw_rate
     report.machine["pg_cycle_ratio"] = median(ratios["sequential"])
     report.machine["pg_concurrent_ratio"] = median(ratios["concurrent"])
     report.notes.append(
@@ -251,6 +252,7 @@ async def bench_pg_recovery(config: Config, schemas: PgSchemas, report: Report) 
     )
     add_recovery_rows(report, "postgres", n, batch, times, rows)
     report.machine["pg_recovery_ratio"] = median(times.ratios["threaded"])
+    report.machine["pg_raw_recovery_us"] = median(times.secs["raw"]) / n * 1e6
 
 
 async def bench_postgres(config: Config, folder: Path, report: Report, schemas: PgSchemas) -> None:

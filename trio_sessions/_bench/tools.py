@@ -32,11 +32,22 @@ PAYLOAD: dict[str, Any] = {"text": "hello"}
 PAYLOAD_JSON = json.dumps(PAYLOAD)
 CHILD_TIMEOUT_S = 600
 
+# The raw baseline's tables. The like-for-like cycle (DESIGN §7: baselines do the same
+# durable work) writes the rows the library's cycle writes - the session row (inserted, or
+# its input count bumped), the input, the claim, and the claim's removal - in tables of the
+# library's shape (WITHOUT ROWID, the same keys and unique constraints), no fence reads.
 RAW_CLAIMS = """
 CREATE TABLE IF NOT EXISTS claims(
     session_id TEXT PRIMARY KEY, owner TEXT NOT NULL, fence INTEGER NOT NULL,
     expires_at INTEGER NOT NULL);
 CREATE INDEX IF NOT EXISTS claims_expires_at ON claims(expires_at);
+CREATE TABLE IF NOT EXISTS raw_session(
+    id TEXT PRIMARY KEY, time_created INTEGER NOT NULL, input_seq INTEGER NOT NULL
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS raw_input(
+    id TEXT PRIMARY KEY, session_id TEXT NOT NULL, seq INTEGER NOT NULL,
+    payload TEXT NOT NULL, time_created INTEGER NOT NULL, UNIQUE(session_id, seq)
+) WITHOUT ROWID;
 """
 
 
@@ -86,26 +97,97 @@ def library_schema(path: Path) -> None:
 
 
 def raw_cycles(conn: sqlite3.Connection, session_ids: Sequence[str]) -> float:
-    """The baseline's two write transactions per session; returns elapsed seconds."""
-    owner = "raw-owner"
+    """The like-for-like baseline, sequential; returns elapsed seconds."""
     started = time.perf_counter()
     for session_id in session_ids:
-        now = now_ms()
-        conn.execute("BEGIN IMMEDIATE")
-        fence = conn.execute(
-            "INSERT INTO claims(session_id, owner, fence, expires_at) VALUES (?, ?, 1, ?)"
-            " ON CONFLICT(session_id) DO UPDATE SET owner = excluded.owner,"
-            " fence = claims.fence + 1, expires_at = excluded.expires_at"
-            " WHERE claims.expires_at < ? RETURNING fence",
-            (session_id, owner, now + 30_000, now),
-        ).fetchone()[0]
+        raw_release(conn, session_id, raw_submit(conn, session_id))
+    return time.perf_counter() - started
+
+
+def raw_light_cycles(conn: sqlite3.Connection, session_ids: Sequence[str]) -> float:
+    """The earlier, lighter baseline: only the claim and its removal (two transactions)."""
+    started = time.perf_counter()
+    for session_id in session_ids:
+        fence = _raw_claim(conn, session_id, now_ms())
         conn.execute("COMMIT")
+        raw_release(conn, session_id, fence)
+    return time.perf_counter() - started
+
+
+def raw_submit(conn: sqlite3.Connection, session_id: str) -> int:
+    """Transaction 1: the session row, the input and the claim; returns the claim's fence."""
+    now = now_ms()
+    conn.execute("BEGIN IMMEDIATE")
+    seq = conn.execute(
+        "INSERT INTO raw_session(id, time_created, input_seq) VALUES (?, ?, 1)"
+        " ON CONFLICT(id) DO UPDATE SET input_seq = raw_session.input_seq + 1"
+        " RETURNING input_seq",
+        (session_id, now),
+    ).fetchone()[0]
+    conn.execute(
+        "INSERT INTO raw_input(id, session_id, seq, payload, time_created) VALUES (?, ?, ?, ?, ?)",
+        (uuid.uuid4().hex, session_id, seq, PAYLOAD_JSON, now),
+    )
+    fence = _raw_claim(conn, session_id, now, begin=False)
+    conn.execute("COMMIT")
+    return fence
+
+
+def _raw_claim(conn: sqlite3.Connection, session_id: str, now: int, *, begin: bool = True) -> int:
+    if begin:
         conn.execute("BEGIN IMMEDIATE")
-        conn.execute(
-            "DELETE FROM claims WHERE session_id = ? AND owner = ? AND fence = ?",
-            (session_id, owner, fence),
-        )
-        conn.execute("COMMIT")
+    fence: int = conn.execute(
+        "INSERT INTO claims(session_id, owner, fence, expires_at) VALUES (?, ?, 1, ?)"
+        " ON CONFLICT(session_id) DO UPDATE SET owner = excluded.owner,"
+        " fence = claims.fence + 1, expires_at = excluded.expires_at"
+        " WHERE claims.expires_at < ? RETURNING fence",
+        (session_id, RAW_OWNER, now + 30_000, now),
+    ).fetchone()[0]
+    return fence
+
+
+def raw_release(conn: sqlite3.Connection, session_id: str, fence: int) -> None:
+    """Transaction 2: the claim's removal, fenced (the library's release of this cycle
+    writes no session row either: its resume count is already 0)."""
+    conn.execute("BEGIN IMMEDIATE")
+    conn.execute(
+        "DELETE FROM claims WHERE session_id = ? AND owner = ? AND fence = ?",
+        (session_id, RAW_OWNER, fence),
+    )
+    conn.execute("COMMIT")
+
+
+RAW_OWNER = "raw-owner"
+
+
+async def trio_floor_cycles(
+    conn: sqlite3.Connection, session_ids: Sequence[str], *, in_flight: bool
+) -> float:
+    """The trio floor (DESIGN §7): the like-for-like raw SQL driven from trio as a library
+    must drive it - the caller's transaction, one task per busy period (a no-op drain: one
+    checkpoint, then the release transaction), an Event back to the waiting caller - and
+    nothing else (no registry, lease, watcher or group commit). No trio library beats it.
+    `in_flight`: every session's caller at once, else one after another."""
+
+    async def busy_period(session_id: str, fence: int, done: trio.Event) -> None:
+        with trio.CancelScope():
+            await trio.lowlevel.checkpoint()  # the no-op drain
+        raw_release(conn, session_id, fence)
+        done.set()
+
+    async def cycle(nursery: trio.Nursery, session_id: str) -> None:
+        fence = raw_submit(conn, session_id)
+        done = trio.Event()
+        nursery.start_soon(busy_period, session_id, fence, done)
+        await done.wait()
+
+    started = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for session_id in session_ids:
+            if in_flight:
+                nursery.start_soon(cycle, nursery, session_id)
+            else:
+                await cycle(nursery, session_id)
     return time.perf_counter() - started
 
 

@@ -31,7 +31,17 @@ write `_store.submit(...)` whatever module the operation lives in.
 
 from __future__ import annotations
 
-from .changes import Changes, Snapshot, changes, watched_messages
+from .changes import (
+    REPLAY_CHUNK,
+    Changes,
+    Followed,
+    Snapshot,
+    Watched,
+    changes,
+    newest_message,
+    watched_changes,
+    watched_messages,
+)
 from .claims import (
     Acquired,
     acquire,
@@ -89,6 +99,7 @@ from .recovery import (
     take_recovery_leases,
 )
 from .transcript import (
+    TAKE_INPUTS_CHUNK,
     append_assistant_text,
     begin_assistant,
     read_transcript,
@@ -99,12 +110,16 @@ from .transcript import (
 __all__ = [
     "CLAIM_FENCE",
     "RECOVERY_FENCE",
+    "REPLAY_CHUNK",
+    "TAKE_INPUTS_CHUNK",
     "Acquired",
     "Candidate",
     "Changes",
     "Due",
+    "Followed",
     "Recovered",
     "Snapshot",
+    "Watched",
     "_recovery_facts",
     "_take_over",
     "acquire",
@@ -128,6 +143,7 @@ __all__ = [
     "lift_quarantine",
     "mark_cancelling",
     "new_id",
+    "newest_message",
     "next_due",
     "pause",
     "promote_due",
@@ -156,5 +172,6 @@ __all__ = [
     "update_assistant",
     "wake",
     "wake_and_acquire",
+    "watched_changes",
     "watched_messages",
 ]

@@ -4,26 +4,68 @@ Invariants kept here:
 * these operations only read;
 * a watched message's snapshot carries its version (the newest of its row's and its
   deltas') and the complete message, its streamed text merged; a message whose version
-  is not newer than the one the watcher saw is not read.
+  is not newer than the one the watcher saw is not read;
+* work per look is proportional to the change, never to a watched transcript (DESIGN
+  §6.26): a look reads a watched session's messages past the newest seq it already covered
+  and the messages it follows because they may still change (`finished = 0`) - for one
+  whose row is unchanged, only the deltas streamed since. A finished message does not
+  change (`MessageFinished`), so it is never read again; a seq found reused (the session
+  was truncated and grew again) is the one case that reads the session's versions whole;
+* the history a new watcher replays is read in bounded chunks, each its own short read.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
 
+from .. import _codec, _transcript
 from .._backend import Tx
 from .._errors import MalformedRecord
-from .._model import Message
-from .common import _IN_CHUNK, _in_list
+from .._model import AssistantData, Message
+from .common import _IN_CHUNK, _chunks, _in_list
 from .control import next_due
 from .recovery import _unclaimed_doorbells
 from .transcript import _decode_message, _streamed_texts
 
-# (session id, message id, seq, the message or why it does not decode, version)
-Snapshot = tuple[str, str, int, Message | MalformedRecord, int]
+
+@attrs.frozen
+class Snapshot:
+    """One message as stored at `version`, for watchers."""
+
+    session_id: str
+    message_id: str
+    seq: int
+    message: Message | MalformedRecord
+    version: int  # the newest of the row's and its deltas' versions: orders snapshots
+    # The row's own version when `message` was read from the store: deltas above it extend
+    # `message` without reading the row again. None when not known (a local write).
+    row_version: int | None
+    open: bool  # `finished = 0`: it may still change, so a look follows it by id
+
+
+@attrs.frozen
+class Followed:
+    """What the watchers of one session were offered so far (the runtime's `WatchHub`)."""
+
+    high_seq: int  # every message up to this seq is covered; newer ones are looked for
+    high_id: str | None  # the message at `high_seq` (None: none yet), to notice a reused seq
+    open: Mapping[str, Snapshot]  # messages that may still change, newest snapshot offered
+    known: Mapping[str, int]  # every offered message's newest version (reused seq only)
+
+
+@attrs.frozen
+class Watched:
+    """What a look found for watched sessions."""
+
+    messages: list[Snapshot]
+    heads: dict[str, tuple[int, str | None]]  # per session: its new (high_seq, high_id)
+    gone: list[str]  # followed open messages that no longer exist
+
+
+NO_CHANGE = Watched([], {}, [])
 
 
 @attrs.frozen
@@ -32,7 +74,7 @@ class Changes:
 
     doorbells: list[str]  # unclaimed sessions with a set doorbell, oldest first
     cancelling: list[str]  # execution ids of our claims another process marked cancelling
-    messages: list[Snapshot]  # of watched sessions only
+    watched: Watched  # of watched sessions only
     # Our claims whose row is gone (their session deleted by another process); looked up
     # only while we hold at most `_IN_CHUNK` claims (else the heartbeat finds them).
     gone: list[str] = attrs.Factory(list)
@@ -45,12 +87,12 @@ def changes(
     local_sessions: Sequence[str],
     owned_executions: Sequence[str],
     doorbell_limit: int,
-    watched: dict[str, dict[str, int]],
+    watched: Mapping[str, Followed],
 ) -> Changes:
     """Read what the change signal points at: doorbells this runtime may take, cancellations
-    of its claims (`owned_executions`) and those of them that are gone, messages of watched
-    sessions whose version is newer than the one given (`watched[session][message_id]`;
-    absent = never seen), and when the earliest scheduled input falls due."""
+    of its claims (`owned_executions`) and those of them that are gone, what changed in
+    watched sessions since what their watchers were offered (`watched_changes`), and when
+    the earliest scheduled input falls due."""
     doorbells = _unclaimed_doorbells(tx, local_sessions, doorbell_limit) if doorbell_limit else []
     rows: list[Any] = []  # no claim of ours: none to be cancelled
     gone: list[str] = []
@@ -71,56 +113,220 @@ def changes(
             (owner_id,),
         ).fetchall()
     cancelling = [str(row[0]) for row in rows]
-    messages = [
-        snapshot
-        for session_id, seen in watched.items()
-        for snapshot in _message_snapshots(
-            tx, "session_id = :session", {"session": session_id}, seen
-        )
-    ]
-    return Changes(doorbells, cancelling, messages, gone, next_due(tx))
-
-
-def watched_messages(tx: Tx, session_id: str, after_seq: int) -> list[Snapshot]:
-    """Every stored message of the session with `seq > after_seq`, in seq order."""
-    return _message_snapshots(
-        tx, "session_id = :session AND seq > :after", {"session": session_id, "after": after_seq}
+    return Changes(
+        doorbells,
+        cancelling,
+        watched_changes(tx, watched) if watched else NO_CHANGE,
+        gone,
+        next_due(tx),
     )
 
 
+def watched_changes(tx: Tx, watched: Mapping[str, Followed]) -> Watched:
+    """What changed in watched sessions beyond what their watchers were offered: messages
+    past each session's covered seq, and followed open messages whose version grew (for
+    one whose row is unchanged, only the deltas streamed since are read)."""
+    found = Watched([], {}, [])
+    sessions = list(watched)
+    for start in range(0, len(sessions), _IN_CHUNK // 2):
+        _new_messages(tx, {s: watched[s] for s in sessions[start : start + _IN_CHUNK // 2]}, found)
+    open_ids = [message_id for followed in watched.values() for message_id in followed.open]
+    step = _IN_CHUNK // 2  # the deltas' statement takes two parameters per message
+    for chunk in (open_ids[start : start + step] for start in range(0, len(open_ids), step)):
+        rows = tx.execute(
+            f"SELECT m.id, m.session_id, m.version, {_VERSION}, m.finished"
+            f" FROM session_message m WHERE m.id IN {_in_list(chunk)}",
+            tuple(chunk),
+        ).fetchall()
+        present = {str(row[0]) for row in rows}
+        found.gone.extend(message_id for message_id in chunk if message_id not in present)
+        grown: list[tuple[Snapshot, int, bool]] = []  # only deltas were added
+        for message_id, session_id, row_version, version, finished in rows:
+            held = watched[str(session_id)].open[str(message_id)]
+            if int(version) <= held.version:
+                continue
+            if held.row_version == int(row_version) and _extensible(held):
+                grown.append((held, int(version), not finished))
+            else:
+                found.messages.append(_snapshot(tx, str(message_id)))
+        found.messages.extend(_extended(tx, grown))
+    return found
+
+
+def _new_messages(tx: Tx, watched: Mapping[str, Followed], found: Watched) -> None:
+    """Messages of each session from its covered seq on, the covered one included to see
+    it is still the same message: one statement for many sessions, each term one seek of
+    the `(session_id, seq)` index (both dialects plan an OR of index ranges)."""
+    terms = " OR ".join(["(m.session_id = ? AND m.seq >= ?)"] * len(watched))
+    rows = tx.execute(
+        f"SELECT m.session_id, m.id, m.seq, {_VERSION} FROM session_message m WHERE {terms}"
+        " ORDER BY m.session_id, m.seq",
+        tuple(value for session_id, f in watched.items() for value in (session_id, f.high_seq)),
+    ).fetchall()
+    by_session: dict[str, list[Any]] = {}
+    for session_id, *row in rows:
+        by_session.setdefault(str(session_id), []).append(row)
+    for session_id, followed in watched.items():
+        _session_news(tx, session_id, followed, by_session.get(session_id, []), found)
+
+
+def _session_news(
+    tx: Tx, session_id: str, followed: Followed, rows: list[Any], found: Watched
+) -> None:
+    """One session's rows from its covered seq on, (id, seq, version) in seq order."""
+    if followed.high_id is not None:
+        if not rows or (rows[0][0], rows[0][1]) != (followed.high_id, followed.high_seq):
+            # Truncated (and maybe grown again): seqs up to the old head may name new
+            # messages. Rare (an operator's or a user's edit), so the versions are read whole.
+            found.messages.extend(
+                _message_snapshots(
+                    tx, "session_id = :session", {"session": session_id}, followed.known
+                )
+            )
+            found.heads[session_id] = _newest(tx, session_id)
+            return
+        rows = rows[1:]
+    for message_id, _seq, version in rows:
+        held = followed.open.get(message_id)
+        seen = held.version if held is not None else followed.known.get(message_id, -1)
+        if int(version) > seen:
+            found.messages.append(_snapshot(tx, str(message_id)))
+    if rows:
+        found.heads[session_id] = (int(rows[-1][1]), str(rows[-1][0]))
+
+
+def _extensible(held: Snapshot) -> bool:
+    """Whether deltas can extend the held snapshot (a decoded assistant message)."""
+    return isinstance(held.message, Message) and isinstance(held.message.data, AssistantData)
+
+
+def _extended(tx: Tx, grown: Sequence[tuple[Snapshot, int, bool]]) -> list[Snapshot]:
+    """Each held snapshot (its row unchanged since it was read) with the deltas streamed
+    onto it since, read in one statement: one primary-key range per message."""
+    if not grown:
+        return []
+    terms = " OR ".join(["(message_id = ? AND version > ?)"] * len(grown))
+    texts: dict[str, list[Any]] = {}
+    for message_id, text in tx.execute(
+        f"SELECT message_id, text FROM session_message_delta WHERE {terms}"
+        " ORDER BY message_id, version",
+        tuple(value for held, _, _ in grown for value in (held.message_id, held.version)),
+    ).fetchall():
+        texts.setdefault(str(message_id), []).append(text)
+    snapshots = []
+    for held, version, still_open in grown:
+        message = held.message
+        assert isinstance(message, Message) and isinstance(message.data, AssistantData)
+        try:
+            streamed = _codec.decode_streamed(texts.get(held.message_id, []), key=held.message_id)
+        except MalformedRecord as exc:
+            snapshots.append(attrs.evolve(held, message=exc, version=version, open=still_open))
+            continue
+        data = _transcript.with_streamed(message.data, streamed)
+        snapshots.append(
+            attrs.evolve(
+                held, message=attrs.evolve(message, data=data), version=version, open=still_open
+            )
+        )
+    return snapshots
+
+
+def newest_message(tx: Tx, session_id: str) -> tuple[int, str | None]:
+    """The session's newest message as (seq, id); (0, None) when it has none."""
+    return _newest(tx, session_id)
+
+
+def _newest(tx: Tx, session_id: str) -> tuple[int, str | None]:
+    row = tx.one(
+        "SELECT seq, id FROM session_message WHERE session_id = ? ORDER BY seq DESC LIMIT 1",
+        (session_id,),
+    )
+    return (0, None) if row is None else (int(row[0]), str(row[1]))
+
+
+# A replay reads at most this many messages, or this many bytes of message data, per read:
+# each read is one short step on the event loop, whatever the transcript's length.
+REPLAY_CHUNK = 100
+REPLAY_CHUNK_BYTES = 1 << 20
+
+
+def watched_messages(
+    tx: Tx, session_id: str, after_seq: int, through_seq: int, limit: int = REPLAY_CHUNK
+) -> list[Snapshot]:
+    """The session's stored messages with `after_seq < seq <= through_seq`, in seq order,
+    at most `limit` of them and about `REPLAY_CHUNK_BYTES` of data (at least one): the
+    caller continues after the last seq returned."""
+    rows = tx.execute(
+        f"SELECT {_SNAPSHOT_COLUMNS}, length(m.data) FROM session_message m"
+        " WHERE m.session_id = ? AND m.seq > ? AND m.seq <= ? ORDER BY m.seq LIMIT ?",
+        (session_id, after_seq, through_seq, limit),
+    ).fetchall()
+    kept: list[Any] = []
+    size = 0
+    for row in rows:
+        size += int(row[-1] or 0)
+        if kept and size > REPLAY_CHUNK_BYTES:
+            break
+        kept.append(row[:-1])
+    streamed: dict[str, list[Any]] = {}
+    assistants = [str(row[1]) for row in kept if row[2] == "assistant"]
+    for chunk in _chunks(assistants):
+        for message_id, text in tx.execute(
+            f"SELECT message_id, text FROM session_message_delta WHERE message_id IN"
+            f" {_in_list(chunk)} ORDER BY message_id, version",
+            tuple(chunk),
+        ).fetchall():
+            streamed.setdefault(message_id, []).append(text)
+    return [_snapshot_of(row, streamed.get(row[1], [])) for row in kept]
+
+
 def _message_snapshots(
-    tx: Tx, where: str, params: dict[str, Any], seen: dict[str, int] | None = None
+    tx: Tx, where: str, params: dict[str, Any], seen: Mapping[str, int]
 ) -> list[Snapshot]:
     """Messages matching `where`, skipping those whose version is not newer than `seen`;
-    the data of a skipped message is never read. A message's version is the newest of its
-    row's and its streamed deltas'; its snapshot has the streamed text merged."""
-    stale = [
-        str(row[0])
+    the data of a skipped message is never read."""
+    return [
+        _snapshot(tx, str(row[0]))
         for row in tx.execute(
             f"SELECT m.id, {_VERSION} FROM session_message m WHERE {where} ORDER BY m.seq",
             params,
         ).fetchall()
-        if seen is None or seen.get(row[0], -1) < row[1]
+        if seen.get(row[0], -1) < row[1]
     ]
-    snapshots: list[Snapshot] = []
-    for message_id in stale:
-        session_id, *message, version = tx.one(
-            "SELECT m.session_id, m.id, m.role, m.seq, m.data, m.execution_id, m.input_id,"
-            f" {_VERSION} FROM session_message m WHERE m.id = ?",
-            (message_id,),
-        )
-        snapshot: Message | MalformedRecord
-        streamed = _streamed_texts(tx, message_id) if message[1] == "assistant" else []
-        try:
-            snapshot = _decode_message(session_id, message, streamed)
-        except MalformedRecord as exc:
-            snapshot = exc
-        snapshots.append((str(session_id), message_id, int(message[2]), snapshot, int(version)))
-    return snapshots
+
+
+def _snapshot(tx: Tx, message_id: str) -> Snapshot:
+    """One message read whole: its row and every delta streamed onto it since."""
+    row = tx.one(f"SELECT {_SNAPSHOT_COLUMNS} FROM session_message m WHERE m.id = ?", (message_id,))
+    return _snapshot_of(row, _streamed_texts(tx, message_id) if row[2] == "assistant" else [])
+
+
+def _snapshot_of(row: Sequence[Any], streamed: Sequence[Any]) -> Snapshot:
+    """A snapshot from a row of `_SNAPSHOT_COLUMNS` and the texts streamed onto it."""
+    session_id, *message, row_version, version, finished = row
+    snapshot: Message | MalformedRecord
+    try:
+        snapshot = _decode_message(session_id, message, streamed)
+    except MalformedRecord as exc:
+        snapshot = exc
+    return Snapshot(
+        str(session_id),
+        str(message[0]),
+        int(message[2]),
+        snapshot,
+        int(version),
+        int(row_version),
+        not finished,
+    )
 
 
 # A message's version as watchers order it (for `session_message m`).
 _VERSION = (
     "COALESCE((SELECT MAX(d.version) FROM session_message_delta d WHERE d.message_id = m.id),"
     " m.version)"
+)
+# A snapshot's row: the message row as `_decode_message` takes it, then its versions.
+_SNAPSHOT_COLUMNS = (
+    "m.session_id, m.id, m.role, m.seq, m.data, m.execution_id, m.input_id, m.version,"
+    f" {_VERSION}, m.finished"
 )

@@ -15,6 +15,7 @@ Invariants kept here:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,12 +23,28 @@ from .. import _codec, _transcript
 from .._backend import Tx
 from .._errors import LeaseLost, MalformedRecord
 from .._model import AssistantData, Input, Message
-from .common import DUE, _next_message_seq, _require_claim, _require_claim_session, new_id
+from .common import (
+    _IN_CHUNK,
+    DUE,
+    _next_message_seq,
+    _require_claim,
+    _require_claim_session,
+    _ring,
+    new_id,
+)
+
+# The most inputs one `take_inputs` takes unless told: one transaction of a few ms on the
+# event loop however large the backlog (DESIGN §6.26); a drain calls again for the rest.
+TAKE_INPUTS_CHUNK = 200
 
 
-def take_inputs(tx: Tx, session_id: str, execution_id: str, owner_id: str) -> list[Input]:
-    """Consume the due pending inputs in seq order, appending each as a user message (claim
-    fence). Scheduled inputs not yet due by the lease clock stay pending, unseen.
+def take_inputs(
+    tx: Tx, session_id: str, execution_id: str, owner_id: str, limit: int = TAKE_INPUTS_CHUNK
+) -> list[Input]:
+    """Consume the oldest `limit` due pending inputs in seq order, appending each as a user
+    message (claim fence). Scheduled inputs not yet due by the lease clock stay pending,
+    unseen. When more due ones are pending, the doorbell is rung, so the rest are taken by
+    a further call or by the busy period's next iteration - never stranded.
 
     An input whose payload does not decode to a JSON object never blocks the ones behind
     it: it moves to `session_input_rejected` (raw text and reason kept for the operator).
@@ -38,12 +55,16 @@ def take_inputs(tx: Tx, session_id: str, execution_id: str, owner_id: str) -> li
         return []
     tx.notify(session_id)
     due = {"session": session_id, "now": tx.now}
+    # One more than the chunk, to learn whether any are left without counting them.
     rows = tx.execute(
         f"SELECT id, seq, payload FROM session_input WHERE session_id = :session AND {DUE}"
-        " ORDER BY seq",
-        due,
+        " ORDER BY seq LIMIT :limit",
+        {**due, "limit": limit + 1},
     ).fetchall()
+    more = len(rows) > limit
+    rows = rows[:limit]
     taken = []
+    messages: list[tuple[Any, ...]] = []
     seq = _next_message_seq(tx, session_id)
     for input_id, input_seq, payload in rows:
         try:
@@ -56,13 +77,28 @@ def take_inputs(tx: Tx, session_id: str, execution_id: str, owner_id: str) -> li
             )
             continue
         taken.append(Input(input_id, decoded))
-        tx.execute(
-            "INSERT INTO session_message(id, session_id, execution_id, input_id, role, seq, data,"
-            " time_created, time_updated, finished) VALUES (?, ?, ?, ?, 'user', ?, ?, ?, ?, 1)",
-            (new_id(), session_id, execution_id, input_id, seq, payload, tx.now, tx.now),
+        messages.append(
+            (new_id(), session_id, execution_id, input_id, seq, payload, tx.now, tx.now)
         )
         seq += 1
-    tx.execute(f"DELETE FROM session_input WHERE session_id = :session AND {DUE}", due)
+    # A few multi-row statements for the whole chunk, not one per input.
+    per_statement = _IN_CHUNK // 8  # eight parameters per row
+    for start in range(0, len(messages), per_statement):
+        batch = messages[start : start + per_statement]
+        tx.execute(
+            "INSERT INTO session_message(id, session_id, execution_id, input_id, role, seq, data,"
+            " time_created, time_updated, finished) VALUES "
+            + ", ".join(["(?, ?, ?, ?, 'user', ?, ?, ?, ?, 1)"] * len(batch)),
+            tuple(itertools.chain.from_iterable(batch)),
+        )
+    if rows:
+        # Due ones only: a scheduled input among them stays for its time.
+        tx.execute(
+            f"DELETE FROM session_input WHERE session_id = :session AND seq <= :last AND {DUE}",
+            {**due, "last": rows[-1][1]},
+        )
+    if more:
+        _ring(tx, session_id)
     return taken
 
 
