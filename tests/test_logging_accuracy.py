@@ -188,7 +188,7 @@ async def test_a_heartbeat_racing_a_normal_release_is_not_a_lost_claim(
 
     async with runtime(store, drain, clock, **QUIET) as rt:
         inner = rt._db
-        rt._db = Intercepted(inner, {_store.finish_iteration: finish_then_heartbeat})  # type: ignore[assignment]
+        rt._db = Intercepted(inner, {_store.end_iteration: finish_then_heartbeat})  # type: ignore[assignment]
         await rt.submit("s", {"text": "hi"})
         outcome = await rt.run("s")
         rt._db = inner

@@ -207,7 +207,7 @@ async def test_upgrade_of_a_version_1_schema_adds_streaming(pg_url: str, pg_sche
     with opened(PostgresStore(pg_url, schema=pg_schema).engine()):
         pass
     assert location.rows("SELECT version FROM schema_version") == [(SCHEMA_VERSION,)]
-    assert SCHEMA_VERSION == 3  # 2: streaming; 3: owner liveness (`session_owner`)
+    assert SCHEMA_VERSION == 4  # 2: streaming; 3: owner liveness; 4: conversation control
     await check_pre_streaming_upgrade(location, PostgresStore(pg_url, schema=pg_schema))
 
 

@@ -47,6 +47,7 @@ PUBLIC = {
     "RuntimeStatistics",
     "SQLiteStore",
     "SchemaTooNew",
+    "SessionBusy",
     "Store",
     "StoreError",
     "TextPart",

@@ -15,6 +15,8 @@ Families (one module each):
 * `operator`: quarantine and rejected inputs, the CLI's status and health reads;
 * `changes`: what other processes changed (doorbells, cancellations, watched messages);
 * `liveness`: other owners' liveness tokens (free ones, forgetting gone owners).
+* `control`: conversation control - `on_busy`, scheduled inputs, cancel, pause and resume,
+  delete and purge, fork and truncate (DESIGN §5.1).
 
 Serialisation: every operation that reads and then writes a session's rows first takes
 `tx.lock_session(session_id)` - a no-op on SQLite (its write transaction holds the only
@@ -45,6 +47,7 @@ from .claims import (
     Acquired,
     acquire,
     cancel_held_claim,
+    end_iteration,
     expire_claims,
     finish_failed,
     finish_interrupted,
@@ -56,6 +59,21 @@ from .claims import (
     wake_and_acquire,
 )
 from .common import CLAIM_FENCE, RECOVERY_FENCE, new_id
+from .control import (
+    Due,
+    cancel_input,
+    delete_session,
+    fork,
+    next_due,
+    pause,
+    promote_due,
+    purge_batch,
+    resume,
+    submit_controlled,
+    submit_controlled_and_acquire,
+    submit_scheduled,
+    truncate,
+)
 from .inputs import submit, wake
 from .liveness import candidates_and_free_tokens, forget_gone_owners, free_tokens
 from .operator import (
@@ -99,6 +117,7 @@ __all__ = [
     "Acquired",
     "Candidate",
     "Changes",
+    "Due",
     "Followed",
     "Recovered",
     "Snapshot",
@@ -111,21 +130,29 @@ __all__ = [
     "apply_recovery_batch",
     "begin_assistant",
     "cancel_held_claim",
+    "cancel_input",
     "candidates_and_free_tokens",
     "changes",
+    "delete_session",
     "drop_quarantined",
     "drop_rejected_input",
+    "end_iteration",
     "expire_claims",
     "finish_failed",
     "finish_interrupted",
     "finish_iteration",
     "forget_gone_owners",
+    "fork",
     "free_tokens",
     "heartbeat",
     "lift_quarantine",
     "mark_cancelling",
     "new_id",
     "newest_message",
+    "next_due",
+    "pause",
+    "promote_due",
+    "purge_batch",
     "quarantine",
     "quarantine_report",
     "quarantined",
@@ -133,6 +160,7 @@ __all__ = [
     "recovery_candidates",
     "rejected_inputs",
     "request_cancel",
+    "resume",
     "session_count",
     "session_page",
     "session_status",
@@ -140,8 +168,12 @@ __all__ = [
     "store_counts",
     "submit",
     "submit_and_acquire",
+    "submit_controlled",
+    "submit_controlled_and_acquire",
+    "submit_scheduled",
     "take_inputs",
     "take_recovery_leases",
+    "truncate",
     "update_assistant",
     "wake",
     "wake_and_acquire",

@@ -26,6 +26,7 @@ from .._backend import Tx
 from .._errors import MalformedRecord
 from .._model import AssistantData, Message
 from .common import _IN_CHUNK, _chunks, _in_list
+from .control import next_due
 from .recovery import _unclaimed_doorbells
 from .transcript import _decode_message, _streamed_texts
 
@@ -74,6 +75,10 @@ class Changes:
     doorbells: list[str]  # unclaimed sessions with a set doorbell, oldest first
     cancelling: list[str]  # execution ids of our claims another process marked cancelling
     watched: Watched  # of watched sessions only
+    # Our claims whose row is gone (their session deleted by another process); looked up
+    # only while we hold at most `_IN_CHUNK` claims (else the heartbeat finds them).
+    gone: list[str] = attrs.Factory(list)
+    next_due_ms: int | None = None  # when the earliest scheduled input falls due
 
 
 def changes(
@@ -85,17 +90,22 @@ def changes(
     watched: Mapping[str, Followed],
 ) -> Changes:
     """Read what the change signal points at: doorbells this runtime may take, cancellations
-    of its claims (`owned_executions`), and what changed in watched sessions since what
-    their watchers were offered (`watched_changes`)."""
+    of its claims (`owned_executions`) and those of them that are gone, what changed in
+    watched sessions since what their watchers were offered (`watched_changes`), and when
+    the earliest scheduled input falls due."""
     doorbells = _unclaimed_doorbells(tx, local_sessions, doorbell_limit) if doorbell_limit else []
     rows: list[Any] = []  # no claim of ours: none to be cancelled
+    gone: list[str] = []
     if 0 < len(owned_executions) <= _IN_CHUNK:
         # A few claims of ours: looked up by key, no scan of every owner's claims.
-        rows = tx.execute(
-            f"SELECT id FROM session_execution WHERE id IN {_in_list(owned_executions)}"
-            " AND owner_id = ? AND phase = 'cancelling'",
+        found = tx.execute(
+            f"SELECT id, phase FROM session_execution WHERE id IN {_in_list(owned_executions)}"
+            " AND owner_id = ?",
             (*owned_executions, owner_id),
         ).fetchall()
+        rows = [row for row in found if row[1] == "cancelling"]
+        present = {str(row[0]) for row in found}
+        gone = [e for e in owned_executions if e not in present]
     elif owned_executions:
         # Many: one scan costs less than as many lookups.
         rows = tx.execute(
@@ -103,7 +113,13 @@ def changes(
             (owner_id,),
         ).fetchall()
     cancelling = [str(row[0]) for row in rows]
-    return Changes(doorbells, cancelling, watched_changes(tx, watched) if watched else NO_CHANGE)
+    return Changes(
+        doorbells,
+        cancelling,
+        watched_changes(tx, watched) if watched else NO_CHANGE,
+        gone,
+        next_due(tx),
+    )
 
 
 def watched_changes(tx: Tx, watched: Mapping[str, Followed]) -> Watched:

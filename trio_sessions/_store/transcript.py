@@ -23,7 +23,15 @@ from .. import _codec, _transcript
 from .._backend import Tx
 from .._errors import LeaseLost, MalformedRecord
 from .._model import AssistantData, Input, Message
-from .common import _IN_CHUNK, _next_message_seq, _require_claim, _ring, new_id
+from .common import (
+    _IN_CHUNK,
+    DUE,
+    _next_message_seq,
+    _require_claim,
+    _require_claim_session,
+    _ring,
+    new_id,
+)
 
 # The most inputs one `take_inputs` takes unless told: one transaction of a few ms on the
 # event loop however large the backlog (DESIGN §6.26); a drain calls again for the rest.
@@ -33,19 +41,25 @@ TAKE_INPUTS_CHUNK = 200
 def take_inputs(
     tx: Tx, session_id: str, execution_id: str, owner_id: str, limit: int = TAKE_INPUTS_CHUNK
 ) -> list[Input]:
-    """Consume the oldest `limit` pending inputs in seq order, appending each as a user
-    message (claim fence). When more are pending, the doorbell is rung, so the rest are
-    taken by a further call or by the busy period's next iteration - never stranded.
+    """Consume the oldest `limit` due pending inputs in seq order, appending each as a user
+    message (claim fence). Scheduled inputs not yet due by the lease clock stay pending,
+    unseen. When more due ones are pending, the doorbell is rung, so the rest are taken by
+    a further call or by the busy period's next iteration - never stranded.
 
     An input whose payload does not decode to a JSON object never blocks the ones behind
     it: it moves to `session_input_rejected` (raw text and reason kept for the operator).
+    A claim marked cancelling takes nothing: its drain is being interrupted, and the
+    inputs are left for the successor its cleanup rings for (DESIGN §5.1, on_busy).
     """
-    _require_claim(tx, session_id, execution_id, owner_id)
+    if _require_claim_session(tx, session_id, execution_id, owner_id).phase == "cancelling":
+        return []
     tx.notify(session_id)
+    due = {"session": session_id, "now": tx.now}
     # One more than the chunk, to learn whether any are left without counting them.
     rows = tx.execute(
-        "SELECT id, seq, payload FROM session_input WHERE session_id = ? ORDER BY seq LIMIT ?",
-        (session_id, limit + 1),
+        f"SELECT id, seq, payload FROM session_input WHERE session_id = :session AND {DUE}"
+        " ORDER BY seq LIMIT :limit",
+        {**due, "limit": limit + 1},
     ).fetchall()
     more = len(rows) > limit
     rows = rows[:limit]
@@ -78,9 +92,10 @@ def take_inputs(
             tuple(itertools.chain.from_iterable(batch)),
         )
     if rows:
+        # Due ones only: a scheduled input among them stays for its time.
         tx.execute(
-            "DELETE FROM session_input WHERE session_id = ? AND seq <= ?",
-            (session_id, rows[-1][1]),
+            f"DELETE FROM session_input WHERE session_id = :session AND seq <= :last AND {DUE}",
+            {**due, "last": rows[-1][1]},
         )
     if more:
         _ring(tx, session_id)
