@@ -26,7 +26,7 @@ from typing import Any, Literal, NoReturn, TypeVar
 import attrs
 import trio
 
-from . import _codec, _observe, _store, _transcript
+from . import _codec, _observe, _store, _store_stream, _transcript
 from ._backend import Executor, StoreBackend
 from ._coordinator import Execution, SessionEntry
 from ._decisions import AcquireVerdict, RecoveryDecision
@@ -40,10 +40,12 @@ from ._model import (
     Outcome,
     RecoveryReport,
     RuntimeStatistics,
+    ToolPart,
 )
 from ._recovery import Recovery, report_of
 from ._signals import Watcher, WatchHub
 from ._sqlite import SQLiteStore
+from ._stream import EventStream, Offer, StreamHub, decode_cursor
 
 T = TypeVar("T")
 Drain = Callable[["DrainContext"], Awaitable[None]]
@@ -175,6 +177,7 @@ class Runtime:
         self._remote_signals = 0
         self._max_active = config.max_active
         self._watchers = WatchHub()
+        self._streams = StreamHub()
         # Set to look at the store now rather than at the next change signal.
         self._kick = trio.Event()
 
@@ -533,6 +536,7 @@ class Runtime:
         if ending is None:
             ending = _Ending("interrupted")
         outcome, successor_due = await self._finalize(entry, ending)
+        self._streams.touch(entry.session_id)  # open messages were closed by the store
         entry.current.resolve(outcome)
         return outcome, successor_due
 
@@ -610,6 +614,7 @@ class Runtime:
                 )
             except LeaseLost as exc:
                 return _Ending("failed", error=exc)
+            self._streams.touch(entry.session_id)  # messages left open were closed
             if not continued:
                 entry.disown()
                 if self._seams.after_finish is not None:
@@ -761,6 +766,7 @@ class Runtime:
                 self._remote_signals += 1
         for snapshot in changes.messages:
             self._watchers.publish(*snapshot)
+        await self._streams.look(self._db.read)
 
     @asynccontextmanager
     async def watch(self, session_id: str, *, after_seq: int = 0) -> AsyncIterator[Watcher]:
@@ -784,6 +790,34 @@ class Runtime:
             yield watcher
         finally:
             self._watchers.remove(watcher)
+
+    @asynccontextmanager
+    async def stream(
+        self, session_id: str, *, cursor: str | None = None
+    ) -> AsyncIterator[EventStream]:
+        """Follow a session's transcript as resumable events (`StreamEvent`, DESIGN §5.2).
+
+        With `cursor=None`: one `"message"` event per stored message, then an event for each
+        change, by this runtime or any other process on the store, until the block exits or
+        the runtime closes. With the `cursor` of an event a stream yielded (in any process):
+        exactly the events after that one - no gap, no duplicate - also after the message
+        finished (then one `"message"` event may stand for the deltas missed). Applying the
+        events in order reproduces `transcript()`. An `"append"` event carries only the
+        appended text; local writes arrive without a store round trip.
+
+        Writes nothing; costs no task and no polling of its own. Entering raises
+        `ValueError` for a malformed cursor or another session's, `TypeError`/`ValueError`
+        for a bad session id; iterating raises `MalformedRecord` for a row that does not
+        decode (this stream only) and `StoreError` when a read fails (iterate again to
+        retry). Cancelling the block simply leaves it.
+        """
+        validate_session_id(session_id)
+        position = _store_stream.Position() if cursor is None else decode_cursor(session_id, cursor)
+        events = self._streams.open(session_id, position, self._db.read)
+        try:
+            yield events
+        finally:
+            self._streams.remove(events)
 
     # -- recovery -----------------------------------------------------------------------------
 
@@ -829,6 +863,7 @@ class Runtime:
                 results = await self._recovery.apply([(c, e.execution_id) for c, e in entries])
                 for (candidate, entry), result in zip(entries, results, strict=True):
                     _observe.recovered(candidate, entry.execution_id, result, self._owner_id)
+                    self._streams.touch(candidate.session_id)
                     if result.decision is RecoveryDecision.RESUME and not result.fence_lost:
                         self._own(entry, attempt=result.attempt, resumed=True, sent_at=sent_at)
                         entry.keep_going()
@@ -945,7 +980,9 @@ class DrainContext:
         the inputs are taken (they are user messages now, found again by `transcript()`).
         """
         self._check_live()
-        return await self._runtime._db.run(_store.take_inputs, self.execution_id, self.owner_id)
+        taken = await self._runtime._db.run(_store.take_inputs, self.execution_id, self.owner_id)
+        self._runtime._streams.touch(self.session_id)  # new user messages: streams read them
+        return taken
 
     async def transcript(self) -> list[Message]:
         """The session's messages in seq order (`MalformedRecord` for a row that does not
@@ -967,11 +1004,13 @@ class DrainContext:
         """
         self._check_live()
         message_id = _store.new_id()
-        seq = await self._runtime._db.run(
-            _store.begin_assistant, self.execution_id, self.owner_id, message_id
-        )
+        with self._runtime._streams.writing(self.session_id):
+            seq = await self._runtime._db.run(
+                _store.begin_assistant, self.execution_id, self.owner_id, message_id
+            )
         writer = AssistantWriter(self, message_id, seq)
         writer._publish(0)
+        writer._offer(0, "message", _transcript.EMPTY)
         return writer
 
 
@@ -1005,17 +1044,20 @@ class AssistantWriter:
             raise TypeError(f"text must be a str, got {type(text).__name__}")
         context = self._context
         context._check_live()
-        data, version = await context._runtime._db.run(
-            _store.append_assistant_text,
-            context.execution_id,
-            context.owner_id,
-            self.message_id,
-            text,
-        )
+        with context._runtime._streams.writing(context.session_id):
+            data, version = await context._runtime._db.run(
+                _store.append_assistant_text,
+                context.execution_id,
+                context.owner_id,
+                self.message_id,
+                text,
+            )
         if data is None:
             self._streamed.append(text)
+            self._offer(version, "append", text)
         else:
             self._data, self._streamed = data, []
+            self._offer(version, "message", data)
         self._publish(version)
 
     async def start_tool(self, call_id: str, name: str, input: dict[str, Any]) -> None:
@@ -1027,40 +1069,70 @@ class AssistantWriter:
             if not isinstance(value, str) or not value:
                 raise TypeError(f"{what} must be a non-empty str, got {value!r}")
         _codec.check_json_object(input, "tool input")
-        await self._update(lambda data: _transcript.start_tool(data, call_id, name, input))
+        await self._update(
+            lambda data: _transcript.start_tool(data, call_id, name, input), call_id=call_id
+        )
 
     async def settle_tool(self, call_id: str, output: Any) -> None:
         """Record a running tool call as `completed` with its JSON `output`."""
         _codec.check_json(output, "tool output")
-        await self._update(lambda data: _transcript.settle_tool(data, call_id, output=output))
+        await self._update(
+            lambda data: _transcript.settle_tool(data, call_id, output=output), call_id=call_id
+        )
 
     async def fail_tool(self, call_id: str, error: str) -> None:
         """Record a running tool call as `error` with the reason `error`."""
         if not isinstance(error, str):
             raise TypeError(f"error must be a str, got {type(error).__name__}")
-        await self._update(lambda data: _transcript.settle_tool(data, call_id, error=error))
+        await self._update(
+            lambda data: _transcript.settle_tool(data, call_id, error=error), call_id=call_id
+        )
 
     async def finish(self) -> None:
         """Finish the message normally; a tool call still running is failed, not left
         running forever. No further change is accepted."""
         await self._update(_transcript.finish)
 
-    async def _update(self, transition: Callable[[AssistantData], AssistantData]) -> None:
+    async def _update(
+        self, transition: Callable[[AssistantData], AssistantData], *, call_id: str | None = None
+    ) -> None:
+        """Apply a transition; `call_id` names the one tool part it changes (else: finish)."""
         context = self._context
         context._check_live()
+        # Finishing fails running tools too: then the stream gets the whole message.
+        fails_tools = bool(_transcript.unsettled_calls(self._data))
         try:
-            data, version = await context._runtime._db.run(
-                _store.update_assistant,
-                context.execution_id,
-                context.owner_id,
-                self.message_id,
-                transition,
-            )
+            with context._runtime._streams.writing(context.session_id):
+                data, version = await context._runtime._db.run(
+                    _store.update_assistant,
+                    context.execution_id,
+                    context.owner_id,
+                    self.message_id,
+                    transition,
+                )
         except (DuplicateSettlement, UnknownToolCall) as exc:
             context._defect = context._defect or exc
             raise
         self._data, self._streamed = data, []
+        if call_id is not None:
+            part = next(p for p in data.parts if isinstance(p, ToolPart) and p.call_id == call_id)
+            self._offer(version, "part", part)
+        elif fails_tools:
+            self._offer(version, "message", data)
+        else:
+            self._offer(version, "finish", {"error": data.error})
         self._publish(version)
+
+    def _offer(
+        self, version: int, kind: Literal["message", "append", "part", "finish"], data: Any
+    ) -> None:
+        """Local streams get the change now, as the event it makes (no store round trip)."""
+        context = self._context
+        streams = context._runtime._streams
+        if streams.watching(context.session_id):
+            is_open = not (isinstance(data, AssistantData) and data.finished) and kind != "finish"
+            offer = Offer(self.message_id, self._seq, version, kind, data, is_open)
+            streams.offer(context.session_id, offer)
 
     def _publish(self, version: int) -> None:
         """Local watchers get the snapshot now, with no store round trip."""
@@ -1237,6 +1309,7 @@ async def _open_runtime(
             yield runtime
         finally:
             runtime._watchers.close()
+            runtime._streams.close()
             if not runtime._crashed:
                 with trio.move_on_after(SHUTDOWN_GRACE, shield=True):
                     await runtime._shutdown()
