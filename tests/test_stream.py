@@ -4,6 +4,9 @@ it - no gap, no duplicate - in this process or another, also after the message f
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -11,7 +14,9 @@ import attrs
 import pytest
 import trio
 import trio.testing
-from helpers import runtime
+from helpers import VIRTUAL_TIME_LIMIT, runtime
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from trio.testing import MockClock
 
 import trio_sessions
@@ -22,6 +27,7 @@ from trio_sessions import (
     StreamEvent,
     TextPart,
     ToolPart,
+    testing,
 )
 
 Clock = Callable[[], float]
@@ -269,7 +275,7 @@ async def test_a_malformed_cursor_or_another_sessions_raises_value_error(
             good + "," * 3,
         ]
         for cursor in bad:
-            with pytest.raises(ValueError):
+            with pytest.raises(ValueError, match="malformed stream cursor"):
                 async with rt.stream("s", cursor=cursor):
                     pytest.fail(f"entered with {cursor!r}")
         with pytest.raises(ValueError, match="another session"):
@@ -279,3 +285,196 @@ async def test_a_malformed_cursor_or_another_sessions_raises_value_error(
             async with rt.stream("s", cursor=b"1."):  # type: ignore[arg-type]
                 pytest.fail("entered with bytes")
         assert await caught_up(rt, "s", cursor=good) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# The property: over random histories, every stream's events reproduce transcript()
+
+# Histories checked per test run, per backend (several per example; the soak runs more:
+# TRIO_SESSIONS_STREAM_EXAMPLES). PostgreSQL pays a round trip per statement: fewer there.
+EXAMPLES = int(os.environ.get("TRIO_SESSIONS_STREAM_EXAMPLES", "0")) or None
+
+Op = tuple[Any, ...]
+_text = st.text(alphabet="ab \n✓", max_size=4)
+_op = st.one_of(
+    st.just(("submit",)),
+    st.just(("take",)),
+    st.just(("begin",)),
+    st.tuples(st.just("append"), st.integers(0, 3), _text),
+    st.tuples(st.just("append"), st.integers(0, 3), _text),
+    st.tuples(st.just("start"), st.integers(0, 3)),
+    st.tuples(st.just("settle"), st.integers(0, 3), st.integers(0, 3)),
+    st.tuples(st.just("fail"), st.integers(0, 3), st.integers(0, 3)),
+    st.tuples(st.just("finish"), st.integers(0, 3)),
+    st.just(("catch_up",)),
+    st.tuples(st.just("resume"), st.integers(0, 3)),
+)
+
+
+@attrs.frozen
+class History:
+    """A drain's writes (ops), how it ends, and how far behind a consumer may fall."""
+
+    ops: list[Op]
+    ending: str
+    max_pending: int
+
+
+_history = st.builds(
+    History,
+    ops=st.lists(_op, max_size=24),
+    ending=st.sampled_from(["return", "raise", "interrupt"]),
+    max_pending=st.sampled_from([1, 3, 1_000]),
+)
+
+
+@attrs.define
+class Consumer:
+    """A client following a stream: what it holds and the cursors it was given."""
+
+    view: View
+    seen: list[tuple[str, View]] = attrs.Factory(list)
+
+
+@attrs.define
+class Player:
+    """Plays one history on its own session of a shared runtime (the drain dispatches by
+    session), with live consumers, some resumed mid-way from another's cursor."""
+
+    session_id: str
+    history: History
+    nursery: trio.Nursery
+    rt: Runtime | None = None
+    consumers: list[Consumer] = attrs.Factory(list)
+    writers: list[trio_sessions.AssistantWriter] = attrs.Factory(list)
+    tools: dict[int, list[str]] = attrs.Factory(dict)
+    calls: int = 0
+
+    async def consume(self, cursor: str | None, view: View) -> None:
+        assert self.rt is not None
+        consumer = Consumer(dict(view))
+        self.consumers.append(consumer)
+        async with self.rt.stream(self.session_id, cursor=cursor) as events:
+            async for event in events:
+                apply(consumer.view, event)
+                consumer.seen.append((event.cursor, dict(consumer.view)))
+
+    async def drain(self, ctx: DrainContext) -> None:
+        assert self.rt is not None
+        self.calls += 1
+        if self.calls > 1:  # woken again by its own submits: take them, nothing more
+            await ctx.take_inputs()
+            return
+        for op in self.history.ops:
+            await self.step(ctx, op)
+        if self.history.ending == "raise":
+            raise RuntimeError("the drain failed")
+        if self.history.ending == "interrupt":
+            await self.rt.interrupt(self.session_id)
+            await trio.sleep_forever()
+
+    async def step(self, ctx: DrainContext, op: Op) -> None:
+        assert self.rt is not None
+        kind, writers = op[0], self.writers
+        if len(op) > 1 and not writers and kind != "resume":
+            writers.append(await ctx.begin_assistant())  # writer ops need a message
+        writer = writers[op[1] % len(writers)] if len(op) > 1 and writers else None
+        running = self.tools.get(id(writer), [])
+        if kind == "submit":
+            await self.rt.submit(self.session_id, {"n": len(self.consumers)})
+        elif kind == "take":
+            await ctx.take_inputs()
+        elif kind == "begin":
+            writers.append(await ctx.begin_assistant())
+        elif kind == "catch_up":
+            await trio.testing.wait_all_tasks_blocked()
+        elif kind == "resume":
+            source = self.consumers[op[1] % len(self.consumers)]
+            cursor, view = source.seen[-1] if source.seen else (None, {})
+            self.nursery.start_soon(self.consume, cursor, view)
+        elif writer is None:
+            return
+        else:
+            with contextlib.suppress(trio_sessions.MessageFinished):
+                if kind == "append":
+                    await writer.append_text(op[2])
+                elif kind == "start":
+                    call_id = f"c{sum(map(len, self.tools.values()))}"
+                    await writer.start_tool(call_id, "tool", {"n": 1})
+                    self.tools.setdefault(id(writer), []).append(call_id)
+                elif kind in ("settle", "fail") and running:
+                    call_id = running.pop(op[2] % len(running))
+                    if kind == "settle":
+                        await writer.settle_tool(call_id, {"out": op[2]})
+                    else:
+                        await writer.fail_tool(call_id, "broken")
+                elif kind == "finish":
+                    await writer.finish()
+
+    async def check(self) -> None:
+        """Every consumer holds transcript(); a resume from any cursor one saw brings that
+        client's copy to transcript()."""
+        assert self.rt is not None
+        final = await stored(self.rt, self.session_id)
+        for consumer in self.consumers:
+            assert consumer.view == final
+        for consumer in self.consumers:
+            for cursor, view in consumer.seen:
+                resumed = await caught_up(self.rt, self.session_id, cursor=cursor)
+                assert applied(resumed, view) == final
+
+
+async def play(store: Any, histories: list[tuple[str, History]]) -> None:
+    """Play the histories one after another on one runtime, then check each."""
+    limit = trio_sessions._stream.MAX_PENDING_OFFERS
+    players: dict[str, Player] = {}
+
+    async def drain(ctx: DrainContext) -> None:
+        await players[ctx.session_id].drain(ctx)
+
+    try:
+        async with (
+            trio.open_nursery() as nursery,
+            trio_sessions.open_runtime(store, drain, clock=testing.trio_clock()) as rt,
+        ):
+            for session_id, history in histories:
+                player = players[session_id] = Player(session_id, history, nursery, rt)
+                trio_sessions._stream.MAX_PENDING_OFFERS = history.max_pending
+                nursery.start_soon(player.consume, None, {})
+                await trio.testing.wait_all_tasks_blocked()
+                await rt.submit(session_id, {"n": 0})
+                await rt.wait_idle(session_id)
+                await trio.testing.wait_all_tasks_blocked()
+                await player.check()
+            nursery.cancel_scope.cancel()
+    finally:
+        trio_sessions._stream.MAX_PENDING_OFFERS = limit
+
+
+@pytest.mark.slow
+def test_over_random_histories_every_stream_reproduces_the_transcript(
+    store: Any, backend: str
+) -> None:
+    """Random appends (empty ones too), tool starts, settlements and failures, finishes,
+    new messages, several open messages, drains that return, fail or are interrupted,
+    consumers that fall behind (offers dropped) and consumers resumed mid-way from another's
+    cursor: every consumer ends holding exactly transcript(), and a stream resumed from any
+    cursor any of them saw brings that client's copy to exactly transcript()."""
+    sessions = itertools.count()
+    examples = EXAMPLES or (500 if backend == "sqlite" else 25)
+
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+        database=None,
+    )
+    @given(st.lists(_history, min_size=1, max_size=6))
+    def check(histories: list[History]) -> None:
+        async def main() -> None:
+            with trio.fail_after(VIRTUAL_TIME_LIMIT):  # a hang fails the example
+                await play(store, [(f"h{next(sessions)}", history) for history in histories])
+
+        trio.run(main, clock=MockClock(autojump_threshold=0))
+
+    check()
