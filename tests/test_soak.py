@@ -40,8 +40,9 @@ def run_soak(
 
 @pytest.mark.slow
 def test_short_kill_soak_audit_is_clean(tmp_path: Path) -> None:
-    """Workers killed at random (also inside the claim handoff) lose no input, never overlap
-    on a session and leave no orphaned claim; the soak prints its figures last."""
+    """Workers killed at random (also inside the claim handoff) or restarted gracefully
+    (SIGTERM, successor at once, drains blocked in threads) lose no input, never overlap on a
+    session and leave no orphaned claim; the soak prints its figures last."""
     figures, stdout, output = run_soak(
         tmp_path,
         LAST_LINE,
@@ -53,8 +54,10 @@ def test_short_kill_soak_audit_is_clean(tmp_path: Path) -> None:
         "0.4",
         "1.5",
         "--handoff-ratio=0.5",
+        "--restart-ratio=0.5",
+        "--work-max=0.6",
         "--settle-timeout=12",
-        "--seed=8",
+        "--seed=3",
         "--model-steps=0",
     )
     assert (figures["lost"], figures["overlaps"], figures["orphaned"]) == (0, 0, 0), output
@@ -62,6 +65,8 @@ def test_short_kill_soak_audit_is_clean(tmp_path: Path) -> None:
     assert figures["inputs"] >= 100, output
     handoff = re.search(r"handoff_kills=(\d+)", stdout)
     assert handoff is not None and int(handoff.group(1)) >= 1, output
+    restarts = re.search(r"rolling_restarts=(\d+)", stdout)
+    assert restarts is not None and int(restarts.group(1)) >= 1, output
 
 
 PG_LAST_LINE = re.compile(
@@ -75,8 +80,9 @@ PG_LAST_LINE = re.compile(
 @pytest.mark.slow
 def test_short_postgres_soak_audit_is_clean(tmp_path: Path) -> None:
     """Hosts on PostgreSQL, each behind its own fault proxy, killed, paused and partitioned
-    past the lease, their connections killed (COMMITs included), clocks skewed by more than
-    a lease and the server restarted once: no input lost, no overlap, no orphan, no zombie
+    past the lease, restarted gracefully (SIGTERM, successor at once, drains blocked in
+    threads), their connections killed (COMMITs included), clocks skewed by more than a
+    lease and the server restarted once: no input lost, no overlap, no orphan, no zombie
     write; every fault kind was injected."""
     figures, stdout, output = run_soak(
         tmp_path,
@@ -103,5 +109,7 @@ def test_short_postgres_soak_audit_is_clean(tmp_path: Path) -> None:
     for fault in ("kills", "pauses", "partitions", "conn_kills"):
         assert figures[fault] >= 1, output
     assert figures["skew_ms"] > 1500, output  # more than a lease
+    restarts = re.search(r"rolling_restarts=(\d+)", stdout)
+    assert restarts is not None and int(restarts.group(1)) >= 1, output
     assert figures["inputs"] >= 50, output
     assert re.search(r" restarts=1 ", stdout) is not None, output

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -252,6 +253,49 @@ async def test_a_store_that_cannot_open_exits_1_and_logs_why(tmp_path: Path) -> 
     finally:
         await stop(worker)
     assert "worker failed: StoreError" in worker.output()
+
+
+def logged_time(log: str, line: str) -> float:
+    """The wall time a worker_drain line was printed at (the first such line)."""
+    match = re.search(re.escape(line) + r" at ([0-9.]+)", log)
+    assert match is not None, f"{line!r} not in:\n{log}"
+    return float(match.group(1))
+
+
+async def test_a_rolling_restart_never_runs_a_session_twice(db_path: Path, tmp_path: Path) -> None:
+    """SIGTERM while a drain is blocked in a thread, and a successor worker started at once
+    (a rolling restart): the successor resumes the session only after the old drain's
+    thread returned - never two drains of it at once - and the old worker exits 0."""
+    (old_dir := tmp_path / "old").mkdir()
+    (new_dir := tmp_path / "new").mkdir()
+    store = ("--store", str(db_path))
+    async with trio_sessions.open_runtime(db_path, None) as producer:
+        await producer.submit("slow", {"thread": 3.0}, input_id="in-slow")
+        old = await start_worker(old_dir, "worker_drain:reply", *store)
+        new = None
+        try:
+
+            async def in_thread() -> bool:
+                held = await producer.transcript("slow")
+                return len(held) == 2 and texts(held[1]) == [worker_drain.IN_THREAD]
+
+            await until(in_thread, "the drain blocked in its thread", old)
+            old.process.send_signal(signal.SIGTERM)
+            new = await start_worker(new_dir, "worker_drain:reply", *store)
+            assert await old.exit_status() == 0, old.output()
+            await new.until_logged("drain enter slow resumed=True")
+        finally:
+            await stop(old)
+            if new is not None:
+                await stop(new)
+        [_, answer] = await producer.transcript("slow")
+    thread_done = logged_time(old.output(), "thread done slow")
+    resumed_at = logged_time(new.output(), "drain enter slow resumed=True")
+    assert resumed_at > thread_done, (old.output(), new.output())
+    # Cancelled once its thread returned: the old drain wrote nothing more, and the open
+    # message was closed when the successor took the claim over.
+    assert texts(answer) == [worker_drain.IN_THREAD]
+    assert (answer.data.finished, answer.data.error) == (True, "interrupted: owner lost")
 
 
 # ---------------------------------------------------------------------------------------------

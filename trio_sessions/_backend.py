@@ -1,10 +1,11 @@
 """The seam between the runtime and a store backend: three small protocols and a job.
 
 The runtime knows nothing of drivers or dialects. It calls `Executor.run(op, *args)`, and a
-backend runs the synchronous operation `op(tx, *args)` (written once, in `_store.py`) inside
+backend runs the synchronous operation `op(tx, *args)` (written once, in `_store/`) inside
 one write transaction, off the event loop or inline, possibly grouped with other operations
 (group commit). A `StoreBackend` is the user-facing store object (`SQLiteStore`,
-`PostgresStore`) that opens an executor.
+`PostgresStore`) that opens an executor. An `Engine` (`open_engine`) runs the same operations
+synchronously, one transaction per call, outside any runtime: the CLI, the tools, the tests.
 
 Invariants every backend keeps:
 * an operation that has begun is never abandoned: a caller cancelled while its operation is
@@ -21,6 +22,7 @@ Invariants every backend keeps:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from typing import Any, Literal, Protocol, TypeVar, TypeVarTuple, Unpack
@@ -57,6 +59,12 @@ class Tx(Protocol):
     @property
     def now(self) -> int:
         """The lease clock (ms since the epoch), read once per operation after its locks."""
+        ...
+
+    @property
+    def dialect(self) -> BackendName:
+        """Which SQL the transaction speaks: a statement for one dialect only is chosen on
+        this, beside the shared form in the same `_store` module."""
         ...
 
     def execute(self, sql: str, params: Params = ()) -> Cursor: ...
@@ -155,6 +163,66 @@ class StoreBackend(Protocol):
         `clock=None` means the backend's own lease clock (wall clock on SQLite, the
         server's clock on PostgreSQL)."""
         ...
+
+
+class Engine(Protocol):
+    """A store opened synchronously, outside any runtime (CLI, soak, bench, tests): every
+    call runs one operation in its own transaction on the calling thread, with the same
+    fences, retries and errors an executor gives it."""
+
+    @property
+    def dialect(self) -> BackendName: ...
+
+    def run(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
+        """Run `op` in its own write transaction and commit; its error is raised with
+        nothing written."""
+        ...
+
+    def read(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
+        """Run a read-only `op` on one consistent snapshot, taking no write lock."""
+        ...
+
+    def schema_version(self) -> int:
+        """The store's schema version (0: not a store of ours)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+POSTGRES_SCHEMES = ("postgresql://", "postgres://")
+
+
+def is_postgres_url(store: object) -> bool:
+    return isinstance(store, str) and store.startswith(POSTGRES_SCHEMES)
+
+
+def open_engine(
+    store: str | os.PathLike[str],
+    *,
+    migrate: bool = True,
+    schema: str | None = None,
+    clock: Callable[[], float] | None = None,
+) -> Engine:
+    """Open `store` synchronously: a path is an SQLite file, a `postgresql://` URL a
+    PostgreSQL schema (`schema`, default `public`).
+
+    `migrate=True` creates the store if absent and brings its schema up to date, as
+    `open_runtime` does; `migrate=False` never writes the schema: SQLite refuses a missing
+    file or one that is not ours (`StoreError`), PostgreSQL connects as it is (read
+    `schema_version()`: 0 for a schema without our tables). `clock` is the lease clock
+    (SQLite: default the wall clock; PostgreSQL: default the server's).
+    """
+    if is_postgres_url(store):
+        from . import _postgres  # psycopg is an optional extra
+
+        return _postgres.open_engine(
+            str(store), schema=schema or "public", migrate=migrate, clock=clock
+        )
+    if schema is not None:
+        raise ValueError("schema= needs a postgresql:// URL as the store")
+    from . import _sqlite
+
+    return _sqlite.open_engine(store, migrate=migrate, clock=clock)
 
 
 def driver_error(exc: BaseException) -> StoreError:

@@ -14,7 +14,7 @@ Commands:
 Every listing takes `--json` (one JSON document on stdout).
 
 `DB` is an SQLite path or a `postgresql://` URL (with `--schema S`, default `public`);
-every command works on both (`Database` is the one seam): leases are read against the
+every command works on both (`_backend.Engine` is the one seam): leases are read against the
 SQLite host's clock, or the PostgreSQL server's.
 
 Invariants: a database is never created or migrated by accident - every command opens it
@@ -34,19 +34,13 @@ import json
 import os
 import sqlite3
 import sys
-import time
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol, TypeVar, TypeVarTuple, Unpack
-
-import attrs
+from collections.abc import Sequence
+from typing import Any
 
 from . import _backend, _sqlite, _store, _worker
-from ._backend import Tx
+from ._backend import POSTGRES_SCHEMES, Engine
 from ._errors import SchemaTooNew, StoreError
-from ._runtime import POSTGRES_SCHEMES, make_owner_id
-
-T = TypeVar("T")
-Ts = TypeVarTuple("Ts")
+from ._runtime import make_owner_id
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # the database was refused or the command could not be carried out
@@ -56,172 +50,31 @@ EXIT_FAILED = 1  # the database was refused or the command could not be carried 
 # Reading
 
 
-def now_ms() -> int:
-    return _backend.now_ms(time.time)
-
-
-class Database(Protocol):
-    """An existing store opened for the operator: SQLite or PostgreSQL, never migrated."""
-
-    name: str  # for messages (a URL's password masked)
-    expected_version: int  # the schema version this library writes
-
-    def schema_version(self) -> int: ...
-
-    def read(self, op: Callable[[Tx], T]) -> T:
-        """Run `op` on one consistent read snapshot, taking no write lock."""
-        ...
-
-    def write(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
-        """Run the store operation `op` in one write transaction."""
-        ...
-
-    def has_rejected_inputs(self) -> bool: ...
-
-    def close(self) -> None: ...
-
-
-@attrs.define
-class SQLiteDatabase:
-    """An SQLite file; leases are read against this host's wall clock."""
-
-    conn: sqlite3.Connection
-    name: str
-    expected_version: int = _sqlite.SCHEMA_VERSION
-
-    def schema_version(self) -> int:
-        return _sqlite.schema_version(self.conn)
-
-    def read(self, op: Callable[[Tx], T]) -> T:
-        return read_snapshot(self.conn, op)
-
-    def write(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
-        return _sqlite.run_op(self.conn, time.time, op, *args)
-
-    def has_rejected_inputs(self) -> bool:
-        return self.schema_version() >= REJECTED_INPUTS_SINCE
-
-    def close(self) -> None:
-        self.conn.close()
-
-
-@attrs.define
-class PgDatabase:
-    """A PostgreSQL schema; leases are read against the server's clock.
-
-    Its engine's connection is opened without `PgEngine.open()`, which would migrate; a
-    broken connection is re-opened the same way (`PgEngine` reconnects with `connect`).
-    psycopg is an optional extra, so `_postgres` is imported only when a URL is given.
-    """
-
-    engine: Any  # _postgres.PgEngine
-    name: str
-    schema: str
-    expected_version: int
-
-    @classmethod
-    def connect(cls, url: str, schema: str) -> PgDatabase:
-        _postgres = _postgres_module()
-        engine = _postgres.PgEngine(url, schema, None)
-        engine.conn = _postgres.connect(url, schema)
-        return cls(engine, _worker.redact(url), schema, _postgres.SCHEMA_VERSION)
-
-    def schema_version(self) -> int:
-        import psycopg
-
-        from . import _postgres
-
-        try:
-            return _postgres.schema_version(self.engine.conn)
-        except psycopg.Error as exc:
-            raise _backend.driver_error(exc) from exc
-        finally:
-            self.engine.conn.rollback()
-
-    def read(self, op: Callable[[Tx], T]) -> T:
-        job = _backend.Job(op, ())
-        self.engine.run_alone(job, "read")
-        result: T = job.unwrap()
-        return result
-
-    def write(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
-        from . import _postgres
-
-        return _postgres.run_op(self.engine, op, *args)
-
-    def has_rejected_inputs(self) -> bool:
-        return True  # in PostgreSQL's first schema version
-
-    def close(self) -> None:
-        self.engine.close()
-
-
 def is_url(db: str) -> bool:
     return db.startswith(POSTGRES_SCHEMES)
 
 
-def open_database(db: str, schema: str | None) -> Database:
+def open_database(db: str, schema: str | None) -> Engine:
     """Open an existing store without creating or migrating it; `StoreError` (or
     `SchemaTooNew`) when it is missing, unreachable, not ours or newer than this library."""
-    if not is_url(db):
-        return SQLiteDatabase(_sqlite.connect(db, create=False), db)
-    database = PgDatabase.connect(db, schema or "public")
-    version = database.schema_version()
+    engine = _open_for_health(db, schema)
+    if engine.dialect == "sqlite":
+        return engine  # `migrate=False` already refused a file that is not ours or too new
+    name, expected = _worker.redact(db), _expected_version(db)
+    version = engine.schema_version()
     if version == 0:
-        database.close()
+        engine.close()
         raise StoreError(
-            f"{database.name}: schema {database.schema!r} is not a trio_sessions store"
+            f"{name}: schema {schema or 'public'!r} is not a trio_sessions store"
             " (no schema_version table)"
         )
-    if version > database.expected_version:
-        database.close()
+    if version > expected:
+        engine.close()
         raise SchemaTooNew(
-            f"{database.name}: schema version {version} is newer than this trio_sessions"
-            f" understands ({database.expected_version}); upgrade trio_sessions"
+            f"{name}: schema version {version} is newer than this trio_sessions"
+            f" understands ({expected}); upgrade trio_sessions"
         )
-    return database
-
-
-def read_snapshot(conn: sqlite3.Connection, read: Callable[[Tx], T]) -> T:
-    """Run `read` inside one deferred read transaction: a consistent snapshot, no lock."""
-    conn.execute("BEGIN")
-    try:
-        return read(_sqlite.SQLiteTx(conn, now_ms()))
-    finally:
-        conn.execute("COMMIT")
-
-
-_STATUS_SQL = """
-SELECT s.id, s.time_created, s.time_woken, s.wakes, s.wake_attempts,
-       (SELECT COUNT(*) FROM session_input i WHERE i.session_id = s.id),
-       (SELECT COUNT(*) FROM session_message m WHERE m.session_id = s.id),
-       e.id, e.owner_id, e.phase, e.time_created, e.heartbeat_at, e.expires_at,
-       r.owner_id, r.expires_at, r.recovery_error
-FROM session s
-LEFT JOIN session_execution e ON e.session_id = s.id
-LEFT JOIN session_recovery r ON r.execution_id = e.id
-ORDER BY s.id
-"""
-
-
-def read_status(tx: Tx) -> dict[str, Any]:
-    """Every session with its doorbell, pending inputs and claim, as plain JSON values."""
-    sessions = [_session(tx.now, row) for row in tx.execute(_STATUS_SQL).fetchall()]
-    claims = [s["claim"] for s in sessions if s["claim"] is not None]
-    return {
-        "now": tx.now,
-        "summary": {
-            "sessions": len(sessions),
-            "claims": len(claims),
-            "live_claims": sum(not c["expired"] for c in claims),
-            "expired_claims": sum(c["expired"] for c in claims),
-            "quarantined": sum(c["quarantined"] for c in claims),
-            "doorbells": sum(s["doorbell"] is not None for s in sessions),
-            "pending_inputs": sum(s["pending_inputs"] for s in sessions),
-        },
-        "matched": len(sessions),
-        "sessions": sessions,
-    }
+    return engine
 
 
 # A session can be in several states at once: a live claim with a doorbell set is both
@@ -230,7 +83,7 @@ STATES = ("idle", "woken", "active", "expired", "quarantined")
 
 
 def in_state(session: dict[str, Any], state: str) -> bool:
-    """Whether a session of `read_status` is in `state` (one of `STATES`)."""
+    """Whether a session of `_store.status` is in `state` (one of `STATES`)."""
     claim = session["claim"]
     if state == "idle":
         return claim is None and session["doorbell"] is None
@@ -265,69 +118,20 @@ def filter_status(
     return {**status, "matched": len(sessions), "sessions": sessions[:limit]}
 
 
-def _session(now: int, row: Sequence[Any]) -> dict[str, Any]:
-    (session_id, created, woken, wakes, attempts, inputs, messages, *claim) = row
-    doorbell = None
-    if woken is not None:
-        doorbell = {"time_woken": woken, "wakes": wakes, "age_s": _seconds(now - woken)}
-    return {
-        "id": session_id,
-        "time_created": created,
-        "doorbell": doorbell,
-        "pending_inputs": inputs,
-        "messages": messages,
-        "wake_attempts": attempts,
-        "claim": _claim(now, claim) if claim[0] is not None else None,
-    }
-
-
-def _claim(now: int, row: Sequence[Any]) -> dict[str, Any]:
-    (execution_id, owner, phase, created, heartbeat, expires, rec_owner, rec_expires, error) = row
-    recovery = None
-    if rec_owner is not None:
-        recovery = {"owner_id": rec_owner, "expires_at": rec_expires, "recovery_error": error}
-    return {
-        "execution_id": execution_id,
-        "owner_id": owner,
-        "phase": phase,
-        "time_created": created,
-        "expires_at": expires,
-        "expired": expires <= now,
-        "lease_remaining_s": _seconds(max(0, expires - now)),
-        "expired_since_s": _seconds(max(0, now - expires)),
-        "heartbeat_at": heartbeat,
-        "heartbeat_age_s": None if heartbeat is None else _seconds(now - heartbeat),
-        "quarantined": error is not None,
-        "recovery": recovery,
-    }
-
-
-def read_quarantine(tx: Tx) -> list[dict[str, Any]]:
-    """Quarantined executions, oldest first, with the claim they hold back."""
-    rows = _store.quarantined(tx)
-    for row in rows:
-        claim = tx.one(
-            "SELECT owner_id, phase, expires_at FROM session_execution WHERE id = ?",
-            (row["execution_id"],),
-        )
-        row["claim_owner_id"], row["claim_phase"] = (None, None) if claim is None else claim[:2]
-        row["quarantined_for_s"] = _seconds(tx.now - (row["time_quarantined"] or tx.now))
-    return rows
-
-
 # The schema version that added `session_input_rejected`: an older file has none.
 REJECTED_INPUTS_SINCE = 3
 
 
-def read_rejected_inputs(database: Database, session_id: str | None) -> list[Any]:
+def has_rejected_inputs(engine: Engine) -> bool:
+    # PostgreSQL's first schema version has them.
+    return engine.dialect == "postgres" or engine.schema_version() >= REJECTED_INPUTS_SINCE
+
+
+def read_rejected_inputs(engine: Engine, session_id: str | None) -> list[Any]:
     """Inputs set aside as malformed, oldest first (of one session, if given)."""
-    if not database.has_rejected_inputs():
+    if not has_rejected_inputs(engine):
         return []
-    return database.read(lambda tx: _store.rejected_inputs(tx, session_id))
-
-
-def _seconds(ms: int) -> float:
-    return round(ms / 1000, 3)
+    return engine.read(_store.rejected_inputs, session_id)
 
 
 def check_health(db: str, schema: str | None = None) -> dict[str, Any]:
@@ -355,7 +159,7 @@ def check_health(db: str, schema: str | None = None) -> dict[str, Any]:
                 " with a runtime of this library migrates it"
             )
             return {**health, "reason": reason}
-        database.read(lambda tx: tx.execute("SELECT COUNT(*) FROM session").fetchone())
+        database.read(_store.session_count)
     except (sqlite3.Error, StoreError) as exc:
         return {**health, "reason": f"{name}: cannot read: {exc}"}
     finally:
@@ -380,18 +184,19 @@ def _postgres_module() -> Any:
     return _postgres
 
 
-def _open_for_health(db: str, schema: str | None) -> Database:
+def _open_for_health(db: str, schema: str | None) -> Engine:
     """Like `open_database`, but an older or missing schema is reported, not refused."""
     if not is_url(db):
-        return SQLiteDatabase(_sqlite.connect(db, create=False), db)
-    return PgDatabase.connect(db, schema or "public")
+        return _backend.open_engine(db, migrate=False)
+    _postgres_module()  # psycopg missing: say how to install it
+    return _backend.open_engine(db, migrate=False, schema=schema or "public")
 
 
 # ---------------------------------------------------------------------------------------------
 # Writing
 
 
-def release(database: Database, execution_id: str, *, resume: bool) -> dict[str, Any]:
+def release(database: Engine, execution_id: str, *, resume: bool) -> dict[str, Any]:
     """Act on one quarantined execution; `ValueError` unless it is quarantined.
 
     `--drop` runs the store's drop: the open transcript is finished as owner-lost (a row
@@ -402,11 +207,11 @@ def release(database: Database, execution_id: str, *, resume: bool) -> dict[str,
     if they still do not. The CLI runs no drains, so it cannot resume the work itself.
     """
     if resume:
-        candidate = database.write(_store.lift_quarantine, execution_id, make_owner_id("cli"), 0)
+        candidate = database.run(_store.lift_quarantine, execution_id, make_owner_id("cli"), 0)
         session_id = candidate.session_id
     else:
         session_id = _session_of_quarantined(database, execution_id)
-        database.write(_store.drop_quarantined, execution_id)
+        database.run(_store.drop_quarantined, execution_id)
     return {
         "execution_id": execution_id,
         "session_id": session_id,
@@ -414,15 +219,15 @@ def release(database: Database, execution_id: str, *, resume: bool) -> dict[str,
     }
 
 
-def drop_input(database: Database, input_id: str) -> dict[str, Any]:
+def drop_input(database: Engine, input_id: str) -> dict[str, Any]:
     """Delete one set-aside input; `ValueError` unless it is one."""
-    if not database.has_rejected_inputs():
+    if not has_rejected_inputs(database):
         raise ValueError(f"input {input_id!r} is not a rejected input")
-    session_id = database.write(_store.drop_rejected_input, input_id)
+    session_id = database.run(_store.drop_rejected_input, input_id)
     return {"input_id": input_id, "session_id": session_id, "action": "drop"}
 
 
-def _session_of_quarantined(database: Database, execution_id: str) -> str:
+def _session_of_quarantined(database: Engine, execution_id: str) -> str:
     for row in database.read(_store.quarantined):
         if row["execution_id"] == execution_id:
             return str(row["session_id"])
@@ -625,10 +430,10 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def run_command(args: argparse.Namespace, database: Database) -> tuple[Any, str]:
+def run_command(args: argparse.Namespace, database: Engine) -> tuple[Any, str]:
     """Carry out the parsed command; returns (JSON value, text)."""
     if args.command == "status":
-        status = database.read(read_status)
+        status = database.read(_store.status)
         status = filter_status(status, session_ids=args.session, state=args.state, limit=args.limit)
         return status, format_status(status)
     if args.command == "inputs":
@@ -638,7 +443,7 @@ def run_command(args: argparse.Namespace, database: Database) -> tuple[Any, str]
         dropped = drop_input(database, args.input_id)
         return dropped, format_input_drop(dropped)
     if args.action == "list":
-        rows = database.read(read_quarantine)
+        rows = database.read(_store.quarantine_report)
         return rows, format_quarantine(rows)
     result = release(database, args.execution_id, resume=args.resume)
     return result, format_release(result)

@@ -59,6 +59,7 @@ RECOVERY_PASS = "recovery pass: examined %d, resumed %d, quarantined %d"
 RECOVERY_PASS_FAILED = "recovery pass failed"
 HANDED_BACK = "claims handed back: %d"
 HAND_BACK_FAILED = "hand-back failed: %d claims keep their leases"
+DRAINS_OUTLIVE_GRACE = "shutdown waits for %d drains still running after the grace"
 STORE_RETRY = "store transaction retried: %s"
 STORE_RECONNECTED = "store reconnected"
 LISTENER_RECONNECTED = "listener reconnected"
@@ -312,10 +313,21 @@ def quarantine_released(execution_id: str, owner_id: str, *, resume: bool) -> No
 
 
 def handed_back(owner_id: str, execution_ids: Sequence[str]) -> None:
-    """INFO: shutdown kept these claims and expired their leases, so any owner recovers them
-    at once. extra: owner_id, claims, execution_ids."""
+    """INFO: shutdown kept these claims and expired their leases (their drains had exited),
+    so any owner recovers them at once. extra: owner_id, claims, execution_ids."""
     logger.info(
         HANDED_BACK,
+        len(execution_ids),
+        extra={"owner_id": owner_id, "claims": len(execution_ids), "execution_ids": execution_ids},
+    )
+
+
+def drains_outlive_grace(owner_id: str, execution_ids: Sequence[str]) -> None:
+    """WARNING: closing, these claims' drains did not exit within `shutdown_grace` (a
+    blocking call in a thread, a shielded `finally`); they keep their claims and heartbeat
+    until they exit, and closing waits for them. extra: owner_id, claims, execution_ids."""
+    logger.warning(
+        DRAINS_OUTLIVE_GRACE,
         len(execution_ids),
         extra={"owner_id": owner_id, "claims": len(execution_ids), "execution_ids": execution_ids},
     )

@@ -65,7 +65,7 @@ import psycopg.pq
 import trio
 from psycopg import sql
 
-from . import _codec, _observe
+from . import _observe, _schema
 from ._backend import BackendName, Job, Params, StoreStatistics, Tx, driver_error, now_ms
 from ._errors import SchemaTooNew, StoreError
 from ._handoff import HandoffQueue, Queued, pumping
@@ -73,131 +73,9 @@ from ._handoff import HandoffQueue, Queued, pumping
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
 
-SCHEMA_VERSION = 2
-
-# Same names, meanings and named CHECKs as the SQLite schema (`_sqlite._MIGRATIONS`, whose
-# versions 1-3 are PostgreSQL's first: no PostgreSQL store predates them); times
-# are BIGINT milliseconds; JSON stays TEXT so a malformed row is stored byte for byte for the
-# operator. Heartbeats rewrite the indexed `expires_at`, so claim updates are never HOT:
-# fillfactor leaves room on each page for the new row versions.
-_MIGRATIONS: dict[int, str] = {
-    1: """
-CREATE TABLE session(
-    id TEXT PRIMARY KEY,
-    time_created BIGINT NOT NULL,
-    time_woken BIGINT,
-    wakes BIGINT NOT NULL DEFAULT 0,
-    wake_attempts BIGINT NOT NULL DEFAULT 0
-        CONSTRAINT session_wake_attempts_check CHECK (wake_attempts >= 0),
-    input_seq BIGINT NOT NULL DEFAULT 0
-);
-CREATE INDEX session_time_woken ON session(time_woken) WHERE time_woken IS NOT NULL;
-CREATE TABLE session_input(
-    id TEXT PRIMARY KEY,
-    session_id TEXT NOT NULL REFERENCES session(id) ON DELETE CASCADE,
-    seq BIGINT NOT NULL,
-    payload TEXT NOT NULL,
-    time_created BIGINT NOT NULL,
-    UNIQUE(session_id, seq)
-);
-CREATE TABLE session_execution(
-    id TEXT PRIMARY KEY,
-    session_id TEXT NOT NULL UNIQUE REFERENCES session(id) ON DELETE CASCADE,
-    owner_id TEXT NOT NULL,
-    phase TEXT NOT NULL
-        CONSTRAINT session_execution_phase_check CHECK (phase IN ('running', 'cancelling')),
-    anchor_seq BIGINT,
-    time_created BIGINT NOT NULL,
-    heartbeat_at BIGINT,
-    expires_at BIGINT NOT NULL,
-    handed_back INTEGER NOT NULL DEFAULT 0
-) WITH (fillfactor = 80);
-CREATE INDEX session_execution_expires_at ON session_execution(expires_at);
-CREATE TABLE session_recovery(
-    execution_id TEXT PRIMARY KEY,
-    session_id TEXT NOT NULL,
-    owner_id TEXT NOT NULL,
-    expires_at BIGINT NOT NULL,
-    recovery_error TEXT,
-    time_created BIGINT NOT NULL,
-    time_quarantined BIGINT
-);
-CREATE TABLE session_message(
-    id TEXT PRIMARY KEY,
-    session_id TEXT NOT NULL REFERENCES session(id) ON DELETE CASCADE,
-    execution_id TEXT,
-    input_id TEXT UNIQUE,
-    role TEXT NOT NULL CONSTRAINT session_message_role_check
-        CHECK (role IN ('user', 'assistant', 'system')),
-    seq BIGINT NOT NULL,
-    data TEXT NOT NULL,
-    time_created BIGINT NOT NULL,
-    time_updated BIGINT NOT NULL,
-    version BIGINT NOT NULL DEFAULT 0,
-    UNIQUE(session_id, seq)
-);
-CREATE INDEX session_message_execution ON session_message(execution_id)
-    WHERE execution_id IS NOT NULL;
-CREATE TABLE session_input_rejected(
-    id TEXT PRIMARY KEY,
-    session_id TEXT NOT NULL REFERENCES session(id) ON DELETE CASCADE,
-    seq BIGINT NOT NULL,
-    payload TEXT NOT NULL,
-    reason TEXT NOT NULL,
-    time_created BIGINT NOT NULL
-);
-CREATE INDEX session_input_rejected_session ON session_input_rejected(session_id);
-CREATE TABLE session_message_rejected(
-    id TEXT PRIMARY KEY,
-    session_id TEXT NOT NULL REFERENCES session(id) ON DELETE CASCADE,
-    execution_id TEXT,
-    seq BIGINT NOT NULL,
-    data TEXT NOT NULL,
-    reason TEXT NOT NULL,
-    time_created BIGINT NOT NULL
-);
-CREATE INDEX session_message_rejected_session ON session_message_rejected(session_id);
-""",
-    # Streaming, as SQLite's version 4 (see there). Existing assistant rows are marked
-    # finished from their JSON by `_mark_finished_messages` (a row that does not parse
-    # stays 0, "maybe open", as a hand-written one).
-    2: """
-ALTER TABLE session_message ADD COLUMN finished INTEGER NOT NULL DEFAULT 0;
-UPDATE session_message SET finished = 1 WHERE role <> 'assistant';
-CREATE INDEX session_message_open ON session_message(execution_id) WHERE finished = 0;
-CREATE TABLE session_message_stream(
-    message_id TEXT PRIMARY KEY REFERENCES session_message(id) ON DELETE CASCADE,
-    execution_id TEXT NOT NULL,
-    version BIGINT NOT NULL
-);
-CREATE TABLE session_message_delta(
-    message_id TEXT NOT NULL REFERENCES session_message(id) ON DELETE CASCADE,
-    version BIGINT NOT NULL,
-    text TEXT NOT NULL,
-    PRIMARY KEY (message_id, version)
-);
-""",
-}
-
-
-def _mark_finished_messages(conn: Any) -> None:
-    """Version 2: `finished = 1` on the assistant rows whose JSON says so. In Python, as
-    `data::jsonb` would abort the migration on a malformed row (kept byte for byte)."""
-    finished = []
-    with conn.cursor(name="trio_sessions_migrate_finished") as rows:
-        rows.execute("SELECT id, data FROM session_message WHERE role = 'assistant'")
-        for message_id, data in rows:
-            try:
-                decoded = _codec.loads(data)
-            except (TypeError, ValueError):
-                continue
-            if isinstance(decoded, dict) and decoded.get("finished") is True:
-                finished.append(message_id)
-    conn.execute("UPDATE session_message SET finished = 1 WHERE id = ANY(%s)", (finished,))
-
-
-# Python steps that follow a version's SQL, in the same transaction.
-_BACKFILLS: dict[int, Callable[[Any], None]] = {2: _mark_finished_messages}
+SCHEMA_VERSION = _schema.POSTGRES_SCHEMA_VERSION
+_MIGRATIONS = _schema.POSTGRES_MIGRATIONS  # in `_schema`, beside SQLite's
+_BACKFILLS = _schema.POSTGRES_BACKFILLS
 
 # Advisory-lock namespaces (the first int4 of the two-key form), so our keys never collide
 # with an application's single-bigint advisory locks. Session locks hash the session id;
@@ -402,6 +280,10 @@ class PgTx:
             else:
                 self._now = int(self.conn.execute(_SERVER_NOW).fetchone()[0])
         return self._now
+
+    @property
+    def dialect(self) -> BackendName:
+        return "postgres"
 
     def begin_operation(self) -> None:
         """Each operation reads its own `now`, after its own locks."""
@@ -726,6 +608,56 @@ def run_op(engine: PgEngine, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T
     engine.run_batch([job])
     result: T = job.unwrap()
     return result
+
+
+class PgSyncEngine:
+    """`_backend.Engine` over one `PgEngine` (`open_engine`): the same retries, reconnects
+    and uncertain-COMMIT handling as a runtime's executor, on the calling thread."""
+
+    def __init__(self, engine: PgEngine) -> None:
+        self.engine = engine
+
+    @property
+    def dialect(self) -> BackendName:
+        return "postgres"
+
+    def run(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
+        return run_op(self.engine, op, *args)
+
+    def read(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
+        job = Job(op, args)
+        self.engine.run_alone(job, "read")
+        result: T = job.unwrap()
+        return result
+
+    def schema_version(self) -> int:
+        conn = self.engine.conn
+        try:
+            return schema_version(conn)
+        except psycopg.Error as exc:
+            raise driver_error(exc) from exc
+        finally:
+            conn.rollback()
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def open_engine(
+    url: str,
+    *,
+    schema: str = "public",
+    migrate: bool = True,
+    clock: Callable[[], float] | None = None,
+) -> PgSyncEngine:
+    """`_backend.open_engine` for a URL. `migrate=False` connects without migrating (a
+    broken connection is re-opened the same way: `PgEngine` reconnects with `connect`)."""
+    engine = PgEngine(url, schema, clock)
+    if migrate:
+        engine.open()
+    else:
+        engine.conn = connect(url, schema)
+    return PgSyncEngine(engine)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,8 +26,8 @@ from typing import Any, Literal, NoReturn, TypeVar
 import attrs
 import trio
 
-from . import _codec, _observe, _store, _store_stream, _transcript
-from ._backend import Executor, StoreBackend
+from . import _codec, _observe, _store, _transcript
+from ._backend import POSTGRES_SCHEMES, Executor, StoreBackend
 from ._coordinator import Execution, SessionEntry
 from ._decisions import AcquireVerdict, RecoveryDecision
 from ._errors import DuplicateSettlement, LeaseLost, StoreError, UnknownToolCall
@@ -52,8 +52,9 @@ Drain = Callable[["DrainContext"], Awaitable[None]]
 AcquisitionHook = Callable[[Claim], Awaitable[None]]
 
 MAX_ID_LENGTH = 200
-POSTGRES_SCHEMES = ("postgresql://", "postgres://")
-SHUTDOWN_GRACE = 5.0
+# A hand-back (expiring a lease on purpose) is best effort: past this bound, or when another
+# process holds the write lock, the lease simply runs out instead.
+HAND_BACK_TIMEOUT = 5.0
 # The change loop looks at the store at least this often, signal or not.
 CHANGE_FALLBACK_POLL = 2.0
 # Durable wakes taken per look (the rest at the next one).
@@ -161,6 +162,11 @@ class Runtime:
             lease=config.lease,
             interval=config.heartbeat_interval,
         )
+        # The heartbeat outlives the runtime's own cancellation: a drain that does not stop
+        # when cancelled keeps its lease until it exits (§6.21). Cancelled by `_close` once
+        # no claim is owned any more.
+        self._heartbeat_scope = trio.CancelScope(shield=True)
+        self._shutdown_grace = config.shutdown_grace
         self._hook = config.acquisition_hook
         self._entries: dict[str, SessionEntry] = {}
         self._recovery = Recovery(
@@ -510,16 +516,16 @@ class Runtime:
             # Cancelled from outside (the runtime's scope) or an internal error: this busy
             # period was stopped, whatever an earlier iteration's outcome was.
             outcome = Outcome("interrupted", entry.reason or "shutdown")
-            # With the claim still ours, expire the lease so any owner can recover it at
-            # once. Bounded and best effort, as trio asks of cleanup; else it runs out.
-            # A claim whose user interrupt was accepted is marked cancelling instead, so
-            # recovery finishes it and never resumes it.
+            # The drain has exited (a cancellation only leaves it once it did): with the
+            # claim still ours, hand it back so any owner can recover it at once. A claim
+            # whose user interrupt was accepted is marked cancelling instead, so recovery
+            # finishes it and never resumes it.
             if entry.owned and not self._crashed:
-                with trio.move_on_after(SHUTDOWN_GRACE, shield=True):
-                    if entry.reason == "user":
+                if entry.reason == "user":
+                    with trio.move_on_after(HAND_BACK_TIMEOUT, shield=True):
                         await self._mark_cancelling_nowait(entry)
-                    else:
-                        await self._expire(entry)
+                else:
+                    await self._expire(entry)
             raise
         finally:
             self._release(entry, outcome)
@@ -726,13 +732,24 @@ class Runtime:
             pause = min(pause * 2, self._heartbeat_interval)
 
     async def _expire(self, entry: SessionEntry) -> None:
-        """Shutdown: keep the claim, end its lease now so any owner can recover it at once."""
+        """Hand a claim back (shutdown): keep it, end its lease now so any owner can recover
+        it at once. Only ever called once the claim's drain has exited (§6.21).
+
+        Shielded and bounded, as trio asks of cleanup, and never waiting for another
+        process's lock: if it cannot land, the lease simply runs out.
+        """
         if not entry.owned:
             return
-        # Best effort and never waiting for another process's lock: else the lease simply
-        # runs out.
-        with contextlib.suppress(StoreError):
-            await self._db.run_nowait(_store.expire_claims, self._owner_id, [entry.execution_id])
+        claims = [entry.execution_id]
+        with trio.move_on_after(HAND_BACK_TIMEOUT, shield=True) as bounded:
+            try:
+                await self._db.run_nowait(_store.expire_claims, self._owner_id, claims)
+            except StoreError as exc:
+                _observe.hand_back_failed(self._owner_id, claims, exc)
+            else:
+                _observe.handed_back(self._owner_id, claims)
+        if bounded.cancelled_caught:
+            _observe.hand_back_failed(self._owner_id, claims, TimeoutError("hand-back timed out"))
         entry.disown()
 
     # -- signals between processes ------------------------------------------------------------
@@ -812,7 +829,7 @@ class Runtime:
         retry). Cancelling the block simply leaves it.
         """
         validate_session_id(session_id)
-        position = _store_stream.Position() if cursor is None else decode_cursor(session_id, cursor)
+        position = decode_cursor(session_id, cursor)
         events = self._streams.open(session_id, position, self._db.read)
         try:
             yield events
@@ -883,22 +900,34 @@ class Runtime:
     # -- lifecycle ----------------------------------------------------------------------------
 
     async def _shutdown(self) -> None:
-        """Cancel drains, keep their claims and expire their leases (one transaction, run
-        here, so it lands even when the drains' own tasks were cancelled from outside)."""
+        """Cancel the drains, wait until each has exited, and only then hand its claim back
+        (each busy period does that as its drain exits: `_expire`). Drains of one session
+        never overlap in time, graceful restarts included (§6.21).
+
+        A drain still running after `shutdown_grace` (a blocking call in a thread, a
+        shielded `finally`) keeps its claim and its heartbeat until it exits or its lease
+        self-fences; a claim is never handed back while its drain runs.
+        """
         self._closing = True
-        # Only claims that this shutdown stops: one already stopping for a user interrupt
-        # finishes its own cleanup (expiring it would let recovery resume the work).
-        stopped = [e for e in list(self._entries.values()) if e.interrupt("shutdown")]
-        owned = [e.execution_id for e in stopped if e.owned]
-        if owned:
-            try:
-                await self._db.run_nowait(_store.expire_claims, self._owner_id, owned)
-            except StoreError as exc:  # best effort: else the leases run out
-                _observe.hand_back_failed(self._owner_id, owned, exc)
-            else:
-                _observe.handed_back(self._owner_id, owned)
+        # A claim already stopping for a user interrupt finishes its own cleanup (handing
+        # it back would let recovery resume the work).
+        for entry in list(self._entries.values()):
+            entry.interrupt("shutdown")
+        with trio.move_on_after(self._shutdown_grace):
+            await self._all_released()
+        if self._entries:
+            _observe.drains_outlive_grace(
+                self._owner_id, [e.execution_id for e in self._entries.values() if e.owned]
+            )
+            await self._all_released()
+
+    async def _all_released(self) -> None:
         while self._entries:
             await next(iter(self._entries.values())).released.wait()
+
+    async def _keep_leases(self) -> None:
+        with self._heartbeat_scope:
+            await self._lease_keeper.run()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1174,16 +1203,21 @@ async def open_runtime(
     max_active: int | None = None,
     clock: Callable[[], float] | None = None,
     acquisition_hook: AcquisitionHook | None = None,
+    shutdown_grace: float | None = None,
 ) -> AsyncIterator[Runtime]:
     """Open the store, run the first recovery pass, and yield a `Runtime`.
 
     The store is created and migrated on open (an SQLite file, a PostgreSQL schema). The
     runtime owns a nursery: drains, the heartbeat and the recovery task run in it.
     Leaving the block - normally, by an exception or by cancellation - cancels the drains,
-    keeps their claims and expires their leases (one transaction, shielded, bounded by a
-    few seconds; if it cannot land the leases simply run out) so any owner can recover them
-    at once, without counting against their resume budget. Exceptions from drains become
-    outcomes; only the block's own exception escapes, unwrapped.
+    waits until each drain has exited, and only then hands its claim back: the claim is
+    kept and its lease expired (shielded, bounded by a few seconds; if that cannot land the
+    lease simply runs out), so any owner recovers it at once, without counting against its
+    resume budget. A drain that has not exited after `shutdown_grace` seconds (default
+    lease/3: a blocking call in a thread, a shielded `finally`) is logged and keeps its claim
+    and its heartbeat until it exits, so closing waits for it: drains of one session never
+    overlap in time, graceful restarts included. Exceptions from drains become outcomes;
+    only the block's own exception escapes, unwrapped.
 
     Raises, before anything is opened, `TypeError`/`ValueError` for a bad option (and
     `TypeError` for a plain `def` drain); then `SchemaTooNew` for a store written by a newer
@@ -1208,6 +1242,9 @@ async def open_runtime(
     )
     if heartbeat >= lease:
         raise ValueError(f"heartbeat_interval ({heartbeat}) must be shorter than lease ({lease})")
+    shutdown_grace = (
+        lease / 3 if shutdown_grace is None else _seconds(shutdown_grace, "shutdown_grace")
+    )
     recovery_interval = _seconds(recovery_interval, "recovery_interval")
     recovery_batch = _count(recovery_batch, "recovery_batch", 1)
     max_resumes = _count(max_resumes, "max_resumes", 0)
@@ -1229,6 +1266,7 @@ async def open_runtime(
         max_active=max_active,
         clock=clock,
         acquisition_hook=acquisition_hook,
+        shutdown_grace=shutdown_grace,
     )
     try:
         async with _open_runtime(backend, drain, config) as runtime:
@@ -1289,6 +1327,7 @@ class _Config:
     max_active: int | None
     clock: Callable[[], float] | None
     acquisition_hook: AcquisitionHook | None
+    shutdown_grace: float
 
 
 @asynccontextmanager
@@ -1302,7 +1341,7 @@ async def _open_runtime(
         runtime = Runtime(executor=executor, nursery=nursery, drain=drain, config=config)
         if drain is not None:
             await runtime.recover_once()
-            nursery.start_soon(runtime._lease_keeper.run)
+            nursery.start_soon(runtime._keep_leases)
             nursery.start_soon(runtime._recovery_loop)
         nursery.start_soon(runtime._change_loop)
         try:
@@ -1310,7 +1349,13 @@ async def _open_runtime(
         finally:
             runtime._watchers.close()
             runtime._streams.close()
-            if not runtime._crashed:
-                with trio.move_on_after(SHUTDOWN_GRACE, shield=True):
-                    await runtime._shutdown()
-            nursery.cancel_scope.cancel()
+            try:
+                if not runtime._crashed:
+                    # Shielded and not bounded here: it waits for drains to exit, which no
+                    # deadline can hurry (a nursery waits for its tasks anyway); every
+                    # write it makes is bounded on its own.
+                    with trio.CancelScope(shield=True):
+                        await runtime._shutdown()
+            finally:
+                runtime._heartbeat_scope.cancel()
+                nursery.cancel_scope.cancel()

@@ -44,7 +44,7 @@ from typing import Any, TypeVar, TypeVarTuple, Unpack
 import attrs
 import trio
 
-from . import _observe
+from . import _observe, _schema
 from ._backend import BackendName, Job, Params, StoreStatistics, Tx, driver_error, now_ms
 from ._errors import SchemaTooNew, StoreError, TrioSessionsError
 from ._filewatch import FileWatch, open_watch
@@ -58,126 +58,9 @@ Ts = TypeVarTuple("Ts")
 # commit, so a commit that returned survives those too.
 SYNCHRONOUS = ("NORMAL", "FULL")
 
-SCHEMA_VERSION = 4
-
-# The small, hot tables are WITHOUT ROWID: keyed by their text primary key directly, each
-# write touches one b-tree less (fewer WAL pages per commit). Messages keep a rowid: their
-# rows are large.
-_MIGRATIONS: dict[int, str] = {
-    1: """
-CREATE TABLE session(
-    id TEXT PRIMARY KEY,
-    time_created INTEGER NOT NULL,
-    time_woken INTEGER,
-    wakes INTEGER NOT NULL DEFAULT 0,
-    wake_attempts INTEGER NOT NULL DEFAULT 0
-        CONSTRAINT session_wake_attempts_check CHECK (wake_attempts >= 0),
-    input_seq INTEGER NOT NULL DEFAULT 0
-) WITHOUT ROWID;
-CREATE INDEX session_time_woken ON session(time_woken) WHERE time_woken IS NOT NULL;
-CREATE TABLE session_input(
-    id TEXT PRIMARY KEY,
-    session_id TEXT NOT NULL REFERENCES session(id) ON DELETE CASCADE,
-    seq INTEGER NOT NULL,
-    payload TEXT NOT NULL,
-    time_created INTEGER NOT NULL,
-    UNIQUE(session_id, seq)
-) WITHOUT ROWID;
-CREATE TABLE session_execution(
-    id TEXT PRIMARY KEY,
-    session_id TEXT NOT NULL UNIQUE REFERENCES session(id) ON DELETE CASCADE,
-    owner_id TEXT NOT NULL,
-    phase TEXT NOT NULL
-        CONSTRAINT session_execution_phase_check CHECK (phase IN ('running', 'cancelling')),
-    anchor_seq INTEGER,
-    time_created INTEGER NOT NULL,
-    heartbeat_at INTEGER,
-    expires_at INTEGER NOT NULL
-) WITHOUT ROWID;
-CREATE INDEX session_execution_expires_at ON session_execution(expires_at);
-CREATE TABLE session_recovery(
-    execution_id TEXT PRIMARY KEY,
-    session_id TEXT NOT NULL,
-    owner_id TEXT NOT NULL,
-    expires_at INTEGER NOT NULL,
-    recovery_error TEXT,
-    time_created INTEGER NOT NULL,
-    time_quarantined INTEGER
-) WITHOUT ROWID;
-CREATE TABLE session_message(
-    id TEXT PRIMARY KEY,
-    session_id TEXT NOT NULL REFERENCES session(id) ON DELETE CASCADE,
-    execution_id TEXT,
-    input_id TEXT UNIQUE,
-    role TEXT NOT NULL CONSTRAINT session_message_role_check
-        CHECK (role IN ('user', 'assistant', 'system')),
-    seq INTEGER NOT NULL,
-    data TEXT NOT NULL,
-    time_created INTEGER NOT NULL,
-    time_updated INTEGER NOT NULL,
-    UNIQUE(session_id, seq)
-);
-CREATE INDEX session_message_execution ON session_message(execution_id)
-    WHERE execution_id IS NOT NULL;
-""",
-    # Every change of a message bumps its version: watchers order snapshots by it.
-    2: """
-ALTER TABLE session_message ADD COLUMN version INTEGER NOT NULL DEFAULT 0;
-""",
-    # Records set aside for the operator (an input or message that does not decode), raw
-    # text kept; and the mark of a claim handed back by a graceful shutdown (resumed
-    # without counting against max_resumes).
-    3: """
-CREATE TABLE session_input_rejected(
-    id TEXT PRIMARY KEY,
-    session_id TEXT NOT NULL REFERENCES session(id) ON DELETE CASCADE,
-    seq INTEGER NOT NULL,
-    payload TEXT NOT NULL,
-    reason TEXT NOT NULL,
-    time_created INTEGER NOT NULL
-);
-CREATE INDEX session_input_rejected_session ON session_input_rejected(session_id);
-CREATE TABLE session_message_rejected(
-    id TEXT PRIMARY KEY,
-    session_id TEXT NOT NULL REFERENCES session(id) ON DELETE CASCADE,
-    execution_id TEXT,
-    seq INTEGER NOT NULL,
-    data TEXT NOT NULL,
-    reason TEXT NOT NULL,
-    time_created INTEGER NOT NULL
-);
-CREATE INDEX session_message_rejected_session ON session_message_rejected(session_id);
-ALTER TABLE session_execution ADD COLUMN handed_back INTEGER NOT NULL DEFAULT 0;
-""",
-    # Streaming: an append is one small row in session_message_delta (keyed by the message
-    # and the version it makes), folded into data at the next tool-part change or finish;
-    # session_message_stream holds each open message's base version, so an append never
-    # reads or rewrites the wide message row. `finished` mirrors data.finished (1 for
-    # messages that are never open); 0 means "maybe open", also for a row written by hand,
-    # so closing an execution's open messages reads only the partial index. Existing rows
-    # are marked from their JSON; one that does not parse stays 0, as a hand-written one.
-    4: """
-ALTER TABLE session_message ADD COLUMN finished INTEGER NOT NULL DEFAULT 0;
-UPDATE session_message SET finished = 1 WHERE role != 'assistant'
-    OR CASE WHEN json_valid(data) THEN json_type(data, '$.finished') = 'true' ELSE 0 END;
-CREATE INDEX session_message_open ON session_message(execution_id) WHERE finished = 0;
-CREATE TABLE session_message_stream(
-    message_id TEXT PRIMARY KEY REFERENCES session_message(id) ON DELETE CASCADE,
-    execution_id TEXT NOT NULL,
-    version INTEGER NOT NULL
-) WITHOUT ROWID;
-CREATE TABLE session_message_delta(
-    message_id TEXT NOT NULL REFERENCES session_message(id) ON DELETE CASCADE,
-    version INTEGER NOT NULL,
-    text TEXT NOT NULL,
-    PRIMARY KEY (message_id, version)
-) WITHOUT ROWID;
-""",
-}
-
-OUR_TABLES = frozenset(
-    {"session", "session_input", "session_execution", "session_recovery", "session_message"}
-)
+SCHEMA_VERSION = _schema.SQLITE_SCHEMA_VERSION
+_MIGRATIONS = _schema.SQLITE_MIGRATIONS  # in `_schema`, beside PostgreSQL's
+OUR_TABLES = _schema.SQLITE_OUR_TABLES
 
 BUSY_TIMEOUT_MS = 5_000
 # How long BEGIN IMMEDIATE keeps retrying a lock held by another process before the caller
@@ -327,6 +210,10 @@ class SQLiteTx:
     def __init__(self, conn: sqlite3.Connection, now: int) -> None:
         self.conn = conn
         self.now = now
+
+    @property
+    def dialect(self) -> BackendName:
+        return "sqlite"
 
     def execute(self, sql: str, params: Params = ()) -> sqlite3.Cursor:
         return self.conn.execute(sql, params)
@@ -487,6 +374,46 @@ def run_op(
     run_batch(conn, clock, [job])
     result: T = job.unwrap()
     return result
+
+
+@attrs.define
+class SQLiteEngine:
+    """`_backend.Engine` on one SQLite connection (`open_engine`)."""
+
+    conn: sqlite3.Connection
+    clock: Callable[[], float] = time.time
+
+    @property
+    def dialect(self) -> BackendName:
+        return "sqlite"
+
+    def run(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
+        return run_op(self.conn, self.clock, op, *args)
+
+    def read(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
+        self.conn.execute("BEGIN")  # one deferred read transaction: a snapshot, no lock
+        try:
+            return op(SQLiteTx(self.conn, now_ms(self.clock)), *args)
+        except sqlite3.Error as exc:
+            raise _store_error(exc) from exc
+        finally:
+            self.conn.execute("ROLLBACK")
+
+    def schema_version(self) -> int:
+        return schema_version(self.conn)
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def open_engine(
+    path: str | os.PathLike[str],
+    *,
+    migrate: bool = True,
+    clock: Callable[[], float] | None = None,
+) -> SQLiteEngine:
+    """`_backend.open_engine` for a path (`connect(path, create=migrate)`)."""
+    return SQLiteEngine(connect(path, create=migrate), clock or time.time)
 
 
 # WAL grows by a few pages per commit; checkpoint well before SQLite's own 1000-page mark.

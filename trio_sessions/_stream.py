@@ -7,7 +7,7 @@ forward, each with the cursor of the position it reaches. Events come from two s
 * *offers* from this runtime's writers (an append, a tool part, a finish, a new message), with
   the version the write made: applied only when it is exactly the next version of a message
   the client holds, so a write offered twice, or after a read already brought it, is sent once;
-* *reads* of the store (`_store_stream.stream_changes`) from the current position, whenever
+* *reads* of the store (`_store.stream_changes`) from the current position, whenever
   the stream is *dirty*: at its start, when an offer does not fit (a gap: a write this
   stream was not offered, or offers dropped because the consumer is slow), when a local write
   without an offer touched the session, or when the change scan (`StreamHub.look`) finds a
@@ -33,10 +33,10 @@ from typing import Any, Literal
 import attrs
 import trio
 
-from . import _store_stream
+from . import _store
 from ._errors import MalformedRecord
 from ._model import AssistantData, TextPart, ToolPart
-from ._store_stream import Appended, Heads, Held, Position, StreamChanges, Whole, message_tag
+from ._store.stream import Appended, Heads, Held, Position, StreamChanges, Whole, message_tag
 
 EventKind = Literal["message", "append", "part", "finish", "truncate"]
 
@@ -103,8 +103,10 @@ def encode_cursor(session_id_tag: str, position: Position) -> str:
 
 
 def decode_cursor(session_id: str, cursor: object) -> Position:
-    """The position a cursor names; `ValueError` for a malformed cursor or another
-    session's."""
+    """The position a cursor names (None: nothing held yet); `ValueError` for a malformed
+    cursor or another session's."""
+    if cursor is None:
+        return Position()
     if not isinstance(cursor, str):
         raise TypeError(f"cursor must be a str or None, got {type(cursor).__name__}")
     match = _CURSOR.fullmatch(cursor)
@@ -252,7 +254,7 @@ class EventStream(AsyncIterator[StreamEvent]):
                 self.dirty = False
                 try:
                     changes = await self._read(
-                        _store_stream.stream_changes, self.session_id, self._position()
+                        _store.stream_changes, self.session_id, self._position()
                     )
                 except BaseException:
                     self.dirty = True  # cancelled or failed: read again next time
@@ -399,7 +401,7 @@ class StreamHub:
             top, named = stream.watched()
             tops[stream.session_id] = min(top, tops.get(stream.session_id, top))
             ids += named
-        heads = await read(_store_stream.stream_heads, tops, ids)
+        heads = await read(_store.stream_heads, tops, ids)
         for stream in streams:
             if stream.behind(heads):
                 stream.mark_dirty()

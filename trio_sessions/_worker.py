@@ -6,10 +6,10 @@ Settings come from flags, else from the environment (`TRIO_SESSIONS_STORE`,
 the chosen level.
 
 Signals: the first SIGTERM or SIGINT is a graceful shutdown - the runtime's block is left,
-which cancels the drains and expires their leases in one transaction, so any other runtime's
-next recovery pass resumes them at once - and the worker exits 0. A second signal while that
-runs exits at once (130 after SIGINT, 1 after SIGTERM), leaving the remaining leases to run
-out.
+which cancels the drains, waits until each has exited and only then expires its lease, so
+any other runtime's next recovery pass resumes it at once (never while it still runs) - and
+the worker exits 0. A second signal while that runs exits at once (130 after SIGINT, 1 after
+SIGTERM), leaving the remaining leases to run out.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from typing import Any
 import attrs
 import trio
 
-from ._runtime import POSTGRES_SCHEMES, open_runtime
+from ._backend import POSTGRES_SCHEMES
+from ._runtime import open_runtime
 
 logger = logging.getLogger("trio_sessions.worker")
 
@@ -75,8 +76,8 @@ def add_parser(commands: Any) -> None:
         help="run MODULE:DRAIN as a long-lived worker until SIGTERM/SIGINT",
         description="Run an async drain as a worker. Settings not given as flags come from "
         f"{ENV_STORE}, {ENV_SCHEMA}, {ENV_MAX_ACTIVE}, {ENV_OWNER} and {ENV_LOG_LEVEL}. "
-        "The first SIGTERM or SIGINT shuts down gracefully (claims handed back at once, "
-        "exit 0); a second one exits at once.",
+        "The first SIGTERM or SIGINT shuts down gracefully (each claim handed back once "
+        "its drain exited, exit 0); a second one exits at once.",
     )
     parser.add_argument("drain", metavar="MODULE:DRAIN", help="the drain, e.g. myapp.agent:drain")
     parser.add_argument(

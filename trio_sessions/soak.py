@@ -57,6 +57,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="seconds between kills (postgres: between host faults)",
     )
     parser.add_argument(
+        "--restart-ratio",
+        type=float,
+        default=0.25,
+        help="share of host faults that are rolling restarts (SIGTERM, successor at once)",
+    )
+    parser.add_argument(
         "--handoff-ratio",
         type=float,
         default=0.3,

@@ -60,4 +60,5 @@ def crash(runtime: Runtime) -> None:
     is written; its claims stay with live leases until they run out."""
     runtime._crashed = True
     runtime._closing = True
+    runtime._heartbeat_scope.cancel()
     runtime._nursery.cancel_scope.cancel()

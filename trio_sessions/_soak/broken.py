@@ -43,7 +43,7 @@ DEFECTS = {
     "unlocked-write-fence": Defect(
         "a drain's writes check the claim fence without the session lock (acquire and"
         " recovery keep it): a takeover can commit between the check and the write",
-        "_store.py",
+        "_store/common.py",
         "    session_id = _lock_execution(tx, execution_id)\n    row = (\n",
         '    row = tx.one("SELECT session_id FROM session_execution WHERE id = ?",'
         " (execution_id,))\n"
@@ -70,24 +70,38 @@ DEFECTS = {
     ),
     "heartbeat-revives": Defect(
         "the heartbeat renews a claim of this owner even after its lease expired",
-        "_store.py",
+        "_store/claims.py",
         '            f" WHERE {CLAIM_FENCE} RETURNING phase",',
         '            " WHERE id = :execution AND owner_id = :owner RETURNING phase",',
     ),
     "no-expired-recovery": Defect(
         "the recovery scan never selects expired claims (only unclaimed doorbells)",
-        "_store.py",
+        "_store/recovery.py",
         '        f" WHERE e.expires_at <= :now AND {not_local}"',
         '        f" WHERE e.expires_at <= :now AND {not_local} AND 1 = 0"',
     ),
     "interrupt-no-rearm": Defect(
         "an interrupt's cleanup does not re-arm the doorbell for inputs still pending",
-        "_store.py",
+        "_store/claims.py",
         "    _reset_attempts(tx, session_id)\n"
         "    if _has_pending_inputs(tx, session_id):\n"
         "        _ring(tx, session_id)\n"
         "    return _doorbell_set(tx, session_id)\n",
         "    _reset_attempts(tx, session_id)\n    return _doorbell_set(tx, session_id)\n",
+    ),
+    "early-hand-back": Defect(
+        "a graceful shutdown hands the claims back before their drains exited (a drain"
+        " blocked in a thread still runs while another worker resumes the session)",
+        "_runtime.py",
+        "        for entry in list(self._entries.values()):\n"
+        '            entry.interrupt("shutdown")\n',
+        "        for entry in list(self._entries.values()):\n"
+        '            entry.interrupt("shutdown")\n'
+        "        await self._db.run_nowait(\n"
+        "            _store.expire_claims,\n"
+        "            self._owner_id,\n"
+        "            [e.execution_id for e in self._entries.values() if e.owned],\n"
+        "        )\n",
     ),
 }
 

@@ -3,7 +3,11 @@
 A drain answers the numbered inputs it owes with one finished assistant message whose text
 is the JSON list of their numbers; an input counts as answered once such a message exists.
 A worker process is started with its output in its own log file, and one that exits by
-itself (never the chaos's doing) is reported with the log's tail and started again.
+itself (never the chaos's doing) is reported with the log's tail and started again. A rolling
+restart SIGTERMs a worker (a graceful shutdown: its drains exit, then their claims are handed
+back) and starts its successor at once, while the old process may still be shutting down;
+its drains' exits are in the audit like any other, so a claim handed back while its drain
+still ran shows as an overlap.
 """
 
 from __future__ import annotations
@@ -12,8 +16,10 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,6 +37,10 @@ STRANDED_SQL = (
     " ON s.id = i.session_id WHERE s.time_woken IS NULL AND NOT EXISTS"
     " (SELECT 1 FROM session_execution e WHERE e.session_id = i.session_id)"
 )
+
+
+# Printed once a worker's runtime is open: from then on SIGTERM is a graceful shutdown.
+SERVING = "soak worker serving:"
 
 
 def session_name(index: int) -> str:
@@ -97,24 +107,44 @@ async def serve(
     opened: Callable[[Runtime], object],
 ) -> None:
     """Run the worker's runtime (`opened(runtime)` once it is open) and its random wakes
-    and interrupts until the control file `stop-wakes` exists; then forever."""
-    async with open_runtime(
-        store,
-        drain,
-        owner_id=config.name,
-        lease=config.lease,
-        recovery_interval=config.recovery_interval,
-        max_resumes=1_000_000,
-        acquisition_hook=hook,
-    ) as runtime:
-        opened(runtime)
-        await wake_and_interrupt(
-            runtime,
-            rng,
-            sessions=config.sessions,
-            interrupt_rate=config.interrupt_rate,
-            stopped=(config.control / "stop-wakes").exists,
-        )
+    and interrupts until the control file `stop-wakes` exists; then until SIGTERM, which
+    closes the runtime gracefully (as the worker command does) and returns."""
+    with trio.open_signal_receiver(signal.SIGTERM) as signals:
+        async with open_runtime(
+            store,
+            drain,
+            owner_id=config.name,
+            lease=config.lease,
+            recovery_interval=config.recovery_interval,
+            max_resumes=1_000_000,
+            acquisition_hook=hook,
+        ) as runtime:
+            opened(runtime)
+            print(f"{SERVING} {config.name}", flush=True)
+            async with trio.open_nursery() as nursery:
+
+                async def stop_on_sigterm() -> None:
+                    async for _ in signals:
+                        print(f"soak worker {config.name}: SIGTERM, closing", flush=True)
+                        nursery.cancel_scope.cancel()
+
+                nursery.start_soon(stop_on_sigterm)
+                await wake_and_interrupt(
+                    runtime,
+                    rng,
+                    sessions=config.sessions,
+                    interrupt_rate=config.interrupt_rate,
+                    stopped=(config.control / "stop-wakes").exists,
+                )
+
+
+async def do_work(rng: random.Random, seconds: float) -> None:
+    """A drain's work outside the database: half the time a blocking call in a thread,
+    which no cancellation stops (a graceful shutdown must wait for it)."""
+    if rng.random() < 0.5:
+        await trio.to_thread.run_sync(time.sleep, seconds)
+    else:
+        await trio.sleep(seconds)
 
 
 async def wake_and_interrupt(
@@ -208,6 +238,50 @@ def restart_exited(workers: dict[int, Worker], spawn: Callable[[int], None]) -> 
             del workers[worker.slot]
             spawn(worker.slot)
     return exited
+
+
+@attrs.define
+class Retiring:
+    """Workers SIGTERMed by a rolling restart, until they exited (0 expected)."""
+
+    bound: float
+    workers: list[tuple[Worker, float]] = attrs.Factory(list)
+    restarts: int = 0
+    bad_exits: int = 0
+
+    @staticmethod
+    def serving(worker: Worker) -> bool:
+        """Whether `worker` opened its runtime (before that, SIGTERM just ends the process)."""
+        return SERVING in worker.log.read_text(errors="replace")
+
+    def retire(self, worker: Worker) -> None:
+        """SIGTERM `worker`; its successor is started by the caller at once."""
+        worker.process.send_signal(signal.SIGTERM)
+        self.workers.append((worker, time.monotonic() + self.bound))
+        self.restarts += 1
+
+    def reap(self, on_overdue: Callable[[Worker], None]) -> None:
+        """Collect exited workers; SIGKILL (and report through `on_overdue`, which records
+        it as a kill) one still shutting down after the bound."""
+        still = []
+        for worker, deadline in self.workers:
+            status = worker.process.poll()
+            if status is None and time.monotonic() < deadline:
+                still.append((worker, deadline))
+            elif status is None:
+                print(f"soak: {worker.name} did not exit after SIGTERM; killing it")
+                on_overdue(worker)
+            elif status != 0:
+                self.bad_exits += 1
+                tail = worker.log.read_text(errors="replace")[-2000:]
+                print(f"soak: {worker.name} exited {status} after SIGTERM:\n{tail}")
+        self.workers = still
+
+    def wait(self, on_overdue: Callable[[Worker], None]) -> None:
+        """Until every retiring worker has exited (or was killed past its bound)."""
+        while self.workers:
+            self.reap(on_overdue)
+            time.sleep(0.02)
 
 
 def stop_workers(workers: dict[int, Worker]) -> None:

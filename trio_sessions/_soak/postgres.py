@@ -67,7 +67,8 @@ import psycopg.conninfo
 import psycopg.sql
 import trio
 
-from .. import _codec, _postgres, _store
+from .. import _backend, _codec, _postgres, _store
+from .._backend import Engine
 from .._errors import LeaseLost, StoreError
 from .._model import Claim
 from .._postgres import PostgresStore
@@ -160,7 +161,7 @@ async def run_worker(config: WorkerConfig) -> None:
         # every step, so a drain that outlives its lease is seen acting.
         left = rng.uniform(0.0, config.work_max)
         while left > 0:
-            await trio.sleep(min(left, WORK_STEP))
+            await common.do_work(rng, min(left, WORK_STEP))
             left -= WORK_STEP
             await effect("work", drain_id, ctx)
 
@@ -191,6 +192,7 @@ async def run_worker(config: WorkerConfig) -> None:
         opened: list[Runtime] = []
         try:
             await common.serve(store, drain, hook, config, rng, opened=opened.append)
+            return  # SIGTERM: closed gracefully
         except StoreError as exc:
             if opened:
                 raise
@@ -269,6 +271,7 @@ class Result:
     zombie_writes: int = 0
     repeats: audit.Repeats = attrs.Factory(lambda: audit.Repeats(0, 0, 0, 0))
     unexpected_exits: int = 0
+    rolling_restarts: int = 0
     drains: int = 0
     executions: int = 0
     writes_logged: int = 0
@@ -299,6 +302,7 @@ class Result:
             "pauses": self.pauses,
             "partitions": self.partitions,
             "conn_kills": self.conn_kills,
+            "rolling_restarts": self.rolling_restarts,
         }
 
     @property
@@ -358,6 +362,8 @@ class Soak:
         self.generation = 0
         self.workers: dict[int, common.Worker] = {}
         self.killed: set[str] = set()
+        # A graceful shutdown waits for drains blocked in a thread (a step at most).
+        self.retiring = common.Retiring(bound=10 * (args.lease + args.work_max))
         self.proxies: list[FaultProxy] = []
         self.result = Result(skew_ms=args.skew_ms)
         self.submitted: dict[int, str] = {}
@@ -368,7 +374,7 @@ class Soak:
         self.started = time.monotonic()
         self.server_down = False
         self.admin = Admin(url, self.schema)
-        self.producer = _postgres.PgEngine(url, self.schema, None)
+        self.producer: Engine | None = None  # opened (and the schema migrated) at install
         self._producer_limiter = trio.CapacityLimiter(1)
         self.worker_path: str | None = None
         if args.broken:
@@ -378,7 +384,7 @@ class Soak:
 
     def install_schema(self) -> None:
         """Migrate the soak's schema and add the audit's triggers to it (never the library)."""
-        self.producer.open()
+        self.producer = _backend.open_engine(self.url, schema=self.schema, migrate=True)
         conn = _postgres.connect(self.url, self.schema)
         with conn:
             conn.execute(audit.TRIGGERS)
@@ -508,7 +514,7 @@ class Soak:
         """One host fault at a time, kinds in shuffled rounds, on a random live worker."""
         await trio.sleep(STARTUP)  # the workers boot first
         while True:
-            kinds = ["kill", "pause", "partition"]
+            kinds = ["kill", "pause", "partition", "restart"]
             self.rng.shuffle(kinds)
             for kind in kinds:
                 await trio.sleep(self.rng.uniform(*self.args.kill_gap))
@@ -516,7 +522,10 @@ class Soak:
                     continue
                 worker = self.rng.choice(list(self.workers.values()))
                 print(f"soak: {kind} {worker.name} at {time.monotonic() - self.started:.1f} s")
-                if kind == "kill":
+                if kind == "restart":
+                    if self.retiring.serving(worker):  # else SIGTERM just ends a starting one
+                        self.rolling_restart(worker)
+                elif kind == "kill":
                     await self.kill(worker, nursery)
                 elif kind == "pause":
                     await self.pause(worker)
@@ -620,8 +629,9 @@ class Soak:
             return
 
     async def db(self, op: Callable[..., T], *args: Any) -> T:
+        assert self.producer is not None, "install_schema() opens the producer"
         return await trio.to_thread.run_sync(
-            functools.partial(_postgres.run_op, self.producer, op, *args),
+            functools.partial(self.producer.run, op, *args),
             limiter=self._producer_limiter,
         )
 
@@ -680,6 +690,21 @@ class Soak:
 
     def check_exits(self) -> None:
         self.result.unexpected_exits += common.restart_exited(self.workers, self.spawn)
+        self.retiring.reap(self.kill_overdue)
+
+    def kill_overdue(self, worker: common.Worker) -> None:
+        """A SIGTERMed worker still shutting down past its bound: killed, and audited so."""
+        worker.process.kill()
+        worker.process.wait()
+        self.killed.add(worker.name)
+        self.result.kills += 1
+
+    def rolling_restart(self, worker: common.Worker) -> None:
+        """SIGTERM `worker` and start its successor in the same slot at once."""
+        del self.workers[worker.slot]
+        self.retiring.retire(worker)
+        self.result.rolling_restarts += 1
+        self.spawn(worker.slot)
 
     async def watch(self) -> None:
         while True:
@@ -709,6 +734,10 @@ class Soak:
         for slot in range(self.args.workers):
             if slot not in self.workers:
                 self.spawn(slot)
+        while self.retiring.workers:
+            self.retiring.reap(self.kill_overdue)
+            await trio.sleep(0.02)
+        self.result.unexpected_exits += self.retiring.bad_exits
 
     async def settle(self) -> None:
         """No more chaos or wakes: give the survivors the lease plus scans to finish."""
@@ -810,7 +839,8 @@ class Soak:
 
     def close(self) -> None:
         self.admin.close()
-        self.producer.close()
+        if self.producer is not None:
+            self.producer.close()
 
 
 @contextlib.contextmanager
@@ -870,6 +900,7 @@ def run_soak(args: argparse.Namespace) -> int:
         f" repeats_after_kill={repeats.after_kill} repeats_after_cancel={repeats.after_cancel}"
         f" repeats_after_failure={repeats.after_failure}"
         f" unexpected_repeats={repeats.unexpected} unexpected_exits={result.unexpected_exits}"
+        f" rolling_restarts={result.rolling_restarts}"
     )
     few = {kind: count for kind, count in result.fault_counts().items() if count < MIN_FAULTS}
     if args.duration >= 60 and (few or (restart is not None and result.restarts != 1)):

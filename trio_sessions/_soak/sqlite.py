@@ -6,7 +6,9 @@ producer (this process) that submits numbered inputs to M sessions (default 20) 
 process that runs no drains does: durable inputs and doorbells, picked up by the workers'
 recovery passes and by their own random wakes. A chaos loop SIGKILLs a random worker at
 random moments - some of them inside the claim handoff, where the `acquisition_hook` pauses
-on request - and restarts it. The workers also interrupt random sessions now and then, their
+on request - and restarts it; or restarts it gracefully (a rolling restart: SIGTERM, and its
+successor started at once while its drains - half of them blocked in a thread - still
+run). The workers also interrupt random sessions now and then, their
 own claims or (through `phase='cancelling'`) each other's. Every drain iteration records its
 enter and exit (worker, execution id, wall times) in an audit table of the same file,
 through its own connection, before its first durable effect and after its last.
@@ -126,7 +128,7 @@ async def run_worker(config: WorkerConfig) -> None:
             await trio.sleep(HANDOFF_PAUSE)
 
     async def work() -> None:
-        await trio.sleep(rng.uniform(0.0, config.work_max))
+        await common.do_work(rng, rng.uniform(0.0, config.work_max))
 
     async def drain(ctx: DrainContext) -> None:
         row = await audit.write(
@@ -179,6 +181,7 @@ class SoakResult:
     claims_left: int = 0
     recovery_rows_left: int = 0
     unexpected_exits: int = 0
+    rolling_restarts: int = 0
     drains: int = 0
     executions: int = 0
     resumed: int = 0
@@ -218,10 +221,13 @@ class Soak:
         self.workers: dict[int, common.Worker] = {}
         self.result = SoakResult()
         self.restart_at: dict[int, float] = {}
+        # A graceful shutdown waits for drains blocked in a thread (work_max at most).
+        self.retiring = common.Retiring(bound=10 * (args.lease + args.work_max))
         self.next_n = 1
-        conn = _sqlite.connect(self.db)
-        conn.executescript(AUDIT_SCHEMA)
-        self.conn = conn
+        self.engine = _sqlite.open_engine(self.db, migrate=True)
+        # The same connection: the audit's own tables are written beside the store's.
+        self.conn = self.engine.conn
+        self.conn.executescript(AUDIT_SCHEMA)
 
     # -- workers --------------------------------------------------------------------------------
 
@@ -249,6 +255,10 @@ class Soak:
         self.workers[slot] = common.start_worker(self.workdir, slot, name, argv)
 
     def kill(self, worker: common.Worker, *, in_handoff: bool) -> None:
+        self.reap_killed(worker, in_handoff=in_handoff)
+        del self.workers[worker.slot]
+
+    def reap_killed(self, worker: common.Worker, *, in_handoff: bool) -> None:
         worker.process.kill()
         worker.process.wait()
         # Taken after the process was reaped: no drain of it can run later than this.
@@ -260,10 +270,19 @@ class Soak:
         self.result.handoff_kills += int(in_handoff)
         for path in (self.control / f"pause.{worker.name}", self.control / f"paused.{worker.name}"):
             path.unlink(missing_ok=True)
-        del self.workers[worker.slot]
 
     def check_exits(self) -> None:
         self.result.unexpected_exits += common.restart_exited(self.workers, self.spawn)
+        self.retiring.reap(self.kill_overdue)
+
+    def kill_overdue(self, worker: common.Worker) -> None:
+        self.reap_killed(worker, in_handoff=False)  # its slot holds its successor already
+
+    def rolling_restart(self, worker: common.Worker) -> None:
+        """SIGTERM `worker` and start its successor in the same slot at once."""
+        del self.workers[worker.slot]
+        self.retiring.retire(worker)
+        self.spawn(worker.slot)
 
     # -- producer and sampling -------------------------------------------------------------------
 
@@ -272,7 +291,7 @@ class Soak:
         self.next_n += 1
         session_id = common.session_name(self.rng.randrange(self.args.sessions))
         payload = _codec.dumps({"n": n})
-        _sqlite.run_op(self.conn, time.time, _store.submit, session_id, payload, f"in-{n}")
+        self.engine.run(_store.submit, session_id, payload, f"in-{n}")
         self.conn.execute(
             "INSERT INTO soak_submitted(n, session_id, t) VALUES (?, ?, ?)",
             (n, session_id, time.time()),
@@ -310,7 +329,10 @@ class Soak:
                     next_kill = now + self.rng.uniform(*args.kill_gap)
             elif now >= next_kill and self.workers:
                 worker = self.rng.choice(list(self.workers.values()))
-                if self.rng.random() < args.handoff_ratio:
+                if self.rng.random() < args.restart_ratio and self.retiring.serving(worker):
+                    self.rolling_restart(worker)
+                    next_kill = now + self.rng.uniform(*args.kill_gap)
+                elif self.rng.random() < args.handoff_ratio:
                     (self.control / f"pause.{worker.name}").touch()
                     handoff = (worker, now + 2.0)
                 else:
@@ -333,6 +355,9 @@ class Soak:
             if slot not in self.workers:
                 self.spawn(slot)
         self.restart_at.clear()
+        self.retiring.wait(self.kill_overdue)
+        self.result.rolling_restarts = self.retiring.restarts
+        self.result.unexpected_exits += self.retiring.bad_exits
 
     def settle(self) -> None:
         """No more chaos or wakes: give the survivors the lease plus scans to finish."""
@@ -344,7 +369,7 @@ class Soak:
             # wakes are still caught: the stranded-input sampling never stops.
             time.sleep(0.5)
             for index in range(args.sessions):
-                _sqlite.run_op(self.conn, time.time, _store.wake, common.session_name(index))
+                self.engine.run(_store.wake, common.session_name(index))
         earliest = time.monotonic() + args.lease + args.recovery_interval
         deadline = time.monotonic() + args.settle_timeout
         while time.monotonic() < deadline:
@@ -473,6 +498,7 @@ def run_soak(args: argparse.Namespace) -> int:
     result = soak.result
     print(
         f"soak: settled={result.settled} handoff_kills={result.handoff_kills}"
+        f" rolling_restarts={result.rolling_restarts}"
         f" drains={result.drains} executions={result.executions} resumed={result.resumed}"
         f" statuses={result.statuses}"
         f" duplicates_after_cancel={result.duplicates_after_cancel}"

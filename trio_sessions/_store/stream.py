@@ -1,4 +1,4 @@
-"""Store reads behind `runtime.stream()` (DESIGN §5.2): what changed since a stream position.
+"""Stream reads: behind `runtime.stream()` (DESIGN §5.2): what changed since a stream position.
 
 A *position* is what a stream's client holds: every message with `seq <= top` (the one at
 `top` identified by a tag of its id), all of them final except the *open* ones listed with
@@ -26,11 +26,12 @@ from typing import Any
 
 import attrs
 
-from . import _codec
-from ._backend import Tx
-from ._errors import MalformedRecord
-from ._model import AssistantData, Message
-from ._store import _chunks, _decode_message, _in_list
+from .. import _codec
+from .._backend import Tx
+from .._errors import MalformedRecord
+from .._model import AssistantData, Message
+from .common import _chunks, _in_list
+from .transcript import _decode_message
 
 
 def message_tag(message_id: str) -> str:

@@ -1,0 +1,168 @@
+"""Graceful shutdown (DESIGN §4 Shutdown, §6.21): a claim is handed back only after its drain
+exited, so drains of one session never overlap in time, graceful restarts included.
+
+Deterministic: inline store, autojump virtual clock, gates. A drain that does not stop when
+cancelled is a shielded wait (as a `finally` that awaits) or a blocking call in a thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import trio
+import trio.testing
+from helpers import Raw, runtime
+from trio.testing import MockClock
+
+from trio_sessions import DrainContext, Store
+
+Clock = Callable[[], float]
+LEASE = 30.0
+
+
+class Overlap:
+    """Counts the drains of one session running at once, across runtimes."""
+
+    def __init__(self) -> None:
+        self.running = 0
+        self.peak = 0
+        self.calls: list[DrainContext] = []
+
+    def enter(self, ctx: DrainContext) -> None:
+        self.calls.append(ctx)
+        self.running += 1
+        self.peak = max(self.peak, self.running)
+
+    def leave(self) -> None:
+        self.running -= 1
+
+
+async def test_close_hands_a_claim_back_only_after_its_drain_exited(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """A drain whose cleanup outlasts the shutdown grace keeps its claim (and its lease,
+    renewed) until it exits; only then is the claim handed back and resumed elsewhere: the
+    two runtimes' drains never overlap."""
+    overlap = Overlap()
+    cleaning, let_go = trio.Event(), trio.Event()
+
+    async def stubborn(ctx: DrainContext) -> None:
+        overlap.enter(ctx)
+        try:
+            if not ctx.resumed:
+                await trio.sleep_forever()
+        finally:
+            if not ctx.resumed:
+                with trio.CancelScope(shield=True):  # a `finally` that awaits, uncancellable
+                    cleaning.set()
+                    await let_go.wait()
+            overlap.leave()
+
+    closed = trio.Event()
+    async with runtime(store, stubborn, clock, lease=LEASE) as other:
+
+        async def close_first() -> None:
+            async with runtime(store, stubborn, clock, lease=LEASE) as first:
+                await first.wake("s")
+                await trio.testing.wait_all_tasks_blocked()
+                assert first.is_active("s")
+            closed.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(close_first)
+            await cleaning.wait()
+            try:
+                # Three leases and many recovery passes later, the stubborn drain still
+                # runs: its claim must still be live, held by the first runtime.
+                for _ in range(9):
+                    await trio.sleep(LEASE / 3)
+                    report = await other.recover_once()
+                    assert report.resumed == 0, report
+                    assert overlap.peak == 1
+                assert not closed.is_set()
+            finally:
+                let_go.set()  # a failed check must not leave the drain stuck forever
+            await closed.wait()
+        await other.recover_once()
+        await other.wait_idle("s")
+    assert overlap.peak == 1
+    assert [ctx.resumed for ctx in overlap.calls] == [False, True]
+    # A graceful hand-back does not count against the resume budget.
+    assert overlap.calls[1].attempt == 0
+    assert Raw(db_path).claim("s") is None
+
+
+async def test_close_waits_for_a_drain_blocked_in_a_thread(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """A drain blocked in `trio.to_thread.run_sync` (uncancellable) when the runtime closes:
+    no other runtime resumes the session while that thread runs; once it returns, the
+    claim is handed back and resumed at once."""
+    overlap = Overlap()
+    in_thread, blocker = trio.Event(), threading.Event()
+
+    async def blocking(ctx: DrainContext) -> None:
+        overlap.enter(ctx)
+        try:
+            if not ctx.resumed:
+                trio.lowlevel.current_trio_token().run_sync_soon(in_thread.set)
+                await trio.to_thread.run_sync(blocker.wait)
+        finally:
+            overlap.leave()
+
+    async with runtime(store, blocking, clock, lease=LEASE) as other:
+
+        async def close_first() -> None:
+            async with (
+                runtime(store, blocking, clock, lease=LEASE) as first,
+                trio.open_nursery() as inner,
+            ):
+                inner.start_soon(first.run, "s")  # a joiner cancelled below: never the drain
+                await in_thread.wait()
+                inner.cancel_scope.cancel()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(close_first)
+            await in_thread.wait()
+            try:
+                for _ in range(6):
+                    await trio.sleep(LEASE / 2)
+                    assert (await other.recover_once()).resumed == 0
+                assert overlap.peak == 1 and overlap.running == 1
+            finally:
+                blocker.set()  # a failed check must not leave the thread blocked forever
+        await other.recover_once()
+        await other.wait_idle("s")
+    assert overlap.peak == 1
+    assert [ctx.resumed for ctx in overlap.calls] == [False, True]
+    assert Raw(db_path).claim("s") is None
+
+
+async def test_close_hands_back_at_once_when_drains_stop_promptly(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """Drains that stop when cancelled: close hands their claims back in well under the
+    grace, and the next runtime's first pass resumes them without counting a resume."""
+    entered = trio.Event()
+
+    async def prompt(ctx: DrainContext) -> None:
+        entered.set()
+        await trio.sleep_forever()
+
+    async with runtime(store, prompt, clock, lease=LEASE) as first:
+        await first.wake("s")
+        await entered.wait()
+        started = trio.current_time()
+    assert trio.current_time() - started < 1.0
+    claim = Raw(db_path).claim("s")
+    assert claim is not None
+    resumed: list[DrainContext] = []
+
+    async def record(ctx: DrainContext) -> None:
+        resumed.append(ctx)
+
+    async with runtime(store, record, clock, lease=LEASE) as second:
+        await second.wait_idle("s")
+    assert [(ctx.resumed, ctx.attempt) for ctx in resumed] == [(True, 0)]

@@ -1,0 +1,277 @@
+"""Both dialects' schemas: the versioned migrations of SQLite and of PostgreSQL, side by side.
+
+The two describe one schema: the same tables, columns, names and named CHECKs, so every
+store operation (`_store`) runs unchanged on both. They differ in what each engine does
+best: SQLite's hot tables are WITHOUT ROWID and its integers are INTEGER; PostgreSQL's
+times are BIGINT and its claim table leaves room for heartbeats' row versions.
+
+Versions do not line up: PostgreSQL's first version is SQLite's versions 1-3 (no
+PostgreSQL store predates them), and PostgreSQL's version 2 is SQLite's version 4
+(streaming). A change of the schema adds one version to each dict, in the same commit.
+
+Invariants: a version, once released, is never edited (stores in the field are at it);
+the engines (`_sqlite.migrate`, `_postgres.migrate`) apply versions in order in one
+transaction and refuse a store newer than they understand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from . import _codec
+
+# ---------------------------------------------------------------------------------------------
+# SQLite
+
+SQLITE_SCHEMA_VERSION = 4
+
+# The small, hot tables are WITHOUT ROWID: keyed by their text primary key directly, each
+# write touches one b-tree less (fewer WAL pages per commit). Messages keep a rowid: their
+# rows are large.
+SQLITE_MIGRATIONS: dict[int, str] = {
+    1: """
+CREATE TABLE session(
+    id TEXT PRIMARY KEY,
+    time_created INTEGER NOT NULL,
+    time_woken INTEGER,
+    wakes INTEGER NOT NULL DEFAULT 0,
+    wake_attempts INTEGER NOT NULL DEFAULT 0
+        CONSTRAINT session_wake_attempts_check CHECK (wake_attempts >= 0),
+    input_seq INTEGER NOT NULL DEFAULT 0
+) WITHOUT ROWID;
+CREATE INDEX session_time_woken ON session(time_woken) WHERE time_woken IS NOT NULL;
+CREATE TABLE session_input(
+    id TEXT PRIMARY KEY,
+    session_id TEXT NOT NULL REFERENCES session(id) ON DELETE CASCADE,
+    seq INTEGER NOT NULL,
+    payload TEXT NOT NULL,
+    time_created INTEGER NOT NULL,
+    UNIQUE(session_id, seq)
+) WITHOUT ROWID;
+CREATE TABLE session_execution(
+    id TEXT PRIMARY KEY,
+    session_id TEXT NOT NULL UNIQUE REFERENCES session(id) ON DELETE CASCADE,
+    owner_id TEXT NOT NULL,
+    phase TEXT NOT NULL
+        CONSTRAINT session_execution_phase_check CHECK (phase IN ('running', 'cancelling')),
+    anchor_seq INTEGER,
+    time_created INTEGER NOT NULL,
+    heartbeat_at INTEGER,
+    expires_at INTEGER NOT NULL
+) WITHOUT ROWID;
+CREATE INDEX session_execution_expires_at ON session_execution(expires_at);
+CREATE TABLE session_recovery(
+    execution_id TEXT PRIMARY KEY,
+    session_id TEXT NOT NULL,
+    owner_id TEXT NOT NULL,
+    expires_at INTEGER NOT NULL,
+    recovery_error TEXT,
+    time_created INTEGER NOT NULL,
+    time_quarantined INTEGER
+) WITHOUT ROWID;
+CREATE TABLE session_message(
+    id TEXT PRIMARY KEY,
+    session_id TEXT NOT NULL REFERENCES session(id) ON DELETE CASCADE,
+    execution_id TEXT,
+    input_id TEXT UNIQUE,
+    role TEXT NOT NULL CONSTRAINT session_message_role_check
+        CHECK (role IN ('user', 'assistant', 'system')),
+    seq INTEGER NOT NULL,
+    data TEXT NOT NULL,
+    time_created INTEGER NOT NULL,
+    time_updated INTEGER NOT NULL,
+    UNIQUE(session_id, seq)
+);
+CREATE INDEX session_message_execution ON session_message(execution_id)
+    WHERE execution_id IS NOT NULL;
+""",
+    # Every change of a message bumps its version: watchers order snapshots by it.
+    2: """
+ALTER TABLE session_message ADD COLUMN version INTEGER NOT NULL DEFAULT 0;
+""",
+    # Records set aside for the operator (an input or message that does not decode), raw
+    # text kept; and the mark of a claim handed back by a graceful shutdown (resumed
+    # without counting against max_resumes).
+    3: """
+CREATE TABLE session_input_rejected(
+    id TEXT PRIMARY KEY,
+    session_id TEXT NOT NULL REFERENCES session(id) ON DELETE CASCADE,
+    seq INTEGER NOT NULL,
+    payload TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    time_created INTEGER NOT NULL
+);
+CREATE INDEX session_input_rejected_session ON session_input_rejected(session_id);
+CREATE TABLE session_message_rejected(
+    id TEXT PRIMARY KEY,
+    session_id TEXT NOT NULL REFERENCES session(id) ON DELETE CASCADE,
+    execution_id TEXT,
+    seq INTEGER NOT NULL,
+    data TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    time_created INTEGER NOT NULL
+);
+CREATE INDEX session_message_rejected_session ON session_message_rejected(session_id);
+ALTER TABLE session_execution ADD COLUMN handed_back INTEGER NOT NULL DEFAULT 0;
+""",
+    # Streaming: an append is one small row in session_message_delta (keyed by the message
+    # and the version it makes), folded into data at the next tool-part change or finish;
+    # session_message_stream holds each open message's base version, so an append never
+    # reads or rewrites the wide message row. `finished` mirrors data.finished (1 for
+    # messages that are never open); 0 means "maybe open", also for a row written by hand,
+    # so closing an execution's open messages reads only the partial index. Existing rows
+    # are marked from their JSON; one that does not parse stays 0, as a hand-written one.
+    4: """
+ALTER TABLE session_message ADD COLUMN finished INTEGER NOT NULL DEFAULT 0;
+UPDATE session_message SET finished = 1 WHERE role != 'assistant'
+    OR CASE WHEN json_valid(data) THEN json_type(data, '$.finished') = 'true' ELSE 0 END;
+CREATE INDEX session_message_open ON session_message(execution_id) WHERE finished = 0;
+CREATE TABLE session_message_stream(
+    message_id TEXT PRIMARY KEY REFERENCES session_message(id) ON DELETE CASCADE,
+    execution_id TEXT NOT NULL,
+    version INTEGER NOT NULL
+) WITHOUT ROWID;
+CREATE TABLE session_message_delta(
+    message_id TEXT NOT NULL REFERENCES session_message(id) ON DELETE CASCADE,
+    version INTEGER NOT NULL,
+    text TEXT NOT NULL,
+    PRIMARY KEY (message_id, version)
+) WITHOUT ROWID;
+""",
+}
+
+# The tables whose presence makes an SQLite file ours.
+SQLITE_OUR_TABLES = frozenset(
+    {"session", "session_input", "session_execution", "session_recovery", "session_message"}
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# PostgreSQL
+
+POSTGRES_SCHEMA_VERSION = 2
+
+# Same names, meanings and named CHECKs as the SQLite schema (`SQLITE_MIGRATIONS`, whose
+# versions 1-3 are PostgreSQL's first: no PostgreSQL store predates them); times
+# are BIGINT milliseconds; JSON stays TEXT so a malformed row is stored byte for byte for the
+# operator. Heartbeats rewrite the indexed `expires_at`, so claim updates are never HOT:
+# fillfactor leaves room on each page for the new row versions.
+POSTGRES_MIGRATIONS: dict[int, str] = {
+    1: """
+CREATE TABLE session(
+    id TEXT PRIMARY KEY,
+    time_created BIGINT NOT NULL,
+    time_woken BIGINT,
+    wakes BIGINT NOT NULL DEFAULT 0,
+    wake_attempts BIGINT NOT NULL DEFAULT 0
+        CONSTRAINT session_wake_attempts_check CHECK (wake_attempts >= 0),
+    input_seq BIGINT NOT NULL DEFAULT 0
+);
+CREATE INDEX session_time_woken ON session(time_woken) WHERE time_woken IS NOT NULL;
+CREATE TABLE session_input(
+    id TEXT PRIMARY KEY,
+    session_id TEXT NOT NULL REFERENCES session(id) ON DELETE CASCADE,
+    seq BIGINT NOT NULL,
+    payload TEXT NOT NULL,
+    time_created BIGINT NOT NULL,
+    UNIQUE(session_id, seq)
+);
+CREATE TABLE session_execution(
+    id TEXT PRIMARY KEY,
+    session_id TEXT NOT NULL UNIQUE REFERENCES session(id) ON DELETE CASCADE,
+    owner_id TEXT NOT NULL,
+    phase TEXT NOT NULL
+        CONSTRAINT session_execution_phase_check CHECK (phase IN ('running', 'cancelling')),
+    anchor_seq BIGINT,
+    time_created BIGINT NOT NULL,
+    heartbeat_at BIGINT,
+    expires_at BIGINT NOT NULL,
+    handed_back INTEGER NOT NULL DEFAULT 0
+) WITH (fillfactor = 80);
+CREATE INDEX session_execution_expires_at ON session_execution(expires_at);
+CREATE TABLE session_recovery(
+    execution_id TEXT PRIMARY KEY,
+    session_id TEXT NOT NULL,
+    owner_id TEXT NOT NULL,
+    expires_at BIGINT NOT NULL,
+    recovery_error TEXT,
+    time_created BIGINT NOT NULL,
+    time_quarantined BIGINT
+);
+CREATE TABLE session_message(
+    id TEXT PRIMARY KEY,
+    session_id TEXT NOT NULL REFERENCES session(id) ON DELETE CASCADE,
+    execution_id TEXT,
+    input_id TEXT UNIQUE,
+    role TEXT NOT NULL CONSTRAINT session_message_role_check
+        CHECK (role IN ('user', 'assistant', 'system')),
+    seq BIGINT NOT NULL,
+    data TEXT NOT NULL,
+    time_created BIGINT NOT NULL,
+    time_updated BIGINT NOT NULL,
+    version BIGINT NOT NULL DEFAULT 0,
+    UNIQUE(session_id, seq)
+);
+CREATE INDEX session_message_execution ON session_message(execution_id)
+    WHERE execution_id IS NOT NULL;
+CREATE TABLE session_input_rejected(
+    id TEXT PRIMARY KEY,
+    session_id TEXT NOT NULL REFERENCES session(id) ON DELETE CASCADE,
+    seq BIGINT NOT NULL,
+    payload TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    time_created BIGINT NOT NULL
+);
+CREATE INDEX session_input_rejected_session ON session_input_rejected(session_id);
+CREATE TABLE session_message_rejected(
+    id TEXT PRIMARY KEY,
+    session_id TEXT NOT NULL REFERENCES session(id) ON DELETE CASCADE,
+    execution_id TEXT,
+    seq BIGINT NOT NULL,
+    data TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    time_created BIGINT NOT NULL
+);
+CREATE INDEX session_message_rejected_session ON session_message_rejected(session_id);
+""",
+    # Streaming, as SQLite's version 4 (see there). Existing assistant rows are marked
+    # finished from their JSON by `_mark_finished_messages` (a row that does not parse
+    # stays 0, "maybe open", as a hand-written one).
+    2: """
+ALTER TABLE session_message ADD COLUMN finished INTEGER NOT NULL DEFAULT 0;
+UPDATE session_message SET finished = 1 WHERE role <> 'assistant';
+CREATE INDEX session_message_open ON session_message(execution_id) WHERE finished = 0;
+CREATE TABLE session_message_stream(
+    message_id TEXT PRIMARY KEY REFERENCES session_message(id) ON DELETE CASCADE,
+    execution_id TEXT NOT NULL,
+    version BIGINT NOT NULL
+);
+CREATE TABLE session_message_delta(
+    message_id TEXT NOT NULL REFERENCES session_message(id) ON DELETE CASCADE,
+    version BIGINT NOT NULL,
+    text TEXT NOT NULL,
+    PRIMARY KEY (message_id, version)
+);
+""",
+}
+
+
+def _mark_finished_messages(conn: Any) -> None:
+    """Version 2: `finished = 1` on the assistant rows whose JSON says so. In Python, as
+    `data::jsonb` would abort the migration on a malformed row (kept byte for byte)."""
+    finished = []
+    with conn.cursor(name="trio_sessions_migrate_finished") as rows:
+        rows.execute("SELECT id, data FROM session_message WHERE role = 'assistant'")
+        for message_id, data in rows:
+            try:
+                decoded = _codec.loads(data)
+            except (TypeError, ValueError):
+                continue
+            if isinstance(decoded, dict) and decoded.get("finished") is True:
+                finished.append(message_id)
+    conn.execute("UPDATE session_message SET finished = 1 WHERE id = ANY(%s)", (finished,))
+
+
+# Python steps that follow a PostgreSQL version's SQL, in the same transaction.
+POSTGRES_BACKFILLS: dict[int, Callable[[Any], None]] = {2: _mark_finished_messages}

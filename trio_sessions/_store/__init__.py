@@ -1,0 +1,126 @@
+"""The fenced store operations by family, written once for every backend (synchronous).
+
+Each operation is a function `op(tx, ...)` that a backend runs inside one write transaction
+(`_backend.Tx`; several operations may share one transaction: group commit). SQL here is the
+subset SQLite and PostgreSQL agree on; where they differ, `tx` offers a named hook
+(`lock_session`, `lock_claims`, `not_in`, `savepoint`) or says its `dialect`, and the
+dialect's form sits beside the shared one in the family's module.
+
+Families (one module each):
+* `common`: the claim and recovery fences, the session's small reads and writes, ids;
+* `inputs`: `wake` and `submit` (admission);
+* `claims`: acquire, heartbeat, finish, interrupt, hand-back;
+* `transcript`: taking inputs, assistant messages and streamed text, reading;
+* `recovery`: candidates, recovery leases, applying the decision;
+* `operator`: quarantine and rejected inputs, the CLI's status and health reads;
+* `changes`: what other processes changed (doorbells, cancellations, watched messages);
+* `stream`: what a resumable event stream's client is missing (`runtime.stream()`).
+
+Serialisation: every operation that reads and then writes a session's rows first takes
+`tx.lock_session(session_id)` - a no-op on SQLite (its write transaction holds the only
+write lock), a lock held to COMMIT on PostgreSQL, whose READ COMMITTED would otherwise let a
+takeover commit between a fence read and the write behind it. Operations keyed by an
+execution look up its session (which an execution never changes), lock it, then check the
+fence under the lock. `tx.now` is read after the operation's locks, so a fence never
+compares against a time from before a lock wait.
+
+Every name the rest of the package (and its tests) uses is re-exported here, so callers
+write `_store.submit(...)` whatever module the operation lives in.
+"""
+
+from __future__ import annotations
+
+from .changes import Changes, Snapshot, changes, watched_messages
+from .claims import (
+    Acquired,
+    acquire,
+    cancel_held_claim,
+    expire_claims,
+    finish_failed,
+    finish_interrupted,
+    finish_iteration,
+    heartbeat,
+    mark_cancelling,
+    request_cancel,
+    submit_and_acquire,
+    wake_and_acquire,
+)
+from .common import CLAIM_FENCE, RECOVERY_FENCE, new_id
+from .inputs import submit, wake
+from .operator import (
+    drop_quarantined,
+    drop_rejected_input,
+    lift_quarantine,
+    quarantine_report,
+    quarantined,
+    rejected_inputs,
+    session_count,
+    status,
+)
+from .recovery import (
+    Candidate,
+    Recovered,
+    _recovery_facts,
+    _take_over,
+    apply_recovery,
+    apply_recovery_batch,
+    quarantine,
+    recovery_candidates,
+    take_recovery_leases,
+)
+from .stream import stream_changes, stream_heads
+from .transcript import (
+    append_assistant_text,
+    begin_assistant,
+    read_transcript,
+    take_inputs,
+    update_assistant,
+)
+
+__all__ = [
+    "CLAIM_FENCE",
+    "RECOVERY_FENCE",
+    "Acquired",
+    "Candidate",
+    "Changes",
+    "Recovered",
+    "Snapshot",
+    "_recovery_facts",
+    "_take_over",
+    "acquire",
+    "append_assistant_text",
+    "apply_recovery",
+    "apply_recovery_batch",
+    "begin_assistant",
+    "cancel_held_claim",
+    "changes",
+    "drop_quarantined",
+    "drop_rejected_input",
+    "expire_claims",
+    "finish_failed",
+    "finish_interrupted",
+    "finish_iteration",
+    "heartbeat",
+    "lift_quarantine",
+    "mark_cancelling",
+    "new_id",
+    "quarantine",
+    "quarantine_report",
+    "quarantined",
+    "read_transcript",
+    "recovery_candidates",
+    "rejected_inputs",
+    "request_cancel",
+    "session_count",
+    "status",
+    "stream_changes",
+    "stream_heads",
+    "submit",
+    "submit_and_acquire",
+    "take_inputs",
+    "take_recovery_leases",
+    "update_assistant",
+    "wake",
+    "wake_and_acquire",
+    "watched_messages",
+]

@@ -1,0 +1,227 @@
+"""The operator's operations: quarantine (list, lift, drop), rejected inputs (list, drop),
+and the reads behind the CLI's `status`, `quarantine list` and `health` (the CLI holds
+no SQL: it formats what these return).
+
+Invariants kept here:
+* every write takes the session lock of the row it acts on, and acts only on a row that is
+  quarantined (or set aside) now: `ValueError` otherwise, with nothing written;
+* dropping a quarantined execution sets aside (raw text kept) the messages that do not
+  decode, so the transcript reads again; finishes the rest as owner-lost, deletes the
+  claim, resets the resume budget and re-arms the doorbell if inputs remain;
+* the reads only read: they run on a read snapshot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from .._backend import Tx
+from .._errors import MalformedRecord
+from .._model import OWNER_LOST
+from .common import _has_pending_inputs, _reset_attempts, _ring
+from .recovery import Candidate
+from .transcript import _close_open_messages, _decode_message, _streamed_texts
+
+
+def quarantined(tx: Tx) -> list[dict[str, Any]]:
+    """Quarantined executions, oldest quarantine first, as plain JSON values."""
+    rows = tx.execute(
+        "SELECT execution_id, session_id, owner_id, recovery_error, time_quarantined"
+        " FROM session_recovery WHERE recovery_error IS NOT NULL ORDER BY time_quarantined"
+    ).fetchall()
+    keys = ("execution_id", "session_id", "recovery_owner", "recovery_error", "time_quarantined")
+    return [dict(zip(keys, row, strict=True)) for row in rows]
+
+
+def lift_quarantine(tx: Tx, execution_id: str, owner_id: str, lease_ms: int) -> Candidate:
+    """Clear a quarantine and take the recovery lease on it at once (for a resume)."""
+    row = _quarantined_row(tx, execution_id)
+    tx.execute(
+        "UPDATE session_recovery SET recovery_error = NULL, time_quarantined = NULL,"
+        " owner_id = ?, expires_at = ? WHERE execution_id = ?",
+        (owner_id, tx.now + lease_ms, execution_id),
+    )
+    _unmark_finished(tx, execution_id)
+    return Candidate(row[0], execution_id)
+
+
+def _unmark_finished(tx: Tx, execution_id: str) -> None:
+    """The operator may have repaired the execution's messages by hand (the documented way
+    out of a quarantine), and `finished` does not follow a hand-written `data`: count them
+    as maybe open again, so closing the execution reads what they say now."""
+    tx.execute(
+        "UPDATE session_message SET finished = 0"
+        " WHERE execution_id = ? AND role = 'assistant' AND finished = 1",
+        (execution_id,),
+    )
+
+
+def drop_quarantined(tx: Tx, execution_id: str) -> None:
+    """Operator drop: set the execution's messages that do not decode aside (raw text kept
+    in `session_message_rejected`), so the transcript reads again; finish the rest of its
+    open transcript as owner-lost, delete the claim, reset attempts, re-arm the doorbell if
+    inputs remain."""
+    session_id = _quarantined_row(tx, execution_id)[0]
+    _set_aside_malformed_messages(tx, session_id, execution_id)
+    _unmark_finished(tx, execution_id)
+    _close_open_messages(tx, execution_id, OWNER_LOST)
+    tx.execute("DELETE FROM session_execution WHERE id = ?", (execution_id,))
+    _reset_attempts(tx, session_id)
+    if _has_pending_inputs(tx, session_id):
+        _ring(tx, session_id)
+    tx.execute("DELETE FROM session_recovery WHERE execution_id = ?", (execution_id,))
+
+
+def _set_aside_malformed_messages(tx: Tx, session_id: str, execution_id: str) -> None:
+    rows = tx.execute(
+        "SELECT id, role, seq, data, input_id FROM session_message WHERE execution_id = ?",
+        (execution_id,),
+    ).fetchall()
+    for message_id, role, seq, data, input_id in rows:
+        streamed = _streamed_texts(tx, message_id)
+        try:
+            _decode_message(
+                session_id, (message_id, role, seq, data, execution_id, input_id), streamed
+            )
+        except MalformedRecord as exc:
+            # The raw data is kept; text streamed onto it since goes into the reason (its
+            # rows leave with the message).
+            reason = str(exc) + (f"; streamed since: {streamed!r}" if streamed else "")
+            tx.execute(
+                "INSERT INTO session_message_rejected(id, session_id, execution_id, seq, data,"
+                " reason, time_created) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (message_id, session_id, execution_id, seq, data, reason, tx.now),
+            )
+            tx.execute("DELETE FROM session_message WHERE id = ?", (message_id,))
+
+
+def rejected_inputs(tx: Tx, session_id: str | None) -> list[dict[str, Any]]:
+    """Inputs set aside by `take_inputs` because they do not decode, oldest first."""
+    rows = tx.execute(
+        "SELECT id, session_id, seq, payload, reason, time_created FROM session_input_rejected"
+        " WHERE CAST(:session AS TEXT) IS NULL OR session_id = :session"
+        " ORDER BY time_created, session_id, seq",
+        {"session": session_id},
+    ).fetchall()
+    keys = ("id", "session_id", "seq", "payload", "reason", "time_created")
+    return [dict(zip(keys, row, strict=True)) for row in rows]
+
+
+def drop_rejected_input(tx: Tx, input_id: str) -> str:
+    """Operator drop of a set-aside input; returns its session id, `ValueError` if none."""
+    row = tx.one("SELECT session_id FROM session_input_rejected WHERE id = ?", (input_id,))
+    if row is None:
+        raise ValueError(f"input {input_id!r} is not a rejected input")
+    tx.lock_session(str(row[0]))
+    tx.execute("DELETE FROM session_input_rejected WHERE id = ?", (input_id,))
+    return str(row[0])
+
+
+def _quarantined_row(tx: Tx, execution_id: str) -> Any:
+    """The quarantined row's (session id,), under its session lock; `ValueError` if none."""
+    row = tx.one(
+        "SELECT session_id FROM session_recovery WHERE execution_id = ?"
+        " AND recovery_error IS NOT NULL",
+        (execution_id,),
+    )
+    if row is None:
+        raise ValueError(f"execution {execution_id!r} is not quarantined")
+    tx.lock_session(str(row[0]))
+    return row
+
+
+# ---------------------------------------------------------------------------------------------
+# The CLI's reads (`python -m trio_sessions status | quarantine list | health`)
+
+
+_STATUS_SQL = """
+SELECT s.id, s.time_created, s.time_woken, s.wakes, s.wake_attempts,
+       (SELECT COUNT(*) FROM session_input i WHERE i.session_id = s.id),
+       (SELECT COUNT(*) FROM session_message m WHERE m.session_id = s.id),
+       e.id, e.owner_id, e.phase, e.time_created, e.heartbeat_at, e.expires_at,
+       r.owner_id, r.expires_at, r.recovery_error
+FROM session s
+LEFT JOIN session_execution e ON e.session_id = s.id
+LEFT JOIN session_recovery r ON r.execution_id = e.id
+ORDER BY s.id
+"""
+
+
+def status(tx: Tx) -> dict[str, Any]:
+    """Every session with its doorbell, pending inputs and claim, as plain JSON values."""
+    sessions = [_session(tx.now, row) for row in tx.execute(_STATUS_SQL).fetchall()]
+    claims = [s["claim"] for s in sessions if s["claim"] is not None]
+    return {
+        "now": tx.now,
+        "summary": {
+            "sessions": len(sessions),
+            "claims": len(claims),
+            "live_claims": sum(not c["expired"] for c in claims),
+            "expired_claims": sum(c["expired"] for c in claims),
+            "quarantined": sum(c["quarantined"] for c in claims),
+            "doorbells": sum(s["doorbell"] is not None for s in sessions),
+            "pending_inputs": sum(s["pending_inputs"] for s in sessions),
+        },
+        "matched": len(sessions),
+        "sessions": sessions,
+    }
+
+
+def _session(now: int, row: Sequence[Any]) -> dict[str, Any]:
+    (session_id, created, woken, wakes, attempts, inputs, messages, *claim) = row
+    doorbell = None
+    if woken is not None:
+        doorbell = {"time_woken": woken, "wakes": wakes, "age_s": _seconds(now - woken)}
+    return {
+        "id": session_id,
+        "time_created": created,
+        "doorbell": doorbell,
+        "pending_inputs": inputs,
+        "messages": messages,
+        "wake_attempts": attempts,
+        "claim": _claim(now, claim) if claim[0] is not None else None,
+    }
+
+
+def _claim(now: int, row: Sequence[Any]) -> dict[str, Any]:
+    (execution_id, owner, phase, created, heartbeat, expires, rec_owner, rec_expires, error) = row
+    recovery = None
+    if rec_owner is not None:
+        recovery = {"owner_id": rec_owner, "expires_at": rec_expires, "recovery_error": error}
+    return {
+        "execution_id": execution_id,
+        "owner_id": owner,
+        "phase": phase,
+        "time_created": created,
+        "expires_at": expires,
+        "expired": expires <= now,
+        "lease_remaining_s": _seconds(max(0, expires - now)),
+        "expired_since_s": _seconds(max(0, now - expires)),
+        "heartbeat_at": heartbeat,
+        "heartbeat_age_s": None if heartbeat is None else _seconds(now - heartbeat),
+        "quarantined": error is not None,
+        "recovery": recovery,
+    }
+
+
+def quarantine_report(tx: Tx) -> list[dict[str, Any]]:
+    """Quarantined executions, oldest first, with the claim they hold back."""
+    rows = quarantined(tx)
+    for row in rows:
+        claim = tx.one(
+            "SELECT owner_id, phase, expires_at FROM session_execution WHERE id = ?",
+            (row["execution_id"],),
+        )
+        row["claim_owner_id"], row["claim_phase"] = (None, None) if claim is None else claim[:2]
+        row["quarantined_for_s"] = _seconds(tx.now - (row["time_quarantined"] or tx.now))
+    return rows
+
+
+def _seconds(ms: int) -> float:
+    return round(ms / 1000, 3)
+
+
+def session_count(tx: Tx) -> int:
+    """How many sessions the store holds (the health probe's read of a table)."""
+    return int(tx.one("SELECT COUNT(*) FROM session")[0])

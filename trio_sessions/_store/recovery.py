@@ -1,0 +1,524 @@
+"""Recovery: the candidates, the recovery leases, and applying the pure decision
+(`_decisions.decide_recovery`) to each expired claim or unclaimed doorbell.
+
+Invariants kept here:
+* recovery replaces a claim only fenced on the exact old execution id still being expired
+  (`RECOVERY_FENCE`): one takeover statement (`_replace_claim`), used by the row-by-row
+  and the set-wise path alike;
+* it acts only on a row whose recovery lease it holds (live, unquarantined, ours); a
+  quarantine is written with the exact quarantine fence, and zero rows means ownership
+  moved: nothing else is touched;
+* a claim handed back by a graceful shutdown resumes without counting a resume;
+* one row's failure never undoes another's recovery (savepoint per row); a row recovery
+  cannot process is quarantined, never retried forever.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+
+from .. import _decisions
+from .._backend import Tx
+from .._decisions import ClaimRow, RecoveryDecision, RecoveryFacts
+from .._errors import LeaseLost, MalformedRecord
+from .._model import BUDGET_EXHAUSTED, INTERRUPTED, OWNER_LOST
+from .common import (
+    _IN_CHUNK,
+    RECOVERY_FENCE,
+    _chunks,
+    _fence,
+    _has_pending_inputs,
+    _in_list,
+    _newest_seq,
+    _no_longer_expired,
+    _reset_attempts,
+    _ring,
+)
+from .transcript import _assistant_data, _close_open_messages
+
+# Whether a claim is superseded: any other execution's assistant message after the claim's
+# anchor (any at all for a claim taken before any message). One spelling for the
+# row-by-row read (parameters) and the set-wise one (correlated on the claim row).
+_SUPERSEDED_OF = (
+    "EXISTS (SELECT 1 FROM session_message m WHERE m.session_id = {session}"
+    " AND m.role = 'assistant' AND (m.execution_id IS NULL OR m.execution_id != {execution})"
+    " AND m.seq > COALESCE({anchor}, 0))"
+)
+
+
+def _superseded(*, session: str, execution: str, anchor: str) -> str:
+    return _SUPERSEDED_OF.format(session=session, execution=execution, anchor=anchor)
+
+
+@attrs.frozen
+class Candidate:
+    """A recovery candidate: an expired claim (`execution_id` set) or an unclaimed doorbell."""
+
+    session_id: str
+    execution_id: str | None
+
+
+def recovery_candidates(
+    tx: Tx, owner_id: str, limit: int, local_sessions: Sequence[str]
+) -> list[Candidate]:
+    """The oldest `limit` candidates: expired claims by `expires_at`, then unclaimed doorbells
+    by `time_woken`. Quarantined executions, executions under another owner's live recovery
+    lease and sessions held locally are excluded here, so they never use up the budget."""
+    not_local, local = tx.not_in("e.session_id", local_sessions)
+    expired = tx.execute(
+        "SELECT e.session_id, e.id FROM session_execution e"
+        f" WHERE e.expires_at <= :now AND {not_local}"
+        " AND NOT EXISTS (SELECT 1 FROM session_recovery r WHERE r.execution_id = e.id"
+        "   AND (r.recovery_error IS NOT NULL OR (r.owner_id != :me AND r.expires_at > :now)))"
+        " ORDER BY e.expires_at, e.id LIMIT :limit",
+        {"now": tx.now, "excluded": local, "me": owner_id, "limit": limit},
+    ).fetchall()
+    candidates = [Candidate(session_id, execution_id) for session_id, execution_id in expired]
+    if len(candidates) < limit:
+        doorbells = _unclaimed_doorbells(tx, local_sessions, limit - len(candidates))
+        candidates += [Candidate(session_id, None) for session_id in doorbells]
+    return candidates
+
+
+def _unclaimed_doorbells(tx: Tx, local_sessions: Sequence[str], limit: int) -> list[str]:
+    """Sessions with a set doorbell and no claim row, oldest wake first, except those held
+    locally (a crash between wake and acquire, or a wake from another process)."""
+    not_local, local = tx.not_in("s.id", local_sessions)
+    rows = tx.execute(
+        "SELECT s.id FROM session s WHERE s.time_woken IS NOT NULL"
+        " AND NOT EXISTS (SELECT 1 FROM session_execution e WHERE e.session_id = s.id)"
+        f" AND {not_local} ORDER BY s.time_woken, s.id LIMIT :limit",
+        {"excluded": local, "limit": limit},
+    ).fetchall()
+    return [str(row[0]) for row in rows]
+
+
+def take_recovery_leases(
+    tx: Tx, owner_id: str, lease_ms: int, candidates: Sequence[Candidate]
+) -> list[Candidate]:
+    """Take a recovery lease on each expired claim: only if absent, expired or ours, and never
+    on a quarantined row. Returns the candidates whose lease we now hold. One statement per
+    `_IN_CHUNK` parameters (a multi-row upsert)."""
+    expires = tx.now + lease_ms
+    taken: set[str] = set()
+    per_statement = _IN_CHUNK // 5  # five parameters per row
+    for start in range(0, len(candidates), per_statement):
+        chunk = candidates[start : start + per_statement]
+        rows = tx.execute(
+            "INSERT INTO session_recovery(execution_id, session_id, owner_id, expires_at,"
+            " time_created) VALUES "
+            + ", ".join(["(?, ?, ?, ?, ?)"] * len(chunk))
+            + " ON CONFLICT(execution_id) DO UPDATE SET owner_id = excluded.owner_id,"
+            " expires_at = excluded.expires_at"
+            " WHERE session_recovery.recovery_error IS NULL"
+            " AND (session_recovery.owner_id = excluded.owner_id"
+            "   OR session_recovery.expires_at <= excluded.time_created)"
+            " RETURNING execution_id",
+            [
+                value
+                for candidate in chunk
+                for value in (
+                    candidate.execution_id,
+                    candidate.session_id,
+                    owner_id,
+                    expires,
+                    tx.now,
+                )
+            ],
+        ).fetchall()
+        leased = [str(row[0]) for row in rows]
+        taken.update(leased)
+        taken.difference_update(_drop_leases_without_claim(tx, owner_id, leased))
+    return [candidate for candidate in candidates if candidate.execution_id in taken]
+
+
+def _drop_leases_without_claim(tx: Tx, owner_id: str, execution_ids: Sequence[str]) -> set[str]:
+    """Undo the leases just taken on claims that are gone: another recoverer took them over
+    after our scan read them. Nothing scans a lease row without its claim, so one left behind
+    by a recoverer that then died would stay forever. A separate statement, so on
+    PostgreSQL it sees a takeover that committed while the upsert waited on its lease row."""
+    if not execution_ids:
+        return set()
+    rows = tx.execute(
+        "DELETE FROM session_recovery WHERE owner_id = ? AND recovery_error IS NULL"
+        f" AND execution_id IN {_in_list(execution_ids)}"
+        " AND NOT EXISTS (SELECT 1 FROM session_execution e"
+        "   WHERE e.id = session_recovery.execution_id)"
+        " RETURNING execution_id",
+        [owner_id, *execution_ids],
+    ).fetchall()
+    return {str(row[0]) for row in rows}
+
+
+def _recovery_facts(tx: Tx, candidate: Candidate) -> tuple[RecoveryFacts, str | None]:
+    """What recovery decides on, and why the newest assistant message is malformed (None
+    when it decodes or there is none)."""
+    session_id, execution_id = candidate.session_id, candidate.execution_id
+    row = tx.one(
+        "SELECT id, owner_id, phase, expires_at, anchor_seq, handed_back FROM session_execution"
+        " WHERE session_id = ?",
+        (session_id,),
+    )
+    claim = None if row is None else ClaimRow(*row[:4])
+    # Another execution's anchor is never used: the decision for a replaced claim is GONE.
+    ours = claim is not None and claim.execution_id == execution_id
+    anchor_seq = row[4] if ours else None
+    superseded = bool(
+        tx.one(
+            "SELECT " + _superseded(session=":session", execution=":execution", anchor=":anchor"),
+            {"session": session_id, "execution": execution_id, "anchor": anchor_seq or 0},
+        )[0]
+    )
+    newest = tx.one(
+        "SELECT id, data FROM session_message WHERE execution_id = ? AND role = 'assistant'"
+        " ORDER BY seq DESC LIMIT 1",
+        (execution_id,),
+    )
+    malformed_reason = None if newest is None else _malformed_reason(tx, newest[0], newest[1])
+    attempts = tx.one("SELECT wake_attempts FROM session WHERE id = ?", (session_id,))
+    facts = RecoveryFacts(
+        claim=claim,
+        superseded=superseded,
+        newest_assistant_malformed=malformed_reason is not None,
+        wake_attempts=0 if attempts is None else int(attempts[0]),
+        handed_back=ours and bool(row[5]),
+    )
+    return facts, malformed_reason
+
+
+def _malformed_reason(tx: Tx, message_id: str, text: str) -> str | None:
+    try:
+        _assistant_data(tx, message_id, text)
+    except MalformedRecord as exc:
+        return str(exc)
+    return None
+
+
+@attrs.frozen
+class Recovered:
+    """What applying recovery to one expired claim did."""
+
+    decision: RecoveryDecision
+    fence_lost: bool = False
+    new_execution_id: str | None = None
+    attempt: int = 0
+    reason: str | None = None  # why a quarantined row does not decode
+
+
+def apply_recovery(
+    tx: Tx,
+    owner_id: str,
+    candidate: Candidate,
+    new_execution_id: str,
+    lease_ms: int,
+    max_resumes: int,
+) -> Recovered:
+    """Decide and act on one expired claim whose recovery lease we took.
+
+    Every ending but quarantine deletes the `session_recovery` row. Quarantine writes with
+    the *quarantine fence* - exact execution, session, recovery owner, live recovery lease,
+    not yet quarantined - and zero rows means ownership moved: nothing else is touched.
+    """
+    execution_id = candidate.execution_id
+    assert execution_id is not None
+    tx.lock_session(candidate.session_id)
+    facts, malformed_reason = _recovery_facts(tx, candidate)
+    decision = _decisions.decide_recovery(facts, execution_id, tx.now, max_resumes)
+    if decision is RecoveryDecision.QUARANTINE:
+        assert malformed_reason is not None
+        return quarantine(tx, owner_id, candidate, malformed_reason)
+    if not _holds_recovery_lease(tx, execution_id, owner_id):
+        # Another recovery owner holds this row now: act on nothing of theirs.
+        return Recovered(RecoveryDecision.GONE, fence_lost=True)
+    if decision is RecoveryDecision.RESUME:
+        return _take_over(tx, owner_id, candidate, new_execution_id, lease_ms, facts)
+    if decision in (
+        RecoveryDecision.FINISH_CANCELLED,
+        RecoveryDecision.DROP_SUPERSEDED,
+        RecoveryDecision.EXHAUSTED,
+    ):
+        _end_expired_claim(tx, candidate, decision)
+    _delete_recovery_row(tx, execution_id, owner_id)
+    return Recovered(decision)
+
+
+def _holds_recovery_lease(tx: Tx, execution_id: str, owner_id: str) -> bool:
+    """The recovery-lease fence: our live, unquarantined `session_recovery` row."""
+    row = tx.one(
+        "SELECT 1 FROM session_recovery WHERE execution_id = ? AND owner_id = ?"
+        " AND expires_at > ? AND recovery_error IS NULL",
+        (execution_id, owner_id, tx.now),
+    )
+    return row is not None
+
+
+def quarantine(tx: Tx, owner_id: str, candidate: Candidate, why: str) -> Recovered:
+    """Quarantine with the exact fence; zero rows means another owner holds it now."""
+    updated = tx.execute(
+        "UPDATE session_recovery SET recovery_error = :why, time_quarantined = :now"
+        " WHERE execution_id = :e AND session_id = :s AND owner_id = :me"
+        " AND expires_at > :now AND recovery_error IS NULL",
+        {
+            "why": why,
+            "now": tx.now,
+            "e": candidate.execution_id,
+            "s": candidate.session_id,
+            "me": owner_id,
+        },
+    ).rowcount
+    if updated != 1:
+        return Recovered(RecoveryDecision.QUARANTINE, fence_lost=True)
+    return Recovered(RecoveryDecision.QUARANTINE, reason=why)
+
+
+def _delete_recovery_row(tx: Tx, execution_id: str, owner_id: str) -> None:
+    _delete_recovery_rows(tx, owner_id, [execution_id])
+
+
+def _delete_expired_claim(tx: Tx, execution_id: str) -> None:
+    deleted = tx.execute(
+        f"DELETE FROM session_execution WHERE {RECOVERY_FENCE}", _fence(tx, execution_id)
+    ).rowcount
+    if deleted != 1:
+        raise _no_longer_expired(execution_id)
+
+
+def _end_expired_claim(tx: Tx, candidate: Candidate, decision: RecoveryDecision) -> None:
+    execution_id = candidate.execution_id
+    assert execution_id is not None
+    reason = {
+        RecoveryDecision.FINISH_CANCELLED: INTERRUPTED,
+        RecoveryDecision.DROP_SUPERSEDED: OWNER_LOST,
+        RecoveryDecision.EXHAUSTED: BUDGET_EXHAUSTED,
+    }[decision]
+    _close_open_messages(tx, execution_id, reason)
+    _delete_expired_claim(tx, execution_id)
+    if decision is RecoveryDecision.EXHAUSTED:
+        _reset_attempts(tx, candidate.session_id)
+    if _decisions.rearms_doorbell(decision) and _has_pending_inputs(tx, candidate.session_id):
+        _ring(tx, candidate.session_id)
+
+
+def _take_over(
+    tx: Tx,
+    owner_id: str,
+    candidate: Candidate,
+    new_execution_id: str,
+    lease_ms: int,
+    facts: RecoveryFacts,
+) -> Recovered:
+    old = candidate.execution_id
+    assert old is not None
+    _close_open_messages(tx, old, OWNER_LOST)
+    anchor = _newest_seq(tx, candidate.session_id)
+    if not _replace_claim(tx, old, new_execution_id, owner_id, anchor, lease_ms):
+        raise _no_longer_expired(old)
+    # A claim handed back by a graceful shutdown resumes without counting: rolling
+    # restarts are not a crash loop.
+    counted = 0 if facts.handed_back else 1
+    _count_resumes(tx, bool(counted), [candidate.session_id])
+    _delete_recovery_row(tx, old, owner_id)
+    return Recovered(
+        RecoveryDecision.RESUME,
+        new_execution_id=new_execution_id,
+        attempt=facts.wake_attempts + counted,
+    )
+
+
+def apply_recovery_batch(
+    tx: Tx,
+    owner_id: str,
+    items: list[tuple[Candidate, str]],
+    lease_ms: int,
+    max_resumes: int,
+) -> list[Recovered]:
+    """`apply_recovery` for each (candidate, new execution id); one row's failure never
+    undoes another's recovery.
+
+    Set-wise where no transcript needs decoding: the facts of every candidate come from one
+    statement, and a claim whose execution wrote no assistant message is taken over (or
+    skipped) with the same fences, row by row in SQL but with no savepoint, since its first
+    write is its fence. Every other candidate goes through `apply_recovery` in a savepoint.
+    """
+    results: dict[int, Recovered] = {}
+    plain: list[_PlainItem] = []
+    for session_id in sorted({candidate.session_id for candidate, _ in items}):
+        tx.lock_session(session_id)
+    facts_of = _plain_recovery_facts(tx, owner_id, [c for c, _ in items])
+    for index, (candidate, new_execution_id) in enumerate(items):
+        known = facts_of.get(candidate.execution_id or "")
+        decision: RecoveryDecision | None = None
+        if known is not None:
+            facts, newest_seq, leased = known
+            decision = _decisions.decide_recovery(
+                facts, candidate.execution_id or "", tx.now, max_resumes
+            )
+        if known is None or decision not in _PLAIN_DECISIONS:
+            results[index] = _apply_one(
+                tx, owner_id, candidate, new_execution_id, lease_ms, max_resumes
+            )
+        elif not leased:
+            # Another recovery owner holds this row now: act on nothing of theirs.
+            results[index] = Recovered(RecoveryDecision.GONE, fence_lost=True)
+        else:
+            plain.append(
+                _PlainItem(index, candidate, new_execution_id, facts, newest_seq, decision)
+            )
+    results.update(_apply_plain(tx, owner_id, plain, lease_ms))
+    return [results[index] for index in range(len(items))]
+
+
+@attrs.frozen
+class _PlainItem:
+    """A candidate `apply_recovery_batch` acts on set-wise, with what it read about it."""
+
+    position: int
+    candidate: Candidate
+    new_execution_id: str
+    facts: RecoveryFacts
+    newest_seq: int | None
+    decision: RecoveryDecision
+
+
+# Decisions `apply_recovery_batch` applies set-wise to a claim with no assistant message
+# (no transcript to close); a superseded, cancelled or exhausted claim goes row by row.
+_PLAIN_DECISIONS = (RecoveryDecision.RESUME, RecoveryDecision.SKIP_LIVE, RecoveryDecision.GONE)
+
+
+def _apply_one(
+    tx: Tx,
+    owner_id: str,
+    candidate: Candidate,
+    new_execution_id: str,
+    lease_ms: int,
+    max_resumes: int,
+) -> Recovered:
+    try:
+        with tx.savepoint():
+            return apply_recovery(tx, owner_id, candidate, new_execution_id, lease_ms, max_resumes)
+    except LeaseLost:
+        return Recovered(RecoveryDecision.GONE, fence_lost=True)
+    except (MalformedRecord, ValueError, TypeError, RecursionError) as exc:
+        # A row recovery cannot process is poison: quarantine it (exact fence) rather
+        # than fail the pass, so it never starves the rows behind it.
+        return quarantine(tx, owner_id, candidate, f"recovery failed: {exc!r}")
+
+
+def _plain_recovery_facts(
+    tx: Tx, owner_id: str, candidates: Sequence[Candidate]
+) -> dict[str, tuple[RecoveryFacts, int | None, bool]]:
+    """For each candidate claim (still present) whose execution wrote no assistant message:
+    its recovery facts, the session's newest message seq, and whether we hold its recovery
+    lease. Read under the session locks, after which `tx.now` is read."""
+    execution_ids = [c.execution_id for c in candidates if c.execution_id is not None]
+    found: dict[str, tuple[RecoveryFacts, int | None, bool]] = {}
+    for chunk in _chunks(execution_ids):
+        rows = tx.execute(
+            "SELECT e.id, e.owner_id, e.phase, e.expires_at, e.handed_back, s.wake_attempts,"
+            " (SELECT MAX(m.seq) FROM session_message m WHERE m.session_id = e.session_id),"
+            f" {_superseded(session='e.session_id', execution='e.id', anchor='e.anchor_seq')},"
+            " EXISTS (SELECT 1 FROM session_recovery r WHERE r.execution_id = e.id"
+            "   AND r.owner_id = ? AND r.expires_at > ? AND r.recovery_error IS NULL)"
+            " FROM session_execution e JOIN session s ON s.id = e.session_id"
+            f" WHERE e.id IN {_in_list(chunk)} AND NOT EXISTS (SELECT 1 FROM session_message m"
+            "   WHERE m.execution_id = e.id AND m.role = 'assistant')",
+            (owner_id, tx.now, *chunk),
+        ).fetchall()
+        for row in rows:
+            execution_id, owner, phase, expires_at, handed_back, attempts = row[:6]
+            facts = RecoveryFacts(
+                claim=ClaimRow(execution_id, owner, phase, expires_at),
+                superseded=bool(row[7]),
+                newest_assistant_malformed=False,
+                wake_attempts=int(attempts),
+                handed_back=bool(handed_back),
+            )
+            found[execution_id] = (facts, None if row[6] is None else int(row[6]), bool(row[8]))
+    return found
+
+
+def _apply_plain(
+    tx: Tx,
+    owner_id: str,
+    plain: list[_PlainItem],
+    lease_ms: int,
+) -> dict[int, Recovered]:
+    """Take over (RESUME) or let go (SKIP_LIVE, GONE) of claims whose recovery lease we
+    hold and whose execution wrote no assistant message: nothing to close or decode."""
+    results: dict[int, Recovered] = {}
+    done: list[str] = []  # recovery rows of ours to delete
+    counted: dict[bool, list[str]] = {True: [], False: []}
+    for item in plain:
+        index, candidate, facts, decision = item.position, item.candidate, item.facts, item.decision
+        old = candidate.execution_id
+        assert old is not None
+        if decision is not RecoveryDecision.RESUME:
+            done.append(old)
+            results[index] = Recovered(decision)
+            continue
+        # The recovery fence comes first: zero rows means nothing was written for it.
+        if not _replace_claim(tx, old, item.new_execution_id, owner_id, item.newest_seq, lease_ms):
+            results[index] = Recovered(RecoveryDecision.GONE, fence_lost=True)
+            continue
+        # A claim handed back by a graceful shutdown resumes without counting.
+        counts = not facts.handed_back
+        counted[counts].append(candidate.session_id)
+        done.append(old)
+        results[index] = Recovered(
+            RecoveryDecision.RESUME,
+            new_execution_id=item.new_execution_id,
+            attempt=facts.wake_attempts + int(counts),
+        )
+    for counts, session_ids in counted.items():
+        _count_resumes(tx, counts, session_ids)
+    _delete_recovery_rows(tx, owner_id, done)
+    return results
+
+
+def _replace_claim(
+    tx: Tx,
+    old_execution_id: str,
+    new_execution_id: str,
+    owner_id: str,
+    anchor_seq: int | None,
+    lease_ms: int,
+) -> bool:
+    """The takeover, fenced on the exact old execution still expired (`RECOVERY_FENCE`): the
+    claim becomes ours, running, on a fresh lease. False when the fence matched nothing
+    (nothing written)."""
+    replaced = tx.execute(
+        "UPDATE session_execution SET id = :new, owner_id = :me, phase = 'running',"
+        " anchor_seq = :anchor, time_created = :now, heartbeat_at = NULL, expires_at = :expires,"
+        f" handed_back = 0 WHERE {RECOVERY_FENCE}",
+        {
+            **_fence(tx, old_execution_id),
+            "new": new_execution_id,
+            "me": owner_id,
+            "anchor": anchor_seq,
+            "expires": tx.now + lease_ms,
+        },
+    ).rowcount
+    return bool(replaced == 1)
+
+
+def _count_resumes(tx: Tx, counts: bool, session_ids: Sequence[str]) -> None:
+    """After a takeover: take each session's doorbell, and count a resume when `counts` (a
+    claim handed back by a graceful shutdown resumes without counting)."""
+    for chunk in _chunks(session_ids):
+        tx.execute(
+            "UPDATE session SET wake_attempts = wake_attempts + ?, time_woken = NULL,"
+            f" wakes = 0 WHERE id IN {_in_list(chunk)}",
+            (int(counts), *chunk),
+        )
+
+
+def _delete_recovery_rows(tx: Tx, owner_id: str, execution_ids: Sequence[str]) -> None:
+    # Only our own recovery rows: another owner's lease or quarantine is not ours to touch.
+    for chunk in _chunks(execution_ids):
+        tx.execute(
+            f"DELETE FROM session_recovery WHERE execution_id IN {_in_list(chunk)}"
+            " AND owner_id = ? AND recovery_error IS NULL",
+            (*chunk, owner_id),
+        )
