@@ -29,9 +29,10 @@ VIRTUAL_TIME_LIMIT = 3_600.0
 
 @asynccontextmanager
 async def runtime(
-    store: Store, drain: Drain, clock: Callable[[], float], **options: Any
+    store: Store, drain: Drain | None, clock: Callable[[], float], **options: Any
 ) -> AsyncIterator[Runtime]:
-    """A runtime on the inline store and the virtual clock (lease 30 s unless given).
+    """A runtime on the inline store and the virtual clock (lease 30 s unless given; a
+    producer when `drain` is None).
 
     Bounded in virtual time, so a test whose runtime hangs fails fast instead of blocking.
     """

@@ -633,3 +633,81 @@ def test_schema_needs_a_url(seeded: Path, capsys: pytest.CaptureFixture[str]) ->
         _cli.main(["status", str(seeded), "--schema", "other"])
     assert exited.value.code == 2
     assert "--schema needs a postgresql:// URL" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# Conversation control verbs (DESIGN §5.1), on both backends
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def seeded_store(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> tuple[list[str], backends.Location]:
+    """The seeded store as the CLI names it (argv) and as `query` reads it."""
+    if request.param == "sqlite":
+        path = tmp_path / "seeded.db"
+        seed(path)
+        return [str(path)], path
+    location = PgLocation(request.getfixturevalue("pg_url"), request.getfixturevalue("pg_schema"))
+    seed_postgres(location)
+    return [location.url, "--schema", location.schema], location
+
+
+def _rows_of(location: backends.Location, session_id: str) -> list[Any]:
+    return [
+        query(location, f"SELECT COUNT(*) FROM {table} WHERE {column} = ?", (session_id,))[0][0]
+        for table, column in (
+            ("session", "id"),
+            ("session_input", "session_id"),
+            ("session_execution", "session_id"),
+            ("session_message", "session_id"),
+            ("session_recovery", "session_id"),
+        )
+    ]
+
+
+def test_control_verbs_pause_resume_cancel_delete_and_purge(
+    seeded_store: tuple[list[str], backends.Location], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """pause, resume, inputs cancel, delete and purge --idle-for write through the store's
+    operations on a file and on a URL alike, each with --json; a verb that finds nothing to
+    act on exits 1 saying why."""
+    db, location = seeded_store
+    assert cli_json(capsys, "pause", *db, "pending") == {"session_id": "pending", "action": "pause"}
+    paused = "SELECT COUNT(*) FROM session WHERE id = 'pending' AND time_paused IS NOT NULL"
+    assert query(location, paused) == [(1,)]
+    status = cli_json(capsys, "status", *db, "--session", "pending")
+    [pending] = status["sessions"]
+    assert pending["paused_since"] is not None and pending["scheduled_inputs"] == 0
+    assert cli_json(capsys, "inputs", "cancel", *db, "in-pending-2") == {
+        "input_id": "in-pending-2",
+        "action": "cancel",
+    }
+    code, out, err = cli(capsys, "inputs", "cancel", *db, "in-pending-2")
+    assert (code, out) == (1, "") and "'in-pending-2' is not pending" in err
+    code, out, _ = cli(capsys, "resume", *db, "pending")
+    assert code == 0 and out.startswith("resumed pending (pending work rang its doorbell)")
+    assert query(location, paused) == [(0,)]
+    assert query(location, "SELECT id FROM session_input WHERE session_id = 'pending'") == [
+        ("in-pending-1",)
+    ]
+    assert cli_json(capsys, "delete", *db, "expired") == {
+        "session_id": "expired",
+        "action": "delete",
+    }
+    assert _rows_of(location, "expired") == [0, 0, 0, 0, 0]
+    code, _, err = cli(capsys, "delete", *db, "expired")
+    assert code == 1 and "no session 'expired'" in err
+    # "idle" was last written 50 s ago and holds nothing pending; every other session holds
+    # a claim or inputs.
+    assert cli_json(capsys, "purge", *db, "--idle-for", "40") == {
+        "action": "purge",
+        "idle_for_s": 40.0,
+        "purged": 1,
+    }
+    assert _rows_of(location, "idle") == [0, 0, 0, 0, 0]
+    remaining = [row[0] for row in query(location, "SELECT id FROM session ORDER BY id")]
+    assert remaining == ["live", "pending", "poison"]
+    with pytest.raises(SystemExit) as exited:
+        _cli.main(["purge", *db, "--idle-for", "-1"])
+    assert exited.value.code == 2

@@ -17,18 +17,23 @@ from hypothesis import strategies as st
 
 from trio_sessions import LeaseLost, _backend, _codec, _sqlite, _store, _transcript
 from trio_sessions._decisions import (
+    ON_BUSY,
     AcquireVerdict,
     ClaimRow,
+    IterationVerdict,
     RecoveryDecision,
     RecoveryFacts,
     RecoveryLeaseRow,
+    SubmitVerdict,
     acquire_verdict,
     decide_recovery,
     holds_live_claim,
+    iteration_verdict,
     lease_is_live,
     may_take_recovery_lease,
     rearms_doorbell,
     renewed_expiry,
+    submit_verdict,
 )
 
 SETTINGS = settings(max_examples=200, deadline=None)
@@ -144,15 +149,18 @@ def test_renewed_expiry_never_revives(
 
 
 @SETTINGS
-@given(doorbell_set=st.booleans(), case=fence_cases())
+@given(doorbell_set=st.booleans(), paused=st.booleans(), case=fence_cases())
 def test_acquire_verdict_never_overwrites(
-    doorbell_set: bool, case: tuple[int, ClaimRow | None, str, str]
+    doorbell_set: bool, paused: bool, case: tuple[int, ClaimRow | None, str, str]
 ) -> None:
-    """Any claim row (live or expired, own or foreign) means HELD; else the doorbell decides."""
+    """Any claim row (live or expired, own or foreign) means HELD; a paused session is never
+    claimed; else the doorbell decides."""
     _, row, _, _ = case
-    verdict = acquire_verdict(doorbell_set=doorbell_set, claim_row=row)
+    verdict = acquire_verdict(doorbell_set=doorbell_set, claim_row=row, paused=paused)
     if row is not None:
         assert verdict is AcquireVerdict.HELD
+    elif paused:
+        assert verdict is AcquireVerdict.PAUSED
     elif doorbell_set:
         assert verdict is AcquireVerdict.CLAIM
     else:
@@ -196,6 +204,7 @@ def recovery_cases(draw: st.DrawFn) -> tuple[RecoveryFacts, str, int, int]:
         superseded=draw(st.booleans()),
         newest_assistant_malformed=draw(st.booleans()),
         wake_attempts=draw(st.integers(min_value=0, max_value=6)),
+        paused=draw(st.booleans()),
     )
     return facts, draw(executions), now, draw(st.integers(min_value=0, max_value=6))
 
@@ -212,6 +221,7 @@ def expected_recovery(
         (claim.phase == "cancelling", RecoveryDecision.FINISH_CANCELLED),
         (facts.superseded, RecoveryDecision.DROP_SUPERSEDED),
         (facts.newest_assistant_malformed, RecoveryDecision.QUARANTINE),
+        (facts.paused, RecoveryDecision.FINISH_PAUSED),
         (facts.wake_attempts >= max_resumes, RecoveryDecision.EXHAUSTED),
     ]
     return next((decision for applies, decision in rules if applies), RecoveryDecision.RESUME)
@@ -220,7 +230,8 @@ def expected_recovery(
 @SETTINGS
 @given(recovery_cases())
 def test_decide_recovery_order(case: tuple[RecoveryFacts, str, int, int]) -> None:
-    """live > cancelling > superseded > malformed > exhausted > resume, first match wins."""
+    """live > cancelling > superseded > malformed > paused > exhausted > resume, first match
+    wins."""
     facts, execution_id, now, max_resumes = case
     assert decide_recovery(facts, execution_id, now, max_resumes) is expected_recovery(
         facts, execution_id, now, max_resumes
@@ -243,6 +254,7 @@ def test_decide_recovery_never_resumes_live_cancelling_or_superseded(
         assert claim.phase == "running"
         assert not facts.superseded
         assert not facts.newest_assistant_malformed
+        assert not facts.paused
         assert facts.wake_attempts < max_resumes
     if claim is not None and claim.execution_id == execution_id and claim.expires_at > now:
         assert decision is RecoveryDecision.SKIP_LIVE
@@ -260,11 +272,15 @@ def test_decide_recovery_cancelling_beats_every_later_rule() -> None:
     assert decide_recovery(facts, "e", 10, 1) is RecoveryDecision.FINISH_CANCELLED
 
 
-def test_rearms_doorbell_only_for_cancelled_and_superseded() -> None:
-    """Cancelled and superseded endings re-arm for untaken inputs; a failed (exhausted) or any
-    other ending does not."""
+def test_rearms_doorbell_only_for_cancelled_superseded_and_paused() -> None:
+    """Cancelled, superseded and paused endings re-arm for untaken inputs (a paused one for
+    `resume`); a failed (exhausted) or any other ending does not."""
     rearming = {d for d in RecoveryDecision if rearms_doorbell(d)}
-    assert rearming == {RecoveryDecision.FINISH_CANCELLED, RecoveryDecision.DROP_SUPERSEDED}
+    assert rearming == {
+        RecoveryDecision.FINISH_CANCELLED,
+        RecoveryDecision.DROP_SUPERSEDED,
+        RecoveryDecision.FINISH_PAUSED,
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -582,3 +598,39 @@ def test_db_helper_clock_is_exact() -> None:
     """The fixed clock used above converts back to the very millisecond it was built from."""
     for now in (1_000_000_000, 1_800_000_000_000, 4_000_000_000_000):
         assert _backend.now_ms(fixed_clock(now)) == now
+
+
+@pytest.mark.parametrize("doorbell_set", [False, True])
+@pytest.mark.parametrize("phase", ["running", "cancelling"])
+@pytest.mark.parametrize("paused", [False, True])
+def test_iteration_verdict(doorbell_set: bool, phase: str, paused: bool) -> None:
+    """After a normal return: paused ends the busy period (doorbell kept), a cancelling claim
+    never continues (a set doorbell goes to a successor), else a set doorbell continues and
+    none releases."""
+    verdict = iteration_verdict(doorbell_set=doorbell_set, phase=phase, paused=paused)
+    if paused:
+        assert verdict is IterationVerdict.PAUSE
+    elif phase == "cancelling":
+        expected = IterationVerdict.HAND_OVER if doorbell_set else IterationVerdict.RELEASE
+        assert verdict is expected
+    else:
+        expected = IterationVerdict.CONTINUE if doorbell_set else IterationVerdict.RELEASE
+        assert verdict is expected
+
+
+@pytest.mark.parametrize("on_busy", ON_BUSY)
+@pytest.mark.parametrize("claim_phase", [None, "running", "cancelling"])
+@pytest.mark.parametrize("due_inputs_pending", [False, True])
+def test_submit_verdict(on_busy: str, claim_phase: str | None, due_inputs_pending: bool) -> None:
+    """reject refuses exactly a busy session (a claim, or due inputs untaken); interrupt marks
+    exactly a running claim; everything else queues."""
+    verdict = submit_verdict(
+        on_busy, claim_phase=claim_phase, due_inputs_pending=due_inputs_pending
+    )
+    busy = claim_phase is not None or due_inputs_pending
+    if on_busy == "reject" and busy:
+        assert verdict is SubmitVerdict.REJECT
+    elif on_busy == "interrupt" and claim_phase == "running":
+        assert verdict is SubmitVerdict.INTERRUPT
+    else:
+        assert verdict is SubmitVerdict.QUEUE

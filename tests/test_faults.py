@@ -192,7 +192,7 @@ class Worker:
 
 @asynccontextmanager
 async def open_faulty(
-    path: Path, drain: Drain, clock: Clock, faults: Faults, **options: Any
+    path: Path, drain: Drain | None, clock: Clock, faults: Faults, **options: Any
 ) -> AsyncIterator[Runtime]:
     store = trio_sessions.Store(path, inline=True, wrap_connection=faults.wrap)
     options.setdefault("lease", LEASE)
@@ -1091,3 +1091,72 @@ async def test_failed_checkpoint_is_logged_and_retried_while_the_runtime_serves(
     failures = [r for r in caplog.records if r.getMessage() == "checkpoint failed"]
     assert len(failures) == 2
     assert all("disk I/O error" in str(r.error) for r in failures)  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------------------------------------
+# Conversation control (DESIGN §5.1): each call is one transaction, all or nothing
+
+
+async def _seed_control(path: Path, clock: Clock) -> None:
+    """Session "s": one answered turn, paused, with a pending and a scheduled input;
+    session "idle": one answered turn; session "open": a claim whose drain is mid-answer
+    (left by a runtime that vanished)."""
+    hold = trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        await ctx.take_inputs()
+        writer = await ctx.begin_assistant()
+        await writer.append_text("hi")
+        if ctx.session_id == "open":
+            await hold.wait()
+        await writer.finish()
+
+    async with trio_sessions.open_runtime(testing.inline_store(path), drain, clock=clock) as rt:
+        for session_id in ("s", "idle"):
+            await rt.submit(session_id, {"n": 1})
+            await rt.wait_idle(session_id)
+        await rt.pause("s")
+        await rt.submit("s", {"n": 2}, input_id="pending")
+        await rt.submit("s", {"n": 3}, input_id="later", delay=60)
+        await rt.submit("open", {"n": 1})
+        await trio.testing.wait_all_tasks_blocked()
+        testing.crash(rt)
+
+
+CONTROL_CALLS: dict[str, Callable[[Runtime], Awaitable[object]]] = {
+    "submit-interrupt": lambda rt: rt.submit("open", {"n": 2}, input_id="x", on_busy="interrupt"),
+    "submit-reject": lambda rt: rt.submit("idle", {"n": 2}, input_id="x", on_busy="reject"),
+    "submit-scheduled": lambda rt: rt.submit("idle", {"n": 2}, input_id="x", delay=5),
+    "cancel_input": lambda rt: rt.cancel_input("pending"),
+    "pause": lambda rt: rt.pause("idle"),
+    "resume": lambda rt: rt.resume("s"),
+    "delete_session": lambda rt: rt.delete_session("open"),
+    "purge": lambda rt: rt.purge(idle_for=0),
+    "fork": lambda rt: rt.fork("open", "copy"),
+    "truncate": lambda rt: rt.truncate("s", after_seq=1),
+}
+
+
+@pytest.mark.parametrize("name", CONTROL_CALLS)
+async def test_control_call_fault_writes_nothing_and_retry_succeeds(
+    tmp_path: Path, clock: Clock, autojump_clock: MockClock, name: str
+) -> None:
+    """A fault at any statement of a conversation-control call rolls all of it back (the
+    fault seam checks every row) and raises StoreError; the retry lands."""
+    call = CONTROL_CALLS[name]
+    message = MESSAGES[0]
+
+    async def scenario(path: Path, faults: Faults, k: int) -> None:
+        await _seed_control(path, clock)
+        async with open_faulty(path, None, clock, faults, lease=1_000) as producer:
+            faults.arm(k, message)
+            error = None
+            try:
+                await call(producer)
+            except StoreError as exc:
+                error = exc
+            if expect(faults, error):
+                await call(producer)
+            assert_consistent(path)
+
+    assert await sweep(tmp_path, message, scenario) >= 4

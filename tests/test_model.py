@@ -43,6 +43,7 @@ from trio_sessions._errors import (
     InputConflict,
     LeaseLost,
     MalformedRecord,
+    SessionBusy,
     UnknownToolCall,
 )
 from trio_sessions._model import (
@@ -98,6 +99,7 @@ class SessionModel:
     # Pending inputs left without doorbell or claim by the drain's own choice (it returned
     # without taking them) or by a failed ending; every other strand is a lost wake.
     excused: bool = False
+    paused: bool = False  # no claim is ever taken while set (DESIGN §5.1)
 
 
 @attrs.define
@@ -150,6 +152,7 @@ class ProtocolModel(RuleBasedStateMachine):
         self.expired_at_seen: dict[str, int] = {}
         self.quarantined: set[str] = set()
         self.all_inputs: dict[str, str] = {}  # input id -> session id
+        self.due_at: dict[str, int] = {}  # scheduled input id -> due instant, until promoted
         self.payloads: dict[str, str] = {}  # input id -> payload as submitted
 
     # -- plumbing -----------------------------------------------------------------------------
@@ -198,6 +201,14 @@ class ProtocolModel(RuleBasedStateMachine):
     def held_claim(self, owner: OwnerModel, pick: int) -> tuple[str, str]:
         items = sorted(owner.held.items())
         return items[pick % len(items)]
+
+    def is_due(self, input_id: str) -> bool:
+        due_at = self.due_at.get(input_id)
+        return due_at is None or due_at <= self.now
+
+    def due_pending(self, session: SessionModel) -> bool:
+        """Due inputs wait untaken (a scheduled one not yet due does not count)."""
+        return any(self.is_due(input_id) for input_id, _, _ in session.pending)
 
     def ring(self, session: SessionModel) -> None:
         if session.time_woken is None:
@@ -302,6 +313,9 @@ class ProtocolModel(RuleBasedStateMachine):
             assert result.verdict is AcquireVerdict.HELD
             assert result.holder == session.claim.owner_id
             return
+        if session is not None and session.paused:
+            assert result.verdict is AcquireVerdict.PAUSED
+            return
         if session is None or session.time_woken is None:
             assert result.verdict is AcquireVerdict.NO_DOORBELL
             return
@@ -358,6 +372,10 @@ class ProtocolModel(RuleBasedStateMachine):
             self.ring(session)
             assert result.verdict is AcquireVerdict.HELD
             assert result.holder == claim.owner_id
+            return
+        if session.paused:
+            self.ring(session)  # kept for `resume`
+            assert result.verdict is AcquireVerdict.PAUSED
             return
         assert result.verdict is AcquireVerdict.CLAIM
         assert result.attempt == session.wake_attempts
@@ -418,14 +436,22 @@ class ProtocolModel(RuleBasedStateMachine):
             return
         taken = self.op(_store.take_inputs, execution_id, owner.owner_id)
         session = self.sessions[session_id]
-        assert [i.id for i in taken] == [input_id for input_id, _, _ in session.pending]
-        for input_id, _, payload in session.pending:
+        claim = session.claim
+        assert claim is not None
+        if claim.phase == "cancelling":
+            # Being interrupted: the inputs are left for the successor (DESIGN §5.1).
+            assert taken == []
+            return
+        due = [p for p in session.pending if self.is_due(p[0])]
+        assert [i.id for i in taken] == [input_id for input_id, _, _ in due]
+        for input_id, _, payload in due:
             self.messages[session_id].append(
                 MessageModel(
                     None, "user", self.next_seq(session_id), execution_id, input_id, payload
                 )
             )
-        session.pending = []
+            self.due_at.pop(input_id, None)
+        session.pending = [p for p in session.pending if p not in due]
 
     @precondition(lambda self: any(o.held for o in self.owners))
     @rule(slot=st.integers(0, 2), pick=st.integers(0, 100))
@@ -516,8 +542,9 @@ class ProtocolModel(RuleBasedStateMachine):
     @precondition(lambda self: any(o.held for o in self.owners))
     @rule(slot=st.integers(0, 2), pick=st.integers(0, 100))
     def finish_iteration(self, slot: int, pick: int) -> None:
-        """A set doorbell continues the claim; otherwise it is released. Either way the
-        drain's open messages are finished ('interrupted')."""
+        """A set doorbell continues the claim - unless it was marked cancelling: then the
+        doorbell stays for a successor; otherwise it is released. Either way the drain's
+        open messages are finished ('interrupted')."""
         self.step()
         owner = self.owners[slot]
         if not owner.held:
@@ -530,7 +557,11 @@ class ProtocolModel(RuleBasedStateMachine):
         continued = self.op(_store.finish_iteration, execution_id, owner.owner_id)
         self.close_open_messages(execution_id, INTERRUPTED)
         session = self.sessions[session_id]
-        assert continued == (session.time_woken is not None)
+        claim = session.claim
+        assert claim is not None
+        assert continued == (
+            session.time_woken is not None and claim.phase == "running" and not session.paused
+        )
         if continued:
             session.time_woken = None
             session.wakes = 0
@@ -590,7 +621,7 @@ class ProtocolModel(RuleBasedStateMachine):
         self.close_open_messages(execution_id, INTERRUPTED)
         self.end_claim(session_id)
         session.wake_attempts = 0
-        if session.pending:
+        if self.due_pending(session):
             self.ring(session)
         assert doorbell == (session.time_woken is not None)
         owner.forget(session_id)
@@ -608,6 +639,150 @@ class ProtocolModel(RuleBasedStateMachine):
             assert claim is not None
             claim.phase = "cancelling"
             self.cancelled.add(claim.execution_id)
+
+    # -- conversation control (DESIGN §5.1) ------------------------------------------------------
+
+    @rule(session_id=st.sampled_from(SESSIONS))
+    def pause(self, session_id: str) -> None:
+        """Created if absent; idempotent. Nothing else changes: a running claim ends at its
+        next iteration boundary, a dead one is finished by recovery."""
+        self.step()
+        self.op(_store.pause, session_id)
+        if session_id not in self.sessions:
+            self.sessions[session_id] = SessionModel(time_woken=None)
+            self.messages[session_id] = []
+        self.sessions[session_id].paused = True
+
+    @rule(session_id=st.sampled_from(SESSIONS))
+    def resume(self, session_id: str) -> None:
+        """Lifts the pause; pending work rings the doorbell (once: a set one stays as is)."""
+        self.step()
+        pending = self.op(_store.resume, session_id)
+        session = self.sessions.get(session_id)
+        if session is None:
+            assert pending is False
+            return
+        session.paused = False
+        if session.time_woken is not None:
+            assert pending is True
+        elif self.due_pending(session):
+            assert pending is True
+            self.ring(session)
+        else:
+            assert pending is False
+
+    @rule(session_id=st.sampled_from(SESSIONS), delay=st.sampled_from((1, 1_000, 5_000)))
+    def submit_scheduled(self, session_id: str, delay: int) -> None:
+        """Stored now, due `delay` ms later; it rings no doorbell (the due timer will)."""
+        self.step()
+        input_id = self.fresh("in")
+        payload = _codec.dumps({"n": self.counter})
+        stored = self.op(_store.submit_scheduled, session_id, payload, input_id, delay, "queue")
+        assert stored == input_id
+        self.all_inputs[input_id] = session_id
+        self.payloads[input_id] = payload
+        if session_id not in self.sessions:
+            self.sessions[session_id] = SessionModel(time_woken=None)
+            self.messages[session_id] = []
+        session = self.sessions[session_id]
+        session.input_seq += 1
+        session.pending.append((input_id, session.input_seq, payload))
+        self.due_at[input_id] = self.now + delay
+
+    @rule()
+    def promote_due(self) -> None:
+        """The due timer fires: every scheduled input now due rings its session's doorbell;
+        it reports when the next one falls due."""
+        self.step()
+        due = self.op(_store.promote_due, 100)
+        rung = []
+        for session_id, session in sorted(self.sessions.items()):
+            promoted = [p[0] for p in session.pending if p[0] in self.due_at and self.is_due(p[0])]
+            for input_id in promoted:
+                del self.due_at[input_id]
+            if promoted:
+                self.ring(session)
+                rung.append(session_id)
+        assert due.sessions == rung
+        expected_next = min(self.due_at.values(), default=None)
+        assert due.next_due_ms == (None if expected_next is None else expected_next - self.now)
+
+    @rule(session_id=st.sampled_from(SESSIONS), on_busy=st.sampled_from(("reject", "interrupt")))
+    def submit_controlled(self, session_id: str, on_busy: str) -> None:
+        """ "reject" stores nothing while busy (a claim, or due inputs untaken); "interrupt"
+        stores and marks a running claim cancelling in the same transaction."""
+        self.step()
+        input_id = self.fresh("in")
+        payload = _codec.dumps({"n": self.counter})
+        session = self.sessions.get(session_id)
+        claim = None if session is None else session.claim
+        busy = claim is not None or (session is not None and self.due_pending(session))
+        if on_busy == "reject" and busy:
+            with pytest.raises(SessionBusy):
+                self.op(_store.submit_controlled, session_id, payload, input_id, on_busy)
+            return
+        stored, interrupted = self.op(
+            _store.submit_controlled, session_id, payload, input_id, on_busy
+        )
+        assert stored == input_id
+        self.all_inputs[input_id] = session_id
+        self.payloads[input_id] = payload
+        if session is None:
+            session = self.sessions[session_id] = SessionModel(time_woken=None)
+            self.messages[session_id] = []
+        self.ring(session)
+        session.input_seq += 1
+        session.pending.append((input_id, session.input_seq, payload))
+        expected = on_busy == "interrupt" and claim is not None and claim.phase == "running"
+        assert interrupted == expected
+        if expected:
+            assert claim is not None
+            claim.phase = "cancelling"
+            self.cancelled.add(claim.execution_id)
+
+    @precondition(lambda self: self.all_inputs)
+    @rule(pick=st.integers(0, 1_000))
+    def cancel_input(self, pick: int) -> None:
+        """True and gone while pending; False once taken (or set aside, or deleted)."""
+        self.step()
+        input_id = sorted(self.all_inputs)[pick % len(self.all_inputs)]
+        cancelled = self.op(_store.cancel_input, input_id)
+        session = self.sessions.get(self.all_inputs[input_id])
+        pending = [] if session is None else [p for p in session.pending if p[0] == input_id]
+        assert cancelled == bool(pending)
+        if session is not None and pending:
+            session.pending.remove(pending[0])
+            self.due_at.pop(input_id, None)
+            del self.all_inputs[input_id]  # forgotten: a later submit of it stores it anew
+            del self.payloads[input_id]
+
+    @rule(session_id=st.sampled_from(SESSIONS))
+    def delete_session(self, session_id: str) -> None:
+        """Every row of the session goes, claims and recovery rows included. Its owner hears
+        of it through the signal and stops holding it (its later writes would fail the
+        claim fence); recovery never sees the claim again."""
+        self.step()
+        existed = self.op(_store.delete_session, session_id)
+        session = self.sessions.pop(session_id, None)
+        assert existed == (session is not None)
+        if session is None:
+            return
+        if session.claim is not None:
+            self.gone_executions.add(session.claim.execution_id)
+        self.messages.pop(session_id)
+        for execution_id, row in list(self.recovery_rows.items()):
+            if row.session_id == session_id:
+                del self.recovery_rows[execution_id]
+                self.quarantined.discard(execution_id)
+        for input_id in [i for i, s in self.all_inputs.items() if s == session_id]:
+            del self.all_inputs[input_id]  # a retry of it would store a new input
+            del self.payloads[input_id]
+            self.due_at.pop(input_id, None)
+        for owner in self.owners:
+            owner.forget(session_id)
+            for candidates in (owner.scan, owner.leased):
+                if candidates is not None:
+                    candidates[:] = [c for c in candidates if c.session_id != session_id]
 
     # -- owners disappear -----------------------------------------------------------------------
 
@@ -683,6 +858,7 @@ class ProtocolModel(RuleBasedStateMachine):
             for session_id, session in self.sessions.items()
             if session.time_woken is not None
             and session.claim is None
+            and not session.paused
             and session_id not in owner.held
         )
         result += [_store.Candidate(s, None) for _, s in doorbells]
@@ -810,7 +986,7 @@ class ProtocolModel(RuleBasedStateMachine):
             reason = INTERRUPTED if claim.phase == "cancelling" else OWNER_LOST
             self.close_open_messages(execution_id, reason)
             self.end_claim(session_id)
-            if session.pending:
+            if self.due_pending(session):
                 self.ring(session)
             del self.recovery_rows[execution_id]
             return decision, False
@@ -818,6 +994,14 @@ class ProtocolModel(RuleBasedStateMachine):
             row.error = "malformed"
             self.quarantined.add(execution_id)
             return RecoveryDecision.QUARANTINE, False
+        if session.paused:
+            # Never resumed: finished as owner-lost, pending inputs left rung for `resume`.
+            self.close_open_messages(execution_id, OWNER_LOST)
+            self.end_claim(session_id)
+            if self.due_pending(session):
+                self.ring(session)
+            del self.recovery_rows[execution_id]
+            return RecoveryDecision.FINISH_PAUSED, False
         if not claim.handed_back and session.wake_attempts >= MAX_RESUMES:
             self.close_open_messages(execution_id, BUDGET_EXHAUSTED)
             self.end_claim(session_id)
@@ -923,7 +1107,7 @@ class ProtocolModel(RuleBasedStateMachine):
             if session.claim is not None and session.claim.execution_id == execution_id:
                 self.end_claim(row.session_id)
             session.wake_attempts = 0
-            if session.pending:
+            if self.due_pending(session):
                 self.ring(session)
             del self.recovery_rows[execution_id]
             self.quarantined.discard(execution_id)
@@ -958,10 +1142,13 @@ class ProtocolModel(RuleBasedStateMachine):
         """Every table holds exactly what the contract predicts."""
         sessions = {
             row[0]: row[1:]
-            for row in self.conn.execute("SELECT id, time_woken, wakes, wake_attempts FROM session")
+            for row in self.conn.execute(
+                "SELECT id, time_woken, wakes, wake_attempts, time_paused IS NOT NULL FROM session"
+            )
         }
         assert sessions == {
-            s: (m.time_woken, m.wakes, m.wake_attempts) for s, m in self.sessions.items()
+            s: (m.time_woken, m.wakes, m.wake_attempts, int(m.paused))
+            for s, m in self.sessions.items()
         }
         claims = {
             row[0]: row[1:]
@@ -976,9 +1163,11 @@ class ProtocolModel(RuleBasedStateMachine):
             if (c := m.claim) is not None
         }
         pending = sorted(
-            self.conn.execute("SELECT session_id, id, seq, payload FROM session_input")
+            self.conn.execute("SELECT session_id, id, seq, payload, due_at FROM session_input")
         )
-        assert pending == sorted((s, *p) for s, m in self.sessions.items() for p in m.pending)
+        assert pending == sorted(
+            (s, *p, self.due_at.get(p[0])) for s, m in self.sessions.items() for p in m.pending
+        )
         recovery = {
             row[0]: (row[1], row[2], row[3], row[4] is not None)
             for row in self.conn.execute(
@@ -1067,7 +1256,8 @@ class ProtocolModel(RuleBasedStateMachine):
             row[0]
             for row in self.conn.execute(
                 "SELECT DISTINCT i.session_id FROM session_input i JOIN session s"
-                " ON s.id = i.session_id WHERE s.time_woken IS NULL AND NOT EXISTS"
+                " ON s.id = i.session_id WHERE i.due_at IS NULL AND s.time_woken IS NULL"
+                " AND NOT EXISTS"
                 " (SELECT 1 FROM session_execution e WHERE e.session_id = i.session_id)"
             )
         }

@@ -311,15 +311,18 @@ def environment(url: str, schema: str) -> Iterator[Env]:
 
 
 def snapshot(control: psycopg.Connection[Any]) -> dict[str, list[tuple[Any, ...]]]:
-    """Every committed row of every table. User messages' ids are random (`new_id`), so
-    they are left out; everything else must match exactly."""
+    """Every committed row of every table. User messages' and forked copies' ids are random
+    (`new_id`), so they are left out; everything else must match exactly."""
     state = {}
     for table in TABLES:
         cursor = control.execute(sql.SQL("SELECT * FROM {}").format(sql.Identifier(table)))
         names = [column.name for column in cursor.description or ()]
         rows = [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
         for row in rows:
-            if table == "session_message" and row["role"] == "user":
+            # Random too: a user message's id, and a forked copy's (no execution wrote it).
+            if table == "session_message" and (
+                row["role"] == "user" or row["execution_id"] is None
+            ):
                 row["id"] = None
         state[table] = sorted((tuple(row.items()) for row in rows), key=repr)
     return state
@@ -560,6 +563,77 @@ OPERATIONS = [
     Operation("lift_quarantine", quarantined, one(_store.lift_quarantine, "e1", RESCUER, LEASE_MS)),
     Operation("drop_quarantined", quarantined, one(_store.drop_quarantined, "e1")),
     Operation("drop_rejected_input", drained, one(_store.drop_rejected_input, "i2")),
+    # Conversation control (DESIGN §5.1)
+    Operation(
+        "submit_controlled-interrupt",
+        lambda env: claimed(env, owner="other"),
+        one(_store.submit_controlled, "s", '{"n": 2}', "i9", "interrupt"),
+    ),
+    Operation(
+        "submit_controlled-reject-refused",
+        claimed,
+        one(_store.submit_controlled, "s", '{"n": 2}', "i9", "reject"),
+        writes=False,
+    ),
+    Operation(
+        "submit_controlled_and_acquire",
+        empty,
+        one(
+            _store.submit_controlled_and_acquire,
+            "s",
+            '{"n": 1}',
+            "i1",
+            "reject",
+            "e1",
+            OWNER,
+            LEASE_MS,
+        ),
+    ),
+    Operation(
+        "submit_scheduled",
+        empty,
+        one(_store.submit_scheduled, "s", '{"n": 1}', "i1", 5_000, "queue"),
+    ),
+    Operation(
+        "promote_due",
+        steps(do(_store.submit_scheduled, "s", '{"n": 1}', "i1", 1_000, "queue"), lapse),
+        one(_store.promote_due, 100),
+    ),
+    Operation(
+        "cancel_input", do(_store.submit, "s", '{"n": 1}', "i1"), one(_store.cancel_input, "i1")
+    ),
+    Operation("pause", empty, one(_store.pause, "s")),
+    Operation(
+        "resume",
+        steps(
+            do(_store.pause, "s"),
+            do(_store.submit_scheduled, "s", '{"n": 1}', "i1", 1, "queue"),
+            lapse,
+        ),
+        one(_store.resume, "s"),
+    ),
+    Operation(
+        "end_iteration-hand-over",
+        steps(drained, do(_store.mark_cancelling, "e1", OWNER), do(_store.wake, "s")),
+        one(_store.end_iteration, "e1", OWNER),
+    ),
+    Operation(
+        "end_iteration-paused",
+        steps(drained, do(_store.pause, "s"), do(_store.wake, "s")),
+        one(_store.end_iteration, "e1", OWNER),
+    ),
+    Operation("delete_session", drained, one(_store.delete_session, "s")),
+    Operation(
+        "purge_batch",
+        steps(drained, do(_store.finish_iteration, "e1", OWNER), lapse),
+        one(_store.purge_batch, 1_000, "", 200),
+    ),
+    Operation("fork", drained, one(_store.fork, "s", "f", None)),
+    Operation(
+        "truncate",
+        steps(drained, do(_store.finish_iteration, "e1", OWNER)),
+        one(_store.truncate, "s", 1),
+    ),
     Operation(
         "group-commit",
         empty,

@@ -192,7 +192,8 @@ def test_concurrent_migrations_of_an_empty_schema_all_succeed(
 
 
 async def test_upgrade_of_a_version_1_schema_adds_streaming(pg_url: str, pg_schema: str) -> None:
-    """A version-1 schema is upgraded on open (version 2), as SQLite's version 3 file is:
+    """A version-1 schema is upgraded on open (to the current version, through 2's
+    streaming), as SQLite's version 3 file is:
     messages marked finished from their JSON (a malformed one kept as it is), stream and
     delta tables added, an open reply from before still closed by recovery."""
     with raw(pg_url, pg_schema) as conn:
@@ -205,7 +206,7 @@ async def test_upgrade_of_a_version_1_schema_adds_streaming(pg_url: str, pg_sche
     seed_pre_streaming(location)
     with opened(PostgresStore(pg_url, schema=pg_schema).engine()):
         pass
-    assert location.rows("SELECT version FROM schema_version") == [(2,)]
+    assert location.rows("SELECT version FROM schema_version") == [(SCHEMA_VERSION,)]
     await check_pre_streaming_upgrade(location, PostgresStore(pg_url, schema=pg_schema))
 
 

@@ -1359,7 +1359,7 @@ def test_upgrade_of_a_version_1_file_adds_set_aside_tables(tmp_path: Path) -> No
     old.close()
     conn = _sqlite.connect(path)
     try:
-        assert _sqlite.schema_version(conn) == _sqlite.SCHEMA_VERSION == 4
+        assert _sqlite.schema_version(conn) == _sqlite.SCHEMA_VERSION == 5
         assert conn.execute("SELECT id, handed_back FROM session_execution").fetchall() == [
             ("e", 0)
         ]
@@ -1374,7 +1374,8 @@ def test_upgrade_of_a_version_1_file_adds_set_aside_tables(tmp_path: Path) -> No
 
 
 async def test_upgrade_of_a_version_3_file_adds_streaming(tmp_path: Path) -> None:
-    """A version-3 file is upgraded in place on open (version 4): messages are marked
+    """A version-3 file is upgraded in place on open (to the current version, through 4's
+    streaming): messages are marked
     finished from their JSON, the stream and delta tables are added, and an open reply
     written before the upgrade is still closed by recovery."""
     path = tmp_path / "v3.db"
@@ -1386,7 +1387,7 @@ async def test_upgrade_of_a_version_3_file_adds_streaming(tmp_path: Path) -> Non
     raw = Raw(path)
     seed_pre_streaming(raw)
     _sqlite.connect(path).close()
-    assert raw.rows("PRAGMA user_version") == [(4,)]
+    assert raw.rows("PRAGMA user_version") == [(_sqlite.SCHEMA_VERSION,)]
     await check_pre_streaming_upgrade(raw, path)
 
 

@@ -31,6 +31,7 @@ from ._errors import LeaseLost as LeaseLost
 from ._errors import MalformedRecord as MalformedRecord
 from ._errors import MessageFinished as MessageFinished
 from ._errors import SchemaTooNew as SchemaTooNew
+from ._errors import SessionBusy as SessionBusy
 from ._errors import StoreError as StoreError
 from ._errors import TrioSessionsError as TrioSessionsError
 from ._errors import UnknownToolCall as UnknownToolCall

@@ -9,6 +9,12 @@ Commands:
 * `inputs list DB [--session S]` - inputs set aside because their payload does not decode
   (they never block the inputs behind them);
 * `inputs drop DB INPUT_ID` - delete one of them;
+* `inputs cancel DB INPUT_ID` - withdraw a pending input no drain has taken yet;
+* `pause DB SESSION` / `resume DB SESSION` - hold a session (no drain starts on it anywhere;
+  inputs are kept) and lift the hold (its pending work starts);
+* `delete DB SESSION` - erase a session and every row of it (a running drain is stopped);
+* `purge DB --idle-for SECONDS` - delete every session idle that long (no claim, no pending
+  input or wake, no write), in short batches;
 * `health DB` - exit 0 when the database opens and its schema is current (for probes);
 * `worker MODULE:DRAIN --store ...` - run a drain as a long-lived worker (`_worker`).
 Every listing takes `--json` (one JSON document on stdout).
@@ -21,8 +27,9 @@ Invariants: a database is never created or migrated by accident - every command 
 with `_sqlite.connect(path, create=False)`, which refuses a missing file, a file that is not
 SQLite and an SQLite file that is not ours, or with a PostgreSQL connection that never
 migrates and refuses a schema without our `schema_version` table. Listings only read (one
-read snapshot, no write lock); `quarantine release` and `inputs drop` are the only commands
-that write, and they write through the store's own operations, in one transaction each. The
+read snapshot, no write lock); `quarantine release`, `inputs drop`, `inputs cancel`,
+`pause`, `resume`, `delete` and `purge` write, through the store's own operations, in one
+transaction each (`purge`: one per batch). The
 `worker` command is the exception: it runs a runtime, which creates and migrates its store
 as `open_runtime` always does.
 """
@@ -31,10 +38,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sqlite3
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import _backend, _sqlite, _store, _worker
@@ -44,6 +52,8 @@ from ._runtime import make_owner_id
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # the database was refused or the command could not be carried out
+# Sessions examined per purge transaction (as `Runtime.purge`).
+PURGE_BATCH = 200
 
 
 # ---------------------------------------------------------------------------------------------
@@ -227,6 +237,43 @@ def drop_input(database: Engine, input_id: str) -> dict[str, Any]:
     return {"input_id": input_id, "session_id": session_id, "action": "drop"}
 
 
+def cancel_input(database: Engine, input_id: str) -> dict[str, Any]:
+    """Withdraw one pending input; `ValueError` unless it is pending (taken or unknown)."""
+    if not database.run(_store.cancel_input, input_id):
+        raise ValueError(f"input {input_id!r} is not pending (already taken, or unknown)")
+    return {"input_id": input_id, "action": "cancel"}
+
+
+def pause(database: Engine, session_id: str) -> dict[str, Any]:
+    database.run(_store.pause, session_id)
+    return {"session_id": session_id, "action": "pause"}
+
+
+def resume(database: Engine, session_id: str) -> dict[str, Any]:
+    """Lift the pause; `rung` says whether pending work rang the doorbell (a worker on the
+    store starts it through the store's signal)."""
+    rung = database.run(_store.resume, session_id)
+    return {"session_id": session_id, "action": "resume", "rung": rung}
+
+
+def delete(database: Engine, session_id: str) -> dict[str, Any]:
+    """Erase a session; `ValueError` when there is none."""
+    if not database.run(_store.delete_session, session_id):
+        raise ValueError(f"no session {session_id!r}")
+    return {"session_id": session_id, "action": "delete"}
+
+
+def purge(database: Engine, idle_for: float) -> dict[str, Any]:
+    """Delete every idle session, one short transaction per batch."""
+    idle_ms = math.ceil(idle_for * 1000)
+    purged = 0
+    after: str | None = ""
+    while after is not None:
+        deleted, after = database.run(_store.purge_batch, idle_ms, after, PURGE_BATCH)
+        purged += deleted
+    return {"action": "purge", "idle_for_s": idle_for, "purged": purged}
+
+
 def _session_of_quarantined(database: Engine, execution_id: str) -> str:
     for row in database.read(_store.quarantined):
         if row["execution_id"] == execution_id:
@@ -323,6 +370,18 @@ def format_input_drop(result: dict[str, Any]) -> str:
     return f"dropped rejected input {result['input_id']} of session {result['session_id']}"
 
 
+def format_control(result: dict[str, Any]) -> str:
+    action = result["action"]
+    if action == "purge":
+        return f"purged {result['purged']} sessions idle for {result['idle_for_s']:g} s"
+    if action == "cancel":
+        return f"cancelled input {result['input_id']}"
+    if action == "resume":
+        started = "pending work rang its doorbell" if result["rung"] else "nothing pending"
+        return f"resumed {result['session_id']} ({started})"
+    return f"{'paused' if action == 'pause' else 'deleted'} {result['session_id']}"
+
+
 def format_health(health: dict[str, Any]) -> str:
     if health["ok"]:
         return f"ok: {health['db']} (schema version {health['schema_version']})"
@@ -411,6 +470,29 @@ def build_parser() -> argparse.ArgumentParser:
         "drop", parents=[common], help="delete one rejected input (writes)"
     )
     drop_cmd.add_argument("input_id", metavar="INPUT_ID")
+    cancel_cmd = input_actions.add_parser(
+        "cancel", parents=[common], help="withdraw a pending input not taken yet (writes)"
+    )
+    cancel_cmd.add_argument("input_id", metavar="INPUT_ID")
+    for verb, text in (
+        ("pause", "hold a session: inputs kept, no drain starts anywhere (writes)"),
+        ("resume", "lift a pause; pending work starts (writes)"),
+        ("delete", "erase a session and every row of it; a running drain stops (writes)"),
+    ):
+        control = commands.add_parser(verb, parents=[common], help=text)
+        control.add_argument("session_id", metavar="SESSION")
+    purge_cmd = commands.add_parser(
+        "purge",
+        parents=[common],
+        help="delete sessions with no claim, no pending input or wake and no write (writes)",
+    )
+    purge_cmd.add_argument(
+        "--idle-for",
+        type=_seconds_arg,
+        required=True,
+        metavar="SECONDS",
+        help="how long a session must have been idle",
+    )
     commands.add_parser(
         "health",
         parents=[common],
@@ -430,8 +512,27 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _seconds_arg(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
 def run_command(args: argparse.Namespace, database: Engine) -> tuple[Any, str]:
     """Carry out the parsed command; returns (JSON value, text)."""
+    control: dict[str, Callable[[], dict[str, Any]]] = {
+        "pause": lambda: pause(database, args.session_id),
+        "resume": lambda: resume(database, args.session_id),
+        "delete": lambda: delete(database, args.session_id),
+        "purge": lambda: purge(database, args.idle_for),
+    }
+    if args.command in control:
+        result = control[args.command]()
+        return result, format_control(result)
     if args.command == "status":
         status = database.read(_store.status)
         status = filter_status(status, session_ids=args.session, state=args.state, limit=args.limit)
@@ -440,6 +541,9 @@ def run_command(args: argparse.Namespace, database: Engine) -> tuple[Any, str]:
         if args.inputs_action == "list":
             rows = read_rejected_inputs(database, args.session)
             return rows, format_rejected_inputs(rows)
+        if args.inputs_action == "cancel":
+            cancelled = cancel_input(database, args.input_id)
+            return cancelled, format_control(cancelled)
         dropped = drop_input(database, args.input_id)
         return dropped, format_input_drop(dropped)
     if args.action == "list":

@@ -6,8 +6,12 @@ rule here can be checked exhaustively without a database:
 * a lease is live iff `expires_at > now`; an expired lease is never revived;
 * the acquire path inserts a claim only when the doorbell is set and no claim row exists;
 * recovery acts only on an expired claim it holds a recovery lease for, and decides in this
-  order: live again, cancelling, superseded, malformed, budget exhausted (never for a claim
-  handed back by a graceful shutdown), resume.
+  order: live again, cancelling, superseded, malformed, paused, budget exhausted (never for
+  a claim handed back by a graceful shutdown), resume;
+* a paused session is never claimed, and a busy period on it ends at its next iteration
+  boundary (DESIGN §5.1);
+* a submit decides what a busy session does with it (`on_busy`) from the claim's phase and
+  whether due inputs wait untaken.
 """
 
 from __future__ import annotations
@@ -55,15 +59,66 @@ class AcquireVerdict(enum.Enum):
     CLAIM = "claim"
     NO_DOORBELL = "no_doorbell"
     HELD = "held"
+    PAUSED = "paused"  # the doorbell stays set for `resume`
 
 
-def acquire_verdict(*, doorbell_set: bool, claim_row: ClaimRow | None) -> AcquireVerdict:
-    """The acquire path never overwrites a claim row: live or expired, own or foreign."""
+def acquire_verdict(
+    *, doorbell_set: bool, claim_row: ClaimRow | None, paused: bool = False
+) -> AcquireVerdict:
+    """The acquire path never overwrites a claim row: live or expired, own or foreign; and
+    never claims a paused session."""
     if claim_row is not None:
         return AcquireVerdict.HELD
+    if paused:
+        return AcquireVerdict.PAUSED
     if not doorbell_set:
         return AcquireVerdict.NO_DOORBELL
     return AcquireVerdict.CLAIM
+
+
+class IterationVerdict(enum.Enum):
+    """What a drain's normal return leads to (the finish transaction of the drain loop)."""
+
+    CONTINUE = "continue"  # doorbell set: take it, drain again under the same claim
+    RELEASE = "release"  # nothing pending: delete the claim
+    HAND_OVER = "hand_over"  # cancelling, doorbell set: delete the claim, a successor takes it
+    PAUSE = "pause"  # paused: delete the claim, leave the doorbell set for `resume`
+
+
+def iteration_verdict(*, doorbell_set: bool, phase: str, paused: bool) -> IterationVerdict:
+    """After a drain call returned normally. A pause ends the busy period at this boundary;
+    a claim marked cancelling (an interrupt that arrived as the call returned) starts no
+    further iteration of its own: a fresh successor takes what is pending."""
+    if paused:
+        return IterationVerdict.PAUSE
+    if phase == "cancelling":
+        return IterationVerdict.HAND_OVER if doorbell_set else IterationVerdict.RELEASE
+    if doorbell_set:
+        return IterationVerdict.CONTINUE
+    return IterationVerdict.RELEASE
+
+
+ON_BUSY = ("queue", "interrupt", "reject")
+
+
+class SubmitVerdict(enum.Enum):
+    QUEUE = "queue"  # store it; the next drain iteration takes it
+    INTERRUPT = "interrupt"  # store it and mark the running claim cancelling
+    REJECT = "reject"  # store nothing: `SessionBusy`
+
+
+def submit_verdict(
+    on_busy: str, *, claim_phase: str | None, due_inputs_pending: bool
+) -> SubmitVerdict:
+    """What a new input does to a session that may be busy: a claim exists (`claim_phase`
+    is its phase), or due inputs wait untaken. Scheduled inputs not yet due do not make a
+    session busy."""
+    busy = claim_phase is not None or due_inputs_pending
+    if on_busy == "reject" and busy:
+        return SubmitVerdict.REJECT
+    if on_busy == "interrupt" and claim_phase == "running":
+        return SubmitVerdict.INTERRUPT
+    return SubmitVerdict.QUEUE
 
 
 @attrs.frozen
@@ -88,6 +143,7 @@ class RecoveryDecision(enum.Enum):
     FINISH_CANCELLED = "finish_cancelled"
     DROP_SUPERSEDED = "drop_superseded"
     QUARANTINE = "quarantine"
+    FINISH_PAUSED = "finish_paused"  # a paused session's dead claim: owner-lost, no resume
     EXHAUSTED = "exhausted"
     RESUME = "resume"
 
@@ -102,6 +158,7 @@ class RecoveryFacts:
     wake_attempts: int
     # Handed back by a graceful shutdown: resumed without counting against the budget.
     handed_back: bool = False
+    paused: bool = False
 
 
 def decide_recovery(
@@ -119,6 +176,8 @@ def decide_recovery(
         return RecoveryDecision.DROP_SUPERSEDED
     if facts.newest_assistant_malformed:
         return RecoveryDecision.QUARANTINE
+    if facts.paused:
+        return RecoveryDecision.FINISH_PAUSED
     if not facts.handed_back and facts.wake_attempts >= max_resumes:
         return RecoveryDecision.EXHAUSTED
     return RecoveryDecision.RESUME
@@ -129,4 +188,8 @@ def rearms_doorbell(decision: RecoveryDecision) -> bool:
 
     A failed ending (budget exhausted) does not: that would loop on work that always fails.
     """
-    return decision in (RecoveryDecision.FINISH_CANCELLED, RecoveryDecision.DROP_SUPERSEDED)
+    return decision in (
+        RecoveryDecision.FINISH_CANCELLED,
+        RecoveryDecision.DROP_SUPERSEDED,
+        RecoveryDecision.FINISH_PAUSED,
+    )

@@ -34,6 +34,12 @@ class InputConflict(TrioSessionsError):
     a different payload."""
 
 
+class SessionBusy(TrioSessionsError):
+    """The session is busy - a claim is held, or inputs that are due wait untaken - and the
+    call refuses to act on a busy session (`submit(on_busy="reject")`, `truncate`).
+    Nothing was written."""
+
+
 class DuplicateSettlement(TrioSessionsError):
     """A tool call was settled a second time; the transcript keeps the first settlement."""
 

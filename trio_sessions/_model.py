@@ -147,6 +147,7 @@ class RecoveryReport:
     skipped_live: int = 0
     fence_lost: int = 0
     doorbells_started: int = 0
+    finished_paused: int = 0  # dead owners' claims of paused sessions, closed as owner-lost
 
 
 @attrs.frozen

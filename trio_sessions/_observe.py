@@ -227,7 +227,7 @@ class RecoveryPass:
     def done(self, report: RecoveryReport) -> None:
         """DEBUG, every pass: RECOVERY_PASS. extra: owner_id and each `RecoveryReport` count
         (examined, resumed, finished_cancelled, dropped_superseded, quarantined, exhausted,
-        skipped_live, fence_lost, doorbells_started)."""
+        skipped_live, fence_lost, doorbells_started, finished_paused)."""
         counts = attrs.asdict(report)
         logger.debug(
             RECOVERY_PASS,

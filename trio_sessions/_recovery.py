@@ -30,6 +30,7 @@ _REPORT_KEYS = {
     RecoveryDecision.DROP_SUPERSEDED: "dropped_superseded",
     RecoveryDecision.QUARANTINE: "quarantined",
     RecoveryDecision.EXHAUSTED: "exhausted",
+    RecoveryDecision.FINISH_PAUSED: "finished_paused",
     RecoveryDecision.SKIP_LIVE: "skipped_live",
 }
 

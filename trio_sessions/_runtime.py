@@ -29,7 +29,7 @@ import trio
 from . import _codec, _observe, _store, _transcript
 from ._backend import POSTGRES_SCHEMES, Executor, StoreBackend
 from ._coordinator import Execution, SessionEntry
-from ._decisions import AcquireVerdict, RecoveryDecision
+from ._decisions import ON_BUSY, AcquireVerdict, IterationVerdict, RecoveryDecision
 from ._errors import DuplicateSettlement, LeaseLost, StoreError, UnknownToolCall
 from ._lease import LeaseKeeper, self_fence_deadline
 from ._model import (
@@ -43,6 +43,7 @@ from ._model import (
     ToolPart,
 )
 from ._recovery import Recovery, report_of
+from ._schedule import DueTimer
 from ._signals import Watcher, WatchHub
 from ._sqlite import SQLiteStore
 from ._stream import EventStream, Offer, StreamHub, decode_cursor
@@ -59,6 +60,8 @@ HAND_BACK_TIMEOUT = 5.0
 CHANGE_FALLBACK_POLL = 2.0
 # Durable wakes taken per look (the rest at the next one).
 CHANGE_BATCH = 100
+# Sessions examined per purge transaction: short transactions, never blocking a drain.
+PURGE_BATCH = 200
 
 
 def validate_session_id(session_id: object) -> str:
@@ -117,12 +120,34 @@ class Seams:
     before_recovery_apply: Callable[[list[str]], Awaitable[None]] | None = None
 
 
+def _delay_ms(delay: object) -> int:
+    """A scheduled input's delay in whole milliseconds, rounded up (never due early)."""
+    if delay is None:
+        return 0
+    if isinstance(delay, bool) or not isinstance(delay, int | float):
+        raise TypeError(f"delay must be a number of seconds or None, got {type(delay).__name__}")
+    if not math.isfinite(delay) or delay < 0:
+        raise ValueError(f"delay must be a finite number of seconds >= 0, got {delay!r}")
+    return math.ceil(delay * 1000)
+
+
+def _seq(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{what} must be >= 0, got {value}")
+    return value
+
+
 @attrs.frozen
 class _Ending:
     """How one claim's drain section ended, before the finalizer acted on it."""
 
     kind: Literal["not_claimed", "released", "failed", "interrupted"]
     error: BaseException | None = None
+    # Released because its claim was marked cancelling while a wake waits: a successor
+    # takes it (the interrupted busy period starts no iteration of its own).
+    handed_over: bool = False
 
 
 class Runtime:
@@ -186,6 +211,8 @@ class Runtime:
         self._streams = StreamHub()
         # Set to look at the store now rather than at the next change signal.
         self._kick = trio.Event()
+        # The earliest due time of a scheduled input (runtimes that drain run it).
+        self._due = DueTimer()
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -195,7 +222,13 @@ class Runtime:
         return self._owner_id
 
     async def submit(
-        self, session_id: str, payload: dict[str, Any], *, input_id: str | None = None
+        self,
+        session_id: str,
+        payload: dict[str, Any],
+        *,
+        input_id: str | None = None,
+        on_busy: str = "queue",
+        delay: float | None = None,
     ) -> str:
         """Store an input and wake the session; returns the input id.
 
@@ -203,19 +236,61 @@ class Runtime:
         the drain starts at once - here if this runtime drains and has room (`max_active`),
         else in any runtime on the store.
 
+        `on_busy` says what an input does to a busy session (a claim exists, or due inputs
+        wait untaken): `"queue"` (default) stores it for the next drain iteration;
+        `"interrupt"` stores it and, in the same transaction, marks a running claim
+        `cancelling` and signals it - the drain stops at once (its open message finished
+        `"interrupted"`) and exactly one successor takes this input and every other pending
+        one; `"reject"` raises `SessionBusy` and stores nothing (a retry of an input already
+        stored returns its id).
+
+        `delay` (seconds) schedules the input: stored now, invisible to `take_inputs()` until
+        that much time has passed by the store's lease clock (the server's on PostgreSQL),
+        then it wakes the session by itself - in any runtime on the store that drains, also
+        after restarts. A session whose only inputs are scheduled is not busy. `0`/`None`:
+        due now.
+
         Idempotent by `input_id` (also after the input was taken): a retry with the same id
         and payload stores nothing new and returns the id. Raises `InputConflict` when the
-        id belongs to another session or to a different payload; `TypeError`/`ValueError`
-        for a bad session id, a payload that is not a JSON object or is over 1 MiB, or a bad
-        `input_id`; `StoreError`. Cancellation: nothing written if the transaction had not
-        started, else the input is stored and the call returns (see `Runtime`).
+        id belongs to another session or to a different payload; `SessionBusy` (above);
+        `TypeError`/`ValueError` for a bad session id, a payload that is not a JSON object or
+        is over 1 MiB, a bad `input_id`, an unknown `on_busy`, a negative or non-finite
+        `delay`, or `"interrupt"` with a delay (an interrupt cannot wait); `StoreError`.
+        Cancellation: nothing written if the transaction had not started, else the input is
+        stored (and the running drain interrupted) and the call returns (see `Runtime`).
         """
         validate_session_id(session_id)
         text = _codec.check_json_object(payload, "payload")
         input_id = _validate_input_id(input_id)
-        stored, _ = await self._signal(
-            session_id, (_store.submit, _store.submit_and_acquire), session_id, text, input_id
+        if on_busy not in ON_BUSY:
+            raise ValueError(f"on_busy must be one of {', '.join(ON_BUSY)}; got {on_busy!r}")
+        delay_ms = _delay_ms(delay)
+        if delay_ms and on_busy == "interrupt":
+            raise ValueError('on_busy="interrupt" needs an input due now (delay=None)')
+        if delay_ms:
+            stored = await self._db.run(
+                _store.submit_scheduled, session_id, text, input_id, delay_ms, on_busy
+            )
+            self._due.arm(delay_ms)
+            return stored
+        if on_busy == "queue":
+            stored, _ = await self._signal(
+                session_id, (_store.submit, _store.submit_and_acquire), session_id, text, input_id
+            )
+            return str(stored)
+        (stored, interrupted), _ = await self._signal(
+            session_id,
+            (_store.submit_controlled, _store.submit_controlled_and_acquire),
+            session_id,
+            text,
+            input_id,
+            on_busy,
         )
+        entry = self._entries.get(session_id)
+        if interrupted and entry is not None:
+            # Our own claim, or one we are acquiring: stop it at once, as `interrupt()`;
+            # its cleanup re-arms the doorbell for the successor (inputs are pending).
+            entry.interrupt("user")
         return str(stored)
 
     async def wake(self, session_id: str) -> None:
@@ -384,6 +459,125 @@ class Runtime:
             report = await self._apply_recovery([candidate])
             if report.quarantined:
                 raise await self._recovery.quarantine_error(execution_id)
+
+    # -- conversation control (DESIGN §5.1) ---------------------------------------------------
+
+    async def cancel_input(self, input_id: str) -> bool:
+        """Withdraw an input no drain has taken yet (a "Stop" pressed before pickup, a
+        cancelled reminder); `True` and it is gone, durably, when it returns (its id is
+        forgotten: a later `submit` with it stores a new input). `False` when it was already
+        taken (it is a user message now) or is unknown; nothing is written then.
+
+        Raises `TypeError`/`ValueError` for a bad id, `StoreError`. Cancellation: as
+        `submit` - nothing withdrawn if the transaction had not started.
+        """
+        if not isinstance(input_id, str):
+            raise TypeError(f"input_id must be a str, got {type(input_id).__name__}")
+        if not 1 <= len(input_id) <= MAX_ID_LENGTH:
+            raise ValueError(f"input_id must be 1-{MAX_ID_LENGTH} characters: {input_id!r}")
+        return await self._db.run(_store.cancel_input, input_id)
+
+    async def pause(self, session_id: str) -> None:
+        """Hold the session: it still accepts inputs, wakes and interrupts durably, but no
+        drain starts on it in any runtime until `resume`. A running busy period ends at its
+        next iteration boundary (the current drain call finishes normally) and leaves the
+        doorbell set; recovery finishes a dead owner's claim of it as owner-lost instead of
+        resuming it. Pausing an unknown session creates it, paused. Idempotent.
+
+        Durable when it returns. Raises `TypeError`/`ValueError` for a bad session id,
+        `StoreError`. Cancellation: as `submit`.
+        """
+        validate_session_id(session_id)
+        await self._db.run(_store.pause, session_id)
+
+    async def resume(self, session_id: str) -> None:
+        """Lift a pause; when inputs or wakes are pending, ring the doorbell so exactly one
+        busy period starts (here if this runtime drains and has room, else anywhere).
+        Idempotent; an unknown or unpaused session is left as it is.
+
+        Durable when it returns. Raises `TypeError`/`ValueError` for a bad session id,
+        `StoreError`. Cancellation: as `submit`.
+        """
+        validate_session_id(session_id)
+        if await self._db.run(_store.resume, session_id):
+            self._ring(session_id)
+
+    async def delete_session(self, session_id: str) -> bool:
+        """Erase the session: every row of it (inputs, also scheduled and set-aside ones,
+        messages and their streamed text, claims, recovery rows) is removed in one
+        transaction, durable when it returns; `True` when it existed.
+
+        A running drain is interrupted: here at once, in another process or host through
+        the store's signal (its claim is gone, so it stops and writes nothing). Any write
+        the old drain still attempts raises `LeaseLost`. A later `submit` starts a fresh,
+        empty session. Raises `TypeError`/`ValueError` for a bad session id, `StoreError`.
+        Cancellation: as `submit` - nothing deleted if the transaction had not started.
+        """
+        validate_session_id(session_id)
+        existed = await self._db.run(_store.delete_session, session_id)
+        self._streams.touch(session_id)
+        entry = self._entries.get(session_id)
+        if entry is not None:
+            # Its claim is gone with the session: stop the drain, write nothing for it.
+            entry.lose_lease()
+        return existed
+
+    async def purge(self, *, idle_for: float) -> int:
+        """Delete every session with no claim, no pending input or wake, and no write for
+        `idle_for` seconds (by the store's lease clock); returns how many.
+
+        Runs in short transactions of at most `PURGE_BATCH` sessions each, so it never
+        holds up a drain; each is durable when it commits. Raises `TypeError`/`ValueError`
+        for a bad `idle_for` (a finite number >= 0), `StoreError`. Cancellation: between
+        transactions - the sessions deleted so far stay deleted.
+        """
+        if isinstance(idle_for, bool) or not isinstance(idle_for, int | float):
+            raise TypeError(f"idle_for must be a number of seconds, got {type(idle_for).__name__}")
+        if not math.isfinite(idle_for) or idle_for < 0:
+            raise ValueError(f"idle_for must be a finite number of seconds >= 0, got {idle_for!r}")
+        idle_ms = math.ceil(idle_for * 1000)
+        purged = 0
+        after: str | None = ""
+        while after is not None:
+            deleted, after = await self._db.run(_store.purge_batch, idle_ms, after, PURGE_BATCH)
+            purged += deleted
+        return purged
+
+    async def fork(
+        self, session_id: str, new_session_id: str, *, through_seq: int | None = None
+    ) -> None:
+        """Create `new_session_id` holding copies of the session's messages with `seq <=
+        through_seq` (all when `None`): same seq, role and data, with any streamed text
+        merged; an unfinished assistant message is copied finished with `error=
+        "interrupted"` (its running tools failed the same way). The source is untouched.
+
+        One transaction, durable when it returns: never a half-copied transcript. Raises
+        `ValueError` when `new_session_id` exists or the session does not, `MalformedRecord`
+        for an open message that does not decode (nothing copied), `TypeError`/`ValueError`
+        for bad arguments, `StoreError`. Cancellation: as `submit`.
+        """
+        validate_session_id(session_id)
+        validate_session_id(new_session_id)
+        if new_session_id == session_id:
+            raise ValueError(f"cannot fork session {session_id!r} into itself")
+        if through_seq is not None:
+            through_seq = _seq(through_seq, "through_seq")
+        await self._db.run(_store.fork, session_id, new_session_id, through_seq)
+        self._streams.touch(new_session_id)
+
+    async def truncate(self, session_id: str, *, after_seq: int) -> int:
+        """Delete the session's messages with `seq > after_seq`; returns how many. "Edit and
+        regenerate": truncate, then submit the edited text.
+
+        One transaction, durable when it returns: never a half-truncated transcript.
+        Raises `SessionBusy` (nothing deleted) while a claim is held on the session,
+        `TypeError`/`ValueError` for bad arguments, `StoreError`. Cancellation: as `submit`.
+        """
+        validate_session_id(session_id)
+        after_seq = _seq(after_seq, "after_seq")
+        deleted = await self._db.run(_store.truncate, session_id, after_seq)
+        self._streams.touch(session_id)
+        return deleted
 
     # -- local registry -----------------------------------------------------------------------
 
@@ -615,17 +809,17 @@ class Runtime:
             if self._seams.before_finish is not None:
                 await self._seams.before_finish(entry.session_id)
             try:
-                continued = await self._db.run(
-                    _store.finish_iteration, entry.execution_id, self._owner_id
+                verdict = await self._db.run(
+                    _store.end_iteration, entry.execution_id, self._owner_id
                 )
             except LeaseLost as exc:
                 return _Ending("failed", error=exc)
             self._streams.touch(entry.session_id)  # messages left open were closed
-            if not continued:
+            if verdict is not IterationVerdict.CONTINUE:
                 entry.disown()
                 if self._seams.after_finish is not None:
                     await self._seams.after_finish(entry.session_id)
-                return _Ending("released")
+                return _Ending("released", handed_over=verdict is IterationVerdict.HAND_OVER)
             entry.keep_going()
 
     async def _finalize(self, entry: SessionEntry, ending: _Ending) -> tuple[Outcome, bool]:
@@ -634,7 +828,7 @@ class Runtime:
         if self._crashed:
             return Outcome("interrupted", "shutdown"), False
         if ending.kind == "released":
-            return Outcome("succeeded"), entry.rung_since_decision()
+            return Outcome("succeeded"), entry.rung_since_decision() or ending.handed_over
         if ending.kind == "not_claimed":
             if entry.reason is not None:
                 await self._pass_on_interrupt(entry)
@@ -777,10 +971,16 @@ class Runtime:
         for session_id in changes.doorbells:
             if session_id not in self._entries and self._ring(session_id) is not None:
                 self._remote_signals += 1
-        cancelling = set(changes.cancelling)
+        cancelling, gone = set(changes.cancelling), set(changes.gone)
         for entry in list(self._entries.values()):
             if entry.owned and entry.execution_id in cancelling and entry.interrupt("user"):
                 self._remote_signals += 1
+            elif entry.owned and not entry.deciding and entry.execution_id in gone:
+                # Deleted by another process (`delete_session`): nothing is left to write.
+                # (A transaction of our own that may delete it sets `deciding` first.)
+                entry.lose_lease()
+                self._remote_signals += 1
+        self._due.arm(changes.next_due_ms)
         for snapshot in changes.messages:
             self._watchers.publish(*snapshot)
         await self._streams.look(self._db.read)
@@ -845,6 +1045,12 @@ class Runtime:
                 await self.recover_once()
 
     async def _recovery_pass(self) -> RecoveryReport:
+        # Scheduled inputs that fell due while no timer ran (a restart) ring their doorbells
+        # first, so this very pass starts them; the timer is armed for the rest.
+        next_due = await self._db.read(_store.next_due)
+        if next_due is not None and next_due <= 0:
+            next_due = await self._fire_due()
+        self._due.arm(next_due)
         # With max_active, take recovery leases only on what this runtime has room for: a
         # lease it would not act on keeps the row from every other runtime for a lease.
         scan = await self._recovery.scan(
@@ -896,6 +1102,14 @@ class Runtime:
                 entry.interrupt("shutdown")
             self._nursery.start_soon(self._busy_period, entry)
         return report_of(results)
+
+    async def _fire_due(self) -> int | None:
+        """Promote the scheduled inputs now due (their doorbells rung, one transaction) and
+        start their drains here; returns when the next one falls due (ms, None for none)."""
+        due = await self._db.run(_store.promote_due, CHANGE_BATCH)
+        for session_id in due.sessions:
+            self._ring(session_id)
+        return due.next_due_ms
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -1002,8 +1216,11 @@ class DrainContext:
         """Consume pending inputs in seq order; each becomes a user message, atomically.
 
         Durable when it returns: in one fenced transaction the inputs left `session_input`
-        and were appended as `role='user'` messages. An input whose payload does not decode
-        is set aside for the operator, never returned and never blocking the others.
+        and were appended as `role='user'` messages. Only inputs that are due: a scheduled
+        one (`submit(delay=)`) stays unseen until its time. None once this claim was asked
+        to stop (another process's interrupt on its way): a successor takes them. An input
+        whose payload does not decode is set aside for the operator, never returned and
+        never blocking the others.
         Raises `LeaseLost` (nothing taken) when the claim is gone or this context is stale,
         `StoreError`. Cancellation: nothing taken if the transaction had not started, else
         the inputs are taken (they are user messages now, found again by `transcript()`).
@@ -1343,6 +1560,7 @@ async def _open_runtime(
             await runtime.recover_once()
             nursery.start_soon(runtime._keep_leases)
             nursery.start_soon(runtime._recovery_loop)
+            nursery.start_soon(runtime._due.run, runtime._fire_due)
         nursery.start_soon(runtime._change_loop)
         try:
             yield runtime

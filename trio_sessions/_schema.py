@@ -6,8 +6,9 @@ best: SQLite's hot tables are WITHOUT ROWID and its integers are INTEGER; Postgr
 times are BIGINT and its claim table leaves room for heartbeats' row versions.
 
 Versions do not line up: PostgreSQL's first version is SQLite's versions 1-3 (no
-PostgreSQL store predates them), and PostgreSQL's version 2 is SQLite's version 4
-(streaming). A change of the schema adds one version to each dict, in the same commit.
+PostgreSQL store predates them), PostgreSQL's version 2 is SQLite's version 4 (streaming),
+and PostgreSQL's version 3 is SQLite's version 5 (conversation control). A change of the
+schema adds one version to each dict, in the same commit.
 
 Invariants: a version, once released, is never edited (stores in the field are at it);
 the engines (`_sqlite.migrate`, `_postgres.migrate`) apply versions in order in one
@@ -24,7 +25,7 @@ from . import _codec
 # ---------------------------------------------------------------------------------------------
 # SQLite
 
-SQLITE_SCHEMA_VERSION = 4
+SQLITE_SCHEMA_VERSION = 5
 
 # The small, hot tables are WITHOUT ROWID: keyed by their text primary key directly, each
 # write touches one b-tree less (fewer WAL pages per commit). Messages keep a rowid: their
@@ -139,6 +140,14 @@ CREATE TABLE session_message_delta(
     PRIMARY KEY (message_id, version)
 ) WITHOUT ROWID;
 """,
+    # Conversation control (DESIGN §5.1): a scheduled input's due time (NULL: due, and its
+    # doorbell rung), found by the due timer through a partial index of the scheduled ones
+    # only; a paused session's pause time (NULL: not paused).
+    5: """
+ALTER TABLE session_input ADD COLUMN due_at INTEGER;
+CREATE INDEX session_input_due ON session_input(due_at) WHERE due_at IS NOT NULL;
+ALTER TABLE session ADD COLUMN time_paused INTEGER;
+""",
 }
 
 # The tables whose presence makes an SQLite file ours.
@@ -150,7 +159,7 @@ SQLITE_OUR_TABLES = frozenset(
 # ---------------------------------------------------------------------------------------------
 # PostgreSQL
 
-POSTGRES_SCHEMA_VERSION = 2
+POSTGRES_SCHEMA_VERSION = 3
 
 # Same names, meanings and named CHECKs as the SQLite schema (`SQLITE_MIGRATIONS`, whose
 # versions 1-3 are PostgreSQL's first: no PostgreSQL store predates them); times
@@ -253,6 +262,12 @@ CREATE TABLE session_message_delta(
     text TEXT NOT NULL,
     PRIMARY KEY (message_id, version)
 );
+""",
+    # Conversation control, as SQLite's version 5 (see there).
+    3: """
+ALTER TABLE session_input ADD COLUMN due_at BIGINT;
+CREATE INDEX session_input_due ON session_input(due_at) WHERE due_at IS NOT NULL;
+ALTER TABLE session ADD COLUMN time_paused BIGINT;
 """,
 }
 

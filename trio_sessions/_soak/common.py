@@ -31,10 +31,11 @@ from .._backend import StoreBackend
 from .._model import Claim, Message, TextPart
 from .._runtime import DrainContext, Runtime, open_runtime
 
-# A pending input with neither a doorbell nor a claim: a lost wake, in one snapshot.
+# A pending input with neither a doorbell nor a claim: a lost wake, in one snapshot. (A
+# scheduled input, `due_at` set, waits for the due timers, which ring when it falls due.)
 STRANDED_SQL = (
     "SELECT COUNT(DISTINCT i.session_id) FROM session_input i JOIN session s"
-    " ON s.id = i.session_id WHERE s.time_woken IS NULL AND NOT EXISTS"
+    " ON s.id = i.session_id WHERE i.due_at IS NULL AND s.time_woken IS NULL AND NOT EXISTS"
     " (SELECT 1 FROM session_execution e WHERE e.session_id = i.session_id)"
 )
 

@@ -14,6 +14,8 @@ Families (one module each):
 * `recovery`: candidates, recovery leases, applying the decision;
 * `operator`: quarantine and rejected inputs, the CLI's status and health reads;
 * `changes`: what other processes changed (doorbells, cancellations, watched messages);
+* `control`: conversation control - `on_busy`, scheduled inputs, cancel, pause and resume,
+  delete and purge, fork and truncate (DESIGN §5.1);
 * `stream`: what a resumable event stream's client is missing (`runtime.stream()`).
 
 Serialisation: every operation that reads and then writes a session's rows first takes
@@ -35,6 +37,7 @@ from .claims import (
     Acquired,
     acquire,
     cancel_held_claim,
+    end_iteration,
     expire_claims,
     finish_failed,
     finish_interrupted,
@@ -46,6 +49,21 @@ from .claims import (
     wake_and_acquire,
 )
 from .common import CLAIM_FENCE, RECOVERY_FENCE, new_id
+from .control import (
+    Due,
+    cancel_input,
+    delete_session,
+    fork,
+    next_due,
+    pause,
+    promote_due,
+    purge_batch,
+    resume,
+    submit_controlled,
+    submit_controlled_and_acquire,
+    submit_scheduled,
+    truncate,
+)
 from .inputs import submit, wake
 from .operator import (
     drop_quarantined,
@@ -83,6 +101,7 @@ __all__ = [
     "Acquired",
     "Candidate",
     "Changes",
+    "Due",
     "Recovered",
     "Snapshot",
     "_recovery_facts",
@@ -93,17 +112,25 @@ __all__ = [
     "apply_recovery_batch",
     "begin_assistant",
     "cancel_held_claim",
+    "cancel_input",
     "changes",
+    "delete_session",
     "drop_quarantined",
     "drop_rejected_input",
+    "end_iteration",
     "expire_claims",
     "finish_failed",
     "finish_interrupted",
     "finish_iteration",
+    "fork",
     "heartbeat",
     "lift_quarantine",
     "mark_cancelling",
     "new_id",
+    "next_due",
+    "pause",
+    "promote_due",
+    "purge_batch",
     "quarantine",
     "quarantine_report",
     "quarantined",
@@ -111,14 +138,19 @@ __all__ = [
     "recovery_candidates",
     "rejected_inputs",
     "request_cancel",
+    "resume",
     "session_count",
     "status",
     "stream_changes",
     "stream_heads",
     "submit",
     "submit_and_acquire",
+    "submit_controlled",
+    "submit_controlled_and_acquire",
+    "submit_scheduled",
     "take_inputs",
     "take_recovery_leases",
+    "truncate",
     "update_assistant",
     "wake",
     "wake_and_acquire",

@@ -18,6 +18,7 @@ from .._backend import Tx
 from .._errors import MalformedRecord
 from .._model import Message
 from .common import _IN_CHUNK, _in_list
+from .control import next_due
 from .recovery import _unclaimed_doorbells
 from .transcript import _decode_message, _streamed_texts
 
@@ -32,6 +33,10 @@ class Changes:
     doorbells: list[str]  # unclaimed sessions with a set doorbell, oldest first
     cancelling: list[str]  # execution ids of our claims another process marked cancelling
     messages: list[Snapshot]  # of watched sessions only
+    # Our claims whose row is gone (their session deleted by another process); looked up
+    # only while we hold at most `_IN_CHUNK` claims (else the heartbeat finds them).
+    gone: list[str] = attrs.Factory(list)
+    next_due_ms: int | None = None  # when the earliest scheduled input falls due
 
 
 def changes(
@@ -43,17 +48,22 @@ def changes(
     watched: dict[str, dict[str, int]],
 ) -> Changes:
     """Read what the change signal points at: doorbells this runtime may take, cancellations
-    of its claims (`owned_executions`), and messages of watched sessions whose version is
-    newer than the one given (`watched[session][message_id]`; absent = never seen)."""
+    of its claims (`owned_executions`) and those of them that are gone, messages of watched
+    sessions whose version is newer than the one given (`watched[session][message_id]`;
+    absent = never seen), and when the earliest scheduled input falls due."""
     doorbells = _unclaimed_doorbells(tx, local_sessions, doorbell_limit) if doorbell_limit else []
     rows: list[Any] = []  # no claim of ours: none to be cancelled
+    gone: list[str] = []
     if 0 < len(owned_executions) <= _IN_CHUNK:
         # A few claims of ours: looked up by key, no scan of every owner's claims.
-        rows = tx.execute(
-            f"SELECT id FROM session_execution WHERE id IN {_in_list(owned_executions)}"
-            " AND owner_id = ? AND phase = 'cancelling'",
+        found = tx.execute(
+            f"SELECT id, phase FROM session_execution WHERE id IN {_in_list(owned_executions)}"
+            " AND owner_id = ?",
             (*owned_executions, owner_id),
         ).fetchall()
+        rows = [row for row in found if row[1] == "cancelling"]
+        present = {str(row[0]) for row in found}
+        gone = [e for e in owned_executions if e not in present]
     elif owned_executions:
         # Many: one scan costs less than as many lookups.
         rows = tx.execute(
@@ -68,7 +78,7 @@ def changes(
             tx, "session_id = :session", {"session": session_id}, seen
         )
     ]
-    return Changes(doorbells, cancelling, messages)
+    return Changes(doorbells, cancelling, messages, gone, next_due(tx))
 
 
 def watched_messages(tx: Tx, session_id: str, after_seq: int) -> list[Snapshot]:

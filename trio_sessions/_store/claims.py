@@ -20,7 +20,7 @@ import attrs
 
 from .. import _decisions
 from .._backend import Tx
-from .._decisions import AcquireVerdict
+from .._decisions import AcquireVerdict, IterationVerdict
 from .._model import INTERRUPTED
 from .common import (
     CLAIM_FENCE,
@@ -30,6 +30,7 @@ from .common import (
     _has_pending_inputs,
     _lease_lost,
     _lock_execution,
+    _paused,
     _require_claim,
     _require_claim_session,
     _reset_attempts,
@@ -50,12 +51,15 @@ class Acquired:
 
 
 def acquire(tx: Tx, session_id: str, execution_id: str, owner_id: str, lease_ms: int) -> Acquired:
-    """Insert the claim only if no claim row exists and the doorbell is set; take the doorbell."""
+    """Insert the claim only if no claim row exists, the session is not paused and the
+    doorbell is set; take the doorbell."""
     tx.lock_session(session_id)
-    session = tx.one("SELECT time_woken FROM session WHERE id = ?", (session_id,))
+    session = tx.one("SELECT time_woken, time_paused FROM session WHERE id = ?", (session_id,))
     claim = _claim_row(tx, session_id)
     verdict = _decisions.acquire_verdict(
-        doorbell_set=session is not None and session[0] is not None, claim_row=claim
+        doorbell_set=session is not None and session[0] is not None,
+        claim_row=claim,
+        paused=session is not None and session[1] is not None,
     )
     if verdict is not AcquireVerdict.CLAIM:
         return Acquired(verdict, holder=None if claim is None else claim.owner_id)
@@ -75,6 +79,9 @@ def wake_and_acquire(
     if claim is not None:
         wake(tx, session_id)
         return None, Acquired(AcquireVerdict.HELD, holder=claim.owner_id)
+    if _paused(tx, session_id):
+        wake(tx, session_id)  # kept for `resume`
+        return None, Acquired(AcquireVerdict.PAUSED)
     _ensure_session(tx, session_id)
     return None, _insert_claim(tx, session_id, execution_id, owner_id, lease_ms)
 
@@ -91,7 +98,11 @@ def submit_and_acquire(
     """`submit` and the acquire it rings for, in one transaction (see `wake_and_acquire`)."""
     tx.lock_session(session_id)
     claim = _claim_row(tx, session_id)
-    if claim is not None or _known_input(tx, session_id, input_id, payload):
+    if (
+        claim is not None
+        or _known_input(tx, session_id, input_id, payload)
+        or _paused(tx, session_id)
+    ):
         stored = submit(tx, session_id, payload, input_id)
         return stored, acquire(tx, session_id, execution_id, owner_id, lease_ms)
     session = _insert_input(tx, session_id, payload, input_id, ring=False)
@@ -149,22 +160,32 @@ def heartbeat(
 
 
 def finish_iteration(tx: Tx, execution_id: str, owner_id: str) -> bool:
-    """After a drain returned: take a set doorbell and continue (True), or release (False).
+    """`end_iteration`: True when the claim continues (the doorbell was taken)."""
+    return end_iteration(tx, execution_id, owner_id) is IterationVerdict.CONTINUE
+
+
+def end_iteration(tx: Tx, execution_id: str, owner_id: str) -> IterationVerdict:
+    """After a drain returned: take a set doorbell and continue, or delete the claim.
 
     Either way, a message the drain left open is finished and its running tools failed
     (`interrupted`): nothing stays `running` forever. Serialised with `wake` by the write
     lock: a wake either committed before this, and is taken here, or finds no claim
-    afterwards and leads to a fresh acquisition.
+    afterwards and leads to a fresh acquisition. A paused session's busy period ends here
+    with its doorbell left set (for `resume`); a claim marked cancelling never continues:
+    its set doorbell is left for a successor (`_decisions.iteration_verdict`).
     """
     claimed = _require_claim_session(tx, execution_id, owner_id)
     _close_open_messages(tx, execution_id, INTERRUPTED)
-    if claimed.doorbell:
+    verdict = _decisions.iteration_verdict(
+        doorbell_set=claimed.doorbell, phase=claimed.phase, paused=claimed.paused
+    )
+    if verdict is IterationVerdict.CONTINUE:
         _take_doorbell(tx, claimed.session_id)
-        return True
+        return verdict
     _delete_claim(tx, execution_id, owner_id)
     if claimed.wake_attempts:
         _reset_attempts(tx, claimed.session_id)
-    return False
+    return verdict
 
 
 def _delete_claim(tx: Tx, execution_id: str, owner_id: str) -> None:

@@ -104,24 +104,29 @@ class _ClaimedSession:
     session_id: str
     doorbell: bool
     wake_attempts: int
+    phase: str = "running"  # the claim's: 'cancelling' once an interrupt was requested
+    paused: bool = False
 
 
 def _require_claim_session(tx: Tx, execution_id: str, owner_id: str) -> _ClaimedSession:
-    """`_require_claim`, reading the session's doorbell and resume count in the same
-    statement."""
+    """`_require_claim`, reading the session's doorbell, resume count and pause, and the
+    claim's phase, in the same statement."""
     session_id = _lock_execution(tx, execution_id)
     row = (
         None
         if session_id is None
         else tx.one(
-            "SELECT s.time_woken, s.wake_attempts FROM session_execution c"
-            f" JOIN session s ON s.id = c.session_id WHERE {_CLAIM_FENCE_OF.format(t='c.')}",
+            "SELECT s.time_woken, s.wake_attempts, c.phase, s.time_paused"
+            " FROM session_execution c JOIN session s ON s.id = c.session_id"
+            f" WHERE {_CLAIM_FENCE_OF.format(t='c.')}",
             _fence(tx, execution_id, owner_id),
         )
     )
     if session_id is None or row is None:
         raise _lease_lost(execution_id)
-    return _ClaimedSession(session_id, row[0] is not None, int(row[1]))
+    return _ClaimedSession(
+        session_id, row[0] is not None, int(row[1]), str(row[2]), row[3] is not None
+    )
 
 
 def _newest_seq(tx: Tx, session_id: str) -> int | None:
@@ -133,11 +138,25 @@ def _next_message_seq(tx: Tx, session_id: str) -> int:
     return (_newest_seq(tx, session_id) or 0) + 1
 
 
+# An input `take_inputs` may take now: due (scheduled ones once their time has come).
+DUE = "(due_at IS NULL OR due_at <= :now)"
+
+
 def _has_pending_inputs(tx: Tx, session_id: str) -> bool:
+    """Whether due inputs wait untaken (scheduled ones not yet due do not count: the due
+    timer rings for them)."""
     return (
-        tx.one("SELECT 1 FROM session_input WHERE session_id = ? LIMIT 1", (session_id,))
+        tx.one(
+            f"SELECT 1 FROM session_input WHERE session_id = :session AND {DUE} LIMIT 1",
+            {"session": session_id, "now": tx.now},
+        )
         is not None
     )
+
+
+def _paused(tx: Tx, session_id: str) -> bool:
+    row = tx.one("SELECT time_paused FROM session WHERE id = ?", (session_id,))
+    return row is not None and row[0] is not None
 
 
 def _doorbell_set(tx: Tx, session_id: str) -> bool:

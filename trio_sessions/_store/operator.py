@@ -139,6 +139,9 @@ _STATUS_SQL = """
 SELECT s.id, s.time_created, s.time_woken, s.wakes, s.wake_attempts,
        (SELECT COUNT(*) FROM session_input i WHERE i.session_id = s.id),
        (SELECT COUNT(*) FROM session_message m WHERE m.session_id = s.id),
+       s.time_paused,
+       (SELECT COUNT(*) FROM session_input i WHERE i.session_id = s.id
+          AND i.due_at IS NOT NULL),
        e.id, e.owner_id, e.phase, e.time_created, e.heartbeat_at, e.expires_at,
        r.owner_id, r.expires_at, r.recovery_error
 FROM session s
@@ -169,7 +172,7 @@ def status(tx: Tx) -> dict[str, Any]:
 
 
 def _session(now: int, row: Sequence[Any]) -> dict[str, Any]:
-    (session_id, created, woken, wakes, attempts, inputs, messages, *claim) = row
+    (session_id, created, woken, wakes, attempts, inputs, messages, paused, scheduled, *claim) = row
     doorbell = None
     if woken is not None:
         doorbell = {"time_woken": woken, "wakes": wakes, "age_s": _seconds(now - woken)}
@@ -178,6 +181,8 @@ def _session(now: int, row: Sequence[Any]) -> dict[str, Any]:
         "time_created": created,
         "doorbell": doorbell,
         "pending_inputs": inputs,
+        "scheduled_inputs": scheduled,  # of the pending ones: not due (or not rung) yet
+        "paused_since": paused,  # lease-clock ms of `pause`; None when not paused
         "messages": messages,
         "wake_attempts": attempts,
         "claim": _claim(now, claim) if claim[0] is not None else None,

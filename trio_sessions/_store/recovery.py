@@ -84,10 +84,11 @@ def recovery_candidates(
 
 def _unclaimed_doorbells(tx: Tx, local_sessions: Sequence[str], limit: int) -> list[str]:
     """Sessions with a set doorbell and no claim row, oldest wake first, except those held
-    locally (a crash between wake and acquire, or a wake from another process)."""
+    locally (a crash between wake and acquire, or a wake from another process) and paused
+    ones (their doorbell waits for `resume`)."""
     not_local, local = tx.not_in("s.id", local_sessions)
     rows = tx.execute(
-        "SELECT s.id FROM session s WHERE s.time_woken IS NOT NULL"
+        "SELECT s.id FROM session s WHERE s.time_woken IS NOT NULL AND s.time_paused IS NULL"
         " AND NOT EXISTS (SELECT 1 FROM session_execution e WHERE e.session_id = s.id)"
         f" AND {not_local} ORDER BY s.time_woken, s.id LIMIT :limit",
         {"excluded": local, "limit": limit},
@@ -177,13 +178,14 @@ def _recovery_facts(tx: Tx, candidate: Candidate) -> tuple[RecoveryFacts, str | 
         (execution_id,),
     )
     malformed_reason = None if newest is None else _malformed_reason(tx, newest[0], newest[1])
-    attempts = tx.one("SELECT wake_attempts FROM session WHERE id = ?", (session_id,))
+    attempts = tx.one("SELECT wake_attempts, time_paused FROM session WHERE id = ?", (session_id,))
     facts = RecoveryFacts(
         claim=claim,
         superseded=superseded,
         newest_assistant_malformed=malformed_reason is not None,
         wake_attempts=0 if attempts is None else int(attempts[0]),
         handed_back=ours and bool(row[5]),
+        paused=attempts is not None and attempts[1] is not None,
     )
     return facts, malformed_reason
 
@@ -237,6 +239,7 @@ def apply_recovery(
     if decision in (
         RecoveryDecision.FINISH_CANCELLED,
         RecoveryDecision.DROP_SUPERSEDED,
+        RecoveryDecision.FINISH_PAUSED,
         RecoveryDecision.EXHAUSTED,
     ):
         _end_expired_claim(tx, candidate, decision)
@@ -291,6 +294,7 @@ def _end_expired_claim(tx: Tx, candidate: Candidate, decision: RecoveryDecision)
     reason = {
         RecoveryDecision.FINISH_CANCELLED: INTERRUPTED,
         RecoveryDecision.DROP_SUPERSEDED: OWNER_LOST,
+        RecoveryDecision.FINISH_PAUSED: OWNER_LOST,
         RecoveryDecision.EXHAUSTED: BUDGET_EXHAUSTED,
     }[decision]
     _close_open_messages(tx, execution_id, reason)
@@ -420,7 +424,8 @@ def _plain_recovery_facts(
             " (SELECT MAX(m.seq) FROM session_message m WHERE m.session_id = e.session_id),"
             f" {_superseded(session='e.session_id', execution='e.id', anchor='e.anchor_seq')},"
             " EXISTS (SELECT 1 FROM session_recovery r WHERE r.execution_id = e.id"
-            "   AND r.owner_id = ? AND r.expires_at > ? AND r.recovery_error IS NULL)"
+            "   AND r.owner_id = ? AND r.expires_at > ? AND r.recovery_error IS NULL),"
+            " s.time_paused"
             " FROM session_execution e JOIN session s ON s.id = e.session_id"
             f" WHERE e.id IN {_in_list(chunk)} AND NOT EXISTS (SELECT 1 FROM session_message m"
             "   WHERE m.execution_id = e.id AND m.role = 'assistant')",
@@ -434,6 +439,7 @@ def _plain_recovery_facts(
                 newest_assistant_malformed=False,
                 wake_attempts=int(attempts),
                 handed_back=bool(handed_back),
+                paused=row[9] is not None,
             )
             found[execution_id] = (facts, None if row[6] is None else int(row[6]), bool(row[8]))
     return found

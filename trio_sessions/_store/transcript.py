@@ -22,20 +22,28 @@ from .. import _codec, _transcript
 from .._backend import Tx
 from .._errors import LeaseLost, MalformedRecord
 from .._model import AssistantData, Input, Message
-from .common import _next_message_seq, _require_claim, new_id
+from .common import DUE, _next_message_seq, _require_claim, _require_claim_session, new_id
 
 
 def take_inputs(tx: Tx, execution_id: str, owner_id: str) -> list[Input]:
-    """Consume pending inputs in seq order, appending each as a user message (claim fence).
+    """Consume the due pending inputs in seq order, appending each as a user message (claim
+    fence). Scheduled inputs not yet due by the lease clock stay pending, unseen.
 
     An input whose payload does not decode to a JSON object never blocks the ones behind
     it: it moves to `session_input_rejected` (raw text and reason kept for the operator).
+    A claim marked cancelling takes nothing: its drain is being interrupted, and the
+    inputs are left for the successor its cleanup rings for (DESIGN §5.1, on_busy).
     """
-    session_id = _require_claim(tx, execution_id, owner_id)
+    claimed = _require_claim_session(tx, execution_id, owner_id)
+    if claimed.phase == "cancelling":
+        return []
+    session_id = claimed.session_id
     tx.notify(session_id)
+    due = {"session": session_id, "now": tx.now}
     rows = tx.execute(
-        "SELECT id, seq, payload FROM session_input WHERE session_id = ? ORDER BY seq",
-        (session_id,),
+        f"SELECT id, seq, payload FROM session_input WHERE session_id = :session AND {DUE}"
+        " ORDER BY seq",
+        due,
     ).fetchall()
     taken = []
     seq = _next_message_seq(tx, session_id)
@@ -56,7 +64,7 @@ def take_inputs(tx: Tx, execution_id: str, owner_id: str) -> list[Input]:
             (new_id(), session_id, execution_id, input_id, seq, payload, tx.now, tx.now),
         )
         seq += 1
-    tx.execute("DELETE FROM session_input WHERE session_id = ?", (session_id,))
+    tx.execute(f"DELETE FROM session_input WHERE session_id = :session AND {DUE}", due)
     return taken
 
 

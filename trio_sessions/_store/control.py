@@ -1,0 +1,383 @@
+"""Conversation control (DESIGN §5.1): what a chat product does around a running agent.
+
+`submit` with `on_busy` and `delay`, scheduled inputs falling due, `cancel_input`, `pause`
+and `resume`, `delete_session`, `purge`, `fork` and `truncate` - each one transaction,
+written once for both dialects, each taking the session lock first (sorted, when it takes
+several) so that on PostgreSQL nothing about the session moves before COMMIT.
+
+Invariants kept here:
+* `on_busy="reject"` stores nothing when the session is busy (a claim exists, or due inputs
+  wait untaken); `"interrupt"` stores the input and marks a running claim `cancelling` in
+  the same transaction, so the claim's cleanup finds the input pending and re-arms the
+  doorbell for exactly one successor;
+* a scheduled input (`due_at` set) rings no doorbell and is invisible to `take_inputs`
+  until due by the lease clock; promotion (`promote_due`) clears `due_at` and rings the
+  doorbell in one transaction, so a due input is always either rung or still scheduled
+  (the due timer and the recovery pass find it), never stranded;
+* a paused session (`time_paused` set) keeps every input, wake and interrupt; the claim
+  paths in `claims` refuse it and the doorbell scans skip it;
+* `delete_session` removes every row of the session in one transaction, so a write of its
+  old drain finds no claim (`LeaseLost`) - the claim fence is the only fence it needs;
+* `fork` and `truncate` are single transactions: never half-copied, never half-truncated;
+  `truncate` refuses while a claim is held (`SessionBusy`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+from .. import _codec, _decisions, _transcript
+from .._backend import Tx
+from .._decisions import SubmitVerdict
+from .._errors import SessionBusy
+from .._model import INTERRUPTED
+from .claims import Acquired, _insert_claim, acquire
+from .common import _claim_row, _has_pending_inputs, _in_list, _paused, _ring, new_id
+from .inputs import _insert_input, _known_input
+from .transcript import _assistant_data
+
+# ---------------------------------------------------------------------------------------------
+# on_busy
+
+
+def _busy_error(session_id: str) -> SessionBusy:
+    return SessionBusy(f"session {session_id!r} is busy (a claim is held or inputs are pending)")
+
+
+def submit_controlled(
+    tx: Tx, session_id: str, payload: str, input_id: str, on_busy: str
+) -> tuple[str, bool]:
+    """`submit` with `on_busy` "reject" or "interrupt"; returns (input id, whether a running
+    claim was marked cancelling). A retry of an input already stored returns its id and
+    writes nothing, busy or not."""
+    tx.lock_session(session_id)
+    if _known_input(tx, session_id, input_id, payload):
+        return input_id, False
+    claim = _claim_row(tx, session_id)
+    verdict = _decisions.submit_verdict(
+        on_busy,
+        claim_phase=None if claim is None else claim.phase,
+        due_inputs_pending=claim is None and _has_pending_inputs(tx, session_id),
+    )
+    if verdict is SubmitVerdict.REJECT:
+        raise _busy_error(session_id)
+    _insert_input(tx, session_id, payload, input_id, ring=True)
+    if verdict is SubmitVerdict.INTERRUPT:
+        # Live or expired: an expired one is then finished by recovery as cancelled,
+        # never resumed. The input's own notify signals the owner.
+        tx.execute(
+            "UPDATE session_execution SET phase = 'cancelling'"
+            " WHERE session_id = ? AND phase = 'running'",
+            (session_id,),
+        )
+    return input_id, verdict is SubmitVerdict.INTERRUPT
+
+
+def submit_controlled_and_acquire(
+    tx: Tx,
+    session_id: str,
+    payload: str,
+    input_id: str,
+    on_busy: str,
+    execution_id: str,
+    owner_id: str,
+    lease_ms: int,
+) -> tuple[tuple[str, bool], Acquired]:
+    """`submit_controlled` and the acquire it rings for, in one transaction: with no claim
+    and no due input pending, the claim takes the input's wake at once."""
+    tx.lock_session(session_id)
+    if (
+        _claim_row(tx, session_id) is not None
+        or _known_input(tx, session_id, input_id, payload)
+        or _paused(tx, session_id)
+        or _has_pending_inputs(tx, session_id)
+    ):
+        stored = submit_controlled(tx, session_id, payload, input_id, on_busy)
+        return stored, acquire(tx, session_id, execution_id, owner_id, lease_ms)
+    session = _insert_input(tx, session_id, payload, input_id, ring=False)
+    return (input_id, False), _insert_claim(
+        tx, session_id, execution_id, owner_id, lease_ms, session
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Scheduled inputs
+
+
+def submit_scheduled(
+    tx: Tx, session_id: str, payload: str, input_id: str, delay_ms: int, on_busy: str
+) -> str:
+    """Store an input due `delay_ms` from now by the lease clock; it rings no doorbell (the
+    due timer promotes it). Idempotent by `input_id`; "reject" refuses a busy session."""
+    tx.lock_session(session_id)
+    if _known_input(tx, session_id, input_id, payload):
+        return input_id
+    if on_busy == "reject":
+        claim = _claim_row(tx, session_id)
+        verdict = _decisions.submit_verdict(
+            on_busy,
+            claim_phase=None if claim is None else claim.phase,
+            due_inputs_pending=claim is None and _has_pending_inputs(tx, session_id),
+        )
+        if verdict is SubmitVerdict.REJECT:
+            raise _busy_error(session_id)
+    # The signal lets every runtime re-arm its due timer from the store.
+    tx.notify(session_id)
+    row = tx.one(
+        "INSERT INTO session(id, time_created, input_seq) VALUES (?, ?, 1)"
+        " ON CONFLICT(id) DO UPDATE SET input_seq = session.input_seq + 1"
+        " RETURNING input_seq",
+        (session_id, tx.now),
+    )
+    tx.execute(
+        "INSERT INTO session_input(id, session_id, seq, payload, time_created, due_at)"
+        " VALUES (?, ?, ?, ?, ?, ?)",
+        (input_id, session_id, row[0], payload, tx.now, tx.now + delay_ms),
+    )
+    return input_id
+
+
+def next_due(tx: Tx) -> int | None:
+    """Milliseconds until the earliest scheduled input falls due (<= 0: due already), or
+    None when none is scheduled. One lookup in a partial index."""
+    row = tx.one("SELECT MIN(due_at) FROM session_input WHERE due_at IS NOT NULL")
+    return None if row is None or row[0] is None else int(row[0]) - tx.now
+
+
+@attrs.frozen
+class Due:
+    """What one promotion did: the sessions whose doorbells it rang, and when the next
+    scheduled input falls due (ms from now; None for none)."""
+
+    sessions: list[str]
+    next_due_ms: int | None
+
+
+def promote_due(tx: Tx, limit: int) -> Due:
+    """Scheduled inputs now due become plain pending inputs and ring their sessions'
+    doorbells, at most `limit` sessions per call (the rest: `next_due_ms <= 0`). Several
+    runtimes may fire at once: whoever commits first promotes, the others find nothing."""
+    rows = tx.execute(
+        "SELECT session_id FROM session_input WHERE due_at IS NOT NULL AND due_at <= ?"
+        " ORDER BY due_at LIMIT ?",
+        (tx.now, limit),
+    ).fetchall()
+    rung = []
+    for session_id in sorted({str(row[0]) for row in rows}):
+        tx.lock_session(session_id)  # sorted: two promoters never deadlock
+        promoted = tx.execute(
+            "UPDATE session_input SET due_at = NULL"
+            " WHERE session_id = ? AND due_at IS NOT NULL AND due_at <= ?",
+            (session_id, tx.now),
+        ).rowcount
+        if promoted:
+            _ring(tx, session_id)
+            rung.append(session_id)
+    return Due(rung, next_due(tx))
+
+
+def cancel_input(tx: Tx, input_id: str) -> bool:
+    """Withdraw a pending input (due or scheduled): True when it was deleted here; False
+    when it was taken (a user message now), set aside, or is unknown."""
+    row = tx.one("SELECT session_id FROM session_input WHERE id = ?", (input_id,))
+    if row is None:
+        return False
+    tx.lock_session(str(row[0]))
+    # Under the lock: a drain may have taken it since the lookup (then nothing is deleted).
+    deleted = tx.execute("DELETE FROM session_input WHERE id = ?", (input_id,)).rowcount
+    if deleted:
+        tx.notify(str(row[0]))
+    return deleted == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Pause and resume
+
+
+def pause(tx: Tx, session_id: str) -> None:
+    """Mark the session paused (created if absent); idempotent: the first pause's time
+    stays."""
+    tx.lock_session(session_id)
+    tx.notify(session_id)
+    tx.execute(
+        "INSERT INTO session(id, time_created, time_paused) VALUES (?, ?, ?)"
+        " ON CONFLICT(id) DO UPDATE SET"
+        " time_paused = COALESCE(session.time_paused, excluded.time_paused)",
+        (session_id, tx.now, tx.now),
+    )
+
+
+def resume(tx: Tx, session_id: str) -> bool:
+    """Lift the pause; when due inputs or a wake are pending, make sure the doorbell is set
+    (signalled). Returns whether work is pending (the caller rings its local registry)."""
+    tx.lock_session(session_id)
+    row = tx.one("SELECT time_woken FROM session WHERE id = ?", (session_id,))
+    if row is None:
+        return False
+    tx.execute(
+        "UPDATE session SET time_paused = NULL WHERE id = ? AND time_paused IS NOT NULL",
+        (session_id,),
+    )
+    if row[0] is not None:
+        tx.notify(session_id)  # the doorbell is already set: only the signal is missing
+        return True
+    if _has_pending_inputs(tx, session_id):
+        _ring(tx, session_id)
+        return True
+    return False
+
+
+# ---------------------------------------------------------------------------------------------
+# Delete and purge
+
+# Every table holding rows of a session, children first; `{ids}` is the IN list of sessions.
+_SESSION_ROWS = (
+    "DELETE FROM session_message_delta WHERE message_id IN"
+    " (SELECT id FROM session_message WHERE session_id IN {ids})",
+    "DELETE FROM session_message_stream WHERE message_id IN"
+    " (SELECT id FROM session_message WHERE session_id IN {ids})",
+    "DELETE FROM session_message WHERE session_id IN {ids}",
+    "DELETE FROM session_message_rejected WHERE session_id IN {ids}",
+    "DELETE FROM session_input WHERE session_id IN {ids}",
+    "DELETE FROM session_input_rejected WHERE session_id IN {ids}",
+    "DELETE FROM session_recovery WHERE session_id IN {ids}",
+    "DELETE FROM session_execution WHERE session_id IN {ids}",
+    "DELETE FROM session WHERE id IN {ids}",
+)
+
+
+def _delete_rows(tx: Tx, session_ids: Sequence[str]) -> None:
+    """Delete every row of these sessions (locked by the caller)."""
+    ids = _in_list(session_ids)
+    for statement in _SESSION_ROWS:
+        tx.execute(statement.format(ids=ids), list(session_ids))
+
+
+def delete_session(tx: Tx, session_id: str) -> bool:
+    """Erase the session and every row of it; True when it existed.
+
+    A claim held by another owner goes with it, and the signal tells that owner: its change
+    scan finds its execution gone and stops the drain (writing nothing); any write it still
+    attempts fails the claim fence (`LeaseLost`). Marking the claim `cancelling` first would
+    be deleted in the same transaction, so the claim's absence is the message.
+    """
+    tx.lock_session(session_id)
+    if tx.one("SELECT 1 FROM session WHERE id = ?", (session_id,)) is None:
+        return False
+    tx.notify(session_id)
+    _delete_rows(tx, [session_id])
+    return True
+
+
+# A session is idle when it has no claim, no pending input (due or scheduled), no pending
+# wake, and nothing of it was written after :cutoff.
+_IDLE = (
+    "s.time_woken IS NULL AND s.time_created <= :cutoff"
+    " AND (s.time_paused IS NULL OR s.time_paused <= :cutoff)"
+    " AND NOT EXISTS (SELECT 1 FROM session_execution e WHERE e.session_id = s.id)"
+    " AND NOT EXISTS (SELECT 1 FROM session_input i WHERE i.session_id = s.id)"
+    " AND NOT EXISTS (SELECT 1 FROM session_message m WHERE m.session_id = s.id"
+    "   AND m.time_updated > :cutoff)"
+    " AND NOT EXISTS (SELECT 1 FROM session_input_rejected r WHERE r.session_id = s.id"
+    "   AND r.time_created > :cutoff)"
+)
+
+
+def purge_batch(tx: Tx, idle_ms: int, after: str, limit: int) -> tuple[int, str | None]:
+    """Delete the idle sessions among the next `limit` sessions in id order after `after`;
+    returns (how many were deleted, where the next batch starts or None when done).
+
+    Bounded: one batch examines at most `limit` sessions, so its transaction is short and
+    no drain waits long behind it. Each candidate is checked again under its session lock
+    (sorted), so a session that became busy meanwhile is kept.
+    """
+    window = [
+        str(row[0])
+        for row in tx.execute(
+            "SELECT id FROM session WHERE id > ? ORDER BY id LIMIT ?", (after, limit)
+        ).fetchall()
+    ]
+    if not window:
+        return 0, None
+    cutoff = tx.now - idle_ms
+    idle = _idle_sessions(tx, window, cutoff)
+    if idle:
+        for session_id in idle:  # sorted: window is in id order
+            tx.lock_session(session_id)
+        idle = _idle_sessions(tx, idle, tx.now - idle_ms)
+        for session_id in idle:
+            tx.notify(session_id)
+        if idle:
+            _delete_rows(tx, idle)
+    return len(idle), (window[-1] if len(window) == limit else None)
+
+
+def _idle_sessions(tx: Tx, session_ids: Sequence[str], cutoff: int) -> list[str]:
+    params: dict[str, Any] = {"cutoff": cutoff}
+    names = []
+    for index, session_id in enumerate(session_ids):
+        params[f"s{index}"] = session_id
+        names.append(f":s{index}")
+    rows = tx.execute(
+        f"SELECT s.id FROM session s WHERE s.id IN ({', '.join(names)}) AND {_IDLE} ORDER BY s.id",
+        params,
+    ).fetchall()
+    return [str(row[0]) for row in rows]
+
+
+# ---------------------------------------------------------------------------------------------
+# Fork and truncate
+
+
+def fork(tx: Tx, session_id: str, new_session_id: str, through_seq: int | None) -> int:
+    """Copy the session's messages with seq <= through_seq (all when None) into a new
+    session: same seq, role and data (streamed text merged); an unfinished assistant
+    message is copied finished "interrupted". Returns how many were copied. `ValueError`
+    when the new session exists or the source does not."""
+    for locked in sorted((session_id, new_session_id)):
+        tx.lock_session(locked)
+    if tx.one("SELECT 1 FROM session WHERE id = ?", (new_session_id,)) is not None:
+        raise ValueError(f"session {new_session_id!r} exists already")
+    if tx.one("SELECT 1 FROM session WHERE id = ?", (session_id,)) is None:
+        raise ValueError(f"session {session_id!r} does not exist")
+    limit = "" if through_seq is None else " AND seq <= :through"
+    rows = tx.execute(
+        "SELECT id, role, seq, data, finished, time_created FROM session_message"
+        f" WHERE session_id = :session{limit} ORDER BY seq",
+        {"session": session_id, "through": through_seq},
+    ).fetchall()
+    tx.execute("INSERT INTO session(id, time_created) VALUES (?, ?)", (new_session_id, tx.now))
+    for message_id, role, seq, data, finished, time_created in rows:
+        if role == "assistant" and not finished:
+            # Maybe open: its streamed text merged, closed as an interrupted answer.
+            merged = _assistant_data(tx, message_id, data)
+            data = _codec.encode_assistant(_transcript.interrupt(merged, INTERRUPTED))
+        tx.execute(
+            "INSERT INTO session_message(id, session_id, role, seq, data, time_created,"
+            " time_updated, finished) VALUES (?, ?, ?, ?, ?, ?, ?, 1)",
+            (new_id(), new_session_id, role, seq, data, time_created, tx.now),
+        )
+    tx.notify(new_session_id)
+    return len(rows)
+
+
+def truncate(tx: Tx, session_id: str, after_seq: int) -> int:
+    """Delete the session's messages with seq > after_seq (and their streamed text);
+    returns how many. `SessionBusy` while a claim is held: a drain's messages never vanish
+    under it."""
+    tx.lock_session(session_id)
+    if _claim_row(tx, session_id) is not None:
+        raise SessionBusy(f"session {session_id!r} has a claim: truncate it once it is idle")
+    params = {"session": session_id, "after": after_seq}
+    doomed = "SELECT id FROM session_message WHERE session_id = :session AND seq > :after"
+    tx.execute(f"DELETE FROM session_message_delta WHERE message_id IN ({doomed})", params)
+    tx.execute(f"DELETE FROM session_message_stream WHERE message_id IN ({doomed})", params)
+    deleted = tx.execute(
+        "DELETE FROM session_message WHERE session_id = :session AND seq > :after", params
+    ).rowcount
+    if deleted:
+        tx.notify(session_id)
+    return int(deleted)
