@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import os
 from collections.abc import Callable
 from typing import Any
@@ -14,6 +15,7 @@ import attrs
 import pytest
 import trio
 import trio.testing
+from backends import PgLocation
 from helpers import VIRTUAL_TIME_LIMIT, runtime
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -95,6 +97,15 @@ async def caught_up(
         await trio.testing.wait_all_tasks_blocked()
         nursery.cancel_scope.cancel()
     return got
+
+
+def real_store(location: Any) -> Any:
+    """The production store (threaded, real time) for the same data."""
+    if isinstance(location, PgLocation):
+        from trio_sessions._postgres import PostgresStore
+
+        return PostgresStore(location.url, schema=location.schema)
+    return str(location)
 
 
 def text_of(data: AssistantData) -> str:
@@ -478,3 +489,106 @@ def test_over_random_histories_every_stream_reproduces_the_transcript(
         trio.run(main, clock=MockClock(autojump_threshold=0))
 
     check()
+
+
+# ---------------------------------------------------------------------------------------------
+# Rewrites, other processes, bytes
+
+
+async def test_a_truncated_or_deleted_transcript_reaches_live_and_resumed_streams(
+    store: Any, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """truncate() and delete_session() rewrite what a client holds: a live stream, and one
+    resumed from a cursor of before, send "truncate" and then the messages as they are now,
+    so the client's copy is transcript() again."""
+
+    async def drain(ctx: DrainContext) -> None:
+        for taken in await ctx.take_inputs():
+            writer = await ctx.begin_assistant()
+            await writer.append_text(f"re: {taken.payload['text']}")
+            await writer.finish()
+
+    async with runtime(store, drain, clock) as rt:
+        for text in ("one", "two", "three"):
+            await rt.submit("s", {"text": text})
+            await rt.wait_idle("s")
+        before = await caught_up(rt)
+        assert applied(before) == await stored(rt)
+        for rewrite in ("truncate", "delete"):
+            async with rt.stream("s", cursor=before[-1].cursor) as events:
+                if rewrite == "truncate":
+                    assert await rt.truncate("s", after_seq=2) == 4
+                    await rt.submit("s", {"text": "edited"})
+                else:
+                    assert await rt.delete_session("s")
+                await rt.wait_idle("s")
+                await trio.testing.wait_all_tasks_blocked()
+                now = await stored(rt)
+                live: list[StreamEvent] = []
+                while applied(live, applied(before)) != now:
+                    live.append(await events.__anext__())
+            assert live[0].kind == "truncate"
+            resumed = await caught_up(rt, cursor=before[-1].cursor)
+            assert resumed[0].kind == "truncate"
+            assert applied(resumed, applied(before)) == now
+            before = await caught_up(rt)
+        assert applied(before) == {}
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"], indirect=True)
+async def test_a_stream_follows_another_runtimes_writes_one_append_at_a_time(
+    db_path: Any,
+) -> None:
+    """Another runtime on the same store (the change signal, not local offers) streams a
+    reply after a 200 KB tool result: the stream's "append" events carry exactly the
+    appended words (a few dozen bytes each, not the message), and a third runtime resumed
+    from a cursor in the middle ends with transcript(). Real time, bounded."""
+    words = [f"word{n} " for n in range(10)]
+    big = {"result": "x" * 200_000}
+    steps = [trio.Event() for _ in range(len(words) + 1)]  # the last one: the finish
+
+    async def drain(ctx: DrainContext) -> None:
+        await ctx.take_inputs()
+        writer = await ctx.begin_assistant()
+        await writer.start_tool("c1", "fetch", {})
+        await writer.settle_tool("c1", big)
+        for word, step in zip(words, steps, strict=False):
+            await step.wait()
+            await writer.append_text(word)
+        await steps[-1].wait()
+        await writer.finish()
+
+    events: list[StreamEvent] = []
+    with trio.fail_after(REAL_TIME_BOUND):
+        async with (
+            trio_sessions.open_runtime(real_store(db_path), drain, recovery_interval=60),
+            trio_sessions.open_runtime(real_store(db_path), None) as web,
+            web.stream("s") as stream,
+        ):
+            await web.submit("s", {"q": 1})
+            async for event in stream:
+                events.append(event)
+                if event.kind == "message" and event.role == "assistant":
+                    if event.data.finished:
+                        break
+                    if event.data.parts and event.data.parts[-1].status == "completed":
+                        steps[0].set()  # the tool result is seen: now the words, one by one
+                if event.kind == "append":
+                    seen = sum(e.kind == "append" for e in events)
+                    if seen < len(steps):
+                        steps[seen].set()
+            final = await stored(web)
+            assert applied(events) == final
+        appends = [event for event in events if event.kind == "append"]
+        assert "".join(event.data for event in appends) == "".join(words)
+        assert len(appends) == len(words)  # each one seen by itself, none sent whole
+        for event in appends:
+            assert len(json.dumps(event.to_json())) < 200 + len(event.cursor)
+        middle = appends[len(appends) // 2]
+        async with (
+            trio_sessions.open_runtime(real_store(db_path), None) as third,
+            third.stream("s", cursor=middle.cursor) as resumed,
+        ):
+            view = applied(events[: events.index(middle) + 1])
+            while view != final:
+                apply(view, await resumed.__anext__())
