@@ -332,7 +332,7 @@ async def test_a_dropped_event_stream_resumes_with_last_event_id(service: Servic
     first: list[tuple[str, Event]] = []
 
     def some_words(events: list[tuple[str, Event]]) -> bool:
-        return sum(event["kind"] == "append" for _, event in events) >= 5
+        return sum(1 for _, event in events if event["kind"] == "append") >= 5
 
     async def listen() -> None:
         first.extend((await read_events(service.url, "drop", responded, until=some_words))[1])
