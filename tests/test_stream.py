@@ -318,7 +318,7 @@ _op = st.one_of(
     st.tuples(st.just("fail"), st.integers(0, 3), st.integers(0, 3)),
     st.tuples(st.just("finish"), st.integers(0, 3)),
     st.just(("catch_up",)),
-    st.tuples(st.just("resume"), st.integers(0, 3)),
+    st.tuples(st.just("resume"), st.integers(0, 3), st.integers(0, 40)),
 )
 
 
@@ -400,8 +400,9 @@ class Player:
         elif kind == "catch_up":
             await trio.testing.wait_all_tasks_blocked()
         elif kind == "resume":
+            # From any cursor another consumer saw so far, while messages are still open.
             source = self.consumers[op[1] % len(self.consumers)]
-            cursor, view = source.seen[-1] if source.seen else (None, {})
+            cursor, view = source.seen[op[2] % len(source.seen)] if source.seen else (None, {})
             self.nursery.start_soon(self.consume, cursor, view)
         elif writer is None:
             return
