@@ -250,6 +250,8 @@ class EventStream(AsyncIterator[StreamEvent]):
                 # Offers first: a read after them finds only what they did not bring.
                 self._apply_offer(self._offers.popleft())
                 continue
+            if self._closed:
+                raise StopAsyncIteration  # the block or the runtime is closing: no more reads
             if self.dirty:
                 self.dirty = False
                 try:
@@ -261,8 +263,6 @@ class EventStream(AsyncIterator[StreamEvent]):
                     raise
                 self._apply_read(changes)
                 continue
-            if self._closed:
-                raise StopAsyncIteration
             await self._wakeup.wait()
             self._wakeup = trio.Event()
 
