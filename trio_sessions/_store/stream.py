@@ -1,10 +1,10 @@
-"""Stream reads: behind `runtime.stream()` (DESIGN §5.2): what changed since a stream position.
+"""Stream reads behind `runtime.stream()` (DESIGN §5.2): what changed since a position.
 
 A *position* is what a stream's client holds: every message with `seq <= top` (the one at
 `top` identified by a tag of its id), all of them final except the *open* ones listed with
 the version the client has. `stream_changes` answers, from one read snapshot, the changes
-that bring such a client up to date, and `stream_dirty` tells, for many positions at once,
-which of them are behind.
+that bring such a client up to date, and `stream_heads` reads, for many streams at once, what
+the change scan compares their positions with (newest seqs, versions of named messages).
 
 Invariants:
 * work is proportional to the change, never to the transcript: a message is looked up by
@@ -15,7 +15,8 @@ Invariants:
   as long as the deltas are not folded yet; once folded (a tool change, a finish) the
   message is sent whole instead;
 * a message the client holds that is gone or replaced (another id at its seq) means the
-  transcript was rewritten (truncate, delete): the answer restarts from nothing.
+  transcript was rewritten (truncate, delete): the answer starts from nothing (the client
+  is told to drop what it holds, then gets every message, in bounded pages).
 """
 
 from __future__ import annotations
