@@ -5,6 +5,8 @@ Every session runs on the interpreter that runs nox; nox never downloads one.
 
 from __future__ import annotations
 
+import shutil
+
 import nox
 
 nox.options.default_venv_backend = "venv"
@@ -25,6 +27,22 @@ def tests(session: nox.Session) -> None:
     session.install(".")
     install_group(session, "test")
     session.run("pytest", *session.posargs)
+
+
+@nox.session(python=None)
+def browser(session: nox.Session) -> None:
+    """The console and the chat page in headless Chromium (Debian's chromium and
+    chromium-driver, installed with apt-get when missing: run as root on a fresh machine).
+    Never skipped: a browser that cannot start fails the session."""
+    if shutil.which("chromium") is None or shutil.which("chromedriver") is None:
+        env = {"DEBIAN_FRONTEND": "noninteractive"}
+        session.run("apt-get", "update", "-qq", external=True, env=env)
+        session.run(
+            "apt-get", "install", "-y", "-qq", "chromium", "chromium-driver", external=True, env=env
+        )
+    session.install(".[console]")
+    install_group(session, "browser")
+    session.run("pytest", "-m", "browser", "tests/test_browser.py", *session.posargs)
 
 
 @nox.session(python=None)

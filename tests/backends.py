@@ -4,16 +4,24 @@ Every test that takes the `store` fixture runs once per backend (`conftest.py`),
 same assertions: a backend difference is a bug unless DESIGN §8 names it. `Location` is what
 the `db_path` fixture gives such a test; `Raw` and `query` read and write it as an operator
 would, on a connection of their own, with the same SQL on both backends (`?` parameters).
+
+`EngineDb` is how the store tests run operations and read rows: the sync `Engine`
+(`_backend.open_engine`) on either backend, at a lease clock the test moves by hand; its
+`rows` is the one way those tests read a row.
 """
 
 from __future__ import annotations
 
 import re
 import sqlite3
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import attrs
+
+from trio_sessions import _backend
+from trio_sessions._backend import Engine, Tx
 
 
 @attrs.frozen
@@ -62,3 +70,83 @@ def _pg(sql: str) -> str:
     if sql.lstrip().upper().startswith("PRAGMA"):
         raise ValueError(f"SQLite-only statement in a test that runs on PostgreSQL: {sql}")
     return _PLACEHOLDER.sub("%s", sql.replace("%", "%%"))
+
+
+# ---------------------------------------------------------------------------------------------
+# The sync engine at a hand-moved clock
+
+
+@attrs.define
+class HandClock:
+    """A lease clock (integer ms since the epoch) that a test moves by hand."""
+
+    now: int
+
+    def __call__(self) -> float:
+        return self.now / 1000
+
+
+def open_engine(
+    location: Location, *, clock: Callable[[], float] | None = None, migrate: bool = True
+) -> Engine:
+    """The sync engine on a test's location (SQLite file or PostgreSQL schema)."""
+    if isinstance(location, PgLocation):
+        return _backend.open_engine(
+            location.url, schema=location.schema, migrate=migrate, clock=clock
+        )
+    return _backend.open_engine(location, migrate=migrate, clock=clock)
+
+
+def _select(tx: Tx, sql: str, params: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+    return [tuple(row) for row in tx.execute(sql, params).fetchall()]
+
+
+def _write(tx: Tx, sql: str, params: tuple[Any, ...]) -> None:
+    tx.execute(sql, params)
+
+
+@attrs.define(eq=False)
+class EngineDb:
+    """A store opened through the sync `Engine`, every operation at `now` (integer ms)."""
+
+    engine: Engine
+    location: Location
+    clock: HandClock
+
+    @property
+    def now(self) -> int:
+        return self.clock.now
+
+    @now.setter
+    def now(self, value: int) -> None:
+        self.clock.now = value
+
+    @property
+    def dialect(self) -> str:
+        return self.engine.dialect
+
+    def run(self, op: Callable[..., Any], *args: Any) -> Any:
+        """Run a store operation in its own transaction at `now`."""
+        assert _backend.now_ms(self.clock) == self.now
+        return self.engine.run(op, *args)
+
+    def rows(self, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        """Read rows (`?` parameters, the same SQL on both backends)."""
+        return self.engine.read(_select, sql, params)
+
+    def write(self, sql: str, params: tuple[Any, ...] = ()) -> None:
+        """Write rows behind the store's back, as an operator or a fault would."""
+        self.engine.run(_write, sql, params)
+
+    def snapshot(self, tables: Iterable[str]) -> dict[str, list[tuple[Any, ...]]]:
+        """Every row of `tables`: "nothing written" compares two of these."""
+        return {
+            table: sorted(self.rows(f"SELECT * FROM {table}"), key=repr) for table in sorted(tables)
+        }
+
+    @property
+    def sqlite_conn(self) -> sqlite3.Connection:
+        """The engine's own SQLite connection (tests of an SQLite-only seam)."""
+        conn = getattr(self.engine, "conn", None)
+        assert isinstance(conn, sqlite3.Connection), "an SQLite-only test ran on PostgreSQL"
+        return conn

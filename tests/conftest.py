@@ -19,13 +19,14 @@ from typing import Any
 import backends
 import pytest
 import trio
-from backends import PgLocation
+from backends import EngineDb, HandClock, PgLocation
 
 from trio_sessions import testing
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """Every test that takes `store` is a contract test: it runs on both backends."""
+    """Every test that takes `store` or `engine` is a contract test: it runs on both
+    backends, unless marked `sqlite_only` (with the reason)."""
     parametrized = {
         name.strip()
         for marker in metafunc.definition.iter_markers("parametrize")
@@ -34,8 +35,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         )
     }
     if (
-        "store" in metafunc.fixturenames
+        ("store" in metafunc.fixturenames or "engine" in metafunc.fixturenames)
         and "store" not in parametrized
+        and "backend" not in parametrized
         and metafunc.definition.get_closest_marker("sqlite_only") is None
     ):
         metafunc.parametrize("backend", ["sqlite", "postgres"], indirect=True)
@@ -62,6 +64,23 @@ def store(db_path: Any) -> Any:
 
         return PostgresStore(db_path.url, schema=db_path.schema, inline=True)
     return testing.inline_store(db_path)
+
+
+# A fixed instant for store tests (integer ms); `engine.now` moves it.
+ENGINE_EPOCH_MS = 1_800_000_000_000
+
+
+@pytest.fixture
+def engine(db_path: Any) -> Iterator[EngineDb]:
+    """The store through the sync `Engine` (`_backend.open_engine`), migrated, at a lease
+    clock the test moves by hand (`engine.now`, integer ms): store operations run one per
+    transaction, and `engine.rows` reads rows, with the same SQL on both backends."""
+    clock = HandClock(ENGINE_EPOCH_MS)
+    opened = backends.open_engine(db_path, clock=clock)
+    try:
+        yield EngineDb(opened, db_path, clock)
+    finally:
+        opened.close()
 
 
 @pytest.fixture

@@ -48,8 +48,8 @@ def _seed_quarantined(op: Op, execute: Execute, now: float) -> None:
     dead_at = now - DEAD_FOR
     op(dead_at, _store.submit, "poison", '{"text": "first"}', "in-poison-1")
     op(dead_at, _store.acquire, "poison", "exec-poison", "owner-dead", 10_000)
-    op(dead_at, _store.take_inputs, "exec-poison", "owner-dead")
-    op(dead_at, _store.begin_assistant, "exec-poison", "owner-dead", "msg-poison")
+    op(dead_at, _store.take_inputs, "poison", "exec-poison", "owner-dead")
+    op(dead_at, _store.begin_assistant, "poison", "exec-poison", "owner-dead", "msg-poison")
     op(dead_at, _store.submit, "poison", '{"text": "second"}', "in-poison-2")
     execute("UPDATE session SET time_woken = NULL, wakes = 0 WHERE id = 'poison'", ())
     execute("UPDATE session_message SET data = ? WHERE id = 'msg-poison'", (MALFORMED,))
@@ -66,8 +66,8 @@ def seed_operations(op: Op, execute: Execute) -> None:
     dead_at = now - DEAD_FOR
     op(now - 50, _store.submit, "idle", '{"text": "hi"}', "in-idle")
     op(now - 50, _store.acquire, "idle", "exec-idle", "owner-a", 60_000)
-    op(now - 50, _store.take_inputs, "exec-idle", "owner-a")
-    op(now - 50, _store.finish_iteration, "exec-idle", "owner-a")
+    op(now - 50, _store.take_inputs, "idle", "exec-idle", "owner-a")
+    op(now - 50, _store.finish_iteration, "idle", "exec-idle", "owner-a")
     op(now - 5, _store.submit, "pending", '{"text": "1"}', "in-pending-1")
     op(now - 4, _store.submit, "pending", '{"text": "2"}', "in-pending-2")
     op(now - 3, _store.submit, "live", '{"text": "go"}', "in-live")
@@ -547,9 +547,9 @@ def test_inputs_list_and_drop_a_rejected_input(
         _op(conn, now, _store.submit, "badin", '{"n": 1}', "in-ok")
         _op(conn, now, _store.submit, "badin", "[1]", "in-bad")
         _op(conn, now, _store.acquire, "badin", "exec-badin", "owner-a", 60_000)
-        taken = _op(conn, now, _store.take_inputs, "exec-badin", "owner-a")
+        taken = _op(conn, now, _store.take_inputs, "badin", "exec-badin", "owner-a")
         assert [i.id for i in taken] == ["in-ok"]
-        _op(conn, now, _store.finish_iteration, "exec-badin", "owner-a")
+        _op(conn, now, _store.finish_iteration, "badin", "exec-badin", "owner-a")
     finally:
         conn.close()
     rows = cli_json(capsys, "inputs", "list", str(seeded))

@@ -92,9 +92,12 @@ class Db:
         session_id = uuid.uuid4().hex
         self.run(_store.wake, session_id)
         self.run(_store.acquire, session_id, "exec-" + session_id, "owner", 30_000)
-        self.run(_store.begin_assistant, "exec-" + session_id, "owner", "m-" + session_id)
+        self.run(
+            _store.begin_assistant, session_id, "exec-" + session_id, "owner", "m-" + session_id
+        )
         self.run(
             _store.update_assistant,
+            session_id,
             "exec-" + session_id,
             "owner",
             "m-" + session_id,

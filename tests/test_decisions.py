@@ -1,21 +1,23 @@
 """The pure claim, lease and recovery decisions, and the store's SQL fences that implement them.
 
 The first half checks each decision in `_decisions` over generated (row, now, owner) values;
-the second half writes the same generated rows into a real SQLite file, runs the store's
-fenced operation at the same fixed instant and checks that SQL and the pure predicate agree.
+the second half writes the same generated rows into a real store (an SQLite file and a
+PostgreSQL schema, through the sync `engine` fixture), runs the store's fenced operation at
+the same fixed instant and checks that SQL and the pure predicate agree.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
+from backends import EngineDb
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from trio_sessions import LeaseLost, _backend, _codec, _sqlite, _store, _transcript
+from trio_sessions._backend import Tx
 from trio_sessions._decisions import (
     ON_BUSY,
     AcquireVerdict,
@@ -291,43 +293,50 @@ def test_rearms_doorbell_only_for_cancelled_superseded_and_paused() -> None:
 STREAMING_TABLES = frozenset({"session_message_stream", "session_message_delta"})
 
 
-class Db:
-    """One SQLite file reused across hypothesis examples; `reset` empties it."""
+def _empty(tx: Tx) -> None:
+    """Every row gone, in one transaction."""
+    for table in (
+        "session_message",
+        "session_input",
+        "session_execution",
+        "session_recovery",
+        "session",
+    ):
+        tx.execute(f"DELETE FROM {table}")
 
-    def __init__(self, path: Path) -> None:
-        self.conn = _sqlite.connect(path)
+
+class Db:
+    """The sync engine (`engine` fixture, both backends) reused across hypothesis examples;
+    `reset` empties it, `run` runs an operation at the example's instant."""
+
+    def __init__(self, engine: EngineDb) -> None:
+        self.engine = engine
 
     def run(self, now: int, op: Callable[..., Any], *args: Any) -> Any:
-        return _sqlite.run_op(self.conn, fixed_clock(now), op, *args)
+        self.engine.now = now
+        return self.engine.run(op, *args)
 
     def reset(self) -> None:
-        for table in (
-            "session_message",
-            "session_input",
-            "session_execution",
-            "session_recovery",
-            "session",
-        ):
-            self.conn.execute(f"DELETE FROM {table}")
+        self.engine.engine.run(_empty)
 
     def rows(self, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-        return self.conn.execute(sql, params).fetchall()
+        return self.engine.rows(sql, params)
+
+    def write(self, sql: str, params: tuple[Any, ...] = ()) -> None:
+        self.engine.write(sql, params)
 
     def snapshot(self) -> dict[str, list[tuple[Any, ...]]]:
-        return {
-            table: sorted(self.rows(f"SELECT * FROM {table}"), key=repr)
-            for table in sorted(_sqlite.OUR_TABLES | STREAMING_TABLES)
-        }
+        return self.engine.snapshot(_sqlite.OUR_TABLES | STREAMING_TABLES)
 
     def put_session(self, *, doorbell: bool, wake_attempts: int = 0) -> None:
-        self.conn.execute(
+        self.write(
             "INSERT INTO session(id, time_created, time_woken, wakes, wake_attempts)"
             " VALUES ('s', 0, ?, ?, ?)",
             (1 if doorbell else None, 1 if doorbell else 0, wake_attempts),
         )
 
     def put_claim(self, row: ClaimRow, anchor_seq: int | None = None) -> None:
-        self.conn.execute(
+        self.write(
             "INSERT INTO session_execution(id, session_id, owner_id, phase, anchor_seq,"
             " time_created, heartbeat_at, expires_at) VALUES (?, 's', ?, ?, ?, 0, NULL, ?)",
             (row.execution_id, row.owner_id, row.phase, anchor_seq, row.expires_at),
@@ -341,12 +350,9 @@ class Db:
 
 
 @pytest.fixture
-def db(tmp_path: Path) -> Iterator[Db]:
-    database = Db(tmp_path / "decisions.db")
-    try:
-        yield database
-    finally:
-        database.conn.close()
+def db(engine: EngineDb) -> Db:
+    """The SQL half's store: SQLite file or PostgreSQL schema, through the sync engine."""
+    return Db(engine)
 
 
 @DB_SETTINGS
@@ -398,7 +404,7 @@ def test_acquire_sql_agrees_with_acquire_verdict(
 
 
 def _put_pending_input(db: Db) -> None:
-    db.conn.execute(
+    db.write(
         "INSERT INTO session_input(id, session_id, seq, payload, time_created)"
         " VALUES ('in-1', 's', 1, '{\"n\": 1}', 0)"
     )
@@ -406,16 +412,20 @@ def _put_pending_input(db: Db) -> None:
 
 FENCED_OPS: dict[str, Callable[[Db, int, str, str], Any]] = {
     "append_assistant_text": lambda db, now, e, o: db.run(
-        now, _store.append_assistant_text, e, o, "m-1", "x"
+        now, _store.append_assistant_text, "s", e, o, "m-1", "x"
     ),
-    "mark_cancelling": lambda db, now, e, o: db.run(now, _store.mark_cancelling, e, o),
-    "take_inputs": lambda db, now, e, o: db.run(now, _store.take_inputs, e, o),
-    "finish_iteration": lambda db, now, e, o: db.run(now, _store.finish_iteration, e, o),
-    "finish_interrupted": lambda db, now, e, o: db.run(now, _store.finish_interrupted, e, o),
-    "finish_failed": lambda db, now, e, o: db.run(now, _store.finish_failed, e, o, "failed: x"),
-    "begin_assistant": lambda db, now, e, o: db.run(now, _store.begin_assistant, e, o, "m-new"),
+    "mark_cancelling": lambda db, now, e, o: db.run(now, _store.mark_cancelling, "s", e, o),
+    "take_inputs": lambda db, now, e, o: db.run(now, _store.take_inputs, "s", e, o),
+    "finish_iteration": lambda db, now, e, o: db.run(now, _store.finish_iteration, "s", e, o),
+    "finish_interrupted": lambda db, now, e, o: db.run(now, _store.finish_interrupted, "s", e, o),
+    "finish_failed": lambda db, now, e, o: db.run(
+        now, _store.finish_failed, "s", e, o, "failed: x"
+    ),
+    "begin_assistant": lambda db, now, e, o: db.run(
+        now, _store.begin_assistant, "s", e, o, "m-new"
+    ),
     "update_assistant": lambda db, now, e, o: db.run(
-        now, _store.update_assistant, e, o, "m-1", lambda d: _transcript.append_text(d, "x")
+        now, _store.update_assistant, "s", e, o, "m-1", lambda d: _transcript.append_text(d, "x")
     ),
 }
 
@@ -434,13 +444,13 @@ def test_fenced_writes_agree_with_holds_live_claim(
     _put_pending_input(db)
     if row is not None:
         db.put_claim(row)
-        db.conn.execute(
+        db.write(
             "INSERT INTO session_message(id, session_id, execution_id, role, seq, data,"
             " time_created, time_updated) VALUES ('m-1', 's', ?, 'assistant', 1, ?, 0, 0)",
             (row.execution_id, _codec.encode_assistant(_transcript.EMPTY)),
         )
         # Open for streaming, as begin_assistant leaves it.
-        db.conn.execute(
+        db.write(
             "INSERT INTO session_message_stream(message_id, execution_id, version)"
             " VALUES ('m-1', ?, 0)",
             (row.execution_id,),
@@ -490,7 +500,7 @@ def test_take_recovery_leases_sql_agrees_with_may_take(
     db.put_session(doorbell=False)
     db.put_claim(ClaimRow("exec-1", "dead-owner", "running", now - 1))
     if row is not None:
-        db.conn.execute(
+        db.write(
             "INSERT INTO session_recovery(execution_id, session_id, owner_id, expires_at,"
             " recovery_error, time_created, time_quarantined)"
             " VALUES ('exec-1', 's', ?, ?, ?, 0, ?)",
@@ -546,18 +556,18 @@ def test_apply_recovery_sql_agrees_with_decide_recovery(
     claim = ClaimRow(claim_execution, "dead-owner", phase, now + offset)
     db.put_session(doorbell=False, wake_attempts=wake_attempts)
     db.put_claim(claim, anchor_seq=1)
-    db.conn.execute(
+    db.write(
         "INSERT INTO session_message(id, session_id, execution_id, role, seq, data,"
         " time_created, time_updated) VALUES ('m-1', 's', 'exec-1', 'assistant', 1, ?, 0, 0)",
         (MALFORMED_ASSISTANT if malformed else VALID_ASSISTANT,),
     )
     if superseded:
-        db.conn.execute(
+        db.write(
             "INSERT INTO session_message(id, session_id, execution_id, role, seq, data,"
             " time_created, time_updated) VALUES ('m-2', 's', 'exec-x', 'assistant', 2, ?, 0, 0)",
             (VALID_ASSISTANT,),
         )
-    db.conn.execute(
+    db.write(
         "INSERT INTO session_recovery(execution_id, session_id, owner_id, expires_at,"
         " time_created) VALUES ('exec-1', 's', 'me', ?, 0)",
         (now + LEASE_MS,),

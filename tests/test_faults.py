@@ -714,7 +714,9 @@ async def test_interrupt_mark_cancelling_fault_never_resumes_the_work(
     path = tmp_path / "db"
     faults = Faults(path)
     with trio.fail_after(600):
-        worker, outcome = await interrupt_scenario(path, faults, 3, clock, message, 1)
+        # Statement 2 of the cleanup's first transaction: BEGIN, then mark_cancelling's UPDATE
+        # (it names its session: no SELECT reads the session back first).
+        worker, outcome = await interrupt_scenario(path, faults, 2, clock, message, 1)
     faults.close()
     assert faults.fired[0].startswith("UPDATE session_execution SET phase = 'cancelling'")
     assert outcome == Outcome("interrupted", "user")

@@ -432,9 +432,9 @@ class ProtocolModel(RuleBasedStateMachine):
         session_id, execution_id = self.held_claim(owner, pick)
         if not self.fenced(owner, session_id, execution_id):
             with pytest.raises(LeaseLost):
-                self.op(_store.take_inputs, execution_id, owner.owner_id)
+                self.op(_store.take_inputs, session_id, execution_id, owner.owner_id)
             return
-        taken = self.op(_store.take_inputs, execution_id, owner.owner_id)
+        taken = self.op(_store.take_inputs, session_id, execution_id, owner.owner_id)
         session = self.sessions[session_id]
         claim = session.claim
         assert claim is not None
@@ -464,9 +464,11 @@ class ProtocolModel(RuleBasedStateMachine):
         message_id = self.fresh("m")
         if not self.fenced(owner, session_id, execution_id):
             with pytest.raises(LeaseLost):
-                self.op(_store.begin_assistant, execution_id, owner.owner_id, message_id)
+                self.op(
+                    _store.begin_assistant, session_id, execution_id, owner.owner_id, message_id
+                )
             return
-        self.op(_store.begin_assistant, execution_id, owner.owner_id, message_id)
+        self.op(_store.begin_assistant, session_id, execution_id, owner.owner_id, message_id)
         self.messages[session_id].append(
             MessageModel(
                 message_id,
@@ -508,9 +510,23 @@ class ProtocolModel(RuleBasedStateMachine):
         transition = transitions[action]
         # Text streams (a delta row); every other change rewrites the message.
         operation: tuple[Any, ...] = (
-            (_store.append_assistant_text, execution_id, owner.owner_id, message_id, "x")
+            (
+                _store.append_assistant_text,
+                session_id,
+                execution_id,
+                owner.owner_id,
+                message_id,
+                "x",
+            )
             if action == "text"
-            else (_store.update_assistant, execution_id, owner.owner_id, message_id, transition)
+            else (
+                _store.update_assistant,
+                session_id,
+                execution_id,
+                owner.owner_id,
+                message_id,
+                transition,
+            )
         )
         if not self.fenced(owner, session_id, execution_id):
             with pytest.raises(LeaseLost):
@@ -552,9 +568,9 @@ class ProtocolModel(RuleBasedStateMachine):
         session_id, execution_id = self.held_claim(owner, pick)
         if not self.fenced(owner, session_id, execution_id):
             with pytest.raises(LeaseLost):
-                self.op(_store.finish_iteration, execution_id, owner.owner_id)
+                self.op(_store.finish_iteration, session_id, execution_id, owner.owner_id)
             return
-        continued = self.op(_store.finish_iteration, execution_id, owner.owner_id)
+        continued = self.op(_store.finish_iteration, session_id, execution_id, owner.owner_id)
         self.close_open_messages(execution_id, INTERRUPTED)
         session = self.sessions[session_id]
         claim = session.claim
@@ -582,9 +598,9 @@ class ProtocolModel(RuleBasedStateMachine):
         session_id, execution_id = self.held_claim(owner, pick)
         if not self.fenced(owner, session_id, execution_id):
             with pytest.raises(LeaseLost):
-                self.op(_store.finish_failed, execution_id, owner.owner_id, FAILED)
+                self.op(_store.finish_failed, session_id, execution_id, owner.owner_id, FAILED)
             return
-        doorbell = self.op(_store.finish_failed, execution_id, owner.owner_id, FAILED)
+        doorbell = self.op(_store.finish_failed, session_id, execution_id, owner.owner_id, FAILED)
         session = self.sessions[session_id]
         assert doorbell == (session.time_woken is not None)
         self.close_open_messages(execution_id, FAILED)
@@ -607,9 +623,9 @@ class ProtocolModel(RuleBasedStateMachine):
         session = self.sessions[session_id]
         if not self.fenced(owner, session_id, execution_id):
             with pytest.raises(LeaseLost):
-                self.op(_store.mark_cancelling, execution_id, owner.owner_id)
+                self.op(_store.mark_cancelling, session_id, execution_id, owner.owner_id)
             return
-        self.op(_store.mark_cancelling, execution_id, owner.owner_id)
+        self.op(_store.mark_cancelling, session_id, execution_id, owner.owner_id)
         assert session.claim is not None
         session.claim.phase = "cancelling"
         self.cancelled.add(execution_id)
@@ -617,7 +633,7 @@ class ProtocolModel(RuleBasedStateMachine):
             # The cleanup was cancelled: the claim stays 'cancelling'; the owner moves on.
             owner.forget(session_id)
             return
-        doorbell = self.op(_store.finish_interrupted, execution_id, owner.owner_id)
+        doorbell = self.op(_store.finish_interrupted, session_id, execution_id, owner.owner_id)
         self.close_open_messages(execution_id, INTERRUPTED)
         self.end_claim(session_id)
         session.wake_attempts = 0

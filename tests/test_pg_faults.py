@@ -350,10 +350,10 @@ def drained(env: Env) -> None:
     env.run(_store.submit, "s", '{"n": 1}', "i1")
     env.run(_store.submit, "s", "[1]", "i2")  # not an object: set aside by take_inputs
     env.run(_store.acquire, "s", "e1", OWNER, LEASE_MS)
-    env.run(_store.take_inputs, "e1", OWNER)
-    env.run(_store.begin_assistant, "e1", OWNER, "m1")
-    env.run(_store.update_assistant, "e1", OWNER, "m1", APPEND)
-    env.run(_store.update_assistant, "e1", OWNER, "m1", START_TOOL)
+    env.run(_store.take_inputs, "s", "e1", OWNER)
+    env.run(_store.begin_assistant, "s", "e1", OWNER, "m1")
+    env.run(_store.update_assistant, "s", "e1", OWNER, "m1", APPEND)
+    env.run(_store.update_assistant, "s", "e1", OWNER, "m1", START_TOOL)
 
 
 APPEND = functools.partial(_transcript.append_text, text="hello")
@@ -364,7 +364,7 @@ def expired(env: Env, *, cancelling: bool = False) -> None:
     """The drained claim's owner died: its lease ran out."""
     drained(env)
     if cancelling:
-        env.run(_store.mark_cancelling, "e1", OWNER)
+        env.run(_store.mark_cancelling, "s", "e1", OWNER)
     lapse(env)
 
 
@@ -483,43 +483,48 @@ OPERATIONS = [
             do(_store.submit, "s", "[1]", "i2"),
             do(_store.acquire, "s", "e1", OWNER, LEASE_MS),
         ),
-        one(_store.take_inputs, "e1", OWNER),
+        one(_store.take_inputs, "s", "e1", OWNER),
     ),
     Operation(
         "take_inputs-lease-lost",
         steps(claimed, lapse),
-        one(_store.take_inputs, "e1", OWNER),
+        one(_store.take_inputs, "s", "e1", OWNER),
         writes=False,
     ),
     Operation(
         "begin_assistant",
-        steps(claimed, do(_store.take_inputs, "e1", OWNER)),
-        one(_store.begin_assistant, "e1", OWNER, "m1"),
+        steps(claimed, do(_store.take_inputs, "s", "e1", OWNER)),
+        one(_store.begin_assistant, "s", "e1", OWNER, "m1"),
     ),
-    Operation("update_assistant", drained, one(_store.update_assistant, "e1", OWNER, "m1", APPEND)),
-    Operation("finish_iteration-release", drained, one(_store.finish_iteration, "e1", OWNER)),
+    Operation(
+        "update_assistant", drained, one(_store.update_assistant, "s", "e1", OWNER, "m1", APPEND)
+    ),
+    Operation("finish_iteration-release", drained, one(_store.finish_iteration, "s", "e1", OWNER)),
     Operation(
         "finish_iteration-continue",
         steps(drained, do(_store.wake, "s")),
-        one(_store.finish_iteration, "e1", OWNER),
+        one(_store.finish_iteration, "s", "e1", OWNER),
     ),
     Operation(
         "finish_failed",
         steps(drained, do(_store.submit, "s", '{"n": 3}', "i3")),
-        one(_store.finish_failed, "e1", OWNER, "boom"),
+        one(_store.finish_failed, "s", "e1", OWNER, "boom"),
     ),
-    Operation("mark_cancelling", drained, one(_store.mark_cancelling, "e1", OWNER)),
+    Operation("mark_cancelling", drained, one(_store.mark_cancelling, "s", "e1", OWNER)),
     Operation(
-        "mark_cancelling-nowait", drained, one(_store.mark_cancelling, "e1", OWNER), mode="nowait"
+        "mark_cancelling-nowait",
+        drained,
+        one(_store.mark_cancelling, "s", "e1", OWNER),
+        mode="nowait",
     ),
     Operation(
         "finish_interrupted",
         steps(
             drained,
-            do(_store.mark_cancelling, "e1", OWNER),
+            do(_store.mark_cancelling, "s", "e1", OWNER),
             do(_store.submit, "s", '{"n": 3}', "i3"),
         ),
-        one(_store.finish_interrupted, "e1", OWNER),
+        one(_store.finish_interrupted, "s", "e1", OWNER),
     ),
     Operation(
         "request_cancel", lambda env: claimed(env, owner="other"), one(_store.request_cancel, "s")
@@ -554,7 +559,7 @@ OPERATIONS = [
         "recovery-two-rows",
         steps(
             functools.partial(claimed, session_id="t", execution_id="f1"),
-            do(_store.mark_cancelling, "f1", OWNER),
+            do(_store.mark_cancelling, "t", "f1", OWNER),
             recovery_leased,
             do(_store.take_recovery_leases, RESCUER, LEASE_MS, [_store.Candidate("t", "f1")]),
         ),
@@ -614,24 +619,24 @@ OPERATIONS = [
     ),
     Operation(
         "end_iteration-hand-over",
-        steps(drained, do(_store.mark_cancelling, "e1", OWNER), do(_store.wake, "s")),
-        one(_store.end_iteration, "e1", OWNER),
+        steps(drained, do(_store.mark_cancelling, "s", "e1", OWNER), do(_store.wake, "s")),
+        one(_store.end_iteration, "s", "e1", OWNER),
     ),
     Operation(
         "end_iteration-paused",
         steps(drained, do(_store.pause, "s"), do(_store.wake, "s")),
-        one(_store.end_iteration, "e1", OWNER),
+        one(_store.end_iteration, "s", "e1", OWNER),
     ),
     Operation("delete_session", drained, one(_store.delete_session, "s")),
     Operation(
         "purge_batch",
-        steps(drained, do(_store.finish_iteration, "e1", OWNER), lapse),
+        steps(drained, do(_store.finish_iteration, "s", "e1", OWNER), lapse),
         one(_store.purge_batch, 1_000, "", 200),
     ),
     Operation("fork", drained, one(_store.fork, "s", "f", None)),
     Operation(
         "truncate",
-        steps(drained, do(_store.finish_iteration, "e1", OWNER)),
+        steps(drained, do(_store.finish_iteration, "s", "e1", OWNER)),
         one(_store.truncate, "s", 1),
     ),
     Operation(
@@ -648,7 +653,7 @@ OPERATIONS = [
         empty,
         lambda: [
             Job(_store.submit, ("s1", '{"n": 1}', "i1")),
-            Job(_store.take_inputs, ("no-such-execution", OWNER)),
+            Job(_store.take_inputs, ("s", "no-such-execution", OWNER)),
             Job(_store.wake, ("s2",)),
         ],
     ),

@@ -425,7 +425,7 @@ def test_group_commit_batch_with_a_refusal_commits_the_others(pg_url: str, pg_sc
     with opened(PostgresStore(pg_url, schema=pg_schema).engine()) as engine:
         jobs = [
             Job(_store.wake, ("s1",)),
-            Job(_store.take_inputs, ("no-such-execution", "owner")),
+            Job(_store.take_inputs, ("s", "no-such-execution", "owner")),
             Job(_store.wake, ("s2",)),
             Job(broken_statement, ()),
             Job(_store.wake, ("s1",)),

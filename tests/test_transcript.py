@@ -255,7 +255,7 @@ class Claimed:
         self.run(_store.wake, "s")
         acquired = self.run(_store.acquire, "s", self.execution_id, "owner", 30_000)
         assert acquired.verdict.value == "claim"
-        self.run(_store.begin_assistant, self.execution_id, "owner", "m-1")
+        self.run(_store.begin_assistant, "s", self.execution_id, "owner", "m-1")
 
     def clock(self) -> float:
         return NOW_MS / 1000
@@ -265,7 +265,7 @@ class Claimed:
 
     def update(self, transition: Settle) -> AssistantData:
         result: AssistantData = self.run(
-            _store.update_assistant, self.execution_id, "owner", "m-1", transition
+            _store.update_assistant, "s", self.execution_id, "owner", "m-1", transition
         )[0]
         return result
 

@@ -35,8 +35,11 @@ def populate(path: Path) -> None:
     try:
         _sqlite.run_op(conn, time.time, _store.submit, "existing", '{"n": 1}', "in-1")
         _sqlite.run_op(conn, time.time, _store.acquire, "existing", "exec-1", "owner", 30_000)
-        _sqlite.run_op(conn, time.time, _store.take_inputs, "exec-1", "owner")
-        assert _sqlite.run_op(conn, time.time, _store.finish_iteration, "exec-1", "owner") is False
+        _sqlite.run_op(conn, time.time, _store.take_inputs, "existing", "exec-1", "owner")
+        assert (
+            _sqlite.run_op(conn, time.time, _store.finish_iteration, "existing", "exec-1", "owner")
+            is False
+        )
     finally:
         conn.close()
 

@@ -23,7 +23,8 @@ The public surface: everything else lives in private modules.
 # * Entry points on top: _worker and _cli (`python -m trio_sessions`), testing (public
 #   helpers for users' tests), demo, bench and soak.
 
-from typing import TYPE_CHECKING
+# Imported under a private name: `dir(trio_sessions)` shows the public surface only.
+import typing as _typing
 
 from ._errors import DuplicateSettlement as DuplicateSettlement
 from ._errors import InputConflict as InputConflict
@@ -41,6 +42,7 @@ from ._model import Input as Input
 from ._model import Message as Message
 from ._model import Outcome as Outcome
 from ._model import RecoveryReport as RecoveryReport
+from ._model import RuntimeStatistics as RuntimeStatistics
 from ._model import TextPart as TextPart
 from ._model import ToolPart as ToolPart
 from ._runtime import AssistantWriter as AssistantWriter
@@ -52,7 +54,7 @@ from ._sqlite import SQLiteStore as SQLiteStore
 from ._stream import StreamEvent as StreamEvent
 from ._transcript import unanswered as unanswered
 
-if TYPE_CHECKING:
+if _typing.TYPE_CHECKING:
     from ._postgres import PostgresStore as PostgresStore
 
 __version__ = "0.1.0"
@@ -65,6 +67,11 @@ def __getattr__(name: str) -> object:
 
         return PostgresStore
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    # `PostgresStore` is public though it is imported on first use only.
+    return sorted({*globals(), "PostgresStore"})
 
 
 # The 0.1 name of `SQLiteStore`, kept through 0.x.

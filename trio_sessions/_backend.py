@@ -31,6 +31,8 @@ import attrs
 import trio
 
 from ._errors import StoreError
+from ._naming import POSTGRES_SCHEMES as POSTGRES_SCHEMES
+from ._naming import store_kind
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
@@ -87,11 +89,6 @@ class Tx(Protocol):
         """Signal other runtimes on the store that this session changed, if the transaction
         commits. A no-op on SQLite, whose readers notice any commit (`PRAGMA data_version`);
         `pg_notify` in the same transaction on PostgreSQL."""
-        ...
-
-    def not_in(self, column: str, values: Sequence[str]) -> tuple[str, Any]:
-        """A `column NOT IN (values)` condition for one named parameter: returns the SQL
-        fragment (naming `:excluded`) and the parameter's value."""
         ...
 
     def savepoint(self) -> AbstractContextManager[None]:
@@ -189,11 +186,10 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
-POSTGRES_SCHEMES = ("postgresql://", "postgres://")
-
-
 def is_postgres_url(store: object) -> bool:
-    return isinstance(store, str) and store.startswith(POSTGRES_SCHEMES)
+    """Whether `store` names a PostgreSQL store (`_naming.store_kind`: `ValueError` for a
+    connection string of another form)."""
+    return isinstance(store, str | os.PathLike) and store_kind(store) == "postgres"
 
 
 def open_engine(

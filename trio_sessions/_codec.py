@@ -4,6 +4,12 @@ cattrs coerces by default (`"false"` becomes `True`, `1` becomes `"1"`); this co
 not. Invariant: a row either decodes to exactly the attrs value that was written, or raises
 `MalformedRecord` naming the table, the key and one readable reason per problem. No cattrs
 ExceptionGroup and no bare json error ever leaves this module.
+
+It also validates what callers hand over before anything is written (`check_json`,
+`check_json_object`, `check_text`): plain JSON that reads back as itself, no NUL character
+(one backend cannot store it, so none does: DESIGN §8), at most `MAX_PAYLOAD_BYTES` (1 MiB)
+per value; `is_small` tells a caller on the event loop whether the check is cheap enough to
+run there (§6.26).
 """
 
 from __future__ import annotations
@@ -118,58 +124,195 @@ def loads(text: Any) -> Any:
         raise ValueError("JSON nested too deeply") from None
 
 
-# The largest JSON object a caller may store as one record - an input payload or a tool
-# input - measured as its compact UTF-8 encoding. Larger data belongs in a blob store, with
-# its reference in the payload: every input is read whole by each `take_inputs`.
+# The largest value a caller may store as one record - an input payload, a tool's input,
+# output or error, one appended text - measured as its compact UTF-8 JSON encoding (UTF-8
+# for text). Larger data belongs in a blob store, with its reference in the record: every
+# input is read whole by each `take_inputs`, every message by each `transcript`.
 MAX_PAYLOAD_BYTES = 1024 * 1024  # 1 MiB
+
+# `is_small`'s budget: a value costing at most this many units (one per character of text,
+# NODE_UNITS per JSON node) is checked and encoded on the event loop in well under a
+# millisecond or so; a larger one goes to a worker thread (§6.26: no loop stall > 50 ms).
+INLINE_CHECK_UNITS = 256 * 1024
+NODE_UNITS = 32
+
+NUL = "\x00"
+
+
+def check_text(value: Any, what: str, *, limit: int = MAX_PAYLOAD_BYTES) -> str:
+    """Validate a caller's text argument (nothing is written): `TypeError` unless a str;
+    `ValueError` over `limit` bytes in UTF-8 or holding a NUL character (PostgreSQL cannot
+    store one, so neither backend does). Costs no more for a huge text than for a small
+    one once it is over the limit."""
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a str, got {type(value).__name__}")
+    # A str's length is known at once; its UTF-8 size is at least that and at most 4x.
+    if len(value) > limit:
+        size = len(value) if value.isascii() else None
+        _too_large(what, size, limit, "in UTF-8")
+    if 4 * len(value) > limit:
+        size = len(value.encode("utf-8", "surrogatepass"))
+        if size > limit:
+            _too_large(what, size, limit, "in UTF-8")
+    if NUL in value:
+        _nul(what, f"index {value.index(NUL)}")
+    return value
 
 
 def check_json_object(value: Any, what: str) -> str:
     """Validate a caller's JSON object argument and return its encoding (nothing is written).
 
-    `ValueError` naming the size when the encoding exceeds `MAX_PAYLOAD_BYTES`.
+    As `check_json` with `limit=MAX_PAYLOAD_BYTES`, and `TypeError` unless a dict.
     """
     if not isinstance(value, dict):
         raise TypeError(f"{what} must be a JSON object (dict), got {type(value).__name__}")
-    text = check_json(value, what)
-    size = len(text.encode("utf-8"))
-    if size > MAX_PAYLOAD_BYTES:
-        raise ValueError(
-            f"{what} is {size} bytes encoded as JSON; the limit is {MAX_PAYLOAD_BYTES} bytes"
-            " (1 MiB)"
-        )
-    return text
+    return check_json(value, what, limit=MAX_PAYLOAD_BYTES)
 
 
 MAX_DEPTH = 100
 
 
-def check_json(value: Any, what: str) -> str:
+def check_json(value: Any, what: str, *, limit: int | None = None) -> str:
     """Validate that `value` is plain JSON that reads back as itself; return its encoding.
 
     Refused before anything is written: non-str object keys (JSON would turn `1` into
-    `"1"`), NaN and infinities, nesting deeper than `MAX_DEPTH`, non-JSON types.
+    `"1"`), NaN and infinities, nesting deeper than `MAX_DEPTH`, non-JSON types, a NUL
+    character in any string or key (`ValueError`, as `check_text`), and an encoding over
+    `limit` bytes (`ValueError` naming the size and the limit). A value whose encoding
+    must exceed `limit` is refused without encoding it, as soon as that is certain, so a
+    huge value costs little more than a small one. Otherwise it costs time in proportion
+    to the value: a caller on the event loop runs it in a thread unless `is_small(value)`.
     """
-    _check_plain(value, what, "$", 0)
+    _check_plain(value, what, None, 0, _Bound(limit))
     try:
-        return dumps(value)
+        text = dumps(value)
     except (TypeError, ValueError) as exc:
         raise TypeError(f"{what} is not JSON-serialisable: {exc}") from None
+    if limit is not None:
+        size = len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+        if size > limit:
+            _too_large(what, size, limit, "encoded as JSON")
+    return text
 
 
-def _check_plain(value: Any, what: str, path: str, depth: int) -> None:
+class _Bound:
+    """A lower bound on a value's compact JSON size, added up during the check: each
+    string's characters and quotes, one byte per other value and per separator."""
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit = limit
+        self.size = 0
+
+    def add(self, size: int, what: str) -> None:
+        self.size += size
+        if self.limit is not None and self.size > self.limit:
+            _too_large(what, None, self.limit, "encoded as JSON", at_least=self.size)
+
+
+def is_small(value: Any, budget: int = INLINE_CHECK_UNITS) -> bool:
+    """Whether `check_json(value)` is cheap enough for the event loop: at most `budget`
+    units (a character of text is one, a JSON node `NODE_UNITS`). Stops as soon as the
+    budget is spent, so it costs at most about `budget / NODE_UNITS` steps whatever the
+    value's size."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        budget -= NODE_UNITS
+        if isinstance(item, str):
+            budget -= len(item)
+        elif isinstance(item, dict | list | tuple):
+            if len(item) * NODE_UNITS > budget:
+                return False
+            if isinstance(item, dict):
+                budget -= sum(len(key) for key in item if isinstance(key, str))
+                stack.extend(item.values())
+            else:
+                stack.extend(item)
+        if budget < 0:
+            return False
+    return True
+
+
+def _too_large(
+    what: str, size: int | None, limit: int, unit: str, *, at_least: int | None = None
+) -> NoReturn:
+    if size is not None:
+        shown = f"{size} bytes"
+    elif at_least is not None:
+        shown = f"at least {at_least} bytes"
+    else:
+        shown = f"more than {limit} bytes"
+    mib = f" ({limit // (1024 * 1024)} MiB)" if limit % (1024 * 1024) == 0 else ""
+    raise ValueError(f"{what} is {shown} {unit}; the limit is {limit} bytes{mib}")
+
+
+def _nul(what: str, where: str) -> NoReturn:
+    raise ValueError(
+        f"{what} holds a NUL character (\\x00) at {where}: PostgreSQL cannot store it, so"
+        " no backend does"
+    )
+
+
+# Where a problem is, as a chain of (parent, key or index) built as the check descends and
+# formatted only for an error message ("$.a[3]").
+_Path = tuple[Any, str | int] | None
+
+
+def _format_path(path: _Path) -> str:
+    segments: list[str] = []
+    while path is not None:
+        path, segment = path
+        segments.append(f"[{segment}]" if isinstance(segment, int) else f".{segment}")
+    return "$" + "".join(reversed(segments))
+
+
+def _check_plain(value: Any, what: str, path: _Path, depth: int, bound: _Bound) -> None:
     if depth > MAX_DEPTH:
-        raise ValueError(f"{what} is nested deeper than {MAX_DEPTH} levels at {path}")
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f"{what} holds a non-finite number at {path}: {value!r}")
-    if isinstance(value, dict):
+        raise ValueError(f"{what} is nested deeper than {MAX_DEPTH} levels at {_format_path(path)}")
+    kind = type(value)
+    if kind is dict or (kind is not list and isinstance(value, dict)):
+        bound.add(2 + max(0, 2 * len(value) - 1), what)  # braces, colons and commas
         for key, item in value.items():
             if not isinstance(key, str):
-                raise TypeError(f"{what} has a non-str key {key!r} at {path}")
-            _check_plain(item, what, f"{path}.{key}", depth + 1)
-    elif isinstance(value, list | tuple):
+                raise TypeError(f"{what} has a non-str key {key!r} at {_format_path(path)}")
+            bound.add(len(key) + 2, what)
+            if NUL in key:
+                _nul(what, f"a key of {_format_path(path)}")
+            _check_plain(item, what, (path, key), depth + 1, bound)
+    elif kind is list or isinstance(value, list | tuple):
+        bound.add(2 + max(0, len(value) - 1), what)  # brackets and commas
+        # Scalars are checked here, without a call each: a long list of numbers is common.
+        pending = 0
         for index, item in enumerate(value):
-            _check_plain(item, what, f"{path}[{index}]", depth + 1)
+            item_kind = type(item)
+            if item_kind is int or item_kind is bool or item is None:
+                pending += 1
+            elif item_kind is str:
+                pending += len(item) + 2
+                if pending > _BATCH:
+                    bound.add(pending, what)  # a string too large to store is not scanned
+                    pending = 0
+                if NUL in item:
+                    _nul(what, _format_path((path, index)))
+            elif item_kind is float and math.isfinite(item):
+                pending += 1
+            else:
+                _check_plain(item, what, (path, index), depth + 1, bound)
+            if pending > _BATCH:
+                bound.add(pending, what)
+                pending = 0
+        bound.add(pending, what)
+    elif isinstance(value, str):
+        bound.add(len(value) + 2, what)  # the size first: a string too large is not scanned
+        if NUL in value:
+            _nul(what, _format_path(path))
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{what} holds a non-finite number at {_format_path(path)}: {value!r}")
+    else:
+        bound.add(1, what)
+
+
+_BATCH = 4096
 
 
 def encode_assistant(data: AssistantData) -> str:

@@ -11,7 +11,11 @@ rule here can be checked exhaustively without a database:
 * a paused session is never claimed, and a busy period on it ends at its next iteration
   boundary (DESIGN §5.1);
 * a submit decides what a busy session does with it (`on_busy`) from the claim's phase and
-  whether due inputs wait untaken.
+  whether due inputs wait untaken;
+* how a busy period's claim ended decides, once (`decide_ending`), what the runtime writes for
+  it: nothing is written for a claim whose lease is lost or that is not ours (except passing a
+  user interrupt on to the claim's holder), a shutdown never finishes a claim (it hands it back
+  for recovery), and a user interrupt never hands one back (recovery would resume it).
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from __future__ import annotations
 import enum
 
 import attrs
+
+from ._model import InterruptReason, OutcomeKind
 
 
 def lease_is_live(expires_at: int, now: int) -> bool:
@@ -193,3 +199,99 @@ def rearms_doorbell(decision: RecoveryDecision) -> bool:
         RecoveryDecision.DROP_SUPERSEDED,
         RecoveryDecision.FINISH_PAUSED,
     )
+
+
+class EndingCause(enum.Enum):
+    """How one claim's part of a busy period ended."""
+
+    NOT_CLAIMED = "not_claimed"  # the acquisition did not claim (held elsewhere, withdrawn)
+    RELEASED = "released"  # the finish transaction found no doorbell and released the claim
+    FAILED = "failed"  # the drain (or its acquisition) raised, or broke the drain contract
+    INTERRUPTED = "interrupted"  # the drain's scope was cancelled (an interrupt, the deadline)
+    STOPPED = "stopped"  # the busy period's task itself was cancelled (runtime closing)
+
+
+class EndingWrite(enum.Enum):
+    """What the runtime writes for the claim once it ended."""
+
+    NOTHING = "nothing"
+    # Mark the claim's holder (another owner) cancelling: a user interrupt accepted while
+    # this runtime was still acquiring.
+    PASS_ON_INTERRUPT = "pass_on_interrupt"
+    # Keep the claim, end its lease now: any owner recovers it at once (a shutdown).
+    HAND_BACK = "hand_back"
+    # Best effort and bounded: mark it cancelling, so recovery finishes it and never resumes.
+    MARK_CANCELLING = "mark_cancelling"
+    # Mark it cancelling, then finish it as interrupted (retried while the claim is ours).
+    FINISH_INTERRUPTED = "finish_interrupted"
+    # Finish it as failed (retried while the claim is ours).
+    FINISH_FAILED = "finish_failed"
+
+
+class Successor(enum.Enum):
+    """Whether the busy period goes on with a fresh acquisition from the same entry."""
+
+    NEVER = "never"
+    # If a wake rang the entry since its last deciding transaction.
+    IF_RUNG = "if_rung"
+    # If the finish write landed and read the doorbell set, or a wake rang since it began;
+    # never if it did not land (the claim is left for recovery).
+    AFTER_FINISH = "after_finish"
+
+
+@attrs.frozen
+class EndingPlan:
+    """What to write, the busy period's outcome (kind and reason), and whether a successor
+    acquisition is due."""
+
+    write: EndingWrite
+    outcome: OutcomeKind
+    reason: InterruptReason | None
+    successor: Successor
+
+
+def decide_ending(
+    cause: EndingCause,
+    *,
+    reason: InterruptReason | None,
+    owned: bool,
+    lease_lost: bool = False,
+) -> EndingPlan:
+    """The ending table: (cause, interrupt reason, claim still ours, lease lost) -> plan.
+
+    `owned` is whether the claim is still this entry's (committed and not yet released);
+    `lease_lost` whether the drain's failure or cancellation came from losing the lease (a
+    fenced write refused, or the local self-fence deadline passed; the reason `lease_lost`
+    means the heartbeat already found it). A crashed runtime (a
+    test's simulated process death) consults no table: it writes nothing.
+    """
+    if cause is EndingCause.STOPPED:
+        # The drain has exited (a cancellation only leaves it once it did).
+        if not owned:
+            write = EndingWrite.NOTHING
+        elif reason == "user":
+            write = EndingWrite.MARK_CANCELLING
+        else:
+            write = EndingWrite.HAND_BACK
+        return EndingPlan(write, "interrupted", reason or "shutdown", Successor.NEVER)
+    if cause is EndingCause.RELEASED:
+        return EndingPlan(EndingWrite.NOTHING, "succeeded", None, Successor.IF_RUNG)
+    if cause is EndingCause.NOT_CLAIMED:
+        if reason == "user":
+            return EndingPlan(EndingWrite.PASS_ON_INTERRUPT, "interrupted", reason, Successor.NEVER)
+        if reason is not None:
+            return EndingPlan(EndingWrite.NOTHING, "interrupted", reason, Successor.NEVER)
+        return EndingPlan(EndingWrite.NOTHING, "deferred", None, Successor.IF_RUNG)
+    if lease_lost or reason == "lease_lost":
+        # No durable write, and no successor: recovery owns the claim now.
+        return EndingPlan(EndingWrite.NOTHING, "interrupted", "lease_lost", Successor.NEVER)
+    if cause is EndingCause.FAILED:
+        if not owned:
+            return EndingPlan(EndingWrite.NOTHING, "failed", None, Successor.NEVER)
+        return EndingPlan(EndingWrite.FINISH_FAILED, "failed", None, Successor.AFTER_FINISH)
+    if reason == "shutdown":
+        write = EndingWrite.HAND_BACK if owned else EndingWrite.NOTHING
+        return EndingPlan(write, "interrupted", "shutdown", Successor.NEVER)
+    if not owned:
+        return EndingPlan(EndingWrite.NOTHING, "interrupted", "user", Successor.IF_RUNG)
+    return EndingPlan(EndingWrite.FINISH_INTERRUPTED, "interrupted", "user", Successor.AFTER_FINISH)

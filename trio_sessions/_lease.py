@@ -84,6 +84,11 @@ class LeaseKeeper:
             if not entry.owned or entry.execution_id != execution_id:
                 continue  # finished or replaced while the heartbeat was in flight
             if phase is None:
+                if entry.finishing():
+                    # A release (a finish transaction) ran while this renewal was in flight
+                    # and took the claim away on purpose; its own result says how the claim
+                    # ended, and a fenced finish that found it lost reports that itself.
+                    continue
                 if entry.reason not in ("shutdown", "lease_lost"):  # on purpose, or known
                     _observe.claim_lost(entry, self._owner_id, cause="heartbeat")
                 entry.lose_lease()

@@ -14,13 +14,15 @@ runtimes opened earlier). Metric attributes have low cardinality (never a sessio
 spans carry the ids.
 
 Invariants: no event raises into its caller (logging reports its own handler errors), and
-the engine events (`store_retry`, `store_reconnected`, `checkpoint_failed`) are safe from
-the store's worker threads: they never touch trio.
+the engine events (`store_retry`, `store_reconnected`, `checkpoint_failed`,
+`database_file_lost`, `wal_not_checkpointed`) are safe from the store's worker threads: they
+never touch trio.
 """
 
 from __future__ import annotations
 
 import logging
+import traceback
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from types import TracebackType
@@ -30,7 +32,9 @@ import attrs
 import trio
 
 from ._decisions import RecoveryDecision
+from ._errors import StoreError
 from ._model import RecoveryReport
+from ._naming import mask_password
 
 if TYPE_CHECKING:
     from opentelemetry.metrics import Counter, Histogram, UpDownCounter
@@ -47,6 +51,7 @@ logger.addHandler(logging.NullHandler())
 # -- messages (record.msg): part of the public surface, listed in the README --------------------
 
 DRAIN_FAILED = "drain failed: session %s, execution %s"
+CLAIM_ATTEMPT_FAILED = "claim attempt failed: session %s"
 CLAIM_LOST = "claim lost: session %s, execution %s"
 SELF_FENCED = "self-fenced: session %s, execution %s"
 HEARTBEAT_FAILED = "heartbeat failed: %d claims not renewed"
@@ -65,6 +70,8 @@ STORE_RECONNECTED = "store reconnected"
 LISTENER_RECONNECTED = "listener reconnected"
 LISTENER_RECONNECT_FAILED = "listener reconnect failed"
 CHECKPOINT_FAILED = "checkpoint failed"
+WAL_NOT_CHECKPOINTED = "WAL not checkpointed: %d bytes"
+DATABASE_FILE_LOST = "database file %s: %s"
 
 # -- span and metric names ------------------------------------------------------------------------
 
@@ -96,6 +103,25 @@ def drain_failed(entry: SessionEntry, owner_id: str, error: BaseException | None
     )
 
 
+def claim_attempt_failed(entry: SessionEntry, owner_id: str, error: BaseException | None) -> None:
+    """WARNING: acquiring a session's claim failed (the store did not answer: a server
+    stopped, a table locked beyond the retries) - no drain ran and nothing was claimed; the
+    wake stays durable and the change loop or the next recovery pass tries again. A store
+    error carries no traceback (it is not a defect); anything else does. extra:
+    session_id, execution_id (the prospective claim's), owner_id, error."""
+    logger.warning(
+        CLAIM_ATTEMPT_FAILED,
+        entry.session_id,
+        exc_info=None if isinstance(error, StoreError) else error,
+        extra={
+            "session_id": entry.session_id,
+            "execution_id": entry.execution_id,
+            "owner_id": owner_id,
+            "error": str(error),
+        },
+    )
+
+
 def claim_lost(entry: SessionEntry, owner_id: str, *, cause: str) -> None:
     """WARNING: the store no longer holds this claim for us (expired, or taken over); its
     drain is stopped and nothing more is written for it. extra: session_id, execution_id,
@@ -124,7 +150,7 @@ def heartbeat_failed(owner_id: str, claims: int, error: BaseException) -> None:
     logger.warning(
         HEARTBEAT_FAILED,
         claims,
-        extra={"owner_id": owner_id, "claims": claims, "error": str(error)},
+        extra={"owner_id": owner_id, "claims": claims, "error": _text(error)},
     )
 
 
@@ -249,7 +275,9 @@ def recovery_pass(owner_id: str) -> Iterator[RecoveryPass]:
             yield RecoveryPass(owner_id, span)
         except Exception as exc:
             logger.warning(
-                RECOVERY_PASS_FAILED, exc_info=exc, extra={"owner_id": owner_id, "error": str(exc)}
+                RECOVERY_PASS_FAILED,
+                exc_info=exc,
+                extra={"owner_id": owner_id, "error": _text(exc)},
             )
             _telemetry.end_failed(span, exc)
             raise
@@ -343,7 +371,7 @@ def hand_back_failed(owner_id: str, execution_ids: Sequence[str], error: BaseExc
             "owner_id": owner_id,
             "claims": len(execution_ids),
             "execution_ids": execution_ids,
-            "error": str(error),
+            "error": _text(error),
         },
     )
 
@@ -359,7 +387,7 @@ def store_retry(backend: str, error: BaseException, retry: int) -> None:
     logger.info(
         STORE_RETRY,
         sqlstate or "connection lost",
-        extra={"backend": backend, "sqlstate": sqlstate, "retry": retry, "error": str(error)},
+        extra={"backend": backend, "sqlstate": sqlstate, "retry": retry, "error": _text(error)},
     )
 
 
@@ -377,13 +405,60 @@ def listener_reconnected(channel: str) -> None:
 def listener_reconnect_failed(channel: str, error: BaseException) -> None:
     """WARNING: the LISTEN connection could not be re-opened; the fallback poll covers it
     until the next try. extra: channel, error."""
-    logger.warning(LISTENER_RECONNECT_FAILED, extra={"channel": channel, "error": str(error)})
+    logger.warning(LISTENER_RECONNECT_FAILED, extra={"channel": channel, "error": _text(error)})
 
 
 def checkpoint_failed(error: BaseException) -> None:
     """WARNING: an SQLite WAL checkpoint failed (nothing is lost: the WAL keeps every
     commit). extra: error."""
-    logger.warning(CHECKPOINT_FAILED, extra={"error": str(error)})
+    logger.warning(CHECKPOINT_FAILED, extra={"error": _text(error)})
+
+
+class MaskTracebacks(logging.Filter):
+    """Formats a record's traceback once, with passwords masked, before any handler does
+    (a handler's formatter uses the text it finds): an exception's text may quote a
+    connection string."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[1] is not None and record.exc_text is None:
+            text = "".join(traceback.format_exception(record.exc_info[1]))
+            record.exc_text = mask_password(text).rstrip("\n")
+        return True
+
+
+logger.addFilter(MaskTracebacks())
+
+
+def _text(error: BaseException) -> str:
+    """An error's text for a log field or a span: a driver's error may quote the store's
+    connection string, so any password in it is masked."""
+    return mask_password(str(error))
+
+
+def database_file_lost(path: str, problem: str) -> None:
+    """ERROR, once per runtime: the SQLite file this runtime opened was deleted or replaced
+    (`problem`: `deleted`, `replaced`, or `inaccessible (reason)`); every write from here
+    on fails with `StoreError` rather than committing into the orphaned file, which would
+    vanish at exit. Restart on the right file. extra: path, problem."""
+    logger.error(DATABASE_FILE_LOST, path, problem, extra={"path": path, "problem": problem})
+
+
+def wal_not_checkpointed(path: str, wal_bytes: int, wal_frames: int, bound_bytes: int) -> None:
+    """WARNING, once each time the WAL crosses the bound: the SQLite WAL grew past
+    `bound_bytes` and checkpoints cannot copy it back, because a reader that never ends (an
+    open read transaction on another connection: a shell, a backup, a long query) still
+    uses its older frames. It grows until that reader ends. extra: path, wal_bytes,
+    wal_frames, bound_bytes."""
+    logger.warning(
+        WAL_NOT_CHECKPOINTED,
+        wal_bytes,
+        extra={
+            "path": path,
+            "wal_bytes": wal_bytes,
+            "wal_frames": wal_frames,
+            "bound_bytes": bound_bytes,
+        },
+    )
 
 
 # -- OpenTelemetry (the only place that imports it) -----------------------------------------------
@@ -472,8 +547,19 @@ class _Telemetry:
     def end_failed(self, span: Span | None, error: BaseException) -> None:
         if span is None:
             return
-        span.record_exception(error)
-        span.set_status(self._error, f"{type(error).__name__}: {error}")
+        # As `span.record_exception` records it, with the password of any connection string
+        # the error's text or traceback quotes masked.
+        stacktrace = "".join(traceback.format_exception(error))
+        span.add_event(
+            "exception",
+            {
+                "exception.type": type(error).__qualname__,
+                "exception.message": _text(error),
+                "exception.stacktrace": mask_password(stacktrace),
+                "exception.escaped": False,
+            },
+        )
+        span.set_status(self._error, f"{type(error).__name__}: {_text(error)}")
 
 
 _telemetry = _Telemetry()

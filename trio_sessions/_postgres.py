@@ -69,6 +69,7 @@ from . import _observe, _schema
 from ._backend import BackendName, Job, Params, StoreStatistics, Tx, driver_error, now_ms
 from ._errors import SchemaTooNew, StoreError
 from ._handoff import HandoffQueue, Queued, pumping
+from ._naming import check_postgres_name, check_schema, mask_password, secrets_of
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
@@ -197,7 +198,11 @@ def connect(url: str, schema: str) -> psycopg.Connection[Any]:
             tcp_user_timeout=TCP_USER_TIMEOUT_MS,
         )
     except psycopg.Error as exc:
-        raise driver_error(exc) from exc
+        # libpq may quote the connection string it could not use: the error is shown with
+        # the password masked, and without the driver's own error as its cause (a traceback
+        # would print that one's text unmasked).
+        message = mask_password(f"{type(exc).__name__}: {exc}", secrets=secrets_of(url))
+        raise StoreError(message) from None
     # Explicit: a database or role default must not change the isolation the fences assume.
     conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
     return conn
@@ -320,9 +325,6 @@ class PgTx:
         # Sent once per transaction, just before COMMIT: the server delivers notifications
         # only if it commits, and drops duplicates within one transaction anyway.
         self.notified[session_id] = None
-
-    def not_in(self, column: str, values: Sequence[str]) -> tuple[str, Any]:
-        return f"NOT ({column} = ANY(:excluded))", list(values)
 
     @contextlib.contextmanager
     def savepoint(self) -> Iterator[None]:
@@ -651,7 +653,10 @@ def open_engine(
     clock: Callable[[], float] | None = None,
 ) -> PgSyncEngine:
     """`_backend.open_engine` for a URL. `migrate=False` connects without migrating (a
-    broken connection is re-opened the same way: `PgEngine` reconnects with `connect`)."""
+    broken connection is re-opened the same way: `PgEngine` reconnects with `connect`).
+    `ValueError`/`TypeError` for a URL or schema name `PostgresStore` would refuse."""
+    check_postgres_name(url)
+    check_schema(schema)
     engine = PgEngine(url, schema, clock)
     if migrate:
         engine.open()
@@ -863,8 +868,8 @@ async def open_thread_executor(
         yield executor
 
 
-def _redacted(url: str) -> str:
-    return repr(re.sub(r"(://[^:/@]*:)[^@/]*@", r"\1***@", url))
+def _masked(url: str) -> str:
+    return repr(mask_password(url))
 
 
 @attrs.frozen
@@ -879,8 +884,10 @@ class PostgresStore:
     transaction-pooling PgBouncer) relies on the runtime's fallback poll.
     """
 
-    url: str = attrs.field(repr=_redacted)
-    schema: str = attrs.field(default="public", kw_only=True)
+    url: str = attrs.field(repr=_masked, validator=lambda _s, _a, url: check_postgres_name(url))
+    schema: str = attrs.field(
+        default="public", kw_only=True, validator=lambda _s, _a, schema: check_schema(schema)
+    )
     inline: bool = attrs.field(default=False, kw_only=True)
     listen: bool = attrs.field(default=True, kw_only=True)
     # Test seam: wraps each connection the engine opens (also after a reconnect), e.g. to

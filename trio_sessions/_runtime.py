@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import inspect
 import math
 import os
@@ -27,9 +28,18 @@ import attrs
 import trio
 
 from . import _codec, _observe, _store, _transcript
-from ._backend import POSTGRES_SCHEMES, Executor, StoreBackend
+from ._backend import Executor, StoreBackend
 from ._coordinator import Execution, SessionEntry
-from ._decisions import ON_BUSY, AcquireVerdict, IterationVerdict, RecoveryDecision
+from ._decisions import (
+    ON_BUSY,
+    AcquireVerdict,
+    EndingCause,
+    EndingWrite,
+    IterationVerdict,
+    RecoveryDecision,
+    Successor,
+    decide_ending,
+)
 from ._errors import DuplicateSettlement, LeaseLost, StoreError, UnknownToolCall
 from ._lease import LeaseKeeper, self_fence_deadline
 from ._model import (
@@ -42,6 +52,7 @@ from ._model import (
     RuntimeStatistics,
     ToolPart,
 )
+from ._naming import ACCEPTED_FORMS, store_kind
 from ._recovery import Recovery, report_of
 from ._schedule import DueTimer
 from ._signals import Watcher, WatchHub
@@ -64,16 +75,18 @@ CHANGE_BATCH = 100
 PURGE_BATCH = 200
 
 
-def validate_session_id(session_id: object) -> str:
+def validate_session_id(session_id: object, *, what: str = "session id") -> str:
+    """A valid id (`what` names it in the error: a session id, an owner id)."""
     if not isinstance(session_id, str):
-        raise TypeError(f"session id must be a str, got {type(session_id).__name__}")
+        raise TypeError(f"{what} must be a str, got {type(session_id).__name__}")
+    _codec.check_text(session_id[: MAX_ID_LENGTH + 1], what)
     if not 1 <= len(session_id) <= MAX_ID_LENGTH:
         raise ValueError(
-            f"session id must be 1-{MAX_ID_LENGTH} characters, got {len(session_id)}: "
+            f"{what} must be 1-{MAX_ID_LENGTH} characters, got {len(session_id)}: "
             f"{session_id[:40]!r}"
         )
     if not session_id.isprintable():
-        raise ValueError(f"session id must be printable, got {session_id!r}")
+        raise ValueError(f"{what} must be printable, got {session_id!r}")
     return session_id
 
 
@@ -82,6 +95,7 @@ def _validate_input_id(input_id: object) -> str:
         return _store.new_id()
     if not isinstance(input_id, str):
         raise TypeError(f"input_id must be a str or None, got {type(input_id).__name__}")
+    _codec.check_text(input_id[: MAX_ID_LENGTH + 1], "input_id")
     if not 1 <= len(input_id) <= MAX_ID_LENGTH or not input_id.isprintable():
         raise ValueError(f"input_id must be 1-{MAX_ID_LENGTH} printable characters: {input_id!r}")
     return input_id
@@ -143,7 +157,7 @@ def _seq(value: object, what: str) -> int:
 class _Ending:
     """How one claim's drain section ended, before the finalizer acted on it."""
 
-    kind: Literal["not_claimed", "released", "failed", "interrupted"]
+    kind: Literal["not_claimed", "claim_failed", "released", "failed", "interrupted"]
     error: BaseException | None = None
     # Released because its claim was marked cancelling while a wake waits: a successor
     # takes it (the interrupted busy period starts no iteration of its own).
@@ -254,13 +268,15 @@ class Runtime:
         and payload stores nothing new and returns the id. Raises `InputConflict` when the
         id belongs to another session or to a different payload; `SessionBusy` (above);
         `TypeError`/`ValueError` for a bad session id, a payload that is not a JSON object or
-        is over 1 MiB, a bad `input_id`, an unknown `on_busy`, a negative or non-finite
+        is over 1 MiB, a bad `input_id`, a NUL character in any of them (PostgreSQL cannot
+        store one, so no backend does), an unknown `on_busy`, a negative or non-finite
         `delay`, or `"interrupt"` with a delay (an interrupt cannot wait); `StoreError`.
         Cancellation: nothing written if the transaction had not started, else the input is
-        stored (and the running drain interrupted) and the call returns (see `Runtime`).
+        stored (and the running drain interrupted) and the call returns (see `Runtime`); a
+        large payload's check runs in a worker thread and is not interrupted.
         """
         validate_session_id(session_id)
-        text = _codec.check_json_object(payload, "payload")
+        text = await _checked_json(_codec.check_json_object, payload, "payload")
         input_id = _validate_input_id(input_id)
         if on_busy not in ON_BUSY:
             raise ValueError(f"on_busy must be one of {', '.join(ON_BUSY)}; got {on_busy!r}")
@@ -642,15 +658,18 @@ class Runtime:
         decided, or a joined run's wake, gets a fresh acquisition; otherwise: deferred.
         """
         entry.deciding = False
-        if entry.reason == "user":
+        plan = decide_ending(EndingCause.NOT_CLAIMED, reason=entry.reason, owned=False)
+        if plan.write is EndingWrite.PASS_ON_INTERRUPT:
             self._nursery.start_soon(self._pass_on_then_release, entry)
-        elif entry.reason is not None:
-            self._release(entry, Outcome("interrupted", entry.reason))
-        elif (entry.rung_since_decision() or entry.needs_wake) and not self._closing:
+        elif (
+            plan.successor is Successor.IF_RUNG
+            and (entry.rung_since_decision() or entry.needs_wake)
+            and not self._closing
+        ):
             entry.start_successor(_store.new_id())
             self._nursery.start_soon(self._busy_period, entry)
         else:
-            self._release(entry, Outcome("deferred"))
+            self._release(entry, Outcome(plan.outcome, plan.reason))
 
     async def _pass_on_then_release(self, entry: SessionEntry) -> None:
         try:
@@ -709,16 +728,17 @@ class Runtime:
         except BaseException:
             # Cancelled from outside (the runtime's scope) or an internal error: this busy
             # period was stopped, whatever an earlier iteration's outcome was.
-            outcome = Outcome("interrupted", entry.reason or "shutdown")
+            plan = decide_ending(EndingCause.STOPPED, reason=entry.reason, owned=entry.owned)
+            outcome = Outcome(plan.outcome, plan.reason)
             # The drain has exited (a cancellation only leaves it once it did): with the
             # claim still ours, hand it back so any owner can recover it at once. A claim
             # whose user interrupt was accepted is marked cancelling instead, so recovery
             # finishes it and never resumes it.
-            if entry.owned and not self._crashed:
-                if entry.reason == "user":
+            if not self._crashed:
+                if plan.write is EndingWrite.MARK_CANCELLING:
                     with trio.move_on_after(HAND_BACK_TIMEOUT, shield=True):
                         await self._mark_cancelling_nowait(entry)
-                else:
+                elif plan.write is EndingWrite.HAND_BACK:
                     await self._expire(entry)
             raise
         finally:
@@ -732,7 +752,9 @@ class Runtime:
             with entry.scope:
                 ending = await self._claim_and_drain(entry)
         except Exception as exc:  # a drain's ExceptionGroup once our Cancelled was removed
-            ending = _Ending("failed", error=exc)
+            # Not owned: the claim attempt itself failed (a store error while acquiring),
+            # and no drain ran.
+            ending = _Ending("failed" if entry.owned else "claim_failed", error=exc)
         if ending is None:
             ending = _Ending("interrupted")
         outcome, successor_due = await self._finalize(entry, ending)
@@ -810,7 +832,7 @@ class Runtime:
                 await self._seams.before_finish(entry.session_id)
             try:
                 verdict = await self._db.run(
-                    _store.end_iteration, entry.execution_id, self._owner_id
+                    _store.end_iteration, entry.session_id, entry.execution_id, self._owner_id
                 )
             except LeaseLost as exc:
                 return _Ending("failed", error=exc)
@@ -827,28 +849,36 @@ class Runtime:
         the claim stays as it is durably and recovery finishes it."""
         if self._crashed:
             return Outcome("interrupted", "shutdown"), False
-        if ending.kind == "released":
-            return Outcome("succeeded"), entry.rung_since_decision() or ending.handed_over
-        if ending.kind == "not_claimed":
-            if entry.reason is not None:
-                await self._pass_on_interrupt(entry)
-                return Outcome("interrupted", entry.reason), False
-            return Outcome("deferred"), entry.rung_since_decision()
         known_lost = entry.reason == "lease_lost"  # the heartbeat found it (and logged it)
-        if isinstance(ending.error, LeaseLost) or entry.self_fenced():
-            # Lease lost: no durable write, and no successor - recovery owns it now.
+        lease_lost = ending.kind in ("failed", "interrupted") and (
+            isinstance(ending.error, LeaseLost) or entry.self_fenced()
+        )
+        # A claim attempt that failed is a failure of a claim not ours: the table writes
+        # nothing (the wake stays durable; the change loop or a recovery pass tries again).
+        cause = EndingCause.FAILED if ending.kind == "claim_failed" else EndingCause(ending.kind)
+        plan = decide_ending(cause, reason=entry.reason, owned=entry.owned, lease_lost=lease_lost)
+        if plan.reason == "lease_lost":
             if not known_lost:
                 self._log_claim_lost(entry, ending.error)
             entry.disown()
             return Outcome("interrupted", "lease_lost", ending.error), False
-        if ending.kind == "failed":
+        if ending.kind == "claim_failed":
+            _observe.claim_attempt_failed(entry, self._owner_id, ending.error)
+        elif plan.outcome == "failed":
             _observe.drain_failed(entry, self._owner_id, ending.error)
-            return await self._finish_failed(entry, ending.error)
-        reason = entry.reason or "user"
-        if reason == "shutdown":
-            await self._expire(entry)
-            return Outcome("interrupted", "shutdown"), False
-        return await self._finish_interrupted(entry)
+        match plan.write:
+            case EndingWrite.FINISH_FAILED:
+                return await self._finish_failed(entry, ending.error)
+            case EndingWrite.FINISH_INTERRUPTED:
+                return await self._finish_interrupted(entry)
+            case EndingWrite.HAND_BACK:
+                await self._expire(entry)
+            case EndingWrite.PASS_ON_INTERRUPT:
+                await self._pass_on_interrupt(entry)
+        error = ending.error if plan.outcome == "failed" else None
+        successor_due = plan.successor is Successor.IF_RUNG and entry.rung_since_decision()
+        # Released by a claim marked cancelling with a wake waiting: a successor takes it.
+        return Outcome(plan.outcome, plan.reason, error), successor_due or ending.handed_over
 
     def _log_claim_lost(self, entry: SessionEntry, error: BaseException | None) -> None:
         if isinstance(error, LeaseLost):
@@ -866,7 +896,9 @@ class Runtime:
 
     async def _mark_cancelling_nowait(self, entry: SessionEntry) -> None:
         with contextlib.suppress(StoreError, LeaseLost):
-            await self._db.run_nowait(_store.mark_cancelling, entry.execution_id, self._owner_id)
+            await self._db.run_nowait(
+                _store.mark_cancelling, entry.session_id, entry.execution_id, self._owner_id
+            )
         entry.disown()
 
     async def _finish_failed(
@@ -875,14 +907,18 @@ class Runtime:
         outcome = Outcome("failed", error=error)
         if not entry.owned:
             return outcome, False
+        # The exception's type only: its text may hold secrets (an API key in a KeyError),
+        # and users read the transcript. Its text and traceback are in the log (DESIGN §5.1).
+        shown = "failed" if error is None else f"failed: {type(error).__name__}"
         entry.begin_deciding()
         try:
             doorbell = await self._retrying(
                 entry,
                 _store.finish_failed,
+                entry.session_id,
                 entry.execution_id,
                 self._owner_id,
-                f"failed: {error!r}",
+                shown,
             )
         except (LeaseLost, StoreError):
             # The claim stays durable; its lease runs out and recovery takes it from there.
@@ -895,10 +931,16 @@ class Runtime:
         if not entry.owned:
             return outcome, entry.rung_since_decision()
         try:
-            await self._retrying(entry, _store.mark_cancelling, entry.execution_id, self._owner_id)
+            await self._retrying(
+                entry, _store.mark_cancelling, entry.session_id, entry.execution_id, self._owner_id
+            )
             entry.begin_deciding()
             doorbell = await self._retrying(
-                entry, _store.finish_interrupted, entry.execution_id, self._owner_id
+                entry,
+                _store.finish_interrupted,
+                entry.session_id,
+                entry.execution_id,
+                self._owner_id,
             )
         except (LeaseLost, StoreError):
             # Left as 'cancelling' once that write landed: recovery finishes it as
@@ -1226,7 +1268,9 @@ class DrainContext:
         the inputs are taken (they are user messages now, found again by `transcript()`).
         """
         self._check_live()
-        taken = await self._runtime._db.run(_store.take_inputs, self.execution_id, self.owner_id)
+        taken = await self._runtime._db.run(
+            _store.take_inputs, self.session_id, self.execution_id, self.owner_id
+        )
         self._runtime._streams.touch(self.session_id)  # new user messages: streams read them
         return taken
 
@@ -1252,7 +1296,11 @@ class DrainContext:
         message_id = _store.new_id()
         with self._runtime._streams.writing(self.session_id):
             seq = await self._runtime._db.run(
-                _store.begin_assistant, self.execution_id, self.owner_id, message_id
+                _store.begin_assistant,
+                self.session_id,
+                self.execution_id,
+                self.owner_id,
+                message_id,
             )
         writer = AssistantWriter(self, message_id, seq)
         writer._publish(0)
@@ -1285,14 +1333,16 @@ class AssistantWriter:
 
     async def append_text(self, text: str) -> None:
         """Stream text onto the message: one small durable write whatever the message's size;
-        consecutive appends extend one text part (streamed tokens)."""
-        if not isinstance(text, str):
-            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        consecutive appends extend one text part (streamed tokens). `ValueError` for a text
+        over 1 MiB in UTF-8 (`MAX_PAYLOAD_BYTES`; stream a long text in pieces) or holding a
+        NUL character."""
+        _codec.check_text(text, "text")
         context = self._context
         context._check_live()
         with context._runtime._streams.writing(context.session_id):
             data, version = await context._runtime._db.run(
                 _store.append_assistant_text,
+                context.session_id,
                 context.execution_id,
                 context.owner_id,
                 self.message_id,
@@ -1308,28 +1358,33 @@ class AssistantWriter:
 
     async def start_tool(self, call_id: str, name: str, input: dict[str, Any]) -> None:
         """Record a tool call as `running`, before running it. `ValueError` if `call_id` was
-        already started in this message or `input` is not a JSON object (at most 1 MiB).
-        If the owner dies before it settles, recovery fails it with "interrupted: owner
-        lost": the call may or may not have happened."""
+        already started in this message, `input` is not a JSON object of at most 1 MiB
+        (`MAX_PAYLOAD_BYTES`, encoded), or a NUL character is in `call_id`, `name` or
+        `input`. If the owner dies before it settles, recovery fails it with "interrupted:
+        owner lost": the call may or may not have happened."""
         for value, what in ((call_id, "call_id"), (name, "name")):
             if not isinstance(value, str) or not value:
-                raise TypeError(f"{what} must be a non-empty str, got {value!r}")
-        _codec.check_json_object(input, "tool input")
+                raise TypeError(f"{what} must be a non-empty str, got {value!r:.80}")
+            _codec.check_text(value, what)
+        await _checked_json(_codec.check_json_object, input, "tool input")
         await self._update(
             lambda data: _transcript.start_tool(data, call_id, name, input), call_id=call_id
         )
 
     async def settle_tool(self, call_id: str, output: Any) -> None:
-        """Record a running tool call as `completed` with its JSON `output`."""
-        _codec.check_json(output, "tool output")
+        """Record a running tool call as `completed` with its JSON `output`: at most 1 MiB
+        encoded (`MAX_PAYLOAD_BYTES`) and no NUL character in it (`ValueError`)."""
+        await _checked_json(
+            _codec.check_json, output, "tool output", limit=_codec.MAX_PAYLOAD_BYTES
+        )
         await self._update(
             lambda data: _transcript.settle_tool(data, call_id, output=output), call_id=call_id
         )
 
     async def fail_tool(self, call_id: str, error: str) -> None:
-        """Record a running tool call as `error` with the reason `error`."""
-        if not isinstance(error, str):
-            raise TypeError(f"error must be a str, got {type(error).__name__}")
+        """Record a running tool call as `error` with the reason `error`: at most 1 MiB in
+        UTF-8 (`MAX_PAYLOAD_BYTES`) and no NUL character (`ValueError`)."""
+        _codec.check_text(error, "error")
         await self._update(
             lambda data: _transcript.settle_tool(data, call_id, error=error), call_id=call_id
         )
@@ -1351,6 +1406,7 @@ class AssistantWriter:
             with context._runtime._streams.writing(context.session_id):
                 data, version = await context._runtime._db.run(
                     _store.update_assistant,
+                    context.session_id,
                     context.execution_id,
                     context.owner_id,
                     self.message_id,
@@ -1434,7 +1490,9 @@ async def open_runtime(
     lease/3: a blocking call in a thread, a shielded `finally`) is logged and keeps its claim
     and its heartbeat until it exits, so closing waits for it: drains of one session never
     overlap in time, graceful restarts included. Exceptions from drains become outcomes;
-    only the block's own exception escapes, unwrapped.
+    only the block's own exception escapes, unwrapped. (`Exception`s only: a drain raising
+    `KeyboardInterrupt` or `SystemExit` ends the whole runtime - trio's rule for those - and
+    it escapes this block, unwrapped, after the shutdown above.)
 
     Raises, before anything is opened, `TypeError`/`ValueError` for a bad option (and
     `TypeError` for a plain `def` drain); then `SchemaTooNew` for a store written by a newer
@@ -1468,7 +1526,7 @@ async def open_runtime(
     if max_active is not None:
         max_active = _count(max_active, "max_active", 1)
     if owner_id is not None:
-        owner_id = validate_session_id(owner_id)
+        owner_id = validate_session_id(owner_id, what="owner id")
     if clock is not None and not callable(clock):
         raise TypeError("clock must be a zero-argument callable returning epoch seconds")
     if acquisition_hook is not None and not callable(acquisition_hook):
@@ -1517,18 +1575,26 @@ async def serve_runtime(
 
 
 def _resolve_store(store: object) -> StoreBackend:
-    """A path is an SQLite file; a postgresql:// or postgres:// URL a PostgreSQL database."""
-    if isinstance(store, str) and store.startswith(POSTGRES_SCHEMES):
-        from ._postgres import PostgresStore  # psycopg is an optional extra
-
-        return PostgresStore(store)
+    """A path is an SQLite file; a postgresql:// or postgres:// URL a PostgreSQL database;
+    another connection string a `ValueError` (`_naming.store_kind` decides)."""
     if isinstance(store, str | os.PathLike):
+        if store_kind(store) == "postgres":
+            from ._postgres import PostgresStore  # psycopg is an optional extra
+
+            return PostgresStore(os.fspath(store))
         return SQLiteStore(store)
     if callable(getattr(store, "open_executor", None)):
         return store  # type: ignore[return-value]
-    raise TypeError(
-        f"store must be a path, a postgresql:// URL or a store object, got {type(store).__name__}"
-    )
+    raise TypeError(f"store must be {ACCEPTED_FORMS}, got {type(store).__name__}")
+
+
+async def _checked_json(check: Callable[..., str], value: Any, what: str, **options: Any) -> str:
+    """A `_codec` JSON check of a caller's value, in a worker thread when the value is large
+    (§6.26: checking and encoding a 1 MiB value, or refusing a 50 MB one, must not stall the
+    event loop). The thread is not abandoned on cancellation: it ends with the check."""
+    if _codec.is_small(value):
+        return check(value, what, **options)
+    return await trio.to_thread.run_sync(functools.partial(check, value, what, **options))
 
 
 @attrs.frozen

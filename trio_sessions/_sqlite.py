@@ -23,6 +23,12 @@ disk flush. `InlineExecutor` (tests)
 runs each operation on the trio thread in its own transaction, so virtual time never jumps
 while SQLite works.
 
+The database file is created 0600 (its -wal and -shm follow its mode), and every write batch
+first checks that the path still names the file the executor opened (`DatabaseFile`): one
+deleted or replaced under a running runtime fails the batch with `StoreError` instead of
+committing into an orphaned inode. A WAL that checkpoints cannot shrink (a reader that
+never ends) is logged once it passes `WAL_WARN_BYTES`.
+
 Invariant, both executors: an operation that has begun is never abandoned. If its caller is
 cancelled while it is queued, it is withdrawn unrun; once taken, the caller waits for it (as
 `trio.to_thread.run_sync` does with `abandon_on_cancel=False`), so a write that committed is
@@ -33,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import os
 import sqlite3
 import time
@@ -83,6 +88,8 @@ def connect(
     path = os.fspath(path)
     if not create and not os.path.exists(path):
         raise StoreError(f"no database at {path!r}")
+    if create:
+        _create_owner_only(path)
     try:
         conn = sqlite3.connect(
             path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False
@@ -99,6 +106,86 @@ def connect(
         conn.close()
         raise
     return conn
+
+
+def _create_owner_only(path: str) -> None:
+    """Create a missing database file readable by its owner only (0600), whatever the umask.
+
+    SQLite would create it 0644 - transcripts readable by every local user - and it gives
+    the -wal and -shm files the database file's mode, so those are 0600 too. An existing
+    file keeps the mode its operator chose.
+    """
+    if path in ("", ":memory:"):
+        return
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return
+    except OSError as exc:
+        raise StoreError(f"cannot open {path!r}: {exc}") from exc
+    try:
+        os.fchmod(fd, 0o600)  # the umask may have taken bits away from 0600 as well
+    finally:
+        os.close(fd)
+
+
+@attrs.define(eq=False)
+class DatabaseFile:
+    """The file the runtime's connections opened, by device and inode, so that a file
+    deleted or replaced under a running runtime is noticed at the next write batch instead
+    of commits going on into an orphaned inode (and vanishing at exit).
+
+    `problem` costs one `os.stat` (a few microseconds) per batch. `identity` is None when
+    there is no file to follow (`:memory:`). Safe from any thread: the worst race is the
+    event logged twice.
+    """
+
+    path: str
+    identity: tuple[int, int] | None
+    reported: bool = False
+
+    @classmethod
+    def opened(cls, path: str | os.PathLike[str]) -> DatabaseFile:
+        """The file at `path` now (call right after connecting): an absolute path, so a
+        later `chdir` changes nothing."""
+        name = os.path.abspath(os.fspath(path))
+        try:
+            st = os.stat(name)
+        except OSError:
+            return cls(name, None)
+        return cls(name, (st.st_dev, st.st_ino))
+
+    def problem(self) -> str | None:
+        """None while the path still names the opened file; else what happened to it."""
+        if self.identity is None:
+            return None
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            problem = "deleted"
+        except OSError as exc:
+            problem = f"inaccessible ({exc.strerror})"
+        else:
+            if (st.st_dev, st.st_ino) == self.identity:
+                return None
+            problem = "replaced"
+        if not self.reported:
+            self.reported = True
+            _observe.database_file_lost(self.path, problem)
+        return problem
+
+    def refuse(self, jobs: list[Job]) -> bool:
+        """Fail every job with `StoreError`, writing nothing, if the file is gone or was
+        replaced; True when it did."""
+        problem = self.problem()
+        if problem is None:
+            return False
+        for job in jobs:
+            job.error = StoreError(
+                f"the database file {self.path!r} was {problem} while this runtime had it"
+                " open: nothing more is written (restart on the right file)"
+            )
+        return True
 
 
 def check_synchronous(value: object) -> str:
@@ -232,9 +319,6 @@ class SQLiteTx:
         # Other connections notice every commit through `PRAGMA data_version`.
         pass
 
-    def not_in(self, column: str, values: Sequence[str]) -> tuple[str, Any]:
-        return f"{column} NOT IN (SELECT value FROM json_each(:excluded))", json.dumps(list(values))
-
     @contextlib.contextmanager
     def savepoint(self) -> Iterator[None]:
         self.conn.execute("SAVEPOINT nested")
@@ -251,13 +335,21 @@ def _store_error(exc: BaseException) -> BaseException:
     return driver_error(exc) if isinstance(exc, sqlite3.Error) else exc
 
 
-def run_batch(conn: sqlite3.Connection, clock: Callable[[], float], jobs: list[Job]) -> None:
+def run_batch(
+    conn: sqlite3.Connection,
+    clock: Callable[[], float],
+    jobs: list[Job],
+    file: DatabaseFile | None = None,
+) -> None:
     """Run `jobs` in one `BEGIN IMMEDIATE` transaction (group commit).
 
     Each job runs in its own savepoint, so one job's error rolls back only its own writes;
     the others commit together. A failed BEGIN or COMMIT fails every job, with nothing
-    written. Errors are stored on the jobs, never raised.
+    written, and so does a `file` that was deleted or replaced. Errors are stored on the
+    jobs, never raised.
     """
+    if file is not None and file.refuse(jobs):
+        return
     try:
         _begin_immediate(conn)
     except sqlite3.Error as exc:
@@ -267,10 +359,17 @@ def run_batch(conn: sqlite3.Connection, clock: Callable[[], float], jobs: list[J
     _run_jobs(conn, clock, jobs)
 
 
-def try_run_batch(conn: sqlite3.Connection, clock: Callable[[], float], jobs: list[Job]) -> bool:
+def try_run_batch(
+    conn: sqlite3.Connection,
+    clock: Callable[[], float],
+    jobs: list[Job],
+    file: DatabaseFile | None = None,
+) -> bool:
     """Like `run_batch`, but only if the write lock is free right now: False, with nothing
     run, when another connection holds it. Never waits (the connection's busy timeout is
     expected to be 0), so it is safe to call on the event loop."""
+    if file is not None and file.refuse(jobs):
+        return True
     try:
         conn.execute("BEGIN IMMEDIATE")
     except sqlite3.OperationalError as exc:
@@ -422,6 +521,9 @@ CHECKPOINT_EVERY = 200
 # cannot restart and keeps growing; once it is this long (~16 MB at 4 KiB pages), the next
 # checkpoint holds the writers back until it is done.
 WAL_RESTART_FRAMES = 4_000
+# A WAL this long (bytes) that checkpoints cannot shrink is logged (WAL_NOT_CHECKPOINTED):
+# four times what a busy runtime's WAL reaches before a checkpoint restarts it.
+WAL_WARN_BYTES = 64 * 1024 * 1024
 
 
 # How often a runtime looks for other connections' commits (`PRAGMA data_version` costs a
@@ -500,6 +602,7 @@ class InlineExecutor:
     reader: ChangeReader
     backend: BackendName = "sqlite"
     transactions: int = 0
+    file: DatabaseFile | None = None
 
     async def read(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
         return await self.reader.read(op, *args)
@@ -517,7 +620,7 @@ class InlineExecutor:
         await trio.lowlevel.checkpoint_if_cancelled()
         job = Job(op, args)
         self.transactions += 1
-        run_batch(self.conn, self.clock, [job])
+        run_batch(self.conn, self.clock, [job], self.file)
         await trio.lowlevel.cancel_shielded_checkpoint()
         result: T = job.unwrap()
         return result
@@ -526,7 +629,7 @@ class InlineExecutor:
         await trio.lowlevel.checkpoint_if_cancelled()
         self.conn.execute("PRAGMA busy_timeout = 0")  # really not waiting, here too
         try:
-            result: T = _run_nowait(self.conn, self.clock, op, args)
+            result: T = _run_nowait(self.conn, self.clock, op, args, self.file)
         finally:
             self.conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
         await trio.lowlevel.cancel_shielded_checkpoint()
@@ -538,9 +641,10 @@ def _run_nowait(
     clock: Callable[[], float],
     op: Callable[..., T],
     args: tuple[Any, ...],
+    file: DatabaseFile | None,
 ) -> T:
     job = Job(op, args)
-    if not try_run_batch(conn, clock, [job]):
+    if not try_run_batch(conn, clock, [job], file):
         raise StoreError("the database is locked by another process; not waiting")
     result: T = job.unwrap()
     return result
@@ -555,6 +659,9 @@ class ThreadExecutor:
     clock: Callable[[], float]
     reader: ChangeReader
     inline_conn: sqlite3.Connection | None = None
+    file: DatabaseFile | None = None
+    # The database's page size: the WAL's length in bytes is frames x this.
+    page_size: int = 4096
     _handoff: HandoffQueue = attrs.Factory(HandoffQueue)
     _limiter: trio.CapacityLimiter = attrs.Factory(lambda: trio.CapacityLimiter(1))
     _nursery: trio.Nursery | None = None
@@ -562,6 +669,7 @@ class ThreadExecutor:
     _checkpoint_due: bool = False
     _checkpointing: bool = False
     _wal_frames: int = 0
+    _wal_warned: bool = False
     inline_runs: int = 0
     thread_handoffs: int = 0
     backend: BackendName = "sqlite"
@@ -583,7 +691,7 @@ class ThreadExecutor:
         job = Job(op, args)
         if self._lone_caller():
             assert self.inline_conn is not None
-            if try_run_batch(self.inline_conn, self.clock, [job]):
+            if try_run_batch(self.inline_conn, self.clock, [job], self.file):
                 self._count_inline_commit()
                 await trio.lowlevel.cancel_shielded_checkpoint()
                 inline_result: T = job.unwrap()
@@ -596,7 +704,7 @@ class ThreadExecutor:
         if self._handoff.in_flight or self.inline_conn is None:
             # The worker holds this process's write lock now: its batch ends soon.
             return await self.run(op, *args)
-        result: T = _run_nowait(self.inline_conn, self.clock, op, args)
+        result: T = _run_nowait(self.inline_conn, self.clock, op, args, self.file)
         await trio.lowlevel.cancel_shielded_checkpoint()
         return result
 
@@ -637,9 +745,13 @@ class ThreadExecutor:
             # Commits went on meanwhile: the WAL restarts only after a checkpoint with the
             # writers held back, so its length is what counts.
             self._wal_frames = done[0]
+            self._watch_wal()
 
     async def _hand_off(self, batch: list[Queued]) -> None:
         jobs = [queued.job for queued in batch]
+        if self.file is not None and self.file.refuse(jobs):
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return
         # Group commit on the trio thread when the write lock is free: a thread hand-off
         # costs more than the whole group's SQL, and when the event loop is never idle
         # (a producer submitting while drains run) every operation would pay one.
@@ -648,7 +760,9 @@ class ThreadExecutor:
             await trio.lowlevel.cancel_shielded_checkpoint()
             return
         self.thread_handoffs += 1
-        await trio.to_thread.run_sync(run_batch, self.conn, self.clock, jobs, limiter=self._limiter)
+        await trio.to_thread.run_sync(
+            run_batch, self.conn, self.clock, jobs, self.file, limiter=self._limiter
+        )
 
     async def _checkpoint_if_due(self) -> None:
         if not self._checkpoint_due:
@@ -665,6 +779,19 @@ class ThreadExecutor:
         if done is not None:
             frames, copied = done
             self._wal_frames = frames - copied  # copied whole: the WAL restarts
+            self._watch_wal()
+
+    def _watch_wal(self) -> None:
+        """Log once per crossing a WAL that grew past `WAL_WARN_BYTES`: checkpoints cannot
+        copy it back, because a reader (another connection's open read transaction) still
+        uses its older frames, so it cannot restart and only grows."""
+        wal_bytes = self._wal_frames * self.page_size
+        if wal_bytes < WAL_WARN_BYTES:
+            self._wal_warned = False
+        elif not self._wal_warned:
+            self._wal_warned = True
+            path = self.file.path if self.file is not None else _database_name(self.conn)
+            _observe.wal_not_checkpointed(path, wal_bytes, self._wal_frames, WAL_WARN_BYTES)
 
 
 @asynccontextmanager
@@ -674,12 +801,17 @@ async def open_thread_executor(
     reader: ChangeReader,
     *,
     inline_conn: sqlite3.Connection | None = None,
+    file: DatabaseFile | None = None,
 ) -> AsyncIterator[ThreadExecutor]:
     """A `ThreadExecutor` whose pump lives in its own nursery, for the block's duration.
 
-    `inline_conn` (from `connect_nonblocking`) enables the lone-caller fast path.
+    `inline_conn` (from `connect_nonblocking`) enables the lone-caller fast path; `file`,
+    the check that the database file is still the one opened, at every write batch.
     """
-    executor = ThreadExecutor(conn, clock, reader, inline_conn=inline_conn)
+    page_size = int(conn.execute("PRAGMA page_size").fetchone()[0])
+    executor = ThreadExecutor(
+        conn, clock, reader, inline_conn=inline_conn, file=file, page_size=page_size
+    )
     async with (
         trio.open_nursery() as nursery,
         pumping(executor._handoff, executor._hand_off, executor._checkpoint_if_due),
@@ -721,8 +853,9 @@ class SQLiteStore:
                 conn = connections.enter_context(
                     contextlib.closing(connect(self.path, synchronous=self.synchronous))
                 )
+                file = DatabaseFile.opened(self.path)
                 reader = self._reader(connections, clock, CHANGE_POLL)
-                yield InlineExecutor(self._wrapped(conn), clock, reader)
+                yield InlineExecutor(self._wrapped(conn), clock, reader, file=file)
                 return
             conn = connections.enter_context(
                 contextlib.closing(
@@ -731,12 +864,17 @@ class SQLiteStore:
                     )
                 )
             )
+            file = DatabaseFile.opened(self.path)
             inline_conn = connections.enter_context(
                 contextlib.closing(connect_nonblocking(self.path, synchronous=self.synchronous))
             )
             reader = self._reader(connections, clock, CHANGE_POLL)
             async with open_thread_executor(
-                self._wrapped(conn), clock, reader, inline_conn=self._wrapped(inline_conn)
+                self._wrapped(conn),
+                clock,
+                reader,
+                inline_conn=self._wrapped(inline_conn),
+                file=file,
             ) as executor:
                 yield executor
 

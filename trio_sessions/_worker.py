@@ -15,29 +15,33 @@ SIGTERM), leaving the remaining leases to run out.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import inspect
 import logging
 import os
 import signal
 import sys
-import urllib.parse
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import attrs
 import trio
 
-from ._backend import POSTGRES_SCHEMES
+from . import _metrics
+from ._naming import check_schema, mask_password, secrets_of, store_kind
+from ._observe import MaskTracebacks
 from ._runtime import open_runtime
 
 logger = logging.getLogger("trio_sessions.worker")
+logger.addFilter(MaskTracebacks())
 
 ENV_STORE = "TRIO_SESSIONS_STORE"
 ENV_SCHEMA = "TRIO_SESSIONS_SCHEMA"
 ENV_MAX_ACTIVE = "TRIO_SESSIONS_MAX_ACTIVE"
 ENV_OWNER = "TRIO_SESSIONS_OWNER"
 ENV_LOG_LEVEL = "TRIO_SESSIONS_LOG_LEVEL"
+ENV_METRICS_BIND = "TRIO_SESSIONS_METRICS_BIND"
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # the drain could not be loaded, or the runtime failed to open or crashed
@@ -67,6 +71,7 @@ class WorkerSettings:
     lease: float | None = None
     recovery_interval: float | None = None
     schema: str | None = None
+    metrics_bind: str | None = None
 
 
 def add_parser(commands: Any) -> None:
@@ -105,6 +110,12 @@ def add_parser(commands: Any) -> None:
     )
     parser.add_argument("--lease", metavar="S", help="lease in seconds (default 30)")
     parser.add_argument(
+        "--metrics-bind",
+        metavar="HOST:PORT",
+        help=f"serve Prometheus metrics at http://HOST:PORT/metrics (env {ENV_METRICS_BIND};"
+        " needs the 'metrics' extra)",
+    )
+    parser.add_argument(
         "--recovery-interval",
         metavar="S",
         help="seconds between recovery passes: how soon a dead worker's sessions are taken"
@@ -123,11 +134,26 @@ def settings_from(args: argparse.Namespace, environ: Mapping[str, str]) -> Worke
     store = pick(args.store, ENV_STORE)
     if store is None:
         raise UsageError(f"no store: pass --store PATH_OR_URL or set {ENV_STORE}")
+    try:
+        kind = store_kind(store)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     schema = pick(args.schema, ENV_SCHEMA)
-    if schema is not None and not store.startswith(POSTGRES_SCHEMES):
+    if schema is not None and kind != "postgres":
         raise UsageError("a schema needs a postgresql:// URL as the store")
+    if schema is not None:
+        try:
+            check_schema(schema)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
     max_active = pick(args.max_active, ENV_MAX_ACTIVE)
     log_level = (pick(args.log_level, ENV_LOG_LEVEL) or "INFO").upper()
+    metrics_bind = pick(args.metrics_bind, ENV_METRICS_BIND)
+    if metrics_bind is not None:
+        try:
+            _metrics.parse_bind(metrics_bind)
+        except ValueError as exc:
+            raise UsageError(f"metrics-bind: {exc}") from None
     if log_level not in LOG_LEVELS:
         raise UsageError(f"log level must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}")
     return WorkerSettings(
@@ -141,6 +167,7 @@ def settings_from(args: argparse.Namespace, environ: Mapping[str, str]) -> Worke
         if args.recovery_interval is None
         else _positive_float(args.recovery_interval, "recovery-interval"),
         schema=schema,
+        metrics_bind=metrics_bind,
     )
 
 
@@ -191,14 +218,9 @@ def load_drain(spec: str) -> Any:
 
 
 def redact(store: str) -> str:
-    """The store for a log line: a URL's password replaced by `***`."""
-    if not store.startswith(POSTGRES_SCHEMES):
-        return store
-    parts = urllib.parse.urlsplit(store)
-    if parts.password is None:
-        return store
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+    """The store for a log line or a message: its password replaced by `***`, whatever
+    its form (`_naming.mask_password`)."""
+    return mask_password(store, secrets=secrets_of(store))
 
 
 def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> int:
@@ -232,13 +254,22 @@ def runtime_options(settings: WorkerSettings) -> dict[str, Any]:
 
 
 def store_of(settings: WorkerSettings) -> Any:
-    """The store `open_runtime` gets: the path or URL itself, or a `PostgresStore` when a
-    schema other than the default was chosen."""
-    if settings.schema is None:
-        return settings.store
+    """The store `open_runtime` gets (see `store_of_url`)."""
+    return store_of_url(settings.store, settings.schema)
+
+
+def store_of_url(store: str, schema: str | None) -> Any:
+    """The path or URL itself, or a `PostgresStore` when a schema other than the default was
+    chosen (`ValueError` for a store name of no accepted form, a bad schema name, or a
+    schema without a URL)."""
+    if store_kind(store) == "sqlite" and schema is not None:
+        raise ValueError("a schema needs a postgresql:// URL as the store")
+    if schema is None:
+        return store
+    check_schema(schema)
     from ._postgres import PostgresStore  # psycopg is an optional extra
 
-    return PostgresStore(settings.store, schema=settings.schema)
+    return PostgresStore(store, schema=schema)
 
 
 async def serve(settings: WorkerSettings, drain: Any) -> int:
@@ -252,7 +283,10 @@ async def serve(settings: WorkerSettings, drain: Any) -> int:
             nursery.start_soon(_watch_signals, signals, runtime_scope)
             with runtime_scope:
                 try:
-                    async with open_runtime(store_of(settings), drain, **options) as runtime:
+                    async with (
+                        open_runtime(store_of(settings), drain, **options) as runtime,
+                        trio.open_nursery() as served,  # stops before the runtime closes
+                    ):
                         owner = runtime.owner_id
                         store = redact(settings.store)
                         logger.info(
@@ -261,14 +295,26 @@ async def serve(settings: WorkerSettings, drain: Any) -> int:
                             store,
                             extra={"owner_id": owner, "store": store},
                         )
+                        if settings.metrics_bind is not None:
+                            await _serve_metrics(served, settings.metrics_bind, runtime)
                         await trio.sleep_forever()
                 except Exception as exc:
-                    logger.error("worker failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
+                    reason = mask_password(str(exc), secrets=secrets_of(settings.store))
+                    logger.error("worker failed: %s: %s", type(exc).__name__, reason, exc_info=exc)
                     status = EXIT_FAILED
             nursery.cancel_scope.cancel()
     if status == EXIT_OK:
         logger.info("worker stopped: owner %s", owner, extra={"owner_id": owner})
     return status
+
+
+async def _serve_metrics(nursery: trio.Nursery, bind: str, runtime: Any) -> None:
+    serve = functools.partial(
+        _metrics.serve_metrics, bind, runtime.statistics, owner_id=runtime.owner_id
+    )
+    host, port = await nursery.start(serve)
+    url = f"http://{host}:{port}/metrics"
+    logger.info("worker metrics on %s", url, extra={"url": url})
 
 
 async def _watch_signals(signals: AsyncIterator[int], runtime_scope: trio.CancelScope) -> None:

@@ -16,7 +16,8 @@ folder on local disk). Sections, in order (`--sections` picks a subset):
 * remote - submit / interrupt from another process to the drain started / cancelled,
   SQLite and PostgreSQL (`remote`);
 * idle - an idle runtime's CPU, SQLite and PostgreSQL (`idle`);
-* postgres - the cycle and recovery against raw psycopg (`postgres`).
+* postgres - the cycle and recovery against raw psycopg (`postgres`);
+* console - one console page with 100,000 sessions, SQLite and PostgreSQL (`console`).
 
 PostgreSQL: `--pg-url`, else `$TRIO_SESSIONS_PG_URL`, else a throwaway server with fsync
 on; `--no-pg` skips every PostgreSQL figure (they print as `nan`).
@@ -46,6 +47,7 @@ import trio
 from .append import bench_append
 from .coalescing import bench_coalescing
 from .config import SECTIONS, Config, make_config, parse_args
+from .console import bench_console
 from .cycle import bench_cycle
 from .heartbeat import bench_heartbeat
 from .idle import bench_idle
@@ -95,6 +97,7 @@ BENCHES: dict[str, Section] = {
     "remote": bench_remote,
     "idle": bench_idle,
     "postgres": _postgres,
+    "console": bench_console,
 }
 
 

@@ -25,9 +25,10 @@ SECTIONS = (
     "remote",
     "idle",
     "postgres",
+    "console",
 )
-# Sections that need a PostgreSQL server (`remote` and `idle` measure both backends).
-PG_SECTIONS = ("remote", "idle", "postgres")
+# Sections that need a PostgreSQL server (`remote`, `idle` and `console` measure both).
+PG_SECTIONS = ("remote", "idle", "postgres", "console")
 PG_URL_ENV = "TRIO_SESSIONS_PG_URL"
 
 
@@ -53,6 +54,7 @@ class Config:
     pg_cycles: int
     pg_concurrent: int
     pg_recovery: int
+    console_sessions: int
     sections: tuple[str, ...]
     folder: Path | None
     # None: PostgreSQL sections are skipped (`--no-pg`); "" : start a throwaway server.
@@ -83,6 +85,7 @@ FULL: dict[str, Any] = {
     "pg_cycles": 1200,
     "pg_concurrent": 1000,
     "pg_recovery": 10_000,
+    "console_sessions": 100_000,
 }
 QUICK: dict[str, Any] = {
     "rounds": 3,
@@ -105,6 +108,7 @@ QUICK: dict[str, Any] = {
     "pg_cycles": 80,
     "pg_concurrent": 200,
     "pg_recovery": 300,
+    "console_sessions": 5_000,
 }
 HELP = {
     "rounds": "cycle rounds after one warm-up",
@@ -127,6 +131,7 @@ HELP = {
     "pg_cycles": "PostgreSQL sequential cycles per variant, over all rounds",
     "pg_concurrent": "PostgreSQL sessions in flight",
     "pg_recovery": "PostgreSQL expired claims to recover",
+    "console_sessions": "sessions in the store under one console page",
 }
 
 

@@ -38,6 +38,8 @@ MACHINE_KEYS = (
     "pg_cycle_ratio",
     "pg_concurrent_ratio",
     "pg_recovery_ratio",
+    "console_page_ms",
+    "pg_console_page_ms",
 )
 
 

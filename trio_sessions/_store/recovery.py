@@ -35,6 +35,7 @@ from .common import (
     _no_longer_expired,
     _reset_attempts,
     _ring,
+    not_in,
 )
 from .transcript import _assistant_data, _close_open_messages
 
@@ -60,19 +61,26 @@ class Candidate:
     execution_id: str | None
 
 
+# DESIGN §8: the scan skips claim rows another transaction holds locked (a takeover, a
+# heartbeat, another recoverer's scan) instead of waiting for them; a skipped row does not
+# use up the limit, and the next pass sees it again. SQLite's single writer has nothing to
+# skip. NO KEY UPDATE is the lock a claim's own UPDATEs and `lock_claims` take.
+_SKIP_LOCKED = {"sqlite": "", "postgres": " FOR NO KEY UPDATE OF e SKIP LOCKED"}
+
+
 def recovery_candidates(
     tx: Tx, owner_id: str, limit: int, local_sessions: Sequence[str]
 ) -> list[Candidate]:
     """The oldest `limit` candidates: expired claims by `expires_at`, then unclaimed doorbells
     by `time_woken`. Quarantined executions, executions under another owner's live recovery
     lease and sessions held locally are excluded here, so they never use up the budget."""
-    not_local, local = tx.not_in("e.session_id", local_sessions)
+    not_local, local = not_in(tx, "e.session_id", local_sessions)
     expired = tx.execute(
         "SELECT e.session_id, e.id FROM session_execution e"
         f" WHERE e.expires_at <= :now AND {not_local}"
         " AND NOT EXISTS (SELECT 1 FROM session_recovery r WHERE r.execution_id = e.id"
         "   AND (r.recovery_error IS NOT NULL OR (r.owner_id != :me AND r.expires_at > :now)))"
-        " ORDER BY e.expires_at, e.id LIMIT :limit",
+        " ORDER BY e.expires_at, e.id LIMIT :limit" + _SKIP_LOCKED[tx.dialect],
         {"now": tx.now, "excluded": local, "me": owner_id, "limit": limit},
     ).fetchall()
     candidates = [Candidate(session_id, execution_id) for session_id, execution_id in expired]
@@ -86,7 +94,7 @@ def _unclaimed_doorbells(tx: Tx, local_sessions: Sequence[str], limit: int) -> l
     """Sessions with a set doorbell and no claim row, oldest wake first, except those held
     locally (a crash between wake and acquire, or a wake from another process) and paused
     ones (their doorbell waits for `resume`)."""
-    not_local, local = tx.not_in("s.id", local_sessions)
+    not_local, local = not_in(tx, "s.id", local_sessions)
     rows = tx.execute(
         "SELECT s.id FROM session s WHERE s.time_woken IS NOT NULL AND s.time_paused IS NULL"
         " AND NOT EXISTS (SELECT 1 FROM session_execution e WHERE e.session_id = s.id)"

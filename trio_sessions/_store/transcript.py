@@ -25,7 +25,7 @@ from .._model import AssistantData, Input, Message
 from .common import DUE, _next_message_seq, _require_claim, _require_claim_session, new_id
 
 
-def take_inputs(tx: Tx, execution_id: str, owner_id: str) -> list[Input]:
+def take_inputs(tx: Tx, session_id: str, execution_id: str, owner_id: str) -> list[Input]:
     """Consume the due pending inputs in seq order, appending each as a user message (claim
     fence). Scheduled inputs not yet due by the lease clock stay pending, unseen.
 
@@ -34,10 +34,8 @@ def take_inputs(tx: Tx, execution_id: str, owner_id: str) -> list[Input]:
     A claim marked cancelling takes nothing: its drain is being interrupted, and the
     inputs are left for the successor its cleanup rings for (DESIGN §5.1, on_busy).
     """
-    claimed = _require_claim_session(tx, execution_id, owner_id)
-    if claimed.phase == "cancelling":
+    if _require_claim_session(tx, session_id, execution_id, owner_id).phase == "cancelling":
         return []
-    session_id = claimed.session_id
     tx.notify(session_id)
     due = {"session": session_id, "now": tx.now}
     rows = tx.execute(
@@ -68,9 +66,11 @@ def take_inputs(tx: Tx, execution_id: str, owner_id: str) -> list[Input]:
     return taken
 
 
-def begin_assistant(tx: Tx, execution_id: str, owner_id: str, message_id: str) -> int:
+def begin_assistant(
+    tx: Tx, session_id: str, execution_id: str, owner_id: str, message_id: str
+) -> int:
     """Start an empty, unfinished assistant message, open for streaming; returns its seq."""
-    session_id = _require_claim(tx, execution_id, owner_id)
+    _require_claim(tx, session_id, execution_id, owner_id)
     seq = _next_message_seq(tx, session_id)
     tx.execute(
         "INSERT INTO session_message(id, session_id, execution_id, role, seq, data,"
@@ -94,7 +94,7 @@ def begin_assistant(tx: Tx, execution_id: str, owner_id: str, message_id: str) -
 
 
 def append_assistant_text(
-    tx: Tx, execution_id: str, owner_id: str, message_id: str, text: str
+    tx: Tx, session_id: str, execution_id: str, owner_id: str, message_id: str, text: str
 ) -> tuple[AssistantData | None, int]:
     """Stream text onto an open assistant message under the claim fence: one small
     `session_message_delta` row, never a rewrite of the message, so an append costs the
@@ -105,7 +105,7 @@ def append_assistant_text(
     takes `update_assistant`'s whole-row path instead, which raises as it always did
     (`MessageFinished`, `LeaseLost`, `MalformedRecord`) or returns the new data.
     """
-    session_id = _require_claim(tx, execution_id, owner_id)
+    _require_claim(tx, session_id, execution_id, owner_id)
     # Serialised with every other write to this message by the session lock, so the
     # newest version read here is still the newest when the row lands.
     row = tx.one(
@@ -120,6 +120,7 @@ def append_assistant_text(
     if row is None:
         return update_assistant(
             tx,
+            session_id,
             execution_id,
             owner_id,
             message_id,
@@ -131,6 +132,7 @@ def append_assistant_text(
 
 def update_assistant(
     tx: Tx,
+    session_id: str,
     execution_id: str,
     owner_id: str,
     message_id: str,
@@ -143,7 +145,7 @@ def update_assistant(
     The transition runs on the durable message, so the settlement state machine checks what
     is stored, not what a writer remembers.
     """
-    session_id = _require_claim(tx, execution_id, owner_id)
+    _require_claim(tx, session_id, execution_id, owner_id)
     row = tx.one(
         "SELECT data FROM session_message WHERE id = ? AND execution_id = ?",
         (message_id, execution_id),

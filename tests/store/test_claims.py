@@ -1,0 +1,219 @@
+"""Claims: acquire never overwrites a claim row and needs the doorbell; the fenced drain
+writes' positive cases (finish_iteration, finish_failed, mark_cancelling,
+finish_interrupted), heartbeat and expire_claims. On both backends, through the sync engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from trio_sessions import (
+    _store,
+)
+from trio_sessions._decisions import AcquireVerdict
+from trio_sessions._model import INTERRUPTED
+
+from .common import (
+    LEASE,
+    Db,
+    busy_claim,
+    tools,
+)
+
+
+@pytest.mark.parametrize("expired", [False, True], ids=["live", "expired"])
+@pytest.mark.parametrize("owner", ["owner-a", "owner-b"], ids=["own", "foreign"])
+def test_acquire_never_overwrites_a_claim_row(db: Db, expired: bool, owner: str) -> None:
+    """Invariant 2: a claim row (live or expired, own or foreign) is never overwritten; the
+    doorbell stays set for the holder or recovery."""
+    db.claim(owner="owner-a", execution="exec-1")
+    db.run(_store.wake, "s")
+    if expired:
+        db.expire()
+        db.now += 60_000
+    before = db.snapshot()
+    acquired = db.run(_store.acquire, "s", "exec-new", owner, LEASE)
+    assert acquired.verdict is AcquireVerdict.HELD
+    assert acquired.holder == "owner-a"
+    assert db.snapshot() == before
+
+
+def test_acquire_needs_the_doorbell(db: Db) -> None:
+    """Without a set doorbell nothing is claimed, for an idle session or an unknown one."""
+    execution = db.claim()
+    db.run(_store.finish_iteration, "s", execution, "owner-a")
+    before = db.snapshot()
+    assert db.run(_store.acquire, "s", "exec-2", "owner-a", LEASE).verdict is (
+        AcquireVerdict.NO_DOORBELL
+    )
+    assert db.run(_store.acquire, "ghost", "exec-3", "owner-a", LEASE).verdict is (
+        AcquireVerdict.NO_DOORBELL
+    )
+    assert db.snapshot() == before
+
+
+def test_acquire_takes_doorbell_and_anchors_at_newest_seq(db: Db) -> None:
+    """acquire inserts a running claim with anchor_seq = newest message seq and takes the
+    doorbell; it reports the session's wake_attempts."""
+    db.run(_store.submit, "s", '{"n": 1}', "in-1")
+    db.run(_store.submit, "s", '{"n": 2}', "in-2")
+    first = db.claim(execution="exec-1")
+    db.run(_store.take_inputs, "s", first, "owner-a")
+    db.run(_store.begin_assistant, "s", first, "owner-a", "m-1")
+    assert db.run(_store.finish_iteration, "s", first, "owner-a") is False
+    db.write("UPDATE session SET wake_attempts = 4")
+    db.now += 1000
+    db.run(_store.wake, "s")
+    db.run(_store.wake, "s")
+    acquired = db.run(_store.acquire, "s", "exec-2", "owner-b", LEASE)
+    assert acquired.verdict is AcquireVerdict.CLAIM
+    assert acquired.attempt == 4
+    assert db.claim_row() == ("exec-2", "owner-b", "running", 3, db.now, None, db.now + LEASE)
+    assert db.doorbell() == (None, 0, 4)
+
+
+def test_acquire_on_empty_session_has_null_anchor(db: Db) -> None:
+    """With no messages yet, the claim's anchor_seq is NULL."""
+    db.claim()
+    claim = db.claim_row()
+    assert claim is not None
+    assert claim[3] is None
+
+
+def test_finish_iteration_releases_and_resets_attempts(db: Db) -> None:
+    """With no doorbell, finish_iteration deletes the claim and resets wake_attempts."""
+    execution = db.claim()
+    db.write("UPDATE session SET wake_attempts = 3")
+    assert db.run(_store.finish_iteration, "s", execution, "owner-a") is False
+    assert db.claim_row() is None
+    assert db.doorbell() == (None, 0, 0)
+
+
+def test_wake_during_claim_makes_finish_continue(db: Db) -> None:
+    """Invariant 9: a wake committed while the claim exists is taken by finish_iteration
+    (continue) instead of the claim being deleted; the next finish then releases."""
+    execution = db.claim()
+    claim = db.claim_row()
+    db.run(_store.wake, "s")
+    db.run(_store.wake, "s")
+    assert db.run(_store.finish_iteration, "s", execution, "owner-a") is True
+    assert db.claim_row() == claim
+    assert db.doorbell()[:2] == (None, 0)
+    assert db.run(_store.finish_iteration, "s", execution, "owner-a") is False
+    assert db.claim_row() is None
+
+
+def test_wake_after_release_finds_no_claim_and_acquires(db: Db) -> None:
+    """The other order of the serialisation: a wake after the finish leaves a doorbell that
+    a fresh acquire takes."""
+    execution = db.claim()
+    assert db.run(_store.finish_iteration, "s", execution, "owner-a") is False
+    db.run(_store.wake, "s")
+    assert db.run(_store.acquire, "s", "exec-2", "owner-b", LEASE).verdict is AcquireVerdict.CLAIM
+
+
+def test_finish_iteration_closes_open_messages(db: Db) -> None:
+    """A drain that returned without finish(): finish_iteration finishes its open message and
+    fails its running tools ('interrupted'), whether the claim continues or is released."""
+    execution = busy_claim(db)
+    db.run(_store.wake, "s")
+    assert db.run(_store.finish_iteration, "s", execution, "owner-a") is True
+    message = db.message("m-1")
+    assert (message.finished, message.error) == (True, INTERRUPTED)
+    assert tools(message) == {"running": ("error", INTERRUPTED), "done": ("completed", None)}
+    db.run(_store.begin_assistant, "s", execution, "owner-a", "m-2")
+    assert db.run(_store.finish_iteration, "s", execution, "owner-a") is False
+    assert (db.message("m-2").finished, db.message("m-2").error) == (True, INTERRUPTED)
+
+
+def test_finish_failed_closes_message_and_does_not_rearm(db: Db) -> None:
+    """finish_failed fails the open message and its running tools, deletes the claim, resets
+    attempts, and leaves untaken inputs without re-arming the doorbell."""
+    execution = busy_claim(db)
+    db.write("UPDATE session SET time_woken = NULL, wakes = 0")  # taken mid-drain
+    db.write("UPDATE session SET wake_attempts = 2")
+    assert db.run(_store.finish_failed, "s", execution, "owner-a", "failed: boom") is False
+    assert db.claim_row() is None
+    message = db.message("m-1")
+    assert message.finished
+    assert message.error == "failed: boom"
+    assert tools(message) == {"running": ("error", "failed: boom"), "done": ("completed", None)}
+    assert db.doorbell() == (None, 0, 0)
+    assert db.rows("SELECT id FROM session_input") == [("in-pending",)]
+
+
+def test_finish_failed_reports_an_already_set_doorbell(db: Db) -> None:
+    """A doorbell set before the failure stays set and is reported (one follow-up)."""
+    execution = busy_claim(db)
+    assert db.run(_store.finish_failed, "s", execution, "owner-a", "failed") is True
+    assert db.doorbell()[0] is not None
+
+
+def test_mark_cancelling_changes_only_the_phase(db: Db) -> None:
+    """mark_cancelling makes the cancellation durable and touches nothing else."""
+    execution = busy_claim(db)
+    before = db.snapshot()
+    db.run(_store.mark_cancelling, "s", execution, "owner-a")
+    after = db.snapshot()
+    assert after["session_execution"] == [
+        tuple("cancelling" if v == "running" else v for v in row)
+        for row in before["session_execution"]
+    ]
+    assert {k: v for k, v in after.items() if k != "session_execution"} == {
+        k: v for k, v in before.items() if k != "session_execution"
+    }
+
+
+def test_finish_interrupted_cleans_and_rearms_for_pending_inputs(db: Db) -> None:
+    """finish_interrupted finishes the message as interrupted, fails running tools, deletes
+    the claim and re-arms the doorbell because an input is still pending."""
+    execution = busy_claim(db)
+    db.run(_store.finish_iteration, "s", execution, "owner-a")  # doorbell taken
+    assert db.doorbell()[0] is None
+    db.run(_store.mark_cancelling, "s", execution, "owner-a")
+    assert db.run(_store.finish_interrupted, "s", execution, "owner-a") is True
+    assert db.claim_row() is None
+    message = db.message("m-1")
+    assert message.finished
+    assert message.error == INTERRUPTED
+    assert tools(message) == {"running": ("error", INTERRUPTED), "done": ("completed", None)}
+    assert db.doorbell()[0] == db.now
+
+
+def test_finish_interrupted_without_inputs_leaves_no_doorbell(db: Db) -> None:
+    """With nothing pending and no wake, an interrupt leaves no doorbell: no successor."""
+    execution = db.claim()
+    assert db.run(_store.finish_interrupted, "s", execution, "owner-a") is False
+    assert db.doorbell()[:2] == (None, 0)
+    assert db.claim_row() is None
+
+
+def test_heartbeat_renews_all_claims_in_one_transaction(db: Db) -> None:
+    """heartbeat renews each held live claim to now+lease, records heartbeat_at and reports
+    each phase (cancelling too); a lost one reports None."""
+    a = db.claim("a", execution="exec-a")
+    b = db.claim("b", execution="exec-b")
+    db.run(_store.mark_cancelling, "b", b, "owner-a")
+    db.now += 10_000
+    phases = db.run(_store.heartbeat, "owner-a", [a, b, "exec-gone"], LEASE)
+    assert phases == {a: "running", b: "cancelling", "exec-gone": None}
+    for session in ("a", "b"):
+        row = db.claim_row(session)
+        assert row is not None
+        assert (row[5], row[6]) == (db.now, db.now + LEASE)
+
+
+def test_expire_claims_counts_only_own_live_claims(db: Db) -> None:
+    """Shutdown expiry ends own live leases (phase kept) and returns how many it ended."""
+    a = db.claim("a", execution="exec-a")
+    b = db.claim("b", execution="exec-b")
+    db.run(_store.mark_cancelling, "b", b, "owner-a")
+    db.claim("c", owner="owner-b", execution="exec-c")
+    foreign = db.claim_row("c")
+    assert db.run(_store.expire_claims, "owner-a", [a, b, "exec-c", "exec-none"]) == 2
+    row_a, row_b = db.claim_row("a"), db.claim_row("b")
+    assert row_a is not None
+    assert (row_a[2], row_a[6]) == ("running", db.now)
+    assert row_b is not None
+    assert (row_b[2], row_b[6]) == ("cancelling", db.now)
+    assert db.claim_row("c") == foreign
+    assert db.run(_store.expire_claims, "owner-a", [a, b]) == 0

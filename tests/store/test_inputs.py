@@ -1,0 +1,133 @@
+"""The doorbell and the inputs: wake coalesces, submit is idempotent by input id and
+refuses a conflicting one, take_inputs turns inputs into user messages in order and sets a
+malformed one aside. On both backends, through the sync engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from trio_sessions import (
+    InputConflict,
+    _store,
+)
+
+from .common import (
+    NOW,
+    Db,
+)
+
+
+def test_wake_creates_session_and_coalesces(db: Db) -> None:
+    """wake creates the session, sets time_woken once (the first wake) and counts every wake."""
+    db.run(_store.wake, "s")
+    db.now += 1000
+    db.run(_store.wake, "s")
+    db.run(_store.wake, "s")
+    assert db.doorbell() == (NOW, 3, 0)
+
+
+def test_submit_stores_input_and_rings(db: Db) -> None:
+    """submit creates the session, rings the doorbell and stores inputs with increasing seq."""
+    assert db.run(_store.submit, "s", '{"n": 1}', "in-1") == "in-1"
+    assert db.run(_store.submit, "s", '{"n": 2}', "in-2") == "in-2"
+    assert db.doorbell() == (NOW, 2, 0)
+    assert db.rows("SELECT id, session_id, seq, payload FROM session_input ORDER BY seq") == [
+        ("in-1", "s", 1, '{"n": 1}'),
+        ("in-2", "s", 2, '{"n": 2}'),
+    ]
+
+
+def test_submit_is_idempotent_by_input_id(db: Db) -> None:
+    """The same input id and payload for the same session returns the id, writes nothing."""
+    db.run(_store.submit, "s", '{"n": 1}', "in-1")
+    before = db.snapshot()
+    db.now += 5000
+    assert db.run(_store.submit, "s", '{"n": 1}', "in-1") == "in-1"
+    assert db.snapshot() == before
+
+
+def test_submit_is_idempotent_after_the_input_was_taken(db: Db) -> None:
+    """After the input became a user message, resubmitting it returns the id, writes nothing."""
+    db.run(_store.submit, "s", '{"n": 1}', "in-1")
+    execution = db.claim()
+    db.run(_store.take_inputs, "s", execution, "owner-a")
+    assert db.run(_store.finish_iteration, "s", execution, "owner-a") is False
+    before = db.snapshot()
+    assert db.run(_store.submit, "s", '{"n": 1}', "in-1") == "in-1"
+    assert db.snapshot() == before
+    assert db.rows("SELECT * FROM session_input") == []
+
+
+@pytest.mark.parametrize("taken", [False, True], ids=["pending", "taken"])
+def test_submit_same_id_other_session_conflicts(db: Db, taken: bool) -> None:
+    """An input id stored for another session raises InputConflict and writes nothing."""
+    db.run(_store.submit, "s", '{"n": 1}', "in-1")
+    if taken:
+        execution = db.claim()
+        db.run(_store.take_inputs, "s", execution, "owner-a")
+    before = db.snapshot()
+    with pytest.raises(InputConflict, match="in-1"):
+        db.run(_store.submit, "other", '{"n": 1}', "in-1")
+    assert db.snapshot() == before
+
+
+def test_submit_same_id_different_payload_conflicts(db: Db) -> None:
+    """The same input id with another payload raises InputConflict, pending or taken; the same
+    payload (any key order or spacing) stays idempotent."""
+    db.run(_store.submit, "s", '{"a": 1, "b": [2]}', "in-1")
+    db.run(_store.submit, "s", '{"n": 2}', "in-2")
+    execution = db.claim()
+    db.run(_store.submit, "s", '{"n": 3}', "in-3")
+    db.run(_store.take_inputs, "s", execution, "owner-a")
+    db.run(_store.submit, "s", '{"n": 4}', "in-4")
+    before = db.snapshot()
+    for input_id, payload in (("in-1", '{"a": 1, "b": [2, 3]}'), ("in-4", '{"n": 4.0}')):
+        with pytest.raises(InputConflict, match=input_id):
+            db.run(_store.submit, "s", payload, input_id)
+    assert db.run(_store.submit, "s", '{"b":[2],"a":1}', "in-1") == "in-1"
+    assert db.run(_store.submit, "s", '{"n":4}', "in-4") == "in-4"
+    assert db.snapshot() == before
+
+
+def test_take_inputs_turns_inputs_into_user_messages_in_order(db: Db) -> None:
+    """take_inputs returns pending inputs in seq order and moves each into a user message."""
+    db.run(_store.submit, "s", '{"n": 1}', "in-1")
+    db.run(_store.submit, "s", '{"n": 2}', "in-2")
+    execution = db.claim()
+    taken = db.run(_store.take_inputs, "s", execution, "owner-a")
+    assert [(i.id, i.payload) for i in taken] == [("in-1", {"n": 1}), ("in-2", {"n": 2})]
+    assert db.rows("SELECT * FROM session_input") == []
+    assert db.rows(
+        "SELECT input_id, role, seq, data, execution_id FROM session_message ORDER BY seq"
+    ) == [
+        ("in-1", "user", 1, '{"n": 1}', execution),
+        ("in-2", "user", 2, '{"n": 2}', execution),
+    ]
+    assert db.run(_store.take_inputs, "s", execution, "owner-a") == []
+
+
+def test_take_inputs_sets_a_malformed_input_aside(db: Db) -> None:
+    """An input that is not a JSON object moves to session_input_rejected with its reason;
+    the valid inputs around it are delivered in order and nothing stays pending."""
+    db.run(_store.submit, "s", '{"n": 1}', "in-1")
+    db.run(_store.submit, "s", "[1]", "in-bad")
+    db.run(_store.submit, "s", '{"n": 3}', "in-3")
+    execution = db.claim()
+    taken = db.run(_store.take_inputs, "s", execution, "owner-a")
+    assert [(i.id, i.payload) for i in taken] == [("in-1", {"n": 1}), ("in-3", {"n": 3})]
+    assert db.rows("SELECT * FROM session_input") == []
+    [(input_id, session_id, seq, payload, reason, created)] = db.rows(
+        "SELECT id, session_id, seq, payload, reason, time_created FROM session_input_rejected"
+    )
+    assert (input_id, session_id, seq, payload, created) == ("in-bad", "s", 2, "[1]", NOW)
+    assert "in-bad" in reason and "JSON object" in reason
+    assert db.rows("SELECT input_id, seq FROM session_message ORDER BY seq") == [
+        ("in-1", 1),
+        ("in-3", 2),
+    ]
+    assert db.run(_store.take_inputs, "s", execution, "owner-a") == []
+    assert [r["id"] for r in db.run(_store.rejected_inputs, None)] == ["in-bad"]
+    assert db.run(_store.drop_rejected_input, "in-bad") == "s"
+    assert db.rows("SELECT * FROM session_input_rejected") == []
+    with pytest.raises(ValueError, match="in-bad"):
+        db.run(_store.drop_rejected_input, "in-bad")

@@ -1,0 +1,36 @@
+"""The assistant message a drain writes: begin_assistant, then update_assistant's
+transitions. On both backends, through the sync engine."""
+
+from __future__ import annotations
+
+from trio_sessions import (
+    _store,
+    _transcript,
+)
+
+from .common import (
+    Db,
+)
+
+
+def test_begin_and_update_assistant(db: Db) -> None:
+    """begin_assistant appends an empty open message at the next seq; update_assistant applies
+    a transition to the stored row and returns the new value."""
+    db.run(_store.submit, "s", '{"n": 1}', "in-1")
+    execution = db.claim()
+    db.run(_store.take_inputs, "s", execution, "owner-a")
+    db.run(_store.begin_assistant, "s", execution, "owner-a", "m-1")
+    assert db.rows("SELECT role, seq, execution_id FROM session_message WHERE id = 'm-1'") == [
+        ("assistant", 2, execution)
+    ]
+    assert db.message("m-1") == _transcript.EMPTY
+    result, version = db.run(
+        _store.update_assistant,
+        "s",
+        execution,
+        "owner-a",
+        "m-1",
+        lambda d: _transcript.append_text(d, "hi"),
+    )
+    assert version == 1
+    assert result == db.message("m-1") == _transcript.append_text(_transcript.EMPTY, "hi")

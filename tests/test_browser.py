@@ -1,0 +1,147 @@
+"""The console in a real browser: headless Chromium (Debian's `chromium` and `chromedriver`)
+driven by Selenium, against real console and worker processes on a real store.
+
+Run by `nox -s browser` (which installs Chromium when missing), never skipped there: a
+missing browser fails. `TRIO_SESSIONS_SCREENSHOTS=DIR` saves the pages as PNGs (the
+README's pictures come from there).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from console_process import DEADLINE, console, seed_quarantine, worker
+from helpers import Raw
+
+import trio_sessions
+
+pytestmark = pytest.mark.browser
+
+TOKEN = "browser-test-token-0123456789"
+
+
+@pytest.fixture(scope="module")
+def chrome() -> Iterator[Any]:
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    binary, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    assert binary and driver, "install Debian's chromium and chromium-driver (nox -s browser)"
+    options = webdriver.ChromeOptions()
+    options.binary_location = binary
+    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage"):
+        options.add_argument(argument)
+    options.add_argument("--window-size=1100,800")
+    browser = webdriver.Chrome(options=options, service=Service(driver))
+    browser.set_page_load_timeout(DEADLINE)
+    try:
+        yield browser
+    finally:
+        browser.quit()
+
+
+def until(check: Callable[[], Any], what: str, browser: Any) -> Any:
+    deadline = time.monotonic() + DEADLINE
+    while time.monotonic() < deadline:
+        if found := check():
+            return found
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}; page:\n{browser.page_source}")
+
+
+def screenshot(browser: Any, name: str) -> None:
+    where = os.environ.get("TRIO_SESSIONS_SCREENSHOTS")
+    if where:
+        browser.save_screenshot(str(Path(where) / f"{name}.png"))
+
+
+def submit(path: Path, session_id: str, payload: dict[str, Any]) -> None:
+    async def one() -> None:
+        async with trio_sessions.open_runtime(path, None) as producer:
+            await producer.submit(session_id, payload)
+
+    trio.run(one)
+
+
+def transcript_text(browser: Any) -> str:
+    from selenium.webdriver.common.by import By
+
+    return str(browser.find_element(By.ID, "transcript").text)
+
+
+def test_the_console_logs_in_shows_live_work_and_acts(chrome: Any, tmp_path: Path) -> None:
+    """A wrong token is refused; the token logs in; the list shows the sessions; a session
+    page shows the answer live as a worker writes it; a held drain is interrupted from the
+    page; a quarantined execution is dropped from the list."""
+    from selenium.webdriver.common.by import By
+
+    store = tmp_path / "db"
+    submit(store, "chat-1", {"text": "hello browser"})
+    submit(store, "held", {"hold": True})
+    raw = Raw(store)
+    seed_quarantine(store, "poison", "poison-exec")
+    with console(str(store), tmp_path, "--token", TOKEN) as (url, _):
+        chrome.get(f"{url}/?token=wrong-token")
+        assert "wrong token" in chrome.page_source
+        chrome.get(f"{url}/sessions/chat-1")
+        assert "a token is needed" in chrome.page_source
+        chrome.get(f"{url}/?token={TOKEN}")
+        until(lambda: chrome.find_elements(By.CSS_SELECTOR, "#sessions tbody tr"), "rows", chrome)
+        ids = [
+            row.get_attribute("data-session")
+            for row in chrome.find_elements(By.CSS_SELECTOR, "#sessions tbody tr")
+        ]
+        assert ids == ["chat-1", "held", "poison"]
+        chrome.get(f"{url}/sessions/chat-1")
+        assert "hello browser" not in transcript_text(chrome)  # not taken yet: an input
+        with worker(str(store), tmp_path, "worker_drain:reply", "w1"):
+            until(lambda: "echo: hello browser" in transcript_text(chrome), "the answer", chrome)
+            assert "hello browser" in transcript_text(chrome)
+            screenshot(chrome, "console-session")
+            chrome.get(f"{url}/sessions/held")
+            until(lambda: "holding" in transcript_text(chrome), "the held drain", chrome)
+            chrome.refresh()  # the page now offers the interrupt of the running claim
+            button = until(
+                lambda: chrome.find_elements(By.CSS_SELECTOR, "button[value=interrupt]"),
+                "the interrupt button",
+                chrome,
+            )
+            button[0].click()
+            until(lambda: "(interrupted)" in transcript_text(chrome), "the interrupt", chrome)
+        chrome.get(f"{url}/")
+        screenshot(chrome, "console-sessions")
+        row = chrome.find_element(By.CSS_SELECTOR, '#quarantine tr[data-execution="poison-exec"]')
+        row.find_element(By.CSS_SELECTOR, "button[value=drop]").click()
+        chrome.switch_to.alert.accept()
+        until(lambda: "Nothing is quarantined" in chrome.page_source, "the drop", chrome)
+    assert raw.one("SELECT COUNT(*) FROM session_execution WHERE id = 'poison-exec'") == (0,)
+
+
+def test_a_read_only_console_offers_no_action(chrome: Any, tmp_path: Path) -> None:
+    """Read-only: the pages show the work but no button, and a forged POST is refused."""
+    from selenium.webdriver.common.by import By
+
+    store = tmp_path / "db"
+    raw = Raw(store)
+    submit(store, "s1", {"text": "hi"})
+    seed_quarantine(store, "poison", "poison-exec")
+    with console(str(store), tmp_path, "--token", TOKEN, "--read-only") as (url, _):
+        chrome.get(f"{url}/?token={TOKEN}")
+        until(lambda: "read-only" in chrome.page_source, "the read-only page", chrome)
+        assert chrome.find_elements(By.CSS_SELECTOR, "form[method=post]") == []
+        assert "poison-exec" in chrome.page_source
+        # A forged form posted from the page itself (same origin, cookie sent) is refused.
+        chrome.execute_script(
+            "const f = document.createElement('form'); f.method = 'post';"
+            " f.action = '/quarantine/poison-exec/drop'; document.body.appendChild(f); f.submit();"
+        )
+        until(lambda: "read-only" in chrome.page_source, "the refusal", chrome)
+        assert "this console is read-only" in chrome.page_source
+    assert raw.one("SELECT COUNT(*) FROM session_execution WHERE id = 'poison-exec'") == (1,)

@@ -1,0 +1,246 @@
+"""The operator console and the metrics endpoints over real HTTP (the browser drives the same
+pages in tests/test_browser.py): who may read and act, what a page shows, what a scrape
+shows. Real processes on a real store; every wait bounded."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+import urllib.parse
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+from console_process import (
+    DEADLINE,
+    console,
+    environment,
+    seed_quarantine,
+    wait_for_line,
+    worker,
+)
+from helpers import Raw
+
+import trio_sessions
+
+pytestmark = pytest.mark.slow
+
+TOKEN = "console-test-token-0123456789"
+
+
+def seed(path: Path, sessions: int) -> None:
+    async def submit_all() -> None:
+        async with trio_sessions.open_runtime(path, None) as producer:
+            for index in range(sessions):
+                await producer.submit(f"s{index:03d}", {"text": f"hello {index}"})
+
+    trio.run(submit_all)
+
+
+def session_ids(page: str) -> list[str]:
+    return re.findall(r'<tr data-session="([^"]+)"', page)
+
+
+def csrf_of(page: str) -> str:
+    match = re.search(r'name="csrf" value="([0-9a-f]+)"', page)
+    assert match is not None, page
+    return match.group(1)
+
+
+def public_bind(store: Path) -> list[str]:
+    return ["--store", str(store), "--bind", "0.0.0.0:0"]
+
+
+def test_a_public_bind_without_a_token_is_refused(tmp_path: Path) -> None:
+    """On a non-loopback address the console refuses to start without a token (exit 2),
+    before opening the store."""
+    store = tmp_path / "db"
+    completed = subprocess.run(
+        [sys.executable, "-m", "trio_sessions", "console", *public_bind(store)],
+        capture_output=True,
+        text=True,
+        env=environment(),
+        timeout=DEADLINE,
+        check=False,
+    )
+    assert completed.returncode == 2, completed.stderr
+    assert "without a token" in completed.stderr
+    assert not store.exists()
+
+
+def test_every_request_needs_the_token(tmp_path: Path) -> None:
+    """With a token: no token, a wrong bearer or a wrong login is 401 (the event stream
+    too); the right bearer reads; `/?token=` sets an HttpOnly cookie that reads after."""
+    store = tmp_path / "db"
+    seed(store, 3)
+    with console(str(store), tmp_path, "--token", TOKEN) as (url, _):
+        with httpx.Client(base_url=url, timeout=DEADLINE) as client:
+            assert client.get("/").status_code == 401
+            assert client.get("/sessions/s000/events").status_code == 401
+            assert client.get("/metrics").status_code == 401
+            wrong = {"Authorization": "Bearer not-the-token-at-all"}
+            assert client.get("/", headers=wrong).status_code == 401
+            assert client.get("/?token=wrong").status_code == 401
+            bearer = {"Authorization": f"Bearer {TOKEN}"}
+            page = client.get("/", headers=bearer)
+            assert page.status_code == 200
+            assert session_ids(page.text) == ["s000", "s001", "s002"]
+        with httpx.Client(base_url=url, timeout=DEADLINE) as browser:
+            login = browser.get(f"/?token={TOKEN}")
+            assert login.status_code == 303
+            cookie = login.headers["set-cookie"]
+            assert "HttpOnly" in cookie and "SameSite=Strict" in cookie
+            assert session_ids(browser.get("/").text) == ["s000", "s001", "s002"]
+
+
+def test_actions_need_the_csrf_field_and_read_only_refuses_them(tmp_path: Path) -> None:
+    """A POST from the browser's cookie without the page's CSRF field is refused (403) and
+    does nothing; with it, the action runs. A read-only console shows no action and refuses
+    every POST, bearer or not."""
+    store = tmp_path / "db"
+    raw = Raw(store)
+    seed(store, 1)
+    seed_quarantine(store, "s000", "dead")
+    with (
+        console(str(store), tmp_path, "--token", TOKEN) as (url, _),
+        httpx.Client(base_url=url, timeout=DEADLINE) as browser,
+    ):
+        browser.get(f"/?token={TOKEN}")
+        page = browser.get("/").text
+        assert 'data-execution="dead"' in page
+        refused = browser.post("/quarantine/dead/drop", data={"do": "drop"})
+        assert refused.status_code == 403
+        assert raw.one("SELECT COUNT(*) FROM session_execution") == (1,)
+        done = browser.post("/quarantine/dead/drop", data={"csrf": csrf_of(page)})
+        assert done.status_code == 303
+        assert raw.one("SELECT COUNT(*) FROM session_execution") == (0,)
+    seed_quarantine(store, "s000", "again", seq=2)
+    log_dir = tmp_path / "ro"
+    log_dir.mkdir()
+    with console(str(store), log_dir, "--token", TOKEN, "--read-only") as (url, _):
+        bearer = {"Authorization": f"Bearer {TOKEN}"}
+        with httpx.Client(base_url=url, timeout=DEADLINE, headers=bearer) as client:
+            page = client.get("/").text
+            assert 'data-execution="again"' in page and "read-only" in page
+            assert 'method="post"' not in page
+            assert client.post("/quarantine/again/drop").status_code == 403
+            assert client.post("/sessions/s000/interrupt").status_code == 403
+    assert raw.one("SELECT COUNT(*) FROM session_execution") == (1,)
+
+
+def test_sessions_are_paged_and_searched_in_the_store(tmp_path: Path) -> None:
+    """The list shows 50 sessions a page in id order with a link to the next page, and a
+    search matches ids containing the text; a session page shows its transcript."""
+    store = tmp_path / "db"
+    seed(store, 120)
+    with (
+        console(str(store), tmp_path) as (url, _),
+        httpx.Client(base_url=url, timeout=DEADLINE) as client,
+    ):
+        first = client.get("/").text
+        assert session_ids(first) == [f"s{i:03d}" for i in range(50)]
+        assert "sessions <b>120</b>" in first
+        link = re.search(r'id="next" href="([^"]+)"', first)
+        assert link is not None
+        second = client.get(link.group(1).replace("&amp;", "&")).text
+        assert session_ids(second) == [f"s{i:03d}" for i in range(50, 100)]
+        assert session_ids(client.get("/", params={"q": "11"}).text) == [
+            "s011",
+            "s110",
+            "s111",
+            "s112",
+            "s113",
+            "s114",
+            "s115",
+            "s116",
+            "s117",
+            "s118",
+            "s119",
+        ]
+        assert client.get("/sessions/nope").status_code == 404
+        assert "waiting" in client.get("/sessions/s007").text
+
+
+def test_the_store_password_never_reaches_a_page(tmp_path: Path, pg_url: str) -> None:
+    """A PostgreSQL URL with a password: pages and metrics show it masked, never the
+    password itself."""
+    password = "s3cret/pw?x"
+    quoted = "s3cret%2Fpw%3Fx"
+    parts = urllib.parse.urlsplit(pg_url)
+    netloc = f"{parts.username or 'postgres'}:{quoted}@{parts.hostname}:{parts.port}"
+    url_with_password = urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+    with (
+        console(url_with_password, tmp_path) as (url, process),
+        httpx.Client(base_url=url, timeout=DEADLINE) as client,
+    ):
+        pages = client.get("/").text + client.get("/metrics").text
+    for shown in (pages, process.output()):
+        assert password not in shown and quoted not in shown
+    assert "***" in pages
+
+
+def test_a_worker_serves_metrics_a_scraper_reads(tmp_path: Path) -> None:
+    """`worker --metrics-bind`: a scrape shows the worker's drains, claims, recovery totals
+    and store retries in the Prometheus text format."""
+    store = tmp_path / "db"
+    seed(store, 2)
+    with worker(
+        str(store), tmp_path, "worker_drain:reply", "w1", "--metrics-bind", "127.0.0.1:0"
+    ) as process:
+        match = wait_for_line(process, r"worker metrics on (http://\S+)")
+        deadline = time.monotonic() + DEADLINE
+        while True:
+            text = httpx.get(match.group(1), timeout=DEADLINE).text
+            if "trio_sessions_store_transactions_total" in text and re.search(
+                r'trio_sessions_recovery_total\{[^}]*kind="doorbells_started"[^}]*\} [1-9]', text
+            ):
+                break
+            assert time.monotonic() < deadline, text
+            time.sleep(0.1)
+    for name in (
+        "trio_sessions_drains_running",
+        "trio_sessions_owned_claims",
+        "trio_sessions_store_retries_total",
+        "trio_sessions_heartbeat_transactions_total",
+    ):
+        assert re.search(rf"^{name}\{{", text, re.MULTILINE), text
+    assert 'owner_id="w1@' in text
+
+
+def test_opentelemetry_instrument_traces_a_worker_without_touching_the_drain(
+    tmp_path: Path,
+) -> None:
+    """The README's recipe: `opentelemetry-instrument` around the unchanged worker command
+    configures the SDK, and the drain call and recovery pass come out as spans."""
+    store = tmp_path / "db"
+    seed(store, 1)
+    launcher = Path(sys.executable).parent / "opentelemetry-instrument"
+    env = environment(
+        OTEL_SERVICE_NAME="worker",
+        OTEL_TRACES_EXPORTER="console",
+        OTEL_METRICS_EXPORTER="none",
+        OTEL_LOGS_EXPORTER="none",
+    )
+    log = tmp_path / "worker.log"
+    with log.open("wb") as out:
+        worker_command = ["-m", "trio_sessions", "worker", "worker_drain:reply"]
+        process = subprocess.Popen(
+            [str(launcher), sys.executable, *worker_command, "--store", str(store)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+    try:
+        deadline = time.monotonic() + DEADLINE
+        while '"name": "trio_sessions.drain"' not in log.read_text():
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+    finally:
+        process.terminate()
+        process.wait(timeout=DEADLINE)
+    spans = log.read_text()
+    assert '"trio_sessions.session_id": "s000"' in spans
+    assert '"name": "trio_sessions.recovery_pass"' in spans

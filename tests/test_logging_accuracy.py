@@ -1,0 +1,198 @@
+"""What a user and an operator are told is accurate: a failed drain's text stays in the log,
+a failed claim attempt is not called a failed drain, and a heartbeat racing a normal
+release is not a lost claim (issue 21, items 5 and 11). Contract tests: both backends."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+from backends import PgLocation
+from conftest import query
+from helpers import runtime
+
+import trio_sessions
+from trio_sessions import DrainContext, Message, Runtime, StoreError, _store
+from trio_sessions import _observe as events
+
+Clock = Callable[[], float]
+QUIET = {"recovery_interval": 10_000.0}  # passes only when the test asks for one
+SECRET = "sk-secret"
+
+
+@pytest.fixture
+def logs(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
+    caplog.set_level(logging.DEBUG, logger="trio_sessions")
+    return caplog
+
+
+def records(caplog: pytest.LogCaptureFixture, message: str) -> list[Any]:
+    """The records of one event, by its stable message (typed Any: `extra` attributes)."""
+    return [r for r in caplog.records if r.msg == message]
+
+
+def every_stored_value(db_path: Any) -> str:
+    """Every row of every table of the store, as one text to search."""
+    if isinstance(db_path, PgLocation):
+        tables = query(
+            db_path,
+            "SELECT table_name FROM information_schema.tables"
+            " WHERE table_schema = current_schema() AND table_type = 'BASE TABLE'",
+        )
+    else:
+        tables = query(db_path, "SELECT name FROM sqlite_master WHERE type = 'table'")
+    assert tables, "no tables found: the search would prove nothing"
+    return repr([query(db_path, f"SELECT * FROM {name}") for (name,) in tables])
+
+
+class Intercepted:
+    """The runtime's executor, with `hooks[op]` run in place of chosen operations."""
+
+    def __init__(self, inner: Any, hooks: dict[Any, Callable[..., Any]]) -> None:
+        self._inner = inner
+        self._hooks = hooks
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def run(self, op: Any, *args: Any) -> Any:
+        hook = self._hooks.get(op)
+        if hook is None:
+            return await self._inner.run(op, *args)
+        return await hook(op, *args)
+
+
+# --- item 5: a failed drain's transcript error ------------------------------------------------
+
+
+async def test_a_failed_drain_shows_users_only_the_exception_type(
+    store: Any, db_path: Any, clock: Clock, autojump_clock: trio.testing.MockClock, logs: Any
+) -> None:
+    """A drain raising `KeyError('api_key=sk-secret-123')` finishes its message with
+    `error="failed: KeyError"`: the text appears in no transcript, watch snapshot or stored
+    row - only in the log, with the traceback."""
+
+    async def drain(ctx: DrainContext) -> None:
+        await ctx.take_inputs()
+        writer = await ctx.begin_assistant()
+        await writer.append_text("looking it up")
+        await writer.start_tool("call-1", "lookup", {"q": "key"})
+        raise KeyError("api_key=sk-secret-123")
+
+    seen: list[Message] = []
+    async with runtime(store, drain, clock, **QUIET) as rt:
+        async with rt.watch("s") as updates, trio.open_nursery() as nursery:
+
+            async def collect() -> None:
+                async for message in updates:
+                    seen.append(message)
+
+            nursery.start_soon(collect)
+            await rt.submit("s", {"text": "what is my key?"})
+            outcome = await rt.run("s")
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.cancel_scope.cancel()
+        transcript = await rt.transcript("s")
+        async with rt.watch("s", after_seq=transcript[0].seq) as updates:
+            watched = await updates.__anext__()  # what a stream opened now would send
+
+    assert outcome.kind == "failed" and isinstance(outcome.error, KeyError)
+    answer = transcript[-1]
+    assert answer.role == "assistant"
+    assert answer.data.error == "failed: KeyError"
+    assert [(p.status, p.error) for p in answer.data.parts if hasattr(p, "status")] == [
+        ("error", "failed: KeyError")
+    ]
+    assert watched == answer
+    assert seen  # the live watcher saw the answer being written
+    assert SECRET not in repr(transcript)
+    assert SECRET not in repr(seen)
+    assert SECRET not in every_stored_value(db_path)
+    [record] = records(logs, events.DRAIN_FAILED)
+    assert record.exc_info[1] is outcome.error
+    assert SECRET in record.error
+    assert SECRET in logging.Formatter().formatException(record.exc_info)
+
+
+# --- item 11: a failed claim attempt is not a failed drain ------------------------------------
+
+
+async def test_a_failed_claim_attempt_is_logged_as_such_not_as_a_failed_drain(
+    store: Any, clock: Clock, autojump_clock: trio.testing.MockClock, logs: Any
+) -> None:
+    """A store error while acquiring (no drain ran) logs `claim attempt failed` at WARNING
+    without a traceback, and no `drain failed`; the wake stays durable and is taken once the
+    store answers again."""
+    calls: list[str] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        calls.append(ctx.session_id)
+        await ctx.take_inputs()
+
+    async def refuse(op: Any, *args: Any) -> Any:
+        raise StoreError("server closed the connection unexpectedly")
+
+    async with (
+        trio_sessions.open_runtime(store, None, clock=clock) as producer,
+        runtime(store, drain, clock, **QUIET) as rt,
+    ):
+        healthy = rt._db
+        rt._db = Intercepted(healthy, {_store.acquire: refuse, _store.wake_and_acquire: refuse})  # type: ignore[assignment]
+        await producer.submit("s", {"text": "hi"})
+        report = await rt.recover_once()  # finds the doorbell; the acquire fails
+        assert report.doorbells_started == 1
+        await rt.wait_idle("s")
+        assert calls == []
+        assert records(logs, events.DRAIN_FAILED) == []
+        # One per attempt (on PostgreSQL the change loop's signal may try too).
+        attempts = records(logs, events.CLAIM_ATTEMPT_FAILED)
+        assert attempts
+        for record in attempts:
+            assert record.levelno == logging.WARNING
+            assert record.exc_info is None
+            assert record.getMessage() == "claim attempt failed: session s"
+            assert (record.session_id, record.owner_id) == ("s", rt.owner_id)
+            assert "server closed the connection" in record.error
+        rt._db = healthy
+        await rt.recover_once()  # (or the change loop) finds the wake, durable all along
+        await rt.wait_idle("s")
+    assert calls == ["s"]
+
+
+# --- item 11: a heartbeat racing a normal release is not a lost claim --------------------------
+
+
+async def test_a_heartbeat_racing_a_normal_release_is_not_a_lost_claim(
+    store: Any, clock: Clock, autojump_clock: trio.testing.MockClock, logs: Any
+) -> None:
+    """The heartbeat's transaction runs after a drain's finish released the claim, and its
+    answer (the claim is gone) arrives before the drain loop saw the release: nothing is
+    logged as lost, and the run succeeds."""
+    raced: list[int] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        await ctx.take_inputs()
+
+    rt: Runtime
+
+    async def finish_then_heartbeat(op: Any, *args: Any) -> Any:
+        released = await inner.run(op, *args)
+        before = rt._lease_keeper.transactions
+        await rt._lease_keeper.renew_once()
+        raced.append(rt._lease_keeper.transactions - before)
+        return released
+
+    async with runtime(store, drain, clock, **QUIET) as rt:
+        inner = rt._db
+        rt._db = Intercepted(inner, {_store.end_iteration: finish_then_heartbeat})  # type: ignore[assignment]
+        await rt.submit("s", {"text": "hi"})
+        outcome = await rt.run("s")
+        rt._db = inner
+    assert raced == [1]  # the heartbeat transaction did run inside the race window
+    assert outcome.kind == "succeeded"
+    assert records(logs, events.CLAIM_LOST) == []
+    assert records(logs, events.SELF_FENCED) == []

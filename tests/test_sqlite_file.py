@@ -1,0 +1,232 @@
+"""The SQLite file (DESIGN §8, issue 21 items 8-10): created readable by its owner only, a
+file deleted or replaced under a running runtime is noticed at the next write batch, and a
+WAL that cannot be checkpointed is logged once it passes a bound.
+
+SQLite-only by nature. Real time, on the production (threaded) store unless a test says
+otherwise: the checks live in the executors' write paths.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+import trio_sessions
+from trio_sessions import Store, StoreError, _sqlite
+from trio_sessions import _observe as events
+
+TESTS = Path(__file__).parent
+DEADLINE = 20.0  # seconds a subprocess gets to reach an expected state
+
+
+@pytest.fixture
+def logs(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
+    caplog.set_level(logging.DEBUG, logger="trio_sessions")
+    return caplog
+
+
+def records(caplog: pytest.LogCaptureFixture, message: str) -> list[Any]:
+    return [r for r in caplog.records if r.msg == message]
+
+
+@pytest.fixture
+def permissive_umask() -> Iterator[None]:
+    """umask 000: a file's mode is what its creator asked for, nothing masked away."""
+    previous = os.umask(0)
+    try:
+        yield
+    finally:
+        os.umask(previous)
+
+
+def modes(path: Path) -> dict[str, str]:
+    """The permission bits of the database and of its -wal and -shm files."""
+    found = {}
+    for suffix in ("", "-wal", "-shm"):
+        file = Path(f"{path}{suffix}")
+        assert file.exists(), f"{file} does not exist: its mode would prove nothing"
+        found[suffix or "db"] = oct(stat.S_IMODE(file.stat().st_mode))
+    return found
+
+
+OWNER_ONLY = {"db": "0o600", "-wal": "0o600", "-shm": "0o600"}
+
+
+# --- item 9: 0600 -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("inline", [False, True], ids=["threaded", "inline"])
+async def test_the_database_and_its_wal_and_shm_are_created_owner_only(
+    tmp_path: Path, permissive_umask: None, inline: bool
+) -> None:
+    """With umask 000, the file a runtime creates and its -wal/-shm are 0600."""
+    path = tmp_path / "sessions.db"
+    async with trio_sessions.open_runtime(Store(path, inline=inline), None) as rt:
+        await rt.submit("s", {"text": "private"})
+        assert modes(path) == OWNER_ONLY
+
+
+async def test_an_existing_files_mode_is_left_as_the_user_set_it(tmp_path: Path) -> None:
+    """A database file that exists already keeps its mode (the operator chose it)."""
+    path = tmp_path / "sessions.db"
+    path.touch()
+    path.chmod(0o640)
+    async with trio_sessions.open_runtime(path, None) as rt:
+        await rt.submit("s", {"text": "shared with the group"})
+    assert oct(stat.S_IMODE(path.stat().st_mode)) == "0o640"
+
+
+def test_the_worker_command_creates_the_database_owner_only(
+    tmp_path: Path, permissive_umask: None
+) -> None:
+    """The file `python -m trio_sessions worker` creates, and its -wal/-shm, are 0600."""
+    path = tmp_path / "worker.db"
+    log = tmp_path / "worker.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRIO_SESSIONS_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))
+    command = [sys.executable, "-m", "trio_sessions", "worker", "worker_drain:reply"]
+    with log.open("wb") as out:
+        worker = subprocess.Popen(
+            [*command, "--store", str(path)],
+            cwd=tmp_path,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=out,
+        )
+    try:
+        deadline = time.monotonic() + DEADLINE
+        while "worker started" not in log.read_text():
+            assert worker.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)  # a real process: poll its log, bounded
+        assert modes(path) == OWNER_ONLY
+    finally:
+        worker.terminate()
+        worker.wait(DEADLINE)
+
+
+# --- item 8: a deleted or replaced file ---------------------------------------------------------
+
+
+def replace_with_other_database(path: Path) -> None:
+    """Put another (valid, empty) SQLite database where `path` was."""
+    other = path.with_name("other.db")
+    sqlite3.connect(other).close()
+    os.replace(other, path)
+
+
+def delete(path: Path) -> None:
+    path.unlink()
+
+
+@pytest.mark.parametrize("inline", [False, True], ids=["threaded", "inline"])
+@pytest.mark.parametrize("swap", [delete, replace_with_other_database], ids=["deleted", "replaced"])
+async def test_a_deleted_or_replaced_database_file_fails_the_next_write(
+    tmp_path: Path, logs: pytest.LogCaptureFixture, inline: bool, swap: Any
+) -> None:
+    """After the file is deleted or replaced under a running runtime, the next write (alone,
+    or grouped with others) raises `StoreError` instead of committing into the orphaned
+    inode, and the event is logged once."""
+    path = tmp_path / "sessions.db"
+    async with trio_sessions.open_runtime(Store(path, inline=inline), None) as rt:
+        await rt.submit("s", {"n": 0})
+        swap(path)
+        with pytest.raises(StoreError, match=r"sessions\.db.*(deleted|replaced)"):
+            await rt.submit("s", {"n": 1})
+        errors: list[BaseException] = []
+
+        async def submit(n: int) -> None:
+            try:
+                await rt.submit("s", {"n": n})
+            except StoreError as exc:
+                errors.append(exc)
+
+        async with trio.open_nursery() as nursery:  # a group commit, on the threaded store
+            for n in range(2, 6):
+                nursery.start_soon(submit, n)
+        assert len(errors) == 4
+    [record] = records(logs, events.DATABASE_FILE_LOST)
+    assert record.levelno == logging.ERROR
+    assert record.path == str(path.absolute())
+    assert record.problem in ("deleted", "replaced")
+    if path.exists():  # the replacement was never written to
+        with sqlite3.connect(path) as conn:
+            assert conn.execute("SELECT count(*) FROM sqlite_master").fetchone() == (0,)
+
+
+async def test_a_relative_path_still_names_the_same_file_after_a_chdir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The identity check follows the file the runtime opened, not the working directory."""
+    monkeypatch.chdir(tmp_path)
+    async with trio_sessions.open_runtime("sessions.db", None) as rt:
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.mkdir()
+        monkeypatch.chdir(elsewhere)
+        await rt.submit("s", {"text": "still the same file"})
+    assert not (elsewhere / "sessions.db").exists()
+
+
+# --- item 10: a WAL that cannot be checkpointed ------------------------------------------------
+
+
+async def test_a_wal_held_by_a_reader_that_never_ends_is_logged_once_past_the_bound(
+    tmp_path: Path, logs: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reader on another connection that never ends its transaction keeps the WAL from
+    restarting: once the WAL passes the bound, one WARNING says so with its size, however
+    many checkpoints follow; after the reader ends and the WAL restarts, a new crossing is
+    logged again."""
+    bound = 256 * 1024
+    monkeypatch.setattr(_sqlite, "WAL_WARN_BYTES", bound)
+    monkeypatch.setattr(_sqlite, "CHECKPOINT_EVERY", 10)
+    monkeypatch.setattr(_sqlite, "WAL_RESTART_FRAMES", 20)
+    path = tmp_path / "sessions.db"
+    payload = {"text": "x" * 2000}
+
+    async def grow_until_warned(rt: trio_sessions.Runtime, warnings: int) -> None:
+        with trio.fail_after(DEADLINE):
+            while len(records(logs, events.WAL_NOT_CHECKPOINTED)) < warnings:
+                await rt.submit("s", payload)
+                await trio.lowlevel.checkpoint()  # let the checkpoint task report
+
+    async with trio_sessions.open_runtime(Store(path), None) as rt:
+        reader = sqlite3.connect(path)
+        try:
+            reader.execute("BEGIN")
+            reader.execute("SELECT count(*) FROM session").fetchone()  # holds its snapshot
+            await grow_until_warned(rt, 1)
+            for _ in range(200):  # many more checkpoints, the reader still holding
+                await rt.submit("s", payload)
+                await trio.lowlevel.checkpoint()
+            [record] = records(logs, events.WAL_NOT_CHECKPOINTED)
+        finally:
+            reader.close()
+        assert record.levelno == logging.WARNING
+        assert record.wal_bytes >= bound and record.wal_frames > 0
+        assert record.bound_bytes == bound
+        assert record.path == str(path.absolute())
+        with trio.fail_after(DEADLINE):  # the reader is gone: the WAL restarts
+            executor: Any = rt._db
+            while executor._wal_warned:
+                await rt.submit("s", {"text": "small"})
+                await trio.lowlevel.checkpoint()
+        reader = sqlite3.connect(path)
+        try:
+            reader.execute("BEGIN")
+            reader.execute("SELECT count(*) FROM session").fetchone()
+            await grow_until_warned(rt, 2)
+        finally:
+            reader.close()

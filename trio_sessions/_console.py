@@ -1,0 +1,560 @@
+"""`python -m trio_sessions console`: the operator console in the browser.
+
+An ASGI app on hypercorn's trio worker over a *producer* runtime (it never drains): the
+sessions list (searched and paged in the store, rendered on the server), a session page with
+its live transcript, the operator's actions, store-wide figures and `/metrics`. Plain HTML
+with a little JavaScript, served from here: no build step, no CDN.
+
+Security rules (kept by `Guard`, checked on every request, the event stream included):
+* bound to a non-loopback address, it refuses to start without a token;
+* with a token, a request carries it as `Authorization: Bearer TOKEN` (scripts, scrapers)
+  or in an HttpOnly cookie that a browser gets by opening `/?token=TOKEN` once; compared in
+  constant time;
+* every action is a POST with a CSRF field derived from a secret the page holds (a
+  request authorised by a bearer header needs none: no browser sends one cross-site);
+* `read_only` hides every action and refuses every POST;
+* the store is shown with its password masked; a password never reaches a page.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import hmac
+import html
+import ipaddress
+import json
+import logging
+import secrets
+import signal
+import sys
+import urllib.parse
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import trio
+
+from . import _metrics, _store
+from ._errors import StoreError, TrioSessionsError
+from ._model import Message
+from ._runtime import Runtime, make_owner_id
+
+logger = logging.getLogger("trio_sessions.console")
+
+Scope = Mapping[str, Any]
+Receive = Callable[[], Awaitable[Mapping[str, Any]]]
+Send = Callable[[Any], Awaitable[None]]
+
+PAGE_SIZE = 50
+MAX_FORM = 16 * 1024
+COOKIE = "trio_sessions_console"
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@attrs.frozen
+class Guard:
+    """Who may read and act: the token (None: loopback only, no login) and the CSRF secret."""
+
+    token: str | None
+    read_only: bool
+    csrf_secret: bytes = attrs.field(factory=lambda: secrets.token_bytes(32))
+
+    def csrf(self) -> str:
+        return hmac.new(self.csrf_secret, b"console-csrf", hashlib.sha256).hexdigest()
+
+    def authorised(self, headers: Mapping[str, str], cookies: Mapping[str, str]) -> str | None:
+        """How the request proved itself: "bearer", "cookie", "open" (no token), or None."""
+        if self.token is None:
+            return "open"
+        bearer = headers.get("authorization", "")
+        if bearer.startswith("Bearer ") and _same(bearer[7:], self.token):
+            return "bearer"
+        if _same(cookies.get(COOKIE, ""), self.token):
+            return "cookie"
+        return None
+
+    def check_action(self, how: str, form: Mapping[str, str]) -> None:
+        if self.read_only:
+            raise HTTPError(403, "this console is read-only")
+        if how != "bearer" and not _same(form.get("csrf", ""), self.csrf()):
+            raise HTTPError(403, "missing or wrong CSRF token: reload the page")
+
+
+def _same(given: str, expected: str) -> bool:
+    return hmac.compare_digest(given.encode(), expected.encode())
+
+
+@attrs.define
+class Console:
+    """The console's ASGI app over a producer runtime."""
+
+    runtime: Runtime
+    store_name: str  # masked
+    guard: Guard
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        try:
+            await self.route(scope, receive, send)
+        except HTTPError as exc:
+            await _respond(send, exc.status, _page("Error", f"<p>{_e(str(exc))}</p>"))
+        except (ValueError, TypeError, TrioSessionsError) as exc:
+            message = str(exc) if not isinstance(exc, StoreError) else "store error"
+            await _respond(send, 400, _page("Error", f"<p>{_e(message)}</p>"))
+
+    async def route(self, scope: Scope, receive: Receive, send: Send) -> None:
+        method = scope["method"]
+        segments = _segments(scope)
+        headers = _headers(scope)
+        query = _query(scope)
+        if segments == [] and "token" in query and method == "GET":
+            await self.log_in(query["token"], send)
+            return
+        how = self.guard.authorised(headers, _cookies(headers))
+        if how is None:
+            raise HTTPError(401, "a token is needed: open /?token=TOKEN once, or send a bearer")
+        if method == "POST":
+            form = _parse_form(await _read_body(receive))
+            self.guard.check_action(how, form)
+            target = await self.act(segments, form)
+            await _redirect(send, target)
+            return
+        if method != "GET":
+            raise HTTPError(405, f"{method} is not allowed")
+        if segments == []:
+            await _respond(send, 200, await self.sessions_page(query))
+        elif segments == ["metrics"]:
+            body = _metrics.render(self.runtime.statistics, owner_id=self.runtime.owner_id)
+            await _respond(send, 200, body, content_type=_metrics.CONTENT_TYPE)
+        elif len(segments) == 2 and segments[0] == "sessions":
+            await _respond(send, 200, await self.session_page(segments[1]))
+        elif len(segments) == 3 and segments[0] == "sessions" and segments[2] == "events":
+            await self.events(segments[1], receive, send)
+        else:
+            raise HTTPError(404, "no such page")
+
+    async def log_in(self, token: str, send: Send) -> None:
+        if self.guard.token is None or not _same(token, self.guard.token):
+            raise HTTPError(401, "wrong token")
+        cookie = f"{COOKIE}={token}; HttpOnly; SameSite=Strict; Path=/"
+        await _redirect(send, "/", extra=((b"set-cookie", cookie.encode()),))
+
+    # -- pages ------------------------------------------------------------------------------
+
+    async def sessions_page(self, query: Mapping[str, str]) -> bytes:
+        search = query.get("q", "")
+        after = query.get("after", "")
+        page = await self.runtime._db.read(_store.session_page, search, after, PAGE_SIZE)
+        counts = await self.runtime._db.read(_store.store_counts)
+        quarantine = await self.runtime._db.read(_store.quarantined)
+        rows = "".join(self._session_row(session) for session in page["sessions"])
+        more = ""
+        if page["more"] and page["sessions"]:
+            next_query = urllib.parse.urlencode({"q": search, "after": page["sessions"][-1]["id"]})
+            more = f'<p><a id="next" href="/?{next_query}">next page</a></p>'
+        figures = " · ".join(f"{_e(k.replace('_', ' '))} <b>{v}</b>" for k, v in counts.items())
+        body = f"""
+<p class="figures">{figures}</p>
+<p class="figures">this console: {_e(self._own_figures())}</p>
+<form method="get" action="/"><input name="q" value="{_e(search)}" placeholder="session id
+contains"> <button>search</button></form>
+<table id="sessions"><thead><tr><th>session</th><th>state</th><th>owner</th>
+<th>pending inputs</th><th>messages</th><th></th></tr></thead><tbody>{rows}</tbody></table>
+{more}
+<h2>Quarantine</h2>
+{self._quarantine_table(quarantine)}"""
+        return _page("Sessions", body, store=self.store_name, read_only=self.guard.read_only)
+
+    def _own_figures(self) -> str:
+        stats = self.runtime.statistics()
+        return (
+            f"backend {stats.store.backend}, {stats.store.transactions} transactions,"
+            f" {stats.store.retries} retries, {stats.remote_signals} remote signals"
+        )
+
+    def _session_row(self, session: Mapping[str, Any]) -> str:
+        session_id = session["id"]
+        claim = session["claim"]
+        owner = claim["owner_id"] if claim else ""
+        link = f"/sessions/{_q(session_id)}"
+        actions = self._actions(session_id, running=claim is not None)
+        return (
+            f'<tr data-session="{_e(session_id)}"><td><a href="{link}">{_e(session_id)}</a></td>'
+            f"<td>{_e(_state(session))}</td><td>{_e(owner)}</td>"
+            f"<td>{session['pending_inputs']}</td><td>{session['messages']}</td>"
+            f"<td>{actions}</td></tr>"
+        )
+
+    def _actions(self, session_id: str, *, running: bool) -> str:
+        if self.guard.read_only:
+            return ""
+        buttons = []
+        if running:
+            buttons.append(self._button(f"/sessions/{_q(session_id)}/interrupt", "interrupt"))
+        return "".join(buttons)
+
+    def _button(self, action: str, label: str, *, confirm: str | None = None) -> str:
+        onsubmit = f' onsubmit="return confirm({_e(json.dumps(confirm))})"' if confirm else ""
+        return (
+            f'<form method="post" action="{_e(action)}" class="action"{onsubmit}>'
+            f'<input type="hidden" name="csrf" value="{self.guard.csrf()}">'
+            f'<button name="do" value="{_e(label)}">{_e(label)}</button></form>'
+        )
+
+    def _quarantine_table(self, rows: Sequence[Mapping[str, Any]]) -> str:
+        if not rows:
+            return "<p>Nothing is quarantined.</p>"
+        body = ""
+        for row in rows:
+            execution = row["execution_id"]
+            actions = ""
+            if not self.guard.read_only:
+                actions = self._button(
+                    f"/quarantine/{_q(execution)}/resume", "resume"
+                ) + self._button(
+                    f"/quarantine/{_q(execution)}/drop", "drop", confirm="Drop this execution?"
+                )
+            body += (
+                f'<tr data-execution="{_e(execution)}"><td>{_e(execution)}</td>'
+                f'<td><a href="/sessions/{_q(row["session_id"])}">{_e(row["session_id"])}</a>'
+                f"</td><td>{_e(str(row['recovery_error']))}</td><td>{actions}</td></tr>"
+            )
+        return (
+            '<table id="quarantine"><thead><tr><th>execution</th><th>session</th><th>why</th>'
+            f"<th></th></tr></thead><tbody>{body}</tbody></table>"
+        )
+
+    async def session_page(self, session_id: str) -> bytes:
+        session = await self.runtime._db.read(_store.session_status, session_id)
+        if session is None:
+            raise HTTPError(404, f"no session {session_id!r}")
+        messages = await self.runtime.transcript(session_id)
+        rendered = "".join(_message_html(message) for message in messages)
+        actions = self._actions(session_id, running=session["claim"] is not None)
+        events = f"/sessions/{_q(session_id)}/events"
+        body = f"""
+<p><a href="/">all sessions</a></p>
+<p>state <b id="state">{_e(_state(session))}</b> · pending inputs {session["pending_inputs"]}
+{actions}</p>
+<div id="transcript" data-events="{_e(events)}">{rendered}</div>
+<script>{SESSION_SCRIPT}</script>"""
+        return _page(
+            f"Session {session_id}", body, store=self.store_name, read_only=self.guard.read_only
+        )
+
+    async def events(self, session_id: str, receive: Receive, send: Send) -> None:
+        """Server-sent events: one `message` snapshot per change, until the client leaves."""
+        async with self.runtime.watch(session_id) as updates:
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [
+                        (b"content-type", b"text/event-stream"),
+                        (b"cache-control", b"no-cache"),
+                    ],
+                }
+            )
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
+                async for message in updates:
+                    data = json.dumps({"seq": message.seq, "html": _message_html(message)})
+                    chunk = f"data: {data}\n\n".encode()
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+
+    # -- actions ----------------------------------------------------------------------------
+
+    async def act(self, segments: list[str], form: Mapping[str, str]) -> str:
+        """Run one action; returns where to send the browser next."""
+        match segments:
+            case ["sessions", session_id, "interrupt"]:
+                await self.runtime.interrupt(session_id)
+                return f"/sessions/{_q(session_id)}"
+            case ["quarantine", execution_id, ("resume" | "drop") as what]:
+                owner = make_owner_id("console")
+                if what == "resume":
+                    # The console drains nothing: clear the quarantine and end the recovery
+                    # lease at once, so the next recovery pass of any worker examines it.
+                    await self.runtime._db.run(_store.lift_quarantine, execution_id, owner, 0)
+                else:
+                    await self.runtime._db.run(_store.drop_quarantined, execution_id)
+                return "/"
+        raise HTTPError(404, "no such action")
+
+
+def _state(session: Mapping[str, Any]) -> str:
+    claim = session["claim"]
+    if claim is not None:
+        if claim["quarantined"]:
+            return "quarantined"
+        if claim["expired"]:
+            return "claim expired (awaiting recovery)"
+        if claim["phase"] == "cancelling":
+            return f"stopping ({claim['owner_id']})"
+        return f"running ({claim['owner_id']})"
+    if session["doorbell"] is not None:
+        return "waiting"
+    return "idle"
+
+
+def _message_html(message: Message) -> str:
+    data = message.data
+    if message.role == "assistant":
+        parts = []
+        for part in data.parts:
+            if getattr(part, "type", "") == "text":
+                parts.append(f'<span class="text">{_e(part.text)}</span>')
+            else:
+                parts.append(
+                    f'<span class="tool">[{_e(part.name)} {_e(part.status)}'
+                    f"{': ' + _e(part.error) if part.error else ''}]</span>"
+                )
+        status = "" if data.finished else ' <i class="open">…</i>'
+        if data.error:
+            status = f' <i class="error">({_e(data.error)})</i>'
+        content = "".join(parts) + status
+    else:
+        content = _e(json.dumps(message.to_json()["data"]))
+    return (
+        f'<div class="message {message.role}" data-seq="{message.seq}">'
+        f"<b>{message.role}</b> {content}</div>"
+    )
+
+
+SESSION_SCRIPT = """
+const box = document.getElementById("transcript");
+const source = new EventSource(box.dataset.events);
+source.onmessage = (event) => {
+  const update = JSON.parse(event.data);
+  const holder = document.createElement("div");
+  holder.innerHTML = update.html;
+  const fresh = holder.firstElementChild;
+  const old = box.querySelector(`[data-seq="${update.seq}"]`);
+  if (old) { old.replaceWith(fresh); } else { box.appendChild(fresh); }
+};
+"""
+
+STYLE = """
+body{font-family:system-ui,sans-serif;margin:1.5em;color:#222}
+table{border-collapse:collapse}td,th{border-bottom:1px solid #ddd;padding:.3em .6em;text-align:left}
+.figures{color:#555}.action{display:inline;margin-right:.3em}
+.message{margin:.4em 0}.tool{color:#666}.error{color:#a00}.readonly{color:#a60}
+"""
+
+
+def _page(title: str, body: str, *, store: str = "", read_only: bool = False) -> bytes:
+    badge = ' <span class="readonly">read-only</span>' if read_only else ""
+    where = f"<p>store {_e(store)}{badge}</p>" if store else ""
+    return (
+        f'<!doctype html><html><head><meta charset="utf-8"><title>{_e(title)}</title>'
+        f"<style>{STYLE}</style></head><body><h1>{_e(title)}</h1>{where}{body}</body></html>"
+    ).encode()
+
+
+def _e(text: str) -> str:
+    return html.escape(text, quote=True)
+
+
+def _q(text: str) -> str:
+    return urllib.parse.quote(text, safe="")
+
+
+def _segments(scope: Scope) -> list[str]:
+    # The raw path, so a session id holding "/" (percent-encoded) stays one segment.
+    raw = bytes(scope.get("raw_path") or scope["path"].encode()).decode("latin-1")
+    return [urllib.parse.unquote(part) for part in raw.split("?")[0].split("/") if part]
+
+
+def _headers(scope: Scope) -> dict[str, str]:
+    return {
+        bytes(k).decode("latin-1").lower(): bytes(v).decode("latin-1") for k, v in scope["headers"]
+    }
+
+
+def _cookies(headers: Mapping[str, str]) -> dict[str, str]:
+    pairs = (item.strip().partition("=") for item in headers.get("cookie", "").split(";"))
+    return {key: value for key, _, value in pairs if key}
+
+
+def _query(scope: Scope) -> dict[str, str]:
+    return dict(urllib.parse.parse_qsl(bytes(scope["query_string"]).decode("latin-1")))
+
+
+def _parse_form(body: bytes) -> dict[str, str]:
+    return dict(urllib.parse.parse_qsl(body.decode("utf-8", errors="replace")))
+
+
+async def _read_body(receive: Receive) -> bytes:
+    body = b""
+    while True:
+        event = await receive()
+        body += bytes(event.get("body", b""))
+        if len(body) > MAX_FORM:
+            raise HTTPError(413, "the form is too large")
+        if not event.get("more_body", False):
+            return body
+
+
+async def _respond(
+    send: Send, status: int, body: bytes, *, content_type: str = "text/html; charset=utf-8"
+) -> None:
+    headers = [
+        (b"content-type", content_type.encode()),
+        (b"content-length", str(len(body)).encode()),
+        (b"x-frame-options", b"DENY"),
+        (b"content-security-policy", b"default-src 'self' 'unsafe-inline'"),
+    ]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _redirect(
+    send: Send, location: str, *, extra: tuple[tuple[bytes, bytes], ...] = ()
+) -> None:
+    headers = [(b"location", location.encode()), (b"content-length", b"0"), *extra]
+    await send({"type": "http.response.start", "status": 303, "headers": headers})
+    await send({"type": "http.response.body", "body": b""})
+
+
+async def _lifespan(receive: Receive, send: Send) -> None:
+    while True:
+        event = await receive()
+        if event["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif event["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+async def _cancel_on_disconnect(receive: Receive, scope: trio.CancelScope) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    scope.cancel()
+
+
+async def _until_signal() -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for _ in signals:
+            return
+
+
+# ---------------------------------------------------------------------------------------------
+# The command
+
+
+class UsageError(Exception):
+    """A console setting the operator must change (exit 2)."""
+
+
+def check_settings(bind: str, token: str | None) -> tuple[str, int]:
+    host, port = _metrics.parse_bind(bind)
+    if token is not None and len(token) < 16:
+        raise UsageError("the token must be at least 16 characters")
+    if token is None and not is_loopback(host):
+        raise UsageError(
+            f"refusing to serve the console on {host!r} without a token: pass --token or"
+            " set TRIO_SESSIONS_CONSOLE_TOKEN (or bind to 127.0.0.1)"
+        )
+    return host, port
+
+
+async def serve_console(
+    store: Any,
+    *,
+    store_name: str,
+    bind: str,
+    token: str | None,
+    read_only: bool,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve the console until SIGTERM/SIGINT or cancellation; `task_status.started(urls)`."""
+    import hypercorn.config  # the `console` extra
+    import hypercorn.trio
+
+    from ._runtime import open_runtime
+
+    check_settings(bind, token)
+    async with open_runtime(store, None, owner_id="console") as runtime:
+        config = hypercorn.config.Config()
+        config.bind = [bind]
+        config.errorlog = logging.getLogger("hypercorn.error")
+        config.accesslog = None
+        config.graceful_timeout = 1.0
+        app = Console(runtime, store_name, Guard(token, read_only))
+
+        async def serve(task_status: trio.TaskStatus[list[str]]) -> None:
+            await hypercorn.trio.serve(
+                app,
+                config,
+                shutdown_trigger=_until_signal,
+                task_status=task_status,
+            )
+
+        async with trio.open_nursery() as nursery:
+            urls: list[str] = await nursery.start(serve)
+            logger.info("console listening on %s", " ".join(urls), extra={"urls": urls})
+            task_status.started(urls)
+
+
+ENV_TOKEN = "TRIO_SESSIONS_CONSOLE_TOKEN"
+
+
+def add_parser(commands: Any) -> None:
+    """Register the `console` command on the CLI's subparsers."""
+    parser = commands.add_parser(
+        "console",
+        help="serve the operator console in the browser",
+        description="Serve the operator console (needs the 'console' extra). On a non-loopback"
+        f" address a token is required (--token or {ENV_TOKEN}).",
+    )
+    parser.add_argument("--store", required=True, metavar="PATH_OR_URL")
+    parser.add_argument("--schema", metavar="S", help="PostgreSQL schema (URL only)")
+    parser.add_argument("--bind", default="127.0.0.1:8080", metavar="HOST:PORT")
+    parser.add_argument("--token", default=None, help=f"access token (env {ENV_TOKEN})")
+    parser.add_argument("--read-only", action="store_true", help="hide and refuse every action")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def run(args: Any, environ: Mapping[str, str]) -> int:
+    """The `console` command: returns the exit status (2 for a setting to change)."""
+    from ._worker import redact, store_of_url
+
+    token = args.token if args.token is not None else environ.get(ENV_TOKEN) or None
+    try:
+        check_settings(args.bind, token)
+        store = store_of_url(args.store, args.schema)
+    except (UsageError, ValueError) as exc:
+        print(f"error: {exc}", flush=True, file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    serve = functools.partial(
+        serve_console,
+        store,
+        store_name=redact(args.store),
+        bind=args.bind,
+        token=token,
+        read_only=args.read_only,
+    )
+    trio.run(serve)
+    return 0

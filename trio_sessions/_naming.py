@@ -1,0 +1,178 @@
+"""Naming the store (DESIGN §8, §6.27): which backend a name means, how a name is shown,
+and which PostgreSQL schema names are allowed. Pure: no I/O, no driver import.
+
+Invariants:
+* `store_kind` is the one decision between a path and a URL, for `open_runtime`, the worker
+  command and the operator CLI: a `postgresql://` or `postgres://` URL is PostgreSQL, any
+  other path is SQLite, and anything else that looks like a connection string (a libpq
+  `key=value` DSN, `postgresql+psycopg://`, another `scheme://`) is a `ValueError` - never
+  a file named after it;
+* `mask_password` is the one way a store name, or any text that may hold one (a driver's
+  error), is shown: the password is gone whatever the form (`user:pw@`, `?password=`,
+  percent-encoded, a DSN's `password=`), and a URL that libpq would read differently from
+  what its writer meant (an unquoted `@` or `/` in the password) is refused by
+  `check_postgres_name`, so no piece of a password ever reaches the driver as a host, a
+  port or a database name that an error would quote;
+* `check_schema` accepts exactly the names the server keeps as given (1-63 bytes in UTF-8,
+  an identifier, not reserved), so two different names are always two different schemas.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import urllib.parse
+from typing import Literal
+
+POSTGRES_SCHEMES = ("postgresql://", "postgres://")
+ACCEPTED_FORMS = (
+    "a path (SQLite), a postgresql:// or postgres:// URL (PostgreSQL), or a store object"
+)
+MASK = "***"
+
+# `scheme://` at the start of a name: a URL (RFC 3986 scheme characters).
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+# A libpq connection string starts with `keyword=` (`host=... dbname=...`).
+_DSN = re.compile(r"\s*[A-Za-z_][A-Za-z0-9_]*\s*=")
+
+
+def store_kind(store: str | os.PathLike[str]) -> Literal["sqlite", "postgres"]:
+    """Which backend a store name means; `ValueError` naming the accepted forms for a
+    connection string of any other form (the name is shown with its password masked).
+
+    A path that starts with `word=` reads as a DSN: write it `./word=...`.
+    """
+    name = os.fspath(store)
+    if not isinstance(name, str):
+        raise TypeError(f"store must be {ACCEPTED_FORMS}, got bytes")
+    if name.startswith(POSTGRES_SCHEMES):
+        check_postgres_name(name)
+        return "postgres"
+    if _URL.match(name):
+        scheme = name.split("://", 1)[0]
+        raise ValueError(
+            f"store {mask_password(name)!r} is a {scheme}:// URL; a store is {ACCEPTED_FORMS}"
+        )
+    if _DSN.match(name):
+        raise ValueError(
+            f"store {mask_password(name)!r} looks like a libpq connection string (key=value);"
+            f" a store is {ACCEPTED_FORMS} - write a file whose name starts with 'word='"
+            " as './word=...'"
+        )
+    return "sqlite"
+
+
+def check_postgres_name(name: str) -> str:
+    """A PostgreSQL URL or libpq DSN as `PostgresStore` takes it; `ValueError` for another
+    URL scheme and for a URL whose user name or password holds an unquoted `@` or `/`
+    (libpq would take part of the password for the host or the database)."""
+    if not isinstance(name, str):
+        raise TypeError(f"url must be a str, got {type(name).__name__}")
+    if not name.strip():
+        return name  # libpq's defaults: PGHOST, PGDATABASE, ... from the environment
+    if not name.startswith(POSTGRES_SCHEMES):
+        if _URL.match(name) or not _DSN.match(name):
+            raise ValueError(
+                f"url {mask_password(name)!r} is not a postgresql:// or postgres:// URL"
+                " nor a libpq key=value connection string"
+            )
+        return name
+    rest = name.split("://", 1)[1]
+    # libpq reads the user name and password up to the first '@' before any '/'; what
+    # follows up to '?' is host, port and database, where an '@' can only be a password's.
+    cut = re.search(r"[@/]", rest)
+    after = rest[cut.end() :] if cut is not None and cut.group() == "@" else rest
+    if "@" in after.split("?", 1)[0]:
+        raise ValueError(
+            f"url {mask_password(name)!r}: a user name or password holding '@' or '/' must be"
+            " percent-encoded (urllib.parse.quote(password, safe=''))"
+        )
+    return name
+
+
+def mask_password(text: str, *, secrets: tuple[str, ...] = ()) -> str:
+    """`text` with every password in it replaced by `***`: in any URL (`user:pw@`, also
+    with a `/`, `@` or `:` in the password, and `?password=`/`&password=`), in libpq
+    `password=...` pairs (quoted or not), and each of `secrets` (a password known to be
+    in play, raw and percent-decoded) wherever it appears. Masks too much rather than too
+    little: a URL whose query holds an '@' may lose its host from view."""
+    for secret in _secrets(secrets):
+        text = text.replace(secret, MASK)
+    text = _URL_IN_TEXT.sub(_mask_url, text)
+    return _PASSWORD_PAIR.sub(lambda m: f"{m.group(1)}{MASK}", text)
+
+
+def secrets_of(name: str) -> tuple[str, ...]:
+    """The password a store name carries (as written), if any: `mask_password`'s
+    `secrets` for text that may quote any of it (a driver's error about that store)."""
+    if _URL.match(name):
+        userinfo = _userinfo(name.split("://", 1)[1])
+        if userinfo is not None and ":" in userinfo:
+            return (userinfo.split(":", 1)[1],)
+    pair = _PASSWORD_PAIR.search(name)
+    value = "" if pair is None else pair.group(0)[len(pair.group(1)) :].strip("'")
+    return (value,) if value else ()
+
+
+# A URL inside free text ends at whitespace or a quote (drivers quote what they echo).
+_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"]*")
+# `password=value` as a libpq pair (`password = 'it''s'`, backslash escapes) or a URL
+# query parameter (up to the next `&`); group 1 is everything before the value.
+_PASSWORD_PAIR = re.compile(
+    r"((?<![A-Za-z0-9_])password\s*=\s*)(?:'(?:\\.|[^'\\])*'?|[^\s&'\"]*)", re.IGNORECASE
+)
+
+
+def _userinfo(rest: str) -> str | None:
+    """The user name and password of a URL's text after `://`, read generously: up to the
+    last '@' before the query, or the last '@' at all when the password holds a '?'."""
+    query = rest.find("?")
+    head = rest if query < 0 else rest[:query]
+    at = head.rfind("@")
+    if at < 0:
+        at = rest.rfind("@")
+    return None if at < 0 else rest[:at]
+
+
+def _mask_url(match: re.Match[str]) -> str:
+    url = match.group()
+    scheme, rest = url.split("://", 1)
+    userinfo = _userinfo(rest)
+    if userinfo is not None and ":" in userinfo:
+        user = userinfo.split(":", 1)[0]
+        rest = f"{user}:{MASK}@{rest[len(userinfo) + 1 :]}"
+    return f"{scheme}://{rest}"
+
+
+def _secrets(secrets: tuple[str, ...]) -> list[str]:
+    # Longest first, so a password is never half-replaced by one of its own substrings.
+    # Very short values would mangle every message they occur in and hide nothing.
+    found = {form for secret in secrets for form in (secret, urllib.parse.unquote(secret))}
+    return sorted((s for s in found if len(s) >= 4), key=len, reverse=True)
+
+
+# -- PostgreSQL schema names -----------------------------------------------------------------
+
+NAMEDATALEN = 63  # the server truncates longer identifiers, merging different names
+
+
+def check_schema(schema: object) -> str:
+    """A PostgreSQL schema name the server keeps as given: 1-63 bytes in UTF-8, an
+    identifier (letters, digits, underscores; not starting with a digit), neither `pg_*`
+    nor `information_schema` (any case). `TypeError` for a non-str, `ValueError` else."""
+    if not isinstance(schema, str):
+        raise TypeError(f"schema must be a str, got {type(schema).__name__}")
+    size = len(schema.encode("utf-8", "surrogatepass"))
+    if not 1 <= size <= NAMEDATALEN:
+        raise ValueError(
+            f"schema must be 1-{NAMEDATALEN} bytes in UTF-8 (the server truncates longer"
+            f" names, so two of them would share tables), got {size}: {schema[:80]!r}"
+        )
+    if not schema.isidentifier() or not schema.isprintable():
+        raise ValueError(
+            f"schema must be an identifier (letters, digits and underscores, not starting"
+            f" with a digit), got {schema!r}"
+        )
+    if schema.lower().startswith("pg_") or schema.lower() == "information_schema":
+        raise ValueError(f"schema {schema!r} is reserved for the server (pg_*, information_schema)")
+    return schema
