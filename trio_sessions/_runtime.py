@@ -51,12 +51,14 @@ from ._model import (
     Outcome,
     RecoveryReport,
     RuntimeStatistics,
+    ToolPart,
 )
 from ._naming import ACCEPTED_FORMS, store_kind
 from ._recovery import Recovery, report_of
 from ._schedule import DueTimer
 from ._signals import Watcher, WatchHub
 from ._sqlite import SQLiteStore
+from ._stream import EventStream, Offer, StreamHub, decode_cursor
 
 T = TypeVar("T")
 Drain = Callable[["DrainContext"], Awaitable[None]]
@@ -224,6 +226,7 @@ class Runtime:
         self._remote_signals = 0
         self._max_active = config.max_active
         self._watchers = WatchHub()
+        self._streams = StreamHub()
         # Set to look at the store now rather than at the next change signal.
         self._kick = trio.Event()
         # Owner liveness (DESIGN §4): other owners' tokens as seen, and whether ours is
@@ -537,6 +540,7 @@ class Runtime:
         """
         validate_session_id(session_id)
         existed = await self._db.run(_store.delete_session, session_id)
+        self._streams.touch(session_id)
         entry = self._entries.get(session_id)
         if entry is not None:
             # Its claim is gone with the session: stop the drain, write nothing for it.
@@ -584,6 +588,7 @@ class Runtime:
         if through_seq is not None:
             through_seq = _seq(through_seq, "through_seq")
         await self._db.run(_store.fork, session_id, new_session_id, through_seq)
+        self._streams.touch(new_session_id)
 
     async def truncate(self, session_id: str, *, after_seq: int) -> int:
         """Delete the session's messages with `seq > after_seq`; returns how many. "Edit and
@@ -595,7 +600,9 @@ class Runtime:
         """
         validate_session_id(session_id)
         after_seq = _seq(after_seq, "after_seq")
-        return await self._db.run(_store.truncate, session_id, after_seq)
+        deleted = await self._db.run(_store.truncate, session_id, after_seq)
+        self._streams.touch(session_id)
+        return deleted
 
     # -- local registry -----------------------------------------------------------------------
 
@@ -760,6 +767,7 @@ class Runtime:
         if ending is None:
             ending = _Ending("interrupted")
         outcome, successor_due = await self._finalize(entry, ending)
+        self._streams.touch(entry.session_id)  # open messages were closed by the store
         entry.current.resolve(outcome)
         return outcome, successor_due
 
@@ -842,6 +850,7 @@ class Runtime:
                 )
             except LeaseLost as exc:
                 return _Ending("failed", error=exc)
+            self._streams.touch(entry.session_id)  # messages left open were closed
             if verdict is not IterationVerdict.CONTINUE:
                 entry.disown()
                 if self._seams.after_finish is not None:
@@ -1029,6 +1038,7 @@ class Runtime:
                 self._remote_signals += 1
         self._due.arm(changes.next_due_ms)
         self._watchers.apply(changes.watched)
+        await self._streams.look(self._db.read)
 
     @asynccontextmanager
     async def watch(self, session_id: str, *, after_seq: int = 0) -> AsyncIterator[Watcher]:
@@ -1063,6 +1073,34 @@ class Runtime:
             yield watcher
         finally:
             self._watchers.remove(watcher)
+
+    @asynccontextmanager
+    async def stream(
+        self, session_id: str, *, cursor: str | None = None
+    ) -> AsyncIterator[EventStream]:
+        """Follow a session's transcript as resumable events (`StreamEvent`, DESIGN §5.2).
+
+        With `cursor=None`: one `"message"` event per stored message, then an event for each
+        change, by this runtime or any other process on the store, until the block exits or
+        the runtime closes. With the `cursor` of an event a stream yielded (in any process):
+        exactly the events after that one - no gap, no duplicate - also after the message
+        finished (then one `"message"` event may stand for the deltas missed). Applying the
+        events in order reproduces `transcript()`. An `"append"` event carries only the
+        appended text; local writes arrive without a store round trip.
+
+        Writes nothing; costs no task and no polling of its own. Entering raises
+        `ValueError` for a malformed cursor or another session's, `TypeError`/`ValueError`
+        for a bad session id; iterating raises `MalformedRecord` for a row that does not
+        decode (this stream only) and `StoreError` when a read fails (iterate again to
+        retry). Cancelling the block simply leaves it.
+        """
+        validate_session_id(session_id)
+        position = decode_cursor(session_id, cursor)
+        events = self._streams.open(session_id, position, self._db.read)
+        try:
+            yield events
+        finally:
+            self._streams.remove(events)
 
     # -- recovery -----------------------------------------------------------------------------
 
@@ -1123,6 +1161,7 @@ class Runtime:
                 )
                 for (candidate, entry), result in zip(entries, results, strict=True):
                     _observe.recovered(candidate, entry.execution_id, result, self._owner_id)
+                    self._streams.touch(candidate.session_id)
                     if result.decision is RecoveryDecision.RESUME and not result.fence_lost:
                         self._own(entry, attempt=result.attempt, resumed=True, sent_at=sent_at)
                         entry.keep_going()
@@ -1332,9 +1371,11 @@ class DrainContext:
         """
         limit = TAKE_INPUTS_CHUNK if limit is None else _count(limit, "limit", 1)
         self._check_live()
-        return await self._runtime._db.run(
+        taken = await self._runtime._db.run(
             _store.take_inputs, self.session_id, self.execution_id, self.owner_id, limit
         )
+        self._runtime._streams.touch(self.session_id)  # new user messages: streams read them
+        return taken
 
     async def transcript(self) -> list[Message]:
         """The session's messages in seq order (`MalformedRecord` for a row that does not
@@ -1356,11 +1397,17 @@ class DrainContext:
         """
         self._check_live()
         message_id = _store.new_id()
-        seq = await self._runtime._db.run(
-            _store.begin_assistant, self.session_id, self.execution_id, self.owner_id, message_id
-        )
+        with self._runtime._streams.writing(self.session_id):
+            seq = await self._runtime._db.run(
+                _store.begin_assistant,
+                self.session_id,
+                self.execution_id,
+                self.owner_id,
+                message_id,
+            )
         writer = AssistantWriter(self, message_id, seq)
         writer._publish(0)
+        writer._offer(0, "message", _transcript.EMPTY)
         return writer
 
 
@@ -1395,18 +1442,21 @@ class AssistantWriter:
         _codec.check_text(text, "text")
         context = self._context
         context._check_live()
-        data, version = await context._runtime._db.run(
-            _store.append_assistant_text,
-            context.session_id,
-            context.execution_id,
-            context.owner_id,
-            self.message_id,
-            text,
-        )
+        with context._runtime._streams.writing(context.session_id):
+            data, version = await context._runtime._db.run(
+                _store.append_assistant_text,
+                context.session_id,
+                context.execution_id,
+                context.owner_id,
+                self.message_id,
+                text,
+            )
         if data is None:
             self._streamed.append(text)
+            self._offer(version, "append", text)
         else:
             self._data, self._streamed = data, []
+            self._offer(version, "message", data)
         self._publish(version)
 
     async def start_tool(self, call_id: str, name: str, input: dict[str, Any]) -> None:
@@ -1420,7 +1470,9 @@ class AssistantWriter:
                 raise TypeError(f"{what} must be a non-empty str, got {value!r:.80}")
             _codec.check_text(value, what)
         await _checked_json(_codec.check_json_object, input, "tool input")
-        await self._update(lambda data: _transcript.start_tool(data, call_id, name, input))
+        await self._update(
+            lambda data: _transcript.start_tool(data, call_id, name, input), call_id=call_id
+        )
 
     async def settle_tool(self, call_id: str, output: Any) -> None:
         """Record a running tool call as `completed` with its JSON `output`: at most 1 MiB
@@ -1428,36 +1480,64 @@ class AssistantWriter:
         await _checked_json(
             _codec.check_json, output, "tool output", limit=_codec.MAX_PAYLOAD_BYTES
         )
-        await self._update(lambda data: _transcript.settle_tool(data, call_id, output=output))
+        await self._update(
+            lambda data: _transcript.settle_tool(data, call_id, output=output), call_id=call_id
+        )
 
     async def fail_tool(self, call_id: str, error: str) -> None:
         """Record a running tool call as `error` with the reason `error`: at most 1 MiB in
         UTF-8 (`MAX_PAYLOAD_BYTES`) and no NUL character (`ValueError`)."""
         _codec.check_text(error, "error")
-        await self._update(lambda data: _transcript.settle_tool(data, call_id, error=error))
+        await self._update(
+            lambda data: _transcript.settle_tool(data, call_id, error=error), call_id=call_id
+        )
 
     async def finish(self) -> None:
         """Finish the message normally; a tool call still running is failed, not left
         running forever. No further change is accepted."""
         await self._update(_transcript.finish)
 
-    async def _update(self, transition: Callable[[AssistantData], AssistantData]) -> None:
+    async def _update(
+        self, transition: Callable[[AssistantData], AssistantData], *, call_id: str | None = None
+    ) -> None:
+        """Apply a transition; `call_id` names the one tool part it changes (else: finish)."""
         context = self._context
         context._check_live()
+        # Finishing fails running tools too: then the stream gets the whole message.
+        fails_tools = bool(_transcript.unsettled_calls(self._data))
         try:
-            data, version = await context._runtime._db.run(
-                _store.update_assistant,
-                context.session_id,
-                context.execution_id,
-                context.owner_id,
-                self.message_id,
-                transition,
-            )
+            with context._runtime._streams.writing(context.session_id):
+                data, version = await context._runtime._db.run(
+                    _store.update_assistant,
+                    context.session_id,
+                    context.execution_id,
+                    context.owner_id,
+                    self.message_id,
+                    transition,
+                )
         except (DuplicateSettlement, UnknownToolCall) as exc:
             context._defect = context._defect or exc
             raise
         self._data, self._streamed = data, []
+        if call_id is not None:
+            part = next(p for p in data.parts if isinstance(p, ToolPart) and p.call_id == call_id)
+            self._offer(version, "part", part)
+        elif fails_tools:
+            self._offer(version, "message", data)
+        else:
+            self._offer(version, "finish", {"error": data.error})
         self._publish(version)
+
+    def _offer(
+        self, version: int, kind: Literal["message", "append", "part", "finish"], data: Any
+    ) -> None:
+        """Local streams get the change now, as the event it makes (no store round trip)."""
+        context = self._context
+        streams = context._runtime._streams
+        if streams.watching(context.session_id):
+            is_open = not (isinstance(data, AssistantData) and data.finished) and kind != "finish"
+            offer = Offer(self.message_id, self._seq, version, kind, data, is_open)
+            streams.offer(context.session_id, offer)
 
     def _publish(self, version: int) -> None:
         """Local watchers get the snapshot now, with no store round trip."""
@@ -1691,6 +1771,7 @@ async def _open_runtime(
             yield runtime
         finally:
             runtime._watchers.close()
+            runtime._streams.close()
             try:
                 if not runtime._crashed:
                     # Shielded and not bounded here: it waits for drains to exit, which no

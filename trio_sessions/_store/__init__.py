@@ -16,7 +16,8 @@ Families (one module each):
 * `changes`: what other processes changed (doorbells, cancellations, watched messages);
 * `liveness`: other owners' liveness tokens (free ones, forgetting gone owners).
 * `control`: conversation control - `on_busy`, scheduled inputs, cancel, pause and resume,
-  delete and purge, fork and truncate (DESIGN §5.1).
+  delete and purge, fork and truncate (DESIGN §5.1);
+* `stream`: what a resumable event stream's client is missing (`runtime.stream()`).
 
 Serialisation: every operation that reads and then writes a session's rows first takes
 `tx.lock_session(session_id)` - a no-op on SQLite (its write transaction holds the only
@@ -100,6 +101,7 @@ from .recovery import (
     recovery_candidates,
     take_recovery_leases,
 )
+from .stream import stream_changes, stream_heads
 from .transcript import (
     TAKE_INPUTS_CHUNK,
     append_assistant_text,
@@ -166,6 +168,8 @@ __all__ = [
     "session_status",
     "status",
     "store_counts",
+    "stream_changes",
+    "stream_heads",
     "submit",
     "submit_and_acquire",
     "submit_controlled",
