@@ -77,3 +77,21 @@ def soak(session: nox.Session) -> None:
     session.install(".")
     install_group(session, "test")
     session.run("python", "-m", "trio_sessions.soak", *session.posargs)
+
+
+@nox.session(python=None)
+def streams(session: nox.Session) -> None:
+    """The long run of the resumable-stream property test (DESIGN §5.2): 5,000 examples of
+    up to six histories per backend (`TRIO_SESSIONS_STREAM_EXAMPLES` sets another count)."""
+    session.install(".[postgres]")
+    install_group(session, "test")
+    examples = session.env.get("TRIO_SESSIONS_STREAM_EXAMPLES", "5000")
+    session.run(
+        "pytest",
+        "tests/test_stream.py",
+        "-k",
+        "random_histories",
+        "-p",
+        "no:randomly",
+        env={"TRIO_SESSIONS_STREAM_EXAMPLES": examples},
+    )

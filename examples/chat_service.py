@@ -7,15 +7,27 @@ Run it (SQLite here; a `postgresql://` URL works the same, across hosts):
     PYTHONPATH=examples python -m trio_sessions worker chat_service:drain --store chat.db
 
     curl -X POST localhost:8000/sessions/s1/messages -d '{"text": "hello there"}'
-    curl -N localhost:8000/sessions/s1/events        # live snapshots (server-sent events)
+    curl -N localhost:8000/sessions/s1/events        # resumable events (server-sent events)
     curl localhost:8000/sessions/s1/transcript
-    curl -X POST localhost:8000/sessions/s1/interrupt
+    curl -X POST localhost:8000/sessions/s1/stop -d '{"input_id": "..."}'
+    curl -X POST localhost:8000/sessions/s1/edit -d '{"seq": 1, "text": "hello again"}'
+    curl -X DELETE localhost:8000/sessions/s1
 
 * The web process (`serve_web`) is an ASGI app on hypercorn's trio worker. It opens a
   *producer* runtime (`drain=None`): posting a message is a durable `submit` (the 202 means
   the message is stored), the transcript and the event stream read the store, and an
   interrupt marks the worker's claim `cancelling` - the worker cancels its drain within
   milliseconds. It never drains, so a web process can restart at any time.
+* The conversation controls a chat UI needs: a message sent while an answer streams says
+  what to do with it (`"on_busy"`: `queue`, `interrupt` the answer, or `reject` with 409);
+  *Stop* withdraws the user's message if no worker picked it up yet and interrupts the
+  answer otherwise; *edit* replaces a user message and regenerates from there (truncate,
+  then submit; 409 while an answer runs); `DELETE` erases the conversation.
+* `GET /events` is server-sent events from `runtime.stream()`: each event's `id:` is its
+  cursor, so a browser's `EventSource` that loses its connection reconnects with
+  `Last-Event-ID` and continues with exactly the events it missed (`?cursor=` does the same
+  for clients that cannot set the header). Each `data:` is one `StreamEvent` as JSON: apply
+  it to your copy of message `seq` (see DESIGN §5.2's table).
 * Workers run `drain` with the worker command. The drain streams its answer a word at a
   time (a stand-in for an LLM's tokens), so an interrupt or a dead worker can land
   mid-answer. Killed mid-answer, a worker's session is resumed by another worker once the
@@ -84,8 +96,18 @@ Receive = Callable[[], Awaitable[Mapping[str, Any]]]
 Send = Callable[[Any], Awaitable[None]]
 
 ROUTE = re.compile(
-    r"^/sessions/(?P<session>[^/]+)/(?P<action>messages|transcript|interrupt|events)$"
+    r"^/sessions/(?P<session>[^/]+)(?:/(?P<action>messages|transcript|interrupt|stop|edit|events))?$"
 )
+# The method each action takes (no action: the conversation itself).
+METHODS = {
+    "messages": "POST",
+    "transcript": "GET",
+    "interrupt": "POST",
+    "stop": "POST",
+    "edit": "POST",
+    "events": "GET",
+    None: "DELETE",
+}
 
 
 class HTTPError(Exception):
@@ -96,7 +118,8 @@ class HTTPError(Exception):
 
 @attrs.define
 class ChatApp:
-    """POST messages, GET the transcript, POST interrupt, GET events (SSE), over a runtime."""
+    """POST messages, GET the transcript, POST stop/interrupt/edit, GET events (SSE), DELETE
+    a conversation, over a runtime."""
 
     runtime: trio_sessions.Runtime
 
@@ -110,6 +133,8 @@ class ChatApp:
             await self.route(scope, receive, send)
         except HTTPError as exc:
             await _respond(send, exc.status, {"error": str(exc)})
+        except trio_sessions.SessionBusy as exc:
+            await _respond(send, 409, {"error": str(exc)})
         except (ValueError, TypeError, trio_sessions.InputConflict) as exc:
             await _respond(send, 400, {"error": str(exc)})
 
@@ -125,9 +150,9 @@ class ChatApp:
         if match is None:
             raise HTTPError(404, f"no such resource: {path}")
         session_id, action = match["session"], match["action"]
-        expected = "GET" if action in ("transcript", "events") else "POST"
+        expected = METHODS[action]
         if method != expected:
-            raise HTTPError(405, f"{action} takes {expected}")
+            raise HTTPError(405, f"{action or 'a conversation'} takes {expected}")
         if action == "messages":
             await self.post_message(session_id, scope, receive, send)
         elif action == "transcript":
@@ -136,31 +161,67 @@ class ChatApp:
         elif action == "interrupt":
             accepted = await self.runtime.interrupt(session_id)
             await _respond(send, 200, {"accepted": accepted})
+        elif action == "stop":
+            await self.stop(session_id, receive, send)
+        elif action == "edit":
+            await self.edit(session_id, scope, receive, send)
+        elif action is None:
+            deleted = await self.runtime.delete_session(session_id)
+            await _respond(send, 200, {"deleted": deleted})
         else:
             await self.stream_events(session_id, scope, receive, send)
 
     async def post_message(
         self, session_id: str, scope: Scope, receive: Receive, send: Send
     ) -> None:
-        body = await _read_body(receive)
-        try:
-            payload = json.loads(body)
-        except json.JSONDecodeError as exc:
-            raise HTTPError(400, f"the body must be JSON: {exc}") from None
-        if not isinstance(payload, dict) or not isinstance(payload.get("text"), str):
-            raise HTTPError(400, 'the body must be {"text": "..."}')
+        """Store the user's message; `"on_busy"` says what it does to an answer that is
+        still streaming: `queue` (default) it, `interrupt` the answer, or `reject` (409)."""
+        payload = await _read_json(receive)
+        if not isinstance(payload.get("text"), str):
+            raise HTTPError(400, 'the body must be {"text": "...", "on_busy": "queue"}')
+        on_busy = payload.get("on_busy", "queue")
+        if on_busy not in ("queue", "interrupt", "reject"):
+            raise HTTPError(400, 'on_busy must be "queue", "interrupt" or "reject"')
         # A client retrying after a timeout sends the same key: stored once.
         key = _header(scope, b"idempotency-key")
-        input_id = await self.runtime.submit(session_id, {"text": payload["text"]}, input_id=key)
+        input_id = await self.runtime.submit(
+            session_id, {"text": payload["text"]}, input_id=key, on_busy=on_busy
+        )
+        await _respond(send, 202, {"input_id": input_id})
+
+    async def stop(self, session_id: str, receive: Receive, send: Send) -> None:
+        """The UI's Stop button for the user's last message (`input_id`, from the POST): if
+        no worker picked it up yet it is withdrawn and never answered; otherwise the answer
+        that is streaming is interrupted."""
+        payload = await _read_json(receive)
+        input_id = payload.get("input_id")
+        if input_id is not None and await self.runtime.cancel_input(str(input_id)):
+            await _respond(send, 200, {"stopped": "withdrawn"})
+            return
+        interrupted = await self.runtime.interrupt(session_id)
+        await _respond(send, 200, {"stopped": "interrupted" if interrupted else None})
+
+    async def edit(self, session_id: str, scope: Scope, receive: Receive, send: Send) -> None:
+        """Edit and regenerate: replace user message `seq` with `text`, dropping everything
+        after it, and answer it again. 409 while an answer is running (stop it first)."""
+        payload = await _read_json(receive)
+        seq, text = payload.get("seq"), payload.get("text")
+        if type(seq) is not int or seq < 1 or not isinstance(text, str):
+            raise HTTPError(400, 'the body must be {"seq": <a user message\'s seq>, "text": "..."}')
+        await self.runtime.truncate(session_id, after_seq=seq - 1)
+        key = _header(scope, b"idempotency-key")
+        input_id = await self.runtime.submit(session_id, {"text": text}, input_id=key)
         await _respond(send, 202, {"input_id": input_id})
 
     async def stream_events(
         self, session_id: str, scope: Scope, receive: Receive, send: Send
     ) -> None:
-        """Server-sent events: one `data:` line per message snapshot, until the client leaves."""
-        after_seq = int(_query(scope).get("after_seq", "0"))
-        # Entered before the response starts: a bad session id is still a plain 400.
-        async with self.runtime.watch(session_id, after_seq=after_seq) as updates:
+        """Server-sent events from `runtime.stream()`, until the client leaves: `id:` is the
+        event's cursor, `data:` the event as JSON. A reconnecting `EventSource` sends the
+        last id it saw as `Last-Event-ID` and gets exactly the events after it."""
+        cursor = _header(scope, b"last-event-id") or _query(scope).get("cursor") or None
+        # Entered before the response starts: a bad session id or cursor is a plain 400.
+        async with self.runtime.stream(session_id, cursor=cursor) as events:
             await send(
                 {
                     "type": "http.response.start",
@@ -176,9 +237,12 @@ class ChatApp:
                 nursery.start_soon(
                     _cancel_on_disconnect, receive, nursery.cancel_scope, disconnected
                 )
-                async for message in updates:
-                    event = f"data: {json.dumps(message.to_json())}\n\n".encode()
-                    await send({"type": "http.response.body", "body": event, "more_body": True})
+                async for event in events:
+                    # A cursor is ASCII without line breaks: safe in an `id:` field.
+                    chunk = f"id: {event.cursor}\ndata: {json.dumps(event.to_json())}\n\n"
+                    await send(
+                        {"type": "http.response.body", "body": chunk.encode(), "more_body": True}
+                    )
                 nursery.cancel_scope.cancel()  # the runtime closed: end the stream
         if not disconnected.is_set():
             await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -201,6 +265,20 @@ async def _cancel_on_disconnect(
         pass
     disconnected.set()
     scope.cancel()
+
+
+async def _read_json(receive: Receive) -> dict[str, Any]:
+    """The request body as a JSON object (an empty body is `{}`)."""
+    body = await _read_body(receive)
+    if not body.strip():
+        return {}
+    try:
+        payload = json.loads(body)
+    except json.JSONDecodeError as exc:
+        raise HTTPError(400, f"the body must be JSON: {exc}") from None
+    if not isinstance(payload, dict):
+        raise HTTPError(400, "the body must be a JSON object")
+    return payload
 
 
 async def _read_body(receive: Receive) -> bytes:

@@ -48,10 +48,17 @@ def chrome() -> Iterator[Any]:
 
 
 def until(check: Callable[[], Any], what: str, browser: Any) -> Any:
+    """Poll `check` until it holds; a page still loading (an element gone stale or not
+    there yet) counts as not yet."""
+    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
+
     deadline = time.monotonic() + DEADLINE
     while time.monotonic() < deadline:
-        if found := check():
-            return found
+        try:
+            if found := check():
+                return found
+        except (NoSuchElementException, StaleElementReferenceException):
+            pass
         time.sleep(0.05)
     raise AssertionError(f"timed out waiting for {what}; page:\n{browser.page_source}")
 
@@ -145,3 +152,44 @@ def test_a_read_only_console_offers_no_action(chrome: Any, tmp_path: Path) -> No
         until(lambda: "read-only" in chrome.page_source, "the refusal", chrome)
         assert "this console is read-only" in chrome.page_source
     assert raw.one("SELECT COUNT(*) FROM session_execution WHERE id = 'poison-exec'") == (1,)
+
+
+def test_pause_cancel_resume_and_delete_from_the_console(chrome: Any, tmp_path: Path) -> None:
+    """On a session's page: pause it, cancel one of its pending inputs, resume it (a worker
+    then answers only the input left, live on the page), and delete it."""
+    from selenium.webdriver.common.by import By
+
+    store = tmp_path / "db"
+    submit(store, "later", {"text": "first"})
+    submit(store, "later", {"text": "second"})
+    raw = Raw(store)
+
+    def click(value: str) -> None:
+        button = until(
+            lambda: chrome.find_elements(By.CSS_SELECTOR, f"button[value={value}]"), value, chrome
+        )
+        button[0].click()
+
+    with console(str(store), tmp_path, "--token", TOKEN) as (url, _):
+        chrome.get(f"{url}/?token={TOKEN}")
+        chrome.get(f"{url}/sessions/later")
+        click("pause")
+        until(lambda: "paused" in chrome.find_element(By.ID, "state").text, "paused", chrome)
+        rows = chrome.find_elements(By.CSS_SELECTOR, "#inputs tbody tr")
+        assert [row.text.split()[0] for row in rows] == ["1", "2"]
+        rows[0].find_element(By.CSS_SELECTOR, "button[value=cancel]").click()
+        until(
+            lambda: len(chrome.find_elements(By.CSS_SELECTOR, "#inputs tbody tr")) == 1,
+            "one input left",
+            chrome,
+        )
+        with worker(str(store), tmp_path, "worker_drain:reply", "w1"):
+            assert raw.one("SELECT COUNT(*) FROM session_input") == (1,)  # paused: untaken
+            click("resume")
+            until(lambda: "echo: second" in transcript_text(chrome), "the answer", chrome)
+            assert "first" not in transcript_text(chrome)
+            screenshot(chrome, "console-control")
+        click("delete")
+        chrome.switch_to.alert.accept()
+        until(lambda: chrome.current_url.rstrip("/") == url, "the list", chrome)
+    assert raw.one("SELECT COUNT(*) FROM session WHERE id = 'later'") == (0,)

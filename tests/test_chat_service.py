@@ -199,18 +199,61 @@ async def test_concurrent_users_each_get_their_answer(service: Service) -> None:
             nursery.start_soon(user, client, n)
 
 
+Event = dict[str, Any]
+View = dict[int, dict[str, Any]]
+
+
+def apply(view: View, event: Event) -> None:
+    """A client applying one stream event (DESIGN §5.2) to its copy of the messages."""
+    kind, seq, data = event["kind"], event["seq"], event["data"]
+    if kind == "truncate":
+        for stale in [n for n in view if n > seq]:
+            del view[stale]
+    elif kind == "message":
+        view[seq] = {"role": event["role"], "data": data}
+    else:
+        message = view[seq]["data"]
+        parts = message["parts"]
+        if kind == "append":
+            if parts and parts[-1]["type"] == "text":
+                parts[-1]["text"] += data
+            else:
+                parts.append({"type": "text", "text": data})
+        elif kind == "part":
+            same = [i for i, p in enumerate(parts) if p.get("call_id") == data["call_id"]]
+            if same:
+                parts[same[0]] = data
+            else:
+                parts.append(data)
+        else:
+            assert kind == "finish", event
+            message["finished"], message["error"] = True, data["error"]
+
+
+def view_of(messages: list[dict[str, Any]]) -> View:
+    return {m["seq"]: {"role": m["role"], "data": m["data"]} for m in messages}
+
+
 async def read_events(
-    url: str, session: str, responded: trio.Event
-) -> tuple[bytes, list[dict[str, Any]]]:
-    """GET /events on a plain TCP stream (an SSE client is a socket reader): the response
-    head (`responded` is set when it arrives) and every snapshot up to the first finished
-    assistant message."""
+    url: str,
+    session: str,
+    responded: trio.Event,
+    *,
+    until: Any,
+    last_event_id: str | None = None,
+) -> tuple[bytes, list[tuple[str, Event]]]:
+    """GET /events on a plain TCP stream (an SSE client is a socket reader), sending
+    `Last-Event-ID` when given: the response head (`responded` is set when it arrives) and
+    the (id, event) pairs up to the first for which `until(events)` holds; then the
+    connection is dropped."""
     address = httpx.URL(url)
     assert address.host and address.port
     stream = await trio.open_tcp_stream(address.host, address.port)
     async with stream:
-        request = f"GET /sessions/{session}/events HTTP/1.1\r\nHost: {address.host}\r\n\r\n"
-        await stream.send_all(request.encode())
+        request = f"GET /sessions/{session}/events HTTP/1.1\r\nHost: {address.host}\r\n"
+        if last_event_id is not None:
+            request += f"Last-Event-ID: {last_event_id}\r\n"
+        await stream.send_all((request + "\r\n").encode())
         received = b""
         while True:
             chunk = await stream.receive_some()
@@ -219,21 +262,41 @@ async def read_events(
             head, blank, body = received.partition(b"\r\n\r\n")
             if blank:
                 responded.set()
-            snapshots = [json.loads(data) for data in re.findall(rb"data: (.*)\n\n", body)]
-            if any(s["role"] == "assistant" and s["data"]["finished"] for s in snapshots):
-                return head, snapshots
+            events = [
+                (ident.decode(), json.loads(data))
+                for ident, data in re.findall(rb"id: (\S+)\ndata: (.*)\n\n", body)
+            ]
+            for n in range(1, len(events) + 1):
+                if until(events[:n]):
+                    return head, events[:n]
 
 
-async def test_the_event_stream_delivers_growing_snapshots(service: Service) -> None:
-    """GET /events streams the user message, then snapshots of the streamed answer in write
-    order, up to the finished one."""
+def answered(
+    events: list[tuple[str, Event]], before: list[tuple[str, Event]] | None = None
+) -> bool:
+    """Whether the newest assistant message of the events (after `before`) is finished."""
+    view: View = {}
+    for _, event in (before or []) + events:
+        apply(view, event)
+    answers = [m for m in view.values() if m["role"] == "assistant"]
+    return bool(answers) and answers[-1]["data"]["finished"]
+
+
+async def transcript_now(service: Service, session: str) -> list[dict[str, Any]]:
+    async with httpx.AsyncClient(base_url=service.url, timeout=5) as client:
+        return await transcript(client, session)
+
+
+async def test_the_event_stream_delivers_the_answer_as_resumable_events(service: Service) -> None:
+    """GET /events streams the user message, then the answer: the new message, one "append"
+    per word, the finish; every event has an `id:` (its cursor), and applying the events
+    gives exactly the stored transcript."""
     question = long_question("s", 30)
-    expected = f"You said: {question}"
     responded = trio.Event()
-    result: list[tuple[bytes, list[dict[str, Any]]]] = []
+    result: list[tuple[bytes, list[tuple[str, Event]]]] = []
 
     async def listen() -> None:
-        result.append(await read_events(service.url, "sse", responded))
+        result.append(await read_events(service.url, "sse", responded, until=answered))
 
     with trio.fail_after(DEADLINE):
         async with (
@@ -243,14 +306,135 @@ async def test_the_event_stream_delivers_growing_snapshots(service: Service) -> 
             nursery.start_soon(listen)
             await responded.wait()
             await post(client, "sse", question)
-    [(head, snapshots)] = result
+        stored = await transcript_now(service, "sse")
+    [(head, events)] = result
     assert head.startswith(b"HTTP/1.1 200") and b"text/event-stream" in head
-    assert snapshots[0]["role"] == "user" and snapshots[0]["data"] == {"text": question}
-    texts = [text_of(s) for s in snapshots[1:]]
-    assert len(texts) >= 2, texts  # streamed: at least one unfinished snapshot before the end
-    assert all(expected.startswith(text) for text in texts), texts
-    assert [len(t) for t in texts] == sorted(len(t) for t in texts)  # never an older state
-    assert texts[-1] == expected
+    first = events[0][1]
+    assert (first["kind"], first["role"], first["data"]) == ("message", "user", {"text": question})
+    appends = [event for _, event in events if event["kind"] == "append"]
+    assert len(appends) >= 2, events  # streamed: word by word, not one snapshot
+    # Words appended after the new message's first read, each by itself.
+    assert f"You said: {question}".endswith("".join(e["data"] for e in appends))
+    assert len({ident for ident, _ in events}) == len(events)
+    view: View = {}
+    for _, event in events:
+        apply(view, event)
+    assert view == view_of(stored)
+
+
+async def test_a_dropped_event_stream_resumes_with_last_event_id(service: Service) -> None:
+    """An SSE connection dropped mid-answer and reopened with `Last-Event-ID` (what a
+    browser's EventSource does) continues with exactly the events after that id - no word
+    twice, none lost: the client's copy ends equal to the stored transcript, the answer's
+    text exactly the stored text."""
+    question = long_question("d", 60)
+    responded = trio.Event()
+    first: list[tuple[str, Event]] = []
+
+    def some_words(events: list[tuple[str, Event]]) -> bool:
+        return sum(1 for _, event in events if event["kind"] == "append") >= 5
+
+    async def listen() -> None:
+        first.extend((await read_events(service.url, "drop", responded, until=some_words))[1])
+
+    with trio.fail_after(DEADLINE):
+        async with (
+            httpx.AsyncClient(base_url=service.url, timeout=5) as client,
+            trio.open_nursery() as nursery,
+        ):
+            nursery.start_soon(listen)
+            await responded.wait()
+            await post(client, "drop", question)
+        # Dropped mid-answer: the worker is still streaming.
+        assert not answered(first)
+        _, second = await read_events(
+            service.url,
+            "drop",
+            trio.Event(),
+            until=functools.partial(answered, before=first),
+            last_event_id=first[-1][0],
+        )
+        stored = await transcript_now(service, "drop")
+    assert not {ident for ident, _ in second} & {ident for ident, _ in first}
+    view: View = {}
+    for _, event in first + second:
+        apply(view, event)
+    assert view == view_of(stored)
+    answer = [m for m in stored if m["role"] == "assistant"][-1]
+    assert text_of(answer) == f"You said: {question}"
+    assert "".join(p["text"] for p in view[answer["seq"]]["data"]["parts"]) == text_of(answer)
+
+
+async def test_a_message_sent_while_answering_follows_its_on_busy(service: Service) -> None:
+    """POST with on_busy: "reject" while an answer streams is a 409 and stores nothing;
+    "interrupt" stops that answer ("interrupted") and the next answer is to the new message."""
+    async with httpx.AsyncClient(base_url=service.url, timeout=5) as client:
+        await post(client, "busy", long_question("b"))
+        await until_answers(client, service, "busy", 0, started=True)
+        response = await client.post(
+            "/sessions/busy/messages", json={"text": "no", "on_busy": "reject"}
+        )
+        assert response.status_code == 409, response.text
+        response = await client.post(
+            "/sessions/busy/messages", json={"text": "stop and answer this", "on_busy": "interrupt"}
+        )
+        assert response.status_code == 202, response.text
+        messages = await until_answers(client, service, "busy", 2)
+    cut, answer = (m for m in messages if m["role"] == "assistant")
+    assert cut["data"]["error"] == "interrupted"
+    assert text_of(answer) == "You said: stop and answer this"
+    assert [m["data"] for m in messages if m["role"] == "user"][1:] == [
+        {"text": "stop and answer this"}
+    ]
+
+
+async def test_stop_withdraws_a_message_not_picked_up_and_interrupts_one_being_answered(
+    service: Service,
+) -> None:
+    """Stop on a message still queued behind a running answer withdraws it (never
+    answered, not in the transcript); Stop on the message being answered interrupts the
+    answer."""
+    async with httpx.AsyncClient(base_url=service.url, timeout=5) as client:
+        answering = await post(client, "halt", long_question("h"))
+        await until_answers(client, service, "halt", 0, started=True)
+        queued = await post(client, "halt", "never mind")
+        response = await client.post("/sessions/halt/stop", json={"input_id": queued})
+        assert response.json() == {"stopped": "withdrawn"}
+        response = await client.post("/sessions/halt/stop", json={"input_id": answering})
+        assert response.json() == {"stopped": "interrupted"}
+        await until_answers(client, service, "halt", 1)
+        await trio.sleep(0.5)  # a withdrawn message would be answered by now
+        messages = await transcript(client, "halt")
+    assert [m["role"] for m in messages] == ["user", "assistant"]
+    assert messages[1]["data"]["error"] == "interrupted"
+
+
+async def test_edit_regenerates_and_delete_erases_the_conversation(service: Service) -> None:
+    """POST /edit replaces a user message and regenerates the answer from there (409 while
+    an answer runs); DELETE erases the conversation (then `deleted: false`)."""
+    async with httpx.AsyncClient(base_url=service.url, timeout=5) as client:
+        await post(client, "edit", "first")
+        await until_answers(client, service, "edit", 1)
+        await post(client, "edit", long_question("e"))
+        await until_answers(client, service, "edit", 1, started=True)
+        response = await client.post("/sessions/edit/edit", json={"seq": 1, "text": "x"})
+        assert response.status_code == 409, response.text
+        await client.post("/sessions/edit/interrupt")
+        await until_answers(client, service, "edit", 2)
+        response = await client.post("/sessions/edit/edit", json={"seq": 3, "text": "second"})
+        assert response.status_code == 202, response.text
+        messages = await until_answers(client, service, "edit", 2)
+        assert [(m["seq"], m["role"]) for m in messages] == [
+            (1, "user"),
+            (2, "assistant"),
+            (3, "user"),
+            (4, "assistant"),
+        ]
+        assert messages[2]["data"] == {"text": "second"}
+        assert text_of(messages[3]) == "You said: second"
+        assert (await client.delete("/sessions/edit")).json() == {"deleted": True}
+        assert await transcript(client, "edit") == []
+        assert (await client.delete("/sessions/edit")).json() == {"deleted": False}
 
 
 async def test_bad_requests_get_a_4xx_and_store_nothing(service: Service) -> None:

@@ -1,7 +1,7 @@
 """`python -m trio_sessions.demo`: a bounded real run, its refusals, Ctrl-C, and its checks.
 
-The demo spawns and SIGKILLs a worker process and waits out a real lease, so these tests
-run real processes (marked `slow`, bounded by timeouts).
+The demo spawns and SIGKILLs a worker process and waits out a real takeover grace, so these
+tests run real processes (marked `slow`, bounded by timeouts).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def test_demo_runs_every_scene_and_every_check_passes(tmp_path: Path) -> None:
         "interrupt: chat-3's running tool call failed",
         "exactly one successor turn",
         "SIGKILLed",
-        "only after the lease expired",
+        "after the grace, before the lease expired",
         "quarantine",
         "carry on",
         "no stranded work",

@@ -192,10 +192,10 @@ def test_concurrent_migrations_of_an_empty_schema_all_succeed(
 
 
 async def test_upgrade_of_a_version_1_schema_adds_streaming(pg_url: str, pg_schema: str) -> None:
-    """A version-1 schema is upgraded on open (to the current version, through 2's
-    streaming), as SQLite's version 3 file is:
-    messages marked finished from their JSON (a malformed one kept as it is), stream and
-    delta tables added, an open reply from before still closed by recovery."""
+    """A version-1 schema is upgraded on open (to the newest version; streaming came with
+    version 2), as SQLite's version 3 file is: messages marked finished from their JSON (a
+    malformed one kept as it is), stream and delta tables added, an open reply from before
+    still closed by recovery."""
     with raw(pg_url, pg_schema) as conn:
         conn.execute("CREATE TABLE schema_version(version INTEGER NOT NULL)")
         conn.execute("INSERT INTO schema_version VALUES (1)")
@@ -207,6 +207,8 @@ async def test_upgrade_of_a_version_1_schema_adds_streaming(pg_url: str, pg_sche
     with opened(PostgresStore(pg_url, schema=pg_schema).engine()):
         pass
     assert location.rows("SELECT version FROM schema_version") == [(SCHEMA_VERSION,)]
+    # 2: streaming; 3: owner liveness; 4: conversation control; 5: the server-side functions
+    assert SCHEMA_VERSION == 5
     await check_pre_streaming_upgrade(location, PostgresStore(pg_url, schema=pg_schema))
 
 
@@ -305,7 +307,8 @@ def test_raw_takeover_update_waits_for_the_owners_renewal_then_matches_nothing(
             updated = recovery_tx.execute(
                 "UPDATE session_execution SET id = :new, owner_id = 'thief'"
                 f" WHERE {_store.RECOVERY_FENCE}",
-                {"new": "e2", "execution": "e1", "now": 2000},
+                # No owner found gone: the fence is the expiry alone.
+                {"new": "e2", "execution": "e1", "now": 2000, "gone_owner": None},
             ).rowcount
             recovery.commit()
             return updated

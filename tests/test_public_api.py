@@ -50,6 +50,7 @@ PUBLIC = {
     "SessionBusy",
     "Store",
     "StoreError",
+    "StreamEvent",
     "TextPart",
     "ToolPart",
     "TrioSessionsError",

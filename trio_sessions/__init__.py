@@ -15,8 +15,9 @@ The public surface: everything else lives in private modules.
 # * _backend (the Tx/Executor/StoreBackend protocols), _handoff (the one group-commit queue),
 #   _sqlite and _postgres: the engines that run those operations off the event loop, one
 #   writer path each, with the lease clock read after the operation's locks.
-# * _coordinator, _lease, _recovery, _signals: the trio state - the per-session registry,
-#   heartbeats and self-fencing, the recovery pass, and watchers fed by the change signal.
+# * _coordinator, _lease, _recovery, _signals, _stream: the trio state - the per-session
+#   registry, heartbeats and self-fencing, the recovery pass, and watchers and event streams
+#   fed by local writes and the change signal.
 # * _runtime: the choreography (claim handoff, drain loop, interrupts, shutdown): no SQL,
 #   no driver import.
 # * Entry points on top: _worker and _cli (`python -m trio_sessions`), testing (public
@@ -50,6 +51,7 @@ from ._runtime import Runtime as Runtime
 from ._runtime import open_runtime as open_runtime
 from ._runtime import serve_runtime as serve_runtime
 from ._sqlite import SQLiteStore as SQLiteStore
+from ._stream import StreamEvent as StreamEvent
 from ._transcript import unanswered as unanswered
 
 if _typing.TYPE_CHECKING:

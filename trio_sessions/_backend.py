@@ -104,6 +104,17 @@ class Tx(Protocol):
         """A nested scope whose writes roll back alone if it raises (the error propagates)."""
         ...
 
+    def free_tokens(self, owner_ids: Sequence[str] | None) -> set[str]:
+        """The owners (of `owner_ids`; None: every owner on record) whose liveness token is
+        free now (DESIGN §4 "Owner liveness"). An owner with no token on record (no lock file
+        on SQLite, no `session_owner` row on PostgreSQL) is never free: its lease decides."""
+        ...
+
+    def forget_tokens(self, owner_ids: Sequence[str]) -> None:
+        """Remove the record of these owners' tokens where still free (they are gone and
+        hold no live claim)."""
+        ...
+
 
 class NeedsTransaction(Exception):
     """Raised by a `Tx` in autocommit before it sends a statement that must share a
@@ -166,6 +177,23 @@ class StoreStatistics:
     reconnects: int = 0
 
 
+class Token(Protocol):
+    """This runtime's liveness token, held (`Executor.hold_token`)."""
+
+    # How often other owners' tokens are worth a look, in seconds; None: only at recovery
+    # passes (inline stores: deterministic tests look when they choose).
+    poll_interval: float | None
+
+    async def wait_lost(self) -> None:
+        """Return when the token was lost while this process lives (PostgreSQL: its
+        connection broke). Never returns on SQLite: only the process's death frees it."""
+        ...
+
+    async def retake(self) -> None:
+        """Take the token again, waiting (with backoff) until it is ours."""
+        ...
+
+
 class Executor(Protocol):
     """Runs store operations `op(tx, *args)`, each inside a write transaction."""
 
@@ -193,6 +221,11 @@ class Executor(Protocol):
         `own(session_id)`: whether a change this runtime made itself to that session still
         needs a look (a local watcher follows it); a backend that can tell its own commits
         apart (PostgreSQL: the notifying backend's pid) skips the others."""
+        ...
+
+    def hold_token(self, owner_id: str) -> AbstractAsyncContextManager[Token]:
+        """Take this owner's liveness token and hold it for the block (DESIGN §4 "Owner
+        liveness"): released when the block exits or the process dies."""
         ...
 
     def statistics(self) -> StoreStatistics: ...

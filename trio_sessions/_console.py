@@ -39,6 +39,7 @@ from . import _metrics, _store
 from ._errors import StoreError, TrioSessionsError
 from ._model import Message
 from ._runtime import Runtime, make_owner_id
+from ._stream import StreamEvent
 
 logger = logging.getLogger("trio_sessions.console")
 
@@ -196,7 +197,7 @@ contains"> <button>search</button></form>
         claim = session["claim"]
         owner = claim["owner_id"] if claim else ""
         link = f"/sessions/{_q(session_id)}"
-        actions = self._actions(session_id, running=claim is not None)
+        actions = self._actions(session)
         return (
             f'<tr data-session="{_e(session_id)}"><td><a href="{link}">{_e(session_id)}</a></td>'
             f"<td>{_e(_state(session))}</td><td>{_e(owner)}</td>"
@@ -204,18 +205,31 @@ contains"> <button>search</button></form>
             f"<td>{actions}</td></tr>"
         )
 
-    def _actions(self, session_id: str, *, running: bool) -> str:
+    def _actions(self, session: Mapping[str, Any], *, page: bool = False) -> str:
+        """The buttons for one session: interrupt while a claim runs, pause or resume, and
+        on its own page delete (confirmed)."""
         if self.guard.read_only:
             return ""
+        base = f"/sessions/{_q(session['id'])}"
         buttons = []
-        if running:
-            buttons.append(self._button(f"/sessions/{_q(session_id)}/interrupt", "interrupt"))
+        if session["claim"] is not None:
+            buttons.append(self._button(f"{base}/interrupt", "interrupt"))
+        if session["paused_since"] is None:
+            buttons.append(self._button(f"{base}/pause", "pause"))
+        else:
+            buttons.append(self._button(f"{base}/resume", "resume"))
+        if page:
+            confirm = "Delete this session and every row of it?"
+            buttons.append(self._button(f"{base}/delete", "delete", confirm=confirm))
         return "".join(buttons)
 
-    def _button(self, action: str, label: str, *, confirm: str | None = None) -> str:
+    def _button(
+        self, action: str, label: str, *, confirm: str | None = None, back: str | None = None
+    ) -> str:
         onsubmit = f' onsubmit="return confirm({_e(json.dumps(confirm))})"' if confirm else ""
+        after = f'<input type="hidden" name="back" value="{_e(back)}">' if back else ""
         return (
-            f'<form method="post" action="{_e(action)}" class="action"{onsubmit}>'
+            f'<form method="post" action="{_e(action)}" class="action"{onsubmit}>{after}'
             f'<input type="hidden" name="csrf" value="{self.guard.csrf()}">'
             f'<button name="do" value="{_e(label)}">{_e(label)}</button></form>'
         )
@@ -249,21 +263,42 @@ contains"> <button>search</button></form>
             raise HTTPError(404, f"no session {session_id!r}")
         messages = await self.runtime.transcript(session_id)
         rendered = "".join(_message_html(message) for message in messages)
-        actions = self._actions(session_id, running=session["claim"] is not None)
+        inputs = await self.runtime._db.read(_store.pending_inputs, session_id, PAGE_SIZE)
         events = f"/sessions/{_q(session_id)}/events"
         body = f"""
 <p><a href="/">all sessions</a></p>
 <p>state <b id="state">{_e(_state(session))}</b> · pending inputs {session["pending_inputs"]}
-{actions}</p>
+(scheduled {session["scheduled_inputs"]}) {self._actions(session, page=True)}</p>
+{self._inputs_table(session_id, inputs)}
 <div id="transcript" data-events="{_e(events)}">{rendered}</div>
 <script>{SESSION_SCRIPT}</script>"""
         return _page(
             f"Session {session_id}", body, store=self.store_name, read_only=self.guard.read_only
         )
 
+    def _inputs_table(self, session_id: str, inputs: Sequence[Mapping[str, Any]]) -> str:
+        if not inputs:
+            return ""
+        rows = ""
+        for item in inputs:
+            due = "now" if item["due_at"] is None else f"at {item['due_at']} ms"
+            cancel = ""
+            if not self.guard.read_only:
+                back = f"/sessions/{_q(session_id)}"
+                cancel = self._button(f"/inputs/{_q(item['id'])}/cancel", "cancel", back=back)
+            rows += (
+                f'<tr data-input="{_e(item["id"])}"><td>{item["seq"]}</td><td>{_e(due)}</td>'
+                f"<td>{_e(item['payload'])}</td><td>{cancel}</td></tr>"
+            )
+        return (
+            '<table id="inputs"><thead><tr><th>seq</th><th>due</th><th>pending input</th>'
+            f"<th></th></tr></thead><tbody>{rows}</tbody></table>"
+        )
+
     async def events(self, session_id: str, receive: Receive, send: Send) -> None:
-        """Server-sent events: one `message` snapshot per change, until the client leaves."""
-        async with self.runtime.watch(session_id) as updates:
+        """Server-sent events from `runtime.stream()`: the console applies each event to its
+        copy of the message and sends that message's HTML, until the client leaves."""
+        async with self.runtime.stream(session_id) as stream:
             await send(
                 {
                     "type": "http.response.start",
@@ -274,12 +309,14 @@ contains"> <button>search</button></form>
                     ],
                 }
             )
+            copies: dict[int, tuple[str, Any]] = {}
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
-                async for message in updates:
-                    data = json.dumps({"seq": message.seq, "html": _message_html(message)})
-                    chunk = f"data: {data}\n\n".encode()
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                async for event in stream:
+                    for update in _apply(copies, event):
+                        chunk = f"data: {json.dumps(update)}\n\n".encode()
+                        body = {"type": "http.response.body", "body": chunk, "more_body": True}
+                        await send(body)
 
     # -- actions ----------------------------------------------------------------------------
 
@@ -289,6 +326,20 @@ contains"> <button>search</button></form>
             case ["sessions", session_id, "interrupt"]:
                 await self.runtime.interrupt(session_id)
                 return f"/sessions/{_q(session_id)}"
+            case ["sessions", session_id, "pause"]:
+                await self.runtime.pause(session_id)
+                return f"/sessions/{_q(session_id)}"
+            case ["sessions", session_id, "resume"]:
+                await self.runtime.resume(session_id)
+                return f"/sessions/{_q(session_id)}"
+            case ["sessions", session_id, "delete"]:
+                await self.runtime.delete_session(session_id)
+                return "/"
+            case ["inputs", input_id, "cancel"]:
+                await self.runtime.cancel_input(input_id)
+                back = form.get("back", "/")
+                # Only a page of this console, never another site (an open redirect).
+                return back if back.startswith("/") and not back.startswith("//") else "/"
             case ["quarantine", execution_id, ("resume" | "drop") as what]:
                 owner = make_owner_id("console")
                 if what == "resume":
@@ -302,6 +353,11 @@ contains"> <button>search</button></form>
 
 
 def _state(session: Mapping[str, Any]) -> str:
+    paused = "paused, " if session["paused_since"] is not None else ""
+    return paused + _claim_state(session)
+
+
+def _claim_state(session: Mapping[str, Any]) -> str:
     claim = session["claim"]
     if claim is not None:
         if claim["quarantined"]:
@@ -317,27 +373,58 @@ def _state(session: Mapping[str, Any]) -> str:
 
 
 def _message_html(message: Message) -> str:
-    data = message.data
-    if message.role == "assistant":
+    return _data_html(message.seq, message.role, message.to_json()["data"])
+
+
+def _data_html(seq: int, role: str, data: Any) -> str:
+    """One message as HTML, from its JSON data (as `transcript()` and streams show it)."""
+    if role == "assistant":
         parts = []
-        for part in data.parts:
-            if getattr(part, "type", "") == "text":
-                parts.append(f'<span class="text">{_e(part.text)}</span>')
+        for part in data["parts"]:
+            if part["type"] == "text":
+                parts.append(f'<span class="text">{_e(part["text"])}</span>')
             else:
+                error = f": {_e(part['error'])}" if part["error"] else ""
                 parts.append(
-                    f'<span class="tool">[{_e(part.name)} {_e(part.status)}'
-                    f"{': ' + _e(part.error) if part.error else ''}]</span>"
+                    f'<span class="tool">[{_e(part["name"])} {part["status"]}{error}]</span>'
                 )
-        status = "" if data.finished else ' <i class="open">…</i>'
-        if data.error:
-            status = f' <i class="error">({_e(data.error)})</i>'
+        status = "" if data["finished"] else ' <i class="open">…</i>'
+        if data["error"]:
+            status = f' <i class="error">({_e(data["error"])})</i>'
         content = "".join(parts) + status
     else:
-        content = _e(json.dumps(message.to_json()["data"]))
-    return (
-        f'<div class="message {message.role}" data-seq="{message.seq}">'
-        f"<b>{message.role}</b> {content}</div>"
-    )
+        content = _e(json.dumps(data))
+    return f'<div class="message {role}" data-seq="{seq}"><b>{role}</b> {content}</div>'
+
+
+def _apply(copies: dict[int, tuple[str, Any]], event: StreamEvent) -> list[dict[str, Any]]:
+    """Apply one stream event (DESIGN §5.2) to the console's copies of the messages; the
+    updates for the page: a message's new HTML, or the seqs to drop."""
+    seq, kind, value = event.seq, event.kind, event.to_json()["data"]  # a copy, as JSON
+    if kind == "truncate":
+        for held in [held for held in copies if held > seq]:
+            del copies[held]
+        return [{"drop_after": seq}]
+    if kind == "message":
+        copies[seq] = (event.role, value)
+    else:
+        data = copies[seq][1]
+        parts = data["parts"]
+        if kind == "append":
+            if parts and parts[-1]["type"] == "text":
+                parts[-1]["text"] += value
+            else:
+                parts.append({"type": "text", "text": value})
+        elif kind == "part":
+            same = [i for i, part in enumerate(parts) if part.get("call_id") == value["call_id"]]
+            if same:
+                parts[same[0]] = value
+            else:
+                parts.append(value)
+        elif kind == "finish":
+            data["finished"], data["error"] = True, value["error"]
+    role, data = copies[seq]
+    return [{"seq": seq, "html": _data_html(seq, role, data)}]
 
 
 SESSION_SCRIPT = """
@@ -345,6 +432,12 @@ const box = document.getElementById("transcript");
 const source = new EventSource(box.dataset.events);
 source.onmessage = (event) => {
   const update = JSON.parse(event.data);
+  if ("drop_after" in update) {
+    for (const node of box.querySelectorAll("[data-seq]")) {
+      if (Number(node.dataset.seq) > update.drop_after) { node.remove(); }
+    }
+    return;
+  }
   const holder = document.createElement("div");
   holder.innerHTML = update.html;
   const fresh = holder.firstElementChild;

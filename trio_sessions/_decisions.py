@@ -15,7 +15,14 @@ rule here can be checked exhaustively without a database:
 * a paused session is never claimed, and a busy period on it ends at its next iteration
   boundary (DESIGN §5.1);
 * a submit decides what a busy session does with it (`on_busy`) from the claim's phase and
-  whether due inputs wait untaken.
+  whether due inputs wait untaken;
+* how a busy period's claim ended decides, once (`decide_ending`), what the runtime writes for
+  it: nothing is written for a claim whose lease is lost or that is not ours (except passing a
+  user interrupt on to the claim's holder), a shutdown never finishes a claim (it hands it back
+  for recovery), and a user interrupt never hands one back (recovery would resume it);
+* a claim whose owner is *gone* - its liveness token seen free and staying free for the
+  takeover grace (DESIGN §4 "Owner liveness") - counts as expired; an owner whose token is
+  held keeps its live claims until their leases run out.
 """
 
 from __future__ import annotations
@@ -30,6 +37,21 @@ from ._model import InterruptReason, OutcomeKind
 def lease_is_live(expires_at: int, now: int) -> bool:
     """A lease is live strictly before its expiry instant."""
     return expires_at > now
+
+
+def token_free_since(previous: float | None, free: bool, now: float) -> float | None:
+    """When the current run of free sightings of an owner's liveness token began (None while
+    it is held): a token seen held again - an owner that re-took it - restarts the grace."""
+    if not free:
+        return None
+    return now if previous is None else previous
+
+
+def token_gone(free_since: float | None, now: float, grace: float) -> bool:
+    """An owner is gone once its token, first seen free at `free_since`, stayed free for
+    `grace`: long enough for an owner that lost its token while alive (a broken
+    connection) to have noticed and cancelled its drains, which it does in milliseconds."""
+    return free_since is not None and now - free_since >= grace
 
 
 @attrs.frozen
@@ -164,6 +186,9 @@ class RecoveryFacts:
     wake_attempts: int
     # Handed back by a graceful shutdown: resumed without counting against the budget.
     handed_back: bool = False
+    # The claim's owner is gone (`token_gone`, re-checked in this transaction): its lease
+    # counts as expired.
+    owner_gone: bool = False
     paused: bool = False
 
 
@@ -174,7 +199,7 @@ def decide_recovery(
     claim = facts.claim
     if claim is None or claim.execution_id != execution_id:
         return RecoveryDecision.GONE
-    if lease_is_live(claim.expires_at, now):
+    if lease_is_live(claim.expires_at, now) and not facts.owner_gone:
         return RecoveryDecision.SKIP_LIVE
     if claim.phase == "cancelling":
         return RecoveryDecision.FINISH_CANCELLED

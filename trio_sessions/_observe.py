@@ -63,6 +63,8 @@ QUARANTINE_DROPPED = "quarantine dropped: execution %s"
 RECOVERY_PASS = "recovery pass: examined %d, resumed %d, quarantined %d"
 RECOVERY_PASS_FAILED = "recovery pass failed"
 HANDED_BACK = "claims handed back: %d"
+TOKEN_LOST = "liveness token lost: %d claims stopped"
+TOKEN_RETAKEN = "liveness token taken again"
 HAND_BACK_FAILED = "hand-back failed: %d claims keep their leases"
 DRAINS_OUTLIVE_GRACE = "shutdown waits for %d drains still running after the grace"
 STORE_RETRY = "store transaction retried: %s"
@@ -348,6 +350,18 @@ def handed_back(owner_id: str, execution_ids: Sequence[str]) -> None:
         len(execution_ids),
         extra={"owner_id": owner_id, "claims": len(execution_ids), "execution_ids": execution_ids},
     )
+
+
+def token_lost(owner_id: str, claims: int) -> None:
+    """ERROR: this runtime's liveness token was lost while it lives (its PostgreSQL
+    connection broke); every drain is stopped at once and its claim handed back once it
+    exited. extra: owner_id, claims."""
+    logger.error(TOKEN_LOST, claims, extra={"owner_id": owner_id, "claims": claims})
+
+
+def token_retaken(owner_id: str) -> None:
+    """INFO: the liveness token is held again; new claims drain as usual. extra: owner_id."""
+    logger.info(TOKEN_RETAKEN, extra={"owner_id": owner_id})
 
 
 def drains_outlive_grace(owner_id: str, execution_ids: Sequence[str]) -> None:

@@ -54,8 +54,8 @@ import hashlib
 import random
 import re
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, Literal, TypeVar, TypeVarTuple, Unpack
 
 import attrs
@@ -65,7 +65,7 @@ import psycopg.pq
 import trio
 from psycopg import sql
 
-from . import _observe, _schema
+from . import _liveness, _observe, _schema
 from ._backend import (
     FALLBACK,
     BackendName,
@@ -104,6 +104,22 @@ IDLE_IN_TRANSACTION_TIMEOUT_MS = 15_000
 # run_nowait: a lock held by another process is not waited for beyond this.
 NOWAIT_LOCK_TIMEOUT_MS = 50
 SERVER_KEEPALIVES = {"idle": 10, "interval": 5, "count": 3}
+# The liveness token's connection (`_liveness`): the server frees a dead host's token within
+# about 5 s (2 + 3 x 1), and the client notices a broken connection sooner (about 3 s:
+# 1 + 2 x 1, or 2 s of unacknowledged data), so a partitioned owner has stopped its drains
+# before others can see its token free.
+TOKEN_SERVER_SETTINGS = {
+    "tcp_keepalives_idle": 2,
+    "tcp_keepalives_interval": 1,
+    "tcp_keepalives_count": 3,
+    "client_connection_check_interval": 1_000,
+}
+TOKEN_CLIENT_KEEPALIVES = {
+    "keepalives_idle": 1,
+    "keepalives_interval": 1,
+    "keepalives_count": 2,
+    "tcp_user_timeout": 2_000,
+}
 CLIENT_CONNECT_TIMEOUT_S = 5
 TCP_USER_TIMEOUT_MS = 15_000
 
@@ -173,7 +189,7 @@ def _option(name: str, value: object) -> str:
     return f"-c {text}"
 
 
-def _server_options(schema: str) -> str:
+def _server_options(schema: str, overrides: Mapping[str, object] | None = None) -> str:
     settings: dict[str, object] = {
         "search_path": _quote_ident(schema),
         "statement_timeout": STATEMENT_TIMEOUT_MS,
@@ -185,6 +201,7 @@ def _server_options(schema: str) -> str:
         # The server notices a vanished client during a long statement, too.
         "client_connection_check_interval": 5_000,
     }
+    settings.update(overrides or {})
     return " ".join(_option(name, value) for name, value in settings.items())
 
 
@@ -196,11 +213,27 @@ def channel(schema: str) -> str:
     return name
 
 
-def connect(url: str, schema: str) -> psycopg.Connection[Any]:
-    """A connection with our settings (not yet migrated); `StoreError` if it fails."""
+def connect(
+    url: str,
+    schema: str,
+    *,
+    server: Mapping[str, object] | None = None,
+    client: Mapping[str, int] | None = None,
+) -> psycopg.Connection[Any]:
+    """A connection with our settings (not yet migrated); `StoreError` if it fails.
+    `server`/`client` override server settings and libpq's keepalive parameters."""
     try:
         given = psycopg.conninfo.conninfo_to_dict(url)
-        options = " ".join(filter(None, [str(given.get("options") or ""), _server_options(schema)]))
+        options = " ".join(
+            filter(None, [str(given.get("options") or ""), _server_options(schema, server)])
+        )
+        keepalives: dict[str, Any] = {
+            "keepalives_idle": 10,
+            "keepalives_interval": 5,
+            "keepalives_count": 3,
+            "tcp_user_timeout": TCP_USER_TIMEOUT_MS,
+        }
+        keepalives.update(client or {})
         conn = psycopg.connect(
             url,
             autocommit=False,
@@ -208,10 +241,7 @@ def connect(url: str, schema: str) -> psycopg.Connection[Any]:
             application_name=str(given.get("application_name") or "trio_sessions"),
             connect_timeout=CLIENT_CONNECT_TIMEOUT_S,
             keepalives=1,
-            keepalives_idle=10,
-            keepalives_interval=5,
-            keepalives_count=3,
-            tcp_user_timeout=TCP_USER_TIMEOUT_MS,
+            **keepalives,
         )
     except psycopg.Error as exc:
         # libpq may quote the connection string it could not use: the error is shown with
@@ -394,6 +424,19 @@ class PgTx:
         # Sent once per transaction, just before COMMIT: the server delivers notifications
         # only if it commits, and drops duplicates within one transaction anyway.
         self.notified[session_id] = None
+
+    def free_tokens(self, owner_ids: Sequence[str] | None) -> set[str]:
+        # pg_locks is the lock manager's present state, not a snapshot: read after the
+        # operation's own locks, it is the re-check a takeover needs.
+        rows = self.conn.execute(
+            _liveness.FREE_PG_TOKENS,
+            {"all": owner_ids is None, "owners": list(owner_ids or ())},
+        ).fetchall()
+        return {str(row[0]) for row in rows}
+
+    def forget_tokens(self, owner_ids: Sequence[str]) -> None:
+        if owner_ids:
+            self.conn.execute(_liveness.FORGET_PG_TOKENS, (list(owner_ids),))
 
     @contextlib.contextmanager
     def savepoint(self) -> Iterator[None]:
@@ -944,6 +987,26 @@ async def _wait_for_change(
 
 
 # ---------------------------------------------------------------------------------------------
+# The liveness token's connection
+
+
+def token_connection(url: str, schema: str) -> psycopg.Connection[Any]:
+    """A direct, autocommit connection for the liveness token (`_liveness`), with keepalives
+    shorter than every other connection's."""
+    conn = connect(url, schema, server=TOKEN_SERVER_SETTINGS, client=TOKEN_CLIENT_KEEPALIVES)
+    conn.autocommit = True
+    return conn
+
+
+def _hold_token(
+    engine: PgEngine, owner_id: str, *, inline: bool
+) -> AbstractAsyncContextManager[_liveness.PgToken]:
+    return _liveness.hold_pg_token(
+        functools.partial(token_connection, engine.url, engine.schema), owner_id, inline=inline
+    )
+
+
+# ---------------------------------------------------------------------------------------------
 # Executors
 
 
@@ -1000,6 +1063,9 @@ class PgInlineExecutor:
 
         return wanted
 
+    def hold_token(self, owner_id: str) -> AbstractAsyncContextManager[_liveness.PgToken]:
+        return _hold_token(self.engine, owner_id, inline=True)
+
 
 @attrs.define(eq=False)
 class PgThreadExecutor:
@@ -1044,6 +1110,9 @@ class PgThreadExecutor:
             return pid != engine.backend_pid or (own is not None and own(session_id))
 
         return wanted
+
+    def hold_token(self, owner_id: str) -> AbstractAsyncContextManager[_liveness.PgToken]:
+        return _hold_token(self.engine, owner_id, inline=False)
 
     async def _submit(self, job: Job, mode: Mode) -> Any:
         # Cancellation first: a caller cancelled while the runtime closes sees Cancelled,

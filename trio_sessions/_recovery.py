@@ -43,6 +43,8 @@ class Scan:
     leased: list[Candidate]
     fence_lost: int
     doorbells: list[Candidate]
+    # Owners whose liveness token the scan's transaction found free (None: no scan ran).
+    free_owners: set[str] | None = None
 
 
 class Recovery:
@@ -59,13 +61,19 @@ class Recovery:
         self.lock = trio.Lock()
         self.totals = RecoveryReport()
 
-    async def scan(self, local_sessions: Sequence[str], limit: int) -> Scan:
+    async def scan(
+        self, local_sessions: Sequence[str], limit: int, gone: frozenset[str] = frozenset()
+    ) -> Scan:
         """Find at most `limit` candidates (at most `batch`) and take a recovery lease on
-        each expired claim."""
+        each expired claim, counting the claims of `gone` owners as expired."""
         if limit == 0:
             return Scan(0, [], 0, [])
-        candidates = await self._db.run(
-            _store.recovery_candidates, self._owner_id, min(limit, self.batch), local_sessions
+        candidates, free_owners = await self._db.run(
+            _store.candidates_and_free_tokens,
+            self._owner_id,
+            min(limit, self.batch),
+            local_sessions,
+            sorted(gone),
         )
         expired = [c for c in candidates if c.execution_id is not None]
         doorbells = [c for c in candidates if c.execution_id is None]
@@ -74,12 +82,20 @@ class Recovery:
             leased = await self._db.run(
                 _store.take_recovery_leases, self._owner_id, self._lease_ms, expired
             )
-        return Scan(len(candidates), leased, len(expired) - len(leased), doorbells)
+        return Scan(len(candidates), leased, len(expired) - len(leased), doorbells, free_owners)
 
-    async def apply(self, items: list[tuple[Candidate, str]]) -> list[Recovered]:
-        """Decide and act on each (leased candidate, new execution id) in one transaction."""
+    async def apply(
+        self, items: list[tuple[Candidate, str]], gone: frozenset[str] = frozenset()
+    ) -> list[Recovered]:
+        """Decide and act on each (leased candidate, new execution id) in one transaction;
+        a claim of a `gone` owner counts as expired if its token is still free then."""
         return await self._db.run(
-            _store.apply_recovery_batch, self._owner_id, items, self._lease_ms, self._max_resumes
+            _store.apply_recovery_batch,
+            self._owner_id,
+            items,
+            self._lease_ms,
+            self._max_resumes,
+            sorted(gone),
         )
 
     async def lift_quarantine(self, execution_id: str) -> Candidate:

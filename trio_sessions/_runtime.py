@@ -28,7 +28,7 @@ import attrs
 import trio
 
 from . import _codec, _observe, _store, _transcript
-from ._backend import Executor, StoreBackend
+from ._backend import Executor, StoreBackend, Token
 from ._coordinator import Execution, SessionEntry
 from ._decisions import (
     ON_BUSY,
@@ -42,6 +42,7 @@ from ._decisions import (
 )
 from ._errors import DuplicateSettlement, LeaseLost, StoreError, UnknownToolCall
 from ._lease import LeaseKeeper, self_fence_deadline
+from ._liveness import GoneOwners
 from ._model import (
     AssistantData,
     Claim,
@@ -50,12 +51,14 @@ from ._model import (
     Outcome,
     RecoveryReport,
     RuntimeStatistics,
+    ToolPart,
 )
 from ._naming import ACCEPTED_FORMS, store_kind
 from ._recovery import Recovery, report_of
 from ._schedule import DueTimer
 from ._signals import Watcher, WatchHub
 from ._sqlite import SQLiteStore
+from ._stream import EventStream, Offer, StreamHub, decode_cursor
 
 T = TypeVar("T")
 Drain = Callable[["DrainContext"], Awaitable[None]]
@@ -69,11 +72,11 @@ HAND_BACK_TIMEOUT = 5.0
 CHANGE_FALLBACK_POLL = 2.0
 # Durable wakes taken per look (the rest at the next one).
 CHANGE_BATCH = 100
+# Sessions examined per purge transaction: short transactions, never blocking a drain.
+PURGE_BATCH = 200
 # The most inputs one `take_inputs()` takes by default (one short transaction and one short
 # step of the event loop, whatever the backlog).
 TAKE_INPUTS_CHUNK = _store.TAKE_INPUTS_CHUNK
-# Sessions examined per purge transaction: short transactions, never blocking a drain.
-PURGE_BATCH = 200
 
 
 def validate_session_id(session_id: object, *, what: str = "session id") -> str:
@@ -223,8 +226,14 @@ class Runtime:
         self._remote_signals = 0
         self._max_active = config.max_active
         self._watchers = WatchHub()
+        self._streams = StreamHub()
         # Set to look at the store now rather than at the next change signal.
         self._kick = trio.Event()
+        # Owner liveness (DESIGN §4): other owners' tokens as seen, and whether ours is
+        # lost now (between a loss and its re-take, with the claims taken meanwhile).
+        self._gone_owners = GoneOwners(config.takeover_grace)
+        self._token_lost = False
+        self._lost_claims: dict[str, SessionEntry] = {}
         # The earliest due time of a scheduled input (runtimes that drain run it).
         self._due = DueTimer()
 
@@ -531,6 +540,7 @@ class Runtime:
         """
         validate_session_id(session_id)
         existed = await self._db.run(_store.delete_session, session_id)
+        self._streams.touch(session_id)
         entry = self._entries.get(session_id)
         if entry is not None:
             # Its claim is gone with the session: stop the drain, write nothing for it.
@@ -578,6 +588,7 @@ class Runtime:
         if through_seq is not None:
             through_seq = _seq(through_seq, "through_seq")
         await self._db.run(_store.fork, session_id, new_session_id, through_seq)
+        self._streams.touch(new_session_id)
 
     async def truncate(self, session_id: str, *, after_seq: int) -> int:
         """Delete the session's messages with `seq > after_seq`; returns how many. "Edit and
@@ -589,7 +600,9 @@ class Runtime:
         """
         validate_session_id(session_id)
         after_seq = _seq(after_seq, "after_seq")
-        return await self._db.run(_store.truncate, session_id, after_seq)
+        deleted = await self._db.run(_store.truncate, session_id, after_seq)
+        self._streams.touch(session_id)
+        return deleted
 
     # -- local registry -----------------------------------------------------------------------
 
@@ -754,6 +767,7 @@ class Runtime:
         if ending is None:
             ending = _Ending("interrupted")
         outcome, successor_due = await self._finalize(entry, ending)
+        self._streams.touch(entry.session_id)  # open messages were closed by the store
         entry.current.resolve(outcome)
         return outcome, successor_due
 
@@ -800,6 +814,11 @@ class Runtime:
         entry.own(
             attempt=attempt, resumed=resumed, deadline=self_fence_deadline(sent_at, self._lease)
         )
+        if self._token_lost:
+            # Committed while our liveness token is free: others may take it over, so its
+            # drain never starts; the claim is handed back with the others (`_keep_token`).
+            self._lost_claims[entry.execution_id] = entry
+            entry.lose_lease()
 
     async def _drain_loop(self, entry: SessionEntry) -> _Ending:
         while True:
@@ -831,6 +850,7 @@ class Runtime:
                 )
             except LeaseLost as exc:
                 return _Ending("failed", error=exc)
+            self._streams.touch(entry.session_id)  # messages left open were closed
             if verdict is not IterationVerdict.CONTINUE:
                 entry.disown()
                 if self._seams.after_finish is not None:
@@ -870,12 +890,9 @@ class Runtime:
             case EndingWrite.PASS_ON_INTERRUPT:
                 await self._pass_on_interrupt(entry)
         error = ending.error if plan.outcome == "failed" else None
-        # A claim released while marked cancelling with a wake waiting hands over: the
-        # successor is due whether or not a wake rang since.
-        successor_due = plan.successor is Successor.IF_RUNG and (
-            entry.rung_since_decision() or ending.handed_over
-        )
-        return Outcome(plan.outcome, plan.reason, error), successor_due
+        successor_due = plan.successor is Successor.IF_RUNG and entry.rung_since_decision()
+        # Released by a claim marked cancelling with a wake waiting: a successor takes it.
+        return Outcome(plan.outcome, plan.reason, error), successor_due or ending.handed_over
 
     def _log_claim_lost(self, entry: SessionEntry, error: BaseException | None) -> None:
         if isinstance(error, LeaseLost):
@@ -1023,6 +1040,7 @@ class Runtime:
                 self._remote_signals += 1
         self._due.arm(changes.next_due_ms)
         self._watchers.apply(changes.watched)
+        await self._streams.look(self._db.read)
 
     @asynccontextmanager
     async def watch(self, session_id: str, *, after_seq: int = 0) -> AsyncIterator[Watcher]:
@@ -1058,6 +1076,34 @@ class Runtime:
         finally:
             self._watchers.remove(watcher)
 
+    @asynccontextmanager
+    async def stream(
+        self, session_id: str, *, cursor: str | None = None
+    ) -> AsyncIterator[EventStream]:
+        """Follow a session's transcript as resumable events (`StreamEvent`, DESIGN §5.2).
+
+        With `cursor=None`: one `"message"` event per stored message, then an event for each
+        change, by this runtime or any other process on the store, until the block exits or
+        the runtime closes. With the `cursor` of an event a stream yielded (in any process):
+        exactly the events after that one - no gap, no duplicate - also after the message
+        finished (then one `"message"` event may stand for the deltas missed). Applying the
+        events in order reproduces `transcript()`. An `"append"` event carries only the
+        appended text; local writes arrive without a store round trip.
+
+        Writes nothing; costs no task and no polling of its own. Entering raises
+        `ValueError` for a malformed cursor or another session's, `TypeError`/`ValueError`
+        for a bad session id; iterating raises `MalformedRecord` for a row that does not
+        decode (this stream only) and `StoreError` when a read fails (iterate again to
+        retry). Cancelling the block simply leaves it.
+        """
+        validate_session_id(session_id)
+        position = decode_cursor(session_id, cursor)
+        events = self._streams.open(session_id, position, self._db.read)
+        try:
+            yield events
+        finally:
+            self._streams.remove(events)
+
     # -- recovery -----------------------------------------------------------------------------
 
     async def _recovery_loop(self) -> None:
@@ -1067,6 +1113,9 @@ class Runtime:
                 await self.recover_once()
 
     async def _recovery_pass(self) -> RecoveryReport:
+        # Owners whose liveness token stayed free for the grace, as last seen: their live
+        # claims count as expired (re-checked in the takeover's own transaction).
+        gone = self._gone_owners.gone(trio.current_time())
         # Scheduled inputs that fell due while no timer ran (a restart) ring their doorbells
         # first, so this very pass starts them; the timer is armed for the rest.
         next_due = await self._db.read(_store.next_due)
@@ -1076,9 +1125,11 @@ class Runtime:
         # With max_active, take recovery leases only on what this runtime has room for: a
         # lease it would not act on keeps the row from every other runtime for a lease.
         scan = await self._recovery.scan(
-            list(self._entries), self._capacity_left(self._recovery.batch)
+            list(self._entries), self._capacity_left(self._recovery.batch), gone
         )
-        applied = await self._apply_recovery(scan.leased) if scan.leased else RecoveryReport()
+        if scan.free_owners is not None:  # sightings for the next pass (no extra look)
+            self._gone_owners.observe(scan.free_owners - {self._owner_id}, trio.current_time())
+        applied = await self._apply_recovery(scan.leased, gone) if scan.leased else RecoveryReport()
         report = attrs.evolve(
             applied, examined=scan.examined, fence_lost=applied.fence_lost + scan.fence_lost
         )
@@ -1091,7 +1142,9 @@ class Runtime:
                 started += 1
         return attrs.evolve(report, doorbells_started=started)
 
-    async def _apply_recovery(self, leased: list[_store.Candidate]) -> RecoveryReport:
+    async def _apply_recovery(
+        self, leased: list[_store.Candidate], gone: frozenset[str] = frozenset()
+    ) -> RecoveryReport:
         """Apply recovery to claims whose recovery lease we hold, then start resumed drains."""
         if self._seams.before_recovery_apply is not None:
             await self._seams.before_recovery_apply([c.execution_id or "" for c in leased])
@@ -1105,9 +1158,12 @@ class Runtime:
             # Shielded: the takeover commit and the registration flips happen together.
             with trio.CancelScope(shield=True):
                 sent_at = trio.current_time()
-                results = await self._recovery.apply([(c, e.execution_id) for c, e in entries])
+                results = await self._recovery.apply(
+                    [(c, e.execution_id) for c, e in entries], gone
+                )
                 for (candidate, entry), result in zip(entries, results, strict=True):
                     _observe.recovered(candidate, entry.execution_id, result, self._owner_id)
+                    self._streams.touch(candidate.session_id)
                     if result.decision is RecoveryDecision.RESUME and not result.fence_lost:
                         self._own(entry, attempt=result.attempt, resumed=True, sent_at=sent_at)
                         entry.keep_going()
@@ -1123,6 +1179,64 @@ class Runtime:
                 entry.interrupt("shutdown")
             self._nursery.start_soon(self._busy_period, entry)
         return report_of(results)
+
+    # -- owner liveness -----------------------------------------------------------------------
+
+    async def _look_at_owners(self) -> frozenset[str]:
+        """Look at other owners' liveness tokens; the owners gone now (free for the grace)."""
+        free = await self._db.read(_store.free_tokens)
+        free.discard(self._owner_id)
+        return self._gone_owners.observe(free, trio.current_time())
+
+    async def _watch_owners(self, poll: float) -> None:
+        """Notice a released token within a poll, not a recovery interval: once an owner is
+        gone, a recovery pass takes its claims over; owners gone without live claims are
+        forgotten (their token's record removed)."""
+        while True:
+            await trio.sleep(poll)
+            with contextlib.suppress(StoreError):  # looked at again at the next poll
+                gone = await self._look_at_owners()
+                if gone and not self._token_lost:
+                    await self.recover_once()
+                    left = await self._db.run(_store.forget_gone_owners, sorted(gone))
+                    self._gone_owners.forget(gone - set(left))
+
+    async def _keep_token(self, token: Token) -> None:
+        """On the loss of our liveness token (its connection broke), stop every drain at
+        once, writing nothing for them; hand their claims back once they exited and the
+        store answers; then take the token again. Others may take the claims over after
+        the grace meanwhile: no drain of ours may still run by then."""
+        while True:
+            await token.wait_lost()
+            self._token_lost = True
+            _observe.token_lost(self._owner_id, len(self._owned_entries()))
+            for entry in self._owned_entries():
+                self._lost_claims[entry.execution_id] = entry
+                entry.lose_lease()
+            await self._hand_back_lost_claims()
+            await token.retake()
+            self._token_lost = False
+            await self._hand_back_lost_claims()  # any claimed while the token was retaken
+            _observe.token_retaken(self._owner_id)
+            with contextlib.suppress(StoreError):  # else the next pass takes them
+                await self.recover_once()  # resume the claims handed back, here or anywhere
+
+    async def _hand_back_lost_claims(self) -> None:
+        pause = 0.01
+        while self._lost_claims:
+            lost = dict(self._lost_claims)
+            for entry in lost.values():
+                # A claim is never handed back while its drain runs (§6.21); a lost lease
+                # ends the busy period, with no successor.
+                await entry.released.wait()
+            try:
+                await self._db.run(_store.expire_claims, self._owner_id, sorted(lost))
+            except StoreError:
+                await trio.sleep(pause)  # until the store answers
+                pause = min(pause * 2, 1.0)
+                continue
+            for execution_id in lost:
+                self._lost_claims.pop(execution_id, None)
 
     async def _fire_due(self) -> int | None:
         """Promote the scheduled inputs now due (their doorbells rung, one transaction) and
@@ -1225,6 +1339,7 @@ class DrainContext:
         self.resumed = entry.resumed
         self._defect: BaseException | None = None
         self._returned = False
+        self._entry = entry
 
     def _check_live(self) -> None:
         if self._returned:
@@ -1232,6 +1347,10 @@ class DrainContext:
                 f"this DrainContext of execution {self.execution_id!r} is stale: its drain"
                 " already returned"
             )
+        if self._entry.reason == "lease_lost":
+            # Known lost here first (the liveness token, a heartbeat): the store may still
+            # hold the lease for a moment, but nothing more is written for this claim.
+            raise LeaseLost(f"execution {self.execution_id!r} lost its claim")
 
     async def take_inputs(self, *, limit: int | None = None) -> list[Input]:
         """Consume the oldest pending inputs in seq order, at most `limit` of them
@@ -1253,9 +1372,11 @@ class DrainContext:
         """
         limit = TAKE_INPUTS_CHUNK if limit is None else _count(limit, "limit", 1)
         self._check_live()
-        return await self._runtime._db.run(
+        taken = await self._runtime._db.run(
             _store.take_inputs, self.session_id, self.execution_id, self.owner_id, limit
         )
+        self._runtime._streams.touch(self.session_id)  # new user messages: streams read them
+        return taken
 
     async def transcript(self) -> list[Message]:
         """The session's messages in seq order (`MalformedRecord` for a row that does not
@@ -1277,11 +1398,17 @@ class DrainContext:
         """
         self._check_live()
         message_id = _store.new_id()
-        seq = await self._runtime._db.run(
-            _store.begin_assistant, self.session_id, self.execution_id, self.owner_id, message_id
-        )
+        with self._runtime._streams.writing(self.session_id):
+            seq = await self._runtime._db.run(
+                _store.begin_assistant,
+                self.session_id,
+                self.execution_id,
+                self.owner_id,
+                message_id,
+            )
         writer = AssistantWriter(self, message_id, seq)
         writer._publish(0)
+        writer._offer(0, "message", _transcript.EMPTY)
         return writer
 
 
@@ -1317,20 +1444,23 @@ class AssistantWriter:
         _codec.check_text(text, "text")
         context = self._context
         context._check_live()
-        data, version = await context._runtime._db.run(
-            _store.append_assistant_text,
-            context.session_id,
-            context.execution_id,
-            context.owner_id,
-            self.message_id,
-            text,
-            self._version,
-        )
+        with context._runtime._streams.writing(context.session_id):
+            data, version = await context._runtime._db.run(
+                _store.append_assistant_text,
+                context.session_id,
+                context.execution_id,
+                context.owner_id,
+                self.message_id,
+                text,
+                self._version,
+            )
         self._version = version
         if data is None:
             self._streamed.append(text)
+            self._offer(version, "append", text)
         else:
             self._data, self._streamed = data, []
+            self._offer(version, "message", data)
         self._publish(version)
 
     async def start_tool(self, call_id: str, name: str, input: dict[str, Any]) -> None:
@@ -1344,7 +1474,9 @@ class AssistantWriter:
                 raise TypeError(f"{what} must be a non-empty str, got {value!r:.80}")
             _codec.check_text(value, what)
         await _checked_json(_codec.check_json_object, input, "tool input")
-        await self._update(lambda data: _transcript.start_tool(data, call_id, name, input))
+        await self._update(
+            lambda data: _transcript.start_tool(data, call_id, name, input), call_id=call_id
+        )
 
     async def settle_tool(self, call_id: str, output: Any) -> None:
         """Record a running tool call as `completed` with its JSON `output`: at most 1 MiB
@@ -1352,37 +1484,65 @@ class AssistantWriter:
         await _checked_json(
             _codec.check_json, output, "tool output", limit=_codec.MAX_PAYLOAD_BYTES
         )
-        await self._update(lambda data: _transcript.settle_tool(data, call_id, output=output))
+        await self._update(
+            lambda data: _transcript.settle_tool(data, call_id, output=output), call_id=call_id
+        )
 
     async def fail_tool(self, call_id: str, error: str) -> None:
         """Record a running tool call as `error` with the reason `error`: at most 1 MiB in
         UTF-8 (`MAX_PAYLOAD_BYTES`) and no NUL character (`ValueError`)."""
         _codec.check_text(error, "error")
-        await self._update(lambda data: _transcript.settle_tool(data, call_id, error=error))
+        await self._update(
+            lambda data: _transcript.settle_tool(data, call_id, error=error), call_id=call_id
+        )
 
     async def finish(self) -> None:
         """Finish the message normally; a tool call still running is failed, not left
         running forever. No further change is accepted."""
         await self._update(_transcript.finish)
 
-    async def _update(self, transition: Callable[[AssistantData], AssistantData]) -> None:
+    async def _update(
+        self, transition: Callable[[AssistantData], AssistantData], *, call_id: str | None = None
+    ) -> None:
+        """Apply a transition; `call_id` names the one tool part it changes (else: finish)."""
         context = self._context
         context._check_live()
+        # Finishing fails running tools too: then the stream gets the whole message.
+        fails_tools = bool(_transcript.unsettled_calls(self._data))
         try:
-            data, version = await context._runtime._db.run(
-                _store.update_assistant,
-                context.session_id,
-                context.execution_id,
-                context.owner_id,
-                self.message_id,
-                transition,
-            )
+            with context._runtime._streams.writing(context.session_id):
+                data, version = await context._runtime._db.run(
+                    _store.update_assistant,
+                    context.session_id,
+                    context.execution_id,
+                    context.owner_id,
+                    self.message_id,
+                    transition,
+                )
         except (DuplicateSettlement, UnknownToolCall) as exc:
             context._defect = context._defect or exc
             raise
         self._data, self._streamed = data, []
         self._version = version
+        if call_id is not None:
+            part = next(p for p in data.parts if isinstance(p, ToolPart) and p.call_id == call_id)
+            self._offer(version, "part", part)
+        elif fails_tools:
+            self._offer(version, "message", data)
+        else:
+            self._offer(version, "finish", {"error": data.error})
         self._publish(version)
+
+    def _offer(
+        self, version: int, kind: Literal["message", "append", "part", "finish"], data: Any
+    ) -> None:
+        """Local streams get the change now, as the event it makes (no store round trip)."""
+        context = self._context
+        streams = context._runtime._streams
+        if streams.watching(context.session_id):
+            is_open = not (isinstance(data, AssistantData) and data.finished) and kind != "finish"
+            offer = Offer(self.message_id, self._seq, version, kind, data, is_open)
+            streams.offer(context.session_id, offer)
 
     def _publish(self, version: int) -> None:
         """Local watchers get the snapshot now, with no store round trip."""
@@ -1433,6 +1593,7 @@ async def open_runtime(
     clock: Callable[[], float] | None = None,
     acquisition_hook: AcquisitionHook | None = None,
     shutdown_grace: float | None = None,
+    takeover_grace: float = 0.5,
 ) -> AsyncIterator[Runtime]:
     """Open the store, run the first recovery pass, and yield a `Runtime`.
 
@@ -1450,14 +1611,21 @@ async def open_runtime(
     `KeyboardInterrupt` or `SystemExit` ends the whole runtime - trio's rule for those - and
     it escapes this block, unwrapped, after the shutdown above.)
 
+    A runtime that drains holds a liveness token from open to close (DESIGN §4 "Owner
+    liveness"): when its process dies, the OS or the server releases it, and other runtimes
+    take its claims over once it stayed free for `takeover_grace` seconds (default 0.5),
+    long before their leases run out. Losing it while alive (its PostgreSQL connection
+    broke) stops every drain at once with reason `lease_lost`; their claims are handed back
+    once they exited, and the token is taken again.
+
     Raises, before anything is opened, `TypeError`/`ValueError` for a bad option (and
     `TypeError` for a plain `def` drain); then `SchemaTooNew` for a store written by a newer
     library and `StoreError` when the store cannot be opened or the first recovery pass
     fails. Cancelled while opening: whatever opened is closed again.
 
     `drain=None` opens a producer: `submit`, `wake`, `interrupt` and `transcript` work and
-    are durable, but it never claims a session, recovers, or heartbeats; `run` returns
-    `deferred` and the wakes wait for a runtime that drains.
+    are durable, but it never claims a session, recovers, or heartbeats (and holds no
+    liveness token); `run` returns `deferred` and the wakes wait for a runtime that drains.
     """
     backend = _resolve_store(store)
     if drain is not None and not _is_async_callable(drain):
@@ -1483,6 +1651,7 @@ async def open_runtime(
         max_active = _count(max_active, "max_active", 1)
     if owner_id is not None:
         owner_id = validate_session_id(owner_id, what="owner id")
+    takeover_grace = _seconds(takeover_grace, "takeover_grace")
     if clock is not None and not callable(clock):
         raise TypeError("clock must be a zero-argument callable returning epoch seconds")
     if acquisition_hook is not None and not callable(acquisition_hook):
@@ -1498,6 +1667,7 @@ async def open_runtime(
         clock=clock,
         acquisition_hook=acquisition_hook,
         shutdown_grace=shutdown_grace,
+        takeover_grace=takeover_grace,
     )
     try:
         async with _open_runtime(backend, drain, config) as runtime:
@@ -1567,6 +1737,18 @@ class _Config:
     clock: Callable[[], float] | None
     acquisition_hook: AcquisitionHook | None
     shutdown_grace: float
+    takeover_grace: float = 0.5
+
+
+@asynccontextmanager
+async def _holding_token(
+    executor: Executor, drain: Drain | None, owner_id: str
+) -> AsyncIterator[Token | None]:
+    if drain is None:
+        yield None
+        return
+    async with executor.hold_token(owner_id) as token:
+        yield token
 
 
 @asynccontextmanager
@@ -1575,19 +1757,26 @@ async def _open_runtime(
 ) -> AsyncIterator[Runtime]:
     async with (
         store.open_executor(config.clock) as executor,
+        # Held from before the first claim until after the last drain exited (§4 Owner
+        # liveness); a producer never claims, so it holds none.
+        _holding_token(executor, drain, config.owner_id) as token,
         trio.open_nursery() as nursery,
     ):
         runtime = Runtime(executor=executor, nursery=nursery, drain=drain, config=config)
-        if drain is not None:
+        if token is not None:
             await runtime.recover_once()
             nursery.start_soon(runtime._keep_leases)
             nursery.start_soon(runtime._recovery_loop)
+            nursery.start_soon(runtime._keep_token, token)
+            if token.poll_interval is not None:
+                nursery.start_soon(runtime._watch_owners, token.poll_interval)
             nursery.start_soon(runtime._due.run, runtime._fire_due)
         nursery.start_soon(runtime._change_loop)
         try:
             yield runtime
         finally:
             runtime._watchers.close()
+            runtime._streams.close()
             try:
                 if not runtime._crashed:
                     # Shielded and not bounded here: it waits for drains to exit, which no

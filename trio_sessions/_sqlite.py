@@ -42,14 +42,14 @@ import functools
 import os
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar, TypeVarTuple, Unpack
 
 import attrs
 import trio
 
-from . import _observe, _schema
+from . import _liveness, _observe, _schema
 from ._backend import BackendName, Job, OwnChange, Params, StoreStatistics, Tx, driver_error, now_ms
 from ._errors import SchemaTooNew, StoreError, TrioSessionsError
 from ._filewatch import FileWatch, open_watch
@@ -294,9 +294,10 @@ class SQLiteTx:
     so it already serialises every session: `lock_session` is a no-op, and `now` is read
     once, after the lock was taken."""
 
-    def __init__(self, conn: sqlite3.Connection, now: int) -> None:
+    def __init__(self, conn: sqlite3.Connection, now: int, database: str | None = None) -> None:
         self.conn = conn
         self.now = now
+        self._database = database  # its file, when the caller knows it (`DatabaseFile`)
 
     @property
     def dialect(self) -> BackendName:
@@ -333,6 +334,34 @@ class SQLiteTx:
         finally:
             self.conn.execute("RELEASE nested")
 
+    def free_tokens(self, owner_ids: Sequence[str] | None) -> set[str]:
+        # Lock files beside the database (`_liveness`): a few syscalls, no SQL.
+        database = self._database or _database_file(self.conn)
+        if database is None:
+            return set()
+        return _liveness.free_file_tokens(database, owner_ids)
+
+    def forget_tokens(self, owner_ids: Sequence[str]) -> None:
+        database = self._database or _database_file(self.conn)
+        if database is not None:
+            _liveness.forget_file_tokens(database, owner_ids)
+
+
+def _database_file(conn: sqlite3.Connection) -> str | None:
+    """The main database's file (None in memory: no liveness tokens there)."""
+    return str(conn.execute("PRAGMA database_list").fetchone()[2]) or None
+
+
+@asynccontextmanager
+async def _hold_token(
+    conn: sqlite3.Connection, owner_id: str, *, inline: bool
+) -> AsyncIterator[_liveness.FileToken]:
+    database = _database_file(conn)
+    if database is None:
+        raise StoreError("an in-memory database cannot hold liveness tokens")
+    async with _liveness.hold_file_token(database, owner_id, inline=inline) as token:
+        yield token
+
 
 def _store_error(exc: BaseException) -> BaseException:
     return driver_error(exc) if isinstance(exc, sqlite3.Error) else exc
@@ -359,7 +388,7 @@ def run_batch(
         for job in jobs:
             job.error = _store_error(exc)
         return
-    _run_jobs(conn, clock, jobs)
+    _run_jobs(conn, clock, jobs, file)
 
 
 def try_run_batch(
@@ -381,7 +410,7 @@ def try_run_batch(
         for job in jobs:
             job.error = _store_error(exc)
         return True
-    _run_jobs(conn, clock, jobs)
+    _run_jobs(conn, clock, jobs, file)
     return True
 
 
@@ -417,14 +446,19 @@ def checkpoint(conn: sqlite3.Connection) -> tuple[int, int] | None:
     return int(frames), int(copied)
 
 
-def _run_jobs(conn: sqlite3.Connection, clock: Callable[[], float], jobs: list[Job]) -> None:
+def _run_jobs(
+    conn: sqlite3.Connection,
+    clock: Callable[[], float],
+    jobs: list[Job],
+    file: DatabaseFile | None = None,
+) -> None:
     """Run jobs inside the open transaction and commit. Never raises: errors go on jobs.
 
     SQLite may roll a whole transaction back by itself (disk full, I/O error): then no job
     committed, whatever it returned, and every job reports the failure.
     """
     try:
-        _run_jobs_or_raise(conn, clock, jobs)
+        _run_jobs_or_raise(conn, clock, jobs, file)
     except sqlite3.Error as exc:
         if conn.in_transaction:
             with contextlib.suppress(sqlite3.Error):
@@ -436,9 +470,12 @@ def _run_jobs(conn: sqlite3.Connection, clock: Callable[[], float], jobs: list[J
 
 
 def _run_jobs_or_raise(
-    conn: sqlite3.Connection, clock: Callable[[], float], jobs: list[Job]
+    conn: sqlite3.Connection,
+    clock: Callable[[], float],
+    jobs: list[Job],
+    file: DatabaseFile | None = None,
 ) -> None:
-    tx = SQLiteTx(conn, now_ms(clock))
+    tx = SQLiteTx(conn, now_ms(clock), None if file is None else file.path)
     grouped = len(jobs) > 1
     for job in jobs:
         if grouped:
@@ -535,6 +572,9 @@ CHANGE_POLL = 0.005
 # The most often a reader reports a change: under load every commit is one, and a look per
 # commit would cost more than the commits.
 CHANGE_GAP = 0.005
+# After a WAL write with no commit visible yet, the reader looks again after CHANGE_GAP,
+# doubling, while the pause stays below this (seconds).
+WRITE_SETTLE_MAX = 0.5
 
 
 @attrs.define(eq=False)
@@ -571,6 +611,7 @@ class ChangeReader:
         with trio.move_on_after(fallback):
             with trio.move_on_at(self._next_look):
                 await kick.wait()
+            settle = 0.0  # > 0: the WAL was written, and no commit is visible yet
             while not kick.is_set():
                 if self.watch is not None:
                     self.watch.discard()  # events so far are covered by the look below
@@ -579,23 +620,40 @@ class ChangeReader:
                     self._version = version
                     self._next_look = trio.current_time() + CHANGE_GAP
                     return
-                await self._signal(kick)
+                if 0 < settle <= WRITE_SETTLE_MAX:
+                    # A writer writes its frames, then publishes the commit in the WAL
+                    # index (the -shm file, not watched): a look between the two sees
+                    # nothing, and no event follows. Look again shortly.
+                    with trio.move_on_after(settle):
+                        await kick.wait()
+                    settle *= 2
+                    continue
+                settle = CHANGE_GAP if await self._signal(kick) else 0.0
 
-    async def _signal(self, kick: trio.Event) -> None:
-        """Sleep until the WAL file is written or `kick` is set (or one poll, unwatched)."""
+    async def _signal(self, kick: trio.Event) -> bool:
+        """Sleep until the WAL file is written (True) or `kick` is set (or one poll,
+        unwatched)."""
         watch = self.watch
         if watch is None:
             with trio.move_on_after(self.poll):
                 await kick.wait()
-            return
+            return False
+        written = False
         async with trio.open_nursery() as nursery:
 
-            async def first(wait: Callable[[], Awaitable[None]]) -> None:
-                await wait()
+            async def on_write() -> None:
+                nonlocal written
+                await watch.wait()
+                written = True
                 nursery.cancel_scope.cancel()
 
-            nursery.start_soon(first, kick.wait)
-            nursery.start_soon(first, watch.wait)
+            async def on_kick() -> None:
+                await kick.wait()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(on_kick)
+            nursery.start_soon(on_write)
+        return written
 
 
 @attrs.define(eq=False)
@@ -622,6 +680,9 @@ class InlineExecutor:
 
     def statistics(self) -> StoreStatistics:
         return StoreStatistics("sqlite", transactions=self.transactions)
+
+    def hold_token(self, owner_id: str) -> contextlib.AbstractAsyncContextManager[Any]:
+        return _hold_token(self.conn, owner_id, inline=True)
 
     async def run(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
         await trio.lowlevel.checkpoint_if_cancelled()
@@ -722,6 +783,9 @@ class ThreadExecutor:
         self, kick: trio.Event, fallback: float, *, own: OwnChange = None
     ) -> None:
         await self.reader.wait_for_change(kick, fallback, own=own)
+
+    def hold_token(self, owner_id: str) -> contextlib.AbstractAsyncContextManager[Any]:
+        return _hold_token(self.reader.conn, owner_id, inline=False)
 
     def _lone_caller(self) -> bool:
         return (

@@ -57,7 +57,9 @@ def set_seams(
 
 def crash(runtime: Runtime) -> None:
     """Make the owner vanish as if its process was killed: every task stops and nothing more
-    is written; its claims stay with live leases until they run out."""
+    is written; its claims stay with live leases. Its liveness token is released when its
+    `open_runtime` block exits (as a dead process's is): from then on other runtimes take
+    the claims over after `takeover_grace`, else when the leases run out."""
     runtime._crashed = True
     runtime._closing = True
     runtime._heartbeat_scope.cancel()

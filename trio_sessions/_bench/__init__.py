@@ -16,6 +16,8 @@ folder on local disk). Sections, in order (`--sections` picks a subset):
 * remote - submit / interrupt from another process to the drain started / cancelled,
   SQLite and PostgreSQL (`remote`);
 * idle - an idle runtime's CPU, SQLite and PostgreSQL (`idle`);
+* takeover - a SIGKILLed owner's sessions resumed by another runtime, SQLite and
+  PostgreSQL (`takeover`);
 * postgres - the cycle and recovery against raw psycopg (`postgres`);
 * load - cycles beside a watched long session, and the longest loop stall while a large
   input backlog is taken (`load`);
@@ -70,6 +72,7 @@ from .report import (
     progress,
     render,
 )
+from .takeover import bench_takeover, hold_claims
 
 __all__ = ["MACHINE_KEYS", "SECTIONS", "main", "parse_machine_line"]
 
@@ -102,6 +105,7 @@ BENCHES: dict[str, Section] = {
     "append": _sqlite_only(bench_append),
     "remote": bench_remote,
     "idle": bench_idle,
+    "takeover": bench_takeover,
     "postgres": _postgres,
     "load": _sqlite_only(bench_load),
     "chat": bench_chat,
@@ -127,6 +131,8 @@ def run_child(kind: str, arguments: dict[str, Any]) -> Any:
         return trio.run(send_remote, arguments)
     if kind == "chat-worker":
         return trio.run(serve_chat_worker, arguments)
+    if kind == "takeover":
+        return trio.run(hold_claims, arguments)  # runs until it is killed
     raise SystemExit(f"unknown bench child {kind!r}")
 
 

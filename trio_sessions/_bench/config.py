@@ -24,13 +24,15 @@ SECTIONS = (
     "append",
     "remote",
     "idle",
+    "takeover",
     "postgres",
     "load",
     "chat",
     "console",
 )
-# Sections that need a PostgreSQL server (`remote`, `idle`, `chat` and `console` measure both).
-PG_SECTIONS = ("remote", "idle", "postgres", "chat", "console")
+# Sections that need a PostgreSQL server (`remote`, `idle`, `takeover`, `chat` and `console`
+# measure both).
+PG_SECTIONS = ("remote", "idle", "takeover", "postgres", "chat", "console")
 PG_URL_ENV = "TRIO_SESSIONS_PG_URL"
 
 

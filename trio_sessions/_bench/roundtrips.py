@@ -23,6 +23,7 @@ from typing import Any
 import psycopg.conninfo
 import trio
 
+from .. import _liveness
 from .._postgres import PostgresStore
 from .._runtime import DrainContext, Runtime, open_runtime
 
@@ -113,13 +114,21 @@ def counting_url(url: str) -> Iterator[tuple[str, RoundTripProxy]]:
 async def counted_runtime(
     url: str, schema: str, drain: Any
 ) -> AsyncIterator[tuple[Runtime, RoundTripProxy]]:
-    """A runtime on `schema` whose every connection is counted; quiet background work."""
+    """A runtime on `schema` whose every connection is counted; quiet background work:
+    heartbeats, recovery passes and the look at other owners' liveness tokens (one small
+    query every `_liveness.LIVENESS_POLL`, a cost of idle time, not of an operation) all
+    wait an hour, so the count is the operations' own."""
     with counting_url(url) as (proxied, proxy):
         store = PostgresStore(proxied, schema=schema)
-        async with open_runtime(
-            store, drain, lease=QUIET, recovery_interval=QUIET, recovery_batch=100
-        ) as runtime:
-            yield runtime, proxy
+        poll, _liveness.LIVENESS_POLL = _liveness.LIVENESS_POLL, QUIET
+        try:
+            async with open_runtime(
+                store, drain, lease=QUIET, recovery_interval=QUIET, recovery_batch=100
+            ) as runtime:
+                _liveness.LIVENESS_POLL = poll  # read when the token was taken
+                yield runtime, proxy
+        finally:
+            _liveness.LIVENESS_POLL = poll
 
 
 async def _settle() -> None:

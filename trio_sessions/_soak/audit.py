@@ -226,3 +226,40 @@ def repeats(effects: Sequence[Effect], killed_workers: set[str]) -> Repeats:
             else:
                 unexpected += 1
     return Repeats(after_kill, after_cancel, after_failure, unexpected)
+
+
+def takeover_seconds(
+    kills: dict[str, float], spans: Iterable[tuple[str, str, str, float, bool]]
+) -> list[float]:
+    """Per drain a SIGKILL cut short - (session, execution, worker, start, exited) with its
+    worker in `kills` (worker -> kill time) and no exit - the seconds from the kill to the
+    first other execution of that session starting after it: how long a dead owner's
+    session waited (about the takeover grace with owner liveness, not the lease)."""
+    by_session: dict[str, list[tuple[float, str]]] = {}
+    cut: dict[str, tuple[str, float]] = {}
+    for session_id, execution_id, worker, start, exited in spans:
+        by_session.setdefault(session_id, []).append((start, execution_id))
+        if not exited and worker in kills:
+            cut[execution_id] = (session_id, kills[worker])
+    waits = []
+    for execution_id, (session_id, killed) in cut.items():
+        later = [
+            start
+            for start, other in by_session[session_id]
+            if other != execution_id and start >= killed
+        ]
+        if later:
+            waits.append(min(later) - killed)
+    return sorted(waits)
+
+
+def takeover_summary(waits: Sequence[float]) -> str:
+    """The soak's takeover line: how many, p50 and max in ms."""
+    if not waits:
+        return "takeovers=0"
+    p50 = waits[len(waits) // 2] * 1000
+    every = ",".join(f"{wait * 1000:.0f}" for wait in waits)
+    return (
+        f"takeovers={len(waits)} takeover_p50_ms={p50:.0f}"
+        f" takeover_max_ms={waits[-1] * 1000:.0f} (each, ms: {every})"
+    )

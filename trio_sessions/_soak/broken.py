@@ -74,8 +74,8 @@ DEFECTS = {
     "no-expired-recovery": Defect(
         "the recovery scan never selects expired claims (only unclaimed doorbells)",
         "_store/recovery.py",
-        '        f" WHERE e.expires_at <= :now AND {not_local}"',
-        '        f" WHERE e.expires_at <= :now AND {not_local} AND 1 = 0"',
+        '        f" WHERE (e.expires_at <= :now{of_gone}) AND {not_local}"',
+        '        f" WHERE (e.expires_at <= :now{of_gone}) AND {not_local} AND 1 = 0"',
     ),
     "interrupt-no-rearm": Defect(
         "an interrupt's cleanup does not re-arm the doorbell for inputs still pending",
@@ -99,6 +99,20 @@ DEFECTS = {
         "            self._owner_id,\n"
         "            [e.execution_id for e in self._entries.values() if e.owned],\n"
         "        )\n",
+    ),
+    "no-takeover-grace": Defect(
+        "an owner whose liveness token is seen free once counts as gone at once (no grace"
+        " for an owner that lost its token while alive to stop its drains)",
+        "_decisions.py",
+        "    return free_since is not None and now - free_since >= grace",
+        "    return free_since is not None",
+    ),
+    "ignore-lost-token": Defect(
+        "an owner whose liveness token is lost while it lives (its connection broke) goes"
+        " on draining and never takes the token again",
+        "_runtime.py",
+        "            await token.wait_lost()\n            self._token_lost = True\n",
+        "            await trio.sleep_forever()\n            self._token_lost = True\n",
     ),
 }
 

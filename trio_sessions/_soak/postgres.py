@@ -16,7 +16,8 @@ The chaos, one host fault at a time on a random worker, in rotation:
 * a partition (the proxy blackholes the host's connections) for 1.1-1.5 leases, then
   healed - some started inside a transaction, between its fence read and its COMMIT;
 and alongside, every `--conn-kill-gap` seconds, `pg_terminate_backend` of one of the
-workers' server connections (writer or listener), or of the one that just sent a COMMIT
+workers' server connections (writer, listener or liveness token - and, on purpose, a
+token's: a live owner losing its token), or of the one that just sent a COMMIT
 (the proxy withholds the server's answer, and sometimes the COMMIT itself), or a reset of
 every connection of one host at its proxy. Halfway
 through, the server is restarted once (fast shutdown, same data directory and port) when
@@ -252,6 +253,7 @@ class Result:
     partitions_in_tx: int = 0
     conn_kills: int = 0
     commit_kills: int = 0
+    token_kills: int = 0
     resets: int = 0
     restarts: int = 0
     skew_ms: int = 0
@@ -276,6 +278,7 @@ class Result:
     executions: int = 0
     writes_logged: int = 0
     statuses: dict[str, int] = attrs.Factory(dict)
+    takeovers: list[float] = attrs.Factory(list)  # seconds from a SIGKILL to the takeover
     settled: bool = False
 
     @property
@@ -362,6 +365,7 @@ class Soak:
         self.generation = 0
         self.workers: dict[int, common.Worker] = {}
         self.killed: set[str] = set()
+        self.kill_times: dict[str, float] = {}  # SIGKILLs of the chaos, CLOCK_MONOTONIC
         # A graceful shutdown waits for drains blocked in a thread (a step at most).
         self.retiring = common.Retiring(bound=10 * (args.lease + args.work_max))
         self.proxies: list[FaultProxy] = []
@@ -456,6 +460,7 @@ class Soak:
         worker.process.wait()  # a SIGKILLed process is reaped at once
         (self.control / f"held.{worker.name}").unlink(missing_ok=True)
         self.killed.add(worker.name)
+        self.kill_times[worker.name] = time.monotonic()
         del self.workers[worker.slot]
         self.result.kills += 1
         self.result.handoff_kills += in_handoff
@@ -554,8 +559,20 @@ class Soak:
                 continue
             proxy = self.rng.choice(self.proxies)
             kind = self.rng.random()
-            if kind < 0.4:
+            if kind < 0.3:
                 self.result.conn_kills += await self.terminate("true")
+            elif kind < 0.5:
+                # A liveness token's connection (a live owner loses its token: it must stop
+                # its drains before the others' grace runs out, DESIGN §4).
+                killed = await self.terminate(
+                    "pid IN (SELECT pid FROM pg_locks WHERE locktype = 'advisory'"
+                    " AND objsubid = 2 AND granted"
+                    " AND classid = (hashtext('trio_sessions.owner:' || %s)::bigint"
+                    " & 4294967295)::oid)",
+                    self.schema,
+                )
+                self.result.conn_kills += killed
+                self.result.token_kills += killed
             elif kind < 0.8:
                 proxy.arm_commit_trap(forward=self.rng.random() < 0.5)
                 with trio.move_on_after(2.0):
@@ -792,6 +809,19 @@ class Soak:
             print(f"soak: OVERLAP {line}")
         result.overlaps = len(found)
         result.repeats = audit.repeats(effects, self.killed)
+        starts: dict[str, tuple[str, str, str, float]] = {}  # per drain iteration
+        for effect in effects:
+            if effect.kind != "exit" and effect.drain not in starts:
+                starts[effect.drain] = (
+                    effect.session_id,
+                    effect.execution_id,
+                    effect.worker,
+                    effect.t,
+                )
+        ended = {effect.drain for effect in effects if effect.kind == "exit"}
+        result.takeovers = audit.takeover_seconds(
+            self.kill_times, ((*start, drain in ended) for drain, start in starts.items())
+        )
         for effect in effects:
             if effect.kind == "exit":
                 status = effect.status or "?"
@@ -886,7 +916,8 @@ def run_soak(args: argparse.Namespace) -> int:
     print(
         f"soak: settled={result.settled} handoff_kills={result.handoff_kills}"
         f" handoff_pauses={result.handoff_pauses} partitions_in_tx={result.partitions_in_tx}"
-        f" commit_kills={result.commit_kills} resets={result.resets} restarts={result.restarts}"
+        f" commit_kills={result.commit_kills} token_kills={result.token_kills}"
+        f" resets={result.resets} restarts={result.restarts}"
         f" drains={result.drains} executions={result.executions} statuses={result.statuses}"
         f" writes_logged={result.writes_logged}"
     )
@@ -902,6 +933,7 @@ def run_soak(args: argparse.Namespace) -> int:
         f" unexpected_repeats={repeats.unexpected} unexpected_exits={result.unexpected_exits}"
         f" rolling_restarts={result.rolling_restarts}"
     )
+    print(f"soak: {audit.takeover_summary(result.takeovers)} (from a SIGKILL, reaped)")
     few = {kind: count for kind, count in result.fault_counts().items() if count < MIN_FAULTS}
     if args.duration >= 60 and (few or (restart is not None and result.restarts != 1)):
         print(f"soak: too few faults injected: {few} restarts={result.restarts}")

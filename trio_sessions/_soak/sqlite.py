@@ -48,7 +48,7 @@ from .._errors import LeaseLost
 from .._model import Claim
 from .._runtime import DrainContext, Runtime
 from .._sqlite import SQLiteStore as Store
-from . import common
+from . import audit, common
 
 AUDIT_SCHEMA = """
 CREATE TABLE IF NOT EXISTS soak_drain(
@@ -187,6 +187,7 @@ class SoakResult:
     resumed: int = 0
     statuses: dict[str, int] = attrs.Factory(dict)
     settled: bool = False
+    takeovers: list[float] = attrs.Factory(list)
 
     @property
     def lost(self) -> int:
@@ -421,6 +422,13 @@ class Soak:
             key = status or "killed"
             result.statuses[key] = result.statuses.get(key, 0) + 1
         result.overlaps = self.count_overlaps(drains, kills)
+        result.takeovers = audit.takeover_seconds(
+            kills,
+            (
+                (session_id, execution_id, worker, t_enter, t_exit is not None)
+                for _, session_id, execution_id, worker, _, t_enter, t_exit, _ in drains
+            ),
+        )
         killed_drains = {
             drain_id
             for drain_id, _, _, worker, _, _, t_exit, _ in drains
@@ -503,6 +511,7 @@ def run_soak(args: argparse.Namespace) -> int:
         f" statuses={result.statuses}"
         f" duplicates_after_cancel={result.duplicates_after_cancel}"
     )
+    print(f"soak: {audit.takeover_summary(result.takeovers)} (from a SIGKILL, reaped)")
     print(
         f"soak: unanswered={result.unanswered}"
         f" stranded_observations={result.stranded_observations}"

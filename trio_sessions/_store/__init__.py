@@ -14,8 +14,10 @@ Families (one module each):
 * `recovery`: candidates, recovery leases, applying the decision;
 * `operator`: quarantine and rejected inputs, the CLI's status and health reads;
 * `changes`: what other processes changed (doorbells, cancellations, watched messages);
+* `liveness`: other owners' liveness tokens (free ones, forgetting gone owners).
 * `control`: conversation control - `on_busy`, scheduled inputs, cancel, pause and resume,
-  delete and purge, fork and truncate (DESIGN §5.1).
+  delete and purge, fork and truncate (DESIGN §5.1);
+* `stream`: what a resumable event stream's client is missing (`runtime.stream()`).
 
 Serialisation: every operation that reads and then writes a session's rows first takes
 `tx.lock_session(session_id)` - a no-op on SQLite (its write transaction holds the only
@@ -92,10 +94,12 @@ from .control import (
     truncate,
 )
 from .inputs import submit, wake
+from .liveness import candidates_and_free_tokens, forget_gone_owners, free_tokens
 from .operator import (
     drop_quarantined,
     drop_rejected_input,
     lift_quarantine,
+    pending_inputs,
     quarantine_report,
     quarantined,
     rejected_inputs,
@@ -116,6 +120,7 @@ from .recovery import (
     recovery_candidates,
     take_recovery_leases,
 )
+from .stream import stream_changes, stream_heads
 from .transcript import (
     TAKE_INPUTS_CHUNK,
     append_assistant_text,
@@ -147,6 +152,7 @@ __all__ = [
     "begin_assistant",
     "cancel_held_claim",
     "cancel_input",
+    "candidates_and_free_tokens",
     "changes",
     "delete_session",
     "drop_quarantined",
@@ -156,7 +162,9 @@ __all__ = [
     "finish_failed",
     "finish_interrupted",
     "finish_iteration",
+    "forget_gone_owners",
     "fork",
+    "free_tokens",
     "heartbeat",
     "lift_quarantine",
     "mark_cancelling",
@@ -164,6 +172,7 @@ __all__ = [
     "newest_message",
     "next_due",
     "pause",
+    "pending_inputs",
     "pg_functions",
     "promote_due",
     "purge_batch",
@@ -180,6 +189,8 @@ __all__ = [
     "session_status",
     "status",
     "store_counts",
+    "stream_changes",
+    "stream_heads",
     "submit",
     "submit_and_acquire",
     "submit_controlled",

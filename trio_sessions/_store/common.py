@@ -7,7 +7,8 @@ Invariants kept here:
   under that session's lock, held to COMMIT, so nothing can move the claim before the
   writes that follow commit; a fence that matches nothing raises `LeaseLost` with nothing
   written;
-* the *recovery fence* (`RECOVERY_FENCE`) is the exact old execution, still expired;
+* the *recovery fence* (`RECOVERY_FENCE`) is the exact old execution, still expired - or
+  held by an owner found gone (liveness token free) in the same transaction;
 * `tx.now` is read after the operation's locks (`_fence` reads it when called);
 * an IN list never carries more than `_IN_CHUNK` parameters (below both dialects' limits).
 """
@@ -34,12 +35,15 @@ CLAIM_FENCE = _CLAIM_FENCE_OF.format(t="")
 # A drain's writes name their session (the drain context holds it): the lock is taken on it
 # at once, and the claim must be that session's, with no read to look it up first.
 SESSION_FENCE = "{t}session_id = :session AND " + _CLAIM_FENCE_OF
-# The recovery fence: the exact old execution, still expired.
-RECOVERY_FENCE = "id = :execution AND expires_at <= :now"
+# The recovery fence: the exact old execution, still expired - or held by an owner found
+# gone in this very transaction (its liveness token free: `tx.free_tokens`).
+RECOVERY_FENCE = "id = :execution AND (expires_at <= :now OR owner_id = :gone_owner)"
 
 
-def _fence(tx: Tx, execution_id: str, owner_id: str | None = None) -> dict[str, Any]:
-    return {"execution": execution_id, "owner": owner_id, "now": tx.now}
+def _fence(
+    tx: Tx, execution_id: str, owner_id: str | None = None, gone_owner: str | None = None
+) -> dict[str, Any]:
+    return {"execution": execution_id, "owner": owner_id, "now": tx.now, "gone_owner": gone_owner}
 
 
 def _session_fence(tx: Tx, session_id: str, execution_id: str, owner_id: str) -> dict[str, Any]:
@@ -114,9 +118,8 @@ def _require_claim_session(
     claim's phase, in the same statement."""
     tx.lock_session(session_id)
     row = tx.one(
-        "SELECT s.time_woken, s.wake_attempts, c.phase, s.time_paused"
-        " FROM session_execution c JOIN session s ON s.id = c.session_id"
-        f" WHERE {SESSION_FENCE.format(t='c.')}",
+        "SELECT s.time_woken, s.wake_attempts, c.phase, s.time_paused FROM session_execution c"
+        f" JOIN session s ON s.id = c.session_id WHERE {SESSION_FENCE.format(t='c.')}",
         _session_fence(tx, session_id, execution_id, owner_id),
     )
     if row is None:

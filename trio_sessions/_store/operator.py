@@ -278,3 +278,15 @@ def store_counts(tx: Tx) -> dict[str, int]:
         "quarantined": int(quarantined),
         "pending_inputs": int(inputs),
     }
+
+
+def pending_inputs(tx: Tx, session_id: str, limit: int) -> list[dict[str, Any]]:
+    """A session's untaken inputs in seq order (at most `limit`): id, seq, when due (None:
+    now) and the payload's first 200 characters, for the console's cancel buttons."""
+    rows = tx.execute(
+        "SELECT id, seq, due_at, substr(payload, 1, 200) FROM session_input"
+        " WHERE session_id = :session ORDER BY seq LIMIT :limit",
+        {"session": session_id, "limit": limit},
+    ).fetchall()
+    keys = ("id", "seq", "due_at", "payload")
+    return [dict(zip(keys, row, strict=True)) for row in rows]

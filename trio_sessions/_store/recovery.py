@@ -4,7 +4,8 @@
 Invariants kept here:
 * recovery replaces a claim only fenced on the exact old execution id still being expired
   (`RECOVERY_FENCE`): one takeover statement (`_replace_claim`), used by the row-by-row
-  and the set-wise path alike;
+  and the set-wise path alike; a claim of a gone owner (DESIGN §4 "Owner liveness") counts
+  as expired only if its token is still free when the applying transaction re-checks it;
 * it acts only on a row whose recovery lease it holds (live, unquarantined, ours); a
   quarantine is written with the exact quarantine fence, and zero rows means ownership
   moved: nothing else is touched;
@@ -69,19 +70,27 @@ _SKIP_LOCKED = {"sqlite": "", "postgres": " FOR NO KEY UPDATE OF e SKIP LOCKED"}
 
 
 def recovery_candidates(
-    tx: Tx, owner_id: str, limit: int, local_sessions: Sequence[str]
+    tx: Tx,
+    owner_id: str,
+    limit: int,
+    local_sessions: Sequence[str],
+    gone_owners: Sequence[str] = (),
 ) -> list[Candidate]:
-    """The oldest `limit` candidates: expired claims by `expires_at`, then unclaimed doorbells
-    by `time_woken`. Quarantined executions, executions under another owner's live recovery
-    lease and sessions held locally are excluded here, so they never use up the budget."""
+    """The oldest `limit` candidates: expired claims (and every claim of `gone_owners`,
+    owners whose liveness token stayed free for the grace) by `expires_at`, then unclaimed
+    doorbells by `time_woken`. Quarantined executions, executions under another owner's live
+    recovery lease and sessions held locally are excluded here, so they never use up the
+    budget."""
     not_local, local = not_in(tx, "e.session_id", local_sessions)
+    gone = {f"gone{index}": owner for index, owner in enumerate(gone_owners)}
+    of_gone = "".join(f" OR e.owner_id = :{name}" for name in gone)
     expired = tx.execute(
         "SELECT e.session_id, e.id FROM session_execution e"
-        f" WHERE e.expires_at <= :now AND {not_local}"
+        f" WHERE (e.expires_at <= :now{of_gone}) AND {not_local}"
         " AND NOT EXISTS (SELECT 1 FROM session_recovery r WHERE r.execution_id = e.id"
         "   AND (r.recovery_error IS NOT NULL OR (r.owner_id != :me AND r.expires_at > :now)))"
         " ORDER BY e.expires_at, e.id LIMIT :limit" + _SKIP_LOCKED[tx.dialect],
-        {"now": tx.now, "excluded": local, "me": owner_id, "limit": limit},
+        {"now": tx.now, "excluded": local, "me": owner_id, "limit": limit, **gone},
     ).fetchall()
     candidates = [Candidate(session_id, execution_id) for session_id, execution_id in expired]
     if len(candidates) < limit:
@@ -224,6 +233,7 @@ def apply_recovery(
     new_execution_id: str,
     lease_ms: int,
     max_resumes: int,
+    gone: frozenset[str] = frozenset(),
 ) -> Recovered:
     """Decide and act on one expired claim whose recovery lease we took.
 
@@ -235,6 +245,8 @@ def apply_recovery(
     assert execution_id is not None
     tx.lock_session(candidate.session_id)
     facts, malformed_reason = _recovery_facts(tx, candidate)
+    if facts.claim is not None and facts.claim.owner_id in gone:
+        facts = attrs.evolve(facts, owner_gone=True)
     decision = _decisions.decide_recovery(facts, execution_id, tx.now, max_resumes)
     if decision is RecoveryDecision.QUARANTINE:
         assert malformed_reason is not None
@@ -250,7 +262,7 @@ def apply_recovery(
         RecoveryDecision.FINISH_PAUSED,
         RecoveryDecision.EXHAUSTED,
     ):
-        _end_expired_claim(tx, candidate, decision)
+        _end_expired_claim(tx, candidate, decision, _gone_owner(facts))
     _delete_recovery_row(tx, execution_id, owner_id)
     return Recovered(decision)
 
@@ -288,15 +300,23 @@ def _delete_recovery_row(tx: Tx, execution_id: str, owner_id: str) -> None:
     _delete_recovery_rows(tx, owner_id, [execution_id])
 
 
-def _delete_expired_claim(tx: Tx, execution_id: str) -> None:
+def _gone_owner(facts: RecoveryFacts) -> str | None:
+    """The claim's owner when it is gone (for the recovery fence), else None."""
+    return facts.claim.owner_id if facts.owner_gone and facts.claim is not None else None
+
+
+def _delete_expired_claim(tx: Tx, execution_id: str, gone_owner: str | None) -> None:
     deleted = tx.execute(
-        f"DELETE FROM session_execution WHERE {RECOVERY_FENCE}", _fence(tx, execution_id)
+        f"DELETE FROM session_execution WHERE {RECOVERY_FENCE}",
+        _fence(tx, execution_id, gone_owner=gone_owner),
     ).rowcount
     if deleted != 1:
         raise _no_longer_expired(execution_id)
 
 
-def _end_expired_claim(tx: Tx, candidate: Candidate, decision: RecoveryDecision) -> None:
+def _end_expired_claim(
+    tx: Tx, candidate: Candidate, decision: RecoveryDecision, gone_owner: str | None
+) -> None:
     execution_id = candidate.execution_id
     assert execution_id is not None
     reason = {
@@ -306,7 +326,7 @@ def _end_expired_claim(tx: Tx, candidate: Candidate, decision: RecoveryDecision)
         RecoveryDecision.EXHAUSTED: BUDGET_EXHAUSTED,
     }[decision]
     _close_open_messages(tx, execution_id, reason)
-    _delete_expired_claim(tx, execution_id)
+    _delete_expired_claim(tx, execution_id, gone_owner)
     if decision is RecoveryDecision.EXHAUSTED:
         _reset_attempts(tx, candidate.session_id)
     if _decisions.rearms_doorbell(decision) and _has_pending_inputs(tx, candidate.session_id):
@@ -325,7 +345,9 @@ def _take_over(
     assert old is not None
     _close_open_messages(tx, old, OWNER_LOST)
     anchor = _newest_seq(tx, candidate.session_id)
-    if not _replace_claim(tx, old, new_execution_id, owner_id, anchor, lease_ms):
+    if not _replace_claim(
+        tx, old, new_execution_id, owner_id, anchor, lease_ms, _gone_owner(facts)
+    ):
         raise _no_longer_expired(old)
     # A claim handed back by a graceful shutdown resumes without counting: rolling
     # restarts are not a crash loop.
@@ -345,6 +367,7 @@ def apply_recovery_batch(
     items: list[tuple[Candidate, str]],
     lease_ms: int,
     max_resumes: int,
+    gone_owners: Sequence[str] = (),
 ) -> list[Recovered]:
     """`apply_recovery` for each (candidate, new execution id); one row's failure never
     undoes another's recovery.
@@ -362,7 +385,9 @@ def apply_recovery_batch(
     else:
         for session_id in sessions:
             tx.lock_session(session_id)
-    facts_of = _plain_recovery_facts(tx, owner_id, [c for c, _ in items])
+    # Re-checked here, after the locks: an owner is gone only if its token is free now.
+    gone = frozenset(tx.free_tokens(gone_owners)) if gone_owners else frozenset()
+    facts_of = _plain_recovery_facts(tx, owner_id, [c for c, _ in items], gone)
     for index, (candidate, new_execution_id) in enumerate(items):
         known = facts_of.get(candidate.execution_id or "")
         decision: RecoveryDecision | None = None
@@ -373,7 +398,7 @@ def apply_recovery_batch(
             )
         if known is None or decision not in _PLAIN_DECISIONS:
             results[index] = _apply_one(
-                tx, owner_id, candidate, new_execution_id, lease_ms, max_resumes
+                tx, owner_id, candidate, new_execution_id, lease_ms, max_resumes, gone
             )
         elif not leased:
             # Another recovery owner holds this row now: act on nothing of theirs.
@@ -410,10 +435,13 @@ def _apply_one(
     new_execution_id: str,
     lease_ms: int,
     max_resumes: int,
+    gone: frozenset[str],
 ) -> Recovered:
     try:
         with tx.savepoint():
-            return apply_recovery(tx, owner_id, candidate, new_execution_id, lease_ms, max_resumes)
+            return apply_recovery(
+                tx, owner_id, candidate, new_execution_id, lease_ms, max_resumes, gone
+            )
     except LeaseLost:
         return Recovered(RecoveryDecision.GONE, fence_lost=True)
     except (MalformedRecord, ValueError, TypeError, RecursionError) as exc:
@@ -423,7 +451,7 @@ def _apply_one(
 
 
 def _plain_recovery_facts(
-    tx: Tx, owner_id: str, candidates: Sequence[Candidate]
+    tx: Tx, owner_id: str, candidates: Sequence[Candidate], gone: frozenset[str]
 ) -> dict[str, tuple[RecoveryFacts, int | None, bool]]:
     """For each candidate claim (still present) whose execution wrote no assistant message:
     its recovery facts, the session's newest message seq, and whether we hold its recovery
@@ -451,6 +479,7 @@ def _plain_recovery_facts(
                 newest_assistant_malformed=False,
                 wake_attempts=int(attempts),
                 handed_back=bool(handed_back),
+                owner_gone=owner in gone,
                 paused=row[9] is not None,
             )
             found[execution_id] = (facts, None if row[6] is None else int(row[6]), bool(row[8]))
@@ -472,7 +501,12 @@ def _apply_plain(
     replaced = _replace_claims(
         tx,
         [
-            (item.candidate.execution_id or "", item.new_execution_id, item.newest_seq)
+            (
+                item.candidate.execution_id or "",
+                item.new_execution_id,
+                item.newest_seq,
+                _gone_owner(item.facts),
+            )
             for item in plain
             if item.decision is RecoveryDecision.RESUME
         ],
@@ -512,16 +546,18 @@ def _replace_claim(
     owner_id: str,
     anchor_seq: int | None,
     lease_ms: int,
+    gone_owner: str | None,
 ) -> bool:
-    """The takeover, fenced on the exact old execution still expired (`RECOVERY_FENCE`): the
-    claim becomes ours, running, on a fresh lease. False when the fence matched nothing
-    (nothing written)."""
+    """The takeover, fenced on the exact old execution still expired - or still held by
+    `gone_owner`, whose token this transaction found free (`RECOVERY_FENCE`): the claim
+    becomes ours, running, on a fresh lease. False when the fence matched nothing (nothing
+    written)."""
     replaced = tx.execute(
         "UPDATE session_execution SET id = :new, owner_id = :me, phase = 'running',"
         " anchor_seq = :anchor, time_created = :now, heartbeat_at = NULL, expires_at = :expires,"
         f" handed_back = 0 WHERE {RECOVERY_FENCE}",
         {
-            **_fence(tx, old_execution_id),
+            **_fence(tx, old_execution_id, gone_owner=gone_owner),
             "new": new_execution_id,
             "me": owner_id,
             "anchor": anchor_seq,
@@ -532,25 +568,30 @@ def _replace_claim(
 
 
 def _replace_claims(
-    tx: Tx, claims: Sequence[tuple[str, str, int | None]], owner_id: str, lease_ms: int
+    tx: Tx,
+    claims: Sequence[tuple[str, str, int | None, str | None]],
+    owner_id: str,
+    lease_ms: int,
 ) -> set[str]:
-    """`_replace_claim` for each (old execution id, new execution id, anchor seq); the old
-    ids it replaced. PostgreSQL: one set-wise UPDATE under the same fence."""
+    """`_replace_claim` for each (old execution id, new execution id, anchor seq, gone
+    owner); the old ids it replaced. PostgreSQL: one set-wise UPDATE under the same fence
+    (`RECOVERY_FENCE`, per row)."""
     if tx.dialect != "postgres":
         return {
             old
-            for old, new, anchor in claims
-            if _replace_claim(tx, old, new, owner_id, anchor, lease_ms)
+            for old, new, anchor, gone_owner in claims
+            if _replace_claim(tx, old, new, owner_id, anchor, lease_ms, gone_owner)
         }
     if not claims:
         return set()
-    olds, news, anchors = (list(column) for column in zip(*claims, strict=True))
+    olds, news, anchors, gones = (list(column) for column in zip(*claims, strict=True))
     rows = tx.execute(
         "UPDATE session_execution e SET id = u.new, owner_id = :me, phase = 'running',"
         " anchor_seq = u.anchor, time_created = :now, heartbeat_at = NULL,"
         " expires_at = :expires, handed_back = 0"
-        " FROM unnest(CAST(:olds AS text[]), CAST(:news AS text[]), CAST(:anchors AS bigint[]))"
-        " AS u(old, new, anchor) WHERE e.id = u.old AND e.expires_at <= :now RETURNING u.old",
+        " FROM unnest(CAST(:olds AS text[]), CAST(:news AS text[]), CAST(:anchors AS bigint[]),"
+        " CAST(:gones AS text[])) AS u(old, new, anchor, gone)"
+        " WHERE e.id = u.old AND (e.expires_at <= :now OR e.owner_id = u.gone) RETURNING u.old",
         {
             "me": owner_id,
             "now": tx.now,
@@ -558,6 +599,7 @@ def _replace_claims(
             "olds": olds,
             "news": news,
             "anchors": anchors,
+            "gones": gones,
         },
     ).fetchall()
     return {str(row[0]) for row in rows}

@@ -43,9 +43,9 @@ def take_inputs(
     tx: Tx, session_id: str, execution_id: str, owner_id: str, limit: int = TAKE_INPUTS_CHUNK
 ) -> list[Input]:
     """Consume the oldest `limit` due pending inputs in seq order, appending each as a user
-    message (claim fence). When more due inputs are pending, the doorbell is rung, so the
-    rest are taken by a further call or by the busy period's next iteration - never
-    stranded. Scheduled inputs not yet due by the lease clock stay pending, unseen.
+    message (claim fence). Scheduled inputs not yet due by the lease clock stay pending,
+    unseen. When more due ones are pending, the doorbell is rung, so the rest are taken by
+    a further call or by the busy period's next iteration - never stranded.
 
     An input whose payload does not decode to a JSON object never blocks the ones behind
     it: it moves to `session_input_rejected` (raw text and reason kept for the operator).
@@ -107,7 +107,7 @@ def take_inputs(
             tuple(itertools.chain.from_iterable(batch)),
         )
     if rows:
-        # The chunk only: inputs not yet due keep their place, whatever their seq.
+        # Due ones only: a scheduled input among them stays for its time.
         tx.execute(
             f"DELETE FROM session_input WHERE session_id = :session AND seq <= :last AND {DUE}",
             {**due, "last": rows[-1][1]},

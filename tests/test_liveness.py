@@ -1,0 +1,420 @@
+"""Owner liveness (DESIGN §4 "Owner liveness", §6.22): a dead owner's sessions resume in about
+`takeover_grace`, not after the lease; a live, paused or partitioned owner keeps its claims
+until its lease runs out; an owner that loses its token while alive stops its drains at once.
+
+Real processes killed with SIGKILL or stopped with SIGSTOP, on a real SQLite file and a real
+PostgreSQL server, at the default 30 s lease: bounded in real time (a few seconds each). The
+in-process tests use the inline stores and the virtual clock.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+from backends import PgLocation, rows
+from helpers import terminate_backend
+
+import trio_sessions
+from trio_sessions import DrainContext, testing
+
+GRACE = 0.5
+
+WORKER = """
+import sys, trio, trio_sessions
+
+async def drain(ctx):
+    await ctx.take_inputs()
+    writer = await ctx.begin_assistant()
+    await writer.append_text("working")
+    print("CLAIMED", ctx.session_id, flush=True)
+    await trio.sleep_forever()
+
+async def main(store, sessions):
+    async with trio_sessions.open_runtime(store, drain, recovery_interval=3600) as runtime:
+        for index in range(sessions):
+            await runtime.submit(f"s{index}", {"n": index})
+        await trio.sleep_forever()
+
+target, schema, sessions = sys.argv[1], sys.argv[2], int(sys.argv[3])
+if schema:
+    from trio_sessions._postgres import PostgresStore
+    store = PostgresStore(target, schema=schema)
+else:
+    store = target
+trio.run(main, store, sessions)
+"""
+
+
+def target_of(location: Path | PgLocation) -> tuple[str, str]:
+    if isinstance(location, PgLocation):
+        return location.url, location.schema
+    return str(location), ""
+
+
+def threaded_store(location: Path | PgLocation) -> Any:
+    """The production store (worker threads, change signal, liveness poll), real time."""
+    if isinstance(location, PgLocation):
+        from trio_sessions._postgres import PostgresStore
+
+        return PostgresStore(location.url, schema=location.schema)
+    return str(location)
+
+
+@contextmanager
+def owner_process(
+    location: Path | PgLocation, tmp_path: Path, sessions: int
+) -> Iterator[subprocess.Popen[str]]:
+    """A worker process holding `sessions` claims at the default 30 s lease; killed after."""
+    script = tmp_path / "owner.py"
+    script.write_text(WORKER)
+    process = subprocess.Popen(
+        [sys.executable, str(script), *target_of(location), str(sessions)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        claimed: set[str] = set()
+        while len(claimed) < sessions:  # blocks until every drain holds its claim
+            line = process.stdout.readline()
+            assert line.startswith("CLAIMED"), line
+            claimed.add(line.split()[1])
+        yield process
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGCONT)
+            process.kill()
+        process.wait(timeout=10)
+        if process.stdout is not None:
+            process.stdout.close()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def location(request: pytest.FixtureRequest, tmp_path: Path) -> Path | PgLocation:
+    if request.param == "postgres":
+        return PgLocation(request.getfixturevalue("pg_url"), request.getfixturevalue("pg_schema"))
+    return tmp_path / "live.db"
+
+
+class Resumes:
+    """A drain recording when each resumed session started (monotonic) and finishing it."""
+
+    def __init__(self) -> None:
+        self.started: dict[str, float] = {}
+        self.all = trio.Event()
+        self.expected = 0
+
+    async def __call__(self, ctx: DrainContext) -> None:
+        self.started.setdefault(ctx.session_id, time.monotonic())
+        assert ctx.resumed
+        writer = await ctx.begin_assistant()
+        await writer.append_text("resumed")
+        await writer.finish()
+        if len(self.started) >= self.expected:
+            self.all.set()
+
+
+@pytest.mark.slow
+async def test_sigkilled_owner_is_resumed_after_the_grace_not_the_lease(
+    location: Path | PgLocation, tmp_path: Path
+) -> None:
+    """SIGKILL an owner holding 5 claims at the default 30 s lease: another runtime, which
+    left them alone while the owner lived, resumes every one within grace + about a second."""
+    resumes = Resumes()
+    resumes.expected = 5
+    with owner_process(location, tmp_path, 5) as process:
+        async with trio_sessions.open_runtime(
+            threaded_store(location), resumes, takeover_grace=GRACE
+        ) as runtime:
+            await trio.sleep(1.5)  # the owner lives: its claims are never taken over
+            assert resumes.started == {}
+            assert runtime.statistics().recovery.resumed == 0
+            killed = time.monotonic()
+            process.send_signal(signal.SIGKILL)
+            with trio.fail_after(10):
+                await resumes.all.wait()
+            for session_id in resumes.started:
+                await runtime.wait_idle(session_id)
+    takeover = max(resumes.started.values()) - killed
+    assert GRACE <= takeover < GRACE + 1.5, takeover
+    assert sorted(resumes.started) == [f"s{i}" for i in range(5)]
+    assert rows(location, "SELECT COUNT(*) FROM session_execution") == [(0,)]
+
+
+@pytest.mark.slow
+async def test_sigstopped_owner_is_taken_over_only_at_lease_expiry(
+    location: Path | PgLocation, tmp_path: Path
+) -> None:
+    """A paused owner (SIGSTOP) still holds its token: its claim is taken over only once the
+    lease ran out (the new claim is created at or after the old expiry), never at the grace."""
+    with owner_process(location, tmp_path, 1) as process:
+        [(old_expiry,)] = rows(location, "SELECT expires_at FROM session_execution")
+        process.send_signal(signal.SIGSTOP)
+        # Shorten the stopped owner's lease (as if it stopped 27 s ago) to keep this bounded.
+        write_expiry = old_expiry - 27_000
+        _write(location, "UPDATE session_execution SET expires_at = ?", (write_expiry,))
+        resumes = Resumes()
+        resumes.expected = 1
+        async with trio_sessions.open_runtime(
+            threaded_store(location), resumes, takeover_grace=GRACE, recovery_interval=0.2
+        ) as runtime:
+            with trio.fail_after(10):
+                await resumes.all.wait()
+            await runtime.wait_idle("s0")
+        [(created,)] = rows(
+            location,
+            "SELECT MIN(time_created) FROM session_message WHERE role = 'assistant'"
+            " AND data LIKE '%resumed%'",
+        )
+    assert created >= write_expiry
+
+
+def _write(location: Path | PgLocation, sql: str, params: tuple[Any, ...]) -> None:
+    from backends import write
+
+    write(location, sql, params)
+
+
+def _token_pid(location: PgLocation, owner_id: str) -> int:
+    [(pid,)] = rows(
+        location,
+        "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2 AND granted"
+        " AND objid = (hashtext(?)::bigint & 4294967295)::oid",
+        (owner_id,),
+    )
+    return int(pid)
+
+
+@pytest.mark.slow
+async def test_an_owner_that_loses_its_token_stops_its_drains_at_once(
+    pg_url: str, pg_schema: str
+) -> None:
+    """PostgreSQL: the token's connection is killed under a live owner. Its drain is
+    cancelled within milliseconds (well inside the grace), writes nothing more, its claim
+    is handed back once the drain exited and is resumed (never while the old drain ran); the
+    owner takes its token again and drains new work."""
+    location = PgLocation(pg_url, pg_schema)
+    events: list[tuple[str, float]] = []
+    entered = trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        if ctx.resumed or ctx.session_id != "s":
+            events.append(("resumed" if ctx.resumed else "fresh", time.monotonic()))
+            return
+        await ctx.take_inputs()
+        writer = await ctx.begin_assistant()
+        entered.set()
+        try:
+            await trio.sleep_forever()
+        finally:
+            events.append(("old drain exited", time.monotonic()))
+            with trio.CancelScope(shield=True):  # a write now must be refused
+                try:
+                    await writer.append_text("zombie")
+                except trio_sessions.LeaseLost:
+                    events.append(("refused", time.monotonic()))
+
+    store = threaded_store(location)
+    async with trio_sessions.open_runtime(store, drain, takeover_grace=GRACE) as owner:
+        await owner.submit("s", {"n": 1})
+        await entered.wait()
+        killed = time.monotonic()
+        terminate_backend(pg_url, _token_pid(location, owner.owner_id))
+        with trio.fail_after(10):
+            while not any(kind == "resumed" for kind, _ in events):
+                await trio.sleep(0.01)
+        await owner.wait_idle("s")
+        with trio.fail_after(10):  # taken again
+            while not rows(
+                location,
+                "SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2"
+                " AND granted AND objid = (hashtext(?)::bigint & 4294967295)::oid",
+                (owner.owner_id,),
+            ):
+                await trio.sleep(0.01)
+        outcome = await owner.run("fresh")
+    kinds = [kind for kind, _ in events]
+    times = dict(events)
+    assert times["old drain exited"] - killed < 0.2
+    assert kinds == ["old drain exited", "refused", "resumed", "fresh"]
+    assert rows(location, "SELECT COUNT(*) FROM session_message WHERE data LIKE '%zombie%'") == [
+        (0,)
+    ]
+    assert times["old drain exited"] <= times["resumed"] < killed + 2.0
+    assert outcome.kind == "succeeded"
+
+
+async def test_a_live_owner_keeps_its_claim_and_a_dead_ones_goes_after_the_grace(
+    store: Any, db_path: Any, clock: Callable[[], float], autojump_clock: trio.testing.MockClock
+) -> None:
+    """Two runtimes, one store: while the owner lives (token held, lease live) no recovery
+    pass takes its claim; once it is gone (its token released) the claim is taken over after
+    the grace - the first sighting alone is not enough - long before the lease runs out."""
+    entered = trio.Event()
+
+    async def holding(ctx: DrainContext) -> None:
+        await ctx.take_inputs()
+        entered.set()
+        await trio.sleep_forever()
+
+    resumed: list[tuple[str, bool]] = []
+
+    async def resume(ctx: DrainContext) -> None:
+        resumed.append((ctx.session_id, ctx.resumed))
+
+    quiet: dict[str, Any] = {"clock": clock, "recovery_interval": 1e6, "takeover_grace": GRACE}
+    async with trio_sessions.open_runtime(store, resume, **quiet) as other:
+        async with trio_sessions.open_runtime(store, holding, **quiet) as owner:
+            await owner.submit("s", {"n": 1})
+            await entered.wait()
+            for _ in range(25):  # 25 s of a 30 s lease, renewed meanwhile
+                await trio.sleep(1.0)
+                assert (await other.recover_once()).resumed == 0
+            testing.crash(owner)
+        dead_owner = owner.owner_id
+        _wait_released(db_path, dead_owner)
+        [(expires_at,)] = rows(db_path, "SELECT expires_at FROM session_execution")
+        assert (await other.recover_once()).resumed == 0  # seen free once: not yet gone
+        await trio.sleep(GRACE / 2)
+        assert (await other.recover_once()).resumed == 0
+        await trio.sleep(GRACE / 2)
+        assert (await other.recover_once()).resumed == 1
+        taken_at = clock() * 1000
+        await other.wait_idle("s")
+    assert resumed == [("s", True)]
+    assert taken_at < expires_at - 20_000
+
+
+def _wait_released(location: Path | PgLocation, owner_id: str) -> None:
+    """A closed PostgreSQL connection's locks go a moment later: wait for that in real time
+    (bounded), so the virtual-time steps of the test see the token free."""
+    if not isinstance(location, PgLocation):
+        return
+    deadline = time.monotonic() + 10
+    while rows(
+        location,
+        "SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2 AND granted"
+        " AND objid = (hashtext(?)::bigint & 4294967295)::oid",
+        (owner_id,),
+    ):
+        assert time.monotonic() < deadline, "the token was never released"
+        time.sleep(0.001)
+
+
+def test_token_files_are_private_and_removed_once_free(tmp_path: Path) -> None:
+    """SQLite: the token file is created 0600 in a 0700 directory beside the database; a
+    probe sees it held while the owner's descriptor is open, free once closed, and removing
+    a free owner's file leaves a held one alone."""
+    from trio_sessions import _liveness
+
+    database = tmp_path / "db"
+    held = _liveness.take_file_token(database, "alive")
+    gone = _liveness.take_file_token(database, "gone")
+    directory = _liveness.owners_directory(database)
+    assert os.stat(directory).st_mode & 0o777 == 0o700
+    assert os.stat(_liveness.token_path(directory, "alive")).st_mode & 0o777 == 0o600
+    assert _liveness.free_file_tokens(database, None) == set()
+    os.close(gone)
+    assert _liveness.free_file_tokens(database, None) == {"gone"}
+    assert _liveness.free_file_tokens(database, ["alive", "gone", "unknown"]) == {"gone"}
+    _liveness.forget_file_tokens(database, ["alive", "gone"])
+    assert sorted(os.listdir(directory)) == [
+        os.path.basename(_liveness.token_path(directory, "alive"))
+    ]
+    os.close(held)
+
+
+async def test_takeover_grace_is_validated_and_a_producer_holds_no_token(tmp_path: Path) -> None:
+    """`takeover_grace` must be a number of seconds (>= 1 ms) before anything opens; a
+    producer (`drain=None`) never takes a liveness token, a runtime that drains does."""
+    from trio_sessions import _liveness
+
+    database = tmp_path / "v.db"
+
+    async def drain(ctx: DrainContext) -> None:
+        await trio.lowlevel.checkpoint()
+
+    bad_values: list[tuple[Any, type[Exception]]] = [
+        (0, ValueError),
+        (-1.0, ValueError),
+        ("1", TypeError),
+        (True, TypeError),
+    ]
+    for bad, error in bad_values:
+        with pytest.raises(error, match="takeover_grace"):
+            async with trio_sessions.open_runtime(database, drain, takeover_grace=bad):
+                pass  # pragma: no cover
+    assert _token_files(database) is None  # nothing opened, not even the database
+    async with trio_sessions.open_runtime(database, None):
+        assert not _token_files(database)
+    async with trio_sessions.open_runtime(database, drain) as runtime:
+        assert _liveness.free_file_tokens(database, [runtime.owner_id]) == set()
+        assert len(_token_files(database) or []) == 1
+    assert _liveness.free_file_tokens(database, [runtime.owner_id]) == {runtime.owner_id}
+
+
+def _token_files(database: Path) -> list[str] | None:
+    """The token files beside `database` (None: neither the database nor its directory)."""
+    from trio_sessions import _liveness
+
+    if not database.exists():
+        return None
+    directory = _liveness.owners_directory(database)
+    return sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+
+
+@pytest.mark.slow
+async def test_the_grace_covers_a_drain_still_exiting_after_its_token_was_lost(
+    pg_url: str, pg_schema: str
+) -> None:
+    """PostgreSQL: an owner's token connection is killed while its drain needs 0.3 s to exit
+    (a blocking call in a thread). Another runtime sees the token free at once, but takes
+    nothing over within the grace; the owner hands the claim back once its drain exited and
+    the session resumes after that - the two drains never overlap (without the grace they
+    would)."""
+    location = PgLocation(pg_url, pg_schema)
+    spans: dict[str, list[float]] = {}
+    entered = trio.Event()
+    resumed = trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        started = time.monotonic()
+        if ctx.resumed:
+            spans[ctx.execution_id] = [started, started]
+            resumed.set()
+            return
+        spans[ctx.execution_id] = [started, math.inf]
+        entered.set()
+        try:
+            await trio.sleep_forever()
+        finally:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(time.sleep, 0.3)
+            spans[ctx.execution_id][1] = time.monotonic()
+
+    store = threaded_store(location)
+    options: dict[str, Any] = {"takeover_grace": 1.0}
+    async with (
+        trio_sessions.open_runtime(store, drain, **options) as owner,
+        trio_sessions.open_runtime(store, drain, **options),
+    ):
+        await owner.submit("s", {"n": 1})
+        with trio.fail_after(10):
+            await entered.wait()
+        terminate_backend(pg_url, _token_pid(location, owner.owner_id))
+        with trio.fail_after(10):
+            await resumed.wait()
+    (_, old_end), (new_start, _) = sorted(spans.values())
+    assert old_end <= new_start

@@ -1,0 +1,49 @@
+"""Owner liveness (DESIGN §4): what the runtime asks the store about other owners' tokens.
+
+The tokens themselves live outside the tables (`_liveness`: a lock file on SQLite, an
+advisory lock and its `session_owner` record on PostgreSQL); `tx.free_tokens` and
+`tx.forget_tokens` are each dialect's form, so these operations are written once.
+
+Invariants: a token record is removed only while its token is free and its owner holds no
+live claim recovery may take (quarantined ones wait for the operator, whatever the record);
+an owner with no record is never reported free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .._backend import Tx
+from .common import _in_list
+from .recovery import Candidate, recovery_candidates
+
+
+def free_tokens(tx: Tx) -> set[str]:
+    """Every owner on record whose liveness token is free now (read-only)."""
+    return tx.free_tokens(None)
+
+
+def candidates_and_free_tokens(
+    tx: Tx, owner_id: str, limit: int, local_sessions: Sequence[str], gone_owners: Sequence[str]
+) -> tuple[list[Candidate], set[str]]:
+    """A recovery pass's scan (`recovery_candidates`) and, in the same transaction, every
+    owner whose token is free now: the sightings the next pass judges by."""
+    candidates = recovery_candidates(tx, owner_id, limit, local_sessions, gone_owners)
+    return candidates, tx.free_tokens(None)
+
+
+def forget_gone_owners(tx: Tx, owner_ids: Sequence[str]) -> list[str]:
+    """Of these gone owners, those still holding live claims recovery may take (not
+    quarantined); the token records of the others are removed where still free."""
+    if not owner_ids:
+        return []
+    rows = tx.execute(
+        "SELECT DISTINCT e.owner_id FROM session_execution e"
+        f" WHERE e.owner_id IN {_in_list(owner_ids)} AND e.expires_at > ?"
+        " AND NOT EXISTS (SELECT 1 FROM session_recovery r WHERE r.execution_id = e.id"
+        "   AND r.recovery_error IS NOT NULL)",
+        (*owner_ids, tx.now),
+    ).fetchall()
+    left = sorted(str(row[0]) for row in rows)
+    tx.forget_tokens([owner for owner in owner_ids if owner not in left])
+    return left

@@ -1,0 +1,230 @@
+"""Stream reads behind `runtime.stream()` (DESIGN §5.2): what changed since a position.
+
+A *position* is what a stream's client holds: every message with `seq <= top` (the one at
+`top` identified by a tag of its id), all of them final except the *open* ones listed with
+the version the client has. `stream_changes` answers, from one read snapshot, the changes
+that bring such a client up to date, and `stream_heads` reads, for many streams at once, what
+the change scan compares their positions with (newest seqs, versions of named messages).
+
+Invariants:
+* work is proportional to the change, never to the transcript: a message is looked up by
+  key or by `(session_id, seq)`; the data of a message is read only when the client must
+  replace it; an open message the client follows append by append costs the new
+  `session_message_delta` rows only;
+* an "append" is one delta row (its text, as stored): the same events a live stream saw,
+  as long as the deltas are not folded yet; once folded (a tool change, a finish) the
+  message is sent whole instead;
+* a message the client holds that is gone or replaced (another id at its seq) means the
+  transcript was rewritten (truncate, delete): the answer starts from nothing (the client
+  is told to drop what it holds, then gets every message, in bounded pages).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+from .. import _codec
+from .._backend import Tx
+from .._errors import MalformedRecord
+from .._model import AssistantData, Message
+from .common import _chunks, _in_list
+from .transcript import _decode_message
+
+
+def message_tag(message_id: str) -> str:
+    """A short, stable tag of a message id (12 hex digits): tells a message from the one
+    that replaced it at the same seq, without putting whole ids into cursors."""
+    return hashlib.blake2b(message_id.encode(), digest_size=6).hexdigest()
+
+
+@attrs.frozen
+class Held:
+    """An open message a client holds: its seq, tag and the version it has."""
+
+    seq: int
+    tag: str
+    version: int
+
+
+@attrs.frozen
+class Position:
+    """What a stream's client holds (see the module docstring)."""
+
+    top: int = 0
+    top_tag: str = ""
+    open: tuple[Held, ...] = ()
+
+
+@attrs.frozen
+class Whole:
+    """A message to send whole: its row as a `Message` (or why it does not decode), its
+    version and whether it can still change."""
+
+    seq: int
+    message_id: str
+    message: Message | MalformedRecord
+    version: int
+    open: bool
+
+
+@attrs.frozen
+class Appended:
+    """One delta row of an open message: the text appended, making `version`."""
+
+    seq: int
+    message_id: str
+    text: str
+    version: int
+
+
+Change = Whole | Appended
+
+
+@attrs.frozen
+class StreamChanges:
+    """The changes from a position, in order. `rewritten`: the client must drop everything
+    first. `more`: new messages were left out (a bounded read); ask again."""
+
+    changes: list[Change]
+    rewritten: bool = False
+    more: bool = False
+    # The ids of the messages the position names (top and open ones) that still hold.
+    ids: dict[int, str] = attrs.field(factory=dict)
+
+
+# The most new messages one read sends whole: a long transcript is sent in pages, so no
+# read stalls the event loop.
+NEW_MESSAGES_PER_READ = 200
+
+# A message's version as streams order it (for `session_message m`): the newest of its
+# row's and its deltas'.
+_VERSION = (
+    "COALESCE((SELECT MAX(d.version) FROM session_message_delta d WHERE d.message_id = m.id),"
+    " m.version)"
+)
+
+
+def stream_changes(
+    tx: Tx, session_id: str, position: Position, limit: int = NEW_MESSAGES_PER_READ
+) -> StreamChanges:
+    """The changes that bring a client at `position` up to date (at most `limit` new
+    messages; `more` says there are others)."""
+    ids: dict[int, str] = {}
+    named = [(position.top, position.top_tag)] if position.top else []
+    named += [(held.seq, held.tag) for held in position.open]
+    for seq, tag in named:
+        row = tx.one(
+            "SELECT id FROM session_message WHERE session_id = ? AND seq = ?", (session_id, seq)
+        )
+        if row is None or message_tag(str(row[0])) != tag:
+            return _from_scratch(tx, session_id, limit)
+        ids[seq] = str(row[0])
+    changes: list[Change] = []
+    for held in position.open:
+        changes += _changes_of_open(tx, session_id, ids[held.seq], held)
+    new, more = _new_messages(tx, session_id, position.top, limit)
+    return StreamChanges(changes + new, more=more, ids=ids)
+
+
+def _from_scratch(tx: Tx, session_id: str, limit: int) -> StreamChanges:
+    new, more = _new_messages(tx, session_id, 0, limit)
+    return StreamChanges(new, rewritten=True, more=more)
+
+
+def _changes_of_open(tx: Tx, session_id: str, message_id: str, held: Held) -> list[Change]:
+    row = tx.one("SELECT version FROM session_message WHERE id = ?", (message_id,))
+    if int(row[0]) > held.version:
+        # Changed by more than appends since (a tool part, a finish): the deltas the client
+        # missed are folded into data now, so the message goes whole.
+        return [_whole(tx, session_id, message_id)]
+    rows = tx.execute(
+        "SELECT version, text FROM session_message_delta WHERE message_id = ? AND version > ?"
+        " ORDER BY version",
+        (message_id, held.version),
+    ).fetchall()
+    texts = _codec.decode_streamed([text for _, text in rows], key=message_id)
+    return [
+        Appended(held.seq, message_id, text, int(version))
+        for (version, _), text in zip(rows, texts, strict=True)
+    ]
+
+
+def _whole(tx: Tx, session_id: str, message_id: str) -> Whole:
+    row = tx.one(
+        "SELECT m.id, m.role, m.seq, m.data, m.execution_id, m.input_id,"
+        f" {_VERSION} FROM session_message m WHERE m.id = ?",
+        (message_id,),
+    )
+    return _decoded(tx, session_id, row)
+
+
+def _new_messages(tx: Tx, session_id: str, after: int, limit: int) -> tuple[list[Change], bool]:
+    rows = tx.execute(
+        "SELECT m.id, m.role, m.seq, m.data, m.execution_id, m.input_id,"
+        f" {_VERSION} FROM session_message m WHERE m.session_id = ? AND m.seq > ?"
+        " ORDER BY m.seq LIMIT ?",
+        (session_id, after, limit + 1),
+    ).fetchall()
+    return [_decoded(tx, session_id, row) for row in rows[:limit]], len(rows) > limit
+
+
+def _decoded(tx: Tx, session_id: str, row: Sequence[Any]) -> Whole:
+    message_id, role, seq = str(row[0]), row[1], int(row[2])
+    streamed: list[Any] = []
+    if role == "assistant":
+        streamed = [
+            text
+            for (text,) in tx.execute(
+                "SELECT text FROM session_message_delta WHERE message_id = ? ORDER BY version",
+                (message_id,),
+            ).fetchall()
+        ]
+    message: Message | MalformedRecord
+    try:
+        message = _decode_message(session_id, row[:6], streamed)
+    except MalformedRecord as exc:
+        message = exc
+    still_open = isinstance(message, Message) and (
+        isinstance(message.data, AssistantData) and not message.data.finished
+    )
+    return Whole(seq, message_id, message, int(row[6]), still_open)
+
+
+@attrs.frozen
+class Heads:
+    """What the change scan found for a set of streams: per session, its newest message
+    seq (absent: no message); per message id asked about, its version (absent: gone)."""
+
+    newest: dict[str, int]
+    versions: dict[str, int]
+
+
+def stream_heads(tx: Tx, tops: dict[str, int], message_ids: Sequence[str]) -> Heads:
+    """The newest seq of each session past `tops[session]` (absent when none is newer), and
+    the current version of each message id. A few statements, whatever the count; each an
+    index probe, never a scan of a transcript."""
+    versions: dict[str, int] = {}
+    for chunk in _chunks(sorted(set(message_ids))):
+        for message_id, version in tx.execute(
+            f"SELECT m.id, {_VERSION} FROM session_message m WHERE m.id IN {_in_list(chunk)}",
+            tuple(chunk),
+        ).fetchall():
+            versions[str(message_id)] = int(version)
+    newest: dict[str, int] = {}
+    sessions = sorted(tops)
+    for start in range(0, len(sessions), _SESSIONS_PER_STATEMENT):
+        chunk = sessions[start : start + _SESSIONS_PER_STATEMENT]
+        terms = " OR ".join(["(session_id = ? AND seq > ?)"] * len(chunk))
+        for session, seq in tx.execute(
+            f"SELECT session_id, MAX(seq) FROM session_message WHERE {terms} GROUP BY session_id",
+            tuple(value for s in chunk for value in (s, tops[s])),
+        ).fetchall():
+            newest[str(session)] = int(seq)
+    return Heads(newest, versions)
+
+
+_SESSIONS_PER_STATEMENT = 200

@@ -1,0 +1,412 @@
+"""Resumable event streams (DESIGN §5.2): a session's transcript as the events a UI applies.
+
+An `EventStream` tracks what its client holds - a *position*: every message up to `top`,
+final but for the open ones, each at a version - and yields the events that move the client
+forward, each with the cursor of the position it reaches. Events come from two sources:
+
+* *offers* from this runtime's writers (an append, a tool part, a finish, a new message), with
+  the version the write made: applied only when it is exactly the next version of a message
+  the client holds, so a write offered twice, or after a read already brought it, is sent once;
+* *reads* of the store (`_store.stream_changes`) from the current position, whenever
+  the stream is *dirty*: at its start, when an offer does not fit (a gap: a write this
+  stream was not offered, or offers dropped because the consumer is slow), when a local write
+  without an offer touched the session, or when the change scan (`StreamHub.look`) finds a
+  named message changed, gone, or a newer message stored by another process.
+
+Invariants: an event is computed against the position the previous event reached, so
+applying the events in order reproduces the transcript, with no gap and no duplicate; the
+cursor names that position exactly, so a stream opened at it continues with the events after
+it; a client's position is never advanced past what it was sent. Memory per stream is bounded
+(a slow consumer's offers are dropped for one read); an idle stream costs no task.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import copy
+import hashlib
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any, Literal
+
+import attrs
+import trio
+
+from . import _store
+from ._errors import MalformedRecord
+from ._model import AssistantData, TextPart, ToolPart
+from ._store.stream import Appended, Heads, Held, Position, StreamChanges, Whole, message_tag
+
+EventKind = Literal["message", "append", "part", "finish", "truncate"]
+
+
+@attrs.frozen
+class StreamEvent:
+    """One change of a session's transcript, as `runtime.stream()` yields it.
+
+    `kind` and `data`:
+
+    * `"message"`: the message's full data as `transcript()` shows it (`AssistantData`, or a
+      user/system message's dict): replace your copy of message `seq`;
+    * `"append"`: `str`, text appended to assistant message `seq`: append it to its last text
+      part (a new text part if the last part is a tool or there is none);
+    * `"part"`: one `ToolPart`: add it, or replace the part with the same `call_id`;
+    * `"finish"`: `{"error": str | None}`: mark message `seq` finished with that error;
+    * `"truncate"`: `None` (and `role` is `""`): drop every message with a seq above `seq` -
+      the transcript was rewritten (truncated or deleted); the current messages follow.
+
+    `cursor` is opaque (ASCII letters, digits and `.:,`, safe in an SSE `id:` field): pass it
+    to `runtime.stream(..., cursor=)` to continue with exactly the events after this one.
+    """
+
+    cursor: str
+    seq: int
+    role: str
+    kind: EventKind
+    data: Any
+
+    def to_json(self) -> dict[str, Any]:
+        """The event as a JSON-ready dict (`data` as DESIGN §3 stores it; a copy)."""
+        data = self.data
+        if isinstance(data, AssistantData | ToolPart | TextPart):
+            data = data.to_json()
+        else:
+            data = copy.deepcopy(data)
+        return {
+            "cursor": self.cursor,
+            "seq": self.seq,
+            "role": self.role,
+            "kind": self.kind,
+            "data": data,
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# Cursors: "1.<session tag>.<top>.<top tag>.<seq>:<tag>:<version>,..." (the open messages)
+
+_NUMBER = r"(?:0|[1-9][0-9]{0,17})"
+_TAG = r"[0-9a-f]{12}"
+_CURSOR = re.compile(
+    rf"1\.({_TAG})\.({_NUMBER})\.((?:{_TAG})?)\.((?:{_NUMBER}:{_TAG}:{_NUMBER}"
+    rf"(?:,{_NUMBER}:{_TAG}:{_NUMBER})*)?)"
+)
+
+
+def session_tag(session_id: str) -> str:
+    return hashlib.blake2b(session_id.encode(), digest_size=6, person=b"session").hexdigest()
+
+
+def encode_cursor(session_id_tag: str, position: Position) -> str:
+    held = ",".join(f"{h.seq}:{h.tag}:{h.version}" for h in position.open)
+    return f"1.{session_id_tag}.{position.top}.{position.top_tag}.{held}"
+
+
+def decode_cursor(session_id: str, cursor: object) -> Position:
+    """The position a cursor names (None: nothing held yet); `ValueError` for a malformed
+    cursor or another session's."""
+    if cursor is None:
+        return Position()
+    if not isinstance(cursor, str):
+        raise TypeError(f"cursor must be a str or None, got {type(cursor).__name__}")
+    match = _CURSOR.fullmatch(cursor)
+    if match is None:
+        raise ValueError(f"malformed stream cursor: {cursor[:100]!r}")
+    tag, top_text, top_tag, held_text = match.groups()
+    if tag != session_tag(session_id):
+        raise ValueError(f"the stream cursor belongs to another session than {session_id!r}")
+    top = int(top_text)
+    held = tuple(
+        Held(int(seq), h_tag, int(version))
+        for seq, h_tag, version in (item.split(":") for item in held_text.split(",") if item)
+    )
+    seqs = [h.seq for h in held]
+    if (top == 0) != (top_tag == "") or any(not 0 < seq <= top for seq in seqs):
+        raise ValueError(f"malformed stream cursor: {cursor[:100]!r}")
+    if seqs != sorted(set(seqs)):
+        raise ValueError(f"malformed stream cursor: {cursor[:100]!r}")
+    return Position(top, top_tag, held)
+
+
+# ---------------------------------------------------------------------------------------------
+# Offers from this runtime's writers
+
+
+@attrs.frozen
+class Offer:
+    """A local write to an assistant message, with the event it makes: `kind` "message" with
+    `version == 0` for a message just begun; `open` whether it can change after this."""
+
+    message_id: str
+    seq: int
+    version: int
+    kind: EventKind
+    data: Any
+    open: bool
+
+
+# A consumer this far behind the writers gets one read instead of the offers it missed.
+MAX_PENDING_OFFERS = 1_000
+
+Read = Callable[..., Awaitable[Any]]
+
+
+@attrs.define
+class _Open:
+    """An open message the client holds; `message_id` unknown until a read names it."""
+
+    tag: str
+    version: int
+    message_id: str | None
+
+
+class EventStream(AsyncIterator[StreamEvent]):
+    """One `runtime.stream()` block's feed of events (iterate it from one task)."""
+
+    def __init__(self, session_id: str, position: Position, read: Read) -> None:
+        self.session_id = session_id
+        self._session_tag = session_tag(session_id)
+        self._read = read
+        self._top = position.top
+        self._top_tag = position.top_tag
+        self._top_id: str | None = None
+        self._open = {h.seq: _Open(h.tag, h.version, None) for h in position.open}
+        self._offers: collections.deque[Offer] = collections.deque()
+        self._offered: dict[str, int] = {}  # newest version offered, per open message id
+        self._ready: collections.deque[StreamEvent] = collections.deque()
+        self._error: MalformedRecord | None = None
+        self.dirty = True  # the first read brings the client up to date
+        self._wakeup = trio.Event()
+        self._closed = False
+        self._iterating = False
+
+    # -- fed by the hub ---------------------------------------------------------------------
+
+    def offer(self, offer: Offer) -> None:
+        if len(self._offers) >= MAX_PENDING_OFFERS:
+            self._offers.clear()
+            self.dirty = True
+        else:
+            self._offers.append(offer)
+            self._offered[offer.message_id] = max(
+                offer.version, self._offered.get(offer.message_id, -1)
+            )
+        self._wakeup.set()
+
+    def mark_dirty(self) -> None:
+        self.dirty = True
+        self._wakeup.set()
+
+    def close(self) -> None:
+        self._closed = True
+        self._wakeup.set()
+
+    def watched(self) -> tuple[int, list[str]]:
+        """What the change scan must look at for this stream: the newest seq it holds, and
+        the ids of the messages whose change or loss it must see (the top one, whose loss
+        means a rewrite, and the open ones)."""
+        ids = [held.message_id for held in self._open.values() if held.message_id is not None]
+        if self._top_id is not None:
+            ids.append(self._top_id)
+        return self._top, ids
+
+    def behind(self, heads: Heads) -> bool:
+        """Whether the store holds more than this stream holds or was offered, judged
+        against the stream's position now (the scan's read may have raced the offers)."""
+        if heads.newest.get(self.session_id, 0) > self._top:
+            return True
+        if self._top_id is not None and self._top_id not in heads.versions:
+            return True
+        for held in self._open.values():
+            if held.message_id is None:
+                continue
+            known = max(held.version, self._offered.get(held.message_id, -1))
+            if heads.versions.get(held.message_id, known + 1) > known:
+                return True
+        return False
+
+    # -- iteration --------------------------------------------------------------------------
+
+    def __aiter__(self) -> EventStream:
+        return self
+
+    async def __anext__(self) -> StreamEvent:
+        if self._iterating:
+            raise trio.BusyResourceError("another task is already iterating this stream")
+        self._iterating = True
+        try:
+            return await self._next()
+        finally:
+            self._iterating = False
+
+    async def _next(self) -> StreamEvent:
+        while True:
+            if self._ready:
+                return self._ready.popleft()
+            if self._error is not None:
+                error, self._error = self._error, None
+                raise error
+            if self._offers:
+                # Offers first: a read after them finds only what they did not bring.
+                self._apply_offer(self._offers.popleft())
+                continue
+            if self._closed:
+                raise StopAsyncIteration  # the block or the runtime is closing: no more reads
+            if self.dirty:
+                self.dirty = False
+                try:
+                    changes = await self._read(
+                        _store.stream_changes, self.session_id, self._position()
+                    )
+                except BaseException:
+                    self.dirty = True  # cancelled or failed: read again next time
+                    raise
+                self._apply_read(changes)
+                continue
+            await self._wakeup.wait()
+            self._wakeup = trio.Event()
+
+    def _position(self) -> Position:
+        held = tuple(Held(seq, h.tag, h.version) for seq, h in sorted(self._open.items()))
+        return Position(self._top, self._top_tag, held)
+
+    def _emit(self, kind: EventKind, seq: int, role: str, data: Any) -> None:
+        cursor = encode_cursor(self._session_tag, self._position())
+        self._ready.append(StreamEvent(cursor, seq, role, kind, data))
+
+    def _apply_read(self, read: StreamChanges) -> None:
+        if read.more:
+            self.dirty = True
+        if read.rewritten:
+            self._top, self._top_tag, self._top_id = 0, "", None
+            self._open.clear()
+            self._emit("truncate", 0, "", None)
+        if self._top in read.ids:
+            self._top_id = read.ids[self._top]
+        for seq, held in self._open.items():
+            held.message_id = read.ids.get(seq, held.message_id)
+        for change in read.changes:
+            if isinstance(change, Appended):
+                self._open[change.seq].version = change.version
+                self._emit("append", change.seq, "assistant", change.text)
+                continue
+            if not self._take_whole(change):
+                return
+
+    def _take_whole(self, change: Whole) -> bool:
+        message = change.message
+        if isinstance(message, MalformedRecord):
+            self._error = message
+            self.dirty = True  # read again: an operator may repair it
+            return False
+        tag = message_tag(change.message_id)
+        if change.seq > self._top:
+            self._top, self._top_tag, self._top_id = change.seq, tag, change.message_id
+        if change.open:
+            self._open[change.seq] = _Open(tag, change.version, change.message_id)
+        else:
+            self._drop(change.seq)
+        self._emit("message", change.seq, message.role, message.data)
+        return True
+
+    def _drop(self, seq: int) -> None:
+        held = self._open.pop(seq, None)
+        if held is not None and held.message_id is not None:
+            self._offered.pop(held.message_id, None)
+
+    def _apply_offer(self, offer: Offer) -> None:
+        held = self._open.get(offer.seq)
+        if offer.version == 0 and held is None and offer.seq == self._top + 1 and not self.dirty:
+            # A message just begun right after the newest one held: nothing in between. (Not
+            # while a read is due: the messages held may have been rewritten meanwhile.)
+            tag = message_tag(offer.message_id)
+            self._top, self._top_tag, self._top_id = offer.seq, tag, offer.message_id
+            self._open[offer.seq] = _Open(tag, 0, offer.message_id)
+            self._emit("message", offer.seq, "assistant", offer.data)
+            return
+        if held is None or held.message_id != offer.message_id:
+            self.dirty = True  # not a message this client follows (yet): read
+            return
+        if offer.version <= held.version:
+            return  # already sent (by a read, or offered twice)
+        if offer.version != held.version + 1:
+            self.dirty = True  # a change in between was not offered here
+            return
+        held.version = offer.version
+        if not offer.open:
+            self._drop(offer.seq)
+        self._emit(offer.kind, offer.seq, "assistant", offer.data)
+
+
+class StreamHub:
+    """Every stream of this runtime, by session."""
+
+    def __init__(self) -> None:
+        self._streams: dict[str, set[EventStream]] = {}
+        # Sessions with a local write in flight: its offer follows, so the change scan
+        # leaves their streams alone (it would send whole what the offer sends as a delta).
+        self._writing: collections.Counter[str] = collections.Counter()
+
+    @contextlib.contextmanager
+    def writing(self, session_id: str) -> Iterator[None]:
+        """Around a local write that offers its change (or touches) when it returns."""
+        self._writing[session_id] += 1
+        try:
+            yield
+        finally:
+            self._writing[session_id] -= 1
+            if not self._writing[session_id]:
+                del self._writing[session_id]
+
+    def open(self, session_id: str, position: Position, read: Read) -> EventStream:
+        stream = EventStream(session_id, position, read)
+        self._streams.setdefault(session_id, set()).add(stream)
+        return stream
+
+    def remove(self, stream: EventStream) -> None:
+        stream.close()
+        streams = self._streams.get(stream.session_id, set())
+        streams.discard(stream)
+        if not streams:
+            self._streams.pop(stream.session_id, None)
+
+    def watching(self, session_id: str) -> bool:
+        """Whether any stream follows this session (a writer builds no offer otherwise)."""
+        return session_id in self._streams
+
+    def offer(self, session_id: str, offer: Offer) -> None:
+        for stream in self._streams.get(session_id, ()):
+            stream.offer(offer)
+
+    def touch(self, session_id: str) -> None:
+        """A local write this hub was offered nothing for changed the session's messages."""
+        for stream in self._streams.get(session_id, ()):
+            stream.mark_dirty()
+
+    async def look(self, read: Read) -> None:
+        """After a change signal: mark the streams that are behind the store dirty (one read
+        for all of them; a stream already dirty reads by itself)."""
+        streams = [
+            stream
+            for session_id, group in self._streams.items()
+            if session_id not in self._writing
+            for stream in group
+            if not stream.dirty
+        ]
+        if not streams:
+            return
+        tops: dict[str, int] = {}
+        ids: list[str] = []
+        for stream in streams:
+            top, named = stream.watched()
+            tops[stream.session_id] = min(top, tops.get(stream.session_id, top))
+            ids += named
+        heads = await read(_store.stream_heads, tops, ids)
+        for stream in streams:
+            if stream.behind(heads):
+                stream.mark_dirty()
+
+    def close(self) -> None:
+        for streams in self._streams.values():
+            for stream in streams:
+                stream.close()
