@@ -32,6 +32,9 @@ Run it (SQLite here; a `postgresql://` URL works the same, across hosts):
   time (a stand-in for an LLM's tokens), so an interrupt or a dead worker can land
   mid-answer. Killed mid-answer, a worker's session is resumed by another worker once the
   lease runs out; the resumed drain finds the question it still owes in the transcript.
+* `GET /` is a small chat page (`chat_page.html`, vanilla JavaScript on `EventSource`):
+  send, stop, edit and regenerate, delete, and a live answer that survives a dropped
+  connection (`/?session=ID` opens a conversation).
 * `GET /health` answers 200 once the runtime is open (a readiness probe); `GET /metrics`
   is the runtime's `statistics()` as JSON.
 
@@ -48,7 +51,9 @@ import os
 import re
 import signal
 import sys
+import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -61,6 +66,7 @@ import trio_sessions
 logger = logging.getLogger("chat_service")
 
 WORD_DELAY = float(os.environ.get("CHAT_WORD_DELAY", "0.05"))
+CHAT_PAGE = (Path(__file__).resolve().parent / "chat_page.html").read_bytes()
 MAX_BODY = 64 * 1024
 
 # ---------------------------------------------------------------------------------------------
@@ -140,6 +146,9 @@ class ChatApp:
 
     async def route(self, scope: Scope, receive: Receive, send: Send) -> None:
         method, path = scope["method"], scope["path"]
+        if path == "/" and method == "GET":
+            await _respond_page(send, CHAT_PAGE)
+            return
         if path == "/health" and method == "GET":
             await _respond(send, 200, {"ok": True, "owner_id": self.runtime.owner_id})
             return
@@ -300,8 +309,16 @@ def _header(scope: Scope, name: bytes) -> str | None:
 
 
 def _query(scope: Scope) -> dict[str, str]:
-    pairs = (item.partition("=") for item in scope["query_string"].decode().split("&") if item)
-    return {key: value for key, _, value in pairs}
+    return dict(urllib.parse.parse_qsl(scope["query_string"].decode("latin-1")))
+
+
+async def _respond_page(send: Send, body: bytes) -> None:
+    headers = [
+        (b"content-type", b"text/html; charset=utf-8"),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 async def _respond(send: Send, status: int, value: Any) -> None:

@@ -193,3 +193,101 @@ def test_pause_cancel_resume_and_delete_from_the_console(chrome: Any, tmp_path: 
         chrome.switch_to.alert.accept()
         until(lambda: chrome.current_url.rstrip("/") == url, "the list", chrome)
     assert raw.one("SELECT COUNT(*) FROM session WHERE id = 'later'") == (0,)
+
+
+# ---------------------------------------------------------------------------------------------
+# The chat example's page (examples/chat_page.html behind examples/chat_service.py)
+
+
+def chat_texts(browser: Any, role: str) -> list[str]:
+    from selenium.webdriver.common.by import By
+
+    found = browser.find_elements(By.CSS_SELECTOR, f".message.{role} .text")
+    return [str(element.text) for element in found]
+
+
+def stored_texts(url: str, session_id: str, role: str) -> list[str]:
+    import httpx
+
+    texts = []
+    for message in httpx.get(f"{url}/sessions/{session_id}/transcript", timeout=DEADLINE).json():
+        if message["role"] != role:
+            continue
+        data = message["data"]
+        if role == "user":
+            texts.append(data["text"])
+        else:
+            texts.append("".join(p["text"] for p in data["parts"] if p["type"] == "text"))
+    return texts
+
+
+def test_the_chat_page_answers_live_resumes_stops_edits_and_deletes(
+    chrome: Any, tmp_path: Path
+) -> None:
+    """The chat page: an answer streams in live; a connection dropped mid-answer resumes
+    from its cursor and ends with exactly the stored text; Stop interrupts an answer;
+    edit-and-regenerate replaces the question and its answer; delete empties it all."""
+    from console_process import spawn, wait_for_line
+    from selenium.webdriver.common.by import By
+
+    store = tmp_path / "db"
+    web = spawn(
+        ["examples/chat_service.py", "--store", str(store), "--bind", "127.0.0.1:0"],
+        tmp_path / "web.log",
+        CHAT_WORD_DELAY="0.05",
+    )
+    try:
+        url = wait_for_line(web, r"chat service listening on (http://\S+)").group(1)
+        with worker(str(store), tmp_path, "chat_service:drain", "w1"):
+            chrome.get(f"{url}/?session=b1")
+            typed = chrome.find_element(By.ID, "text")
+
+            def say(text: str) -> None:
+                typed.send_keys(text)
+                chrome.find_element(By.ID, "send").click()
+
+            say("hello browser")
+            until(
+                lambda: chat_texts(chrome, "assistant") == ["You said: hello browser"],
+                "the first answer",
+                chrome,
+            )
+            screenshot(chrome, "chat")
+            long_question = " ".join(f"word{n}" for n in range(40))
+            say(long_question)
+            until(lambda: len(chat_texts(chrome, "assistant")) == 2, "the second answer", chrome)
+            chrome.execute_script("window.chat.drop()")  # mid-answer: ~2 s of words
+            until(
+                lambda: chrome.find_elements(
+                    By.CSS_SELECTOR, '.message.assistant[data-finished="true"]'
+                )[1:],
+                "the second answer finished",
+                chrome,
+            )
+            assert chat_texts(chrome, "assistant") == stored_texts(url, "b1", "assistant")
+            assert chat_texts(chrome, "assistant")[1] == f"You said: {long_question}"
+            say(long_question)
+            until(lambda: len(chat_texts(chrome, "assistant")) == 3, "a third answer", chrome)
+            chrome.find_element(By.ID, "stop").click()
+            until(
+                lambda: "(interrupted)" in chrome.find_element(By.ID, "messages").text,
+                "the interrupted answer",
+                chrome,
+            )
+            chrome.find_elements(By.CSS_SELECTOR, ".message.user .edit")[0].click()
+            typed.clear()
+            say("edited question")
+            until(
+                lambda: (
+                    chat_texts(chrome, "user") == ["edited question"]
+                    and chat_texts(chrome, "assistant") == ["You said: edited question"]
+                ),
+                "the regenerated answer",
+                chrome,
+            )
+            assert stored_texts(url, "b1", "user") == ["edited question"]
+            chrome.find_element(By.ID, "delete").click()
+            until(lambda: chat_texts(chrome, "user") == [], "the deleted conversation", chrome)
+            assert stored_texts(url, "b1", "user") == []
+    finally:
+        web.stop()
