@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
+import operator
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -70,6 +71,8 @@ TABLES = (
     "session_message",
     "session_input_rejected",
     "session_message_rejected",
+    "session_message_stream",
+    "session_message_delta",
 )
 
 
@@ -87,16 +90,47 @@ LANDED = {Mode.LOST, Mode.AFTER}
 
 
 # The locks a statement can wait for, as the test takes them first (in a transaction of its
-# own, released by rolling it back): the session lock, and the claim rows' lock.
-BLOCKERS = {
-    "pg_advisory_xact_lock": (
-        f"SELECT pg_advisory_xact_lock({SESSION_LOCK_NAMESPACE}, hashtext(%s))"
-    ),
-    "FOR NO KEY UPDATE": "SELECT 1 FROM session_execution WHERE id = ANY(%s) FOR UPDATE",
+# own, released by rolling it back): the session lock, and the claim rows' lock - and the
+# same locks a server-side function takes, from its arguments: (lock, the parameters
+# of the statement it needs).
+SESSION_LOCK = f"SELECT pg_advisory_xact_lock({SESSION_LOCK_NAMESPACE}, hashtext(%s))"
+EXECUTION_LOCK = (
+    f"SELECT pg_advisory_xact_lock({SESSION_LOCK_NAMESPACE}, hashtext(session_id))"
+    " FROM session_execution WHERE id = %s"
+)
+CLAIMS_LOCK = "SELECT 1 FROM session_execution WHERE id = ANY(%s) FOR UPDATE"
+Pick = Callable[[Any], Any]
+FIRST: Pick = operator.itemgetter(slice(0, 1))
+SECOND: Pick = operator.itemgetter(slice(1, 2))
+SAME: Pick = lambda params: params  # noqa: E731
+BLOCKERS: dict[str, tuple[str, Pick]] = {
+    "pg_advisory_xact_lock": (SESSION_LOCK, SAME),
+    "FOR NO KEY UPDATE": (CLAIMS_LOCK, SAME),
+    **{
+        f"{function}(": (SESSION_LOCK, FIRST)
+        for function in ("ts_submit", "ts_acquire", "ts_submit_and_acquire", "ts_wake")
+    },
+    "ts_wake_and_acquire(": (SESSION_LOCK, FIRST),
+    **{
+        f"{function}(": (EXECUTION_LOCK, FIRST)
+        for function in (
+            "ts_append_text",
+            "ts_begin_assistant",
+            "ts_mark_cancelling",
+            "ts_finish",
+            "ts_read_message",
+            "ts_take_inputs",
+        )
+    },
+    **{f"{function}(": (CLAIMS_LOCK, SECOND) for function in ("ts_heartbeat", "ts_expire_claims")},
+    "ts_lock_sessions(": (SESSION_LOCK, lambda params: (params[0][0],)),
 }
+# How the seam labels a statement that commits on its own (an autocommit function call):
+# it is its own COMMIT.
+AUTOCOMMIT = "autocommit: "
 
 
-def blocker(statement: str) -> str | None:
+def blocker(statement: str) -> tuple[str, Pick] | None:
     return next((lock for key, lock in BLOCKERS.items() if key in statement), None)
 
 
@@ -205,7 +239,17 @@ class Faults:
             terminate_on(self.control, pid)
             raise psycopg.errors.AdminShutdown("terminating connection (injected)")
         if mode is Mode.BLOCKED:
-            return self._killed_while_blocked(pid, text, params, run)
+            found = blocker(text)
+            assert found is not None
+            lock, pick = found
+            with psycopg.connect(
+                self.url, options=f"-c search_path={self.schema} -c lock_timeout=300"
+            ) as holder:
+                if self._locked(holder, lock, pick(params)):
+                    return self._killed_while_blocked(holder, pid, run)
+            # Nothing to wait for: the lock is this transaction's already (a function
+            # before it took it), or there is no such row. Killed after it instead.
+            mode = Mode.LOST
         result = run()
         terminate_on(self.control, pid)
         if mode is Mode.LOST:
@@ -220,29 +264,34 @@ class Faults:
             raise psycopg.OperationalError("server closed the connection (injected)")
         return result
 
-    def _killed_while_blocked(
-        self, pid: int, text: str, params: Any, run: Callable[[], Any]
-    ) -> Any:
-        """The statement waits on the server for a lock the test holds; the backend is
-        killed during that wait."""
-        lock = blocker(text)
-        assert lock is not None
-        with psycopg.connect(self.url, options=f"-c search_path={self.schema}") as holder:
-            holder.execute(lock, params)
-            outcome: list[Any] = []
-
-            def statement() -> None:
-                try:
-                    outcome.append(run())
-                except BaseException as exc:
-                    outcome.append(exc)
-
-            thread = threading.Thread(target=statement, daemon=True)
-            thread.start()
-            wait_for_lock(self.control, pid)
-            terminate_on(self.control, pid)
-            thread.join(10)
+    @staticmethod
+    def _locked(holder: psycopg.Connection[Any], lock: str, params: Any) -> bool:
+        """Take the lock the statement will wait for; False if there is none to take."""
+        try:
+            return bool(holder.execute(lock, params).fetchall())
+        except psycopg.errors.LockNotAvailable:
             holder.rollback()
+            return False
+
+    def _killed_while_blocked(
+        self, holder: psycopg.Connection[Any], pid: int, run: Callable[[], Any]
+    ) -> Any:
+        """The statement waits on the server for a lock the test holds (in `holder`); the
+        backend is killed during that wait."""
+        outcome: list[Any] = []
+
+        def statement() -> None:
+            try:
+                outcome.append(run())
+            except BaseException as exc:
+                outcome.append(exc)
+
+        thread = threading.Thread(target=statement, daemon=True)
+        thread.start()
+        wait_for_lock(self.control, pid)
+        terminate_on(self.control, pid)
+        thread.join(10)
+        holder.rollback()
         assert outcome and isinstance(outcome[0], psycopg.Error), outcome
         raise outcome[0]
 
@@ -258,8 +307,15 @@ class FaultyConnection:
         return getattr(self._conn, name)
 
     def execute(self, query: Any, params: Any = None) -> Any:
+        text = str(query)
+        if (
+            self._conn.autocommit
+            and self._conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+            and not text.startswith("BEGIN")
+        ):
+            text = AUTOCOMMIT + text
         return self._faults.statement(
-            self._conn, str(query), params, lambda: self._conn.execute(query, params)
+            self._conn, text, params, lambda: self._conn.execute(query, params)
         )
 
     def commit(self) -> None:
@@ -499,6 +555,61 @@ OPERATIONS = [
     Operation(
         "update_assistant", drained, one(_store.update_assistant, "s", "e1", OWNER, "m1", APPEND)
     ),
+    # The writer knows the version (2: begun at 0, two updates): one autocommit call.
+    Operation(
+        "append_assistant_text",
+        drained,
+        one(_store.append_assistant_text, "s", "e1", OWNER, "m1", " more", 2),
+    ),
+    Operation(
+        "append_assistant_text-unknown-version",
+        drained,
+        one(_store.append_assistant_text, "s", "e1", OWNER, "m1", " more"),
+    ),
+    Operation(
+        "append_assistant_text-lease-lost",
+        steps(drained, lapse),
+        one(_store.append_assistant_text, "s", "e1", OWNER, "m1", " more", 2),
+        writes=False,
+    ),
+    Operation(
+        "take_inputs-plain",
+        steps(
+            do(_store.submit, "s", '{"n": 1}', "i1"),
+            do(_store.submit, "s", '{"n": 2}', "i2"),
+            do(_store.acquire, "s", "e1", OWNER, LEASE_MS),
+        ),
+        one(_store.take_inputs, "s", "e1", OWNER),
+    ),
+    Operation(
+        "finish_iteration-plain-release", claimed, one(_store.finish_iteration, "s", "e1", OWNER)
+    ),
+    Operation(
+        "finish_iteration-plain-continue",
+        steps(claimed, do(_store.wake, "s")),
+        one(_store.finish_iteration, "s", "e1", OWNER),
+    ),
+    Operation(
+        "finish_failed-plain",
+        steps(claimed, do(_store.wake, "s")),
+        one(_store.finish_failed, "s", "e1", OWNER, "boom"),
+    ),
+    Operation(
+        "finish_interrupted-plain",
+        steps(claimed, do(_store.submit, "s", '{"n": 3}', "i3")),
+        one(_store.finish_interrupted, "s", "e1", OWNER),
+    ),
+    Operation(
+        "acquire-held",
+        steps(lambda env: claimed(env, owner="other"), do(_store.wake, "s")),
+        one(_store.acquire, "s", "e2", OWNER, LEASE_MS),
+        writes=False,
+    ),
+    Operation(
+        "submit_and_acquire-held",
+        lambda env: claimed(env, owner="other"),
+        one(_store.submit_and_acquire, "s", '{"n": 2}', "i2", "e2", OWNER, LEASE_MS),
+    ),
     Operation("finish_iteration-release", drained, one(_store.finish_iteration, "s", "e1", OWNER)),
     Operation(
         "finish_iteration-continue",
@@ -648,6 +759,17 @@ OPERATIONS = [
             Job(_store.submit, ("s3", '{"n": 3}', "i3")),
         ],
     ),
+    # Set-wise: two kinds, two jobs each, one call per kind (`pg_batched`).
+    Operation(
+        "group-commit-set-wise",
+        steps(two_claims, do(_store.wake, "s2")),
+        lambda: [
+            Job(_store.end_iteration, ("s1", "e1", OWNER)),
+            Job(_store.submit_and_acquire, ("s3", '{"n": 3}', "i3", "e3", OWNER, LEASE_MS)),
+            Job(_store.end_iteration, ("s2", "e2", OWNER)),
+            Job(_store.submit_and_acquire, ("s4", '{"n": 4}', "i4", "e4", OWNER, LEASE_MS)),
+        ],
+    ),
     Operation(
         "group-commit-with-a-refusal",
         empty,
@@ -730,7 +852,9 @@ def test_every_statement_of_every_operation(
         clean_transactions = env.engine.transactions - transactions
         post = snapshot(env.control)
         assert (post != pre) == operation.writes, "the clean run did not do what it should"
-        assert "COMMIT" in statements or not operation.writes
+        # Committed by a COMMIT, or by a function call in autocommit (its own COMMIT).
+        committed = "COMMIT" in statements or any(s.startswith(AUTOCOMMIT) for s in statements)
+        assert committed or not operation.writes
         fired = 0
         for k, statement in enumerate(statements, 1):
             for mode in modes_for(statement):
@@ -763,24 +887,38 @@ def short_patience(monkeypatch: pytest.MonkeyPatch) -> float:
     return 0.3
 
 
-@pytest.mark.parametrize("mode", [Mode.BEFORE, Mode.LOST])
+def operation(name: str) -> Operation:
+    return next(op for op in OPERATIONS if op.name == name)
+
+
+@pytest.mark.parametrize(
+    ("name", "k", "mode"),
+    [
+        ("update_assistant", 2, Mode.BEFORE),  # a transaction: lost before its write
+        ("update_assistant", 2, Mode.LOST),  # its write's reply lost, before COMMIT
+        ("submit", 1, Mode.BEFORE),  # one call in autocommit: lost before it was sent
+    ],
+)
 def test_unreachable_server_fails_the_operation_after_the_bound_with_nothing_written(
-    pg_url: str, pg_schema: str, short_patience: float, mode: Mode
+    pg_url: str, pg_schema: str, short_patience: float, name: str, k: int, mode: Mode
 ) -> None:
-    """The connection is lost mid-transaction and the server stays unreachable: StoreError
-    once the bound has passed, nothing of the operation is durable, and once the server is
-    back the same operation succeeds."""
+    """The connection is lost before the operation committed and the server stays
+    unreachable: StoreError once the bound has passed, nothing of the operation is durable,
+    and once the server is back the same operation succeeds."""
     with environment(pg_url, pg_schema) as env:
-        pre = prepare(env, OPERATIONS[1])  # submit
-        env.faults.arm(Plan(2, mode, then_unreachable=True))
+        pre = prepare(env, operation(name))
+        env.faults.arm(Plan(k, mode, then_unreachable=True))
         started = time.monotonic()
-        [(kind, message)] = OPERATIONS[1].call(env)
+        [(kind, message)] = operation(name).call(env)
         assert kind == "StoreError", message
         assert time.monotonic() - started >= short_patience
         assert snapshot(env.control) == pre
         env.faults.unreachable = False
-        assert OPERATIONS[1].call(env) == [("ok", "i1")]
-        assert env.control.execute("SELECT id FROM session_input").fetchall() == [("i1",)]
+        [(kind, _)] = operation(name).call(env)
+        assert kind == "ok"
+        assert snapshot(env.control) != pre
+        if name == "submit":
+            assert env.control.execute("SELECT id FROM session_input").fetchall() == [("i1",)]
 
 
 def test_commit_whose_outcome_stays_unknown_is_reported_as_store_error(
@@ -790,7 +928,8 @@ def test_commit_whose_outcome_stays_unknown_is_reported_as_store_error(
     acquire reports StoreError (never a claim), though the claim row is durable."""
     with environment(pg_url, pg_schema) as env:
         env.run(_store.wake, "s")
-        env.faults.arm(Plan(None, Mode.LOST, match="COMMIT", then_unreachable=True))
+        # Alone, an acquire is one call in autocommit: its own COMMIT.
+        env.faults.arm(Plan(None, Mode.LOST, match="ts_acquire(", then_unreachable=True))
         job = Job(_store.acquire, ("s", "e1", OWNER, LEASE_MS))
         env.engine.run_alone(job)
         [(kind, message)] = outcome_of([job])
@@ -827,7 +966,8 @@ async def test_uncertain_claim_is_never_owned_and_recovery_takes_it(
         async with open_runtime(
             store, drain, clock=ts_testing.trio_clock(), lease=3.0, recovery_interval=0.5
         ) as runtime:
-            faults.arm(Plan(None, Mode.LOST, match="COMMIT", then_unreachable=True))
+            # The claim commits with the call itself (autocommit), its reply is lost.
+            faults.arm(Plan(None, Mode.LOST, match="ts_submit_and_acquire(", then_unreachable=True))
             with pytest.raises(StoreError, match="outcome of a COMMIT is unknown"):
                 await runtime.submit("s", {"n": 1}, input_id="i1")
             faults.unreachable = False

@@ -38,7 +38,7 @@ from trio_sessions import (
     testing,
 )
 from trio_sessions._backend import Job, Tx
-from trio_sessions._decisions import AcquireVerdict, RecoveryDecision
+from trio_sessions._decisions import AcquireVerdict, IterationVerdict, RecoveryDecision
 from trio_sessions._postgres import (
     SCHEMA_VERSION,
     PgEngine,
@@ -207,7 +207,8 @@ async def test_upgrade_of_a_version_1_schema_adds_streaming(pg_url: str, pg_sche
     with opened(PostgresStore(pg_url, schema=pg_schema).engine()):
         pass
     assert location.rows("SELECT version FROM schema_version") == [(SCHEMA_VERSION,)]
-    assert SCHEMA_VERSION == 4  # 2: streaming; 3: owner liveness; 4: conversation control
+    # 2: streaming; 3: owner liveness; 4: conversation control; 5: the server-side functions
+    assert SCHEMA_VERSION == 5
     await check_pre_streaming_upgrade(location, PostgresStore(pg_url, schema=pg_schema))
 
 
@@ -459,7 +460,8 @@ def test_group_commit_batch_runs_in_one_transaction(pg_url: str, pg_schema: str)
 class BreakAtCommit:
     """A connection whose next COMMIT loses its connection: the backend is killed before
     the COMMIT reaches it (`land=False`: the transaction aborts) or right after it
-    committed (`land=True`: the answer is lost)."""
+    committed (`land=True`: the answer is lost). A function call in autocommit is its own
+    COMMIT."""
 
     def __init__(self, conn: psycopg.Connection[Any], url: str, *, land: bool) -> None:
         self._conn = conn
@@ -469,6 +471,22 @@ class BreakAtCommit:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._conn, name)
+
+    def execute(self, query: Any, params: Any = None) -> Any:
+        autocommit = (
+            self._conn.autocommit
+            and self._conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+            and not str(query).startswith("BEGIN")
+        )
+        if not (self.armed and autocommit):
+            return self._conn.execute(query, params)
+        self.armed = False
+        if self._land:
+            self._conn.execute(query, params)
+        terminate_backend(self._url, self._conn.info.backend_pid)
+        if self._land:
+            raise psycopg.OperationalError("server closed the connection (injected)")
+        return self._conn.execute(query, params)  # on a dead connection: raises
 
     def commit(self) -> None:
         if not self.armed:
@@ -486,7 +504,9 @@ class BreakAtCommit:
 @pytest.mark.parametrize("land", [True, False], ids=["committed", "aborted"])
 def test_uncertain_commit_is_read_back(pg_url: str, pg_schema: str, land: bool) -> None:
     """The writer's connection dies at COMMIT: the outcome is read back from the server, so
-    a submit is stored once and an acquire is reported as a claim exactly once."""
+    a submit is stored once and an acquire is reported as a claim exactly once. A wake (a
+    transaction) is read back by its transaction id; submit and acquire (one autocommit
+    call each) are called again, and the call reads back by input id / execution id."""
     wrapped: list[BreakAtCommit] = []
 
     def wrap(conn: psycopg.Connection[Any]) -> BreakAtCommit:
@@ -496,19 +516,26 @@ def test_uncertain_commit_is_read_back(pg_url: str, pg_schema: str, land: bool) 
     store = PostgresStore(pg_url, schema=pg_schema, wrap_connection=wrap)
     with opened(store.engine()) as engine:
         wrapped[-1].armed = True
-        assert run_op(engine, _store.submit, "s", '{"n": 1}', "in-1") == "in-1"
+        run_op(engine, _store.wake, "s")
         # Committed: read back, not re-applied. Aborted: run again on a new connection.
         assert (engine.reconnects, engine.transactions) == (1, 1 if land else 2)
 
         wrapped[-1].armed = True
+        transactions = engine.transactions
+        assert run_op(engine, _store.submit, "s", '{"n": 1}', "in-1") == "in-1"
+        # Called again either way: the call finds the input it stored, or stores it.
+        assert (engine.reconnects, engine.transactions - transactions) == (2, 2)
+
+        wrapped[-1].armed = True
         acquired = run_op(engine, _store.acquire, "s", "e1", "owner", LEASE_MS)
         assert acquired.verdict is AcquireVerdict.CLAIM
-        assert engine.reconnects == 2
+        assert engine.reconnects == 3
         again = run_op(engine, _store.acquire, "s", "e2", "owner", LEASE_MS)
         assert again.verdict is not AcquireVerdict.CLAIM
     with raw(pg_url, pg_schema) as conn:
         assert conn.execute("SELECT id, seq FROM session_input").fetchall() == [("in-1", 1)]
         assert conn.execute("SELECT wakes, input_seq FROM session").fetchall() == [(0, 1)]
+        assert conn.execute("SELECT time_woken IS NULL FROM session").fetchall() == [(True,)]
         assert conn.execute("SELECT id FROM session_execution").fetchall() == [("e1",)]
 
 
@@ -570,3 +597,58 @@ async def test_runtime_drains_on_the_thread_executor_with_the_server_clock(
     assert all(len(messages) == 2 for messages in transcripts)
     assert stats.backend == "postgres"
     assert 0 < stats.handoffs <= stats.transactions
+
+
+# ---------------------------------------------------------------------------------------------
+# Group commit, set-wise
+
+
+class RecordingStatements:
+    """Counts the statements (and COMMITs) an engine's connection sends."""
+
+    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+        self._conn = conn
+        self.statements: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+    def execute(self, query: Any, params: Any = None) -> Any:
+        self.statements.append(str(query))
+        return self._conn.execute(query, params)
+
+    def commit(self) -> None:
+        self.statements.append("COMMIT")
+        self._conn.commit()
+
+
+def test_batch_runs_each_batched_kind_as_one_call(pg_url: str, pg_schema: str) -> None:
+    """A group-commit batch of 8 submit_and_acquire and then 8 end_iteration jobs is one
+    statement per kind and a COMMIT, and answers each job as it would alone: claims, then
+    releases, with every input stored once."""
+    made: list[RecordingStatements] = []
+
+    def wrap(conn: psycopg.Connection[Any]) -> RecordingStatements:
+        made.append(RecordingStatements(conn))
+        return made[-1]
+
+    store = PostgresStore(pg_url, schema=pg_schema, wrap_connection=wrap)
+    with opened(store.engine()) as engine:
+        submits = [
+            Job(
+                _store.submit_and_acquire,
+                (f"s{n}", f'{{"n": {n}}}', f"i{n}", f"e{n}", "me", 30_000),
+            )
+            for n in range(8)
+        ]
+        engine.run_batch(submits)
+        assert [job.unwrap()[1].verdict for job in submits] == [AcquireVerdict.CLAIM] * 8
+        assert [job.unwrap()[0] for job in submits] == [f"i{n}" for n in range(8)]
+        assert len(made[-1].statements) == 2  # BEGIN + the call, COMMIT
+        finishes = [Job(_store.end_iteration, (f"s{n}", f"e{n}", "me")) for n in range(8)]
+        engine.run_batch(finishes)
+        assert [job.unwrap() for job in finishes] == [IterationVerdict.RELEASE] * 8
+        assert len(made[-1].statements) == 4
+    with raw(pg_url, pg_schema) as conn:
+        assert conn.execute("SELECT count(*) FROM session_input").fetchall() == [(8,)]
+        assert conn.execute("SELECT count(*) FROM session_execution").fetchall() == [(0,)]

@@ -38,6 +38,7 @@ T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
 
 BackendName = Literal["sqlite", "postgres"]
+OwnChange = Callable[[str], bool] | None
 Params = Sequence[Any] | Mapping[str, Any]
 
 
@@ -67,6 +68,14 @@ class Tx(Protocol):
     def dialect(self) -> BackendName:
         """Which SQL the transaction speaks: a statement for one dialect only is chosen on
         this, beside the shared form in the same `_store` module."""
+        ...
+
+    def call(self, function: str, *args: Any, idempotent: bool = True) -> list[Any]:
+        """PostgreSQL only: one call of a server-side function of the store's schema
+        (`_store.pg_functions`), one round trip; its rows. The function gets `args`, then the
+        test clock (NULL: the server's) and whether this is a retry after a lost reply.
+        `idempotent=False`: a retry could not tell whether the lost call landed, so the
+        call needs a transaction (never alone in autocommit)."""
         ...
 
     def execute(self, sql: str, params: Params = ()) -> Cursor: ...
@@ -105,6 +114,40 @@ class Tx(Protocol):
         """Remove the record of these owners' tokens where still free (they are gone and
         hold no live claim)."""
         ...
+
+
+class NeedsTransaction(Exception):
+    """Raised by a `Tx` in autocommit before it sends a statement that must share a
+    transaction with others: the backend runs the operation again in a transaction. Nothing
+    was written by the operation when it is raised."""
+
+
+def autocommit_when_alone(op: Callable[..., T]) -> Callable[..., T]:
+    """Mark an operation whose PostgreSQL form is one idempotent function call: alone, it
+    runs in autocommit (one round trip; a lost reply is resolved by calling again, which
+    reads back by natural key). Its other paths raise `NeedsTransaction` first."""
+    op.__dict__["autocommit_when_alone"] = True
+    return op
+
+
+# What a batched form's `interpret` answers for a row it cannot settle: nothing was written
+# for it; the operation runs on its own in the same transaction.
+FALLBACK: Any = object()
+
+
+def pg_batched(
+    function: str, interpret: Callable[[tuple[Any, ...], tuple[Any, ...]], Any]
+) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """Mark an operation that PostgreSQL group-commits set-wise: the jobs of one batch that
+    call it become ONE call of `function` (one array per argument, in the operation's
+    order; rows `(ordinal, *row)` back), and `interpret(args, row)` gives each job's result
+    (or raises its refusal, or returns `FALLBACK`)."""
+
+    def mark(op: Callable[..., T]) -> Callable[..., T]:
+        op.__dict__["pg_batched"] = (function, interpret)
+        return op
+
+    return mark
 
 
 @attrs.define(eq=False)
@@ -168,10 +211,16 @@ class Executor(Protocol):
         lock (transcripts, watchers, the change scan)."""
         ...
 
-    async def wait_for_change(self, kick: trio.Event, fallback: float) -> None:
+    async def wait_for_change(
+        self, kick: trio.Event, fallback: float, *, own: OwnChange = None
+    ) -> None:
         """Return when another connection may have committed (SQLite: `data_version`;
         PostgreSQL: a notification), when `kick` is set, or after `fallback` seconds (the slow
-        fallback poll: a lost signal costs latency, never work)."""
+        fallback poll: a lost signal costs latency, never work).
+
+        `own(session_id)`: whether a change this runtime made itself to that session still
+        needs a look (a local watcher follows it); a backend that can tell its own commits
+        apart (PostgreSQL: the notifying backend's pid) skips the others."""
         ...
 
     def hold_token(self, owner_id: str) -> AbstractAsyncContextManager[Token]:

@@ -8,6 +8,10 @@ rule here can be checked exhaustively without a database:
 * recovery acts only on an expired claim it holds a recovery lease for, and decides in this
   order: live again, cancelling, superseded, malformed, paused, budget exhausted (never for
   a claim handed back by a graceful shutdown), resume;
+* how a busy period's claim ended decides, once (`decide_ending`), what the runtime writes for
+  it: nothing is written for a claim whose lease is lost or that is not ours (except passing a
+  user interrupt on to the claim's holder), a shutdown never finishes a claim (it hands it back
+  for recovery), and a user interrupt never hands one back (recovery would resume it);
 * a paused session is never claimed, and a busy period on it ends at its next iteration
   boundary (DESIGN §5.1);
 * a submit decides what a busy session does with it (`on_busy`) from the claim's phase and

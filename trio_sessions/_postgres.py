@@ -66,7 +66,18 @@ import trio
 from psycopg import sql
 
 from . import _liveness, _observe, _schema
-from ._backend import BackendName, Job, Params, StoreStatistics, Tx, driver_error, now_ms
+from ._backend import (
+    FALLBACK,
+    BackendName,
+    Job,
+    NeedsTransaction,
+    OwnChange,
+    Params,
+    StoreStatistics,
+    Tx,
+    driver_error,
+    now_ms,
+)
 from ._errors import SchemaTooNew, StoreError
 from ._handoff import HandoffQueue, Queued, pumping
 from ._naming import check_postgres_name, check_schema, mask_password, secrets_of
@@ -129,6 +140,11 @@ _LOCK_SESSION = (
     f" (SELECT pg_advisory_xact_lock({SESSION_LOCK_NAMESPACE}, hashtext(%s)))"
     f" SELECT {_SERVER_MS} FROM locked"
 )
+_LOCK_SESSION_ANY = _LOCK_SESSION.replace("%s", "?")
+# How each kind of transaction begins: sent with its first statement, in one message.
+_BEGIN = "BEGIN ISOLATION LEVEL READ COMMITTED; "
+_BEGIN_READ = "BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY; "
+_BEGIN_NOWAIT = f"{_BEGIN}SET LOCAL lock_timeout = {NOWAIT_LOCK_TIMEOUT_MS}; "
 
 # How a transaction runs: `write` (retried, group-committed), `nowait` (alone, a short
 # lock_timeout, lock waits not retried), `read` (alone, one REPEATABLE READ snapshot).
@@ -295,9 +311,24 @@ def migrate(conn: Any, schema: str) -> None:
 
 
 class PgTx:
-    """One open READ COMMITTED transaction, as an operation sees it (`_backend.Tx`)."""
+    """One open READ COMMITTED transaction, as an operation sees it (`_backend.Tx`), or one
+    autocommit call (`autocommit=True`: a single function call and nothing else).
 
-    def __init__(self, conn: Any, clock: Callable[[], float] | None) -> None:
+    The connection is in autocommit mode; a transaction begins with the first statement
+    sent, which carries `begin` (`BEGIN ...;`) in the same message: no round trip of its
+    own. A function call also reads the transaction's id in its reply, so a transaction
+    that ends with a call needs no read before COMMIT (DESIGN §8 "Uncertain commits").
+    """
+
+    def __init__(
+        self,
+        conn: Any,
+        clock: Callable[[], float] | None,
+        *,
+        begin: str = _BEGIN,
+        autocommit: bool = False,
+        retry: bool = False,
+    ) -> None:
         self.conn = conn
         self._clock = clock
         self._now: int | None = None
@@ -306,6 +337,13 @@ class PgTx:
         # Advisory xact locks are re-entrant and held to COMMIT: taking one twice in a
         # transaction (two operations of a batch on one session) costs a round trip only.
         self._locked: set[str] = set()
+        # A connection outside autocommit (a test's) begins its transactions itself.
+        self._begin: str | None = None if autocommit or not conn.autocommit else begin
+        self.autocommit = autocommit
+        self.retry = retry
+        self.begun = False  # a statement was sent (a transaction is open unless autocommit)
+        self.xid: str | None = None
+        self.xid_fresh = False  # `xid` was read by the last statement sent
 
     @property
     def now(self) -> int:
@@ -313,7 +351,8 @@ class PgTx:
             if self._clock is not None:
                 self._now = now_ms(self._clock)
             else:
-                self._now = int(self.conn.execute(_SERVER_NOW).fetchone()[0])
+                row: Any = self._send(_SERVER_NOW, ()).fetchone()
+                self._now = int(row[0])
         return self._now
 
     @property
@@ -324,19 +363,49 @@ class PgTx:
         """Each operation reads its own `now`, after its own locks."""
         self._now = None
 
-    def execute(self, statement: str, params: Params = ()) -> psycopg.Cursor[Any]:
-        cursor: psycopg.Cursor[Any] = self.conn.execute(translate(statement), params)
+    def _send(self, statement: str, params: Params) -> psycopg.Cursor[Any]:
+        if self.autocommit and self.begun:
+            raise NeedsTransaction("a second statement needs a transaction")
+        self.begun = True  # from here on, the statement may have reached the server
+        self.xid_fresh = False
+        if self._begin is None:
+            cursor: psycopg.Cursor[Any] = self.conn.execute(statement, params)
+            return cursor
+        statement, self._begin = self._begin + statement, None
+        cursor = self.conn.execute(statement, params)
+        while cursor.nextset():  # past BEGIN (and SET LOCAL) to the statement's result
+            pass
         return cursor
+
+    def execute(self, statement: str, params: Params = ()) -> psycopg.Cursor[Any]:
+        if self.autocommit:
+            raise NeedsTransaction("only a function call runs alone in autocommit")
+        return self._send(translate(statement), params)
 
     def one(self, statement: str, params: Params = ()) -> Any:
         return self.execute(statement, params).fetchone()
+
+    def call(self, function: str, *args: Any, idempotent: bool = True) -> list[Any]:
+        if self.autocommit and not idempotent:
+            raise NeedsTransaction(f"{function} cannot be read back after a lost reply")
+        fixed_now = None if self._clock is None else now_ms(self._clock)
+        params = (*args, fixed_now, self.retry)
+        placeholders = ", ".join(["%s"] * len(params))
+        rows = self._send(
+            f"SELECT f.*, pg_current_xact_id_if_assigned()::text FROM {function}({placeholders}) f",
+            params,
+        ).fetchall()
+        if rows:
+            self.xid = rows[-1][-1]
+            self.xid_fresh = True
+        return [tuple(row[:-1]) for row in rows]
 
     def lock_session(self, session_id: str) -> None:
         if session_id in self._locked:
             return
         # The wait may have been long: the clock is read after it, in the same round trip
         # (the MATERIALIZED CTE runs first).
-        row = self.conn.execute(_LOCK_SESSION, (session_id,)).fetchone()
+        row = self.one(_LOCK_SESSION_ANY, (session_id,))
         self._locked.add(session_id)
         self._now = int(row[0]) if self._clock is None else None
 
@@ -345,8 +414,8 @@ class PgTx:
             return
         # NO KEY UPDATE (not KEY SHARE): it conflicts with a takeover's UPDATE. Sorted, so
         # two owners locking overlapping sets never deadlock.
-        self.conn.execute(
-            "SELECT id FROM session_execution WHERE id = ANY(%s) ORDER BY id FOR NO KEY UPDATE",
+        self.execute(
+            "SELECT id FROM session_execution WHERE id = ANY(?) ORDER BY id FOR NO KEY UPDATE",
             (sorted(execution_ids),),
         )
         self._now = None
@@ -372,16 +441,16 @@ class PgTx:
     @contextlib.contextmanager
     def savepoint(self) -> Iterator[None]:
         locked = set(self._locked)
-        self.conn.execute("SAVEPOINT nested")
+        self.execute("SAVEPOINT nested")
         try:
             yield
         except BaseException:
-            self.conn.execute("ROLLBACK TO SAVEPOINT nested")
+            self.execute("ROLLBACK TO SAVEPOINT nested")
             # Locks taken inside a rolled-back subtransaction are released with it.
             self._locked = locked
             raise
         finally:
-            self.conn.execute("RELEASE SAVEPOINT nested")
+            self.execute("RELEASE SAVEPOINT nested")
 
 
 def _store_error(exc: BaseException) -> BaseException:
@@ -435,6 +504,7 @@ class PgEngine:
         self.clock = clock
         self.wrap_connection = wrap_connection
         self.conn: Any = None
+        self.backend_pid: int | None = None
         self.channel = channel(schema)
         self.transactions = 0
         self.retries = 0
@@ -459,6 +529,14 @@ class PgEngine:
             self.conn = None
 
     def _wrapped(self, conn: psycopg.Connection[Any]) -> Any:
+        # Transactions begin explicitly, with their first statement (`PgTx`): BEGIN costs
+        # no round trip of its own. Parameters are bound client-side, so a statement can
+        # share its message with the BEGIN before it.
+        conn.autocommit = True
+        conn.cursor_factory = psycopg.ClientCursor
+        # Read by the listener from the trio thread: notifications this connection sent
+        # are this runtime's own changes.
+        self.backend_pid = conn.info.backend_pid
         return conn if self.wrap_connection is None else self.wrap_connection(conn)
 
     def _connection(self, deadline: float) -> Any:
@@ -534,7 +612,21 @@ class PgEngine:
             job.result = result
 
     def run_alone(self, job: Job, mode: Mode = "write") -> None:
-        """Run one job in its own transaction. Never raises: the outcome goes on the job."""
+        """Run one job in its own transaction - or as one autocommit call, if it is marked
+        `autocommit_when_alone`. Never raises: the outcome goes on the job."""
+        if mode == "write" and job.op.__dict__.get("autocommit_when_alone", False):
+            try:
+                job.result = self._autocommit(job)
+            except NeedsTransaction:
+                pass  # nothing was written: run it in a transaction instead
+            except StoreError as exc:
+                job.error = exc
+                return
+            except Exception as exc:  # the operation's own refusal (LeaseLost, ...)
+                job.error = _store_error(exc)
+                return
+            else:
+                return
         try:
             [job.result] = self._transaction([job], mode, alone=True)
         except _JobRaised as raised:
@@ -559,33 +651,100 @@ class PgEngine:
                 _observe.store_retry("postgres", rerun.cause, attempt)
                 time.sleep(min(0.005 * 2**attempt, 0.2) * random.uniform(0.5, 1.0))
 
+    def _autocommit(self, job: Job) -> Any:
+        """Run a job as one autocommit call (`PgTx(autocommit=True)`), within the bounds.
+
+        A connection lost around the call leaves its outcome unknown: the call runs again
+        with `retry`, and the function reads back by natural key whether the lost one
+        landed (DESIGN §8 "Uncertain commits"). `NeedsTransaction` before anything was
+        sent; `StoreError` past the bounds; the operation's own errors as they are."""
+        deadline = time.monotonic() + RECONNECT_PATIENCE_S
+        attempt = 0
+        retry = False
+        lost: BaseException | None = None
+        while True:
+            attempt += 1
+            try:
+                conn = self._connection(deadline)
+            except StoreError as exc:
+                if retry:  # never guessed: the lost call may have landed
+                    raise _unknown_outcome(lost, exc) from lost
+                raise
+            self.transactions += 1
+            tx = PgTx(conn, self.clock, autocommit=True, retry=retry)
+            try:
+                return job.op(tx, *job.args)
+            except NeedsTransaction:
+                raise
+            except Exception as exc:
+                if _connection_lost(conn, exc):
+                    self.close()  # the next attempt re-opens it
+                    retry = retry or tx.begun
+                    lost = exc
+                elif not (isinstance(exc, psycopg.Error) and exc.sqlstate in RETRYABLE_SQLSTATES):
+                    raise  # the operation's own refusal, or a database error
+                if attempt >= MAX_ATTEMPTS or time.monotonic() >= deadline:
+                    if retry:
+                        raise _unknown_outcome(exc, driver_error(exc)) from exc
+                    raise driver_error(exc) from exc
+                self.retries += 1
+                _observe.store_retry("postgres", exc, attempt)
+                time.sleep(min(0.005 * 2**attempt, 0.2) * random.uniform(0.5, 1.0))
+
+    @staticmethod
+    def _run_jobs(tx: PgTx, jobs: Sequence[Job]) -> list[Any]:
+        """Run the jobs in `tx`: those of one `pg_batched` kind (two or more) as one
+        set-wise call, the rest (and the rows it could not settle) one by one."""
+        results: list[Any] = [None] * len(jobs)
+        kinds: dict[str, list[int]] = {}
+        for index, job in enumerate(jobs):
+            batched = job.op.__dict__.get("pg_batched")
+            if batched is not None:
+                kinds.setdefault(batched[0], []).append(index)
+        settled: set[int] = set()
+        for function, indexes in kinds.items():
+            if len(indexes) < 2:
+                continue
+            interpret = jobs[indexes[0]].op.__dict__["pg_batched"][1]
+            tx.begin_operation()
+            arrays = [list(c) for c in zip(*(jobs[i].args for i in indexes), strict=True)]
+            for ordinal, *row in tx.call(function, *arrays):
+                index = indexes[ordinal - 1]
+                result = interpret(jobs[index].args, tuple(row))
+                if result is not FALLBACK:
+                    results[index] = result
+                    settled.add(index)
+        for index, job in enumerate(jobs):
+            if index not in settled:
+                tx.begin_operation()
+                results[index] = job.op(tx, *job.args)
+        return results
+
     def _attempt(
         self, conn: Any, jobs: Sequence[Job], mode: Mode, *, alone: bool, deadline: float
     ) -> list[Any]:
         self.transactions += 1
-        tx = PgTx(conn, self.clock)
-        results = []
         nowait = mode == "nowait"
+        begin = _BEGIN_NOWAIT if nowait else _BEGIN_READ if mode == "read" else _BEGIN
+        tx = PgTx(conn, self.clock, begin=begin)
+        xid = None
         try:
-            if nowait:
-                conn.execute(f"SET LOCAL lock_timeout = {NOWAIT_LOCK_TIMEOUT_MS}")
-            elif mode == "read":
-                conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-            for job in jobs:
-                tx.begin_operation()
-                results.append(job.op(tx, *job.args))
+            results = self._run_jobs(tx, jobs)
             # Read just before COMMIT (not at BEGIN): only a transaction that wrote has an
             # id, and a read-only one needs no read-back. The signals travel with it (a
             # notification alone assigns no id before COMMIT: re-sent after an uncertain
-            # COMMIT, it costs a duplicate wake-up, which the doorbell absorbs).
+            # COMMIT, it costs a duplicate wake-up, which the doorbell absorbs). A
+            # transaction that ended with a function call has its id already.
             if tx.notified:
-                xid = conn.execute(
+                xid = tx.one(
                     "SELECT pg_current_xact_id_if_assigned()::text,"
-                    " (SELECT count(pg_notify(%s, s)) FROM unnest(%s::text[]) AS s)",
+                    " (SELECT count(pg_notify(?, s)) FROM unnest(CAST(? AS text[])) AS s)",
                     (self.channel, list(tx.notified)),
-                ).fetchone()[0]
-            else:
-                xid = conn.execute("SELECT pg_current_xact_id_if_assigned()::text").fetchone()[0]
+                )[0]
+            elif tx.xid_fresh or mode == "read":
+                xid = tx.xid
+            elif tx.begun:
+                xid = tx.one("SELECT pg_current_xact_id_if_assigned()::text")[0]
         except Exception as exc:
             self._rollback()
             if _connection_lost(conn, exc):
@@ -600,6 +759,8 @@ class PgEngine:
         except BaseException:
             self._rollback()
             raise
+        if not tx.begun:
+            return results  # nothing was sent: nothing to commit
         try:
             conn.commit()
         except psycopg.Error as exc:
@@ -645,6 +806,13 @@ class PgEngine:
                     f"transaction {xid} is still {status!r}"
                 ) from lost
             time.sleep(0.02)
+
+
+def _unknown_outcome(lost: BaseException | None, error: StoreError) -> StoreError:
+    return StoreError(
+        f"the outcome of a COMMIT is unknown (a call in autocommit; connection lost: {lost}); "
+        f"{error}"
+    )
 
 
 def run_op(engine: PgEngine, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
@@ -753,8 +921,14 @@ class PgListener:
                 self.conn.close()
             self.conn = None
 
-    async def wait(self, kick: trio.Event, fallback: float) -> None:
-        """Return on a notification, when `kick` is set, or after `fallback` seconds."""
+    async def wait(
+        self,
+        kick: trio.Event,
+        fallback: float,
+        wanted: Callable[[int, str], bool] | None = None,
+    ) -> None:
+        """Return on a notification `wanted(sender's backend pid, session id)` (default:
+        any), when `kick` is set, or after `fallback` seconds."""
         with trio.move_on_after(fallback):
             async with trio.open_nursery() as nursery:
 
@@ -763,10 +937,10 @@ class PgListener:
                     nursery.cancel_scope.cancel()
 
                 nursery.start_soon(kicked)
-                await self._notified()
+                await self._notified(wanted)
                 nursery.cancel_scope.cancel()
 
-    async def _notified(self) -> None:
+    async def _notified(self, wanted: Callable[[int, str], bool] | None) -> None:
         if self.conn is None or self.conn.closed or self.conn.broken:
             self.close()
             try:
@@ -779,7 +953,7 @@ class PgListener:
             return  # notifications sent meanwhile are lost: rescan now
         pgconn = self.conn.pgconn
         while True:
-            if self._take_notifications(pgconn):
+            if self._take_notifications(pgconn, wanted):
                 return
             await trio.lowlevel.wait_readable(pgconn.socket)
             try:
@@ -789,16 +963,24 @@ class PgListener:
                 return  # reconnect at the next wait; rescan now
 
     @staticmethod
-    def _take_notifications(pgconn: psycopg.pq.abc.PGconn) -> bool:
+    def _take_notifications(
+        pgconn: psycopg.pq.abc.PGconn, wanted: Callable[[int, str], bool] | None
+    ) -> bool:
         got = False
-        while pgconn.notifies() is not None:
-            got = True
+        while (notify := pgconn.notifies()) is not None:
+            session_id = notify.extra.decode(errors="replace")
+            got = got or wanted is None or wanted(notify.be_pid, session_id)
         return got
 
 
-async def _wait_for_change(listener: PgListener | None, kick: trio.Event, fallback: float) -> None:
+async def _wait_for_change(
+    listener: PgListener | None,
+    kick: trio.Event,
+    fallback: float,
+    wanted: Callable[[int, str], bool] | None = None,
+) -> None:
     if listener is not None:
-        await listener.wait(kick, fallback)
+        await listener.wait(kick, fallback, wanted)
         return
     with trio.move_on_after(fallback):  # poll-only (listen=False): e.g. behind PgBouncer
         await kick.wait()
@@ -866,8 +1048,20 @@ class PgInlineExecutor:
     async def read(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
         return await self._run("read", op, args)
 
-    async def wait_for_change(self, kick: trio.Event, fallback: float) -> None:
-        await _wait_for_change(self.listener, kick, fallback)
+    async def wait_for_change(
+        self, kick: trio.Event, fallback: float, *, own: OwnChange = None
+    ) -> None:
+        await _wait_for_change(self.listener, kick, fallback, self._own(own))
+
+    def _own(self, own: OwnChange) -> Callable[[int, str], bool]:
+        """Whether a notification (backend pid, session) is worth a look: not one our own
+        writer sent, unless `own` says this runtime still needs it."""
+        engine = self.engine
+
+        def wanted(pid: int, session_id: str) -> bool:
+            return pid != engine.backend_pid or (own is not None and own(session_id))
+
+        return wanted
 
     def hold_token(self, owner_id: str) -> AbstractAsyncContextManager[_liveness.PgToken]:
         return _hold_token(self.engine, owner_id, inline=True)
@@ -902,8 +1096,20 @@ class PgThreadExecutor:
         result: T = await self._submit(Job(op, args), "read")
         return result
 
-    async def wait_for_change(self, kick: trio.Event, fallback: float) -> None:
-        await _wait_for_change(self.listener, kick, fallback)
+    async def wait_for_change(
+        self, kick: trio.Event, fallback: float, *, own: OwnChange = None
+    ) -> None:
+        await _wait_for_change(self.listener, kick, fallback, self._own(own))
+
+    def _own(self, own: OwnChange) -> Callable[[int, str], bool]:
+        """Whether a notification (backend pid, session) is worth a look: not one our own
+        writer sent, unless `own` says this runtime still needs it."""
+        engine = self.engine
+
+        def wanted(pid: int, session_id: str) -> bool:
+            return pid != engine.backend_pid or (own is not None and own(session_id))
+
+        return wanted
 
     def hold_token(self, owner_id: str) -> AbstractAsyncContextManager[_liveness.PgToken]:
         return _hold_token(self.engine, owner_id, inline=False)

@@ -1009,7 +1009,9 @@ class Runtime:
         honour remote interrupts of our claims at once, feed watchers. A lost signal costs
         latency only: the fallback poll and recovery still find the work."""
         while True:
-            await self._db.wait_for_change(self._kick, CHANGE_FALLBACK_POLL)
+            await self._db.wait_for_change(
+                self._kick, CHANGE_FALLBACK_POLL, own=self._watchers.watching
+            )
             self._kick = trio.Event()
             with contextlib.suppress(StoreError):  # looked at again at the next signal
                 await self._look_at_changes()
@@ -1356,18 +1358,17 @@ class DrainContext:
 
         Durable when it returns: in one fenced transaction the inputs left `session_input`
         and were appended as `role='user'` messages. Only inputs that are due: a scheduled
-        one (`submit(delay=)`) stays unseen until its time. None once this claim was asked
-        to stop (another process's interrupt on its way): a successor takes them.
-        and were appended as `role='user'` messages. A bounded chunk keeps each call one
-        short transaction and one short step of the event loop, whatever the backlog: to
-        drain everything, call again until it returns `[]`; a drain that returns instead
-        gets the rest in its busy period's next iteration (the doorbell stays set while
-        inputs are pending). An input whose payload does not decode is set aside for the
-        operator, never returned and never blocking the others. Raises
-        `TypeError`/`ValueError` for a bad `limit`, `LeaseLost` (nothing taken) when the
-        claim is gone or this context is stale, `StoreError`. Cancellation: nothing taken if
-        the transaction had not started, else the inputs are taken (they are user messages
-        now, found again by `transcript()`).
+        one (`submit(delay=)`) stays unseen until its time. A bounded chunk keeps each call
+        one short transaction and one short step of the event loop, whatever the backlog:
+        to drain everything, call again until it returns `[]`; a drain that returns instead
+        gets the rest in its busy period's next iteration (the doorbell stays set while due
+        inputs are pending). None once this claim was asked to stop (another process's
+        interrupt on its way): a successor takes them. An input whose payload does not
+        decode is set aside for the operator, never returned and never blocking the others.
+        Raises `TypeError`/`ValueError` for a bad `limit`, `LeaseLost` (nothing taken) when
+        the claim is gone or this context is stale, `StoreError`. Cancellation: nothing
+        taken if the transaction had not started, else the inputs are taken (they are user
+        messages now, found again by `transcript()`).
         """
         limit = TAKE_INPUTS_CHUNK if limit is None else _count(limit, "limit", 1)
         self._check_live()
@@ -1433,6 +1434,7 @@ class AssistantWriter:
         # when a local watcher needs a snapshot (an append costs the same on any message).
         self._data = _transcript.EMPTY
         self._streamed: list[str] = []
+        self._version = 0  # as stored, so a retried append can tell whether it landed
 
     async def append_text(self, text: str) -> None:
         """Stream text onto the message: one small durable write whatever the message's size;
@@ -1450,7 +1452,9 @@ class AssistantWriter:
                 context.owner_id,
                 self.message_id,
                 text,
+                self._version,
             )
+        self._version = version
         if data is None:
             self._streamed.append(text)
             self._offer(version, "append", text)
@@ -1519,6 +1523,7 @@ class AssistantWriter:
             context._defect = context._defect or exc
             raise
         self._data, self._streamed = data, []
+        self._version = version
         if call_id is not None:
             part = next(p for p in data.parts if isinstance(p, ToolPart) and p.call_id == call_id)
             self._offer(version, "part", part)

@@ -7,8 +7,10 @@ times are BIGINT and its claim table leaves room for heartbeats' row versions.
 
 Versions do not line up: PostgreSQL's first version is SQLite's versions 1-3 (no
 PostgreSQL store predates them), PostgreSQL's version 2 is SQLite's version 4 (streaming),
-and PostgreSQL's version 3 is SQLite's version 5 (conversation control). A change of the
-schema adds one version to each dict, in the same commit.
+its version 3 is owner liveness (SQLite keeps that record as a lock file), its version 4
+is SQLite's version 5 (conversation control), and its version 5 creates the server-side
+functions (PostgreSQL only). A change of the schema adds one version to each dict, in the
+same commit.
 
 Invariants: a version, once released, is never edited (stores in the field are at it);
 the engines (`_sqlite.migrate`, `_postgres.migrate`) apply versions in order in one
@@ -159,7 +161,7 @@ SQLITE_OUR_TABLES = frozenset(
 # ---------------------------------------------------------------------------------------------
 # PostgreSQL
 
-POSTGRES_SCHEMA_VERSION = 4
+POSTGRES_SCHEMA_VERSION = 5
 
 # Same names, meanings and named CHECKs as the SQLite schema (`SQLITE_MIGRATIONS`, whose
 # versions 1-3 are PostgreSQL's first: no PostgreSQL store predates them); times
@@ -279,6 +281,8 @@ ALTER TABLE session_input ADD COLUMN due_at BIGINT;
 CREATE INDEX session_input_due ON session_input(due_at) WHERE due_at IS NOT NULL;
 ALTER TABLE session ADD COLUMN time_paused BIGINT;
 """,
+    # The server-side functions (`_create_functions`); no table changes.
+    5: "",
 }
 
 
@@ -298,5 +302,19 @@ def _mark_finished_messages(conn: Any) -> None:
     conn.execute("UPDATE session_message SET finished = 1 WHERE id = ANY(%s)", (finished,))
 
 
+def _create_functions(conn: Any) -> None:
+    """Version 5: the fenced operations as server-side functions (`_store.pg_functions`), in
+    the store's schema. A later change to a function is a new version that runs this again
+    (CREATE OR REPLACE)."""
+    from ._postgres import SESSION_LOCK_NAMESPACE, channel
+    from ._store import pg_functions
+
+    schema = conn.execute("SELECT current_schema()").fetchone()[0]
+    conn.execute(pg_functions(channel(schema), SESSION_LOCK_NAMESPACE))
+
+
 # Python steps that follow a PostgreSQL version's SQL, in the same transaction.
-POSTGRES_BACKFILLS: dict[int, Callable[[Any], None]] = {2: _mark_finished_messages}
+POSTGRES_BACKFILLS: dict[int, Callable[[Any], None]] = {
+    2: _mark_finished_messages,
+    5: _create_functions,
+}

@@ -50,7 +50,7 @@ import attrs
 import trio
 
 from . import _liveness, _observe, _schema
-from ._backend import BackendName, Job, Params, StoreStatistics, Tx, driver_error, now_ms
+from ._backend import BackendName, Job, OwnChange, Params, StoreStatistics, Tx, driver_error, now_ms
 from ._errors import SchemaTooNew, StoreError, TrioSessionsError
 from ._filewatch import FileWatch, open_watch
 from ._handoff import HandoffQueue, Queued, pumping
@@ -302,6 +302,9 @@ class SQLiteTx:
     @property
     def dialect(self) -> BackendName:
         return "sqlite"
+
+    def call(self, function: str, *args: Any, idempotent: bool = True) -> list[Any]:
+        raise NotImplementedError("server-side functions are PostgreSQL's")
 
     def execute(self, sql: str, params: Params = ()) -> sqlite3.Cursor:
         return self.conn.execute(sql, params)
@@ -601,7 +604,9 @@ class ChangeReader:
         await trio.lowlevel.cancel_shielded_checkpoint()
         return result
 
-    async def wait_for_change(self, kick: trio.Event, fallback: float) -> None:
+    async def wait_for_change(
+        self, kick: trio.Event, fallback: float, *, own: OwnChange = None
+    ) -> None:
         """Return when another connection committed, `kick` is set, or after `fallback` seconds."""
         with trio.move_on_after(fallback):
             with trio.move_on_at(self._next_look):
@@ -665,7 +670,9 @@ class InlineExecutor:
     async def read(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
         return await self.reader.read(op, *args)
 
-    async def wait_for_change(self, kick: trio.Event, fallback: float) -> None:
+    async def wait_for_change(
+        self, kick: trio.Event, fallback: float, *, own: OwnChange = None
+    ) -> None:
         # Deterministic tests: no background look at the store (it would race the steps a
         # test drives under the virtual clock), only an explicit kick. The change signal
         # itself is tested on the threaded store, in real time.
@@ -772,8 +779,10 @@ class ThreadExecutor:
     async def read(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
         return await self.reader.read(op, *args)
 
-    async def wait_for_change(self, kick: trio.Event, fallback: float) -> None:
-        await self.reader.wait_for_change(kick, fallback)
+    async def wait_for_change(
+        self, kick: trio.Event, fallback: float, *, own: OwnChange = None
+    ) -> None:
+        await self.reader.wait_for_change(kick, fallback, own=own)
 
     def hold_token(self, owner_id: str) -> contextlib.AbstractAsyncContextManager[Any]:
         return _hold_token(self.reader.conn, owner_id, inline=False)

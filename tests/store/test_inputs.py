@@ -131,3 +131,47 @@ def test_take_inputs_sets_a_malformed_input_aside(db: Db) -> None:
     assert db.rows("SELECT * FROM session_input_rejected") == []
     with pytest.raises(ValueError, match="in-bad"):
         db.run(_store.drop_rejected_input, "in-bad")
+
+
+def test_take_inputs_takes_a_chunk_of_due_inputs_and_rings_for_the_rest(db: Db) -> None:
+    """With a limit, take_inputs takes the oldest due inputs only: a scheduled input not yet
+    due keeps its place whatever its seq (never deleted with the chunk before it), the
+    doorbell is rung while due inputs remain and only then, and a malformed input set
+    aside counts towards the chunk (both backends: PostgreSQL's one-call path and the
+    library's own path agree)."""
+    db.run(_store.submit, "s", '{"n": 1}', "in-1")
+    db.run(_store.submit_scheduled, "s", '{"n": 2}', "in-later", 20_000, "queue")
+    db.run(_store.submit, "s", '{"n": 3}', "in-3")
+    db.run(_store.submit, "s", '{"n": 4}', "in-4")
+    execution = db.claim()
+    assert db.doorbell()[:2] == (None, 0)
+
+    taken = db.run(_store.take_inputs, "s", execution, "owner-a", 2)
+    assert [i.id for i in taken] == ["in-1", "in-3"]
+    assert db.rows("SELECT id FROM session_input ORDER BY seq") == [("in-later",), ("in-4",)]
+    assert db.doorbell()[:2] == (NOW, 1)  # in-4 is due and left: rung once
+
+    assert [i.id for i in db.run(_store.take_inputs, "s", execution, "owner-a", 2)] == ["in-4"]
+    assert db.rows("SELECT id FROM session_input") == [("in-later",)]
+    assert db.doorbell()[:2] == (NOW, 1)  # nothing due is left: not rung again
+    assert db.run(_store.take_inputs, "s", execution, "owner-a", 2) == []
+    assert db.rows("SELECT input_id, seq FROM session_message ORDER BY seq") == [
+        ("in-1", 1),
+        ("in-3", 2),
+        ("in-4", 3),
+    ]
+
+    db.run(_store.submit, "s", "[5]", "in-bad")
+    db.run(_store.submit, "s", '{"n": 6}', "in-6")
+    db.run(_store.submit, "s", '{"n": 7}', "in-7")
+    db.now += 20_000  # in-later falls due (the lease, 30 s, still live): oldest of the due ones
+    wakes = db.doorbell()[1]  # each submit rang too
+    taken = db.run(_store.take_inputs, "s", execution, "owner-a", 2)
+    assert [i.id for i in taken] == ["in-later"]  # in-bad, set aside, was the chunk's second
+    assert db.rows("SELECT id FROM session_input_rejected") == [("in-bad",)]
+    assert db.rows("SELECT id FROM session_input ORDER BY seq") == [("in-6",), ("in-7",)]
+    assert db.doorbell()[:2] == (NOW, wakes + 1)
+    taken = db.run(_store.take_inputs, "s", execution, "owner-a", 2)
+    assert [i.id for i in taken] == ["in-6", "in-7"]
+    assert db.rows("SELECT id FROM session_input") == []
+    assert db.doorbell()[:2] == (NOW, wakes + 1)

@@ -5,8 +5,8 @@ sequential cycle, recovery >= 0.5x a raw batched reclaim).
 Raw baselines, written as a careful psycopg user would (autocommit off, the server's clock
 inline in the statement): the cycle is two transactions - a fenced claim upsert, then a
 fenced delete; the reclaim takes `batch` expired claims per transaction with one
-`UPDATE ... WHERE id IN (SELECT ... FOR UPDATE SKIP LOCKED)`. Round trips per cycle are
-counted at the library's connection: BEGIN, each statement and COMMIT is one.
+`UPDATE ... WHERE id IN (SELECT ... FOR UPDATE SKIP LOCKED)`. The library's round trips
+are counted on the wire (`roundtrips`), in a short run of their own.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from .config import Config
 from .pg import PgSchemas
 from .recovery import RecoveryTarget, add_recovery_rows, recovery_rounds
 from .report import Report, fmt_rate, fmt_ratio, fmt_us, median, progress, verdict
+from .roundtrips import TURN_APPENDS, round_trips_per_cycle, turn_round_trips
 from .tools import concurrent_cycles, ids, noop_drain, open_bench_runtime, rotate, sequential_cycles
 
 SERVER_MS = "floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
@@ -71,39 +72,6 @@ def raw_pg_cycles(conn: psycopg.Connection[Any], session_ids: Sequence[str]) -> 
         conn.execute(RAW_RELEASE, (session_id, owner, row[0]))
         conn.commit()
     return time.perf_counter() - started
-
-
-class CountingPgConnection:
-    """Counts round trips (`execute`, `commit`) on the connection it wraps."""
-
-    def __init__(self, conn: psycopg.Connection[Any]) -> None:
-        self._conn = conn
-        self.round_trips = 0
-
-    def execute(self, *args: Any, **kwargs: Any) -> Any:
-        self.round_trips += 1
-        return self._conn.execute(*args, **kwargs)
-
-    def commit(self) -> None:
-        self.round_trips += 1
-        self._conn.commit()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._conn, name)
-
-
-class Counter:
-    """`PostgresStore.wrap_connection` hook: wraps every connection the engine opens."""
-
-    def __init__(self) -> None:
-        self.made: list[CountingPgConnection] = []
-
-    def __call__(self, conn: psycopg.Connection[Any]) -> Any:
-        self.made.append(CountingPgConnection(conn))
-        return self.made[-1]
-
-    def round_trips(self) -> int:
-        return sum(c.round_trips for c in self.made)
 
 
 def seed_expired(conn: psycopg.Connection[Any], n: int) -> None:
@@ -163,9 +131,7 @@ async def bench_pg_cycle(config: Config, schemas: PgSchemas, report: Report) -> 
     )
     rates: dict[str, list[float]] = {}
     ratios: dict[str, list[float]] = {}
-    trips: dict[str, list[float]] = {}
-    counter = Counter()
-    store: PostgresStore = schemas.store("cycle", wrap_connection=counter)
+    store: PostgresStore = schemas.store("cycle")
     with schemas.connect(schemas.name("cycle_raw")) as raw:
         raw.execute(RAW_CLAIMS)
         raw.execute(RAW_CLAIMS_INDEX)
@@ -175,8 +141,6 @@ async def bench_pg_cycle(config: Config, schemas: PgSchemas, report: Report) -> 
                 seconds: dict[str, float] = {}
                 for variant in rotate(VARIANTS, round_):
                     tag = f"{variant}-{round_}"
-                    # Statements and COMMITs, plus the BEGIN psycopg sends per transaction.
-                    before = counter.round_trips() + rt.statistics().store.transactions
                     if variant == "raw":
                         seconds[variant] = raw_pg_cycles(raw, ids(tag, per_round))
                     elif variant == "sequential":
@@ -185,9 +149,6 @@ async def bench_pg_cycle(config: Config, schemas: PgSchemas, report: Report) -> 
                         seconds[variant] = await concurrent_cycles(
                             rt, ids(tag, config.pg_concurrent)
                         )
-                    count = config.pg_concurrent if variant == "concurrent" else per_round
-                    after = counter.round_trips() + rt.statistics().store.transactions
-                    trips.setdefault(variant, []).append((after - before) / count)
                 if round_ == 0:
                     continue
                 round_rates = {
@@ -213,8 +174,7 @@ async def bench_pg_cycle(config: Config, schemas: PgSchemas, report: Report) -> 
         report.add(
             "postgres",
             label,
-            f"{fmt_rate(rate)} = {fmt_us(1 / rate)}, "
-            f"{median(trips[variant][1:]):.1f} round trips/cycle",
+            f"{fmt_rate(rate)} = {fmt_us(1 / rate)}",
             fmt_rate(raw_rate),
             fmt_ratio(ratios[variant]),
             f">= {target}x",
@@ -224,10 +184,9 @@ async def bench_pg_cycle(config: Config, schemas: PgSchemas, report: Report) -> 
     report.machine["pg_cycle_ratio"] = median(ratios["sequential"])
     report.machine["pg_concurrent_ratio"] = median(ratios["concurrent"])
     report.notes.append(
-        f"postgres: the library ran {transactions} transactions over the section; round trips "
-        "are BEGIN, statements and COMMIT on the library's writer connection (the LISTEN "
-        "connection is not counted), as for raw psycopg (BEGIN, the statement and COMMIT per "
-        "transaction)."
+        f"postgres: the library ran {transactions} transactions over the section; its round "
+        "trips are counted on the wire in a run of their own (every connection), raw "
+        "psycopg's are BEGIN, the statement and COMMIT per transaction."
     )
 
 
@@ -255,6 +214,34 @@ async def bench_pg_recovery(config: Config, schemas: PgSchemas, report: Report) 
     report.machine["pg_raw_recovery_us"] = median(times.secs["raw"]) / n * 1e6
 
 
+async def bench_pg_round_trips(schemas: PgSchemas, report: Report) -> None:
+    """Round trips counted on the wire (`roundtrips.RoundTripProxy`), in a run of their own."""
+    progress("postgres round trips: counted through a relay")
+    cycle = await round_trips_per_cycle(schemas.url, schemas.name("trips_cycle"))
+    turn = await turn_round_trips(schemas.url, schemas.name("trips_turn"))
+    report.add(
+        "postgres",
+        "round trips per sequential cycle (counted on the wire, every connection)",
+        f"{cycle:.1f}",
+        "",
+        "",
+        "<= 3",
+        verdict(cycle <= 3),
+    )
+    report.add(
+        "postgres",
+        f"round trips per chat turn (take inputs, begin, {TURN_APPENDS} appends, finish)",
+        f"{turn:.1f}",
+        "",
+        "",
+        "<= 50",
+        verdict(turn <= 50),
+    )
+    report.machine["pg_round_trips_per_cycle"] = cycle
+    report.machine["pg_turn_round_trips"] = turn
+
+
 async def bench_postgres(config: Config, folder: Path, report: Report, schemas: PgSchemas) -> None:
+    await bench_pg_round_trips(schemas, report)
     await bench_pg_cycle(config, schemas, report)
     await bench_pg_recovery(config, schemas, report)

@@ -62,6 +62,8 @@ MACHINE_KEYS = (
     "pg_chat_errors",
     "console_page_ms",
     "pg_console_page_ms",
+    "pg_round_trips_per_cycle",
+    "pg_turn_round_trips",
 )
 
 

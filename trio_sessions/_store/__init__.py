@@ -22,10 +22,24 @@ Families (one module each):
 Serialisation: every operation that reads and then writes a session's rows first takes
 `tx.lock_session(session_id)` - a no-op on SQLite (its write transaction holds the only
 write lock), a lock held to COMMIT on PostgreSQL, whose READ COMMITTED would otherwise let a
-takeover commit between a fence read and the write behind it. Operations keyed by an
-execution look up its session (which an execution never changes), lock it, then check the
-fence under the lock. `tx.now` is read after the operation's locks, so a fence never
+takeover commit between a fence read and the write behind it. A drain's operations name
+their session (the drain context holds it): they lock it at once, and the claim fence
+includes it. `tx.now` is read after the operation's locks, so a fence never
 compares against a time from before a lock wait.
+
+PostgreSQL runs the fenced operations as server-side functions (DESIGN §8 "One round trip
+per operation"): each family module keeps its functions' SQL in `PG_FUNCTIONS`, beside the
+Python twins that call them (`tx.call`) when `tx.dialect == "postgres"`. Conventions: a
+drain's function takes the session first, like its twin, and `ts_lock_execution` finds the
+claim only if it is that session's; every function takes its locks first (the session's
+advisory lock, or the claim rows' row locks in id order), then reads the clock -
+`ts_now(p_now)`: the server's `clock_timestamp()`, or the test clock the caller passes -
+then checks its fence and writes. A refusal is a
+returned verdict (`ok`, `lease_lost`, `held`, ...), never an exception, so a refused call
+has written nothing. `p_retry` is true when the caller runs a call again after losing its
+reply in autocommit (`_backend.autocommit_when_alone`): such a function first reads back,
+by natural key (the input id, the execution id, the message id, the delta's version),
+whether the lost call landed, and answers as that call did.
 
 Every name the rest of the package (and its tests) uses is re-exported here, so callers
 write `_store.submit(...)` whatever module the operation lives in.
@@ -33,6 +47,10 @@ write `_store.submit(...)` whatever module the operation lives in.
 
 from __future__ import annotations
 
+from . import claims as _claims
+from . import common as _common
+from . import inputs as _inputs
+from . import transcript as _transcript_family
 from .changes import (
     REPLAY_CHUNK,
     Changes,
@@ -155,6 +173,7 @@ __all__ = [
     "next_due",
     "pause",
     "pending_inputs",
+    "pg_functions",
     "promote_due",
     "purge_batch",
     "quarantine",
@@ -186,3 +205,13 @@ __all__ = [
     "watched_changes",
     "watched_messages",
 ]
+
+
+def pg_functions(channel: str, lock_namespace: int) -> str:
+    """Every family's server-side functions (DDL), for a schema whose notification channel
+    is `channel`, with session locks in `lock_namespace`."""
+    literal = "'" + channel.replace("'", "''") + "'"
+    text = "\n".join(
+        module.PG_FUNCTIONS for module in (_common, _inputs, _transcript_family, _claims)
+    )
+    return text.replace("@LOCK@", str(int(lock_namespace))).replace("@CHANNEL@", literal)

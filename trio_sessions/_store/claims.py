@@ -15,11 +15,12 @@ Invariants kept here:
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import attrs
 
 from .. import _decisions
-from .._backend import Tx
+from .._backend import FALLBACK, Tx, autocommit_when_alone, pg_batched
 from .._decisions import AcquireVerdict, IterationVerdict
 from .._model import INTERRUPTED
 from .common import (
@@ -51,9 +52,13 @@ class Acquired:
     holder: str | None = None
 
 
+@autocommit_when_alone
 def acquire(tx: Tx, session_id: str, execution_id: str, owner_id: str, lease_ms: int) -> Acquired:
     """Insert the claim only if no claim row exists, the session is not paused and the
     doorbell is set; take the doorbell."""
+    if tx.dialect == "postgres":
+        [row] = tx.call("ts_acquire", session_id, execution_id, owner_id, lease_ms)
+        return _pg_acquired(*row)
     tx.lock_session(session_id)
     session = tx.one("SELECT time_woken, time_paused FROM session WHERE id = ?", (session_id,))
     claim = _claim_row(tx, session_id)
@@ -75,6 +80,11 @@ def wake_and_acquire(
     When the claim is taken here, the doorbell is rung and taken at once, so it is never
     written: the same durable result with fewer pages per commit.
     """
+    if tx.dialect == "postgres":
+        [row] = tx.call(
+            "ts_wake_and_acquire", session_id, execution_id, owner_id, lease_ms, idempotent=False
+        )
+        return None, _pg_acquired(*row)
     tx.lock_session(session_id)
     claim = _claim_row(tx, session_id)
     if claim is not None:
@@ -87,6 +97,17 @@ def wake_and_acquire(
     return None, _insert_claim(tx, session_id, execution_id, owner_id, lease_ms)
 
 
+def _pg_submitted_and_acquired(args: tuple[Any, ...], row: tuple[Any, ...]) -> Any:
+    """`ts_submit_and_acquire`'s row as `submit_and_acquire` answers; `FALLBACK` for an
+    input id stored with another session or payload text (nothing was written)."""
+    input_verdict, *acquired = row
+    if input_verdict not in ("stored", "known"):
+        return FALLBACK
+    return args[2], _pg_acquired(*acquired)
+
+
+@autocommit_when_alone
+@pg_batched("ts_submit_and_acquire_many", _pg_submitted_and_acquired)
 def submit_and_acquire(
     tx: Tx,
     session_id: str,
@@ -97,6 +118,14 @@ def submit_and_acquire(
     lease_ms: int,
 ) -> tuple[str, Acquired]:
     """`submit` and the acquire it rings for, in one transaction (see `wake_and_acquire`)."""
+    if tx.dialect == "postgres":
+        args = (session_id, payload, input_id, execution_id, owner_id, lease_ms)
+        [row] = tx.call("ts_submit_and_acquire", *args)
+        result = _pg_submitted_and_acquired(args, row)
+        if result is not FALLBACK:
+            return result  # type: ignore[no-any-return]
+        # Another session's id, or another payload text: nothing was written; the path
+        # below decides (in a transaction).
     tx.lock_session(session_id)
     claim = _claim_row(tx, session_id)
     if (
@@ -108,6 +137,11 @@ def submit_and_acquire(
         return stored, acquire(tx, session_id, execution_id, owner_id, lease_ms)
     session = _insert_input(tx, session_id, payload, input_id, ring=False)
     return input_id, _insert_claim(tx, session_id, execution_id, owner_id, lease_ms, session)
+
+
+def _pg_acquired(verdict: str, attempt: int | None, holder: str | None) -> Acquired:
+    """A PostgreSQL acquire verdict (`ts_acquire_locked`) as `Acquired`."""
+    return Acquired(AcquireVerdict(verdict), attempt=int(attempt or 0), holder=holder)
 
 
 def _insert_claim(
@@ -139,6 +173,7 @@ def _insert_claim(
     return Acquired(AcquireVerdict.CLAIM, attempt=int(attempts))
 
 
+@autocommit_when_alone
 def heartbeat(
     tx: Tx, owner_id: str, execution_ids: Iterable[str], lease_ms: int
 ) -> dict[str, str | None]:
@@ -148,6 +183,11 @@ def heartbeat(
     so an expired lease is never revived.
     """
     execution_ids = sorted(execution_ids)
+    if tx.dialect == "postgres":
+        if not execution_ids:
+            return {}
+        rows = tx.call("ts_heartbeat", owner_id, execution_ids, lease_ms)
+        return {str(e): None if phase is None else str(phase) for e, phase in rows}
     tx.lock_claims(execution_ids)
     phases: dict[str, str | None] = {}
     for execution_id in execution_ids:
@@ -160,11 +200,23 @@ def heartbeat(
     return phases
 
 
+def _pg_iteration_finished(args: tuple[Any, ...], row: tuple[Any, ...]) -> Any:
+    """`ts_finish`'s row for an iteration as `end_iteration` answers; `FALLBACK` when the
+    execution left a message open (nothing was written)."""
+    verdict, _ = row
+    if verdict == "lease_lost":
+        raise _lease_lost(args[1])
+    if verdict == "open_messages":
+        return FALLBACK
+    return IterationVerdict(verdict)
+
+
 def finish_iteration(tx: Tx, session_id: str, execution_id: str, owner_id: str) -> bool:
     """`end_iteration`: True when the claim continues (the doorbell was taken)."""
     return end_iteration(tx, session_id, execution_id, owner_id) is IterationVerdict.CONTINUE
 
 
+@pg_batched("ts_finish_iterations", _pg_iteration_finished)
 def end_iteration(tx: Tx, session_id: str, execution_id: str, owner_id: str) -> IterationVerdict:
     """After a drain returned: take a set doorbell and continue, or delete the claim.
 
@@ -175,6 +227,13 @@ def end_iteration(tx: Tx, session_id: str, execution_id: str, owner_id: str) -> 
     with its doorbell left set (for `resume`); a claim marked cancelling never continues:
     its set doorbell is left for a successor (`_decisions.iteration_verdict`).
     """
+    if tx.dialect == "postgres":
+        [row] = tx.call(
+            "ts_finish", session_id, execution_id, owner_id, "iteration", idempotent=False
+        )
+        result = _pg_iteration_finished((session_id, execution_id, owner_id), row)
+        if result is not FALLBACK:
+            return IterationVerdict(result)
     claimed = _require_claim_session(tx, session_id, execution_id, owner_id)
     _close_open_messages(tx, execution_id, INTERRUPTED)
     verdict = _decisions.iteration_verdict(
@@ -187,6 +246,21 @@ def end_iteration(tx: Tx, session_id: str, execution_id: str, owner_id: str) -> 
     if claimed.wake_attempts:
         _reset_attempts(tx, claimed.session_id)
     return verdict
+
+
+def _pg_finish(tx: Tx, session_id: str, execution_id: str, owner_id: str, kind: str) -> str | None:
+    """PostgreSQL: `ts_finish` ends the iteration or busy period in one call, unless the
+    execution left a message open (None: nothing was written, the caller's own path
+    closes it by the transcript rules). `continue`, or `released` / `released-set` (the
+    doorbell is set afterwards)."""
+    [(verdict, doorbell)] = tx.call(
+        "ts_finish", session_id, execution_id, owner_id, kind, idempotent=False
+    )
+    if verdict == "lease_lost":
+        raise _lease_lost(execution_id)
+    if verdict == "open_messages":
+        return None
+    return "released-set" if verdict == "released" and doorbell else str(verdict)
 
 
 def _delete_claim(tx: Tx, execution_id: str, owner_id: str) -> None:
@@ -203,6 +277,10 @@ def finish_failed(tx: Tx, session_id: str, execution_id: str, owner_id: str, err
     Untaken inputs do not re-arm the doorbell (that would loop on a drain that always
     fails); a doorbell already set stays set. Returns whether it is set (one follow-up).
     """
+    if tx.dialect == "postgres":
+        verdict = _pg_finish(tx, session_id, execution_id, owner_id, "failed")
+        if verdict is not None:
+            return verdict == "released-set"
     _require_claim(tx, session_id, execution_id, owner_id)
     _close_open_messages(tx, execution_id, error)
     _delete_claim(tx, execution_id, owner_id)
@@ -210,8 +288,13 @@ def finish_failed(tx: Tx, session_id: str, execution_id: str, owner_id: str, err
     return _doorbell_set(tx, session_id)
 
 
+@autocommit_when_alone
 def mark_cancelling(tx: Tx, session_id: str, execution_id: str, owner_id: str) -> None:
     """First step of an interrupt's cleanup: make the cancellation durable (claim fence)."""
+    if tx.dialect == "postgres":
+        if tx.call("ts_mark_cancelling", session_id, execution_id, owner_id) != [("ok",)]:
+            raise _lease_lost(execution_id)
+        return
     tx.lock_session(session_id)
     updated = tx.execute(
         f"UPDATE session_execution SET phase = 'cancelling' WHERE {SESSION_FENCE.format(t='')}",
@@ -225,6 +308,10 @@ def finish_interrupted(tx: Tx, session_id: str, execution_id: str, owner_id: str
     """Second step of an interrupt's cleanup, one transaction: finish the open message and
     fail its running tools (`interrupted`), delete the claim, re-arm the doorbell if inputs
     remain. Returns whether the doorbell is set afterwards (exactly one successor)."""
+    if tx.dialect == "postgres":
+        verdict = _pg_finish(tx, session_id, execution_id, owner_id, "interrupted")
+        if verdict is not None:
+            return verdict == "released-set"
     _require_claim(tx, session_id, execution_id, owner_id)
     _close_open_messages(tx, execution_id, INTERRUPTED)
     _delete_claim(tx, execution_id, owner_id)
@@ -268,6 +355,10 @@ def expire_claims(tx: Tx, owner_id: str, execution_ids: Sequence[str]) -> int:
     """Shutdown: keep the claims (phase unchanged) but end their leases now, fenced, and
     mark them handed back: recovery resumes them without counting a resume."""
     execution_ids = sorted(execution_ids)
+    if tx.dialect == "postgres":
+        if not execution_ids:
+            return 0
+        return int(tx.call("ts_expire_claims", owner_id, execution_ids, idempotent=False)[0][0])
     tx.lock_claims(execution_ids)
     expired = 0
     for execution_id in execution_ids:
@@ -276,3 +367,286 @@ def expire_claims(tx: Tx, owner_id: str, execution_ids: Sequence[str]) -> int:
             _fence(tx, execution_id, owner_id),
         ).rowcount
     return expired
+
+
+# ---------------------------------------------------------------------------------------------
+# PostgreSQL: this family's server-side functions (created by `_schema`'s migrations; see
+# `_store.pg_functions` for their conventions)
+
+PG_FUNCTIONS = r"""
+-- Renew every listed claim of this owner that is still live; the others are lost (phase
+-- NULL): an expired lease is never revived. Row locks in id order, then the clock.
+CREATE OR REPLACE FUNCTION ts_heartbeat(p_owner text, p_execs text[], p_lease bigint,
+    p_now bigint, p_retry boolean)
+RETURNS TABLE(execution_id text, phase text)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_now bigint;
+BEGIN
+    PERFORM 1 FROM session_execution c WHERE c.id = ANY(p_execs)
+        ORDER BY c.id FOR NO KEY UPDATE;
+    v_now := ts_now(p_now);
+    RETURN QUERY
+    WITH renewed AS (
+        UPDATE session_execution c SET expires_at = v_now + p_lease, heartbeat_at = v_now
+        WHERE c.id = ANY(p_execs) AND c.owner_id = p_owner AND c.expires_at > v_now
+        RETURNING c.id, c.phase)
+    SELECT e.id, r.phase FROM unnest(p_execs) AS e(id) LEFT JOIN renewed r ON r.id = e.id;
+END $$;
+
+-- Shutdown: end these claims' leases now (fenced), handed back. Returns how many.
+CREATE OR REPLACE FUNCTION ts_expire_claims(p_owner text, p_execs text[], p_now bigint,
+    p_retry boolean)
+RETURNS bigint
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_now bigint; v_count bigint;
+BEGIN
+    PERFORM 1 FROM session_execution c WHERE c.id = ANY(p_execs)
+        ORDER BY c.id FOR NO KEY UPDATE;
+    v_now := ts_now(p_now);
+    UPDATE session_execution c SET expires_at = v_now, handed_back = 1
+        WHERE c.id = ANY(p_execs) AND c.owner_id = p_owner AND c.expires_at > v_now;
+    GET DIAGNOSTICS v_count = ROW_COUNT;
+    RETURN v_count;
+END $$;
+
+-- The cancellation made durable (claim fence). Verdicts: ok, lease_lost. Idempotent.
+CREATE OR REPLACE FUNCTION ts_mark_cancelling(p_session text, p_exec text, p_owner text,
+    p_now bigint, p_retry boolean)
+RETURNS text
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_session text; v_now bigint;
+BEGIN
+    SELECT l.session_id, l.now INTO v_session, v_now
+        FROM ts_lock_execution(p_session, p_exec, p_now) l;
+    UPDATE session_execution SET phase = 'cancelling'
+        WHERE id = p_exec AND session_id = p_session AND owner_id = p_owner
+        AND expires_at > v_now;
+    RETURN CASE WHEN FOUND THEN 'ok' ELSE 'lease_lost' END;
+END $$;
+
+-- The end of a busy period or iteration, under the claim fence. p_kind: 'iteration'
+-- (verdicts as IterationVerdict: continue takes the doorbell; release, hand_over and pause
+-- delete the claim), 'failed' (released; untaken inputs do not re-arm the doorbell) or
+-- 'interrupted' (released; due inputs re-arm it). `doorbell`: whether it is set
+-- afterwards. Also lease_lost, or open_messages when the execution left a message open:
+-- closing it needs the transcript rules, so the caller takes its own path (nothing was
+-- written here).
+CREATE OR REPLACE FUNCTION ts_finish(p_session text, p_exec text, p_owner text, p_kind text,
+    p_now bigint, p_retry boolean, OUT verdict text, OUT doorbell boolean)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_session text; v_now bigint; v_woken bigint; v_attempts bigint; v_phase text;
+    v_paused bigint;
+BEGIN
+    SELECT l.session_id, l.now INTO v_session, v_now
+        FROM ts_lock_execution(p_session, p_exec, p_now) l;
+    SELECT s.time_woken, s.wake_attempts, c.phase, s.time_paused
+        INTO v_woken, v_attempts, v_phase, v_paused
+        FROM session_execution c JOIN session s ON s.id = c.session_id
+        WHERE c.id = p_exec AND c.session_id = p_session AND c.owner_id = p_owner
+        AND c.expires_at > v_now;
+    IF NOT FOUND THEN
+        verdict := 'lease_lost';
+        RETURN;
+    END IF;
+    IF EXISTS (SELECT 1 FROM session_message m WHERE m.execution_id = p_exec
+               AND m.finished = 0 AND m.role = 'assistant') THEN
+        verdict := 'open_messages';
+        RETURN;
+    END IF;
+    IF p_kind = 'iteration' THEN
+        -- As _decisions.iteration_verdict: a pause ends the busy period (the doorbell stays
+        -- for resume); a claim marked cancelling never continues (a successor takes a set
+        -- doorbell: hand_over).
+        verdict := CASE WHEN v_paused IS NOT NULL THEN 'pause'
+                        WHEN v_phase = 'cancelling' AND v_woken IS NOT NULL THEN 'hand_over'
+                        WHEN v_phase = 'cancelling' THEN 'release'
+                        WHEN v_woken IS NOT NULL THEN 'continue'
+                        ELSE 'release' END;
+        IF verdict = 'continue' THEN
+            UPDATE session SET time_woken = NULL, wakes = 0 WHERE id = v_session;
+            doorbell := false;
+            RETURN;
+        END IF;
+    ELSE
+        verdict := 'released';
+    END IF;
+    DELETE FROM session_execution WHERE id = p_exec;
+    IF v_attempts <> 0 THEN
+        UPDATE session SET wake_attempts = 0 WHERE id = v_session;
+    END IF;
+    -- Only due inputs re-arm the doorbell (the due timer rings for scheduled ones).
+    IF p_kind = 'interrupted' AND EXISTS (
+            SELECT 1 FROM session_input i WHERE i.session_id = v_session
+            AND (i.due_at IS NULL OR i.due_at <= v_now)) THEN
+        PERFORM ts_signal(v_session);
+        UPDATE session SET time_woken = COALESCE(time_woken, v_now), wakes = wakes + 1
+            WHERE id = v_session;
+        v_woken := v_now;
+    END IF;
+    doorbell := v_woken IS NOT NULL;
+END $$;
+
+-- Under the session lock: insert the claim only if no claim row exists for the session
+-- (never an overwrite), the session is not paused and the doorbell is set (p_doorbell: the
+-- caller rang it in this same call), and take the doorbell. Verdicts: claim (attempt),
+-- held (holder), paused, no_doorbell. A
+-- claim row carrying this very execution id is this call's own, landed before a lost reply.
+CREATE OR REPLACE FUNCTION ts_acquire_locked(p_session text, p_exec text, p_owner text,
+    p_lease bigint, p_at bigint, p_doorbell boolean,
+    OUT verdict text, OUT attempt bigint, OUT holder text)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_claim text; v_woken bigint; v_paused bigint;
+BEGIN
+    SELECT c.id, c.owner_id INTO v_claim, holder FROM session_execution c
+        WHERE c.session_id = p_session;
+    IF FOUND THEN
+        IF v_claim = p_exec THEN
+            verdict := 'claim';
+            holder := NULL;
+            SELECT s.wake_attempts INTO attempt FROM session s WHERE s.id = p_session;
+        ELSE
+            verdict := 'held';
+        END IF;
+        RETURN;
+    END IF;
+    SELECT s.time_woken, s.wake_attempts, s.time_paused INTO v_woken, attempt, v_paused
+        FROM session s WHERE s.id = p_session;
+    IF FOUND AND v_paused IS NOT NULL THEN
+        verdict := 'paused';  -- the doorbell stays set for resume
+        attempt := NULL;
+        RETURN;
+    END IF;
+    IF NOT FOUND OR (v_woken IS NULL AND NOT p_doorbell) THEN
+        verdict := 'no_doorbell';
+        attempt := NULL;
+        RETURN;
+    END IF;
+    INSERT INTO session_execution(id, session_id, owner_id, phase, anchor_seq, time_created,
+            heartbeat_at, expires_at)
+        VALUES (p_exec, p_session, p_owner, 'running',
+            (SELECT MAX(m.seq) FROM session_message m WHERE m.session_id = p_session),
+            p_at, NULL, p_at + p_lease);
+    IF v_woken IS NOT NULL THEN
+        UPDATE session SET time_woken = NULL, wakes = 0 WHERE id = p_session;
+    END IF;
+    verdict := 'claim';
+END $$;
+
+-- acquire (see ts_acquire_locked). Idempotent by execution id.
+CREATE OR REPLACE FUNCTION ts_acquire(p_session text, p_exec text, p_owner text,
+    p_lease bigint, p_now bigint, p_retry boolean,
+    OUT verdict text, OUT attempt bigint, OUT holder text)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_now bigint;
+BEGIN
+    PERFORM ts_lock(p_session);
+    v_now := ts_now(p_now);
+    SELECT a.verdict, a.attempt, a.holder INTO verdict, attempt, holder
+        FROM ts_acquire_locked(p_session, p_exec, p_owner, p_lease, v_now, false) a;
+END $$;
+
+-- submit and the acquire it rings for, in one call: when the claim is taken here the
+-- doorbell is rung and taken at once, so it is never written. Input verdicts as ts_submit
+-- (other_*: nothing written, no acquire); then the acquire's. Idempotent by input id and
+-- execution id.
+CREATE OR REPLACE FUNCTION ts_submit_and_acquire(p_session text, p_payload text,
+    p_input text, p_exec text, p_owner text, p_lease bigint, p_now bigint, p_retry boolean,
+    OUT input_verdict text, OUT verdict text, OUT attempt bigint, OUT holder text)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_now bigint; v_held boolean;
+BEGIN
+    PERFORM ts_lock(p_session);
+    v_now := ts_now(p_now);
+    input_verdict := ts_known_input(p_session, p_input, p_payload);
+    IF input_verdict IN ('other_session', 'other_payload') THEN
+        RETURN;
+    END IF;
+    v_held := EXISTS (SELECT 1 FROM session_execution c WHERE c.session_id = p_session)
+        OR EXISTS (SELECT 1 FROM session s WHERE s.id = p_session
+                   AND s.time_paused IS NOT NULL);
+    IF input_verdict IS NULL THEN
+        -- Rung only if a claim already holds the session (or it is paused: kept for
+        -- resume): else the claim below takes it.
+        PERFORM ts_insert_input(p_session, p_payload, p_input, v_held, v_now);
+        input_verdict := 'stored';
+    END IF;
+    SELECT a.verdict, a.attempt, a.holder INTO verdict, attempt, holder
+        FROM ts_acquire_locked(p_session, p_exec, p_owner, p_lease, v_now,
+                               input_verdict = 'stored') a;
+END $$;
+
+-- wake and the acquire it rings for: a claim taken here takes the wake at once.
+CREATE OR REPLACE FUNCTION ts_wake_and_acquire(p_session text, p_exec text, p_owner text,
+    p_lease bigint, p_now bigint, p_retry boolean,
+    OUT verdict text, OUT attempt bigint, OUT holder text)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_now bigint;
+BEGIN
+    PERFORM ts_lock(p_session);
+    v_now := ts_now(p_now);
+    IF EXISTS (SELECT 1 FROM session_execution c WHERE c.session_id = p_session
+               AND c.id <> p_exec)
+            OR EXISTS (SELECT 1 FROM session s WHERE s.id = p_session
+                       AND s.time_paused IS NOT NULL) THEN
+        -- Held by another claim, or paused (kept for resume): the wake is recorded.
+        PERFORM ts_signal(p_session);
+        INSERT INTO session AS s (id, time_created, time_woken, wakes)
+            VALUES (p_session, v_now, v_now, 1)
+            ON CONFLICT (id) DO UPDATE SET time_woken = COALESCE(s.time_woken, v_now),
+                wakes = s.wakes + 1;
+    ELSE
+        INSERT INTO session(id, time_created) VALUES (p_session, v_now)
+            ON CONFLICT (id) DO NOTHING;
+    END IF;
+    SELECT a.verdict, a.attempt, a.holder INTO verdict, attempt, holder
+        FROM ts_acquire_locked(p_session, p_exec, p_owner, p_lease, v_now, true) a;
+END $$;
+
+-- Group commit, set-wise: one call for a batch's submit_and_acquire jobs (one array per
+-- argument). Rows (ordinal, ts_submit_and_acquire's row), in lock order - the sessions'
+-- (hashtext, id), arrival order among equals - so two writers never deadlock on them.
+CREATE OR REPLACE FUNCTION ts_submit_and_acquire_many(p_sessions text[], p_payloads text[],
+    p_inputs text[], p_execs text[], p_owners text[], p_leases bigint[], p_now bigint,
+    p_retry boolean)
+RETURNS TABLE(ord bigint, input_verdict text, verdict text, attempt bigint, holder text)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    r record;
+BEGIN
+    FOR r IN SELECT u.s, u.p, u.i, u.e, u.o, u.l, u.n
+             FROM unnest(p_sessions, p_payloads, p_inputs, p_execs, p_owners, p_leases)
+                 WITH ORDINALITY AS u(s, p, i, e, o, l, n)
+             ORDER BY hashtext(u.s), u.s, u.n LOOP
+        SELECT r.n, a.input_verdict, a.verdict, a.attempt, a.holder
+            INTO ord, input_verdict, verdict, attempt, holder
+            FROM ts_submit_and_acquire(r.s, r.p, r.i, r.e, r.o, r.l, p_now, p_retry) a;
+        RETURN NEXT;
+    END LOOP;
+END $$;
+
+-- Group commit, set-wise: one call for a batch's finish_iteration jobs. Rows (ordinal,
+-- ts_finish's row), in the sessions' lock order.
+CREATE OR REPLACE FUNCTION ts_finish_iterations(p_sessions text[], p_execs text[],
+    p_owners text[], p_now bigint, p_retry boolean)
+RETURNS TABLE(ord bigint, verdict text, doorbell boolean)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    r record;
+BEGIN
+    FOR r IN SELECT u.s, u.e, u.o, u.n
+             FROM unnest(p_sessions, p_execs, p_owners) WITH ORDINALITY AS u(s, e, o, n)
+             ORDER BY hashtext(u.s), u.s, u.n LOOP
+        SELECT r.n, f.verdict, f.doorbell INTO ord, verdict, doorbell
+            FROM ts_finish(r.s, r.e, r.o, 'iteration', p_now, p_retry) f;
+        RETURN NEXT;
+    END LOOP;
+END $$;
+"""

@@ -190,3 +190,52 @@ def not_in(tx: Tx, column: str, values: Sequence[str]) -> tuple[str, Any]:
     if tx.dialect == "postgres":
         return f"NOT ({column} = ANY(:excluded))", list(values)
     return f"{column} NOT IN (SELECT value FROM json_each(:excluded))", json.dumps(list(values))
+
+
+# ---------------------------------------------------------------------------------------------
+# PostgreSQL: this family's server-side functions (created by `_schema`'s migrations; see
+# `_store.pg_functions` for their conventions)
+
+PG_FUNCTIONS = r"""
+CREATE OR REPLACE FUNCTION ts_now(p_now bigint) RETURNS bigint
+LANGUAGE sql VOLATILE AS $$
+    SELECT COALESCE(p_now, floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint)
+$$;
+
+CREATE OR REPLACE FUNCTION ts_lock(p_session text) RETURNS void
+LANGUAGE sql VOLATILE AS $$ SELECT pg_advisory_xact_lock(@LOCK@, hashtext(p_session)) $$;
+
+CREATE OR REPLACE FUNCTION ts_signal(p_session text) RETURNS void
+LANGUAGE sql VOLATILE AS $$ SELECT pg_notify(@CHANNEL@, p_session) $$;
+
+-- The session lock a drain's write names, taken at once, and the clock read after it;
+-- session_id is that session when the execution's claim is of it, NULL otherwise (no claim
+-- row carries this id, or it is another session's: the fence includes the session).
+CREATE OR REPLACE FUNCTION ts_lock_execution(p_session text, p_exec text, p_now bigint,
+    OUT session_id text, OUT now bigint)
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    PERFORM ts_lock(p_session);
+    SELECT c.session_id INTO ts_lock_execution.session_id
+        FROM session_execution c WHERE c.id = p_exec AND c.session_id = p_session;
+    now := ts_now(p_now);
+END $$;
+
+-- The claim fence under the session lock: the exact execution, this owner, a live lease.
+CREATE OR REPLACE FUNCTION ts_holds(p_exec text, p_owner text, p_now bigint) RETURNS boolean
+LANGUAGE sql STABLE AS $$
+    SELECT EXISTS (SELECT 1 FROM session_execution
+                   WHERE id = p_exec AND owner_id = p_owner AND expires_at > p_now)
+$$;
+
+-- Recovery's session locks for a whole batch, in one call and in the order every function
+-- takes several (hashtext, id), so two lockers of overlapping sets never deadlock.
+CREATE OR REPLACE FUNCTION ts_lock_sessions(p_sessions text[], p_now bigint,
+    p_retry boolean)
+RETURNS bigint
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    PERFORM ts_lock(s) FROM unnest(p_sessions) AS s ORDER BY hashtext(s), s;
+    RETURN ts_now(p_now);
+END $$;
+"""

@@ -13,12 +13,15 @@ from __future__ import annotations
 import json
 
 from .. import _codec
-from .._backend import Tx
+from .._backend import Tx, autocommit_when_alone
 from .._errors import InputConflict
 
 
 def wake(tx: Tx, session_id: str) -> None:
     """Durable doorbell: create the session if absent, set `time_woken` (if unset), count it."""
+    if tx.dialect == "postgres":
+        tx.call("ts_wake", session_id, idempotent=False)
+        return
     tx.lock_session(session_id)
     tx.notify(session_id)
     tx.execute(
@@ -29,6 +32,7 @@ def wake(tx: Tx, session_id: str) -> None:
     )
 
 
+@autocommit_when_alone
 def submit(tx: Tx, session_id: str, payload: str, input_id: str) -> str:
     """Admit an input and ring the doorbell, idempotently by `input_id`.
 
@@ -36,6 +40,12 @@ def submit(tx: Tx, session_id: str, payload: str, input_id: str) -> str:
     also after the input was taken; the same id for another session, or with another
     payload, raises `InputConflict`.
     """
+    if tx.dialect == "postgres":
+        [(verdict,)] = tx.call("ts_submit", session_id, payload, input_id)
+        if verdict in ("stored", "known"):
+            return input_id
+        # Another session's id, or another payload text (maybe the same JSON value):
+        # nothing was written; the path below decides (in a transaction).
     tx.lock_session(session_id)
     if not _known_input(tx, session_id, input_id, payload):
         _insert_input(tx, session_id, payload, input_id, ring=True)
@@ -103,3 +113,89 @@ def _ensure_session(tx: Tx, session_id: str) -> None:
         "INSERT INTO session(id, time_created) VALUES (?, ?) ON CONFLICT(id) DO NOTHING",
         (session_id, tx.now),
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# PostgreSQL: this family's server-side functions (created by `_schema`'s migrations; see
+# `_store.pg_functions` for their conventions)
+
+PG_FUNCTIONS = r"""
+-- Under the session lock: is the input id stored (pending, taken or set aside)? NULL: no;
+-- known (same session, same payload text); other_session; other_payload (the caller
+-- compares the payloads as JSON values).
+CREATE OR REPLACE FUNCTION ts_known_input(p_session text, p_input text, p_payload text)
+RETURNS text
+LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    v_session text; v_payload text;
+BEGIN
+    SELECT k.session_id, k.payload INTO v_session, v_payload FROM (
+        SELECT i.session_id, i.payload FROM session_input i WHERE i.id = p_input
+        UNION ALL SELECT m.session_id, m.data FROM session_message m WHERE m.input_id = p_input
+        UNION ALL SELECT r.session_id, r.payload FROM session_input_rejected r
+            WHERE r.id = p_input
+        LIMIT 1) k;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    RETURN CASE WHEN v_session <> p_session THEN 'other_session'
+                WHEN v_payload = p_payload THEN 'known' ELSE 'other_payload' END;
+END $$;
+
+-- Store a pending input; p_ring: set the doorbell and count the wake (false when a claim
+-- inserted in the same call takes the wake at once). Returns the session's doorbell and
+-- resume count as they are now.
+CREATE OR REPLACE FUNCTION ts_insert_input(p_session text, p_payload text, p_input text,
+    p_ring boolean, p_at bigint, OUT time_woken bigint, OUT wake_attempts bigint)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_seq bigint; v_doorbell bigint := CASE WHEN p_ring THEN p_at END;
+BEGIN
+    IF p_ring THEN
+        PERFORM ts_signal(p_session);
+    END IF;
+    INSERT INTO session AS s (id, time_created, time_woken, wakes, input_seq)
+        VALUES (p_session, p_at, v_doorbell, p_ring::int, 1)
+        ON CONFLICT (id) DO UPDATE SET time_woken = COALESCE(s.time_woken, v_doorbell),
+            wakes = s.wakes + p_ring::int, input_seq = s.input_seq + 1
+        RETURNING s.input_seq, s.time_woken, s.wake_attempts
+        INTO v_seq, ts_insert_input.time_woken, ts_insert_input.wake_attempts;
+    INSERT INTO session_input(id, session_id, seq, payload, time_created)
+        VALUES (p_input, p_session, v_seq, p_payload, p_at);
+END $$;
+
+-- submit: store the input and ring the doorbell, idempotently by input id. Verdicts:
+-- stored, known, other_session, other_payload (ts_known_input; nothing written).
+CREATE OR REPLACE FUNCTION ts_submit(p_session text, p_payload text, p_input text,
+    p_now bigint, p_retry boolean)
+RETURNS text
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_now bigint; v_known text;
+BEGIN
+    PERFORM ts_lock(p_session);
+    v_now := ts_now(p_now);
+    v_known := ts_known_input(p_session, p_input, p_payload);
+    IF v_known IS NOT NULL THEN
+        RETURN v_known;
+    END IF;
+    PERFORM ts_insert_input(p_session, p_payload, p_input, true, v_now);
+    RETURN 'stored';
+END $$;
+
+-- wake: the durable doorbell (create the session if absent, set time_woken, count it).
+CREATE OR REPLACE FUNCTION ts_wake(p_session text, p_now bigint, p_retry boolean)
+RETURNS void
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_now bigint;
+BEGIN
+    PERFORM ts_lock(p_session);
+    v_now := ts_now(p_now);
+    PERFORM ts_signal(p_session);
+    INSERT INTO session AS s (id, time_created, time_woken, wakes)
+        VALUES (p_session, v_now, v_now, 1)
+        ON CONFLICT (id) DO UPDATE SET time_woken = COALESCE(s.time_woken, v_now),
+            wakes = s.wakes + 1;
+END $$;
+"""

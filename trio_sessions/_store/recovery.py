@@ -379,8 +379,12 @@ def apply_recovery_batch(
     """
     results: dict[int, Recovered] = {}
     plain: list[_PlainItem] = []
-    for session_id in sorted({candidate.session_id for candidate, _ in items}):
-        tx.lock_session(session_id)
+    sessions = sorted({candidate.session_id for candidate, _ in items})
+    if tx.dialect == "postgres":
+        tx.call("ts_lock_sessions", sessions)  # one round trip, in the functions' order
+    else:
+        for session_id in sessions:
+            tx.lock_session(session_id)
     # Re-checked here, after the locks: an owner is gone only if its token is free now.
     gone = frozenset(tx.free_tokens(gone_owners)) if gone_owners else frozenset()
     facts_of = _plain_recovery_facts(tx, owner_id, [c for c, _ in items], gone)
@@ -493,6 +497,22 @@ def _apply_plain(
     results: dict[int, Recovered] = {}
     done: list[str] = []  # recovery rows of ours to delete
     counted: dict[bool, list[str]] = {True: [], False: []}
+    # The recovery fence comes first: a claim it matched nothing for has nothing written.
+    replaced = _replace_claims(
+        tx,
+        [
+            (
+                item.candidate.execution_id or "",
+                item.new_execution_id,
+                item.newest_seq,
+                _gone_owner(item.facts),
+            )
+            for item in plain
+            if item.decision is RecoveryDecision.RESUME
+        ],
+        owner_id,
+        lease_ms,
+    )
     for item in plain:
         index, candidate, facts, decision = item.position, item.candidate, item.facts, item.decision
         old = candidate.execution_id
@@ -501,16 +521,7 @@ def _apply_plain(
             done.append(old)
             results[index] = Recovered(decision)
             continue
-        # The recovery fence comes first: zero rows means nothing was written for it.
-        if not _replace_claim(
-            tx,
-            old,
-            item.new_execution_id,
-            owner_id,
-            item.newest_seq,
-            lease_ms,
-            _gone_owner(facts),
-        ):
+        if old not in replaced:
             results[index] = Recovered(RecoveryDecision.GONE, fence_lost=True)
             continue
         # A claim handed back by a graceful shutdown resumes without counting.
@@ -554,6 +565,44 @@ def _replace_claim(
         },
     ).rowcount
     return bool(replaced == 1)
+
+
+def _replace_claims(
+    tx: Tx,
+    claims: Sequence[tuple[str, str, int | None, str | None]],
+    owner_id: str,
+    lease_ms: int,
+) -> set[str]:
+    """`_replace_claim` for each (old execution id, new execution id, anchor seq, gone
+    owner); the old ids it replaced. PostgreSQL: one set-wise UPDATE under the same fence
+    (`RECOVERY_FENCE`, per row)."""
+    if tx.dialect != "postgres":
+        return {
+            old
+            for old, new, anchor, gone_owner in claims
+            if _replace_claim(tx, old, new, owner_id, anchor, lease_ms, gone_owner)
+        }
+    if not claims:
+        return set()
+    olds, news, anchors, gones = (list(column) for column in zip(*claims, strict=True))
+    rows = tx.execute(
+        "UPDATE session_execution e SET id = u.new, owner_id = :me, phase = 'running',"
+        " anchor_seq = u.anchor, time_created = :now, heartbeat_at = NULL,"
+        " expires_at = :expires, handed_back = 0"
+        " FROM unnest(CAST(:olds AS text[]), CAST(:news AS text[]), CAST(:anchors AS bigint[]),"
+        " CAST(:gones AS text[])) AS u(old, new, anchor, gone)"
+        " WHERE e.id = u.old AND (e.expires_at <= :now OR e.owner_id = u.gone) RETURNING u.old",
+        {
+            "me": owner_id,
+            "now": tx.now,
+            "expires": tx.now + lease_ms,
+            "olds": olds,
+            "news": news,
+            "anchors": anchors,
+            "gones": gones,
+        },
+    ).fetchall()
+    return {str(row[0]) for row in rows}
 
 
 def _count_resumes(tx: Tx, counts: bool, session_ids: Sequence[str]) -> None:

@@ -20,12 +20,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .. import _codec, _transcript
-from .._backend import Tx
+from .._backend import Tx, autocommit_when_alone
 from .._errors import LeaseLost, MalformedRecord
 from .._model import AssistantData, Input, Message
 from .common import (
     _IN_CHUNK,
     DUE,
+    _lease_lost,
     _next_message_seq,
     _require_claim,
     _require_claim_session,
@@ -51,7 +52,21 @@ def take_inputs(
     A claim marked cancelling takes nothing: its drain is being interrupted, and the
     inputs are left for the successor its cleanup rings for (DESIGN §5.1, on_busy).
     """
-    if _require_claim_session(tx, session_id, execution_id, owner_id).phase == "cancelling":
+    if tx.dialect == "postgres":
+        found = tx.call(
+            "ts_take_inputs", session_id, execution_id, owner_id, limit, idempotent=False
+        )
+        if found[0][0] == "lease_lost":
+            raise _lease_lost(execution_id)
+        if found[0][0] == "ok":
+            return [
+                Input(key, _codec.decode_object(payload, table="session_input", key=key))
+                for _, key, payload in found[1:]
+            ]
+        # mixed: some input of the chunk is not a plain JSON object; nothing was written,
+        # the path below sets such inputs aside.
+    claimed = _require_claim_session(tx, session_id, execution_id, owner_id)
+    if claimed.phase == "cancelling":
         return []
     tx.notify(session_id)
     due = {"session": session_id, "now": tx.now}
@@ -102,10 +117,23 @@ def take_inputs(
     return taken
 
 
+@autocommit_when_alone
 def begin_assistant(
     tx: Tx, session_id: str, execution_id: str, owner_id: str, message_id: str
 ) -> int:
     """Start an empty, unfinished assistant message, open for streaming; returns its seq."""
+    if tx.dialect == "postgres":
+        [(verdict, seq)] = tx.call(
+            "ts_begin_assistant",
+            session_id,
+            execution_id,
+            owner_id,
+            message_id,
+            _codec.encode_assistant(_transcript.EMPTY),
+        )
+        if verdict != "ok":
+            raise _lease_lost(execution_id)
+        return int(seq)
     _require_claim(tx, session_id, execution_id, owner_id)
     seq = _next_message_seq(tx, session_id)
     tx.execute(
@@ -129,8 +157,15 @@ def begin_assistant(
     return seq
 
 
+@autocommit_when_alone
 def append_assistant_text(
-    tx: Tx, session_id: str, execution_id: str, owner_id: str, message_id: str, text: str
+    tx: Tx,
+    session_id: str,
+    execution_id: str,
+    owner_id: str,
+    message_id: str,
+    text: str,
+    after_version: int | None = None,
 ) -> tuple[AssistantData | None, int]:
     """Stream text onto an open assistant message under the claim fence: one small
     `session_message_delta` row, never a rewrite of the message, so an append costs the
@@ -140,7 +175,27 @@ def append_assistant_text(
     A message with no stream row - finished, another execution's, or written by hand -
     takes `update_assistant`'s whole-row path instead, which raises as it always did
     (`MessageFinished`, `LeaseLost`, `MalformedRecord`) or returns the new data.
+
+    `after_version` is the message's version as the writer last saw it: on PostgreSQL the
+    append is then one autocommit call, and a retry after a lost reply finds the delta
+    just after that version with this text instead of appending it twice.
     """
+    if tx.dialect == "postgres":
+        [(verdict, version)] = tx.call(
+            "ts_append_text",
+            session_id,
+            execution_id,
+            owner_id,
+            message_id,
+            text,
+            after_version,
+            idempotent=after_version is not None,
+        )
+        if verdict == "ok":
+            return None, int(version)
+        if verdict == "lease_lost":
+            raise _lease_lost(execution_id)
+        # not_streaming: nothing was written; the whole-row path below.
     _require_claim(tx, session_id, execution_id, owner_id)
     # Serialised with every other write to this message by the session lock, so the
     # newest version read here is still the newest when the row lands.
@@ -181,17 +236,46 @@ def update_assistant(
     The transition runs on the durable message, so the settlement state machine checks what
     is stored, not what a writer remembers.
     """
+    if tx.dialect == "postgres":
+        [(verdict, text, streamed, now)] = tx.call(
+            "ts_read_message", session_id, execution_id, owner_id, message_id, idempotent=False
+        )
+        if verdict == "lease_lost":
+            raise _lease_lost(execution_id)
+        if verdict != "ok":
+            raise _not_owned(message_id, execution_id)
+        data = transition(
+            _transcript.with_streamed(
+                _codec.decode_assistant(text, key=message_id),
+                _codec.decode_streamed(list(streamed), key=message_id),
+            )
+        )
+        [(version,)] = tx.call(
+            "ts_write_message",
+            execution_id,
+            message_id,
+            _codec.encode_assistant(data),
+            data.finished,
+            now,
+            True,
+            idempotent=False,
+        )
+        return data, int(version)
     _require_claim(tx, session_id, execution_id, owner_id)
     row = tx.one(
         "SELECT data FROM session_message WHERE id = ? AND execution_id = ?",
         (message_id, execution_id),
     )
     if row is None:
-        raise LeaseLost(f"message {message_id!r} is not owned by execution {execution_id!r}")
+        raise _not_owned(message_id, execution_id)
     data = transition(_assistant_data(tx, message_id, row[0]))
     version = _write_assistant(tx, message_id, execution_id, data)
     tx.notify(session_id)
     return data, version
+
+
+def _not_owned(message_id: str, execution_id: str) -> LeaseLost:
+    return LeaseLost(f"message {message_id!r} is not owned by execution {execution_id!r}")
 
 
 def _streamed_texts(tx: Tx, message_id: str) -> list[Any]:
@@ -298,3 +382,231 @@ def _decode_message(session_id: str, row: Sequence[Any], streamed: Sequence[Any]
     else:
         decoded = _codec.decode_object(data, table="session_message", key=message_id)
     return Message(message_id, session_id, role, seq, decoded, execution_id, input_id)
+
+
+# ---------------------------------------------------------------------------------------------
+# PostgreSQL: this family's server-side functions (created by `_schema`'s migrations; see
+# `_store.pg_functions` for their conventions)
+
+PG_FUNCTIONS = r"""
+-- Streamed text onto an open message: one delta row. Verdicts: ok (version), lease_lost,
+-- not_streaming (no stream row of this execution: the caller's whole-row path).
+CREATE OR REPLACE FUNCTION ts_append_text(p_session text, p_exec text, p_owner text,
+    p_message text, p_text text, p_after bigint, p_now bigint, p_retry boolean,
+    OUT verdict text, OUT version bigint)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_session text; v_now bigint; v_base bigint;
+BEGIN
+    SELECT l.session_id, l.now INTO v_session, v_now
+        FROM ts_lock_execution(p_session, p_exec, p_now) l;
+    IF v_session IS NULL OR NOT ts_holds(p_exec, p_owner, v_now) THEN
+        verdict := 'lease_lost';
+        RETURN;
+    END IF;
+    SELECT s.version INTO v_base FROM session_message_stream s
+        WHERE s.message_id = p_message AND s.execution_id = p_exec;
+    IF NOT FOUND THEN
+        verdict := 'not_streaming';
+        RETURN;
+    END IF;
+    -- A lost reply: the delta after the writer's version, with this text, is this append.
+    IF p_retry AND p_after IS NOT NULL AND EXISTS (
+            SELECT 1 FROM session_message_delta d WHERE d.message_id = p_message
+            AND d.version = p_after + 1 AND d.text = p_text) THEN
+        verdict := 'ok';
+        version := p_after + 1;
+        RETURN;
+    END IF;
+    INSERT INTO session_message_delta(message_id, version, text)
+        SELECT p_message, COALESCE(MAX(d.version), v_base) + 1, p_text
+        FROM session_message_delta d WHERE d.message_id = p_message
+        RETURNING session_message_delta.version INTO version;
+    PERFORM ts_signal(v_session);
+    verdict := 'ok';
+END $$;
+
+-- An empty, unfinished assistant message open for streaming. Verdicts: ok (seq),
+-- lease_lost. Idempotent by message id (a lost reply's retry finds it).
+CREATE OR REPLACE FUNCTION ts_begin_assistant(p_session text, p_exec text, p_owner text,
+    p_message text, p_data text, p_now bigint, p_retry boolean, OUT verdict text, OUT seq bigint)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_session text; v_now bigint;
+BEGIN
+    SELECT l.session_id, l.now INTO v_session, v_now
+        FROM ts_lock_execution(p_session, p_exec, p_now) l;
+    IF v_session IS NULL OR NOT ts_holds(p_exec, p_owner, v_now) THEN
+        verdict := 'lease_lost';
+        RETURN;
+    END IF;
+    verdict := 'ok';
+    IF p_retry THEN
+        SELECT m.seq INTO seq FROM session_message m
+            WHERE m.id = p_message AND m.execution_id = p_exec;
+        IF FOUND THEN
+            RETURN;
+        END IF;
+    END IF;
+    INSERT INTO session_message(id, session_id, execution_id, role, seq, data, time_created,
+            time_updated)
+        SELECT p_message, v_session, p_exec, 'assistant', COALESCE(MAX(m.seq), 0) + 1, p_data,
+            v_now, v_now
+        FROM session_message m WHERE m.session_id = v_session
+        RETURNING session_message.seq INTO seq;
+    INSERT INTO session_message_stream(message_id, execution_id, version)
+        VALUES (p_message, p_exec, 0);
+    PERFORM ts_signal(v_session);
+END $$;
+
+-- update_assistant, first half: the message as stored (data, and the texts streamed onto it
+-- since, in order) under the claim fence, and the clock read after the lock. Verdicts: ok,
+-- lease_lost, not_owned (no such message of this execution).
+CREATE OR REPLACE FUNCTION ts_read_message(p_session text, p_exec text, p_owner text,
+    p_message text, p_now bigint, p_retry boolean,
+    OUT verdict text, OUT data text, OUT streamed text[], OUT now bigint)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_session text;
+BEGIN
+    SELECT l.session_id, l.now INTO v_session, now
+        FROM ts_lock_execution(p_session, p_exec, p_now) l;
+    IF v_session IS NULL OR NOT ts_holds(p_exec, p_owner, now) THEN
+        verdict := 'lease_lost';
+        RETURN;
+    END IF;
+    SELECT m.data INTO data FROM session_message m
+        WHERE m.id = p_message AND m.execution_id = p_exec;
+    IF NOT FOUND THEN
+        verdict := 'not_owned';
+        RETURN;
+    END IF;
+    SELECT COALESCE(array_agg(d.text ORDER BY d.version), '{}') INTO streamed
+        FROM session_message_delta d WHERE d.message_id = p_message;
+    verdict := 'ok';
+END $$;
+
+-- update_assistant, second half (and closing an open message): store the complete message,
+-- its deltas folded in and dropped, at the next version; an open message keeps its stream
+-- row at that version, a finished one loses it. Run after ts_read_message in the same
+-- transaction (its lock and its clock `p_at`). Returns the new version.
+CREATE OR REPLACE FUNCTION ts_write_message(p_exec text, p_message text, p_data text,
+    p_finished boolean, p_at bigint, p_signal boolean, p_now bigint, p_retry boolean)
+RETURNS bigint
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_version bigint; v_session text;
+BEGIN
+    UPDATE session_message m SET data = p_data, finished = p_finished::int, time_updated = p_at,
+        version = COALESCE((SELECT MAX(d.version) FROM session_message_delta d
+                            WHERE d.message_id = p_message), m.version) + 1
+        WHERE m.id = p_message RETURNING m.version, m.session_id INTO v_version, v_session;
+    DELETE FROM session_message_delta WHERE message_id = p_message;
+    IF p_finished THEN
+        DELETE FROM session_message_stream WHERE message_id = p_message;
+    ELSE
+        INSERT INTO session_message_stream(message_id, execution_id, version)
+            VALUES (p_message, p_exec, v_version)
+            ON CONFLICT (message_id) DO UPDATE SET version = excluded.version;
+    END IF;
+    IF p_signal THEN
+        PERFORM ts_signal(v_session);
+    END IF;
+    RETURN v_version;
+END $$;
+
+-- Whether an input's payload is certainly a JSON object the library's codec accepts: the
+-- fast path of ts_take_inputs takes only such inputs, and leaves every other case (not
+-- JSON, not an object, and the few JSON texts Python's codec refuses: floats beyond the
+-- double range, nesting deeper than its recursion limit) to the library's own path.
+CREATE OR REPLACE FUNCTION ts_json_object(p_payload text) RETURNS boolean
+LANGUAGE plpgsql IMMUTABLE AS $$
+BEGIN
+    RETURN json_typeof(p_payload::json) = 'object';
+EXCEPTION WHEN invalid_text_representation THEN
+    RETURN false;
+END $$;
+
+CREATE OR REPLACE FUNCTION ts_plain_object(p_payload text) RETURNS boolean
+LANGUAGE plpgsql IMMUTABLE AS $$
+BEGIN
+    IF p_payload ~ '[0-9][eE]\+?[0-9]{3}' OR p_payload ~ '[0-9]{255}'
+            OR length(p_payload) - length(translate(p_payload, '[{', '')) > 500 THEN
+        RETURN false;
+    END IF;
+    IF current_setting('server_version_num')::int < 160000 THEN
+        RETURN ts_json_object(p_payload);  -- a subtransaction per input: older servers only
+    END IF;
+    RETURN pg_input_is_valid(p_payload, 'json') AND json_typeof(p_payload::json) = 'object';
+END $$;
+
+-- take_inputs' fast path: the oldest p_limit due inputs of the claim's session become user
+-- messages of this execution, in seq order, if each is a plain JSON object
+-- (ts_plain_object); when more due inputs remain, the doorbell is rung (as `_ring`), so
+-- they are never stranded. Rows: first (verdict, NULL, NULL) - ok, lease_lost, or mixed
+-- (nothing written: the caller's own path sets the others aside) - then (NULL, input id,
+-- payload) per input taken. Not idempotent: a lost reply is read back by the
+-- transaction's id.
+CREATE OR REPLACE FUNCTION ts_take_inputs(p_session text, p_exec text, p_owner text,
+    p_limit bigint, p_now bigint, p_retry boolean)
+RETURNS TABLE(verdict text, input_id text, payload text)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_session text; v_now bigint; v_seq bigint; v_more boolean;
+BEGIN
+    SELECT l.session_id, l.now INTO v_session, v_now
+        FROM ts_lock_execution(p_session, p_exec, p_now) l;
+    IF v_session IS NULL OR NOT ts_holds(p_exec, p_owner, v_now) THEN
+        RETURN QUERY SELECT 'lease_lost', NULL::text, NULL::text;
+        RETURN;
+    END IF;
+    -- A claim marked cancelling takes nothing: its successor does.
+    IF EXISTS (SELECT 1 FROM session_execution c WHERE c.id = p_exec
+               AND c.phase = 'cancelling') THEN
+        RETURN QUERY SELECT 'ok', NULL::text, NULL::text;
+        RETURN;
+    END IF;
+    -- Only due inputs (scheduled ones once their time has come), the oldest p_limit.
+    IF EXISTS (SELECT 1 FROM (SELECT i.payload FROM session_input i
+                              WHERE i.session_id = v_session
+                              AND (i.due_at IS NULL OR i.due_at <= v_now)
+                              ORDER BY i.seq LIMIT p_limit) c
+               WHERE NOT ts_plain_object(c.payload)) THEN
+        RETURN QUERY SELECT 'mixed', NULL::text, NULL::text;
+        RETURN;
+    END IF;
+    v_more := EXISTS (SELECT 1 FROM session_input i WHERE i.session_id = v_session
+                      AND (i.due_at IS NULL OR i.due_at <= v_now)
+                      ORDER BY i.seq OFFSET p_limit LIMIT 1);
+    SELECT COALESCE(MAX(m.seq), 0) INTO v_seq FROM session_message m
+        WHERE m.session_id = v_session;
+    RETURN QUERY SELECT 'ok', NULL::text, NULL::text;
+    RETURN QUERY
+    WITH chunk AS (
+        SELECT i.seq FROM session_input i WHERE i.session_id = v_session
+            AND (i.due_at IS NULL OR i.due_at <= v_now)
+            ORDER BY i.seq LIMIT p_limit),
+    taken AS (
+        DELETE FROM session_input i USING chunk k
+            WHERE i.session_id = v_session AND i.seq = k.seq
+        RETURNING i.id, i.seq, i.payload),
+    ordered AS (
+        SELECT t.id, t.payload, v_seq + row_number() OVER (ORDER BY t.seq) AS seq FROM taken t),
+    added AS (
+        INSERT INTO session_message(id, session_id, execution_id, input_id, role, seq, data,
+                time_created, time_updated, finished)
+            SELECT lpad(to_hex(v_now), 12, '0')
+                    || substr(md5(random()::text || clock_timestamp()::text || o.id), 1, 20),
+                v_session, p_exec, o.id, 'user', o.seq, o.payload, v_now, v_now, 1
+            FROM ordered o
+            RETURNING session_message.input_id, session_message.data, session_message.seq)
+    SELECT NULL::text, a.input_id, a.data FROM added a ORDER BY a.seq;
+    IF FOUND OR v_more THEN
+        PERFORM ts_signal(v_session);
+    END IF;
+    IF v_more THEN
+        UPDATE session SET time_woken = COALESCE(time_woken, v_now), wakes = wakes + 1
+            WHERE id = v_session;
+    END IF;
+END $$;
+"""
