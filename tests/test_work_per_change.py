@@ -10,10 +10,8 @@ parts are bounded by `fail_after`.
 
 from __future__ import annotations
 
-import gc
 import json
 import sqlite3
-import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +21,7 @@ from helpers import runtime
 
 import trio_sessions
 from trio_sessions import AssistantData, DrainContext, Store, TextPart, _store
+from trio_sessions._bench.load import StepMeter
 from trio_sessions._runtime import TAKE_INPUTS_CHUNK
 
 NO_RECOVERY: dict[str, Any] = {"recovery_interval": 3600.0}
@@ -31,42 +30,6 @@ STALL_S = 0.050  # DESIGN §7: no event-loop stall above 50 ms from the library
 TRANSCRIPT = 20_000
 BACKLOG = 200_000
 VM_STEP = 100  # SQLite instructions per progress-handler call
-
-
-class StepMeter(trio.abc.Instrument):
-    """The longest CPU time one task step took on the event loop's thread, less the time
-    Python's cyclic garbage collector ran inside it (a full collection of a test process
-    holding 20,000 messages takes 20-30 ms here, whoever allocated last: not the library's
-    work, and the same with any trio program). Use as a context manager."""
-
-    def __init__(self) -> None:
-        self.longest = 0.0
-        self._started = time.thread_time()  # the step that adds it ends first
-        self._collecting = 0.0
-        self._collected = 0.0
-
-    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
-        if phase == "start":
-            self._collecting = time.thread_time()
-        else:
-            self._collected += time.thread_time() - self._collecting
-
-    def __enter__(self) -> StepMeter:
-        gc.callbacks.append(self._on_gc)
-        trio.lowlevel.add_instrument(self)
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        trio.lowlevel.remove_instrument(self)
-        gc.callbacks.remove(self._on_gc)
-
-    def before_task_step(self, task: trio.lowlevel.Task) -> None:
-        self._started = time.thread_time()
-        self._collected = 0.0
-
-    def after_task_step(self, task: trio.lowlevel.Task) -> None:
-        step = time.thread_time() - self._started - self._collected
-        self.longest = max(self.longest, step)
 
 
 def seed_transcript(db: Path, session_id: str, count: int) -> None:
@@ -209,7 +172,7 @@ async def test_a_watched_long_transcript_never_stalls_the_loop(tmp_path: Path) -
                             break
     assert sorted(set(seqs))[:TRANSCRIPT] == list(range(1, TRANSCRIPT + 1))
     assert max(seqs) == TRANSCRIPT + 2
-    assert meter.longest < STALL_S, meter.longest
+    assert meter.longest_cpu < STALL_S, meter.longest_cpu
 
 
 async def test_take_inputs_takes_a_bounded_chunk_and_the_rest_stays_rung(
@@ -279,7 +242,7 @@ async def test_a_200k_backlog_is_taken_in_chunks_without_stalling_the_loop(
                 await rt.wait_idle("backlog")
     assert sum(sizes) == BACKLOG and last[0] == BACKLOG
     assert max(sizes) <= TAKE_INPUTS_CHUNK
-    assert meter.longest < STALL_S, meter.longest
+    assert meter.longest_cpu < STALL_S, meter.longest_cpu
 
 
 async def test_a_watcher_sees_messages_written_at_reused_seqs(tmp_path: Path) -> None:

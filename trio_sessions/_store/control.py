@@ -47,6 +47,19 @@ def _busy_error(session_id: str) -> SessionBusy:
     return SessionBusy(f"session {session_id!r} is busy (a claim is held or inputs are pending)")
 
 
+def _busy_verdict(tx: Tx, session_id: str, on_busy: str) -> SubmitVerdict:
+    """What `on_busy` does here now (the session lock held); `SessionBusy` for a reject."""
+    claim = _claim_row(tx, session_id)
+    verdict = _decisions.submit_verdict(
+        on_busy,
+        claim_phase=None if claim is None else claim.phase,
+        due_inputs_pending=claim is None and _has_pending_inputs(tx, session_id),
+    )
+    if verdict is SubmitVerdict.REJECT:
+        raise _busy_error(session_id)
+    return verdict
+
+
 def submit_controlled(
     tx: Tx, session_id: str, payload: str, input_id: str, on_busy: str
 ) -> tuple[str, bool]:
@@ -56,14 +69,7 @@ def submit_controlled(
     tx.lock_session(session_id)
     if _known_input(tx, session_id, input_id, payload):
         return input_id, False
-    claim = _claim_row(tx, session_id)
-    verdict = _decisions.submit_verdict(
-        on_busy,
-        claim_phase=None if claim is None else claim.phase,
-        due_inputs_pending=claim is None and _has_pending_inputs(tx, session_id),
-    )
-    if verdict is SubmitVerdict.REJECT:
-        raise _busy_error(session_id)
+    verdict = _busy_verdict(tx, session_id, on_busy)
     _insert_input(tx, session_id, payload, input_id, ring=True)
     if verdict is SubmitVerdict.INTERRUPT:
         # Live or expired: an expired one is then finished by recovery as cancelled,
@@ -116,14 +122,7 @@ def submit_scheduled(
     if _known_input(tx, session_id, input_id, payload):
         return input_id
     if on_busy == "reject":
-        claim = _claim_row(tx, session_id)
-        verdict = _decisions.submit_verdict(
-            on_busy,
-            claim_phase=None if claim is None else claim.phase,
-            due_inputs_pending=claim is None and _has_pending_inputs(tx, session_id),
-        )
-        if verdict is SubmitVerdict.REJECT:
-            raise _busy_error(session_id)
+        _busy_verdict(tx, session_id, on_busy)
     # The signal lets every runtime re-arm its due timer from the store.
     tx.notify(session_id)
     row = tx.one(
