@@ -10,7 +10,6 @@ parts are bounded by `fail_after`.
 
 from __future__ import annotations
 
-import json
 import sqlite3
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from helpers import runtime
 
 import trio_sessions
 from trio_sessions import AssistantData, DrainContext, Store, TextPart, _store
-from trio_sessions._bench.load import StepMeter
+from trio_sessions._bench.load import StepMeter, seed_backlog, seed_transcript
 from trio_sessions._runtime import TAKE_INPUTS_CHUNK
 
 NO_RECOVERY: dict[str, Any] = {"recovery_interval": 3600.0}
@@ -30,49 +29,6 @@ STALL_S = 0.050  # DESIGN §7: no event-loop stall above 50 ms from the library
 TRANSCRIPT = 20_000
 BACKLOG = 200_000
 VM_STEP = 100  # SQLite instructions per progress-handler call
-
-
-def seed_transcript(db: Path, session_id: str, count: int) -> None:
-    """`count` finished user messages, written by hand as a long conversation would leave
-    them (the schema comes from a runtime opened on the file first)."""
-    conn = sqlite3.connect(db)
-    with conn:
-        conn.execute("INSERT INTO session(id, time_created) VALUES (?, 0)", (session_id,))
-        conn.executemany(
-            "INSERT INTO session_message(id, session_id, role, seq, data, time_created,"
-            " time_updated, finished) VALUES (?, ?, 'user', ?, ?, 0, 0, 1)",
-            (
-                (f"m{seq:08d}", session_id, seq, json.dumps({"text": f"message {seq}"}))
-                for seq in range(1, count + 1)
-            ),
-        )
-    # Copied into the database, as a backlog built up over time would be: the runtime does
-    # not start by reading tens of MB of write-ahead log.
-    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-    conn.close()
-
-
-def seed_backlog(db: Path, session_id: str, count: int) -> None:
-    """`count` pending inputs and a set doorbell, as a burst of submits leaves them."""
-    conn = sqlite3.connect(db)
-    with conn:
-        conn.execute(
-            "INSERT INTO session(id, time_created, time_woken, wakes, input_seq)"
-            " VALUES (?, 0, 1, 1, ?)",
-            (session_id, count),
-        )
-        conn.executemany(
-            "INSERT INTO session_input(id, session_id, seq, payload, time_created)"
-            " VALUES (?, ?, ?, ?, 0)",
-            (
-                (f"i{seq:08d}", session_id, seq, json.dumps({"n": seq}))
-                for seq in range(1, count + 1)
-            ),
-        )
-    # Copied into the database, as a backlog built up over time would be: the runtime does
-    # not start by reading tens of MB of write-ahead log.
-    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-    conn.close()
 
 
 async def make_schema(db: Path) -> None:
