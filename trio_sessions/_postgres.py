@@ -1051,20 +1051,20 @@ class PgInlineExecutor:
     async def wait_for_change(
         self, kick: trio.Event, fallback: float, *, own: OwnChange = None
     ) -> None:
-        await _wait_for_change(self.listener, kick, fallback, self._own(own))
-
-    def _own(self, own: OwnChange) -> Callable[[int, str], bool]:
-        """Whether a notification (backend pid, session) is worth a look: not one our own
-        writer sent, unless `own` says this runtime still needs it."""
-        engine = self.engine
-
-        def wanted(pid: int, session_id: str) -> bool:
-            return pid != engine.backend_pid or (own is not None and own(session_id))
-
-        return wanted
+        await _wait_for_change(self.listener, kick, fallback, _wanted(self.engine, own))
 
     def hold_token(self, owner_id: str) -> AbstractAsyncContextManager[_liveness.PgToken]:
         return _hold_token(self.engine, owner_id, inline=True)
+
+
+def _wanted(engine: PgEngine, own: OwnChange) -> Callable[[int, str], bool]:
+    """Whether a notification (backend pid, session) is worth a look: not one our own writer
+    sent, unless `own` says this runtime still needs it."""
+
+    def wanted(pid: int, session_id: str) -> bool:
+        return pid != engine.backend_pid or (own is not None and own(session_id))
+
+    return wanted
 
 
 @attrs.define(eq=False)
@@ -1099,17 +1099,7 @@ class PgThreadExecutor:
     async def wait_for_change(
         self, kick: trio.Event, fallback: float, *, own: OwnChange = None
     ) -> None:
-        await _wait_for_change(self.listener, kick, fallback, self._own(own))
-
-    def _own(self, own: OwnChange) -> Callable[[int, str], bool]:
-        """Whether a notification (backend pid, session) is worth a look: not one our own
-        writer sent, unless `own` says this runtime still needs it."""
-        engine = self.engine
-
-        def wanted(pid: int, session_id: str) -> bool:
-            return pid != engine.backend_pid or (own is not None and own(session_id))
-
-        return wanted
+        await _wait_for_change(self.listener, kick, fallback, _wanted(self.engine, own))
 
     def hold_token(self, owner_id: str) -> AbstractAsyncContextManager[_liveness.PgToken]:
         return _hold_token(self.engine, owner_id, inline=False)
