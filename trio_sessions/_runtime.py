@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 import inspect
 import math
 import os
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, Literal, NoReturn, TypeVar
@@ -27,7 +25,7 @@ from typing import Any, Literal, NoReturn, TypeVar
 import attrs
 import trio
 
-from . import _codec, _observe, _store, _transcript
+from . import _codec, _observe, _store, _transcript, _validate
 from ._backend import Executor, StoreBackend, Token
 from ._coordinator import Execution, SessionEntry
 from ._decisions import (
@@ -59,12 +57,13 @@ from ._schedule import DueTimer
 from ._signals import Watcher, WatchHub
 from ._sqlite import SQLiteStore
 from ._stream import EventStream, Offer, StreamHub, decode_cursor
+from ._validate import make_owner_id as make_owner_id
+from ._validate import validate_session_id
 
 T = TypeVar("T")
 Drain = Callable[["DrainContext"], Awaitable[None]]
 AcquisitionHook = Callable[[Claim], Awaitable[None]]
 
-MAX_ID_LENGTH = 200
 # A hand-back (expiring a lease on purpose) is best effort: past this bound, or when another
 # process holds the write lock, the lease simply runs out instead.
 HAND_BACK_TIMEOUT = 5.0
@@ -79,56 +78,6 @@ PURGE_BATCH = 200
 TAKE_INPUTS_CHUNK = _store.TAKE_INPUTS_CHUNK
 
 
-def validate_session_id(session_id: object, *, what: str = "session id") -> str:
-    """A valid id (`what` names it in the error: a session id, an owner id)."""
-    if not isinstance(session_id, str):
-        raise TypeError(f"{what} must be a str, got {type(session_id).__name__}")
-    _codec.check_text(session_id[: MAX_ID_LENGTH + 1], what)
-    if not 1 <= len(session_id) <= MAX_ID_LENGTH:
-        raise ValueError(
-            f"{what} must be 1-{MAX_ID_LENGTH} characters, got {len(session_id)}: "
-            f"{session_id[:40]!r}"
-        )
-    if not session_id.isprintable():
-        raise ValueError(f"{what} must be printable, got {session_id!r}")
-    return session_id
-
-
-def _validate_input_id(input_id: object) -> str:
-    if input_id is None:
-        return _store.new_id()
-    if not isinstance(input_id, str):
-        raise TypeError(f"input_id must be a str or None, got {type(input_id).__name__}")
-    _codec.check_text(input_id[: MAX_ID_LENGTH + 1], "input_id")
-    if not 1 <= len(input_id) <= MAX_ID_LENGTH or not input_id.isprintable():
-        raise ValueError(f"input_id must be 1-{MAX_ID_LENGTH} printable characters: {input_id!r}")
-    return input_id
-
-
-def make_owner_id(name: str | None) -> str:
-    """name + host + pid + a random nonce: unique per runtime instance, never reused."""
-    nonce = _store.new_id()[:12]
-    base = f"{socket.gethostname()}:{os.getpid()}:{nonce}"
-    return base if name is None else f"{name}@{base}"
-
-
-def _seconds(value: object, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"{what} must be a number of seconds, got {type(value).__name__}")
-    # Durable times are whole milliseconds: anything shorter would round to nothing.
-    if not math.isfinite(value) or value < 0.001:
-        raise ValueError(f"{what} must be at least 0.001 seconds, got {value!r}")
-    return float(value)
-
-
-def _count(value: object, what: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{what} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{what} must be >= {minimum}, got {value}")
-    return value
-
-
 @attrs.define(eq=False)
 class Seams:
     """Test seams (see `trio_sessions.testing`): awaited at named steps when set."""
@@ -136,25 +85,6 @@ class Seams:
     before_finish: Callable[[str], Awaitable[None]] | None = None
     after_finish: Callable[[str], Awaitable[None]] | None = None
     before_recovery_apply: Callable[[list[str]], Awaitable[None]] | None = None
-
-
-def _delay_ms(delay: object) -> int:
-    """A scheduled input's delay in whole milliseconds, rounded up (never due early)."""
-    if delay is None:
-        return 0
-    if isinstance(delay, bool) or not isinstance(delay, int | float):
-        raise TypeError(f"delay must be a number of seconds or None, got {type(delay).__name__}")
-    if not math.isfinite(delay) or delay < 0:
-        raise ValueError(f"delay must be a finite number of seconds >= 0, got {delay!r}")
-    return math.ceil(delay * 1000)
-
-
-def _seq(value: object, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{what} must be an int, got {type(value).__name__}")
-    if value < 0:
-        raise ValueError(f"{what} must be >= 0, got {value}")
-    return value
 
 
 @attrs.frozen
@@ -285,11 +215,11 @@ class Runtime:
         large payload's check runs in a worker thread and is not interrupted.
         """
         validate_session_id(session_id)
-        text = await _checked_json(_codec.check_json_object, payload, "payload")
-        input_id = _validate_input_id(input_id)
+        text = await _validate.checked_json(_codec.check_json_object, payload, "payload")
+        input_id = _validate.validate_input_id(input_id)
         if on_busy not in ON_BUSY:
             raise ValueError(f"on_busy must be one of {', '.join(ON_BUSY)}; got {on_busy!r}")
-        delay_ms = _delay_ms(delay)
+        delay_ms = _validate.delay_ms(delay)
         if delay_ms and on_busy == "interrupt":
             raise ValueError('on_busy="interrupt" needs an input due now (delay=None)')
         if delay_ms:
@@ -498,8 +428,10 @@ class Runtime:
         """
         if not isinstance(input_id, str):
             raise TypeError(f"input_id must be a str, got {type(input_id).__name__}")
-        if not 1 <= len(input_id) <= MAX_ID_LENGTH:
-            raise ValueError(f"input_id must be 1-{MAX_ID_LENGTH} characters: {input_id!r}")
+        if not 1 <= len(input_id) <= _validate.MAX_ID_LENGTH:
+            raise ValueError(
+                f"input_id must be 1-{_validate.MAX_ID_LENGTH} characters: {input_id!r}"
+            )
         return await self._db.run(_store.cancel_input, input_id)
 
     async def pause(self, session_id: str) -> None:
@@ -586,7 +518,7 @@ class Runtime:
         if new_session_id == session_id:
             raise ValueError(f"cannot fork session {session_id!r} into itself")
         if through_seq is not None:
-            through_seq = _seq(through_seq, "through_seq")
+            through_seq = _validate.seq(through_seq, "through_seq")
         await self._db.run(_store.fork, session_id, new_session_id, through_seq)
         self._streams.touch(new_session_id)
 
@@ -599,7 +531,7 @@ class Runtime:
         `TypeError`/`ValueError` for bad arguments, `StoreError`. Cancellation: as `submit`.
         """
         validate_session_id(session_id)
-        after_seq = _seq(after_seq, "after_seq")
+        after_seq = _validate.seq(after_seq, "after_seq")
         deleted = await self._db.run(_store.truncate, session_id, after_seq)
         self._streams.touch(session_id)
         return deleted
@@ -1056,7 +988,7 @@ class Runtime:
         it.
         """
         validate_session_id(session_id)
-        after_seq = _count(after_seq, "after_seq", 0)
+        after_seq = _validate.count(after_seq, "after_seq", 0)
         watcher = self._watchers.add(session_id, after_seq)
         try:
             # The history up to the newest message now, in short reads (a long transcript
@@ -1370,7 +1302,7 @@ class DrainContext:
         taken if the transaction had not started, else the inputs are taken (they are user
         messages now, found again by `transcript()`).
         """
-        limit = TAKE_INPUTS_CHUNK if limit is None else _count(limit, "limit", 1)
+        limit = TAKE_INPUTS_CHUNK if limit is None else _validate.count(limit, "limit", 1)
         self._check_live()
         taken = await self._runtime._db.run(
             _store.take_inputs, self.session_id, self.execution_id, self.owner_id, limit
@@ -1473,7 +1405,7 @@ class AssistantWriter:
             if not isinstance(value, str) or not value:
                 raise TypeError(f"{what} must be a non-empty str, got {value!r:.80}")
             _codec.check_text(value, what)
-        await _checked_json(_codec.check_json_object, input, "tool input")
+        await _validate.checked_json(_codec.check_json_object, input, "tool input")
         await self._update(
             lambda data: _transcript.start_tool(data, call_id, name, input), call_id=call_id
         )
@@ -1481,7 +1413,7 @@ class AssistantWriter:
     async def settle_tool(self, call_id: str, output: Any) -> None:
         """Record a running tool call as `completed` with its JSON `output`: at most 1 MiB
         encoded (`MAX_PAYLOAD_BYTES`) and no NUL character in it (`ValueError`)."""
-        await _checked_json(
+        await _validate.checked_json(
             _codec.check_json, output, "tool output", limit=_codec.MAX_PAYLOAD_BYTES
         )
         await self._update(
@@ -1633,25 +1565,25 @@ async def open_runtime(
             "drain must be an async function (or an object with an async __call__)"
             f" taking a DrainContext, or None; got {drain!r}"
         )
-    lease = _seconds(lease, "lease")
+    lease = _validate.seconds(lease, "lease")
     heartbeat = (
         lease / 3
         if heartbeat_interval is None
-        else _seconds(heartbeat_interval, "heartbeat_interval")
+        else _validate.seconds(heartbeat_interval, "heartbeat_interval")
     )
     if heartbeat >= lease:
         raise ValueError(f"heartbeat_interval ({heartbeat}) must be shorter than lease ({lease})")
     shutdown_grace = (
-        lease / 3 if shutdown_grace is None else _seconds(shutdown_grace, "shutdown_grace")
+        lease / 3 if shutdown_grace is None else _validate.seconds(shutdown_grace, "shutdown_grace")
     )
-    recovery_interval = _seconds(recovery_interval, "recovery_interval")
-    recovery_batch = _count(recovery_batch, "recovery_batch", 1)
-    max_resumes = _count(max_resumes, "max_resumes", 0)
+    recovery_interval = _validate.seconds(recovery_interval, "recovery_interval")
+    recovery_batch = _validate.count(recovery_batch, "recovery_batch", 1)
+    max_resumes = _validate.count(max_resumes, "max_resumes", 0)
     if max_active is not None:
-        max_active = _count(max_active, "max_active", 1)
+        max_active = _validate.count(max_active, "max_active", 1)
     if owner_id is not None:
         owner_id = validate_session_id(owner_id, what="owner id")
-    takeover_grace = _seconds(takeover_grace, "takeover_grace")
+    takeover_grace = _validate.seconds(takeover_grace, "takeover_grace")
     if clock is not None and not callable(clock):
         raise TypeError("clock must be a zero-argument callable returning epoch seconds")
     if acquisition_hook is not None and not callable(acquisition_hook):
@@ -1712,15 +1644,6 @@ def _resolve_store(store: object) -> StoreBackend:
     if callable(getattr(store, "open_executor", None)):
         return store  # type: ignore[return-value]
     raise TypeError(f"store must be {ACCEPTED_FORMS}, got {type(store).__name__}")
-
-
-async def _checked_json(check: Callable[..., str], value: Any, what: str, **options: Any) -> str:
-    """A `_codec` JSON check of a caller's value, in a worker thread when the value is large
-    (§6.26: checking and encoding a 1 MiB value, or refusing a 50 MB one, must not stall the
-    event loop). The thread is not abandoned on cancellation: it ends with the check."""
-    if _codec.is_small(value):
-        return check(value, what, **options)
-    return await trio.to_thread.run_sync(functools.partial(check, value, what, **options))
 
 
 @attrs.frozen
