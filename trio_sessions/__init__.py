@@ -26,6 +26,8 @@ The public surface: everything else lives in private modules.
 # Imported under a private name: `dir(trio_sessions)` shows the public surface only.
 import typing as _typing
 
+from ._drain import AssistantWriter as AssistantWriter
+from ._drain import DrainContext as DrainContext
 from ._errors import DuplicateSettlement as DuplicateSettlement
 from ._errors import InputConflict as InputConflict
 from ._errors import LeaseLost as LeaseLost
@@ -45,8 +47,6 @@ from ._model import RecoveryReport as RecoveryReport
 from ._model import RuntimeStatistics as RuntimeStatistics
 from ._model import TextPart as TextPart
 from ._model import ToolPart as ToolPart
-from ._runtime import AssistantWriter as AssistantWriter
-from ._runtime import DrainContext as DrainContext
 from ._runtime import Runtime as Runtime
 from ._runtime import open_runtime as open_runtime
 from ._runtime import serve_runtime as serve_runtime
