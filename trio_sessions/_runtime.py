@@ -18,35 +18,29 @@ import math
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any, Literal, NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import attrs
 import trio
 
 from . import _codec, _observe, _store, _validate
 from ._backend import Executor, StoreBackend, Token
-from ._coordinator import Execution, SessionEntry
+from ._busy import BusyPeriods
+from ._coordinator import SessionEntry
 from ._decisions import (
     ON_BUSY,
-    AcquireVerdict,
-    EndingCause,
-    EndingWrite,
-    IterationVerdict,
     RecoveryDecision,
-    Successor,
-    decide_ending,
 )
 from ._drain import TAKE_INPUTS_CHUNK as TAKE_INPUTS_CHUNK
 from ._drain import AssistantWriter as AssistantWriter
 from ._drain import (
     Drain,
-    current_drain,
     is_async_callable,
     refuse_waiting_for_own_drain,
 )
 from ._drain import DrainContext as DrainContext
-from ._errors import LeaseLost, StoreError
-from ._lease import LeaseKeeper, self_fence_deadline
+from ._errors import StoreError
+from ._lease import LeaseKeeper
 from ._liveness import GoneOwners
 from ._model import (
     Claim,
@@ -67,9 +61,6 @@ from ._validate import validate_session_id
 T = TypeVar("T")
 AcquisitionHook = Callable[[Claim], Awaitable[None]]
 
-# A hand-back (expiring a lease on purpose) is best effort: past this bound, or when another
-# process holds the write lock, the lease simply runs out instead.
-HAND_BACK_TIMEOUT = 5.0
 # The change loop looks at the store at least this often, signal or not.
 CHANGE_FALLBACK_POLL = 2.0
 # Durable wakes taken per look (the rest at the next one).
@@ -85,17 +76,6 @@ class Seams:
     before_finish: Callable[[str], Awaitable[None]] | None = None
     after_finish: Callable[[str], Awaitable[None]] | None = None
     before_recovery_apply: Callable[[list[str]], Awaitable[None]] | None = None
-
-
-@attrs.frozen
-class _Ending:
-    """How one claim's drain section ended, before the finalizer acted on it."""
-
-    kind: Literal["not_claimed", "claim_failed", "released", "failed", "interrupted"]
-    error: BaseException | None = None
-    # Released because its claim was marked cancelling while a wake waits: a successor
-    # takes it (the interrupted busy period starts no iteration of its own).
-    handed_over: bool = False
 
 
 class Runtime:
@@ -120,6 +100,8 @@ class Runtime:
     def __init__(
         self, *, executor: Executor, nursery: trio.Nursery, drain: Drain | None, config: _Config
     ) -> None:
+        # Claims and their busy periods (working on this object's state: it keeps none).
+        self._busy = BusyPeriods(self)
         self._db = executor
         self._nursery = nursery
         self._drain = drain
@@ -130,7 +112,7 @@ class Runtime:
         self._lease = config.lease
         self._lease_keeper = LeaseKeeper(
             executor,
-            self._owned_entries,
+            self._busy.owned_entries,
             owner_id=config.owner_id,
             lease=config.lease,
             interval=config.heartbeat_interval,
@@ -229,11 +211,11 @@ class Runtime:
             self._due.arm(delay_ms)
             return stored
         if on_busy == "queue":
-            stored, _ = await self._signal(
+            stored, _ = await self._busy.signal(
                 session_id, (_store.submit, _store.submit_and_acquire), session_id, text, input_id
             )
             return str(stored)
-        (stored, interrupted), _ = await self._signal(
+        (stored, interrupted), _ = await self._busy.signal(
             session_id,
             (_store.submit_controlled, _store.submit_controlled_and_acquire),
             session_id,
@@ -257,7 +239,7 @@ class Runtime:
         as `submit` - no wake if the transaction had not started, else it is recorded.
         """
         validate_session_id(session_id)
-        await self._signal(session_id, (_store.wake, _store.wake_and_acquire), session_id)
+        await self._busy.signal(session_id, (_store.wake, _store.wake_and_acquire), session_id)
 
     async def run(self, session_id: str) -> Outcome:
         """Wake the session and wait for the outcome of the execution that takes the wake.
@@ -280,7 +262,7 @@ class Runtime:
             if not entry.owned:
                 entry.needs_wake = True  # if this acquisition fails, ours is recorded
             return await entry.current.wait()
-        _, execution = await self._signal(
+        _, execution = await self._busy.signal(
             session_id, (_store.wake, _store.wake_and_acquire), session_id
         )
         if execution is None:
@@ -334,7 +316,7 @@ class Runtime:
         """A snapshot of this runtime's counts and its store's own figures."""
         return RuntimeStatistics(
             active_sessions=len(self._entries),
-            owned_claims=len(self._owned_entries()),
+            owned_claims=len(self._busy.owned_entries()),
             drains_running=self._drains_running,
             tasks=len(self._nursery.child_tasks),
             heartbeat_transactions=self._lease_keeper.transactions,
@@ -457,7 +439,7 @@ class Runtime:
         """
         validate_session_id(session_id)
         if await self._db.run(_store.resume, session_id):
-            self._ring(session_id)
+            self._busy.ring(session_id)
 
     async def delete_session(self, session_id: str) -> bool:
         """Erase the session: every row of it (inputs, also scheduled and set-aside ones,
@@ -536,404 +518,6 @@ class Runtime:
         self._streams.touch(session_id)
         return deleted
 
-    # -- local registry -----------------------------------------------------------------------
-
-    async def _signal(
-        self, session_id: str, ops: tuple[Callable[..., Any], Callable[..., Any]], *args: Any
-    ) -> tuple[Any, Execution | None]:
-        """Run a durable wake (`ops[0]`), then ring the local execution that will take it.
-
-        For a session idle here, the prospective exact claim is registered before any I/O
-        and the acquire joins the wake's transaction: one transaction instead of two. The
-        executor never abandons a transaction it started, so once it returns, the claim
-        commit, the registration flip and the finalizer installation (handing the owned
-        entry to its task) happen with no checkpoint between them; if the caller is
-        cancelled before the transaction starts, nothing was written and the prospective
-        registration is dropped.
-        """
-        wake_only, wake_and_acquire = ops
-        if (
-            session_id in self._entries
-            or self._closing
-            or self._drain is None
-            or not self._has_capacity()
-        ):
-            result = await self._db.run(wake_only, *args)
-            return result, self._ring(session_id)
-        entry = self._register(session_id)
-        entry.begin_deciding()
-        sent_at = entry.woken_at = trio.current_time()
-        try:
-            # mypy cannot check `*args` of a Callable[..., Any] against a TypeVarTuple.
-            result, acquired = await self._db.run(
-                wake_and_acquire,  # type: ignore[arg-type]
-                *args,
-                entry.execution_id,
-                self._owner_id,
-                self._lease_ms,
-            )
-        except BaseException:
-            self._settle_unclaimed(entry)
-            raise
-        execution = entry.current  # joiners follow a successor if one starts from it
-        if acquired.verdict is not AcquireVerdict.CLAIM:
-            self._settle_unclaimed(entry)
-            return result, execution
-        self._own(entry, attempt=acquired.attempt, resumed=False, sent_at=sent_at)
-        entry.keep_going()
-        if self._closing:
-            # Committed while the runtime closes (its nursery may be gone): keep the claim
-            # for recovery with an expired lease; never start a drain now.
-            entry.interrupt("shutdown")
-            await self._expire(entry)
-            self._release(entry, Outcome("interrupted", "shutdown"))
-        else:
-            self._nursery.start_soon(self._busy_period, entry)
-        return result, execution
-
-    def _settle_unclaimed(self, entry: SessionEntry) -> None:
-        """A prospective acquisition that did not claim (held elsewhere, withdrawn, failed,
-        or a recovery placeholder that did not take over).
-
-        A user interrupt accepted meanwhile is passed on to the holder; a ring since it
-        decided, or a joined run's wake, gets a fresh acquisition; otherwise: deferred.
-        """
-        entry.deciding = False
-        plan = decide_ending(EndingCause.NOT_CLAIMED, reason=entry.reason, owned=False)
-        if plan.write is EndingWrite.PASS_ON_INTERRUPT:
-            self._nursery.start_soon(self._pass_on_then_release, entry)
-        elif (
-            plan.successor is Successor.IF_RUNG
-            and (entry.rung_since_decision() or entry.needs_wake)
-            and not self._closing
-        ):
-            entry.start_successor(_store.new_id())
-            self._nursery.start_soon(self._busy_period, entry)
-        else:
-            self._release(entry, Outcome(plan.outcome, plan.reason))
-
-    async def _pass_on_then_release(self, entry: SessionEntry) -> None:
-        try:
-            await self._pass_on_interrupt(entry)
-        finally:
-            self._release(entry, Outcome("interrupted", "user"))
-
-    def _ring(self, session_id: str) -> Execution | None:
-        """After a durable wake: ring the local entry, or register one and start acquiring."""
-        entry = self._entries.get(session_id)
-        if entry is not None:
-            return entry.ring()
-        if self._closing or self._drain is None or not self._has_capacity():
-            return None  # the wake stays durable for a runtime with room
-        entry = self._register(session_id)
-        entry.woken_at = trio.current_time()
-        self._nursery.start_soon(self._busy_period, entry)
-        return entry.current
-
-    def _has_capacity(self) -> bool:
-        return self._max_active is None or len(self._entries) < self._max_active
-
-    def _capacity_left(self, wanted: int) -> int:
-        if self._max_active is None:
-            return wanted
-        return max(0, min(wanted, self._max_active - len(self._entries)))
-
-    def _owned_entries(self) -> list[SessionEntry]:
-        return [entry for entry in self._entries.values() if entry.owned]
-
-    def _register(self, session_id: str) -> SessionEntry:
-        # The prospective exact claim, registered before any I/O.
-        entry = SessionEntry(session_id, _store.new_id())
-        self._entries[session_id] = entry
-        return entry
-
-    def _release(self, entry: SessionEntry, outcome: Outcome) -> None:
-        entry.disown()
-        if self._entries.get(entry.session_id) is entry:
-            del self._entries[entry.session_id]
-            if self._max_active is not None:
-                self._kick.set()  # room again: look for durable wakes left waiting
-        entry.close(outcome)
-
-    # -- one busy period ----------------------------------------------------------------------
-
-    async def _busy_period(self, entry: SessionEntry) -> None:
-        """One busy period: this claim (already owned, or acquired here) and its successors."""
-        outcome = Outcome("deferred")
-        try:
-            while True:
-                outcome, successor_due = await self._one_claim(entry)
-                if not successor_due or self._closing or self._crashed:
-                    break
-                entry.start_successor(_store.new_id())
-        except BaseException:
-            # Cancelled from outside (the runtime's scope) or an internal error: this busy
-            # period was stopped, whatever an earlier iteration's outcome was.
-            plan = decide_ending(EndingCause.STOPPED, reason=entry.reason, owned=entry.owned)
-            outcome = Outcome(plan.outcome, plan.reason)
-            # The drain has exited (a cancellation only leaves it once it did): with the
-            # claim still ours, hand it back so any owner can recover it at once. A claim
-            # whose user interrupt was accepted is marked cancelling instead, so recovery
-            # finishes it and never resumes it.
-            if not self._crashed:
-                if plan.write is EndingWrite.MARK_CANCELLING:
-                    with trio.move_on_after(HAND_BACK_TIMEOUT, shield=True):
-                        await self._mark_cancelling_nowait(entry)
-                elif plan.write is EndingWrite.HAND_BACK:
-                    await self._expire(entry)
-            raise
-        finally:
-            self._release(entry, outcome)
-
-    async def _one_claim(self, entry: SessionEntry) -> tuple[Outcome, bool]:
-        """Acquire (or take over a recovered claim), drain, finalize. Returns the outcome
-        and whether a successor acquisition is due."""
-        ending: _Ending | None = None
-        try:
-            with entry.scope:
-                ending = await self._claim_and_drain(entry)
-        except Exception as exc:  # a drain's ExceptionGroup once our Cancelled was removed
-            # Not owned: the claim attempt itself failed (a store error while acquiring),
-            # and no drain ran.
-            ending = _Ending("failed" if entry.owned else "claim_failed", error=exc)
-        if ending is None:
-            ending = _Ending("interrupted")
-        outcome, successor_due = await self._finalize(entry, ending)
-        self._streams.touch(entry.session_id)  # open messages were closed by the store
-        entry.current.resolve(outcome)
-        return outcome, successor_due
-
-    async def _claim_and_drain(self, entry: SessionEntry) -> _Ending:
-        if not entry.owned:
-            entry.begin_deciding()
-            # Shielded: the claim commit, the registration flip and the finalizer
-            # installation (entry.owned is what the finalizer acts on) happen together or
-            # not at all; an interrupt meanwhile is honoured right after.
-            with trio.CancelScope(shield=True):
-                sent_at = trio.current_time()
-                if entry.needs_wake:  # a joiner's wake, recorded with the acquire
-                    _, acquired = await self._db.run(
-                        _store.wake_and_acquire,
-                        entry.session_id,
-                        entry.execution_id,
-                        self._owner_id,
-                        self._lease_ms,
-                    )
-                    entry.needs_wake = False
-                else:
-                    acquired = await self._db.run(
-                        _store.acquire,
-                        entry.session_id,
-                        entry.execution_id,
-                        self._owner_id,
-                        self._lease_ms,
-                    )
-                if acquired.verdict is AcquireVerdict.CLAIM:
-                    self._own(entry, attempt=acquired.attempt, resumed=False, sent_at=sent_at)
-            if acquired.verdict is not AcquireVerdict.CLAIM:
-                return _Ending("not_claimed")
-            entry.keep_going()
-        if self._hook is not None:
-            await self._hook(
-                Claim(entry.session_id, entry.execution_id, self._owner_id, entry.resumed)
-            )
-        # The drain never starts for a claim whose interrupt arrived during the handoff.
-        await trio.lowlevel.checkpoint_if_cancelled()
-        return await self._drain_loop(entry)
-
-    def _own(self, entry: SessionEntry, *, attempt: int, resumed: bool, sent_at: float) -> None:
-        """The claim committed; its local deadline counts from before it was sent."""
-        entry.own(
-            attempt=attempt, resumed=resumed, deadline=self_fence_deadline(sent_at, self._lease)
-        )
-        if self._token_lost:
-            # Committed while our liveness token is free: others may take it over, so its
-            # drain never starts; the claim is handed back with the others (`_keep_token`).
-            self._lost_claims[entry.execution_id] = entry
-            entry.lose_lease()
-
-    async def _drain_loop(self, entry: SessionEntry) -> _Ending:
-        while True:
-            context = DrainContext(self, entry)
-            assert self._drain is not None  # producers never register an entry
-            # The task (and every task the drain starts) knows which session it drains, so
-            # waiting on that very session fails at once instead of waiting for itself.
-            draining = current_drain.set((self, entry.session_id))
-            self._drains_running += 1
-            woken_at, entry.woken_at = entry.woken_at, None
-            try:
-                with _observe.drain_iteration(entry, self._owner_id, woken_at) as iteration:
-                    await self._drain(context)
-                    iteration.fail(context._defect)
-            except Exception as exc:
-                return _Ending("failed", error=exc)
-            finally:
-                self._drains_running -= 1
-                current_drain.reset(draining)
-                context._returned = True
-            if context._defect is not None:
-                return _Ending("failed", error=context._defect)
-            entry.begin_deciding()
-            if self._seams.before_finish is not None:
-                await self._seams.before_finish(entry.session_id)
-            try:
-                verdict = await self._db.run(
-                    _store.end_iteration, entry.session_id, entry.execution_id, self._owner_id
-                )
-            except LeaseLost as exc:
-                return _Ending("failed", error=exc)
-            self._streams.touch(entry.session_id)  # messages left open were closed
-            if verdict is not IterationVerdict.CONTINUE:
-                entry.disown()
-                if self._seams.after_finish is not None:
-                    await self._seams.after_finish(entry.session_id)
-                return _Ending("released", handed_over=verdict is IterationVerdict.HAND_OVER)
-            entry.keep_going()
-
-    async def _finalize(self, entry: SessionEntry, ending: _Ending) -> tuple[Outcome, bool]:
-        """The finalizer: act on how the claim ended. Cancellable (runtime closing): then
-        the claim stays as it is durably and recovery finishes it."""
-        if self._crashed:
-            return Outcome("interrupted", "shutdown"), False
-        known_lost = entry.reason == "lease_lost"  # the heartbeat found it (and logged it)
-        lease_lost = ending.kind in ("failed", "interrupted") and (
-            isinstance(ending.error, LeaseLost) or entry.self_fenced()
-        )
-        # A claim attempt that failed is a failure of a claim not ours: the table writes
-        # nothing (the wake stays durable; the change loop or a recovery pass tries again).
-        cause = EndingCause.FAILED if ending.kind == "claim_failed" else EndingCause(ending.kind)
-        plan = decide_ending(cause, reason=entry.reason, owned=entry.owned, lease_lost=lease_lost)
-        if plan.reason == "lease_lost":
-            if not known_lost:
-                self._log_claim_lost(entry, ending.error)
-            entry.disown()
-            return Outcome("interrupted", "lease_lost", ending.error), False
-        if ending.kind == "claim_failed":
-            _observe.claim_attempt_failed(entry, self._owner_id, ending.error)
-        elif plan.outcome == "failed":
-            _observe.drain_failed(entry, self._owner_id, ending.error)
-        match plan.write:
-            case EndingWrite.FINISH_FAILED:
-                return await self._finish_failed(entry, ending.error)
-            case EndingWrite.FINISH_INTERRUPTED:
-                return await self._finish_interrupted(entry)
-            case EndingWrite.HAND_BACK:
-                await self._expire(entry)
-            case EndingWrite.PASS_ON_INTERRUPT:
-                await self._pass_on_interrupt(entry)
-        error = ending.error if plan.outcome == "failed" else None
-        successor_due = plan.successor is Successor.IF_RUNG and entry.rung_since_decision()
-        # Released by a claim marked cancelling with a wake waiting: a successor takes it.
-        return Outcome(plan.outcome, plan.reason, error), successor_due or ending.handed_over
-
-    def _log_claim_lost(self, entry: SessionEntry, error: BaseException | None) -> None:
-        if isinstance(error, LeaseLost):
-            _observe.claim_lost(entry, self._owner_id, cause="write")
-        else:
-            _observe.self_fenced(entry, self._owner_id)
-
-    async def _pass_on_interrupt(self, entry: SessionEntry) -> None:
-        """A user interrupt accepted while this runtime was still acquiring, and another
-        owner turned out to hold the claim: mark that claim cancelling, live or expired
-        (an expired one is finished by recovery as cancelled, never resumed)."""
-        if entry.reason == "user":
-            with contextlib.suppress(StoreError):
-                await self._db.run(_store.cancel_held_claim, entry.session_id)
-
-    async def _mark_cancelling_nowait(self, entry: SessionEntry) -> None:
-        with contextlib.suppress(StoreError, LeaseLost):
-            await self._db.run_nowait(
-                _store.mark_cancelling, entry.session_id, entry.execution_id, self._owner_id
-            )
-        entry.disown()
-
-    async def _finish_failed(
-        self, entry: SessionEntry, error: BaseException | None
-    ) -> tuple[Outcome, bool]:
-        outcome = Outcome("failed", error=error)
-        if not entry.owned:
-            return outcome, False
-        # The exception's type only: its text may hold secrets (an API key in a KeyError),
-        # and users read the transcript. Its text and traceback are in the log (DESIGN §5.1).
-        shown = "failed" if error is None else f"failed: {type(error).__name__}"
-        entry.begin_deciding()
-        try:
-            doorbell = await self._retrying(
-                entry,
-                _store.finish_failed,
-                entry.session_id,
-                entry.execution_id,
-                self._owner_id,
-                shown,
-            )
-        except (LeaseLost, StoreError):
-            # The claim stays durable; its lease runs out and recovery takes it from there.
-            return outcome, False
-        entry.disown()
-        return outcome, doorbell or entry.rung_since_decision()
-
-    async def _finish_interrupted(self, entry: SessionEntry) -> tuple[Outcome, bool]:
-        outcome = Outcome("interrupted", "user")
-        if not entry.owned:
-            return outcome, entry.rung_since_decision()
-        try:
-            await self._retrying(
-                entry, _store.mark_cancelling, entry.session_id, entry.execution_id, self._owner_id
-            )
-            entry.begin_deciding()
-            doorbell = await self._retrying(
-                entry,
-                _store.finish_interrupted,
-                entry.session_id,
-                entry.execution_id,
-                self._owner_id,
-            )
-        except (LeaseLost, StoreError):
-            # Left as 'cancelling' once that write landed: recovery finishes it as
-            # cancelled and never resumes it.
-            return outcome, False
-        entry.disown()
-        return outcome, doorbell or entry.rung_since_decision()
-
-    async def _retrying(self, entry: SessionEntry, op: Callable[..., T], *args: Any) -> T:
-        """A finalizer write, retried through store errors while the claim is still ours.
-
-        Giving up early would release the registry entry with the claim still 'running',
-        and recovery would then resume work that was meant to stop. The heartbeat keeps
-        renewing the claim meanwhile; once the lease is lost (or the runtime closes), the
-        last error is raised and the durable state is left for recovery.
-        """
-        pause = 0.01
-        while True:
-            try:
-                return await self._db.run(op, *args)
-            except StoreError:
-                if entry.reason == "lease_lost" or self._closing:
-                    raise
-            await trio.sleep(pause)
-            pause = min(pause * 2, self._heartbeat_interval)
-
-    async def _expire(self, entry: SessionEntry) -> None:
-        """Hand a claim back (shutdown): keep it, end its lease now so any owner can recover
-        it at once. Only ever called once the claim's drain has exited (§6.21).
-
-        Shielded and bounded, as trio asks of cleanup, and never waiting for another
-        process's lock: if it cannot land, the lease simply runs out.
-        """
-        if not entry.owned:
-            return
-        claims = [entry.execution_id]
-        with trio.move_on_after(HAND_BACK_TIMEOUT, shield=True) as bounded:
-            try:
-                await self._db.run_nowait(_store.expire_claims, self._owner_id, claims)
-            except StoreError as exc:
-                _observe.hand_back_failed(self._owner_id, claims, exc)
-            else:
-                _observe.handed_back(self._owner_id, claims)
-        if bounded.cancelled_caught:
-            _observe.hand_back_failed(self._owner_id, claims, TimeoutError("hand-back timed out"))
-        entry.disown()
-
     # -- signals between processes ------------------------------------------------------------
 
     async def _change_loop(self) -> None:
@@ -954,12 +538,12 @@ class Runtime:
             _store.changes,
             self._owner_id,
             list(self._entries),
-            [entry.execution_id for entry in self._owned_entries()],
-            self._capacity_left(CHANGE_BATCH) if takes_wakes else 0,
+            [entry.execution_id for entry in self._busy.owned_entries()],
+            self._busy.capacity_left(CHANGE_BATCH) if takes_wakes else 0,
             self._watchers.followed(),
         )
         for session_id in changes.doorbells:
-            if session_id not in self._entries and self._ring(session_id) is not None:
+            if session_id not in self._entries and self._busy.ring(session_id) is not None:
                 self._remote_signals += 1
         cancelling, gone = set(changes.cancelling), set(changes.gone)
         for entry in list(self._entries.values()):
@@ -1057,7 +641,7 @@ class Runtime:
         # With max_active, take recovery leases only on what this runtime has room for: a
         # lease it would not act on keeps the row from every other runtime for a lease.
         scan = await self._recovery.scan(
-            list(self._entries), self._capacity_left(self._recovery.batch), gone
+            list(self._entries), self._busy.capacity_left(self._recovery.batch), gone
         )
         if scan.free_owners is not None:  # sightings for the next pass (no extra look)
             self._gone_owners.observe(scan.free_owners - {self._owner_id}, trio.current_time())
@@ -1069,7 +653,7 @@ class Runtime:
         for candidate in scan.doorbells:
             if (
                 candidate.session_id not in self._entries
-                and self._ring(candidate.session_id) is not None
+                and self._busy.ring(candidate.session_id) is not None
             ):
                 started += 1
         return attrs.evolve(report, doorbells_started=started)
@@ -1081,10 +665,10 @@ class Runtime:
         if self._seams.before_recovery_apply is not None:
             await self._seams.before_recovery_apply([c.execution_id or "" for c in leased])
         entries = []
-        for candidate in leased[: self._capacity_left(len(leased))]:
+        for candidate in leased[: self._busy.capacity_left(len(leased))]:
             if candidate.session_id in self._entries:
                 continue  # became busy locally since the scan; its own claim rules apply
-            entries.append((candidate, self._register(candidate.session_id)))
+            entries.append((candidate, self._busy.register(candidate.session_id)))
         resumed: list[SessionEntry] = []
         try:
             # Shielded: the takeover commit and the registration flips happen together.
@@ -1097,19 +681,19 @@ class Runtime:
                     _observe.recovered(candidate, entry.execution_id, result, self._owner_id)
                     self._streams.touch(candidate.session_id)
                     if result.decision is RecoveryDecision.RESUME and not result.fence_lost:
-                        self._own(entry, attempt=result.attempt, resumed=True, sent_at=sent_at)
+                        self._busy.own(entry, attempt=result.attempt, resumed=True, sent_at=sent_at)
                         entry.keep_going()
                         resumed.append(entry)
         finally:
             for _, entry in entries:
                 if not entry.owned:
-                    self._settle_unclaimed(entry)
+                    self._busy.settle_unclaimed(entry)
         for entry in resumed:
             # Closing meanwhile: the busy period starts already interrupted (shutdown), so
             # the takeover is kept with an expired lease, never drained.
             if self._closing:
                 entry.interrupt("shutdown")
-            self._nursery.start_soon(self._busy_period, entry)
+            self._nursery.start_soon(self._busy.busy_period, entry)
         return report_of(results)
 
     # -- owner liveness -----------------------------------------------------------------------
@@ -1141,8 +725,8 @@ class Runtime:
         while True:
             await token.wait_lost()
             self._token_lost = True
-            _observe.token_lost(self._owner_id, len(self._owned_entries()))
-            for entry in self._owned_entries():
+            _observe.token_lost(self._owner_id, len(self._busy.owned_entries()))
+            for entry in self._busy.owned_entries():
                 self._lost_claims[entry.execution_id] = entry
                 entry.lose_lease()
             await self._hand_back_lost_claims()
@@ -1175,7 +759,7 @@ class Runtime:
         start their drains here; returns when the next one falls due (ms, None for none)."""
         due = await self._db.run(_store.promote_due, CHANGE_BATCH)
         for session_id in due.sessions:
-            self._ring(session_id)
+            self._busy.ring(session_id)
         return due.next_due_ms
 
     # -- lifecycle ----------------------------------------------------------------------------
