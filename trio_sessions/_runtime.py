@@ -29,7 +29,6 @@ from ._busy import BusyPeriods
 from ._coordinator import SessionEntry
 from ._decisions import (
     ON_BUSY,
-    RecoveryDecision,
 )
 from ._drain import TAKE_INPUTS_CHUNK as TAKE_INPUTS_CHUNK
 from ._drain import AssistantWriter as AssistantWriter
@@ -42,6 +41,7 @@ from ._drain import DrainContext as DrainContext
 from ._errors import StoreError
 from ._lease import LeaseKeeper
 from ._liveness import GoneOwners
+from ._loops import BackgroundLoops
 from ._model import (
     Claim,
     Message,
@@ -50,7 +50,7 @@ from ._model import (
     RuntimeStatistics,
 )
 from ._naming import ACCEPTED_FORMS, store_kind
-from ._recovery import Recovery, report_of
+from ._recovery import Recovery
 from ._schedule import DueTimer
 from ._signals import Watcher, WatchHub
 from ._sqlite import SQLiteStore
@@ -61,10 +61,6 @@ from ._validate import validate_session_id
 T = TypeVar("T")
 AcquisitionHook = Callable[[Claim], Awaitable[None]]
 
-# The change loop looks at the store at least this often, signal or not.
-CHANGE_FALLBACK_POLL = 2.0
-# Durable wakes taken per look (the rest at the next one).
-CHANGE_BATCH = 100
 # Sessions examined per purge transaction: short transactions, never blocking a drain.
 PURGE_BATCH = 200
 
@@ -102,6 +98,8 @@ class Runtime:
     ) -> None:
         # Claims and their busy periods (working on this object's state: it keeps none).
         self._busy = BusyPeriods(self)
+        # What reaches this runtime from outside a local call (the same: it keeps no state).
+        self._loops = BackgroundLoops(self)
         self._db = executor
         self._nursery = nursery
         self._drain = drain
@@ -361,7 +359,7 @@ class Runtime:
             return RecoveryReport()
         async with self._recovery.lock:
             with _observe.recovery_pass(self._owner_id) as observed:
-                report = await self._recovery_pass()
+                report = await self._loops.recovery_pass()
                 observed.done(report)
         self._recovery.record(report)
         return report
@@ -393,7 +391,7 @@ class Runtime:
                 return
             candidate = await self._recovery.lift_quarantine(execution_id)
             _observe.quarantine_released(execution_id, self._owner_id, resume=True)
-            report = await self._apply_recovery([candidate])
+            report = await self._loops.apply_recovery([candidate])
             if report.quarantined:
                 raise await self._recovery.quarantine_error(execution_id)
 
@@ -520,44 +518,6 @@ class Runtime:
 
     # -- signals between processes ------------------------------------------------------------
 
-    async def _change_loop(self) -> None:
-        """React to other processes' commits: take durable wakes that no runtime holds,
-        honour remote interrupts of our claims at once, feed watchers. A lost signal costs
-        latency only: the fallback poll and recovery still find the work."""
-        while True:
-            await self._db.wait_for_change(
-                self._kick, CHANGE_FALLBACK_POLL, own=self._watchers.watching
-            )
-            self._kick = trio.Event()
-            with contextlib.suppress(StoreError):  # looked at again at the next signal
-                await self._look_at_changes()
-
-    async def _look_at_changes(self) -> None:
-        takes_wakes = self._drain is not None and not self._closing
-        changes = await self._db.read(
-            _store.changes,
-            self._owner_id,
-            list(self._entries),
-            [entry.execution_id for entry in self._busy.owned_entries()],
-            self._busy.capacity_left(CHANGE_BATCH) if takes_wakes else 0,
-            self._watchers.followed(),
-        )
-        for session_id in changes.doorbells:
-            if session_id not in self._entries and self._busy.ring(session_id) is not None:
-                self._remote_signals += 1
-        cancelling, gone = set(changes.cancelling), set(changes.gone)
-        for entry in list(self._entries.values()):
-            if entry.owned and entry.execution_id in cancelling and entry.interrupt("user"):
-                self._remote_signals += 1
-            elif entry.owned and not entry.deciding and entry.execution_id in gone:
-                # Deleted by another process (`delete_session`): nothing is left to write.
-                # (A transaction of our own that may delete it sets `deciding` first.)
-                entry.lose_lease()
-                self._remote_signals += 1
-        self._due.arm(changes.next_due_ms)
-        self._watchers.apply(changes.watched)
-        await self._streams.look(self._db.read)
-
     @asynccontextmanager
     async def watch(self, session_id: str, *, after_seq: int = 0) -> AsyncIterator[Watcher]:
         """Follow a session's transcript: first every stored message with `seq > after_seq`,
@@ -620,102 +580,7 @@ class Runtime:
         finally:
             self._streams.remove(events)
 
-    # -- recovery -----------------------------------------------------------------------------
-
-    async def _recovery_loop(self) -> None:
-        while True:
-            await trio.sleep(self._recovery_interval)
-            with contextlib.suppress(StoreError):  # the next pass retries; leases keep rows
-                await self.recover_once()
-
-    async def _recovery_pass(self) -> RecoveryReport:
-        # Owners whose liveness token stayed free for the grace, as last seen: their live
-        # claims count as expired (re-checked in the takeover's own transaction).
-        gone = self._gone_owners.gone(trio.current_time())
-        # Scheduled inputs that fell due while no timer ran (a restart) ring their doorbells
-        # first, so this very pass starts them; the timer is armed for the rest.
-        next_due = await self._db.read(_store.next_due)
-        if next_due is not None and next_due <= 0:
-            next_due = await self._fire_due()
-        self._due.arm(next_due)
-        # With max_active, take recovery leases only on what this runtime has room for: a
-        # lease it would not act on keeps the row from every other runtime for a lease.
-        scan = await self._recovery.scan(
-            list(self._entries), self._busy.capacity_left(self._recovery.batch), gone
-        )
-        if scan.free_owners is not None:  # sightings for the next pass (no extra look)
-            self._gone_owners.observe(scan.free_owners - {self._owner_id}, trio.current_time())
-        applied = await self._apply_recovery(scan.leased, gone) if scan.leased else RecoveryReport()
-        report = attrs.evolve(
-            applied, examined=scan.examined, fence_lost=applied.fence_lost + scan.fence_lost
-        )
-        started = 0
-        for candidate in scan.doorbells:
-            if (
-                candidate.session_id not in self._entries
-                and self._busy.ring(candidate.session_id) is not None
-            ):
-                started += 1
-        return attrs.evolve(report, doorbells_started=started)
-
-    async def _apply_recovery(
-        self, leased: list[_store.Candidate], gone: frozenset[str] = frozenset()
-    ) -> RecoveryReport:
-        """Apply recovery to claims whose recovery lease we hold, then start resumed drains."""
-        if self._seams.before_recovery_apply is not None:
-            await self._seams.before_recovery_apply([c.execution_id or "" for c in leased])
-        entries = []
-        for candidate in leased[: self._busy.capacity_left(len(leased))]:
-            if candidate.session_id in self._entries:
-                continue  # became busy locally since the scan; its own claim rules apply
-            entries.append((candidate, self._busy.register(candidate.session_id)))
-        resumed: list[SessionEntry] = []
-        try:
-            # Shielded: the takeover commit and the registration flips happen together.
-            with trio.CancelScope(shield=True):
-                sent_at = trio.current_time()
-                results = await self._recovery.apply(
-                    [(c, e.execution_id) for c, e in entries], gone
-                )
-                for (candidate, entry), result in zip(entries, results, strict=True):
-                    _observe.recovered(candidate, entry.execution_id, result, self._owner_id)
-                    self._streams.touch(candidate.session_id)
-                    if result.decision is RecoveryDecision.RESUME and not result.fence_lost:
-                        self._busy.own(entry, attempt=result.attempt, resumed=True, sent_at=sent_at)
-                        entry.keep_going()
-                        resumed.append(entry)
-        finally:
-            for _, entry in entries:
-                if not entry.owned:
-                    self._busy.settle_unclaimed(entry)
-        for entry in resumed:
-            # Closing meanwhile: the busy period starts already interrupted (shutdown), so
-            # the takeover is kept with an expired lease, never drained.
-            if self._closing:
-                entry.interrupt("shutdown")
-            self._nursery.start_soon(self._busy.busy_period, entry)
-        return report_of(results)
-
     # -- owner liveness -----------------------------------------------------------------------
-
-    async def _look_at_owners(self) -> frozenset[str]:
-        """Look at other owners' liveness tokens; the owners gone now (free for the grace)."""
-        free = await self._db.read(_store.free_tokens)
-        free.discard(self._owner_id)
-        return self._gone_owners.observe(free, trio.current_time())
-
-    async def _watch_owners(self, poll: float) -> None:
-        """Notice a released token within a poll, not a recovery interval: once an owner is
-        gone, a recovery pass takes its claims over; owners gone without live claims are
-        forgotten (their token's record removed)."""
-        while True:
-            await trio.sleep(poll)
-            with contextlib.suppress(StoreError):  # looked at again at the next poll
-                gone = await self._look_at_owners()
-                if gone and not self._token_lost:
-                    await self.recover_once()
-                    left = await self._db.run(_store.forget_gone_owners, sorted(gone))
-                    self._gone_owners.forget(gone - set(left))
 
     async def _keep_token(self, token: Token) -> None:
         """On the loss of our liveness token (its connection broke), stop every drain at
@@ -753,14 +618,6 @@ class Runtime:
                 continue
             for execution_id in lost:
                 self._lost_claims.pop(execution_id, None)
-
-    async def _fire_due(self) -> int | None:
-        """Promote the scheduled inputs now due (their doorbells rung, one transaction) and
-        start their drains here; returns when the next one falls due (ms, None for none)."""
-        due = await self._db.run(_store.promote_due, CHANGE_BATCH)
-        for session_id in due.sessions:
-            self._busy.ring(session_id)
-        return due.next_due_ms
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -978,12 +835,12 @@ async def _open_runtime(
         if token is not None:
             await runtime.recover_once()
             nursery.start_soon(runtime._keep_leases)
-            nursery.start_soon(runtime._recovery_loop)
+            nursery.start_soon(runtime._loops.recovery_loop)
             nursery.start_soon(runtime._keep_token, token)
             if token.poll_interval is not None:
-                nursery.start_soon(runtime._watch_owners, token.poll_interval)
-            nursery.start_soon(runtime._due.run, runtime._fire_due)
-        nursery.start_soon(runtime._change_loop)
+                nursery.start_soon(runtime._loops.watch_owners, token.poll_interval)
+            nursery.start_soon(runtime._due.run, runtime._loops.fire_due)
+        nursery.start_soon(runtime._loops.change_loop)
         try:
             yield runtime
         finally:
