@@ -43,7 +43,7 @@ from ._lease import self_fence_deadline
 from ._model import Claim, Outcome
 
 if TYPE_CHECKING:
-    from ._runtime import Runtime
+    from ._verbs import Runtime
 
 T = TypeVar("T")
 
@@ -490,3 +490,23 @@ class BusyPeriods:
                 runtime._owner_id, claims, TimeoutError("hand-back timed out")
             )
         entry.disown()
+
+    async def hand_back_lost_claims(self) -> None:
+        """Expire the claims kept while our liveness token was lost, each once its drain
+        exited, retrying until the store answers."""
+        runtime = self._runtime
+        pause = 0.01
+        while runtime._lost_claims:
+            lost = dict(runtime._lost_claims)
+            for entry in lost.values():
+                # A claim is never handed back while its drain runs (§6.21); a lost lease
+                # ends the busy period, with no successor.
+                await entry.released.wait()
+            try:
+                await runtime._db.run(_store.expire_claims, runtime._owner_id, sorted(lost))
+            except StoreError:
+                await trio.sleep(pause)  # until the store answers
+                pause = min(pause * 2, 1.0)
+                continue
+            for execution_id in lost:
+                runtime._lost_claims.pop(execution_id, None)

@@ -22,7 +22,7 @@ from ._stream import Offer
 
 if TYPE_CHECKING:
     from ._coordinator import SessionEntry
-    from ._runtime import Runtime
+    from ._verbs import Runtime
 
 Drain = Callable[["DrainContext"], Awaitable[None]]
 

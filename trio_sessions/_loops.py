@@ -28,7 +28,7 @@ from ._model import RecoveryReport
 from ._recovery import report_of
 
 if TYPE_CHECKING:
-    from ._runtime import Runtime
+    from ._verbs import Runtime
 
 # The change loop looks at the store at least this often, signal or not.
 CHANGE_FALLBACK_POLL = 2.0
