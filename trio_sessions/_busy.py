@@ -320,10 +320,7 @@ class BusyPeriods:
                 await runtime._seams.before_finish(entry.session_id)
             try:
                 verdict = await runtime._db.run(
-                    _store.end_iteration,
-                    entry.session_id,
-                    entry.execution_id,
-                    runtime._owner_id,
+                    _store.end_iteration, entry.session_id, entry.execution_id, runtime._owner_id
                 )
             except LeaseLost as exc:
                 return _Ending("failed", error=exc)
