@@ -2,9 +2,10 @@
 run, interrupt, watch, stream, conversation control, recovery), the state shared by its
 collaborators, and what it keeps while open (its liveness token, the heartbeat, shutdown).
 
-Each verb checks its arguments before anything is written, then runs one store operation (or
-hands the session to the busy periods, `_busy.BusyPeriods`, which acquire, drain and end its
-claims); the background loops (`_loops.BackgroundLoops`) bring in what other processes did.
+Each verb checks its arguments before anything is written, then runs its store operations;
+a durable wake (submit, wake, run, resume) hands the session to the busy periods
+(`_busy.BusyPeriods`), which acquire, drain and end its claims, and the background loops
+(`_loops.BackgroundLoops`) bring in what other processes did.
 Both collaborators keep no state of their own: the registry of sessions (`_entries`), the
 flags and the executor are this object's, so there is one place to read them.
 
