@@ -55,8 +55,8 @@ from trio_sessions import DrainContext, StoreError, _postgres, _store, _transcri
 from trio_sessions import testing as ts_testing
 from trio_sessions._backend import Job
 from trio_sessions._codec import encode_assistant
+from trio_sessions._loops import CHANGE_FALLBACK_POLL
 from trio_sessions._postgres import SESSION_LOCK_NAMESPACE, PgEngine, PostgresStore, run_op
-from trio_sessions._runtime import CHANGE_FALLBACK_POLL
 
 T0 = 1_800_000_000.0
 LEASE_MS = 30_000

@@ -3,7 +3,8 @@
 The public surface: everything else lives in private modules.
 """
 
-# Layering, bottom up (imports only point down; nothing below _runtime knows of it):
+# Layering, bottom up (imports only point down, type-only ones aside; nothing below the
+# runtime knows of it):
 #
 # * _errors, _model: exceptions and frozen attrs records - no behaviour.
 # * _codec, _decisions, _transcript: pure. The strict JSON codec; the claim, lease and
@@ -18,14 +19,19 @@ The public surface: everything else lives in private modules.
 # * _coordinator, _lease, _recovery, _signals, _stream: the trio state - the per-session
 #   registry, heartbeats and self-fencing, the recovery pass, and watchers and event streams
 #   fed by local writes and the change signal.
-# * _runtime: the choreography (claim handoff, drain loop, interrupts, shutdown): no SQL,
-#   no driver import.
+# * The runtime - no SQL, no driver import: _validate (argument checks), _drain (what a drain
+#   sees: DrainContext, AssistantWriter), _busy (the choreography: claim handoff, drain loop,
+#   finalizer, local registry), _loops (the change, recovery, owner and due-input loops),
+#   _verbs (`Runtime`: the public verbs, shared state, token keeping and shutdown), and
+#   _runtime on top (`open_runtime`/`serve_runtime`: a runtime's life from open to close).
 # * Entry points on top: _worker and _cli (`python -m trio_sessions`), testing (public
 #   helpers for users' tests), demo, bench and soak.
 
 # Imported under a private name: `dir(trio_sessions)` shows the public surface only.
 import typing as _typing
 
+from ._drain import AssistantWriter as AssistantWriter
+from ._drain import DrainContext as DrainContext
 from ._errors import DuplicateSettlement as DuplicateSettlement
 from ._errors import InputConflict as InputConflict
 from ._errors import LeaseLost as LeaseLost
@@ -45,8 +51,6 @@ from ._model import RecoveryReport as RecoveryReport
 from ._model import RuntimeStatistics as RuntimeStatistics
 from ._model import TextPart as TextPart
 from ._model import ToolPart as ToolPart
-from ._runtime import AssistantWriter as AssistantWriter
-from ._runtime import DrainContext as DrainContext
 from ._runtime import Runtime as Runtime
 from ._runtime import open_runtime as open_runtime
 from ._runtime import serve_runtime as serve_runtime

@@ -10,7 +10,8 @@ change loop offers them what changed, reading only what changed (the hub below).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import attrs
 import trio
@@ -20,6 +21,8 @@ from ._errors import MalformedRecord
 from ._model import Message
 
 Snapshot = Message | MalformedRecord
+# The executor's `read`: runs a read-only store operation off the event loop.
+Read = Callable[..., Awaitable[Any]]
 
 
 class Watcher(AsyncIterator[Message]):
@@ -102,6 +105,20 @@ class WatchHub:
         session.watchers.discard(watcher)
         if not session.watchers:
             del self._sessions[watcher.session_id]
+
+    async def replay(self, watcher: Watcher, read: Read) -> None:
+        """A new watcher's history up to the session's newest message now, in short reads (a
+        long transcript never holds the event loop); what comes after, the change loop finds."""
+        session_id, after_seq = watcher.session_id, watcher.after_seq
+        through, _ = head = await read(_store.newest_message, session_id)
+        self.cover(session_id, head)
+        while after_seq < through:
+            replayed = await read(_store.watched_messages, session_id, after_seq, through)
+            if not replayed:
+                break
+            for snapshot in replayed:
+                self.publish(snapshot, only=watcher)
+            after_seq = replayed[-1].seq
 
     def cover(self, session_id: str, head: tuple[int, str | None]) -> None:
         """The session's newest message when its first watcher entered: later looks read

@@ -89,7 +89,7 @@ DEFECTS = {
     "early-hand-back": Defect(
         "a graceful shutdown hands the claims back before their drains exited (a drain"
         " blocked in a thread still runs while another worker resumes the session)",
-        "_runtime.py",
+        "_verbs.py",
         "        for entry in list(self._entries.values()):\n"
         '            entry.interrupt("shutdown")\n',
         "        for entry in list(self._entries.values()):\n"
@@ -110,7 +110,7 @@ DEFECTS = {
     "ignore-lost-token": Defect(
         "an owner whose liveness token is lost while it lives (its connection broke) goes"
         " on draining and never takes the token again",
-        "_runtime.py",
+        "_verbs.py",
         "            await token.wait_lost()\n            self._token_lost = True\n",
         "            await trio.sleep_forever()\n            self._token_lost = True\n",
     ),

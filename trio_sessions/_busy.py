@@ -1,0 +1,509 @@
+"""The claims this runtime holds and their busy periods: the claim handoff, the drain loop,
+the finalizer, and the local registry of sessions (DESIGN §6).
+
+A busy period is one task of the runtime's nursery: it acquires a claim (or takes over one
+recovery resumed), runs drain iterations while the doorbell rings, then acts on how the
+claim ended, and starts its successor claim when one is due. Its shielded scope covers only
+the claim commit, the local registration flip and the finalizer installation; the drain,
+heartbeats, reads and cleanup stay cancellable.
+
+Invariants kept here: one live owner per session; a claim committed while an interrupt is
+pending is cleaned (user) or retained with an expired lease (shutdown) and its drain never
+starts; wakes recorded when an interrupt begins survive into exactly one successor; nothing
+is written for a claim after its lease is lost; a claim is never handed back while its drain
+runs; one terminal outcome per busy period and every registry entry released. How a claim
+ended is decided once, by `_decisions.decide_ending`; this module only carries it out.
+
+`BusyPeriods` holds no state: the registry, the flags and the executor are the `Runtime`'s
+(so a test that swaps `runtime._db` reaches every write here too).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+import attrs
+import trio
+
+from . import _observe, _store
+from ._coordinator import Execution, SessionEntry
+from ._decisions import (
+    AcquireVerdict,
+    EndingCause,
+    EndingWrite,
+    IterationVerdict,
+    Successor,
+    decide_ending,
+)
+from ._drain import DrainContext, current_drain
+from ._errors import LeaseLost, StoreError
+from ._lease import self_fence_deadline
+from ._model import Claim, Outcome
+
+if TYPE_CHECKING:
+    from ._verbs import Runtime
+
+T = TypeVar("T")
+
+# A hand-back (expiring a lease on purpose) is best effort: past this bound, or when another
+# process holds the write lock, the lease simply runs out instead.
+HAND_BACK_TIMEOUT = 5.0
+
+
+@attrs.frozen
+class _Ending:
+    """How one claim's drain section ended, before the finalizer acted on it."""
+
+    kind: Literal["not_claimed", "claim_failed", "released", "failed", "interrupted"]
+    error: BaseException | None = None
+    # Released because its claim was marked cancelling while a wake waits: a successor
+    # takes it (the interrupted busy period starts no iteration of its own).
+    handed_over: bool = False
+
+
+class BusyPeriods:
+    """The runtime's busy periods: how a session's claim is taken, drained and ended."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self._runtime = runtime
+
+    # -- local registry -----------------------------------------------------------------------
+
+    async def signal(
+        self, session_id: str, ops: tuple[Callable[..., Any], Callable[..., Any]], *args: Any
+    ) -> tuple[Any, Execution | None]:
+        """Run a durable wake (`ops[0]`), then ring the local execution that will take it.
+
+        For a session idle here, the prospective exact claim is registered before any I/O
+        and the acquire joins the wake's transaction: one transaction instead of two. The
+        executor never abandons a transaction it started, so once it returns, the claim
+        commit, the registration flip and the finalizer installation (handing the owned
+        entry to its task) happen with no checkpoint between them; if the caller is
+        cancelled before the transaction starts, nothing was written and the prospective
+        registration is dropped.
+        """
+        runtime = self._runtime
+        wake_only, wake_and_acquire = ops
+        if (
+            session_id in runtime._entries
+            or runtime._closing
+            or runtime._drain is None
+            or not self._has_capacity()
+        ):
+            result = await runtime._db.run(wake_only, *args)
+            return result, self.ring(session_id)
+        entry = self.register(session_id)
+        entry.begin_deciding()
+        sent_at = entry.woken_at = trio.current_time()
+        try:
+            # mypy cannot check `*args` of a Callable[..., Any] against a TypeVarTuple.
+            result, acquired = await runtime._db.run(
+                wake_and_acquire,  # type: ignore[arg-type]
+                *args,
+                entry.execution_id,
+                runtime._owner_id,
+                runtime._lease_ms,
+            )
+        except BaseException:
+            self.settle_unclaimed(entry)
+            raise
+        execution = entry.current  # joiners follow a successor if one starts from it
+        if acquired.verdict is not AcquireVerdict.CLAIM:
+            self.settle_unclaimed(entry)
+            return result, execution
+        self.own(entry, attempt=acquired.attempt, resumed=False, sent_at=sent_at)
+        entry.keep_going()
+        if runtime._closing:
+            # Committed while the runtime closes (its nursery may be gone): keep the claim
+            # for recovery with an expired lease; never start a drain now.
+            entry.interrupt("shutdown")
+            await self._expire(entry)
+            self._release(entry, Outcome("interrupted", "shutdown"))
+        else:
+            runtime._nursery.start_soon(self.busy_period, entry)
+        return result, execution
+
+    def settle_unclaimed(self, entry: SessionEntry) -> None:
+        """A prospective acquisition that did not claim (held elsewhere, withdrawn, failed,
+        or a recovery placeholder that did not take over).
+
+        A user interrupt accepted meanwhile is passed on to the holder; a ring since it
+        decided, or a joined run's wake, gets a fresh acquisition; otherwise: deferred.
+        """
+        runtime = self._runtime
+        entry.deciding = False
+        plan = decide_ending(EndingCause.NOT_CLAIMED, reason=entry.reason, owned=False)
+        if plan.write is EndingWrite.PASS_ON_INTERRUPT:
+            runtime._nursery.start_soon(self._pass_on_then_release, entry)
+        elif (
+            plan.successor is Successor.IF_RUNG
+            and (entry.rung_since_decision() or entry.needs_wake)
+            and not runtime._closing
+        ):
+            entry.start_successor(_store.new_id())
+            runtime._nursery.start_soon(self.busy_period, entry)
+        else:
+            self._release(entry, Outcome(plan.outcome, plan.reason))
+
+    async def _pass_on_then_release(self, entry: SessionEntry) -> None:
+        try:
+            await self._pass_on_interrupt(entry)
+        finally:
+            self._release(entry, Outcome("interrupted", "user"))
+
+    def ring(self, session_id: str) -> Execution | None:
+        """After a durable wake: ring the local entry, or register one and start acquiring."""
+        runtime = self._runtime
+        entry = runtime._entries.get(session_id)
+        if entry is not None:
+            return entry.ring()
+        if runtime._closing or runtime._drain is None or not self._has_capacity():
+            return None  # the wake stays durable for a runtime with room
+        entry = self.register(session_id)
+        entry.woken_at = trio.current_time()
+        runtime._nursery.start_soon(self.busy_period, entry)
+        return entry.current
+
+    def _has_capacity(self) -> bool:
+        runtime = self._runtime
+        return runtime._max_active is None or len(runtime._entries) < runtime._max_active
+
+    def capacity_left(self, wanted: int) -> int:
+        runtime = self._runtime
+        if runtime._max_active is None:
+            return wanted
+        return max(0, min(wanted, runtime._max_active - len(runtime._entries)))
+
+    def owned_entries(self) -> list[SessionEntry]:
+        return [entry for entry in self._runtime._entries.values() if entry.owned]
+
+    def register(self, session_id: str) -> SessionEntry:
+        # The prospective exact claim, registered before any I/O.
+        entry = SessionEntry(session_id, _store.new_id())
+        self._runtime._entries[session_id] = entry
+        return entry
+
+    def _release(self, entry: SessionEntry, outcome: Outcome) -> None:
+        runtime = self._runtime
+        entry.disown()
+        if runtime._entries.get(entry.session_id) is entry:
+            del runtime._entries[entry.session_id]
+            if runtime._max_active is not None:
+                runtime._kick.set()  # room again: look for durable wakes left waiting
+        entry.close(outcome)
+
+    # -- one busy period ----------------------------------------------------------------------
+
+    async def busy_period(self, entry: SessionEntry) -> None:
+        """One busy period: this claim (already owned, or acquired here) and its successors."""
+        runtime = self._runtime
+        outcome = Outcome("deferred")
+        try:
+            while True:
+                outcome, successor_due = await self._one_claim(entry)
+                if not successor_due or runtime._closing or runtime._crashed:
+                    break
+                entry.start_successor(_store.new_id())
+        except BaseException:
+            # Cancelled from outside (the runtime's scope) or an internal error: this busy
+            # period was stopped, whatever an earlier iteration's outcome was.
+            plan = decide_ending(EndingCause.STOPPED, reason=entry.reason, owned=entry.owned)
+            outcome = Outcome(plan.outcome, plan.reason)
+            # The drain has exited (a cancellation only leaves it once it did): with the
+            # claim still ours, hand it back so any owner can recover it at once. A claim
+            # whose user interrupt was accepted is marked cancelling instead, so recovery
+            # finishes it and never resumes it.
+            if not runtime._crashed:
+                if plan.write is EndingWrite.MARK_CANCELLING:
+                    with trio.move_on_after(HAND_BACK_TIMEOUT, shield=True):
+                        await self._mark_cancelling_nowait(entry)
+                elif plan.write is EndingWrite.HAND_BACK:
+                    await self._expire(entry)
+            raise
+        finally:
+            self._release(entry, outcome)
+
+    async def _one_claim(self, entry: SessionEntry) -> tuple[Outcome, bool]:
+        """Acquire (or take over a recovered claim), drain, finalize. Returns the outcome
+        and whether a successor acquisition is due."""
+        ending: _Ending | None = None
+        try:
+            with entry.scope:
+                ending = await self._claim_and_drain(entry)
+        except Exception as exc:  # a drain's ExceptionGroup once our Cancelled was removed
+            # Not owned: the claim attempt itself failed (a store error while acquiring),
+            # and no drain ran.
+            ending = _Ending("failed" if entry.owned else "claim_failed", error=exc)
+        if ending is None:
+            ending = _Ending("interrupted")
+        outcome, successor_due = await self._finalize(entry, ending)
+        self._runtime._streams.touch(entry.session_id)  # open messages were closed by the store
+        entry.current.resolve(outcome)
+        return outcome, successor_due
+
+    async def _claim_and_drain(self, entry: SessionEntry) -> _Ending:
+        runtime = self._runtime
+        if not entry.owned:
+            entry.begin_deciding()
+            # Shielded: the claim commit, the registration flip and the finalizer
+            # installation (entry.owned is what the finalizer acts on) happen together or
+            # not at all; an interrupt meanwhile is honoured right after.
+            with trio.CancelScope(shield=True):
+                sent_at = trio.current_time()
+                if entry.needs_wake:  # a joiner's wake, recorded with the acquire
+                    _, acquired = await runtime._db.run(
+                        _store.wake_and_acquire,
+                        entry.session_id,
+                        entry.execution_id,
+                        runtime._owner_id,
+                        runtime._lease_ms,
+                    )
+                    entry.needs_wake = False
+                else:
+                    acquired = await runtime._db.run(
+                        _store.acquire,
+                        entry.session_id,
+                        entry.execution_id,
+                        runtime._owner_id,
+                        runtime._lease_ms,
+                    )
+                if acquired.verdict is AcquireVerdict.CLAIM:
+                    self.own(entry, attempt=acquired.attempt, resumed=False, sent_at=sent_at)
+            if acquired.verdict is not AcquireVerdict.CLAIM:
+                return _Ending("not_claimed")
+            entry.keep_going()
+        if runtime._hook is not None:
+            await runtime._hook(
+                Claim(entry.session_id, entry.execution_id, runtime._owner_id, entry.resumed)
+            )
+        # The drain never starts for a claim whose interrupt arrived during the handoff.
+        await trio.lowlevel.checkpoint_if_cancelled()
+        return await self._drain_loop(entry)
+
+    def own(self, entry: SessionEntry, *, attempt: int, resumed: bool, sent_at: float) -> None:
+        """The claim committed; its local deadline counts from before it was sent."""
+        runtime = self._runtime
+        deadline = self_fence_deadline(sent_at, runtime._lease)
+        entry.own(attempt=attempt, resumed=resumed, deadline=deadline)
+        if runtime._token_lost:
+            # Committed while our liveness token is free: others may take it over, so its
+            # drain never starts; `Runtime._keep_token` hands it back with the others.
+            runtime._lost_claims[entry.execution_id] = entry
+            entry.lose_lease()
+
+    async def _drain_loop(self, entry: SessionEntry) -> _Ending:
+        runtime = self._runtime
+        while True:
+            context = DrainContext(runtime, entry)
+            assert runtime._drain is not None  # producers never register an entry
+            # The task (and every task the drain starts) knows which session it drains, so
+            # waiting on that very session fails at once instead of waiting for itself.
+            draining = current_drain.set((runtime, entry.session_id))
+            runtime._drains_running += 1
+            woken_at, entry.woken_at = entry.woken_at, None
+            try:
+                with _observe.drain_iteration(entry, runtime._owner_id, woken_at) as iteration:
+                    await runtime._drain(context)
+                    iteration.fail(context._defect)
+            except Exception as exc:
+                return _Ending("failed", error=exc)
+            finally:
+                runtime._drains_running -= 1
+                current_drain.reset(draining)
+                context._returned = True
+            if context._defect is not None:
+                return _Ending("failed", error=context._defect)
+            entry.begin_deciding()
+            if runtime._seams.before_finish is not None:
+                await runtime._seams.before_finish(entry.session_id)
+            try:
+                verdict = await runtime._db.run(
+                    _store.end_iteration, entry.session_id, entry.execution_id, runtime._owner_id
+                )
+            except LeaseLost as exc:
+                return _Ending("failed", error=exc)
+            runtime._streams.touch(entry.session_id)  # messages left open were closed
+            if verdict is not IterationVerdict.CONTINUE:
+                entry.disown()
+                if runtime._seams.after_finish is not None:
+                    await runtime._seams.after_finish(entry.session_id)
+                return _Ending("released", handed_over=verdict is IterationVerdict.HAND_OVER)
+            entry.keep_going()
+
+    async def _finalize(self, entry: SessionEntry, ending: _Ending) -> tuple[Outcome, bool]:
+        """The finalizer: act on how the claim ended. Cancellable (runtime closing): then
+        the claim stays as it is durably and recovery finishes it."""
+        runtime = self._runtime
+        if runtime._crashed:
+            return Outcome("interrupted", "shutdown"), False
+        known_lost = entry.reason == "lease_lost"  # the heartbeat found it (and logged it)
+        lease_lost = ending.kind in ("failed", "interrupted") and (
+            isinstance(ending.error, LeaseLost) or entry.self_fenced()
+        )
+        # A claim attempt that failed is a failure of a claim not ours: the table writes
+        # nothing (the wake stays durable; the change loop or a recovery pass tries again).
+        cause = EndingCause.FAILED if ending.kind == "claim_failed" else EndingCause(ending.kind)
+        plan = decide_ending(cause, reason=entry.reason, owned=entry.owned, lease_lost=lease_lost)
+        if plan.reason == "lease_lost":
+            if not known_lost:
+                self._log_claim_lost(entry, ending.error)
+            entry.disown()
+            return Outcome("interrupted", "lease_lost", ending.error), False
+        if ending.kind == "claim_failed":
+            _observe.claim_attempt_failed(entry, runtime._owner_id, ending.error)
+        elif plan.outcome == "failed":
+            _observe.drain_failed(entry, runtime._owner_id, ending.error)
+        match plan.write:
+            case EndingWrite.FINISH_FAILED:
+                return await self._finish_failed(entry, ending.error)
+            case EndingWrite.FINISH_INTERRUPTED:
+                return await self._finish_interrupted(entry)
+            case EndingWrite.HAND_BACK:
+                await self._expire(entry)
+            case EndingWrite.PASS_ON_INTERRUPT:
+                await self._pass_on_interrupt(entry)
+        error = ending.error if plan.outcome == "failed" else None
+        successor_due = plan.successor is Successor.IF_RUNG and entry.rung_since_decision()
+        # Released by a claim marked cancelling with a wake waiting: a successor takes it.
+        return Outcome(plan.outcome, plan.reason, error), successor_due or ending.handed_over
+
+    def _log_claim_lost(self, entry: SessionEntry, error: BaseException | None) -> None:
+        if isinstance(error, LeaseLost):
+            _observe.claim_lost(entry, self._runtime._owner_id, cause="write")
+        else:
+            _observe.self_fenced(entry, self._runtime._owner_id)
+
+    async def _pass_on_interrupt(self, entry: SessionEntry) -> None:
+        """A user interrupt accepted while this runtime was still acquiring, and another
+        owner turned out to hold the claim: mark that claim cancelling, live or expired
+        (an expired one is finished by recovery as cancelled, never resumed)."""
+        if entry.reason == "user":
+            with contextlib.suppress(StoreError):
+                await self._runtime._db.run(_store.cancel_held_claim, entry.session_id)
+
+    async def _mark_cancelling_nowait(self, entry: SessionEntry) -> None:
+        with contextlib.suppress(StoreError, LeaseLost):
+            await self._runtime._db.run_nowait(
+                _store.mark_cancelling,
+                entry.session_id,
+                entry.execution_id,
+                self._runtime._owner_id,
+            )
+        entry.disown()
+
+    async def _finish_failed(
+        self, entry: SessionEntry, error: BaseException | None
+    ) -> tuple[Outcome, bool]:
+        outcome = Outcome("failed", error=error)
+        if not entry.owned:
+            return outcome, False
+        # The exception's type only: its text may hold secrets (an API key in a KeyError),
+        # and users read the transcript. Its text and traceback are in the log (DESIGN §5.1).
+        shown = "failed" if error is None else f"failed: {type(error).__name__}"
+        entry.begin_deciding()
+        try:
+            doorbell = await self._retrying(
+                entry,
+                _store.finish_failed,
+                entry.session_id,
+                entry.execution_id,
+                self._runtime._owner_id,
+                shown,
+            )
+        except (LeaseLost, StoreError):
+            # The claim stays durable; its lease runs out and recovery takes it from there.
+            return outcome, False
+        entry.disown()
+        return outcome, doorbell or entry.rung_since_decision()
+
+    async def _finish_interrupted(self, entry: SessionEntry) -> tuple[Outcome, bool]:
+        outcome = Outcome("interrupted", "user")
+        if not entry.owned:
+            return outcome, entry.rung_since_decision()
+        try:
+            await self._retrying(
+                entry,
+                _store.mark_cancelling,
+                entry.session_id,
+                entry.execution_id,
+                self._runtime._owner_id,
+            )
+            entry.begin_deciding()
+            doorbell = await self._retrying(
+                entry,
+                _store.finish_interrupted,
+                entry.session_id,
+                entry.execution_id,
+                self._runtime._owner_id,
+            )
+        except (LeaseLost, StoreError):
+            # Left as 'cancelling' once that write landed: recovery finishes it as
+            # cancelled and never resumes it.
+            return outcome, False
+        entry.disown()
+        return outcome, doorbell or entry.rung_since_decision()
+
+    async def _retrying(self, entry: SessionEntry, op: Callable[..., T], *args: Any) -> T:
+        """A finalizer write, retried through store errors while the claim is still ours.
+
+        Giving up early would release the registry entry with the claim still 'running',
+        and recovery would then resume work that was meant to stop. The heartbeat keeps
+        renewing the claim meanwhile; once the lease is lost (or the runtime closes), the
+        last error is raised and the durable state is left for recovery.
+        """
+        runtime = self._runtime
+        pause = 0.01
+        while True:
+            try:
+                return await runtime._db.run(op, *args)
+            except StoreError:
+                if entry.reason == "lease_lost" or runtime._closing:
+                    raise
+            await trio.sleep(pause)
+            pause = min(pause * 2, runtime._heartbeat_interval)
+
+    async def _expire(self, entry: SessionEntry) -> None:
+        """Hand a claim back (shutdown): keep it, end its lease now so any owner can recover
+        it at once. Only ever called once the claim's drain has exited (§6.21).
+
+        Shielded and bounded, as trio asks of cleanup, and never waiting for another
+        process's lock: if it cannot land, the lease simply runs out.
+        """
+        runtime = self._runtime
+        if not entry.owned:
+            return
+        claims = [entry.execution_id]
+        with trio.move_on_after(HAND_BACK_TIMEOUT, shield=True) as bounded:
+            try:
+                await runtime._db.run_nowait(_store.expire_claims, runtime._owner_id, claims)
+            except StoreError as exc:
+                _observe.hand_back_failed(runtime._owner_id, claims, exc)
+            else:
+                _observe.handed_back(runtime._owner_id, claims)
+        if bounded.cancelled_caught:
+            _observe.hand_back_failed(
+                runtime._owner_id, claims, TimeoutError("hand-back timed out")
+            )
+        entry.disown()
+
+    async def hand_back_lost_claims(self) -> None:
+        """Expire the claims kept while our liveness token was lost, each once its drain
+        exited, retrying until the store answers."""
+        runtime = self._runtime
+        pause = 0.01
+        while runtime._lost_claims:
+            lost = dict(runtime._lost_claims)
+            for entry in lost.values():
+                # A claim is never handed back while its drain runs (§6.21); a lost lease
+                # ends the busy period, with no successor.
+                await entry.released.wait()
+            try:
+                await runtime._db.run(_store.expire_claims, runtime._owner_id, sorted(lost))
+            except StoreError:
+                await trio.sleep(pause)  # until the store answers
+                pause = min(pause * 2, 1.0)
+                continue
+            for execution_id in lost:
+                runtime._lost_claims.pop(execution_id, None)

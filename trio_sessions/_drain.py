@@ -1,0 +1,322 @@
+"""What a drain sees: `DrainContext` (one iteration's view of its claim) and `AssistantWriter`.
+
+Every write here is fenced on the live claim, carries the session id the context holds, and
+raises `LeaseLost` (writing nothing) once the lease is gone or the iteration's drain returned.
+Local watchers and streams get each change from the writer itself, with no store round trip;
+a defect of the drain's own making (a tool call settled twice, an unknown call id) fails the
+drain even if the drain catches it. No SQL: the writes are `_store` operations run by the
+runtime's executor.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import inspect
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Literal
+
+from . import _codec, _store, _transcript, _validate
+from ._errors import DuplicateSettlement, LeaseLost, UnknownToolCall
+from ._model import AssistantData, Input, Message, ToolPart
+from ._stream import Offer
+
+if TYPE_CHECKING:
+    from ._coordinator import SessionEntry
+    from ._verbs import Runtime
+
+Drain = Callable[["DrainContext"], Awaitable[None]]
+
+# The most inputs one `take_inputs()` takes by default (one short transaction and one short
+# step of the event loop, whatever the backlog).
+TAKE_INPUTS_CHUNK = _store.TAKE_INPUTS_CHUNK
+
+
+# The (runtime, session id) whose drain the current task runs - also in tasks the drain
+# started - so that waiting on that very session fails at once instead of deadlocking.
+# Set around each drain call by the busy period's drain loop.
+current_drain: contextvars.ContextVar[tuple[Runtime, str] | None] = contextvars.ContextVar(
+    "trio_sessions_draining", default=None
+)
+
+
+def refuse_waiting_for_own_drain(runtime: Runtime, session_id: str, what: str) -> None:
+    draining = current_drain.get()
+    if draining is not None and draining[0] is runtime and draining[1] == session_id:
+        raise RuntimeError(
+            f"{what}() called from the drain of its own session {session_id!r}: it would wait"
+            " for itself (the drain's return ends the execution it waits for)"
+        )
+
+
+def is_async_callable(drain: object) -> bool:
+    """An `async def` function (also bound or wrapped in `functools.partial`), or an object
+    whose `__call__` is one."""
+    return inspect.iscoroutinefunction(drain) or (
+        callable(drain) and inspect.iscoroutinefunction(type(drain).__call__)
+    )
+
+
+class DrainContext:
+    """One drain iteration's view of its claim. Every write is fenced on the live claim and
+    raises `LeaseLost` (writing nothing) once the lease is gone - and so does every call
+    once this iteration's drain returned, even during the claim's next iteration.
+
+    Attributes:
+        session_id: the session being drained.
+        execution_id: this claim's id (`session_execution.id`); messages written here carry
+            it. A takeover by recovery gets a new one.
+        owner_id: the runtime that holds the claim (`Runtime.owner_id`).
+        attempt: `session.wake_attempts` - automatic resumes after crashes since the session
+            last finished normally (0 on a fresh claim; a graceful hand-back does not count).
+        resumed: `True` when recovery took this claim over from a dead or stopped owner; its
+            inputs were taken by that owner, so find what is owed in `transcript()`.
+
+    Writes are durable when they return and cancellation behaves as for `Runtime`'s calls
+    (queued: nothing written; started: completes, cancellation at the next checkpoint). An
+    interrupt, a lost lease or the runtime closing reaches the drain as `trio.Cancelled`:
+    let it propagate - the runtime finishes the open messages (nothing at all for a lost
+    lease).
+    """
+
+    def __init__(self, runtime: Runtime, entry: SessionEntry) -> None:
+        self._runtime = runtime
+        self.session_id = entry.session_id
+        self.execution_id = entry.execution_id
+        self.owner_id = runtime.owner_id
+        self.attempt = entry.attempt
+        self.resumed = entry.resumed
+        self._defect: BaseException | None = None
+        self._returned = False
+        self._entry = entry
+
+    def _check_live(self) -> None:
+        if self._returned:
+            raise LeaseLost(
+                f"this DrainContext of execution {self.execution_id!r} is stale: its drain"
+                " already returned"
+            )
+        if self._entry.reason == "lease_lost":
+            # Known lost here first (the liveness token, a heartbeat): the store may still
+            # hold the lease for a moment, but nothing more is written for this claim.
+            raise LeaseLost(f"execution {self.execution_id!r} lost its claim")
+
+    async def take_inputs(self, *, limit: int | None = None) -> list[Input]:
+        """Consume the oldest pending inputs in seq order, at most `limit` of them
+        (default `TAKE_INPUTS_CHUNK`); each becomes a user message, atomically.
+
+        Durable when it returns: in one fenced transaction the inputs left `session_input`
+        and were appended as `role='user'` messages. Only inputs that are due: a scheduled
+        one (`submit(delay=)`) stays unseen until its time. A bounded chunk keeps each call
+        one short transaction and one short step of the event loop, whatever the backlog:
+        to drain everything, call again until it returns `[]`; a drain that returns instead
+        gets the rest in its busy period's next iteration (the doorbell stays set while due
+        inputs are pending). None once this claim was asked to stop (another process's
+        interrupt on its way): a successor takes them. An input whose payload does not
+        decode is set aside for the operator, never returned and never blocking the others.
+        Raises `TypeError`/`ValueError` for a bad `limit`, `LeaseLost` (nothing taken) when
+        the claim is gone or this context is stale, `StoreError`. Cancellation: nothing
+        taken if the transaction had not started, else the inputs are taken (they are user
+        messages now, found again by `transcript()`).
+        """
+        limit = TAKE_INPUTS_CHUNK if limit is None else _validate.count(limit, "limit", 1)
+        self._check_live()
+        taken = await self._runtime._db.run(
+            _store.take_inputs, self.session_id, self.execution_id, self.owner_id, limit
+        )
+        self._runtime._streams.touch(self.session_id)  # new user messages: streams read them
+        return taken
+
+    async def transcript(self) -> list[Message]:
+        """The session's messages in seq order (`MalformedRecord` for a row that does not
+        decode): a resumed drain finds here the user message it still owes an answer to.
+
+        Reads one consistent snapshot and writes nothing. Raises `LeaseLost` when this
+        context is stale, `StoreError`. Cancellation drops the read.
+        """
+        self._check_live()
+        return await self._runtime._db.read(_store.read_transcript, self.session_id)
+
+    async def begin_assistant(self) -> AssistantWriter:
+        """Start an assistant message (unfinished, no parts) and return its writer.
+
+        Durable when it returns (one fenced transaction); local watchers see it at once.
+        Raises `LeaseLost`, `StoreError`. A message left open when the drain ends, however
+        it ends, is finished by the runtime: `interrupted`, failed with the drain's error,
+        or normally with its running tools failed.
+        """
+        self._check_live()
+        message_id = _store.new_id()
+        with self._runtime._streams.writing(self.session_id):
+            seq = await self._runtime._db.run(
+                _store.begin_assistant,
+                self.session_id,
+                self.execution_id,
+                self.owner_id,
+                message_id,
+            )
+        writer = AssistantWriter(self, message_id, seq)
+        writer._publish(0)
+        writer._offer(0, "message", _transcript.EMPTY)
+        return writer
+
+
+class AssistantWriter:
+    """Writes one assistant message; each call is one fenced transaction.
+
+    Every method is durable when it returns (an acknowledged append survives a crash) and
+    reaches local watchers without a store round trip. Each raises `TypeError`/`ValueError`
+    for a bad argument before writing, `MessageFinished` once the message is finished,
+    `LeaseLost` (nothing written) once the claim is gone or the drain returned, and
+    `StoreError`. Cancellation: nothing written if the transaction had not started, else
+    the change is stored and the cancellation arrives at the next checkpoint.
+
+    A second settlement of a tool call raises `DuplicateSettlement` (an unknown call id,
+    `UnknownToolCall`): a defect that fails the drain even if the drain catches it.
+    """
+
+    def __init__(self, context: DrainContext, message_id: str, seq: int) -> None:
+        self._context = context
+        self.message_id = message_id
+        self._seq = seq
+        # The message as stored: `_data` plus the texts streamed onto it since, merged only
+        # when a local watcher needs a snapshot (an append costs the same on any message).
+        self._data = _transcript.EMPTY
+        self._streamed: list[str] = []
+        self._version = 0  # as stored, so a retried append can tell whether it landed
+
+    async def append_text(self, text: str) -> None:
+        """Stream text onto the message: one small durable write whatever the message's size;
+        consecutive appends extend one text part (streamed tokens). `ValueError` for a text
+        over 1 MiB in UTF-8 (`MAX_PAYLOAD_BYTES`; stream a long text in pieces) or holding a
+        NUL character."""
+        _codec.check_text(text, "text")
+        context = self._context
+        context._check_live()
+        with context._runtime._streams.writing(context.session_id):
+            data, version = await context._runtime._db.run(
+                _store.append_assistant_text,
+                context.session_id,
+                context.execution_id,
+                context.owner_id,
+                self.message_id,
+                text,
+                self._version,
+            )
+        self._version = version
+        if data is None:
+            self._streamed.append(text)
+            self._offer(version, "append", text)
+        else:
+            self._data, self._streamed = data, []
+            self._offer(version, "message", data)
+        self._publish(version)
+
+    async def start_tool(self, call_id: str, name: str, input: dict[str, Any]) -> None:
+        """Record a tool call as `running`, before running it. `ValueError` if `call_id` was
+        already started in this message, `input` is not a JSON object of at most 1 MiB
+        (`MAX_PAYLOAD_BYTES`, encoded), or a NUL character is in `call_id`, `name` or
+        `input`. If the owner dies before it settles, recovery fails it with "interrupted:
+        owner lost": the call may or may not have happened."""
+        for value, what in ((call_id, "call_id"), (name, "name")):
+            if not isinstance(value, str) or not value:
+                raise TypeError(f"{what} must be a non-empty str, got {value!r:.80}")
+            _codec.check_text(value, what)
+        await _validate.checked_json(_codec.check_json_object, input, "tool input")
+        await self._update(
+            lambda data: _transcript.start_tool(data, call_id, name, input), call_id=call_id
+        )
+
+    async def settle_tool(self, call_id: str, output: Any) -> None:
+        """Record a running tool call as `completed` with its JSON `output`: at most 1 MiB
+        encoded (`MAX_PAYLOAD_BYTES`) and no NUL character in it (`ValueError`)."""
+        await _validate.checked_json(
+            _codec.check_json, output, "tool output", limit=_codec.MAX_PAYLOAD_BYTES
+        )
+        await self._update(
+            lambda data: _transcript.settle_tool(data, call_id, output=output), call_id=call_id
+        )
+
+    async def fail_tool(self, call_id: str, error: str) -> None:
+        """Record a running tool call as `error` with the reason `error`: at most 1 MiB in
+        UTF-8 (`MAX_PAYLOAD_BYTES`) and no NUL character (`ValueError`)."""
+        _codec.check_text(error, "error")
+        await self._update(
+            lambda data: _transcript.settle_tool(data, call_id, error=error), call_id=call_id
+        )
+
+    async def finish(self) -> None:
+        """Finish the message normally; a tool call still running is failed, not left
+        running forever. No further change is accepted."""
+        await self._update(_transcript.finish)
+
+    async def _update(
+        self, transition: Callable[[AssistantData], AssistantData], *, call_id: str | None = None
+    ) -> None:
+        """Apply a transition; `call_id` names the one tool part it changes (else: finish)."""
+        context = self._context
+        context._check_live()
+        # Finishing fails running tools too: then the stream gets the whole message.
+        fails_tools = bool(_transcript.unsettled_calls(self._data))
+        try:
+            with context._runtime._streams.writing(context.session_id):
+                data, version = await context._runtime._db.run(
+                    _store.update_assistant,
+                    context.session_id,
+                    context.execution_id,
+                    context.owner_id,
+                    self.message_id,
+                    transition,
+                )
+        except (DuplicateSettlement, UnknownToolCall) as exc:
+            context._defect = context._defect or exc
+            raise
+        self._data, self._streamed = data, []
+        self._version = version
+        if call_id is not None:
+            part = next(p for p in data.parts if isinstance(p, ToolPart) and p.call_id == call_id)
+            self._offer(version, "part", part)
+        elif fails_tools:
+            self._offer(version, "message", data)
+        else:
+            self._offer(version, "finish", {"error": data.error})
+        self._publish(version)
+
+    def _offer(
+        self, version: int, kind: Literal["message", "append", "part", "finish"], data: Any
+    ) -> None:
+        """Local streams get the change now, as the event it makes (no store round trip)."""
+        context = self._context
+        streams = context._runtime._streams
+        if streams.watching(context.session_id):
+            is_open = not (isinstance(data, AssistantData) and data.finished) and kind != "finish"
+            offer = Offer(self.message_id, self._seq, version, kind, data, is_open)
+            streams.offer(context.session_id, offer)
+
+    def _publish(self, version: int) -> None:
+        """Local watchers get the snapshot now, with no store round trip."""
+        context = self._context
+        if not context._runtime._watchers.watching(context.session_id):
+            return
+        if self._streamed:
+            self._data = _transcript.with_streamed(self._data, self._streamed)
+            self._streamed = []
+        message = Message(
+            self.message_id,
+            context.session_id,
+            "assistant",
+            self._seq,
+            self._data,
+            context.execution_id,
+            None,
+        )
+        context._runtime._watchers.publish(
+            _store.Snapshot(
+                context.session_id,
+                self.message_id,
+                self._seq,
+                message,
+                version,
+                None,  # the row's version is not known here: a look reads it whole
+                not self._data.finished,
+            )
+        )

@@ -1,0 +1,198 @@
+"""What reaches a runtime from outside a local call: other processes' commits (the change
+loop), claims left by dead or stopped owners (recovery), owners whose liveness token is free,
+and scheduled inputs falling due.
+
+Each loop only finds work and hands it to the busy periods (`_busy.BusyPeriods`): a remote
+doorbell or a due input rings the local registry, a remote interrupt or delete stops the
+local claim, a recovered claim is registered and owned exactly as a local acquisition is.
+A lost signal costs latency only: the fallback poll and the recovery pass still find the
+work. A store error in a loop is retried at its next turn, never raised out of it.
+
+`BackgroundLoops` holds no state: the registry, the hubs and the executor are the
+`Runtime`'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING
+
+import attrs
+import trio
+
+from . import _observe, _store
+from ._coordinator import SessionEntry
+from ._decisions import RecoveryDecision
+from ._errors import StoreError
+from ._model import RecoveryReport
+from ._recovery import report_of
+
+if TYPE_CHECKING:
+    from ._verbs import Runtime
+
+# The change loop looks at the store at least this often, signal or not.
+CHANGE_FALLBACK_POLL = 2.0
+# Durable wakes taken per look (the rest at the next one).
+CHANGE_BATCH = 100
+
+
+class BackgroundLoops:
+    """The runtime's background loops and the recovery pass they (and `recover_once`) run."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self._runtime = runtime
+
+    # -- signals between processes ------------------------------------------------------------
+
+    async def change_loop(self) -> None:
+        """React to other processes' commits: take durable wakes that no runtime holds,
+        honour remote interrupts of our claims at once, feed watchers. A lost signal costs
+        latency only: the fallback poll and recovery still find the work."""
+        runtime = self._runtime
+        while True:
+            await runtime._db.wait_for_change(
+                runtime._kick, CHANGE_FALLBACK_POLL, own=runtime._watchers.watching
+            )
+            runtime._kick = trio.Event()
+            with contextlib.suppress(StoreError):  # looked at again at the next signal
+                await self._look_at_changes()
+
+    async def _look_at_changes(self) -> None:
+        runtime = self._runtime
+        takes_wakes = runtime._drain is not None and not runtime._closing
+        changes = await runtime._db.read(
+            _store.changes,
+            runtime._owner_id,
+            list(runtime._entries),
+            [entry.execution_id for entry in runtime._busy.owned_entries()],
+            runtime._busy.capacity_left(CHANGE_BATCH) if takes_wakes else 0,
+            runtime._watchers.followed(),
+        )
+        for session_id in changes.doorbells:
+            if session_id not in runtime._entries and runtime._busy.ring(session_id) is not None:
+                runtime._remote_signals += 1
+        cancelling, gone = set(changes.cancelling), set(changes.gone)
+        for entry in list(runtime._entries.values()):
+            if entry.owned and entry.execution_id in cancelling and entry.interrupt("user"):
+                runtime._remote_signals += 1
+            elif entry.owned and not entry.deciding and entry.execution_id in gone:
+                # Deleted by another process (`delete_session`): nothing is left to write.
+                # (A transaction of our own that may delete it sets `deciding` first.)
+                entry.lose_lease()
+                runtime._remote_signals += 1
+        runtime._due.arm(changes.next_due_ms)
+        runtime._watchers.apply(changes.watched)
+        await runtime._streams.look(runtime._db.read)
+
+    # -- recovery -----------------------------------------------------------------------------
+
+    async def recovery_loop(self) -> None:
+        while True:
+            await trio.sleep(self._runtime._recovery_interval)
+            with contextlib.suppress(StoreError):  # the next pass retries; leases keep rows
+                await self._runtime.recover_once()
+
+    async def recovery_pass(self) -> RecoveryReport:
+        runtime = self._runtime
+        # Owners whose liveness token stayed free for the grace, as last seen: their live
+        # claims count as expired (re-checked in the takeover's own transaction).
+        gone = runtime._gone_owners.gone(trio.current_time())
+        # Scheduled inputs that fell due while no timer ran (a restart) ring their doorbells
+        # first, so this very pass starts them; the timer is armed for the rest.
+        next_due = await runtime._db.read(_store.next_due)
+        if next_due is not None and next_due <= 0:
+            next_due = await self.fire_due()
+        runtime._due.arm(next_due)
+        # With max_active, take recovery leases only on what this runtime has room for: a
+        # lease it would not act on keeps the row from every other runtime for a lease.
+        scan = await runtime._recovery.scan(
+            list(runtime._entries), runtime._busy.capacity_left(runtime._recovery.batch), gone
+        )
+        if scan.free_owners is not None:  # sightings for the next pass (no extra look)
+            runtime._gone_owners.observe(
+                scan.free_owners - {runtime._owner_id}, trio.current_time()
+            )
+        applied = await self.apply_recovery(scan.leased, gone) if scan.leased else RecoveryReport()
+        report = attrs.evolve(
+            applied, examined=scan.examined, fence_lost=applied.fence_lost + scan.fence_lost
+        )
+        started = 0
+        for candidate in scan.doorbells:
+            if (
+                candidate.session_id not in runtime._entries
+                and runtime._busy.ring(candidate.session_id) is not None
+            ):
+                started += 1
+        return attrs.evolve(report, doorbells_started=started)
+
+    async def apply_recovery(
+        self, leased: list[_store.Candidate], gone: frozenset[str] = frozenset()
+    ) -> RecoveryReport:
+        """Apply recovery to claims whose recovery lease we hold, then start resumed drains."""
+        runtime = self._runtime
+        if runtime._seams.before_recovery_apply is not None:
+            await runtime._seams.before_recovery_apply([c.execution_id or "" for c in leased])
+        entries = []
+        for candidate in leased[: runtime._busy.capacity_left(len(leased))]:
+            if candidate.session_id in runtime._entries:
+                continue  # became busy locally since the scan; its own claim rules apply
+            entries.append((candidate, runtime._busy.register(candidate.session_id)))
+        resumed: list[SessionEntry] = []
+        try:
+            # Shielded: the takeover commit and the registration flips happen together.
+            with trio.CancelScope(shield=True):
+                sent_at = trio.current_time()
+                results = await runtime._recovery.apply(
+                    [(c, e.execution_id) for c, e in entries], gone
+                )
+                for (candidate, entry), result in zip(entries, results, strict=True):
+                    _observe.recovered(candidate, entry.execution_id, result, runtime._owner_id)
+                    runtime._streams.touch(candidate.session_id)
+                    if result.decision is RecoveryDecision.RESUME and not result.fence_lost:
+                        runtime._busy.own(
+                            entry, attempt=result.attempt, resumed=True, sent_at=sent_at
+                        )
+                        entry.keep_going()
+                        resumed.append(entry)
+        finally:
+            for _, entry in entries:
+                if not entry.owned:
+                    runtime._busy.settle_unclaimed(entry)
+        for entry in resumed:
+            # Closing meanwhile: the busy period starts already interrupted (shutdown), so
+            # the takeover is kept with an expired lease, never drained.
+            if runtime._closing:
+                entry.interrupt("shutdown")
+            runtime._nursery.start_soon(runtime._busy.busy_period, entry)
+        return report_of(results)
+
+    # -- owner liveness and due inputs --------------------------------------------------------
+
+    async def _look_at_owners(self) -> frozenset[str]:
+        """Look at other owners' liveness tokens; the owners gone now (free for the grace)."""
+        runtime = self._runtime
+        free = await runtime._db.read(_store.free_tokens)
+        free.discard(runtime._owner_id)
+        return runtime._gone_owners.observe(free, trio.current_time())
+
+    async def watch_owners(self, poll: float) -> None:
+        """Notice a released token within a poll, not a recovery interval: once an owner is
+        gone, a recovery pass takes its claims over; owners gone without live claims are
+        forgotten (their token's record removed)."""
+        runtime = self._runtime
+        while True:
+            await trio.sleep(poll)
+            with contextlib.suppress(StoreError):  # looked at again at the next poll
+                gone = await self._look_at_owners()
+                if gone and not runtime._token_lost:
+                    await runtime.recover_once()
+                    left = await runtime._db.run(_store.forget_gone_owners, sorted(gone))
+                    runtime._gone_owners.forget(gone - set(left))
+
+    async def fire_due(self) -> int | None:
+        """Promote the scheduled inputs now due (their doorbells rung, one transaction) and
+        start their drains here; returns when the next one falls due (ms, None for none)."""
+        due = await self._runtime._db.run(_store.promote_due, CHANGE_BATCH)
+        for session_id in due.sessions:
+            self._runtime._busy.ring(session_id)
+        return due.next_due_ms

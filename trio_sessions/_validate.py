@@ -1,0 +1,100 @@
+"""Checking what callers pass in - ids, durations, counts, JSON values - before anything is
+written; and the runtime's owner id.
+
+Each check returns the value as the runtime uses it or raises `TypeError`/`ValueError` naming
+the argument. None touches the store or a clock, and none stalls the event loop: a large
+JSON value is checked in a worker thread.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import trio
+
+from . import _codec, _store
+
+MAX_ID_LENGTH = 200
+
+
+def validate_session_id(session_id: object, *, what: str = "session id") -> str:
+    """A valid id (`what` names it in the error: a session id, an owner id)."""
+    if not isinstance(session_id, str):
+        raise TypeError(f"{what} must be a str, got {type(session_id).__name__}")
+    _codec.check_text(session_id[: MAX_ID_LENGTH + 1], what)
+    if not 1 <= len(session_id) <= MAX_ID_LENGTH:
+        raise ValueError(
+            f"{what} must be 1-{MAX_ID_LENGTH} characters, got {len(session_id)}: "
+            f"{session_id[:40]!r}"
+        )
+    if not session_id.isprintable():
+        raise ValueError(f"{what} must be printable, got {session_id!r}")
+    return session_id
+
+
+def validate_input_id(input_id: object) -> str:
+    if input_id is None:
+        return _store.new_id()
+    if not isinstance(input_id, str):
+        raise TypeError(f"input_id must be a str or None, got {type(input_id).__name__}")
+    _codec.check_text(input_id[: MAX_ID_LENGTH + 1], "input_id")
+    if not 1 <= len(input_id) <= MAX_ID_LENGTH or not input_id.isprintable():
+        raise ValueError(f"input_id must be 1-{MAX_ID_LENGTH} printable characters: {input_id!r}")
+    return input_id
+
+
+def make_owner_id(name: str | None) -> str:
+    """name + host + pid + a random nonce: unique per runtime instance, never reused."""
+    nonce = _store.new_id()[:12]
+    base = f"{socket.gethostname()}:{os.getpid()}:{nonce}"
+    return base if name is None else f"{name}@{base}"
+
+
+def seconds(value: object, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{what} must be a number of seconds, got {type(value).__name__}")
+    # Durable times are whole milliseconds: anything shorter would round to nothing.
+    if not math.isfinite(value) or value < 0.001:
+        raise ValueError(f"{what} must be at least 0.001 seconds, got {value!r}")
+    return float(value)
+
+
+def count(value: object, what: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{what} must be >= {minimum}, got {value}")
+    return value
+
+
+def delay_ms(delay: object) -> int:
+    """A scheduled input's delay in whole milliseconds, rounded up (never due early)."""
+    if delay is None:
+        return 0
+    if isinstance(delay, bool) or not isinstance(delay, int | float):
+        raise TypeError(f"delay must be a number of seconds or None, got {type(delay).__name__}")
+    if not math.isfinite(delay) or delay < 0:
+        raise ValueError(f"delay must be a finite number of seconds >= 0, got {delay!r}")
+    return math.ceil(delay * 1000)
+
+
+def seq(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{what} must be >= 0, got {value}")
+    return value
+
+
+async def checked_json(check: Callable[..., str], value: Any, what: str, **options: Any) -> str:
+    """A `_codec` JSON check of a caller's value, in a worker thread when the value is large
+    (§6.26: checking and encoding a 1 MiB value, or refusing a 50 MB one, must not stall the
+    event loop). The thread is not abandoned on cancellation: it ends with the check."""
+    if _codec.is_small(value):
+        return check(value, what, **options)
+    return await trio.to_thread.run_sync(functools.partial(check, value, what, **options))
