@@ -48,12 +48,15 @@ import attrs
 import trio
 
 from . import _liveness, _observe
-from ._backend import BackendName, Job, OwnChange, StoreStatistics, Tx, now_ms
+from ._backend import BackendName, Job, OwnChange, StoreStatistics, Tx
 from ._errors import StoreError
-from ._filewatch import FileWatch, open_watch
+from ._filewatch import open_watch
 from ._handoff import HandoffQueue, Queued, pumping
 
-# The engine's names other modules reach through `_sqlite`.
+# Re-exported (`x as x`): the names other modules reach through `_sqlite`. `SQLiteStore` reads
+# `CHANGE_POLL` (and `open_watch`) from this module's namespace, where tests patch them.
+from ._sqlite_changes import CHANGE_POLL as CHANGE_POLL
+from ._sqlite_changes import ChangeReader as ChangeReader
 from ._sqlite_engine import _MIGRATIONS as _MIGRATIONS
 from ._sqlite_engine import BUSY_TIMEOUT_MS as BUSY_TIMEOUT_MS
 from ._sqlite_engine import OUR_TABLES as OUR_TABLES
@@ -64,7 +67,7 @@ from ._sqlite_engine import check_synchronous as check_synchronous
 from ._sqlite_engine import checkpoint as checkpoint
 from ._sqlite_engine import connect as connect
 from ._sqlite_engine import connect_nonblocking as connect_nonblocking
-from ._sqlite_engine import database_file, database_name, store_error
+from ._sqlite_engine import database_file, database_name
 from ._sqlite_engine import migrate as migrate
 from ._sqlite_engine import open_engine as open_engine
 from ._sqlite_engine import run_batch as run_batch
@@ -96,96 +99,6 @@ WAL_RESTART_FRAMES = 4_000
 # A WAL this long (bytes) that checkpoints cannot shrink is logged (WAL_NOT_CHECKPOINTED):
 # four times what a busy runtime's WAL reaches before a checkpoint restarts it.
 WAL_WARN_BYTES = 64 * 1024 * 1024
-
-
-# How often a runtime looks for other connections' commits (`PRAGMA data_version` costs a
-# few µs) where the WAL file cannot be watched.
-CHANGE_POLL = 0.005
-# The most often a reader reports a change: under load every commit is one, and a look per
-# commit would cost more than the commits.
-CHANGE_GAP = 0.005
-# After a WAL write with no commit visible yet, the reader looks again after CHANGE_GAP,
-# doubling, while the pause stays below this (seconds).
-WRITE_SETTLE_MAX = 0.5
-
-
-@attrs.define(eq=False)
-class ChangeReader:
-    """Reads on the trio thread on a connection of its own: a WAL reader never waits for the
-    write lock, and `PRAGMA data_version` on it changes with every commit made on any other
-    connection - this process's writers included, so watchers see their writes too. With a
-    watch on the WAL file (`_filewatch`), an idle reader sleeps until a commit writes it."""
-
-    conn: sqlite3.Connection
-    clock: Callable[[], float]
-    poll: float
-    watch: FileWatch | None = None
-    _version: int = 0
-    _next_look: float = 0.0
-
-    async def read(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
-        """Run a read-only operation on one snapshot, on the trio thread."""
-        await trio.lowlevel.checkpoint_if_cancelled()
-        self.conn.execute("BEGIN")  # one snapshot for the whole operation
-        try:
-            result = op(SQLiteTx(self.conn, now_ms(self.clock)), *args)
-        except sqlite3.Error as exc:
-            raise store_error(exc) from exc
-        finally:
-            self.conn.execute("ROLLBACK")
-        await trio.lowlevel.cancel_shielded_checkpoint()
-        return result
-
-    async def wait_for_change(
-        self, kick: trio.Event, fallback: float, *, own: OwnChange = None
-    ) -> None:
-        """Return when another connection committed, `kick` is set, or after `fallback` seconds."""
-        with trio.move_on_after(fallback):
-            with trio.move_on_at(self._next_look):
-                await kick.wait()
-            settle = 0.0  # > 0: the WAL was written, and no commit is visible yet
-            while not kick.is_set():
-                if self.watch is not None:
-                    self.watch.discard()  # events so far are covered by the look below
-                version = self.conn.execute("PRAGMA data_version").fetchone()[0]
-                if version != self._version:
-                    self._version = version
-                    self._next_look = trio.current_time() + CHANGE_GAP
-                    return
-                if 0 < settle <= WRITE_SETTLE_MAX:
-                    # A writer writes its frames, then publishes the commit in the WAL
-                    # index (the -shm file, not watched): a look between the two sees
-                    # nothing, and no event follows. Look again shortly.
-                    with trio.move_on_after(settle):
-                        await kick.wait()
-                    settle *= 2
-                    continue
-                settle = CHANGE_GAP if await self._signal(kick) else 0.0
-
-    async def _signal(self, kick: trio.Event) -> bool:
-        """Sleep until the WAL file is written (True) or `kick` is set (or one poll,
-        unwatched)."""
-        watch = self.watch
-        if watch is None:
-            with trio.move_on_after(self.poll):
-                await kick.wait()
-            return False
-        written = False
-        async with trio.open_nursery() as nursery:
-
-            async def on_write() -> None:
-                nonlocal written
-                await watch.wait()
-                written = True
-                nursery.cancel_scope.cancel()
-
-            async def on_kick() -> None:
-                await kick.wait()
-                nursery.cancel_scope.cancel()
-
-            nursery.start_soon(on_kick)
-            nursery.start_soon(on_write)
-        return written
 
 
 @attrs.define(eq=False)
