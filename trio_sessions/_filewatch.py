@@ -1,6 +1,6 @@
 """Wake a trio task when a file is written: Linux inotify, read through trio's I/O loop.
 
-SQLite's change signal (`_sqlite_changes.ChangeReader`) watches the database's WAL file with it, so
+SQLite's change signal (`_sqlite.ChangeReader`) watches the database's WAL file with it, so
 a commit by another process wakes the runtime within a scheduler tick instead of at the
 next `PRAGMA data_version` poll, and an idle runtime makes no wake-up at all.
 

@@ -1,10 +1,5 @@
-"""The SQLite store: how operations get from trio to SQLite (`SQLiteStore`, the executors),
-one writer path with group commit.
-
-The engine itself - connections, schema and migrations, `BEGIN IMMEDIATE` transactions and
-group-commit batches, synchronously - is `_sqlite_engine`; the change signal (`ChangeReader`)
-is `_sqlite_changes`. This module re-exports their names that other modules use, so the
-dialect is reached as one module (`_sqlite.connect`, `_sqlite.run_op`, `_sqlite.open_engine`).
+"""`SQLiteStore` and its executors (`_backend.Executor`): how operations get from trio to
+SQLite, one writer path with group commit.
 
 `ThreadExecutor` (production) queues operations and groups every operation queued in one
 round of the event loop into one transaction (group commit). It runs that transaction on the
@@ -47,33 +42,22 @@ from typing import Any, TypeVar, TypeVarTuple, Unpack
 import attrs
 import trio
 
-from . import _liveness, _observe
-from ._backend import BackendName, Job, OwnChange, StoreStatistics, Tx
-from ._errors import StoreError
-from ._filewatch import open_watch
-from ._handoff import HandoffQueue, Queued, pumping
-
-# Re-exported (`x as x`): the names other modules reach through `_sqlite`. `SQLiteStore` reads
-# `CHANGE_POLL` (and `open_watch`) from this module's namespace, where tests patch them.
-from ._sqlite_changes import CHANGE_POLL as CHANGE_POLL
-from ._sqlite_changes import ChangeReader as ChangeReader
-from ._sqlite_engine import _MIGRATIONS as _MIGRATIONS
-from ._sqlite_engine import BUSY_TIMEOUT_MS as BUSY_TIMEOUT_MS
-from ._sqlite_engine import OUR_TABLES as OUR_TABLES
-from ._sqlite_engine import SCHEMA_VERSION as SCHEMA_VERSION
-from ._sqlite_engine import DatabaseFile as DatabaseFile
-from ._sqlite_engine import SQLiteTx as SQLiteTx
-from ._sqlite_engine import check_synchronous as check_synchronous
-from ._sqlite_engine import checkpoint as checkpoint
-from ._sqlite_engine import connect as connect
-from ._sqlite_engine import connect_nonblocking as connect_nonblocking
-from ._sqlite_engine import database_file, database_name
-from ._sqlite_engine import migrate as migrate
-from ._sqlite_engine import open_engine as open_engine
-from ._sqlite_engine import run_batch as run_batch
-from ._sqlite_engine import run_op as run_op
-from ._sqlite_engine import schema_version as schema_version
-from ._sqlite_engine import try_run_batch as try_run_batch
+from .. import _liveness, _observe
+from .._backend import BackendName, Job, OwnChange, StoreStatistics, Tx
+from .._errors import StoreError
+from .._filewatch import open_watch
+from .._handoff import HandoffQueue, Queued, pumping
+from .changes import CHANGE_POLL, ChangeReader
+from .connections import (
+    BUSY_TIMEOUT_MS,
+    DatabaseFile,
+    check_synchronous,
+    checkpoint,
+    connect,
+    connect_nonblocking,
+    database_name,
+)
+from .engine import database_file, run_batch, try_run_batch
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")

@@ -5,7 +5,7 @@ Invariants: a read runs on one snapshot (one deferred transaction, rolled back: 
 the write lock, so it never waits for a writer); `PRAGMA data_version` changes with every
 commit made on any other connection, this process's writers included, so a watcher sees its
 own runtime's writes too; a change is reported at most every `CHANGE_GAP` seconds, and where
-the WAL file cannot be watched the reader polls (`CHANGE_POLL`, the executors' setting).
+the WAL file cannot be watched the reader polls (`CHANGE_POLL`, `SQLiteStore`'s setting).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import TypeVar, TypeVarTuple, Unpack
 import attrs
 import trio
 
-from ._backend import OwnChange, Tx, now_ms
-from ._filewatch import FileWatch
-from ._sqlite_engine import SQLiteTx, store_error
+from .._backend import OwnChange, Tx, now_ms
+from .._filewatch import FileWatch
+from .engine import SQLiteTx, store_error
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
