@@ -9,7 +9,8 @@ dialect's form sits beside the shared one in the family's module.
 Families (one module each):
 * `common`: the claim and recovery fences, the session's small reads and writes, ids;
 * `inputs`: `wake` and `submit` (admission);
-* `claims`: acquire, heartbeat, finish, interrupt, hand-back;
+* `acquisition`: acquire, and the wake or submit that takes the claim it rings for;
+* `claims`: heartbeat, finish, interrupt, hand-back;
 * `transcript`: taking inputs, assistant messages and streamed text, reading;
 * `recovery`: candidates, recovery leases, applying the decision;
 * `operator`: quarantine and rejected inputs, the CLI's status and health reads;
@@ -47,10 +48,12 @@ write `_store.submit(...)` whatever module the operation lives in.
 
 from __future__ import annotations
 
+from . import acquisition as _acquisition
 from . import claims as _claims
 from . import common as _common
 from . import inputs as _inputs
 from . import transcript as _transcript_family
+from .acquisition import Acquired, acquire, submit_and_acquire, wake_and_acquire
 from .changes import (
     REPLAY_CHUNK,
     Changes,
@@ -63,8 +66,6 @@ from .changes import (
     watched_messages,
 )
 from .claims import (
-    Acquired,
-    acquire,
     cancel_held_claim,
     end_iteration,
     expire_claims,
@@ -74,8 +75,6 @@ from .claims import (
     heartbeat,
     mark_cancelling,
     request_cancel,
-    submit_and_acquire,
-    wake_and_acquire,
 )
 from .common import CLAIM_FENCE, RECOVERY_FENCE, new_id
 from .control import (
@@ -212,6 +211,7 @@ def pg_functions(channel: str, lock_namespace: int) -> str:
     is `channel`, with session locks in `lock_namespace`."""
     literal = "'" + channel.replace("'", "''") + "'"
     text = "\n".join(
-        module.PG_FUNCTIONS for module in (_common, _inputs, _transcript_family, _claims)
+        module.PG_FUNCTIONS
+        for module in (_common, _inputs, _transcript_family, _claims, _acquisition)
     )
     return text.replace("@LOCK@", str(int(lock_namespace))).replace("@CHANNEL@", literal)
