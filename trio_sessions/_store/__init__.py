@@ -11,7 +11,8 @@ Families (one module each):
 * `inputs`: `wake` and `submit` (admission);
 * `acquisition`: acquire, and the wake or submit that takes the claim it rings for;
 * `claims`: heartbeat, finish, interrupt, hand-back;
-* `transcript`: taking inputs, assistant messages and streamed text, reading;
+* `intake`: taking inputs as user messages (`take_inputs`);
+* `transcript`: assistant messages and streamed text, reading;
 * `recovery`: candidates, recovery leases, applying the decision;
 * `operator`: quarantine and rejected inputs, the CLI's status and health reads;
 * `changes`: what other processes changed (doorbells, cancellations, watched messages);
@@ -52,6 +53,7 @@ from . import acquisition as _acquisition
 from . import claims as _claims
 from . import common as _common
 from . import inputs as _inputs
+from . import intake as _intake
 from . import transcript as _transcript_family
 from .acquisition import Acquired, acquire, submit_and_acquire, wake_and_acquire
 from .changes import (
@@ -93,6 +95,7 @@ from .control import (
     truncate,
 )
 from .inputs import submit, wake
+from .intake import TAKE_INPUTS_CHUNK, take_inputs
 from .liveness import candidates_and_free_tokens, forget_gone_owners, free_tokens
 from .operator import (
     drop_quarantined,
@@ -120,14 +123,7 @@ from .recovery import (
     take_recovery_leases,
 )
 from .stream import stream_changes, stream_heads
-from .transcript import (
-    TAKE_INPUTS_CHUNK,
-    append_assistant_text,
-    begin_assistant,
-    read_transcript,
-    take_inputs,
-    update_assistant,
-)
+from .transcript import append_assistant_text, begin_assistant, read_transcript, update_assistant
 
 __all__ = [
     "CLAIM_FENCE",
@@ -212,6 +208,6 @@ def pg_functions(channel: str, lock_namespace: int) -> str:
     literal = "'" + channel.replace("'", "''") + "'"
     text = "\n".join(
         module.PG_FUNCTIONS
-        for module in (_common, _inputs, _transcript_family, _claims, _acquisition)
+        for module in (_common, _inputs, _intake, _transcript_family, _claims, _acquisition)
     )
     return text.replace("@LOCK@", str(int(lock_namespace))).replace("@CHANNEL@", literal)
