@@ -13,7 +13,8 @@ Families (one module each):
 * `claims`: heartbeat, finish, interrupt, hand-back;
 * `intake`: taking inputs as user messages (`take_inputs`);
 * `transcript`: assistant messages and streamed text, reading;
-* `recovery`: candidates, recovery leases, applying the decision;
+* `recovery_scan`: the candidates, and the recovery leases taken on them;
+* `recovery`: applying the decision;
 * `operator`: quarantine and rejected inputs, the CLI's status and health reads;
 * `changes`: what other processes changed (doorbells, cancellations, watched messages);
 * `liveness`: other owners' liveness tokens (free ones, forgetting gone owners).
@@ -112,16 +113,14 @@ from .operator import (
     store_counts,
 )
 from .recovery import (
-    Candidate,
     Recovered,
     _recovery_facts,
     _take_over,
     apply_recovery,
     apply_recovery_batch,
     quarantine,
-    recovery_candidates,
-    take_recovery_leases,
 )
+from .recovery_scan import Candidate, recovery_candidates, take_recovery_leases
 from .stream import stream_changes, stream_heads
 from .transcript import append_assistant_text, begin_assistant, read_transcript, update_assistant
 
