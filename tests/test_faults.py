@@ -1074,7 +1074,7 @@ async def test_failed_checkpoint_is_logged_and_retried_while_the_runtime_serves(
 ) -> None:
     """A WAL checkpoint failing with "disk I/O error" is logged ("checkpoint failed") and
     retried later; every submit around it stays durable and the runtime keeps serving."""
-    monkeypatch.setattr(_sqlite, "CHECKPOINT_EVERY", 2)
+    monkeypatch.setattr(_sqlite.executors, "CHECKPOINT_EVERY", 2)
     plan = FailingCheckpoints(failures=2)
     path = tmp_path / "db"
     caplog.set_level("WARNING", logger="trio_sessions")

@@ -110,8 +110,8 @@ async def test_a_lost_signal_is_made_good_by_the_fallback_poll(
     """With the data_version signal blinded, the slow fallback poll still starts the drain."""
     from trio_sessions import _loops, _sqlite
 
-    monkeypatch.setattr(_sqlite, "CHANGE_POLL", 3600.0)  # the signal never fires in time
-    monkeypatch.setattr(_sqlite, "open_watch", lambda path: None)
+    monkeypatch.setattr(_sqlite.executors, "CHANGE_POLL", 3600.0)  # the signal never fires in time
+    monkeypatch.setattr(_sqlite.executors, "open_watch", lambda path: None)
     monkeypatch.setattr(_loops, "CHANGE_FALLBACK_POLL", 0.2)
     db = tmp_path / "s.db"
     started = trio.Event()
@@ -140,7 +140,7 @@ async def test_a_commit_in_another_process_wakes_a_watching_reader_without_polli
 
     if _filewatch.open_watch(__file__) is None:
         pytest.fail("inotify is unavailable here, so the change signal is a 5 ms poll")
-    monkeypatch.setattr(_sqlite, "CHANGE_POLL", 3600.0)
+    monkeypatch.setattr(_sqlite.executors, "CHANGE_POLL", 3600.0)
     monkeypatch.setattr(_loops, "CHANGE_FALLBACK_POLL", 3600.0)
     db = tmp_path / "s.db"
     started = trio.Event()

@@ -190,9 +190,9 @@ async def test_a_wal_held_by_a_reader_that_never_ends_is_logged_once_past_the_bo
     many checkpoints follow; after the reader ends and the WAL restarts, a new crossing is
     logged again."""
     bound = 256 * 1024
-    monkeypatch.setattr(_sqlite, "WAL_WARN_BYTES", bound)
-    monkeypatch.setattr(_sqlite, "CHECKPOINT_EVERY", 10)
-    monkeypatch.setattr(_sqlite, "WAL_RESTART_FRAMES", 20)
+    monkeypatch.setattr(_sqlite.executors, "WAL_WARN_BYTES", bound)
+    monkeypatch.setattr(_sqlite.executors, "CHECKPOINT_EVERY", 10)
+    monkeypatch.setattr(_sqlite.executors, "WAL_RESTART_FRAMES", 20)
     path = tmp_path / "sessions.db"
     payload = {"text": "x" * 2000}
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import hmac
-import html
 import ipaddress
 import json
 import logging
@@ -36,10 +35,11 @@ import attrs
 import trio
 
 from . import _metrics, _store
+from ._console_html import SESSION_SCRIPT, apply_event, html_page, message_html, state
+from ._console_html import escape as _e  # short: they stand in f-strings dozens of times
+from ._console_html import quote as _q
 from ._errors import StoreError, TrioSessionsError
-from ._model import Message
 from ._runtime import Runtime, make_owner_id
-from ._stream import StreamEvent
 
 logger = logging.getLogger("trio_sessions.console")
 
@@ -117,10 +117,10 @@ class Console:
         try:
             await self.route(scope, receive, send)
         except HTTPError as exc:
-            await _respond(send, exc.status, _page("Error", f"<p>{_e(str(exc))}</p>"))
+            await _respond(send, exc.status, html_page("Error", f"<p>{_e(str(exc))}</p>"))
         except (ValueError, TypeError, TrioSessionsError) as exc:
             message = str(exc) if not isinstance(exc, StoreError) else "store error"
-            await _respond(send, 400, _page("Error", f"<p>{_e(message)}</p>"))
+            await _respond(send, 400, html_page("Error", f"<p>{_e(message)}</p>"))
 
     async def route(self, scope: Scope, receive: Receive, send: Send) -> None:
         method = scope["method"]
@@ -183,7 +183,7 @@ contains"> <button>search</button></form>
 {more}
 <h2>Quarantine</h2>
 {self._quarantine_table(quarantine)}"""
-        return _page("Sessions", body, store=self.store_name, read_only=self.guard.read_only)
+        return html_page("Sessions", body, store=self.store_name, read_only=self.guard.read_only)
 
     def _own_figures(self) -> str:
         stats = self.runtime.statistics()
@@ -200,7 +200,7 @@ contains"> <button>search</button></form>
         actions = self._actions(session)
         return (
             f'<tr data-session="{_e(session_id)}"><td><a href="{link}">{_e(session_id)}</a></td>'
-            f"<td>{_e(_state(session))}</td><td>{_e(owner)}</td>"
+            f"<td>{_e(state(session))}</td><td>{_e(owner)}</td>"
             f"<td>{session['pending_inputs']}</td><td>{session['messages']}</td>"
             f"<td>{actions}</td></tr>"
         )
@@ -262,17 +262,17 @@ contains"> <button>search</button></form>
         if session is None:
             raise HTTPError(404, f"no session {session_id!r}")
         messages = await self.runtime.transcript(session_id)
-        rendered = "".join(_message_html(message) for message in messages)
+        rendered = "".join(message_html(message) for message in messages)
         inputs = await self.runtime._db.read(_store.pending_inputs, session_id, PAGE_SIZE)
         events = f"/sessions/{_q(session_id)}/events"
         body = f"""
 <p><a href="/">all sessions</a></p>
-<p>state <b id="state">{_e(_state(session))}</b> · pending inputs {session["pending_inputs"]}
+<p>state <b id="state">{_e(state(session))}</b> · pending inputs {session["pending_inputs"]}
 (scheduled {session["scheduled_inputs"]}) {self._actions(session, page=True)}</p>
 {self._inputs_table(session_id, inputs)}
 <div id="transcript" data-events="{_e(events)}">{rendered}</div>
 <script>{SESSION_SCRIPT}</script>"""
-        return _page(
+        return html_page(
             f"Session {session_id}", body, store=self.store_name, read_only=self.guard.read_only
         )
 
@@ -313,7 +313,7 @@ contains"> <button>search</button></form>
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
                 async for event in stream:
-                    for update in _apply(copies, event):
+                    for update in apply_event(copies, event):
                         chunk = f"data: {json.dumps(update)}\n\n".encode()
                         body = {"type": "http.response.body", "body": chunk, "more_body": True}
                         await send(body)
@@ -350,125 +350,6 @@ contains"> <button>search</button></form>
                     await self.runtime._db.run(_store.drop_quarantined, execution_id)
                 return "/"
         raise HTTPError(404, "no such action")
-
-
-def _state(session: Mapping[str, Any]) -> str:
-    paused = "paused, " if session["paused_since"] is not None else ""
-    return paused + _claim_state(session)
-
-
-def _claim_state(session: Mapping[str, Any]) -> str:
-    claim = session["claim"]
-    if claim is not None:
-        if claim["quarantined"]:
-            return "quarantined"
-        if claim["expired"]:
-            return "claim expired (awaiting recovery)"
-        if claim["phase"] == "cancelling":
-            return f"stopping ({claim['owner_id']})"
-        return f"running ({claim['owner_id']})"
-    if session["doorbell"] is not None:
-        return "waiting"
-    return "idle"
-
-
-def _message_html(message: Message) -> str:
-    return _data_html(message.seq, message.role, message.to_json()["data"])
-
-
-def _data_html(seq: int, role: str, data: Any) -> str:
-    """One message as HTML, from its JSON data (as `transcript()` and streams show it)."""
-    if role == "assistant":
-        parts = []
-        for part in data["parts"]:
-            if part["type"] == "text":
-                parts.append(f'<span class="text">{_e(part["text"])}</span>')
-            else:
-                error = f": {_e(part['error'])}" if part["error"] else ""
-                parts.append(
-                    f'<span class="tool">[{_e(part["name"])} {part["status"]}{error}]</span>'
-                )
-        status = "" if data["finished"] else ' <i class="open">…</i>'
-        if data["error"]:
-            status = f' <i class="error">({_e(data["error"])})</i>'
-        content = "".join(parts) + status
-    else:
-        content = _e(json.dumps(data))
-    return f'<div class="message {role}" data-seq="{seq}"><b>{role}</b> {content}</div>'
-
-
-def _apply(copies: dict[int, tuple[str, Any]], event: StreamEvent) -> list[dict[str, Any]]:
-    """Apply one stream event (DESIGN §5.2) to the console's copies of the messages; the
-    updates for the page: a message's new HTML, or the seqs to drop."""
-    seq, kind, value = event.seq, event.kind, event.to_json()["data"]  # a copy, as JSON
-    if kind == "truncate":
-        for held in [held for held in copies if held > seq]:
-            del copies[held]
-        return [{"drop_after": seq}]
-    if kind == "message":
-        copies[seq] = (event.role, value)
-    else:
-        data = copies[seq][1]
-        parts = data["parts"]
-        if kind == "append":
-            if parts and parts[-1]["type"] == "text":
-                parts[-1]["text"] += value
-            else:
-                parts.append({"type": "text", "text": value})
-        elif kind == "part":
-            same = [i for i, part in enumerate(parts) if part.get("call_id") == value["call_id"]]
-            if same:
-                parts[same[0]] = value
-            else:
-                parts.append(value)
-        elif kind == "finish":
-            data["finished"], data["error"] = True, value["error"]
-    role, data = copies[seq]
-    return [{"seq": seq, "html": _data_html(seq, role, data)}]
-
-
-SESSION_SCRIPT = """
-const box = document.getElementById("transcript");
-const source = new EventSource(box.dataset.events);
-source.onmessage = (event) => {
-  const update = JSON.parse(event.data);
-  if ("drop_after" in update) {
-    for (const node of box.querySelectorAll("[data-seq]")) {
-      if (Number(node.dataset.seq) > update.drop_after) { node.remove(); }
-    }
-    return;
-  }
-  const holder = document.createElement("div");
-  holder.innerHTML = update.html;
-  const fresh = holder.firstElementChild;
-  const old = box.querySelector(`[data-seq="${update.seq}"]`);
-  if (old) { old.replaceWith(fresh); } else { box.appendChild(fresh); }
-};
-"""
-
-STYLE = """
-body{font-family:system-ui,sans-serif;margin:1.5em;color:#222}
-table{border-collapse:collapse}td,th{border-bottom:1px solid #ddd;padding:.3em .6em;text-align:left}
-.figures{color:#555}.action{display:inline;margin-right:.3em}
-.message{margin:.4em 0}.tool{color:#666}.error{color:#a00}.readonly{color:#a60}
-"""
-
-
-def _page(title: str, body: str, *, store: str = "", read_only: bool = False) -> bytes:
-    badge = ' <span class="readonly">read-only</span>' if read_only else ""
-    where = f"<p>store {_e(store)}{badge}</p>" if store else ""
-    return (
-        f'<!doctype html><html><head><meta charset="utf-8"><title>{_e(title)}</title>'
-        f"<style>{STYLE}</style></head><body><h1>{_e(title)}</h1>{where}{body}</body></html>"
-    ).encode()
-
-
-def _e(text: str) -> str:
-    return html.escape(text, quote=True)
-
-
-def _q(text: str) -> str:
-    return urllib.parse.quote(text, safe="")
 
 
 def _segments(scope: Scope) -> list[str]:

@@ -73,7 +73,7 @@ DEFECTS = {
     ),
     "no-expired-recovery": Defect(
         "the recovery scan never selects expired claims (only unclaimed doorbells)",
-        "_store/recovery.py",
+        "_store/recovery_scan.py",
         '        f" WHERE (e.expires_at <= :now{of_gone}) AND {not_local}"',
         '        f" WHERE (e.expires_at <= :now{of_gone}) AND {not_local} AND 1 = 0"',
     ),

@@ -9,9 +9,12 @@ dialect's form sits beside the shared one in the family's module.
 Families (one module each):
 * `common`: the claim and recovery fences, the session's small reads and writes, ids;
 * `inputs`: `wake` and `submit` (admission);
-* `claims`: acquire, heartbeat, finish, interrupt, hand-back;
-* `transcript`: taking inputs, assistant messages and streamed text, reading;
-* `recovery`: candidates, recovery leases, applying the decision;
+* `acquisition`: acquire, and the wake or submit that takes the claim it rings for;
+* `claims`: heartbeat, finish, interrupt, hand-back;
+* `intake`: taking inputs as user messages (`take_inputs`);
+* `transcript`: assistant messages and streamed text, reading;
+* `recovery_scan`: the candidates, and the recovery leases taken on them;
+* `recovery`: applying the decision;
 * `operator`: quarantine and rejected inputs, the CLI's status and health reads;
 * `changes`: what other processes changed (doorbells, cancellations, watched messages);
 * `liveness`: other owners' liveness tokens (free ones, forgetting gone owners).
@@ -47,10 +50,13 @@ write `_store.submit(...)` whatever module the operation lives in.
 
 from __future__ import annotations
 
+from . import acquisition as _acquisition
 from . import claims as _claims
 from . import common as _common
 from . import inputs as _inputs
+from . import intake as _intake
 from . import transcript as _transcript_family
+from .acquisition import Acquired, acquire, submit_and_acquire, wake_and_acquire
 from .changes import (
     REPLAY_CHUNK,
     Changes,
@@ -63,8 +69,6 @@ from .changes import (
     watched_messages,
 )
 from .claims import (
-    Acquired,
-    acquire,
     cancel_held_claim,
     end_iteration,
     expire_claims,
@@ -74,8 +78,6 @@ from .claims import (
     heartbeat,
     mark_cancelling,
     request_cancel,
-    submit_and_acquire,
-    wake_and_acquire,
 )
 from .common import CLAIM_FENCE, RECOVERY_FENCE, new_id
 from .control import (
@@ -94,6 +96,7 @@ from .control import (
     truncate,
 )
 from .inputs import submit, wake
+from .intake import TAKE_INPUTS_CHUNK, take_inputs
 from .liveness import candidates_and_free_tokens, forget_gone_owners, free_tokens
 from .operator import (
     drop_quarantined,
@@ -110,25 +113,16 @@ from .operator import (
     store_counts,
 )
 from .recovery import (
-    Candidate,
     Recovered,
     _recovery_facts,
     _take_over,
     apply_recovery,
     apply_recovery_batch,
     quarantine,
-    recovery_candidates,
-    take_recovery_leases,
 )
+from .recovery_scan import Candidate, recovery_candidates, take_recovery_leases
 from .stream import stream_changes, stream_heads
-from .transcript import (
-    TAKE_INPUTS_CHUNK,
-    append_assistant_text,
-    begin_assistant,
-    read_transcript,
-    take_inputs,
-    update_assistant,
-)
+from .transcript import append_assistant_text, begin_assistant, read_transcript, update_assistant
 
 __all__ = [
     "CLAIM_FENCE",
@@ -212,6 +206,7 @@ def pg_functions(channel: str, lock_namespace: int) -> str:
     is `channel`, with session locks in `lock_namespace`."""
     literal = "'" + channel.replace("'", "''") + "'"
     text = "\n".join(
-        module.PG_FUNCTIONS for module in (_common, _inputs, _transcript_family, _claims)
+        module.PG_FUNCTIONS
+        for module in (_common, _inputs, _intake, _transcript_family, _claims, _acquisition)
     )
     return text.replace("@LOCK@", str(int(lock_namespace))).replace("@CHANNEL@", literal)

@@ -27,7 +27,7 @@ from .._errors import MalformedRecord
 from .._model import AssistantData, Message
 from .common import _IN_CHUNK, _chunks, _in_list
 from .control import next_due
-from .recovery import _unclaimed_doorbells
+from .recovery_scan import _unclaimed_doorbells
 from .transcript import _decode_message, _streamed_texts
 
 

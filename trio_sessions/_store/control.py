@@ -34,7 +34,7 @@ from .._backend import Tx
 from .._decisions import SubmitVerdict
 from .._errors import SessionBusy
 from .._model import INTERRUPTED
-from .claims import Acquired, _insert_claim, acquire
+from .acquisition import Acquired, _insert_claim, acquire
 from .common import _claim_row, _has_pending_inputs, _in_list, _paused, _ring, new_id
 from .inputs import _insert_input, _known_input
 from .transcript import _assistant_data

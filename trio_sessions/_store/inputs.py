@@ -4,7 +4,7 @@ Invariants kept here:
 * an input id is stored once: the same id and payload for the same session writes nothing
   (pending, taken or set aside); another session or another payload is `InputConflict`;
 * an input is either pending in `session_input` or a user message, never both, never none
-  (`transcript.take_inputs` moves it);
+  (`intake.take_inputs` moves it);
 * every write here takes the session lock first, and rings the change signal.
 """
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from .._backend import Tx
 from .common import _in_list
-from .recovery import Candidate, recovery_candidates
+from .recovery_scan import Candidate, recovery_candidates
 
 
 def free_tokens(tx: Tx) -> set[str]:

@@ -20,7 +20,7 @@ from .._backend import Tx
 from .._errors import MalformedRecord
 from .._model import OWNER_LOST
 from .common import _has_pending_inputs, _reset_attempts, _ring
-from .recovery import Candidate
+from .recovery_scan import Candidate
 from .transcript import _close_open_messages, _decode_message, _streamed_texts
 
 

@@ -1,5 +1,6 @@
-"""Recovery: the candidates, the recovery leases, and applying the pure decision
-(`_decisions.decide_recovery`) to each expired claim or unclaimed doorbell.
+"""Recovery: applying the pure decision (`_decisions.decide_recovery`) to each expired claim
+or unclaimed doorbell whose recovery lease this owner took (the scan and the leases are
+`recovery_scan`).
 
 Invariants kept here:
 * recovery replaces a claim only fenced on the exact old execution id still being expired
@@ -26,7 +27,6 @@ from .._decisions import ClaimRow, RecoveryDecision, RecoveryFacts
 from .._errors import LeaseLost, MalformedRecord
 from .._model import BUDGET_EXHAUSTED, INTERRUPTED, OWNER_LOST
 from .common import (
-    _IN_CHUNK,
     RECOVERY_FENCE,
     _chunks,
     _fence,
@@ -36,8 +36,8 @@ from .common import (
     _no_longer_expired,
     _reset_attempts,
     _ring,
-    not_in,
 )
+from .recovery_scan import Candidate
 from .transcript import _assistant_data, _close_open_messages
 
 # Whether a claim is superseded: any other execution's assistant message after the claim's
@@ -52,122 +52,6 @@ _SUPERSEDED_OF = (
 
 def _superseded(*, session: str, execution: str, anchor: str) -> str:
     return _SUPERSEDED_OF.format(session=session, execution=execution, anchor=anchor)
-
-
-@attrs.frozen
-class Candidate:
-    """A recovery candidate: an expired claim (`execution_id` set) or an unclaimed doorbell."""
-
-    session_id: str
-    execution_id: str | None
-
-
-# DESIGN §8: the scan skips claim rows another transaction holds locked (a takeover, a
-# heartbeat, another recoverer's scan) instead of waiting for them; a skipped row does not
-# use up the limit, and the next pass sees it again. SQLite's single writer has nothing to
-# skip. NO KEY UPDATE is the lock a claim's own UPDATEs and `lock_claims` take.
-_SKIP_LOCKED = {"sqlite": "", "postgres": " FOR NO KEY UPDATE OF e SKIP LOCKED"}
-
-
-def recovery_candidates(
-    tx: Tx,
-    owner_id: str,
-    limit: int,
-    local_sessions: Sequence[str],
-    gone_owners: Sequence[str] = (),
-) -> list[Candidate]:
-    """The oldest `limit` candidates: expired claims (and every claim of `gone_owners`,
-    owners whose liveness token stayed free for the grace) by `expires_at`, then unclaimed
-    doorbells by `time_woken`. Quarantined executions, executions under another owner's live
-    recovery lease and sessions held locally are excluded here, so they never use up the
-    budget."""
-    not_local, local = not_in(tx, "e.session_id", local_sessions)
-    gone = {f"gone{index}": owner for index, owner in enumerate(gone_owners)}
-    of_gone = "".join(f" OR e.owner_id = :{name}" for name in gone)
-    expired = tx.execute(
-        "SELECT e.session_id, e.id FROM session_execution e"
-        f" WHERE (e.expires_at <= :now{of_gone}) AND {not_local}"
-        " AND NOT EXISTS (SELECT 1 FROM session_recovery r WHERE r.execution_id = e.id"
-        "   AND (r.recovery_error IS NOT NULL OR (r.owner_id != :me AND r.expires_at > :now)))"
-        " ORDER BY e.expires_at, e.id LIMIT :limit" + _SKIP_LOCKED[tx.dialect],
-        {"now": tx.now, "excluded": local, "me": owner_id, "limit": limit, **gone},
-    ).fetchall()
-    candidates = [Candidate(session_id, execution_id) for session_id, execution_id in expired]
-    if len(candidates) < limit:
-        doorbells = _unclaimed_doorbells(tx, local_sessions, limit - len(candidates))
-        candidates += [Candidate(session_id, None) for session_id in doorbells]
-    return candidates
-
-
-def _unclaimed_doorbells(tx: Tx, local_sessions: Sequence[str], limit: int) -> list[str]:
-    """Sessions with a set doorbell and no claim row, oldest wake first, except those held
-    locally (a crash between wake and acquire, or a wake from another process) and paused
-    ones (their doorbell waits for `resume`)."""
-    not_local, local = not_in(tx, "s.id", local_sessions)
-    rows = tx.execute(
-        "SELECT s.id FROM session s WHERE s.time_woken IS NOT NULL AND s.time_paused IS NULL"
-        " AND NOT EXISTS (SELECT 1 FROM session_execution e WHERE e.session_id = s.id)"
-        f" AND {not_local} ORDER BY s.time_woken, s.id LIMIT :limit",
-        {"excluded": local, "limit": limit},
-    ).fetchall()
-    return [str(row[0]) for row in rows]
-
-
-def take_recovery_leases(
-    tx: Tx, owner_id: str, lease_ms: int, candidates: Sequence[Candidate]
-) -> list[Candidate]:
-    """Take a recovery lease on each expired claim: only if absent, expired or ours, and never
-    on a quarantined row. Returns the candidates whose lease we now hold. One statement per
-    `_IN_CHUNK` parameters (a multi-row upsert)."""
-    expires = tx.now + lease_ms
-    taken: set[str] = set()
-    per_statement = _IN_CHUNK // 5  # five parameters per row
-    for start in range(0, len(candidates), per_statement):
-        chunk = candidates[start : start + per_statement]
-        rows = tx.execute(
-            "INSERT INTO session_recovery(execution_id, session_id, owner_id, expires_at,"
-            " time_created) VALUES "
-            + ", ".join(["(?, ?, ?, ?, ?)"] * len(chunk))
-            + " ON CONFLICT(execution_id) DO UPDATE SET owner_id = excluded.owner_id,"
-            " expires_at = excluded.expires_at"
-            " WHERE session_recovery.recovery_error IS NULL"
-            " AND (session_recovery.owner_id = excluded.owner_id"
-            "   OR session_recovery.expires_at <= excluded.time_created)"
-            " RETURNING execution_id",
-            [
-                value
-                for candidate in chunk
-                for value in (
-                    candidate.execution_id,
-                    candidate.session_id,
-                    owner_id,
-                    expires,
-                    tx.now,
-                )
-            ],
-        ).fetchall()
-        leased = [str(row[0]) for row in rows]
-        taken.update(leased)
-        taken.difference_update(_drop_leases_without_claim(tx, owner_id, leased))
-    return [candidate for candidate in candidates if candidate.execution_id in taken]
-
-
-def _drop_leases_without_claim(tx: Tx, owner_id: str, execution_ids: Sequence[str]) -> set[str]:
-    """Undo the leases just taken on claims that are gone: another recoverer took them over
-    after our scan read them. Nothing scans a lease row without its claim, so one left behind
-    by a recoverer that then died would stay forever. A separate statement, so on
-    PostgreSQL it sees a takeover that committed while the upsert waited on its lease row."""
-    if not execution_ids:
-        return set()
-    rows = tx.execute(
-        "DELETE FROM session_recovery WHERE owner_id = ? AND recovery_error IS NULL"
-        f" AND execution_id IN {_in_list(execution_ids)}"
-        " AND NOT EXISTS (SELECT 1 FROM session_execution e"
-        "   WHERE e.id = session_recovery.execution_id)"
-        " RETURNING execution_id",
-        [owner_id, *execution_ids],
-    ).fetchall()
-    return {str(row[0]) for row in rows}
 
 
 def _recovery_facts(tx: Tx, candidate: Candidate) -> tuple[RecoveryFacts, str | None]:

@@ -1,0 +1,142 @@
+"""The HTML of the operator console's pages (`_console`): the page frame, a session's state in
+words, transcript messages, and the updates a stream event makes to a message on the page.
+
+Pure functions of store rows and stream events, no I/O. Invariant: every text that comes from
+the store or a request reaches HTML through `escape` (attribute-safe), and every id in a URL
+through `quote` (one path segment: an id holding "/" stays one segment).
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import urllib.parse
+from collections.abc import Mapping
+from typing import Any
+
+from ._model import Message
+from ._stream import StreamEvent
+
+
+def state(session: Mapping[str, Any]) -> str:
+    """A session's state in words, from its `_store.session_status` row."""
+    paused = "paused, " if session["paused_since"] is not None else ""
+    return paused + _claim_state(session)
+
+
+def _claim_state(session: Mapping[str, Any]) -> str:
+    claim = session["claim"]
+    if claim is not None:
+        if claim["quarantined"]:
+            return "quarantined"
+        if claim["expired"]:
+            return "claim expired (awaiting recovery)"
+        if claim["phase"] == "cancelling":
+            return f"stopping ({claim['owner_id']})"
+        return f"running ({claim['owner_id']})"
+    if session["doorbell"] is not None:
+        return "waiting"
+    return "idle"
+
+
+def message_html(message: Message) -> str:
+    """One transcript message as HTML."""
+    return _data_html(message.seq, message.role, message.to_json()["data"])
+
+
+def _data_html(seq: int, role: str, data: Any) -> str:
+    """One message as HTML, from its JSON data (as `transcript()` and streams show it)."""
+    if role == "assistant":
+        parts = []
+        for part in data["parts"]:
+            if part["type"] == "text":
+                parts.append(f'<span class="text">{escape(part["text"])}</span>')
+            else:
+                error = f": {escape(part['error'])}" if part["error"] else ""
+                parts.append(
+                    f'<span class="tool">[{escape(part["name"])} {part["status"]}{error}]</span>'
+                )
+        status = "" if data["finished"] else ' <i class="open">…</i>'
+        if data["error"]:
+            status = f' <i class="error">({escape(data["error"])})</i>'
+        content = "".join(parts) + status
+    else:
+        content = escape(json.dumps(data))
+    return f'<div class="message {role}" data-seq="{seq}"><b>{role}</b> {content}</div>'
+
+
+def apply_event(copies: dict[int, tuple[str, Any]], event: StreamEvent) -> list[dict[str, Any]]:
+    """Apply one stream event (DESIGN §5.2) to the console's copies of the messages; the
+    updates for the page: a message's new HTML, or the seqs to drop."""
+    seq, kind, value = event.seq, event.kind, event.to_json()["data"]  # a copy, as JSON
+    if kind == "truncate":
+        for held in [held for held in copies if held > seq]:
+            del copies[held]
+        return [{"drop_after": seq}]
+    if kind == "message":
+        copies[seq] = (event.role, value)
+    else:
+        data = copies[seq][1]
+        parts = data["parts"]
+        if kind == "append":
+            if parts and parts[-1]["type"] == "text":
+                parts[-1]["text"] += value
+            else:
+                parts.append({"type": "text", "text": value})
+        elif kind == "part":
+            same = [i for i, part in enumerate(parts) if part.get("call_id") == value["call_id"]]
+            if same:
+                parts[same[0]] = value
+            else:
+                parts.append(value)
+        elif kind == "finish":
+            data["finished"], data["error"] = True, value["error"]
+    role, data = copies[seq]
+    return [{"seq": seq, "html": _data_html(seq, role, data)}]
+
+
+SESSION_SCRIPT = """
+const box = document.getElementById("transcript");
+const source = new EventSource(box.dataset.events);
+source.onmessage = (event) => {
+  const update = JSON.parse(event.data);
+  if ("drop_after" in update) {
+    for (const node of box.querySelectorAll("[data-seq]")) {
+      if (Number(node.dataset.seq) > update.drop_after) { node.remove(); }
+    }
+    return;
+  }
+  const holder = document.createElement("div");
+  holder.innerHTML = update.html;
+  const fresh = holder.firstElementChild;
+  const old = box.querySelector(`[data-seq="${update.seq}"]`);
+  if (old) { old.replaceWith(fresh); } else { box.appendChild(fresh); }
+};
+"""
+
+STYLE = """
+body{font-family:system-ui,sans-serif;margin:1.5em;color:#222}
+table{border-collapse:collapse}td,th{border-bottom:1px solid #ddd;padding:.3em .6em;text-align:left}
+.figures{color:#555}.action{display:inline;margin-right:.3em}
+.message{margin:.4em 0}.tool{color:#666}.error{color:#a00}.readonly{color:#a60}
+"""
+
+
+def html_page(title: str, body: str, *, store: str = "", read_only: bool = False) -> bytes:
+    """A whole page around `body` (already HTML); `title` and `store` are escaped here."""
+    badge = ' <span class="readonly">read-only</span>' if read_only else ""
+    where = f"<p>store {escape(store)}{badge}</p>" if store else ""
+    return (
+        f'<!doctype html><html><head><meta charset="utf-8"><title>{escape(title)}</title>'
+        f"<style>{STYLE}</style></head><body><h1>{escape(title)}</h1>{where}{body}</body></html>"
+    ).encode()
+
+
+def escape(text: str) -> str:
+    """`text` safe in HTML, quotes included (attribute values)."""
+    return html.escape(text, quote=True)
+
+
+def quote(text: str) -> str:
+    """`text` as one URL path segment ("/" encoded too)."""
+    return urllib.parse.quote(text, safe="")

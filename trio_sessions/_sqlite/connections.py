@@ -1,0 +1,281 @@
+"""SQLite connections: opening and configuring them, the database file (created 0600, and
+followed by device and inode), the schema's migrations, the write lock, and WAL checkpoints.
+
+Invariants: a connection is configured (`busy_timeout`, foreign keys, `synchronous`) before
+any use, and `synchronous` is only ever 'NORMAL' or 'FULL' (`check_synchronous`: never
+interpolate anything else); a file that is not SQLite, not ours, or from a newer library is
+refused with nothing written (`SchemaTooNew`, `StoreError`); migrations run in one
+`BEGIN IMMEDIATE` transaction, re-reading the version under the write lock; taking the write
+lock (`begin_immediate`) retries "database is locked" for up to `LOCK_PATIENCE_S`, so that
+error never reaches a caller; a checkpoint never raises (the WAL keeps every commit).
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import time
+
+import attrs
+
+from .. import _observe, _schema
+from .._backend import Job
+from .._errors import SchemaTooNew, StoreError
+
+# PRAGMA synchronous in WAL mode: NORMAL (the default) survives a process crash, but the
+# newest commits may roll back after a power loss or OS crash; FULL syncs the WAL at every
+# commit, so a commit that returned survives those too.
+SYNCHRONOUS = ("NORMAL", "FULL")
+
+SCHEMA_VERSION = _schema.SQLITE_SCHEMA_VERSION
+_MIGRATIONS = _schema.SQLITE_MIGRATIONS  # in `_schema`, beside PostgreSQL's
+OUR_TABLES = _schema.SQLITE_OUR_TABLES
+
+BUSY_TIMEOUT_MS = 5_000
+# How long BEGIN IMMEDIATE keeps retrying a lock held by another process before the caller
+# sees a StoreError. Each attempt already waits `BUSY_TIMEOUT_MS` inside SQLite.
+LOCK_PATIENCE_S = 120.0
+
+
+def connect(
+    path: str | os.PathLike[str], *, create: bool = True, synchronous: str = "NORMAL"
+) -> sqlite3.Connection:
+    """Open a connection with our settings and bring the schema up to date.
+
+    `SchemaTooNew` (and nothing written) when the file comes from a newer library;
+    `StoreError` when `create` is false and the file is missing or not ours.
+    """
+    path = os.fspath(path)
+    if not create and not os.path.exists(path):
+        raise StoreError(f"no database at {path!r}")
+    if create:
+        _create_owner_only(path)
+    try:
+        conn = sqlite3.connect(
+            path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False
+        )
+    except sqlite3.Error as exc:
+        raise StoreError(f"cannot open {path!r}: {exc}") from exc
+    try:
+        _configure(conn, synchronous)
+        if create:
+            migrate(conn)
+        else:
+            _require_ours(conn, path)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _create_owner_only(path: str) -> None:
+    """Create a missing database file readable by its owner only (0600), whatever the umask.
+
+    SQLite would create it 0644 - transcripts readable by every local user - and it gives
+    the -wal and -shm files the database file's mode, so those are 0600 too. An existing
+    file keeps the mode its operator chose.
+    """
+    if path in ("", ":memory:"):
+        return
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return
+    except OSError as exc:
+        raise StoreError(f"cannot open {path!r}: {exc}") from exc
+    try:
+        os.fchmod(fd, 0o600)  # the umask may have taken bits away from 0600 as well
+    finally:
+        os.close(fd)
+
+
+@attrs.define(eq=False)
+class DatabaseFile:
+    """The file the runtime's connections opened, by device and inode, so that a file
+    deleted or replaced under a running runtime is noticed at the next write batch instead
+    of commits going on into an orphaned inode (and vanishing at exit).
+
+    `problem` costs one `os.stat` (a few microseconds) per batch. `identity` is None when
+    there is no file to follow (`:memory:`). Safe from any thread: the worst race is the
+    event logged twice.
+    """
+
+    path: str
+    identity: tuple[int, int] | None
+    reported: bool = False
+
+    @classmethod
+    def opened(cls, path: str | os.PathLike[str]) -> DatabaseFile:
+        """The file at `path` now (call right after connecting): an absolute path, so a
+        later `chdir` changes nothing."""
+        name = os.path.abspath(os.fspath(path))
+        try:
+            st = os.stat(name)
+        except OSError:
+            return cls(name, None)
+        return cls(name, (st.st_dev, st.st_ino))
+
+    def problem(self) -> str | None:
+        """None while the path still names the opened file; else what happened to it."""
+        if self.identity is None:
+            return None
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            problem = "deleted"
+        except OSError as exc:
+            problem = f"inaccessible ({exc.strerror})"
+        else:
+            if (st.st_dev, st.st_ino) == self.identity:
+                return None
+            problem = "replaced"
+        if not self.reported:
+            self.reported = True
+            _observe.database_file_lost(self.path, problem)
+        return problem
+
+    def refuse(self, jobs: list[Job]) -> bool:
+        """Fail every job with `StoreError`, writing nothing, if the file is gone or was
+        replaced; True when it did."""
+        problem = self.problem()
+        if problem is None:
+            return False
+        for job in jobs:
+            job.error = StoreError(
+                f"the database file {self.path!r} was {problem} while this runtime had it"
+                " open: nothing more is written (restart on the right file)"
+            )
+        return True
+
+
+def check_synchronous(value: object) -> str:
+    """A valid `synchronous` setting ('NORMAL' or 'FULL'), or `ValueError`/`TypeError`."""
+    if not isinstance(value, str):
+        raise TypeError(f"synchronous must be a str, got {type(value).__name__}")
+    if value not in SYNCHRONOUS:
+        raise ValueError(f"synchronous must be 'NORMAL' or 'FULL', got {value!r}")
+    return value
+
+
+def _configure(conn: sqlite3.Connection, synchronous: str = "NORMAL") -> None:
+    synchronous = check_synchronous(synchronous)  # never interpolate anything else
+    try:
+        conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+        conn.execute("PRAGMA foreign_keys = ON")
+        conn.execute(f"PRAGMA synchronous = {synchronous}")
+    except sqlite3.DatabaseError as exc:
+        raise StoreError(f"{database_name(conn)!r} is not an SQLite database: {exc}") from exc
+
+
+def database_name(conn: sqlite3.Connection) -> str:
+    try:
+        return str(conn.execute("PRAGMA database_list").fetchone()[2])
+    except sqlite3.Error:
+        return "the database"
+
+
+def schema_version(conn: sqlite3.Connection) -> int:
+    return int(conn.execute("PRAGMA user_version").fetchone()[0])
+
+
+def migrate(conn: sqlite3.Connection) -> None:
+    """Apply pending migrations in one `BEGIN IMMEDIATE` transaction; idempotent."""
+    try:
+        if schema_version(conn) > SCHEMA_VERSION:
+            raise SchemaTooNew(_too_new(conn))
+        if schema_version(conn) == SCHEMA_VERSION:
+            conn.execute("PRAGMA journal_mode = WAL")
+            return
+        conn.execute("PRAGMA journal_mode = WAL")
+        begin_immediate(conn)
+        try:
+            # Re-read under the write lock: another process may have migrated meanwhile.
+            version = schema_version(conn)
+            if version > SCHEMA_VERSION:
+                raise SchemaTooNew(_too_new(conn))
+            for target in range(version + 1, SCHEMA_VERSION + 1):
+                for statement in _MIGRATIONS[target].split(";"):
+                    if statement.strip():
+                        conn.execute(statement)
+            conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+    except sqlite3.Error as exc:
+        raise StoreError(f"cannot migrate the schema: {exc}") from exc
+
+
+def _too_new(conn: sqlite3.Connection) -> str:
+    return (
+        f"database schema version {schema_version(conn)} is newer than this trio_sessions "
+        f"understands ({SCHEMA_VERSION}); upgrade trio_sessions. The file was not modified."
+    )
+
+
+def _require_ours(conn: sqlite3.Connection, path: str) -> None:
+    """Refuse a file that is not SQLite, or not ours, without writing to it."""
+    # Imported here: sqlite-utils costs ~0.2 s to import, and only operators' tools (which
+    # open with create=False) need its introspection.
+    import sqlite_utils
+
+    try:
+        tables = set(sqlite_utils.Database(conn).table_names())
+    except sqlite3.DatabaseError as exc:
+        raise StoreError(f"{path!r} is not an SQLite database: {exc}") from exc
+    if not tables >= OUR_TABLES:
+        missing = ", ".join(sorted(OUR_TABLES - tables))
+        raise StoreError(f"{path!r} is not a trio_sessions database (no {missing})")
+    if schema_version(conn) > SCHEMA_VERSION:
+        raise SchemaTooNew(_too_new(conn))
+
+
+def is_locked(exc: sqlite3.OperationalError) -> bool:
+    return "locked" in str(exc) or "busy" in str(exc)
+
+
+def begin_immediate(conn: sqlite3.Connection) -> None:
+    """Take the write lock, waiting out other processes; "database is locked" never escapes."""
+    deadline = time.monotonic() + LOCK_PATIENCE_S
+    pause = 0.001
+    while True:
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            return
+        except sqlite3.OperationalError as exc:
+            if not is_locked(exc) or time.monotonic() >= deadline:
+                raise
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+
+
+def connect_nonblocking(
+    path: str | os.PathLike[str], *, synchronous: str = "NORMAL"
+) -> sqlite3.Connection:
+    """A second connection for work on the event loop: it never waits for a lock and never
+    checkpoints (a checkpoint may fsync); `checkpoint` runs on the worker connection."""
+    conn = sqlite3.connect(
+        os.fspath(path), timeout=0, isolation_level=None, check_same_thread=False
+    )
+    _configure(conn, synchronous)
+    conn.execute("PRAGMA busy_timeout = 0")
+    conn.execute("PRAGMA wal_autocheckpoint = 0")
+    return conn
+
+
+def checkpoint(conn: sqlite3.Connection) -> tuple[int, int] | None:
+    """Copy the WAL back into the database without blocking writers (PASSIVE); returns the
+    WAL's length in frames and how many of them are copied. With no commit meanwhile, a
+    whole copy lets the WAL restart from 0 at the next commit.
+
+    Never raises: a failed checkpoint (an I/O error, a full disk) loses nothing - the WAL
+    keeps every commit - so it is logged and None returned; the next one is due after
+    another `CHECKPOINT_EVERY` commits on the loop (SQLite's own autocheckpoint on the
+    worker connection runs meanwhile).
+    """
+    try:
+        _busy, frames, copied = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+    except sqlite3.Error as exc:
+        _observe.checkpoint_failed(exc)
+        return None
+    return int(frames), int(copied)

@@ -1,0 +1,257 @@
+"""SQLite transactions, synchronously: `SQLiteTx` (one open transaction as an operation sees
+it), group-commit batches (`run_batch`, `try_run_batch`), and `SQLiteEngine`, the sync
+`_backend.Engine` over one connection (CLI, soak, bench, tests).
+
+Nothing here knows trio: every function runs on the thread that calls it, and the executors
+(`executors`) decide which thread that is (the event loop's, or their worker's).
+
+Invariants: every write transaction is `BEGIN IMMEDIATE` (`connections.begin_immediate`), so
+`tx.now` is read after the only write lock was taken; several operations may share one
+transaction (group commit), each inside its own savepoint, so one operation's error rolls
+back only its own writes; an error SQLite answers by rolling back the whole transaction fails
+every operation of the batch, and so does a database file deleted or replaced under the
+runtime (`DatabaseFile`). Errors are stored on the jobs, never raised, and an SQLite error
+reaches the caller as `StoreError` (`store_error`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sqlite3
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar, TypeVarTuple, Unpack
+
+import attrs
+
+from .. import _liveness
+from .._backend import BackendName, Job, Params, Tx, driver_error, now_ms
+from .._errors import TrioSessionsError
+from .connections import DatabaseFile, begin_immediate, connect, is_locked, schema_version
+
+T = TypeVar("T")
+Ts = TypeVarTuple("Ts")
+
+
+class SQLiteTx:
+    """One open `BEGIN IMMEDIATE` transaction. The write lock is the database's only one,
+    so it already serialises every session: `lock_session` is a no-op, and `now` is read
+    once, after the lock was taken."""
+
+    def __init__(self, conn: sqlite3.Connection, now: int, database: str | None = None) -> None:
+        self.conn = conn
+        self.now = now
+        self._database = database  # its file, when the caller knows it (`DatabaseFile`)
+
+    @property
+    def dialect(self) -> BackendName:
+        return "sqlite"
+
+    def call(self, function: str, *args: Any, idempotent: bool = True) -> list[Any]:
+        raise NotImplementedError("server-side functions are PostgreSQL's")
+
+    def execute(self, sql: str, params: Params = ()) -> sqlite3.Cursor:
+        return self.conn.execute(sql, params)
+
+    def one(self, sql: str, params: Params = ()) -> Any:
+        return self.conn.execute(sql, params).fetchone()
+
+    def lock_session(self, session_id: str) -> None:
+        # BEGIN IMMEDIATE holds the only write lock: every session is already serialised.
+        pass
+
+    def lock_claims(self, execution_ids: Sequence[str]) -> None:
+        pass
+
+    def notify(self, session_id: str) -> None:
+        # Other connections notice every commit through `PRAGMA data_version`.
+        pass
+
+    @contextlib.contextmanager
+    def savepoint(self) -> Iterator[None]:
+        self.conn.execute("SAVEPOINT nested")
+        try:
+            yield
+        except BaseException:
+            self.conn.execute("ROLLBACK TO nested")
+            raise
+        finally:
+            self.conn.execute("RELEASE nested")
+
+    def free_tokens(self, owner_ids: Sequence[str] | None) -> set[str]:
+        # Lock files beside the database (`_liveness`): a few syscalls, no SQL.
+        database = self._database or database_file(self.conn)
+        if database is None:
+            return set()
+        return _liveness.free_file_tokens(database, owner_ids)
+
+    def forget_tokens(self, owner_ids: Sequence[str]) -> None:
+        database = self._database or database_file(self.conn)
+        if database is not None:
+            _liveness.forget_file_tokens(database, owner_ids)
+
+
+def database_file(conn: sqlite3.Connection) -> str | None:
+    """The main database's file (None in memory: no liveness tokens there)."""
+    return str(conn.execute("PRAGMA database_list").fetchone()[2]) or None
+
+
+def store_error(exc: BaseException) -> BaseException:
+    return driver_error(exc) if isinstance(exc, sqlite3.Error) else exc
+
+
+def run_batch(
+    conn: sqlite3.Connection,
+    clock: Callable[[], float],
+    jobs: list[Job],
+    file: DatabaseFile | None = None,
+) -> None:
+    """Run `jobs` in one `BEGIN IMMEDIATE` transaction (group commit).
+
+    Each job runs in its own savepoint, so one job's error rolls back only its own writes;
+    the others commit together. A failed BEGIN or COMMIT fails every job, with nothing
+    written, and so does a `file` that was deleted or replaced. Errors are stored on the
+    jobs, never raised.
+    """
+    if file is not None and file.refuse(jobs):
+        return
+    try:
+        begin_immediate(conn)
+    except sqlite3.Error as exc:
+        for job in jobs:
+            job.error = store_error(exc)
+        return
+    _run_jobs(conn, clock, jobs, file)
+
+
+def try_run_batch(
+    conn: sqlite3.Connection,
+    clock: Callable[[], float],
+    jobs: list[Job],
+    file: DatabaseFile | None = None,
+) -> bool:
+    """Like `run_batch`, but only if the write lock is free right now: False, with nothing
+    run, when another connection holds it. Never waits (the connection's busy timeout is
+    expected to be 0), so it is safe to call on the event loop."""
+    if file is not None and file.refuse(jobs):
+        return True
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+    except sqlite3.OperationalError as exc:
+        if is_locked(exc):
+            return False
+        for job in jobs:
+            job.error = store_error(exc)
+        return True
+    _run_jobs(conn, clock, jobs, file)
+    return True
+
+
+def _run_jobs(
+    conn: sqlite3.Connection,
+    clock: Callable[[], float],
+    jobs: list[Job],
+    file: DatabaseFile | None = None,
+) -> None:
+    """Run jobs inside the open transaction and commit. Never raises: errors go on jobs.
+
+    SQLite may roll a whole transaction back by itself (disk full, I/O error): then no job
+    committed, whatever it returned, and every job reports the failure.
+    """
+    try:
+        _run_jobs_or_raise(conn, clock, jobs, file)
+    except sqlite3.Error as exc:
+        if conn.in_transaction:
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+        for job in jobs:
+            job.result = None
+            if not isinstance(job.error, TrioSessionsError):  # a job's own refusal stays
+                job.error = store_error(exc)
+
+
+def _run_jobs_or_raise(
+    conn: sqlite3.Connection,
+    clock: Callable[[], float],
+    jobs: list[Job],
+    file: DatabaseFile | None = None,
+) -> None:
+    tx = SQLiteTx(conn, now_ms(clock), None if file is None else file.path)
+    grouped = len(jobs) > 1
+    for job in jobs:
+        if grouped:
+            conn.execute("SAVEPOINT job")
+        try:
+            job.result = job.op(tx, *job.args)
+        except Exception as exc:
+            job.error = store_error(exc)
+            if not conn.in_transaction:
+                raise _TransactionLost(exc) from exc
+            if grouped:
+                conn.execute("ROLLBACK TO job")
+                conn.execute("RELEASE job")
+            else:
+                conn.execute("ROLLBACK")
+                return
+        else:
+            if grouped:
+                conn.execute("RELEASE job")
+    conn.execute("COMMIT")
+
+
+class _TransactionLost(sqlite3.Error):
+    """SQLite rolled the whole transaction back on its own after a job's error."""
+
+
+def run_op(
+    conn: sqlite3.Connection,
+    clock: Callable[[], float],
+    op: Callable[[Tx, Unpack[Ts]], T],
+    *args: *Ts,
+) -> T:
+    """Run one operation in its own transaction, synchronously (tools, CLI, tests)."""
+    job = Job(op, args)
+    run_batch(conn, clock, [job])
+    result: T = job.unwrap()
+    return result
+
+
+@attrs.define
+class SQLiteEngine:
+    """`_backend.Engine` on one SQLite connection (`open_engine`)."""
+
+    conn: sqlite3.Connection
+    clock: Callable[[], float] = time.time
+
+    @property
+    def dialect(self) -> BackendName:
+        return "sqlite"
+
+    def run(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
+        return run_op(self.conn, self.clock, op, *args)
+
+    def read(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
+        self.conn.execute("BEGIN")  # one deferred read transaction: a snapshot, no lock
+        try:
+            return op(SQLiteTx(self.conn, now_ms(self.clock)), *args)
+        except sqlite3.Error as exc:
+            raise store_error(exc) from exc
+        finally:
+            self.conn.execute("ROLLBACK")
+
+    def schema_version(self) -> int:
+        return schema_version(self.conn)
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def open_engine(
+    path: str | os.PathLike[str],
+    *,
+    migrate: bool = True,
+    clock: Callable[[], float] | None = None,
+) -> SQLiteEngine:
+    """`_backend.open_engine` for a path (`connect(path, create=migrate)`)."""
+    return SQLiteEngine(connect(path, create=migrate), clock or time.time)

@@ -1,0 +1,396 @@
+"""`SQLiteStore` and its executors (`_backend.Executor`): how operations get from trio to
+SQLite, one writer path with group commit.
+
+`ThreadExecutor` (production) queues operations and groups every operation queued in one
+round of the event loop into one transaction (group commit). It runs that transaction on the
+trio thread, on a second connection that never waits: when the write lock is free at once
+(the common case, no other process writing), nothing crosses to a thread - a trio -> thread
+hand-off costs more than a whole SQLite cycle on our machines, and when the event loop is
+never idle (a producer submitting while drains run) every operation would pay one. When
+another process holds the lock, the group goes to the worker thread, which waits for it;
+operations arriving meanwhile join the next group. A lone caller (nothing queued, nothing
+in flight, no other task runnable: the group would be just itself) skips the queue. The
+loop's connection never checkpoints (a checkpoint may fsync); the worker does, every
+`CHECKPOINT_EVERY` commits on the loop, beside the writers (PASSIVE), and holds them back
+only when the WAL could not restart for `WAL_RESTART_FRAMES` frames. With WAL and
+synchronous=NORMAL a commit does not fsync, so the event loop never blocks on a lock or a
+disk flush. `InlineExecutor` (tests)
+runs each operation on the trio thread in its own transaction, so virtual time never jumps
+while SQLite works.
+
+Every write batch first checks that the path still names the file the executor opened
+(`DatabaseFile`). A WAL that checkpoints cannot shrink (a reader that never ends) is logged
+once it passes `WAL_WARN_BYTES`.
+
+Invariant, both executors: an operation that has begun is never abandoned. If its caller is
+cancelled while it is queued, it is withdrawn unrun; once taken, the caller waits for it (as
+`trio.to_thread.run_sync` does with `abandon_on_cancel=False`), so a write that committed is
+always reported, never mistaken for one that did not happen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import sqlite3
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar, TypeVarTuple, Unpack
+
+import attrs
+import trio
+
+from .. import _liveness, _observe
+from .._backend import BackendName, Job, OwnChange, StoreStatistics, Tx
+from .._errors import StoreError
+from .._filewatch import open_watch
+from .._handoff import HandoffQueue, Queued, pumping
+from .changes import CHANGE_POLL, ChangeReader
+from .connections import (
+    BUSY_TIMEOUT_MS,
+    DatabaseFile,
+    check_synchronous,
+    checkpoint,
+    connect,
+    connect_nonblocking,
+    database_name,
+)
+from .engine import database_file, run_batch, try_run_batch
+
+T = TypeVar("T")
+Ts = TypeVarTuple("Ts")
+
+
+@asynccontextmanager
+async def _hold_token(
+    conn: sqlite3.Connection, owner_id: str, *, inline: bool
+) -> AsyncIterator[_liveness.FileToken]:
+    database = database_file(conn)
+    if database is None:
+        raise StoreError("an in-memory database cannot hold liveness tokens")
+    async with _liveness.hold_file_token(database, owner_id, inline=inline) as token:
+        yield token
+
+
+# WAL grows by a few pages per commit; checkpoint well before SQLite's own 1000-page mark.
+CHECKPOINT_EVERY = 200
+# A checkpoint that runs while commits continue never copies the newest frames, so the WAL
+# cannot restart and keeps growing; once it is this long (~16 MB at 4 KiB pages), the next
+# checkpoint holds the writers back until it is done.
+WAL_RESTART_FRAMES = 4_000
+# A WAL this long (bytes) that checkpoints cannot shrink is logged (WAL_NOT_CHECKPOINTED):
+# four times what a busy runtime's WAL reaches before a checkpoint restarts it.
+WAL_WARN_BYTES = 64 * 1024 * 1024
+
+
+@attrs.define(eq=False)
+class InlineExecutor:
+    """Each operation runs in its own transaction on the trio thread (deterministic tests)."""
+
+    conn: sqlite3.Connection
+    clock: Callable[[], float]
+    reader: ChangeReader
+    backend: BackendName = "sqlite"
+    transactions: int = 0
+    file: DatabaseFile | None = None
+
+    async def read(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
+        return await self.reader.read(op, *args)
+
+    async def wait_for_change(
+        self, kick: trio.Event, fallback: float, *, own: OwnChange = None
+    ) -> None:
+        # Deterministic tests: no background look at the store (it would race the steps a
+        # test drives under the virtual clock), only an explicit kick. The change signal
+        # itself is tested on the threaded store, in real time.
+        await kick.wait()
+
+    def statistics(self) -> StoreStatistics:
+        return StoreStatistics("sqlite", transactions=self.transactions)
+
+    def hold_token(self, owner_id: str) -> contextlib.AbstractAsyncContextManager[Any]:
+        return _hold_token(self.conn, owner_id, inline=True)
+
+    async def run(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        job = Job(op, args)
+        self.transactions += 1
+        run_batch(self.conn, self.clock, [job], self.file)
+        await trio.lowlevel.cancel_shielded_checkpoint()
+        result: T = job.unwrap()
+        return result
+
+    async def run_nowait(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        self.conn.execute("PRAGMA busy_timeout = 0")  # really not waiting, here too
+        try:
+            result: T = _run_nowait(self.conn, self.clock, op, args, self.file)
+        finally:
+            self.conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+        await trio.lowlevel.cancel_shielded_checkpoint()
+        return result
+
+
+def _run_nowait(
+    conn: sqlite3.Connection,
+    clock: Callable[[], float],
+    op: Callable[..., T],
+    args: tuple[Any, ...],
+    file: DatabaseFile | None,
+) -> T:
+    job = Job(op, args)
+    if not try_run_batch(conn, clock, [job], file):
+        raise StoreError("the database is locked by another process; not waiting")
+    result: T = job.unwrap()
+    return result
+
+
+@attrs.define(eq=False)
+class ThreadExecutor:
+    """Group commit on the loop, or through the worker thread when another process holds
+    the write lock. Use `open_thread_executor`."""
+
+    conn: sqlite3.Connection
+    clock: Callable[[], float]
+    reader: ChangeReader
+    inline_conn: sqlite3.Connection | None = None
+    file: DatabaseFile | None = None
+    # The database's page size: the WAL's length in bytes is frames x this.
+    page_size: int = 4096
+    _handoff: HandoffQueue = attrs.Factory(HandoffQueue)
+    _limiter: trio.CapacityLimiter = attrs.Factory(lambda: trio.CapacityLimiter(1))
+    _nursery: trio.Nursery | None = None
+    _inline_since_checkpoint: int = 0
+    _checkpoint_due: bool = False
+    _checkpointing: bool = False
+    _wal_frames: int = 0
+    _wal_warned: bool = False
+    inline_runs: int = 0
+    thread_handoffs: int = 0
+    backend: BackendName = "sqlite"
+
+    def statistics(self) -> StoreStatistics:
+        handoffs = self.thread_handoffs
+        return StoreStatistics(
+            "sqlite",
+            transactions=handoffs + self.inline_runs,
+            handoffs=handoffs,
+            inline_runs=self.inline_runs,
+        )
+
+    async def run(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
+        # Cancellation first: a caller cancelled while the runtime closes sees Cancelled,
+        # not an error about the executor it was cancelled out of.
+        await trio.lowlevel.checkpoint_if_cancelled()
+        self._handoff.check_open()
+        job = Job(op, args)
+        if self._lone_caller():
+            assert self.inline_conn is not None
+            if try_run_batch(self.inline_conn, self.clock, [job], self.file):
+                self._count_inline_commit()
+                await trio.lowlevel.cancel_shielded_checkpoint()
+                inline_result: T = job.unwrap()
+                return inline_result
+        result: T = await self._handoff.submit(job)
+        return result
+
+    async def run_nowait(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if self._handoff.in_flight or self.inline_conn is None:
+            # The worker holds this process's write lock now: its batch ends soon.
+            return await self.run(op, *args)
+        result: T = _run_nowait(self.inline_conn, self.clock, op, args, self.file)
+        await trio.lowlevel.cancel_shielded_checkpoint()
+        return result
+
+    async def read(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
+        return await self.reader.read(op, *args)
+
+    async def wait_for_change(
+        self, kick: trio.Event, fallback: float, *, own: OwnChange = None
+    ) -> None:
+        await self.reader.wait_for_change(kick, fallback, own=own)
+
+    def hold_token(self, owner_id: str) -> contextlib.AbstractAsyncContextManager[Any]:
+        return _hold_token(self.reader.conn, owner_id, inline=False)
+
+    def _lone_caller(self) -> bool:
+        return (
+            self.inline_conn is not None
+            and self._handoff.idle()
+            and trio.lowlevel.current_statistics().tasks_runnable == 0
+        )
+
+    def _count_inline_commit(self) -> None:
+        self.inline_runs += 1
+        self._inline_since_checkpoint += 1
+        if self._inline_since_checkpoint < CHECKPOINT_EVERY or self._checkpointing:
+            return
+        self._inline_since_checkpoint = 0
+        if self._wal_frames >= WAL_RESTART_FRAMES or self._nursery is None:
+            self._checkpoint_due = True  # the pump runs it with the writers held back
+            self._handoff.poke()
+        else:
+            self._checkpointing = True
+            self._nursery.start_soon(self._checkpoint_beside_writers)
+
+    async def _checkpoint_beside_writers(self) -> None:
+        # PASSIVE never takes the write lock: commits on the loop go on meanwhile, so the
+        # event loop never waits for the copy or its fsync.
+        try:
+            done = await trio.to_thread.run_sync(checkpoint, self.conn, limiter=self._limiter)
+        finally:
+            self._checkpointing = False
+        if done is not None:
+            # Commits went on meanwhile: the WAL restarts only after a checkpoint with the
+            # writers held back, so its length is what counts.
+            self._wal_frames = done[0]
+            self._watch_wal()
+
+    async def _hand_off(self, batch: list[Queued]) -> None:
+        jobs = [queued.job for queued in batch]
+        if self.file is not None and self.file.refuse(jobs):
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return
+        # Group commit on the trio thread when the write lock is free: a thread hand-off
+        # costs more than the whole group's SQL, and when the event loop is never idle
+        # (a producer submitting while drains run) every operation would pay one.
+        if self.inline_conn is not None and try_run_batch(self.inline_conn, self.clock, jobs):
+            self._count_inline_commit()
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return
+        self.thread_handoffs += 1
+        await trio.to_thread.run_sync(
+            run_batch, self.conn, self.clock, jobs, self.file, limiter=self._limiter
+        )
+
+    async def _checkpoint_if_due(self) -> None:
+        if not self._checkpoint_due:
+            return
+        self._checkpoint_due = False
+        # In flight for the loop's commits too: a checkpoint racing new commits never copies
+        # every frame, and the WAL then cannot restart (it grew past 90 MB in a 100k-cycle
+        # run). Operations meanwhile queue and group-commit right after.
+        self._handoff.in_flight = True
+        try:
+            done = await trio.to_thread.run_sync(checkpoint, self.conn, limiter=self._limiter)
+        finally:
+            self._handoff.in_flight = False
+        if done is not None:
+            frames, copied = done
+            self._wal_frames = frames - copied  # copied whole: the WAL restarts
+            self._watch_wal()
+
+    def _watch_wal(self) -> None:
+        """Log once per crossing a WAL that grew past `WAL_WARN_BYTES`: checkpoints cannot
+        copy it back, because a reader (another connection's open read transaction) still
+        uses its older frames, so it cannot restart and only grows."""
+        wal_bytes = self._wal_frames * self.page_size
+        if wal_bytes < WAL_WARN_BYTES:
+            self._wal_warned = False
+        elif not self._wal_warned:
+            self._wal_warned = True
+            path = self.file.path if self.file is not None else database_name(self.conn)
+            _observe.wal_not_checkpointed(path, wal_bytes, self._wal_frames, WAL_WARN_BYTES)
+
+
+@asynccontextmanager
+async def open_thread_executor(
+    conn: sqlite3.Connection,
+    clock: Callable[[], float],
+    reader: ChangeReader,
+    *,
+    inline_conn: sqlite3.Connection | None = None,
+    file: DatabaseFile | None = None,
+) -> AsyncIterator[ThreadExecutor]:
+    """A `ThreadExecutor` whose pump lives in its own nursery, for the block's duration.
+
+    `inline_conn` (from `connect_nonblocking`) enables the lone-caller fast path; `file`,
+    the check that the database file is still the one opened, at every write batch.
+    """
+    page_size = int(conn.execute("PRAGMA page_size").fetchone()[0])
+    executor = ThreadExecutor(
+        conn, clock, reader, inline_conn=inline_conn, file=file, page_size=page_size
+    )
+    async with (
+        trio.open_nursery() as nursery,
+        pumping(executor._handoff, executor._hand_off, executor._checkpoint_if_due),
+    ):
+        executor._nursery = nursery
+        yield executor
+
+
+@attrs.frozen
+class SQLiteStore:
+    """An SQLite file, and how to reach it from trio (the embedded default, one host).
+
+    `inline=True` runs SQLite on the trio thread (deterministic tests with a virtual clock);
+    the default hands work to a thread and groups concurrent operations per hand-off.
+    `synchronous` is SQLite's durability setting for every connection: `"NORMAL"` (default)
+    survives a process crash, but the newest commits may roll back after a power loss or an
+    OS crash; `"FULL"` makes a commit that returned survive those too (an fsync per commit).
+    """
+
+    path: str | os.PathLike[str]
+    inline: bool = False
+    synchronous: str = attrs.field(
+        default="NORMAL", kw_only=True, validator=lambda _s, _a, value: check_synchronous(value)
+    )
+    # Test seam: wraps each connection the runtime opens, e.g. to raise
+    # sqlite3.OperationalError at a chosen statement (fault injection, counting).
+    wrap_connection: Callable[[sqlite3.Connection], Any] | None = attrs.field(
+        default=None, kw_only=True, repr=False
+    )
+
+    @asynccontextmanager
+    async def open_executor(
+        self, clock: Callable[[], float] | None
+    ) -> AsyncIterator[InlineExecutor | ThreadExecutor]:
+        # One host: the lease clock is the runtime's (wall clock unless a test passes one).
+        clock = clock or time.time
+        with contextlib.ExitStack() as connections:
+            if self.inline:
+                conn = connections.enter_context(
+                    contextlib.closing(connect(self.path, synchronous=self.synchronous))
+                )
+                file = DatabaseFile.opened(self.path)
+                reader = self._reader(connections, clock, CHANGE_POLL)
+                yield InlineExecutor(self._wrapped(conn), clock, reader, file=file)
+                return
+            conn = connections.enter_context(
+                contextlib.closing(
+                    await trio.to_thread.run_sync(
+                        functools.partial(connect, self.path, synchronous=self.synchronous)
+                    )
+                )
+            )
+            file = DatabaseFile.opened(self.path)
+            inline_conn = connections.enter_context(
+                contextlib.closing(connect_nonblocking(self.path, synchronous=self.synchronous))
+            )
+            reader = self._reader(connections, clock, CHANGE_POLL)
+            async with open_thread_executor(
+                self._wrapped(conn),
+                clock,
+                reader,
+                inline_conn=self._wrapped(inline_conn),
+                file=file,
+            ) as executor:
+                yield executor
+
+    def _reader(
+        self, connections: contextlib.ExitStack, clock: Callable[[], float], poll: float
+    ) -> ChangeReader:
+        conn = connections.enter_context(
+            contextlib.closing(connect_nonblocking(self.path, synchronous=self.synchronous))
+        )
+        conn.execute("SELECT 1 FROM sqlite_master LIMIT 1")  # the WAL file exists from here
+        watch = open_watch(f"{os.fspath(self.path)}-wal")
+        if watch is not None:
+            connections.callback(watch.close)
+        return ChangeReader(conn, clock, poll, watch)
+
+    def _wrapped(self, conn: sqlite3.Connection) -> sqlite3.Connection:
+        return conn if self.wrap_connection is None else self.wrap_connection(conn)

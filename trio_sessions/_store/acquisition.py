@@ -1,0 +1,305 @@
+"""Acquisition: taking a session's claim (`acquire`), and the writes that ring a doorbell and
+take the claim it rings for in one transaction (`wake_and_acquire`, `submit_and_acquire`).
+
+Invariants kept here:
+* the acquire path inserts a claim only when no `session_execution` row exists for the
+  session (never an overwrite, live or expired, own or foreign), the session is not paused
+  and the doorbell is set; it takes the doorbell in the same transaction, under the session
+  lock;
+* a claim taken in the transaction that rang the doorbell takes it at once, so the doorbell
+  is never written; a write that cannot take the claim (held, paused) leaves it rung;
+* on PostgreSQL each operation is one call of its server-side function (`PG_FUNCTIONS`
+  below); a claim row carrying the caller's own execution id is that call's, landed before
+  a lost reply.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from .. import _decisions
+from .._backend import FALLBACK, Tx, autocommit_when_alone, pg_batched
+from .._decisions import AcquireVerdict
+from .common import _claim_row, _paused, _take_doorbell
+from .inputs import _ensure_session, _insert_input, _known_input, submit, wake
+
+
+@attrs.frozen
+class Acquired:
+    """The result of the acquire transaction."""
+
+    verdict: AcquireVerdict
+    attempt: int = 0
+    holder: str | None = None
+
+
+@autocommit_when_alone
+def acquire(tx: Tx, session_id: str, execution_id: str, owner_id: str, lease_ms: int) -> Acquired:
+    """Insert the claim only if no claim row exists, the session is not paused and the
+    doorbell is set; take the doorbell."""
+    if tx.dialect == "postgres":
+        [row] = tx.call("ts_acquire", session_id, execution_id, owner_id, lease_ms)
+        return _pg_acquired(*row)
+    tx.lock_session(session_id)
+    session = tx.one("SELECT time_woken, time_paused FROM session WHERE id = ?", (session_id,))
+    claim = _claim_row(tx, session_id)
+    verdict = _decisions.acquire_verdict(
+        doorbell_set=session is not None and session[0] is not None,
+        claim_row=claim,
+        paused=session is not None and session[1] is not None,
+    )
+    if verdict is not AcquireVerdict.CLAIM:
+        return Acquired(verdict, holder=None if claim is None else claim.owner_id)
+    return _insert_claim(tx, session_id, execution_id, owner_id, lease_ms)
+
+
+def wake_and_acquire(
+    tx: Tx, session_id: str, execution_id: str, owner_id: str, lease_ms: int
+) -> tuple[None, Acquired]:
+    """`wake` and the acquire it rings for, in one transaction.
+
+    When the claim is taken here, the doorbell is rung and taken at once, so it is never
+    written: the same durable result with fewer pages per commit.
+    """
+    if tx.dialect == "postgres":
+        [row] = tx.call(
+            "ts_wake_and_acquire", session_id, execution_id, owner_id, lease_ms, idempotent=False
+        )
+        return None, _pg_acquired(*row)
+    tx.lock_session(session_id)
+    claim = _claim_row(tx, session_id)
+    if claim is not None:
+        wake(tx, session_id)
+        return None, Acquired(AcquireVerdict.HELD, holder=claim.owner_id)
+    if _paused(tx, session_id):
+        wake(tx, session_id)  # kept for `resume`
+        return None, Acquired(AcquireVerdict.PAUSED)
+    _ensure_session(tx, session_id)
+    return None, _insert_claim(tx, session_id, execution_id, owner_id, lease_ms)
+
+
+def _pg_submitted_and_acquired(args: tuple[Any, ...], row: tuple[Any, ...]) -> Any:
+    """`ts_submit_and_acquire`'s row as `submit_and_acquire` answers; `FALLBACK` for an
+    input id stored with another session or payload text (nothing was written)."""
+    input_verdict, *acquired = row
+    if input_verdict not in ("stored", "known"):
+        return FALLBACK
+    return args[2], _pg_acquired(*acquired)
+
+
+@autocommit_when_alone
+@pg_batched("ts_submit_and_acquire_many", _pg_submitted_and_acquired)
+def submit_and_acquire(
+    tx: Tx,
+    session_id: str,
+    payload: str,
+    input_id: str,
+    execution_id: str,
+    owner_id: str,
+    lease_ms: int,
+) -> tuple[str, Acquired]:
+    """`submit` and the acquire it rings for, in one transaction (see `wake_and_acquire`)."""
+    if tx.dialect == "postgres":
+        args = (session_id, payload, input_id, execution_id, owner_id, lease_ms)
+        [row] = tx.call("ts_submit_and_acquire", *args)
+        result = _pg_submitted_and_acquired(args, row)
+        if result is not FALLBACK:
+            return result  # type: ignore[no-any-return]
+        # Another session's id, or another payload text: nothing was written; the path
+        # below decides (in a transaction).
+    tx.lock_session(session_id)
+    claim = _claim_row(tx, session_id)
+    if (
+        claim is not None
+        or _known_input(tx, session_id, input_id, payload)
+        or _paused(tx, session_id)
+    ):
+        stored = submit(tx, session_id, payload, input_id)
+        return stored, acquire(tx, session_id, execution_id, owner_id, lease_ms)
+    session = _insert_input(tx, session_id, payload, input_id, ring=False)
+    return input_id, _insert_claim(tx, session_id, execution_id, owner_id, lease_ms, session)
+
+
+def _pg_acquired(verdict: str, attempt: int | None, holder: str | None) -> Acquired:
+    """A PostgreSQL acquire verdict (`ts_acquire_locked`) as `Acquired`."""
+    return Acquired(AcquireVerdict(verdict), attempt=int(attempt or 0), holder=holder)
+
+
+def _insert_claim(
+    tx: Tx,
+    session_id: str,
+    execution_id: str,
+    owner_id: str,
+    lease_ms: int,
+    session: tuple[int | None, int] | None = None,
+) -> Acquired:
+    """Insert the claim for a session known to have no claim row; take a set doorbell.
+
+    `session` is the session's (time_woken, wake_attempts) when this transaction already
+    read them; `anchor_seq` is the newest message seq, read in the insert itself."""
+    if session is None:
+        session = tx.one(
+            "SELECT time_woken, wake_attempts FROM session WHERE id = ?", (session_id,)
+        )
+    time_woken, attempts = session
+    tx.execute(
+        "INSERT INTO session_execution"
+        "(id, session_id, owner_id, phase, anchor_seq, time_created, heartbeat_at, expires_at)"
+        " VALUES (?, ?, ?, 'running',"
+        " (SELECT MAX(seq) FROM session_message WHERE session_id = ?), ?, NULL, ?)",
+        (execution_id, session_id, owner_id, session_id, tx.now, tx.now + lease_ms),
+    )
+    if time_woken is not None:
+        _take_doorbell(tx, session_id)
+    return Acquired(AcquireVerdict.CLAIM, attempt=int(attempts))
+
+
+# ---------------------------------------------------------------------------------------------
+# PostgreSQL: this family's server-side functions (created by `_schema`'s migrations; see
+# `_store.pg_functions` for their conventions)
+
+PG_FUNCTIONS = r"""
+-- Under the session lock: insert the claim only if no claim row exists for the session
+-- (never an overwrite), the session is not paused and the doorbell is set (p_doorbell: the
+-- caller rang it in this same call), and take the doorbell. Verdicts: claim (attempt),
+-- held (holder), paused, no_doorbell. A
+-- claim row carrying this very execution id is this call's own, landed before a lost reply.
+CREATE OR REPLACE FUNCTION ts_acquire_locked(p_session text, p_exec text, p_owner text,
+    p_lease bigint, p_at bigint, p_doorbell boolean,
+    OUT verdict text, OUT attempt bigint, OUT holder text)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_claim text; v_woken bigint; v_paused bigint;
+BEGIN
+    SELECT c.id, c.owner_id INTO v_claim, holder FROM session_execution c
+        WHERE c.session_id = p_session;
+    IF FOUND THEN
+        IF v_claim = p_exec THEN
+            verdict := 'claim';
+            holder := NULL;
+            SELECT s.wake_attempts INTO attempt FROM session s WHERE s.id = p_session;
+        ELSE
+            verdict := 'held';
+        END IF;
+        RETURN;
+    END IF;
+    SELECT s.time_woken, s.wake_attempts, s.time_paused INTO v_woken, attempt, v_paused
+        FROM session s WHERE s.id = p_session;
+    IF FOUND AND v_paused IS NOT NULL THEN
+        verdict := 'paused';  -- the doorbell stays set for resume
+        attempt := NULL;
+        RETURN;
+    END IF;
+    IF NOT FOUND OR (v_woken IS NULL AND NOT p_doorbell) THEN
+        verdict := 'no_doorbell';
+        attempt := NULL;
+        RETURN;
+    END IF;
+    INSERT INTO session_execution(id, session_id, owner_id, phase, anchor_seq, time_created,
+            heartbeat_at, expires_at)
+        VALUES (p_exec, p_session, p_owner, 'running',
+            (SELECT MAX(m.seq) FROM session_message m WHERE m.session_id = p_session),
+            p_at, NULL, p_at + p_lease);
+    IF v_woken IS NOT NULL THEN
+        UPDATE session SET time_woken = NULL, wakes = 0 WHERE id = p_session;
+    END IF;
+    verdict := 'claim';
+END $$;
+
+-- acquire (see ts_acquire_locked). Idempotent by execution id.
+CREATE OR REPLACE FUNCTION ts_acquire(p_session text, p_exec text, p_owner text,
+    p_lease bigint, p_now bigint, p_retry boolean,
+    OUT verdict text, OUT attempt bigint, OUT holder text)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_now bigint;
+BEGIN
+    PERFORM ts_lock(p_session);
+    v_now := ts_now(p_now);
+    SELECT a.verdict, a.attempt, a.holder INTO verdict, attempt, holder
+        FROM ts_acquire_locked(p_session, p_exec, p_owner, p_lease, v_now, false) a;
+END $$;
+
+-- submit and the acquire it rings for, in one call: when the claim is taken here the
+-- doorbell is rung and taken at once, so it is never written. Input verdicts as ts_submit
+-- (other_*: nothing written, no acquire); then the acquire's. Idempotent by input id and
+-- execution id.
+CREATE OR REPLACE FUNCTION ts_submit_and_acquire(p_session text, p_payload text,
+    p_input text, p_exec text, p_owner text, p_lease bigint, p_now bigint, p_retry boolean,
+    OUT input_verdict text, OUT verdict text, OUT attempt bigint, OUT holder text)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_now bigint; v_held boolean;
+BEGIN
+    PERFORM ts_lock(p_session);
+    v_now := ts_now(p_now);
+    input_verdict := ts_known_input(p_session, p_input, p_payload);
+    IF input_verdict IN ('other_session', 'other_payload') THEN
+        RETURN;
+    END IF;
+    v_held := EXISTS (SELECT 1 FROM session_execution c WHERE c.session_id = p_session)
+        OR EXISTS (SELECT 1 FROM session s WHERE s.id = p_session
+                   AND s.time_paused IS NOT NULL);
+    IF input_verdict IS NULL THEN
+        -- Rung only if a claim already holds the session (or it is paused: kept for
+        -- resume): else the claim below takes it.
+        PERFORM ts_insert_input(p_session, p_payload, p_input, v_held, v_now);
+        input_verdict := 'stored';
+    END IF;
+    SELECT a.verdict, a.attempt, a.holder INTO verdict, attempt, holder
+        FROM ts_acquire_locked(p_session, p_exec, p_owner, p_lease, v_now,
+                               input_verdict = 'stored') a;
+END $$;
+
+-- wake and the acquire it rings for: a claim taken here takes the wake at once.
+CREATE OR REPLACE FUNCTION ts_wake_and_acquire(p_session text, p_exec text, p_owner text,
+    p_lease bigint, p_now bigint, p_retry boolean,
+    OUT verdict text, OUT attempt bigint, OUT holder text)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_now bigint;
+BEGIN
+    PERFORM ts_lock(p_session);
+    v_now := ts_now(p_now);
+    IF EXISTS (SELECT 1 FROM session_execution c WHERE c.session_id = p_session
+               AND c.id <> p_exec)
+            OR EXISTS (SELECT 1 FROM session s WHERE s.id = p_session
+                       AND s.time_paused IS NOT NULL) THEN
+        -- Held by another claim, or paused (kept for resume): the wake is recorded.
+        PERFORM ts_signal(p_session);
+        INSERT INTO session AS s (id, time_created, time_woken, wakes)
+            VALUES (p_session, v_now, v_now, 1)
+            ON CONFLICT (id) DO UPDATE SET time_woken = COALESCE(s.time_woken, v_now),
+                wakes = s.wakes + 1;
+    ELSE
+        INSERT INTO session(id, time_created) VALUES (p_session, v_now)
+            ON CONFLICT (id) DO NOTHING;
+    END IF;
+    SELECT a.verdict, a.attempt, a.holder INTO verdict, attempt, holder
+        FROM ts_acquire_locked(p_session, p_exec, p_owner, p_lease, v_now, true) a;
+END $$;
+
+-- Group commit, set-wise: one call for a batch's submit_and_acquire jobs (one array per
+-- argument). Rows (ordinal, ts_submit_and_acquire's row), in lock order - the sessions'
+-- (hashtext, id), arrival order among equals - so two writers never deadlock on them.
+CREATE OR REPLACE FUNCTION ts_submit_and_acquire_many(p_sessions text[], p_payloads text[],
+    p_inputs text[], p_execs text[], p_owners text[], p_leases bigint[], p_now bigint,
+    p_retry boolean)
+RETURNS TABLE(ord bigint, input_verdict text, verdict text, attempt bigint, holder text)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    r record;
+BEGIN
+    FOR r IN SELECT u.s, u.p, u.i, u.e, u.o, u.l, u.n
+             FROM unnest(p_sessions, p_payloads, p_inputs, p_execs, p_owners, p_leases)
+                 WITH ORDINALITY AS u(s, p, i, e, o, l, n)
+             ORDER BY hashtext(u.s), u.s, u.n LOOP
+        SELECT r.n, a.input_verdict, a.verdict, a.attempt, a.holder
+            INTO ord, input_verdict, verdict, attempt, holder
+            FROM ts_submit_and_acquire(r.s, r.p, r.i, r.e, r.o, r.l, p_now, p_retry) a;
+        RETURN NEXT;
+    END LOOP;
+END $$;
+"""

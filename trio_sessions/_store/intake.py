@@ -1,0 +1,217 @@
+"""Taking inputs: the oldest due pending inputs of the claim's session become user messages of
+its execution (`take_inputs`), one chunk per transaction.
+
+Invariants kept here:
+* under the claim fence (`_require_claim_session`): an execution that lost its claim takes
+  nothing, and `LeaseLost` says so with nothing written; a claim marked cancelling takes
+  nothing either (its successor will);
+* an input is either pending in `session_input` or a user message, never both, never none:
+  the messages are written and the inputs deleted in one transaction, in seq order;
+* an input that does not decode to a JSON object never blocks those behind it: it is set
+  aside in `session_input_rejected`, raw text and reason kept;
+* scheduled inputs not yet due stay pending, unseen; when more due inputs remain than one
+  chunk takes, the doorbell is rung, so none is stranded.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from .. import _codec
+from .._backend import Tx
+from .._errors import MalformedRecord
+from .._model import Input
+from .common import (
+    _IN_CHUNK,
+    DUE,
+    _lease_lost,
+    _next_message_seq,
+    _require_claim_session,
+    _ring,
+    new_id,
+)
+
+# The most inputs one `take_inputs` takes unless told: one transaction of a few ms on the
+# event loop however large the backlog (DESIGN §6.26); a drain calls again for the rest.
+TAKE_INPUTS_CHUNK = 200
+
+
+def take_inputs(
+    tx: Tx, session_id: str, execution_id: str, owner_id: str, limit: int = TAKE_INPUTS_CHUNK
+) -> list[Input]:
+    """Consume the oldest `limit` due pending inputs in seq order, appending each as a user
+    message (claim fence). Scheduled inputs not yet due by the lease clock stay pending,
+    unseen. When more due ones are pending, the doorbell is rung, so the rest are taken by
+    a further call or by the busy period's next iteration - never stranded.
+
+    An input whose payload does not decode to a JSON object never blocks the ones behind
+    it: it moves to `session_input_rejected` (raw text and reason kept for the operator).
+    A claim marked cancelling takes nothing: its drain is being interrupted, and the
+    inputs are left for the successor its cleanup rings for (DESIGN §5.1, on_busy).
+    """
+    if tx.dialect == "postgres":
+        found = tx.call(
+            "ts_take_inputs", session_id, execution_id, owner_id, limit, idempotent=False
+        )
+        if found[0][0] == "lease_lost":
+            raise _lease_lost(execution_id)
+        if found[0][0] == "ok":
+            return [
+                Input(key, _codec.decode_object(payload, table="session_input", key=key))
+                for _, key, payload in found[1:]
+            ]
+        # mixed: some input of the chunk is not a plain JSON object; nothing was written,
+        # the path below sets such inputs aside.
+    claimed = _require_claim_session(tx, session_id, execution_id, owner_id)
+    if claimed.phase == "cancelling":
+        return []
+    tx.notify(session_id)
+    due = {"session": session_id, "now": tx.now}
+    # One more than the chunk, to learn whether any are left without counting them.
+    rows = tx.execute(
+        f"SELECT id, seq, payload FROM session_input WHERE session_id = :session AND {DUE}"
+        " ORDER BY seq LIMIT :limit",
+        {**due, "limit": limit + 1},
+    ).fetchall()
+    more = len(rows) > limit
+    rows = rows[:limit]
+    taken = []
+    messages: list[tuple[Any, ...]] = []
+    seq = _next_message_seq(tx, session_id)
+    for input_id, input_seq, payload in rows:
+        try:
+            decoded = _codec.decode_object(payload, table="session_input", key=input_id)
+        except MalformedRecord as exc:
+            tx.execute(
+                "INSERT INTO session_input_rejected(id, session_id, seq, payload, reason,"
+                " time_created) VALUES (?, ?, ?, ?, ?, ?)",
+                (input_id, session_id, input_seq, payload, str(exc), tx.now),
+            )
+            continue
+        taken.append(Input(input_id, decoded))
+        messages.append(
+            (new_id(), session_id, execution_id, input_id, seq, payload, tx.now, tx.now)
+        )
+        seq += 1
+    # A few multi-row statements for the whole chunk, not one per input.
+    per_statement = _IN_CHUNK // 8  # eight parameters per row
+    for start in range(0, len(messages), per_statement):
+        batch = messages[start : start + per_statement]
+        tx.execute(
+            "INSERT INTO session_message(id, session_id, execution_id, input_id, role, seq, data,"
+            " time_created, time_updated, finished) VALUES "
+            + ", ".join(["(?, ?, ?, ?, 'user', ?, ?, ?, ?, 1)"] * len(batch)),
+            tuple(itertools.chain.from_iterable(batch)),
+        )
+    if rows:
+        # Due ones only: a scheduled input among them stays for its time.
+        tx.execute(
+            f"DELETE FROM session_input WHERE session_id = :session AND seq <= :last AND {DUE}",
+            {**due, "last": rows[-1][1]},
+        )
+    if more:
+        _ring(tx, session_id)
+    return taken
+
+
+# ---------------------------------------------------------------------------------------------
+# PostgreSQL: this family's server-side functions (created by `_schema`'s migrations; see
+# `_store.pg_functions` for their conventions)
+
+PG_FUNCTIONS = r"""
+-- Whether an input's payload is certainly a JSON object the library's codec accepts: the
+-- fast path of ts_take_inputs takes only such inputs, and leaves every other case (not
+-- JSON, not an object, and the few JSON texts Python's codec refuses: floats beyond the
+-- double range, nesting deeper than its recursion limit) to the library's own path.
+CREATE OR REPLACE FUNCTION ts_json_object(p_payload text) RETURNS boolean
+LANGUAGE plpgsql IMMUTABLE AS $$
+BEGIN
+    RETURN json_typeof(p_payload::json) = 'object';
+EXCEPTION WHEN invalid_text_representation THEN
+    RETURN false;
+END $$;
+
+CREATE OR REPLACE FUNCTION ts_plain_object(p_payload text) RETURNS boolean
+LANGUAGE plpgsql IMMUTABLE AS $$
+BEGIN
+    IF p_payload ~ '[0-9][eE]\+?[0-9]{3}' OR p_payload ~ '[0-9]{255}'
+            OR length(p_payload) - length(translate(p_payload, '[{', '')) > 500 THEN
+        RETURN false;
+    END IF;
+    IF current_setting('server_version_num')::int < 160000 THEN
+        RETURN ts_json_object(p_payload);  -- a subtransaction per input: older servers only
+    END IF;
+    RETURN pg_input_is_valid(p_payload, 'json') AND json_typeof(p_payload::json) = 'object';
+END $$;
+
+-- take_inputs' fast path: the oldest p_limit due inputs of the claim's session become user
+-- messages of this execution, in seq order, if each is a plain JSON object
+-- (ts_plain_object); when more due inputs remain, the doorbell is rung (as `_ring`), so
+-- they are never stranded. Rows: first (verdict, NULL, NULL) - ok, lease_lost, or mixed
+-- (nothing written: the caller's own path sets the others aside) - then (NULL, input id,
+-- payload) per input taken. Not idempotent: a lost reply is read back by the
+-- transaction's id.
+CREATE OR REPLACE FUNCTION ts_take_inputs(p_session text, p_exec text, p_owner text,
+    p_limit bigint, p_now bigint, p_retry boolean)
+RETURNS TABLE(verdict text, input_id text, payload text)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_session text; v_now bigint; v_seq bigint; v_more boolean;
+BEGIN
+    SELECT l.session_id, l.now INTO v_session, v_now
+        FROM ts_lock_execution(p_session, p_exec, p_now) l;
+    IF v_session IS NULL OR NOT ts_holds(p_exec, p_owner, v_now) THEN
+        RETURN QUERY SELECT 'lease_lost', NULL::text, NULL::text;
+        RETURN;
+    END IF;
+    -- A claim marked cancelling takes nothing: its successor does.
+    IF EXISTS (SELECT 1 FROM session_execution c WHERE c.id = p_exec
+               AND c.phase = 'cancelling') THEN
+        RETURN QUERY SELECT 'ok', NULL::text, NULL::text;
+        RETURN;
+    END IF;
+    -- Only due inputs (scheduled ones once their time has come), the oldest p_limit.
+    IF EXISTS (SELECT 1 FROM (SELECT i.payload FROM session_input i
+                              WHERE i.session_id = v_session
+                              AND (i.due_at IS NULL OR i.due_at <= v_now)
+                              ORDER BY i.seq LIMIT p_limit) c
+               WHERE NOT ts_plain_object(c.payload)) THEN
+        RETURN QUERY SELECT 'mixed', NULL::text, NULL::text;
+        RETURN;
+    END IF;
+    v_more := EXISTS (SELECT 1 FROM session_input i WHERE i.session_id = v_session
+                      AND (i.due_at IS NULL OR i.due_at <= v_now)
+                      ORDER BY i.seq OFFSET p_limit LIMIT 1);
+    SELECT COALESCE(MAX(m.seq), 0) INTO v_seq FROM session_message m
+        WHERE m.session_id = v_session;
+    RETURN QUERY SELECT 'ok', NULL::text, NULL::text;
+    RETURN QUERY
+    WITH chunk AS (
+        SELECT i.seq FROM session_input i WHERE i.session_id = v_session
+            AND (i.due_at IS NULL OR i.due_at <= v_now)
+            ORDER BY i.seq LIMIT p_limit),
+    taken AS (
+        DELETE FROM session_input i USING chunk k
+            WHERE i.session_id = v_session AND i.seq = k.seq
+        RETURNING i.id, i.seq, i.payload),
+    ordered AS (
+        SELECT t.id, t.payload, v_seq + row_number() OVER (ORDER BY t.seq) AS seq FROM taken t),
+    added AS (
+        INSERT INTO session_message(id, session_id, execution_id, input_id, role, seq, data,
+                time_created, time_updated, finished)
+            SELECT lpad(to_hex(v_now), 12, '0')
+                    || substr(md5(random()::text || clock_timestamp()::text || o.id), 1, 20),
+                v_session, p_exec, o.id, 'user', o.seq, o.payload, v_now, v_now, 1
+            FROM ordered o
+            RETURNING session_message.input_id, session_message.data, session_message.seq)
+    SELECT NULL::text, a.input_id, a.data FROM added a ORDER BY a.seq;
+    IF FOUND OR v_more THEN
+        PERFORM ts_signal(v_session);
+    END IF;
+    IF v_more THEN
+        UPDATE session SET time_woken = COALESCE(time_woken, v_now), wakes = wakes + 1
+            WHERE id = v_session;
+    END IF;
+END $$;
+"""
