@@ -207,8 +207,9 @@ async def test_upgrade_of_a_version_1_schema_adds_streaming(pg_url: str, pg_sche
     with opened(PostgresStore(pg_url, schema=pg_schema).engine()):
         pass
     assert location.rows("SELECT version FROM schema_version") == [(SCHEMA_VERSION,)]
-    # 2: streaming; 3: owner liveness; 4: conversation control; 5: the server-side functions
-    assert SCHEMA_VERSION == 5
+    # 2: streaming; 3: owner liveness; 4: conversation control; 5: the server-side functions;
+    # 6: one notification per transaction
+    assert SCHEMA_VERSION == 6
     await check_pre_streaming_upgrade(location, PostgresStore(pg_url, schema=pg_schema))
 
 

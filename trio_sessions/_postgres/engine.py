@@ -12,8 +12,16 @@ error. An operation marked `autocommit_when_alone` that runs alone is one autoco
 Serialisation failures, deadlocks, lock and statement timeouts (40001, 40P01, 55P03, 57014)
 retry the whole transaction with a small, bounded backoff; a connection lost before COMMIT
 is re-opened and the transaction re-run (nothing committed). Other database errors reach
-the caller as `StoreError`. Sessions a transaction signals (`tx.notify`) get one `pg_notify`
-per session just before its COMMIT, on the schema's channel.
+the caller as `StoreError`.
+
+Signals (DESIGN §8 "Notifications scale"): at most one `pg_notify` per transaction, on the
+schema's channel, its payload the signalled sessions one per line (or empty: look at
+everything, when they do not fit). A batch begins with `trio_sessions.defer_signals` set, so
+its functions defer their signals (`ts_signal`); the sessions pending there and those the
+client signalled (`tx.notify`) go in one `ts_flush_signals` just before COMMIT, in the
+statement that reads the transaction's id. Alone, a function call signals its own
+session itself (autocommit stays one round trip), and a client signal is flushed the same
+way - duplicates of one payload within a transaction are dropped by the server.
 
 Uncertain COMMIT: just before COMMIT the transaction's id is read (or taken from the reply
 of its last function call). If the connection breaks during COMMIT, the outcome is unknown:
@@ -52,8 +60,8 @@ from .._backend import (
 )
 from .._errors import StoreError
 from .._naming import check_postgres_name, check_schema
-from .connections import channel, connect, migrate, schema_version
-from .transactions import _BEGIN, _BEGIN_NOWAIT, _BEGIN_READ, Mode, PgTx
+from .connections import connect, migrate, schema_version
+from .transactions import _BEGIN, _BEGIN_BATCH, _BEGIN_NOWAIT, _BEGIN_READ, Mode, PgTx
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
@@ -120,7 +128,6 @@ class PgEngine:
         self.wrap_connection = wrap_connection
         self.conn: Any = None
         self.backend_pid: int | None = None
-        self.channel = channel(schema)
         self.transactions = 0
         self.retries = 0
         self.reconnects = 0
@@ -340,21 +347,30 @@ class PgEngine:
     ) -> list[Any]:
         self.transactions += 1
         nowait = mode == "nowait"
-        begin = _BEGIN_NOWAIT if nowait else _BEGIN_READ if mode == "read" else _BEGIN
+        # A batch's functions defer their signals to one notification before COMMIT; alone,
+        # an operation's calls signal its own session themselves (at most one notification,
+        # and no statement of its own for it).
+        if nowait:
+            begin = _BEGIN_NOWAIT
+        elif mode == "read":
+            begin = _BEGIN_READ
+        else:
+            begin = _BEGIN if alone else _BEGIN_BATCH
         tx = PgTx(conn, self.clock, begin=begin)
         xid = None
         try:
             results = self._run_jobs(tx, jobs)
             # Read just before COMMIT (not at BEGIN): only a transaction that wrote has an
-            # id, and a read-only one needs no read-back. The signals travel with it (a
-            # notification alone assigns no id before COMMIT: re-sent after an uncertain
-            # COMMIT, it costs a duplicate wake-up, which the doorbell absorbs). A
-            # transaction that ended with a function call has its id already.
-            if tx.notified:
+            # id, and a read-only one needs no read-back. The signals travel with it, in
+            # one notification for the whole transaction (a notification assigns no id
+            # before COMMIT: re-sent after an uncertain COMMIT, it costs a duplicate
+            # wake-up, which the doorbell absorbs). A transaction that ended with a
+            # function call has its id already.
+            if tx.notified or tx.signals_pending:
                 xid = tx.one(
                     "SELECT pg_current_xact_id_if_assigned()::text,"
-                    " (SELECT count(pg_notify(?, s)) FROM unnest(CAST(? AS text[])) AS s)",
-                    (self.channel, list(tx.notified)),
+                    " ts_flush_signals(CAST(? AS text[]))",
+                    (list(tx.notified),),
                 )[0]
             elif tx.xid_fresh or mode == "read":
                 xid = tx.xid

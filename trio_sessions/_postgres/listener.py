@@ -3,8 +3,10 @@ server (never through a transaction-mode pooler): the LISTEN connection (`PgList
 the liveness token's connection (`token_connection`, used by `_liveness`).
 
 The listener: one autocommit LISTEN connection per executor on the schema's channel,
-awaited trio-natively on libpq's socket. A notification's payload is a session id; the
-`wanted` filter decides per session (and per sending backend) whether it is worth a look.
+awaited trio-natively on libpq's socket. A notification's payload is the sessions one
+transaction signalled, one per line (session ids are printable: no line breaks), or empty
+when they did not fit a payload: look at everything. The `wanted` filter decides per session
+(and per sending backend) whether it is worth a look.
 
 Invariants:
 * nothing is ever in flight on the listener, so waiting is cancellable at any instant;
@@ -30,6 +32,11 @@ from .. import _observe
 from .._backend import driver_error
 from .._errors import StoreError
 from .connections import channel, connect
+
+# The payload of a transaction whose signalled sessions did not fit one (`ts_flush_signals`):
+# every session may have changed.
+LOOK_AT_EVERYTHING = ""
+
 
 # ---------------------------------------------------------------------------------------------
 # Signals between processes
@@ -123,8 +130,12 @@ class PgListener:
     ) -> bool:
         got = False
         while (notify := pgconn.notifies()) is not None:
-            session_id = notify.extra.decode(errors="replace")
-            got = got or wanted is None or wanted(notify.be_pid, session_id)
+            payload = notify.extra.decode(errors="replace")
+            if payload == LOOK_AT_EVERYTHING:
+                got = True  # which sessions changed is unknown: rescan, as after a reconnect
+                continue
+            for session_id in payload.split("\n"):
+                got = got or wanted is None or wanted(notify.be_pid, session_id)
         return got
 
 

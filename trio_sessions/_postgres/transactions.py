@@ -15,8 +15,9 @@ Invariants:
 * `lock_session` is a transaction-scoped advisory lock, held to COMMIT: the serialisation
   point `_store` relies on under READ COMMITTED; claim rows are locked in sorted order, so
   two lockers of overlapping sets never deadlock;
-* the sessions a transaction signals are only collected here (`tx.notified`); the engine
-  sends them just before COMMIT, so the server delivers them only if it commits.
+* the sessions a transaction signals are only collected here (`tx.notified`, and in a
+  batch the functions' deferred ones, `signals_pending`); the engine sends them in one
+  notification just before COMMIT, so the server delivers it only if it commits.
 """
 
 from __future__ import annotations
@@ -48,6 +49,11 @@ _LOCK_SESSION_ANY = _LOCK_SESSION.replace("%s", "?")
 _BEGIN = "BEGIN ISOLATION LEVEL READ COMMITTED; "
 _BEGIN_READ = "BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY; "
 _BEGIN_NOWAIT = f"{_BEGIN}SET LOCAL lock_timeout = {NOWAIT_LOCK_TIMEOUT_MS}; "
+# A group-commit batch: the functions defer their signals to the engine's one notification
+# before COMMIT (`ts_signal`, `ts_flush_signals`).
+_BEGIN_BATCH = f"{_BEGIN}SET LOCAL trio_sessions.defer_signals = on; "
+# The sessions deferred so far, read in a call's reply: whether a flush is needed.
+_PENDING_SIGNALS = "COALESCE(current_setting('trio_sessions.signals', true), '') <> ''"
 
 # How a transaction runs: `write` (retried, group-committed), `nowait` (alone, a short
 # lock_timeout, lock waits not retried), `read` (alone, one REPEATABLE READ snapshot).
@@ -104,13 +110,20 @@ class PgTx:
         self.conn = conn
         self._clock = clock
         self._now: int | None = None
-        # Sessions to signal at COMMIT (insertion-ordered; one pg_notify per session).
+        # Sessions to signal at COMMIT (insertion-ordered), in the transaction's one
+        # notification (`ts_flush_signals`).
         self.notified: dict[str, None] = {}
+        # Whether a function deferred a signal (in a batch: `defers_signals`), so the
+        # engine flushes before COMMIT.
+        self.signals_pending = False
         # Advisory xact locks are re-entrant and held to COMMIT: taking one twice in a
         # transaction (two operations of a batch on one session) costs a round trip only.
         self._locked: set[str] = set()
         # A connection outside autocommit (a test's) begins its transactions itself.
         self._begin: str | None = None if autocommit or not conn.autocommit else begin
+        # In a batch the functions defer their signals to the transaction's one
+        # notification (`ts_signal`): its BEGIN sets `trio_sessions.defer_signals`.
+        self.defers_signals = self._begin == _BEGIN_BATCH
         self.autocommit = autocommit
         self.retry = retry
         self.begun = False  # a statement was sent (a transaction is open unless autocommit)
@@ -163,10 +176,19 @@ class PgTx:
         fixed_now = None if self._clock is None else now_ms(self._clock)
         params = (*args, fixed_now, self.retry)
         placeholders = ", ".join(["%s"] * len(params))
+        # The reply's last columns are read after the function ran (its rows are complete
+        # before the select list is evaluated): the transaction's id and, in a batch,
+        # whether signals are pending.
+        extra = f", {_PENDING_SIGNALS}" if self.defers_signals else ""
         rows = self._send(
-            f"SELECT f.*, pg_current_xact_id_if_assigned()::text FROM {function}({placeholders}) f",
+            f"SELECT f.*, pg_current_xact_id_if_assigned()::text{extra}"
+            f" FROM {function}({placeholders}) f",
             params,
         ).fetchall()
+        if self.defers_signals:
+            # No row: unknown, so flushed (a flush with nothing pending sends nothing).
+            self.signals_pending = self.signals_pending or not rows or bool(rows[-1][-1])
+            rows = [row[:-1] for row in rows]
         if rows:
             self.xid = rows[-1][-1]
             self.xid_fresh = True
@@ -193,8 +215,8 @@ class PgTx:
         self._now = None
 
     def notify(self, session_id: str) -> None:
-        # Sent once per transaction, just before COMMIT: the server delivers notifications
-        # only if it commits, and drops duplicates within one transaction anyway.
+        # Sent just before COMMIT, with the functions' deferred ones, in one notification:
+        # the server delivers it only if the transaction commits.
         self.notified[session_id] = None
 
     def free_tokens(self, owner_ids: Sequence[str] | None) -> set[str]:
