@@ -26,9 +26,10 @@ import trio
 from helpers import opened
 from psycopg import sql
 
-from trio_sessions import _store
+from trio_sessions import _store, _transcript
 from trio_sessions._backend import Job, Tx
 from trio_sessions._postgres import PostgresStore, channel, run_op
+from trio_sessions._postgres.executors import _wanted
 from trio_sessions._postgres.listener import PgListener
 
 SENTINEL = "sentinel"
@@ -150,7 +151,7 @@ async def test_the_listener_looks_at_each_session_a_notification_names(
     await listener.open()
     asked: list[str] = []
 
-    def wanted(pid: int, session_id: str) -> bool:
+    def wanted(pid: int, session_id: str, watchers_only: bool) -> bool:
         asked.append(session_id)
         return session_id == "c"  # only the last one: each is asked about
 
@@ -163,6 +164,73 @@ async def test_the_listener_looks_at_each_session_a_notification_names(
             asked.clear()
             other.execute("SELECT pg_notify(%s, %s)", (channel(pg_schema), ""))
             with trio.fail_after(10):
-                await listener.wait(trio.Event(), 60, lambda pid, session_id: False)
+                await listener.wait(trio.Event(), 60, lambda pid, session_id, watchers_only: False)
     finally:
         listener.close()
+
+
+def test_transcript_writes_signal_the_sessions_watchers_only(pg_url: str, pg_schema: str) -> None:
+    """A drain's transcript writes (taking inputs, beginning, appending, settling a message)
+    signal `\\t<session>`: a change only the session's watchers and streams need. Wakes,
+    submits and claim endings signal the bare id, which every runtime may need (a doorbell).
+    So a worker with no watcher ignores another worker's streamed tokens."""
+    with (
+        opened(PostgresStore(pg_url, schema=pg_schema).engine()) as engine,
+        listening(pg_url, pg_schema) as conn,
+    ):
+        run_op(engine, _store.submit_and_acquire, "s", "{}", "i1", "e1", "me", LEASE_MS)
+        run_op(engine, _store.take_inputs, "s", "e1", "me")
+        run_op(engine, _store.begin_assistant, "s", "e1", "me", "m1")
+        run_op(engine, _store.append_assistant_text, "s", "e1", "me", "m1", "hi", 0)
+        run_op(engine, _store.append_assistant_text, "s", "e1", "me", "m1", "!", None)
+        run_op(engine, _store.update_assistant, "s", "e1", "me", "m1", _transcript.finish)
+        run_op(engine, _store.wake, "s")
+        engine.run_batch(
+            [
+                Job(_store.append_assistant_text, ("s", "e1", "me", "m1", "late", None)),
+                Job(_store.wake, ("t",)),
+            ]
+        )
+        payloads = received(conn, pg_url, pg_schema)
+    # take_inputs, begin, two appends, finish; then the wake; then the batch, re-run job by
+    # job as its late append raised: the append wrote nothing, the wake signals.
+    assert payloads == ["\ts"] * 5 + ["s", "t"]
+
+
+async def test_the_listener_tells_a_watchers_only_change_from_a_doorbell(
+    pg_url: str, pg_schema: str
+) -> None:
+    """`wanted` is asked whether each session's change is for its watchers only."""
+    listener = PgListener(pg_url, pg_schema, inline=True)
+    await listener.open()
+    asked: list[tuple[str, bool]] = []
+
+    def wanted(pid: int, session_id: str, watchers_only: bool) -> bool:
+        asked.append((session_id, watchers_only))
+        return session_id == "c"
+
+    try:
+        with psycopg.connect(pg_url, autocommit=True) as other:
+            other.execute("SELECT pg_notify(%s, %s)", (channel(pg_schema), "\ta\nb\n\tc"))
+            with trio.fail_after(10):
+                await listener.wait(trio.Event(), 60, wanted)
+        assert asked == [("a", True), ("b", False), ("c", True)]
+    finally:
+        listener.close()
+
+
+def test_a_watchers_only_change_is_wanted_only_where_the_session_is_followed() -> None:
+    """The executors' filter: another process's doorbell is always worth a look; a
+    watchers-only change only where a watcher or stream follows the session; our own
+    writer's changes only where `own` says so."""
+
+    class Engine:
+        backend_pid = 7
+
+    wanted = _wanted(Engine(), lambda s: s == "mine-watched", lambda s: s == "followed")  # type: ignore[arg-type]
+    assert wanted(8, "any", False)
+    assert not wanted(8, "any", True)
+    assert wanted(8, "followed", True)
+    assert not wanted(7, "any", False)
+    assert wanted(7, "mine-watched", False)
+    assert not wanted(7, "followed", True)

@@ -1010,11 +1010,20 @@ class Runtime:
         latency only: the fallback poll and recovery still find the work."""
         while True:
             await self._db.wait_for_change(
-                self._kick, CHANGE_FALLBACK_POLL, own=self._watchers.watching
+                self._kick,
+                CHANGE_FALLBACK_POLL,
+                own=self._watchers.watching,
+                follows=self._follows,
             )
             self._kick = trio.Event()
             with contextlib.suppress(StoreError):  # looked at again at the next signal
                 await self._look_at_changes()
+
+    def _follows(self, session_id: str) -> bool:
+        """Whether a watcher or stream here follows the session: another process's
+        transcript-only change to any other session needs no look (a worker ignores the
+        tokens another worker streams)."""
+        return self._watchers.watching(session_id) or self._streams.watching(session_id)
 
     async def _look_at_changes(self) -> None:
         takes_wakes = self._drain is not None and not self._closing

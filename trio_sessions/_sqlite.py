@@ -319,8 +319,9 @@ class SQLiteTx:
     def lock_claims(self, execution_ids: Sequence[str]) -> None:
         pass
 
-    def notify(self, session_id: str) -> None:
-        # Other connections notice every commit through `PRAGMA data_version`.
+    def notify(self, session_id: str, *, watchers_only: bool = False) -> None:
+        # Other connections notice every commit through `PRAGMA data_version` (which cannot
+        # say what changed, so `watchers_only` changes nothing here).
         pass
 
     @contextlib.contextmanager
@@ -605,7 +606,12 @@ class ChangeReader:
         return result
 
     async def wait_for_change(
-        self, kick: trio.Event, fallback: float, *, own: OwnChange = None
+        self,
+        kick: trio.Event,
+        fallback: float,
+        *,
+        own: OwnChange = None,
+        follows: OwnChange = None,
     ) -> None:
         """Return when another connection committed, `kick` is set, or after `fallback` seconds."""
         with trio.move_on_after(fallback):
@@ -671,7 +677,12 @@ class InlineExecutor:
         return await self.reader.read(op, *args)
 
     async def wait_for_change(
-        self, kick: trio.Event, fallback: float, *, own: OwnChange = None
+        self,
+        kick: trio.Event,
+        fallback: float,
+        *,
+        own: OwnChange = None,
+        follows: OwnChange = None,
     ) -> None:
         # Deterministic tests: no background look at the store (it would race the steps a
         # test drives under the virtual clock), only an explicit kick. The change signal
@@ -780,9 +791,14 @@ class ThreadExecutor:
         return await self.reader.read(op, *args)
 
     async def wait_for_change(
-        self, kick: trio.Event, fallback: float, *, own: OwnChange = None
+        self,
+        kick: trio.Event,
+        fallback: float,
+        *,
+        own: OwnChange = None,
+        follows: OwnChange = None,
     ) -> None:
-        await self.reader.wait_for_change(kick, fallback, own=own)
+        await self.reader.wait_for_change(kick, fallback, own=own, follows=follows)
 
     def hold_token(self, owner_id: str) -> contextlib.AbstractAsyncContextManager[Any]:
         return _hold_token(self.reader.conn, owner_id, inline=False)

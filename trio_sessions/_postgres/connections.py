@@ -81,6 +81,11 @@ def _server_options(schema: str, overrides: Mapping[str, object] | None = None) 
     return " ".join(_option(name, value) for name, value in settings.items())
 
 
+# A notification payload line's prefix for a transcript-only change (`ts_signal_watchers`,
+# `PgTx.notify(watchers_only=True)`): session ids are printable, so never begin with it.
+WATCHERS_ONLY = "\t"
+
+
 def channel(schema: str) -> str:
     """The LISTEN/NOTIFY channel of a schema's store (channels are per database)."""
     name = "trio_sessions" if schema == "public" else f"trio_sessions.{schema}"

@@ -34,7 +34,7 @@ from .._backend import BackendName, Job, OwnChange, StoreStatistics, Tx
 from .._handoff import HandoffQueue, Queued, pumping
 from .._naming import check_postgres_name, check_schema, mask_password
 from .engine import PgEngine
-from .listener import PgListener, _wait_for_change, token_connection
+from .listener import PgListener, Wanted, _wait_for_change, token_connection
 from .transactions import Mode
 
 T = TypeVar("T")
@@ -88,19 +88,27 @@ class PgInlineExecutor:
         return await self._run("read", op, args)
 
     async def wait_for_change(
-        self, kick: trio.Event, fallback: float, *, own: OwnChange = None
+        self,
+        kick: trio.Event,
+        fallback: float,
+        *,
+        own: OwnChange = None,
+        follows: OwnChange = None,
     ) -> None:
-        await _wait_for_change(self.listener, kick, fallback, _wanted(self.engine, own))
+        await _wait_for_change(self.listener, kick, fallback, _wanted(self.engine, own, follows))
 
     def hold_token(self, owner_id: str) -> AbstractAsyncContextManager[_liveness.PgToken]:
         return _hold_token(self.engine, owner_id, inline=True)
 
 
-def _wanted(engine: PgEngine, own: OwnChange) -> Callable[[int, str], bool]:
-    """Whether a notification (backend pid, session) is worth a look: not one our own writer
-    sent, unless `own` says this runtime still needs it."""
+def _wanted(engine: PgEngine, own: OwnChange, follows: OwnChange) -> Wanted:
+    """Whether a notification's session (backend pid, session, watchers only) is worth a
+    look: not one our own writer sent, unless `own` says this runtime still needs it; and a
+    transcript-only change only if `follows` says a watcher or stream here follows it."""
 
-    def wanted(pid: int, session_id: str) -> bool:
+    def wanted(pid: int, session_id: str, watchers_only: bool) -> bool:
+        if watchers_only and follows is not None and not follows(session_id):
+            return False
         return pid != engine.backend_pid or (own is not None and own(session_id))
 
     return wanted
@@ -136,9 +144,14 @@ class PgThreadExecutor:
         return result
 
     async def wait_for_change(
-        self, kick: trio.Event, fallback: float, *, own: OwnChange = None
+        self,
+        kick: trio.Event,
+        fallback: float,
+        *,
+        own: OwnChange = None,
+        follows: OwnChange = None,
     ) -> None:
-        await _wait_for_change(self.listener, kick, fallback, _wanted(self.engine, own))
+        await _wait_for_change(self.listener, kick, fallback, _wanted(self.engine, own, follows))
 
     def hold_token(self, owner_id: str) -> AbstractAsyncContextManager[_liveness.PgToken]:
         return _hold_token(self.engine, owner_id, inline=False)

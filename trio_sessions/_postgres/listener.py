@@ -5,8 +5,10 @@ the liveness token's connection (`token_connection`, used by `_liveness`).
 The listener: one autocommit LISTEN connection per executor on the schema's channel,
 awaited trio-natively on libpq's socket. A notification's payload is the sessions one
 transaction signalled, one per line (session ids are printable: no line breaks), or empty
-when they did not fit a payload: look at everything. The `wanted` filter decides per session
-(and per sending backend) whether it is worth a look.
+when they did not fit a payload: look at everything. A line is a bare session id (a change
+any runtime may need: a doorbell, a claim's state) or the id behind a tab (`WATCHERS_ONLY`:
+only its transcript changed). The `wanted` filter decides per session (and per sending
+backend, and kind) whether it is worth a look.
 
 Invariants:
 * nothing is ever in flight on the listener, so waiting is cancellable at any instant;
@@ -31,11 +33,13 @@ from psycopg import sql
 from .. import _observe
 from .._backend import driver_error
 from .._errors import StoreError
-from .connections import channel, connect
+from .connections import WATCHERS_ONLY, channel, connect
 
 # The payload of a transaction whose signalled sessions did not fit one (`ts_flush_signals`):
 # every session may have changed.
 LOOK_AT_EVERYTHING = ""
+# Whether a notification is worth a look: (sender's backend pid, session id, watchers only).
+Wanted = Callable[[int, str, bool], bool]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -87,10 +91,10 @@ class PgListener:
         self,
         kick: trio.Event,
         fallback: float,
-        wanted: Callable[[int, str], bool] | None = None,
+        wanted: Wanted | None = None,
     ) -> None:
-        """Return on a notification `wanted(sender's backend pid, session id)` (default:
-        any), when `kick` is set, or after `fallback` seconds."""
+        """Return on a notification `wanted(sender's backend pid, session id, watchers
+        only)` (default: any), when `kick` is set, or after `fallback` seconds."""
         with trio.move_on_after(fallback):
             async with trio.open_nursery() as nursery:
 
@@ -102,7 +106,7 @@ class PgListener:
                 await self._notified(wanted)
                 nursery.cancel_scope.cancel()
 
-    async def _notified(self, wanted: Callable[[int, str], bool] | None) -> None:
+    async def _notified(self, wanted: Wanted | None) -> None:
         if self.conn is None or self.conn.closed or self.conn.broken:
             self.close()
             try:
@@ -125,17 +129,17 @@ class PgListener:
                 return  # reconnect at the next wait; rescan now
 
     @staticmethod
-    def _take_notifications(
-        pgconn: psycopg.pq.abc.PGconn, wanted: Callable[[int, str], bool] | None
-    ) -> bool:
+    def _take_notifications(pgconn: psycopg.pq.abc.PGconn, wanted: Wanted | None) -> bool:
         got = False
         while (notify := pgconn.notifies()) is not None:
             payload = notify.extra.decode(errors="replace")
             if payload == LOOK_AT_EVERYTHING:
                 got = True  # which sessions changed is unknown: rescan, as after a reconnect
                 continue
-            for session_id in payload.split("\n"):
-                got = got or wanted is None or wanted(notify.be_pid, session_id)
+            for line in payload.split("\n"):
+                watchers_only = line.startswith(WATCHERS_ONLY)
+                session_id = line.removeprefix(WATCHERS_ONLY)
+                got = got or wanted is None or wanted(notify.be_pid, session_id, watchers_only)
         return got
 
 
@@ -143,7 +147,7 @@ async def _wait_for_change(
     listener: PgListener | None,
     kick: trio.Event,
     fallback: float,
-    wanted: Callable[[int, str], bool] | None = None,
+    wanted: Wanted | None = None,
 ) -> None:
     if listener is not None:
         await listener.wait(kick, fallback, wanted)

@@ -32,7 +32,7 @@ import psycopg
 
 from .. import _liveness
 from .._backend import BackendName, NeedsTransaction, Params, now_ms
-from .connections import SESSION_LOCK_NAMESPACE
+from .connections import SESSION_LOCK_NAMESPACE, WATCHERS_ONLY
 
 # run_nowait: a lock held by another process is not waited for beyond this.
 NOWAIT_LOCK_TIMEOUT_MS = 50
@@ -214,10 +214,10 @@ class PgTx:
         )
         self._now = None
 
-    def notify(self, session_id: str) -> None:
+    def notify(self, session_id: str, *, watchers_only: bool = False) -> None:
         # Sent just before COMMIT, with the functions' deferred ones, in one notification:
         # the server delivers it only if the transaction commits.
-        self.notified[session_id] = None
+        self.notified[WATCHERS_ONLY + session_id if watchers_only else session_id] = None
 
     def free_tokens(self, owner_ids: Sequence[str] | None) -> set[str]:
         # pg_locks is the lock manager's present state, not a snapshot: read after the

@@ -227,6 +227,13 @@ BEGIN
     END IF;
 END $$;
 
+-- A change only the session's watchers and streams need (its transcript): the session
+-- behind a tab (ids are printable: never one of their characters), so a runtime that
+-- follows no such session - a worker streaming another worker's tokens past it - skips
+-- the look a doorbell would cost it.
+CREATE OR REPLACE FUNCTION ts_signal_watchers(p_session text) RETURNS void
+LANGUAGE sql VOLATILE AS $$ SELECT ts_signal(E'\t' || p_session) $$;
+
 -- The one notification of a transaction, just before its COMMIT: the sessions deferred by
 -- ts_signal and the client's own (p_sessions), each once, one per line - or the empty
 -- payload, "look at everything" (as after a listener's reconnect), when they do not fit

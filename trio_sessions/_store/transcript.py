@@ -68,7 +68,7 @@ def take_inputs(
     claimed = _require_claim_session(tx, session_id, execution_id, owner_id)
     if claimed.phase == "cancelling":
         return []
-    tx.notify(session_id)
+    tx.notify(session_id, watchers_only=True)
     due = {"session": session_id, "now": tx.now}
     # One more than the chunk, to learn whether any are left without counting them.
     rows = tx.execute(
@@ -153,7 +153,7 @@ def begin_assistant(
         "INSERT INTO session_message_stream(message_id, execution_id, version) VALUES (?, ?, 0)",
         (message_id, execution_id),
     )
-    tx.notify(session_id)
+    tx.notify(session_id, watchers_only=True)
     return seq
 
 
@@ -217,7 +217,7 @@ def append_assistant_text(
             message_id,
             lambda data: _transcript.append_text(data, text),
         )
-    tx.notify(session_id)
+    tx.notify(session_id, watchers_only=True)
     return None, int(row[0])
 
 
@@ -270,7 +270,7 @@ def update_assistant(
         raise _not_owned(message_id, execution_id)
     data = transition(_assistant_data(tx, message_id, row[0]))
     version = _write_assistant(tx, message_id, execution_id, data)
-    tx.notify(session_id)
+    tx.notify(session_id, watchers_only=True)
     return data, version
 
 
@@ -422,7 +422,7 @@ BEGIN
         SELECT p_message, COALESCE(MAX(d.version), v_base) + 1, p_text
         FROM session_message_delta d WHERE d.message_id = p_message
         RETURNING session_message_delta.version INTO version;
-    PERFORM ts_signal(v_session);
+    PERFORM ts_signal_watchers(v_session);
     verdict := 'ok';
 END $$;
 
@@ -456,7 +456,7 @@ BEGIN
         RETURNING session_message.seq INTO seq;
     INSERT INTO session_message_stream(message_id, execution_id, version)
         VALUES (p_message, p_exec, 0);
-    PERFORM ts_signal(v_session);
+    PERFORM ts_signal_watchers(v_session);
 END $$;
 
 -- update_assistant, first half: the message as stored (data, and the texts streamed onto it
@@ -510,7 +510,7 @@ BEGIN
             ON CONFLICT (message_id) DO UPDATE SET version = excluded.version;
     END IF;
     IF p_signal THEN
-        PERFORM ts_signal(v_session);
+        PERFORM ts_signal_watchers(v_session);
     END IF;
     RETURN v_version;
 END $$;
@@ -601,10 +601,11 @@ BEGIN
             FROM ordered o
             RETURNING session_message.input_id, session_message.data, session_message.seq)
     SELECT NULL::text, a.input_id, a.data FROM added a ORDER BY a.seq;
-    IF FOUND OR v_more THEN
-        PERFORM ts_signal(v_session);
+    IF FOUND THEN
+        PERFORM ts_signal_watchers(v_session);
     END IF;
     IF v_more THEN
+        PERFORM ts_signal(v_session);
         UPDATE session SET time_woken = COALESCE(time_woken, v_now), wakes = wakes + 1
             WHERE id = v_session;
     END IF;
