@@ -283,8 +283,9 @@ ALTER TABLE session ADD COLUMN time_paused BIGINT;
 """,
     # The server-side functions (`_create_functions`); no table changes.
     5: "",
-    # At most one notification per transaction (`ts_signal` defers in a batch,
-    # `ts_flush_signals`): the functions again; no table changes.
+    # The functions again, no table changes: at most one notification per transaction
+    # (`ts_signal` defers in a batch, `ts_flush_signals`), signals for watchers only
+    # (`ts_signal_watchers`), a batch's appends in one call (`ts_append_texts`).
     6: "",
 }
 

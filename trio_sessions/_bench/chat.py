@@ -4,7 +4,8 @@ A web process - this one: a producer runtime (`drain=None`) holding one `watch()
 as an SSE endpoint would - and two worker processes (real interpreters, each a runtime
 whose drain streams an answer). N chats each submit one message, at random moments spread
 over the first second; each drain takes its input and streams `--chat-words` words
-`--chat-pace` seconds apart (the first at once), then finishes. Per chat, on this process's
+`--chat-pace` seconds apart (the first at once; word i is due at i x pace, as a model's
+stream would deliver it), then finishes. Per chat, on this process's
 monotonic clock (one system-wide clock on Linux):
 
 * `ttfw` - from just before `submit()` to the first word seen by the chat's watch;
@@ -64,9 +65,13 @@ async def serve_chat_worker(arguments: dict[str, Any]) -> dict[str, Any]:
         nonlocal answered
         await ctx.take_inputs()
         writer = await ctx.begin_assistant()
+        # The model emits word i at start + i x pace whatever our writes cost (a real
+        # model's stream buffers in its socket meanwhile): pacing on deadlines, not on
+        # sleeps after each write, keeps the write latency out of the model's own pace and
+        # in the measured slowdown only where it really delays the answer.
+        start = trio.current_time()
         for index in range(words):
-            if index:
-                await trio.sleep(pace)
+            await trio.sleep_until(start + index * pace)
             await writer.append_text(word(index))
         await writer.finish()
         answered += 1
