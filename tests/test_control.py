@@ -742,7 +742,8 @@ async def test_upgrade_of_a_version_2_postgres_schema_keeps_pending_inputs_due(
             await rt.wait_idle("s")
     raw = Raw(PgLocation(pg_url, pg_schema))
     assert raw.rows("SELECT version FROM schema_version") == [(_postgres.SCHEMA_VERSION,)]
-    # 3: owner liveness; 4: conversation control; 5: the server-side functions
-    assert _postgres.SCHEMA_VERSION == 5
+    # 3: owner liveness; 4: conversation control; 5: the server-side functions; 6: one
+    # notification per transaction, the set-wise append, watchers-only signals
+    assert _postgres.SCHEMA_VERSION == 6
     assert drain.taken == ["old"]
     assert raw.rows("SELECT time_paused FROM session") == [(None,)]

@@ -883,7 +883,7 @@ def test_every_statement_of_every_operation(
 
 @pytest.fixture
 def short_patience(monkeypatch: pytest.MonkeyPatch) -> float:
-    monkeypatch.setattr(_postgres, "RECONNECT_PATIENCE_S", 0.3)
+    monkeypatch.setattr(_postgres.engine, "RECONNECT_PATIENCE_S", 0.3)
     return 0.3
 
 

@@ -30,15 +30,18 @@ from trio.testing import MockClock
 from trio_sessions import (
     DrainContext,
     LeaseLost,
+    MessageFinished,
     SchemaTooNew,
     StoreError,
     _postgres,
     _store,
+    _transcript,
     open_runtime,
     testing,
 )
 from trio_sessions._backend import Job, Tx
 from trio_sessions._decisions import AcquireVerdict, IterationVerdict, RecoveryDecision
+from trio_sessions._model import AssistantData, Message, TextPart
 from trio_sessions._postgres import (
     SCHEMA_VERSION,
     PgEngine,
@@ -207,8 +210,9 @@ async def test_upgrade_of_a_version_1_schema_adds_streaming(pg_url: str, pg_sche
     with opened(PostgresStore(pg_url, schema=pg_schema).engine()):
         pass
     assert location.rows("SELECT version FROM schema_version") == [(SCHEMA_VERSION,)]
-    # 2: streaming; 3: owner liveness; 4: conversation control; 5: the server-side functions
-    assert SCHEMA_VERSION == 5
+    # 2: streaming; 3: owner liveness; 4: conversation control; 5: the server-side functions;
+    # 6: one notification per transaction, the set-wise append, watchers-only signals
+    assert SCHEMA_VERSION == 6
     await check_pre_streaming_upgrade(location, PostgresStore(pg_url, schema=pg_schema))
 
 
@@ -603,6 +607,13 @@ async def test_runtime_drains_on_the_thread_executor_with_the_server_clock(
 # Group commit, set-wise
 
 
+def assistant_text(messages: list[Message]) -> str:
+    """The text of a transcript's last message, an assistant's."""
+    data = messages[-1].data
+    assert isinstance(data, AssistantData)
+    return "".join(part.text for part in data.parts if isinstance(part, TextPart))
+
+
 class RecordingStatements:
     """Counts the statements (and COMMITs) an engine's connection sends."""
 
@@ -652,3 +663,54 @@ def test_batch_runs_each_batched_kind_as_one_call(pg_url: str, pg_schema: str) -
     with raw(pg_url, pg_schema) as conn:
         assert conn.execute("SELECT count(*) FROM session_input").fetchall() == [(8,)]
         assert conn.execute("SELECT count(*) FROM session_execution").fetchall() == [(0,)]
+
+
+def test_a_batch_of_streamed_appends_is_one_call_in_order_and_fenced(
+    pg_url: str, pg_schema: str
+) -> None:
+    """A chat worker's group-commit batch of appends (two per message, 8 messages) is one
+    set-wise call: each append gets the version it would alone, in arrival order per
+    message; an append on a finished message still raises `MessageFinished` (the whole-row
+    path, in the same batch) and a lost claim's append raises `LeaseLost` without taking
+    the others' appends with it."""
+    made: list[RecordingStatements] = []
+
+    def wrap(conn: psycopg.Connection[Any]) -> RecordingStatements:
+        made.append(RecordingStatements(conn))
+        return made[-1]
+
+    store = PostgresStore(pg_url, schema=pg_schema, wrap_connection=wrap)
+    with opened(store.engine()) as engine:
+        for n in range(8):
+            run_op(engine, _store.submit_and_acquire, f"s{n}", "{}", f"i{n}", f"e{n}", "me", 30_000)
+            run_op(engine, _store.begin_assistant, f"s{n}", f"e{n}", "me", f"m{n}")
+        appends = [
+            Job(
+                _store.append_assistant_text, (f"s{n}", f"e{n}", "me", f"m{n}", f"{n}{word}", after)
+            )
+            for after, word in enumerate("ab")
+            for n in range(8)
+        ]
+        sent = len(made[-1].statements)
+        engine.run_batch(appends)
+        assert [job.unwrap()[1] for job in appends] == [1] * 8 + [2] * 8
+        assert len(made[-1].statements) - sent == 2  # the one call (BEGIN with it), COMMIT
+
+        run_op(engine, _store.update_assistant, "s0", "e0", "me", "m0", _transcript.finish)
+        run_op(engine, _store.expire_claims, "me", ["e1"])
+        mixed = [
+            Job(_store.append_assistant_text, ("s0", "e0", "me", "m0", "late", 2)),
+            Job(_store.append_assistant_text, ("s1", "e1", "me", "m1", "lost", 2)),
+            Job(_store.append_assistant_text, ("s2", "e2", "me", "m2", "2c", 2)),
+            Job(_store.append_assistant_text, ("s3", "e3", "me", "m3", "3c", 2)),
+        ]
+        engine.run_batch(mixed)
+        with pytest.raises(MessageFinished):
+            mixed[0].unwrap()
+        with pytest.raises(LeaseLost):
+            mixed[1].unwrap()
+        assert [job.unwrap()[1] for job in mixed[2:]] == [3, 3]
+        texts = {
+            n: assistant_text(run_op(engine, _store.read_transcript, f"s{n}")) for n in range(8)
+        }
+    assert texts == {n: f"{n}a{n}b" + (f"{n}c" if n in (2, 3) else "") for n in range(8)}

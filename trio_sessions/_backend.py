@@ -94,10 +94,12 @@ class Tx(Protocol):
         older than the row it guards. A no-op on SQLite."""
         ...
 
-    def notify(self, session_id: str) -> None:
+    def notify(self, session_id: str, *, watchers_only: bool = False) -> None:
         """Signal other runtimes on the store that this session changed, if the transaction
         commits. A no-op on SQLite, whose readers notice any commit (`PRAGMA data_version`);
-        `pg_notify` in the same transaction on PostgreSQL."""
+        `pg_notify` in the same transaction on PostgreSQL. `watchers_only`: only the
+        session's transcript changed, which concerns only runtimes that watch or stream
+        it (`wait_for_change`'s `follows`), not the doorbell every runtime may answer."""
         ...
 
     def savepoint(self) -> AbstractContextManager[None]:
@@ -212,7 +214,12 @@ class Executor(Protocol):
         ...
 
     async def wait_for_change(
-        self, kick: trio.Event, fallback: float, *, own: OwnChange = None
+        self,
+        kick: trio.Event,
+        fallback: float,
+        *,
+        own: OwnChange = None,
+        follows: OwnChange = None,
     ) -> None:
         """Return when another connection may have committed (SQLite: `data_version`;
         PostgreSQL: a notification), when `kick` is set, or after `fallback` seconds (the slow
@@ -220,7 +227,10 @@ class Executor(Protocol):
 
         `own(session_id)`: whether a change this runtime made itself to that session still
         needs a look (a local watcher follows it); a backend that can tell its own commits
-        apart (PostgreSQL: the notifying backend's pid) skips the others."""
+        apart (PostgreSQL: the notifying backend's pid) skips the others. `follows(session_id)`:
+        whether a watcher or stream of this runtime follows that session; a backend that can
+        tell a transcript-only change (`Tx.notify(watchers_only=True)`) skips those of the
+        sessions nobody here follows (None: nothing is skipped)."""
         ...
 
     def hold_token(self, owner_id: str) -> AbstractAsyncContextManager[Token]:

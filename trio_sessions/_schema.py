@@ -161,7 +161,7 @@ SQLITE_OUR_TABLES = frozenset(
 # ---------------------------------------------------------------------------------------------
 # PostgreSQL
 
-POSTGRES_SCHEMA_VERSION = 5
+POSTGRES_SCHEMA_VERSION = 6
 
 # Same names, meanings and named CHECKs as the SQLite schema (`SQLITE_MIGRATIONS`, whose
 # versions 1-3 are PostgreSQL's first: no PostgreSQL store predates them); times
@@ -283,6 +283,10 @@ ALTER TABLE session ADD COLUMN time_paused BIGINT;
 """,
     # The server-side functions (`_create_functions`); no table changes.
     5: "",
+    # The functions again, no table changes: at most one notification per transaction
+    # (`ts_signal` defers in a batch, `ts_flush_signals`), signals for watchers only
+    # (`ts_signal_watchers`), a batch's appends in one call (`ts_append_texts`).
+    6: "",
 }
 
 
@@ -317,4 +321,5 @@ def _create_functions(conn: Any) -> None:
 POSTGRES_BACKFILLS: dict[int, Callable[[Any], None]] = {
     2: _mark_finished_messages,
     5: _create_functions,
+    6: _create_functions,
 }

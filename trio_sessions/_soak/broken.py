@@ -30,13 +30,13 @@ DEFECTS = {
     "fence-key-share": Defect(
         "the session lock is a FOR KEY SHARE row lock on the session (a takeover's updates"
         " do not conflict with it)",
-        "_postgres.py",
+        "_postgres/transactions.py",
         'f" (SELECT pg_advisory_xact_lock({SESSION_LOCK_NAMESPACE}, hashtext(%s)))"',
         '" (SELECT count(*) FROM (SELECT 1 FROM session WHERE id = %s FOR KEY SHARE) AS k)"',
     ),
     "no-session-lock": Defect(
         "fences are read without any session lock (READ COMMITTED alone)",
-        "_postgres.py",
+        "_postgres/transactions.py",
         "        if session_id in self._locked:\n            return\n",
         "        return\n",
     ),

@@ -64,7 +64,12 @@ class ChangeReader:
         return result
 
     async def wait_for_change(
-        self, kick: trio.Event, fallback: float, *, own: OwnChange = None
+        self,
+        kick: trio.Event,
+        fallback: float,
+        *,
+        own: OwnChange = None,
+        follows: OwnChange = None,
     ) -> None:
         """Return when another connection committed, `kick` is set, or after `fallback` seconds."""
         with trio.move_on_after(fallback):

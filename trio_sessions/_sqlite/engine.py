@@ -64,8 +64,9 @@ class SQLiteTx:
     def lock_claims(self, execution_ids: Sequence[str]) -> None:
         pass
 
-    def notify(self, session_id: str) -> None:
-        # Other connections notice every commit through `PRAGMA data_version`.
+    def notify(self, session_id: str, *, watchers_only: bool = False) -> None:
+        # Other connections notice every commit through `PRAGMA data_version` (which cannot
+        # say what changed, so `watchers_only` changes nothing here).
         pass
 
     @contextlib.contextmanager

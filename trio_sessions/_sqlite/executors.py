@@ -100,7 +100,12 @@ class InlineExecutor:
         return await self.reader.read(op, *args)
 
     async def wait_for_change(
-        self, kick: trio.Event, fallback: float, *, own: OwnChange = None
+        self,
+        kick: trio.Event,
+        fallback: float,
+        *,
+        own: OwnChange = None,
+        follows: OwnChange = None,
     ) -> None:
         # Deterministic tests: no background look at the store (it would race the steps a
         # test drives under the virtual clock), only an explicit kick. The change signal
@@ -209,9 +214,14 @@ class ThreadExecutor:
         return await self.reader.read(op, *args)
 
     async def wait_for_change(
-        self, kick: trio.Event, fallback: float, *, own: OwnChange = None
+        self,
+        kick: trio.Event,
+        fallback: float,
+        *,
+        own: OwnChange = None,
+        follows: OwnChange = None,
     ) -> None:
-        await self.reader.wait_for_change(kick, fallback, own=own)
+        await self.reader.wait_for_change(kick, fallback, own=own, follows=follows)
 
     def hold_token(self, owner_id: str) -> contextlib.AbstractAsyncContextManager[Any]:
         return _hold_token(self.reader.conn, owner_id, inline=False)

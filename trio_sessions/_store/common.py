@@ -205,8 +205,60 @@ $$;
 CREATE OR REPLACE FUNCTION ts_lock(p_session text) RETURNS void
 LANGUAGE sql VOLATILE AS $$ SELECT pg_advisory_xact_lock(@LOCK@, hashtext(p_session)) $$;
 
+-- Signal a session's change to the other runtimes (DESIGN §8 "Notifications scale"): at
+-- most one pg_notify per transaction. Alone (autocommit, or one operation's transaction)
+-- a function notifies at once, with its own session as the payload (an operation's calls
+-- signal the session it names: duplicates within a transaction are dropped by the server).
+-- In a group-commit batch the engine sets trio_sessions.defer_signals with its BEGIN: the
+-- session is added to the transaction-local list trio_sessions.signals, one per line, and
+-- the engine sends the whole list in one notification before COMMIT (ts_flush_signals).
 CREATE OR REPLACE FUNCTION ts_signal(p_session text) RETURNS void
-LANGUAGE sql VOLATILE AS $$ SELECT pg_notify(@CHANNEL@, p_session) $$;
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_pending text;
+BEGIN
+    IF current_setting('trio_sessions.defer_signals', true) IS DISTINCT FROM 'on' THEN
+        PERFORM pg_notify(@CHANNEL@, p_session);
+        RETURN;
+    END IF;
+    v_pending := COALESCE(current_setting('trio_sessions.signals', true), '');
+    IF position(E'\n' || p_session || E'\n' IN E'\n' || v_pending) = 0 THEN
+        PERFORM set_config('trio_sessions.signals', v_pending || p_session || E'\n', true);
+    END IF;
+END $$;
+
+-- A change only the session's watchers and streams need (its transcript): the session
+-- behind a tab (ids are printable: never one of their characters), so a runtime that
+-- follows no such session - a worker streaming another worker's tokens past it - skips
+-- the look a doorbell would cost it.
+CREATE OR REPLACE FUNCTION ts_signal_watchers(p_session text) RETURNS void
+LANGUAGE sql VOLATILE AS $$ SELECT ts_signal(E'\t' || p_session) $$;
+
+-- The one notification of a transaction, just before its COMMIT: the sessions deferred by
+-- ts_signal and the client's own (p_sessions), each once, one per line - or the empty
+-- payload, "look at everything" (as after a listener's reconnect), when they do not fit
+-- a payload (under 8000 bytes). Nothing when there is nothing to signal. Returns how many
+-- notifications it sent (0 or 1).
+CREATE OR REPLACE FUNCTION ts_flush_signals(p_sessions text[]) RETURNS integer
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_sessions text[]; v_payload text;
+BEGIN
+    v_sessions := ARRAY(
+        SELECT DISTINCT s FROM unnest(p_sessions || string_to_array(
+            COALESCE(current_setting('trio_sessions.signals', true), ''), E'\n')) AS s
+        WHERE s <> '');
+    PERFORM set_config('trio_sessions.signals', '', true);
+    IF cardinality(v_sessions) = 0 THEN
+        RETURN 0;
+    END IF;
+    v_payload := array_to_string(v_sessions, E'\n');
+    IF octet_length(v_payload) >= 8000 THEN
+        v_payload := '';
+    END IF;
+    PERFORM pg_notify(@CHANNEL@, v_payload);
+    RETURN 1;
+END $$;
 
 -- The session lock a drain's write names, taken at once, and the clock read after it;
 -- session_id is that session when the execution's claim is of it, NULL otherwise (no claim

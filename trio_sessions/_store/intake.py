@@ -66,7 +66,7 @@ def take_inputs(
     claimed = _require_claim_session(tx, session_id, execution_id, owner_id)
     if claimed.phase == "cancelling":
         return []
-    tx.notify(session_id)
+    tx.notify(session_id, watchers_only=True)
     due = {"session": session_id, "now": tx.now}
     # One more than the chunk, to learn whether any are left without counting them.
     rows = tx.execute(
@@ -206,10 +206,11 @@ BEGIN
             FROM ordered o
             RETURNING session_message.input_id, session_message.data, session_message.seq)
     SELECT NULL::text, a.input_id, a.data FROM added a ORDER BY a.seq;
-    IF FOUND OR v_more THEN
-        PERFORM ts_signal(v_session);
+    IF FOUND THEN
+        PERFORM ts_signal_watchers(v_session);
     END IF;
     IF v_more THEN
+        PERFORM ts_signal(v_session);
         UPDATE session SET time_woken = COALESCE(time_woken, v_now), wakes = wakes + 1
             WHERE id = v_session;
     END IF;

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .. import _codec, _transcript
-from .._backend import Tx, autocommit_when_alone
+from .._backend import FALLBACK, Tx, autocommit_when_alone, pg_batched
 from .._errors import LeaseLost, MalformedRecord
 from .._model import AssistantData, Message
 from .common import (
@@ -64,11 +64,23 @@ def begin_assistant(
         "INSERT INTO session_message_stream(message_id, execution_id, version) VALUES (?, ?, 0)",
         (message_id, execution_id),
     )
-    tx.notify(session_id)
+    tx.notify(session_id, watchers_only=True)
     return seq
 
 
+def _pg_appended(args: tuple[Any, ...], row: tuple[Any, ...]) -> Any:
+    """`ts_append_text`'s row as `append_assistant_text` answers; `FALLBACK` for a message
+    with no stream row of this execution (nothing was written: the whole-row path decides)."""
+    verdict, version = row
+    if verdict == "ok":
+        return None, int(version)
+    if verdict == "lease_lost":
+        raise _lease_lost(args[1])
+    return FALLBACK
+
+
 @autocommit_when_alone
+@pg_batched("ts_append_texts", _pg_appended)
 def append_assistant_text(
     tx: Tx,
     session_id: str,
@@ -92,20 +104,11 @@ def append_assistant_text(
     just after that version with this text instead of appending it twice.
     """
     if tx.dialect == "postgres":
-        [(verdict, version)] = tx.call(
-            "ts_append_text",
-            session_id,
-            execution_id,
-            owner_id,
-            message_id,
-            text,
-            after_version,
-            idempotent=after_version is not None,
-        )
-        if verdict == "ok":
-            return None, int(version)
-        if verdict == "lease_lost":
-            raise _lease_lost(execution_id)
+        args = (session_id, execution_id, owner_id, message_id, text, after_version)
+        [row] = tx.call("ts_append_text", *args, idempotent=after_version is not None)
+        result = _pg_appended(args, row)
+        if result is not FALLBACK:
+            return result  # type: ignore[no-any-return]
         # not_streaming: nothing was written; the whole-row path below.
     _require_claim(tx, session_id, execution_id, owner_id)
     # Serialised with every other write to this message by the session lock, so the
@@ -128,7 +131,7 @@ def append_assistant_text(
             message_id,
             lambda data: _transcript.append_text(data, text),
         )
-    tx.notify(session_id)
+    tx.notify(session_id, watchers_only=True)
     return None, int(row[0])
 
 
@@ -181,7 +184,7 @@ def update_assistant(
         raise _not_owned(message_id, execution_id)
     data = transition(_assistant_data(tx, message_id, row[0]))
     version = _write_assistant(tx, message_id, execution_id, data)
-    tx.notify(session_id)
+    tx.notify(session_id, watchers_only=True)
     return data, version
 
 
@@ -333,8 +336,28 @@ BEGIN
         SELECT p_message, COALESCE(MAX(d.version), v_base) + 1, p_text
         FROM session_message_delta d WHERE d.message_id = p_message
         RETURNING session_message_delta.version INTO version;
-    PERFORM ts_signal(v_session);
+    PERFORM ts_signal_watchers(v_session);
     verdict := 'ok';
+END $$;
+
+-- Group commit, set-wise: one call for a batch's appends (a chat worker's streams). Rows
+-- (ordinal, ts_append_text's row) in the sessions' lock order, arrival order within a
+-- session, so a message's appends land in the order they were made.
+CREATE OR REPLACE FUNCTION ts_append_texts(p_sessions text[], p_execs text[], p_owners text[],
+    p_messages text[], p_texts text[], p_afters bigint[], p_now bigint, p_retry boolean)
+RETURNS TABLE(ord bigint, verdict text, version bigint)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    r record;
+BEGIN
+    FOR r IN SELECT u.s, u.e, u.o, u.m, u.t, u.a, u.n
+             FROM unnest(p_sessions, p_execs, p_owners, p_messages, p_texts, p_afters)
+                 WITH ORDINALITY AS u(s, e, o, m, t, a, n)
+             ORDER BY hashtext(u.s), u.s, u.n LOOP
+        SELECT r.n, f.verdict, f.version INTO ord, verdict, version
+            FROM ts_append_text(r.s, r.e, r.o, r.m, r.t, r.a, p_now, p_retry) f;
+        RETURN NEXT;
+    END LOOP;
 END $$;
 
 -- An empty, unfinished assistant message open for streaming. Verdicts: ok (seq),
@@ -367,7 +390,7 @@ BEGIN
         RETURNING session_message.seq INTO seq;
     INSERT INTO session_message_stream(message_id, execution_id, version)
         VALUES (p_message, p_exec, 0);
-    PERFORM ts_signal(v_session);
+    PERFORM ts_signal_watchers(v_session);
 END $$;
 
 -- update_assistant, first half: the message as stored (data, and the texts streamed onto it
@@ -421,7 +444,7 @@ BEGIN
             ON CONFLICT (message_id) DO UPDATE SET version = excluded.version;
     END IF;
     IF p_signal THEN
-        PERFORM ts_signal(v_session);
+        PERFORM ts_signal_watchers(v_session);
     END IF;
     RETURN v_version;
 END $$;

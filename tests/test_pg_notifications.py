@@ -1,0 +1,236 @@
+"""PostgreSQL notifications scale (DESIGN §8 "Notifications scale"): a transaction sends at
+most one `pg_notify`, carrying every session it signals, and the listener wakes for each
+of them.
+
+A `NOTIFY` in a transaction takes a database-wide lock at COMMIT; one notification per
+signalled session also makes every listener of the store read and filter each one. So a
+group-commit batch, whose jobs' functions each signal their own session, sends one
+notification for the batch: its payload is the sessions, one per line (session ids are
+printable: no line breaks), or the empty payload - "look at everything" - when they do not
+fit PostgreSQL's 8000-byte payload.
+
+Notifications reach a listener in commit order, so each test commits a sentinel
+notification of its own after the transaction it examines and reads up to it: what came
+before the sentinel is all the transaction sent, with no waiting for silence.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+import trio
+from helpers import opened
+from psycopg import sql
+
+from trio_sessions import _store, _transcript
+from trio_sessions._backend import Job, Tx
+from trio_sessions._postgres import PostgresStore, channel, run_op
+from trio_sessions._postgres.executors import _wanted
+from trio_sessions._postgres.listener import PgListener
+
+SENTINEL = "sentinel"
+LEASE_MS = 30_000
+
+
+@contextlib.contextmanager
+def listening(url: str, schema: str) -> Iterator[psycopg.Connection[Any]]:
+    """A raw autocommit connection LISTENing on the store's channel."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel(schema))))
+        yield conn
+
+
+def received(conn: psycopg.Connection[Any], url: str, schema: str) -> list[str]:
+    """The payloads `conn` received before a sentinel committed now (in commit order)."""
+    with psycopg.connect(url, autocommit=True) as other:
+        other.execute("SELECT pg_notify(%s, %s)", (channel(schema), SENTINEL))
+    payloads: list[str] = []
+    for notify in conn.notifies(timeout=10):
+        if notify.payload == SENTINEL:
+            return payloads
+        payloads.append(notify.payload)
+    pytest.fail(f"the sentinel never arrived (got {payloads!r})")
+
+
+def signal_sessions(tx: Tx, session_ids: list[str]) -> None:
+    """An operation that signals several sessions from the client side (as the operator's
+    and conversation control's operations do)."""
+    for session_id in session_ids:
+        tx.notify(session_id)
+
+
+def test_a_batch_whose_jobs_signal_many_sessions_sends_one_notification(
+    pg_url: str, pg_schema: str
+) -> None:
+    """A group-commit batch of wakes and submits to held sessions (each function signals
+    its own session) and a client-side signal sends ONE notification, naming every
+    signalled session once."""
+    with opened(PostgresStore(pg_url, schema=pg_schema).engine()) as engine:
+        # Held sessions: a submit to them rings the doorbell (and signals).
+        for n in range(3):
+            run_op(engine, _store.wake, f"held{n}")
+            run_op(engine, _store.acquire, f"held{n}", f"e{n}", "owner", LEASE_MS)
+        with listening(pg_url, pg_schema) as conn:
+            jobs = [Job(_store.wake, (f"w{n}",)) for n in range(10)]
+            jobs += [
+                Job(_store.submit_and_acquire, (f"held{n}", "{}", f"i{n}", f"x{n}", "me", LEASE_MS))
+                for n in range(3)
+            ]
+            jobs += [Job(_store.submit, ("held0", "{}", "i-alone"))]
+            jobs += [Job(signal_sessions, (["w0", "client"],))]
+            engine.run_batch(jobs)
+            assert [job.error for job in jobs] == [None] * len(jobs)
+            assert engine.transactions == 7  # 6 to set up, then the batch in one
+            payloads = received(conn, pg_url, pg_schema)
+    assert len(payloads) == 1
+    signalled = payloads[0].split("\n")
+    assert sorted(signalled) == sorted(
+        [f"w{n}" for n in range(10)] + [f"held{n}" for n in range(3)] + ["client"]
+    )
+
+
+def test_one_operation_signalling_many_sessions_sends_one_notification(
+    pg_url: str, pg_schema: str
+) -> None:
+    """A transaction that signals several sessions from the client side sends one
+    notification naming them all."""
+    sessions = [f"s{n}" for n in range(5)]
+    with (
+        opened(PostgresStore(pg_url, schema=pg_schema).engine()) as engine,
+        listening(pg_url, pg_schema) as conn,
+    ):
+        run_op(engine, signal_sessions, sessions)
+        payloads = received(conn, pg_url, pg_schema)
+    assert [sorted(payload.split("\n")) for payload in payloads] == [sessions]
+
+
+def test_an_autocommit_call_and_a_lone_wake_send_one_notification_each(
+    pg_url: str, pg_schema: str
+) -> None:
+    """Alone, a submit (one autocommit call) and a wake (one transaction) each send one
+    notification: their session's id."""
+    with (
+        opened(PostgresStore(pg_url, schema=pg_schema).engine()) as engine,
+        listening(pg_url, pg_schema) as conn,
+    ):
+        run_op(engine, _store.submit, "a", "{}", "i1")
+        run_op(engine, _store.wake, "b")
+        payloads = received(conn, pg_url, pg_schema)
+    assert payloads == ["a", "b"]
+
+
+def test_sessions_that_do_not_fit_one_payload_send_look_at_everything(
+    pg_url: str, pg_schema: str
+) -> None:
+    """A batch signalling more sessions than 8000 bytes of payload hold sends one
+    notification with the empty payload (look at everything), not an error and not one
+    per session."""
+    long_ids = [f"{n:03d}-" + "x" * 196 for n in range(60)]  # 12,000 bytes joined
+    with (
+        opened(PostgresStore(pg_url, schema=pg_schema).engine()) as engine,
+        listening(pg_url, pg_schema) as conn,
+    ):
+        jobs = [Job(_store.wake, (session_id,)) for session_id in long_ids[:30]]
+        jobs += [Job(signal_sessions, (long_ids[30:],))]
+        engine.run_batch(jobs)
+        assert [job.error for job in jobs] == [None] * len(jobs)
+        payloads = received(conn, pg_url, pg_schema)
+    assert payloads == [""]
+
+
+async def test_the_listener_looks_at_each_session_a_notification_names(
+    pg_url: str, pg_schema: str
+) -> None:
+    """The listener asks `wanted` about each session of a notification; the empty payload
+    (look at everything) wakes it whatever `wanted` says of any session."""
+    listener = PgListener(pg_url, pg_schema, inline=True)
+    await listener.open()
+    asked: list[str] = []
+
+    def wanted(pid: int, session_id: str, watchers_only: bool) -> bool:
+        asked.append(session_id)
+        return session_id == "c"  # only the last one: each is asked about
+
+    try:
+        with psycopg.connect(pg_url, autocommit=True) as other:
+            other.execute("SELECT pg_notify(%s, %s)", (channel(pg_schema), "a\nb\nc"))
+            with trio.fail_after(10):
+                await listener.wait(trio.Event(), 60, wanted)
+            assert asked == ["a", "b", "c"]
+            asked.clear()
+            other.execute("SELECT pg_notify(%s, %s)", (channel(pg_schema), ""))
+            with trio.fail_after(10):
+                await listener.wait(trio.Event(), 60, lambda pid, session_id, watchers_only: False)
+    finally:
+        listener.close()
+
+
+def test_transcript_writes_signal_the_sessions_watchers_only(pg_url: str, pg_schema: str) -> None:
+    """A drain's transcript writes (taking inputs, beginning, appending, settling a message)
+    signal `\\t<session>`: a change only the session's watchers and streams need. Wakes,
+    submits and claim endings signal the bare id, which every runtime may need (a doorbell).
+    So a worker with no watcher ignores another worker's streamed tokens."""
+    with (
+        opened(PostgresStore(pg_url, schema=pg_schema).engine()) as engine,
+        listening(pg_url, pg_schema) as conn,
+    ):
+        run_op(engine, _store.submit_and_acquire, "s", "{}", "i1", "e1", "me", LEASE_MS)
+        run_op(engine, _store.take_inputs, "s", "e1", "me")
+        run_op(engine, _store.begin_assistant, "s", "e1", "me", "m1")
+        run_op(engine, _store.append_assistant_text, "s", "e1", "me", "m1", "hi", 0)
+        run_op(engine, _store.append_assistant_text, "s", "e1", "me", "m1", "!", None)
+        run_op(engine, _store.update_assistant, "s", "e1", "me", "m1", _transcript.finish)
+        run_op(engine, _store.wake, "s")
+        engine.run_batch(
+            [
+                Job(_store.append_assistant_text, ("s", "e1", "me", "m1", "late", None)),
+                Job(_store.wake, ("t",)),
+            ]
+        )
+        payloads = received(conn, pg_url, pg_schema)
+    # take_inputs, begin, two appends, finish; then the wake; then the batch, re-run job by
+    # job as its late append raised: the append wrote nothing, the wake signals.
+    assert payloads == ["\ts"] * 5 + ["s", "t"]
+
+
+async def test_the_listener_tells_a_watchers_only_change_from_a_doorbell(
+    pg_url: str, pg_schema: str
+) -> None:
+    """`wanted` is asked whether each session's change is for its watchers only."""
+    listener = PgListener(pg_url, pg_schema, inline=True)
+    await listener.open()
+    asked: list[tuple[str, bool]] = []
+
+    def wanted(pid: int, session_id: str, watchers_only: bool) -> bool:
+        asked.append((session_id, watchers_only))
+        return session_id == "c"
+
+    try:
+        with psycopg.connect(pg_url, autocommit=True) as other:
+            other.execute("SELECT pg_notify(%s, %s)", (channel(pg_schema), "\ta\nb\n\tc"))
+            with trio.fail_after(10):
+                await listener.wait(trio.Event(), 60, wanted)
+        assert asked == [("a", True), ("b", False), ("c", True)]
+    finally:
+        listener.close()
+
+
+def test_a_watchers_only_change_is_wanted_only_where_the_session_is_followed() -> None:
+    """The executors' filter: another process's doorbell is always worth a look; a
+    watchers-only change only where a watcher or stream follows the session; our own
+    writer's changes only where `own` says so."""
+
+    class Engine:
+        backend_pid = 7
+
+    wanted = _wanted(Engine(), lambda s: s == "mine-watched", lambda s: s == "followed")  # type: ignore[arg-type]
+    assert wanted(8, "any", False)
+    assert not wanted(8, "any", True)
+    assert wanted(8, "followed", True)
+    assert not wanted(7, "any", False)
+    assert wanted(7, "mine-watched", False)
+    assert not wanted(7, "followed", True)

@@ -1,0 +1,187 @@
+"""PostgreSQL connections: how one is opened and set up, and the schema's migrations.
+
+psycopg is an optional extra (`trio-sessions[postgres]`): only the `_postgres` package imports
+it. We use its sync API from threads; its async API is asyncio-only.
+
+Every connection is set up by libpq options so that a dead, paused or partitioned host
+releases its locks within about one default lease, not the 2-hour default keepalive:
+server-side `idle_in_transaction_session_timeout`, `statement_timeout`, `lock_timeout`, TCP
+keepalives and `client_connection_check_interval`; client-side libpq keepalives,
+`tcp_user_timeout` and `connect_timeout`. `search_path` is the configured schema; isolation is
+READ COMMITTED, autocommit off (the engine switches its own connection to autocommit: its
+transactions begin with their first statement).
+
+Invariants:
+* a connection string's password never reaches an error (`connect` masks it and drops the
+  driver's error as cause);
+* migrations run in one transaction under an advisory lock per schema: processes starting
+  together wait for the first one's migration and then find nothing to do; a schema a newer
+  library migrated is refused (`SchemaTooNew`) with nothing written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Mapping
+from typing import Any
+
+import psycopg
+import psycopg.conninfo
+from psycopg import sql
+
+from .. import _schema
+from .._errors import SchemaTooNew, StoreError
+from .._naming import mask_password, secrets_of
+
+SCHEMA_VERSION = _schema.POSTGRES_SCHEMA_VERSION
+_MIGRATIONS = _schema.POSTGRES_MIGRATIONS  # in `_schema`, beside SQLite's
+_BACKFILLS = _schema.POSTGRES_BACKFILLS
+
+# Advisory-lock namespaces (the first int4 of the two-key form), so our keys never collide
+# with an application's single-bigint advisory locks. Session locks hash the session id;
+# the migration lock hashes the schema, so stores in different schemas migrate in parallel.
+SESSION_LOCK_NAMESPACE = 0x74735331  # "tsS1"
+MIGRATION_LOCK_NAMESPACE = 0x74734D31  # "tsM1"
+
+# Per-connection server settings. A few seconds for statements and lock waits: our
+# transactions are short, and a wait that long means a stuck peer (retried, bounded).
+STATEMENT_TIMEOUT_MS = 10_000
+LOCK_TIMEOUT_MS = 5_000
+# A paused or partitioned owner's open transaction (and its locks) ends within this.
+IDLE_IN_TRANSACTION_TIMEOUT_MS = 15_000
+SERVER_KEEPALIVES = {"idle": 10, "interval": 5, "count": 3}
+CLIENT_CONNECT_TIMEOUT_S = 5
+TCP_USER_TIMEOUT_MS = 15_000
+
+
+def _quote_ident(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+def _option(name: str, value: object) -> str:
+    # libpq's `options` splits on spaces; a backslash escapes a space or a backslash.
+    text = f"{name}={value}".replace("\\", "\\\\").replace(" ", "\\ ")
+    return f"-c {text}"
+
+
+def _server_options(schema: str, overrides: Mapping[str, object] | None = None) -> str:
+    settings: dict[str, object] = {
+        "search_path": _quote_ident(schema),
+        "statement_timeout": STATEMENT_TIMEOUT_MS,
+        "lock_timeout": LOCK_TIMEOUT_MS,
+        "idle_in_transaction_session_timeout": IDLE_IN_TRANSACTION_TIMEOUT_MS,
+        "tcp_keepalives_idle": SERVER_KEEPALIVES["idle"],
+        "tcp_keepalives_interval": SERVER_KEEPALIVES["interval"],
+        "tcp_keepalives_count": SERVER_KEEPALIVES["count"],
+        # The server notices a vanished client during a long statement, too.
+        "client_connection_check_interval": 5_000,
+    }
+    settings.update(overrides or {})
+    return " ".join(_option(name, value) for name, value in settings.items())
+
+
+# A notification payload line's prefix for a transcript-only change (`ts_signal_watchers`,
+# `PgTx.notify(watchers_only=True)`): session ids are printable, so never begin with it.
+WATCHERS_ONLY = "\t"
+
+
+def channel(schema: str) -> str:
+    """The LISTEN/NOTIFY channel of a schema's store (channels are per database)."""
+    name = "trio_sessions" if schema == "public" else f"trio_sessions.{schema}"
+    if len(name.encode()) > 63:  # NAMEDATALEN: longer names are truncated by the server
+        name = f"trio_sessions.{hashlib.sha1(schema.encode()).hexdigest()}"
+    return name
+
+
+def connect(
+    url: str,
+    schema: str,
+    *,
+    server: Mapping[str, object] | None = None,
+    client: Mapping[str, int] | None = None,
+) -> psycopg.Connection[Any]:
+    """A connection with our settings (not yet migrated); `StoreError` if it fails.
+    `server`/`client` override server settings and libpq's keepalive parameters."""
+    try:
+        given = psycopg.conninfo.conninfo_to_dict(url)
+        options = " ".join(
+            filter(None, [str(given.get("options") or ""), _server_options(schema, server)])
+        )
+        keepalives: dict[str, Any] = {
+            "keepalives_idle": 10,
+            "keepalives_interval": 5,
+            "keepalives_count": 3,
+            "tcp_user_timeout": TCP_USER_TIMEOUT_MS,
+        }
+        keepalives.update(client or {})
+        conn = psycopg.connect(
+            url,
+            autocommit=False,
+            options=options,
+            application_name=str(given.get("application_name") or "trio_sessions"),
+            connect_timeout=CLIENT_CONNECT_TIMEOUT_S,
+            keepalives=1,
+            **keepalives,
+        )
+    except psycopg.Error as exc:
+        # libpq may quote the connection string it could not use: the error is shown with
+        # the password masked, and without the driver's own error as its cause (a traceback
+        # would print that one's text unmasked).
+        message = mask_password(f"{type(exc).__name__}: {exc}", secrets=secrets_of(url))
+        raise StoreError(message) from None
+    # Explicit: a database or role default must not change the isolation the fences assume.
+    conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
+    return conn
+
+
+def schema_version(conn: Any) -> int:
+    """The schema's version; 0 when it has no `schema_version` table (or does not exist)."""
+    if conn.execute("SELECT to_regclass('schema_version')").fetchone()[0] is None:
+        return 0
+    row = conn.execute("SELECT max(version) FROM schema_version").fetchone()
+    return 0 if row[0] is None else int(row[0])
+
+
+def migrate(conn: Any, schema: str) -> None:
+    """Bring the schema up to date in one transaction; idempotent, safe from many hosts.
+
+    Serialised by an advisory lock per schema, so processes starting together wait for the
+    first one's migration and then find nothing to do. `SchemaTooNew`, with nothing
+    written (not even the schema), when a newer library migrated it.
+    """
+    try:
+        conn.execute(
+            f"SELECT pg_advisory_xact_lock({MIGRATION_LOCK_NAMESPACE}, hashtext(%s))", (schema,)
+        )
+        # Read under the lock: another process may have migrated while we waited.
+        version = schema_version(conn)
+        if version > SCHEMA_VERSION:
+            raise SchemaTooNew(
+                f"schema {schema!r} has version {version}, newer than this trio_sessions "
+                f"understands ({SCHEMA_VERSION}); upgrade trio_sessions. Nothing was modified."
+            )
+        if version < SCHEMA_VERSION:
+            exists = conn.execute(
+                "SELECT 1 FROM pg_namespace WHERE nspname = %s", (schema,)
+            ).fetchone()
+            if exists is None:
+                # Checked first: CREATE ... IF NOT EXISTS still needs the CREATE privilege.
+                conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
+            if version == 0:
+                conn.execute("CREATE TABLE schema_version(version INTEGER NOT NULL)")
+                conn.execute("INSERT INTO schema_version(version) VALUES (0)")
+            for target in range(version + 1, SCHEMA_VERSION + 1):
+                for statement in _MIGRATIONS[target].split(";"):
+                    if statement.strip():
+                        conn.execute(statement)
+                if target in _BACKFILLS:
+                    _BACKFILLS[target](conn)
+            conn.execute("UPDATE schema_version SET version = %s", (SCHEMA_VERSION,))
+        conn.commit()
+    except BaseException as exc:
+        with contextlib.suppress(psycopg.Error):
+            conn.rollback()
+        if isinstance(exc, psycopg.Error):
+            raise StoreError(f"cannot migrate schema {schema!r}: {exc}") from exc
+        raise

@@ -1,0 +1,507 @@
+"""The PostgreSQL engine: one connection and the transactions run on it (`PgEngine`), by one
+thread at a time - group commit, retries, reconnects and uncertain COMMITs - and the sync
+`_backend.Engine` over it (`open_engine`: the CLI, the soak's admin, the bench, tests).
+
+Transactions (`PgEngine.run_batch`, group commit): every operation queued during one
+hand-off runs in ONE transaction, without per-operation savepoints (more than 64
+subtransactions slow the whole server down). Operations of one `pg_batched` kind share one
+set-based function call; the rest run one by one. If any operation raises - a refusal such
+as `LeaseLost` or a database error - the whole batch rolls back and each operation re-runs
+alone in its own transaction, where an operation that raises is rolled back and gets the
+error. An operation marked `autocommit_when_alone` that runs alone is one autocommit call.
+Serialisation failures, deadlocks, lock and statement timeouts (40001, 40P01, 55P03, 57014)
+retry the whole transaction with a small, bounded backoff; a connection lost before COMMIT
+is re-opened and the transaction re-run (nothing committed). Other database errors reach
+the caller as `StoreError`.
+
+Signals (DESIGN §8 "Notifications scale"): at most one `pg_notify` per transaction, on the
+schema's channel, its payload the signalled sessions one per line (or empty: look at
+everything, when they do not fit). A batch begins with `trio_sessions.defer_signals` set, so
+its functions defer their signals (`ts_signal`); the sessions pending there and those the
+client signalled (`tx.notify`) go in one `ts_flush_signals` just before COMMIT, in the
+statement that reads the transaction's id. Alone, a function call signals its own
+session itself (autocommit stays one round trip), and a client signal is flushed the same
+way - duplicates of one payload within a transaction are dropped by the server.
+
+Uncertain COMMIT: just before COMMIT the transaction's id is read (or taken from the reply
+of its last function call). If the connection breaks during COMMIT, the outcome is unknown:
+we reconnect and ask the server (`pg_xact_status`): committed -> the operations' results
+stand (never re-applied); aborted -> re-run; in progress -> poll. Past the bound every
+operation gets `StoreError`, so the runtime never treats an uncertain claim as its own: if
+it landed, it expires and recovery takes it. A lost reply to an autocommit call is resolved
+by calling again with `retry`: the function reads back by natural key whether it landed.
+
+Invariants:
+* an operation that raised has written nothing; results are reported only after COMMIT;
+* an outcome is never guessed: a COMMIT whose outcome cannot be read back within
+  `RECONNECT_PATIENCE_S` is a `StoreError`, never a retry that could apply twice;
+* methods never raise for an operation's failure: outcomes go on the `Job`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar, TypeVarTuple, Unpack
+
+import psycopg
+
+from .. import _observe
+from .._backend import (
+    FALLBACK,
+    BackendName,
+    Job,
+    NeedsTransaction,
+    StoreStatistics,
+    Tx,
+    driver_error,
+)
+from .._errors import StoreError
+from .._naming import check_postgres_name, check_schema
+from .connections import connect, migrate, schema_version
+from .transactions import _BEGIN, _BEGIN_BATCH, _BEGIN_NOWAIT, _BEGIN_READ, Mode, PgTx
+
+T = TypeVar("T")
+Ts = TypeVarTuple("Ts")
+
+# Retries: SQLSTATEs after which the whole transaction is re-run.
+RETRYABLE_SQLSTATES = frozenset({"40001", "40P01", "55P03", "57014"})
+MAX_ATTEMPTS = 8
+# How long a lost connection is re-opened (and an uncertain commit polled) before StoreError.
+RECONNECT_PATIENCE_S = 10.0
+# At most this many operations per transaction (the rest follow in the same hand-off): a
+# huge transaction holds many session locks at once and costs more to re-run alone.
+BATCH_LIMIT = 64
+
+
+def _store_error(exc: BaseException) -> BaseException:
+    return driver_error(exc) if isinstance(exc, psycopg.Error) else exc
+
+
+def _connection_lost(conn: Any, exc: BaseException) -> bool:
+    """Whether `exc` means the connection is gone (not a server-reported statement error)."""
+    if not isinstance(exc, psycopg.Error):
+        return False
+    if conn is not None and (conn.closed or conn.broken):
+        return True
+    state = exc.sqlstate
+    # No SQLSTATE: a client-side failure (socket closed, EOF). 08: connection exceptions;
+    # 57P01-57P03: the server terminated us (pg_terminate_backend, shutdown); 25P03: our
+    # idle-in-transaction timeout fired.
+    return state is None or state.startswith("08") or state in {"57P01", "57P02", "57P03", "25P03"}
+
+
+class _JobRaised(Exception):
+    """An operation raised; the transaction was rolled back."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class _Rerun(Exception):
+    """Nothing committed and the transaction may be run again (a retryable error, or a
+    connection lost before COMMIT or during an aborted one)."""
+
+    def __init__(self, cause: BaseException) -> None:
+        self.cause = cause
+
+
+class PgEngine:
+    """One connection and the transactions run on it, by one thread at a time.
+
+    Sync, and blocking: `PgThreadExecutor` calls it from its worker thread,
+    `PgInlineExecutor` from the trio thread.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        schema: str,
+        clock: Callable[[], float] | None,
+        wrap_connection: Callable[[psycopg.Connection[Any]], Any] | None = None,
+    ) -> None:
+        self.url = url
+        self.schema = schema
+        self.clock = clock
+        self.wrap_connection = wrap_connection
+        self.conn: Any = None
+        self.backend_pid: int | None = None
+        self.transactions = 0
+        self.retries = 0
+        self.reconnects = 0
+
+    # -- connection ---------------------------------------------------------------------------
+
+    def open(self) -> None:
+        """Connect and migrate (`SchemaTooNew` / `StoreError` on failure)."""
+        conn = connect(self.url, self.schema)
+        try:
+            migrate(conn, self.schema)
+        except BaseException:
+            conn.close()
+            raise
+        self.conn = self._wrapped(conn)
+
+    def close(self) -> None:
+        if self.conn is not None:
+            with contextlib.suppress(psycopg.Error):
+                self.conn.close()
+            self.conn = None
+
+    def _wrapped(self, conn: psycopg.Connection[Any]) -> Any:
+        # Transactions begin explicitly, with their first statement (`PgTx`): BEGIN costs
+        # no round trip of its own. Parameters are bound client-side, so a statement can
+        # share its message with the BEGIN before it.
+        conn.autocommit = True
+        conn.cursor_factory = psycopg.ClientCursor
+        # Read by the listener from the trio thread: notifications this connection sent
+        # are this runtime's own changes.
+        self.backend_pid = conn.info.backend_pid
+        return conn if self.wrap_connection is None else self.wrap_connection(conn)
+
+    def _connection(self, deadline: float) -> Any:
+        """The open connection, re-opened with backoff if it broke (until `deadline`)."""
+        conn = self.conn
+        if conn is not None and not conn.closed and not conn.broken:
+            return conn
+        self.close()
+        pause = 0.02
+        while True:
+            try:
+                self.conn = self._wrapped(connect(self.url, self.schema))
+            except StoreError:
+                # The last attempt is made at the deadline, not a pause before it: the
+                # caller gets StoreError only once the whole bound has passed.
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise
+                time.sleep(min(pause * random.uniform(0.5, 1.0), remaining))
+                pause = min(pause * 2, 1.0)
+            else:
+                self.reconnects += 1
+                _observe.store_reconnected("postgres")
+                return self.conn
+
+    def _rollback(self) -> None:
+        with contextlib.suppress(psycopg.Error):
+            self.conn.rollback()
+
+    # -- transactions -------------------------------------------------------------------------
+
+    def statistics(self, handoffs: int = 0) -> StoreStatistics:
+        return StoreStatistics(
+            "postgres",
+            transactions=self.transactions,
+            handoffs=handoffs,
+            retries=self.retries,
+            reconnects=self.reconnects,
+        )
+
+    def run_jobs(
+        self, jobs: Sequence[Job], nowait: Sequence[Job] = (), reads: Sequence[Job] = ()
+    ) -> None:
+        """One hand-off: `nowait` and `reads` jobs alone each, the rest in batches of
+        `BATCH_LIMIT`."""
+        for job in nowait:
+            self.run_alone(job, "nowait")
+        for start in range(0, len(jobs), BATCH_LIMIT):
+            self.run_batch(jobs[start : start + BATCH_LIMIT])
+        for job in reads:
+            self.run_alone(job, "read")
+
+    def run_batch(self, jobs: Sequence[Job]) -> None:
+        """Run `jobs` in one transaction (group commit). Never raises: outcomes go on jobs.
+
+        If any job raises, nothing of the batch is kept and every job runs again alone: no
+        savepoint per job, so the common case costs one transaction and no subtransaction.
+        """
+        if len(jobs) == 1:
+            self.run_alone(jobs[0])
+            return
+        try:
+            results = self._transaction(jobs, "write", alone=False)
+        except _JobRaised:
+            for job in jobs:
+                self.run_alone(job)
+            return
+        except StoreError as exc:
+            for job in jobs:
+                job.error = exc
+            return
+        for job, result in zip(jobs, results, strict=True):
+            job.result = result
+
+    def run_alone(self, job: Job, mode: Mode = "write") -> None:
+        """Run one job in its own transaction - or as one autocommit call, if it is marked
+        `autocommit_when_alone`. Never raises: the outcome goes on the job."""
+        if mode == "write" and job.op.__dict__.get("autocommit_when_alone", False):
+            try:
+                job.result = self._autocommit(job)
+            except NeedsTransaction:
+                pass  # nothing was written: run it in a transaction instead
+            except StoreError as exc:
+                job.error = exc
+                return
+            except Exception as exc:  # the operation's own refusal (LeaseLost, ...)
+                job.error = _store_error(exc)
+                return
+            else:
+                return
+        try:
+            [job.result] = self._transaction([job], mode, alone=True)
+        except _JobRaised as raised:
+            job.error = _store_error(raised.error)
+        except StoreError as exc:
+            job.error = exc
+
+    def _transaction(self, jobs: Sequence[Job], mode: Mode, *, alone: bool) -> list[Any]:
+        """Run and commit; retried within the bounds. `_JobRaised` when a job raised (rolled
+        back), `StoreError` past the bounds."""
+        deadline = time.monotonic() + RECONNECT_PATIENCE_S
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                conn = self._connection(deadline)
+                return self._attempt(conn, jobs, mode, alone=alone, deadline=deadline)
+            except _Rerun as rerun:
+                if attempt >= MAX_ATTEMPTS or time.monotonic() >= deadline:
+                    raise driver_error(rerun.cause) from rerun.cause
+                self.retries += 1
+                _observe.store_retry("postgres", rerun.cause, attempt)
+                time.sleep(min(0.005 * 2**attempt, 0.2) * random.uniform(0.5, 1.0))
+
+    def _autocommit(self, job: Job) -> Any:
+        """Run a job as one autocommit call (`PgTx(autocommit=True)`), within the bounds.
+
+        A connection lost around the call leaves its outcome unknown: the call runs again
+        with `retry`, and the function reads back by natural key whether the lost one
+        landed (DESIGN §8 "Uncertain commits"). `NeedsTransaction` before anything was
+        sent; `StoreError` past the bounds; the operation's own errors as they are."""
+        deadline = time.monotonic() + RECONNECT_PATIENCE_S
+        attempt = 0
+        retry = False
+        lost: BaseException | None = None
+        while True:
+            attempt += 1
+            try:
+                conn = self._connection(deadline)
+            except StoreError as exc:
+                if retry:  # never guessed: the lost call may have landed
+                    raise _unknown_outcome(lost, exc) from lost
+                raise
+            self.transactions += 1
+            tx = PgTx(conn, self.clock, autocommit=True, retry=retry)
+            try:
+                return job.op(tx, *job.args)
+            except NeedsTransaction:
+                raise
+            except Exception as exc:
+                if _connection_lost(conn, exc):
+                    self.close()  # the next attempt re-opens it
+                    retry = retry or tx.begun
+                    lost = exc
+                elif not (isinstance(exc, psycopg.Error) and exc.sqlstate in RETRYABLE_SQLSTATES):
+                    raise  # the operation's own refusal, or a database error
+                if attempt >= MAX_ATTEMPTS or time.monotonic() >= deadline:
+                    if retry:
+                        raise _unknown_outcome(exc, driver_error(exc)) from exc
+                    raise driver_error(exc) from exc
+                self.retries += 1
+                _observe.store_retry("postgres", exc, attempt)
+                time.sleep(min(0.005 * 2**attempt, 0.2) * random.uniform(0.5, 1.0))
+
+    @staticmethod
+    def _run_jobs(tx: PgTx, jobs: Sequence[Job]) -> list[Any]:
+        """Run the jobs in `tx`: those of one `pg_batched` kind (two or more) as one
+        set-wise call, the rest (and the rows it could not settle) one by one."""
+        results: list[Any] = [None] * len(jobs)
+        kinds: dict[str, list[int]] = {}
+        for index, job in enumerate(jobs):
+            batched = job.op.__dict__.get("pg_batched")
+            if batched is not None:
+                kinds.setdefault(batched[0], []).append(index)
+        settled: set[int] = set()
+        for function, indexes in kinds.items():
+            if len(indexes) < 2:
+                continue
+            interpret = jobs[indexes[0]].op.__dict__["pg_batched"][1]
+            tx.begin_operation()
+            arrays = [list(c) for c in zip(*(jobs[i].args for i in indexes), strict=True)]
+            for ordinal, *row in tx.call(function, *arrays):
+                index = indexes[ordinal - 1]
+                result = interpret(jobs[index].args, tuple(row))
+                if result is not FALLBACK:
+                    results[index] = result
+                    settled.add(index)
+        for index, job in enumerate(jobs):
+            if index not in settled:
+                tx.begin_operation()
+                results[index] = job.op(tx, *job.args)
+        return results
+
+    def _attempt(
+        self, conn: Any, jobs: Sequence[Job], mode: Mode, *, alone: bool, deadline: float
+    ) -> list[Any]:
+        self.transactions += 1
+        nowait = mode == "nowait"
+        # A batch's functions defer their signals to one notification before COMMIT; alone,
+        # an operation's calls signal its own session themselves (at most one notification,
+        # and no statement of its own for it).
+        if nowait:
+            begin = _BEGIN_NOWAIT
+        elif mode == "read":
+            begin = _BEGIN_READ
+        else:
+            begin = _BEGIN if alone else _BEGIN_BATCH
+        tx = PgTx(conn, self.clock, begin=begin)
+        xid = None
+        try:
+            results = self._run_jobs(tx, jobs)
+            # Read just before COMMIT (not at BEGIN): only a transaction that wrote has an
+            # id, and a read-only one needs no read-back. The signals travel with it, in
+            # one notification for the whole transaction (a notification assigns no id
+            # before COMMIT: re-sent after an uncertain COMMIT, it costs a duplicate
+            # wake-up, which the doorbell absorbs). A transaction that ended with a
+            # function call has its id already.
+            if tx.notified or tx.signals_pending:
+                xid = tx.one(
+                    "SELECT pg_current_xact_id_if_assigned()::text,"
+                    " ts_flush_signals(CAST(? AS text[]))",
+                    (list(tx.notified),),
+                )[0]
+            elif tx.xid_fresh or mode == "read":
+                xid = tx.xid
+            elif tx.begun:
+                xid = tx.one("SELECT pg_current_xact_id_if_assigned()::text")[0]
+        except Exception as exc:
+            self._rollback()
+            if _connection_lost(conn, exc):
+                self.close()  # the next attempt re-opens it
+                raise _Rerun(exc) from exc
+            retryable = isinstance(exc, psycopg.Error) and exc.sqlstate in RETRYABLE_SQLSTATES
+            # A batch re-runs its jobs alone instead (a deadlock between two batches is
+            # unlikely to recur between single operations); nowait never waits again.
+            if retryable and alone and not nowait:
+                raise _Rerun(exc) from exc
+            raise _JobRaised(exc) from exc
+        except BaseException:
+            self._rollback()
+            raise
+        if not tx.begun:
+            return results  # nothing was sent: nothing to commit
+        try:
+            conn.commit()
+        except psycopg.Error as exc:
+            if not _connection_lost(conn, exc):
+                # The server answered: it rolled the transaction back.
+                self._rollback()
+                if exc.sqlstate in RETRYABLE_SQLSTATES and not nowait:
+                    raise _Rerun(exc) from exc
+                raise _JobRaised(exc) from exc
+            if self._committed(xid, exc, deadline):
+                return results
+            raise _Rerun(exc) from exc
+        return results
+
+    def _committed(self, xid: str | None, lost: psycopg.Error, deadline: float) -> bool:
+        """After a connection broke during COMMIT: did it commit? Read back from the server;
+        `StoreError` when that cannot be known within the bound (never guessed)."""
+        self.close()  # lost, even if the client has not yet read the connection's end
+        if xid is None:
+            return False  # it wrote nothing: running it again changes nothing
+        while True:
+            try:
+                conn = self._connection(deadline)
+                status = conn.execute("SELECT pg_xact_status(%s::xid8)", (xid,)).fetchone()[0]
+                conn.rollback()  # end the read's transaction
+            except psycopg.Error as exc:
+                self.close()
+                status = None
+                if time.monotonic() >= deadline:
+                    raise driver_error(exc) from exc
+            except StoreError as exc:
+                raise StoreError(
+                    f"the outcome of a COMMIT is unknown (connection lost: {lost}); {exc}"
+                ) from lost
+            if status == "committed":
+                return True
+            if status == "aborted":
+                return False
+            # 'in progress': the server has not yet noticed the broken connection.
+            if time.monotonic() >= deadline:
+                raise StoreError(
+                    f"the outcome of a COMMIT is unknown (connection lost: {lost}); "
+                    f"transaction {xid} is still {status!r}"
+                ) from lost
+            time.sleep(0.02)
+
+
+def _unknown_outcome(lost: BaseException | None, error: StoreError) -> StoreError:
+    return StoreError(
+        f"the outcome of a COMMIT is unknown (a call in autocommit; connection lost: {lost}); "
+        f"{error}"
+    )
+
+
+def run_op(engine: PgEngine, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
+    """Run one operation in its own transaction, synchronously (tools, CLI, tests)."""
+    job = Job(op, args)
+    engine.run_batch([job])
+    result: T = job.unwrap()
+    return result
+
+
+class PgSyncEngine:
+    """`_backend.Engine` over one `PgEngine` (`open_engine`): the same retries, reconnects
+    and uncertain-COMMIT handling as a runtime's executor, on the calling thread."""
+
+    def __init__(self, engine: PgEngine) -> None:
+        self.engine = engine
+
+    @property
+    def dialect(self) -> BackendName:
+        return "postgres"
+
+    def run(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
+        return run_op(self.engine, op, *args)
+
+    def read(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
+        job = Job(op, args)
+        self.engine.run_alone(job, "read")
+        result: T = job.unwrap()
+        return result
+
+    def schema_version(self) -> int:
+        conn = self.engine.conn
+        try:
+            return schema_version(conn)
+        except psycopg.Error as exc:
+            raise driver_error(exc) from exc
+        finally:
+            conn.rollback()
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def open_engine(
+    url: str,
+    *,
+    schema: str = "public",
+    migrate: bool = True,
+    clock: Callable[[], float] | None = None,
+) -> PgSyncEngine:
+    """`_backend.open_engine` for a URL. `migrate=False` connects without migrating (a
+    broken connection is re-opened the same way: `PgEngine` reconnects with `connect`).
+    `ValueError`/`TypeError` for a URL or schema name `PostgresStore` would refuse."""
+    check_postgres_name(url)
+    check_schema(schema)
+    engine = PgEngine(url, schema, clock)
+    if migrate:
+        engine.open()
+    else:
+        engine.conn = connect(url, schema)
+    return PgSyncEngine(engine)

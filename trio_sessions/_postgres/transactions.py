@@ -1,0 +1,247 @@
+"""One PostgreSQL transaction as a store operation sees it (`PgTx`, the `_backend.Tx` of
+PostgreSQL), and the SQL dialect it speaks.
+
+A transaction begins with its first statement, which carries `BEGIN ...;` in the same
+message: no round trip of its own (the engine's connection is in autocommit mode). In
+autocommit (`autocommit=True`) a `PgTx` is one function call and nothing else; a second
+statement raises `NeedsTransaction` before anything is sent. The shared SQL of `_store`
+(SQLite's `?` and `:name` parameters) is translated to psycopg's style here.
+
+Invariants:
+* `tx.now` is the server's `clock_timestamp()` in ms (or the injected test clock), read once
+  per operation AFTER its locks: it is reset before each operation and whenever
+  `lock_claims` takes a lock, and `lock_session` reads it in the lock's own statement once
+  the lock is granted, so a fence never compares with a time from before a lock wait;
+* `lock_session` is a transaction-scoped advisory lock, held to COMMIT: the serialisation
+  point `_store` relies on under READ COMMITTED; claim rows are locked in sorted order, so
+  two lockers of overlapping sets never deadlock;
+* the sessions a transaction signals are only collected here (`tx.notified`, and in a
+  batch the functions' deferred ones, `signals_pending`); the engine sends them in one
+  notification just before COMMIT, so the server delivers it only if it commits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import re
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Literal
+
+import psycopg
+
+from .. import _liveness
+from .._backend import BackendName, NeedsTransaction, Params, now_ms
+from .connections import SESSION_LOCK_NAMESPACE, WATCHERS_ONLY
+
+# run_nowait: a lock held by another process is not waited for beyond this.
+NOWAIT_LOCK_TIMEOUT_MS = 50
+_SERVER_MS = "floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
+_SERVER_NOW = f"SELECT {_SERVER_MS}"
+# A session lock and the server's clock read after it is granted: one round trip.
+_LOCK_SESSION = (
+    "WITH locked AS MATERIALIZED"
+    f" (SELECT pg_advisory_xact_lock({SESSION_LOCK_NAMESPACE}, hashtext(%s)))"
+    f" SELECT {_SERVER_MS} FROM locked"
+)
+_LOCK_SESSION_ANY = _LOCK_SESSION.replace("%s", "?")
+# How each kind of transaction begins: sent with its first statement, in one message.
+_BEGIN = "BEGIN ISOLATION LEVEL READ COMMITTED; "
+_BEGIN_READ = "BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY; "
+_BEGIN_NOWAIT = f"{_BEGIN}SET LOCAL lock_timeout = {NOWAIT_LOCK_TIMEOUT_MS}; "
+# A group-commit batch: the functions defer their signals to the engine's one notification
+# before COMMIT (`ts_signal`, `ts_flush_signals`).
+_BEGIN_BATCH = f"{_BEGIN}SET LOCAL trio_sessions.defer_signals = on; "
+# The sessions deferred so far, read in a call's reply: whether a flush is needed.
+_PENDING_SIGNALS = "COALESCE(current_setting('trio_sessions.signals', true), '') <> ''"
+
+# How a transaction runs: `write` (retried, group-committed), `nowait` (alone, a short
+# lock_timeout, lock waits not retried), `read` (alone, one REPEATABLE READ snapshot).
+Mode = Literal["write", "nowait", "read"]
+
+
+# ---------------------------------------------------------------------------------------------
+# SQL dialect: `?` and `:name` parameters become psycopg's `%s` and `%(name)s`
+
+# A quoted string or a `::` cast is kept as it is; a bare `%` is escaped for psycopg.
+_TOKEN = re.compile(r"'(?:[^']|'')*'|::|\?|:([A-Za-z_][A-Za-z0-9_]*)|%")
+
+
+def _token(match: re.Match[str]) -> str:
+    token = match.group(0)
+    if token == "?":
+        return "%s"
+    if token == "%":
+        return "%%"
+    if match.group(1) is not None:
+        return f"%({match.group(1)})s"
+    return token
+
+
+@functools.lru_cache(maxsize=2048)
+def translate(statement: str) -> str:
+    """The shared SQL of `_store` (SQLite's parameter styles) in psycopg's style."""
+    return _TOKEN.sub(_token, statement)
+
+
+# ---------------------------------------------------------------------------------------------
+# Transactions
+
+
+class PgTx:
+    """One open READ COMMITTED transaction, as an operation sees it (`_backend.Tx`), or one
+    autocommit call (`autocommit=True`: a single function call and nothing else).
+
+    The connection is in autocommit mode; a transaction begins with the first statement
+    sent, which carries `begin` (`BEGIN ...;`) in the same message: no round trip of its
+    own. A function call also reads the transaction's id in its reply, so a transaction
+    that ends with a call needs no read before COMMIT (DESIGN §8 "Uncertain commits").
+    """
+
+    def __init__(
+        self,
+        conn: Any,
+        clock: Callable[[], float] | None,
+        *,
+        begin: str = _BEGIN,
+        autocommit: bool = False,
+        retry: bool = False,
+    ) -> None:
+        self.conn = conn
+        self._clock = clock
+        self._now: int | None = None
+        # Sessions to signal at COMMIT (insertion-ordered), in the transaction's one
+        # notification (`ts_flush_signals`).
+        self.notified: dict[str, None] = {}
+        # Whether a function deferred a signal (in a batch: `defers_signals`), so the
+        # engine flushes before COMMIT.
+        self.signals_pending = False
+        # Advisory xact locks are re-entrant and held to COMMIT: taking one twice in a
+        # transaction (two operations of a batch on one session) costs a round trip only.
+        self._locked: set[str] = set()
+        # A connection outside autocommit (a test's) begins its transactions itself.
+        self._begin: str | None = None if autocommit or not conn.autocommit else begin
+        # In a batch the functions defer their signals to the transaction's one
+        # notification (`ts_signal`): its BEGIN sets `trio_sessions.defer_signals`.
+        self.defers_signals = self._begin == _BEGIN_BATCH
+        self.autocommit = autocommit
+        self.retry = retry
+        self.begun = False  # a statement was sent (a transaction is open unless autocommit)
+        self.xid: str | None = None
+        self.xid_fresh = False  # `xid` was read by the last statement sent
+
+    @property
+    def now(self) -> int:
+        if self._now is None:
+            if self._clock is not None:
+                self._now = now_ms(self._clock)
+            else:
+                row: Any = self._send(_SERVER_NOW, ()).fetchone()
+                self._now = int(row[0])
+        return self._now
+
+    @property
+    def dialect(self) -> BackendName:
+        return "postgres"
+
+    def begin_operation(self) -> None:
+        """Each operation reads its own `now`, after its own locks."""
+        self._now = None
+
+    def _send(self, statement: str, params: Params) -> psycopg.Cursor[Any]:
+        if self.autocommit and self.begun:
+            raise NeedsTransaction("a second statement needs a transaction")
+        self.begun = True  # from here on, the statement may have reached the server
+        self.xid_fresh = False
+        if self._begin is None:
+            cursor: psycopg.Cursor[Any] = self.conn.execute(statement, params)
+            return cursor
+        statement, self._begin = self._begin + statement, None
+        cursor = self.conn.execute(statement, params)
+        while cursor.nextset():  # past BEGIN (and SET LOCAL) to the statement's result
+            pass
+        return cursor
+
+    def execute(self, statement: str, params: Params = ()) -> psycopg.Cursor[Any]:
+        if self.autocommit:
+            raise NeedsTransaction("only a function call runs alone in autocommit")
+        return self._send(translate(statement), params)
+
+    def one(self, statement: str, params: Params = ()) -> Any:
+        return self.execute(statement, params).fetchone()
+
+    def call(self, function: str, *args: Any, idempotent: bool = True) -> list[Any]:
+        if self.autocommit and not idempotent:
+            raise NeedsTransaction(f"{function} cannot be read back after a lost reply")
+        fixed_now = None if self._clock is None else now_ms(self._clock)
+        params = (*args, fixed_now, self.retry)
+        placeholders = ", ".join(["%s"] * len(params))
+        # The reply's last columns are read after the function ran (its rows are complete
+        # before the select list is evaluated): the transaction's id and, in a batch,
+        # whether signals are pending.
+        extra = f", {_PENDING_SIGNALS}" if self.defers_signals else ""
+        rows = self._send(
+            f"SELECT f.*, pg_current_xact_id_if_assigned()::text{extra}"
+            f" FROM {function}({placeholders}) f",
+            params,
+        ).fetchall()
+        if self.defers_signals:
+            # No row: unknown, so flushed (a flush with nothing pending sends nothing).
+            self.signals_pending = self.signals_pending or not rows or bool(rows[-1][-1])
+            rows = [row[:-1] for row in rows]
+        if rows:
+            self.xid = rows[-1][-1]
+            self.xid_fresh = True
+        return [tuple(row[:-1]) for row in rows]
+
+    def lock_session(self, session_id: str) -> None:
+        if session_id in self._locked:
+            return
+        # The wait may have been long: the clock is read after it, in the same round trip
+        # (the MATERIALIZED CTE runs first).
+        row = self.one(_LOCK_SESSION_ANY, (session_id,))
+        self._locked.add(session_id)
+        self._now = int(row[0]) if self._clock is None else None
+
+    def lock_claims(self, execution_ids: Sequence[str]) -> None:
+        if not execution_ids:
+            return
+        # NO KEY UPDATE (not KEY SHARE): it conflicts with a takeover's UPDATE. Sorted, so
+        # two owners locking overlapping sets never deadlock.
+        self.execute(
+            "SELECT id FROM session_execution WHERE id = ANY(?) ORDER BY id FOR NO KEY UPDATE",
+            (sorted(execution_ids),),
+        )
+        self._now = None
+
+    def notify(self, session_id: str, *, watchers_only: bool = False) -> None:
+        # Sent just before COMMIT, with the functions' deferred ones, in one notification:
+        # the server delivers it only if the transaction commits.
+        self.notified[WATCHERS_ONLY + session_id if watchers_only else session_id] = None
+
+    def free_tokens(self, owner_ids: Sequence[str] | None) -> set[str]:
+        # pg_locks is the lock manager's present state, not a snapshot: read after the
+        # operation's own locks, it is the re-check a takeover needs.
+        rows = self.conn.execute(
+            _liveness.FREE_PG_TOKENS,
+            {"all": owner_ids is None, "owners": list(owner_ids or ())},
+        ).fetchall()
+        return {str(row[0]) for row in rows}
+
+    def forget_tokens(self, owner_ids: Sequence[str]) -> None:
+        if owner_ids:
+            self.conn.execute(_liveness.FORGET_PG_TOKENS, (list(owner_ids),))
+
+    @contextlib.contextmanager
+    def savepoint(self) -> Iterator[None]:
+        locked = set(self._locked)
+        self.execute("SAVEPOINT nested")
+        try:
+            yield
+        except BaseException:
+            self.execute("ROLLBACK TO SAVEPOINT nested")
+            # Locks taken inside a rolled-back subtransaction are released with it.
+            self._locked = locked
+            raise
+        finally:
+            self.execute("RELEASE SAVEPOINT nested")
