@@ -1,15 +1,15 @@
 """Section `chat`: the user-visible chat-load figure (DESIGN §7), SQLite and PostgreSQL.
 
-A web process - this one: a producer runtime (`drain=None`) holding one `watch()` per chat,
-as an SSE endpoint would - and two worker processes (real interpreters, each a runtime
+A web process - this one: a producer runtime (`drain=None`) holding one `stream()` per
+chat, as an SSE endpoint would - and two worker processes (real interpreters, each a runtime
 whose drain streams an answer). N chats each submit one message, at random moments spread
 over the first second; each drain takes its input and streams `--chat-words` words
 `--chat-pace` seconds apart (the first at once; word i is due at i x pace, as a model's
 stream would deliver it), then finishes. Per chat, on this process's
 monotonic clock (one system-wide clock on Linux):
 
-* `ttfw` - from just before `submit()` to the first word seen by the chat's watch;
-* `slowdown` - from just before `submit()` to the finished answer seen by the watch,
+* `ttfw` - from just before `submit()` to the first word seen by the chat's stream;
+* `slowdown` - from just before `submit()` to the finished answer seen by the stream,
   divided by the model's own pace ((words - 1) x pace);
 * `submit` - how long `submit()` itself took;
 * errors - a chat whose answer did not arrive complete, in order, within the timeout.
@@ -31,7 +31,7 @@ import attrs
 import trio
 
 from .._backend import StoreBackend
-from .._model import AssistantData, TextPart
+from .._model import TextPart
 from .._runtime import DrainContext
 from .._sqlite import SQLiteStore
 from .config import Config
@@ -93,26 +93,39 @@ class Chat:
 
 
 async def follow(rt: Any, chat: Chat, words: int, go: trio.Event) -> None:
-    """One chat: watch, submit at a random moment, follow the answer to its end."""
+    """One chat: stream, submit at a random moment, follow the answer to its end (as an SSE
+    endpoint would: `stream()` events applied in order)."""
     expected = "".join(word(index) for index in range(words))
+    texts: dict[int, str] = {}  # the assistant messages' text, by seq
     try:
         with trio.fail_after(ANSWER_TIMEOUT_S):
-            async with rt.watch(chat.session_id) as updates:
+            async with rt.stream(chat.session_id) as events:
                 await go.wait()
                 await trio.sleep(random.uniform(0, SPREAD_S))
                 chat.started = time.monotonic()
                 await rt.submit(chat.session_id, {"text": "tell me a story"})
                 chat.submitted = time.monotonic()
-                async for message in updates:
-                    if message.role != "assistant" or not isinstance(message.data, AssistantData):
+                async for event in events:
+                    if event.role != "assistant":
                         continue
-                    text = "".join(p.text for p in message.data.parts if isinstance(p, TextPart))
+                    finished = False
+                    if event.kind == "message":
+                        data = event.data
+                        texts[event.seq] = "".join(
+                            p.text for p in data.parts if isinstance(p, TextPart)
+                        )
+                        finished = data.finished
+                    elif event.kind == "append":
+                        texts[event.seq] = texts.get(event.seq, "") + event.data
+                    elif event.kind == "finish":
+                        finished = True
+                    text = texts.get(event.seq, "")
                     if text and math.isnan(chat.first_word):
                         chat.first_word = time.monotonic()
                     if not expected.startswith(text):
                         chat.error = f"text out of order: {text[-40:]!r}"
                         return
-                    if message.data.finished:
+                    if finished:
                         chat.finished = time.monotonic()
                         if text != expected:
                             chat.error = f"answer incomplete: {len(text)} of {len(expected)}"
@@ -153,7 +166,7 @@ async def chat_load(store: StoreBackend, n: int, words: int, pace: float) -> Cha
             async with trio.open_nursery() as chats_nursery:
                 for chat in chats:
                     chats_nursery.start_soon(follow, rt, chat, words, go)
-                await trio.sleep(0.2)  # every watch entered before the first submit
+                await trio.sleep(0.2)  # every stream entered before the first submit
                 go.set()
         finally:
             for worker in workers:
@@ -181,7 +194,7 @@ async def bench_chat(
 ) -> None:
     n, words, pace = config.chat_sessions, config.chat_words, config.chat_pace
     progress(
-        f"chat: {n} chats, a web process watching each and {WORKERS} worker processes; "
+        f"chat: {n} chats, a web process streaming each and {WORKERS} worker processes; "
         f"{words} words {pace * 1000:g} ms apart per answer, per backend"
     )
     backends: list[tuple[str, str, StoreBackend]] = [
@@ -229,8 +242,8 @@ async def bench_chat(
         report.machine[f"{key}chat_submit_p99_ms"] = submit
         report.machine[f"{key}chat_errors"] = figures.errors
     report.notes.append(
-        "chat: the web process is the bench's own (one producer runtime, one watch() per "
+        "chat: the web process is the bench's own (one producer runtime, one stream() per "
         "chat, as an SSE endpoint holds one stream per chat); two worker processes drain. "
         "Submits land at random moments over the first second; the slowdown counts from "
-        "just before submit() to the finished answer seen by the watch."
+        "just before submit() to the finished answer seen by the stream."
     )
