@@ -1,0 +1,157 @@
+"""The demo's entry points: the command line, the run of every scene, Ctrl-C, the worker.
+
+Responsibility: `main` (behind `python -m trio_sessions.demo`) parses the command line,
+refuses an existing database, runs the scenes against one runtime and then the summary, and
+turns the outcome into the exit status; `run_worker` is the body of scene 4's worker
+process (`--worker`). Invariants: the exit status is 0 only if every check passed, 1 if one
+failed, 2 for a refused database, 130 after Ctrl-C; Ctrl-C cancels the scenes only, so the
+runtime still closes the ordinary way (its leases expired, the worker process killed); a
+scene that hangs is cut off after `SCENE_TIMEOUT` and fails the summary instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+
+import trio
+
+# Only public names: the demo is also a worked example of the API.
+from .. import open_runtime
+from .agent import ScriptedAgent, ask, tool
+from .checks import print_summary, verify
+from .output import Clock, relay_log
+from .scenes import SCENES, Facts, Stage, claim_hook
+
+LEASE = 1.5  # short, so a killed worker's session is recovered within the demo
+RECOVERY_INTERVAL = 0.5
+SCENE_TIMEOUT = 20.0  # a scene that hangs fails the demo instead of hanging it
+WORKER_LIFETIME = 30.0  # a worker whose parent vanished stops by itself
+EXIT_INTERRUPTED = 130
+
+
+async def run_demo(db: Path, stop: trio.CancelScope) -> bool | None:
+    """All scenes against one runtime, then the summary. True if every check passed; None
+    when `stop` was cancelled (Ctrl-C)."""
+    clock = Clock()
+    facts = Facts()
+    agent = ScriptedAgent(clock.log)
+    clock.log("demo", f"database {db}")
+    async with open_runtime(
+        db,
+        agent,
+        owner_id="demo",
+        lease=LEASE,
+        recovery_interval=RECOVERY_INTERVAL,
+        acquisition_hook=claim_hook(db, facts, clock.log),
+    ) as runtime:
+        agent.runtime = runtime
+        facts.demo_owner = runtime.owner_id
+        clock.log("demo", f"runtime open as owner {runtime.owner_id} (lease {LEASE} s)")
+        stage = Stage(runtime, agent, clock, db, facts)
+        # Ctrl-C cancels the scenes only: the runtime then closes the ordinary way, ending
+        # its drains and expiring their leases, and a worker process is killed.
+        with stop:
+            for scene in SCENES:
+                with trio.move_on_after(SCENE_TIMEOUT) as timeout:
+                    await scene(stage)
+                if timeout.cancelled_caught:
+                    clock.log("demo", f"{scene.__name__} timed out; the summary will say why")
+    if stop.cancelled_caught:
+        return None
+    checks = await trio.to_thread.run_sync(verify, db, facts)
+    print_summary(checks, time.monotonic() - clock.start)
+    return all(check.passed for check in checks)
+
+
+async def until_ctrl_c(work: Callable[[trio.CancelScope], Awaitable[bool | None]]) -> bool | None:
+    """Run `work(stop)`; the first Ctrl-C cancels `stop`, which `work` honours gracefully."""
+    stop = trio.CancelScope()
+    with trio.open_signal_receiver(signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def watch() -> None:
+                async for _ in signals:
+                    stop.cancel()
+                    return
+
+            nursery.start_soon(watch)
+            result = await work(stop)
+            nursery.cancel_scope.cancel()
+    return result
+
+
+async def run_worker(db: Path, session_id: str, lease: float) -> None:
+    """Scene 4's worker process: start a slow turn, report READY, wait to be killed."""
+    agent = ScriptedAgent(relay_log)
+    with trio.move_on_after(WORKER_LIFETIME):
+        # A long recovery interval: this worker exists to be killed, not to recover others.
+        async with open_runtime(
+            db, agent, owner_id="worker", lease=lease, recovery_interval=WORKER_LIFETIME
+        ) as runtime:
+            agent.runtime = runtime
+            tool_started = agent.expect("tool", session_id)
+            relay_log(session_id, f"user: 'Compile the Q3 report.' (owner {runtime.owner_id})")
+            report = tool("compile_report", 60.0, topic="Q3 sales")
+            await runtime.submit(session_id, ask("Compile the Q3 report.", report, reply="Done."))
+            await tool_started.wait()
+            print(f"READY {runtime.owner_id}", flush=True)
+            await trio.sleep_forever()
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m trio_sessions.demo",
+        description="Watch trio_sessions drive a scripted agent through turns, interrupts, "
+        "a killed worker process and a quarantined record. Network-free; ~10 s.",
+    )
+    parser.add_argument(
+        "--db", type=Path, help="keep the database at this new path (default: a temporary file)"
+    )
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--session", default="chat-4", help=argparse.SUPPRESS)
+    parser.add_argument("--lease", type=float, default=LEASE, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return _worker_main(args)
+    if args.db is not None and args.db.exists():
+        print(f"error: {args.db} exists; the demo needs a fresh database path", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="trio-sessions-demo-") as tmp:
+        db = args.db if args.db is not None else Path(tmp) / "demo.db"
+        outcome = _run_guarded(db)
+    if outcome is None:
+        print("\nStopped by Ctrl-C; the runtime shut down cleanly.", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    if args.db is not None:
+        print(f"The database is kept at {db}. Try: python -m trio_sessions status {db}")
+    return 0 if outcome else 1
+
+
+def _run_guarded(db: Path) -> bool | None:
+    """`run_demo` under trio; None when stopped by Ctrl-C (also one that arrives before the
+    signal receiver is installed: trio raises it inside an exception group)."""
+    outcome: bool | None = None
+    try:
+        outcome = trio.run(until_ctrl_c, functools.partial(run_demo, db))
+    except* KeyboardInterrupt:
+        outcome = None
+    return outcome
+
+
+def _worker_main(args: argparse.Namespace) -> int:
+    try:
+        trio.run(run_worker, args.db, args.session, args.lease)
+    except* KeyboardInterrupt:
+        pass  # the parent stops too; nothing to report
+    return 0
