@@ -694,7 +694,10 @@ def test_a_batch_of_streamed_appends_is_one_call_in_order_and_fenced(
         sent = len(made[-1].statements)
         engine.run_batch(appends)
         assert [job.unwrap()[1] for job in appends] == [1] * 8 + [2] * 8
-        assert len(made[-1].statements) - sent == 2  # the one call (BEGIN with it), COMMIT
+        # The one call (BEGIN goes with it), the transaction's one notification, COMMIT.
+        batch = made[-1].statements[sent:]
+        assert len(batch) == 3
+        assert "ts_append_texts(" in batch[0] and "ts_flush_signals(" in batch[1]
 
         run_op(engine, _store.update_assistant, "s0", "e0", "me", "m0", _transcript.finish)
         run_op(engine, _store.expire_claims, "me", ["e1"])
