@@ -22,7 +22,7 @@ import attrs
 from .. import _decisions
 from .._backend import FALLBACK, Tx, autocommit_when_alone, pg_batched
 from .._decisions import AcquireVerdict
-from .common import _claim_row, _paused, _take_doorbell
+from .common import _claim_row, _paused, _take_doorbell, pg_set_wise
 from .inputs import _ensure_session, _insert_input, _known_input, submit, wake
 
 
@@ -281,25 +281,16 @@ BEGIN
         FROM ts_acquire_locked(p_session, p_exec, p_owner, p_lease, v_now, true) a;
 END $$;
 
--- Group commit, set-wise: one call for a batch's submit_and_acquire jobs (one array per
--- argument). Rows (ordinal, ts_submit_and_acquire's row), in lock order - the sessions'
--- (hashtext, id), arrival order among equals - so two writers never deadlock on them.
-CREATE OR REPLACE FUNCTION ts_submit_and_acquire_many(p_sessions text[], p_payloads text[],
-    p_inputs text[], p_execs text[], p_owners text[], p_leases bigint[], p_now bigint,
-    p_retry boolean)
-RETURNS TABLE(ord bigint, input_verdict text, verdict text, attempt bigint, holder text)
-LANGUAGE plpgsql VOLATILE AS $$
-DECLARE
-    r record;
-BEGIN
-    FOR r IN SELECT u.s, u.p, u.i, u.e, u.o, u.l, u.n
-             FROM unnest(p_sessions, p_payloads, p_inputs, p_execs, p_owners, p_leases)
-                 WITH ORDINALITY AS u(s, p, i, e, o, l, n)
-             ORDER BY hashtext(u.s), u.s, u.n LOOP
-        SELECT r.n, a.input_verdict, a.verdict, a.attempt, a.holder
-            INTO ord, input_verdict, verdict, attempt, holder
-            FROM ts_submit_and_acquire(r.s, r.p, r.i, r.e, r.o, r.l, p_now, p_retry) a;
-        RETURN NEXT;
-    END LOOP;
-END $$;
-"""
+""" + pg_set_wise(
+    "ts_submit_and_acquire_many",
+    "ts_submit_and_acquire",
+    [
+        ("session", "text"),
+        ("payload", "text"),
+        ("input", "text"),
+        ("exec", "text"),
+        ("owner", "text"),
+        ("lease", "bigint"),
+    ],
+    [("input_verdict", "text"), ("verdict", "text"), ("attempt", "bigint"), ("holder", "text")],
+)

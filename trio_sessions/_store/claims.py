@@ -32,6 +32,7 @@ from .common import (
     _ring,
     _session_fence,
     _take_doorbell,
+    pg_set_wise,
 )
 from .transcript import _close_open_messages
 
@@ -353,21 +354,10 @@ BEGIN
     doorbell := v_woken IS NOT NULL;
 END $$;
 
--- Group commit, set-wise: one call for a batch's finish_iteration jobs. Rows (ordinal,
--- ts_finish's row), in the sessions' lock order.
-CREATE OR REPLACE FUNCTION ts_finish_iterations(p_sessions text[], p_execs text[],
-    p_owners text[], p_now bigint, p_retry boolean)
-RETURNS TABLE(ord bigint, verdict text, doorbell boolean)
-LANGUAGE plpgsql VOLATILE AS $$
-DECLARE
-    r record;
-BEGIN
-    FOR r IN SELECT u.s, u.e, u.o, u.n
-             FROM unnest(p_sessions, p_execs, p_owners) WITH ORDINALITY AS u(s, e, o, n)
-             ORDER BY hashtext(u.s), u.s, u.n LOOP
-        SELECT r.n, f.verdict, f.doorbell INTO ord, verdict, doorbell
-            FROM ts_finish(r.s, r.e, r.o, 'iteration', p_now, p_retry) f;
-        RETURN NEXT;
-    END LOOP;
-END $$;
-"""
+""" + pg_set_wise(
+    "ts_finish_iterations",
+    "ts_finish",
+    [("session", "text"), ("exec", "text"), ("owner", "text")],
+    [("verdict", "text"), ("doorbell", "boolean")],
+    constants="'iteration'",
+)

@@ -192,6 +192,47 @@ def not_in(tx: Tx, column: str, values: Sequence[str]) -> tuple[str, Any]:
     return f"{column} NOT IN (SELECT value FROM json_each(:excluded))", json.dumps(list(values))
 
 
+def pg_set_wise(
+    name: str,
+    single: str,
+    params: Sequence[tuple[str, str]],
+    returns: Sequence[tuple[str, str]],
+    *,
+    constants: str = "",
+) -> str:
+    """The DDL of `name`, group commit's set-wise form of the function `single`: one call for
+    a batch's jobs of one kind, one array per parameter (`params`: name and element type, the
+    session first, as `single` takes them; `constants` follow them in each call, then
+    `p_now, p_retry`). Rows (ord, `single`'s `returns` columns), taken in the sessions' lock
+    order - (hashtext, id), arrival order among equals - so two writers never deadlock on
+    them and one session's jobs run in the order they were made."""
+    arrays = ", ".join(f"p_{param}s {kind}[]" for param, kind in params)
+    columns = ", ".join(f"{column} {kind}" for column, kind in returns)
+    fields = [f"u.a{index}" for index in range(len(params))]
+    aliases = ", ".join(f"a{index}" for index in range(len(params)))
+    values = [f"r.a{index}" for index in range(len(params))]
+    call = ", ".join([*values, constants] if constants else values)
+    outputs = ", ".join(column for column, _ in returns)
+    return f"""
+-- Group commit, set-wise: one call for a batch's {single} jobs (pg_set_wise).
+CREATE OR REPLACE FUNCTION {name}({arrays}, p_now bigint, p_retry boolean)
+RETURNS TABLE(ord bigint, {columns})
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    r record;
+BEGIN
+    FOR r IN SELECT {", ".join(fields)}, u.n
+             FROM unnest({", ".join(f"p_{param}s" for param, _ in params)})
+                 WITH ORDINALITY AS u({aliases}, n)
+             ORDER BY hashtext(u.a0), u.a0, u.n LOOP
+        SELECT r.n, {", ".join(f"f.{column}" for column, _ in returns)} INTO ord, {outputs}
+            FROM {single}({call}, p_now, p_retry) f;
+        RETURN NEXT;
+    END LOOP;
+END $$;
+"""
+
+
 # ---------------------------------------------------------------------------------------------
 # PostgreSQL: this family's server-side functions (created by `_schema`'s migrations; see
 # `_store.pg_functions` for their conventions)

@@ -25,6 +25,7 @@ from .common import (
     _lease_lost,
     _next_message_seq,
     _require_claim,
+    pg_set_wise,
 )
 
 
@@ -340,25 +341,6 @@ BEGIN
     verdict := 'ok';
 END $$;
 
--- Group commit, set-wise: one call for a batch's appends (a chat worker's streams). Rows
--- (ordinal, ts_append_text's row) in the sessions' lock order, arrival order within a
--- session, so a message's appends land in the order they were made.
-CREATE OR REPLACE FUNCTION ts_append_texts(p_sessions text[], p_execs text[], p_owners text[],
-    p_messages text[], p_texts text[], p_afters bigint[], p_now bigint, p_retry boolean)
-RETURNS TABLE(ord bigint, verdict text, version bigint)
-LANGUAGE plpgsql VOLATILE AS $$
-DECLARE
-    r record;
-BEGIN
-    FOR r IN SELECT u.s, u.e, u.o, u.m, u.t, u.a, u.n
-             FROM unnest(p_sessions, p_execs, p_owners, p_messages, p_texts, p_afters)
-                 WITH ORDINALITY AS u(s, e, o, m, t, a, n)
-             ORDER BY hashtext(u.s), u.s, u.n LOOP
-        SELECT r.n, f.verdict, f.version INTO ord, verdict, version
-            FROM ts_append_text(r.s, r.e, r.o, r.m, r.t, r.a, p_now, p_retry) f;
-        RETURN NEXT;
-    END LOOP;
-END $$;
 
 -- An empty, unfinished assistant message open for streaming. Verdicts: ok (seq),
 -- lease_lost. Idempotent by message id (a lost reply's retry finds it).
@@ -449,4 +431,16 @@ BEGIN
     RETURN v_version;
 END $$;
 
-"""
+""" + pg_set_wise(
+    "ts_append_texts",
+    "ts_append_text",
+    [
+        ("session", "text"),
+        ("exec", "text"),
+        ("owner", "text"),
+        ("message", "text"),
+        ("text", "text"),
+        ("after", "bigint"),
+    ],
+    [("verdict", "text"), ("version", "bigint")],
+)
