@@ -6,9 +6,9 @@ recovery lease and sessions this runtime holds are excluded in SQL, so poison ro
 up the budget (300 poison rows cost three passes; row 301 progresses on the fourth).
 
 This module knows nothing of the local registry: the runtime registers the prospective
-claims before `apply` and starts the resumed drains after it (`_loops.py`, through the
-busy periods of `_busy.py`: the claim handoff stays in one place). Passes never overlap:
-the runtime holds `lock` around each.
+claims before `apply` and starts the resumed drains after it (`_loops.py`, through the busy
+periods of `_busy.py`: the claim handoff stays in one place). Passes never overlap: the
+runtime holds `lock` around each.
 """
 
 from __future__ import annotations
