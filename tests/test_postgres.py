@@ -665,6 +665,47 @@ def test_batch_runs_each_batched_kind_as_one_call(pg_url: str, pg_schema: str) -
         assert conn.execute("SELECT count(*) FROM session_execution").fetchall() == [(0,)]
 
 
+def test_a_batch_of_claims_and_of_new_replies_is_one_call_each(pg_url: str, pg_schema: str) -> None:
+    """A worker's group-commit batch of acquires (a burst of chats rung at once), of wake-
+    and-acquires, and then of the drains' `begin_assistant`s is one set-wise call per kind,
+    each job answered as alone: a held session's acquire is HELD, a lost claim's begin
+    raises `LeaseLost` for that job only."""
+    made: list[RecordingStatements] = []
+
+    def wrap(conn: psycopg.Connection[Any]) -> RecordingStatements:
+        made.append(RecordingStatements(conn))
+        return made[-1]
+
+    store = PostgresStore(pg_url, schema=pg_schema, wrap_connection=wrap)
+    with opened(store.engine()) as engine:
+        for n in range(6):
+            run_op(engine, _store.wake, f"s{n}")
+        run_op(engine, _store.acquire, "s5", "held", "other", 30_000)
+        sent = len(made[-1].statements)
+        acquires = [Job(_store.acquire, (f"s{n}", f"e{n}", "me", 30_000)) for n in range(6)]
+        joins = [Job(_store.wake_and_acquire, (f"w{n}", f"x{n}", "me", 30_000)) for n in range(3)]
+        engine.run_batch(acquires + joins)
+        verdicts = [job.unwrap().verdict for job in acquires]
+        assert verdicts == [AcquireVerdict.CLAIM] * 5 + [AcquireVerdict.HELD]
+        assert [job.unwrap()[1].verdict for job in joins] == [AcquireVerdict.CLAIM] * 3
+        batch = made[-1].statements[sent:]
+        assert "ts_acquire_many(" in batch[0] and "ts_wake_and_acquire_many(" in batch[1]
+        assert len(batch) == 3  # the two calls and COMMIT (each claim took its wake: no signal)
+
+        run_op(engine, _store.expire_claims, "me", ["e4"])
+        sent = len(made[-1].statements)
+        begins = [Job(_store.begin_assistant, (f"s{n}", f"e{n}", "me", f"m{n}")) for n in range(5)]
+        engine.run_batch(begins)
+        assert [job.unwrap() for job in begins[:4]] == [1, 1, 1, 1]
+        with pytest.raises(LeaseLost):
+            begins[4].unwrap()
+        after = made[-1].statements[sent:]
+        assert "ts_begin_assistants(" in after[0]  # then re-run alone, as it raised
+    assert [assistant_text(run_op(engine, _store.read_transcript, f"s{n}")) for n in range(4)] == [
+        ""
+    ] * 4
+
+
 def test_a_batch_of_streamed_appends_is_one_call_in_order_and_fenced(
     pg_url: str, pg_schema: str
 ) -> None:

@@ -35,13 +35,23 @@ class Acquired:
     holder: str | None = None
 
 
+def _pg_acquired_row(args: tuple[Any, ...], row: tuple[Any, ...]) -> Acquired:
+    return _pg_acquired(*row)
+
+
+def _pg_woken_and_acquired(args: tuple[Any, ...], row: tuple[Any, ...]) -> tuple[None, Acquired]:
+    return None, _pg_acquired(*row)
+
+
 @autocommit_when_alone
+@pg_batched("ts_acquire_many", _pg_acquired_row)
 def acquire(tx: Tx, session_id: str, execution_id: str, owner_id: str, lease_ms: int) -> Acquired:
     """Insert the claim only if no claim row exists, the session is not paused and the
     doorbell is set; take the doorbell."""
     if tx.dialect == "postgres":
-        [row] = tx.call("ts_acquire", session_id, execution_id, owner_id, lease_ms)
-        return _pg_acquired(*row)
+        args = (session_id, execution_id, owner_id, lease_ms)
+        [row] = tx.call("ts_acquire", *args)
+        return _pg_acquired_row(args, row)
     tx.lock_session(session_id)
     session = tx.one("SELECT time_woken, time_paused FROM session WHERE id = ?", (session_id,))
     claim = _claim_row(tx, session_id)
@@ -55,6 +65,7 @@ def acquire(tx: Tx, session_id: str, execution_id: str, owner_id: str, lease_ms:
     return _insert_claim(tx, session_id, execution_id, owner_id, lease_ms)
 
 
+@pg_batched("ts_wake_and_acquire_many", _pg_woken_and_acquired)
 def wake_and_acquire(
     tx: Tx, session_id: str, execution_id: str, owner_id: str, lease_ms: int
 ) -> tuple[None, Acquired]:
@@ -64,10 +75,9 @@ def wake_and_acquire(
     written: the same durable result with fewer pages per commit.
     """
     if tx.dialect == "postgres":
-        [row] = tx.call(
-            "ts_wake_and_acquire", session_id, execution_id, owner_id, lease_ms, idempotent=False
-        )
-        return None, _pg_acquired(*row)
+        args = (session_id, execution_id, owner_id, lease_ms)
+        [row] = tx.call("ts_wake_and_acquire", *args, idempotent=False)
+        return _pg_woken_and_acquired(args, row)
     tx.lock_session(session_id)
     claim = _claim_row(tx, session_id)
     if claim is not None:
@@ -160,7 +170,8 @@ def _insert_claim(
 # PostgreSQL: this family's server-side functions (created by `_schema`'s migrations; see
 # `_store.pg_functions` for their conventions)
 
-PG_FUNCTIONS = r"""
+PG_FUNCTIONS = (
+    r"""
 -- Under the session lock: insert the claim only if no claim row exists for the session
 -- (never an overwrite), the session is not paused and the doorbell is set (p_doorbell: the
 -- caller rang it in this same call), and take the doorbell. Verdicts: claim (attempt),
@@ -281,16 +292,30 @@ BEGIN
         FROM ts_acquire_locked(p_session, p_exec, p_owner, p_lease, v_now, true) a;
 END $$;
 
-""" + pg_set_wise(
-    "ts_submit_and_acquire_many",
-    "ts_submit_and_acquire",
-    [
-        ("session", "text"),
-        ("payload", "text"),
-        ("input", "text"),
-        ("exec", "text"),
-        ("owner", "text"),
-        ("lease", "bigint"),
-    ],
-    [("input_verdict", "text"), ("verdict", "text"), ("attempt", "bigint"), ("holder", "text")],
+"""
+    + pg_set_wise(
+        "ts_acquire_many",
+        "ts_acquire",
+        [("session", "text"), ("exec", "text"), ("owner", "text"), ("lease", "bigint")],
+        [("verdict", "text"), ("attempt", "bigint"), ("holder", "text")],
+    )
+    + pg_set_wise(
+        "ts_wake_and_acquire_many",
+        "ts_wake_and_acquire",
+        [("session", "text"), ("exec", "text"), ("owner", "text"), ("lease", "bigint")],
+        [("verdict", "text"), ("attempt", "bigint"), ("holder", "text")],
+    )
+    + pg_set_wise(
+        "ts_submit_and_acquire_many",
+        "ts_submit_and_acquire",
+        [
+            ("session", "text"),
+            ("payload", "text"),
+            ("input", "text"),
+            ("exec", "text"),
+            ("owner", "text"),
+            ("lease", "bigint"),
+        ],
+        [("input_verdict", "text"), ("verdict", "text"), ("attempt", "bigint"), ("holder", "text")],
+    )
 )

@@ -28,24 +28,27 @@ from .common import (
     pg_set_wise,
 )
 
+# An empty assistant message, as stored (also a literal in `ts_begin_assistants`).
+_EMPTY_DATA = _codec.encode_assistant(_transcript.EMPTY)
+
+
+def _pg_begun(args: tuple[Any, ...], row: tuple[Any, ...]) -> int:
+    verdict, seq = row
+    if verdict != "ok":
+        raise _lease_lost(args[1])
+    return int(seq)
+
 
 @autocommit_when_alone
+@pg_batched("ts_begin_assistants", _pg_begun)
 def begin_assistant(
     tx: Tx, session_id: str, execution_id: str, owner_id: str, message_id: str
 ) -> int:
     """Start an empty, unfinished assistant message, open for streaming; returns its seq."""
     if tx.dialect == "postgres":
-        [(verdict, seq)] = tx.call(
-            "ts_begin_assistant",
-            session_id,
-            execution_id,
-            owner_id,
-            message_id,
-            _codec.encode_assistant(_transcript.EMPTY),
-        )
-        if verdict != "ok":
-            raise _lease_lost(execution_id)
-        return int(seq)
+        args = (session_id, execution_id, owner_id, message_id)
+        [row] = tx.call("ts_begin_assistant", *args, _EMPTY_DATA)
+        return _pg_begun(args, row)
     _require_claim(tx, session_id, execution_id, owner_id)
     seq = _next_message_seq(tx, session_id)
     tx.execute(
@@ -56,7 +59,7 @@ def begin_assistant(
             session_id,
             execution_id,
             seq,
-            _codec.encode_assistant(_transcript.EMPTY),
+            _EMPTY_DATA,
             tx.now,
             tx.now,
         ),
@@ -303,7 +306,8 @@ def _decode_message(session_id: str, row: Sequence[Any], streamed: Sequence[Any]
 # PostgreSQL: this family's server-side functions (created by `_schema`'s migrations; see
 # `_store.pg_functions` for their conventions)
 
-PG_FUNCTIONS = r"""
+PG_FUNCTIONS = (
+    r"""
 -- Streamed text onto an open message: one delta row. Verdicts: ok (version), lease_lost,
 -- not_streaming (no stream row of this execution: the caller's whole-row path).
 CREATE OR REPLACE FUNCTION ts_append_text(p_session text, p_exec text, p_owner text,
@@ -431,16 +435,25 @@ BEGIN
     RETURN v_version;
 END $$;
 
-""" + pg_set_wise(
-    "ts_append_texts",
-    "ts_append_text",
-    [
-        ("session", "text"),
-        ("exec", "text"),
-        ("owner", "text"),
-        ("message", "text"),
-        ("text", "text"),
-        ("after", "bigint"),
-    ],
-    [("verdict", "text"), ("version", "bigint")],
+"""
+    + pg_set_wise(
+        "ts_begin_assistants",
+        "ts_begin_assistant",
+        [("session", "text"), ("exec", "text"), ("owner", "text"), ("message", "text")],
+        [("verdict", "text"), ("seq", "bigint")],
+        constants="'" + _EMPTY_DATA.replace("'", "''") + "'",
+    )
+    + pg_set_wise(
+        "ts_append_texts",
+        "ts_append_text",
+        [
+            ("session", "text"),
+            ("exec", "text"),
+            ("owner", "text"),
+            ("message", "text"),
+            ("text", "text"),
+            ("after", "bigint"),
+        ],
+        [("verdict", "text"), ("version", "bigint")],
+    )
 )
