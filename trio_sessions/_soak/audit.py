@@ -8,7 +8,11 @@ clocks) to a per-worker file with `os.write` (it survives the process being SIGK
 needs no database, so no fault of the worker's path can lose it). An execution's span runs
 from its first effect to its last; two executions of one session whose spans intersect are
 an overlap. (A drain stuck inside a store call it cannot abandon is not running code; it
-counts again only if it performs an effect afterwards, which self-fencing must prevent.)
+counts again only if it performs an effect afterwards, which self-fencing must prevent.) A
+busy step's blocking call (`common`) is running code: it logs its effect itself, from its
+thread, when it lands - after the drain was cancelled, if it was; so a takeover that did
+not wait for it to land (no takeover grace, or an owner ignoring its lost token) shows as
+an overlap.
 
 **Zombie writes** (DESIGN §6.13, §6.4). Triggers that the soak installs in its own schema
 (never part of the library) log every write to `session_message` and every change of claim
