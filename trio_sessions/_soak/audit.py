@@ -145,7 +145,9 @@ def zombie_writes(writes: Iterable[Write]) -> list[Write]:
 class Effect:
     """One line of a worker's effect log."""
 
-    kind: str  # enter | take | work (effects) | exit (not an effect: carries the status)
+    # enter | take | work | block (a busy step's blocking call; effects) | exit (not an
+    # effect: carries the status)
+    kind: str
     drain: str
     worker: str
     session_id: str

@@ -173,7 +173,7 @@ async def run_worker(config: WorkerConfig) -> None:
 
         def blocking_call() -> None:
             time.sleep(max(0.0, began + common.BUSY_BLOCK - time.monotonic()))
-            log("work", drain_id, ctx)
+            log("block", drain_id, ctx)
 
         await trio.to_thread.run_sync(blocking_call)
         for _ in range(round(common.BUSY_WORK / WORK_STEP)):

@@ -8,16 +8,20 @@ recovery passes and by their own random wakes. A chaos loop SIGKILLs a random wo
 random moments - some of them inside the claim handoff, where the `acquisition_hook` pauses
 on request - and restarts it; or restarts it gracefully (a rolling restart: SIGTERM, and its
 successor started at once while its drains - half of them blocked in a thread - still
-run). The workers also interrupt random sessions now and then, their
-own claims or (through `phase='cancelling'`) each other's. Every drain iteration records its
-enter and exit (worker, execution id, wall times) in an audit table of the same file,
-through its own connection, before its first durable effect and after its last.
+run); or (`--busy-ratio`) asks it for a busy step (`common`) and SIGKILLs it as soon as the
+step's blocking call began in a child process, which lands its effect (a `soak_child` row)
+after the worker died, within the takeover grace. The workers also interrupt random
+sessions now and then, their own claims or (through `phase='cancelling'`) each other's.
+Every drain iteration records its enter and exit (worker, execution id, wall times) in an
+audit table of the same file, through its own connection, before its first durable effect
+and after its last.
 
 When the chaos stops, the surviving workers get the lease plus recovery passes to settle,
 then the audit proves, and the last line says:
 
 * `overlaps=0`: the drain intervals of different executions of one session never overlap
-  (an execution killed mid-drain ends when its process was reaped);
+  (an execution killed mid-drain ends when its process was reaped, or when the blocking
+  call it left running in a child landed its effect, if later);
 * `lost=0`: every submitted input was answered by a finished assistant message, and no
   committed state ever held a pending input without a doorbell or a claim (sampled all
   along), and no doorbell is left;
@@ -26,7 +30,10 @@ then the audit proves, and the last line says:
   was killed before finishing; repeats after an interrupted drain are counted apart, and any
   other repeat is a violation.
 
-The exit status is non-zero on any violation.
+The exit status is non-zero on any violation. `--broken NAME` runs the workers on a copy of
+the package with one deliberate defect (`broken`). A liveness token here is a `flock` that
+only the death of its process releases, so the defect `ignore-lost-token` (a live owner
+ignoring the loss of its token) has nothing to act on in this soak.
 """
 
 from __future__ import annotations
