@@ -15,8 +15,8 @@ The chaos, one host fault at a time on a random worker, in rotation:
 * SIGSTOP for 1.1-1.5 leases, then SIGCONT - some inside the claim handoff;
 * a partition (the proxy blackholes the host's connections) for 1.1-1.5 leases, then
   healed - some started inside a transaction, between its fence read and its COMMIT;
-* instead of one of these now and then (`--busy-ratio`), a busy token kill: a drain of the
-  host is asked into a busy step (`common`: a blocking call that lands its effect 0.3 s
+* and between them now and then (`--busy-ratio`), a busy token kill: a drain of the host
+  is asked into a busy step (`common`: a blocking call that lands its effect 0.3 s
   later whatever happens), and the host's liveness token connection is killed as soon as
   the step began - the others must wait out the grace, the host must cancel the drain;
 and alongside, every `--conn-kill-gap` seconds, `pg_terminate_backend` of one of the
@@ -566,23 +566,25 @@ class Soak:
         await trio.sleep(common.BUSY_BLOCK + 0.2)
 
     async def host_faults(self, nursery: trio.Nursery) -> None:
-        """One host fault at a time, kinds in shuffled rounds, on a random live worker; a
-        share of them (`--busy-ratio`) are busy token kills instead."""
+        """One host fault at a time, kinds in shuffled rounds, on a random live worker. A
+        share of them (`--busy-ratio`) are busy token kills, in addition: the round's next
+        kind waits for the next fault (so every kind still runs as often per round, and a
+        ratio of 1 makes every fault a busy token kill)."""
         await trio.sleep(STARTUP)  # the workers boot first
         while True:
             kinds = ["kill", "pause", "partition", "restart"]
             self.rng.shuffle(kinds)
-            for kind in kinds:
+            while kinds:
                 await trio.sleep(self.rng.uniform(*self.args.kill_gap))
+                busy = self.rng.random() < self.args.busy_ratio
+                kind = "busy token kill" if busy else kinds.pop()
                 if not self.workers:
                     continue
                 worker = self.rng.choice(list(self.workers.values()))
-                if self.rng.random() < self.args.busy_ratio:
-                    print(f"soak: busy token kill {worker.name} at {self.elapsed():.1f} s")
-                    await self.busy_token_kill(worker)
-                    continue
                 print(f"soak: {kind} {worker.name} at {self.elapsed():.1f} s")
-                if kind == "restart":
+                if busy:
+                    await self.busy_token_kill(worker)
+                elif kind == "restart":
                     if self.retiring.serving(worker):  # else SIGTERM just ends a starting one
                         self.rolling_restart(worker)
                 elif kind == "kill":
