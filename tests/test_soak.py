@@ -41,9 +41,10 @@ def run_soak(
 
 @pytest.mark.slow
 def test_short_kill_soak_audit_is_clean(tmp_path: Path) -> None:
-    """Workers killed at random (also inside the claim handoff) or restarted gracefully
-    (SIGTERM, successor at once, drains blocked in threads) lose no input, never overlap on a
-    session and leave no orphaned claim; the soak prints its figures last."""
+    """Workers killed at random (also inside the claim handoff, and while a drain's blocking
+    call runs on in a child process for less than the takeover grace) or restarted
+    gracefully (SIGTERM, successor at once, drains blocked in threads) lose no input, never
+    overlap on a session and leave no orphaned claim; the soak prints its figures last."""
     figures, stdout, output = run_soak(
         tmp_path,
         LAST_LINE,
@@ -100,7 +101,7 @@ def test_kill_soak_catches_a_takeover_without_the_grace(tmp_path: Path) -> None:
     assert figures["overlaps"] >= 1, output
     assert (figures["lost"], figures["orphaned"]) == (0, 0), output
     busy = re.search(r"busy_kills=(\d+)", stdout)
-    assert busy is not None and int(busy.group(1)) >= 3, output
+    assert busy is not None and int(busy.group(1)) >= 2, output
 
 
 PG_LAST_LINE = re.compile(
@@ -115,8 +116,9 @@ PG_LAST_LINE = re.compile(
 def test_short_postgres_soak_audit_is_clean(tmp_path: Path) -> None:
     """Hosts on PostgreSQL, each behind its own fault proxy, killed, paused and partitioned
     past the lease, restarted gracefully (SIGTERM, successor at once, drains blocked in
-    threads), their connections killed (COMMITs included), clocks skewed by more than a
-    lease and the server restarted once: no input lost, no overlap, no orphan, no zombie
+    threads), their connections killed (COMMITs included; a liveness token's while its
+    owner's drain is in a blocking call shorter than the grace), clocks skewed by more than
+    a lease and the server restarted once: no input lost, no overlap, no orphan, no zombie
     write; every fault kind was injected."""
     figures, stdout, output = run_soak(
         tmp_path,
