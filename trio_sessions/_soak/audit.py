@@ -12,7 +12,11 @@ counts again only if it performs an effect afterwards, which self-fencing must p
 busy step's blocking call (`common`) is running code: it logs its effect itself, from its
 thread, when it lands - after the drain was cancelled, if it was; so a takeover that did
 not wait for it to land (no takeover grace, or an owner ignoring its lost token) shows as
-an overlap.
+an overlap. And an execution's span begins when its claim is handed to the worker (the
+acquisition hook logs a `claim` effect, after the commit), not at its drain's first effect:
+the lease is exclusive from its commit, so an old drain still acting after another
+execution's claim committed overlaps it even before the new drain acted (as an owner
+ignoring its lost token does until the takeover's signal reaches it).
 
 **Zombie writes** (DESIGN §6.13, §6.4). Triggers that the soak installs in its own schema
 (never part of the library) log every write to `session_message` and every change of claim
@@ -145,8 +149,8 @@ def zombie_writes(writes: Iterable[Write]) -> list[Write]:
 class Effect:
     """One line of a worker's effect log."""
 
-    # enter | take | work | block (a busy step's blocking call; effects) | exit (not an
-    # effect: carries the status)
+    # claim (the claim handoff: no drain yet) | enter | take | work | block (a busy step's
+    # blocking call) - the effects - | exit (not an effect: carries the status)
     kind: str
     drain: str
     worker: str
@@ -155,6 +159,10 @@ class Effect:
     t: float
     numbers: tuple[int, ...] = ()
     status: str | None = None
+
+
+# The drain of a `claim` effect: logged before any drain iteration of the claim ran.
+CLAIM_DRAIN = "claim"
 
 
 def effect_line(effect: Effect) -> bytes:

@@ -154,7 +154,14 @@ async def run_worker(config: WorkerConfig) -> None:
         log(kind, drain_id, ctx, **fields)
 
     async def hook(claim: Claim) -> None:
-        # Inside the claim handoff: committed, drain not started.
+        # Inside the claim handoff: committed, drain not started. From here on the claim is
+        # this execution's: its span (the audit's overlaps) begins now, not when its drain
+        # first acts - another execution of the session acting later overlaps it.
+        now = time.monotonic()
+        held = audit.Effect(
+            "claim", audit.CLAIM_DRAIN, config.name, claim.session_id, claim.execution_id, now
+        )
+        os.write(effects, audit.effect_line(held))
         marker = control / f"held.{config.name}"
         if (control / f"kill.{config.name}").exists():
             marker.write_text(claim.session_id)
@@ -576,11 +583,12 @@ class Soak:
             self.rng.shuffle(kinds)
             while kinds:
                 await trio.sleep(self.rng.uniform(*self.args.kill_gap))
-                busy = self.rng.random() < self.args.busy_ratio
-                kind = "busy token kill" if busy else kinds.pop()
                 if not self.workers:
                     continue
                 worker = self.rng.choice(list(self.workers.values()))
+                # Only a host that serves has drains to ask into a busy step.
+                busy = self.rng.random() < self.args.busy_ratio and self.retiring.serving(worker)
+                kind = "busy token kill" if busy else kinds.pop()
                 print(f"soak: {kind} {worker.name} at {self.elapsed():.1f} s")
                 if busy:
                     await self.busy_token_kill(worker)
@@ -871,7 +879,7 @@ class Soak:
         result.repeats = audit.repeats(effects, self.killed)
         starts: dict[str, tuple[str, str, str, float]] = {}  # per drain iteration
         for effect in effects:
-            if effect.kind != "exit" and effect.drain not in starts:
+            if effect.kind not in ("exit", "claim") and effect.drain not in starts:
                 starts[effect.drain] = (
                     effect.session_id,
                     effect.execution_id,
@@ -886,7 +894,7 @@ class Soak:
             if effect.kind == "exit":
                 status = effect.status or "?"
                 result.statuses[status] = result.statuses.get(status, 0) + 1
-        entered = {effect.drain for effect in effects if effect.kind != "exit"}
+        entered = {effect.drain for effect in effects if effect.kind not in ("exit", "claim")}
         exited = {effect.drain for effect in effects if effect.kind == "exit"}
         result.statuses["killed"] = len(entered - exited)
         result.drains = len(entered | exited)

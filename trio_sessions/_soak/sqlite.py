@@ -393,7 +393,8 @@ class Soak:
                 if self.rng.random() < args.restart_ratio and self.retiring.serving(worker):
                     self.rolling_restart(worker)
                     next_kill = now + self.rng.uniform(*args.kill_gap)
-                elif self.rng.random() < args.busy_ratio:
+                elif self.rng.random() < args.busy_ratio and self.retiring.serving(worker):
+                    # (Only a worker that serves has drains to ask into a busy step.)
                     busy = (worker, common.BusyRequest.ask(self.control, worker.name))
                 elif self.rng.random() < args.handoff_ratio:
                     (self.control / f"pause.{worker.name}").touch()
