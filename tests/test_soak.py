@@ -18,10 +18,11 @@ LAST_LINE = re.compile(
 
 
 def run_soak(
-    tmp_path: Path, last_line: re.Pattern[str], *args: str
+    tmp_path: Path, last_line: re.Pattern[str], *args: str, violation: bool = False
 ) -> tuple[dict[str, int], str, str]:
-    """Run `python -m trio_sessions.soak` with `args` to a clean exit; the figures of its
-    last line (which must match `last_line`), its stdout, and its stdout and stderr."""
+    """Run `python -m trio_sessions.soak` with `args` to a clean exit (with `violation`: to
+    the exit status of a violation); the figures of its last line (which must match
+    `last_line`), its stdout, and its stdout and stderr."""
     completed = subprocess.run(
         [sys.executable, "-m", "trio_sessions.soak", *args, f"--dir={tmp_path / 'soak'}"],
         cwd=ROOT,
@@ -31,7 +32,7 @@ def run_soak(
         check=False,
     )
     output = completed.stdout + completed.stderr
-    assert completed.returncode == 0, output
+    assert completed.returncode == (1 if violation else 0), output
     match = last_line.match(completed.stdout.strip().splitlines()[-1])
     assert match is not None, output
     figures = {key: int(value) for key, value in match.groupdict().items()}
@@ -67,6 +68,44 @@ def test_short_kill_soak_audit_is_clean(tmp_path: Path) -> None:
     assert handoff is not None and int(handoff.group(1)) >= 1, output
     restarts = re.search(r"rolling_restarts=(\d+)", stdout)
     assert restarts is not None and int(restarts.group(1)) >= 1, output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("defect", [None, "no-takeover-grace"])
+def test_kill_soak_busy_kills_overlap_only_without_the_grace(
+    tmp_path: Path, defect: str | None
+) -> None:
+    """Workers SIGKILLed while a drain's blocking call runs on in a child process for less
+    than the takeover grace: the real package never overlaps; a copy that takes a dead
+    owner's claims over at the first sighting of its free token (`no-takeover-grace`) does,
+    and the audit sees it. (On SQLite a token is free only once its process died, so
+    `ignore-lost-token` has nothing to act on there.)"""
+    broken = [] if defect is None else [f"--broken={defect}"]
+    figures, stdout, output = run_soak(
+        tmp_path,
+        LAST_LINE,
+        "--workers=3",
+        "--sessions=6",
+        "--duration=6",
+        "--rate=15",
+        "--kill-gap",
+        "0.3",
+        "0.8",
+        "--busy-ratio=1",
+        "--restart-ratio=0",
+        "--settle-timeout=8",
+        "--seed=5",
+        "--model-steps=0",
+        *broken,
+        violation=defect is not None,
+    )
+    assert (figures["lost"], figures["orphaned"]) == (0, 0), output
+    if defect is None:
+        assert figures["overlaps"] == 0, output
+    else:
+        assert figures["overlaps"] >= 1, output
+    busy = re.search(r"busy_kills=(\d+)", stdout)
+    assert busy is not None and int(busy.group(1)) >= 2, output
 
 
 PG_LAST_LINE = re.compile(
@@ -113,3 +152,51 @@ def test_short_postgres_soak_audit_is_clean(tmp_path: Path) -> None:
     assert restarts is not None and int(restarts.group(1)) >= 1, output
     assert figures["inputs"] >= 50, output
     assert re.search(r" restarts=1 ", stdout) is not None, output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("defect", [None, "no-takeover-grace", "ignore-lost-token"])
+def test_postgres_soak_busy_token_kills_overlap_only_on_a_broken_liveness_copy(
+    tmp_path: Path, defect: str | None
+) -> None:
+    """Hosts whose liveness token connections are killed while a drain is in a blocking call
+    shorter than the grace, followed by more work: the real package never overlaps (nor
+    loses, orphans or writes as a zombie); a copy that takes a claim over at the first
+    sighting of its owner's free token (`no-takeover-grace`), or that goes on draining after
+    losing its token (`ignore-lost-token`), does, and the audit sees the drains overlap.
+    Only busy token kills among the host faults, and no interrupts (they would cancel a
+    busy drain before the grace ran out); the copy that ignores its lost token never takes
+    it again, so each host loses it once - and every host at the server restart halfway
+    through - which leaves a few busy token kills that count."""
+    figures, stdout, output = run_soak(
+        tmp_path,
+        PG_LAST_LINE,
+        "--backend=postgres",
+        "--workers=3",
+        "--sessions=6",
+        "--duration=12",
+        "--rate=10",
+        "--lease=1.5",
+        "--kill-gap",
+        "0.2",
+        "0.5",
+        "--busy-ratio=1",
+        "--interrupt-rate=0",
+        "--conn-kill-gap",
+        "5",
+        "10",
+        "--settle-timeout=8",
+        "--seed=8",
+        "--model-steps=0",
+        *([] if defect is None else [f"--broken={defect}"]),
+        violation=defect is not None,
+    )
+    if defect is None:
+        audit = ("lost", "overlaps", "orphaned", "zombie_writes")
+        assert [figures[key] for key in audit] == [0, 0, 0, 0], output
+    else:
+        assert figures["overlaps"] >= 1, output
+    busy = re.search(r"busy_token_kills=(\d+)", stdout)
+    # A host ignoring its lost token has none left to kill, after the first time.
+    assert busy is not None, output
+    assert int(busy.group(1)) >= (1 if defect == "ignore-lost-token" else 3), output

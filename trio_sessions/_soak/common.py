@@ -8,6 +8,17 @@ restart SIGTERMs a worker (a graceful shutdown: its drains exit, then their clai
 back) and starts its successor at once, while the old process may still be shutting down;
 its drains' exits are in the audit like any other, so a claim handed back while its drain
 still ran shows as an overlap.
+
+A *busy step* puts a drain where the takeover grace (DESIGN §4 "Owner liveness") is all
+that keeps another owner out: the chaos asks a worker for one (`busy.<worker>` in the
+control directory), the worker's next drain takes the request, marks the step as begun
+(`busy-now.<worker>`) and starts a blocking call whose effect lands `BUSY_BLOCK` seconds
+after the step began, whatever happens to the drain (or, on SQLite, to its process)
+meanwhile. The chaos then takes the owner's token away at once: on PostgreSQL it kills the
+token's connection (the owner lives and must stop its drains), on SQLite it SIGKILLs the
+worker (the blocking call runs on in a child process). `BUSY_BLOCK` is shorter than the
+default grace, so the correct library takes nothing over before the effect landed, while a
+copy that takes over at the first free sighting, or ignores a lost token, overlaps.
 """
 
 from __future__ import annotations
@@ -42,6 +53,14 @@ STRANDED_SQL = (
 
 # Printed once a worker's runtime is open: from then on SIGTERM is a graceful shutdown.
 SERVING = "soak worker serving:"
+
+# A busy step's blocking call lands its effect this long after the step began: well inside
+# the default takeover grace (0.5 s; the rest is margin for a loaded host), and long enough
+# for another owner's first look at the free token (every 0.25 s) and its takeover to fall
+# within it. Then (PostgreSQL) this much ordinary, cancellable work follows: more than grace
+# + a look, so an owner that ignores its lost token is still acting when it is taken over.
+BUSY_BLOCK = 0.3
+BUSY_WORK = 1.0
 
 
 def session_name(index: int) -> str:
@@ -146,6 +165,55 @@ async def do_work(rng: random.Random, seconds: float) -> None:
         await trio.to_thread.run_sync(time.sleep, seconds)
     else:
         await trio.sleep(seconds)
+
+
+def take_busy_request(control: Path, worker: str) -> bool:
+    """Whether the chaos asked `worker` for a busy step (the request is taken: one drain)."""
+    try:
+        (control / f"busy.{worker}").unlink()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def mark_busy(control: Path, worker: str) -> None:
+    """Tell the chaos that `worker`'s busy step began (its blocking call runs now)."""
+    (control / f"busy-now.{worker}").touch()
+
+
+@attrs.define
+class BusyRequest:
+    """The chaos side of a busy step: asked, then whether it began (see the module doc)."""
+
+    control: Path
+    worker: str
+    deadline: float  # time.monotonic()
+    taken: bool = False
+
+    @classmethod
+    def ask(cls, control: Path, worker: str, patience: float = 2.0) -> BusyRequest:
+        (control / f"busy-now.{worker}").unlink(missing_ok=True)
+        (control / f"busy.{worker}").touch()
+        return cls(control, worker, time.monotonic() + patience)
+
+    def began(self) -> bool | None:
+        """True once the step began, False once it will not (no drain took the request in
+        time), None while undecided. A request taken at the last moment is waited for."""
+        if (self.control / f"busy-now.{self.worker}").exists():
+            (self.control / f"busy-now.{self.worker}").unlink(missing_ok=True)
+            return True
+        if time.monotonic() < self.deadline:
+            return None
+        if self.taken:
+            return False
+        try:
+            (self.control / f"busy.{self.worker}").unlink()
+        except FileNotFoundError:
+            # A drain took it just now: its step begins in a moment.
+            self.taken = True
+            self.deadline = time.monotonic() + 2.0
+            return None
+        return False
 
 
 async def wake_and_interrupt(

@@ -15,6 +15,10 @@ The chaos, one host fault at a time on a random worker, in rotation:
 * SIGSTOP for 1.1-1.5 leases, then SIGCONT - some inside the claim handoff;
 * a partition (the proxy blackholes the host's connections) for 1.1-1.5 leases, then
   healed - some started inside a transaction, between its fence read and its COMMIT;
+* and between them now and then (`--busy-ratio`), a busy token kill: a drain of the host
+  is asked into a busy step (`common`: a blocking call that lands its effect 0.3 s
+  later whatever happens), and the host's liveness token connection is killed as soon as
+  the step began - the others must wait out the grace, the host must cancel the drain;
 and alongside, every `--conn-kill-gap` seconds, `pg_terminate_backend` of one of the
 workers' server connections (writer, listener or liveness token - and, on purpose, a
 token's: a live owner losing its token), or of the one that just sent a COMMIT
@@ -135,6 +139,8 @@ async def run_worker(config: WorkerConfig) -> None:
     control = config.control
 
     def log(kind: str, drain_id: str, ctx: DrainContext, **fields: Any) -> None:
+        # Also from a busy step's thread: the context's ids are plain attributes, and one
+        # os.write of a whole line to an O_APPEND file is atomic.
         now = time.monotonic()
         effect = audit.Effect(
             kind, drain_id, config.name, ctx.session_id, ctx.execution_id, now, **fields
@@ -148,7 +154,14 @@ async def run_worker(config: WorkerConfig) -> None:
         log(kind, drain_id, ctx, **fields)
 
     async def hook(claim: Claim) -> None:
-        # Inside the claim handoff: committed, drain not started.
+        # Inside the claim handoff: committed, drain not started. From here on the claim is
+        # this execution's: its span (the audit's overlaps) begins now, not when its drain
+        # first acts - another execution of the session acting later overlaps it.
+        now = time.monotonic()
+        held = audit.Effect(
+            "claim", audit.CLAIM_DRAIN, config.name, claim.session_id, claim.execution_id, now
+        )
+        os.write(effects, audit.effect_line(held))
         marker = control / f"held.{config.name}"
         if (control / f"kill.{config.name}").exists():
             marker.write_text(claim.session_id)
@@ -157,9 +170,29 @@ async def run_worker(config: WorkerConfig) -> None:
             marker.write_text(claim.session_id)
             await trio.sleep(HANDOFF_STOP_HOLD)
 
+    async def busy_step(drain_id: str, ctx: DrainContext) -> None:
+        # The chaos kills our token's connection as soon as the step began (`common`): a
+        # blocking call lands its effect BUSY_BLOCK after that whatever we do (a drain
+        # cancelled on the lost token exits only after it), then ordinary work follows,
+        # which the lost token must have cancelled.
+        began = time.monotonic()
+        common.mark_busy(control, config.name)
+
+        def blocking_call() -> None:
+            time.sleep(max(0.0, began + common.BUSY_BLOCK - time.monotonic()))
+            log("block", drain_id, ctx)
+
+        await trio.to_thread.run_sync(blocking_call)
+        for _ in range(round(common.BUSY_WORK / WORK_STEP)):
+            await trio.sleep(WORK_STEP)
+            await effect("work", drain_id, ctx)
+
     async def work(drain_id: str, ctx: DrainContext) -> None:
         # The work outside the database, in steps (a streamed reply, say): an effect after
         # every step, so a drain that outlives its lease is seen acting.
+        if common.take_busy_request(control, config.name):
+            await busy_step(drain_id, ctx)
+            return
         left = rng.uniform(0.0, config.work_max)
         while left > 0:
             await common.do_work(rng, min(left, WORK_STEP))
@@ -254,6 +287,7 @@ class Result:
     conn_kills: int = 0
     commit_kills: int = 0
     token_kills: int = 0
+    busy_token_kills: int = 0  # a token killed while its owner's drain was in a busy step
     resets: int = 0
     restarts: int = 0
     skew_ms: int = 0
@@ -515,19 +549,50 @@ class Soak:
             self.hosts_held -= 1
             self.held_until = time.monotonic()
 
+    async def busy_token_kill(self, worker: common.Worker) -> None:
+        """Kill `worker`'s liveness token connection while one of its drains is in a busy
+        step (`common`): a live owner losing its token with a drain that cannot stop at
+        once. The others must wait out the grace; the step is over before this returns."""
+        request = common.BusyRequest.ask(self.control, worker.name)
+        # Another process writes the marker: polled, there is no event to await.
+        while (began := request.began()) is None:  # noqa: ASYNC110
+            await trio.sleep(0.002)
+        if not began:
+            return
+        killed = await self.terminate(
+            "application_name = %s AND pid IN (SELECT pid FROM pg_locks"
+            " WHERE locktype = 'advisory' AND objsubid = 2 AND granted"
+            " AND classid = (hashtext('trio_sessions.owner:' || %s)::bigint"
+            " & 4294967295)::oid)",
+            f"{self.schema}-{worker.name}",
+            self.schema,
+        )
+        self.result.busy_token_kills += killed
+        # No other host fault (a pause would hold the blocking call past the grace) until
+        # the step's blocking call is over.
+        await trio.sleep(common.BUSY_BLOCK + 0.2)
+
     async def host_faults(self, nursery: trio.Nursery) -> None:
-        """One host fault at a time, kinds in shuffled rounds, on a random live worker."""
+        """One host fault at a time, kinds in shuffled rounds, on a random live worker. A
+        share of them (`--busy-ratio`) are busy token kills, in addition: the round's next
+        kind waits for the next fault (so every kind still runs as often per round, and a
+        ratio of 1 makes every fault a busy token kill)."""
         await trio.sleep(STARTUP)  # the workers boot first
         while True:
             kinds = ["kill", "pause", "partition", "restart"]
             self.rng.shuffle(kinds)
-            for kind in kinds:
+            while kinds:
                 await trio.sleep(self.rng.uniform(*self.args.kill_gap))
                 if not self.workers:
                     continue
                 worker = self.rng.choice(list(self.workers.values()))
-                print(f"soak: {kind} {worker.name} at {time.monotonic() - self.started:.1f} s")
-                if kind == "restart":
+                # Only a host that serves has drains to ask into a busy step.
+                busy = self.rng.random() < self.args.busy_ratio and self.retiring.serving(worker)
+                kind = "busy token kill" if busy else kinds.pop()
+                print(f"soak: {kind} {worker.name} at {self.elapsed():.1f} s")
+                if busy:
+                    await self.busy_token_kill(worker)
+                elif kind == "restart":
                     if self.retiring.serving(worker):  # else SIGTERM just ends a starting one
                         self.rolling_restart(worker)
                 elif kind == "kill":
@@ -651,6 +716,9 @@ class Soak:
             functools.partial(self.producer.run, op, *args),
             limiter=self._producer_limiter,
         )
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
 
     def orphan_grace(self) -> float:
         """How long a claim may stay expired with nobody on it: a lease and the next scan
@@ -811,7 +879,7 @@ class Soak:
         result.repeats = audit.repeats(effects, self.killed)
         starts: dict[str, tuple[str, str, str, float]] = {}  # per drain iteration
         for effect in effects:
-            if effect.kind != "exit" and effect.drain not in starts:
+            if effect.kind not in ("exit", "claim") and effect.drain not in starts:
                 starts[effect.drain] = (
                     effect.session_id,
                     effect.execution_id,
@@ -826,7 +894,7 @@ class Soak:
             if effect.kind == "exit":
                 status = effect.status or "?"
                 result.statuses[status] = result.statuses.get(status, 0) + 1
-        entered = {effect.drain for effect in effects if effect.kind != "exit"}
+        entered = {effect.drain for effect in effects if effect.kind not in ("exit", "claim")}
         exited = {effect.drain for effect in effects if effect.kind == "exit"}
         result.statuses["killed"] = len(entered - exited)
         result.drains = len(entered | exited)
@@ -917,6 +985,7 @@ def run_soak(args: argparse.Namespace) -> int:
         f"soak: settled={result.settled} handoff_kills={result.handoff_kills}"
         f" handoff_pauses={result.handoff_pauses} partitions_in_tx={result.partitions_in_tx}"
         f" commit_kills={result.commit_kills} token_kills={result.token_kills}"
+        f" busy_token_kills={result.busy_token_kills}"
         f" resets={result.resets} restarts={result.restarts}"
         f" drains={result.drains} executions={result.executions} statuses={result.statuses}"
         f" writes_logged={result.writes_logged}"

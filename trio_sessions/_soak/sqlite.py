@@ -8,16 +8,20 @@ recovery passes and by their own random wakes. A chaos loop SIGKILLs a random wo
 random moments - some of them inside the claim handoff, where the `acquisition_hook` pauses
 on request - and restarts it; or restarts it gracefully (a rolling restart: SIGTERM, and its
 successor started at once while its drains - half of them blocked in a thread - still
-run). The workers also interrupt random sessions now and then, their
-own claims or (through `phase='cancelling'`) each other's. Every drain iteration records its
-enter and exit (worker, execution id, wall times) in an audit table of the same file,
-through its own connection, before its first durable effect and after its last.
+run); or (`--busy-ratio`) asks it for a busy step (`common`) and SIGKILLs it as soon as the
+step's blocking call began in a child process, which lands its effect (a `soak_child` row)
+after the worker died, within the takeover grace. The workers also interrupt random
+sessions now and then, their own claims or (through `phase='cancelling'`) each other's.
+Every drain iteration records its enter and exit (worker, execution id, wall times) in an
+audit table of the same file, through its own connection, before its first durable effect
+and after its last.
 
 When the chaos stops, the surviving workers get the lease plus recovery passes to settle,
 then the audit proves, and the last line says:
 
 * `overlaps=0`: the drain intervals of different executions of one session never overlap
-  (an execution killed mid-drain ends when its process was reaped);
+  (an execution killed mid-drain ends when its process was reaped, or when the blocking
+  call it left running in a child landed its effect, if later);
 * `lost=0`: every submitted input was answered by a finished assistant message, and no
   committed state ever held a pending input without a doorbell or a claim (sampled all
   along), and no doorbell is left;
@@ -26,14 +30,20 @@ then the audit proves, and the last line says:
   was killed before finishing; repeats after an interrupted drain are counted apart, and any
   other repeat is a violation.
 
-The exit status is non-zero on any violation.
+The exit status is non-zero on any violation. `--broken NAME` runs the workers on a copy of
+the package with one deliberate defect (`broken`). A liveness token here is a `flock` that
+only the death of its process releases, so the defect `ignore-lost-token` (a live owner
+ignoring the loss of its token) has nothing to act on in this soak.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import os
 import random
 import sqlite3
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -48,7 +58,7 @@ from .._errors import LeaseLost
 from .._model import Claim
 from .._runtime import DrainContext, Runtime
 from .._sqlite import SQLiteStore as Store
-from . import audit, common
+from . import audit, broken, common
 
 AUDIT_SCHEMA = """
 CREATE TABLE IF NOT EXISTS soak_drain(
@@ -71,6 +81,10 @@ CREATE TABLE IF NOT EXISTS soak_submitted(
     session_id TEXT NOT NULL,
     t REAL NOT NULL
 );
+CREATE TABLE IF NOT EXISTS soak_child(
+    drain_id INTEGER NOT NULL,
+    t REAL NOT NULL
+);
 CREATE TABLE IF NOT EXISTS soak_kill(
     worker TEXT PRIMARY KEY,
     t REAL NOT NULL,
@@ -79,6 +93,21 @@ CREATE TABLE IF NOT EXISTS soak_kill(
 """
 
 HANDOFF_PAUSE = 60.0  # seconds a paused acquisition_hook waits for its SIGKILL
+
+# A busy step's blocking call, run in a child process (`common` explains busy steps): it
+# survives its worker's SIGKILL, lands its effect - a row of `soak_child`, the drain's last
+# act - BUSY_BLOCK after it began, and exits (a cancelled drain terminates it first).
+BLOCKING_CALL = """
+import sqlite3, sys, time
+db, drain_id, block, marker = sys.argv[1:]
+began = time.time()
+open(marker, "w").close()
+time.sleep(max(0.0, began + float(block) - time.time()))
+t = time.time()
+sqlite3.connect(db, timeout=60.0, isolation_level=None).execute(
+    "INSERT INTO soak_child(drain_id, t) VALUES (?, ?)", (int(drain_id), t)
+)
+"""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,7 +156,14 @@ async def run_worker(config: WorkerConfig) -> None:
             paused_marker.write_text(claim.session_id)
             await trio.sleep(HANDOFF_PAUSE)
 
-    async def work() -> None:
+    async def work(row: int) -> None:
+        if common.take_busy_request(config.control, config.name):
+            marker = config.control / f"busy-now.{config.name}"
+            block = str(common.BUSY_BLOCK)
+            await trio.run_process(
+                [sys.executable, "-c", BLOCKING_CALL, str(config.db), str(row), block, str(marker)]
+            )
+            return
         await common.do_work(rng, rng.uniform(0.0, config.work_max))
 
     async def drain(ctx: DrainContext) -> None:
@@ -145,7 +181,7 @@ async def run_worker(config: WorkerConfig) -> None:
                     "INSERT INTO soak_processed(n, drain_id, execution_id) VALUES (?, ?, ?)",
                     [(n, row, ctx.execution_id) for n in todo],
                 )
-                await common.answer(ctx, todo, f"work-{row}", work)
+                await common.answer(ctx, todo, f"work-{row}", functools.partial(work, row))
             status = "ok"
         except LeaseLost:
             status = "lease_lost"
@@ -169,6 +205,7 @@ async def run_worker(config: WorkerConfig) -> None:
 class SoakResult:
     kills: int = 0
     handoff_kills: int = 0
+    busy_kills: int = 0
     inputs: int = 0
     duplicates_after_kill: int = 0
     duplicates_after_cancel: int = 0
@@ -229,6 +266,9 @@ class Soak:
         # The same connection: the audit's own tables are written beside the store's.
         self.conn = self.engine.conn
         self.conn.executescript(AUDIT_SCHEMA)
+        self.worker_path: str | None = None
+        if args.broken:
+            self.worker_path = str(broken.make_copy(args.broken, workdir / "broken"))
 
     # -- workers --------------------------------------------------------------------------------
 
@@ -253,11 +293,21 @@ class Soak:
             "--interrupt-rate",
             str(self.args.interrupt_rate),
         ]
-        self.workers[slot] = common.start_worker(self.workdir, slot, name, argv)
+        env = dict(os.environ)
+        if self.worker_path is not None:
+            # First on the path; and the worker's cwd (which `-m` puts before it) holds no
+            # package, so the broken copy is the one imported.
+            env["PYTHONPATH"] = os.pathsep.join(
+                filter(None, [self.worker_path, env.get("PYTHONPATH")])
+            )
+        self.workers[slot] = common.start_worker(
+            self.workdir, slot, name, argv, env=env, cwd=self.workdir
+        )
 
-    def kill(self, worker: common.Worker, *, in_handoff: bool) -> None:
+    def kill(self, worker: common.Worker, *, in_handoff: bool, busy: bool = False) -> None:
         self.reap_killed(worker, in_handoff=in_handoff)
         del self.workers[worker.slot]
+        self.result.busy_kills += busy
 
     def reap_killed(self, worker: common.Worker, *, in_handoff: bool) -> None:
         worker.process.kill()
@@ -316,6 +366,7 @@ class Soak:
         next_kill = start + self.rng.uniform(*args.kill_gap)
         next_sample = start
         handoff: tuple[common.Worker, float] | None = None
+        busy: tuple[common.Worker, common.BusyRequest] | None = None
         while (now := time.monotonic()) < end:
             while next_submit <= now:
                 self.submit_one()
@@ -328,11 +379,23 @@ class Soak:
                     self.restart_at[worker.slot] = now + self.rng.uniform(0.0, 0.5)
                     handoff = None
                     next_kill = now + self.rng.uniform(*args.kill_gap)
+            elif busy is not None:
+                worker, request = busy
+                began = request.began()
+                if began is not None:
+                    # Begun: SIGKILLed at once, its blocking call running on in its child.
+                    self.kill(worker, in_handoff=False, busy=began)
+                    self.restart_at[worker.slot] = now + self.rng.uniform(0.0, 0.5)
+                    busy = None
+                    next_kill = now + self.rng.uniform(*args.kill_gap)
             elif now >= next_kill and self.workers:
                 worker = self.rng.choice(list(self.workers.values()))
                 if self.rng.random() < args.restart_ratio and self.retiring.serving(worker):
                     self.rolling_restart(worker)
                     next_kill = now + self.rng.uniform(*args.kill_gap)
+                elif self.rng.random() < args.busy_ratio and self.retiring.serving(worker):
+                    # (Only a worker that serves has drains to ask into a busy step.)
+                    busy = (worker, common.BusyRequest.ask(self.control, worker.name))
                 elif self.rng.random() < args.handoff_ratio:
                     (self.control / f"pause.{worker.name}").touch()
                     handoff = (worker, now + 2.0)
@@ -352,6 +415,10 @@ class Soak:
         if handoff is not None:  # a hook paused for a kill that is due now
             worker, _ = handoff
             self.kill(worker, in_handoff=(self.control / f"paused.{worker.name}").exists())
+        if busy is not None:  # a busy step asked for: killed now, begun or not
+            worker, request = busy
+            (self.control / f"busy.{worker.name}").unlink(missing_ok=True)
+            self.kill(worker, in_handoff=False, busy=bool(request.began()))
         for slot in range(args.workers):
             if slot not in self.workers:
                 self.spawn(slot)
@@ -421,7 +488,10 @@ class Soak:
         for *_, status in drains:
             key = status or "killed"
             result.statuses[key] = result.statuses.get(key, 0) + 1
-        result.overlaps = self.count_overlaps(drains, kills)
+        children = dict(
+            self.conn.execute("SELECT drain_id, MAX(t) FROM soak_child GROUP BY drain_id")
+        )
+        result.overlaps = self.count_overlaps(drains, kills, children)
         result.takeovers = audit.takeover_seconds(
             kills,
             (
@@ -452,11 +522,16 @@ class Soak:
                 else:
                     result.unexpected_duplicates += 1
 
-    def count_overlaps(self, drains: list[Any], kills: dict[str, float]) -> int:
-        """Intervals of different executions of one session must never overlap."""
+    def count_overlaps(
+        self, drains: list[Any], kills: dict[str, float], children: dict[int, float]
+    ) -> int:
+        """Intervals of different executions of one session must never overlap. A drain
+        ends at its exit, or when its process was reaped - or when the blocking call it
+        left running in a child landed its effect, if that came later."""
         executions: dict[str, list[Any]] = {}
-        for _, session_id, execution_id, worker, resumed, t_enter, t_exit, _ in drains:
+        for drain_id, session_id, execution_id, worker, resumed, t_enter, t_exit, _ in drains:
             end = t_exit if t_exit is not None else kills.get(worker, float("inf"))
+            end = max(end, children.get(drain_id, end))
             span = executions.setdefault(execution_id, [session_id, t_enter, end])
             span[1] = min(span[1], t_enter)
             span[2] = max(span[2], end)
@@ -491,7 +566,7 @@ def run_soak(args: argparse.Namespace) -> int:
     print(
         f"soak: workers={args.workers} sessions={args.sessions} duration={args.duration}s"
         f" rate={args.rate}/s lease={args.lease}s recovery_interval={args.recovery_interval}s"
-        f" seed={args.seed} dir={workdir}",
+        f" broken={args.broken} seed={args.seed} dir={workdir}",
         flush=True,
     )
     soak = Soak(args, workdir)
@@ -506,7 +581,7 @@ def run_soak(args: argparse.Namespace) -> int:
     result = soak.result
     print(
         f"soak: settled={result.settled} handoff_kills={result.handoff_kills}"
-        f" rolling_restarts={result.rolling_restarts}"
+        f" busy_kills={result.busy_kills} rolling_restarts={result.rolling_restarts}"
         f" drains={result.drains} executions={result.executions} resumed={result.resumed}"
         f" statuses={result.statuses}"
         f" duplicates_after_cancel={result.duplicates_after_cancel}"
