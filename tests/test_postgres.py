@@ -701,9 +701,8 @@ def test_a_batch_of_claims_and_of_new_replies_is_one_call_each(pg_url: str, pg_s
             begins[4].unwrap()
         after = made[-1].statements[sent:]
         assert "ts_begin_assistants(" in after[0]  # then re-run alone, as it raised
-    assert [assistant_text(run_op(engine, _store.read_transcript, f"s{n}")) for n in range(4)] == [
-        ""
-    ] * 4
+        begun = [run_op(engine, _store.read_transcript, f"s{n}") for n in range(4)]
+    assert [assistant_text(messages) for messages in begun] == [""] * 4
 
 
 def test_a_batch_of_streamed_appends_is_one_call_in_order_and_fenced(
