@@ -633,18 +633,26 @@ class RecordingStatements:
         self._conn.commit()
 
 
-def test_batch_runs_each_batched_kind_as_one_call(pg_url: str, pg_schema: str) -> None:
-    """A group-commit batch of 8 submit_and_acquire and then 8 end_iteration jobs is one
-    statement per kind and a COMMIT, and answers each job as it would alone: claims, then
-    releases, with every input stored once."""
+@contextmanager
+def recording_engine(
+    pg_url: str, pg_schema: str
+) -> Iterator[tuple[Any, list[RecordingStatements]]]:
+    """An engine whose connections count what they send (`made[-1]`: the current one's)."""
     made: list[RecordingStatements] = []
 
     def wrap(conn: psycopg.Connection[Any]) -> RecordingStatements:
         made.append(RecordingStatements(conn))
         return made[-1]
 
-    store = PostgresStore(pg_url, schema=pg_schema, wrap_connection=wrap)
-    with opened(store.engine()) as engine:
+    with opened(PostgresStore(pg_url, schema=pg_schema, wrap_connection=wrap).engine()) as engine:
+        yield engine, made
+
+
+def test_batch_runs_each_batched_kind_as_one_call(pg_url: str, pg_schema: str) -> None:
+    """A group-commit batch of 8 submit_and_acquire and then 8 end_iteration jobs is one
+    statement per kind and a COMMIT, and answers each job as it would alone: claims, then
+    releases, with every input stored once."""
+    with recording_engine(pg_url, pg_schema) as (engine, made):
         submits = [
             Job(
                 _store.submit_and_acquire,
@@ -670,14 +678,7 @@ def test_a_batch_of_claims_and_of_new_replies_is_one_call_each(pg_url: str, pg_s
     and-acquires, and then of the drains' `begin_assistant`s is one set-wise call per kind,
     each job answered as alone: a held session's acquire is HELD, a lost claim's begin
     raises `LeaseLost` for that job only."""
-    made: list[RecordingStatements] = []
-
-    def wrap(conn: psycopg.Connection[Any]) -> RecordingStatements:
-        made.append(RecordingStatements(conn))
-        return made[-1]
-
-    store = PostgresStore(pg_url, schema=pg_schema, wrap_connection=wrap)
-    with opened(store.engine()) as engine:
+    with recording_engine(pg_url, pg_schema) as (engine, made):
         for n in range(6):
             run_op(engine, _store.wake, f"s{n}")
         run_op(engine, _store.acquire, "s5", "held", "other", 30_000)
@@ -713,14 +714,7 @@ def test_a_batch_of_streamed_appends_is_one_call_in_order_and_fenced(
     message; an append on a finished message still raises `MessageFinished` (the whole-row
     path, in the same batch) and a lost claim's append raises `LeaseLost` without taking
     the others' appends with it."""
-    made: list[RecordingStatements] = []
-
-    def wrap(conn: psycopg.Connection[Any]) -> RecordingStatements:
-        made.append(RecordingStatements(conn))
-        return made[-1]
-
-    store = PostgresStore(pg_url, schema=pg_schema, wrap_connection=wrap)
-    with opened(store.engine()) as engine:
+    with recording_engine(pg_url, pg_schema) as (engine, made):
         for n in range(8):
             run_op(engine, _store.submit_and_acquire, f"s{n}", "{}", f"i{n}", f"e{n}", "me", 30_000)
             run_op(engine, _store.begin_assistant, f"s{n}", f"e{n}", "me", f"m{n}")
