@@ -260,6 +260,13 @@ class Faults:
             while not conn.broken and time.monotonic() < deadline:
                 with contextlib.suppress(psycopg.OperationalError):
                     conn.execute("SELECT 1")
+                # A farewell read without the end after it leaves libpq busy: it refuses the
+                # next statement ("another command is already in progress") without reading
+                # the socket again, so read what has come (the end marks it broken).
+                with contextlib.suppress(psycopg.OperationalError):
+                    conn.pgconn.consume_input()
+                    while not conn.pgconn.is_busy() and conn.pgconn.get_result() is not None:
+                        pass
             assert conn.broken
             raise psycopg.OperationalError("server closed the connection (injected)")
         return result
