@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+from pathlib import Path
 
 import trio
 import trio.testing
@@ -128,3 +130,16 @@ async def test_proxy_passes_holds_while_blackholed_and_resets() -> None:
             assert await client.receive_some(1024) == b""
         await client.aclose()
         nursery.cancel_scope.cancel()
+
+
+def test_a_worker_finds_the_package_it_was_started_from(tmp_path: Path) -> None:
+    """A soak started from a checkout (the package importable only from its cwd) starts
+    workers in their own folder: their path must lead to the same package - and a broken
+    copy, when asked for, comes first."""
+    import trio_sessions
+    from trio_sessions._soak import common
+
+    root = str(Path(trio_sessions.__file__).resolve().parent.parent)
+    assert common.worker_env(None)["PYTHONPATH"].split(os.pathsep)[0] == root
+    paths = common.worker_env(str(tmp_path))["PYTHONPATH"].split(os.pathsep)
+    assert paths[:2] == [str(tmp_path), root]

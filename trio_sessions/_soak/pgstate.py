@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import random
 import time
 import uuid
@@ -208,13 +207,7 @@ class SoakBase:
         self.generation += 1
         name = f"w{slot}.{self.generation}"
         args = self.args
-        env = dict(os.environ)
-        if self.worker_path is not None:
-            # First on the path; and the worker's cwd (which `-m` puts before it) holds no
-            # package, so the broken copy is the one imported.
-            env["PYTHONPATH"] = os.pathsep.join(
-                filter(None, [self.worker_path, env.get("PYTHONPATH")])
-            )
+        env = common.worker_env(self.worker_path)
         argv = [
             "--backend=postgres",
             f"--worker={name}",

@@ -39,7 +39,6 @@ ignoring the loss of its token) has nothing to act on in this soak.
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import tempfile
 import time
@@ -181,13 +180,7 @@ class Soak:
             "--interrupt-rate",
             str(self.args.interrupt_rate),
         ]
-        env = dict(os.environ)
-        if self.worker_path is not None:
-            # First on the path; and the worker's cwd (which `-m` puts before it) holds no
-            # package, so the broken copy is the one imported.
-            env["PYTHONPATH"] = os.pathsep.join(
-                filter(None, [self.worker_path, env.get("PYTHONPATH")])
-            )
+        env = common.worker_env(self.worker_path)
         self.workers[slot] = common.start_worker(
             self.workdir, slot, name, argv, env=env, cwd=self.workdir
         )
