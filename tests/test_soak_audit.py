@@ -137,9 +137,9 @@ def test_a_worker_finds_the_package_it_was_started_from(tmp_path: Path) -> None:
     workers in their own folder: their path must lead to the same package - and a broken
     copy, when asked for, comes first."""
     import trio_sessions
-    from trio_sessions._soak import common
+    from trio_sessions._bench.tools import child_env
 
     root = str(Path(trio_sessions.__file__).resolve().parent.parent)
-    assert common.worker_env(None)["PYTHONPATH"].split(os.pathsep)[0] == root
-    paths = common.worker_env(str(tmp_path))["PYTHONPATH"].split(os.pathsep)
+    assert child_env(None)["PYTHONPATH"].split(os.pathsep)[0] == root
+    paths = child_env(str(tmp_path))["PYTHONPATH"].split(os.pathsep)
     assert paths[:2] == [str(tmp_path), root]

@@ -304,11 +304,13 @@ def child_command(kind: str, arguments: dict[str, Any]) -> list[str]:
     return [sys.executable, "-m", "trio_sessions.bench", "--child", kind, json.dumps(arguments)]
 
 
-def child_env() -> dict[str, str]:
-    """This process's environment, with this package first on the child's path."""
-    package_root = Path(__file__).resolve().parent.parent.parent
+def child_env(first: str | None = None) -> dict[str, str]:
+    """This process's environment, with this package first on the child's path - after
+    `first` when given (a soak's broken copy, which must be the one imported) - so a child
+    started from any folder runs the same code, from a checkout too."""
+    package_root = str(Path(__file__).resolve().parent.parent.parent)
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(package_root), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [first, package_root, env.get("PYTHONPATH")]))
     return env
 
 

@@ -279,18 +279,6 @@ class Worker:
     log: Path
 
 
-def worker_env(worker_path: str | None) -> dict[str, str]:
-    """A worker's environment: its cwd (which `-m` puts first) is its own folder, so its
-    path leads to the package this soak runs - run from a checkout too - with the broken
-    copy `worker_path`, when there is one, before it (that copy is the one imported)."""
-    package_root = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [worker_path, package_root, env.get("PYTHONPATH")])
-    )
-    return env
-
-
 def start_worker(workdir: Path, slot: int, name: str, argv: list[str], **popen: Any) -> Worker:
     """Start worker `name` (`python -m trio_sessions.soak` + `argv`), logging to its file."""
     log = workdir / f"{name}.log"

@@ -32,6 +32,7 @@ import trio
 
 from .. import _backend, _postgres
 from .._backend import Engine
+from .._bench.tools import child_env
 from . import audit, broken, common
 from .proxy import FaultProxy
 
@@ -207,7 +208,7 @@ class SoakBase:
         self.generation += 1
         name = f"w{slot}.{self.generation}"
         args = self.args
-        env = common.worker_env(self.worker_path)
+        env = child_env(self.worker_path)
         argv = [
             "--backend=postgres",
             f"--worker={name}",

@@ -48,6 +48,7 @@ from typing import Any
 import attrs
 
 from .. import _codec, _sqlite, _store
+from .._bench.tools import child_env
 from . import audit, broken, common
 from .sqliteworker import worker_main as worker_main  # the `--worker` side
 
@@ -180,7 +181,7 @@ class Soak:
             "--interrupt-rate",
             str(self.args.interrupt_rate),
         ]
-        env = common.worker_env(self.worker_path)
+        env = child_env(self.worker_path)
         self.workers[slot] = common.start_worker(
             self.workdir, slot, name, argv, env=env, cwd=self.workdir
         )
