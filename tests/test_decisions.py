@@ -613,15 +613,22 @@ def test_db_helper_clock_is_exact() -> None:
 @pytest.mark.parametrize("doorbell_set", [False, True])
 @pytest.mark.parametrize("phase", ["running", "cancelling"])
 @pytest.mark.parametrize("paused", [False, True])
-def test_iteration_verdict(doorbell_set: bool, phase: str, paused: bool) -> None:
+@pytest.mark.parametrize("untaken_inputs", [False, True])
+def test_iteration_verdict(
+    doorbell_set: bool, phase: str, paused: bool, untaken_inputs: bool
+) -> None:
     """After a normal return: paused ends the busy period (doorbell kept), a cancelling claim
-    never continues (a set doorbell goes to a successor), else a set doorbell continues and
-    none releases."""
-    verdict = iteration_verdict(doorbell_set=doorbell_set, phase=phase, paused=paused)
+    never continues (a set doorbell, or due inputs its drain was not given, go to a
+    successor), else a set doorbell continues and none releases (a running claim's untaken
+    inputs were its drain's choice)."""
+    verdict = iteration_verdict(
+        doorbell_set=doorbell_set, phase=phase, paused=paused, untaken_inputs=untaken_inputs
+    )
     if paused:
         assert verdict is IterationVerdict.PAUSE
     elif phase == "cancelling":
-        expected = IterationVerdict.HAND_OVER if doorbell_set else IterationVerdict.RELEASE
+        handed_over = doorbell_set or untaken_inputs
+        expected = IterationVerdict.HAND_OVER if handed_over else IterationVerdict.RELEASE
         assert verdict is expected
     else:
         expected = IterationVerdict.CONTINUE if doorbell_set else IterationVerdict.RELEASE

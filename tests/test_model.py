@@ -559,8 +559,8 @@ class ProtocolModel(RuleBasedStateMachine):
     @rule(slot=st.integers(0, 2), pick=st.integers(0, 100))
     def finish_iteration(self, slot: int, pick: int) -> None:
         """A set doorbell continues the claim - unless it was marked cancelling: then the
-        doorbell stays for a successor; otherwise it is released. Either way the drain's
-        open messages are finished ('interrupted')."""
+        doorbell stays for a successor, and is rung for due inputs still pending; otherwise
+        it is released. Either way the drain's open messages are finished ('interrupted')."""
         self.step()
         owner = self.owners[slot]
         if not owner.held:
@@ -582,9 +582,16 @@ class ProtocolModel(RuleBasedStateMachine):
             session.time_woken = None
             session.wakes = 0
             return
+        cancelling = claim.phase == "cancelling"
         self.end_claim(session_id)
         session.wake_attempts = 0
-        session.excused = bool(session.pending)  # it returned without taking them
+        unrung = session.time_woken is None and not session.paused
+        if cancelling and unrung and self.due_pending(session):
+            # Marked cancelling, its drain was given no inputs: rung for them, as an
+            # interrupt's cleanup rings (a set doorbell is left as it is).
+            self.ring(session)
+        else:
+            session.excused = bool(session.pending)  # it returned without taking them
         owner.forget(session_id)
 
     @precondition(lambda self: any(o.held for o in self.owners))

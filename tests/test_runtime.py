@@ -580,6 +580,33 @@ async def test_interrupt_with_untaken_inputs_rearms_doorbell(
     assert Raw(db_path).rows("SELECT id FROM session_input") == []
 
 
+async def test_remote_interrupt_before_the_drain_took_its_inputs_strands_none(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """Marked cancelling by another runtime between the claim's commit and its drain's
+    take_inputs: the drain is given nothing and returns before its owner hears of the
+    interrupt; its iteration end rings for the pending input, which a successor takes
+    (invariant 16; the soak once caught this input stranded: no doorbell, no claim)."""
+    takes: list[list[str]] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        takes.append([i.id for i in await ctx.take_inputs()])
+
+    async with trio_sessions.open_runtime(store, None, clock=clock) as producer:
+        await producer.submit("s", {"n": 1}, input_id="i1")
+    paused, release = trio.Event(), trio.Event()
+    async with (
+        runtime(store, drain, clock, acquisition_hook=_pausing_hook(paused, release)) as owner,
+        runtime(store, Recorder(), clock) as other,
+    ):
+        await paused.wait()
+        assert await other.interrupt("s") is True
+        release.set()
+        await owner.wait_idle("s")
+        assert Raw(db_path).rows("SELECT id FROM session_input") == []
+    assert takes == [[], ["i1"]]
+
+
 async def test_two_runtimes_hammering_three_sessions(
     store: Store, clock: Clock, autojump_clock: MockClock
 ) -> None:

@@ -109,18 +109,27 @@ class IterationVerdict(enum.Enum):
 
     CONTINUE = "continue"  # doorbell set: take it, drain again under the same claim
     RELEASE = "release"  # nothing pending: delete the claim
-    HAND_OVER = "hand_over"  # cancelling, doorbell set: delete the claim, a successor takes it
+    # cancelling, doorbell set (or rung for untaken inputs): delete the claim, a successor
+    # takes it
+    HAND_OVER = "hand_over"
     PAUSE = "pause"  # paused: delete the claim, leave the doorbell set for `resume`
 
 
-def iteration_verdict(*, doorbell_set: bool, phase: str, paused: bool) -> IterationVerdict:
+def iteration_verdict(
+    *, doorbell_set: bool, phase: str, paused: bool, untaken_inputs: bool
+) -> IterationVerdict:
     """After a drain call returned normally. A pause ends the busy period at this boundary;
     a claim marked cancelling (an interrupt that arrived as the call returned) starts no
-    further iteration of its own: a fresh successor takes what is pending."""
+    further iteration of its own: a fresh successor takes what is pending - its set
+    doorbell, and like an interrupt's cleanup the due inputs still untaken (`untaken_inputs`:
+    marked cancelling before its drain took them, it was given none), for which the
+    doorbell is rung. A running claim's drain that returned without taking its inputs chose
+    so (`untaken_inputs` does not matter then)."""
     if paused:
         return IterationVerdict.PAUSE
     if phase == "cancelling":
-        return IterationVerdict.HAND_OVER if doorbell_set else IterationVerdict.RELEASE
+        handed_over = doorbell_set or untaken_inputs
+        return IterationVerdict.HAND_OVER if handed_over else IterationVerdict.RELEASE
     if doorbell_set:
         return IterationVerdict.CONTINUE
     return IterationVerdict.RELEASE

@@ -161,7 +161,7 @@ SQLITE_OUR_TABLES = frozenset(
 # ---------------------------------------------------------------------------------------------
 # PostgreSQL
 
-POSTGRES_SCHEMA_VERSION = 6
+POSTGRES_SCHEMA_VERSION = 7
 
 # Same names, meanings and named CHECKs as the SQLite schema (`SQLITE_MIGRATIONS`, whose
 # versions 1-3 are PostgreSQL's first: no PostgreSQL store predates them); times
@@ -287,6 +287,9 @@ ALTER TABLE session ADD COLUMN time_paused BIGINT;
     # (`ts_signal` defers in a batch, `ts_flush_signals`), signals for watchers only
     # (`ts_signal_watchers`), a batch's appends in one call (`ts_append_texts`).
     6: "",
+    # The functions again, no table changes: a cancelling claim's iteration end rings for
+    # the due inputs its drain was not given (`ts_finish`).
+    7: "",
 }
 
 
@@ -322,4 +325,5 @@ POSTGRES_BACKFILLS: dict[int, Callable[[Any], None]] = {
     2: _mark_finished_messages,
     5: _create_functions,
     6: _create_functions,
+    7: _create_functions,
 }

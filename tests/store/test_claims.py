@@ -187,6 +187,37 @@ def test_finish_interrupted_without_inputs_leaves_no_doorbell(db: Db) -> None:
     assert db.claim_row() is None
 
 
+@pytest.mark.parametrize("how", ["request_cancel", "mark_cancelling"])
+def test_a_cancelling_claim_released_at_its_iteration_end_rearms_for_untaken_inputs(
+    db: Db, how: str
+) -> None:
+    """A claim marked cancelling before its drain took the inputs takes none, and its drain
+    returns: the iteration end releases it - and, like an interrupt's cleanup, rings for the
+    inputs still pending, so its successor takes them (no stranded input)."""
+    db.run(_store.submit, "s", '{"n": 1}', "in-1")
+    execution = db.claim()  # the doorbell is taken; the input is pending
+    if how == "request_cancel":
+        assert db.run(_store.request_cancel, "s") is True  # from another process
+    else:
+        db.run(_store.mark_cancelling, "s", execution, "owner-a")
+    assert db.run(_store.take_inputs, "s", execution, "owner-a") == []
+    assert db.run(_store.finish_iteration, "s", execution, "owner-a") is False
+    assert db.claim_row() is None
+    assert db.doorbell()[0] == db.now
+    assert db.run(_store.acquire, "s", "exec-2", "owner-b", LEASE).verdict is (AcquireVerdict.CLAIM)
+    [taken] = db.run(_store.take_inputs, "s", "exec-2", "owner-b")
+    assert taken.id == "in-1"
+
+
+def test_a_cancelling_claim_without_pending_inputs_rings_nothing(db: Db) -> None:
+    """Released at its iteration end with nothing pending: no doorbell, no successor."""
+    execution = db.claim()
+    assert db.run(_store.request_cancel, "s") is True
+    assert db.run(_store.finish_iteration, "s", execution, "owner-a") is False
+    assert db.claim_row() is None
+    assert db.doorbell()[0] is None
+
+
 def test_heartbeat_renews_all_claims_in_one_transaction(db: Db) -> None:
     """heartbeat renews each held live claim to now+lease, records heartbeat_at and reports
     each phase (cancelling too); a lost one reports None."""

@@ -89,7 +89,8 @@ def end_iteration(tx: Tx, session_id: str, execution_id: str, owner_id: str) -> 
     lock: a wake either committed before this, and is taken here, or finds no claim
     afterwards and leads to a fresh acquisition. A paused session's busy period ends here
     with its doorbell left set (for `resume`); a claim marked cancelling never continues:
-    its set doorbell is left for a successor (`_decisions.iteration_verdict`).
+    its set doorbell is left for a successor, and rung for the due inputs its drain was not
+    given (`_decisions.iteration_verdict`), as an interrupt's cleanup does.
     """
     if tx.dialect == "postgres":
         [row] = tx.call(
@@ -100,12 +101,18 @@ def end_iteration(tx: Tx, session_id: str, execution_id: str, owner_id: str) -> 
             return IterationVerdict(result)
     claimed = _require_claim_session(tx, session_id, execution_id, owner_id)
     _close_open_messages(tx, execution_id, INTERRUPTED)
+    cancelling = claimed.phase == "cancelling"
     verdict = _decisions.iteration_verdict(
-        doorbell_set=claimed.doorbell, phase=claimed.phase, paused=claimed.paused
+        doorbell_set=claimed.doorbell,
+        phase=claimed.phase,
+        paused=claimed.paused,
+        untaken_inputs=cancelling and _has_pending_inputs(tx, claimed.session_id),
     )
     if verdict is IterationVerdict.CONTINUE:
         _take_doorbell(tx, claimed.session_id)
         return verdict
+    if verdict is IterationVerdict.HAND_OVER and not claimed.doorbell:
+        _ring(tx, claimed.session_id)
     _delete_claim(tx, execution_id, owner_id)
     if claimed.wake_attempts:
         _reset_attempts(tx, claimed.session_id)
@@ -293,8 +300,9 @@ END $$;
 
 -- The end of a busy period or iteration, under the claim fence. p_kind: 'iteration'
 -- (verdicts as IterationVerdict: continue takes the doorbell; release, hand_over and pause
--- delete the claim), 'failed' (released; untaken inputs do not re-arm the doorbell) or
--- 'interrupted' (released; due inputs re-arm it). `doorbell`: whether it is set
+-- delete the claim; hand_over rings for due inputs a cancelling claim's drain was not
+-- given), 'failed' (released; untaken inputs do not re-arm the doorbell) or 'interrupted'
+-- (released; due inputs re-arm it). `doorbell`: whether it is set
 -- afterwards. Also lease_lost, or open_messages when the execution left a message open:
 -- closing it needs the transcript rules, so the caller takes its own path (nothing was
 -- written here).
@@ -327,6 +335,9 @@ BEGIN
         -- doorbell: hand_over).
         verdict := CASE WHEN v_paused IS NOT NULL THEN 'pause'
                         WHEN v_phase = 'cancelling' AND v_woken IS NOT NULL THEN 'hand_over'
+                        WHEN v_phase = 'cancelling' AND EXISTS (
+                            SELECT 1 FROM session_input i WHERE i.session_id = v_session
+                            AND (i.due_at IS NULL OR i.due_at <= v_now)) THEN 'ring_over'
                         WHEN v_phase = 'cancelling' THEN 'release'
                         WHEN v_woken IS NOT NULL THEN 'continue'
                         ELSE 'release' END;
@@ -334,6 +345,14 @@ BEGIN
             UPDATE session SET time_woken = NULL, wakes = 0 WHERE id = v_session;
             doorbell := false;
             RETURN;
+        END IF;
+        -- Marked cancelling before its drain took the due inputs (it was given none): rung
+        -- for them, as an interrupt's cleanup rings, and handed over to a successor.
+        IF verdict = 'ring_over' THEN
+            PERFORM ts_signal(v_session);
+            UPDATE session SET time_woken = v_now, wakes = wakes + 1 WHERE id = v_session;
+            v_woken := v_now;
+            verdict := 'hand_over';
         END IF;
     ELSE
         verdict := 'released';
