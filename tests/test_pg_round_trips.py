@@ -8,11 +8,14 @@ from __future__ import annotations
 import psycopg
 import trio
 
+from trio_sessions import _store
 from trio_sessions._bench.roundtrips import (
     counting_url,
     round_trips_per_cycle,
     turn_round_trips,
 )
+from trio_sessions._postgres import open_engine
+from trio_sessions._store.stream import Held, Position, message_tag, stream_changes_by_statements
 
 
 def test_relay_counts_one_round_trip_per_wait_for_the_server(pg_url: str) -> None:
@@ -35,3 +38,31 @@ def test_sequential_cycle_is_at_most_three_round_trips(pg_url: str, pg_schema: s
 
 def test_chat_turn_is_at_most_fifty_round_trips(pg_url: str, pg_schema: str) -> None:
     assert trio.run(turn_round_trips, pg_url, pg_schema, 1) <= 50
+
+
+def test_a_stream_read_is_one_round_trip(pg_url: str, pg_schema: str) -> None:
+    """A stream's read (`stream_changes`: the ids its position names, the new deltas of the
+    open message it follows, the messages past its top) is one call, alone in autocommit:
+    one round trip, whatever it finds; the answer is the one statement-by-statement reads
+    give."""
+    with counting_url(pg_url) as (url, proxy):
+        engine = open_engine(url, schema=pg_schema)
+        try:
+            engine.run(_store.submit, "s", '{"n": 1}', "in-1")
+            assert engine.run(_store.acquire, "s", "e1", "me", 60_000).verdict.value == "claim"
+            [taken] = engine.run(_store.take_inputs, "s", "e1", "me")
+            assert taken.id == "in-1"
+            seq = engine.run(_store.begin_assistant, "s", "e1", "me", "m1")
+            engine.run(_store.append_assistant_text, "s", "e1", "me", "m1", "one ")
+            first = engine.read(_store.stream_changes, "s", Position())
+            top = max(change.seq for change in first.changes)
+            held = Held(seq, message_tag("m1"), first.changes[-1].version)
+            position = Position(top, message_tag("m1"), (held,))
+            engine.run(_store.append_assistant_text, "s", "e1", "me", "m1", "two ")
+            before = proxy.round_trips
+            changes = engine.read(_store.stream_changes, "s", position)
+            assert proxy.round_trips - before == 1
+            assert [(c.seq, getattr(c, "text", None)) for c in changes.changes] == [(seq, "two ")]
+            assert changes == engine.read(stream_changes_by_statements, "s", position)
+        finally:
+            engine.close()

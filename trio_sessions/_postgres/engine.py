@@ -236,7 +236,8 @@ class PgEngine:
     def run_alone(self, job: Job, mode: Mode = "write") -> None:
         """Run one job in its own transaction - or as one autocommit call, if it is marked
         `autocommit_when_alone`. Never raises: the outcome goes on the job."""
-        if mode == "write" and job.op.__dict__.get("autocommit_when_alone", False):
+        # A read that is one function call is one statement: its own snapshot, no BEGIN.
+        if mode != "nowait" and job.op.__dict__.get("autocommit_when_alone", False):
             try:
                 job.result = self._autocommit(job)
             except NeedsTransaction:
