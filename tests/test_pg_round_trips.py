@@ -9,12 +9,14 @@ import psycopg
 import trio
 
 from trio_sessions import _store
+from trio_sessions._backend import Job
 from trio_sessions._bench.roundtrips import (
     counting_url,
     round_trips_per_cycle,
     turn_round_trips,
 )
 from trio_sessions._postgres import open_engine
+from trio_sessions._postgres.engine import PgSyncEngine
 from trio_sessions._store.stream import Held, Position, message_tag, stream_changes_by_statements
 
 
@@ -66,3 +68,45 @@ def test_a_stream_read_is_one_round_trip(pg_url: str, pg_schema: str) -> None:
             assert changes == engine.read(stream_changes_by_statements, "s", position)
         finally:
             engine.close()
+
+
+def test_the_stream_reads_of_one_hand_off_are_one_round_trip(pg_url: str, pg_schema: str) -> None:
+    """Reads of many streams queued together (`run_reads`, one hand-off) are one set-wise
+    call; each read's answer is the one statement-by-statement reads give. A read whose
+    position names a message that is not there (a rewritten transcript) runs on its own
+    and starts over."""
+    with counting_url(pg_url) as (url, proxy):
+        engine = open_engine(url, schema=pg_schema)
+        try:
+            positions = {f"s{index}": following_position(engine, index) for index in range(3)}
+            positions["s3"] = Position(7, message_tag("gone"))
+            reads = [Job(_store.stream_changes, (s, p)) for s, p in positions.items()]
+            before = proxy.round_trips
+            engine.engine.run_reads(reads[:3])
+            assert proxy.round_trips - before == 1
+            engine.engine.run_reads(reads)
+            answers = [job.unwrap() for job in reads]
+            assert answers == [
+                engine.read(stream_changes_by_statements, s, p) for s, p in positions.items()
+            ]
+            assert [[getattr(c, "text", None) for c in a.changes] for a in answers[:3]] == [
+                ["b "]
+            ] * 3
+            assert answers[3].rewritten
+        finally:
+            engine.close()
+
+
+def following_position(engine: PgSyncEngine, index: int) -> Position:
+    """Session `s<index>` with an open answer "a b "; the position of a stream that holds
+    it at "a ", so a read of its changes is the append "b "."""
+    session, execution, message = f"s{index}", f"e{index}", f"m{index}"
+    engine.run(_store.submit, session, '{"n": 1}', f"in-{index}")
+    engine.run(_store.acquire, session, execution, "me", 60_000)
+    engine.run(_store.take_inputs, session, execution, "me")
+    seq = engine.run(_store.begin_assistant, session, execution, "me", message)
+    engine.run(_store.append_assistant_text, session, execution, "me", message, "a ")
+    version = engine.read(_store.stream_changes, session, Position()).changes[-1].version
+    tag = message_tag(message)
+    engine.run(_store.append_assistant_text, session, execution, "me", message, "b ")
+    return Position(seq, tag, (Held(seq, tag, version),))

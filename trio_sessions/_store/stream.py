@@ -28,7 +28,7 @@ from typing import Any
 import attrs
 
 from .. import _codec
-from .._backend import Tx, autocommit_when_alone
+from .._backend import FALLBACK, Tx, autocommit_when_alone, pg_read_batched
 from .._errors import MalformedRecord
 from .._model import AssistantData, Message
 from .common import _chunks, _in_list
@@ -108,16 +108,46 @@ _VERSION = (
 )
 
 
+def _pg_arguments(session_id: str, position: Position, limit: int) -> dict[str, Any]:
+    """`ts_stream_changes`'s arguments for a read from `position`, by name."""
+    return {
+        "session": session_id,
+        "named": ([position.top] if position.top else []) + [h.seq for h in position.open],
+        "open_seqs": [held.seq for held in position.open],
+        "open_versions": [held.version for held in position.open],
+        "top": position.top,
+        "limit": limit,
+    }
+
+
+def _read_arguments(args: tuple[Any, ...]) -> tuple[str, Position, int]:
+    """A `stream_changes` job's arguments, its limit defaulted."""
+    session_id, position, *rest = args
+    return session_id, position, int(rest[0]) if rest else NEW_MESSAGES_PER_READ
+
+
+def _pg_pack(args: tuple[Any, ...]) -> dict[str, Any]:
+    return _pg_arguments(*_read_arguments(args))
+
+
+def _pg_interpret(args: tuple[Any, ...], rows: Sequence[tuple[Any, ...]]) -> Any:
+    found = _changes_from_rows(*_read_arguments(args), rows)
+    return FALLBACK if found is None else found
+
+
+@pg_read_batched("ts_stream_changes_many", _pg_pack, _pg_interpret)
 @autocommit_when_alone
 def stream_changes(
     tx: Tx, session_id: str, position: Position, limit: int = NEW_MESSAGES_PER_READ
 ) -> StreamChanges:
     """The changes that bring a client at `position` up to date (at most `limit` new
     messages; `more` says there are others). On PostgreSQL one call of `ts_stream_changes`
-    (alone: one autocommit statement, one snapshot); a rewritten transcript reads from
-    scratch after it."""
+    (alone: one autocommit statement, one snapshot; the reads of one hand-off: one call of
+    `ts_stream_changes_many`); a rewritten transcript reads from scratch after it."""
     if tx.dialect == "postgres":
-        found = _pg_stream_changes(tx, session_id, position, limit)
+        arguments = _pg_arguments(session_id, position, limit)
+        rows = tx.call("ts_stream_changes", *arguments.values())
+        found = _changes_from_rows(session_id, position, limit, rows)
         return _from_scratch(tx, session_id, limit) if found is None else found
     return stream_changes_by_statements(tx, session_id, position, limit)
 
@@ -144,22 +174,11 @@ def stream_changes_by_statements(
     return StreamChanges(changes + new, more=more, ids=ids)
 
 
-def _pg_stream_changes(
-    tx: Tx, session_id: str, position: Position, limit: int
+def _changes_from_rows(
+    session_id: str, position: Position, limit: int, rows: Sequence[tuple[Any, ...]]
 ) -> StreamChanges | None:
-    """`stream_changes` from one `ts_stream_changes` call; None when a message the position
+    """`stream_changes` from `ts_stream_changes`'s rows; None when a message the position
     names is gone or replaced (the transcript was rewritten: read from scratch)."""
-    named = [position.top] if position.top else []
-    named += [held.seq for held in position.open]
-    rows = tx.call(
-        "ts_stream_changes",
-        session_id,
-        named,
-        [held.seq for held in position.open],
-        [held.version for held in position.open],
-        position.top,
-        limit,
-    )
     tags = {position.top: position.top_tag} if position.top else {}
     tags.update((held.seq, held.tag) for held in position.open)
     ids: dict[int, str] = {}
@@ -182,7 +201,7 @@ def _pg_stream_changes(
                 wholes[seq] = row
             else:
                 fresh.append(row)
-    streamed = {key: [text for _, text in sorted(rows)] for key, rows in deltas_of.items()}
+    streamed = {key: [text for _, text in sorted(texts)] for key, texts in deltas_of.items()}
     fresh.sort(key=lambda row: int(row[2]))
     changes: list[Change] = []
     for held in position.open:
@@ -362,5 +381,22 @@ LANGUAGE sql STABLE AS $$
         FROM whole w JOIN session_message_delta d ON d.message_id = w.id
         WHERE w.role = 'assistant'
         ORDER BY w.seq, d.version)
+$$;
+
+-- stream_changes for many streams in one statement (one snapshot): p_positions is a JSON
+-- array of ts_stream_changes' arguments by name; rows (ord, ts_stream_changes' columns).
+CREATE OR REPLACE FUNCTION ts_stream_changes_many(p_positions text, p_now bigint,
+    p_retry boolean)
+RETURNS TABLE(ord bigint, kind text, seq bigint, id text, role text, data text,
+    execution_id text, input_id text, version bigint, text text)
+LANGUAGE sql STABLE AS $$
+    SELECT p.ord, c.*
+        FROM jsonb_array_elements(p_positions::jsonb) WITH ORDINALITY AS p(pos, ord)
+        CROSS JOIN LATERAL ts_stream_changes(
+            p.pos->>'session',
+            ARRAY(SELECT jsonb_array_elements_text(p.pos->'named')::bigint),
+            ARRAY(SELECT jsonb_array_elements_text(p.pos->'open_seqs')::bigint),
+            ARRAY(SELECT jsonb_array_elements_text(p.pos->'open_versions')::bigint),
+            (p.pos->>'top')::bigint, (p.pos->>'limit')::bigint, p_now, p_retry) c
 $$;
 """
