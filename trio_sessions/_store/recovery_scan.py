@@ -9,7 +9,9 @@ Invariants kept here:
 * on PostgreSQL the scan skips claim rows another transaction holds locked instead of
   waiting for them (DESIGN §8); SQLite's single writer has nothing to skip;
 * a recovery lease is taken only if absent, expired or already ours, never on a quarantined
-  row; one taken on a claim that is gone meanwhile is undone in the same transaction.
+  row; one taken on a claim that is gone meanwhile is undone in the same transaction. On
+  SQLite the scan and the leases share one transaction (`scan_and_lease`): under its only
+  write lock no claim the scan read can go before its lease is written.
 """
 
 from __future__ import annotations
