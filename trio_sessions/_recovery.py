@@ -24,6 +24,7 @@ from ._decisions import RecoveryDecision
 from ._errors import MalformedRecord
 from ._model import RecoveryReport
 from ._store import Candidate, Recovered
+from ._store.recovery_scan import scan_and_lease
 
 _REPORT_KEYS = {
     RecoveryDecision.RESUME: "resumed",
@@ -69,20 +70,29 @@ class Recovery:
         each expired claim, counting the claims of `gone` owners as expired."""
         if limit == 0:
             return Scan(0, [], 0, [])
-        candidates, free_owners = await self._db.run(
-            _store.candidates_and_free_tokens,
-            self._owner_id,
-            min(limit, self.batch),
-            local_sessions,
-            sorted(gone),
-        )
-        expired = [c for c in candidates if c.execution_id is not None]
-        doorbells = [c for c in candidates if c.execution_id is None]
-        leased = []
-        if expired:
-            leased = await self._db.run(
-                _store.take_recovery_leases, self._owner_id, self._lease_ms, expired
+        limit = min(limit, self.batch)
+        leased: list[Candidate] = []
+        if self._db.backend == "sqlite":
+            # One transaction: the scan holds SQLite's only write lock, so it writes the
+            # leases too (a transaction and a hand-off fewer per pass).
+            candidates, free_owners, leased = await self._db.run(
+                scan_and_lease, self._owner_id, limit, local_sessions, sorted(gone), self._lease_ms
             )
+            expired = [c for c in candidates if c.execution_id is not None]
+        else:
+            candidates, free_owners = await self._db.run(
+                _store.candidates_and_free_tokens,
+                self._owner_id,
+                limit,
+                local_sessions,
+                sorted(gone),
+            )
+            expired = [c for c in candidates if c.execution_id is not None]
+            if expired:
+                leased = await self._db.run(
+                    _store.take_recovery_leases, self._owner_id, self._lease_ms, expired
+                )
+        doorbells = [c for c in candidates if c.execution_id is None]
         return Scan(len(candidates), leased, len(expired) - len(leased), doorbells, free_owners)
 
     async def apply(

@@ -9,7 +9,9 @@ Invariants kept here:
 * on PostgreSQL the scan skips claim rows another transaction holds locked instead of
   waiting for them (DESIGN §8); SQLite's single writer has nothing to skip;
 * a recovery lease is taken only if absent, expired or already ours, never on a quarantined
-  row; one taken on a claim that is gone meanwhile is undone in the same transaction.
+  row; one taken on a claim that is gone meanwhile is undone in the same transaction. On
+  SQLite the scan and the leases share one transaction (`scan_and_lease`): under its only
+  write lock no claim the scan read can go before its lease is written.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from collections.abc import Sequence
 import attrs
 
 from .._backend import Tx
-from .common import _IN_CHUNK, _in_list, not_in
+from .common import _IN_CHUNK, _chunks, _in_list, not_in
 
 
 @attrs.frozen
@@ -81,12 +83,46 @@ def _unclaimed_doorbells(tx: Tx, local_sessions: Sequence[str], limit: int) -> l
     return [str(row[0]) for row in rows]
 
 
+def scan_and_lease(
+    tx: Tx,
+    owner_id: str,
+    limit: int,
+    local_sessions: Sequence[str],
+    gone_owners: Sequence[str],
+    lease_ms: int,
+) -> tuple[list[Candidate], set[str], list[Candidate]]:
+    """SQLite: a recovery pass's scan (`recovery_candidates`), every owner whose liveness
+    token is free now, and the recovery leases on the expired claims found, in one
+    transaction: (candidates, free owners, leased candidates).
+
+    The scan already holds SQLite's only write lock, so no claim it read can be taken over
+    or removed before its lease is written: nothing is left to undo
+    (`_drop_leases_without_claim` is for a lease taken in a later transaction)."""
+    assert tx.dialect == "sqlite", "PostgreSQL scans, then leases in a call of its own"
+    candidates = recovery_candidates(tx, owner_id, limit, local_sessions, gone_owners)
+    free = tx.free_tokens(None)
+    expired = [candidate for candidate in candidates if candidate.execution_id is not None]
+    taken = _upsert_leases(tx, owner_id, lease_ms, expired)
+    return candidates, free, [candidate for candidate in expired if candidate.execution_id in taken]
+
+
 def take_recovery_leases(
     tx: Tx, owner_id: str, lease_ms: int, candidates: Sequence[Candidate]
 ) -> list[Candidate]:
     """Take a recovery lease on each expired claim: only if absent, expired or ours, and never
     on a quarantined row. Returns the candidates whose lease we now hold. One statement per
     `_IN_CHUNK` parameters (a multi-row upsert)."""
+    taken = _upsert_leases(tx, owner_id, lease_ms, candidates)
+    for chunk in _chunks(sorted(taken)):
+        taken.difference_update(_drop_leases_without_claim(tx, owner_id, chunk))
+    return [candidate for candidate in candidates if candidate.execution_id in taken]
+
+
+def _upsert_leases(
+    tx: Tx, owner_id: str, lease_ms: int, candidates: Sequence[Candidate]
+) -> set[str]:
+    """The recovery leases' upsert (see `take_recovery_leases`): the execution ids whose
+    lease we hold now."""
     expires = tx.now + lease_ms
     taken: set[str] = set()
     per_statement = _IN_CHUNK // 5  # five parameters per row
@@ -114,10 +150,8 @@ def take_recovery_leases(
                 )
             ],
         ).fetchall()
-        leased = [str(row[0]) for row in rows]
-        taken.update(leased)
-        taken.difference_update(_drop_leases_without_claim(tx, owner_id, leased))
-    return [candidate for candidate in candidates if candidate.execution_id in taken]
+        taken.update(str(row[0]) for row in rows)
+    return taken
 
 
 def _drop_leases_without_claim(tx: Tx, owner_id: str, execution_ids: Sequence[str]) -> set[str]:
