@@ -15,12 +15,14 @@ Invariants kept here:
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
 
 from .. import _decisions
-from .._backend import FALLBACK, Tx, autocommit_when_alone, pg_batched
+from .._backend import FALLBACK, Tx, autocommit_when_alone, pg_batched, sqlite_batched
 from .._decisions import AcquireVerdict
 from .common import _claim_row, _paused, _take_doorbell, pg_set_wise
 from .inputs import _ensure_session, _insert_input, _known_input, submit, wake
@@ -99,8 +101,89 @@ def _pg_submitted_and_acquired(args: tuple[Any, ...], row: tuple[Any, ...]) -> A
     return args[2], _pg_acquired(*acquired)
 
 
+def _submit_and_acquire_many(tx: Tx, rows: Sequence[tuple[Any, ...]]) -> list[Any]:
+    """SQLite group commit, set-wise: the batch's `submit_and_acquire` jobs in a few
+    statements.
+
+    One read finds the sessions free to claim - no claim row, not paused - whose input id
+    is new (pending, taken or set aside: none); for those, one statement of each kind
+    writes the session rows, the inputs and the claims, and takes a doorbell that was
+    already set, as the single path does with `ring=False`. Every other job - a held or
+    paused session, a known or conflicting input id, a session or input id named twice -
+    is `FALLBACK`, with nothing written for it: it runs on its own (`submit_and_acquire`)
+    after these, under the same write lock, and sees their writes.
+    """
+    results: list[Any] = [FALLBACK] * len(rows)
+    sessions: set[str] = set()
+    input_ids: set[str] = set()
+    candidates: list[int] = []
+    for index, (session_id, _, input_id, _, _, _) in enumerate(rows):
+        if session_id not in sessions and input_id not in input_ids:
+            candidates.append(index)
+        sessions.add(session_id)
+        input_ids.add(input_id)
+    free = tx.execute(
+        "SELECT j.key, s.time_woken, s.wake_attempts FROM json_each(?) j"
+        " LEFT JOIN session s ON s.id = json_extract(j.value, '$[0]')"
+        " WHERE s.time_paused IS NULL AND NOT EXISTS"
+        " (SELECT 1 FROM session_execution c WHERE c.session_id = json_extract(j.value, '$[0]'))"
+        " AND NOT EXISTS (SELECT 1 FROM session_input i WHERE i.id = json_extract(j.value, '$[1]'))"
+        " AND NOT EXISTS"
+        " (SELECT 1 FROM session_message m WHERE m.input_id = json_extract(j.value, '$[1]'))"
+        " AND NOT EXISTS"
+        " (SELECT 1 FROM session_input_rejected r WHERE r.id = json_extract(j.value, '$[1]'))",
+        (json.dumps([(rows[index][0], rows[index][2]) for index in candidates]),),
+    ).fetchall()
+    if not free:
+        return results
+    claims = []
+    rung = []
+    for key, time_woken, attempts in free:
+        index = candidates[key]
+        session_id, payload, input_id, execution_id, owner_id, lease_ms = rows[index]
+        claims.append((session_id, payload, input_id, execution_id, owner_id, lease_ms))
+        if time_woken is not None:
+            rung.append(session_id)
+        results[index] = (input_id, Acquired(AcquireVerdict.CLAIM, attempt=int(attempts or 0)))
+    claimed = json.dumps(claims)
+    # The session row (created, or its input count bumped; the doorbell untouched), then
+    # the input at that count, then the claim - each read in the insert, as the single
+    # path's statements do one by one.
+    tx.execute(
+        "INSERT INTO session(id, time_created, time_woken, wakes, input_seq)"
+        " SELECT json_extract(value, '$[0]'), ?, NULL, 0, 1 FROM json_each(?) WHERE true"
+        " ON CONFLICT(id) DO UPDATE SET input_seq = session.input_seq + 1",
+        (tx.now, claimed),
+    )
+    tx.execute(
+        "INSERT INTO session_input(id, session_id, seq, payload, time_created)"
+        " SELECT json_extract(j.value, '$[2]'), s.id, s.input_seq,"
+        " json_extract(j.value, '$[1]'), ? FROM json_each(?) j"
+        " JOIN session s ON s.id = json_extract(j.value, '$[0]')",
+        (tx.now, claimed),
+    )
+    tx.execute(
+        "INSERT INTO session_execution"
+        "(id, session_id, owner_id, phase, anchor_seq, time_created, heartbeat_at, expires_at)"
+        " SELECT json_extract(j.value, '$[3]'), json_extract(j.value, '$[0]'),"
+        " json_extract(j.value, '$[4]'), 'running',"
+        " (SELECT MAX(m.seq) FROM session_message m"
+        " WHERE m.session_id = json_extract(j.value, '$[0]')),"
+        " :now, NULL, :now + json_extract(j.value, '$[5]') FROM json_each(:claims) j",
+        {"now": tx.now, "claims": claimed},
+    )
+    if rung:
+        tx.execute(
+            "UPDATE session SET time_woken = NULL, wakes = 0"
+            " WHERE id IN (SELECT value FROM json_each(?))",
+            (json.dumps(rung),),
+        )
+    return results
+
+
 @autocommit_when_alone
 @pg_batched("ts_submit_and_acquire_many", _pg_submitted_and_acquired)
+@sqlite_batched(_submit_and_acquire_many)
 def submit_and_acquire(
     tx: Tx,
     session_id: str,

@@ -12,11 +12,12 @@ Invariants kept here:
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from .. import _decisions
-from .._backend import FALLBACK, Tx, autocommit_when_alone, pg_batched
+from .._backend import FALLBACK, Tx, autocommit_when_alone, pg_batched, sqlite_batched
 from .._decisions import IterationVerdict
 from .._model import INTERRUPTED
 from .common import (
@@ -80,7 +81,70 @@ def finish_iteration(tx: Tx, session_id: str, execution_id: str, owner_id: str) 
     return end_iteration(tx, session_id, execution_id, owner_id) is IterationVerdict.CONTINUE
 
 
+def _end_iterations(tx: Tx, rows: Sequence[tuple[Any, ...]]) -> list[Any]:
+    """SQLite group commit, set-wise: the batch's `end_iteration` jobs in a few statements.
+
+    One read checks every claim fence and reads each session's doorbell, resume count and
+    pause; a running claim whose drain left no message open then continues (its doorbell
+    taken) or is deleted, all of them in one statement of each kind. Every other job -
+    a fence that fails (`LeaseLost`), an open message, a claim marked cancelling, a paused
+    session, a session named twice - is `FALLBACK`, with nothing written for it: it runs
+    on its own (`end_iteration`) after these, under the same write lock.
+    """
+    results: list[Any] = [FALLBACK] * len(rows)
+    firsts: dict[str, int] = {}
+    for index, (session_id, _, _) in enumerate(rows):
+        firsts.setdefault(session_id, index)
+    found = tx.execute(
+        "SELECT j.key, s.time_woken IS NOT NULL, s.wake_attempts FROM json_each(:rows) j"
+        " JOIN session_execution c ON c.id = json_extract(j.value, '$[1]')"
+        " AND c.session_id = json_extract(j.value, '$[0]')"
+        " AND c.owner_id = json_extract(j.value, '$[2]') AND c.expires_at > :now"
+        " JOIN session s ON s.id = c.session_id"
+        " WHERE c.phase = 'running' AND s.time_paused IS NULL"
+        " AND NOT EXISTS (SELECT 1 FROM session_message m WHERE m.execution_id = c.id"
+        " AND m.finished = 0 AND m.role = 'assistant')",
+        {"rows": json.dumps([rows[index] for index in firsts.values()]), "now": tx.now},
+    ).fetchall()
+    indexes = list(firsts.values())
+    continuing: list[str] = []
+    released: list[str] = []
+    resets: list[str] = []
+    for key, doorbell, attempts in found:
+        index = indexes[key]
+        session_id, execution_id, _ = rows[index]
+        verdict = _decisions.iteration_verdict(
+            doorbell_set=bool(doorbell), phase="running", paused=False, untaken_inputs=False
+        )
+        if verdict is IterationVerdict.CONTINUE:
+            continuing.append(session_id)
+        else:
+            released.append(execution_id)
+            if attempts:
+                resets.append(session_id)
+        results[index] = verdict
+    if continuing:
+        tx.execute(
+            "UPDATE session SET time_woken = NULL, wakes = 0"
+            " WHERE id IN (SELECT value FROM json_each(?))",
+            (json.dumps(continuing),),
+        )
+    if released:
+        # Each fence was read in this transaction, under the only write lock: ids suffice.
+        tx.execute(
+            "DELETE FROM session_execution WHERE id IN (SELECT value FROM json_each(?))",
+            (json.dumps(released),),
+        )
+    if resets:
+        tx.execute(
+            "UPDATE session SET wake_attempts = 0 WHERE id IN (SELECT value FROM json_each(?))",
+            (json.dumps(resets),),
+        )
+    return results
+
+
 @pg_batched("ts_finish_iterations", _pg_iteration_finished)
+@sqlite_batched(_end_iterations)
 def end_iteration(tx: Tx, session_id: str, execution_id: str, owner_id: str) -> IterationVerdict:
     """After a drain returned: take a set doorbell and continue, or delete the claim.
 
