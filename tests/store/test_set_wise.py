@@ -1,10 +1,10 @@
-"""SQLite's set-wise group commit (`_backend.sqlite_batched`): a batch's `submit_and_acquire`
-and `end_iteration` jobs share a few statements whatever their number; a job the set-wise
-run cannot settle (a refusal, a held or paused session, an open message, a repeated
-session) runs alone after it with nothing written for it by the set-wise run; and the
-whole batch ends as the same jobs run one by one, in that order, would end it. SQLite only:
-these drive the SQLite executor's batch on its connection (PostgreSQL's set-wise batches
-are its server-side functions: tests/test_postgres.py)."""
+"""SQLite's set-wise group commit (`_backend.sqlite_batched`): a batch's `submit_and_acquire`,
+`acquire`, `wake_and_acquire` and `end_iteration` jobs share a few statements whatever their
+number; a job the set-wise run cannot settle (a refusal, a held or paused session, an open
+message, a repeated session) runs alone after it with nothing written for it by the
+set-wise run; and the whole batch ends as the same jobs run one by one, in that order,
+would end it. SQLite only: these drive the SQLite executor's batch on its connection
+(PostgreSQL's set-wise batches are its server-side functions: tests/test_postgres.py)."""
 
 from __future__ import annotations
 
@@ -182,7 +182,12 @@ def _jobs(rng: random.Random, sessions: list[str]) -> list[_backend.Job]:
     jobs = []
     for n in range(rng.randint(2, 9)):
         s = rng.choice(sessions)
-        if rng.random() < 0.5:
+        kind = rng.random()
+        if kind < 0.15:
+            jobs.append(_backend.Job(_store.acquire, (s, f"x-{n}", "owner-a", LEASE)))
+        elif kind < 0.3:
+            jobs.append(_backend.Job(_store.wake_and_acquire, (s, f"x-{n}", "owner-a", LEASE)))
+        elif kind < 0.65:
             input_id = rng.choice([f"in-{n}", f"in-{n}", f"in-known-{s}", "in-twice"])
             payload = rng.choice(['{"k": 1}', '{"k": 2}'])
             jobs.append(
@@ -219,7 +224,7 @@ def _outcome(job: _backend.Job) -> Any:
     return ("error", type(job.error)) if job.error is not None else ("ok", job.result)
 
 
-@pytest.mark.parametrize("seed", range(60))
+@pytest.mark.parametrize("seed", range(100))
 def test_a_set_wise_batch_ends_as_its_jobs_one_by_one(db: Db, tmp_path: Path, seed: int) -> None:
     rng = random.Random(seed)
     sessions = [f"s{i}" for i in range(rng.randint(2, 5))]
@@ -227,7 +232,13 @@ def test_a_set_wise_batch_ends_as_its_jobs_one_by_one(db: Db, tmp_path: Path, se
     reference = _sqlite.connect(tmp_path / "reference.db")
     db.conn.backup(reference)
     log: list[tuple[Any, list[bool]]] = []
-    ops = {op: _recording(op, log) for op in (_store.submit_and_acquire, _store.end_iteration)}
+    kinds = (
+        _store.submit_and_acquire,
+        _store.end_iteration,
+        _store.acquire,
+        _store.wake_and_acquire,
+    )
+    ops = {op: _recording(op, log) for op in kinds}
     jobs = _jobs(rng, sessions)
     batch = [_backend.Job(ops[job.op], job.args) for job in jobs]
     _sqlite.run_batch(db.conn, db.clock, batch)

@@ -37,6 +37,11 @@ T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
 
 
+# Test seam: False runs every job of a group commit alone, each in its own savepoint (the
+# path set-wise jobs fall back to), e.g. to inject a fault into one job of a group.
+SET_WISE = True
+
+
 class SQLiteTx:
     """One open `BEGIN IMMEDIATE` transaction. The write lock is the database's only one,
     so it already serialises every session: `lock_session` is a no-op, and `now` is read
@@ -183,7 +188,7 @@ def _run_jobs_or_raise(
 ) -> None:
     tx = SQLiteTx(conn, now_ms(clock), None if file is None else file.path)
     grouped = len(jobs) > 1
-    if grouped:
+    if grouped and SET_WISE:
         jobs = _run_set_wise(conn, tx, jobs)
     for job in jobs:
         if grouped:
