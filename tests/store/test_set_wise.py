@@ -258,3 +258,26 @@ def test_a_set_wise_batch_ends_as_its_jobs_one_by_one(db: Db, tmp_path: Path, se
         theirs = sorted(reference.execute(f"SELECT * FROM {table}").fetchall(), key=repr)
         assert mine == theirs, table
     reference.close()
+
+
+def test_a_heartbeat_renews_every_claim_in_one_statement(db: Db) -> None:
+    """One statement renews all the owner's claims, each on its fence: an expired claim or
+    another owner's is not renewed (None), whatever the number of claims."""
+    for n in (3, 60):
+        sessions = [f"h{n}-{i}" for i in range(n)]
+        for s in sessions:
+            db.claim(s, execution=f"exec-{s}", owner="owner-b" if s.endswith("-1") else "owner-a")
+        db.write(
+            "UPDATE session_execution SET expires_at = ? WHERE id = ?", (db.now, f"exec-h{n}-2")
+        )
+        db.now += 1
+        job = _backend.Job(_store.heartbeat, ("owner-a", [f"exec-{s}" for s in sessions], LEASE))
+        counted = run_counted(db, [job])
+        renewed = {f"exec-{s}": "running" for s in sessions}
+        renewed[f"exec-h{n}-1"] = renewed[f"exec-h{n}-2"] = None
+        assert job.unwrap() == renewed
+        assert counted.total() == 3  # BEGIN IMMEDIATE, the update, COMMIT
+        assert db.rows(
+            "SELECT COUNT(*) FROM session_execution WHERE expires_at = ?", (db.now + LEASE,)
+        ) == [(n - 2,)]
+        db.write("DELETE FROM session_execution")

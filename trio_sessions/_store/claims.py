@@ -54,14 +54,23 @@ def heartbeat(
         rows = tx.call("ts_heartbeat", owner_id, execution_ids, lease_ms)
         return {str(e): None if phase is None else str(phase) for e, phase in rows}
     tx.lock_claims(execution_ids)
-    phases: dict[str, str | None] = {}
-    for execution_id in execution_ids:
-        row = tx.one(
-            "UPDATE session_execution SET expires_at = :expires, heartbeat_at = :now"
-            f" WHERE {CLAIM_FENCE} RETURNING phase",
-            {**_fence(tx, execution_id, owner_id), "expires": tx.now + lease_ms},
-        )
-        phases[execution_id] = None if row is None else str(row[0])
+    phases: dict[str, str | None] = dict.fromkeys(execution_ids)
+    if not execution_ids:
+        return phases
+    # One statement for every claim, each row on the claim fence (`CLAIM_FENCE`).
+    renewed = tx.execute(
+        "UPDATE session_execution SET expires_at = :expires, heartbeat_at = :now"
+        " WHERE id IN (SELECT value FROM json_each(:executions)) AND owner_id = :owner"
+        " AND expires_at > :now RETURNING id, phase",
+        {
+            "executions": json.dumps(execution_ids),
+            "owner": owner_id,
+            "now": tx.now,
+            "expires": tx.now + lease_ms,
+        },
+    ).fetchall()
+    for execution_id, phase in renewed:
+        phases[str(execution_id)] = str(phase)
     return phases
 
 
