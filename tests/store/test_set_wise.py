@@ -273,7 +273,7 @@ def test_a_heartbeat_renews_every_claim_in_one_statement(db: Db) -> None:
         db.now += 1
         job = _backend.Job(_store.heartbeat, ("owner-a", [f"exec-{s}" for s in sessions], LEASE))
         counted = run_counted(db, [job])
-        renewed = {f"exec-{s}": "running" for s in sessions}
+        renewed: dict[str, str | None] = {f"exec-{s}": "running" for s in sessions}
         renewed[f"exec-h{n}-1"] = renewed[f"exec-h{n}-2"] = None
         assert job.unwrap() == renewed
         assert counted.total() == 3  # BEGIN IMMEDIATE, the update, COMMIT
