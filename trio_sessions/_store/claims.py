@@ -7,7 +7,10 @@ Invariants kept here:
 * a heartbeat never revives an expired lease;
 * every ending (finish, failure, interrupt) closes the execution's open messages in the
   same transaction as it deletes the claim: nothing stays `running` forever; an
-  interrupt re-arms the doorbell when inputs remain (exactly one successor).
+  interrupt re-arms the doorbell when inputs remain (exactly one successor);
+* on SQLite a heartbeat renews all its claims in one fenced statement, and a group
+  commit's `end_iteration` jobs run set-wise (`sqlite_batched`) under the same fence; a
+  job the set-wise read does not settle writes nothing there and runs alone after.
 """
 
 from __future__ import annotations
