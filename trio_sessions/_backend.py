@@ -152,22 +152,6 @@ def pg_batched(
     return mark
 
 
-def sqlite_batched(
-    many: Callable[[Any, Sequence[tuple[Any, ...]]], list[Any]],
-) -> Callable[[Callable[..., T]], Callable[..., T]]:
-    """Mark an operation that SQLite group-commits set-wise: the jobs of one batch that
-    call it (two or more) run as ONE `many(tx, [job.args, ...])`, a few statements for
-    all of them, which answers each job's result in order - or `FALLBACK` for a job it did
-    not settle, having written nothing for it: that job then runs on its own in the same
-    transaction (where a refusal is raised to its caller alone)."""
-
-    def mark(op: Callable[..., T]) -> Callable[..., T]:
-        op.__dict__["sqlite_batched"] = many
-        return op
-
-    return mark
-
-
 @attrs.define(eq=False)
 class Job:
     """One operation waiting for a transaction; a backend fills `result` or `error`."""
@@ -193,6 +177,22 @@ class StoreStatistics:
     inline_runs: int = 0
     retries: int = 0
     reconnects: int = 0
+
+
+def sqlite_batched(
+    many: Callable[[Any, Sequence[tuple[Any, ...]]], list[Any]],
+) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """Mark an operation that SQLite group-commits set-wise: the jobs of one batch that
+    call it (two or more) run as ONE `many(tx, [job.args, ...])`, a few statements for
+    all of them, which answers each job's result in order - or `FALLBACK` for a job it did
+    not settle, having written nothing for it: that job then runs on its own in the same
+    transaction (where a refusal is raised to its caller alone)."""
+
+    def mark(op: Callable[..., T]) -> Callable[..., T]:
+        op.__dict__["sqlite_batched"] = many
+        return op
+
+    return mark
 
 
 class Token(Protocol):
