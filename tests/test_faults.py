@@ -956,7 +956,7 @@ class AutoRollbackConnection:
 
     def execute(self, sql: str, params: Any = ()) -> sqlite3.Cursor:
         plan = self._plan
-        if sql == "SAVEPOINT job":
+        if sql in ("SAVEPOINT job", "SAVEPOINT kind"):
             self._grouped = True
         elif sql in ("COMMIT", "ROLLBACK"):
             self._grouped = False
@@ -993,15 +993,26 @@ async def test_automatic_rollback_still_reports_store_error(
         await run_other(runtime, tmp_path / "db")
 
 
+@pytest.mark.parametrize("set_wise", [False, True], ids=["one-by-one", "set-wise"])
 @pytest.mark.parametrize("rollback", [True, False], ids=["sqlite-rolled-back", "savepoint"])
-async def test_group_commit_fault_fails_no_caller_silently(tmp_path: Path, rollback: bool) -> None:
+async def test_group_commit_fault_fails_no_caller_silently(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rollback: bool, set_wise: bool
+) -> None:
     """A threaded store groups concurrent submits into one transaction and one of them hits
     an error (after which SQLite may have rolled everything back): every submit either
-    raises StoreError or is durable, and the runtime keeps working."""
+    raises StoreError or is durable, and the runtime keeps working. Set-wise, the error
+    hits the statement that inserts the group's inputs: if SQLite kept the transaction,
+    each submit runs again alone and none fails."""
+    monkeypatch.setattr(_sqlite.engine, "SET_WISE", set_wise)
     path = tmp_path / "db"
-    # The third submit inside a group commit fails: two ran before it in its batch.
+    # One by one, the third submit inside a group commit fails: two ran before it in its
+    # batch; set-wise, the group's one input insert does.
     plan = AutoRollback(
-        "INSERT INTO session_input", "disk I/O error", skip=2, in_group=True, rollback=rollback
+        "INSERT INTO session_input",
+        "disk I/O error",
+        skip=0 if set_wise else 2,
+        in_group=True,
+        rollback=rollback,
     )
     results: dict[int, str | BaseException] = {}
 
@@ -1032,8 +1043,11 @@ async def test_group_commit_fault_fails_no_caller_silently(tmp_path: Path, rollb
             else:
                 assert result in durable, f"submit {i} returned but wrote nothing"
         failed = [r for r in results.values() if isinstance(r, BaseException)]
-        assert failed, "the failing submit reported nothing"
-        if not rollback:
+        if set_wise and not rollback:
+            assert failed == []  # the set-wise statement rolled back; each ran again alone
+        else:
+            assert failed, "the failing submit reported nothing"
+        if not rollback and not set_wise:
             assert len(failed) == 1  # a savepoint undoes only its own job
         await runtime.submit("after", {"n": 0})
         await runtime.wait_idle("after")

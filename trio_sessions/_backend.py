@@ -197,6 +197,22 @@ class StoreStatistics:
     reconnects: int = 0
 
 
+def sqlite_batched(
+    many: Callable[[Any, Sequence[tuple[Any, ...]]], list[Any]],
+) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """Mark an operation that SQLite group-commits set-wise: the jobs of one batch that
+    call it (two or more) run as ONE `many(tx, [job.args, ...])`, a few statements for
+    all of them, which answers each job's result in order - or `FALLBACK` for a job it did
+    not settle, having written nothing for it: that job then runs on its own in the same
+    transaction (where a refusal is raised to its caller alone)."""
+
+    def mark(op: Callable[..., T]) -> Callable[..., T]:
+        op.__dict__["sqlite_batched"] = many
+        return op
+
+    return mark
+
+
 class Token(Protocol):
     """This runtime's liveness token, held (`Executor.hold_token`)."""
 

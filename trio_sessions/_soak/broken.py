@@ -68,8 +68,8 @@ DEFECTS = {
     "heartbeat-revives": Defect(
         "the heartbeat renews a claim of this owner even after its lease expired",
         "_store/claims.py",
-        '            f" WHERE {CLAIM_FENCE} RETURNING phase",',
-        '            " WHERE id = :execution AND owner_id = :owner RETURNING phase",',
+        '        " AND expires_at > :now RETURNING id, phase",',
+        '        " RETURNING id, phase",',
     ),
     "no-expired-recovery": Defect(
         "the recovery scan never selects expired claims (only unclaimed doorbells)",

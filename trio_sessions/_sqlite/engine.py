@@ -7,8 +7,11 @@ Nothing here knows trio: every function runs on the thread that calls it, and th
 
 Invariants: every write transaction is `BEGIN IMMEDIATE` (`connections.begin_immediate`), so
 `tx.now` is read after the only write lock was taken; several operations may share one
-transaction (group commit), each inside its own savepoint, so one operation's error rolls
-back only its own writes; an error SQLite answers by rolling back the whole transaction fails
+transaction (group commit): the operations of one `sqlite_batched` kind (two or more) run
+set-wise first, a few statements for all of them, and every other operation - with those the
+set-wise run did not settle, for which it wrote nothing - runs alone inside its own
+savepoint, so one operation's error (a refusal such as `LeaseLost`) rolls back only its own
+writes; an error SQLite answers by rolling back the whole transaction fails
 every operation of the batch, and so does a database file deleted or replaced under the
 runtime (`DatabaseFile`). Errors are stored on the jobs, never raised, and an SQLite error
 reaches the caller as `StoreError` (`store_error`).
@@ -26,12 +29,17 @@ from typing import Any, TypeVar, TypeVarTuple, Unpack
 import attrs
 
 from .. import _liveness
-from .._backend import BackendName, Job, Params, Tx, driver_error, now_ms
+from .._backend import FALLBACK, BackendName, Job, Params, Tx, driver_error, now_ms
 from .._errors import TrioSessionsError
 from .connections import DatabaseFile, begin_immediate, connect, is_locked, schema_version
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
+
+
+# Test seam: False runs every job of a group commit alone, each in its own savepoint (the
+# path set-wise jobs fall back to), e.g. to inject a fault into one job of a group.
+SET_WISE = True
 
 
 class SQLiteTx:
@@ -180,6 +188,8 @@ def _run_jobs_or_raise(
 ) -> None:
     tx = SQLiteTx(conn, now_ms(clock), None if file is None else file.path)
     grouped = len(jobs) > 1
+    if grouped and SET_WISE:
+        jobs = _run_set_wise(conn, tx, jobs)
     for job in jobs:
         if grouped:
             conn.execute("SAVEPOINT job")
@@ -199,6 +209,39 @@ def _run_jobs_or_raise(
             if grouped:
                 conn.execute("RELEASE job")
     conn.execute("COMMIT")
+
+
+def _run_set_wise(conn: sqlite3.Connection, tx: SQLiteTx, jobs: list[Job]) -> list[Job]:
+    """Run the batch's jobs of each `sqlite_batched` kind (two or more) set-wise, each
+    kind in one savepoint; returns the jobs left to run one by one - every other job, and
+    those a set-wise run did not settle (`FALLBACK`: nothing was written for them). A
+    set-wise run that raises is rolled back whole, and its jobs run one by one instead."""
+    kinds: dict[Any, list[Job]] = {}
+    for job in jobs:
+        many = job.op.__dict__.get("sqlite_batched")
+        if many is not None:
+            kinds.setdefault(many, []).append(job)
+    settled: set[int] = set()
+    for many, kind in kinds.items():
+        if len(kind) < 2:
+            continue
+        conn.execute("SAVEPOINT kind")
+        try:
+            results = many(tx, [job.args for job in kind])
+        except Exception as exc:
+            if not conn.in_transaction:
+                raise _TransactionLost(exc) from exc
+            conn.execute("ROLLBACK TO kind")
+            conn.execute("RELEASE kind")
+            continue
+        conn.execute("RELEASE kind")
+        for job, result in zip(kind, results, strict=True):
+            if result is not FALLBACK:
+                job.result = result
+                settled.add(id(job))
+    if not settled:
+        return jobs
+    return [job for job in jobs if id(job) not in settled]
 
 
 class _TransactionLost(sqlite3.Error):

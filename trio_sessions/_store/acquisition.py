@@ -10,17 +10,22 @@ Invariants kept here:
   is never written; a write that cannot take the claim (held, paused) leaves it rung;
 * on PostgreSQL each operation is one call of its server-side function (`PG_FUNCTIONS`
   below); a claim row carrying the caller's own execution id is that call's, landed before
-  a lost reply.
+  a lost reply;
+* on SQLite a group commit's jobs of one kind run set-wise (`sqlite_batched`: one read,
+  then one statement per table) for the sessions free to claim, under the same rules; a
+  job the read does not settle writes nothing there and runs alone after.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
 
 from .. import _decisions
-from .._backend import FALLBACK, Tx, autocommit_when_alone, pg_batched
+from .._backend import FALLBACK, Tx, autocommit_when_alone, pg_batched, sqlite_batched
 from .._decisions import AcquireVerdict
 from .common import _claim_row, _paused, _take_doorbell, pg_set_wise
 from .inputs import _ensure_session, _insert_input, _known_input, submit, wake
@@ -35,6 +40,91 @@ class Acquired:
     holder: str | None = None
 
 
+def _insert_claims(tx: Tx, claims: Sequence[tuple[Any, ...]], rung: Sequence[str]) -> None:
+    """`_insert_claim` set-wise: claims (session, execution, owner, lease) for sessions known
+    to have no claim row, in one statement; the doorbells of `rung` (those set) taken."""
+    tx.execute(
+        "INSERT INTO session_execution"
+        "(id, session_id, owner_id, phase, anchor_seq, time_created, heartbeat_at, expires_at)"
+        " SELECT json_extract(j.value, '$[1]'), json_extract(j.value, '$[0]'),"
+        " json_extract(j.value, '$[2]'), 'running',"
+        " (SELECT MAX(m.seq) FROM session_message m"
+        " WHERE m.session_id = json_extract(j.value, '$[0]')),"
+        " :now, NULL, :now + json_extract(j.value, '$[3]') FROM json_each(:claims) j",
+        {"now": tx.now, "claims": json.dumps(claims)},
+    )
+    if rung:
+        _take_doorbells(tx, rung)
+
+
+def _take_doorbells(tx: Tx, session_ids: Sequence[str]) -> None:
+    """`_take_doorbell` set-wise."""
+    tx.execute(
+        "UPDATE session SET time_woken = NULL, wakes = 0"
+        " WHERE id IN (SELECT value FROM json_each(?))",
+        (json.dumps(session_ids),),
+    )
+
+
+def _claimable(
+    tx: Tx, rows: Sequence[tuple[Any, ...]], *, doorbell: bool
+) -> list[tuple[int, int | None, int]]:
+    """The set-wise acquisitions' one read: of the rows (session first) - the first of each
+    session only - those whose session has no claim row and is not paused (and, with
+    `doorbell`, whose doorbell is set): (index, time_woken, wake_attempts) each."""
+    firsts: dict[str, int] = {}
+    for index, row in enumerate(rows):
+        firsts.setdefault(row[0], index)
+    indexes = list(firsts.values())
+    found = tx.execute(
+        "SELECT j.key, s.time_woken, s.wake_attempts FROM json_each(?) j"
+        " LEFT JOIN session s ON s.id = j.value WHERE s.time_paused IS NULL"
+        + (" AND s.time_woken IS NOT NULL" if doorbell else "")
+        + " AND NOT EXISTS (SELECT 1 FROM session_execution c WHERE c.session_id = j.value)",
+        (json.dumps(list(firsts)),),
+    ).fetchall()
+    return [(indexes[key], time_woken, int(attempts or 0)) for key, time_woken, attempts in found]
+
+
+def _acquire_many(tx: Tx, rows: Sequence[tuple[Any, ...]]) -> list[Any]:
+    """SQLite group commit, set-wise: the batch's `acquire` jobs that take their claim (no
+    claim row, not paused, doorbell set) in two statements; every other job is `FALLBACK`
+    (it writes nothing but its verdict's reads: it runs alone after these)."""
+    results: list[Any] = [FALLBACK] * len(rows)
+    claimable = _claimable(tx, rows, doorbell=True)
+    if claimable:
+        for index, _, attempts in claimable:
+            results[index] = Acquired(AcquireVerdict.CLAIM, attempt=attempts)
+        _insert_claims(
+            tx, [rows[index] for index, _, _ in claimable], [rows[i][0] for i, _, _ in claimable]
+        )
+    return results
+
+
+def _wake_and_acquire_many(tx: Tx, rows: Sequence[tuple[Any, ...]]) -> list[Any]:
+    """SQLite group commit, set-wise: the batch's `wake_and_acquire` jobs that take their
+    claim (no claim row, not paused): the session rows ensured, the claims inserted and a
+    doorbell already set taken, in a few statements; a held or paused session's job (whose
+    wake is recorded) is `FALLBACK`, with nothing written for it: it runs alone after."""
+    results: list[Any] = [FALLBACK] * len(rows)
+    claimable = _claimable(tx, rows, doorbell=False)
+    if claimable:
+        sessions = [rows[index][0] for index, _, _ in claimable]
+        tx.execute(
+            "INSERT INTO session(id, time_created) SELECT value, ? FROM json_each(?) WHERE true"
+            " ON CONFLICT(id) DO NOTHING",
+            (tx.now, json.dumps(sessions)),
+        )
+        for index, _, attempts in claimable:
+            results[index] = (None, Acquired(AcquireVerdict.CLAIM, attempt=attempts))
+        _insert_claims(
+            tx,
+            [rows[index] for index, _, _ in claimable],
+            [rows[i][0] for i, woken, _ in claimable if woken is not None],
+        )
+    return results
+
+
 def _pg_acquired_row(args: tuple[Any, ...], row: tuple[Any, ...]) -> Acquired:
     return _pg_acquired(*row)
 
@@ -45,6 +135,7 @@ def _pg_woken_and_acquired(args: tuple[Any, ...], row: tuple[Any, ...]) -> tuple
 
 @autocommit_when_alone
 @pg_batched("ts_acquire_many", _pg_acquired_row)
+@sqlite_batched(_acquire_many)
 def acquire(tx: Tx, session_id: str, execution_id: str, owner_id: str, lease_ms: int) -> Acquired:
     """Insert the claim only if no claim row exists, the session is not paused and the
     doorbell is set; take the doorbell."""
@@ -66,6 +157,7 @@ def acquire(tx: Tx, session_id: str, execution_id: str, owner_id: str, lease_ms:
 
 
 @pg_batched("ts_wake_and_acquire_many", _pg_woken_and_acquired)
+@sqlite_batched(_wake_and_acquire_many)
 def wake_and_acquire(
     tx: Tx, session_id: str, execution_id: str, owner_id: str, lease_ms: int
 ) -> tuple[None, Acquired]:
@@ -99,8 +191,73 @@ def _pg_submitted_and_acquired(args: tuple[Any, ...], row: tuple[Any, ...]) -> A
     return args[2], _pg_acquired(*acquired)
 
 
+def _submit_and_acquire_many(tx: Tx, rows: Sequence[tuple[Any, ...]]) -> list[Any]:
+    """SQLite group commit, set-wise: the batch's `submit_and_acquire` jobs in a few
+    statements.
+
+    One read finds the sessions free to claim - no claim row, not paused - whose input id
+    is new (pending, taken or set aside: none); for those, one statement of each kind
+    writes the session rows, the inputs and the claims, and takes a doorbell that was
+    already set, as the single path does with `ring=False`. Every other job - a held or
+    paused session, a known or conflicting input id, a session or input id named twice -
+    is `FALLBACK`, with nothing written for it: it runs on its own (`submit_and_acquire`)
+    after these, under the same write lock, and sees their writes.
+    """
+    results: list[Any] = [FALLBACK] * len(rows)
+    sessions: set[str] = set()
+    input_ids: set[str] = set()
+    candidates: list[int] = []
+    for index, (session_id, _, input_id, _, _, _) in enumerate(rows):
+        if session_id not in sessions and input_id not in input_ids:
+            candidates.append(index)
+        sessions.add(session_id)
+        input_ids.add(input_id)
+    free = tx.execute(
+        "SELECT j.key, s.time_woken, s.wake_attempts FROM json_each(?) j"
+        " LEFT JOIN session s ON s.id = json_extract(j.value, '$[0]')"
+        " WHERE s.time_paused IS NULL AND NOT EXISTS"
+        " (SELECT 1 FROM session_execution c WHERE c.session_id = json_extract(j.value, '$[0]'))"
+        " AND NOT EXISTS (SELECT 1 FROM session_input i WHERE i.id = json_extract(j.value, '$[1]'))"
+        " AND NOT EXISTS"
+        " (SELECT 1 FROM session_message m WHERE m.input_id = json_extract(j.value, '$[1]'))"
+        " AND NOT EXISTS"
+        " (SELECT 1 FROM session_input_rejected r WHERE r.id = json_extract(j.value, '$[1]'))",
+        (json.dumps([(rows[index][0], rows[index][2]) for index in candidates]),),
+    ).fetchall()
+    if not free:
+        return results
+    claims = []
+    rung = []
+    for key, time_woken, attempts in free:
+        index = candidates[key]
+        session_id, payload, input_id, execution_id, owner_id, lease_ms = rows[index]
+        claims.append((session_id, payload, input_id, execution_id, owner_id, lease_ms))
+        if time_woken is not None:
+            rung.append(session_id)
+        results[index] = (input_id, Acquired(AcquireVerdict.CLAIM, attempt=int(attempts or 0)))
+    claimed = json.dumps(claims)
+    # The session row (created, or its input count bumped; the doorbell untouched), then
+    # the input at that count, as `_insert_input(ring=False)` does one by one.
+    tx.execute(
+        "INSERT INTO session(id, time_created, time_woken, wakes, input_seq)"
+        " SELECT json_extract(value, '$[0]'), ?, NULL, 0, 1 FROM json_each(?) WHERE true"
+        " ON CONFLICT(id) DO UPDATE SET input_seq = session.input_seq + 1",
+        (tx.now, claimed),
+    )
+    tx.execute(
+        "INSERT INTO session_input(id, session_id, seq, payload, time_created)"
+        " SELECT json_extract(j.value, '$[2]'), s.id, s.input_seq,"
+        " json_extract(j.value, '$[1]'), ? FROM json_each(?) j"
+        " JOIN session s ON s.id = json_extract(j.value, '$[0]')",
+        (tx.now, claimed),
+    )
+    _insert_claims(tx, [(row[0], *row[3:]) for row in claims], rung)
+    return results
+
+
 @autocommit_when_alone
 @pg_batched("ts_submit_and_acquire_many", _pg_submitted_and_acquired)
+@sqlite_batched(_submit_and_acquire_many)
 def submit_and_acquire(
     tx: Tx,
     session_id: str,

@@ -7,16 +7,20 @@ Invariants kept here:
 * a heartbeat never revives an expired lease;
 * every ending (finish, failure, interrupt) closes the execution's open messages in the
   same transaction as it deletes the claim: nothing stays `running` forever; an
-  interrupt re-arms the doorbell when inputs remain (exactly one successor).
+  interrupt re-arms the doorbell when inputs remain (exactly one successor);
+* on SQLite a heartbeat renews all its claims in one fenced statement, and a group
+  commit's `end_iteration` jobs run set-wise (`sqlite_batched`) under the same fence; a
+  job the set-wise read does not settle writes nothing there and runs alone after.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from .. import _decisions
-from .._backend import FALLBACK, Tx, autocommit_when_alone, pg_batched
+from .._backend import FALLBACK, Tx, autocommit_when_alone, pg_batched, sqlite_batched
 from .._decisions import IterationVerdict
 from .._model import INTERRUPTED
 from .common import (
@@ -53,14 +57,23 @@ def heartbeat(
         rows = tx.call("ts_heartbeat", owner_id, execution_ids, lease_ms)
         return {str(e): None if phase is None else str(phase) for e, phase in rows}
     tx.lock_claims(execution_ids)
-    phases: dict[str, str | None] = {}
-    for execution_id in execution_ids:
-        row = tx.one(
-            "UPDATE session_execution SET expires_at = :expires, heartbeat_at = :now"
-            f" WHERE {CLAIM_FENCE} RETURNING phase",
-            {**_fence(tx, execution_id, owner_id), "expires": tx.now + lease_ms},
-        )
-        phases[execution_id] = None if row is None else str(row[0])
+    phases: dict[str, str | None] = dict.fromkeys(execution_ids)
+    if not execution_ids:
+        return phases
+    # One statement for every claim, each row on the claim fence (`CLAIM_FENCE`).
+    renewed = tx.execute(
+        "UPDATE session_execution SET expires_at = :expires, heartbeat_at = :now"
+        " WHERE id IN (SELECT value FROM json_each(:executions)) AND owner_id = :owner"
+        " AND expires_at > :now RETURNING id, phase",
+        {
+            "executions": json.dumps(execution_ids),
+            "owner": owner_id,
+            "now": tx.now,
+            "expires": tx.now + lease_ms,
+        },
+    ).fetchall()
+    for execution_id, phase in renewed:
+        phases[str(execution_id)] = str(phase)
     return phases
 
 
@@ -80,7 +93,70 @@ def finish_iteration(tx: Tx, session_id: str, execution_id: str, owner_id: str) 
     return end_iteration(tx, session_id, execution_id, owner_id) is IterationVerdict.CONTINUE
 
 
+def _end_iterations(tx: Tx, rows: Sequence[tuple[Any, ...]]) -> list[Any]:
+    """SQLite group commit, set-wise: the batch's `end_iteration` jobs in a few statements.
+
+    One read checks every claim fence and reads each session's doorbell, resume count and
+    pause; a running claim whose drain left no message open then continues (its doorbell
+    taken) or is deleted, all of them in one statement of each kind. Every other job -
+    a fence that fails (`LeaseLost`), an open message, a claim marked cancelling, a paused
+    session, a session named twice - is `FALLBACK`, with nothing written for it: it runs
+    on its own (`end_iteration`) after these, under the same write lock.
+    """
+    results: list[Any] = [FALLBACK] * len(rows)
+    firsts: dict[str, int] = {}
+    for index, (session_id, _, _) in enumerate(rows):
+        firsts.setdefault(session_id, index)
+    found = tx.execute(
+        "SELECT j.key, s.time_woken IS NOT NULL, s.wake_attempts FROM json_each(:rows) j"
+        " JOIN session_execution c ON c.id = json_extract(j.value, '$[1]')"
+        " AND c.session_id = json_extract(j.value, '$[0]')"
+        " AND c.owner_id = json_extract(j.value, '$[2]') AND c.expires_at > :now"
+        " JOIN session s ON s.id = c.session_id"
+        " WHERE c.phase = 'running' AND s.time_paused IS NULL"
+        " AND NOT EXISTS (SELECT 1 FROM session_message m WHERE m.execution_id = c.id"
+        " AND m.finished = 0 AND m.role = 'assistant')",
+        {"rows": json.dumps([rows[index] for index in firsts.values()]), "now": tx.now},
+    ).fetchall()
+    indexes = list(firsts.values())
+    continuing: list[str] = []
+    released: list[str] = []
+    resets: list[str] = []
+    for key, doorbell, attempts in found:
+        index = indexes[key]
+        session_id, execution_id, _ = rows[index]
+        verdict = _decisions.iteration_verdict(
+            doorbell_set=bool(doorbell), phase="running", paused=False, untaken_inputs=False
+        )
+        if verdict is IterationVerdict.CONTINUE:
+            continuing.append(session_id)
+        else:
+            released.append(execution_id)
+            if attempts:
+                resets.append(session_id)
+        results[index] = verdict
+    if continuing:
+        tx.execute(
+            "UPDATE session SET time_woken = NULL, wakes = 0"
+            " WHERE id IN (SELECT value FROM json_each(?))",
+            (json.dumps(continuing),),
+        )
+    if released:
+        # Each fence was read in this transaction, under the only write lock: ids suffice.
+        tx.execute(
+            "DELETE FROM session_execution WHERE id IN (SELECT value FROM json_each(?))",
+            (json.dumps(released),),
+        )
+    if resets:
+        tx.execute(
+            "UPDATE session SET wake_attempts = 0 WHERE id IN (SELECT value FROM json_each(?))",
+            (json.dumps(resets),),
+        )
+    return results
+
+
 @pg_batched("ts_finish_iterations", _pg_iteration_finished)
+@sqlite_batched(_end_iterations)
 def end_iteration(tx: Tx, session_id: str, execution_id: str, owner_id: str) -> IterationVerdict:
     """After a drain returned: take a set doorbell and continue, or delete the claim.
 
