@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from .._backend import Tx
+from .._backend import Tx, autocommit_when_alone
 from .common import _IN_CHUNK, _in_list, not_in
 
 
@@ -81,12 +81,26 @@ def _unclaimed_doorbells(tx: Tx, local_sessions: Sequence[str], limit: int) -> l
     return [str(row[0]) for row in rows]
 
 
+@autocommit_when_alone
 def take_recovery_leases(
     tx: Tx, owner_id: str, lease_ms: int, candidates: Sequence[Candidate]
 ) -> list[Candidate]:
     """Take a recovery lease on each expired claim: only if absent, expired or ours, and never
     on a quarantined row. Returns the candidates whose lease we now hold. One statement per
-    `_IN_CHUNK` parameters (a multi-row upsert)."""
+    `_IN_CHUNK` parameters (a multi-row upsert); on PostgreSQL one call of
+    `ts_take_recovery_leases` (alone: in autocommit, a retry takes our own leases again)."""
+    if tx.dialect == "postgres":
+        if not candidates:
+            return []
+        rows = tx.call(
+            "ts_take_recovery_leases",
+            owner_id,
+            [candidate.execution_id for candidate in candidates],
+            [candidate.session_id for candidate in candidates],
+            lease_ms,
+        )
+        leased = {str(row[0]) for row in rows}
+        return [candidate for candidate in candidates if candidate.execution_id in leased]
     expires = tx.now + lease_ms
     taken: set[str] = set()
     per_statement = _IN_CHUNK // 5  # five parameters per row
@@ -136,3 +150,44 @@ def _drop_leases_without_claim(tx: Tx, owner_id: str, execution_ids: Sequence[st
         [owner_id, *execution_ids],
     ).fetchall()
     return {str(row[0]) for row in rows}
+
+
+# ---------------------------------------------------------------------------------------------
+# PostgreSQL: this family's server-side functions (created by `_schema`'s migrations; see
+# `_store.pg_functions` for their conventions)
+
+PG_FUNCTIONS = r"""
+-- `take_recovery_leases` in one call: the upsert (absent, expired or ours, never a
+-- quarantined row), then the leases just taken on claims that are gone undone - a
+-- statement of its own, so its snapshot sees a takeover that committed while the upsert
+-- waited on a lease row. The execution ids whose lease we hold. Idempotent: a retry after
+-- a lost reply takes our own leases again.
+CREATE OR REPLACE FUNCTION ts_take_recovery_leases(p_owner text, p_execs text[],
+    p_sessions text[], p_lease bigint, p_now bigint, p_retry boolean)
+RETURNS TABLE(leased_id text)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_now bigint; v_taken text[];
+BEGIN
+    v_now := ts_now(p_now);
+    WITH leased AS (
+        INSERT INTO session_recovery AS r (execution_id, session_id, owner_id, expires_at,
+            time_created)
+        SELECT DISTINCT ON (u.e) u.e, u.s, p_owner, v_now + p_lease, v_now
+            FROM unnest(p_execs, p_sessions) AS u(e, s) ORDER BY u.e
+        ON CONFLICT (execution_id) DO UPDATE SET owner_id = excluded.owner_id,
+            expires_at = excluded.expires_at
+        WHERE r.recovery_error IS NULL
+            AND (r.owner_id = excluded.owner_id OR r.expires_at <= excluded.time_created)
+        RETURNING r.execution_id)
+    SELECT array_agg(l.execution_id) INTO v_taken FROM leased l;
+    RETURN QUERY
+    WITH dropped AS (
+        DELETE FROM session_recovery r WHERE r.owner_id = p_owner
+            AND r.recovery_error IS NULL AND r.execution_id = ANY(v_taken)
+            AND NOT EXISTS (SELECT 1 FROM session_execution e WHERE e.id = r.execution_id)
+        RETURNING r.execution_id)
+    SELECT t.e FROM unnest(v_taken) AS t(e)
+    WHERE NOT EXISTS (SELECT 1 FROM dropped d WHERE d.execution_id = t.e);
+END $$;
+"""
