@@ -589,7 +589,10 @@ CREATE OR REPLACE FUNCTION ts_recover(p_owner text, p_execs text[], p_news text[
     p_sessions text[], p_gone text[], p_lease bigint, p_max_resumes bigint, p_now bigint,
     p_retry boolean)
 RETURNS TABLE(ord bigint, verdict text, attempt bigint)
-LANGUAGE plpgsql VOLATILE AS $$
+LANGUAGE plpgsql VOLATILE
+-- One generic plan per connection: planning these statements for each call's arrays cost
+-- more than running them.
+SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
     v_now bigint; v_gone text[];
 BEGIN

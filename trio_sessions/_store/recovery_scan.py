@@ -49,6 +49,12 @@ def recovery_candidates(
     doorbells by `time_woken`. Quarantined executions, executions under another owner's live
     recovery lease and sessions held locally are excluded here, so they never use up the
     budget."""
+    if tx.dialect == "postgres":
+        # One call: the clock, the expired claims, then the doorbells if room is left.
+        rows = tx.call(
+            "ts_recovery_candidates", owner_id, limit, list(local_sessions), list(gone_owners)
+        )
+        return [Candidate(str(session_id), execution_id) for session_id, execution_id in rows]
     not_local, local = not_in(tx, "e.session_id", local_sessions)
     gone = {f"gone{index}": owner for index, owner in enumerate(gone_owners)}
     of_gone = "".join(f" OR e.owner_id = :{name}" for name in gone)
@@ -157,6 +163,45 @@ def _drop_leases_without_claim(tx: Tx, owner_id: str, execution_ids: Sequence[st
 # `_store.pg_functions` for their conventions)
 
 PG_FUNCTIONS = r"""
+-- `recovery_candidates` in one call: the expired claims (and every claim of the owners
+-- found gone) oldest first, skipping claim rows another transaction holds locked, then
+-- the unclaimed doorbells of unpaused sessions while the limit leaves room. A session held
+-- locally (p_local) is neither. Rows (session_id, execution_id NULL for a doorbell).
+CREATE OR REPLACE FUNCTION ts_recovery_candidates(p_owner text, p_limit bigint,
+    p_local text[], p_gone text[], p_now bigint, p_retry boolean)
+RETURNS TABLE(candidate_session text, candidate_execution text)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_now bigint; v_found bigint;
+BEGIN
+    v_now := ts_now(p_now);
+    -- Two spellings, so the usual one (no gone owner) walks the expires_at index in order.
+    IF cardinality(p_gone) = 0 THEN
+        RETURN QUERY SELECT e.session_id, e.id FROM session_execution e
+            WHERE e.expires_at <= v_now AND NOT (e.session_id = ANY(p_local))
+            AND NOT EXISTS (SELECT 1 FROM session_recovery r WHERE r.execution_id = e.id
+                AND (r.recovery_error IS NOT NULL
+                     OR (r.owner_id <> p_owner AND r.expires_at > v_now)))
+            ORDER BY e.expires_at, e.id LIMIT p_limit FOR NO KEY UPDATE OF e SKIP LOCKED;
+    ELSE
+        RETURN QUERY SELECT e.session_id, e.id FROM session_execution e
+            WHERE (e.expires_at <= v_now OR e.owner_id = ANY(p_gone))
+            AND NOT (e.session_id = ANY(p_local))
+            AND NOT EXISTS (SELECT 1 FROM session_recovery r WHERE r.execution_id = e.id
+                AND (r.recovery_error IS NOT NULL
+                     OR (r.owner_id <> p_owner AND r.expires_at > v_now)))
+            ORDER BY e.expires_at, e.id LIMIT p_limit FOR NO KEY UPDATE OF e SKIP LOCKED;
+    END IF;
+    GET DIAGNOSTICS v_found = ROW_COUNT;
+    IF v_found < p_limit THEN
+        RETURN QUERY SELECT s.id, NULL::text FROM session s
+            WHERE s.time_woken IS NOT NULL AND s.time_paused IS NULL
+            AND NOT EXISTS (SELECT 1 FROM session_execution e WHERE e.session_id = s.id)
+            AND NOT (s.id = ANY(p_local))
+            ORDER BY s.time_woken, s.id LIMIT p_limit - v_found;
+    END IF;
+END $$;
+
 -- `take_recovery_leases` in one call: the upsert (absent, expired or ours, never a
 -- quarantined row), then the leases just taken on claims that are gone undone - a
 -- statement of its own, so its snapshot sees a takeover that committed while the upsert
@@ -165,7 +210,10 @@ PG_FUNCTIONS = r"""
 CREATE OR REPLACE FUNCTION ts_take_recovery_leases(p_owner text, p_execs text[],
     p_sessions text[], p_lease bigint, p_now bigint, p_retry boolean)
 RETURNS TABLE(leased_id text)
-LANGUAGE plpgsql VOLATILE AS $$
+LANGUAGE plpgsql VOLATILE
+-- One generic plan per connection: planning these statements for each call's arrays cost
+-- more than running them.
+SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
     v_now bigint; v_taken text[];
 BEGIN
