@@ -267,11 +267,8 @@ def apply_recovery_batch(
     results: dict[int, Recovered] = {}
     plain: list[_PlainItem] = []
     sessions = sorted({candidate.session_id for candidate, _ in items})
-    if tx.dialect == "postgres":
-        tx.call("ts_lock_sessions", sessions)  # one round trip, in the functions' order
-    else:
-        for session_id in sessions:
-            tx.lock_session(session_id)
+    for session_id in sessions:
+        tx.lock_session(session_id)
     # Re-checked here, after the locks: an owner is gone only if its token is free now.
     gone = frozenset(tx.free_tokens(gone_owners)) if gone_owners else frozenset()
     facts_of = _plain_recovery_facts(tx, owner_id, [c for c, _ in items], gone)

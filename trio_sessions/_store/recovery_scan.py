@@ -105,8 +105,8 @@ def take_recovery_leases(
             [candidate.session_id for candidate in candidates],
             lease_ms,
         )
-        leased = {str(row[0]) for row in rows}
-        return [candidate for candidate in candidates if candidate.execution_id in leased]
+        held = {str(row[0]) for row in rows}
+        return [candidate for candidate in candidates if candidate.execution_id in held]
     expires = tx.now + lease_ms
     taken: set[str] = set()
     per_statement = _IN_CHUNK // 5  # five parameters per row
