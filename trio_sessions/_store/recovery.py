@@ -5,8 +5,10 @@ or unclaimed doorbell whose recovery lease this owner took (the scan and the lea
 Invariants kept here:
 * recovery replaces a claim only fenced on the exact old execution id still being expired
   (`RECOVERY_FENCE`): one takeover statement (`_replace_claim`), used by the row-by-row
-  and the set-wise path alike; a claim of a gone owner (DESIGN §4 "Owner liveness") counts
-  as expired only if its token is still free when the applying transaction re-checks it;
+  and the set-wise path alike (PostgreSQL's set-wise path, `ts_recover`, spells the same
+  fence in its takeover, on the claim rows no other transaction holds locked); a claim of
+  a gone owner (DESIGN §4 "Owner liveness") counts as expired only if its token is still
+  free when the applying transaction re-checks it;
 * it acts only on a row whose recovery lease it holds (live, unquarantined, ours); a
   quarantine is written with the exact quarantine fence, and zero rows means ownership
   moved: nothing else is touched;
@@ -261,6 +263,7 @@ def apply_recovery_batch(
     statement, and a claim whose execution wrote no assistant message is taken over (or
     skipped) with the same fences, row by row in SQL but with no savepoint, since its first
     write is its fence. Every other candidate goes through `apply_recovery` in a savepoint.
+    PostgreSQL: the set-wise part is one call (`_pg_apply_recovery_batch`).
     """
     if tx.dialect == "postgres":
         return _pg_apply_recovery_batch(tx, owner_id, items, lease_ms, max_resumes, gone_owners)
