@@ -123,7 +123,8 @@ BLOCKERS: dict[str, tuple[str, Pick]] = {
         )
     },
     **{f"{function}(": (CLAIMS_LOCK, SECOND) for function in ("ts_heartbeat", "ts_expire_claims")},
-    "ts_lock_sessions(": (SESSION_LOCK, lambda params: (params[0][0],)),
+    # Recovery's set-wise call takes its sessions' locks first (p_sessions: the 4th).
+    "ts_recover(": (SESSION_LOCK, lambda params: (params[3][0],)),
 }
 # How the seam labels a statement that commits on its own (an autocommit function call):
 # it is its own COMMIT.
@@ -488,6 +489,9 @@ class Operation:
     jobs: Callable[[], list[Job]]  # more than one: a group-commit batch
     mode: _postgres.Mode = "write"
     writes: bool = True  # False: an idempotent repeat or a refusal, post-state == pre-state
+    # Takes row locks (the recovery scan): a transaction id, though it writes no row, so a
+    # landed COMMIT is read back like a write's.
+    locks: bool = False
 
     def call(self, env: Env) -> list[tuple[str, Any]]:
         jobs = self.jobs()
@@ -692,6 +696,27 @@ OPERATIONS = [
         ),
         recover((CANDIDATE, "e2"), (_store.Candidate("t", "f1"), "f2")),
     ),
+    # Set-wise (`ts_recover`): claims whose execution wrote no assistant message, one
+    # counted, one handed back by a graceful shutdown.
+    Operation(
+        "recovery-takeover-set-wise",
+        steps(
+            functools.partial(claimed, session_id="t", execution_id="f1"),
+            do(_store.expire_claims, OWNER, ["f1"]),
+            claimed,
+            lapse,
+            do(_store.take_recovery_leases, RESCUER, LEASE_MS, [CANDIDATE]),
+            do(_store.take_recovery_leases, RESCUER, LEASE_MS, [_store.Candidate("t", "f1")]),
+        ),
+        recover((CANDIDATE, "e2"), (_store.Candidate("t", "f1"), "f2")),
+    ),
+    Operation(
+        "recovery-scan",
+        steps(claimed, lapse),
+        one(_store.candidates_and_free_tokens, RESCUER, 10, [], []),
+        writes=False,
+        locks=True,
+    ),
     Operation("lift_quarantine", quarantined, one(_store.lift_quarantine, "e1", RESCUER, LEASE_MS)),
     Operation("drop_quarantined", quarantined, one(_store.drop_quarantined, "e1")),
     Operation("drop_rejected_input", drained, one(_store.drop_rejected_input, "i2")),
@@ -808,7 +833,7 @@ def reruns(operation: Operation, statements: list[str], k: int, mode: Mode) -> i
         # the connection gone before it sent anything.
         return int(k < len(statements))
     # A transaction that wrote nothing has no id to read back: it runs again, harmlessly.
-    return int(not operation.writes)
+    return int(not operation.writes and not operation.locks)
 
 
 def prepare(env: Env, operation: Operation) -> dict[str, list[tuple[Any, ...]]]:

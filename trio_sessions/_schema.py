@@ -161,7 +161,7 @@ SQLITE_OUR_TABLES = frozenset(
 # ---------------------------------------------------------------------------------------------
 # PostgreSQL
 
-POSTGRES_SCHEMA_VERSION = 8
+POSTGRES_SCHEMA_VERSION = 9
 
 # Same names, meanings and named CHECKs as the SQLite schema (`SQLITE_MIGRATIONS`, whose
 # versions 1-3 are PostgreSQL's first: no PostgreSQL store predates them); times
@@ -293,6 +293,9 @@ ALTER TABLE session ADD COLUMN time_paused BIGINT;
     # The functions again, no table changes: a stream's read in one call
     # (`ts_stream_changes`).
     8: "",
+    # The functions again, no table changes: recovery set-wise in one call (`ts_recover`,
+    # `ts_take_recovery_leases`), a batch's iteration ends set-wise (`ts_finish_iterations`).
+    9: "",
 }
 
 
@@ -330,4 +333,5 @@ POSTGRES_BACKFILLS: dict[int, Callable[[Any], None]] = {
     6: _create_functions,
     7: _create_functions,
     8: _create_functions,
+    9: _create_functions,
 }

@@ -55,6 +55,8 @@ from . import claims as _claims
 from . import common as _common
 from . import inputs as _inputs
 from . import intake as _intake
+from . import recovery as _recovery_family
+from . import recovery_scan as _recovery_scan
 from . import stream as _stream_family
 from . import transcript as _transcript_family
 from .acquisition import Acquired, acquire, submit_and_acquire, wake_and_acquire
@@ -216,6 +218,8 @@ def pg_functions(channel: str, lock_namespace: int) -> str:
             _claims,
             _acquisition,
             _stream_family,
+            _recovery_scan,
+            _recovery_family,
         )
     )
     return text.replace("@LOCK@", str(int(lock_namespace))).replace("@CHANNEL@", literal)

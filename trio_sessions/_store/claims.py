@@ -36,7 +36,6 @@ from .common import (
     _ring,
     _session_fence,
     _take_doorbell,
-    pg_set_wise,
 )
 from .transcript import _close_open_messages
 
@@ -449,10 +448,74 @@ BEGIN
     doorbell := v_woken IS NOT NULL;
 END $$;
 
-""" + pg_set_wise(
-    "ts_finish_iterations",
-    "ts_finish",
-    [("session", "text"), ("exec", "text"), ("owner", "text")],
-    [("verdict", "text"), ("doorbell", "boolean")],
-    constants="'iteration'",
-)
+
+-- Group commit, set-wise: one call for a batch's iteration ends (`end_iteration`), as
+-- ts_finish(..., 'iteration') answers each. Every session lock first, in the functions'
+-- order (hashtext, id), then the clock. The common ends - lease lost, a message left open
+-- (nothing written), or a running claim's continue, release or pause - are settled for the
+-- whole batch by one statement; a session named twice in the batch (its ends run in
+-- order) and a claim marked cancelling (hand over, ring over) go through ts_finish one by
+-- one after it, in the lock order.
+CREATE OR REPLACE FUNCTION ts_finish_iterations(p_sessions text[], p_execs text[],
+    p_owners text[], p_now bigint, p_retry boolean)
+RETURNS TABLE(ord bigint, verdict text, doorbell boolean)
+LANGUAGE plpgsql VOLATILE
+-- One generic plan per connection: planning these statements for each call's arrays cost
+-- more than running them.
+SET plan_cache_mode = force_generic_plan AS $$
+DECLARE
+    v_now bigint; v_ords bigint[]; v_verdicts text[]; v_doorbells boolean[]; r record;
+BEGIN
+    PERFORM ts_lock(l.s) FROM (SELECT DISTINCT u.s FROM unnest(p_sessions) AS u(s)) l
+        ORDER BY hashtext(l.s), l.s;
+    v_now := ts_now(p_now);
+    WITH job AS (
+        SELECT u.s, u.e, u.o, u.n, count(*) OVER (PARTITION BY u.s) AS copies
+        FROM unnest(p_sessions, p_execs, p_owners) WITH ORDINALITY AS u(s, e, o, n)),
+    -- The claim fence (exact execution of the session named, this owner, a live lease).
+    fact AS MATERIALIZED (
+        SELECT j.n, j.s, j.e, c.phase, s.time_woken, s.wake_attempts, s.time_paused,
+            c.id IS NOT NULL AND c.session_id = j.s AND c.owner_id = j.o
+                AND c.expires_at > v_now AS held,
+            EXISTS (SELECT 1 FROM session_message m WHERE m.execution_id = j.e
+                    AND m.finished = 0 AND m.role = 'assistant') AS open
+        FROM job j
+        LEFT JOIN session_execution c ON c.id = j.e
+        LEFT JOIN session s ON s.id = j.s
+        WHERE j.copies = 1),
+    -- As ts_finish: a pause ends the busy period (its doorbell stays for resume); NULL for
+    -- a claim marked cancelling (ts_finish decides it).
+    decided AS MATERIALIZED (
+        SELECT f.n, f.s, f.e, f.time_woken, f.wake_attempts,
+            CASE WHEN NOT f.held THEN 'lease_lost'
+                 WHEN f.open THEN 'open_messages'
+                 WHEN f.time_paused IS NOT NULL THEN 'pause'
+                 WHEN f.phase = 'cancelling' THEN NULL
+                 WHEN f.time_woken IS NOT NULL THEN 'continue'
+                 ELSE 'release' END AS v
+        FROM fact f),
+    taken AS (
+        UPDATE session s SET time_woken = NULL, wakes = 0
+        FROM decided d WHERE d.v = 'continue' AND s.id = d.s),
+    released AS (
+        DELETE FROM session_execution c USING decided d
+        WHERE d.v IN ('release', 'pause') AND c.id = d.e),
+    reset AS (
+        UPDATE session s SET wake_attempts = 0 FROM decided d
+        WHERE d.v IN ('release', 'pause') AND d.wake_attempts <> 0 AND s.id = d.s)
+    SELECT array_agg(d.n), array_agg(d.v),
+        array_agg(CASE WHEN d.v = 'continue' THEN false
+                       WHEN d.v IN ('release', 'pause') THEN d.time_woken IS NOT NULL END)
+        INTO v_ords, v_verdicts, v_doorbells
+        FROM decided d WHERE d.v IS NOT NULL;
+    RETURN QUERY SELECT * FROM unnest(v_ords, v_verdicts, v_doorbells);
+    FOR r IN SELECT u.s, u.e, u.o, u.n
+             FROM unnest(p_sessions, p_execs, p_owners) WITH ORDINALITY AS u(s, e, o, n)
+             WHERE NOT u.n = ANY(COALESCE(v_ords, '{}'))
+             ORDER BY hashtext(u.s), u.s, u.n LOOP
+        SELECT r.n, f.verdict, f.doorbell INTO ord, verdict, doorbell
+            FROM ts_finish(r.s, r.e, r.o, 'iteration', p_now, p_retry) f;
+        RETURN NEXT;
+    END LOOP;
+END $$;
+"""

@@ -329,15 +329,4 @@ LANGUAGE sql STABLE AS $$
     SELECT EXISTS (SELECT 1 FROM session_execution
                    WHERE id = p_exec AND owner_id = p_owner AND expires_at > p_now)
 $$;
-
--- Recovery's session locks for a whole batch, in one call and in the order every function
--- takes several (hashtext, id), so two lockers of overlapping sets never deadlock.
-CREATE OR REPLACE FUNCTION ts_lock_sessions(p_sessions text[], p_now bigint,
-    p_retry boolean)
-RETURNS bigint
-LANGUAGE plpgsql VOLATILE AS $$
-BEGIN
-    PERFORM ts_lock(s) FROM unnest(p_sessions) AS s ORDER BY hashtext(s), s;
-    RETURN ts_now(p_now);
-END $$;
 """

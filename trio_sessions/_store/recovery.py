@@ -5,8 +5,10 @@ or unclaimed doorbell whose recovery lease this owner took (the scan and the lea
 Invariants kept here:
 * recovery replaces a claim only fenced on the exact old execution id still being expired
   (`RECOVERY_FENCE`): one takeover statement (`_replace_claim`), used by the row-by-row
-  and the set-wise path alike; a claim of a gone owner (DESIGN §4 "Owner liveness") counts
-  as expired only if its token is still free when the applying transaction re-checks it;
+  and the set-wise path alike (PostgreSQL's set-wise path, `ts_recover`, spells the same
+  fence in its takeover, on the claim rows no other transaction holds locked); a claim of
+  a gone owner (DESIGN §4 "Owner liveness") counts as expired only if its token is still
+  free when the applying transaction re-checks it;
 * it acts only on a row whose recovery lease it holds (live, unquarantined, ours); a
   quarantine is written with the exact quarantine fence, and zero rows means ownership
   moved: nothing else is touched;
@@ -25,6 +27,7 @@ from .. import _decisions
 from .._backend import Tx
 from .._decisions import ClaimRow, RecoveryDecision, RecoveryFacts
 from .._errors import LeaseLost, MalformedRecord
+from .._liveness import _HELD as _TOKEN_HELD
 from .._model import BUDGET_EXHAUSTED, INTERRUPTED, OWNER_LOST
 from .common import (
     RECOVERY_FENCE,
@@ -260,15 +263,15 @@ def apply_recovery_batch(
     statement, and a claim whose execution wrote no assistant message is taken over (or
     skipped) with the same fences, row by row in SQL but with no savepoint, since its first
     write is its fence. Every other candidate goes through `apply_recovery` in a savepoint.
+    PostgreSQL: the set-wise part is one call (`_pg_apply_recovery_batch`).
     """
+    if tx.dialect == "postgres":
+        return _pg_apply_recovery_batch(tx, owner_id, items, lease_ms, max_resumes, gone_owners)
     results: dict[int, Recovered] = {}
     plain: list[_PlainItem] = []
     sessions = sorted({candidate.session_id for candidate, _ in items})
-    if tx.dialect == "postgres":
-        tx.call("ts_lock_sessions", sessions)  # one round trip, in the functions' order
-    else:
-        for session_id in sessions:
-            tx.lock_session(session_id)
+    for session_id in sessions:
+        tx.lock_session(session_id)
     # Re-checked here, after the locks: an owner is gone only if its token is free now.
     gone = frozenset(tx.free_tokens(gone_owners)) if gone_owners else frozenset()
     facts_of = _plain_recovery_facts(tx, owner_id, [c for c, _ in items], gone)
@@ -458,35 +461,12 @@ def _replace_claims(
     lease_ms: int,
 ) -> set[str]:
     """`_replace_claim` for each (old execution id, new execution id, anchor seq, gone
-    owner); the old ids it replaced. PostgreSQL: one set-wise UPDATE under the same fence
-    (`RECOVERY_FENCE`, per row)."""
-    if tx.dialect != "postgres":
-        return {
-            old
-            for old, new, anchor, gone_owner in claims
-            if _replace_claim(tx, old, new, owner_id, anchor, lease_ms, gone_owner)
-        }
-    if not claims:
-        return set()
-    olds, news, anchors, gones = (list(column) for column in zip(*claims, strict=True))
-    rows = tx.execute(
-        "UPDATE session_execution e SET id = u.new, owner_id = :me, phase = 'running',"
-        " anchor_seq = u.anchor, time_created = :now, heartbeat_at = NULL,"
-        " expires_at = :expires, handed_back = 0"
-        " FROM unnest(CAST(:olds AS text[]), CAST(:news AS text[]), CAST(:anchors AS bigint[]),"
-        " CAST(:gones AS text[])) AS u(old, new, anchor, gone)"
-        " WHERE e.id = u.old AND (e.expires_at <= :now OR e.owner_id = u.gone) RETURNING u.old",
-        {
-            "me": owner_id,
-            "now": tx.now,
-            "expires": tx.now + lease_ms,
-            "olds": olds,
-            "news": news,
-            "anchors": anchors,
-            "gones": gones,
-        },
-    ).fetchall()
-    return {str(row[0]) for row in rows}
+    owner); the old ids it replaced (SQLite: PostgreSQL's set-wise path is `ts_recover`)."""
+    return {
+        old
+        for old, new, anchor, gone_owner in claims
+        if _replace_claim(tx, old, new, owner_id, anchor, lease_ms, gone_owner)
+    }
 
 
 def _count_resumes(tx: Tx, counts: bool, session_ids: Sequence[str]) -> None:
@@ -508,3 +488,159 @@ def _delete_recovery_rows(tx: Tx, owner_id: str, execution_ids: Sequence[str]) -
             " AND owner_id = ? AND recovery_error IS NULL",
             (*chunk, owner_id),
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# PostgreSQL: recovery applied set-wise in one call (DESIGN §8: the takeover of a batch in
+# one statement, FOR UPDATE ... SKIP LOCKED)
+
+
+def _pg_apply_recovery_batch(
+    tx: Tx,
+    owner_id: str,
+    items: list[tuple[Candidate, str]],
+    lease_ms: int,
+    max_resumes: int,
+    gone_owners: Sequence[str],
+) -> list[Recovered]:
+    """PostgreSQL's `apply_recovery_batch`: one `ts_recover` call takes every session lock,
+    re-checks the gone owners' tokens, and takes over (or lets go of) set-wise every claim
+    whose execution wrote no assistant message. It writes nothing for the rest - a
+    transcript to close or decode; a cancelled, superseded, paused, exhausted or vanished
+    claim - which then go through `apply_recovery` one by one in savepoints, under the
+    locks the call took."""
+    if not items:
+        return []
+    rows = tx.call(
+        "ts_recover",
+        owner_id,
+        [candidate.execution_id or "" for candidate, _ in items],
+        [new_execution_id for _, new_execution_id in items],
+        [candidate.session_id for candidate, _ in items],
+        list(gone_owners),
+        lease_ms,
+        max_resumes,
+        idempotent=False,
+    )
+    results: dict[int, Recovered] = {}
+    row_by_row: list[int] = []
+    for ordinal, verdict, attempt in rows:
+        index = int(ordinal) - 1
+        if verdict == "resumed":
+            results[index] = Recovered(
+                RecoveryDecision.RESUME, new_execution_id=items[index][1], attempt=int(attempt)
+            )
+        elif verdict == "skipped_live":
+            results[index] = Recovered(RecoveryDecision.SKIP_LIVE)
+        elif verdict == "fence_lost":
+            # Another recovery owner holds the row, the fence matched nothing, or another
+            # transaction holds the claim row locked (skipped): nothing was written; a
+            # lease of ours stays, and a later pass looks again.
+            results[index] = Recovered(RecoveryDecision.GONE, fence_lost=True)
+        else:
+            row_by_row.append(index)
+    if row_by_row:
+        # Re-checked here too, under the locks the call took: gone only if still free now.
+        gone = frozenset(tx.free_tokens(gone_owners)) if gone_owners else frozenset()
+        for index in row_by_row:
+            candidate, new_execution_id = items[index]
+            results[index] = _apply_one(
+                tx, owner_id, candidate, new_execution_id, lease_ms, max_resumes, gone
+            )
+    return [results[index] for index in range(len(items))]
+
+
+# The set-wise recovery (`_pg_apply_recovery_batch`). Verdicts per (claim, new execution):
+# `resumed` (taken over: attempt is the session's resume count now), `skipped_live` (its
+# lease is live again; our recovery row deleted), `fence_lost` (nothing written: another
+# recovery owner's row, the recovery fence matched nothing, or the claim row was locked
+# by another transaction and skipped), `row_by_row` (nothing written: the caller's row path
+# decides). The steps are `apply_recovery`'s for a claim with no assistant message: the
+# session locks in the functions' order, the clock after them, the gone owners' tokens
+# re-checked, the decision in `_decisions.decide_recovery`'s order, the takeover under the
+# recovery fence (`RECOVERY_FENCE`), a resume counted unless handed back, our recovery rows
+# deleted. It signals nothing: a resumed claim's own runtime drains it.
+PG_FUNCTIONS = (
+    r"""
+CREATE OR REPLACE FUNCTION ts_recover(p_owner text, p_execs text[], p_news text[],
+    p_sessions text[], p_gone text[], p_lease bigint, p_max_resumes bigint, p_now bigint,
+    p_retry boolean)
+RETURNS TABLE(ord bigint, verdict text, attempt bigint)
+LANGUAGE plpgsql VOLATILE
+-- One generic plan per connection: planning these statements for each call's arrays cost
+-- more than running them.
+SET plan_cache_mode = force_generic_plan AS $$
+DECLARE
+    v_now bigint; v_gone text[];
+BEGIN
+    PERFORM ts_lock(l.s) FROM (SELECT DISTINCT u.s FROM unnest(p_sessions) AS u(s)) l
+        ORDER BY hashtext(l.s), l.s;
+    v_now := ts_now(p_now);
+    -- Owners found gone count as such only while their token is still free, after the locks.
+    v_gone := ARRAY(SELECT o.owner_id FROM session_owner o
+                    WHERE o.owner_id = ANY(p_gone) AND NOT """
+    + _TOKEN_HELD
+    + r""");
+    RETURN QUERY
+    WITH job AS (
+        SELECT u.e, u.new, u.s, u.n, count(*) OVER (PARTITION BY u.e) AS copies
+        FROM unnest(p_execs, p_news, p_sessions) WITH ORDINALITY AS u(e, new, s, n)),
+    -- The claims decided here: present, of the session named, once in the batch, and no
+    -- assistant message of theirs (nothing to close or decode). NULL: the row path decides
+    -- (cancelled, superseded, paused, budget exhausted).
+    fact AS MATERIALIZED (
+        SELECT j.n, j.e, j.new, c.session_id, c.handed_back, s.wake_attempts,
+            CASE WHEN c.expires_at > v_now AND NOT c.owner_id = ANY(v_gone) THEN 'skipped_live'
+                 WHEN c.phase = 'cancelling' OR """
+    + _superseded(session="c.session_id", execution="c.id", anchor="c.anchor_seq")
+    + r"""
+                      OR s.time_paused IS NOT NULL
+                      OR (c.handed_back = 0 AND s.wake_attempts >= p_max_resumes) THEN NULL
+                 ELSE 'resume' END AS decision,
+            EXISTS (SELECT 1 FROM session_recovery r WHERE r.execution_id = j.e
+                    AND r.owner_id = p_owner AND r.expires_at > v_now
+                    AND r.recovery_error IS NULL) AS leased
+        FROM job j
+        JOIN session_execution c ON c.id = j.e AND c.session_id = j.s
+        JOIN session s ON s.id = c.session_id
+        WHERE j.copies = 1 AND NOT EXISTS (SELECT 1 FROM session_message m
+            WHERE m.execution_id = j.e AND m.role = 'assistant')),
+    -- The recovery fence, on the claim rows no other transaction holds locked.
+    takeable AS MATERIALIZED (
+        SELECT c.id, f.n, f.new, f.session_id, f.handed_back, f.wake_attempts
+        FROM fact f JOIN session_execution c ON c.id = f.e
+        WHERE f.decision = 'resume' AND f.leased
+            AND (c.expires_at <= v_now OR c.owner_id = ANY(v_gone))
+        FOR UPDATE OF c SKIP LOCKED),
+    taken AS (
+        UPDATE session_execution c SET id = t.new, owner_id = p_owner, phase = 'running',
+            anchor_seq = (SELECT MAX(m.seq) FROM session_message m
+                          WHERE m.session_id = t.session_id),
+            time_created = v_now, heartbeat_at = NULL, expires_at = v_now + p_lease,
+            handed_back = 0
+        FROM takeable t
+        WHERE c.id = t.id AND (c.expires_at <= v_now OR c.owner_id = ANY(v_gone))
+        RETURNING t.n, t.id AS e, t.session_id, t.handed_back, t.wake_attempts),
+    -- A claim handed back by a graceful shutdown resumes without counting.
+    counted AS (
+        UPDATE session s SET wake_attempts = s.wake_attempts
+                + CASE WHEN t.handed_back = 0 THEN 1 ELSE 0 END,
+            time_woken = NULL, wakes = 0
+        FROM taken t WHERE s.id = t.session_id),
+    -- Only our own recovery rows: another owner's lease or quarantine is not ours to touch.
+    let_go AS (
+        DELETE FROM session_recovery r
+        WHERE r.owner_id = p_owner AND r.recovery_error IS NULL
+            AND r.execution_id = ANY(ARRAY(SELECT t.e FROM taken t UNION ALL
+                SELECT f.e FROM fact f WHERE f.decision = 'skipped_live' AND f.leased)))
+    SELECT j.n,
+        CASE WHEN t.e IS NOT NULL THEN 'resumed'
+             WHEN f.decision = 'skipped_live' AND f.leased THEN 'skipped_live'
+             WHEN f.decision IS NOT NULL THEN 'fence_lost'
+             ELSE 'row_by_row' END,
+        t.wake_attempts + CASE WHEN t.handed_back = 0 THEN 1 ELSE 0 END
+    FROM job j LEFT JOIN fact f ON f.n = j.n LEFT JOIN taken t ON t.n = j.n
+    ORDER BY j.n;
+END $$;
+"""
+)

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from .._backend import Tx
+from .._backend import Tx, autocommit_when_alone
 from .common import _IN_CHUNK, _chunks, _in_list, not_in
 
 
@@ -51,6 +51,12 @@ def recovery_candidates(
     doorbells by `time_woken`. Quarantined executions, executions under another owner's live
     recovery lease and sessions held locally are excluded here, so they never use up the
     budget."""
+    if tx.dialect == "postgres":
+        # One call: the clock, the expired claims, then the doorbells if room is left.
+        rows = tx.call(
+            "ts_recovery_candidates", owner_id, limit, list(local_sessions), list(gone_owners)
+        )
+        return [Candidate(str(session_id), execution_id) for session_id, execution_id in rows]
     not_local, local = not_in(tx, "e.session_id", local_sessions)
     gone = {f"gone{index}": owner for index, owner in enumerate(gone_owners)}
     of_gone = "".join(f" OR e.owner_id = :{name}" for name in gone)
@@ -106,12 +112,26 @@ def scan_and_lease(
     return candidates, free, [candidate for candidate in expired if candidate.execution_id in taken]
 
 
+@autocommit_when_alone
 def take_recovery_leases(
     tx: Tx, owner_id: str, lease_ms: int, candidates: Sequence[Candidate]
 ) -> list[Candidate]:
     """Take a recovery lease on each expired claim: only if absent, expired or ours, and never
     on a quarantined row. Returns the candidates whose lease we now hold. One statement per
-    `_IN_CHUNK` parameters (a multi-row upsert)."""
+    `_IN_CHUNK` parameters (a multi-row upsert); on PostgreSQL one call of
+    `ts_take_recovery_leases` (alone: in autocommit, a retry takes our own leases again)."""
+    if tx.dialect == "postgres":
+        if not candidates:
+            return []
+        rows = tx.call(
+            "ts_take_recovery_leases",
+            owner_id,
+            [candidate.execution_id for candidate in candidates],
+            [candidate.session_id for candidate in candidates],
+            lease_ms,
+        )
+        held = {str(row[0]) for row in rows}
+        return [candidate for candidate in candidates if candidate.execution_id in held]
     taken = _upsert_leases(tx, owner_id, lease_ms, candidates)
     for chunk in _chunks(sorted(taken)):
         taken.difference_update(_drop_leases_without_claim(tx, owner_id, chunk))
@@ -121,8 +141,8 @@ def take_recovery_leases(
 def _upsert_leases(
     tx: Tx, owner_id: str, lease_ms: int, candidates: Sequence[Candidate]
 ) -> set[str]:
-    """The recovery leases' upsert (see `take_recovery_leases`): the execution ids whose
-    lease we hold now."""
+    """The recovery leases' upsert on SQLite (see `take_recovery_leases`): the execution
+    ids whose lease we hold now."""
     expires = tx.now + lease_ms
     taken: set[str] = set()
     per_statement = _IN_CHUNK // 5  # five parameters per row
@@ -170,3 +190,86 @@ def _drop_leases_without_claim(tx: Tx, owner_id: str, execution_ids: Sequence[st
         [owner_id, *execution_ids],
     ).fetchall()
     return {str(row[0]) for row in rows}
+
+
+# ---------------------------------------------------------------------------------------------
+# PostgreSQL: this family's server-side functions (created by `_schema`'s migrations; see
+# `_store.pg_functions` for their conventions)
+
+PG_FUNCTIONS = r"""
+-- `recovery_candidates` in one call: the expired claims (and every claim of the owners
+-- found gone) oldest first, skipping claim rows another transaction holds locked, then
+-- the unclaimed doorbells of unpaused sessions while the limit leaves room. A session held
+-- locally (p_local) is neither. Rows (session_id, execution_id NULL for a doorbell).
+CREATE OR REPLACE FUNCTION ts_recovery_candidates(p_owner text, p_limit bigint,
+    p_local text[], p_gone text[], p_now bigint, p_retry boolean)
+RETURNS TABLE(candidate_session text, candidate_execution text)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_now bigint; v_found bigint;
+BEGIN
+    v_now := ts_now(p_now);
+    -- Two spellings, so the usual one (no gone owner) walks the expires_at index in order.
+    IF cardinality(p_gone) = 0 THEN
+        RETURN QUERY SELECT e.session_id, e.id FROM session_execution e
+            WHERE e.expires_at <= v_now AND NOT (e.session_id = ANY(p_local))
+            AND NOT EXISTS (SELECT 1 FROM session_recovery r WHERE r.execution_id = e.id
+                AND (r.recovery_error IS NOT NULL
+                     OR (r.owner_id <> p_owner AND r.expires_at > v_now)))
+            ORDER BY e.expires_at, e.id LIMIT p_limit FOR NO KEY UPDATE OF e SKIP LOCKED;
+    ELSE
+        RETURN QUERY SELECT e.session_id, e.id FROM session_execution e
+            WHERE (e.expires_at <= v_now OR e.owner_id = ANY(p_gone))
+            AND NOT (e.session_id = ANY(p_local))
+            AND NOT EXISTS (SELECT 1 FROM session_recovery r WHERE r.execution_id = e.id
+                AND (r.recovery_error IS NOT NULL
+                     OR (r.owner_id <> p_owner AND r.expires_at > v_now)))
+            ORDER BY e.expires_at, e.id LIMIT p_limit FOR NO KEY UPDATE OF e SKIP LOCKED;
+    END IF;
+    GET DIAGNOSTICS v_found = ROW_COUNT;
+    IF v_found < p_limit THEN
+        RETURN QUERY SELECT s.id, NULL::text FROM session s
+            WHERE s.time_woken IS NOT NULL AND s.time_paused IS NULL
+            AND NOT EXISTS (SELECT 1 FROM session_execution e WHERE e.session_id = s.id)
+            AND NOT (s.id = ANY(p_local))
+            ORDER BY s.time_woken, s.id LIMIT p_limit - v_found;
+    END IF;
+END $$;
+
+-- `take_recovery_leases` in one call: the upsert (absent, expired or ours, never a
+-- quarantined row), then the leases just taken on claims that are gone undone - a
+-- statement of its own, so its snapshot sees a takeover that committed while the upsert
+-- waited on a lease row. The execution ids whose lease we hold. Idempotent: a retry after
+-- a lost reply takes our own leases again.
+CREATE OR REPLACE FUNCTION ts_take_recovery_leases(p_owner text, p_execs text[],
+    p_sessions text[], p_lease bigint, p_now bigint, p_retry boolean)
+RETURNS TABLE(leased_id text)
+LANGUAGE plpgsql VOLATILE
+-- One generic plan per connection: planning these statements for each call's arrays cost
+-- more than running them.
+SET plan_cache_mode = force_generic_plan AS $$
+DECLARE
+    v_now bigint; v_taken text[];
+BEGIN
+    v_now := ts_now(p_now);
+    WITH leased AS (
+        INSERT INTO session_recovery AS r (execution_id, session_id, owner_id, expires_at,
+            time_created)
+        SELECT DISTINCT ON (u.e) u.e, u.s, p_owner, v_now + p_lease, v_now
+            FROM unnest(p_execs, p_sessions) AS u(e, s) ORDER BY u.e
+        ON CONFLICT (execution_id) DO UPDATE SET owner_id = excluded.owner_id,
+            expires_at = excluded.expires_at
+        WHERE r.recovery_error IS NULL
+            AND (r.owner_id = excluded.owner_id OR r.expires_at <= excluded.time_created)
+        RETURNING r.execution_id)
+    SELECT array_agg(l.execution_id) INTO v_taken FROM leased l;
+    RETURN QUERY
+    WITH dropped AS (
+        DELETE FROM session_recovery r WHERE r.owner_id = p_owner
+            AND r.recovery_error IS NULL AND r.execution_id = ANY(v_taken)
+            AND NOT EXISTS (SELECT 1 FROM session_execution e WHERE e.id = r.execution_id)
+        RETURNING r.execution_id)
+    SELECT t.e FROM unnest(v_taken) AS t(e)
+    WHERE NOT EXISTS (SELECT 1 FROM dropped d WHERE d.execution_id = t.e);
+END $$;
+"""
