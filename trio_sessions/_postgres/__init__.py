@@ -45,7 +45,15 @@ from .engine import (
     open_engine,
     run_op,
 )
-from .executors import PgInlineExecutor, PgThreadExecutor, PostgresStore, open_thread_executor
+from .executors import (
+    MAX_WRITERS,
+    WRITERS,
+    PgInlineExecutor,
+    PgThreadExecutor,
+    PostgresStore,
+    lane_of,
+    open_thread_executor,
+)
 from .listener import (
     TOKEN_CLIENT_KEEPALIVES,
     TOKEN_SERVER_SETTINGS,
@@ -60,6 +68,7 @@ __all__ = [
     "IDLE_IN_TRANSACTION_TIMEOUT_MS",
     "LOCK_TIMEOUT_MS",
     "MAX_ATTEMPTS",
+    "MAX_WRITERS",
     "MIGRATION_LOCK_NAMESPACE",
     "NOWAIT_LOCK_TIMEOUT_MS",
     "RECONNECT_PATIENCE_S",
@@ -71,6 +80,7 @@ __all__ = [
     "TCP_USER_TIMEOUT_MS",
     "TOKEN_CLIENT_KEEPALIVES",
     "TOKEN_SERVER_SETTINGS",
+    "WRITERS",
     "_MIGRATIONS",
     "Mode",
     "PgEngine",
@@ -82,6 +92,7 @@ __all__ = [
     "PostgresStore",
     "channel",
     "connect",
+    "lane_of",
     "migrate",
     "open_engine",
     "open_thread_executor",
