@@ -51,9 +51,12 @@ from .transactions import Mode
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
 
-# Writer connections (lanes) of the default executor. Measured on a 2-core host with the
-# bench's 1,000 sessions in flight: see `PostgresStore.writers`.
-WRITERS = 2
+# Writer connections (lanes) of the default executor. Measured with the bench's 1,000
+# sessions in flight on a busy 2-core host, paired rounds against raw psycopg: 1 writer
+# 2.6-4.2x, 2 writers 3.5-7.2x, 3 writers 5.1-8.3x, 4 writers 3.9-8.4x (medians of runs;
+# one writer is bound by the server's work per row on one core). Three: four no better
+# here, and each costs every process a connection.
+WRITERS = 3
 MAX_WRITERS = 16
 # At most one transaction's worth of operations per hand-off: the first batch's callers
 # go on (their drains run on the trio thread) while the server works on the next batches.
