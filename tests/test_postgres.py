@@ -518,12 +518,14 @@ def lock_both(
     return session_id
 
 
+@pytest.mark.parametrize("batched", [False, True], ids=["alone", "in-batches"])
 async def test_a_deadlock_between_two_writers_is_retried_inside_the_store(
-    pg_url: str, pg_schema: str
+    pg_url: str, pg_schema: str, batched: bool
 ) -> None:
-    """Two writer connections lock two sessions in opposite orders at once: the server
-    breaks the deadlock (40P01), the victim's transaction runs again, and both callers get
-    their result (no error)."""
+    """Two writer connections lock two sessions in opposite orders at once - each operation
+    alone, or each in a batch with another operation on its session: the server breaks the
+    deadlock (40P01), the victim's work runs again, and every caller gets its result (no
+    error)."""
     store = PostgresStore(pg_url, schema=pg_schema, writers=2, listen=False)
     first = "a"
     other = next(
@@ -534,19 +536,33 @@ async def test_a_deadlock_between_two_writers_is_retried_inside_the_store(
     barrier = threading.Barrier(2)
     calls: list[str] = []
     results: list[str] = []
+    seen: list[tuple[str, int, int]] = []
     with trio.fail_after(60):
         async with store.open_executor(None) as executor:
 
             async def one(session_id: str, then: str) -> None:
                 results.append(await executor.run(lock_both, session_id, then, barrier, calls))
 
+            async def companion(session_id: str) -> None:
+                await executor.run(record_order, session_id, 0, seen)
+
+            # Started together: every operation is queued before the lanes' pumps run, so
+            # each lane's hand-off holds its lock_both (and companion) in one batch.
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(one, first, other)
                 nursery.start_soon(one, other, first)
+                if batched:
+                    nursery.start_soon(companion, first)
+                    nursery.start_soon(companion, other)
             statistics = executor.statistics()
     assert sorted(results) == sorted([first, other])
-    assert statistics.retries >= 1
     assert len(calls) == 3  # the victim ran twice
+    if batched:
+        assert sorted(s for s, _, _ in seen) == sorted([first, other])
+        # Two batches, one per lane; the victim's rolled back and its two jobs ran alone.
+        assert (statistics.handoffs, statistics.transactions) == (2, 4)
+    else:
+        assert statistics.retries >= 1
 
 
 async def test_a_lane_hands_off_at_most_its_limit_and_each_batchs_callers_go_on(
