@@ -75,6 +75,21 @@ def test_sections_subset_leaves_other_figures_nan(
     assert math.isnan(values["pg_cycle_ratio"])
 
 
+def test_a_run_in_a_used_folder_starts_from_fresh_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--dir` given twice: each run writes a new run-* folder inside it, so the second
+    run's chats are not answered by the first run's transcripts (an answer is never seen
+    sooner than the model's own pace)."""
+    args = [*TINY, "--sections", "chat", "--no-pg", "--dir", str(tmp_path)]
+    for _ in range(2):
+        assert bench.main(args) == 0
+        values = bench.parse_machine_line(capsys.readouterr().out.strip().splitlines()[-1])
+        assert values["chat_errors"] == 0
+        assert values["chat_slowdown_p50"] >= 1.0, values
+    assert len(list(tmp_path.glob("run-*/chat.db"))) == 2
+
+
 def test_rejects_unknown_section() -> None:
     """An unknown section name is a usage error, not a silent no-op."""
     with pytest.raises(SystemExit):

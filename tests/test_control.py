@@ -744,7 +744,8 @@ async def test_upgrade_of_a_version_2_postgres_schema_keeps_pending_inputs_due(
     assert raw.rows("SELECT version FROM schema_version") == [(_postgres.SCHEMA_VERSION,)]
     # 3: owner liveness; 4: conversation control; 5: the server-side functions; 6: one
     # notification per transaction, the set-wise append, watchers-only signals
-    # 7: a cancelling claim's iteration end rings for untaken inputs
-    assert _postgres.SCHEMA_VERSION == 7
+    # 7: a cancelling claim's iteration end rings for untaken inputs;
+    # 8: a stream's read in one call
+    assert _postgres.SCHEMA_VERSION == 8
     assert drain.taken == ["old"]
     assert raw.rows("SELECT time_paused FROM session") == [(None,)]

@@ -624,6 +624,15 @@ OPERATIONS = [
         one(_store.finish_iteration, "s", "e1", OWNER),
     ),
     Operation(
+        "finish_iteration-ring-over",
+        steps(
+            do(_store.submit, "s", '{"n": 1}', "i1"),
+            do(_store.acquire, "s", "e1", OWNER, LEASE_MS),
+            do(_store.request_cancel, "s"),
+        ),
+        one(_store.finish_iteration, "s", "e1", OWNER),
+    ),
+    Operation(
         "finish_failed",
         steps(drained, do(_store.submit, "s", '{"n": 3}', "i3")),
         one(_store.finish_failed, "s", "e1", OWNER, "boom"),

@@ -8,11 +8,16 @@ from __future__ import annotations
 import psycopg
 import trio
 
+from trio_sessions import _store
+from trio_sessions._backend import Job
 from trio_sessions._bench.roundtrips import (
     counting_url,
     round_trips_per_cycle,
     turn_round_trips,
 )
+from trio_sessions._postgres import open_engine
+from trio_sessions._postgres.engine import PgSyncEngine
+from trio_sessions._store.stream import Held, Position, message_tag, stream_changes_by_statements
 
 
 def test_relay_counts_one_round_trip_per_wait_for_the_server(pg_url: str) -> None:
@@ -35,3 +40,73 @@ def test_sequential_cycle_is_at_most_three_round_trips(pg_url: str, pg_schema: s
 
 def test_chat_turn_is_at_most_fifty_round_trips(pg_url: str, pg_schema: str) -> None:
     assert trio.run(turn_round_trips, pg_url, pg_schema, 1) <= 50
+
+
+def test_a_stream_read_is_one_round_trip(pg_url: str, pg_schema: str) -> None:
+    """A stream's read (`stream_changes`: the ids its position names, the new deltas of the
+    open message it follows, the messages past its top) is one call, alone in autocommit:
+    one round trip, whatever it finds; the answer is the one statement-by-statement reads
+    give."""
+    with counting_url(pg_url) as (url, proxy):
+        engine = open_engine(url, schema=pg_schema)
+        try:
+            engine.run(_store.submit, "s", '{"n": 1}', "in-1")
+            assert engine.run(_store.acquire, "s", "e1", "me", 60_000).verdict.value == "claim"
+            [taken] = engine.run(_store.take_inputs, "s", "e1", "me")
+            assert taken.id == "in-1"
+            seq = engine.run(_store.begin_assistant, "s", "e1", "me", "m1")
+            engine.run(_store.append_assistant_text, "s", "e1", "me", "m1", "one ")
+            first = engine.read(_store.stream_changes, "s", Position())
+            top = max(change.seq for change in first.changes)
+            held = Held(seq, message_tag("m1"), first.changes[-1].version)
+            position = Position(top, message_tag("m1"), (held,))
+            engine.run(_store.append_assistant_text, "s", "e1", "me", "m1", "two ")
+            before = proxy.round_trips
+            changes = engine.read(_store.stream_changes, "s", position)
+            assert proxy.round_trips - before == 1
+            assert [(c.seq, getattr(c, "text", None)) for c in changes.changes] == [(seq, "two ")]
+            assert changes == engine.read(stream_changes_by_statements, "s", position)
+        finally:
+            engine.close()
+
+
+def test_the_stream_reads_of_one_hand_off_are_one_round_trip(pg_url: str, pg_schema: str) -> None:
+    """Reads of many streams queued together (`run_reads`, one hand-off) are one set-wise
+    call; each read's answer is the one statement-by-statement reads give. A read whose
+    position names a message that is not there (a rewritten transcript) runs on its own
+    and starts over."""
+    with counting_url(pg_url) as (url, proxy):
+        engine = open_engine(url, schema=pg_schema)
+        try:
+            positions = {f"s{index}": following_position(engine, index) for index in range(3)}
+            positions["s3"] = Position(7, message_tag("gone"))
+            reads = [Job(_store.stream_changes, (s, p)) for s, p in positions.items()]
+            before = proxy.round_trips
+            engine.engine.run_reads(reads[:3])
+            assert proxy.round_trips - before == 1
+            engine.engine.run_reads(reads)
+            answers = [job.unwrap() for job in reads]
+            assert answers == [
+                engine.read(stream_changes_by_statements, s, p) for s, p in positions.items()
+            ]
+            assert [[getattr(c, "text", None) for c in a.changes] for a in answers[:3]] == [
+                ["b "]
+            ] * 3
+            assert answers[3].rewritten
+        finally:
+            engine.close()
+
+
+def following_position(engine: PgSyncEngine, index: int) -> Position:
+    """Session `s<index>` with an open answer "a b "; the position of a stream that holds
+    it at "a ", so a read of its changes is the append "b "."""
+    session, execution, message = f"s{index}", f"e{index}", f"m{index}"
+    engine.run(_store.submit, session, '{"n": 1}', f"in-{index}")
+    engine.run(_store.acquire, session, execution, "me", 60_000)
+    engine.run(_store.take_inputs, session, execution, "me")
+    seq = engine.run(_store.begin_assistant, session, execution, "me", message)
+    engine.run(_store.append_assistant_text, session, execution, "me", message, "a ")
+    version = engine.read(_store.stream_changes, session, Position()).changes[-1].version
+    tag = message_tag(message)
+    engine.run(_store.append_assistant_text, session, execution, "me", message, "b ")
+    return Position(seq, tag, (Held(seq, tag, version),))

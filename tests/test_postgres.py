@@ -213,8 +213,9 @@ async def test_upgrade_of_a_version_1_schema_adds_streaming(pg_url: str, pg_sche
     assert location.rows("SELECT version FROM schema_version") == [(SCHEMA_VERSION,)]
     # 2: streaming; 3: owner liveness; 4: conversation control; 5: the server-side functions;
     # 6: one notification per transaction, the set-wise append, watchers-only signals
-    # 7: a cancelling claim's iteration end rings for untaken inputs
-    assert SCHEMA_VERSION == 7
+    # 7: a cancelling claim's iteration end rings for untaken inputs;
+    # 8: a stream's read in one call
+    assert SCHEMA_VERSION == 8
     await check_pre_streaming_upgrade(location, PostgresStore(pg_url, schema=pg_schema))
 
 

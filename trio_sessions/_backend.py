@@ -152,6 +152,24 @@ def pg_batched(
     return mark
 
 
+def pg_read_batched(
+    function: str,
+    pack: Callable[[tuple[Any, ...]], Any],
+    interpret: Callable[[tuple[Any, ...], Sequence[tuple[Any, ...]]], Any],
+) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """Mark a read that PostgreSQL answers set-wise: the reads of one hand-off that call it
+    become ONE call of `function` (alone in autocommit: one statement, one snapshot), given
+    the JSON array of `pack(args)` per read; its rows are `(ordinal, *row)`, and
+    `interpret(args, rows)` gives each read's result from its own rows (or `FALLBACK`: the
+    read runs on its own)."""
+
+    def mark(op: Callable[..., T]) -> Callable[..., T]:
+        op.__dict__["pg_read_batched"] = (function, pack, interpret)
+        return op
+
+    return mark
+
+
 @attrs.define(eq=False)
 class Job:
     """One operation waiting for a transaction; a backend fills `result` or `error`."""

@@ -161,7 +161,7 @@ SQLITE_OUR_TABLES = frozenset(
 # ---------------------------------------------------------------------------------------------
 # PostgreSQL
 
-POSTGRES_SCHEMA_VERSION = 7
+POSTGRES_SCHEMA_VERSION = 8
 
 # Same names, meanings and named CHECKs as the SQLite schema (`SQLITE_MIGRATIONS`, whose
 # versions 1-3 are PostgreSQL's first: no PostgreSQL store predates them); times
@@ -290,6 +290,9 @@ ALTER TABLE session ADD COLUMN time_paused BIGINT;
     # The functions again, no table changes: a cancelling claim's iteration end rings for
     # the due inputs its drain was not given (`ts_finish`).
     7: "",
+    # The functions again, no table changes: a stream's read in one call
+    # (`ts_stream_changes`).
+    8: "",
 }
 
 
@@ -326,4 +329,5 @@ POSTGRES_BACKFILLS: dict[int, Callable[[Any], None]] = {
     5: _create_functions,
     6: _create_functions,
     7: _create_functions,
+    8: _create_functions,
 }

@@ -144,11 +144,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     config = make_config(args)
     with contextlib.ExitStack() as stack:
-        folder = config.folder
-        if folder is None:
+        if config.folder is None:
             folder = Path(tempfile.mkdtemp(prefix="trio-sessions-bench-"))
             stack.callback(shutil.rmtree, folder, ignore_errors=True)
-        folder.mkdir(parents=True, exist_ok=True)
+        else:
+            # A run of its own inside the folder given: files of an earlier run (a chat's
+            # finished answer, seeded claims) would skew this run's figures.
+            config.folder.mkdir(parents=True, exist_ok=True)
+            folder = Path(tempfile.mkdtemp(prefix="run-", dir=config.folder))
         started = time.perf_counter()
         report = Report(header=machine_header(folder))
         schemas = None

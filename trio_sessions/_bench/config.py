@@ -181,7 +181,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help=f"comma-separated subset of {','.join(SECTIONS)}",
     )
     parser.add_argument(
-        "--dir", type=Path, help="folder for the database files (default: a temp dir)"
+        "--dir",
+        type=Path,
+        help="keep the database files in a new run-* folder inside this one (default: a"
+        " temp dir, removed afterwards)",
     )
     parser.add_argument(
         "--pg-url",

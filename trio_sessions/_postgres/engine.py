@@ -14,6 +14,9 @@ retry the whole transaction with a small, bounded backoff; a connection lost bef
 is re-opened and the transaction re-run (nothing committed). Other database errors reach
 the caller as `StoreError`.
 
+Reads run each on its own snapshot, never in a write batch; the reads of one hand-off
+marked `pg_read_batched` (a stream's read) are one set-wise call in autocommit.
+
 Signals (DESIGN §8 "Notifications scale"): at most one `pg_notify` per transaction, on the
 schema's channel, its payload the signalled sessions one per line (or empty: look at
 everything, when they do not fit). A batch begins with `trio_sessions.defer_signals` set, so
@@ -48,7 +51,7 @@ from typing import Any, TypeVar, TypeVarTuple, Unpack
 
 import psycopg
 
-from .. import _observe
+from .. import _codec, _observe
 from .._backend import (
     FALLBACK,
     BackendName,
@@ -210,8 +213,51 @@ class PgEngine:
             self.run_alone(job, "nowait")
         for start in range(0, len(jobs), BATCH_LIMIT):
             self.run_batch(jobs[start : start + BATCH_LIMIT])
+        self.run_reads(reads)
+
+    def run_reads(self, reads: Sequence[Job]) -> None:
+        """Reads, each on its own snapshot - but those of one `pg_read_batched` kind (two or
+        more) as ONE set-wise call. Never raises: outcomes go on the jobs."""
+        kinds: dict[str, list[Job]] = {}
+        alone: list[Job] = []
         for job in reads:
+            batched = job.op.__dict__.get("pg_read_batched")
+            if batched is None:
+                alone.append(job)
+            else:
+                kinds.setdefault(batched[0], []).append(job)
+        for function, jobs in kinds.items():
+            if len(jobs) < 2:
+                alone += jobs
+                continue
+            for start in range(0, len(jobs), BATCH_LIMIT):
+                alone += self._read_set_wise(function, jobs[start : start + BATCH_LIMIT])
+        for job in alone:
             self.run_alone(job, "read")
+
+    def _read_set_wise(self, function: str, jobs: Sequence[Job]) -> list[Job]:
+        """One autocommit call of `function` for `jobs`; the jobs it could not settle."""
+        _, pack, interpret = jobs[0].op.__dict__["pg_read_batched"]
+        call = Job(_call, (function, _codec.dumps([pack(job.args) for job in jobs])))
+        try:
+            rows = self._autocommit(call)
+        except StoreError as exc:
+            for job in jobs:
+                job.error = exc
+            return []
+        except psycopg.Error:  # the set-wise call refused: each read on its own says why
+            return list(jobs)
+        by_job: dict[int, list[tuple[Any, ...]]] = {}
+        for ordinal, *row in rows:
+            by_job.setdefault(int(ordinal), []).append(tuple(row))
+        unsettled: list[Job] = []
+        for ordinal, job in enumerate(jobs, start=1):
+            result = interpret(job.args, by_job.get(ordinal, []))
+            if result is FALLBACK:
+                unsettled.append(job)
+            else:
+                job.result = result
+        return unsettled
 
     def run_batch(self, jobs: Sequence[Job]) -> None:
         """Run `jobs` in one transaction (group commit). Never raises: outcomes go on jobs.
@@ -238,7 +284,8 @@ class PgEngine:
     def run_alone(self, job: Job, mode: Mode = "write") -> None:
         """Run one job in its own transaction - or as one autocommit call, if it is marked
         `autocommit_when_alone`. Never raises: the outcome goes on the job."""
-        if mode == "write" and job.op.__dict__.get("autocommit_when_alone", False):
+        # A read that is one function call is one statement: its own snapshot, no BEGIN.
+        if mode != "nowait" and job.op.__dict__.get("autocommit_when_alone", False):
             try:
                 job.result = self._autocommit(job)
             except NeedsTransaction:
@@ -439,6 +486,10 @@ class PgEngine:
                     f"transaction {xid} is still {status!r}"
                 ) from lost
             time.sleep(0.02)
+
+
+def _call(tx: Tx, function: str, *args: Any) -> list[Any]:
+    return tx.call(function, *args)
 
 
 def _unknown_outcome(lost: BaseException | None, error: StoreError) -> StoreError:

@@ -55,6 +55,7 @@ from . import claims as _claims
 from . import common as _common
 from . import inputs as _inputs
 from . import intake as _intake
+from . import stream as _stream_family
 from . import transcript as _transcript_family
 from .acquisition import Acquired, acquire, submit_and_acquire, wake_and_acquire
 from .changes import (
@@ -207,6 +208,14 @@ def pg_functions(channel: str, lock_namespace: int) -> str:
     literal = "'" + channel.replace("'", "''") + "'"
     text = "\n".join(
         module.PG_FUNCTIONS
-        for module in (_common, _inputs, _intake, _transcript_family, _claims, _acquisition)
+        for module in (
+            _common,
+            _inputs,
+            _intake,
+            _transcript_family,
+            _claims,
+            _acquisition,
+            _stream_family,
+        )
     )
     return text.replace("@LOCK@", str(int(lock_namespace))).replace("@CHANNEL@", literal)

@@ -28,7 +28,7 @@ from typing import Any
 import attrs
 
 from .. import _codec
-from .._backend import Tx
+from .._backend import FALLBACK, Tx, autocommit_when_alone, pg_read_batched
 from .._errors import MalformedRecord
 from .._model import AssistantData, Message
 from .common import _chunks, _in_list
@@ -108,11 +108,55 @@ _VERSION = (
 )
 
 
+def _pg_arguments(session_id: str, position: Position, limit: int) -> dict[str, Any]:
+    """`ts_stream_changes`'s arguments for a read from `position`, by name."""
+    return {
+        "session": session_id,
+        "named": ([position.top] if position.top else []) + [h.seq for h in position.open],
+        "open_seqs": [held.seq for held in position.open],
+        "open_versions": [held.version for held in position.open],
+        "top": position.top,
+        "limit": limit,
+    }
+
+
+def _read_arguments(args: tuple[Any, ...]) -> tuple[str, Position, int]:
+    """A `stream_changes` job's arguments, its limit defaulted."""
+    session_id, position, *rest = args
+    return session_id, position, int(rest[0]) if rest else NEW_MESSAGES_PER_READ
+
+
+def _pg_pack(args: tuple[Any, ...]) -> dict[str, Any]:
+    return _pg_arguments(*_read_arguments(args))
+
+
+def _pg_interpret(args: tuple[Any, ...], rows: Sequence[tuple[Any, ...]]) -> Any:
+    found = _changes_from_rows(*_read_arguments(args), rows)
+    return FALLBACK if found is None else found
+
+
+@pg_read_batched("ts_stream_changes_many", _pg_pack, _pg_interpret)
+@autocommit_when_alone
 def stream_changes(
     tx: Tx, session_id: str, position: Position, limit: int = NEW_MESSAGES_PER_READ
 ) -> StreamChanges:
     """The changes that bring a client at `position` up to date (at most `limit` new
-    messages; `more` says there are others)."""
+    messages; `more` says there are others). On PostgreSQL one call of `ts_stream_changes`
+    (alone: one autocommit statement, one snapshot; the reads of one hand-off: one call of
+    `ts_stream_changes_many`); a rewritten transcript reads from scratch after it."""
+    if tx.dialect == "postgres":
+        arguments = _pg_arguments(session_id, position, limit)
+        rows = tx.call("ts_stream_changes", *arguments.values())
+        found = _changes_from_rows(session_id, position, limit, rows)
+        return _from_scratch(tx, session_id, limit) if found is None else found
+    return stream_changes_by_statements(tx, session_id, position, limit)
+
+
+def stream_changes_by_statements(
+    tx: Tx, session_id: str, position: Position, limit: int = NEW_MESSAGES_PER_READ
+) -> StreamChanges:
+    """`stream_changes` as a few statements, each an index probe (SQLite's form; on
+    PostgreSQL the reference `ts_stream_changes` is checked against)."""
     ids: dict[int, str] = {}
     named = [(position.top, position.top_tag)] if position.top else []
     named += [(held.seq, held.tag) for held in position.open]
@@ -128,6 +172,55 @@ def stream_changes(
         changes += _changes_of_open(tx, session_id, ids[held.seq], held)
     new, more = _new_messages(tx, session_id, position.top, limit)
     return StreamChanges(changes + new, more=more, ids=ids)
+
+
+def _changes_from_rows(
+    session_id: str, position: Position, limit: int, rows: Sequence[tuple[Any, ...]]
+) -> StreamChanges | None:
+    """`stream_changes` from `ts_stream_changes`'s rows; None when a message the position
+    names is gone or replaced (the transcript was rewritten: read from scratch)."""
+    tags = {position.top: position.top_tag} if position.top else {}
+    tags.update((held.seq, held.tag) for held in position.open)
+    ids: dict[int, str] = {}
+    wholes: dict[int, tuple[Any, ...]] = {}
+    fresh: list[tuple[Any, ...]] = []
+    appended: dict[int, list[tuple[int, str]]] = {}
+    deltas_of: dict[str, list[tuple[int, str]]] = {}
+    for kind, seq, message_id, role, data, execution_id, input_id, version, text in rows:
+        if kind == "named":
+            if message_id is None or message_tag(message_id) != tags[seq]:
+                return None
+            ids[seq] = message_id
+        elif kind == "append":
+            appended.setdefault(seq, []).append((version, text))
+        elif kind == "delta":
+            deltas_of.setdefault(message_id, []).append((version, text))
+        else:
+            row = (message_id, role, seq, data, execution_id, input_id, version)
+            if kind == "whole":
+                wholes[seq] = row
+            else:
+                fresh.append(row)
+    streamed = {key: [text for _, text in sorted(texts)] for key, texts in deltas_of.items()}
+    fresh.sort(key=lambda row: int(row[2]))
+    changes: list[Change] = []
+    for held in position.open:
+        if held.seq in wholes:
+            changes.append(_whole_of(session_id, wholes[held.seq], streamed))
+            continue
+        deltas = sorted(appended.get(held.seq, []))
+        message_id = ids[held.seq]
+        texts = _codec.decode_streamed([text for _, text in deltas], key=message_id)
+        changes += [
+            Appended(held.seq, message_id, text, version)
+            for (version, _), text in zip(deltas, texts, strict=True)
+        ]
+    changes += [_whole_of(session_id, row, streamed) for row in fresh[:limit]]
+    return StreamChanges(changes, more=len(fresh) > limit, ids=ids)
+
+
+def _whole_of(session_id: str, row: tuple[Any, ...], streamed: dict[str, list[str]]) -> Whole:
+    return _whole_from(session_id, row, streamed.get(str(row[0]), []))
 
 
 def _from_scratch(tx: Tx, session_id: str, limit: int) -> StreamChanges:
@@ -173,16 +266,22 @@ def _new_messages(tx: Tx, session_id: str, after: int, limit: int) -> tuple[list
 
 
 def _decoded(tx: Tx, session_id: str, row: Sequence[Any]) -> Whole:
-    message_id, role, seq = str(row[0]), row[1], int(row[2])
     streamed: list[Any] = []
-    if role == "assistant":
+    if row[1] == "assistant":
         streamed = [
             text
             for (text,) in tx.execute(
                 "SELECT text FROM session_message_delta WHERE message_id = ? ORDER BY version",
-                (message_id,),
+                (str(row[0]),),
             ).fetchall()
         ]
+    return _whole_from(session_id, row, streamed)
+
+
+def _whole_from(session_id: str, row: Sequence[Any], streamed: Sequence[Any]) -> Whole:
+    """A message row - (id, role, seq, data, execution_id, input_id, version) - with the
+    texts streamed onto it, as a `Whole`."""
+    message_id, seq = str(row[0]), int(row[2])
     message: Message | MalformedRecord
     try:
         message = _decode_message(session_id, row[:6], streamed)
@@ -228,3 +327,76 @@ def stream_heads(tx: Tx, tops: dict[str, int], message_ids: Sequence[str]) -> He
 
 
 _SESSIONS_PER_STATEMENT = 200
+
+
+# ---------------------------------------------------------------------------------------------
+# PostgreSQL: this family's server-side functions (created by `_schema`'s migrations; see
+# `_store.pg_functions` for their conventions)
+
+PG_FUNCTIONS = r"""
+-- stream_changes in one statement (one snapshot): rows (kind, seq, id, role, data,
+-- execution_id, input_id, version, text) - 'named': the id at each seq the position names
+-- (NULL: none); for each open message held at a version, 'whole' (its row, when its data
+-- changed since: the deltas are folded) or 'append' (each newer delta: version, text);
+-- 'new': the messages past p_top, at most p_limit + 1; 'delta': the streamed texts of each
+-- whole and new assistant message (version, text). Unordered: the caller sorts, and
+-- compares the named ids with its tags (a mismatch: the transcript was rewritten, read
+-- from scratch).
+CREATE OR REPLACE FUNCTION ts_stream_changes(p_session text, p_named bigint[],
+    p_open_seqs bigint[], p_open_versions bigint[], p_top bigint, p_limit bigint,
+    p_now bigint, p_retry boolean)
+RETURNS TABLE(kind text, seq bigint, id text, role text, data text, execution_id text,
+    input_id text, version bigint, text text)
+LANGUAGE sql STABLE AS $$
+    WITH opened AS (
+        SELECT o.seq, o.held, m.id, m.version AS row_version
+            FROM unnest(p_open_seqs, p_open_versions) AS o(seq, held)
+            JOIN session_message m ON m.session_id = p_session AND m.seq = o.seq
+    ), replaced AS (
+        SELECT m.id, m.role, m.seq, m.data, m.execution_id, m.input_id, m.version
+            FROM opened o JOIN session_message m ON m.id = o.id WHERE o.row_version > o.held
+    ), fresh AS (
+        SELECT m.id, m.role, m.seq, m.data, m.execution_id, m.input_id, m.version
+            FROM session_message m WHERE m.session_id = p_session AND m.seq > p_top
+            ORDER BY m.seq LIMIT p_limit + 1
+    ), whole AS (
+        SELECT 'whole' AS kind, r.* FROM replaced r
+        UNION ALL SELECT 'new', f.* FROM fresh f
+    )
+    SELECT 'named', n.seq, m.id, NULL, NULL, NULL, NULL, NULL::bigint, NULL
+        FROM unnest(p_named) AS n(seq)
+        LEFT JOIN session_message m ON m.session_id = p_session AND m.seq = n.seq
+    UNION ALL
+    SELECT w.kind, w.seq, w.id, w.role, w.data, w.execution_id, w.input_id,
+            COALESCE((SELECT MAX(d.version) FROM session_message_delta d
+                      WHERE d.message_id = w.id), w.version), NULL
+        FROM whole w
+    UNION ALL
+    (SELECT 'append', o.seq, o.id, NULL, NULL, NULL, NULL, d.version, d.text
+        FROM opened o JOIN session_message_delta d ON d.message_id = o.id
+        WHERE o.row_version <= o.held AND d.version > o.held
+        ORDER BY o.seq, d.version)
+    UNION ALL
+    (SELECT 'delta', w.seq, w.id, NULL, NULL, NULL, NULL, d.version, d.text
+        FROM whole w JOIN session_message_delta d ON d.message_id = w.id
+        WHERE w.role = 'assistant'
+        ORDER BY w.seq, d.version)
+$$;
+
+-- stream_changes for many streams in one statement (one snapshot): p_positions is a JSON
+-- array of ts_stream_changes' arguments by name; rows (ord, ts_stream_changes' columns).
+CREATE OR REPLACE FUNCTION ts_stream_changes_many(p_positions text, p_now bigint,
+    p_retry boolean)
+RETURNS TABLE(ord bigint, kind text, seq bigint, id text, role text, data text,
+    execution_id text, input_id text, version bigint, text text)
+LANGUAGE sql STABLE AS $$
+    SELECT p.ord, c.*
+        FROM jsonb_array_elements(p_positions::jsonb) WITH ORDINALITY AS p(pos, ord)
+        CROSS JOIN LATERAL ts_stream_changes(
+            p.pos->>'session',
+            ARRAY(SELECT jsonb_array_elements_text(p.pos->'named')::bigint),
+            ARRAY(SELECT jsonb_array_elements_text(p.pos->'open_seqs')::bigint),
+            ARRAY(SELECT jsonb_array_elements_text(p.pos->'open_versions')::bigint),
+            (p.pos->>'top')::bigint, (p.pos->>'limit')::bigint, p_now, p_retry) c
+$$;
+"""
