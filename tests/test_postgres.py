@@ -559,7 +559,8 @@ async def test_a_deadlock_between_two_writers_is_retried_inside_the_store(
     assert sorted(results) == sorted([first, other])
     assert len(calls) == 3  # the victim ran twice
     if batched:
-        assert sorted(s for s, _, _ in seen) == sorted([first, other])
+        # Each companion ran (the victim's may have run once more: in its rolled-back batch).
+        assert {s for s, _, _ in seen} == {first, other}
         # Two batches, one per lane; the victim's rolled back and its two jobs ran alone.
         assert (statistics.handoffs, statistics.transactions) == (2, 4)
     else:
