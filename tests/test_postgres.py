@@ -41,6 +41,7 @@ from trio_sessions import (
 )
 from trio_sessions._backend import Job, Tx
 from trio_sessions._decisions import AcquireVerdict, IterationVerdict, RecoveryDecision
+from trio_sessions._handoff import HandoffQueue, Queued, pumping
 from trio_sessions._model import AssistantData, Message, TextPart
 from trio_sessions._postgres import (
     SCHEMA_VERSION,
@@ -457,6 +458,160 @@ def test_group_commit_batch_runs_in_one_transaction(pg_url: str, pg_schema: str)
         engine.run_batch(jobs)
         assert engine.transactions == 1
     assert [job.unwrap() for job in jobs] == [f"in-{i}" for i in range(10)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Writer lanes: several writer connections, one session's operations on one of them
+
+
+def record_order(tx: Tx, session_id: str, ticket: int, seen: list[tuple[str, int, int]]) -> int:
+    """An operation on one session: notes (session, ticket, backend) in the order run."""
+    [pid] = tx.one("SELECT pg_backend_pid()")
+    seen.append((session_id, ticket, int(pid)))
+    return int(pid)
+
+
+async def test_one_sessions_operations_stay_on_one_writer_in_order(
+    pg_url: str, pg_schema: str
+) -> None:
+    """With three writer connections, 30 operations on each of 12 sessions, queued at once
+    from as many tasks: each session's ran on one connection, in the order they were
+    queued, and the sessions were spread over all three connections."""
+    store = PostgresStore(pg_url, schema=pg_schema, writers=3, listen=False)
+    sessions = [f"s{n}" for n in range(12)]
+    seen: list[tuple[str, int, int]] = []
+    tickets = iter(range(10_000))
+    with trio.fail_after(60):
+        async with store.open_executor(None) as executor:
+            assert isinstance(executor, _postgres.PgThreadExecutor)
+            pids = {engine.backend_pid for engine in executor.engines}
+
+            async def one(session_id: str) -> None:
+                # The ticket is taken in the step that queues the operation.
+                await executor.run(record_order, session_id, next(tickets), seen)
+
+            async with trio.open_nursery() as nursery:
+                for _ in range(30):
+                    for session_id in sessions:
+                        nursery.start_soon(one, session_id)
+                    await trio.lowlevel.checkpoint()
+            transactions = executor.statistics().transactions
+    assert len(pids) == 3
+    assert len(seen) == 30 * len(sessions)
+    for session_id in sessions:
+        mine = [(ticket, pid) for s, ticket, pid in seen if s == session_id]
+        assert [ticket for ticket, _ in mine] == sorted(ticket for ticket, _ in mine)
+        assert len({pid for _, pid in mine}) == 1
+    assert {pid for _, _, pid in seen} == pids
+    assert transactions < len(seen)  # grouped, not one transaction each
+
+
+def lock_both(
+    tx: Tx, session_id: str, other: str, barrier: threading.Barrier, calls: list[str]
+) -> str:
+    """Take `session_id`'s lock, then `other`'s; on the first call, only once the other
+    writer holds its first lock too (a lock-order cycle between two connections)."""
+    calls.append(session_id)
+    tx.lock_session(session_id)
+    if calls.count(session_id) == 1:
+        barrier.wait(timeout=20)
+    tx.lock_session(other)
+    return session_id
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["alone", "in-batches"])
+async def test_a_deadlock_between_two_writers_is_retried_inside_the_store(
+    pg_url: str, pg_schema: str, batched: bool
+) -> None:
+    """Two writer connections lock two sessions in opposite orders at once - each operation
+    alone, or each in a batch with another operation on its session: the server breaks the
+    deadlock (40P01), the victim's work runs again, and every caller gets its result (no
+    error)."""
+    store = PostgresStore(pg_url, schema=pg_schema, writers=2, listen=False)
+    first = "a"
+    other = next(
+        f"b{n}"
+        for n in range(100)
+        if _postgres.lane_of(lock_both, (f"b{n}",), 2) != _postgres.lane_of(lock_both, (first,), 2)
+    )
+    barrier = threading.Barrier(2)
+    calls: list[str] = []
+    results: list[str] = []
+    seen: list[tuple[str, int, int]] = []
+    with trio.fail_after(60):
+        async with store.open_executor(None) as executor:
+
+            async def one(session_id: str, then: str) -> None:
+                results.append(await executor.run(lock_both, session_id, then, barrier, calls))
+
+            async def companion(session_id: str) -> None:
+                await executor.run(record_order, session_id, 0, seen)
+
+            # Started together: every operation is queued before the lanes' pumps run, so
+            # each lane's hand-off holds its lock_both (and companion) in one batch.
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(one, first, other)
+                nursery.start_soon(one, other, first)
+                if batched:
+                    nursery.start_soon(companion, first)
+                    nursery.start_soon(companion, other)
+            statistics = executor.statistics()
+    assert sorted(results) == sorted([first, other])
+    assert len(calls) == 3  # the victim ran twice
+    if batched:
+        # Each companion ran (the victim's may have run once more: in its rolled-back batch).
+        assert {s for s, _, _ in seen} == {first, other}
+        # Two batches, one per lane; the victim's rolled back and its two jobs ran alone.
+        assert (statistics.handoffs, statistics.transactions) == (2, 4)
+    else:
+        assert statistics.retries >= 1
+
+
+async def test_a_lane_hands_off_at_most_its_limit_and_each_batchs_callers_go_on(
+    autojump_clock: MockClock,
+) -> None:
+    """Five operations queued at once on a queue limited to two per hand-off: handed off as
+    2, 2, 1 in the order queued, and the first two callers have their results while the
+    second hand-off is still running (not after the whole queue)."""
+    queue = HandoffQueue(limit=2)
+    batches: list[list[int]] = []
+    queued_order: list[int] = []
+    second_running = trio.Event()
+    release_second = trio.Event()
+    returned: list[int] = []
+
+    async def hand_off(batch: list[Queued]) -> None:
+        batches.append([queued.job.args[0] for queued in batch])
+        for queued in batch:
+            queued.job.result = queued.job.args[0]
+        if len(batches) == 2:
+            second_running.set()
+            await release_second.wait()
+
+    async def one(n: int) -> None:
+        queued_order.append(n)  # in the step that queues it
+        returned.append(await queue.submit(Job(str, (n,))))
+
+    async with pumping(queue, hand_off), trio.open_nursery() as nursery:
+        try:
+            for n in range(5):
+                nursery.start_soon(one, n)
+            await second_running.wait()
+            await trio.testing.wait_all_tasks_blocked()
+            assert sorted(returned) == sorted(batches[0])
+        finally:
+            release_second.set()
+    assert batches == [queued_order[:2], queued_order[2:4], queued_order[4:]]
+    assert sorted(returned) == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize(
+    ("writers", "error"), [(0, ValueError), (17, ValueError), (True, TypeError), (2.0, TypeError)]
+)
+def test_writers_must_be_a_small_positive_int(pg_url: str, writers: Any, error: type) -> None:
+    assert PostgresStore(pg_url, writers=16).writers == 16
+    with pytest.raises(error, match="writers must be"):
+        PostgresStore(pg_url, writers=writers)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -57,6 +57,10 @@ class HandoffQueue:
     # True while the worker holds this process's connection (a batch, or engine upkeep).
     in_flight: bool = False
     handoffs: int = 0
+    # At most this many operations per hand-off (None: everything queued). The rest wait
+    # for the next one, which then also takes what arrived meanwhile: each batch's callers
+    # go on as soon as it is done, instead of after the whole queue.
+    limit: int | None = None
 
     def idle(self) -> bool:
         return not self._queue and not self.in_flight
@@ -117,7 +121,12 @@ class HandoffQueue:
             self._queue.clear()
 
     async def _hand_off_queued(self, hand_off: HandOff) -> None:
-        batch, self._queue = self._queue, []
+        if self.limit is None:
+            batch, self._queue = self._queue, []
+        else:
+            batch, self._queue = self._queue[: self.limit], self._queue[self.limit :]
+            if self._queue:
+                self._work.set()  # the pump comes back for the rest at once
         if not batch:
             return
         for queued in batch:

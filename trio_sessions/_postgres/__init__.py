@@ -5,8 +5,9 @@ psycopg is an optional extra (`trio-sessions[postgres]`): only this package impo
 use its sync API from threads; its async API is asyncio-only.
 
 Modules, in the order a call passes them:
-* `executors`: `PostgresStore` and its executors (`_backend.Executor`): the trio side, one
-  worker hand-off at a time (group commit) or inline on the trio thread (tests);
+* `executors`: `PostgresStore` and its executors (`_backend.Executor`): the trio side, a few
+  writer lanes each one worker hand-off at a time (group commit; one session's operations
+  on one lane), or inline on the trio thread (tests);
 * `engine`: `PgEngine`, one connection and its transactions - batches, set-based calls,
   autocommit calls, retries, reconnects, uncertain COMMITs - and the sync `open_engine`;
 * `transactions`: `PgTx`, one transaction as an operation sees it, and the SQL dialect;
@@ -45,7 +46,15 @@ from .engine import (
     open_engine,
     run_op,
 )
-from .executors import PgInlineExecutor, PgThreadExecutor, PostgresStore, open_thread_executor
+from .executors import (
+    MAX_WRITERS,
+    WRITERS,
+    PgInlineExecutor,
+    PgThreadExecutor,
+    PostgresStore,
+    lane_of,
+    open_thread_executor,
+)
 from .listener import (
     TOKEN_CLIENT_KEEPALIVES,
     TOKEN_SERVER_SETTINGS,
@@ -60,6 +69,7 @@ __all__ = [
     "IDLE_IN_TRANSACTION_TIMEOUT_MS",
     "LOCK_TIMEOUT_MS",
     "MAX_ATTEMPTS",
+    "MAX_WRITERS",
     "MIGRATION_LOCK_NAMESPACE",
     "NOWAIT_LOCK_TIMEOUT_MS",
     "RECONNECT_PATIENCE_S",
@@ -71,6 +81,7 @@ __all__ = [
     "TCP_USER_TIMEOUT_MS",
     "TOKEN_CLIENT_KEEPALIVES",
     "TOKEN_SERVER_SETTINGS",
+    "WRITERS",
     "_MIGRATIONS",
     "Mode",
     "PgEngine",
@@ -82,6 +93,7 @@ __all__ = [
     "PostgresStore",
     "channel",
     "connect",
+    "lane_of",
     "migrate",
     "open_engine",
     "open_thread_executor",

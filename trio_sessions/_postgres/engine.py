@@ -137,11 +137,13 @@ class PgEngine:
 
     # -- connection ---------------------------------------------------------------------------
 
-    def open(self) -> None:
-        """Connect and migrate (`SchemaTooNew` / `StoreError` on failure)."""
+    def open(self, *, migrate_schema: bool = True) -> None:
+        """Connect and migrate (`SchemaTooNew` / `StoreError` on failure); with
+        `migrate_schema=False` only connect (another engine of the executor migrated)."""
         conn = connect(self.url, self.schema)
         try:
-            migrate(conn, self.schema)
+            if migrate_schema:
+                migrate(conn, self.schema)
         except BaseException:
             conn.close()
             raise

@@ -1,19 +1,28 @@
 """How operations get from trio to PostgreSQL: the executors (`_backend.Executor`) over one
 `PgEngine` and an optional `PgListener`, and `PostgresStore`, the store a runtime opens.
 
-`PgThreadExecutor` (the default) hands every operation queued during one hand-off to one
-worker thread at a time (group commit); `PgInlineExecutor` (`inline=True`, tests) runs each
+`PgThreadExecutor` (the default) runs `writers` writer lanes, each one engine (one
+connection) fed by its own group-commit queue and worker thread: every operation queued on a
+lane during one hand-off runs in that lane's batches, while the other lanes' batches run in
+parallel (the server's per-row work, not fsync, bounds a set-based batch: one connection
+leaves the server's other cores idle). `PgInlineExecutor` (`inline=True`, tests) runs each
 operation in its own transaction on the trio thread, so virtual time never jumps while
 PostgreSQL works.
 
-Connections: TWO per executor, hence per runtime (size `max_connections` at two per process
-plus headroom): the writer (the engine's), and the listener (`listen=True`); the liveness
-token's connection (`hold_token`) is a third while the runtime holds the token.
+Connections per executor, hence per runtime: `writers` writer connections (default
+`WRITERS`), the listener (`listen=True`), and the liveness token's connection (`hold_token`)
+while the runtime holds the token - size `max_connections` at `writers + 2` per process plus
+headroom. The inline executor has one writer.
 
 Invariants:
 * an operation that has begun is never abandoned (as in `_sqlite`): a caller cancelled while
   its operation is queued sees it withdrawn unrun; once taken, the caller waits for its
   outcome, so a committed write is always reported;
+* one session's operations all go to one lane (by a hash of the session id; an operation
+  whose first argument is not a session id goes to the first lane), so they run on one
+  connection in the order they were queued, and two lanes' batches never wait for each
+  other's session locks; a deadlock that still arises between lanes (an operation not
+  keyed by session, another process) is retried inside the engine (40P01);
 * a notification our own writer sent is not a change worth a look, unless the runtime says
   it still needs it (`own`).
 """
@@ -21,8 +30,9 @@ Invariants:
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+import zlib
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from typing import Any, TypeVar, TypeVarTuple, Unpack
 
 import attrs
@@ -33,12 +43,24 @@ from .. import _liveness
 from .._backend import BackendName, Job, OwnChange, StoreStatistics, Tx
 from .._handoff import HandoffQueue, Queued, pumping
 from .._naming import check_postgres_name, check_schema, mask_password
-from .engine import PgEngine
+from .._validate import count
+from .engine import BATCH_LIMIT, PgEngine
 from .listener import PgListener, Wanted, _wait_for_change, token_connection
 from .transactions import Mode
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
+
+# Writer connections (lanes) of the default executor. Measured with the bench's 1,000
+# sessions in flight on a busy 2-core host, paired rounds against raw psycopg: 1 writer
+# 2.6-4.2x, 2 writers 3.5-7.2x, 3 writers 5.1-8.3x, 4 writers 3.9-8.4x (medians of runs;
+# one writer is bound by the server's work per row on one core). Three: four no better
+# here, and each costs every process a connection.
+WRITERS = 3
+MAX_WRITERS = 16
+# At most one transaction's worth of operations per hand-off: the first batch's callers
+# go on (their drains run on the trio thread) while the server works on the next batches.
+HANDOFF_LIMIT = BATCH_LIMIT
 
 
 def _hold_token(
@@ -50,12 +72,17 @@ def _hold_token(
 
 
 def _statistics(
-    engine: PgEngine, listener: PgListener | None, handoffs: int = 0
+    engines: Sequence[PgEngine], listener: PgListener | None, handoffs: int = 0
 ) -> StoreStatistics:
-    figures = engine.statistics(handoffs)
-    if listener is not None:
-        figures = attrs.evolve(figures, reconnects=figures.reconnects + listener.reconnects)
-    return figures
+    each = [engine.statistics() for engine in engines]
+    return StoreStatistics(
+        "postgres",
+        transactions=sum(figures.transactions for figures in each),
+        handoffs=handoffs,
+        retries=sum(figures.retries for figures in each),
+        reconnects=sum(figures.reconnects for figures in each)
+        + (0 if listener is None else listener.reconnects),
+    )
 
 
 @attrs.define(eq=False)
@@ -68,7 +95,7 @@ class PgInlineExecutor:
     backend: BackendName = "postgres"
 
     def statistics(self) -> StoreStatistics:
-        return _statistics(self.engine, self.listener)
+        return _statistics([self.engine], self.listener)
 
     async def _run(self, mode: Mode, op: Callable[..., T], args: tuple[Any, ...]) -> T:
         await trio.lowlevel.checkpoint_if_cancelled()
@@ -95,37 +122,88 @@ class PgInlineExecutor:
         own: OwnChange = None,
         follows: OwnChange = None,
     ) -> None:
-        await _wait_for_change(self.listener, kick, fallback, _wanted(self.engine, own, follows))
+        wanted = _wanted([self.engine], own, follows)
+        await _wait_for_change(self.listener, kick, fallback, wanted)
 
     def hold_token(self, owner_id: str) -> AbstractAsyncContextManager[_liveness.PgToken]:
         return _hold_token(self.engine, owner_id, inline=True)
 
 
-def _wanted(engine: PgEngine, own: OwnChange, follows: OwnChange) -> Wanted:
+def _wanted(engines: Sequence[PgEngine], own: OwnChange, follows: OwnChange) -> Wanted:
     """Whether a notification's session (backend pid, session, watchers only) is worth a
-    look: not one our own writer sent, unless `own` says this runtime still needs it; and a
+    look: not one our own writers sent, unless `own` says this runtime still needs it; and a
     transcript-only change only if `follows` says a watcher or stream here follows it."""
 
     def wanted(pid: int, session_id: str, watchers_only: bool) -> bool:
         if watchers_only and follows is not None and not follows(session_id):
             return False
-        return pid != engine.backend_pid or (own is not None and own(session_id))
+        # Read per notification: a writer's pid changes when it reconnects.
+        ours = any(pid == engine.backend_pid for engine in engines)
+        return not ours or (own is not None and own(session_id))
 
     return wanted
 
 
+@functools.cache
+def _keyed_by_session(op: Callable[..., Any]) -> bool:
+    """Whether `op`'s first argument after the transaction is a session id (the store's
+    convention for an operation on one session)."""
+    code = getattr(op, "__code__", None)
+    return code is not None and code.co_argcount >= 2 and code.co_varnames[1] == "session_id"
+
+
+def lane_of(op: Callable[..., Any], args: tuple[Any, ...], lanes: int) -> int:
+    """The writer lane an operation runs on: a stable hash of its session id, so one
+    session's operations stay on one connection, in order; 0 when it names no session."""
+    if lanes == 1 or not args or not _keyed_by_session(op) or not isinstance(args[0], str):
+        return 0
+    return zlib.crc32(args[0].encode()) % lanes
+
+
 @attrs.define(eq=False)
-class PgThreadExecutor:
-    """Group commit through one worker hand-off at a time. Use `open_thread_executor`."""
+class _Lane:
+    """One writer: an engine (one connection), its group-commit queue, and one worker thread
+    at a time."""
 
     engine: PgEngine
+    handoff: HandoffQueue = attrs.Factory(lambda: HandoffQueue(limit=HANDOFF_LIMIT))
+    limiter: trio.CapacityLimiter = attrs.Factory(lambda: trio.CapacityLimiter(1))
+
+    async def hand_off(self, batch: list[Queued]) -> None:
+        by_mode: dict[str, list[Job]] = {"write": [], "nowait": [], "read": []}
+        for queued in batch:
+            by_mode[queued.mode].append(queued.job)
+        await trio.to_thread.run_sync(
+            self.engine.run_jobs,
+            by_mode["write"],
+            by_mode["nowait"],
+            by_mode["read"],
+            limiter=self.limiter,
+        )
+
+
+@attrs.define(eq=False)
+class PgThreadExecutor:
+    """Group commit on `writers` lanes, one connection and worker hand-off at a time each.
+    Use `open_thread_executor`."""
+
+    engines: Sequence[PgEngine]
     listener: PgListener | None = None
-    _handoff: HandoffQueue = attrs.Factory(HandoffQueue)
-    _limiter: trio.CapacityLimiter = attrs.Factory(lambda: trio.CapacityLimiter(1))
+    _lanes: list[_Lane] = attrs.field(init=False)
     backend: BackendName = "postgres"
 
+    @_lanes.default
+    def _lanes_default(self) -> list[_Lane]:
+        return [_Lane(engine) for engine in self.engines]
+
+    @property
+    def engine(self) -> PgEngine:
+        """The first lane's engine (the one for operations on no session)."""
+        return self.engines[0]
+
     def statistics(self) -> StoreStatistics:
-        return _statistics(self.engine, self.listener, self._handoff.handoffs)
+        handoffs = sum(lane.handoff.handoffs for lane in self._lanes)
+        return _statistics(self.engines, self.listener, handoffs)
 
     async def run(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
         result: T = await self._submit(Job(op, args), "write")
@@ -138,8 +216,8 @@ class PgThreadExecutor:
         return result
 
     async def read(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
-        # Through the same writer hand-off: one connection per process. Alone, on one
-        # REPEATABLE READ snapshot; PostgreSQL readers never wait for writers.
+        # Through the session's writer lane: a fixed number of connections per process.
+        # Alone, on one REPEATABLE READ snapshot; PostgreSQL readers never wait for writers.
         result: T = await self._submit(Job(op, args), "read")
         return result
 
@@ -151,7 +229,8 @@ class PgThreadExecutor:
         own: OwnChange = None,
         follows: OwnChange = None,
     ) -> None:
-        await _wait_for_change(self.listener, kick, fallback, _wanted(self.engine, own, follows))
+        wanted = _wanted(self.engines, own, follows)
+        await _wait_for_change(self.listener, kick, fallback, wanted)
 
     def hold_token(self, owner_id: str) -> AbstractAsyncContextManager[_liveness.PgToken]:
         return _hold_token(self.engine, owner_id, inline=False)
@@ -160,33 +239,30 @@ class PgThreadExecutor:
         # Cancellation first: a caller cancelled while the runtime closes sees Cancelled,
         # not an error about the executor it was cancelled out of.
         await trio.lowlevel.checkpoint_if_cancelled()
-        return await self._handoff.submit(job, mode)
-
-    async def _hand_off(self, batch: list[Queued]) -> None:
-        by_mode: dict[str, list[Job]] = {"write": [], "nowait": [], "read": []}
-        for queued in batch:
-            by_mode[queued.mode].append(queued.job)
-        await trio.to_thread.run_sync(
-            self.engine.run_jobs,
-            by_mode["write"],
-            by_mode["nowait"],
-            by_mode["read"],
-            limiter=self._limiter,
-        )
+        lane = self._lanes[lane_of(job.op, job.args, len(self._lanes))]
+        return await lane.handoff.submit(job, mode)
 
 
 @asynccontextmanager
 async def open_thread_executor(
-    engine: PgEngine, listener: PgListener | None = None
+    engines: PgEngine | Sequence[PgEngine], listener: PgListener | None = None
 ) -> AsyncIterator[PgThreadExecutor]:
-    """A `PgThreadExecutor` whose pump lives in its own nursery, for the block's duration."""
-    executor = PgThreadExecutor(engine, listener)
-    async with pumping(executor._handoff, executor._hand_off):
+    """A `PgThreadExecutor` over `engines` (one lane each, opened), whose pumps live in a
+    nursery of their own, for the block's duration."""
+    executor = PgThreadExecutor([engines] if isinstance(engines, PgEngine) else engines, listener)
+    async with AsyncExitStack() as stack:
+        for lane in executor._lanes:
+            await stack.enter_async_context(pumping(lane.handoff, lane.hand_off))
         yield executor
 
 
 def _masked(url: str) -> str:
     return repr(mask_password(url))
+
+
+def _check_writers(_store: object, _attribute: object, writers: object) -> None:
+    if count(writers, "writers", 1) > MAX_WRITERS:
+        raise ValueError(f"writers must be <= {MAX_WRITERS}, got {writers}")
 
 
 @attrs.frozen
@@ -195,10 +271,12 @@ class PostgresStore:
 
     Leases are judged by the server's clock unless `open_executor` gets one (tests).
     `inline=True` runs psycopg on the trio thread (deterministic tests with a virtual
-    clock); the default hands work to one writer thread and groups concurrent operations
-    per hand-off. `listen=True` keeps a LISTEN connection, so other hosts' wakes and
-    interrupts arrive within milliseconds; `listen=False` (poll-only, e.g. behind a
-    transaction-pooling PgBouncer) relies on the runtime's fallback poll.
+    clock); the default hands work to `writers` writer connections (1-16, default
+    `WRITERS`), each with its own thread, and groups the concurrent operations of each per
+    hand-off; one session's operations always use the same one. `listen=True` keeps a
+    LISTEN connection, so other hosts' wakes and interrupts arrive within milliseconds;
+    `listen=False` (poll-only, e.g. behind a transaction-pooling PgBouncer) relies on the
+    runtime's fallback poll.
     """
 
     url: str = attrs.field(repr=_masked, validator=lambda _s, _a, url: check_postgres_name(url))
@@ -207,6 +285,7 @@ class PostgresStore:
     )
     inline: bool = attrs.field(default=False, kw_only=True)
     listen: bool = attrs.field(default=True, kw_only=True)
+    writers: int = attrs.field(default=WRITERS, kw_only=True, validator=_check_writers)
     # Test seam: wraps each connection the engine opens (also after a reconnect), e.g. to
     # break the connection at COMMIT (fault injection, counting).
     wrap_connection: Callable[[psycopg.Connection[Any]], Any] | None = attrs.field(
@@ -222,25 +301,30 @@ class PostgresStore:
         self, clock: Callable[[], float] | None
     ) -> AsyncIterator[PgInlineExecutor | PgThreadExecutor]:
         # clock=None: the server's clock_timestamp() is the lease clock of every host.
-        engine = self.engine(clock)
+        engines = [self.engine(clock) for _ in range(1 if self.inline else self.writers)]
         listener = PgListener(self.url, self.schema, inline=self.inline) if self.listen else None
-        if self.inline:
-            engine.open()
-        else:
-            await trio.to_thread.run_sync(engine.open)
         try:
+            for index, engine in enumerate(engines):
+                # The first connection migrates; the others find the schema up to date.
+                if self.inline:
+                    engine.open()
+                else:
+                    await trio.to_thread.run_sync(
+                        functools.partial(engine.open, migrate_schema=index == 0)
+                    )
             if listener is not None:
                 await listener.open()
             if self.inline:
-                yield PgInlineExecutor(engine, listener)
+                yield PgInlineExecutor(engines[0], listener)
             else:
-                async with open_thread_executor(engine, listener) as executor:
+                async with open_thread_executor(engines, listener) as executor:
                     yield executor
         finally:
             if listener is not None:
                 listener.close()
-            if self.inline:
-                engine.close()
-            else:
-                with trio.CancelScope(shield=True):
-                    await trio.to_thread.run_sync(engine.close)
+            for engine in engines:
+                if self.inline:
+                    engine.close()
+                else:
+                    with trio.CancelScope(shield=True):
+                        await trio.to_thread.run_sync(engine.close)
