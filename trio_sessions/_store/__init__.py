@@ -14,7 +14,8 @@ Families (one module each):
 * `intake`: taking inputs as user messages (`take_inputs`);
 * `transcript`: assistant messages and streamed text, reading;
 * `recovery_scan`: the candidates, and the recovery leases taken on them;
-* `recovery`: applying the decision;
+* `recovery`: applying the decision to one candidate; `recovery_batch`: to a pass's batch,
+  set-wise where it can;
 * `operator`: quarantine and rejected inputs, the CLI's status and health reads;
 * `changes`: what other processes changed (doorbells, cancellations, watched messages);
 * `liveness`: other owners' liveness tokens (free ones, forgetting gone owners).
@@ -55,7 +56,7 @@ from . import claims as _claims
 from . import common as _common
 from . import inputs as _inputs
 from . import intake as _intake
-from . import recovery as _recovery_family
+from . import recovery_batch as _recovery_batch
 from . import recovery_scan as _recovery_scan
 from . import stream as _stream_family
 from . import transcript as _transcript_family
@@ -120,9 +121,9 @@ from .recovery import (
     _recovery_facts,
     _take_over,
     apply_recovery,
-    apply_recovery_batch,
     quarantine,
 )
+from .recovery_batch import apply_recovery_batch
 from .recovery_scan import Candidate, recovery_candidates, take_recovery_leases
 from .stream import stream_changes, stream_heads
 from .transcript import append_assistant_text, begin_assistant, read_transcript, update_assistant
@@ -219,7 +220,7 @@ def pg_functions(channel: str, lock_namespace: int) -> str:
             _acquisition,
             _stream_family,
             _recovery_scan,
-            _recovery_family,
+            _recovery_batch,
         )
     )
     return text.replace("@LOCK@", str(int(lock_namespace))).replace("@CHANNEL@", literal)
