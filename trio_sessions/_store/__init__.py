@@ -207,7 +207,8 @@ __all__ = [
 
 def pg_functions(channel: str, lock_namespace: int) -> str:
     """Every family's server-side functions (DDL), for a schema whose notification channel
-    is `channel`, with session locks in `lock_namespace`."""
+    is `channel`, with session locks in `lock_namespace` (`@LOCK@`, `@CHANNEL@` and
+    `@GENERIC_PLAN@` in their text)."""
     literal = "'" + channel.replace("'", "''") + "'"
     text = "\n".join(
         module.PG_FUNCTIONS
@@ -223,4 +224,14 @@ def pg_functions(channel: str, lock_namespace: int) -> str:
             _recovery_batch,
         )
     )
-    return text.replace("@LOCK@", str(int(lock_namespace))).replace("@CHANNEL@", literal)
+    return (
+        text.replace("@LOCK@", str(int(lock_namespace)))
+        .replace("@CHANNEL@", literal)
+        .replace("@GENERIC_PLAN@", _GENERIC_PLAN)
+    )
+
+
+# A set-wise function's setting (written `@GENERIC_PLAN@` before its body): one generic plan
+# per connection - planning its statements for each call's arrays cost more than running
+# them (ts_recover: 5.4 -> 3.1 ms, ts_finish_iterations: 5.5 -> 1.7 ms per 100 claims).
+_GENERIC_PLAN = "SET plan_cache_mode = force_generic_plan"

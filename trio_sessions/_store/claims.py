@@ -460,9 +460,7 @@ CREATE OR REPLACE FUNCTION ts_finish_iterations(p_sessions text[], p_execs text[
     p_owners text[], p_now bigint, p_retry boolean)
 RETURNS TABLE(ord bigint, verdict text, doorbell boolean)
 LANGUAGE plpgsql VOLATILE
--- One generic plan per connection: planning these statements for each call's arrays cost
--- more than running them.
-SET plan_cache_mode = force_generic_plan AS $$
+@GENERIC_PLAN@ AS $$
 DECLARE
     v_now bigint; v_ords bigint[]; v_verdicts text[]; v_doorbells boolean[]; r record;
 BEGIN

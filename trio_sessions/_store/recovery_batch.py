@@ -306,9 +306,7 @@ CREATE OR REPLACE FUNCTION ts_recover(p_owner text, p_execs text[], p_news text[
     p_retry boolean)
 RETURNS TABLE(ord bigint, verdict text, attempt bigint)
 LANGUAGE plpgsql VOLATILE
--- One generic plan per connection: planning these statements for each call's arrays cost
--- more than running them.
-SET plan_cache_mode = force_generic_plan AS $$
+@GENERIC_PLAN@ AS $$
 DECLARE
     v_now bigint; v_gone text[];
 BEGIN

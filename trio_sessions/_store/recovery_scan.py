@@ -245,9 +245,7 @@ CREATE OR REPLACE FUNCTION ts_take_recovery_leases(p_owner text, p_execs text[],
     p_sessions text[], p_lease bigint, p_now bigint, p_retry boolean)
 RETURNS TABLE(leased_id text)
 LANGUAGE plpgsql VOLATILE
--- One generic plan per connection: planning these statements for each call's arrays cost
--- more than running them.
-SET plan_cache_mode = force_generic_plan AS $$
+@GENERIC_PLAN@ AS $$
 DECLARE
     v_now bigint; v_taken text[];
 BEGIN
