@@ -49,6 +49,15 @@ from typing import Any
 
 from . import _backend, _console, _sqlite, _store, _worker
 from ._backend import Engine
+from ._cli_format import (
+    format_control,
+    format_health,
+    format_input_drop,
+    format_quarantine,
+    format_rejected_inputs,
+    format_release,
+    format_status,
+)
 from ._errors import SchemaTooNew, StoreError
 from ._naming import check_schema, mask_password, secrets_of, store_kind
 from ._runtime import make_owner_id
@@ -284,128 +293,6 @@ def _session_of_quarantined(database: Engine, execution_id: str) -> str:
         if row["execution_id"] == execution_id:
             return str(row["session_id"])
     raise ValueError(f"execution {execution_id!r} is not quarantined")
-
-
-# ---------------------------------------------------------------------------------------------
-# Text output
-
-
-def _table(header: Sequence[str], rows: list[list[str]]) -> list[str]:
-    widths = [max(len(cell) for cell in column) for column in zip(header, *rows, strict=True)]
-    return [
-        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
-        for line in (header, *rows)
-    ]
-
-
-def format_status(status: dict[str, Any]) -> str:
-    s = status["summary"]
-    lines = [
-        f"{s['sessions']} sessions; claims: {s['live_claims']} live, {s['expired_claims']}"
-        f" expired ({s['quarantined']} quarantined); doorbells set: {s['doorbells']};"
-        f" pending inputs: {s['pending_inputs']}"
-    ]
-    shown = len(status["sessions"])
-    if shown != s["sessions"]:
-        lines.append(f"showing {shown} of {status['matched']} matching sessions")
-    if not shown:
-        return "\n".join(lines)
-    header = ["SESSION", "DOORBELL", "INPUTS", "OWNER", "PHASE", "LEASE", "HEARTBEAT", "NOTE"]
-    rows = [_status_row(session) for session in status["sessions"]]
-    return "\n".join([*lines, "", *_table(header, rows)])
-
-
-def _status_row(session: dict[str, Any]) -> list[str]:
-    bell = session["doorbell"]
-    doorbell = "-" if bell is None else f"set {bell['age_s']:.1f}s ago ({bell['wakes']} wakes)"
-    claim = session["claim"]
-    if claim is None:
-        return [session["id"], doorbell, str(session["pending_inputs"]), "-", "idle", "", "", ""]
-    if claim["expired"]:
-        lease = f"expired {claim['expired_since_s']:.1f}s ago"
-    else:
-        lease = f"{claim['lease_remaining_s']:.1f}s left"
-    age = claim["heartbeat_age_s"]
-    heartbeat = "never" if age is None else f"{age:.1f}s ago"
-    note = "QUARANTINED" if claim["quarantined"] else ""
-    if session["wake_attempts"]:
-        note = f"{note} resumes={session['wake_attempts']}".strip()
-    return [
-        *(session["id"], doorbell, str(session["pending_inputs"])),
-        *(claim["owner_id"], claim["phase"], lease, heartbeat, note),
-    ]
-
-
-def format_quarantine(rows: list[dict[str, Any]]) -> str:
-    if not rows:
-        return "no quarantined executions"
-    lines = [f"{len(rows)} quarantined execution(s):"]
-    for row in rows:
-        lines += [
-            "",
-            f"execution {row['execution_id']}  session {row['session_id']}",
-            f"  claim owner: {row['claim_owner_id']} ({row['claim_phase']})",
-            f"  quarantined {row['quarantined_for_s']:.1f}s ago by {row['recovery_owner']}",
-            *(f"  - {reason}" for reason in str(row["recovery_error"]).split("; ")),
-        ]
-    lines += ["", "act with: quarantine release DB EXECUTION_ID --resume|--drop"]
-    return "\n".join(lines)
-
-
-def format_rejected_inputs(rows: list[dict[str, Any]]) -> str:
-    if not rows:
-        return "no rejected inputs"
-    lines = [f"{len(rows)} rejected input(s):"]
-    for row in rows:
-        lines += [
-            "",
-            f"input {row['id']}  session {row['session_id']}  seq {row['seq']}",
-            f"  payload: {_shorten(row['payload'])}",
-            f"  - {row['reason']}",
-        ]
-    lines += ["", "delete one with: inputs drop DB INPUT_ID"]
-    return "\n".join(lines)
-
-
-def _shorten(text: str, limit: int = 200) -> str:
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
-
-
-def format_input_drop(result: dict[str, Any]) -> str:
-    return f"dropped rejected input {result['input_id']} of session {result['session_id']}"
-
-
-def format_control(result: dict[str, Any]) -> str:
-    action = result["action"]
-    if action == "purge":
-        return f"purged {result['purged']} sessions idle for {result['idle_for_s']:g} s"
-    if action == "cancel":
-        return f"cancelled input {result['input_id']}"
-    if action == "resume":
-        started = "pending work rang its doorbell" if result["rung"] else "nothing pending"
-        return f"resumed {result['session_id']} ({started})"
-    return f"{'paused' if action == 'pause' else 'deleted'} {result['session_id']}"
-
-
-def format_health(health: dict[str, Any]) -> str:
-    if health["ok"]:
-        return f"ok: {health['db']} (schema version {health['schema_version']})"
-    return f"unhealthy: {health['reason']}"
-
-
-def format_release(result: dict[str, Any]) -> str:
-    execution, session = result["execution_id"], result["session_id"]
-    if result["action"] == "drop":
-        return (
-            f"dropped execution {execution} of session {session}: its open messages are"
-            " finished as owner-lost (a row that does not decode is left as it is), the claim"
-            " deleted, and the doorbell re-armed if inputs remain."
-        )
-    return (
-        f"lifted the quarantine on execution {execution} of session {session}: the next"
-        " recovery pass of a runtime on this database examines it under the normal rules"
-        " (resumed if its records decode now, quarantined again if they still do not)."
-    )
 
 
 # ---------------------------------------------------------------------------------------------
