@@ -410,9 +410,6 @@ BEGIN
         -- doorbell: hand_over).
         verdict := CASE WHEN v_paused IS NOT NULL THEN 'pause'
                         WHEN v_phase = 'cancelling' AND v_woken IS NOT NULL THEN 'hand_over'
-                        WHEN v_phase = 'cancelling' AND EXISTS (
-                            SELECT 1 FROM session_input i WHERE i.session_id = v_session
-                            AND (i.due_at IS NULL OR i.due_at <= v_now)) THEN 'ring_over'
                         WHEN v_phase = 'cancelling' THEN 'release'
                         WHEN v_woken IS NOT NULL THEN 'continue'
                         ELSE 'release' END;
@@ -421,14 +418,6 @@ BEGIN
             doorbell := false;
             RETURN;
         END IF;
-        -- Marked cancelling before its drain took the due inputs (it was given none): rung
-        -- for them, as an interrupt's cleanup rings, and handed over to a successor.
-        IF verdict = 'ring_over' THEN
-            PERFORM ts_signal(v_session);
-            UPDATE session SET time_woken = v_now, wakes = wakes + 1 WHERE id = v_session;
-            v_woken := v_now;
-            verdict := 'hand_over';
-        END IF;
     ELSE
         verdict := 'released';
     END IF;
@@ -436,14 +425,20 @@ BEGIN
     IF v_attempts <> 0 THEN
         UPDATE session SET wake_attempts = 0 WHERE id = v_session;
     END IF;
-    -- Only due inputs re-arm the doorbell (the due timer rings for scheduled ones).
-    IF p_kind = 'interrupted' AND EXISTS (
-            SELECT 1 FROM session_input i WHERE i.session_id = v_session
-            AND (i.due_at IS NULL OR i.due_at <= v_now)) THEN
+    -- Due inputs re-arm the doorbell after an interrupt, and at the iteration end of a claim
+    -- marked cancelling with no doorbell set: its drain was given none of them, and the
+    -- successor rung for them takes them (hand_over). Only due inputs: the due timer rings
+    -- for scheduled ones.
+    IF (p_kind = 'interrupted' OR (verdict = 'release' AND v_phase = 'cancelling'))
+            AND EXISTS (SELECT 1 FROM session_input i WHERE i.session_id = v_session
+                        AND (i.due_at IS NULL OR i.due_at <= v_now)) THEN
         PERFORM ts_signal(v_session);
         UPDATE session SET time_woken = COALESCE(time_woken, v_now), wakes = wakes + 1
             WHERE id = v_session;
         v_woken := v_now;
+        IF verdict = 'release' THEN
+            verdict := 'hand_over';
+        END IF;
     END IF;
     doorbell := v_woken IS NOT NULL;
 END $$;
