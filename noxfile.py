@@ -23,7 +23,7 @@ def install_group(session: nox.Session, group: str) -> None:
 
 @nox.session(python=None)
 def tests(session: nox.Session) -> None:
-    """The whole test suite, crash tests included (bounded; well under 5 minutes)."""
+    """The whole test suite, crash tests included (bounded; about 8-9 minutes on 2 cores)."""
     session.install(".")
     install_group(session, "test")
     session.run("pytest", *session.posargs)

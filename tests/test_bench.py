@@ -41,6 +41,7 @@ TINY = [
     "--chat-sessions", "3",
     "--chat-words", "3",
     "--chat-pace", "0.01",
+    "--console-sessions", "600",
 ]  # fmt: skip
 
 
