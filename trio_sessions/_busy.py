@@ -112,17 +112,21 @@ class BusyPeriods:
         execution = entry.current  # joiners follow a successor if one starts from it
         if acquired.verdict is not AcquireVerdict.CLAIM:
             self.settle_unclaimed(entry)
-            return result, execution
-        self.own(entry, attempt=acquired.attempt, resumed=False, sent_at=sent_at)
-        entry.keep_going()
-        if runtime._closing:
-            # Committed while the runtime closes (its nursery may be gone): keep the claim
-            # for recovery with an expired lease; never start a drain now.
-            entry.interrupt("shutdown")
-            await self._expire(entry)
-            self._release(entry, Outcome("interrupted", "shutdown"))
         else:
-            runtime._nursery.start_soon(self.busy_period, entry)
+            self.own(entry, attempt=acquired.attempt, resumed=False, sent_at=sent_at)
+            entry.keep_going()
+            if runtime._closing:
+                # Committed while the runtime closes (its nursery may be gone): keep the
+                # claim for recovery with an expired lease; never start a drain now.
+                entry.interrupt("shutdown")
+                await self._expire(entry)
+                self._release(entry, Outcome("interrupted", "shutdown"))
+            else:
+                runtime._nursery.start_soon(self.busy_period, entry)
+        # The schedule point the transaction left to its caller (`caller_yields_next`),
+        # taken once the busy period started: one scheduler round then runs both the
+        # caller and the new drain.
+        await trio.lowlevel.cancel_shielded_checkpoint()
         return result, execution
 
     def settle_unclaimed(self, entry: SessionEntry) -> None:
@@ -165,6 +169,11 @@ class BusyPeriods:
         entry.woken_at = trio.current_time()
         runtime._nursery.start_soon(self.busy_period, entry)
         return entry.current
+
+    def followed(self, session_id: str) -> bool:
+        """Whether a watcher or stream here follows the session."""
+        runtime = self._runtime
+        return runtime._watchers.watching(session_id) or runtime._streams.watching(session_id)
 
     def _has_capacity(self) -> bool:
         runtime = self._runtime
@@ -272,6 +281,9 @@ class BusyPeriods:
                 if acquired.verdict is AcquireVerdict.CLAIM:
                     self.own(entry, attempt=acquired.attempt, resumed=False, sent_at=sent_at)
             if acquired.verdict is not AcquireVerdict.CLAIM:
+                # The schedule point the acquire left to its caller (`caller_yields_next`);
+                # a claim goes on to its drain, which gives the loop up (or the task ends).
+                await trio.lowlevel.cancel_shielded_checkpoint()
                 return _Ending("not_claimed")
             entry.keep_going()
         if runtime._hook is not None:
@@ -331,6 +343,9 @@ class BusyPeriods:
                     await runtime._seams.after_finish(entry.session_id)
                 return _Ending("released", handed_over=verdict is IterationVerdict.HAND_OVER)
             entry.keep_going()
+            # The schedule point the finish skipped (`caller_yields_next`): a drain that never
+            # awaits, woken again and again, must not starve the other tasks.
+            await trio.lowlevel.cancel_shielded_checkpoint()
 
     async def _finalize(self, entry: SessionEntry, ending: _Ending) -> tuple[Outcome, bool]:
         """The finalizer: act on how the claim ended. Cancellable (runtime closing): then

@@ -30,11 +30,17 @@ class Execution:
     done: trio.Event = attrs.Factory(trio.Event)
     outcome: Outcome | None = None
     forward: Execution | None = None
+    woke_joiners: bool = False
 
     def resolve(self, outcome: Outcome) -> None:
         if not self.done.is_set():
             self.outcome = outcome
+            self.woke_joiners = self.done.statistics().tasks_waiting > 0
             self.done.set()
+
+    def waited_for(self) -> bool:
+        """Whether a joiner waits for this execution's outcome, or was woken with it."""
+        return self.woke_joiners or self.done.statistics().tasks_waiting > 0
 
     def merge_into(self, other: Execution) -> None:
         """This would-be successor turned out unnecessary: its joiners follow `other`."""
@@ -71,6 +77,8 @@ class SessionEntry:
     rings: int = 0
     rings_seen: int = 0
     released: trio.Event = attrs.Factory(trio.Event)
+    # Set when the busy period ends: joiners were waiting, and woke with `released`.
+    joined: bool = False
     # When a wake reached this runtime and started the busy period (trio clock), until its
     # first drain call starts: the wake-to-start latency (telemetry only).
     woken_at: float | None = None
@@ -174,6 +182,9 @@ class SessionEntry:
 
     def close(self, outcome: Outcome) -> None:
         """The busy period is over: resolve every joiner still waiting."""
+        self.joined = self.current.waited_for() or (
+            self.successor is not None and self.successor.waited_for()
+        )
         self.current.resolve(outcome)
         if self.successor is not None:
             self.successor.resolve(Outcome("deferred"))
