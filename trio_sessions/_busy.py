@@ -106,6 +106,7 @@ class BusyPeriods:
                 runtime._owner_id,
                 runtime._lease_ms,
             )
+            left = self._left_schedule_point()
         except BaseException:
             self.settle_unclaimed(entry)
             raise
@@ -126,8 +127,19 @@ class BusyPeriods:
         # The schedule point the transaction left to its caller (`caller_yields_next`),
         # taken once the busy period started: one scheduler round then runs both the
         # caller and the new drain.
-        await trio.lowlevel.cancel_shielded_checkpoint()
+        await self._schedule_point_left(left)
         return result, execution
+
+    def _left_schedule_point(self) -> bool:
+        """Whether the store operation that just returned (`caller_yields_next`) left its
+        schedule point to us: read before any checkpoint. Executors that never skip one
+        (the thread hand-off, the deterministic test stores) have no such flag."""
+        return bool(getattr(self._runtime._db, "left_schedule_point", False))
+
+    @staticmethod
+    async def _schedule_point_left(left: bool) -> None:
+        if left:
+            await trio.lowlevel.cancel_shielded_checkpoint()
 
     def settle_unclaimed(self, entry: SessionEntry) -> None:
         """A prospective acquisition that did not claim (held elsewhere, withdrawn, failed,
@@ -278,12 +290,13 @@ class BusyPeriods:
                         runtime._owner_id,
                         runtime._lease_ms,
                     )
+                left = self._left_schedule_point()
                 if acquired.verdict is AcquireVerdict.CLAIM:
                     self.own(entry, attempt=acquired.attempt, resumed=False, sent_at=sent_at)
             if acquired.verdict is not AcquireVerdict.CLAIM:
                 # The schedule point the acquire left to its caller (`caller_yields_next`);
                 # a claim goes on to its drain, which gives the loop up (or the task ends).
-                await trio.lowlevel.cancel_shielded_checkpoint()
+                await self._schedule_point_left(left)
                 return _Ending("not_claimed")
             entry.keep_going()
         if runtime._hook is not None:
@@ -334,6 +347,7 @@ class BusyPeriods:
                 verdict = await runtime._db.run(
                     _store.end_iteration, entry.session_id, entry.execution_id, runtime._owner_id
                 )
+                left = self._left_schedule_point()
             except LeaseLost as exc:
                 return _Ending("failed", error=exc)
             runtime._streams.touch(entry.session_id)  # messages left open were closed
@@ -343,9 +357,9 @@ class BusyPeriods:
                     await runtime._seams.after_finish(entry.session_id)
                 return _Ending("released", handed_over=verdict is IterationVerdict.HAND_OVER)
             entry.keep_going()
-            # The schedule point the finish skipped (`caller_yields_next`): a drain that never
-            # awaits, woken again and again, must not starve the other tasks.
-            await trio.lowlevel.cancel_shielded_checkpoint()
+            # The schedule point the finish left to us (`caller_yields_next`): a drain that
+            # never awaits, woken again and again, must not starve the other tasks.
+            await self._schedule_point_left(left)
 
     async def _finalize(self, entry: SessionEntry, ending: _Ending) -> tuple[Outcome, bool]:
         """The finalizer: act on how the claim ended. Cancellable (runtime closing): then

@@ -27,30 +27,40 @@ from ._model import InterruptReason, Outcome
 class Execution:
     """One claim's busy period, as its joiners see it."""
 
-    done: trio.Event = attrs.Factory(trio.Event)
     outcome: Outcome | None = None
     forward: Execution | None = None
-    woke_joiners: bool = False
+    settled: bool = False
+    # Made by the first joiner that waits: most busy periods have none, and then cost no
+    # Event (nor, at their end, its wake-up).
+    _done: trio.Event | None = None
 
     def resolve(self, outcome: Outcome) -> None:
-        if not self.done.is_set():
+        if not self.settled:
             self.outcome = outcome
-            self.woke_joiners = self.done.statistics().tasks_waiting > 0
-            self.done.set()
-
-    def waited_for(self) -> bool:
-        """Whether a joiner waits for this execution's outcome, or was woken with it."""
-        return self.woke_joiners or self.done.statistics().tasks_waiting > 0
+            self._settle()
 
     def merge_into(self, other: Execution) -> None:
         """This would-be successor turned out unnecessary: its joiners follow `other`."""
         self.forward = other
-        self.done.set()
+        self._settle()
+
+    def _settle(self) -> None:
+        self.settled = True
+        if self._done is not None:
+            self._done.set()
+
+    def waited_for(self) -> bool:
+        """Whether a joiner waited (or waits) for this execution."""
+        return self._done is not None
 
     async def wait(self) -> Outcome:
         execution = self
         while True:
-            await execution.done.wait()
+            if execution._done is None:
+                execution._done = trio.Event()
+                if execution.settled:
+                    execution._done.set()
+            await execution._done.wait()
             if execution.forward is None:
                 assert execution.outcome is not None
                 return execution.outcome
@@ -169,7 +179,7 @@ class SessionEntry:
         was rung meanwhile) follow the successor instead of waiting forever.
         """
         successor = self.successor or Execution()
-        if not self.current.done.is_set():
+        if not self.current.settled:
             self.current.merge_into(successor)
         self.current = successor
         self.successor = None

@@ -182,6 +182,9 @@ class ThreadExecutor:
     inline_runs: int = 0
     thread_handoffs: int = 0
     backend: BackendName = "sqlite"
+    # Whether the `run` that just returned left its schedule point to its caller
+    # (`_backend.caller_yields_next`, run on the loop); the caller reads it at once.
+    left_schedule_point: bool = False
 
     def statistics(self) -> StoreStatistics:
         handoffs = self.thread_handoffs
@@ -202,11 +205,14 @@ class ThreadExecutor:
             assert self.inline_conn is not None
             if try_run_batch(self.inline_conn, self.clock, [job], self.file):
                 self._count_inline_commit()
-                if not _caller_yields_next(job):
+                # Set and read with no checkpoint between (see `left_schedule_point`).
+                self.left_schedule_point = _caller_yields_next(job)
+                if not self.left_schedule_point:
                     await trio.lowlevel.cancel_shielded_checkpoint()
                 inline_result: T = job.unwrap()
                 return inline_result
         result: T = await self._handoff.submit(job)
+        self.left_schedule_point = False  # it waited for the hand-off
         return result
 
     async def run_nowait(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
