@@ -86,8 +86,10 @@ class SessionEntry:
     deciding: bool = False
     rings: int = 0
     rings_seen: int = 0
-    released: trio.Event = attrs.Factory(trio.Event)
-    # Set when the busy period ends: joiners were waiting, and woke with `released`.
+    # Made by the first task that waits for the busy period's end (`wait_released`).
+    _released: trio.Event | None = None
+    closed: bool = False
+    # Set when the busy period ends: joiners were waiting, and woke with its end.
     joined: bool = False
     # When a wake reached this runtime and started the busy period (trio clock), until its
     # first drain call starts: the wake-to-start latency (telemetry only).
@@ -198,4 +200,14 @@ class SessionEntry:
         self.current.resolve(outcome)
         if self.successor is not None:
             self.successor.resolve(Outcome("deferred"))
-        self.released.set()
+        self.closed = True
+        if self._released is not None:
+            self._released.set()
+
+    async def wait_released(self) -> None:
+        """Wait until the busy period is over (`close`)."""
+        if self._released is None:
+            self._released = trio.Event()
+            if self.closed:
+                self._released.set()
+        await self._released.wait()
