@@ -245,6 +245,13 @@ class BusyPeriods:
             raise
         finally:
             self._release(entry, outcome)
+        if entry.yield_owed and not entry.woke_waiters():
+            # The schedule point the last finish left to us (`caller_yields_next`) is
+            # skipped only when the end woke a task: runnable now, it shows the next busy
+            # period of this scheduler round that it is not alone, so that one's finish
+            # joins a group commit instead of committing alone (a recovery pass's resumed
+            # drains end together, and nobody waits for them).
+            await trio.lowlevel.cancel_shielded_checkpoint()
 
     async def _one_claim(self, entry: SessionEntry) -> tuple[Outcome, bool]:
         """Acquire (or take over a recovered claim), drain, finalize. Returns the outcome
@@ -353,6 +360,7 @@ class BusyPeriods:
             runtime._streams.touch(entry.session_id)  # messages left open were closed
             if verdict is not IterationVerdict.CONTINUE:
                 entry.disown()
+                entry.yield_owed = left
                 if runtime._seams.after_finish is not None:
                     await runtime._seams.after_finish(entry.session_id)
                 return _Ending("released", handed_over=verdict is IterationVerdict.HAND_OVER)

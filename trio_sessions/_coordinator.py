@@ -91,6 +91,8 @@ class SessionEntry:
     closed: bool = False
     # Set when the busy period ends: joiners were waiting, and woke with its end.
     joined: bool = False
+    # The last finish left its schedule point to the busy period (`caller_yields_next`).
+    yield_owed: bool = False
     # When a wake reached this runtime and started the busy period (trio clock), until its
     # first drain call starts: the wake-to-start latency (telemetry only).
     woken_at: float | None = None
@@ -191,6 +193,11 @@ class SessionEntry:
         self.resumed = False
         self.reason = None
         self.deciding = False
+        self.yield_owed = False
+
+    def woke_waiters(self) -> bool:
+        """Whether the busy period's end woke a task (a joiner, or one waiting for it)."""
+        return self.joined or self._released is not None
 
     def close(self, outcome: Outcome) -> None:
         """The busy period is over: resolve every joiner still waiting."""
