@@ -535,7 +535,7 @@ class BusyPeriods:
             for entry in lost.values():
                 # A claim is never handed back while its drain runs (§6.21); a lost lease
                 # ends the busy period, with no successor.
-                await entry.wait_released()
+                await entry.released().wait()
             try:
                 await runtime._db.run(_store.expire_claims, runtime._owner_id, sorted(lost))
             except StoreError:

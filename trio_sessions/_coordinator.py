@@ -86,7 +86,7 @@ class SessionEntry:
     deciding: bool = False
     rings: int = 0
     rings_seen: int = 0
-    # Made by the first task that waits for the busy period's end (`wait_released`).
+    # Made by the first task that waits for the busy period's end (`released`).
     _released: trio.Event | None = None
     closed: bool = False
     # Set when the busy period ends: joiners were waiting, and woke with its end.
@@ -211,10 +211,10 @@ class SessionEntry:
         if self._released is not None:
             self._released.set()
 
-    async def wait_released(self) -> None:
-        """Wait until the busy period is over (`close`)."""
+    def released(self) -> trio.Event:
+        """Set once the busy period is over (`close`); made for the first task that waits."""
         if self._released is None:
             self._released = trio.Event()
             if self.closed:
                 self._released.set()
-        await self._released.wait()
+        return self._released

@@ -297,7 +297,7 @@ class Runtime:
             await trio.lowlevel.checkpoint()
             return
         while entry is not None:
-            await entry.wait_released()
+            await entry.released().wait()
             woke_others = entry.joined or self._busy.followed(session_id)
             entry = self._entries.get(session_id)
         if woke_others:
@@ -612,7 +612,7 @@ class Runtime:
 
     async def _all_released(self) -> None:
         while self._entries:
-            await next(iter(self._entries.values())).wait_released()
+            await next(iter(self._entries.values())).released().wait()
 
     async def _keep_leases(self) -> None:
         with self._heartbeat_scope:
