@@ -275,15 +275,15 @@ class ThreadExecutor:
 
     async def _hand_off(self, batch: list[Queued]) -> None:
         jobs = [queued.job for queued in batch]
+        # No schedule point of its own on the loop: the pump's wait for more work is one,
+        # and the callers go on in the very next scheduler round instead of one later.
         if self.file is not None and self.file.refuse(jobs):
-            await trio.lowlevel.cancel_shielded_checkpoint()
             return
         # Group commit on the trio thread when the write lock is free: a thread hand-off
         # costs more than the whole group's SQL, and when the event loop is never idle
         # (a producer submitting while drains run) every operation would pay one.
         if self.inline_conn is not None and try_run_batch(self.inline_conn, self.clock, jobs):
             self._count_inline_commit()
-            await trio.lowlevel.cancel_shielded_checkpoint()
             return
         self.thread_handoffs += 1
         await trio.to_thread.run_sync(
