@@ -183,7 +183,9 @@ class BusyPeriods:
         return entry.current
 
     def followed(self, session_id: str) -> bool:
-        """Whether a watcher or stream here follows the session."""
+        """Whether a watcher or stream here follows the session (another process's
+        transcript-only change to any other session needs no look: a worker ignores the
+        tokens another worker streams)."""
         runtime = self._runtime
         return runtime._watchers.watching(session_id) or runtime._streams.watching(session_id)
 
