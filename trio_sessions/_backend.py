@@ -132,6 +132,21 @@ def autocommit_when_alone(op: Callable[..., T]) -> Callable[..., T]:
     return op
 
 
+def caller_yields_next(op: Callable[..., T]) -> Callable[..., T]:
+    """Mark an operation whose every caller, once it succeeded, gives the event loop up
+    itself soon after, with nothing slow in between (`_busy`: a wake that took the claim
+    starts its busy period first, so the caller's schedule point also starts the drain;
+    the end of a drain iteration releases the claim and ends the task, or yields before the
+    next drain call). The production SQLite executor, running it on the event loop, skips
+    its own trailing schedule point after a success and says so (`left_schedule_point`,
+    read by the caller at once): one scheduler round less each (DESIGN §7, the trio
+    floor). The thread hand-off and the deterministic test executors keep theirs. Only a
+    schedule point is skipped, never a cancellation point, and an operation that raised
+    still yields. Elsewhere a loop of calls could starve the other tasks."""
+    op.__dict__["caller_yields_next"] = True
+    return op
+
+
 # What a batched form's `interpret` answers for a row it cannot settle: nothing was written
 # for it; the operation runs on its own in the same transaction.
 FALLBACK: Any = object()

@@ -106,24 +106,40 @@ class BusyPeriods:
                 runtime._owner_id,
                 runtime._lease_ms,
             )
+            left = self._left_schedule_point()
         except BaseException:
             self.settle_unclaimed(entry)
             raise
         execution = entry.current  # joiners follow a successor if one starts from it
         if acquired.verdict is not AcquireVerdict.CLAIM:
             self.settle_unclaimed(entry)
-            return result, execution
-        self.own(entry, attempt=acquired.attempt, resumed=False, sent_at=sent_at)
-        entry.keep_going()
-        if runtime._closing:
-            # Committed while the runtime closes (its nursery may be gone): keep the claim
-            # for recovery with an expired lease; never start a drain now.
-            entry.interrupt("shutdown")
-            await self._expire(entry)
-            self._release(entry, Outcome("interrupted", "shutdown"))
         else:
-            runtime._nursery.start_soon(self.busy_period, entry)
+            self.own(entry, attempt=acquired.attempt, resumed=False, sent_at=sent_at)
+            entry.keep_going()
+            if runtime._closing:
+                # Committed while the runtime closes (its nursery may be gone): keep the
+                # claim for recovery with an expired lease; never start a drain now.
+                entry.interrupt("shutdown")
+                await self._expire(entry)
+                self._release(entry, Outcome("interrupted", "shutdown"))
+            else:
+                runtime._nursery.start_soon(self.busy_period, entry)
+        # The schedule point the transaction left to its caller (`caller_yields_next`),
+        # taken once the busy period started: one scheduler round then runs both the
+        # caller and the new drain.
+        await self._schedule_point_left(left)
         return result, execution
+
+    def _left_schedule_point(self) -> bool:
+        """Whether the store operation that just returned (`caller_yields_next`) left its
+        schedule point to us: read before any checkpoint. Executors that never skip one
+        (the thread hand-off, the deterministic test stores) have no such flag."""
+        return bool(getattr(self._runtime._db, "left_schedule_point", False))
+
+    @staticmethod
+    async def _schedule_point_left(left: bool) -> None:
+        if left:
+            await trio.lowlevel.cancel_shielded_checkpoint()
 
     def settle_unclaimed(self, entry: SessionEntry) -> None:
         """A prospective acquisition that did not claim (held elsewhere, withdrawn, failed,
@@ -165,6 +181,13 @@ class BusyPeriods:
         entry.woken_at = trio.current_time()
         runtime._nursery.start_soon(self.busy_period, entry)
         return entry.current
+
+    def followed(self, session_id: str) -> bool:
+        """Whether a watcher or stream here follows the session (another process's
+        transcript-only change to any other session needs no look: a worker ignores the
+        tokens another worker streams)."""
+        runtime = self._runtime
+        return runtime._watchers.watching(session_id) or runtime._streams.watching(session_id)
 
     def _has_capacity(self) -> bool:
         runtime = self._runtime
@@ -224,6 +247,13 @@ class BusyPeriods:
             raise
         finally:
             self._release(entry, outcome)
+        if entry.yield_owed and not entry.woke_waiters():
+            # The schedule point the last finish left to us (`caller_yields_next`) is
+            # skipped only when the end woke a task: runnable now, it shows the next busy
+            # period of this scheduler round that it is not alone, so that one's finish
+            # joins a group commit instead of committing alone (a recovery pass's resumed
+            # drains end together, and nobody waits for them).
+            await trio.lowlevel.cancel_shielded_checkpoint()
 
     async def _one_claim(self, entry: SessionEntry) -> tuple[Outcome, bool]:
         """Acquire (or take over a recovered claim), drain, finalize. Returns the outcome
@@ -269,9 +299,13 @@ class BusyPeriods:
                         runtime._owner_id,
                         runtime._lease_ms,
                     )
+                left = self._left_schedule_point()
                 if acquired.verdict is AcquireVerdict.CLAIM:
                     self.own(entry, attempt=acquired.attempt, resumed=False, sent_at=sent_at)
             if acquired.verdict is not AcquireVerdict.CLAIM:
+                # The schedule point the acquire left to its caller (`caller_yields_next`);
+                # a claim goes on to its drain, which gives the loop up (or the task ends).
+                await self._schedule_point_left(left)
                 return _Ending("not_claimed")
             entry.keep_going()
         if runtime._hook is not None:
@@ -322,15 +356,20 @@ class BusyPeriods:
                 verdict = await runtime._db.run(
                     _store.end_iteration, entry.session_id, entry.execution_id, runtime._owner_id
                 )
+                left = self._left_schedule_point()
             except LeaseLost as exc:
                 return _Ending("failed", error=exc)
             runtime._streams.touch(entry.session_id)  # messages left open were closed
             if verdict is not IterationVerdict.CONTINUE:
                 entry.disown()
+                entry.yield_owed = left
                 if runtime._seams.after_finish is not None:
                     await runtime._seams.after_finish(entry.session_id)
                 return _Ending("released", handed_over=verdict is IterationVerdict.HAND_OVER)
             entry.keep_going()
+            # The schedule point the finish left to us (`caller_yields_next`): a drain that
+            # never awaits, woken again and again, must not starve the other tasks.
+            await self._schedule_point_left(left)
 
     async def _finalize(self, entry: SessionEntry, ending: _Ending) -> tuple[Outcome, bool]:
         """The finalizer: act on how the claim ended. Cancellable (runtime closing): then
@@ -498,7 +537,7 @@ class BusyPeriods:
             for entry in lost.values():
                 # A claim is never handed back while its drain runs (§6.21); a lost lease
                 # ends the busy period, with no successor.
-                await entry.released.wait()
+                await entry.released().wait()
             try:
                 await runtime._db.run(_store.expire_claims, runtime._owner_id, sorted(lost))
             except StoreError:

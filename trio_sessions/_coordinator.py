@@ -27,24 +27,40 @@ from ._model import InterruptReason, Outcome
 class Execution:
     """One claim's busy period, as its joiners see it."""
 
-    done: trio.Event = attrs.Factory(trio.Event)
     outcome: Outcome | None = None
     forward: Execution | None = None
+    settled: bool = False
+    # Made by the first joiner that waits: most busy periods have none, and then cost no
+    # Event (nor, at their end, its wake-up).
+    _done: trio.Event | None = None
 
     def resolve(self, outcome: Outcome) -> None:
-        if not self.done.is_set():
+        if not self.settled:
             self.outcome = outcome
-            self.done.set()
+            self._settle()
 
     def merge_into(self, other: Execution) -> None:
         """This would-be successor turned out unnecessary: its joiners follow `other`."""
         self.forward = other
-        self.done.set()
+        self._settle()
+
+    def _settle(self) -> None:
+        self.settled = True
+        if self._done is not None:
+            self._done.set()
+
+    def waited_for(self) -> bool:
+        """Whether a joiner waited (or waits) for this execution."""
+        return self._done is not None
 
     async def wait(self) -> Outcome:
         execution = self
         while True:
-            await execution.done.wait()
+            if execution._done is None:
+                execution._done = trio.Event()
+                if execution.settled:
+                    execution._done.set()
+            await execution._done.wait()
             if execution.forward is None:
                 assert execution.outcome is not None
                 return execution.outcome
@@ -70,7 +86,13 @@ class SessionEntry:
     deciding: bool = False
     rings: int = 0
     rings_seen: int = 0
-    released: trio.Event = attrs.Factory(trio.Event)
+    # Made by the first task that waits for the busy period's end (`released`).
+    _released: trio.Event | None = None
+    closed: bool = False
+    # Set when the busy period ends: joiners were waiting, and woke with its end.
+    joined: bool = False
+    # The last finish left its schedule point to the busy period (`caller_yields_next`).
+    yield_owed: bool = False
     # When a wake reached this runtime and started the busy period (trio clock), until its
     # first drain call starts: the wake-to-start latency (telemetry only).
     woken_at: float | None = None
@@ -161,7 +183,7 @@ class SessionEntry:
         was rung meanwhile) follow the successor instead of waiting forever.
         """
         successor = self.successor or Execution()
-        if not self.current.done.is_set():
+        if not self.current.settled:
             self.current.merge_into(successor)
         self.current = successor
         self.successor = None
@@ -171,10 +193,28 @@ class SessionEntry:
         self.resumed = False
         self.reason = None
         self.deciding = False
+        self.yield_owed = False
+
+    def woke_waiters(self) -> bool:
+        """Whether the busy period's end woke a task (a joiner, or one waiting for it)."""
+        return self.joined or self._released is not None
 
     def close(self, outcome: Outcome) -> None:
         """The busy period is over: resolve every joiner still waiting."""
+        self.joined = self.current.waited_for() or (
+            self.successor is not None and self.successor.waited_for()
+        )
         self.current.resolve(outcome)
         if self.successor is not None:
             self.successor.resolve(Outcome("deferred"))
-        self.released.set()
+        self.closed = True
+        if self._released is not None:
+            self._released.set()
+
+    def released(self) -> trio.Event:
+        """Set once the busy period is over (`close`); made for the first task that waits."""
+        if self._released is None:
+            self._released = trio.Event()
+            if self.closed:
+                self._released.set()
+        return self._released

@@ -54,18 +54,11 @@ class BackgroundLoops:
                 runtime._kick,
                 CHANGE_FALLBACK_POLL,
                 own=runtime._watchers.watching,
-                follows=self._follows,
+                follows=runtime._busy.followed,
             )
             runtime._kick = trio.Event()
             with contextlib.suppress(StoreError):  # looked at again at the next signal
                 await self._look_at_changes()
-
-    def _follows(self, session_id: str) -> bool:
-        """Whether a watcher or stream here follows the session: another process's
-        transcript-only change to any other session needs no look (a worker ignores the
-        tokens another worker streams)."""
-        runtime = self._runtime
-        return runtime._watchers.watching(session_id) or runtime._streams.watching(session_id)
 
     async def _look_at_changes(self) -> None:
         runtime = self._runtime

@@ -292,9 +292,19 @@ class Runtime:
         """
         validate_session_id(session_id)
         refuse_waiting_for_own_drain(self, session_id, "wait_idle")
-        while (entry := self._entries.get(session_id)) is not None:
-            await entry.released.wait()
-        await trio.lowlevel.checkpoint()
+        entry = self._entries.get(session_id)
+        if entry is None:
+            await trio.lowlevel.checkpoint()
+            return
+        while entry is not None:
+            await entry.released().wait()
+            woke_others = entry.joined or self._busy.followed(session_id)
+            entry = self._entries.get(session_id)
+        if woke_others:
+            # The tasks the busy period's end woke with us (its joiners, the session's
+            # watchers) have their turn before we return; with none, waiting was the
+            # checkpoint, and one more would cost a scheduler round per cycle for nothing.
+            await trio.lowlevel.cancel_shielded_checkpoint()
 
     def statistics(self) -> RuntimeStatistics:
         """A snapshot of this runtime's counts and its store's own figures."""
@@ -602,7 +612,7 @@ class Runtime:
 
     async def _all_released(self) -> None:
         while self._entries:
-            await next(iter(self._entries.values())).released.wait()
+            await next(iter(self._entries.values())).released().wait()
 
     async def _keep_leases(self) -> None:
         with self._heartbeat_scope:

@@ -123,6 +123,8 @@ class InlineExecutor:
         job = Job(op, args)
         self.transactions += 1
         run_batch(self.conn, self.clock, [job], self.file)
+        # Always a schedule point right after the transaction, `caller_yields_next` or not:
+        # tests start a task from inside one and rely on it running before anything else.
         await trio.lowlevel.cancel_shielded_checkpoint()
         result: T = job.unwrap()
         return result
@@ -136,6 +138,11 @@ class InlineExecutor:
             self.conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
         await trio.lowlevel.cancel_shielded_checkpoint()
         return result
+
+
+def _caller_yields_next(job: Job) -> bool:
+    """`_backend.caller_yields_next`: a success whose caller's own schedule point follows."""
+    return job.error is None and "caller_yields_next" in job.op.__dict__
 
 
 def _run_nowait(
@@ -175,6 +182,9 @@ class ThreadExecutor:
     inline_runs: int = 0
     thread_handoffs: int = 0
     backend: BackendName = "sqlite"
+    # Whether the `run` that just returned left its schedule point to its caller
+    # (`_backend.caller_yields_next`, run on the loop); the caller reads it at once.
+    left_schedule_point: bool = False
 
     def statistics(self) -> StoreStatistics:
         handoffs = self.thread_handoffs
@@ -195,10 +205,14 @@ class ThreadExecutor:
             assert self.inline_conn is not None
             if try_run_batch(self.inline_conn, self.clock, [job], self.file):
                 self._count_inline_commit()
-                await trio.lowlevel.cancel_shielded_checkpoint()
+                # Set and read with no checkpoint between (see `left_schedule_point`).
+                self.left_schedule_point = _caller_yields_next(job)
+                if not self.left_schedule_point:
+                    await trio.lowlevel.cancel_shielded_checkpoint()
                 inline_result: T = job.unwrap()
                 return inline_result
         result: T = await self._handoff.submit(job)
+        self.left_schedule_point = False  # it waited for the hand-off
         return result
 
     async def run_nowait(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
@@ -261,15 +275,15 @@ class ThreadExecutor:
 
     async def _hand_off(self, batch: list[Queued]) -> None:
         jobs = [queued.job for queued in batch]
+        # No schedule point of its own on the loop: the pump's wait for more work is one,
+        # and the callers go on in the very next scheduler round instead of one later.
         if self.file is not None and self.file.refuse(jobs):
-            await trio.lowlevel.cancel_shielded_checkpoint()
             return
         # Group commit on the trio thread when the write lock is free: a thread hand-off
         # costs more than the whole group's SQL, and when the event loop is never idle
         # (a producer submitting while drains run) every operation would pay one.
         if self.inline_conn is not None and try_run_batch(self.inline_conn, self.clock, jobs):
             self._count_inline_commit()
-            await trio.lowlevel.cancel_shielded_checkpoint()
             return
         self.thread_handoffs += 1
         await trio.to_thread.run_sync(

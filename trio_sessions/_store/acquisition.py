@@ -25,7 +25,14 @@ from typing import Any
 import attrs
 
 from .. import _decisions
-from .._backend import FALLBACK, Tx, autocommit_when_alone, pg_batched, sqlite_batched
+from .._backend import (
+    FALLBACK,
+    Tx,
+    autocommit_when_alone,
+    caller_yields_next,
+    pg_batched,
+    sqlite_batched,
+)
 from .._decisions import AcquireVerdict
 from .common import _claim_row, _paused, _take_doorbell, pg_set_wise
 from .inputs import _ensure_session, _insert_input, _known_input, submit, wake
@@ -133,6 +140,7 @@ def _pg_woken_and_acquired(args: tuple[Any, ...], row: tuple[Any, ...]) -> tuple
     return None, _pg_acquired(*row)
 
 
+@caller_yields_next
 @autocommit_when_alone
 @pg_batched("ts_acquire_many", _pg_acquired_row)
 @sqlite_batched(_acquire_many)
@@ -156,6 +164,7 @@ def acquire(tx: Tx, session_id: str, execution_id: str, owner_id: str, lease_ms:
     return _insert_claim(tx, session_id, execution_id, owner_id, lease_ms)
 
 
+@caller_yields_next
 @pg_batched("ts_wake_and_acquire_many", _pg_woken_and_acquired)
 @sqlite_batched(_wake_and_acquire_many)
 def wake_and_acquire(
@@ -255,6 +264,7 @@ def _submit_and_acquire_many(tx: Tx, rows: Sequence[tuple[Any, ...]]) -> list[An
     return results
 
 
+@caller_yields_next
 @autocommit_when_alone
 @pg_batched("ts_submit_and_acquire_many", _pg_submitted_and_acquired)
 @sqlite_batched(_submit_and_acquire_many)

@@ -20,7 +20,14 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from .. import _decisions
-from .._backend import FALLBACK, Tx, autocommit_when_alone, pg_batched, sqlite_batched
+from .._backend import (
+    FALLBACK,
+    Tx,
+    autocommit_when_alone,
+    caller_yields_next,
+    pg_batched,
+    sqlite_batched,
+)
 from .._decisions import IterationVerdict
 from .._model import INTERRUPTED
 from .common import (
@@ -154,6 +161,7 @@ def _end_iterations(tx: Tx, rows: Sequence[tuple[Any, ...]]) -> list[Any]:
     return results
 
 
+@caller_yields_next
 @pg_batched("ts_finish_iterations", _pg_iteration_finished)
 @sqlite_batched(_end_iterations)
 def end_iteration(tx: Tx, session_id: str, execution_id: str, owner_id: str) -> IterationVerdict:

@@ -30,7 +30,7 @@ from typing import Any
 import attrs
 
 from .. import _codec, _decisions, _transcript
-from .._backend import Tx
+from .._backend import Tx, caller_yields_next
 from .._decisions import SubmitVerdict
 from .._errors import SessionBusy
 from .._model import INTERRUPTED
@@ -82,6 +82,7 @@ def submit_controlled(
     return input_id, verdict is SubmitVerdict.INTERRUPT
 
 
+@caller_yields_next
 def submit_controlled_and_acquire(
     tx: Tx,
     session_id: str,
