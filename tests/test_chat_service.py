@@ -26,6 +26,7 @@ import httpx
 import pytest
 import trio
 from conftest import query
+from test_examples import load_example
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 DEADLINE = 15.0  # seconds any one expected state may take (generous for a loaded CI host)
@@ -472,6 +473,57 @@ async def test_an_interrupt_mid_answer_ends_that_answer_interrupted(service: Ser
         messages = await until_answers(client, service, "stop", 2)
         assert text_of(messages[-1]) == "You said: and now?"
         assert messages[-1]["data"]["error"] is None
+
+
+LIVE_STREAMS = 50
+
+
+async def test_fifty_live_event_streams_each_get_their_own_answer(service: Service) -> None:
+    """Fifty SSE connections held open on the one web process at once (DESIGN §6.26: many
+    live streams), then a message posted to each session: every POST is answered 202 while
+    the fifty streams stay open, and every stream delivers exactly its own session's
+    question and streamed answer, ending equal to the stored transcript."""
+    streams: dict[str, tuple[bytes, list[tuple[str, Event]]]] = {}
+    sessions = [f"live-{n}" for n in range(LIVE_STREAMS)]
+
+    async def listen(session: str, responded: trio.Event) -> None:
+        streams[session] = await read_events(service.url, session, responded, until=answered)
+
+    with trio.fail_after(DEADLINE * 2):
+        async with (
+            httpx.AsyncClient(base_url=service.url, timeout=DEADLINE) as client,
+            trio.open_nursery() as nursery,
+        ):
+            for session in sessions:
+                responded = trio.Event()
+                nursery.start_soon(listen, session, responded)
+                await responded.wait()  # every stream is open before the first post
+            async with trio.open_nursery() as posts:
+                for session in sessions:
+                    posts.start_soon(post, client, session, f"hello from {session}")
+        stored = {session: await transcript_now(service, session) for session in sessions}
+    assert sorted(streams) == sorted(sessions)
+    for session, (head, events) in streams.items():
+        assert head.startswith(b"HTTP/1.1 200"), head
+        view: View = {}
+        for _, event in events:
+            apply(view, event)
+        assert view == view_of(stored[session]), session
+        question, answer = (view[seq] for seq in sorted(view))
+        assert question == {"role": "user", "data": {"text": f"hello from {session}"}}
+        assert text_of(answer) == f"You said: hello from {session}"
+
+
+async def test_the_load_script_sees_every_chat_answered(service: Service) -> None:
+    """`examples/chat_load.py` (the 200-stream measurement of the README) against the
+    service: each chat's stream opened, its POST answered 202, its first word and its
+    finished answer seen, and the summary line says so."""
+    chat_load = load_example("chat_load")
+    everyone = await chat_load.run(service.url, 20, 0.2, DEADLINE)
+    assert [chat.error for chat in everyone] == [None] * 20, service.output()
+    assert all(chat.answered and chat.first_word_at is not None for chat in everyone)
+    assert all(chat.post_ms is not None and chat.post_ms > 0 for chat in everyone)
+    assert chat_load.summary(everyone).endswith(" errors=0")
 
 
 async def test_a_worker_killed_mid_answer_is_completed_by_the_other(service: Service) -> None:

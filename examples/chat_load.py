@@ -1,0 +1,146 @@
+"""Load for the chat service: N live event streams held open on one web process, then one
+message posted to each conversation; prints how long each POST took and how long each
+stream waited for its first streamed word.
+
+Start the service as `chat_service.py` says (one web process, two workers), then:
+
+    python examples/chat_load.py --url http://127.0.0.1:8000 --chats 200
+
+Every stream is open before the first POST, and the POSTs land at random moments over
+`--spread` seconds (as users would), so each POST is answered while all N streams are live.
+A POST that is not 202, a stream that ends early or misses its answer, counts as an error.
+The last line is machine-readable: `chats= post_p50_ms= post_p99_ms= ttfw_p99_ms= errors=`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import httpx
+import trio
+
+
+@attrs.define
+class Chat:
+    """One conversation's figures: the POST's duration, and when its first word arrived."""
+
+    session: str
+    post_ms: float | None = None
+    posted_at: float | None = None
+    first_word_at: float | None = None
+    answered: bool = False
+    error: str | None = None
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+async def follow(url: httpx.URL, chat: Chat, opened: trio.Event) -> None:
+    """Hold the session's event stream (plain HTTP/1.1 on a socket: the client's own cost
+    stays small beside the server's) until its assistant message is finished. A short
+    answer may arrive whole in one "message" event, so a message counts as well as an
+    "append" for the first word, and its `finished` as well as a "finish" event."""
+    assert url.host and url.port
+    stream = await trio.open_tcp_stream(url.host, url.port)
+    async with stream:
+        request = f"GET /sessions/{chat.session}/events HTTP/1.1\r\nHost: {url.host}\r\n\r\n"
+        await stream.send_all(request.encode())
+        buffer = b""
+        while chunk := await stream.receive_some():
+            if not opened.is_set():
+                opened.set()
+                if not chunk.startswith(b"HTTP/1.1 200"):
+                    chat.error = f"events: {chunk.splitlines()[0]!r}"
+                    return
+            buffer += chunk
+            *events, buffer = buffer.split(b"\n\n")
+            for raw in events:
+                _, found, data = raw.partition(b"data: ")
+                if found and _answer_event(chat, json.loads(data)):
+                    return
+    opened.set()
+    chat.error = "the event stream ended before the answer finished"
+
+
+def _answer_event(chat: Chat, event: dict[str, Any]) -> bool:
+    """Note the first word of the assistant's answer; whether the answer is finished."""
+    if event["kind"] == "message" and event["role"] == "assistant":
+        if event["data"]["parts"] and chat.first_word_at is None:
+            chat.first_word_at = time.perf_counter()
+        chat.answered = event["data"]["finished"]
+    elif event["kind"] == "append" and chat.first_word_at is None:
+        chat.first_word_at = time.perf_counter()
+    elif event["kind"] == "finish":
+        chat.answered = True
+    return chat.answered
+
+
+async def post(client: httpx.AsyncClient, chat: Chat, delay: float) -> None:
+    await trio.sleep(delay)
+    chat.posted_at = started = time.perf_counter()
+    response = await client.post(
+        f"/sessions/{chat.session}/messages", json={"text": f"hello from {chat.session}"}
+    )
+    chat.post_ms = (time.perf_counter() - started) * 1000
+    if response.status_code != 202:
+        chat.error = f"post: HTTP {response.status_code}"
+
+
+async def run(url: str, chats: int, spread: float, give_up_after: float) -> list[Chat]:
+    tag = f"load-{random.randrange(16**6):06x}"
+    everyone = [Chat(f"{tag}-{n}") for n in range(chats)]
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=url, timeout=give_up_after, limits=limits) as client:
+        with trio.move_on_after(give_up_after):
+            async with trio.open_nursery() as nursery:
+                for chat in everyone:
+                    opened = trio.Event()
+                    nursery.start_soon(follow, httpx.URL(url), chat, opened)
+                    await opened.wait()
+                for chat in everyone:
+                    nursery.start_soon(post, client, chat, random.uniform(0, spread))
+    return everyone
+
+
+def summary(everyone: list[Chat]) -> str:
+    posts = [chat.post_ms for chat in everyone if chat.post_ms is not None]
+    waits = [
+        (chat.first_word_at - chat.posted_at) * 1000
+        for chat in everyone
+        if chat.first_word_at is not None and chat.posted_at is not None
+    ]
+    errors = sum(chat.error is not None or not chat.answered for chat in everyone)
+    return (
+        f"chats={len(everyone)} post_p50_ms={percentile(posts, 50):.1f}"
+        f" post_p99_ms={percentile(posts, 99):.1f} ttfw_p99_ms={percentile(waits, 99):.1f}"
+        f" errors={errors}"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--url", default="http://127.0.0.1:8000")
+    parser.add_argument("--chats", type=int, default=200)
+    parser.add_argument("--spread", type=float, default=1.0, help="seconds the POSTs span")
+    parser.add_argument("--timeout", type=float, default=60.0)
+    args = parser.parse_args(argv)
+    if args.chats < 1:
+        parser.error(f"--chats must be at least 1, not {args.chats}")
+    everyone = trio.run(run, args.url, args.chats, args.spread, args.timeout)
+    for chat in everyone:
+        if chat.error is not None or not chat.answered:
+            print(f"{chat.session}: {chat.error or 'no finished answer in time'}")
+    print(summary(everyone))
+    return 0 if all(chat.error is None and chat.answered for chat in everyone) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
