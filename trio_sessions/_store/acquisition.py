@@ -27,7 +27,7 @@ import attrs
 from .. import _decisions
 from .._backend import FALLBACK, Tx, autocommit_when_alone, pg_batched, sqlite_batched
 from .._decisions import AcquireVerdict
-from .common import _claim_row, _paused, _take_doorbell, pg_set_wise
+from .common import _claim_row, _paused, _take_doorbell
 from .inputs import _ensure_session, _insert_input, _known_input, submit, wake
 
 
@@ -323,6 +323,67 @@ def _insert_claim(
     return Acquired(AcquireVerdict.CLAIM, attempt=int(attempts))
 
 
+def _pg_acquire_many(name: str, single: str, what: str, ready: str, create: str) -> str:
+    """The DDL of `name`, the set-wise form of `single` (an acquire of one session, taking
+    (session, exec, owner, lease)): the first job of each session whose session is free to
+    claim (no claim row, not paused) and `ready` (SQL on the session row `s`) takes its
+    claim in one statement, `create` (CTEs on `free`) first; every other job goes through
+    `single` one by one after it, in the lock order (none touches a session the statement
+    wrote)."""
+    return f"""
+-- Group commit, set-wise: one call for a batch's {single} jobs, each answered as {single}
+-- answers it. Every session lock first, in the functions' order (hashtext, id), then the
+-- clock. The first job of each session free to claim (no claim row, not paused) is settled
+-- for the whole batch by one statement - {what}; every other job (a held, paused or
+-- unrung session, a session's later jobs) goes through {single} one by one after it, in the
+-- lock order.
+CREATE OR REPLACE FUNCTION {name}(p_sessions text[], p_execs text[], p_owners text[],
+    p_leases bigint[], p_now bigint, p_retry boolean)
+RETURNS TABLE(ord bigint, verdict text, attempt bigint, holder text)
+LANGUAGE plpgsql VOLATILE
+@GENERIC_PLAN@ AS $$
+DECLARE
+    v_now bigint; v_ords bigint[]; v_attempts bigint[]; r record;
+BEGIN
+    PERFORM ts_lock(l.s) FROM (SELECT DISTINCT u.s FROM unnest(p_sessions) AS u(s)) l
+        ORDER BY hashtext(l.s), l.s;
+    v_now := ts_now(p_now);
+    WITH job AS (
+        SELECT u.s, u.e, u.o, u.l, u.n,
+            row_number() OVER (PARTITION BY u.s ORDER BY u.n) AS nth
+        FROM unnest(p_sessions, p_execs, p_owners, p_leases)
+            WITH ORDINALITY AS u(s, e, o, l, n)),
+    free AS MATERIALIZED (
+        SELECT j.s, j.e, j.o, j.l, j.n, s.id IS NULL AS absent, s.time_woken,
+            COALESCE(s.wake_attempts, 0) AS wake_attempts
+        FROM job j LEFT JOIN session s ON s.id = j.s
+        WHERE j.nth = 1 AND s.time_paused IS NULL AND {ready}
+            AND NOT EXISTS (SELECT 1 FROM session_execution c WHERE c.session_id = j.s)),
+{create}    taken AS (
+        UPDATE session s SET time_woken = NULL, wakes = 0 FROM free f
+        WHERE s.id = f.s AND f.time_woken IS NOT NULL),
+    claims AS (
+        INSERT INTO session_execution(id, session_id, owner_id, phase, anchor_seq,
+                time_created, heartbeat_at, expires_at)
+            SELECT f.e, f.s, f.o, 'running',
+                (SELECT MAX(m.seq) FROM session_message m WHERE m.session_id = f.s),
+                v_now, NULL, v_now + f.l
+            FROM free f)
+    SELECT array_agg(f.n), array_agg(f.wake_attempts) INTO v_ords, v_attempts FROM free f;
+    RETURN QUERY SELECT u.n, 'claim', u.a, NULL::text FROM unnest(v_ords, v_attempts) AS u(n, a);
+    FOR r IN SELECT u.s, u.e, u.o, u.l, u.n
+             FROM unnest(p_sessions, p_execs, p_owners, p_leases)
+                 WITH ORDINALITY AS u(s, e, o, l, n)
+             WHERE NOT u.n = ANY(COALESCE(v_ords, '{{}}'))
+             ORDER BY hashtext(u.s), u.s, u.n LOOP
+        SELECT r.n, f.verdict, f.attempt, f.holder INTO ord, verdict, attempt, holder
+            FROM {single}(r.s, r.e, r.o, r.l, p_now, p_retry) f;
+        RETURN NEXT;
+    END LOOP;
+END $$;
+"""
+
+
 # ---------------------------------------------------------------------------------------------
 # PostgreSQL: this family's server-side functions (created by `_schema`'s migrations; see
 # `_store.pg_functions` for their conventions)
@@ -450,17 +511,23 @@ BEGIN
 END $$;
 
 """
-    + pg_set_wise(
+    + _pg_acquire_many(
         "ts_acquire_many",
         "ts_acquire",
-        [("session", "text"), ("exec", "text"), ("owner", "text"), ("lease", "bigint")],
-        [("verdict", "text"), ("attempt", "bigint"), ("holder", "text")],
+        "acquire: its doorbell set, so the claim takes it",
+        "s.id IS NOT NULL AND s.time_woken IS NOT NULL",
+        "",
     )
-    + pg_set_wise(
+    + _pg_acquire_many(
         "ts_wake_and_acquire_many",
         "ts_wake_and_acquire",
-        [("session", "text"), ("exec", "text"), ("owner", "text"), ("lease", "bigint")],
-        [("verdict", "text"), ("attempt", "bigint"), ("holder", "text")],
+        "wake_and_acquire: the session row created if absent, and a doorbell already set\n"
+        "-- taken by the claim (the wake itself is never written)",
+        "true",
+        """    created AS (
+        INSERT INTO session(id, time_created) SELECT f.s, v_now FROM free f
+            WHERE f.absent ON CONFLICT (id) DO NOTHING),
+""",
     )
     + r"""
 -- Group commit, set-wise: one call for a batch's submit_and_acquire jobs, each answered as
