@@ -13,7 +13,12 @@ Invariants kept here:
   a lost reply;
 * on SQLite a group commit's jobs of one kind run set-wise (`sqlite_batched`: one read,
   then one statement per table) for the sessions free to claim, under the same rules; a
-  job the read does not settle writes nothing there and runs alone after.
+  job the read does not settle writes nothing there and runs alone after;
+* on PostgreSQL a group commit's jobs of one kind are one call (`*_many`): every session
+  lock first, in sorted order, then the clock; the first job of each session free to
+  claim (and, for a submit, whose input id is new and named once) is settled by one
+  statement for the whole batch, and every other job goes through the row function after
+  it, in the lock order - none of them touches what the statement wrote.
 """
 
 from __future__ import annotations

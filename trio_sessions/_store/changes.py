@@ -11,7 +11,9 @@ Invariants kept here:
   whose row is unchanged, only the deltas streamed since. A finished message does not
   change (`MessageFinished`), so it is never read again; a seq found reused (the session
   was truncated and grew again) is the one case that reads the session's versions whole;
-* the history a new watcher replays is read in bounded chunks, each its own short read.
+* the history a new watcher replays is read in bounded chunks, each its own short read;
+* on PostgreSQL a look with no watched session is one call (`ts_changes`), alone in
+  autocommit: one round trip, one snapshot.
 """
 
 from __future__ import annotations
