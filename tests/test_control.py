@@ -746,6 +746,6 @@ async def test_upgrade_of_a_version_2_postgres_schema_keeps_pending_inputs_due(
     # notification per transaction, the set-wise append, watchers-only signals
     # 7: a cancelling claim's iteration end rings for untaken inputs;
     # 8: a stream's read in one call; 9: set-wise recovery and iteration ends
-    assert _postgres.SCHEMA_VERSION == 9
+    assert _postgres.SCHEMA_VERSION == 10
     assert drain.taken == ["old"]
     assert raw.rows("SELECT time_paused FROM session") == [(None,)]

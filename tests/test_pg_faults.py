@@ -125,6 +125,15 @@ BLOCKERS: dict[str, tuple[str, Pick]] = {
     **{f"{function}(": (CLAIMS_LOCK, SECOND) for function in ("ts_heartbeat", "ts_expire_claims")},
     # Recovery's set-wise call takes its sessions' locks first (p_sessions: the 4th).
     "ts_recover(": (SESSION_LOCK, lambda params: (params[3][0],)),
+    # So do a batch's set-wise submits and acquires (p_sessions: the 1st).
+    **{
+        f"{function}(": (SESSION_LOCK, lambda params: (params[0][0],))
+        for function in (
+            "ts_submit_and_acquire_many",
+            "ts_acquire_many",
+            "ts_wake_and_acquire_many",
+        )
+    },
 }
 # How the seam labels a statement that commits on its own (an autocommit function call):
 # it is its own COMMIT.
@@ -810,6 +819,45 @@ OPERATIONS = [
             Job(_store.end_iteration, ("s2", "e2", OWNER)),
             Job(_store.submit_and_acquire, ("s4", '{"n": 4}', "i4", "e4", OWNER, LEASE_MS)),
         ],
+    ),
+    # Set-wise submits the one statement settles (new sessions, an idle one whose doorbell
+    # it takes) beside those it leaves to the row function in the same call (a held
+    # session, a session's second job).
+    Operation(
+        "group-commit-set-wise-submits",
+        steps(two_claims, do(_store.submit, "s5", '{"n": 5}', "i5")),
+        lambda: [
+            Job(_store.submit_and_acquire, ("s3", '{"n": 3}', "i3", "e3", OWNER, LEASE_MS)),
+            Job(_store.submit_and_acquire, ("s1", '{"n": 1}', "i1b", "e1b", OWNER, LEASE_MS)),
+            Job(_store.submit_and_acquire, ("s3", '{"n": 4}', "i4", "e4", OWNER, LEASE_MS)),
+            Job(_store.submit_and_acquire, ("s5", '{"n": 6}', "i6", "e5", OWNER, LEASE_MS)),
+        ],
+    ),
+    # Set-wise acquires, wakes and acquires: the claims the one statement takes (a rung
+    # session, a new one) beside rows left to the row functions (held, a second job).
+    Operation(
+        "group-commit-set-wise-acquires",
+        steps(two_claims, do(_store.wake, "s3"), do(_store.wake, "s4")),
+        lambda: [
+            Job(_store.acquire, ("s3", "e3", OWNER, LEASE_MS)),
+            Job(_store.wake_and_acquire, ("s5", "e5", OWNER, LEASE_MS)),
+            Job(_store.acquire, ("s1", "e1b", OWNER, LEASE_MS)),
+            Job(_store.acquire, ("s4", "e4", OWNER, LEASE_MS)),
+            Job(_store.wake_and_acquire, ("s2", "e2b", OWNER, LEASE_MS)),
+            Job(_store.acquire, ("s3", "e3b", OWNER, LEASE_MS)),
+        ],
+    ),
+    # The change scan (a read): one call in autocommit, read again after a lost reply.
+    Operation(
+        "changes",
+        steps(
+            two_claims,
+            do(_store.mark_cancelling, "s2", "e2", OWNER),
+            do(_store.submit, "s3", '{"n": 3}', "i3"),
+        ),
+        one(_store.changes, OWNER, [], ["e1", "e2", "e-gone"], 10, {}),
+        mode="read",
+        writes=False,
     ),
     Operation(
         "group-commit-with-a-refusal",

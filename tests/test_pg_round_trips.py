@@ -20,6 +20,7 @@ from trio_sessions._bench.roundtrips import (
 from trio_sessions._bench.tools import wait_all_idle
 from trio_sessions._postgres import open_engine
 from trio_sessions._postgres.engine import PgSyncEngine
+from trio_sessions._store.changes import NO_CHANGE, Changes, Followed, changes_by_statements
 from trio_sessions._store.stream import Held, Position, message_tag, stream_changes_by_statements
 
 
@@ -145,3 +146,41 @@ async def recovery_pass_round_trips(url: str, schema: str) -> list[int]:
             gates[-1].set()
             await wait_all_idle(runtime)
     return counts
+
+
+def test_a_change_scan_is_one_round_trip(pg_url: str, pg_schema: str) -> None:
+    """The change scan with no watched session (`changes`: unclaimed doorbells, our claims
+    marked cancelling or gone, the next scheduled input) is one call, alone in autocommit:
+    one round trip; its answer is the one statement-by-statement reads give, with few
+    claims of ours (looked up by key) and with many (one scan by owner)."""
+    clock = lambda: 1_000.0  # noqa: E731 - a lease clock stopped at 1,000 s
+    with counting_url(pg_url) as (url, proxy):
+        engine = open_engine(url, schema=pg_schema, clock=clock)
+        try:
+            for session in ("old", "local", "paused", "held", "new", "mine", "cancel"):
+                engine.run(_store.submit, session, '{"n": 1}', f"in-{session}")
+            engine.run(_store.pause, "paused")
+            engine.run(_store.acquire, "held", "e-held", "them", 60_000)
+            engine.run(_store.acquire, "mine", "e-mine", "me", 60_000)
+            engine.run(_store.acquire, "cancel", "e-cancel", "me", 60_000)
+            engine.run(_store.mark_cancelling, "cancel", "e-cancel", "me")
+            engine.run(_store.submit_scheduled, "later", '{"n": 1}', "in-later", 5_000, "queue")
+            owned = ["e-mine", "e-cancel", "e-gone", "e-held"]
+            many = owned + [f"e-x{index}" for index in range(600)]
+            scans: list[tuple[str, list[str], list[str], int, dict[str, Followed]]] = [
+                ("me", ["local"], owned, 10, {}),
+                ("me", ["local"], owned, 1, {}),
+                ("me", [], many, 10, {}),
+                ("me", [], [], 0, {}),
+            ]
+            for arguments in scans:
+                before = proxy.round_trips
+                found = engine.read(_store.changes, *arguments)
+                assert proxy.round_trips - before == 1
+                assert found == engine.read(changes_by_statements, *arguments)
+            # Oldest wake first, by id among equals (one clock here).
+            assert engine.read(_store.changes, "me", ["local"], owned, 10, {}) == Changes(
+                ["new", "old"], ["e-cancel"], NO_CHANGE, ["e-gone", "e-held"], 5_000
+            )
+        finally:
+            engine.close()

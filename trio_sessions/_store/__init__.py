@@ -52,6 +52,7 @@ write `_store.submit(...)` whatever module the operation lives in.
 from __future__ import annotations
 
 from . import acquisition as _acquisition
+from . import changes as _changes
 from . import claims as _claims
 from . import common as _common
 from . import inputs as _inputs
@@ -220,6 +221,7 @@ def pg_functions(channel: str, lock_namespace: int) -> str:
             _claims,
             _acquisition,
             _stream_family,
+            _changes,
             _recovery_scan,
             _recovery_batch,
         )

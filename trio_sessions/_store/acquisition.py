@@ -13,7 +13,12 @@ Invariants kept here:
   a lost reply;
 * on SQLite a group commit's jobs of one kind run set-wise (`sqlite_batched`: one read,
   then one statement per table) for the sessions free to claim, under the same rules; a
-  job the read does not settle writes nothing there and runs alone after.
+  job the read does not settle writes nothing there and runs alone after;
+* on PostgreSQL a group commit's jobs of one kind are one call (`*_many`): every session
+  lock first, in sorted order, then the clock; the first job of each session free to
+  claim (and, for a submit, whose input id is new and named once) is settled by one
+  statement for the whole batch, and every other job goes through the row function after
+  it, in the lock order - none of them touches what the statement wrote.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from .._backend import (
     sqlite_batched,
 )
 from .._decisions import AcquireVerdict
-from .common import _claim_row, _paused, _take_doorbell, pg_set_wise
+from .common import _claim_row, _paused, _take_doorbell
 from .inputs import _ensure_session, _insert_input, _known_input, submit, wake
 
 
@@ -333,6 +338,67 @@ def _insert_claim(
     return Acquired(AcquireVerdict.CLAIM, attempt=int(attempts))
 
 
+def _pg_acquire_many(name: str, single: str, what: str, ready: str, create: str) -> str:
+    """The DDL of `name`, the set-wise form of `single` (an acquire of one session, taking
+    (session, exec, owner, lease)): the first job of each session whose session is free to
+    claim (no claim row, not paused) and `ready` (SQL on the session row `s`) takes its
+    claim in one statement, `create` (CTEs on `free`) first; every other job goes through
+    `single` one by one after it, in the lock order (none touches a session the statement
+    wrote)."""
+    return f"""
+-- Group commit, set-wise: one call for a batch's {single} jobs, each answered as {single}
+-- answers it. Every session lock first, in the functions' order (hashtext, id), then the
+-- clock. The first job of each session free to claim (no claim row, not paused) is settled
+-- for the whole batch by one statement - {what}; every other job (a held, paused or
+-- unrung session, a session's later jobs) goes through {single} one by one after it, in the
+-- lock order.
+CREATE OR REPLACE FUNCTION {name}(p_sessions text[], p_execs text[], p_owners text[],
+    p_leases bigint[], p_now bigint, p_retry boolean)
+RETURNS TABLE(ord bigint, verdict text, attempt bigint, holder text)
+LANGUAGE plpgsql VOLATILE
+@GENERIC_PLAN@ AS $$
+DECLARE
+    v_now bigint; v_ords bigint[]; v_attempts bigint[]; r record;
+BEGIN
+    PERFORM ts_lock(l.s) FROM (SELECT DISTINCT u.s FROM unnest(p_sessions) AS u(s)) l
+        ORDER BY hashtext(l.s), l.s;
+    v_now := ts_now(p_now);
+    WITH job AS (
+        SELECT u.s, u.e, u.o, u.l, u.n,
+            row_number() OVER (PARTITION BY u.s ORDER BY u.n) AS nth
+        FROM unnest(p_sessions, p_execs, p_owners, p_leases)
+            WITH ORDINALITY AS u(s, e, o, l, n)),
+    free AS MATERIALIZED (
+        SELECT j.s, j.e, j.o, j.l, j.n, s.id IS NULL AS absent, s.time_woken,
+            COALESCE(s.wake_attempts, 0) AS wake_attempts
+        FROM job j LEFT JOIN session s ON s.id = j.s
+        WHERE j.nth = 1 AND s.time_paused IS NULL AND {ready}
+            AND NOT EXISTS (SELECT 1 FROM session_execution c WHERE c.session_id = j.s)),
+{create}    taken AS (
+        UPDATE session s SET time_woken = NULL, wakes = 0 FROM free f
+        WHERE s.id = f.s AND f.time_woken IS NOT NULL),
+    claims AS (
+        INSERT INTO session_execution(id, session_id, owner_id, phase, anchor_seq,
+                time_created, heartbeat_at, expires_at)
+            SELECT f.e, f.s, f.o, 'running',
+                (SELECT MAX(m.seq) FROM session_message m WHERE m.session_id = f.s),
+                v_now, NULL, v_now + f.l
+            FROM free f)
+    SELECT array_agg(f.n), array_agg(f.wake_attempts) INTO v_ords, v_attempts FROM free f;
+    RETURN QUERY SELECT u.n, 'claim', u.a, NULL::text FROM unnest(v_ords, v_attempts) AS u(n, a);
+    FOR r IN SELECT u.s, u.e, u.o, u.l, u.n
+             FROM unnest(p_sessions, p_execs, p_owners, p_leases)
+                 WITH ORDINALITY AS u(s, e, o, l, n)
+             WHERE NOT u.n = ANY(COALESCE(v_ords, '{{}}'))
+             ORDER BY hashtext(u.s), u.s, u.n LOOP
+        SELECT r.n, f.verdict, f.attempt, f.holder INTO ord, verdict, attempt, holder
+            FROM {single}(r.s, r.e, r.o, r.l, p_now, p_retry) f;
+        RETURN NEXT;
+    END LOOP;
+END $$;
+"""
+
+
 # ---------------------------------------------------------------------------------------------
 # PostgreSQL: this family's server-side functions (created by `_schema`'s migrations; see
 # `_store.pg_functions` for their conventions)
@@ -460,29 +526,95 @@ BEGIN
 END $$;
 
 """
-    + pg_set_wise(
+    + _pg_acquire_many(
         "ts_acquire_many",
         "ts_acquire",
-        [("session", "text"), ("exec", "text"), ("owner", "text"), ("lease", "bigint")],
-        [("verdict", "text"), ("attempt", "bigint"), ("holder", "text")],
+        "acquire: its doorbell set, so the claim takes it",
+        "s.id IS NOT NULL AND s.time_woken IS NOT NULL",
+        "",
     )
-    + pg_set_wise(
+    + _pg_acquire_many(
         "ts_wake_and_acquire_many",
         "ts_wake_and_acquire",
-        [("session", "text"), ("exec", "text"), ("owner", "text"), ("lease", "bigint")],
-        [("verdict", "text"), ("attempt", "bigint"), ("holder", "text")],
+        "wake_and_acquire: the session row created if absent, and a doorbell already set\n"
+        "-- taken by the claim (the wake itself is never written)",
+        "true",
+        """    created AS (
+        INSERT INTO session(id, time_created) SELECT f.s, v_now FROM free f
+            WHERE f.absent ON CONFLICT (id) DO NOTHING),
+""",
     )
-    + pg_set_wise(
-        "ts_submit_and_acquire_many",
-        "ts_submit_and_acquire",
-        [
-            ("session", "text"),
-            ("payload", "text"),
-            ("input", "text"),
-            ("exec", "text"),
-            ("owner", "text"),
-            ("lease", "bigint"),
-        ],
-        [("input_verdict", "text"), ("verdict", "text"), ("attempt", "bigint"), ("holder", "text")],
-    )
+    + r"""
+-- Group commit, set-wise: one call for a batch's submit_and_acquire jobs, each answered as
+-- ts_submit_and_acquire answers it. Every session lock first, in the functions' order
+-- (hashtext, id), then the clock. The common job - the first of its session in the batch,
+-- its input id new (pending, taken or set aside: none) and named once in the batch, the
+-- session free to claim (no claim row, not paused) - is settled for the whole batch by one
+-- statement, as ts_submit_and_acquire settles it: the session row written (created, or its
+-- input count bumped), the input stored unrung, the claim inserted and a doorbell already
+-- set taken. Every other job (a held or paused session, a known or conflicting input id, a
+-- session's later jobs, an input id named twice) goes through ts_submit_and_acquire one by
+-- one after it, in the lock order: none of them touches a session or input id the
+-- statement wrote, so each sees what it would have seen run after it alone.
+CREATE OR REPLACE FUNCTION ts_submit_and_acquire_many(p_sessions text[], p_payloads text[],
+    p_inputs text[], p_execs text[], p_owners text[], p_leases bigint[], p_now bigint,
+    p_retry boolean)
+RETURNS TABLE(ord bigint, input_verdict text, verdict text, attempt bigint, holder text)
+LANGUAGE plpgsql VOLATILE
+@GENERIC_PLAN@ AS $$
+DECLARE
+    v_now bigint; v_ords bigint[]; v_attempts bigint[]; r record;
+BEGIN
+    PERFORM ts_lock(l.s) FROM (SELECT DISTINCT u.s FROM unnest(p_sessions) AS u(s)) l
+        ORDER BY hashtext(l.s), l.s;
+    v_now := ts_now(p_now);
+    WITH job AS (
+        SELECT u.s, u.p, u.i, u.e, u.o, u.l, u.n,
+            row_number() OVER (PARTITION BY u.s ORDER BY u.n) AS nth,
+            count(*) OVER (PARTITION BY u.i) AS named
+        FROM unnest(p_sessions, p_payloads, p_inputs, p_execs, p_owners, p_leases)
+            WITH ORDINALITY AS u(s, p, i, e, o, l, n)),
+    free AS MATERIALIZED (
+        SELECT j.s, j.p, j.i, j.e, j.o, j.l, j.n, s.time_woken,
+            COALESCE(s.wake_attempts, 0) AS wake_attempts,
+            COALESCE(s.input_seq, 0) + 1 AS input_seq
+        FROM job j LEFT JOIN session s ON s.id = j.s
+        WHERE j.nth = 1 AND j.named = 1 AND s.time_paused IS NULL
+            AND NOT EXISTS (SELECT 1 FROM session_execution c WHERE c.session_id = j.s)
+            AND NOT EXISTS (SELECT 1 FROM session_input i WHERE i.id = j.i)
+            AND NOT EXISTS (SELECT 1 FROM session_message m WHERE m.input_id = j.i)
+            AND NOT EXISTS (SELECT 1 FROM session_input_rejected x WHERE x.id = j.i)),
+    -- As ts_insert_input(..., p_ring => false), then the claim's taking of a set doorbell.
+    -- The input's seq is the session's count as read above plus one: the session lock
+    -- keeps it from moving meanwhile (every writer of a session row holds it).
+    sessions AS (
+        INSERT INTO session AS s (id, time_created, time_woken, wakes, input_seq)
+            SELECT f.s, v_now, NULL, 0, 1 FROM free f
+            ON CONFLICT (id) DO UPDATE SET input_seq = s.input_seq + 1, time_woken = NULL,
+                wakes = CASE WHEN s.time_woken IS NULL THEN s.wakes ELSE 0 END),
+    inputs AS (
+        INSERT INTO session_input(id, session_id, seq, payload, time_created)
+            SELECT f.i, f.s, f.input_seq, f.p, v_now FROM free f),
+    claims AS (
+        INSERT INTO session_execution(id, session_id, owner_id, phase, anchor_seq,
+                time_created, heartbeat_at, expires_at)
+            SELECT f.e, f.s, f.o, 'running',
+                (SELECT MAX(m.seq) FROM session_message m WHERE m.session_id = f.s),
+                v_now, NULL, v_now + f.l
+            FROM free f)
+    SELECT array_agg(f.n), array_agg(f.wake_attempts) INTO v_ords, v_attempts FROM free f;
+    RETURN QUERY SELECT u.n, 'stored', 'claim', u.a, NULL::text
+        FROM unnest(v_ords, v_attempts) AS u(n, a);
+    FOR r IN SELECT u.s, u.p, u.i, u.e, u.o, u.l, u.n
+             FROM unnest(p_sessions, p_payloads, p_inputs, p_execs, p_owners, p_leases)
+                 WITH ORDINALITY AS u(s, p, i, e, o, l, n)
+             WHERE NOT u.n = ANY(COALESCE(v_ords, '{}'))
+             ORDER BY hashtext(u.s), u.s, u.n LOOP
+        SELECT r.n, f.input_verdict, f.verdict, f.attempt, f.holder
+            INTO ord, input_verdict, verdict, attempt, holder
+            FROM ts_submit_and_acquire(r.s, r.p, r.i, r.e, r.o, r.l, p_now, p_retry) f;
+        RETURN NEXT;
+    END LOOP;
+END $$;
+"""
 )

@@ -11,7 +11,9 @@ Invariants kept here:
   whose row is unchanged, only the deltas streamed since. A finished message does not
   change (`MessageFinished`), so it is never read again; a seq found reused (the session
   was truncated and grew again) is the one case that reads the session's versions whole;
-* the history a new watcher replays is read in bounded chunks, each its own short read.
+* the history a new watcher replays is read in bounded chunks, each its own short read;
+* on PostgreSQL a look with no watched session is one call (`ts_changes`), alone in
+  autocommit: one round trip, one snapshot.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 import attrs
 
 from .. import _codec, _transcript
-from .._backend import Tx
+from .._backend import Tx, autocommit_when_alone
 from .._errors import MalformedRecord
 from .._model import AssistantData, Message
 from .common import _IN_CHUNK, _chunks, _in_list
@@ -81,6 +83,7 @@ class Changes:
     next_due_ms: int | None = None  # when the earliest scheduled input falls due
 
 
+@autocommit_when_alone
 def changes(
     tx: Tx,
     owner_id: str,
@@ -92,7 +95,27 @@ def changes(
     """Read what the change signal points at: doorbells this runtime may take, cancellations
     of its claims (`owned_executions`) and those of them that are gone, what changed in
     watched sessions since what their watchers were offered (`watched_changes`), and when
-    the earliest scheduled input falls due."""
+    the earliest scheduled input falls due.
+
+    On PostgreSQL a look with no watched session is one call (`ts_changes`: one statement,
+    alone in autocommit, one snapshot); with watched sessions it is the statements below,
+    in one read transaction."""
+    if tx.dialect == "postgres" and not watched:
+        return _pg_changes(tx, owner_id, local_sessions, owned_executions, doorbell_limit)
+    return changes_by_statements(
+        tx, owner_id, local_sessions, owned_executions, doorbell_limit, watched
+    )
+
+
+def changes_by_statements(
+    tx: Tx,
+    owner_id: str,
+    local_sessions: Sequence[str],
+    owned_executions: Sequence[str],
+    doorbell_limit: int,
+    watched: Mapping[str, Followed],
+) -> Changes:
+    """`changes` statement by statement (SQLite; PostgreSQL with watched sessions)."""
     doorbells = _unclaimed_doorbells(tx, local_sessions, doorbell_limit) if doorbell_limit else []
     rows: list[Any] = []  # no claim of ours: none to be cancelled
     gone: list[str] = []
@@ -120,6 +143,33 @@ def changes(
         gone,
         next_due(tx),
     )
+
+
+def _pg_changes(
+    tx: Tx,
+    owner_id: str,
+    local_sessions: Sequence[str],
+    owned_executions: Sequence[str],
+    doorbell_limit: int,
+) -> Changes:
+    """`changes` without watched sessions, in one call of `ts_changes` (as the statements
+    of `changes` read it: gone claims looked up only while we hold at most `_IN_CHUNK`)."""
+    rows = tx.call(
+        "ts_changes",
+        owner_id,
+        list(local_sessions),
+        list(owned_executions),
+        len(owned_executions) > _IN_CHUNK,
+        doorbell_limit,
+    )
+    found: dict[str, list[str]] = {"doorbell": [], "cancelling": [], "gone": []}
+    next_due_ms = None
+    for kind, key, due_ms in rows:
+        if kind == "due":
+            next_due_ms = None if due_ms is None else int(due_ms)
+        else:
+            found[kind].append(str(key))
+    return Changes(found["doorbell"], found["cancelling"], NO_CHANGE, found["gone"], next_due_ms)
 
 
 def watched_changes(tx: Tx, watched: Mapping[str, Followed]) -> Watched:
@@ -330,3 +380,43 @@ _SNAPSHOT_COLUMNS = (
     "m.session_id, m.id, m.role, m.seq, m.data, m.execution_id, m.input_id, m.version,"
     f" {_VERSION}, m.finished"
 )
+
+
+# ---------------------------------------------------------------------------------------------
+# PostgreSQL: this family's server-side functions (created by `_schema`'s migrations; see
+# `_store.pg_functions` for their conventions)
+
+PG_FUNCTIONS = r"""
+-- The change scan without watched sessions (`changes`), in one call: STABLE, so its
+-- statements read the one snapshot of the calling statement. Rows (kind, id, due_ms), in
+-- this order: 'doorbell' for each session with a set doorbell and no claim row, not paused
+-- and not in p_local, oldest wake first, at most p_limit; 'cancelling' for each claim of
+-- this owner marked cancelling - among p_owned, or (p_scan) among all of the owner's;
+-- 'gone' for each of p_owned with no claim row of this owner (not with p_scan); last one
+-- 'due' row: ms until the earliest scheduled input falls due (<= 0: due; NULL: none).
+CREATE OR REPLACE FUNCTION ts_changes(p_owner text, p_local text[], p_owned text[],
+    p_scan boolean, p_limit bigint, p_now bigint, p_retry boolean)
+RETURNS TABLE(kind text, id text, due_ms bigint)
+LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    IF p_limit > 0 THEN
+        RETURN QUERY SELECT 'doorbell', s.id, NULL::bigint FROM session s
+            WHERE s.time_woken IS NOT NULL AND s.time_paused IS NULL
+            AND NOT EXISTS (SELECT 1 FROM session_execution e WHERE e.session_id = s.id)
+            AND NOT (s.id = ANY(p_local))
+            ORDER BY s.time_woken, s.id LIMIT p_limit;
+    END IF;
+    IF p_scan THEN
+        RETURN QUERY SELECT 'cancelling', c.id, NULL::bigint FROM session_execution c
+            WHERE c.owner_id = p_owner AND c.phase = 'cancelling';
+    ELSIF cardinality(p_owned) > 0 THEN
+        RETURN QUERY SELECT 'cancelling', c.id, NULL::bigint FROM session_execution c
+            WHERE c.id = ANY(p_owned) AND c.owner_id = p_owner AND c.phase = 'cancelling';
+        RETURN QUERY SELECT 'gone', o.e, NULL::bigint FROM unnest(p_owned) AS o(e)
+            WHERE NOT EXISTS (SELECT 1 FROM session_execution c
+                              WHERE c.id = o.e AND c.owner_id = p_owner);
+    END IF;
+    RETURN QUERY SELECT 'due', NULL::text,
+        (SELECT MIN(i.due_at) FROM session_input i WHERE i.due_at IS NOT NULL) - ts_now(p_now);
+END $$;
+"""

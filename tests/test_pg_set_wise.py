@@ -1,0 +1,392 @@
+"""PostgreSQL's set-wise group commit of `submit_and_acquire` (`ts_submit_and_acquire_many`,
+DESIGN §8 "One round trip per operation"): a batch's common jobs - the first of their
+session, a new input id named once, a session free to claim - are settled by one statement
+without the row function (`ts_submit_and_acquire`), each as that function answers it; the
+rest go through the row function in the lock order; and a whole batch (every set-wise kind
+mixed) ends as the same jobs run alone, one by one, in the order the batch ran them.
+Exact clocks (`fixed`), the engine's own transactions; the SQLite twin is
+tests/store/test_set_wise.py.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg
+import pytest
+from helpers import opened
+from psycopg import sql
+
+from trio_sessions import _backend, _store
+from trio_sessions._postgres import PgEngine, PgTx, PostgresStore, connect, run_op
+
+LEASE_MS = 30_000
+ME, OTHER = "owner-a", "owner-b"
+TABLES = (
+    "session",
+    "session_input",
+    "session_execution",
+    "session_message",
+    "session_input_rejected",
+    "session_recovery",
+)
+
+
+def fixed(seconds: float) -> Callable[[], float]:
+    """A lease clock stopped at `seconds` (ms = seconds * 1000)."""
+    return lambda: seconds
+
+
+@contextmanager
+def engine_at(url: str, schema: str, seconds: float) -> Iterator[PgEngine]:
+    with opened(PostgresStore(url, schema=schema).engine(fixed(seconds))) as engine:
+        yield engine
+
+
+@contextmanager
+def raw(url: str, schema: str) -> Iterator[psycopg.Connection[Any]]:
+    with psycopg.connect(url, autocommit=True, options=f"-c search_path={schema}") as conn:
+        yield conn
+
+
+def test_a_batch_of_submits_is_settled_without_the_row_function(
+    pg_url: str, pg_schema: str
+) -> None:
+    """`ts_submit_and_acquire_many` settles the common submits - a new session, an idle one
+    whose doorbell is set (taken by the claim), one with resumes counted - in one statement,
+    each as `ts_submit_and_acquire` answers it, and calls the row function only for what the
+    set leaves to it: a held session, a paused one, a known input id, another session's
+    input id, a session's second job, an input id named twice."""
+    with engine_at(pg_url, pg_schema, 1.0) as engine:
+        run_op(engine, _store.submit, "rung", '{"k": 1}', "in-rung")  # doorbell set, no claim
+        run_op(engine, _store.submit, "idle", '{"k": 1}', "in-idle")
+        run_op(engine, _store.acquire, "idle", "e-idle", ME, LEASE_MS)
+        run_op(engine, _store.take_inputs, "idle", "e-idle", ME)
+        run_op(engine, _store.end_iteration, "idle", "e-idle", ME)
+        run_op(engine, _store.wake, "held")
+        run_op(engine, _store.acquire, "held", "e-held", OTHER, LEASE_MS)
+        run_op(engine, _store.submit, "paused", '{"k": 1}', "in-paused")
+        run_op(engine, _store.pause, "paused")
+        run_op(engine, _store.submit, "known", '{"k": 1}', "in-known")
+    with raw(pg_url, pg_schema) as conn:
+        conn.execute("UPDATE session SET wake_attempts = 2 WHERE id = 'idle'")
+    jobs = [
+        ("new", '{"n": 1}', "in-new", "x-new", ME, LEASE_MS),
+        ("rung", '{"n": 1}', "in-rung-2", "x-rung", ME, LEASE_MS),
+        ("idle", '{"n": 1}', "in-idle-2", "x-idle", ME, LEASE_MS),
+        ("held", '{"n": 1}', "in-held", "x-held", ME, LEASE_MS),
+        ("paused", '{"n": 1}', "in-paused-2", "x-paused", ME, LEASE_MS),
+        ("known", '{"k": 1}', "in-known", "x-known", ME, LEASE_MS),
+        ("elsewhere", '{"k": 1}', "in-known", "x-elsewhere", ME, LEASE_MS),
+        ("twice", '{"n": 1}', "in-twice-1", "x-twice-1", ME, LEASE_MS),
+        ("twice", '{"n": 2}', "in-twice-2", "x-twice-2", ME, LEASE_MS),
+        ("dup-a", '{"n": 1}', "in-dup", "x-dup-a", ME, LEASE_MS),
+        ("dup-b", '{"n": 1}', "in-dup", "x-dup-b", ME, LEASE_MS),
+    ]
+    conn = connect(pg_url, pg_schema)
+    try:
+        conn.execute("SET track_functions = 'pl'")
+        tx = PgTx(conn, fixed(2.0))
+        rows = tx.call(
+            "ts_submit_and_acquire_many", *(list(column) for column in zip(*jobs, strict=True))
+        )
+        row_calls = conn.execute(
+            "SELECT COALESCE(sum(calls), 0) FROM pg_stat_xact_user_functions"
+            " WHERE funcname = 'ts_submit_and_acquire'"
+        ).fetchone()
+        conn.commit()
+    finally:
+        conn.close()
+    # The two jobs naming one input id run in the lock order: the first stores it.
+    with raw(pg_url, pg_schema) as check:
+        [(a_first,)] = check.execute(
+            "SELECT (hashtext('dup-a'), 'dup-a') < (hashtext('dup-b'), 'dup-b')"
+        ).fetchall()
+    stored, other = ("stored", "claim", 0, None), ("other_session", None, None, None)
+    assert sorted(rows, key=lambda row: row[0]) == [
+        (1, "stored", "claim", 0, None),
+        (2, "stored", "claim", 0, None),
+        (3, "stored", "claim", 2, None),
+        (4, "stored", "held", None, OTHER),
+        (5, "stored", "paused", None, None),
+        (6, "known", "claim", 0, None),  # its doorbell still set: this call takes it
+        (7, "other_session", None, None, None),
+        (8, "stored", "claim", 0, None),
+        (9, "stored", "held", None, ME),  # the session's second job: its first claimed it
+        (10, *(stored if a_first else other)),
+        (11, *(other if a_first else stored)),
+    ]
+    # held, paused, known, elsewhere, the second of twice, both of the input named twice
+    assert row_calls == (7,)
+    with raw(pg_url, pg_schema) as check:
+        assert check.execute(
+            "SELECT session_id, id, owner_id, expires_at, time_created FROM session_execution"
+            " WHERE id LIKE 'x-%' ORDER BY session_id"
+        ).fetchall() == [
+            (session_id, f"x-{name}", ME, 2000 + LEASE_MS, 2000)
+            for session_id, name in [
+                ("dup-a" if a_first else "dup-b", "dup-a" if a_first else "dup-b"),
+                ("idle", "idle"),
+                ("known", "known"),
+                ("new", "new"),
+                ("rung", "rung"),
+                ("twice", "twice-1"),
+            ]
+        ]
+        assert check.execute(
+            "SELECT id, time_woken IS NOT NULL, wakes, input_seq, wake_attempts FROM session"
+            " WHERE id IN ('new', 'rung', 'idle', 'twice', 'held', 'paused') ORDER BY id"
+        ).fetchall() == [
+            ("held", True, 1, 1, 0),  # its doorbell taken by the claim, rung by the submit
+            ("idle", False, 0, 2, 2),
+            ("new", False, 0, 1, 0),
+            ("paused", True, 2, 2, 0),
+            ("rung", False, 0, 2, 0),  # the claim took the doorbell
+            ("twice", True, 1, 2, 0),  # the second input rang the claimed session
+        ]
+        assert check.execute(
+            "SELECT id, session_id, seq, payload, time_created FROM session_input"
+            " WHERE id IN ('in-new', 'in-rung-2', 'in-idle-2') ORDER BY id"
+        ).fetchall() == [
+            ("in-idle-2", "idle", 2, '{"n": 1}', 2000),
+            ("in-new", "new", 1, '{"n": 1}', 2000),
+            ("in-rung-2", "rung", 2, '{"n": 1}', 2000),
+        ]
+
+
+def _row_calls(conn: psycopg.Connection[Any], function: str) -> Any:
+    return conn.execute(
+        "SELECT COALESCE(sum(calls), 0) FROM pg_stat_xact_user_functions WHERE funcname = %s",
+        (function,),
+    ).fetchone()
+
+
+def test_a_batch_of_acquires_is_settled_without_the_row_function(
+    pg_url: str, pg_schema: str
+) -> None:
+    """`ts_acquire_many` and `ts_wake_and_acquire_many` take the claims of the first job of
+    each session free to claim in one statement (acquire: its doorbell set; wake and
+    acquire: the session created if absent), each as the row function answers it, and call
+    the row function only for the rest: a held, paused or unrung session, a session's
+    second job."""
+    with engine_at(pg_url, pg_schema, 1.0) as engine:
+        for session_id in ("rung", "twice", "unrung", "held", "paused", "idle", "w-held"):
+            run_op(engine, _store.submit, session_id, '{"k": 1}', f"in-{session_id}")
+        for session_id in ("unrung", "held", "w-held"):
+            run_op(engine, _store.acquire, session_id, f"e-{session_id}", OTHER, LEASE_MS)
+        run_op(engine, _store.end_iteration, "unrung", "e-unrung", OTHER)
+        run_op(engine, _store.pause, "paused")
+    with raw(pg_url, pg_schema) as conn:
+        conn.execute("UPDATE session SET wake_attempts = 3 WHERE id = 'rung'")
+    acquires = [
+        ("rung", "x-rung", ME, LEASE_MS),
+        ("twice", "x-twice-1", ME, LEASE_MS),
+        ("twice", "x-twice-2", ME, LEASE_MS),
+        ("unrung", "x-unrung", ME, LEASE_MS),
+        ("held", "x-held", ME, LEASE_MS),
+        ("paused", "x-paused", ME, LEASE_MS),
+        ("missing", "x-missing", ME, LEASE_MS),
+    ]
+    wakes = [
+        ("new", "x-new", ME, LEASE_MS),
+        ("idle", "x-idle", ME, LEASE_MS),
+        ("w-held", "x-w-held", ME, LEASE_MS),
+    ]
+    conn = connect(pg_url, pg_schema)
+    try:
+        conn.execute("SET track_functions = 'pl'")
+        tx = PgTx(conn, fixed(2.0))
+        acquired = tx.call("ts_acquire_many", *(list(c) for c in zip(*acquires, strict=True)))
+        woken = tx.call("ts_wake_and_acquire_many", *(list(c) for c in zip(*wakes, strict=True)))
+        calls = (_row_calls(conn, "ts_acquire"), _row_calls(conn, "ts_wake_and_acquire"))
+        conn.commit()
+    finally:
+        conn.close()
+    assert sorted(acquired) == [
+        (1, "claim", 3, None),
+        (2, "claim", 0, None),
+        (3, "held", None, ME),
+        (4, "no_doorbell", None, None),
+        (5, "held", None, OTHER),
+        (6, "paused", None, None),
+        (7, "no_doorbell", None, None),
+    ]
+    assert sorted(woken) == [(1, "claim", 0, None), (2, "claim", 0, None), (3, "held", None, OTHER)]
+    assert calls == ((5,), (1,))  # twice's second, unrung, held, paused, missing; w-held
+    with raw(pg_url, pg_schema) as check:
+        assert check.execute(
+            "SELECT session_id, id, expires_at FROM session_execution WHERE owner_id = %s"
+            " ORDER BY session_id",
+            (ME,),
+        ).fetchall() == [
+            (session_id, f"x-{name}", 2000 + LEASE_MS)
+            for session_id, name in (
+                ("idle", "idle"),
+                ("new", "new"),
+                ("rung", "rung"),
+                ("twice", "twice-1"),
+            )
+        ]
+        assert check.execute(
+            "SELECT id, time_woken IS NOT NULL, wakes, time_created FROM session"
+            " WHERE id IN ('rung', 'twice', 'idle', 'new', 'w-held') ORDER BY id"
+        ).fetchall() == [
+            ("idle", False, 0, 1000),  # the claim took its doorbell
+            ("new", False, 0, 2000),  # created, the wake taken at once
+            ("rung", False, 0, 1000),
+            ("twice", False, 0, 1000),
+            ("w-held", True, 1, 1000),  # held elsewhere: the wake is recorded
+        ]
+
+
+# ---------------------------------------------------------------------------------------------
+# The same outcome as one by one: random batches over sessions in every state the batched
+# kinds tell apart, against the same jobs run alone in another schema, in the order the
+# batch ran them.
+
+
+def _setup(engine: PgEngine, conn: psycopg.Connection[Any], seed: int, sessions: list[str]) -> None:
+    rng = random.Random(seed)
+    for s in sessions:
+        state = rng.choice(
+            ["none", "idle", "woken", "paused", "mine", "other", "expired", "cancelling", "open"]
+        )
+        if state == "none":
+            continue
+        run_op(engine, _store.submit, s, '{"k": 1}', f"in-known-{s}")
+        if state == "woken":
+            continue
+        owner = OTHER if state == "other" else ME
+        run_op(engine, _store.acquire, s, f"exec-{s}", owner, LEASE_MS)
+        if state == "idle":
+            run_op(engine, _store.take_inputs, s, f"exec-{s}", ME)
+            run_op(engine, _store.end_iteration, s, f"exec-{s}", ME)
+            continue
+        if state == "paused":
+            run_op(engine, _store.pause, s)
+        if state == "expired":
+            conn.execute(
+                "UPDATE session_execution SET expires_at = 2000 WHERE id = %s", (f"exec-{s}",)
+            )
+        if state == "cancelling":
+            run_op(engine, _store.mark_cancelling, s, f"exec-{s}", ME)
+        if state == "open":
+            run_op(engine, _store.begin_assistant, s, f"exec-{s}", ME, f"m-{s}")
+        if rng.random() < 0.4:
+            run_op(engine, _store.wake, s)
+        if rng.random() < 0.3:
+            conn.execute("UPDATE session SET wake_attempts = 2 WHERE id = %s", (s,))
+
+
+def _jobs(rng: random.Random, sessions: list[str]) -> list[_backend.Job]:
+    """A batch of every set-wise kind; refusals (a lost lease, a conflicting input) are rare,
+    as one rolls the whole batch back (its jobs then run alone)."""
+    jobs = []
+    for n in range(rng.randint(2, 12)):
+        s = rng.choice(sessions)
+        kind = rng.random()
+        if kind < 0.25:
+            jobs.append(_backend.Job(_store.acquire, (s, f"x-{n}", ME, LEASE_MS)))
+        elif kind < 0.5:
+            jobs.append(_backend.Job(_store.wake_and_acquire, (s, f"x-{n}", ME, LEASE_MS)))
+        elif kind < 0.9:
+            input_id = rng.choice([f"in-{n}", f"in-{n}", f"in-{n}", f"in-known-{s}", "in-twice"])
+            payload = '{"k": 2}' if rng.random() < 0.1 else '{"k": 1}'
+            jobs.append(
+                _backend.Job(
+                    _store.submit_and_acquire, (s, payload, input_id, f"x-{n}", ME, LEASE_MS)
+                )
+            )
+        else:
+            execution = f"exec-{s}" if rng.random() < 0.8 else "exec-wrong"
+            owner = ME if rng.random() < 0.8 else OTHER
+            jobs.append(_backend.Job(_store.end_iteration, (s, execution, owner)))
+    return jobs
+
+
+def _recording(op: Callable[..., Any], index: dict[tuple[Any, ...], int], log: list[int]) -> Any:
+    """`op`, noting in `log` each job (by its index) as it is settled: by its kind's set-wise
+    call (in the order of the rows it returns) or run on its own."""
+    function, interpret = op.__dict__["pg_batched"]
+
+    def recorded_interpret(args: tuple[Any, ...], row: tuple[Any, ...]) -> Any:
+        result = interpret(args, row)
+        if result is not _backend.FALLBACK:
+            log.append(index[args])
+        return result
+
+    def alone(tx: Any, *args: Any) -> Any:
+        result = op(tx, *args)
+        log.append(index[args])
+        return result
+
+    alone.__dict__.update(op.__dict__)
+    alone.__dict__["pg_batched"] = (function, recorded_interpret)
+    return alone
+
+
+def _outcome(job: _backend.Job) -> Any:
+    return ("error", type(job.error)) if job.error is not None else ("ok", job.result)
+
+
+def _tables(conn: psycopg.Connection[Any]) -> dict[str, list[Any]]:
+    """Every row of every table - but a user message's id, random on the server."""
+    return {
+        table: sorted(
+            conn.execute(
+                f"SELECT * FROM {table}"
+                if table != "session_message"
+                else "SELECT CASE WHEN role = 'user' THEN NULL ELSE id END,"
+                " session_id, execution_id, input_id, role, seq, data, finished"
+                " FROM session_message"
+            ).fetchall(),
+            key=repr,
+        )
+        for table in TABLES
+    }
+
+
+@pytest.fixture
+def reference_schema(pg_url: str) -> Iterator[str]:
+    """A second fresh schema, where the batch's jobs run alone."""
+    import uuid
+
+    name = f"test_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(name)))
+    yield name
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(name)))
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_a_set_wise_batch_ends_as_its_jobs_alone(
+    pg_url: str, pg_schema: str, reference_schema: str, seed: int
+) -> None:
+    rng = random.Random(seed)
+    sessions = [f"s{i}" for i in range(rng.randint(2, 6))]
+    jobs = _jobs(random.Random(seed + 1000), sessions)
+    index = {job.args: i for i, job in enumerate(jobs)}
+    log: list[int] = []
+    ops = {op: _recording(op, index, log) for op in {job.op for job in jobs}}
+    batch = [_backend.Job(ops[job.op], job.args) for job in jobs]
+    with engine_at(pg_url, pg_schema, 1.0) as engine, raw(pg_url, pg_schema) as conn:
+        _setup(engine, conn, seed, sessions)
+    with engine_at(pg_url, pg_schema, 3.0) as engine:
+        engine.run_batch(batch)
+        rolled_back = engine.transactions > 1  # the batch raised: each job ran alone
+    order = list(range(len(jobs))) if rolled_back else log
+    assert sorted(order) == list(range(len(jobs)))
+
+    alone = [_backend.Job(job.op, job.args) for job in jobs]
+    with engine_at(pg_url, reference_schema, 1.0) as engine, raw(pg_url, reference_schema) as conn:
+        _setup(engine, conn, seed, sessions)
+    with engine_at(pg_url, reference_schema, 3.0) as engine:
+        for i in order:
+            engine.run_batch([alone[i]])
+    assert [_outcome(job) for job in batch] == [_outcome(job) for job in alone]
+    with raw(pg_url, pg_schema) as mine, raw(pg_url, reference_schema) as theirs:
+        assert _tables(mine) == _tables(theirs)
