@@ -71,27 +71,12 @@ class Recovery:
         if limit == 0:
             return Scan(0, [], 0, [])
         limit = min(limit, self.batch)
-        leased: list[Candidate] = []
-        if self._db.backend == "sqlite":
-            # One transaction: the scan holds SQLite's only write lock, so it writes the
-            # leases too (a transaction and a hand-off fewer per pass).
-            candidates, free_owners, leased = await self._db.run(
-                scan_and_lease, self._owner_id, limit, local_sessions, sorted(gone), self._lease_ms
-            )
-            expired = [c for c in candidates if c.execution_id is not None]
-        else:
-            candidates, free_owners = await self._db.run(
-                _store.candidates_and_free_tokens,
-                self._owner_id,
-                limit,
-                local_sessions,
-                sorted(gone),
-            )
-            expired = [c for c in candidates if c.execution_id is not None]
-            if expired:
-                leased = await self._db.run(
-                    _store.take_recovery_leases, self._owner_id, self._lease_ms, expired
-                )
+        # One transaction: the scan and the leases on what it found (SQLite: under its only
+        # write lock; PostgreSQL: one autocommit call, the claim rows locked to its COMMIT).
+        candidates, free_owners, leased = await self._db.run(
+            scan_and_lease, self._owner_id, limit, local_sessions, sorted(gone), self._lease_ms
+        )
+        expired = [c for c in candidates if c.execution_id is not None]
         doorbells = [c for c in candidates if c.execution_id is None]
         return Scan(len(candidates), leased, len(expired) - len(leased), doorbells, free_owners)
 
