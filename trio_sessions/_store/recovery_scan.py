@@ -24,6 +24,7 @@ import attrs
 from .._backend import Tx, autocommit_when_alone
 from .._liveness import _HELD as _TOKEN_HELD
 from .common import _IN_CHUNK, _chunks, _in_list, not_in
+from .control import next_due
 
 
 @attrs.frozen
@@ -99,10 +100,11 @@ def scan_and_lease(
     local_sessions: Sequence[str],
     gone_owners: Sequence[str],
     lease_ms: int,
-) -> tuple[list[Candidate], set[str], list[Candidate]]:
+) -> tuple[list[Candidate], set[str], list[Candidate], int | None]:
     """A recovery pass's scan (`recovery_candidates`), every owner whose liveness token is
-    free now, and the recovery leases on the expired claims found, in one transaction:
-    (candidates, free owners, leased candidates).
+    free now, the recovery leases on the expired claims found, and when the next scheduled
+    input falls due (`control.next_due`), in one transaction: (candidates, free owners,
+    leased candidates, ms until due or None).
 
     No claim the scan read can be taken over or removed before its lease is written - the
     scan holds SQLite's only write lock, or on PostgreSQL the claim rows it returns locked
@@ -116,7 +118,8 @@ def scan_and_lease(
     free = tx.free_tokens(None)
     expired = [candidate for candidate in candidates if candidate.execution_id is not None]
     taken = _upsert_leases(tx, owner_id, lease_ms, expired)
-    return candidates, free, [candidate for candidate in expired if candidate.execution_id in taken]
+    leased = [candidate for candidate in expired if candidate.execution_id in taken]
+    return candidates, free, leased, next_due(tx)
 
 
 def _pg_scan_and_lease(
@@ -126,18 +129,23 @@ def _pg_scan_and_lease(
     local_sessions: Sequence[str],
     gone_owners: Sequence[str],
     lease_ms: int,
-) -> tuple[list[Candidate], set[str], list[Candidate]]:
+) -> tuple[list[Candidate], set[str], list[Candidate], int | None]:
     """`scan_and_lease` on PostgreSQL: one `ts_recovery_scan` call. Its rows are the
     candidates in scan order - kind `leased` (an expired claim whose lease we hold now),
     `lost` (an expired claim whose lease another owner holds), `doorbell` - then one row of
-    kind `free` per owner whose token is free (the owner in the session column)."""
+    kind `free` per owner whose token is free (the owner in the session column), then one
+    of kind `due` (ms until the next scheduled input falls due, or NULL)."""
     rows = tx.call(
         "ts_recovery_scan", owner_id, limit, list(local_sessions), list(gone_owners), lease_ms
     )
     candidates: list[Candidate] = []
     leased: list[Candidate] = []
     free: set[str] = set()
-    for kind, session_id, execution_id in rows:
+    due: int | None = None
+    for kind, session_id, execution_id, due_in in rows:
+        if kind == "due":
+            due = None if due_in is None else int(due_in)
+            continue
         if kind == "free":
             free.add(str(session_id))
             continue
@@ -145,7 +153,7 @@ def _pg_scan_and_lease(
         candidates.append(candidate)
         if kind == "leased":
             leased.append(candidate)
-    return candidates, free, leased
+    return candidates, free, leased, due
 
 
 @autocommit_when_alone
@@ -312,14 +320,15 @@ END $$;
 -- candidates of `ts_recovery_candidates` - whose claim rows stay locked (FOR NO KEY
 -- UPDATE) until this call commits, so none is taken over or removed before its lease is
 -- written: nothing to undo - the leases upserted on the expired ones (absent, expired or
--- ours, never a quarantined row), then the owners whose liveness token is free now. Rows
--- (kind, session, execution) in scan order: `leased`, `lost` (another owner's lease),
--- `doorbell`; then `free` (the owner in the session column). Idempotent: a retry after a
--- lost reply takes our own leases again. No generic plan (@GENERIC_PLAN@): the setting
+-- ours, never a quarantined row), then the owners whose liveness token is free now and when
+-- the next scheduled input falls due (`next_due`). Rows (kind, session, execution, due) in
+-- scan order: `leased`, `lost` (another owner's lease), `doorbell`; then `free` (the owner
+-- in the session column); then one `due` (ms from now, NULL for none). Idempotent: a retry
+-- after a lost reply takes our own leases again. No generic plan (@GENERIC_PLAN@): the setting
 -- would reach the scan's own statements, whose index walk needs the limit and the clock.
 CREATE OR REPLACE FUNCTION ts_recovery_scan(p_owner text, p_limit bigint, p_local text[],
     p_gone text[], p_lease bigint, p_now bigint, p_retry boolean)
-RETURNS TABLE(scan_kind text, scan_session text, scan_execution text)
+RETURNS TABLE(scan_kind text, scan_session text, scan_execution text, scan_due bigint)
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     v_now bigint;
@@ -339,13 +348,16 @@ BEGIN
             AND (r.owner_id = excluded.owner_id OR r.expires_at <= excluded.time_created)
         RETURNING r.execution_id)
     SELECT CASE WHEN f.e IS NULL THEN 'doorbell'
-                WHEN l.execution_id IS NOT NULL THEN 'leased' ELSE 'lost' END, f.s, f.e
+                WHEN l.execution_id IS NOT NULL THEN 'leased' ELSE 'lost' END, f.s, f.e,
+        NULL::bigint
     FROM found f LEFT JOIN leased l ON l.execution_id = f.e
     ORDER BY f.n;
-    RETURN QUERY SELECT 'free'::text, o.owner_id, NULL::text FROM session_owner o
-        WHERE NOT """
+    RETURN QUERY SELECT 'free'::text, o.owner_id, NULL::text, NULL::bigint
+        FROM session_owner o WHERE NOT """
     + _TOKEN_HELD
     + r""";
+    RETURN QUERY SELECT 'due'::text, NULL::text, NULL::text, MIN(i.due_at) - v_now
+        FROM session_input i WHERE i.due_at IS NOT NULL;
 END $$;
 """
 )
