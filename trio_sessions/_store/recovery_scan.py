@@ -1,6 +1,7 @@
 """The recovery scan: which expired claims and unclaimed doorbells a recovery pass looks at
 (`recovery_candidates`), and the recovery leases it takes on them (`take_recovery_leases`)
-before `recovery` applies its decision.
+before `recovery` applies its decision. A pass does both, and its look at the next due
+input, in one transaction (`scan_and_lease`).
 
 Invariants kept here:
 * quarantined executions, executions under another owner's live recovery lease, sessions
