@@ -745,7 +745,9 @@ async def test_upgrade_of_a_version_2_postgres_schema_keeps_pending_inputs_due(
     # 3: owner liveness; 4: conversation control; 5: the server-side functions; 6: one
     # notification per transaction, the set-wise append, watchers-only signals
     # 7: a cancelling claim's iteration end rings for untaken inputs;
-    # 8: a stream's read in one call; 9: set-wise recovery and iteration ends
+    # 8: a stream's read in one call; 9: set-wise recovery and iteration ends;
+    # 10: set-wise submits and acquires, the change scan and a recovery pass's scan and
+    # leases each in one call
     assert _postgres.SCHEMA_VERSION == 10
     assert drain.taken == ["old"]
     assert raw.rows("SELECT time_paused FROM session") == [(None,)]

@@ -57,6 +57,7 @@ from trio_sessions._backend import Job
 from trio_sessions._codec import encode_assistant
 from trio_sessions._loops import CHANGE_FALLBACK_POLL
 from trio_sessions._postgres import SESSION_LOCK_NAMESPACE, PgEngine, PostgresStore, run_op
+from trio_sessions._store.recovery_scan import scan_and_lease
 
 T0 = 1_800_000_000.0
 LEASE_MS = 30_000
@@ -725,6 +726,12 @@ OPERATIONS = [
         one(_store.candidates_and_free_tokens, RESCUER, 10, [], []),
         writes=False,
         locks=True,
+    ),
+    # A recovery pass's scan and its leases in one autocommit call (`ts_recovery_scan`).
+    Operation(
+        "recovery-scan-and-lease",
+        steps(claimed, lapse),
+        one(scan_and_lease, RESCUER, 10, [], [], LEASE_MS),
     ),
     Operation("lift_quarantine", quarantined, one(_store.lift_quarantine, "e1", RESCUER, LEASE_MS)),
     Operation("drop_quarantined", quarantined, one(_store.drop_quarantined, "e1")),

@@ -214,7 +214,9 @@ async def test_upgrade_of_a_version_1_schema_adds_streaming(pg_url: str, pg_sche
     # 2: streaming; 3: owner liveness; 4: conversation control; 5: the server-side functions;
     # 6: one notification per transaction, the set-wise append, watchers-only signals
     # 7: a cancelling claim's iteration end rings for untaken inputs;
-    # 8: a stream's read in one call; 9: set-wise recovery and iteration ends
+    # 8: a stream's read in one call; 9: set-wise recovery and iteration ends;
+    # 10: set-wise submits and acquires, the change scan and a recovery pass's scan and
+    # leases each in one call
     assert SCHEMA_VERSION == 10
     await check_pre_streaming_upgrade(location, PostgresStore(pg_url, schema=pg_schema))
 

@@ -301,6 +301,42 @@ async def test_unclaimed_doorbell_is_acquired(
     assert drain.taken == ["in"] and drain.calls[0].resumed is False
 
 
+async def test_a_pass_fires_due_inputs_also_with_no_room_to_scan(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """A scheduled input that fell due unseen (written by another process, no signal) is
+    promoted by the next pass - its due look travels with the scan, and still happens
+    when max_active leaves no room for a scan."""
+    busy, gate = trio.Event(), trio.Event()
+    started: list[str] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        started.append(ctx.session_id)
+        if ctx.session_id == "busy":
+            busy.set()
+            await gate.wait()
+        await ctx.take_inputs()
+
+    raw = Raw(db_path)
+    async with runtime(store, drain, clock, max_active=1, **QUIET) as rt:
+        await rt.submit("busy", {"n": 1})
+        await busy.wait()
+        raw.write("INSERT INTO session(id, time_created) VALUES ('s', 0)")
+        raw.write(
+            "INSERT INTO session_input(id, session_id, seq, payload, time_created, due_at)"
+            " VALUES ('in', 's', 1, '{\"a\": 1}', 0, 1)"
+        )
+        report = await rt.recover_once()
+        assert report.examined == 0  # no room: no scan
+        assert raw.rows("SELECT due_at FROM session_input WHERE id = 'in'") == [(None,)]
+        assert raw.rows("SELECT time_woken IS NOT NULL FROM session WHERE id = 's'") == [(1,)]
+        gate.set()
+        await rt.wait_idle("busy")
+        await rt.recover_once()  # room now: the pass finds the doorbell the due look rang
+        await rt.wait_idle("s")
+    assert started == ["busy", "s"]
+
+
 async def test_exclusions_never_use_the_budget(
     store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
 ) -> None:

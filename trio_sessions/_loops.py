@@ -100,17 +100,18 @@ class BackgroundLoops:
         # Owners whose liveness token stayed free for the grace, as last seen: their live
         # claims count as expired (re-checked in the takeover's own transaction).
         gone = runtime._gone_owners.gone(trio.current_time())
-        # Scheduled inputs that fell due while no timer ran (a restart) ring their doorbells
-        # first, so this very pass starts them; the timer is armed for the rest.
-        next_due = await runtime._db.read(_store.next_due)
-        if next_due is not None and next_due <= 0:
-            next_due = await self.fire_due()
-        runtime._due.arm(next_due)
         # With max_active, take recovery leases only on what this runtime has room for: a
         # lease it would not act on keeps the row from every other runtime for a lease.
         scan = await runtime._recovery.scan(
             list(runtime._entries), runtime._busy.capacity_left(runtime._recovery.batch), gone
         )
+        # Scheduled inputs that fell due while no timer ran (a restart) ring their doorbells
+        # (the scan's transaction looked), so this very pass starts them; the timer is armed
+        # for the rest.
+        next_due = scan.next_due
+        if next_due is not None and next_due <= 0:
+            next_due = await self.fire_due()
+        runtime._due.arm(next_due)
         if scan.free_owners is not None:  # sightings for the next pass (no extra look)
             runtime._gone_owners.observe(
                 scan.free_owners - {runtime._owner_id}, trio.current_time()

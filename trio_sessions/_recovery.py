@@ -39,12 +39,14 @@ _REPORT_KEYS = {
 
 @attrs.frozen
 class Scan:
-    """One pass's candidates: expired claims whose recovery lease we took, and doorbells."""
+    """One pass's candidates: expired claims whose recovery lease we took, and doorbells;
+    and when the next scheduled input falls due (ms from now, None for none)."""
 
     examined: int
     leased: list[Candidate]
     fence_lost: int
     doorbells: list[Candidate]
+    next_due: int | None
     # Owners whose liveness token the scan's transaction found free (None: no scan ran).
     free_owners: set[str] | None = None
 
@@ -67,33 +69,22 @@ class Recovery:
         self, local_sessions: Sequence[str], limit: int, gone: frozenset[str] = frozenset()
     ) -> Scan:
         """Find at most `limit` candidates (at most `batch`) and take a recovery lease on
-        each expired claim, counting the claims of `gone` owners as expired."""
+        each expired claim, counting the claims of `gone` owners as expired; and read when
+        the next scheduled input falls due."""
         if limit == 0:
-            return Scan(0, [], 0, [])
+            return Scan(0, [], 0, [], await self._db.read(_store.next_due))
         limit = min(limit, self.batch)
-        leased: list[Candidate] = []
-        if self._db.backend == "sqlite":
-            # One transaction: the scan holds SQLite's only write lock, so it writes the
-            # leases too (a transaction and a hand-off fewer per pass).
-            candidates, free_owners, leased = await self._db.run(
-                scan_and_lease, self._owner_id, limit, local_sessions, sorted(gone), self._lease_ms
-            )
-            expired = [c for c in candidates if c.execution_id is not None]
-        else:
-            candidates, free_owners = await self._db.run(
-                _store.candidates_and_free_tokens,
-                self._owner_id,
-                limit,
-                local_sessions,
-                sorted(gone),
-            )
-            expired = [c for c in candidates if c.execution_id is not None]
-            if expired:
-                leased = await self._db.run(
-                    _store.take_recovery_leases, self._owner_id, self._lease_ms, expired
-                )
+        # One transaction: the scan, the leases on what it found (SQLite: under its only
+        # write lock; PostgreSQL: one autocommit call, the claim rows locked to its COMMIT)
+        # and the due-input look (no hand-off of its own).
+        candidates, free_owners, leased, next_due = await self._db.run(
+            scan_and_lease, self._owner_id, limit, local_sessions, sorted(gone), self._lease_ms
+        )
+        expired = [c for c in candidates if c.execution_id is not None]
         doorbells = [c for c in candidates if c.execution_id is None]
-        return Scan(len(candidates), leased, len(expired) - len(leased), doorbells, free_owners)
+        return Scan(
+            len(candidates), leased, len(expired) - len(leased), doorbells, next_due, free_owners
+        )
 
     async def apply(
         self, items: list[tuple[Candidate, str]], gone: frozenset[str] = frozenset()

@@ -296,9 +296,10 @@ ALTER TABLE session ADD COLUMN time_paused BIGINT;
     # The functions again, no table changes: recovery set-wise in one call (`ts_recover`,
     # `ts_take_recovery_leases`), a batch's iteration ends set-wise (`ts_finish_iterations`).
     9: "",
-    # The functions again, no table changes: a batch's submit_and_acquire jobs set-wise in
-    # one statement (`ts_submit_and_acquire_many`), the change scan in one call
-    # (`ts_changes`).
+    # The functions again, no table changes: a batch's submit_and_acquire, acquire and
+    # wake_and_acquire jobs set-wise in one statement (`ts_submit_and_acquire_many`,
+    # `ts_acquire_many`, `ts_wake_and_acquire_many`), the change scan in one call
+    # (`ts_changes`), a recovery pass's scan and leases in one call (`ts_recovery_scan`).
     10: "",
 }
 

@@ -50,13 +50,13 @@ def statements(db: Db, op: Callable[..., Any], *args: Any) -> tuple[Any, list[st
 @pytest.mark.parametrize("n", [10, 100])
 def test_scan_and_lease_costs_statements_per_pass_not_per_claim(db: Db, n: int) -> None:
     """SQLite: the scan of `n` expired claims and their recovery leases, in one transaction:
-    the same three statements for 10 claims as for 100 (expired claims, doorbells, the
-    leases' upsert), and a lease on each claim found."""
+    the same four statements for 10 claims as for 100 (expired claims, doorbells, the
+    leases' upsert, the next due input), and a lease on each claim found."""
     for index in range(n):
         expired_claim(db, f"s{index:03}", NOW - 1000 - index)
-    (candidates, free, leased), seen = statements(db, scan_and_lease, ME, n + 1, [], [], LEASE)
-    assert len(candidates) == n and leased == candidates and free == set()
-    assert len(seen) == 3, seen
+    (candidates, free, leased, due), seen = statements(db, scan_and_lease, ME, n + 1, [], [], LEASE)
+    assert len(candidates) == n and leased == candidates and free == set() and due is None
+    assert len(seen) == 4, seen
     assert db.rows("SELECT COUNT(*) FROM session_recovery WHERE owner_id = ?", (ME,)) == [(n,)]
 
 
@@ -71,7 +71,7 @@ def test_scan_and_lease_keeps_the_lease_rules(db: Db) -> None:
     put_recovery(db, "exec-stale", "other", NOW - 1)
     put_recovery(db, "exec-ours", ME, NOW + 5000)
     put_recovery(db, "exec-poison", ME, NOW - 1, "malformed")
-    candidates, _, leased = db.run(scan_and_lease, ME, 10, [], [], LEASE)
+    candidates, _, leased, _ = db.run(scan_and_lease, ME, 10, [], [], LEASE)
     assert sorted(c.session_id for c in candidates) == ["free", "ours", "stale"]
     assert leased == candidates
     assert db.rows(

@@ -1,6 +1,7 @@
 """The recovery scan: which expired claims and unclaimed doorbells a recovery pass looks at
 (`recovery_candidates`), and the recovery leases it takes on them (`take_recovery_leases`)
-before `recovery` applies its decision.
+before `recovery` applies its decision. A pass does both, and its look at the next due
+input, in one transaction (`scan_and_lease`).
 
 Invariants kept here:
 * quarantined executions, executions under another owner's live recovery lease, sessions
@@ -9,9 +10,10 @@ Invariants kept here:
 * on PostgreSQL the scan skips claim rows another transaction holds locked instead of
   waiting for them (DESIGN §8); SQLite's single writer has nothing to skip;
 * a recovery lease is taken only if absent, expired or already ours, never on a quarantined
-  row; one taken on a claim that is gone meanwhile is undone in the same transaction. On
-  SQLite the scan and the leases share one transaction (`scan_and_lease`): under its only
-  write lock no claim the scan read can go before its lease is written.
+  row; one taken on a claim that is gone meanwhile is undone in the same transaction. A
+  pass's scan and its leases share one transaction (`scan_and_lease`): under SQLite's only
+  write lock, or PostgreSQL's row locks on the claims scanned (one autocommit call,
+  `ts_recovery_scan`), no claim the scan read can go before its lease is written.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from collections.abc import Sequence
 import attrs
 
 from .._backend import Tx, autocommit_when_alone
+from .._liveness import _HELD as _TOKEN_HELD
 from .common import _IN_CHUNK, _chunks, _in_list, not_in
+from .control import next_due
 
 
 @attrs.frozen
@@ -89,6 +93,7 @@ def _unclaimed_doorbells(tx: Tx, local_sessions: Sequence[str], limit: int) -> l
     return [str(row[0]) for row in rows]
 
 
+@autocommit_when_alone
 def scan_and_lease(
     tx: Tx,
     owner_id: str,
@@ -96,20 +101,60 @@ def scan_and_lease(
     local_sessions: Sequence[str],
     gone_owners: Sequence[str],
     lease_ms: int,
-) -> tuple[list[Candidate], set[str], list[Candidate]]:
-    """SQLite: a recovery pass's scan (`recovery_candidates`), every owner whose liveness
-    token is free now, and the recovery leases on the expired claims found, in one
-    transaction: (candidates, free owners, leased candidates).
+) -> tuple[list[Candidate], set[str], list[Candidate], int | None]:
+    """A recovery pass's scan (`recovery_candidates`), every owner whose liveness token is
+    free now, the recovery leases on the expired claims found, and when the next scheduled
+    input falls due (`control.next_due`), in one transaction: (candidates, free owners,
+    leased candidates, ms until due or None).
 
-    The scan already holds SQLite's only write lock, so no claim it read can be taken over
-    or removed before its lease is written: nothing is left to undo
-    (`_drop_leases_without_claim` is for a lease taken in a later transaction)."""
-    assert tx.dialect == "sqlite", "PostgreSQL scans, then leases in a call of its own"
+    No claim the scan read can be taken over or removed before its lease is written - the
+    scan holds SQLite's only write lock, or on PostgreSQL the claim rows it returns locked
+    (FOR NO KEY UPDATE, to COMMIT) - so nothing is left to undo (`_drop_leases_without_claim`
+    is for a lease taken in a later transaction). On PostgreSQL one call of
+    `ts_recovery_scan` (alone: in autocommit, durable when it returns; a retry after a lost
+    reply takes our own leases again)."""
+    if tx.dialect == "postgres":
+        return _pg_scan_and_lease(tx, owner_id, limit, local_sessions, gone_owners, lease_ms)
     candidates = recovery_candidates(tx, owner_id, limit, local_sessions, gone_owners)
     free = tx.free_tokens(None)
     expired = [candidate for candidate in candidates if candidate.execution_id is not None]
     taken = _upsert_leases(tx, owner_id, lease_ms, expired)
-    return candidates, free, [candidate for candidate in expired if candidate.execution_id in taken]
+    leased = [candidate for candidate in expired if candidate.execution_id in taken]
+    return candidates, free, leased, next_due(tx)
+
+
+def _pg_scan_and_lease(
+    tx: Tx,
+    owner_id: str,
+    limit: int,
+    local_sessions: Sequence[str],
+    gone_owners: Sequence[str],
+    lease_ms: int,
+) -> tuple[list[Candidate], set[str], list[Candidate], int | None]:
+    """`scan_and_lease` on PostgreSQL: one `ts_recovery_scan` call. Its rows are the
+    candidates in scan order - kind `leased` (an expired claim whose lease we hold now),
+    `lost` (an expired claim whose lease another owner holds), `doorbell` - then one row of
+    kind `free` per owner whose token is free (the owner in the session column), then one
+    of kind `due` (ms until the next scheduled input falls due, or NULL)."""
+    rows = tx.call(
+        "ts_recovery_scan", owner_id, limit, list(local_sessions), list(gone_owners), lease_ms
+    )
+    candidates: list[Candidate] = []
+    leased: list[Candidate] = []
+    free: set[str] = set()
+    due: int | None = None
+    for kind, session_id, execution_id, due_in in rows:
+        if kind == "due":
+            due = None if due_in is None else int(due_in)
+            continue
+        if kind == "free":
+            free.add(str(session_id))
+            continue
+        candidate = Candidate(str(session_id), execution_id)
+        candidates.append(candidate)
+        if kind == "leased":
+            leased.append(candidate)
+    return candidates, free, leased, due
 
 
 @autocommit_when_alone
@@ -196,7 +241,8 @@ def _drop_leases_without_claim(tx: Tx, owner_id: str, execution_ids: Sequence[st
 # PostgreSQL: this family's server-side functions (created by `_schema`'s migrations; see
 # `_store.pg_functions` for their conventions)
 
-PG_FUNCTIONS = r"""
+PG_FUNCTIONS = (
+    r"""
 -- `recovery_candidates` in one call: the expired claims (and every claim of the owners
 -- found gone) oldest first, skipping claim rows another transaction holds locked, then
 -- the unclaimed doorbells of unpaused sessions while the limit leaves room. A session held
@@ -270,4 +316,49 @@ BEGIN
     SELECT t.e FROM unnest(v_taken) AS t(e)
     WHERE NOT EXISTS (SELECT 1 FROM dropped d WHERE d.execution_id = t.e);
 END $$;
+
+-- `scan_and_lease` in one call (a recovery pass's scan and leases, DESIGN §8): the
+-- candidates of `ts_recovery_candidates` - whose claim rows stay locked (FOR NO KEY
+-- UPDATE) until this call commits, so none is taken over or removed before its lease is
+-- written: nothing to undo - the leases upserted on the expired ones (absent, expired or
+-- ours, never a quarantined row), then the owners whose liveness token is free now and when
+-- the next scheduled input falls due (`next_due`). Rows (kind, session, execution, due) in
+-- scan order: `leased`, `lost` (another owner's lease), `doorbell`; then `free` (the owner
+-- in the session column); then one `due` (ms from now, NULL for none). Idempotent: a retry
+-- after a lost reply takes our own leases again. No generic plan (@GENERIC_PLAN@): the setting
+-- would reach the scan's own statements, whose index walk needs the limit and the clock.
+CREATE OR REPLACE FUNCTION ts_recovery_scan(p_owner text, p_limit bigint, p_local text[],
+    p_gone text[], p_lease bigint, p_now bigint, p_retry boolean)
+RETURNS TABLE(scan_kind text, scan_session text, scan_execution text, scan_due bigint)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_now bigint;
+BEGIN
+    v_now := ts_now(p_now);
+    RETURN QUERY
+    WITH found AS MATERIALIZED (
+        SELECT c.s, c.e, c.n FROM ts_recovery_candidates(p_owner, p_limit, p_local, p_gone,
+            v_now, p_retry) WITH ORDINALITY AS c(s, e, n)),
+    leased AS (
+        INSERT INTO session_recovery AS r (execution_id, session_id, owner_id, expires_at,
+            time_created)
+        SELECT f.e, f.s, p_owner, v_now + p_lease, v_now FROM found f WHERE f.e IS NOT NULL
+        ON CONFLICT (execution_id) DO UPDATE SET owner_id = excluded.owner_id,
+            expires_at = excluded.expires_at
+        WHERE r.recovery_error IS NULL
+            AND (r.owner_id = excluded.owner_id OR r.expires_at <= excluded.time_created)
+        RETURNING r.execution_id)
+    SELECT CASE WHEN f.e IS NULL THEN 'doorbell'
+                WHEN l.execution_id IS NOT NULL THEN 'leased' ELSE 'lost' END, f.s, f.e,
+        NULL::bigint
+    FROM found f LEFT JOIN leased l ON l.execution_id = f.e
+    ORDER BY f.n;
+    RETURN QUERY SELECT 'free'::text, o.owner_id, NULL::text, NULL::bigint
+        FROM session_owner o WHERE NOT """
+    + _TOKEN_HELD
+    + r""";
+    RETURN QUERY SELECT 'due'::text, NULL::text, NULL::text, MIN(i.due_at) - v_now
+        FROM session_input i WHERE i.due_at IS NOT NULL;
+END $$;
 """
+)
