@@ -36,7 +36,16 @@ import trio
 from . import _store
 from ._errors import MalformedRecord
 from ._model import AssistantData, TextPart, ToolPart
-from ._store.stream import Appended, Heads, Held, Position, StreamChanges, Whole, message_tag
+from ._store.stream import (
+    STREAMS_PER_CATCH_UP,
+    Appended,
+    Heads,
+    Held,
+    Position,
+    StreamChanges,
+    Whole,
+    message_tag,
+)
 
 EventKind = Literal["message", "append", "part", "finish", "truncate"]
 
@@ -179,6 +188,7 @@ class EventStream(AsyncIterator[StreamEvent]):
         self._wakeup = trio.Event()
         self._closed = False
         self._iterating = False
+        self._reading = False  # its own read is under way: its answer comes from before
 
     # -- fed by the hub ---------------------------------------------------------------------
 
@@ -199,6 +209,26 @@ class EventStream(AsyncIterator[StreamEvent]):
 
     def close(self) -> None:
         self._closed = True
+        self._wakeup.set()
+
+    def catch_up_position(self) -> Position | None:
+        """The position a read for this stream by the change scan may start from (None:
+        it must read by itself - it is due to anyway, is reading, or has offers or an
+        error waiting, which go first, or events its consumer has not taken yet: a slow
+        consumer's memory stays one read's answer, its next read waits for it)."""
+        if self.dirty or self._reading or self._offers or self._ready or self._closed:
+            return None
+        if self._error is not None:
+            return None
+        return self._position()
+
+    def catch_up(self, position: Position, changes: StreamChanges | None) -> None:
+        """The change scan's read from `position` (`catch_up_position`): applied if the
+        stream is still there and free to take it, else (or for None) it reads by itself."""
+        if changes is None or self.catch_up_position() != position:
+            self.mark_dirty()
+            return
+        self._apply_read(changes)
         self._wakeup.set()
 
     def watched(self) -> tuple[int, list[str]]:
@@ -254,6 +284,7 @@ class EventStream(AsyncIterator[StreamEvent]):
                 raise StopAsyncIteration  # the block or the runtime is closing: no more reads
             if self.dirty:
                 self.dirty = False
+                self._reading = True
                 try:
                     changes = await self._read(
                         _store.stream_changes, self.session_id, self._position()
@@ -261,6 +292,8 @@ class EventStream(AsyncIterator[StreamEvent]):
                 except BaseException:
                     self.dirty = True  # cancelled or failed: read again next time
                     raise
+                finally:
+                    self._reading = False
                 self._apply_read(changes)
                 continue
             await self._wakeup.wait()
@@ -384,8 +417,8 @@ class StreamHub:
             stream.mark_dirty()
 
     async def look(self, read: Read) -> None:
-        """After a change signal: mark the streams that are behind the store dirty (one read
-        for all of them; a stream already dirty reads by itself)."""
+        """After a change signal: find the streams behind the store (one read for all of
+        them; a stream already dirty reads by itself) and catch them up (`_catch_up`)."""
         streams = [
             stream
             for session_id, group in self._streams.items()
@@ -402,9 +435,35 @@ class StreamHub:
             tops[stream.session_id] = min(top, tops.get(stream.session_id, top))
             ids += named
         heads = await read(_store.stream_heads, tops, ids)
-        for stream in streams:
-            if stream.behind(heads):
-                stream.mark_dirty()
+        await self._catch_up([stream for stream in streams if stream.behind(heads)], read)
+
+    async def _catch_up(self, streams: list[EventStream], read: Read) -> None:
+        """One read for the streams behind (`stream_catch_up`, per `STREAMS_PER_CATCH_UP`),
+        its answers applied to the streams still at the position it read from: under a
+        chat load, a worker's commit leaves many streams one append behind, and a read of
+        their own each would cost a transaction and a few statements per stream per word.
+        A stream the read does not answer (it misses more than appends) reads by itself."""
+        for start in range(0, len(streams), STREAMS_PER_CATCH_UP):
+            asked: list[tuple[EventStream, Position]] = []
+            for stream in streams[start : start + STREAMS_PER_CATCH_UP]:
+                position = stream.catch_up_position()
+                if position is None:
+                    stream.mark_dirty()
+                else:
+                    asked.append((stream, position))
+            if not asked:
+                continue
+            try:
+                answers = await read(
+                    _store.stream_catch_up,
+                    [(stream.session_id, position) for stream, position in asked],
+                )
+            except BaseException:
+                for stream, _ in asked:
+                    stream.mark_dirty()  # each reads by itself, and sees any error itself
+                raise
+            for (stream, position), answer in zip(asked, answers, strict=True):
+                stream.catch_up(position, answer)
 
     def close(self) -> None:
         for streams in self._streams.values():
