@@ -9,11 +9,10 @@ from typing import Any
 
 import pytest
 import trio
+from test_stream import real_store
 
 import trio_sessions
 from trio_sessions import DrainContext, StreamEvent, _store
-
-from test_stream import real_store
 
 CHATS = 12
 WORDS = 5

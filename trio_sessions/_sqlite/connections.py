@@ -6,8 +6,9 @@ any use, and `synchronous` is only ever 'NORMAL' or 'FULL' (`check_synchronous`:
 interpolate anything else); a file that is not SQLite, not ours, or from a newer library is
 refused with nothing written (`SchemaTooNew`, `StoreError`); migrations run in one
 `BEGIN IMMEDIATE` transaction, re-reading the version under the write lock; taking the write
-lock (`begin_immediate`) retries "database is locked" for up to `LOCK_PATIENCE_S`, so that
-error never reaches a caller; a checkpoint never raises (the WAL keeps every commit).
+lock (`begin_immediate`) retries "database is locked" every `LOCK_POLL_MAX_S` at most, for
+up to `LOCK_PATIENCE_S`, so that error never reaches a caller; a checkpoint never raises
+(the WAL keeps every commit).
 """
 
 from __future__ import annotations
@@ -33,8 +34,13 @@ OUR_TABLES = _schema.SQLITE_OUR_TABLES
 
 BUSY_TIMEOUT_MS = 5_000
 # How long BEGIN IMMEDIATE keeps retrying a lock held by another process before the caller
-# sees a StoreError. Each attempt already waits `BUSY_TIMEOUT_MS` inside SQLite.
+# sees a StoreError.
 LOCK_PATIENCE_S = 120.0
+# How soon `begin_immediate` tries again for a lock another process holds (seconds),
+# doubling up to the second figure: a try costs microseconds, a lock freed meanwhile
+# stays unused for at most one pause.
+LOCK_POLL_S = 0.0002
+LOCK_POLL_MAX_S = 0.002
 
 
 def connect(
@@ -235,18 +241,31 @@ def is_locked(exc: sqlite3.OperationalError) -> bool:
 
 
 def begin_immediate(conn: sqlite3.Connection) -> None:
-    """Take the write lock, waiting out other processes; "database is locked" never escapes."""
+    """Take the write lock, waiting out other processes; "database is locked" never escapes.
+
+    While another process holds the lock, BEGIN IMMEDIATE is tried again every
+    `LOCK_POLL_S` (doubling up to `LOCK_POLL_MAX_S`), with SQLite's own busy handler off
+    for the try: that handler sleeps 1, 2, 5, 10, 15, 20, 25 ... 100 ms between its tries,
+    so a lock freed just after one stays unused for up to that long - under a chat load
+    (three processes committing hundreds of times a second) those sleeps were the write
+    tails, 25-130 ms. A failed try costs a few microseconds. The connection's busy timeout
+    is restored after, for its other statements."""
     deadline = time.monotonic() + LOCK_PATIENCE_S
-    pause = 0.001
-    while True:
-        try:
-            conn.execute("BEGIN IMMEDIATE")
-            return
-        except sqlite3.OperationalError as exc:
-            if not is_locked(exc) or time.monotonic() >= deadline:
-                raise
+    pause = LOCK_POLL_S
+    previous = int(conn.execute("PRAGMA busy_timeout").fetchone()[0])
+    conn.execute("PRAGMA busy_timeout = 0")
+    try:
+        while True:
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                return
+            except sqlite3.OperationalError as exc:
+                if not is_locked(exc) or time.monotonic() >= deadline:
+                    raise
             time.sleep(pause)
-            pause = min(pause * 2, 0.05)
+            pause = min(pause * 2, LOCK_POLL_MAX_S)
+    finally:
+        conn.execute(f"PRAGMA busy_timeout = {previous:d}")
 
 
 def connect_nonblocking(

@@ -21,6 +21,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Sequence
 from typing import Any
@@ -35,6 +36,7 @@ from .common import _chunks, _in_list
 from .transcript import _decode_message
 
 
+@functools.lru_cache(maxsize=4096)  # the change scan tags the same open messages every look
 def message_tag(message_id: str) -> str:
     """A short, stable tag of a message id (12 hex digits): tells a message from the one
     that replaced it at the same seq, without putting whole ids into cursors."""
@@ -332,9 +334,7 @@ def stream_catch_up(tx: Tx, reads: Sequence[tuple[str, Position]]) -> list[Strea
     return answers
 
 
-def _appends_set_wise(
-    tx: Tx, reads: Sequence[tuple[str, Position]]
-) -> list[StreamChanges | None]:
+def _appends_set_wise(tx: Tx, reads: Sequence[tuple[str, Position]]) -> list[StreamChanges | None]:
     named = sorted(
         {(s, seq) for s, p in reads for seq in ([p.top] if p.top else []) + [h.seq for h in p.open]}
     )
@@ -360,20 +360,20 @@ def _appends_set_wise(
     # Per read: the ids its position names, or None when it misses more than appends.
     ids_of: list[dict[int, str] | None] = []
     for session, position in reads:
-        ids: dict[int, str] | None = {}
+        found: dict[int, str] = {}
         names = [(position.top, position.top_tag)] if position.top else []
         for seq, tag in names + [(h.seq, h.tag) for h in position.open]:
             row = rows.get((session, seq))
             if row is None or message_tag(row[0]) != tag:
-                ids = None  # rewritten
-                break
-            ids[seq] = row[0]
-        if ids is not None and (
-            (session, position.top) in newer
-            or any(rows[(session, h.seq)][1] > h.version for h in position.open)
-        ):
-            ids = None  # a new message, or an open one changed whole
-        ids_of.append(ids)
+                break  # rewritten
+            found[seq] = row[0]
+        else:
+            if (session, position.top) not in newer and all(
+                rows[(session, h.seq)][1] <= h.version for h in position.open
+            ):
+                ids_of.append(found)
+                continue
+        ids_of.append(None)  # rewritten, a new message, or an open one changed whole
     held = sorted(
         {
             (ids[h.seq], h.version)
@@ -401,11 +401,11 @@ def _appends_set_wise(
         try:
             for h in position.open:
                 message_id = ids[h.seq]
-                found = deltas.get((message_id, h.version), [])
-                texts = _codec.decode_streamed([text for _, text in found], key=message_id)
+                rows_of = deltas.get((message_id, h.version), [])
+                texts = _codec.decode_streamed([text for _, text in rows_of], key=message_id)
                 changes += [
                     Appended(h.seq, message_id, text, version)
-                    for (version, _), text in zip(found, texts, strict=True)
+                    for (version, _), text in zip(rows_of, texts, strict=True)
                 ]
         except MalformedRecord:
             answers.append(None)  # its own read raises it, to this stream only
