@@ -189,6 +189,9 @@ class EventStream(AsyncIterator[StreamEvent]):
         self._closed = False
         self._iterating = False
         self._reading = False  # its own read is under way: its answer comes from before
+        # `_position()` as last built (None: the position moved since): every event's cursor
+        # and every look's catch-up ask for it, and it changes far less often.
+        self._position_now: Position | None = None
 
     # -- fed by the hub ---------------------------------------------------------------------
 
@@ -225,7 +228,8 @@ class EventStream(AsyncIterator[StreamEvent]):
     def catch_up(self, position: Position, changes: StreamChanges | None) -> None:
         """The change scan's read from `position` (`catch_up_position`): applied if the
         stream is still there and free to take it, else (or for None) it reads by itself."""
-        if changes is None or self.catch_up_position() != position:
+        now = self.catch_up_position()
+        if changes is None or (now is not position and now != position):
             self.mark_dirty()
             return
         self._apply_read(changes)
@@ -300,8 +304,10 @@ class EventStream(AsyncIterator[StreamEvent]):
             self._wakeup = trio.Event()
 
     def _position(self) -> Position:
-        held = tuple(Held(seq, h.tag, h.version) for seq, h in sorted(self._open.items()))
-        return Position(self._top, self._top_tag, held)
+        if self._position_now is None:
+            held = tuple(Held(seq, h.tag, h.version) for seq, h in sorted(self._open.items()))
+            self._position_now = Position(self._top, self._top_tag, held)
+        return self._position_now
 
     def _emit(self, kind: EventKind, seq: int, role: str, data: Any) -> None:
         cursor = encode_cursor(self._session_tag, self._position())
@@ -313,6 +319,7 @@ class EventStream(AsyncIterator[StreamEvent]):
         if read.rewritten:
             self._top, self._top_tag, self._top_id = 0, "", None
             self._open.clear()
+            self._position_now = None
             self._emit("truncate", 0, "", None)
         if self._top in read.ids:
             self._top_id = read.ids[self._top]
@@ -321,6 +328,7 @@ class EventStream(AsyncIterator[StreamEvent]):
         for change in read.changes:
             if isinstance(change, Appended):
                 self._open[change.seq].version = change.version
+                self._position_now = None
                 self._emit("append", change.seq, "assistant", change.text)
                 continue
             if not self._take_whole(change):
@@ -333,6 +341,7 @@ class EventStream(AsyncIterator[StreamEvent]):
             self.dirty = True  # read again: an operator may repair it
             return False
         tag = message_tag(change.message_id)
+        self._position_now = None
         if change.seq > self._top:
             self._top, self._top_tag, self._top_id = change.seq, tag, change.message_id
         if change.open:
@@ -344,6 +353,7 @@ class EventStream(AsyncIterator[StreamEvent]):
 
     def _drop(self, seq: int) -> None:
         held = self._open.pop(seq, None)
+        self._position_now = None
         if held is not None and held.message_id is not None:
             self._offered.pop(held.message_id, None)
 
@@ -355,6 +365,7 @@ class EventStream(AsyncIterator[StreamEvent]):
             tag = message_tag(offer.message_id)
             self._top, self._top_tag, self._top_id = offer.seq, tag, offer.message_id
             self._open[offer.seq] = _Open(tag, 0, offer.message_id)
+            self._position_now = None
             self._emit("message", offer.seq, "assistant", offer.data)
             return
         if held is None or held.message_id != offer.message_id:
@@ -366,6 +377,7 @@ class EventStream(AsyncIterator[StreamEvent]):
             self.dirty = True  # a change in between was not offered here
             return
         held.version = offer.version
+        self._position_now = None
         if not offer.open:
             self._drop(offer.seq)
         self._emit(offer.kind, offer.seq, "assistant", offer.data)
