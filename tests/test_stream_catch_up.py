@@ -13,6 +13,7 @@ from test_stream import real_store
 
 import trio_sessions
 from trio_sessions import DrainContext, StreamEvent, _store
+from trio_sessions._stream import StreamHub
 
 CHATS = 12
 WORDS = 5
@@ -27,15 +28,18 @@ async def test_streams_behind_on_appends_are_caught_up_without_reads_of_their_ow
     them together: once each stream holds its open answer, no stream reads by itself
     (`stream_changes`) until the answers finish - each word reaches every stream through
     the change scan's shared read - and every stream ends with the full answer."""
-    own_reads: list[str] = []
-    read = _store.stream_changes
+    own_reads: list[str] = []  # the sessions of the reads streams make by themselves
+    hub_open = StreamHub.open
 
-    def counted(tx: Any, session_id: str, *args: Any) -> Any:
-        own_reads.append(session_id)
-        return read(tx, session_id, *args)
+    def open_counted(hub: StreamHub, session_id: str, position: Any, read: Any) -> Any:
+        async def counted(op: Any, *args: Any) -> Any:
+            if op is _store.stream_changes:
+                own_reads.append(args[0])
+            return await read(op, *args)
 
-    counted.__dict__.update(read.__dict__)  # the same batching marks (PostgreSQL)
-    monkeypatch.setattr(_store, "stream_changes", counted)
+        return hub_open(hub, session_id, position, counted)
+
+    monkeypatch.setattr(StreamHub, "open", open_counted)
     words = [trio.Event() for _ in range(WORDS)]
     finish = trio.Event()
 
