@@ -11,7 +11,12 @@ forward, each with the cursor of the position it reaches. Events come from two s
   the stream is *dirty*: at its start, when an offer does not fit (a gap: a write this
   stream was not offered, or offers dropped because the consumer is slow), when a local write
   without an offer touched the session, or when the change scan (`StreamHub.look`) finds a
-  named message changed, gone, or a newer message stored by another process.
+  named message changed, gone, or a newer message stored by another process;
+* the change scan's *catch-up*: one read for every stream it found behind
+  (`_store.stream_catch_up`), applied to each stream still at the position it was read
+  from - the appends another process made to the messages it follows; a stream that
+  misses more, or is not free to take it (reading, offers or events waiting), is marked
+  dirty and reads by itself.
 
 Invariants: an event is computed against the position the previous event reached, so
 applying the events in order reproduces the transcript, with no gap and no duplicate; the
@@ -36,7 +41,16 @@ import trio
 from . import _store
 from ._errors import MalformedRecord
 from ._model import AssistantData, TextPart, ToolPart
-from ._store.stream import Appended, Heads, Held, Position, StreamChanges, Whole, message_tag
+from ._store.stream import (
+    STREAMS_PER_CATCH_UP,
+    Appended,
+    Heads,
+    Held,
+    Position,
+    StreamChanges,
+    Whole,
+    message_tag,
+)
 
 EventKind = Literal["message", "append", "part", "finish", "truncate"]
 
@@ -179,6 +193,10 @@ class EventStream(AsyncIterator[StreamEvent]):
         self._wakeup = trio.Event()
         self._closed = False
         self._iterating = False
+        self._reading = False  # its own read is under way: its answer comes from before
+        # `_position()` as last built (None: the position moved since): every event's cursor
+        # and every look's catch-up ask for it, and it changes far less often.
+        self._position_now: Position | None = None
 
     # -- fed by the hub ---------------------------------------------------------------------
 
@@ -199,6 +217,27 @@ class EventStream(AsyncIterator[StreamEvent]):
 
     def close(self) -> None:
         self._closed = True
+        self._wakeup.set()
+
+    def catch_up_position(self) -> Position | None:
+        """The position a read for this stream by the change scan may start from (None:
+        it must read by itself - it is due to anyway, is reading, or has offers or an
+        error waiting, which go first, or events its consumer has not taken yet: a slow
+        consumer's memory stays one read's answer, its next read waits for it)."""
+        if self.dirty or self._reading or self._offers or self._ready or self._closed:
+            return None
+        if self._error is not None:
+            return None
+        return self._position()
+
+    def catch_up(self, position: Position, changes: StreamChanges | None) -> None:
+        """The change scan's read from `position` (`catch_up_position`): applied if the
+        stream is still there and free to take it, else (or for None) it reads by itself."""
+        now = self.catch_up_position()
+        if changes is None or (now is not position and now != position):
+            self.mark_dirty()
+            return
+        self._apply_read(changes)
         self._wakeup.set()
 
     def watched(self) -> tuple[int, list[str]]:
@@ -254,6 +293,7 @@ class EventStream(AsyncIterator[StreamEvent]):
                 raise StopAsyncIteration  # the block or the runtime is closing: no more reads
             if self.dirty:
                 self.dirty = False
+                self._reading = True
                 try:
                     changes = await self._read(
                         _store.stream_changes, self.session_id, self._position()
@@ -261,14 +301,18 @@ class EventStream(AsyncIterator[StreamEvent]):
                 except BaseException:
                     self.dirty = True  # cancelled or failed: read again next time
                     raise
+                finally:
+                    self._reading = False
                 self._apply_read(changes)
                 continue
             await self._wakeup.wait()
             self._wakeup = trio.Event()
 
     def _position(self) -> Position:
-        held = tuple(Held(seq, h.tag, h.version) for seq, h in sorted(self._open.items()))
-        return Position(self._top, self._top_tag, held)
+        if self._position_now is None:
+            held = tuple(Held(seq, h.tag, h.version) for seq, h in sorted(self._open.items()))
+            self._position_now = Position(self._top, self._top_tag, held)
+        return self._position_now
 
     def _emit(self, kind: EventKind, seq: int, role: str, data: Any) -> None:
         cursor = encode_cursor(self._session_tag, self._position())
@@ -280,6 +324,7 @@ class EventStream(AsyncIterator[StreamEvent]):
         if read.rewritten:
             self._top, self._top_tag, self._top_id = 0, "", None
             self._open.clear()
+            self._position_now = None
             self._emit("truncate", 0, "", None)
         if self._top in read.ids:
             self._top_id = read.ids[self._top]
@@ -288,6 +333,7 @@ class EventStream(AsyncIterator[StreamEvent]):
         for change in read.changes:
             if isinstance(change, Appended):
                 self._open[change.seq].version = change.version
+                self._position_now = None
                 self._emit("append", change.seq, "assistant", change.text)
                 continue
             if not self._take_whole(change):
@@ -300,6 +346,7 @@ class EventStream(AsyncIterator[StreamEvent]):
             self.dirty = True  # read again: an operator may repair it
             return False
         tag = message_tag(change.message_id)
+        self._position_now = None
         if change.seq > self._top:
             self._top, self._top_tag, self._top_id = change.seq, tag, change.message_id
         if change.open:
@@ -311,6 +358,7 @@ class EventStream(AsyncIterator[StreamEvent]):
 
     def _drop(self, seq: int) -> None:
         held = self._open.pop(seq, None)
+        self._position_now = None
         if held is not None and held.message_id is not None:
             self._offered.pop(held.message_id, None)
 
@@ -322,6 +370,7 @@ class EventStream(AsyncIterator[StreamEvent]):
             tag = message_tag(offer.message_id)
             self._top, self._top_tag, self._top_id = offer.seq, tag, offer.message_id
             self._open[offer.seq] = _Open(tag, 0, offer.message_id)
+            self._position_now = None
             self._emit("message", offer.seq, "assistant", offer.data)
             return
         if held is None or held.message_id != offer.message_id:
@@ -333,6 +382,7 @@ class EventStream(AsyncIterator[StreamEvent]):
             self.dirty = True  # a change in between was not offered here
             return
         held.version = offer.version
+        self._position_now = None
         if not offer.open:
             self._drop(offer.seq)
         self._emit(offer.kind, offer.seq, "assistant", offer.data)
@@ -384,8 +434,8 @@ class StreamHub:
             stream.mark_dirty()
 
     async def look(self, read: Read) -> None:
-        """After a change signal: mark the streams that are behind the store dirty (one read
-        for all of them; a stream already dirty reads by itself)."""
+        """After a change signal: find the streams behind the store (one read for all of
+        them; a stream already dirty reads by itself) and catch them up (`_catch_up`)."""
         streams = [
             stream
             for session_id, group in self._streams.items()
@@ -402,9 +452,35 @@ class StreamHub:
             tops[stream.session_id] = min(top, tops.get(stream.session_id, top))
             ids += named
         heads = await read(_store.stream_heads, tops, ids)
-        for stream in streams:
-            if stream.behind(heads):
-                stream.mark_dirty()
+        await self._catch_up([stream for stream in streams if stream.behind(heads)], read)
+
+    async def _catch_up(self, streams: list[EventStream], read: Read) -> None:
+        """One read for the streams behind (`stream_catch_up`, per `STREAMS_PER_CATCH_UP`),
+        its answers applied to the streams still at the position it read from: under a
+        chat load, a worker's commit leaves many streams one append behind, and a read of
+        their own each would cost a transaction and a few statements per stream per word.
+        A stream the read does not answer (it misses more than appends) reads by itself."""
+        for start in range(0, len(streams), STREAMS_PER_CATCH_UP):
+            asked: list[tuple[EventStream, Position]] = []
+            for stream in streams[start : start + STREAMS_PER_CATCH_UP]:
+                position = stream.catch_up_position()
+                if position is None:
+                    stream.mark_dirty()
+                else:
+                    asked.append((stream, position))
+            if not asked:
+                continue
+            try:
+                answers = await read(
+                    _store.stream_catch_up,
+                    [(stream.session_id, position) for stream, position in asked],
+                )
+            except BaseException:
+                for stream, _ in asked:
+                    stream.mark_dirty()  # each reads by itself, and sees any error itself
+                raise
+            for (stream, position), answer in zip(asked, answers, strict=True):
+                stream.catch_up(position, answer)
 
     def close(self) -> None:
         for streams in self._streams.values():

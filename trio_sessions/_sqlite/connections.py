@@ -6,8 +6,9 @@ any use, and `synchronous` is only ever 'NORMAL' or 'FULL' (`check_synchronous`:
 interpolate anything else); a file that is not SQLite, not ours, or from a newer library is
 refused with nothing written (`SchemaTooNew`, `StoreError`); migrations run in one
 `BEGIN IMMEDIATE` transaction, re-reading the version under the write lock; taking the write
-lock (`begin_immediate`) retries "database is locked" for up to `LOCK_PATIENCE_S`, so that
-error never reaches a caller; a checkpoint never raises (the WAL keeps every commit).
+lock (`begin_immediate`) retries "database is locked" for up to `LOCK_PATIENCE_S` (every
+`LOCK_POLL_MAX_S` at most on the executor's connection), so that error never reaches a
+caller; a checkpoint never raises (the WAL keeps every commit).
 """
 
 from __future__ import annotations
@@ -33,8 +34,13 @@ OUR_TABLES = _schema.SQLITE_OUR_TABLES
 
 BUSY_TIMEOUT_MS = 5_000
 # How long BEGIN IMMEDIATE keeps retrying a lock held by another process before the caller
-# sees a StoreError. Each attempt already waits `BUSY_TIMEOUT_MS` inside SQLite.
+# sees a StoreError.
 LOCK_PATIENCE_S = 120.0
+# How soon `begin_immediate` tries again for a lock another process holds (seconds),
+# doubling up to the second figure: a try costs microseconds, a lock freed meanwhile
+# stays unused for at most one pause.
+LOCK_POLL_S = 0.0002
+LOCK_POLL_MAX_S = 0.002
 
 
 def connect(
@@ -235,9 +241,17 @@ def is_locked(exc: sqlite3.OperationalError) -> bool:
 
 
 def begin_immediate(conn: sqlite3.Connection) -> None:
-    """Take the write lock, waiting out other processes; "database is locked" never escapes."""
+    """Take the write lock, waiting out other processes; "database is locked" never escapes.
+
+    While another process holds the lock, BEGIN IMMEDIATE is tried again every
+    `LOCK_POLL_S`, doubling up to `LOCK_POLL_MAX_S`. On a connection whose busy timeout is
+    0 (`poll_for_lock`: the executor's worker connection) that is the whole wait: SQLite's
+    own busy handler sleeps 1, 2, 5, 10, 15, 20, 25 ... 100 ms between its tries, so a lock
+    freed just after one stays unused for up to that long - under a chat load (three
+    processes committing hundreds of times a second) those sleeps were the write tails,
+    25-130 ms. A failed try costs a few microseconds."""
     deadline = time.monotonic() + LOCK_PATIENCE_S
-    pause = 0.001
+    pause = LOCK_POLL_S
     while True:
         try:
             conn.execute("BEGIN IMMEDIATE")
@@ -245,8 +259,18 @@ def begin_immediate(conn: sqlite3.Connection) -> None:
         except sqlite3.OperationalError as exc:
             if not is_locked(exc) or time.monotonic() >= deadline:
                 raise
-            time.sleep(pause)
-            pause = min(pause * 2, 0.05)
+        time.sleep(pause)
+        pause = min(pause * 2, LOCK_POLL_MAX_S)
+
+
+def poll_for_lock(conn: sqlite3.Connection) -> sqlite3.Connection:
+    """Switch SQLite's busy handler off on a connection whose writes all begin with
+    `begin_immediate`, which then waits for the lock by itself, in short pauses. Its other
+    statements never wait for a lock either: in WAL mode a reader never does, nor does a
+    statement of a transaction holding the write lock, nor a PASSIVE checkpoint (the
+    event loop's connection, `connect_nonblocking`, runs whole batches this way)."""
+    conn.execute("PRAGMA busy_timeout = 0")
+    return conn
 
 
 def connect_nonblocking(

@@ -56,6 +56,7 @@ from .connections import (
     connect,
     connect_nonblocking,
     database_name,
+    poll_for_lock,
 )
 from .engine import database_file, run_batch, try_run_batch
 
@@ -390,6 +391,7 @@ class SQLiteStore:
                     )
                 )
             )
+            poll_for_lock(conn)  # its batches wait for the lock in short pauses, not SQLite's
             file = DatabaseFile.opened(self.path)
             inline_conn = connections.enter_context(
                 contextlib.closing(connect_nonblocking(self.path, synchronous=self.synchronous))

@@ -126,7 +126,7 @@ from .recovery import (
 )
 from .recovery_batch import apply_recovery_batch
 from .recovery_scan import Candidate, recovery_candidates, take_recovery_leases
-from .stream import stream_changes, stream_heads
+from .stream import stream_catch_up, stream_changes, stream_heads
 from .transcript import append_assistant_text, begin_assistant, read_transcript, update_assistant
 
 __all__ = [
@@ -188,6 +188,7 @@ __all__ = [
     "session_status",
     "status",
     "store_counts",
+    "stream_catch_up",
     "stream_changes",
     "stream_heads",
     "submit",

@@ -1,0 +1,134 @@
+"""`stream_catch_up`: the change scan's one read for many streams behind (DESIGN §5.2,
+§6.26). For each position it answers exactly what that stream's own read
+(`stream_changes`) would, or None - "read it yourself" - never anything else; streams that
+only miss appends to the open messages they follow (a chat's answer, word after word) are
+always answered, and on SQLite those cost the same few statements however many there are.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from typing import Any
+
+import attrs
+import pytest
+
+from trio_sessions import _sqlite, _store
+from trio_sessions._store.stream import (
+    Appended,
+    Held,
+    Position,
+    message_tag,
+    stream_catch_up,
+    stream_changes_by_statements,
+)
+
+from .common import Db
+
+
+def following(db: Db, index: int, words: int = 1) -> tuple[str, Position]:
+    """Session `s<index>` with an open answer; the position of a stream holding the user
+    message and the answer's first `words` words, after which "more " was appended."""
+    session, execution, message = f"s{index}", f"e{index}", f"m{index}"
+    db.run(_store.submit, session, '{"n": 1}', f"in-{index}")
+    db.run(_store.acquire, session, execution, "me", 60_000)
+    db.run(_store.take_inputs, session, execution, "me")
+    seq = db.run(_store.begin_assistant, session, execution, "me", message)
+    for n in range(words):
+        db.run(_store.append_assistant_text, session, execution, "me", message, f"w{n} ")
+    version = db.engine.read(_store.stream_changes, session, Position()).changes[-1].version
+    db.run(_store.append_assistant_text, session, execution, "me", message, "more ")
+    tag = message_tag(message)
+    return session, Position(seq, tag, (Held(seq, tag, version),))
+
+
+def test_a_catch_up_answers_each_stream_as_its_own_read_would(db: Db) -> None:
+    """Appends missed (one, or several words behind), nothing missed, two streams of one
+    session at different versions: answered, and equal to each stream's own read. A
+    finished answer (sent whole), a new message past the top, a rewritten transcript:
+    None or that same answer - and a rewritten transcript always None."""
+    reads = [following(db, index, words=index + 1) for index in range(3)]
+    session, position = reads[0]
+    held = position.open[0]
+    reads.append((session, attrs.evolve(position, open=(attrs.evolve(held, version=0),))))
+    newest = db.engine.read(stream_changes_by_statements, *reads[1]).changes[-1].version
+    up_to_date = attrs.evolve(reads[1][1].open[0], version=newest)
+    reads.append((reads[1][0], attrs.evolve(reads[1][1], open=(up_to_date,))))
+    appends_only = len(reads)
+    # Finished since: the answer is folded and goes whole.
+    finished_session, finished_at = following(db, 3)
+    db.run(
+        _store.update_assistant,
+        finished_session,
+        "e3",
+        "me",
+        "m3",
+        lambda data: attrs.evolve(data, finished=True),
+    )
+    reads.append((finished_session, finished_at))
+    # A new message past the top: the stream holds only the user message.
+    reads.append((reads[2][0], Position(1, db.engine.read(_first_tag, reads[2][0]))))
+    # Rewritten: the top message is gone.
+    reads.append(("s0", Position(7, message_tag("gone"))))
+
+    answers = db.engine.read(stream_catch_up, reads)
+
+    assert len(answers) == len(reads)
+    for index, ((session, position), answer) in enumerate(zip(reads, answers, strict=True)):
+        own = db.engine.read(stream_changes_by_statements, session, position)
+        if index < appends_only:
+            assert answer == own, index
+        else:
+            assert answer is None or answer == own, index
+    assert answers[-1] is None
+    texts = [
+        [change.text for change in answer.changes if isinstance(change, Appended)]
+        for answer in answers[:appends_only]
+        if answer is not None
+    ]
+    assert texts == [["more "], ["more "], ["more "], ["w0 ", "more "], []]
+
+
+def _first_tag(tx: Any, session_id: str) -> str:
+    [(message_id,)] = tx.execute(
+        "SELECT id FROM session_message WHERE session_id = ? AND seq = 1", (session_id,)
+    ).fetchall()
+    return message_tag(str(message_id))
+
+
+class Counting:
+    """A connection that counts the statements sent through it."""
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+        self.statements: Counter[str] = Counter()
+
+    def execute(self, sql: str, params: Any = ()) -> Any:
+        self.statements[re.sub(r"\s+", " ", sql)] += 1
+        return self._conn.execute(sql, params)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+
+@pytest.mark.sqlite_only("counts SQLite statements")
+def test_catching_up_many_streams_costs_the_statements_of_one(db: Db) -> None:
+    """SQLite: the streams that only miss appends are caught up set-wise - the same
+    statements for 30 streams as for 2, not a read per stream."""
+
+    def statements(reads: list[tuple[str, Position]]) -> int:
+        counting: list[Counting] = []
+
+        def counted(tx: Any, reads: list[tuple[str, Position]]) -> Any:
+            conn = Counting(tx.conn)
+            counting.append(conn)
+            answers = stream_catch_up(_sqlite.SQLiteTx(conn, tx.now), reads)  # type: ignore[arg-type]
+            assert all(answer is not None for answer in answers)
+            return answers
+
+        db.engine.read(counted, reads)
+        return sum(counting[0].statements.values())
+
+    reads = [following(db, index) for index in range(30)]
+    assert statements(reads[:2]) == statements(reads)
