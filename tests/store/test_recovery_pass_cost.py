@@ -18,6 +18,7 @@ from trio.testing import MockClock
 
 from trio_sessions import DrainContext, Store, _store
 from trio_sessions._decisions import RecoveryDecision
+from trio_sessions._store.recovery_batch import _replace_claims
 from trio_sessions._store.recovery_scan import scan_and_lease
 
 from .common import LEASE, ME, NOW, Db, expired_claim, put_recovery
@@ -158,3 +159,26 @@ async def test_a_recovery_pass_writes_in_two_transactions(
     assert (report.examined, report.resumed) == (5, 5)
     assert written == 2
     assert raw.rows("SELECT * FROM session_execution") == []
+
+
+def test_a_batch_takeover_reports_exactly_the_claims_it_replaced(db: Db) -> None:
+    """The batch takeover (one statement for the batch on SQLite) returns the old ids whose
+    recovery fence matched - not the whole batch when one claim's lease is live again or
+    its claim vanished - and replaces only those."""
+    for name in ("a", "b", "live", "c"):
+        expired_claim(db, name, NOW - 1000)
+    db.write("UPDATE session_execution SET expires_at = ? WHERE id = 'exec-live'", (NOW + 5000,))
+    claims = [(f"exec-{name}", f"new-{name}", None, None) for name in ("a", "b", "live", "c")]
+    claims.append(("exec-vanished", "new-vanished", None, None))
+    replaced = db.run(_replace_claims, claims, ME, LEASE)
+    assert replaced == {"exec-a", "exec-b", "exec-c"}
+    assert db.rows("SELECT id, owner_id FROM session_execution ORDER BY id") == [
+        ("exec-live", "dead"),
+        ("new-a", ME),
+        ("new-b", ME),
+        ("new-c", ME),
+    ]
+    everything = [(f"new-{name}", f"newer-{name}", None, None) for name in ("a", "b")]
+    db.write("UPDATE session_execution SET expires_at = ?", (NOW - 1,))
+    assert db.run(_replace_claims, everything, ME, LEASE) == {"new-a", "new-b"}
+
