@@ -20,7 +20,6 @@ Invariants kept here:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import attrs
 
@@ -248,33 +247,6 @@ def _take_over(
     )
 
 
-# The takeover statement (`_replace_claim`; `recovery_batch` runs it for a whole batch).
-TAKEOVER_SQL = (
-    "UPDATE session_execution SET id = :new, owner_id = :me, phase = 'running',"
-    " anchor_seq = :anchor, time_created = :now, heartbeat_at = NULL, expires_at = :expires,"
-    f" handed_back = 0 WHERE {RECOVERY_FENCE}"
-)
-
-
-def takeover_params(
-    tx: Tx,
-    old_execution_id: str,
-    new_execution_id: str,
-    owner_id: str,
-    anchor_seq: int | None,
-    lease_ms: int,
-    gone_owner: str | None,
-) -> dict[str, Any]:
-    """`TAKEOVER_SQL`'s parameters for one claim."""
-    return {
-        **_fence(tx, old_execution_id, gone_owner=gone_owner),
-        "new": new_execution_id,
-        "me": owner_id,
-        "anchor": anchor_seq,
-        "expires": tx.now + lease_ms,
-    }
-
-
 def _replace_claim(
     tx: Tx,
     old_execution_id: str,
@@ -289,10 +261,16 @@ def _replace_claim(
     becomes ours, running, on a fresh lease. False when the fence matched nothing (nothing
     written)."""
     replaced = tx.execute(
-        TAKEOVER_SQL,
-        takeover_params(
-            tx, old_execution_id, new_execution_id, owner_id, anchor_seq, lease_ms, gone_owner
-        ),
+        "UPDATE session_execution SET id = :new, owner_id = :me, phase = 'running',"
+        " anchor_seq = :anchor, time_created = :now, heartbeat_at = NULL, expires_at = :expires,"
+        f" handed_back = 0 WHERE {RECOVERY_FENCE}",
+        {
+            **_fence(tx, old_execution_id, gone_owner=gone_owner),
+            "new": new_execution_id,
+            "me": owner_id,
+            "anchor": anchor_seq,
+            "expires": tx.now + lease_ms,
+        },
     ).rowcount
     return bool(replaced == 1)
 

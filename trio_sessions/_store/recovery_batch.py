@@ -24,7 +24,6 @@ from .._errors import LeaseLost, MalformedRecord
 from .._liveness import _HELD as _TOKEN_HELD
 from .common import _chunks, _in_list
 from .recovery import (
-    TAKEOVER_SQL,
     Recovered,
     _count_resumes,
     _delete_recovery_rows,
@@ -33,7 +32,6 @@ from .recovery import (
     _superseded,
     apply_recovery,
     quarantine,
-    takeover_params,
 )
 from .recovery_scan import Candidate
 
@@ -223,37 +221,12 @@ def _replace_claims(
     lease_ms: int,
 ) -> set[str]:
     """`_replace_claim` for each (old execution id, new execution id, anchor seq, gone
-    owner); the old ids it replaced (SQLite: PostgreSQL's set-wise path is `ts_recover`).
-
-    On SQLite the one takeover statement runs for the whole batch at once (`executemany`:
-    no Python round per claim; a set-wise UPDATE ... FROM measured three times slower). Its
-    row count is the batch's total: when a fence matched nothing for some claim, the new
-    ids present afterwards tell which claims were replaced (fresh ids: present means ours).
-    """
-    many = getattr(tx, "executemany", None)
-    if many is None or len(claims) < 2:
-        return {
-            old
-            for old, new, anchor, gone_owner in claims
-            if _replace_claim(tx, old, new, owner_id, anchor, lease_ms, gone_owner)
-        }
-    replaced = many(
-        TAKEOVER_SQL,
-        [
-            takeover_params(tx, old, new, owner_id, anchor, lease_ms, gone_owner)
-            for old, new, anchor, gone_owner in claims
-        ],
-    ).rowcount
-    if replaced == len(claims):
-        return {old for old, _, _, _ in claims}
-    old_of = {new: old for old, new, _, _ in claims}
-    present: set[str] = set()
-    for chunk in _chunks(list(old_of)):
-        rows = tx.execute(
-            f"SELECT id FROM session_execution WHERE id IN {_in_list(chunk)}", tuple(chunk)
-        ).fetchall()
-        present.update(old_of[row[0]] for row in rows)
-    return present
+    owner); the old ids it replaced (SQLite: PostgreSQL's set-wise path is `ts_recover`)."""
+    return {
+        old
+        for old, new, anchor, gone_owner in claims
+        if _replace_claim(tx, old, new, owner_id, anchor, lease_ms, gone_owner)
+    }
 
 
 # ---------------------------------------------------------------------------------------------
