@@ -181,4 +181,3 @@ def test_a_batch_takeover_reports_exactly_the_claims_it_replaced(db: Db) -> None
     everything = [(f"new-{name}", f"newer-{name}", None, None) for name in ("a", "b")]
     db.write("UPDATE session_execution SET expires_at = ?", (NOW - 1,))
     assert db.run(_replace_claims, everything, ME, LEASE) == {"new-a", "new-b"}
-
