@@ -83,30 +83,86 @@ def _answer_event(chat: Chat, event: dict[str, Any]) -> bool:
     return chat.answered
 
 
-async def post(client: httpx.AsyncClient, chat: Chat, delay: float) -> None:
+@attrs.define
+class Connections:
+    """Keep-alive connections for the POSTs, as a browser's (or httpx's) pool keeps them: a
+    POST takes an idle one or opens one, and gives it back after a whole response."""
+
+    url: httpx.URL
+    idle: list[trio.SocketStream] = attrs.Factory(list)
+
+    async def request(self, request: bytes) -> bytes:
+        assert self.url.host and self.url.port
+        if self.idle:
+            stream = self.idle.pop()
+        else:
+            stream = await trio.open_tcp_stream(self.url.host, self.url.port)
+        try:
+            await stream.send_all(request)
+            response = b""
+            while b"\r\n\r\n" not in response or len(response) < _response_length(response):
+                chunk = await stream.receive_some()
+                if not chunk:
+                    raise trio.BrokenResourceError("the server closed the connection")
+                response += chunk
+        except BaseException:
+            await trio.aclose_forcefully(stream)
+            raise
+        self.idle.append(stream)
+        return response
+
+    async def aclose(self) -> None:
+        for stream in self.idle:
+            await trio.aclose_forcefully(stream)
+
+
+async def post(connections: Connections, chat: Chat, delay: float) -> None:
+    """POST the chat's message as a raw HTTP/1.1 request (as `follow` reads): httpx's pool
+    cost the client more CPU per request than the server spends on it (its pool scans every
+    connection per request), and on 2 cores the client's busy loop then delayed the very
+    responses it measured."""
+    body = json.dumps({"text": f"hello from {chat.session}"}).encode()
+    request = (
+        f"POST /sessions/{chat.session}/messages HTTP/1.1\r\nHost: {connections.url.host}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
     await trio.sleep(delay)
     chat.posted_at = started = time.perf_counter()
-    response = await client.post(
-        f"/sessions/{chat.session}/messages", json={"text": f"hello from {chat.session}"}
-    )
+    try:
+        response = await connections.request(request)
+    except (OSError, trio.BrokenResourceError) as exc:
+        chat.error = f"post: {exc!r}"
+        return
     chat.post_ms = (time.perf_counter() - started) * 1000
-    if response.status_code != 202:
-        chat.error = f"post: HTTP {response.status_code}"
+    if not response.startswith(b"HTTP/1.1 202"):
+        status = response.partition(b"\r\n")[0]
+        chat.error = f"post: {status!r}"
+
+
+def _response_length(response: bytes) -> int:
+    """The length of a whole response whose head `response` holds (head and body)."""
+    head, _, _ = response.partition(b"\r\n\r\n")
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return len(head) + 4 + int(value)
+    return len(head) + 4
 
 
 async def run(url: str, chats: int, spread: float, give_up_after: float) -> list[Chat]:
     tag = f"load-{random.randrange(16**6):06x}"
     everyone = [Chat(f"{tag}-{n}") for n in range(chats)]
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=url, timeout=give_up_after, limits=limits) as client:
-        with trio.move_on_after(give_up_after):
-            async with trio.open_nursery() as nursery:
-                for chat in everyone:
-                    opened = trio.Event()
-                    nursery.start_soon(follow, httpx.URL(url), chat, opened)
-                    await opened.wait()
-                for chat in everyone:
-                    nursery.start_soon(post, client, chat, random.uniform(0, spread))
+    address = httpx.URL(url)
+    connections = Connections(address)
+    with trio.move_on_after(give_up_after):
+        async with trio.open_nursery() as nursery:
+            for chat in everyone:
+                opened = trio.Event()
+                nursery.start_soon(follow, address, chat, opened)
+                await opened.wait()
+            for chat in everyone:
+                nursery.start_soon(post, connections, chat, random.uniform(0, spread))
+    await connections.aclose()
     return everyone
 
 
