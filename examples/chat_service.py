@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import logging
 import os
@@ -354,6 +355,10 @@ async def serve_web(store: str, bind: str) -> None:
         )
         async with trio.open_nursery() as nursery:
             binds = await nursery.start(serve)
+            # What start-up made (modules, classes, functions: most of the heap) stays:
+            # a full collection no longer walks it - with 200 live streams it paused the
+            # event loop for 13-18 ms, every request then in flight with it.
+            gc.freeze()
             logger.info("chat service listening on %s", " ".join(binds))
 
 
