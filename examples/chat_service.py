@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import logging
 import os
@@ -247,14 +248,20 @@ class ChatApp:
                     _cancel_on_disconnect, receive, nursery.cancel_scope, disconnected
                 )
                 async for event in events:
-                    # A cursor is ASCII without line breaks: safe in an `id:` field.
-                    chunk = f"id: {event.cursor}\ndata: {json.dumps(event.to_json())}\n\n"
+                    # With it, the events already here (a stream that fell behind): one
+                    # write for all, not one each - a write is most of an event's cost.
+                    chunk = "".join(map(_sse, [event, *events.take_ready()]))
                     await send(
                         {"type": "http.response.body", "body": chunk.encode(), "more_body": True}
                     )
                 nursery.cancel_scope.cancel()  # the runtime closed: end the stream
         if not disconnected.is_set():
             await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _sse(event: trio_sessions.StreamEvent) -> str:
+    """One server-sent event: a cursor is ASCII without line breaks, safe in an `id:` field."""
+    return f"id: {event.cursor}\ndata: {json.dumps(event.to_json())}\n\n"
 
 
 async def _lifespan(receive: Receive, send: Send) -> None:
@@ -348,6 +355,10 @@ async def serve_web(store: str, bind: str) -> None:
         )
         async with trio.open_nursery() as nursery:
             binds = await nursery.start(serve)
+            # What start-up made (modules, classes, functions: most of the heap) stays:
+            # a full collection no longer walks it - with 200 live streams it paused the
+            # event loop for 13-18 ms, every request then in flight with it.
+            gc.freeze()
             logger.info("chat service listening on %s", " ".join(binds))
 
 

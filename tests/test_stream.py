@@ -182,6 +182,46 @@ async def test_a_stream_sends_the_stored_messages_then_each_change_as_it_happens
         assert len({e.cursor for e in first + rest}) == len(first + rest)
 
 
+async def test_take_ready_hands_over_the_events_already_here_without_waiting(
+    store: Any, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """After one event, `take_ready()` returns the events that follow it at once - the
+    offers of writes made meanwhile - in the order iteration would yield them, so a
+    consumer can write them in one go (the chat example's SSE); it never waits or reads,
+    and iteration goes on after them."""
+    go, written = trio.Event(), trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        await ctx.take_inputs()
+        writer = await ctx.begin_assistant()
+        await go.wait()
+        for word in ("one", " two", " three"):
+            await writer.append_text(word)
+        await writer.finish()
+        written.set()
+
+    async with runtime(store, drain, clock) as rt, rt.stream("s") as events:
+        await rt.submit("s", {"text": "hello"})
+        before: list[StreamEvent] = []
+        while not (before and before[-1].seq == 2):
+            before.append(await events.__anext__())
+        assert events.take_ready() == []  # nothing more yet: no wait, no read
+        go.set()
+        await written.wait()
+        first = await events.__anext__()
+        more = events.take_ready()
+        assert [(e.kind, e.data) for e in [first, *more]] == [
+            ("append", "one"),
+            ("append", " two"),
+            ("append", " three"),
+            ("finish", {"error": None}),
+        ]
+        assert applied([*before, first, *more]) == await stored(rt)
+        with trio.move_on_after(1):
+            extra = await events.__anext__()
+            raise AssertionError(f"an event after the finish: {extra}")
+
+
 # ---------------------------------------------------------------------------------------------
 # Resuming
 
