@@ -2,12 +2,13 @@
 `PgEngine` and an optional `PgListener`, and `PostgresStore`, the store a runtime opens.
 
 `PgThreadExecutor` (the default) runs `writers` writer lanes, each one engine (one
-connection) fed by its own group-commit queue and worker thread: every operation queued on a
-lane during one hand-off runs in that lane's batches, while the other lanes' batches run in
-parallel (the server's per-row work, not fsync, bounds a set-based batch: one connection
-leaves the server's other cores idle). `PgInlineExecutor` (`inline=True`, tests) runs each
-operation in its own transaction on the trio thread, so virtual time never jumps while
-PostgreSQL works.
+connection) fed by its own group-commit queue and a worker thread of its own (no
+`trio.to_thread` per batch: the hand-offs, not the server, dominated a sequential cycle):
+every operation queued on a lane during one hand-off runs in that lane's batches, while
+the other lanes' batches run in parallel (the server's per-row work, not fsync, bounds a
+set-based batch: one connection leaves the server's other cores idle). `PgInlineExecutor`
+(`inline=True`, tests) runs each operation in its own transaction on the trio thread, so
+virtual time never jumps while PostgreSQL works.
 
 Connections per executor, hence per runtime: `writers` writer connections (default
 `WRITERS`), the listener (`listen=True`), and the liveness token's connection (`hold_token`)
