@@ -983,3 +983,17 @@ async def test_closing_an_executor_fails_what_is_queued_and_waits_for_the_batch_
     assert outcomes["running"] == "held"
     assert isinstance(outcomes["queued"], StoreError)
     assert "closed before this ran" in str(outcomes["queued"])
+
+
+async def test_a_lane_still_runs_shielded_cleanup_once_its_surrounding_scope_is_cancelled(
+    pg_url: str, pg_schema: str
+) -> None:
+    """The runtime's cleanup runs shielded after it was cancelled from outside: the lanes'
+    pumps are shielded too, so an idle lane still hands the cleanup's operations over."""
+    store = PostgresStore(pg_url, schema=pg_schema, writers=1, listen=False)
+    with trio.fail_after(30), trio.CancelScope() as outer:
+        async with store.open_executor(None) as executor:
+            outer.cancel()
+            with trio.CancelScope(shield=True), trio.fail_after(10):
+                await trio.testing.wait_all_tasks_blocked()  # the cancellation has landed
+                assert await executor.run(echo_op, 7) == 7

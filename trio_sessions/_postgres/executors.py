@@ -343,16 +343,25 @@ async def open_thread_executor(
     """A `PgThreadExecutor` over `engines` (one lane each, opened), whose pumps live in a
     nursery of their own, for the block's duration."""
     executor = PgThreadExecutor([engines] if isinstance(engines, PgEngine) else engines, listener)
+    # Shielded, cancelled only when the executor closes: cleanup that runs shielded while
+    # the runtime is cancelled from outside still reaches the database.
+    pumps = [trio.CancelScope(shield=True) for _ in executor._lanes]
+
+    async def pump(lane: _Lane, scope: trio.CancelScope) -> None:
+        with scope:
+            await lane.pump()
+
     async with trio.open_nursery() as nursery:
-        for lane in executor._lanes:
+        for lane, scope in zip(executor._lanes, pumps, strict=True):
             lane.start()
-            nursery.start_soon(lane.pump)
+            nursery.start_soon(pump, lane, scope)
         try:
             yield executor
         finally:
             for lane in executor._lanes:
                 await lane.close()
-            nursery.cancel_scope.cancel()
+            for scope in pumps:
+                scope.cancel()
 
 
 def _masked(url: str) -> str:
