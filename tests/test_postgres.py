@@ -910,3 +910,90 @@ def test_a_batch_of_streamed_appends_is_one_call_in_order_and_fenced(
             n: assistant_text(run_op(engine, _store.read_transcript, f"s{n}")) for n in range(8)
         }
     assert texts == {n: f"{n}a{n}b" + (f"{n}c" if n in (2, 3) else "") for n in range(8)}
+
+
+def echo_op(tx: Tx, n: int) -> int:
+    """An operation that sends nothing (no statement, no COMMIT)."""
+    return n
+
+
+def held(tx: Tx, started: threading.Event, release: threading.Event) -> str:
+    started.set()
+    assert release.wait(timeout=20)
+    return "held"
+
+
+async def test_a_writer_lane_hands_batches_to_its_own_thread_without_to_thread(
+    pg_url: str, pg_schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lane's worker is a thread of its own: no `trio.to_thread` call per batch (its cost
+    dominated the sequential cycle). Operations started together still share a hand-off
+    (at most `HANDOFF_LIMIT` each), and one after another each gets its own."""
+    store = PostgresStore(pg_url, schema=pg_schema, writers=1, listen=False)
+    calls: list[object] = []
+    run_sync = trio.to_thread.run_sync
+
+    async def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args[0])
+        return await run_sync(*args, **kwargs)
+
+    results: list[int] = []
+    async with store.open_executor(None) as executor:
+        monkeypatch.setattr(trio.to_thread, "run_sync", counting)
+        for n in range(10):
+            assert await executor.run(echo_op, n) == n
+        assert executor.statistics().handoffs == 10
+
+        async def one(n: int) -> None:
+            results.append(await executor.run(echo_op, n))
+
+        async with trio.open_nursery() as nursery:
+            for n in range(100):
+                nursery.start_soon(one, n)
+        assert executor.statistics().handoffs == 12  # 64, then the 36 queued meanwhile
+        monkeypatch.undo()
+    assert calls == []
+    assert sorted(results) == list(range(100))
+
+
+async def test_closing_an_executor_fails_what_is_queued_and_waits_for_the_batch_running(
+    pg_url: str, pg_schema: str
+) -> None:
+    """An operation still queued on a lane when its executor closes gets `StoreError`
+    (never run); the batch the worker is running is waited for, and its caller gets the
+    result."""
+    store = PostgresStore(pg_url, schema=pg_schema, writers=1, listen=False)
+    started, release = threading.Event(), threading.Event()
+    outcomes: dict[str, object] = {}
+
+    async def call(name: str, op: Callable[..., object], *args: object) -> None:
+        try:
+            outcomes[name] = await executor.run(op, *args)
+        except StoreError as exc:
+            outcomes[name] = exc
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery, store.open_executor(None) as executor:
+            nursery.start_soon(call, "running", held, started, release)
+            await trio.to_thread.run_sync(started.wait)
+            nursery.start_soon(call, "queued", echo_op, 1)
+            await trio.testing.wait_all_tasks_blocked()
+            # Closing begins before the worker's completion can be delivered.
+            release.set()
+    assert outcomes["running"] == "held"
+    assert isinstance(outcomes["queued"], StoreError)
+    assert "closed before this ran" in str(outcomes["queued"])
+
+
+async def test_a_lane_still_runs_shielded_cleanup_once_its_surrounding_scope_is_cancelled(
+    pg_url: str, pg_schema: str
+) -> None:
+    """The runtime's cleanup runs shielded after it was cancelled from outside: the lanes'
+    pumps are shielded too, so an idle lane still hands the cleanup's operations over."""
+    store = PostgresStore(pg_url, schema=pg_schema, writers=1, listen=False)
+    with trio.fail_after(30), trio.CancelScope() as outer:
+        async with store.open_executor(None) as executor:
+            outer.cancel()
+            with trio.CancelScope(shield=True), trio.fail_after(10):
+                await trio.testing.wait_all_tasks_blocked()  # the cancellation has landed
+                assert await executor.run(echo_op, 7) == 7

@@ -6,8 +6,8 @@ use its sync API from threads; its async API is asyncio-only.
 
 Modules, in the order a call passes them:
 * `executors`: `PostgresStore` and its executors (`_backend.Executor`): the trio side, a few
-  writer lanes each one worker hand-off at a time (group commit; one session's operations
-  on one lane), or inline on the trio thread (tests);
+  writer lanes, each a worker thread of its own taking one batch at a time (group commit;
+  one session's operations on one lane), or inline on the trio thread (tests);
 * `engine`: `PgEngine`, one connection and its transactions - batches, set-based calls,
   autocommit calls, retries, reconnects, uncertain COMMITs - and the sync `open_engine`;
 * `transactions`: `PgTx`, one transaction as an operation sees it, and the SQL dialect;

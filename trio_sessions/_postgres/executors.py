@@ -2,12 +2,13 @@
 `PgEngine` and an optional `PgListener`, and `PostgresStore`, the store a runtime opens.
 
 `PgThreadExecutor` (the default) runs `writers` writer lanes, each one engine (one
-connection) fed by its own group-commit queue and worker thread: every operation queued on a
-lane during one hand-off runs in that lane's batches, while the other lanes' batches run in
-parallel (the server's per-row work, not fsync, bounds a set-based batch: one connection
-leaves the server's other cores idle). `PgInlineExecutor` (`inline=True`, tests) runs each
-operation in its own transaction on the trio thread, so virtual time never jumps while
-PostgreSQL works.
+connection) fed by its own group-commit queue and a worker thread of its own (no
+`trio.to_thread` per batch: the hand-offs, not the server, dominated a sequential cycle):
+every operation queued on a lane during one hand-off runs in that lane's batches, while
+the other lanes' batches run in parallel (the server's per-row work, not fsync, bounds a
+set-based batch: one connection leaves the server's other cores idle). `PgInlineExecutor`
+(`inline=True`, tests) runs each operation in its own transaction on the trio thread, so
+virtual time never jumps while PostgreSQL works.
 
 Connections per executor, hence per runtime: `writers` writer connections (default
 `WRITERS`), the listener (`listen=True`), and the liveness token's connection (`hold_token`)
@@ -30,9 +31,11 @@ Invariants:
 from __future__ import annotations
 
 import functools
+import queue
+import threading
 import zlib
 from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, TypeVar, TypeVarTuple, Unpack
 
 import attrs
@@ -41,7 +44,8 @@ import trio
 
 from .. import _liveness
 from .._backend import BackendName, Job, OwnChange, StoreStatistics, Tx
-from .._handoff import HandoffQueue, Queued, pumping
+from .._errors import StoreError
+from .._handoff import Queued
 from .._naming import check_postgres_name, check_schema, mask_password
 from .._validate import count
 from .engine import BATCH_LIMIT, PgEngine
@@ -162,24 +166,113 @@ def lane_of(op: Callable[..., Any], args: tuple[Any, ...], lanes: int) -> int:
 
 @attrs.define(eq=False)
 class _Lane:
-    """One writer: an engine (one connection), its group-commit queue, and one worker thread
-    at a time."""
+    """One writer: an engine (one connection), its group-commit queue, and a worker thread
+    of its own.
+
+    No `trio.to_thread` per batch: an idle lane's pump hands what was queued to the worker
+    one trio pass after the first submit (so operations started together share a batch),
+    and the worker's completion (one `run_sync_soon` callback) wakes each caller directly
+    and hands over at once what queued meanwhile - the fewest trio passes and thread
+    wake-ups between a call and its reply (on the sequential cycle the hand-offs cost more
+    than the server's work).
+
+    Invariants (as `_handoff.HandoffQueue`): a caller cancelled while its operation is
+    queued sees it withdrawn unrun; once taken, it waits for the outcome. Only the trio
+    thread touches the queue; the worker sees a batch only through its inbox.
+    """
 
     engine: PgEngine
-    handoff: HandoffQueue = attrs.Factory(lambda: HandoffQueue(limit=HANDOFF_LIMIT))
-    limiter: trio.CapacityLimiter = attrs.Factory(lambda: trio.CapacityLimiter(1))
+    limit: int = HANDOFF_LIMIT
+    handoffs: int = 0
+    closed: bool = False
+    _queue: list[Queued] = attrs.Factory(list)
+    _in_flight: list[Queued] | None = None
+    _idle: trio.Event | None = None
+    _inbox: queue.SimpleQueue[list[Queued] | None] = attrs.Factory(queue.SimpleQueue)
+    _token: trio.lowlevel.TrioToken | None = None
+    _wake: trio.Event = attrs.Factory(trio.Event)
 
-    async def hand_off(self, batch: list[Queued]) -> None:
-        by_mode: dict[str, list[Job]] = {"write": [], "nowait": [], "read": []}
-        for queued in batch:
-            by_mode[queued.mode].append(queued.job)
-        await trio.to_thread.run_sync(
-            self.engine.run_jobs,
-            by_mode["write"],
-            by_mode["nowait"],
-            by_mode["read"],
-            limiter=self.limiter,
+    def start(self) -> None:
+        self._token = trio.lowlevel.current_trio_token()
+        thread = threading.Thread(
+            target=self._work, name=f"trio-sessions-pg-{id(self):x}", daemon=True
         )
+        thread.start()
+
+    async def submit(self, job: Job, mode: str) -> Any:
+        if self.closed:
+            raise StoreError("the store executor is closed")
+        queued = Queued(job, mode, trio.lowlevel.current_task())
+        self._queue.append(queued)
+        if self._in_flight is None:
+            self._wake.set()
+
+        def abort(_: Any) -> trio.lowlevel.Abort:
+            if queued.taken:
+                # Running: wait for its outcome like a non-abandoning to_thread call.
+                return trio.lowlevel.Abort.FAILED
+            self._queue.remove(queued)
+            queued.finished = True
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        await trio.lowlevel.wait_task_rescheduled(abort)
+        return queued.job.unwrap()
+
+    async def pump(self) -> None:
+        """Hand an idle lane's queue to the worker, one trio pass after the first submit
+        (a busy lane's next batch is handed over by `_done`)."""
+        while True:
+            await self._wake.wait()
+            self._wake = trio.Event()
+            if self._in_flight is None and self._queue and not self.closed:
+                self._dispatch()
+
+    def _dispatch(self) -> None:
+        batch, self._queue = self._queue[: self.limit], self._queue[self.limit :]
+        for queued in batch:
+            queued.taken = True
+        self.handoffs += 1
+        self._in_flight = batch
+        self._inbox.put(batch)
+
+    def _work(self) -> None:
+        """The worker thread: each batch the trio side hands over, until told to stop."""
+        while (batch := self._inbox.get()) is not None:
+            try:
+                by_mode: dict[str, list[Job]] = {"write": [], "nowait": [], "read": []}
+                for queued in batch:
+                    by_mode[queued.mode].append(queued.job)
+                self.engine.run_jobs(by_mode["write"], by_mode["nowait"], by_mode["read"])
+            except BaseException as exc:  # the engine never raises for a job: report it
+                for queued in batch:
+                    if queued.job.error is None:
+                        queued.job.error = StoreError(f"the store's worker failed: {exc!r}")
+            assert self._token is not None
+            self._token.run_sync_soon(self._done, batch)
+
+    def _done(self, batch: list[Queued]) -> None:
+        """On the trio thread: the batch's callers go on; what queued meanwhile is next."""
+        self._in_flight = None
+        for queued in batch:
+            queued.finish()
+        if self._queue and not self.closed:
+            self._dispatch()
+        elif self._idle is not None:
+            self._idle.set()
+
+    async def close(self) -> None:
+        """Refuse new work, fail what is queued, wait (shielded) for the batch in flight,
+        and stop the worker."""
+        self.closed = True
+        for queued in self._queue:
+            queued.job.error = StoreError("the store executor closed before this ran")
+            queued.finish()
+        self._queue.clear()
+        if self._in_flight is not None:
+            self._idle = trio.Event()
+            with trio.CancelScope(shield=True):
+                await self._idle.wait()
+        self._inbox.put(None)
 
 
 @attrs.define(eq=False)
@@ -202,7 +295,7 @@ class PgThreadExecutor:
         return self.engines[0]
 
     def statistics(self) -> StoreStatistics:
-        handoffs = sum(lane.handoff.handoffs for lane in self._lanes)
+        handoffs = sum(lane.handoffs for lane in self._lanes)
         return _statistics(self.engines, self.listener, handoffs)
 
     async def run(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
@@ -240,7 +333,7 @@ class PgThreadExecutor:
         # not an error about the executor it was cancelled out of.
         await trio.lowlevel.checkpoint_if_cancelled()
         lane = self._lanes[lane_of(job.op, job.args, len(self._lanes))]
-        return await lane.handoff.submit(job, mode)
+        return await lane.submit(job, mode)
 
 
 @asynccontextmanager
@@ -250,10 +343,25 @@ async def open_thread_executor(
     """A `PgThreadExecutor` over `engines` (one lane each, opened), whose pumps live in a
     nursery of their own, for the block's duration."""
     executor = PgThreadExecutor([engines] if isinstance(engines, PgEngine) else engines, listener)
-    async with AsyncExitStack() as stack:
-        for lane in executor._lanes:
-            await stack.enter_async_context(pumping(lane.handoff, lane.hand_off))
-        yield executor
+    # Shielded, cancelled only when the executor closes: cleanup that runs shielded while
+    # the runtime is cancelled from outside still reaches the database.
+    pumps = [trio.CancelScope(shield=True) for _ in executor._lanes]
+
+    async def pump(lane: _Lane, scope: trio.CancelScope) -> None:
+        with scope:
+            await lane.pump()
+
+    async with trio.open_nursery() as nursery:
+        for lane, scope in zip(executor._lanes, pumps, strict=True):
+            lane.start()
+            nursery.start_soon(pump, lane, scope)
+        try:
+            yield executor
+        finally:
+            for lane in executor._lanes:
+                await lane.close()
+            for scope in pumps:
+                scope.cancel()
 
 
 def _masked(url: str) -> str:
