@@ -43,6 +43,22 @@ class Queued:
             if self.task is not None:
                 trio.lowlevel.reschedule(self.task)
 
+    async def outcome(self, withdraw: Callable[[Queued], None]) -> Any:
+        """Sleep until `finish`, then return the job's result or raise its error. Cancelled
+        while still queued, the operation is withdrawn unrun (`withdraw` takes it off its
+        queue); once taken, the caller waits for its outcome like a non-abandoning
+        to_thread call, and the next checkpoint delivers the cancellation."""
+
+        def abort(_: Any) -> trio.lowlevel.Abort:
+            if self.taken:
+                return trio.lowlevel.Abort.FAILED
+            withdraw(self)
+            self.finished = True
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        await trio.lowlevel.wait_task_rescheduled(abort)
+        return self.job.unwrap()
+
 
 HandOff = Callable[[list[Queued]], Awaitable[None]]
 
@@ -79,18 +95,7 @@ class HandoffQueue:
         queued = Queued(job, mode, trio.lowlevel.current_task())
         self._queue.append(queued)
         self._work.set()
-
-        def abort(_: Any) -> trio.lowlevel.Abort:
-            if queued.taken:
-                # The operation is running: wait for its result like a non-abandoning
-                # to_thread call; the next checkpoint delivers the cancellation.
-                return trio.lowlevel.Abort.FAILED
-            self._queue.remove(queued)
-            queued.finished = True
-            return trio.lowlevel.Abort.SUCCEEDED
-
-        await trio.lowlevel.wait_task_rescheduled(abort)
-        return queued.job.unwrap()
+        return await queued.outcome(lambda withdrawn: self._queue.remove(withdrawn))
 
     async def pump(
         self,

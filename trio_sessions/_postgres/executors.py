@@ -206,17 +206,7 @@ class _Lane:
         self._queue.append(queued)
         if self._in_flight is None:
             self._wake.set()
-
-        def abort(_: Any) -> trio.lowlevel.Abort:
-            if queued.taken:
-                # Running: wait for its outcome like a non-abandoning to_thread call.
-                return trio.lowlevel.Abort.FAILED
-            self._queue.remove(queued)
-            queued.finished = True
-            return trio.lowlevel.Abort.SUCCEEDED
-
-        await trio.lowlevel.wait_task_rescheduled(abort)
-        return queued.job.unwrap()
+        return await queued.outcome(lambda withdrawn: self._queue.remove(withdrawn))
 
     async def pump(self) -> None:
         """Hand an idle lane's queue to the worker, one trio pass after the first submit
