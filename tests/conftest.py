@@ -119,6 +119,11 @@ def pg_url() -> Iterator[str]:
 @pytest.fixture
 def pg_schema(pg_url: str) -> Iterator[str]:
     """A fresh, empty schema (unique name), dropped with everything in it after the test."""
+    yield from fresh_schema(pg_url)
+
+
+def fresh_schema(pg_url: str) -> Iterator[str]:
+    """Create a schema of a unique name, yield it, then drop it with everything in it."""
     import uuid
 
     import psycopg

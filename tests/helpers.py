@@ -89,6 +89,29 @@ def opened(engine: PgEngine) -> Iterator[PgEngine]:
         engine.close()
 
 
+def fixed(seconds: float) -> Callable[[], float]:
+    """A lease clock stopped at `seconds` (ms = seconds * 1000)."""
+    return lambda: seconds
+
+
+@contextmanager
+def pg_engine_at(url: str, schema: str, seconds: float) -> Iterator[PgEngine]:
+    """A PostgreSQL engine on `schema` whose lease clock is stopped at `seconds`."""
+    from trio_sessions._postgres import PostgresStore
+
+    with opened(PostgresStore(url, schema=schema).engine(fixed(seconds))) as engine:
+        yield engine
+
+
+@contextmanager
+def pg_raw(url: str, schema: str) -> Iterator[psycopg.Connection[Any]]:
+    """A plain autocommit connection with `schema` first on its search path."""
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True, options=f"-c search_path={schema}") as conn:
+        yield conn
+
+
 def terminate_backend(url: str, pid: int) -> None:
     """Kill backend `pid` from a connection of its own and wait until it is gone."""
     import psycopg  # lazily: SQLite-only runs never touch psycopg

@@ -13,37 +13,19 @@ wire by the bench's relay.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
-import psycopg
-from helpers import opened
+from helpers import fixed
+from helpers import pg_engine_at as engine_at
+from helpers import pg_raw as raw
 
 from trio_sessions import _store
 from trio_sessions._bench.roundtrips import counting_url
 from trio_sessions._decisions import AcquireVerdict, RecoveryDecision
-from trio_sessions._postgres import PgEngine, PgTx, PostgresStore, connect, run_op
+from trio_sessions._postgres import PgEngine, PgTx, connect, run_op
 
 LEASE_MS = 30_000
 DEAD, ME, OTHER = "dead", "rescuer", "other-rescuer"
-
-
-def fixed(seconds: float) -> Callable[[], float]:
-    """A lease clock stopped at `seconds` (ms = seconds * 1000)."""
-    return lambda: seconds
-
-
-@contextmanager
-def engine_at(url: str, schema: str, seconds: float) -> Iterator[PgEngine]:
-    with opened(PostgresStore(url, schema=schema).engine(fixed(seconds))) as engine:
-        yield engine
-
-
-@contextmanager
-def raw(url: str, schema: str) -> Iterator[psycopg.Connection[Any]]:
-    with psycopg.connect(url, autocommit=True, options=f"-c search_path={schema}") as conn:
-        yield conn
 
 
 def claim(engine: PgEngine, session_id: str, owner: str = DEAD, lease_ms: int = 500) -> str:

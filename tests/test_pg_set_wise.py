@@ -12,16 +12,17 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import psycopg
 import pytest
-from helpers import opened
-from psycopg import sql
+from conftest import fresh_schema
+from helpers import fixed
+from helpers import pg_engine_at as engine_at
+from helpers import pg_raw as raw
 
 from trio_sessions import _backend, _store
-from trio_sessions._postgres import PgEngine, PgTx, PostgresStore, connect, run_op
+from trio_sessions._postgres import PgEngine, PgTx, connect, run_op
 
 LEASE_MS = 30_000
 ME, OTHER = "owner-a", "owner-b"
@@ -33,23 +34,6 @@ TABLES = (
     "session_input_rejected",
     "session_recovery",
 )
-
-
-def fixed(seconds: float) -> Callable[[], float]:
-    """A lease clock stopped at `seconds` (ms = seconds * 1000)."""
-    return lambda: seconds
-
-
-@contextmanager
-def engine_at(url: str, schema: str, seconds: float) -> Iterator[PgEngine]:
-    with opened(PostgresStore(url, schema=schema).engine(fixed(seconds))) as engine:
-        yield engine
-
-
-@contextmanager
-def raw(url: str, schema: str) -> Iterator[psycopg.Connection[Any]]:
-    with psycopg.connect(url, autocommit=True, options=f"-c search_path={schema}") as conn:
-        yield conn
 
 
 def test_a_batch_of_submits_is_settled_without_the_row_function(
@@ -352,14 +336,7 @@ def _tables(conn: psycopg.Connection[Any]) -> dict[str, list[Any]]:
 @pytest.fixture
 def reference_schema(pg_url: str) -> Iterator[str]:
     """A second fresh schema, where the batch's jobs run alone."""
-    import uuid
-
-    name = f"test_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(pg_url, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(name)))
-    yield name
-    with psycopg.connect(pg_url, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(name)))
+    yield from fresh_schema(pg_url)
 
 
 @pytest.mark.parametrize("seed", range(60))

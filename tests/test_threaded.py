@@ -5,7 +5,7 @@ released by the test itself, so ordering is forced, not hoped for."""
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -14,7 +14,7 @@ import trio
 from helpers import Raw
 
 import trio_sessions
-from trio_sessions import DrainContext, Outcome
+from trio_sessions import DrainContext, Outcome, Runtime
 from trio_sessions._model import RuntimeStatistics
 
 pytestmark = pytest.mark.slow
@@ -152,6 +152,32 @@ class _Rounds(trio.abc.Instrument):
 _COUNTED = ("busy_period", "pump")
 
 
+async def _rounds_on_a_warm_runtime(
+    path: Path, count: int, step: Callable[[Runtime, int], Awaitable[None]]
+) -> int:
+    """The scheduler rounds (`_Rounds`) the calling task's `count` steps take on a runtime
+    warmed up by five cycles, whose drain checkpoints once (then every `s{i}` is idle)."""
+
+    async def drain(ctx: DrainContext) -> None:
+        await trio.lowlevel.checkpoint()
+
+    with trio.fail_after(20):
+        async with trio_sessions.open_runtime(path, drain, lease=30) as rt:
+            for i in range(5):  # warm-up: the connections' first statements
+                await rt.submit(f"warm{i}", {})
+                await rt.wait_idle(f"warm{i}")
+            counter = _Rounds(trio.lowlevel.current_task())
+            trio.lowlevel.add_instrument(counter)
+            try:
+                for i in range(count):
+                    await step(rt, i)
+            finally:
+                trio.lowlevel.remove_instrument(counter)
+            for i in range(count):
+                await rt.wait_idle(f"s{i}")
+            return counter.rounds
+
+
 def test_a_sequential_cycle_takes_the_trio_floors_scheduler_rounds(tmp_path: Path) -> None:
     """`await submit(); await wait_idle()` with a drain that checkpoints once takes three
     scheduler rounds, as the trio floor does (the bench's raw SQL from trio, one task per
@@ -160,26 +186,11 @@ def test_a_sequential_cycle_takes_the_trio_floors_scheduler_rounds(tmp_path: Pat
     (DESIGN §7; it took six)."""
     cycles = 60
 
-    async def drain(ctx: DrainContext) -> None:
-        await trio.lowlevel.checkpoint()
+    async def cycle(rt: Runtime, i: int) -> None:
+        await rt.submit(f"s{i}", {"i": i})
+        await rt.wait_idle(f"s{i}")
 
-    async def main() -> int:
-        with trio.fail_after(20):
-            async with trio_sessions.open_runtime(tmp_path / "db", drain, lease=30) as rt:
-                for i in range(5):  # warm-up: the connections' first statements
-                    await rt.submit(f"warm{i}", {})
-                    await rt.wait_idle(f"warm{i}")
-                counter = _Rounds(trio.lowlevel.current_task())
-                trio.lowlevel.add_instrument(counter)
-                try:
-                    for i in range(cycles):
-                        await rt.submit(f"s{i}", {"i": i})
-                        await rt.wait_idle(f"s{i}")
-                finally:
-                    trio.lowlevel.remove_instrument(counter)
-                return counter.rounds
-
-    rounds = trio.run(main)
+    rounds = trio.run(_rounds_on_a_warm_runtime, tmp_path / "db", cycles, cycle)
     # Three per cycle; the slack covers a background look (the change loop) that sends
     # a finish through the thread hand-off now and then.
     assert rounds <= 3.5 * cycles, rounds / cycles
@@ -225,24 +236,8 @@ def test_a_group_commits_callers_go_on_in_the_next_round(tmp_path: Path) -> None
     submit (it took three)."""
     submits = 60
 
-    async def drain(ctx: DrainContext) -> None:
-        await trio.lowlevel.checkpoint()
+    async def submit(rt: Runtime, i: int) -> None:
+        await rt.submit(f"s{i}", {"i": i})
 
-    async def main() -> int:
-        with trio.fail_after(20):
-            async with trio_sessions.open_runtime(tmp_path / "db", drain, lease=30) as rt:
-                for i in range(5):  # warm-up: the connections' first statements
-                    await rt.submit(f"warm{i}", {})
-                counter = _Rounds(trio.lowlevel.current_task())
-                trio.lowlevel.add_instrument(counter)
-                try:
-                    for i in range(submits):
-                        await rt.submit(f"s{i}", {"i": i})
-                finally:
-                    trio.lowlevel.remove_instrument(counter)
-                for i in range(submits):
-                    await rt.wait_idle(f"s{i}")
-                return counter.rounds
-
-    rounds = trio.run(main)
+    rounds = trio.run(_rounds_on_a_warm_runtime, tmp_path / "db", submits, submit)
     assert rounds <= 2.5 * submits, rounds / submits
