@@ -161,7 +161,7 @@ SQLITE_OUR_TABLES = frozenset(
 # ---------------------------------------------------------------------------------------------
 # PostgreSQL
 
-POSTGRES_SCHEMA_VERSION = 10
+POSTGRES_SCHEMA_VERSION = 11
 
 # Same names, meanings and named CHECKs as the SQLite schema (`SQLITE_MIGRATIONS`, whose
 # versions 1-3 are PostgreSQL's first: no PostgreSQL store predates them); times
@@ -301,6 +301,9 @@ ALTER TABLE session ADD COLUMN time_paused BIGINT;
     # `ts_acquire_many`, `ts_wake_and_acquire_many`), the change scan in one call
     # (`ts_changes`), a recovery pass's scan and leases in one call (`ts_recovery_scan`).
     10: "",
+    # The functions again, no table changes: the set-wise functions lock their batch's
+    # sessions through one function (`ts_lock_all`).
+    11: "",
 }
 
 
@@ -340,4 +343,5 @@ POSTGRES_BACKFILLS: dict[int, Callable[[Any], None]] = {
     8: _create_functions,
     9: _create_functions,
     10: _create_functions,
+    11: _create_functions,
 }

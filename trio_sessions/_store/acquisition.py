@@ -360,8 +360,7 @@ LANGUAGE plpgsql VOLATILE
 DECLARE
     v_now bigint; v_ords bigint[]; v_attempts bigint[]; r record;
 BEGIN
-    PERFORM ts_lock(l.s) FROM (SELECT DISTINCT u.s FROM unnest(p_sessions) AS u(s)) l
-        ORDER BY hashtext(l.s), l.s;
+    PERFORM ts_lock_all(p_sessions);
     v_now := ts_now(p_now);
     WITH job AS (
         SELECT u.s, u.e, u.o, u.l, u.n,
@@ -565,8 +564,7 @@ LANGUAGE plpgsql VOLATILE
 DECLARE
     v_now bigint; v_ords bigint[]; v_attempts bigint[]; r record;
 BEGIN
-    PERFORM ts_lock(l.s) FROM (SELECT DISTINCT u.s FROM unnest(p_sessions) AS u(s)) l
-        ORDER BY hashtext(l.s), l.s;
+    PERFORM ts_lock_all(p_sessions);
     v_now := ts_now(p_now);
     WITH job AS (
         SELECT u.s, u.p, u.i, u.e, u.o, u.l, u.n,

@@ -255,6 +255,15 @@ $$;
 CREATE OR REPLACE FUNCTION ts_lock(p_session text) RETURNS void
 LANGUAGE sql VOLATILE AS $$ SELECT pg_advisory_xact_lock(@LOCK@, hashtext(p_session)) $$;
 
+-- Every session of a set-wise batch locked, in the order all functions take several
+-- session locks in (hashtext, then the id), so two batches sharing sessions never deadlock.
+CREATE OR REPLACE FUNCTION ts_lock_all(p_sessions text[]) RETURNS void
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    PERFORM ts_lock(l.s) FROM (SELECT DISTINCT u.s FROM unnest(p_sessions) AS u(s)) l
+        ORDER BY hashtext(l.s), l.s;
+END $$;
+
 -- Signal a session's change to the other runtimes (DESIGN §8 "Notifications scale"): at
 -- most one pg_notify per transaction. Alone (autocommit, or one operation's transaction)
 -- a function notifies at once, with its own session as the payload (an operation's calls

@@ -310,8 +310,7 @@ LANGUAGE plpgsql VOLATILE
 DECLARE
     v_now bigint; v_gone text[];
 BEGIN
-    PERFORM ts_lock(l.s) FROM (SELECT DISTINCT u.s FROM unnest(p_sessions) AS u(s)) l
-        ORDER BY hashtext(l.s), l.s;
+    PERFORM ts_lock_all(p_sessions);
     v_now := ts_now(p_now);
     -- Owners found gone count as such only while their token is still free, after the locks.
     v_gone := ARRAY(SELECT o.owner_id FROM session_owner o
