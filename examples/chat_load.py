@@ -8,6 +8,8 @@ Start the service as `chat_service.py` says (one web process, two workers), then
 
 Every stream is open before the first POST, and the POSTs land at random moments over
 `--spread` seconds (as users would), so each POST is answered while all N streams are live.
+Each message has `--words` words (38 by default), so each answer streams 40 words: at the
+example's pace of a word per 50 ms, the 2-second answer of the issue's trial.
 A POST that is not 202, a stream that ends early or misses its answer, counts as an error.
 The client is raw HTTP/1.1 on trio sockets (the POSTs on keep-alive connections, as a
 browser's): on a 2-core machine an httpx client spent as much CPU as the web process it
@@ -18,6 +20,7 @@ The last line is machine-readable: `chats= post_p50_ms= post_p99_ms= ttfw_p99_ms
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import random
@@ -28,6 +31,10 @@ from typing import Any
 import attrs
 import httpx
 import trio
+
+# The issue's trial: a 40-word answer, a word every 50 ms (the example's default pace) - a
+# 2-second answer, as a model streams it.
+ANSWER_WORDS = 40
 
 
 @attrs.define
@@ -122,12 +129,18 @@ class Connections:
             await trio.aclose_forcefully(stream)
 
 
-async def post(connections: Connections, chat: Chat, delay: float) -> None:
+def question(chat: Chat, words: int) -> str:
+    """The chat's message: `words` words (at least its three naming words), which the
+    example's drain answers with two more, streamed a word at a time."""
+    return " ".join([f"hello from {chat.session}", *["word"] * (words - 3)])
+
+
+async def post(connections: Connections, chat: Chat, delay: float, words: int) -> None:
     """POST the chat's message as a raw HTTP/1.1 request (as `follow` reads): httpx's pool
     cost the client more CPU per request than the server spends on it (its pool scans every
     connection per request), and on 2 cores the client's busy loop then delayed the very
     responses it measured."""
-    body = json.dumps({"text": f"hello from {chat.session}"}).encode()
+    body = json.dumps({"text": question(chat, words)}).encode()
     request = (
         f"POST /sessions/{chat.session}/messages HTTP/1.1\r\nHost: {connections.url.host}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
@@ -155,7 +168,9 @@ def _response_length(response: bytes) -> int:
     return len(head) + 4
 
 
-async def run(url: str, chats: int, spread: float, give_up_after: float) -> list[Chat]:
+async def run(
+    url: str, chats: int, spread: float, give_up_after: float, *, words: int = ANSWER_WORDS - 2
+) -> list[Chat]:
     tag = f"load-{random.randrange(16**6):06x}"
     everyone = [Chat(f"{tag}-{n}") for n in range(chats)]
     address = httpx.URL(url)
@@ -167,7 +182,7 @@ async def run(url: str, chats: int, spread: float, give_up_after: float) -> list
                 nursery.start_soon(follow, address, chat, opened)
                 await opened.wait()
             for chat in everyone:
-                nursery.start_soon(post, connections, chat, random.uniform(0, spread))
+                nursery.start_soon(post, connections, chat, random.uniform(0, spread), words)
     await connections.aclose()
     return everyone
 
@@ -193,11 +208,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--chats", type=int, default=200)
     parser.add_argument("--spread", type=float, default=1.0, help="seconds the POSTs span")
     parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument(
+        "--words",
+        type=int,
+        default=ANSWER_WORDS - 2,
+        help="words per message (the answer streams two more)",
+    )
     args = parser.parse_args(argv)
     if args.chats < 1:
         parser.error(f"--chats must be at least 1, not {args.chats}")
+    if args.words < 3:
+        parser.error(f"--words must be at least 3, not {args.words}")
     started = time.perf_counter()
-    everyone = trio.run(run, args.url, args.chats, args.spread, args.timeout)
+    everyone = trio.run(
+        functools.partial(run, words=args.words), args.url, args.chats, args.spread, args.timeout
+    )
     # On a small machine the client shares the cores with the server: its own CPU says
     # whether it could have slowed down what it measured.
     wall = time.perf_counter() - started

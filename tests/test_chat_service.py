@@ -517,13 +517,18 @@ async def test_fifty_live_event_streams_each_get_their_own_answer(service: Servi
 async def test_the_load_script_sees_every_chat_answered(service: Service) -> None:
     """`examples/chat_load.py` (the 200-stream measurement of the README) against the
     service: each chat's stream opened, its POST answered 202, its first word and its
-    finished answer seen, and the summary line says so."""
+    finished answer seen, and the summary line says so. Its answers are the issue's trial's
+    40 words by default."""
     chat_load = load_example("chat_load")
     everyone = await chat_load.run(service.url, 20, 0.2, DEADLINE)
     assert [chat.error for chat in everyone] == [None] * 20, service.output()
     assert all(chat.answered and chat.first_word_at is not None for chat in everyone)
     assert all(chat.post_ms is not None and chat.post_ms > 0 for chat in everyone)
     assert chat_load.summary(everyone).endswith(" errors=0")
+    async with httpx.AsyncClient(base_url=service.url, timeout=5) as client:
+        messages = await until_answers(client, service, everyone[0].session, 1)
+    answer = next(m for m in messages if m["role"] == "assistant")
+    assert len(text_of(answer).split()) == chat_load.ANSWER_WORDS == 40
 
 
 async def test_a_worker_killed_mid_answer_is_completed_by_the_other(service: Service) -> None:
