@@ -197,6 +197,27 @@ async def test_worker_replies_and_a_sigterm_hands_the_running_claim_back(
     ]
 
 
+async def test_the_worker_freezes_its_start_up_heap(db_path: Path, tmp_path: Path) -> None:
+    """Once its runtime is open, the worker moves what start-up made (modules, classes) out
+    of the collector's reach: with 1,000 sessions in flight, full collections walking it
+    were about 15 % of the CPU per session."""
+    async with trio_sessions.open_runtime(db_path, None) as producer:
+        worker = await start_worker(tmp_path, "worker_drain:frozen", "--store", str(db_path))
+        try:
+            await worker.until_logged("worker started")
+            await producer.submit("gc", {}, input_id="in-gc")
+
+            async def answered() -> bool:
+                transcript = await producer.transcript("gc")
+                return len(transcript) == 2 and transcript[1].data.finished
+
+            await until(answered, "the frozen count", worker)
+            [_, answer] = await producer.transcript("gc")
+            assert int(texts(answer)[0]) > 10_000, worker.output()
+        finally:
+            await stop(worker)
+
+
 @pytest.mark.parametrize(
     ("second", "status"), [(signal.SIGTERM, 1), (signal.SIGINT, 130)], ids=["TERM", "INT"]
 )

@@ -10,10 +10,12 @@
   (no cancellation stops it), then the text `thread done` and the message finished.
 Each drain call prints `drain enter SESSION resumed=R at T` and, after a thread, `thread
 done SESSION at T` (wall times) on stderr, so a test can order drains across processes.
+`frozen` answers with `gc.get_freeze_count()` (the worker freezes its start-up heap).
 """
 
 from __future__ import annotations
 
+import gc
 import sys
 import time
 
@@ -60,3 +62,11 @@ def not_async(ctx: DrainContext) -> None:
 
 
 NOT_CALLABLE = 42
+
+
+async def frozen(ctx: DrainContext) -> None:
+    """Answers each input with how many objects the garbage collector holds frozen."""
+    for _ in await ctx.take_inputs():
+        writer = await ctx.begin_assistant()
+        await writer.append_text(str(gc.get_freeze_count()))
+        await writer.finish()

