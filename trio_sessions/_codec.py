@@ -110,7 +110,11 @@ def _finite_float(text: str) -> float:
 
 def dumps(value: Any) -> str:
     """Encode `value` as compact JSON; `ValueError`/`TypeError` for anything JSON cannot hold."""
-    return json.dumps(value, allow_nan=False, separators=(",", ":"))
+    return _ENCODER.encode(value)
+
+
+# One encoder for every `dumps` (`json.dumps` with these options builds a new one per call).
+_ENCODER = json.JSONEncoder(allow_nan=False, separators=(",", ":"))
 
 
 def loads(text: Any) -> Any:
