@@ -109,7 +109,14 @@ BLOCKERS: dict[str, tuple[str, Pick]] = {
     "FOR NO KEY UPDATE": (CLAIMS_LOCK, SAME),
     **{
         f"{function}(": (SESSION_LOCK, FIRST)
-        for function in ("ts_submit", "ts_acquire", "ts_submit_and_acquire", "ts_wake")
+        for function in (
+            "ts_submit",
+            "ts_acquire",
+            "ts_submit_and_acquire",
+            "ts_wake",
+            "ts_submit_controlled",
+            "ts_request_cancel",
+        )
     },
     "ts_wake_and_acquire(": (SESSION_LOCK, FIRST),
     **{

@@ -5,10 +5,12 @@ finish) at most 50, on every connection the runtime opens. Counted by the bench'
 
 from __future__ import annotations
 
+from typing import Any
+
 import psycopg
 import trio
 
-from trio_sessions import DrainContext, _store
+from trio_sessions import DrainContext, SessionBusy, _store
 from trio_sessions._backend import Job
 from trio_sessions._bench.postgres import seed_expired
 from trio_sessions._bench.roundtrips import (
@@ -183,5 +185,48 @@ def test_a_change_scan_is_one_round_trip(pg_url: str, pg_schema: str) -> None:
             assert engine.read(_store.changes, "me", ["local"], owned, 10, {}) == Changes(
                 ["new", "old"], ["e-cancel"], NO_CHANGE, ["e-gone", "e-held"], 5_000
             )
+        finally:
+            engine.close()
+
+
+def test_the_conversation_controls_are_one_call_each(pg_url: str, pg_schema: str) -> None:
+    """Double-texting (`submit` with `on_busy` "interrupt" or "reject") and a scheduled
+    `submit` are one call alone in autocommit: one round trip, a refusal included; a retry
+    of a stored input is one too. Another owner's claim interrupted from here
+    (`request_cancel`: no natural key to read back by, so a transaction) is one call: BEGIN
+    with it, then COMMIT."""
+    with counting_url(pg_url) as (url, proxy):
+        engine = open_engine(url, schema=pg_schema)
+        try:
+            engine.run(_store.submit, "s", '{"n": 1}', "in-1")
+            engine.run(_store.acquire, "s", "e1", "other", 60_000)
+
+            def counted(op: Any, *args: Any) -> tuple[int, Any]:
+                before = proxy.round_trips
+                try:
+                    result = engine.run(op, *args)
+                except SessionBusy as exc:
+                    result = exc
+                return proxy.round_trips - before, result
+
+            payload = '{"n": 2}'
+            assert counted(_store.submit_controlled, "s", payload, "in-2", "interrupt") == (
+                1,
+                ("in-2", True),
+            )
+            assert counted(_store.submit_controlled, "s", payload, "in-2", "interrupt") == (
+                1,
+                ("in-2", False),
+            )
+            trips, refused = counted(_store.submit_controlled, "s", payload, "in-3", "reject")
+            assert (trips, type(refused)) == (1, SessionBusy)
+            assert counted(_store.submit_scheduled, "t", payload, "in-4", 60_000, "queue") == (
+                1,
+                "in-4",
+            )
+            engine.run(_store.submit, "u", '{"n": 1}', "in-5")
+            engine.run(_store.acquire, "u", "e2", "other", 60_000)
+            assert counted(_store.request_cancel, "u") == (2, True)
+            assert counted(_store.request_cancel, "u") == (2, False)
         finally:
             engine.close()

@@ -161,7 +161,7 @@ SQLITE_OUR_TABLES = frozenset(
 # ---------------------------------------------------------------------------------------------
 # PostgreSQL
 
-POSTGRES_SCHEMA_VERSION = 11
+POSTGRES_SCHEMA_VERSION = 12
 
 # Same names, meanings and named CHECKs as the SQLite schema (`SQLITE_MIGRATIONS`, whose
 # versions 1-3 are PostgreSQL's first: no PostgreSQL store predates them); times
@@ -304,6 +304,10 @@ ALTER TABLE session ADD COLUMN time_paused BIGINT;
     # The functions again, no table changes: the set-wise functions lock their batch's
     # sessions through one function (`ts_lock_all`).
     11: "",
+    # The functions again, no table changes: double-texting and scheduled submits in one
+    # call (`ts_submit_controlled`), another owner's claim interrupted in one call
+    # (`ts_request_cancel`).
+    12: "",
 }
 
 
@@ -344,4 +348,5 @@ POSTGRES_BACKFILLS: dict[int, Callable[[Any], None]] = {
     9: _create_functions,
     10: _create_functions,
     11: _create_functions,
+    12: _create_functions,
 }

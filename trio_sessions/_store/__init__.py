@@ -55,6 +55,7 @@ from . import acquisition as _acquisition
 from . import changes as _changes
 from . import claims as _claims
 from . import common as _common
+from . import control as _control
 from . import inputs as _inputs
 from . import intake as _intake
 from . import recovery_batch as _recovery_batch
@@ -221,6 +222,7 @@ def pg_functions(channel: str, lock_namespace: int) -> str:
             _transcript_family,
             _claims,
             _acquisition,
+            _control,
             _stream_family,
             _changes,
             _recovery_scan,

@@ -276,7 +276,12 @@ def finish_interrupted(tx: Tx, session_id: str, execution_id: str, owner_id: str
 
 
 def request_cancel(tx: Tx, session_id: str) -> bool:
-    """Interrupt another owner's claim: `phase='cancelling'` fenced on the live running row."""
+    """Interrupt another owner's claim: `phase='cancelling'` fenced on the live running row.
+    On PostgreSQL one call (`ts_request_cancel`) in a transaction: whether a lost reply's
+    call landed cannot be read back (nothing names it), so COMMIT's outcome is asked for."""
+    if tx.dialect == "postgres":
+        [(marked,)] = tx.call("ts_request_cancel", session_id, idempotent=False)
+        return bool(marked)
     tx.lock_session(session_id)
     tx.notify(session_id)
     return (
@@ -379,6 +384,23 @@ BEGIN
         WHERE id = p_exec AND session_id = p_session AND owner_id = p_owner
         AND expires_at > v_now;
     RETURN CASE WHEN FOUND THEN 'ok' ELSE 'lease_lost' END;
+END $$;
+
+-- Interrupt another owner's claim (`request_cancel`): phase cancelling, fenced on the live
+-- running row, and its owner signalled. Whether it marked one. Not idempotent (a second
+-- call finds the row cancelling): called in a transaction, never retried by read-back.
+CREATE OR REPLACE FUNCTION ts_request_cancel(p_session text, p_now bigint, p_retry boolean)
+RETURNS boolean
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_now bigint;
+BEGIN
+    PERFORM ts_lock(p_session);
+    v_now := ts_now(p_now);
+    PERFORM ts_signal(p_session);
+    UPDATE session_execution SET phase = 'cancelling'
+        WHERE session_id = p_session AND phase = 'running' AND expires_at > v_now;
+    RETURN FOUND;
 END $$;
 
 -- The end of a busy period or iteration, under the claim fence. p_kind: 'iteration'

@@ -3,7 +3,10 @@
 `submit` with `on_busy` and `delay`, scheduled inputs falling due, `cancel_input`, `pause`
 and `resume`, `delete_session`, `purge`, `fork` and `truncate` - each one transaction,
 written once for both dialects, each taking the session lock first (sorted, when it takes
-several) so that on PostgreSQL nothing about the session moves before COMMIT.
+several) so that on PostgreSQL nothing about the session moves before COMMIT. On
+PostgreSQL `submit` with `on_busy` or `delay` (`submit_controlled`, `submit_scheduled`) is
+one call of `ts_submit_controlled`, alone in autocommit: one round trip, read back by input
+id after a lost reply.
 
 Invariants kept here:
 * `on_busy="reject"` stores nothing when the session is busy (a claim exists, or due inputs
@@ -30,7 +33,7 @@ from typing import Any
 import attrs
 
 from .. import _codec, _decisions, _transcript
-from .._backend import Tx, caller_yields_next
+from .._backend import Tx, autocommit_when_alone, caller_yields_next
 from .._decisions import SubmitVerdict
 from .._errors import SessionBusy
 from .._model import INTERRUPTED
@@ -60,12 +63,17 @@ def _busy_verdict(tx: Tx, session_id: str, on_busy: str) -> SubmitVerdict:
     return verdict
 
 
+@autocommit_when_alone
 def submit_controlled(
     tx: Tx, session_id: str, payload: str, input_id: str, on_busy: str
 ) -> tuple[str, bool]:
     """`submit` with `on_busy` "reject" or "interrupt"; returns (input id, whether a running
     claim was marked cancelling). A retry of an input already stored returns its id and
     writes nothing, busy or not."""
+    if tx.dialect == "postgres":
+        stored = _pg_submit_controlled(tx, session_id, payload, input_id, on_busy, 0)
+        if stored is not None:
+            return input_id, stored == "interrupted"
     tx.lock_session(session_id)
     if _known_input(tx, session_id, input_id, payload):
         return input_id, False
@@ -114,11 +122,16 @@ def submit_controlled_and_acquire(
 # Scheduled inputs
 
 
+@autocommit_when_alone
 def submit_scheduled(
     tx: Tx, session_id: str, payload: str, input_id: str, delay_ms: int, on_busy: str
 ) -> str:
     """Store an input due `delay_ms` from now by the lease clock; it rings no doorbell (the
     due timer promotes it). Idempotent by `input_id`; "reject" refuses a busy session."""
+    if tx.dialect == "postgres" and (
+        _pg_submit_controlled(tx, session_id, payload, input_id, on_busy, delay_ms) is not None
+    ):
+        return input_id
     tx.lock_session(session_id)
     if _known_input(tx, session_id, input_id, payload):
         return input_id
@@ -138,6 +151,19 @@ def submit_scheduled(
         (input_id, session_id, row[0], payload, tx.now, tx.now + delay_ms),
     )
     return input_id
+
+
+def _pg_submit_controlled(
+    tx: Tx, session_id: str, payload: str, input_id: str, on_busy: str, delay_ms: int
+) -> str | None:
+    """`ts_submit_controlled`: "stored", "interrupted" or "known" (the input is stored);
+    `SessionBusy` for a refusal; None when the input id is stored for another session or
+    with another payload text (nothing was written: the statements decide, in a
+    transaction, comparing the payloads as JSON values)."""
+    [(verdict,)] = tx.call("ts_submit_controlled", session_id, payload, input_id, on_busy, delay_ms)
+    if verdict == "busy":
+        raise _busy_error(session_id)
+    return None if verdict in ("other_session", "other_payload") else str(verdict)
 
 
 def next_due(tx: Tx) -> int | None:
@@ -381,3 +407,57 @@ def truncate(tx: Tx, session_id: str, after_seq: int) -> int:
     if deleted:
         tx.notify(session_id)
     return int(deleted)
+
+
+# ---------------------------------------------------------------------------------------------
+# PostgreSQL: this family's server-side functions (created by `_schema`'s migrations; see
+# `_store.pg_functions` for their conventions)
+
+PG_FUNCTIONS = r"""
+-- submit with on_busy 'reject' or 'interrupt' (double-texting), or scheduled (p_delay > 0:
+-- due p_delay ms from now by the lease clock; it rings no doorbell, and its signal lets
+-- every runtime re-arm its due timer). Busy: a claim exists, or due inputs wait untaken
+-- (`_decisions.submit_verdict`). Verdicts: stored; interrupted (stored, and the running
+-- claim - live or expired: recovery then finishes it as cancelled - marked cancelling);
+-- busy (reject: nothing written); ts_known_input's (nothing written). Read back after a
+-- lost reply (p_retry) by input id: known, or interrupted when the session's claim is
+-- cancelling (the lost call's, or a cancellation already under way).
+CREATE OR REPLACE FUNCTION ts_submit_controlled(p_session text, p_payload text, p_input text,
+    p_on_busy text, p_delay bigint, p_now bigint, p_retry boolean)
+RETURNS text
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_now bigint; v_known text; v_phase text; v_busy boolean; v_seq bigint;
+BEGIN
+    PERFORM ts_lock(p_session);
+    v_now := ts_now(p_now);
+    v_known := ts_known_input(p_session, p_input, p_payload);
+    SELECT e.phase INTO v_phase FROM session_execution e WHERE e.session_id = p_session;
+    IF v_known IS NOT NULL THEN
+        RETURN CASE WHEN v_known = 'known' AND p_retry AND v_phase = 'cancelling'
+                    THEN 'interrupted' ELSE v_known END;
+    END IF;
+    v_busy := v_phase IS NOT NULL OR EXISTS (
+        SELECT 1 FROM session_input i WHERE i.session_id = p_session
+        AND (i.due_at IS NULL OR i.due_at <= v_now));
+    IF p_on_busy = 'reject' AND v_busy THEN
+        RETURN 'busy';
+    END IF;
+    IF p_delay > 0 THEN
+        PERFORM ts_signal(p_session);
+        INSERT INTO session AS s (id, time_created, input_seq) VALUES (p_session, v_now, 1)
+            ON CONFLICT (id) DO UPDATE SET input_seq = s.input_seq + 1
+            RETURNING s.input_seq INTO v_seq;
+        INSERT INTO session_input(id, session_id, seq, payload, time_created, due_at)
+            VALUES (p_input, p_session, v_seq, p_payload, v_now, v_now + p_delay);
+        RETURN 'stored';
+    END IF;
+    PERFORM ts_insert_input(p_session, p_payload, p_input, true, v_now);
+    IF p_on_busy = 'interrupt' AND v_phase = 'running' THEN
+        UPDATE session_execution SET phase = 'cancelling'
+            WHERE session_id = p_session AND phase = 'running';
+        RETURN 'interrupted';
+    END IF;
+    RETURN 'stored';
+END $$;
+"""
