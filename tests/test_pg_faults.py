@@ -100,6 +100,10 @@ EXECUTION_LOCK = (
     " FROM session_execution WHERE id = %s"
 )
 CLAIMS_LOCK = "SELECT 1 FROM session_execution WHERE id = ANY(%s) FOR UPDATE"
+INPUT_LOCK = (
+    f"SELECT pg_advisory_xact_lock({SESSION_LOCK_NAMESPACE}, hashtext(session_id))"
+    " FROM session_input WHERE id = %s"
+)
 Pick = Callable[[Any], Any]
 FIRST: Pick = operator.itemgetter(slice(0, 1))
 SECOND: Pick = operator.itemgetter(slice(1, 2))
@@ -116,9 +120,14 @@ BLOCKERS: dict[str, tuple[str, Pick]] = {
             "ts_wake",
             "ts_submit_controlled",
             "ts_request_cancel",
+            "ts_pause",
+            "ts_resume",
+            "ts_delete_session",
+            "ts_truncate",
         )
     },
     "ts_wake_and_acquire(": (SESSION_LOCK, FIRST),
+    "ts_cancel_input(": (INPUT_LOCK, FIRST),
     **{
         f"{function}(": (EXECUTION_LOCK, FIRST)
         for function in (

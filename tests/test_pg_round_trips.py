@@ -230,3 +230,37 @@ def test_the_conversation_controls_are_one_call_each(pg_url: str, pg_schema: str
             assert counted(_store.request_cancel, "u") == (2, False)
         finally:
             engine.close()
+
+
+def test_pause_resume_cancel_delete_and_truncate_are_one_call_each(
+    pg_url: str, pg_schema: str
+) -> None:
+    """`pause` and `resume` (idempotent: a retry after a lost reply is the same call) are
+    one call alone in autocommit: one round trip. `cancel_input`, `delete_session` and
+    `truncate` report what they removed, which a retry could not read back: one call in a
+    transaction, BEGIN with it, then COMMIT - two."""
+    with counting_url(pg_url) as (url, proxy):
+        engine = open_engine(url, schema=pg_schema)
+        try:
+            engine.run(_store.submit, "s", '{"n": 1}', "in-1")
+            engine.run(_store.submit_scheduled, "s", '{"n": 2}', "in-2", 60_000, "queue")
+            engine.run(_store.acquire, "s", "e1", "me", 60_000)
+            [taken] = engine.run(_store.take_inputs, "s", "e1", "me")
+            engine.run(_store.finish_iteration, "s", "e1", "me")
+            engine.run(_store.submit, "s", '{"n": 3}', "in-3")
+
+            def counted(op: Any, *args: Any) -> tuple[int, Any]:
+                before = proxy.round_trips
+                result = engine.run(op, *args)
+                return proxy.round_trips - before, result
+
+            assert counted(_store.pause, "s") == (1, None)
+            assert counted(_store.resume, "s") == (1, True)
+            assert counted(_store.cancel_input, "in-2") == (2, True)
+            assert counted(_store.cancel_input, "in-2") == (2, False)
+            assert counted(_store.truncate, "s", 0) == (2, 1)
+            assert counted(_store.delete_session, "s") == (2, True)
+            assert counted(_store.delete_session, "s") == (2, False)
+            assert taken.id == "in-1"
+        finally:
+            engine.close()

@@ -553,8 +553,8 @@ def open_engine(
     check_postgres_name(url)
     check_schema(schema)
     engine = PgEngine(url, schema, clock)
-    if migrate:
-        engine.open()
-    else:
-        engine.conn = connect(url, schema)
+    # Opened as a runtime's engines are (autocommit between transactions): a bare
+    # connection would run an autocommit call inside an implicit transaction that nothing
+    # commits.
+    engine.open(migrate_schema=migrate)
     return PgSyncEngine(engine)

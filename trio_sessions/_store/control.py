@@ -208,6 +208,8 @@ def promote_due(tx: Tx, limit: int) -> Due:
 def cancel_input(tx: Tx, input_id: str) -> bool:
     """Withdraw a pending input (due or scheduled): True when it was deleted here; False
     when it was taken (a user message now), set aside, or is unknown."""
+    if tx.dialect == "postgres":
+        return _pg_removed(tx, "ts_cancel_input", input_id)
     row = tx.one("SELECT session_id FROM session_input WHERE id = ?", (input_id,))
     if row is None:
         return False
@@ -223,9 +225,13 @@ def cancel_input(tx: Tx, input_id: str) -> bool:
 # Pause and resume
 
 
+@autocommit_when_alone
 def pause(tx: Tx, session_id: str) -> None:
     """Mark the session paused (created if absent); idempotent: the first pause's time
     stays."""
+    if tx.dialect == "postgres":
+        tx.call("ts_pause", session_id)
+        return
     tx.lock_session(session_id)
     tx.notify(session_id)
     tx.execute(
@@ -236,9 +242,14 @@ def pause(tx: Tx, session_id: str) -> None:
     )
 
 
+@autocommit_when_alone
 def resume(tx: Tx, session_id: str) -> bool:
     """Lift the pause; when due inputs or a wake are pending, make sure the doorbell is set
-    (signalled). Returns whether work is pending (the caller rings its local registry)."""
+    (signalled). Returns whether work is pending (the caller rings its local registry).
+    Idempotent: once the doorbell is set, a second call only signals again."""
+    if tx.dialect == "postgres":
+        [(pending,)] = tx.call("ts_resume", session_id)
+        return bool(pending)
     tx.lock_session(session_id)
     row = tx.one("SELECT time_woken FROM session WHERE id = ?", (session_id,))
     if row is None:
@@ -277,6 +288,9 @@ _SESSION_ROWS = (
 
 def _delete_rows(tx: Tx, session_ids: Sequence[str]) -> None:
     """Delete every row of these sessions (locked by the caller)."""
+    if tx.dialect == "postgres":
+        tx.call("ts_delete_rows", list(session_ids))
+        return
     ids = _in_list(session_ids)
     for statement in _SESSION_ROWS:
         tx.execute(statement.format(ids=ids), list(session_ids))
@@ -290,6 +304,8 @@ def delete_session(tx: Tx, session_id: str) -> bool:
     attempts fails the claim fence (`LeaseLost`). Marking the claim `cancelling` first would
     be deleted in the same transaction, so the claim's absence is the message.
     """
+    if tx.dialect == "postgres":
+        return _pg_removed(tx, "ts_delete_session", session_id)
     tx.lock_session(session_id)
     if tx.one("SELECT 1 FROM session WHERE id = ?", (session_id,)) is None:
         return False
@@ -394,9 +410,14 @@ def truncate(tx: Tx, session_id: str, after_seq: int) -> int:
     """Delete the session's messages with seq > after_seq (and their streamed text);
     returns how many. `SessionBusy` while a claim is held: a drain's messages never vanish
     under it."""
+    if tx.dialect == "postgres":
+        [(deleted,)] = tx.call("ts_truncate", session_id, after_seq, idempotent=False)
+        if deleted is None:
+            raise _truncate_busy(session_id)
+        return int(deleted)
     tx.lock_session(session_id)
     if _claim_row(tx, session_id) is not None:
-        raise SessionBusy(f"session {session_id!r} has a claim: truncate it once it is idle")
+        raise _truncate_busy(session_id)
     params = {"session": session_id, "after": after_seq}
     doomed = "SELECT id FROM session_message WHERE session_id = :session AND seq > :after"
     tx.execute(f"DELETE FROM session_message_delta WHERE message_id IN ({doomed})", params)
@@ -407,6 +428,17 @@ def truncate(tx: Tx, session_id: str, after_seq: int) -> int:
     if deleted:
         tx.notify(session_id)
     return int(deleted)
+
+
+def _truncate_busy(session_id: str) -> SessionBusy:
+    return SessionBusy(f"session {session_id!r} has a claim: truncate it once it is idle")
+
+
+def _pg_removed(tx: Tx, function: str, key: str) -> bool:
+    """One call of a function that removes what `key` names and says whether it did: in a
+    transaction, since a retry after a lost reply would find it gone either way."""
+    [(removed,)] = tx.call(function, key, idempotent=False)
+    return bool(removed)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -459,5 +491,128 @@ BEGIN
         RETURN 'interrupted';
     END IF;
     RETURN 'stored';
+END $$;
+
+-- cancel_input: withdraw a pending input (due or scheduled) under its session's lock;
+-- whether it was deleted here (not when taken meanwhile, set aside, or unknown).
+CREATE OR REPLACE FUNCTION ts_cancel_input(p_input text, p_now bigint, p_retry boolean)
+RETURNS boolean
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_session text;
+BEGIN
+    SELECT i.session_id INTO v_session FROM session_input i WHERE i.id = p_input;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    PERFORM ts_lock(v_session);
+    -- Under the lock: a drain may have taken it since the lookup.
+    DELETE FROM session_input WHERE id = p_input;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    PERFORM ts_signal(v_session);
+    RETURN true;
+END $$;
+
+-- pause: mark the session paused (created if absent); the first pause's time stays.
+CREATE OR REPLACE FUNCTION ts_pause(p_session text, p_now bigint, p_retry boolean)
+RETURNS void
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_now bigint;
+BEGIN
+    PERFORM ts_lock(p_session);
+    v_now := ts_now(p_now);
+    PERFORM ts_signal(p_session);
+    INSERT INTO session AS s (id, time_created, time_paused) VALUES (p_session, v_now, v_now)
+        ON CONFLICT (id) DO UPDATE SET time_paused = COALESCE(s.time_paused, excluded.time_paused);
+END $$;
+
+-- resume: lift the pause; whether work is pending - a set doorbell (signalled again), or
+-- due inputs waiting (the doorbell rung). A second call finds the doorbell set.
+CREATE OR REPLACE FUNCTION ts_resume(p_session text, p_now bigint, p_retry boolean)
+RETURNS boolean
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_now bigint; v_woken bigint;
+BEGIN
+    PERFORM ts_lock(p_session);
+    v_now := ts_now(p_now);
+    SELECT s.time_woken INTO v_woken FROM session s WHERE s.id = p_session;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    UPDATE session SET time_paused = NULL WHERE id = p_session AND time_paused IS NOT NULL;
+    IF v_woken IS NOT NULL THEN
+        PERFORM ts_signal(p_session);
+        RETURN true;
+    END IF;
+    IF EXISTS (SELECT 1 FROM session_input i WHERE i.session_id = p_session
+               AND (i.due_at IS NULL OR i.due_at <= v_now)) THEN
+        PERFORM ts_signal(p_session);
+        UPDATE session SET time_woken = COALESCE(time_woken, v_now), wakes = wakes + 1
+            WHERE id = p_session;
+        RETURN true;
+    END IF;
+    RETURN false;
+END $$;
+
+-- Every row of these sessions, children first (their locks held by the caller).
+CREATE OR REPLACE FUNCTION ts_delete_rows(p_sessions text[], p_now bigint, p_retry boolean)
+RETURNS void
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    DELETE FROM session_message_delta WHERE message_id IN
+        (SELECT id FROM session_message WHERE session_id = ANY(p_sessions));
+    DELETE FROM session_message_stream WHERE message_id IN
+        (SELECT id FROM session_message WHERE session_id = ANY(p_sessions));
+    DELETE FROM session_message WHERE session_id = ANY(p_sessions);
+    DELETE FROM session_message_rejected WHERE session_id = ANY(p_sessions);
+    DELETE FROM session_input WHERE session_id = ANY(p_sessions);
+    DELETE FROM session_input_rejected WHERE session_id = ANY(p_sessions);
+    DELETE FROM session_recovery WHERE session_id = ANY(p_sessions);
+    DELETE FROM session_execution WHERE session_id = ANY(p_sessions);
+    DELETE FROM session WHERE id = ANY(p_sessions);
+END $$;
+
+-- delete_session: erase the session and every row of it, its owner signalled (a claim's
+-- absence stops its drain); whether it existed.
+CREATE OR REPLACE FUNCTION ts_delete_session(p_session text, p_now bigint, p_retry boolean)
+RETURNS boolean
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    PERFORM ts_lock(p_session);
+    IF NOT EXISTS (SELECT 1 FROM session WHERE id = p_session) THEN
+        RETURN false;
+    END IF;
+    PERFORM ts_signal(p_session);
+    PERFORM ts_delete_rows(ARRAY[p_session], p_now, p_retry);
+    RETURN true;
+END $$;
+
+-- truncate: delete the session's messages with seq > p_after and their streamed text; how
+-- many (NULL, nothing written: a claim is held).
+CREATE OR REPLACE FUNCTION ts_truncate(p_session text, p_after bigint, p_now bigint,
+    p_retry boolean)
+RETURNS bigint
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_count bigint;
+BEGIN
+    PERFORM ts_lock(p_session);
+    IF EXISTS (SELECT 1 FROM session_execution e WHERE e.session_id = p_session) THEN
+        RETURN NULL;
+    END IF;
+    DELETE FROM session_message_delta WHERE message_id IN
+        (SELECT id FROM session_message WHERE session_id = p_session AND seq > p_after);
+    DELETE FROM session_message_stream WHERE message_id IN
+        (SELECT id FROM session_message WHERE session_id = p_session AND seq > p_after);
+    DELETE FROM session_message WHERE session_id = p_session AND seq > p_after;
+    GET DIAGNOSTICS v_count = ROW_COUNT;
+    IF v_count > 0 THEN
+        PERFORM ts_signal(p_session);
+    END IF;
+    RETURN v_count;
 END $$;
 """
