@@ -24,6 +24,7 @@ from trio_sessions._postgres import open_engine
 from trio_sessions._postgres.engine import PgSyncEngine
 from trio_sessions._store.changes import NO_CHANGE, Changes, Followed, changes_by_statements
 from trio_sessions._store.stream import Held, Position, message_tag, stream_changes_by_statements
+from trio_sessions._store.transcript import read_transcript_by_statements
 
 
 def test_relay_counts_one_round_trip_per_wait_for_the_server(pg_url: str) -> None:
@@ -262,5 +263,27 @@ def test_pause_resume_cancel_delete_and_truncate_are_one_call_each(
             assert counted(_store.delete_session, "s") == (2, True)
             assert counted(_store.delete_session, "s") == (2, False)
             assert taken.id == "in-1"
+        finally:
+            engine.close()
+
+
+def test_a_transcript_read_is_one_round_trip(pg_url: str, pg_schema: str) -> None:
+    """`transcript()` (the messages and the text streamed onto the open ones) is one call
+    alone in autocommit: one snapshot, one round trip; the messages are the ones the
+    statement-by-statement read gives."""
+    with counting_url(pg_url) as (url, proxy):
+        engine = open_engine(url, schema=pg_schema)
+        try:
+            engine.run(_store.submit, "s", '{"n": 1}', "in-1")
+            engine.run(_store.acquire, "s", "e1", "me", 60_000)
+            engine.run(_store.take_inputs, "s", "e1", "me")
+            engine.run(_store.begin_assistant, "s", "e1", "me", "m1")
+            for word in ("one ", "two "):
+                engine.run(_store.append_assistant_text, "s", "e1", "me", "m1", word)
+            before = proxy.round_trips
+            transcript = engine.read(_store.read_transcript, "s")
+            assert proxy.round_trips - before == 1
+            assert [m.role for m in transcript] == ["user", "assistant"]
+            assert transcript == engine.read(read_transcript_by_statements, "s")
         finally:
             engine.close()

@@ -304,9 +304,11 @@ ALTER TABLE session ADD COLUMN time_paused BIGINT;
     # The functions again, no table changes: the set-wise functions lock their batch's
     # sessions through one function (`ts_lock_all`).
     11: "",
-    # The functions again, no table changes: double-texting and scheduled submits in one
-    # call (`ts_submit_controlled`), another owner's claim interrupted in one call
-    # (`ts_request_cancel`).
+    # The functions again, no table changes: double-texting and scheduled submits
+    # (`ts_submit_controlled`), another owner's claim interrupted (`ts_request_cancel`),
+    # pause, resume, cancel_input, delete_session and truncate (`ts_pause`, `ts_resume`,
+    # `ts_cancel_input`, `ts_delete_session`, `ts_truncate`, purge's `ts_delete_rows`) and
+    # a transcript read (`ts_read_transcript`), each in one call.
     12: "",
 }
 

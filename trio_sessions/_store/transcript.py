@@ -269,8 +269,31 @@ def _close_open_messages(tx: Tx, execution_id: str, reason: str) -> None:
             _write_assistant(tx, message_id, execution_id, _transcript.interrupt(data, reason))
 
 
+@autocommit_when_alone
 def read_transcript(tx: Tx, session_id: str) -> list[Message]:
-    """The session's messages in seq order, each with its streamed text merged."""
+    """The session's messages in seq order, each with its streamed text merged. On
+    PostgreSQL one call (`ts_read_transcript`): alone in autocommit, one snapshot and one
+    round trip."""
+    if tx.dialect != "postgres":
+        return read_transcript_by_statements(tx, session_id)
+    messages: list[Any] = []
+    streamed: dict[str, list[tuple[int, Any]]] = {}
+    for kind, message_id, role, seq, data, execution_id, input_id in tx.call(
+        "ts_read_transcript", session_id
+    ):
+        if kind == "message":
+            messages.append((message_id, role, seq, data, execution_id, input_id))
+        else:  # a delta: its version in `seq`, its text in `data`
+            streamed.setdefault(message_id, []).append((seq, data))
+    messages.sort(key=lambda row: row[2])
+    return [
+        _decode_message(session_id, row, [text for _, text in sorted(streamed.get(row[0], []))])
+        for row in messages
+    ]
+
+
+def read_transcript_by_statements(tx: Tx, session_id: str) -> list[Message]:
+    """`read_transcript` statement by statement (SQLite)."""
     rows = tx.execute(
         "SELECT id, role, seq, data, execution_id, input_id FROM session_message"
         " WHERE session_id = ? ORDER BY seq",
@@ -308,6 +331,21 @@ def _decode_message(session_id: str, row: Sequence[Any], streamed: Sequence[Any]
 
 PG_FUNCTIONS = (
     r"""
+-- read_transcript in one statement (one snapshot): rows (kind, id, role, seq, data,
+-- execution_id, input_id) - 'message': a message row; 'delta': a text streamed onto the
+-- message `id`, its version in `seq` and its text in `data`. Unordered: the caller sorts.
+CREATE OR REPLACE FUNCTION ts_read_transcript(p_session text, p_now bigint, p_retry boolean)
+RETURNS TABLE(kind text, id text, role text, seq bigint, data text, execution_id text,
+    input_id text)
+LANGUAGE sql STABLE AS $$
+    SELECT 'message', m.id, m.role, m.seq::bigint, m.data, m.execution_id, m.input_id
+        FROM session_message m WHERE m.session_id = p_session
+    UNION ALL
+    SELECT 'delta', d.message_id, NULL, d.version::bigint, d.text, NULL, NULL
+        FROM session_message_delta d JOIN session_message m ON m.id = d.message_id
+        WHERE m.session_id = p_session
+$$;
+
 -- Streamed text onto an open message: one delta row. Verdicts: ok (version), lease_lost,
 -- not_streaming (no stream row of this execution: the caller's whole-row path).
 CREATE OR REPLACE FUNCTION ts_append_text(p_session text, p_exec text, p_owner text,
