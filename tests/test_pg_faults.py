@@ -136,6 +136,7 @@ BLOCKERS: dict[str, tuple[str, Pick]] = {
             "ts_mark_cancelling",
             "ts_finish",
             "ts_read_message",
+            "ts_update_message",
             "ts_take_inputs",
         )
     },
@@ -448,6 +449,11 @@ def drained(env: Env) -> None:
 
 APPEND = functools.partial(_transcript.append_text, text="hello")
 START_TOOL = functools.partial(_transcript.start_tool, call_id="c1", name="echo", input={"x": 1})
+SETTLE_TOOL = functools.partial(_transcript.settle_tool, call_id="c1", output={"ok": 1})
+# What the writer of `drained`'s message stored last: its version 2 (begun at 0, two
+# updates) - and a stale view of it, one version behind.
+KNOWN = _store.Known(START_TOOL(APPEND(_transcript.EMPTY)), (), 2)
+STALE = _store.Known(APPEND(_transcript.EMPTY), (), 1)
 
 
 def expired(env: Env, *, cancelling: bool = False) -> None:
@@ -591,6 +597,18 @@ OPERATIONS = [
     ),
     Operation(
         "update_assistant", drained, one(_store.update_assistant, "s", "e1", OWNER, "m1", APPEND)
+    ),
+    # The writer's view of the message is current: one autocommit call.
+    Operation(
+        "update_assistant-known",
+        drained,
+        one(_store.update_assistant, "s", "e1", OWNER, "m1", SETTLE_TOOL, KNOWN),
+    ),
+    # Stale: the call writes nothing, and the message is read and written in a transaction.
+    Operation(
+        "update_assistant-known-moved",
+        drained,
+        one(_store.update_assistant, "s", "e1", OWNER, "m1", SETTLE_TOOL, STALE),
     ),
     # The writer knows the version (2: begun at 0, two updates): one autocommit call.
     Operation(

@@ -5,6 +5,8 @@ finish) at most 50, on every connection the runtime opens. Counted by the bench'
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import psycopg
@@ -14,6 +16,7 @@ from trio_sessions import DrainContext, SessionBusy, _store
 from trio_sessions._backend import Job
 from trio_sessions._bench.postgres import seed_expired
 from trio_sessions._bench.roundtrips import (
+    RoundTripProxy,
     counted_runtime,
     counting_url,
     round_trips_per_cycle,
@@ -287,3 +290,42 @@ def test_a_transcript_read_is_one_round_trip(pg_url: str, pg_schema: str) -> Non
             assert transcript == engine.read(read_transcript_by_statements, "s")
         finally:
             engine.close()
+
+
+def test_a_drains_tool_writes_and_finish_are_one_round_trip_each(
+    pg_url: str, pg_schema: str
+) -> None:
+    """`start_tool`, `settle_tool` and `finish` send the message the writer computed from
+    what it wrote, fenced on the version it last stored: one call alone in autocommit, one
+    round trip each (before: read the message, write it, COMMIT). The transcript is the
+    one the statements would have written."""
+    assert trio.run(tool_write_round_trips, pg_url, pg_schema) == [1, 1, 1]
+
+
+async def tool_write_round_trips(url: str, schema: str) -> list[int]:
+    counts: list[int] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        await ctx.take_inputs()
+        writer = await ctx.begin_assistant()
+        await writer.append_text("calling ")
+        proxy = proxies[0]
+        steps: list[Callable[[], Awaitable[None]]] = [
+            functools.partial(writer.start_tool, "c1", "echo", {"x": 1}),
+            functools.partial(writer.settle_tool, "c1", {"ok": True}),
+            writer.finish,
+        ]
+        for step in steps:
+            before = proxy.round_trips
+            await step()
+            counts.append(proxy.round_trips - before)
+
+    proxies: list[RoundTripProxy] = []
+    async with counted_runtime(url, schema, drain) as (runtime, proxy):
+        proxies.append(proxy)
+        await runtime.submit("s", {"n": 1})
+        await runtime.wait_idle("s")
+        [_, answer] = await runtime.transcript("s")
+    assert answer.data.finished
+    assert [type(part).__name__ for part in answer.data.parts] == ["TextPart", "ToolPart"]
+    return counts

@@ -217,7 +217,7 @@ async def test_upgrade_of_a_version_1_schema_adds_streaming(pg_url: str, pg_sche
     # 8: a stream's read in one call; 9: set-wise recovery and iteration ends;
     # 10: set-wise submits and acquires, the change scan and a recovery pass's scan and
     # leases each in one call; 11: a batch's session locks through one function;
-    # 12: the conversation controls and a transcript read each in one call
+    # 12: the conversation controls, a transcript read, a tool change each in one call
     assert SCHEMA_VERSION == 12
     await check_pre_streaming_upgrade(location, PostgresStore(pg_url, schema=pg_schema))
 

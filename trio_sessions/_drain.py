@@ -266,6 +266,7 @@ class AssistantWriter:
                     context.owner_id,
                     self.message_id,
                     transition,
+                    _store.Known(self._data, tuple(self._streamed), self._version),
                 )
         except (DuplicateSettlement, UnknownToolCall) as exc:
             context._defect = context._defect or exc

@@ -308,7 +308,8 @@ ALTER TABLE session ADD COLUMN time_paused BIGINT;
     # (`ts_submit_controlled`), another owner's claim interrupted (`ts_request_cancel`),
     # pause, resume, cancel_input, delete_session and truncate (`ts_pause`, `ts_resume`,
     # `ts_cancel_input`, `ts_delete_session`, `ts_truncate`, purge's `ts_delete_rows`) and
-    # a transcript read (`ts_read_transcript`), each in one call.
+    # a transcript read (`ts_read_transcript`), each in one call; a writer's tool change
+    # or finish from what it stored last, in one call (`ts_update_message`).
     12: "",
 }
 

@@ -23,7 +23,7 @@ from typing import Any
 import psycopg.conninfo
 import trio
 
-from .. import _liveness
+from .. import _liveness, _loops
 from .._postgres import PostgresStore
 from .._runtime import DrainContext, Runtime, open_runtime
 
@@ -115,12 +115,14 @@ async def counted_runtime(
     url: str, schema: str, drain: Any
 ) -> AsyncIterator[tuple[Runtime, RoundTripProxy]]:
     """A runtime on `schema` whose every connection is counted; quiet background work:
-    heartbeats, recovery passes and the look at other owners' liveness tokens (one small
-    query every `_liveness.LIVENESS_POLL`, a cost of idle time, not of an operation) all
-    wait an hour, so the count is the operations' own."""
+    heartbeats, recovery passes, the look at other owners' liveness tokens (one small
+    query every `_liveness.LIVENESS_POLL`) and the change scan's fallback poll (every
+    `_loops.CHANGE_FALLBACK_POLL`) - costs of idle time, not of an operation - all wait an
+    hour, so the count is the operations' own."""
     with counting_url(url) as (proxied, proxy):
         store = PostgresStore(proxied, schema=schema)
         poll, _liveness.LIVENESS_POLL = _liveness.LIVENESS_POLL, QUIET
+        fallback, _loops.CHANGE_FALLBACK_POLL = _loops.CHANGE_FALLBACK_POLL, QUIET
         try:
             async with open_runtime(
                 store, drain, lease=QUIET, recovery_interval=QUIET, recovery_batch=100
@@ -129,6 +131,7 @@ async def counted_runtime(
                 yield runtime, proxy
         finally:
             _liveness.LIVENESS_POLL = poll
+            _loops.CHANGE_FALLBACK_POLL = fallback
 
 
 async def _settle() -> None:

@@ -128,7 +128,13 @@ from .recovery import (
 from .recovery_batch import apply_recovery_batch
 from .recovery_scan import Candidate, recovery_candidates, take_recovery_leases
 from .stream import stream_catch_up, stream_changes, stream_heads
-from .transcript import append_assistant_text, begin_assistant, read_transcript, update_assistant
+from .transcript import (
+    Known,
+    append_assistant_text,
+    begin_assistant,
+    read_transcript,
+    update_assistant,
+)
 
 __all__ = [
     "CLAIM_FENCE",
@@ -140,6 +146,7 @@ __all__ = [
     "Changes",
     "Due",
     "Followed",
+    "Known",
     "Recovered",
     "Snapshot",
     "Watched",

@@ -17,9 +17,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import attrs
+
 from .. import _codec, _transcript
 from .._backend import FALLBACK, Tx, autocommit_when_alone, pg_batched
-from .._errors import LeaseLost, MalformedRecord
+from .._errors import LeaseLost, MalformedRecord, TrioSessionsError
 from .._model import AssistantData, Message
 from .common import (
     _lease_lost,
@@ -139,6 +141,7 @@ def append_assistant_text(
     return None, int(row[0])
 
 
+@autocommit_when_alone
 def update_assistant(
     tx: Tx,
     session_id: str,
@@ -146,14 +149,25 @@ def update_assistant(
     owner_id: str,
     message_id: str,
     transition: Callable[[AssistantData], AssistantData],
+    known: Known | None = None,
 ) -> tuple[AssistantData, int]:
     """Read-modify-write of one assistant message under the claim fence, its streamed text
     folded in; returns the new data and its version (for watchers, without another round
     trip).
 
     The transition runs on the durable message, so the settlement state machine checks what
-    is stored, not what a writer remembers.
+    is stored, not what a writer remembers. On PostgreSQL, `known` - what the writer stored
+    last (data, texts streamed since, version) - saves the read: the transition runs on it
+    and the result is written only if the message is still at that version (one call,
+    `ts_update_message`, alone in autocommit); otherwise, or when the transition refuses
+    the known message, the durable message is read and the transition runs on it.
     """
+    if tx.dialect == "postgres" and known is not None:
+        updated = _pg_update_known(
+            tx, session_id, execution_id, owner_id, message_id, transition, known
+        )
+        if updated is not None:
+            return updated
     if tx.dialect == "postgres":
         [(verdict, text, streamed, now)] = tx.call(
             "ts_read_message", session_id, execution_id, owner_id, message_id, idempotent=False
@@ -190,6 +204,49 @@ def update_assistant(
     version = _write_assistant(tx, message_id, execution_id, data)
     tx.notify(session_id, watchers_only=True)
     return data, version
+
+
+@attrs.frozen
+class Known:
+    """What a writer stored last of its message: data, the texts streamed onto it since,
+    and the version they make."""
+
+    data: AssistantData
+    streamed: tuple[str, ...]
+    version: int
+
+
+def _pg_update_known(
+    tx: Tx,
+    session_id: str,
+    execution_id: str,
+    owner_id: str,
+    message_id: str,
+    transition: Callable[[AssistantData], AssistantData],
+    known: Known,
+) -> tuple[AssistantData, int] | None:
+    """`ts_update_message` with the transition applied to `known`: (data, version) when it
+    was written; None (nothing written) when the message moved past `known.version` or the
+    transition refuses it - the caller reads the durable message."""
+    try:
+        data = transition(_transcript.with_streamed(known.data, known.streamed))
+    except (ValueError, TrioSessionsError):
+        return None  # a refusal is the stored message's to make (it raises it again)
+    [(verdict, version)] = tx.call(
+        "ts_update_message",
+        session_id,
+        execution_id,
+        owner_id,
+        message_id,
+        known.version,
+        _codec.encode_assistant(data),
+        data.finished,
+    )
+    if verdict == "lease_lost":
+        raise _lease_lost(execution_id)
+    if verdict == "not_owned":
+        raise _not_owned(message_id, execution_id)
+    return None if verdict == "moved" else (data, int(version))
 
 
 def _not_owned(message_id: str, execution_id: str) -> LeaseLost:
@@ -415,6 +472,46 @@ BEGIN
     INSERT INTO session_message_stream(message_id, execution_id, version)
         VALUES (p_message, p_exec, 0);
     PERFORM ts_signal_watchers(v_session);
+END $$;
+
+-- update_assistant from what the writer stored last: p_data is written (as
+-- ts_write_message) only if the message - the newest of its row's and its deltas'
+-- versions - is still at p_known, the version that writer last stored. Verdicts: ok
+-- (version), moved (nothing written: the caller reads the message), lease_lost,
+-- not_owned. A lost reply's call (p_retry) is read back by its result: the message at
+-- p_known + 1 with p_data.
+CREATE OR REPLACE FUNCTION ts_update_message(p_session text, p_exec text, p_owner text,
+    p_message text, p_known bigint, p_data text, p_finished boolean, p_now bigint,
+    p_retry boolean, OUT verdict text, OUT version bigint)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_session text; v_now bigint; v_data text;
+BEGIN
+    SELECT l.session_id, l.now INTO v_session, v_now
+        FROM ts_lock_execution(p_session, p_exec, p_now) l;
+    IF v_session IS NULL OR NOT ts_holds(p_exec, p_owner, v_now) THEN
+        verdict := 'lease_lost';
+        RETURN;
+    END IF;
+    SELECT m.data, COALESCE((SELECT MAX(d.version) FROM session_message_delta d
+                             WHERE d.message_id = m.id), m.version)
+        INTO v_data, version
+        FROM session_message m WHERE m.id = p_message AND m.execution_id = p_exec;
+    IF NOT FOUND THEN
+        verdict := 'not_owned';
+        RETURN;
+    END IF;
+    IF p_retry AND version = p_known + 1 AND v_data = p_data THEN
+        verdict := 'ok';
+        RETURN;
+    END IF;
+    IF version <> p_known THEN
+        verdict := 'moved';
+        RETURN;
+    END IF;
+    version := ts_write_message(p_exec, p_message, p_data, p_finished, v_now, true, p_now,
+        p_retry);
+    verdict := 'ok';
 END $$;
 
 -- update_assistant, first half: the message as stored (data, and the texts streamed onto it
