@@ -459,8 +459,7 @@ LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     v_now bigint;
 BEGIN
-    PERFORM ts_lock(p_session);
-    v_now := ts_now(p_now);
+    v_now := ts_lock_now(p_session, p_now);
     SELECT a.verdict, a.attempt, a.holder INTO verdict, attempt, holder
         FROM ts_acquire_locked(p_session, p_exec, p_owner, p_lease, v_now, false) a;
 END $$;
@@ -476,8 +475,7 @@ LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     v_now bigint; v_held boolean;
 BEGIN
-    PERFORM ts_lock(p_session);
-    v_now := ts_now(p_now);
+    v_now := ts_lock_now(p_session, p_now);
     input_verdict := ts_known_input(p_session, p_input, p_payload);
     IF input_verdict IN ('other_session', 'other_payload') THEN
         RETURN;
@@ -504,8 +502,7 @@ LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     v_now bigint;
 BEGIN
-    PERFORM ts_lock(p_session);
-    v_now := ts_now(p_now);
+    v_now := ts_lock_now(p_session, p_now);
     IF EXISTS (SELECT 1 FROM session_execution c WHERE c.session_id = p_session
                AND c.id <> p_exec)
             OR EXISTS (SELECT 1 FROM session s WHERE s.id = p_session

@@ -395,8 +395,7 @@ LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     v_now bigint;
 BEGIN
-    PERFORM ts_lock(p_session);
-    v_now := ts_now(p_now);
+    v_now := ts_lock_now(p_session, p_now);
     PERFORM ts_signal(p_session);
     UPDATE session_execution SET phase = 'cancelling'
         WHERE session_id = p_session AND phase = 'running' AND expires_at > v_now;

@@ -255,6 +255,15 @@ $$;
 CREATE OR REPLACE FUNCTION ts_lock(p_session text) RETURNS void
 LANGUAGE sql VOLATILE AS $$ SELECT pg_advisory_xact_lock(@LOCK@, hashtext(p_session)) $$;
 
+-- The session lock, then the clock read after it (the wait may have been long): an
+-- operation's `now`.
+CREATE OR REPLACE FUNCTION ts_lock_now(p_session text, p_now bigint) RETURNS bigint
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    PERFORM ts_lock(p_session);
+    RETURN ts_now(p_now);
+END $$;
+
 -- Every session of a set-wise batch locked, in the order all functions take several
 -- session locks in (hashtext, then the id), so two batches sharing sessions never deadlock.
 CREATE OR REPLACE FUNCTION ts_lock_all(p_sessions text[]) RETURNS void

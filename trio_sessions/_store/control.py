@@ -461,8 +461,7 @@ LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     v_now bigint; v_known text; v_phase text; v_busy boolean; v_seq bigint;
 BEGIN
-    PERFORM ts_lock(p_session);
-    v_now := ts_now(p_now);
+    v_now := ts_lock_now(p_session, p_now);
     v_known := ts_known_input(p_session, p_input, p_payload);
     SELECT e.phase INTO v_phase FROM session_execution e WHERE e.session_id = p_session;
     IF v_known IS NOT NULL THEN
@@ -522,8 +521,7 @@ LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     v_now bigint;
 BEGIN
-    PERFORM ts_lock(p_session);
-    v_now := ts_now(p_now);
+    v_now := ts_lock_now(p_session, p_now);
     PERFORM ts_signal(p_session);
     INSERT INTO session AS s (id, time_created, time_paused) VALUES (p_session, v_now, v_now)
         ON CONFLICT (id) DO UPDATE SET time_paused = COALESCE(s.time_paused, excluded.time_paused);
@@ -537,8 +535,7 @@ LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     v_now bigint; v_woken bigint;
 BEGIN
-    PERFORM ts_lock(p_session);
-    v_now := ts_now(p_now);
+    v_now := ts_lock_now(p_session, p_now);
     SELECT s.time_woken INTO v_woken FROM session s WHERE s.id = p_session;
     IF NOT FOUND THEN
         RETURN false;

@@ -173,8 +173,7 @@ LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     v_now bigint; v_known text;
 BEGIN
-    PERFORM ts_lock(p_session);
-    v_now := ts_now(p_now);
+    v_now := ts_lock_now(p_session, p_now);
     v_known := ts_known_input(p_session, p_input, p_payload);
     IF v_known IS NOT NULL THEN
         RETURN v_known;
@@ -190,8 +189,7 @@ LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     v_now bigint;
 BEGIN
-    PERFORM ts_lock(p_session);
-    v_now := ts_now(p_now);
+    v_now := ts_lock_now(p_session, p_now);
     PERFORM ts_signal(p_session);
     INSERT INTO session AS s (id, time_created, time_woken, wakes)
         VALUES (p_session, v_now, v_now, 1)
