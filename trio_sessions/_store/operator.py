@@ -94,6 +94,7 @@ def _set_aside_malformed_messages(tx: Tx, session_id: str, execution_id: str) ->
                 (message_id, session_id, execution_id, seq, data, reason, tx.now),
             )
             tx.execute("DELETE FROM session_message WHERE id = ?", (message_id,))
+            tx.notify(session_id, watchers_only=True)  # gone, for the session's watchers
 
 
 def rejected_inputs(tx: Tx, session_id: str | None) -> list[dict[str, Any]]:
