@@ -14,7 +14,8 @@ savepoint, so one operation's error (a refusal such as `LeaseLost`) rolls back o
 writes; an error SQLite answers by rolling back the whole transaction fails
 every operation of the batch, and so does a database file deleted or replaced under the
 runtime (`DatabaseFile`). Errors are stored on the jobs, never raised, and an SQLite error
-reaches the caller as `StoreError` (`store_error`).
+reaches the caller as `StoreError` (`store_error`). The sessions a batch's operations
+signalled (`SQLiteTx.notify`) are handed to the caller's `touched` only once it committed.
 """
 
 from __future__ import annotations
@@ -41,6 +42,11 @@ Ts = TypeVarTuple("Ts")
 # whether only its transcript changed (watchers only): what this process's change signal
 # (`changes.ChangeReader`) is told about its own commits.
 Touched = dict[str, bool]
+
+
+def _touch(touched: Touched, session_id: str, watchers_only: bool) -> None:
+    """Record a signal: a session stays watchers-only while every signal of it is."""
+    touched[session_id] = touched.get(session_id, True) and watchers_only
 
 
 # Test seam: False runs every job of a group commit alone, each in its own savepoint (the
@@ -84,7 +90,7 @@ class SQLiteTx:
         # say what changed. Recorded for this process's own change signal: a batch that
         # commits hands these to it (`Touched`), which looks only for the sessions a local
         # watcher follows.
-        self.notified[session_id] = self.notified.get(session_id, True) and watchers_only
+        _touch(self.notified, session_id, watchers_only)
 
     @contextlib.contextmanager
     def savepoint(self) -> Iterator[None]:
@@ -225,7 +231,7 @@ def _run_jobs_or_raise(
     conn.execute("COMMIT")
     if touched is not None:
         for session_id, watchers_only in tx.notified.items():
-            touched[session_id] = touched.get(session_id, True) and watchers_only
+            _touch(touched, session_id, watchers_only)
 
 
 def _run_set_wise(conn: sqlite3.Connection, tx: SQLiteTx, jobs: list[Job]) -> list[Job]:

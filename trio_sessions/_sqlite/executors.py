@@ -14,9 +14,10 @@ loop's connection never checkpoints (a checkpoint may fsync); the worker does, e
 `CHECKPOINT_EVERY` commits on the loop, beside the writers (PASSIVE), and holds them back
 only when the WAL could not restart for `WAL_RESTART_FRAMES` frames. With WAL and
 synchronous=NORMAL a commit does not fsync, so the event loop never blocks on a lock or a
-disk flush. `InlineExecutor` (tests)
-runs each operation on the trio thread in its own transaction, so virtual time never jumps
-while SQLite works.
+disk flush. The loop's batches hand the sessions they signalled to the change reader
+(`ChangeReader.touched`): its own commits are no change signal otherwise, while the
+worker's are (as another process's). `InlineExecutor` (tests) runs each operation on the
+trio thread in its own transaction, so virtual time never jumps while SQLite works.
 
 Every write batch first checks that the path still names the file the executor opened
 (`DatabaseFile`). A WAL that checkpoints cannot shrink (a reader that never ends) is logged
