@@ -6,6 +6,7 @@ on time (the runtime arms its due timer itself).
 
 These run on the threaded store in real time, bounded by `fail_after`; the fallback poll and
 recovery are an hour away, so only the change signal (or the local path) can be what acts.
+The last test checks the reader's decision itself, deterministically, on raw connections.
 """
 
 from __future__ import annotations
