@@ -20,6 +20,7 @@ from trio_sessions import (
     RecoveryReport,
     Store,
     StoreError,
+    _loops,
     testing,
 )
 from trio_sessions._codec import decode_assistant
@@ -137,12 +138,21 @@ async def test_never_recovers_a_live_lease(
 
 
 async def test_expired_cancellation_claim_is_finished_not_resumed(
-    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+    store: Store,
+    clock: Clock,
+    db_path: Path,
+    autojump_clock: MockClock,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """phase='cancelling' + expired: finished as cancelled (transcript interrupted, claim
-    deleted, inputs re-armed), never resumed (invariant 5)."""
+    deleted, inputs re-armed), never resumed (invariant 5). The re-armed doorbell starts a
+    fresh drain here at once, with no second pass: the pass's own commit is no change
+    signal, so the runtime looks for the doorbells its endings re-armed."""
+    monkeypatch.setattr(_loops, "CHANGE_FALLBACK_POLL", 3600.0)  # no fallback look either
     raw = Raw(db_path)
-    async with runtime(store, Recorder(), clock, **QUIET) as rt:
+    drain = Recorder()
+    gate = drain.hold()
+    async with runtime(store, drain, clock, **QUIET) as rt:
         raw.seed_claim("s", "dead-exec", expires_at=expired(clock), phase="cancelling")
         message_id = raw.seed_assistant("s", "dead-exec", 1, open_tool_message())
         raw.write(
@@ -151,12 +161,15 @@ async def test_expired_cancellation_claim_is_finished_not_resumed(
         )
         report = await rt.recover_once()
         assert report == RecoveryReport(examined=1, finished_cancelled=1)
-        assert raw.claim("s") is None
+        assert raw.one("SELECT COUNT(*) FROM session_execution WHERE id = 'dead-exec'") == (0,)
         data = decode_assistant(
             raw.one("SELECT data FROM session_message WHERE id=?", (message_id,))[0], key="m"
         )
         assert data.finished and data.error == "interrupted"
-        assert raw.one("SELECT time_woken IS NOT NULL FROM session WHERE id='s'") == (1,)
+        with trio.fail_after(60):  # virtual time: the next recovery pass is 10,000 s away
+            await drain.entered.wait()
+        assert drain.taken == ["left"] and drain.calls[0].resumed is False
+        gate.set()
 
 
 async def test_superseded_execution_is_dropped_not_resumed(
@@ -445,7 +458,9 @@ async def test_release_quarantine_drop(
     store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
 ) -> None:
     """resume=False finishes the transcript as owner-lost where it can, deletes the claim,
-    resets attempts and re-arms the doorbell for remaining inputs."""
+    resets attempts and re-arms the doorbell for remaining inputs - and starts that drain
+    here, as `resume` does: its own commit is no change signal for this runtime (on either
+    backend), so no recovery pass is needed."""
     raw = Raw(db_path)
     drain = Recorder()
     async with runtime(store, drain, clock, **QUIET) as rt:
@@ -462,10 +477,10 @@ async def test_release_quarantine_drop(
         assert raw.claim("s") is None
         assert raw.rows("SELECT * FROM session_recovery") == []
         assert raw.one("SELECT wake_attempts, time_woken IS NOT NULL FROM session") == (0, 1)
-        report = await rt.recover_once()
         await rt.wait_idle("s")
-    assert report.doorbells_started == 1
-    assert drain.taken == ["left"]
+        assert drain.taken == ["left"]
+        report = await rt.recover_once()
+    assert report.doorbells_started == 0
 
 
 async def test_release_quarantine_resume_after_repair(

@@ -276,10 +276,12 @@ class Executor(Protocol):
 
         `own(session_id)`: whether a change this runtime made itself to that session still
         needs a look (a local watcher follows it); a backend that can tell its own commits
-        apart (PostgreSQL: the notifying backend's pid) skips the others. `follows(session_id)`:
-        whether a watcher or stream of this runtime follows that session; a backend that can
-        tell a transcript-only change (`Tx.notify(watchers_only=True)`) skips those of the
-        sessions nobody here follows (None: nothing is skipped)."""
+        apart (PostgreSQL: the notifying backend's pid; SQLite: `data_version` on the event
+        loop's writer connection, and the sessions its batches signalled) skips the others.
+        `follows(session_id)`: whether a watcher or stream of this runtime follows that
+        session; a backend that can tell a transcript-only change
+        (`Tx.notify(watchers_only=True)`) skips those of the sessions nobody here follows
+        (None: nothing is skipped)."""
         ...
 
     def hold_token(self, owner_id: str) -> AbstractAsyncContextManager[Token]:

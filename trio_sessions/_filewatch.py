@@ -36,13 +36,16 @@ class FileWatch:
         await trio.lowlevel.wait_readable(self.fd)
         self.discard()
 
-    def discard(self) -> None:
-        """Forget the events read so far: the caller is about to look at the file anyway."""
+    def discard(self) -> bool:
+        """Forget the events so far (the caller is about to look at the file anyway);
+        whether there were any."""
+        any_read = False
         try:
             while os.read(self.fd, _READ_SIZE):
-                pass
+                any_read = True
         except BlockingIOError:
             pass
+        return any_read
 
     def close(self) -> None:
         trio.lowlevel.notify_closing(self.fd)

@@ -22,7 +22,7 @@ import trio
 
 from . import _observe, _store
 from ._coordinator import SessionEntry
-from ._decisions import RecoveryDecision
+from ._decisions import RecoveryDecision, rearms_doorbell
 from ._errors import StoreError
 from ._model import RecoveryReport
 from ._recovery import report_of
@@ -168,6 +168,10 @@ class BackgroundLoops:
             if runtime._closing:
                 entry.interrupt("shutdown")
             runtime._nursery.start_soon(runtime._busy.busy_period, entry)
+        if any(rearms_doorbell(result.decision) for result in results):
+            # Endings that re-arm the doorbell for untaken inputs are our own commit, no
+            # change signal: look for those doorbells now, not at the next pass.
+            runtime._kick.set()
         return report_of(results)
 
     # -- owner liveness and due inputs --------------------------------------------------------

@@ -105,8 +105,9 @@ class Recovery:
             _store.lift_quarantine, execution_id, self._owner_id, self._lease_ms
         )
 
-    async def drop_quarantine(self, execution_id: str) -> None:
-        await self._db.run(_store.drop_quarantined, execution_id)
+    async def drop_quarantine(self, execution_id: str) -> tuple[str, bool]:
+        """`_store.drop_quarantined`: its session, and whether its doorbell is set."""
+        return await self._db.run(_store.drop_quarantined, execution_id)
 
     async def quarantine_error(self, execution_id: str) -> MalformedRecord:
         """The `MalformedRecord` an operator sees for a row quarantined again."""

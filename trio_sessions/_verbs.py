@@ -368,7 +368,9 @@ class Runtime:
         drain started here, or it was quarantined again and `MalformedRecord` is raised.
         `resume=False` sets its malformed messages aside (raw text kept), finishes its open
         transcript as owner-lost, deletes the claim, resets the resume budget and re-arms
-        the doorbell if inputs remain, in one transaction, durable when it returns.
+        the doorbell if inputs remain, in one transaction, durable when it returns; the
+        drain that doorbell calls for starts here if this runtime drains and has room, else
+        anywhere.
 
         Raises `ValueError` unless the execution is quarantined, `TypeError` for bad
         arguments, `StoreError`. Cancellation: the drop is one transaction (as `submit`);
@@ -382,8 +384,11 @@ class Runtime:
             raise TypeError(f"resume must be a bool, got {type(resume).__name__}")
         async with self._recovery.lock:
             if not resume:
-                await self._recovery.drop_quarantine(execution_id)
+                session_id, doorbell = await self._recovery.drop_quarantine(execution_id)
                 _observe.quarantine_released(execution_id, self._owner_id, resume=False)
+                if doorbell:
+                    # Our own commit is no change signal here (as `resume`): start it now.
+                    self._busy.ring(session_id)
                 return
             candidate = await self._recovery.lift_quarantine(execution_id)
             _observe.quarantine_released(execution_id, self._owner_id, resume=True)

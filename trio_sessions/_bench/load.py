@@ -179,10 +179,10 @@ async def bench_load(config: Config, folder: Path, report: Report) -> None:
     )
     report.machine["backlog_stall_ms"] = stall * 1000
     report.notes.append(
-        "load: the watch is held by the runtime doing the cycles (its own commits wake its "
-        "change loop, as in production); a loop step is one task's run between two "
-        "checkpoints, wall clock (GC pauses and other processes taking the CPU included), "
-        "beside the same step's CPU time less garbage collection."
+        "load: the watch is held by the runtime doing the cycles (its own commits to other "
+        "sessions wake its change signal but are no look, as in production); a loop step is "
+        "one task's run between two checkpoints, wall clock (GC pauses and other processes "
+        "taking the CPU included), beside the same step's CPU time less garbage collection."
     )
 
 

@@ -1,15 +1,24 @@
 """SQLite's change signal: `ChangeReader` reads on a connection of its own, on the trio
-thread, and tells a waiting runtime when another connection committed.
+thread, and tells a waiting runtime when another connection committed - or when one of the
+runtime's own commits changed a session a local watcher follows.
 
 Invariants: a read runs on one snapshot (one deferred transaction, rolled back: it never takes
-the write lock, so it never waits for a writer); `PRAGMA data_version` changes with every
-commit made on any other connection, this process's writers included, so a watcher sees its
-own runtime's writes too; a change is reported at most every `CHANGE_GAP` seconds, and where
-the WAL file cannot be watched the reader polls (`CHANGE_POLL`, `SQLiteStore`'s setting).
+the write lock, so it never waits for a writer); `PRAGMA data_version` on a connection changes
+with every commit made on any other connection. Read on the connection the event loop commits
+on (`own_conn`), it changes with every commit but the loop's own: other processes', and this
+process's worker thread's (those get a look, conservatively). The loop's own commits are
+handled where they are made (a doorbell rung, a claim interrupted, a due timer armed, a
+stream offered its write), so they are looked at only for the sessions their batches
+signalled (`touched`, `SQLiteTx.notify`) that `own` says still need it, as PostgreSQL skips
+its own writers' notifications. Without `own_conn` (the deterministic executor) every commit
+on another connection is a change. A change is reported at most every `CHANGE_GAP` seconds,
+and where the WAL file cannot be watched the reader polls (`CHANGE_POLL`, `SQLiteStore`'s
+setting).
 """
 
 from __future__ import annotations
 
+import math
 import sqlite3
 from collections.abc import Callable
 from typing import TypeVar, TypeVarTuple, Unpack
@@ -19,7 +28,7 @@ import trio
 
 from .._backend import OwnChange, Tx, now_ms
 from .._filewatch import FileWatch
-from .engine import SQLiteTx, store_error
+from .engine import SQLiteTx, Touched, store_error
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
@@ -28,8 +37,8 @@ Ts = TypeVarTuple("Ts")
 # How often a runtime looks for other connections' commits (`PRAGMA data_version` costs a
 # few µs) where the WAL file cannot be watched.
 CHANGE_POLL = 0.005
-# The most often a reader reports a change: under load every commit is one, and a look per
-# commit would cost more than the commits.
+# The most often a reader looks at the signal (so reports a change): under load every commit
+# is one, and a look per commit would cost more than the commits.
 CHANGE_GAP = 0.005
 # After a WAL write with no commit visible yet, the reader looks again after CHANGE_GAP,
 # doubling, while the pause stays below this (seconds).
@@ -39,16 +48,23 @@ WRITE_SETTLE_MAX = 0.5
 @attrs.define(eq=False)
 class ChangeReader:
     """Reads on the trio thread on a connection of its own: a WAL reader never waits for the
-    write lock, and `PRAGMA data_version` on it changes with every commit made on any other
-    connection - this process's writers included, so watchers see their writes too. With a
-    watch on the WAL file (`_filewatch`), an idle reader sleeps until a commit writes it."""
+    write lock. A change is another connection's commit (`PRAGMA data_version` on
+    `own_conn`, the event loop's writer, else on its own connection), or a commit of the
+    loop's own to a session `own` names (`touched`). With a watch on the WAL file
+    (`_filewatch`), an idle reader sleeps until a commit writes it."""
 
     conn: sqlite3.Connection
     clock: Callable[[], float]
     poll: float
     watch: FileWatch | None = None
+    # The connection the event loop commits on (`ThreadExecutor.inline_conn`, unwrapped):
+    # read only on the trio thread, between its batches, which run synchronously there.
+    own_conn: sqlite3.Connection | None = None
+    # The sessions the loop's committed batches signalled since the last look (the executor
+    # adds to it in place).
+    touched: Touched = attrs.Factory(dict)
     _version: int = 0
-    _next_look: float = 0.0
+    _next_check: float = 0.0
 
     async def read(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
         """Run a read-only operation on one snapshot, on the trio thread."""
@@ -71,28 +87,53 @@ class ChangeReader:
         own: OwnChange = None,
         follows: OwnChange = None,
     ) -> None:
-        """Return when another connection committed, `kick` is set, or after `fallback` seconds."""
+        """Return when another connection committed, an own commit touched a session `own`
+        names, `kick` is set, or after `fallback` seconds."""
         with trio.move_on_after(fallback):
-            with trio.move_on_at(self._next_look):
-                await kick.wait()
-            settle = 0.0  # > 0: the WAL was written, and no commit is visible yet
-            while not kick.is_set():
-                if self.watch is not None:
-                    self.watch.discard()  # events so far are covered by the look below
-                version = self.conn.execute("PRAGMA data_version").fetchone()[0]
-                if version != self._version:
-                    self._version = version
-                    self._next_look = trio.current_time() + CHANGE_GAP
+            settle = 0.0  # > 0: the WAL was written, and no commit was visible at the check
+            written = False  # the WAL was written since the last check
+            while True:
+                # At most one check per CHANGE_GAP: under load every commit writes the WAL,
+                # ours too, and a wake-up per commit would cost more than the commits.
+                with trio.move_on_at(self._next_check):
+                    await kick.wait()
+                if kick.is_set():
                     return
-                if 0 < settle <= WRITE_SETTLE_MAX:
-                    # A writer writes its frames, then publishes the commit in the WAL
-                    # index (the -shm file, not watched): a look between the two sees
-                    # nothing, and no event follows. Look again shortly.
-                    with trio.move_on_after(settle):
-                        await kick.wait()
-                    settle *= 2
+                if self.watch is not None:
+                    written = self.watch.discard() or written  # the check below covers them
+                self._next_check = trio.current_time() + CHANGE_GAP
+                if self._changed(own, follows):
+                    return
+                if written:
+                    # Our own commits, or a writer that wrote its frames and has not yet
+                    # published the commit in the WAL index (the -shm file, not watched):
+                    # no event follows that. Check again after the gap.
+                    settle, written = CHANGE_GAP, False
                     continue
-                settle = CHANGE_GAP if await self._signal(kick) else 0.0
+                # Nothing written since: a commit still unpublished gets checks further
+                # apart, while the settle stays below WRITE_SETTLE_MAX; else, sleep until
+                # the next write.
+                settle = settle * 2 if settle * 2 <= WRITE_SETTLE_MAX else 0.0
+                with trio.move_on_after(settle or math.inf):
+                    written = await self._signal(kick)
+
+    def _changed(self, own: OwnChange, follows: OwnChange) -> bool:
+        """Whether a commit since the last call is worth a look: another connection's, or
+        one of the loop's own to a session `own` says this runtime still needs (a
+        transcript-only change only where `follows` says it is followed)."""
+        conn = self.conn if self.own_conn is None else self.own_conn
+        version: int = conn.execute("PRAGMA data_version").fetchone()[0]
+        changed, self._version = version != self._version, version
+        touched = self.touched
+        if touched:
+            changed = changed or any(
+                own is not None
+                and own(session_id)
+                and not (watchers_only and follows is not None and not follows(session_id))
+                for session_id, watchers_only in touched.items()
+            )
+            touched.clear()  # the look that follows (or none needed) covers them
+        return changed
 
     async def _signal(self, kick: trio.Event) -> bool:
         """Sleep until the WAL file is written (True) or `kick` is set (or one poll,

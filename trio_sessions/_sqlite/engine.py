@@ -14,7 +14,8 @@ savepoint, so one operation's error (a refusal such as `LeaseLost`) rolls back o
 writes; an error SQLite answers by rolling back the whole transaction fails
 every operation of the batch, and so does a database file deleted or replaced under the
 runtime (`DatabaseFile`). Errors are stored on the jobs, never raised, and an SQLite error
-reaches the caller as `StoreError` (`store_error`).
+reaches the caller as `StoreError` (`store_error`). The sessions a batch's operations
+signalled (`SQLiteTx.notify`) are handed to the caller's `touched` only once it committed.
 """
 
 from __future__ import annotations
@@ -37,6 +38,17 @@ T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
 
 
+# The sessions a committed batch's operations signalled (`SQLiteTx.notify`), each with
+# whether only its transcript changed (watchers only): what this process's change signal
+# (`changes.ChangeReader`) is told about its own commits.
+Touched = dict[str, bool]
+
+
+def _touch(touched: Touched, session_id: str, watchers_only: bool) -> None:
+    """Record a signal: a session stays watchers-only while every signal of it is."""
+    touched[session_id] = touched.get(session_id, True) and watchers_only
+
+
 # Test seam: False runs every job of a group commit alone, each in its own savepoint (the
 # path set-wise jobs fall back to), e.g. to inject a fault into one job of a group.
 SET_WISE = True
@@ -51,6 +63,7 @@ class SQLiteTx:
         self.conn = conn
         self.now = now
         self._database = database  # its file, when the caller knows it (`DatabaseFile`)
+        self.notified: Touched = {}
 
     @property
     def dialect(self) -> BackendName:
@@ -73,9 +86,11 @@ class SQLiteTx:
         pass
 
     def notify(self, session_id: str, *, watchers_only: bool = False) -> None:
-        # Other connections notice every commit through `PRAGMA data_version` (which cannot
-        # say what changed, so `watchers_only` changes nothing here).
-        pass
+        # Other connections notice every commit through `PRAGMA data_version`, which cannot
+        # say what changed. Recorded for this process's own change signal: a batch that
+        # commits hands these to it (`Touched`), which looks only for the sessions a local
+        # watcher follows.
+        _touch(self.notified, session_id, watchers_only)
 
     @contextlib.contextmanager
     def savepoint(self) -> Iterator[None]:
@@ -115,13 +130,15 @@ def run_batch(
     clock: Callable[[], float],
     jobs: list[Job],
     file: DatabaseFile | None = None,
+    touched: Touched | None = None,
 ) -> None:
     """Run `jobs` in one `BEGIN IMMEDIATE` transaction (group commit).
 
     Each job runs in its own savepoint, so one job's error rolls back only its own writes;
     the others commit together. A failed BEGIN or COMMIT fails every job, with nothing
     written, and so does a `file` that was deleted or replaced. Errors are stored on the
-    jobs, never raised.
+    jobs, never raised. Once the transaction committed, the sessions it signalled are added
+    to `touched`.
     """
     if file is not None and file.refuse(jobs):
         return
@@ -131,7 +148,7 @@ def run_batch(
         for job in jobs:
             job.error = store_error(exc)
         return
-    _run_jobs(conn, clock, jobs, file)
+    _run_jobs(conn, clock, jobs, file, touched)
 
 
 def try_run_batch(
@@ -139,6 +156,7 @@ def try_run_batch(
     clock: Callable[[], float],
     jobs: list[Job],
     file: DatabaseFile | None = None,
+    touched: Touched | None = None,
 ) -> bool:
     """Like `run_batch`, but only if the write lock is free right now: False, with nothing
     run, when another connection holds it. Never waits (the connection's busy timeout is
@@ -153,7 +171,7 @@ def try_run_batch(
         for job in jobs:
             job.error = store_error(exc)
         return True
-    _run_jobs(conn, clock, jobs, file)
+    _run_jobs(conn, clock, jobs, file, touched)
     return True
 
 
@@ -162,6 +180,7 @@ def _run_jobs(
     clock: Callable[[], float],
     jobs: list[Job],
     file: DatabaseFile | None = None,
+    touched: Touched | None = None,
 ) -> None:
     """Run jobs inside the open transaction and commit. Never raises: errors go on jobs.
 
@@ -169,7 +188,7 @@ def _run_jobs(
     committed, whatever it returned, and every job reports the failure.
     """
     try:
-        _run_jobs_or_raise(conn, clock, jobs, file)
+        _run_jobs_or_raise(conn, clock, jobs, file, touched)
     except sqlite3.Error as exc:
         if conn.in_transaction:
             with contextlib.suppress(sqlite3.Error):
@@ -185,6 +204,7 @@ def _run_jobs_or_raise(
     clock: Callable[[], float],
     jobs: list[Job],
     file: DatabaseFile | None = None,
+    touched: Touched | None = None,
 ) -> None:
     tx = SQLiteTx(conn, now_ms(clock), None if file is None else file.path)
     grouped = len(jobs) > 1
@@ -209,6 +229,9 @@ def _run_jobs_or_raise(
             if grouped:
                 conn.execute("RELEASE job")
     conn.execute("COMMIT")
+    if touched is not None:
+        for session_id, watchers_only in tx.notified.items():
+            _touch(touched, session_id, watchers_only)
 
 
 def _run_set_wise(conn: sqlite3.Connection, tx: SQLiteTx, jobs: list[Job]) -> list[Job]:

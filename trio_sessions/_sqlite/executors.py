@@ -14,9 +14,10 @@ loop's connection never checkpoints (a checkpoint may fsync); the worker does, e
 `CHECKPOINT_EVERY` commits on the loop, beside the writers (PASSIVE), and holds them back
 only when the WAL could not restart for `WAL_RESTART_FRAMES` frames. With WAL and
 synchronous=NORMAL a commit does not fsync, so the event loop never blocks on a lock or a
-disk flush. `InlineExecutor` (tests)
-runs each operation on the trio thread in its own transaction, so virtual time never jumps
-while SQLite works.
+disk flush. The loop's batches hand the sessions they signalled to the change reader
+(`ChangeReader.touched`): its own commits are no change signal otherwise, while the
+worker's are (as another process's). `InlineExecutor` (tests) runs each operation on the
+trio thread in its own transaction, so virtual time never jumps while SQLite works.
 
 Every write batch first checks that the path still names the file the executor opened
 (`DatabaseFile`). A WAL that checkpoints cannot shrink (a reader that never ends) is logged
@@ -58,7 +59,7 @@ from .connections import (
     database_name,
     poll_for_lock,
 )
-from .engine import database_file, run_batch, try_run_batch
+from .engine import Touched, database_file, run_batch, try_run_batch
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
@@ -152,9 +153,10 @@ def _run_nowait(
     op: Callable[..., T],
     args: tuple[Any, ...],
     file: DatabaseFile | None,
+    touched: Touched | None = None,
 ) -> T:
     job = Job(op, args)
-    if not try_run_batch(conn, clock, [job], file):
+    if not try_run_batch(conn, clock, [job], file, touched):
         raise StoreError("the database is locked by another process; not waiting")
     result: T = job.unwrap()
     return result
@@ -204,7 +206,7 @@ class ThreadExecutor:
         job = Job(op, args)
         if self._lone_caller():
             assert self.inline_conn is not None
-            if try_run_batch(self.inline_conn, self.clock, [job], self.file):
+            if try_run_batch(self.inline_conn, self.clock, [job], self.file, self.reader.touched):
                 self._count_inline_commit()
                 # Set and read with no checkpoint between (see `left_schedule_point`).
                 self.left_schedule_point = _caller_yields_next(job)
@@ -221,7 +223,9 @@ class ThreadExecutor:
         if self._handoff.in_flight or self.inline_conn is None:
             # The worker holds this process's write lock now: its batch ends soon.
             return await self.run(op, *args)
-        result: T = _run_nowait(self.inline_conn, self.clock, op, args, self.file)
+        result: T = _run_nowait(
+            self.inline_conn, self.clock, op, args, self.file, self.reader.touched
+        )
         await trio.lowlevel.cancel_shielded_checkpoint()
         return result
 
@@ -283,7 +287,9 @@ class ThreadExecutor:
         # Group commit on the trio thread when the write lock is free: a thread hand-off
         # costs more than the whole group's SQL, and when the event loop is never idle
         # (a producer submitting while drains run) every operation would pay one.
-        if self.inline_conn is not None and try_run_batch(self.inline_conn, self.clock, jobs):
+        if self.inline_conn is not None and try_run_batch(
+            self.inline_conn, self.clock, jobs, touched=self.reader.touched
+        ):
             self._count_inline_commit()
             return
         self.thread_handoffs += 1
@@ -396,7 +402,7 @@ class SQLiteStore:
             inline_conn = connections.enter_context(
                 contextlib.closing(connect_nonblocking(self.path, synchronous=self.synchronous))
             )
-            reader = self._reader(connections, clock, CHANGE_POLL)
+            reader = self._reader(connections, clock, CHANGE_POLL, own_conn=inline_conn)
             async with open_thread_executor(
                 self._wrapped(conn),
                 clock,
@@ -407,7 +413,12 @@ class SQLiteStore:
                 yield executor
 
     def _reader(
-        self, connections: contextlib.ExitStack, clock: Callable[[], float], poll: float
+        self,
+        connections: contextlib.ExitStack,
+        clock: Callable[[], float],
+        poll: float,
+        *,
+        own_conn: sqlite3.Connection | None = None,
     ) -> ChangeReader:
         conn = connections.enter_context(
             contextlib.closing(connect_nonblocking(self.path, synchronous=self.synchronous))
@@ -416,7 +427,8 @@ class SQLiteStore:
         watch = open_watch(f"{os.fspath(self.path)}-wal")
         if watch is not None:
             connections.callback(watch.close)
-        return ChangeReader(conn, clock, poll, watch)
+        # `own_conn` unwrapped: the signal's PRAGMA is no statement of a batch.
+        return ChangeReader(conn, clock, poll, watch, own_conn)
 
     def _wrapped(self, conn: sqlite3.Connection) -> sqlite3.Connection:
         return conn if self.wrap_connection is None else self.wrap_connection(conn)

@@ -19,7 +19,7 @@ from typing import Any
 from .._backend import Tx
 from .._errors import MalformedRecord
 from .._model import OWNER_LOST
-from .common import _has_pending_inputs, _reset_attempts, _ring
+from .common import _doorbell_set, _has_pending_inputs, _reset_attempts, _ring
 from .recovery_scan import Candidate
 from .transcript import _close_open_messages, _decode_message, _streamed_texts
 
@@ -57,11 +57,12 @@ def _unmark_finished(tx: Tx, execution_id: str) -> None:
     )
 
 
-def drop_quarantined(tx: Tx, execution_id: str) -> None:
+def drop_quarantined(tx: Tx, execution_id: str) -> tuple[str, bool]:
     """Operator drop: set the execution's messages that do not decode aside (raw text kept
     in `session_message_rejected`), so the transcript reads again; finish the rest of its
     open transcript as owner-lost, delete the claim, reset attempts, re-arm the doorbell if
-    inputs remain."""
+    inputs remain. Returns its session and whether the doorbell is set afterwards (a drain
+    is due: the caller may start it)."""
     session_id = _quarantined_row(tx, execution_id)[0]
     _set_aside_malformed_messages(tx, session_id, execution_id)
     _unmark_finished(tx, execution_id)
@@ -71,6 +72,7 @@ def drop_quarantined(tx: Tx, execution_id: str) -> None:
     if _has_pending_inputs(tx, session_id):
         _ring(tx, session_id)
     tx.execute("DELETE FROM session_recovery WHERE execution_id = ?", (execution_id,))
+    return session_id, _doorbell_set(tx, session_id)
 
 
 def _set_aside_malformed_messages(tx: Tx, session_id: str, execution_id: str) -> None:
@@ -94,6 +96,7 @@ def _set_aside_malformed_messages(tx: Tx, session_id: str, execution_id: str) ->
                 (message_id, session_id, execution_id, seq, data, reason, tx.now),
             )
             tx.execute("DELETE FROM session_message WHERE id = ?", (message_id,))
+            tx.notify(session_id, watchers_only=True)  # gone, for the session's watchers
 
 
 def rejected_inputs(tx: Tx, session_id: str | None) -> list[dict[str, Any]]:

@@ -313,17 +313,19 @@ def _close_open_messages(tx: Tx, execution_id: str, reason: str) -> None:
     such rows, and rewriting it would destroy what an operator needs to see.
     """
     rows = tx.execute(
-        "SELECT id, data FROM session_message"
+        "SELECT id, data, session_id FROM session_message"
         " WHERE execution_id = ? AND finished = 0 AND role = 'assistant'",
         (execution_id,),
     ).fetchall()
-    for message_id, text in rows:
+    for message_id, text, session_id in rows:
         try:
             data = _assistant_data(tx, message_id, text)
         except MalformedRecord:
             continue
         if not data.finished:  # a finished row written by hand stays exactly as it is
             _write_assistant(tx, message_id, execution_id, _transcript.interrupt(data, reason))
+            # For the session's watchers (on SQLite, this runtime's own ones too).
+            tx.notify(session_id, watchers_only=True)
 
 
 @autocommit_when_alone
