@@ -216,8 +216,9 @@ async def test_upgrade_of_a_version_1_schema_adds_streaming(pg_url: str, pg_sche
     # 7: a cancelling claim's iteration end rings for untaken inputs;
     # 8: a stream's read in one call; 9: set-wise recovery and iteration ends;
     # 10: set-wise submits and acquires, the change scan and a recovery pass's scan and
-    # leases each in one call; 11: a batch's session locks through one function
-    assert SCHEMA_VERSION == 11
+    # leases each in one call; 11: a batch's session locks through one function;
+    # 12: recovery's takeover alone in autocommit
+    assert SCHEMA_VERSION == 12
     await check_pre_streaming_upgrade(location, PostgresStore(pg_url, schema=pg_schema))
 
 

@@ -161,7 +161,7 @@ SQLITE_OUR_TABLES = frozenset(
 # ---------------------------------------------------------------------------------------------
 # PostgreSQL
 
-POSTGRES_SCHEMA_VERSION = 11
+POSTGRES_SCHEMA_VERSION = 12
 
 # Same names, meanings and named CHECKs as the SQLite schema (`SQLITE_MIGRATIONS`, whose
 # versions 1-3 are PostgreSQL's first: no PostgreSQL store predates them); times
@@ -304,6 +304,14 @@ ALTER TABLE session ADD COLUMN time_paused BIGINT;
     # The functions again, no table changes: the set-wise functions lock their batch's
     # sessions through one function (`ts_lock_all`).
     11: "",
+    # The functions again, no table changes: `ts_recover` gains `p_whole` (alone in
+    # autocommit, it refuses a batch that needs the row-by-row path: `ts_needs_transaction`)
+    # and reads back a lost call's takeovers on `p_retry`. A new argument list is a new
+    # function: the old one goes.
+    12: """
+DROP FUNCTION IF EXISTS ts_recover(text, text[], text[], text[], text[], bigint, bigint, bigint,
+    boolean);
+""",
 }
 
 
@@ -344,4 +352,5 @@ POSTGRES_BACKFILLS: dict[int, Callable[[Any], None]] = {
     9: _create_functions,
     10: _create_functions,
     11: _create_functions,
+    12: _create_functions,
 }

@@ -52,6 +52,9 @@ class SQLiteTx:
         self.now = now
         self._database = database  # its file, when the caller knows it (`DatabaseFile`)
 
+    # Every operation runs in a write transaction: never one call in autocommit.
+    autocommit = False
+
     @property
     def dialect(self) -> BackendName:
         return "sqlite"
