@@ -206,10 +206,17 @@ class PgEngine:
         )
 
     def run_jobs(
-        self, jobs: Sequence[Job], nowait: Sequence[Job] = (), reads: Sequence[Job] = ()
+        self,
+        jobs: Sequence[Job],
+        nowait: Sequence[Job] = (),
+        reads: Sequence[Job] = (),
+        alone: Sequence[Job] = (),
     ) -> None:
-        """One hand-off: `nowait` and `reads` jobs alone each, the rest in batches of
-        `BATCH_LIMIT`."""
+        """One hand-off: `alone` (writes on no session) first, each in its own transaction
+        (one autocommit call if it can be), then `nowait` and `reads` jobs alone each, the
+        rest in batches of `BATCH_LIMIT`."""
+        for job in alone:
+            self.run_alone(job)
         for job in nowait:
             self.run_alone(job, "nowait")
         for start in range(0, len(jobs), BATCH_LIMIT):
