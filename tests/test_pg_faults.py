@@ -37,6 +37,7 @@ import contextlib
 import enum
 import functools
 import operator
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -125,10 +126,10 @@ BLOCKERS: dict[str, tuple[str, Pick]] = {
     },
     **{f"{function}(": (CLAIMS_LOCK, SECOND) for function in ("ts_heartbeat", "ts_expire_claims")},
     # Recovery's set-wise call takes its sessions' locks first (p_sessions: the 4th).
-    "ts_recover(": (SESSION_LOCK, lambda params: (params[3][0],)),
+    "ts_recover(": (SESSION_LOCK, lambda params: (first_of(params[3]),)),
     # So do a batch's set-wise submits and acquires (p_sessions: the 1st).
     **{
-        f"{function}(": (SESSION_LOCK, lambda params: (params[0][0],))
+        f"{function}(": (SESSION_LOCK, lambda params: (first_of(params[0]),))
         for function in (
             "ts_submit_and_acquire_many",
             "ts_acquire_many",
@@ -136,6 +137,18 @@ BLOCKERS: dict[str, tuple[str, Pick]] = {
         )
     },
 }
+
+
+def first_of(array: Any) -> Any:
+    """The first element of a call's array argument, as bound (`transactions.bound`: a
+    list of text is sent as one literal, its elements double-quoted)."""
+    if isinstance(array, list):
+        return array[0]
+    found = re.match(r'\{"((?:[^"\\]|\\.)*)"', array)
+    assert found is not None, array
+    return re.sub(r"\\(.)", r"\1", found.group(1))
+
+
 # How the seam labels a statement that commits on its own (an autocommit function call):
 # it is its own COMMIT.
 AUTOCOMMIT = "autocommit: "

@@ -85,6 +85,32 @@ def translate(statement: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
+# Arrays: a function call's lists bound as one literal
+
+
+def _quoted(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def bound(value: Any) -> Any:
+    """`value` as a function call binds it: a list of text or of integers (with None as
+    NULL) becomes one array literal - text elements double-quoted with `"` and `\\`
+    escaped, NULL unquoted, built in one join - which the server reads as the function's
+    array argument; anything else is left as it is, for psycopg to adapt.
+
+    psycopg adapts a list element by element in Python (about 2 µs each, client-side
+    binding): a recovery pass's arrays of ids cost it milliseconds per call."""
+    if type(value) is not list:
+        return value
+    kinds = {type(item) for item in value} - {type(None)}
+    if kinds == {str}:
+        return "{" + ",".join("NULL" if item is None else _quoted(item) for item in value) + "}"
+    if kinds <= {int}:  # integers, or nothing but NULLs
+        return "{" + ",".join("NULL" if item is None else str(item) for item in value) + "}"
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
 # Transactions
 
 
@@ -174,7 +200,7 @@ class PgTx:
         if self.autocommit and not idempotent:
             raise NeedsTransaction(f"{function} cannot be read back after a lost reply")
         fixed_now = None if self._clock is None else now_ms(self._clock)
-        params = (*args, fixed_now, self.retry)
+        params = (*map(bound, args), fixed_now, self.retry)
         placeholders = ", ".join(["%s"] * len(params))
         # The reply's last columns are read after the function ran (its rows are complete
         # before the select list is evaluated): the transaction's id and, in a batch,
