@@ -8,11 +8,12 @@ subtransactions slow the whole server down). Operations of one `pg_batched` kind
 set-based function call; the rest run one by one. If any operation raises - a refusal such
 as `LeaseLost` or a database error - the whole batch rolls back and each operation re-runs
 alone in its own transaction, where an operation that raises is rolled back and gets the
-error. An operation marked `autocommit_when_alone` that runs alone is one autocommit call.
-Serialisation failures, deadlocks, lock and statement timeouts (40001, 40P01, 55P03, 57014)
-retry the whole transaction with a small, bounded backoff; a connection lost before COMMIT
-is re-opened and the transaction re-run (nothing committed). Other database errors reach
-the caller as `StoreError`.
+error. An operation marked `autocommit_when_alone` that runs alone is one autocommit call;
+if the server refuses that call whole (`NEEDS_TRANSACTION`: part of its work needs more
+statements), it runs again in a transaction. Serialisation failures, deadlocks, lock and
+statement timeouts (40001, 40P01, 55P03, 57014) retry the whole transaction with a small,
+bounded backoff; a connection lost before COMMIT is re-opened and the transaction re-run
+(nothing committed). Other database errors reach the caller as `StoreError`.
 
 Reads run each on its own snapshot, never in a write batch; the reads of one hand-off
 marked `pg_read_batched` (a stream's read) are one set-wise call in autocommit.

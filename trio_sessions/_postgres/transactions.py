@@ -5,7 +5,8 @@ A transaction begins with its first statement, which carries `BEGIN ...;` in the
 message: no round trip of its own (the engine's connection is in autocommit mode). In
 autocommit (`autocommit=True`) a `PgTx` is one function call and nothing else; a second
 statement raises `NeedsTransaction` before anything is sent. The shared SQL of `_store`
-(SQLite's `?` and `:name` parameters) is translated to psycopg's style here.
+(SQLite's `?` and `:name` parameters) is translated to psycopg's style here, and a function
+call's lists of text or integers are bound as one array literal each (`bound`).
 
 Invariants:
 * `tx.now` is the server's `clock_timestamp()` in ms (or the injected test clock), read once
