@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from trio_sessions import bench
+from trio_sessions._bench.recovery import RecoveryTimes, add_recovery_rows
+from trio_sessions._bench.report import Report
 
 TINY = [
     "--rounds", "1",
@@ -117,3 +119,20 @@ def test_runs_without_psycopg_given_no_pg(tmp_path: Path) -> None:
     assert (
         bench.parse_machine_line(done.stdout.strip().splitlines()[-1])["wakes_per_iteration"] == 10
     )
+
+
+def test_a_recovery_row_is_judged_against_its_own_target() -> None:
+    """PostgreSQL's recovery row (>= 0.3x) is met at 0.31x; SQLite's (>= 0.5x) is not."""
+    report = Report()
+    times = RecoveryTimes(
+        {"raw": [1.0], "threaded": [3.2], "inline": [3.2], "takeover": [2.0]},
+        {"threaded": [0.31], "inline": [0.31], "takeover": [0.5]},
+        10,
+    )
+    rows = (("threaded", "pg", 0.3), ("inline", "sqlite", 0.5), ("takeover", "held", None))
+    add_recovery_rows(report, "s", 100, 10, times, rows)
+    assert [(row.target, row.verdict) for row in report.rows[1:]] == [
+        (">= 0.3x", "ok"),
+        (">= 0.5x", "MISSED"),
+        ("", ""),
+    ]

@@ -748,7 +748,8 @@ async def test_upgrade_of_a_version_2_postgres_schema_keeps_pending_inputs_due(
     # 8: a stream's read in one call; 9: set-wise recovery and iteration ends;
     # 10: set-wise submits and acquires, the change scan and a recovery pass's scan and
     # leases each in one call; 11: a batch's session locks through one function;
-    # 12: the conversation controls, a transcript read, a tool change each in one call
+    # 12: the conversation controls, a transcript read, a tool change each in one call;
+    # recovery's takeover alone in autocommit
     assert _postgres.SCHEMA_VERSION == 12
     assert drain.taken == ["old"]
     assert raw.rows("SELECT time_paused FROM session") == [(None,)]

@@ -37,6 +37,7 @@ import contextlib
 import enum
 import functools
 import operator
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -142,10 +143,10 @@ BLOCKERS: dict[str, tuple[str, Pick]] = {
     },
     **{f"{function}(": (CLAIMS_LOCK, SECOND) for function in ("ts_heartbeat", "ts_expire_claims")},
     # Recovery's set-wise call takes its sessions' locks first (p_sessions: the 4th).
-    "ts_recover(": (SESSION_LOCK, lambda params: (params[3][0],)),
+    "ts_recover(": (SESSION_LOCK, lambda params: (first_of(params[3]),)),
     # So do a batch's set-wise submits and acquires (p_sessions: the 1st).
     **{
-        f"{function}(": (SESSION_LOCK, lambda params: (params[0][0],))
+        f"{function}(": (SESSION_LOCK, lambda params: (first_of(params[0]),))
         for function in (
             "ts_submit_and_acquire_many",
             "ts_acquire_many",
@@ -153,6 +154,18 @@ BLOCKERS: dict[str, tuple[str, Pick]] = {
         )
     },
 }
+
+
+def first_of(array: Any) -> Any:
+    """The first element of a call's array argument, as bound (`transactions.bound`: a
+    list of text is sent as one literal, its elements double-quoted)."""
+    if isinstance(array, list):
+        return array[0]
+    found = re.match(r'\{"((?:[^"\\]|\\.)*)"', array)
+    assert found is not None, array
+    return re.sub(r"\\(.)", r"\1", found.group(1))
+
+
 # How the seam labels a statement that commits on its own (an autocommit function call):
 # it is its own COMMIT.
 AUTOCOMMIT = "autocommit: "
@@ -278,7 +291,14 @@ class Faults:
             # Nothing to wait for: the lock is this transaction's already (a function
             # before it took it), or there is no such row. Killed after it instead.
             mode = Mode.LOST
-        result = run()
+        try:
+            result = run()
+        except psycopg.Error as refused:
+            # The server refused the statement (`ts_recover` refusing a batch whole in
+            # autocommit): its error reply is lost like any other reply.
+            if mode is not Mode.LOST:
+                raise
+            result = refused
         terminate_on(self.control, pid)
         if mode is Mode.LOST:
             # As when the reply never came: the client has found the connection gone (the
@@ -498,6 +518,13 @@ def exhausted(env: Env) -> None:
 def quarantined(env: Env) -> None:
     malformed(env)
     env.run(_store.apply_recovery_batch, RESCUER, [(CANDIDATE, "e2")], LEASE_MS, 10)
+
+
+def live_again(env: Env) -> None:
+    """Claim `f1`'s lease is live again (its owner renewed it after our recovery lease)."""
+    env.raw(
+        "UPDATE session_execution SET expires_at = expires_at + %s WHERE id = 'f1'", (4 * LEASE_MS,)
+    )
 
 
 def empty(env: Env) -> None:
@@ -754,6 +781,20 @@ OPERATIONS = [
         ),
         recover((CANDIDATE, "e2"), (_store.Candidate("t", "f1"), "f2")),
     ),
+    # Alone in autocommit, one call: one claim taken over, one live again and let go (a
+    # retry after a lost reply reads both back).
+    Operation(
+        "recovery-set-wise-skipped-live",
+        steps(
+            functools.partial(claimed, session_id="t", execution_id="f1"),
+            claimed,
+            lapse,
+            do(_store.take_recovery_leases, RESCUER, LEASE_MS, [CANDIDATE]),
+            do(_store.take_recovery_leases, RESCUER, LEASE_MS, [_store.Candidate("t", "f1")]),
+            live_again,
+        ),
+        recover((CANDIDATE, "e2"), (_store.Candidate("t", "f1"), "f2")),
+    ),
     Operation(
         "recovery-scan",
         steps(claimed, lapse),
@@ -1005,6 +1046,30 @@ def test_every_statement_of_every_operation(
                 assert env.engine.reconnects == reconnects + 1, where
                 fired += 1
         assert fired >= 2 * len(statements)
+
+
+def test_a_recovery_takeover_alone_is_one_autocommit_call_unless_a_row_needs_its_path(
+    pg_url: str, pg_schema: str
+) -> None:
+    """Alone, a set-wise takeover is one `ts_recover` call in autocommit (no BEGIN, no
+    COMMIT); a batch with a claim that needs the row-by-row path is refused whole by that
+    call (nothing written) and runs again in a transaction."""
+    with environment(pg_url, pg_schema) as env:
+        for name, expected in (
+            ("recovery-takeover-set-wise", ["ts_recover"]),
+            ("recovery-two-rows", ["ts_recover", "BEGIN", "COMMIT"]),
+        ):
+            op = operation(name)
+            prepare(env, op)
+            env.faults.recorded = []
+            [(status, _)] = op.call(env)
+            statements, env.faults.recorded = env.faults.recorded, None
+            assert status == "ok"
+            assert statements[0].startswith(AUTOCOMMIT) and "ts_recover(" in statements[0]
+            shape = ["ts_recover"] + [
+                kind for kind in ("BEGIN", "COMMIT") if any(kind in s for s in statements)
+            ]
+            assert shape == expected, name
 
 
 # ---------------------------------------------------------------------------------------------

@@ -217,7 +217,8 @@ async def test_upgrade_of_a_version_1_schema_adds_streaming(pg_url: str, pg_sche
     # 8: a stream's read in one call; 9: set-wise recovery and iteration ends;
     # 10: set-wise submits and acquires, the change scan and a recovery pass's scan and
     # leases each in one call; 11: a batch's session locks through one function;
-    # 12: the conversation controls, a transcript read, a tool change each in one call
+    # 12: the conversation controls, a transcript read, a tool change each in one call;
+    # recovery's takeover alone in autocommit
     assert SCHEMA_VERSION == 12
     await check_pre_streaming_upgrade(location, PostgresStore(pg_url, schema=pg_schema))
 
@@ -507,6 +508,70 @@ async def test_one_sessions_operations_stay_on_one_writer_in_order(
         assert len({pid for _, pid in mine}) == 1
     assert {pid for _, _, pid in seen} == pids
     assert transactions < len(seen)  # grouped, not one transaction each
+
+
+def held_open(tx: Tx, session_id: str, gate: threading.Event) -> int:
+    """An operation on one session that keeps its writer busy until `gate` is set."""
+    [pid] = tx.one("SELECT pg_backend_pid()")
+    assert gate.wait(timeout=20)
+    return int(pid)
+
+
+def on_no_session(tx: Tx, owner_id: str, seen: list[tuple[str, int, int]]) -> int:
+    """An operation on no session (a recovery pass's kind): notes its backend and whether
+    a transaction was already open on it."""
+    [pid, xid] = tx.one("SELECT pg_backend_pid(), pg_current_xact_id_if_assigned()")
+    seen.append((owner_id, xid is not None, int(pid)))
+    tx.execute("SELECT pg_current_xact_id()")  # it writes: a transaction of its own
+    return int(pid)
+
+
+async def test_an_operation_on_no_session_goes_to_an_idle_writer(
+    pg_url: str, pg_schema: str
+) -> None:
+    """With three writers, two busy (held by operations on their sessions), an operation
+    on no session runs on the idle one at once, not queued behind a busy one."""
+    store = PostgresStore(pg_url, schema=pg_schema, writers=3, listen=False)
+    gate = threading.Event()
+    busy = [
+        next(f"s{n}" for n in range(100) if _postgres.lane_of(held_open, (f"s{n}",), 3) == lane)
+        for lane in (0, 1)
+    ]
+    seen: list[tuple[str, int, int]] = []
+    with trio.fail_after(30):
+        async with store.open_executor(None) as executor:
+            assert isinstance(executor, _postgres.PgThreadExecutor)
+            idle_pid = executor.engines[2].backend_pid
+            async with trio.open_nursery() as nursery:
+                for session_id in busy:
+                    nursery.start_soon(executor.run, held_open, session_id, gate)
+                await trio.sleep(0.1)  # both held lanes took their operation
+                try:
+                    assert await executor.run(on_no_session, "me", seen) == idle_pid
+                finally:
+                    gate.set()
+
+
+async def test_an_operation_on_no_session_runs_first_in_its_own_transaction(
+    pg_url: str, pg_schema: str
+) -> None:
+    """Queued in one hand-off with operations on sessions, an operation on no session (a
+    recovery pass's scan or takeover) runs first, in a transaction of its own - alone, it
+    can be one autocommit call - and the others still share one transaction."""
+    store = PostgresStore(pg_url, schema=pg_schema, writers=1, listen=False)
+    seen: list[tuple[str, int, int]] = []  # in the order run
+    with trio.fail_after(30):
+        async with store.open_executor(None) as executor:
+            before = executor.statistics().transactions
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(executor.run, record_order, "a", 1, seen)
+                nursery.start_soon(executor.run, on_no_session, "me", seen)
+                nursery.start_soon(executor.run, record_order, "b", 2, seen)
+            statistics = executor.statistics()
+    assert statistics.handoffs == 1
+    assert seen[0][:2] == ("me", False)  # first, and no transaction open before it
+    assert sorted(s for s, _, _ in seen[1:]) == ["a", "b"]
+    assert statistics.transactions - before == 2  # its own, then one for both others
 
 
 def lock_both(

@@ -70,6 +70,13 @@ class Tx(Protocol):
         this, beside the shared form in the same `_store` module."""
         ...
 
+    @property
+    def autocommit(self) -> bool:
+        """Whether the operation runs as one function call in autocommit (PostgreSQL, an
+        `autocommit_when_alone` operation run alone): a call that could leave work for a
+        further statement asks the server to refuse it whole instead (`NEEDS_TRANSACTION`)."""
+        ...
+
     def call(self, function: str, *args: Any, idempotent: bool = True) -> list[Any]:
         """PostgreSQL only: one call of a server-side function of the store's schema
         (`_store.pg_functions`), one round trip; its rows. The function gets `args`, then the
@@ -120,8 +127,20 @@ class Tx(Protocol):
 
 class NeedsTransaction(Exception):
     """Raised by a `Tx` in autocommit before it sends a statement that must share a
-    transaction with others: the backend runs the operation again in a transaction. Nothing
-    was written by the operation when it is raised."""
+    transaction with others, or when the server refused a call whole (`NEEDS_TRANSACTION`):
+    the backend runs the operation again in a transaction. Nothing was written by the
+    operation when it is raised. `after_lost_reply`: an earlier attempt's reply was lost,
+    so the transaction's calls read back whether it landed (`p_retry`)."""
+
+    def __init__(self, message: str, *, after_lost_reply: bool = False) -> None:
+        super().__init__(message)
+        self.after_lost_reply = after_lost_reply
+
+
+# The SQLSTATE a server-side function raises, in autocommit, when part of its work needs
+# statements of the client in the same transaction (`ts_recover`'s row-by-row claims): it
+# wrote nothing, and the engine runs the operation again in a transaction.
+NEEDS_TRANSACTION = "TSROW"
 
 
 def autocommit_when_alone(op: Callable[..., T]) -> Callable[..., T]:

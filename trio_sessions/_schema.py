@@ -304,13 +304,19 @@ ALTER TABLE session ADD COLUMN time_paused BIGINT;
     # The functions again, no table changes: the set-wise functions lock their batch's
     # sessions through one function (`ts_lock_all`).
     11: "",
-    # The functions again, no table changes: double-texting and scheduled submits
-    # (`ts_submit_controlled`), another owner's claim interrupted (`ts_request_cancel`),
-    # pause, resume, cancel_input, delete_session and truncate (`ts_pause`, `ts_resume`,
+    # The functions again: double-texting and scheduled submits (`ts_submit_controlled`),
+    # another owner's claim interrupted (`ts_request_cancel`), pause, resume,
+    # cancel_input, delete_session and truncate (`ts_pause`, `ts_resume`,
     # `ts_cancel_input`, `ts_delete_session`, `ts_truncate`, purge's `ts_delete_rows`) and
-    # a transcript read (`ts_read_transcript`), each in one call; a writer's tool change
-    # or finish from what it stored last, in one call (`ts_update_message`).
-    12: "",
+    # a transcript read (`ts_read_transcript`), each in one call; a writer's tool change or
+    # finish from what it stored last, in one call (`ts_update_message`). `ts_recover`
+    # gains `p_whole` (alone in autocommit, it refuses a batch that needs the row-by-row
+    # path: `ts_needs_transaction`) and reads back a lost call's takeovers on `p_retry`. A
+    # new argument list is a new function: the old one goes.
+    12: """
+DROP FUNCTION IF EXISTS ts_recover(text, text[], text[], text[], text[], bigint, bigint, bigint,
+    boolean);
+""",
 }
 
 

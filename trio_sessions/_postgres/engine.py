@@ -8,11 +8,12 @@ subtransactions slow the whole server down). Operations of one `pg_batched` kind
 set-based function call; the rest run one by one. If any operation raises - a refusal such
 as `LeaseLost` or a database error - the whole batch rolls back and each operation re-runs
 alone in its own transaction, where an operation that raises is rolled back and gets the
-error. An operation marked `autocommit_when_alone` that runs alone is one autocommit call.
-Serialisation failures, deadlocks, lock and statement timeouts (40001, 40P01, 55P03, 57014)
-retry the whole transaction with a small, bounded backoff; a connection lost before COMMIT
-is re-opened and the transaction re-run (nothing committed). Other database errors reach
-the caller as `StoreError`.
+error. An operation marked `autocommit_when_alone` that runs alone is one autocommit call;
+if the server refuses that call whole (`NEEDS_TRANSACTION`: part of its work needs more
+statements), it runs again in a transaction. Serialisation failures, deadlocks, lock and
+statement timeouts (40001, 40P01, 55P03, 57014) retry the whole transaction with a small,
+bounded backoff; a connection lost before COMMIT is re-opened and the transaction re-run
+(nothing committed). Other database errors reach the caller as `StoreError`.
 
 Reads run each on its own snapshot, never in a write batch; the reads of one hand-off
 marked `pg_read_batched` (a stream's read) are one set-wise call in autocommit.
@@ -54,6 +55,7 @@ import psycopg
 from .. import _codec, _observe
 from .._backend import (
     FALLBACK,
+    NEEDS_TRANSACTION,
     BackendName,
     Job,
     NeedsTransaction,
@@ -205,10 +207,17 @@ class PgEngine:
         )
 
     def run_jobs(
-        self, jobs: Sequence[Job], nowait: Sequence[Job] = (), reads: Sequence[Job] = ()
+        self,
+        jobs: Sequence[Job],
+        nowait: Sequence[Job] = (),
+        reads: Sequence[Job] = (),
+        alone: Sequence[Job] = (),
     ) -> None:
-        """One hand-off: `nowait` and `reads` jobs alone each, the rest in batches of
-        `BATCH_LIMIT`."""
+        """One hand-off: `alone` (writes on no session) first, each in its own transaction
+        (one autocommit call if it can be), then `nowait` and `reads` jobs alone each, the
+        rest in batches of `BATCH_LIMIT`."""
+        for job in alone:
+            self.run_alone(job)
         for job in nowait:
             self.run_alone(job, "nowait")
         for start in range(0, len(jobs), BATCH_LIMIT):
@@ -285,11 +294,14 @@ class PgEngine:
         """Run one job in its own transaction - or as one autocommit call, if it is marked
         `autocommit_when_alone`. Never raises: the outcome goes on the job."""
         # A read that is one function call is one statement: its own snapshot, no BEGIN.
+        retry = False
         if mode != "nowait" and job.op.__dict__.get("autocommit_when_alone", False):
             try:
                 job.result = self._autocommit(job)
-            except NeedsTransaction:
-                pass  # nothing was written: run it in a transaction instead
+            except NeedsTransaction as needs:
+                # Nothing was written: run it in a transaction instead - whose calls read
+                # back whether a lost earlier attempt landed.
+                retry = needs.after_lost_reply
             except StoreError as exc:
                 job.error = exc
                 return
@@ -299,22 +311,25 @@ class PgEngine:
             else:
                 return
         try:
-            [job.result] = self._transaction([job], mode, alone=True)
+            [job.result] = self._transaction([job], mode, alone=True, retry=retry)
         except _JobRaised as raised:
             job.error = _store_error(raised.error)
         except StoreError as exc:
             job.error = exc
 
-    def _transaction(self, jobs: Sequence[Job], mode: Mode, *, alone: bool) -> list[Any]:
+    def _transaction(
+        self, jobs: Sequence[Job], mode: Mode, *, alone: bool, retry: bool = False
+    ) -> list[Any]:
         """Run and commit; retried within the bounds. `_JobRaised` when a job raised (rolled
-        back), `StoreError` past the bounds."""
+        back), `StoreError` past the bounds. `retry`: the calls read back whether a lost
+        autocommit attempt of the job landed."""
         deadline = time.monotonic() + RECONNECT_PATIENCE_S
         attempt = 0
         while True:
             attempt += 1
             try:
                 conn = self._connection(deadline)
-                return self._attempt(conn, jobs, mode, alone=alone, deadline=deadline)
+                return self._attempt(conn, jobs, mode, alone=alone, deadline=deadline, retry=retry)
             except _Rerun as rerun:
                 if attempt >= MAX_ATTEMPTS or time.monotonic() >= deadline:
                     raise driver_error(rerun.cause) from rerun.cause
@@ -328,7 +343,8 @@ class PgEngine:
         A connection lost around the call leaves its outcome unknown: the call runs again
         with `retry`, and the function reads back by natural key whether the lost one
         landed (DESIGN §8 "Uncertain commits"). `NeedsTransaction` before anything was
-        sent; `StoreError` past the bounds; the operation's own errors as they are."""
+        sent, or when the server refused the call whole (`NEEDS_TRANSACTION`: nothing
+        written); `StoreError` past the bounds; the operation's own errors as they are."""
         deadline = time.monotonic() + RECONNECT_PATIENCE_S
         attempt = 0
         retry = False
@@ -348,6 +364,9 @@ class PgEngine:
             except NeedsTransaction:
                 raise
             except Exception as exc:
+                if isinstance(exc, psycopg.Error) and exc.sqlstate == NEEDS_TRANSACTION:
+                    # The server refused the call whole: nothing written.
+                    raise NeedsTransaction(str(exc), after_lost_reply=retry) from exc
                 if _connection_lost(conn, exc):
                     self.close()  # the next attempt re-opens it
                     retry = retry or tx.begun
@@ -392,7 +411,14 @@ class PgEngine:
         return results
 
     def _attempt(
-        self, conn: Any, jobs: Sequence[Job], mode: Mode, *, alone: bool, deadline: float
+        self,
+        conn: Any,
+        jobs: Sequence[Job],
+        mode: Mode,
+        *,
+        alone: bool,
+        deadline: float,
+        retry: bool = False,
     ) -> list[Any]:
         self.transactions += 1
         nowait = mode == "nowait"
@@ -405,7 +431,7 @@ class PgEngine:
             begin = _BEGIN_READ
         else:
             begin = _BEGIN if alone else _BEGIN_BATCH
-        tx = PgTx(conn, self.clock, begin=begin)
+        tx = PgTx(conn, self.clock, begin=begin, retry=retry)
         xid = None
         try:
             results = self._run_jobs(tx, jobs)

@@ -19,11 +19,14 @@ Invariants:
 * an operation that has begun is never abandoned (as in `_sqlite`): a caller cancelled while
   its operation is queued sees it withdrawn unrun; once taken, the caller waits for its
   outcome, so a committed write is always reported;
-* one session's operations all go to one lane (by a hash of the session id; an operation
-  whose first argument is not a session id goes to the first lane), so they run on one
-  connection in the order they were queued, and two lanes' batches never wait for each
-  other's session locks; a deadlock that still arises between lanes (an operation not
+* one session's operations all go to one lane (by a hash of the session id), so they run
+  on one connection in the order they were queued, and two lanes' batches never wait for
+  each other's session locks; a deadlock that still arises between lanes (an operation not
   keyed by session, another process) is retried inside the engine (40P01);
+* an operation whose first argument is not a session id (a recovery pass's scan and
+  takeover, a heartbeat) has no session's order to keep: it goes to the least busy lane
+  and runs first in its hand-off, in a transaction of its own (alone, one autocommit call
+  if it can be), not behind or inside a batch of drains' writes;
 * a notification our own writer sent is not a change worth a look, unless the runtime says
   it still needs it (`own`).
 """
@@ -156,9 +159,14 @@ def _keyed_by_session(op: Callable[..., Any]) -> bool:
     return code is not None and code.co_argcount >= 2 and code.co_varnames[1] == "session_id"
 
 
+def _on_a_session(job: Job) -> bool:
+    return bool(job.args) and _keyed_by_session(job.op) and isinstance(job.args[0], str)
+
+
 def lane_of(op: Callable[..., Any], args: tuple[Any, ...], lanes: int) -> int:
     """The writer lane an operation runs on: a stable hash of its session id, so one
-    session's operations stay on one connection, in order; 0 when it names no session."""
+    session's operations stay on one connection, in order; 0 when it names no session
+    (`PgThreadExecutor` puts such an operation on its least busy lane instead)."""
     if lanes == 1 or not args or not _keyed_by_session(op) or not isinstance(args[0], str):
         return 0
     return zlib.crc32(args[0].encode()) % lanes
@@ -229,16 +237,31 @@ class _Lane:
         """The worker thread: each batch the trio side hands over, until told to stop."""
         while (batch := self._inbox.get()) is not None:
             try:
-                by_mode: dict[str, list[Job]] = {"write": [], "nowait": [], "read": []}
+                by_mode: dict[str, list[Job]] = {
+                    "write": [],
+                    "nowait": [],
+                    "read": [],
+                    "alone": [],
+                }
                 for queued in batch:
-                    by_mode[queued.mode].append(queued.job)
-                self.engine.run_jobs(by_mode["write"], by_mode["nowait"], by_mode["read"])
+                    mode = queued.mode
+                    if mode == "write" and not _on_a_session(queued.job):
+                        mode = "alone"
+                    by_mode[mode].append(queued.job)
+                self.engine.run_jobs(
+                    by_mode["write"], by_mode["nowait"], by_mode["read"], by_mode["alone"]
+                )
             except BaseException as exc:  # the engine never raises for a job: report it
                 for queued in batch:
                     if queued.job.error is None:
                         queued.job.error = StoreError(f"the store's worker failed: {exc!r}")
             assert self._token is not None
             self._token.run_sync_soon(self._done, batch)
+
+    @property
+    def load(self) -> int:
+        """Operations queued or in flight here."""
+        return len(self._queue) + (0 if self._in_flight is None else len(self._in_flight))
 
     def _done(self, batch: list[Queued]) -> None:
         """On the trio thread: the batch's callers go on; what queued meanwhile is next."""
@@ -281,7 +304,7 @@ class PgThreadExecutor:
 
     @property
     def engine(self) -> PgEngine:
-        """The first lane's engine (the one for operations on no session)."""
+        """The first lane's engine (where the liveness token's connection goes)."""
         return self.engines[0]
 
     def statistics(self) -> StoreStatistics:
@@ -322,7 +345,12 @@ class PgThreadExecutor:
         # Cancellation first: a caller cancelled while the runtime closes sees Cancelled,
         # not an error about the executor it was cancelled out of.
         await trio.lowlevel.checkpoint_if_cancelled()
-        lane = self._lanes[lane_of(job.op, job.args, len(self._lanes))]
+        lanes = self._lanes
+        if len(lanes) > 1 and not _on_a_session(job):
+            # No session's order to keep: the least busy lane (the first idle one).
+            lane = min(lanes, key=lambda each: each.load)
+        else:
+            lane = lanes[lane_of(job.op, job.args, len(lanes))]
         return await lane.submit(job, mode)
 
 

@@ -65,6 +65,9 @@ class SQLiteTx:
         self._database = database  # its file, when the caller knows it (`DatabaseFile`)
         self.notified: Touched = {}
 
+    # Every operation runs in a write transaction: never one call in autocommit.
+    autocommit = False
+
     @property
     def dialect(self) -> BackendName:
         return "sqlite"

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import attrs
 
 from .. import _decisions
-from .._backend import Tx
+from .._backend import NEEDS_TRANSACTION, Tx, autocommit_when_alone
 from .._decisions import ClaimRow, RecoveryDecision, RecoveryFacts
 from .._errors import LeaseLost, MalformedRecord
 from .._liveness import _HELD as _TOKEN_HELD
@@ -36,6 +36,7 @@ from .recovery import (
 from .recovery_scan import Candidate
 
 
+@autocommit_when_alone
 def apply_recovery_batch(
     tx: Tx,
     owner_id: str,
@@ -51,7 +52,9 @@ def apply_recovery_batch(
     statement, and a claim whose execution wrote no assistant message is taken over (or
     skipped) with the same fences, row by row in SQL but with no savepoint, since its first
     write is its fence. Every other candidate goes through `apply_recovery` in a savepoint.
-    PostgreSQL: the set-wise part is one call (`_pg_apply_recovery_batch`).
+    PostgreSQL: the set-wise part is one call (`_pg_apply_recovery_batch`); alone, that
+    call is the whole operation in autocommit (one round trip), unless a candidate needs
+    the row-by-row path: then the server refuses it whole and it runs in a transaction.
     """
     if tx.dialect == "postgres":
         return _pg_apply_recovery_batch(tx, owner_id, items, lease_ms, max_resumes, gone_owners)
@@ -247,7 +250,13 @@ def _pg_apply_recovery_batch(
     whose execution wrote no assistant message. It writes nothing for the rest - a
     transcript to close or decode; a cancelled, superseded, paused, exhausted or vanished
     claim - which then go through `apply_recovery` one by one in savepoints, under the
-    locks the call took."""
+    locks the call took.
+
+    In autocommit (`tx.autocommit`: the operation ran alone) the call is the whole
+    operation: it refuses the batch whole (`NEEDS_TRANSACTION`, nothing written) if a
+    claim needs the row-by-row path, and the engine runs it again in a transaction. A
+    retry after a lost reply reads back the claims the lost call took over, by their new
+    execution ids."""
     if not items:
         return []
     rows = tx.call(
@@ -259,7 +268,7 @@ def _pg_apply_recovery_batch(
         list(gone_owners),
         lease_ms,
         max_resumes,
-        idempotent=False,
+        tx.autocommit,
     )
     results: dict[int, Recovered] = {}
     row_by_row: list[int] = []
@@ -294,16 +303,30 @@ def _pg_apply_recovery_batch(
 # lease is live again; our recovery row deleted), `fence_lost` (nothing written: another
 # recovery owner's row, the recovery fence matched nothing, or the claim row was locked
 # by another transaction and skipped), `row_by_row` (nothing written: the caller's row path
-# decides). The steps are `apply_recovery`'s for a claim with no assistant message: the
-# session locks in the functions' order, the clock after them, the gone owners' tokens
-# re-checked, the decision in `_decisions.decide_recovery`'s order, the takeover under the
-# recovery fence (`RECOVERY_FENCE`), a resume counted unless handed back, our recovery rows
-# deleted. It signals nothing: a resumed claim's own runtime drains it.
+# decides). `p_whole` (the call is the whole operation, in autocommit): a `row_by_row`
+# claim raises `NEEDS_TRANSACTION` instead, which undoes the whole call. `p_retry` (a
+# retry after a lost reply): a claim already ours under its new execution id was taken
+# over by the lost call (`resumed`, its attempt the session's resume count), and a live
+# claim with no recovery row left but ours was let go by it (`skipped_live`). The steps
+# are `apply_recovery`'s for a claim with no assistant message: the session locks in the
+# functions' order, the clock after them, the gone owners' tokens re-checked, the decision
+# in `_decisions.decide_recovery`'s order, the takeover under the recovery fence
+# (`RECOVERY_FENCE`), a resume counted unless handed back, our recovery rows deleted. It
+# signals nothing: a resumed claim's own runtime drains it.
 PG_FUNCTIONS = (
     r"""
+CREATE OR REPLACE FUNCTION ts_needs_transaction() RETURNS text
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    RAISE EXCEPTION 'a claim of this batch needs the row-by-row path'
+        USING ERRCODE = '"""
+    + NEEDS_TRANSACTION
+    + r"""';
+END $$;
+
 CREATE OR REPLACE FUNCTION ts_recover(p_owner text, p_execs text[], p_news text[],
-    p_sessions text[], p_gone text[], p_lease bigint, p_max_resumes bigint, p_now bigint,
-    p_retry boolean)
+    p_sessions text[], p_gone text[], p_lease bigint, p_max_resumes bigint, p_whole boolean,
+    p_now bigint, p_retry boolean)
 RETURNS TABLE(ord bigint, verdict text, attempt bigint)
 LANGUAGE plpgsql VOLATILE
 @GENERIC_PLAN@ AS $$
@@ -321,6 +344,13 @@ BEGIN
     WITH job AS (
         SELECT u.e, u.new, u.s, u.n, count(*) OVER (PARTITION BY u.e) AS copies
         FROM unnest(p_execs, p_news, p_sessions) WITH ORDINALITY AS u(e, new, s, n)),
+    -- A retry: the claims the lost call took over are ours under their new ids.
+    landed AS MATERIALIZED (
+        SELECT j.n, s.wake_attempts FROM job j
+        JOIN session_execution c ON c.id = j.new AND c.session_id = j.s
+            AND c.owner_id = p_owner
+        JOIN session s ON s.id = j.s
+        WHERE p_retry),
     -- The claims decided here: present, of the session named, once in the batch, and no
     -- assistant message of theirs (nothing to close or decode). NULL: the row path decides
     -- (cancelled, superseded, paused, budget exhausted).
@@ -335,7 +365,10 @@ BEGIN
                  ELSE 'resume' END AS decision,
             EXISTS (SELECT 1 FROM session_recovery r WHERE r.execution_id = j.e
                     AND r.owner_id = p_owner AND r.expires_at > v_now
-                    AND r.recovery_error IS NULL) AS leased
+                    AND r.recovery_error IS NULL) AS leased,
+            -- A retry's `skipped_live` read-back: no recovery row but ours is left.
+            p_retry AND NOT EXISTS (SELECT 1 FROM session_recovery r
+                    WHERE r.execution_id = j.e AND r.owner_id <> p_owner) AS let_go
         FROM job j
         JOIN session_execution c ON c.id = j.e AND c.session_id = j.s
         JOIN session s ON s.id = c.session_id
@@ -370,12 +403,15 @@ BEGIN
             AND r.execution_id = ANY(ARRAY(SELECT t.e FROM taken t UNION ALL
                 SELECT f.e FROM fact f WHERE f.decision = 'skipped_live' AND f.leased)))
     SELECT j.n,
-        CASE WHEN t.e IS NOT NULL THEN 'resumed'
-             WHEN f.decision = 'skipped_live' AND f.leased THEN 'skipped_live'
+        CASE WHEN l.n IS NOT NULL OR t.e IS NOT NULL THEN 'resumed'
+             WHEN f.decision = 'skipped_live' AND (f.leased OR f.let_go) THEN 'skipped_live'
              WHEN f.decision IS NOT NULL THEN 'fence_lost'
+             WHEN p_whole THEN ts_needs_transaction()
              ELSE 'row_by_row' END,
-        t.wake_attempts + CASE WHEN t.handed_back = 0 THEN 1 ELSE 0 END
-    FROM job j LEFT JOIN fact f ON f.n = j.n LEFT JOIN taken t ON t.n = j.n
+        COALESCE(l.wake_attempts,
+                 t.wake_attempts + CASE WHEN t.handed_back = 0 THEN 1 ELSE 0 END)
+    FROM job j LEFT JOIN landed l ON l.n = j.n LEFT JOIN fact f ON f.n = j.n
+        LEFT JOIN taken t ON t.n = j.n
     ORDER BY j.n;
 END $$;
 """
