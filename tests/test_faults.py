@@ -150,7 +150,8 @@ class Faults:
 
 
 class FaultyConnection:
-    """A connection proxy: the store only uses `execute` and `in_transaction`."""
+    """A connection proxy: the store only uses `execute`, `executemany` (one statement of
+    the seam, however many rows) and `in_transaction`."""
 
     def __init__(self, conn: sqlite3.Connection, faults: Faults) -> None:
         self._conn = conn
@@ -159,6 +160,12 @@ class FaultyConnection:
     def execute(self, sql: str, params: Any = ()) -> sqlite3.Cursor:
         self._faults.before_statement(sql)
         cursor = self._conn.execute(sql, params)
+        self._faults.after_statement(sql)
+        return cursor
+
+    def executemany(self, sql: str, rows: Any) -> sqlite3.Cursor:
+        self._faults.before_statement(sql)
+        cursor = self._conn.executemany(sql, rows)
         self._faults.after_statement(sql)
         return cursor
 
@@ -489,6 +496,9 @@ class StuckConnection:
                 self._store.stuck.set()
                 self._store.release.wait(60)
         return self._conn.execute(sql, params)
+
+    def executemany(self, sql: str, rows: Any) -> sqlite3.Cursor:
+        return self._conn.executemany(sql, rows)
 
     @property
     def in_transaction(self) -> bool:
@@ -971,6 +981,9 @@ class AutoRollbackConnection:
             raise sqlite3.OperationalError(plan.message)
         return self._conn.execute(sql, params)
 
+    def executemany(self, sql: str, rows: Any) -> sqlite3.Cursor:
+        return self._conn.executemany(sql, rows)
+
     @property
     def in_transaction(self) -> bool:
         return self._conn.in_transaction
@@ -1077,6 +1090,9 @@ class FailingCheckpointConnection:
                 raise sqlite3.OperationalError("disk I/O error")
             self._plan.succeeded += 1
         return self._conn.execute(sql, params)
+
+    def executemany(self, sql: str, rows: Any) -> sqlite3.Cursor:
+        return self._conn.executemany(sql, rows)
 
     @property
     def in_transaction(self) -> bool:

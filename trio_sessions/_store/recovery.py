@@ -4,9 +4,9 @@ or unclaimed doorbell whose recovery lease this owner took (the scan and the lea
 
 Invariants kept here:
 * recovery replaces a claim only fenced on the exact old execution id still being expired
-  (`RECOVERY_FENCE`): one takeover statement (`_replace_claim`), used by the row-by-row
-  and the set-wise path alike (PostgreSQL's set-wise path, `ts_recover`, spells the same
-  fence in its takeover, on the claim rows no other transaction holds locked); a claim of
+  (`RECOVERY_FENCE`): the row-by-row takeover (`_replace_claim`); SQLite's set-wise path
+  (`recovery_batch._take_over_plain`) and PostgreSQL's (`ts_recover`, on the claim rows no
+  other transaction holds locked) spell the same fence in their takeovers; a claim of
   a gone owner (DESIGN §4 "Owner liveness") counts as expired only if its token is still
   free when the applying transaction re-checks it;
 * it acts only on a row whose recovery lease it holds (live, unquarantined, ours); a
