@@ -273,3 +273,20 @@ def test_plain_claims_the_takeover_refuses_get_their_own_decision(db: Db) -> Non
     assert db.rows("SELECT execution_id, owner_id FROM session_recovery") == [
         ("exec-theirs", "other")
     ]
+
+
+def test_a_claim_named_twice_in_a_batch_is_taken_over_once(db: Db) -> None:
+    """A candidate twice in one batch: the first is taken over and counted once; the second
+    finds its claim replaced (gone, its fence lost) and writes nothing."""
+    expired_claim(db, "s", NOW - 1000)
+    candidate = _store.Candidate("s", "exec-s")
+    assert db.run(_store.take_recovery_leases, ME, LEASE, [candidate]) == [candidate]
+    items = [(candidate, "new-1"), (candidate, "new-2")]
+    results = db.run(_store.apply_recovery_batch, ME, items, LEASE, 10, [])
+    assert [(r.decision, r.fence_lost, r.new_execution_id, r.attempt) for r in results] == [
+        (RecoveryDecision.RESUME, False, "new-1", 1),
+        (RecoveryDecision.GONE, True, None, 0),
+    ]
+    assert db.rows("SELECT id, owner_id FROM session_execution") == [("new-1", ME)]
+    assert db.rows("SELECT wake_attempts FROM session") == [(1,)]
+    assert db.rows("SELECT * FROM session_recovery") == []
