@@ -113,7 +113,7 @@ _TAKE_OVER_PLAIN = (
     " AND NOT EXISTS (SELECT 1 FROM session_message m WHERE m.execution_id = :execution"
     "   AND m.role = 'assistant')"
     " AND NOT "
-    + _superseded(session=":session", execution=":execution", anchor="anchor_seq")
+    + _superseded(session=":session", execution=":execution", anchor="session_execution.anchor_seq")
     + " AND EXISTS (SELECT 1 FROM session s WHERE s.id = :session AND s.time_paused IS NULL"
     "   AND (session_execution.handed_back = 1 OR s.wake_attempts < :max_resumes))"
     " AND EXISTS (SELECT 1 FROM session_recovery r WHERE r.execution_id = :execution"
