@@ -133,12 +133,12 @@ def _take_over_plain(
     resume (unless handed back) and delete our recovery lease. Returns {position in
     `items`: the session's resume count now} for the claims taken over; nothing is written
     for the others."""
-    plain = [
+    claims = [
         (index, candidate.session_id, candidate.execution_id, new)
         for index, (candidate, new) in enumerate(items)
         if candidate.execution_id is not None
     ]
-    if not plain:
+    if not claims:
         return {}
     constants = {
         "me": owner_id,
@@ -151,23 +151,23 @@ def _take_over_plain(
         _TAKE_OVER_PLAIN,
         [
             {**constants, "session": session_id, "execution": old, "new": new}
-            for _, session_id, old, new in plain
+            for _, session_id, old, new in claims
         ],
     ).rowcount
-    if changed != len(plain):
+    if changed != len(claims):
         # Some were refused (the rowcount is the batch's): the new ids present were taken.
         taken: set[str] = set()
-        for chunk in _chunks([new for *_, new in plain]):
+        for chunk in _chunks([new for *_, new in claims]):
             found = tx.execute(
                 f"SELECT id FROM session_execution WHERE id IN {_in_list(chunk)}", chunk
             ).fetchall()
             taken.update(str(row[0]) for row in found)
-        plain = [item for item in plain if item[3] in taken]
-    if not plain:
+        claims = [claim for claim in claims if claim[3] in taken]
+    if not claims:
         return {}
-    attempts = _count_plain_resumes(tx, [session_id for _, session_id, _, _ in plain])
-    _delete_recovery_rows(tx, owner_id, [old for _, _, old, _ in plain])
-    return {index: attempts[session_id] for index, session_id, _, _ in plain}
+    attempts = _count_plain_resumes(tx, [session_id for _, session_id, _, _ in claims])
+    _delete_recovery_rows(tx, owner_id, [old for _, _, old, _ in claims])
+    return {index: attempts[session_id] for index, session_id, _, _ in claims}
 
 
 def _count_plain_resumes(tx: Tx, session_ids: Sequence[str]) -> dict[str, int]:
