@@ -55,7 +55,7 @@ class LockStats:
 
 
 class CountingConnection:
-    """The store uses only `execute` and `in_transaction`."""
+    """The store uses only `execute`, `executemany` and `in_transaction`."""
 
     def __init__(self, conn: sqlite3.Connection, stats: LockStats) -> None:
         self._conn = conn
@@ -84,6 +84,10 @@ class CountingConnection:
                     self._stats.max_wait_ms = max(self._stats.max_wait_ms, waited)
                     if waited > WAIT_MS:
                         self._stats.waits += 1
+
+    def executemany(self, sql: str, rows: Any) -> sqlite3.Cursor:
+        # Only inside a write transaction, which already holds the lock: no wait to count.
+        return self._conn.executemany(sql, rows)
 
     @property
     def in_transaction(self) -> bool:

@@ -150,7 +150,8 @@ class Faults:
 
 
 class FaultyConnection:
-    """A connection proxy: the store only uses `execute` and `in_transaction`."""
+    """A connection proxy: the store only uses `execute`, `executemany` (one statement of
+    the seam, however many rows) and `in_transaction`."""
 
     def __init__(self, conn: sqlite3.Connection, faults: Faults) -> None:
         self._conn = conn
@@ -159,6 +160,12 @@ class FaultyConnection:
     def execute(self, sql: str, params: Any = ()) -> sqlite3.Cursor:
         self._faults.before_statement(sql)
         cursor = self._conn.execute(sql, params)
+        self._faults.after_statement(sql)
+        return cursor
+
+    def executemany(self, sql: str, rows: Any) -> sqlite3.Cursor:
+        self._faults.before_statement(sql)
+        cursor = self._conn.executemany(sql, rows)
         self._faults.after_statement(sql)
         return cursor
 
@@ -490,6 +497,9 @@ class StuckConnection:
                 self._store.release.wait(60)
         return self._conn.execute(sql, params)
 
+    def executemany(self, sql: str, rows: Any) -> sqlite3.Cursor:
+        return self._conn.executemany(sql, rows)
+
     @property
     def in_transaction(self) -> bool:
         return self._conn.in_transaction
@@ -773,6 +783,57 @@ async def test_recovery_fault_is_atomic_and_the_next_pass_recovers(
 
 
 @pytest.mark.parametrize("message", MESSAGES)
+async def test_plain_takeover_fault_is_atomic_and_the_next_pass_recovers(
+    tmp_path: Path, clock: Clock, autojump_clock: MockClock, message: str
+) -> None:
+    """A claim whose drain wrote no assistant message is taken over set-wise (one prepared
+    statement per claim): a fault at any statement of that transaction changes nothing, and
+    the next pass resumes the claim, counted once."""
+
+    async def scenario(path: Path, faults: Faults, k: int) -> None:
+        entered = trio.Event()
+
+        async def hold(ctx: DrainContext) -> None:
+            entered.set()  # crashes before taking its input or writing any message
+            await trio.sleep_forever()
+
+        async with trio_sessions.open_runtime(
+            testing.inline_store(path), hold, clock=clock, lease=LEASE
+        ) as doomed:
+            await doomed.submit("s", {"n": 1}, input_id="i1")
+            await entered.wait()
+            testing.crash(doomed)
+        dead_owner = doomed.owner_id
+        worker = Worker()
+        async with open_faulty(path, worker, clock, faults) as runtime:
+            await trio.sleep(LEASE + 0.01)
+            faults.arm(k, message, transaction=2)  # the scan and its leases come first
+            error = None
+            try:
+                report = await runtime.recover_once()
+            except StoreError as exc:
+                error = exc
+            if k == 2:  # the transaction's first statement: the set-wise takeover
+                assert faults.fired[0].startswith("UPDATE session_execution SET id = :new")
+            if expect(faults, error):
+                assert rows(path, "SELECT owner_id, phase FROM session_execution") == [
+                    (dead_owner, "running")
+                ]
+                assert rows(path, "SELECT wake_attempts FROM session") == [(0,)]
+                report = await runtime.recover_once()
+            assert report.resumed == 1
+            await runtime.wait_idle("s")
+            await run_other(runtime, path)
+        assert [c for c in worker.calls if c[0] == "s"] == [("s", True)]
+        assert taken_inputs(path, "s") == ["i1"]
+        assert rows(path, "SELECT * FROM session_execution") == []
+        assert rows(path, "SELECT * FROM session_recovery") == []
+        assert_consistent(path)
+
+    assert await sweep(tmp_path, message, scenario) >= 3
+
+
+@pytest.mark.parametrize("message", MESSAGES)
 async def test_recovery_loop_survives_failing_passes(
     tmp_path: Path, clock: Clock, autojump_clock: MockClock, message: str
 ) -> None:
@@ -971,6 +1032,9 @@ class AutoRollbackConnection:
             raise sqlite3.OperationalError(plan.message)
         return self._conn.execute(sql, params)
 
+    def executemany(self, sql: str, rows: Any) -> sqlite3.Cursor:
+        return self._conn.executemany(sql, rows)
+
     @property
     def in_transaction(self) -> bool:
         return self._conn.in_transaction
@@ -1077,6 +1141,9 @@ class FailingCheckpointConnection:
                 raise sqlite3.OperationalError("disk I/O error")
             self._plan.succeeded += 1
         return self._conn.execute(sql, params)
+
+    def executemany(self, sql: str, rows: Any) -> sqlite3.Cursor:
+        return self._conn.executemany(sql, rows)
 
     @property
     def in_transaction(self) -> bool:

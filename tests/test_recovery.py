@@ -106,6 +106,9 @@ async def test_open_fails_when_first_pass_hits_store_error(
                 raise sqlite3.OperationalError("disk I/O error")
             return self.conn.execute(sql, params)
 
+        def executemany(self, sql: str, rows: Any) -> sqlite3.Cursor:
+            return self.conn.executemany(sql, rows)
+
     with pytest.raises(StoreError, match="disk I/O error"):
         async with runtime(Store(db_path, inline=True, wrap_connection=Broken), Recorder(), clock):
             pytest.fail("the runtime must not open")
@@ -551,6 +554,11 @@ async def test_recovery_takes_plain_claims_over_set_wise(
         def execute(self, sql: str, params: Any = ()) -> sqlite3.Cursor:
             statements.append(sql)
             return self._conn.execute(sql, params)
+
+        def executemany(self, sql: str, rows: Any) -> sqlite3.Cursor:
+            rows = list(rows)
+            statements.extend([sql] * len(rows))  # one run of the statement per row
+            return self._conn.executemany(sql, rows)
 
         def __getattr__(self, name: str) -> Any:
             return getattr(self._conn, name)

@@ -716,6 +716,9 @@ class _TriggerOnStatement:
                     trigger.nursery.start_soon(trigger.action)
                 return cursor
 
+            def executemany(self, sql: str, rows: Any) -> sqlite3.Cursor:
+                return conn.executemany(sql, rows)
+
         return Proxy()
 
 

@@ -89,6 +89,11 @@ class Tx(Protocol):
 
     def one(self, sql: str, params: Params = ()) -> Any: ...
 
+    def executemany(self, sql: str, rows: Sequence[Params]) -> Cursor:
+        """SQLite only: one prepared statement run once per row of parameters (the cursor's
+        rowcount is the rows changed in all); PostgreSQL batches in server-side functions."""
+        ...
+
     def lock_session(self, session_id: str) -> None:
         """The per-session serialisation point, held to COMMIT: every operation that reads
         and then writes a session's rows takes it first. A no-op on SQLite, whose write

@@ -16,9 +16,9 @@ import trio
 from helpers import Raw, now_ms, runtime
 from trio.testing import MockClock
 
-from trio_sessions import DrainContext, Store, _store
+from trio_sessions import DrainContext, Store, _codec, _store, _transcript
 from trio_sessions._decisions import RecoveryDecision
-from trio_sessions._store.recovery_batch import _replace_claims
+from trio_sessions._store.recovery_batch import _take_over_plain
 from trio_sessions._store.recovery_scan import scan_and_lease
 
 from .common import LEASE, ME, NOW, Db, expired_claim, put_recovery
@@ -51,13 +51,15 @@ def statements(db: Db, op: Callable[..., Any], *args: Any) -> tuple[Any, list[st
 @pytest.mark.parametrize("n", [10, 100])
 def test_scan_and_lease_costs_statements_per_pass_not_per_claim(db: Db, n: int) -> None:
     """SQLite: the scan of `n` expired claims and their recovery leases, in one transaction:
-    the same four statements for 10 claims as for 100 (expired claims, doorbells, the
-    leases' upsert, the next due input), and a lease on each claim found."""
+    the same three statements for 10 claims as for 100 (the expired claims leased in the
+    statement that finds them, doorbells, the next due input), and a lease on each claim
+    found, oldest expiry first."""
     for index in range(n):
         expired_claim(db, f"s{index:03}", NOW - 1000 - index)
     (candidates, free, leased, due), seen = statements(db, scan_and_lease, ME, n + 1, [], [], LEASE)
     assert len(candidates) == n and leased == candidates and free == set() and due is None
-    assert len(seen) == 4, seen
+    assert [c.session_id for c in candidates] == [f"s{i:03}" for i in reversed(range(n))]
+    assert len(seen) == 3, seen
     assert db.rows("SELECT COUNT(*) FROM session_recovery WHERE owner_id = ?", (ME,)) == [(n,)]
 
 
@@ -84,6 +86,28 @@ def test_scan_and_lease_keeps_the_lease_rules(db: Db) -> None:
         ("exec-stale", ME, NOW + LEASE),
         ("exec-theirs", "other", NOW + 5000),
     ]
+
+
+@pytest.mark.sqlite_only
+@pytest.mark.parametrize("n", [10, 100])
+def test_a_batch_takes_plain_claims_over_with_one_prepared_statement(db: Db, n: int) -> None:
+    """SQLite: `n` leased expired claims with no assistant message are taken over by one
+    prepared takeover statement run once per claim, and a fixed number of other statements
+    per batch - no SELECT at all (the resume conditions are in the takeover's WHERE)."""
+    for index in range(n):
+        expired_claim(db, f"s{index:03}", NOW - 1000 - index)
+    candidates, _, leased, _ = db.run(scan_and_lease, ME, n, [], [], LEASE)
+    assert leased == candidates and len(candidates) == n
+    items = [(candidate, f"new-{candidate.session_id}") for candidate in candidates]
+    results, seen = statements(db, _store.apply_recovery_batch, ME, items, LEASE, 10, [])
+    assert [(r.decision, r.new_execution_id, r.attempt) for r in results] == [
+        (RecoveryDecision.RESUME, new, 1) for _, new in items
+    ]
+    takeovers = [sql for sql in seen if sql.startswith("UPDATE session_execution SET id")]
+    others = [sql for sql in seen if not sql.startswith("UPDATE session_execution SET id")]
+    assert len(takeovers) == n
+    assert not [sql for sql in seen if sql.lstrip().upper().startswith("SELECT")], seen
+    assert len(others) == 2, others  # the resumes counted, our recovery leases deleted
 
 
 def test_a_batch_applies_each_claims_own_outcome(db: Db) -> None:
@@ -161,23 +185,108 @@ async def test_a_recovery_pass_writes_in_two_transactions(
     assert raw.rows("SELECT * FROM session_execution") == []
 
 
+@pytest.mark.sqlite_only
 def test_a_batch_takeover_reports_exactly_the_claims_it_replaced(db: Db) -> None:
-    """The batch takeover (one statement for the batch on SQLite) returns the old ids whose
-    recovery fence matched - not the whole batch when one claim's lease is live again or
-    its claim vanished - and replaces only those."""
-    for name in ("a", "b", "live", "c"):
+    """SQLite: the batch takeover (one prepared statement run per claim) returns the
+    positions whose takeover matched - not the whole batch when one claim's lease is live
+    again or its claim vanished - and replaces, counts and lets go of only those."""
+    for name in ("a", "b", "live", "c", "vanished"):
         expired_claim(db, name, NOW - 1000)
+    candidates = [_store.Candidate(name, f"exec-{name}") for name in ("a", "b", "live", "c")]
+    assert db.run(_store.take_recovery_leases, ME, LEASE, candidates) == candidates
     db.write("UPDATE session_execution SET expires_at = ? WHERE id = 'exec-live'", (NOW + 5000,))
-    claims = [(f"exec-{name}", f"new-{name}", None, None) for name in ("a", "b", "live", "c")]
-    claims.append(("exec-vanished", "new-vanished", None, None))
-    replaced = db.run(_replace_claims, claims, ME, LEASE)
-    assert replaced == {"exec-a", "exec-b", "exec-c"}
+    db.write("DELETE FROM session_execution WHERE id = 'exec-vanished'")
+    items = [(candidate, f"new-{candidate.session_id}") for candidate in candidates]
+    items.append((_store.Candidate("vanished", "exec-vanished"), "new-vanished"))
+    assert db.run(_take_over_plain, ME, items, LEASE, 10, frozenset()) == {0: 1, 1: 1, 3: 1}
     assert db.rows("SELECT id, owner_id FROM session_execution ORDER BY id") == [
         ("exec-live", "dead"),
         ("new-a", ME),
         ("new-b", ME),
         ("new-c", ME),
     ]
-    everything = [(f"new-{name}", f"newer-{name}", None, None) for name in ("a", "b")]
-    db.write("UPDATE session_execution SET expires_at = ?", (NOW - 1,))
-    assert db.run(_replace_claims, everything, ME, LEASE) == {"new-a", "new-b"}
+    assert db.rows("SELECT id, wake_attempts FROM session ORDER BY id") == [
+        ("a", 1),
+        ("b", 1),
+        ("c", 1),
+        ("live", 0),
+        ("vanished", 0),
+    ]
+    assert db.rows("SELECT execution_id FROM session_recovery") == [("exec-live",)]
+
+
+def test_plain_claims_the_takeover_refuses_get_their_own_decision(db: Db) -> None:
+    """Claims with no assistant message that must not resume - paused, budget spent,
+    cancelling, superseded, another owner's recovery lease - are refused by the batch
+    takeover and decided row by row, each with its own outcome, in the same batch as a
+    plain resume; a handed-back claim with its budget spent resumes uncounted."""
+    names = ("plain", "paused", "spent", "back", "cancelling", "superseded", "theirs")
+    for name in names:
+        if name == "back":
+            db.claim("back", owner="dead", execution="exec-back")
+            assert db.run(_store.expire_claims, "dead", ["exec-back"]) == 1  # handed back
+        else:
+            expired_claim(db, name, NOW - 1000)
+    db.write("UPDATE session SET wake_attempts = 3 WHERE id IN ('spent', 'back')")
+    db.write("UPDATE session SET time_paused = ? WHERE id = 'paused'", (NOW - 10,))
+    db.write("UPDATE session_execution SET phase = 'cancelling' WHERE id = 'exec-cancelling'")
+    db.write(
+        "INSERT INTO session_message(id, session_id, execution_id, role, seq, data,"
+        " time_created, time_updated) VALUES ('m-other', 'superseded', 'exec-other',"
+        " 'assistant', 1, ?, 0, 0)",
+        (_codec.encode_assistant(_transcript.EMPTY),),
+    )
+    candidates = [_store.Candidate(name, f"exec-{name}") for name in names]
+    assert db.run(_store.take_recovery_leases, ME, LEASE, candidates) == candidates
+    db.write("UPDATE session_recovery SET owner_id = 'other' WHERE execution_id = 'exec-theirs'")
+    items = [(candidate, f"new-{candidate.session_id}") for candidate in candidates]
+    results = db.run(_store.apply_recovery_batch, ME, items, LEASE, 3, [])
+    outcomes = {
+        name: (r.decision, r.fence_lost, r.new_execution_id, r.attempt)
+        for name, r in zip(names, results, strict=True)
+    }
+    assert outcomes == {
+        "plain": (RecoveryDecision.RESUME, False, "new-plain", 1),
+        "paused": (RecoveryDecision.FINISH_PAUSED, False, None, 0),
+        "spent": (RecoveryDecision.EXHAUSTED, False, None, 0),
+        "back": (RecoveryDecision.RESUME, False, "new-back", 3),
+        "cancelling": (RecoveryDecision.FINISH_CANCELLED, False, None, 0),
+        "superseded": (RecoveryDecision.DROP_SUPERSEDED, False, None, 0),
+        "theirs": (RecoveryDecision.GONE, True, None, 0),
+    }
+    assert db.rows(
+        "SELECT session_id, id, owner_id, handed_back FROM session_execution ORDER BY session_id"
+    ) == [
+        ("back", "new-back", ME, 0),
+        ("plain", "new-plain", ME, 0),
+        ("theirs", "exec-theirs", "dead", 0),
+    ]
+    assert db.rows("SELECT id, wake_attempts FROM session ORDER BY id") == [
+        ("back", 3),
+        ("cancelling", 0),
+        ("paused", 0),
+        ("plain", 1),
+        ("spent", 0),
+        ("superseded", 0),
+        ("theirs", 0),
+    ]
+    assert db.rows("SELECT execution_id, owner_id FROM session_recovery") == [
+        ("exec-theirs", "other")
+    ]
+
+
+def test_a_claim_named_twice_in_a_batch_is_taken_over_once(db: Db) -> None:
+    """A candidate twice in one batch: the first is taken over and counted once; the second
+    finds its claim replaced (gone, its fence lost) and writes nothing."""
+    expired_claim(db, "s", NOW - 1000)
+    candidate = _store.Candidate("s", "exec-s")
+    assert db.run(_store.take_recovery_leases, ME, LEASE, [candidate]) == [candidate]
+    items = [(candidate, "new-1"), (candidate, "new-2")]
+    results = db.run(_store.apply_recovery_batch, ME, items, LEASE, 10, [])
+    assert [(r.decision, r.fence_lost, r.new_execution_id, r.attempt) for r in results] == [
+        (RecoveryDecision.RESUME, False, "new-1", 1),
+        (RecoveryDecision.GONE, True, None, 0),
+    ]
+    assert db.rows("SELECT id, owner_id FROM session_execution") == [("new-1", ME)]
+    assert db.rows("SELECT wake_attempts FROM session") == [(1,)]
+    assert db.rows("SELECT * FROM session_recovery") == []

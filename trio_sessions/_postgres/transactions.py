@@ -197,6 +197,9 @@ class PgTx:
     def one(self, statement: str, params: Params = ()) -> Any:
         return self.execute(statement, params).fetchone()
 
+    def executemany(self, statement: str, rows: Sequence[Params]) -> psycopg.Cursor[Any]:
+        raise NotImplementedError("PostgreSQL batches in server-side functions")
+
     def call(self, function: str, *args: Any, idempotent: bool = True) -> list[Any]:
         if self.autocommit and not idempotent:
             raise NeedsTransaction(f"{function} cannot be read back after a lost reply")

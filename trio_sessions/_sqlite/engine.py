@@ -81,6 +81,9 @@ class SQLiteTx:
     def one(self, sql: str, params: Params = ()) -> Any:
         return self.conn.execute(sql, params).fetchone()
 
+    def executemany(self, sql: str, rows: Sequence[Params]) -> sqlite3.Cursor:
+        return self.conn.executemany(sql, rows)
+
     def lock_session(self, session_id: str) -> None:
         # BEGIN IMMEDIATE holds the only write lock: every session is already serialised.
         pass

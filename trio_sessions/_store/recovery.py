@@ -4,9 +4,9 @@ or unclaimed doorbell whose recovery lease this owner took (the scan and the lea
 
 Invariants kept here:
 * recovery replaces a claim only fenced on the exact old execution id still being expired
-  (`RECOVERY_FENCE`): one takeover statement (`_replace_claim`), used by the row-by-row
-  and the set-wise path alike (PostgreSQL's set-wise path, `ts_recover`, spells the same
-  fence in its takeover, on the claim rows no other transaction holds locked); a claim of
+  (`RECOVERY_FENCE`): the row-by-row takeover (`_replace_claim`); SQLite's set-wise path
+  (`recovery_batch._take_over_plain`) and PostgreSQL's (`ts_recover`, on the claim rows no
+  other transaction holds locked) spell the same fence in their takeovers; a claim of
   a gone owner (DESIGN §4 "Owner liveness") counts as expired only if its token is still
   free when the applying transaction re-checks it;
 * it acts only on a row whose recovery lease it holds (live, unquarantined, ours); a
@@ -238,7 +238,7 @@ def _take_over(
     # A claim handed back by a graceful shutdown resumes without counting: rolling
     # restarts are not a crash loop.
     counted = 0 if facts.handed_back else 1
-    _count_resumes(tx, bool(counted), [candidate.session_id])
+    _count_resume(tx, bool(counted), candidate.session_id)
     _delete_recovery_row(tx, old, owner_id)
     return Recovered(
         RecoveryDecision.RESUME,
@@ -275,15 +275,14 @@ def _replace_claim(
     return bool(replaced == 1)
 
 
-def _count_resumes(tx: Tx, counts: bool, session_ids: Sequence[str]) -> None:
-    """After a takeover: take each session's doorbell, and count a resume when `counts` (a
+def _count_resume(tx: Tx, counts: bool, session_id: str) -> None:
+    """After a takeover: take the session's doorbell, and count a resume when `counts` (a
     claim handed back by a graceful shutdown resumes without counting)."""
-    for chunk in _chunks(session_ids):
-        tx.execute(
-            "UPDATE session SET wake_attempts = wake_attempts + ?, time_woken = NULL,"
-            f" wakes = 0 WHERE id IN {_in_list(chunk)}",
-            (int(counts), *chunk),
-        )
+    tx.execute(
+        "UPDATE session SET wake_attempts = wake_attempts + ?, time_woken = NULL, wakes = 0"
+        " WHERE id = ?",
+        (int(counts), session_id),
+    )
 
 
 def _delete_recovery_rows(tx: Tx, owner_id: str, execution_ids: Sequence[str]) -> None:

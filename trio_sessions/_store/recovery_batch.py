@@ -1,11 +1,15 @@
 """Recovery applied to a pass's batch (`apply_recovery_batch`): set-wise where no transcript
 needs decoding, `recovery.apply_recovery` in a savepoint for every other candidate; on
-PostgreSQL the set-wise part is one call (`ts_recover`).
+SQLite the set-wise part is one prepared takeover statement run once per claim, on
+PostgreSQL one call (`ts_recover`).
 
 Invariants kept here (and in `recovery`, whose fences and single-row rules this applies):
 * a claim is taken over only under the recovery fence on its exact old execution id still
   being expired, or its owner gone with its token re-checked free after the session locks;
 * only candidates whose recovery lease we hold are acted on; another owner's row is left;
+* the set-wise takeover writes only a claim `decide_recovery` resumes with nothing to
+  close - every condition is in its WHERE - and nothing for any other, which the row path
+  then decides;
 * one row's failure never undoes another's recovery, and a row recovery cannot process is
   quarantined (`recovery.quarantine`), never retried forever;
 * a claim handed back by a graceful shutdown resumes without counting a resume.
@@ -13,22 +17,17 @@ Invariants kept here (and in `recovery`, whose fences and single-row rules this 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 
-import attrs
-
-from .. import _decisions
 from .._backend import NEEDS_TRANSACTION, Tx, autocommit_when_alone
-from .._decisions import ClaimRow, RecoveryDecision, RecoveryFacts
+from .._decisions import RecoveryDecision
 from .._errors import LeaseLost, MalformedRecord
 from .._liveness import _HELD as _TOKEN_HELD
 from .common import _chunks, _in_list
 from .recovery import (
     Recovered,
-    _count_resumes,
     _delete_recovery_rows,
-    _gone_owner,
-    _replace_claim,
     _superseded,
     apply_recovery,
     quarantine,
@@ -48,62 +47,35 @@ def apply_recovery_batch(
     """`apply_recovery` for each (candidate, new execution id); one row's failure never
     undoes another's recovery.
 
-    Set-wise where no transcript needs decoding: the facts of every candidate come from one
-    statement, and a claim whose execution wrote no assistant message is taken over (or
-    skipped) with the same fences, row by row in SQL but with no savepoint, since its first
-    write is its fence. Every other candidate goes through `apply_recovery` in a savepoint.
-    PostgreSQL: the set-wise part is one call (`_pg_apply_recovery_batch`); alone, that
-    call is the whole operation in autocommit (one round trip), unless a candidate needs
-    the row-by-row path: then the server refuses it whole and it runs in a transaction.
+    SQLite: every claim that resumes with nothing to close (its execution wrote no
+    assistant message) is taken over by one prepared statement run once per claim
+    (`_take_over_plain`), which carries every resume condition in its WHERE; SQLite's only
+    write lock already serialises every session. A claim it refuses - nothing written for
+    it - goes through `apply_recovery` in a savepoint, which decides it. PostgreSQL: the
+    set-wise part is one call (`_pg_apply_recovery_batch`); alone, that call is the whole
+    operation in autocommit (one round trip), unless a candidate needs the row-by-row path:
+    then the server refuses it whole and it runs in a transaction.
     """
     if tx.dialect == "postgres":
         return _pg_apply_recovery_batch(tx, owner_id, items, lease_ms, max_resumes, gone_owners)
-    results: dict[int, Recovered] = {}
-    plain: list[_PlainItem] = []
-    sessions = sorted({candidate.session_id for candidate, _ in items})
-    for session_id in sessions:
-        tx.lock_session(session_id)
-    # Re-checked here, after the locks: an owner is gone only if its token is free now.
+    # Re-checked here, in the applying transaction: an owner is gone only if its token is
+    # free now.
     gone = frozenset(tx.free_tokens(gone_owners)) if gone_owners else frozenset()
-    facts_of = _plain_recovery_facts(tx, owner_id, [c for c, _ in items], gone)
+    attempts = _take_over_plain(tx, owner_id, items, lease_ms, max_resumes, gone)
+    results: list[Recovered] = []
     for index, (candidate, new_execution_id) in enumerate(items):
-        known = facts_of.get(candidate.execution_id or "")
-        decision: RecoveryDecision | None = None
-        if known is not None:
-            facts, newest_seq, leased = known
-            decision = _decisions.decide_recovery(
-                facts, candidate.execution_id or "", tx.now, max_resumes
+        attempt = attempts.get(index)
+        if attempt is None:
+            results.append(
+                _apply_one(tx, owner_id, candidate, new_execution_id, lease_ms, max_resumes, gone)
             )
-        if known is None or decision not in _PLAIN_DECISIONS:
-            results[index] = _apply_one(
-                tx, owner_id, candidate, new_execution_id, lease_ms, max_resumes, gone
-            )
-        elif not leased:
-            # Another recovery owner holds this row now: act on nothing of theirs.
-            results[index] = Recovered(RecoveryDecision.GONE, fence_lost=True)
         else:
-            plain.append(
-                _PlainItem(index, candidate, new_execution_id, facts, newest_seq, decision)
+            results.append(
+                Recovered(
+                    RecoveryDecision.RESUME, new_execution_id=new_execution_id, attempt=attempt
+                )
             )
-    results.update(_apply_plain(tx, owner_id, plain, lease_ms))
-    return [results[index] for index in range(len(items))]
-
-
-@attrs.frozen
-class _PlainItem:
-    """A candidate `apply_recovery_batch` acts on set-wise, with what it read about it."""
-
-    position: int
-    candidate: Candidate
-    new_execution_id: str
-    facts: RecoveryFacts
-    newest_seq: int | None
-    decision: RecoveryDecision
-
-
-# Decisions `apply_recovery_batch` applies set-wise to a claim with no assistant message
-# (no transcript to close); a superseded, cancelled or exhausted claim goes row by row.
-_PLAIN_DECISIONS = (RecoveryDecision.RESUME, RecoveryDecision.SKIP_LIVE, RecoveryDecision.GONE)
+    return results
 
 
 def _apply_one(
@@ -128,108 +100,103 @@ def _apply_one(
         return quarantine(tx, owner_id, candidate, f"recovery failed: {exc!r}")
 
 
-def _plain_recovery_facts(
-    tx: Tx, owner_id: str, candidates: Sequence[Candidate], gone: frozenset[str]
-) -> dict[str, tuple[RecoveryFacts, int | None, bool]]:
-    """For each candidate claim (still present) whose execution wrote no assistant message:
-    its recovery facts, the session's newest message seq, and whether we hold its recovery
-    lease. Read under the session locks, after which `tx.now` is read."""
-    execution_ids = [c.execution_id for c in candidates if c.execution_id is not None]
-    found: dict[str, tuple[RecoveryFacts, int | None, bool]] = {}
-    for chunk in _chunks(execution_ids):
-        rows = tx.execute(
-            "SELECT e.id, e.owner_id, e.phase, e.expires_at, e.handed_back, s.wake_attempts,"
-            " (SELECT MAX(m.seq) FROM session_message m WHERE m.session_id = e.session_id),"
-            f" {_superseded(session='e.session_id', execution='e.id', anchor='e.anchor_seq')},"
-            " EXISTS (SELECT 1 FROM session_recovery r WHERE r.execution_id = e.id"
-            "   AND r.owner_id = ? AND r.expires_at > ? AND r.recovery_error IS NULL),"
-            " s.time_paused"
-            " FROM session_execution e JOIN session s ON s.id = e.session_id"
-            f" WHERE e.id IN {_in_list(chunk)} AND NOT EXISTS (SELECT 1 FROM session_message m"
-            "   WHERE m.execution_id = e.id AND m.role = 'assistant')",
-            (owner_id, tx.now, *chunk),
-        ).fetchall()
-        for row in rows:
-            execution_id, owner, phase, expires_at, handed_back, attempts = row[:6]
-            facts = RecoveryFacts(
-                claim=ClaimRow(execution_id, owner, phase, expires_at),
-                superseded=bool(row[7]),
-                newest_assistant_malformed=False,
-                wake_attempts=int(attempts),
-                handed_back=bool(handed_back),
-                owner_gone=owner in gone,
-                paused=row[9] is not None,
-            )
-            found[execution_id] = (facts, None if row[6] is None else int(row[6]), bool(row[8]))
-    return found
+# SQLite's takeover of a claim that resumes with nothing to close, run once per claim
+# (`_take_over_plain`). Its WHERE is `decide_recovery` reaching RESUME, the recovery fence
+# first (`RECOVERY_FENCE`, an owner found gone in `:gone`), then: of the session named, not
+# cancelling, no assistant message of the claim's own (nothing to close or decode), not
+# superseded, not paused, the resume budget left (or handed back), our live recovery lease.
+# It leaves `handed_back` for `_count_plain_resumes` to read, which clears it.
+_TAKE_OVER_PLAIN = (
+    "UPDATE session_execution SET id = :new, owner_id = :me, phase = 'running',"
+    " anchor_seq = (SELECT MAX(m.seq) FROM session_message m WHERE m.session_id = :session),"
+    " time_created = :now, heartbeat_at = NULL, expires_at = :expires"
+    " WHERE id = :execution AND (expires_at <= :now"
+    "   OR owner_id IN (SELECT value FROM json_each(:gone)))"
+    " AND session_id = :session AND phase != 'cancelling'"
+    " AND NOT EXISTS (SELECT 1 FROM session_message m WHERE m.execution_id = :execution"
+    "   AND m.role = 'assistant')"
+    " AND NOT "
+    + _superseded(session=":session", execution=":execution", anchor="session_execution.anchor_seq")
+    + " AND EXISTS (SELECT 1 FROM session s WHERE s.id = :session AND s.time_paused IS NULL"
+    "   AND (session_execution.handed_back = 1 OR s.wake_attempts < :max_resumes))"
+    " AND EXISTS (SELECT 1 FROM session_recovery r WHERE r.execution_id = :execution"
+    "   AND r.owner_id = :me AND r.expires_at > :now AND r.recovery_error IS NULL)"
+)
 
 
-def _apply_plain(
+def _take_over_plain(
     tx: Tx,
     owner_id: str,
-    plain: list[_PlainItem],
+    items: Sequence[tuple[Candidate, str]],
     lease_ms: int,
-) -> dict[int, Recovered]:
-    """Take over (RESUME) or let go (SKIP_LIVE, GONE) of claims whose recovery lease we
-    hold and whose execution wrote no assistant message: nothing to close or decode."""
-    results: dict[int, Recovered] = {}
-    done: list[str] = []  # recovery rows of ours to delete
-    counted: dict[bool, list[str]] = {True: [], False: []}
-    # The recovery fence comes first: a claim it matched nothing for has nothing written.
-    replaced = _replace_claims(
-        tx,
-        [
-            (
-                item.candidate.execution_id or "",
-                item.new_execution_id,
-                item.newest_seq,
-                _gone_owner(item.facts),
-            )
-            for item in plain
-            if item.decision is RecoveryDecision.RESUME
-        ],
-        owner_id,
-        lease_ms,
-    )
-    for item in plain:
-        index, candidate, facts, decision = item.position, item.candidate, item.facts, item.decision
-        old = candidate.execution_id
-        assert old is not None
-        if decision is not RecoveryDecision.RESUME:
-            done.append(old)
-            results[index] = Recovered(decision)
-            continue
-        if old not in replaced:
-            results[index] = Recovered(RecoveryDecision.GONE, fence_lost=True)
-            continue
-        # A claim handed back by a graceful shutdown resumes without counting.
-        counts = not facts.handed_back
-        counted[counts].append(candidate.session_id)
-        done.append(old)
-        results[index] = Recovered(
-            RecoveryDecision.RESUME,
-            new_execution_id=item.new_execution_id,
-            attempt=facts.wake_attempts + int(counts),
-        )
-    for counts, session_ids in counted.items():
-        _count_resumes(tx, counts, session_ids)
-    _delete_recovery_rows(tx, owner_id, done)
-    return results
-
-
-def _replace_claims(
-    tx: Tx,
-    claims: Sequence[tuple[str, str, int | None, str | None]],
-    owner_id: str,
-    lease_ms: int,
-) -> set[str]:
-    """`_replace_claim` for each (old execution id, new execution id, anchor seq, gone
-    owner); the old ids it replaced (SQLite: PostgreSQL's set-wise path is `ts_recover`)."""
-    return {
-        old
-        for old, new, anchor, gone_owner in claims
-        if _replace_claim(tx, old, new, owner_id, anchor, lease_ms, gone_owner)
+    max_resumes: int,
+    gone: frozenset[str],
+) -> dict[int, int]:
+    """Take over every claim of `items` that resumes with nothing to close; count its
+    resume (unless handed back) and delete our recovery lease. Returns {position in
+    `items`: the session's resume count now} for the claims taken over; nothing is written
+    for the others."""
+    claims = [
+        (index, candidate.session_id, candidate.execution_id, new)
+        for index, (candidate, new) in enumerate(items)
+        if candidate.execution_id is not None
+    ]
+    if not claims:
+        return {}
+    constants = {
+        "me": owner_id,
+        "now": tx.now,
+        "expires": tx.now + lease_ms,
+        "max_resumes": max_resumes,
+        "gone": json.dumps(sorted(gone)),
     }
+    changed = tx.executemany(
+        _TAKE_OVER_PLAIN,
+        [
+            {**constants, "session": session_id, "execution": old, "new": new}
+            for _, session_id, old, new in claims
+        ],
+    ).rowcount
+    if changed != len(claims):
+        # Some were refused (the rowcount is the batch's): the new ids present were taken.
+        taken: set[str] = set()
+        for chunk in _chunks([new for *_, new in claims]):
+            found = tx.execute(
+                f"SELECT id FROM session_execution WHERE id IN {_in_list(chunk)}", chunk
+            ).fetchall()
+            taken.update(str(row[0]) for row in found)
+        claims = [claim for claim in claims if claim[3] in taken]
+    if not claims:
+        return {}
+    attempts = _count_plain_resumes(tx, [session_id for _, session_id, _, _ in claims])
+    _delete_recovery_rows(tx, owner_id, [old for _, _, old, _ in claims])
+    return {index: attempts[session_id] for index, session_id, _, _ in claims}
+
+
+def _count_plain_resumes(tx: Tx, session_ids: Sequence[str]) -> dict[str, int]:
+    """After `_take_over_plain`: take each session's doorbell and count a resume unless
+    its claim was handed back by a graceful shutdown, then clear that mark. Returns each
+    session's resume count now."""
+    handed_back = "(SELECT e.handed_back FROM session_execution e WHERE e.session_id = session.id)"
+    attempts: dict[str, int] = {}
+    uncounted: list[str] = []
+    for chunk in _chunks(session_ids):
+        rows = tx.execute(
+            f"UPDATE session SET wake_attempts = wake_attempts + 1 - {handed_back},"
+            f" time_woken = NULL, wakes = 0 WHERE id IN {_in_list(chunk)}"
+            f" RETURNING id, wake_attempts, {handed_back}",
+            chunk,
+        ).fetchall()
+        for session_id, count, back in rows:
+            attempts[str(session_id)] = int(count)
+            if back:
+                uncounted.append(str(session_id))
+    for chunk in _chunks(uncounted):
+        tx.execute(
+            f"UPDATE session_execution SET handed_back = 0 WHERE session_id IN {_in_list(chunk)}",
+            chunk,
+        )
+    return attempts
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """The recovery scan: which expired claims and unclaimed doorbells a recovery pass looks at
 (`recovery_candidates`), and the recovery leases it takes on them (`take_recovery_leases`)
 before `recovery` applies its decision. A pass does both, and its look at the next due
-input, in one transaction (`scan_and_lease`).
+input, in one transaction (`scan_and_lease`; on SQLite the expired claims are leased by the
+statement that finds them).
 
 Invariants kept here:
 * quarantined executions, executions under another owner's live recovery lease, sessions
@@ -19,6 +20,7 @@ Invariants kept here:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 
@@ -61,22 +63,39 @@ def recovery_candidates(
             "ts_recovery_candidates", owner_id, limit, list(local_sessions), list(gone_owners)
         )
         return [Candidate(str(session_id), execution_id) for session_id, execution_id in rows]
+    scan, params = _expired_claims(tx, owner_id, limit, local_sessions, gone_owners)
+    expired = tx.execute(
+        "SELECT e.session_id, e.id" + scan + _SKIP_LOCKED[tx.dialect], params
+    ).fetchall()
+    candidates = [Candidate(session_id, execution_id) for session_id, execution_id in expired]
+    return candidates + _doorbells_left(tx, local_sessions, limit - len(candidates))
+
+
+def _expired_claims(
+    tx: Tx, owner_id: str, limit: int, local_sessions: Sequence[str], gone_owners: Sequence[str]
+) -> tuple[str, dict[str, Any]]:
+    """The FROM ... LIMIT of the scan for expired claims (`recovery_candidates`), shared by
+    SQLite's lease-taking scan (`_lease_expired_claims`), and its parameters."""
     not_local, local = not_in(tx, "e.session_id", local_sessions)
     gone = {f"gone{index}": owner for index, owner in enumerate(gone_owners)}
     of_gone = "".join(f" OR e.owner_id = :{name}" for name in gone)
-    expired = tx.execute(
-        "SELECT e.session_id, e.id FROM session_execution e"
+    scan = (
+        " FROM session_execution e"
         f" WHERE (e.expires_at <= :now{of_gone}) AND {not_local}"
         " AND NOT EXISTS (SELECT 1 FROM session_recovery r WHERE r.execution_id = e.id"
         "   AND (r.recovery_error IS NOT NULL OR (r.owner_id != :me AND r.expires_at > :now)))"
-        " ORDER BY e.expires_at, e.id LIMIT :limit" + _SKIP_LOCKED[tx.dialect],
-        {"now": tx.now, "excluded": local, "me": owner_id, "limit": limit, **gone},
-    ).fetchall()
-    candidates = [Candidate(session_id, execution_id) for session_id, execution_id in expired]
-    if len(candidates) < limit:
-        doorbells = _unclaimed_doorbells(tx, local_sessions, limit - len(candidates))
-        candidates += [Candidate(session_id, None) for session_id in doorbells]
-    return candidates
+        " ORDER BY e.expires_at, e.id LIMIT :limit"
+    )
+    return scan, {"now": tx.now, "excluded": local, "me": owner_id, "limit": limit, **gone}
+
+
+def _doorbells_left(tx: Tx, local_sessions: Sequence[str], room: int) -> list[Candidate]:
+    """The unclaimed doorbells that fit in the `room` the expired claims left."""
+    if room <= 0:
+        return []
+    return [
+        Candidate(session_id, None) for session_id in _unclaimed_doorbells(tx, local_sessions, room)
+    ]
 
 
 def _unclaimed_doorbells(tx: Tx, local_sessions: Sequence[str], limit: int) -> list[str]:
@@ -115,12 +134,38 @@ def scan_and_lease(
     reply takes our own leases again)."""
     if tx.dialect == "postgres":
         return _pg_scan_and_lease(tx, owner_id, limit, local_sessions, gone_owners, lease_ms)
-    candidates = recovery_candidates(tx, owner_id, limit, local_sessions, gone_owners)
+    leased = _lease_expired_claims(tx, owner_id, limit, local_sessions, gone_owners, lease_ms)
     free = tx.free_tokens(None)
-    expired = [candidate for candidate in candidates if candidate.execution_id is not None]
-    taken = _upsert_leases(tx, owner_id, lease_ms, expired)
-    leased = [candidate for candidate in expired if candidate.execution_id in taken]
-    return candidates, free, leased, next_due(tx)
+    doorbells = _doorbells_left(tx, local_sessions, limit - len(leased))
+    return leased + doorbells, free, leased, next_due(tx)
+
+
+def _lease_expired_claims(
+    tx: Tx,
+    owner_id: str,
+    limit: int,
+    local_sessions: Sequence[str],
+    gone_owners: Sequence[str],
+    lease_ms: int,
+) -> list[Candidate]:
+    """SQLite: the scan for expired claims and their recovery leases in one statement (the
+    upsert of `take_recovery_leases` fed by the scan), in the order the scan returns them.
+    Every claim the scan finds is leased: it excludes the rows the upsert would refuse (a
+    quarantined one, another owner's live lease), and the write lock holds them still."""
+    scan, params = _expired_claims(tx, owner_id, limit, local_sessions, gone_owners)
+    rows = tx.execute(
+        "INSERT INTO session_recovery(execution_id, session_id, owner_id, expires_at,"
+        " time_created) SELECT e.id, e.session_id, :me, :expires, :now"
+        + scan
+        + " ON CONFLICT(execution_id) DO UPDATE SET owner_id = excluded.owner_id,"
+        " expires_at = excluded.expires_at"
+        " WHERE session_recovery.recovery_error IS NULL"
+        " AND (session_recovery.owner_id = excluded.owner_id"
+        "   OR session_recovery.expires_at <= excluded.time_created)"
+        " RETURNING session_id, execution_id",
+        {**params, "expires": tx.now + lease_ms},
+    ).fetchall()
+    return [Candidate(session_id, execution_id) for session_id, execution_id in rows]
 
 
 def _pg_scan_and_lease(
