@@ -459,11 +459,8 @@ BEGIN
     -- successor rung for them takes them (hand_over). Only due inputs: the due timer rings
     -- for scheduled ones.
     IF (p_kind = 'interrupted' OR (verdict = 'release' AND v_phase = 'cancelling'))
-            AND EXISTS (SELECT 1 FROM session_input i WHERE i.session_id = v_session
-                        AND (i.due_at IS NULL OR i.due_at <= v_now)) THEN
-        PERFORM ts_signal(v_session);
-        UPDATE session SET time_woken = COALESCE(time_woken, v_now), wakes = wakes + 1
-            WHERE id = v_session;
+            AND ts_due_inputs(v_session, v_now) THEN
+        PERFORM ts_ring(v_session, v_now);
         v_woken := v_now;
         IF verdict = 'release' THEN
             verdict := 'hand_over';

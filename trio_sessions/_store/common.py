@@ -264,6 +264,23 @@ BEGIN
     RETURN ts_now(p_now);
 END $$;
 
+-- Whether due inputs wait untaken in the session - scheduled ones once their time has come
+-- (`_has_pending_inputs`).
+CREATE OR REPLACE FUNCTION ts_due_inputs(p_session text, p_now bigint) RETURNS boolean
+LANGUAGE sql STABLE AS $$
+    SELECT EXISTS (SELECT 1 FROM session_input i WHERE i.session_id = p_session
+                   AND (i.due_at IS NULL OR i.due_at <= p_now))
+$$;
+
+-- Ring the session's doorbell, signalled (`_ring`).
+CREATE OR REPLACE FUNCTION ts_ring(p_session text, p_now bigint) RETURNS void
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    PERFORM ts_signal(p_session);
+    UPDATE session SET time_woken = COALESCE(time_woken, p_now), wakes = wakes + 1
+        WHERE id = p_session;
+END $$;
+
 -- Every session of a set-wise batch locked, in the order all functions take several
 -- session locks in (hashtext, then the id), so two batches sharing sessions never deadlock.
 CREATE OR REPLACE FUNCTION ts_lock_all(p_sessions text[]) RETURNS void

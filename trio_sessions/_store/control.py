@@ -459,7 +459,7 @@ CREATE OR REPLACE FUNCTION ts_submit_controlled(p_session text, p_payload text, 
 RETURNS text
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
-    v_now bigint; v_known text; v_phase text; v_busy boolean; v_seq bigint;
+    v_now bigint; v_known text; v_phase text; v_seq bigint;
 BEGIN
     v_now := ts_lock_now(p_session, p_now);
     v_known := ts_known_input(p_session, p_input, p_payload);
@@ -468,10 +468,7 @@ BEGIN
         RETURN CASE WHEN v_known = 'known' AND p_retry AND v_phase = 'cancelling'
                     THEN 'interrupted' ELSE v_known END;
     END IF;
-    v_busy := v_phase IS NOT NULL OR EXISTS (
-        SELECT 1 FROM session_input i WHERE i.session_id = p_session
-        AND (i.due_at IS NULL OR i.due_at <= v_now));
-    IF p_on_busy = 'reject' AND v_busy THEN
+    IF p_on_busy = 'reject' AND (v_phase IS NOT NULL OR ts_due_inputs(p_session, v_now)) THEN
         RETURN 'busy';
     END IF;
     IF p_delay > 0 THEN
@@ -545,11 +542,8 @@ BEGIN
         PERFORM ts_signal(p_session);
         RETURN true;
     END IF;
-    IF EXISTS (SELECT 1 FROM session_input i WHERE i.session_id = p_session
-               AND (i.due_at IS NULL OR i.due_at <= v_now)) THEN
-        PERFORM ts_signal(p_session);
-        UPDATE session SET time_woken = COALESCE(time_woken, v_now), wakes = wakes + 1
-            WHERE id = p_session;
+    IF ts_due_inputs(p_session, v_now) THEN
+        PERFORM ts_ring(p_session, v_now);
         RETURN true;
     END IF;
     RETURN false;

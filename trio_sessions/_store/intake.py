@@ -210,9 +210,7 @@ BEGIN
         PERFORM ts_signal_watchers(v_session);
     END IF;
     IF v_more THEN
-        PERFORM ts_signal(v_session);
-        UPDATE session SET time_woken = COALESCE(time_woken, v_now), wakes = wakes + 1
-            WHERE id = v_session;
+        PERFORM ts_ring(v_session, v_now);
     END IF;
 END $$;
 """
