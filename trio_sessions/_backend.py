@@ -22,6 +22,7 @@ Invariants every backend keeps:
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
@@ -222,6 +223,21 @@ class Job:
         if self.error is not None:
             raise self.error
         return self.result
+
+
+@functools.cache
+def _keyed_by_session(op: Callable[..., Any]) -> bool:
+    code = getattr(op, "__code__", None)
+    return code is not None and code.co_argcount >= 2 and code.co_varnames[1] == "session_id"
+
+
+def session_named(op: Callable[..., Any], args: tuple[Any, ...]) -> str | None:
+    """The session an operation called with `args` names - by the store's convention, its
+    first argument after the transaction, `session_id` - or None (a recovery pass, a
+    heartbeat: no one session)."""
+    if args and isinstance(args[0], str) and _keyed_by_session(op):
+        return args[0]
+    return None
 
 
 @attrs.frozen

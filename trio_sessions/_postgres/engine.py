@@ -62,11 +62,20 @@ from .._backend import (
     StoreStatistics,
     Tx,
     driver_error,
+    session_named,
 )
 from .._errors import StoreError
 from .._naming import check_postgres_name, check_schema
 from .connections import connect, migrate, schema_version
-from .transactions import _BEGIN, _BEGIN_BATCH, _BEGIN_NOWAIT, _BEGIN_READ, Mode, PgTx
+from .transactions import (
+    _BEGIN,
+    _BEGIN_BATCH,
+    _BEGIN_NOWAIT,
+    _BEGIN_READ,
+    Mode,
+    PgTx,
+    lock_sessions_first,
+)
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
@@ -429,8 +438,10 @@ class PgEngine:
             begin = _BEGIN_NOWAIT
         elif mode == "read":
             begin = _BEGIN_READ
+        elif alone:
+            begin = _BEGIN
         else:
-            begin = _BEGIN if alone else _BEGIN_BATCH
+            begin = _batch_begin(jobs)
         tx = PgTx(conn, self.clock, begin=begin, retry=retry)
         xid = None
         try:
@@ -512,6 +523,13 @@ class PgEngine:
                     f"transaction {xid} is still {status!r}"
                 ) from lost
             time.sleep(0.02)
+
+
+def _batch_begin(jobs: Sequence[Job]) -> str:
+    """How a batch begins: with its sessions' locks, in one order, when it names two or
+    more (`lock_sessions_first`)."""
+    sessions = {s for job in jobs if (s := session_named(job.op, job.args)) is not None}
+    return lock_sessions_first(_BEGIN_BATCH, sessions) if len(sessions) > 1 else _BEGIN_BATCH
 
 
 def _call(tx: Tx, function: str, *args: Any) -> list[Any]:

@@ -46,7 +46,7 @@ import psycopg
 import trio
 
 from .. import _liveness
-from .._backend import BackendName, Job, OwnChange, StoreStatistics, Tx
+from .._backend import BackendName, Job, OwnChange, StoreStatistics, Tx, session_named
 from .._errors import StoreError
 from .._handoff import Queued
 from .._naming import check_postgres_name, check_schema, mask_password
@@ -151,25 +151,18 @@ def _wanted(engines: Sequence[PgEngine], own: OwnChange, follows: OwnChange) -> 
     return wanted
 
 
-@functools.cache
-def _keyed_by_session(op: Callable[..., Any]) -> bool:
-    """Whether `op`'s first argument after the transaction is a session id (the store's
-    convention for an operation on one session)."""
-    code = getattr(op, "__code__", None)
-    return code is not None and code.co_argcount >= 2 and code.co_varnames[1] == "session_id"
-
-
 def _on_a_session(job: Job) -> bool:
-    return bool(job.args) and _keyed_by_session(job.op) and isinstance(job.args[0], str)
+    return session_named(job.op, job.args) is not None
 
 
 def lane_of(op: Callable[..., Any], args: tuple[Any, ...], lanes: int) -> int:
     """The writer lane an operation runs on: a stable hash of its session id, so one
     session's operations stay on one connection, in order; 0 when it names no session
     (`PgThreadExecutor` puts such an operation on its least busy lane instead)."""
-    if lanes == 1 or not args or not _keyed_by_session(op) or not isinstance(args[0], str):
+    session_id = session_named(op, args)
+    if lanes == 1 or session_id is None:
         return 0
-    return zlib.crc32(args[0].encode()) % lanes
+    return zlib.crc32(session_id.encode()) % lanes
 
 
 @attrs.define(eq=False)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any, Literal
 
 import psycopg
@@ -53,6 +53,23 @@ _BEGIN_NOWAIT = f"{_BEGIN}SET LOCAL lock_timeout = {NOWAIT_LOCK_TIMEOUT_MS}; "
 # A group-commit batch: the functions defer their signals to the engine's one notification
 # before COMMIT (`ts_signal`, `ts_flush_signals`).
 _BEGIN_BATCH = f"{_BEGIN}SET LOCAL trio_sessions.defer_signals = on; "
+
+
+def lock_sessions_first(begin: str, sessions: Collection[str]) -> str:
+    """`begin` followed by one statement taking every session lock of `sessions` in the
+    order all functions take several (`ts_lock_all`: hashtext, then the id).
+
+    A batch's operations each lock their own session as they run, in the order they were
+    queued; two processes' batches naming two sessions in opposite orders would deadlock,
+    and the server finds that out only after `deadlock_timeout` (a second, with every
+    operation behind either batch's locks stalled). Taken first, in one order, the locks
+    make a batch wait for another instead; re-taking a lock later costs nothing (advisory
+    transaction locks are re-entrant). Sent with the batch's first statement, whose
+    parameters psycopg binds client-side: a `%` in a session id is doubled."""
+    literal = "'" + bound(sorted(set(sessions))).replace("'", "''").replace("%", "%%") + "'"
+    return f"{begin}SELECT ts_lock_all({literal}::text[]); "
+
+
 # The sessions deferred so far, read in a call's reply: whether a flush is needed.
 _PENDING_SIGNALS = "COALESCE(current_setting('trio_sessions.signals', true), '') <> ''"
 
@@ -150,7 +167,7 @@ class PgTx:
         self._begin: str | None = None if autocommit or not conn.autocommit else begin
         # In a batch the functions defer their signals to the transaction's one
         # notification (`ts_signal`): its BEGIN sets `trio_sessions.defer_signals`.
-        self.defers_signals = self._begin == _BEGIN_BATCH
+        self.defers_signals = begin.startswith(_BEGIN_BATCH) and self._begin is not None
         self.autocommit = autocommit
         self.retry = retry
         self.begun = False  # a statement was sent (a transaction is open unless autocommit)

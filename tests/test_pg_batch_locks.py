@@ -1,0 +1,96 @@
+"""A PostgreSQL group-commit batch takes its sessions' locks in one global order.
+
+Two processes' batches that touch the same two sessions in opposite orders - a worker's
+batch taking one chat's inputs after another chat's append, beside the other worker's batch
+of acquisitions of both - deadlock if each operation locks its own session as it runs: the
+server detects it only after `deadlock_timeout` (a second), and everything queued behind
+either batch's locks stalls that long. The engine locks every session its batch names, in
+the functions' order, with the batch's first statement.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import psycopg
+from helpers import pg_engine_at as engine_at
+
+from trio_sessions import _backend
+from trio_sessions._postgres import PgTx
+
+WAIT_S = 30.0  # a bound on each gate, never reached when the test passes
+
+
+def _backend_waits_for_a_lock(url: str, pid: int) -> bool:
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", (pid,)
+        ).fetchone()
+    return row is not None and row[0] == "Lock"
+
+
+def test_two_batches_naming_two_sessions_in_opposite_orders_never_deadlock(
+    pg_url: str, pg_schema: str
+) -> None:
+    first_locked = threading.Event()
+    second_locked = threading.Event()
+    holder: list[int] = []
+
+    def lock(tx: PgTx, session_id: str) -> str:
+        tx.lock_session(session_id)
+        return session_id
+
+    def lock_then_wait_for_the_other(tx: PgTx, session_id: str) -> str:
+        # Batch one holds its first session, then waits until batch two either holds its
+        # own first session (each operation locking as it runs: the deadlock follows) or
+        # waits for a lock (the batch's locks were all taken up front: no deadlock).
+        tx.lock_session(session_id)
+        first_locked.set()
+        for _ in range(int(WAIT_S / 0.01)):
+            if second_locked.wait(0.01) or _backend_waits_for_a_lock(pg_url, holder[0]):
+                return session_id
+        raise AssertionError("batch two neither took a lock nor waited for one")
+
+    def lock_and_say_so(tx: PgTx, session_id: str) -> str:
+        tx.lock_session(session_id)
+        second_locked.set()
+        return session_id
+
+    with engine_at(pg_url, pg_schema, 1.0) as one, engine_at(pg_url, pg_schema, 1.0) as two:
+        assert two.backend_pid is not None
+        holder.append(two.backend_pid)
+        batch_one = [
+            _backend.Job(lock_then_wait_for_the_other, ("chat-a",)),
+            _backend.Job(lock, ("chat-b",)),
+        ]
+        batch_two = [
+            _backend.Job(lock_and_say_so, ("chat-b",)),
+            _backend.Job(lock, ("chat-a",)),
+        ]
+        runner = threading.Thread(target=one.run_batch, args=(batch_one,))
+        runner.start()
+        assert first_locked.wait(WAIT_S)
+        two.run_batch(batch_two)
+        runner.join(WAIT_S)
+        assert not runner.is_alive()
+        outcomes: list[Any] = [job.unwrap() for job in batch_one + batch_two]
+        assert outcomes == ["chat-a", "chat-b", "chat-b", "chat-a"]
+        # Each batch one transaction: none was re-run alone after a deadlock, none retried.
+        assert (one.transactions, two.transactions) == (1, 1)
+        assert one.retries == two.retries == 0
+
+
+def test_a_batch_locks_sessions_whose_ids_need_quoting(pg_url: str, pg_schema: str) -> None:
+    # The lock statement travels with the batch's first statement, bound client-side.
+    sessions = ["50%'off", 'a"b\\c', "{x,y}", "naïve", "%s"]
+
+    def lock(tx: PgTx, session_id: str) -> str:
+        tx.lock_session(session_id)
+        return session_id
+
+    with engine_at(pg_url, pg_schema, 1.0) as engine:
+        batch = [_backend.Job(lock, (session_id,)) for session_id in sessions]
+        engine.run_batch(batch)
+        assert [job.unwrap() for job in batch] == sessions
+        assert engine.transactions == 1
