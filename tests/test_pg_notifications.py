@@ -240,3 +240,67 @@ def test_a_watchers_only_change_is_wanted_only_where_the_session_is_followed() -
     engines[1].backend_pid = 10  # the second writer reconnected
     assert wanted(9, "any", False)
     assert not wanted(10, "any", False)
+
+
+class Recording:
+    """A connection proxy recording the statements the engine sends."""
+
+    def __init__(self, conn: psycopg.Connection[Any], sent: list[str]) -> None:
+        self._conn = conn
+        self._sent = sent
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+    def execute(self, query: Any, params: Any = None) -> Any:
+        self._sent.append(str(query))
+        return self._conn.execute(query, params)
+
+    def commit(self) -> None:
+        self._sent.append("COMMIT")
+        self._conn.commit()
+
+
+def test_signals_go_in_a_transaction_of_their_own_after_the_commit(
+    pg_url: str, pg_schema: str
+) -> None:
+    """A notification holds a database-wide lock from its transaction's COMMIT to the end
+    of that COMMIT's WAL flush: a batch's signals are sent after its COMMIT, in the same
+    message, by a transaction of their own with nothing to flush (synchronous_commit off) -
+    so a batch is not queued behind every other notifying transaction's flush."""
+    sent: list[str] = []
+    store = PostgresStore(
+        pg_url, schema=pg_schema, wrap_connection=lambda conn: Recording(conn, sent)
+    )
+    with opened(store.engine()) as engine, listening(pg_url, pg_schema) as conn:
+        sent.clear()
+        jobs = [Job(_store.wake, (f"w{n}",)) for n in range(3)]
+        engine.run_batch(jobs)
+        assert [job.error for job in jobs] == [None] * 3
+        payloads = received(conn, pg_url, pg_schema)
+    assert [sorted(payload.split("\n")) for payload in payloads] == [["w0", "w1", "w2"]]
+    *before, last = sent
+    assert not any("ts_flush_signals" in statement for statement in before), before
+    assert last.startswith("COMMIT; ") and "synchronous_commit', 'off'" in last
+    assert "ts_flush_signals" in last
+
+
+def test_a_commit_that_landed_stands_when_its_signals_fail(
+    pg_url: str, pg_schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The signals' transaction after a COMMIT fails (a full notification queue, say): the
+    batch committed, its results stand (never re-run), and listeners are told to look at
+    everything instead."""
+    from trio_sessions._postgres import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "_FLUSH", "SELECT 1 / 0, %s")
+    with opened(PostgresStore(pg_url, schema=pg_schema).engine()) as engine:
+        with listening(pg_url, pg_schema) as conn:
+            jobs = [Job(_store.wake, (f"w{n}",)) for n in range(3)]
+            engine.run_batch(jobs)
+            assert [job.error for job in jobs] == [None] * 3
+            assert engine.transactions == 1  # not re-run alone
+            payloads = received(conn, pg_url, pg_schema)
+        wakes = engine.conn.execute("SELECT id, wakes FROM session ORDER BY id").fetchall()
+    assert payloads == [""]
+    assert wakes == [("w0", 1), ("w1", 1), ("w2", 1)]

@@ -690,7 +690,7 @@ class BreakAtCommit:
     """A connection whose next COMMIT loses its connection: the backend is killed before
     the COMMIT reaches it (`land=False`: the transaction aborts) or right after it
     committed (`land=True`: the answer is lost). A function call in autocommit is its own
-    COMMIT."""
+    COMMIT, and so is a COMMIT sent with the signals' transaction after it."""
 
     def __init__(self, conn: psycopg.Connection[Any], url: str, *, land: bool) -> None:
         self._conn = conn
@@ -707,7 +707,9 @@ class BreakAtCommit:
             and self._conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
             and not str(query).startswith("BEGIN")
         )
-        if not (self.armed and autocommit):
+        # The engine's COMMIT with its signals' own transaction after it, one message.
+        commits = autocommit or str(query).startswith("COMMIT;")
+        if not (self.armed and commits):
             return self._conn.execute(query, params)
         self.armed = False
         if self._land:
@@ -953,10 +955,12 @@ def test_a_batch_of_streamed_appends_is_one_call_in_order_and_fenced(
         sent = len(made[-1].statements)
         engine.run_batch(appends)
         assert [job.unwrap()[1] for job in appends] == [1] * 8 + [2] * 8
-        # The one call (BEGIN goes with it), the transaction's one notification, COMMIT.
+        # The one call (BEGIN goes with it), then COMMIT with the transaction's one
+        # notification after it, in its own transaction.
         batch = made[-1].statements[sent:]
-        assert len(batch) == 3
-        assert "ts_append_texts(" in batch[0] and "ts_flush_signals(" in batch[1]
+        assert len(batch) == 2
+        assert "ts_append_texts(" in batch[0] and "ts_flush_signals(" not in batch[0]
+        assert batch[1].startswith("COMMIT; ") and "ts_flush_signals(" in batch[1]
 
         run_op(engine, _store.update_assistant, "s0", "e0", "me", "m0", _transcript.finish)
         run_op(engine, _store.expire_claims, "me", ["e1"])

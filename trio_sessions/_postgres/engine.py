@@ -20,12 +20,18 @@ marked `pg_read_batched` (a stream's read) are one set-wise call in autocommit.
 
 Signals (DESIGN §8 "Notifications scale"): at most one `pg_notify` per transaction, on the
 schema's channel, its payload the signalled sessions one per line (or empty: look at
-everything, when they do not fit). A batch begins with `trio_sessions.defer_signals` set, so
-its functions defer their signals (`ts_signal`); the sessions pending there and those the
-client signalled (`tx.notify`) go in one `ts_flush_signals` just before COMMIT, in the
-statement that reads the transaction's id. Alone, a function call signals its own
-session itself (autocommit stays one round trip), and a client signal is flushed the same
-way - duplicates of one payload within a transaction are dropped by the server.
+everything, when they do not fit). A write transaction begins with
+`trio_sessions.defer_signals` set, so its functions defer their signals (`ts_signal`), each
+call's reply reading the sessions deferred so far; those and the ones the client signalled
+(`tx.notify`) are sent by `ts_flush_signals` AFTER the COMMIT, in the COMMIT's own message,
+in a transaction of their own with `synchronous_commit` off. A notifying transaction holds
+a database-wide lock from its COMMIT to the end of that COMMIT's WAL flush: inside a
+batch's transaction, it queued every notifying commit of every process behind every
+other's flush (the chat load's commits waited there most). The signals' own transaction
+writes nothing to flush. A listener sees a signal only after the change committed; if
+that transaction fails or its outcome is unknown, the engine sends the empty payload
+instead (best effort: the fallback poll covers the rest). Alone, an autocommit call signals
+its own session itself (one round trip, the lock held through its flush).
 
 Uncertain COMMIT: just before COMMIT the transaction's id is read (or taken from the reply
 of its last function call). If the connection breaks during COMMIT, the outcome is unknown:
@@ -66,20 +72,23 @@ from .._backend import (
 )
 from .._errors import StoreError
 from .._naming import check_postgres_name, check_schema
-from .connections import connect, migrate, schema_version
+from .connections import channel, connect, migrate, schema_version
 from .transactions import (
-    _BEGIN,
     _BEGIN_BATCH,
     _BEGIN_NOWAIT,
     _BEGIN_READ,
     Mode,
     PgTx,
+    bound,
     lock_sessions_first,
 )
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
 
+_FLUSH = (
+    "SELECT set_config('synchronous_commit', 'off', true), ts_flush_signals(CAST(%s AS text[]))"
+)
 # Retries: SQLSTATEs after which the whole transaction is re-run.
 RETRYABLE_SQLSTATES = frozenset({"40001", "40P01", "55P03", "57014"})
 MAX_ATTEMPTS = 8
@@ -438,8 +447,6 @@ class PgEngine:
             begin = _BEGIN_NOWAIT
         elif mode == "read":
             begin = _BEGIN_READ
-        elif alone:
-            begin = _BEGIN
         else:
             begin = _batch_begin(jobs)
         tx = PgTx(conn, self.clock, begin=begin, retry=retry)
@@ -452,16 +459,15 @@ class PgEngine:
             # before COMMIT: re-sent after an uncertain COMMIT, it costs a duplicate
             # wake-up, which the doorbell absorbs). A transaction that ended with a
             # function call has its id already.
-            if tx.notified or tx.signals_pending:
-                xid = tx.one(
-                    "SELECT pg_current_xact_id_if_assigned()::text,"
-                    " ts_flush_signals(CAST(? AS text[]))",
-                    (list(tx.notified),),
-                )[0]
-            elif tx.xid_fresh or mode == "read":
+            if mode == "read":
                 xid = tx.xid
-            elif tx.begun:
-                xid = tx.one("SELECT pg_current_xact_id_if_assigned()::text")[0]
+            elif tx.begun and (not tx.xid_fresh or tx.deferred is None):
+                xid, tx.deferred = tx.one(
+                    "SELECT pg_current_xact_id_if_assigned()::text,"
+                    " COALESCE(current_setting('trio_sessions.signals', true), '')"
+                )
+            else:
+                xid = tx.xid
         except Exception as exc:
             self._rollback()
             if _connection_lost(conn, exc):
@@ -476,21 +482,64 @@ class PgEngine:
         except BaseException:
             self._rollback()
             raise
-        if not tx.begun:
-            return results  # nothing was sent: nothing to commit
+        signals = [*tx.notified, *(tx.deferred or "").split("\n")]
+        flush = any(signals)
+        if not tx.begun:  # nothing was written: only the client's signals, if any
+            if flush:
+                self._send_signals(conn, bound(signals))
+            return results
         try:
-            conn.commit()
+            if flush:
+                conn.execute(f"COMMIT; {_FLUSH}", (bound(signals),))
+            else:
+                conn.commit()
         except psycopg.Error as exc:
             if not _connection_lost(conn, exc):
-                # The server answered: it rolled the transaction back.
                 self._rollback()
+                if flush and self._landed(conn, xid):
+                    # The COMMIT landed; the signals' own transaction after it did not.
+                    self._look_at_everything()
+                    return results
+                # The server answered: it rolled the transaction back.
                 if exc.sqlstate in RETRYABLE_SQLSTATES and not nowait:
                     raise _Rerun(exc) from exc
                 raise _JobRaised(exc) from exc
             if self._committed(xid, exc, deadline):
+                if flush:  # whether the signals' transaction ran is unknown
+                    self._look_at_everything()
                 return results
             raise _Rerun(exc) from exc
         return results
+
+    def _send_signals(self, conn: Any, sessions: str) -> None:
+        try:
+            conn.execute(_FLUSH, (sessions,))
+        except psycopg.Error as exc:
+            if _connection_lost(conn, exc):
+                self.close()
+                raise _Rerun(exc) from exc
+            raise _JobRaised(exc) from exc
+
+    @staticmethod
+    def _landed(conn: Any, xid: str | None) -> bool:
+        """Whether transaction `xid` committed, asked on a connection that still works."""
+        if xid is None:
+            return False  # it wrote nothing
+        try:
+            row = conn.execute("SELECT pg_xact_status(%s::xid8)", (xid,)).fetchone()
+        except psycopg.Error:
+            return False
+        return row is not None and row[0] == "committed"
+
+    def _look_at_everything(self) -> None:
+        """After a committed transaction whose signals may not have been sent: the empty
+        payload, on which every listener looks at everything (as after its reconnect).
+        Best effort: a listener's fallback poll covers a failure here too."""
+        with contextlib.suppress(psycopg.Error, StoreError):
+            self._connection(time.monotonic() + 1.0).execute(
+                "SELECT set_config('synchronous_commit', 'off', true), pg_notify(%s, '')",
+                (channel(self.schema),),
+            )
 
     def _committed(self, xid: str | None, lost: psycopg.Error, deadline: float) -> bool:
         """After a connection broke during COMMIT: did it commit? Read back from the server;

@@ -16,9 +16,9 @@ Invariants:
 * `lock_session` is a transaction-scoped advisory lock, held to COMMIT: the serialisation
   point `_store` relies on under READ COMMITTED; claim rows are locked in sorted order, so
   two lockers of overlapping sets never deadlock;
-* the sessions a transaction signals are only collected here (`tx.notified`, and in a
-  batch the functions' deferred ones, `signals_pending`); the engine sends them in one
-  notification just before COMMIT, so the server delivers it only if it commits.
+* the sessions a transaction signals are only collected here (`tx.notified`, and the
+  functions' deferred ones as the last call's reply read them, `deferred`); the engine
+  sends them in one notification only after the transaction committed.
 """
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ def lock_sessions_first(begin: str, sessions: Collection[str]) -> str:
     return f"{begin}SELECT ts_lock_all({literal}::text[]); "
 
 
-# The sessions deferred so far, read in a call's reply: whether a flush is needed.
-_PENDING_SIGNALS = "COALESCE(current_setting('trio_sessions.signals', true), '') <> ''"
+# The sessions the functions deferred so far (one per line), read in a call's reply.
+_DEFERRED_SIGNALS = "COALESCE(current_setting('trio_sessions.signals', true), '')"
 
 # How a transaction runs: `write` (retried, group-committed), `nowait` (alone, a short
 # lock_timeout, lock waits not retried), `read` (alone, one REPEATABLE READ snapshot).
@@ -154,19 +154,19 @@ class PgTx:
         self.conn = conn
         self._clock = clock
         self._now: int | None = None
-        # Sessions to signal at COMMIT (insertion-ordered), in the transaction's one
+        # Sessions to signal once committed (insertion-ordered), in the transaction's one
         # notification (`ts_flush_signals`).
         self.notified: dict[str, None] = {}
-        # Whether a function deferred a signal (in a batch: `defers_signals`), so the
-        # engine flushes before COMMIT.
-        self.signals_pending = False
+        # The sessions the functions deferred (`defers_signals`), one per line, as the
+        # last statement's reply read them; None when that statement did not read them.
+        self.deferred: str | None = ""
         # Advisory xact locks are re-entrant and held to COMMIT: taking one twice in a
         # transaction (two operations of a batch on one session) costs a round trip only.
         self._locked: set[str] = set()
         # A connection outside autocommit (a test's) begins its transactions itself.
         self._begin: str | None = None if autocommit or not conn.autocommit else begin
-        # In a batch the functions defer their signals to the transaction's one
-        # notification (`ts_signal`): its BEGIN sets `trio_sessions.defer_signals`.
+        # In a write transaction the functions defer their signals to the transaction's
+        # one notification (`ts_signal`): its BEGIN sets `trio_sessions.defer_signals`.
         self.defers_signals = begin.startswith(_BEGIN_BATCH) and self._begin is not None
         self.autocommit = autocommit
         self.retry = retry
@@ -197,6 +197,8 @@ class PgTx:
             raise NeedsTransaction("a second statement needs a transaction")
         self.begun = True  # from here on, the statement may have reached the server
         self.xid_fresh = False
+        if self.defers_signals:
+            self.deferred = None
         if self._begin is None:
             cursor: psycopg.Cursor[Any] = self.conn.execute(statement, params)
             return cursor
@@ -224,17 +226,17 @@ class PgTx:
         params = (*map(bound, args), fixed_now, self.retry)
         placeholders = ", ".join(["%s"] * len(params))
         # The reply's last columns are read after the function ran (its rows are complete
-        # before the select list is evaluated): the transaction's id and, in a batch,
-        # whether signals are pending.
-        extra = f", {_PENDING_SIGNALS}" if self.defers_signals else ""
+        # before the select list is evaluated): the transaction's id and, where the
+        # functions defer their signals, the sessions deferred so far.
+        extra = f", {_DEFERRED_SIGNALS}" if self.defers_signals else ""
         rows = self._send(
             f"SELECT f.*, pg_current_xact_id_if_assigned()::text{extra}"
             f" FROM {function}({placeholders}) f",
             params,
         ).fetchall()
         if self.defers_signals:
-            # No row: unknown, so flushed (a flush with nothing pending sends nothing).
-            self.signals_pending = self.signals_pending or not rows or bool(rows[-1][-1])
+            # No row: unknown, read before COMMIT.
+            self.deferred = rows[-1][-1] if rows else None
             rows = [row[:-1] for row in rows]
         if rows:
             self.xid = rows[-1][-1]
@@ -262,8 +264,8 @@ class PgTx:
         self._now = None
 
     def notify(self, session_id: str, *, watchers_only: bool = False) -> None:
-        # Sent just before COMMIT, with the functions' deferred ones, in one notification:
-        # the server delivers it only if the transaction commits.
+        # Sent once the transaction committed, with the functions' deferred ones, in one
+        # notification (`PgEngine`).
         self.notified[WATCHERS_ONLY + session_id if watchers_only else session_id] = None
 
     def free_tokens(self, owner_ids: Sequence[str] | None) -> set[str]:
