@@ -488,6 +488,7 @@ async def test_one_sessions_operations_stay_on_one_writer_in_order(
     with trio.fail_after(60):
         async with store.open_executor(None) as executor:
             assert isinstance(executor, _postgres.PgThreadExecutor)
+            executor.spill_at = 1  # spread the sessions (`tests/test_pg_lanes.py`)
             pids = {engine.backend_pid for engine in executor.engines}
 
             async def one(session_id: str) -> None:
@@ -533,14 +534,12 @@ async def test_an_operation_on_no_session_goes_to_an_idle_writer(
     on no session runs on the idle one at once, not queued behind a busy one."""
     store = PostgresStore(pg_url, schema=pg_schema, writers=3, listen=False)
     gate = threading.Event()
-    busy = [
-        next(f"s{n}" for n in range(100) if _postgres.lane_of(held_open, (f"s{n}",), 3) == lane)
-        for lane in (0, 1)
-    ]
+    busy = ["s0", "s1"]
     seen: list[tuple[str, int, int]] = []
     with trio.fail_after(30):
         async with store.open_executor(None) as executor:
             assert isinstance(executor, _postgres.PgThreadExecutor)
+            executor.spill_at = 1  # the two busy sessions on the first two lanes
             idle_pid = executor.engines[2].backend_pid
             async with trio.open_nursery() as nursery:
                 for session_id in busy:
@@ -596,18 +595,15 @@ async def test_a_deadlock_between_two_writers_is_retried_inside_the_store(
     deadlock (40P01), the victim's work runs again, and every caller gets its result (no
     error)."""
     store = PostgresStore(pg_url, schema=pg_schema, writers=2, listen=False)
-    first = "a"
-    other = next(
-        f"b{n}"
-        for n in range(100)
-        if _postgres.lane_of(lock_both, (f"b{n}",), 2) != _postgres.lane_of(lock_both, (first,), 2)
-    )
+    first, other = "a", "b"
     barrier = threading.Barrier(2)
     calls: list[str] = []
     results: list[str] = []
     seen: list[tuple[str, int, int]] = []
     with trio.fail_after(60):
         async with store.open_executor(None) as executor:
+            assert isinstance(executor, _postgres.PgThreadExecutor)
+            executor.spill_at = 1  # the two sessions, started together, on two lanes
 
             async def one(session_id: str, then: str) -> None:
                 results.append(await executor.run(lock_both, session_id, then, barrier, calls))

@@ -52,7 +52,6 @@ from .executors import (
     PgInlineExecutor,
     PgThreadExecutor,
     PostgresStore,
-    lane_of,
     open_thread_executor,
 )
 from .listener import (
@@ -93,7 +92,6 @@ __all__ = [
     "PostgresStore",
     "channel",
     "connect",
-    "lane_of",
     "migrate",
     "open_engine",
     "open_thread_executor",

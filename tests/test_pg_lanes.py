@@ -1,0 +1,80 @@
+"""Which writer lane a PostgreSQL operation runs on (`PgThreadExecutor`).
+
+At a light load every session's operations share the first lane: its batches are larger,
+so a process commits (and notifies) less often, and fewer of the server's backends compete
+for the host's cores - under the chat load, three lanes each committing one operation at a
+time were slower than one lane. A session whose operations are queued or running stays on
+their lane (they run in order, on one connection); a new one spills to the least busy lane
+once the first lane holds a full hand-off (`spill_at`).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import trio
+import trio.testing
+
+from trio_sessions._backend import Tx
+from trio_sessions._postgres import PgThreadExecutor, PostgresStore
+
+
+def backend(tx: Tx, session_id: str) -> int:
+    [pid] = tx.one("SELECT pg_backend_pid()")
+    return int(pid)
+
+
+def held_open(tx: Tx, session_id: str, gate: threading.Event) -> int:
+    """An operation that keeps its lane busy until `gate` is set."""
+    [pid] = tx.one("SELECT pg_backend_pid()")
+    assert gate.wait(timeout=20)
+    return int(pid)
+
+
+async def test_at_a_light_load_every_session_shares_the_first_lane(
+    pg_url: str, pg_schema: str
+) -> None:
+    store = PostgresStore(pg_url, schema=pg_schema, writers=3, listen=False)
+    with trio.fail_after(30):
+        async with store.open_executor(None) as executor:
+            assert isinstance(executor, PgThreadExecutor)
+            first = executor.engines[0].backend_pid
+            pids = [await executor.run(backend, f"s{n}") for n in range(12)]
+            together: list[int] = []
+
+            async def one(session_id: str) -> None:
+                together.append(await executor.run(backend, session_id))
+
+            async with trio.open_nursery() as nursery:
+                for n in range(12):
+                    nursery.start_soon(one, f"t{n}")
+    assert set(pids) == set(together) == {first}
+
+
+async def test_a_busy_first_lane_spills_new_sessions_but_keeps_its_own(
+    pg_url: str, pg_schema: str
+) -> None:
+    store = PostgresStore(pg_url, schema=pg_schema, writers=3, listen=False)
+    gate = threading.Event()
+    got: dict[str, int] = {}
+    with trio.fail_after(30):
+        async with store.open_executor(None) as executor:
+            assert isinstance(executor, PgThreadExecutor)
+            executor.spill_at = 1
+            pids = [engine.backend_pid for engine in executor.engines]
+
+            async def one(name: str, session_id: str) -> None:
+                got[name] = await executor.run(held_open, session_id, gate)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(one, "a", "s-a")
+                await trio.testing.wait_all_tasks_blocked()
+                # "s-a" is running on the first lane: its next operation queues behind
+                # it there; a new session goes to the least busy lane.
+                nursery.start_soon(one, "a-again", "s-a")
+                nursery.start_soon(one, "b", "s-b")
+                await trio.testing.wait_all_tasks_blocked()
+                nursery.start_soon(one, "c", "s-c")
+                await trio.testing.wait_all_tasks_blocked()
+                gate.set()
+    assert got == {"a": pids[0], "a-again": pids[0], "b": pids[1], "c": pids[2]}
