@@ -291,12 +291,13 @@ BEGIN
 END $$;
 
 -- Signal a session's change to the other runtimes (DESIGN §8 "Notifications scale"): at
--- most one pg_notify per transaction. Alone (autocommit, or one operation's transaction)
--- a function notifies at once, with its own session as the payload (an operation's calls
--- signal the session it names: duplicates within a transaction are dropped by the server).
--- In a group-commit batch the engine sets trio_sessions.defer_signals with its BEGIN: the
--- session is added to the transaction-local list trio_sessions.signals, one per line, and
--- the engine sends the whole list in one notification before COMMIT (ts_flush_signals).
+-- most one pg_notify per transaction. In autocommit a function notifies at once, with its
+-- own session as the payload (an operation's calls signal the session it names:
+-- duplicates within a transaction are dropped by the server). In a write transaction the
+-- engine sets trio_sessions.defer_signals with its BEGIN: the session is added to the
+-- transaction-local list trio_sessions.signals, one per line, which each call's reply
+-- reads, and the engine sends the whole list in one notification once the transaction
+-- committed, in a transaction of its own (ts_flush_signals).
 CREATE OR REPLACE FUNCTION ts_signal(p_session text) RETURNS void
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
@@ -319,8 +320,8 @@ END $$;
 CREATE OR REPLACE FUNCTION ts_signal_watchers(p_session text) RETURNS void
 LANGUAGE sql VOLATILE AS $$ SELECT ts_signal(E'\t' || p_session) $$;
 
--- The one notification of a transaction, just before its COMMIT: the sessions deferred by
--- ts_signal and the client's own (p_sessions), each once, one per line - or the empty
+-- The one notification of a transaction: the sessions deferred by ts_signal (before its
+-- COMMIT) or passed in (p_sessions: after it), each once, one per line - or the empty
 -- payload, "look at everything" (as after a listener's reconnect), when they do not fit
 -- a payload (under 8000 bytes). Nothing when there is nothing to signal. Returns how many
 -- notifications it sent (0 or 1).
