@@ -105,3 +105,76 @@ async def test_streams_behind_on_appends_are_caught_up_without_reads_of_their_ow
             await until(lambda: len(done) == CHATS)
     expected = "".join(f"w{index} " for index in range(WORDS))
     assert texts == dict.fromkeys(sessions, expected)
+
+
+@pytest.mark.parametrize("backend", ["postgres"], indirect=True)
+async def test_a_signal_naming_one_session_looks_only_at_its_streams(
+    db_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL's signals name the sessions that changed: the change scan after one
+    looks for the streams of those sessions only, not for every stream the web process
+    holds (under the chat load, a scan of 200 streams' heads per append batch)."""
+    from trio_sessions import _loops
+
+    monkeypatch.setattr(_loops, "CHANGE_FALLBACK_POLL", 60.0)  # no look but the signals'
+    looked: list[set[str]] = []
+    heads = _store.stream_heads
+
+    def recorded(tx: Any, tops: dict[str, int], message_ids: Any) -> Any:
+        looked.append(set(tops))
+        return heads(tx, tops, message_ids)
+
+    monkeypatch.setattr(_store, "stream_heads", recorded)
+    sessions = [f"c{index}" for index in range(6)]
+    go = {session: trio.Event() for session in sessions}
+    finish = trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        await ctx.take_inputs()
+        writer = await ctx.begin_assistant()
+        await go[ctx.session_id].wait()
+        await writer.append_text("word")
+        await finish.wait()
+        await writer.finish()
+
+    holding: set[str] = set()
+    texts = dict.fromkeys(sessions, "")
+    progress = trio.Event()
+
+    async def follow(rt: trio_sessions.Runtime, session: str, entered: trio.Event) -> None:
+        nonlocal progress
+        async with rt.stream(session) as events:
+            entered.set()
+            async for event in events:
+                if event.kind == "message" and event.role == "assistant":
+                    holding.add(session)
+                elif event.kind == "append":
+                    texts[session] += event.data
+                progress.set()
+
+    async def until(condition: Any) -> None:
+        nonlocal progress
+        while not condition():
+            await progress.wait()
+            progress = trio.Event()
+
+    with trio.fail_after(BOUND):
+        async with (
+            trio_sessions.open_runtime(real_store(db_path), drain, recovery_interval=60),
+            trio_sessions.open_runtime(real_store(db_path), None) as web,
+            trio.open_nursery() as nursery,
+        ):
+            for session in sessions:
+                entered = trio.Event()
+                nursery.start_soon(follow, web, session, entered)
+                await entered.wait()
+                await web.submit(session, {"text": "hi"})
+            await until(lambda: holding == set(sessions))
+            looked.clear()
+            go["c3"].set()
+            await until(lambda: texts["c3"] == "word")
+            finish.set()
+            for event in go.values():
+                event.set()
+            nursery.cancel_scope.cancel()
+    assert looked and looked[0] == {"c3"}, looked

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from typing import Any, Literal, Protocol, TypeVar, TypeVarTuple, Unpack
 
@@ -40,6 +40,8 @@ Ts = TypeVarTuple("Ts")
 
 BackendName = Literal["sqlite", "postgres"]
 OwnChange = Callable[[str], bool] | None
+# What a change signal named: the sessions that changed, or None when any may have.
+Signalled = Collection[str] | None
 Params = Sequence[Any] | Mapping[str, Any]
 
 
@@ -309,10 +311,11 @@ class Executor(Protocol):
         *,
         own: OwnChange = None,
         follows: OwnChange = None,
-    ) -> None:
+    ) -> Signalled:
         """Return when another connection may have committed (SQLite: `data_version`;
         PostgreSQL: a notification), when `kick` is set, or after `fallback` seconds (the slow
-        fallback poll: a lost signal costs latency, never work).
+        fallback poll: a lost signal costs latency, never work). What changed: the sessions
+        the signal named (PostgreSQL), or None when any may have (SQLite, a kick, the poll).
 
         `own(session_id)`: whether a change this runtime made itself to that session still
         needs a look (a local watcher follows it); a backend that can tell its own commits

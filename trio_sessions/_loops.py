@@ -21,6 +21,7 @@ import attrs
 import trio
 
 from . import _observe, _store
+from ._backend import Signalled
 from ._coordinator import SessionEntry
 from ._decisions import RecoveryDecision, rearms_doorbell
 from ._errors import StoreError
@@ -50,7 +51,7 @@ class BackgroundLoops:
         latency only: the fallback poll and recovery still find the work."""
         runtime = self._runtime
         while True:
-            await runtime._db.wait_for_change(
+            signalled = await runtime._db.wait_for_change(
                 runtime._kick,
                 CHANGE_FALLBACK_POLL,
                 own=runtime._watchers.watching,
@@ -58,9 +59,9 @@ class BackgroundLoops:
             )
             runtime._kick = trio.Event()
             with contextlib.suppress(StoreError):  # looked at again at the next signal
-                await self._look_at_changes()
+                await self._look_at_changes(signalled)
 
-    async def _look_at_changes(self) -> None:
+    async def _look_at_changes(self, signalled: Signalled) -> None:
         runtime = self._runtime
         takes_wakes = runtime._drain is not None and not runtime._closing
         changes = await runtime._db.read(
@@ -85,7 +86,7 @@ class BackgroundLoops:
                 runtime._remote_signals += 1
         runtime._due.arm(changes.next_due_ms)
         runtime._watchers.apply(changes.watched)
-        await runtime._streams.look(runtime._db.read)
+        await runtime._streams.look(runtime._db.read, signalled)
 
     # -- recovery -----------------------------------------------------------------------------
 

@@ -39,6 +39,7 @@ import attrs
 import trio
 
 from . import _store
+from ._backend import Signalled
 from ._errors import MalformedRecord
 from ._model import AssistantData, TextPart, ToolPart
 from ._store.stream import (
@@ -452,13 +453,14 @@ class StreamHub:
         for stream in self._streams.get(session_id, ()):
             stream.mark_dirty()
 
-    async def look(self, read: Read) -> None:
+    async def look(self, read: Read, signalled: Signalled = None) -> None:
         """After a change signal: find the streams behind the store (one read for all of
-        them; a stream already dirty reads by itself) and catch them up (`_catch_up`)."""
+        them; a stream already dirty reads by itself) and catch them up (`_catch_up`) -
+        the streams of the sessions the signal named, or all of them (None)."""
         streams = [
             stream
             for session_id, group in self._streams.items()
-            if session_id not in self._writing
+            if session_id not in self._writing and (signalled is None or session_id in signalled)
             for stream in group
             if not stream.dirty
         ]

@@ -49,7 +49,15 @@ import psycopg
 import trio
 
 from .. import _liveness
-from .._backend import BackendName, Job, OwnChange, StoreStatistics, Tx, session_named
+from .._backend import (
+    BackendName,
+    Job,
+    OwnChange,
+    Signalled,
+    StoreStatistics,
+    Tx,
+    session_named,
+)
 from .._errors import StoreError
 from .._handoff import Queued
 from .._naming import check_postgres_name, check_schema, mask_password
@@ -134,9 +142,9 @@ class PgInlineExecutor:
         *,
         own: OwnChange = None,
         follows: OwnChange = None,
-    ) -> None:
+    ) -> Signalled:
         wanted = _wanted([self.engine], own, follows)
-        await _wait_for_change(self.listener, kick, fallback, wanted)
+        return await _wait_for_change(self.listener, kick, fallback, wanted)
 
     def hold_token(self, owner_id: str) -> AbstractAsyncContextManager[_liveness.PgToken]:
         return _hold_token(self.engine, owner_id, inline=True)
@@ -333,9 +341,9 @@ class PgThreadExecutor:
         *,
         own: OwnChange = None,
         follows: OwnChange = None,
-    ) -> None:
+    ) -> Signalled:
         wanted = _wanted(self.engines, own, follows)
-        await _wait_for_change(self.listener, kick, fallback, wanted)
+        return await _wait_for_change(self.listener, kick, fallback, wanted)
 
     def hold_token(self, owner_id: str) -> AbstractAsyncContextManager[_liveness.PgToken]:
         return _hold_token(self.engine, owner_id, inline=False)

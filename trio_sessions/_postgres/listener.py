@@ -31,7 +31,7 @@ import trio
 from psycopg import sql
 
 from .. import _observe
-from .._backend import driver_error
+from .._backend import Signalled, driver_error
 from .._errors import StoreError
 from .connections import WATCHERS_ONLY, channel, connect
 
@@ -92,9 +92,12 @@ class PgListener:
         kick: trio.Event,
         fallback: float,
         wanted: Wanted | None = None,
-    ) -> None:
+    ) -> Signalled:
         """Return on a notification `wanted(sender's backend pid, session id, watchers
-        only)` (default: any), when `kick` is set, or after `fallback` seconds."""
+        only)` (default: any) - the sessions the wanted ones named, or None when any may
+        have changed (an empty payload, a reconnect) - when `kick` is set, or after
+        `fallback` seconds (both None)."""
+        signalled: Signalled = None
         with trio.move_on_after(fallback):
             async with trio.open_nursery() as nursery:
 
@@ -103,10 +106,11 @@ class PgListener:
                     nursery.cancel_scope.cancel()
 
                 nursery.start_soon(kicked)
-                await self._notified(wanted)
+                signalled = await self._notified(wanted)
                 nursery.cancel_scope.cancel()
+        return signalled
 
-    async def _notified(self, wanted: Wanted | None) -> None:
+    async def _notified(self, wanted: Wanted | None) -> Signalled:
         if self.conn is None or self.conn.closed or self.conn.broken:
             self.close()
             try:
@@ -116,31 +120,37 @@ class PgListener:
                 await trio.sleep_forever()  # until the fallback poll's timeout
             self.reconnects += 1
             _observe.listener_reconnected(self.channel)
-            return  # notifications sent meanwhile are lost: rescan now
+            return None  # notifications sent meanwhile are lost: rescan now
         pgconn = self.conn.pgconn
         while True:
-            if self._take_notifications(pgconn, wanted):
-                return
+            signalled = self._take_notifications(pgconn, wanted)
+            if signalled is None or signalled:
+                return signalled
             await trio.lowlevel.wait_readable(pgconn.socket)
             try:
                 pgconn.consume_input()
             except psycopg.OperationalError:
                 self.close()
-                return  # reconnect at the next wait; rescan now
+                return None  # reconnect at the next wait; rescan now
 
     @staticmethod
-    def _take_notifications(pgconn: psycopg.pq.abc.PGconn, wanted: Wanted | None) -> bool:
-        got = False
+    def _take_notifications(pgconn: psycopg.pq.abc.PGconn, wanted: Wanted | None) -> Signalled:
+        """The sessions the wanted notifications received so far named (empty: none was
+        wanted), or None: one said any may have changed."""
+        signalled: set[str] | None = set()
         while (notify := pgconn.notifies()) is not None:
             payload = notify.extra.decode(errors="replace")
             if payload == LOOK_AT_EVERYTHING:
-                got = True  # which sessions changed is unknown: rescan, as after a reconnect
+                signalled = None  # which sessions changed is unknown, as after a reconnect
                 continue
             for line in payload.split("\n"):
                 watchers_only = line.startswith(WATCHERS_ONLY)
                 session_id = line.removeprefix(WATCHERS_ONLY)
-                got = got or wanted is None or wanted(notify.be_pid, session_id, watchers_only)
-        return got
+                if signalled is not None and (
+                    wanted is None or wanted(notify.be_pid, session_id, watchers_only)
+                ):
+                    signalled.add(session_id)
+        return signalled
 
 
 async def _wait_for_change(
@@ -148,12 +158,12 @@ async def _wait_for_change(
     kick: trio.Event,
     fallback: float,
     wanted: Wanted | None = None,
-) -> None:
+) -> Signalled:
     if listener is not None:
-        await listener.wait(kick, fallback, wanted)
-        return
+        return await listener.wait(kick, fallback, wanted)
     with trio.move_on_after(fallback):  # poll-only (listen=False): e.g. behind PgBouncer
         await kick.wait()
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
