@@ -482,8 +482,8 @@ class PgEngine:
         except BaseException:
             self._rollback()
             raise
-        signals = [*tx.notified, *(tx.deferred or "").split("\n")]
-        flush = any(signals)
+        signals = [*tx.notified, *filter(None, (tx.deferred or "").split("\n"))]
+        flush = bool(signals)
         if not tx.begun:  # nothing was written: only the client's signals, if any
             if flush:
                 self._send_signals(conn, bound(signals))
