@@ -25,6 +25,7 @@ import pytest
 import trio
 from helpers import opened
 from psycopg import sql
+from test_postgres import recording_engine
 
 from trio_sessions import _store, _transcript
 from trio_sessions._backend import Job, Tx
@@ -242,25 +243,6 @@ def test_a_watchers_only_change_is_wanted_only_where_the_session_is_followed() -
     assert not wanted(10, "any", False)
 
 
-class Recording:
-    """A connection proxy recording the statements the engine sends."""
-
-    def __init__(self, conn: psycopg.Connection[Any], sent: list[str]) -> None:
-        self._conn = conn
-        self._sent = sent
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._conn, name)
-
-    def execute(self, query: Any, params: Any = None) -> Any:
-        self._sent.append(str(query))
-        return self._conn.execute(query, params)
-
-    def commit(self) -> None:
-        self._sent.append("COMMIT")
-        self._conn.commit()
-
-
 def test_signals_go_in_a_transaction_of_their_own_after_the_commit(
     pg_url: str, pg_schema: str
 ) -> None:
@@ -268,15 +250,15 @@ def test_signals_go_in_a_transaction_of_their_own_after_the_commit(
     of that COMMIT's WAL flush: a batch's signals are sent after its COMMIT, in the same
     message, by a transaction of their own with nothing to flush (synchronous_commit off) -
     so a batch is not queued behind every other notifying transaction's flush."""
-    sent: list[str] = []
-    store = PostgresStore(
-        pg_url, schema=pg_schema, wrap_connection=lambda conn: Recording(conn, sent)
-    )
-    with opened(store.engine()) as engine, listening(pg_url, pg_schema) as conn:
-        sent.clear()
+    with (
+        recording_engine(pg_url, pg_schema) as (engine, made),
+        listening(pg_url, pg_schema) as conn,
+    ):
+        sent_before = len(made[-1].statements)
         jobs = [Job(_store.wake, (f"w{n}",)) for n in range(3)]
         engine.run_batch(jobs)
         assert [job.error for job in jobs] == [None] * 3
+        sent = made[-1].statements[sent_before:]
         payloads = received(conn, pg_url, pg_schema)
     assert [sorted(payload.split("\n")) for payload in payloads] == [["w0", "w1", "w2"]]
     *before, last = sent
