@@ -28,7 +28,7 @@ from psycopg import sql
 from test_postgres import recording_engine
 
 from trio_sessions import _store, _transcript
-from trio_sessions._backend import Job, Tx
+from trio_sessions._backend import Job, Signal, Tx
 from trio_sessions._postgres import PostgresStore, channel, run_op
 from trio_sessions._postgres.executors import _wanted
 from trio_sessions._postgres.listener import PgListener
@@ -160,12 +160,16 @@ async def test_the_listener_looks_at_each_session_a_notification_names(
         with psycopg.connect(pg_url, autocommit=True) as other:
             other.execute("SELECT pg_notify(%s, %s)", (channel(pg_schema), "a\nb\nc"))
             with trio.fail_after(10):
-                await listener.wait(trio.Event(), 60, wanted)
+                signal = await listener.wait(trio.Event(), 60, wanted)
             assert asked == ["a", "b", "c"]
+            assert signal == Signal(frozenset({"c"}), transcripts_only=False)
             asked.clear()
             other.execute("SELECT pg_notify(%s, %s)", (channel(pg_schema), ""))
             with trio.fail_after(10):
-                await listener.wait(trio.Event(), 60, lambda pid, session_id, watchers_only: False)
+                signal = await listener.wait(
+                    trio.Event(), 60, lambda pid, session_id, watchers_only: False
+                )
+            assert signal is None  # anything may have changed
     finally:
         listener.close()
 
@@ -201,7 +205,8 @@ def test_transcript_writes_signal_the_sessions_watchers_only(pg_url: str, pg_sch
 async def test_the_listener_tells_a_watchers_only_change_from_a_doorbell(
     pg_url: str, pg_schema: str
 ) -> None:
-    """`wanted` is asked whether each session's change is for its watchers only."""
+    """`wanted` is asked whether each session's change is for its watchers only; the
+    signal says whether every wanted one was (only then can a look skip the change scan)."""
     listener = PgListener(pg_url, pg_schema, inline=True)
     await listener.open()
     asked: list[tuple[str, bool]] = []
@@ -214,8 +219,13 @@ async def test_the_listener_tells_a_watchers_only_change_from_a_doorbell(
         with psycopg.connect(pg_url, autocommit=True) as other:
             other.execute("SELECT pg_notify(%s, %s)", (channel(pg_schema), "\ta\nb\n\tc"))
             with trio.fail_after(10):
-                await listener.wait(trio.Event(), 60, wanted)
-        assert asked == [("a", True), ("b", False), ("c", True)]
+                signal = await listener.wait(trio.Event(), 60, wanted)
+            assert asked == [("a", True), ("b", False), ("c", True)]
+            assert signal == Signal(frozenset({"c"}), transcripts_only=True)
+            other.execute("SELECT pg_notify(%s, %s)", (channel(pg_schema), "\tc\nc"))
+            with trio.fail_after(10):
+                signal = await listener.wait(trio.Event(), 60, wanted)
+            assert signal == Signal(frozenset({"c"}), transcripts_only=False)
     finally:
         listener.close()
 

@@ -71,10 +71,10 @@ def every_text_has_words(chats: Chats, words: int) -> bool:
 @asynccontextmanager
 async def chatting(
     db_path: Any, drain: Callable[[DrainContext], Awaitable[None]], chats: Chats
-) -> AsyncIterator[None]:
+) -> AsyncIterator[trio_sessions.Runtime]:
     """A worker runtime draining with `drain` and a web runtime holding one stream per chat,
-    each chat submitted once its stream is open; the block runs once every stream holds its
-    answer."""
+    each chat submitted once its stream is open; the block runs (given the web runtime) once
+    every stream holds its answer."""
     async with (
         trio_sessions.open_runtime(real_store(db_path), drain, recovery_interval=60),
         trio_sessions.open_runtime(real_store(db_path), None) as web,
@@ -86,7 +86,7 @@ async def chatting(
             await entered.wait()
             await web.submit(session, {"text": "hi"})
         await chats.until(lambda: chats.holding == set(chats.sessions))
-        yield
+        yield web
         nursery.cancel_scope.cancel()
 
 
@@ -154,6 +154,14 @@ async def test_a_signal_naming_one_session_looks_only_at_its_streams(
         return heads(tx, tops, message_ids)
 
     monkeypatch.setattr(_store, "stream_heads", recorded)
+    scans: list[str] = []  # the owners of the change scans (doorbells, claims, watchers)
+    changes = _store.changes
+
+    def scanned(tx: Any, owner_id: str, *args: Any) -> Any:
+        scans.append(owner_id)
+        return changes(tx, owner_id, *args)
+
+    monkeypatch.setattr(_store, "changes", scanned)
     chats = Chats([f"c{index}" for index in range(6)])
     go = {session: trio.Event() for session in chats.sessions}
 
@@ -165,10 +173,15 @@ async def test_a_signal_naming_one_session_looks_only_at_its_streams(
         await trio.sleep_forever()
 
     with trio.fail_after(BOUND):
-        async with chatting(db_path, drain, chats):
+        async with chatting(db_path, drain, chats) as web:
             looked.clear()
+            scans.clear()
             go["c3"].set()
             await chats.until(lambda: chats.texts["c3"] == "word")
+            web_scans = scans.count(web.owner_id)
+    # A transcript-only change needs no scan of doorbells and claims where no watcher
+    # follows the session: the web process went straight to its streams.
+    assert web_scans == 0
     # The word's look read c3's stream only. (A late signal of an earlier write may add a
     # look at the sessions it named - never at every stream.)
     assert {"c3"} in looked, looked

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from typing import Any, Literal, Protocol, TypeVar, TypeVarTuple, Unpack
 
@@ -40,8 +40,6 @@ Ts = TypeVarTuple("Ts")
 
 BackendName = Literal["sqlite", "postgres"]
 OwnChange = Callable[[str], bool] | None
-# What a change signal named: the sessions that changed, or None when any may have.
-Signalled = Collection[str] | None
 Params = Sequence[Any] | Mapping[str, Any]
 
 
@@ -131,6 +129,15 @@ class Tx(Protocol):
         """Remove the record of these owners' tokens where still free (they are gone and
         hold no live claim)."""
         ...
+
+
+@attrs.frozen
+class Signal:
+    """What a change signal named (PostgreSQL): the sessions that changed, and whether every
+    change it names was to a transcript only (no doorbell, claim or input moved)."""
+
+    sessions: frozenset[str]
+    transcripts_only: bool
 
 
 class NeedsTransaction(Exception):
@@ -311,11 +318,11 @@ class Executor(Protocol):
         *,
         own: OwnChange = None,
         follows: OwnChange = None,
-    ) -> Signalled:
+    ) -> Signal | None:
         """Return when another connection may have committed (SQLite: `data_version`;
         PostgreSQL: a notification), when `kick` is set, or after `fallback` seconds (the slow
-        fallback poll: a lost signal costs latency, never work). What changed: the sessions
-        the signal named (PostgreSQL), or None when any may have (SQLite, a kick, the poll).
+        fallback poll: a lost signal costs latency, never work). What changed: what the
+        signal named (PostgreSQL), or None when anything may have (SQLite, a kick, the poll).
 
         `own(session_id)`: whether a change this runtime made itself to that session still
         needs a look (a local watcher follows it); a backend that can tell its own commits

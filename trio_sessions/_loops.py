@@ -21,7 +21,7 @@ import attrs
 import trio
 
 from . import _observe, _store
-from ._backend import Signalled
+from ._backend import Signal
 from ._coordinator import SessionEntry
 from ._decisions import RecoveryDecision, rearms_doorbell
 from ._errors import StoreError
@@ -51,7 +51,7 @@ class BackgroundLoops:
         latency only: the fallback poll and recovery still find the work."""
         runtime = self._runtime
         while True:
-            signalled = await runtime._db.wait_for_change(
+            signal = await runtime._db.wait_for_change(
                 runtime._kick,
                 CHANGE_FALLBACK_POLL,
                 own=runtime._watchers.watching,
@@ -59,9 +59,22 @@ class BackgroundLoops:
             )
             runtime._kick = trio.Event()
             with contextlib.suppress(StoreError):  # looked at again at the next signal
-                await self._look_at_changes(signalled)
+                await self._look_at_changes(signal)
 
-    async def _look_at_changes(self, signalled: Signalled) -> None:
+    async def _look_at_changes(self, signal: Signal | None) -> None:
+        runtime = self._runtime
+        if signal is None or self._needs_scan(signal):
+            await self._scan_changes()
+        await runtime._streams.look(runtime._db.read, None if signal is None else signal.sessions)
+
+    def _needs_scan(self, signal: Signal) -> bool:
+        """Whether a signal may have moved a doorbell, a claim, an input or what a watcher
+        follows: a change to transcripts only, of sessions no watcher follows, only concerns
+        streams (the web process of a chat load reads no doorbells per streamed word)."""
+        watchers = self._runtime._watchers
+        return not signal.transcripts_only or any(map(watchers.watching, signal.sessions))
+
+    async def _scan_changes(self) -> None:
         runtime = self._runtime
         takes_wakes = runtime._drain is not None and not runtime._closing
         changes = await runtime._db.read(
@@ -86,7 +99,6 @@ class BackgroundLoops:
                 runtime._remote_signals += 1
         runtime._due.arm(changes.next_due_ms)
         runtime._watchers.apply(changes.watched)
-        await runtime._streams.look(runtime._db.read, signalled)
 
     # -- recovery -----------------------------------------------------------------------------
 

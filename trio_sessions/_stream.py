@@ -32,14 +32,13 @@ import contextlib
 import copy
 import hashlib
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator
 from typing import Any, Literal
 
 import attrs
 import trio
 
 from . import _store
-from ._backend import Signalled
 from ._errors import MalformedRecord
 from ._model import AssistantData, TextPart, ToolPart
 from ._store.stream import (
@@ -453,7 +452,7 @@ class StreamHub:
         for stream in self._streams.get(session_id, ()):
             stream.mark_dirty()
 
-    async def look(self, read: Read, signalled: Signalled = None) -> None:
+    async def look(self, read: Read, signalled: Collection[str] | None = None) -> None:
         """After a change signal: find the streams behind the store (one read for all of
         them; a stream already dirty reads by itself) and catch them up (`_catch_up`) -
         the streams of the sessions the signal named, or all of them (None)."""

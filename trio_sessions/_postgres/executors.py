@@ -53,7 +53,7 @@ from .._backend import (
     BackendName,
     Job,
     OwnChange,
-    Signalled,
+    Signal,
     StoreStatistics,
     Tx,
     session_named,
@@ -142,7 +142,7 @@ class PgInlineExecutor:
         *,
         own: OwnChange = None,
         follows: OwnChange = None,
-    ) -> Signalled:
+    ) -> Signal | None:
         wanted = _wanted([self.engine], own, follows)
         return await _wait_for_change(self.listener, kick, fallback, wanted)
 
@@ -341,7 +341,7 @@ class PgThreadExecutor:
         *,
         own: OwnChange = None,
         follows: OwnChange = None,
-    ) -> Signalled:
+    ) -> Signal | None:
         wanted = _wanted(self.engines, own, follows)
         return await _wait_for_change(self.listener, kick, fallback, wanted)
 

@@ -31,7 +31,7 @@ import trio
 from psycopg import sql
 
 from .. import _observe
-from .._backend import Signalled, driver_error
+from .._backend import Signal, driver_error
 from .._errors import StoreError
 from .connections import WATCHERS_ONLY, channel, connect
 
@@ -92,12 +92,12 @@ class PgListener:
         kick: trio.Event,
         fallback: float,
         wanted: Wanted | None = None,
-    ) -> Signalled:
+    ) -> Signal | None:
         """Return on a notification `wanted(sender's backend pid, session id, watchers
-        only)` (default: any) - the sessions the wanted ones named, or None when any may
+        only)` (default: any) - what the wanted ones named, or None when anything may
         have changed (an empty payload, a reconnect) - when `kick` is set, or after
         `fallback` seconds (both None)."""
-        signalled: Signalled = None
+        signalled: Signal | None = None
         with trio.move_on_after(fallback):
             async with trio.open_nursery() as nursery:
 
@@ -110,7 +110,7 @@ class PgListener:
                 nursery.cancel_scope.cancel()
         return signalled
 
-    async def _notified(self, wanted: Wanted | None) -> Signalled:
+    async def _notified(self, wanted: Wanted | None) -> Signal | None:
         if self.conn is None or self.conn.closed or self.conn.broken:
             self.close()
             try:
@@ -124,7 +124,7 @@ class PgListener:
         pgconn = self.conn.pgconn
         while True:
             signalled = self._take_notifications(pgconn, wanted)
-            if signalled is None or signalled:
+            if signalled is None or signalled.sessions:
                 return signalled
             await trio.lowlevel.wait_readable(pgconn.socket)
             try:
@@ -134,23 +134,24 @@ class PgListener:
                 return None  # reconnect at the next wait; rescan now
 
     @staticmethod
-    def _take_notifications(pgconn: psycopg.pq.abc.PGconn, wanted: Wanted | None) -> Signalled:
-        """The sessions the wanted notifications received so far named (empty: none was
-        wanted), or None: one said any may have changed."""
-        signalled: set[str] | None = set()
+    def _take_notifications(pgconn: psycopg.pq.abc.PGconn, wanted: Wanted | None) -> Signal | None:
+        """What the wanted notifications received so far named (no session: none was
+        wanted), or None: one said anything may have changed."""
+        sessions: set[str] = set()
+        transcripts_only = True
+        everything = False
         while (notify := pgconn.notifies()) is not None:
             payload = notify.extra.decode(errors="replace")
             if payload == LOOK_AT_EVERYTHING:
-                signalled = None  # which sessions changed is unknown, as after a reconnect
+                everything = True  # which sessions changed is unknown, as after a reconnect
                 continue
             for line in payload.split("\n"):
                 watchers_only = line.startswith(WATCHERS_ONLY)
                 session_id = line.removeprefix(WATCHERS_ONLY)
-                if signalled is not None and (
-                    wanted is None or wanted(notify.be_pid, session_id, watchers_only)
-                ):
-                    signalled.add(session_id)
-        return signalled
+                if wanted is None or wanted(notify.be_pid, session_id, watchers_only):
+                    sessions.add(session_id)
+                    transcripts_only = transcripts_only and watchers_only
+        return None if everything else Signal(frozenset(sessions), transcripts_only)
 
 
 async def _wait_for_change(
@@ -158,7 +159,7 @@ async def _wait_for_change(
     kick: trio.Event,
     fallback: float,
     wanted: Wanted | None = None,
-) -> Signalled:
+) -> Signal | None:
     if listener is not None:
         return await listener.wait(kick, fallback, wanted)
     with trio.move_on_after(fallback):  # poll-only (listen=False): e.g. behind PgBouncer
