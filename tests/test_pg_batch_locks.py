@@ -14,10 +14,14 @@ import threading
 from typing import Any
 
 import psycopg
+import pytest
 from helpers import pg_engine_at as engine_at
+from helpers import pg_raw as raw
 
-from trio_sessions import _backend
-from trio_sessions._postgres import PgTx
+from trio_sessions import _backend, _store
+from trio_sessions._backend import Job
+from trio_sessions._decisions import AcquireVerdict
+from trio_sessions._postgres import SESSION_LOCK_NAMESPACE, PgTx, run_op
 
 WAIT_S = 30.0  # a bound on each gate, never reached when the test passes
 
@@ -94,3 +98,44 @@ def test_a_batch_locks_sessions_whose_ids_need_quoting(pg_url: str, pg_schema: s
         engine.run_batch(batch)
         assert [job.unwrap() for job in batch] == sessions
         assert engine.transactions == 1
+
+
+def _hold_session_lock(conn: psycopg.Connection[Any], session_id: str) -> None:
+    conn.execute("BEGIN")
+    conn.execute(
+        f"SELECT pg_advisory_xact_lock({SESSION_LOCK_NAMESPACE}, hashtext(%s))", (session_id,)
+    )
+
+
+@pytest.mark.parametrize("together", [False, True], ids=["alone", "in-a-batch"])
+def test_an_acquire_of_a_session_another_transaction_holds_answers_at_once(
+    pg_url: str, pg_schema: str, together: bool
+) -> None:
+    """Two workers see the same doorbell: the one whose acquire finds the session's lock
+    taken (the other's acquire, a submit still committing) claims nothing and does not wait
+    - nor does the rest of its batch - since whoever holds the lock claims the session or
+    signals it again once committed. The doorbell stays for them; a later acquire claims."""
+    with engine_at(pg_url, pg_schema, 1.0) as engine, raw(pg_url, pg_schema) as holder:
+        run_op(engine, _store.wake, "busy")
+        run_op(engine, _store.wake, "free")
+        _hold_session_lock(holder, "busy")
+        jobs = [Job(_store.acquire, ("busy", "e1", "me", 30_000))]
+        if together:
+            jobs.append(Job(_store.acquire, ("free", "e2", "me", 30_000)))
+            jobs.append(Job(_store.submit, ("other", "{}", "i1")))
+        runner = threading.Thread(target=engine.run_batch, args=(jobs,))
+        runner.start()
+        runner.join(WAIT_S / 3)
+        waited = runner.is_alive()
+        holder.execute("ROLLBACK")
+        runner.join(WAIT_S)
+        assert not waited, "the batch waited for the session's lock"
+        assert jobs[0].unwrap().verdict is AcquireVerdict.HELD
+        if together:
+            assert jobs[1].unwrap().verdict is AcquireVerdict.CLAIM
+            assert jobs[2].unwrap() == "i1"
+        rung = holder.execute("SELECT time_woken IS NOT NULL FROM session WHERE id = 'busy'")
+        assert rung.fetchone() == (True,)
+        assert run_op(engine, _store.acquire, "busy", "e3", "me", 30_000).verdict is (
+            AcquireVerdict.CLAIM
+        )

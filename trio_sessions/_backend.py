@@ -166,6 +166,15 @@ def autocommit_when_alone(op: Callable[..., T]) -> Callable[..., T]:
     return op
 
 
+def skips_a_busy_session(op: Callable[..., T]) -> Callable[..., T]:
+    """Mark an operation on one session that never waits for another transaction's lock on
+    it (PostgreSQL: it answers at once instead - an acquire from a doorbell, which leaves
+    the session to whoever is working on it): a batch does not take that session's lock
+    up front for it (`lock_sessions_first`)."""
+    op.__dict__["skips_a_busy_session"] = True
+    return op
+
+
 def caller_yields_next(op: Callable[..., T]) -> Callable[..., T]:
     """Mark an operation whose every caller, once it succeeded, gives the event loop up
     itself soon after, with nothing slow in between (`_busy`: a wake that took the claim

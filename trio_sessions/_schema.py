@@ -161,7 +161,7 @@ SQLITE_OUR_TABLES = frozenset(
 # ---------------------------------------------------------------------------------------------
 # PostgreSQL
 
-POSTGRES_SCHEMA_VERSION = 12
+POSTGRES_SCHEMA_VERSION = 13
 
 # Same names, meanings and named CHECKs as the SQLite schema (`SQLITE_MIGRATIONS`, whose
 # versions 1-3 are PostgreSQL's first: no PostgreSQL store predates them); times
@@ -317,6 +317,10 @@ ALTER TABLE session ADD COLUMN time_paused BIGINT;
 DROP FUNCTION IF EXISTS ts_recover(text, text[], text[], text[], text[], bigint, bigint, bigint,
     boolean);
 """,
+    # The functions again, no table changes: an acquire from a doorbell never waits for a
+    # session another transaction holds (`ts_try_lock`; `ts_acquire` and
+    # `ts_acquire_many` answer 'busy').
+    13: "",
 }
 
 
@@ -358,4 +362,5 @@ POSTGRES_BACKFILLS: dict[int, Callable[[Any], None]] = {
     10: _create_functions,
     11: _create_functions,
     12: _create_functions,
+    13: _create_functions,
 }

@@ -576,8 +576,14 @@ class PgEngine:
 
 def _batch_begin(jobs: Sequence[Job]) -> str:
     """How a batch begins: with its sessions' locks, in one order, when it names two or
-    more (`lock_sessions_first`)."""
-    sessions = {s for job in jobs if (s := session_named(job.op, job.args)) is not None}
+    more (`lock_sessions_first`) - but not those only an operation that never waits for a
+    session's lock names (`skips_a_busy_session`)."""
+    sessions = {
+        s
+        for job in jobs
+        if (s := session_named(job.op, job.args)) is not None
+        and not job.op.__dict__.get("skips_a_busy_session", False)
+    }
     return lock_sessions_first(_BEGIN_BATCH, sessions) if len(sessions) > 1 else _BEGIN_BATCH
 
 

@@ -36,6 +36,7 @@ from .._backend import (
     autocommit_when_alone,
     caller_yields_next,
     pg_batched,
+    skips_a_busy_session,
     sqlite_batched,
 )
 from .._decisions import AcquireVerdict
@@ -147,11 +148,14 @@ def _pg_woken_and_acquired(args: tuple[Any, ...], row: tuple[Any, ...]) -> tuple
 
 @caller_yields_next
 @autocommit_when_alone
+@skips_a_busy_session
 @pg_batched("ts_acquire_many", _pg_acquired_row)
 @sqlite_batched(_acquire_many)
 def acquire(tx: Tx, session_id: str, execution_id: str, owner_id: str, lease_ms: int) -> Acquired:
     """Insert the claim only if no claim row exists, the session is not paused and the
-    doorbell is set; take the doorbell."""
+    doorbell is set; take the doorbell. PostgreSQL: held, at once and with nothing written,
+    when another transaction holds the session's lock (it claims the session, or signals
+    it again once committed: a look then acquires)."""
     if tx.dialect == "postgres":
         args = (session_id, execution_id, owner_id, lease_ms)
         [row] = tx.call("ts_acquire", *args)
@@ -305,7 +309,10 @@ def submit_and_acquire(
 
 
 def _pg_acquired(verdict: str, attempt: int | None, holder: str | None) -> Acquired:
-    """A PostgreSQL acquire verdict (`ts_acquire_locked`) as `Acquired`."""
+    """A PostgreSQL acquire verdict (`ts_acquire_locked`) as `Acquired`: 'busy' (another
+    transaction holds the session: it claims it, or signals it again) as held."""
+    if verdict == "busy":
+        return Acquired(AcquireVerdict.HELD)
     return Acquired(AcquireVerdict(verdict), attempt=int(attempt or 0), holder=holder)
 
 
@@ -338,35 +345,48 @@ def _insert_claim(
     return Acquired(AcquireVerdict.CLAIM, attempt=int(attempts))
 
 
-def _pg_acquire_many(name: str, single: str, what: str, ready: str, create: str) -> str:
+def _pg_acquire_many(
+    name: str, single: str, what: str, ready: str, create: str, *, skip_busy: bool
+) -> str:
     """The DDL of `name`, the set-wise form of `single` (an acquire of one session, taking
     (session, exec, owner, lease)): the first job of each session whose session is free to
     claim (no claim row, not paused) and `ready` (SQL on the session row `s`) takes its
     claim in one statement, `create` (CTEs on `free`) first; every other job goes through
     `single` one by one after it, in the lock order (none touches a session the statement
-    wrote)."""
+    wrote). `skip_busy`: a session whose lock another transaction holds is answered 'busy'
+    at once (as `single` answers it), not waited for."""
+    if skip_busy:
+        locks = """    -- Never waited for: its holder claims it or signals it again.
+    v_busy := ARRAY(SELECT DISTINCT u.s FROM unnest(p_sessions) AS u(s)
+                    WHERE NOT ts_try_lock(u.s));
+    RETURN QUERY SELECT u.n, 'busy', NULL::bigint, NULL::text
+        FROM unnest(p_sessions) WITH ORDINALITY AS u(s, n) WHERE u.s = ANY(v_busy);"""
+        lock_order = "each session's lock if free (a busy one answered at once)"
+    else:
+        locks = "    PERFORM ts_lock_all(p_sessions);"
+        lock_order = "every session lock first, in the functions' order (hashtext, id)"
     return f"""
 -- Group commit, set-wise: one call for a batch's {single} jobs, each answered as {single}
--- answers it. Every session lock first, in the functions' order (hashtext, id), then the
--- clock. The first job of each session free to claim (no claim row, not paused) is settled
--- for the whole batch by one statement - {what}; every other job (a held, paused or
--- unrung session, a session's later jobs) goes through {single} one by one after it, in the
--- lock order.
+-- answers it: {lock_order}, then the clock. The first job of each session free to claim
+-- (no claim row, not paused) is settled for the whole batch by one statement - {what};
+-- every other job (a held, paused or unrung session, a session's later jobs) goes through
+-- {single} one by one after it, in the lock order.
 CREATE OR REPLACE FUNCTION {name}(p_sessions text[], p_execs text[], p_owners text[],
     p_leases bigint[], p_now bigint, p_retry boolean)
 RETURNS TABLE(ord bigint, verdict text, attempt bigint, holder text)
 LANGUAGE plpgsql VOLATILE
 @GENERIC_PLAN@ AS $$
 DECLARE
-    v_now bigint; v_ords bigint[]; v_attempts bigint[]; r record;
+    v_now bigint; v_ords bigint[]; v_attempts bigint[]; r record; v_busy text[] := '{{}}';
 BEGIN
-    PERFORM ts_lock_all(p_sessions);
+{locks}
     v_now := ts_now(p_now);
     WITH job AS (
         SELECT u.s, u.e, u.o, u.l, u.n,
             row_number() OVER (PARTITION BY u.s ORDER BY u.n) AS nth
         FROM unnest(p_sessions, p_execs, p_owners, p_leases)
-            WITH ORDINALITY AS u(s, e, o, l, n)),
+            WITH ORDINALITY AS u(s, e, o, l, n)
+        WHERE NOT u.s = ANY(v_busy)),
     free AS MATERIALIZED (
         SELECT j.s, j.e, j.o, j.l, j.n, s.id IS NULL AS absent, s.time_woken,
             COALESCE(s.wake_attempts, 0) AS wake_attempts
@@ -388,7 +408,7 @@ BEGIN
     FOR r IN SELECT u.s, u.e, u.o, u.l, u.n
              FROM unnest(p_sessions, p_execs, p_owners, p_leases)
                  WITH ORDINALITY AS u(s, e, o, l, n)
-             WHERE NOT u.n = ANY(COALESCE(v_ords, '{{}}'))
+             WHERE NOT u.n = ANY(COALESCE(v_ords, '{{}}')) AND NOT u.s = ANY(v_busy)
              ORDER BY hashtext(u.s), u.s, u.n LOOP
         SELECT r.n, f.verdict, f.attempt, f.holder INTO ord, verdict, attempt, holder
             FROM {single}(r.s, r.e, r.o, r.l, p_now, p_retry) f;
@@ -451,7 +471,9 @@ BEGIN
     verdict := 'claim';
 END $$;
 
--- acquire (see ts_acquire_locked). Idempotent by execution id.
+-- acquire (see ts_acquire_locked), or 'busy' (nothing written) when another transaction
+-- holds the session's lock: it claims the session, or signals it again once committed.
+-- Idempotent by execution id.
 CREATE OR REPLACE FUNCTION ts_acquire(p_session text, p_exec text, p_owner text,
     p_lease bigint, p_now bigint, p_retry boolean,
     OUT verdict text, OUT attempt bigint, OUT holder text)
@@ -459,7 +481,11 @@ LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     v_now bigint;
 BEGIN
-    v_now := ts_lock_now(p_session, p_now);
+    IF NOT ts_try_lock(p_session) THEN
+        verdict := 'busy';
+        RETURN;
+    END IF;
+    v_now := ts_now(p_now);
     SELECT a.verdict, a.attempt, a.holder INTO verdict, attempt, holder
         FROM ts_acquire_locked(p_session, p_exec, p_owner, p_lease, v_now, false) a;
 END $$;
@@ -528,6 +554,7 @@ END $$;
         "acquire: its doorbell set, so the claim takes it",
         "s.id IS NOT NULL AND s.time_woken IS NOT NULL",
         "",
+        skip_busy=True,
     )
     + _pg_acquire_many(
         "ts_wake_and_acquire_many",
@@ -539,6 +566,7 @@ END $$;
         INSERT INTO session(id, time_created) SELECT f.s, v_now FROM free f
             WHERE f.absent ON CONFLICT (id) DO NOTHING),
 """,
+        skip_busy=False,
     )
     + r"""
 -- Group commit, set-wise: one call for a batch's submit_and_acquire jobs, each answered as

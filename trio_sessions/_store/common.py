@@ -255,6 +255,12 @@ $$;
 CREATE OR REPLACE FUNCTION ts_lock(p_session text) RETURNS void
 LANGUAGE sql VOLATILE AS $$ SELECT pg_advisory_xact_lock(@LOCK@, hashtext(p_session)) $$;
 
+-- The session lock if no other transaction holds it (never waits): an acquire from a
+-- doorbell leaves a session another transaction is working on to that one, which claims it
+-- or, once committed, signals it again.
+CREATE OR REPLACE FUNCTION ts_try_lock(p_session text) RETURNS boolean
+LANGUAGE sql VOLATILE AS $$ SELECT pg_try_advisory_xact_lock(@LOCK@, hashtext(p_session)) $$;
+
 -- The session lock, then the clock read after it (the wait may have been long): an
 -- operation's `now`.
 CREATE OR REPLACE FUNCTION ts_lock_now(p_session text, p_now bigint) RETURNS bigint
