@@ -139,3 +139,37 @@ def test_an_acquire_of_a_session_another_transaction_holds_answers_at_once(
         assert run_op(engine, _store.acquire, "busy", "e3", "me", 30_000).verdict is (
             AcquireVerdict.CLAIM
         )
+
+
+@pytest.mark.parametrize("together", [False, True], ids=["alone", "in-a-batch"])
+def test_an_acquire_of_a_claimed_session_takes_no_lock(
+    pg_url: str, pg_schema: str, together: bool
+) -> None:
+    """The worker that lost the race for a session answers held from the claim it sees,
+    without taking the session's lock: the winner's next operation on it (taking the
+    inputs) never waits for the loser's batch to commit."""
+    with engine_at(pg_url, pg_schema, 1.0) as engine, raw(pg_url, pg_schema) as holder:
+        for session_id in ("won", "free"):
+            run_op(engine, _store.wake, session_id)
+        assert run_op(engine, _store.acquire, "won", "e0", "winner", 30_000).verdict is (
+            AcquireVerdict.CLAIM
+        )
+        _hold_session_lock(holder, "free")  # a batch alone would skip it: keep it busy
+        jobs = [Job(_store.acquire, ("won", "e1", "loser", 30_000))]
+        if together:
+            jobs.append(Job(_store.acquire, ("free", "e2", "loser", 30_000)))
+        try:
+            # In the loser's own transaction (begun with its first statement), the way its
+            # batch leaves it before COMMIT.
+            tx = PgTx(engine.conn, None)
+            results = engine._run_jobs(tx, jobs)
+            locked = holder.execute(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = %s",
+                (engine.backend_pid,),
+            ).fetchone()
+        finally:
+            engine.conn.execute("ROLLBACK")
+            holder.execute("ROLLBACK")
+    assert [result.verdict for result in results] == [AcquireVerdict.HELD] * len(jobs)
+    assert results[0].holder == "winner"
+    assert locked == (0,)

@@ -356,12 +356,27 @@ def _pg_acquire_many(
     wrote). `skip_busy`: a session whose lock another transaction holds is answered 'busy'
     at once (as `single` answers it), not waited for."""
     if skip_busy:
-        locks = """    -- Never waited for: its holder claims it or signals it again.
-    v_busy := ARRAY(SELECT DISTINCT u.s FROM unnest(p_sessions) AS u(s)
-                    WHERE NOT ts_try_lock(u.s));
+        locks = """    -- Held by another execution: answered without the lock (as if run just
+    -- before whatever moves that claim). A lock another transaction holds is never
+    -- waited for: its holder claims the session or signals it again.
+    v_skip := ARRAY(SELECT u.n FROM unnest(p_sessions, p_execs) WITH ORDINALITY AS u(s, e, n)
+                    JOIN session_execution c ON c.session_id = u.s AND c.id <> u.e);
+    RETURN QUERY SELECT u.n, 'held', NULL::bigint, c.owner_id
+        FROM unnest(p_sessions, p_execs) WITH ORDINALITY AS u(s, e, n)
+        JOIN session_execution c ON c.session_id = u.s AND c.id <> u.e;
+    v_busy := ARRAY(SELECT DISTINCT u.s FROM unnest(p_sessions) WITH ORDINALITY AS u(s, n)
+                    -- CASE: the lock is tried only for a session not answered above.
+                    WHERE CASE WHEN u.n = ANY(v_skip) THEN false
+                               ELSE NOT ts_try_lock(u.s) END);
     RETURN QUERY SELECT u.n, 'busy', NULL::bigint, NULL::text
-        FROM unnest(p_sessions) WITH ORDINALITY AS u(s, n) WHERE u.s = ANY(v_busy);"""
-        lock_order = "each session's lock if free (a busy one answered at once)"
+        FROM unnest(p_sessions) WITH ORDINALITY AS u(s, n)
+        WHERE u.s = ANY(v_busy) AND NOT u.n = ANY(v_skip);
+    v_skip := v_skip || ARRAY(SELECT u.n FROM unnest(p_sessions) WITH ORDINALITY AS u(s, n)
+                              WHERE u.s = ANY(v_busy));"""
+        lock_order = (
+            "a session another execution holds answered held at once, then each session's"
+            "\n-- lock if free (a busy one answered at once)"
+        )
     else:
         locks = "    PERFORM ts_lock_all(p_sessions);"
         lock_order = "every session lock first, in the functions' order (hashtext, id)"
@@ -377,7 +392,8 @@ RETURNS TABLE(ord bigint, verdict text, attempt bigint, holder text)
 LANGUAGE plpgsql VOLATILE
 @GENERIC_PLAN@ AS $$
 DECLARE
-    v_now bigint; v_ords bigint[]; v_attempts bigint[]; r record; v_busy text[] := '{{}}';
+    v_now bigint; v_ords bigint[]; v_attempts bigint[]; r record; v_busy text[];
+    v_skip bigint[] := '{{}}';
 BEGIN
 {locks}
     v_now := ts_now(p_now);
@@ -386,7 +402,7 @@ BEGIN
             row_number() OVER (PARTITION BY u.s ORDER BY u.n) AS nth
         FROM unnest(p_sessions, p_execs, p_owners, p_leases)
             WITH ORDINALITY AS u(s, e, o, l, n)
-        WHERE NOT u.s = ANY(v_busy)),
+        WHERE NOT u.n = ANY(v_skip)),
     free AS MATERIALIZED (
         SELECT j.s, j.e, j.o, j.l, j.n, s.id IS NULL AS absent, s.time_woken,
             COALESCE(s.wake_attempts, 0) AS wake_attempts
@@ -408,7 +424,7 @@ BEGIN
     FOR r IN SELECT u.s, u.e, u.o, u.l, u.n
              FROM unnest(p_sessions, p_execs, p_owners, p_leases)
                  WITH ORDINALITY AS u(s, e, o, l, n)
-             WHERE NOT u.n = ANY(COALESCE(v_ords, '{{}}')) AND NOT u.s = ANY(v_busy)
+             WHERE NOT u.n = ANY(COALESCE(v_ords, '{{}}')) AND NOT u.n = ANY(v_skip)
              ORDER BY hashtext(u.s), u.s, u.n LOOP
         SELECT r.n, f.verdict, f.attempt, f.holder INTO ord, verdict, attempt, holder
             FROM {single}(r.s, r.e, r.o, r.l, p_now, p_retry) f;
@@ -471,8 +487,9 @@ BEGIN
     verdict := 'claim';
 END $$;
 
--- acquire (see ts_acquire_locked), or 'busy' (nothing written) when another transaction
--- holds the session's lock: it claims the session, or signals it again once committed.
+-- acquire (see ts_acquire_locked); 'held' without the lock when another execution holds
+-- the session, and 'busy' (nothing written) when another transaction holds its lock: that
+-- one claims the session, or signals it again once committed.
 -- Idempotent by execution id.
 CREATE OR REPLACE FUNCTION ts_acquire(p_session text, p_exec text, p_owner text,
     p_lease bigint, p_now bigint, p_retry boolean,
@@ -481,6 +498,14 @@ LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     v_now bigint;
 BEGIN
+    -- Held by another execution: answered without the lock (as if this ran just before
+    -- whatever moves that claim). A busy lock: never waited for.
+    SELECT c.owner_id INTO holder FROM session_execution c
+        WHERE c.session_id = p_session AND c.id <> p_exec;
+    IF FOUND THEN
+        verdict := 'held';
+        RETURN;
+    END IF;
     IF NOT ts_try_lock(p_session) THEN
         verdict := 'busy';
         RETURN;
