@@ -32,6 +32,7 @@ from ._coordinator import Execution, SessionEntry
 from ._decisions import (
     AcquireVerdict,
     EndingCause,
+    EndingPlan,
     EndingWrite,
     IterationVerdict,
     Successor,
@@ -61,6 +62,36 @@ class _Ending:
     # Released because its claim was marked cancelling while a wake waits: a successor
     # takes it (the interrupted busy period starts no iteration of its own).
     handed_over: bool = False
+
+
+# Frozen, so one instance serves every claim that ends this way (most end so): no
+# allocation per busy period.
+_RELEASED = _Ending("released")
+_HANDED_OVER = _Ending("released", handed_over=True)
+_NOT_CLAIMED = _Ending("not_claimed")
+_INTERRUPTED = _Ending("interrupted")
+_SUCCEEDED = Outcome("succeeded")
+# The ending table's cause of each kind of ending. A claim attempt that failed is a failure
+# of a claim not ours: the table writes nothing (the wake stays durable; the change loop or
+# a recovery pass tries again).
+_CAUSES = {
+    "not_claimed": EndingCause.NOT_CLAIMED,
+    "claim_failed": EndingCause.FAILED,
+    "released": EndingCause.RELEASED,
+    "failed": EndingCause.FAILED,
+    "interrupted": EndingCause.INTERRUPTED,
+}
+_DEFERRED = Outcome("deferred")
+
+
+def _outcome(plan: EndingPlan, error: BaseException | None = None) -> Outcome:
+    """The busy period's outcome a plan names (a shared instance for the common ones)."""
+    if plan.reason is None and error is None:
+        if plan.outcome == "succeeded":
+            return _SUCCEEDED
+        if plan.outcome == "deferred":
+            return _DEFERRED
+    return Outcome(plan.outcome, plan.reason, error)
 
 
 class BusyPeriods:
@@ -161,7 +192,7 @@ class BusyPeriods:
             entry.start_successor(_store.new_id())
             runtime._nursery.start_soon(self.busy_period, entry)
         else:
-            self._release(entry, Outcome(plan.outcome, plan.reason))
+            self._release(entry, _outcome(plan))
 
     async def _pass_on_then_release(self, entry: SessionEntry) -> None:
         try:
@@ -222,7 +253,7 @@ class BusyPeriods:
     async def busy_period(self, entry: SessionEntry) -> None:
         """One busy period: this claim (already owned, or acquired here) and its successors."""
         runtime = self._runtime
-        outcome = Outcome("deferred")
+        outcome = _DEFERRED
         try:
             while True:
                 outcome, successor_due = await self._one_claim(entry)
@@ -233,7 +264,7 @@ class BusyPeriods:
             # Cancelled from outside (the runtime's scope) or an internal error: this busy
             # period was stopped, whatever an earlier iteration's outcome was.
             plan = decide_ending(EndingCause.STOPPED, reason=entry.reason, owned=entry.owned)
-            outcome = Outcome(plan.outcome, plan.reason)
+            outcome = _outcome(plan)
             # The drain has exited (a cancellation only leaves it once it did): with the
             # claim still ours, hand it back so any owner can recover it at once. A claim
             # whose user interrupt was accepted is marked cancelling instead, so recovery
@@ -267,7 +298,7 @@ class BusyPeriods:
             # and no drain ran.
             ending = _Ending("failed" if entry.owned else "claim_failed", error=exc)
         if ending is None:
-            ending = _Ending("interrupted")
+            ending = _INTERRUPTED
         outcome, successor_due = await self._finalize(entry, ending)
         self._runtime._streams.touch(entry.session_id)  # open messages were closed by the store
         entry.current.resolve(outcome)
@@ -306,7 +337,7 @@ class BusyPeriods:
                 # The schedule point the acquire left to its caller (`caller_yields_next`);
                 # a claim goes on to its drain, which gives the loop up (or the task ends).
                 await self._schedule_point_left(left)
-                return _Ending("not_claimed")
+                return _NOT_CLAIMED
             entry.keep_going()
         if runtime._hook is not None:
             await runtime._hook(
@@ -365,7 +396,7 @@ class BusyPeriods:
                 entry.yield_owed = left
                 if runtime._seams.after_finish is not None:
                     await runtime._seams.after_finish(entry.session_id)
-                return _Ending("released", handed_over=verdict is IterationVerdict.HAND_OVER)
+                return _HANDED_OVER if verdict is IterationVerdict.HAND_OVER else _RELEASED
             entry.keep_going()
             # The schedule point the finish left to us (`caller_yields_next`): a drain that
             # never awaits, woken again and again, must not starve the other tasks.
@@ -381,9 +412,7 @@ class BusyPeriods:
         lease_lost = ending.kind in ("failed", "interrupted") and (
             isinstance(ending.error, LeaseLost) or entry.self_fenced()
         )
-        # A claim attempt that failed is a failure of a claim not ours: the table writes
-        # nothing (the wake stays durable; the change loop or a recovery pass tries again).
-        cause = EndingCause.FAILED if ending.kind == "claim_failed" else EndingCause(ending.kind)
+        cause = _CAUSES[ending.kind]
         plan = decide_ending(cause, reason=entry.reason, owned=entry.owned, lease_lost=lease_lost)
         if plan.reason == "lease_lost":
             if not known_lost:
@@ -406,7 +435,7 @@ class BusyPeriods:
         error = ending.error if plan.outcome == "failed" else None
         successor_due = plan.successor is Successor.IF_RUNG and entry.rung_since_decision()
         # Released by a claim marked cancelling with a wake waiting: a successor takes it.
-        return Outcome(plan.outcome, plan.reason, error), successor_due or ending.handed_over
+        return _outcome(plan, error), successor_due or ending.handed_over
 
     def _log_claim_lost(self, entry: SessionEntry, error: BaseException | None) -> None:
         if isinstance(error, LeaseLost):

@@ -95,7 +95,10 @@ class HandoffQueue:
         queued = Queued(job, mode, trio.lowlevel.current_task())
         self._queue.append(queued)
         self._work.set()
-        return await queued.outcome(lambda withdrawn: self._queue.remove(withdrawn))
+        return await queued.outcome(self._withdraw)
+
+    def _withdraw(self, queued: Queued) -> None:
+        self._queue.remove(queued)
 
     async def pump(
         self,
