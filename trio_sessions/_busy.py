@@ -157,8 +157,10 @@ class BusyPeriods:
                 runtime._nursery.start_soon(self.busy_period, entry)
         # The schedule point the transaction left to its caller (`caller_yields_next`),
         # taken once the busy period started: one scheduler round then runs both the
-        # caller and the new drain.
-        await self._schedule_point_left(left)
+        # caller and the new drain. (Inline, as at each such point: a helper coroutine would
+        # cost a coroutine object per operation, on the path every submit takes.)
+        if left:
+            await trio.lowlevel.cancel_shielded_checkpoint()
         return result, execution
 
     def _left_schedule_point(self) -> bool:
@@ -166,11 +168,6 @@ class BusyPeriods:
         schedule point to us: read before any checkpoint. Executors that never skip one
         (the thread hand-off, the deterministic test stores) have no such flag."""
         return bool(getattr(self._runtime._db, "left_schedule_point", False))
-
-    @staticmethod
-    async def _schedule_point_left(left: bool) -> None:
-        if left:
-            await trio.lowlevel.cancel_shielded_checkpoint()
 
     def settle_unclaimed(self, entry: SessionEntry) -> None:
         """A prospective acquisition that did not claim (held elsewhere, withdrawn, failed,
@@ -336,7 +333,8 @@ class BusyPeriods:
             if acquired.verdict is not AcquireVerdict.CLAIM:
                 # The schedule point the acquire left to its caller (`caller_yields_next`);
                 # a claim goes on to its drain, which gives the loop up (or the task ends).
-                await self._schedule_point_left(left)
+                if left:
+                    await trio.lowlevel.cancel_shielded_checkpoint()
                 return _NOT_CLAIMED
             entry.keep_going()
         if runtime._hook is not None:
@@ -400,7 +398,8 @@ class BusyPeriods:
             entry.keep_going()
             # The schedule point the finish left to us (`caller_yields_next`): a drain that
             # never awaits, woken again and again, must not starve the other tasks.
-            await self._schedule_point_left(left)
+            if left:
+                await trio.lowlevel.cancel_shielded_checkpoint()
 
     async def _finalize(self, entry: SessionEntry, ending: _Ending) -> tuple[Outcome, bool]:
         """The finalizer: act on how the claim ended. Cancellable (runtime closing): then
