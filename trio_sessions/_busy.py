@@ -21,6 +21,7 @@ ended is decided once, by `_decisions.decide_ending`; this module only carries i
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
@@ -125,9 +126,10 @@ class BusyPeriods:
         ):
             result = await runtime._db.run(wake_only, *args)
             return result, self.ring(session_id)
-        entry = self.register(session_id)
+        sent_at = trio.current_time()
+        entry = self.register(session_id, sent_at=sent_at)
         entry.begin_deciding()
-        sent_at = entry.woken_at = trio.current_time()
+        entry.woken_at = sent_at
         try:
             # mypy cannot check `*args` of a Callable[..., Any] against a TypeVarTuple.
             result, acquired = await runtime._db.run(
@@ -230,9 +232,14 @@ class BusyPeriods:
     def owned_entries(self) -> list[SessionEntry]:
         return [entry for entry in self._runtime._entries.values() if entry.owned]
 
-    def register(self, session_id: str) -> SessionEntry:
-        # The prospective exact claim, registered before any I/O.
-        entry = SessionEntry(session_id, _store.new_id())
+    def register(self, session_id: str, *, sent_at: float | None = None) -> SessionEntry:
+        """The prospective exact claim, registered before any I/O; `sent_at`: when its claim
+        transaction is sent, if known (its scope is made with the local deadline `own`
+        gives it on success)."""
+        deadline = (
+            math.inf if sent_at is None else self_fence_deadline(sent_at, self._runtime._lease)
+        )
+        entry = SessionEntry(session_id, _store.new_id(), scope=trio.CancelScope(deadline=deadline))
         self._runtime._entries[session_id] = entry
         return entry
 
