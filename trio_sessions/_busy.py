@@ -296,7 +296,11 @@ class BusyPeriods:
         ending: _Ending | None = None
         try:
             with entry.scope:
-                ending = await self._claim_and_drain(entry)
+                ending = await self._claim(entry)
+                if ending is None:
+                    # Its own call, not one made by `_claim`: the drain's every step then
+                    # resumes one coroutine fewer.
+                    ending = await self._drain_loop(entry)
         except Exception as exc:  # a drain's ExceptionGroup once our Cancelled was removed
             # Not owned: the claim attempt itself failed (a store error while acquiring),
             # and no drain ran.
@@ -308,7 +312,8 @@ class BusyPeriods:
         entry.current.resolve(outcome)
         return outcome, successor_due
 
-    async def _claim_and_drain(self, entry: SessionEntry) -> _Ending:
+    async def _claim(self, entry: SessionEntry) -> _Ending | None:
+        """Acquire the claim unless already owned; None once the drain may start."""
         runtime = self._runtime
         if not entry.owned:
             entry.begin_deciding()
@@ -350,7 +355,7 @@ class BusyPeriods:
             )
         # The drain never starts for a claim whose interrupt arrived during the handoff.
         await trio.lowlevel.checkpoint_if_cancelled()
-        return await self._drain_loop(entry)
+        return None
 
     def own(self, entry: SessionEntry, *, attempt: int, resumed: bool, sent_at: float) -> None:
         """The claim committed; its local deadline counts from before it was sent."""
