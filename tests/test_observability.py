@@ -12,6 +12,7 @@ import logging
 import sqlite3
 import subprocess
 import sys
+import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,7 @@ from trio_sessions import (
     _store,
 )
 from trio_sessions import _observe as events
+from trio_sessions._coordinator import SessionEntry
 from trio_sessions._postgres import PostgresStore, run_op
 
 Clock = Callable[[], float]
@@ -487,3 +489,35 @@ def test_telemetry_absent_is_a_no_op(monkeypatch: pytest.MonkeyPatch) -> None:
     telemetry.count(events.TAKEOVERS, {})
     with telemetry.span(events.DRAIN_SPAN, {}) as span:
         assert span is None
+
+
+def test_drain_metrics_wait_for_a_meter_provider(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no meter provider set, a drain call makes no metric call (the API's proxy
+    instruments would record nothing, at a few us per call); a provider set while a call
+    runs gets no lone -1 from that call's end, and the next call is metered."""
+    telemetry = events._telemetry
+    api = types.SimpleNamespace(_METER_PROVIDER=None)
+    # raising=False: before, these did not exist and every call was metered.
+    monkeypatch.setattr(telemetry, "_metrics_api", api, raising=False)
+    monkeypatch.setattr(telemetry, "_meter_provider_unknown", False, raising=False)
+    calls: list[tuple[str, float]] = []
+    monkeypatch.setattr(telemetry, "add", lambda name, amount: calls.append((name, amount)))
+    monkeypatch.setattr(
+        telemetry, "record", lambda name, seconds, attributes: calls.append((name, seconds))
+    )
+
+    async def two_calls() -> None:
+        entry = SessionEntry("s", "e")
+        with events.drain_iteration(entry, "owner", None):
+            api._METER_PROVIDER = object()  # an application sets one meanwhile
+        assert calls == []
+        with events.drain_iteration(entry, "owner", None):
+            await trio.lowlevel.checkpoint()
+
+    trio.run(two_calls)
+    assert [name for name, _ in calls] == [
+        events.ACTIVE_DRAINS,
+        events.ACTIVE_DRAINS,
+        events.DRAIN_DURATION,
+    ]
+    assert [amount for name, amount in calls if name == events.ACTIVE_DRAINS] == [1, -1]

@@ -21,6 +21,7 @@ ended is decided once, by `_decisions.decide_ending`; this module only carries i
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
@@ -32,6 +33,7 @@ from ._coordinator import Execution, SessionEntry
 from ._decisions import (
     AcquireVerdict,
     EndingCause,
+    EndingPlan,
     EndingWrite,
     IterationVerdict,
     Successor,
@@ -61,6 +63,36 @@ class _Ending:
     # Released because its claim was marked cancelling while a wake waits: a successor
     # takes it (the interrupted busy period starts no iteration of its own).
     handed_over: bool = False
+
+
+# Frozen, so one instance serves every claim that ends this way (most end so): no
+# allocation per busy period.
+_RELEASED = _Ending("released")
+_HANDED_OVER = _Ending("released", handed_over=True)
+_NOT_CLAIMED = _Ending("not_claimed")
+_INTERRUPTED = _Ending("interrupted")
+_SUCCEEDED = Outcome("succeeded")
+# The ending table's cause of each kind of ending. A claim attempt that failed is a failure
+# of a claim not ours: the table writes nothing (the wake stays durable; the change loop or
+# a recovery pass tries again).
+_CAUSES = {
+    "not_claimed": EndingCause.NOT_CLAIMED,
+    "claim_failed": EndingCause.FAILED,
+    "released": EndingCause.RELEASED,
+    "failed": EndingCause.FAILED,
+    "interrupted": EndingCause.INTERRUPTED,
+}
+_DEFERRED = Outcome("deferred")
+
+
+def _outcome(plan: EndingPlan, error: BaseException | None = None) -> Outcome:
+    """The busy period's outcome a plan names (a shared instance for the common ones)."""
+    if plan.reason is None and error is None:
+        if plan.outcome == "succeeded":
+            return _SUCCEEDED
+        if plan.outcome == "deferred":
+            return _DEFERRED
+    return Outcome(plan.outcome, plan.reason, error)
 
 
 class BusyPeriods:
@@ -94,9 +126,10 @@ class BusyPeriods:
         ):
             result = await runtime._db.run(wake_only, *args)
             return result, self.ring(session_id)
-        entry = self.register(session_id)
+        sent_at = trio.current_time()
+        entry = self.register(session_id, sent_at=sent_at)
         entry.begin_deciding()
-        sent_at = entry.woken_at = trio.current_time()
+        entry.woken_at = sent_at
         try:
             # mypy cannot check `*args` of a Callable[..., Any] against a TypeVarTuple.
             result, acquired = await runtime._db.run(
@@ -126,8 +159,10 @@ class BusyPeriods:
                 runtime._nursery.start_soon(self.busy_period, entry)
         # The schedule point the transaction left to its caller (`caller_yields_next`),
         # taken once the busy period started: one scheduler round then runs both the
-        # caller and the new drain.
-        await self._schedule_point_left(left)
+        # caller and the new drain. (Inline, as at each such point: a helper coroutine would
+        # cost a coroutine object per operation, on the path every submit takes.)
+        if left:
+            await trio.lowlevel.cancel_shielded_checkpoint()
         return result, execution
 
     def _left_schedule_point(self) -> bool:
@@ -135,11 +170,6 @@ class BusyPeriods:
         schedule point to us: read before any checkpoint. Executors that never skip one
         (the thread hand-off, the deterministic test stores) have no such flag."""
         return bool(getattr(self._runtime._db, "left_schedule_point", False))
-
-    @staticmethod
-    async def _schedule_point_left(left: bool) -> None:
-        if left:
-            await trio.lowlevel.cancel_shielded_checkpoint()
 
     def settle_unclaimed(self, entry: SessionEntry) -> None:
         """A prospective acquisition that did not claim (held elsewhere, withdrawn, failed,
@@ -161,7 +191,7 @@ class BusyPeriods:
             entry.start_successor(_store.new_id())
             runtime._nursery.start_soon(self.busy_period, entry)
         else:
-            self._release(entry, Outcome(plan.outcome, plan.reason))
+            self._release(entry, _outcome(plan))
 
     async def _pass_on_then_release(self, entry: SessionEntry) -> None:
         try:
@@ -202,9 +232,14 @@ class BusyPeriods:
     def owned_entries(self) -> list[SessionEntry]:
         return [entry for entry in self._runtime._entries.values() if entry.owned]
 
-    def register(self, session_id: str) -> SessionEntry:
-        # The prospective exact claim, registered before any I/O.
-        entry = SessionEntry(session_id, _store.new_id())
+    def register(self, session_id: str, *, sent_at: float | None = None) -> SessionEntry:
+        """The prospective exact claim, registered before any I/O; `sent_at`: when its claim
+        transaction is sent, if known (its scope is made with the local deadline `own`
+        gives it on success)."""
+        deadline = (
+            math.inf if sent_at is None else self_fence_deadline(sent_at, self._runtime._lease)
+        )
+        entry = SessionEntry(session_id, _store.new_id(), scope=trio.CancelScope(deadline=deadline))
         self._runtime._entries[session_id] = entry
         return entry
 
@@ -222,7 +257,7 @@ class BusyPeriods:
     async def busy_period(self, entry: SessionEntry) -> None:
         """One busy period: this claim (already owned, or acquired here) and its successors."""
         runtime = self._runtime
-        outcome = Outcome("deferred")
+        outcome = _DEFERRED
         try:
             while True:
                 outcome, successor_due = await self._one_claim(entry)
@@ -233,7 +268,7 @@ class BusyPeriods:
             # Cancelled from outside (the runtime's scope) or an internal error: this busy
             # period was stopped, whatever an earlier iteration's outcome was.
             plan = decide_ending(EndingCause.STOPPED, reason=entry.reason, owned=entry.owned)
-            outcome = Outcome(plan.outcome, plan.reason)
+            outcome = _outcome(plan)
             # The drain has exited (a cancellation only leaves it once it did): with the
             # claim still ours, hand it back so any owner can recover it at once. A claim
             # whose user interrupt was accepted is marked cancelling instead, so recovery
@@ -261,19 +296,24 @@ class BusyPeriods:
         ending: _Ending | None = None
         try:
             with entry.scope:
-                ending = await self._claim_and_drain(entry)
+                ending = await self._claim(entry)
+                if ending is None:
+                    # Its own call, not one made by `_claim`: the drain's every step then
+                    # resumes one coroutine fewer.
+                    ending = await self._drain_loop(entry)
         except Exception as exc:  # a drain's ExceptionGroup once our Cancelled was removed
             # Not owned: the claim attempt itself failed (a store error while acquiring),
             # and no drain ran.
             ending = _Ending("failed" if entry.owned else "claim_failed", error=exc)
         if ending is None:
-            ending = _Ending("interrupted")
+            ending = _INTERRUPTED
         outcome, successor_due = await self._finalize(entry, ending)
         self._runtime._streams.touch(entry.session_id)  # open messages were closed by the store
         entry.current.resolve(outcome)
         return outcome, successor_due
 
-    async def _claim_and_drain(self, entry: SessionEntry) -> _Ending:
+    async def _claim(self, entry: SessionEntry) -> _Ending | None:
+        """Acquire the claim unless already owned; None once the drain may start."""
         runtime = self._runtime
         if not entry.owned:
             entry.begin_deciding()
@@ -305,8 +345,9 @@ class BusyPeriods:
             if acquired.verdict is not AcquireVerdict.CLAIM:
                 # The schedule point the acquire left to its caller (`caller_yields_next`);
                 # a claim goes on to its drain, which gives the loop up (or the task ends).
-                await self._schedule_point_left(left)
-                return _Ending("not_claimed")
+                if left:
+                    await trio.lowlevel.cancel_shielded_checkpoint()
+                return _NOT_CLAIMED
             entry.keep_going()
         if runtime._hook is not None:
             await runtime._hook(
@@ -314,7 +355,7 @@ class BusyPeriods:
             )
         # The drain never starts for a claim whose interrupt arrived during the handoff.
         await trio.lowlevel.checkpoint_if_cancelled()
-        return await self._drain_loop(entry)
+        return None
 
     def own(self, entry: SessionEntry, *, attempt: int, resumed: bool, sent_at: float) -> None:
         """The claim committed; its local deadline counts from before it was sent."""
@@ -365,11 +406,12 @@ class BusyPeriods:
                 entry.yield_owed = left
                 if runtime._seams.after_finish is not None:
                     await runtime._seams.after_finish(entry.session_id)
-                return _Ending("released", handed_over=verdict is IterationVerdict.HAND_OVER)
+                return _HANDED_OVER if verdict is IterationVerdict.HAND_OVER else _RELEASED
             entry.keep_going()
             # The schedule point the finish left to us (`caller_yields_next`): a drain that
             # never awaits, woken again and again, must not starve the other tasks.
-            await self._schedule_point_left(left)
+            if left:
+                await trio.lowlevel.cancel_shielded_checkpoint()
 
     async def _finalize(self, entry: SessionEntry, ending: _Ending) -> tuple[Outcome, bool]:
         """The finalizer: act on how the claim ended. Cancellable (runtime closing): then
@@ -381,9 +423,7 @@ class BusyPeriods:
         lease_lost = ending.kind in ("failed", "interrupted") and (
             isinstance(ending.error, LeaseLost) or entry.self_fenced()
         )
-        # A claim attempt that failed is a failure of a claim not ours: the table writes
-        # nothing (the wake stays durable; the change loop or a recovery pass tries again).
-        cause = EndingCause.FAILED if ending.kind == "claim_failed" else EndingCause(ending.kind)
+        cause = _CAUSES[ending.kind]
         plan = decide_ending(cause, reason=entry.reason, owned=entry.owned, lease_lost=lease_lost)
         if plan.reason == "lease_lost":
             if not known_lost:
@@ -406,7 +446,7 @@ class BusyPeriods:
         error = ending.error if plan.outcome == "failed" else None
         successor_due = plan.successor is Successor.IF_RUNG and entry.rung_since_decision()
         # Released by a claim marked cancelling with a wake waiting: a successor takes it.
-        return Outcome(plan.outcome, plan.reason, error), successor_due or ending.handed_over
+        return _outcome(plan, error), successor_due or ending.handed_over
 
     def _log_claim_lost(self, entry: SessionEntry, error: BaseException | None) -> None:
         if isinstance(error, LeaseLost):

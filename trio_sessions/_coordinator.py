@@ -150,7 +150,10 @@ class SessionEntry:
         self.owned = True
         self.attempt = attempt
         self.resumed = resumed
-        self.scope.deadline = deadline
+        # Usually set already, when the scope was made (`BusyPeriods.register`): setting a
+        # deadline costs trio more than making a scope with it.
+        if self.scope.deadline != deadline:
+            self.scope.deadline = deadline
 
     def renewed(self, deadline: float) -> None:
         """A renewal sent before `deadline - lease` succeeded. A renewal that was sent

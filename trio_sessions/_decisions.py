@@ -284,6 +284,11 @@ class EndingPlan:
     successor: Successor
 
 
+# The two plans nearly every claim ends with (frozen: shared, not built per claim).
+_RELEASED = EndingPlan(EndingWrite.NOTHING, "succeeded", None, Successor.IF_RUNG)
+_DEFERRED = EndingPlan(EndingWrite.NOTHING, "deferred", None, Successor.IF_RUNG)
+
+
 def decide_ending(
     cause: EndingCause,
     *,
@@ -309,13 +314,13 @@ def decide_ending(
             write = EndingWrite.HAND_BACK
         return EndingPlan(write, "interrupted", reason or "shutdown", Successor.NEVER)
     if cause is EndingCause.RELEASED:
-        return EndingPlan(EndingWrite.NOTHING, "succeeded", None, Successor.IF_RUNG)
+        return _RELEASED
     if cause is EndingCause.NOT_CLAIMED:
         if reason == "user":
             return EndingPlan(EndingWrite.PASS_ON_INTERRUPT, "interrupted", reason, Successor.NEVER)
         if reason is not None:
             return EndingPlan(EndingWrite.NOTHING, "interrupted", reason, Successor.NEVER)
-        return EndingPlan(EndingWrite.NOTHING, "deferred", None, Successor.IF_RUNG)
+        return _DEFERRED
     if lease_lost or reason == "lease_lost":
         # No durable write, and no successor: recovery owns the claim now.
         return EndingPlan(EndingWrite.NOTHING, "interrupted", "lease_lost", Successor.NEVER)

@@ -14,7 +14,7 @@ operation still queued fails with `StoreError`, and later ones are refused.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -89,13 +89,18 @@ class HandoffQueue:
         if self.closed:
             raise StoreError("the store executor is closed")
 
-    async def submit(self, job: Job, mode: str = "write") -> Any:
-        """Queue `job` for the next hand-off and return its outcome (see the invariant)."""
+    def submit(self, job: Job, mode: str = "write") -> Coroutine[Any, Any, Any]:
+        """Queue `job` for the next hand-off; await the result for its outcome (see the
+        invariant). Queued at once, by the call: the caller awaits it right away, and the
+        wait is `Queued.outcome` itself, with no coroutine of its own around it."""
         self.check_open()
         queued = Queued(job, mode, trio.lowlevel.current_task())
         self._queue.append(queued)
         self._work.set()
-        return await queued.outcome(lambda withdrawn: self._queue.remove(withdrawn))
+        return queued.outcome(self._withdraw)
+
+    def _withdraw(self, queued: Queued) -> None:
+        self._queue.remove(queued)
 
     async def pump(
         self,

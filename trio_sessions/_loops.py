@@ -150,15 +150,17 @@ class BackgroundLoops:
         if runtime._seams.before_recovery_apply is not None:
             await runtime._seams.before_recovery_apply([c.execution_id or "" for c in leased])
         entries = []
+        sent_at = trio.current_time()  # no checkpoint before the takeover is sent
         for candidate in leased[: runtime._busy.capacity_left(len(leased))]:
             if candidate.session_id in runtime._entries:
                 continue  # became busy locally since the scan; its own claim rules apply
-            entries.append((candidate, runtime._busy.register(candidate.session_id)))
+            entries.append(
+                (candidate, runtime._busy.register(candidate.session_id, sent_at=sent_at))
+            )
         resumed: list[SessionEntry] = []
         try:
             # Shielded: the takeover commit and the registration flips happen together.
             with trio.CancelScope(shield=True):
-                sent_at = trio.current_time()
                 results = await runtime._recovery.apply(
                     [(c, e.execution_id) for c, e in entries], gone
                 )

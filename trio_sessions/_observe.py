@@ -185,6 +185,7 @@ class DrainIteration:
     outcome: str = "succeeded"
     error: BaseException | None = None
     _started: float = 0.0
+    _metered: bool = False
     _span: AbstractContextManager[Span | None] | None = None
     _current: Span | None = None
 
@@ -194,12 +195,12 @@ class DrainIteration:
 
     def __enter__(self) -> DrainIteration:
         telemetry = _telemetry
-        if not telemetry.enabled:
-            return self
-        self._started = trio.current_time()
-        if self.woken_at is not None:
-            telemetry.record(WAKE_LATENCY, self._started - self.woken_at, {})
-        telemetry.add(ACTIVE_DRAINS, 1)
+        if telemetry.metering():
+            self._metered = True
+            self._started = trio.current_time()
+            if self.woken_at is not None:
+                telemetry.record(WAKE_LATENCY, self._started - self.woken_at, {})
+            telemetry.add(ACTIVE_DRAINS, 1)
         if not telemetry.tracing():
             return self
         entry = self.entry
@@ -222,17 +223,19 @@ class DrainIteration:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        telemetry = _telemetry
-        if not telemetry.enabled:
+        if not self._metered and self._span is None:
             return
         if isinstance(exc, Exception):
             self.fail(exc)
         elif exc is not None:
             self.outcome = "interrupted"
-        telemetry.add(ACTIVE_DRAINS, -1)
-        telemetry.record(
-            DRAIN_DURATION, trio.current_time() - self._started, {"outcome": self.outcome}
-        )
+        telemetry = _telemetry
+        if self._metered:
+            # Only what this call added: a provider set meanwhile never sees a -1 alone.
+            telemetry.add(ACTIVE_DRAINS, -1)
+            telemetry.record(
+                DRAIN_DURATION, trio.current_time() - self._started, {"outcome": self.outcome}
+            )
         if self._span is not None:
             telemetry.end_iteration(self._current, self)
             self._span.__exit__(exc_type, exc, traceback)
@@ -301,27 +304,30 @@ def recovered(
     """
     if result.fence_lost:
         return
-    ids = {"session_id": candidate.session_id, "owner_id": owner_id}
     if result.decision is RecoveryDecision.RESUME:
-        logger.info(
-            TAKEOVER,
-            candidate.session_id,
-            new_execution_id,
-            candidate.execution_id,
-            extra={
-                **ids,
-                "execution_id": new_execution_id,
-                "previous_execution_id": candidate.execution_id,
-                "attempt": result.attempt,
-            },
-        )
+        # Its extras are built only for a logger that takes them: a pass resumes a batch of
+        # claims, and INFO is usually off.
+        if logger.isEnabledFor(logging.INFO):
+            logger.info(
+                TAKEOVER,
+                candidate.session_id,
+                new_execution_id,
+                candidate.execution_id,
+                extra={
+                    "session_id": candidate.session_id,
+                    "owner_id": owner_id,
+                    "execution_id": new_execution_id,
+                    "previous_execution_id": candidate.execution_id,
+                    "attempt": result.attempt,
+                },
+            )
         _telemetry.count(TAKEOVERS, {})
     elif result.decision is RecoveryDecision.QUARANTINE:
         logger.warning(
             QUARANTINED,
             candidate.session_id,
             candidate.execution_id,
-            extra={**ids, "execution_id": candidate.execution_id, "reason": result.reason},
+            extra={**_ids(candidate, owner_id), "reason": result.reason},
         )
         _telemetry.count(QUARANTINES, {})
     elif result.decision is RecoveryDecision.EXHAUSTED:
@@ -329,8 +335,16 @@ def recovered(
             RESUMES_EXHAUSTED,
             candidate.session_id,
             candidate.execution_id,
-            extra={**ids, "execution_id": candidate.execution_id},
+            extra=_ids(candidate, owner_id),
         )
+
+
+def _ids(candidate: Candidate, owner_id: str) -> dict[str, Any]:
+    return {
+        "session_id": candidate.session_id,
+        "owner_id": owner_id,
+        "execution_id": candidate.execution_id,
+    }
 
 
 def quarantine_released(execution_id: str, owner_id: str, *, resume: bool) -> None:
@@ -485,6 +499,7 @@ class _Telemetry:
     def __init__(self) -> None:
         try:
             from opentelemetry import metrics, trace
+            from opentelemetry.metrics import _internal as metrics_api
         except ImportError:  # the `otel` extra is not installed
             self.enabled = False
             return
@@ -501,6 +516,11 @@ class _Telemetry:
         )
         self._tracer: Tracer = trace.get_tracer("trio_sessions")
         meter = metrics.get_meter("trio_sessions")
+        # Where the API keeps the provider `set_meter_provider` set (None until then; one
+        # named in the environment was loaded by `get_meter` above). An API that keeps it
+        # elsewhere is always metered.
+        self._metrics_api: Any = metrics_api
+        self._meter_provider_unknown = not hasattr(metrics_api, "_METER_PROVIDER")
         self._up_down: dict[str, UpDownCounter] = {
             ACTIVE_DRAINS: meter.create_up_down_counter(
                 ACTIVE_DRAINS, unit="{drain}", description="Drain calls running now."
@@ -533,8 +553,16 @@ class _Telemetry:
         }
 
     def count(self, name: str, attributes: dict[str, str]) -> None:
-        if self.enabled:
+        if self.metering():
             self._counters[name].add(1, attributes)
+
+    def metering(self) -> bool:
+        # With no meter provider set, every instrument is the API's proxy and records
+        # nothing, yet the calls cost a few us per drain call: skip them. A provider set
+        # later gets the instruments' data from then on, as with the proxies.
+        if not self.enabled:
+            return False
+        return self._meter_provider_unknown or self._metrics_api._METER_PROVIDER is not None
 
     def add(self, name: str, amount: int) -> None:
         self._up_down[name].add(amount)

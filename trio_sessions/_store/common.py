@@ -75,7 +75,10 @@ def new_id() -> str:
     (a recovery pass replacing 100 claims commits in half the time). Unique as a random
     id: 80 random bits within each millisecond.
     """
-    return f"{time.time_ns() // 1_000_000:012x}{_ID_BITS.getrandbits(80):020x}"
+    # As f"{ms:012x}{bits:020x}", in half the time (an id or two per claim).
+    return (
+        ((time.time_ns() // 1_000_000 << 80) | _ID_BITS.getrandbits(80)).to_bytes(16, "big").hex()
+    )
 
 
 # Parameters per IN list: well below SQLite's and PostgreSQL's limits.
