@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import sqlite3
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from helpers import JumpingClock, Raw, Recorder, now_ms, runtime, start_run
 from trio.testing import MockClock
 
 import trio_sessions
-from trio_sessions import Claim, DrainContext, LeaseLost, Outcome, Store, testing
+from trio_sessions import Claim, DrainContext, LeaseLost, Outcome, Store, _store, testing
 
 Clock = Callable[[], float]
 
@@ -1104,3 +1105,52 @@ async def test_graceful_restarts_do_not_use_up_the_resume_budget(
         await rt.wait_idle("s")
     assert [c.resumed for c in drain.calls] == [False, True, True, True]
     assert Raw(db_path).claim("s") is None
+
+
+class _SlowAcquireExecutor:
+    """An executor whose acquisitions answer `delay` seconds (trio time) after they
+    committed."""
+
+    def __init__(self, inner: Any, delay: float) -> None:
+        self._inner = inner
+        self._delay = delay
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def run(self, op: Any, *args: Any) -> Any:
+        result = await self._inner.run(op, *args)
+        if op in (_store.acquire, _store.wake_and_acquire, _store.submit_and_acquire):
+            await trio.sleep(self._delay)
+        return result
+
+
+class _SlowAcquireStore:
+    def __init__(self, inner: Any, delay: float) -> None:
+        self._inner = inner
+        self._delay = delay
+
+    @asynccontextmanager
+    async def open_executor(self, clock: Any) -> AsyncIterator[Any]:
+        async with self._inner.open_executor(clock) as executor:
+            yield _SlowAcquireExecutor(executor, self._delay)
+
+
+async def test_a_claim_past_its_local_deadline_at_commit_reaches_no_user_code(
+    store: Store, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """The claim's answer arrives after its local deadline (the process stopped between
+    the commit and the reply, or the reply took longer than the lease): another runtime may
+    already have taken it over, so neither the acquisition hook nor the drain runs."""
+    drain = Recorder()
+    hooked: list[Claim] = []
+
+    async def hook(claim: Claim) -> None:
+        hooked.append(claim)
+
+    slow = _SlowAcquireStore(store, 31.0)  # the lease is 30 s
+    async with runtime(slow, drain, clock, acquisition_hook=hook) as rt:  # type: ignore[arg-type]
+        await rt.wake("s")
+        await rt.wait_idle("s")
+    assert hooked == []
+    assert drain.calls == []

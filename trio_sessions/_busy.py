@@ -349,12 +349,14 @@ class BusyPeriods:
                     await trio.lowlevel.cancel_shielded_checkpoint()
                 return _NOT_CLAIMED
             entry.keep_going()
+        # Neither the hook nor the drain starts for a claim past its local deadline when
+        # its commit was answered, or interrupted during the handoff.
+        await trio.lowlevel.checkpoint_if_cancelled()
         if runtime._hook is not None:
             await runtime._hook(
                 Claim(entry.session_id, entry.execution_id, runtime._owner_id, entry.resumed)
             )
-        # The drain never starts for a claim whose interrupt arrived during the handoff.
-        await trio.lowlevel.checkpoint_if_cancelled()
+            await trio.lowlevel.checkpoint_if_cancelled()  # interrupted during the hook
         return None
 
     def own(self, entry: SessionEntry, *, attempt: int, resumed: bool, sent_at: float) -> None:

@@ -154,6 +154,11 @@ class SessionEntry:
         # deadline costs trio more than making a scope with it.
         if self.scope.deadline != deadline:
             self.scope.deadline = deadline
+        if trio.current_time() >= deadline:
+            # Answered past its local deadline (the process was stopped, or the reply took
+            # longer than the lease): another runtime may own it already, so nothing of it
+            # may run - trio would cancel the scope only at its next deadline check.
+            self.scope.cancel()
 
     def renewed(self, deadline: float) -> None:
         """A renewal sent before `deadline - lease` succeeded. A renewal that was sent
