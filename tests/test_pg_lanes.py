@@ -78,26 +78,3 @@ async def test_a_busy_first_lane_spills_new_sessions_but_keeps_its_own(
                 await trio.testing.wait_all_tasks_blocked()
                 gate.set()
     assert got == {"a": pids[0], "a-again": pids[0], "b": pids[1], "c": pids[2]}
-
-
-def read_backend(tx: Tx, session_id: str) -> int:
-    [pid] = tx.one("SELECT pg_backend_pid()")
-    return int(pid)
-
-
-async def test_a_read_goes_to_the_least_busy_lane(pg_url: str, pg_schema: str) -> None:
-    """A read needs no order with its session's writes (its caller's writes have completed
-    before it is sent): it runs on an idle lane, not behind a busy one - a web process's
-    stream reads never queue its submits, nor the other way round."""
-    store = PostgresStore(pg_url, schema=pg_schema, writers=3, listen=False)
-    gate = threading.Event()
-    with trio.fail_after(30):
-        async with store.open_executor(None) as executor:
-            assert isinstance(executor, PgThreadExecutor)
-            pids = [engine.backend_pid for engine in executor.engines]
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(executor.run, held_open, "s-a", gate)
-                await trio.testing.wait_all_tasks_blocked()
-                read_pid = await executor.read(read_backend, "s-a")  # lane 0 is held
-                gate.set()
-    assert read_pid == pids[1]

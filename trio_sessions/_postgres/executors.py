@@ -19,7 +19,7 @@ Invariants:
 * an operation that has begun is never abandoned (as in `_sqlite`): a caller cancelled while
   its operation is queued sees it withdrawn unrun; once taken, the caller waits for its
   outcome, so a committed write is always reported;
-* a session's writes queued or running are all on one lane, so they run on one
+* a session's operations queued or running are all on one lane, so they run on one
   connection in the order they were queued, and two lanes' batches never wait for each
   other's session locks (a batch takes its sessions' locks first, in one order, so batches
   of two processes wait rather than deadlock; one that still arises is retried, 40P01);
@@ -27,12 +27,10 @@ Invariants:
   less than a full hand-off (`spill_at`), else to the least busy lane: at a light load one
   lane's larger batches commit less often and keep fewer server backends busy (the chat
   load answered faster on one lane than on three); under a heavy one every lane works;
-* a read (its caller's writes completed before it was sent) and an operation whose first
-  argument is not a session id (a recovery pass's scan and takeover, a heartbeat) have no
-  session's order to keep: each goes to the least busy lane - a web process's stream
-  reads never queue its submits; a write of that kind runs first in its hand-off, in a
-  transaction of its own (alone, one autocommit call if it can be), not behind or inside
-  a batch of drains' writes;
+* an operation whose first argument is not a session id (a recovery pass's scan and
+  takeover, a heartbeat) has no session's order to keep: it goes to the least busy lane
+  and runs first in its hand-off, in a transaction of its own (alone, one autocommit call
+  if it can be), not behind or inside a batch of drains' writes;
 * a notification our own writer sent is not a change worth a look, unless the runtime says
   it still needs it (`own`).
 """
@@ -331,7 +329,7 @@ class PgThreadExecutor:
         return result
 
     async def read(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
-        # Through the least busy writer lane: a fixed number of connections per process.
+        # Through the session's writer lane: a fixed number of connections per process.
         # Alone, on one REPEATABLE READ snapshot; PostgreSQL readers never wait for writers.
         result: T = await self._submit(Job(op, args), "read")
         return result
@@ -359,8 +357,7 @@ class PgThreadExecutor:
             return await lanes[0].submit(job, mode)
         session_id = session_named(job.op, job.args)
         least_busy = min(lanes, key=lambda each: each.load)  # the first idle one
-        if session_id is None or mode == "read":
-            # No session's order to keep: a read's caller saw its own writes complete.
+        if session_id is None:  # no session's order to keep
             return await least_busy.submit(job, mode)
         placed = self._placed.get(session_id)
         if placed is None:
