@@ -74,9 +74,10 @@ from .._errors import StoreError
 from .._naming import check_postgres_name, check_schema
 from .connections import channel, connect, migrate, schema_version
 from .transactions import (
-    _BEGIN_BATCH,
     _BEGIN_NOWAIT,
     _BEGIN_READ,
+    _BEGIN_WRITE,
+    _DEFERRED_SIGNALS,
     Mode,
     PgTx,
     bound,
@@ -448,7 +449,7 @@ class PgEngine:
         elif mode == "read":
             begin = _BEGIN_READ
         else:
-            begin = _batch_begin(jobs)
+            begin = _write_begin(jobs)
         tx = PgTx(conn, self.clock, begin=begin, retry=retry)
         xid = None
         try:
@@ -463,8 +464,7 @@ class PgEngine:
                 xid = tx.xid
             elif tx.begun and (not tx.xid_fresh or tx.deferred is None):
                 xid, tx.deferred = tx.one(
-                    "SELECT pg_current_xact_id_if_assigned()::text,"
-                    " COALESCE(current_setting('trio_sessions.signals', true), '')"
+                    f"SELECT pg_current_xact_id_if_assigned()::text, {_DEFERRED_SIGNALS}"
                 )
             else:
                 xid = tx.xid
@@ -574,17 +574,17 @@ class PgEngine:
             time.sleep(0.02)
 
 
-def _batch_begin(jobs: Sequence[Job]) -> str:
-    """How a batch begins: with its sessions' locks, in one order, when it names two or
-    more (`lock_sessions_first`) - but not those only an operation that never waits for a
-    session's lock names (`skips_a_busy_session`)."""
+def _write_begin(jobs: Sequence[Job]) -> str:
+    """How a write transaction begins: with its sessions' locks, in one order, when it
+    names two or more (`lock_sessions_first`) - but not those only an operation that never
+    waits for a session's lock names (`skips_a_busy_session`)."""
     sessions = {
         s
         for job in jobs
         if (s := session_named(job.op, job.args)) is not None
         and not job.op.__dict__.get("skips_a_busy_session", False)
     }
-    return lock_sessions_first(_BEGIN_BATCH, sessions) if len(sessions) > 1 else _BEGIN_BATCH
+    return lock_sessions_first(_BEGIN_WRITE, sessions) if len(sessions) > 1 else _BEGIN_WRITE
 
 
 def _call(tx: Tx, function: str, *args: Any) -> list[Any]:

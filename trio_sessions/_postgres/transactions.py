@@ -50,9 +50,10 @@ _LOCK_SESSION_ANY = _LOCK_SESSION.replace("%s", "?")
 _BEGIN = "BEGIN ISOLATION LEVEL READ COMMITTED; "
 _BEGIN_READ = "BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY; "
 _BEGIN_NOWAIT = f"{_BEGIN}SET LOCAL lock_timeout = {NOWAIT_LOCK_TIMEOUT_MS}; "
-# A group-commit batch: the functions defer their signals to the engine's one notification
-# before COMMIT (`ts_signal`, `ts_flush_signals`).
-_BEGIN_BATCH = f"{_BEGIN}SET LOCAL trio_sessions.defer_signals = on; "
+# A write transaction (a group-commit batch, or one operation alone): the functions defer
+# their signals to the engine's one notification after COMMIT (`ts_signal`,
+# `ts_flush_signals`).
+_BEGIN_WRITE = f"{_BEGIN}SET LOCAL trio_sessions.defer_signals = on; "
 
 
 def lock_sessions_first(begin: str, sessions: Collection[str]) -> str:
@@ -167,7 +168,7 @@ class PgTx:
         self._begin: str | None = None if autocommit or not conn.autocommit else begin
         # In a write transaction the functions defer their signals to the transaction's
         # one notification (`ts_signal`): its BEGIN sets `trio_sessions.defer_signals`.
-        self.defers_signals = begin.startswith(_BEGIN_BATCH) and self._begin is not None
+        self.defers_signals = begin.startswith(_BEGIN_WRITE) and self._begin is not None
         self.autocommit = autocommit
         self.retry = retry
         self.begun = False  # a statement was sent (a transaction is open unless autocommit)
