@@ -359,20 +359,18 @@ def _pg_acquire_many(
         locks = """    -- Held by another execution: answered without the lock (as if run just
     -- before whatever moves that claim). A lock another transaction holds is never
     -- waited for: its holder claims the session or signals it again.
-    v_skip := ARRAY(SELECT u.n FROM unnest(p_sessions, p_execs) WITH ORDINALITY AS u(s, e, n)
-                    JOIN session_execution c ON c.session_id = u.s AND c.id <> u.e);
-    RETURN QUERY SELECT u.n, 'held', NULL::bigint, c.owner_id
+    SELECT COALESCE(array_agg(u.n), '{{}}'), array_agg(c.owner_id) INTO v_skip, v_holders
         FROM unnest(p_sessions, p_execs) WITH ORDINALITY AS u(s, e, n)
         JOIN session_execution c ON c.session_id = u.s AND c.id <> u.e;
+    RETURN QUERY SELECT h.n, 'held', NULL::bigint, h.o FROM unnest(v_skip, v_holders) AS h(n, o);
     v_busy := ARRAY(SELECT DISTINCT u.s FROM unnest(p_sessions) WITH ORDINALITY AS u(s, n)
                     -- CASE: the lock is tried only for a session not answered above.
                     WHERE CASE WHEN u.n = ANY(v_skip) THEN false
                                ELSE NOT ts_try_lock(u.s) END);
-    RETURN QUERY SELECT u.n, 'busy', NULL::bigint, NULL::text
-        FROM unnest(p_sessions) WITH ORDINALITY AS u(s, n)
-        WHERE u.s = ANY(v_busy) AND NOT u.n = ANY(v_skip);
-    v_skip := v_skip || ARRAY(SELECT u.n FROM unnest(p_sessions) WITH ORDINALITY AS u(s, n)
-                              WHERE u.s = ANY(v_busy));"""
+    v_busy_jobs := ARRAY(SELECT u.n FROM unnest(p_sessions) WITH ORDINALITY AS u(s, n)
+                         WHERE u.s = ANY(v_busy) AND NOT u.n = ANY(v_skip));
+    RETURN QUERY SELECT b, 'busy', NULL::bigint, NULL::text FROM unnest(v_busy_jobs) AS b;
+    v_skip := v_skip || v_busy_jobs;"""
         lock_order = (
             "a session another execution holds answered held at once, then each session's"
             "\n-- lock if free (a busy one answered at once)"
@@ -393,7 +391,7 @@ LANGUAGE plpgsql VOLATILE
 @GENERIC_PLAN@ AS $$
 DECLARE
     v_now bigint; v_ords bigint[]; v_attempts bigint[]; r record; v_busy text[];
-    v_skip bigint[] := '{{}}';
+    v_skip bigint[] := '{{}}'; v_holders text[]; v_busy_jobs bigint[];
 BEGIN
 {locks}
     v_now := ts_now(p_now);
