@@ -348,6 +348,9 @@ class PgThreadExecutor:
     def hold_token(self, owner_id: str) -> AbstractAsyncContextManager[_liveness.PgToken]:
         return _hold_token(self.engine, owner_id, inline=False)
 
+    def _least_busy(self) -> _Lane:
+        return min(self._lanes, key=lambda each: each.load)  # the first idle one
+
     async def _submit(self, job: Job, mode: Mode) -> Any:
         # Cancellation first: a caller cancelled while the runtime closes sees Cancelled,
         # not an error about the executor it was cancelled out of.
@@ -356,12 +359,11 @@ class PgThreadExecutor:
         if len(lanes) == 1:
             return await lanes[0].submit(job, mode)
         session_id = session_named(job.op, job.args)
-        least_busy = min(lanes, key=lambda each: each.load)  # the first idle one
         if session_id is None:  # no session's order to keep
-            return await least_busy.submit(job, mode)
+            return await self._least_busy().submit(job, mode)
         placed = self._placed.get(session_id)
         if placed is None:
-            lane = lanes[0] if lanes[0].load < self.spill_at else least_busy
+            lane = lanes[0] if lanes[0].load < self.spill_at else self._least_busy()
             placed = self._placed[session_id] = _Placed(lane)
         placed.count += 1
         try:
