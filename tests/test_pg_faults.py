@@ -671,6 +671,32 @@ OPERATIONS = [
         steps(claimed, do(_store.wake, "s")),
         one(_store.finish_iteration, "s", "e1", OWNER),
     ),
+    # An iteration's end alone is one call in autocommit: a lost reply's retry reads back
+    # the release its lost call left on the session row; a continue is refused by that call
+    # (nothing written) and runs in a transaction.
+    Operation("end_iteration-plain-release", claimed, one(_store.end_iteration, "s", "e1", OWNER)),
+    Operation(
+        "end_iteration-plain-continue",
+        steps(claimed, do(_store.wake, "s")),
+        one(_store.end_iteration, "s", "e1", OWNER),
+    ),
+    Operation(
+        "end_iteration-plain-paused",
+        steps(claimed, do(_store.pause, "s")),
+        one(_store.end_iteration, "s", "e1", OWNER),
+    ),
+    Operation(
+        "end_iteration-ring-over",
+        steps(claimed, do(_store.request_cancel, "s")),
+        one(_store.end_iteration, "s", "e1", OWNER),
+    ),
+    # The retry finds the claim lapsed and no release of its own on the session row.
+    Operation(
+        "end_iteration-lease-lost",
+        steps(claimed, lapse),
+        one(_store.end_iteration, "s", "e1", OWNER),
+        writes=False,
+    ),
     Operation(
         "finish_failed-plain",
         steps(claimed, do(_store.wake, "s")),

@@ -12,7 +12,7 @@ from typing import Any
 import psycopg
 import trio
 
-from trio_sessions import DrainContext, SessionBusy, _store
+from trio_sessions import DrainContext, LeaseLost, SessionBusy, _store
 from trio_sessions._backend import Job
 from trio_sessions._bench.postgres import seed_expired
 from trio_sessions._bench.roundtrips import (
@@ -50,6 +50,43 @@ def test_sequential_cycle_is_at_most_three_round_trips(pg_url: str, pg_schema: s
 
 def test_chat_turn_is_at_most_fifty_round_trips(pg_url: str, pg_schema: str) -> None:
     assert trio.run(turn_round_trips, pg_url, pg_schema, 1) <= 50
+
+
+def test_an_iteration_end_alone_is_one_round_trip_unless_it_continues(
+    pg_url: str, pg_schema: str
+) -> None:
+    """An iteration's end alone (`end_iteration`: the sequential cycle's release) is one
+    `ts_finish` call in autocommit: one round trip, a release, a pause and a lost lease
+    alike. A continue takes the doorbell, which a retry after a lost reply could not tell
+    from a doorbell never set: the call refuses it (nothing written) and it runs in a
+    transaction - BEGIN with the call, then COMMIT."""
+    now = [1_000.0]  # the lease clock (s), moved past "lapsed"'s lease below
+    with counting_url(pg_url) as (url, proxy):
+        engine = open_engine(url, schema=pg_schema, clock=lambda: now[0])
+        try:
+
+            def ended(session: str, *, lapsed: bool = False) -> tuple[str, int]:
+                before = proxy.round_trips
+                try:
+                    verdict = engine.run(_store.end_iteration, session, f"e-{session}", "me")
+                except LeaseLost:
+                    return "lease_lost", proxy.round_trips - before
+                return verdict.value, proxy.round_trips - before
+
+            for session in ("release", "continue", "pause", "lapsed"):
+                engine.run(_store.submit, session, '{"n": 1}', f"in-{session}")
+                lease = 10_000 if session == "lapsed" else 60_000
+                engine.run(_store.acquire, session, f"e-{session}", "me", lease)
+                engine.run(_store.take_inputs, session, f"e-{session}", "me")
+            engine.run(_store.wake, "continue")
+            engine.run(_store.pause, "pause")
+            now[0] += 20.0
+            assert ended("release") == ("release", 1)
+            assert ended("pause") == ("pause", 1)
+            assert ended("lapsed") == ("lease_lost", 1)
+            assert ended("continue") == ("continue", 3)
+        finally:
+            engine.close()
 
 
 def test_a_stream_read_is_one_round_trip(pg_url: str, pg_schema: str) -> None:

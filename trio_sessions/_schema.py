@@ -161,7 +161,7 @@ SQLITE_OUR_TABLES = frozenset(
 # ---------------------------------------------------------------------------------------------
 # PostgreSQL
 
-POSTGRES_SCHEMA_VERSION = 13
+POSTGRES_SCHEMA_VERSION = 14
 
 # Same names, meanings and named CHECKs as the SQLite schema (`SQLITE_MIGRATIONS`, whose
 # versions 1-3 are PostgreSQL's first: no PostgreSQL store predates them); times
@@ -321,6 +321,15 @@ DROP FUNCTION IF EXISTS ts_recover(text, text[], text[], text[], text[], bigint,
     # session another transaction holds (`ts_try_lock`; `ts_acquire` and
     # `ts_acquire_many` answer 'busy').
     13: "",
+    # An iteration's end alone is one call in autocommit (`ts_finish` gains `p_whole`): an
+    # ending that deletes the claim leaves its execution and verdict on the session row,
+    # read back by a retry after a lost reply. A new argument list is a new function: the
+    # old one goes.
+    14: """
+ALTER TABLE session ADD COLUMN released_execution TEXT;
+ALTER TABLE session ADD COLUMN released_verdict TEXT;
+DROP FUNCTION IF EXISTS ts_finish(text, text, text, text, bigint, boolean);
+""",
 }
 
 
@@ -363,4 +372,5 @@ POSTGRES_BACKFILLS: dict[int, Callable[[Any], None]] = {
     11: _create_functions,
     12: _create_functions,
     13: _create_functions,
+    14: _create_functions,
 }

@@ -161,6 +161,7 @@ def _end_iterations(tx: Tx, rows: Sequence[tuple[Any, ...]]) -> list[Any]:
     return results
 
 
+@autocommit_when_alone
 @caller_yields_next
 @pg_batched("ts_finish_iterations", _pg_iteration_finished)
 @sqlite_batched(_end_iterations)
@@ -176,9 +177,9 @@ def end_iteration(tx: Tx, session_id: str, execution_id: str, owner_id: str) -> 
     given (`_decisions.iteration_verdict`), as an interrupt's cleanup does.
     """
     if tx.dialect == "postgres":
-        [row] = tx.call(
-            "ts_finish", session_id, execution_id, owner_id, "iteration", idempotent=False
-        )
+        # Alone, one call in autocommit (read back by execution id after a lost reply),
+        # unless it continues: then `ts_finish` refuses it, and it runs in a transaction.
+        [row] = tx.call("ts_finish", session_id, execution_id, owner_id, "iteration", tx.autocommit)
         result = _pg_iteration_finished((session_id, execution_id, owner_id), row)
         if result is not FALLBACK:
             return IterationVerdict(result)
@@ -208,7 +209,7 @@ def _pg_finish(tx: Tx, session_id: str, execution_id: str, owner_id: str, kind: 
     closes it by the transcript rules). `continue`, or `released` / `released-set` (the
     doorbell is set afterwards)."""
     [(verdict, doorbell)] = tx.call(
-        "ts_finish", session_id, execution_id, owner_id, kind, idempotent=False
+        "ts_finish", session_id, execution_id, owner_id, kind, False, idempotent=False
     )
     if verdict == "lease_lost":
         raise _lease_lost(execution_id)
@@ -410,22 +411,33 @@ END $$;
 -- afterwards. Also lease_lost, or open_messages when the execution left a message open:
 -- closing it needs the transcript rules, so the caller takes its own path (nothing was
 -- written here).
+-- An ending that deletes the claim leaves its execution and verdict on the session row
+-- (released_execution, released_verdict): a retry after a lost reply (p_retry) whose claim
+-- is gone reads them back instead of answering lease_lost. p_whole (an iteration's end
+-- alone, one call in autocommit): a continue is refused (NEEDS_TRANSACTION, nothing
+-- written), as a retry could not tell the doorbell it took from one never set.
 CREATE OR REPLACE FUNCTION ts_finish(p_session text, p_exec text, p_owner text, p_kind text,
-    p_now bigint, p_retry boolean, OUT verdict text, OUT doorbell boolean)
+    p_whole boolean, p_now bigint, p_retry boolean, OUT verdict text, OUT doorbell boolean)
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
-    v_session text; v_now bigint; v_woken bigint; v_attempts bigint; v_phase text;
-    v_paused bigint;
+    v_session text; v_now bigint; v_woken bigint; v_phase text; v_paused bigint;
 BEGIN
     SELECT l.session_id, l.now INTO v_session, v_now
         FROM ts_lock_execution(p_session, p_exec, p_now) l;
-    SELECT s.time_woken, s.wake_attempts, c.phase, s.time_paused
-        INTO v_woken, v_attempts, v_phase, v_paused
+    SELECT s.time_woken, c.phase, s.time_paused INTO v_woken, v_phase, v_paused
         FROM session_execution c JOIN session s ON s.id = c.session_id
         WHERE c.id = p_exec AND c.session_id = p_session AND c.owner_id = p_owner
         AND c.expires_at > v_now;
     IF NOT FOUND THEN
-        verdict := 'lease_lost';
+        -- A retry: the lost call ended the claim if it left its mark (a call that wrote
+        -- nothing left none, and a continue never ends alone).
+        SELECT s.released_verdict, s.time_woken IS NOT NULL INTO verdict, doorbell
+            FROM session s WHERE p_retry AND s.id = p_session
+            AND s.released_execution = p_exec;
+        IF NOT FOUND THEN
+            verdict := 'lease_lost';
+            doorbell := NULL;
+        END IF;
         RETURN;
     END IF;
     IF EXISTS (SELECT 1 FROM session_message m WHERE m.execution_id = p_exec
@@ -443,6 +455,9 @@ BEGIN
                         WHEN v_woken IS NOT NULL THEN 'continue'
                         ELSE 'release' END;
         IF verdict = 'continue' THEN
+            IF p_whole THEN
+                PERFORM ts_needs_transaction();
+            END IF;
             UPDATE session SET time_woken = NULL, wakes = 0 WHERE id = v_session;
             doorbell := false;
             RETURN;
@@ -451,9 +466,6 @@ BEGIN
         verdict := 'released';
     END IF;
     DELETE FROM session_execution WHERE id = p_exec;
-    IF v_attempts <> 0 THEN
-        UPDATE session SET wake_attempts = 0 WHERE id = v_session;
-    END IF;
     -- Due inputs re-arm the doorbell after an interrupt, and at the iteration end of a claim
     -- marked cancelling with no doorbell set: its drain was given none of them, and the
     -- successor rung for them takes them (hand_over). Only due inputs: the due timer rings
@@ -466,6 +478,8 @@ BEGIN
             verdict := 'hand_over';
         END IF;
     END IF;
+    UPDATE session SET wake_attempts = 0, released_execution = p_exec,
+        released_verdict = verdict WHERE id = v_session;
     doorbell := v_woken IS NOT NULL;
 END $$;
 
@@ -492,7 +506,7 @@ BEGIN
         FROM unnest(p_sessions, p_execs, p_owners) WITH ORDINALITY AS u(s, e, o, n)),
     -- The claim fence (exact execution of the session named, this owner, a live lease).
     fact AS MATERIALIZED (
-        SELECT j.n, j.s, j.e, c.phase, s.time_woken, s.wake_attempts, s.time_paused,
+        SELECT j.n, j.s, j.e, c.phase, s.time_woken, s.time_paused,
             c.id IS NOT NULL AND c.session_id = j.s AND c.owner_id = j.o
                 AND c.expires_at > v_now AS held,
             EXISTS (SELECT 1 FROM session_message m WHERE m.execution_id = j.e
@@ -504,7 +518,7 @@ BEGIN
     -- As ts_finish: a pause ends the busy period (its doorbell stays for resume); NULL for
     -- a claim marked cancelling (ts_finish decides it).
     decided AS MATERIALIZED (
-        SELECT f.n, f.s, f.e, f.time_woken, f.wake_attempts,
+        SELECT f.n, f.s, f.e, f.time_woken,
             CASE WHEN NOT f.held THEN 'lease_lost'
                  WHEN f.open THEN 'open_messages'
                  WHEN f.time_paused IS NOT NULL THEN 'pause'
@@ -518,9 +532,11 @@ BEGIN
     released AS (
         DELETE FROM session_execution c USING decided d
         WHERE d.v IN ('release', 'pause') AND c.id = d.e),
+    -- Its execution and verdict left on the session row, as ts_finish leaves them.
     reset AS (
-        UPDATE session s SET wake_attempts = 0 FROM decided d
-        WHERE d.v IN ('release', 'pause') AND d.wake_attempts <> 0 AND s.id = d.s)
+        UPDATE session s SET wake_attempts = 0, released_execution = d.e,
+            released_verdict = d.v FROM decided d
+        WHERE d.v IN ('release', 'pause') AND s.id = d.s)
     SELECT array_agg(d.n), array_agg(d.v),
         array_agg(CASE WHEN d.v = 'continue' THEN false
                        WHEN d.v IN ('release', 'pause') THEN d.time_woken IS NOT NULL END)
@@ -532,7 +548,7 @@ BEGIN
              WHERE NOT u.n = ANY(COALESCE(v_ords, '{}'))
              ORDER BY hashtext(u.s), u.s, u.n LOOP
         SELECT r.n, f.verdict, f.doorbell INTO ord, verdict, doorbell
-            FROM ts_finish(r.s, r.e, r.o, 'iteration', p_now, p_retry) f;
+            FROM ts_finish(r.s, r.e, r.o, 'iteration', false, p_now, p_retry) f;
         RETURN NEXT;
     END LOOP;
 END $$;
