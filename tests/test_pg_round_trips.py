@@ -89,6 +89,28 @@ def test_an_iteration_end_alone_is_one_round_trip_unless_it_continues(
             engine.close()
 
 
+def test_a_call_alone_is_parsed_and_planned_once_per_connection(
+    pg_url: str, pg_schema: str
+) -> None:
+    """A function call that is its own message (alone in autocommit, or after the first
+    statement of a transaction) is bound server-side: the same text each time, so the
+    driver prepares it once it recurs, and the server no longer parses and plans it per
+    call. A statement that shares its message with BEGIN stays bound client-side."""
+    engine = open_engine(pg_url, schema=pg_schema)
+    try:
+        for index in range(8):
+            engine.run(_store.submit, f"s{index}", '{"n": 1}', f"in-{index}")
+        conn = engine.engine.conn
+        assert conn is not None
+        prepared = [
+            str(row[0])
+            for row in conn.execute("SELECT statement FROM pg_prepared_statements").fetchall()
+        ]
+        assert [statement for statement in prepared if "ts_submit(" in statement], prepared
+    finally:
+        engine.close()
+
+
 def test_a_stream_read_is_one_round_trip(pg_url: str, pg_schema: str) -> None:
     """A stream's read (`stream_changes`: the ids its position names, the new deltas of the
     open message it follows, the messages past its top) is one call, alone in autocommit:

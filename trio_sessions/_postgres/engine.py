@@ -78,6 +78,7 @@ from .transactions import (
     _BEGIN_READ,
     _BEGIN_WRITE,
     _DEFERRED_SIGNALS,
+    BindingCursor,
     Mode,
     PgTx,
     bound,
@@ -179,9 +180,10 @@ class PgEngine:
     def _wrapped(self, conn: psycopg.Connection[Any]) -> Any:
         # Transactions begin explicitly, with their first statement (`PgTx`): BEGIN costs
         # no round trip of its own. Parameters are bound client-side, so a statement can
-        # share its message with the BEGIN before it.
+        # share its message with the BEGIN before it - but a function call that is its own
+        # message server-side, and prepared once it recurs (`BindingCursor`).
         conn.autocommit = True
-        conn.cursor_factory = psycopg.ClientCursor
+        conn.cursor_factory = BindingCursor
         # Read by the listener from the trio thread: notifications this connection sent
         # are this runtime's own changes.
         self.backend_pid = conn.info.backend_pid

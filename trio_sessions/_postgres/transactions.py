@@ -129,6 +129,34 @@ def bound(value: Any) -> Any:
     return value
 
 
+# A function call's statement (`PgTx.call`) begins so; bound server-side when it is its own
+# message (`BindingCursor`).
+_CALL = "SELECT f.*, pg_current_xact_id_if_assigned()::text"
+
+
+class BindingCursor(psycopg.Cursor[Any]):
+    """The engine's connections' cursor: a function call that is its own message (alone in
+    autocommit, or after a transaction's first statement) is bound server-side - the same
+    text each time, so psycopg prepares it once it recurs and the server parses and plans
+    it once per connection instead of per call, its arguments typed by the function's
+    signature. Anything else is bound client-side, as one text: a statement can then share
+    its message with the BEGIN before it or the COMMIT, and each parameter is a literal the
+    server types from where it stands."""
+
+    def execute(  # type: ignore[override]
+        self,
+        query: Any,
+        params: Params | None = None,
+        *,
+        prepare: bool | None = None,
+        binary: bool | None = None,
+    ) -> psycopg.Cursor[Any]:
+        if isinstance(query, str) and query.startswith(_CALL):
+            return super().execute(query, params, prepare=prepare, binary=binary)
+        client = psycopg.ClientCursor(self.connection)
+        return client.execute(query, params, prepare=prepare, binary=binary)
+
+
 # ---------------------------------------------------------------------------------------------
 # Transactions
 
@@ -230,11 +258,7 @@ class PgTx:
         # before the select list is evaluated): the transaction's id and, where the
         # functions defer their signals, the sessions deferred so far.
         extra = f", {_DEFERRED_SIGNALS}" if self.defers_signals else ""
-        rows = self._send(
-            f"SELECT f.*, pg_current_xact_id_if_assigned()::text{extra}"
-            f" FROM {function}({placeholders}) f",
-            params,
-        ).fetchall()
+        rows = self._send(f"{_CALL}{extra} FROM {function}({placeholders}) f", params).fetchall()
         if self.defers_signals:
             # No row: unknown, read before COMMIT.
             self.deferred = rows[-1][-1] if rows else None
