@@ -674,21 +674,14 @@ OPERATIONS = [
     # An iteration's end alone is one call in autocommit: a lost reply's retry reads back
     # the release its lost call left on the session row; a continue is refused by that call
     # (nothing written) and runs in a transaction.
-    Operation("end_iteration-plain-release", claimed, one(_store.end_iteration, "s", "e1", OWNER)),
-    Operation(
-        "end_iteration-plain-continue",
-        steps(claimed, do(_store.wake, "s")),
-        one(_store.end_iteration, "s", "e1", OWNER),
-    ),
-    Operation(
-        "end_iteration-plain-paused",
-        steps(claimed, do(_store.pause, "s")),
-        one(_store.end_iteration, "s", "e1", OWNER),
-    ),
-    Operation(
-        "end_iteration-ring-over",
-        steps(claimed, do(_store.request_cancel, "s")),
-        one(_store.end_iteration, "s", "e1", OWNER),
+    *(
+        Operation(f"end_iteration-{name}", setup, one(_store.end_iteration, "s", "e1", OWNER))
+        for name, setup in (
+            ("plain-release", claimed),
+            ("plain-continue", steps(claimed, do(_store.wake, "s"))),
+            ("plain-paused", steps(claimed, do(_store.pause, "s"))),
+            ("ring-over", steps(claimed, do(_store.request_cancel, "s"))),
+        )
     ),
     # The retry finds the claim lapsed and no release of its own on the session row.
     Operation(
