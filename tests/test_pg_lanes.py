@@ -5,7 +5,7 @@ so a process commits (and notifies) less often, and fewer of the server's backen
 for the host's cores - under the chat load, three lanes each committing one operation at a
 time were slower than one lane. A session whose operations are queued or running stays on
 their lane (they run in order, on one connection); a new one spills to the least busy lane
-once the first lane holds a full hand-off (`spill_at`).
+once the first lane holds four full hand-offs (`spill_at`).
 """
 
 from __future__ import annotations
