@@ -528,10 +528,9 @@ class PgEngine:
         if xid is None:
             return False  # it wrote nothing
         try:
-            row = conn.execute("SELECT pg_xact_status(%s::xid8)", (xid,)).fetchone()
+            return _xact_status(conn, xid) == "committed"
         except psycopg.Error:
             return False
-        return row is not None and row[0] == "committed"
 
     def _look_at_everything(self) -> None:
         """After a committed transaction whose signals may not have been sent: the empty
@@ -552,7 +551,7 @@ class PgEngine:
         while True:
             try:
                 conn = self._connection(deadline)
-                status = conn.execute("SELECT pg_xact_status(%s::xid8)", (xid,)).fetchone()[0]
+                status = _xact_status(conn, xid)
                 conn.rollback()  # end the read's transaction
             except psycopg.Error as exc:
                 self.close()
@@ -574,6 +573,12 @@ class PgEngine:
                     f"transaction {xid} is still {status!r}"
                 ) from lost
             time.sleep(0.02)
+
+
+def _xact_status(conn: Any, xid: str) -> str | None:
+    """The server's word on transaction `xid`: 'committed', 'aborted', 'in progress'."""
+    row = conn.execute("SELECT pg_xact_status(%s::xid8)", (xid,)).fetchone()
+    return None if row is None else str(row[0])
 
 
 def _write_begin(jobs: Sequence[Job]) -> str:
