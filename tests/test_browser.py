@@ -47,10 +47,20 @@ def chrome() -> Iterator[Any]:
         browser.quit()
 
 
+# How Chromium reports a node or a script whose document a navigation replaced between
+# finding it and reading it (a form's POST answered by a redirect), besides the
+# StaleElementReferenceException Selenium maps some of them to.
+DOCUMENT_REPLACED = ("does not belong to the document", "Execution context was destroyed")
+
+
 def until(check: Callable[[], Any], what: str, browser: Any) -> Any:
-    """Poll `check` until it holds; a page still loading (an element gone stale or not
-    there yet) counts as not yet."""
-    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
+    """Poll `check` until it holds; a page still loading (an element not there yet, or
+    gone with the document a navigation replaced) counts as not yet."""
+    from selenium.common.exceptions import (
+        NoSuchElementException,
+        StaleElementReferenceException,
+        WebDriverException,
+    )
 
     deadline = time.monotonic() + DEADLINE
     while time.monotonic() < deadline:
@@ -59,6 +69,9 @@ def until(check: Callable[[], Any], what: str, browser: Any) -> Any:
                 return found
         except (NoSuchElementException, StaleElementReferenceException):
             pass
+        except WebDriverException as error:
+            if not any(sign in str(error.msg) for sign in DOCUMENT_REPLACED):
+                raise
         time.sleep(0.05)
     raise AssertionError(f"timed out waiting for {what}; page:\n{browser.page_source}")
 
