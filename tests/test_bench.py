@@ -11,10 +11,18 @@ import sys
 from pathlib import Path
 
 import pytest
+import trio
 
 from trio_sessions import bench
-from trio_sessions._bench.recovery import RecoveryTimes, add_recovery_rows
+from trio_sessions._bench.recovery import (
+    RecoveryTimes,
+    add_recovery_rows,
+    raw_contract_reclaim,
+    seed_recovery,
+    trio_floor_recovery,
+)
 from trio_sessions._bench.report import Report
+from trio_sessions._bench.tools import raw_db
 
 TINY = [
     "--rounds", "1",
@@ -136,3 +144,22 @@ def test_a_recovery_row_is_judged_against_its_own_target() -> None:
         (">= 0.5x", "MISSED"),
         ("", ""),
     ]
+
+
+@pytest.mark.parametrize("kind", ["contract", "floor"])
+def test_the_recovery_floors_do_the_contracts_writes(tmp_path: Path, kind: str) -> None:
+    """The recovery section's raw contract writes and trio floor take over and release
+    every expired claim, leave no recovery lease and reset every resume count, and leave
+    the live claims of another owner alone - the work the library's recovery does."""
+    path = tmp_path / "floor.db"
+    seed_recovery(path, 23)
+    if kind == "contract":
+        _, reclaimed = raw_contract_reclaim(path, 5)
+    else:
+        _, reclaimed = trio.run(trio_floor_recovery, path, 5)
+    assert reclaimed == 23
+    with raw_db(path) as conn:
+        owners = conn.execute("SELECT owner_id, COUNT(*) FROM session_execution GROUP BY 1")
+        assert dict(owners.fetchall()) == {"alive": 23}
+        assert conn.execute("SELECT COUNT(*) FROM session_recovery").fetchone() == (0,)
+        assert conn.execute("SELECT SUM(wake_attempts) FROM session").fetchone() == (0,)

@@ -28,6 +28,7 @@ MACHINE_KEYS = (
     "trio_floor_concurrent_ratio",
     "raw_cycle_us",
     "recovery_ratio",
+    "recovery_floor_ratio",
     "raw_recovery_us",
     "heartbeat_tx_per_tick",
     "wakes_per_iteration",
