@@ -68,8 +68,9 @@ def raw_reclaim(path: Path, batch: int) -> tuple[float, int]:
 
 # The contract's recovery writes (DESIGN §5, the recovery pass) as raw SQL, in the library's
 # three transactions per pass: the scan with a recovery lease on each expired claim; the
-# takeover (a new execution, owner, lease), the resume count and the leases deleted; the
-# resumed drain's release with the count reset. Fenced as the library fences them.
+# takeover (a new execution, owner, lease and anchor), the resume count and the leases
+# deleted; the resumed drain's release with the count reset. Fenced as the library fences
+# them.
 _CONTRACT_SCAN = (
     "SELECT session_id, id FROM session_execution WHERE expires_at <= ?"
     " AND id NOT IN (SELECT execution_id FROM session_recovery) ORDER BY expires_at LIMIT ?"
@@ -79,8 +80,9 @@ _CONTRACT_LEASE = (
     " time_created) VALUES (?, ?, ?, ?, ?)"
 )
 _CONTRACT_TAKE_OVER = (
-    "UPDATE session_execution SET id = ?, owner_id = ?, time_created = ?, heartbeat_at = NULL,"
-    " expires_at = ? WHERE id = ? AND expires_at <= ?"
+    "UPDATE session_execution SET id = ?, owner_id = ?, phase = 'running', anchor_seq ="
+    " (SELECT MAX(m.seq) FROM session_message m WHERE m.session_id = session_execution.session_id),"
+    " time_created = ?, heartbeat_at = NULL, expires_at = ? WHERE id = ? AND expires_at <= ?"
 )
 
 
