@@ -147,8 +147,8 @@ def test_a_recovery_row_is_judged_against_its_own_target() -> None:
 
 
 @pytest.mark.parametrize("kind", ["contract", "floor"])
-def test_the_recovery_floors_do_the_contracts_writes(tmp_path: Path, kind: str) -> None:
-    """The recovery section's raw contract writes and trio floor take over and release
+def test_the_recovery_baselines_do_the_contracts_writes(tmp_path: Path, kind: str) -> None:
+    """The recovery section's contract writes (raw SQL) and trio floor take over and release
     every expired claim, leave no recovery lease and reset every resume count, and leave
     the live claims of another owner alone - the work the library's recovery does."""
     path = tmp_path / "floor.db"
