@@ -199,6 +199,7 @@ def test_postgres_soak_busy_token_kills_overlap_only_on_a_broken_liveness_copy(
     else:
         assert figures["overlaps"] >= 1, output
     busy = re.search(r"busy_token_kills=(\d+)", stdout)
-    # A host ignoring its lost token has none left to kill, after the first time.
+    # A host ignoring its lost token has none left to kill after the first time (the chaos
+    # aims a busy kill at a host that holds its token, while one serves).
     assert busy is not None, output
     assert int(busy.group(1)) >= (1 if defect == "ignore-lost-token" else 3), output

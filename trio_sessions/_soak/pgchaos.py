@@ -2,7 +2,8 @@
 
 `Chaos` adds to `SoakBase` the faults `postgres` describes: one host fault at a time on a
 random worker (SIGKILL, SIGSTOP, a partition at its proxy, a rolling restart, and now and
-then a busy token kill), `pg_terminate_backend` of a worker connection (any, a liveness
+then a busy token kill - of a worker that holds its token, while one serves),
+`pg_terminate_backend` of a worker connection (any, a liveness
 token's, or one at its COMMIT) or a reset at a proxy, and one restart of a server the soak
 started itself.
 
@@ -118,6 +119,23 @@ class Chaos(SoakBase):
             self.hosts_held -= 1
             self.held_until = time.monotonic()
 
+    async def token_holders(self) -> set[str]:
+        """The names of the workers whose liveness token connection holds its lock now."""
+        try:
+            rows = await self.admin.rows(
+                "SELECT DISTINCT application_name FROM pg_stat_activity"
+                " WHERE application_name LIKE %s AND pid IN (SELECT pid FROM pg_locks"
+                " WHERE locktype = 'advisory' AND objsubid = 2 AND granted"
+                " AND classid = (hashtext('trio_sessions.owner:' || %s)::bigint"
+                " & 4294967295)::oid)",
+                f"{self.schema}-%",
+                self.schema,
+            )
+        except (psycopg.Error, StoreError):
+            return set()
+        prefix = f"{self.schema}-"
+        return {str(name).removeprefix(prefix) for (name,) in rows}
+
     async def busy_token_kill(self, worker: common.Worker) -> None:
         """Kill `worker`'s liveness token connection while one of its drains is in a busy
         step (`common`): a live owner losing its token with a drain that cannot stop at
@@ -164,6 +182,19 @@ class Chaos(SoakBase):
                 worker = self.rng.choice(list(self.workers.values()))
                 # Only a host that serves has drains to ask into a busy step.
                 busy = self.rng.random() < self.args.busy_ratio and self.retiring.serving(worker)
+                if busy:
+                    # A host without its token (between losing and taking it again; for
+                    # good, in a copy that ignores a lost token) has none to lose: the kill
+                    # goes to one that holds it, if any serves.
+                    holders = await self.token_holders()
+                    if worker.name not in holders:
+                        serving = [
+                            w
+                            for w in self.workers.values()
+                            if w.name in holders and self.retiring.serving(w)
+                        ]
+                        if serving:
+                            worker = self.rng.choice(serving)
                 kind = "busy token kill" if busy else kinds.pop()
                 print(f"soak: {kind} {worker.name} at {self.elapsed():.1f} s")
                 if busy:
