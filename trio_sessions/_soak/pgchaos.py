@@ -31,6 +31,13 @@ from .pgstate import SoakBase
 from .proxy import FaultProxy, Link
 
 STARTUP = 2.0  # seconds the workers get to boot before the first host fault
+# The backends that hold a liveness token of the soak's schema (`_liveness`: one advisory
+# lock per owner, keyed by the schema); one parameter, the schema.
+_TOKEN_HOLDERS = (
+    "pid IN (SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2"
+    " AND granted AND classid = (hashtext('trio_sessions.owner:' || %s)::bigint"
+    " & 4294967295)::oid)"
+)
 
 
 class Chaos(SoakBase):
@@ -124,10 +131,7 @@ class Chaos(SoakBase):
         try:
             rows = await self.admin.rows(
                 "SELECT DISTINCT application_name FROM pg_stat_activity"
-                " WHERE application_name LIKE %s AND pid IN (SELECT pid FROM pg_locks"
-                " WHERE locktype = 'advisory' AND objsubid = 2 AND granted"
-                " AND classid = (hashtext('trio_sessions.owner:' || %s)::bigint"
-                " & 4294967295)::oid)",
+                " WHERE application_name LIKE %s AND " + _TOKEN_HOLDERS,
                 f"{self.schema}-%",
                 self.schema,
             )
@@ -147,10 +151,7 @@ class Chaos(SoakBase):
         if not began:
             return
         killed = await self.terminate(
-            "application_name = %s AND pid IN (SELECT pid FROM pg_locks"
-            " WHERE locktype = 'advisory' AND objsubid = 2 AND granted"
-            " AND classid = (hashtext('trio_sessions.owner:' || %s)::bigint"
-            " & 4294967295)::oid)",
+            "application_name = %s AND " + _TOKEN_HOLDERS,
             f"{self.schema}-{worker.name}",
             self.schema,
         )
@@ -236,13 +237,7 @@ class Chaos(SoakBase):
             elif kind < 0.5:
                 # A liveness token's connection (a live owner loses its token: it must stop
                 # its drains before the others' grace runs out, DESIGN §4).
-                killed = await self.terminate(
-                    "pid IN (SELECT pid FROM pg_locks WHERE locktype = 'advisory'"
-                    " AND objsubid = 2 AND granted"
-                    " AND classid = (hashtext('trio_sessions.owner:' || %s)::bigint"
-                    " & 4294967295)::oid)",
-                    self.schema,
-                )
+                killed = await self.terminate(_TOKEN_HOLDERS, self.schema)
                 self.result.conn_kills += killed
                 self.result.token_kills += killed
             elif kind < 0.8:
