@@ -311,11 +311,11 @@ async def recovery_rounds(
     for round_ in range(rounds + 1):
         seconds: dict[str, float] = {}
         for variant in rotate(list(variants), round_):
-            if variant == "raw" or variant in baselines:
-                if variant == "raw":
-                    seconds[variant], reclaimed = raw(round_)
-                else:
-                    seconds[variant], reclaimed = await baselines[variant](round_)
+            baseline = baselines.get(variant)
+            if variant == "raw" or baseline is not None:
+                seconds[variant], reclaimed = (
+                    raw(round_) if baseline is None else await baseline(round_)
+                )
                 if reclaimed != n:
                     raise RuntimeError(f"{variant} reclaim took {reclaimed} of {n}")
                 continue

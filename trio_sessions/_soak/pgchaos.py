@@ -3,9 +3,8 @@
 `Chaos` adds to `SoakBase` the faults `postgres` describes: one host fault at a time on a
 random worker (SIGKILL, SIGSTOP, a partition at its proxy, a rolling restart, and now and
 then a busy token kill - of a worker that holds its token, while one serves),
-`pg_terminate_backend` of a worker connection (any, a liveness
-token's, or one at its COMMIT) or a reset at a proxy, and one restart of a server the soak
-started itself.
+`pg_terminate_backend` of a worker connection (any, a liveness token's, or one at its
+COMMIT) or a reset at a proxy, and one restart of a server the soak started itself.
 
 Invariants: a fault is counted in `Result` only when it happened (a terminate that found no
 backend counts nothing); a paused host is always resumed and a partition always healed
@@ -140,6 +139,20 @@ class Chaos(SoakBase):
         prefix = f"{self.schema}-"
         return {str(name).removeprefix(prefix) for (name,) in rows}
 
+    async def busy_target(self, picked: common.Worker) -> common.Worker:
+        """Where a busy token kill goes: `picked`, unless it lacks its token (between losing
+        and taking it again; for good, in a copy that ignores a lost token) and so has none
+        to lose - then a serving worker that holds one, if any."""
+        holders = await self.token_holders()
+        if picked.name in holders:
+            return picked
+        serving = [
+            worker
+            for worker in self.workers.values()
+            if worker.name in holders and self.retiring.serving(worker)
+        ]
+        return self.rng.choice(serving) if serving else picked
+
     async def busy_token_kill(self, worker: common.Worker) -> None:
         """Kill `worker`'s liveness token connection while one of its drains is in a busy
         step (`common`): a live owner losing its token with a drain that cannot stop at
@@ -184,18 +197,7 @@ class Chaos(SoakBase):
                 # Only a host that serves has drains to ask into a busy step.
                 busy = self.rng.random() < self.args.busy_ratio and self.retiring.serving(worker)
                 if busy:
-                    # A host without its token (between losing and taking it again; for
-                    # good, in a copy that ignores a lost token) has none to lose: the kill
-                    # goes to one that holds it, if any serves.
-                    holders = await self.token_holders()
-                    if worker.name not in holders:
-                        serving = [
-                            w
-                            for w in self.workers.values()
-                            if w.name in holders and self.retiring.serving(w)
-                        ]
-                        if serving:
-                            worker = self.rng.choice(serving)
+                    worker = await self.busy_target(worker)
                 kind = "busy token kill" if busy else kinds.pop()
                 print(f"soak: {kind} {worker.name} at {self.elapsed():.1f} s")
                 if busy:
