@@ -137,23 +137,31 @@ async def test_streams_behind_on_appends_are_caught_up_without_reads_of_their_ow
 
 
 @pytest.mark.parametrize("backend", ["postgres"], indirect=True)
-async def test_a_signal_naming_one_session_looks_only_at_its_streams(
+async def test_a_signal_naming_one_session_catches_up_only_its_streams_in_one_read(
     db_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """PostgreSQL's signals name the sessions that changed: the change scan after one
-    looks for the streams of those sessions only, not for every stream the web process
-    holds (under the chat load, a scan of 200 streams' heads per append batch)."""
+    reads for the streams of those sessions only, not for every stream the web process
+    holds (under the chat load, 200 streams per append batch) - and in one read, the
+    catch-up itself: no heads read first to learn what the signal already said (a second
+    round trip for every streamed word)."""
     from trio_sessions import _loops
 
     monkeypatch.setattr(_loops, "CHANGE_FALLBACK_POLL", 60.0)  # no look but the signals'
-    looked: list[set[str]] = []
-    heads = _store.stream_heads
+    heads_read: list[set[str]] = []
+    caught_up: list[set[str]] = []
+    heads, catch_up = _store.stream_heads, _store.stream_catch_up
 
-    def recorded(tx: Any, tops: dict[str, int], message_ids: Any) -> Any:
-        looked.append(set(tops))
+    def recorded_heads(tx: Any, tops: dict[str, int], message_ids: Any) -> Any:
+        heads_read.append(set(tops))
         return heads(tx, tops, message_ids)
 
-    monkeypatch.setattr(_store, "stream_heads", recorded)
+    def recorded_catch_up(tx: Any, reads: Any) -> Any:
+        caught_up.append({session for session, _ in reads})
+        return catch_up(tx, reads)
+
+    monkeypatch.setattr(_store, "stream_heads", recorded_heads)
+    monkeypatch.setattr(_store, "stream_catch_up", recorded_catch_up)
     scans: list[str] = []  # the owners of the change scans (doorbells, claims, watchers)
     changes = _store.changes
 
@@ -174,7 +182,8 @@ async def test_a_signal_naming_one_session_looks_only_at_its_streams(
 
     with trio.fail_after(BOUND):
         async with chatting(db_path, drain, chats) as web:
-            looked.clear()
+            heads_read.clear()
+            caught_up.clear()
             scans.clear()
             go["c3"].set()
             await chats.until(lambda: chats.texts["c3"] == "word")
@@ -182,7 +191,9 @@ async def test_a_signal_naming_one_session_looks_only_at_its_streams(
     # A transcript-only change needs no scan of doorbells and claims where no watcher
     # follows the session: the web process went straight to its streams.
     assert web_scans == 0
-    # The word's look read c3's stream only. (A late signal of an earlier write may add a
-    # look at the sessions it named - never at every stream.)
-    assert {"c3"} in looked, looked
-    assert all(sessions < set(chats.sessions) for sessions in looked), looked
+    # The word reached c3's stream through a catch-up read of c3's stream only, with no
+    # heads read. (A late signal of an earlier write may add a read of the sessions it
+    # named - never of every stream.)
+    assert heads_read == []
+    assert {"c3"} in caught_up, caught_up
+    assert all(sessions < set(chats.sessions) for sessions in caught_up), caught_up

@@ -453,9 +453,10 @@ class StreamHub:
             stream.mark_dirty()
 
     async def look(self, read: Read, signalled: Collection[str] | None = None) -> None:
-        """After a change signal: find the streams behind the store (one read for all of
-        them; a stream already dirty reads by itself) and catch them up (`_catch_up`) -
-        the streams of the sessions the signal named, or all of them (None)."""
+        """After a change signal: catch up the streams behind the store (`_catch_up`; a
+        stream already dirty reads by itself). A signal that named its sessions names
+        streams behind: theirs are caught up at once. After one that did not (None: a
+        fallback poll, a reconnect), one heads read finds which of all the streams are."""
         streams = [
             stream
             for session_id, group in self._streams.items()
@@ -464,6 +465,12 @@ class StreamHub:
             if not stream.dirty
         ]
         if not streams:
+            return
+        if signalled is not None:
+            # Another process changed these very sessions, and the catch-up read answers a
+            # stream that is not behind with nothing: a heads read first would cost every
+            # streamed word a second round trip.
+            await self._catch_up(streams, read)
             return
         tops: dict[str, int] = {}
         ids: list[str] = []
