@@ -143,12 +143,13 @@ BLOCKERS: dict[str, tuple[str, Pick]] = {
     **{f"{function}(": (CLAIMS_LOCK, SECOND) for function in ("ts_heartbeat", "ts_expire_claims")},
     # Recovery's set-wise call takes its sessions' locks first (p_sessions: the 4th).
     "ts_recover(": (SESSION_LOCK, lambda params: (first_of(params[3]),)),
-    # So do a batch's set-wise submits and wakes with acquires (p_sessions: the 1st). An
+    # So do a batch's set-wise submits and wakes with acquires (p_sessions: the 1st), and
+    # a batch's submits take each one's lock in turn (the first session in the 1st). An
     # acquire (`ts_acquire`, `ts_acquire_many`) waits for no session's lock: it answers
     # 'busy' instead (tests/test_pg_batch_locks.py).
     **{
         f"{function}(": (SESSION_LOCK, lambda params: (first_of(params[0]),))
-        for function in ("ts_submit_and_acquire_many", "ts_wake_and_acquire_many")
+        for function in ("ts_submit_and_acquire_many", "ts_wake_and_acquire_many", "ts_submits")
     },
 }
 

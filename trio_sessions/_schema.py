@@ -161,7 +161,7 @@ SQLITE_OUR_TABLES = frozenset(
 # ---------------------------------------------------------------------------------------------
 # PostgreSQL
 
-POSTGRES_SCHEMA_VERSION = 14
+POSTGRES_SCHEMA_VERSION = 15
 
 # Same names, meanings and named CHECKs as the SQLite schema (`SQLITE_MIGRATIONS`, whose
 # versions 1-3 are PostgreSQL's first: no PostgreSQL store predates them); times
@@ -330,6 +330,8 @@ ALTER TABLE session ADD COLUMN released_execution TEXT;
 ALTER TABLE session ADD COLUMN released_verdict TEXT;
 DROP FUNCTION IF EXISTS ts_finish(text, text, text, text, bigint, boolean);
 """,
+    # The functions again, no table changes: a batch's submits in one call (`ts_submits`).
+    15: "",
 }
 
 
@@ -373,4 +375,5 @@ POSTGRES_BACKFILLS: dict[int, Callable[[Any], None]] = {
     12: _create_functions,
     13: _create_functions,
     14: _create_functions,
+    15: _create_functions,
 }

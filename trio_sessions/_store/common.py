@@ -215,7 +215,8 @@ def pg_set_wise(
     """The DDL of `name`, group commit's set-wise form of the function `single`: one call for
     a batch's jobs of one kind, one array per parameter (`params`: name and element type, the
     session first, as `single` takes them; `constants` follow them in each call, then
-    `p_now, p_retry`). Rows (ord, `single`'s `returns` columns), taken in the sessions' lock
+    `p_now, p_retry`). Rows (ord, `returns`: names and types for `single`'s result columns,
+    in its order - one for a function returning one value), taken in the sessions' lock
     order - (hashtext, id), arrival order among equals - so two writers never deadlock on
     them and one session's jobs run in the order they were made."""
     arrays = ", ".join(f"p_{param}s {kind}[]" for param, kind in params)
@@ -238,7 +239,7 @@ BEGIN
                  WITH ORDINALITY AS u({aliases}, n)
              ORDER BY hashtext(u.a0), u.a0, u.n LOOP
         SELECT r.n, {", ".join(f"f.{column}" for column, _ in returns)} INTO ord, {outputs}
-            FROM {single}({call}, p_now, p_retry) f;
+            FROM {single}({call}, p_now, p_retry) AS f({outputs});
         RETURN NEXT;
     END LOOP;
 END $$;

@@ -11,10 +11,12 @@ Invariants kept here:
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from .. import _codec
-from .._backend import Tx, autocommit_when_alone
+from .._backend import FALLBACK, Tx, autocommit_when_alone, pg_batched
 from .._errors import InputConflict
+from .common import pg_set_wise
 
 
 def wake(tx: Tx, session_id: str) -> None:
@@ -32,7 +34,15 @@ def wake(tx: Tx, session_id: str) -> None:
     )
 
 
+def _pg_submitted(args: tuple[Any, ...], row: tuple[Any, ...]) -> Any:
+    """`ts_submit`'s verdict as `submit` answers; `FALLBACK` for another session's input id
+    or another payload text (nothing was written: the path in Python decides)."""
+    (verdict,) = row
+    return args[2] if verdict in ("stored", "known") else FALLBACK
+
+
 @autocommit_when_alone
+@pg_batched("ts_submits", _pg_submitted)
 def submit(tx: Tx, session_id: str, payload: str, input_id: str) -> str:
     """Admit an input and ring the doorbell, idempotently by `input_id`.
 
@@ -41,8 +51,8 @@ def submit(tx: Tx, session_id: str, payload: str, input_id: str) -> str:
     payload, raises `InputConflict`.
     """
     if tx.dialect == "postgres":
-        [(verdict,)] = tx.call("ts_submit", session_id, payload, input_id)
-        if verdict in ("stored", "known"):
+        [row] = tx.call("ts_submit", session_id, payload, input_id)
+        if _pg_submitted((session_id, payload, input_id), row) is not FALLBACK:
             return input_id
         # Another session's id, or another payload text (maybe the same JSON value):
         # nothing was written; the path below decides (in a transaction).
@@ -119,7 +129,8 @@ def _ensure_session(tx: Tx, session_id: str) -> None:
 # PostgreSQL: this family's server-side functions (created by `_schema`'s migrations; see
 # `_store.pg_functions` for their conventions)
 
-PG_FUNCTIONS = r"""
+PG_FUNCTIONS = (
+    r"""
 -- Under the session lock: is the input id stored (pending, taken or set aside)? NULL: no;
 -- known (same session, same payload text); other_session; other_payload (the caller
 -- compares the payloads as JSON values).
@@ -197,3 +208,10 @@ BEGIN
             wakes = s.wakes + 1;
 END $$;
 """
+    + pg_set_wise(
+        "ts_submits",
+        "ts_submit",
+        [("session", "text"), ("payload", "text"), ("input", "text")],
+        [("verdict", "text")],
+    )
+)
