@@ -190,7 +190,8 @@ class _Lane:
     and the worker's completion (one `run_sync_soon` callback) wakes each caller directly
     and hands over at once what queued meanwhile - the fewest trio passes and thread
     wake-ups between a call and its reply (on the sequential cycle the hand-offs cost more
-    than the server's work).
+    than the server's work). A hand-off with writes and reads wakes the writes' callers
+    first, before its reads run.
 
     Invariants (as `_handoff.HandoffQueue`): a caller cancelled while its operation is
     queued sees it withdrawn unrun; once taken, it waits for the outcome. Only the trio
@@ -242,29 +243,32 @@ class _Lane:
         self._inbox.put(batch)
 
     def _work(self) -> None:
-        """The worker thread: each batch the trio side hands over, until told to stop."""
+        """The worker thread: each batch the trio side hands over, until told to stop - its
+        writes, then its reads. The writes' callers go on once their transactions are
+        over: a write's reply never waits for the reads that shared its hand-off."""
+        assert self._token is not None
         while (batch := self._inbox.get()) is not None:
-            try:
-                by_mode: dict[str, list[Job]] = {
-                    "write": [],
-                    "nowait": [],
-                    "read": [],
-                    "alone": [],
-                }
-                for queued in batch:
-                    mode = queued.mode
-                    if mode == "write" and not _on_a_session(queued.job):
-                        mode = "alone"
-                    by_mode[mode].append(queued.job)
-                self.engine.run_jobs(
-                    by_mode["write"], by_mode["nowait"], by_mode["read"], by_mode["alone"]
-                )
-            except BaseException as exc:  # the engine never raises for a job: report it
-                for queued in batch:
-                    if queued.job.error is None:
-                        queued.job.error = StoreError(f"the store's worker failed: {exc!r}")
-            assert self._token is not None
+            writes = [queued for queued in batch if queued.mode != "read"]
+            reads = [queued for queued in batch if queued.mode == "read"]
+            if writes:
+                _reporting(writes, self._run_writes)
+                if reads:
+                    self._token.run_sync_soon(_finish, writes)
+            if reads:
+                _reporting(reads, self._run_reads)
             self._token.run_sync_soon(self._done, batch)
+
+    def _run_writes(self, writes: list[Queued]) -> None:
+        by_mode: dict[str, list[Job]] = {"write": [], "nowait": [], "alone": []}
+        for queued in writes:
+            mode = queued.mode
+            if mode == "write" and not _on_a_session(queued.job):
+                mode = "alone"
+            by_mode[mode].append(queued.job)
+        self.engine.run_jobs(by_mode["write"], by_mode["nowait"], (), by_mode["alone"])
+
+    def _run_reads(self, reads: list[Queued]) -> None:
+        self.engine.run_reads([queued.job for queued in reads])
 
     @property
     def load(self) -> int:
@@ -274,8 +278,7 @@ class _Lane:
     def _done(self, batch: list[Queued]) -> None:
         """On the trio thread: the batch's callers go on; what queued meanwhile is next."""
         self._in_flight = None
-        for queued in batch:
-            queued.finish()
+        _finish(batch)
         if self._queue and not self.closed:
             self._dispatch()
         elif self._idle is not None:
@@ -294,6 +297,23 @@ class _Lane:
             with trio.CancelScope(shield=True):
                 await self._idle.wait()
         self._inbox.put(None)
+
+
+def _reporting(batch: list[Queued], run: Callable[[list[Queued]], None]) -> None:
+    """`run(batch)` - and should it raise (the engine never raises for a job), every job of
+    the batch reports it."""
+    try:
+        run(batch)
+    except BaseException as exc:
+        for queued in batch:
+            if queued.job.error is None:
+                queued.job.error = StoreError(f"the store's worker failed: {exc!r}")
+
+
+def _finish(batch: list[Queued]) -> None:
+    """On the trio thread: the batch's callers go on."""
+    for queued in batch:
+        queued.finish()
 
 
 @attrs.define(eq=False)
