@@ -5,7 +5,8 @@ so a process commits (and notifies) less often, and fewer of the server's backen
 for the host's cores - under the chat load, three lanes each committing one operation at a
 time were slower than one lane. A session whose operations are queued or running stays on
 their lane (they run in order, on one connection); a new one spills to the least busy lane
-once the first lane holds four full hand-offs (`spill_at`).
+once the first lane holds four full hand-offs (`spill_at`). A hand-off's writes reply
+before its reads run.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import threading
 
 import trio
 import trio.testing
+from helpers import pg_raw
 
+from trio_sessions import _store
 from trio_sessions._backend import Tx
 from trio_sessions._postgres import PgThreadExecutor, PostgresStore
 
@@ -80,31 +83,42 @@ async def test_a_busy_first_lane_spills_new_sessions_but_keeps_its_own(
     assert got == {"a": pids[0], "a-again": pids[0], "b": pids[1], "c": pids[2]}
 
 
-async def test_a_writes_reply_does_not_wait_for_the_reads_of_its_hand_off(
+async def test_a_write_replies_before_the_reads_of_its_hand_off_run(
     pg_url: str, pg_schema: str
 ) -> None:
-    """A hand-off runs its writes, then its reads: the writes' callers go on once their
-    transaction is committed, not after the reads queued beside them (under the chat load,
-    a web process's submit waited up to 7 ms for stream reads it had nothing to do with)."""
+    """A hand-off runs its writes, then its reads: a write's caller goes on once its
+    transaction committed, not after the reads queued beside it (under the chat load, a
+    web process's submit waited up to 7 ms for stream reads it had nothing to do with)."""
     store = PostgresStore(pg_url, schema=pg_schema, writers=1, listen=False)
     busy, read_gate = threading.Event(), threading.Event()
     wrote = trio.Event()
+    read: list[int] = []
     with trio.fail_after(30):
         async with store.open_executor(None) as executor, trio.open_nursery() as nursery:
+            assert isinstance(executor, PgThreadExecutor)
+            lane = executor.engines[0].backend_pid
 
             async def write() -> None:
-                await executor.run(backend, "s-write")
+                await executor.run(_store.wake, "s-write")
                 wrote.set()
+
+            async def held_read() -> None:
+                read.append(await executor.read(held_open, "s-read", read_gate))
 
             nursery.start_soon(executor.run, held_open, "s-busy", busy)
             await trio.testing.wait_all_tasks_blocked()
             # Both queue behind the busy lane, so its next hand-off takes them together.
             nursery.start_soon(write)
-            nursery.start_soon(executor.read, held_open, "s-read", read_gate)
+            nursery.start_soon(held_read)
             await trio.testing.wait_all_tasks_blocked()
             busy.set()
             try:
                 with trio.fail_after(10):
-                    await wrote.wait()  # while the read of its hand-off is still running
+                    await wrote.wait()  # while the read of its hand-off still runs
+                with pg_raw(pg_url, pg_schema) as conn:
+                    woken = conn.execute("SELECT wakes FROM session WHERE id = 's-write'")
+                    assert woken.fetchall() == [(1,)]  # committed, seen from elsewhere
+                assert read == []
             finally:
                 read_gate.set()
+    assert read == [lane]

@@ -11,7 +11,6 @@ from typing import Any
 
 import psycopg
 import trio
-
 from helpers import pg_raw
 
 from trio_sessions import DrainContext, LeaseLost, SessionBusy, _store
@@ -106,9 +105,7 @@ def test_a_batch_of_submits_is_two_round_trips_however_many(pg_url: str, pg_sche
             before = proxy.round_trips
             engine.engine.run_batch(jobs)
             assert proxy.round_trips - before == 2
-            assert [job.unwrap() for job in jobs] == [f"in-{n}" for n in range(1, 6)] + [
-                "in-known"
-            ]
+            assert [job.unwrap() for job in jobs] == [f"in-{n}" for n in range(1, 6)] + ["in-known"]
         finally:
             engine.close()
     with pg_raw(pg_url, pg_schema) as conn:

@@ -285,8 +285,9 @@ def _jobs(rng: random.Random, sessions: list[str]) -> list[_backend.Job]:
                 args: tuple[Any, ...] = (s, payload, input_id, f"x-{n}", ME, LEASE_MS)
                 jobs.append(_backend.Job(_store.submit_and_acquire, args))
             else:
-                # Another spelling of the same JSON for a job the batch has already (the
-                # index below tells jobs by their arguments): known, through the row path.
+                # The index below tells jobs apart by their arguments: a job the batch has
+                # already gets another spelling of the same JSON value (a known input id
+                # then answers through the row path).
                 while (s, payload, input_id) in {job.args for job in jobs}:
                     payload = payload.replace(":", ":  ", 1)
                 jobs.append(_backend.Job(_store.submit, (s, payload, input_id)))

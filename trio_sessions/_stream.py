@@ -12,8 +12,9 @@ forward, each with the cursor of the position it reaches. Events come from two s
   stream was not offered, or offers dropped because the consumer is slow), when a local write
   without an offer touched the session, or when the change scan (`StreamHub.look`) finds a
   named message changed, gone, or a newer message stored by another process;
-* the change scan's *catch-up*: one read for every stream it found behind
-  (`_store.stream_catch_up`), applied to each stream still at the position it was read
+* the change scan's *catch-up*: one read for every stream it found behind, or whose
+  session a signal named (`_store.stream_catch_up`), applied to each stream still at the
+  position it was read
   from - the appends another process made to the messages it follows; a stream that
   misses more, or is not free to take it (reading, offers or events waiting), is marked
   dirty and reads by itself.
@@ -454,9 +455,10 @@ class StreamHub:
 
     async def look(self, read: Read, signalled: Collection[str] | None = None) -> None:
         """After a change signal: catch up the streams behind the store (`_catch_up`; a
-        stream already dirty reads by itself). A signal that named its sessions names
-        streams behind: theirs are caught up at once. After one that did not (None: a
-        fallback poll, a reconnect), one heads read finds which of all the streams are."""
+        stream already dirty reads by itself). The streams of the sessions a signal named
+        are caught up at once: those sessions changed. After a signal that named none
+        (None: a fallback poll, a reconnect), one heads read finds which of all the streams
+        are behind."""
         streams = [
             stream
             for session_id, group in self._streams.items()
@@ -467,9 +469,10 @@ class StreamHub:
         if not streams:
             return
         if signalled is not None:
-            # Another process changed these very sessions, and the catch-up read answers a
-            # stream that is not behind with nothing: a heads read first would cost every
-            # streamed word a second round trip.
+            # Mostly another process's appends to these very sessions, and the catch-up read
+            # answers a stream that is not behind with nothing (one not free to take it
+            # reads by itself): a heads read first would cost every streamed word a second
+            # round trip.
             await self._catch_up(streams, read)
             return
         tops: dict[str, int] = {}

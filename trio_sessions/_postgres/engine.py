@@ -228,22 +228,17 @@ class PgEngine:
         )
 
     def run_jobs(
-        self,
-        jobs: Sequence[Job],
-        nowait: Sequence[Job] = (),
-        reads: Sequence[Job] = (),
-        alone: Sequence[Job] = (),
+        self, jobs: Sequence[Job], nowait: Sequence[Job] = (), alone: Sequence[Job] = ()
     ) -> None:
-        """One hand-off: `alone` (writes on no session) first, each in its own transaction
-        (one autocommit call if it can be), then `nowait` and `reads` jobs alone each, the
-        rest in batches of `BATCH_LIMIT`."""
+        """One hand-off's writes: `alone` (writes on no session) first, each in its own
+        transaction (one autocommit call if it can be), then `nowait` jobs alone each, the
+        rest in batches of `BATCH_LIMIT`. Its reads follow (`run_reads`)."""
         for job in alone:
             self.run_alone(job)
         for job in nowait:
             self.run_alone(job, "nowait")
         for start in range(0, len(jobs), BATCH_LIMIT):
             self.run_batch(jobs[start : start + BATCH_LIMIT])
-        self.run_reads(reads)
 
     def run_reads(self, reads: Sequence[Job]) -> None:
         """Reads, each on its own snapshot - but those of one `pg_read_batched` kind (two or

@@ -20,7 +20,9 @@ Invariants:
   its operation is queued sees it withdrawn unrun; once taken, the caller waits for its
   outcome, so a committed write is always reported;
 * a session's operations queued or running are all on one lane, so they run on one
-  connection in the order they were queued, and two lanes' batches never wait for each
+  connection in the order they were queued (within one batch, the set-wise calls of a
+  kind come before the jobs run one by one: operations queued together are concurrent
+  callers'), and two lanes' batches never wait for each
   other's session locks (a batch takes its sessions' locks first, in one order, so batches
   of two processes wait rather than deadlock; one that still arises is retried, 40P01);
 * a session with nothing queued or running goes to the first lane while that lane holds
@@ -265,7 +267,7 @@ class _Lane:
             if mode == "write" and not _on_a_session(queued.job):
                 mode = "alone"
             by_mode[mode].append(queued.job)
-        self.engine.run_jobs(by_mode["write"], by_mode["nowait"], (), by_mode["alone"])
+        self.engine.run_jobs(by_mode["write"], by_mode["nowait"], by_mode["alone"])
 
     def _run_reads(self, reads: list[Queued]) -> None:
         self.engine.run_reads([queued.job for queued in reads])
@@ -276,7 +278,9 @@ class _Lane:
         return len(self._queue) + (0 if self._in_flight is None else len(self._in_flight))
 
     def _done(self, batch: list[Queued]) -> None:
-        """On the trio thread: the batch's callers go on; what queued meanwhile is next."""
+        """On the trio thread: the batch's callers go on (a write's caller that went on
+        before the reads is not woken twice: `Queued.finish` acts once); what queued
+        meanwhile is next."""
         self._in_flight = None
         _finish(batch)
         if self._queue and not self.closed:

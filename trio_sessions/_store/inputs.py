@@ -129,8 +129,7 @@ def _ensure_session(tx: Tx, session_id: str) -> None:
 # PostgreSQL: this family's server-side functions (created by `_schema`'s migrations; see
 # `_store.pg_functions` for their conventions)
 
-PG_FUNCTIONS = (
-    r"""
+PG_FUNCTIONS = r"""
 -- Under the session lock: is the input id stored (pending, taken or set aside)? NULL: no;
 -- known (same session, same payload text); other_session; other_payload (the caller
 -- compares the payloads as JSON values).
@@ -207,11 +206,9 @@ BEGIN
         ON CONFLICT (id) DO UPDATE SET time_woken = COALESCE(s.time_woken, v_now),
             wakes = s.wakes + 1;
 END $$;
-"""
-    + pg_set_wise(
-        "ts_submits",
-        "ts_submit",
-        [("session", "text"), ("payload", "text"), ("input", "text")],
-        [("verdict", "text")],
-    )
+""" + pg_set_wise(
+    "ts_submits",
+    "ts_submit",
+    [("session", "text"), ("payload", "text"), ("input", "text")],
+    [("verdict", "text")],
 )
