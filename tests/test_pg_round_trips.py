@@ -13,7 +13,7 @@ import psycopg
 import trio
 from helpers import pg_raw
 
-from trio_sessions import DrainContext, LeaseLost, SessionBusy, _store
+from trio_sessions import DrainContext, LeaseLost, SessionBusy, _codec, _store
 from trio_sessions._backend import Job
 from trio_sessions._bench.postgres import seed_expired
 from trio_sessions._bench.roundtrips import (
@@ -27,7 +27,14 @@ from trio_sessions._bench.tools import wait_all_idle
 from trio_sessions._postgres import open_engine
 from trio_sessions._postgres.engine import PgSyncEngine
 from trio_sessions._store.changes import NO_CHANGE, Changes, Followed, changes_by_statements
-from trio_sessions._store.stream import Held, Position, message_tag, stream_changes_by_statements
+from trio_sessions._store.stream import (
+    NEW_MESSAGES_PER_READ,
+    Held,
+    Position,
+    _pg_arguments,
+    message_tag,
+    stream_changes_by_statements,
+)
 from trio_sessions._store.transcript import read_transcript_by_statements
 
 
@@ -191,6 +198,50 @@ def test_the_stream_reads_of_one_hand_off_are_one_round_trip(pg_url: str, pg_sch
             assert answers[3].rewritten
         finally:
             engine.close()
+
+
+def test_the_stream_reads_of_one_hand_off_probe_indexes_and_scan_no_table(
+    pg_url: str, pg_schema: str
+) -> None:
+    """The set-wise stream read (`ts_stream_changes_many`) looks each position's rows up by
+    key: it scans neither messages nor deltas whole, however many other sessions there are
+    (the planner, guessing a hundred elements in any JSON array, flattened such lookups
+    into hash joins over whole tables)."""
+    engine = open_engine(pg_url, schema=pg_schema)
+    try:
+        positions = {f"s{index}": following_position(engine, index) for index in range(3)}
+    finally:
+        engine.close()
+    payload = _codec.dumps(
+        [_pg_arguments(s, p, NEW_MESSAGES_PER_READ) for s, p in positions.items()]
+    )
+    with pg_raw(pg_url, pg_schema) as conn:
+        conn.execute(
+            "INSERT INTO session(id, time_created) SELECT 'x' || g, 0"
+            " FROM generate_series(1, 2000) AS g"
+        )
+        conn.execute(
+            "INSERT INTO session_message(id, session_id, role, seq, data, time_created,"
+            " time_updated) SELECT 'x' || g || '-' || n, 'x' || g, 'assistant', n, '{}', 0, 0"
+            " FROM generate_series(1, 2000) AS g, generate_series(1, 2) AS n"
+        )
+        conn.execute(
+            "INSERT INTO session_message_delta(message_id, version, text)"
+            " SELECT 'x' || g || '-2', v, 'w ' FROM generate_series(1, 2000) AS g,"
+            " generate_series(1, 5) AS v"
+        )
+        conn.execute("ANALYZE session_message")
+        conn.execute("ANALYZE session_message_delta")
+        with conn.transaction():
+            rows = conn.execute(
+                "SELECT kind, text FROM ts_stream_changes_many(%s, NULL, false)", (payload,)
+            ).fetchall()
+            scans = conn.execute(
+                "SELECT relname, seq_scan FROM pg_stat_xact_user_tables"
+                " WHERE relname IN ('session_message', 'session_message_delta') ORDER BY 1"
+            ).fetchall()
+    assert [text for kind, text in rows if kind == "append"] == ["b "] * 3
+    assert scans == [("session_message", 0), ("session_message_delta", 0)]
 
 
 def following_position(engine: PgSyncEngine, index: int) -> Position:

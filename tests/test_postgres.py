@@ -220,7 +220,7 @@ async def test_upgrade_of_a_version_1_schema_adds_streaming(pg_url: str, pg_sche
     # 12: the conversation controls, a transcript read, a tool change each in one call;
     # recovery's takeover alone in autocommit; 13: an acquire never waits for a busy session;
     # 14: an iteration's end alone in autocommit, its release read back by execution id
-    # 15: a batch's submits in one call
+    # 15: a batch's submits in one call, many streams' reads set-wise
     assert SCHEMA_VERSION == 15
     await check_pre_streaming_upgrade(location, PostgresStore(pg_url, schema=pg_schema))
 

@@ -330,7 +330,8 @@ ALTER TABLE session ADD COLUMN released_execution TEXT;
 ALTER TABLE session ADD COLUMN released_verdict TEXT;
 DROP FUNCTION IF EXISTS ts_finish(text, text, text, text, bigint, boolean);
 """,
-    # The functions again, no table changes: a batch's submits in one call (`ts_submits`).
+    # The functions again, no table changes: a batch's submits in one call (`ts_submits`),
+    # many streams' reads set-wise (`ts_stream_changes_many`).
     15: "",
 }
 

@@ -510,20 +510,61 @@ LANGUAGE sql STABLE AS $$
         ORDER BY w.seq, d.version)
 $$;
 
--- stream_changes for many streams in one statement (one snapshot): p_positions is a JSON
--- array of ts_stream_changes' arguments by name; rows (ord, ts_stream_changes' columns).
+-- stream_changes for many streams in one statement (one snapshot), set-wise: p_positions is
+-- a JSON array of ts_stream_changes' arguments by name; rows (ord, ts_stream_changes'
+-- columns), the same rows ts_stream_changes gives each position. Each lookup is an index
+-- probe per position (OFFSET 0 keeps the planner from flattening it into a join that scans
+-- a whole table: it guesses a hundred elements in any JSON array), in a plan made once
+-- per connection (a generic plan: nothing in it depends on the values).
 CREATE OR REPLACE FUNCTION ts_stream_changes_many(p_positions text, p_now bigint,
     p_retry boolean)
 RETURNS TABLE(ord bigint, kind text, seq bigint, id text, role text, data text,
     execution_id text, input_id text, version bigint, text text)
-LANGUAGE sql STABLE AS $$
-    SELECT p.ord, c.*
-        FROM jsonb_array_elements(p_positions::jsonb) WITH ORDINALITY AS p(pos, ord)
-        CROSS JOIN LATERAL ts_stream_changes(
-            p.pos->>'session',
-            ARRAY(SELECT jsonb_array_elements_text(p.pos->'named')::bigint),
-            ARRAY(SELECT jsonb_array_elements_text(p.pos->'open_seqs')::bigint),
-            ARRAY(SELECT jsonb_array_elements_text(p.pos->'open_versions')::bigint),
-            (p.pos->>'top')::bigint, (p.pos->>'limit')::bigint, p_now, p_retry) c
-$$;
+LANGUAGE plpgsql STABLE SET plan_cache_mode = force_generic_plan AS $$
+BEGIN
+    RETURN QUERY WITH pos AS MATERIALIZED (
+        SELECT p.ord, p.pos->>'session' AS session, (p.pos->>'top')::bigint AS top,
+                (p.pos->>'limit')::bigint AS lim, p.pos
+            FROM jsonb_array_elements(p_positions::jsonb) WITH ORDINALITY AS p(pos, ord)
+    ), opened AS MATERIALIZED (
+        SELECT pos.ord, o.seq::bigint AS seq,
+                (pos.pos->'open_versions'->>(o.n::int - 1))::bigint AS held,
+                m.id, m.version AS row_version
+            FROM pos CROSS JOIN LATERAL jsonb_array_elements_text(pos.pos->'open_seqs')
+                WITH ORDINALITY AS o(seq, n)
+            CROSS JOIN LATERAL (SELECT m.id, m.version FROM session_message m
+                WHERE m.session_id = pos.session AND m.seq = o.seq::bigint OFFSET 0) m
+    ), whole AS MATERIALIZED (
+        SELECT o.ord, 'whole' AS kind, r.*
+            FROM opened o CROSS JOIN LATERAL (
+                SELECT m.id, m.role, m.seq, m.data, m.execution_id, m.input_id, m.version
+                    FROM session_message m WHERE m.id = o.id OFFSET 0) r
+            WHERE o.row_version > o.held
+        UNION ALL
+        SELECT pos.ord, 'new', f.*
+            FROM pos CROSS JOIN LATERAL (
+                SELECT m.id, m.role, m.seq, m.data, m.execution_id, m.input_id, m.version
+                    FROM session_message m WHERE m.session_id = pos.session AND m.seq > pos.top
+                    ORDER BY m.seq LIMIT pos.lim + 1) f
+    )
+    SELECT pos.ord, 'named', n.seq::bigint, m.id, NULL, NULL, NULL, NULL, NULL::bigint, NULL
+        FROM pos CROSS JOIN LATERAL jsonb_array_elements_text(pos.pos->'named') AS n(seq)
+        LEFT JOIN LATERAL (SELECT m.id FROM session_message m
+            WHERE m.session_id = pos.session AND m.seq = n.seq::bigint OFFSET 0) m ON true
+    UNION ALL
+    SELECT w.ord, w.kind, w.seq, w.id, w.role, w.data, w.execution_id, w.input_id,
+            COALESCE((SELECT MAX(d.version) FROM session_message_delta d
+                      WHERE d.message_id = w.id), w.version), NULL
+        FROM whole w
+    UNION ALL
+    SELECT o.ord, 'append', o.seq, o.id, NULL, NULL, NULL, NULL, d.version, d.text
+        FROM opened o CROSS JOIN LATERAL (SELECT d.version, d.text FROM session_message_delta d
+            WHERE d.message_id = o.id AND d.version > o.held OFFSET 0) d
+        WHERE o.row_version <= o.held
+    UNION ALL
+    SELECT w.ord, 'delta', w.seq, w.id, NULL, NULL, NULL, NULL, d.version, d.text
+        FROM whole w CROSS JOIN LATERAL (SELECT d.version, d.text FROM session_message_delta d
+            WHERE d.message_id = w.id OFFSET 0) d
+        WHERE w.role = 'assistant';
+END $$;
 """
