@@ -3,7 +3,8 @@ DESIGN §8 "One round trip per operation"): a batch's common jobs - the first of
 session, a new input id named once, a session free to claim - are settled by one statement
 without the row function (`ts_submit_and_acquire`), each as that function answers it; the
 rest go through the row function in the lock order; and a whole batch (every set-wise kind
-mixed) ends as the same jobs run alone, one by one, in the order the batch ran them.
+mixed, and a chat worker's appends) ends as the same jobs run alone, one by one, in the
+order the batch ran them.
 Exact clocks (`fixed`), the engine's own transactions; the SQLite twin is
 tests/store/test_set_wise.py.
 """
@@ -374,3 +375,65 @@ def test_a_set_wise_batch_ends_as_its_jobs_alone(
     assert [_outcome(job) for job in batch] == [_outcome(job) for job in alone]
     with raw(pg_url, pg_schema) as mine, raw(pg_url, reference_schema) as theirs:
         assert _tables(mine) == _tables(theirs)
+
+
+def _open_answers(engine: PgEngine, conn: psycopg.Connection[Any], seed: int, n: int) -> None:
+    """`n` sessions each streaming an answer (`m-s<i>`, a few words in), most claimed by ME
+    with a live lease; with `seed`, now and then one whose lease lapsed or that OTHER owns."""
+    rng = random.Random(seed)
+    for i in range(n):
+        s = f"s{i}"
+        owner = OTHER if rng.random() < 0.05 else ME
+        run_op(engine, _store.submit, s, '{"k": 1}', f"in-{s}")
+        run_op(engine, _store.acquire, s, f"exec-{s}", owner, LEASE_MS)
+        run_op(engine, _store.take_inputs, s, f"exec-{s}", owner)
+        run_op(engine, _store.begin_assistant, s, f"exec-{s}", owner, f"m-{s}")
+        for w in range(rng.randint(0, 3)):
+            run_op(engine, _store.append_assistant_text, s, f"exec-{s}", owner, f"m-{s}", f"w{w} ")
+        if rng.random() < 0.05:
+            conn.execute(
+                "UPDATE session_execution SET expires_at = 2000 WHERE id = %s", (f"exec-{s}",)
+            )
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_a_batch_of_appends_ends_as_its_jobs_alone(
+    pg_url: str, pg_schema: str, reference_schema: str, seed: int
+) -> None:
+    """A chat worker's batch of appends (several to one message, interleaved with other
+    messages') - one call (`ts_append_texts`) - answers and writes what the same appends
+    alone write, in the order the batch ran them: the same versions, deltas and stream rows;
+    a lapsed or foreign claim's append refuses the batch, whose jobs then run alone."""
+    rng = random.Random(seed)
+    n = rng.randint(1, 6)
+    jobs = [
+        _backend.Job(
+            _store.append_assistant_text,
+            (f"s{i}", f"exec-s{i}", ME, f"m-s{i}", f"t{k} ", None),
+        )
+        for k, i in enumerate(rng.choices(range(n), k=rng.randint(2, 16)))
+    ]
+    index = {job.args: i for i, job in enumerate(jobs)}
+    log: list[int] = []
+    op = _recording(_store.append_assistant_text, index, log)
+    batch = [_backend.Job(op, job.args) for job in jobs]
+    with engine_at(pg_url, pg_schema, 1.0) as engine, raw(pg_url, pg_schema) as conn:
+        _open_answers(engine, conn, seed, n)
+    with engine_at(pg_url, pg_schema, 3.0) as engine:
+        engine.run_batch(batch)
+        rolled_back = engine.transactions > 1
+    order = list(range(len(jobs))) if rolled_back else log
+    assert sorted(order) == list(range(len(jobs)))
+
+    alone = [_backend.Job(job.op, job.args) for job in jobs]
+    with engine_at(pg_url, reference_schema, 1.0) as engine, raw(pg_url, reference_schema) as conn:
+        _open_answers(engine, conn, seed, n)
+    with engine_at(pg_url, reference_schema, 3.0) as engine:
+        for i in order:
+            engine.run_batch([alone[i]])
+    assert [_outcome(job) for job in batch] == [_outcome(job) for job in alone]
+    with raw(pg_url, pg_schema) as mine, raw(pg_url, reference_schema) as theirs:
+        assert _tables(mine) == _tables(theirs)
+        for table in ("session_message_delta", "session_message_stream"):
+            query = f"SELECT * FROM {table} ORDER BY 1, 2"
+            assert mine.execute(query).fetchall() == theirs.execute(query).fetchall(), table
