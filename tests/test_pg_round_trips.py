@@ -13,7 +13,7 @@ import psycopg
 import trio
 from helpers import pg_raw
 
-from trio_sessions import DrainContext, LeaseLost, SessionBusy, _codec, _store
+from trio_sessions import DrainContext, LeaseLost, SessionBusy, _codec, _store, _transcript
 from trio_sessions._backend import Job
 from trio_sessions._bench.postgres import seed_expired
 from trio_sessions._bench.roundtrips import (
@@ -206,14 +206,21 @@ def test_the_stream_reads_of_one_hand_off_probe_indexes_and_scan_no_table(
     """The set-wise stream read (`ts_stream_changes_many`) looks each position's rows up by
     key: it scans neither messages nor deltas whole, however many other sessions there are
     (the planner, guessing a hundred elements in any JSON array, flattened such lookups
-    into hash joins over whole tables)."""
+    into hash joins over whole tables) - on every path: appends to an open message, a new
+    message with its deltas, an open message replaced whole."""
     engine = open_engine(pg_url, schema=pg_schema)
     try:
         positions = {f"s{index}": following_position(engine, index) for index in range(3)}
+        positions["s1"] = Position(1, "")  # holds the user message only: m1 is new
+        engine.run(_store.update_assistant, "s2", "e2", "me", "m2", _transcript.finish)
     finally:
         engine.close()
     payload = _codec.dumps(
         [_pg_arguments(s, p, NEW_MESSAGES_PER_READ) for s, p in positions.items()]
+    )
+    counts = (
+        "SELECT COALESCE(SUM(seq_scan), 0) FROM pg_stat_xact_user_tables"
+        " WHERE relid IN ('session_message'::regclass, 'session_message_delta'::regclass)"
     )
     with pg_raw(pg_url, pg_schema) as conn:
         conn.execute(
@@ -233,15 +240,19 @@ def test_the_stream_reads_of_one_hand_off_probe_indexes_and_scan_no_table(
         conn.execute("ANALYZE session_message")
         conn.execute("ANALYZE session_message_delta")
         with conn.transaction():
+            [(before,)] = conn.execute(counts).fetchall()
             rows = conn.execute(
-                "SELECT kind, text FROM ts_stream_changes_many(%s, NULL, false)", (payload,)
+                "SELECT kind, id, text FROM ts_stream_changes_many(%s, NULL, false)", (payload,)
             ).fetchall()
-            scans = conn.execute(
-                "SELECT relname, seq_scan FROM pg_stat_xact_user_tables"
-                " WHERE relname IN ('session_message', 'session_message_delta') ORDER BY 1"
-            ).fetchall()
-    assert [text for kind, text in rows if kind == "append"] == ["b "] * 3
-    assert scans == [("session_message", 0), ("session_message_delta", 0)]
+            [(after,)] = conn.execute(counts).fetchall()
+    assert sorted((kind, id, text) for kind, id, text in rows if kind != "named") == [
+        ("append", "m0", "b "),
+        ("delta", "m1", "a "),
+        ("delta", "m1", "b "),
+        ("new", "m1", None),
+        ("whole", "m2", None),
+    ]
+    assert after - before == 0
 
 
 def following_position(engine: PgSyncEngine, index: int) -> Position:
