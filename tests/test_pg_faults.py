@@ -911,6 +911,19 @@ OPERATIONS = [
             Job(_store.submit, ("s3", '{"n": 3}', "i3")),
         ],
     ),
+    # A web process's submits queued together: one set-wise call (`ts_submits`) for a new
+    # input, a known one and one session's second input, then the row path for a known
+    # payload in another spelling (the call's FALLBACK: nothing written by it).
+    Operation(
+        "group-commit-set-wise-plain-submits",
+        steps(empty, do(_store.submit, "s2", '{"n": 2}', "i2")),
+        lambda: [
+            Job(_store.submit, ("s1", '{"n": 1}', "i1")),
+            Job(_store.submit, ("s2", '{"n": 2}', "i2")),
+            Job(_store.submit, ("s1", '{"n": 4}', "i4")),
+            Job(_store.submit, ("s2", '{"n":  2}', "i2")),
+        ],
+    ),
     # Set-wise: two kinds, two jobs each, one call per kind (`pg_batched`).
     Operation(
         "group-commit-set-wise",
