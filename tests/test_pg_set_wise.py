@@ -11,6 +11,7 @@ tests/store/test_set_wise.py.
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -235,7 +236,9 @@ def test_a_batch_of_acquires_is_settled_without_the_row_function(
 # batch ran them.
 
 
-def _setup(engine: PgEngine, conn: psycopg.Connection[Any], seed: int, sessions: list[str]) -> None:
+def _setup(
+    engine: PgEngine, conn: psycopg.Connection[Any], *, seed: int, sessions: list[str]
+) -> None:
     rng = random.Random(seed)
     for s in sessions:
         state = rng.choice(
@@ -354,30 +357,47 @@ def test_a_set_wise_batch_ends_as_its_jobs_alone(
     rng = random.Random(seed)
     sessions = [f"s{i}" for i in range(rng.randint(2, 6))]
     jobs = _jobs(random.Random(seed + 1000), sessions)
+    setup = functools.partial(_setup, seed=seed, sessions=sessions)
+    _ends_as_alone(pg_url, (pg_schema, reference_schema), jobs, setup)
+
+
+Setup = Callable[[PgEngine, psycopg.Connection[Any]], None]
+
+
+def _ends_as_alone(
+    pg_url: str, schemas: tuple[str, str], jobs: list[_backend.Job], setup: Setup, *more: str
+) -> None:
+    """`jobs` run as one batch in the first schema and alone, one by one, in the second, in
+    the order the batch ran them (after the same `setup` in each): the same outcomes, and
+    the same rows in `TABLES` and the `more` tables."""
+    mine, reference = schemas
     index = {job.args: i for i, job in enumerate(jobs)}
     log: list[int] = []
     ops = {op: _recording(op, index, log) for op in {job.op for job in jobs}}
     batch = [_backend.Job(ops[job.op], job.args) for job in jobs]
-    with engine_at(pg_url, pg_schema, 1.0) as engine, raw(pg_url, pg_schema) as conn:
-        _setup(engine, conn, seed, sessions)
-    with engine_at(pg_url, pg_schema, 3.0) as engine:
+    with engine_at(pg_url, mine, 1.0) as engine, raw(pg_url, mine) as conn:
+        setup(engine, conn)
+    with engine_at(pg_url, mine, 3.0) as engine:
         engine.run_batch(batch)
         rolled_back = engine.transactions > 1  # the batch raised: each job ran alone
     order = list(range(len(jobs))) if rolled_back else log
     assert sorted(order) == list(range(len(jobs)))
 
     alone = [_backend.Job(job.op, job.args) for job in jobs]
-    with engine_at(pg_url, reference_schema, 1.0) as engine, raw(pg_url, reference_schema) as conn:
-        _setup(engine, conn, seed, sessions)
-    with engine_at(pg_url, reference_schema, 3.0) as engine:
+    with engine_at(pg_url, reference, 1.0) as engine, raw(pg_url, reference) as conn:
+        setup(engine, conn)
+    with engine_at(pg_url, reference, 3.0) as engine:
         for i in order:
             engine.run_batch([alone[i]])
     assert [_outcome(job) for job in batch] == [_outcome(job) for job in alone]
-    with raw(pg_url, pg_schema) as mine, raw(pg_url, reference_schema) as theirs:
-        assert _tables(mine) == _tables(theirs)
+    with raw(pg_url, mine) as ours, raw(pg_url, reference) as theirs:
+        assert _tables(ours) == _tables(theirs)
+        for table in more:
+            query = f"SELECT * FROM {table} ORDER BY 1, 2"
+            assert ours.execute(query).fetchall() == theirs.execute(query).fetchall(), table
 
 
-def _open_answers(engine: PgEngine, conn: psycopg.Connection[Any], seed: int, n: int) -> None:
+def _open_answers(engine: PgEngine, conn: psycopg.Connection[Any], *, seed: int, n: int) -> None:
     """`n` sessions each streaming an answer (`m-s<i>`, a few words in), most claimed by ME
     with a live lease; with `seed`, now and then one whose lease lapsed or that OTHER owns."""
     rng = random.Random(seed)
@@ -413,27 +433,6 @@ def test_a_batch_of_appends_ends_as_its_jobs_alone(
         )
         for k, i in enumerate(rng.choices(range(n), k=rng.randint(2, 16)))
     ]
-    index = {job.args: i for i, job in enumerate(jobs)}
-    log: list[int] = []
-    op = _recording(_store.append_assistant_text, index, log)
-    batch = [_backend.Job(op, job.args) for job in jobs]
-    with engine_at(pg_url, pg_schema, 1.0) as engine, raw(pg_url, pg_schema) as conn:
-        _open_answers(engine, conn, seed, n)
-    with engine_at(pg_url, pg_schema, 3.0) as engine:
-        engine.run_batch(batch)
-        rolled_back = engine.transactions > 1
-    order = list(range(len(jobs))) if rolled_back else log
-    assert sorted(order) == list(range(len(jobs)))
-
-    alone = [_backend.Job(job.op, job.args) for job in jobs]
-    with engine_at(pg_url, reference_schema, 1.0) as engine, raw(pg_url, reference_schema) as conn:
-        _open_answers(engine, conn, seed, n)
-    with engine_at(pg_url, reference_schema, 3.0) as engine:
-        for i in order:
-            engine.run_batch([alone[i]])
-    assert [_outcome(job) for job in batch] == [_outcome(job) for job in alone]
-    with raw(pg_url, pg_schema) as mine, raw(pg_url, reference_schema) as theirs:
-        assert _tables(mine) == _tables(theirs)
-        for table in ("session_message_delta", "session_message_stream"):
-            query = f"SELECT * FROM {table} ORDER BY 1, 2"
-            assert mine.execute(query).fetchall() == theirs.execute(query).fetchall(), table
+    setup = functools.partial(_open_answers, seed=seed, n=n)
+    tables = ("session_message_delta", "session_message_stream")
+    _ends_as_alone(pg_url, (pg_schema, reference_schema), jobs, setup, *tables)
