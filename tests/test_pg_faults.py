@@ -911,9 +911,8 @@ OPERATIONS = [
             Job(_store.submit, ("s3", '{"n": 3}', "i3")),
         ],
     ),
-    # A web process's submits queued together: one set-wise call (`ts_submits`) for a new
-    # input, a known one and one session's second input, then the row path for a known
-    # payload in another spelling (the call's FALLBACK: nothing written by it).
+    # A web process's submits queued together: one set-wise call (`ts_submits`) in
+    # autocommit for a new input, a known one and one session's second input.
     Operation(
         "group-commit-set-wise-plain-submits",
         steps(empty, do(_store.submit, "s2", '{"n": 2}', "i2")),
@@ -921,8 +920,20 @@ OPERATIONS = [
             Job(_store.submit, ("s1", '{"n": 1}', "i1")),
             Job(_store.submit, ("s2", '{"n": 2}', "i2")),
             Job(_store.submit, ("s1", '{"n": 4}', "i4")),
-            Job(_store.submit, ("s2", '{"n":  2}', "i2")),
         ],
+    ),
+    # Known payloads in another spelling: the call's FALLBACK (nothing written by it), then
+    # each submit on its own, through the path that compares JSON values.
+    Operation(
+        "group-commit-set-wise-submits-row-path",
+        steps(
+            empty, do(_store.submit, "s1", '{"n": 1}', "i1"), do(_store.submit, "s2", "[2]", "i2")
+        ),
+        lambda: [
+            Job(_store.submit, ("s1", '{"n":  1}', "i1")),
+            Job(_store.submit, ("s2", "[ 2 ]", "i2")),
+        ],
+        writes=False,
     ),
     # Set-wise: two kinds, two jobs each, one call per kind (`pg_batched`).
     Operation(

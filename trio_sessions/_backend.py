@@ -196,15 +196,21 @@ FALLBACK: Any = object()
 
 
 def pg_batched(
-    function: str, interpret: Callable[[tuple[Any, ...], tuple[Any, ...]], Any]
+    function: str,
+    interpret: Callable[[tuple[Any, ...], tuple[Any, ...]], Any],
+    *,
+    autocommit: bool = False,
 ) -> Callable[[Callable[..., T]], Callable[..., T]]:
     """Mark an operation that PostgreSQL group-commits set-wise: the jobs of one batch that
     call it become ONE call of `function` (one array per argument, in the operation's
     order; rows `(ordinal, *row)` back), and `interpret(args, row)` gives each job's result
-    (or raises its refusal, or returns `FALLBACK`)."""
+    (or raises its refusal, or returns `FALLBACK`: nothing written, the job runs on its
+    own). `autocommit`: every row of `function` reads itself back by natural key on a
+    retry, so a batch of these jobs only is that one call in autocommit (one round trip)."""
 
     def mark(op: Callable[..., T]) -> Callable[..., T]:
         op.__dict__["pg_batched"] = (function, interpret)
+        op.__dict__["pg_batched_autocommit"] = autocommit
         return op
 
     return mark

@@ -293,6 +293,10 @@ class PgEngine:
         if len(jobs) == 1:
             self.run_alone(jobs[0])
             return
+        if _one_autocommit_kind(jobs):
+            for job in self._set_wise_alone(jobs):
+                self.run_alone(job)
+            return
         try:
             results = self._transaction(jobs, "write", alone=False)
         except _JobRaised:
@@ -305,6 +309,36 @@ class PgEngine:
             return
         for job, result in zip(jobs, results, strict=True):
             job.result = result
+
+    def _set_wise_alone(self, jobs: Sequence[Job]) -> list[Job]:
+        """`jobs`, all of one kind marked `pg_batched(..., autocommit=True)`, as ONE call of
+        its set-wise function in autocommit: one round trip, one transaction and one signal
+        for the batch, a lost reply resolved by calling again (each row reads itself back).
+        Returns the jobs it left to run on their own: its rows' FALLBACK (nothing written
+        for them), or all of them when the server refused the call whole."""
+        function, interpret = jobs[0].op.__dict__["pg_batched"]
+        arrays = [list(column) for column in zip(*(job.args for job in jobs), strict=True)]
+        try:
+            rows = self._autocommit(Job(_call, (function, *arrays)))
+        except StoreError as exc:
+            for job in jobs:
+                job.error = exc
+            return []
+        except (NeedsTransaction, psycopg.Error):  # nothing written: each alone says why
+            return list(jobs)
+        settled: set[int] = set()
+        for ordinal, *row in rows:  # in the order the call applied them
+            index = int(ordinal) - 1
+            try:
+                result = interpret(jobs[index].args, tuple(row))
+            except Exception as exc:  # the job's own refusal: nothing written for it
+                jobs[index].error = _store_error(exc)
+            else:
+                if result is FALLBACK:
+                    continue
+                jobs[index].result = result
+            settled.add(index)
+        return [job for index, job in enumerate(jobs) if index not in settled]
 
     def run_alone(self, job: Job, mode: Mode = "write") -> None:
         """Run one job in its own transaction - or as one autocommit call, if it is marked
@@ -587,6 +621,13 @@ def _write_begin(jobs: Sequence[Job]) -> str:
         and not job.op.__dict__.get("skips_a_busy_session", False)
     }
     return lock_sessions_first(_BEGIN_WRITE, sessions) if len(sessions) > 1 else _BEGIN_WRITE
+
+
+def _one_autocommit_kind(jobs: Sequence[Job]) -> bool:
+    """Whether the batch is jobs of one kind only, whose set-wise call can run in
+    autocommit (`pg_batched(..., autocommit=True)`)."""
+    op = jobs[0].op
+    return bool(op.__dict__.get("pg_batched_autocommit")) and all(job.op is op for job in jobs)
 
 
 def _call(tx: Tx, function: str, *args: Any) -> list[Any]:

@@ -218,7 +218,9 @@ def pg_set_wise(
     `p_now, p_retry`). Rows (ord, `returns`: names and types for `single`'s result columns,
     in its order - one for a function returning one value), taken in the sessions' lock
     order - (hashtext, id), arrival order among equals - so two writers never deadlock on
-    them and one session's jobs run in the order they were made."""
+    them and one session's jobs run in the order they were made. Called where no
+    transaction defers the signals (in autocommit), it defers its rows' and sends them as
+    one notification itself (`ts_flush_signals`)."""
     arrays = ", ".join(f"p_{param}s {kind}[]" for param, kind in params)
     columns = ", ".join(f"{column} {kind}" for column, kind in returns)
     fields = [f"u.a{index}" for index in range(len(params))]
@@ -233,7 +235,12 @@ RETURNS TABLE(ord bigint, {columns})
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     r record;
+    v_flush boolean := current_setting('trio_sessions.defer_signals', true)
+        IS DISTINCT FROM 'on';
 BEGIN
+    IF v_flush THEN
+        PERFORM set_config('trio_sessions.defer_signals', 'on', true);
+    END IF;
     FOR r IN SELECT {", ".join(fields)}, u.n
              FROM unnest({", ".join(f"p_{param}s" for param, _ in params)})
                  WITH ORDINALITY AS u({aliases}, n)
@@ -242,6 +249,10 @@ BEGIN
             FROM {single}({call}, p_now, p_retry) AS f({outputs});
         RETURN NEXT;
     END LOOP;
+    IF v_flush THEN
+        PERFORM ts_flush_signals('{{}}');
+        PERFORM set_config('trio_sessions.defer_signals', 'off', true);
+    END IF;
 END $$;
 """
 

@@ -42,7 +42,7 @@ def _pg_submitted(args: tuple[Any, ...], row: tuple[Any, ...]) -> Any:
 
 
 @autocommit_when_alone
-@pg_batched("ts_submits", _pg_submitted)
+@pg_batched("ts_submits", _pg_submitted, autocommit=True)
 def submit(tx: Tx, session_id: str, payload: str, input_id: str) -> str:
     """Admit an input and ring the doorbell, idempotently by `input_id`.
 
