@@ -94,6 +94,21 @@ def test_a_batch_whose_jobs_signal_many_sessions_sends_one_notification(
     )
 
 
+def test_a_batch_of_submits_only_sends_one_notification(pg_url: str, pg_schema: str) -> None:
+    """A batch of submits only - one set-wise call in autocommit - sends ONE notification
+    for the batch, naming every session it stored an input for once."""
+    with (
+        opened(PostgresStore(pg_url, schema=pg_schema).engine()) as engine,
+        listening(pg_url, pg_schema) as conn,
+    ):
+        jobs = [Job(_store.submit, (f"s{n % 4}", "{}", f"i{n}")) for n in range(8)]
+        engine.run_batch(jobs)
+        assert [job.unwrap() for job in jobs] == [f"i{n}" for n in range(8)]
+        assert engine.transactions == 1
+        payloads = received(conn, pg_url, pg_schema)
+    assert [sorted(payload.split("\n")) for payload in payloads] == [[f"s{n}" for n in range(4)]]
+
+
 def test_one_operation_signalling_many_sessions_sends_one_notification(
     pg_url: str, pg_schema: str
 ) -> None:

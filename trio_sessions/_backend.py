@@ -205,8 +205,9 @@ def pg_batched(
     call it become ONE call of `function` (one array per argument, in the operation's
     order; rows `(ordinal, *row)` back), and `interpret(args, row)` gives each job's result
     (or raises its refusal, or returns `FALLBACK`: nothing written, the job runs on its
-    own). `autocommit`: every row of `function` reads itself back by natural key on a
-    retry, so a batch of these jobs only is that one call in autocommit (one round trip)."""
+    own). `autocommit`: every row of `function` is idempotent by natural key - called
+    again, it answers what the first call did, whatever `p_retry` says - so a batch of
+    these jobs only is that one call in autocommit (one round trip)."""
 
     def mark(op: Callable[..., T]) -> Callable[..., T]:
         op.__dict__["pg_batched"] = (function, interpret)

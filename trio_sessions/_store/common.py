@@ -318,7 +318,9 @@ END $$;
 -- engine sets trio_sessions.defer_signals with its BEGIN: the session is added to the
 -- transaction-local list trio_sessions.signals, one per line, which each call's reply
 -- reads, and the engine sends the whole list in one notification once the transaction
--- committed, in a transaction of its own (ts_flush_signals).
+-- committed, in a transaction of its own (ts_flush_signals). A set-wise function called in
+-- autocommit defers its rows' signals the same way and sends them itself, in one
+-- notification at its end (pg_set_wise).
 CREATE OR REPLACE FUNCTION ts_signal(p_session text) RETURNS void
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
