@@ -461,61 +461,12 @@ _SESSIONS_PER_STATEMENT = 200
 # `_store.pg_functions` for their conventions)
 
 PG_FUNCTIONS = r"""
--- stream_changes in one statement (one snapshot): rows (kind, seq, id, role, data,
--- execution_id, input_id, version, text) - 'named': the id at each seq the position names
--- (NULL: none); for each open message held at a version, 'whole' (its row, when its data
--- changed since: the deltas are folded) or 'append' (each newer delta: version, text);
--- 'new': the messages past p_top, at most p_limit + 1; 'delta': the streamed texts of each
--- whole and new assistant message (version, text). Unordered: the caller sorts, and
--- compares the named ids with its tags (a mismatch: the transcript was rewritten, read
--- from scratch).
-CREATE OR REPLACE FUNCTION ts_stream_changes(p_session text, p_named bigint[],
-    p_open_seqs bigint[], p_open_versions bigint[], p_top bigint, p_limit bigint,
-    p_now bigint, p_retry boolean)
-RETURNS TABLE(kind text, seq bigint, id text, role text, data text, execution_id text,
-    input_id text, version bigint, text text)
-LANGUAGE sql STABLE AS $$
-    WITH opened AS (
-        SELECT o.seq, o.held, m.id, m.version AS row_version
-            FROM unnest(p_open_seqs, p_open_versions) AS o(seq, held)
-            JOIN session_message m ON m.session_id = p_session AND m.seq = o.seq
-    ), replaced AS (
-        SELECT m.id, m.role, m.seq, m.data, m.execution_id, m.input_id, m.version
-            FROM opened o JOIN session_message m ON m.id = o.id WHERE o.row_version > o.held
-    ), fresh AS (
-        SELECT m.id, m.role, m.seq, m.data, m.execution_id, m.input_id, m.version
-            FROM session_message m WHERE m.session_id = p_session AND m.seq > p_top
-            ORDER BY m.seq LIMIT p_limit + 1
-    ), whole AS (
-        SELECT 'whole' AS kind, r.* FROM replaced r
-        UNION ALL SELECT 'new', f.* FROM fresh f
-    )
-    SELECT 'named', n.seq, m.id, NULL, NULL, NULL, NULL, NULL::bigint, NULL
-        FROM unnest(p_named) AS n(seq)
-        LEFT JOIN session_message m ON m.session_id = p_session AND m.seq = n.seq
-    UNION ALL
-    SELECT w.kind, w.seq, w.id, w.role, w.data, w.execution_id, w.input_id,
-            COALESCE((SELECT MAX(d.version) FROM session_message_delta d
-                      WHERE d.message_id = w.id), w.version), NULL
-        FROM whole w
-    UNION ALL
-    (SELECT 'append', o.seq, o.id, NULL, NULL, NULL, NULL, d.version, d.text
-        FROM opened o JOIN session_message_delta d ON d.message_id = o.id
-        WHERE o.row_version <= o.held AND d.version > o.held
-        ORDER BY o.seq, d.version)
-    UNION ALL
-    (SELECT 'delta', w.seq, w.id, NULL, NULL, NULL, NULL, d.version, d.text
-        FROM whole w JOIN session_message_delta d ON d.message_id = w.id
-        WHERE w.role = 'assistant'
-        ORDER BY w.seq, d.version)
-$$;
-
 -- stream_changes for many streams in one statement (one snapshot), set-wise: p_positions is
 -- a JSON array of ts_stream_changes' arguments by name; rows (ord, ts_stream_changes'
--- columns), the same rows ts_stream_changes gives each position. Each lookup is an index
--- probe per position (OFFSET 0 keeps the planner from flattening it into a join that scans
--- a whole table: it guesses a hundred elements in any JSON array), in a plan made once
--- per connection (a generic plan: nothing in it depends on the values).
+-- columns) for each position. Each lookup is an index probe per position (OFFSET 0 keeps
+-- the planner from flattening it into a join that scans a whole table: it guesses a
+-- hundred elements in any JSON array), in a plan made once per connection (a generic
+-- plan: nothing in it depends on the values).
 CREATE OR REPLACE FUNCTION ts_stream_changes_many(p_positions text, p_now bigint,
     p_retry boolean)
 RETURNS TABLE(ord bigint, kind text, seq bigint, id text, role text, data text,
@@ -567,4 +518,25 @@ BEGIN
             WHERE d.message_id = w.id OFFSET 0) d
         WHERE w.role = 'assistant';
 END $$;
+
+-- stream_changes in one statement (one snapshot): rows (kind, seq, id, role, data,
+-- execution_id, input_id, version, text) - 'named': the id at each seq the position names
+-- (NULL: none); for each open message held at a version, 'whole' (its row, when its data
+-- changed since: the deltas are folded) or 'append' (each newer delta: version, text);
+-- 'new': the messages past p_top, at most p_limit + 1; 'delta': the streamed texts of each
+-- whole and new assistant message (version, text). Unordered: the caller sorts, and
+-- compares the named ids with its tags (a mismatch: the transcript was rewritten, read
+-- from scratch). The set-wise read above, for one position: one query for both.
+CREATE OR REPLACE FUNCTION ts_stream_changes(p_session text, p_named bigint[],
+    p_open_seqs bigint[], p_open_versions bigint[], p_top bigint, p_limit bigint,
+    p_now bigint, p_retry boolean)
+RETURNS TABLE(kind text, seq bigint, id text, role text, data text, execution_id text,
+    input_id text, version bigint, text text)
+LANGUAGE sql STABLE AS $$
+    SELECT c.kind, c.seq, c.id, c.role, c.data, c.execution_id, c.input_id, c.version, c.text
+        FROM ts_stream_changes_many(jsonb_build_array(jsonb_build_object(
+            'session', p_session, 'named', p_named, 'open_seqs', p_open_seqs,
+            'open_versions', p_open_versions, 'top', p_top, 'limit', p_limit))::text,
+            p_now, p_retry) c
+$$;
 """
