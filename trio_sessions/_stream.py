@@ -14,10 +14,9 @@ forward, each with the cursor of the position it reaches. Events come from two s
   named message changed, gone, or a newer message stored by another process;
 * the change scan's *catch-up*: one read for every stream it found behind, or whose
   session a signal named (`_store.stream_catch_up`), applied to each stream still at the
-  position it was read
-  from - the appends another process made to the messages it follows; a stream that
-  misses more, or is not free to take it (reading, offers or events waiting), is marked
-  dirty and reads by itself.
+  position it was read from - the appends another process made to the messages it
+  follows; a stream that misses more, or is not free to take it (reading, offers or
+  events waiting), is marked dirty and reads by itself.
 
 Invariants: an event is computed against the position the previous event reached, so
 applying the events in order reproduces the transcript, with no gap and no duplicate; the

@@ -22,9 +22,9 @@ Invariants:
 * a session's operations queued or running are all on one lane, so they run on one
   connection in the order they were queued (within one batch, the set-wise calls of a
   kind come before the jobs run one by one: operations queued together are concurrent
-  callers'), and two lanes' batches never wait for each
-  other's session locks (a batch takes its sessions' locks first, in one order, so batches
-  of two processes wait rather than deadlock; one that still arises is retried, 40P01);
+  callers'), and two lanes' batches never wait for each other's session locks (a batch
+  takes its sessions' locks first, in one order, so batches of two processes wait rather
+  than deadlock; one that still arises is retried, 40P01);
 * a session with nothing queued or running goes to the first lane while that lane holds
   less than four full hand-offs (`spill_at`), else to the least busy lane: at a light load one
   lane's larger batches commit less often and keep fewer server backends busy (the chat
