@@ -119,12 +119,15 @@ BAD_CALLS: list[Any] = [
 
 
 async def assert_rejected_without_writes(
-    db_path: Path, call: Call, error: type[BaseException] | tuple[type[BaseException], ...]
+    db_path: Path,
+    call: Call,
+    error: type[BaseException] | tuple[type[BaseException], ...],
+    match: str | None = None,
 ) -> None:
     populate(db_path)
     async with trio_sessions.open_runtime(testing.inline_store(db_path), idle_drain) as runtime:
         before = file_bytes(db_path)
-        with pytest.raises(error):
+        with pytest.raises(error, match=match):
             await call(runtime)
         assert file_bytes(db_path) == before
         assert runtime.active_sessions() == frozenset()
@@ -140,6 +143,39 @@ async def test_bad_session_id_is_rejected_before_any_write(
     await assert_rejected_without_writes(
         db_path, lambda rt: SESSION_METHODS[method](rt, session_id), error
     )
+
+
+# The verbs that take an input's or an execution's id, and the name their error gives it.
+ID_VERBS: dict[str, tuple[Callable[[Runtime, Any], Awaitable[Any]], str]] = {
+    "cancel_input": (lambda rt, bad: rt.cancel_input(bad), "input_id"),
+    "release_quarantine": (
+        lambda rt, bad: rt.release_quarantine(bad, resume=False),
+        "execution_id",
+    ),
+}
+
+
+@pytest.mark.parametrize(("bad_id", "error"), BAD_IDS)
+@pytest.mark.parametrize("verb", sorted(ID_VERBS))
+async def test_bad_input_or_execution_id_is_rejected_before_any_write(
+    db_path: Path, verb: str, bad_id: Any, error: type[BaseException]
+) -> None:
+    """An id no input or execution can have (empty, too long, non-printable, NUL, not a
+    str) is refused as a bad argument naming it - the same on both backends, where the
+    store's answer differed (False on SQLite, a StoreError for a NUL on PostgreSQL)."""
+    call, what = ID_VERBS[verb]
+    await assert_rejected_without_writes(db_path, lambda rt: call(rt, bad_id), error, match=what)
+
+
+@pytest.mark.parametrize(("session_id", "error"), BAD_IDS)
+async def test_is_active_rejects_a_bad_session_id(
+    db_path: Path, session_id: Any, error: type[BaseException]
+) -> None:
+    """`is_active` checks its id as every other session verb does, instead of answering
+    False for an id no session can have."""
+    async with trio_sessions.open_runtime(testing.inline_store(db_path), idle_drain) as runtime:
+        with pytest.raises(error):
+            runtime.is_active(session_id)
 
 
 @pytest.mark.parametrize(("call", "error"), BAD_CALLS)

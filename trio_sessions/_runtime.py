@@ -32,7 +32,6 @@ from ._model import Claim
 from ._naming import ACCEPTED_FORMS, store_kind
 from ._sqlite import SQLiteStore
 from ._validate import make_owner_id as make_owner_id
-from ._validate import validate_session_id
 from ._verbs import Runtime as Runtime
 from ._verbs import Seams as Seams
 
@@ -111,7 +110,7 @@ async def open_runtime(
     if max_active is not None:
         max_active = _validate.count(max_active, "max_active", 1)
     if owner_id is not None:
-        owner_id = validate_session_id(owner_id, what="owner id")
+        owner_id = _validate.validate_id(owner_id, "owner id")
     takeover_grace = _validate.seconds(takeover_grace, "takeover_grace")
     if clock is not None and not callable(clock):
         raise TypeError("clock must be a zero-argument callable returning epoch seconds")

@@ -22,30 +22,32 @@ from . import _codec, _store
 MAX_ID_LENGTH = 200
 
 
-def validate_session_id(session_id: object, *, what: str = "session id") -> str:
-    """A valid id (`what` names it in the error: a session id, an owner id)."""
-    if not isinstance(session_id, str):
-        raise TypeError(f"{what} must be a str, got {type(session_id).__name__}")
-    _codec.check_text(session_id[: MAX_ID_LENGTH + 1], what)
-    if not 1 <= len(session_id) <= MAX_ID_LENGTH:
+def validate_id(value: object, what: str) -> str:
+    """A valid key - a session's, an input's, an execution's, an owner's id: a str of 1-200
+    printable characters (`what` names it in the error)."""
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a str, got {type(value).__name__}")
+    _codec.check_text(value[: MAX_ID_LENGTH + 1], what)
+    if not 1 <= len(value) <= MAX_ID_LENGTH:
         raise ValueError(
-            f"{what} must be 1-{MAX_ID_LENGTH} characters, got {len(session_id)}: "
-            f"{session_id[:40]!r}"
+            f"{what} must be 1-{MAX_ID_LENGTH} characters, got {len(value)}: {value[:40]!r}"
         )
-    if not session_id.isprintable():
-        raise ValueError(f"{what} must be printable, got {session_id!r}")
-    return session_id
+    if not value.isprintable():
+        raise ValueError(f"{what} must be printable, got {value!r}")
+    return value
+
+
+def validate_session_id(session_id: object) -> str:
+    return validate_id(session_id, "session id")
 
 
 def validate_input_id(input_id: object) -> str:
+    """The caller's input id, or a new one for None."""
     if input_id is None:
         return _store.new_id()
     if not isinstance(input_id, str):
         raise TypeError(f"input_id must be a str or None, got {type(input_id).__name__}")
-    _codec.check_text(input_id[: MAX_ID_LENGTH + 1], "input_id")
-    if not 1 <= len(input_id) <= MAX_ID_LENGTH or not input_id.isprintable():
-        raise ValueError(f"input_id must be 1-{MAX_ID_LENGTH} printable characters: {input_id!r}")
-    return input_id
+    return validate_id(input_id, "input_id")
 
 
 def make_owner_id(name: str | None) -> str:

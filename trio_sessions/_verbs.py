@@ -320,8 +320,10 @@ class Runtime:
         )
 
     def is_active(self, session_id: str) -> bool:
-        """Whether this runtime holds or is acquiring an execution for the session."""
-        return session_id in self._entries
+        """Whether this runtime holds or is acquiring an execution for the session.
+
+        Raises `TypeError`/`ValueError` for a bad session id."""
+        return validate_session_id(session_id) in self._entries
 
     def active_sessions(self) -> frozenset[str]:
         """The sessions this runtime holds or is acquiring executions for, now."""
@@ -378,8 +380,7 @@ class Runtime:
         runtime's recovery lease, and the next recovery pass anywhere examines it once that
         runs out.
         """
-        if not isinstance(execution_id, str):
-            raise TypeError(f"execution_id must be a str, got {type(execution_id).__name__}")
+        _validate.validate_id(execution_id, "execution_id")
         if not isinstance(resume, bool):
             raise TypeError(f"resume must be a bool, got {type(resume).__name__}")
         async with self._recovery.lock:
@@ -407,12 +408,7 @@ class Runtime:
         Raises `TypeError`/`ValueError` for a bad id, `StoreError`. Cancellation: as
         `submit` - nothing withdrawn if the transaction had not started.
         """
-        if not isinstance(input_id, str):
-            raise TypeError(f"input_id must be a str, got {type(input_id).__name__}")
-        if not 1 <= len(input_id) <= _validate.MAX_ID_LENGTH:
-            raise ValueError(
-                f"input_id must be 1-{_validate.MAX_ID_LENGTH} characters: {input_id!r}"
-            )
+        _validate.validate_id(input_id, "input_id")
         return await self._db.run(_store.cancel_input, input_id)
 
     async def pause(self, session_id: str) -> None:
