@@ -21,7 +21,7 @@ from helpers import pg_raw as raw
 from trio_sessions import _backend, _store
 from trio_sessions._backend import Job
 from trio_sessions._decisions import AcquireVerdict
-from trio_sessions._postgres import SESSION_LOCK_NAMESPACE, PgTx, run_op
+from trio_sessions._postgres import PgTx, run_op
 
 WAIT_S = 30.0  # a bound on each gate, never reached when the test passes
 
@@ -102,9 +102,50 @@ def test_a_batch_locks_sessions_whose_ids_need_quoting(pg_url: str, pg_schema: s
 
 def _hold_session_lock(conn: psycopg.Connection[Any], session_id: str) -> None:
     conn.execute("BEGIN")
-    conn.execute(
-        f"SELECT pg_advisory_xact_lock({SESSION_LOCK_NAMESPACE}, hashtext(%s))", (session_id,)
-    )
+    conn.execute("SELECT ts_lock(%s)", (session_id,))
+
+
+# Two session ids with one 32-bit hash (hashtext): a lock keyed by it was one lock for both.
+SAME_HASHTEXT = ("chat-236080", "chat-263218")
+
+
+def test_sessions_whose_ids_share_a_32_bit_hash_never_block_each_other(
+    pg_url: str, pg_schema: str
+) -> None:
+    """DESIGN §6.14: different sessions never block each other. The session lock's key is
+    64 bits (one collision expected among some 5e9 ids, not 1e5): while a transaction holds
+    one session's lock, a submit to the other commits at once, and an acquire of it claims
+    (a doorbell's acquire answered held, a drain deferred to the next recovery pass); the
+    held session's own submit waits for its lock."""
+    held, other = SAME_HASHTEXT
+    with engine_at(pg_url, pg_schema, 1.0) as engine, raw(pg_url, pg_schema) as holder:
+        [(one, two)] = holder.execute("SELECT hashtext(%s), hashtext(%s)", SAME_HASHTEXT).fetchall()
+        assert one == two  # the premise: the ids collide in 32 bits
+        run_op(engine, _store.wake, other)
+        _hold_session_lock(holder, held)
+        jobs = [
+            Job(_store.submit, (other, "{}", "i-other")),
+            Job(_store.acquire, (other, "e-other", "me", 30_000)),
+        ]
+        runner = threading.Thread(target=engine.run_batch, args=(jobs,))
+        runner.start()
+        runner.join(WAIT_S / 3)
+        waited = runner.is_alive()
+        blocked = [Job(_store.submit, (held, "{}", "i-held"))]
+        behind = threading.Thread(target=engine.run_batch, args=(blocked,))
+        held_waited = False
+        if not waited:
+            behind.start()
+            behind.join(1.0)
+            held_waited = behind.is_alive()
+        holder.execute("ROLLBACK")
+        runner.join(WAIT_S)
+        assert not waited, "a submit waited for another session's lock"
+        assert jobs[0].unwrap() == "i-other"
+        assert jobs[1].unwrap().verdict is AcquireVerdict.CLAIM
+        behind.join(WAIT_S)
+        assert held_waited, "the held session's own submit did not wait for its lock"
+        assert blocked[0].unwrap() == "i-held"
 
 
 @pytest.mark.parametrize("together", [False, True], ids=["alone", "in-a-batch"])

@@ -57,7 +57,7 @@ from trio_sessions import testing as ts_testing
 from trio_sessions._backend import Job
 from trio_sessions._codec import encode_assistant
 from trio_sessions._loops import CHANGE_FALLBACK_POLL
-from trio_sessions._postgres import SESSION_LOCK_NAMESPACE, PgEngine, PostgresStore, run_op
+from trio_sessions._postgres import PgEngine, PostgresStore, run_op
 from trio_sessions._store.recovery_scan import scan_and_lease
 
 T0 = 1_800_000_000.0
@@ -95,16 +95,10 @@ LANDED = {Mode.LOST, Mode.AFTER}
 # own, released by rolling it back): the session lock, and the claim rows' lock - and the
 # same locks a server-side function takes, from its arguments: (lock, the parameters
 # of the statement it needs).
-SESSION_LOCK = f"SELECT pg_advisory_xact_lock({SESSION_LOCK_NAMESPACE}, hashtext(%s))"
-EXECUTION_LOCK = (
-    f"SELECT pg_advisory_xact_lock({SESSION_LOCK_NAMESPACE}, hashtext(session_id))"
-    " FROM session_execution WHERE id = %s"
-)
+SESSION_LOCK = "SELECT ts_lock(%s)"
+EXECUTION_LOCK = "SELECT ts_lock(session_id) FROM session_execution WHERE id = %s"
 CLAIMS_LOCK = "SELECT 1 FROM session_execution WHERE id = ANY(%s) FOR UPDATE"
-INPUT_LOCK = (
-    f"SELECT pg_advisory_xact_lock({SESSION_LOCK_NAMESPACE}, hashtext(session_id))"
-    " FROM session_input WHERE id = %s"
-)
+INPUT_LOCK = "SELECT ts_lock(session_id) FROM session_input WHERE id = %s"
 Pick = Callable[[Any], Any]
 FIRST: Pick = operator.itemgetter(slice(0, 1))
 SECOND: Pick = operator.itemgetter(slice(1, 2))

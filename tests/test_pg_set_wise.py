@@ -89,7 +89,7 @@ def test_a_batch_of_submits_is_settled_without_the_row_function(
     # The two jobs naming one input id run in the lock order: the first stores it.
     with raw(pg_url, pg_schema) as check:
         [(a_first,)] = check.execute(
-            "SELECT (hashtext('dup-a'), 'dup-a') < (hashtext('dup-b'), 'dup-b')"
+            "SELECT (ts_lock_key('dup-a'), 'dup-a') < (ts_lock_key('dup-b'), 'dup-b')"
         ).fetchall()
     stored, other = ("stored", "claim", 0, None), ("other_session", None, None, None)
     assert sorted(rows, key=lambda row: row[0]) == [

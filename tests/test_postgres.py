@@ -220,8 +220,9 @@ async def test_upgrade_of_a_version_1_schema_adds_streaming(pg_url: str, pg_sche
     # 12: the conversation controls, a transcript read, a tool change each in one call;
     # recovery's takeover alone in autocommit; 13: an acquire never waits for a busy session;
     # 14: an iteration's end alone in autocommit, its release read back by execution id
-    # 15: a batch's submits in one call, many streams' reads set-wise
-    assert SCHEMA_VERSION == 15
+    # 15: a batch's submits in one call, many streams' reads set-wise;
+    # 16: a session's lock key of 64 bits
+    assert SCHEMA_VERSION == 16
     await check_pre_streaming_upgrade(location, PostgresStore(pg_url, schema=pg_schema))
 
 
@@ -376,6 +377,8 @@ class CountingStatements:
 def test_server_now_is_read_after_the_session_lock_is_granted(pg_url: str, pg_schema: str) -> None:
     """On the server's clock, `tx.now` after a waited-for `lock_session` is no earlier than
     the moment the lock's previous holder let go, and costs no round trip of its own."""
+    with opened(PostgresStore(pg_url, schema=pg_schema).engine()):
+        pass  # the schema's functions: the lock's key is one of them
     with (
         open_tx(pg_url, pg_schema, None) as (holder, holder_tx),
         open_tx(pg_url, pg_schema, None) as (waiter, _),

@@ -161,7 +161,7 @@ SQLITE_OUR_TABLES = frozenset(
 # ---------------------------------------------------------------------------------------------
 # PostgreSQL
 
-POSTGRES_SCHEMA_VERSION = 15
+POSTGRES_SCHEMA_VERSION = 16
 
 # Same names, meanings and named CHECKs as the SQLite schema (`SQLITE_MIGRATIONS`, whose
 # versions 1-3 are PostgreSQL's first: no PostgreSQL store predates them); times
@@ -333,6 +333,9 @@ DROP FUNCTION IF EXISTS ts_finish(text, text, text, text, bigint, boolean);
     # The functions again, no table changes: a batch's submits in one call (`ts_submits`),
     # many streams' reads set-wise (`ts_stream_changes_many`).
     15: "",
+    # The functions again, no table changes: a session's lock key is 64 bits (`ts_lock_key`),
+    # where two sessions' 32-bit keys could be one lock.
+    16: "",
 }
 
 
@@ -377,4 +380,5 @@ POSTGRES_BACKFILLS: dict[int, Callable[[Any], None]] = {
     13: _create_functions,
     14: _create_functions,
     15: _create_functions,
+    16: _create_functions,
 }

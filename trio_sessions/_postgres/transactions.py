@@ -33,7 +33,7 @@ import psycopg
 
 from .. import _liveness
 from .._backend import BackendName, NeedsTransaction, Params, now_ms
-from .connections import SESSION_LOCK_NAMESPACE, WATCHERS_ONLY
+from .connections import WATCHERS_ONLY
 
 # run_nowait: a lock held by another process is not waited for beyond this.
 NOWAIT_LOCK_TIMEOUT_MS = 50
@@ -42,7 +42,7 @@ _SERVER_NOW = f"SELECT {_SERVER_MS}"
 # A session lock and the server's clock read after it is granted: one round trip.
 _LOCK_SESSION = (
     "WITH locked AS MATERIALIZED"
-    f" (SELECT pg_advisory_xact_lock({SESSION_LOCK_NAMESPACE}, hashtext(%s)))"
+    " (SELECT pg_advisory_xact_lock(ts_lock_key(%s)))"
     f" SELECT {_SERVER_MS} FROM locked"
 )
 _LOCK_SESSION_ANY = _LOCK_SESSION.replace("%s", "?")
@@ -58,7 +58,7 @@ _BEGIN_WRITE = f"{_BEGIN}SET LOCAL trio_sessions.defer_signals = on; "
 
 def lock_sessions_first(begin: str, sessions: Collection[str]) -> str:
     """`begin` followed by one statement taking every session lock of `sessions` in the
-    order all functions take several (`ts_lock_all`: hashtext, then the id).
+    order all functions take several (`ts_lock_all`: their key, then the id).
 
     A batch's operations each lock their own session as they run, in the order they were
     queued; two processes' batches naming two sessions in opposite orders would deadlock,

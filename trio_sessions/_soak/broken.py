@@ -31,7 +31,7 @@ DEFECTS = {
         "the session lock is a FOR KEY SHARE row lock on the session (a takeover's updates"
         " do not conflict with it)",
         "_postgres/transactions.py",
-        'f" (SELECT pg_advisory_xact_lock({SESSION_LOCK_NAMESPACE}, hashtext(%s)))"',
+        '" (SELECT pg_advisory_xact_lock(ts_lock_key(%s)))"',
         '" (SELECT count(*) FROM (SELECT 1 FROM session WHERE id = %s FOR KEY SHARE) AS k)"',
     ),
     "no-session-lock": Defect(

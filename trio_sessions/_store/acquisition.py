@@ -377,7 +377,7 @@ def _pg_acquire_many(
         )
     else:
         locks = "    PERFORM ts_lock_all(p_sessions);"
-        lock_order = "every session lock first, in the functions' order (hashtext, id)"
+        lock_order = "every session lock first, in the functions' order (ts_lock_key, id)"
     return f"""
 -- Group commit, set-wise: one call for a batch's {single} jobs, each answered as {single}
 -- answers it: {lock_order}, then the clock. The first job of each session free to claim
@@ -423,7 +423,7 @@ BEGIN
              FROM unnest(p_sessions, p_execs, p_owners, p_leases)
                  WITH ORDINALITY AS u(s, e, o, l, n)
              WHERE NOT u.n = ANY(COALESCE(v_ords, '{{}}')) AND NOT u.n = ANY(v_skip)
-             ORDER BY hashtext(u.s), u.s, u.n LOOP
+             ORDER BY ts_lock_key(u.s), u.s, u.n LOOP
         SELECT r.n, f.verdict, f.attempt, f.holder INTO ord, verdict, attempt, holder
             FROM {single}(r.s, r.e, r.o, r.l, p_now, p_retry) f;
         RETURN NEXT;
@@ -594,7 +594,7 @@ END $$;
     + r"""
 -- Group commit, set-wise: one call for a batch's submit_and_acquire jobs, each answered as
 -- ts_submit_and_acquire answers it. Every session lock first, in the functions' order
--- (hashtext, id), then the clock. The common job - the first of its session in the batch,
+-- (ts_lock_key, id), then the clock. The common job - the first of its session in the batch,
 -- its input id new (pending, taken or set aside: none) and named once in the batch, the
 -- session free to claim (no claim row, not paused) - is settled for the whole batch by one
 -- statement, as ts_submit_and_acquire settles it: the session row written (created, or its
@@ -655,7 +655,7 @@ BEGIN
              FROM unnest(p_sessions, p_payloads, p_inputs, p_execs, p_owners, p_leases)
                  WITH ORDINALITY AS u(s, p, i, e, o, l, n)
              WHERE NOT u.n = ANY(COALESCE(v_ords, '{}'))
-             ORDER BY hashtext(u.s), u.s, u.n LOOP
+             ORDER BY ts_lock_key(u.s), u.s, u.n LOOP
         SELECT r.n, f.input_verdict, f.verdict, f.attempt, f.holder
             INTO ord, input_verdict, verdict, attempt, holder
             FROM ts_submit_and_acquire(r.s, r.p, r.i, r.e, r.o, r.l, p_now, p_retry) f;

@@ -486,7 +486,7 @@ END $$;
 
 -- Group commit, set-wise: one call for a batch's iteration ends (`end_iteration`), as
 -- ts_finish(..., 'iteration') answers each. Every session lock first, in the functions'
--- order (hashtext, id), then the clock. The common ends - lease lost, a message left open
+-- order (ts_lock_key, id), then the clock. The common ends - lease lost, a message left open
 -- (nothing written), or a running claim's continue, release or pause - are settled for the
 -- whole batch by one statement; a session named twice in the batch (its ends run in
 -- order) and a claim marked cancelling (hand over, ring over) go through ts_finish one by
@@ -546,7 +546,7 @@ BEGIN
     FOR r IN SELECT u.s, u.e, u.o, u.n
              FROM unnest(p_sessions, p_execs, p_owners) WITH ORDINALITY AS u(s, e, o, n)
              WHERE NOT u.n = ANY(COALESCE(v_ords, '{}'))
-             ORDER BY hashtext(u.s), u.s, u.n LOOP
+             ORDER BY ts_lock_key(u.s), u.s, u.n LOOP
         SELECT r.n, f.verdict, f.doorbell INTO ord, verdict, doorbell
             FROM ts_finish(r.s, r.e, r.o, 'iteration', false, p_now, p_retry) f;
         RETURN NEXT;
