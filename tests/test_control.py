@@ -706,7 +706,7 @@ async def test_upgrade_of_a_version_4_sqlite_file_keeps_pending_inputs_due(
     async with trio_sessions.open_runtime(trio_sessions.testing.inline_store(path), drain) as rt:
         await rt.wait_idle("s")
     raw = Raw(path)
-    assert raw.rows("PRAGMA user_version") == [(_sqlite.SCHEMA_VERSION,)] == [(5,)]
+    assert raw.rows("PRAGMA user_version") == [(_sqlite.SCHEMA_VERSION,)] == [(6,)]
     assert drain.taken == ["old"]
     assert raw.rows("SELECT time_paused FROM session") == [(None,)]
 

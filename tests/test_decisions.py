@@ -290,7 +290,9 @@ def test_rearms_doorbell_only_for_cancelled_superseded_and_paused() -> None:
 
 
 # Rows a streamed append writes (beside the tables every store has had).
-STREAMING_TABLES = frozenset({"session_message_stream", "session_message_delta"})
+STREAMING_TABLES = frozenset(
+    {"session_message_stream", "session_message_delta", "session_message_change"}
+)
 
 
 def _empty(tx: Tx) -> None:

@@ -233,8 +233,8 @@ async def test_resuming_from_every_cursor_gives_exactly_the_events_after_it(
     the same store - yields exactly the live events after it (from the tool part on, where
     the appends are still stored one by one; before it, the message comes whole), and
     applying them to what the cursor's client held reproduces transcript(). After the finish,
-    each cursor inside the reply resumes with one "message" event, and the last cursor with
-    nothing."""
+    the cursor just before it resumes with the "finish" alone, each earlier cursor inside
+    the reply with one "message" event, and the last cursor with nothing."""
     words = [f"w{n} " for n in range(6)]
     streamed, release = trio.Event(), trio.Event()
 
@@ -287,7 +287,11 @@ async def test_resuming_from_every_cursor_gives_exactly_the_events_after_it(
         for i, event in enumerate(live[:-1]):
             resumed = await caught_up(other, cursor=event.cursor)
             assert applied(resumed, applied(live[: i + 1])) == final, i
-            if i >= 1:  # inside the reply: the finished message, whole
+            if i == len(live) - 2:  # one step behind: the finish alone
+                assert [(e.kind, e.seq, e.data) for e in resumed] == [
+                    ("finish", reply_seq, {"error": None})
+                ]
+            elif i >= 1:  # further inside the reply: the finished message, whole
                 assert [(e.kind, e.seq, e.data) for e in resumed] == [
                     ("message", reply_seq, final[reply_seq][1])
                 ]
@@ -609,11 +613,13 @@ async def test_a_stream_follows_another_runtimes_writes_one_append_at_a_time(
             await web.submit("s", {"q": 1})
             async for event in stream:
                 events.append(event)
-                if event.kind == "message" and event.role == "assistant":
-                    if event.data.finished:
-                        break
-                    if event.data.parts and event.data.parts[-1].status == "completed":
-                        steps[0].set()  # the tool result is seen: now the words, one by one
+                if event.kind == "finish":
+                    break
+                tool = event.data if event.kind == "part" else None
+                if event.kind == "message" and event.role == "assistant" and event.data.parts:
+                    tool = event.data.parts[-1]
+                if isinstance(tool, ToolPart) and tool.status == "completed":
+                    steps[0].set()  # the tool result is seen: now the words, one by one
                 if event.kind == "append":
                     seen = sum(e.kind == "append" for e in events)
                     if seen < len(steps):
@@ -633,3 +639,82 @@ async def test_a_stream_follows_another_runtimes_writes_one_append_at_a_time(
             view = applied(events[: events.index(middle) + 1])
             while view != final:
                 apply(view, await resumed.__anext__())
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"], indirect=True)
+async def test_another_runtimes_tool_changes_and_finish_reach_a_stream_as_part_and_finish(
+    db_path: Any,
+) -> None:
+    """DESIGN §5.2: a tool change is one "part" event and a finish one "finish" event, for a
+    stream in another runtime too - not the whole message again (after a 200 KB tool
+    result, each would be 200 KB: a message with k tool calls sent some 2k times). A stream
+    resumed from the cursor just before the finish gets the same "finish". Real time,
+    bounded."""
+    big = {"result": "x" * 200_000}
+    steps = [trio.Event() for _ in range(4)]
+
+    async def drain(ctx: DrainContext) -> None:
+        await ctx.take_inputs()
+        writer = await ctx.begin_assistant()
+        await writer.start_tool("c1", "fetch", {})
+        await writer.settle_tool("c1", big)
+        await steps[0].wait()
+        await writer.start_tool("c2", "look", {"q": 1})
+        await steps[1].wait()
+        await writer.settle_tool("c2", {"ok": True})
+        await steps[2].wait()
+        await writer.append_text("done")
+        await steps[3].wait()
+        await writer.finish()
+
+    def reached(view: View) -> int:
+        """How many of the drain's gated steps the client's copy shows done."""
+        assistant = [data for role, data in view.values() if role == "assistant"]
+        if not assistant:
+            return 0
+        data = assistant[-1]
+        status = {p.call_id: p.status for p in data.parts if isinstance(p, ToolPart)}
+        return sum(
+            [
+                status.get("c1") == "completed",
+                "c2" in status,
+                status.get("c2") == "completed",
+                text_of(data) == "done",
+            ]
+        )
+
+    events: list[StreamEvent] = []
+    with trio.fail_after(REAL_TIME_BOUND):
+        async with (
+            trio_sessions.open_runtime(real_store(db_path), drain, recovery_interval=60),
+            trio_sessions.open_runtime(real_store(db_path), None) as web,
+            web.stream("s") as stream,
+        ):
+            await web.submit("s", {"q": 1})
+            view: View = {}
+            gated = first_gated = 0
+            async for event in stream:
+                events.append(event)
+                apply(view, event)
+                if event.kind == "finish" or (
+                    event.kind == "message" and getattr(event.data, "finished", False)
+                ):
+                    break
+                while gated < len(steps) and reached(view) > gated:
+                    steps[gated].set()
+                    gated += 1
+                    if gated == 1:
+                        first_gated = len(events)
+            final = await stored(web)
+        assert applied(events) == final
+        later = events[first_gated:]
+        assert [event.kind for event in later] == ["part", "part", "append", "finish"]
+        for event in later:
+            assert len(json.dumps(event.to_json())) < 300 + len(event.cursor), event
+        async with (
+            trio_sessions.open_runtime(real_store(db_path), None) as third,
+            third.stream("s", cursor=later[-2].cursor) as resumed,
+        ):
+            last = await resumed.__anext__()
+        assert last.kind == "finish"
+        assert applied([last], applied(events[:-1])) == final

@@ -22,6 +22,7 @@ from trio_sessions import (
     Message,
     TextPart,
     ToolPart,
+    TrioSessionsError,
     UnknownToolCall,
     _sqlite,
     _store,
@@ -336,3 +337,50 @@ def test_unanswered_finds_the_questions_still_owed(
     transcript: list[Message], owed: list[int]
 ) -> None:
     assert [message.seq for message in unanswered(transcript)] == owed
+
+
+def applied_step(data: AssistantData, step: Any) -> AssistantData:
+    """What a stream's client does with a "part" or "finish" event (DESIGN §5.2's table)."""
+    kind, value = step
+    if kind == "finish":
+        return AssistantData(parts=data.parts, finished=True, error=value["error"])
+    same = [
+        i
+        for i, p in enumerate(data.parts)
+        if isinstance(p, ToolPart) and p.call_id == value.call_id
+    ]
+    parts = (
+        (*data.parts[: same[0]], value, *data.parts[same[0] + 1 :])
+        if same
+        else (*data.parts, value)
+    )
+    return AssistantData(parts=parts, finished=data.finished, error=data.error)
+
+
+@settings(max_examples=300, deadline=None)
+@given(operations)
+def test_a_write_is_one_stream_step_exactly_when_the_event_reproduces_it(
+    ops: list[tuple[str, str]],
+) -> None:
+    """`_transcript.step(before, after)`: the "part" or "finish" event a write makes, which a
+    stream sends instead of the message whole - applied to `before`, it gives `after`. A tool
+    start or settlement is always one "part", a finish or an interrupt with no running tool
+    one "finish"; text, and a finish that fails running tools, are never one step."""
+    data = EMPTY
+    for op, arg in ops:
+        try:
+            new = apply(data, op, arg)
+        except (ValueError, TrioSessionsError):
+            continue
+        step = _transcript.step(data, new)
+        if step is not None:
+            assert applied_step(data, step) == new
+        running = bool(_transcript.unsettled_calls(data))
+        if data.finished or op == "text" or (op in ("finish", "interrupt") and running):
+            assert step is None
+        elif op in ("start", "settle", "fail"):
+            assert step is not None and step[0] == "part" and step[1].call_id == arg
+        else:
+            error = None if op == "finish" else INTERRUPTED
+            assert step == ("finish", {"error": error})
+        data = new

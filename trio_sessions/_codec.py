@@ -24,7 +24,7 @@ from cattrs.errors import IterableValidationNote
 from cattrs.v import format_exception
 
 from ._errors import MalformedRecord
-from ._model import AssistantData, Part, TextPart, ToolPart
+from ._model import AssistantData, Part, Step, TextPart, ToolPart
 
 
 def _strict(expected: type) -> Any:
@@ -352,6 +352,28 @@ def decode_streamed(texts: Sequence[Any], *, key: str) -> list[str]:
     if reasons:
         raise MalformedRecord("session_message_delta", key, reasons)
     return list(texts)
+
+
+def encode_step(step: Step) -> str:
+    """A stream's step (`session_message_change.data`): the tool part, or the finish's
+    `{"error": ...}`."""
+    return dumps(_converter.unstructure(step[1]))
+
+
+def decode_step(kind: Any, text: Any, *, key: str) -> Step:
+    """A stream's step from its row (`kind`, `data`); `MalformedRecord` otherwise."""
+    raw = _decode_json(text, table="session_message_change", key=key)
+    if kind == "part" and type(raw) is dict:
+        try:
+            return "part", _converter.structure(raw, ToolPart)
+        except cattrs.BaseValidationError as exc:
+            reasons = cattrs.transform_error(exc, format_exception=_format_reason)
+            raise MalformedRecord("session_message_change", key, reasons) from None
+    finish = type(raw) is dict and raw.keys() == {"error"}
+    if kind == "finish" and finish and (raw["error"] is None or type(raw["error"]) is str):
+        return "finish", raw
+    reasons = [f"expected a tool part or a finish's error, got {kind!r}: {raw!r:.200}"]
+    raise MalformedRecord("session_message_change", key, reasons)
 
 
 def decode_object(text: Any, *, table: str, key: str) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from . import _codec, _store, _transcript, _validate
 from ._errors import DuplicateSettlement, LeaseLost, UnknownToolCall
-from ._model import AssistantData, Input, Message, ToolPart
+from ._model import AssistantData, Input, Message
 from ._stream import Offer
 
 if TYPE_CHECKING:
@@ -222,9 +222,7 @@ class AssistantWriter:
                 raise TypeError(f"{what} must be a non-empty str, got {value!r:.80}")
             _codec.check_text(value, what)
         await _validate.checked_json(_codec.check_json_object, input, "tool input")
-        await self._update(
-            lambda data: _transcript.start_tool(data, call_id, name, input), call_id=call_id
-        )
+        await self._update(lambda data: _transcript.start_tool(data, call_id, name, input))
 
     async def settle_tool(self, call_id: str, output: Any) -> None:
         """Record a running tool call as `completed` with its JSON `output`: at most 1 MiB
@@ -232,34 +230,27 @@ class AssistantWriter:
         await _validate.checked_json(
             _codec.check_json, output, "tool output", limit=_codec.MAX_PAYLOAD_BYTES
         )
-        await self._update(
-            lambda data: _transcript.settle_tool(data, call_id, output=output), call_id=call_id
-        )
+        await self._update(lambda data: _transcript.settle_tool(data, call_id, output=output))
 
     async def fail_tool(self, call_id: str, error: str) -> None:
         """Record a running tool call as `error` with the reason `error`: at most 1 MiB in
         UTF-8 (`MAX_PAYLOAD_BYTES`) and no NUL character (`ValueError`)."""
         _codec.check_text(error, "error")
-        await self._update(
-            lambda data: _transcript.settle_tool(data, call_id, error=error), call_id=call_id
-        )
+        await self._update(lambda data: _transcript.settle_tool(data, call_id, error=error))
 
     async def finish(self) -> None:
         """Finish the message normally; a tool call still running is failed, not left
         running forever. No further change is accepted."""
         await self._update(_transcript.finish)
 
-    async def _update(
-        self, transition: Callable[[AssistantData], AssistantData], *, call_id: str | None = None
-    ) -> None:
-        """Apply a transition; `call_id` names the one tool part it changes (else: finish)."""
+    async def _update(self, transition: Callable[[AssistantData], AssistantData]) -> None:
+        """Apply a transition; streams get its step (a part, a finish), or the message whole
+        when it was more (a finish that failed running tools)."""
         context = self._context
         context._check_live()
-        # Finishing fails running tools too: then the stream gets the whole message.
-        fails_tools = bool(_transcript.unsettled_calls(self._data))
         try:
             with context._runtime._streams.writing(context.session_id):
-                data, version = await context._runtime._db.run(
+                data, version, step = await context._runtime._db.run(
                     _store.update_assistant,
                     context.session_id,
                     context.execution_id,
@@ -273,13 +264,10 @@ class AssistantWriter:
             raise
         self._data, self._streamed = data, []
         self._version = version
-        if call_id is not None:
-            part = next(p for p in data.parts if isinstance(p, ToolPart) and p.call_id == call_id)
-            self._offer(version, "part", part)
-        elif fails_tools:
+        if step is None:
             self._offer(version, "message", data)
         else:
-            self._offer(version, "finish", {"error": data.error})
+            self._offer(version, *step)
         self._publish(version)
 
     def _offer(

@@ -86,6 +86,10 @@ class ToolPart:
 
 Part = TextPart | ToolPart
 
+# The one stream event (DESIGN §5.2) a write of an assistant message makes, when it is one:
+# ("part", the tool part added or replaced) or ("finish", {"error": str | None}).
+Step = tuple[Literal["part", "finish"], Any]
+
 
 @attrs.frozen
 class AssistantData:

@@ -27,7 +27,7 @@ from . import _codec
 # ---------------------------------------------------------------------------------------------
 # SQLite
 
-SQLITE_SCHEMA_VERSION = 5
+SQLITE_SCHEMA_VERSION = 6
 
 # The small, hot tables are WITHOUT ROWID: keyed by their text primary key directly, each
 # write touches one b-tree less (fewer WAL pages per commit). Messages keep a rowid: their
@@ -149,6 +149,18 @@ CREATE TABLE session_message_delta(
 ALTER TABLE session_input ADD COLUMN due_at INTEGER;
 CREATE INDEX session_input_due ON session_input(due_at) WHERE due_at IS NOT NULL;
 ALTER TABLE session ADD COLUMN time_paused INTEGER;
+""",
+    # A stream's step (DESIGN §5.2): the one event - a tool part, a finish - that made an
+    # assistant message's current version, so a stream one version behind gets that event
+    # instead of the message whole. One row per message, replaced by each write of its
+    # data; none when a write was more than one event (an interrupt failing running tools).
+    6: """
+CREATE TABLE session_message_change(
+    message_id TEXT PRIMARY KEY REFERENCES session_message(id) ON DELETE CASCADE,
+    version INTEGER NOT NULL,
+    kind TEXT NOT NULL CONSTRAINT session_message_change_kind CHECK (kind IN ('part', 'finish')),
+    data TEXT NOT NULL
+) WITHOUT ROWID;
 """,
 }
 
@@ -333,9 +345,22 @@ DROP FUNCTION IF EXISTS ts_finish(text, text, text, text, bigint, boolean);
     # The functions again, no table changes: a batch's submits in one call (`ts_submits`),
     # many streams' reads set-wise (`ts_stream_changes_many`).
     15: "",
-    # The functions again, no table changes: a session's lock key is 64 bits (`ts_lock_key`),
-    # where two sessions' 32-bit keys could be one lock.
-    16: "",
+    # A session's lock key is 64 bits (`ts_lock_key`), where two sessions' 32-bit keys could
+    # be one lock. A stream's step, as SQLite's version 6: a message's writes record it
+    # (`ts_write_message`, `ts_update_message`: a new argument list is a new function, the
+    # old one goes), and a stream's read sends it (`ts_stream_changes_many`).
+    16: """
+CREATE TABLE session_message_change(
+    message_id TEXT PRIMARY KEY REFERENCES session_message(id) ON DELETE CASCADE,
+    version BIGINT NOT NULL,
+    kind TEXT NOT NULL CONSTRAINT session_message_change_kind CHECK (kind IN ('part', 'finish')),
+    data TEXT NOT NULL
+);
+DROP FUNCTION IF EXISTS ts_write_message(text, text, text, boolean, bigint, boolean, bigint,
+    boolean);
+DROP FUNCTION IF EXISTS ts_update_message(text, text, text, text, bigint, text, boolean, bigint,
+    boolean);
+""",
 }
 
 

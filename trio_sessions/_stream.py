@@ -47,6 +47,7 @@ from ._store.stream import (
     Heads,
     Held,
     Position,
+    Stepped,
     StreamChanges,
     Whole,
     message_tag,
@@ -355,6 +356,9 @@ class EventStream(AsyncIterator[StreamEvent]):
                 self._position_now = None
                 self._emit("append", change.seq, "assistant", change.text)
                 continue
+            if isinstance(change, Stepped):
+                self._take_step(change)
+                continue
             if not self._take_whole(change):
                 return
 
@@ -374,6 +378,14 @@ class EventStream(AsyncIterator[StreamEvent]):
             self._drop(change.seq)
         self._emit("message", change.seq, message.role, message.data)
         return True
+
+    def _take_step(self, change: Stepped) -> None:
+        kind, data = change.step
+        self._open[change.seq].version = change.version
+        self._position_now = None
+        if kind == "finish":
+            self._drop(change.seq)
+        self._emit(kind, change.seq, "assistant", data)
 
     def _drop(self, seq: int) -> None:
         held = self._open.pop(seq, None)

@@ -23,6 +23,7 @@ from ._model import (
     AssistantData,
     Message,
     Part,
+    Step,
     TextPart,
     ToolPart,
 )
@@ -95,6 +96,32 @@ def interrupt(data: AssistantData, reason: str) -> AssistantData:
     if data.finished:
         return data
     return _close(data, tool_error=reason, message_error=reason)
+
+
+def step(before: AssistantData, after: AssistantData) -> Step | None:
+    """The one stream event that turns a client's copy of `before` into `after` (DESIGN
+    §5.2): a tool part added after the others or replacing the one with its call id
+    ("part"), or the finish alone ("finish"); None when it takes more (an interrupt that
+    fails running tools as it finishes): the client gets the whole message."""
+    old, new = before.parts, after.parts
+    if before.finished:
+        return None
+    if after.finished:
+        return ("finish", {"error": after.error}) if new == old else None
+    if after.error != before.error:
+        return None
+    if len(new) == len(old) + 1 and new[:-1] == old:
+        part = new[-1]
+        if isinstance(part, ToolPart) and _find_tool(before, part.call_id) is None:
+            return "part", part
+        return None
+    changed = [i for i, (was, now) in enumerate(zip(old, new, strict=False)) if was != now]
+    if len(new) != len(old) or len(changed) != 1:
+        return None
+    was, part = old[changed[0]], new[changed[0]]
+    if isinstance(was, ToolPart) and isinstance(part, ToolPart) and was.call_id == part.call_id:
+        return "part", part
+    return None
 
 
 def unsettled_calls(data: AssistantData) -> list[str]:

@@ -276,6 +276,8 @@ _SESSION_ROWS = (
     " (SELECT id FROM session_message WHERE session_id IN {ids})",
     "DELETE FROM session_message_stream WHERE message_id IN"
     " (SELECT id FROM session_message WHERE session_id IN {ids})",
+    "DELETE FROM session_message_change WHERE message_id IN"
+    " (SELECT id FROM session_message WHERE session_id IN {ids})",
     "DELETE FROM session_message WHERE session_id IN {ids}",
     "DELETE FROM session_message_rejected WHERE session_id IN {ids}",
     "DELETE FROM session_input WHERE session_id IN {ids}",
@@ -422,6 +424,7 @@ def truncate(tx: Tx, session_id: str, after_seq: int) -> int:
     doomed = "SELECT id FROM session_message WHERE session_id = :session AND seq > :after"
     tx.execute(f"DELETE FROM session_message_delta WHERE message_id IN ({doomed})", params)
     tx.execute(f"DELETE FROM session_message_stream WHERE message_id IN ({doomed})", params)
+    tx.execute(f"DELETE FROM session_message_change WHERE message_id IN ({doomed})", params)
     deleted = tx.execute(
         "DELETE FROM session_message WHERE session_id = :session AND seq > :after", params
     ).rowcount
@@ -558,6 +561,8 @@ BEGIN
         (SELECT id FROM session_message WHERE session_id = ANY(p_sessions));
     DELETE FROM session_message_stream WHERE message_id IN
         (SELECT id FROM session_message WHERE session_id = ANY(p_sessions));
+    DELETE FROM session_message_change WHERE message_id IN
+        (SELECT id FROM session_message WHERE session_id = ANY(p_sessions));
     DELETE FROM session_message WHERE session_id = ANY(p_sessions);
     DELETE FROM session_message_rejected WHERE session_id = ANY(p_sessions);
     DELETE FROM session_input WHERE session_id = ANY(p_sessions);
@@ -598,6 +603,8 @@ BEGIN
     DELETE FROM session_message_delta WHERE message_id IN
         (SELECT id FROM session_message WHERE session_id = p_session AND seq > p_after);
     DELETE FROM session_message_stream WHERE message_id IN
+        (SELECT id FROM session_message WHERE session_id = p_session AND seq > p_after);
+    DELETE FROM session_message_change WHERE message_id IN
         (SELECT id FROM session_message WHERE session_id = p_session AND seq > p_after);
     DELETE FROM session_message WHERE session_id = p_session AND seq > p_after;
     GET DIAGNOSTICS v_count = ROW_COUNT;

@@ -12,8 +12,10 @@ Invariants:
   replace it; an open message the client follows append by append costs the new
   `session_message_delta` rows only;
 * an "append" is one delta row (its text, as stored): the same events a live stream saw,
-  as long as the deltas are not folded yet; once folded (a tool change, a finish) the
-  message is sent whole instead;
+  as long as the deltas are not folded yet; a tool change or a finish folds them, and a
+  client one version behind it gets the write's recorded step (`session_message_change`:
+  a "part", a "finish") - one that missed more, or a write that was more than one event,
+  gets the message whole;
 * a message the client holds that is gone or replaced (another id at its seq) means the
   transcript was rewritten (truncate, delete): the answer starts from nothing (the client
   is told to drop what it holds, then gets every message, in bounded pages).
@@ -31,7 +33,7 @@ import attrs
 from .. import _codec
 from .._backend import FALLBACK, Tx, autocommit_when_alone, pg_read_batched
 from .._errors import MalformedRecord
-from .._model import AssistantData, Message
+from .._model import AssistantData, Message, Step
 from .common import _chunks, _in_list
 from .transcript import _decode_message
 
@@ -83,7 +85,17 @@ class Appended:
     version: int
 
 
-Change = Whole | Appended
+@attrs.frozen
+class Stepped:
+    """The one event - a tool part, a finish - that made an open message's `version`."""
+
+    seq: int
+    message_id: str
+    step: Step
+    version: int
+
+
+Change = Whole | Appended | Stepped
 
 
 @attrs.frozen
@@ -171,7 +183,10 @@ def stream_changes_by_statements(
         ids[seq] = str(row[0])
     changes: list[Change] = []
     for held in position.open:
-        changes += _changes_of_open(tx, session_id, ids[held.seq], held)
+        of_open = _changes_of_open(tx, session_id, ids[held.seq], held)
+        if of_open is None:
+            return _from_scratch(tx, session_id, limit)  # as `_changes_from_rows`
+        changes += of_open
     new, more = _new_messages(tx, session_id, position.top, limit)
     return StreamChanges(changes + new, more=more, ids=ids)
 
@@ -188,8 +203,15 @@ def _changes_from_rows(
     fresh: list[tuple[Any, ...]] = []
     appended: dict[int, list[tuple[int, str]]] = {}
     deltas_of: dict[str, list[tuple[int, str]]] = {}
+    steps: dict[int, Stepped] = {}
     for kind, seq, message_id, role, data, execution_id, input_id, version, text in rows:
-        if kind == "named":
+        if kind == "step":
+            try:
+                step = _codec.decode_step(role, data, key=message_id)
+            except MalformedRecord:
+                return None  # as a rewrite: every message again, from the rows themselves
+            steps[seq] = Stepped(seq, message_id, step, version)
+        elif kind == "named":
             if message_id is None or message_tag(message_id) != tags[seq]:
                 return None
             ids[seq] = message_id
@@ -210,6 +232,8 @@ def _changes_from_rows(
         if held.seq in wholes:
             changes.append(_whole_of(session_id, wholes[held.seq], streamed))
             continue
+        if held.seq in steps:
+            changes.append(steps[held.seq])
         deltas = sorted(appended.get(held.seq, []))
         message_id = ids[held.seq]
         texts = _codec.decode_streamed([text for _, text in deltas], key=message_id)
@@ -230,19 +254,32 @@ def _from_scratch(tx: Tx, session_id: str, limit: int) -> StreamChanges:
     return StreamChanges(new, rewritten=True, more=more)
 
 
-def _changes_of_open(tx: Tx, session_id: str, message_id: str, held: Held) -> list[Change]:
-    row = tx.one("SELECT version FROM session_message WHERE id = ?", (message_id,))
-    if int(row[0]) > held.version:
-        # Changed by more than appends since (a tool part, a finish): the deltas the client
-        # missed are folded into data now, so the message goes whole.
-        return [_whole(tx, session_id, message_id)]
+def _changes_of_open(tx: Tx, session_id: str, message_id: str, held: Held) -> list[Change] | None:
+    """An open message's changes since `held` (None: a step row does not decode)."""
+    version, kind, data = tx.one(
+        "SELECT m.version, c.kind, c.data FROM session_message m"
+        " LEFT JOIN session_message_change c ON c.message_id = m.id AND c.version = m.version"
+        " WHERE m.id = ?",
+        (message_id,),
+    )
+    changes: list[Change] = []
+    if version > held.version:
+        if version != held.version + 1 or kind is None:
+            # Changed by more than one step since: the deltas the client missed are folded
+            # into data now, so the message goes whole.
+            return [_whole(tx, session_id, message_id)]
+        try:
+            step = _codec.decode_step(kind, data, key=message_id)
+        except MalformedRecord:
+            return None
+        changes.append(Stepped(held.seq, message_id, step, version))
     rows = tx.execute(
         "SELECT version, text FROM session_message_delta WHERE message_id = ? AND version > ?"
         " ORDER BY version",
         (message_id, held.version),
     ).fetchall()
     texts = _codec.decode_streamed([text for _, text in rows], key=message_id)
-    return [
+    return changes + [
         Appended(held.seq, message_id, text, int(version))
         for (version, _), text in zip(rows, texts, strict=True)
     ]
@@ -477,7 +514,7 @@ BEGIN
         SELECT p.ord, p.pos->>'session' AS session, (p.pos->>'top')::bigint AS top,
                 (p.pos->>'limit')::bigint AS lim, p.pos
             FROM jsonb_array_elements(p_positions::jsonb) WITH ORDINALITY AS p(pos, ord)
-    ), opened AS MATERIALIZED (
+    ), open_rows AS MATERIALIZED (
         SELECT pos.ord, o.seq::bigint AS seq,
                 (pos.pos->'open_versions'->>(o.n::int - 1))::bigint AS held,
                 m.id, m.version AS row_version
@@ -485,12 +522,17 @@ BEGIN
                 WITH ORDINALITY AS o(seq, n)
             CROSS JOIN LATERAL (SELECT m.id, m.version FROM session_message m
                 WHERE m.session_id = pos.session AND m.seq = o.seq::bigint OFFSET 0) m
+    ), opened AS MATERIALIZED (
+        SELECT h.*, c.kind AS step, c.data AS step_data
+            FROM open_rows h LEFT JOIN LATERAL (SELECT c.kind, c.data
+                FROM session_message_change c WHERE c.message_id = h.id
+                AND c.version = h.row_version AND h.row_version = h.held + 1 OFFSET 0) c ON true
     ), whole AS MATERIALIZED (
         SELECT o.ord, 'whole' AS kind, r.*
             FROM opened o CROSS JOIN LATERAL (
                 SELECT m.id, m.role, m.seq, m.data, m.execution_id, m.input_id, m.version
                     FROM session_message m WHERE m.id = o.id OFFSET 0) r
-            WHERE o.row_version > o.held
+            WHERE o.row_version > o.held AND o.step IS NULL
         UNION ALL
         SELECT pos.ord, 'new', f.*
             FROM pos CROSS JOIN LATERAL (
@@ -508,10 +550,13 @@ BEGIN
                       WHERE d.message_id = w.id), w.version), NULL
         FROM whole w
     UNION ALL
+    SELECT o.ord, 'step', o.seq, o.id, o.step, o.step_data, NULL, NULL, o.row_version, NULL
+        FROM opened o WHERE o.step IS NOT NULL
+    UNION ALL
     SELECT o.ord, 'append', o.seq, o.id, NULL, NULL, NULL, NULL, d.version, d.text
         FROM opened o CROSS JOIN LATERAL (SELECT d.version, d.text FROM session_message_delta d
             WHERE d.message_id = o.id AND d.version > o.held OFFSET 0) d
-        WHERE o.row_version <= o.held
+        WHERE o.row_version <= o.held OR o.step IS NOT NULL
     UNION ALL
     SELECT w.ord, 'delta', w.seq, w.id, NULL, NULL, NULL, NULL, d.version, d.text
         FROM whole w CROSS JOIN LATERAL (SELECT d.version, d.text FROM session_message_delta d
@@ -522,7 +567,9 @@ END $$;
 -- stream_changes in one statement (one snapshot): rows (kind, seq, id, role, data,
 -- execution_id, input_id, version, text) - 'named': the id at each seq the position names
 -- (NULL: none); for each open message held at a version, 'whole' (its row, when its data
--- changed since: the deltas are folded) or 'append' (each newer delta: version, text);
+-- changed since: the deltas are folded) or 'append' (each newer delta: version, text),
+-- after its 'step' (role: the kind, data: the event's) when the write that changed its
+-- data since is the one step the client missed;
 -- 'new': the messages past p_top, at most p_limit + 1; 'delta': the streamed texts of each
 -- whole and new assistant message (version, text). Unordered: the caller sorts, and
 -- compares the named ids with its tags (a mismatch: the transcript was rewritten, read

@@ -9,6 +9,8 @@ Invariants kept here:
   `session_message.data` in the same transaction, and every reader merges the deltas still
   pending, so each sees the complete message. A message's version - the newest of its
   row's and its deltas' - grows with every change;
+* every write of `data` records its stream step (`session_message_change`): the one event
+  that made the new version (a tool part, a finish), or none when it was more than one;
 * a stored message that does not decode is never rewritten (recovery quarantines it).
 """
 
@@ -22,7 +24,7 @@ import attrs
 from .. import _codec, _transcript
 from .._backend import FALLBACK, Tx, autocommit_when_alone, pg_batched
 from .._errors import LeaseLost, MalformedRecord, TrioSessionsError
-from .._model import AssistantData, Message
+from .._model import AssistantData, Message, Step
 from .common import (
     _lease_lost,
     _next_message_seq,
@@ -129,7 +131,7 @@ def append_assistant_text(
         {"message": message_id, "execution": execution_id, "text": text},
     )
     if row is None:
-        return update_assistant(
+        data, version, _ = update_assistant(  # text: never one step, the message goes whole
             tx,
             session_id,
             execution_id,
@@ -137,6 +139,7 @@ def append_assistant_text(
             message_id,
             lambda data: _transcript.append_text(data, text),
         )
+        return data, version
     tx.notify(session_id, watchers_only=True)
     return None, int(row[0])
 
@@ -150,10 +153,10 @@ def update_assistant(
     message_id: str,
     transition: Callable[[AssistantData], AssistantData],
     known: Known | None = None,
-) -> tuple[AssistantData, int]:
+) -> tuple[AssistantData, int, Step | None]:
     """Read-modify-write of one assistant message under the claim fence, its streamed text
-    folded in; returns the new data and its version (for watchers, without another round
-    trip).
+    folded in; returns the new data, its version and its stream step (`_transcript.step`,
+    recorded with it), for watchers and streams without another round trip.
 
     The transition runs on the durable message, so the settlement state machine checks what
     is stored, not what a writer remembers. On PostgreSQL, `known` - what the writer stored
@@ -176,12 +179,12 @@ def update_assistant(
             raise _lease_lost(execution_id)
         if verdict != "ok":
             raise _not_owned(message_id, execution_id)
-        data = transition(
-            _transcript.with_streamed(
-                _codec.decode_assistant(text, key=message_id),
-                _codec.decode_streamed(list(streamed), key=message_id),
-            )
+        before = _transcript.with_streamed(
+            _codec.decode_assistant(text, key=message_id),
+            _codec.decode_streamed(list(streamed), key=message_id),
         )
+        data = transition(before)
+        step = _transcript.step(before, data)
         [(version,)] = tx.call(
             "ts_write_message",
             execution_id,
@@ -190,9 +193,10 @@ def update_assistant(
             data.finished,
             now,
             True,
+            *_step_columns(step),
             idempotent=False,
         )
-        return data, int(version)
+        return data, int(version), step
     _require_claim(tx, session_id, execution_id, owner_id)
     row = tx.one(
         "SELECT data FROM session_message WHERE id = ? AND execution_id = ?",
@@ -200,10 +204,12 @@ def update_assistant(
     )
     if row is None:
         raise _not_owned(message_id, execution_id)
-    data = transition(_assistant_data(tx, message_id, row[0]))
-    version = _write_assistant(tx, message_id, execution_id, data)
+    before = _assistant_data(tx, message_id, row[0])
+    data = transition(before)
+    step = _transcript.step(before, data)
+    version = _write_assistant(tx, message_id, execution_id, data, step)
     tx.notify(session_id, watchers_only=True)
-    return data, version
+    return data, version, step
 
 
 @attrs.frozen
@@ -224,14 +230,16 @@ def _pg_update_known(
     message_id: str,
     transition: Callable[[AssistantData], AssistantData],
     known: Known,
-) -> tuple[AssistantData, int] | None:
-    """`ts_update_message` with the transition applied to `known`: (data, version) when it
-    was written; None (nothing written) when the message moved past `known.version` or the
-    transition refuses it - the caller reads the durable message."""
+) -> tuple[AssistantData, int, Step | None] | None:
+    """`ts_update_message` with the transition applied to `known`: (data, version, step)
+    when it was written; None (nothing written) when the message moved past
+    `known.version` or the transition refuses it - the caller reads the durable message."""
+    before = _transcript.with_streamed(known.data, known.streamed)
     try:
-        data = transition(_transcript.with_streamed(known.data, known.streamed))
+        data = transition(before)
     except (ValueError, TrioSessionsError):
         return None  # a refusal is the stored message's to make (it raises it again)
+    step = _transcript.step(before, data)
     [(verdict, version)] = tx.call(
         "ts_update_message",
         session_id,
@@ -241,12 +249,18 @@ def _pg_update_known(
         known.version,
         _codec.encode_assistant(data),
         data.finished,
+        *_step_columns(step),
     )
     if verdict == "lease_lost":
         raise _lease_lost(execution_id)
     if verdict == "not_owned":
         raise _not_owned(message_id, execution_id)
-    return None if verdict == "moved" else (data, int(version))
+    return None if verdict == "moved" else (data, int(version), step)
+
+
+def _step_columns(step: Step | None) -> tuple[str | None, str | None]:
+    """A stream step's `session_message_change` columns (kind, data); None for none."""
+    return (None, None) if step is None else (step[0], _codec.encode_step(step))
 
 
 def _not_owned(message_id: str, execution_id: str) -> LeaseLost:
@@ -278,10 +292,14 @@ _NEXT_VERSION = (
 )
 
 
-def _write_assistant(tx: Tx, message_id: str, execution_id: str, data: AssistantData) -> int:
+def _write_assistant(
+    tx: Tx, message_id: str, execution_id: str, data: AssistantData, step: Step | None = None
+) -> int:
     """Store the complete message (deltas folded in, then dropped) and return its version:
     every change bumps it, which orders watchers' snapshots. An open message keeps its
-    stream row, at the new version; a finished one loses it (nothing streams onto it)."""
+    stream row, at the new version; a finished one loses it (nothing streams onto it). The
+    stream step that made the version is recorded with it (none: a stream one version
+    behind gets the message whole)."""
     row = tx.one(
         f"UPDATE session_message SET data = :data, finished = :finished, time_updated = :now,"
         f" version = {_NEXT_VERSION} WHERE id = :message RETURNING version",
@@ -301,6 +319,16 @@ def _write_assistant(tx: Tx, message_id: str, execution_id: str, data: Assistant
             "INSERT INTO session_message_stream(message_id, execution_id, version)"
             " VALUES (?, ?, ?) ON CONFLICT(message_id) DO UPDATE SET version = excluded.version",
             (message_id, execution_id, version),
+        )
+    kind, step_data = _step_columns(step)
+    if kind is None:
+        tx.execute("DELETE FROM session_message_change WHERE message_id = ?", (message_id,))
+    else:
+        tx.execute(
+            "INSERT INTO session_message_change(message_id, version, kind, data)"
+            " VALUES (?, ?, ?, ?) ON CONFLICT(message_id) DO UPDATE"
+            " SET version = excluded.version, kind = excluded.kind, data = excluded.data",
+            (message_id, version, kind, step_data),
         )
     return version
 
@@ -483,8 +511,8 @@ END $$;
 -- not_owned. A lost reply's call (p_retry) is read back by its result: the message at
 -- p_known + 1 with p_data.
 CREATE OR REPLACE FUNCTION ts_update_message(p_session text, p_exec text, p_owner text,
-    p_message text, p_known bigint, p_data text, p_finished boolean, p_now bigint,
-    p_retry boolean, OUT verdict text, OUT version bigint)
+    p_message text, p_known bigint, p_data text, p_finished boolean, p_step_kind text,
+    p_step_data text, p_now bigint, p_retry boolean, OUT verdict text, OUT version bigint)
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     v_session text; v_now bigint; v_data text;
@@ -511,8 +539,8 @@ BEGIN
         verdict := 'moved';
         RETURN;
     END IF;
-    version := ts_write_message(p_exec, p_message, p_data, p_finished, v_now, true, p_now,
-        p_retry);
+    version := ts_write_message(p_exec, p_message, p_data, p_finished, v_now, true,
+        p_step_kind, p_step_data, p_now, p_retry);
     verdict := 'ok';
 END $$;
 
@@ -545,10 +573,12 @@ END $$;
 
 -- update_assistant, second half (and closing an open message): store the complete message,
 -- its deltas folded in and dropped, at the next version; an open message keeps its stream
--- row at that version, a finished one loses it. Run after ts_read_message in the same
+-- row at that version, a finished one loses it; the stream step that made the version
+-- (p_step_kind NULL: none) is recorded with it. Run after ts_read_message in the same
 -- transaction (its lock and its clock `p_at`). Returns the new version.
 CREATE OR REPLACE FUNCTION ts_write_message(p_exec text, p_message text, p_data text,
-    p_finished boolean, p_at bigint, p_signal boolean, p_now bigint, p_retry boolean)
+    p_finished boolean, p_at bigint, p_signal boolean, p_step_kind text, p_step_data text,
+    p_now bigint, p_retry boolean)
 RETURNS bigint
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
@@ -565,6 +595,14 @@ BEGIN
         INSERT INTO session_message_stream(message_id, execution_id, version)
             VALUES (p_message, p_exec, v_version)
             ON CONFLICT (message_id) DO UPDATE SET version = excluded.version;
+    END IF;
+    IF p_step_kind IS NULL THEN
+        DELETE FROM session_message_change WHERE message_id = p_message;
+    ELSE
+        INSERT INTO session_message_change(message_id, version, kind, data)
+            VALUES (p_message, v_version, p_step_kind, p_step_data)
+            ON CONFLICT (message_id) DO UPDATE SET version = excluded.version,
+                kind = excluded.kind, data = excluded.data;
     END IF;
     IF p_signal THEN
         PERFORM ts_signal_watchers(v_session);
