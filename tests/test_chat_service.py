@@ -9,6 +9,7 @@ module); each uses its own sessions, and the last one kills a worker.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import os
@@ -205,8 +206,9 @@ View = dict[int, dict[str, Any]]
 
 
 def apply(view: View, event: Event) -> None:
-    """A client applying one stream event (DESIGN §5.2) to its copy of the messages."""
-    kind, seq, data = event["kind"], event["seq"], event["data"]
+    """A client applying one stream event (DESIGN §5.2) to its copy of the messages (a
+    copy: the same events are applied again to other views)."""
+    kind, seq, data = event["kind"], event["seq"], copy.deepcopy(event["data"])
     if kind == "truncate":
         for stale in [n for n in view if n > seq]:
             del view[stale]

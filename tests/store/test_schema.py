@@ -253,7 +253,7 @@ def test_upgrade_of_a_version_1_file_adds_set_aside_tables(tmp_path: Path) -> No
     old.close()
     conn = _sqlite.connect(path)
     try:
-        assert _sqlite.schema_version(conn) == _sqlite.SCHEMA_VERSION == 5
+        assert _sqlite.schema_version(conn) == _sqlite.SCHEMA_VERSION == 6
         assert conn.execute("SELECT id, handed_back FROM session_execution").fetchall() == [
             ("e", 0)
         ]

@@ -3,6 +3,8 @@ transitions. On both backends, through the sync engine."""
 
 from __future__ import annotations
 
+import json
+
 from trio_sessions import (
     _store,
     _transcript,
@@ -15,7 +17,8 @@ from .common import (
 
 def test_begin_and_update_assistant(db: Db) -> None:
     """begin_assistant appends an empty open message at the next seq; update_assistant applies
-    a transition to the stored row and returns the new value."""
+    a transition to the stored row and returns the new value, its version and its stream
+    step, recorded beside it when there is one."""
     db.run(_store.submit, "s", '{"n": 1}', "in-1")
     execution = db.claim()
     db.run(_store.take_inputs, "s", execution, "owner-a")
@@ -24,7 +27,7 @@ def test_begin_and_update_assistant(db: Db) -> None:
         ("assistant", 2, execution)
     ]
     assert db.message("m-1") == _transcript.EMPTY
-    result, version = db.run(
+    result, version, step = db.run(
         _store.update_assistant,
         "s",
         execution,
@@ -34,3 +37,16 @@ def test_begin_and_update_assistant(db: Db) -> None:
     )
     assert version == 1
     assert result == db.message("m-1") == _transcript.append_text(_transcript.EMPTY, "hi")
+    assert step is None  # text changed: no "part" or "finish" event makes it
+    assert db.rows("SELECT * FROM session_message_change") == []
+    result, version, step = db.run(
+        _store.update_assistant,
+        "s",
+        execution,
+        "owner-a",
+        "m-1",
+        lambda d: _transcript.start_tool(d, "c1", "look", {}),
+    )
+    assert version == 2 and step == ("part", result.parts[-1])
+    [(recorded, kind, data)] = db.rows("SELECT version, kind, data FROM session_message_change")
+    assert (recorded, kind, json.loads(data)) == (2, "part", result.parts[-1].to_json())
