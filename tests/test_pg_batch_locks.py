@@ -214,3 +214,46 @@ def test_an_acquire_of_a_claimed_session_takes_no_lock(
     assert [result.verdict for result in results] == [AcquireVerdict.HELD] * len(jobs)
     assert results[0].holder == "winner"
     assert locked == (0,)
+
+
+def _ids_in_the_other_order(conn: psycopg.Connection[Any]) -> tuple[str, str]:
+    """Two session ids whose lock keys sort the other way round from the ids."""
+    for n in range(1_000):
+        first, second = f"fork-a-{n}", f"fork-b-{n}"
+        row = conn.execute("SELECT ts_lock_key(%s) > ts_lock_key(%s)", (first, second))
+        if row.fetchone() == (True,):
+            return first, second
+    raise AssertionError("no such pair among 1,000")
+
+
+def test_an_operation_locking_two_sessions_takes_them_in_the_lock_order(
+    pg_url: str, pg_schema: str
+) -> None:
+    """`fork` locks its source and its new session; every multi-session lock must take them
+    in one order - the key's (`ts_lock_all`) - or a fork beside a batch naming both
+    deadlocks: the fork holds the source and waits for the new one, the other holds the
+    new one and waits for the source (the server breaks it after deadlock_timeout, a
+    second, and re-runs one). Here the other transaction holds the session first in key
+    order: the fork waits for it holding nothing, and the other takes the second at once."""
+    with engine_at(pg_url, pg_schema, 1.0) as engine, raw(pg_url, pg_schema) as holder:
+        source, new = _ids_in_the_other_order(holder)
+        assert source < new
+        run_op(engine, _store.wake, source)
+        holder.execute("BEGIN")
+        holder.execute("SELECT ts_lock(%s)", (new,))  # first in key order
+        assert engine.backend_pid is not None
+        forking = [Job(_store.fork, (source, new, None))]
+        runner = threading.Thread(target=engine.run_batch, args=(forking,))
+        runner.start()
+        for _ in range(int(WAIT_S / 0.01)):
+            if _backend_waits_for_a_lock(pg_url, engine.backend_pid) or not runner.is_alive():
+                break
+            threading.Event().wait(0.01)
+        try:
+            holder.execute("SET LOCAL lock_timeout = '500ms'")
+            holder.execute("SELECT ts_lock(%s)", (source,))  # the fork must not hold it
+        finally:
+            holder.execute("ROLLBACK")
+            runner.join(WAIT_S)
+        assert forking[0].unwrap() == 0
+        assert engine.retries == 0

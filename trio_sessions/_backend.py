@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from typing import Any, Literal, Protocol, TypeVar, TypeVarTuple, Unpack
 
@@ -99,6 +99,11 @@ class Tx(Protocol):
         """The per-session serialisation point, held to COMMIT: every operation that reads
         and then writes a session's rows takes it first. A no-op on SQLite, whose write
         transaction already holds the database's only write lock."""
+        ...
+
+    def lock_sessions(self, session_ids: Collection[str]) -> None:
+        """`lock_session` for several sessions, in the one order every transaction takes
+        several in (the lock key's, then the id), so two transactions never deadlock."""
         ...
 
     def lock_claims(self, execution_ids: Sequence[str]) -> None:

@@ -38,9 +38,11 @@ SCHEMA_VERSION = _schema.POSTGRES_SCHEMA_VERSION
 _MIGRATIONS = _schema.POSTGRES_MIGRATIONS  # in `_schema`, beside SQLite's
 _BACKFILLS = _schema.POSTGRES_BACKFILLS
 
-# Advisory-lock namespaces (the first int4 of the two-key form), so our keys never collide
-# with an application's single-bigint advisory locks. Session locks hash the session id;
-# the migration lock hashes the schema, so stores in different schemas migrate in parallel.
+# Advisory locks. A session's is a single-bigint key, 64 bits of a hash of its id seeded
+# with SESSION_LOCK_NAMESPACE (`ts_lock_key`): an application's own bigint advisory locks
+# share that key space, and one of theirs matches one of ours with a chance of about 2^-64
+# per pair. The migration lock is two-key - this namespace, then a hash of the schema - so
+# stores in different schemas migrate in parallel.
 SESSION_LOCK_NAMESPACE = 0x74735331  # "tsS1"
 MIGRATION_LOCK_NAMESPACE = 0x74734D31  # "tsM1"
 

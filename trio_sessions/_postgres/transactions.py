@@ -46,6 +46,10 @@ _LOCK_SESSION = (
     f" SELECT {_SERVER_MS} FROM locked"
 )
 _LOCK_SESSION_ANY = _LOCK_SESSION.replace("%s", "?")
+# Several, in the order every transaction takes several in (`ts_lock_all`), then the clock.
+_LOCK_SESSIONS = (
+    f"WITH locked AS MATERIALIZED (SELECT ts_lock_all(?)) SELECT {_SERVER_MS} FROM locked"
+)
 # How each kind of transaction begins: sent with its first statement, in one message.
 _BEGIN = "BEGIN ISOLATION LEVEL READ COMMITTED; "
 _BEGIN_READ = "BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY; "
@@ -275,6 +279,14 @@ class PgTx:
         # (the MATERIALIZED CTE runs first).
         row = self.one(_LOCK_SESSION_ANY, (session_id,))
         self._locked.add(session_id)
+        self._now = int(row[0]) if self._clock is None else None
+
+    def lock_sessions(self, session_ids: Collection[str]) -> None:
+        missing = sorted(set(session_ids) - self._locked)
+        if not missing:
+            return
+        row = self.one(_LOCK_SESSIONS, (missing,))
+        self._locked.update(missing)
         self._now = int(row[0]) if self._clock is None else None
 
     def lock_claims(self, execution_ids: Sequence[str]) -> None:

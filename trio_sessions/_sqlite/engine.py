@@ -24,7 +24,7 @@ import contextlib
 import os
 import sqlite3
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any, TypeVar, TypeVarTuple, Unpack
 
 import attrs
@@ -86,6 +86,9 @@ class SQLiteTx:
 
     def lock_session(self, session_id: str) -> None:
         # BEGIN IMMEDIATE holds the only write lock: every session is already serialised.
+        pass
+
+    def lock_sessions(self, session_ids: Collection[str]) -> None:
         pass
 
     def lock_claims(self, execution_ids: Sequence[str]) -> None:

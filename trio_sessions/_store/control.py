@@ -192,8 +192,9 @@ def promote_due(tx: Tx, limit: int) -> Due:
         (tx.now, limit),
     ).fetchall()
     rung = []
-    for session_id in sorted({str(row[0]) for row in rows}):
-        tx.lock_session(session_id)  # sorted: two promoters never deadlock
+    due = sorted({str(row[0]) for row in rows})
+    tx.lock_sessions(due)  # in the lock order: two promoters never deadlock
+    for session_id in due:
         promoted = tx.execute(
             "UPDATE session_input SET due_at = NULL"
             " WHERE session_id = ? AND due_at IS NOT NULL AND due_at <= ?",
@@ -349,8 +350,7 @@ def purge_batch(tx: Tx, idle_ms: int, after: str, limit: int) -> tuple[int, str 
     cutoff = tx.now - idle_ms
     idle = _idle_sessions(tx, window, cutoff)
     if idle:
-        for session_id in idle:  # sorted: window is in id order
-            tx.lock_session(session_id)
+        tx.lock_sessions(idle)
         idle = _idle_sessions(tx, idle, tx.now - idle_ms)
         for session_id in idle:
             tx.notify(session_id)
@@ -381,8 +381,7 @@ def fork(tx: Tx, session_id: str, new_session_id: str, through_seq: int | None) 
     session: same seq, role and data (streamed text merged); an unfinished assistant
     message is copied finished "interrupted". Returns how many were copied. `ValueError`
     when the new session exists or the source does not."""
-    for locked in sorted((session_id, new_session_id)):
-        tx.lock_session(locked)
+    tx.lock_sessions((session_id, new_session_id))
     if tx.one("SELECT 1 FROM session WHERE id = ?", (new_session_id,)) is not None:
         raise ValueError(f"session {new_session_id!r} exists already")
     if tx.one("SELECT 1 FROM session WHERE id = ?", (session_id,)) is None:
