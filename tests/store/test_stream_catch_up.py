@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 import pytest
 
-from trio_sessions import _sqlite, _store
+from trio_sessions import _sqlite, _store, _transcript
 from trio_sessions._store.stream import (
     Appended,
     Held,
@@ -132,3 +132,36 @@ def test_catching_up_many_streams_costs_the_statements_of_one(db: Db) -> None:
 
     reads = [following(db, index) for index in range(30)]
     assert statements(reads[:2]) == statements(reads)
+
+
+def test_the_one_step_missed_is_sent_and_an_unreadable_one_sends_the_message_whole(
+    db: Db,
+) -> None:
+    """A stream one version behind a tool change gets the recorded step ("part") and the
+    appends after it, from its own read and from a catch-up (the same answer, or None).
+    A step row that does not decode costs that message only: the message whole, never
+    a rewritten transcript (which would send every message again)."""
+    session, position = following(db, 0)
+    held = position.open[0]
+    behind = db.engine.read(stream_changes_by_statements, session, position).changes[-1].version
+    at = attrs.evolve(position, open=(attrs.evolve(held, version=behind),))
+    db.run(
+        _store.update_assistant,
+        session,
+        "e0",
+        "me",
+        "m0",
+        lambda data: _transcript.start_tool(data, "c1", "look", {}),
+    )
+    db.run(_store.append_assistant_text, session, "e0", "me", "m0", "after ")
+    own = db.engine.read(_store.stream_changes, session, at)
+    assert [type(change).__name__ for change in own.changes] == ["Stepped", "Appended"]
+    assert own.changes[0].step[0] == "part" and own.changes[0].step[1].call_id == "c1"
+    assert db.engine.read(stream_changes_by_statements, session, at) == own
+    [caught] = db.engine.read(stream_catch_up, [(session, at)])
+    assert caught in (None, own)
+    db.write("UPDATE session_message_change SET data = 'not json'")
+    for read in (_store.stream_changes, stream_changes_by_statements):
+        answer = db.engine.read(read, session, at)
+        assert not answer.rewritten
+        assert [type(change).__name__ for change in answer.changes] == ["Whole"]

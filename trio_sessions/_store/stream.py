@@ -162,7 +162,9 @@ def stream_changes(
         arguments = _pg_arguments(session_id, position, limit)
         rows = tx.call("ts_stream_changes", *arguments.values())
         found = _changes_from_rows(session_id, position, limit, rows)
-        return _from_scratch(tx, session_id, limit) if found is None else found
+        if found is None:  # a rewrite, or a step row that does not decode: they tell which
+            return stream_changes_by_statements(tx, session_id, position, limit)
+        return found
     return stream_changes_by_statements(tx, session_id, position, limit)
 
 
@@ -183,10 +185,7 @@ def stream_changes_by_statements(
         ids[seq] = str(row[0])
     changes: list[Change] = []
     for held in position.open:
-        of_open = _changes_of_open(tx, session_id, ids[held.seq], held)
-        if of_open is None:
-            return _from_scratch(tx, session_id, limit)  # as `_changes_from_rows`
-        changes += of_open
+        changes += _changes_of_open(tx, session_id, ids[held.seq], held)
     new, more = _new_messages(tx, session_id, position.top, limit)
     return StreamChanges(changes + new, more=more, ids=ids)
 
@@ -195,7 +194,8 @@ def _changes_from_rows(
     session_id: str, position: Position, limit: int, rows: Sequence[tuple[Any, ...]]
 ) -> StreamChanges | None:
     """`stream_changes` from `ts_stream_changes`'s rows; None when a message the position
-    names is gone or replaced (the transcript was rewritten: read from scratch)."""
+    names is gone or replaced (the transcript was rewritten: read from scratch) or a step
+    row does not decode (that message goes whole)."""
     tags = {position.top: position.top_tag} if position.top else {}
     tags.update((held.seq, held.tag) for held in position.open)
     ids: dict[int, str] = {}
@@ -209,7 +209,7 @@ def _changes_from_rows(
             try:
                 step = _codec.decode_step(role, data, key=message_id)
             except MalformedRecord:
-                return None  # as a rewrite: every message again, from the rows themselves
+                return None  # the statements' read sends that message whole
             steps[seq] = Stepped(seq, message_id, step, version)
         elif kind == "named":
             if message_id is None or message_tag(message_id) != tags[seq]:
@@ -254,8 +254,9 @@ def _from_scratch(tx: Tx, session_id: str, limit: int) -> StreamChanges:
     return StreamChanges(new, rewritten=True, more=more)
 
 
-def _changes_of_open(tx: Tx, session_id: str, message_id: str, held: Held) -> list[Change] | None:
-    """An open message's changes since `held` (None: a step row does not decode)."""
+def _changes_of_open(tx: Tx, session_id: str, message_id: str, held: Held) -> list[Change]:
+    """An open message's changes since `held`: its new deltas, after the step that made its
+    version when that is the one the client missed; else the message whole."""
     version, kind, data = tx.one(
         "SELECT m.version, c.kind, c.data FROM session_message m"
         " LEFT JOIN session_message_change c ON c.message_id = m.id AND c.version = m.version"
@@ -264,14 +265,9 @@ def _changes_of_open(tx: Tx, session_id: str, message_id: str, held: Held) -> li
     )
     changes: list[Change] = []
     if version > held.version:
-        if version != held.version + 1 or kind is None:
-            # Changed by more than one step since: the deltas the client missed are folded
-            # into data now, so the message goes whole.
+        step = _step_missed(held, version, kind, data, message_id)
+        if step is None:
             return [_whole(tx, session_id, message_id)]
-        try:
-            step = _codec.decode_step(kind, data, key=message_id)
-        except MalformedRecord:
-            return None
         changes.append(Stepped(held.seq, message_id, step, version))
     rows = tx.execute(
         "SELECT version, text FROM session_message_delta WHERE message_id = ? AND version > ?"
@@ -283,6 +279,18 @@ def _changes_of_open(tx: Tx, session_id: str, message_id: str, held: Held) -> li
         Appended(held.seq, message_id, text, int(version))
         for (version, _), text in zip(rows, texts, strict=True)
     ]
+
+
+def _step_missed(held: Held, version: int, kind: Any, data: Any, message_id: str) -> Step | None:
+    """The step recorded with a message's `version` when it is the one change a client at
+    `held` missed and it decodes; None: the client gets the message whole (more changed,
+    the deltas it missed are folded now; or the step row is unreadable)."""
+    if version != held.version + 1 or kind is None:
+        return None
+    try:
+        return _codec.decode_step(kind, data, key=message_id)
+    except MalformedRecord:
+        return None
 
 
 def _whole(tx: Tx, session_id: str, message_id: str) -> Whole:
