@@ -8,7 +8,7 @@ import contextlib
 import itertools
 import json
 import os
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import attrs
@@ -106,6 +106,21 @@ def real_store(location: Any) -> Any:
 
         return PostgresStore(location.url, schema=location.schema)
     return str(location)
+
+
+@contextlib.asynccontextmanager
+async def streamed_from_another_runtime(
+    location: Any, drain: Callable[[DrainContext], Awaitable[None]]
+) -> AsyncIterator[tuple[Runtime, trio_sessions._stream.EventStream]]:
+    """A runtime draining with `drain`, and another's stream of session "s" (the change
+    signal, not local offers, brings it the writes), once a message was submitted."""
+    async with (
+        trio_sessions.open_runtime(real_store(location), drain, recovery_interval=60),
+        trio_sessions.open_runtime(real_store(location), None) as web,
+        web.stream("s") as stream,
+    ):
+        await web.submit("s", {"q": 1})
+        yield web, stream
 
 
 def text_of(data: AssistantData) -> str:
@@ -605,12 +620,7 @@ async def test_a_stream_follows_another_runtimes_writes_one_append_at_a_time(
 
     events: list[StreamEvent] = []
     with trio.fail_after(REAL_TIME_BOUND):
-        async with (
-            trio_sessions.open_runtime(real_store(db_path), drain, recovery_interval=60),
-            trio_sessions.open_runtime(real_store(db_path), None) as web,
-            web.stream("s") as stream,
-        ):
-            await web.submit("s", {"q": 1})
+        async with streamed_from_another_runtime(db_path, drain) as (web, stream):
             async for event in stream:
                 events.append(event)
                 if event.kind == "finish":
@@ -685,12 +695,7 @@ async def test_another_runtimes_tool_changes_and_finish_reach_a_stream_as_part_a
 
     events: list[StreamEvent] = []
     with trio.fail_after(REAL_TIME_BOUND):
-        async with (
-            trio_sessions.open_runtime(real_store(db_path), drain, recovery_interval=60),
-            trio_sessions.open_runtime(real_store(db_path), None) as web,
-            web.stream("s") as stream,
-        ):
-            await web.submit("s", {"q": 1})
+        async with streamed_from_another_runtime(db_path, drain) as (web, stream):
             view: View = {}
             gated = first_gated = 0
             async for event in stream:

@@ -19,6 +19,7 @@ from trio_sessions._store.stream import (
     Appended,
     Held,
     Position,
+    Stepped,
     message_tag,
     stream_catch_up,
     stream_changes_by_statements,
@@ -155,8 +156,9 @@ def test_the_one_step_missed_is_sent_and_an_unreadable_one_sends_the_message_who
     )
     db.run(_store.append_assistant_text, session, "e0", "me", "m0", "after ")
     own = db.engine.read(_store.stream_changes, session, at)
-    assert [type(change).__name__ for change in own.changes] == ["Stepped", "Appended"]
-    assert own.changes[0].step[0] == "part" and own.changes[0].step[1].call_id == "c1"
+    stepped, appended = own.changes
+    assert isinstance(stepped, Stepped) and isinstance(appended, Appended)
+    assert stepped.step[0] == "part" and stepped.step[1].call_id == "c1"
     assert db.engine.read(stream_changes_by_statements, session, at) == own
     [caught] = db.engine.read(stream_catch_up, [(session, at)])
     assert caught in (None, own)

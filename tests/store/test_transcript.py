@@ -4,6 +4,7 @@ transitions. On both backends, through the sync engine."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from trio_sessions import (
     _store,
@@ -27,26 +28,16 @@ def test_begin_and_update_assistant(db: Db) -> None:
         ("assistant", 2, execution)
     ]
     assert db.message("m-1") == _transcript.EMPTY
-    result, version, step = db.run(
-        _store.update_assistant,
-        "s",
-        execution,
-        "owner-a",
-        "m-1",
-        lambda d: _transcript.append_text(d, "hi"),
-    )
+
+    def update(transition: Any) -> Any:
+        return db.run(_store.update_assistant, "s", execution, "owner-a", "m-1", transition)
+
+    result, version, step = update(lambda d: _transcript.append_text(d, "hi"))
     assert version == 1
     assert result == db.message("m-1") == _transcript.append_text(_transcript.EMPTY, "hi")
     assert step is None  # text changed: no "part" or "finish" event makes it
     assert db.rows("SELECT * FROM session_message_change") == []
-    result, version, step = db.run(
-        _store.update_assistant,
-        "s",
-        execution,
-        "owner-a",
-        "m-1",
-        lambda d: _transcript.start_tool(d, "c1", "look", {}),
-    )
+    result, version, step = update(lambda d: _transcript.start_tool(d, "c1", "look", {}))
     assert version == 2 and step == ("part", result.parts[-1])
     [(recorded, kind, data)] = db.rows("SELECT version, kind, data FROM session_message_change")
     assert (recorded, kind, json.loads(data)) == (2, "part", result.parts[-1].to_json())
