@@ -45,6 +45,12 @@ def url_forms(base: str) -> dict[str, str]:
         "query": f"{scheme}://{user}@{host}?password={PLAIN}",
         "query-quoted": f"{scheme}://{user}@{host}?sslmode=prefer&password={ENCODED}",
         "postgres-scheme": f"postgres://{user}:{PLAIN}@{host}",
+        # Quotes, which end a URL in free text, unencoded: libpq takes them as part of the
+        # password.
+        "userinfo-quotes": f"{scheme}://{user}:{PARTS[0]}'\"{PARTS[1]}@{host}",
+        "query-quotes": f'{scheme}://{user}@{host}?password={PARTS[0]}"{PARTS[1]}',
+        # libpq decodes a parameter's name too: this is the password.
+        "query-encoded-name": f"{scheme}://{user}@{host}?pass%77ord={PLAIN}",
     }
 
 
@@ -101,6 +107,7 @@ async def test_a_driver_error_quoting_the_connection_string_is_masked(
 
 
 UNQUOTED = {
+    "at-and-quote": f"postgresql://app:{PARTS[0]}'@{PARTS[1]}@127.0.0.1:1/app",
     "slash": f"postgresql://app:{PARTS[0]}/{PARTS[1]}@127.0.0.1:1/app",
     "at": f"postgresql://app:{PARTS[0]}@{PARTS[1]}@127.0.0.1:1/app",
     "both": f"postgresql://app:{PARTS[0]}/x@{PARTS[1]}@127.0.0.1:1/app",
@@ -121,6 +128,36 @@ async def test_a_password_with_unquoted_characters_is_refused_without_showing_it
         async with trio_sessions.open_runtime(UNQUOTED[form], None):
             pytest.fail("opened")  # pragma: no cover
     assert leaked(str(raised.value)) == []
+
+
+async def test_a_password_with_a_space_is_not_shown() -> None:
+    """A space in a URL's password (psycopg refuses it: "use percent-encoded spaces") is
+    masked in the store's repr and in the error of opening it."""
+    url = f"postgresql://app:{PARTS[0]} {PARTS[1]}@127.0.0.1:1/app"
+    assert leaked(repr(PostgresStore(url))) == []
+    with pytest.raises(trio_sessions.StoreError, match="percent-encoded") as raised:
+        async with trio_sessions.open_runtime(PostgresStore(url), None):
+            pytest.fail("opened")  # pragma: no cover
+    assert leaked("".join(traceback.format_exception(raised.value))) == []
+
+
+@pytest.mark.parametrize("form", sorted(url_forms(CLOSED)))
+def test_a_url_with_space_around_it_is_refused_without_showing_it(
+    form: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A URL with a space before it is still a connection string, not a file name: a
+    ValueError that shows no piece of the password (it was an SQLite path whose error
+    quoted the whole URL), and no file is created."""
+
+    async def open_it() -> None:
+        async with trio_sessions.open_runtime(" " + url_forms(CLOSED)[form], None):
+            pytest.fail("opened")  # pragma: no cover
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="space around it") as raised:
+        trio.run(open_it)
+    assert leaked(str(raised.value)) == []
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("form", sorted(UNQUOTED))

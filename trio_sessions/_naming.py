@@ -45,17 +45,22 @@ def store_kind(store: str | os.PathLike[str]) -> Literal["sqlite", "postgres"]:
     name = os.fspath(store)
     if not isinstance(name, str):
         raise TypeError(f"store must be {ACCEPTED_FORMS}, got bytes")
+    if name != name.strip() and _URL.match(name.strip()):
+        raise ValueError(
+            f"store {display_name(name)!r} is a URL with space around it; a store is"
+            f" {ACCEPTED_FORMS}"
+        )
     if name.startswith(POSTGRES_SCHEMES):
         check_postgres_name(name)
         return "postgres"
     if _URL.match(name):
         scheme = name.split("://", 1)[0]
         raise ValueError(
-            f"store {mask_password(name)!r} is a {scheme}:// URL; a store is {ACCEPTED_FORMS}"
+            f"store {display_name(name)!r} is a {scheme}:// URL; a store is {ACCEPTED_FORMS}"
         )
     if _DSN.match(name):
         raise ValueError(
-            f"store {mask_password(name)!r} looks like a libpq connection string (key=value);"
+            f"store {display_name(name)!r} looks like a libpq connection string (key=value);"
             f" a store is {ACCEPTED_FORMS} - write a file whose name starts with 'word='"
             " as './word=...'"
         )
@@ -73,7 +78,7 @@ def check_postgres_name(name: str) -> str:
     if not name.startswith(POSTGRES_SCHEMES):
         if _URL.match(name) or not _DSN.match(name):
             raise ValueError(
-                f"url {mask_password(name)!r} is not a postgresql:// or postgres:// URL"
+                f"url {display_name(name)!r} is not a postgresql:// or postgres:// URL"
                 " nor a libpq key=value connection string"
             )
         return name
@@ -84,7 +89,7 @@ def check_postgres_name(name: str) -> str:
     after = rest[cut.end() :] if cut is not None and cut.group() == "@" else rest
     if "@" in after.split("?", 1)[0]:
         raise ValueError(
-            f"url {mask_password(name)!r}: a user name or password holding '@' or '/' must be"
+            f"url {display_name(name)!r}: a user name or password holding '@' or '/' must be"
             " percent-encoded (urllib.parse.quote(password, safe=''))"
         )
     return name
@@ -98,29 +103,58 @@ def mask_password(text: str, *, secrets: tuple[str, ...] = ()) -> str:
     little: a URL whose query holds an '@' may lose its host from view."""
     for secret in _secrets(secrets):
         text = text.replace(secret, MASK)
+    text = _USERINFO_IN_TEXT.sub(lambda m: f"{m.group(1)}{MASK}@", text)
     text = _URL_IN_TEXT.sub(_mask_url, text)
-    return _PASSWORD_PAIR.sub(lambda m: f"{m.group(1)}{MASK}", text)
+    return _PARAMETER.sub(_mask_parameter, text)
+
+
+def display_name(name: str) -> str:
+    """A store name as it may be shown: `mask_password` with the name's own password."""
+    return mask_password(name, secrets=secrets_of(name))
 
 
 def secrets_of(name: str) -> tuple[str, ...]:
-    """The password a store name carries (as written), if any: `mask_password`'s
-    `secrets` for text that may quote any of it (a driver's error about that store)."""
-    if _URL.match(name):
-        userinfo = _userinfo(name.split("://", 1)[1])
+    """The passwords a store name carries (as written), if any: `mask_password`'s
+    `secrets` for text that may quote any of them (a driver's error about that store)."""
+    found: list[str] = []
+    if _URL.match(name.strip()):
+        rest = name.strip().split("://", 1)[1]
+        userinfo = _userinfo(rest)
         if userinfo is not None and ":" in userinfo:
-            return (userinfo.split(":", 1)[1],)
-    pair = _PASSWORD_PAIR.search(name)
-    value = "" if pair is None else pair.group(0)[len(pair.group(1)) :].strip("'")
-    return (value,) if value else ()
+            found.append(userinfo.split(":", 1)[1])
+        query = rest.split("?", 1)[1] if "?" in rest else ""
+        for pair in query.split("&"):
+            key, _, value = pair.partition("=")
+            if urllib.parse.unquote(key).strip().lower() == "password":
+                found.append(value)
+    for parameter in _PARAMETER.finditer(name):
+        if _is_password(parameter.group(1)):
+            found.append(parameter.group(2).strip("'"))
+    return tuple(value for value in found if value)
 
 
 # A URL inside free text ends at whitespace or a quote (drivers quote what they echo).
 _URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"]*")
-# `password=value` as a libpq pair (`password = 'it''s'`, backslash escapes) or a URL
-# query parameter (up to the next `&`); group 1 is everything before the value.
-_PASSWORD_PAIR = re.compile(
-    r"((?<![A-Za-z0-9_])password\s*=\s*)(?:'(?:\\.|[^'\\])*'?|[^\s&'\"]*)", re.IGNORECASE
+# A URL's `user:password@` inside free text, whatever the password holds but a '/' (one
+# would have to be percent-encoded: `check_postgres_name`) or a line break - also the
+# quotes and spaces that end a URL in `_URL_IN_TEXT`. Group 1 is what is kept.
+_USERINFO_IN_TEXT = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^\s/@:'\"]*:)[^/\n]*?@")
+# `key=value` as a libpq pair (`password = 'it''s'`, backslash escapes) or a URL query
+# parameter (up to the next `&` or space; a quote does not end it); the key may be
+# percent-encoded (libpq decodes it). Group 1 is everything before the value, group 2 the
+# value; `_is_password` says whether the key is a password's.
+_PARAMETER = re.compile(
+    r"((?<![A-Za-z0-9_%])(?:[A-Za-z_]|%[0-9A-Fa-f]{2})+\s*=\s*)"
+    r"('(?:\\.|[^'\\])*'?|[^\s&]*)"
 )
+
+
+def _is_password(key: str) -> bool:
+    return urllib.parse.unquote(key.rstrip("= \t")).strip().lower() == "password"
+
+
+def _mask_parameter(match: re.Match[str]) -> str:
+    return f"{match.group(1)}{MASK}" if _is_password(match.group(1)) else match.group()
 
 
 def _userinfo(rest: str) -> str | None:

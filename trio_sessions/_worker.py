@@ -31,7 +31,7 @@ import attrs
 import trio
 
 from . import _metrics
-from ._naming import check_schema, mask_password, secrets_of, store_kind
+from ._naming import check_schema, display_name, mask_password, secrets_of, store_kind
 from ._observe import MaskTracebacks
 from ._runtime import open_runtime
 
@@ -221,8 +221,8 @@ def load_drain(spec: str) -> Any:
 
 def redact(store: str) -> str:
     """The store for a log line or a message: its password replaced by `***`, whatever
-    its form (`_naming.mask_password`)."""
-    return mask_password(store, secrets=secrets_of(store))
+    its form (`_naming.display_name`)."""
+    return display_name(store)
 
 
 def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> int:

@@ -62,7 +62,7 @@ from .._backend import (
 )
 from .._errors import StoreError
 from .._handoff import Queued
-from .._naming import check_postgres_name, check_schema, mask_password
+from .._naming import check_postgres_name, check_schema, display_name
 from .._validate import count
 from .engine import BATCH_LIMIT, PgEngine
 from .listener import PgListener, Wanted, _wait_for_change, token_connection
@@ -430,7 +430,7 @@ async def open_thread_executor(
 
 
 def _masked(url: str) -> str:
-    return repr(mask_password(url))
+    return repr(display_name(url))
 
 
 def _check_writers(_store: object, _attribute: object, writers: object) -> None:
