@@ -711,3 +711,68 @@ def test_control_verbs_pause_resume_cancel_delete_and_purge(
     with pytest.raises(SystemExit) as exited:
         _cli.main(["purge", *db, "--idle-for", "-1"])
     assert exited.value.code == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad arguments: a usage error (exit 2) before anything is written, never a traceback
+
+BAD_ID_ARGUMENTS = {
+    "empty": "",
+    "newline": "bad\nid",
+    "201-chars": "x" * 201,
+}
+
+
+@pytest.mark.parametrize("bad", sorted(BAD_ID_ARGUMENTS))
+@pytest.mark.parametrize(
+    ("command", "flags"),
+    [
+        (["pause"], []),
+        (["resume"], []),
+        (["delete"], []),
+        (["inputs", "drop"], []),
+        (["inputs", "cancel"], []),
+        (["quarantine", "release"], ["--drop"]),
+    ],
+    ids=["pause", "resume", "delete", "inputs-drop", "inputs-cancel", "release"],
+)
+def test_an_id_the_api_refuses_is_a_usage_error_and_writes_nothing(
+    seeded: Path,
+    capsys: pytest.CaptureFixture[str],
+    command: list[str],
+    flags: list[str],
+    bad: str,
+) -> None:
+    """A session, input or execution id no store can hold (empty, non-printable, over 200
+    characters) is refused as the API refuses it - a usage error naming it - and the file is
+    unchanged (`pause ""` created a paused session only the CLI could remove)."""
+    before = digest(seeded)
+    with pytest.raises(SystemExit) as exit_info:
+        _cli.main([*command, str(seeded), BAD_ID_ARGUMENTS[bad], *flags])
+    assert exit_info.value.code == 2
+    assert "must be" in capsys.readouterr().err
+    assert digest(seeded) == before
+
+
+@pytest.mark.parametrize("seconds", ["1e16", "inf", "-0.5"])
+def test_purge_refuses_an_idle_time_out_of_range_as_a_usage_error(
+    seeded: Path, capsys: pytest.CaptureFixture[str], seconds: str
+) -> None:
+    """`--idle-for` beyond about 31 years (1e9 s: whole milliseconds beside epoch times in
+    64 bits) is a usage error, as a negative or infinite one - not an OverflowError's
+    traceback (SQLite) nor "purged 0" (PostgreSQL)."""
+    with pytest.raises(SystemExit) as exit_info:
+        _cli.main(["purge", str(seeded), f"--idle-for={seconds}"])
+    assert exit_info.value.code == 2
+    assert "seconds" in capsys.readouterr().err
+
+
+def test_quarantine_and_inputs_listings_filter_by_session_and_limit(
+    seeded: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """DESIGN §5: the listings filter by session and limit (`status` also by state)."""
+    rows = cli_json(capsys, "quarantine", "list", str(seeded), "--session", "poison")
+    assert [row["session_id"] for row in rows] == ["poison"]
+    assert cli_json(capsys, "quarantine", "list", str(seeded), "--session", "other") == []
+    assert len(cli_json(capsys, "quarantine", "list", str(seeded), "--limit", "1")) == 1
+    assert cli_json(capsys, "inputs", "list", str(seeded), "--limit", "1") == []

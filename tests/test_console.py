@@ -71,6 +71,24 @@ def test_a_public_bind_without_a_token_is_refused(tmp_path: Path) -> None:
     assert not store.exists()
 
 
+def test_a_bad_log_level_is_a_usage_error(tmp_path: Path) -> None:
+    """An unknown --log-level ("x") exits 2 with a message (it was a ValueError's traceback,
+    exit 1), before opening the store."""
+    store = tmp_path / "db"
+    command = [sys.executable, "-m", "trio_sessions", "console", "--store", str(store)]
+    completed = subprocess.run(
+        [*command, "--log-level", "x"],
+        capture_output=True,
+        text=True,
+        env=environment(),
+        timeout=DEADLINE,
+        check=False,
+    )
+    assert completed.returncode == 2, completed.stderr
+    assert "log-level" in completed.stderr and "Traceback" not in completed.stderr
+    assert not store.exists()
+
+
 def test_every_request_needs_the_token(tmp_path: Path) -> None:
     """With a token: no token, a wrong bearer or a wrong login is 401 (the event stream
     too); the right bearer reads; `/?token=` sets an HttpOnly cookie that reads after."""

@@ -106,6 +106,10 @@ BAD_CALLS: list[Any] = [
         lambda rt: rt.interrupt("existing", reason="bogus"), ValueError, id="reason-bogus"
     ),
     pytest.param(lambda rt: rt.interrupt("existing", reason=None), ValueError, id="reason-none"),
+    pytest.param(
+        lambda rt: rt.submit("existing", {}, delay=1e16), ValueError, id="delay-past-1e9-s"
+    ),
+    pytest.param(lambda rt: rt.purge(idle_for=1e16), ValueError, id="purge-idle-past-1e9-s"),
     pytest.param(lambda rt: rt.release_quarantine(5, resume=True), TypeError, id="release-int-id"),
     pytest.param(
         lambda rt: rt.release_quarantine("exec-1", resume="yes"), TypeError, id="release-str-resume"
@@ -233,6 +237,7 @@ BAD_CONFIG: list[Any] = [
     pytest.param({"lease": float("inf")}, ValueError, id="lease-inf"),
     pytest.param({"lease": "30"}, TypeError, id="lease-str"),
     pytest.param({"lease": True}, TypeError, id="lease-bool"),
+    pytest.param({"lease": 1e16}, ValueError, id="lease-past-1e9-s"),
     pytest.param({"lease": 10.0, "heartbeat_interval": 10.0}, ValueError, id="heartbeat-equal"),
     pytest.param({"lease": 10.0, "heartbeat_interval": 11.0}, ValueError, id="heartbeat-longer"),
     pytest.param({"heartbeat_interval": 0}, ValueError, id="heartbeat-zero"),

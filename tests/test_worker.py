@@ -433,15 +433,22 @@ def test_open_runtime_gets_only_the_options_that_were_set() -> None:
         (["--max-active", "0"], ENVIRONMENT, "max-active must be at least 1, got 0"),
         ([], {**ENVIRONMENT, "TRIO_SESSIONS_MAX_ACTIVE": "many"}, "must be a whole number"),
         (["--log-level", "loud"], ENVIRONMENT, "log level must be one of DEBUG"),
-        (["--lease", "0"], ENVIRONMENT, "lease must be positive"),
+        (["--lease", "0"], ENVIRONMENT, "lease must be 0.001 to 1e+09 seconds"),
+        (["--lease", "inf"], ENVIRONMENT, "lease must be 0.001 to 1e+09 seconds"),
+        (["--lease", "0.0001"], ENVIRONMENT, "lease must be 0.001 to 1e+09 seconds"),
         (["--recovery-interval", "soon"], ENVIRONMENT, "recovery-interval must be a number"),
+        (["--recovery-interval", "inf"], ENVIRONMENT, "recovery-interval must be 0.001 to"),
+        (["--owner", ""], ENVIRONMENT, "owner must be 1-200 characters"),
+        (["--owner", "o" * 250], ENVIRONMENT, "owner must be 1-200 characters"),
         (["--schema", "s1"], ENVIRONMENT, "a schema needs a postgresql:// URL as the store"),
     ],
 )
 def test_bad_settings_exit_2_with_a_message(
     argv: list[str], environ: dict[str, str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A missing store or a malformed value is a usage error (exit 2) naming the setting."""
+    """A missing store or a malformed value is a usage error (exit 2) naming the setting -
+    also a value `open_runtime` refuses (an infinite lease, an owner id no store holds),
+    which failed the worker with a traceback and exit 1."""
     assert _worker.run(parse(*argv), environ) == 2
     assert message in capsys.readouterr().err
 

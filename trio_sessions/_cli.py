@@ -47,7 +47,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import _backend, _console, _sqlite, _store, _worker
+from . import _backend, _console, _sqlite, _store, _validate, _worker
 from ._backend import Engine
 from ._cli_format import (
     format_control,
@@ -340,11 +340,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     quarantine = commands.add_parser("quarantine", help="list or release quarantined executions")
     actions = quarantine.add_subparsers(dest="action", required=True, metavar="ACTION")
-    actions.add_parser("list", parents=[common], help="quarantined executions and why")
+    list_quarantined = actions.add_parser(
+        "list", parents=[common], help="quarantined executions and why"
+    )
+    _add_listing_filters(list_quarantined)
     release_cmd = actions.add_parser(
         "release", parents=[common], help="resume or drop a quarantined execution (writes)"
     )
-    release_cmd.add_argument("execution_id", metavar="EXECUTION_ID")
+    release_cmd.add_argument("execution_id", type=_id_arg("execution id"), metavar="EXECUTION_ID")
     choice = release_cmd.add_mutually_exclusive_group(required=True)
     choice.add_argument(
         "--resume", action="store_true", help="clear it; the next recovery pass examines it"
@@ -357,22 +360,22 @@ def build_parser() -> argparse.ArgumentParser:
     list_inputs = input_actions.add_parser(
         "list", parents=[common], help="inputs whose payload does not decode, and why"
     )
-    list_inputs.add_argument("--session", metavar="S", help="only this session's")
+    _add_listing_filters(list_inputs)
     drop_cmd = input_actions.add_parser(
         "drop", parents=[common], help="delete one rejected input (writes)"
     )
-    drop_cmd.add_argument("input_id", metavar="INPUT_ID")
+    drop_cmd.add_argument("input_id", type=_id_arg("input id"), metavar="INPUT_ID")
     cancel_cmd = input_actions.add_parser(
         "cancel", parents=[common], help="withdraw a pending input not taken yet (writes)"
     )
-    cancel_cmd.add_argument("input_id", metavar="INPUT_ID")
+    cancel_cmd.add_argument("input_id", type=_id_arg("input id"), metavar="INPUT_ID")
     for verb, text in (
         ("pause", "hold a session: inputs kept, no drain starts anywhere (writes)"),
         ("resume", "lift a pause; pending work starts (writes)"),
         ("delete", "erase a session and every row of it; a running drain stops (writes)"),
     ):
         control = commands.add_parser(verb, parents=[common], help=text)
-        control.add_argument("session_id", metavar="SESSION")
+        control.add_argument("session_id", type=_id_arg("session id"), metavar="SESSION")
     purge_cmd = commands.add_parser(
         "purge",
         parents=[common],
@@ -401,6 +404,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_listing_filters(listing: argparse.ArgumentParser) -> None:
+    listing.add_argument("--session", metavar="S", help="only this session's")
+    listing.add_argument("--limit", type=_positive_int, metavar="N", help="at most N rows")
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -413,12 +421,22 @@ def _positive_int(text: str) -> int:
 
 def _seconds_arg(text: str) -> float:
     try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
-    return value
+        return _validate.duration(float(text), "idle-for")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _id_arg(what: str) -> Callable[[str], str]:
+    """An argument checked as the API checks that kind of id (`_validate.validate_id`)."""
+
+    def check(text: str) -> str:
+        try:
+            return _validate.validate_id(text, what)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    check.__name__ = what  # argparse names the argument's type in its message
+    return check
 
 
 def run_command(args: argparse.Namespace, database: Engine) -> tuple[Any, str]:
@@ -438,7 +456,7 @@ def run_command(args: argparse.Namespace, database: Engine) -> tuple[Any, str]:
         return status, format_status(status)
     if args.command == "inputs":
         if args.inputs_action == "list":
-            rows = read_rejected_inputs(database, args.session)
+            rows = read_rejected_inputs(database, args.session)[: args.limit]
             return rows, format_rejected_inputs(rows)
         if args.inputs_action == "cancel":
             cancelled = cancel_input(database, args.input_id)
@@ -446,7 +464,11 @@ def run_command(args: argparse.Namespace, database: Engine) -> tuple[Any, str]:
         dropped = drop_input(database, args.input_id)
         return dropped, format_input_drop(dropped)
     if args.action == "list":
-        rows = database.read(_store.quarantine_report)
+        rows = [
+            row
+            for row in database.read(_store.quarantine_report)
+            if args.session is None or row["session_id"] == args.session
+        ][: args.limit]
         return rows, format_quarantine(rows)
     result = release(database, args.execution_id, resume=args.resume)
     return result, format_release(result)

@@ -40,6 +40,7 @@ from ._console_html import escape as _e  # short: they stand in f-strings dozens
 from ._console_html import quote as _q
 from ._errors import StoreError, TrioSessionsError
 from ._runtime import Runtime, make_owner_id
+from ._worker import LOG_LEVELS
 
 logger = logging.getLogger("trio_sessions.console")
 
@@ -505,7 +506,9 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--bind", default="127.0.0.1:8080", metavar="HOST:PORT")
     parser.add_argument("--token", default=None, help=f"access token (env {ENV_TOKEN})")
     parser.add_argument("--read-only", action="store_true", help="hide and refuse every action")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument(
+        "--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, metavar="LEVEL"
+    )
 
 
 def run(args: Any, environ: Mapping[str, str]) -> int:

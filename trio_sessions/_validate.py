@@ -57,13 +57,23 @@ def make_owner_id(name: str | None) -> str:
     return base if name is None else f"{name}@{base}"
 
 
-def seconds(value: object, what: str) -> float:
+# Durations are whole milliseconds added to epoch times in 64-bit integers: none is longer
+# than this (about 31 years), so no sum overflows and a typo's 1e16 is refused, not stored.
+MAX_SECONDS = 1e9
+
+
+def duration(value: object, what: str, *, minimum: float = 0.0) -> float:
+    """A number of seconds from `minimum` to `MAX_SECONDS`."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"{what} must be a number of seconds, got {type(value).__name__}")
-    # Durable times are whole milliseconds: anything shorter would round to nothing.
-    if not math.isfinite(value) or value < 0.001:
-        raise ValueError(f"{what} must be at least 0.001 seconds, got {value!r}")
+    if not math.isfinite(value) or not minimum <= value <= MAX_SECONDS:
+        raise ValueError(f"{what} must be {minimum:g} to {MAX_SECONDS:g} seconds, got {value!r}")
     return float(value)
+
+
+def seconds(value: object, what: str) -> float:
+    # Durable times are whole milliseconds: anything shorter would round to nothing.
+    return duration(value, what, minimum=0.001)
 
 
 def count(value: object, what: str, minimum: int) -> int:
@@ -78,11 +88,7 @@ def delay_ms(delay: object) -> int:
     """A scheduled input's delay in whole milliseconds, rounded up (never due early)."""
     if delay is None:
         return 0
-    if isinstance(delay, bool) or not isinstance(delay, int | float):
-        raise TypeError(f"delay must be a number of seconds or None, got {type(delay).__name__}")
-    if not math.isfinite(delay) or delay < 0:
-        raise ValueError(f"delay must be a finite number of seconds >= 0, got {delay!r}")
-    return math.ceil(delay * 1000)
+    return math.ceil(duration(delay, "delay") * 1000)
 
 
 def seq(value: object, what: str) -> int:

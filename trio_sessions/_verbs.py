@@ -462,14 +462,10 @@ class Runtime:
 
         Runs in short transactions of at most `PURGE_BATCH` sessions each, so it never
         holds up a drain; each is durable when it commits. Raises `TypeError`/`ValueError`
-        for a bad `idle_for` (a finite number >= 0), `StoreError`. Cancellation: between
+        for a bad `idle_for` (0 to 1e9 seconds), `StoreError`. Cancellation: between
         transactions - the sessions deleted so far stay deleted.
         """
-        if isinstance(idle_for, bool) or not isinstance(idle_for, int | float):
-            raise TypeError(f"idle_for must be a number of seconds, got {type(idle_for).__name__}")
-        if not math.isfinite(idle_for) or idle_for < 0:
-            raise ValueError(f"idle_for must be a finite number of seconds >= 0, got {idle_for!r}")
-        idle_ms = math.ceil(idle_for * 1000)
+        idle_ms = math.ceil(_validate.duration(idle_for, "idle_for") * 1000)
         purged = 0
         after: str | None = ""
         while after is not None:

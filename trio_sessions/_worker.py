@@ -30,7 +30,7 @@ from typing import Any
 import attrs
 import trio
 
-from . import _metrics
+from . import _metrics, _validate
 from ._naming import check_schema, display_name, mask_password, secrets_of, store_kind
 from ._observe import MaskTracebacks
 from ._runtime import open_runtime
@@ -149,6 +149,12 @@ def settings_from(args: argparse.Namespace, environ: Mapping[str, str]) -> Worke
         except ValueError as exc:
             raise UsageError(str(exc)) from None
     max_active = pick(args.max_active, ENV_MAX_ACTIVE)
+    owner = pick(args.owner, ENV_OWNER)
+    if owner is not None:
+        try:
+            _validate.validate_id(owner, "owner")
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
     log_level = (pick(args.log_level, ENV_LOG_LEVEL) or "INFO").upper()
     metrics_bind = pick(args.metrics_bind, ENV_METRICS_BIND)
     if metrics_bind is not None:
@@ -162,7 +168,7 @@ def settings_from(args: argparse.Namespace, environ: Mapping[str, str]) -> Worke
         drain=args.drain,
         store=store,
         max_active=None if max_active is None else _positive_int(max_active, "max-active"),
-        owner=pick(args.owner, ENV_OWNER),
+        owner=owner,
         log_level=log_level,
         lease=None if args.lease is None else _positive_float(args.lease, "lease"),
         recovery_interval=None
@@ -184,13 +190,15 @@ def _positive_int(text: str, what: str) -> int:
 
 
 def _positive_float(text: str, what: str) -> float:
+    """A duration as `open_runtime` takes it (`_validate.seconds`)."""
     try:
         value = float(text)
     except ValueError:
         raise UsageError(f"{what} must be a number of seconds, got {text!r}") from None
-    if not value > 0:
-        raise UsageError(f"{what} must be positive, got {text!r}")
-    return value
+    try:
+        return _validate.seconds(value, what)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def load_drain(spec: str) -> Any:
