@@ -262,3 +262,46 @@ def test_opentelemetry_instrument_traces_a_worker_without_touching_the_drain(
     spans = log.read_text()
     assert '"trio_sessions.session_id": "s000"' in spans
     assert '"name": "trio_sessions.recovery_pass"' in spans
+
+
+def test_a_loopback_console_refuses_hostile_requests_without_acting(tmp_path: Path) -> None:
+    """Without a token the console answers only to a loopback host name: a page that
+    rebinds its own name to 127.0.0.1 gets 403 (it read every page and acted before). A
+    path whose encoding is not UTF-8 is a 400 with nothing written (it was a session named
+    U+FFFD). An action's return page is one of the console's own - no other site, however
+    spelled (a backslash, a tab) - and a line break or a NUL in it is not a 500 after the
+    action ran. A quarantined session's page opens (the operator's delete button is
+    there) and its event stream says why and stays open, where both failed on the
+    malformed row."""
+    store = tmp_path / "db"
+    raw = Raw(store)
+    seed(store, 1)
+    seed_quarantine(store, "s000", "dead")
+    with (
+        console(str(store), tmp_path) as (url, _),
+        httpx.Client(base_url=url, timeout=DEADLINE) as client,
+    ):
+        port = urllib.parse.urlsplit(url).port
+        rebound = client.get("/", headers={"host": f"attacker.example:{port}"})
+        assert rebound.status_code == 403
+        assert "csrf" not in rebound.text
+        page = client.get("/")
+        assert page.status_code == 200
+        csrf = csrf_of(page.text)
+        hostile = client.post("/sessions/%ff/pause", data={"csrf": csrf})
+        assert hostile.status_code == 400
+        assert raw.one("SELECT COUNT(*) FROM session") == (1,)
+        for back in ("/\\evil.example/", "/\t/evil.example/", "/sessions/x\nX: y", "/\x00"):
+            answer = client.post("/inputs/none/cancel", data={"csrf": csrf, "back": back})
+            assert (answer.status_code, answer.headers["location"]) == (303, "/"), back
+        session = client.get("/sessions/s000")
+        assert session.status_code == 200
+        assert "malformed" in session.text and "/sessions/s000/delete" in session.text
+        with client.stream("GET", "/sessions/s000/events") as events:
+            assert events.status_code == 200
+            received = b""
+            for chunk in events.iter_bytes():  # the stream stays open: no reconnect loop
+                received += chunk
+                if b"\n\n" in received:
+                    break
+            assert received.startswith(b": malformed record")

@@ -24,6 +24,7 @@ import hmac
 import ipaddress
 import json
 import logging
+import re
 import secrets
 import signal
 import sys
@@ -38,7 +39,7 @@ from . import _metrics, _store
 from ._console_html import SESSION_SCRIPT, apply_event, html_page, message_html, state
 from ._console_html import escape as _e  # short: they stand in f-strings dozens of times
 from ._console_html import quote as _q
-from ._errors import StoreError, TrioSessionsError
+from ._errors import MalformedRecord, StoreError, TrioSessionsError
 from ._runtime import Runtime, make_owner_id
 from ._worker import LOG_LEVELS
 
@@ -131,6 +132,10 @@ class Console:
         if segments == [] and "token" in query and method == "GET":
             await self.log_in(query["token"], send)
             return
+        if self.guard.token is None and not is_loopback(_host_name(headers.get("host", ""))):
+            # Only a loopback name: a web page that rebinds its own name to 127.0.0.1 must
+            # not read or act through a console that asks for no token.
+            raise HTTPError(403, "without a token this console answers only to a loopback host")
         how = self.guard.authorised(headers, _cookies(headers))
         if how is None:
             raise HTTPError(401, "a token is needed: open /?token=TOKEN once, or send a bearer")
@@ -262,8 +267,13 @@ contains"> <button>search</button></form>
         session = await self.runtime._db.read(_store.session_status, session_id)
         if session is None:
             raise HTTPError(404, f"no session {session_id!r}")
-        messages = await self.runtime.transcript(session_id)
-        rendered = "".join(message_html(message) for message in messages)
+        try:
+            messages = await self.runtime.transcript(session_id)
+            rendered = "".join(message_html(message) for message in messages)
+        except MalformedRecord as exc:  # its quarantine waits for the operator, here too
+            rendered = (
+                f'<p class="malformed">the transcript holds a malformed record: {_e(str(exc))}</p>'
+            )
         inputs = await self.runtime._db.read(_store.pending_inputs, session_id, PAGE_SIZE)
         events = f"/sessions/{_q(session_id)}/events"
         body = f"""
@@ -313,11 +323,15 @@ contains"> <button>search</button></form>
             copies: dict[int, tuple[str, Any]] = {}
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
-                async for event in stream:
-                    for update in apply_event(copies, event):
-                        chunk = f"data: {json.dumps(update)}\n\n".encode()
-                        body = {"type": "http.response.body", "body": chunk, "more_body": True}
-                        await send(body)
+                try:
+                    async for event in stream:
+                        for update in apply_event(copies, event):
+                            await _send_chunk(send, f"data: {json.dumps(update)}\n\n")
+                except MalformedRecord as exc:
+                    # A comment (the page ignores it), then nothing until the client leaves:
+                    # an ended stream would have the browser reconnect into the same row.
+                    await _send_chunk(send, f": malformed record: {_one_line(str(exc))}\n\n")
+                    await trio.sleep_forever()
 
     # -- actions ----------------------------------------------------------------------------
 
@@ -338,9 +352,8 @@ contains"> <button>search</button></form>
                 return "/"
             case ["inputs", input_id, "cancel"]:
                 await self.runtime.cancel_input(input_id)
-                back = form.get("back", "/")
                 # Only a page of this console, never another site (an open redirect).
-                return back if back.startswith("/") and not back.startswith("//") else "/"
+                return _own_page(form.get("back", "/"))
             case ["quarantine", execution_id, ("resume" | "drop") as what]:
                 owner = make_owner_id("console")
                 if what == "resume":
@@ -354,9 +367,35 @@ contains"> <button>search</button></form>
 
 
 def _segments(scope: Scope) -> list[str]:
-    # The raw path, so a session id holding "/" (percent-encoded) stays one segment.
+    # The raw path, so a session id holding "/" (percent-encoded) stays one segment; bytes
+    # that are not UTF-8 are a ValueError (400), never a replacement character's id.
     raw = bytes(scope.get("raw_path") or scope["path"].encode()).decode("latin-1")
-    return [urllib.parse.unquote(part) for part in raw.split("?")[0].split("/") if part]
+    parts = raw.split("?")[0].split("/")
+    return [urllib.parse.unquote(part, errors="strict") for part in parts if part]
+
+
+def _host_name(host: str) -> str:
+    """The name in a Host header, without its port (an IPv6 address without brackets)."""
+    if host.startswith("["):
+        return host[1:].partition("]")[0]
+    return host.rpartition(":")[0] if host.count(":") == 1 else host
+
+
+# A page of this console: a path of URL characters only, never another site's (`//host`,
+# `/\host`: browsers read both as one) and never a header's line break.
+_OWN_PAGE = re.compile(r"/(?![/\\])[A-Za-z0-9._~%/?=&+-]*")
+
+
+def _own_page(back: str) -> str:
+    return back if _OWN_PAGE.fullmatch(back) else "/"
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+async def _send_chunk(send: Send, text: str) -> None:
+    await send({"type": "http.response.body", "body": text.encode(), "more_body": True})
 
 
 def _headers(scope: Scope) -> dict[str, str]:
