@@ -67,7 +67,8 @@ def _data_html(seq: int, role: str, data: Any) -> str:
 
 def apply_event(copies: dict[int, tuple[str, Any]], event: StreamEvent) -> list[dict[str, Any]]:
     """Apply one stream event (DESIGN §5.2) to the console's copies of the messages; the
-    updates for the page: a message's new HTML, or the seqs to drop."""
+    updates for the page: the text an append adds to the message's last text part (its
+    size is the append's, not the message's), a message's new HTML, or the seqs to drop."""
     seq, kind, value = event.seq, event.kind, event.to_json()["data"]  # a copy, as JSON
     if kind == "truncate":
         for held in [held for held in copies if held > seq]:
@@ -81,8 +82,8 @@ def apply_event(copies: dict[int, tuple[str, Any]], event: StreamEvent) -> list[
         if kind == "append":
             if parts and parts[-1]["type"] == "text":
                 parts[-1]["text"] += value
-            else:
-                parts.append({"type": "text", "text": value})
+                return [{"seq": seq, "append": value}]
+            parts.append({"type": "text", "text": value})
         elif kind == "part":
             same = [i for i, part in enumerate(parts) if part.get("call_id") == value["call_id"]]
             if same:
@@ -104,6 +105,12 @@ source.onmessage = (event) => {
     for (const node of box.querySelectorAll("[data-seq]")) {
       if (Number(node.dataset.seq) > update.drop_after) { node.remove(); }
     }
+    return;
+  }
+  if ("append" in update) {
+    const last = box.querySelector(`[data-seq="${update.seq}"] > span:last-of-type`);
+    if (last && last.classList.contains("text")) { last.textContent += update.append; }
+    else { location.reload(); }  // never expected: the page and the stream disagree
     return;
   }
   const holder = document.createElement("div");
