@@ -50,16 +50,23 @@ def csrf_of(page: str) -> str:
     return match.group(1)
 
 
-def public_bind(store: Path) -> list[str]:
-    return ["--store", str(store), "--bind", "0.0.0.0:0"]
-
-
-def test_a_public_bind_without_a_token_is_refused(tmp_path: Path) -> None:
-    """On a non-loopback address the console refuses to start without a token (exit 2),
-    before opening the store."""
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--bind", "0.0.0.0:0"], "without a token"),
+        (["--log-level", "x"], "log-level"),
+    ],
+    ids=["public-bind-without-token", "bad-log-level"],
+)
+def test_a_setting_to_change_exits_2_before_opening_the_store(
+    tmp_path: Path, options: list[str], message: str
+) -> None:
+    """On a non-loopback address the console refuses to start without a token; an unknown
+    --log-level is a usage error too (it was a ValueError's traceback, exit 1). Exit 2 with
+    a message, before the store is opened."""
     store = tmp_path / "db"
     completed = subprocess.run(
-        [sys.executable, "-m", "trio_sessions", "console", *public_bind(store)],
+        [sys.executable, "-m", "trio_sessions", "console", "--store", str(store), *options],
         capture_output=True,
         text=True,
         env=environment(),
@@ -67,25 +74,7 @@ def test_a_public_bind_without_a_token_is_refused(tmp_path: Path) -> None:
         check=False,
     )
     assert completed.returncode == 2, completed.stderr
-    assert "without a token" in completed.stderr
-    assert not store.exists()
-
-
-def test_a_bad_log_level_is_a_usage_error(tmp_path: Path) -> None:
-    """An unknown --log-level ("x") exits 2 with a message (it was a ValueError's traceback,
-    exit 1), before opening the store."""
-    store = tmp_path / "db"
-    command = [sys.executable, "-m", "trio_sessions", "console", "--store", str(store)]
-    completed = subprocess.run(
-        [*command, "--log-level", "x"],
-        capture_output=True,
-        text=True,
-        env=environment(),
-        timeout=DEADLINE,
-        check=False,
-    )
-    assert completed.returncode == 2, completed.stderr
-    assert "log-level" in completed.stderr and "Traceback" not in completed.stderr
+    assert message in completed.stderr and "Traceback" not in completed.stderr
     assert not store.exists()
 
 
