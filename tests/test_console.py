@@ -274,6 +274,8 @@ def test_a_loopback_console_refuses_hostile_requests_without_acting(tmp_path: Pa
         rebound = client.get("/", headers={"host": f"attacker.example:{port}"})
         assert rebound.status_code == 403
         assert "csrf" not in rebound.text
+        for loopback in (f"localhost:{port}", f"LOCALHOST.:{port}", f"[::1]:{port}"):
+            assert client.get("/", headers={"host": loopback}).status_code == 200, loopback
         page = client.get("/")
         assert page.status_code == 200
         csrf = csrf_of(page.text)

@@ -19,7 +19,7 @@ import pytest
 import trio
 
 import trio_sessions
-from trio_sessions import _cli, _observe, _worker
+from trio_sessions import _cli, _naming, _observe, _worker
 from trio_sessions._postgres import PostgresStore
 
 # Two parts, so that a password split by a parser (at '/', '@' or ':') is caught too.
@@ -335,3 +335,39 @@ def test_sqlite_paths_are_shown_as_given(tmp_path: Path) -> None:
     """Masking leaves a path alone, also one holding ':' or '@'."""
     path = str(tmp_path / "user:name@host" / "sessions.db")
     assert _worker.redact(path) == path
+
+
+def test_a_password_libpq_cannot_parse_is_not_shown_in_its_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """An unencoded '&' in a query's password, or a quote doubled SQL-style in a key=value
+    password: libpq cannot parse the name and its error quotes the piece it stopped at -
+    the rest of the password. Neither the CLI's error (the name and the driver's text) nor
+    the store's error shows a piece of it."""
+    ampersand = f"postgresql://app@127.0.0.1:1/app?password={PARTS[0]}&{PARTS[1]}"
+    assert _cli.main(["status", ampersand]) == 1
+    assert leaked(capsys.readouterr().err) == []
+    doubled = f"host=127.0.0.1 port=1 user=app password='{PARTS[0]}''{PARTS[1]}'"
+    for name in (ampersand, doubled):
+
+        async def open_it(name: str = name) -> None:
+            async with trio_sessions.open_runtime(PostgresStore(name), None):
+                pytest.fail("opened")  # pragma: no cover
+
+        with pytest.raises(trio_sessions.StoreError) as raised:
+            trio.run(open_it)
+        assert leaked("".join(traceback.format_exception(raised.value))) == []
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "connection to postgresql://127.0.0.1:5432 failed; mail admin@example.com",
+        "http://[::1]:8080 then user@host",
+        "connection to postgresql://app@127.0.0.1:5432/db failed",
+    ],
+)
+def test_text_without_a_password_is_shown_as_it_is(text: str) -> None:
+    """Masking hides passwords, not a host and port followed later on the line by an
+    unrelated '@'."""
+    assert _naming.mask_password(text) == text

@@ -132,9 +132,11 @@ class Console:
         if segments == [] and "token" in query and method == "GET":
             await self.log_in(query["token"], send)
             return
-        if self.guard.token is None and not is_loopback(_host_name(headers.get("host", ""))):
+        host = headers.get("host")
+        if self.guard.token is None and host is not None and not is_loopback(_host_name(host)):
             # Only a loopback name: a web page that rebinds its own name to 127.0.0.1 must
-            # not read or act through a console that asks for no token.
+            # not read or act through a console that asks for no token. (A browser always
+            # sends the name; a request without one is no browser's.)
             raise HTTPError(403, "without a token this console answers only to a loopback host")
         how = self.guard.authorised(headers, _cookies(headers))
         if how is None:
@@ -375,10 +377,12 @@ def _segments(scope: Scope) -> list[str]:
 
 
 def _host_name(host: str) -> str:
-    """The name in a Host header, without its port (an IPv6 address without brackets)."""
+    """The name in a Host header, without its port (an IPv6 address without brackets), in
+    lower case and without a trailing dot."""
     if host.startswith("["):
         return host[1:].partition("]")[0]
-    return host.rpartition(":")[0] if host.count(":") == 1 else host
+    name = host.rpartition(":")[0] if host.count(":") == 1 else host
+    return name.lower().rstrip(".")
 
 
 # A page of this console: a path of URL characters only, never another site's (`//host`,

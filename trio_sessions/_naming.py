@@ -59,8 +59,8 @@ def store_kind(store: str | os.PathLike[str]) -> Literal["sqlite", "postgres"]:
             f"store {display_name(name)!r} is a {scheme}:// URL; a store is {ACCEPTED_FORMS}"
         )
     if _DSN.match(name):
-        raise ValueError(
-            f"store {display_name(name)!r} looks like a libpq connection string (key=value);"
+        raise ValueError(  # not shown: where a malformed one's password ends is unknown
+            "store looks like a libpq connection string (key=value);"
             f" a store is {ACCEPTED_FORMS} - write a file whose name starts with 'word='"
             " as './word=...'"
         )
@@ -123,9 +123,14 @@ def secrets_of(name: str) -> tuple[str, ...]:
         if userinfo is not None and ":" in userinfo:
             found.append(userinfo.split(":", 1)[1])
         query = rest.split("?", 1)[1] if "?" in rest else ""
+        in_password = False
         for pair in query.split("&"):
-            key, _, value = pair.partition("=")
-            if urllib.parse.unquote(key).strip().lower() == "password":
+            key, equals, value = pair.partition("=")
+            if not equals and in_password:  # an unencoded '&' in the password: all of it
+                found += [pair, f"{found[-1]}&{pair}"]
+                continue
+            in_password = urllib.parse.unquote(key).strip().lower() == "password"
+            if in_password:
                 found.append(value)
     for parameter in _PARAMETER.finditer(name):
         if _is_password(parameter.group(1)):
@@ -133,19 +138,22 @@ def secrets_of(name: str) -> tuple[str, ...]:
     return tuple(value for value in found if value)
 
 
-# A URL inside free text ends at whitespace or a quote (drivers quote what they echo).
-_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"]*")
+# A URL inside free text ends at whitespace or a quote (drivers quote what they echo); its
+# scheme starts where no scheme character precedes it (so a long run of letters is read
+# once, not from each of its letters).
+_SCHEME = r"(?<![A-Za-z0-9+.-])[A-Za-z][A-Za-z0-9+.-]*://"
+_URL_IN_TEXT = re.compile(_SCHEME + r"[^\s'\"]*")
 # A URL's `user:password@` inside free text, whatever the password holds but a '/' (one
-# would have to be percent-encoded: `check_postgres_name`) or a line break - also the
-# quotes and spaces that end a URL in `_URL_IN_TEXT`. Group 1 is what is kept.
-_USERINFO_IN_TEXT = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^\s/@:'\"]*:)[^/\n]*?@")
+# would have to be percent-encoded: `check_postgres_name`) or whitespace - also the
+# quotes that end a URL in `_URL_IN_TEXT`. Group 1 is what is kept.
+_USERINFO_IN_TEXT = re.compile("(" + _SCHEME + r"[^\s/@:'\"]*:)[^/\s]*?@")
 # `key=value` as a libpq pair (`password = 'it''s'`, backslash escapes) or a URL query
 # parameter (up to the next `&` or space; a quote does not end it); the key may be
 # percent-encoded (libpq decodes it). Group 1 is everything before the value, group 2 the
 # value; `_is_password` says whether the key is a password's.
 _PARAMETER = re.compile(
     r"((?<![A-Za-z0-9_%])(?:[A-Za-z_]|%[0-9A-Fa-f]{2})+\s*=\s*)"
-    r"('(?:\\.|[^'\\])*'?|[^\s&]*)"
+    r"('(?:\\.|''|[^'\\])*'?|[^\s&]*)"
 )
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -107,6 +108,12 @@ def connect(
     `server`/`client` override server settings and libpq's keepalive parameters."""
     try:
         given = psycopg.conninfo.conninfo_to_dict(url)
+    except psycopg.Error as exc:
+        # libpq quotes the piece it could not parse, which may be the rest of a password
+        # (an unencoded '&' or a quote in it): the quoted pieces are not shown.
+        message = re.sub(r'"[^"]*"', '"..."', f"{type(exc).__name__}: {exc}")
+        raise StoreError(mask_password(message, secrets=secrets_of(url))) from None
+    try:
         options = " ".join(
             filter(None, [str(given.get("options") or ""), _server_options(schema, server)])
         )
