@@ -334,7 +334,7 @@ def test_opentelemetry_spans_hide_the_password(form: str) -> None:
 def test_sqlite_paths_are_shown_as_given(tmp_path: Path) -> None:
     """Masking leaves a path alone, also one holding ':' or '@'."""
     path = str(tmp_path / "user:name@host" / "sessions.db")
-    assert _worker.redact(path) == path
+    assert _naming.display_name(path) == path
 
 
 def test_a_password_libpq_cannot_parse_is_not_shown_in_its_error(

@@ -25,7 +25,7 @@ import worker_drain
 from conftest import query
 
 import trio_sessions
-from trio_sessions import _cli, _worker
+from trio_sessions import _cli, _naming, _worker
 from trio_sessions._codec import encode_assistant
 from trio_sessions._model import AssistantData, Message, TextPart, ToolPart
 
@@ -456,8 +456,8 @@ def test_bad_settings_exit_2_with_a_message(
 def test_a_postgres_password_is_not_logged() -> None:
     """The store shown in the log line hides a URL's password."""
     url = "postgresql://app:s3cret@db.example:5432/sessions"
-    assert _worker.redact(url) == "postgresql://app:***@db.example:5432/sessions"
-    assert _worker.redact("/var/lib/app/sessions.db") == "/var/lib/app/sessions.db"
+    assert _naming.display_name(url) == "postgresql://app:***@db.example:5432/sessions"
+    assert _naming.display_name("/var/lib/app/sessions.db") == "/var/lib/app/sessions.db"
 
 
 # ---------------------------------------------------------------------------------------------

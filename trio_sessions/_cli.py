@@ -59,7 +59,7 @@ from ._cli_format import (
     format_status,
 )
 from ._errors import SchemaTooNew, StoreError
-from ._naming import check_schema, mask_password, secrets_of, store_kind
+from ._naming import check_schema, display_name, mask_password, secrets_of, store_kind
 from ._runtime import make_owner_id
 
 EXIT_OK = 0
@@ -83,7 +83,7 @@ def open_database(db: str, schema: str | None) -> Engine:
     engine = _open_for_health(db, schema)
     if engine.dialect == "sqlite":
         return engine  # `migrate=False` already refused a file that is not ours or too new
-    name, expected = _worker.redact(db), _expected_version(db)
+    name, expected = display_name(db), _expected_version(db)
     version = engine.schema_version()
     if version == 0:
         engine.close()
@@ -160,7 +160,7 @@ def read_rejected_inputs(engine: Engine, session_id: str | None) -> list[Any]:
 def check_health(db: str, schema: str | None = None) -> dict[str, Any]:
     """Open `db` as the listings do (never creating or migrating it) and read from it: `ok`
     when it is ours, its schema is the one this library writes, and its tables answer."""
-    name = _worker.redact(db)
+    name = display_name(db)
     health: dict[str, Any] = {
         "ok": False,
         "db": name,
@@ -527,7 +527,7 @@ def _print(text: str) -> None:
 
 
 def _fail(db: str, exc: Exception) -> int:
-    name = _worker.redact(db)
+    name = display_name(db)
     message = str(exc) if name in str(exc) or db in str(exc) else f"{name}: {exc}"
     print(f"error: {_masked(db, message)}", file=sys.stderr)
     return EXIT_FAILED

@@ -40,6 +40,7 @@ from ._console_html import SESSION_SCRIPT, apply_event, html_page, message_html,
 from ._console_html import escape as _e  # short: they stand in f-strings dozens of times
 from ._console_html import quote as _q
 from ._errors import MalformedRecord, StoreError, TrioSessionsError
+from ._naming import display_name
 from ._runtime import Runtime, make_owner_id
 from ._worker import LOG_LEVELS
 
@@ -556,7 +557,7 @@ def add_parser(commands: Any) -> None:
 
 def run(args: Any, environ: Mapping[str, str]) -> int:
     """The `console` command: returns the exit status (2 for a setting to change)."""
-    from ._worker import redact, store_of_url
+    from ._worker import store_of_url
 
     token = args.token if args.token is not None else environ.get(ENV_TOKEN) or None
     try:
@@ -571,7 +572,7 @@ def run(args: Any, environ: Mapping[str, str]) -> int:
     serve = functools.partial(
         serve_console,
         store,
-        store_name=redact(args.store),
+        store_name=display_name(args.store),
         bind=args.bind,
         token=token,
         read_only=args.read_only,

@@ -170,10 +170,10 @@ def settings_from(args: argparse.Namespace, environ: Mapping[str, str]) -> Worke
         max_active=None if max_active is None else _positive_int(max_active, "max-active"),
         owner=owner,
         log_level=log_level,
-        lease=None if args.lease is None else _positive_float(args.lease, "lease"),
+        lease=None if args.lease is None else _seconds(args.lease, "lease"),
         recovery_interval=None
         if args.recovery_interval is None
-        else _positive_float(args.recovery_interval, "recovery-interval"),
+        else _seconds(args.recovery_interval, "recovery-interval"),
         schema=schema,
         metrics_bind=metrics_bind,
     )
@@ -189,7 +189,7 @@ def _positive_int(text: str, what: str) -> int:
     return value
 
 
-def _positive_float(text: str, what: str) -> float:
+def _seconds(text: str, what: str) -> float:
     """A duration as `open_runtime` takes it (`_validate.seconds`)."""
     try:
         value = float(text)
@@ -225,12 +225,6 @@ def load_drain(spec: str) -> Any:
     ):
         raise DrainLoadError(f"{spec!r} must be an async function taking a DrainContext")
     return target
-
-
-def redact(store: str) -> str:
-    """The store for a log line or a message: its password replaced by `***`, whatever
-    its form (`_naming.display_name`)."""
-    return display_name(store)
 
 
 def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> int:
@@ -303,7 +297,7 @@ async def serve(settings: WorkerSettings, drain: Any) -> int:
                         # full collections stop walking it - with 1,000 sessions in flight
                         # they were about 15 % of the CPU per session.
                         gc.freeze()
-                        store = redact(settings.store)
+                        store = display_name(settings.store)
                         logger.info(
                             "worker started: owner %s, store %s",
                             owner,

@@ -273,20 +273,19 @@ class PgTx:
         return [tuple(row[:-1]) for row in rows]
 
     def lock_session(self, session_id: str) -> None:
-        if session_id in self._locked:
-            return
-        # The wait may have been long: the clock is read after it, in the same round trip
-        # (the MATERIALIZED CTE runs first).
-        row = self.one(_LOCK_SESSION_ANY, (session_id,))
-        self._locked.add(session_id)
-        self._now = int(row[0]) if self._clock is None else None
+        if session_id not in self._locked:
+            self._lock(_LOCK_SESSION_ANY, session_id, [session_id])
 
     def lock_sessions(self, session_ids: Collection[str]) -> None:
         missing = sorted(set(session_ids) - self._locked)
-        if not missing:
-            return
-        row = self.one(_LOCK_SESSIONS, (missing,))
-        self._locked.update(missing)
+        if missing:
+            self._lock(_LOCK_SESSIONS, missing, missing)
+
+    def _lock(self, statement: str, argument: Any, session_ids: list[str]) -> None:
+        # The wait may have been long: the clock is read after it, in the same round trip
+        # (the MATERIALIZED CTE runs first).
+        row = self.one(statement, (argument,))
+        self._locked.update(session_ids)
         self._now = int(row[0]) if self._clock is None else None
 
     def lock_claims(self, execution_ids: Sequence[str]) -> None:

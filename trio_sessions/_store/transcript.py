@@ -179,12 +179,13 @@ def update_assistant(
             raise _lease_lost(execution_id)
         if verdict != "ok":
             raise _not_owned(message_id, execution_id)
-        before = _transcript.with_streamed(
-            _codec.decode_assistant(text, key=message_id),
-            _codec.decode_streamed(list(streamed), key=message_id),
+        data, step = _applied(
+            transition,
+            _transcript.with_streamed(
+                _codec.decode_assistant(text, key=message_id),
+                _codec.decode_streamed(list(streamed), key=message_id),
+            ),
         )
-        data = transition(before)
-        step = _transcript.step(before, data)
         [(version,)] = tx.call(
             "ts_write_message",
             execution_id,
@@ -204,9 +205,7 @@ def update_assistant(
     )
     if row is None:
         raise _not_owned(message_id, execution_id)
-    before = _assistant_data(tx, message_id, row[0])
-    data = transition(before)
-    step = _transcript.step(before, data)
+    data, step = _applied(transition, _assistant_data(tx, message_id, row[0]))
     version = _write_assistant(tx, message_id, execution_id, data, step)
     tx.notify(session_id, watchers_only=True)
     return data, version, step
@@ -234,12 +233,10 @@ def _pg_update_known(
     """`ts_update_message` with the transition applied to `known`: (data, version, step)
     when it was written; None (nothing written) when the message moved past
     `known.version` or the transition refuses it - the caller reads the durable message."""
-    before = _transcript.with_streamed(known.data, known.streamed)
     try:
-        data = transition(before)
+        data, step = _applied(transition, _transcript.with_streamed(known.data, known.streamed))
     except (ValueError, TrioSessionsError):
         return None  # a refusal is the stored message's to make (it raises it again)
-    step = _transcript.step(before, data)
     [(verdict, version)] = tx.call(
         "ts_update_message",
         session_id,
@@ -256,6 +253,14 @@ def _pg_update_known(
     if verdict == "not_owned":
         raise _not_owned(message_id, execution_id)
     return None if verdict == "moved" else (data, int(version), step)
+
+
+def _applied(
+    transition: Callable[[AssistantData], AssistantData], before: AssistantData
+) -> tuple[AssistantData, Step | None]:
+    """The message after `transition`, and the stream step that made it from `before`."""
+    after = transition(before)
+    return after, _transcript.step(before, after)
 
 
 def _step_columns(step: Step | None) -> tuple[str | None, str | None]:
