@@ -37,7 +37,8 @@ DEFECTS = {
     "no-session-lock": Defect(
         "fences are read without any session lock (READ COMMITTED alone)",
         "_postgres/transactions.py",
-        "        if session_id in self._locked:\n            return\n",
+        "    def _lock(self, statement: str, argument: Any, session_ids: list[str]) -> None:\n",
+        "    def _lock(self, statement: str, argument: Any, session_ids: list[str]) -> None:\n"
         "        return\n",
     ),
     "unlocked-write-fence": Defect(
