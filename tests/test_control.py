@@ -752,7 +752,7 @@ async def test_upgrade_of_a_version_2_postgres_schema_keeps_pending_inputs_due(
     # recovery's takeover alone in autocommit; 13: an acquire never waits for a busy session;
     # 14: an iteration's end alone in autocommit, its release read back by execution id
     # 15: a batch's submits in one call, many streams' reads set-wise;
-    # 16: a session's lock key of 64 bits
-    assert _postgres.SCHEMA_VERSION == 16
+    # 16: a session's lock key of 64 bits; 17: seeded with its schema
+    assert _postgres.SCHEMA_VERSION == 17
     assert drain.taken == ["old"]
     assert raw.rows("SELECT time_paused FROM session") == [(None,)]

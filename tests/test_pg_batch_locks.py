@@ -15,6 +15,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from conftest import fresh_schema
 from helpers import pg_engine_at as engine_at
 from helpers import pg_raw as raw
 
@@ -146,6 +147,41 @@ def test_sessions_whose_ids_share_a_32_bit_hash_never_block_each_other(
         behind.join(WAIT_S)
         assert held_waited, "the held session's own submit did not wait for its lock"
         assert blocked[0].unwrap() == "i-held"
+
+
+def test_one_session_id_in_two_stores_of_one_database_is_two_locks(
+    pg_url: str, pg_schema: str
+) -> None:
+    """DESIGN §6.14 and §6.27: two stores (schemas) of one database are two stores; their
+    sessions share nothing, however they are named - tenants numbering their chats 1, 2, ...
+    name the same ids. While a transaction in one store holds session `chat-1`'s lock, the
+    other store's submit to its own `chat-1` commits at once and its acquire claims (a
+    doorbell's acquire answered held: the drain waited for the next recovery pass)."""
+    other_schemas = fresh_schema(pg_url)
+    other_schema = next(other_schemas)
+    try:
+        with (
+            engine_at(pg_url, pg_schema, 1.0) as engine,
+            engine_at(pg_url, other_schema, 1.0),
+            raw(pg_url, other_schema) as holder,
+        ):
+            run_op(engine, _store.wake, "chat-1")
+            _hold_session_lock(holder, "chat-1")
+            jobs = [
+                Job(_store.submit, ("chat-1", "{}", "i-1")),
+                Job(_store.acquire, ("chat-1", "e-1", "me", 30_000)),
+            ]
+            runner = threading.Thread(target=engine.run_batch, args=(jobs,))
+            runner.start()
+            runner.join(WAIT_S / 3)
+            waited = runner.is_alive()
+            holder.execute("ROLLBACK")
+            runner.join(WAIT_S)
+            assert not waited, "a submit waited for a lock held in another store"
+            assert jobs[0].unwrap() == "i-1"
+            assert jobs[1].unwrap().verdict is AcquireVerdict.CLAIM
+    finally:
+        next(other_schemas, None)
 
 
 @pytest.mark.parametrize("together", [False, True], ids=["alone", "in-a-batch"])

@@ -173,7 +173,7 @@ SQLITE_OUR_TABLES = frozenset(
 # ---------------------------------------------------------------------------------------------
 # PostgreSQL
 
-POSTGRES_SCHEMA_VERSION = 16
+POSTGRES_SCHEMA_VERSION = 17
 
 # Same names, meanings and named CHECKs as the SQLite schema (`SQLITE_MIGRATIONS`, whose
 # versions 1-3 are PostgreSQL's first: no PostgreSQL store predates them); times
@@ -361,6 +361,9 @@ DROP FUNCTION IF EXISTS ts_write_message(text, text, text, boolean, bigint, bool
 DROP FUNCTION IF EXISTS ts_update_message(text, text, text, text, bigint, text, boolean, bigint,
     boolean);
 """,
+    # The functions again, no table changes: a session's lock key is seeded with its
+    # schema (`ts_lock_key`), where one session id in two stores of a database was one lock.
+    17: "",
 }
 
 
@@ -384,11 +387,11 @@ def _create_functions(conn: Any) -> None:
     """Version 5: the fenced operations as server-side functions (`_store.pg_functions`), in
     the store's schema. A later change to a function is a new version that runs this again
     (CREATE OR REPLACE)."""
-    from ._postgres import SESSION_LOCK_NAMESPACE, channel
+    from ._postgres import channel, session_lock_namespace
     from ._store import pg_functions
 
     schema = conn.execute("SELECT current_schema()").fetchone()[0]
-    conn.execute(pg_functions(channel(schema), SESSION_LOCK_NAMESPACE))
+    conn.execute(pg_functions(channel(schema), session_lock_namespace(schema)))
 
 
 # Python steps that follow a PostgreSQL version's SQL, in the same transaction.
@@ -406,4 +409,5 @@ POSTGRES_BACKFILLS: dict[int, Callable[[Any], None]] = {
     14: _create_functions,
     15: _create_functions,
     16: _create_functions,
+    17: _create_functions,
 }

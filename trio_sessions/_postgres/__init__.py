@@ -28,13 +28,13 @@ from .connections import (
     MIGRATION_LOCK_NAMESPACE,
     SCHEMA_VERSION,
     SERVER_KEEPALIVES,
-    SESSION_LOCK_NAMESPACE,
     STATEMENT_TIMEOUT_MS,
     TCP_USER_TIMEOUT_MS,
     channel,
     connect,
     migrate,
     schema_version,
+    session_lock_namespace,
 )
 from .engine import (
     BATCH_LIMIT,
@@ -75,7 +75,6 @@ __all__ = [
     "RETRYABLE_SQLSTATES",
     "SCHEMA_VERSION",
     "SERVER_KEEPALIVES",
-    "SESSION_LOCK_NAMESPACE",
     "STATEMENT_TIMEOUT_MS",
     "TCP_USER_TIMEOUT_MS",
     "TOKEN_CLIENT_KEEPALIVES",
@@ -97,6 +96,7 @@ __all__ = [
     "open_thread_executor",
     "run_op",
     "schema_version",
+    "session_lock_namespace",
     "token_connection",
     "translate",
 ]

@@ -40,11 +40,11 @@ _MIGRATIONS = _schema.POSTGRES_MIGRATIONS  # in `_schema`, beside SQLite's
 _BACKFILLS = _schema.POSTGRES_BACKFILLS
 
 # Advisory locks. A session's is a single-bigint key, 64 bits of a hash of its id seeded
-# with SESSION_LOCK_NAMESPACE (`ts_lock_key`): an application's own bigint advisory locks
-# share that key space, and one of theirs matches one of ours with a chance of about 2^-64
-# per pair. The migration lock is two-key - this namespace, then a hash of the schema - so
+# with its schema's `session_lock_namespace` (`ts_lock_key`): the same session id in two
+# stores of one database is two locks. An application's own bigint advisory locks share
+# that key space, and one of theirs matches one of ours with a chance of about 2^-64 per
+# pair. The migration lock is two-key - this namespace, then a hash of the schema - so
 # stores in different schemas migrate in parallel.
-SESSION_LOCK_NAMESPACE = 0x74735331  # "tsS1"
 MIGRATION_LOCK_NAMESPACE = 0x74734D31  # "tsM1"
 
 # Per-connection server settings. A few seconds for statements and lock waits: our
@@ -95,6 +95,13 @@ def channel(schema: str) -> str:
     if len(name.encode()) > 63:  # NAMEDATALEN: longer names are truncated by the server
         name = f"trio_sessions.{hashlib.sha1(schema.encode()).hexdigest()}"
     return name
+
+
+def session_lock_namespace(schema: str) -> int:
+    """The seed of a schema's session lock keys (a signed bigint, as `hashtextextended`
+    takes it), computed here and written into its functions: every process agrees."""
+    digest = hashlib.sha256(f"trio_sessions.session:{schema}".encode()).digest()
+    return int.from_bytes(digest[:8], "big", signed=True)
 
 
 def connect(
