@@ -376,14 +376,18 @@ def _token_files(database: Path) -> list[str] | None:
 
 
 @pytest.mark.slow
-async def test_the_grace_covers_a_drain_still_exiting_after_its_token_was_lost(
-    pg_url: str, pg_schema: str
+@pytest.mark.parametrize(
+    ("exit_s", "grace_s"), [(0.3, 1.0), (1.5, 0.3)], ids=["within-the-grace", "past-the-grace"]
+)
+async def test_a_drain_still_exiting_after_its_token_was_lost_keeps_its_claim(
+    pg_url: str, pg_schema: str, exit_s: float, grace_s: float
 ) -> None:
-    """PostgreSQL: an owner's token connection is killed while its drain needs 0.3 s to exit
-    (a blocking call in a thread). Another runtime sees the token free at once, but takes
-    nothing over within the grace; the owner hands the claim back once its drain exited and
-    the session resumes after that - the two drains never overlap (without the grace they
-    would)."""
+    """PostgreSQL, DESIGN §6.21: an owner's token connection is killed while its drain needs
+    `exit_s` to exit (a blocking call in a thread). Another runtime may see the token free
+    for a moment, but takes nothing over: the owner takes its token again at once, and
+    hands the claim back once its drain exited - also when that takes longer than the
+    grace (then the token was free for good until the drain exited: the two drains
+    overlapped)."""
     location = PgLocation(pg_url, pg_schema)
     spans: dict[str, list[float]] = {}
     entered = trio.Event()
@@ -401,11 +405,11 @@ async def test_the_grace_covers_a_drain_still_exiting_after_its_token_was_lost(
             await trio.sleep_forever()
         finally:
             with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(time.sleep, 0.3)
+                await trio.to_thread.run_sync(time.sleep, exit_s)
             spans[ctx.execution_id][1] = time.monotonic()
 
     store = threaded_store(location)
-    options: dict[str, Any] = {"takeover_grace": 1.0}
+    options: dict[str, Any] = {"takeover_grace": grace_s, "recovery_interval": 0.25}
     async with (
         trio_sessions.open_runtime(store, drain, **options) as owner,
         trio_sessions.open_runtime(store, drain, **options),

@@ -29,7 +29,8 @@ by whoever finds the token free and the owner without live claims.
 Invariants: a token is taken before the runtime's first claim and released after its last
 drain exited; a probe never reports a held token as free (a hash collision between two owners
 only ever makes a free one look held: the lease then decides); an owner that lost its token
-takes it again only through `retake`, after the runtime stopped the drains of the old one.
+takes it again only through `retake`, at once, after the runtime told the drains of the old
+one to stop: they write nothing more, and their claims look held until they exited.
 """
 
 from __future__ import annotations

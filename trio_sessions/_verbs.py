@@ -565,9 +565,12 @@ class Runtime:
 
     async def _keep_token(self, token: Token) -> None:
         """On the loss of our liveness token (its connection broke), stop every drain at
-        once, writing nothing for them; hand their claims back once they exited and the
-        store answers; then take the token again. Others may take the claims over after
-        the grace meanwhile: no drain of ours may still run by then."""
+        once, writing nothing for them, and take the token again at once, beside their
+        exits: while a drain of ours still runs, its claim must look held to the others,
+        who take it over once the token stayed free for the grace - a drain may take longer
+        than that to exit (§6.21). Each claim is handed back once its drain exited and the
+        store answers. A claim taken over all the same (the token could not be taken again
+        within the grace: a partition) had its drain stopped at once."""
         while True:
             await token.wait_lost()
             self._token_lost = True
@@ -575,11 +578,12 @@ class Runtime:
             for entry in self._busy.owned_entries():
                 self._lost_claims[entry.execution_id] = entry
                 entry.lose_lease()
-            await self._busy.hand_back_lost_claims()
-            await token.retake()
-            self._token_lost = False
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._busy.hand_back_lost_claims)
+                await token.retake()
+                self._token_lost = False  # new claims are ours again
+                _observe.token_retaken(self._owner_id)
             await self._busy.hand_back_lost_claims()  # any claimed while the token was retaken
-            _observe.token_retaken(self._owner_id)
             with contextlib.suppress(StoreError):  # else the next pass takes them
                 await self.recover_once()  # resume the claims handed back, here or anywhere
 
