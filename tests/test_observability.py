@@ -180,6 +180,34 @@ async def test_claim_lost_by_heartbeat_and_by_write_each_log_once(
     assert (record.session_id, record.cause) == ("writes", "write")
 
 
+async def test_a_claim_taken_over_while_its_owner_lives_is_logged_lost_once(
+    tmp_path: Path, clock: Clock, logs: pytest.LogCaptureFixture
+) -> None:
+    """An owner that learns from the store's changes that its claim is gone (taken over
+    after its lease ran out, here by another runtime's recovery) logs `claim lost` with
+    cause `gone` once, before its heartbeat could: the operator sees why the drain stopped.
+    On the threaded store in real time (the other runtime's commit reaches the owner
+    through the file's change signal), with the lease's expiry jumped."""
+    jumping = JumpingClock(clock)
+    drain = Recorder()
+    drain.hold()
+    database = tmp_path / "sessions.db"
+    async with (
+        runtime(Store(database), drain, jumping, lease=9.0) as owner,
+        runtime(Store(database), Recorder(), jumping, lease=9.0) as other,
+    ):
+        await owner.wake("s")
+        await drain.entered.wait()
+        jumping.offset += 60.0
+        assert (await other.recover_once()).resumed == 1
+        with trio.fail_after(1):  # well within the heartbeat's 3 s
+            await owner.wait_idle("s")
+    [record] = records(logs, events.CLAIM_LOST)
+    assert record.levelno == logging.WARNING
+    assert (record.session_id, record.cause, record.owner_id) == ("s", "gone", owner.owner_id)
+    assert record.execution_id == drain.calls[0].execution_id
+
+
 async def test_self_fence_and_failed_heartbeats_are_logged(
     tmp_path: Path, clock: Clock, autojump_clock: MockClock, logs: pytest.LogCaptureFixture
 ) -> None:
@@ -215,8 +243,8 @@ async def test_recovery_events_and_shutdown_hand_back(
     tmp_path: Path, clock: Clock, autojump_clock: MockClock, logs: pytest.LogCaptureFixture
 ) -> None:
     """Takeover (INFO), quarantine (WARNING, with why), an exhausted resume budget
-    (WARNING), the pass summary (DEBUG, with the report's counts), the operator's lift and
-    drop, and the shutdown hand-back are each logged."""
+    (WARNING), the pass summary (INFO when it found work, else DEBUG, with the report's
+    counts), the operator's lift and drop, and the shutdown hand-back are each logged."""
     raw = Raw(tmp_path / "sessions.db")
     drain = Recorder()
     drain.hold()
@@ -229,6 +257,7 @@ async def test_recovery_events_and_shutdown_hand_back(
         report = await rt.recover_once()
         assert report == RecoveryReport(examined=3, resumed=1, quarantined=1, exhausted=1)
         await drain.entered.wait()
+        assert await rt.recover_once() == RecoveryReport()
         with pytest.raises(MalformedRecord):
             await rt.release_quarantine("poison-exec", resume=True)  # still malformed
         await rt.release_quarantine("poison-exec", resume=False)
@@ -252,8 +281,10 @@ async def test_recovery_events_and_shutdown_hand_back(
         "tired",
         "tired-exec",
     )
-    [summary] = records(logs, events.RECOVERY_PASS)
-    assert summary.levelno == logging.DEBUG
+    [summary, idle] = records(logs, events.RECOVERY_PASS)
+    assert summary.levelno == logging.INFO  # it found work: an operator sees it
+    assert idle.levelno == logging.DEBUG  # nothing to do: no line at the usual level
+    assert idle.getMessage() == "recovery pass: examined 0, resumed 0, quarantined 0"
     assert summary.getMessage() == "recovery pass: examined 3, resumed 1, quarantined 1"
     counts = ("examined", "resumed", "quarantined", "exhausted", "skipped_live")
     assert [getattr(summary, key) for key in counts] == [3, 1, 1, 1, 0]

@@ -93,8 +93,10 @@ class BackgroundLoops:
             if entry.owned and entry.execution_id in cancelling and entry.interrupt("user"):
                 runtime._remote_signals += 1
             elif entry.owned and not entry.deciding and entry.execution_id in gone:
-                # Deleted by another process (`delete_session`): nothing is left to write.
-                # (A transaction of our own that may delete it sets `deciding` first.)
+                # Taken over after its lease ran out, or deleted by another process
+                # (`delete_session`): nothing is left to write. (A transaction of our own
+                # that may delete it sets `deciding` first.)
+                _observe.claim_lost(entry, runtime._owner_id, cause="gone")
                 entry.lose_lease()
                 runtime._remote_signals += 1
         runtime._due.arm(changes.next_due_ms)

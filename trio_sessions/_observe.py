@@ -129,7 +129,8 @@ def claim_lost(entry: SessionEntry, owner_id: str, *, cause: str) -> None:
     """WARNING: the store no longer holds this claim for us (expired, or taken over); its
     drain is stopped and nothing more is written for it. extra: session_id, execution_id,
     owner_id, attempt, resumed, cause (`heartbeat`: a renewal matched nothing; `write`: a
-    fenced write did)."""
+    fenced write did; `gone`: the store's changes show its row gone - taken over, or its
+    session deleted by another process)."""
     logger.warning(
         CLAIM_LOST,
         entry.session_id,
@@ -257,11 +258,14 @@ class RecoveryPass:
     span: Span | None
 
     def done(self, report: RecoveryReport) -> None:
-        """DEBUG, every pass: RECOVERY_PASS. extra: owner_id and each `RecoveryReport` count
-        (examined, resumed, finished_cancelled, dropped_superseded, quarantined, exhausted,
-        skipped_live, fence_lost, doorbells_started, finished_paused)."""
+        """Every pass: RECOVERY_PASS, INFO when it found work (any count above 0), else
+        DEBUG - an idle pass every few seconds is no news. extra: owner_id and each
+        `RecoveryReport` count (examined, resumed, finished_cancelled, dropped_superseded,
+        quarantined, exhausted, skipped_live, fence_lost, doorbells_started,
+        finished_paused)."""
         counts = attrs.asdict(report)
-        logger.debug(
+        logger.log(
+            logging.INFO if any(counts.values()) else logging.DEBUG,
             RECOVERY_PASS,
             report.examined,
             report.resumed,
