@@ -165,5 +165,7 @@ class RuntimeStatistics:
     tasks: int
     heartbeat_transactions: int
     recovery: RecoveryReport
+    # Wakes and interrupts picked up from the store's changes: other processes', and with
+    # `max_active` this runtime's own wakes that waited for room.
     remote_signals: int
     store: StoreStatistics
