@@ -30,6 +30,12 @@ Clock = Callable[[], float]
 NUL = "a\x00b"
 MAX = _codec.MAX_PAYLOAD_BYTES
 NUL_REFUSED = "holds a NUL character"
+# A lone surrogate is a Python str but no Unicode text: UTF-8 (both backends' text) has no
+# encoding for it. A character each backend refuses, and what the refusal says.
+UNSTORABLE = {
+    "nul": ("\x00", NUL_REFUSED),
+    "lone-surrogate": ("\ud800", "holds a lone surrogate"),
+}
 
 
 def producer(store: Any, clock: Clock) -> Any:
@@ -53,20 +59,41 @@ async def test_nul_in_a_submit_is_refused_before_any_write(
     assert query(db_path, "SELECT COUNT(*) FROM session") == [(0,)]
 
 
+async def test_a_lone_surrogate_in_a_payload_is_refused_before_any_write(
+    store: Any, db_path: Any, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """A payload string or key that is no Unicode text (a lone surrogate) is a ValueError
+    naming where it is, and nothing is stored - not an input that fails the drain that
+    echoes it, at its first write."""
+    async with producer(store, clock) as rt:
+        for payload in ({"t": "a\ud800b"}, {"\udfff": 1}, {"t": [{"deep": ["x", "\ud83d"]}]}):
+            with pytest.raises(ValueError, match=r"payload holds a lone surrogate \(\\ud.*\$"):
+                await rt.submit("s", payload)
+    assert query(db_path, "SELECT COUNT(*) FROM session_input") == [(0,)]
+    assert query(db_path, "SELECT COUNT(*) FROM session") == [(0,)]
+
+
 Attempt = Callable[[trio_sessions.AssistantWriter], Awaitable[None]]
 
-BEFORE_START: dict[str, Attempt] = {
-    "append_text": lambda w: w.append_text(NUL),
-    "start_tool call_id": lambda w: w.start_tool("c\x00", "search", {}),
-    "start_tool name": lambda w: w.start_tool("c1", "se\x00arch", {}),
-    "start_tool input": lambda w: w.start_tool("c1", "search", {"q": NUL}),
-    "start_tool input key": lambda w: w.start_tool("c1", "search", {NUL: "q"}),
-}
-AFTER_START: dict[str, Attempt] = {
-    "settle_tool output": lambda w: w.settle_tool("c1", {"r": NUL}),
-    "settle_tool output text": lambda w: w.settle_tool("c1", NUL),
-    "fail_tool error": lambda w: w.fail_tool("c1", NUL),
-}
+
+def before_start(bad: str) -> dict[str, Attempt]:
+    text = f"a{bad}b"
+    return {
+        "append_text": lambda w: w.append_text(text),
+        "start_tool call_id": lambda w: w.start_tool(f"c{bad}", "search", {}),
+        "start_tool name": lambda w: w.start_tool("c1", f"se{bad}arch", {}),
+        "start_tool input": lambda w: w.start_tool("c1", "search", {"q": text}),
+        "start_tool input key": lambda w: w.start_tool("c1", "search", {text: "q"}),
+    }
+
+
+def after_start(bad: str) -> dict[str, Attempt]:
+    text = f"a{bad}b"
+    return {
+        "settle_tool output": lambda w: w.settle_tool("c1", {"r": text}),
+        "settle_tool output text": lambda w: w.settle_tool("c1", text),
+        "fail_tool error": lambda w: w.fail_tool("c1", text),
+    }
 
 
 async def attempt_each(
@@ -79,11 +106,15 @@ async def attempt_each(
             errors[what] = str(exc)
 
 
-async def test_nul_in_assistant_writes_is_refused_on_both_backends(
-    store: Any, clock: Clock, autojump_clock: MockClock
+@pytest.mark.parametrize("unstorable", UNSTORABLE, ids=list(UNSTORABLE))
+async def test_unstorable_text_in_assistant_writes_is_refused_on_both_backends(
+    store: Any, clock: Clock, autojump_clock: MockClock, unstorable: str
 ) -> None:
     """append_text, start_tool (call id, name, input), settle_tool and fail_tool refuse a
-    NUL with a ValueError before writing: the drain goes on and its message is intact."""
+    NUL or a lone surrogate with a ValueError saying so, before writing: the drain goes on
+    and its message is intact."""
+    bad, refused = UNSTORABLE[unstorable]
+    BEFORE_START, AFTER_START = before_start(bad), after_start(bad)
     errors: dict[str, str] = {}
 
     async def drain(ctx: DrainContext) -> None:
@@ -103,7 +134,7 @@ async def test_nul_in_assistant_writes_is_refused_on_both_backends(
         messages = await rt.transcript("s")
     assert outcome.kind == "succeeded", outcome
     assert sorted(errors) == sorted([*BEFORE_START, *AFTER_START])
-    assert all(NUL_REFUSED in error for error in errors.values()), errors
+    assert all(refused in error for error in errors.values()), errors
     assert messages[-1].data == AssistantData(
         parts=(
             TextPart("ok "),

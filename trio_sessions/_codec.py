@@ -7,9 +7,9 @@ ExceptionGroup and no bare json error ever leaves this module.
 
 It also validates what callers hand over before anything is written (`check_json`,
 `check_json_object`, `check_text`): plain JSON that reads back as itself, no NUL character
-(one backend cannot store it, so none does: DESIGN §8), at most `MAX_PAYLOAD_BYTES` (1 MiB)
-per value; `is_small` tells a caller on the event loop whether the check is cheap enough to
-run there (§6.26).
+(one backend cannot store it, so none does: DESIGN §8), no lone surrogate (no UTF-8 for
+it), at most `MAX_PAYLOAD_BYTES` (1 MiB) per value; `is_small` tells a caller on the event
+loop whether the check is cheap enough to run there (§6.26).
 """
 
 from __future__ import annotations
@@ -164,6 +164,8 @@ def check_text(value: Any, what: str, *, limit: int = MAX_PAYLOAD_BYTES) -> str:
             _too_large(what, size, limit, "in UTF-8")
     if NUL in value:
         _nul(what, f"index {value.index(NUL)}")
+    if (index := _lone_surrogate(value)) is not None:
+        _surrogate(what, value[index], f"index {index}")
     return value
 
 
@@ -261,6 +263,32 @@ def _nul(what: str, where: str) -> NoReturn:
     )
 
 
+def _lone_surrogate(text: str) -> int | None:
+    """Where `text` holds a lone surrogate (a str, but no Unicode text), if it does."""
+    if text.isascii():
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return exc.start
+    return None
+
+
+def _surrogate(what: str, char: str, where: str) -> NoReturn:
+    raise ValueError(
+        f"{what} holds a lone surrogate (\\u{ord(char):04x}) at {where}: it is no Unicode"
+        " text, and UTF-8 - what every backend stores - has no encoding for it"
+    )
+
+
+def _check_string(text: str, what: str, path: _Path) -> None:
+    """A string or key of a JSON value: no NUL, no lone surrogate."""
+    if NUL in text:
+        _nul(what, _format_path(path))
+    if (index := _lone_surrogate(text)) is not None:
+        _surrogate(what, text[index], _format_path(path))
+
+
 # Where a problem is, as a chain of (parent, key or index) built as the check descends and
 # formatted only for an error message ("$.a[3]").
 _Path = tuple[Any, str | int] | None
@@ -286,6 +314,8 @@ def _check_plain(value: Any, what: str, path: _Path, depth: int, bound: _Bound) 
             bound.add(len(key) + 2, what)
             if NUL in key:
                 _nul(what, f"a key of {_format_path(path)}")
+            if (index := _lone_surrogate(key)) is not None:
+                _surrogate(what, key[index], f"a key of {_format_path(path)}")
             _check_plain(item, what, (path, key), depth + 1, bound)
     elif kind is list or isinstance(value, list | tuple):
         bound.add(2 + max(0, len(value) - 1), what)  # brackets and commas
@@ -300,8 +330,7 @@ def _check_plain(value: Any, what: str, path: _Path, depth: int, bound: _Bound) 
                 if pending > _BATCH:
                     bound.add(pending, what)  # a string too large to store is not scanned
                     pending = 0
-                if NUL in item:
-                    _nul(what, _format_path((path, index)))
+                _check_string(item, what, (path, index))
             elif item_kind is float and math.isfinite(item):
                 pending += 1
             else:
@@ -312,8 +341,7 @@ def _check_plain(value: Any, what: str, path: _Path, depth: int, bound: _Bound) 
         bound.add(pending, what)
     elif isinstance(value, str):
         bound.add(len(value) + 2, what)  # the size first: a string too large is not scanned
-        if NUL in value:
-            _nul(what, _format_path(path))
+        _check_string(value, what, path)
     elif isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"{what} holds a non-finite number at {_format_path(path)}: {value!r}")
     else:
