@@ -110,6 +110,16 @@ BAD_CALLS: list[Any] = [
         lambda rt: rt.submit("existing", {}, delay=1e16), ValueError, id="delay-past-1e9-s"
     ),
     pytest.param(lambda rt: rt.purge(idle_for=1e16), ValueError, id="purge-idle-past-1e9-s"),
+    # A seq past 64 bits: OverflowError from SQLite, an undefined function (numeric) from
+    # PostgreSQL's truncate, before.
+    pytest.param(
+        lambda rt: rt.truncate("existing", after_seq=2**63), ValueError, id="after-seq-past-64-bits"
+    ),
+    pytest.param(
+        lambda rt: rt.fork("existing", "fork", through_seq=2**64),
+        ValueError,
+        id="through-seq-past-64-bits",
+    ),
     pytest.param(lambda rt: rt.release_quarantine(5, resume=True), TypeError, id="release-int-id"),
     pytest.param(
         lambda rt: rt.release_quarantine("exec-1", resume="yes"), TypeError, id="release-str-resume"
@@ -248,6 +258,9 @@ BAD_CONFIG: list[Any] = [
     pytest.param({"recovery_batch": -1}, ValueError, id="recovery-batch-negative"),
     pytest.param({"recovery_batch": 1.5}, TypeError, id="recovery-batch-float"),
     pytest.param({"recovery_batch": True}, TypeError, id="recovery-batch-bool"),
+    pytest.param({"recovery_batch": 2**63}, ValueError, id="recovery-batch-past-64-bits"),
+    pytest.param({"max_active": 2**63}, ValueError, id="max-active-past-64-bits"),
+    pytest.param({"max_resumes": 2**63}, ValueError, id="max-resumes-past-64-bits"),
     pytest.param({"max_resumes": -1}, ValueError, id="max-resumes-negative"),
     pytest.param({"max_resumes": "3"}, TypeError, id="max-resumes-str"),
     pytest.param({"owner_id": ""}, ValueError, id="owner-empty"),

@@ -154,11 +154,11 @@ async def test_take_inputs_takes_a_bounded_chunk_and_the_rest_stays_rung(
 
 
 async def test_take_inputs_limit_is_checked(store: Store, clock: Any, autojump_clock: Any) -> None:
-    """A limit that is not a positive int is refused before anything is taken."""
+    """A limit that is not a positive int of 64 bits is refused before anything is taken."""
     errors: list[BaseException] = []
 
     async def drain(ctx: DrainContext) -> None:
-        for bad in (0, -1, 1.5, "3"):
+        for bad in (0, -1, 1.5, "3", 2**63):
             try:
                 await ctx.take_inputs(limit=bad)  # type: ignore[arg-type]
             except (TypeError, ValueError) as exc:
@@ -169,7 +169,7 @@ async def test_take_inputs_limit_is_checked(store: Store, clock: Any, autojump_c
         await rt.submit("s", {"n": 1})
         outcome = await rt.run("s")
     assert outcome.kind == "succeeded"
-    assert len(errors) == 4
+    assert len(errors) == 5
 
 
 @pytest.mark.slow

@@ -76,11 +76,16 @@ def seconds(value: object, what: str) -> float:
     return duration(value, what, minimum=0.001)
 
 
+# Counts and seqs are stored and compared as signed 64-bit integers on both backends.
+MAX_INT64 = 2**63 - 1
+
+
 def count(value: object, what: str, minimum: int) -> int:
+    """An int from `minimum` to `MAX_INT64`."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{what} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{what} must be >= {minimum}, got {value}")
+    if not minimum <= value <= MAX_INT64:
+        raise ValueError(f"{what} must be {minimum} to {MAX_INT64}, got {value}")
     return value
 
 
@@ -89,14 +94,6 @@ def delay_ms(delay: object) -> int:
     if delay is None:
         return 0
     return math.ceil(duration(delay, "delay") * 1000)
-
-
-def seq(value: object, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{what} must be an int, got {type(value).__name__}")
-    if value < 0:
-        raise ValueError(f"{what} must be >= 0, got {value}")
-    return value
 
 
 async def checked_json(check: Callable[..., str], value: Any, what: str, **options: Any) -> str:

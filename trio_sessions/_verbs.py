@@ -491,7 +491,7 @@ class Runtime:
         if new_session_id == session_id:
             raise ValueError(f"cannot fork session {session_id!r} into itself")
         if through_seq is not None:
-            through_seq = _validate.seq(through_seq, "through_seq")
+            through_seq = _validate.count(through_seq, "through_seq", 0)
         await self._db.run(_store.fork, session_id, new_session_id, through_seq)
         self._streams.touch(new_session_id)
 
@@ -504,7 +504,7 @@ class Runtime:
         `TypeError`/`ValueError` for bad arguments, `StoreError`. Cancellation: as `submit`.
         """
         validate_session_id(session_id)
-        after_seq = _validate.seq(after_seq, "after_seq")
+        after_seq = _validate.count(after_seq, "after_seq", 0)
         deleted = await self._db.run(_store.truncate, session_id, after_seq)
         self._streams.touch(session_id)
         return deleted
