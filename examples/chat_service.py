@@ -1,6 +1,7 @@
 """An HTTP chat service: one web process and any number of workers on one store.
 
-Run it (SQLite here; a `postgresql://` URL works the same, across hosts):
+Run it (SQLite here; a `postgresql://` URL works the same, across hosts, with `--schema` or
+`TRIO_SESSIONS_SCHEMA` naming a schema as for the workers):
 
     python examples/chat_service.py --store chat.db --bind 127.0.0.1:8000
     PYTHONPATH=examples python -m trio_sessions worker chat_service:drain --store chat.db
@@ -46,6 +47,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import hashlib
 import json
 import logging
 import os
@@ -53,6 +55,7 @@ import re
 import signal
 import sys
 import urllib.parse
+import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -193,9 +196,11 @@ class ChatApp:
         if on_busy not in ("queue", "interrupt", "reject"):
             raise HTTPError(400, 'on_busy must be "queue", "interrupt" or "reject"')
         # A client retrying after a timeout sends the same key: stored once.
-        key = _header(scope, b"idempotency-key")
         input_id = await self.runtime.submit(
-            session_id, {"text": payload["text"]}, input_id=key, on_busy=on_busy
+            session_id,
+            {"text": payload["text"]},
+            input_id=_input_id(session_id, _header(scope, b"idempotency-key")),
+            on_busy=on_busy,
         )
         await _respond(send, 202, {"input_id": input_id})
 
@@ -205,9 +210,12 @@ class ChatApp:
         that is streaming is interrupted."""
         payload = await _read_json(receive)
         input_id = payload.get("input_id")
-        if input_id is not None and await self.runtime.cancel_input(str(input_id)):
-            await _respond(send, 200, {"stopped": "withdrawn"})
-            return
+        if input_id is not None:
+            if not _of_session(str(input_id), session_id):
+                raise HTTPError(400, "input_id is not a message of this conversation")
+            if await self.runtime.cancel_input(str(input_id)):
+                await _respond(send, 200, {"stopped": "withdrawn"})
+                return
         interrupted = await self.runtime.interrupt(session_id)
         await _respond(send, 200, {"stopped": "interrupted" if interrupted else None})
 
@@ -220,7 +228,9 @@ class ChatApp:
             raise HTTPError(400, 'the body must be {"seq": <a user message\'s seq>, "text": "..."}')
         await self.runtime.truncate(session_id, after_seq=seq - 1)
         key = _header(scope, b"idempotency-key")
-        input_id = await self.runtime.submit(session_id, {"text": text}, input_id=key)
+        input_id = await self.runtime.submit(
+            session_id, {"text": text}, input_id=_input_id(session_id, key)
+        )
         await _respond(send, 202, {"input_id": input_id})
 
     async def stream_events(
@@ -257,6 +267,23 @@ class ChatApp:
                 nursery.cancel_scope.cancel()  # the runtime closed: end the stream
         if not disconnected.is_set():
             await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _input_id(session_id: str, key: str | None) -> str:
+    """A message's input id, which names its conversation (a digest of the session id):
+    an Idempotency-Key is one per conversation - another conversation's same key is
+    another message, and its InputConflict cannot name this one - and Stop can tell another
+    conversation's input from this one's (input ids are one namespace for the store)."""
+    suffix = uuid.uuid4().hex if key is None else _digest(key)
+    return f"{_digest(session_id)}-{suffix}"
+
+
+def _of_session(input_id: str, session_id: str) -> bool:
+    return input_id.startswith(f"{_digest(session_id)}-")
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
 def _sse(event: trio_sessions.StreamEvent) -> str:
@@ -343,7 +370,7 @@ async def _until_signal() -> None:
             return
 
 
-async def serve_web(store: str, bind: str) -> None:
+async def serve_web(store: Any, bind: str) -> None:
     """The web process: a producer runtime behind hypercorn, until SIGTERM or SIGINT."""
     async with trio_sessions.open_runtime(store, None, owner_id="web") as runtime:
         config = hypercorn.config.Config()
@@ -362,21 +389,40 @@ async def serve_web(store: str, bind: str) -> None:
             logger.info("chat service listening on %s", " ".join(binds))
 
 
-def main() -> int:
+def settings(argv: list[str] | None = None) -> tuple[Any, str]:
+    """The store (a path, a URL, or a `PostgresStore` in a named schema) and the bind
+    address, from the command line and the worker command's environment variables."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument(
         "--store",
         default=os.environ.get("TRIO_SESSIONS_STORE"),
         help="SQLite path or postgresql:// URL (env TRIO_SESSIONS_STORE)",
     )
+    parser.add_argument(
+        "--schema",
+        default=os.environ.get("TRIO_SESSIONS_SCHEMA"),
+        help="PostgreSQL schema, as the workers' (env TRIO_SESSIONS_SCHEMA; default public)",
+    )
     parser.add_argument("--bind", default="127.0.0.1:8000", help="HOST:PORT (port 0: any free)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.store is None:
         parser.error("no store: pass --store or set TRIO_SESSIONS_STORE")
+    if args.schema is None:
+        return args.store, args.bind
+    if not args.store.startswith(("postgresql://", "postgres://")):
+        parser.error("a schema needs a postgresql:// URL as the store")
+    try:
+        return trio_sessions.PostgresStore(args.store, schema=args.schema), args.bind
+    except ValueError as exc:  # a schema name PostgreSQL would not take
+        parser.error(str(exc))
+
+
+def main() -> int:
+    store, bind = settings()
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    trio.run(serve_web, args.store, args.bind)
+    trio.run(serve_web, store, bind)
     return 0
 
 

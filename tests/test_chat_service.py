@@ -132,6 +132,32 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     assert [process.returncode for process in stopped] == [0] * len(stopped), output
 
 
+def test_the_web_process_names_its_schema_as_the_worker_does(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--schema`, or `TRIO_SESSIONS_SCHEMA` as for the worker command, names the web
+    process's PostgreSQL schema (before, the variable was ignored: messages were stored in
+    `public` while the workers drained the named schema, and never answered); a schema
+    with an SQLite store is a usage error."""
+    import trio_sessions
+
+    chat = load_example("chat_service")
+    url = "postgresql://app@db.example/chat"
+    store, _ = chat.settings(["--store", url, "--schema", "tenant_a"])
+    assert isinstance(store, trio_sessions.PostgresStore)
+    assert (store.url, store.schema) == (url, "tenant_a")
+    monkeypatch.setenv("TRIO_SESSIONS_STORE", url)
+    monkeypatch.setenv("TRIO_SESSIONS_SCHEMA", "tenant_b")
+    store, bind = chat.settings([])
+    assert (store.schema, bind) == ("tenant_b", "127.0.0.1:8000")
+    monkeypatch.delenv("TRIO_SESSIONS_SCHEMA")
+    assert chat.settings([])[0] == url
+    with pytest.raises(SystemExit) as refused:
+        chat.settings(["--store", "chat.db", "--schema", "tenant_a"])
+    assert refused.value.code == 2
+    assert "a schema needs a postgresql:// URL" in capsys.readouterr().err
+
+
 async def transcript(client: httpx.AsyncClient, session: str) -> list[dict[str, Any]]:
     response = await client.get(f"/sessions/{session}/transcript")
     assert response.status_code == 200, response.text
@@ -396,11 +422,18 @@ async def test_stop_withdraws_a_message_not_picked_up_and_interrupts_one_being_a
 ) -> None:
     """Stop on a message still queued behind a running answer withdraws it (never
     answered, not in the transcript); Stop on the message being answered interrupts the
-    answer."""
+    answer. Another conversation's Stop cannot withdraw it (the session id is the
+    example's only access control), and an Idempotency-Key is one per conversation: the
+    same key in another conversation is another message, and no error names this one."""
     async with httpx.AsyncClient(base_url=service.url, timeout=5) as client:
         answering = await post(client, "halt", long_question("h"))
         await until_answers(client, service, "halt", 0, started=True)
-        queued = await post(client, "halt", "never mind")
+        queued = await post(client, "halt", "never mind", **{"Idempotency-Key": "k1"})
+        elsewhere = await post(client, "elsewhere", "hi", **{"Idempotency-Key": "k1"})
+        assert elsewhere != queued
+        response = await client.post("/sessions/elsewhere/stop", json={"input_id": queued})
+        assert response.status_code == 400, response.text
+        assert "halt" not in response.text
         response = await client.post("/sessions/halt/stop", json={"input_id": queued})
         assert response.json() == {"stopped": "withdrawn"}
         response = await client.post("/sessions/halt/stop", json={"input_id": answering})
