@@ -139,9 +139,16 @@ def main() -> int:
     if args.worker is not None:
         run_worker(args.worker[0], Path(args.worker[1]))
         return 0
+    ok = interrupted = False
     with tempfile.TemporaryDirectory() as tmp:
-        ok = trio.run(produce, Path(tmp) / "orders.db", args.workers, args.orders)
-        return 0 if ok else 1
+        try:
+            ok = trio.run(produce, Path(tmp) / "orders.db", args.workers, args.orders)
+        except* KeyboardInterrupt:
+            interrupted = True  # Ctrl-C: the workers stop too, quietly (`run_worker`)
+    if interrupted:
+        print("producer: interrupted", file=sys.stderr)
+        return 130
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

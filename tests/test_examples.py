@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -124,3 +125,32 @@ def test_workers_share_one_file_and_pack_every_order_once() -> None:
         for order in line.split("[", 1)[1].rstrip("]").split(", ")
     ]
     assert sorted(packed) == list(range(1, 13))
+
+
+def test_ctrl_c_stops_the_workers_example_quietly() -> None:
+    """workers.py: Ctrl-C (SIGINT to the whole process group) mid-run stops the producer
+    and its workers with status 130 and one line saying so - no traceback from any of them,
+    no process left behind."""
+    process = subprocess.Popen(
+        [sys.executable, str(EXAMPLES / "workers.py")],
+        cwd=EXAMPLES.parent,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert process.stdout is not None
+        for line in process.stdout:  # the workers are up once an order was packed
+            if line.startswith("worker-"):
+                break
+        os.killpg(process.pid, signal.SIGINT)
+        _, err = process.communicate(timeout=DEADLINE)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert process.returncode == 130, err
+    assert err.splitlines() == ["producer: interrupted"]
+    left = subprocess.run(["pgrep", "-g", str(process.pid)], capture_output=True, text=True)
+    assert left.stdout == ""
