@@ -106,6 +106,18 @@ def _hold_session_lock(conn: psycopg.Connection[Any], session_id: str) -> None:
     conn.execute("SELECT ts_lock(%s)", (session_id,))
 
 
+def _run_beside_a_held_lock(engine: Any, holder: psycopg.Connection[Any], jobs: list[Job]) -> bool:
+    """Run `jobs` as one batch while `holder`'s transaction holds a lock, then end that
+    transaction; whether the batch was still waiting for it after WAIT_S / 3."""
+    runner = threading.Thread(target=engine.run_batch, args=(jobs,))
+    runner.start()
+    runner.join(WAIT_S / 3)
+    waited = runner.is_alive()
+    holder.execute("ROLLBACK")
+    runner.join(WAIT_S)
+    return waited
+
+
 # Two session ids with one 32-bit hash (hashtext): a lock keyed by it was one lock for both.
 SAME_HASHTEXT = ("chat-236080", "chat-263218")
 
@@ -171,12 +183,7 @@ def test_one_session_id_in_two_stores_of_one_database_is_two_locks(
                 Job(_store.submit, ("chat-1", "{}", "i-1")),
                 Job(_store.acquire, ("chat-1", "e-1", "me", 30_000)),
             ]
-            runner = threading.Thread(target=engine.run_batch, args=(jobs,))
-            runner.start()
-            runner.join(WAIT_S / 3)
-            waited = runner.is_alive()
-            holder.execute("ROLLBACK")
-            runner.join(WAIT_S)
+            waited = _run_beside_a_held_lock(engine, holder, jobs)
             assert not waited, "a submit waited for a lock held in another store"
             assert jobs[0].unwrap() == "i-1"
             assert jobs[1].unwrap().verdict is AcquireVerdict.CLAIM
@@ -200,12 +207,7 @@ def test_an_acquire_of_a_session_another_transaction_holds_answers_at_once(
         if together:
             jobs.append(Job(_store.acquire, ("free", "e2", "me", 30_000)))
             jobs.append(Job(_store.submit, ("other", "{}", "i1")))
-        runner = threading.Thread(target=engine.run_batch, args=(jobs,))
-        runner.start()
-        runner.join(WAIT_S / 3)
-        waited = runner.is_alive()
-        holder.execute("ROLLBACK")
-        runner.join(WAIT_S)
+        waited = _run_beside_a_held_lock(engine, holder, jobs)
         assert not waited, "the batch waited for the session's lock"
         assert jobs[0].unwrap().verdict is AcquireVerdict.HELD
         if together:
