@@ -183,19 +183,23 @@ def test_a_batch_of_iteration_ends_is_settled_without_the_row_function(
     pg_url: str, pg_schema: str
 ) -> None:
     """`ts_finish_iterations` settles a batch's common iteration ends - release, continue,
-    pause, lease lost, a message left open - in one statement, each as `ts_finish` answers
+    pause, lease lost (another owner's claim, or our own whose lease ran out: nothing
+    written, §6.13), a message left open - in one statement, each as `ts_finish` answers
     it, and calls `ts_finish` only for what the set leaves to it: a claim marked cancelling
     (hand over) and a session named twice (its ends in order)."""
     with engine_at(pg_url, pg_schema, 1.0) as engine:
-        for session_id in ("release", "continue", "paused", "lost", "open", "cancel", "twice"):
+        sessions = ("release", "continue", "paused", "lost", "open", "cancel", "twice", "expired")
+        for session_id in sessions:
             claim(engine, session_id, owner=ME, lease_ms=LEASE_MS)
-        for session_id in ("continue", "paused", "cancel", "twice"):
+        for session_id in ("continue", "paused", "cancel", "twice", "expired"):
             run_op(engine, _store.wake, session_id)  # a doorbell set during the drain
         run_op(engine, _store.pause, "paused")
         run_op(engine, _store.begin_assistant, "open", "e-open", ME, "m-open")
         run_op(engine, _store.mark_cancelling, "cancel", "e-cancel", ME)
     with raw(pg_url, pg_schema) as conn:
-        conn.execute("UPDATE session SET wake_attempts = 1 WHERE id = 'release'")
+        conn.execute("UPDATE session SET wake_attempts = 1 WHERE id IN ('release', 'expired')")
+        # Its lease ran out before its end landed (the batch's clock reads 2.0 s).
+        conn.execute("UPDATE session_execution SET expires_at = 1500 WHERE id = 'e-expired'")
     jobs = [
         ("release", "e-release", ME),
         ("continue", "e-continue", ME),
@@ -205,6 +209,7 @@ def test_a_batch_of_iteration_ends_is_settled_without_the_row_function(
         ("cancel", "e-cancel", ME),
         ("twice", "e-twice", ME),
         ("twice", "e-twice", ME),
+        ("expired", "e-expired", ME),
     ]
     conn = connect(pg_url, pg_schema)
     try:
@@ -229,17 +234,19 @@ def test_a_batch_of_iteration_ends_is_settled_without_the_row_function(
         (6, "hand_over", True),
         (7, "continue", False),
         (8, "release", False),
+        (9, "lease_lost", None),
     ]
     assert row_calls == (3,)  # cancel, twice, twice
     with raw(pg_url, pg_schema) as check:
         assert check.execute(
             "SELECT session_id FROM session_execution ORDER BY session_id"
-        ).fetchall() == [("continue",), ("lost",), ("open",)]
+        ).fetchall() == [("continue",), ("expired",), ("lost",), ("open",)]
         assert check.execute(
             "SELECT id, time_woken IS NOT NULL, wake_attempts FROM session ORDER BY id"
         ).fetchall() == [
             ("cancel", True, 0),
             ("continue", False, 0),
+            ("expired", True, 1),  # untouched: its doorbell and count stay for recovery
             ("lost", False, 0),  # untouched: the acquire took its doorbell
             ("open", False, 0),
             ("paused", True, 0),

@@ -37,6 +37,31 @@ def test_acquire_never_overwrites_a_claim_row(db: Db, expired: bool, owner: str)
     assert db.snapshot() == before
 
 
+@pytest.mark.parametrize("expired", [False, True], ids=["live", "expired"])
+@pytest.mark.parametrize("verb", ["wake_and_acquire", "submit_and_acquire"])
+def test_a_wake_or_submit_that_acquires_never_overwrites_a_claim_row(
+    db: Db, expired: bool, verb: str
+) -> None:
+    """Invariant 2 on the paths `wake`/`run` and `submit` take in a runtime that drains:
+    the claim row (live, or expired - only recovery replaces it, with its own rules) stays
+    as it was; the doorbell is rung for the holder or recovery."""
+    db.claim(owner="owner-a", execution="exec-1")
+    if expired:
+        db.expire()
+        db.now += 60_000
+    claim = db.snapshot(["session_execution"])
+    if verb == "wake_and_acquire":
+        _, acquired = db.run(_store.wake_and_acquire, "s", "exec-new", "owner-b", LEASE)
+    else:
+        _, acquired = db.run(
+            _store.submit_and_acquire, "s", '{"n": 1}', "in-1", "exec-new", "owner-b", LEASE
+        )
+    assert acquired.verdict is AcquireVerdict.HELD
+    assert acquired.holder == "owner-a"
+    assert db.snapshot(["session_execution"]) == claim
+    assert db.doorbell()[0] is not None
+
+
 def test_acquire_needs_the_doorbell(db: Db) -> None:
     """Without a set doorbell nothing is claimed, for an idle session or an unknown one."""
     execution = db.claim()
