@@ -446,6 +446,52 @@ async def test_interrupt_while_the_claim_commits(
     assert Raw(db_path).claim("s") is None
 
 
+async def test_an_interrupt_from_the_acquisition_hook_keeps_the_drain_from_starting(
+    db_path: Path, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """Invariant 6 at the hook's seam: a hook whose last act is to interrupt the claim it
+    was shown (a pending interrupt, as far as the drain is concerned) - the claim is
+    cleaned and the drain never starts, not even for its first line."""
+    drain = Recorder()
+    accepted: list[bool] = []
+    holder: list[trio_sessions.Runtime] = []
+
+    async def hook(claim: trio_sessions.Claim) -> None:
+        accepted.append(await holder[0].interrupt(claim.session_id))
+
+    async with runtime(Store(db_path, inline=True), drain, clock, acquisition_hook=hook) as rt:
+        holder.append(rt)
+        await rt.wake("s")
+        await rt.wait_idle("s")
+    assert accepted == [True]
+    assert drain.calls == []
+    assert Raw(db_path).claim("s") is None
+
+
+async def test_a_submit_cancelled_before_its_transaction_leaves_no_entry(
+    db_path: Path, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """Invariant 15 (registry entries are always released): a submit or wake whose caller
+    is cancelled before its transaction wrote nothing, and drops the entry it registered
+    for the claim - the session is not active, and the next submit drains it."""
+    drain = Recorder()
+    async with runtime(Store(db_path, inline=True), drain, clock) as rt:
+        for call in (lambda: rt.submit("s", {"n": 1}), lambda: rt.wake("s")):
+            with trio.CancelScope() as cancelled:
+                cancelled.cancel()
+                await call()
+            assert cancelled.cancelled_caught
+            left = rt.active_sessions()
+            if left:
+                testing.crash(rt)  # else closing waits for the leftover entry forever
+            assert left == frozenset()
+            assert not rt.is_active("s")
+        assert Raw(db_path).one("SELECT COUNT(*) FROM session_input") == (0,)
+        await rt.submit("s", {"n": 2})
+        await rt.wait_idle("s")
+    assert [call.session_id for call in drain.calls] == ["s"]
+
+
 async def test_never_reenters_own_claim_missing_from_registry(
     store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
 ) -> None:
