@@ -150,13 +150,19 @@ def test_a_set_wise_run_that_raises_runs_its_jobs_alone(db: Db) -> None:
 def _setup(db: Db, rng: random.Random, sessions: list[str]) -> None:
     for s in sessions:
         state = rng.choice(
-            ["none", "idle", "woken", "paused", "mine", "other", "expired", "cancelling", "open"]
+            [
+                *("none", "idle", "woken", "paused", "paused-waiting", "mine", "other"),
+                *("expired", "cancelling", "open"),
+            ]
         )
         if state == "none":
             continue
         db.run(_store.submit, s, '{"k": 1}', f"in-known-{s}")
         if state == "woken":
             continue  # an input waits, its doorbell rung, no claim
+        if state == "paused-waiting":
+            db.run(_store.pause, s)  # an input waits, its doorbell rung, no claim: §6.24
+            continue
         db.run(_store.acquire, s, f"exec-{s}", "owner-b" if state == "other" else "owner-a", LEASE)
         if state == "idle":
             db.run(_store.take_inputs, s, f"exec-{s}", "owner-a")
