@@ -45,13 +45,14 @@ def live_store(db_path: Any) -> Any:
     return Store(db_path)
 
 
+RECOVERY_ROWS = "SELECT COUNT(*) FROM session_recovery WHERE session_id = ?"
 # Every table holding rows of a session, with the column naming the session.
 SESSION_ROWS = (
     "SELECT COUNT(*) FROM session WHERE id = ?",
     "SELECT COUNT(*) FROM session_input WHERE session_id = ?",
     "SELECT COUNT(*) FROM session_input_rejected WHERE session_id = ?",
     "SELECT COUNT(*) FROM session_execution WHERE session_id = ?",
-    "SELECT COUNT(*) FROM session_recovery WHERE session_id = ?",
+    RECOVERY_ROWS,
     "SELECT COUNT(*) FROM session_message WHERE session_id = ?",
     "SELECT COUNT(*) FROM session_message_rejected WHERE session_id = ?",
     "SELECT COUNT(*) FROM session_message_stream s JOIN session_message m"
@@ -512,6 +513,22 @@ async def test_delete_session_removes_every_row_and_no_write_of_the_old_drain_la
         messages = await rt.transcript("s")
     assert [(m.role, m.input_id) for m in messages] == [("user", "i3"), ("assistant", None)]
     assert drain.taken == [["i1"], ["i3"]]
+
+
+async def test_delete_session_removes_a_quarantined_sessions_recovery_row(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """§6.25 for a session recovery set aside: its quarantine record (`session_recovery`,
+    no foreign key to the session) goes with it - else a deleted conversation would still
+    be listed as quarantined, and a new one of the same id inherit the record."""
+    raw = Raw(db_path)
+    async with runtime(store, Recorder(), clock, recovery_interval=3600) as rt:
+        raw.seed_claim("poison", "poison-exec", expires_at=now_ms(clock) - 1)
+        raw.seed_assistant("poison", "poison-exec", 1, '{"parts": [], "finished": "no"}')
+        assert (await rt.recover_once()).quarantined == 1
+        assert rows_of(raw, "poison")[SESSION_ROWS.index(RECOVERY_ROWS)] == 1
+        assert await rt.delete_session("poison") is True
+    assert rows_of(raw, "poison") == [0] * len(SESSION_ROWS)
 
 
 async def test_delete_session_from_another_runtime_stops_the_owner(
