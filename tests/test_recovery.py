@@ -223,6 +223,44 @@ async def test_malformed_projection_is_quarantined_and_never_rescanned(
         assert raw.claim("s")[0] == "poison"
 
 
+@pytest.mark.parametrize("where", ["message", "delta"])
+async def test_text_that_is_not_utf8_is_quarantined_and_the_claims_behind_it_resume(
+    tmp_path: Path, clock: Clock, autojump_clock: MockClock, where: str
+) -> None:
+    """SQLite keeps whatever bytes another tool wrote as TEXT. A crashed claim whose open
+    message (or a word streamed into it) is not UTF-8 is quarantined with a readable
+    reason, and the valid claim beside it resumes (§6.11): the driver's decode error failed
+    every pass, and with it every `open_runtime` on the file."""
+    db_path = tmp_path / "sessions.db"
+    raw = Raw(db_path)
+    drain = Recorder()
+    async with runtime(Store(db_path, inline=True), drain, clock, **QUIET) as rt:
+        raw.seed_claim("bad", "bad-exec", expires_at=expired(clock, 10))
+        message = raw.seed_assistant(
+            "bad", "bad-exec", 1, '{"parts": [], "finished": false, "error": null}'
+        )
+        if where == "message":
+            raw.write(
+                "UPDATE session_message SET data = CAST(X'7B2274223A2280FF227D' AS TEXT)"
+                " WHERE id = ?",
+                (message,),
+            )
+        else:
+            raw.write(
+                "INSERT INTO session_message_delta(message_id, version, text)"
+                " SELECT id, version + 1, CAST(X'80FF' AS TEXT) FROM session_message"
+                " WHERE id = ?",
+                (message,),
+            )
+        raw.seed_claim("good", "good-exec", expires_at=expired(clock))
+        report = await rt.recover_once()
+        await rt.wait_idle("good")
+    assert report == RecoveryReport(examined=2, resumed=1, quarantined=1)
+    assert [call.session_id for call in drain.calls] == ["good"]
+    [(reason,)] = raw.rows("SELECT recovery_error FROM session_recovery WHERE session_id = 'bad'")
+    assert "not UTF-8" in reason
+
+
 async def test_quarantine_fence_lost_touches_nothing(
     store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
 ) -> None:

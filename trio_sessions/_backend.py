@@ -124,6 +124,12 @@ class Tx(Protocol):
         """A nested scope whose writes roll back alone if it raises (the error propagates)."""
         ...
 
+    def undecodable(self, exc: BaseException) -> bool:
+        """Whether `exc` is the driver's refusal to read a row's text that is not UTF-8 (a
+        malformed row: SQLite keeps whatever bytes another tool wrote; PostgreSQL never
+        stores such text, so never)."""
+        ...
+
     def free_tokens(self, owner_ids: Sequence[str] | None) -> set[str]:
         """The owners (of `owner_ids`; None: every owner on record) whose liveness token is
         free now (DESIGN §4 "Owner liveness"). An owner with no token on record (no lock file

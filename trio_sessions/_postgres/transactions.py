@@ -304,6 +304,9 @@ class PgTx:
         # notification (`PgEngine`).
         self.notified[WATCHERS_ONLY + session_id if watchers_only else session_id] = None
 
+    def undecodable(self, exc: BaseException) -> bool:
+        return False  # the server keeps no text that is not valid in its encoding
+
     def free_tokens(self, owner_ids: Sequence[str] | None) -> set[str]:
         # pg_locks is the lock manager's present state, not a snapshot: read after the
         # operation's own locks, it is the re-check a takeover needs.

@@ -112,6 +112,11 @@ class SQLiteTx:
         finally:
             self.conn.execute("RELEASE nested")
 
+    def undecodable(self, exc: BaseException) -> bool:
+        return isinstance(exc, sqlite3.OperationalError) and str(exc).startswith(
+            "Could not decode to UTF-8"
+        )
+
     def free_tokens(self, owner_ids: Sequence[str] | None) -> set[str]:
         # Lock files beside the database (`_liveness`): a few syscalls, no SQL.
         database = self._database or database_file(self.conn)

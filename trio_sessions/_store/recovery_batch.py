@@ -98,6 +98,11 @@ def _apply_one(
         # A row recovery cannot process is poison: quarantine it (exact fence) rather
         # than fail the pass, so it never starves the rows behind it.
         return quarantine(tx, owner_id, candidate, f"recovery failed: {exc!r}")
+    except Exception as exc:
+        if not tx.undecodable(exc):
+            raise
+        reason = f"recovery failed: a row's text is not UTF-8: {exc}"
+        return quarantine(tx, owner_id, candidate, reason)
 
 
 # SQLite's takeover of a claim that resumes with nothing to close, run once per claim
