@@ -515,6 +515,25 @@ async def test_delete_session_removes_every_row_and_no_write_of_the_old_drain_la
     assert drain.taken == [["i1"], ["i3"]]
 
 
+async def test_a_due_time_that_is_not_a_number_stops_nothing_else(
+    tmp_path: Path, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """SQLite keeps text in an INTEGER column another tool wrote: a scheduled input whose
+    due time is such text never falls due, and a draining runtime still opens and drains
+    the other sessions (the due timer's lookup raised a bare ValueError from int() in
+    every recovery pass, the first one in open_runtime)."""
+    db_path = tmp_path / "sessions.db"
+    drain = Recorder()
+    async with runtime(Store(db_path, inline=True), None, clock) as producer:
+        await producer.submit("bad", {"n": 1}, delay=3600)
+    Raw(db_path).write("UPDATE session_input SET due_at = 'x' WHERE session_id = 'bad'")
+    async with runtime(Store(db_path, inline=True), drain, clock) as rt:
+        await rt.submit("good", {"n": 2})
+        await rt.wait_idle("good")
+        assert (await rt.recover_once()).examined == 0
+    assert [call.session_id for call in drain.calls] == ["good"]
+
+
 async def test_delete_session_removes_a_quarantined_sessions_recovery_row(
     store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
 ) -> None:

@@ -168,9 +168,12 @@ def _pg_submit_controlled(
 
 def next_due(tx: Tx) -> int | None:
     """Milliseconds until the earliest scheduled input falls due (<= 0: due already), or
-    None when none is scheduled. One lookup in a partial index."""
+    None when none is scheduled. One lookup in a partial index. A due time that is no
+    integer (text another tool wrote: SQLite sorts it after every number) never falls
+    due, and times nothing."""
     row = tx.one("SELECT MIN(due_at) FROM session_input WHERE due_at IS NOT NULL")
-    return None if row is None or row[0] is None else int(row[0]) - tx.now
+    due_at = None if row is None else row[0]
+    return due_at - tx.now if type(due_at) is int else None
 
 
 @attrs.frozen
