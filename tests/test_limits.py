@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 from conftest import query
-from helpers import runtime
+from helpers import Raw, runtime
 from trio.testing import MockClock
 
 import trio_sessions
@@ -71,6 +71,37 @@ async def test_a_lone_surrogate_in_a_payload_is_refused_before_any_write(
                 await rt.submit("s", payload)
     assert query(db_path, "SELECT COUNT(*) FROM session_input") == [(0,)]
     assert query(db_path, "SELECT COUNT(*) FROM session") == [(0,)]
+
+
+async def test_an_input_whose_payload_is_not_utf8_is_set_aside(
+    tmp_path: Any, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """SQLite keeps whatever bytes another tool wrote as TEXT: an input whose payload is not
+    UTF-8 is set aside with its reason (the bytes shown with replacement characters) and
+    the valid inputs around it are delivered - the driver's decode error failed every
+    take_inputs of the session, so nothing behind it was ever answered."""
+    db_path = tmp_path / "sessions.db"
+    taken: list[Any] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        taken.extend(item.payload for item in await ctx.take_inputs())
+
+    async with producer(trio_sessions.Store(db_path, inline=True), clock) as rt:
+        for n in (1, 2, 3):
+            await rt.submit("s", {"n": n}, input_id=f"in-{n}")
+    Raw(db_path).write(
+        "UPDATE session_input SET payload = CAST(X'7B226E223A2280FF227D' AS TEXT) WHERE id = 'in-2'"
+    )
+    async with runtime(trio_sessions.Store(db_path, inline=True), drain, clock) as rt:
+        outcome = await rt.run("s")
+    assert outcome.kind == "succeeded", outcome
+    assert taken == [{"n": 1}, {"n": 3}]
+    [(input_id, payload, reason)] = query(
+        db_path, "SELECT id, payload, reason FROM session_input_rejected"
+    )
+    assert (input_id, payload) == ("in-2", '{"n":"\ufffd\ufffd"}')
+    assert "not UTF-8" in str(reason)
+    assert query(db_path, "SELECT COUNT(*) FROM session_input") == [(0,)]
 
 
 Attempt = Callable[[trio_sessions.AssistantWriter], Awaitable[None]]

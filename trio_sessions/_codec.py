@@ -404,6 +404,25 @@ def decode_step(kind: Any, text: Any, *, key: str) -> Step:
     raise MalformedRecord("session_message_change", key, reasons)
 
 
+def stored_text(value: Any, *, table: str, key: str) -> Any:
+    """A text column read as bytes (SQLite keeps whatever bytes another tool wrote as
+    TEXT, and its driver refuses the whole read of a row that is not UTF-8): its text, or
+    `MalformedRecord` when it is none. Any other value is returned as it is."""
+    if not isinstance(value, bytes):
+        return value
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        reason = f"not UTF-8 text: byte {value[exc.start]:#04x} at {exc.start}"
+        raise MalformedRecord(table, key, [reason]) from None
+
+
+def shown_text(value: Any) -> Any:
+    """A stored value as an operator reads it: bytes that are not UTF-8 shown with
+    replacement characters."""
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+
+
 def decode_object(text: Any, *, table: str, key: str) -> dict[str, Any]:
     """Decode a JSON object column (input payloads, user messages)."""
     raw = _decode_json(text, table=table, key=key)

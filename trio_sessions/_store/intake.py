@@ -68,9 +68,11 @@ def take_inputs(
         return []
     tx.notify(session_id, watchers_only=True)
     due = {"session": session_id, "now": tx.now}
-    # One more than the chunk, to learn whether any are left without counting them.
+    # One more than the chunk, to learn whether any are left without counting them. On
+    # SQLite the payload is read as bytes: one that is not UTF-8 is set aside below.
+    payload = "CAST(payload AS BLOB)" if tx.dialect == "sqlite" else "payload"
     rows = tx.execute(
-        f"SELECT id, seq, payload FROM session_input WHERE session_id = :session AND {DUE}"
+        f"SELECT id, seq, {payload} FROM session_input WHERE session_id = :session AND {DUE}"
         " ORDER BY seq LIMIT :limit",
         {**due, "limit": limit + 1},
     ).fetchall()
@@ -79,20 +81,19 @@ def take_inputs(
     taken = []
     messages: list[tuple[Any, ...]] = []
     seq = _next_message_seq(tx, session_id)
-    for input_id, input_seq, payload in rows:
+    for input_id, input_seq, stored in rows:
         try:
-            decoded = _codec.decode_object(payload, table="session_input", key=input_id)
+            text = _codec.stored_text(stored, table="session_input", key=input_id)
+            decoded = _codec.decode_object(text, table="session_input", key=input_id)
         except MalformedRecord as exc:
             tx.execute(
                 "INSERT INTO session_input_rejected(id, session_id, seq, payload, reason,"
                 " time_created) VALUES (?, ?, ?, ?, ?, ?)",
-                (input_id, session_id, input_seq, payload, str(exc), tx.now),
+                (input_id, session_id, input_seq, _codec.shown_text(stored), str(exc), tx.now),
             )
             continue
         taken.append(Input(input_id, decoded))
-        messages.append(
-            (new_id(), session_id, execution_id, input_id, seq, payload, tx.now, tx.now)
-        )
+        messages.append((new_id(), session_id, execution_id, input_id, seq, text, tx.now, tx.now))
         seq += 1
     # A few multi-row statements for the whole chunk, not one per input.
     per_statement = _IN_CHUNK // 8  # eight parameters per row
