@@ -723,3 +723,23 @@ async def test_another_runtimes_tool_changes_and_finish_reach_a_stream_as_part_a
             last = await resumed.__anext__()
         assert last.kind == "finish"
         assert applied([last], applied(events[:-1])) == final
+
+
+async def test_a_stream_or_watch_of_a_closed_runtime_raises_store_error(
+    store: Any, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """A `stream()` or `watch()` entered once the runtime closed - a web handler's
+    reconnect loop, say - raises `StoreError` at once, as a write would, on both backends:
+    it hung (nothing feeds a stream of a closed runtime) or raised the driver's
+    ProgrammingError. A transcript read raises it too."""
+    async with runtime(store, None, clock) as rt:
+        await rt.submit("s", {"n": 1})
+    with trio.fail_after(5):
+        with pytest.raises(trio_sessions.StoreError, match="closed"):
+            async with rt.stream("s"):
+                pass  # pragma: no cover
+        with pytest.raises(trio_sessions.StoreError, match="closed"):
+            async with rt.watch("s"):
+                pass  # pragma: no cover
+        with pytest.raises(trio_sessions.StoreError, match="closed"):
+            await rt.transcript("s")

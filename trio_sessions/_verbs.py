@@ -526,6 +526,7 @@ class Runtime:
         """
         validate_session_id(session_id)
         after_seq = _validate.count(after_seq, "after_seq", 0)
+        self._check_following()
         watcher = self._watchers.add(session_id, after_seq)
         try:
             await self._watchers.replay(watcher, self._db.read)
@@ -555,11 +556,18 @@ class Runtime:
         """
         validate_session_id(session_id)
         position = decode_cursor(session_id, cursor)
+        self._check_following()
         events = self._streams.open(session_id, position, self._db.read)
         try:
             yield events
         finally:
             self._streams.remove(events)
+
+    def _check_following(self) -> None:
+        """A watch or stream starts only in an open runtime: closing ends those it has, and
+        nothing would feed one entered later (it would wait forever)."""
+        if self._closing:
+            raise StoreError("the runtime is closed: no watch or stream starts now")
 
     # -- owner liveness -----------------------------------------------------------------------
 

@@ -119,12 +119,15 @@ class PgInlineExecutor:
     engine: PgEngine
     listener: PgListener | None = None
     backend: BackendName = "postgres"
+    closed: bool = False
 
     def statistics(self) -> StoreStatistics:
         return _statistics([self.engine], self.listener)
 
     async def _run(self, mode: Mode, op: Callable[..., T], args: tuple[Any, ...]) -> T:
         await trio.lowlevel.checkpoint_if_cancelled()
+        if self.closed:
+            raise StoreError("the store executor is closed")
         job = Job(op, args)
         self.engine.run_alone(job, mode)
         await trio.lowlevel.cancel_shielded_checkpoint()
@@ -488,7 +491,11 @@ class PostgresStore:
             if listener is not None:
                 await listener.open()
             if self.inline:
-                yield PgInlineExecutor(engines[0], listener)
+                inline = PgInlineExecutor(engines[0], listener)
+                try:
+                    yield inline
+                finally:
+                    inline.closed = True  # its engine would reconnect for a later call
             else:
                 async with open_thread_executor(engines, listener) as executor:
                     yield executor

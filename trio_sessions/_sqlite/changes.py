@@ -27,6 +27,7 @@ import attrs
 import trio
 
 from .._backend import OwnChange, Tx, now_ms
+from .._errors import StoreError
 from .._filewatch import FileWatch
 from .engine import SQLiteTx, Touched, store_error
 
@@ -69,7 +70,10 @@ class ChangeReader:
     async def read(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
         """Run a read-only operation on one snapshot, on the trio thread."""
         await trio.lowlevel.checkpoint_if_cancelled()
-        self.conn.execute("BEGIN")  # one snapshot for the whole operation
+        try:
+            self.conn.execute("BEGIN")  # one snapshot for the whole operation
+        except sqlite3.ProgrammingError:  # closed with its runtime
+            raise StoreError("the store executor is closed") from None
         try:
             result = op(SQLiteTx(self.conn, now_ms(self.clock)), *args)
         except sqlite3.Error as exc:
