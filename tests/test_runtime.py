@@ -421,48 +421,32 @@ async def test_runtime_closing_during_handoff_retains_claim(
     assert drain.calls == []
 
 
-async def test_interrupt_while_the_claim_commits(
-    db_path: Path, clock: Clock, autojump_clock: MockClock
+@pytest.mark.parametrize("when", ["while-the-claim-commits", "from-the-acquisition-hook"])
+async def test_an_interrupt_as_the_claim_lands_keeps_the_drain_from_starting(
+    db_path: Path, clock: Clock, autojump_clock: MockClock, when: str
 ) -> None:
-    """An interrupt that arrives while the wake's claim transaction commits is accepted;
-    the claim is cleaned and the drain never starts (invariant 6)."""
+    """Invariant 6: an interrupt that arrives while the wake's claim transaction commits,
+    or that the acquisition hook sends as its last act (no checkpoint after it), is
+    accepted; the claim is cleaned and the drain never starts, not even its first line."""
     drain = Recorder()
     accepted: list[bool] = []
     holder: list[trio_sessions.Runtime] = []
 
-    async def interrupt() -> None:
+    async def interrupt(*_: object) -> None:
         accepted.append(await holder[0].interrupt("s"))
 
     trigger = _TriggerOnStatement("INSERT INTO session_execution", interrupt)
+    options: dict[str, Any] = {}
+    if when == "while-the-claim-commits":
+        store = Store(db_path, inline=True, wrap_connection=trigger.wrap)
+    else:
+        store, options["acquisition_hook"] = Store(db_path, inline=True), interrupt
     async with trio.open_nursery() as nursery:
         trigger.nursery = nursery
-        store = Store(db_path, inline=True, wrap_connection=trigger.wrap)
-        async with runtime(store, drain, clock) as rt:
+        async with runtime(store, drain, clock, **options) as rt:
             holder.append(rt)
             await rt.wake("s")
             await rt.wait_idle("s")
-    assert accepted == [True]
-    assert drain.calls == []
-    assert Raw(db_path).claim("s") is None
-
-
-async def test_an_interrupt_from_the_acquisition_hook_keeps_the_drain_from_starting(
-    db_path: Path, clock: Clock, autojump_clock: MockClock
-) -> None:
-    """Invariant 6 at the hook's seam: a hook whose last act is to interrupt the claim it
-    was shown (a pending interrupt, as far as the drain is concerned) - the claim is
-    cleaned and the drain never starts, not even for its first line."""
-    drain = Recorder()
-    accepted: list[bool] = []
-    holder: list[trio_sessions.Runtime] = []
-
-    async def hook(claim: trio_sessions.Claim) -> None:
-        accepted.append(await holder[0].interrupt(claim.session_id))
-
-    async with runtime(Store(db_path, inline=True), drain, clock, acquisition_hook=hook) as rt:
-        holder.append(rt)
-        await rt.wake("s")
-        await rt.wait_idle("s")
     assert accepted == [True]
     assert drain.calls == []
     assert Raw(db_path).claim("s") is None
