@@ -230,3 +230,33 @@ async def test_a_wal_held_by_a_reader_that_never_ends_is_logged_once_past_the_bo
             await grow_until_warned(rt, 2)
         finally:
             reader.close()
+
+
+async def test_a_file_another_connection_holds_exclusively_is_named_locked_not_foreign(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another connection in exclusive locking mode keeps even readers out: opening the
+    store fails after the busy timeout with a `StoreError` that says the file is locked by
+    another connection - not that it "is not an SQLite database" (an operator told that
+    might delete a healthy file) - and leaves it unchanged."""
+    from trio_sessions._sqlite import connections
+
+    path = tmp_path / "sessions.db"
+    async with trio_sessions.open_runtime(Store(path), None) as producer:
+        await producer.submit("s", {"n": 1})
+    monkeypatch.setattr(connections, "BUSY_TIMEOUT_MS", 100)
+    holder = sqlite3.connect(path, isolation_level=None)
+    try:
+        holder.execute("PRAGMA locking_mode = EXCLUSIVE")
+        holder.execute("BEGIN EXCLUSIVE")
+        holder.execute("COMMIT")  # the exclusive locking mode keeps the lock
+        with pytest.raises(StoreError) as refused:
+            async with trio_sessions.open_runtime(Store(path), None):
+                pass  # pragma: no cover
+    finally:
+        holder.close()
+    message = str(refused.value)
+    assert "locked by another connection" in message, message
+    assert "not an SQLite database" not in message
+    with sqlite3.connect(path) as check:
+        assert check.execute("SELECT session_id FROM session_input").fetchall() == [("s",)]

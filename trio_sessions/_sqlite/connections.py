@@ -170,7 +170,7 @@ def _configure(conn: sqlite3.Connection, synchronous: str = "NORMAL") -> None:
         conn.execute("PRAGMA foreign_keys = ON")
         conn.execute(f"PRAGMA synchronous = {synchronous}")
     except sqlite3.DatabaseError as exc:
-        raise StoreError(f"{database_name(conn)!r} is not an SQLite database: {exc}") from exc
+        raise _unreadable(database_name(conn), exc) from exc
 
 
 def database_name(conn: sqlite3.Connection) -> str:
@@ -228,12 +228,25 @@ def _require_ours(conn: sqlite3.Connection, path: str) -> None:
     try:
         tables = set(sqlite_utils.Database(conn).table_names())
     except sqlite3.DatabaseError as exc:
-        raise StoreError(f"{path!r} is not an SQLite database: {exc}") from exc
+        raise _unreadable(path, exc) from exc
     if not tables >= OUR_TABLES:
         missing = ", ".join(sorted(OUR_TABLES - tables))
         raise StoreError(f"{path!r} is not a trio_sessions database (no {missing})")
     if schema_version(conn) > SCHEMA_VERSION:
         raise SchemaTooNew(_too_new(conn))
+
+
+def _unreadable(name: str, exc: sqlite3.DatabaseError) -> StoreError:
+    """Why a file could not be read as a database: another connection's lock that kept
+    even readers out past the busy timeout (an exclusive locking mode, a rollback-journal
+    write), or a file that is no SQLite database."""
+    if isinstance(exc, sqlite3.OperationalError) and is_locked(exc):
+        return StoreError(
+            f"{name!r} is locked by another connection, which kept even readers out for"
+            f" {BUSY_TIMEOUT_MS / 1000:g} s (an exclusive locking mode or a rollback-journal"
+            " write); nothing was written - try again once it lets go"
+        )
+    return StoreError(f"{name!r} is not an SQLite database: {exc}")
 
 
 def is_locked(exc: sqlite3.OperationalError) -> bool:
