@@ -162,10 +162,8 @@ def check_text(value: Any, what: str, *, limit: int = MAX_PAYLOAD_BYTES) -> str:
         size = len(value.encode("utf-8", "surrogatepass"))
         if size > limit:
             _too_large(what, size, limit, "in UTF-8")
-    if NUL in value:
-        _nul(what, f"index {value.index(NUL)}")
-    if (index := _lone_surrogate(value)) is not None:
-        _surrogate(what, value[index], f"index {index}")
+    if (index := _unstorable(value)) is not None:
+        _refuse(what, value[index], f"index {index}")
     return value
 
 
@@ -256,15 +254,11 @@ def _too_large(
     raise ValueError(f"{what} is {shown} {unit}; the limit is {limit} bytes{mib}")
 
 
-def _nul(what: str, where: str) -> NoReturn:
-    raise ValueError(
-        f"{what} holds a NUL character (\\x00) at {where}: PostgreSQL cannot store it, so"
-        " no backend does"
-    )
-
-
-def _lone_surrogate(text: str) -> int | None:
-    """Where `text` holds a lone surrogate (a str, but no Unicode text), if it does."""
+def _unstorable(text: str) -> int | None:
+    """Where `text` holds a character no backend stores, if it does: a NUL, else a lone
+    surrogate (a str, but no Unicode text: UTF-8 has no encoding for it)."""
+    if NUL in text:
+        return text.index(NUL)
     if text.isascii():
         return None
     try:
@@ -274,19 +268,24 @@ def _lone_surrogate(text: str) -> int | None:
     return None
 
 
-def _surrogate(what: str, char: str, where: str) -> NoReturn:
+def _refuse(what: str, char: str, where: str) -> NoReturn:
+    """The `ValueError` for a character `_unstorable` found."""
+    if char == NUL:
+        raise ValueError(
+            f"{what} holds a NUL character (\\x00) at {where}: PostgreSQL cannot store it,"
+            " so no backend does"
+        )
     raise ValueError(
         f"{what} holds a lone surrogate (\\u{ord(char):04x}) at {where}: it is no Unicode"
         " text, and UTF-8 - what every backend stores - has no encoding for it"
     )
 
 
-def _check_string(text: str, what: str, path: _Path) -> None:
-    """A string or key of a JSON value: no NUL, no lone surrogate."""
-    if NUL in text:
-        _nul(what, _format_path(path))
-    if (index := _lone_surrogate(text)) is not None:
-        _surrogate(what, text[index], _format_path(path))
+def _check_string(text: str, what: str, path: _Path, *, key: bool = False) -> None:
+    """A string (or, `key`, a key) of a JSON value at `path`: nothing `_unstorable`."""
+    if (index := _unstorable(text)) is not None:
+        where = _format_path(path)
+        _refuse(what, text[index], f"a key of {where}" if key else where)
 
 
 # Where a problem is, as a chain of (parent, key or index) built as the check descends and
@@ -312,10 +311,7 @@ def _check_plain(value: Any, what: str, path: _Path, depth: int, bound: _Bound) 
             if not isinstance(key, str):
                 raise TypeError(f"{what} has a non-str key {key!r} at {_format_path(path)}")
             bound.add(len(key) + 2, what)
-            if NUL in key:
-                _nul(what, f"a key of {_format_path(path)}")
-            if (index := _lone_surrogate(key)) is not None:
-                _surrogate(what, key[index], f"a key of {_format_path(path)}")
+            _check_string(key, what, path, key=True)
             _check_plain(item, what, (path, key), depth + 1, bound)
     elif kind is list or isinstance(value, list | tuple):
         bound.add(2 + max(0, len(value) - 1), what)  # brackets and commas
