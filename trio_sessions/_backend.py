@@ -448,5 +448,11 @@ def driver_error(exc: BaseException) -> StoreError:
     return error
 
 
+def executor_closed() -> StoreError:
+    """What a call on a store executor that closed (with its runtime) raises, whichever
+    executor and path noticed."""
+    return StoreError("the store executor is closed")
+
+
 def now_ms(clock: Callable[[], float]) -> int:
     return int(clock() * 1000)

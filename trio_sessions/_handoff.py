@@ -21,7 +21,7 @@ from typing import Any
 import attrs
 import trio
 
-from ._backend import Job
+from ._backend import Job, executor_closed
 from ._errors import StoreError
 
 
@@ -87,7 +87,7 @@ class HandoffQueue:
 
     def check_open(self) -> None:
         if self.closed:
-            raise StoreError("the store executor is closed")
+            raise executor_closed()
 
     def submit(self, job: Job, mode: str = "write") -> Coroutine[Any, Any, Any]:
         """Queue `job` for the next hand-off; await the result for its outcome (see the

@@ -58,6 +58,7 @@ from .._backend import (
     Signal,
     StoreStatistics,
     Tx,
+    executor_closed,
     session_named,
 )
 from .._errors import StoreError
@@ -127,7 +128,7 @@ class PgInlineExecutor:
     async def _run(self, mode: Mode, op: Callable[..., T], args: tuple[Any, ...]) -> T:
         await trio.lowlevel.checkpoint_if_cancelled()
         if self.closed:
-            raise StoreError("the store executor is closed")
+            raise executor_closed()
         job = Job(op, args)
         self.engine.run_alone(job, mode)
         await trio.lowlevel.cancel_shielded_checkpoint()
@@ -223,7 +224,7 @@ class _Lane:
 
     async def submit(self, job: Job, mode: str) -> Any:
         if self.closed:
-            raise StoreError("the store executor is closed")
+            raise executor_closed()
         queued = Queued(job, mode, trio.lowlevel.current_task())
         self._queue.append(queued)
         if self._in_flight is None:

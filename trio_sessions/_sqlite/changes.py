@@ -26,8 +26,7 @@ from typing import TypeVar, TypeVarTuple, Unpack
 import attrs
 import trio
 
-from .._backend import OwnChange, Tx, now_ms
-from .._errors import StoreError
+from .._backend import OwnChange, Tx, executor_closed, now_ms
 from .._filewatch import FileWatch
 from .engine import SQLiteTx, Touched, store_error
 
@@ -73,7 +72,7 @@ class ChangeReader:
         try:
             self.conn.execute("BEGIN")  # one snapshot for the whole operation
         except sqlite3.ProgrammingError:  # closed with its runtime
-            raise StoreError("the store executor is closed") from None
+            raise executor_closed() from None
         try:
             result = op(SQLiteTx(self.conn, now_ms(self.clock)), *args)
         except sqlite3.Error as exc:
