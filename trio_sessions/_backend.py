@@ -124,10 +124,11 @@ class Tx(Protocol):
         """A nested scope whose writes roll back alone if it raises (the error propagates)."""
         ...
 
-    def undecodable(self, exc: BaseException) -> bool:
-        """Whether `exc` is the driver's refusal to read a row's text that is not UTF-8 (a
-        malformed row: SQLite keeps whatever bytes another tool wrote; PostgreSQL never
-        stores such text, so never)."""
+    def refused_value(self, exc: BaseException) -> str | None:
+        """Why `exc` is the driver's refusal of a value a row holds - a malformed row, not a
+        failing store - or None. SQLite: text that is not UTF-8 (it keeps whatever bytes
+        another tool wrote). PostgreSQL: a data exception (SQLSTATE class 22), such as a
+        version at the top of its range that a write cannot step past."""
         ...
 
     def free_tokens(self, owner_ids: Sequence[str] | None) -> set[str]:

@@ -425,3 +425,31 @@ def test_recovery_scan_skips_claims_locked_by_others(db: Db) -> None:
         assert names(db.run(_store.recovery_candidates, ME, 1, [])) == [("free", "exec-free")]
         other.rollback()
     assert names(db.run(_store.recovery_candidates, ME, 1, [])) == [("busy", "exec-busy")]
+
+
+MAX_INT64 = 2**63 - 1
+
+
+@pytest.mark.parametrize("where", ["message", "delta"])
+def test_a_version_at_the_top_of_its_range_is_quarantined_not_the_whole_pass(
+    db: Db, where: str
+) -> None:
+    """§6.11: an open message whose version (or a delta's) another tool set to 2**63 - 1
+    leaves no next version for the message's close. That claim is quarantined, and the
+    valid claim in the same batch resumes: the overflow (PostgreSQL's 'bigint out of range',
+    SQLite's OverflowError) failed the whole pass, every pass."""
+    execution = busy_claim(db)
+    if where == "message":
+        db.write("UPDATE session_message SET version = ? WHERE id = 'm-1'", (MAX_INT64,))
+    else:
+        db.run(_store.append_assistant_text, "s", execution, "owner-a", "m-1", " more")
+        db.write("UPDATE session_message_delta SET version = ?", (MAX_INT64,))
+    db.expire()
+    expired_claim(db, "good", NOW - 1)
+    candidates = [_store.Candidate("s", execution), _store.Candidate("good", "exec-good")]
+    assert db.run(_store.take_recovery_leases, ME, LEASE, candidates) == candidates
+    items = [(candidate, f"new-{candidate.session_id}") for candidate in candidates]
+    results = db.run(_store.apply_recovery_batch, ME, items, LEASE, 10, [])
+    assert [r.decision for r in results] == [RecoveryDecision.QUARANTINE, RecoveryDecision.RESUME]
+    [(error,)] = db.rows("SELECT recovery_error FROM session_recovery")
+    assert "out of range" in error

@@ -6,7 +6,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
+
 from trio_sessions import (
+    TrioSessionsError,
     _store,
     _transcript,
 )
@@ -41,3 +44,25 @@ def test_begin_and_update_assistant(db: Db) -> None:
     assert version == 2 and step == ("part", result.parts[-1])
     [(recorded, kind, data)] = db.rows("SELECT version, kind, data FROM session_message_change")
     assert (recorded, kind, json.loads(data)) == (2, "part", result.parts[-1].to_json())
+
+
+@pytest.mark.parametrize("write", ["append", "update"])
+def test_a_version_at_the_top_of_its_range_refuses_the_write(db: Db, write: str) -> None:
+    """A message whose version another tool set to 2**63 - 1 has no next version: a write
+    to it is refused with nothing written, on both backends. SQLite computed a REAL
+    version and stored it (PostgreSQL refused with 'bigint out of range')."""
+    db.run(_store.submit, "s", '{"n": 1}', "in-1")
+    execution = db.claim()
+    db.run(_store.take_inputs, "s", execution, "owner-a")
+    db.run(_store.begin_assistant, "s", execution, "owner-a", "m-1")
+    db.write("UPDATE session_message SET version = ? WHERE id = 'm-1'", (2**63 - 1,))
+    db.write("UPDATE session_message_stream SET version = ? WHERE message_id = 'm-1'", (2**63 - 1,))
+    if write == "append":
+        args: tuple[Any, ...] = (_store.append_assistant_text, "hi")
+    else:
+        args = (_store.update_assistant, lambda d: _transcript.append_text(d, "hi"))
+    op, last = args
+    before = db.snapshot()
+    with pytest.raises(TrioSessionsError, match="out of range"):
+        db.run(op, "s", execution, "owner-a", "m-1", last)
+    assert db.snapshot() == before

@@ -304,8 +304,12 @@ class PgTx:
         # notification (`PgEngine`).
         self.notified[WATCHERS_ONLY + session_id if watchers_only else session_id] = None
 
-    def undecodable(self, exc: BaseException) -> bool:
-        return False  # the server keeps no text that is not valid in its encoding
+    def refused_value(self, exc: BaseException) -> str | None:
+        # Class 22 (DataError): a value out of its type's range, a cast a row's text does
+        # not fit. The server keeps no text that is not valid in its encoding.
+        if isinstance(exc, psycopg.DataError):
+            return f"a row holds a value the database refuses: {exc}"
+        return None
 
     def free_tokens(self, owner_ids: Sequence[str] | None) -> set[str]:
         # pg_locks is the lock manager's present state, not a snapshot: read after the

@@ -112,10 +112,11 @@ class SQLiteTx:
         finally:
             self.conn.execute("RELEASE nested")
 
-    def undecodable(self, exc: BaseException) -> bool:
-        return isinstance(exc, sqlite3.OperationalError) and str(exc).startswith(
+    def refused_value(self, exc: BaseException) -> str | None:
+        undecodable = isinstance(exc, sqlite3.OperationalError) and str(exc).startswith(
             "Could not decode to UTF-8"
         )
+        return f"a row's text is not UTF-8: {exc}" if undecodable else None
 
     def free_tokens(self, owner_ids: Sequence[str] | None) -> set[str]:
         # Lock files beside the database (`_liveness`): a few syscalls, no SQL.

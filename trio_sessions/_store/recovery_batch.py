@@ -99,10 +99,10 @@ def _apply_one(
         # than fail the pass, so it never starves the rows behind it.
         return quarantine(tx, owner_id, candidate, f"recovery failed: {exc!r}")
     except Exception as exc:
-        if not tx.undecodable(exc):
+        refused = tx.refused_value(exc)
+        if refused is None:
             raise
-        reason = f"recovery failed: a row's text is not UTF-8: {exc}"
-        return quarantine(tx, owner_id, candidate, reason)
+        return quarantine(tx, owner_id, candidate, f"recovery failed: {refused}")
 
 
 # SQLite's takeover of a claim that resumes with nothing to close, run once per claim

@@ -141,7 +141,7 @@ def append_assistant_text(
         )
         return data, version
     tx.notify(session_id, watchers_only=True)
-    return None, int(row[0])
+    return None, _next_version(message_id, row[0])
 
 
 @autocommit_when_alone
@@ -315,7 +315,7 @@ def _write_assistant(
             "message": message_id,
         },
     )
-    version = int(row[0])
+    version = _next_version(message_id, row[0])
     tx.execute("DELETE FROM session_message_delta WHERE message_id = ?", (message_id,))
     if data.finished:
         tx.execute("DELETE FROM session_message_stream WHERE message_id = ?", (message_id,))
@@ -335,6 +335,16 @@ def _write_assistant(
             " SET version = excluded.version, kind = excluded.kind, data = excluded.data",
             (message_id, version, kind, step_data),
         )
+    return version
+
+
+def _next_version(message_id: str, version: Any) -> int:
+    """The version a write made, or `MalformedRecord` when the row's (or a delta's) was
+    already the largest 64-bit integer, set by another tool: SQLite then computes a REAL
+    and stores it (PostgreSQL refuses the UPDATE with 'bigint out of range')."""
+    if type(version) is not int:
+        reasons = [f"version out of range: no version after {version!r}"]
+        raise MalformedRecord("session_message", message_id, reasons)
     return version
 
 
