@@ -73,13 +73,22 @@ async def test_a_lone_surrogate_in_a_payload_is_refused_before_any_write(
     assert query(db_path, "SELECT COUNT(*) FROM session") == [(0,)]
 
 
+@pytest.mark.parametrize(
+    ("stored", "shown", "why"),
+    [
+        ("CAST(X'7B226E223A2280FF227D' AS TEXT)", '{"n":"\ufffd\ufffd"}', "not UTF-8"),
+        ("X'7B226E223A327D'", '{"n":2}', "got bytes"),
+    ],
+    ids=["text-not-utf8", "blob"],
+)
 async def test_an_input_whose_payload_is_not_utf8_is_set_aside(
-    tmp_path: Any, clock: Clock, autojump_clock: MockClock
+    tmp_path: Any, clock: Clock, autojump_clock: MockClock, stored: str, shown: str, why: str
 ) -> None:
     """SQLite keeps whatever bytes another tool wrote as TEXT: an input whose payload is not
     UTF-8 is set aside with its reason (the bytes shown with replacement characters) and
     the valid inputs around it are delivered - the driver's decode error failed every
-    take_inputs of the session, so nothing behind it was ever answered."""
+    take_inputs of the session, so nothing behind it was ever answered. A BLOB is no JSON
+    text, whatever its bytes, as everywhere else the store reads JSON."""
     db_path = tmp_path / "sessions.db"
     taken: list[Any] = []
 
@@ -89,9 +98,7 @@ async def test_an_input_whose_payload_is_not_utf8_is_set_aside(
     async with producer(trio_sessions.Store(db_path, inline=True), clock) as rt:
         for n in (1, 2, 3):
             await rt.submit("s", {"n": n}, input_id=f"in-{n}")
-    Raw(db_path).write(
-        "UPDATE session_input SET payload = CAST(X'7B226E223A2280FF227D' AS TEXT) WHERE id = 'in-2'"
-    )
+    Raw(db_path).write(f"UPDATE session_input SET payload = {stored} WHERE id = 'in-2'")
     async with runtime(trio_sessions.Store(db_path, inline=True), drain, clock) as rt:
         outcome = await rt.run("s")
     assert outcome.kind == "succeeded", outcome
@@ -99,8 +106,8 @@ async def test_an_input_whose_payload_is_not_utf8_is_set_aside(
     [(input_id, payload, reason)] = query(
         db_path, "SELECT id, payload, reason FROM session_input_rejected"
     )
-    assert (input_id, payload) == ("in-2", '{"n":"\ufffd\ufffd"}')
-    assert "not UTF-8" in str(reason)
+    assert (input_id, payload) == ("in-2", shown)
+    assert why in str(reason)
     assert query(db_path, "SELECT COUNT(*) FROM session_input") == [(0,)]
 
 

@@ -20,6 +20,7 @@ from trio_sessions import (
     RecoveryReport,
     Store,
     StoreError,
+    _cli,
     _loops,
     testing,
 )
@@ -259,6 +260,15 @@ async def test_text_that_is_not_utf8_is_quarantined_and_the_claims_behind_it_res
     assert [call.session_id for call in drain.calls] == ["good"]
     [(reason,)] = raw.rows("SELECT recovery_error FROM session_recovery WHERE session_id = 'bad'")
     assert "not UTF-8" in reason
+    # The operator's way out: the drop sets the message aside (its bytes shown with
+    # replacement characters, the reason naming it) and the transcript reads again. The
+    # driver's decode error failed the drop, so the quarantine could not be released.
+    assert _cli.main(["quarantine", "release", str(db_path), "bad-exec", "--drop"]) == 0
+    [(rejected, why)] = raw.rows("SELECT id, reason FROM session_message_rejected")
+    assert rejected == message
+    assert "not UTF-8" in why
+    async with runtime(Store(db_path, inline=True), drain, clock, **QUIET) as rt:
+        assert await rt.transcript("bad") == []
 
 
 async def test_quarantine_fence_lost_touches_nothing(

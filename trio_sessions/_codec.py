@@ -400,11 +400,13 @@ def decode_step(kind: Any, text: Any, *, key: str) -> Step:
     raise MalformedRecord("session_message_change", key, reasons)
 
 
-def stored_text(value: Any, *, table: str, key: str) -> Any:
-    """A text column read as bytes (SQLite keeps whatever bytes another tool wrote as
-    TEXT, and its driver refuses the whole read of a row that is not UTF-8): its text, or
-    `MalformedRecord` when it is none. Any other value is returned as it is."""
-    if not isinstance(value, bytes):
+def stored_text(kind: str, value: Any, *, table: str, key: str) -> Any:
+    """A column read as `_store.common.as_stored` reads it - its type and, on SQLite, its
+    bytes (SQLite keeps whatever bytes another tool wrote as TEXT, and its driver refuses
+    the whole read of a row that is not UTF-8): text stored as text, or `MalformedRecord`
+    when its bytes are not UTF-8. Any other value (a BLOB, a number) is returned as it is,
+    for the decoding that follows to refuse."""
+    if kind != "text" or not isinstance(value, bytes):
         return value
     try:
         return value.decode("utf-8")

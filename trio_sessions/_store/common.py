@@ -195,6 +195,15 @@ def _reset_attempts(tx: Tx, session_id: str) -> None:
     )
 
 
+def as_stored(tx: Tx, column: str) -> str:
+    """A text column as two: its type and its value, on SQLite as bytes (SQLite keeps
+    whatever bytes another tool wrote as TEXT, and its driver refuses the whole read of a
+    row that is not UTF-8; `_codec.stored_text` decodes them or names the row malformed)."""
+    if tx.dialect == "sqlite":
+        return f"typeof({column}), CAST({column} AS BLOB)"
+    return f"'text', {column}"
+
+
 def not_in(tx: Tx, column: str, values: Sequence[str]) -> tuple[str, Any]:
     """A `column NOT IN (values)` condition for one named parameter: returns the SQL
     fragment (naming `:excluded`) and the parameter's value, in the transaction's dialect

@@ -29,6 +29,7 @@ from .common import (
     _next_message_seq,
     _require_claim_session,
     _ring,
+    as_stored,
     new_id,
 )
 
@@ -70,10 +71,9 @@ def take_inputs(
     due = {"session": session_id, "now": tx.now}
     # One more than the chunk, to learn whether any are left without counting them. On
     # SQLite the payload is read as bytes: one that is not UTF-8 is set aside below.
-    payload = "CAST(payload AS BLOB)" if tx.dialect == "sqlite" else "payload"
     rows = tx.execute(
-        f"SELECT id, seq, {payload} FROM session_input WHERE session_id = :session AND {DUE}"
-        " ORDER BY seq LIMIT :limit",
+        f"SELECT id, seq, {as_stored(tx, 'payload')} FROM session_input"
+        f" WHERE session_id = :session AND {DUE} ORDER BY seq LIMIT :limit",
         {**due, "limit": limit + 1},
     ).fetchall()
     more = len(rows) > limit
@@ -81,9 +81,9 @@ def take_inputs(
     taken = []
     messages: list[tuple[Any, ...]] = []
     seq = _next_message_seq(tx, session_id)
-    for input_id, input_seq, stored in rows:
+    for input_id, input_seq, kind, stored in rows:
         try:
-            text = _codec.stored_text(stored, table="session_input", key=input_id)
+            text = _codec.stored_text(kind, stored, table="session_input", key=input_id)
             decoded = _codec.decode_object(text, table="session_input", key=input_id)
         except MalformedRecord as exc:
             tx.execute(

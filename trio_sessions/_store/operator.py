@@ -17,11 +17,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._backend import Tx
+from .._codec import shown_text, stored_text
 from .._errors import MalformedRecord
 from .._model import OWNER_LOST
-from .common import _doorbell_set, _has_pending_inputs, _reset_attempts, _ring
+from .common import _doorbell_set, _has_pending_inputs, _reset_attempts, _ring, as_stored
 from .recovery_scan import Candidate
-from .transcript import _close_open_messages, _decode_message, _streamed_texts
+from .transcript import _close_open_messages, _decode_message
 
 
 def quarantined(tx: Tx) -> list[dict[str, Any]]:
@@ -76,24 +77,37 @@ def drop_quarantined(tx: Tx, execution_id: str) -> tuple[str, bool]:
 
 
 def _set_aside_malformed_messages(tx: Tx, session_id: str, execution_id: str) -> None:
+    # Read as stored: a message, or a text streamed onto it, that is not UTF-8 is one to
+    # set aside too (the driver would refuse the whole read).
     rows = tx.execute(
-        "SELECT id, role, seq, data, input_id FROM session_message WHERE execution_id = ?",
+        f"SELECT id, role, seq, {as_stored(tx, 'data')}, input_id FROM session_message"
+        " WHERE execution_id = ?",
         (execution_id,),
     ).fetchall()
-    for message_id, role, seq, data, input_id in rows:
-        streamed = _streamed_texts(tx, message_id)
+    for message_id, role, seq, kind, data, input_id in rows:
+        deltas = tx.execute(
+            f"SELECT {as_stored(tx, 'text')} FROM session_message_delta WHERE message_id = ?"
+            " ORDER BY version",
+            (message_id,),
+        ).fetchall()
         try:
+            text = stored_text(kind, data, table="session_message", key=message_id)
+            streamed = [
+                stored_text(*delta, table="session_message_delta", key=message_id)
+                for delta in deltas
+            ]
             _decode_message(
-                session_id, (message_id, role, seq, data, execution_id, input_id), streamed
+                session_id, (message_id, role, seq, text, execution_id, input_id), streamed
             )
         except MalformedRecord as exc:
             # The raw data is kept; text streamed onto it since goes into the reason (its
-            # rows leave with the message).
-            reason = str(exc) + (f"; streamed since: {streamed!r}" if streamed else "")
+            # rows leave with the message). Bytes that are not UTF-8 are shown replaced.
+            shown = [shown_text(value) for _, value in deltas]
+            reason = str(exc) + (f"; streamed since: {shown!r}" if shown else "")
             tx.execute(
                 "INSERT INTO session_message_rejected(id, session_id, execution_id, seq, data,"
                 " reason, time_created) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (message_id, session_id, execution_id, seq, data, reason, tx.now),
+                (message_id, session_id, execution_id, seq, shown_text(data), reason, tx.now),
             )
             tx.execute("DELETE FROM session_message WHERE id = ?", (message_id,))
             tx.notify(session_id, watchers_only=True)  # gone, for the session's watchers
