@@ -179,6 +179,50 @@ def test_status_text_is_a_readable_table(seeded: Path, capsys: pytest.CaptureFix
     assert out.startswith("5 sessions; claims: 1 live, 2 expired (1 quarantined)")
 
 
+def test_listings_show_a_row_with_no_number_where_one_belongs_as_malformed(
+    seeded: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """SQLite keeps whatever another tool writes in an INTEGER column. `status` and
+    `quarantine list` show such a row as malformed, saying which column holds what, and
+    list every other row as before (text and JSON). Before, one text time failed the whole
+    listing with a TypeError, and a BLOB the JSON output."""
+    raw = sqlite3.connect(seeded)
+    with raw:
+        raw.execute(
+            "UPDATE session SET time_woken = 'yesterday', wakes = X'FF' WHERE id = 'pending'"
+        )
+        raw.execute("UPDATE session_execution SET expires_at = 'soon' WHERE id = 'exec-live'")
+        raw.execute("UPDATE session_recovery SET time_quarantined = 'then'")
+    raw.close()
+    status = cli_json(capsys, "status", str(seeded))
+    sessions = {session["id"]: session for session in status["sessions"]}
+    assert sorted(sessions) == ["expired", "idle", "live", "pending", "poison"]
+    assert sessions["pending"]["malformed"] == [
+        "session.time_woken is 'yesterday', not a whole number",
+        "session.wakes is '\ufffd', not a whole number",
+    ]
+    assert sessions["pending"]["doorbell"] == {"time_woken": None, "wakes": None, "age_s": None}
+    assert sessions["live"]["malformed"] == [
+        "session_execution.expires_at is 'soon', not a whole number"
+    ]
+    assert sessions["live"]["claim"]["expired"] is False  # what the store does with it
+    assert sessions["idle"]["malformed"] == []
+    code, out, _ = cli(capsys, "status", str(seeded))
+    assert code == 0
+    lines = {line.split()[0]: line for line in out.splitlines()[3:]}
+    assert "MALFORMED: session.time_woken is 'yesterday'" in lines["pending"]
+    assert "MALFORMED: session_execution.expires_at is 'soon'" in lines["live"]
+    assert "MALFORMED" not in lines["idle"]
+    [row] = cli_json(capsys, "quarantine", "list", str(seeded))
+    assert row["execution_id"] == "exec-poison"
+    assert row["quarantined_for_s"] is None
+    assert row["malformed"] == ["session_recovery.time_quarantined is 'then', not a whole number"]
+    code, out, _ = cli(capsys, "quarantine", "list", str(seeded))
+    assert code == 0
+    assert "  quarantined ? by owner-rec" in out
+    assert "  MALFORMED: session_recovery.time_quarantined is 'then'" in out
+
+
 def test_listings_do_not_modify_the_database(
     seeded: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

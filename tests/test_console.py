@@ -140,9 +140,12 @@ def test_actions_need_the_csrf_field_and_read_only_refuses_them(tmp_path: Path) 
 
 def test_sessions_are_paged_and_searched_in_the_store(tmp_path: Path) -> None:
     """The list shows 50 sessions a page in id order with a link to the next page, and a
-    search matches ids containing the text; a session page shows its transcript."""
+    search matches ids containing the text; a session page shows its transcript. A row
+    with text in an INTEGER column (SQLite keeps what another tool wrote) is listed as a
+    malformed row, saying which column holds what: it failed the whole page with a 500."""
     store = tmp_path / "db"
     seed(store, 120)
+    Raw(store).write("UPDATE session SET time_woken = 'yesterday' WHERE id = 's003'")
     with (
         console(str(store), tmp_path) as (url, _),
         httpx.Client(base_url=url, timeout=DEADLINE) as client,
@@ -169,6 +172,9 @@ def test_sessions_are_paged_and_searched_in_the_store(tmp_path: Path) -> None:
         ]
         assert client.get("/sessions/nope").status_code == 404
         assert "waiting" in client.get("/sessions/s007").text
+        malformed = "malformed row: session.time_woken is &#x27;yesterday&#x27;"
+        assert first.count(malformed) == 1
+        assert malformed in client.get("/sessions/s003").text
 
 
 def test_the_store_password_never_reaches_a_page(tmp_path: Path, pg_url: str) -> None:

@@ -39,23 +39,35 @@ def format_status(status: dict[str, Any]) -> str:
 
 def _status_row(session: dict[str, Any]) -> list[str]:
     bell = session["doorbell"]
-    doorbell = "-" if bell is None else f"set {bell['age_s']:.1f}s ago ({bell['wakes']} wakes)"
+    wakes = "?" if bell is None or bell["wakes"] is None else bell["wakes"]
+    doorbell = "-" if bell is None else f"set {_ago(bell['age_s'])} ({wakes} wakes)"
+    malformed = "MALFORMED: " + "; ".join(session["malformed"]) if session["malformed"] else ""
     claim = session["claim"]
     if claim is None:
-        return [session["id"], doorbell, str(session["pending_inputs"]), "-", "idle", "", "", ""]
+        inputs = str(session["pending_inputs"])
+        return [session["id"], doorbell, inputs, "-", "idle", "", "", malformed]
     if claim["expired"]:
-        lease = f"expired {claim['expired_since_s']:.1f}s ago"
+        lease = f"expired {_ago(claim['expired_since_s'])}"
+    elif claim["lease_remaining_s"] is None:
+        lease = "?"
     else:
         lease = f"{claim['lease_remaining_s']:.1f}s left"
     age = claim["heartbeat_age_s"]
-    heartbeat = "never" if age is None else f"{age:.1f}s ago"
+    unreadable = any(p.startswith("session_execution.heartbeat_at") for p in session["malformed"])
+    heartbeat = "never" if age is None and not unreadable else _ago(age)
     note = "QUARANTINED" if claim["quarantined"] else ""
     if session["wake_attempts"]:
         note = f"{note} resumes={session['wake_attempts']}".strip()
+    note = f"{note} {malformed}".strip()
     return [
         *(session["id"], doorbell, str(session["pending_inputs"])),
         *(claim["owner_id"], claim["phase"], lease, heartbeat, note),
     ]
+
+
+def _ago(seconds: float | None) -> str:
+    # None: the row's time is no number (`_store.status` says why, in `malformed`).
+    return "?" if seconds is None else f"{seconds:.1f}s ago"
 
 
 def format_quarantine(rows: list[dict[str, Any]]) -> str:
@@ -67,7 +79,8 @@ def format_quarantine(rows: list[dict[str, Any]]) -> str:
             "",
             f"execution {row['execution_id']}  session {row['session_id']}",
             f"  claim owner: {row['claim_owner_id']} ({row['claim_phase']})",
-            f"  quarantined {row['quarantined_for_s']:.1f}s ago by {row['recovery_owner']}",
+            f"  quarantined {_ago(row['quarantined_for_s'])} by {row['recovery_owner']}",
+            *(f"  MALFORMED: {problem}" for problem in row["malformed"]),
             *(f"  - {reason}" for reason in str(row["recovery_error"]).split("; ")),
         ]
     lines += ["", "act with: quarantine release DB EXECUTION_ID --resume|--drop"]

@@ -21,7 +21,8 @@ from ._stream import StreamEvent
 def state(session: Mapping[str, Any]) -> str:
     """A session's state in words, from its `_store.session_status` row."""
     paused = "paused, " if session["paused_since"] is not None else ""
-    return paused + _claim_state(session)
+    malformed = "; ".join(session["malformed"])
+    return paused + _claim_state(session) + (f" (malformed row: {malformed})" if malformed else "")
 
 
 def _claim_state(session: Mapping[str, Any]) -> str:

@@ -190,9 +190,17 @@ def status(tx: Tx) -> dict[str, Any]:
 
 def _session(now: int, row: Sequence[Any]) -> dict[str, Any]:
     (session_id, created, woken, wakes, attempts, inputs, messages, paused, scheduled, *claim) = row
+    rung = woken is not None
+    problems: list[str] = []
+    created, woken, wakes, attempts, paused = (
+        _whole(problems, f"session.{column}", value)
+        for column, value in zip(
+            _SESSION_NUMBERS, (created, woken, wakes, attempts, paused), strict=True
+        )
+    )
     doorbell = None
-    if woken is not None:
-        doorbell = {"time_woken": woken, "wakes": wakes, "age_s": _seconds(now - woken)}
+    if rung:
+        doorbell = {"time_woken": woken, "wakes": wakes, "age_s": _since(now, woken)}
     return {
         "id": session_id,
         "time_created": created,
@@ -202,14 +210,24 @@ def _session(now: int, row: Sequence[Any]) -> dict[str, Any]:
         "paused_since": paused,  # lease-clock ms of `pause`; None when not paused
         "messages": messages,
         "wake_attempts": attempts,
-        "claim": _claim(now, claim) if claim[0] is not None else None,
+        "claim": _claim(now, claim, problems) if claim[0] is not None else None,
+        "malformed": problems,
     }
 
 
-def _claim(now: int, row: Sequence[Any]) -> dict[str, Any]:
+_SESSION_NUMBERS = ("time_created", "time_woken", "wakes", "wake_attempts", "time_paused")
+_CLAIM_NUMBERS = ("time_created", "heartbeat_at", "expires_at")
+
+
+def _claim(now: int, row: Sequence[Any], problems: list[str]) -> dict[str, Any]:
     (execution_id, owner, phase, created, heartbeat, expires, rec_owner, rec_expires, error) = row
+    created, heartbeat, expires = (
+        _whole(problems, f"session_execution.{column}", value)
+        for column, value in zip(_CLAIM_NUMBERS, (created, heartbeat, expires), strict=True)
+    )
     recovery = None
     if rec_owner is not None:
+        rec_expires = _whole(problems, "session_recovery.expires_at", rec_expires)
         recovery = {"owner_id": rec_owner, "expires_at": rec_expires, "recovery_error": error}
     return {
         "execution_id": execution_id,
@@ -217,14 +235,31 @@ def _claim(now: int, row: Sequence[Any]) -> dict[str, Any]:
         "phase": phase,
         "time_created": created,
         "expires_at": expires,
-        "expired": expires <= now,
-        "lease_remaining_s": _seconds(max(0, expires - now)),
-        "expired_since_s": _seconds(max(0, now - expires)),
+        # An expiry that is no number never passes: SQLite orders text and blobs after
+        # every number, so the store treats such a claim as live.
+        "expired": expires is not None and expires <= now,
+        "lease_remaining_s": None if expires is None else _seconds(max(0, expires - now)),
+        "expired_since_s": None if expires is None else _seconds(max(0, now - expires)),
         "heartbeat_at": heartbeat,
-        "heartbeat_age_s": None if heartbeat is None else _seconds(now - heartbeat),
+        "heartbeat_age_s": _since(now, heartbeat),
         "quarantined": error is not None,
         "recovery": recovery,
     }
+
+
+def _whole(problems: list[str], column: str, value: Any) -> int | None:
+    """A lease-clock time or count as read, or None with a reason in `problems` when it is
+    no whole number: SQLite keeps whatever another tool wrote in any column, and one such
+    row is shown as malformed, not a failure of the whole listing (a BLOB would not even
+    print as JSON)."""
+    if value is None or type(value) is int:
+        return value
+    problems.append(f"{column} is {shown_text(value)!r:.60}, not a whole number")
+    return None
+
+
+def _since(now: int, then: int | None) -> float | None:
+    return None if then is None else _seconds(now - then)
 
 
 def quarantine_report(tx: Tx) -> list[dict[str, Any]]:
@@ -236,7 +271,12 @@ def quarantine_report(tx: Tx) -> list[dict[str, Any]]:
             (row["execution_id"],),
         )
         row["claim_owner_id"], row["claim_phase"] = (None, None) if claim is None else claim[:2]
-        row["quarantined_for_s"] = _seconds(tx.now - (row["time_quarantined"] or tx.now))
+        problems: list[str] = []
+        row["time_quarantined"] = _whole(
+            problems, "session_recovery.time_quarantined", row["time_quarantined"]
+        )
+        row["quarantined_for_s"] = _since(tx.now, row["time_quarantined"])
+        row["malformed"] = problems
     return rows
 
 
