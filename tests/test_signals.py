@@ -344,3 +344,41 @@ def test_a_slow_watcher_gets_the_latest_snapshot_and_never_an_older_one(
         assert versions == sorted(set(versions))
         assert versions[-1] == newest[message_id]
     assert set(delivered) == set(newest)
+
+
+@pytest.mark.parametrize("reader", ["transcript", "watch", "stream"])
+async def test_text_that_is_not_utf8_is_a_malformed_record_for_its_readers(
+    tmp_path: Path, reader: str
+) -> None:
+    """SQLite keeps whatever bytes another tool wrote as TEXT. A message that is not UTF-8
+    is a MalformedRecord naming it, for `transcript()`, a watcher and a stream alike, as a
+    message that is not JSON is; another session reads on. The driver's decode error
+    reached them as a StoreError that named neither the row nor the session."""
+    import sqlite3
+
+    db = tmp_path / "s.db"
+    async with trio_sessions.open_runtime(db, None) as rt:
+        await rt.submit("bad", {"n": 1})
+        await rt.submit("good", {"n": 1})
+        conn = sqlite3.connect(db)
+        with conn:
+            conn.execute(
+                "INSERT INTO session_message(id, session_id, role, seq, data, time_created,"
+                " time_updated) VALUES ('m-bad', 'bad', 'system', 1,"
+                " CAST(X'7B226E223A2280FF227D' AS TEXT), 0, 0)"
+            )
+        conn.close()
+
+        async def read() -> None:
+            if reader == "transcript":
+                await rt.transcript("bad")
+                return
+            opened = rt.watch("bad") if reader == "watch" else rt.stream("bad")
+            async with opened as first:
+                await first.__anext__()
+
+        with pytest.raises(MalformedRecord) as caught, trio.fail_after(BOUND):
+            await read()
+        assert (caught.value.table, caught.value.key) == ("session_message", "m-bad")
+        assert caught.value.reasons == ("not UTF-8 text: byte 0x80 at 6",)
+        assert await rt.transcript("good") == []

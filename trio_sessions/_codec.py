@@ -433,4 +433,5 @@ def _decode_json(text: Any, *, table: str, key: str) -> Any:
     try:
         return loads(text)
     except (TypeError, ValueError) as exc:
+        stored_text("text", text, table=table, key=key)  # bytes that are no text: say so
         raise MalformedRecord(table, key, [f"not JSON: {exc}"]) from None

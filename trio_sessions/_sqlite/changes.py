@@ -28,7 +28,7 @@ import trio
 
 from .._backend import OwnChange, Tx, executor_closed, now_ms
 from .._filewatch import FileWatch
-from .engine import SQLiteTx, Touched, store_error
+from .engine import SQLiteTx, Touched, run_read, store_error
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
@@ -74,7 +74,7 @@ class ChangeReader:
         except sqlite3.ProgrammingError:  # closed with its runtime
             raise executor_closed() from None
         try:
-            result = op(SQLiteTx(self.conn, now_ms(self.clock)), *args)
+            result = run_read(self.conn, op, SQLiteTx(self.conn, now_ms(self.clock)), args)
         except sqlite3.Error as exc:
             raise store_error(exc) from exc
         finally:

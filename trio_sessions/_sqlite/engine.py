@@ -131,6 +131,32 @@ class SQLiteTx:
             _liveness.forget_file_tokens(database, owner_ids)
 
 
+def run_read(
+    conn: sqlite3.Connection, op: Callable[..., T], tx: SQLiteTx, args: Sequence[Any]
+) -> T:
+    """`op(tx, *args)`, a read. A row's text that is not UTF-8 (SQLite keeps whatever bytes
+    another tool wrote as TEXT) fails the driver's whole read with an error naming neither
+    row nor table; the read then runs once more on the same snapshot with such text read
+    as its bytes, which the codec refuses as `MalformedRecord` naming the row."""
+    try:
+        return op(tx, *args)
+    except sqlite3.OperationalError as exc:
+        if tx.refused_value(exc) is None:
+            raise
+    conn.text_factory = _text_or_bytes
+    try:
+        return op(tx, *args)
+    finally:
+        conn.text_factory = str
+
+
+def _text_or_bytes(stored: bytes) -> str | bytes:
+    try:
+        return stored.decode("utf-8")
+    except UnicodeDecodeError:
+        return stored
+
+
 def database_file(conn: sqlite3.Connection) -> str | None:
     """The main database's file (None in memory: no liveness tokens there)."""
     return str(conn.execute("PRAGMA database_list").fetchone()[2]) or None
@@ -316,7 +342,7 @@ class SQLiteEngine:
     def read(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
         self.conn.execute("BEGIN")  # one deferred read transaction: a snapshot, no lock
         try:
-            return op(SQLiteTx(self.conn, now_ms(self.clock)), *args)
+            return run_read(self.conn, op, SQLiteTx(self.conn, now_ms(self.clock)), args)
         except sqlite3.Error as exc:
             raise store_error(exc) from exc
         finally:
