@@ -142,10 +142,12 @@ def test_sessions_are_paged_and_searched_in_the_store(tmp_path: Path) -> None:
     """The list shows 50 sessions a page in id order with a link to the next page, and a
     search matches ids containing the text; a session page shows its transcript. A row
     with text in an INTEGER column (SQLite keeps what another tool wrote) is listed as a
-    malformed row, saying which column holds what: it failed the whole page with a 500."""
+    malformed row, saying which column holds what: it failed the whole page with a 500.
+    Whatever a row holds reaches the page escaped (a pending input's seq did not)."""
     store = tmp_path / "db"
     seed(store, 120)
     Raw(store).write("UPDATE session SET time_woken = 'yesterday' WHERE id = 's003'")
+    Raw(store).write("UPDATE session_input SET seq = '<i>seq</i>' WHERE session_id = 's005'")
     with (
         console(str(store), tmp_path) as (url, _),
         httpx.Client(base_url=url, timeout=DEADLINE) as client,
@@ -175,6 +177,7 @@ def test_sessions_are_paged_and_searched_in_the_store(tmp_path: Path) -> None:
         malformed = "malformed row: session.time_woken is &#x27;yesterday&#x27;"
         assert first.count(malformed) == 1
         assert malformed in client.get("/sessions/s003").text
+        assert "<td>&lt;i&gt;seq&lt;/i&gt;</td>" in client.get("/sessions/s005").text
 
 
 def test_the_store_password_never_reaches_a_page(tmp_path: Path, pg_url: str) -> None:

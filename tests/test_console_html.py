@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from trio_sessions import StreamEvent
-from trio_sessions._console_html import apply_event
+from trio_sessions._console_html import _data_html, apply_event
 from trio_sessions._model import AssistantData, TextPart
 from trio_sessions._stream import EventKind
 
@@ -43,3 +43,12 @@ def test_an_append_to_a_long_message_sends_only_its_text() -> None:
     apply_event(copies, event("part", tool))
     [after_tool] = apply_event(copies, event("append", "again"))
     assert "html" in after_tool and "again" in after_tool["html"]
+
+
+def test_every_value_from_a_row_is_escaped_in_a_message() -> None:
+    """A message's role and seq reach the page escaped, as its text does (the store refuses
+    an unknown role, `test_signals`; this is the page's own guarantee)."""
+    html = _data_html("<s>", "<img src=x onerror=alert(1)>", {"x": 1})  # type: ignore[arg-type]
+    assert "<img" not in html
+    assert "<s>" not in html
+    assert "&lt;img src=x onerror=alert(1)&gt;" in html

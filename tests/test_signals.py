@@ -382,3 +382,41 @@ async def test_text_that_is_not_utf8_is_a_malformed_record_for_its_readers(
         assert (caught.value.table, caught.value.key) == ("session_message", "m-bad")
         assert caught.value.reasons == ("not UTF-8 text: byte 0x80 at 6",)
         assert await rt.transcript("good") == []
+
+
+@pytest.mark.parametrize(
+    ("column", "value", "reason"),
+    [
+        ("role", "<img src=x onerror=alert(1)>", "role '<img src=x onerror=alert(1)>' is none"),
+        ("seq", "<script>", "seq '<script>' is no whole number"),
+    ],
+)
+async def test_a_message_with_an_unknown_role_or_a_text_seq_is_malformed(
+    tmp_path: Path, column: str, value: str, reason: str
+) -> None:
+    """SQLite keeps what another tool writes past a CHECK (`ignore_check_constraints`) or
+    into an INTEGER column. Such a message is a MalformedRecord naming the column, for
+    `transcript()` (and a stream, for the role): it was returned as a message with that
+    role or seq, and the console wrote the role into its page as markup."""
+    import sqlite3
+
+    db = tmp_path / "s.db"
+    async with trio_sessions.open_runtime(db, None) as rt:
+        await rt.submit("bad", {"n": 1})
+        conn = sqlite3.connect(db)
+        with conn:
+            conn.execute("PRAGMA ignore_check_constraints = ON")
+            conn.execute(
+                "INSERT INTO session_message(id, session_id, role, seq, data, time_created,"
+                " time_updated) VALUES ('m-bad', 'bad', ?, ?, '{}', 0, 0)",
+                (value if column == "role" else "system", value if column == "seq" else 1),
+            )
+        conn.close()
+        with pytest.raises(MalformedRecord) as caught, trio.fail_after(BOUND):
+            await rt.transcript("bad")
+        assert (caught.value.table, caught.value.key) == ("session_message", "m-bad")
+        assert reason in caught.value.reasons[0]
+        if column == "role":  # a stream places a message by its seq (see the README)
+            with pytest.raises(MalformedRecord), trio.fail_after(BOUND):
+                async with rt.stream("bad") as events:
+                    await events.__anext__()

@@ -300,9 +300,10 @@ contains"> <button>search</button></form>
             if not self.guard.read_only:
                 back = f"/sessions/{_q(session_id)}"
                 cancel = self._button(f"/inputs/{_q(item['id'])}/cancel", "cancel", back=back)
+            seq, payload = _e(str(item["seq"])), _e(item["payload"])
             rows += (
-                f'<tr data-input="{_e(item["id"])}"><td>{item["seq"]}</td><td>{_e(due)}</td>'
-                f"<td>{_e(item['payload'])}</td><td>{cancel}</td></tr>"
+                f'<tr data-input="{_e(item["id"])}"><td>{seq}</td><td>{_e(due)}</td>'
+                f"<td>{payload}</td><td>{cancel}</td></tr>"
             )
         return (
             '<table id="inputs"><thead><tr><th>seq</th><th>due</th><th>pending input</th>'

@@ -54,16 +54,16 @@ def _data_html(seq: int, role: str, data: Any) -> str:
                 parts.append(f'<span class="text">{escape(part["text"])}</span>')
             else:
                 error = f": {escape(part['error'])}" if part["error"] else ""
-                parts.append(
-                    f'<span class="tool">[{escape(part["name"])} {part["status"]}{error}]</span>'
-                )
+                name, status = escape(part["name"]), escape(part["status"])
+                parts.append(f'<span class="tool">[{name} {status}{error}]</span>')
         status = "" if data["finished"] else ' <i class="open">…</i>'
         if data["error"]:
             status = f' <i class="error">({escape(data["error"])})</i>'
         content = "".join(parts) + status
     else:
         content = escape(json.dumps(data))
-    return f'<div class="message {role}" data-seq="{seq}"><b>{role}</b> {content}</div>'
+    role, at = escape(role), escape(str(seq))
+    return f'<div class="message {role}" data-seq="{at}"><b>{role}</b> {content}</div>'
 
 
 def apply_event(copies: dict[int, tuple[str, Any]], event: StreamEvent) -> list[dict[str, Any]]:

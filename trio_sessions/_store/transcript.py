@@ -17,14 +17,14 @@ Invariants kept here:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, get_args
 
 import attrs
 
 from .. import _codec, _transcript
 from .._backend import FALLBACK, Tx, autocommit_when_alone, pg_batched
 from .._errors import LeaseLost, MalformedRecord, TrioSessionsError
-from .._model import AssistantData, Message, Step
+from .._model import AssistantData, Message, Role, Step
 from .common import (
     _lease_lost,
     _next_message_seq,
@@ -412,10 +412,26 @@ def read_transcript_by_statements(tx: Tx, session_id: str) -> list[Message]:
     return [_decode_message(session_id, row, streamed.get(row[0], ())) for row in rows]
 
 
+_ROLES = frozenset(get_args(Role))
+
+
+def _shape_reasons(role: Any, seq: Any) -> list[str]:
+    """Why a message row's role or seq is none the store writes (SQLite keeps what another
+    tool writes past a CHECK or into an INTEGER column)."""
+    reasons = []
+    if role not in _ROLES:
+        reasons.append(f"role {role!r} is none of {', '.join(sorted(_ROLES))}")
+    if type(seq) is not int:
+        reasons.append(f"seq {seq!r} is no whole number")
+    return reasons
+
+
 def _decode_message(session_id: str, row: Sequence[Any], streamed: Sequence[Any]) -> Message:
     """A message row - (id, role, seq, data, execution_id, input_id) - with the texts
     streamed onto it since its data was written."""
     message_id, role, seq, data, execution_id, input_id = row
+    if role not in _ROLES or type(seq) is not int:
+        raise MalformedRecord("session_message", message_id, _shape_reasons(role, seq))
     decoded: Any
     if role == "assistant":
         decoded = _transcript.with_streamed(
