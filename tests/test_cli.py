@@ -182,10 +182,11 @@ def test_status_text_is_a_readable_table(seeded: Path, capsys: pytest.CaptureFix
 def test_listings_show_a_row_with_no_number_where_one_belongs_as_malformed(
     seeded: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """SQLite keeps whatever another tool writes in an INTEGER column. `status` and
-    `quarantine list` show such a row as malformed, saying which column holds what, and
-    list every other row as before (text and JSON). Before, one text time failed the whole
-    listing with a TypeError, and a BLOB the JSON output."""
+    """SQLite keeps whatever another tool writes in any column. `status` and `quarantine
+    list` show a row with no whole number in an INTEGER column, or no UTF-8 text in a TEXT
+    one, as malformed, saying which column holds what, and list every other row as before
+    (text and JSON). Before, one text time failed the whole listing with a TypeError, a
+    text that is not UTF-8 with the driver's decode error, and a BLOB the JSON output."""
     raw = sqlite3.connect(seeded)
     with raw:
         raw.execute(
@@ -193,6 +194,11 @@ def test_listings_show_a_row_with_no_number_where_one_belongs_as_malformed(
         )
         raw.execute("UPDATE session_execution SET expires_at = 'soon' WHERE id = 'exec-live'")
         raw.execute("UPDATE session_recovery SET time_quarantined = 'then'")
+        raw.execute(
+            "UPDATE session_execution SET owner_id = CAST(X'6FFF' AS TEXT)"
+            " WHERE id = 'exec-expired'"
+        )
+        raw.execute("UPDATE session_recovery SET recovery_error = X'626164'")
     raw.close()
     status = cli_json(capsys, "status", str(seeded))
     sessions = {session["id"]: session for session in status["sessions"]}
@@ -206,6 +212,8 @@ def test_listings_show_a_row_with_no_number_where_one_belongs_as_malformed(
         "session_execution.expires_at is 'soon', not a whole number"
     ]
     assert sessions["live"]["claim"]["expired"] is False  # what the store does with it
+    assert sessions["expired"]["malformed"] == ["session_execution.owner_id is not UTF-8 text"]
+    assert sessions["expired"]["claim"]["owner_id"] == "o\ufffd"
     assert sessions["idle"]["malformed"] == []
     code, out, _ = cli(capsys, "status", str(seeded))
     assert code == 0
@@ -216,7 +224,11 @@ def test_listings_show_a_row_with_no_number_where_one_belongs_as_malformed(
     [row] = cli_json(capsys, "quarantine", "list", str(seeded))
     assert row["execution_id"] == "exec-poison"
     assert row["quarantined_for_s"] is None
-    assert row["malformed"] == ["session_recovery.time_quarantined is 'then', not a whole number"]
+    assert row["recovery_error"] == "bad"
+    assert row["malformed"] == [
+        "session_recovery.recovery_error is not UTF-8 text",
+        "session_recovery.time_quarantined is 'then', not a whole number",
+    ]
     code, out, _ = cli(capsys, "quarantine", "list", str(seeded))
     assert code == 0
     assert "  quarantined ? by owner-rec" in out

@@ -271,6 +271,44 @@ async def test_text_that_is_not_utf8_is_quarantined_and_the_claims_behind_it_res
         assert await rt.transcript("bad") == []
 
 
+@pytest.mark.parametrize("which", ["doorbell", "session_id", "execution_id"])
+async def test_a_row_whose_id_is_not_utf8_never_stops_recovery_of_the_others(
+    tmp_path: Path, clock: Clock, autojump_clock: MockClock, which: str
+) -> None:
+    """§6.11 on SQLite, which keeps whatever bytes another tool writes as TEXT: a session
+    whose id is not UTF-8 with its doorbell set, or an expired claim whose session id or
+    execution id is not, is passed over by every recovery pass (no id of it can be named
+    from Python; `status` lists it as malformed), and the valid work beside it resumes.
+    The driver's decode error failed every pass, and with it every `open_runtime` on the
+    file: no crashed session was resumed and no worker could start."""
+    db_path = tmp_path / "sessions.db"
+    raw = Raw(db_path)
+    drain = Recorder()
+    async with runtime(Store(db_path, inline=True), drain, clock, **QUIET) as rt:
+        bad = "CAST(X'62ff' AS TEXT)"  # 'b' and a byte no UTF-8 text holds
+        if which == "doorbell":
+            raw.write(
+                f"INSERT INTO session(id, time_created, time_woken, wakes) VALUES ({bad}, 0, 1, 1)"
+            )
+        else:
+            session = bad if which == "session_id" else "'bad'"
+            execution = bad if which == "execution_id" else "'bad-exec'"
+            raw.write(f"INSERT INTO session(id, time_created) VALUES ({session}, 0)")
+            raw.write(
+                "INSERT INTO session_execution(id, session_id, owner_id, phase, time_created,"
+                f" expires_at) VALUES ({execution}, {session}, 'dead', 'running', 0, 1)"
+            )
+        raw.seed_claim("good", "good-exec", expires_at=expired(clock))
+        raw.write(
+            "INSERT INTO session(id, time_created, time_woken, wakes) VALUES ('woken', 0, 1, 1)"
+        )
+        report = await rt.recover_once()
+        await rt.wait_idle("good")
+        await rt.wait_idle("woken")
+    assert report == RecoveryReport(examined=2, resumed=1, doorbells_started=1)
+    assert sorted(call.session_id for call in drain.calls) == ["good", "woken"]
+
+
 async def test_quarantine_fence_lost_touches_nothing(
     store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
 ) -> None:

@@ -416,7 +416,7 @@ async def test_a_message_with_an_unknown_role_or_a_text_seq_is_malformed(
             await rt.transcript("bad")
         assert (caught.value.table, caught.value.key) == ("session_message", "m-bad")
         assert reason in caught.value.reasons[0]
-        if column == "role":  # a stream places a message by its seq (see the README)
+        if column == "role":  # a stream places each message by its seq: a text one is left out
             with pytest.raises(MalformedRecord), trio.fail_after(BOUND):
                 async with rt.stream("bad") as events:
                     await events.__anext__()

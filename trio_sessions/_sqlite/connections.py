@@ -165,12 +165,25 @@ def check_synchronous(value: object) -> str:
 
 def _configure(conn: sqlite3.Connection, synchronous: str = "NORMAL") -> None:
     synchronous = check_synchronous(synchronous)  # never interpolate anything else
+    conn.create_function("ts_utf8", 1, _is_utf8, deterministic=True)
     try:
         conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
         conn.execute("PRAGMA foreign_keys = ON")
         conn.execute(f"PRAGMA synchronous = {synchronous}")
     except sqlite3.DatabaseError as exc:
         raise _unreadable(database_name(conn), exc) from exc
+
+
+def _is_utf8(stored: bytes | None) -> bool:
+    """`ts_utf8(CAST(column AS BLOB))`: whether a text column's bytes are UTF-8 text.
+    SQLite keeps whatever bytes another tool writes as TEXT, and the driver refuses the
+    whole read of a row that holds any other; a scan over many sessions passes over such
+    rows with this, so one of them never fails the others' read."""
+    try:
+        (stored or b"").decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def database_name(conn: sqlite3.Connection) -> str:

@@ -26,13 +26,29 @@ from .transcript import _close_open_messages, _decode_message
 
 
 def quarantined(tx: Tx) -> list[dict[str, Any]]:
-    """Quarantined executions, oldest quarantine first, as plain JSON values."""
+    """Quarantined executions, oldest quarantine first, as plain JSON values (a text that is
+    not UTF-8 shown with replacement characters, and said in `malformed`)."""
     rows = tx.execute(
         "SELECT execution_id, session_id, owner_id, recovery_error, time_quarantined"
         " FROM session_recovery WHERE recovery_error IS NOT NULL ORDER BY time_quarantined"
     ).fetchall()
-    keys = ("execution_id", "session_id", "recovery_owner", "recovery_error", "time_quarantined")
-    return [dict(zip(keys, row, strict=True)) for row in rows]
+    keys = ("execution_id", "session_id", "recovery_owner", "recovery_error")
+    columns = ("execution_id", "session_id", "owner_id", "recovery_error")
+    listed = []
+    for row in rows:
+        problems: list[str] = []
+        texts = [
+            _text(problems, f"session_recovery.{column}", value)
+            for column, value in zip(columns, row[:4], strict=True)
+        ]
+        listed.append(
+            {
+                **dict(zip(keys, texts, strict=True)),
+                "time_quarantined": row[4],
+                "malformed": problems,
+            }
+        )
+    return listed
 
 
 def lift_quarantine(tx: Tx, execution_id: str, owner_id: str, lease_ms: int) -> Candidate:
@@ -192,6 +208,7 @@ def _session(now: int, row: Sequence[Any]) -> dict[str, Any]:
     (session_id, created, woken, wakes, attempts, inputs, messages, paused, scheduled, *claim) = row
     rung = woken is not None
     problems: list[str] = []
+    session_id = _text(problems, "session.id", session_id)
     created, woken, wakes, attempts, paused = (
         _whole(problems, f"session.{column}", value)
         for column, value in zip(
@@ -221,12 +238,20 @@ _CLAIM_NUMBERS = ("time_created", "heartbeat_at", "expires_at")
 
 def _claim(now: int, row: Sequence[Any], problems: list[str]) -> dict[str, Any]:
     (execution_id, owner, phase, created, heartbeat, expires, rec_owner, rec_expires, error) = row
+    execution_id, owner, phase = (
+        _text(problems, f"session_execution.{column}", value)
+        for column, value in zip(
+            ("id", "owner_id", "phase"), (execution_id, owner, phase), strict=True
+        )
+    )
     created, heartbeat, expires = (
         _whole(problems, f"session_execution.{column}", value)
         for column, value in zip(_CLAIM_NUMBERS, (created, heartbeat, expires), strict=True)
     )
     recovery = None
     if rec_owner is not None:
+        rec_owner = _text(problems, "session_recovery.owner_id", rec_owner)
+        error = _text(problems, "session_recovery.recovery_error", error)
         rec_expires = _whole(problems, "session_recovery.expires_at", rec_expires)
         recovery = {"owner_id": rec_owner, "expires_at": rec_expires, "recovery_error": error}
     return {
@@ -258,6 +283,16 @@ def _whole(problems: list[str], column: str, value: Any) -> int | None:
     return None
 
 
+def _text(problems: list[str], column: str, value: Any) -> Any:
+    """A text column as read (the operator's reads run again reading text that is not
+    UTF-8 as bytes, `_sqlite.engine.run_read`): bytes - such text, or a BLOB - shown with
+    replacement characters, with a reason in `problems`."""
+    if not isinstance(value, bytes):
+        return value
+    problems.append(f"{column} is not UTF-8 text")
+    return shown_text(value)
+
+
 def _since(now: int, then: int | None) -> float | None:
     return None if then is None else _seconds(now - then)
 
@@ -270,13 +305,13 @@ def quarantine_report(tx: Tx) -> list[dict[str, Any]]:
             "SELECT owner_id, phase, expires_at FROM session_execution WHERE id = ?",
             (row["execution_id"],),
         )
-        row["claim_owner_id"], row["claim_phase"] = (None, None) if claim is None else claim[:2]
-        problems: list[str] = []
+        owner, phase = (None, None) if claim is None else claim[:2]
+        row["claim_owner_id"] = _text(row["malformed"], "session_execution.owner_id", owner)
+        row["claim_phase"] = _text(row["malformed"], "session_execution.phase", phase)
         row["time_quarantined"] = _whole(
-            problems, "session_recovery.time_quarantined", row["time_quarantined"]
+            row["malformed"], "session_recovery.time_quarantined", row["time_quarantined"]
         )
         row["quarantined_for_s"] = _since(tx.now, row["time_quarantined"])
-        row["malformed"] = problems
     return rows
 
 
