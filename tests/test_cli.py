@@ -287,13 +287,26 @@ def test_status_session_filter_and_limit(seeded: Path, capsys: pytest.CaptureFix
     assert out.splitlines()[1:] == ["showing 0 of 0 matching sessions"]
 
 
-@pytest.mark.parametrize("flags", [["--limit", "0"], ["--limit", "x"], ["--state", "busy"]])
-def test_status_refuses_bad_filters_as_usage_errors(
-    seeded: Path, capsys: pytest.CaptureFixture[str], flags: list[str]
+@pytest.mark.parametrize(
+    ("command", "flags"),
+    [
+        (["status"], ["--limit", "0"]),
+        (["status"], ["--limit", "x"]),
+        (["status"], ["--state", "busy"]),
+        (["status"], ["--session", ""]),
+        (["status"], ["--session", "a\nb"]),
+        (["quarantine", "list"], ["--session", ""]),
+        (["inputs", "list"], ["--session", "a\x00b"]),
+    ],
+)
+def test_listings_refuse_bad_filters_as_usage_errors(
+    seeded: Path, capsys: pytest.CaptureFixture[str], command: list[str], flags: list[str]
 ) -> None:
-    """A non-positive limit or an unknown state is a usage error (exit 2)."""
+    """A non-positive limit, an unknown state or a session id no session can have (empty,
+    not printable: the API refuses it, and the README says so) is a usage error (exit 2).
+    The listings took such an id and answered that nothing matched."""
     with pytest.raises(SystemExit) as exit_info:
-        _cli.main(["status", str(seeded), *flags])
+        _cli.main([*command, str(seeded), *flags])
     assert exit_info.value.code == 2
     assert "usage:" in capsys.readouterr().err
 

@@ -178,11 +178,22 @@ def test_sessions_are_paged_and_searched_in_the_store(tmp_path: Path) -> None:
         assert first.count(malformed) == 1
         assert malformed in client.get("/sessions/s003").text
         assert "<td>&lt;i&gt;seq&lt;/i&gt;</td>" in client.get("/sessions/s005").text
+        assert_nul_refused(client)
+
+
+def assert_nul_refused(client: httpx.Client) -> None:
+    """A NUL in a search or a session's path names no session: 400 and 404 saying so, on
+    both backends (PostgreSQL's refusal of the text answered 'store error')."""
+    for params in ({"q": "\x00"}, {"after": "a\x00"}):
+        refused = client.get("/", params=params)
+        assert refused.status_code == 400
+        assert "no session id holds a NUL character" in refused.text
+    assert client.get("/sessions/a%00b").status_code == 404
 
 
 def test_the_store_password_never_reaches_a_page(tmp_path: Path, pg_url: str) -> None:
     """A PostgreSQL URL with a password: pages and metrics show it masked, never the
-    password itself."""
+    password itself. (And a NUL in a search is refused as on SQLite.)"""
     password = "s3cret/pw?x"
     quoted = "s3cret%2Fpw%3Fx"
     parts = urllib.parse.urlsplit(pg_url)
@@ -193,6 +204,7 @@ def test_the_store_password_never_reaches_a_page(tmp_path: Path, pg_url: str) ->
         httpx.Client(base_url=url, timeout=DEADLINE) as client,
     ):
         pages = client.get("/").text + client.get("/metrics").text
+        assert_nul_refused(client)
     for shown in (pages, process.output()):
         assert password not in shown and quoted not in shown
     assert "***" in pages

@@ -326,6 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--session",
         action="append",
         default=[],
+        type=_id_arg("session id"),
         metavar="S",
         help="only this session (repeatable)",
     )
@@ -405,7 +406,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_listing_filters(listing: argparse.ArgumentParser) -> None:
-    listing.add_argument("--session", metavar="S", help="only this session's")
+    listing.add_argument(
+        "--session", type=_id_arg("session id"), metavar="S", help="only this session's"
+    )
     listing.add_argument("--limit", type=_positive_int, metavar="N", help="at most N rows")
 
 

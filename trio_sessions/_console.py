@@ -173,6 +173,8 @@ class Console:
     async def sessions_page(self, query: Mapping[str, str]) -> bytes:
         search = query.get("q", "")
         after = query.get("after", "")
+        if "\x00" in search + after:  # PostgreSQL refuses it in any text: say why here
+            raise HTTPError(400, "no session id holds a NUL character")
         page = await self.runtime._db.read(_store.session_page, search, after, PAGE_SIZE)
         counts = await self.runtime._db.read(_store.store_counts)
         quarantine = await self.runtime._db.read(_store.quarantined)
@@ -267,7 +269,9 @@ contains"> <button>search</button></form>
         )
 
     async def session_page(self, session_id: str) -> bytes:
-        session = await self.runtime._db.read(_store.session_status, session_id)
+        session = None
+        if "\x00" not in session_id:  # no session id holds one (PostgreSQL refuses it)
+            session = await self.runtime._db.read(_store.session_status, session_id)
         if session is None:
             raise HTTPError(404, f"no session {session_id!r}")
         try:
