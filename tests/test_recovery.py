@@ -309,6 +309,32 @@ async def test_a_row_whose_id_is_not_utf8_never_stops_recovery_of_the_others(
     assert sorted(call.session_id for call in drain.calls) == ["good", "woken"]
 
 
+async def test_a_claim_whose_session_row_is_gone_is_quarantined_not_resumed(
+    tmp_path: Path, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """§6.11 on SQLite: a claim whose session row another tool deleted with foreign keys
+    off is quarantined with a reason naming the missing row, and its drain never runs. It
+    was resumed: the drain ran for a session that does not exist and lost its claim at
+    once (the claim was left live), and so again after every lease."""
+    db_path = tmp_path / "sessions.db"
+    raw = Raw(db_path)
+    drain = Recorder()
+    async with runtime(Store(db_path, inline=True), drain, clock, **QUIET) as rt:
+        raw.seed_claim("orphan", "orphan-exec", expires_at=expired(clock, 10))
+        conn = sqlite3.connect(db_path)
+        with conn:
+            conn.execute("PRAGMA foreign_keys = OFF")
+            conn.execute("DELETE FROM session WHERE id = 'orphan'")
+        conn.close()
+        raw.seed_claim("good", "good-exec", expires_at=expired(clock))
+        report = await rt.recover_once()
+        await rt.wait_idle("good")
+    assert report == RecoveryReport(examined=2, resumed=1, quarantined=1)
+    assert [call.session_id for call in drain.calls] == ["good"]
+    [(reason,)] = raw.rows("SELECT recovery_error FROM session_recovery")
+    assert "its session 'orphan' has no row" in reason
+
+
 async def test_quarantine_fence_lost_touches_nothing(
     store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
 ) -> None:

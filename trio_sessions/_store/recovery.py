@@ -82,6 +82,11 @@ def _recovery_facts(tx: Tx, candidate: Candidate) -> tuple[RecoveryFacts, str | 
     )
     malformed_reason = None if newest is None else _malformed_reason(tx, newest[0], newest[1])
     attempts = tx.one("SELECT wake_attempts, time_paused FROM session WHERE id = ?", (session_id,))
+    if attempts is None and ours:
+        # Only another tool, with foreign keys off, leaves a claim without its session: a
+        # drain resumed on it would run for no session and lose its claim at once.
+        reasons = [f"its session {session_id!r} has no row"]
+        raise MalformedRecord("session_execution", str(execution_id), reasons)
     facts = RecoveryFacts(
         claim=claim,
         superseded=superseded,
