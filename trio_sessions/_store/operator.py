@@ -8,7 +8,10 @@ Invariants kept here:
 * dropping a quarantined execution sets aside (raw text kept) the messages that do not
   decode, so the transcript reads again; finishes the rest as owner-lost, deletes the
   claim, resets the resume budget and re-arms the doorbell if inputs remain;
-* the reads only read: they run on a read snapshot.
+* the reads only read: they run on a read snapshot. A row holding what the store never
+  writes (no whole number in a time or count, no UTF-8 text in a text column: SQLite keeps
+  another tool's writes) is listed with its reasons in `malformed`, never failing the
+  listing of the others.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ def quarantined(tx: Tx) -> list[dict[str, Any]]:
         listed.append(
             {
                 **dict(zip(keys, texts, strict=True)),
-                "time_quarantined": row[4],
+                "time_quarantined": _whole(problems, "session_recovery.time_quarantined", row[4]),
                 "malformed": problems,
             }
         )
@@ -308,9 +311,6 @@ def quarantine_report(tx: Tx) -> list[dict[str, Any]]:
         owner, phase = (None, None) if claim is None else claim[:2]
         row["claim_owner_id"] = _text(row["malformed"], "session_execution.owner_id", owner)
         row["claim_phase"] = _text(row["malformed"], "session_execution.phase", phase)
-        row["time_quarantined"] = _whole(
-            row["malformed"], "session_recovery.time_quarantined", row["time_quarantined"]
-        )
         row["quarantined_for_s"] = _since(tx.now, row["time_quarantined"])
     return rows
 
