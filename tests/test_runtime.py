@@ -1137,33 +1137,38 @@ async def test_graceful_restarts_do_not_use_up_the_resume_budget(
     assert Raw(db_path).claim("s") is None
 
 
-class _SlowAcquireExecutor:
-    """An executor whose acquisitions answer `delay` seconds (trio time) after they
-    committed."""
+_ACQUISITIONS = (_store.acquire, _store.wake_and_acquire, _store.submit_and_acquire)
 
-    def __init__(self, inner: Any, delay: float) -> None:
+
+class _SlowAcquireExecutor:
+    """An executor whose acquisitions (or other `ops`) answer `delay` seconds (trio time)
+    after they committed."""
+
+    def __init__(self, inner: Any, delay: float, ops: tuple[Any, ...] = _ACQUISITIONS) -> None:
         self._inner = inner
         self._delay = delay
+        self._ops = ops
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
     async def run(self, op: Any, *args: Any) -> Any:
         result = await self._inner.run(op, *args)
-        if op in (_store.acquire, _store.wake_and_acquire, _store.submit_and_acquire):
+        if op in self._ops:
             await trio.sleep(self._delay)
         return result
 
 
 class _SlowAcquireStore:
-    def __init__(self, inner: Any, delay: float) -> None:
+    def __init__(self, inner: Any, delay: float, ops: tuple[Any, ...] = _ACQUISITIONS) -> None:
         self._inner = inner
         self._delay = delay
+        self._ops = ops
 
     @asynccontextmanager
     async def open_executor(self, clock: Any) -> AsyncIterator[Any]:
         async with self._inner.open_executor(clock) as executor:
-            yield _SlowAcquireExecutor(executor, self._delay)
+            yield _SlowAcquireExecutor(executor, self._delay, self._ops)
 
 
 async def test_a_claim_past_its_local_deadline_at_commit_reaches_no_user_code(
@@ -1184,3 +1189,121 @@ async def test_a_claim_past_its_local_deadline_at_commit_reaches_no_user_code(
         await rt.wait_idle("s")
     assert hooked == []
     assert drain.calls == []
+
+
+async def test_a_rung_claim_answered_past_its_local_deadline_reaches_no_user_code(
+    store: Store, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """Invariant 17, the busy period's own acquisition (a doorbell found by recovery, a
+    successor, a joiner): the local deadline counts from when the acquire was *sent*, so a
+    claim answered 31 s into a 30 s lease runs neither hook nor drain. Timed from the reply,
+    the drain would start with 27 s left locally while the store's lease had already expired
+    (another runtime may be draining the session)."""
+    async with trio_sessions.open_runtime(store, None, clock=clock) as producer:
+        await producer.submit("s", {"n": 1}, input_id="i1")  # a doorbell, no local entry
+    drain = Recorder()
+    hooked: list[Claim] = []
+
+    async def hook(claim: Claim) -> None:
+        hooked.append(claim)
+
+    slow = _SlowAcquireStore(store, 31.0)  # the lease is 30 s
+    quiet = {"recovery_interval": 10_000.0}  # only the first pass, which rings the doorbell
+    async with runtime(slow, drain, clock, acquisition_hook=hook, **quiet) as rt:  # type: ignore[arg-type]
+        await rt.wait_idle("s")
+    assert hooked == []
+    assert drain.calls == []
+
+
+async def test_a_takeover_answered_past_its_local_deadline_reaches_no_user_code(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """Invariant 17 for recovery: a takeover whose reply comes 31 s after it was sent (30 s
+    lease) never starts the resumed drain nor its hook - its local deadline counts from the
+    send. Timed from the reply, the resumed drain would run past the durable expiry."""
+    raw = Raw(db_path)
+    async with runtime(store, Recorder(), clock, recovery_interval=10_000.0):
+        pass  # create the schema
+    raw.seed_claim("s", "dead-exec", expires_at=now_ms(clock) - 1)
+    drain = Recorder()
+    hooked: list[Claim] = []
+
+    async def hook(claim: Claim) -> None:
+        hooked.append(claim)
+
+    slow = _SlowAcquireStore(store, 31.0, ops=(_store.apply_recovery_batch,))
+    async with runtime(
+        slow,  # type: ignore[arg-type]
+        drain,
+        clock,
+        acquisition_hook=hook,
+        recovery_interval=10_000.0,
+    ) as rt:
+        await rt.wait_idle("s")  # the first pass took it over while opening
+        claim = raw.claim("s")
+        assert claim is not None and claim[0] != "dead-exec" and claim[1] == rt.owner_id
+    assert hooked == []
+    assert drain.calls == []
+
+
+class _LateThenUnreachableExecutor:
+    """An executor whose first heartbeat answers `delay` seconds (trio time) after it
+    committed, and whose later heartbeats fail: the store became unreachable."""
+
+    def __init__(self, inner: Any, delay: float) -> None:
+        self._inner = inner
+        self._delay = delay
+        self.renewals = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def run(self, op: Any, *args: Any) -> Any:
+        if op is not _store.heartbeat:
+            return await self._inner.run(op, *args)
+        self.renewals += 1
+        if self.renewals > 1:
+            raise trio_sessions.StoreError("the store is unreachable")
+        result = await self._inner.run(op, *args)
+        await trio.sleep(self._delay)
+        return result
+
+
+class _LateThenUnreachableStore:
+    def __init__(self, inner: Any, delay: float) -> None:
+        self._inner = inner
+        self._delay = delay
+
+    @asynccontextmanager
+    async def open_executor(self, clock: Any) -> AsyncIterator[Any]:
+        async with self._inner.open_executor(clock) as executor:
+            yield _LateThenUnreachableExecutor(executor, self._delay)
+
+
+async def test_a_renewal_answered_late_counts_from_when_it_was_sent(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """Invariant 17: a heartbeat whose reply takes 15 s of a 30 s lease, then a store that
+    cannot be reached: the drain is stopped (lease_lost) before the durable expiry that
+    renewal wrote, because the renewed local deadline counts from when it was sent. Timed
+    from the reply, it would run 12 s past that expiry, beside a recovering owner."""
+    stopped_at: list[float] = []
+    entered = trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        entered.set()
+        try:
+            await trio.sleep_forever()
+        finally:
+            stopped_at.append(clock())
+
+    raw = Raw(db_path)
+    slow = _LateThenUnreachableStore(store, 15.0)  # heartbeats every 10 s
+    async with runtime(slow, drain, clock) as rt, trio.open_nursery() as nursery:  # type: ignore[arg-type]
+        outcomes = start_run(nursery, rt, "s")
+        await entered.wait()
+        acquired_expiry = raw.claim("s")[3]
+    assert outcomes == [Outcome("interrupted", "lease_lost")]
+    renewed_expiry = raw.claim("s")[3]  # a lost lease writes nothing
+    assert renewed_expiry > acquired_expiry  # the late renewal did land
+    assert stopped_at and stopped_at[0] * 1000 < renewed_expiry
