@@ -3,12 +3,15 @@ transitions. On both backends, through the sync engine."""
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
 import pytest
 
 from trio_sessions import (
+    DuplicateSettlement,
+    ToolPart,
     TrioSessionsError,
     _store,
     _transcript,
@@ -66,3 +69,27 @@ def test_a_version_at_the_top_of_its_range_refuses_the_write(db: Db, write: str)
     with pytest.raises(TrioSessionsError, match="out of range"):
         db.run(op, "s", execution, "owner-a", "m-1", last)
     assert db.snapshot() == before
+
+
+def test_a_stale_known_view_never_settles_a_tool_twice(db: Db) -> None:
+    """Invariant 12: a writer whose `Known` view of its message is a version behind the
+    stored row (it saw the tool running; the row has it settled) cannot settle the tool
+    again - the store reads the row and the transition refuses a second settlement - and
+    the stored settlement stays. PostgreSQL's fast path trusts a view only at the row's
+    exact version: trusting one that is merely not newer would write a second settlement
+    over the first (a failure after a success)."""
+    execution = db.claim()
+    db.run(_store.begin_assistant, "s", execution, "owner-a", "m-1")
+    start = functools.partial(_transcript.start_tool, call_id="c1", name="echo", input={"x": 1})
+    data, version, _ = db.run(_store.update_assistant, "s", execution, "owner-a", "m-1", start)
+    known = _store.Known(data, (), version)  # the tool running, at version 2
+    settle = functools.partial(_transcript.settle_tool, call_id="c1", output={"ok": 1})
+    db.run(_store.update_assistant, "s", execution, "owner-a", "m-1", settle, known)
+    settled = db.message("m-1")
+    fail = functools.partial(_transcript.settle_tool, call_id="c1", error="boom")
+    with pytest.raises(DuplicateSettlement):
+        db.run(_store.update_assistant, "s", execution, "owner-a", "m-1", fail, known)
+    assert db.message("m-1") == settled
+    [part] = settled.parts
+    assert isinstance(part, ToolPart)
+    assert (part.status, part.output, part.error) == ("completed", {"ok": 1}, None)
