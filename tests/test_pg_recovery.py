@@ -23,6 +23,7 @@ from trio_sessions import _store
 from trio_sessions._bench.roundtrips import counting_url
 from trio_sessions._decisions import AcquireVerdict, RecoveryDecision
 from trio_sessions._postgres import PgEngine, PgTx, connect, run_op
+from trio_sessions._store.recovery_scan import scan_and_lease
 
 LEASE_MS = 30_000
 DEAD, ME, OTHER = "dead", "rescuer", "other-rescuer"
@@ -176,6 +177,41 @@ def test_takeover_skips_a_claim_row_locked_by_another_transaction(
         ).fetchall() == [("busy", "e-busy", DEAD), ("free", "new-free", ME)]
         assert conn.execute("SELECT execution_id, owner_id FROM session_recovery").fetchall() == [
             ("e-busy", ME)
+        ]
+
+
+def test_the_scan_skips_a_claim_row_locked_by_another_transaction(
+    pg_url: str, pg_schema: str
+) -> None:
+    """DESIGN §8, §6.14: a recovery pass's scan skips an expired claim whose row another
+    transaction holds locked (a heartbeat, another recoverer's scan) instead of waiting for
+    it, and leases the other expired claim. Waiting, the pass - and every session behind it
+    - would stall until that transaction ends."""
+    with engine_at(pg_url, pg_schema, 1.0) as owner:
+        claim(owner, "busy")
+        claim(owner, "free")
+    with engine_at(pg_url, pg_schema, 2.0) as rescuer:
+        with raw(pg_url, pg_schema) as holder, holder.transaction():
+            holder.execute("SELECT id FROM session_execution WHERE id = 'e-busy' FOR UPDATE")
+            done = threading.Event()
+            outcome: list[Any] = []
+
+            def scan() -> None:
+                try:
+                    outcome.append(run_op(rescuer, scan_and_lease, ME, 10, [], [], LEASE_MS))
+                finally:
+                    done.set()
+
+            threading.Thread(target=scan, daemon=True).start()
+            # Waiting for the lock would keep it from finishing while the lock is held.
+            finished_while_locked = done.wait(10)
+        done.wait(30)
+    assert finished_while_locked, "the scan waited for a claim row another tx locked"
+    [(found, _, leased, _)] = outcome
+    assert found == leased == candidates("free")
+    with raw(pg_url, pg_schema) as conn:
+        assert conn.execute("SELECT execution_id, owner_id FROM session_recovery").fetchall() == [
+            ("e-free", ME)
         ]
 
 
