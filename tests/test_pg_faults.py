@@ -1174,6 +1174,48 @@ def test_commit_whose_outcome_stays_unknown_is_reported_as_store_error(
         ]
 
 
+def test_commit_still_in_progress_past_the_bound_is_reported_as_store_error(
+    pg_url: str, pg_schema: str, short_patience: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DESIGN §6.19: a batch's COMMIT (an acquire beside a submit) lands, its reply is lost,
+    and the server, asked again and again, still calls the transaction 'in progress' (it
+    has not noticed the broken connection) until the bound: every job reports StoreError,
+    never a claim - an outcome not known is not taken as committed - though the claim row
+    is durable."""
+    asked: list[str] = []
+
+    def in_progress(conn: Any, xid: str) -> str:
+        asked.append(xid)
+        return "in progress"
+
+    def batch(n: int) -> list[Job]:
+        return [
+            Job(_store.acquire, (f"s{n}", f"e{n}", OWNER, LEASE_MS)),
+            Job(_store.submit, (f"t{n}", "{}", f"i{n}")),
+        ]
+
+    with environment(pg_url, pg_schema) as env:
+        for n in (0, 1):
+            env.run(_store.wake, f"s{n}")
+        env.faults.recorded = []
+        env.engine.run_batch(batch(0))  # a clean run: where its COMMIT comes
+        k = env.faults.recorded.index("COMMIT") + 1
+        env.faults.recorded = None
+        monkeypatch.setattr(_postgres.engine, "_xact_status", in_progress)
+        env.faults.arm(Plan(k, Mode.LOST))
+        jobs = batch(1)
+        started = time.monotonic()
+        env.engine.run_batch(jobs)
+        assert env.faults.fired == "COMMIT"
+        outcome = outcome_of(jobs)
+        assert [kind for kind, _ in outcome] == ["StoreError", "StoreError"], outcome
+        assert "is still 'in progress'" in outcome[0][1]
+        assert time.monotonic() - started >= short_patience
+        assert len(asked) > 1  # polled until the bound, not given up at the first answer
+        claims = "SELECT id, owner_id FROM session_execution WHERE session_id = 's1'"
+        assert env.control.execute(claims).fetchall() == [("e1", OWNER)]
+
+
 # ---------------------------------------------------------------------------------------------
 # The runtime: an uncertain claim is never treated as owned (DESIGN §6.19)
 
