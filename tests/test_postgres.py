@@ -402,6 +402,81 @@ def test_server_now_is_read_after_the_session_lock_is_granted(pg_url: str, pg_sc
         assert counted.statements == 1
 
 
+SERVER_MS = "SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
+
+
+def server_ms(conn: psycopg.Connection[Any]) -> int:
+    """The server's clock now, in integer ms (the lease clock on PostgreSQL)."""
+    row = conn.execute(SERVER_MS).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_a_host_clock_an_hour_ahead_decides_nothing(
+    pg_url: str, pg_schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DESIGN §6.18: on the server's clock (no clock given), this host's clock an hour ahead
+    changes nothing: an acquire's and a heartbeat's expiry are a lease after the server's
+    clock, and an input scheduled a minute out is a minute from due. Were the host's clock
+    sent to the functions (the claim would be live an hour too long) or read as the Python
+    operations' `now` (the input would be due an hour ago), skew would decide fences."""
+    with (
+        opened(PostgresStore(pg_url, schema=pg_schema).engine()) as engine,
+        raw(pg_url, pg_schema) as conn,
+    ):
+        host_time = time.time
+        monkeypatch.setattr(time, "time", lambda: host_time() + 3_600.0)
+
+        def expiry_is_a_lease_from_the_server_clock(write: Callable[[], object]) -> None:
+            before = server_ms(conn)
+            write()
+            after = server_ms(conn)
+            row = conn.execute("SELECT expires_at FROM session_execution").fetchone()
+            assert row is not None and before + LEASE_MS <= row[0] <= after + LEASE_MS
+
+        expiry_is_a_lease_from_the_server_clock(lambda: claim(engine, "s", "e1", "owner", LEASE_MS))
+        expiry_is_a_lease_from_the_server_clock(
+            lambda: run_op(engine, _store.heartbeat, "owner", ["e1"], LEASE_MS)
+        )
+        before = server_ms(conn)
+        run_op(engine, _store.submit_scheduled, "later", "{}", "i1", 60_000, "reject")
+        due_in = run_op(engine, _store.next_due)
+        after = server_ms(conn)
+        assert due_in is not None and 60_000 - (after - before) <= due_in <= 60_000
+
+
+def test_a_function_reads_the_server_clock_after_the_session_lock_is_granted(
+    pg_url: str, pg_schema: str
+) -> None:
+    """DESIGN §8, §6.18: a server-side function's `now` (ts_now) is the server's clock read
+    after the session lock it waited for, no earlier than the moment the lock's previous
+    holder let go - not now(), the start of its transaction, which is older by the whole
+    wait (a fence would judge a lease by a time before its last renewal)."""
+    with (
+        opened(PostgresStore(pg_url, schema=pg_schema).engine()) as engine,
+        raw(pg_url, pg_schema) as holder,
+    ):
+        assert engine.backend_pid is not None
+        holder.execute("BEGIN")
+        holder.execute("SELECT ts_lock('s')")
+        waiting = Background(lambda: run_op(engine, _store.wake, "s"))
+        wait_until_blocked(pg_url, engine.backend_pid)
+        # The wait lasts (by the server's clock) past the waiter's transaction start, so
+        # the two times differ in integer ms.
+        aged = (
+            "SELECT clock_timestamp() - xact_start >= interval '2 ms'"
+            " FROM pg_stat_activity WHERE pid = %s"
+        )
+        deadline = time.monotonic() + 10
+        while holder.execute(aged, (engine.backend_pid,)).fetchone() != (True,):
+            assert time.monotonic() < deadline, "the waiter's transaction never aged"
+        released = server_ms(holder)
+        holder.execute("COMMIT")
+        waiting.result()
+        row = holder.execute("SELECT time_woken FROM session WHERE id = 's'").fetchone()
+    assert row is not None and row[0] >= released
+
+
 def test_session_lock_is_retaken_after_a_savepoint_rolled_back(pg_url: str, pg_schema: str) -> None:
     """A session lock taken inside a savepoint that rolled back (and so was released) is
     taken again by the next lock_session of the same transaction."""
