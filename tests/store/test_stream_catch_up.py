@@ -3,6 +3,7 @@
 (`stream_changes`) would, or None - "read it yourself" - never anything else; streams that
 only miss appends to the open messages they follow (a chat's answer, word after word) are
 always answered, and on SQLite those cost the same few statements however many there are.
+A stream's own read fetches rows in proportion to what it missed, not to the transcript.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import attrs
 import pytest
 
 from trio_sessions import _sqlite, _store, _transcript
+from trio_sessions._bench.load import seed_transcript
 from trio_sessions._store.stream import (
     Appended,
     Held,
@@ -167,3 +169,77 @@ def test_the_one_step_missed_is_sent_and_an_unreadable_one_sends_the_message_who
         answer = db.engine.read(read, session, at)
         assert not answer.rewritten
         assert [type(change).__name__ for change in answer.changes] == ["Whole"]
+
+
+class Fetching:
+    """A connection that counts the rows its statements hand back."""
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+        self.rows = 0
+
+    def execute(self, sql: str, params: Any = ()) -> Any:
+        return _FetchingCursor(self._conn.execute(sql, params), self)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+
+class _FetchingCursor:
+    def __init__(self, cursor: Any, counter: Fetching) -> None:
+        self._cursor = cursor
+        self._counter = counter
+
+    def fetchone(self) -> Any:
+        row = self._cursor.fetchone()
+        self._counter.rows += row is not None
+        return row
+
+    def fetchall(self) -> list[Any]:
+        rows = self._cursor.fetchall()
+        self._counter.rows += len(rows)
+        return list(rows)
+
+    def __iter__(self) -> Any:
+        for row in self._cursor:
+            self._counter.rows += 1
+            yield row
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cursor, name)
+
+
+def rows_fetched(db: Db, session_id: str, position: Position) -> tuple[int, Any]:
+    """The rows a stream's own read (`stream_changes`, SQLite) fetches, and its answer."""
+    fetching: list[Fetching] = []
+
+    def counted(tx: Any, session_id: str, position: Position) -> Any:
+        conn = Fetching(tx.conn)
+        fetching.append(conn)
+        return _store.stream_changes(_sqlite.SQLiteTx(conn, tx.now), session_id, position)  # type: ignore[arg-type]
+
+    answer = db.engine.read(counted, session_id, position)
+    return fetching[0].rows, answer
+
+
+@pytest.mark.sqlite_only("counts the rows SQLite hands back")
+def test_a_read_near_the_end_of_a_long_transcript_fetches_only_the_new_message(db: Db) -> None:
+    """DESIGN §6.26: a stream one message behind at the end of a 2,000-message transcript
+    is caught up by fetching a few rows (its top message's id, the new message), not the
+    transcript: the new messages are selected by seq in SQL, not filtered in Python."""
+    seed_transcript(db.path, "long", 2_000)
+    [(top_id,)] = db.rows("SELECT id FROM session_message WHERE seq = 1999")
+    fetched, answer = rows_fetched(db, "long", Position(1999, message_tag(str(top_id))))
+    assert [change.seq for change in answer.changes] == [2000] and not answer.rewritten
+    assert fetched <= 3, fetched
+
+
+@pytest.mark.sqlite_only("counts the rows SQLite hands back")
+def test_a_read_of_an_answer_with_many_deltas_fetches_only_the_missed_one(db: Db) -> None:
+    """DESIGN §6.26: a stream one word behind on an open answer of 500 streamed words gets
+    that word by fetching a few rows (the message's id and version, the one new delta),
+    not every delta of the answer: the deltas are selected by version in SQL."""
+    session, position = following(db, 0, words=500)
+    fetched, answer = rows_fetched(db, session, position)
+    assert [change.text for change in answer.changes] == ["more "]
+    assert fetched <= 4, fetched
