@@ -142,6 +142,25 @@ def test_a_set_wise_run_that_raises_runs_its_jobs_alone(db: Db) -> None:
     assert db.rows("SELECT COUNT(*) FROM session WHERE id = 's2'") == [(0,)]
 
 
+def test_a_set_wise_iteration_end_takes_every_wake_at_once(db: Db) -> None:
+    """§6.8: drains rung once and three times end their iterations set-wise as CONTINUE,
+    each doorbell cleared with no wake left - one more iteration each, not one per wake -
+    so the next end releases the claim."""
+    for s, rings in (("w1", 1), ("w3", 3)):
+        db.claim(s, execution=f"exec-a-{s}")
+        for _ in range(rings):
+            db.run(_store.wake, s)
+    assert db.doorbell("w3")[1] == 3
+    ending = ends(["w1", "w3"], "a")
+    counted = run_counted(db, ending)
+    assert [job.unwrap() for job in ending] == [IterationVerdict.CONTINUE] * 2
+    assert counted.count(SINGLE_FENCE) == 0  # both ended set-wise
+    assert db.doorbell("w1") == db.doorbell("w3") == (None, 0, 0)
+    ending = ends(["w1", "w3"], "a")
+    run_counted(db, ending)
+    assert [job.unwrap() for job in ending] == [IterationVerdict.RELEASE] * 2
+
+
 # ---------------------------------------------------------------------------------------------
 # The same outcome as one by one: random batches over sessions in every state these two
 # operations tell apart, against the same jobs run alone in the order the batch ran them.
@@ -178,7 +197,9 @@ def _setup(db: Db, rng: random.Random, sessions: list[str]) -> None:
             db.run(_store.mark_cancelling, s, f"exec-{s}", "owner-a")
         if state == "open":
             db.run(_store.begin_assistant, s, f"exec-{s}", "owner-a", f"m-{s}")
-        if rng.random() < 0.4:
+        # Rung during the drain, up to three times: its iteration end takes every wake at
+        # once (§6.8: N wakes -> one more iteration).
+        for _ in range(rng.choice((0, 0, 0, 1, 2, 3))):
             db.run(_store.wake, s)
         if rng.random() < 0.3:
             db.write("UPDATE session SET wake_attempts = 2 WHERE id = ?", (s,))
