@@ -17,6 +17,7 @@ from trio_sessions import (
 )
 from trio_sessions._decisions import RecoveryDecision
 from trio_sessions._model import BUDGET_EXHAUSTED, INTERRUPTED, OWNER_LOST
+from trio_sessions._store import recovery_batch
 
 from .common import (
     LEASE,
@@ -453,3 +454,34 @@ def test_a_version_at_the_top_of_its_range_is_quarantined_not_the_whole_pass(
     assert [r.decision for r in results] == [RecoveryDecision.QUARANTINE, RecoveryDecision.RESUME]
     [(error,)] = db.rows("SELECT recovery_error FROM session_recovery")
     assert "out of range" in error
+
+
+@pytest.mark.parametrize("error", [ValueError, TypeError, RecursionError])
+def test_a_claim_whose_recovery_raises_is_quarantined_not_the_whole_pass(
+    db: Db, monkeypatch: pytest.MonkeyPatch, error: type[Exception]
+) -> None:
+    """§6.11: a claim whose row-by-row recovery raises what a row no decoder foresaw makes
+    (a ValueError, a TypeError, a RecursionError from a pathological value) is poison: it is
+    quarantined with the error named, and the valid claim in the same batch resumes. Let
+    through, the error failed the whole pass, every pass, and starved the claims behind."""
+    real = _store.apply_recovery  # what recovery_batch calls row by row
+
+    def poisoned(tx: Any, owner_id: str, candidate: _store.Candidate, *args: Any) -> Any:
+        if candidate.session_id == "s":
+            raise error("a row no decoder foresaw")
+        return real(tx, owner_id, candidate, *args)
+
+    monkeypatch.setattr(recovery_batch, "apply_recovery", poisoned)
+    execution = busy_claim(db)  # an open message: recovered row by row
+    db.expire()
+    expired_claim(db, "good", NOW - 1)
+    candidates = [_store.Candidate("s", execution), _store.Candidate("good", "exec-good")]
+    assert db.run(_store.take_recovery_leases, ME, LEASE, candidates) == candidates
+    items = [(candidate, f"new-{candidate.session_id}") for candidate in candidates]
+    results = db.run(_store.apply_recovery_batch, ME, items, LEASE, 10, [])
+    assert [r.decision for r in results] == [RecoveryDecision.QUARANTINE, RecoveryDecision.RESUME]
+    [(quarantined, why)] = db.rows("SELECT execution_id, recovery_error FROM session_recovery")
+    assert quarantined == execution and error.__name__ in why
+    assert db.rows(
+        "SELECT session_id, id, owner_id FROM session_execution ORDER BY session_id"
+    ) == [("good", "new-good", ME), ("s", execution, "owner-a")]
