@@ -396,8 +396,9 @@ async def test_a_message_with_an_unknown_role_or_a_text_seq_is_malformed(
 ) -> None:
     """SQLite keeps what another tool writes past a CHECK (`ignore_check_constraints`) or
     into an INTEGER column. Such a message is a MalformedRecord naming the column, for
-    `transcript()` (and a stream, for the role): it was returned as a message with that
-    role or seq, and the console wrote the role into its page as markup."""
+    `transcript()`, a stream and a watcher: it was returned as a message with that role or
+    seq (a stream and a watcher raised ValueError placing a text seq), and the console
+    wrote the role into its page as markup."""
     import sqlite3
 
     db = tmp_path / "s.db"
@@ -416,7 +417,9 @@ async def test_a_message_with_an_unknown_role_or_a_text_seq_is_malformed(
             await rt.transcript("bad")
         assert (caught.value.table, caught.value.key) == ("session_message", "m-bad")
         assert reason in caught.value.reasons[0]
-        if column == "role":  # a stream places each message by its seq: a text one is left out
-            with pytest.raises(MalformedRecord), trio.fail_after(BOUND):
-                async with rt.stream("bad") as events:
-                    await events.__anext__()
+        with pytest.raises(MalformedRecord), trio.fail_after(BOUND):
+            async with rt.stream("bad") as events:
+                await events.__anext__()
+        with pytest.raises(MalformedRecord), trio.fail_after(BOUND):
+            async with rt.watch("bad") as watcher:
+                await watcher.__anext__()

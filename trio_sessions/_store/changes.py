@@ -27,7 +27,7 @@ from .. import _codec, _transcript
 from .._backend import Tx, autocommit_when_alone
 from .._errors import MalformedRecord
 from .._model import AssistantData, Message
-from .common import _IN_CHUNK, _chunks, _in_list
+from .common import _IN_CHUNK, _chunks, _in_list, placed
 from .control import next_due
 from .recovery_scan import _unclaimed_doorbells
 from .transcript import _decode_message, _streamed_texts
@@ -193,10 +193,10 @@ def watched_changes(tx: Tx, watched: Mapping[str, Followed]) -> Watched:
         grown: list[tuple[Snapshot, int, bool]] = []  # only deltas were added
         for message_id, session_id, row_version, version, finished in rows:
             held = watched[str(session_id)].open[str(message_id)]
-            if int(version) <= held.version:
+            if placed(version) <= held.version:
                 continue
-            if held.row_version == int(row_version) and _extensible(held):
-                grown.append((held, int(version), not finished))
+            if held.row_version == placed(row_version) and _extensible(held):
+                grown.append((held, placed(version), not finished))
             else:
                 found.messages.append(_snapshot(tx, str(message_id)))
         found.messages.extend(_extended(tx, grown))
@@ -239,10 +239,10 @@ def _session_news(
     for message_id, _seq, version in rows:
         held = followed.open.get(message_id)
         seen = held.version if held is not None else followed.known.get(message_id, -1)
-        if int(version) > seen:
+        if placed(version) > seen:
             found.messages.append(_snapshot(tx, str(message_id)))
     if rows:
-        found.heads[session_id] = (int(rows[-1][1]), str(rows[-1][0]))
+        found.heads[session_id] = (placed(rows[-1][1]), str(rows[-1][0]))
 
 
 def _extensible(held: Snapshot) -> bool:
@@ -291,7 +291,7 @@ def _newest(tx: Tx, session_id: str) -> tuple[int, str | None]:
         "SELECT seq, id FROM session_message WHERE session_id = ? ORDER BY seq DESC LIMIT 1",
         (session_id,),
     )
-    return (0, None) if row is None else (int(row[0]), str(row[1]))
+    return (0, None) if row is None else (placed(row[0]), str(row[1]))
 
 
 # A replay reads at most this many messages, or this many bytes of message data, per read:
@@ -362,10 +362,10 @@ def _snapshot_of(row: Sequence[Any], streamed: Sequence[Any]) -> Snapshot:
     return Snapshot(
         str(session_id),
         str(message[0]),
-        int(message[2]),
+        placed(message[2]),
         snapshot,
-        int(version),
-        int(row_version),
+        placed(version),
+        placed(row_version),
         not finished,
     )
 

@@ -27,6 +27,7 @@ import attrs
 from .._backend import Tx
 from .._decisions import ClaimRow
 from .._errors import LeaseLost
+from .._validate import MAX_INT64
 
 # The claim fence: the exact execution, held by this owner, on a live lease. Every write a
 # drain makes carries it - in the WHERE clause of the write, or checked by `_require_claim`
@@ -193,6 +194,15 @@ def _reset_attempts(tx: Tx, session_id: str) -> None:
     tx.execute(
         "UPDATE session SET wake_attempts = 0 WHERE id = ? AND wake_attempts != 0", (session_id,)
     )
+
+
+def placed(number: Any) -> int:
+    """A message's seq or version, read to place it in a watcher's or a stream's order. One
+    that is no whole number (SQLite keeps what another tool writes) goes last, where
+    SQLite's ORDER BY puts text: its message is the newest, which
+    `transcript._decode_message` refuses, so the reader raises `MalformedRecord`, not a
+    `ValueError` while placing it."""
+    return number if type(number) is int else MAX_INT64
 
 
 def as_stored(tx: Tx, column: str) -> str:

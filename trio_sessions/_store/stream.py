@@ -34,7 +34,7 @@ from .. import _codec
 from .._backend import FALLBACK, Tx, autocommit_when_alone, pg_read_batched
 from .._errors import MalformedRecord
 from .._model import AssistantData, Message, Step
-from .common import _chunks, _in_list
+from .common import _chunks, _in_list, placed
 from .transcript import _decode_message
 
 
@@ -226,7 +226,7 @@ def _changes_from_rows(
             else:
                 fresh.append(row)
     streamed = {key: [text for _, text in sorted(texts)] for key, texts in deltas_of.items()}
-    fresh.sort(key=lambda row: int(row[2]))
+    fresh.sort(key=lambda row: placed(row[2]))
     changes: list[Change] = []
     for held in position.open:
         if held.seq in wholes:
@@ -276,7 +276,7 @@ def _changes_of_open(tx: Tx, session_id: str, message_id: str, held: Held) -> li
     ).fetchall()
     texts = _codec.decode_streamed([text for _, text in rows], key=message_id)
     return changes + [
-        Appended(held.seq, message_id, text, int(version))
+        Appended(held.seq, message_id, text, placed(version))
         for (version, _), text in zip(rows, texts, strict=True)
     ]
 
@@ -328,7 +328,7 @@ def _decoded(tx: Tx, session_id: str, row: Sequence[Any]) -> Whole:
 def _whole_from(session_id: str, row: Sequence[Any], streamed: Sequence[Any]) -> Whole:
     """A message row - (id, role, seq, data, execution_id, input_id, version) - with the
     texts streamed onto it, as a `Whole`."""
-    message_id, seq = str(row[0]), int(row[2])
+    message_id, seq = str(row[0]), placed(row[2])
     message: Message | MalformedRecord
     try:
         message = _decode_message(session_id, row[:6], streamed)
@@ -337,7 +337,7 @@ def _whole_from(session_id: str, row: Sequence[Any], streamed: Sequence[Any]) ->
     still_open = isinstance(message, Message) and (
         isinstance(message.data, AssistantData) and not message.data.finished
     )
-    return Whole(seq, message_id, message, int(row[6]), still_open)
+    return Whole(seq, message_id, message, placed(row[6]), still_open)
 
 
 # The most streams one catch-up read answers (`stream_catch_up`): the change scan's read
@@ -391,7 +391,7 @@ def _appends_set_wise(tx: Tx, reads: Sequence[tuple[str, Position]]) -> list[Str
             " JOIN session_message m ON m.session_id = w.s AND m.seq = w.q",
             tuple(value for pair in named for value in pair),
         ).fetchall():
-            rows[(str(session), int(seq))] = (str(message_id), int(version))
+            rows[(str(session), placed(seq))] = (str(message_id), placed(version))
     tops = sorted({(s, p.top) for s, p in reads})
     newer = {
         (str(session), int(top))
@@ -436,7 +436,7 @@ def _appends_set_wise(tx: Tx, reads: Sequence[tuple[str, Position]]) -> list[Str
             " ORDER BY w.m, w.v, d.version",
             tuple(value for pair in held for value in pair),
         ).fetchall():
-            deltas.setdefault((str(message_id), int(after)), []).append((int(version), text))
+            deltas.setdefault((str(message_id), placed(after)), []).append((placed(version), text))
     answers: list[StreamChanges | None] = []
     for (_, position), ids in zip(reads, ids_of, strict=True):
         if ids is None:
@@ -484,7 +484,7 @@ def stream_heads(tx: Tx, tops: dict[str, int], message_ids: Sequence[str]) -> He
             f"SELECT m.id, {_VERSION} FROM session_message m WHERE m.id IN {_in_list(chunk)}",
             tuple(chunk),
         ).fetchall():
-            versions[str(message_id)] = int(version)
+            versions[str(message_id)] = placed(version)
     newest: dict[str, int] = {}
     sessions = sorted(tops)
     for start in range(0, len(sessions), _SESSIONS_PER_STATEMENT):
@@ -494,7 +494,7 @@ def stream_heads(tx: Tx, tops: dict[str, int], message_ids: Sequence[str]) -> He
             f"SELECT session_id, MAX(seq) FROM session_message WHERE {terms} GROUP BY session_id",
             tuple(value for s in chunk for value in (s, tops[s])),
         ).fetchall():
-            newest[str(session)] = int(seq)
+            newest[str(session)] = placed(seq)
     return Heads(newest, versions)
 
 
