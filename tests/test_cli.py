@@ -195,7 +195,7 @@ def test_listings_show_a_row_with_no_number_where_one_belongs_as_malformed(
         raw.execute("UPDATE session_execution SET expires_at = 'soon' WHERE id = 'exec-live'")
         raw.execute("UPDATE session_recovery SET time_quarantined = 'then'")
         raw.execute(
-            "UPDATE session_execution SET owner_id = CAST(X'6FFF' AS TEXT)"
+            "UPDATE session_execution SET owner_id = CAST(X'6FFF' AS TEXT), expires_at = 1000.5"
             " WHERE id = 'exec-expired'"
         )
         raw.execute("UPDATE session_recovery SET recovery_error = X'626164'")
@@ -212,7 +212,11 @@ def test_listings_show_a_row_with_no_number_where_one_belongs_as_malformed(
         "session_execution.expires_at is 'soon', not a whole number"
     ]
     assert sessions["live"]["claim"]["expired"] is False  # what the store does with it
-    assert sessions["expired"]["malformed"] == ["session_execution.owner_id is not UTF-8 text"]
+    assert sessions["expired"]["malformed"] == [
+        "session_execution.owner_id is not UTF-8 text",
+        "session_execution.expires_at is 1000.5, not a whole number",
+    ]
+    assert sessions["expired"]["claim"]["expired"] is True  # recovery takes it, as a number
     assert sessions["expired"]["claim"]["owner_id"] == "o\ufffd"
     assert sessions["idle"]["malformed"] == []
     code, out, _ = cli(capsys, "status", str(seeded))
@@ -609,7 +613,8 @@ def test_inputs_list_and_drop_a_rejected_input(
     seeded: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`inputs list` shows an input set aside as malformed (session, payload, reason), filtered
-    by --session; `inputs drop` deletes it; an unknown id exits 1 and changes nothing."""
+    by --session, and what in its row is malformed itself; `inputs drop` deletes it; an
+    unknown id exits 1 and changes nothing."""
     conn = _sqlite.connect(seeded)
     try:
         now = time.time()
@@ -628,6 +633,24 @@ def test_inputs_list_and_drop_a_rejected_input(
     code, out, _ = cli(capsys, "inputs", "list", str(seeded))
     assert code == 0
     assert "in-bad" in out and "badin" in out
+    # Another tool's bytes (SQLite keeps them): the row is listed as malformed, text and
+    # JSON. A payload that is not UTF-8 failed the listing (a TypeError with --json).
+    raw = sqlite3.connect(seeded)
+    with raw:
+        raw.execute(
+            "UPDATE session_input_rejected"
+            " SET payload = CAST(X'5B80' AS TEXT), time_created = X'00'"
+        )
+    raw.close()
+    [row] = cli_json(capsys, "inputs", "list", str(seeded))
+    assert (row["payload"], row["time_created"]) == ("[\ufffd", None)
+    assert row["malformed"] == [
+        "session_input_rejected.payload is not UTF-8 text",
+        r"session_input_rejected.time_created is '\x00', not a whole number",
+    ]
+    code, out, _ = cli(capsys, "inputs", "list", str(seeded))
+    assert code == 0
+    assert "  MALFORMED: session_input_rejected.payload is not UTF-8 text" in out
     before = digest(seeded)
     code, _, err = cli(capsys, "inputs", "drop", str(seeded), "no-such-input")
     assert code == 1

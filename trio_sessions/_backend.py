@@ -178,6 +178,16 @@ def autocommit_when_alone(op: Callable[..., T]) -> Callable[..., T]:
     return op
 
 
+def reads_stored_bytes(op: Callable[..., T]) -> Callable[..., T]:
+    """Mark a read that names a row malformed when one of its text columns comes as bytes.
+    SQLite keeps whatever bytes another tool writes as TEXT, and its driver refuses the
+    whole read of a row that is not UTF-8; such a read then runs again on the same snapshot
+    with that text read as its bytes (`_sqlite.engine.run_read`). Any other read raises
+    `StoreError`, as it did."""
+    op.__dict__["reads_stored_bytes"] = True
+    return op
+
+
 def skips_a_busy_session(op: Callable[..., T]) -> Callable[..., T]:
     """Mark an operation on one session that never waits for another transaction's lock on
     it (PostgreSQL: it answers at once instead - an acquire from a doorbell, which leaves

@@ -97,6 +97,7 @@ def format_rejected_inputs(rows: list[dict[str, Any]]) -> str:
             f"input {row['id']}  session {row['session_id']}  seq {row['seq']}",
             f"  payload: {_shorten(row['payload'])}",
             f"  - {row['reason']}",
+            *(f"  MALFORMED: {problem}" for problem in row["malformed"]),
         ]
     lines += ["", "delete one with: inputs drop DB INPUT_ID"]
     return "\n".join(lines)

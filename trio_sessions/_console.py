@@ -305,6 +305,8 @@ contains"> <button>search</button></form>
                 back = f"/sessions/{_q(session_id)}"
                 cancel = self._button(f"/inputs/{_q(item['id'])}/cancel", "cancel", back=back)
             seq, payload = _e(str(item["seq"])), _e(item["payload"])
+            if item["malformed"]:
+                payload += f' <i class="error">(malformed: {_e("; ".join(item["malformed"]))})</i>'
             rows += (
                 f'<tr data-input="{_e(item["id"])}"><td>{seq}</td><td>{_e(due)}</td>'
                 f"<td>{payload}</td><td>{cancel}</td></tr>"

@@ -136,12 +136,12 @@ def run_read(
 ) -> T:
     """`op(tx, *args)`, a read. A row's text that is not UTF-8 (SQLite keeps whatever bytes
     another tool wrote as TEXT) fails the driver's whole read with an error naming neither
-    row nor table; the read then runs once more on the same snapshot with such text read
-    as its bytes, which the codec refuses as `MalformedRecord` naming the row."""
+    row nor table; a read marked `_backend.reads_stored_bytes` then runs once more on the
+    same snapshot with such text read as its bytes, which it names malformed."""
     try:
         return op(tx, *args)
     except sqlite3.OperationalError as exc:
-        if tx.refused_value(exc) is None:
+        if tx.refused_value(exc) is None or not op.__dict__.get("reads_stored_bytes"):
             raise
     conn.text_factory = _text_or_bytes
     try:

@@ -24,7 +24,7 @@ from typing import Any
 import attrs
 
 from .. import _codec, _transcript
-from .._backend import Tx, autocommit_when_alone
+from .._backend import Tx, autocommit_when_alone, reads_stored_bytes
 from .._errors import MalformedRecord
 from .._model import AssistantData, Message
 from .common import _IN_CHUNK, _chunks, _in_list, placed
@@ -84,6 +84,7 @@ class Changes:
 
 
 @autocommit_when_alone
+@reads_stored_bytes
 def changes(
     tx: Tx,
     owner_id: str,
@@ -300,6 +301,7 @@ REPLAY_CHUNK = 100
 REPLAY_CHUNK_BYTES = 1 << 20
 
 
+@reads_stored_bytes
 def watched_messages(
     tx: Tx, session_id: str, after_seq: int, through_seq: int, limit: int = REPLAY_CHUNK
 ) -> list[Snapshot]:

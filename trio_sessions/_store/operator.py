@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .._backend import Tx
+from .._backend import Tx, reads_stored_bytes
 from .._codec import shown_text, stored_text
 from .._errors import MalformedRecord
 from .._model import OWNER_LOST
@@ -28,6 +28,7 @@ from .recovery_scan import Candidate
 from .transcript import _close_open_messages, _decode_message
 
 
+@reads_stored_bytes
 def quarantined(tx: Tx) -> list[dict[str, Any]]:
     """Quarantined executions, oldest quarantine first, as plain JSON values (a text that is
     not UTF-8 shown with replacement characters, and said in `malformed`)."""
@@ -35,23 +36,16 @@ def quarantined(tx: Tx) -> list[dict[str, Any]]:
         "SELECT execution_id, session_id, owner_id, recovery_error, time_quarantined"
         " FROM session_recovery WHERE recovery_error IS NOT NULL ORDER BY time_quarantined"
     ).fetchall()
-    keys = ("execution_id", "session_id", "recovery_owner", "recovery_error")
-    columns = ("execution_id", "session_id", "owner_id", "recovery_error")
-    listed = []
-    for row in rows:
-        problems: list[str] = []
-        texts = [
-            _text(problems, f"session_recovery.{column}", value)
-            for column, value in zip(columns, row[:4], strict=True)
-        ]
-        listed.append(
-            {
-                **dict(zip(keys, texts, strict=True)),
-                "time_quarantined": _whole(problems, "session_recovery.time_quarantined", row[4]),
-                "malformed": problems,
-            }
-        )
-    return listed
+    return [_listed("session_recovery", _QUARANTINED, row) for row in rows]
+
+
+_QUARANTINED = (
+    ("execution_id", "execution_id", False),
+    ("session_id", "session_id", False),
+    ("recovery_owner", "owner_id", False),
+    ("recovery_error", "recovery_error", False),
+    ("time_quarantined", "time_quarantined", True),
+)
 
 
 def lift_quarantine(tx: Tx, execution_id: str, owner_id: str, lease_ms: int) -> Candidate:
@@ -132,6 +126,7 @@ def _set_aside_malformed_messages(tx: Tx, session_id: str, execution_id: str) ->
             tx.notify(session_id, watchers_only=True)  # gone, for the session's watchers
 
 
+@reads_stored_bytes
 def rejected_inputs(tx: Tx, session_id: str | None) -> list[dict[str, Any]]:
     """Inputs set aside by `take_inputs` because they do not decode, oldest first."""
     rows = tx.execute(
@@ -140,8 +135,17 @@ def rejected_inputs(tx: Tx, session_id: str | None) -> list[dict[str, Any]]:
         " ORDER BY time_created, session_id, seq",
         {"session": session_id},
     ).fetchall()
-    keys = ("id", "session_id", "seq", "payload", "reason", "time_created")
-    return [dict(zip(keys, row, strict=True)) for row in rows]
+    return [_listed("session_input_rejected", _REJECTED, row) for row in rows]
+
+
+_REJECTED = (
+    ("id", "id", False),
+    ("session_id", "session_id", False),
+    ("seq", "seq", True),
+    ("payload", "payload", False),
+    ("reason", "reason", False),
+    ("time_created", "time_created", True),
+)
 
 
 def drop_rejected_input(tx: Tx, input_id: str) -> str:
@@ -187,6 +191,7 @@ ORDER BY s.id
 """
 
 
+@reads_stored_bytes
 def status(tx: Tx) -> dict[str, Any]:
     """Every session with its doorbell, pending inputs and claim, as plain JSON values."""
     sessions = [_session(tx.now, row) for row in tx.execute(_STATUS_SQL).fetchall()]
@@ -275,12 +280,29 @@ def _claim(now: int, row: Sequence[Any], problems: list[str]) -> dict[str, Any]:
     }
 
 
-def _whole(problems: list[str], column: str, value: Any) -> int | None:
-    """A lease-clock time or count as read, or None with a reason in `problems` when it is
-    no whole number: SQLite keeps whatever another tool wrote in any column, and one such
-    row is shown as malformed, not a failure of the whole listing (a BLOB would not even
-    print as JSON)."""
+def _listed(
+    table: str, fields: Sequence[tuple[str, str, bool]], row: Sequence[Any]
+) -> dict[str, Any]:
+    """A row as plain JSON values under the keys of `fields` - (key, column, whether it is a
+    number) per column read - with what the store never writes replaced (`_whole`, `_text`)
+    and said in `malformed`."""
+    problems: list[str] = []
+    listed = {
+        key: (_whole if number else _text)(problems, f"{table}.{column}", value)
+        for (key, column, number), value in zip(fields, row, strict=True)
+    }
+    return {**listed, "malformed": problems}
+
+
+def _whole(problems: list[str], column: str, value: Any) -> float | None:
+    """A lease-clock time or count as read, or None, with a reason in `problems`, when it
+    is no number: SQLite keeps whatever another tool wrote in any column, and one such row
+    is shown as malformed, not a failure of the whole listing (a BLOB would not even print
+    as JSON). A REAL is kept - SQLite compares it as the number it is - and said too."""
     if value is None or type(value) is int:
+        return value
+    if type(value) is float:
+        problems.append(f"{column} is {value!r}, not a whole number")
         return value
     problems.append(f"{column} is {shown_text(value)!r:.60}, not a whole number")
     return None
@@ -296,10 +318,11 @@ def _text(problems: list[str], column: str, value: Any) -> Any:
     return shown_text(value)
 
 
-def _since(now: int, then: int | None) -> float | None:
+def _since(now: int, then: float | None) -> float | None:
     return None if then is None else _seconds(now - then)
 
 
+@reads_stored_bytes
 def quarantine_report(tx: Tx) -> list[dict[str, Any]]:
     """Quarantined executions, oldest first, with the claim they hold back."""
     rows = quarantined(tx)
@@ -315,7 +338,7 @@ def quarantine_report(tx: Tx) -> list[dict[str, Any]]:
     return rows
 
 
-def _seconds(ms: int) -> float:
+def _seconds(ms: float) -> float:
     return round(ms / 1000, 3)
 
 
@@ -333,6 +356,7 @@ def _contains(tx: Tx) -> str:
     return "strpos(s.id, :q) > 0" if tx.dialect == "postgres" else "instr(s.id, :q) > 0"
 
 
+@reads_stored_bytes
 def session_page(tx: Tx, query: str, after: str, limit: int) -> dict[str, Any]:
     """Sessions whose id contains `query`, in id order after `after`, at most `limit`: keyset
     paging on the primary key, so a page costs the same with 100,000 sessions."""
@@ -343,6 +367,7 @@ def session_page(tx: Tx, query: str, after: str, limit: int) -> dict[str, Any]:
     return {"now": tx.now, "sessions": sessions, "more": len(rows) > limit}
 
 
+@reads_stored_bytes
 def session_status(tx: Tx, session_id: str) -> dict[str, Any] | None:
     """One session as `status` shows it, or None."""
     sql = _STATUS_SQL.replace("ORDER BY s.id", "WHERE s.id = :session")
@@ -372,6 +397,7 @@ def store_counts(tx: Tx) -> dict[str, int]:
     }
 
 
+@reads_stored_bytes
 def pending_inputs(tx: Tx, session_id: str, limit: int) -> list[dict[str, Any]]:
     """A session's untaken inputs in seq order (at most `limit`): id, seq, when due (None:
     now) and the payload's first 200 characters, for the console's cancel buttons."""
@@ -380,5 +406,12 @@ def pending_inputs(tx: Tx, session_id: str, limit: int) -> list[dict[str, Any]]:
         " WHERE session_id = :session ORDER BY seq LIMIT :limit",
         {"session": session_id, "limit": limit},
     ).fetchall()
-    keys = ("id", "seq", "due_at", "payload")
-    return [dict(zip(keys, row, strict=True)) for row in rows]
+    return [_listed("session_input", _PENDING, row) for row in rows]
+
+
+_PENDING = (
+    ("id", "id", False),
+    ("seq", "seq", True),
+    ("due_at", "due_at", True),
+    ("payload", "payload", False),
+)

@@ -31,7 +31,7 @@ from typing import Any
 import attrs
 
 from .. import _codec
-from .._backend import FALLBACK, Tx, autocommit_when_alone, pg_read_batched
+from .._backend import FALLBACK, Tx, autocommit_when_alone, pg_read_batched, reads_stored_bytes
 from .._errors import MalformedRecord
 from .._model import AssistantData, Message, Step
 from .common import _chunks, _in_list, placed
@@ -151,6 +151,7 @@ def _pg_interpret(args: tuple[Any, ...], rows: Sequence[tuple[Any, ...]]) -> Any
 
 @pg_read_batched("ts_stream_changes_many", _pg_pack, _pg_interpret)
 @autocommit_when_alone
+@reads_stored_bytes
 def stream_changes(
     tx: Tx, session_id: str, position: Position, limit: int = NEW_MESSAGES_PER_READ
 ) -> StreamChanges:
@@ -346,6 +347,7 @@ STREAMS_PER_CATCH_UP = 100
 
 
 @autocommit_when_alone
+@reads_stored_bytes
 def stream_catch_up(tx: Tx, reads: Sequence[tuple[str, Position]]) -> list[StreamChanges | None]:
     """For many streams at once, on one snapshot: per `(session_id, position)`, exactly what
     `stream_changes` would answer, or None - the stream reads by itself. The change scan's

@@ -22,7 +22,7 @@ from typing import Any, get_args
 import attrs
 
 from .. import _codec, _transcript
-from .._backend import FALLBACK, Tx, autocommit_when_alone, pg_batched
+from .._backend import FALLBACK, Tx, autocommit_when_alone, pg_batched, reads_stored_bytes
 from .._errors import LeaseLost, MalformedRecord, TrioSessionsError
 from .._model import AssistantData, Message, Role, Step
 from .common import (
@@ -372,6 +372,7 @@ def _close_open_messages(tx: Tx, execution_id: str, reason: str) -> None:
 
 
 @autocommit_when_alone
+@reads_stored_bytes
 def read_transcript(tx: Tx, session_id: str) -> list[Message]:
     """The session's messages in seq order, each with its streamed text merged. On
     PostgreSQL one call (`ts_read_transcript`): alone in autocommit, one snapshot and one
