@@ -309,6 +309,36 @@ async def test_a_row_whose_id_is_not_utf8_never_stops_recovery_of_the_others(
     assert sorted(call.session_id for call in drain.calls) == ["good", "woken"]
 
 
+async def test_a_session_id_that_is_not_utf8_never_stops_promotion_or_purge_of_others(
+    tmp_path: Path, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """§6.11 on SQLite: a scheduled input, or an idle session, whose session id is not
+    UTF-8 (another tool's write) is passed over, and the other sessions' scheduled inputs
+    still fall due and their idle sessions are still purged. The driver's decode error
+    failed every promotion (no scheduled input of any session was delivered) and every
+    purge."""
+    db_path = tmp_path / "sessions.db"
+    raw = Raw(db_path)
+    drain = Recorder()
+    async with runtime(Store(db_path, inline=True), drain, clock, **QUIET) as rt:
+        bad = "CAST(X'62ff' AS TEXT)"
+        raw.write(f"INSERT INTO session(id, time_created) VALUES ({bad}, 0)")
+        raw.write(
+            "INSERT INTO session_input(id, session_id, seq, payload, time_created, due_at)"
+            f" VALUES ('in-bad', {bad}, 1, '{{}}', 0, 1)"
+        )
+        raw.write(f"INSERT INTO session(id, time_created) VALUES ({bad} || 'idle', 0)")
+        raw.write("INSERT INTO session(id, time_created) VALUES ('idle', 0)")
+        await rt.submit("later", {"n": 1}, delay=5)
+        with trio.fail_after(60):
+            await trio.sleep(6)
+            await rt.wait_idle("later")
+        assert [call.session_id for call in drain.calls] == ["later"]
+        assert await rt.purge(idle_for=3) == 1  # "later" answered within the last 3 s
+    assert raw.rows("SELECT id FROM session WHERE id = 'idle'") == []
+    assert raw.rows("SELECT COUNT(*) FROM session") == [(3,)]  # the two bad ones, "later"
+
+
 async def test_a_claim_whose_session_row_is_gone_is_quarantined_not_resumed(
     tmp_path: Path, clock: Clock, autojump_clock: MockClock
 ) -> None:

@@ -196,6 +196,14 @@ def _reset_attempts(tx: Tx, session_id: str) -> None:
     )
 
 
+def readable(tx: Tx, column: str) -> str:
+    """A condition that passes over a row whose `column` is not UTF-8 text, for the scans
+    over every session: no Python str names such an id (another tool's write: SQLite
+    keeps whatever bytes it is given as TEXT), and the driver would refuse the scan's
+    whole read. `status` lists such a row as malformed. PostgreSQL keeps no such text."""
+    return f"ts_utf8(CAST({column} AS BLOB))" if tx.dialect == "sqlite" else "TRUE"
+
+
 def placed(number: Any) -> int:
     """A message's seq or version, read to place it in a watcher's or a stream's order. One
     that is no whole number (SQLite keeps what another tool writes) goes last, where

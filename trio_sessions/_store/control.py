@@ -38,7 +38,7 @@ from .._decisions import SubmitVerdict
 from .._errors import SessionBusy
 from .._model import INTERRUPTED
 from .acquisition import Acquired, _insert_claim, acquire
-from .common import _claim_row, _has_pending_inputs, _in_list, _paused, _ring, new_id
+from .common import _claim_row, _has_pending_inputs, _in_list, _paused, _ring, new_id, readable
 from .inputs import _insert_input, _known_input
 from .transcript import _assistant_data
 
@@ -191,7 +191,7 @@ def promote_due(tx: Tx, limit: int) -> Due:
     runtimes may fire at once: whoever commits first promotes, the others find nothing."""
     rows = tx.execute(
         "SELECT session_id FROM session_input WHERE due_at IS NOT NULL AND due_at <= ?"
-        " ORDER BY due_at LIMIT ?",
+        f" AND {readable(tx, 'session_id')} ORDER BY due_at LIMIT ?",
         (tx.now, limit),
     ).fetchall()
     rung = []
@@ -345,7 +345,8 @@ def purge_batch(tx: Tx, idle_ms: int, after: str, limit: int) -> tuple[int, str 
     window = [
         str(row[0])
         for row in tx.execute(
-            "SELECT id FROM session WHERE id > ? ORDER BY id LIMIT ?", (after, limit)
+            f"SELECT id FROM session WHERE id > ? AND {readable(tx, 'id')} ORDER BY id LIMIT ?",
+            (after, limit),
         ).fetchall()
     ]
     if not window:

@@ -26,7 +26,7 @@ import attrs
 
 from .._backend import Tx, autocommit_when_alone
 from .._liveness import _HELD as _TOKEN_HELD
-from .common import _IN_CHUNK, _chunks, _in_list, not_in
+from .common import _IN_CHUNK, _chunks, _in_list, not_in, readable
 from .control import next_due
 
 
@@ -82,19 +82,12 @@ def _expired_claims(
     scan = (
         " FROM session_execution e"
         f" WHERE (e.expires_at <= :now{of_gone}) AND {not_local}"
-        f" AND {_readable(tx, 'e.id')} AND {_readable(tx, 'e.session_id')}"
+        f" AND {readable(tx, 'e.id')} AND {readable(tx, 'e.session_id')}"
         " AND NOT EXISTS (SELECT 1 FROM session_recovery r WHERE r.execution_id = e.id"
         "   AND (r.recovery_error IS NOT NULL OR (r.owner_id != :me AND r.expires_at > :now)))"
         " ORDER BY e.expires_at, e.id LIMIT :limit"
     )
     return scan, {"now": tx.now, "excluded": local, "me": owner_id, "limit": limit, **gone}
-
-
-def _readable(tx: Tx, column: str) -> str:
-    """SQLite's scans pass over a row whose id is not UTF-8 text (another tool's write: no
-    Python str names it, and the driver refuses the whole read); `status` lists it as
-    malformed. PostgreSQL keeps no such text."""
-    return f"ts_utf8(CAST({column} AS BLOB))" if tx.dialect == "sqlite" else "TRUE"
 
 
 def _doorbells_left(tx: Tx, local_sessions: Sequence[str], room: int) -> list[Candidate]:
@@ -114,7 +107,7 @@ def _unclaimed_doorbells(tx: Tx, local_sessions: Sequence[str], limit: int) -> l
     rows = tx.execute(
         "SELECT s.id FROM session s WHERE s.time_woken IS NOT NULL AND s.time_paused IS NULL"
         " AND NOT EXISTS (SELECT 1 FROM session_execution e WHERE e.session_id = s.id)"
-        f" AND {not_local} AND {_readable(tx, 's.id')} ORDER BY s.time_woken, s.id LIMIT :limit",
+        f" AND {not_local} AND {readable(tx, 's.id')} ORDER BY s.time_woken, s.id LIMIT :limit",
         {"excluded": local, "limit": limit},
     ).fetchall()
     return [str(row[0]) for row in rows]
