@@ -1143,3 +1143,16 @@ async def test_a_lane_still_runs_shielded_cleanup_once_its_surrounding_scope_is_
             with trio.CancelScope(shield=True), trio.fail_after(10):
                 await trio.testing.wait_all_tasks_blocked()  # the cancellation has landed
                 assert await executor.run(echo_op, 7) == 7
+
+
+def test_only_the_servers_refusal_of_a_stored_value_names_a_row_malformed() -> None:
+    """Recovery quarantines a claim whose rows the server refuses as data (SQLSTATE class
+    22, e.g. a version at the top of its range: `test_recovery`'s top-of-range test). A
+    `DataError` raised by the driver itself before sending (no SQLSTATE: a NUL in one of
+    our own parameters) is no row's fault and must fail the pass as it is, not quarantine
+    a claim with a misleading reason; the server's reason names its SQLSTATE."""
+    tx = object.__new__(PgTx)  # refused_value reads only the exception
+    refused = tx.refused_value(psycopg.errors.NumericValueOutOfRange("bigint out of range"))
+    assert refused == "a row holds a value the database refuses (22003): bigint out of range"
+    assert tx.refused_value(psycopg.DataError("PostgreSQL text fields cannot contain NUL")) is None
+    assert tx.refused_value(psycopg.OperationalError("server closed the connection")) is None

@@ -305,10 +305,12 @@ class PgTx:
         self.notified[WATCHERS_ONLY + session_id if watchers_only else session_id] = None
 
     def refused_value(self, exc: BaseException) -> str | None:
-        # Class 22 (DataError): a value out of its type's range, a cast a row's text does
-        # not fit. The server keeps no text that is not valid in its encoding.
-        if isinstance(exc, psycopg.DataError):
-            return f"a row holds a value the database refuses: {exc}"
+        # Class 22 (DataError) from the server: a value out of its type's range, a cast a
+        # row's text does not fit. One the driver raises before sending (no SQLSTATE: a
+        # NUL in a parameter) is ours, not a row's. The server keeps no text that is not
+        # valid in its encoding.
+        if isinstance(exc, psycopg.DataError) and exc.sqlstate is not None:
+            return f"a row holds a value the database refuses ({exc.sqlstate}): {exc}"
         return None
 
     def free_tokens(self, owner_ids: Sequence[str] | None) -> set[str]:
