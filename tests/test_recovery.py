@@ -260,13 +260,17 @@ async def test_text_that_is_not_utf8_is_quarantined_and_the_claims_behind_it_res
     assert [call.session_id for call in drain.calls] == ["good"]
     [(reason,)] = raw.rows("SELECT recovery_error FROM session_recovery WHERE session_id = 'bad'")
     assert "not UTF-8" in reason
-    # The operator's way out: the drop sets the message aside (its bytes shown with
-    # replacement characters, the reason naming it) and the transcript reads again. The
-    # driver's decode error failed the drop, so the quarantine could not be released.
+    # The operator's way out: the drop sets the message aside (its bytes kept as they
+    # were, the reason naming it) and the transcript reads again. The driver's decode
+    # error failed the drop, so the quarantine could not be released.
     assert _cli.main(["quarantine", "release", str(db_path), "bad-exec", "--drop"]) == 0
-    [(rejected, why)] = raw.rows("SELECT id, reason FROM session_message_rejected")
+    [(rejected, kept, why)] = raw.rows("SELECT id, data, reason FROM session_message_rejected")
     assert rejected == message
     assert "not UTF-8" in why
+    if where == "message":  # the bytes as stored, nothing replaced
+        assert kept == bytes.fromhex("7B2274223A2280FF227D")
+    else:
+        assert "streamed since: [b'\\x80\\xff']" in why
     async with runtime(Store(db_path, inline=True), drain, clock, **QUIET) as rt:
         assert await rt.transcript("bad") == []
 

@@ -113,17 +113,27 @@ def _set_aside_malformed_messages(tx: Tx, session_id: str, execution_id: str) ->
                 session_id, (message_id, role, seq, text, execution_id, input_id), streamed
             )
         except MalformedRecord as exc:
-            # The raw data is kept; text streamed onto it since goes into the reason (its
-            # rows leave with the message). Bytes that are not UTF-8 are shown replaced.
-            shown = [shown_text(value) for _, value in deltas]
-            reason = str(exc) + (f"; streamed since: {shown!r}" if shown else "")
+            # The raw data is kept as it was stored (bytes that are not UTF-8 as a BLOB);
+            # text streamed onto it since goes into the reason, such bytes as a bytes
+            # literal (its rows leave with the message): nothing of it is lost.
+            streamed_since = [_as_stored(*delta) for delta in deltas]
+            reason = str(exc) + (f"; streamed since: {streamed_since!r}" if deltas else "")
             tx.execute(
                 "INSERT INTO session_message_rejected(id, session_id, execution_id, seq, data,"
                 " reason, time_created) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (message_id, session_id, execution_id, seq, shown_text(data), reason, tx.now),
+                (message_id, session_id, execution_id, seq, _as_stored(kind, data), reason, tx.now),
             )
             tx.execute("DELETE FROM session_message WHERE id = ?", (message_id,))
             tx.notify(session_id, watchers_only=True)  # gone, for the session's watchers
+
+
+def _as_stored(kind: str, value: Any) -> Any:
+    """A value read with `as_stored`, as it was stored: text as text; bytes that are no
+    UTF-8 text (or a BLOB) as bytes."""
+    try:
+        return stored_text(kind, value, table="", key="")
+    except MalformedRecord:
+        return value
 
 
 @reads_stored_bytes
