@@ -213,7 +213,7 @@ def test_listings_show_a_row_with_no_number_where_one_belongs_as_malformed(
     ]
     assert sessions["live"]["claim"]["expired"] is False  # what the store does with it
     assert sessions["expired"]["malformed"] == [
-        "session_execution.owner_id is not UTF-8 text",
+        "session_execution.owner_id is not UTF-8 text (X'6FFF')",
         "session_execution.expires_at is 1000.5, not a whole number",
     ]
     assert sessions["expired"]["claim"]["expired"] is True  # recovery takes it, as a number
@@ -230,7 +230,7 @@ def test_listings_show_a_row_with_no_number_where_one_belongs_as_malformed(
     assert row["quarantined_for_s"] is None
     assert row["recovery_error"] == "bad"
     assert row["malformed"] == [
-        "session_recovery.recovery_error is not UTF-8 text",
+        "session_recovery.recovery_error is not UTF-8 text (X'626164')",
         "session_recovery.time_quarantined is 'then', not a whole number",
     ]
     code, out, _ = cli(capsys, "quarantine", "list", str(seeded))
@@ -645,12 +645,12 @@ def test_inputs_list_and_drop_a_rejected_input(
     [row] = cli_json(capsys, "inputs", "list", str(seeded))
     assert (row["payload"], row["time_created"]) == ("[\ufffd", None)
     assert row["malformed"] == [
-        "session_input_rejected.payload is not UTF-8 text",
+        "session_input_rejected.payload is not UTF-8 text (X'5B80')",
         r"session_input_rejected.time_created is '\x00', not a whole number",
     ]
     code, out, _ = cli(capsys, "inputs", "list", str(seeded))
     assert code == 0
-    assert "  MALFORMED: session_input_rejected.payload is not UTF-8 text" in out
+    assert "  MALFORMED: session_input_rejected.payload is not UTF-8 text (X'5B80')" in out
     before = digest(seeded)
     code, _, err = cli(capsys, "inputs", "drop", str(seeded), "no-such-input")
     assert code == 1

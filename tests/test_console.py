@@ -143,18 +143,20 @@ def test_sessions_are_paged_and_searched_in_the_store(tmp_path: Path) -> None:
     search matches ids containing the text; a session page shows its transcript. A row
     with text in an INTEGER column (SQLite keeps what another tool wrote) is listed as a
     malformed row, saying which column holds what: it failed the whole page with a 500.
-    Whatever a row holds reaches the page escaped (a pending input's seq did not)."""
+    Whatever a row holds reaches the page escaped (a pending input's seq did not). A
+    session whose id is not UTF-8 is listed with its bytes but offers no link or action."""
     store = tmp_path / "db"
     seed(store, 120)
     Raw(store).write("UPDATE session SET time_woken = 'yesterday' WHERE id = 's003'")
     Raw(store).write("UPDATE session_input SET seq = '<i>seq</i>' WHERE session_id = 's005'")
+    Raw(store).write("INSERT INTO session(id, time_created) VALUES (CAST(X'7A7AFF' AS TEXT), 0)")
     with (
         console(str(store), tmp_path) as (url, _),
         httpx.Client(base_url=url, timeout=DEADLINE) as client,
     ):
         first = client.get("/").text
         assert session_ids(first) == [f"s{i:03d}" for i in range(50)]
-        assert "sessions <b>120</b>" in first
+        assert "sessions <b>121</b>" in first  # and one whose id is not UTF-8
         link = re.search(r'id="next" href="([^"]+)"', first)
         assert link is not None
         second = client.get(link.group(1).replace("&amp;", "&")).text
@@ -180,6 +182,12 @@ def test_sessions_are_paged_and_searched_in_the_store(tmp_path: Path) -> None:
         shown = "(malformed: session_input.seq is &#x27;&lt;i&gt;seq&lt;/i&gt;&#x27;, not a whole"
         assert shown in client.get("/sessions/s005").text
         assert_nul_refused(client)
+        # An id that is not UTF-8 (no str names it): listed with its bytes, with no link and
+        # no action - a pause by the shown name created another session.
+        unnamed = client.get("/", params={"q": "zz"}).text
+        assert "session.id is not UTF-8 text (X&#x27;7A7AFF&#x27;)" in unnamed
+        assert "/sessions/zz" not in unnamed
+        assert 'data-session="zz' not in unnamed
 
 
 def assert_nul_refused(client: httpx.Client) -> None:

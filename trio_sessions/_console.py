@@ -207,6 +207,10 @@ contains"> <button>search</button></form>
         session_id = session["id"]
         claim = session["claim"]
         owner = claim["owner_id"] if claim else ""
+        if not _nameable(session):
+            # Shown by its bytes only: an action by the shown name (replacement characters)
+            # would act on another session, or make one.
+            return f"<tr><td>{_e(session_id)}</td><td>{_e(state(session))}</td></tr>"
         link = f"/sessions/{_q(session_id)}"
         actions = self._actions(session)
         return (
@@ -419,6 +423,11 @@ def _headers(scope: Scope) -> dict[str, str]:
 def _cookies(headers: Mapping[str, str]) -> dict[str, str]:
     pairs = (item.strip().partition("=") for item in headers.get("cookie", "").split(";"))
     return {key: value for key, _, value in pairs if key}
+
+
+def _nameable(session: Mapping[str, Any]) -> bool:
+    """Whether a listed session's id is the one stored (not UTF-8 text is shown replaced)."""
+    return not any(problem.startswith("session.id ") for problem in session["malformed"])
 
 
 def _query(scope: Scope) -> dict[str, str]:

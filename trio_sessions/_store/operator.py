@@ -324,8 +324,13 @@ def _text(problems: list[str], column: str, value: Any) -> Any:
     replacement characters, with a reason in `problems`."""
     if not isinstance(value, bytes):
         return value
-    problems.append(f"{column} is not UTF-8 text")
+    shown = value[:_HEX_BYTES].hex().upper() + ("..." if len(value) > _HEX_BYTES else "")
+    problems.append(f"{column} is not UTF-8 text (X'{shown}')")
     return shown_text(value)
+
+
+# A text column's first bytes shown in a reason: the SQL literal an operator repairs by.
+_HEX_BYTES = 64
 
 
 def _since(now: int, then: float | None) -> float | None:
