@@ -470,6 +470,7 @@ def test_a_function_reads_the_server_clock_after_the_session_lock_is_granted(
         deadline = time.monotonic() + 10
         while holder.execute(aged, (engine.backend_pid,)).fetchone() != (True,):
             assert time.monotonic() < deadline, "the waiter's transaction never aged"
+            time.sleep(0.001)  # a poll, not a spin on shared cores
         released = server_ms(holder)
         holder.execute("COMMIT")
         waiting.result()

@@ -1192,7 +1192,7 @@ async def test_a_claim_past_its_local_deadline_at_commit_reaches_no_user_code(
 
 
 async def test_a_rung_claim_answered_past_its_local_deadline_reaches_no_user_code(
-    store: Store, clock: Clock, autojump_clock: MockClock
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
 ) -> None:
     """Invariant 17, the busy period's own acquisition (a doorbell found by recovery, a
     successor, a joiner): the local deadline counts from when the acquire was *sent*, so a
@@ -1213,6 +1213,9 @@ async def test_a_rung_claim_answered_past_its_local_deadline_reaches_no_user_cod
         await rt.wait_idle("s")
     assert hooked == []
     assert drain.calls == []
+    # The acquire did commit (the claim is this runtime's, left to expire): not a pass in
+    # which nothing was acquired at all.
+    assert Raw(db_path).claim("s")[1] == rt.owner_id
 
 
 async def test_a_takeover_answered_past_its_local_deadline_reaches_no_user_code(

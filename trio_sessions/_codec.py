@@ -433,5 +433,6 @@ def _decode_json(text: Any, *, table: str, key: str) -> Any:
     try:
         return loads(text)
     except (TypeError, ValueError) as exc:
-        stored_text("text", text, table=table, key=key)  # bytes that are no text: say so
+        if isinstance(text, bytes):  # text that is not UTF-8, read as its bytes: say so
+            stored_text("text", text, table=table, key=key)
         raise MalformedRecord(table, key, [f"not JSON: {exc}"]) from None

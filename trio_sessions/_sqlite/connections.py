@@ -1,8 +1,8 @@
 """SQLite connections: opening and configuring them, the database file (created 0600, and
 followed by device and inode), the schema's migrations, the write lock, and WAL checkpoints.
 
-Invariants: a connection is configured (`busy_timeout`, foreign keys, `synchronous`) before
-any use, and `synchronous` is only ever 'NORMAL' or 'FULL' (`check_synchronous`: never
+Invariants: a connection is configured (`busy_timeout`, foreign keys, `synchronous`, the
+`ts_utf8` function the scans over every session use) before any use, and `synchronous` is only ever 'NORMAL' or 'FULL' (`check_synchronous`: never
 interpolate anything else); a file that is not SQLite, not ours, or from a newer library is
 refused with nothing written (`SchemaTooNew`, `StoreError`); migrations run in one
 `BEGIN IMMEDIATE` transaction, re-reading the version under the write lock; taking the write

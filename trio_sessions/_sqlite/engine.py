@@ -16,6 +16,8 @@ every operation of the batch, and so does a database file deleted or replaced un
 runtime (`DatabaseFile`). Errors are stored on the jobs, never raised, and an SQLite error
 reaches the caller as `StoreError` (`store_error`). The sessions a batch's operations
 signalled (`SQLiteTx.notify`) are handed to the caller's `touched` only once it committed.
+A read marked `reads_stored_bytes` that meets text another tool wrote that is not UTF-8
+runs again on its snapshot with such text as bytes (`run_read`), to name the row malformed.
 """
 
 from __future__ import annotations
