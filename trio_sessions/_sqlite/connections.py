@@ -2,13 +2,14 @@
 followed by device and inode), the schema's migrations, the write lock, and WAL checkpoints.
 
 Invariants: a connection is configured (`busy_timeout`, foreign keys, `synchronous`, the
-`ts_utf8` function the scans over every session use) before any use, and `synchronous` is only ever 'NORMAL' or 'FULL' (`check_synchronous`: never
-interpolate anything else); a file that is not SQLite, not ours, or from a newer library is
-refused with nothing written (`SchemaTooNew`, `StoreError`); migrations run in one
-`BEGIN IMMEDIATE` transaction, re-reading the version under the write lock; taking the write
-lock (`begin_immediate`) retries "database is locked" for up to `LOCK_PATIENCE_S` (every
-`LOCK_POLL_MAX_S` at most on the executor's connection), so that error never reaches a
-caller; a checkpoint never raises (the WAL keeps every commit).
+`ts_utf8` function the scans over every session use) before any use, and `synchronous` is
+only ever 'NORMAL' or 'FULL' (`check_synchronous`: never interpolate anything else); a file
+that is not SQLite, not ours, or from a newer library is refused with nothing written
+(`SchemaTooNew`, `StoreError`); migrations run in one `BEGIN IMMEDIATE` transaction,
+re-reading the version under the write lock; taking the write lock (`begin_immediate`)
+retries "database is locked" for up to `LOCK_PATIENCE_S` (every `LOCK_POLL_MAX_S` at most
+on the executor's connection), so that error never reaches a caller; a checkpoint never
+raises (the WAL keeps every commit).
 """
 
 from __future__ import annotations
