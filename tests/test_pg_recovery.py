@@ -13,6 +13,7 @@ wire by the bench's relay.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from helpers import fixed
@@ -134,6 +135,31 @@ def test_a_batch_mixing_rows_the_set_cannot_decide_applies_each_rule(
         assert conn.execute("SELECT count(*) FROM session_recovery").fetchall() == [(0,)]
 
 
+def while_a_claim_row_is_locked(
+    pg_url: str, pg_schema: str, execution_id: str, call: Callable[[], Any]
+) -> Any:
+    """`call()`'s result, run in a thread while another transaction holds the claim row
+    `execution_id` locked; asserts it finished while the lock was held (DESIGN §8: skipped,
+    not waited for - waiting, it could not)."""
+    with raw(pg_url, pg_schema) as holder, holder.transaction():
+        holder.execute("SELECT id FROM session_execution WHERE id = %s FOR UPDATE", (execution_id,))
+        done = threading.Event()
+        outcome: list[Any] = []
+
+        def run() -> None:
+            try:
+                outcome.append(call())
+            finally:
+                done.set()
+
+        threading.Thread(target=run, daemon=True).start()
+        finished_while_locked = done.wait(10)
+    done.wait(30)
+    assert finished_while_locked, f"it waited for the claim row {execution_id!r} locked"
+    [result] = outcome
+    return result
+
+
 def test_takeover_skips_a_claim_row_locked_by_another_transaction(
     pg_url: str, pg_schema: str
 ) -> None:
@@ -148,25 +174,12 @@ def test_takeover_skips_a_claim_row_locked_by_another_transaction(
     items = [(candidate, f"new-{candidate.session_id}") for candidate in batch]
     with engine_at(pg_url, pg_schema, 2.0) as rescuer:
         assert run_op(rescuer, _store.take_recovery_leases, ME, LEASE_MS, batch) == batch
-        with raw(pg_url, pg_schema) as holder, holder.transaction():
-            holder.execute("SELECT id FROM session_execution WHERE id = 'e-busy' FOR UPDATE")
-            done = threading.Event()
-            outcome: list[Any] = []
-
-            def apply() -> None:
-                try:
-                    outcome.append(
-                        run_op(rescuer, _store.apply_recovery_batch, ME, items, LEASE_MS, 10)
-                    )
-                finally:
-                    done.set()
-
-            threading.Thread(target=apply, daemon=True).start()
-            # Waiting for the lock would keep it from finishing while the lock is held.
-            finished_while_locked = done.wait(10)
-        done.wait(30)
-    assert finished_while_locked, "the takeover waited for a claim row another tx locked"
-    [results] = outcome
+        results = while_a_claim_row_is_locked(
+            pg_url,
+            pg_schema,
+            "e-busy",
+            lambda: run_op(rescuer, _store.apply_recovery_batch, ME, items, LEASE_MS, 10),
+        )
     assert [(r.decision, r.fence_lost) for r in results] == [
         (RecoveryDecision.GONE, True),
         (RecoveryDecision.RESUME, False),
@@ -191,23 +204,12 @@ def test_the_scan_skips_a_claim_row_locked_by_another_transaction(
         claim(owner, "busy")
         claim(owner, "free")
     with engine_at(pg_url, pg_schema, 2.0) as rescuer:
-        with raw(pg_url, pg_schema) as holder, holder.transaction():
-            holder.execute("SELECT id FROM session_execution WHERE id = 'e-busy' FOR UPDATE")
-            done = threading.Event()
-            outcome: list[Any] = []
-
-            def scan() -> None:
-                try:
-                    outcome.append(run_op(rescuer, scan_and_lease, ME, 10, [], [], LEASE_MS))
-                finally:
-                    done.set()
-
-            threading.Thread(target=scan, daemon=True).start()
-            # Waiting for the lock would keep it from finishing while the lock is held.
-            finished_while_locked = done.wait(10)
-        done.wait(30)
-    assert finished_while_locked, "the scan waited for a claim row another tx locked"
-    [(found, _, leased, _)] = outcome
+        found, _, leased, _ = while_a_claim_row_is_locked(
+            pg_url,
+            pg_schema,
+            "e-busy",
+            lambda: run_op(rescuer, scan_and_lease, ME, 10, [], [], LEASE_MS),
+        )
     assert found == leased == candidates("free")
     with raw(pg_url, pg_schema) as conn:
         assert conn.execute("SELECT execution_id, owner_id FROM session_recovery").fetchall() == [

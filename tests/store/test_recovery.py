@@ -428,6 +428,18 @@ def test_recovery_scan_skips_claims_locked_by_others(db: Db) -> None:
     assert names(db.run(_store.recovery_candidates, ME, 1, [])) == [("busy", "exec-busy")]
 
 
+def quarantined_beside_a_resumed_claim(db: Db, execution: str) -> None:
+    """Expire session 's' (claimed by `execution`) and a valid claim, recover both in one
+    batch, and assert the first is quarantined and the valid one resumes (§6.11)."""
+    db.expire()
+    expired_claim(db, "good", NOW - 1)
+    candidates = [_store.Candidate("s", execution), _store.Candidate("good", "exec-good")]
+    assert db.run(_store.take_recovery_leases, ME, LEASE, candidates) == candidates
+    items = [(candidate, f"new-{candidate.session_id}") for candidate in candidates]
+    results = db.run(_store.apply_recovery_batch, ME, items, LEASE, 10, [])
+    assert [r.decision for r in results] == [RecoveryDecision.QUARANTINE, RecoveryDecision.RESUME]
+
+
 MAX_INT64 = 2**63 - 1
 
 
@@ -445,13 +457,7 @@ def test_a_version_at_the_top_of_its_range_is_quarantined_not_the_whole_pass(
     else:
         db.run(_store.append_assistant_text, "s", execution, "owner-a", "m-1", " more")
         db.write("UPDATE session_message_delta SET version = ?", (MAX_INT64,))
-    db.expire()
-    expired_claim(db, "good", NOW - 1)
-    candidates = [_store.Candidate("s", execution), _store.Candidate("good", "exec-good")]
-    assert db.run(_store.take_recovery_leases, ME, LEASE, candidates) == candidates
-    items = [(candidate, f"new-{candidate.session_id}") for candidate in candidates]
-    results = db.run(_store.apply_recovery_batch, ME, items, LEASE, 10, [])
-    assert [r.decision for r in results] == [RecoveryDecision.QUARANTINE, RecoveryDecision.RESUME]
+    quarantined_beside_a_resumed_claim(db, execution)
     [(error,)] = db.rows("SELECT recovery_error FROM session_recovery")
     assert "out of range" in error
 
@@ -473,13 +479,7 @@ def test_a_claim_whose_recovery_raises_is_quarantined_not_the_whole_pass(
 
     monkeypatch.setattr(recovery_batch, "apply_recovery", poisoned)
     execution = busy_claim(db)  # an open message: recovered row by row
-    db.expire()
-    expired_claim(db, "good", NOW - 1)
-    candidates = [_store.Candidate("s", execution), _store.Candidate("good", "exec-good")]
-    assert db.run(_store.take_recovery_leases, ME, LEASE, candidates) == candidates
-    items = [(candidate, f"new-{candidate.session_id}") for candidate in candidates]
-    results = db.run(_store.apply_recovery_batch, ME, items, LEASE, 10, [])
-    assert [r.decision for r in results] == [RecoveryDecision.QUARANTINE, RecoveryDecision.RESUME]
+    quarantined_beside_a_resumed_claim(db, execution)
     [(quarantined, why)] = db.rows("SELECT execution_id, recovery_error FROM session_recovery")
     assert quarantined == execution and error.__name__ in why
     assert db.rows(
