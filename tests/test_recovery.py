@@ -22,6 +22,7 @@ from trio_sessions import (
     StoreError,
     _cli,
     _loops,
+    _store,
     testing,
 )
 from trio_sessions._codec import decode_assistant
@@ -314,13 +315,22 @@ async def test_a_row_whose_id_is_not_utf8_never_stops_recovery_of_the_others(
 
 
 async def test_a_session_id_that_is_not_utf8_never_stops_promotion_or_purge_of_others(
-    tmp_path: Path, clock: Clock, autojump_clock: MockClock
+    tmp_path: Path, clock: Clock, autojump_clock: MockClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """§6.11 on SQLite: a scheduled input, or an idle session, whose session id is not
     UTF-8 (another tool's write) is passed over, and the other sessions' scheduled inputs
     still fall due and their idle sessions are still purged. The driver's decode error
     failed every promotion (no scheduled input of any session was delivered) and every
-    purge."""
+    purge. Passed over by the promotion, such an input must not count as due either: the
+    timer then fired every millisecond, promoting nothing."""
+    promotions = []
+    promote_due = _store.promote_due
+
+    def counted(tx: Any, limit: int) -> Any:
+        promotions.append(limit)
+        return promote_due(tx, limit)
+
+    monkeypatch.setattr(_store, "promote_due", counted)
     db_path = tmp_path / "sessions.db"
     raw = Raw(db_path)
     drain = Recorder()
@@ -338,6 +348,7 @@ async def test_a_session_id_that_is_not_utf8_never_stops_promotion_or_purge_of_o
             await trio.sleep(6)
             await rt.wait_idle("later")
         assert [call.session_id for call in drain.calls] == ["later"]
+        assert len(promotions) <= 3  # "later" falling due, and a look or two around it
         assert await rt.purge(idle_for=3) == 1  # "later" answered within the last 3 s
     assert raw.rows("SELECT id FROM session WHERE id = 'idle'") == []
     assert raw.rows("SELECT COUNT(*) FROM session") == [(3,)]  # the two bad ones, "later"

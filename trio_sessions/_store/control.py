@@ -170,8 +170,12 @@ def next_due(tx: Tx) -> int | None:
     """Milliseconds until the earliest scheduled input falls due (<= 0: due already), or
     None when none is scheduled. One lookup in a partial index. A due time that is no
     integer (text another tool wrote: SQLite sorts it after every number) never falls
-    due, and times nothing."""
-    row = tx.one("SELECT MIN(due_at) FROM session_input WHERE due_at IS NOT NULL")
+    due, and times nothing; nor does an input `promote_due` passes over (its session id
+    is not UTF-8 text), which would otherwise count as due at every look."""
+    row = tx.one(
+        "SELECT due_at FROM session_input WHERE due_at IS NOT NULL"
+        f" AND {readable(tx, 'session_id')} ORDER BY due_at LIMIT 1"
+    )
     due_at = None if row is None else row[0]
     return due_at - tx.now if type(due_at) is int else None
 
