@@ -350,22 +350,25 @@ def test_a_slow_watcher_gets_the_latest_snapshot_and_never_an_older_one(
 @pytest.mark.parametrize(
     ("role", "seq", "data", "reason"),
     [
-        ("system", 1, "CAST(X'7B226E223A2280FF227D' AS TEXT)", "not UTF-8 text: byte 0x80 at 6"),
-        ("<img src=x onerror=alert(1)>", 1, "'{}'", "role '<img src=x onerror=alert(1)>' is none"),
-        ("system", "<script>", "'{}'", "seq '<script>' is no whole number"),
+        ("system", 1, "CAST(X'7B226E223A2280FF227D' AS TEXT), NULL", "not UTF-8 text: byte 0x80"),
+        ("<img src=x onerror=alert(1)>", 1, "'{}', NULL", "role '<img src=x onerror=alert(1)>'"),
+        ("system", "<script>", "'{}', NULL", "seq '<script>' is no whole number"),
+        ("system", 1, "'{}', CAST(X'69FF' AS TEXT)", "input_id b'i\\xff' is not UTF-8 text"),
     ],
-    ids=["not-utf8", "unknown-role", "text-seq"],
+    ids=["not-utf8", "unknown-role", "text-seq", "input-id-not-utf8"],
 )
 async def test_a_message_no_store_writes_is_a_malformed_record_for_its_readers(
     tmp_path: Path, reader: str, role: str, seq: object, data: str, reason: str
 ) -> None:
-    """SQLite keeps whatever another tool writes: bytes that are not UTF-8 as TEXT, a role
-    past the CHECK (`ignore_check_constraints`), text in the INTEGER seq. Such a message is
+    """SQLite keeps whatever another tool writes: bytes that are not UTF-8 as TEXT (in the
+    data, or an input id), a role past the CHECK (`ignore_check_constraints`), text in the
+    INTEGER seq. Such a message is
     a MalformedRecord naming its row and what is wrong, for `transcript()`, a watcher and a
     stream alike, as a message that is not JSON is; another session reads on. Before, the
     driver's decode error reached them as a StoreError naming neither row nor session, the
     role and the seq came back as a message's (the console wrote that role into its page as
-    markup), and a watcher or a stream raised ValueError placing the text seq."""
+    markup), a watcher or a stream raised ValueError placing the text seq, and the input
+    id came back as bytes in a message's str field."""
     import sqlite3
 
     db = tmp_path / "s.db"
@@ -376,8 +379,8 @@ async def test_a_message_no_store_writes_is_a_malformed_record_for_its_readers(
         with conn:
             conn.execute("PRAGMA ignore_check_constraints = ON")
             conn.execute(
-                "INSERT INTO session_message(id, session_id, role, seq, data, time_created,"
-                f" time_updated) VALUES ('m-bad', 'bad', ?, ?, {data}, 0, 0)",
+                "INSERT INTO session_message(id, session_id, role, seq, data, input_id,"
+                f" time_created, time_updated) VALUES ('m-bad', 'bad', ?, ?, {data}, 0, 0)",
                 (role, seq),
             )
         conn.close()

@@ -414,16 +414,26 @@ def read_transcript_by_statements(tx: Tx, session_id: str) -> list[Message]:
 
 
 _ROLES = frozenset(get_args(Role))
+_OPTIONAL_TEXT = (str, type(None))
 
 
-def _shape_reasons(role: Any, seq: Any) -> list[str]:
-    """Why a message row's role or seq is none the store writes (SQLite keeps what another
-    tool writes past a CHECK or into an INTEGER column)."""
+def _shape_reasons(row: Sequence[Any]) -> list[str]:
+    """Why a message row - (id, role, seq, data, execution_id, input_id) - holds what the
+    store never writes in its role, seq or ids (SQLite keeps what another tool writes past
+    a CHECK, into an INTEGER column, or as TEXT that is not UTF-8, read as bytes)."""
+    message_id, role, seq, _, execution_id, input_id = row
     reasons = []
     if role not in _ROLES:
         reasons.append(f"role {role!r} is none of {', '.join(sorted(_ROLES))}")
     if type(seq) is not int:
         reasons.append(f"seq {seq!r} is no whole number")
+    for column, value in (
+        ("id", message_id),
+        ("execution_id", execution_id),
+        ("input_id", input_id),
+    ):
+        if value is not None and type(value) is not str:
+            reasons.append(f"{column} {value!r} is not UTF-8 text")
     return reasons
 
 
@@ -431,8 +441,15 @@ def _decode_message(session_id: str, row: Sequence[Any], streamed: Sequence[Any]
     """A message row - (id, role, seq, data, execution_id, input_id) - with the texts
     streamed onto it since its data was written."""
     message_id, role, seq, data, execution_id, input_id = row
-    if role not in _ROLES or type(seq) is not int:
-        raise MalformedRecord("session_message", message_id, _shape_reasons(role, seq))
+    if (
+        role not in _ROLES
+        or type(seq) is not int
+        or type(message_id) is not str
+        or type(execution_id) not in _OPTIONAL_TEXT
+        or type(input_id) not in _OPTIONAL_TEXT
+    ):
+        reasons = _shape_reasons(row)
+        raise MalformedRecord("session_message", _codec.shown_text(message_id), reasons)
     decoded: Any
     if role == "assistant":
         decoded = _transcript.with_streamed(
