@@ -225,12 +225,12 @@ async def test_malformed_projection_is_quarantined_and_never_rescanned(
         assert raw.claim("s")[0] == "poison"
 
 
-@pytest.mark.parametrize("where", ["message", "delta"])
+@pytest.mark.parametrize("where", ["message", "delta", "message id"])
 async def test_text_that_is_not_utf8_is_quarantined_and_the_claims_behind_it_resume(
     tmp_path: Path, clock: Clock, autojump_clock: MockClock, where: str
 ) -> None:
     """SQLite keeps whatever bytes another tool wrote as TEXT. A crashed claim whose open
-    message (or a word streamed into it) is not UTF-8 is quarantined with a readable
+    message (a word streamed into it, its id) is not UTF-8 is quarantined with a readable
     reason, and the valid claim beside it resumes (§6.11): the driver's decode error failed
     every pass, and with it every `open_runtime` on the file."""
     db_path = tmp_path / "sessions.db"
@@ -247,12 +247,16 @@ async def test_text_that_is_not_utf8_is_quarantined_and_the_claims_behind_it_res
                 " WHERE id = ?",
                 (message,),
             )
-        else:
+        elif where == "delta":
             raw.write(
                 "INSERT INTO session_message_delta(message_id, version, text)"
                 " SELECT id, version + 1, CAST(X'80FF' AS TEXT) FROM session_message"
                 " WHERE id = ?",
                 (message,),
+            )
+        else:
+            raw.write(
+                "UPDATE session_message SET id = CAST(X'6DFF' AS TEXT) WHERE id = ?", (message,)
             )
         raw.seed_claim("good", "good-exec", expires_at=expired(clock))
         report = await rt.recover_once()
@@ -266,11 +270,11 @@ async def test_text_that_is_not_utf8_is_quarantined_and_the_claims_behind_it_res
     # error failed the drop, so the quarantine could not be released.
     assert _cli.main(["quarantine", "release", str(db_path), "bad-exec", "--drop"]) == 0
     [(rejected, kept, why)] = raw.rows("SELECT id, data, reason FROM session_message_rejected")
-    assert rejected == message
+    assert rejected == (bytes.fromhex("6DFF") if where == "message id" else message)
     assert "not UTF-8" in why
     if where == "message":  # the bytes as stored, nothing replaced
         assert kept == bytes.fromhex("7B2274223A2280FF227D")
-    else:
+    elif where == "delta":
         assert "streamed since: [b'\\x80\\xff']" in why
     async with runtime(Store(db_path, inline=True), drain, clock, **QUIET) as rt:
         assert await rt.transcript("bad") == []

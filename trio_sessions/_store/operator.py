@@ -90,27 +90,29 @@ def drop_quarantined(tx: Tx, execution_id: str) -> tuple[str, bool]:
 
 
 def _set_aside_malformed_messages(tx: Tx, session_id: str, execution_id: str) -> None:
-    # Read as stored: a message, or a text streamed onto it, that is not UTF-8 is one to
-    # set aside too (the driver would refuse the whole read).
+    # Read as stored: a message whose id, role, data or input id, or a text streamed onto
+    # it, is not UTF-8 is one to set aside too (the driver would refuse the whole read).
+    # It is matched by its stored bytes (`CAST(? AS TEXT)` of them is the same text).
+    columns = ", ".join(as_stored(tx, column) for column in ("id", "role", "data", "input_id"))
     rows = tx.execute(
-        f"SELECT id, role, seq, {as_stored(tx, 'data')}, input_id FROM session_message"
-        " WHERE execution_id = ?",
-        (execution_id,),
+        f"SELECT seq, {columns} FROM session_message WHERE execution_id = ?", (execution_id,)
     ).fetchall()
-    for message_id, role, seq, kind, data, input_id in rows:
+    for seq, *stored in rows:
+        message_id, role, data, input_id = (
+            _as_stored(kind, value) for kind, value in zip(stored[::2], stored[1::2], strict=True)
+        )
         deltas = tx.execute(
-            f"SELECT {as_stored(tx, 'text')} FROM session_message_delta WHERE message_id = ?"
-            " ORDER BY version",
+            f"SELECT {as_stored(tx, 'text')} FROM session_message_delta"
+            " WHERE message_id = CAST(? AS TEXT) ORDER BY version",
             (message_id,),
         ).fetchall()
         try:
-            text = stored_text(kind, data, table="session_message", key=message_id)
             streamed = [
-                stored_text(*delta, table="session_message_delta", key=message_id)
+                stored_text(*delta, table="session_message_delta", key=shown_text(message_id))
                 for delta in deltas
             ]
             _decode_message(
-                session_id, (message_id, role, seq, text, execution_id, input_id), streamed
+                session_id, (message_id, role, seq, data, execution_id, input_id), streamed
             )
         except MalformedRecord as exc:
             # The raw data is kept as it was stored (bytes that are not UTF-8 as a BLOB);
@@ -121,9 +123,9 @@ def _set_aside_malformed_messages(tx: Tx, session_id: str, execution_id: str) ->
             tx.execute(
                 "INSERT INTO session_message_rejected(id, session_id, execution_id, seq, data,"
                 " reason, time_created) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (message_id, session_id, execution_id, seq, _as_stored(kind, data), reason, tx.now),
+                (message_id, session_id, execution_id, seq, data, reason, tx.now),
             )
-            tx.execute("DELETE FROM session_message WHERE id = ?", (message_id,))
+            tx.execute("DELETE FROM session_message WHERE id = CAST(? AS TEXT)", (message_id,))
             tx.notify(session_id, watchers_only=True)  # gone, for the session's watchers
 
 
