@@ -144,19 +144,30 @@ def test_sessions_are_paged_and_searched_in_the_store(tmp_path: Path) -> None:
     with text in an INTEGER column (SQLite keeps what another tool wrote) is listed as a
     malformed row, saying which column holds what: it failed the whole page with a 500.
     Whatever a row holds reaches the page escaped (a pending input's seq did not). A
-    session whose id is not UTF-8 is listed with its bytes but offers no link or action."""
+    session or a quarantine whose id is not UTF-8 is listed with its bytes but offers no
+    link or action, and paging never skips the sessions its shown name sorts after."""
     store = tmp_path / "db"
     seed(store, 120)
     Raw(store).write("UPDATE session SET time_woken = 'yesterday' WHERE id = 's003'")
     Raw(store).write("UPDATE session_input SET seq = '<i>seq</i>' WHERE session_id = 's005'")
     Raw(store).write("INSERT INTO session(id, time_created) VALUES (CAST(X'7A7AFF' AS TEXT), 0)")
+    for index in range(49):  # a page of "zz..." ids ending with a bad one, then "zzé"
+        name = "zz" + chr(97 + index // 26) + chr(97 + index % 26)
+        Raw(store).write(f"INSERT INTO session(id, time_created) VALUES ('{name}', 0)")
+    Raw(store).write("INSERT INTO session(id, time_created) VALUES (CAST(X'7A7A80' AS TEXT), 0)")
+    Raw(store).write("INSERT INTO session(id, time_created) VALUES ('zz\u00e9', 0)")
+    Raw(store).write(
+        "INSERT INTO session_recovery(execution_id, session_id, owner_id, expires_at,"
+        " recovery_error, time_created, time_quarantined)"
+        " VALUES (CAST(X'6EFF' AS TEXT), 's001', 'o', 0, 'bad', 0, 0)"
+    )
     with (
         console(str(store), tmp_path) as (url, _),
         httpx.Client(base_url=url, timeout=DEADLINE) as client,
     ):
         first = client.get("/").text
         assert session_ids(first) == [f"s{i:03d}" for i in range(50)]
-        assert "sessions <b>121</b>" in first  # and one whose id is not UTF-8
+        assert "sessions <b>172</b>" in first  # and the "zz..." ones below
         link = re.search(r'id="next" href="([^"]+)"', first)
         assert link is not None
         second = client.get(link.group(1).replace("&amp;", "&")).text
@@ -184,10 +195,21 @@ def test_sessions_are_paged_and_searched_in_the_store(tmp_path: Path) -> None:
         assert_nul_refused(client)
         # An id that is not UTF-8 (no str names it): listed with its bytes, with no link and
         # no action - a pause by the shown name created another session.
-        unnamed = client.get("/", params={"q": "zz"}).text
-        assert "session.id is not UTF-8 text (X&#x27;7A7AFF&#x27;)" in unnamed
-        assert "/sessions/zz" not in unnamed
-        assert 'data-session="zz' not in unnamed
+        # The first page of "zz" ends with a bad id: the next page starts after the last
+        # good one, never after the bad one's replaced name ("zz\ufffd" sorts after "zzé").
+        # A row may show twice, none is skipped.
+        first_zz = client.get("/", params={"q": "zz"}).text
+        assert "session.id is not UTF-8 text (X&#x27;7A7A80&#x27;)" in first_zz
+        link = re.search(r'id="next" href="([^"]+)"', first_zz)
+        assert link is not None
+        second_zz = client.get(link.group(1).replace("&amp;", "&")).text
+        assert "zz\u00e9" in session_ids(second_zz)
+        assert "session.id is not UTF-8 text (X&#x27;7A7AFF&#x27;)" in second_zz
+        for page in (first_zz, second_zz):
+            assert "%EF%BF%BD" not in page and 'data-session="zz\ufffd' not in page
+        # A quarantine whose execution id is not UTF-8: listed, but no button acts on it.
+        assert "session_recovery.execution_id is not UTF-8 text (X&#x27;6EFF&#x27;)" in first
+        assert "/quarantine/n%EF%BF%BD" not in first
 
 
 def assert_nul_refused(client: httpx.Client) -> None:

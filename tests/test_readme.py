@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -38,6 +39,8 @@ def test_testing_section_examples_pass_under_pytest_as_written(tmp_path: Path) -
         capture_output=True,
         text=True,
         timeout=120,
+        # This checkout's library, whatever an environment has installed.
+        env={**os.environ, "PYTHONPATH": str(README.parent)},
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "2 passed" in result.stdout

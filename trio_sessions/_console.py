@@ -181,7 +181,7 @@ class Console:
         rows = "".join(self._session_row(session) for session in page["sessions"])
         more = ""
         if page["more"] and page["sessions"]:
-            next_query = urllib.parse.urlencode({"q": search, "after": page["sessions"][-1]["id"]})
+            next_query = urllib.parse.urlencode({"q": search, "after": _page_after(page)})
             more = f'<p><a id="next" href="/?{next_query}">next page</a></p>'
         figures = " · ".join(f"{_e(k.replace('_', ' '))} <b>{v}</b>" for k, v in counts.items())
         body = f"""
@@ -255,6 +255,11 @@ contains"> <button>search</button></form>
         body = ""
         for row in rows:
             execution = row["execution_id"]
+            if not _nameable(row, "session_recovery.execution_id", "session_recovery.session_id"):
+                # Shown by its bytes only: a link or an action by the shown name would miss.
+                body += f"<tr><td>{_e(execution)}</td><td>{_e(row['session_id'])}</td>"
+                body += f"<td>{_e('; '.join(row['malformed']))}</td><td></td></tr>"
+                continue
             actions = ""
             if not self.guard.read_only:
                 actions = self._button(
@@ -425,9 +430,22 @@ def _cookies(headers: Mapping[str, str]) -> dict[str, str]:
     return {key: value for key, _, value in pairs if key}
 
 
-def _nameable(session: Mapping[str, Any]) -> bool:
-    """Whether a listed session's id is the one stored (not UTF-8 text is shown replaced)."""
-    return not any(problem.startswith("session.id ") for problem in session["malformed"])
+def _page_after(page: Mapping[str, Any]) -> str:
+    """Where the next page starts: after the last session listed whose id is the one
+    stored. An id that is not UTF-8 is shown with replacement characters, which sort after
+    ids its stored bytes sort before: paging after it would skip them. So such rows at a
+    page's end are listed again on the next one (a page of nothing else pages on after the
+    shown name: it may skip, it never loops)."""
+    sessions = page["sessions"]
+    named = [session for session in sessions if _nameable(session)]
+    return str((named or sessions)[-1]["id"])
+
+
+def _nameable(row: Mapping[str, Any], *columns: str) -> bool:
+    """Whether a listed row's ids (`columns`; a session's own by default) are the ones
+    stored: one that is not UTF-8 text is shown replaced, and `malformed` says so."""
+    named = columns or ("session.id",)
+    return not any(problem.split(" ", 1)[0] in named for problem in row["malformed"])
 
 
 def _query(scope: Scope) -> dict[str, str]:

@@ -207,9 +207,9 @@ def readable(tx: Tx, column: str) -> str:
 def placed(number: Any) -> int:
     """A message's seq or version, read to place it in a watcher's or a stream's order. One
     that is no whole number (SQLite keeps what another tool writes) goes last, where
-    SQLite's ORDER BY puts text: its message is the newest, which
-    `transcript._decode_message` refuses, so the reader raises `MalformedRecord`, not a
-    `ValueError` while placing it."""
+    SQLite's ORDER BY puts text (a REAL it orders by value; placed last too): its message
+    is taken as the newest, which `transcript._decode_message` refuses, so the reader
+    raises `MalformedRecord`, not a `ValueError` while placing it."""
     return number if type(number) is int else MAX_INT64
 
 
