@@ -204,6 +204,15 @@ class Soak:
         for path in (self.control / f"pause.{worker.name}", self.control / f"paused.{worker.name}"):
             path.unlink(missing_ok=True)
 
+    def handoff_owed(self) -> bool:
+        """Whether the next kill must try the claim handoff: asked for (`handoff_ratio`) and
+        not landed in two kills yet. Random choices alone left a short run with none (seed 3
+        on a slow machine: eight kills, none inside a handoff), so the fault it exists to
+        inject went untried."""
+        return (
+            self.args.handoff_ratio > 0 and self.result.kills >= 2 and not self.result.handoff_kills
+        )
+
     def check_exits(self) -> None:
         self.result.unexpected_exits += common.restart_exited(self.workers, self.spawn)
         self.retiring.reap(self.kill_overdue)
@@ -272,13 +281,19 @@ class Soak:
                     next_kill = now + self.rng.uniform(*args.kill_gap)
             elif now >= next_kill and self.workers:
                 worker = self.rng.choice(list(self.workers.values()))
-                if self.rng.random() < args.restart_ratio and self.retiring.serving(worker):
+                serving = self.retiring.serving(worker)
+                if self.handoff_owed() and serving:
+                    (self.control / f"pause.{worker.name}").touch()
+                    handoff = (worker, now + 2.0)
+                elif self.rng.random() < args.restart_ratio and serving:
                     self.rolling_restart(worker)
                     next_kill = now + self.rng.uniform(*args.kill_gap)
-                elif self.rng.random() < args.busy_ratio and self.retiring.serving(worker):
+                elif self.rng.random() < args.busy_ratio and serving:
                     # (Only a worker that serves has drains to ask into a busy step.)
                     busy = (worker, common.BusyRequest.ask(self.control, worker.name))
-                elif self.rng.random() < args.handoff_ratio:
+                elif self.rng.random() < args.handoff_ratio and serving:
+                    # (Only a worker that serves claims sessions: one still starting would
+                    # reach no handoff within the deadline.)
                     (self.control / f"pause.{worker.name}").touch()
                     handoff = (worker, now + 2.0)
                 else:
