@@ -24,6 +24,7 @@ from trio_sessions import (
     AssistantData,
     DrainContext,
     LeaseLost,
+    MalformedRecord,
     Outcome,
     SessionBusy,
     Store,
@@ -647,6 +648,44 @@ async def test_fork_copies_the_transcript_and_closes_an_unfinished_reply(
     assert forked[1].data == AssistantData((TextPart("thinking"),), True, "interrupted")
     assert source[1].data == AssistantData((TextPart("thinking"),), False, None)
     assert [(m.seq, m.role, m.data) for m in first] == [(1, "user", {"text": "hi"})]
+
+
+@pytest.mark.sqlite_only  # PostgreSQL's TEXT column cannot hold anything but text
+@pytest.mark.parametrize("finished", [True, False], ids=["finished", "open"])
+async def test_fork_of_a_message_that_is_not_utf8(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock, finished: bool
+) -> None:
+    """SQLite keeps whatever bytes another tool wrote as TEXT. fork copies a finished
+    message that is not UTF-8 as it copies one that does not decode: the same bytes, so
+    the fork's transcript names it malformed as the source's does. An open one, which fork
+    must decode to close, is a MalformedRecord with nothing copied, as an open message
+    that does not decode is. Both raised the driver's StoreError, naming no row."""
+    drain = Recorder()
+    async with runtime(store, drain, clock) as rt:
+        await rt.submit("s", {"text": "hi"})
+        await rt.wait_idle("s")
+    raw = Raw(db_path)
+    bad = "CAST(X'7B2274223A2280FF227D' AS TEXT)"
+    raw.write(
+        "INSERT INTO session_message(id, session_id, execution_id, role, seq, data,"
+        f" finished, time_created, time_updated) VALUES ('m-bad', 's', 'e', 'assistant', 2,"
+        f" {bad}, ?, 0, 0)",
+        (int(finished),),
+    )
+    async with runtime(store, drain, clock) as rt:
+        if finished:
+            await rt.fork("s", "copy")
+            for session in ("s", "copy"):
+                with pytest.raises(MalformedRecord, match="not UTF-8 text"):
+                    await rt.transcript(session)
+        else:
+            with pytest.raises(MalformedRecord, match="not UTF-8 text") as caught:
+                await rt.fork("s", "copy")
+            assert caught.value.key == "m-bad"
+    stored = raw.rows("SELECT CAST(data AS BLOB) FROM session_message WHERE seq = 2")
+    expected = [bytes.fromhex("7B2274223A2280FF227D")] * (2 if finished else 1)
+    assert [row[0] for row in stored] == expected
+    assert raw.rows("SELECT COUNT(*) FROM session WHERE id = 'copy'") == [(int(finished),)]
 
 
 async def test_truncate_deletes_after_seq_and_refuses_while_a_claim_is_held(

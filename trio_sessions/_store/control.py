@@ -38,7 +38,16 @@ from .._decisions import SubmitVerdict
 from .._errors import SessionBusy
 from .._model import INTERRUPTED
 from .acquisition import Acquired, _insert_claim, acquire
-from .common import _claim_row, _has_pending_inputs, _in_list, _paused, _ring, new_id, readable
+from .common import (
+    _claim_row,
+    _has_pending_inputs,
+    _in_list,
+    _paused,
+    _ring,
+    as_stored,
+    new_id,
+    readable,
+)
 from .inputs import _insert_input, _known_input
 from .transcript import _assistant_data
 
@@ -395,21 +404,34 @@ def fork(tx: Tx, session_id: str, new_session_id: str, through_seq: int | None) 
     if tx.one("SELECT 1 FROM session WHERE id = ?", (session_id,)) is None:
         raise ValueError(f"session {session_id!r} does not exist")
     limit = "" if through_seq is None else " AND seq <= :through"
+    # The data as stored: a finished message is copied as it is, even one that does not
+    # decode or is not UTF-8 (its copy is as malformed as it); only an open one is decoded.
     rows = tx.execute(
-        "SELECT id, role, seq, data, finished, time_created FROM session_message"
-        f" WHERE session_id = :session{limit} ORDER BY seq",
+        f"SELECT id, role, seq, {as_stored(tx, 'data')}, finished, time_created"
+        f" FROM session_message WHERE session_id = :session{limit} ORDER BY seq",
         {"session": session_id, "through": through_seq},
     ).fetchall()
     tx.execute("INSERT INTO session(id, time_created) VALUES (?, ?)", (new_session_id, tx.now))
-    for message_id, role, seq, data, finished, time_created in rows:
+    for message_id, role, seq, kind, data, finished, time_created in rows:
+        copied = "CAST(:data AS TEXT)" if kind == "text" else ":data"  # the same bytes
         if role == "assistant" and not finished:
             # Maybe open: its streamed text merged, closed as an interrupted answer.
-            merged = _assistant_data(tx, message_id, data)
+            text = _codec.stored_text(kind, data, table="session_message", key=message_id)
+            merged = _assistant_data(tx, message_id, text)
             data = _codec.encode_assistant(_transcript.interrupt(merged, INTERRUPTED))
         tx.execute(
             "INSERT INTO session_message(id, session_id, role, seq, data, time_created,"
-            " time_updated, finished) VALUES (?, ?, ?, ?, ?, ?, ?, 1)",
-            (new_id(), new_session_id, role, seq, data, time_created, tx.now),
+            f" time_updated, finished) VALUES (:id, :session, :role, :seq, {copied},"
+            " :created, :now, 1)",
+            {
+                "id": new_id(),
+                "session": new_session_id,
+                "role": role,
+                "seq": seq,
+                "data": data,
+                "created": time_created,
+                "now": tx.now,
+            },
         )
     tx.notify(new_session_id)
     return len(rows)
