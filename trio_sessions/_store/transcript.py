@@ -414,7 +414,6 @@ def read_transcript_by_statements(tx: Tx, session_id: str) -> list[Message]:
 
 
 _ROLES = frozenset(get_args(Role))
-_OPTIONAL_TEXT = (str, type(None))
 
 
 def _shape_reasons(row: Sequence[Any]) -> list[str]:
@@ -441,14 +440,8 @@ def _decode_message(session_id: str, row: Sequence[Any], streamed: Sequence[Any]
     """A message row - (id, role, seq, data, execution_id, input_id) - with the texts
     streamed onto it since its data was written."""
     message_id, role, seq, data, execution_id, input_id = row
-    if (
-        role not in _ROLES
-        or type(seq) is not int
-        or type(message_id) is not str
-        or type(execution_id) not in _OPTIONAL_TEXT
-        or type(input_id) not in _OPTIONAL_TEXT
-    ):
-        reasons = _shape_reasons(row)
+    reasons = _shape_reasons(row)
+    if reasons:
         raise MalformedRecord("session_message", _codec.shown_text(message_id), reasons)
     decoded: Any
     if role == "assistant":
