@@ -400,12 +400,27 @@ def decode_step(kind: Any, text: Any, *, key: str) -> Step:
     raise MalformedRecord("session_message_change", key, reasons)
 
 
-def stored_text(kind: str, value: Any, *, table: str, key: str) -> Any:
+def utf8_or_bytes(stored: bytes) -> str | bytes:
+    """Bytes SQLite kept as TEXT (whatever bytes another tool wrote: its driver refuses the
+    whole read of a row that is not UTF-8): their text, or the bytes themselves when they
+    are no UTF-8."""
+    try:
+        return stored.decode("utf-8")
+    except UnicodeDecodeError:
+        return stored
+
+
+def stored_value(kind: str, value: Any) -> Any:
     """A column read as `_store.common.as_stored` reads it - its type and, on SQLite, its
-    bytes (SQLite keeps whatever bytes another tool wrote as TEXT, and its driver refuses
-    the whole read of a row that is not UTF-8): text stored as text, or `MalformedRecord`
-    when its bytes are not UTF-8. Any other value (a BLOB, a number) is returned as it is,
-    for the decoding that follows to refuse."""
+    bytes - as it was stored: text stored as text when its bytes are UTF-8; anything else
+    (such bytes, a BLOB, a number) as it is."""
+    return utf8_or_bytes(value) if kind == "text" and isinstance(value, bytes) else value
+
+
+def stored_text(kind: str, value: Any, *, table: str, key: str) -> Any:
+    """`stored_value`, or `MalformedRecord` naming the first byte that is no UTF-8 when text
+    was stored whose bytes are not. Any other value (a BLOB, a number) is returned as it
+    is, for the decoding that follows to refuse."""
     if kind != "text" or not isinstance(value, bytes):
         return value
     try:

@@ -20,7 +20,7 @@ import time
 
 import attrs
 
-from .. import _observe, _schema
+from .. import _codec, _observe, _schema
 from .._backend import Job
 from .._errors import SchemaTooNew, StoreError
 
@@ -180,11 +180,7 @@ def _is_utf8(stored: bytes | None) -> bool:
     SQLite keeps whatever bytes another tool writes as TEXT, and the driver refuses the
     whole read of a row that holds any other; a scan over many sessions passes over such
     rows with this, so one of them never fails the others' read."""
-    try:
-        (stored or b"").decode("utf-8")
-    except UnicodeDecodeError:
-        return False
-    return True
+    return isinstance(_codec.utf8_or_bytes(stored or b""), str)
 
 
 def database_name(conn: sqlite3.Connection) -> str:

@@ -31,7 +31,7 @@ from typing import Any, TypeVar, TypeVarTuple, Unpack
 
 import attrs
 
-from .. import _liveness
+from .. import _codec, _liveness
 from .._backend import FALLBACK, BackendName, Job, Params, Tx, driver_error, now_ms
 from .._errors import TrioSessionsError
 from .connections import DatabaseFile, begin_immediate, connect, is_locked, schema_version
@@ -145,18 +145,11 @@ def run_read(
     except sqlite3.OperationalError as exc:
         if tx.refused_value(exc) is None or not op.__dict__.get("reads_stored_bytes"):
             raise
-    conn.text_factory = _text_or_bytes
+    conn.text_factory = _codec.utf8_or_bytes
     try:
         return op(tx, *args)
     finally:
         conn.text_factory = str
-
-
-def _text_or_bytes(stored: bytes) -> str | bytes:
-    try:
-        return stored.decode("utf-8")
-    except UnicodeDecodeError:
-        return stored
 
 
 def database_file(conn: sqlite3.Connection) -> str | None:

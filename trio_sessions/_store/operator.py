@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._backend import Tx, reads_stored_bytes
-from .._codec import shown_text, stored_text
+from .._codec import shown_text, stored_text, stored_value
 from .._errors import MalformedRecord
 from .._model import OWNER_LOST
 from .common import _doorbell_set, _has_pending_inputs, _reset_attempts, _ring, as_stored
@@ -99,7 +99,7 @@ def _set_aside_malformed_messages(tx: Tx, session_id: str, execution_id: str) ->
     ).fetchall()
     for seq, *stored in rows:
         message_id, role, data, input_id = (
-            _as_stored(kind, value) for kind, value in zip(stored[::2], stored[1::2], strict=True)
+            stored_value(kind, value) for kind, value in zip(stored[::2], stored[1::2], strict=True)
         )
         deltas = tx.execute(
             f"SELECT {as_stored(tx, 'text')} FROM session_message_delta"
@@ -118,7 +118,7 @@ def _set_aside_malformed_messages(tx: Tx, session_id: str, execution_id: str) ->
             # The raw data is kept as it was stored (bytes that are not UTF-8 as a BLOB);
             # text streamed onto it since goes into the reason, such bytes as a bytes
             # literal (its rows leave with the message): nothing of it is lost.
-            streamed_since = [_as_stored(*delta) for delta in deltas]
+            streamed_since = [stored_value(*delta) for delta in deltas]
             reason = str(exc) + (f"; streamed since: {streamed_since!r}" if deltas else "")
             tx.execute(
                 "INSERT INTO session_message_rejected(id, session_id, execution_id, seq, data,"
@@ -127,15 +127,6 @@ def _set_aside_malformed_messages(tx: Tx, session_id: str, execution_id: str) ->
             )
             tx.execute("DELETE FROM session_message WHERE id = CAST(? AS TEXT)", (message_id,))
             tx.notify(session_id, watchers_only=True)  # gone, for the session's watchers
-
-
-def _as_stored(kind: str, value: Any) -> Any:
-    """A value read with `as_stored`, as it was stored: text as text; bytes that are no
-    UTF-8 text (or a BLOB) as bytes."""
-    try:
-        return stored_text(kind, value, table="", key="")
-    except MalformedRecord:
-        return value
 
 
 @reads_stored_bytes
