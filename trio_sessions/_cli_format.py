@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ._store import malformed_columns
+
 
 def _table(header: Sequence[str], rows: list[list[str]]) -> list[str]:
     widths = [max(len(cell) for cell in column) for column in zip(header, *rows, strict=True)]
@@ -53,7 +55,7 @@ def _status_row(session: dict[str, Any]) -> list[str]:
     else:
         lease = f"{claim['lease_remaining_s']:.1f}s left"
     age = claim["heartbeat_age_s"]
-    unreadable = any(p.startswith("session_execution.heartbeat_at") for p in session["malformed"])
+    unreadable = "session_execution.heartbeat_at" in malformed_columns(session)
     heartbeat = "never" if age is None and not unreadable else _ago(age)
     note = "QUARANTINED" if claim["quarantined"] else ""
     if session["wake_attempts"]:

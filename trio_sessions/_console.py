@@ -444,8 +444,7 @@ def _page_after(page: Mapping[str, Any]) -> str:
 def _nameable(row: Mapping[str, Any], *columns: str) -> bool:
     """Whether a listed row's ids (`columns`; a session's own by default) are the ones
     stored: one that is not UTF-8 text is shown replaced, and `malformed` says so."""
-    named = columns or ("session.id",)
-    return not any(problem.split(" ", 1)[0] in named for problem in row["malformed"])
+    return _store.malformed_columns(row).isdisjoint(columns or ("session.id",))
 
 
 def _query(scope: Scope) -> dict[str, str]:

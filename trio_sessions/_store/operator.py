@@ -16,7 +16,7 @@ Invariants kept here:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .._backend import Tx, reads_stored_bytes
@@ -295,6 +295,12 @@ def _listed(
         for (key, column, number), value in zip(fields, row, strict=True)
     }
     return {**listed, "malformed": problems}
+
+
+def malformed_columns(row: Mapping[str, Any]) -> set[str]:
+    """The columns (`table.column`) whose values a listed row's `malformed` reasons name:
+    a time shown None, an id shown replaced."""
+    return {problem.split(" ", 1)[0] for problem in row["malformed"]}
 
 
 def _whole(problems: list[str], column: str, value: Any) -> float | None:
