@@ -18,6 +18,7 @@ from trio_sessions import (
     DrainContext,
     MalformedRecord,
     RecoveryReport,
+    Runtime,
     Store,
     StoreError,
     _cli,
@@ -225,6 +226,21 @@ async def test_malformed_projection_is_quarantined_and_never_rescanned(
         assert raw.claim("s")[0] == "poison"
 
 
+async def quarantined_beside_a_resumed_claim(
+    rt: Runtime, raw: Raw, clock: Clock, drain: Recorder
+) -> str:
+    """Seed a valid expired claim beside the bad one the test seeded, run one recovery
+    pass, and assert the bad claim is quarantined and the valid one resumes (§6.11): the
+    quarantine's reason."""
+    raw.seed_claim("good", "good-exec", expires_at=expired(clock))
+    report = await rt.recover_once()
+    await rt.wait_idle("good")
+    assert report == RecoveryReport(examined=2, resumed=1, quarantined=1)
+    assert [call.session_id for call in drain.calls] == ["good"]
+    [(reason,)] = raw.rows("SELECT recovery_error FROM session_recovery")
+    return str(reason)
+
+
 @pytest.mark.parametrize("where", ["message", "delta", "message id"])
 async def test_text_that_is_not_utf8_is_quarantined_and_the_claims_behind_it_resume(
     tmp_path: Path, clock: Clock, autojump_clock: MockClock, where: str
@@ -258,12 +274,7 @@ async def test_text_that_is_not_utf8_is_quarantined_and_the_claims_behind_it_res
             raw.write(
                 "UPDATE session_message SET id = CAST(X'6DFF' AS TEXT) WHERE id = ?", (message,)
             )
-        raw.seed_claim("good", "good-exec", expires_at=expired(clock))
-        report = await rt.recover_once()
-        await rt.wait_idle("good")
-    assert report == RecoveryReport(examined=2, resumed=1, quarantined=1)
-    assert [call.session_id for call in drain.calls] == ["good"]
-    [(reason,)] = raw.rows("SELECT recovery_error FROM session_recovery WHERE session_id = 'bad'")
+        reason = await quarantined_beside_a_resumed_claim(rt, raw, clock, drain)
     assert "not UTF-8" in reason
     # The operator's way out: the drop sets the message aside (its bytes kept as they
     # were, the reason naming it) and the transcript reads again. The driver's decode
@@ -375,12 +386,7 @@ async def test_a_claim_whose_session_row_is_gone_is_quarantined_not_resumed(
             conn.execute("PRAGMA foreign_keys = OFF")
             conn.execute("DELETE FROM session WHERE id = 'orphan'")
         conn.close()
-        raw.seed_claim("good", "good-exec", expires_at=expired(clock))
-        report = await rt.recover_once()
-        await rt.wait_idle("good")
-    assert report == RecoveryReport(examined=2, resumed=1, quarantined=1)
-    assert [call.session_id for call in drain.calls] == ["good"]
-    [(reason,)] = raw.rows("SELECT recovery_error FROM session_recovery")
+        reason = await quarantined_beside_a_resumed_claim(rt, raw, clock, drain)
     assert "its session 'orphan' has no row" in reason
 
 
