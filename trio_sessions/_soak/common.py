@@ -57,10 +57,12 @@ SERVING = "soak worker serving:"
 # A busy step's blocking call lands its effect this long after the step began: well inside
 # the default takeover grace (0.5 s; the rest is margin for a loaded host), and long enough
 # for another owner's first look at the free token (every 0.25 s) and its takeover to fall
-# within it. Then (PostgreSQL) this much ordinary, cancellable work follows: more than grace
-# + a look, so an owner that ignores its lost token is still acting when it is taken over.
+# within it. Then (PostgreSQL) this much ordinary, cancellable work follows: well over
+# grace + a look + a recovery pass, so an owner that ignores its lost token is still acting
+# when it is taken over, also on a loaded machine (1.0 s let a CI run's three busy token
+# kills of `ignore-lost-token` all end before the takeover: no overlap for the audit).
 BUSY_BLOCK = 0.3
-BUSY_WORK = 1.0
+BUSY_WORK = 2.5
 
 
 def session_name(index: int) -> str:
