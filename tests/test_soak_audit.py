@@ -90,7 +90,9 @@ def test_every_broken_copy_applies_exactly_once() -> None:
     """Each defect's text to break occurs once in the current package (so the broken-copy
     checks cannot silently test the real code)."""
     for defect in broken.DEFECTS.values():
-        assert broken.patched(defect) != (broken.PACKAGE / defect.path).read_text()
+        for edit in defect.edits:
+            text = (broken.PACKAGE / edit.path).read_text()
+            assert broken.patched(edit, text) != text
 
 
 async def echo(stream: trio.SocketStream) -> None:

@@ -19,121 +19,186 @@ PACKAGE = Path(__file__).resolve().parent.parent
 
 
 @attrs.frozen
-class Defect:
-    what: str
+class Edit:
     path: str  # inside the package
     old: str
     new: str
+
+
+@attrs.frozen
+class Defect:
+    what: str
+    edits: tuple[Edit, ...]
 
 
 DEFECTS = {
     "fence-key-share": Defect(
         "the session lock is a FOR KEY SHARE row lock on the session (a takeover's updates"
         " do not conflict with it)",
-        "_postgres/transactions.py",
-        '" (SELECT pg_advisory_xact_lock(ts_lock_key(%s)))"',
-        '" (SELECT count(*) FROM (SELECT 1 FROM session WHERE id = %s FOR KEY SHARE) AS k)"',
+        (
+            Edit(
+                "_postgres/transactions.py",
+                '" (SELECT pg_advisory_xact_lock(ts_lock_key(%s)))"',
+                '" (SELECT count(*) FROM (SELECT 1 FROM session WHERE id = %s"'
+                '" FOR KEY SHARE) AS k)"',
+            ),
+        ),
     ),
     "no-session-lock": Defect(
         "fences are read without any session lock (READ COMMITTED alone)",
-        "_postgres/transactions.py",
-        "    def _lock(self, statement: str, argument: Any, session_ids: list[str]) -> None:\n",
-        "    def _lock(self, statement: str, argument: Any, session_ids: list[str]) -> None:\n"
-        "        return\n",
+        (
+            Edit(
+                "_postgres/transactions.py",
+                "    def _lock(self, statement: str, argument: Any,"
+                " session_ids: list[str]) -> None:\n",
+                "    def _lock(self, statement: str, argument: Any,"
+                " session_ids: list[str]) -> None:\n"
+                "        return\n",
+            ),
+        ),
     ),
     "unlocked-write-fence": Defect(
         "a drain's writes check the claim fence without the session lock (acquire and"
         " recovery keep it): a takeover can commit between the check and the write",
-        "_store/common.py",
-        '    tx.lock_session(session_id)\n    row = tx.one(\n        "SELECT s.time_woken',
-        '    row = tx.one(\n        "SELECT s.time_woken',
+        (
+            Edit(
+                "_store/common.py",
+                '    tx.lock_session(session_id)\n    row = tx.one(\n        "SELECT s.time_woken',
+                '    row = tx.one(\n        "SELECT s.time_woken',
+            ),
+        ),
     ),
     "no-self-fence": Defect(
         "no local lease deadline: a drain runs until the store says its lease is lost",
-        "_lease.py",
-        "    return sent_at + lease * (1 - SELF_FENCE_MARGIN)",
-        '    return float("inf")',
+        (
+            Edit(
+                "_lease.py",
+                "    return sent_at + lease * (1 - SELF_FENCE_MARGIN)",
+                '    return float("inf")',
+            ),
+        ),
     ),
     "no-margin": Defect(
         "the self-fencing deadline has no margin (exactly one lease after the renewal was sent)",
-        "_lease.py",
-        "SELF_FENCE_MARGIN = 0.1",
-        "SELF_FENCE_MARGIN = 0.0",
+        (
+            Edit(
+                "_lease.py",
+                "SELF_FENCE_MARGIN = 0.1",
+                "SELF_FENCE_MARGIN = 0.0",
+            ),
+        ),
     ),
     "late-self-fence": Defect(
         "the self-fencing deadline falls half a lease after the durable expiry",
-        "_lease.py",
-        "SELF_FENCE_MARGIN = 0.1",
-        "SELF_FENCE_MARGIN = -0.5",
+        (
+            Edit(
+                "_lease.py",
+                "SELF_FENCE_MARGIN = 0.1",
+                "SELF_FENCE_MARGIN = -0.5",
+            ),
+        ),
     ),
     "heartbeat-revives": Defect(
         "the heartbeat renews a claim of this owner even after its lease expired",
-        "_store/claims.py",
-        '        " AND expires_at > :now RETURNING id, phase",',
-        '        " RETURNING id, phase",',
+        (
+            Edit(
+                "_store/claims.py",
+                '        " AND expires_at > :now RETURNING id, phase",',
+                '        " RETURNING id, phase",',
+            ),
+        ),
     ),
     "no-expired-recovery": Defect(
         "the recovery scan never selects expired claims (only unclaimed doorbells)",
-        "_store/recovery_scan.py",
-        '        f" WHERE (e.expires_at <= :now{of_gone}) AND {not_local}"',
-        '        f" WHERE (e.expires_at <= :now{of_gone}) AND {not_local} AND 1 = 0"',
+        (
+            Edit(
+                "_store/recovery_scan.py",
+                '        f" WHERE (e.expires_at <= :now{of_gone}) AND {not_local}"',
+                '        f" WHERE (e.expires_at <= :now{of_gone}) AND {not_local} AND 1 = 0"',
+            ),
+        ),
     ),
     "interrupt-no-rearm": Defect(
         "an interrupt's cleanup does not re-arm the doorbell for inputs still pending",
-        "_store/claims.py",
-        "    _reset_attempts(tx, session_id)\n"
-        "    if _has_pending_inputs(tx, session_id):\n"
-        "        _ring(tx, session_id)\n"
-        "    return _doorbell_set(tx, session_id)\n",
-        "    _reset_attempts(tx, session_id)\n    return _doorbell_set(tx, session_id)\n",
+        (
+            Edit(
+                "_store/claims.py",
+                "    _reset_attempts(tx, session_id)\n"
+                "    if _has_pending_inputs(tx, session_id):\n"
+                "        _ring(tx, session_id)\n"
+                "    return _doorbell_set(tx, session_id)\n",
+                "    _reset_attempts(tx, session_id)\n    return _doorbell_set(tx, session_id)\n",
+            ),
+        ),
     ),
     "early-hand-back": Defect(
         "a graceful shutdown hands the claims back before their drains exited (a drain"
         " blocked in a thread still runs while another worker resumes the session)",
-        "_verbs.py",
-        "        for entry in list(self._entries.values()):\n"
-        '            entry.interrupt("shutdown")\n',
-        "        for entry in list(self._entries.values()):\n"
-        '            entry.interrupt("shutdown")\n'
-        "        await self._db.run_nowait(\n"
-        "            _store.expire_claims,\n"
-        "            self._owner_id,\n"
-        "            [e.execution_id for e in self._entries.values() if e.owned],\n"
-        "        )\n",
+        (
+            Edit(
+                "_verbs.py",
+                "        for entry in list(self._entries.values()):\n"
+                '            entry.interrupt("shutdown")\n',
+                "        for entry in list(self._entries.values()):\n"
+                '            entry.interrupt("shutdown")\n'
+                "        await self._db.run_nowait(\n"
+                "            _store.expire_claims,\n"
+                "            self._owner_id,\n"
+                "            [e.execution_id for e in self._entries.values() if e.owned],\n"
+                "        )\n",
+            ),
+        ),
     ),
     "no-takeover-grace": Defect(
         "an owner whose liveness token is seen free once counts as gone at once (no grace"
         " for an owner that lost its token while alive to stop its drains)",
-        "_decisions.py",
-        "    return free_since is not None and now - free_since >= grace",
-        "    return free_since is not None",
+        (
+            Edit(
+                "_decisions.py",
+                "    return free_since is not None and now - free_since >= grace",
+                "    return free_since is not None",
+            ),
+        ),
     ),
     "ignore-lost-token": Defect(
         "an owner whose liveness token is lost while it lives (its connection broke) goes"
-        " on draining and never takes the token again",
-        "_verbs.py",
-        "            await token.wait_lost()\n            self._token_lost = True\n",
-        "            await trio.sleep_forever()\n            self._token_lost = True\n",
+        " on draining and never takes the token again; a drain of its that is taken over"
+        " stops at the heartbeat that finds the claim gone, not at the takeover's change"
+        " signal (which narrows the overlap to milliseconds, too short for the audit to"
+        " see it every time, without closing it)",
+        (
+            Edit(
+                "_verbs.py",
+                "            await token.wait_lost()\n            self._token_lost = True\n",
+                "            await trio.sleep_forever()\n            self._token_lost = True\n",
+            ),
+            Edit(
+                "_loops.py",
+                "            elif entry.owned and not entry.deciding"
+                " and entry.execution_id in gone:\n",
+                "            elif False:\n",
+            ),
+        ),
     ),
 }
 
 
-def patched(defect: Defect) -> str:
-    """The defect's file with the defect applied (`ValueError` unless `old` matches once)."""
-    text = (PACKAGE / defect.path).read_text()
-    if text.count(defect.old) != 1:
-        raise ValueError(f"{defect.path}: the text to break must occur exactly once")
-    return text.replace(defect.old, defect.new)
+def patched(edit: Edit, text: str) -> str:
+    """`text` with the edit applied (`ValueError` unless its `old` occurs once there)."""
+    if text.count(edit.old) != 1:
+        raise ValueError(f"{edit.path}: the text to break must occur exactly once")
+    return text.replace(edit.old, edit.new)
 
 
 def make_copy(name: str, dest: Path) -> Path:
     """A copy of the package with defect `name` under `dest`; returns the import root."""
     if name not in DEFECTS:
         raise SystemExit(f"unknown defect {name!r}; known: {', '.join(DEFECTS)}")
-    defect = DEFECTS[name]
     target = dest / PACKAGE.name
     shutil.copytree(PACKAGE, target, ignore=shutil.ignore_patterns("__pycache__"))
-    (target / defect.path).write_text(patched(defect))
+    for edit in DEFECTS[name].edits:  # in order: two edits of one file see each other
+        path = target / edit.path
+        path.write_text(patched(edit, path.read_text()))
     return dest
 
 
