@@ -398,3 +398,47 @@ async def test_a_message_no_store_writes_is_a_malformed_record_for_its_readers(
         assert (caught.value.table, caught.value.key) == ("session_message", "m-bad")
         assert reason in caught.value.reasons[0]
         assert await rt.transcript("good") == []
+
+
+@pytest.mark.parametrize("reader", ["watch", "stream"])
+@pytest.mark.parametrize("written", ["before", "while-open"])
+async def test_a_message_id_that_is_not_utf8_is_a_malformed_record_for_a_live_reader(
+    tmp_path: Path, reader: str, written: str
+) -> None:
+    """Another tool writes a message whose id is bytes that are not UTF-8, into a session
+    that is watched or streamed - before the reader opened or while it is open. The reader
+    raises MalformedRecord naming the id; the runtime stays open and serves other sessions.
+    Before, a watch that opened on it raised StoreError (the driver's decode error), and
+    one open when it was written crashed the change loop, and with it the whole runtime:
+    the row was looked up again by the `str()` of its bytes, which names no row."""
+    import sqlite3
+
+    def write_bad() -> None:
+        conn = sqlite3.connect(db)
+        with conn:
+            conn.execute(
+                "INSERT INTO session_message(id, session_id, role, seq, data, time_created,"
+                " time_updated) VALUES (CAST(X'6DFF' AS TEXT), 'bad', 'system', 1, '{}', 0, 0)"
+            )
+        conn.close()
+
+    db = tmp_path / "s.db"
+    async with trio_sessions.open_runtime(db, None) as rt:
+        await rt.submit("bad", {"n": 1})
+        if written == "before":
+            write_bad()
+
+        async def read() -> None:
+            opened = rt.watch("bad") if reader == "watch" else rt.stream("bad")
+            async with opened as updates:
+                if written == "while-open":
+                    write_bad()
+                async for _ in updates:
+                    pass
+
+        with pytest.raises(MalformedRecord) as caught, trio.fail_after(BOUND):
+            await read()
+        assert caught.value.table == "session_message"
+        assert "id b'm\\xff' is not UTF-8 text" in caught.value.reasons, caught.value.reasons
+        await rt.submit("good", {"n": 1})
+        assert await rt.transcript("good") == []

@@ -226,7 +226,10 @@ def _session_news(
 ) -> None:
     """One session's rows from its covered seq on, (id, seq, version) in seq order."""
     if followed.high_id is not None:
-        if not rows or (rows[0][0], rows[0][1]) != (followed.high_id, followed.high_seq):
+        if not rows or (message_key(rows[0][0]), rows[0][1]) != (
+            followed.high_id,
+            followed.high_seq,
+        ):
             # Truncated (and maybe grown again): seqs up to the old head may name new
             # messages. Rare (an operator's or a user's edit), so the versions are read whole.
             found.messages.extend(
@@ -238,12 +241,13 @@ def _session_news(
             return
         rows = rows[1:]
     for message_id, _seq, version in rows:
-        held = followed.open.get(message_id)
-        seen = held.version if held is not None else followed.known.get(message_id, -1)
+        key = message_key(message_id)
+        held = followed.open.get(key)
+        seen = held.version if held is not None else followed.known.get(key, -1)
         if placed(version) > seen:
-            found.messages.append(_snapshot(tx, str(message_id)))
+            found.messages.append(_snapshot(tx, message_id))
     if rows:
-        found.heads[session_id] = (placed(rows[-1][1]), str(rows[-1][0]))
+        found.heads[session_id] = (placed(rows[-1][1]), message_key(rows[-1][0]))
 
 
 def _extensible(held: Snapshot) -> bool:
@@ -282,6 +286,7 @@ def _extended(tx: Tx, grown: Sequence[tuple[Snapshot, int, bool]]) -> list[Snaps
     return snapshots
 
 
+@reads_stored_bytes
 def newest_message(tx: Tx, session_id: str) -> tuple[int, str | None]:
     """The session's newest message as (seq, id); (0, None) when it has none."""
     return _newest(tx, session_id)
@@ -292,7 +297,7 @@ def _newest(tx: Tx, session_id: str) -> tuple[int, str | None]:
         "SELECT seq, id FROM session_message WHERE session_id = ? ORDER BY seq DESC LIMIT 1",
         (session_id,),
     )
-    return (0, None) if row is None else (placed(row[0]), str(row[1]))
+    return (0, None) if row is None else (placed(row[0]), message_key(row[1]))
 
 
 # A replay reads at most this many messages, or this many bytes of message data, per read:
@@ -338,19 +343,34 @@ def _message_snapshots(
     """Messages matching `where`, skipping those whose version is not newer than `seen`;
     the data of a skipped message is never read."""
     return [
-        _snapshot(tx, str(row[0]))
+        _snapshot(tx, row[0])
         for row in tx.execute(
             f"SELECT m.id, {_VERSION} FROM session_message m WHERE {where} ORDER BY m.seq",
             params,
         ).fetchall()
-        if seen.get(row[0], -1) < row[1]
+        if seen.get(message_key(row[0]), -1) < row[1]
     ]
 
 
-def _snapshot(tx: Tx, message_id: str) -> Snapshot:
-    """One message read whole: its row and every delta streamed onto it since."""
-    row = tx.one(f"SELECT {_SNAPSHOT_COLUMNS} FROM session_message m WHERE m.id = ?", (message_id,))
-    return _snapshot_of(row, _streamed_texts(tx, message_id) if row[2] == "assistant" else [])
+def message_key(stored_id: Any) -> str:
+    """A message's id as watchers key it: its text, or for bytes that are no UTF-8 (SQLite
+    keeps what another tool writes, and a read marked `reads_stored_bytes` returns them) the
+    bytes shown with replacement characters - a key only, naming no row: such a message is
+    read by its stored bytes (`_snapshot`) and decodes as a `MalformedRecord`."""
+    return str(_codec.shown_text(stored_id))
+
+
+def _snapshot(tx: Tx, stored_id: str | bytes) -> Snapshot:
+    """One message read whole, by its id as stored: its row and every delta streamed onto
+    it since."""
+    if isinstance(stored_id, bytes):  # SQLite: text whose bytes are no UTF-8
+        row = tx.one(
+            f"SELECT {_SNAPSHOT_COLUMNS} FROM session_message m WHERE m.id = CAST(? AS TEXT)",
+            (stored_id,),
+        )
+        return _snapshot_of(row, [])  # malformed: its deltas are never merged
+    row = tx.one(f"SELECT {_SNAPSHOT_COLUMNS} FROM session_message m WHERE m.id = ?", (stored_id,))
+    return _snapshot_of(row, _streamed_texts(tx, stored_id) if row[2] == "assistant" else [])
 
 
 def _snapshot_of(row: Sequence[Any], streamed: Sequence[Any]) -> Snapshot:
@@ -363,7 +383,7 @@ def _snapshot_of(row: Sequence[Any], streamed: Sequence[Any]) -> Snapshot:
         snapshot = exc
     return Snapshot(
         str(session_id),
-        str(message[0]),
+        message_key(message[0]),
         placed(message[2]),
         snapshot,
         placed(version),
