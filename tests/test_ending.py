@@ -1,8 +1,9 @@
 """The ending table (`_decisions.decide_ending`): how a claim's busy period ended decides,
 once, what the runtime writes, the outcome, and whether a successor acquisition is due.
 
-Exhaustive over every (cause, reason, owned, lease lost): the table is pinned row by row,
-and the contract's invariants (DESIGN §6) are checked over every row independently of it.
+Exhaustive over every (cause, reason, owned, lease lost, claim gone): the table is
+pinned row by row, and the contract's invariants (DESIGN §6) are checked over every row
+independently of it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from trio_sessions._decisions import (
 from trio_sessions._model import InterruptReason
 
 REASONS: tuple[InterruptReason | None, ...] = (None, "user", "shutdown", "lease_lost")
-ROWS = list(itertools.product(EndingCause, REASONS, (False, True), (False, True)))
+BOOLS = (False, True)
+ROWS = list(itertools.product(EndingCause, REASONS, BOOLS, BOOLS, BOOLS))
 
 C, W, S = EndingCause, EndingWrite, Successor
 NONE, PASS, BACK, MARK, FINI, FAIL = (
@@ -33,6 +35,9 @@ NONE, PASS, BACK, MARK, FINI, FAIL = (
     W.FINISH_FAILED,
 )
 LOST = EndingPlan(NONE, "interrupted", "lease_lost", S.NEVER)
+# The same, when the store holds no claim of ours any more (the session deleted, or taken
+# over): nobody recovers it from us, so a ring since is taken by a successor.
+GONE = EndingPlan(NONE, "interrupted", "lease_lost", S.IF_RUNG)
 
 # (cause, reason, owned) -> plan, for an ending that did not come from losing the lease.
 TABLE: dict[tuple[EndingCause, InterruptReason | None, bool], EndingPlan] = {}
@@ -87,29 +92,47 @@ def test_table_covers_every_cause_reason_and_ownership() -> None:
     assert set(TABLE) == wanted
 
 
-@pytest.mark.parametrize(("cause", "reason", "owned", "lease_lost"), ROWS)
+@pytest.mark.parametrize(("cause", "reason", "owned", "lease_lost", "claim_gone"), ROWS)
 def test_decide_ending_matches_the_table(
-    cause: EndingCause, reason: InterruptReason | None, owned: bool, lease_lost: bool
+    cause: EndingCause,
+    reason: InterruptReason | None,
+    owned: bool,
+    lease_lost: bool,
+    claim_gone: bool,
 ) -> None:
     """Every row: losing the lease (drain failed or cancelled by it) writes nothing and ends
-    `lease_lost`; the lost-lease flag changes nothing for any other cause."""
-    plan = decide_ending(cause, reason=reason, owned=owned, lease_lost=lease_lost)
+    `lease_lost`; the lost-lease flag changes nothing for any other cause. A claim gone from
+    the store changes only the lost-lease rows of a busy period that was not stopped: a
+    ring since takes a successor."""
+    plan = decide_ending(
+        cause, reason=reason, owned=owned, lease_lost=lease_lost, claim_gone=claim_gone
+    )
     if lease_lost and cause in (C.FAILED, C.INTERRUPTED):
-        assert plan == LOST
+        expected = LOST
     else:
-        assert plan == TABLE[cause, reason, owned]
+        expected = TABLE[cause, reason, owned]
+    if claim_gone and expected == LOST and cause is not C.STOPPED:
+        expected = GONE
+    assert plan == expected
 
 
-@pytest.mark.parametrize(("cause", "reason", "owned", "lease_lost"), ROWS)
+@pytest.mark.parametrize(("cause", "reason", "owned", "lease_lost", "claim_gone"), ROWS)
 def test_ending_invariants(
-    cause: EndingCause, reason: InterruptReason | None, owned: bool, lease_lost: bool
+    cause: EndingCause,
+    reason: InterruptReason | None,
+    owned: bool,
+    lease_lost: bool,
+    claim_gone: bool,
 ) -> None:
     """The contract's rules hold on every row, whatever the table's detail: nothing durable
     for a claim not ours (only a user interrupt passed on to its holder), a shutdown never
     finishes a claim whose drain did not fail on its own, a user interrupt never hands one
-    back, no successor after a shutdown, a lost lease or a stopped busy period, and a
-    finish's successor only after a finish."""
-    plan = decide_ending(cause, reason=reason, owned=owned, lease_lost=lease_lost)
+    back, no successor after a shutdown, a stopped busy period or a lost lease (unless the
+    claim is gone from the store: nobody recovers it from us), and a finish's
+    successor only after a finish."""
+    plan = decide_ending(
+        cause, reason=reason, owned=owned, lease_lost=lease_lost, claim_gone=claim_gone
+    )
     if not owned:
         assert plan.write in (NONE, PASS)
     if plan.write is PASS:
@@ -118,8 +141,10 @@ def test_ending_invariants(
         assert plan.write in (NONE, BACK)
     if reason == "user":
         assert plan.write is not BACK
-    if plan.reason in ("shutdown", "lease_lost") or cause is C.STOPPED:
+    if plan.reason == "shutdown" or cause is C.STOPPED:
         assert plan.successor is S.NEVER
+    if plan.reason == "lease_lost" and cause is not C.STOPPED:
+        assert plan.successor is (S.IF_RUNG if claim_gone else S.NEVER)
     assert (plan.successor is S.AFTER_FINISH) == (plan.write in (FINI, FAIL))
     if plan.reason == "lease_lost" and cause is not C.STOPPED:
         assert plan.write is NONE

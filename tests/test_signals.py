@@ -104,6 +104,66 @@ async def test_a_remote_interrupt_stops_the_owner_long_before_its_heartbeat(
         assert outcomes == [Outcome("interrupted", "user")]
 
 
+async def test_a_submit_while_a_remotely_deleted_sessions_drain_stops_starts_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A producer deletes a session the worker is draining, then submits to it again while
+    the worker's old drain still cleans up. The worker's look passed over the new doorbell
+    (the session was still its own then); once the old drain exited, the worker starts the
+    new one at once - not at its next fallback poll or recovery pass (both far away here)."""
+    from trio_sessions import _loops
+
+    monkeypatch.setattr(_loops, "CHANGE_FALLBACK_POLL", 3600.0)
+    looks = {"started": 0, "ended": 0}
+    scan = _loops.BackgroundLoops._scan_changes
+
+    async def counted_scan(self: _loops.BackgroundLoops) -> None:
+        looks["started"] += 1
+        try:
+            await scan(self)
+        finally:
+            looks["ended"] += 1
+
+    monkeypatch.setattr(_loops.BackgroundLoops, "_scan_changes", counted_scan)
+    db = tmp_path / "s.db"
+    cleaning, let_go = trio.Event(), trio.Event()
+    taken: list[list[str]] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        taken.append([item.id for item in await ctx.take_inputs()])
+        if len(taken) > 1:
+            return
+        try:
+            await trio.sleep_forever()
+        finally:
+            with trio.CancelScope(shield=True):
+                cleaning.set()
+                await let_go.wait()
+
+    async with (
+        trio_sessions.open_runtime(db, drain, **NO_RECOVERY) as worker,
+        trio_sessions.open_runtime(db, None) as producer,
+    ):
+        await producer.submit("s", {"n": 1}, input_id="i1")
+        with trio.fail_after(BOUND):
+            while not taken:
+                await trio.sleep(0.01)
+            assert await producer.delete_session("s") is True
+            await cleaning.wait()
+            await producer.submit("s", {"n": 2}, input_id="i2")
+            # Every look that could see the new doorbell passed it over: the worker still
+            # holds the session.
+            submitted = looks["started"]
+            while looks["ended"] <= submitted:
+                await trio.sleep(0.01)
+        assert worker.is_active("s")
+        let_go.set()
+        with trio.fail_after(BOUND):
+            while len(taken) < 2:
+                await trio.sleep(0.01)
+        assert taken == [["i1"], ["i2"]]
+
+
 async def test_a_lost_signal_is_made_good_by_the_fallback_poll(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -180,7 +180,9 @@ class BusyPeriods:
         """
         runtime = self._runtime
         entry.deciding = False
-        plan = decide_ending(EndingCause.NOT_CLAIMED, reason=entry.reason, owned=False)
+        plan = decide_ending(
+            EndingCause.NOT_CLAIMED, reason=entry.reason, owned=False, claim_gone=entry.claim_gone
+        )
         if plan.write is EndingWrite.PASS_ON_INTERRUPT:
             runtime._nursery.start_soon(self._pass_on_then_release, entry)
         elif (
@@ -248,8 +250,10 @@ class BusyPeriods:
         entry.disown()
         if runtime._entries.get(entry.session_id) is entry:
             del runtime._entries[entry.session_id]
-            if runtime._max_active is not None:
-                runtime._kick.set()  # room again: look for durable wakes left waiting
+            if runtime._max_active is not None or entry.claim_gone:
+                # Room again, or a session the change scan passed over while we held it:
+                # look for durable wakes left waiting.
+                runtime._kick.set()
         entry.close(outcome)
 
     # -- one busy period ----------------------------------------------------------------------
@@ -426,12 +430,19 @@ class BusyPeriods:
             isinstance(ending.error, LeaseLost) or entry.self_fenced()
         )
         cause = _CAUSES[ending.kind]
-        plan = decide_ending(cause, reason=entry.reason, owned=entry.owned, lease_lost=lease_lost)
+        plan = decide_ending(
+            cause,
+            reason=entry.reason,
+            owned=entry.owned,
+            lease_lost=lease_lost,
+            claim_gone=entry.claim_gone,
+        )
         if plan.reason == "lease_lost":
             if not known_lost:
                 self._log_claim_lost(entry, ending.error)
             entry.disown()
-            return Outcome("interrupted", "lease_lost", ending.error), False
+            successor_due = plan.successor is Successor.IF_RUNG and entry.rung_since_decision()
+            return Outcome("interrupted", "lease_lost", ending.error), successor_due
         if ending.kind == "claim_failed":
             _observe.claim_attempt_failed(entry, runtime._owner_id, ending.error)
         elif plan.outcome == "failed":

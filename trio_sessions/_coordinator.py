@@ -83,6 +83,8 @@ class SessionEntry:
     resumed: bool = False
     attempt: int = 0
     reason: InterruptReason | None = None
+    # The store holds no claim of ours for it any more (`lose_claim`).
+    claim_gone: bool = False
     deciding: bool = False
     rings: int = 0
     rings_seen: int = 0
@@ -184,6 +186,15 @@ class SessionEntry:
             self.reason = "lease_lost"
         self.scope.cancel()
 
+    def lose_claim(self) -> None:
+        """The store holds no claim of ours for it any more: its session was deleted (here,
+        or elsewhere), or another owner took it over. Write nothing more for it; nobody
+        recovers it from us, so a wake rung here meanwhile is ours to take (`decide_ending`)
+        and one rung elsewhere waits in its doorbell, looked for once the entry is released
+        (the change scan passes over the sessions this runtime holds)."""
+        self.claim_gone = True
+        self.lose_lease()
+
     def start_successor(self, execution_id: str) -> None:
         """Reuse this entry for a fresh acquisition (new execution id, scope and joiners).
 
@@ -200,6 +211,7 @@ class SessionEntry:
         self.owned = False
         self.resumed = False
         self.reason = None
+        self.claim_gone = False
         self.deciding = False
         self.yield_owed = False
 

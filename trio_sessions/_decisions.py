@@ -295,15 +295,34 @@ def decide_ending(
     reason: InterruptReason | None,
     owned: bool,
     lease_lost: bool = False,
+    claim_gone: bool = False,
 ) -> EndingPlan:
-    """The ending table: (cause, interrupt reason, claim still ours, lease lost) -> plan.
+    """The ending table: (cause, interrupt reason, claim still ours, lease lost, claim gone)
+    -> plan.
 
     `owned` is whether the claim is still this entry's (committed and not yet released);
     `lease_lost` whether the drain's failure or cancellation came from losing the lease (a
     fenced write refused, or the local self-fence deadline passed; the reason `lease_lost`
-    means the heartbeat already found it). A crashed runtime (a
+    means the heartbeat already found it); `claim_gone` whether the store holds no claim
+    of ours for it any more - its session deleted (here, or elsewhere: the change scan
+    found its row gone), or taken over (the reason is then `lease_lost`). A crashed runtime (a
     test's simulated process death) consults no table: it writes nothing.
     """
+    plan = _ending_plan(cause, reason=reason, owned=owned, lease_lost=lease_lost)
+    if claim_gone and plan.reason == "lease_lost" and cause is not EndingCause.STOPPED:
+        # No claim of ours is left for recovery: a wake rung since (a submit to the fresh
+        # session) is this runtime's to take, as after any other interrupt - its
+        # acquisition finds the claim held if another owner took it over.
+        return _GONE
+    return plan
+
+
+_GONE = EndingPlan(EndingWrite.NOTHING, "interrupted", "lease_lost", Successor.IF_RUNG)
+
+
+def _ending_plan(
+    cause: EndingCause, *, reason: InterruptReason | None, owned: bool, lease_lost: bool
+) -> EndingPlan:
     if cause is EndingCause.STOPPED:
         # The drain has exited (a cancellation only leaves it once it did).
         if not owned:

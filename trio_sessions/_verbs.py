@@ -453,7 +453,7 @@ class Runtime:
         entry = self._entries.get(session_id)
         if entry is not None:
             # Its claim is gone with the session: stop the drain, write nothing for it.
-            entry.lose_lease()
+            entry.lose_claim()
         return existed
 
     async def purge(self, *, idle_for: float) -> int:
