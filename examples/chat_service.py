@@ -317,8 +317,10 @@ async def _read_json(receive: Receive) -> dict[str, Any]:
         return {}
     try:
         payload = json.loads(body)
-    except json.JSONDecodeError as exc:
+    except ValueError as exc:  # not JSON, or bytes that are no UTF-8
         raise HTTPError(400, f"the body must be JSON: {exc}") from None
+    except RecursionError:
+        raise HTTPError(400, "the body must be JSON: it is nested too deeply") from None
     if not isinstance(payload, dict):
         raise HTTPError(400, "the body must be a JSON object")
     return payload

@@ -1,12 +1,13 @@
-"""Review of the chat example (examples/chat_service.py), in process: its ASGI app over a
-producer runtime, called as hypercorn would call it. Each test fails on the code it was
-written against."""
+"""The chat example's ASGI app (examples/chat_service.py) called in process, as hypercorn
+would call it, over a producer runtime: what its handlers answer to input no client should
+send, without starting the service's processes (`test_chat_service` does that)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 from test_examples import load_example
 
@@ -46,14 +47,22 @@ async def _call(
     return status, b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
 
 
-async def test_a_deeply_nested_json_body_is_a_400_not_a_server_error(tmp_path: Path) -> None:
-    """A body of nested arrays (10 KB, well under MAX_BODY) is malformed input like any
-    other: 400 with a JSON error, nothing stored - json.loads raises RecursionError, which
-    the app did not catch, so the request ended as a 500 with a traceback in the log."""
-    nested = b"[" * 5000 + b"]" * 5000
+@pytest.mark.parametrize(
+    "body",
+    [b"[" * 5000 + b"]" * 5000, b'{"text": "\xff"}'],
+    ids=["deeply-nested", "not-utf8"],
+)
+async def test_a_body_json_cannot_read_is_a_400_not_a_server_error(
+    tmp_path: Path, body: bytes
+) -> None:
+    """A body of nested arrays (10 KB, well under MAX_BODY), or of bytes that are no UTF-8,
+    is malformed input like any other: 400 with a JSON error, nothing stored - json.loads
+    raises RecursionError or UnicodeDecodeError, which the app did not catch, so the
+    request ended as a 500 with a traceback in the log."""
     async with trio_sessions.open_runtime(str(tmp_path / "chat.db"), None) as rt:
         app = chat.ChatApp(rt)
         for action in ("messages", "edit", "stop"):
-            status, body = await _call(app, "POST", f"/sessions/s/{action}", nested)
-            assert status == 400, (action, status, body)
+            status, answer = await _call(app, "POST", f"/sessions/s/{action}", body)
+            assert status == 400, (action, status, answer)
+            assert b"the body must be JSON" in answer, answer
         assert await rt.transcript("s") == []
