@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from typing import Any, Literal, Protocol, TypeVar, TypeVarTuple, Unpack
 
@@ -52,6 +52,8 @@ class Cursor(Protocol):
     def fetchone(self) -> Any: ...
 
     def fetchall(self) -> list[Any]: ...
+
+    def __iter__(self) -> Iterator[Any]: ...
 
 
 class Tx(Protocol):

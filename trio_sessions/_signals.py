@@ -165,13 +165,18 @@ class WatchHub:
         # A replay past the covered seq is not remembered: the next look still finds that
         # message new and offers it to the session's other watchers too.
         remember = only is None or snapshot.seq <= session.high_seq
+        offered_to = session.watchers if only is None else {only}
         if remember and snapshot.version >= session.known.get(message_id, -1):
             session.known[message_id] = snapshot.version
             if snapshot.open:
                 session.open[message_id] = snapshot
             else:
                 session.open.pop(message_id, None)
-        for watcher in session.watchers if only is None else (only,):
+            # Remembered, this version is one no later look offers again: a replay that
+            # read it first (another process wrote it since the last look) offers it to
+            # every watcher of the session, not to the replaying one alone.
+            offered_to = session.watchers
+        for watcher in offered_to:
             watcher.offer(message_id, snapshot.seq, snapshot.message, snapshot.version)
 
     def close(self) -> None:

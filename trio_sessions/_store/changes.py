@@ -27,7 +27,7 @@ from .. import _codec, _transcript
 from .._backend import Tx, autocommit_when_alone, reads_stored_bytes
 from .._errors import MalformedRecord
 from .._model import AssistantData, Message
-from .common import _IN_CHUNK, _chunks, _in_list, placed
+from .common import _IN_CHUNK, _chunks, _in_list, leading_rows, placed
 from .control import next_due
 from .recovery_scan import _unclaimed_doorbells
 from .transcript import _decode_message, _streamed_texts
@@ -317,14 +317,8 @@ def watched_messages(
         f"SELECT {_SNAPSHOT_COLUMNS}, length(m.data) FROM session_message m"
         " WHERE m.session_id = ? AND m.seq > ? AND m.seq <= ? ORDER BY m.seq LIMIT ?",
         (session_id, after_seq, through_seq, limit),
-    ).fetchall()
-    kept: list[Any] = []
-    size = 0
-    for row in rows:
-        size += int(row[-1] or 0)
-        if kept and size > REPLAY_CHUNK_BYTES:
-            break
-        kept.append(row[:-1])
+    )
+    kept, _ = leading_rows(rows, count=limit, size_bytes=REPLAY_CHUNK_BYTES)
     streamed: dict[str, list[Any]] = {}
     assistants = [str(row[1]) for row in kept if row[2] == "assistant"]
     for chunk in _chunks(assistants):

@@ -91,6 +91,23 @@ def _chunks(values: Sequence[str]) -> Iterable[Sequence[str]]:
         yield values[start : start + _IN_CHUNK]
 
 
+def leading_rows(
+    rows: Iterable[Sequence[Any]], *, count: int, size_bytes: int
+) -> tuple[list[Sequence[Any]], bool]:
+    """The leading `rows` - each ending in its size in bytes, which is dropped - up to
+    `count` of them and about `size_bytes` (at least one), and whether any were left. A
+    read whose result is decoded on the event loop stays one short step that way, however
+    large its messages; rows past the bound are never fetched from a lazy cursor."""
+    kept: list[Sequence[Any]] = []
+    size = 0
+    for row in rows:
+        size += int(row[-1] or 0)
+        if len(kept) == count or (kept and size > size_bytes):
+            return kept, True
+        kept.append(row[:-1])
+    return kept, False
+
+
 def _in_list(values: Sequence[str]) -> str:
     return "(" + ", ".join("?" * len(values)) + ")"
 

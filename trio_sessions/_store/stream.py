@@ -34,7 +34,7 @@ from .. import _codec
 from .._backend import FALLBACK, Tx, autocommit_when_alone, pg_read_batched, reads_stored_bytes
 from .._errors import MalformedRecord
 from .._model import AssistantData, Message, Step
-from .common import _chunks, _in_list, placed
+from .common import _chunks, _in_list, leading_rows, placed
 from .transcript import _decode_message
 
 
@@ -110,9 +110,11 @@ class StreamChanges:
     ids: dict[int, str] = attrs.field(factory=dict)
 
 
-# The most new messages one read sends whole: a long transcript is sent in pages, so no
-# read stalls the event loop.
+# The most new messages one read sends whole, and about the most bytes of their data (at
+# least one message): a long transcript, or one of large tool results, is sent in pages,
+# so no read stalls the event loop (SQLite reads and decodes on it).
 NEW_MESSAGES_PER_READ = 200
+NEW_BYTES_PER_READ = 1 << 20
 
 # A message's version as streams order it (for `session_message m`): the newest of its
 # row's and its deltas'.
@@ -304,13 +306,16 @@ def _whole(tx: Tx, session_id: str, message_id: str) -> Whole:
 
 
 def _new_messages(tx: Tx, session_id: str, after: int, limit: int) -> tuple[list[Change], bool]:
+    """The messages past seq `after`, whole (`NEW_MESSAGES_PER_READ`, `NEW_BYTES_PER_READ`),
+    and whether others were left out."""
     rows = tx.execute(
         "SELECT m.id, m.role, m.seq, m.data, m.execution_id, m.input_id,"
-        f" {_VERSION} FROM session_message m WHERE m.session_id = ? AND m.seq > ?"
-        " ORDER BY m.seq LIMIT ?",
+        f" {_VERSION}, length(m.data) FROM session_message m"
+        " WHERE m.session_id = ? AND m.seq > ? ORDER BY m.seq LIMIT ?",
         (session_id, after, limit + 1),
-    ).fetchall()
-    return [_decoded(tx, session_id, row) for row in rows[:limit]], len(rows) > limit
+    )
+    kept, more = leading_rows(rows, count=limit, size_bytes=NEW_BYTES_PER_READ)
+    return [_decoded(tx, session_id, row) for row in kept], more
 
 
 def _decoded(tx: Tx, session_id: str, row: Sequence[Any]) -> Whole:
