@@ -221,16 +221,28 @@ class ChatApp:
 
     async def edit(self, session_id: str, scope: Scope, receive: Receive, send: Send) -> None:
         """Edit and regenerate: replace user message `seq` with `text`, dropping everything
-        after it, and answer it again. 409 while an answer is running (stop it first)."""
+        after it, and answer it again. 404 unless `seq` is a user message; 409 while an
+        answer is running (stop it first). A retry (the same Idempotency-Key) is the edit
+        already made - also before its input was answered, when `seq` is the slot just past
+        the last message: its input is stored once."""
         payload = await _read_json(receive)
         seq, text = payload.get("seq"), payload.get("text")
         if type(seq) is not int or seq < 1 or not isinstance(text, str):
             raise HTTPError(400, 'the body must be {"seq": <a user message\'s seq>, "text": "..."}')
-        await self.runtime.truncate(session_id, after_seq=seq - 1)
         key = _header(scope, b"idempotency-key")
-        input_id = await self.runtime.submit(
-            session_id, {"text": text}, input_id=_input_id(session_id, key)
-        )
+        input_id = _input_id(session_id, key)
+        messages = await self.runtime.transcript(session_id)
+        edited = next((m for m in messages if m.seq == seq), None)
+        if edited is None:
+            newest = messages[-1].seq if messages else 0
+            if key is None or newest != seq - 1:
+                raise HTTPError(404, f"no user message at seq {seq}")
+            input_id = await self.runtime.submit(session_id, {"text": text}, input_id=input_id)
+        elif edited.role != "user":
+            raise HTTPError(404, f"no user message at seq {seq}")
+        elif edited.input_id != input_id:  # else a retry of this edit, already answered
+            await self.runtime.truncate(session_id, after_seq=seq - 1)
+            input_id = await self.runtime.submit(session_id, {"text": text}, input_id=input_id)
         await _respond(send, 202, {"input_id": input_id})
 
     async def stream_events(

@@ -4,6 +4,7 @@ send, without starting the service's processes (`test_chat_service` does that)."
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -66,3 +67,66 @@ async def test_a_body_json_cannot_read_is_a_400_not_a_server_error(
             assert status == 400, (action, status, answer)
             assert b"the body must be JSON" in answer, answer
         assert await rt.transcript("s") == []
+
+
+async def _answer(ctx: trio_sessions.DrainContext) -> None:
+    for item in await ctx.take_inputs():
+        reply = await ctx.begin_assistant()
+        await reply.append_text(f"You said: {item.payload['text']}")
+        await reply.finish()
+
+
+async def test_edit_names_a_user_message_and_a_retried_edit_keeps_it(tmp_path: Path) -> None:
+    """POST /edit replaces the user message at `seq`: a seq that names no message, or an
+    assistant's, is a 404 that drops nothing (before, the first appended the text as a new
+    message and the second dropped the answer for a second user message in a row). A
+    retried edit (same Idempotency-Key, e.g. after a timeout) is the edit already made: a
+    202, and the edited message and its answer stay (before, the retry dropped them and its
+    input, stored once, was never stored again: the edit was lost)."""
+    async with trio_sessions.open_runtime(str(tmp_path / "chat.db"), _answer) as rt:
+        app = chat.ChatApp(rt)
+        status, _ = await _call(app, "POST", "/sessions/s/messages", b'{"text": "one"}')
+        assert status == 202
+        await rt.wait_idle("s")
+        before = await rt.transcript("s")
+        assert [m.role for m in before] == ["user", "assistant"]
+        for seq in (2, 50):
+            body = json.dumps({"seq": seq, "text": "x"}).encode()
+            status, answer = await _call(app, "POST", "/sessions/s/edit", body)
+            assert status == 404, (seq, status, answer)
+        assert await rt.transcript("s") == before
+        key = [(b"idempotency-key", b"edit-1")]
+        edit = b'{"seq": 1, "text": "two"}'
+        for _ in range(2):
+            status, answer = await _call(app, "POST", "/sessions/s/edit", edit, key)
+            assert status == 202, answer
+            await rt.wait_idle("s")
+        after = await rt.transcript("s")
+        assert [(m.seq, m.role) for m in after] == [(1, "user"), (2, "assistant")]
+        assert after[0].data == {"text": "two"}
+
+
+async def test_an_edit_retried_before_its_input_was_answered_is_stored_once(
+    tmp_path: Path,
+) -> None:
+    """The web process edits and its client retries before any worker took the edited
+    input (the truncated slot is still empty): a 202 again, and the worker then answers the
+    edit once."""
+    db = str(tmp_path / "chat.db")
+    async with trio_sessions.open_runtime(db, _answer) as worker:
+        await worker.submit("s", {"text": "one"})
+        await worker.wait_idle("s")
+    key = [(b"idempotency-key", b"edit-1")]
+    async with trio_sessions.open_runtime(db, None) as web:
+        app = chat.ChatApp(web)
+        for _ in range(2):
+            status, answer = await _call(
+                app, "POST", "/sessions/s/edit", b'{"seq": 1, "text": "two"}', key
+            )
+            assert status == 202, answer
+        assert await web.transcript("s") == []
+    async with trio_sessions.open_runtime(db, _answer) as worker:
+        await worker.wait_idle("s")
+        messages = await worker.transcript("s")
+    assert [(m.seq, m.role, m.data) for m in messages][:1] == [(1, "user", {"text": "two"})]
+    assert len(messages) == 2
