@@ -164,6 +164,64 @@ async def test_a_submit_while_a_remotely_deleted_sessions_drain_stops_starts_at_
         assert taken == [["i1"], ["i2"]]
 
 
+async def test_a_submit_after_a_remote_delete_during_the_owners_finish_starts_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A producer deletes a session while the worker's drain has returned and its finish
+    transaction is about to run (`deciding`: the change scan leaves the entry alone), then
+    submits to it again. The finish finds the claim gone (LeaseLost) and the entry is
+    released - but nothing looks for the doorbell the change scan passed over while the
+    session was held: the drain starts only at the next fallback poll or recovery pass
+    (DESIGN §7: a submit from another process starts the drain in p99 <= 50 ms; §5.1)."""
+    from trio_sessions import _loops, testing
+
+    monkeypatch.setattr(_loops, "CHANGE_FALLBACK_POLL", 3600.0)
+    looks = {"started": 0, "ended": 0}
+    scan = _loops.BackgroundLoops._scan_changes
+
+    async def counted_scan(self: _loops.BackgroundLoops) -> None:
+        looks["started"] += 1
+        try:
+            await scan(self)
+        finally:
+            looks["ended"] += 1
+
+    monkeypatch.setattr(_loops.BackgroundLoops, "_scan_changes", counted_scan)
+    db = tmp_path / "s.db"
+    finishing, let_go = trio.Event(), trio.Event()
+    taken: list[list[str]] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        taken.append([item.id for item in await ctx.take_inputs()])
+
+    async def before_finish(session_id: str) -> None:
+        if not let_go.is_set():
+            finishing.set()
+            await let_go.wait()
+
+    async with (
+        trio_sessions.open_runtime(db, drain, **NO_RECOVERY) as worker,
+        trio_sessions.open_runtime(db, None) as producer,
+    ):
+        testing.set_seams(worker, before_finish=before_finish)
+        await producer.submit("s", {"n": 1}, input_id="i1")
+        with trio.fail_after(BOUND):
+            await finishing.wait()
+            assert await producer.delete_session("s") is True
+            await producer.submit("s", {"n": 2}, input_id="i2")
+            # Every look that could see the new doorbell passed it over: the worker still
+            # holds the session.
+            submitted = looks["started"]
+            while looks["ended"] <= submitted:
+                await trio.sleep(0.01)
+        assert worker.is_active("s")
+        let_go.set()
+        with trio.fail_after(BOUND):
+            while len(taken) < 2:
+                await trio.sleep(0.01)
+        assert taken == [["i1"], ["i2"]]
+
+
 async def test_a_lost_signal_is_made_good_by_the_fallback_poll(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
