@@ -657,6 +657,65 @@ async def test_a_submit_during_a_deleted_sessions_stop_starts_its_drain_at_once(
         assert drain.started[1] - released_at < 1.0
 
 
+async def test_a_submit_committed_after_a_delete_is_not_stopped_by_it(
+    store: Store, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """delete_session and a submit to the same session race in one runtime: the delete's
+    transaction commits first, then the submit's (which starts a fresh session and claims
+    it here, §5.1), and the delete's caller resumes only after the submit's did (both ran in
+    one group commit). The delete must not stop the fresh session's drain: its claim is not
+    gone - it was taken after the delete. Instead `delete_session` calls `lose_claim` on
+    whatever entry the session has now: the new drain never starts, and its live claim is
+    left with nobody heartbeating it (orphaned, DESIGN §1, §6.15), until its lease runs out
+    and recovery resumes it - the user's message waits a whole lease."""
+    from trio_sessions import _store
+
+    drain = Recorder()
+    committed, submitted, deleted = trio.Event(), trio.Event(), trio.Event()
+
+    async def hook(claim: Any) -> None:
+        if committed.is_set():  # the fresh session's claim: its drain starts once the
+            await deleted.wait()  # delete returned (either order stops it today)
+
+    async with runtime(
+        store, drain, clock, recovery_interval=1.0, lease=30.0, acquisition_hook=hook
+    ) as rt:
+        await rt.submit("s", {"n": 1}, input_id="i1")
+        await rt.wait_idle("s")
+        inner = rt._db
+
+        class DeleteReturnsLate:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(inner, name)
+
+            async def run(self, op: Any, *args: Any) -> Any:
+                result = await inner.run(op, *args)
+                if op is _store.delete_session:
+                    committed.set()
+                    await submitted.wait()  # the executor woke the submit's caller first
+                return result
+
+        rt._db = DeleteReturnsLate()  # type: ignore[assignment]
+
+        async def submit_after_the_delete_committed() -> None:
+            await committed.wait()
+            await rt.submit("s", {"n": 2}, input_id="i2")
+            submitted.set()
+
+        async def delete() -> None:
+            await rt.delete_session("s")
+            deleted.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(delete)
+            nursery.start_soon(submit_after_the_delete_committed)
+        rt._db = inner
+        with trio.move_on_after(5.0):
+            while drain.taken != ["i1", "i2"]:
+                await trio.sleep(0.1)
+        assert drain.taken == ["i1", "i2"], "the fresh session's drain never started"
+
+
 async def test_purge_deletes_only_idle_sessions_in_bounded_batches(
     store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
 ) -> None:
