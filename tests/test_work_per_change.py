@@ -417,3 +417,49 @@ async def test_a_stream_of_a_tool_heavy_transcript_never_stalls_the_loop(tmp_pat
                             break
     assert received == count
     assert meter.longest_cpu < STALL_S, meter.longest_cpu
+
+
+async def test_a_watcher_entering_a_watched_session_costs_its_replay_not_every_watchers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A watcher entering a session that others already watch replays the transcript to
+    itself: work proportional to the transcript, whatever the number of watchers (DESIGN
+    §6.26: work per change is proportional to the change). `WatchHub.publish` offers every
+    replayed snapshot that it remembers - also one whose version the hub already knew and
+    had offered to every watcher - to every watcher of the session: 20 watchers entering
+    one after another on 300 messages make ~63,000 offers instead of ~6,000 (quadratic in
+    the watchers; at a thousand watchers, one replay chunk is a 50 ms step). Real time."""
+    from trio_sessions import _signals
+
+    offers = [0]
+    offer = _signals.Watcher.offer
+
+    def counted(self: _signals.Watcher, *args: Any) -> None:
+        offers[0] += 1
+        offer(self, *args)
+
+    monkeypatch.setattr(_signals.Watcher, "offer", counted)
+    db = tmp_path / "s.db"
+    await make_schema(db)
+    messages, watchers = 300, 20
+    seed_transcript(db, "s", messages)
+    with trio.fail_after(BOUND):
+        async with (
+            trio_sessions.open_runtime(db, None, **NO_RECOVERY) as rt,
+            trio.open_nursery() as nursery,
+        ):
+
+            async def follow(replayed: trio.Event) -> None:
+                async with rt.watch("s") as updates:
+                    count = 0
+                    async for _ in updates:
+                        count += 1
+                        if count == messages:
+                            replayed.set()
+
+            for _ in range(watchers):
+                replayed = trio.Event()
+                nursery.start_soon(follow, replayed)
+                await replayed.wait()
+            nursery.cancel_scope.cancel()
+    assert offers[0] <= 2 * messages * watchers, offers[0]
