@@ -690,6 +690,37 @@ async def test_release_quarantine_resume_still_malformed(
     assert raw.one("SELECT recovery_error IS NOT NULL FROM session_recovery") == (1,)
 
 
+async def test_release_quarantine_resume_from_a_producer_leaves_the_drain_to_a_worker(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """resume=True called on a producer (drain=None: it never claims or recovers, DESIGN
+    §5) lifts the quarantine for a worker to resume - it must not take the claim over
+    itself and then fail it for want of a drain ('failed: AssertionError' in the
+    transcript, the claim released, the work never resumed)."""
+    raw = Raw(db_path)
+    drain = Recorder()
+    async with (
+        runtime(store, drain, clock, **QUIET) as worker,
+        runtime(store, None, clock) as producer,
+    ):
+        raw.seed_claim("s", "poison", expires_at=expired(clock))
+        message_id = raw.seed_assistant("s", "poison", 1, MALFORMED)
+        await worker.recover_once()
+        raw.write(
+            "UPDATE session_message SET data = ? WHERE id = ?",
+            ('{"parts": [], "finished": false, "error": null}', message_id),
+        )
+        await producer.release_quarantine("poison", resume=True)
+        await trio.sleep(31)  # past any recovery lease the release may have taken
+        await worker.recover_once()
+        await worker.wait_idle("s")
+        errors = [
+            m.data.error for m in await worker.transcript("s") if m.role == "assistant"
+        ]
+    assert "failed: AssertionError" not in errors
+    assert len(drain.calls) == 1 and drain.calls[0].resumed
+
+
 async def test_shutdown_claim_is_resumed_by_next_owner(
     store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
 ) -> None:
