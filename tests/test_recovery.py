@@ -721,6 +721,44 @@ async def test_release_quarantine_resume_from_a_producer_leaves_the_drain_to_a_w
     assert len(drain.calls) == 1 and drain.calls[0].resumed
 
 
+async def test_release_quarantine_resume_without_room_leaves_no_unused_recovery_lease(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """resume=True on a runtime whose max_active is used up: the release returns without
+    a takeover here and without MalformedRecord, yet keeps the recovery lease it took to
+    lift the quarantine - so a worker with room cannot resume the claim for a whole lease
+    (30 s) although nothing runs it (DESIGN §4: resume=True recovers it at once; a lease
+    this runtime will not act on must not keep the row from the others)."""
+    raw = Raw(db_path)
+    gate = trio.Event()
+    resumed: list[float] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        if ctx.session_id == "busy":
+            await gate.wait()
+        else:
+            resumed.append(trio.current_time())
+
+    async with runtime(store, drain, clock, max_active=1, **QUIET) as full:
+        raw.seed_claim("s", "poison", expires_at=expired(clock))
+        message_id = raw.seed_assistant("s", "poison", 1, MALFORMED)
+        await full.recover_once()
+        raw.write(
+            "UPDATE session_message SET data = ? WHERE id = ?",
+            ('{"parts": [], "finished": false, "error": null}', message_id),
+        )
+        await full.submit("busy", {})  # takes the one place
+        await trio.testing.wait_all_tasks_blocked()
+        async with runtime(store, drain, clock, recovery_interval=1.0):
+            released_at = trio.current_time()
+            await full.release_quarantine("poison", resume=True)
+            with trio.move_on_after(60):
+                while not resumed:
+                    await trio.sleep(0.1)
+            gate.set()
+    assert resumed and resumed[0] - released_at < 5
+
+
 async def test_shutdown_claim_is_resumed_by_next_owner(
     store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
 ) -> None:
