@@ -759,6 +759,41 @@ async def test_release_quarantine_resume_without_room_leaves_no_unused_recovery_
     assert resumed and resumed[0] - released_at < 5
 
 
+async def test_a_leased_claim_dropped_for_want_of_room_is_not_kept_from_other_workers(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """A pass leases an expired claim with room for it, but a submit takes the last place
+    (max_active) before the takeover is applied: the pass drops the claim and keeps its
+    recovery lease, so a worker with room cannot resume it for a whole lease (30 s)
+    although nobody runs it (the scan takes leases only on what there is room for, since
+    a lease not acted on keeps the row from every other runtime)."""
+    raw = Raw(db_path)
+    gate = trio.Event()
+    resumed: list[float] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        if ctx.session_id == "busy":
+            await gate.wait()
+        else:
+            resumed.append(trio.current_time())
+
+    async def take_the_last_place(execution_ids: list[str]) -> None:
+        await full.submit("busy", {})
+
+    async with runtime(store, drain, clock, max_active=1, **QUIET) as full:
+        raw.seed_claim("s", "dead-exec", expires_at=expired(clock))
+        testing.set_seams(full, before_recovery_apply=take_the_last_place)
+        assert (await full.recover_once()).resumed == 0
+        testing.set_seams(full)
+        async with runtime(store, drain, clock, recovery_interval=1.0):
+            dropped_at = trio.current_time()
+            with trio.move_on_after(60):
+                while not resumed:
+                    await trio.sleep(0.1)
+            gate.set()
+    assert resumed and resumed[0] - dropped_at < 5
+
+
 async def test_shutdown_claim_is_resumed_by_next_owner(
     store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
 ) -> None:
