@@ -716,6 +716,61 @@ async def test_a_submit_committed_after_a_delete_is_not_stopped_by_it(
         assert drain.taken == ["i1", "i2"], "the fresh session's drain never started"
 
 
+class LateReply:
+    """The runtime's executor, whose reply to one operation reaches its caller only once
+    the test says so (the operation itself commits at once): the window a thread hand-off
+    leaves between a commit and the caller running again."""
+
+    def __init__(self, inner: Any, op: Any) -> None:
+        self._inner = inner
+        self._op = op
+        self.committed = trio.Event()
+        self.answer = trio.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def run(self, op: Any, *args: Any) -> Any:
+        result = await self._inner.run(op, *args)
+        if op is self._op:
+            self.committed.set()
+            await self.answer.wait()
+        return result
+
+
+async def test_delete_session_never_stops_the_fresh_sessions_drain_started_after_it(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """A submit that lands after delete_session committed starts a fresh session (§5.1)
+    and its drain; delete_session, once it runs again, must not take that new claim for
+    the deleted one. It calls lose_claim on whatever entry the session has *now*: the
+    fresh drain is cancelled as lease_lost and its live claim is left in the store with
+    no drain and no heartbeat (orphaned, §1/§6.15) - the session is held for a whole lease
+    and its input is only answered by recovery."""
+    raw = Raw(db_path)
+    finished: list[str] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        inputs = await ctx.take_inputs()
+        await trio.sleep(1)
+        finished.extend(i.id for i in inputs)
+
+    async with runtime(store, drain, clock, recovery_interval=3600) as rt:
+        await rt.submit("s", {"n": 0}, input_id="i0")
+        await rt.wait_idle("s")
+        late = LateReply(rt._db, trio_sessions._store.delete_session)
+        rt._db = late  # type: ignore[assignment]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(rt.delete_session, "s")
+            await late.committed.wait()
+            await rt.submit("s", {"n": 1}, input_id="i1")  # the fresh session's drain starts
+            await trio.testing.wait_all_tasks_blocked()
+            late.answer.set()
+        await rt.wait_idle("s")
+        assert raw.claim("s") is None
+    assert finished == ["i0", "i1"]
+
+
 async def test_purge_deletes_only_idle_sessions_in_bounded_batches(
     store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
 ) -> None:
