@@ -771,6 +771,39 @@ async def test_delete_session_never_stops_the_fresh_sessions_drain_started_after
     assert finished == ["i0", "i1"]
 
 
+async def test_on_busy_interrupt_never_stops_the_successor_that_took_its_input(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """submit(on_busy="interrupt") marks the running claim cancelling; if the owner acts on
+    that before the submit's reply reaches it (here its heartbeat reads the phase; a
+    thread hand-off leaves that window), the successor already took the interrupting
+    input when the submit interrupts "the" local entry - the successor itself. Its answer
+    to the new message is finished "interrupted" and nothing answers it (§6.23: exactly
+    one successor takes every pending input - and answers it)."""
+
+    async def drain(ctx: DrainContext) -> None:
+        await ctx.take_inputs()
+        reply = await ctx.begin_assistant()
+        await reply.append_text("thinking")
+        await trio.sleep(5)
+        await reply.finish()
+
+    async with runtime(store, drain, clock, lease=3, recovery_interval=3600) as rt:
+        await rt.submit("s", {"n": 1}, input_id="i1")
+        await trio.testing.wait_all_tasks_blocked()
+        late = LateReply(rt._db, trio_sessions._store.submit_controlled)
+        rt._db = late  # type: ignore[assignment]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: rt.submit("s", {"n": 2}, input_id="i2", on_busy="interrupt"))
+            await late.committed.wait()
+            await trio.sleep(2)  # the heartbeat (1 s) stopped the drain; a successor took i2
+            late.answer.set()
+        await rt.wait_idle("s")
+        messages = await rt.transcript("s")
+    replies = [m.data for m in messages if m.role == "assistant"]
+    assert [r.error for r in replies] == ["interrupted", None]  # type: ignore[union-attr]
+
+
 async def test_purge_deletes_only_idle_sessions_in_bounded_batches(
     store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
 ) -> None:
