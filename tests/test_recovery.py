@@ -714,9 +714,7 @@ async def test_release_quarantine_resume_from_a_producer_leaves_the_drain_to_a_w
         await trio.sleep(31)  # past any recovery lease the release may have taken
         await worker.recover_once()
         await worker.wait_idle("s")
-        errors = [
-            m.data.error for m in await worker.transcript("s") if m.role == "assistant"
-        ]
+        errors = [m.data.error for m in await worker.transcript("s") if m.role == "assistant"]
     assert "failed: AssertionError" not in errors
     assert len(drain.calls) == 1 and drain.calls[0].resumed
 
