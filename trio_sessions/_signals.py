@@ -166,16 +166,19 @@ class WatchHub:
         # message new and offers it to the session's other watchers too.
         remember = only is None or snapshot.seq <= session.high_seq
         offered_to = session.watchers if only is None else {only}
-        if remember and snapshot.version >= session.known.get(message_id, -1):
+        known = session.known.get(message_id, -1)
+        if remember and snapshot.version >= known:
             session.known[message_id] = snapshot.version
             if snapshot.open:
                 session.open[message_id] = snapshot
             else:
                 session.open.pop(message_id, None)
-            # Remembered, this version is one no later look offers again: a replay that
-            # read it first (another process wrote it since the last look) offers it to
-            # every watcher of the session, not to the replaying one alone.
-            offered_to = session.watchers
+            if snapshot.version > known:
+                # Remembered, this version is one no later look offers again: a replay
+                # that read it first (another process wrote it since the last look) offers
+                # it to every watcher of the session. (One the hub knew was offered to
+                # them all then: a replay of it stays the replaying watcher's.)
+                offered_to = session.watchers
         for watcher in offered_to:
             watcher.offer(message_id, snapshot.seq, snapshot.message, snapshot.version)
 
