@@ -250,9 +250,10 @@ class BusyPeriods:
         entry.disown()
         if runtime._entries.get(entry.session_id) is entry:
             del runtime._entries[entry.session_id]
-            if runtime._max_active is not None or entry.claim_gone:
-                # Room again, or a session the change scan passed over while we held it:
-                # look for durable wakes left waiting.
+            if runtime._max_active is not None or outcome.reason == "lease_lost":
+                # Room again, or a claim lost (its session maybe deleted elsewhere, and
+                # submitted to again): look for durable wakes left waiting - the change
+                # scan passes over the sessions this runtime holds.
                 runtime._kick.set()
         entry.close(outcome)
 

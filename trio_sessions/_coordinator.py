@@ -189,9 +189,7 @@ class SessionEntry:
     def lose_claim(self) -> None:
         """The store holds no claim of ours for it any more: its session was deleted (here,
         or elsewhere), or another owner took it over. Write nothing more for it; nobody
-        recovers it from us, so a wake rung here meanwhile is ours to take (`decide_ending`)
-        and one rung elsewhere waits in its doorbell, looked for once the entry is released
-        (the change scan passes over the sessions this runtime holds)."""
+        recovers it from us, so a wake rung here meanwhile is ours to take (`decide_ending`)."""
         self.claim_gone = True
         self.lose_lease()
 
