@@ -55,6 +55,8 @@ class Cursor(Protocol):
 
     def __iter__(self) -> Iterator[Any]: ...
 
+    def close(self) -> None: ...
+
 
 class Tx(Protocol):
     """One open write transaction, as an operation sees it.

@@ -24,7 +24,7 @@ from typing import Any
 
 import attrs
 
-from .._backend import Tx
+from .._backend import Cursor, Tx
 from .._decisions import ClaimRow
 from .._errors import LeaseLost
 from .._validate import MAX_INT64
@@ -92,20 +92,24 @@ def _chunks(values: Sequence[str]) -> Iterable[Sequence[str]]:
 
 
 def leading_rows(
-    rows: Iterable[Sequence[Any]], *, count: int, size_bytes: int
+    rows: Cursor, *, count: int, size_bytes: int
 ) -> tuple[list[Sequence[Any]], bool]:
-    """The leading `rows` - each ending in its size in bytes, which is dropped - up to
+    """The leading rows of `rows` - each ending in its size, which is dropped - up to
     `count` of them and about `size_bytes` (at least one), and whether any were left. A
     read whose result is decoded on the event loop stays one short step that way, however
-    large its messages; rows past the bound are never fetched from a lazy cursor."""
+    large its messages. From a lazy cursor (SQLite's) no row after the first one left out
+    is fetched; the cursor is closed, so no statement stays open on the connection."""
     kept: list[Sequence[Any]] = []
     size = 0
-    for row in rows:
-        size += int(row[-1] or 0)
-        if len(kept) == count or (kept and size > size_bytes):
-            return kept, True
-        kept.append(row[:-1])
-    return kept, False
+    try:
+        for row in rows:
+            size += int(row[-1] or 0)
+            if len(kept) == count or (kept and size > size_bytes):
+                return kept, True
+            kept.append(row[:-1])
+        return kept, False
+    finally:
+        rows.close()
 
 
 def _in_list(values: Sequence[str]) -> str:
