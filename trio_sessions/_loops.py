@@ -151,11 +151,14 @@ class BackgroundLoops:
         runtime = self._runtime
         if runtime._seams.before_recovery_apply is not None:
             await runtime._seams.before_recovery_apply([c.execution_id or "" for c in leased])
-        entries = []
+        entries: list[tuple[_store.Candidate, SessionEntry]] = []
+        unacted: list[str] = []  # leased, but no room any more, or busy here since the scan
         sent_at = trio.current_time()  # no checkpoint before the takeover is sent
-        for candidate in leased[: runtime._busy.capacity_left(len(leased))]:
-            if candidate.session_id in runtime._entries:
-                continue  # became busy locally since the scan; its own claim rules apply
+        room = runtime._busy.capacity_left(len(leased))
+        for candidate in leased:
+            if len(entries) == room or candidate.session_id in runtime._entries:
+                unacted.append(str(candidate.execution_id))
+                continue
             entries.append(
                 (candidate, runtime._busy.register(candidate.session_id, sent_at=sent_at))
             )
@@ -189,6 +192,11 @@ class BackgroundLoops:
             # Endings that re-arm the doorbell for untaken inputs are our own commit, no
             # change signal: look for those doorbells now, not at the next pass.
             runtime._kick.set()
+        if unacted:
+            # Else their leases keep the rows from every runtime with room until they run
+            # out (best effort: that is all a failure costs).
+            with contextlib.suppress(StoreError):
+                await runtime._db.run(_store.end_recovery_leases, runtime._owner_id, unacted)
         return report_of(results)
 
     # -- owner liveness and due inputs --------------------------------------------------------

@@ -100,10 +100,11 @@ class Recovery:
             sorted(gone),
         )
 
-    async def lift_quarantine(self, execution_id: str) -> Candidate:
-        return await self._db.run(
-            _store.lift_quarantine, execution_id, self._owner_id, self._lease_ms
-        )
+    async def lift_quarantine(self, execution_id: str, *, for_anyone: bool = False) -> Candidate:
+        """Clear the quarantine, keeping its recovery lease for this runtime's takeover - or,
+        `for_anyone`, with that lease already run out, for any runtime's next pass."""
+        lease_ms = 0 if for_anyone else self._lease_ms
+        return await self._db.run(_store.lift_quarantine, execution_id, self._owner_id, lease_ms)
 
     async def drop_quarantine(self, execution_id: str) -> tuple[str, bool]:
         """`_store.drop_quarantined`: its session, and whether its doorbell is set."""

@@ -199,6 +199,7 @@ class Runtime:
                 session_id, (_store.submit, _store.submit_and_acquire), session_id, text, input_id
             )
             return str(stored)
+        held = self._claim_now(session_id)
         (stored, interrupted), _ = await self._busy.signal(
             session_id,
             (_store.submit_controlled, _store.submit_controlled_and_acquire),
@@ -207,12 +208,22 @@ class Runtime:
             input_id,
             on_busy,
         )
-        entry = self._entries.get(session_id)
-        if interrupted and entry is not None:
-            # Our own claim, or one we are acquiring: stop it at once, as `interrupt()`;
-            # its cleanup re-arms the doorbell for the successor (inputs are pending).
-            entry.interrupt("user")
+        if interrupted and held is not None and self._claim_now(session_id) == held:
+            # Our own claim, or one we were acquiring (sent before the submit): stop it at
+            # once, as `interrupt()`; its cleanup re-arms the doorbell for the successor.
+            # A successor started meanwhile took this input: it runs on.
+            held[0].interrupt("user")
         return str(stored)
+
+    def _claim_now(
+        self, session_id: str, *, owned: bool = False
+    ) -> tuple[SessionEntry, str] | None:
+        """The session's local claim now - its entry and execution id; only a committed
+        one if `owned` - to tell after an await whether it is still the same claim."""
+        entry = self._entries.get(session_id)
+        if entry is None or (owned and not entry.owned):
+            return None
+        return entry, entry.execution_id
 
     async def wake(self, session_id: str) -> None:
         """Record a durable wake, then start or ring the local execution.
@@ -367,7 +378,10 @@ class Runtime:
 
         `resume=True` clears the quarantine and recovers it at once under the normal rules
         (the budget counts); durable when it returns: the takeover is committed and its
-        drain started here, or it was quarantined again and `MalformedRecord` is raised.
+        drain started here, or it was quarantined again and `MalformedRecord` is raised. A
+        runtime that cannot drain it here (a producer, `drain=None`; or no room left under
+        `max_active`) clears the quarantine and lets go of it: the next recovery pass of
+        any runtime with room examines it (as the CLI's `quarantine release --resume`).
         `resume=False` sets its malformed messages aside (raw text kept), finishes its open
         transcript as owner-lost, deletes the claim, resets the resume budget and re-arms
         the doorbell if inputs remain, in one transaction, durable when it returns; the
@@ -390,6 +404,10 @@ class Runtime:
                 if doorbell:
                     # Our own commit is no change signal here (as `resume`): start it now.
                     self._busy.ring(session_id)
+                return
+            if self._drain is None:
+                await self._recovery.lift_quarantine(execution_id, for_anyone=True)
+                _observe.quarantine_released(execution_id, self._owner_id, resume=True)
                 return
             candidate = await self._recovery.lift_quarantine(execution_id)
             _observe.quarantine_released(execution_id, self._owner_id, resume=True)
@@ -448,12 +466,15 @@ class Runtime:
         Cancellation: as `submit` - nothing deleted if the transaction had not started.
         """
         validate_session_id(session_id)
+        # A claim of ours committed before the delete was sent is gone with the session. An
+        # entry made or renewed meanwhile may hold a fresh session's claim: left alone (one
+        # still acquiring when the delete was sent, whose claim the delete removed, is
+        # stopped by the change scan, or by its first fenced write).
+        held = self._claim_now(session_id, owned=True)
         existed = await self._db.run(_store.delete_session, session_id)
         self._streams.touch(session_id)
-        entry = self._entries.get(session_id)
-        if entry is not None:
-            # Its claim is gone with the session: stop the drain, write nothing for it.
-            entry.lose_claim()
+        if held is not None and self._claim_now(session_id, owned=True) == held:
+            held[0].lose_claim()  # stop the drain, write nothing for it
         return existed
 
     async def purge(self, *, idle_for: float) -> int:

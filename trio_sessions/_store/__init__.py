@@ -124,6 +124,7 @@ from .recovery import (
     _recovery_facts,
     _take_over,
     apply_recovery,
+    end_recovery_leases,
     quarantine,
 )
 from .recovery_batch import apply_recovery_batch
@@ -166,6 +167,7 @@ __all__ = [
     "drop_quarantined",
     "drop_rejected_input",
     "end_iteration",
+    "end_recovery_leases",
     "expire_claims",
     "finish_failed",
     "finish_interrupted",

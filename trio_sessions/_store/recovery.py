@@ -290,6 +290,13 @@ def _count_resume(tx: Tx, counts: bool, session_id: str) -> None:
     )
 
 
+def end_recovery_leases(tx: Tx, owner_id: str, execution_ids: Sequence[str]) -> None:
+    """Let go of our recovery leases on these executions, unacted on (no room for them
+    after all, or their session became busy here): any runtime's next pass may take them,
+    instead of waiting for the leases to run out."""
+    _delete_recovery_rows(tx, owner_id, execution_ids)
+
+
 def _delete_recovery_rows(tx: Tx, owner_id: str, execution_ids: Sequence[str]) -> None:
     # Only our own recovery rows: another owner's lease or quarantine is not ours to touch.
     for chunk in _chunks(execution_ids):
