@@ -1047,3 +1047,45 @@ async def test_upgrade_of_a_version_2_postgres_schema_keeps_pending_inputs_due(
     assert _postgres.SCHEMA_VERSION == 17
     assert drain.taken == ["old"]
     assert raw.rows("SELECT time_paused FROM session") == [(None,)]
+
+
+async def test_on_busy_interrupt_never_passes_on_to_the_successor_through_an_acquisition(
+    store: Store, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """Another runtime holds the session; here an acquisition of it is in flight (a wake's,
+    answered late: the thread hand-off's window) when submit(on_busy="interrupt") marks the
+    holder's claim cancelling. The submit then interrupts "the entry it saw before its
+    transaction" - the acquisition, whose claim it never marked (it held none). That
+    acquisition turns out not to claim and passes the interrupt on to whatever claim the
+    session has by then: the holder's successor, which already took the interrupting input.
+    Its answer is finished "interrupted" and nothing answers the input (§6.23: exactly one
+    successor takes every pending input)."""
+
+    async def drain(ctx: DrainContext) -> None:
+        await ctx.take_inputs()
+        reply = await ctx.begin_assistant()
+        await reply.append_text("thinking")
+        await trio.sleep(5)
+        await reply.finish()
+
+    async with (
+        runtime(store, drain, clock, lease=3, recovery_interval=3600) as holder,
+        runtime(store, drain, clock, lease=3, recovery_interval=3600) as rt,
+    ):
+        await holder.submit("s", {"n": 1}, input_id="i1")
+        await trio.testing.wait_all_tasks_blocked()
+        late = LateReply(rt._db, trio_sessions._store.wake_and_acquire)
+        rt._db = late  # type: ignore[assignment]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(rt.wake, "s")  # does not claim: the holder's row is there
+            await late.committed.wait()
+            await rt.submit("s", {"n": 2}, input_id="i2", on_busy="interrupt")
+            await trio.sleep(2)  # the holder's heartbeat stopped it; its successor took i2
+            late.answer.set()
+        rt._db = late._inner
+        await trio.sleep(10)
+        await holder.wait_idle("s")
+        await rt.wait_idle("s")
+        messages = await holder.transcript("s")
+    replies = [m.data for m in messages if isinstance(m.data, AssistantData)]
+    assert [r.error for r in replies] == ["interrupted", None]
