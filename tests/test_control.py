@@ -1089,3 +1089,35 @@ async def test_on_busy_interrupt_never_passes_on_to_the_successor_through_an_acq
         messages = await holder.transcript("s")
     replies = [m.data for m in messages if isinstance(m.data, AssistantData)]
     assert [r.error for r in replies] == ["interrupted", None]
+
+
+async def test_delete_session_stops_the_drain_of_a_claim_it_removed_while_acquiring(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """A submit's acquisition is sent (and commits: it claims) before delete_session is
+    sent, and its reply reaches the submit's caller late (the thread hand-off's window).
+    The delete removes that claim, yet it leaves the entry alone - it was not owned yet
+    when the delete was sent - so the drain of the deleted claim starts after
+    delete_session returned and runs its side effects (an external call) until the change
+    scan's fallback poll (2 s) or its first fenced write notices (DESIGN §5.1: the delete
+    interrupts the running drain; §6.25)."""
+    raw = Raw(db_path)
+    side_effects: list[str] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        await trio.sleep(1)  # an external call (a model, a webhook) before any write
+        side_effects.append(ctx.execution_id)
+        await ctx.take_inputs()
+
+    async with runtime(store, drain, clock, recovery_interval=3600) as rt:
+        late = LateReply(rt._db, trio_sessions._store.submit_and_acquire)
+        rt._db = late  # type: ignore[assignment]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: rt.submit("s", {"n": 1}, input_id="i1"))
+            await late.committed.wait()  # claimed; the reply is on its way
+            assert await rt.delete_session("s") is True
+            assert raw.claim("s") is None
+            late.answer.set()
+        rt._db = late._inner
+        await rt.wait_idle("s")
+    assert side_effects == []
