@@ -1044,7 +1044,7 @@ async def test_upgrade_of_a_version_2_postgres_schema_keeps_pending_inputs_due(
     # 14: an iteration's end alone in autocommit, its release read back by execution id
     # 15: a batch's submits in one call, many streams' reads set-wise;
     # 16: a session's lock key of 64 bits; 17: seeded with its schema
-    assert _postgres.SCHEMA_VERSION == 17
+    assert _postgres.SCHEMA_VERSION == 18
     assert drain.taken == ["old"]
     assert raw.rows("SELECT time_paused FROM session") == [(None,)]
 

@@ -222,7 +222,7 @@ async def test_upgrade_of_a_version_1_schema_adds_streaming(pg_url: str, pg_sche
     # 14: an iteration's end alone in autocommit, its release read back by execution id
     # 15: a batch's submits in one call, many streams' reads set-wise;
     # 16: a session's lock key of 64 bits; 17: seeded with its schema
-    assert SCHEMA_VERSION == 17
+    assert SCHEMA_VERSION == 18
     await check_pre_streaming_upgrade(location, PostgresStore(pg_url, schema=pg_schema))
 
 

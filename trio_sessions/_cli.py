@@ -272,7 +272,8 @@ def resume(database: Engine, session_id: str) -> dict[str, Any]:
 
 def delete(database: Engine, session_id: str) -> dict[str, Any]:
     """Erase a session; `ValueError` when there is none."""
-    if not database.run(_store.delete_session, session_id):
+    existed, _ = database.run(_store.delete_session, session_id)
+    if not existed:
         raise ValueError(f"no session {session_id!r}")
     return {"session_id": session_id, "action": "delete"}
 

@@ -173,7 +173,7 @@ SQLITE_OUR_TABLES = frozenset(
 # ---------------------------------------------------------------------------------------------
 # PostgreSQL
 
-POSTGRES_SCHEMA_VERSION = 17
+POSTGRES_SCHEMA_VERSION = 18
 
 # Same names, meanings and named CHECKs as the SQLite schema (`SQLITE_MIGRATIONS`, whose
 # versions 1-3 are PostgreSQL's first: no PostgreSQL store predates them); times
@@ -364,6 +364,13 @@ DROP FUNCTION IF EXISTS ts_update_message(text, text, text, text, bigint, text, 
     # The functions again, no table changes: a session's lock key is seeded with its
     # schema (`ts_lock_key`), where one session id in two stores of a database was one lock.
     17: "",
+    # The functions again, no table changes: an interrupting submit names the claim it
+    # marked cancelling (`ts_submit_controlled`), and a delete the claim it removed
+    # (`ts_delete_session`: a new return type is a new function, the old one goes), so the
+    # caller stops that claim's drain and no other.
+    18: """
+DROP FUNCTION IF EXISTS ts_delete_session(text, bigint, boolean);
+""",
 }
 
 
@@ -410,4 +417,5 @@ POSTGRES_BACKFILLS: dict[int, Callable[[Any], None]] = {
     15: _create_functions,
     16: _create_functions,
     17: _create_functions,
+    18: _create_functions,
 }

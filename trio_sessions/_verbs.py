@@ -199,8 +199,7 @@ class Runtime:
                 session_id, (_store.submit, _store.submit_and_acquire), session_id, text, input_id
             )
             return str(stored)
-        held = self._claim_now(session_id)
-        (stored, interrupted), _ = await self._busy.signal(
+        (stored, marked), _ = await self._busy.signal(
             session_id,
             (_store.submit_controlled, _store.submit_controlled_and_acquire),
             session_id,
@@ -208,22 +207,20 @@ class Runtime:
             input_id,
             on_busy,
         )
-        if interrupted and held is not None and self._claim_now(session_id) == held:
-            # Our own claim, or one we were acquiring (sent before the submit): stop it at
-            # once, as `interrupt()`; its cleanup re-arms the doorbell for the successor.
-            # A successor started meanwhile took this input: it runs on.
-            held[0].interrupt("user")
+        if (entry := self._local_claim(session_id, marked)) is not None:
+            # The claim it marked cancelling is ours (owned, or its acquisition's reply
+            # still on its way): stop it at once, as `interrupt()`; its cleanup re-arms the
+            # doorbell for the successor. Any other local entry - a successor that took
+            # this input, an acquisition that found another owner's claim - runs on.
+            entry.interrupt("user")
         return str(stored)
 
-    def _claim_now(
-        self, session_id: str, *, owned: bool = False
-    ) -> tuple[SessionEntry, str] | None:
-        """The session's local claim now - its entry and execution id; only a committed
-        one if `owned` - to tell after an await whether it is still the same claim."""
+    def _local_claim(self, session_id: str, execution_id: str | None) -> SessionEntry | None:
+        """The local entry of the claim a store operation named, if it is this runtime's."""
         entry = self._entries.get(session_id)
-        if entry is None or (owned and not entry.owned):
+        if entry is None or execution_id is None or entry.execution_id != execution_id:
             return None
-        return entry, entry.execution_id
+        return entry
 
     async def wake(self, session_id: str) -> None:
         """Record a durable wake, then start or ring the local execution.
@@ -466,15 +463,13 @@ class Runtime:
         Cancellation: as `submit` - nothing deleted if the transaction had not started.
         """
         validate_session_id(session_id)
-        # A claim of ours committed before the delete was sent is gone with the session. An
-        # entry made or renewed meanwhile may hold a fresh session's claim: left alone (one
-        # still acquiring when the delete was sent, whose claim the delete removed, is
-        # stopped by the change scan, or by its first fenced write).
-        held = self._claim_now(session_id, owned=True)
-        existed = await self._db.run(_store.delete_session, session_id)
+        existed, removed = await self._db.run(_store.delete_session, session_id)
         self._streams.touch(session_id)
-        if held is not None and self._claim_now(session_id, owned=True) == held:
-            held[0].lose_claim()  # stop the drain, write nothing for it
+        # The claim the delete removed, if ours (owned, or its acquisition's reply still on
+        # its way): stop its drain, write nothing for it. An entry made meanwhile holds a
+        # fresh session's claim, which runs on.
+        if (entry := self._local_claim(session_id, removed)) is not None:
+            entry.lose_claim()
         return existed
 
     async def purge(self, *, idle_for: float) -> int:

@@ -91,9 +91,7 @@ def _chunks(values: Sequence[str]) -> Iterable[Sequence[str]]:
         yield values[start : start + _IN_CHUNK]
 
 
-def leading_rows(
-    rows: Cursor, *, count: int, size_bytes: int
-) -> tuple[list[Sequence[Any]], bool]:
+def leading_rows(rows: Cursor, *, count: int, size_bytes: int) -> tuple[list[Sequence[Any]], bool]:
     """The leading rows of `rows` - each ending in its size, which is dropped - up to
     `count` of them and about `size_bytes` (at least one), and whether any were left. A
     read whose result is decoded on the event loop stays one short step that way, however

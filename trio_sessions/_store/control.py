@@ -75,28 +75,31 @@ def _busy_verdict(tx: Tx, session_id: str, on_busy: str) -> SubmitVerdict:
 @autocommit_when_alone
 def submit_controlled(
     tx: Tx, session_id: str, payload: str, input_id: str, on_busy: str
-) -> tuple[str, bool]:
-    """`submit` with `on_busy` "reject" or "interrupt"; returns (input id, whether a running
-    claim was marked cancelling). A retry of an input already stored returns its id and
+) -> tuple[str, str | None]:
+    """`submit` with `on_busy` "reject" or "interrupt"; returns (input id, the execution id
+    of the running claim it marked cancelling, if any: the caller stops that claim's drain
+    if it is its own, and no other). A retry of an input already stored returns its id and
     writes nothing, busy or not."""
     if tx.dialect == "postgres":
         stored = _pg_submit_controlled(tx, session_id, payload, input_id, on_busy, 0)
         if stored is not None:
-            return input_id, stored == "interrupted"
+            said, _, marked = stored.partition(":")
+            return input_id, marked if said == "interrupted" else None
     tx.lock_session(session_id)
     if _known_input(tx, session_id, input_id, payload):
-        return input_id, False
+        return input_id, None
     verdict = _busy_verdict(tx, session_id, on_busy)
     _insert_input(tx, session_id, payload, input_id, ring=True)
-    if verdict is SubmitVerdict.INTERRUPT:
-        # Live or expired: an expired one is then finished by recovery as cancelled,
-        # never resumed. The input's own notify signals the owner.
-        tx.execute(
-            "UPDATE session_execution SET phase = 'cancelling'"
-            " WHERE session_id = ? AND phase = 'running'",
-            (session_id,),
-        )
-    return input_id, verdict is SubmitVerdict.INTERRUPT
+    if verdict is not SubmitVerdict.INTERRUPT:
+        return input_id, None
+    # Live or expired: an expired one is then finished by recovery as cancelled, never
+    # resumed. The input's own notify signals the owner.
+    row = tx.one(
+        "UPDATE session_execution SET phase = 'cancelling'"
+        " WHERE session_id = ? AND phase = 'running' RETURNING id",
+        (session_id,),
+    )
+    return input_id, None if row is None else str(row[0])
 
 
 @caller_yields_next
@@ -109,7 +112,7 @@ def submit_controlled_and_acquire(
     execution_id: str,
     owner_id: str,
     lease_ms: int,
-) -> tuple[tuple[str, bool], Acquired]:
+) -> tuple[tuple[str, str | None], Acquired]:
     """`submit_controlled` and the acquire it rings for, in one transaction: with no claim
     and no due input pending, the claim takes the input's wake at once."""
     tx.lock_session(session_id)
@@ -122,7 +125,7 @@ def submit_controlled_and_acquire(
         stored = submit_controlled(tx, session_id, payload, input_id, on_busy)
         return stored, acquire(tx, session_id, execution_id, owner_id, lease_ms)
     session = _insert_input(tx, session_id, payload, input_id, ring=False)
-    return (input_id, False), _insert_claim(
+    return (input_id, None), _insert_claim(
         tx, session_id, execution_id, owner_id, lease_ms, session
     )
 
@@ -165,7 +168,8 @@ def submit_scheduled(
 def _pg_submit_controlled(
     tx: Tx, session_id: str, payload: str, input_id: str, on_busy: str, delay_ms: int
 ) -> str | None:
-    """`ts_submit_controlled`: "stored", "interrupted" or "known" (the input is stored);
+    """`ts_submit_controlled`: "stored", "interrupted:<the execution id it marked>" or
+    "known" (the input is stored);
     `SessionBusy` for a refusal; None when the input id is stored for another session or
     with another payload text (nothing was written: the statements decide, in a
     transaction, comparing the payloads as JSON values)."""
@@ -315,8 +319,9 @@ def _delete_rows(tx: Tx, session_ids: Sequence[str]) -> None:
         tx.execute(statement.format(ids=ids), list(session_ids))
 
 
-def delete_session(tx: Tx, session_id: str) -> bool:
-    """Erase the session and every row of it; True when it existed.
+def delete_session(tx: Tx, session_id: str) -> tuple[bool, str | None]:
+    """Erase the session and every row of it; whether it existed, and the execution id of
+    the claim it removed, if any (its owner stops that claim's drain, and no other).
 
     A claim held by another owner goes with it, and the signal tells that owner: its change
     scan finds its execution gone and stops the drain (writing nothing); any write it still
@@ -324,13 +329,15 @@ def delete_session(tx: Tx, session_id: str) -> bool:
     be deleted in the same transaction, so the claim's absence is the message.
     """
     if tx.dialect == "postgres":
-        return _pg_removed(tx, "ts_delete_session", session_id)
+        [(existed, removed)] = tx.call("ts_delete_session", session_id, idempotent=False)
+        return bool(existed), removed
     tx.lock_session(session_id)
     if tx.one("SELECT 1 FROM session WHERE id = ?", (session_id,)) is None:
-        return False
+        return False, None
     tx.notify(session_id)
+    claim = tx.one("SELECT id FROM session_execution WHERE session_id = ?", (session_id,))
     _delete_rows(tx, [session_id])
-    return True
+    return True, None if claim is None else str(claim[0])
 
 
 # A session is idle when it has no claim, no pending input (due or scheduled), no pending
@@ -481,24 +488,25 @@ PG_FUNCTIONS = r"""
 -- submit with on_busy 'reject' or 'interrupt' (double-texting), or scheduled (p_delay > 0:
 -- due p_delay ms from now by the lease clock; it rings no doorbell, and its signal lets
 -- every runtime re-arm its due timer). Busy: a claim exists, or due inputs wait untaken
--- (`_decisions.submit_verdict`). Verdicts: stored; interrupted (stored, and the running
--- claim - live or expired: recovery then finishes it as cancelled - marked cancelling);
--- busy (reject: nothing written); ts_known_input's (nothing written). Read back after a
--- lost reply (p_retry) by input id: known, or interrupted when the session's claim is
--- cancelling (the lost call's, or a cancellation already under way).
+-- (`_decisions.submit_verdict`). Verdicts: stored; interrupted:<its execution id> (stored,
+-- and the running claim - live or expired: recovery then finishes it as cancelled - marked
+-- cancelling); busy (reject: nothing written); ts_known_input's (nothing written). Read
+-- back after a lost reply (p_retry) by input id: known, or interrupted when the session's
+-- claim is cancelling (the lost call's, or a cancellation already under way).
 CREATE OR REPLACE FUNCTION ts_submit_controlled(p_session text, p_payload text, p_input text,
     p_on_busy text, p_delay bigint, p_now bigint, p_retry boolean)
 RETURNS text
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
-    v_now bigint; v_known text; v_phase text; v_seq bigint;
+    v_now bigint; v_known text; v_phase text; v_claim text; v_seq bigint;
 BEGIN
     v_now := ts_lock_now(p_session, p_now);
     v_known := ts_known_input(p_session, p_input, p_payload);
-    SELECT e.phase INTO v_phase FROM session_execution e WHERE e.session_id = p_session;
+    SELECT e.phase, e.id INTO v_phase, v_claim FROM session_execution e
+        WHERE e.session_id = p_session;
     IF v_known IS NOT NULL THEN
         RETURN CASE WHEN v_known = 'known' AND p_retry AND v_phase = 'cancelling'
-                    THEN 'interrupted' ELSE v_known END;
+                    THEN 'interrupted:' || v_claim ELSE v_known END;
     END IF;
     IF p_on_busy = 'reject' AND (v_phase IS NOT NULL OR ts_due_inputs(p_session, v_now)) THEN
         RETURN 'busy';
@@ -516,7 +524,7 @@ BEGIN
     IF p_on_busy = 'interrupt' AND v_phase = 'running' THEN
         UPDATE session_execution SET phase = 'cancelling'
             WHERE session_id = p_session AND phase = 'running';
-        RETURN 'interrupted';
+        RETURN 'interrupted:' || v_claim;
     END IF;
     RETURN 'stored';
 END $$;
@@ -602,18 +610,22 @@ BEGIN
 END $$;
 
 -- delete_session: erase the session and every row of it, its owner signalled (a claim's
--- absence stops its drain); whether it existed.
+-- absence stops its drain); whether it existed, and the execution id of the claim removed.
 CREATE OR REPLACE FUNCTION ts_delete_session(p_session text, p_now bigint, p_retry boolean)
-RETURNS boolean
+RETURNS TABLE(existed boolean, claim text)
 LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_claim text;
 BEGIN
     PERFORM ts_lock(p_session);
     IF NOT EXISTS (SELECT 1 FROM session WHERE id = p_session) THEN
-        RETURN false;
+        RETURN QUERY SELECT false, NULL::text;
+        RETURN;
     END IF;
     PERFORM ts_signal(p_session);
+    SELECT e.id INTO v_claim FROM session_execution e WHERE e.session_id = p_session;
     PERFORM ts_delete_rows(ARRAY[p_session], p_now, p_retry);
-    RETURN true;
+    RETURN QUERY SELECT true, v_claim;
 END $$;
 
 -- truncate: delete the session's messages with seq > p_after and their streamed text; how
