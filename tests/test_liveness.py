@@ -422,3 +422,33 @@ async def test_a_drain_still_exiting_after_its_token_was_lost_keeps_its_claim(
             await resumed.wait()
     (_, old_end), (new_start, _) = sorted(spans.values())
     assert old_end <= new_start
+
+
+async def test_an_owner_whose_token_is_lost_takes_no_new_wakes(
+    store: trio_sessions.Store, clock: Any, db_path: Any, autojump_clock: trio.testing.MockClock
+) -> None:
+    """While this runtime's liveness token is lost (taken again within milliseconds, or a
+    partition), a claim it makes is handed straight back, so a look at the store takes no
+    wakes then: before, each such claim's lost-lease ending kicked another look, which rang
+    the next doorbell - a walk through every waiting session of the store, each claimed
+    and handed back. Once the token is held again, the waiting sessions drain."""
+    from helpers import Raw, Recorder, runtime
+
+    raw = Raw(db_path)
+    drain = Recorder()
+    async with (
+        runtime(store, drain, clock, recovery_interval=3600) as worker,
+        runtime(store, None, clock) as producer,
+    ):
+        worker._token_lost = True
+        for n in range(5):
+            await producer.submit(f"s{n}", {"n": n})
+        worker._kick.set()
+        await trio.testing.wait_all_tasks_blocked()
+        assert [raw.claim(f"s{n}") for n in range(5)] == [None] * 5
+        worker._token_lost = False
+        worker._kick.set()
+        await trio.testing.wait_all_tasks_blocked()
+        for n in range(5):
+            await worker.wait_idle(f"s{n}")
+    assert sorted(ctx.session_id for ctx in drain.calls) == [f"s{n}" for n in range(5)]

@@ -226,7 +226,11 @@ class BusyPeriods:
         return runtime._max_active is None or len(runtime._entries) < runtime._max_active
 
     def capacity_left(self, wanted: int) -> int:
+        """How many of `wanted` more sessions a look or a recovery pass may take now. None
+        while our liveness token is lost: a claim made then is handed straight back."""
         runtime = self._runtime
+        if runtime._token_lost:
+            return 0
         if runtime._max_active is None:
             return wanted
         return max(0, min(wanted, runtime._max_active - len(runtime._entries)))
