@@ -226,6 +226,54 @@ async def test_upgrade_of_a_version_1_schema_adds_streaming(pg_url: str, pg_sche
     await check_pre_streaming_upgrade(location, PostgresStore(pg_url, schema=pg_schema))
 
 
+# `ts_delete_session` as schemas 12-17 created it (it answered a boolean).
+_DELETE_SESSION_BEFORE_18 = """
+CREATE OR REPLACE FUNCTION ts_delete_session(p_session text, p_now bigint, p_retry boolean)
+RETURNS boolean
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    PERFORM ts_lock(p_session);
+    IF NOT EXISTS (SELECT 1 FROM session WHERE id = p_session) THEN
+        RETURN false;
+    END IF;
+    PERFORM ts_signal(p_session);
+    PERFORM ts_delete_rows(ARRAY[p_session], p_now, p_retry);
+    RETURN true;
+END $$
+"""
+
+
+def test_upgrade_of_a_version_16_schema_replaces_the_old_delete_function(
+    pg_url: str, pg_schema: str
+) -> None:
+    """A version-16 schema (functions since 5, `ts_delete_session` answering a boolean since
+    12) is upgraded on open to the newest version, and its delete answers (existed,
+    claim): the functions each version's step creates again must not collide with the
+    old return type before version 18's step drops it."""
+    from trio_sessions._postgres import open_engine
+    from trio_sessions._schema import _create_functions
+
+    with raw(pg_url, pg_schema) as conn:
+        conn.execute("CREATE TABLE schema_version(version INTEGER NOT NULL)")
+        conn.execute("INSERT INTO schema_version VALUES (16)")
+        for version in range(1, 17):
+            for statement in _postgres._MIGRATIONS[version].split(";"):
+                if statement.strip():
+                    conn.execute(statement)
+        _create_functions(conn)
+        # What a version-16 store holds: the delete function of before version 18.
+        conn.execute("DROP FUNCTION ts_delete_session(text, bigint, boolean)")
+        conn.execute(_DELETE_SESSION_BEFORE_18)
+    engine = open_engine(pg_url, schema=pg_schema)
+    try:
+        engine.run(_store.submit, "s", "{}", "in-1")
+        assert engine.run(_store.delete_session, "s") == (True, None)
+    finally:
+        engine.close()
+    location = Raw(PgLocation(pg_url, pg_schema))
+    assert location.rows("SELECT version FROM schema_version") == [(SCHEMA_VERSION,)]
+
+
 def test_newer_schema_version_is_refused_untouched(pg_url: str, pg_schema: str) -> None:
     """A schema written by a newer library raises SchemaTooNew and nothing is written."""
     with raw(pg_url, pg_schema) as conn:
