@@ -452,3 +452,33 @@ async def test_an_owner_whose_token_is_lost_takes_no_new_wakes(
         for n in range(5):
             await worker.wait_idle(f"s{n}")
     assert sorted(ctx.session_id for ctx in drain.calls) == [f"s{n}" for n in range(5)]
+
+
+async def test_an_owner_whose_token_is_lost_takes_no_due_scheduled_inputs(
+    store: trio_sessions.Store, clock: Any, db_path: Any, autojump_clock: trio.testing.MockClock
+) -> None:
+    """While this runtime's liveness token is lost, a look or a recovery pass takes no
+    sessions (a claim made then is handed straight back) - nor does the due timer: the
+    scheduled inputs falling due then are promoted (their doorbells rung for any runtime
+    with its token) but not claimed here. Their claims, handed back at once, would wait for
+    a recovery pass anywhere (a doorbell-taking look passes over an expired claim) and
+    resume as `resumed` drains that never ran (§5.1: due inputs start within 100 ms in
+    any runtime that drains)."""
+    from helpers import Raw, Recorder, runtime
+
+    raw = Raw(db_path)
+    drain = Recorder()
+    async with runtime(store, drain, clock, recovery_interval=3600) as worker:
+        for n in range(3):
+            await worker.submit(f"s{n}", {"n": n}, delay=1.0)
+        worker._token_lost = True
+        await trio.sleep(2.0)  # due: the due timer fires while the token is lost
+        await trio.testing.wait_all_tasks_blocked()
+        assert [raw.claim(f"s{n}") for n in range(3)] == [None] * 3
+        worker._token_lost = False
+        worker._kick.set()
+        await trio.testing.wait_all_tasks_blocked()
+        for n in range(3):
+            await worker.wait_idle(f"s{n}")
+    assert sorted(ctx.session_id for ctx in drain.calls) == [f"s{n}" for n in range(3)]
+    assert not any(ctx.resumed for ctx in drain.calls)
