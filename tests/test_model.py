@@ -744,9 +744,7 @@ class ProtocolModel(RuleBasedStateMachine):
             with pytest.raises(SessionBusy):
                 self.op(_store.submit_controlled, session_id, payload, input_id, on_busy)
             return
-        stored, interrupted = self.op(
-            _store.submit_controlled, session_id, payload, input_id, on_busy
-        )
+        stored, marked = self.op(_store.submit_controlled, session_id, payload, input_id, on_busy)
         assert stored == input_id
         self.all_inputs[input_id] = session_id
         self.payloads[input_id] = payload
@@ -756,9 +754,10 @@ class ProtocolModel(RuleBasedStateMachine):
         self.ring(session)
         session.input_seq += 1
         session.pending.append((input_id, session.input_seq, payload))
-        expected = on_busy == "interrupt" and claim is not None and claim.phase == "running"
-        assert interrupted == expected
-        if expected:
+        interrupts = on_busy == "interrupt" and claim is not None and claim.phase == "running"
+        # It names the claim it marked cancelling (its owner stops that drain, no other).
+        assert marked == (claim.execution_id if interrupts and claim is not None else None)
+        if interrupts:
             assert claim is not None
             claim.phase = "cancelling"
             self.cancelled.add(claim.execution_id)
@@ -785,9 +784,11 @@ class ProtocolModel(RuleBasedStateMachine):
         of it through the signal and stops holding it (its later writes would fail the
         claim fence); recovery never sees the claim again."""
         self.step()
-        existed = self.op(_store.delete_session, session_id)
+        existed, removed = self.op(_store.delete_session, session_id)
         session = self.sessions.pop(session_id, None)
         assert existed == (session is not None)
+        claim = None if session is None else session.claim
+        assert removed == (None if claim is None else claim.execution_id)
         if session is None:
             return
         if session.claim is not None:

@@ -222,12 +222,12 @@ class BusyPeriods:
         return runtime._watchers.watching(session_id) or runtime._streams.watching(session_id)
 
     def _has_capacity(self) -> bool:
-        runtime = self._runtime
-        return runtime._max_active is None or len(runtime._entries) < runtime._max_active
+        return self.capacity_left(1) > 0
 
     def capacity_left(self, wanted: int) -> int:
-        """How many of `wanted` more sessions a look or a recovery pass may take now. None
-        while our liveness token is lost: a claim made then is handed straight back."""
+        """How many of `wanted` more sessions this runtime may take now: none while our
+        liveness token is lost (a claim made then is handed straight back; the wakes stay
+        durable, and the pass after the token is taken again starts them)."""
         runtime = self._runtime
         if runtime._token_lost:
             return 0

@@ -366,11 +366,9 @@ DROP FUNCTION IF EXISTS ts_update_message(text, text, text, text, bigint, text, 
     17: "",
     # The functions again, no table changes: an interrupting submit names the claim it
     # marked cancelling (`ts_submit_controlled`), and a delete the claim it removed
-    # (`ts_delete_session`: a new return type is a new function, the old one goes), so the
-    # caller stops that claim's drain and no other.
-    18: """
-DROP FUNCTION IF EXISTS ts_delete_session(text, bigint, boolean);
-""",
+    # (`ts_delete_session`, a new return type: `_create_functions` drops the old one), so
+    # the caller stops that claim's drain and no other.
+    18: "",
 }
 
 
@@ -398,7 +396,16 @@ def _create_functions(conn: Any) -> None:
     from ._store import pg_functions
 
     schema = conn.execute("SELECT current_schema()").fetchone()[0]
+    conn.execute(_RETYPED_FUNCTIONS)
     conn.execute(pg_functions(channel(schema), session_lock_namespace(schema)))
+
+
+# Functions whose return type changed since a version that created them: every step from 5
+# on creates today's functions again, and CREATE OR REPLACE cannot change a return type,
+# so the function goes first (and is created again with the others), from any older step.
+_RETYPED_FUNCTIONS = """
+DROP FUNCTION IF EXISTS ts_delete_session(text, bigint, boolean);
+"""
 
 
 # Python steps that follow a PostgreSQL version's SQL, in the same transaction.
