@@ -397,6 +397,26 @@ def test_health_fails_with_a_one_line_reason(
         assert query(seeded, "PRAGMA user_version") == [(0,)]
 
 
+def test_health_of_an_unreachable_postgres_server_is_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """README "Running workers": `health` exits 1 "with a one-line reason". A server that
+    refuses the connection gave two lines: libpq's error text holds a newline and a tab
+    ("... Connection refused\n\tIs the server running on that host ...") and the reason
+    was printed as it came. The password stays masked."""
+    import socket
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"postgresql://app:s3cret-pw@127.0.0.1:{port}/sessions"
+    code, out, err = cli(capsys, "health", url)
+    assert (code, out) == (1, "")
+    assert err.startswith("unhealthy: ")
+    assert "s3cret-pw" not in err
+    assert err.count("\n") == 1, err
+
+
 def cli_json_failing(capsys: pytest.CaptureFixture[str], *argv: str) -> Any:
     code, out, _ = cli(capsys, *argv, "--json")
     assert code == 1
