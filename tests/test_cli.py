@@ -417,6 +417,27 @@ def test_health_of_an_unreachable_postgres_server_is_one_line(
     assert err.count("\n") == 1, err
 
 
+def test_status_of_an_older_schema_is_listed_or_refused_by_its_version(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An SQLite store written by an older release and not migrated yet (schema version 4:
+    before `time_paused`) - the CLI never migrates it, and it reads schemas before
+    `session_input_rejected` on purpose (`REJECTED_INPUTS_SINCE`). `status` must list it, or
+    refuse it saying which schema version it found; it failed with the driver's raw error,
+    "OperationalError: no such column: s.time_paused"."""
+    path = tmp_path / "old.db"
+    conn = sqlite3.connect(path)
+    for version in range(1, 5):
+        conn.executescript(_sqlite._MIGRATIONS[version])
+    conn.execute("PRAGMA user_version = 4")
+    conn.execute("INSERT INTO session(id, time_created) VALUES ('s', 0)")
+    conn.commit()
+    conn.close()
+    code, out, err = cli(capsys, "status", str(path))
+    assert "OperationalError" not in err and "no such column" not in err, err
+    assert code == 0 or "schema version 4" in err, (code, out, err)
+
+
 def cli_json_failing(capsys: pytest.CaptureFixture[str], *argv: str) -> Any:
     code, out, _ = cli(capsys, *argv, "--json")
     assert code == 1
