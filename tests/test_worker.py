@@ -453,6 +453,28 @@ def test_bad_settings_exit_2_with_a_message(
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("store", ["", ":memory:"], ids=["empty", "memory"])
+def test_a_store_no_worker_can_drain_is_a_usage_error(tmp_path: Path, store: str) -> None:
+    """README "Running workers": "a bad setting exits 2". `--store ''` (an unset shell
+    variable: `--store "$DB"`) is taken as given, while an empty TRIO_SESSIONS_STORE is
+    "no store" (exit 2); it - like `:memory:` - reaches open_runtime as an in-memory
+    database, which a draining runtime cannot use: the worker logged "worker failed:
+    StoreError: an in-memory database cannot hold liveness tokens" with a traceback and
+    exited 1."""
+    done = subprocess.run(
+        [sys.executable, "-m", "trio_sessions", "worker", "worker_drain:reply", "--store", store],
+        cwd=tmp_path,
+        env=worker_env(),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "store" in done.stderr
+
+
 def test_a_postgres_password_is_not_logged() -> None:
     """The store shown in the log line hides a URL's password."""
     url = "postgresql://app:s3cret@db.example:5432/sessions"
