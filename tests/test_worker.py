@@ -8,6 +8,8 @@ bounded deadline; nothing sleeps "to let things settle".
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import re
@@ -15,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.parse
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -274,6 +277,81 @@ async def test_a_store_that_cannot_open_exits_1_and_logs_why(tmp_path: Path) -> 
     finally:
         await stop(worker)
     assert "worker failed: StoreError" in worker.output()
+
+
+class StallingProxy:
+    """A TCP proxy to the PostgreSQL server that can stall: once `stall()` is called it
+    forwards nothing more either way but keeps every connection open - a server that hangs
+    (a frozen backend, a stuck pooler) while its host's kernel still acknowledges."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        self.stalled = False
+        self.port = 0
+
+    def stall(self) -> None:
+        self.stalled = True
+
+    async def _pipe(self, source: trio.SocketStream, sink: trio.SocketStream) -> None:
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            while data := await source.receive_some(65536):
+                if self.stalled:
+                    await trio.sleep_forever()
+                await sink.send_all(data)
+
+    async def _handle(self, client: trio.SocketStream) -> None:
+        if self.stalled:
+            await trio.sleep_forever()
+        server = await trio.open_tcp_stream(*self.target)
+        async with client, server, trio.open_nursery() as nursery:
+            nursery.start_soon(self._pipe, client, server)
+            nursery.start_soon(self._pipe, server, client)
+
+    async def serve(self, nursery: trio.Nursery) -> None:
+        serve = functools.partial(trio.serve_tcp, host="127.0.0.1")
+        [listener] = await nursery.start(serve, self._handle, 0)
+        self.port = listener.socket.getsockname()[1]
+
+
+def _via(url: str, port: int) -> str:
+    parts = urllib.parse.urlsplit(url)
+    userinfo = parts.netloc.rpartition("@")[0]
+    netloc = f"{userinfo}@127.0.0.1:{port}" if userinfo else f"127.0.0.1:{port}"
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+async def test_sigterm_while_the_postgres_server_hangs_still_exits(
+    pg_url: str, pg_schema: str, tmp_path: Path
+) -> None:
+    """README "Running workers": the first SIGTERM is a graceful shutdown, then the process
+    exits 0 (only a drain that does not stop may hold it up, and none runs here); DESIGN §8:
+    `StoreError` reaches a caller "only after a bound". An idle worker whose PostgreSQL
+    server stops answering while its TCP connections stay up never exited: each store thread
+    waits in psycopg for a reply with no client-side bound (statement_timeout is the
+    server's, TCP_USER_TIMEOUT and keepalives are satisfied by the kernel's ACKs), and the
+    shutdown waits for those threads - until a second signal or SIGKILL."""
+    target = urllib.parse.urlsplit(pg_url)
+    proxy = StallingProxy((target.hostname or "127.0.0.1", target.port or 5432))
+    async with trio.open_nursery() as nursery:
+        await proxy.serve(nursery)
+        url = _via(pg_url, proxy.port)
+        worker = await start_worker(
+            tmp_path, "worker_drain:reply", "--store", url, "--schema", pg_schema,
+            "--lease", "3", "--recovery-interval", "0.5",
+        )  # fmt: skip
+        try:
+            await worker.until_logged("worker started")
+            proxy.stall()
+            await trio.sleep(1.5)  # the worker's next store calls are in flight
+            worker.process.send_signal(signal.SIGTERM)
+            await worker.until_logged("worker stopping on SIGTERM")
+            with trio.move_on_after(30):
+                await worker.process.wait()
+            exited = worker.process.returncode
+        finally:
+            await stop(worker)
+            nursery.cancel_scope.cancel()
+    assert exited is not None, f"still running 30 s after SIGTERM:\n{worker.output()}"
 
 
 def logged_time(log: str, line: str) -> float:
