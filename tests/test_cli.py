@@ -760,6 +760,25 @@ def test_a_postgres_schema_that_is_not_ours_is_refused_and_not_migrated(
     assert tables == []
 
 
+def test_health_of_a_newer_postgres_schema_says_it_is_newer(
+    pg_url: str, pg_schema: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """README "Running workers": `health` fails with the reason "schema older or newer than
+    this library" (SQLite: "is newer than this trio_sessions understands"). On PostgreSQL a
+    newer schema was reported as "schema version N is not the current M; opening it with a
+    runtime of this library migrates it" - wrong advice: a runtime refuses it
+    (SchemaTooNew, nothing modified), as `status` says ("upgrade trio_sessions")."""
+    location = PgLocation(pg_url, pg_schema)
+    seed_postgres(location)
+    db = (pg_url, "--schema", pg_schema)
+    expected = cli_json(capsys, "health", *db)["expected_schema_version"]
+    backends.write(location, "UPDATE schema_version SET version = ?", (expected + 1,))
+    code, out, err = cli(capsys, "health", *db)
+    assert (code, out) == (1, "")
+    assert "migrates it" not in err, err
+    assert "newer than this trio_sessions" in err, err
+
+
 def test_schema_needs_a_url(seeded: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """--schema with an SQLite path is a usage error (exit 2)."""
     with pytest.raises(SystemExit) as exited:
