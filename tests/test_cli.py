@@ -421,10 +421,10 @@ def test_status_of_an_older_schema_is_listed_or_refused_by_its_version(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """An SQLite store written by an older release and not migrated yet (schema version 4:
-    before `time_paused`) - the CLI never migrates it, and it reads schemas before
-    `session_input_rejected` on purpose (`REJECTED_INPUTS_SINCE`). `status` must list it, or
-    refuse it saying which schema version it found; it failed with the driver's raw error,
-    "OperationalError: no such column: s.time_paused"."""
+    before `time_paused`) - the CLI never migrates it. `status` must list it, or refuse it
+    saying which schema version it found (it refuses: an older schema lacks what the
+    commands read and call); it failed with the driver's raw error, "OperationalError: no
+    such column: s.time_paused"."""
     path = tmp_path / "old.db"
     conn = sqlite3.connect(path)
     for version in range(1, 5):

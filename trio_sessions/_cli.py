@@ -79,25 +79,37 @@ def is_url(db: str) -> bool:
 
 def open_database(db: str, schema: str | None) -> Engine:
     """Open an existing store without creating or migrating it; `StoreError` (or
-    `SchemaTooNew`) when it is missing, unreachable, not ours or newer than this library."""
+    `SchemaTooNew`) when it is missing, unreachable, not ours, or not of the schema version
+    this library writes: the CLI never migrates, and an older schema lacks what its
+    commands read and call."""
     engine = _open_for_health(db, schema)
-    if engine.dialect == "sqlite":
-        return engine  # `migrate=False` already refused a file that is not ours or too new
-    name, expected = display_name(db), _expected_version(db)
-    version = engine.schema_version()
-    if version == 0:
+    problem = _version_problem(db, schema, engine.schema_version())
+    if problem is not None:
         engine.close()
-        raise StoreError(
+        raise problem
+    return engine
+
+
+def _version_problem(db: str, schema: str | None, version: int) -> StoreError | None:
+    """Why the CLI cannot use a store of schema `version`, if it cannot."""
+    name, expected = display_name(db), _expected_version(db)
+    if version == 0:
+        return StoreError(
             f"{name}: schema {schema or 'public'!r} is not a trio_sessions store"
             " (no schema_version table)"
         )
     if version > expected:
-        engine.close()
-        raise SchemaTooNew(
+        return SchemaTooNew(
             f"{name}: schema version {version} is newer than this trio_sessions"
             f" understands ({expected}); upgrade trio_sessions"
         )
-    return engine
+    if version < expected:
+        return StoreError(
+            f"{name}: schema version {version} is older than this trio_sessions writes"
+            f" ({expected}); the CLI never migrates: open it once with a runtime of this"
+            " library (a worker) to migrate it"
+        )
+    return None
 
 
 # A session can be in several states at once: a live claim with a doorbell set is both
@@ -141,19 +153,8 @@ def filter_status(
     return {**status, "matched": len(sessions), "sessions": sessions[:limit]}
 
 
-# The schema version that added `session_input_rejected`: an older file has none.
-REJECTED_INPUTS_SINCE = 3
-
-
-def has_rejected_inputs(engine: Engine) -> bool:
-    # PostgreSQL's first schema version has them.
-    return engine.dialect == "postgres" or engine.schema_version() >= REJECTED_INPUTS_SINCE
-
-
 def read_rejected_inputs(engine: Engine, session_id: str | None) -> list[Any]:
     """Inputs set aside as malformed, oldest first (of one session, if given)."""
-    if not has_rejected_inputs(engine):
-        return []
     return engine.read(_store.rejected_inputs, session_id)
 
 
@@ -177,6 +178,9 @@ def check_health(db: str, schema: str | None = None) -> dict[str, Any]:
     try:
         version = database.schema_version()
         health["schema_version"] = version
+        if version > expected:
+            reason = _masked(db, str(_version_problem(db, schema, version)))
+            return {**health, "reason": reason}
         if version != expected:
             reason = (
                 f"{name}: schema version {version} is not the current {expected}; opening it"
@@ -245,8 +249,6 @@ def release(database: Engine, execution_id: str, *, resume: bool) -> dict[str, A
 
 def drop_input(database: Engine, input_id: str) -> dict[str, Any]:
     """Delete one set-aside input; `ValueError` unless it is one."""
-    if not has_rejected_inputs(database):
-        raise ValueError(f"input {input_id!r} is not a rejected input")
     session_id = database.run(_store.drop_rejected_input, input_id)
     return {"input_id": input_id, "session_id": session_id, "action": "drop"}
 
@@ -538,5 +540,6 @@ def _fail(db: str, exc: Exception) -> int:
 
 
 def _masked(db: str, text: str) -> str:
-    """`text` as the operator sees it: the store's password masked wherever it appears."""
-    return mask_password(text, secrets=secrets_of(db))
+    """`text` as the operator sees it: on one line (the driver's errors hold hints on lines
+    of their own), the store's password masked wherever it appears."""
+    return mask_password(" ".join(text.split()), secrets=secrets_of(db))

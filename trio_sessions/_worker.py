@@ -134,8 +134,10 @@ def settings_from(args: argparse.Namespace, environ: Mapping[str, str]) -> Worke
         return environ.get(env) or None
 
     store = pick(args.store, ENV_STORE)
-    if store is None:
+    if not store:  # also `--store ''`: an unset shell variable
         raise UsageError(f"no store: pass --store PATH_OR_URL or set {ENV_STORE}")
+    if store == ":memory:":
+        raise UsageError("an in-memory database is no store a worker can share: pass a path or URL")
     try:
         kind = store_kind(store)
     except ValueError as exc:
