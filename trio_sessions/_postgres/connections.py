@@ -7,7 +7,8 @@ Every connection is set up by libpq options so that a dead, paused or partitione
 releases its locks within about one default lease, not the 2-hour default keepalive:
 server-side `idle_in_transaction_session_timeout`, `statement_timeout`, `lock_timeout`, TCP
 keepalives and `client_connection_check_interval`; client-side libpq keepalives,
-`tcp_user_timeout` and `connect_timeout`. `search_path` is the configured schema; isolation is
+`tcp_user_timeout` and `connect_timeout`; and, for an engine's connection, a bound on each wait
+for a reply (`watch_replies`). `search_path` is the configured schema; isolation is
 READ COMMITTED, autocommit off (the engine switches its own connection to autocommit: its
 transactions begin with their first statement).
 
@@ -24,6 +25,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import re
+import socket
+import threading
+import time
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -56,6 +61,11 @@ IDLE_IN_TRANSACTION_TIMEOUT_MS = 15_000
 SERVER_KEEPALIVES = {"idle": 10, "interval": 5, "count": 3}
 CLIENT_CONNECT_TIMEOUT_S = 5
 TCP_USER_TIMEOUT_MS = 15_000
+# The longest an engine's connection waits for one reply: the server ends any statement
+# within STATEMENT_TIMEOUT_MS, so a longer wait is a server (or a proxy) that stopped
+# answering while the kernel keeps the connection up - TCP_USER_TIMEOUT and keepalives
+# never fire then. The wait is ended as a lost connection (`watch_replies`).
+REPLY_BOUND_S = 15.0
 
 
 def _quote_ident(name: str) -> str:
@@ -131,7 +141,7 @@ def connect(
             "tcp_user_timeout": TCP_USER_TIMEOUT_MS,
         }
         keepalives.update(client or {})
-        conn = psycopg.connect(
+        conn = _WatchedConnection.connect(
             url,
             autocommit=False,
             options=options,
@@ -149,6 +159,73 @@ def connect(
     # Explicit: a database or role default must not change the isolation the fences assume.
     conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
     return conn
+
+
+class _WatchedConnection(psycopg.Connection[Any]):
+    """A connection that says since when it waits for the server (every blocking wait of
+    psycopg's goes through `wait`), for `watch_replies`."""
+
+    waiting_since: float | None = None
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        self.waiting_since = time.monotonic()
+        try:
+            return super().wait(*args, **kwargs)
+        finally:
+            self.waiting_since = None
+
+
+class _ReplyWatchdog:
+    """Ends a watched connection's wait for a reply once it passed `REPLY_BOUND_S`: shuts
+    its socket down, so the waiting thread gets a lost connection - which the engine
+    re-opens, or reports as `StoreError` past its bound (DESIGN §8) - instead of waiting for
+    ever. One daemon thread per process, started with the first connection watched;
+    connections are held weakly."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._watched: weakref.WeakSet[_WatchedConnection] = weakref.WeakSet()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, conn: _WatchedConnection) -> None:
+        with self._lock:
+            self._watched.add(conn)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="trio-sessions-pg-watchdog", daemon=True
+                )
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(REPLY_BOUND_S / 15)
+            cutoff = time.monotonic() - REPLY_BOUND_S
+            with self._lock:
+                stuck = [c for c in self._watched if (c.waiting_since or cutoff) < cutoff]
+            for conn in stuck:
+                _shut_down(conn)
+
+
+_WATCHDOG = _ReplyWatchdog()
+
+
+def watch_replies(conn: Any) -> None:
+    """Bound every wait of `conn` for a reply (`REPLY_BOUND_S`), if it is one of ours (a
+    test may wrap it)."""
+    if isinstance(conn, _WatchedConnection):
+        _WATCHDOG.watch(conn)
+
+
+def _shut_down(conn: _WatchedConnection) -> None:
+    """Shut the connection's socket down under its waiting thread (never closing the
+    descriptor, which psycopg owns)."""
+    with contextlib.suppress(OSError, psycopg.Error):
+        fd = conn.pgconn.socket
+        sock = socket.socket(fileno=fd)
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        finally:
+            sock.detach()
 
 
 def schema_version(conn: Any) -> int:

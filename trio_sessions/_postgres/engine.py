@@ -78,7 +78,7 @@ from .._backend import (
 )
 from .._errors import StoreError
 from .._naming import check_postgres_name, check_schema
-from .connections import channel, connect, migrate, schema_version
+from .connections import channel, connect, migrate, schema_version, watch_replies
 from .transactions import (
     _BEGIN_NOWAIT,
     _BEGIN_READ,
@@ -190,6 +190,9 @@ class PgEngine:
         # message server-side, and prepared once it recurs (`BindingCursor`).
         conn.autocommit = True
         conn.cursor_factory = BindingCursor
+        # Migrated: from here on no wait for a reply is longer than a statement's timeout
+        # (a migration may wait for another process's).
+        watch_replies(conn)
         # Read by the listener from the trio thread: notifications this connection sent
         # are this runtime's own changes.
         self.backend_pid = conn.info.backend_pid
