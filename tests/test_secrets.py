@@ -96,10 +96,11 @@ async def test_a_driver_error_quoting_the_connection_string_is_masked(
     error (and its traceback) shows it with the password masked."""
     name = ALL_FORMS[form]
 
-    def refuse(conninfo: str, **_: Any) -> Any:
+    def refuse(cls: type, /, conninfo: str, **_: Any) -> Any:
         raise psycopg.OperationalError(f'cannot use "{conninfo}": {name} is bad')
 
-    monkeypatch.setattr(psycopg, "connect", refuse)
+    # Every connection class's `connect` (the store's connections subclass psycopg's).
+    monkeypatch.setattr(psycopg.Connection, "connect", classmethod(refuse))
     with pytest.raises(trio_sessions.StoreError, match="cannot use") as raised:
         async with trio_sessions.open_runtime(PostgresStore(name, inline=True), None):
             pytest.fail("connected")  # pragma: no cover
