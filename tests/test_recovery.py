@@ -4,8 +4,10 @@ budget, unclaimed doorbells and release_quarantine. Rows from "dead" owners are 
 
 from __future__ import annotations
 
+import functools
+import math
 import sqlite3
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -718,6 +720,35 @@ async def test_release_quarantine_resume_from_a_producer_leaves_the_drain_to_a_w
     assert len(drain.calls) == 1 and drain.calls[0].resumed
 
 
+class OnePlaceTaken:
+    """The drain of a runtime with `max_active=1`: session 'busy' holds the one place until
+    `let_go`; any other session's drain records when it started (`resumed`)."""
+
+    def __init__(self) -> None:
+        self.let_go = trio.Event()
+        self.resumed: list[float] = []
+
+    async def __call__(self, ctx: DrainContext) -> None:
+        if ctx.session_id == "busy":
+            await self.let_go.wait()
+        else:
+            self.resumed.append(trio.current_time())
+
+    async def seconds_to_resume_elsewhere(
+        self, store: Store, clock: Clock, act: Callable[[], Awaitable[object]]
+    ) -> float:
+        """Open a worker with room (a recovery pass every second), `act`, and wait (60 s at
+        most) for the first resume: the seconds from `act` to it (inf: none)."""
+        async with runtime(store, self, clock, recovery_interval=1.0):
+            acted_at = trio.current_time()
+            await act()
+            with trio.move_on_after(60):
+                while not self.resumed:
+                    await trio.sleep(0.1)
+            self.let_go.set()
+        return self.resumed[0] - acted_at if self.resumed else math.inf
+
+
 async def test_release_quarantine_resume_without_room_leaves_no_unused_recovery_lease(
     store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
 ) -> None:
@@ -727,15 +758,7 @@ async def test_release_quarantine_resume_without_room_leaves_no_unused_recovery_
     (30 s) although nothing runs it (DESIGN §4: resume=True recovers it at once; a lease
     this runtime will not act on must not keep the row from the others)."""
     raw = Raw(db_path)
-    gate = trio.Event()
-    resumed: list[float] = []
-
-    async def drain(ctx: DrainContext) -> None:
-        if ctx.session_id == "busy":
-            await gate.wait()
-        else:
-            resumed.append(trio.current_time())
-
+    drain = OnePlaceTaken()
     async with runtime(store, drain, clock, max_active=1, **QUIET) as full:
         raw.seed_claim("s", "poison", expires_at=expired(clock))
         message_id = raw.seed_assistant("s", "poison", 1, MALFORMED)
@@ -746,14 +769,8 @@ async def test_release_quarantine_resume_without_room_leaves_no_unused_recovery_
         )
         await full.submit("busy", {})  # takes the one place
         await trio.testing.wait_all_tasks_blocked()
-        async with runtime(store, drain, clock, recovery_interval=1.0):
-            released_at = trio.current_time()
-            await full.release_quarantine("poison", resume=True)
-            with trio.move_on_after(60):
-                while not resumed:
-                    await trio.sleep(0.1)
-            gate.set()
-    assert resumed and resumed[0] - released_at < 5
+        released = functools.partial(full.release_quarantine, "poison", resume=True)
+        assert await drain.seconds_to_resume_elsewhere(store, clock, released) < 5
 
 
 async def test_a_leased_claim_dropped_for_want_of_room_is_not_kept_from_other_workers(
@@ -765,14 +782,7 @@ async def test_a_leased_claim_dropped_for_want_of_room_is_not_kept_from_other_wo
     although nobody runs it (the scan takes leases only on what there is room for, since
     a lease not acted on keeps the row from every other runtime)."""
     raw = Raw(db_path)
-    gate = trio.Event()
-    resumed: list[float] = []
-
-    async def drain(ctx: DrainContext) -> None:
-        if ctx.session_id == "busy":
-            await gate.wait()
-        else:
-            resumed.append(trio.current_time())
+    drain = OnePlaceTaken()
 
     async def take_the_last_place(execution_ids: list[str]) -> None:
         await full.submit("busy", {})
@@ -782,13 +792,7 @@ async def test_a_leased_claim_dropped_for_want_of_room_is_not_kept_from_other_wo
         testing.set_seams(full, before_recovery_apply=take_the_last_place)
         assert (await full.recover_once()).resumed == 0
         testing.set_seams(full)
-        async with runtime(store, drain, clock, recovery_interval=1.0):
-            dropped_at = trio.current_time()
-            with trio.move_on_after(60):
-                while not resumed:
-                    await trio.sleep(0.1)
-            gate.set()
-    assert resumed and resumed[0] - dropped_at < 5
+        assert await drain.seconds_to_resume_elsewhere(store, clock, trio.lowlevel.checkpoint) < 5
 
 
 async def test_shutdown_claim_is_resumed_by_next_owner(

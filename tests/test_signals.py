@@ -104,13 +104,9 @@ async def test_a_remote_interrupt_stops_the_owner_long_before_its_heartbeat(
         assert outcomes == [Outcome("interrupted", "user")]
 
 
-async def test_a_submit_while_a_remotely_deleted_sessions_drain_stops_starts_at_once(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A producer deletes a session the worker is draining, then submits to it again while
-    the worker's old drain still cleans up. The worker's look passed over the new doorbell
-    (the session was still its own then); once the old drain exited, the worker starts the
-    new one at once - not at its next fallback poll or recovery pass (both far away here)."""
+def counted_looks_only(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """The change loop's looks counted as they start and end, and no fallback poll: a test
+    waits until a look that started after a write has ended, to know it passed over it."""
     from trio_sessions import _loops
 
     monkeypatch.setattr(_loops, "CHANGE_FALLBACK_POLL", 3600.0)
@@ -125,6 +121,17 @@ async def test_a_submit_while_a_remotely_deleted_sessions_drain_stops_starts_at_
             looks["ended"] += 1
 
     monkeypatch.setattr(_loops.BackgroundLoops, "_scan_changes", counted_scan)
+    return looks
+
+
+async def test_a_submit_while_a_remotely_deleted_sessions_drain_stops_starts_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A producer deletes a session the worker is draining, then submits to it again while
+    the worker's old drain still cleans up. The worker's look passed over the new doorbell
+    (the session was still its own then); once the old drain exited, the worker starts the
+    new one at once - not at its next fallback poll or recovery pass (both far away here)."""
+    looks = counted_looks_only(monkeypatch)
     db = tmp_path / "s.db"
     cleaning, let_go = trio.Event(), trio.Event()
     taken: list[list[str]] = []
@@ -173,20 +180,9 @@ async def test_a_submit_after_a_remote_delete_during_the_owners_finish_starts_at
     released - but nothing looks for the doorbell the change scan passed over while the
     session was held: the drain starts only at the next fallback poll or recovery pass
     (DESIGN §7: a submit from another process starts the drain in p99 <= 50 ms; §5.1)."""
-    from trio_sessions import _loops, testing
+    from trio_sessions import testing
 
-    monkeypatch.setattr(_loops, "CHANGE_FALLBACK_POLL", 3600.0)
-    looks = {"started": 0, "ended": 0}
-    scan = _loops.BackgroundLoops._scan_changes
-
-    async def counted_scan(self: _loops.BackgroundLoops) -> None:
-        looks["started"] += 1
-        try:
-            await scan(self)
-        finally:
-            looks["ended"] += 1
-
-    monkeypatch.setattr(_loops.BackgroundLoops, "_scan_changes", counted_scan)
+    looks = counted_looks_only(monkeypatch)
     db = tmp_path / "s.db"
     finishing, let_go = trio.Event(), trio.Event()
     taken: list[list[str]] = []
