@@ -19,6 +19,7 @@ from console_process import (
     console,
     environment,
     seed_quarantine,
+    spawn,
     wait_for_line,
     worker,
 )
@@ -348,3 +349,23 @@ def test_a_loopback_console_refuses_hostile_requests_without_acting(tmp_path: Pa
                 if b"\n\n" in received:
                     break
             assert received.startswith(b": malformed record")
+
+
+def test_a_console_on_a_missing_database_is_refused_and_creates_nothing(tmp_path: Path) -> None:
+    """README "Operations": `python -m trio_sessions` "never creates or migrates a database:
+    a missing file ... is refused with an error and exit status 1" (the CLI's invariant
+    names the worker as the only exception). The console opened a producer runtime on
+    whatever path it was given, so a mistyped `--store` created an empty store (and would
+    migrate an older one under the processes still running on it) and served it as if
+    all were well."""
+    store = tmp_path / "mistyped.db"
+    argv = ["-m", "trio_sessions", "console", "--store", str(store), "--bind", "127.0.0.1:0"]
+    process = spawn(argv, tmp_path / "console.log")
+    try:
+        code = process.process.wait(timeout=DEADLINE)
+    except subprocess.TimeoutExpired:
+        process.stop()
+        pytest.fail(f"the console served a store it created: {process.output()}")
+    assert code == 1, process.output()
+    assert "Traceback" not in process.output()
+    assert not store.exists()
