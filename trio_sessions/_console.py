@@ -588,8 +588,11 @@ def add_parser(commands: Any) -> None:
     )
 
 
-def run(args: Any, environ: Mapping[str, str]) -> int:
-    """The `console` command: returns the exit status (2 for a setting to change)."""
+def run(
+    args: Any, environ: Mapping[str, str], *, check_store: Callable[[str, str | None], int]
+) -> int:
+    """The `console` command: returns the exit status (2 for a setting to change; else
+    `check_store`'s when it refuses the store: the console never creates or migrates one)."""
     from ._worker import store_of_url
 
     token = args.token if args.token is not None else environ.get(ENV_TOKEN) or None
@@ -599,6 +602,8 @@ def run(args: Any, environ: Mapping[str, str]) -> int:
     except (UsageError, ValueError) as exc:
         print(f"error: {exc}", flush=True, file=sys.stderr)
         return 2
+    if refused := check_store(args.store, args.schema):
+        return refused
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
