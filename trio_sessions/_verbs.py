@@ -237,8 +237,10 @@ class Runtime:
         """Wake the session and wait for the outcome of the execution that takes the wake.
 
         Durable before it waits: the wake is committed (or, with the session already
-        running here, joined). `Outcome(kind='deferred')` when another owner holds the
-        session: the wake stays durable for it. A drain's exception is returned in the
+        running here, joined). `Outcome(kind='deferred')` when this runtime does not take
+        it now - another owner holds the session, no room is left under `max_active`, the
+        runtime is closing, or its liveness token is lost: the wake stays durable for the
+        runtime that takes it. A drain's exception is returned in the
         outcome (`failed`, `error=`), never raised here. Raises `RuntimeError` when called
         from a drain (or a task it started) on its own session, `TypeError`/`ValueError`
         for a bad session id, `StoreError` when the wake could not be recorded.
