@@ -134,8 +134,9 @@ _DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite
 
 # The largest value a caller may store as one record - an input payload, a tool's input,
 # output or error, one appended text - measured as its stored compact JSON encoding (ASCII:
-# a character outside it counts as its \uXXXX escape), or as UTF-8 for text. Larger data belongs in a blob store, with its reference in the record: every
-# input is read whole by each `take_inputs`, every message by each `transcript`.
+# a character outside it counts as its \uXXXX escape), or as UTF-8 for text. Larger data
+# belongs in a blob store, with its reference in the record: every input is read whole by
+# each `take_inputs`, every message by each `transcript`.
 MAX_PAYLOAD_BYTES = 1024 * 1024  # 1 MiB
 
 # `is_small`'s budget: a value costing at most this many units (one per character of text,
