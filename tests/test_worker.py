@@ -354,6 +354,98 @@ async def test_sigterm_while_the_postgres_server_hangs_still_exits(
     assert exited is not None, f"still running 30 s after SIGTERM:\n{worker.output()}"
 
 
+class DroppingProxy(StallingProxy):
+    """A `StallingProxy` that can also close the connections whose client sent a given text
+    (`drop`: the server or a network between lost them), and stall - as `stall` does - the
+    moment a client sends another (`stall_on`): the server hangs just then."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        super().__init__(target)
+        self.trigger: bytes | None = None
+        self._connections: list[tuple[trio.CancelScope, bytearray]] = []
+
+    def stall_on(self, text: bytes) -> None:
+        self.trigger = text
+
+    def drop(self, text: bytes) -> int:
+        dropped = 0
+        for scope, sent in self._connections:
+            if text in sent and not scope.cancel_called:
+                scope.cancel()
+                dropped += 1
+        return dropped
+
+    async def _forward(
+        self, source: trio.SocketStream, sink: trio.SocketStream, sent: bytearray
+    ) -> None:
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            while data := await source.receive_some(65536):
+                sent += data
+                if self.trigger is not None and self.trigger in data:
+                    self.stalled = True
+                if self.stalled:
+                    await trio.sleep_forever()
+                await sink.send_all(data)
+
+    async def _handle(self, client: trio.SocketStream) -> None:
+        if self.stalled:
+            await trio.sleep_forever()
+        server = await trio.open_tcp_stream(*self.target)
+        scope, sent = trio.CancelScope(), bytearray()
+        self._connections.append((scope, sent))
+        with scope:
+            async with client, server, trio.open_nursery() as nursery:
+                nursery.start_soon(self._forward, client, server, sent)
+                nursery.start_soon(self._pipe, server, client)
+
+
+async def _sigterm_exits_after_a_reconnect_hangs(
+    pg_url: str, pg_schema: str, tmp_path: Path, sent: bytes
+) -> None:
+    """The worker's connection that sent `sent` is lost; the server hangs just as its
+    replacement sends `sent` again; SIGTERM then: the worker must still exit."""
+    target = urllib.parse.urlsplit(pg_url)
+    proxy = DroppingProxy((target.hostname or "127.0.0.1", target.port or 5432))
+    async with trio.open_nursery() as nursery:
+        await proxy.serve(nursery)
+        url = _via(pg_url, proxy.port)
+        worker = await start_worker(
+            tmp_path, "worker_drain:reply", "--store", url, "--schema", pg_schema,
+            "--lease", "3", "--recovery-interval", "0.5",
+        )  # fmt: skip
+        try:
+            await worker.until_logged("worker started")
+            proxy.stall_on(sent)
+            assert proxy.drop(sent) == 1
+            with trio.move_on_after(DEADLINE):
+                while not proxy.stalled:  # the replacement's statement reached the proxy
+                    await trio.sleep(POLL)
+            assert proxy.stalled, worker.output()
+            await trio.sleep(1.5)
+            worker.process.send_signal(signal.SIGTERM)
+            await worker.until_logged("worker stopping on SIGTERM")
+            with trio.move_on_after(45):
+                await worker.process.wait()
+            exited = worker.process.returncode
+        finally:
+            await stop(worker)
+            nursery.cancel_scope.cancel()
+    assert exited is not None, f"still running 45 s after SIGTERM:\n{worker.output()}"
+
+
+async def test_sigterm_while_the_listener_reconnects_to_a_hanging_server_still_exits(
+    pg_url: str, pg_schema: str, tmp_path: Path
+) -> None:
+    """DESIGN §8 ("`StoreError` reaches a caller only after a bound"; re-`LISTEN` after every
+    reconnect), README "Running workers" (SIGTERM: graceful shutdown, then exit). The
+    listening connection is lost, and the server stops answering (its TCP connections stay
+    up) while the listener's reconnect waits for its LISTEN's reply: that wait has no bound
+    (the listener's connection is not watched, `watch_replies`), its thread never returns,
+    and the worker never exits on SIGTERM - the hang f82f107 fixed for the engines'
+    connections, on the one connection it left unwatched."""
+    await _sigterm_exits_after_a_reconnect_hangs(pg_url, pg_schema, tmp_path, b"LISTEN ")
+
+
 def logged_time(log: str, line: str) -> float:
     """The wall time a worker_drain line was printed at (the first such line)."""
     match = re.search(re.escape(line) + r" at ([0-9.]+)", log)
