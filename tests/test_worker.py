@@ -446,6 +446,17 @@ async def test_sigterm_while_the_listener_reconnects_to_a_hanging_server_still_e
     await _sigterm_exits_after_a_reconnect_hangs(pg_url, pg_schema, tmp_path, b"LISTEN ")
 
 
+async def test_sigterm_while_the_liveness_token_is_retaken_on_a_hanging_server_still_exits(
+    pg_url: str, pg_schema: str, tmp_path: Path
+) -> None:
+    """As above, for the liveness token's connection: lost, and the server stops answering
+    while `retake` waits for `pg_try_advisory_lock`'s reply - no bound (not watched), the
+    thread never returns, and the worker never exits on SIGTERM."""
+    await _sigterm_exits_after_a_reconnect_hangs(
+        pg_url, pg_schema, tmp_path, b"pg_try_advisory_lock"
+    )
+
+
 def logged_time(log: str, line: str) -> float:
     """The wall time a worker_drain line was printed at (the first such line)."""
     match = re.search(re.escape(line) + r" at ([0-9.]+)", log)
