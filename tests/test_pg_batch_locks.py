@@ -295,3 +295,53 @@ def test_an_operation_locking_two_sessions_takes_them_in_the_lock_order(
             runner.join(WAIT_S)
         assert forking[0].unwrap() == 0
         assert engine.retries == 0
+
+
+def test_a_batch_whose_first_message_waits_within_every_server_timeout_is_not_cut(
+    pg_url: str, pg_schema: str
+) -> None:
+    """DESIGN §8: "`StoreError` reaches a caller only after a bound, and never for a race".
+    A batch's first message carries two statements - its sessions' locks (`ts_lock_all`)
+    and its first operation's first statement - and the server bounds each on its own
+    (statement_timeout 10 s per statement of a message, lock_timeout 5 s per lock wait). Here
+    each lock wait is 4.5 s and each statement 9 s: nothing the server would end, the whole
+    reply 18 s. The reply watchdog (REPLY_BOUND_S, 15 s: "the server ends any statement
+    within 10 s") counts one wait as one statement, cuts it, and the batch - nothing wrong
+    with it, only peers that held its locks a while - ends as StoreError."""
+    sessions = ["w-a", "w-b", "w-c", "w-d"]
+
+    def lock_two_more(tx: PgTx, session_id: str, others: list[str]) -> str:
+        tx.lock_sessions(others)  # the first statement: sent with the batch's locks
+        return session_id
+
+    def nothing(tx: PgTx, session_id: str) -> str:
+        tx.lock_session(session_id)
+        return session_id
+
+    with engine_at(pg_url, pg_schema, 1.0) as engine, raw(pg_url, pg_schema) as probe:
+        keys = {s: probe.execute("SELECT ts_lock_key(%s)", (s,)).fetchone()[0] for s in sessions}
+        # The batch's two sessions, then the operation's two, each pair in the lock order.
+        first = sorted(sessions[:2], key=lambda s: (keys[s], s))
+        second = sorted(sessions[2:], key=lambda s: (keys[s], s))
+        holders = [psycopg.connect(pg_url, options=f"-c search_path={pg_schema}") for _ in range(4)]
+        try:
+            for conn, session in zip(holders, first + second, strict=True):
+                conn.execute("SELECT pg_advisory_xact_lock(ts_lock_key(%s))", (session,))
+            timers = [
+                threading.Timer(4.5 * (index + 1), conn.commit)
+                for index, conn in enumerate(holders)
+            ]
+            for timer in timers:
+                timer.start()
+            jobs = [
+                _backend.Job(lock_two_more, (first[0], second)),
+                _backend.Job(nothing, (first[1],)),
+            ]
+            engine.run_batch(jobs)
+            for timer in timers:
+                timer.join(WAIT_S)
+        finally:
+            for conn in holders:
+                conn.close()
+    assert [job.error for job in jobs] == [None, None]
+    assert [job.result for job in jobs] == [first[0], first[1]]
