@@ -40,6 +40,7 @@ import operator
 import re
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -1361,3 +1362,46 @@ async def test_group_commit_runtime_carries_on_while_its_connection_keeps_dying(
         ]
         assert control.execute("SELECT count(*) FROM session_input").fetchall() == [(0,)]
         assert control.execute("SELECT count(*) FROM session_execution").fetchall() == [(0,)]
+
+
+async def test_reads_of_one_hand_off_reach_store_error_within_a_bound_when_the_server_hangs(
+    pg_url: str, pg_schema: str
+) -> None:
+    """README ("A server ... that stops answering while the connection stays up is given
+    15 s per reply: then the writer's connection counts as lost, and the call fails with
+    `StoreError`"), DESIGN §8. Three reads share a lane's hand-off (run each alone; the
+    lane wakes their callers once `run_reads` returns) when the server stops answering:
+    the first is cut after REPLY_BOUND_S, and then each of the others re-opens the
+    connection for its own RECONNECT_PATIENCE_S (a connect_timeout per attempt, the server
+    accepting TCP but never answering), one after the other - every caller of the hand-off
+    waits REPLY_BOUND_S + (reads - 1) x RECONNECT_PATIENCE_S (about 36 s here, and
+    640 s for a hand-off of 64), not one bound."""
+    from test_worker import StallingProxy, _via
+
+    from trio_sessions._postgres import connections
+    from trio_sessions._postgres import engine as pg_engine
+
+    def read(tx: Any, session_id: str) -> Any:
+        return tx.one("SELECT ?::text", (session_id,))
+
+    target = urllib.parse.urlsplit(pg_url)
+    proxy = StallingProxy((target.hostname or "127.0.0.1", target.port or 5432))
+    async with trio.open_nursery() as nursery:
+        await proxy.serve(nursery)
+        engine = PostgresStore(_via(pg_url, proxy.port), schema=pg_schema).engine()
+        await trio.to_thread.run_sync(engine.open)
+        try:
+            jobs = [Job(read, (f"r{index}",)) for index in range(3)]
+            await trio.to_thread.run_sync(engine.run_reads, jobs[:1])
+            assert jobs[0].result == ("r0",)
+            proxy.stall()
+            jobs = [Job(read, (f"r{index}",)) for index in range(3)]
+            started = time.monotonic()
+            await trio.to_thread.run_sync(engine.run_reads, jobs)
+            elapsed = time.monotonic() - started
+        finally:
+            await trio.to_thread.run_sync(engine.close)
+            nursery.cancel_scope.cancel()
+    assert all(isinstance(job.error, StoreError) for job in jobs), [j.error for j in jobs]
+    bound = connections.REPLY_BOUND_S + 1 + pg_engine.RECONNECT_PATIENCE_S + 2
+    assert elapsed <= bound, f"the hand-off's callers got StoreError after {elapsed:.1f} s"
