@@ -1405,3 +1405,45 @@ async def test_reads_of_one_hand_off_reach_store_error_within_a_bound_when_the_s
     assert all(isinstance(job.error, StoreError) for job in jobs), [j.error for j in jobs]
     bound = connections.REPLY_BOUND_S + 1 + pg_engine.RECONNECT_PATIENCE_S + 2
     assert elapsed <= bound, f"the hand-off's callers got StoreError after {elapsed:.1f} s"
+
+
+async def test_opening_an_engine_on_a_server_that_hangs_during_the_migration_is_bounded(
+    pg_url: str, pg_schema: str
+) -> None:
+    """DESIGN §8 (`StoreError` after a bound), README (15 s per reply). The server stops
+    answering once the engine's first connection sent its migration's first statement: the
+    migration's waits are not watched (`watch_replies` comes after it, "a migration may wait
+    for another process's" - but that wait is the advisory lock's, which lock_timeout ends
+    within 5 s), so `open` - `open_runtime`, a worker's start, every CLI command - waits
+    for ever, in a thread trio cannot cancel."""
+    from test_worker import DroppingProxy, _via
+
+    target = urllib.parse.urlsplit(pg_url)
+    proxy = DroppingProxy((target.hostname or "127.0.0.1", target.port or 5432))
+    outcome: list[BaseException | None] = []
+    async with trio.open_nursery() as nursery:
+        await proxy.serve(nursery)
+        engine = PostgresStore(_via(pg_url, proxy.port), schema=pg_schema).engine()
+        proxy.stall_on(b"pg_advisory_xact_lock(")
+
+        def open_it() -> None:
+            try:
+                engine.open()
+            except BaseException as exc:
+                outcome.append(exc)
+            else:
+                outcome.append(None)
+
+        runner = threading.Thread(target=open_it, daemon=True)
+        runner.start()
+        started = time.monotonic()
+        while not outcome and time.monotonic() - started < 40:
+            await trio.sleep(0.1)
+        elapsed = time.monotonic() - started
+        ended = list(outcome)
+        nursery.cancel_scope.cancel()  # the proxy's connections close: the thread ends
+    runner.join(10)
+    engine.close()
+    assert proxy.stalled
+    assert ended, f"engine.open still waiting {elapsed:.0f} s after the server hung"
+    assert isinstance(ended[0], StoreError), ended
