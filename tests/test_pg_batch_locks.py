@@ -319,7 +319,7 @@ def test_a_batch_whose_first_message_waits_within_every_server_timeout_is_not_cu
         return session_id
 
     with engine_at(pg_url, pg_schema, 1.0) as engine, raw(pg_url, pg_schema) as probe:
-        keys = {s: probe.execute("SELECT ts_lock_key(%s)", (s,)).fetchone()[0] for s in sessions}
+        keys = {s: probe.execute("SELECT ts_lock_key(%s)", (s,)).fetchall()[0][0] for s in sessions}
         # The batch's two sessions, then the operation's two, each pair in the lock order.
         first = sorted(sessions[:2], key=lambda s: (keys[s], s))
         second = sorted(sessions[2:], key=lambda s: (keys[s], s))

@@ -7,8 +7,8 @@ Every connection is set up by libpq options so that a dead, paused or partitione
 releases its locks within about one default lease, not the 2-hour default keepalive:
 server-side `idle_in_transaction_session_timeout`, `statement_timeout`, `lock_timeout`, TCP
 keepalives and `client_connection_check_interval`; client-side libpq keepalives,
-`tcp_user_timeout` and `connect_timeout`; and, for an engine's connection, a bound on each wait
-for a reply (`watch_replies`). `search_path` is the configured schema; isolation is
+`tcp_user_timeout` and `connect_timeout`; and a bound on each wait for a reply
+(`_ReplyWatchdog`). `search_path` is the configured schema; isolation is
 READ COMMITTED, autocommit off (the engine switches its own connection to autocommit: its
 transactions begin with their first statement).
 
@@ -61,11 +61,12 @@ IDLE_IN_TRANSACTION_TIMEOUT_MS = 15_000
 SERVER_KEEPALIVES = {"idle": 10, "interval": 5, "count": 3}
 CLIENT_CONNECT_TIMEOUT_S = 5
 TCP_USER_TIMEOUT_MS = 15_000
-# The longest an engine's connection waits for one reply: the server ends any statement
-# within STATEMENT_TIMEOUT_MS, so a longer wait is a server (or a proxy) that stopped
-# answering while the kernel keeps the connection up - TCP_USER_TIMEOUT and keepalives
-# never fire then. The wait is ended as a lost connection (`watch_replies`).
-REPLY_BOUND_S = 15.0
+# The longest a connection waits for one reply. The server ends any statement within
+# STATEMENT_TIMEOUT_MS, and a message of ours holds at most two that may wait (a batch's
+# lock-taking call and its first statement), so a longer wait is a server (or a proxy) that
+# stopped answering while the kernel keeps the connection up - TCP_USER_TIMEOUT and
+# keepalives never fire then. The wait is ended as a lost connection (`_ReplyWatchdog`).
+REPLY_BOUND_S = 25.0
 
 
 def _quote_ident(name: str) -> str:
@@ -158,14 +159,16 @@ def connect(
         raise StoreError(message) from None
     # Explicit: a database or role default must not change the isolation the fences assume.
     conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
+    _WATCHDOG.watch(conn)
     return conn
 
 
 class _WatchedConnection(psycopg.Connection[Any]):
     """A connection that says since when it waits for the server (every blocking wait of
-    psycopg's goes through `wait`), for `watch_replies`."""
+    psycopg's goes through `wait`), for `_ReplyWatchdog`; `cut` once it cut a wait short."""
 
     waiting_since: float | None = None
+    cut = False
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
         self.waiting_since = time.monotonic()
@@ -198,22 +201,24 @@ class _ReplyWatchdog:
 
     def _run(self) -> None:
         while True:
-            time.sleep(REPLY_BOUND_S / 15)
-            cutoff = time.monotonic() - REPLY_BOUND_S
-            with self._lock:
-                stuck = [c for c in self._watched if (c.waiting_since or cutoff) < cutoff]
-            for conn in stuck:
+            time.sleep(REPLY_BOUND_S / 25)
+            # Never dies: a watchdog thread gone would leave every wait unbounded again.
+            with contextlib.suppress(Exception):
+                self._cut_stuck()
+
+    def _cut_stuck(self) -> None:
+        cutoff = time.monotonic() - REPLY_BOUND_S
+        with self._lock:
+            # A collected connection's removal runs in whichever thread dropped it, outside
+            # our lock: a copy that meets one raises, and the next tick copies again.
+            watched = list(self._watched)
+        for conn in watched:
+            if (conn.waiting_since or cutoff) < cutoff:
+                conn.cut = True
                 _shut_down(conn)
 
 
 _WATCHDOG = _ReplyWatchdog()
-
-
-def watch_replies(conn: Any) -> None:
-    """Bound every wait of `conn` for a reply (`REPLY_BOUND_S`), if it is one of ours (a
-    test may wrap it)."""
-    if isinstance(conn, _WatchedConnection):
-        _WATCHDOG.watch(conn)
 
 
 def _shut_down(conn: _WatchedConnection) -> None:

@@ -59,7 +59,7 @@ from __future__ import annotations
 import contextlib
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar, TypeVarTuple, Unpack
 
 import psycopg
@@ -78,7 +78,7 @@ from .._backend import (
 )
 from .._errors import StoreError
 from .._naming import check_postgres_name, check_schema
-from .connections import channel, connect, migrate, schema_version, watch_replies
+from .connections import channel, connect, migrate, schema_version
 from .transactions import (
     _BEGIN_NOWAIT,
     _BEGIN_READ,
@@ -158,6 +158,12 @@ class PgEngine:
         self.clock = clock
         self.wrap_connection = wrap_connection
         self.conn: Any = None
+        self._raw: Any = None  # `conn` as connected, whatever `wrap_connection` made of it
+        # In a hand-off (`_hand_off`): whether the server failed to answer (a reply cut
+        # short, a reconnect given up) - its other jobs then fail at once, so a hand-off of
+        # many fails within one bound, not a bound per job.
+        self._in_hand_off = False
+        self._silent = False
         self.backend_pid: int | None = None
         self.transactions = 0
         self.retries = 0
@@ -179,6 +185,8 @@ class PgEngine:
 
     def close(self) -> None:
         if self.conn is not None:
+            if getattr(self._raw, "cut", False):  # the server stopped answering
+                self._silent = self._in_hand_off
             with contextlib.suppress(psycopg.Error):
                 self.conn.close()
             self.conn = None
@@ -190,9 +198,7 @@ class PgEngine:
         # message server-side, and prepared once it recurs (`BindingCursor`).
         conn.autocommit = True
         conn.cursor_factory = BindingCursor
-        # Migrated: from here on no wait for a reply is longer than a statement's timeout
-        # (a migration may wait for another process's).
-        watch_replies(conn)
+        self._raw = conn
         # Read by the listener from the trio thread: notifications this connection sent
         # are this runtime's own changes.
         self.backend_pid = conn.info.backend_pid
@@ -204,6 +210,8 @@ class PgEngine:
         if conn is not None and not conn.closed and not conn.broken:
             return conn
         self.close()
+        if self._silent:
+            raise StoreError("the PostgreSQL server did not answer earlier in this hand-off")
         pause = 0.02
         while True:
             try:
@@ -213,6 +221,7 @@ class PgEngine:
                 # caller gets StoreError only once the whole bound has passed.
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
+                    self._silent = self._in_hand_off
                     raise
                 time.sleep(min(pause * random.uniform(0.5, 1.0), remaining))
                 pause = min(pause * 2, 1.0)
@@ -242,16 +251,31 @@ class PgEngine:
         """One hand-off's writes: `alone` (writes on no session) first, each in its own
         transaction (one autocommit call if it can be), then `nowait` jobs alone each, the
         rest in batches of `BATCH_LIMIT`. Its reads follow (`run_reads`)."""
-        for job in alone:
-            self.run_alone(job)
-        for job in nowait:
-            self.run_alone(job, "nowait")
-        for start in range(0, len(jobs), BATCH_LIMIT):
-            self.run_batch(jobs[start : start + BATCH_LIMIT])
+        with self._hand_off():
+            for job in alone:
+                self.run_alone(job)
+            for job in nowait:
+                self.run_alone(job, "nowait")
+            for start in range(0, len(jobs), BATCH_LIMIT):
+                self.run_batch(jobs[start : start + BATCH_LIMIT])
+
+    @contextlib.contextmanager
+    def _hand_off(self) -> Iterator[None]:
+        """The jobs of one hand-off: once the server failed to answer one, the others fail
+        at once (their callers wait for the whole hand-off)."""
+        self._in_hand_off, self._silent = True, False
+        try:
+            yield
+        finally:
+            self._in_hand_off, self._silent = False, False
 
     def run_reads(self, reads: Sequence[Job]) -> None:
         """Reads, each on its own snapshot - but those of one `pg_read_batched` kind (two or
         more) as ONE set-wise call. Never raises: outcomes go on the jobs."""
+        with self._hand_off():
+            self._run_reads(reads)
+
+    def _run_reads(self, reads: Sequence[Job]) -> None:
         kinds: dict[str, list[Job]] = {}
         alone: list[Job] = []
         for job in reads:
