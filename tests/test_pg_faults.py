@@ -1365,7 +1365,7 @@ async def test_group_commit_runtime_carries_on_while_its_connection_keeps_dying(
 
 
 async def test_reads_of_one_hand_off_reach_store_error_within_a_bound_when_the_server_hangs(
-    pg_url: str, pg_schema: str
+    pg_url: str, pg_schema: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """README ("A server ... that stops answering while the connection stays up is given
     15 s per reply: then the writer's connection counts as lost, and the call fails with
@@ -1380,6 +1380,8 @@ async def test_reads_of_one_hand_off_reach_store_error_within_a_bound_when_the_s
 
     from trio_sessions._postgres import connections
     from trio_sessions._postgres import engine as pg_engine
+
+    monkeypatch.setattr(connections, "REPLY_BOUND_S", 4.0)  # waited out: short here
 
     def read(tx: Any, session_id: str) -> Any:
         return tx.one("SELECT ?::text", (session_id,))
@@ -1408,7 +1410,7 @@ async def test_reads_of_one_hand_off_reach_store_error_within_a_bound_when_the_s
 
 
 async def test_opening_an_engine_on_a_server_that_hangs_during_the_migration_is_bounded(
-    pg_url: str, pg_schema: str
+    pg_url: str, pg_schema: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """DESIGN §8 (`StoreError` after a bound), README (15 s per reply). The server stops
     answering once the engine's first connection sent its migration's first statement: the
@@ -1418,6 +1420,9 @@ async def test_opening_an_engine_on_a_server_that_hangs_during_the_migration_is_
     for ever, in a thread trio cannot cancel."""
     from test_worker import DroppingProxy, _via
 
+    from trio_sessions._postgres import connections
+
+    monkeypatch.setattr(connections, "REPLY_BOUND_S", 4.0)  # waited out: short here
     target = urllib.parse.urlsplit(pg_url)
     proxy = DroppingProxy((target.hostname or "127.0.0.1", target.port or 5432))
     outcome: list[BaseException | None] = []
