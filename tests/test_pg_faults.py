@@ -40,7 +40,6 @@ import operator
 import re
 import threading
 import time
-import urllib.parse
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -1376,7 +1375,7 @@ async def test_reads_of_one_hand_off_reach_store_error_within_a_bound_when_the_s
     accepting TCP but never answering), one after the other - every caller of the hand-off
     waits REPLY_BOUND_S + (reads - 1) x RECONNECT_PATIENCE_S (about 36 s here, and
     640 s for a hand-off of 64), not one bound."""
-    from test_worker import StallingProxy, _via
+    from test_worker import HangingProxy
 
     from trio_sessions._postgres import connections
     from trio_sessions._postgres import engine as pg_engine
@@ -1386,11 +1385,10 @@ async def test_reads_of_one_hand_off_reach_store_error_within_a_bound_when_the_s
     def read(tx: Any, session_id: str) -> Any:
         return tx.one("SELECT ?::text", (session_id,))
 
-    target = urllib.parse.urlsplit(pg_url)
-    proxy = StallingProxy((target.hostname or "127.0.0.1", target.port or 5432))
+    proxy = HangingProxy.to(pg_url)
     async with trio.open_nursery() as nursery:
         await proxy.serve(nursery)
-        engine = PostgresStore(_via(pg_url, proxy.port), schema=pg_schema).engine()
+        engine = PostgresStore(proxy.url(pg_url), schema=pg_schema).engine()
         await trio.to_thread.run_sync(engine.open)
         try:
             jobs = [Job(read, (f"r{index}",)) for index in range(3)]
@@ -1418,17 +1416,16 @@ async def test_opening_an_engine_on_a_server_that_hangs_during_the_migration_is_
     for another process's" - but that wait is the advisory lock's, which lock_timeout ends
     within 5 s), so `open` - `open_runtime`, a worker's start, every CLI command - waits
     for ever, in a thread trio cannot cancel."""
-    from test_worker import DroppingProxy, _via
+    from test_worker import HangingProxy
 
     from trio_sessions._postgres import connections
 
     monkeypatch.setattr(connections, "REPLY_BOUND_S", 4.0)  # waited out: short here
-    target = urllib.parse.urlsplit(pg_url)
-    proxy = DroppingProxy((target.hostname or "127.0.0.1", target.port or 5432))
+    proxy = HangingProxy.to(pg_url)
     outcome: list[BaseException | None] = []
     async with trio.open_nursery() as nursery:
         await proxy.serve(nursery)
-        engine = PostgresStore(_via(pg_url, proxy.port), schema=pg_schema).engine()
+        engine = PostgresStore(proxy.url(pg_url), schema=pg_schema).engine()
         proxy.stall_on(b"pg_advisory_xact_lock(")
 
         def open_it() -> None:

@@ -295,90 +295,34 @@ async def test_a_store_that_cannot_open_exits_1_and_logs_why(tmp_path: Path) -> 
     assert "worker failed: StoreError" in worker.output()
 
 
-class StallingProxy:
-    """A TCP proxy to the PostgreSQL server that can stall: once `stall()` is called it
-    forwards nothing more either way but keeps every connection open - a server that hangs
-    (a frozen backend, a stuck pooler) while its host's kernel still acknowledges."""
+class HangingProxy:
+    """A TCP proxy to the PostgreSQL server that can make it hang: once stalled it forwards
+    nothing more either way but keeps every connection open - a server that hangs (a frozen
+    backend, a stuck pooler) while its host's kernel still acknowledges. `stall()` stalls it
+    now, `stall_on(text)` the moment a client sends `text`; `drop(text)` closes the
+    connections whose client sent `text` (the server or a network between lost them)."""
 
     def __init__(self, target: tuple[str, int]) -> None:
         self.target = target
         self.stalled = False
         self.port = 0
+        self.trigger: bytes | None = None
+        self._connections: list[tuple[trio.CancelScope, bytearray]] = []
+
+    @classmethod
+    def to(cls, url: str) -> HangingProxy:
+        target = urllib.parse.urlsplit(url)
+        return cls((target.hostname or "127.0.0.1", target.port or 5432))
+
+    def url(self, url: str) -> str:
+        """`url` through this proxy (it must serve first)."""
+        parts = urllib.parse.urlsplit(url)
+        userinfo = parts.netloc.rpartition("@")[0]
+        netloc = f"{userinfo}@127.0.0.1:{self.port}" if userinfo else f"127.0.0.1:{self.port}"
+        return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
 
     def stall(self) -> None:
         self.stalled = True
-
-    async def _pipe(self, source: trio.SocketStream, sink: trio.SocketStream) -> None:
-        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-            while data := await source.receive_some(65536):
-                if self.stalled:
-                    await trio.sleep_forever()
-                await sink.send_all(data)
-
-    async def _handle(self, client: trio.SocketStream) -> None:
-        if self.stalled:
-            await trio.sleep_forever()
-        server = await trio.open_tcp_stream(*self.target)
-        async with client, server, trio.open_nursery() as nursery:
-            nursery.start_soon(self._pipe, client, server)
-            nursery.start_soon(self._pipe, server, client)
-
-    async def serve(self, nursery: trio.Nursery) -> None:
-        serve = functools.partial(trio.serve_tcp, host="127.0.0.1")
-        [listener] = await nursery.start(serve, self._handle, 0)
-        self.port = listener.socket.getsockname()[1]
-
-
-def _via(url: str, port: int) -> str:
-    parts = urllib.parse.urlsplit(url)
-    userinfo = parts.netloc.rpartition("@")[0]
-    netloc = f"{userinfo}@127.0.0.1:{port}" if userinfo else f"127.0.0.1:{port}"
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
-
-
-async def test_sigterm_while_the_postgres_server_hangs_still_exits(
-    pg_url: str, pg_schema: str, tmp_path: Path
-) -> None:
-    """README "Running workers": the first SIGTERM is a graceful shutdown, then the process
-    exits 0 (only a drain that does not stop may hold it up, and none runs here); DESIGN §8:
-    `StoreError` reaches a caller "only after a bound". An idle worker whose PostgreSQL
-    server stops answering while its TCP connections stay up never exited: each store thread
-    waits in psycopg for a reply with no client-side bound (statement_timeout is the
-    server's, TCP_USER_TIMEOUT and keepalives are satisfied by the kernel's ACKs), and the
-    shutdown waits for those threads - until a second signal or SIGKILL."""
-    target = urllib.parse.urlsplit(pg_url)
-    proxy = StallingProxy((target.hostname or "127.0.0.1", target.port or 5432))
-    async with trio.open_nursery() as nursery:
-        await proxy.serve(nursery)
-        url = _via(pg_url, proxy.port)
-        worker = await start_worker(
-            tmp_path, "worker_drain:reply", "--store", url, "--schema", pg_schema,
-            "--lease", "3", "--recovery-interval", "0.5", reply_bound=SHORT_REPLY_BOUND_S,
-        )  # fmt: skip
-        try:
-            await worker.until_logged("worker started")
-            proxy.stall()
-            await trio.sleep(1.5)  # the worker's next store calls are in flight
-            worker.process.send_signal(signal.SIGTERM)
-            await worker.until_logged("worker stopping on SIGTERM")
-            with trio.move_on_after(30):
-                await worker.process.wait()
-            exited = worker.process.returncode
-        finally:
-            await stop(worker)
-            nursery.cancel_scope.cancel()
-    assert exited is not None, f"still running 30 s after SIGTERM:\n{worker.output()}"
-
-
-class DroppingProxy(StallingProxy):
-    """A `StallingProxy` that can also close the connections whose client sent a given text
-    (`drop`: the server or a network between lost them), and stall - as `stall` does - the
-    moment a client sends another (`stall_on`): the server hangs just then."""
-
-    def __init__(self, target: tuple[str, int]) -> None:
-        super().__init__(target)
-        self.trigger: bytes | None = None
-        self._connections: list[tuple[trio.CancelScope, bytearray]] = []
 
     def stall_on(self, text: bytes) -> None:
         self.trigger = text
@@ -412,41 +356,83 @@ class DroppingProxy(StallingProxy):
         with scope:
             async with client, server, trio.open_nursery() as nursery:
                 nursery.start_soon(self._forward, client, server, sent)
-                nursery.start_soon(self._pipe, server, client)
+                nursery.start_soon(self._forward, server, client, bytearray())
+
+    async def serve(self, nursery: trio.Nursery) -> None:
+        serve = functools.partial(trio.serve_tcp, host="127.0.0.1")
+        [listener] = await nursery.start(serve, self._handle, 0)
+        self.port = listener.socket.getsockname()[1]
 
 
-async def _sigterm_exits_after_a_reconnect_hangs(
-    pg_url: str, pg_schema: str, tmp_path: Path, sent: bytes
-) -> None:
-    """The worker's connection that sent `sent` is lost; the server hangs just as its
-    replacement sends `sent` again; SIGTERM then: the worker must still exit."""
-    target = urllib.parse.urlsplit(pg_url)
-    proxy = DroppingProxy((target.hostname or "127.0.0.1", target.port or 5432))
+# How long a worker may take to exit after SIGTERM once its server hangs: its reply bound
+# (SHORT_REPLY_BOUND_S) and the shutdown, with a wide margin for a loaded machine.
+EXIT_AFTER_SIGTERM_S = 30
+
+
+async def _exit_status_after_sigterm_on_a_hung_server(
+    pg_url: str,
+    pg_schema: str,
+    tmp_path: Path,
+    hang: Callable[[HangingProxy, Worker], Awaitable[None]],
+) -> tuple[int | None, str]:
+    """Start a worker through a `HangingProxy`, `hang` the server, send SIGTERM: the exit
+    status (None: still running `EXIT_AFTER_SIGTERM_S` later) and the worker's log."""
+    proxy = HangingProxy.to(pg_url)
     async with trio.open_nursery() as nursery:
         await proxy.serve(nursery)
-        url = _via(pg_url, proxy.port)
         worker = await start_worker(
-            tmp_path, "worker_drain:reply", "--store", url, "--schema", pg_schema,
-            "--lease", "3", "--recovery-interval", "0.5", reply_bound=SHORT_REPLY_BOUND_S,
+            tmp_path, "worker_drain:reply", "--store", proxy.url(pg_url), "--schema",
+            pg_schema, "--lease", "3", "--recovery-interval", "0.5",
+            reply_bound=SHORT_REPLY_BOUND_S,
         )  # fmt: skip
         try:
             await worker.until_logged("worker started")
-            proxy.stall_on(sent)
-            assert proxy.drop(sent) == 1
-            with trio.move_on_after(DEADLINE):
-                while not proxy.stalled:  # the replacement's statement reached the proxy
-                    await trio.sleep(POLL)
-            assert proxy.stalled, worker.output()
-            await trio.sleep(1.5)
+            await hang(proxy, worker)
+            await trio.sleep(1.5)  # the worker's next store calls are in flight
             worker.process.send_signal(signal.SIGTERM)
             await worker.until_logged("worker stopping on SIGTERM")
-            with trio.move_on_after(45):
+            with trio.move_on_after(EXIT_AFTER_SIGTERM_S):
                 await worker.process.wait()
             exited = worker.process.returncode
         finally:
             await stop(worker)
             nursery.cancel_scope.cancel()
-    assert exited is not None, f"still running 45 s after SIGTERM:\n{worker.output()}"
+    return exited, worker.output()
+
+
+async def test_sigterm_while_the_postgres_server_hangs_still_exits(
+    pg_url: str, pg_schema: str, tmp_path: Path
+) -> None:
+    """README "Running workers": the first SIGTERM is a graceful shutdown, then the process
+    exits 0 (only a drain that does not stop may hold it up, and none runs here); DESIGN §8:
+    `StoreError` reaches a caller "only after a bound". An idle worker whose PostgreSQL
+    server stops answering while its TCP connections stay up never exited: each store thread
+    waits in psycopg for a reply with no client-side bound (statement_timeout is the
+    server's, TCP_USER_TIMEOUT and keepalives are satisfied by the kernel's ACKs), and the
+    shutdown waits for those threads - until a second signal or SIGKILL."""
+
+    async def stall(proxy: HangingProxy, worker: Worker) -> None:
+        proxy.stall()
+
+    exited, output = await _exit_status_after_sigterm_on_a_hung_server(
+        pg_url, pg_schema, tmp_path, stall
+    )
+    assert exited is not None, f"still running after SIGTERM:\n{output}"
+
+
+def _hang_as_a_reconnect_sends(sent: bytes) -> Callable[[HangingProxy, Worker], Awaitable[None]]:
+    """The worker's connection that sent `sent` is lost; the server hangs just as its
+    replacement sends `sent` again."""
+
+    async def hang(proxy: HangingProxy, worker: Worker) -> None:
+        proxy.stall_on(sent)
+        assert proxy.drop(sent) == 1
+        with trio.move_on_after(DEADLINE):
+            while not proxy.stalled:  # the replacement's statement reached the proxy
+                await trio.sleep(POLL)
+        assert proxy.stalled, worker.output()
+
+    return hang
 
 
 async def test_sigterm_while_the_listener_reconnects_to_a_hanging_server_still_exits(
@@ -455,11 +441,13 @@ async def test_sigterm_while_the_listener_reconnects_to_a_hanging_server_still_e
     """DESIGN §8 ("`StoreError` reaches a caller only after a bound"; re-`LISTEN` after every
     reconnect), README "Running workers" (SIGTERM: graceful shutdown, then exit). The
     listening connection is lost, and the server stops answering (its TCP connections stay
-    up) while the listener's reconnect waits for its LISTEN's reply: that wait has no bound
-    (the listener's connection is not watched, `watch_replies`), its thread never returns,
-    and the worker never exits on SIGTERM - the hang f82f107 fixed for the engines'
-    connections, on the one connection it left unwatched."""
-    await _sigterm_exits_after_a_reconnect_hangs(pg_url, pg_schema, tmp_path, b"LISTEN ")
+    up) while the listener's reconnect waits for its LISTEN's reply: that wait had no bound
+    (the listener's connection was not watched), its thread never returned, and the worker
+    never exited on SIGTERM."""
+    exited, output = await _exit_status_after_sigterm_on_a_hung_server(
+        pg_url, pg_schema, tmp_path, _hang_as_a_reconnect_sends(b"LISTEN ")
+    )
+    assert exited is not None, f"still running after SIGTERM:\n{output}"
 
 
 async def test_sigterm_while_the_liveness_token_is_retaken_on_a_hanging_server_still_exits(
@@ -467,10 +455,11 @@ async def test_sigterm_while_the_liveness_token_is_retaken_on_a_hanging_server_s
 ) -> None:
     """As above, for the liveness token's connection: lost, and the server stops answering
     while `retake` waits for `pg_try_advisory_lock`'s reply - no bound (not watched), the
-    thread never returns, and the worker never exits on SIGTERM."""
-    await _sigterm_exits_after_a_reconnect_hangs(
-        pg_url, pg_schema, tmp_path, b"pg_try_advisory_lock"
+    thread never returned, and the worker never exited on SIGTERM."""
+    exited, output = await _exit_status_after_sigterm_on_a_hung_server(
+        pg_url, pg_schema, tmp_path, _hang_as_a_reconnect_sends(b"pg_try_advisory_lock")
     )
+    assert exited is not None, f"still running after SIGTERM:\n{output}"
 
 
 def logged_time(log: str, line: str) -> float:
