@@ -104,24 +104,31 @@ async def test_a_remote_interrupt_stops_the_owner_long_before_its_heartbeat(
         assert outcomes == [Outcome("interrupted", "user")]
 
 
-def counted_looks_only(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    """The change loop's looks counted as they start and end, and no fallback poll: a test
-    waits until a look that started after a write has ended, to know it passed over it."""
-    from trio_sessions import _loops
+class CountedLooks:
+    """The change loop's looks counted as they start and end, and no fallback poll."""
 
-    monkeypatch.setattr(_loops, "CHANGE_FALLBACK_POLL", 3600.0)
-    looks = {"started": 0, "ended": 0}
-    scan = _loops.BackgroundLoops._scan_changes
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from trio_sessions import _loops
 
-    async def counted_scan(self: _loops.BackgroundLoops) -> None:
-        looks["started"] += 1
-        try:
-            await scan(self)
-        finally:
-            looks["ended"] += 1
+        self.started = self.ended = 0
+        scan = _loops.BackgroundLoops._scan_changes
 
-    monkeypatch.setattr(_loops.BackgroundLoops, "_scan_changes", counted_scan)
-    return looks
+        async def counted_scan(loops: _loops.BackgroundLoops) -> None:
+            self.started += 1
+            try:
+                await scan(loops)
+            finally:
+                self.ended += 1
+
+        monkeypatch.setattr(_loops, "CHANGE_FALLBACK_POLL", 3600.0)
+        monkeypatch.setattr(_loops.BackgroundLoops, "_scan_changes", counted_scan)
+
+    async def one_started_now(self) -> None:
+        """Return once a look that started after this call has ended: every look that could
+        see a write made before it has passed over it (or acted on it)."""
+        started = self.started
+        while self.ended <= started:
+            await trio.sleep(0.01)
 
 
 async def test_a_submit_while_a_remotely_deleted_sessions_drain_stops_starts_at_once(
@@ -131,7 +138,7 @@ async def test_a_submit_while_a_remotely_deleted_sessions_drain_stops_starts_at_
     the worker's old drain still cleans up. The worker's look passed over the new doorbell
     (the session was still its own then); once the old drain exited, the worker starts the
     new one at once - not at its next fallback poll or recovery pass (both far away here)."""
-    looks = counted_looks_only(monkeypatch)
+    looks = CountedLooks(monkeypatch)
     db = tmp_path / "s.db"
     cleaning, let_go = trio.Event(), trio.Event()
     taken: list[list[str]] = []
@@ -158,11 +165,7 @@ async def test_a_submit_while_a_remotely_deleted_sessions_drain_stops_starts_at_
             assert await producer.delete_session("s") is True
             await cleaning.wait()
             await producer.submit("s", {"n": 2}, input_id="i2")
-            # Every look that could see the new doorbell passed it over: the worker still
-            # holds the session.
-            submitted = looks["started"]
-            while looks["ended"] <= submitted:
-                await trio.sleep(0.01)
+            await looks.one_started_now()  # passed the new doorbell over: still held here
         assert worker.is_active("s")
         let_go.set()
         with trio.fail_after(BOUND):
@@ -182,7 +185,7 @@ async def test_a_submit_after_a_remote_delete_during_the_owners_finish_starts_at
     (DESIGN §7: a submit from another process starts the drain in p99 <= 50 ms; §5.1)."""
     from trio_sessions import testing
 
-    looks = counted_looks_only(monkeypatch)
+    looks = CountedLooks(monkeypatch)
     db = tmp_path / "s.db"
     finishing, let_go = trio.Event(), trio.Event()
     taken: list[list[str]] = []
@@ -205,11 +208,7 @@ async def test_a_submit_after_a_remote_delete_during_the_owners_finish_starts_at
             await finishing.wait()
             assert await producer.delete_session("s") is True
             await producer.submit("s", {"n": 2}, input_id="i2")
-            # Every look that could see the new doorbell passed it over: the worker still
-            # holds the session.
-            submitted = looks["started"]
-            while looks["ended"] <= submitted:
-                await trio.sleep(0.01)
+            await looks.one_started_now()  # passed the new doorbell over: still held here
         assert worker.is_active("s")
         let_go.set()
         with trio.fail_after(BOUND):
