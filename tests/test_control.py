@@ -8,7 +8,9 @@ scheduled input falls due when virtual time reaches it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +27,13 @@ from trio_sessions import (
     DrainContext,
     LeaseLost,
     MalformedRecord,
+    Message,
     Outcome,
     SessionBusy,
     Store,
     TextPart,
     TrioSessionsError,
+    _store,
 )
 from trio_sessions._codec import decode_assistant
 
@@ -657,65 +661,6 @@ async def test_a_submit_during_a_deleted_sessions_stop_starts_its_drain_at_once(
         assert drain.started[1] - released_at < 1.0
 
 
-async def test_a_submit_committed_after_a_delete_is_not_stopped_by_it(
-    store: Store, clock: Clock, autojump_clock: MockClock
-) -> None:
-    """delete_session and a submit to the same session race in one runtime: the delete's
-    transaction commits first, then the submit's (which starts a fresh session and claims
-    it here, §5.1), and the delete's caller resumes only after the submit's did (both ran in
-    one group commit). The delete must not stop the fresh session's drain: its claim is not
-    gone - it was taken after the delete. Instead `delete_session` calls `lose_claim` on
-    whatever entry the session has now: the new drain never starts, and its live claim is
-    left with nobody heartbeating it (orphaned, DESIGN §1, §6.15), until its lease runs out
-    and recovery resumes it - the user's message waits a whole lease."""
-    from trio_sessions import _store
-
-    drain = Recorder()
-    committed, submitted, deleted = trio.Event(), trio.Event(), trio.Event()
-
-    async def hook(claim: Any) -> None:
-        if committed.is_set():  # the fresh session's claim: its drain starts once the
-            await deleted.wait()  # delete returned (either order stops it today)
-
-    async with runtime(
-        store, drain, clock, recovery_interval=1.0, lease=30.0, acquisition_hook=hook
-    ) as rt:
-        await rt.submit("s", {"n": 1}, input_id="i1")
-        await rt.wait_idle("s")
-        inner = rt._db
-
-        class DeleteReturnsLate:
-            def __getattr__(self, name: str) -> Any:
-                return getattr(inner, name)
-
-            async def run(self, op: Any, *args: Any) -> Any:
-                result = await inner.run(op, *args)
-                if op is _store.delete_session:
-                    committed.set()
-                    await submitted.wait()  # the executor woke the submit's caller first
-                return result
-
-        rt._db = DeleteReturnsLate()  # type: ignore[assignment]
-
-        async def submit_after_the_delete_committed() -> None:
-            await committed.wait()
-            await rt.submit("s", {"n": 2}, input_id="i2")
-            submitted.set()
-
-        async def delete() -> None:
-            await rt.delete_session("s")
-            deleted.set()
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(delete)
-            nursery.start_soon(submit_after_the_delete_committed)
-        rt._db = inner
-        with trio.move_on_after(5.0):
-            while drain.taken != ["i1", "i2"]:
-                await trio.sleep(0.1)
-        assert drain.taken == ["i1", "i2"], "the fresh session's drain never started"
-
-
 class LateReply:
     """The runtime's executor, whose reply to one operation reaches its caller only once
     the test says so (the operation itself commits at once): the window a thread hand-off
@@ -738,6 +683,76 @@ class LateReply:
         return result
 
 
+@contextlib.contextmanager
+def late_reply(rt: Any, op: Any) -> Iterator[LateReply]:
+    """`rt`'s executor a `LateReply` for `op` while the block runs."""
+    late = LateReply(rt._db, op)
+    rt._db = late
+    try:
+        yield late
+    finally:
+        rt._db = late._inner
+
+
+async def slow_reply(ctx: DrainContext) -> None:
+    """A drain that takes its inputs and answers slowly (5 s), its reply open meanwhile."""
+    await ctx.take_inputs()
+    reply = await ctx.begin_assistant()
+    await reply.append_text("thinking")
+    await trio.sleep(5)
+    await reply.finish()
+
+
+def reply_errors(messages: list[Message]) -> list[str | None]:
+    """Each assistant reply's error, in order."""
+    return [m.data.error for m in messages if isinstance(m.data, AssistantData)]
+
+
+async def test_a_submit_committed_after_a_delete_is_not_stopped_by_it(
+    store: Store, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """delete_session and a submit to the same session race in one runtime: the delete's
+    transaction commits first, then the submit's (which starts a fresh session and claims
+    it here, §5.1), and the delete's caller resumes only after the submit's did (both ran in
+    one group commit). The delete must not stop the fresh session's drain: its claim is not
+    gone - it was taken after the delete. Instead `delete_session` calls `lose_claim` on
+    whatever entry the session has now: the new drain never starts, and its live claim is
+    left with nobody heartbeating it (orphaned, DESIGN §1, §6.15), until its lease runs out
+    and recovery resumes it - the user's message waits a whole lease."""
+
+    drain = Recorder()
+    deleted = trio.Event()
+    late: LateReply | None = None
+
+    async def hook(claim: Any) -> None:
+        if late is not None and late.committed.is_set():  # the fresh session's claim: its
+            await deleted.wait()  # drain starts once the delete returned
+
+    async with runtime(
+        store, drain, clock, recovery_interval=1.0, lease=30.0, acquisition_hook=hook
+    ) as rt:
+        await rt.submit("s", {"n": 1}, input_id="i1")
+        await rt.wait_idle("s")
+
+        async def submit_after_the_delete_committed(late: LateReply) -> None:
+            await late.committed.wait()
+            await rt.submit("s", {"n": 2}, input_id="i2")
+            late.answer.set()  # the executor woke the submit's caller first
+
+        async def delete() -> None:
+            await rt.delete_session("s")
+            deleted.set()
+
+        with late_reply(rt, _store.delete_session) as late:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(delete)
+                nursery.start_soon(submit_after_the_delete_committed, late)
+        with trio.move_on_after(5.0):
+            while drain.taken != ["i1", "i2"]:
+                await trio.sleep(0.1)
+        assert drain.taken == ["i1", "i2"], "the fresh session's drain never started"
+
+
 async def test_delete_session_never_stops_the_fresh_sessions_drain_started_after_it(
     store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
 ) -> None:
@@ -758,14 +773,13 @@ async def test_delete_session_never_stops_the_fresh_sessions_drain_started_after
     async with runtime(store, drain, clock, recovery_interval=3600) as rt:
         await rt.submit("s", {"n": 0}, input_id="i0")
         await rt.wait_idle("s")
-        late = LateReply(rt._db, trio_sessions._store.delete_session)
-        rt._db = late  # type: ignore[assignment]
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(rt.delete_session, "s")
-            await late.committed.wait()
-            await rt.submit("s", {"n": 1}, input_id="i1")  # the fresh session's drain starts
-            await trio.testing.wait_all_tasks_blocked()
-            late.answer.set()
+        with late_reply(rt, _store.delete_session) as late:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(rt.delete_session, "s")
+                await late.committed.wait()
+                await rt.submit("s", {"n": 1}, input_id="i1")  # the fresh session's drain
+                await trio.testing.wait_all_tasks_blocked()
+                late.answer.set()
         await rt.wait_idle("s")
         assert raw.claim("s") is None
     assert finished == ["i0", "i1"]
@@ -781,27 +795,19 @@ async def test_on_busy_interrupt_never_stops_the_successor_that_took_its_input(
     to the new message is finished "interrupted" and nothing answers it (§6.23: exactly
     one successor takes every pending input - and answers it)."""
 
-    async def drain(ctx: DrainContext) -> None:
-        await ctx.take_inputs()
-        reply = await ctx.begin_assistant()
-        await reply.append_text("thinking")
-        await trio.sleep(5)
-        await reply.finish()
-
-    async with runtime(store, drain, clock, lease=3, recovery_interval=3600) as rt:
+    async with runtime(store, slow_reply, clock, lease=3, recovery_interval=3600) as rt:
         await rt.submit("s", {"n": 1}, input_id="i1")
         await trio.testing.wait_all_tasks_blocked()
-        late = LateReply(rt._db, trio_sessions._store.submit_controlled)
-        rt._db = late  # type: ignore[assignment]
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(lambda: rt.submit("s", {"n": 2}, input_id="i2", on_busy="interrupt"))
-            await late.committed.wait()
-            await trio.sleep(2)  # the heartbeat (1 s) stopped the drain; a successor took i2
-            late.answer.set()
+        with late_reply(rt, _store.submit_controlled) as late:
+            async with trio.open_nursery() as nursery:
+                interrupting = functools.partial(rt.submit, "s", {"n": 2}, on_busy="interrupt")
+                nursery.start_soon(functools.partial(interrupting, input_id="i2"))
+                await late.committed.wait()
+                await trio.sleep(2)  # the heartbeat (1 s) stopped the drain; a successor took i2
+                late.answer.set()
         await rt.wait_idle("s")
         messages = await rt.transcript("s")
-    replies = [m.data for m in messages if isinstance(m.data, AssistantData)]
-    assert [r.error for r in replies] == ["interrupted", None]
+    assert reply_errors(messages) == ["interrupted", None]
 
 
 async def test_purge_deletes_only_idle_sessions_in_bounded_batches(
@@ -1061,34 +1067,24 @@ async def test_on_busy_interrupt_never_passes_on_to_the_successor_through_an_acq
     Its answer is finished "interrupted" and nothing answers the input (§6.23: exactly one
     successor takes every pending input)."""
 
-    async def drain(ctx: DrainContext) -> None:
-        await ctx.take_inputs()
-        reply = await ctx.begin_assistant()
-        await reply.append_text("thinking")
-        await trio.sleep(5)
-        await reply.finish()
-
     async with (
-        runtime(store, drain, clock, lease=3, recovery_interval=3600) as holder,
-        runtime(store, drain, clock, lease=3, recovery_interval=3600) as rt,
+        runtime(store, slow_reply, clock, lease=3, recovery_interval=3600) as holder,
+        runtime(store, slow_reply, clock, lease=3, recovery_interval=3600) as rt,
     ):
         await holder.submit("s", {"n": 1}, input_id="i1")
         await trio.testing.wait_all_tasks_blocked()
-        late = LateReply(rt._db, trio_sessions._store.wake_and_acquire)
-        rt._db = late  # type: ignore[assignment]
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(rt.wake, "s")  # does not claim: the holder's row is there
-            await late.committed.wait()
-            await rt.submit("s", {"n": 2}, input_id="i2", on_busy="interrupt")
-            await trio.sleep(2)  # the holder's heartbeat stopped it; its successor took i2
-            late.answer.set()
-        rt._db = late._inner
+        with late_reply(rt, _store.wake_and_acquire) as late:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(rt.wake, "s")  # does not claim: the holder's row is there
+                await late.committed.wait()
+                await rt.submit("s", {"n": 2}, input_id="i2", on_busy="interrupt")
+                await trio.sleep(2)  # the holder's heartbeat stopped it; its successor took i2
+                late.answer.set()
         await trio.sleep(10)
         await holder.wait_idle("s")
         await rt.wait_idle("s")
         messages = await holder.transcript("s")
-    replies = [m.data for m in messages if isinstance(m.data, AssistantData)]
-    assert [r.error for r in replies] == ["interrupted", None]
+    assert reply_errors(messages) == ["interrupted", None]
 
 
 async def test_delete_session_stops_the_drain_of_a_claim_it_removed_while_acquiring(
@@ -1110,14 +1106,12 @@ async def test_delete_session_stops_the_drain_of_a_claim_it_removed_while_acquir
         await ctx.take_inputs()
 
     async with runtime(store, drain, clock, recovery_interval=3600) as rt:
-        late = LateReply(rt._db, trio_sessions._store.submit_and_acquire)
-        rt._db = late  # type: ignore[assignment]
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(lambda: rt.submit("s", {"n": 1}, input_id="i1"))
-            await late.committed.wait()  # claimed; the reply is on its way
-            assert await rt.delete_session("s") is True
-            assert raw.claim("s") is None
-            late.answer.set()
-        rt._db = late._inner
+        with late_reply(rt, _store.submit_and_acquire) as late:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(functools.partial(rt.submit, "s", {"n": 1}, input_id="i1"))
+                await late.committed.wait()  # claimed; the reply is on its way
+                assert await rt.delete_session("s") is True
+                assert raw.claim("s") is None
+                late.answer.set()
         await rt.wait_idle("s")
     assert side_effects == []
