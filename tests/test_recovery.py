@@ -655,6 +655,18 @@ async def test_release_quarantine_drop(
     assert report.doorbells_started == 0
 
 
+async def quarantined_then_repaired(raw: Raw, rt: Any, clock: Clock) -> None:
+    """Session 's': an expired claim 'poison' whose message does not decode, quarantined by
+    `rt`'s recovery pass, then repaired by hand (the documented way out)."""
+    raw.seed_claim("s", "poison", expires_at=expired(clock))
+    message_id = raw.seed_assistant("s", "poison", 1, MALFORMED)
+    await rt.recover_once()
+    raw.write(
+        "UPDATE session_message SET data = ? WHERE id = ?",
+        ('{"parts": [], "finished": false, "error": null}', message_id),
+    )
+
+
 async def test_release_quarantine_resume_after_repair(
     store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
 ) -> None:
@@ -662,13 +674,7 @@ async def test_release_quarantine_resume_after_repair(
     raw = Raw(db_path)
     drain = Recorder()
     async with runtime(store, drain, clock, **QUIET) as rt:
-        raw.seed_claim("s", "poison", expires_at=expired(clock))
-        message_id = raw.seed_assistant("s", "poison", 1, MALFORMED)
-        await rt.recover_once()
-        raw.write(
-            "UPDATE session_message SET data = ? WHERE id = ?",
-            ('{"parts": [], "finished": false, "error": null}', message_id),
-        )
+        await quarantined_then_repaired(raw, rt, clock)
         await rt.release_quarantine("poison", resume=True)
         await rt.wait_idle("s")
     assert len(drain.calls) == 1 and drain.calls[0].resumed and drain.calls[0].attempt == 1
@@ -705,13 +711,7 @@ async def test_release_quarantine_resume_from_a_producer_leaves_the_drain_to_a_w
         runtime(store, drain, clock, **QUIET) as worker,
         runtime(store, None, clock) as producer,
     ):
-        raw.seed_claim("s", "poison", expires_at=expired(clock))
-        message_id = raw.seed_assistant("s", "poison", 1, MALFORMED)
-        await worker.recover_once()
-        raw.write(
-            "UPDATE session_message SET data = ? WHERE id = ?",
-            ('{"parts": [], "finished": false, "error": null}', message_id),
-        )
+        await quarantined_then_repaired(raw, worker, clock)
         await producer.release_quarantine("poison", resume=True)
         await worker.recover_once()  # at once: the release kept no recovery lease
         await worker.wait_idle("s")
@@ -760,13 +760,7 @@ async def test_release_quarantine_resume_without_room_leaves_no_unused_recovery_
     raw = Raw(db_path)
     drain = OnePlaceTaken()
     async with runtime(store, drain, clock, max_active=1, **QUIET) as full:
-        raw.seed_claim("s", "poison", expires_at=expired(clock))
-        message_id = raw.seed_assistant("s", "poison", 1, MALFORMED)
-        await full.recover_once()
-        raw.write(
-            "UPDATE session_message SET data = ? WHERE id = ?",
-            ('{"parts": [], "finished": false, "error": null}', message_id),
-        )
+        await quarantined_then_repaired(raw, full, clock)
         await full.submit("busy", {})  # takes the one place
         await trio.testing.wait_all_tasks_blocked()
         released = functools.partial(full.release_quarantine, "poison", resume=True)
