@@ -24,7 +24,7 @@ import pytest
 import trio
 import trio.testing
 from backends import PgLocation, rows
-from helpers import terminate_backend
+from helpers import Raw, Recorder, runtime, terminate_backend
 
 import trio_sessions
 from trio_sessions import DrainContext, testing
@@ -424,6 +424,15 @@ async def test_a_drain_still_exiting_after_its_token_was_lost_keeps_its_claim(
     assert old_end <= new_start
 
 
+async def _token_taken_again(worker: Any, sessions: list[str]) -> None:
+    """The runtime holds its token again and looks: wait until these sessions drained."""
+    worker._token_lost = False
+    worker._kick.set()
+    await trio.testing.wait_all_tasks_blocked()
+    for session_id in sessions:
+        await worker.wait_idle(session_id)
+
+
 async def test_an_owner_whose_token_is_lost_takes_no_new_wakes(
     store: trio_sessions.Store, clock: Any, db_path: Any, autojump_clock: trio.testing.MockClock
 ) -> None:
@@ -432,8 +441,6 @@ async def test_an_owner_whose_token_is_lost_takes_no_new_wakes(
     wakes then: before, each such claim's lost-lease ending kicked another look, which rang
     the next doorbell - a walk through every waiting session of the store, each claimed
     and handed back. Once the token is held again, the waiting sessions drain."""
-    from helpers import Raw, Recorder, runtime
-
     raw = Raw(db_path)
     drain = Recorder()
     async with (
@@ -446,11 +453,7 @@ async def test_an_owner_whose_token_is_lost_takes_no_new_wakes(
         worker._kick.set()
         await trio.testing.wait_all_tasks_blocked()
         assert [raw.claim(f"s{n}") for n in range(5)] == [None] * 5
-        worker._token_lost = False
-        worker._kick.set()
-        await trio.testing.wait_all_tasks_blocked()
-        for n in range(5):
-            await worker.wait_idle(f"s{n}")
+        await _token_taken_again(worker, [f"s{n}" for n in range(5)])
     assert sorted(ctx.session_id for ctx in drain.calls) == [f"s{n}" for n in range(5)]
 
 
@@ -464,8 +467,6 @@ async def test_an_owner_whose_token_is_lost_takes_no_due_scheduled_inputs(
     a recovery pass anywhere (a doorbell-taking look passes over an expired claim) and
     resume as `resumed` drains that never ran (§5.1: due inputs start within 100 ms in
     any runtime that drains)."""
-    from helpers import Raw, Recorder, runtime
-
     raw = Raw(db_path)
     drain = Recorder()
     async with runtime(store, drain, clock, recovery_interval=3600) as worker:
@@ -475,10 +476,6 @@ async def test_an_owner_whose_token_is_lost_takes_no_due_scheduled_inputs(
         await trio.sleep(2.0)  # due: the due timer fires while the token is lost
         await trio.testing.wait_all_tasks_blocked()
         assert [raw.claim(f"s{n}") for n in range(3)] == [None] * 3
-        worker._token_lost = False
-        worker._kick.set()
-        await trio.testing.wait_all_tasks_blocked()
-        for n in range(3):
-            await worker.wait_idle(f"s{n}")
+        await _token_taken_again(worker, [f"s{n}" for n in range(3)])
     assert sorted(ctx.session_id for ctx in drain.calls) == [f"s{n}" for n in range(3)]
     assert not any(ctx.resumed for ctx in drain.calls)
