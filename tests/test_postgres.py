@@ -274,6 +274,32 @@ def test_upgrade_of_a_version_16_schema_replaces_the_old_delete_function(
     assert location.rows("SELECT version FROM schema_version") == [(SCHEMA_VERSION,)]
 
 
+def test_a_foreign_schema_version_table_is_refused_as_not_ours(pg_url: str, pg_schema: str) -> None:
+    """A schema whose `schema_version` table is another tool's (Flyway's of old: versions
+    such as '1.2' in a varchar) is refused with a StoreError, not a ValueError traceback,
+    and its table is left as it was."""
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL(
+                "CREATE TABLE {}.schema_version(installed_rank INTEGER PRIMARY KEY,"
+                " version VARCHAR(50), description VARCHAR(200))"
+            ).format(sql.Identifier(pg_schema))
+        )
+        conn.execute(
+            sql.SQL(
+                "INSERT INTO {}.schema_version VALUES (1, '1.1', 'init'), (2, '1.2', 'more')"
+            ).format(sql.Identifier(pg_schema))
+        )
+    engine = PostgresStore(pg_url, schema=pg_schema).engine()
+    with pytest.raises(StoreError):
+        engine.open()
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        tables = conn.execute(
+            "SELECT tablename FROM pg_tables WHERE schemaname = %s", (pg_schema,)
+        ).fetchall()
+    assert tables == [("schema_version",)]
+
+
 def test_newer_schema_version_is_refused_untouched(pg_url: str, pg_schema: str) -> None:
     """A schema written by a newer library raises SchemaTooNew and nothing is written."""
     with raw(pg_url, pg_schema) as conn:

@@ -260,3 +260,28 @@ async def test_a_file_another_connection_holds_exclusively_is_named_locked_not_f
     assert "not an SQLite database" not in message
     with sqlite3.connect(path) as check:
         assert check.execute("SELECT session_id FROM session_input").fetchall() == [("s",)]
+
+
+# --- a file that is not ours ----------------------------------------------------------------
+
+
+async def test_a_failed_migration_leaves_a_foreign_sqlite_file_as_it_was(tmp_path: Path) -> None:
+    """An SQLite file of another application (its own `session` table, rollback journal)
+    is refused with a StoreError, and the refused migration leaves the file as it was: still
+    in its journal mode, not switched to WAL."""
+    path = tmp_path / "app.db"
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE session(token TEXT PRIMARY KEY, user_id INTEGER)")
+    conn.execute("INSERT INTO session VALUES ('abc', 1)")
+    conn.commit()
+    assert conn.execute("PRAGMA journal_mode").fetchone() == ("delete",)
+    conn.close()
+    with pytest.raises(StoreError, match="session already exists"):
+        async with trio_sessions.open_runtime(path, None):
+            pass  # pragma: no cover
+    conn = sqlite3.connect(path)
+    try:
+        assert conn.execute("PRAGMA journal_mode").fetchone() == ("delete",)
+        assert conn.execute("SELECT * FROM session").fetchall() == [("abc", 1)]
+    finally:
+        conn.close()

@@ -234,9 +234,26 @@ def _shut_down(conn: _WatchedConnection) -> None:
 
 
 def schema_version(conn: Any) -> int:
-    """The schema's version; 0 when it has no `schema_version` table (or does not exist)."""
-    if conn.execute("SELECT to_regclass('schema_version')").fetchone()[0] is None:
+    """The schema's version; 0 when it has no `schema_version` table (or does not exist).
+
+    `StoreError` when its `schema_version` table is another tool's (a common name: Flyway's
+    of old keeps versions such as '1.2' in text): ours has one integer column, and a table
+    of another shape is no trio_sessions store - not migrated, not misread as a version.
+    """
+    columns = conn.execute(
+        "SELECT attname, format_type(atttypid, atttypmod) FROM pg_attribute"
+        " WHERE attrelid = to_regclass('schema_version') AND attnum > 0 AND NOT attisdropped"
+        " ORDER BY attnum"
+    ).fetchall()
+    if not columns:
         return 0
+    if columns != [("version", "integer")]:
+        shape = ", ".join(f"{name} {kind}" for name, kind in columns)
+        [schema] = conn.execute("SELECT current_schema()").fetchone()
+        raise StoreError(
+            f"schema {schema!r} is not a trio_sessions store: its schema_version table is"
+            f" another tool's ({shape}); nothing was written"
+        )
     row = conn.execute("SELECT max(version) FROM schema_version").fetchone()
     return 0 if row[0] is None else int(row[0])
 

@@ -195,31 +195,37 @@ def schema_version(conn: sqlite3.Connection) -> int:
 
 
 def migrate(conn: sqlite3.Connection) -> None:
-    """Apply pending migrations in one `BEGIN IMMEDIATE` transaction; idempotent."""
+    """Apply pending migrations in one `BEGIN IMMEDIATE` transaction, then switch the file
+    to WAL; idempotent. The switch is lasting and outside any transaction, so it comes only
+    once the file is ours: a migration that fails (another program's file, whose tables
+    clash with ours) leaves that file in its own journal mode."""
     try:
         if schema_version(conn) > SCHEMA_VERSION:
             raise SchemaTooNew(_too_new(conn))
-        if schema_version(conn) == SCHEMA_VERSION:
-            conn.execute("PRAGMA journal_mode = WAL")
-            return
+        if schema_version(conn) < SCHEMA_VERSION:
+            _apply_migrations(conn)
         conn.execute("PRAGMA journal_mode = WAL")
-        begin_immediate(conn)
-        try:
-            # Re-read under the write lock: another process may have migrated meanwhile.
-            version = schema_version(conn)
-            if version > SCHEMA_VERSION:
-                raise SchemaTooNew(_too_new(conn))
-            for target in range(version + 1, SCHEMA_VERSION + 1):
-                for statement in _MIGRATIONS[target].split(";"):
-                    if statement.strip():
-                        conn.execute(statement)
-            conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-            conn.execute("COMMIT")
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
     except sqlite3.Error as exc:
         raise StoreError(f"cannot migrate the schema: {exc}") from exc
+
+
+def _apply_migrations(conn: sqlite3.Connection) -> None:
+    """The pending migrations, in one `BEGIN IMMEDIATE` transaction."""
+    begin_immediate(conn)
+    try:
+        # Re-read under the write lock: another process may have migrated meanwhile.
+        version = schema_version(conn)
+        if version > SCHEMA_VERSION:
+            raise SchemaTooNew(_too_new(conn))
+        for target in range(version + 1, SCHEMA_VERSION + 1):
+            for statement in _MIGRATIONS[target].split(";"):
+                if statement.strip():
+                    conn.execute(statement)
+        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
 
 
 def _too_new(conn: sqlite3.Connection) -> str:
