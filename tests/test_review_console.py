@@ -255,3 +255,51 @@ def test_a_session_id_the_runtime_refuses_is_not_linked_to_a_400(
         for link in links:
             page = client.get(link)
             assert page.status_code == 200, (link, page.status_code, page.text[-200:])
+
+
+@BOTH
+def test_a_query_that_is_not_utf8_is_refused_not_searched_as_replacement_characters(
+    db_path: Location, tmp_path: Path
+) -> None:
+    """A path that is not UTF-8 is a 400 (`_segments`: "never a replacement character's
+    id"), but `_query` decodes the query with replacement characters: `?after=%FF` lists
+    the sessions after U+FFFD - none - and `?q=%FF` searches for U+FFFD, both as an empty
+    200 page that says nothing was wrong with the request."""
+    store = db_path
+    seed(store, "s000", "s001")
+    with (
+        console_on(store, tmp_path) as (url, _),
+        httpx.Client(base_url=url, timeout=DEADLINE) as client,
+    ):
+        for query in ("q=%FF", "after=%FF", "q=s%C3"):
+            answer = client.get(f"/?{query}")
+            shown = re.findall(r'data-session="([^"]+)"', answer.text)
+            assert answer.status_code == 400, (query, answer.status_code, shown)
+            assert "UTF-8" in answer.text or "utf-8" in answer.text
+
+
+def test_a_pending_input_whose_id_is_not_utf8_offers_no_cancel_button(tmp_path: Path) -> None:
+    """The sessions and quarantine tables offer no action on a row whose id is not UTF-8
+    (an action by the shown name would miss, or hit another row), but a session page's
+    pending inputs do: the cancel button posts the replaced id, `cancel_input` finds no
+    such input, and the console answers 303 as if it had been cancelled - the input stays."""
+    store = tmp_path / "db"
+    seed(store, "s000")
+    Raw(store).write(
+        "INSERT INTO session_input(id, session_id, seq, payload, time_created)"
+        " VALUES (CAST(X'69FF' AS TEXT), 's000', 99, '{}', 0)"
+    )
+    with (
+        console(str(store), tmp_path) as (url, _),
+        httpx.Client(base_url=url, timeout=DEADLINE) as client,
+    ):
+        page = client.get("/sessions/s000").text
+        assert "session_input.id is not UTF-8 text (X&#x27;69FF&#x27;)" in page
+        buttons = re.findall(r'action="(/inputs/i%EF%BF%BD/cancel)"', page)  # the shown id
+        csrf = re.search(r'name="csrf" value="([0-9a-f]+)"', page)
+        assert csrf is not None
+        for action in buttons:
+            answer = client.post(action, data={"csrf": csrf.group(1), "back": "/"})
+            assert answer.status_code == 303
+    left = Raw(store).one("SELECT COUNT(*) FROM session_input WHERE id = CAST(X'69FF' AS TEXT)")
+    assert not buttons or left == (0,), f"{buttons} answered 303 and cancelled nothing"
