@@ -187,9 +187,9 @@ def test_a_bind_address_in_use_is_an_error_not_a_traceback(tmp_path: Path) -> No
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
+        argv = ["console", "--store", str(store), "--bind", f"127.0.0.1:{port}"]
         completed = subprocess.run(
-            [sys.executable, "-m", "trio_sessions", "console", "--store", str(store)]
-            + ["--bind", f"127.0.0.1:{port}"],
+            [sys.executable, "-m", "trio_sessions", *argv],
             capture_output=True,
             text=True,
             env=environment(),
