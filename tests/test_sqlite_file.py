@@ -166,6 +166,31 @@ async def test_a_deleted_or_replaced_database_file_fails_the_next_write(
             assert conn.execute("SELECT count(*) FROM sqlite_master").fetchone() == (0,)
 
 
+@pytest.mark.parametrize("swap", [delete, replace_with_other_database], ids=["deleted", "replaced"])
+async def test_a_runtime_whose_file_is_gone_ends_instead_of_failing_for_ever(
+    tmp_path: Path, swap: Any
+) -> None:
+    """Once the file is deleted or replaced, a runtime that drains can never write again:
+    its next recovery pass ends its block with the `StoreError` (a worker exits and its
+    supervisor restarts it on the right file) instead of failing and logging every pass
+    for ever."""
+    path = tmp_path / "sessions.db"
+
+    async def take(ctx: trio_sessions.DrainContext) -> None:
+        await ctx.take_inputs()
+
+    async def serve_until_it_ends() -> None:
+        async with trio_sessions.open_runtime(path, take, recovery_interval=0.05):
+            swap(path)
+            await trio.sleep_forever()
+
+    with (
+        trio.fail_after(DEADLINE),
+        pytest.raises(StoreError, match=r"sessions\.db.*(deleted|replaced)"),
+    ):
+        await serve_until_it_ends()
+
+
 async def test_a_relative_path_still_names_the_same_file_after_a_chdir(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

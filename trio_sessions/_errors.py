@@ -21,6 +21,11 @@ class StoreError(TrioSessionsError):
     """
 
 
+class StoreLost(StoreError):
+    """The store can never be written again by this runtime (its SQLite file was deleted or
+    replaced under it): the runtime ends with it rather than failing every call for ever."""
+
+
 class SchemaTooNew(StoreError):
     """The database was written by a newer trio_sessions; it is left untouched."""
 

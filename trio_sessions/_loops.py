@@ -24,7 +24,7 @@ from . import _observe, _store
 from ._backend import Signal
 from ._coordinator import SessionEntry
 from ._decisions import RecoveryDecision, rearms_doorbell
-from ._errors import StoreError
+from ._errors import StoreError, StoreLost
 from ._model import RecoveryReport
 from ._recovery import report_of
 
@@ -105,10 +105,17 @@ class BackgroundLoops:
     # -- recovery -----------------------------------------------------------------------------
 
     async def recovery_loop(self) -> None:
+        """A pass every recovery interval; a pass that failed is retried by the next (leases
+        keep the rows), except on a store that can never be written again (`StoreLost`),
+        which ends the runtime."""
         while True:
             await trio.sleep(self._runtime._recovery_interval)
-            with contextlib.suppress(StoreError):  # the next pass retries; leases keep rows
+            try:
                 await self._runtime.recover_once()
+            except StoreLost:
+                raise
+            except StoreError:
+                pass
 
     async def recovery_pass(self) -> RecoveryReport:
         runtime = self._runtime

@@ -22,7 +22,7 @@ import attrs
 
 from .. import _codec, _observe, _schema
 from .._backend import Job
-from .._errors import SchemaTooNew, StoreError
+from .._errors import SchemaTooNew, StoreError, StoreLost
 
 # PRAGMA synchronous in WAL mode: NORMAL (the default) survives a process crash, but the
 # newest commits may roll back after a power loss or OS crash; FULL syncs the WAL at every
@@ -142,13 +142,13 @@ class DatabaseFile:
         return problem
 
     def refuse(self, jobs: list[Job]) -> bool:
-        """Fail every job with `StoreError`, writing nothing, if the file is gone or was
+        """Fail every job with `StoreLost`, writing nothing, if the file is gone or was
         replaced; True when it did."""
         problem = self.problem()
         if problem is None:
             return False
         for job in jobs:
-            job.error = StoreError(
+            job.error = StoreLost(
                 f"the database file {self.path!r} was {problem} while this runtime had it"
                 " open: nothing more is written (restart on the right file)"
             )
