@@ -142,13 +142,14 @@ class DatabaseFile:
         return problem
 
     def refuse(self, jobs: list[Job]) -> bool:
-        """Fail every job with `StoreLost`, writing nothing, if the file is gone or was
-        replaced; True when it did."""
+        """Fail every job, writing nothing, if the file is gone or was replaced (`StoreLost`:
+        for good) or cannot be looked at now (`StoreError`); True when it did."""
         problem = self.problem()
         if problem is None:
             return False
+        error = StoreLost if problem in ("deleted", "replaced") else StoreError
         for job in jobs:
-            job.error = StoreLost(
+            job.error = error(
                 f"the database file {self.path!r} was {problem} while this runtime had it"
                 " open: nothing more is written (restart on the right file)"
             )
