@@ -1,0 +1,204 @@
+"""Review of observability against the README: what `statistics()` and the Prometheus text
+count, what a drain span records, and the `extra` fields of log events. Contract tests run
+on both backends; the store-retry one is PostgreSQL's own."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+from helpers import JumpingClock, Raw, Recorder, now_ms, opened, runtime, terminate_backend
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
+from test_observability import metric_points, otel, spans_named  # noqa: F401 (a fixture)
+
+from trio_sessions import DrainContext, LeaseLost, Outcome, _metrics, _store
+from trio_sessions import _observe as events
+from trio_sessions._postgres import PostgresStore, run_op
+
+Clock = Callable[[], float]
+QUIET = {"recovery_interval": 10_000.0}  # passes only when the test asks for one
+MALFORMED = '{"parts": [], "finished": "false", "error": null}'
+REPAIRED = '{"parts": [], "finished": false, "error": null}'
+SECRET = "sk-secret-123"
+
+
+@pytest.fixture
+def logs(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
+    caplog.set_level(logging.DEBUG, logger="trio_sessions")
+    return caplog
+
+
+def records(caplog: pytest.LogCaptureFixture, message: str) -> list[Any]:
+    """The records of one event, by its stable message (typed Any: `extra` attributes)."""
+    return [r for r in caplog.records if r.msg == message]
+
+
+def scraped(text: str, name: str, kind: str) -> float:
+    """One `trio_sessions_recovery_total{kind=...}` sample of a Prometheus text."""
+    [line] = [
+        line
+        for line in text.splitlines()
+        if line.startswith(name + "{") and f'kind="{kind}"' in line
+    ]
+    return float(line.rsplit(" ", 1)[1])
+
+
+# --- statistics and Prometheus ----------------------------------------------------------------
+
+
+async def test_a_quarantine_released_and_resumed_counts_as_a_resumed_recovery(
+    store: Any, db_path: Any, clock: Clock, autojump_clock: trio.testing.MockClock, logs: Any
+) -> None:
+    """`release_quarantine(resume=True)` takes the repaired execution over (logged as a
+    `takeover`, counted by the OTel `trio_sessions.takeovers`): `statistics().recovery` and
+    the scrape's `trio_sessions_recovery_total{kind="resumed"}` count it too."""
+    raw = Raw(db_path)
+    drain = Recorder()
+    async with runtime(store, drain, clock, **QUIET) as rt:
+        raw.seed_claim("poison", "poison-exec", expires_at=now_ms(clock) - 1)
+        raw.seed_assistant("poison", "poison-exec", 1, MALFORMED)
+        assert (await rt.recover_once()).quarantined == 1
+        raw.write(
+            "UPDATE session_message SET data = ? WHERE execution_id = ?",
+            (REPAIRED, "poison-exec"),
+        )
+        await rt.release_quarantine("poison-exec", resume=True)
+        await rt.wait_idle("poison")
+        assert len(drain.calls) == 1 and drain.calls[0].resumed
+        assert len(records(logs, events.TAKEOVER)) == 1
+        totals = rt.statistics().recovery
+        text = _metrics.render(rt.statistics, owner_id=rt.owner_id).decode()
+    assert (totals.quarantined, totals.resumed) == (1, 1)
+    assert scraped(text, "trio_sessions_recovery_total", "resumed") == 1.0
+
+
+# --- spans --------------------------------------------------------------------------------
+
+
+async def test_a_failed_drains_span_keeps_its_text_out(
+    store: Any,
+    clock: Clock,
+    autojump_clock: trio.testing.MockClock,
+    otel: tuple[InMemorySpanExporter, InMemoryMetricReader],  # noqa: F811
+    logs: Any,
+) -> None:
+    """A drain raising `KeyError('api_key=sk-secret-123')`: its text and traceback are in the
+    `drain failed` log event only; the drain span records the failure (ERROR status, an
+    exception event naming the type) without the text that may hold the secret."""
+    exporter, _ = otel
+    exporter.clear()
+
+    async def drain(ctx: DrainContext) -> None:
+        await ctx.take_inputs()
+        raise KeyError(f"api_key={SECRET}")
+
+    async with runtime(store, drain, clock, **QUIET) as rt:
+        assert (await rt.run("s")).kind == "failed"
+    [logged] = records(logs, events.DRAIN_FAILED)
+    assert SECRET in logged.error  # the log has it, as documented
+    [span] = spans_named(exporter, events.DRAIN_SPAN)
+    assert span.status.status_code is StatusCode.ERROR
+    [event] = span.events
+    assert event.name == "exception" and event.attributes is not None
+    assert event.attributes["exception.type"] == "KeyError"
+    shown = repr((dict(span.attributes or {}), span.status.description, dict(event.attributes)))
+    assert SECRET not in shown
+
+
+async def test_a_drain_ended_by_a_lost_lease_is_interrupted_in_its_span_and_metrics(
+    store: Any,
+    clock: Clock,
+    autojump_clock: trio.testing.MockClock,
+    otel: tuple[InMemorySpanExporter, InMemoryMetricReader],  # noqa: F811
+    logs: Any,
+) -> None:
+    """A drain whose fenced write raised `LeaseLost` (its lease ran out; it lets the error
+    propagate, as the README asks) ends `interrupted`/`lease_lost` and is logged as a `claim
+    lost`, not a `drain failed`: its span and its `drain.duration` outcome say
+    `interrupted` too, with no ERROR status."""
+    exporter, reader = otel
+    exporter.clear()
+
+    def failed_durations() -> int:
+        points = metric_points(reader).get(events.DRAIN_DURATION, [])
+        return sum(p.count for p in points if p.attributes.get("outcome") == "failed")
+
+    before = failed_durations()
+    jumping = JumpingClock(clock)
+    jumped = trio.Event()
+
+    async def writer(ctx: DrainContext) -> None:
+        await jumped.wait()
+        with trio.CancelScope(shield=True):  # the write lands before the heartbeat sees it
+            await ctx.begin_assistant()
+
+    outcomes: list[Outcome] = []
+    async with (
+        runtime(store, writer, jumping, lease=9.0, **QUIET) as rt,
+        trio.open_nursery() as nursery,
+    ):
+
+        async def run() -> None:
+            outcomes.append(await rt.run("s"))
+
+        nursery.start_soon(run)
+        await trio.testing.wait_all_tasks_blocked()
+        jumping.offset += 60.0
+        jumped.set()
+    [outcome] = outcomes
+    assert (outcome.kind, outcome.reason) == ("interrupted", "lease_lost")
+    assert isinstance(outcome.error, LeaseLost)
+    assert [r.cause for r in records(logs, events.CLAIM_LOST)] == ["write"]
+    assert records(logs, events.DRAIN_FAILED) == []
+    [span] = spans_named(exporter, events.DRAIN_SPAN)
+    assert (span.attributes or {})["trio_sessions.outcome"] == "interrupted"
+    assert span.status.status_code is not StatusCode.ERROR
+    assert failed_durations() == before
+
+
+# --- log events' extra fields ---------------------------------------------------------------
+
+
+async def test_a_failed_drains_error_field_masks_a_password(
+    store: Any, clock: Clock, autojump_clock: trio.testing.MockClock, logs: Any
+) -> None:
+    """A drain error quoting a connection string: the `drain failed` record's traceback is
+    masked (`MaskTracebacks`), and so is its `error` field, which a structured handler
+    writes out as it is (README: the password is masked in every log line)."""
+
+    async def drain(ctx: DrainContext) -> None:
+        await ctx.take_inputs()
+        raise ConnectionError("cannot reach postgresql://app:hunter2@db.internal/app")
+
+    async with runtime(store, drain, clock, **QUIET) as rt:
+        assert (await rt.run("s")).kind == "failed"
+    [record] = records(logs, events.DRAIN_FAILED)
+    formatted = logging.Formatter().format(record)
+    assert "hunter2" not in formatted  # the traceback is masked ...
+    assert "db.internal" in record.error
+    assert "hunter2" not in record.error  # ... and so must its `error` field be
+
+
+def test_a_retry_after_a_terminated_connection_reports_it_as_a_lost_connection(
+    pg_url: str, pg_schema: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A connection the server terminated (`pg_terminate_backend`, as a failover or restart
+    does) is retried and logged as `store transaction retried: connection lost` with
+    `sqlstate` None, as the README documents for a connection lost before COMMIT - not with
+    the server's farewell code 57P01, which is none of the documented ones."""
+    caplog.set_level(logging.INFO, logger="trio_sessions")
+    with opened(PostgresStore(pg_url, schema=pg_schema).engine()) as engine:
+        run_op(engine, _store.wake, "s")
+        terminate_backend(pg_url, engine.conn.info.backend_pid)
+        run_op(engine, _store.wake, "s")
+    [reconnected] = records(caplog, events.STORE_RECONNECTED)
+    assert reconnected.backend == "postgres"
+    [retry] = records(caplog, events.STORE_RETRY)
+    assert retry.sqlstate in (None, "40001", "40P01", "55P03", "57014"), retry.sqlstate
+    assert retry.getMessage() == "store transaction retried: connection lost"
