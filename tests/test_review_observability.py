@@ -17,9 +17,19 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 from test_observability import metric_points, otel, spans_named  # noqa: F401 (a fixture)
 
-from trio_sessions import DrainContext, LeaseLost, Outcome, _metrics, _store
+from trio_sessions import (
+    DrainContext,
+    LeaseLost,
+    Outcome,
+    StoreError,
+    _metrics,
+    _store,
+    testing,
+)
 from trio_sessions import _observe as events
+from trio_sessions._errors import StoreLost
 from trio_sessions._postgres import PostgresStore, run_op
+from trio_sessions._sqlite import connections
 
 Clock = Callable[[], float]
 QUIET = {"recovery_interval": 10_000.0}  # passes only when the test asks for one
@@ -202,3 +212,41 @@ def test_a_retry_after_a_terminated_connection_reports_it_as_a_lost_connection(
     [retry] = records(caplog, events.STORE_RETRY)
     assert retry.sqlstate in (None, "40001", "40P01", "55P03", "57014"), retry.sqlstate
     assert retry.getMessage() == "store transaction retried: connection lost"
+
+
+@pytest.mark.sqlite_only("the SQLite file's own event")
+async def test_a_file_inaccessible_for_a_moment_does_not_silence_its_later_deletion(
+    tmp_path: Any,
+    clock: Clock,
+    autojump_clock: trio.testing.MockClock,
+    logs: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A directory permission changed for a moment fails the writes meanwhile with
+    `StoreError` and the runtime goes on; deleting the file afterwards must still log
+    `database file %s: deleted` (ERROR) - the event documented with `problem` `deleted` or
+    `replaced` only, meaning every write fails from then on. (Run as root, a real chmod
+    would not deny the look, so `os.stat` of the file is refused by hand.)"""
+    path = tmp_path / "sessions.db"
+    denied = False
+    real_stat = connections.os.stat
+
+    def stat(name: Any, *args: Any, **kwargs: Any) -> Any:
+        if denied and str(name) == str(path):
+            raise PermissionError(13, "Permission denied", str(name))
+        return real_stat(name, *args, **kwargs)
+
+    monkeypatch.setattr(connections.os, "stat", stat)
+    async with runtime(testing.inline_store(path), None, clock) as producer:
+        denied = True
+        with pytest.raises(StoreError) as refused:
+            await producer.submit("s", {"n": 1})
+        assert not isinstance(refused.value, StoreLost)  # for a moment only
+        denied = False
+        await producer.submit("s", {"n": 2})  # the runtime goes on
+        path.unlink()
+        with pytest.raises(StoreLost):
+            await producer.submit("s", {"n": 3})
+    problems = [r.problem for r in records(logs, events.DATABASE_FILE_LOST)]
+    assert "deleted" in problems, problems
+    assert set(problems) <= {"deleted", "replaced"}, problems
