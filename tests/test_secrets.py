@@ -294,7 +294,7 @@ def test_log_events_with_an_error_text_hide_the_password(
     a password in it."""
     logged = capture(caplog, tracebacks=False)
     error = psycopg.OperationalError(ERROR_TEXTS[form])
-    _observe.store_retry("postgres", error, 1)
+    _observe.store_retry("postgres", error, 1, None)
     _observe.listener_reconnect_failed("trio_sessions", error)
     _observe.checkpoint_failed(error)
     _observe.heartbeat_failed("owner", 1, error)

@@ -33,7 +33,7 @@ import attrs
 import trio
 
 from ._decisions import RecoveryDecision
-from ._errors import StoreError
+from ._errors import LeaseLost, StoreError
 from ._model import RecoveryReport
 from ._naming import mask_password
 
@@ -102,7 +102,7 @@ def drain_failed(entry: SessionEntry, owner_id: str, error: BaseException | None
         entry.session_id,
         entry.execution_id,
         exc_info=error,
-        extra={**_claim(entry, owner_id), "error": repr(error)},
+        extra={**_claim(entry, owner_id), "error": mask_password(repr(error))},
     )
 
 
@@ -120,7 +120,7 @@ def claim_attempt_failed(entry: SessionEntry, owner_id: str, error: BaseExceptio
             "session_id": entry.session_id,
             "execution_id": entry.execution_id,
             "owner_id": owner_id,
-            "error": str(error),
+            "error": mask_password(str(error)),
         },
     )
 
@@ -175,7 +175,8 @@ class DrainIteration:
     `woken_at` on trio's clock) the wake-to-start latency. `fail` marks a defect found after
     the call returned.
 
-    Outcome: `succeeded`, `failed` (it raised, or a defect) or `interrupted` (cancelled).
+    Outcome: `succeeded`, `failed` (it raised, or a defect) or `interrupted` (cancelled, or
+    ended by its lost lease: `LeaseLost` from a fenced write, as the finalizer counts it).
     A plain object rather than a generator: one lives as long as its drain call, and 10,000
     drains must stay cheap.
     """
@@ -226,10 +227,11 @@ class DrainIteration:
     ) -> None:
         if not self._metered and self._span is None:
             return
-        if isinstance(exc, Exception):
-            self.fail(exc)
-        elif exc is not None:
-            self.outcome = "interrupted"
+        if exc is not None:
+            if isinstance(exc, Exception) and not isinstance(exc, LeaseLost):
+                self.fail(exc)
+            else:  # cancelled, or ended by its lost lease (as the finalizer counts it)
+                self.outcome = "interrupted"
         telemetry = _telemetry
         if self._metered:
             # Only what this call added: a provider set meanwhile never sees a -1 alone.
@@ -412,11 +414,11 @@ def hand_back_failed(owner_id: str, execution_ids: Sequence[str], error: BaseExc
 # -- the store engines (any thread) ---------------------------------------------------------------
 
 
-def store_retry(backend: str, error: BaseException, retry: int) -> None:
+def store_retry(backend: str, error: BaseException, retry: int, sqlstate: str | None) -> None:
     """INFO: a transaction that committed nothing runs again (serialisation failure,
-    deadlock, lock or statement timeout, or a connection lost before COMMIT). extra: backend,
-    sqlstate (None for a lost connection), retry (1 for the first re-run), error."""
-    sqlstate = getattr(error, "sqlstate", None)
+    deadlock, lock or statement timeout: its `sqlstate`; or a connection lost before COMMIT:
+    None, whatever code the server sent as it went, such as 57P01 on a shutdown). extra:
+    backend, sqlstate, retry (1 for the first re-run), error."""
     logger.info(
         STORE_RETRY,
         sqlstate or "connection lost",
@@ -470,9 +472,9 @@ def _text(error: BaseException) -> str:
 
 def database_file_lost(path: str, problem: str) -> None:
     """ERROR, once per runtime: the SQLite file this runtime opened was deleted or replaced
-    (`problem`: `deleted`, `replaced`, or `inaccessible (reason)`); every write from here
-    on fails with `StoreError` rather than committing into the orphaned file, which would
-    vanish at exit. Restart on the right file. extra: path, problem."""
+    (`problem`: `deleted` or `replaced`); every write from here on fails with `StoreLost`
+    rather than committing into the orphaned file, which would vanish at exit, and a
+    runtime that drains ends. Restart on the right file. extra: path, problem."""
     logger.error(DATABASE_FILE_LOST, path, problem, extra={"path": path, "problem": problem})
 
 
@@ -600,14 +602,22 @@ class _Telemetry:
         if span is None:
             return
         span.set_attribute("trio_sessions.outcome", iteration.outcome)
-        if iteration.error is not None:
-            self.end_failed(span, iteration.error)
+        error = iteration.error
+        if error is not None:
+            # The drain's own exception: its text and traceback may hold secrets (an API
+            # key in a tool's error) and go to the log only (`drain failed`), never to a
+            # collector - as never to the transcript. Its type is what a trace needs.
+            span.add_event(
+                "exception",
+                {"exception.type": type(error).__qualname__, "exception.escaped": False},
+            )
+            span.set_status(self._error, type(error).__name__)
 
     def end_failed(self, span: Span | None, error: BaseException) -> None:
+        """A failure of the library's own work (a store error, a recovery pass): recorded as
+        `span.record_exception` would, with any connection string's password masked."""
         if span is None:
             return
-        # As `span.record_exception` records it, with the password of any connection string
-        # the error's text or traceback quotes masked.
         stacktrace = "".join(traceback.format_exception(error))
         span.add_event(
             "exception",

@@ -411,6 +411,7 @@ class Runtime:
             candidate = await self._recovery.lift_quarantine(execution_id)
             _observe.quarantine_released(execution_id, self._owner_id, resume=True)
             report = await self._loops.apply_recovery([candidate])
+            self._recovery.record(report)  # a takeover as a pass's: counted alike
             if report.quarantined:
                 raise await self._recovery.quarantine_error(execution_id)
 

@@ -131,6 +131,13 @@ class _JobRaised(Exception):
         self.error = error
 
 
+def _retried_state(error: BaseException) -> str | None:
+    """The SQLSTATE a re-run is for when the server refused the transaction in a way that
+    is retried (`RETRYABLE_SQLSTATES`); None when the re-run is for a lost connection."""
+    sqlstate = getattr(error, "sqlstate", None)
+    return sqlstate if sqlstate in RETRYABLE_SQLSTATES else None
+
+
 class _Rerun(Exception):
     """Nothing committed and the transaction may be run again (a retryable error, or a
     connection lost before COMMIT or during an aborted one)."""
@@ -421,7 +428,7 @@ class PgEngine:
                 if attempt >= MAX_ATTEMPTS or time.monotonic() >= deadline:
                     raise driver_error(rerun.cause) from rerun.cause
                 self.retries += 1
-                _observe.store_retry("postgres", rerun.cause, attempt)
+                _observe.store_retry("postgres", rerun.cause, attempt, _retried_state(rerun.cause))
                 time.sleep(min(0.005 * 2**attempt, 0.2) * random.uniform(0.5, 1.0))
 
     def _autocommit(self, job: Job) -> Any:
@@ -465,7 +472,7 @@ class PgEngine:
                         raise _unknown_outcome(exc, driver_error(exc)) from exc
                     raise driver_error(exc) from exc
                 self.retries += 1
-                _observe.store_retry("postgres", exc, attempt)
+                _observe.store_retry("postgres", exc, attempt, _retried_state(exc))
                 time.sleep(min(0.005 * 2**attempt, 0.2) * random.uniform(0.5, 1.0))
 
     @staticmethod

@@ -96,6 +96,10 @@ def _create_owner_only(path: str) -> None:
         os.close(fd)
 
 
+# What `DatabaseFile.problem` finds that no later write can undo.
+_LOST_FOR_GOOD = ("deleted", "replaced")
+
+
 @attrs.define(eq=False)
 class DatabaseFile:
     """The file the runtime's connections opened, by device and inode, so that a file
@@ -136,7 +140,10 @@ class DatabaseFile:
             if (st.st_dev, st.st_ino) == self.identity:
                 return None
             problem = "replaced"
-        if not self.reported:
+        # Logged once, and only for good: a file that cannot be looked at for a moment (a
+        # permission changed on its directory) fails that write alone, and must not use up
+        # the event its later deletion needs.
+        if problem in _LOST_FOR_GOOD and not self.reported:
             self.reported = True
             _observe.database_file_lost(self.path, problem)
         return problem
@@ -147,7 +154,7 @@ class DatabaseFile:
         problem = self.problem()
         if problem is None:
             return False
-        error = StoreLost if problem in ("deleted", "replaced") else StoreError
+        error = StoreLost if problem in _LOST_FOR_GOOD else StoreError
         for job in jobs:
             job.error = error(
                 f"the database file {self.path!r} was {problem} while this runtime had it"

@@ -1,10 +1,13 @@
-"""Review of observability against the README: what `statistics()` and the Prometheus text
-count, what a drain span records, and the `extra` fields of log events. Contract tests run
-on both backends; the store-retry one is PostgreSQL's own."""
+"""Observability against the README, at its edges: what `statistics()` and the Prometheus
+text count (a quarantine released and resumed), what a drain span records (no exception
+text; a lost lease is an interruption), and the `extra` fields of log events (a masked
+error, a retry's sqlstate, a file's loss logged for good only). Contract tests run on both
+backends; the store-retry one is PostgreSQL's own."""
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -32,7 +35,6 @@ from trio_sessions import (
 from trio_sessions import _observe as events
 from trio_sessions._errors import StoreLost
 from trio_sessions._postgres import PostgresStore, run_op
-from trio_sessions._sqlite import connections
 
 Clock = Callable[[], float]
 QUIET = {"recovery_interval": 10_000.0}  # passes only when the test asks for one
@@ -253,14 +255,14 @@ async def test_a_file_inaccessible_for_a_moment_does_not_silence_its_later_delet
     would not deny the look, so `os.stat` of the file is refused by hand.)"""
     path = tmp_path / "sessions.db"
     denied = False
-    real_stat = connections.os.stat
+    real_stat = os.stat
 
     def stat(name: Any, *args: Any, **kwargs: Any) -> Any:
         if denied and str(name) == str(path):
             raise PermissionError(13, "Permission denied", str(name))
         return real_stat(name, *args, **kwargs)
 
-    monkeypatch.setattr(connections.os, "stat", stat)
+    monkeypatch.setattr(os, "stat", stat)  # the module calls os.stat at each look
     async with runtime(testing.inline_store(path), None, clock) as producer:
         denied = True
         with pytest.raises(StoreError) as refused:
