@@ -333,3 +333,30 @@ async def test_a_str_subclass_session_id_names_the_session_of_its_text(
     assert active is False
     assert sorted(drained) == ["ABC", "abc"]
     assert sorted(query(db_path, "SELECT id FROM session")) == [("ABC",), ("abc",)]
+
+
+# ---------------------------------------------------------------------------------------------
+# A store path that is no UTF-8 text
+
+
+async def test_a_store_path_with_a_lone_surrogate_opens_or_is_refused_before_creating_it(
+    tmp_path: Path,
+) -> None:
+    """A path holding a lone surrogate (how Python spells a file name whose bytes are not
+    UTF-8) either works as a store, or is refused as a bad argument naming the store before
+    anything is created - as every other lone surrogate a caller passes is. Before: the
+    file was created and migrated, then taking the liveness token read `PRAGMA
+    database_list` and a bare sqlite3.OperationalError ("Could not decode to UTF-8 column
+    'file'") escaped, outside the library's errors, leaving the file behind."""
+    path = tmp_path / "\udcff.db"
+    refused: Exception | None = None
+    try:
+        async with trio_sessions.open_runtime(path, take_all) as rt:
+            await rt.submit("s", {"t": "hi"})
+            await rt.wait_idle("s")
+            assert [m.role for m in await rt.transcript("s")] == ["user"]
+    except (TypeError, ValueError) as exc:
+        refused = exc
+    if refused is not None:
+        assert "store" in str(refused)
+        assert created_files(tmp_path) == []
