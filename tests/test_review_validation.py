@@ -8,6 +8,9 @@ Each test here fails on the code it was written against, for the reason its docs
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -24,6 +27,7 @@ import trio_sessions
 from trio_sessions import AssistantWriter, DrainContext, testing
 
 Clock = Callable[[], float]
+TESTS = str(Path(__file__).parent)
 
 
 async def take_all(ctx: DrainContext) -> None:
@@ -360,3 +364,45 @@ async def test_a_store_path_with_a_lone_surrogate_opens_or_is_refused_before_cre
     if refused is not None:
         assert "store" in str(refused)
         assert created_files(tmp_path) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# The worker command: a setting open_runtime refuses is a usage error
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ"),
+    [
+        pytest.param(["--max-active", str(2**63)], {}, id="flag-past-64-bits"),
+        pytest.param([], {"TRIO_SESSIONS_MAX_ACTIVE": str(2**63)}, id="env-past-64-bits"),
+    ],
+)
+def test_a_max_active_past_64_bits_is_a_usage_error(
+    tmp_path: Path, argv: list[str], environ: dict[str, str]
+) -> None:
+    """The worker checks --max-active as open_runtime does (1 to 2**63-1): one past 64 bits
+    exits 2 naming max-active, as --max-active 0 does - not passed on to open_runtime,
+    whose ValueError the worker logged as "worker failed" with a traceback, exit 1."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRIO_SESSIONS_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [TESTS, env.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trio_sessions",
+            "worker",
+            "worker_drain:reply",
+            "--store=x.db",
+            *argv,
+        ],
+        cwd=tmp_path,
+        env={**env, **environ},
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "max-active" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert created_files(tmp_path) == []
