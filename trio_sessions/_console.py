@@ -51,6 +51,8 @@ Receive = Callable[[], Awaitable[Mapping[str, Any]]]
 Send = Callable[[Any], Awaitable[None]]
 
 PAGE_SIZE = 50
+# Quarantined executions a list page shows (keyset-paged by execution id).
+QUARANTINE_PAGE_SIZE = 100
 MAX_FORM = 16 * 1024
 COOKIE = "trio_sessions_console"
 
@@ -173,15 +175,19 @@ class Console:
     async def sessions_page(self, query: Mapping[str, str]) -> bytes:
         search = query.get("q", "")
         after = query.get("after", "")
-        if "\x00" in search + after:  # PostgreSQL refuses it in any text: say why here
+        quarantine_after = query.get("quarantine_after", "")
+        if "\x00" in search + after + quarantine_after:  # PostgreSQL refuses it in any text
             raise HTTPError(400, "no session id holds a NUL character")
         page = await self.runtime._db.read(_store.session_page, search, after, PAGE_SIZE)
         counts = await self.runtime._db.read(_store.store_counts)
-        quarantine = await self.runtime._db.read(_store.quarantined)
+        quarantine = await self.runtime._db.read(
+            _store.quarantine_page, quarantine_after, QUARANTINE_PAGE_SIZE
+        )
         rows = "".join(self._session_row(session) for session in page["sessions"])
         more = ""
         if page["more"] and page["sessions"]:
-            next_query = urllib.parse.urlencode({"q": search, "after": _page_after(page)})
+            next_after = _page_after(page["sessions"], "id", "session.id")
+            next_query = _list_query(search, next_after, quarantine_after)
             more = f'<p><a id="next" href="/?{next_query}">next page</a></p>'
         figures = " · ".join(f"{_e(k.replace('_', ' '))} <b>{v}</b>" for k, v in counts.items())
         body = f"""
@@ -193,7 +199,8 @@ contains"> <button>search</button></form>
 <th>pending inputs</th><th>messages</th><th></th></tr></thead><tbody>{rows}</tbody></table>
 {more}
 <h2>Quarantine</h2>
-{self._quarantine_table(quarantine)}"""
+{self._quarantine_table(quarantine["quarantined"])}
+{_quarantine_more(quarantine, search, after)}"""
         return html_page("Sessions", body, store=self.store_name, read_only=self.guard.read_only)
 
     def _own_figures(self) -> str:
@@ -430,15 +437,29 @@ def _cookies(headers: Mapping[str, str]) -> dict[str, str]:
     return {key: value for key, _, value in pairs if key}
 
 
-def _page_after(page: Mapping[str, Any]) -> str:
-    """Where the next page starts: after the last session listed whose id is the one
-    stored. An id that is not UTF-8 is shown with replacement characters, which sort after
-    ids its stored bytes sort before: paging after it would skip them. So such rows at a
-    page's end are listed again on the next one (a page of nothing else pages on after the
-    shown name: it may skip, it never loops)."""
-    sessions = page["sessions"]
-    named = [session for session in sessions if _nameable(session)]
-    return str((named or sessions)[-1]["id"])
+def _page_after(rows: Sequence[Mapping[str, Any]], key: str, column: str) -> str:
+    """Where the next page starts: after the last row listed whose id (`key`, stored in
+    `column`) is the one stored. An id that is not UTF-8 is shown with replacement
+    characters, which sort after ids its stored bytes sort before: paging after it would
+    skip them. So such rows at a page's end are listed again on the next one (a page of
+    nothing else pages on after the shown name: it may skip, it never loops)."""
+    named = [row for row in rows if _nameable(row, column)]
+    return str((named or rows)[-1][key])
+
+
+def _list_query(search: str, after: str, quarantine_after: str) -> str:
+    """A list page's query: the search, and where each of its two tables starts."""
+    fields = {"q": search, "after": after, "quarantine_after": quarantine_after}
+    return urllib.parse.urlencode({key: value for key, value in fields.items() if value})
+
+
+def _quarantine_more(page: Mapping[str, Any], search: str, after: str) -> str:
+    """The link to the next page of quarantined executions (the sessions' page kept)."""
+    if not (page["more"] and page["quarantined"]):
+        return ""
+    next_after = _page_after(page["quarantined"], "execution_id", "session_recovery.execution_id")
+    query = _list_query(search, after, next_after)
+    return f'<p><a id="quarantine-next" href="/?{query}">next quarantined executions</a></p>'
 
 
 def _nameable(row: Mapping[str, Any], *columns: str) -> bool:

@@ -48,6 +48,23 @@ _QUARANTINED = (
 )
 
 
+@reads_stored_bytes
+def quarantine_page(tx: Tx, after: str, limit: int) -> dict[str, Any]:
+    """Quarantined executions in execution id order after `after`, at most `limit` (`more`:
+    others follow), as `quarantined` lists them: the console's table costs one page
+    however many the store holds. Keyset paging on the primary key (an index walk; the
+    table holds little besides quarantines: recovery leases while a pass runs), not on
+    the quarantine time, which no index orders."""
+    rows = tx.execute(
+        "SELECT execution_id, session_id, owner_id, recovery_error, time_quarantined"
+        " FROM session_recovery WHERE recovery_error IS NOT NULL AND execution_id > :after"
+        " ORDER BY execution_id LIMIT :limit",
+        {"after": after, "limit": limit + 1},
+    ).fetchall()
+    listed = [_listed("session_recovery", _QUARANTINED, row) for row in rows[:limit]]
+    return {"quarantined": listed, "more": len(rows) > limit}
+
+
 def lift_quarantine(tx: Tx, execution_id: str, owner_id: str, lease_ms: int) -> Candidate:
     """Clear a quarantine and take the recovery lease on it at once (for a resume)."""
     row = _quarantined_row(tx, execution_id)
