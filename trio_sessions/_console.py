@@ -1,9 +1,13 @@
 """`python -m trio_sessions console`: the operator console in the browser.
 
 An ASGI app on hypercorn's trio worker over a *producer* runtime (it never drains): the
-sessions list (searched and paged in the store, rendered on the server), a session page with
-its live transcript, the operator's actions, store-wide figures and `/metrics`. Plain HTML
-with a little JavaScript, served from here: no build step, no CDN.
+sessions list and the quarantine table (each searched or paged in the store, rendered on the
+server), a session page with the newest page of its transcript, live, the operator's actions,
+store-wide figures and `/metrics`. Plain HTML with a little JavaScript, served from here: no
+build step, no CDN. Every page costs a page, however large the store or the transcript: a
+session page's event stream starts at the stream position of what the page rendered, read
+in the same snapshot (no gap, no duplicate), and each SSE event carries its cursor as `id:`
+so an EventSource reconnect resumes from Last-Event-ID.
 
 Security rules (kept by `Guard`, checked on every request, the event stream included):
 * bound to a non-loopback address, it refuses to start without a token;
@@ -36,12 +40,16 @@ import attrs
 import trio
 
 from . import _metrics, _store
-from ._console_html import SESSION_SCRIPT, apply_event, html_page, message_html, state
+from ._console_html import SESSION_SCRIPT, PageFeed, html_page, message_html, sse_blocks, state
 from ._console_html import escape as _e  # short: they stand in f-strings dozens of times
 from ._console_html import quote as _q
 from ._errors import MalformedRecord, StoreError, TrioSessionsError
+from ._model import Message
 from ._naming import display_name
 from ._runtime import Runtime, make_owner_id
+from ._store.stream import Held, Position, Shown, Tail, Whole, message_tag
+from ._stream import decode_cursor, encode_cursor, session_tag
+from ._validate import MAX_INT64, validate_session_id
 from ._worker import LOG_LEVELS
 
 logger = logging.getLogger("trio_sessions.console")
@@ -53,6 +61,13 @@ Send = Callable[[Any], Awaitable[None]]
 PAGE_SIZE = 50
 # Quarantined executions a list page shows (keyset-paged by execution id).
 QUARANTINE_PAGE_SIZE = 100
+# Messages a session page shows: the newest ones, with a link to the earlier ones (keyset
+# by seq). One stream read's worth of new messages (`_store.stream.NEW_MESSAGES_PER_READ`):
+# a page costs the same for 20 messages or 20,000.
+TRANSCRIPT_PAGE_SIZE = 200
+# The most message ids an event stream reads for the page it serves (`_store.shown_messages`):
+# a page that followed its stream for long shows more than it rendered.
+FOLLOWED_IDS = 1_000
 MAX_FORM = 16 * 1024
 COOKIE = "trio_sessions_console"
 
@@ -158,9 +173,9 @@ class Console:
             body = _metrics.render(self.runtime.statistics, owner_id=self.runtime.owner_id)
             await _respond(send, 200, body, content_type=_metrics.CONTENT_TYPE)
         elif len(segments) == 2 and segments[0] == "sessions":
-            await _respond(send, 200, await self.session_page(segments[1]))
+            await _respond(send, 200, await self.session_page(segments[1], query))
         elif len(segments) == 3 and segments[0] == "sessions" and segments[2] == "events":
-            await self.events(segments[1], receive, send)
+            await self.events(segments[1], query, headers.get("last-event-id"), receive, send)
         else:
             raise HTTPError(404, "no such page")
 
@@ -284,27 +299,24 @@ contains"> <button>search</button></form>
             f"<th></th></tr></thead><tbody>{body}</tbody></table>"
         )
 
-    async def session_page(self, session_id: str) -> bytes:
+    async def session_page(self, session_id: str, query: Mapping[str, str]) -> bytes:
         session = None
         if "\x00" not in session_id:  # no session id holds one (PostgreSQL refuses it)
             session = await self.runtime._db.read(_store.session_status, session_id)
         if session is None:
             raise HTTPError(404, f"no session {session_id!r}")
-        try:
-            messages = await self.runtime.transcript(session_id)
-            rendered = "".join(message_html(message) for message in messages)
-        except MalformedRecord as exc:  # its quarantine waits for the operator, here too
-            rendered = (
-                f'<p class="malformed">the transcript holds a malformed record: {_e(str(exc))}</p>'
-            )
+        validate_session_id(session_id)  # its actions would refuse it: 400, as they would
+        before = _seq_parameter(query, "before")
+        tail = await self.runtime._db.read(
+            _store.transcript_tail, session_id, before, TRANSCRIPT_PAGE_SIZE
+        )
         inputs = await self.runtime._db.read(_store.pending_inputs, session_id, PAGE_SIZE)
-        events = f"/sessions/{_q(session_id)}/events"
         body = f"""
 <p><a href="/">all sessions</a></p>
 <p>state <b id="state">{_e(state(session))}</b> · pending inputs {session["pending_inputs"]}
 (scheduled {session["scheduled_inputs"]}) {self._actions(session, page=True)}</p>
 {self._inputs_table(session_id, inputs)}
-<div id="transcript" data-events="{_e(events)}">{rendered}</div>
+{_transcript_html(session_id, tail, newest=before is None)}
 <script>{SESSION_SCRIPT}</script>"""
         return html_page(
             f"Session {session_id}", body, store=self.store_name, read_only=self.guard.read_only
@@ -332,10 +344,33 @@ contains"> <button>search</button></form>
             f"<th></th></tr></thead><tbody>{rows}</tbody></table>"
         )
 
-    async def events(self, session_id: str, receive: Receive, send: Send) -> None:
-        """Server-sent events from `runtime.stream()`: the console applies each event to its
-        copy of the message and sends that message's HTML, until the client leaves."""
-        async with self.runtime.stream(session_id) as stream:
+    async def events(
+        self,
+        session_id: str,
+        query: Mapping[str, str],
+        last_event_id: str | None,
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        """Server-sent events from `runtime.stream()` for a page (`PageFeed`), until the
+        client leaves. The stream opens at the position the page shows - its `cursor`, or
+        the `id:` of the last event a reconnecting EventSource applied (Last-Event-ID) -
+        so the page gets what changed since it was read, once; without either, every
+        message (a client other than a page)."""
+        cursor = last_event_id or query.get("cursor") or None
+        feed = PageFeed(session_id, 0, {}, {})
+        first: list[str] = []
+        if cursor is not None:
+            # The page's open messages and its message ids, read when the stream opens
+            # (`_followed`); a change since the page's read arrives as the update `first`.
+            position = decode_cursor(session_id, cursor)
+            shown_from = _seq_parameter(query, "from") or position.top + 1
+            shown = await self.runtime._db.read(
+                _store.shown_messages, session_id, shown_from, position, FOLLOWED_IDS
+            )
+            feed, position, first = _followed(session_id, shown_from, position, shown)
+            cursor = encode_cursor(session_tag(session_id), position)
+        async with self.runtime.stream(session_id, cursor=cursor) as stream:
             await send(
                 {
                     "type": "http.response.start",
@@ -346,13 +381,17 @@ contains"> <button>search</button></form>
                     ],
                 }
             )
-            copies: dict[int, tuple[str, Any]] = {}
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
+                if first:
+                    await _send_chunk(send, "".join(first))
                 try:
                     async for event in stream:
-                        for update in apply_event(copies, event):
-                            await _send_chunk(send, f"data: {json.dumps(update)}\n\n")
+                        # With the events ready after it: one write for a burst.
+                        events = [event, *stream.take_ready()]
+                        text = feed.feed(events, settled=not stream.dirty)
+                        if text:
+                            await _send_chunk(send, text)
                 except MalformedRecord as exc:
                     # A comment (the page ignores it), then nothing until the client leaves:
                     # an ended stream would have the browser reconnect into the same row.
@@ -460,6 +499,89 @@ def _quarantine_more(page: Mapping[str, Any], search: str, after: str) -> str:
     next_after = _page_after(page["quarantined"], "execution_id", "session_recovery.execution_id")
     query = _list_query(search, after, next_after)
     return f'<p><a id="quarantine-next" href="/?{query}">next quarantined executions</a></p>'
+
+
+def _seq_parameter(query: Mapping[str, str], name: str) -> int | None:
+    """A seq in the query (a page's `before`, a stream's `from`), or None when absent."""
+    text = query.get(name)
+    if text is None:
+        return None
+    if not (text.isascii() and text.isdigit() and 0 < int(text) <= MAX_INT64):
+        raise HTTPError(400, f"{name} must be a seq (a whole number from 1)")
+    return int(text)
+
+
+def _transcript_html(session_id: str, tail: Tail, *, newest: bool) -> str:
+    """A page of the transcript, with a link to the earlier messages; the newest page
+    carries the event stream's URL with the cursor of what it shows (none when the newest
+    row names no position: the page is static then)."""
+    base = f"/sessions/{_q(session_id)}"
+    links = ""
+    if tail.earlier and tail.messages:
+        earlier = urllib.parse.urlencode({"before": tail.messages[0].seq})
+        links += f'<p><a id="earlier" href="{base}?{earlier}">earlier messages</a></p>'
+    if not newest:
+        links += f'<p><a id="newest" href="{base}">newest messages</a></p>'
+    events = ""
+    if newest and tail.position is not None:
+        shown_from = tail.messages[0].seq if tail.messages else tail.position.top + 1
+        follow = urllib.parse.urlencode(
+            {
+                "cursor": encode_cursor(session_tag(session_id), tail.position),
+                "from": shown_from,
+            }
+        )
+        events = f' data-events="{_e(f"{base}/events?{follow}")}"'
+    rendered = "".join(_whole_html(whole) for whole in tail.messages)
+    return f'{links}<div id="transcript"{events}>{rendered}</div>'
+
+
+def _whole_html(whole: Whole) -> str:
+    if isinstance(whole.message, MalformedRecord):  # its quarantine waits for the operator
+        return (
+            f'<div class="malformed" data-seq="{whole.seq}">the transcript holds a malformed'
+            f" record: {_e(str(whole.message))}</div>"
+        )
+    return message_html(whole.message)
+
+
+def _followed(
+    session_id: str, shown_from: int, position: Position, shown: Shown
+) -> tuple[PageFeed, Position, list[str]]:
+    """A page's feed from what its stream read when it opened (`_store.shown_messages`):
+    the tags of the final messages it shows (when the newest is still the page's: no
+    rewrite since), and copies of the open messages it follows. An open message that
+    changed since the page's read is sent whole now (the first updates) and followed from
+    its version now: the position the stream opens at."""
+    known: dict[int, str] = {}
+    if (
+        position.top
+        and shown.ids.get(position.top, "")
+        and (message_tag(shown.ids[position.top]) == position.top_tag)
+    ):
+        open_seqs = {held.seq for held in position.open}
+        known = {
+            seq: message_tag(message_id)
+            for seq, message_id in shown.ids.items()
+            if seq not in open_seqs
+        }
+    copies: dict[int, tuple[str, Any]] = {}
+    first: list[dict[str, Any]] = []
+    versions = {held.seq: held.version for held in position.open}
+    held: list[Held] = []
+    for whole in shown.held:
+        if not isinstance(whole.message, Message):
+            continue  # the stream's own read says why
+        copies[whole.seq] = (whole.message.role, whole.message.to_json()["data"])
+        if whole.version != versions[whole.seq]:
+            first.append({"seq": whole.seq, "html": message_html(whole.message)})
+        if whole.open:
+            held.append(Held(whole.seq, message_tag(whole.message_id), whole.version))
+    followed = {item.seq for item in shown.held if isinstance(item.message, Message)}
+    held += [item for item in position.open if item.seq not in followed]
+    moved = Position(position.top, position.top_tag, tuple(sorted(held, key=lambda h: h.seq)))
+    feed = PageFeed(session_id, shown_from, known, copies)
+    return feed, moved, sse_blocks(first, encode_cursor(session_tag(session_id), moved))
 
 
 def _nameable(row: Mapping[str, Any], *columns: str) -> bool:

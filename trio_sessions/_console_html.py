@@ -8,14 +8,17 @@ through `quote` (one path segment: an id holding "/" stays one segment).
 
 from __future__ import annotations
 
+import bisect
 import html
 import json
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import attrs
+
 from ._model import Message
-from ._stream import StreamEvent
+from ._stream import StreamEvent, decode_cursor
 
 
 def state(session: Mapping[str, Any]) -> str:
@@ -97,11 +100,98 @@ def apply_event(copies: dict[int, tuple[str, Any]], event: StreamEvent) -> list[
     return [{"seq": seq, "html": _data_html(seq, role, data)}]
 
 
+@attrs.define
+class PageFeed:
+    """One page's event stream, as the console sends it: the stream's events (opened at
+    the position the page shows) turned into the page's updates, as SSE text with an
+    `id:` line - the event's cursor - after each event's last update, so a reconnecting
+    EventSource resumes after what the page applied (Last-Event-ID).
+
+    A rewritten transcript reaches a stream as "truncate" (drop everything), then every
+    message again from the first: the page would drop and rebuild all it shows. So after
+    a "truncate", the messages sent again that the page shows as they are (the same
+    message id at the same seq - `known`, the tags of the final messages the page shows -
+    or a message before the page's first one, which the page does not show) are held back,
+    and the page is told to drop only what follows the last of them: one "drop_after" at
+    the first message that differs, or once the stream has sent all it read. Should that
+    drop every message the page shows while earlier ones remain, the page reloads
+    instead (its tail moved before it).
+    """
+
+    session_id: str
+    shown_from: int  # the seq of the first message the page shows
+    known: dict[int, str]  # seq -> tag of the message id, for the final messages shown
+    copies: dict[int, tuple[str, Any]]  # `apply_event`'s: the open messages and those sent
+    confirmed: int | None = None  # after a "truncate": the page is right up to this seq
+    below: bool = False  # after a "truncate": messages before the page's first were sent
+    held_back: str = ""  # the cursor of the last event held back
+
+    def feed(self, events: Sequence[StreamEvent], *, settled: bool) -> str:
+        """The SSE text for `events`; `settled`: the stream has nothing more to send now
+        (a check held back since a "truncate" ends there)."""
+        blocks: list[str] = []
+        for event in events:
+            blocks += self._event(event)
+        if self.confirmed is not None and settled:
+            blocks += self._end_check()
+        return "".join(blocks)
+
+    def _event(self, event: StreamEvent) -> list[str]:
+        if event.kind == "truncate":
+            apply_event(self.copies, event)
+            self.confirmed, self.below, self.held_back = event.seq, False, event.cursor
+            return []
+        blocks: list[str] = []
+        if self.confirmed is not None:
+            if self._as_shown(event, self.confirmed):
+                self.confirmed, self.held_back = event.seq, event.cursor
+                return []
+            blocks = self._end_check()
+        if event.kind != "message" and event.seq not in self.copies:
+            # Never expected (the page's open messages are copied when the stream opens):
+            # the page cannot apply a change to a message the console holds no copy of.
+            return [*blocks, *sse_blocks([{"reload": True}], event.cursor)]
+        return blocks + sse_blocks(apply_event(self.copies, event), event.cursor)
+
+    def _as_shown(self, event: StreamEvent, confirmed: int) -> bool:
+        """Whether a message sent again after a "truncate" is the next one the page shows,
+        unchanged, or one before the page's first (not shown)."""
+        if event.kind != "message":
+            return False
+        if event.seq < self.shown_from:
+            self.below = True
+            return True
+        order = sorted(self.known)
+        index = bisect.bisect_right(order, confirmed)
+        if index == len(order) or order[index] != event.seq:
+            return False  # a message the page does not show, or one it shows is gone
+        position = decode_cursor(self.session_id, event.cursor)
+        held = any(item.seq == event.seq for item in position.open)
+        return position.top == event.seq and not held and position.top_tag == self.known[event.seq]
+
+    def _end_check(self) -> list[str]:
+        confirmed, self.confirmed = self.confirmed or 0, None
+        # What the page shows after the seq confirmed is not as stored: forget it.
+        self.known = {seq: tag for seq, tag in self.known.items() if seq <= confirmed}
+        if self.below and confirmed < self.shown_from:
+            return sse_blocks([{"reload": True}], self.held_back)
+        return sse_blocks([{"drop_after": confirmed}], self.held_back)
+
+
+def sse_blocks(updates: Sequence[Mapping[str, Any]], cursor: str) -> list[str]:
+    """One SSE event per update, the last one with the `id:` a reconnect resumes from."""
+    blocks = [f"data: {json.dumps(update)}\n\n" for update in updates]
+    if blocks:
+        blocks[-1] = f"id: {cursor}\n{blocks[-1]}"
+    return blocks
+
+
 SESSION_SCRIPT = """
 const box = document.getElementById("transcript");
-const source = new EventSource(box.dataset.events);
-source.onmessage = (event) => {
+const source = box.dataset.events ? new EventSource(box.dataset.events) : null;
+if (source) source.onmessage = (event) => {
   const update = JSON.parse(event.data);
+  if ("reload" in update) { source.close(); location.reload(); return; }
   if ("drop_after" in update) {
     for (const node of box.querySelectorAll("[data-seq]")) {
       if (Number(node.dataset.seq) > update.drop_after) { node.remove(); }

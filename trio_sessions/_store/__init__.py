@@ -130,7 +130,13 @@ from .recovery import (
 )
 from .recovery_batch import apply_recovery_batch
 from .recovery_scan import Candidate, recovery_candidates, take_recovery_leases
-from .stream import stream_catch_up, stream_changes, stream_heads
+from .stream import (
+    shown_messages,
+    stream_catch_up,
+    stream_changes,
+    stream_heads,
+    transcript_tail,
+)
 from .transcript import (
     Known,
     append_assistant_text,
@@ -200,6 +206,7 @@ __all__ = [
     "session_count",
     "session_page",
     "session_status",
+    "shown_messages",
     "status",
     "store_counts",
     "stream_catch_up",
@@ -212,6 +219,7 @@ __all__ = [
     "submit_scheduled",
     "take_inputs",
     "take_recovery_leases",
+    "transcript_tail",
     "truncate",
     "update_assistant",
     "wake",

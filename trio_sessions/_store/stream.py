@@ -34,6 +34,7 @@ from .. import _codec
 from .._backend import FALLBACK, Tx, autocommit_when_alone, pg_read_batched, reads_stored_bytes
 from .._errors import MalformedRecord
 from .._model import AssistantData, Message, Step
+from .._validate import MAX_INT64
 from .common import _chunks, _in_list, leading_rows, placed
 from .transcript import _decode_message
 
@@ -344,6 +345,107 @@ def _whole_from(session_id: str, row: Sequence[Any], streamed: Sequence[Any]) ->
         isinstance(message.data, AssistantData) and not message.data.finished
     )
     return Whole(seq, message_id, message, placed(row[6]), still_open)
+
+
+@attrs.frozen
+class Tail:
+    """A page of a transcript, as the console shows it: its messages oldest first (each a
+    `Whole`: a `Message`, or why its row does not decode), whether earlier ones exist, and
+    - for the newest page - the position a stream's client holding exactly these messages
+    is at (None for an earlier page, or when the newest row has no id or seq to name)."""
+
+    messages: list[Whole]
+    earlier: bool
+    position: Position | None
+
+
+@reads_stored_bytes
+def transcript_tail(tx: Tx, session_id: str, before: int | None, limit: int) -> Tail:
+    """The last `limit` messages with a seq below `before` (None: the newest), with their
+    streamed text merged, from one read snapshot: keyset paging on `(session_id, seq)`, so
+    a page costs the same however long the transcript. The newest page comes with the
+    stream position of what it shows (`stream_changes` from it sends exactly what changed
+    since this read: no gap, no duplicate): its top is the newest message, and the open
+    messages it follows are the open ones shown - an open message before the page is not
+    shown, so its changes are not followed either. Two statements, however many messages
+    (the deltas of the page's assistant messages in one)."""
+    where = "m.session_id = ?" + ("" if before is None else " AND m.seq < ?")
+    rows = tx.execute(
+        "SELECT m.id, m.role, m.seq, m.data, m.execution_id, m.input_id,"
+        f" {_VERSION} FROM session_message m WHERE {where} ORDER BY m.seq DESC LIMIT ?",
+        (session_id, limit + 1) if before is None else (session_id, before, limit + 1),
+    ).fetchall()
+    kept = rows[:limit][::-1]
+    streamed = _deltas_of(tx, [str(row[0]) for row in kept if row[1] == "assistant"])
+    wholes = [_whole_from(session_id, row, streamed.get(str(row[0]), [])) for row in kept]
+    position = None
+    if before is None and not kept:
+        position = Position()
+    elif before is None and isinstance(kept[-1][0], str):  # else an id that is not UTF-8
+        position = _position_of(wholes)
+    return Tail(wholes, earlier=len(rows) > limit, position=position)
+
+
+def _deltas_of(tx: Tx, message_ids: Sequence[str]) -> dict[str, list[Any]]:
+    """The texts streamed onto each of these messages, in version order."""
+    streamed: dict[str, list[Any]] = {}
+    for chunk in _chunks(sorted(set(message_ids))):
+        for message_id, text in tx.execute(
+            "SELECT message_id, text FROM session_message_delta"
+            f" WHERE message_id IN {_in_list(chunk)} ORDER BY message_id, version",
+            tuple(chunk),
+        ).fetchall():
+            streamed.setdefault(str(message_id), []).append(text)
+    return streamed
+
+
+def _position_of(wholes: Sequence[Whole]) -> Position | None:
+    """What a client holding these messages (the newest last) holds; None when the newest
+    has no seq to name (SQLite keeps text in an INTEGER column: placed last)."""
+    newest = wholes[-1]
+    if newest.seq == MAX_INT64:
+        return None
+    held = tuple(
+        Held(whole.seq, message_tag(whole.message_id), whole.version)
+        for whole in wholes
+        if whole.open
+    )
+    return Position(newest.seq, message_tag(newest.message_id), held)
+
+
+@attrs.frozen
+class Shown:
+    """What the console's event stream reads when it opens for a page at a stream
+    position: the ids of the messages stored at the seqs the page shows (at most a page's
+    worth past its first one), and the open messages the position holds, as stored now."""
+
+    ids: dict[int, str]
+    held: list[Whole]
+
+
+@reads_stored_bytes
+def shown_messages(tx: Tx, session_id: str, low: int, position: Position, limit: int) -> Shown:
+    """The messages a page showing seqs `low` to `position.top` holds, as stored now (see
+    `Shown`): the ids by an index range of at most `limit` rows, without their data; the
+    open messages the position names (a page follows a few at most) whole, with their
+    streamed text. An open message whose seq holds another message now is left out (the
+    transcript was rewritten: a stream from the position says so)."""
+    rows = tx.execute(
+        "SELECT seq, id FROM session_message WHERE session_id = ? AND seq >= ? AND seq <= ?"
+        " ORDER BY seq LIMIT ?",
+        (session_id, low, position.top, limit),
+    ).fetchall()
+    ids = {placed(seq): str(message_id) for seq, message_id in rows}
+    held = []
+    for item in position.open:
+        row = tx.one(
+            "SELECT m.id, m.role, m.seq, m.data, m.execution_id, m.input_id,"
+            f" {_VERSION} FROM session_message m WHERE m.session_id = ? AND m.seq = ?",
+            (session_id, item.seq),
+        )
+        if row is not None and message_tag(str(row[0])) == item.tag:
+            held.append(_decoded(tx, session_id, row))
+    return Shown(ids, held)
 
 
 # The most streams one catch-up read answers (`stream_catch_up`): the change scan's read
