@@ -13,7 +13,9 @@ Security rules (kept by `Guard`, checked on every request, the event stream incl
 * bound to a non-loopback address, it refuses to start without a token;
 * with a token, a request carries it as `Authorization: Bearer TOKEN` (scripts, scrapers)
   or in an HttpOnly cookie that a browser gets by opening `/?token=TOKEN` once; compared in
-  constant time;
+  constant time. The cookie holds an HMAC of the token, never the token (cookies are not
+  kept apart by port: every service on the host name receives it), under a name derived
+  from the token too, so two consoles on one host keep their own logins;
 * every action is a POST with a CSRF field derived from a secret the page holds (a
   request authorised by a bearer header needs none: no browser sends one cross-site);
 * `read_only` hides every action and refuses every POST;
@@ -69,7 +71,7 @@ TRANSCRIPT_PAGE_SIZE = 200
 # a page that followed its stream for long shows more than it rendered.
 FOLLOWED_IDS = 1_000
 MAX_FORM = 16 * 1024
-COOKIE = "trio_sessions_console"
+COOKIE_PREFIX = "trio_sessions_console_"
 
 
 class HTTPError(Exception):
@@ -98,6 +100,21 @@ class Guard:
     def csrf(self) -> str:
         return hmac.new(self.csrf_secret, b"console-csrf", hashlib.sha256).hexdigest()
 
+    def cookie_name(self) -> str:
+        """The login cookie's name: this console's own (another console on the host, on
+        another port, has another token and so another name: its login leaves ours be)."""
+        return COOKIE_PREFIX + self._derived(b"console-cookie-name")[:16]
+
+    def cookie_value(self) -> str:
+        """The login cookie's value: an HMAC of the token, which proves the login to this
+        console and tells nothing of the token to whatever else the browser sends it to."""
+        return self._derived(b"console-login")
+
+    def _derived(self, purpose: bytes) -> str:
+        if self.token is None:
+            raise ValueError("a console without a token has no login")
+        return hmac.new(self.token.encode(), purpose, hashlib.sha256).hexdigest()
+
     def authorised(self, headers: Mapping[str, str], cookies: Mapping[str, str]) -> str | None:
         """How the request proved itself: "bearer", "cookie", "open" (no token), or None."""
         if self.token is None:
@@ -105,7 +122,7 @@ class Guard:
         bearer = headers.get("authorization", "")
         if bearer.startswith("Bearer ") and _same(bearer[7:], self.token):
             return "bearer"
-        if _same(cookies.get(COOKIE, ""), self.token):
+        if _same(cookies.get(self.cookie_name(), ""), self.cookie_value()):
             return "cookie"
         return None
 
@@ -182,7 +199,10 @@ class Console:
     async def log_in(self, token: str, send: Send) -> None:
         if self.guard.token is None or not _same(token, self.guard.token):
             raise HTTPError(401, "wrong token")
-        cookie = f"{COOKIE}={token}; HttpOnly; SameSite=Strict; Path=/"
+        cookie = (
+            f"{self.guard.cookie_name()}={self.guard.cookie_value()};"
+            " HttpOnly; SameSite=Strict; Path=/"
+        )
         await _redirect(send, "/", extra=((b"set-cookie", cookie.encode()),))
 
     # -- pages ------------------------------------------------------------------------------
