@@ -36,7 +36,7 @@ import signal
 import sys
 import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import trio
@@ -676,6 +676,9 @@ async def _until_signal() -> None:
 # The command
 
 
+E = TypeVar("E", bound=BaseException)
+
+
 class UsageError(Exception):
     """A console setting the operator must change (exit 2)."""
 
@@ -725,7 +728,14 @@ async def serve_console(
             )
 
         async with trio.open_nursery() as nursery:
-            urls: list[str] = await nursery.start(serve)
+            try:
+                urls: list[str] = await nursery.start(serve)
+            except (OSError, BaseExceptionGroup) as exc:  # hypercorn's nursery: in a group
+                refused = _only(exc, OSError)  # the address is in use, or not this host's
+                if refused is None:
+                    raise
+                reason = refused.strerror or str(refused)
+                raise UsageError(f"cannot listen on {bind}: {reason}") from None
             logger.info("console listening on %s", " ".join(urls), extra={"urls": urls})
             task_status.started(urls)
 
@@ -778,5 +788,25 @@ def run(
         token=token,
         read_only=args.read_only,
     )
-    trio.run(serve)
+    try:
+        trio.run(serve)
+    except (UsageError, BaseExceptionGroup) as exc:
+        # Raised through the runtime's and the server's nurseries: perhaps in a group.
+        usage = _only(exc, UsageError)
+        if usage is None:
+            raise
+        print(f"error: {usage}", flush=True, file=sys.stderr)
+        return 2
     return 0
+
+
+def _only(exc: BaseException, kind: type[E]) -> E | None:
+    """`exc` when it is a `kind`, or the one exception of exception groups holding nothing
+    else (trio's nurseries group what they raise), else None."""
+    if isinstance(exc, kind):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        matched, rest = exc.split(kind)
+        if matched is not None and rest is None and len(matched.exceptions) == 1:
+            return _only(matched.exceptions[0], kind)
+    return None
