@@ -45,6 +45,7 @@ from . import _metrics, _store
 from ._console_html import SESSION_SCRIPT, PageFeed, html_page, message_html, sse_blocks, state
 from ._console_html import escape as _e  # short: they stand in f-strings dozens of times
 from ._console_html import quote as _q
+from ._console_html import unquote as _unquote
 from ._errors import MalformedRecord, StoreError, TrioSessionsError
 from ._model import Message
 from ._naming import display_name
@@ -456,7 +457,7 @@ def _segments(scope: Scope) -> list[str]:
     # that are not UTF-8 are a ValueError (400), never a replacement character's id.
     raw = bytes(scope.get("raw_path") or scope["path"].encode()).decode("latin-1")
     parts = raw.split("?")[0].split("/")
-    return [urllib.parse.unquote(part, errors="strict") for part in parts if part]
+    return [_unquote(part) for part in parts if part]
 
 
 def _host_name(host: str) -> str:

@@ -3,7 +3,8 @@ words, transcript messages, and the updates a stream event makes to a message on
 
 Pure functions of store rows and stream events, no I/O. Invariant: every text that comes from
 the store or a request reaches HTML through `escape` (attribute-safe), and every id in a URL
-through `quote` (one path segment: an id holding "/" stays one segment).
+through `quote` (one path segment: an id holding "/" stays one segment, and none is a dot
+segment a client would resolve away); the routes read segments back with `unquote`.
 """
 
 from __future__ import annotations
@@ -236,5 +237,16 @@ def escape(text: str) -> str:
 
 
 def quote(text: str) -> str:
-    """`text` as one URL path segment ("/" encoded too)."""
-    return urllib.parse.quote(text, safe="")
+    """`text` as one URL path segment ("/" encoded too) that is never a dot segment: every
+    client resolves "." and ".." (RFC 3986 §5.2.4; browsers "%2E" too) away before the
+    request is sent. Such a text - and one that starts with "~", so the mark is never
+    ambiguous - is marked with a leading "~"; `unquote` reverses both."""
+    quoted = urllib.parse.quote(text, safe="")
+    return "~" + quoted if text in (".", "..") or text.startswith("~") else quoted
+
+
+def unquote(segment: str) -> str:
+    """The text `quote` made a path segment of; `UnicodeDecodeError` for a segment whose
+    bytes are not UTF-8 (never a replacement character's text)."""
+    text = urllib.parse.unquote(segment, errors="strict")
+    return text[1:] if text.startswith("~") else text
