@@ -254,6 +254,14 @@ contains"> <button>search</button></form>
             # Shown by its bytes only: an action by the shown name (replacement characters)
             # would act on another session, or make one.
             return f"<tr><td>{_e(session_id)}</td><td>{_e(state(session))}</td></tr>"
+        if not _acceptable(session_id):
+            # Another tool's id the runtime refuses (a tab in it): its page and actions
+            # would all answer 400. Listed, to be repaired or deleted with the store's tools.
+            refused = "an id the runtime refuses: no page, no action"
+            return (
+                f"<tr><td>{_e(session_id)}</td><td>{_e(state(session))}</td>"
+                f'<td colspan="4"><i class="error">{refused}</i></td></tr>'
+            )
         link = f"/sessions/{_q(session_id)}"
         actions = self._actions(session)
         return (
@@ -310,10 +318,13 @@ contains"> <button>search</button></form>
                 ) + self._button(
                     f"/quarantine/{_q(execution)}/drop", "drop", confirm="Drop this execution?"
                 )
+            session = _e(row["session_id"])
+            if _acceptable(row["session_id"]):
+                session = f'<a href="/sessions/{_q(row["session_id"])}">{session}</a>'
             body += (
                 f'<tr data-execution="{_e(execution)}"><td>{_e(execution)}</td>'
-                f'<td><a href="/sessions/{_q(row["session_id"])}">{_e(row["session_id"])}</a>'
-                f"</td><td>{_e(str(row['recovery_error']))}</td><td>{actions}</td></tr>"
+                f"<td>{session}</td><td>{_e(str(row['recovery_error']))}</td>"
+                f"<td>{actions}</td></tr>"
             )
         return (
             '<table id="quarantine"><thead><tr><th>execution</th><th>session</th><th>why</th>'
@@ -350,7 +361,8 @@ contains"> <button>search</button></form>
         for item in inputs:
             due = "now" if item["due_at"] is None else f"at {item['due_at']} ms"
             cancel = ""
-            if not self.guard.read_only:
+            # No button for an id shown replaced (not UTF-8): it would cancel nothing.
+            if not self.guard.read_only and _nameable(item, "session_input.id"):
                 back = f"/sessions/{_q(session_id)}"
                 cancel = self._button(f"/inputs/{_q(item['id'])}/cancel", "cancel", back=back)
             seq, payload = _e(str(item["seq"])), _e(item["payload"])
@@ -522,6 +534,16 @@ def _quarantine_more(page: Mapping[str, Any], search: str, after: str) -> str:
     return f'<p><a id="quarantine-next" href="/?{query}">next quarantined executions</a></p>'
 
 
+def _acceptable(session_id: str) -> bool:
+    """Whether the runtime takes this stored id (another tool may have written one it
+    refuses: a tab in it), so a page and actions by it can work."""
+    try:
+        validate_session_id(session_id)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
 def _seq_parameter(query: Mapping[str, str], name: str) -> int | None:
     """A seq in the query (a page's `before`, a stream's `from`), or None when absent."""
     text = query.get(name)
@@ -612,11 +634,21 @@ def _nameable(row: Mapping[str, Any], *columns: str) -> bool:
 
 
 def _query(scope: Scope) -> dict[str, str]:
-    return dict(urllib.parse.parse_qsl(bytes(scope["query_string"]).decode("latin-1")))
+    return _fields(bytes(scope["query_string"]), "query")
 
 
 def _parse_form(body: bytes) -> dict[str, str]:
-    return dict(urllib.parse.parse_qsl(body.decode("utf-8", errors="replace")))
+    return _fields(body, "form")
+
+
+def _fields(encoded: bytes, what: str) -> dict[str, str]:
+    """A query's or a form's fields, decoded strictly: bytes that are not UTF-8 are a 400
+    saying so, never replacement characters searched for, paged after or acted on."""
+    try:
+        text = encoded.decode("ascii")  # a browser percent-encodes every other byte
+        return dict(urllib.parse.parse_qsl(text, encoding="utf-8", errors="strict"))
+    except UnicodeError:
+        raise HTTPError(400, f"the {what} is not UTF-8 text (percent-encoded)") from None
 
 
 async def _read_body(receive: Receive) -> bytes:
