@@ -1,5 +1,5 @@
-"""The console's page updates from stream events (`_console_html.apply_event`): pure, so
-tried directly - the browser test drives the same updates on a live page."""
+"""The console's page updates from stream events (`_console_html.apply_event`, `PageFeed`):
+pure, so tried directly - the browser test drives the same updates on a live page."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import json
 from typing import Any
 
 from trio_sessions import StreamEvent
-from trio_sessions._console_html import _data_html, apply_event
+from trio_sessions._console_html import PageFeed, _data_html, apply_event
 from trio_sessions._model import AssistantData, TextPart
-from trio_sessions._stream import EventKind
+from trio_sessions._store.stream import Position, message_tag
+from trio_sessions._stream import EventKind, encode_cursor, session_tag
 
 
 def event(kind: EventKind, data: Any, seq: int = 2) -> StreamEvent:
@@ -52,3 +53,42 @@ def test_every_value_from_a_row_is_escaped_in_a_message() -> None:
     assert "<img" not in html
     assert "<s>" not in html
     assert "&lt;img src=x onerror=alert(1)&gt;" in html
+
+
+def resent(seq: int, message_id: str) -> StreamEvent:
+    """A user message a stream sends whole after a "truncate" (its cursor names it top)."""
+    cursor = encode_cursor(session_tag("s"), Position(seq, message_tag(message_id)))
+    return StreamEvent(cursor, seq, "user", "message", {"text": message_id})
+
+
+def updates(text: str) -> list[Any]:
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ")]
+
+
+def feed_of(shown: range) -> PageFeed:
+    return PageFeed("s", shown.start, {seq: message_tag(f"m{seq}") for seq in shown}, {})
+
+
+def test_a_rewrite_drops_only_what_the_page_shows_that_changed() -> None:
+    """After a "truncate", the messages sent again that the page shows as they are (same id
+    at the same seq) are held back: one drop after the last of them, then the message
+    that differs - or, once the stream has sent all it read, just the drop."""
+    truncate = StreamEvent(encode_cursor(session_tag("s"), Position()), 0, "", "truncate", None)
+    feed = feed_of(range(1, 10))
+    kept = [resent(seq, f"m{seq}") for seq in range(1, 5)]
+    text = feed.feed([truncate, *kept, resent(5, "new")], settled=True)
+    assert [update.get("drop_after", update.get("seq")) for update in updates(text)] == [4, 5]
+    assert f"id: {kept[-1].cursor}\ndata: " in text  # a reconnect resumes after message 4
+    feed = feed_of(range(1, 10))
+    assert updates(feed.feed([truncate, *kept], settled=False)) == []
+    assert updates(feed.feed([], settled=True)) == [{"drop_after": 4}]
+
+
+def test_a_rewrite_before_the_page_reloads_it() -> None:
+    """A rewrite that cuts before the first message the page shows, while earlier ones
+    remain, reloads the page (its tail moved); one that leaves none is a drop of all."""
+    truncate = StreamEvent(encode_cursor(session_tag("s"), Position()), 0, "", "truncate", None)
+    feed = feed_of(range(10, 20))
+    assert updates(feed.feed([truncate, resent(3, "m3")], settled=True)) == [{"reload": True}]
+    feed = feed_of(range(10, 20))
+    assert updates(feed.feed([truncate], settled=True)) == [{"drop_after": 0}]
