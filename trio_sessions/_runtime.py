@@ -211,8 +211,22 @@ async def _open_runtime(
         # Held from before the first claim until after the last drain exited (§4 Owner
         # liveness); a producer never claims, so it holds none.
         _holding_token(executor, drain, config.owner_id) as token,
-        trio.open_nursery() as nursery,
+        trio.open_nursery() as outer,
     ):
+        runtime: Runtime | None = None
+
+        def tasks_ended() -> None:
+            # A task's error ends the block too, at once - its `finally` closes the runtime
+            # (the heartbeat, shielded, outlives the tasks until then) - except after
+            # `testing.crash`, when the block runs on.
+            if runtime is None or not runtime._crashed:
+                outer.cancel_scope.cancel()
+
+        # The runtime's tasks (drains, loops) live in a nursery of their own beside the
+        # caller's block, not around it: `testing.crash` stops every one of them, as a
+        # killed process's, while the block - a test going on to watch the takeover -
+        # runs on.
+        nursery: trio.Nursery = await outer.start(_task_nursery, tasks_ended)
         runtime = Runtime(executor=executor, nursery=nursery, drain=drain, config=config)
         if token is not None:
             await runtime.recover_once()
@@ -237,4 +251,17 @@ async def _open_runtime(
                         await runtime._shutdown()
             finally:
                 runtime._heartbeat_scope.cancel()
-                nursery.cancel_scope.cancel()
+                outer.cancel_scope.cancel()
+
+
+async def _task_nursery(
+    ended: Callable[[], None], *, task_status: trio.TaskStatus[trio.Nursery]
+) -> None:
+    """A nursery for the runtime's tasks, open until cancelled - by the runtime closing, a
+    task's error or `testing.crash` - which calls `ended` (`_open_runtime`)."""
+    async with trio.open_nursery() as nursery:
+        task_status.started(nursery)
+        try:
+            await trio.sleep_forever()
+        finally:
+            ended()
