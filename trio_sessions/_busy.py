@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Literal, NoReturn, TypeVar
 
 import attrs
 import trio
@@ -403,7 +403,7 @@ class BusyPeriods:
                 return _Ending("failed", error=context._defect)
             entry.begin_deciding()
             if runtime._seams.before_finish is not None:
-                await runtime._seams.before_finish(entry.session_id)
+                await _test_seam(runtime, runtime._seams.before_finish, entry.session_id)
             try:
                 verdict = await runtime._db.run(
                     _store.end_iteration, entry.session_id, entry.execution_id, runtime._owner_id
@@ -416,7 +416,7 @@ class BusyPeriods:
                 entry.disown()
                 entry.yield_owed = left
                 if runtime._seams.after_finish is not None:
-                    await runtime._seams.after_finish(entry.session_id)
+                    await _test_seam(runtime, runtime._seams.after_finish, entry.session_id)
                 return _HANDED_OVER if verdict is IterationVerdict.HAND_OVER else _RELEASED
             entry.keep_going()
             # The schedule point the finish left to us (`caller_yields_next`): a drain that
@@ -604,3 +604,20 @@ class BusyPeriods:
                 continue
             for execution_id in lost:
                 runtime._lost_claims.pop(execution_id, None)
+
+
+async def _test_seam(
+    runtime: Runtime, seam: Callable[[str], Awaitable[None]], session_id: str
+) -> None:
+    """Run a test seam (`testing.set_seams`). Its error is the test's, not the drain's (no
+    `failed` outcome, no "drain failed"): raised from a task of the runtime's own, it ends
+    the runtime's block as any test code's error would, and this busy period goes on as if
+    the seam had returned until that cancels it."""
+    try:
+        await seam(session_id)
+    except Exception as exc:
+        runtime._nursery.start_soon(_raise, exc)
+
+
+async def _raise(error: Exception) -> NoReturn:
+    raise error
