@@ -217,16 +217,17 @@ class AssistantWriter:
         (`MAX_PAYLOAD_BYTES`, encoded), or a NUL character is in `call_id`, `name` or
         `input`. If the owner dies before it settles, recovery fails it with "interrupted:
         owner lost": the call may or may not have happened."""
-        for value, what in ((call_id, "call_id"), (name, "name")):
-            if not isinstance(value, str) or not value:
-                raise TypeError(f"{what} must be a non-empty str, got {value!r:.80}")
-            _codec.check_text(value, what)
+        call_id = _validate.tool_key(call_id, "call_id")
+        name = _validate.tool_key(name, "name")
         await _validate.checked_json(_codec.check_json_object, input, "tool input")
         await self._update(lambda data: _transcript.start_tool(data, call_id, name, input))
 
     async def settle_tool(self, call_id: str, output: Any) -> None:
         """Record a running tool call as `completed` with its JSON `output`: at most 1 MiB
-        encoded (`MAX_PAYLOAD_BYTES`) and no NUL character in it (`ValueError`)."""
+        encoded (`MAX_PAYLOAD_BYTES`) and no NUL character in it (`ValueError`); a
+        `call_id` that no started call can have (as `start_tool` checks it) is a
+        `TypeError`/`ValueError` like any bad argument, not an `UnknownToolCall`."""
+        call_id = _validate.tool_key(call_id, "call_id")
         await _validate.checked_json(
             _codec.check_json, output, "tool output", limit=_codec.MAX_PAYLOAD_BYTES
         )
@@ -234,7 +235,9 @@ class AssistantWriter:
 
     async def fail_tool(self, call_id: str, error: str) -> None:
         """Record a running tool call as `error` with the reason `error`: at most 1 MiB in
-        UTF-8 (`MAX_PAYLOAD_BYTES`) and no NUL character (`ValueError`)."""
+        UTF-8 (`MAX_PAYLOAD_BYTES`) and no NUL character (`ValueError`); `call_id` is
+        checked as `settle_tool` checks it."""
+        call_id = _validate.tool_key(call_id, "call_id")
         _codec.check_text(error, "error")
         await self._update(lambda data: _transcript.settle_tool(data, call_id, error=error))
 

@@ -22,6 +22,12 @@ from . import _codec, _store
 MAX_ID_LENGTH = 200
 
 
+def plain_str(value: str) -> str:
+    """`value` as a plain str: a subclass's text without its own `==`, hash, `len` or
+    `isprintable` - the store keys by the text alone, so the runtime's dicts must too."""
+    return value if type(value) is str else str.__str__(value)
+
+
 def validate_id(value: object, what: str) -> str:
     """A valid key - a session's, an input's, an execution's, an owner's id: a str of 1-200
     printable characters (`what` names it in the error)."""
@@ -35,6 +41,15 @@ def validate_id(value: object, what: str) -> str:
     if not value.isprintable():
         raise ValueError(f"{what} must be printable, got {value!r}")
     return value
+
+
+def tool_key(value: object, what: str) -> str:
+    """A tool call's id or name (`what`): a non-empty str with no NUL character, as a plain
+    str (`plain_str`: the message's calls are told apart by their text)."""
+    text = plain_str(value) if isinstance(value, str) else None
+    if not text:
+        raise TypeError(f"{what} must be a non-empty str, got {value!r:.80}")
+    return _codec.check_text(text, what)
 
 
 def validate_session_id(session_id: object) -> str:
