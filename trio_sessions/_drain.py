@@ -11,7 +11,6 @@ runtime's executor.
 from __future__ import annotations
 
 import contextvars
-import inspect
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -46,14 +45,6 @@ def refuse_waiting_for_own_drain(runtime: Runtime, session_id: str, what: str) -
             f"{what}() called from the drain of its own session {session_id!r}: it would wait"
             " for itself (the drain's return ends the execution it waits for)"
         )
-
-
-def is_async_callable(drain: object) -> bool:
-    """An `async def` function (also bound or wrapped in `functools.partial`), or an object
-    whose `__call__` is one."""
-    return inspect.iscoroutinefunction(drain) or (
-        callable(drain) and inspect.iscoroutinefunction(type(drain).__call__)
-    )
 
 
 class DrainContext:

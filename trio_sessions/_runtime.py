@@ -26,7 +26,7 @@ from . import _validate
 from ._backend import Executor, StoreBackend, Token
 from ._drain import TAKE_INPUTS_CHUNK as TAKE_INPUTS_CHUNK
 from ._drain import AssistantWriter as AssistantWriter
-from ._drain import Drain, is_async_callable
+from ._drain import Drain
 from ._drain import DrainContext as DrainContext
 from ._model import Claim
 from ._naming import ACCEPTED_FORMS, store_kind
@@ -88,11 +88,8 @@ async def open_runtime(
     liveness token); `run` returns `deferred` and the wakes wait for a runtime that drains.
     """
     backend = _resolve_store(store)
-    if drain is not None and not is_async_callable(drain):
-        raise TypeError(
-            "drain must be an async function (or an object with an async __call__)"
-            f" taking a DrainContext, or None; got {drain!r}"
-        )
+    if drain is not None:
+        _validate.async_callable(drain, "drain", "a DrainContext, or None")
     lease = _validate.seconds(lease, "lease")
     heartbeat = (
         lease / 3
@@ -114,8 +111,8 @@ async def open_runtime(
     takeover_grace = _validate.seconds(takeover_grace, "takeover_grace")
     if clock is not None and not callable(clock):
         raise TypeError("clock must be a zero-argument callable returning epoch seconds")
-    if acquisition_hook is not None and not callable(acquisition_hook):
-        raise TypeError("acquisition_hook must be an async callable taking a Claim")
+    if acquisition_hook is not None:
+        _validate.async_callable(acquisition_hook, "acquisition_hook", "a Claim")
     config = _Config(
         owner_id=make_owner_id(owner_id),
         lease=lease,

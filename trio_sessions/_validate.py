@@ -9,6 +9,7 @@ JSON value is checked in a worker thread.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import os
 import socket
@@ -63,6 +64,24 @@ def validate_input_id(input_id: object) -> str:
     if not isinstance(input_id, str):
         raise TypeError(f"input_id must be a str or None, got {type(input_id).__name__}")
     return validate_id(input_id, "input_id")
+
+
+def is_async_callable(value: object) -> bool:
+    """An `async def` function (also bound or wrapped in `functools.partial`), or an object
+    whose `__call__` is one."""
+    return inspect.iscoroutinefunction(value) or (
+        callable(value) and inspect.iscoroutinefunction(type(value).__call__)
+    )
+
+
+def async_callable(value: object, what: str, takes: str) -> None:
+    """`TypeError` naming `what` unless `value` is `is_async_callable` (what is awaited
+    must be: a plain def would fail only when first awaited, far from its cause)."""
+    if not is_async_callable(value):
+        raise TypeError(
+            f"{what} must be an async function (or an object with an async __call__)"
+            f" taking {takes}; got {value!r:.200}"
+        )
 
 
 def make_owner_id(name: str | None) -> str:

@@ -19,7 +19,6 @@ import argparse
 import functools
 import gc
 import importlib
-import inspect
 import logging
 import os
 import signal
@@ -222,9 +221,7 @@ def load_drain(spec: str) -> Any:
             ) from None
     if not callable(target):
         raise DrainLoadError(f"{spec!r} is not callable: {type(target).__name__}")
-    if not (
-        inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(type(target).__call__)
-    ):
+    if not _validate.is_async_callable(target):
         raise DrainLoadError(f"{spec!r} must be an async function taking a DrainContext")
     return target
 

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
+from . import _validate
 from ._runtime import Runtime, Seams
 from ._sqlite import SQLiteStore as Store
 
@@ -47,7 +48,16 @@ def set_seams(
     """Install test seams: `before_finish(session_id)` runs before a drain's finish
     transaction and `after_finish(session_id)` after one that released the claim, while the
     registry entry is still held; `before_recovery_apply(execution_ids)` runs between
-    taking recovery leases and applying recovery's decisions."""
+    taking recovery leases and applying recovery's decisions. Each is awaited: a plain
+    `def` is a `TypeError` naming it."""
+    seams = {
+        "before_finish": before_finish,
+        "after_finish": after_finish,
+        "before_recovery_apply": before_recovery_apply,
+    }
+    for what, seam in seams.items():
+        if seam is not None:
+            _validate.async_callable(seam, what, "its step's argument")
     runtime._seams = Seams(
         before_finish=before_finish,
         after_finish=after_finish,
