@@ -469,5 +469,26 @@ def executor_closed() -> StoreError:
     return StoreError("the store executor is closed")
 
 
+# The lease clock's readings are epoch seconds up to this (about the year 5138): stored as
+# 64-bit milliseconds with durations of up to 1e9 s added to them, no sum overflows.
+MAX_CLOCK_SECONDS = 1e11
+
+
 def now_ms(clock: Callable[[], float]) -> int:
-    return int(clock() * 1000)
+    """The lease clock's reading in whole milliseconds; `TypeError`/`ValueError` naming the
+    clock for a reading that is no time (`epoch_seconds`). Read once per transaction: the
+    check is two type tests and a comparison."""
+    now = clock()
+    if (type(now) is float or type(now) is int) and 0 <= now <= MAX_CLOCK_SECONDS:
+        return int(now * 1000)
+    return int(epoch_seconds(now, "the runtime's clock reading") * 1000)
+
+
+def epoch_seconds(value: object, what: str) -> float:
+    """A time in epoch seconds, from 0 to `MAX_CLOCK_SECONDS`: `TypeError` for a non-number
+    (a str, a bool), `ValueError` for NaN, infinity or a time out of range."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{what} must be a number of epoch seconds, got {type(value).__name__}")
+    if not 0 <= value <= MAX_CLOCK_SECONDS:
+        raise ValueError(f"{what} must be 0 to {MAX_CLOCK_SECONDS:g} epoch seconds, got {value!r}")
+    return float(value)

@@ -79,9 +79,11 @@ async def open_runtime(
     once they exited, and the token is taken again.
 
     Raises, before anything is opened, `TypeError`/`ValueError` for a bad option (and
-    `TypeError` for a plain `def` drain); then `SchemaTooNew` for a store written by a newer
-    library and `StoreError` when the store cannot be opened or the first recovery pass
-    fails. Cancelled while opening: whatever opened is closed again.
+    `TypeError` for a plain `def` drain or acquisition hook; a `clock` is read once, and one
+    that gives no epoch seconds from 0 to 1e11 is refused - a later such reading fails the
+    transaction that read it with an error naming the clock); then `SchemaTooNew` for a
+    store written by a newer library and `StoreError` when the store cannot be opened or the
+    first recovery pass fails. Cancelled while opening: whatever opened is closed again.
 
     `drain=None` opens a producer: `submit`, `wake`, `interrupt` and `transcript` work and
     are durable, but it never claims a session, recovers, or heartbeats (and holds no
@@ -109,8 +111,8 @@ async def open_runtime(
     if owner_id is not None:
         owner_id = _validate.validate_id(owner_id, "owner id")
     takeover_grace = _validate.seconds(takeover_grace, "takeover_grace")
-    if clock is not None and not callable(clock):
-        raise TypeError("clock must be a zero-argument callable returning epoch seconds")
+    if clock is not None:
+        clock = _validate.clock(clock)
     if acquisition_hook is not None:
         _validate.async_callable(acquisition_hook, "acquisition_hook", "a Claim")
     config = _Config(

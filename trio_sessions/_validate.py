@@ -2,8 +2,9 @@
 written; and the runtime's owner id.
 
 Each check returns the value as the runtime uses it or raises `TypeError`/`ValueError` naming
-the argument. None touches the store or a clock, and none stalls the event loop: a large
-JSON value is checked in a worker thread.
+the argument. None touches the store, and none stalls the event loop: a large JSON value is
+checked in a worker thread. The one that reads a clock is `clock`: it reads the caller's
+runtime clock once.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 import trio
 
-from . import _codec, _store
+from . import _backend, _codec, _store
 
 MAX_ID_LENGTH = 200
 
@@ -121,6 +122,24 @@ def count(value: object, what: str, minimum: int) -> int:
     if not minimum <= value <= MAX_INT64:
         raise ValueError(f"{what} must be {minimum} to {MAX_INT64}, got {value}")
     return value
+
+
+def clock(value: object) -> Callable[[], float]:
+    """A runtime clock: a zero-argument callable returning epoch seconds, read once here, so
+    that one giving no usable time (`_backend.epoch_seconds`) is refused before anything is
+    opened; a later bad reading fails its transaction, naming the clock, as `now_ms` finds it.
+    """
+    if not callable(value):
+        raise TypeError(
+            f"clock must be a zero-argument callable returning epoch seconds, got {value!r:.80}"
+        )
+    _backend.now_ms(value)
+    return value
+
+
+def epoch(value: object) -> float:
+    """A test clock's epoch: epoch seconds, as a clock's reading (`_backend.epoch_seconds`)."""
+    return _backend.epoch_seconds(value, "epoch")
 
 
 def delay_ms(delay: object) -> int:

@@ -24,7 +24,9 @@ DEFAULT_EPOCH = 1_800_000_000.0
 
 
 def trio_clock(epoch: float = DEFAULT_EPOCH) -> Callable[[], float]:
-    """A clock returning `epoch + trio time`. Call it inside `trio.run`; use it anywhere."""
+    """A clock returning `epoch + trio time`. Call it inside `trio.run`; use it anywhere.
+    `TypeError`/`ValueError` for an epoch that is no number of epoch seconds (0 to 1e11)."""
+    epoch = _validate.epoch(epoch)
     clock = trio.lowlevel.current_clock()
 
     def now() -> float:

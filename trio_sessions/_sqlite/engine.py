@@ -242,7 +242,15 @@ def _run_jobs_or_raise(
     file: DatabaseFile | None = None,
     touched: Touched | None = None,
 ) -> None:
-    tx = SQLiteTx(conn, now_ms(clock), None if file is None else file.path)
+    try:
+        now = now_ms(clock)
+    except Exception as exc:  # a reading that is no time, or the clock's own error
+        # Nothing ran yet: every job fails with it, and the transaction must not stay open.
+        conn.execute("ROLLBACK")
+        for job in jobs:
+            job.error = exc
+        return
+    tx = SQLiteTx(conn, now, None if file is None else file.path)
     grouped = len(jobs) > 1
     if grouped and SET_WISE:
         jobs = _run_set_wise(conn, tx, jobs)
