@@ -67,6 +67,44 @@ def store_kind(store: str | os.PathLike[str]) -> Literal["sqlite", "postgres"]:
     return "sqlite"
 
 
+# The names SQLite opens as a private in-memory database: no file, nothing that another
+# connection - let alone another process - can share.
+IN_MEMORY_NAMES = ("", ":memory:")
+
+
+def check_sqlite_path(path: object) -> str | os.PathLike[str]:
+    """An SQLite store's path as `SQLiteStore` takes it: a str or an `os.PathLike` of one
+    (`TypeError` else), holding no NUL and no lone surrogate (`ValueError`: SQLite gives a
+    database's file name back as UTF-8 text, and a name whose bytes are not UTF-8 - how
+    Python spells such a one - would be created, then fail the first read of it)."""
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"store path must be a str or an os.PathLike, got {type(path).__name__}")
+    name = os.fspath(path)
+    if not isinstance(name, str):
+        raise TypeError(f"store path must be a str or an os.PathLike, got {type(name).__name__}")
+    if "\x00" in name:
+        raise ValueError(f"store path {name!r} holds a NUL character")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(
+            f"store path {name!r} holds a lone surrogate (bytes that are not UTF-8): SQLite"
+            " names its database files in UTF-8, so it cannot be a store; rename the file"
+        ) from None
+    return path
+
+
+def check_file_store(path: str | os.PathLike[str]) -> None:
+    """`ValueError` for a name SQLite opens as a private in-memory database (`""`,
+    `":memory:"`): it lives in one connection, while a runtime opens several and other
+    processes share its store; the one rule of `open_runtime` and the worker command."""
+    if os.fspath(path) in IN_MEMORY_NAMES:
+        raise ValueError(
+            f"store {os.fspath(path)!r} is an in-memory SQLite database, private to one"
+            " connection: no runtime or worker can share it; pass a file path or a URL"
+        )
+
+
 def check_postgres_name(name: str) -> str:
     """A PostgreSQL URL or libpq DSN as `PostgresStore` takes it; `ValueError` for another
     URL scheme and for a URL whose user name or password holds an unquoted `@` or `/`

@@ -29,7 +29,7 @@ from ._drain import AssistantWriter as AssistantWriter
 from ._drain import Drain
 from ._drain import DrainContext as DrainContext
 from ._model import Claim
-from ._naming import ACCEPTED_FORMS, store_kind
+from ._naming import ACCEPTED_FORMS, check_file_store, store_kind
 from ._sqlite import SQLiteStore
 from ._validate import make_owner_id as make_owner_id
 from ._verbs import Runtime as Runtime
@@ -78,7 +78,8 @@ async def open_runtime(
     broke) stops every drain at once with reason `lease_lost`; their claims are handed back
     once they exited, and the token is taken again.
 
-    Raises, before anything is opened, `TypeError`/`ValueError` for a bad option (and
+    Raises, before anything is opened, `TypeError`/`ValueError` for a bad option or store
+    (an in-memory SQLite database, `""` or `":memory:"`, is no store: `ValueError`) (and
     `TypeError` for a plain `def` drain or acquisition hook; a `clock` is read once, and one
     that gives no epoch seconds from 0 to 1e11 is refused - a later such reading fails the
     transaction that read it with an error naming the clock); then `SchemaTooNew` for a
@@ -90,6 +91,8 @@ async def open_runtime(
     liveness token); `run` returns `deferred` and the wakes wait for a runtime that drains.
     """
     backend = _resolve_store(store)
+    if isinstance(backend, SQLiteStore):
+        check_file_store(backend.path)
     if drain is not None:
         _validate.async_callable(drain, "drain", "a DrainContext, or None")
     lease = _validate.seconds(lease, "lease")

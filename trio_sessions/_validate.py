@@ -17,6 +17,7 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 import trio
 
 from . import _backend, _codec, _store
@@ -109,6 +110,18 @@ def duration(value: object, what: str, *, minimum: float = 0.0) -> float:
 def seconds(value: object, what: str) -> float:
     # Durable times are whole milliseconds: anything shorter would round to nothing.
     return duration(value, what, minimum=0.001)
+
+
+def flag(value: object, what: str) -> bool:
+    """A bool, and nothing that merely tests true (the string "no" would)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{what} must be a bool, got {type(value).__name__}: {value!r:.80}")
+    return value
+
+
+def check_flag(_instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    """`flag` as an attrs validator, naming the attribute (a store's `inline`, `listen`)."""
+    flag(value, attribute.name)
 
 
 # Counts and seqs are stored and compared as signed 64-bit integers on both backends.

@@ -30,7 +30,15 @@ import attrs
 import trio
 
 from . import _metrics, _validate
-from ._naming import check_schema, display_name, mask_password, secrets_of, store_kind
+from ._naming import (
+    check_file_store,
+    check_schema,
+    check_sqlite_path,
+    display_name,
+    mask_password,
+    secrets_of,
+    store_kind,
+)
 from ._observe import MaskTracebacks
 from ._runtime import open_runtime
 
@@ -135,10 +143,11 @@ def settings_from(args: argparse.Namespace, environ: Mapping[str, str]) -> Worke
     store = pick(args.store, ENV_STORE)
     if not store:  # also `--store ''`: an unset shell variable
         raise UsageError(f"no store: pass --store PATH_OR_URL or set {ENV_STORE}")
-    if store == ":memory:":
-        raise UsageError("an in-memory database is no store a worker can share: pass a path or URL")
     try:
         kind = store_kind(store)
+        if kind == "sqlite":
+            check_sqlite_path(store)
+            check_file_store(store)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     schema = pick(args.schema, ENV_SCHEMA)

@@ -64,7 +64,7 @@ from .._backend import (
 from .._errors import StoreError
 from .._handoff import Queued
 from .._naming import check_postgres_name, check_schema, display_name
-from .._validate import count
+from .._validate import check_flag, count
 from .engine import BATCH_LIMIT, PgEngine
 from .listener import PgListener, Wanted, _wait_for_change, token_connection
 from .transactions import Mode
@@ -460,8 +460,8 @@ class PostgresStore:
     schema: str = attrs.field(
         default="public", kw_only=True, validator=lambda _s, _a, schema: check_schema(schema)
     )
-    inline: bool = attrs.field(default=False, kw_only=True)
-    listen: bool = attrs.field(default=True, kw_only=True)
+    inline: bool = attrs.field(default=False, kw_only=True, validator=check_flag)
+    listen: bool = attrs.field(default=True, kw_only=True, validator=check_flag)
     writers: int = attrs.field(default=WRITERS, kw_only=True, validator=_check_writers)
     # Test seam: wraps each connection the engine opens (also after a reconnect), e.g. to
     # break the connection at COMMIT (fault injection, counting).

@@ -48,6 +48,8 @@ from .._backend import BackendName, Job, OwnChange, StoreStatistics, Tx
 from .._errors import StoreError
 from .._filewatch import open_watch
 from .._handoff import HandoffQueue, Queued, pumping
+from .._naming import check_sqlite_path
+from .._validate import check_flag
 from .changes import CHANGE_POLL, ChangeReader
 from .connections import (
     BUSY_TIMEOUT_MS,
@@ -362,10 +364,14 @@ class SQLiteStore:
     `synchronous` is SQLite's durability setting for every connection: `"NORMAL"` (default)
     survives a process crash, but the newest commits may roll back after a power loss or an
     OS crash; `"FULL"` makes a commit that returned survive those too (an fsync per commit).
+    Construction checks the arguments (`TypeError`/`ValueError` naming the bad one): `path`
+    is a str or `os.PathLike` of one with no NUL or lone surrogate, `inline` a bool.
     """
 
-    path: str | os.PathLike[str]
-    inline: bool = False
+    path: str | os.PathLike[str] = attrs.field(
+        validator=lambda _s, _a, path: check_sqlite_path(path)
+    )
+    inline: bool = attrs.field(default=False, validator=check_flag)
     synchronous: str = attrs.field(
         default="NORMAL", kw_only=True, validator=lambda _s, _a, value: check_synchronous(value)
     )
