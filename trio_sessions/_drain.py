@@ -81,6 +81,7 @@ class DrainContext:
         self._entry = entry
 
     def _check_live(self) -> None:
+        self._runtime._check_run()
         if self._returned:
             raise LeaseLost(
                 f"this DrainContext of execution {self.execution_id!r} is stale: its drain"

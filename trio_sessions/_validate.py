@@ -33,9 +33,11 @@ def plain_str(value: str) -> str:
 
 def validate_id(value: object, what: str) -> str:
     """A valid key - a session's, an input's, an execution's, an owner's id: a str of 1-200
-    printable characters (`what` names it in the error)."""
+    printable characters (`what` names it in the error), returned as a plain str
+    (`plain_str`): callers use the returned value, never their argument."""
     if not isinstance(value, str):
         raise TypeError(f"{what} must be a str, got {type(value).__name__}")
+    value = plain_str(value)
     _codec.check_text(value[: MAX_ID_LENGTH + 1], what)
     if not 1 <= len(value) <= MAX_ID_LENGTH:
         raise ValueError(
