@@ -190,13 +190,17 @@ def settings_from(args: argparse.Namespace, environ: Mapping[str, str]) -> Worke
 
 
 def _positive_int(text: str, what: str) -> int:
+    """A count as `open_runtime` takes it (`_validate.count`: 1 to 2**63-1)."""
     try:
         value = int(text)
     except ValueError:
         raise UsageError(f"{what} must be a whole number, got {text!r}") from None
     if value < 1:
         raise UsageError(f"{what} must be at least 1, got {value}")
-    return value
+    try:
+        return _validate.count(value, what, 1)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _seconds(text: str, what: str) -> float:
