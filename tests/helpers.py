@@ -13,7 +13,8 @@ import trio
 import trio.testing
 
 import trio_sessions
-from trio_sessions import DrainContext, Outcome, Runtime, Store, testing
+from trio_sessions import DrainContext, Outcome, Runtime, testing
+from trio_sessions._backend import StoreBackend
 from trio_sessions._codec import decode_assistant, encode_assistant
 from trio_sessions._model import AssistantData, TextPart, ToolPart
 
@@ -29,7 +30,7 @@ VIRTUAL_TIME_LIMIT = 3_600.0
 
 @asynccontextmanager
 async def runtime(
-    store: Store, drain: Drain | None, clock: Callable[[], float], **options: Any
+    store: StoreBackend, drain: Drain | None, clock: Callable[[], float], **options: Any
 ) -> AsyncIterator[Runtime]:
     """A runtime on the inline store and the virtual clock (lease 30 s unless given; a
     producer when `drain` is None).

@@ -1184,7 +1184,7 @@ async def test_a_claim_past_its_local_deadline_at_commit_reaches_no_user_code(
         hooked.append(claim)
 
     slow = _SlowAcquireStore(store, 31.0)  # the lease is 30 s
-    async with runtime(slow, drain, clock, acquisition_hook=hook) as rt:  # type: ignore[arg-type]
+    async with runtime(slow, drain, clock, acquisition_hook=hook) as rt:
         await rt.wake("s")
         await rt.wait_idle("s")
     assert hooked == []
@@ -1209,7 +1209,7 @@ async def test_a_rung_claim_answered_past_its_local_deadline_reaches_no_user_cod
 
     slow = _SlowAcquireStore(store, 31.0)  # the lease is 30 s
     quiet = {"recovery_interval": 10_000.0}  # only the first pass, which rings the doorbell
-    async with runtime(slow, drain, clock, acquisition_hook=hook, **quiet) as rt:  # type: ignore[arg-type]
+    async with runtime(slow, drain, clock, acquisition_hook=hook, **quiet) as rt:
         await rt.wait_idle("s")
     assert hooked == []
     assert drain.calls == []
@@ -1236,7 +1236,7 @@ async def test_a_takeover_answered_past_its_local_deadline_reaches_no_user_code(
 
     slow = _SlowAcquireStore(store, 31.0, ops=(_store.apply_recovery_batch,))
     async with runtime(
-        slow,  # type: ignore[arg-type]
+        slow,
         drain,
         clock,
         acquisition_hook=hook,
@@ -1302,7 +1302,7 @@ async def test_a_renewal_answered_late_counts_from_when_it_was_sent(
 
     raw = Raw(db_path)
     slow = _LateThenUnreachableStore(store, 15.0)  # heartbeats every 10 s
-    async with runtime(slow, drain, clock) as rt, trio.open_nursery() as nursery:  # type: ignore[arg-type]
+    async with runtime(slow, drain, clock) as rt, trio.open_nursery() as nursery:
         outcomes = start_run(nursery, rt, "s")
         await entered.wait()
         acquired_expiry = raw.claim("s")[3]

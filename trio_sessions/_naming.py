@@ -74,14 +74,20 @@ IN_MEMORY_NAMES = ("", ":memory:")
 
 def check_sqlite_path(path: object) -> str | os.PathLike[str]:
     """An SQLite store's path as `SQLiteStore` takes it: a str or an `os.PathLike` of one
-    (`TypeError` else), holding no NUL and no lone surrogate (`ValueError`: SQLite gives a
-    database's file name back as UTF-8 text, and a name whose bytes are not UTF-8 - how
-    Python spells such a one - would be created, then fail the first read of it)."""
+    (`TypeError` else), no connection string (`ValueError`, its password masked: a file
+    named after it would be created), holding no NUL and no lone surrogate (`ValueError`:
+    SQLite gives a database's file name back as UTF-8 text, and a name whose bytes are not
+    UTF-8 - how Python spells such a one - would be created, then fail the first read)."""
     if not isinstance(path, str | os.PathLike):
         raise TypeError(f"store path must be a str or an os.PathLike, got {type(path).__name__}")
     name = os.fspath(path)
     if not isinstance(name, str):
         raise TypeError(f"store path must be a str or an os.PathLike, got {type(name).__name__}")
+    if store_kind(name) == "postgres":  # and a ValueError for another connection string
+        raise ValueError(
+            f"store path {display_name(name)!r} is a PostgreSQL URL, no SQLite file: pass it"
+            " to PostgresStore (or to open_runtime as it is)"
+        )
     if "\x00" in name:
         raise ValueError(f"store path {name!r} holds a NUL character")
     try:

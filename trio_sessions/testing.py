@@ -17,6 +17,8 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from . import _validate
+from ._backend import StoreBackend
+from ._naming import store_kind
 from ._runtime import Runtime, Seams
 from ._sqlite import SQLiteStore as Store
 
@@ -35,8 +37,14 @@ def trio_clock(epoch: float = DEFAULT_EPOCH) -> Callable[[], float]:
     return now
 
 
-def inline_store(path: str | os.PathLike[str]) -> Store:
-    """A store whose operations run inline on the trio thread (deterministic tests)."""
+def inline_store(path: str | os.PathLike[str]) -> StoreBackend:
+    """A store whose operations run inline on the trio thread (deterministic tests): an
+    SQLite file, or for a postgresql:// URL `PostgresStore(url, inline=True)` (psycopg, the
+    `postgres` extra). Another connection string is a `ValueError`, its password masked."""
+    if store_kind(path) == "postgres":
+        from ._postgres import PostgresStore  # psycopg is an optional extra
+
+        return PostgresStore(os.fspath(path), inline=True)
     return Store(path, inline=True)
 
 
@@ -57,6 +65,11 @@ def set_seams(
         "after_finish": after_finish,
         "before_recovery_apply": before_recovery_apply,
     }
+    if runtime._drain is None:
+        raise ValueError(
+            "set_seams: this runtime is a producer (drain=None): it never drains or"
+            " recovers, so no seam of it would ever run"
+        )
     for what, seam in seams.items():
         if seam is not None:
             _validate.async_callable(seam, what, "its step's argument")
@@ -71,7 +84,14 @@ def crash(runtime: Runtime) -> None:
     """Make the owner vanish as if its process was killed: every task stops and nothing more
     is written; its claims stay with live leases. Its liveness token is released when its
     `open_runtime` block exits (as a dead process's is): from then on other runtimes take
-    the claims over after `takeover_grace`, else when the leases run out."""
+    the claims over after `takeover_grace`, else when the leases run out. Only the
+    runtime's tasks stop: the code after the call (a test going on to watch the takeover)
+    runs on. `RuntimeError` once the runtime is closing (too late: claims handed back)."""
+    if runtime._closing and not runtime._crashed:
+        raise RuntimeError(
+            "crash: the runtime is closing or closed (its claims handed back): crash it"
+            " inside its open_runtime block"
+        )
     runtime._crashed = True
     runtime._closing = True
     runtime._heartbeat_scope.cancel()

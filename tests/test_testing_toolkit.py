@@ -1,6 +1,7 @@
-"""Review tests for `trio_sessions.testing` used as a new user would, to test their own drain
-(DESIGN §5 "`trio_sessions.testing` (public)", README "Testing your drains"): only the public
-API (`trio_sessions`, `trio_sessions.testing`), the inline stores and the virtual clock.
+"""`trio_sessions.testing` used as a new user would, to test their own drain (DESIGN §5
+"`trio_sessions.testing` (public)", README "Testing your drains"): only the public API
+(`trio_sessions`, `trio_sessions.testing`), the inline stores and the virtual clock. Code
+after `crash` runs on; a seam's error is the test's; misuse is refused at the call.
 """
 
 from __future__ import annotations
@@ -133,7 +134,8 @@ async def test_an_exception_in_a_seam_fails_the_test(
     with pytest.raises(AssertionError, match="the user's check in a seam"):  # noqa: PT012
         with trio.fail_after(BOUND):
             async with trio_sessions.open_runtime(store, answer, clock=clock) as rt:
-                testing.set_seams(rt, **{seam: failing})
+                seams: dict[str, Any] = {seam: failing}
+                testing.set_seams(rt, **seams)
                 outcomes.append(await rt.run("s"))
                 await trio.sleep(1)
     assert [o.kind for o in outcomes] in ([], ["succeeded"]), outcomes
