@@ -1,4 +1,4 @@
-"""Review: a differential test of the two backends (DESIGN §6.20: every backend passes the
+"""A differential test of the two backends (DESIGN §6.20: every backend passes the
 same contract; a difference is a bug unless §8 names it).
 
 One trio test opens an SQLite runtime and a PostgreSQL runtime at once, both on the inline
@@ -11,7 +11,7 @@ time moves only on the sequence's own `sleep` steps (deadline by deadline), so a
 thread (the check of a large payload) never lets it jump for one backend alone.
 
 A longer campaign: DIFF_EXAMPLES=100 DIFF_LEN=80 DIFF_NOSHRINK=1 (DIFF_DEBUG=1 prints every
-result). Run by the reviewer over seeds 1-31 (about 1,500 sequences): no difference found.
+result). Run over seeds 1-31 when written (about 1,500 sequences): no difference found.
 """
 
 from __future__ import annotations
@@ -155,18 +155,23 @@ class Scripted:
                         how = "raised"
                         raise RuntimeError("boom: a secret the transcript must not show")
                     elif cmd[0] == "append":
+                        assert writer is not None  # begun just above
                         await writer.append_text(cmd[1])
                         step.result = ("ok", None)
                     elif cmd[0] == "tool":
+                        assert writer is not None  # begun just above
                         await writer.start_tool(cmd[1], "search", {"q": cmd[2]})
                         step.result = ("ok", None)
                     elif cmd[0] == "settle":
+                        assert writer is not None  # begun just above
                         await writer.settle_tool(cmd[1], cmd[2])
                         step.result = ("ok", None)
                     elif cmd[0] == "failtool":
+                        assert writer is not None  # begun just above
                         await writer.fail_tool(cmd[1], cmd[2])
                         step.result = ("ok", None)
                     elif cmd[0] == "finish":
+                        assert writer is not None  # begun just above
                         await writer.finish()
                         step.result = ("ok", None)
                     else:  # pragma: no cover
