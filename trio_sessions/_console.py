@@ -51,7 +51,7 @@ from ._model import Message
 from ._naming import display_name
 from ._runtime import Runtime, make_owner_id
 from ._store.stream import Held, Position, Shown, Tail, Whole, message_tag
-from ._stream import decode_cursor, encode_cursor, session_tag
+from ._stream import EventStream, decode_cursor, encode_cursor, session_tag
 from ._validate import MAX_INT64, validate_session_id
 from ._worker import LOG_LEVELS
 
@@ -60,6 +60,7 @@ logger = logging.getLogger("trio_sessions.console")
 Scope = Mapping[str, Any]
 Receive = Callable[[], Awaitable[Mapping[str, Any]]]
 Send = Callable[[Any], Awaitable[None]]
+E = TypeVar("E", bound=BaseException)  # an exception kind `_only` looks for
 
 PAGE_SIZE = 50
 # Quarantined executions a list page shows (keyset-paged by execution id).
@@ -73,6 +74,9 @@ TRANSCRIPT_PAGE_SIZE = 200
 FOLLOWED_IDS = 1_000
 MAX_FORM = 16 * 1024
 COOKIE_PREFIX = "trio_sessions_console_"
+# The cookie of earlier versions, which held the raw token: expired at every login, so a
+# browser that kept it stops sending the token to every service on the host name.
+LEGACY_COOKIE = "trio_sessions_console"
 
 
 class HTTPError(Exception):
@@ -204,15 +208,18 @@ class Console:
             f"{self.guard.cookie_name()}={self.guard.cookie_value()};"
             " HttpOnly; SameSite=Strict; Path=/"
         )
-        await _redirect(send, "/", extra=((b"set-cookie", cookie.encode()),))
+        legacy = f"{LEGACY_COOKIE}=; Max-Age=0; HttpOnly; SameSite=Strict; Path=/"
+        cookies = ((b"set-cookie", cookie.encode()), (b"set-cookie", legacy.encode()))
+        await _redirect(send, "/", extra=cookies)
 
     # -- pages ------------------------------------------------------------------------------
 
     async def sessions_page(self, query: Mapping[str, str]) -> bytes:
         search = query.get("q", "")
-        after = query.get("after", "")
-        quarantine_after = query.get("quarantine_after", "")
-        if "\x00" in search + after + quarantine_after:  # PostgreSQL refuses it in any text
+        after = _page_key(query, "after")
+        quarantine_after = _page_key(query, "quarantine_after")
+        texts = [search, *(key for key in (after, quarantine_after) if isinstance(key, str))]
+        if any("\x00" in text for text in texts):  # PostgreSQL refuses it in any text
             raise HTTPError(400, "no session id holds a NUL character")
         page = await self.runtime._db.read(_store.session_page, search, after, PAGE_SIZE)
         counts = await self.runtime._db.read(_store.store_counts)
@@ -221,9 +228,8 @@ class Console:
         )
         rows = "".join(self._session_row(session) for session in page["sessions"])
         more = ""
-        if page["more"] and page["sessions"]:
-            next_after = _page_after(page["sessions"], "id", "session.id")
-            next_query = _list_query(search, next_after, quarantine_after)
+        if _pages_on(page, after):
+            next_query = _list_query(search, page["last"], quarantine_after)
             more = f'<p><a id="next" href="/?{next_query}">next page</a></p>'
         figures = " · ".join(f"{_e(k.replace('_', ' '))} <b>{v}</b>" for k, v in counts.items())
         body = f"""
@@ -236,7 +242,7 @@ contains"> <button>search</button></form>
 {more}
 <h2>Quarantine</h2>
 {self._quarantine_table(quarantine["quarantined"])}
-{_quarantine_more(quarantine, search, after)}"""
+{_quarantine_more(quarantine, search, after, quarantine_after)}"""
         return html_page("Sessions", body, store=self.store_name, read_only=self.guard.read_only)
 
     def _own_figures(self) -> str:
@@ -391,18 +397,25 @@ contains"> <button>search</button></form>
         so the page gets what changed since it was read, once; without either, every
         message (a client other than a page)."""
         cursor = last_event_id or query.get("cursor") or None
-        feed = PageFeed(session_id, 0, {}, {})
+        shown_from = 0
+        known: dict[int, str] = {}
         first: list[str] = []
+        copies: dict[int, tuple[str, Any]] = {}
+        open_tags: dict[int, str] = {}
         if cursor is not None:
             # The page's open messages and its message ids, read when the stream opens
             # (`_followed`); a change since the page's read arrives as the update `first`.
             position = decode_cursor(session_id, cursor)
+            if len(position.open) > FOLLOWED_IDS:  # a client's own: no page follows that many
+                raise HTTPError(400, f"a cursor names at most {FOLLOWED_IDS} open messages")
             shown_from = _seq_parameter(query, "from") or position.top + 1
             shown = await self.runtime._db.read(
                 _store.shown_messages, session_id, shown_from, position, FOLLOWED_IDS
             )
-            feed, position, first = _followed(session_id, shown_from, position, shown)
+            known, copies, position, first = _followed(session_id, shown_from, position, shown)
+            open_tags = {held.seq: held.tag for held in position.open if held.seq >= shown_from}
             cursor = encode_cursor(session_tag(session_id), position)
+        feed = PageFeed(session_id, shown_from, known, copies, open_tags)
         async with self.runtime.stream(session_id, cursor=cursor) as stream:
             await send(
                 {
@@ -418,11 +431,12 @@ contains"> <button>search</button></form>
                 nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
                 if first:
                     await _send_chunk(send, "".join(first))
+                reads = _SettlingReads(stream, feed, send)
                 try:
                     async for event in stream:
                         # With the events ready after it: one write for a burst.
                         events = [event, *stream.take_ready()]
-                        text = feed.feed(events, settled=not stream.dirty)
+                        text = feed.feed(events, settled=not reads.more)
                         if text:
                             await _send_chunk(send, text)
                 except MalformedRecord as exc:
@@ -509,28 +523,50 @@ def _cookies(headers: Mapping[str, str]) -> dict[str, str]:
     return {key: value for key, _, value in pairs if key}
 
 
-def _page_after(rows: Sequence[Mapping[str, Any]], key: str, column: str) -> str:
-    """Where the next page starts: after the last row listed whose id (`key`, stored in
-    `column`) is the one stored. An id that is not UTF-8 is shown with replacement
-    characters, which sort after ids its stored bytes sort before: paging after it would
-    skip them. So such rows at a page's end are listed again on the next one (a page of
-    nothing else pages on after the shown name: it may skip, it never loops)."""
-    named = [row for row in rows if _nameable(row, column)]
-    return str((named or rows)[-1][key])
+def _page_key(query: Mapping[str, str], name: str) -> str | bytes:
+    """Where a table's page starts (`_store.session_page`, `_store.quarantine_page`): after
+    the id `name`, or after the stored bytes `name_hex` of an id that is not UTF-8 text
+    (SQLite keeps another tool's bytes; its shown name, replacement characters, sorts
+    elsewhere than its bytes). Bytes that are UTF-8 are that text."""
+    hex_digits = query.get(f"{name}_hex")
+    if hex_digits is None:
+        return query.get(name, "")
+    try:
+        key = bytes.fromhex(hex_digits)
+    except ValueError:
+        raise HTTPError(400, f"{name}_hex must be hex digits") from None
+    try:
+        return key.decode("utf-8")
+    except UnicodeDecodeError:
+        return key
 
 
-def _list_query(search: str, after: str, quarantine_after: str) -> str:
-    """A list page's query: the search, and where each of its two tables starts."""
-    fields = {"q": search, "after": after, "quarantine_after": quarantine_after}
+def _pages_on(page: Mapping[str, Any], after: str | bytes) -> bool:
+    """Whether a table's page links a next one: more rows follow - and they start past
+    this page's own start (a BLOB id, which SQLite orders after all text, compares as the
+    text of its bytes: a page of them must not link itself)."""
+    return bool(page["more"]) and page["last"] is not None and page["last"] != after
+
+
+def _list_query(search: str, after: str | bytes, quarantine_after: str | bytes) -> str:
+    """A list page's query: the search, and where each of its two tables starts (an id
+    that is not UTF-8 as the hex of its bytes: `_page_key`)."""
+    fields = {"q": search}
+    for name, key in (("after", after), ("quarantine_after", quarantine_after)):
+        if isinstance(key, bytes):
+            fields[f"{name}_hex"] = key.hex()
+        elif key:
+            fields[name] = key
     return urllib.parse.urlencode({key: value for key, value in fields.items() if value})
 
 
-def _quarantine_more(page: Mapping[str, Any], search: str, after: str) -> str:
+def _quarantine_more(
+    page: Mapping[str, Any], search: str, after: str | bytes, quarantine_after: str | bytes
+) -> str:
     """The link to the next page of quarantined executions (the sessions' page kept)."""
-    if not (page["more"] and page["quarantined"]):
+    if not _pages_on(page, quarantine_after):
         return ""
-    next_after = _page_after(page["quarantined"], "execution_id", "session_recovery.execution_id")
-    query = _list_query(search, after, next_after)
+    query = _list_query(search, after, page["last"])
     return f'<p><a id="quarantine-next" href="/?{query}">next quarantined executions</a></p>'
 
 
@@ -590,18 +626,17 @@ def _whole_html(whole: Whole) -> str:
 
 def _followed(
     session_id: str, shown_from: int, position: Position, shown: Shown
-) -> tuple[PageFeed, Position, list[str]]:
+) -> tuple[dict[int, str], dict[int, tuple[str, Any]], Position, list[str]]:
     """A page's feed from what its stream read when it opened (`_store.shown_messages`):
     the tags of the final messages it shows (when the newest is still the page's: no
     rewrite since), and copies of the open messages it follows. An open message that
     changed since the page's read is sent whole now (the first updates) and followed from
-    its version now: the position the stream opens at."""
+    its version now: the position the stream opens at. One before the page's first
+    (`shown_from`: a cursor from after a rewrite may follow one) is not shown: left at
+    the cursor's version, its changes are no update (`PageFeed`)."""
     known: dict[int, str] = {}
-    if (
-        position.top
-        and shown.ids.get(position.top, "")
-        and (message_tag(shown.ids[position.top]) == position.top_tag)
-    ):
+    top_id = shown.ids.get(position.top)
+    if position.top and top_id is not None and message_tag(top_id) == position.top_tag:
         open_seqs = {held.seq for held in position.open}
         known = {
             seq: message_tag(message_id)
@@ -612,19 +647,45 @@ def _followed(
     first: list[dict[str, Any]] = []
     versions = {held.seq: held.version for held in position.open}
     held: list[Held] = []
+    followed: set[int] = set()
     for whole in shown.held:
-        if not isinstance(whole.message, Message):
-            continue  # the stream's own read says why
+        if not isinstance(whole.message, Message) or whole.seq < shown_from:
+            continue  # the stream's own read says why; not on the page
+        followed.add(whole.seq)
         copies[whole.seq] = (whole.message.role, whole.message.to_json()["data"])
         if whole.version != versions[whole.seq]:
             first.append({"seq": whole.seq, "html": message_html(whole.message)})
         if whole.open:
             held.append(Held(whole.seq, message_tag(whole.message_id), whole.version))
-    followed = {item.seq for item in shown.held if isinstance(item.message, Message)}
     held += [item for item in position.open if item.seq not in followed]
     moved = Position(position.top, position.top_tag, tuple(sorted(held, key=lambda h: h.seq)))
-    feed = PageFeed(session_id, shown_from, known, copies)
-    return feed, moved, sse_blocks(first, encode_cursor(session_tag(session_id), moved))
+    return known, copies, moved, sse_blocks(first, encode_cursor(session_tag(session_id), moved))
+
+
+class _SettlingReads:
+    """The stream's reads as a page's feed needs them: whether the last one left messages
+    out (`more`: the stream reads on at once - a feed holding a drop back since a
+    "truncate" waits for the rest), and a drop held back sent when a read that leaves
+    nothing out brings no change (no event would carry it: the page kept showing what
+    the rewrite removed until the next change). It wraps the stream's read function: the
+    stream offers no hook of its own, and its reads run in the consumer's task - here the
+    task that writes to the page - so sending from the read is sending in order."""
+
+    def __init__(self, stream: EventStream, feed: PageFeed, send: Send) -> None:
+        self.more = False
+        self._read = stream._read
+        self._feed = feed
+        self._send = send
+        stream._read = self.read
+
+    async def read(self, job: Any, *args: Any) -> Any:
+        changes = await self._read(job, *args)
+        if job is _store.stream_changes:
+            self.more = changes.more
+            quiet = not (changes.more or changes.changes or changes.rewritten)
+            if quiet and self._feed.pending:
+                await _send_chunk(self._send, self._feed.feed([], settled=True))
+        return changes
 
 
 def _nameable(row: Mapping[str, Any], *columns: str) -> bool:
@@ -642,12 +703,16 @@ def _parse_form(body: bytes) -> dict[str, str]:
 
 
 def _fields(encoded: bytes, what: str) -> dict[str, str]:
-    """A query's or a form's fields, decoded strictly: bytes that are not UTF-8 are a 400
-    saying so, never replacement characters searched for, paged after or acted on."""
+    """A query's or a form's fields, decoded strictly: bytes that are not percent-encoded
+    UTF-8 are a 400 saying so, never replacement characters searched for, paged after or
+    acted on. A raw byte past ASCII is refused too: a browser percent-encodes every one."""
     try:
-        text = encoded.decode("ascii")  # a browser percent-encodes every other byte
+        text = encoded.decode("ascii")
+    except UnicodeDecodeError:
+        raise HTTPError(400, f"the {what} is not percent-encoded UTF-8: a raw byte") from None
+    try:
         return dict(urllib.parse.parse_qsl(text, encoding="utf-8", errors="strict"))
-    except UnicodeError:
+    except UnicodeDecodeError:
         raise HTTPError(400, f"the {what} is not UTF-8 text (percent-encoded)") from None
 
 
@@ -707,9 +772,6 @@ async def _until_signal() -> None:
 
 # ---------------------------------------------------------------------------------------------
 # The command
-
-
-E = TypeVar("E", bound=BaseException)
 
 
 class UsageError(Exception):

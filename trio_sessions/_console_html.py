@@ -9,7 +9,6 @@ segment a client would resolve away); the routes read segments back with `unquot
 
 from __future__ import annotations
 
-import bisect
 import html
 import json
 import urllib.parse
@@ -106,26 +105,38 @@ class PageFeed:
     """One page's event stream, as the console sends it: the stream's events (opened at
     the position the page shows) turned into the page's updates, as SSE text with an
     `id:` line - the event's cursor - after each event's last update, so a reconnecting
-    EventSource resumes after what the page applied (Last-Event-ID).
+    EventSource resumes after what the page applied (Last-Event-ID). A change to a message
+    before the page's first one (`shown_from`) is no update: the page does not show it.
 
     A rewritten transcript reaches a stream as "truncate" (drop everything), then every
     message again from the first: the page would drop and rebuild all it shows. So after
     a "truncate", the messages sent again that the page shows as they are (the same
-    message id at the same seq - `known`, the tags of the final messages the page shows -
-    or a message before the page's first one, which the page does not show) are held back,
-    and the page is told to drop only what follows the last of them: one "drop_after" at
-    the first message that differs, or once the stream has sent all it read. Should that
-    drop every message the page shows while earlier ones remain, the page reloads
-    instead (its tail moved before it).
+    message id at the same seq - `known`, the tags of the final messages the page shows,
+    those it rendered and those it was sent since - or a message before the page's first
+    one, which the page does not show) are held back, and the page is told to drop only
+    what follows the last of them: one "drop_after" at the first message that differs,
+    or once the stream has sent all it read (`feed(..., settled=True)`). Should that drop
+    every message the page shows while earlier ones remain, the page reloads instead (its
+    tail moved before it).
     """
 
     session_id: str
     shown_from: int  # the seq of the first message the page shows
     known: dict[int, str]  # seq -> tag of the message id, for the final messages shown
-    copies: dict[int, tuple[str, Any]]  # `apply_event`'s: the open messages and those sent
+    copies: dict[int, tuple[str, Any]]  # `apply_event`'s: the open messages shown
+    open_tags: dict[int, str] = attrs.field(factory=dict)  # seq -> tag, open ones shown
     confirmed: int | None = None  # after a "truncate": the page is right up to this seq
     below: bool = False  # after a "truncate": messages before the page's first were sent
     held_back: str = ""  # the cursor of the last event held back
+    # After a "truncate": the seqs of `known` past it in order (sorted once per rewrite),
+    # and the index of the next one a message sent again must match to be held back.
+    expected: list[int] = attrs.field(factory=list, init=False)
+    next_expected: int = attrs.field(default=0, init=False)
+
+    @property
+    def pending(self) -> bool:
+        """Whether a drop is held back until the stream has sent all it read."""
+        return self.confirmed is not None
 
     def feed(self, events: Sequence[StreamEvent], *, settled: bool) -> str:
         """The SSE text for `events`; `settled`: the stream has nothing more to send now
@@ -140,38 +151,75 @@ class PageFeed:
     def _event(self, event: StreamEvent) -> list[str]:
         if event.kind == "truncate":
             apply_event(self.copies, event)
+            for seq in [seq for seq in self.open_tags if seq > event.seq]:
+                del self.open_tags[seq]
             self.confirmed, self.below, self.held_back = event.seq, False, event.cursor
+            self.expected = sorted(seq for seq in self.known if seq > event.seq)
+            self.next_expected = 0
+            return []
+        if event.seq < self.shown_from:
+            # Not on the page: a message sent again after a rewrite, or a change to an open
+            # message before the page that the stream follows since (the page holds no
+            # copy of it: a change would be a reload).
+            if self.confirmed is not None:
+                self.below, self.held_back = True, event.cursor
+                if event.kind == "message":
+                    self.confirmed = event.seq
             return []
         blocks: list[str] = []
         if self.confirmed is not None:
-            if self._as_shown(event, self.confirmed):
+            if self._as_shown(event):
                 self.confirmed, self.held_back = event.seq, event.cursor
+                self.next_expected += 1
                 return []
             blocks = self._end_check()
         if event.kind != "message" and event.seq not in self.copies:
             # Never expected (the page's open messages are copied when the stream opens):
             # the page cannot apply a change to a message the console holds no copy of.
             return [*blocks, *sse_blocks([{"reload": True}], event.cursor)]
-        return blocks + sse_blocks(apply_event(self.copies, event), event.cursor)
+        blocks += sse_blocks(apply_event(self.copies, event), event.cursor)
+        self._record(event)
+        return blocks
 
-    def _as_shown(self, event: StreamEvent, confirmed: int) -> bool:
+    def _as_shown(self, event: StreamEvent) -> bool:
         """Whether a message sent again after a "truncate" is the next one the page shows,
-        unchanged, or one before the page's first (not shown)."""
-        if event.kind != "message":
+        unchanged (a pure check: the caller moves on)."""
+        if event.kind != "message" or self.next_expected == len(self.expected):
             return False
-        if event.seq < self.shown_from:
-            self.below = True
-            return True
-        order = sorted(self.known)
-        index = bisect.bisect_right(order, confirmed)
-        if index == len(order) or order[index] != event.seq:
+        if self.expected[self.next_expected] != event.seq:
             return False  # a message the page does not show, or one it shows is gone
         position = decode_cursor(self.session_id, event.cursor)
         held = any(item.seq == event.seq for item in position.open)
         return position.top == event.seq and not held and position.top_tag == self.known[event.seq]
 
+    def _record(self, event: StreamEvent) -> None:
+        """Keep `known` what the page shows after an update it was sent: a message that
+        is final now (a finished "message", a "finish") is known by its tag - a rewrite
+        that keeps it holds it back, as one the page rendered - and an open one is not
+        (its tag is kept for when it finishes)."""
+        if event.kind == "finish":
+            tag = self.open_tags.pop(event.seq, None)
+        elif event.kind == "message":
+            position = decode_cursor(self.session_id, event.cursor)
+            still_open = [held.tag for held in position.open if held.seq == event.seq]
+            if still_open:
+                self.open_tags[event.seq] = still_open[0]
+                self.known.pop(event.seq, None)
+                return
+            # Final: the newest message (the cursor names it top), or an open one replaced
+            # whole now that it finished (its tag from when it was open).
+            tag = self.open_tags.pop(event.seq, None)
+            if position.top == event.seq:
+                tag = position.top_tag
+        else:
+            return
+        self.copies.pop(event.seq, None)  # final: no change follows
+        if tag is not None:
+            self.known[event.seq] = tag
+
     def _end_check(self) -> list[str]:
         confirmed, self.confirmed = self.confirmed or 0, None
+        self.expected, self.next_expected = [], 0
         # What the page shows after the seq confirmed is not as stored: forget it.
         self.known = {seq: tag for seq, tag in self.known.items() if seq <= confirmed}
         if self.below and confirmed < self.shown_from:
@@ -239,14 +287,24 @@ def escape(text: str) -> str:
 def quote(text: str) -> str:
     """`text` as one URL path segment ("/" encoded too) that is never a dot segment: every
     client resolves "." and ".." (RFC 3986 §5.2.4; browsers "%2E" too) away before the
-    request is sent. Such a text - and one that starts with "~", so the mark is never
-    ambiguous - is marked with a leading "~"; `unquote` reverses both."""
+    request is sent. The mark is a leading "~": "." and ".." are written "~." and "~..",
+    and a text that starts with "~" has its "~" doubled ("~x" is "~~x"), so a segment
+    starting with one "~" is only ever "~." or "~.." (`unquote` refuses any other)."""
     quoted = urllib.parse.quote(text, safe="")
     return "~" + quoted if text in (".", "..") or text.startswith("~") else quoted
 
 
 def unquote(segment: str) -> str:
-    """The text `quote` made a path segment of; `UnicodeDecodeError` for a segment whose
-    bytes are not UTF-8 (never a replacement character's text)."""
+    """The text `quote` made a path segment of. `ValueError` for a segment `quote` never
+    makes (one "~" before anything but "." or "..": it would name another text than it
+    spells), `UnicodeDecodeError` for one whose bytes are not UTF-8 (never a replacement
+    character's text)."""
     text = urllib.parse.unquote(segment, errors="strict")
-    return text[1:] if text.startswith("~") else text
+    if not text.startswith("~"):
+        return text
+    if text.startswith("~~") or text in ("~.", "~.."):
+        return text[1:]
+    raise ValueError(
+        f"{segment!r} is no console URL's segment: an id starting with '~' is written with"
+        " its '~' doubled"
+    )

@@ -49,20 +49,38 @@ _QUARANTINED = (
 
 
 @reads_stored_bytes
-def quarantine_page(tx: Tx, after: str, limit: int) -> dict[str, Any]:
+def quarantine_page(tx: Tx, after: str | bytes, limit: int) -> dict[str, Any]:
     """Quarantined executions in execution id order after `after`, at most `limit` (`more`:
-    others follow), as `quarantined` lists them: the console's table costs one page
-    however many the store holds. Keyset paging on the primary key (an index walk; the
-    table holds little besides quarantines: recovery leases while a pass runs), not on
-    the quarantine time, which no index orders."""
+    others follow; `last`: the last one's id as stored, where the next page starts), as
+    `quarantined` lists them: the console's table costs one page however many the store
+    holds. Keyset paging on the primary key (an index walk; the table holds little
+    besides quarantines: recovery leases while a pass runs), not on the quarantine time,
+    which no index orders. `after` and `last` are keys as `_page_key` takes them."""
     rows = tx.execute(
         "SELECT execution_id, session_id, owner_id, recovery_error, time_quarantined"
-        " FROM session_recovery WHERE recovery_error IS NOT NULL AND execution_id > :after"
-        " ORDER BY execution_id LIMIT :limit",
-        {"after": after, "limit": limit + 1},
+        " FROM session_recovery WHERE recovery_error IS NOT NULL"
+        " AND execution_id > CAST(:after AS TEXT) ORDER BY execution_id LIMIT :limit",
+        {"after": _page_key(tx, after), "limit": limit + 1},
     ).fetchall()
     listed = [_listed("session_recovery", _QUARANTINED, row) for row in rows[:limit]]
-    return {"quarantined": listed, "more": len(rows) > limit}
+    last = rows[:limit][-1][0] if rows else None
+    return {"quarantined": listed, "more": len(rows) > limit, "last": last}
+
+
+def _page_key(tx: Tx, key: str | bytes) -> str | bytes:
+    """A keyset page's start: an id, or - for an id SQLite holds as text that is not UTF-8
+    (another tool's write; read as its bytes) - those bytes, which the page's SQL compares
+    as the text they are (`CAST(... AS TEXT)`: byte order, as SQLite orders the column).
+    The page after such a row starts right after its stored bytes: never after its shown
+    name (replacement characters, which sort elsewhere: a page after it skipped rows, or
+    listed itself again). PostgreSQL holds UTF-8 text only: there such bytes name no row
+    (`ValueError`)."""
+    if isinstance(key, bytes) and tx.dialect == "postgres":
+        try:
+            return key.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ValueError("a page key that is not UTF-8 names no row here") from None
+    return key
 
 
 def lift_quarantine(tx: Tx, execution_id: str, owner_id: str, lease_ms: int) -> Candidate:
@@ -388,14 +406,17 @@ def _contains(tx: Tx) -> str:
 
 
 @reads_stored_bytes
-def session_page(tx: Tx, query: str, after: str, limit: int) -> dict[str, Any]:
+def session_page(tx: Tx, query: str, after: str | bytes, limit: int) -> dict[str, Any]:
     """Sessions whose id contains `query`, in id order after `after`, at most `limit`: keyset
-    paging on the primary key, so a page costs the same with 100,000 sessions."""
-    where = "s.id > :after" + (f" AND {_contains(tx)}" if query else "")
+    paging on the primary key, so a page costs the same with 100,000 sessions. `last`:
+    the last one's id as stored, where the next page starts (`_page_key`)."""
+    where = "s.id > CAST(:after AS TEXT)" + (f" AND {_contains(tx)}" if query else "")
     sql = _STATUS_SQL.replace("ORDER BY s.id", f"WHERE {where} ORDER BY s.id LIMIT :limit")
-    rows = tx.execute(sql, {"after": after, "q": query, "limit": limit + 1}).fetchall()
+    arguments = {"after": _page_key(tx, after), "q": query, "limit": limit + 1}
+    rows = tx.execute(sql, arguments).fetchall()
     sessions = [_session(tx.now, row) for row in rows[:limit]]
-    return {"now": tx.now, "sessions": sessions, "more": len(rows) > limit}
+    last = rows[:limit][-1][0] if rows else None
+    return {"now": tx.now, "sessions": sessions, "more": len(rows) > limit, "last": last}
 
 
 @reads_stored_bytes

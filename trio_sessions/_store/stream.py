@@ -35,7 +35,7 @@ from .._backend import FALLBACK, Tx, autocommit_when_alone, pg_read_batched, rea
 from .._errors import MalformedRecord
 from .._model import AssistantData, Message, Step
 from .._validate import MAX_INT64
-from .common import _chunks, _in_list, leading_rows, placed
+from .common import _IN_CHUNK, _chunks, _in_list, leading_rows, placed
 from .transcript import _decode_message
 
 
@@ -367,8 +367,9 @@ def transcript_tail(tx: Tx, session_id: str, before: int | None, limit: int) -> 
     stream position of what it shows (`stream_changes` from it sends exactly what changed
     since this read: no gap, no duplicate): its top is the newest message, and the open
     messages it follows are the open ones shown - an open message before the page is not
-    shown, so its changes are not followed either. Two statements, however many messages
-    (the deltas of the page's assistant messages in one)."""
+    shown, so its changes are not followed either. A statement for the messages, and one
+    per `_IN_CHUNK` of the page's assistant messages for their deltas (one for a page of
+    `TRANSCRIPT_PAGE_SIZE`), however long the transcript."""
     where = "m.session_id = ?" + ("" if before is None else " AND m.seq < ?")
     rows = tx.execute(
         "SELECT m.id, m.role, m.seq, m.data, m.execution_id, m.input_id,"
@@ -416,8 +417,9 @@ def _position_of(wholes: Sequence[Whole]) -> Position | None:
 @attrs.frozen
 class Shown:
     """What the console's event stream reads when it opens for a page at a stream
-    position: the ids of the messages stored at the seqs the page shows (at most a page's
-    worth past its first one), and the open messages the position holds, as stored now."""
+    position: the ids of the messages stored at the seqs the page shows (from its first
+    one, at most the `limit` the console asks for: `FOLLOWED_IDS`), and the open messages
+    the position holds, as stored now."""
 
     ids: dict[int, str]
     held: list[Whole]
@@ -427,24 +429,30 @@ class Shown:
 def shown_messages(tx: Tx, session_id: str, low: int, position: Position, limit: int) -> Shown:
     """The messages a page showing seqs `low` to `position.top` holds, as stored now (see
     `Shown`): the ids by an index range of at most `limit` rows, without their data; the
-    open messages the position names (a page follows a few at most) whole, with their
-    streamed text. An open message whose seq holds another message now is left out (the
-    transcript was rewritten: a stream from the position says so)."""
+    open messages the position names whole, with their streamed text, a statement for
+    their rows and one for their deltas per `_IN_CHUNK` of them (the caller bounds how
+    many a position may name). An open message whose seq holds another message now is
+    left out (the transcript was rewritten: a stream from the position says so)."""
     rows = tx.execute(
         "SELECT seq, id FROM session_message WHERE session_id = ? AND seq >= ? AND seq <= ?"
         " ORDER BY seq LIMIT ?",
         (session_id, low, position.top, limit),
     ).fetchall()
     ids = {placed(seq): str(message_id) for seq, message_id in rows}
-    held = []
-    for item in position.open:
-        row = tx.one(
+    tags = {held.seq: held.tag for held in position.open}
+    seqs = sorted(tags)
+    found: list[Sequence[Any]] = []
+    for start in range(0, len(seqs), _IN_CHUNK):
+        chunk = seqs[start : start + _IN_CHUNK]
+        found += tx.execute(
             "SELECT m.id, m.role, m.seq, m.data, m.execution_id, m.input_id,"
-            f" {_VERSION} FROM session_message m WHERE m.session_id = ? AND m.seq = ?",
-            (session_id, item.seq),
-        )
-        if row is not None and message_tag(str(row[0])) == item.tag:
-            held.append(_decoded(tx, session_id, row))
+            f" {_VERSION} FROM session_message m WHERE m.session_id = ?"
+            f" AND m.seq IN ({', '.join('?' * len(chunk))}) ORDER BY m.seq",
+            (session_id, *chunk),
+        ).fetchall()
+    same = [row for row in found if message_tag(str(row[0])) == tags.get(placed(row[2]))]
+    streamed = _deltas_of(tx, [str(row[0]) for row in same if row[1] == "assistant"])
+    held = [_whole_from(session_id, row, streamed.get(str(row[0]), [])) for row in same]
     return Shown(ids, held)
 
 
