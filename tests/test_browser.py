@@ -306,3 +306,47 @@ def test_the_chat_page_answers_live_resumes_stops_edits_and_deletes(
             assert stored_texts(url, "b1", "user") == []
     finally:
         web.stop()
+
+
+def test_a_session_page_drops_what_a_truncate_removes_and_resumes_after_a_restart(
+    chrome: Any, tmp_path: Path
+) -> None:
+    """An open session page follows a truncate by dropping the messages it removed (no
+    reload: the page keeps its state), and when its console restarts, the EventSource
+    reconnects with Last-Event-ID and the page gets only what changed meanwhile."""
+    store = tmp_path / "db"
+    submit(store, "s", {"text": "hello"})
+    Raw(store).write(
+        "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 10)"
+        " INSERT INTO session_message(id, session_id, role, seq, data, time_created,"
+        " time_updated) SELECT 'm' || i, 's', 'user', i + 9, json_object('text', 'msg' || i),"
+        " 0, 0 FROM n"
+    )
+
+    def seqs() -> list[int]:
+        script = "return [...document.querySelectorAll('#transcript [data-seq]')]"
+        script += ".map((e) => Number(e.dataset.seq))"
+        return [int(seq) for seq in chrome.execute_script(script)]
+
+    async def truncate() -> None:
+        async with trio_sessions.open_runtime(store, None) as producer:
+            await producer.truncate("s", after_seq=15)
+
+    with console(str(store), tmp_path) as (url, first):
+        chrome.get(f"{url}/sessions/s")
+        assert seqs() == list(range(10, 20))
+        chrome.execute_script("window.stillThisPage = true")
+        trio.run(truncate)
+        until(lambda: seqs() == list(range(10, 16)), "the truncated messages dropped", chrome)
+        assert chrome.execute_script("return window.stillThisPage") is True
+        first.stop()
+        Raw(store).write(
+            "INSERT INTO session_message(id, session_id, role, seq, data, time_created,"
+            " time_updated) VALUES ('late', 's', 'user', 16, '{\"text\": \"while away\"}', 0, 0)"
+        )
+        port = url.rsplit(":", 1)[1]
+        (tmp_path / "again").mkdir()
+        with console(str(store), tmp_path / "again", "--bind", f"127.0.0.1:{port}"):
+            until(lambda: seqs() == list(range(10, 17)), "the message stored meanwhile", chrome)
+            assert "while away" in transcript_text(chrome)
+            assert chrome.execute_script("return window.stillThisPage") is True

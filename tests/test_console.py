@@ -4,6 +4,7 @@ shows. Real processes on a real store; every wait bounded."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import socket
@@ -11,7 +12,7 @@ import subprocess
 import sys
 import time
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from typing import Any
 import httpx
 import pytest
 import trio
+import trio.testing
 from backends import Location, PgLocation
 from console_process import (
     DEADLINE,
@@ -33,6 +35,9 @@ from console_process import (
 from helpers import Raw
 
 import trio_sessions
+from trio_sessions._console import FOLLOWED_IDS, Console, Guard, HTTPError, _fields
+from trio_sessions._store.stream import Held, Position, Shown, StreamChanges, message_tag
+from trio_sessions._stream import EventStream, encode_cursor, session_tag
 
 pytestmark = pytest.mark.slow
 
@@ -556,9 +561,9 @@ def test_a_bind_address_in_use_is_an_error_not_a_traceback(tmp_path: Path) -> No
             timeout=DEADLINE,
             check=False,
         )
-    assert completed.returncode != 0
+    assert completed.returncode == 2, completed.stderr[-600:]
     assert "Traceback" not in completed.stderr, completed.stderr[-600:]
-    assert f"127.0.0.1:{port}" in completed.stderr
+    assert f"error: cannot listen on 127.0.0.1:{port}: " in completed.stderr
 
 
 @BOTH
@@ -612,6 +617,8 @@ def test_a_session_id_the_runtime_refuses_is_not_linked_to_a_400(
         listing = client.get("/").text
         links = re.findall(r'<td><a href="(/sessions/[^"]+)">', listing)
         assert "/sessions/s000" in links
+        assert "<tr><td>tab\tid</td>" in listing, "the refused id is no longer listed"
+        assert "an id the runtime refuses" in listing
         for link in links:
             page = client.get(link)
             assert page.status_code == 200, (link, page.status_code, page.text[-200:])
@@ -661,8 +668,12 @@ def test_a_pending_input_whose_id_is_not_utf8_offers_no_cancel_button(tmp_path: 
         for action in buttons:
             answer = client.post(action, data={"csrf": csrf.group(1), "back": "/"})
             assert answer.status_code == 303
+        assert buttons == [], f"{buttons} answered 303 and cancelled nothing"
+        row = re.search(r'<tr data-input="i\ufffd">.*?</tr>', page)
+        assert row is not None and "<form" not in row.group(0), "a cancel form for it"
+        assert page.count('action="/inputs/') == 1  # the seeded input's, only
     left = Raw(store).one("SELECT COUNT(*) FROM session_input WHERE id = CAST(X'69FF' AS TEXT)")
-    assert not buttons or left == (0,), f"{buttons} answered 303 and cancelled nothing"
+    assert left == (1,)
 
 
 def test_the_quarantine_table_pages_through_every_execution_once(tmp_path: Path) -> None:
@@ -791,3 +802,261 @@ def test_an_open_message_on_the_page_streams_its_appends(tmp_path: Path) -> None
             )
             _, first = next(sse_events(stream.iter_lines()))
     assert first == {"seq": 1, "append": "llo"}
+
+
+# ---------------------------------------------------------------------------------------------
+# The live page after a rewrite; paging on stored bytes; ids marked in URLs (second review)
+
+
+def test_a_rewrite_does_not_send_again_a_message_the_page_received_live(tmp_path: Path) -> None:
+    """PageFeed holds back, after a "truncate", the messages the page shows unchanged - but
+    its `known` is only what the stream read when it opened: a message the page got live
+    since (seq 20 here) is not in it, so a truncate that keeps it is a drop after 19 and
+    message 20 sent again (a duplicate; the same page reconnected would hold it back)."""
+    store = tmp_path / "db"
+    seed_ids(store, "s")
+    seed_messages(store, "s", 10)  # seqs 10 to 19
+    with (
+        console(str(store), tmp_path) as (url, _),
+        httpx.Client(base_url=url, timeout=DEADLINE) as client,
+    ):
+        page = client.get("/sessions/s").text
+        events_url = re.search(r'data-events="([^"]+)"', page)
+        assert events_url is not None
+        with client.stream("GET", events_url.group(1).replace("&amp;", "&")) as stream:
+            events = sse_events(stream.iter_lines())
+            Raw(store).write(
+                "INSERT INTO session_message(id, session_id, role, seq, data, time_created,"
+                " time_updated) VALUES ('late1', 's', 'user', 20, '{\"text\": \"a\"}', 0, 0),"
+                " ('late2', 's', 'user', 21, '{\"text\": \"b\"}', 0, 0)"
+            )
+            seen = []
+            while 21 not in seen:
+                _, update = next(events)
+                seen.append(update["seq"])
+            assert seen == [20, 21]
+
+            async def truncate() -> None:
+                async with trio_sessions.open_runtime(store, None) as producer:
+                    await producer.truncate("s", after_seq=20)
+
+            trio.run(truncate)
+            _, after_truncate = next(events)
+    assert after_truncate == {"drop_after": 20}, "message 20, shown as stored, is sent again"
+
+
+class _Runtime:
+    """Just what `Console.events` uses of a runtime, over one real `EventStream`."""
+
+    def __init__(self, stream: EventStream, shown: Shown) -> None:
+        self._stream = stream
+        self._shown = shown
+        self._db = self
+
+    async def read(self, job: Any, *args: Any) -> Any:
+        return self._shown  # `_store.shown_messages`
+
+    @contextlib.asynccontextmanager
+    async def stream(self, session_id: str, *, cursor: str | None = None) -> AsyncIterator[Any]:
+        yield self._stream
+
+
+async def test_a_deleted_transcript_is_dropped_from_the_page_when_the_stream_settles() -> None:
+    """After a "truncate" PageFeed waits for the stream to be `settled` (not dirty) before it
+    tells the page what to drop; the console asks only when an event arrives. A stream left
+    dirty by its read (the change scan marked it while it read: it reads by itself again)
+    whose next read finds nothing - here the session was deleted - yields no more events:
+    the page never gets its drop and shows the deleted messages until the next change."""
+    tag = message_tag("m3")
+    reads = 0
+    stream: EventStream
+
+    async def read(job: Any, session_id: str, position: Position) -> StreamChanges:
+        nonlocal reads
+        reads += 1
+        if reads == 1:
+            stream.mark_dirty()  # the change scan saw the delete while this read ran
+            return StreamChanges([], rewritten=True)  # the session was deleted
+        return StreamChanges([])  # nothing changed since
+
+    stream = EventStream("s", Position(3, tag), read)
+    shown = Shown({1: "m1", 2: "m2", 3: "m3"}, [])
+    console = Console(_Runtime(stream, shown), "", Guard(None, False))  # type: ignore[arg-type]
+    cursor = encode_cursor(session_tag("s"), Position(3, tag))
+    sent: list[bytes] = []
+
+    async def send(message: Any) -> None:
+        sent.append(message.get("body", b""))
+
+    async def receive() -> Any:
+        await trio.sleep_forever()  # the page stays
+
+    async with trio.open_nursery() as nursery:
+        query = {"cursor": cursor, "from": "1"}
+        nursery.start_soon(console.events, "s", query, None, receive, send)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    assert reads == 2 and not stream.dirty  # the stream has nothing more to send
+    text = b"".join(sent).decode()
+    assert '"drop_after": 0' in text, f"the page was sent {text!r}"
+
+
+async def test_a_drop_held_back_over_several_reads_is_sent_when_a_read_brings_nothing() -> None:
+    """A rewrite whose messages come in more than one read (`more`) holds the drop back
+    until the last read; when that read brings nothing (the messages it would have sent
+    were deleted meanwhile) no event carries the drop: it is sent from the read itself."""
+    tag = message_tag("m3")
+    reads = 0
+
+    async def read(job: Any, session_id: str, position: Position) -> StreamChanges:
+        nonlocal reads
+        reads += 1
+        if reads == 1:
+            return StreamChanges([], rewritten=True, more=True)  # more of them to read
+        return StreamChanges([])  # the rest were deleted meanwhile
+
+    stream = EventStream("s", Position(3, tag), read)
+    shown = Shown({1: "m1", 2: "m2", 3: "m3"}, [])
+    console = Console(_Runtime(stream, shown), "", Guard(None, False))  # type: ignore[arg-type]
+    sent: list[bytes] = []
+
+    async def send(message: Any) -> None:
+        sent.append(message.get("body", b""))
+
+    async def receive() -> Any:
+        await trio.sleep_forever()
+
+    async with trio.open_nursery() as nursery:
+        query = {"cursor": encode_cursor(session_tag("s"), Position(3, tag)), "from": "1"}
+        nursery.start_soon(console.events, "s", query, None, receive, send)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    assert reads == 2
+    assert b"".join(sent).decode().count('"drop_after": 0') == 1
+
+
+def test_the_quarantine_table_never_links_a_page_to_itself(tmp_path: Path) -> None:
+    """`_page_after` says a page of ids that are not UTF-8 "may skip, it never loops". But
+    it pages on after the last row's shown name (replacement characters), and 128 stored
+    ids b"x\\xff" + one byte all show as "x\\ufffd\\ufffd" and all sort after it: the second
+    page is the first again, and its "next" link is itself - forever."""
+    store = tmp_path / "db"
+    seed_ids(store, "s000")
+    values = ", ".join(
+        f"(CAST(X'78FF{byte:02X}' AS TEXT), 's000', 'o', 0, 'bad', 0, 0)"
+        for byte in range(0x80, 0x100)
+    )
+    Raw(store).write(
+        "INSERT INTO session_recovery(execution_id, session_id, owner_id, expires_at,"
+        f" recovery_error, time_created, time_quarantined) VALUES {values}"
+    )
+    with (
+        console(str(store), tmp_path) as (url, _),
+        httpx.Client(base_url=url, timeout=DEADLINE) as client,
+    ):
+        links = []
+        page = client.get("/").text
+        shown = page.count("session_recovery.execution_id is not UTF-8")
+        for _ in range(3):
+            link = re.search(r'id="quarantine-next" href="([^"]+)"', page)
+            if link is None:
+                break
+            links.append(link.group(1))
+            page = client.get(link.group(1).replace("&amp;", "&")).text
+            shown += page.count("session_recovery.execution_id is not UTF-8")
+    assert len(links) == len(set(links)), f"a next link leads to the same page: {links}"
+    assert shown == 128, "each of them listed once, by its stored bytes"
+
+
+@BOTH
+def test_ids_marked_with_a_tilde_round_trip_through_links_forms_and_routes(
+    db_path: Location, tmp_path: Path
+) -> None:
+    """Ids that start with "~" or are dot segments are linked and acted on as themselves:
+    "~" is doubled, "." and ".." get one; a segment with one "~" before anything else is
+    no id (a 400: an old link `/sessions/~foo` named session "~foo", never "foo")."""
+    store = db_path
+    ids = ["~", "~~", "~.", "~foo", ".", "..", "foo"]
+    seed_ids(store, *ids)
+    with (
+        console_on(store, tmp_path) as (url, _),
+        httpx.Client(base_url=url, timeout=DEADLINE) as client,
+    ):
+        listing = client.get("/").text
+        rows = re.findall(r'<tr data-session="([^"]+)"><td><a href="([^"]+)">', listing)
+        linked = {html_id.replace("&#x27;", "'"): link for html_id, link in rows}
+        assert linked == {
+            "~": "/sessions/~~",
+            "~~": "/sessions/~~~",
+            "~.": "/sessions/~~.",
+            "~foo": "/sessions/~~foo",
+            ".": "/sessions/~.",
+            "..": "/sessions/~..",
+            "foo": "/sessions/foo",
+        }
+        csrf = csrf_of(listing)
+        for session_id, link in linked.items():
+            page = client.get(link)
+            assert page.status_code == 200 and f"<title>Session {session_id}</title>" in page.text
+            assert f'action="{link}/pause"' in page.text
+            assert client.post(f"{link}/pause", data={"csrf": csrf}).status_code == 303
+            paused = Raw(store).one(
+                "SELECT time_paused IS NOT NULL FROM session WHERE id = ?", (session_id,)
+            )
+            assert paused in ((1,), (True,)), session_id
+        answer = client.get("/sessions/~foo")
+        assert answer.status_code == 400 and "doubled" in answer.text
+        assert client.post("/sessions/~foo/resume", data={"csrf": csrf}).status_code == 400
+    assert Raw(store).rows("SELECT id FROM session WHERE time_paused IS NULL") == []
+
+
+def test_logging_in_expires_the_cookie_that_held_the_raw_token(tmp_path: Path) -> None:
+    """Earlier consoles kept the raw token in `trio_sessions_console`: a login expires it,
+    so a browser stops sending the token to every service on the host name."""
+    store = tmp_path / "db"
+    seed_ids(store, "s000")
+    with (
+        console(str(store), tmp_path, "--token", TOKEN) as (url, _),
+        httpx.Client(base_url=url, timeout=DEADLINE) as client,
+    ):
+        client.cookies.set("trio_sessions_console", TOKEN, domain="127.0.0.1")
+        answer = client.get("/", params={"token": TOKEN})
+        assert answer.status_code == 303
+        cookies = answer.headers.get_list("set-cookie")
+        assert any(c.startswith("trio_sessions_console=; Max-Age=0;") for c in cookies), cookies
+        assert "trio_sessions_console" not in client.cookies
+        assert client.get("/").status_code == 200
+
+
+def test_a_raw_byte_in_a_query_is_refused_saying_it_is_not_percent_encoded() -> None:
+    """A browser percent-encodes every byte past ASCII; a raw one is a 400 that says so
+    (not "is not UTF-8 text" for valid UTF-8 sent raw), and %FF is not UTF-8."""
+    with pytest.raises(HTTPError, match="not percent-encoded UTF-8"):
+        _fields("q=caf\u00e9".encode(), "query")
+    with pytest.raises(HTTPError, match="not UTF-8 text"):
+        _fields(b"q=%FF", "query")
+    assert _fields(b"q=caf%C3%A9", "query") == {"q": "caf\u00e9"}
+
+
+def test_a_resumed_stream_names_at_most_followed_ids_open_messages(tmp_path: Path) -> None:
+    """A Last-Event-ID is the client's to write: one naming more open messages than a page
+    follows is a 400, before any read (each costs the console's read work)."""
+    store = tmp_path / "db"
+    seed_ids(store, "s")
+    tag = message_tag("x")
+
+    def cursor(count: int) -> str:
+        held = tuple(Held(seq, tag, 1) for seq in range(1, count + 1))
+        return encode_cursor(session_tag("s"), Position(count, tag, held))
+
+    with (
+        console(str(store), tmp_path) as (url, _),
+        httpx.Client(base_url=url, timeout=DEADLINE) as client,
+    ):
+        path = "/sessions/s/events"
+        refused = client.get(path, headers={"last-event-id": cursor(FOLLOWED_IDS + 1)})
+        assert refused.status_code == 400 and "at most" in refused.text
+        with client.stream("GET", path, headers={"last-event-id": cursor(FOLLOWED_IDS)}) as ok:
+            assert ok.status_code == 200
+            _, first = next(sse_events(ok.iter_lines()))
+    assert first == {"drop_after": 0}  # none of them is stored: a rewrite, for the page

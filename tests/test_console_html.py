@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
+
 from trio_sessions import StreamEvent
-from trio_sessions._console_html import PageFeed, _data_html, apply_event
+from trio_sessions._console_html import PageFeed, _data_html, apply_event, quote, unquote
 from trio_sessions._model import AssistantData, TextPart
-from trio_sessions._store.stream import Position, message_tag
+from trio_sessions._store.stream import Held, Position, message_tag
 from trio_sessions._stream import EventKind, encode_cursor, session_tag
 
 
@@ -92,3 +94,87 @@ def test_a_rewrite_before_the_page_reloads_it() -> None:
     assert updates(feed.feed([truncate, resent(3, "m3")], settled=True)) == [{"reload": True}]
     feed = feed_of(range(10, 20))
     assert updates(feed.feed([truncate], settled=True)) == [{"drop_after": 0}]
+
+
+def test_an_open_message_before_the_page_is_not_followed_after_a_rewrite() -> None:
+    """A page shows seqs 10 to 19; an open assistant message at seq 3 is before it. After a
+    rewrite the stream sends every message again and follows the open ones - seq 3 too.
+    PageFeed holds seq 3's "message" back (not shown) without keeping a copy, so its next
+    append is a change to a message it holds no copy of: a reload of the page (a "message"
+    event for it would put message 3 at the bottom of the page), where the page should
+    ignore a message it does not show."""
+    held = Held(3, message_tag("open3"), 1)
+
+    def cursor(top: int, top_id: str) -> str:
+        return encode_cursor(session_tag("s"), Position(top, message_tag(top_id), (held,)))
+
+    truncate = StreamEvent(encode_cursor(session_tag("s"), Position()), 0, "", "truncate", None)
+    parts = {"parts": [{"type": "text", "text": "he"}], "finished": False, "error": None}
+    open3 = StreamEvent(cursor(3, "open3"), 3, "assistant", "message", parts)
+    resent = [
+        StreamEvent(cursor(seq, f"m{seq}"), seq, "user", "message", {"text": "x"})
+        for seq in range(10, 20)
+    ]
+    feed = PageFeed("s", 10, {seq: message_tag(f"m{seq}") for seq in range(10, 20)}, {})
+    assert "drop_after" in feed.feed([truncate, open3, *resent], settled=True)
+    held2 = Held(3, message_tag("open3"), 2)
+    append = StreamEvent(
+        encode_cursor(session_tag("s"), Position(19, message_tag("m19"), (held2,))),
+        3,
+        "assistant",
+        "append",
+        "llo",
+    )
+    text = feed.feed([append], settled=True)
+    assert text == "", f"an append to a message the page does not show sent {text!r}"
+
+
+def test_a_message_that_finishes_live_is_held_back_by_a_rewrite_that_keeps_it() -> None:
+    """An open message the page follows is known once it finishes (its tag kept from its
+    cursor while open): a rewrite that keeps it sends it no more, only the drop after it."""
+    open_20 = Held(20, message_tag("a20"), 0)
+    feed = PageFeed("s", 10, {seq: message_tag(f"m{seq}") for seq in range(10, 20)}, {})
+    parts = {"parts": [], "finished": False, "error": None}
+    begun = StreamEvent(
+        encode_cursor(session_tag("s"), Position(20, message_tag("a20"), (open_20,))),
+        20,
+        "assistant",
+        "message",
+        parts,
+    )
+    finished_at = Position(20, message_tag("a20"))
+    finish = StreamEvent(
+        encode_cursor(session_tag("s"), finished_at), 20, "assistant", "finish", {"error": None}
+    )
+    assert [u["seq"] for u in updates(feed.feed([begun, finish], settled=True))] == [20, 20]
+    assert feed.known[20] == message_tag("a20") and 20 not in feed.copies
+    truncate = StreamEvent(encode_cursor(session_tag("s"), Position()), 0, "", "truncate", None)
+    kept = [resent(seq, f"m{seq}") for seq in range(10, 20)]
+    again = StreamEvent(
+        encode_cursor(session_tag("s"), finished_at),
+        20,
+        "assistant",
+        "message",
+        {"parts": [], "finished": True, "error": None},
+    )
+    text = feed.feed([truncate, *kept, again], settled=True)
+    assert updates(text) == [{"drop_after": 20}]
+
+
+@pytest.mark.parametrize("text", ["~", "~~", "~.", "~..", "~foo", ".", "..", "a/b", "é"])
+def test_a_quoted_id_is_one_segment_that_unquotes_to_itself(text: str) -> None:
+    """`quote` makes one path segment that is no dot segment and starts with one "~" only
+    for "." and ".." (an id's own leading "~" is doubled); `unquote` reverses it."""
+    segment = quote(text)
+    assert "/" not in segment and segment not in (".", "..")
+    assert unquote(segment) == text
+    if segment.startswith("~") and not segment.startswith("~~"):
+        assert text in (".", "..")
+
+
+@pytest.mark.parametrize("segment", ["~foo", "~", "~%2E%2E%2E", "~a.", "%7Ex"])
+def test_a_segment_quote_never_makes_is_refused(segment: str) -> None:
+    """One "~" before anything but "." or "..": no id (it named another text than it
+    spells: "~foo" was session "foo")."""
+    with pytest.raises(ValueError, match="doubled"):
+        unquote(segment)
