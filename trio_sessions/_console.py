@@ -51,7 +51,7 @@ from ._model import Message
 from ._naming import display_name
 from ._runtime import Runtime, make_owner_id
 from ._store.stream import Held, Position, Shown, Tail, Whole, message_tag
-from ._stream import EventStream, decode_cursor, encode_cursor, session_tag
+from ._stream import decode_cursor, encode_cursor, session_tag
 from ._validate import MAX_INT64, validate_session_id
 from ._worker import LOG_LEVELS
 
@@ -431,12 +431,17 @@ contains"> <button>search</button></form>
                 nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
                 if first:
                     await _send_chunk(send, "".join(first))
-                reads = _SettlingReads(stream, feed, send)
+
+                async def send_held_back() -> None:
+                    if feed.pending:
+                        await _send_chunk(send, feed.feed([], settled=True))
+
+                stream.on_settled = send_held_back
                 try:
                     async for event in stream:
                         # With the events ready after it: one write for a burst.
                         events = [event, *stream.take_ready()]
-                        text = feed.feed(events, settled=not reads.more)
+                        text = feed.feed(events, settled=not stream.left_out)
                         if text:
                             await _send_chunk(send, text)
                 except MalformedRecord as exc:
@@ -660,32 +665,6 @@ def _followed(
     held += [item for item in position.open if item.seq not in followed]
     moved = Position(position.top, position.top_tag, tuple(sorted(held, key=lambda h: h.seq)))
     return known, copies, moved, sse_blocks(first, encode_cursor(session_tag(session_id), moved))
-
-
-class _SettlingReads:
-    """The stream's reads as a page's feed needs them: whether the last one left messages
-    out (`more`: the stream reads on at once - a feed holding a drop back since a
-    "truncate" waits for the rest), and a drop held back sent when a read that leaves
-    nothing out brings no change (no event would carry it: the page kept showing what
-    the rewrite removed until the next change). It wraps the stream's read function: the
-    stream offers no hook of its own, and its reads run in the consumer's task - here the
-    task that writes to the page - so sending from the read is sending in order."""
-
-    def __init__(self, stream: EventStream, feed: PageFeed, send: Send) -> None:
-        self.more = False
-        self._read = stream._read
-        self._feed = feed
-        self._send = send
-        stream._read = self.read
-
-    async def read(self, job: Any, *args: Any) -> Any:
-        changes = await self._read(job, *args)
-        if job is _store.stream_changes:
-            self.more = changes.more
-            quiet = not (changes.more or changes.changes or changes.rewritten)
-            if quiet and self._feed.pending:
-                await _send_chunk(self._send, self._feed.feed([], settled=True))
-        return changes
 
 
 def _nameable(row: Mapping[str, Any], *columns: str) -> bool:

@@ -195,6 +195,14 @@ class EventStream(AsyncIterator[StreamEvent]):
         self._closed = False
         self._iterating = False
         self._reading = False  # its own read is under way: its answer comes from before
+        # Whether the last read (its own or the change scan's) left messages out: the
+        # stream reads on at once, so a consumer holding something back until the stream
+        # has sent all it read (the console's page feed after a rewrite) waits for the rest.
+        self.left_out = False
+        # Awaited in the consumer's task after a read of its own that brought no event and
+        # left nothing out - the stream is up to date and has nothing to yield: what such a
+        # consumer holds back goes out then (no event would carry it).
+        self.on_settled: Callable[[], Awaitable[None]] | None = None
         # `_position()` as last built (None: the position moved since): every event's cursor
         # and every look's catch-up ask for it, and it changes far less often.
         self._position_now: Position | None = None
@@ -305,6 +313,8 @@ class EventStream(AsyncIterator[StreamEvent]):
                 finally:
                     self._reading = False
                 self._apply_read(changes)
+                if not (changes.more or self._ready) and self.on_settled is not None:
+                    await self.on_settled()
                 continue
             await self._wakeup.wait()
             self._wakeup = trio.Event()
@@ -339,6 +349,7 @@ class EventStream(AsyncIterator[StreamEvent]):
         self._ready.append(StreamEvent(cursor, seq, role, kind, data))
 
     def _apply_read(self, read: StreamChanges) -> None:
+        self.left_out = read.more
         if read.more:
             self.dirty = True
         if read.rewritten:
