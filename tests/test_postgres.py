@@ -274,24 +274,30 @@ def test_upgrade_of_a_version_16_schema_replaces_the_old_delete_function(
     assert location.rows("SELECT version FROM schema_version") == [(SCHEMA_VERSION,)]
 
 
-def test_a_foreign_schema_version_table_is_refused_as_not_ours(pg_url: str, pg_schema: str) -> None:
-    """A schema whose `schema_version` table is another tool's (Flyway's of old: versions
-    such as '1.2' in a varchar) is refused with a StoreError, not a ValueError traceback,
-    and its table is left as it was."""
+@pytest.mark.parametrize(
+    ("columns", "rows", "why"),
+    [
+        (  # Flyway's of old: versions such as '1.2' in a varchar
+            "installed_rank INTEGER PRIMARY KEY, version VARCHAR(50), description VARCHAR(200)",
+            "(1, '1.1', 'init'), (2, '1.2', 'more')",
+            "another tool's",
+        ),
+        ("version INTEGER NOT NULL, applied TEXT", "(3, 'x')", "no session table"),
+    ],
+    ids=["text-versions", "integer-versions"],
+)
+def test_a_foreign_schema_version_table_is_refused_as_not_ours(
+    pg_url: str, pg_schema: str, columns: str, rows: str, why: str
+) -> None:
+    """A schema whose `schema_version` table is another tool's is refused with a StoreError
+    (not a ValueError traceback, nor read as a version and migrated from, failing on a
+    missing table of ours), and its table is left as it was."""
     with psycopg.connect(pg_url, autocommit=True) as conn:
-        conn.execute(
-            sql.SQL(
-                "CREATE TABLE {}.schema_version(installed_rank INTEGER PRIMARY KEY,"
-                " version VARCHAR(50), description VARCHAR(200))"
-            ).format(sql.Identifier(pg_schema))
-        )
-        conn.execute(
-            sql.SQL(
-                "INSERT INTO {}.schema_version VALUES (1, '1.1', 'init'), (2, '1.2', 'more')"
-            ).format(sql.Identifier(pg_schema))
-        )
+        table = sql.Identifier(pg_schema, "schema_version")
+        conn.execute(sql.SQL(f"CREATE TABLE {{}}({columns})").format(table))
+        conn.execute(sql.SQL(f"INSERT INTO {{}} VALUES {rows}").format(table))
     engine = PostgresStore(pg_url, schema=pg_schema).engine()
-    with pytest.raises(StoreError):
+    with pytest.raises(StoreError, match=f"not a trio_sessions store: .*{why}"):
         engine.open()
     with psycopg.connect(pg_url, autocommit=True) as conn:
         tables = conn.execute(

@@ -25,6 +25,7 @@ import trio
 import trio_sessions
 from trio_sessions import Store, StoreError, _sqlite
 from trio_sessions import _observe as events
+from trio_sessions._errors import StoreLost
 
 TESTS = Path(__file__).parent
 DEADLINE = 20.0  # seconds a subprocess gets to reach an expected state
@@ -186,7 +187,7 @@ async def test_a_runtime_whose_file_is_gone_ends_instead_of_failing_for_ever(
 
     with (
         trio.fail_after(DEADLINE),
-        pytest.raises(StoreError, match=r"sessions\.db.*(deleted|replaced)"),
+        pytest.raises(StoreLost, match=r"sessions\.db.*(deleted|replaced)"),
     ):
         await serve_until_it_ends()
 

@@ -303,3 +303,18 @@ def test_postgres_store_takes_urls_dsns_and_the_environment(url: str) -> None:
     from trio_sessions._postgres import PostgresStore
 
     assert PostgresStore(url).url == url
+
+
+def test_an_sqlite_store_takes_a_pathlike_whose_name_has_an_equals_sign(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`SQLiteStore(path)` says SQLite explicitly, and an `os.PathLike` is a file system path
+    by definition: `Path("run=1.db")` (a `key=value` run directory, as Hydra names them) is a
+    file. d04bcb6's `check_sqlite_path` runs `store_kind` on it and refuses it as "a libpq
+    connection string", whose advice - write it `./run=1.db` - pathlib cannot follow
+    (`Path("./run=1.db")` is `run=1.db` again). It opened before; only `open_runtime(str)`
+    has to guess."""
+    monkeypatch.chdir(tmp_path)
+    assert str(Path("./run=1.db")) == "run=1.db"
+    store = trio_sessions.SQLiteStore(Path("./run=1.db"))
+    assert Path(store.path) == Path("run=1.db")

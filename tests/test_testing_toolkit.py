@@ -14,13 +14,14 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from helpers import Recorder
+from helpers import Raw, Recorder
 
 import trio_sessions
 from trio_sessions import DrainContext, testing
 
 SECRET = "s3cret"
 BOUND = 600.0  # virtual seconds: a hang fails the test instead of blocking it
+LEASE = 30.0
 
 
 async def answer(ctx: DrainContext) -> None:
@@ -139,3 +140,116 @@ async def test_an_exception_in_a_seam_fails_the_test(
                 outcomes.append(await rt.run("s"))
                 await trio.sleep(1)
     assert [o.kind for o in outcomes] in ([], ["succeeded"]), outcomes
+
+
+@pytest.mark.sqlite_only("the nursery restructure is backend-independent")
+async def test_crash_ends_a_served_runtime(
+    tmp_path: Path, clock: Callable[[], float], autojump_clock: trio.testing.MockClock
+) -> None:
+    """`crash` of a runtime opened with `nursery.start(serve_runtime, ...)` makes it vanish
+    like a killed process: its task ends (its liveness token and store released), so the
+    nursery that started it can close. Before 1fa29cc it did (the crash cancelled the block,
+    serve_runtime's `sleep_forever`); now the runtime's tasks stop but serve_runtime sleeps on
+    for ever - a crashed owner that still holds its token, and a test that never ends."""
+    store = testing.inline_store(tmp_path / "sessions.db")
+    entered = trio.Event()
+
+    async def hold(ctx: DrainContext) -> None:
+        await ctx.take_inputs()
+        entered.set()
+        await trio.sleep_forever()
+
+    ended: list[bool] = []
+    with trio.move_on_after(BOUND):
+        async with trio.open_nursery() as nursery:
+            rt = await nursery.start(
+                lambda task_status: trio_sessions.serve_runtime(
+                    store, hold, clock=clock, lease=LEASE, task_status=task_status
+                )
+            )
+            await rt.submit("s", {"n": 1})
+            await entered.wait()
+            testing.crash(rt)  # like SIGKILL of the worker serving it
+        ended.append(True)
+    assert ended == [True], "the crashed serve_runtime task never ended"
+
+
+@pytest.mark.sqlite_only("the crash tool's closing check is backend-independent")
+async def test_crash_while_closing_waits_for_a_drain_keeps_its_claim(
+    tmp_path: Path, clock: Callable[[], float], autojump_clock: trio.testing.MockClock
+) -> None:
+    """A worker's second signal "exits at once" (DESIGN §5 worker command) while its graceful
+    shutdown still waits for a drain (past `shutdown_grace`, in a shielded cleanup): nothing
+    was handed back yet, so `crash` then is the process killed mid-shutdown - its claim stays
+    with a live lease. 326113c..ca5904a made every crash of a closing runtime a RuntimeError
+    "(its claims handed back)", which is untrue here: the claim is still held by the drain."""
+    path = tmp_path / "sessions.db"
+    store = testing.inline_store(path)
+    entered, cancelled, release = trio.Event(), trio.Event(), trio.Event()
+
+    async def slow_to_exit(ctx: DrainContext) -> None:
+        await ctx.take_inputs()
+        entered.set()
+        try:
+            await trio.sleep_forever()
+        finally:
+            cancelled.set()
+            with trio.CancelScope(shield=True):
+                await release.wait()  # a cleanup that outlives shutdown_grace
+
+    refused: list[str] = []
+    runtime: list[trio_sessions.Runtime] = []
+
+    async def second_signal() -> None:
+        await cancelled.wait()  # the graceful shutdown has begun
+        await trio.sleep(5)  # past shutdown_grace: the drain still holds its claim
+        try:
+            testing.crash(runtime[0])
+        except RuntimeError as exc:
+            refused.append(str(exc))
+        release.set()
+
+    with trio.fail_after(BOUND):
+        async with (
+            trio.open_nursery() as nursery,
+            trio_sessions.open_runtime(
+                store, slow_to_exit, clock=clock, lease=LEASE, shutdown_grace=1
+            ) as rt,
+        ):
+            runtime.append(rt)
+            await rt.submit("s", {"n": 1})
+            await entered.wait()
+            nursery.start_soon(second_signal)
+    assert refused == []
+    [(expires_at,)] = Raw(path).rows("SELECT expires_at FROM session_execution")
+    assert expires_at > clock() * 1000  # kept with its live lease, as a killed owner's
+
+
+@pytest.mark.sqlite_only("the crash tool is backend-independent")
+async def test_a_crashed_runtime_writes_nothing_more(
+    tmp_path: Path, clock: Callable[[], float], autojump_clock: trio.testing.MockClock
+) -> None:
+    """`crash`: "every task stops and nothing more is written" - a killed process writes
+    nothing. Since 1fa29cc the code after the crash runs on (to watch the takeover), but the
+    crashed runtime's verbs still work: a `submit` through it (a test's slip of `first` for
+    `second`) commits an input and a wake as the dead owner, and the test sees a store no
+    killed worker could have left. Before, that code was cancelled before it could write;
+    now a crashed runtime's verbs should refuse (or at least write nothing)."""
+    path = tmp_path / "sessions.db"
+    entered = trio.Event()
+
+    async def hold(ctx: DrainContext) -> None:
+        await ctx.take_inputs()
+        entered.set()
+        await trio.sleep_forever()
+
+    with trio.fail_after(BOUND):
+        async with trio_sessions.open_runtime(
+            testing.inline_store(path), hold, clock=clock, lease=LEASE
+        ) as first:
+            await first.submit("s", {"n": 1})
+            await entered.wait()
+            testing.crash(first)
+            with pytest.raises(trio_sessions.StoreError, match="crashed"):
+                await first.submit("t", {"n": 2})  # the dead owner
+    assert Raw(path).rows("SELECT session_id FROM session_input WHERE session_id = 't'") == []

@@ -83,7 +83,9 @@ def check_sqlite_path(path: object) -> str | os.PathLike[str]:
     name = os.fspath(path)
     if not isinstance(name, str):
         raise TypeError(f"store path must be a str or an os.PathLike, got {type(name).__name__}")
-    if store_kind(name) == "postgres":  # and a ValueError for another connection string
+    # A str may be a connection string given to the wrong class (and a ValueError for one
+    # of another form); a PathLike names a file, whatever its name holds ("run=1.db").
+    if isinstance(path, str) and store_kind(name) == "postgres":
         raise ValueError(
             f"store path {display_name(name)!r} is a PostgreSQL URL, no SQLite file: pass it"
             " to PostgresStore (or to open_runtime as it is)"

@@ -6,7 +6,8 @@ claim until after its last drain exited), runs the first recovery pass, and star
 background tasks - heartbeat, recovery loop, token keeping, owner watching, due timer and
 change loop - in the runtime's own nursery. Closing cancels the drains, waits until each
 exited, and only then hands its claim back (`Runtime._shutdown`, shielded); the heartbeat
-runs until then. Exactly one exception escapes the block: the block's own, unwrapped.
+runs until then. Exactly one exception escapes the block, unwrapped: the block's own, or
+the one a background task ended the runtime with (`StoreLost`, a test seam's error).
 
 The runtime itself is `_verbs.Runtime`; its claims' choreography is `_busy`, its background
 loops `_loops`. This module re-exports the names other modules import from here.
@@ -17,7 +18,7 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any, NoReturn
+from typing import Any
 
 import attrs
 import trio
@@ -135,9 +136,9 @@ async def open_runtime(
         async with _open_runtime(backend, drain, config) as runtime:
             yield runtime
     except BaseExceptionGroup as group:
-        # Background tasks never raise, so a group here wraps the block's own exception
-        # (once per nursery it crossed): exactly one exception escapes, as from any
-        # context manager.
+        # A group here wraps one exception - the block's own, or the one a background
+        # task ended the runtime with - once per nursery it crossed: exactly one escapes,
+        # as from any context manager.
         single: BaseException = group
         while isinstance(single, BaseExceptionGroup) and len(single.exceptions) == 1:
             single = single.exceptions[0]
@@ -152,14 +153,16 @@ async def serve_runtime(
     *,
     task_status: trio.TaskStatus[Runtime] = trio.TASK_STATUS_IGNORED,
     **options: Any,
-) -> NoReturn:
+) -> None:
     """`open_runtime` for `nursery.start`: returns the `Runtime` once it is open (its first
     recovery pass done), then runs until cancelled; cancelling it closes the runtime as
     leaving `open_runtime` does (drains cancelled, claims handed back with expired leases).
-    Options are `open_runtime`'s, and so are the errors, raised from `nursery.start`."""
+    After `testing.crash` it returns, as a killed process's task ends (its token released,
+    its claims left to recovery). Options are `open_runtime`'s, and so are the errors,
+    raised from `nursery.start`."""
     async with open_runtime(store, drain, **options) as runtime:
         task_status.started(runtime)
-        await trio.sleep_forever()
+        await runtime._crashed_event.wait()
 
 
 def _resolve_store(store: object) -> StoreBackend:
@@ -217,7 +220,7 @@ async def _open_runtime(
     ):
         runtime: Runtime | None = None
 
-        def tasks_ended() -> None:
+        def tasks_stopping() -> None:
             # A task's error ends the block too, at once - its `finally` closes the runtime
             # (the heartbeat, shielded, outlives the tasks until then) - except after
             # `testing.crash`, when the block runs on.
@@ -228,7 +231,7 @@ async def _open_runtime(
         # caller's block, not around it: `testing.crash` stops every one of them, as a
         # killed process's, while the block - a test going on to watch the takeover -
         # runs on.
-        nursery: trio.Nursery = await outer.start(_task_nursery, tasks_ended)
+        nursery: trio.Nursery = await outer.start(_task_nursery, tasks_stopping)
         runtime = Runtime(executor=executor, nursery=nursery, drain=drain, config=config)
         if token is not None:
             await runtime.recover_once()
@@ -253,17 +256,19 @@ async def _open_runtime(
                         await runtime._shutdown()
             finally:
                 runtime._heartbeat_scope.cancel()
+                runtime._closed = True
                 outer.cancel_scope.cancel()
 
 
 async def _task_nursery(
-    ended: Callable[[], None], *, task_status: trio.TaskStatus[trio.Nursery]
+    stopping: Callable[[], None], *, task_status: trio.TaskStatus[trio.Nursery]
 ) -> None:
     """A nursery for the runtime's tasks, open until cancelled - by the runtime closing, a
-    task's error or `testing.crash` - which calls `ended` (`_open_runtime`)."""
+    task's error or `testing.crash` - which calls `stopping` at once, while its tasks
+    (the shielded heartbeat, a drain's cleanup) may still run (`_open_runtime`)."""
     async with trio.open_nursery() as nursery:
         task_status.started(nursery)
         try:
             await trio.sleep_forever()
         finally:
-            ended()
+            stopping()

@@ -120,7 +120,9 @@ class Runtime:
             max_resumes=config.max_resumes,
         )
         self._closing = False
-        self._crashed = False
+        self._closed = False  # its `open_runtime` block exited
+        self._crashed = False  # `testing.crash`: it writes nothing more
+        self._crashed_event = trio.Event()
         self._seams = Seams()
         self._drains_running = 0
         self._remote_signals = 0
@@ -230,6 +232,8 @@ class Runtime:
                 "a Runtime is used only in the trio run that opened it; this call comes from"
                 " another trio.run (another thread?): use trio.from_thread.run to call it"
             )
+        if self._crashed:  # as a killed process's: nothing more is written
+            raise StoreError("the runtime crashed (testing.crash): it writes nothing more")
 
     def _local_claim(self, session_id: str, execution_id: str | None) -> SessionEntry | None:
         """The local entry of the claim a store operation named, if it is this runtime's."""

@@ -65,7 +65,7 @@ def set_seams(
         "after_finish": after_finish,
         "before_recovery_apply": before_recovery_apply,
     }
-    if runtime._drain is None:
+    if runtime._drain is None and any(seam is not None for seam in seams.values()):
         raise ValueError(
             "set_seams: this runtime is a producer (drain=None): it never drains or"
             " recovers, so no seam of it would ever run"
@@ -86,13 +86,16 @@ def crash(runtime: Runtime) -> None:
     `open_runtime` block exits (as a dead process's is): from then on other runtimes take
     the claims over after `takeover_grace`, else when the leases run out. Only the
     runtime's tasks stop: the code after the call (a test going on to watch the takeover)
-    runs on. `RuntimeError` once the runtime is closing (too late: claims handed back)."""
-    if runtime._closing and not runtime._crashed:
+    runs on, and a call to the crashed runtime raises `StoreError`. During a graceful
+    shutdown it stops the shutdown too (a second signal to a worker); once the runtime
+    closed it is a `RuntimeError` (too late: its claims were handed back)."""
+    if runtime._closed:
         raise RuntimeError(
-            "crash: the runtime is closing or closed (its claims handed back): crash it"
-            " inside its open_runtime block"
+            "crash: the runtime is closed (its claims handed back): crash it inside its"
+            " open_runtime block"
         )
     runtime._crashed = True
+    runtime._crashed_event.set()
     runtime._closing = True
     runtime._heartbeat_scope.cancel()
     runtime._nursery.cancel_scope.cancel()

@@ -237,8 +237,10 @@ def schema_version(conn: Any) -> int:
     """The schema's version; 0 when it has no `schema_version` table (or does not exist).
 
     `StoreError` when its `schema_version` table is another tool's (a common name: Flyway's
-    of old keeps versions such as '1.2' in text): ours has one integer column, and a table
-    of another shape is no trio_sessions store - not migrated, not misread as a version.
+    of old keeps versions such as '1.2' in text): ours has an integer `version` column
+    (columns a later release may add are no reason to refuse it: a newer store is
+    `SchemaTooNew`), and a schema holding a version but not our `session` table is no
+    trio_sessions store either - neither is migrated nor misread as a version.
     """
     columns = conn.execute(
         "SELECT attname, format_type(atttypid, atttypmod) FROM pg_attribute"
@@ -247,15 +249,23 @@ def schema_version(conn: Any) -> int:
     ).fetchall()
     if not columns:
         return 0
-    if columns != [("version", "integer")]:
+    if dict(columns).get("version") != "integer":
         shape = ", ".join(f"{name} {kind}" for name, kind in columns)
-        [schema] = conn.execute("SELECT current_schema()").fetchone()
-        raise StoreError(
-            f"schema {schema!r} is not a trio_sessions store: its schema_version table is"
-            f" another tool's ({shape}); nothing was written"
+        raise _not_ours(conn, f"its schema_version table is another tool's ({shape})")
+    row = conn.execute(
+        "SELECT max(version), to_regclass('session') IS NOT NULL FROM schema_version"
+    ).fetchone()
+    version, ours = (0 if row[0] is None else int(row[0])), row[1]
+    if 0 < version <= SCHEMA_VERSION and not ours:  # a newer one is `SchemaTooNew`
+        raise _not_ours(
+            conn, f"it has a schema_version table (version {version}) but no session table"
         )
-    row = conn.execute("SELECT max(version) FROM schema_version").fetchone()
-    return 0 if row[0] is None else int(row[0])
+    return version
+
+
+def _not_ours(conn: Any, why: str) -> StoreError:
+    [schema] = conn.execute("SELECT current_schema()").fetchone()
+    return StoreError(f"schema {schema!r} is not a trio_sessions store: {why}; nothing was written")
 
 
 def migrate(conn: Any, schema: str) -> None:

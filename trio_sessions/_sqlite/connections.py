@@ -208,9 +208,10 @@ def migrate(conn: sqlite3.Connection) -> None:
     once the file is ours: a migration that fails (another program's file, whose tables
     clash with ours) leaves that file in its own journal mode."""
     try:
-        if schema_version(conn) > SCHEMA_VERSION:
+        version = schema_version(conn)
+        if version > SCHEMA_VERSION:
             raise SchemaTooNew(_too_new(conn))
-        if schema_version(conn) < SCHEMA_VERSION:
+        if version < SCHEMA_VERSION:
             _apply_migrations(conn)
         conn.execute("PRAGMA journal_mode = WAL")
     except sqlite3.Error as exc:
