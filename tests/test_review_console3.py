@@ -1,0 +1,153 @@
+"""Review tests (51dc1d7, 9484950, 30b3c66): the console's live page after a rewrite, and
+its tables' paging on stored bytes. Each fails on the reviewed code for the reason its
+docstring gives."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import sqlite3
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+import trio.testing
+from console_process import DEADLINE, console
+
+import trio_sessions
+from trio_sessions._console import PAGE_SIZE, Console, Guard
+from trio_sessions._model import AssistantData, Message, TextPart
+from trio_sessions._store.stream import Held, Position, Shown, StreamChanges, Whole, message_tag
+from trio_sessions._stream import EventStream, encode_cursor, session_tag
+
+pytestmark = pytest.mark.slow
+
+
+class _Runtime:
+    """Just what `Console.events` uses of a runtime, over one real `EventStream`."""
+
+    def __init__(self, stream: EventStream, shown: Shown) -> None:
+        self._stream = stream
+        self._shown = shown
+        self._db = self
+
+    async def read(self, job: Any, *args: Any) -> Any:
+        return self._shown  # `_store.shown_messages`
+
+    @contextlib.asynccontextmanager
+    async def stream(self, session_id: str, *, cursor: str | None = None) -> AsyncIterator[Any]:
+        yield self._stream
+
+
+def _user(seq: int) -> Whole:
+    message = Message(f"m{seq}", "s", "user", seq, {"text": f"u{seq}"}, None, None)
+    return Whole(seq, f"m{seq}", message, 0, False)
+
+
+def _assistant(seq: int, text: str, *, finished: bool, version: int) -> Whole:
+    data = AssistantData((TextPart(text),), finished, None)
+    message = Message(f"m{seq}", "s", "assistant", seq, data, None, None)
+    return Whole(seq, f"m{seq}", message, version, not finished)
+
+
+async def _page_text(
+    position: Position, shown: Shown, reads: list[StreamChanges], shown_from: int
+) -> str:
+    """What `Console.events` sends a page showing `position` (its stream opened with
+    `shown` as the console's read, then the stream's reads `reads` in turn) until the
+    stream waits."""
+    answers = iter(reads)
+
+    async def read(job: Any, session_id: str, at: Position) -> StreamChanges:
+        return next(answers, StreamChanges([]))
+
+    stream = EventStream("s", position, read)
+    console = Console(_Runtime(stream, shown), "", Guard(None, False))  # type: ignore[arg-type]
+    sent: list[bytes] = []
+
+    async def send(message: Any) -> None:
+        sent.append(message.get("body", b""))
+
+    async def receive() -> Any:
+        await trio.sleep_forever()  # the page stays
+
+    async with trio.open_nursery() as nursery:
+        query = {"cursor": encode_cursor(session_tag("s"), position), "from": str(shown_from)}
+        nursery.start_soon(console.events, "s", query, None, receive, send)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    return b"".join(sent).decode()
+
+
+async def test_a_message_that_finished_while_the_page_loaded_is_held_back_by_a_rewrite() -> None:
+    """The page shows messages 1 to 3, 3 an open assistant message; it finishes before the
+    page's stream opens, so the console sends it whole as the stream's first update
+    (`_followed`). The page now shows it final, as stored - but `known` never learns it
+    (`_followed` leaves the position's open seqs out, and `open_tags` is built from the
+    moved position, which no longer holds it): a rewrite that keeps messages 1 to 3 is a
+    drop after 2 and message 3 sent again, where one received live (`_record`) is held
+    back. Expected: only "drop_after": 3 after the rewrite."""
+    tag3 = message_tag("m3")
+    position = Position(3, tag3, (Held(3, tag3, 1),))
+    finished = _assistant(3, "hello", finished=True, version=2)
+    shown = Shown({1: "m1", 2: "m2", 3: "m3"}, [finished])
+    rewrite = StreamChanges([_user(1), _user(2), finished], rewritten=True)
+    text = await _page_text(position, shown, [rewrite], shown_from=1)
+    first, _, after_rewrite = text.partition("\n\n")
+    assert '"seq": 3' in first and "hello" in first  # the finish, sent when the stream opened
+    assert '"drop_after": 3' in after_rewrite and '"seq": 3' not in after_rewrite, (
+        f"message 3, shown as stored, is sent again: {after_rewrite!r}"
+    )
+
+
+def _listed_rows(page: str) -> list[str]:
+    """The first cell of each row of the sessions table (a session's id as shown)."""
+    table = re.search(r'<table id="sessions">.*?<tbody>(.*?)</tbody>', page, re.S)
+    assert table is not None, page
+    return re.findall(r"<tr[^>]*><td>(?:<a [^>]*>)?([^<]*)<", table.group(1))
+
+
+def test_the_sessions_table_pages_through_blob_ids_once_each(tmp_path: Path) -> None:
+    """SQLite keeps a BLOB another tool wrote in the TEXT id column, and orders every BLOB
+    after all text; its driver reads it as bytes, so `session_page` returns such a row's
+    `last` as bytes and the next link says `after_hex=`. Two faults: `_page_key` turns
+    hex that is UTF-8 back into a str, so `_pages_on` (`last != after`: b"b048" != "b048")
+    links a page to itself; and `CAST(:after AS TEXT)` compares a BLOB's key as text, which
+    every BLOB sorts after, so the page after one lists the same BLOB ids again (and the
+    text ids after its text) - here /?after_hex=62303438 is the first page of BLOB ids
+    again, linking itself, and the ten past it are never listed. Expected: following the
+    next links lists every session once, no link repeated."""
+    store = tmp_path / "db"
+
+    async def submit() -> None:
+        async with trio_sessions.open_runtime(store, None) as producer:
+            await producer.submit("s000", {"text": "hello"})
+
+    trio.run(submit)
+    blobs = [f"b{index:03d}".encode() for index in range(PAGE_SIZE + 10)]
+    with contextlib.closing(sqlite3.connect(store)) as connection:
+        connection.executemany(
+            "INSERT INTO session(id, time_created) VALUES (?, 0)", [(blob,) for blob in blobs]
+        )
+        connection.commit()
+    with (
+        console(str(store), tmp_path) as (url, _),
+        httpx.Client(base_url=url, timeout=DEADLINE) as client,
+    ):
+        page = client.get("/").text
+        listed = _listed_rows(page)
+        links: list[str] = []
+        for _ in range(4):
+            link = re.search(r'id="next" href="([^"]+)"', page)
+            if link is None:
+                break
+            links.append(link.group(1))
+            page = client.get(link.group(1).replace("&amp;", "&")).text
+            listed += _listed_rows(page)
+    assert len(links) == len(set(links)), f"a next link leads back: {links}"
+    assert sorted(listed) == sorted(["s000", *(blob.decode() for blob in blobs)]), (
+        f"{len(listed)} rows listed over {len(links) + 1} pages: {listed}"
+    )
