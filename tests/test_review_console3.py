@@ -18,7 +18,9 @@ import trio.testing
 from console_process import DEADLINE, console
 
 import trio_sessions
+from trio_sessions import StreamEvent
 from trio_sessions._console import PAGE_SIZE, Console, Guard
+from trio_sessions._console_html import PageFeed
 from trio_sessions._model import AssistantData, Message, TextPart
 from trio_sessions._store.stream import Held, Position, Shown, StreamChanges, Whole, message_tag
 from trio_sessions._stream import EventStream, encode_cursor, session_tag
@@ -150,4 +152,29 @@ def test_the_sessions_table_pages_through_blob_ids_once_each(tmp_path: Path) -> 
     assert len(links) == len(set(links)), f"a next link leads back: {links}"
     assert sorted(listed) == sorted(["s000", *(blob.decode() for blob in blobs)]), (
         f"{len(listed)} rows listed over {len(links) + 1} pages: {listed}"
+    )
+
+
+def test_messages_after_a_rewrite_that_emptied_the_page_are_shown() -> None:
+    """A page shows seqs 10 to 19 (1 to 9 on its earlier page). The transcript is emptied
+    (`delete_session`, or `truncate(after_seq=0)`): the page is told to drop everything
+    (`drop_after` 0, no earlier message remains, so no reload) and shows nothing. The
+    conversation goes on: new messages 1, 2, ... - all below the page's first seq
+    (`shown_from` stays 10), which `PageFeed` now ignores as "not on the page". The page
+    stays empty while the transcript grows, until seq 10, then shows 10 on without 1 to
+    9: a gap. (Before 51dc1d7 such a message was added to the page.) Expected: a new
+    message after the page was emptied is an update (or a reload), never nothing."""
+    feed = PageFeed("s", 10, {seq: message_tag(f"m{seq}") for seq in range(10, 20)}, {})
+    truncate = StreamEvent(encode_cursor(session_tag("s"), Position()), 0, "", "truncate", None)
+    assert '"drop_after": 0' in feed.feed([truncate], settled=True)
+    new = StreamEvent(
+        encode_cursor(session_tag("s"), Position(1, message_tag("new1"))),
+        1,
+        "user",
+        "message",
+        {"text": "a new conversation"},
+    )
+    text = feed.feed([new], settled=True)
+    assert "a new conversation" in text or '"reload": true' in text, (
+        f"a message stored after the page was emptied sent {text!r}"
     )
