@@ -178,3 +178,39 @@ def test_messages_after_a_rewrite_that_emptied_the_page_are_shown() -> None:
     assert "a new conversation" in text or '"reload": true' in text, (
         f"a message stored after the page was emptied sent {text!r}"
     )
+
+
+def test_the_sessions_table_pages_past_a_stored_id_holding_nul(tmp_path: Path) -> None:
+    """SQLite keeps whatever text another tool writes: here an id "b\\x00" (valid UTF-8, so
+    listed as text) ends the first page. The next link pages after the last row's stored
+    id - `after=b%00` - and the console refuses every NUL in a page key ("no session id
+    holds a NUL character", a rule for PostgreSQL, which cannot store one), so the next
+    page is a 400 and "c" is never reachable; `after_hex=6200` is decoded back to the same
+    text and refused alike. Expected: the next link lists "c"."""
+    store = tmp_path / "db"
+
+    async def submit() -> None:
+        async with trio_sessions.open_runtime(store, None) as producer:
+            await producer.submit("c", {"text": "hello"})
+
+    trio.run(submit)
+    with contextlib.closing(sqlite3.connect(store)) as connection:
+        connection.executemany(
+            "INSERT INTO session(id, time_created) VALUES (?, 0)",
+            [(f"a{index:03d}",) for index in range(PAGE_SIZE - 1)],
+        )
+        connection.execute(
+            "INSERT INTO session(id, time_created) VALUES (CAST(X'6200' AS TEXT), 0)"
+        )
+        connection.commit()
+    with (
+        console(str(store), tmp_path) as (url, _),
+        httpx.Client(base_url=url, timeout=DEADLINE) as client,
+    ):
+        first = client.get("/").text
+        assert len(_listed_rows(first)) == PAGE_SIZE
+        link = re.search(r'id="next" href="([^"]+)"', first)
+        assert link is not None
+        second = client.get(link.group(1).replace("&amp;", "&"))
+    assert second.status_code == 200, f"{link.group(1)}: {second.status_code} {second.text[-200:]}"
+    assert _listed_rows(second.text) == ["c"]
