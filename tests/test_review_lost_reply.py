@@ -1,0 +1,265 @@
+"""Review: every public write on PostgreSQL when the connection is lost before, during or
+after its COMMIT (DESIGN §4, §5, §5.1, §6.16, §6.19, §8 "Uncertain commits").
+
+Each test loses the connection at one chosen statement through the engine's
+`wrap_connection` seam (`test_pg_faults.Faults`). Past the read-back bound the engine
+rightly answers StoreError ("the outcome of a COMMIT is unknown"); these tests check what
+follows: the runtime's own reaction leaves a state recovery can finish, a drain's retry of
+its write lands once (as on SQLite), and a read-back after a lost reply answers for the
+lost call even when another process acted in between.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import attrs
+import psycopg
+import pytest
+import trio
+from test_pg_faults import Faults, Mode, Plan, control_connection
+from trio.testing import MockClock
+
+from trio_sessions import DrainContext, StoreError, _postgres, _store, open_runtime
+from trio_sessions import testing as ts_testing
+from trio_sessions._postgres import PostgresStore
+
+
+@attrs.define
+class CommitPlan(Plan):
+    """Fire at the next COMMIT only (a `match` of "COMMIT" would hit `BEGIN ISOLATION LEVEL
+    READ COMMITTED` first)."""
+
+    def hit(self, index: int, text: str) -> bool:
+        return text == "COMMIT"
+
+
+class UnreachableFor(Faults):
+    """`Faults` whose `then_unreachable` lasts `for_s` seconds of real time: long enough for
+    the engine to give up reading back the COMMIT (`RECONNECT_PATIENCE_S`), then the
+    server answers again (as after a short network partition)."""
+
+    def __init__(self, url: str, schema: str, control: psycopg.Connection[Any], for_s: float):
+        super().__init__(url, schema, control)
+        self.for_s = for_s
+        self.until = 0.0
+
+    def wrap(self, conn: psycopg.Connection[Any]) -> Any:
+        if self.unreachable and not self.until:
+            self.until = time.monotonic() + self.for_s
+        if self.unreachable and time.monotonic() >= self.until:
+            self.unreachable = False
+        return super().wrap(conn)
+
+
+@pytest.fixture
+def short_patience(monkeypatch: pytest.MonkeyPatch) -> float:
+    monkeypatch.setattr(_postgres.engine, "RECONNECT_PATIENCE_S", 0.3)
+    return 0.3
+
+
+async def test_uncertain_continue_of_an_iteration_never_strands_the_input_that_rang(
+    pg_url: str, pg_schema: str, autojump_clock: MockClock, short_patience: float
+) -> None:
+    """DESIGN §1/§6.16/§6.19: a drain returns while an input submitted during it rang the
+    doorbell; the iteration's end takes that doorbell to continue (its COMMIT lands) but
+    the reply is lost and cannot be read back. The runtime must not then finish the claim
+    as failed without the doorbell: the input must still be drained (by a next iteration,
+    a successor, or recovery), never left pending with no doorbell and no claim."""
+    calls: list[list[str]] = []
+    gate = trio.Event()
+    entered = trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        calls.append([i.id for i in await ctx.take_inputs()])
+        entered.set()
+        if len(calls) == 1:
+            await gate.wait()
+
+    with control_connection(pg_url, pg_schema) as control:
+        faults = UnreachableFor(pg_url, pg_schema, control, for_s=0.5)
+        store = PostgresStore(
+            pg_url, schema=pg_schema, inline=True, listen=False, wrap_connection=faults.wrap
+        )
+        async with open_runtime(
+            store, drain, clock=ts_testing.trio_clock(), lease=3.0, recovery_interval=0.5
+        ) as runtime:
+
+            async def arm(session_id: str) -> None:
+                if len(calls) == 1:  # the first iteration's end: it continues
+                    faults.arm(CommitPlan(None, Mode.LOST, then_unreachable=True))
+
+            ts_testing.set_seams(runtime, before_finish=arm)
+            await runtime.submit("s", {"n": 1}, input_id="i1")
+            await entered.wait()
+            await runtime.submit("s", {"n": 2}, input_id="i2")  # rings the doorbell
+            gate.set()
+            await runtime.wait_idle("s")
+            assert faults.fired == "COMMIT"
+            # Long past the lease and many recovery passes: whoever should take i2 has.
+            await trio.sleep(10 * 3.0)
+            await runtime.wait_idle("s")
+            state = control.execute(
+                "SELECT (SELECT count(*) FROM session_input),"
+                " (SELECT time_woken IS NOT NULL FROM session WHERE id = 's'),"
+                " (SELECT count(*) FROM session_execution)"
+            ).fetchone()
+        assert calls[0] == ["i1"]
+        assert ["i2"] in calls, (calls, "(pending inputs, doorbell set, claims):", state)
+
+
+@pytest.mark.parametrize("step", ["append_text", "start_tool", "settle_tool", "finish"])
+async def test_a_drain_write_retried_after_an_unknown_commit_lands_once(
+    pg_url: str, pg_schema: str, autojump_clock: MockClock, short_patience: float, step: str
+) -> None:
+    """DESIGN §8 "Uncertain commits" (natural keys and idempotent writes make a retry safe)
+    and §6.20 (one contract on both backends): a drain write whose call landed but whose
+    reply was lost and could not be read back raises StoreError; the drain retries it once
+    the server answers - as `test_faults.test_drain_write_fault_is_atomic_and_the_drain_can_retry`
+    does on SQLite - and the write lands once: no doubled append, no refusal of the drain's
+    own first write (a duplicate tool start, a DuplicateSettlement, MessageFinished)."""
+    errors: list[BaseException] = []
+    stored: list[Any] = []  # the message as stored right after the retried write
+
+    async def drain(ctx: DrainContext) -> None:
+        await ctx.take_inputs()
+        writer = await ctx.begin_assistant()
+        if step != "start_tool":
+            await writer.start_tool("c1", "echo", {"x": 1})
+        call = {
+            "append_text": lambda: writer.append_text("thinking"),
+            "start_tool": lambda: writer.start_tool("c1", "echo", {"x": 1}),
+            "settle_tool": lambda: writer.settle_tool("c1", "ok"),
+            "finish": writer.finish,
+        }[step]
+        if step == "finish":
+            await writer.settle_tool("c1", "ok")
+        # The write is one call in autocommit: it lands, its reply is lost, and the server
+        # cannot be reached to read it back within the bound.
+        faults.arm(Plan(1, Mode.LOST, then_unreachable=True))
+        try:
+            await call()
+        except StoreError as exc:
+            errors.append(exc)
+            faults.unreachable = False  # the server answers again: retry
+            await call()
+        stored.append((await ctx.transcript())[-1].data)
+        if step in ("append_text", "start_tool"):
+            await writer.settle_tool("c1", "ok")
+        if step != "finish":
+            await writer.finish()
+
+    with control_connection(pg_url, pg_schema) as control:
+        faults = Faults(pg_url, pg_schema, control)
+        store = PostgresStore(
+            pg_url, schema=pg_schema, inline=True, listen=False, wrap_connection=faults.wrap
+        )
+        async with open_runtime(store, drain, clock=ts_testing.trio_clock(), lease=30.0) as rt:
+            await rt.submit("s", {"n": 1}, input_id="i1")
+            outcome = await rt.run("s")
+            messages = await rt.transcript("s")
+    assert len(errors) == 1 and "outcome of a COMMIT is unknown" in str(errors[0])
+    assert outcome.kind == "succeeded", outcome
+    if step == "append_text":
+        assert [p.text for p in stored[0].parts if hasattr(p, "text")] == ["thinking"]
+    answer = messages[-1].data
+    assert answer.finished and answer.error is None
+    assert [(p.call_id, p.status, p.output) for p in answer.parts if hasattr(p, "call_id")] == [
+        ("c1", "completed", "ok")
+    ]
+
+
+async def test_take_inputs_retried_after_an_unknown_commit_still_delivers_the_input(
+    pg_url: str, pg_schema: str, autojump_clock: MockClock, short_patience: float
+) -> None:
+    """DESIGN §1 (signalled work is never lost), §8 "Uncertain commits" and §6.20: take_inputs
+    commits (the input is a user message now) but its COMMIT's reply is lost and cannot be
+    read back; the drain retries once the server answers, as the SQLite contract test
+    `test_drain_write_fault_is_atomic_and_the_drain_can_retry` does - and must get the
+    input it took, not [] (which leaves a user message no drain ever saw or answers)."""
+    taken: list[list[str]] = []
+    errors: list[BaseException] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        faults.arm(CommitPlan(None, Mode.LOST, then_unreachable=True))
+        try:
+            inputs = await ctx.take_inputs()
+        except StoreError as exc:
+            errors.append(exc)
+            faults.unreachable = False  # the server answers again: retry
+            inputs = await ctx.take_inputs()
+        taken.append([i.id for i in inputs])
+
+    with control_connection(pg_url, pg_schema) as control:
+        faults = Faults(pg_url, pg_schema, control)
+        store = PostgresStore(
+            pg_url, schema=pg_schema, inline=True, listen=False, wrap_connection=faults.wrap
+        )
+        async with open_runtime(store, drain, clock=ts_testing.trio_clock(), lease=30.0) as rt:
+            await rt.submit("s", {"n": 1}, input_id="i1")
+            await rt.wait_idle("s")
+            assert faults.fired == "COMMIT"
+            users = [m.input_id for m in await rt.transcript("s") if m.role == "user"]
+    assert users == ["i1"]  # the lost COMMIT did land
+    assert len(errors) == 1 and "outcome of a COMMIT is unknown" in str(errors[0])
+    assert taken == [["i1"]], taken
+
+
+class ThenElsewhere(Faults):
+    """`Faults` that, once its planned statement's reply is lost, lets another client act
+    (`elsewhere`) before the engine reconnects and calls again: what another process does
+    in that window."""
+
+    def __init__(self, url: str, schema: str, control: psycopg.Connection[Any]) -> None:
+        super().__init__(url, schema, control)
+        self.elsewhere: Any = None
+
+    def statement(self, conn: Any, text: str, params: Any, run: Any) -> Any:
+        armed = self.plan is not None
+        try:
+            return super().statement(conn, text, params, run)
+        except psycopg.OperationalError:
+            if armed and self.plan is None and self.elsewhere is not None:
+                self.elsewhere, elsewhere = None, self.elsewhere
+                elsewhere()
+            raise
+
+
+async def test_an_input_cancelled_while_its_submit_reply_is_lost_is_never_taken(
+    pg_url: str, pg_schema: str, autojump_clock: MockClock
+) -> None:
+    """DESIGN §6.23 (a cancelled input is never taken) and §5.1 (`cancel_input`: True and the
+    input is gone): submit's call lands and its reply is lost; before the engine calls
+    again, another process cancels the input (True: it was deleted). The retried call must
+    read back that its input landed - not store it a second time, which the drain then
+    takes although cancel_input said it was gone."""
+    taken: list[str] = []
+    cancelled: list[bool] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        taken.extend(i.id for i in await ctx.take_inputs())
+
+    def cancel_elsewhere() -> None:
+        other = PostgresStore(pg_url, schema=pg_schema, listen=False).engine()
+        other.open(migrate_schema=False)
+        try:
+            cancelled.append(_postgres.run_op(other, _store.cancel_input, "i1"))
+        finally:
+            other.close()
+
+    with control_connection(pg_url, pg_schema) as control:
+        faults = ThenElsewhere(pg_url, pg_schema, control)
+        store = PostgresStore(
+            pg_url, schema=pg_schema, inline=True, listen=False, wrap_connection=faults.wrap
+        )
+        async with open_runtime(store, drain, clock=ts_testing.trio_clock(), lease=30.0) as rt:
+            faults.elsewhere = cancel_elsewhere
+            # The submit is one call in autocommit (the input and the claim it takes).
+            faults.arm(Plan(1, Mode.LOST))
+            assert await rt.submit("s", {"n": 1}, input_id="i1") == "i1"
+            await rt.wait_idle("s")
+            assert faults.fired is not None and "ts_submit_and_acquire(" in faults.fired
+            pending = control.execute("SELECT id FROM session_input").fetchall()
+    assert cancelled == [True]  # the other process was told the input is gone
+    assert taken == [] and pending == [], (taken, pending)
