@@ -1125,25 +1125,35 @@ def operation(name: str) -> Operation:
 
 
 @pytest.mark.parametrize(
-    ("name", "k", "mode"),
+    ("name", "k", "mode", "error"),
     [
-        ("update_assistant", 2, Mode.BEFORE),  # a transaction: lost before its write
-        ("update_assistant", 2, Mode.LOST),  # its write's reply lost, before COMMIT
-        ("submit", 1, Mode.BEFORE),  # one call in autocommit: lost before it was sent
+        # A transaction: lost before its write, or its write's reply lost before COMMIT.
+        ("update_assistant", 2, Mode.BEFORE, "StoreError"),
+        ("update_assistant", 2, Mode.LOST, "StoreError"),
+        # One call in autocommit, lost before it was sent: the engine cannot tell that from
+        # a call whose reply was lost, so its outcome is unknown to it.
+        ("submit", 1, Mode.BEFORE, "OutcomeUnknown"),
     ],
 )
 def test_unreachable_server_fails_the_operation_after_the_bound_with_nothing_written(
-    pg_url: str, pg_schema: str, short_patience: float, name: str, k: int, mode: Mode
+    pg_url: str,
+    pg_schema: str,
+    short_patience: float,
+    name: str,
+    k: int,
+    mode: Mode,
+    error: str,
 ) -> None:
     """The connection is lost before the operation committed and the server stays
-    unreachable: StoreError once the bound has passed, nothing of the operation is durable,
-    and once the server is back the same operation succeeds."""
+    unreachable: StoreError (`OutcomeUnknown` where the engine cannot know) once the bound
+    has passed, nothing of the operation is durable, and once the server is back the same
+    operation succeeds."""
     with environment(pg_url, pg_schema) as env:
         pre = prepare(env, operation(name))
         env.faults.arm(Plan(k, mode, then_unreachable=True))
         started = time.monotonic()
         [(kind, message)] = operation(name).call(env)
-        assert kind == "StoreError", message
+        assert kind == error, message
         assert time.monotonic() - started >= short_patience
         assert snapshot(env.control) == pre
         env.faults.unreachable = False
@@ -1158,7 +1168,8 @@ def test_commit_whose_outcome_stays_unknown_is_reported_as_store_error(
     pg_url: str, pg_schema: str, short_patience: float
 ) -> None:
     """The acquire's COMMIT lands, its reply is lost and the server cannot be asked: the
-    acquire reports StoreError (never a claim), though the claim row is durable."""
+    acquire reports OutcomeUnknown, a StoreError (never a claim), though the claim row is
+    durable."""
     with environment(pg_url, pg_schema) as env:
         env.run(_store.wake, "s")
         # Alone, an acquire is one call in autocommit: its own COMMIT.
@@ -1166,7 +1177,7 @@ def test_commit_whose_outcome_stays_unknown_is_reported_as_store_error(
         job = Job(_store.acquire, ("s", "e1", OWNER, LEASE_MS))
         env.engine.run_alone(job)
         [(kind, message)] = outcome_of([job])
-        assert kind == "StoreError"
+        assert kind == "OutcomeUnknown"
         assert "outcome of a COMMIT is unknown" in message
         env.faults.unreachable = False
         assert env.control.execute("SELECT id, owner_id FROM session_execution").fetchall() == [
@@ -1208,7 +1219,7 @@ def test_commit_still_in_progress_past_the_bound_is_reported_as_store_error(
         env.engine.run_batch(jobs)
         assert env.faults.fired == "COMMIT"
         outcome = outcome_of(jobs)
-        assert [kind for kind, _ in outcome] == ["StoreError", "StoreError"], outcome
+        assert [kind for kind, _ in outcome] == ["OutcomeUnknown", "OutcomeUnknown"], outcome
         assert "is still 'in progress'" in outcome[0][1]
         assert time.monotonic() - started >= short_patience
         assert len(asked) > 1  # polled until the bound, not given up at the first answer

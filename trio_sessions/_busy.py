@@ -40,7 +40,7 @@ from ._decisions import (
     decide_ending,
 )
 from ._drain import DrainContext, current_drain
-from ._errors import LeaseLost, StoreError
+from ._errors import LeaseLost, OutcomeUnknown, StoreError
 from ._lease import self_fence_deadline
 from ._model import Claim, Outcome
 
@@ -63,6 +63,10 @@ class _Ending:
     # Released because its claim was marked cancelling while a wake waits: a successor
     # takes it (the interrupted busy period starts no iteration of its own).
     handed_over: bool = False
+    # The store did not say whether the iteration's end landed (a PostgreSQL COMMIT whose
+    # reply was lost past the engine's bound): treated as a lost lease - nothing more is
+    # written, the lease runs out and recovery takes the claim over.
+    uncertain: bool = False
 
 
 # Frozen, so one instance serves every claim that ends this way (most end so): no
@@ -411,6 +415,11 @@ class BusyPeriods:
                 left = self._left_schedule_point()
             except LeaseLost as exc:
                 return _Ending("failed", error=exc)
+            except OutcomeUnknown as exc:
+                # The end may have landed and taken the doorbell to continue: finishing the
+                # claim as failed then would strand the input that rang (a failed finish
+                # does not re-arm). Recovery resumes the claim whichever way it went.
+                return _Ending("failed", error=exc, uncertain=True)
             runtime._streams.touch(entry.session_id)  # messages left open were closed
             if verdict is not IterationVerdict.CONTINUE:
                 entry.disown()
@@ -432,7 +441,7 @@ class BusyPeriods:
             return Outcome("interrupted", "shutdown"), False
         known_lost = entry.reason == "lease_lost"  # the heartbeat found it (and logged it)
         lease_lost = ending.kind in ("failed", "interrupted") and (
-            isinstance(ending.error, LeaseLost) or entry.self_fenced()
+            isinstance(ending.error, LeaseLost) or ending.uncertain or entry.self_fenced()
         )
         cause = _CAUSES[ending.kind]
         plan = decide_ending(
@@ -469,6 +478,8 @@ class BusyPeriods:
     def _log_claim_lost(self, entry: SessionEntry, error: BaseException | None) -> None:
         if isinstance(error, LeaseLost):
             _observe.claim_lost(entry, self._runtime._owner_id, cause="write")
+        elif isinstance(error, OutcomeUnknown):
+            _observe.claim_lost(entry, self._runtime._owner_id, cause="store")
         else:
             _observe.self_fenced(entry, self._runtime._owner_id)
 

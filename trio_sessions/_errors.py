@@ -26,6 +26,12 @@ class StoreLost(StoreError):
     replaced under it): the runtime ends with it rather than failing every call for ever."""
 
 
+class OutcomeUnknown(StoreError):
+    """Whether the call's write landed is unknown (a PostgreSQL COMMIT whose reply was lost
+    and could not be read back within the engine's bound): durable state is as it was
+    before the call, or as the call left it."""
+
+
 class SchemaTooNew(StoreError):
     """The database was written by a newer trio_sessions; it is left untouched."""
 

@@ -130,7 +130,8 @@ def claim_lost(entry: SessionEntry, owner_id: str, *, cause: str) -> None:
     drain is stopped and nothing more is written for it. extra: session_id, execution_id,
     owner_id, attempt, resumed, cause (`heartbeat`: a renewal matched nothing; `write`: a
     fenced write did; `gone`: the store's changes show its row gone - taken over, or its
-    session deleted by another process)."""
+    session deleted by another process; `store`: the store did not say whether the
+    iteration's end landed, so the claim is left to recovery)."""
     logger.warning(
         CLAIM_LOST,
         entry.session_id,

@@ -76,7 +76,7 @@ from .._backend import (
     driver_error,
     session_named,
 )
-from .._errors import StoreError
+from .._errors import OutcomeUnknown, StoreError
 from .._naming import check_postgres_name, check_schema
 from .connections import channel, connect, migrate, schema_version
 from .transactions import (
@@ -630,9 +630,12 @@ class PgEngine:
                 self.close()
                 status = None
                 if time.monotonic() >= deadline:
-                    raise driver_error(exc) from exc
+                    raise OutcomeUnknown(
+                        f"the outcome of a COMMIT is unknown (connection lost: {lost});"
+                        f" {driver_error(exc)}"
+                    ) from exc
             except StoreError as exc:
-                raise StoreError(
+                raise OutcomeUnknown(
                     f"the outcome of a COMMIT is unknown (connection lost: {lost}); {exc}"
                 ) from lost
             if status == "committed":
@@ -641,7 +644,7 @@ class PgEngine:
                 return False
             # 'in progress': the server has not yet noticed the broken connection.
             if time.monotonic() >= deadline:
-                raise StoreError(
+                raise OutcomeUnknown(
                     f"the outcome of a COMMIT is unknown (connection lost: {lost}); "
                     f"transaction {xid} is still {status!r}"
                 ) from lost
@@ -678,8 +681,8 @@ def _call(tx: Tx, function: str, *args: Any) -> list[Any]:
     return tx.call(function, *args)
 
 
-def _unknown_outcome(lost: BaseException | None, error: StoreError) -> StoreError:
-    return StoreError(
+def _unknown_outcome(lost: BaseException | None, error: StoreError) -> OutcomeUnknown:
+    return OutcomeUnknown(
         f"the outcome of a COMMIT is unknown (a call in autocommit; connection lost: {lost}); "
         f"{error}"
     )
