@@ -50,6 +50,7 @@ from ._errors import MalformedRecord, StoreError, TrioSessionsError
 from ._model import Message
 from ._naming import display_name
 from ._runtime import Runtime, make_owner_id
+from ._store.operator import PageKey
 from ._store.stream import Held, Position, Shown, Tail, Whole, message_tag
 from ._stream import decode_cursor, encode_cursor, session_tag
 from ._validate import MAX_INT64, validate_session_id
@@ -216,11 +217,10 @@ class Console:
 
     async def sessions_page(self, query: Mapping[str, str]) -> bytes:
         search = query.get("q", "")
-        after = _page_key(query, "after")
-        quarantine_after = _page_key(query, "quarantine_after")
-        texts = [search, *(key for key in (after, quarantine_after) if isinstance(key, str))]
-        if any("\x00" in text for text in texts):  # PostgreSQL refuses it in any text
+        if "\x00" in search:  # PostgreSQL refuses it in any text
             raise HTTPError(400, "no session id holds a NUL character")
+        after = _page_start(query, "after")
+        quarantine_after = _page_start(query, "quarantine_after")
         page = await self.runtime._db.read(_store.session_page, search, after, PAGE_SIZE)
         counts = await self.runtime._db.read(_store.store_counts)
         quarantine = await self.runtime._db.read(
@@ -397,11 +397,8 @@ contains"> <button>search</button></form>
         so the page gets what changed since it was read, once; without either, every
         message (a client other than a page)."""
         cursor = last_event_id or query.get("cursor") or None
-        shown_from = 0
-        known: dict[int, str] = {}
+        feed = PageFeed(session_id, 0, {}, {})
         first: list[str] = []
-        copies: dict[int, tuple[str, Any]] = {}
-        open_tags: dict[int, str] = {}
         if cursor is not None:
             # The page's open messages and its message ids, read when the stream opens
             # (`_followed`); a change since the page's read arrives as the update `first`.
@@ -412,10 +409,8 @@ contains"> <button>search</button></form>
             shown = await self.runtime._db.read(
                 _store.shown_messages, session_id, shown_from, position, FOLLOWED_IDS
             )
-            known, copies, position, first = _followed(session_id, shown_from, position, shown)
-            open_tags = {held.seq: held.tag for held in position.open if held.seq >= shown_from}
+            feed, position, first = _followed(session_id, shown_from, position, shown)
             cursor = encode_cursor(session_tag(session_id), position)
-        feed = PageFeed(session_id, shown_from, known, copies, open_tags)
         async with self.runtime.stream(session_id, cursor=cursor) as stream:
             await send(
                 {
@@ -528,45 +523,62 @@ def _cookies(headers: Mapping[str, str]) -> dict[str, str]:
     return {key: value for key, _, value in pairs if key}
 
 
-def _page_key(query: Mapping[str, str], name: str) -> str | bytes:
+def _page_start(query: Mapping[str, str], name: str) -> PageKey:
     """Where a table's page starts (`_store.session_page`, `_store.quarantine_page`): after
-    the id `name`, or after the stored bytes `name_hex` of an id that is not UTF-8 text
-    (SQLite keeps another tool's bytes; its shown name, replacement characters, sorts
-    elsewhere than its bytes). Bytes that are UTF-8 are that text."""
-    hex_digits = query.get(f"{name}_hex")
-    if hex_digits is None:
-        return query.get(name, "")
-    try:
+    the id `name` a user may type, or after an id as stored that a next link names by the
+    hex digits of its bytes (`_list_query`): `name_hex` for text - not UTF-8, or holding a
+    NUL (SQLite keeps another tool's) - and `name_blob` for a BLOB, which SQLite orders
+    after all text."""
+    for kind, blob in (("hex", False), ("blob", True)):
+        hex_digits = query.get(f"{name}_{kind}")
+        if hex_digits is None:
+            continue
+        # Only hex digits: `bytes.fromhex` would take spaces too, and one id two ways.
+        if not _HEX_DIGITS.fullmatch(hex_digits):
+            raise HTTPError(400, f"{name}_{kind} must be hex digits, two a byte")
         key = bytes.fromhex(hex_digits)
-    except ValueError:
-        raise HTTPError(400, f"{name}_hex must be hex digits") from None
-    try:
-        return key.decode("utf-8")
-    except UnicodeDecodeError:
-        return key
+        if blob:
+            return PageKey(key, blob=True)
+        try:
+            return PageKey(key.decode("utf-8"))
+        except UnicodeDecodeError:
+            return PageKey(key)
+    text = query.get(name, "")
+    if "\x00" in text:  # PostgreSQL refuses it in any text; a stored one pages by its hex
+        raise HTTPError(400, "no session id holds a NUL character")
+    return PageKey(text)
 
 
-def _pages_on(page: Mapping[str, Any], after: str | bytes) -> bool:
-    """Whether a table's page links a next one: more rows follow - and they start past
-    this page's own start (a BLOB id, which SQLite orders after all text, compares as the
-    text of its bytes: a page of them must not link itself)."""
+_HEX_DIGITS = re.compile(r"(?:[0-9A-Fa-f]{2})*")
+
+
+def _pages_on(page: Mapping[str, Any], after: PageKey) -> bool:
+    """Whether a table's page links a next one: more rows follow, past this page's own
+    start (a page never links itself, were the store to order its keys unlike SQL does)."""
     return bool(page["more"]) and page["last"] is not None and page["last"] != after
 
 
-def _list_query(search: str, after: str | bytes, quarantine_after: str | bytes) -> str:
-    """A list page's query: the search, and where each of its two tables starts (an id
-    that is not UTF-8 as the hex of its bytes: `_page_key`)."""
+def _list_query(search: str, after: PageKey, quarantine_after: PageKey) -> str:
+    """A list page's query: the search, and where each of its two tables starts (an id a
+    user could not type - a BLOB, text that is not UTF-8 or holds a NUL - as the hex of its
+    stored bytes: `_page_start`)."""
     fields = {"q": search}
     for name, key in (("after", after), ("quarantine_after", quarantine_after)):
-        if isinstance(key, bytes):
-            fields[f"{name}_hex"] = key.hex()
-        elif key:
-            fields[name] = key
+        if key.blob:
+            fields[f"{name}_blob"] = _as_bytes(key.id).hex()
+        elif isinstance(key.id, bytes) or "\x00" in key.id:
+            fields[f"{name}_hex"] = _as_bytes(key.id).hex()
+        elif key.id:
+            fields[name] = key.id
     return urllib.parse.urlencode({key: value for key, value in fields.items() if value})
 
 
+def _as_bytes(stored: str | bytes) -> bytes:
+    return stored if isinstance(stored, bytes) else stored.encode("utf-8")
+
+
 def _quarantine_more(
-    page: Mapping[str, Any], search: str, after: str | bytes, quarantine_after: str | bytes
+    page: Mapping[str, Any], search: str, after: PageKey, quarantine_after: PageKey
 ) -> str:
     """The link to the next page of quarantined executions (the sessions' page kept)."""
     if not _pages_on(page, quarantine_after):
@@ -631,14 +643,17 @@ def _whole_html(whole: Whole) -> str:
 
 def _followed(
     session_id: str, shown_from: int, position: Position, shown: Shown
-) -> tuple[dict[int, str], dict[int, tuple[str, Any]], Position, list[str]]:
-    """A page's feed from what its stream read when it opened (`_store.shown_messages`):
-    the tags of the final messages it shows (when the newest is still the page's: no
-    rewrite since), and copies of the open messages it follows. An open message that
-    changed since the page's read is sent whole now (the first updates) and followed from
-    its version now: the position the stream opens at. One before the page's first
-    (`shown_from`: a cursor from after a rewrite may follow one) is not shown: left at
-    the cursor's version, its changes are no update (`PageFeed`)."""
+) -> tuple[PageFeed, Position, list[str]]:
+    """A page's feed, complete, from what its stream read when it opened
+    (`_store.shown_messages`), the position the stream opens at, and the first updates.
+
+    The feed knows the tags of the final messages the page shows (when the newest is
+    still the page's: no rewrite since) and holds copies of the open messages it follows.
+    An open message that changed since the page's read is sent whole now (the first
+    updates): one final now is known from then on, as one the page rendered final (a
+    rewrite that keeps it holds it back); one still open is followed from its version now.
+    One before the page's first (`shown_from`: a cursor from after a rewrite may follow
+    one) is not shown: left at the cursor's version, its changes are no update."""
     known: dict[int, str] = {}
     top_id = shown.ids.get(position.top)
     if position.top and top_id is not None and message_tag(top_id) == position.top_tag:
@@ -657,14 +672,21 @@ def _followed(
         if not isinstance(whole.message, Message) or whole.seq < shown_from:
             continue  # the stream's own read says why; not on the page
         followed.add(whole.seq)
-        copies[whole.seq] = (whole.message.role, whole.message.to_json()["data"])
         if whole.version != versions[whole.seq]:
             first.append({"seq": whole.seq, "html": message_html(whole.message)})
+        tag = message_tag(whole.message_id)
         if whole.open:
-            held.append(Held(whole.seq, message_tag(whole.message_id), whole.version))
+            copies[whole.seq] = (whole.message.role, whole.message.to_json()["data"])
+            held.append(Held(whole.seq, tag, whole.version))
+        else:
+            # Final now, and the page shows it as stored (sent whole above: its version
+            # moved when it finished): no change follows, no copy.
+            known[whole.seq] = tag
     held += [item for item in position.open if item.seq not in followed]
     moved = Position(position.top, position.top_tag, tuple(sorted(held, key=lambda h: h.seq)))
-    return known, copies, moved, sse_blocks(first, encode_cursor(session_tag(session_id), moved))
+    open_tags = {item.seq: item.tag for item in moved.open if item.seq >= shown_from}
+    feed = PageFeed(session_id, shown_from, known, copies, open_tags)
+    return feed, moved, sse_blocks(first, encode_cursor(session_tag(session_id), moved))
 
 
 def _nameable(row: Mapping[str, Any], *columns: str) -> bool:

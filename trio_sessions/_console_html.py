@@ -116,8 +116,9 @@ class PageFeed:
     one, which the page does not show) are held back, and the page is told to drop only
     what follows the last of them: one "drop_after" at the first message that differs,
     or once the stream has sent all it read (`feed(..., settled=True)`). Should that drop
-    every message the page shows while earlier ones remain, the page reloads instead (its
-    tail moved before it).
+    every message the page shows while earlier ones were sent again, the page reloads
+    instead (its tail moved before it); with none sent again, the page shows from the seq
+    after the drop on (`shown_from` lowered), so the messages stored next are shown.
     """
 
     session_id: str
@@ -222,8 +223,13 @@ class PageFeed:
         self.expected, self.next_expected = [], 0
         # What the page shows after the seq confirmed is not as stored: forget it.
         self.known = {seq: tag for seq, tag in self.known.items() if seq <= confirmed}
-        if self.below and confirmed < self.shown_from:
-            return sse_blocks([{"reload": True}], self.held_back)
+        if confirmed < self.shown_from:
+            if self.below:
+                return sse_blocks([{"reload": True}], self.held_back)
+            # The page shows nothing now, and no message before it was sent again: it
+            # shows from the seq after the drop on, so the messages stored next (below its
+            # old first one) are updates, not ignored.
+            self.shown_from = confirmed + 1
         return sse_blocks([{"drop_after": confirmed}], self.held_back)
 
 

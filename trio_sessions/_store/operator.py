@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import attrs
+
 from .._backend import Tx, reads_stored_bytes
 from .._codec import shown_text, stored_text, stored_value
 from .._errors import MalformedRecord
@@ -49,38 +51,74 @@ _QUARANTINED = (
 
 
 @reads_stored_bytes
-def quarantine_page(tx: Tx, after: str | bytes, limit: int) -> dict[str, Any]:
+def quarantine_page(tx: Tx, after: PageKey, limit: int) -> dict[str, Any]:
     """Quarantined executions in execution id order after `after`, at most `limit` (`more`:
-    others follow; `last`: the last one's id as stored, where the next page starts), as
-    `quarantined` lists them: the console's table costs one page however many the store
-    holds. Keyset paging on the primary key (an index walk; the table holds little
-    besides quarantines: recovery leases while a pass runs), not on the quarantine time,
-    which no index orders. `after` and `last` are keys as `_page_key` takes them."""
+    others follow; `last`: the last one's id as stored, the `PageKey` the next page starts
+    after), as `quarantined` lists them: the console's table costs one page however many
+    the store holds. Keyset paging on the primary key (an index walk; the table holds
+    little besides quarantines: recovery leases while a pass runs), not on the quarantine
+    time, which no index orders."""
+    condition, key = _after(tx, "execution_id", after)
     rows = tx.execute(
-        "SELECT execution_id, session_id, owner_id, recovery_error, time_quarantined"
-        " FROM session_recovery WHERE recovery_error IS NOT NULL"
-        " AND execution_id > CAST(:after AS TEXT) ORDER BY execution_id LIMIT :limit",
-        {"after": _page_key(tx, after), "limit": limit + 1},
+        f"SELECT {_is_blob(tx, 'execution_id')}, execution_id, session_id, owner_id,"
+        " recovery_error, time_quarantined FROM session_recovery"
+        f" WHERE recovery_error IS NOT NULL AND {condition} ORDER BY execution_id LIMIT :limit",
+        {"after": key, "limit": limit + 1},
     ).fetchall()
-    listed = [_listed("session_recovery", _QUARANTINED, row) for row in rows[:limit]]
-    last = rows[:limit][-1][0] if rows else None
-    return {"quarantined": listed, "more": len(rows) > limit, "last": last}
+    listed = [_listed("session_recovery", _QUARANTINED, row[1:]) for row in rows[:limit]]
+    return {"quarantined": listed, "more": len(rows) > limit, "last": _last_key(rows[:limit])}
 
 
-def _page_key(tx: Tx, key: str | bytes) -> str | bytes:
-    """A keyset page's start: an id, or - for an id SQLite holds as text that is not UTF-8
-    (another tool's write; read as its bytes) - those bytes, which the page's SQL compares
-    as the text they are (`CAST(... AS TEXT)`: byte order, as SQLite orders the column).
-    The page after such a row starts right after its stored bytes: never after its shown
-    name (replacement characters, which sort elsewhere: a page after it skipped rows, or
-    listed itself again). PostgreSQL holds UTF-8 text only: there such bytes name no row
-    (`ValueError`)."""
-    if isinstance(key, bytes) and tx.dialect == "postgres":
-        try:
-            return key.decode("utf-8")
-        except UnicodeDecodeError:
-            raise ValueError("a page key that is not UTF-8 names no row here") from None
-    return key
+@attrs.frozen
+class PageKey:
+    """Where a keyset page of ids starts: after this id as stored (the first page: after
+    ""). `id` is a str for text that is UTF-8, else the stored bytes: of text that is not
+    UTF-8, or - `blob` - of a BLOB. SQLite keeps either in a TEXT column when another tool
+    writes it, and orders every BLOB after all text: a page after a BLOB compares BLOBs,
+    one after text that is not UTF-8 compares text by its bytes, never the name it is
+    shown by (replacement characters, which sort elsewhere: a page after it skipped rows,
+    or listed itself again). PostgreSQL holds UTF-8 text only."""
+
+    id: str | bytes = ""
+    blob: bool = False
+
+
+def _after(tx: Tx, column: str, key: PageKey) -> tuple[str, Any]:
+    """The condition (naming `:after`) that a row's `column` sorts after `key`, and the
+    parameter's value: compared like with like (a BLOB's bytes as a BLOB; only text that
+    is not UTF-8 through `CAST(... AS TEXT)`, byte order, as SQLite orders the column).
+    On PostgreSQL a key that names no storable text (a BLOB, bytes that are not UTF-8, a
+    NUL) is a `ValueError`."""
+    if tx.dialect == "postgres":
+        text = _pg_text(key)
+        if text is None or "\x00" in text:
+            raise ValueError("a page key that is not UTF-8 text names no row here")
+        return f"{column} > :after", text
+    if isinstance(key.id, bytes) and not key.blob:
+        return f"{column} > CAST(:after AS TEXT)", key.id
+    return f"{column} > :after", key.id  # bytes bind as a BLOB: after it, only BLOBs
+
+
+def _pg_text(key: PageKey) -> str | None:
+    """The text a key names on PostgreSQL (which holds UTF-8 text only), or None."""
+    if key.blob:
+        return None
+    if isinstance(key.id, str):
+        return key.id
+    try:
+        return key.id.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def _is_blob(tx: Tx, column: str) -> str:
+    """A column saying whether `column` holds a BLOB (SQLite: another tool's)."""
+    return f"typeof({column}) = 'blob'" if tx.dialect == "sqlite" else "FALSE"
+
+
+def _last_key(rows: Sequence[Sequence[Any]]) -> PageKey | None:
+    """The `PageKey` of the last of `rows` (each `_is_blob`'s column, then the id)."""
+    return PageKey(rows[-1][1], bool(rows[-1][0])) if rows else None
 
 
 def lift_quarantine(tx: Tx, execution_id: str, owner_id: str, lease_ms: int) -> Candidate:
@@ -406,17 +444,18 @@ def _contains(tx: Tx) -> str:
 
 
 @reads_stored_bytes
-def session_page(tx: Tx, query: str, after: str | bytes, limit: int) -> dict[str, Any]:
+def session_page(tx: Tx, query: str, after: PageKey, limit: int) -> dict[str, Any]:
     """Sessions whose id contains `query`, in id order after `after`, at most `limit`: keyset
     paging on the primary key, so a page costs the same with 100,000 sessions. `last`:
-    the last one's id as stored, where the next page starts (`_page_key`)."""
-    where = "s.id > CAST(:after AS TEXT)" + (f" AND {_contains(tx)}" if query else "")
+    the last one's id as stored, the `PageKey` the next page starts after."""
+    condition, key = _after(tx, "s.id", after)
+    where = condition + (f" AND {_contains(tx)}" if query else "")
     sql = _STATUS_SQL.replace("ORDER BY s.id", f"WHERE {where} ORDER BY s.id LIMIT :limit")
-    arguments = {"after": _page_key(tx, after), "q": query, "limit": limit + 1}
-    rows = tx.execute(sql, arguments).fetchall()
-    sessions = [_session(tx.now, row) for row in rows[:limit]]
-    last = rows[:limit][-1][0] if rows else None
-    return {"now": tx.now, "sessions": sessions, "more": len(rows) > limit, "last": last}
+    sql = sql.replace("SELECT s.id,", f"SELECT {_is_blob(tx, 's.id')}, s.id,", 1)
+    rows = tx.execute(sql, {"after": key, "q": query, "limit": limit + 1}).fetchall()
+    sessions = [_session(tx.now, row[1:]) for row in rows[:limit]]
+    more = len(rows) > limit
+    return {"now": tx.now, "sessions": sessions, "more": more, "last": _last_key(rows[:limit])}
 
 
 @reads_stored_bytes
