@@ -313,7 +313,9 @@ def test_a_session_page_drops_what_a_truncate_removes_and_resumes_after_a_restar
 ) -> None:
     """An open session page follows a truncate by dropping the messages it removed (no
     reload: the page keeps its state), and when its console restarts, the EventSource
-    reconnects with Last-Event-ID and the page gets only what changed meanwhile."""
+    reconnects with Last-Event-ID and the page gets only what changed meanwhile: the
+    nodes it showed before the restart stay (a stream from the page's own cursor, which
+    names the removed messages, would send every message again)."""
     store = tmp_path / "db"
     submit(store, "s", {"text": "hello"})
     Raw(store).write(
@@ -339,6 +341,10 @@ def test_a_session_page_drops_what_a_truncate_removes_and_resumes_after_a_restar
         trio.run(truncate)
         until(lambda: seqs() == list(range(10, 16)), "the truncated messages dropped", chrome)
         assert chrome.execute_script("return window.stillThisPage") is True
+        chrome.execute_script(
+            "for (const node of document.querySelectorAll('#transcript [data-seq]'))"
+            " node.dataset.beforeRestart = 'yes'"
+        )
         first.stop()
         Raw(store).write(
             "INSERT INTO session_message(id, session_id, role, seq, data, time_created,"
@@ -350,3 +356,7 @@ def test_a_session_page_drops_what_a_truncate_removes_and_resumes_after_a_restar
             until(lambda: seqs() == list(range(10, 17)), "the message stored meanwhile", chrome)
             assert "while away" in transcript_text(chrome)
             assert chrome.execute_script("return window.stillThisPage") is True
+            script = "return [...document.querySelectorAll('#transcript [data-before-restart]')]"
+            script += ".map((e) => Number(e.dataset.seq))"
+            kept = chrome.execute_script(script)
+            assert kept == list(range(10, 16)), f"only {kept} of the nodes shown kept"

@@ -161,6 +161,31 @@ def test_a_message_that_finishes_live_is_held_back_by_a_rewrite_that_keeps_it() 
     assert updates(text) == [{"drop_after": 20}]
 
 
+def test_messages_after_a_rewrite_that_emptied_the_page_are_shown() -> None:
+    """A page shows seqs 10 to 19 (1 to 9 on its earlier page). The transcript is emptied
+    (`delete_session`, or `truncate(after_seq=0)`): the page is told to drop everything
+    (`drop_after` 0, no earlier message remains, so no reload) and shows nothing. The
+    conversation goes on: new messages 1, 2, ... - all below the page's first seq
+    (`shown_from` stays 10), which `PageFeed` now ignores as "not on the page". The page
+    stays empty while the transcript grows, until seq 10, then shows 10 on without 1 to
+    9: a gap. (Before 51dc1d7 such a message was added to the page.) Expected: a new
+    message after the page was emptied is an update (or a reload), never nothing."""
+    feed = PageFeed("s", 10, {seq: message_tag(f"m{seq}") for seq in range(10, 20)}, {})
+    truncate = StreamEvent(encode_cursor(session_tag("s"), Position()), 0, "", "truncate", None)
+    assert '"drop_after": 0' in feed.feed([truncate], settled=True)
+    new = StreamEvent(
+        encode_cursor(session_tag("s"), Position(1, message_tag("new1"))),
+        1,
+        "user",
+        "message",
+        {"text": "a new conversation"},
+    )
+    text = feed.feed([new], settled=True)
+    assert "a new conversation" in text or '"reload": true' in text, (
+        f"a message stored after the page was emptied sent {text!r}"
+    )
+
+
 @pytest.mark.parametrize("text", ["~", "~~", "~.", "~..", "~foo", ".", "..", "a/b", "é"])
 def test_a_quoted_id_is_one_segment_that_unquotes_to_itself(text: str) -> None:
     """`quote` makes one path segment that is no dot segment and starts with one "~" only
@@ -175,6 +200,6 @@ def test_a_quoted_id_is_one_segment_that_unquotes_to_itself(text: str) -> None:
 @pytest.mark.parametrize("segment", ["~foo", "~", "~%2E%2E%2E", "~a.", "%7Ex"])
 def test_a_segment_quote_never_makes_is_refused(segment: str) -> None:
     """One "~" before anything but "." or "..": no id (it named another text than it
-    spells: "~foo" was session "foo")."""
+    spells: earlier consoles linked session "~foo" as "~foo")."""
     with pytest.raises(ValueError, match="doubled"):
         unquote(segment)

@@ -23,6 +23,13 @@ applying the events in order reproduces the transcript, with no gap and no dupli
 cursor names that position exactly, so a stream opened at it continues with the events after
 it; a client's position is never advanced past what it was sent. Memory per stream is bounded
 (a slow consumer's offers are dropped for one read); an idle stream costs no task.
+
+Two hooks serve the library's own consumers (the console's page feed, which holds back
+what a rewrite resends until the stream has sent all it read), not the public API:
+`EventStream.left_out` (whether the last read, the stream's own or the change scan's
+catch-up, left messages out: more follow at once) and `EventStream.on_settled` (awaited
+in the consumer's task after a read of the stream's own that brought no event and left
+nothing out: no event would carry what is held back).
 """
 
 from __future__ import annotations
