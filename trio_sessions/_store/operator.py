@@ -92,7 +92,7 @@ def _after(tx: Tx, column: str, key: PageKey) -> tuple[str, Any]:
     if tx.dialect == "postgres":
         text = _pg_text(key)
         if text is None or "\x00" in text:
-            raise ValueError("a page key that is not UTF-8 text names no row here")
+            raise ValueError("a page key that is no text PostgreSQL holds names no row here")
         return f"{column} > :after", text
     if isinstance(key.id, bytes) and not key.blob:
         return f"{column} > CAST(:after AS TEXT)", key.id
