@@ -1011,20 +1011,8 @@ def test_the_quarantine_table_never_links_a_page_to_itself(tmp_path: Path) -> No
         "INSERT INTO session_recovery(execution_id, session_id, owner_id, expires_at,"
         f" recovery_error, time_created, time_quarantined) VALUES {values}"
     )
-    with (
-        console(str(store), tmp_path) as (url, _),
-        httpx.Client(base_url=url, timeout=DEADLINE) as client,
-    ):
-        links = []
-        page = client.get("/").text
-        shown = page.count("session_recovery.execution_id is not UTF-8")
-        for _ in range(3):
-            link = re.search(r'id="quarantine-next" href="([^"]+)"', page)
-            if link is None:
-                break
-            links.append(link.group(1))
-            page = client.get(link.group(1).replace("&amp;", "&")).text
-            shown += page.count("session_recovery.execution_id is not UTF-8")
+    with console(str(store), tmp_path) as (url, _):
+        links, shown = _quarantine_pages(url, most=4, counting=NOT_UTF8_EXECUTION)
     assert len(links) == len(set(links)), f"a next link leads to the same page: {links}"
     assert shown == 128, "each of them listed once, by its stored bytes"
 
@@ -1046,22 +1034,30 @@ def test_the_quarantine_table_pages_through_blob_execution_ids_once_each(
         " recovery_error, time_created, time_quarantined) VALUES ('a', 's000', 'o', 0,"
         f" 'bad', 0, 0), {values}"
     )
-    with (
-        console(str(store), tmp_path) as (url, _),
-        httpx.Client(base_url=url, timeout=DEADLINE) as client,
-    ):
+    with console(str(store), tmp_path) as (url, _):
+        links, shown = _quarantine_pages(url, most=4, counting=NOT_UTF8_EXECUTION)
+    assert len(links) == len(set(links)) == 1, f"next links: {links}"
+    assert shown == 110, "each BLOB id listed once"
+
+
+NOT_UTF8_EXECUTION = "session_recovery.execution_id is not UTF-8"
+
+
+def _quarantine_pages(url: str, *, most: int, counting: str) -> tuple[list[str], int]:
+    """Follow the quarantine table's next links from the first page, at most `most` pages:
+    the links followed, and how often `counting` was shown over all the pages."""
+    with httpx.Client(base_url=url, timeout=DEADLINE) as client:
         links = []
         page = client.get("/").text
-        shown = page.count("session_recovery.execution_id is not UTF-8")
-        for _ in range(4):
+        shown = page.count(counting)
+        for _ in range(most - 1):
             link = re.search(r'id="quarantine-next" href="([^"]+)"', page)
             if link is None:
                 break
             links.append(link.group(1))
             page = client.get(link.group(1).replace("&amp;", "&")).text
-            shown += page.count("session_recovery.execution_id is not UTF-8")
-    assert len(links) == len(set(links)) == 1, f"next links: {links}"
-    assert shown == 110, "each BLOB id listed once"
+            shown += page.count(counting)
+    return links, shown
 
 
 def _listed_rows(page: str) -> list[str]:
