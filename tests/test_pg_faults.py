@@ -56,6 +56,7 @@ from trio_sessions import DrainContext, StoreError, _postgres, _store, _transcri
 from trio_sessions import testing as ts_testing
 from trio_sessions._backend import Job
 from trio_sessions._codec import encode_assistant
+from trio_sessions._errors import OutcomeUnknown
 from trio_sessions._loops import CHANGE_FALLBACK_POLL
 from trio_sessions._postgres import PgEngine, PostgresStore, run_op
 from trio_sessions._store.recovery_scan import scan_and_lease
@@ -1162,6 +1163,26 @@ def test_unreachable_server_fails_the_operation_after_the_bound_with_nothing_wri
         assert snapshot(env.control) != pre
         if name == "submit":
             assert env.control.execute("SELECT id FROM session_input").fetchall() == [("i1",)]
+
+
+def test_a_transaction_reading_back_a_lost_call_reports_its_outcome_unknown(
+    pg_url: str, pg_schema: str, short_patience: float
+) -> None:
+    """A call in autocommit lost its reply and its retry needs a transaction (`retry`: it
+    reads back whether the lost call landed); when that transaction cannot run within the
+    bound (the server unreachable), the lost call's outcome is still unknown: the job
+    fails with OutcomeUnknown, not a plain StoreError that callers take as "nothing
+    written" (an iteration's end would then be finished as failed, stranding an input)."""
+    with environment(pg_url, pg_schema) as env:
+        env.run(_store.wake, "s")
+        env.faults.unreachable = True
+        env.engine.close()  # the next connection is a new one, which cannot be made
+        job = Job(_store.acquire, ("s", "e1", OWNER, LEASE_MS))
+        with pytest.raises(OutcomeUnknown, match="outcome of a COMMIT is unknown"):
+            env.engine._transaction([job], "write", alone=True, retry=True)
+        with pytest.raises(StoreError) as plain:  # the same without a lost call before it
+            env.engine._transaction([job], "write", alone=True, retry=False)
+        assert not isinstance(plain.value, OutcomeUnknown)
 
 
 def test_commit_whose_outcome_stays_unknown_is_reported_as_store_error(

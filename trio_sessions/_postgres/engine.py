@@ -415,8 +415,9 @@ class PgEngine:
         self, jobs: Sequence[Job], mode: Mode, *, alone: bool, retry: bool = False
     ) -> list[Any]:
         """Run and commit; retried within the bounds. `_JobRaised` when a job raised (rolled
-        back), `StoreError` past the bounds. `retry`: the calls read back whether a lost
-        autocommit attempt of the job landed."""
+        back), `StoreError` past the bounds - `OutcomeUnknown` with `retry`: the calls read
+        back whether a lost autocommit attempt of the job landed, and that attempt's outcome
+        stays unknown when this transaction cannot run."""
         deadline = time.monotonic() + RECONNECT_PATIENCE_S
         attempt = 0
         while True:
@@ -426,10 +427,19 @@ class PgEngine:
                 return self._attempt(conn, jobs, mode, alone=alone, deadline=deadline, retry=retry)
             except _Rerun as rerun:
                 if attempt >= MAX_ATTEMPTS or time.monotonic() >= deadline:
-                    raise driver_error(rerun.cause) from rerun.cause
+                    error = driver_error(rerun.cause)
+                    if retry:
+                        error = _unknown_outcome(rerun.cause, error)
+                    raise error from rerun.cause
                 self.retries += 1
                 _observe.store_retry("postgres", rerun.cause, attempt, _retried_state(rerun.cause))
                 time.sleep(min(0.005 * 2**attempt, 0.2) * random.uniform(0.5, 1.0))
+            except OutcomeUnknown:
+                raise
+            except StoreError as exc:  # no connection within the bounds
+                if retry:
+                    raise _unknown_outcome(exc.__cause__, exc) from exc
+                raise
 
     def _autocommit(self, job: Job) -> Any:
         """Run a job as one autocommit call (`PgTx(autocommit=True)`), within the bounds.
