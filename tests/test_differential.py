@@ -10,8 +10,11 @@ the session's running drain and acknowledged, so both backends run in lockstep. 
 time moves only on the sequence's own `sleep` steps (deadline by deadline), so a worker
 thread (the check of a large payload) never lets it jump for one backend alone.
 
-A longer campaign: DIFF_EXAMPLES=100 DIFF_LEN=80 DIFF_NOSHRINK=1 (DIFF_DEBUG=1 prints every
-result). Run over seeds 1-31 when written (about 1,500 sequences): no difference found.
+The suite runs one fixed set of 40 sequences (derandomized). A longer campaign: DIFF_SEED=1
+DIFF_EXAMPLES=100 DIFF_LEN=80 with `--hypothesis-seed=N` (DIFF_SHRINK=1 shrinks what it
+finds; DIFF_DEBUG=1 prints every result). Run over seeds 1-31 when written (about 1,500
+sequences): no difference found; a CI run's random seed then found the test's own check
+too strong (a message open under a claim handed back for recovery), since corrected.
 """
 
 from __future__ import annotations
@@ -317,6 +320,7 @@ async def apply(rt: Any, drain: Scripted, op: tuple[Any, ...]) -> Any:
 
 async def observe(rt: Any, drain: Scripted) -> dict[str, Any]:
     seen: dict[str, Any] = {}
+    claimed: set[str] = set()  # a claim row is left (handed back, expired): recovery's
     for s in [*SESSIONS, *FORK_TARGETS]:
         try:
             seen[f"transcript {s[:8]}"] = norm_messages(await rt.transcript(s))
@@ -326,6 +330,8 @@ async def observe(rt: Any, drain: Scripted) -> dict[str, Any]:
         if status is not None:
             claim = status.pop("claim")
             status["claim"] = None if claim is None else claim.get("phase")
+            if claim is not None:
+                claimed.add(s)
             status.pop("time_created")
             doorbell = status.pop("doorbell")
             status["doorbell"] = None if doorbell is None else doorbell["wakes"]
@@ -333,12 +339,14 @@ async def observe(rt: Any, drain: Scripted) -> dict[str, Any]:
         seen[f"status {s[:8]}"] = status
         seen[f"active {s[:8]}"] = rt.is_active(s)
     for s in [*SESSIONS, *FORK_TARGETS]:
-        if rt.is_active(s):
+        if rt.is_active(s) or s in claimed:
             continue
         for message in await rt.transcript(s):
             if isinstance(message.data, AssistantData):
-                # DESIGN §5: nothing stays open or running once no drain holds the session;
-                # §5.1: a failed drain's error names the type only.
+                # DESIGN §5: nothing stays open or running once no claim holds the session
+                # (a claim handed back by interrupt(reason="shutdown") keeps its message
+                # open for recovery to finish); §5.1: a failed drain's error names the type
+                # only.
                 data = message.data
                 assert data.finished, (s, message)
                 assert all(p.status != "running" for p in data.parts if isinstance(p, ToolPart)), (
@@ -520,7 +528,11 @@ async def run_differential(
 
 
 @settings(
-    phases=[Phase.generate] if os.environ.get("DIFF_NOSHRINK") else list(Phase),
+    # The suite runs the same examples every time (derandomized, no shrinking: a failing
+    # sequence is printed whole, not shrunk for minutes); a campaign sets DIFF_SEED (and
+    # DIFF_SHRINK=1 to shrink what it finds).
+    derandomize=not os.environ.get("DIFF_SEED"),
+    phases=list(Phase) if os.environ.get("DIFF_SHRINK") else [Phase.explicit, Phase.generate],
     max_examples=int(os.environ.get("DIFF_EXAMPLES", "40")),
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
