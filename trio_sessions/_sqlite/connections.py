@@ -23,6 +23,7 @@ import attrs
 from .. import _codec, _observe, _schema
 from .._backend import Job
 from .._errors import SchemaTooNew, StoreError, StoreLost
+from .._naming import IN_MEMORY_NAMES
 
 # PRAGMA synchronous in WAL mode: NORMAL (the default) survives a process crash, but the
 # newest commits may roll back after a power loss or OS crash; FULL syncs the WAL at every
@@ -82,7 +83,7 @@ def _create_owner_only(path: str) -> None:
     the -wal and -shm files the database file's mode, so those are 0600 too. An existing
     file keeps the mode its operator chose.
     """
-    if path in ("", ":memory:"):
+    if path in IN_MEMORY_NAMES:
         return
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
