@@ -27,7 +27,7 @@ from .. import _codec, _transcript
 from .._backend import Tx, autocommit_when_alone, reads_stored_bytes
 from .._errors import MalformedRecord
 from .._model import AssistantData, Message
-from .common import _IN_CHUNK, _chunks, _in_list, leading_rows, placed
+from .common import _IN_CHUNK, _in_list, leading_rows, placed, streamed_texts_of
 from .control import next_due
 from .recovery_scan import _unclaimed_doorbells
 from .transcript import _decode_message, _streamed_texts
@@ -319,15 +319,7 @@ def watched_messages(
         (session_id, after_seq, through_seq, limit),
     )
     kept, _ = leading_rows(rows, count=limit, size_bytes=REPLAY_CHUNK_BYTES)
-    streamed: dict[str, list[Any]] = {}
-    assistants = [str(row[1]) for row in kept if row[2] == "assistant"]
-    for chunk in _chunks(assistants):
-        for message_id, text in tx.execute(
-            f"SELECT message_id, text FROM session_message_delta WHERE message_id IN"
-            f" {_in_list(chunk)} ORDER BY message_id, version",
-            tuple(chunk),
-        ).fetchall():
-            streamed.setdefault(message_id, []).append(text)
+    streamed = streamed_texts_of(tx, [str(row[1]) for row in kept if row[2] == "assistant"])
     return [_snapshot_of(row, streamed.get(row[1], [])) for row in kept]
 
 

@@ -20,7 +20,7 @@ import os
 import random
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 
@@ -85,10 +85,26 @@ def new_id() -> str:
 # Parameters per IN list: well below SQLite's and PostgreSQL's limits.
 _IN_CHUNK = 500
 
+T = TypeVar("T")
 
-def _chunks(values: Sequence[str]) -> Iterable[Sequence[str]]:
+
+def _chunks(values: Sequence[T]) -> Iterable[Sequence[T]]:
     for start in range(0, len(values), _IN_CHUNK):
         yield values[start : start + _IN_CHUNK]
+
+
+def streamed_texts_of(tx: Tx, message_ids: Sequence[str]) -> dict[Any, list[Any]]:
+    """The texts streamed onto each of these messages, in version order, keyed by the
+    message id as the store returns it: one statement per `_IN_CHUNK` of them."""
+    streamed: dict[Any, list[Any]] = {}
+    for chunk in _chunks(message_ids):
+        for message_id, text in tx.execute(
+            "SELECT message_id, text FROM session_message_delta"
+            f" WHERE message_id IN {_in_list(chunk)} ORDER BY message_id, version",
+            tuple(chunk),
+        ).fetchall():
+            streamed.setdefault(message_id, []).append(text)
+    return streamed
 
 
 def leading_rows(rows: Cursor, *, count: int, size_bytes: int) -> tuple[list[Sequence[Any]], bool]:
@@ -110,7 +126,7 @@ def leading_rows(rows: Cursor, *, count: int, size_bytes: int) -> tuple[list[Seq
         rows.close()
 
 
-def _in_list(values: Sequence[str]) -> str:
+def _in_list(values: Sequence[Any]) -> str:
     return "(" + ", ".join("?" * len(values)) + ")"
 
 

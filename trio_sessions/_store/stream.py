@@ -35,7 +35,7 @@ from .._backend import FALLBACK, Tx, autocommit_when_alone, pg_read_batched, rea
 from .._errors import MalformedRecord
 from .._model import AssistantData, Message, Step
 from .._validate import MAX_INT64
-from .common import _IN_CHUNK, _chunks, _in_list, leading_rows, placed
+from .common import _chunks, _in_list, leading_rows, placed, streamed_texts_of
 from .transcript import _decode_message
 
 
@@ -123,6 +123,8 @@ _VERSION = (
     "COALESCE((SELECT MAX(d.version) FROM session_message_delta d WHERE d.message_id = m.id),"
     " m.version)"
 )
+# A message's row as `_whole_from` takes it (for `session_message m`).
+_WHOLE_COLUMNS = f"m.id, m.role, m.seq, m.data, m.execution_id, m.input_id, {_VERSION}"
 
 
 def _pg_arguments(session_id: str, position: Position, limit: int) -> dict[str, Any]:
@@ -299,8 +301,7 @@ def _step_missed(held: Held, version: int, kind: Any, data: Any, message_id: str
 
 def _whole(tx: Tx, session_id: str, message_id: str) -> Whole:
     row = tx.one(
-        "SELECT m.id, m.role, m.seq, m.data, m.execution_id, m.input_id,"
-        f" {_VERSION} FROM session_message m WHERE m.id = ?",
+        f"SELECT {_WHOLE_COLUMNS} FROM session_message m WHERE m.id = ?",
         (message_id,),
     )
     return _decoded(tx, session_id, row)
@@ -310,8 +311,7 @@ def _new_messages(tx: Tx, session_id: str, after: int, limit: int) -> tuple[list
     """The messages past seq `after`, whole (`NEW_MESSAGES_PER_READ`, `NEW_BYTES_PER_READ`),
     and whether others were left out."""
     rows = tx.execute(
-        "SELECT m.id, m.role, m.seq, m.data, m.execution_id, m.input_id,"
-        f" {_VERSION}, length(m.data) FROM session_message m"
+        f"SELECT {_WHOLE_COLUMNS}, length(m.data) FROM session_message m"
         " WHERE m.session_id = ? AND m.seq > ? ORDER BY m.seq LIMIT ?",
         (session_id, after, limit + 1),
     )
@@ -372,12 +372,11 @@ def transcript_tail(tx: Tx, session_id: str, before: int | None, limit: int) -> 
     `TRANSCRIPT_PAGE_SIZE`), however long the transcript."""
     where = "m.session_id = ?" + ("" if before is None else " AND m.seq < ?")
     rows = tx.execute(
-        "SELECT m.id, m.role, m.seq, m.data, m.execution_id, m.input_id,"
-        f" {_VERSION} FROM session_message m WHERE {where} ORDER BY m.seq DESC LIMIT ?",
+        f"SELECT {_WHOLE_COLUMNS} FROM session_message m WHERE {where} ORDER BY m.seq DESC LIMIT ?",
         (session_id, limit + 1) if before is None else (session_id, before, limit + 1),
     ).fetchall()
     kept = rows[:limit][::-1]
-    streamed = _deltas_of(tx, [str(row[0]) for row in kept if row[1] == "assistant"])
+    streamed = streamed_texts_of(tx, [str(row[0]) for row in kept if row[1] == "assistant"])
     wholes = [_whole_from(session_id, row, streamed.get(str(row[0]), [])) for row in kept]
     position = None
     if before is None and not kept:
@@ -385,19 +384,6 @@ def transcript_tail(tx: Tx, session_id: str, before: int | None, limit: int) -> 
     elif before is None and isinstance(kept[-1][0], str):  # else an id that is not UTF-8
         position = _position_of(wholes)
     return Tail(wholes, earlier=len(rows) > limit, position=position)
-
-
-def _deltas_of(tx: Tx, message_ids: Sequence[str]) -> dict[str, list[Any]]:
-    """The texts streamed onto each of these messages, in version order."""
-    streamed: dict[str, list[Any]] = {}
-    for chunk in _chunks(sorted(set(message_ids))):
-        for message_id, text in tx.execute(
-            "SELECT message_id, text FROM session_message_delta"
-            f" WHERE message_id IN {_in_list(chunk)} ORDER BY message_id, version",
-            tuple(chunk),
-        ).fetchall():
-            streamed.setdefault(str(message_id), []).append(text)
-    return streamed
 
 
 def _position_of(wholes: Sequence[Whole]) -> Position | None:
@@ -440,18 +426,15 @@ def shown_messages(tx: Tx, session_id: str, low: int, position: Position, limit:
     ).fetchall()
     ids = {placed(seq): str(message_id) for seq, message_id in rows}
     tags = {held.seq: held.tag for held in position.open}
-    seqs = sorted(tags)
     found: list[Sequence[Any]] = []
-    for start in range(0, len(seqs), _IN_CHUNK):
-        chunk = seqs[start : start + _IN_CHUNK]
+    for chunk in _chunks(sorted(tags)):
         found += tx.execute(
-            "SELECT m.id, m.role, m.seq, m.data, m.execution_id, m.input_id,"
-            f" {_VERSION} FROM session_message m WHERE m.session_id = ?"
-            f" AND m.seq IN ({', '.join('?' * len(chunk))}) ORDER BY m.seq",
+            f"SELECT {_WHOLE_COLUMNS} FROM session_message m WHERE m.session_id = ?"
+            f" AND m.seq IN {_in_list(chunk)} ORDER BY m.seq",
             (session_id, *chunk),
         ).fetchall()
     same = [row for row in found if message_tag(str(row[0])) == tags.get(placed(row[2]))]
-    streamed = _deltas_of(tx, [str(row[0]) for row in same if row[1] == "assistant"])
+    streamed = streamed_texts_of(tx, [str(row[0]) for row in same if row[1] == "assistant"])
     held = [_whole_from(session_id, row, streamed.get(str(row[0]), [])) for row in same]
     return Shown(ids, held)
 
