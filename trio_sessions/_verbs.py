@@ -121,8 +121,7 @@ class Runtime:
         )
         self._closing = False
         self._closed = False  # its `open_runtime` block exited
-        self._crashed = False  # `testing.crash`: it writes nothing more
-        self._crashed_event = trio.Event()
+        self._crashed_event = trio.Event()  # `testing.crash`: it writes nothing more
         self._seams = Seams()
         self._drains_running = 0
         self._remote_signals = 0
@@ -221,6 +220,10 @@ class Runtime:
             # this input, an acquisition that found another owner's claim - runs on.
             entry.interrupt("user")
         return str(stored)
+
+    @property
+    def _crashed(self) -> bool:
+        return self._crashed_event.is_set()
 
     def _check_run(self) -> None:
         """`RuntimeError` unless called in the trio run that opened the runtime: its nursery,

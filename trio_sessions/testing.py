@@ -94,7 +94,6 @@ def crash(runtime: Runtime) -> None:
             "crash: the runtime is closed (its claims handed back): crash it inside its"
             " open_runtime block"
         )
-    runtime._crashed = True
     runtime._crashed_event.set()
     runtime._closing = True
     runtime._heartbeat_scope.cancel()
