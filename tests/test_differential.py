@@ -31,9 +31,10 @@ import trio
 import trio.testing
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from test_stream import apply as apply_event
 
 import trio_sessions
-from trio_sessions import AssistantData, DrainContext, TextPart, ToolPart, testing
+from trio_sessions import AssistantData, DrainContext, ToolPart, testing
 from trio_sessions._store import operator
 
 # ---------------------------------------------------------------------------------------------
@@ -365,36 +366,6 @@ async def observe(rt: Any, drain: Scripted) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------
 # Streams applied to a copy
-
-
-def apply_event(view: dict[int, Any], event: Any) -> None:
-    if event.kind == "truncate":
-        for seq in [seq for seq in view if seq > event.seq]:
-            del view[seq]
-        return
-    if event.kind == "message":
-        view[event.seq] = (event.role, event.data)
-        return
-    role, data = view[event.seq]
-    parts = data.parts
-    if event.kind == "append":
-        if parts and isinstance(parts[-1], TextPart):
-            parts = (*parts[:-1], TextPart(parts[-1].text + event.data))
-        else:
-            parts = (*parts, TextPart(event.data))
-        data = attrs.evolve(data, parts=parts)
-    elif event.kind == "part":
-        part = event.data
-        assert isinstance(part, ToolPart)
-        same = [
-            i for i, p in enumerate(parts) if isinstance(p, ToolPart) and p.call_id == part.call_id
-        ]
-        parts = (*parts[: same[0]], part, *parts[same[0] + 1 :]) if same else (*parts, part)
-        data = attrs.evolve(data, parts=parts)
-    else:
-        assert event.kind == "finish", event
-        data = attrs.evolve(data, finished=True, error=event.data["error"])
-    view[event.seq] = (role, data)
 
 
 def view_of(view: dict[int, Any]) -> list[Any]:
