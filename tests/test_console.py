@@ -500,9 +500,7 @@ def test_the_live_stream_does_not_send_again_what_the_page_shows(
     ):
         page = client.get("/sessions/big").text
         assert page.count('<div class="message ') == 100
-        events = re.search(r'data-events="([^"]+)"', page)
-        assert events is not None
-        with client.stream("GET", events.group(1).replace("&amp;", "&")) as stream:
+        with client.stream("GET", events_path(page)) as stream:
             assert stream.status_code == 200
 
             async def truncate() -> None:
@@ -736,6 +734,13 @@ def sse_events(lines: Iterator[str]) -> Iterator[tuple[str | None, Any]]:
             event_id, data = None, None
 
 
+def events_path(page: str) -> str:
+    """The path of a session page's live stream (its `data-events`)."""
+    events = re.search(r'data-events="([^"]+)"', page)
+    assert events is not None, page
+    return events.group(1).replace("&amp;", "&")
+
+
 def test_the_live_stream_misses_nothing_since_the_page_and_resumes_from_last_event_id(
     tmp_path: Path,
 ) -> None:
@@ -751,9 +756,7 @@ def test_the_live_stream_misses_nothing_since_the_page_and_resumes_from_last_eve
         httpx.Client(base_url=url, timeout=DEADLINE) as client,
     ):
         page = client.get("/sessions/s").text
-        events = re.search(r'data-events="([^"]+)"', page)
-        assert events is not None
-        path = events.group(1).replace("&amp;", "&")
+        path = events_path(page)
         Raw(store).write(
             "INSERT INTO session_message(id, session_id, role, seq, data, time_created,"
             " time_updated) VALUES ('late', 's', 'user', 20, '{\"text\": \"late\"}', 0, 0)"
@@ -792,9 +795,7 @@ def test_an_open_message_on_the_page_streams_its_appends(tmp_path: Path) -> None
     ):
         page = client.get("/sessions/s").text
         assert ">he</span>" in page
-        events = re.search(r'data-events="([^"]+)"', page)
-        assert events is not None
-        with client.stream("GET", events.group(1).replace("&amp;", "&")) as stream:
+        with client.stream("GET", events_path(page)) as stream:
             raw.write(
                 "INSERT INTO session_message_delta(message_id, version, text)"
                 " VALUES ('m-x1-1', 1, 'llo')"
@@ -820,9 +821,7 @@ def test_a_rewrite_does_not_send_again_a_message_the_page_received_live(tmp_path
         httpx.Client(base_url=url, timeout=DEADLINE) as client,
     ):
         page = client.get("/sessions/s").text
-        events_url = re.search(r'data-events="([^"]+)"', page)
-        assert events_url is not None
-        with client.stream("GET", events_url.group(1).replace("&amp;", "&")) as stream:
+        with client.stream("GET", events_path(page)) as stream:
             events = sse_events(stream.iter_lines())
             Raw(store).write(
                 "INSERT INTO session_message(id, session_id, role, seq, data, time_created,"
