@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -135,3 +136,10 @@ def fresh_schema(pg_url: str) -> Iterator[str]:
     yield name
     with psycopg.connect(pg_url, autocommit=True) as conn:
         conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(name)))
+
+
+@pytest.fixture
+def logs(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
+    """The library's log records, DEBUG and up (read them with `helpers.records`)."""
+    caplog.set_level(logging.DEBUG, logger="trio_sessions")
+    return caplog

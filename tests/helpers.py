@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 import backends
+import pytest
 import trio
 import trio.testing
 
@@ -299,3 +300,8 @@ async def check_pre_streaming_upgrade(raw: Raw, store: Any) -> None:
 
 
 __all__ = ["Raw", "Recorder", "open_tool_message", "runtime", "testing"]
+
+
+def records(caplog: pytest.LogCaptureFixture, message: str) -> list[Any]:
+    """The records of one event, by its stable message (typed Any: `extra` attributes)."""
+    return [r for r in caplog.records if r.msg == message]

@@ -8,12 +8,11 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import pytest
 import trio
 import trio.testing
 from backends import PgLocation
 from conftest import query
-from helpers import runtime
+from helpers import records, runtime
 
 import trio_sessions
 from trio_sessions import DrainContext, Message, Runtime, StoreError, _store
@@ -22,17 +21,6 @@ from trio_sessions import _observe as events
 Clock = Callable[[], float]
 QUIET = {"recovery_interval": 10_000.0}  # passes only when the test asks for one
 SECRET = "sk-secret"
-
-
-@pytest.fixture
-def logs(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
-    caplog.set_level(logging.DEBUG, logger="trio_sessions")
-    return caplog
-
-
-def records(caplog: pytest.LogCaptureFixture, message: str) -> list[Any]:
-    """The records of one event, by its stable message (typed Any: `extra` attributes)."""
-    return [r for r in caplog.records if r.msg == message]
 
 
 def every_stored_value(db_path: Any) -> str:

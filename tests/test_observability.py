@@ -61,12 +61,6 @@ QUIET = {"recovery_interval": 10_000.0}  # passes only when the test asks for on
 MALFORMED = '{"parts": [], "finished": "false", "error": null}'
 
 
-@pytest.fixture
-def logs(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
-    caplog.set_level(logging.DEBUG, logger="trio_sessions")
-    return caplog
-
-
 def records(caplog: pytest.LogCaptureFixture, message: str) -> list[Any]:
     """The records of one event (by its stable message), all from the library's logger.
     (Typed `Any`: their `extra` fields are attributes no type declares.)"""

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from helpers import JumpingClock, Raw, Recorder, now_ms, opened, runtime, terminate_backend
+from helpers import JumpingClock, Raw, Recorder, now_ms, opened, records, runtime, terminate_backend
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
@@ -41,17 +41,6 @@ QUIET = {"recovery_interval": 10_000.0}  # passes only when the test asks for on
 MALFORMED = '{"parts": [], "finished": "false", "error": null}'
 REPAIRED = '{"parts": [], "finished": false, "error": null}'
 SECRET = "sk-secret-123"
-
-
-@pytest.fixture
-def logs(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
-    caplog.set_level(logging.DEBUG, logger="trio_sessions")
-    return caplog
-
-
-def records(caplog: pytest.LogCaptureFixture, message: str) -> list[Any]:
-    """The records of one event, by its stable message (typed Any: `extra` attributes)."""
-    return [r for r in caplog.records if r.msg == message]
 
 
 @pytest.fixture

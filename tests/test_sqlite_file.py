@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import trio
+from helpers import records
 
 import trio_sessions
 from trio_sessions import Store, StoreError, _sqlite
@@ -29,16 +30,6 @@ from trio_sessions._errors import StoreLost
 
 TESTS = Path(__file__).parent
 DEADLINE = 20.0  # seconds a subprocess gets to reach an expected state
-
-
-@pytest.fixture
-def logs(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
-    caplog.set_level(logging.DEBUG, logger="trio_sessions")
-    return caplog
-
-
-def records(caplog: pytest.LogCaptureFixture, message: str) -> list[Any]:
-    return [r for r in caplog.records if r.msg == message]
 
 
 @pytest.fixture
