@@ -11,8 +11,10 @@ every order is answered, and exits non-zero if that does not happen within a dea
   inputs arriving while a worker drains a session coalesce into that worker's next drain
   iteration. A worker that dies mid-answer is resumed by another after its lease: the
   drain finds the orders still owed in the transcript (`trio_sessions.unanswered`).
-* A worker stops when its standard input closes: the producer closes it when done (and the
-  operating system closes it if the producer dies), so no worker outlives the example.
+* A worker stops when its standard input closes: the producer closes it when done or
+  interrupted (and the operating system closes it if the producer dies), so no worker
+  outlives the example. Workers run in process groups of their own, so Ctrl-C reaches only
+  the producer: a worker interrupted while its interpreter starts would die loudly.
 """
 
 from __future__ import annotations
@@ -61,13 +63,6 @@ async def work(name: str, db: Path) -> None:
         await trio.to_thread.run_sync(sys.stdin.read, abandon_on_cancel=True)
 
 
-def run_worker(name: str, db: Path) -> None:
-    try:
-        trio.run(work, name, db)
-    except* KeyboardInterrupt:
-        pass  # Ctrl-C reaches every process of the group; the producer reports
-
-
 # ---------------------------------------------------------------------------------------------
 # The producer
 
@@ -101,7 +96,7 @@ async def produce(db: Path, workers: int, orders: int) -> bool:
         command = [sys.executable, __file__, "--worker"]
         processes = [
             await trio.lowlevel.open_process(
-                [*command, f"worker-{n}", str(db)], stdin=subprocess.PIPE
+                [*command, f"worker-{n}", str(db)], stdin=subprocess.PIPE, process_group=0
             )
             for n in range(1, workers + 1)
         ]
@@ -137,14 +132,14 @@ def main() -> int:
     parser.add_argument("--worker", nargs=2, metavar=("NAME", "DB"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
-        run_worker(args.worker[0], Path(args.worker[1]))
+        trio.run(work, args.worker[0], Path(args.worker[1]))
         return 0
     ok = interrupted = False
     with tempfile.TemporaryDirectory() as tmp:
         try:
             ok = trio.run(produce, Path(tmp) / "orders.db", args.workers, args.orders)
         except* KeyboardInterrupt:
-            interrupted = True  # Ctrl-C: the workers stop too, quietly (`run_worker`)
+            interrupted = True  # Ctrl-C: `produce` closed the workers' input; they stopped
     if interrupted:
         print("producer: interrupted", file=sys.stderr)
         return 130
