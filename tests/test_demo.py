@@ -73,18 +73,24 @@ def test_demo_refuses_an_existing_database(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="POSIX signals")
-def test_ctrl_c_stops_the_demo_cleanly_and_its_worker_too(tmp_path: Path) -> None:
-    """SIGINT while the worker process is mid-turn: one line, exit 130, no traceback, no
-    worker left running."""
+@pytest.mark.parametrize("group", [False, True], ids=["demo", "terminal"])
+def test_ctrl_c_stops_the_demo_cleanly_and_its_worker_too(tmp_path: Path, group: bool) -> None:
+    """SIGINT while the worker process is mid-turn, to the demo alone or (a terminal's
+    Ctrl-C) to its whole process group: one line, exit 130, no traceback, no worker left
+    running."""
     process = subprocess.Popen(
         [*DEMO, "--db", str(tmp_path / "demo.db")],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        start_new_session=True,
     )
     try:
         worker_pid = _wait_for_worker_mid_turn(process)
-        process.send_signal(signal.SIGINT)
+        if group:
+            os.killpg(process.pid, signal.SIGINT)
+        else:
+            process.send_signal(signal.SIGINT)
         _, err = process.communicate(timeout=TIMEOUT)
     finally:
         process.kill()

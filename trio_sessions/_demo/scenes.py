@@ -170,10 +170,13 @@ async def scene_worker_crash(stage: Stage) -> None:
         *(sys.executable, "-m", "trio_sessions.demo", "--worker"),
         *("--db", str(stage.db), "--session", "chat-4", "--lease", str(WORKER_LEASE)),
     ]
+    # A process group of its own: a terminal's Ctrl-C reaches only the demo, which stops
+    # the worker; a worker interrupted while its interpreter starts would die loudly.
+    run_worker = functools.partial(
+        trio.run_process, command, stdout=subprocess.PIPE, check=False, process_group=0
+    )
     async with trio.open_nursery() as nursery:
-        process: trio.Process = await nursery.start(
-            functools.partial(trio.run_process, command, stdout=subprocess.PIPE, check=False)
-        )
+        process: trio.Process = await nursery.start(run_worker)
         stage.log("demo", f"started worker process pid {process.pid}")
         ready = trio.Event()
         nursery.start_soon(_relay_worker, stage, process, ready)
