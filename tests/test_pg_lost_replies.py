@@ -9,10 +9,10 @@ follows: the runtime's own reaction leaves a state recovery can finish, a drain'
 its write lands once (as on SQLite), and a read-back after a lost reply answers for the
 lost call even when another process acted in between.
 
-The strict xfails are defects a review found and this stop left open (the closing note
-says why): a drain's own retry after `OutcomeUnknown` is not read back as a retry, and a
-cancelled input leaves no trace for a lost submit's retry to find. Each turns into a
-failure when fixed, to be unmarked then.
+The strict xfail is a defect a review found and left open (the closing note says why): a
+cancelled input leaves no trace for a lost submit's retry to find. It turns into a failure
+when fixed, to be unmarked then. A drain's own call after `OutcomeUnknown` reads back what
+the lost call did (`_drain`); `test_uncertain_writes` runs every such case on SQLite.
 """
 
 from __future__ import annotations
@@ -115,12 +115,6 @@ async def test_uncertain_continue_of_an_iteration_never_strands_the_input_that_r
         assert ["i2"] in calls, (calls, "(pending inputs, doorbell set, claims):", state)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open defect: after OutcomeUnknown a drain's retried write is not sent as a retry"
-    " (the writer keeps its old version; ts_append_text/ts_update_message read back their own"
-    " landed write only when p_retry is set)",
-)
 @pytest.mark.parametrize("step", ["append_text", "start_tool", "settle_tool", "finish"])
 async def test_a_drain_write_retried_after_an_unknown_commit_lands_once(
     pg_url: str, pg_schema: str, autojump_clock: MockClock, short_patience: float, step: str
@@ -182,11 +176,6 @@ async def test_a_drain_write_retried_after_an_unknown_commit_lands_once(
     ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open defect: a take_inputs retried after OutcomeUnknown does not return the inputs"
-    " the landed call took (they are user messages now; the drain never saw them)",
-)
 async def test_take_inputs_retried_after_an_unknown_commit_still_delivers_the_input(
     pg_url: str, pg_schema: str, autojump_clock: MockClock, short_patience: float
 ) -> None:

@@ -98,6 +98,11 @@ class SessionEntry:
     # When a wake reached this runtime and started the busy period (trio clock), until its
     # first drain call starts: the wake-to-start latency (telemetry only).
     woken_at: float | None = None
+    # How many inputs this execution's drains were given (`take_inputs`), and whether the
+    # last `take_inputs` ended with its outcome unknown: the next one then reads back what
+    # that call took (its user messages past this count) before taking more.
+    inputs_given: int = 0
+    take_uncertain: bool = False
 
     def ring(self) -> Execution:
         """A wake reached this entry; returns the execution that will take it."""
@@ -212,6 +217,8 @@ class SessionEntry:
         self.claim_gone = False
         self.deciding = False
         self.yield_owed = False
+        self.inputs_given = 0
+        self.take_uncertain = False
 
     def woke_waiters(self) -> bool:
         """Whether the busy period's end woke a task (a joiner, or one waiting for it)."""

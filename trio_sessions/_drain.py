@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 from . import _codec, _store, _transcript, _validate
-from ._errors import DuplicateSettlement, LeaseLost, UnknownToolCall
+from ._errors import DuplicateSettlement, LeaseLost, OutcomeUnknown, UnknownToolCall
 from ._model import AssistantData, Input, Message
 from ._stream import Offer
 
@@ -79,6 +79,8 @@ class DrainContext:
         self._defect: BaseException | None = None
         self._returned = False
         self._entry = entry
+        # The message of a `begin_assistant` whose outcome is unknown, read back next.
+        self._lost_message: str | None = None
 
     def _check_live(self) -> None:
         self._runtime._check_run()
@@ -106,15 +108,30 @@ class DrainContext:
         interrupt on its way): a successor takes them. An input whose payload does not
         decode is set aside for the operator, never returned and never blocking the others.
         Raises `TypeError`/`ValueError` for a bad `limit`, `LeaseLost` (nothing taken) when
-        the claim is gone or this context is stale, `StoreError`. Cancellation: nothing
-        taken if the transaction had not started, else the inputs are taken (they are user
+        the claim is gone or this context is stale, `StoreError`. A `StoreError` whose
+        outcome is unknown (PostgreSQL: the COMMIT's reply lost and not read back) may have
+        taken inputs: the next call returns those, if it did. Cancellation: nothing taken
+        if the transaction had not started, else the inputs are taken (they are user
         messages now, found again by `transcript()`).
         """
         limit = TAKE_INPUTS_CHUNK if limit is None else _validate.count(limit, "limit", 1)
         self._check_live()
-        taken = await self._runtime._db.run(
-            _store.take_inputs, self.session_id, self.execution_id, self.owner_id, limit
-        )
+        entry, claim = self._entry, (self.session_id, self.execution_id, self.owner_id)
+        taken: list[Input] = []
+        if entry.take_uncertain:
+            # The last call's outcome is unknown: what it took, if it landed, is this
+            # drain's to see (user messages now), and must not be taken twice.
+            taken = await self._runtime._db.run(
+                _store.inputs_taken_since, *claim, entry.inputs_given
+            )
+            entry.take_uncertain = False
+        if not taken:
+            try:
+                taken = await self._runtime._db.run(_store.take_inputs, *claim, limit)
+            except OutcomeUnknown:
+                entry.take_uncertain = True
+                raise
+        entry.inputs_given += len(taken)
         self._runtime._streams.touch(self.session_id)  # new user messages: streams read them
         return taken
 
@@ -132,24 +149,31 @@ class DrainContext:
         """Start an assistant message (unfinished, no parts) and return its writer.
 
         Durable when it returns (one fenced transaction); local watchers see it at once.
-        Raises `LeaseLost`, `StoreError`. A message left open when the drain ends, however
-        it ends, is finished by the runtime: `interrupted`, failed with the drain's error,
-        or normally with its running tools failed.
+        Raises `LeaseLost`, `StoreError`; after a `StoreError` whose outcome is unknown,
+        the next call returns the writer of the message that call began, if it did. A
+        message left open when the drain ends, however it ends, is finished by the
+        runtime: `interrupted`, failed with the drain's error, or normally with its running
+        tools failed.
         """
         self._check_live()
-        message_id = _store.new_id()
-        with self._runtime._streams.writing(self.session_id):
-            seq = await self._runtime._db.run(
-                _store.begin_assistant,
-                self.session_id,
-                self.execution_id,
-                self.owner_id,
-                message_id,
+        claim = (self.session_id, self.execution_id, self.owner_id)
+        if self._lost_message is not None:
+            # The last call's outcome is unknown: if it landed, its message is this one.
+            stored = await self._runtime._db.run(
+                _store.message_as_stored, *claim, self._lost_message
             )
-        writer = AssistantWriter(self, message_id, seq)
-        writer._publish(0)
-        writer._offer(0, "message", _transcript.EMPTY)
-        return writer
+            message_id, self._lost_message = self._lost_message, None
+            if stored is not None:
+                data, version, seq = stored
+                return AssistantWriter(self, message_id, seq, data=data, version=version)
+        message_id = _store.new_id()
+        try:
+            with self._runtime._streams.writing(self.session_id):
+                seq = await self._runtime._db.run(_store.begin_assistant, *claim, message_id)
+        except OutcomeUnknown:
+            self._lost_message = message_id
+            raise
+        return AssistantWriter(self, message_id, seq)
 
 
 class AssistantWriter:
@@ -164,17 +188,37 @@ class AssistantWriter:
 
     A second settlement of a tool call raises `DuplicateSettlement` (an unknown call id,
     `UnknownToolCall`): a defect that fails the drain even if the drain catches it.
+
+    A write may end in a `StoreError` whose outcome is unknown (PostgreSQL: the COMMIT's
+    reply lost and not read back). The writer's next call reads the message back first:
+    the same call again lands once (a no-op if the lost one landed), and any other call
+    applies to the message as stored.
     """
 
-    def __init__(self, context: DrainContext, message_id: str, seq: int) -> None:
+    def __init__(
+        self,
+        context: DrainContext,
+        message_id: str,
+        seq: int,
+        *,
+        data: AssistantData = _transcript.EMPTY,
+        version: int = 0,
+    ) -> None:
+        """The writer of a message as stored (`data` at `version`); local watchers and
+        streams get it at once."""
         self._context = context
         self.message_id = message_id
         self._seq = seq
         # The message as stored: `_data` plus the texts streamed onto it since, merged only
         # when a local watcher needs a snapshot (an append costs the same on any message).
-        self._data = _transcript.EMPTY
+        self._data = data
         self._streamed: list[str] = []
-        self._version = 0  # as stored, so a retried append can tell whether it landed
+        self._version = version  # as stored, so a retried append can tell whether it landed
+        # The call whose outcome is unknown, as (method, arguments): read back before the
+        # next call, which is its retry when equal.
+        self._uncertain: tuple[Any, ...] | None = None
+        self._publish(version)
+        self._offer(version, "message", data)
 
     async def append_text(self, text: str) -> None:
         """Stream text onto the message: one small durable write whatever the message's size;
@@ -184,16 +228,11 @@ class AssistantWriter:
         _codec.check_text(text, "text")
         context = self._context
         context._check_live()
-        with context._runtime._streams.writing(context.session_id):
-            data, version = await context._runtime._db.run(
-                _store.append_assistant_text,
-                context.session_id,
-                context.execution_id,
-                context.owner_id,
-                self.message_id,
-                text,
-                self._version,
-            )
+        if await self._landed_before(("append_text", text)):
+            return
+        data, version = await self._write(
+            ("append_text", text), _store.append_assistant_text, text, self._version
+        )
         self._version = version
         if data is None:
             self._streamed.append(text)
@@ -212,7 +251,10 @@ class AssistantWriter:
         call_id = _validate.tool_key(call_id, "call_id")
         name = _validate.tool_key(name, "name")
         await _validate.checked_json(_codec.check_json_object, input, "tool input")
-        await self._update(lambda data: _transcript.start_tool(data, call_id, name, input))
+        await self._update(
+            ("start_tool", call_id, name, input),
+            lambda data: _transcript.start_tool(data, call_id, name, input),
+        )
 
     async def settle_tool(self, call_id: str, output: Any) -> None:
         """Record a running tool call as `completed` with its JSON `output`: at most 1 MiB
@@ -223,7 +265,10 @@ class AssistantWriter:
         await _validate.checked_json(
             _codec.check_json, output, "tool output", limit=_codec.MAX_PAYLOAD_BYTES
         )
-        await self._update(lambda data: _transcript.settle_tool(data, call_id, output=output))
+        await self._update(
+            ("settle_tool", call_id, output),
+            lambda data: _transcript.settle_tool(data, call_id, output=output),
+        )
 
     async def fail_tool(self, call_id: str, error: str) -> None:
         """Record a running tool call as `error` with the reason `error`: at most 1 MiB in
@@ -231,29 +276,32 @@ class AssistantWriter:
         checked as `settle_tool` checks it."""
         call_id = _validate.tool_key(call_id, "call_id")
         _codec.check_text(error, "error")
-        await self._update(lambda data: _transcript.settle_tool(data, call_id, error=error))
+        await self._update(
+            ("fail_tool", call_id, error),
+            lambda data: _transcript.settle_tool(data, call_id, error=error),
+        )
 
     async def finish(self) -> None:
         """Finish the message normally; a tool call still running is failed, not left
         running forever. No further change is accepted."""
-        await self._update(_transcript.finish)
+        await self._update(("finish",), _transcript.finish)
 
-    async def _update(self, transition: Callable[[AssistantData], AssistantData]) -> None:
+    async def _update(
+        self, call: tuple[Any, ...], transition: Callable[[AssistantData], AssistantData]
+    ) -> None:
         """Apply a transition; streams get its step (a part, a finish), or the message whole
         when it was more (a finish that failed running tools)."""
         context = self._context
         context._check_live()
+        if await self._landed_before(call):
+            return
         try:
-            with context._runtime._streams.writing(context.session_id):
-                data, version, step = await context._runtime._db.run(
-                    _store.update_assistant,
-                    context.session_id,
-                    context.execution_id,
-                    context.owner_id,
-                    self.message_id,
-                    transition,
-                    _store.Known(self._data, tuple(self._streamed), self._version),
-                )
+            data, version, step = await self._write(
+                call,
+                _store.update_assistant,
+                transition,
+                _store.Known(self._data, tuple(self._streamed), self._version),
+            )
         except (DuplicateSettlement, UnknownToolCall) as exc:
             context._defect = context._defect or exc
             raise
@@ -264,6 +312,43 @@ class AssistantWriter:
         else:
             self._offer(version, *step)
         self._publish(version)
+
+    @property
+    def _claim(self) -> tuple[str, str, str, str]:
+        """The claim and message every write of this writer names."""
+        context = self._context
+        return (context.session_id, context.execution_id, context.owner_id, self.message_id)
+
+    async def _write(self, call: tuple[Any, ...], operation: Any, *args: Any) -> Any:
+        """Run one write of `call`, remembering the call when its outcome is unknown (the
+        next call reads it back)."""
+        context = self._context
+        try:
+            with context._runtime._streams.writing(context.session_id):
+                return await context._runtime._db.run(operation, *self._claim, *args)
+        except OutcomeUnknown:
+            self._uncertain = call
+            raise
+
+    async def _landed_before(self, call: tuple[Any, ...]) -> bool:
+        """After a call whose outcome is unknown: read the message back (DESIGN §8
+        "Uncertain commits"), take it as stored, and say whether `call` - the same call
+        again - already landed then. False, with nothing read, otherwise."""
+        if self._uncertain is None:
+            return False
+        runtime = self._context._runtime
+        stored = await runtime._db.run(_store.message_as_stored, *self._claim)
+        if stored is None:  # it was never ours to write: the write says so
+            self._uncertain = None
+            return False
+        lost, self._uncertain = self._uncertain, None
+        data, version, _ = stored
+        if version == self._version:
+            return False  # the lost call did not land
+        self._data, self._streamed, self._version = data, [], version
+        self._offer(version, "message", data)
+        self._publish(version)
+        return call == lost
 
     def _offer(
         self, version: int, kind: Literal["message", "append", "part", "finish"], data: Any

@@ -102,7 +102,7 @@ from .control import (
     truncate,
 )
 from .inputs import submit, wake
-from .intake import TAKE_INPUTS_CHUNK, take_inputs
+from .intake import TAKE_INPUTS_CHUNK, inputs_taken_since, take_inputs
 from .liveness import candidates_and_free_tokens, forget_gone_owners, free_tokens
 from .operator import (
     drop_quarantined,
@@ -141,6 +141,7 @@ from .transcript import (
     Known,
     append_assistant_text,
     begin_assistant,
+    message_as_stored,
     read_transcript,
     update_assistant,
 )
@@ -183,9 +184,11 @@ __all__ = [
     "fork",
     "free_tokens",
     "heartbeat",
+    "inputs_taken_since",
     "lift_quarantine",
     "malformed_columns",
     "mark_cancelling",
+    "message_as_stored",
     "new_id",
     "newest_message",
     "next_due",

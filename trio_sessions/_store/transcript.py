@@ -211,6 +211,25 @@ def update_assistant(
     return data, version, step
 
 
+def message_as_stored(
+    tx: Tx, session_id: str, execution_id: str, owner_id: str, message_id: str
+) -> tuple[AssistantData, int, int] | None:
+    """An assistant message of this claim as stored now - its data with its streamed text
+    merged, its version and its seq - under the claim fence; None when there is none.
+    What a writer reads back before acting again after a write whose outcome is unknown
+    (`OutcomeUnknown`, DESIGN §8 "Uncertain commits"): whether that write landed."""
+    _require_claim(tx, session_id, execution_id, owner_id)
+    row = tx.one(
+        "SELECT m.data, COALESCE((SELECT MAX(d.version) FROM session_message_delta d"
+        " WHERE d.message_id = m.id), m.version), m.seq FROM session_message m"
+        " WHERE m.id = ? AND m.execution_id = ? AND m.role = 'assistant'",
+        (message_id, execution_id),
+    )
+    if row is None:
+        return None
+    return _assistant_data(tx, message_id, row[0]), int(row[1]), int(row[2])
+
+
 @attrs.frozen
 class Known:
     """What a writer stored last of its message: data, the texts streamed onto it since,

@@ -1,0 +1,238 @@
+"""A drain's call after one whose outcome is unknown (DESIGN §8 "Uncertain commits": read the
+state back before acting; §6.20: one contract on both backends).
+
+`OutcomeUnknown` is the `StoreError` of a call that may or may not have landed (on
+PostgreSQL, a COMMIT whose reply was lost and could not be read back; `test_pg_lost_replies`
+loses real connections). Here the loss is made at the runtime's store executor - the
+operation ran, or did not, then `OutcomeUnknown` - so every case runs on both backends, in
+virtual time: the same call again lands once, another call applies to the message as
+stored, and `take_inputs` returns what the lost call took, never twice and never what an
+earlier call already returned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+import trio
+from trio.testing import MockClock
+
+from trio_sessions import (
+    AssistantWriter,
+    DrainContext,
+    Input,
+    StoreError,
+    TextPart,
+    ToolPart,
+    _store,
+    open_runtime,
+)
+from trio_sessions import testing as ts_testing
+from trio_sessions._errors import OutcomeUnknown
+from trio_sessions._model import UNSETTLED_AT_FINISH
+
+
+class LostReplies:
+    """The runtime's store executor with one planned call answered by `OutcomeUnknown`:
+    after it ran (`landed`) or without running it. Everything else goes to the executor."""
+
+    def __init__(self, runtime: Any) -> None:
+        self._executor = runtime._db
+        self.plan: tuple[Any, bool] | None = None
+        runtime._db = self
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._executor, name)
+
+    def lose(self, operation: Any, *, landed: bool) -> None:
+        self.plan = (operation, landed)
+
+    async def run(self, operation: Any, *args: Any) -> Any:
+        if self.plan is not None and self.plan[0] is operation:
+            landed, self.plan = self.plan[1], None
+            if landed:
+                await self._executor.run(operation, *args)
+            raise OutcomeUnknown("the outcome of a COMMIT is unknown (a reply lost, for a test)")
+        return await self._executor.run(operation, *args)
+
+
+Step = Callable[[AssistantWriter], Awaitable[None]]
+
+WRITES: dict[str, tuple[Any, Step]] = {
+    "append_text": (_store.append_assistant_text, lambda w: w.append_text(" more")),
+    "start_tool": (_store.update_assistant, lambda w: w.start_tool("c2", "echo", {"x": 2})),
+    "settle_tool": (_store.update_assistant, lambda w: w.settle_tool("c1", "ok")),
+    "fail_tool": (_store.update_assistant, lambda w: w.fail_tool("c1", "broke")),
+    "finish": (_store.update_assistant, lambda w: w.finish()),
+}
+
+
+async def run_drain(
+    store: Any, drain: Callable[[DrainContext, LostReplies], Awaitable[None]]
+) -> Any:
+    """Run `drain` once on session 's' with input 'i1'; returns (outcome, transcript)."""
+    lost: list[LostReplies] = []
+
+    async def wrapped(ctx: DrainContext) -> None:
+        await drain(ctx, lost[0])
+
+    async with open_runtime(store, wrapped, clock=ts_testing.trio_clock(), lease=30.0) as rt:
+        lost.append(LostReplies(rt))
+        await rt.submit("s", {"n": 1}, input_id="i1")
+        outcome = await rt.run("s")
+        return outcome, await rt.transcript("s")
+
+
+async def opened(ctx: DrainContext) -> AssistantWriter:
+    """The message every write case starts from: text 'answer' and tool c1 running."""
+    await ctx.take_inputs()
+    writer = await ctx.begin_assistant()
+    await writer.append_text("answer")
+    await writer.start_tool("c1", "echo", {"x": 1})
+    return writer
+
+
+@pytest.mark.parametrize("landed", [True, False], ids=["landed", "not-landed"])
+@pytest.mark.parametrize("write", list(WRITES))
+async def test_the_same_write_again_lands_once(
+    store: Any, autojump_clock: MockClock, write: str, landed: bool
+) -> None:
+    """A write answered `OutcomeUnknown`, called again: the message holds its effect once,
+    whether or not the lost call had landed."""
+    operation, step = WRITES[write]
+    errors: list[BaseException] = []
+
+    async def drain(ctx: DrainContext, lost: LostReplies) -> None:
+        writer = await opened(ctx)
+        lost.lose(operation, landed=landed)
+        try:
+            await step(writer)
+        except StoreError as exc:
+            errors.append(exc)
+            await step(writer)
+        if write != "finish":
+            await writer.finish()
+
+    outcome, messages = await run_drain(store, drain)
+    assert outcome.kind == "succeeded", outcome
+    assert len(errors) == 1 and isinstance(errors[0], OutcomeUnknown)
+    answer = messages[-1].data
+    assert answer.finished and answer.error is None
+    unsettled = UNSETTLED_AT_FINISH
+    c1 = {
+        "settle_tool": ToolPart("c1", "echo", {"x": 1}, "completed", "ok", None),
+        "fail_tool": ToolPart("c1", "echo", {"x": 1}, "error", None, "broke"),
+    }.get(write, ToolPart("c1", "echo", {"x": 1}, "error", None, unsettled))
+    expected: list[Any] = [TextPart("answer"), c1]
+    if write == "append_text":
+        expected.append(TextPart(" more"))
+    if write == "start_tool":
+        expected.append(ToolPart("c2", "echo", {"x": 2}, "error", None, unsettled))
+    assert list(answer.parts) == expected
+
+
+@pytest.mark.parametrize("landed", [True, False], ids=["landed", "not-landed"])
+async def test_another_write_after_an_unknown_one_applies_to_the_message_as_stored(
+    store: Any, autojump_clock: MockClock, landed: bool
+) -> None:
+    """After an append answered `OutcomeUnknown`, the drain moves on (another append, then
+    a tool call and the finish): the message is what is stored - the lost text kept if it
+    landed, not written over by the writer's older copy."""
+
+    async def drain(ctx: DrainContext, lost: LostReplies) -> None:
+        writer = await opened(ctx)
+        await writer.settle_tool("c1", "ok")
+        lost.lose(_store.append_assistant_text, landed=landed)
+        with pytest.raises(OutcomeUnknown):
+            await writer.append_text(" lost")
+        await writer.append_text(" next")
+        await writer.start_tool("c2", "echo", {"x": 2})
+        await writer.settle_tool("c2", "ok")
+        await writer.finish()
+
+    outcome, messages = await run_drain(store, drain)
+    assert outcome.kind == "succeeded", outcome
+    parts = messages[-1].data.parts
+    assert [p.text for p in parts if isinstance(p, TextPart)] == [
+        "answer",
+        " lost next" if landed else " next",
+    ]
+    assert [(p.call_id, p.status) for p in parts if isinstance(p, ToolPart)] == [
+        ("c1", "completed"),
+        ("c2", "completed"),
+    ]
+
+
+@pytest.mark.parametrize("landed", [True, False], ids=["landed", "not-landed"])
+async def test_begin_assistant_again_after_an_unknown_one_begins_one_message(
+    store: Any, autojump_clock: MockClock, landed: bool
+) -> None:
+    """`begin_assistant` answered `OutcomeUnknown`, called again: one assistant message -
+    the lost call's, if it landed - written through the writer it returns, and no empty
+    message left behind for the runtime to close."""
+    begun: list[str] = []
+
+    async def drain(ctx: DrainContext, lost: LostReplies) -> None:
+        await ctx.take_inputs()
+        lost.lose(_store.begin_assistant, landed=landed)
+        with pytest.raises(OutcomeUnknown):
+            await ctx.begin_assistant()
+        writer = await ctx.begin_assistant()
+        begun.append(writer.message_id)
+        await writer.append_text("hello")
+        await writer.finish()
+
+    outcome, messages = await run_drain(store, drain)
+    assert outcome.kind == "succeeded", outcome
+    assert [(m.role, m.id) for m in messages] == [("user", messages[0].id), ("assistant", begun[0])]
+    assert messages[1].data.parts == (TextPart("hello"),) and messages[1].data.error is None
+
+
+@pytest.mark.parametrize("landed", [True, False], ids=["landed", "not-landed"])
+async def test_take_inputs_after_an_unknown_one_returns_what_it_took_once(
+    store: Any, autojump_clock: MockClock, landed: bool
+) -> None:
+    """A second iteration's `take_inputs` answered `OutcomeUnknown`: the next call returns
+    the input the lost call took (or takes it, if that call did not land) - not the first
+    iteration's input again, and not nothing - and the call after returns []."""
+    taken: list[list[str]] = []
+    second = trio.Event()
+
+    async def drain(ctx: DrainContext, lost: LostReplies) -> None:
+        if not taken:
+            taken.append([i.id for i in await ctx.take_inputs()])
+            await ctx._runtime.submit("s", {"n": 2}, input_id="i2")  # a next iteration
+            return
+        lost.lose(_store.take_inputs, landed=landed)
+        with pytest.raises(OutcomeUnknown):
+            await ctx.take_inputs()
+        taken.append([i.id for i in await ctx.take_inputs()])
+        taken.append([i.id for i in await ctx.take_inputs()])
+        second.set()
+
+    outcome, messages = await run_drain(store, drain)
+    assert second.is_set()
+    assert outcome.kind == "succeeded", outcome
+    assert taken == [["i1"], ["i2"], []]
+    assert [m.input_id for m in messages if m.role == "user"] == ["i1", "i2"]
+
+
+async def test_inputs_taken_since_reads_only_this_claims_user_messages(
+    store: Any, autojump_clock: MockClock
+) -> None:
+    """The read-back itself: this execution's user messages past the count, in seq order,
+    their payloads decoded."""
+    seen: list[list[Input]] = []
+
+    async def drain(ctx: DrainContext, lost: LostReplies) -> None:
+        await ctx.take_inputs()
+        claim = (ctx.session_id, ctx.execution_id, ctx.owner_id)
+        run = ctx._runtime._db.run
+        seen.append(await run(_store.inputs_taken_since, *claim, 0))
+        seen.append(await run(_store.inputs_taken_since, *claim, 1))
+
+    outcome, _ = await run_drain(store, drain)
+    assert outcome.kind == "succeeded", outcome
+    assert seen == [[Input("i1", {"n": 1})], []]
