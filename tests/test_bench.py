@@ -41,6 +41,7 @@ TINY = [
     "--append-rounds", "1",
     "--remote", "3",
     "--idle-seconds", "0.2",
+    "--takeover-rounds", "1",
     "--pg-rounds", "1",
     "--pg-cycles", "4",
     "--pg-concurrent", "5",

@@ -22,7 +22,7 @@ from helpers import pg_raw as raw
 from trio_sessions import _backend, _store
 from trio_sessions._backend import Job
 from trio_sessions._decisions import AcquireVerdict
-from trio_sessions._postgres import PgTx, run_op
+from trio_sessions._postgres import PgTx, connections, run_op
 
 WAIT_S = 30.0  # a bound on each gate, never reached when the test passes
 
@@ -298,16 +298,26 @@ def test_an_operation_locking_two_sessions_takes_them_in_the_lock_order(
 
 
 def test_a_batch_whose_first_message_waits_within_every_server_timeout_is_not_cut(
-    pg_url: str, pg_schema: str
+    pg_url: str, pg_schema: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """DESIGN §8: "`StoreError` reaches a caller only after a bound, and never for a race".
     A batch's first message carries two statements - its sessions' locks (`ts_lock_all`)
     and its first operation's first statement - and the server bounds each on its own
-    (statement_timeout 10 s per statement of a message, lock_timeout 5 s per lock wait). Here
-    each lock wait is 4.5 s and each statement 9 s: nothing the server would end, the whole
-    reply 18 s. The reply watchdog (REPLY_BOUND_S, 15 s: "the server ends any statement
-    within 10 s") counts one wait as one statement, cuts it, and the batch - nothing wrong
-    with it, only peers that held its locks a while - ends as StoreError."""
+    (statement_timeout per statement of a message, lock_timeout per lock wait). Here each
+    lock wait is just under the lock timeout and each statement two of them, just under
+    the statement timeout: nothing the server would end, the whole reply four waits. A
+    reply watchdog of 1.5 statement timeouts (REPLY_BOUND_S once was 15 s: "the server ends
+    any statement within 10 s") counts one wait as one statement, cuts it, and the batch -
+    nothing wrong with it, only peers that held its locks a while - ends as StoreError.
+
+    The server's bounds and the watchdog's are the code's, scaled down together (to 22%,
+    their ratios kept) so that the waits take 4 s, not 18 s."""
+    scale = 0.22
+    for name in ("STATEMENT_TIMEOUT_MS", "LOCK_TIMEOUT_MS", "REPLY_BOUND_S"):
+        monkeypatch.setattr(connections, name, getattr(connections, name) * scale)
+    wait_s = 0.9 * connections.LOCK_TIMEOUT_MS / 1000  # 4.5 s unscaled
+    assert 2 * wait_s < connections.STATEMENT_TIMEOUT_MS / 1000  # each statement: two waits
+    assert 4 * wait_s > 1.5 * connections.STATEMENT_TIMEOUT_MS / 1000  # the reply: four
     sessions = ["w-a", "w-b", "w-c", "w-d"]
 
     def lock_two_more(tx: PgTx, session_id: str, others: list[str]) -> str:
@@ -328,7 +338,7 @@ def test_a_batch_whose_first_message_waits_within_every_server_timeout_is_not_cu
             for conn, session in zip(holders, first + second, strict=True):
                 conn.execute("SELECT pg_advisory_xact_lock(ts_lock_key(%s))", (session,))
             timers = [
-                threading.Timer(4.5 * (index + 1), conn.commit)
+                threading.Timer(wait_s * (index + 1), conn.commit)
                 for index, conn in enumerate(holders)
             ]
             for timer in timers:
@@ -340,8 +350,10 @@ def test_a_batch_whose_first_message_waits_within_every_server_timeout_is_not_cu
             engine.run_batch(jobs)
             for timer in timers:
                 timer.join(WAIT_S)
+            cut_and_retried = engine.retries
         finally:
             for conn in holders:
                 conn.close()
+    assert cut_and_retried == 0
     assert [job.error for job in jobs] == [None, None]
     assert [job.result for job in jobs] == [first[0], first[1]]

@@ -532,7 +532,7 @@ def test_over_random_histories_every_stream_reproduces_the_transcript(
     cursor: every consumer ends holding exactly transcript(), and a stream resumed from any
     cursor any of them saw brings that client's copy to exactly transcript()."""
     sessions = itertools.count()
-    examples = EXAMPLES or (500 if backend == "sqlite" else 25)
+    examples = EXAMPLES or (200 if backend == "sqlite" else 25)
 
     @settings(
         max_examples=examples,

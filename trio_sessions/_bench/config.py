@@ -54,6 +54,7 @@ class Config:
     append_rounds: int
     remote: int
     idle_seconds: float
+    takeover_rounds: int
     pg_rounds: int
     pg_cycles: int
     pg_concurrent: int
@@ -91,6 +92,7 @@ FULL: dict[str, Any] = {
     "append_rounds": 5,
     "remote": 200,
     "idle_seconds": 5.0,
+    "takeover_rounds": 5,
     "pg_rounds": 3,
     "pg_cycles": 1200,
     "pg_concurrent": 1000,
@@ -120,6 +122,7 @@ QUICK: dict[str, Any] = {
     "append_rounds": 3,
     "remote": 30,
     "idle_seconds": 1.0,
+    "takeover_rounds": 3,
     "pg_rounds": 2,
     "pg_cycles": 80,
     "pg_concurrent": 200,
@@ -149,6 +152,7 @@ HELP = {
     "append_rounds": "paired append rounds",
     "remote": "wakes and interrupts sent from another process, per backend",
     "idle_seconds": "seconds an idle runtime's CPU is measured, per backend",
+    "takeover_rounds": "owner processes SIGKILLed, per backend",
     "pg_rounds": "PostgreSQL cycle and recovery rounds after one warm-up",
     "pg_cycles": "PostgreSQL sequential cycles per variant, over all rounds",
     "pg_concurrent": "PostgreSQL sessions in flight",

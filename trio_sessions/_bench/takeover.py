@@ -29,7 +29,6 @@ from .tools import child_command, child_env, ids
 if TYPE_CHECKING:
     from .pg import PgSchemas  # psycopg is an optional extra
 
-ROUNDS = 5
 CLAIMS = 20
 TAKEOVER_P50_MS = 1_000.0
 TAKEOVER_P99_MS = 2_000.0
@@ -105,7 +104,7 @@ async def takeover_round(store: StoreBackend, sessions: list[str]) -> list[float
 async def bench_takeover(
     config: Config, folder: Path, report: Report, schemas: PgSchemas | None
 ) -> None:
-    progress(f"takeover: {ROUNDS} owners x {CLAIMS} claims SIGKILLed, per backend")
+    progress(f"takeover: {config.takeover_rounds} owners x {CLAIMS} claims SIGKILLed, per backend")
     stores: list[tuple[str, str, Any]] = [
         ("sqlite", "", lambda index: SQLiteStore(folder / f"takeover-{index}.db"))
     ]
@@ -113,7 +112,7 @@ async def bench_takeover(
         stores.append(("postgres", "pg_", lambda index: schemas.store(f"takeover_{index}")))
     for name, key, make_store in stores:
         seconds: list[float] = []
-        for index in range(ROUNDS):
+        for index in range(config.takeover_rounds):
             seconds += await takeover_round(make_store(index), ids(f"t{index}", CLAIMS))
         p50 = percentile(seconds, 50) * 1000
         p99 = percentile(seconds, 99) * 1000
