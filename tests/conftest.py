@@ -51,9 +51,12 @@ def backend(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture
 def db_path(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> Any:
-    """Where the test's data lives: an SQLite file, or a fresh PostgreSQL schema."""
+    """Where the test's data lives: an SQLite file, or a PostgreSQL schema - migrated and
+    empty (`migrated_schema`), or fresh and empty for a test marked `pg_unmigrated`."""
     if backend == "postgres":
-        return PgLocation(request.getfixturevalue("pg_url"), request.getfixturevalue("pg_schema"))
+        unmigrated = request.node.get_closest_marker("pg_unmigrated") is not None
+        schema = request.getfixturevalue("pg_schema" if unmigrated else "migrated_schema")
+        return PgLocation(request.getfixturevalue("pg_url"), schema)
     return tmp_path / "sessions.db"
 
 
@@ -121,6 +124,28 @@ def pg_url() -> Iterator[str]:
 def pg_schema(pg_url: str) -> Iterator[str]:
     """A fresh, empty schema (unique name), dropped with everything in it after the test."""
     yield from fresh_schema(pg_url)
+
+
+@pytest.fixture(scope="session")
+def migrated_schemas(pg_url: str) -> Iterator[Any]:
+    from pg_schemas import MigratedSchemas
+
+    schemas = MigratedSchemas(pg_url)
+    try:
+        yield schemas
+    finally:
+        schemas.close()
+
+
+@pytest.fixture
+def migrated_schema(migrated_schemas: Any) -> Iterator[str]:
+    """A schema migrated to the current version, with no rows but its version's: reused
+    from test to test when a test left it exactly as migrated (`pg_schemas`)."""
+    name = migrated_schemas.take()
+    try:
+        yield name
+    finally:
+        migrated_schemas.give_back(name)
 
 
 def fresh_schema(pg_url: str) -> Iterator[str]:

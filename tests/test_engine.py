@@ -26,6 +26,7 @@ def dialect_of(tx: Tx) -> str:
     return tx.dialect
 
 
+@pytest.mark.pg_unmigrated  # opens an empty schema
 @BOTH
 def test_an_engine_runs_store_operations_in_their_own_transactions(
     backend: str, db_path: Any
@@ -50,6 +51,7 @@ def test_an_engine_runs_store_operations_in_their_own_transactions(
         engine.close()
 
 
+@pytest.mark.pg_unmigrated  # opens an empty schema
 @BOTH
 def test_an_engine_opened_without_migrate_never_writes_the_schema(
     backend: str, db_path: Any

@@ -515,6 +515,7 @@ class SyncHook:
         pass
 
 
+@pytest.mark.pg_unmigrated  # asserts that nothing was created
 @pytest.mark.parametrize(
     "hook",
     [
@@ -539,6 +540,7 @@ async def test_open_runtime_refuses_a_hook_that_is_not_async(
 # open_runtime(clock=...): what the clock returns
 
 
+@pytest.mark.pg_unmigrated  # asserts that nothing was created
 @pytest.mark.parametrize(
     "reading",
     [
