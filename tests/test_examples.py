@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -127,6 +129,18 @@ def test_workers_share_one_file_and_pack_every_order_once() -> None:
     assert sorted(packed) == list(range(1, 13))
 
 
+@contextlib.contextmanager
+def as_from_a_terminal() -> Iterator[None]:
+    """Processes started here begin with SIGINT at its default action, as a terminal's
+    foreground job does. A test run started in the background by a non-interactive shell
+    (`&`) has SIGINT ignored, and a child inherits that: Ctrl-C would do nothing."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.parametrize(
     "after",
     [
@@ -139,14 +153,15 @@ def test_ctrl_c_stops_the_workers_example_quietly(after: str) -> None:
     producer and its workers with status 130 and one line saying so - no traceback from any
     of them, no process left behind - whether the workers are still starting (importing:
     a KeyboardInterrupt there is a traceback) or already packing orders."""
-    process = subprocess.Popen(
-        [sys.executable, str(EXAMPLES / "workers.py")],
-        cwd=EXAMPLES.parent,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    with as_from_a_terminal():
+        process = subprocess.Popen(
+            [sys.executable, str(EXAMPLES / "workers.py")],
+            cwd=EXAMPLES.parent,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
     try:
         assert process.stdout is not None
         for line in process.stdout:
