@@ -107,8 +107,9 @@ def query(db_path: Any, sql: str, params: tuple[object, ...] = ()) -> list[tuple
 
 
 # ---------------------------------------------------------------------------------------------
-# PostgreSQL: one throwaway server per test session (or TRIO_SESSIONS_PG_URL), a fresh schema
-# per test. Imported lazily, so SQLite-only runs never touch psycopg.
+# PostgreSQL: one throwaway server per test session (or TRIO_SESSIONS_PG_URL), a schema per
+# test: fresh and empty (`pg_schema`), or migrated and emptied from a pool (`migrated_schema`,
+# the contract tests'). Imported lazily, so SQLite-only runs never touch psycopg.
 
 
 @pytest.fixture(scope="session")
