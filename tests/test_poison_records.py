@@ -1,0 +1,69 @@
+"""Rows another tool or a bad migration wrote by hand (DESIGN §3, §6.11, §5: "a malformed
+row raises `MalformedRecord`"): each must surface as `MalformedRecord`/`StoreError` or be
+set aside, and never starve the valid work beside it. Failing tests only: each names the
+defect it shows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from helpers import Raw, Recorder, runtime
+from trio.testing import MockClock
+
+from trio_sessions import MalformedRecord, Store, StoreError
+
+QUIET = {"recovery_interval": 10_000.0}  # passes only when the test asks for one
+
+
+def _sqlite(tmp_path: Path) -> tuple[Path, Raw]:
+    db_path = tmp_path / "sessions.db"
+    return db_path, Raw(db_path)
+
+
+async def test_doorbells_whose_wake_attempts_is_not_a_number_never_starve_the_doorbell_behind_them(
+    tmp_path: Path, clock: Any, autojump_clock: MockClock
+) -> None:
+    """§6.11 on SQLite, which keeps whatever another tool writes (its CHECK
+    `wake_attempts >= 0` holds for text: text sorts after every number). Two sessions whose
+    `wake_attempts` is text, with their doorbells set, are older than a valid doorbell.
+    Observed: every pass examines the two poison doorbells, counts them as started, and the
+    claim attempt fails each time (`int('abc')`, logged as "claim attempt failed"); nothing
+    sets them aside, so with `recovery_batch=2` the valid doorbell is never examined and its
+    session never drains. Expected: the poison rows stop using up the budget (set aside /
+    quarantined) and the valid doorbell starts within a few passes."""
+    db_path, raw = _sqlite(tmp_path)
+    drain = Recorder()
+    async with runtime(
+        Store(db_path, inline=True), drain, clock, recovery_batch=2, **QUIET
+    ) as rt:
+        for n in (1, 2):
+            raw.write(
+                "INSERT INTO session(id, time_created, time_woken, wakes, wake_attempts)"
+                f" VALUES ('bad{n}', 0, {n}, 1, 'abc')"
+            )
+        raw.write(
+            "INSERT INTO session(id, time_created, time_woken, wakes) VALUES ('good', 0, 3, 1)"
+        )
+        for _ in range(5):
+            await rt.recover_once()
+            await trio.sleep(1)
+        assert [call.session_id for call in drain.calls] == ["good"]
+
+
+async def test_run_on_a_session_whose_wake_attempts_is_not_a_number_raises_malformed_record(
+    tmp_path: Path, clock: Any, autojump_clock: MockClock
+) -> None:
+    """DESIGN §5: a malformed row surfaces as `MalformedRecord` (table, key, readable
+    reasons), a store failure as `StoreError`. Observed: `run()` on a session whose
+    `wake_attempts` another tool set to text raises a bare
+    `ValueError: invalid literal for int() with base 10: 'abc'` from the acquire path - an
+    error the documented contract of `run` never names, and with no table or key for the
+    operator."""
+    db_path, raw = _sqlite(tmp_path)
+    async with runtime(Store(db_path, inline=True), Recorder(), clock, **QUIET) as rt:
+        raw.write("INSERT INTO session(id, time_created, wake_attempts) VALUES ('s', 0, 'abc')")
+        with pytest.raises((MalformedRecord, StoreError)):
+            await rt.run("s")
