@@ -67,3 +67,43 @@ async def test_run_on_a_session_whose_wake_attempts_is_not_a_number_raises_malfo
         raw.write("INSERT INTO session(id, time_created, wake_attempts) VALUES ('s', 0, 'abc')")
         with pytest.raises((MalformedRecord, StoreError)):
             await rt.run("s")
+
+
+@pytest.mark.parametrize("seq", [0, -5])
+async def test_stream_from_the_start_agrees_with_transcript_on_a_message_whose_seq_is_not_positive(
+    store: Any, db_path: Any, clock: Any, autojump_clock: MockClock, seq: int
+) -> None:
+    """DESIGN §5.2: `stream(cursor=None)` yields one "message" event per stored message and
+    applying the events reproduces `transcript()`; a malformed row raises `MalformedRecord`
+    in both. A message row written by hand with `seq <= 0` (both backends store it) is
+    returned by `transcript()` as a valid message, but the stream silently leaves it out:
+    its first event is the message after it (it reads `seq > 0` only). Expected: the
+    stream starts with the same message `transcript()` does - or both refuse the row."""
+    raw = Raw(db_path)
+    async with runtime(store, Recorder(), clock, **QUIET) as rt:
+        raw.write("INSERT INTO session(id, time_created) VALUES ('s', 0)")
+        for message_id, message_seq in (("early", seq), ("later", 1)):
+            raw.write(
+                "INSERT INTO session_message(id, session_id, role, seq, data, time_created,"
+                " time_updated) VALUES (?, 's', 'user', ?, '{\"text\": \"hi\"}', 0, 0)",
+                (message_id, message_seq),
+            )
+        try:
+            messages = await rt.transcript("s")
+        except MalformedRecord:
+            messages = None
+        first: Any = None
+        with trio.move_on_after(60):
+            async with rt.stream("s") as events:
+                try:
+                    async for event in events:
+                        first = event
+                        break
+                except MalformedRecord as exc:
+                    first = exc
+    if messages is None:
+        assert isinstance(first, MalformedRecord)
+    else:
+        assert [m.seq for m in messages] == [seq, 1]
+        assert first is not None and not isinstance(first, MalformedRecord)
+        assert first.seq == messages[0].seq
