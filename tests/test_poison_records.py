@@ -107,3 +107,56 @@ async def test_stream_from_the_start_agrees_with_transcript_on_a_message_whose_s
         assert [m.seq for m in messages] == [seq, 1]
         assert first is not None and not isinstance(first, MalformedRecord)
         assert first.seq == messages[0].seq
+
+
+async def test_watch_raises_malformed_record_for_a_message_whose_seq_is_text(
+    tmp_path: Path, clock: Any, autojump_clock: MockClock
+) -> None:
+    """DESIGN §5: `watch` gives first every stored message with `seq > after_seq`, and "a
+    malformed row raises `MalformedRecord` in the watcher only"; `transcript()` and
+    `stream()` both raise it for a message whose seq another tool wrote as text (SQLite
+    keeps it; text sorts after every number, so it is the newest). Observed: the watcher
+    raises nothing and yields nothing - the row is silently left out and the watcher waits
+    forever, so a follower never learns the transcript is damaged."""
+    db_path, raw = _sqlite(tmp_path)
+    async with runtime(Store(db_path, inline=True), Recorder(), clock, **QUIET) as rt:
+        raw.write("INSERT INTO session(id, time_created) VALUES ('s', 0)")
+        raw.write(
+            "INSERT INTO session_message(id, session_id, role, seq, data, time_created,"
+            " time_updated) VALUES ('m', 's', 'user', 'one', '{}', 0, 0)"
+        )
+        with pytest.raises(MalformedRecord):
+            await rt.transcript("s")
+        outcome: Any = "nothing within 60 s"
+        with trio.move_on_after(60):
+            async with rt.watch("s") as watcher:
+                try:
+                    async for snapshot in watcher:
+                        outcome = snapshot
+                        break
+                except MalformedRecord as exc:
+                    outcome = exc
+    assert isinstance(outcome, MalformedRecord), outcome
+
+
+async def test_a_drain_after_a_message_at_the_largest_seq_fails_alike_on_both_backends(
+    store: Any, db_path: Any, clock: Any, autojump_clock: MockClock
+) -> None:
+    """§6.20: a backend difference is a bug unless §8 names it; §5: a store failure is a
+    `StoreError`, a malformed row a `MalformedRecord`. A message another tool wrote at the
+    largest seq a store holds (2**63 - 1) leaves no seq for the next one: `take_inputs`
+    fails. On PostgreSQL the drain fails with `StoreError` (bigint out of range); on SQLite
+    with a bare `OverflowError` ("Python int too large to convert to SQLite INTEGER")."""
+    raw = Raw(db_path)
+    async with runtime(store, Recorder(), clock, **QUIET) as rt:
+        raw.write("INSERT INTO session(id, time_created) VALUES ('s', 0)")
+        raw.write(
+            "INSERT INTO session_message(id, session_id, role, seq, data, time_created,"
+            " time_updated) VALUES ('m', 's', 'user', ?, '{}', 0, 0)",
+            (2**63 - 1,),
+        )
+        await rt.submit("s", {"text": "hi"})
+        await rt.wait_idle("s")
+        outcome = await rt.run("s")
+    assert outcome.kind == "failed"
+    assert isinstance(outcome.error, (StoreError, MalformedRecord)), repr(outcome.error)
