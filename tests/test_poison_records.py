@@ -160,3 +160,28 @@ async def test_a_drain_after_a_message_at_the_largest_seq_fails_alike_on_both_ba
         outcome = await rt.run("s")
     assert outcome.kind == "failed"
     assert isinstance(outcome.error, (StoreError, MalformedRecord)), repr(outcome.error)
+
+
+async def test_cli_drop_says_where_the_malformed_message_went(
+    tmp_path: Path, clock: Any, autojump_clock: MockClock, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """README, Operations: "Dropping a quarantine also sets the execution's malformed
+    messages aside (raw text kept in `session_message_rejected`)", and the store's drop does
+    so. Observed: `quarantine release DB E --drop` tells the operator the opposite - "a row
+    that does not decode is left as it is" - while the row is gone from `session_message`
+    and kept in `session_message_rejected`; an operator who believes the message is still
+    in place looks for it (or repairs it) in the wrong table. Expected: the message says it
+    was set aside, and where."""
+    from trio_sessions import _cli
+
+    db_path, raw = _sqlite(tmp_path)
+    async with runtime(Store(db_path, inline=True), Recorder(), clock, **QUIET) as rt:
+        raw.seed_claim("s", "poison", expires_at=1)
+        raw.seed_assistant("s", "poison", 1, '{"parts": [], "finished": "false", "error": null}')
+        assert (await rt.recover_once()).quarantined == 1
+    capsys.readouterr()
+    assert _cli.main(["quarantine", "release", str(db_path), "poison", "--drop"]) == 0
+    said = capsys.readouterr().out
+    assert raw.rows("SELECT id FROM session_message_rejected") == [("m-poison-1",)]
+    assert raw.rows("SELECT id FROM session_message") == []
+    assert "left as it is" not in said, said
