@@ -185,3 +185,18 @@ async def test_cli_drop_says_where_the_malformed_message_went(
     assert raw.rows("SELECT id FROM session_message_rejected") == [("m-poison-1",)]
     assert raw.rows("SELECT id FROM session_message") == []
     assert "left as it is" not in said, said
+
+
+async def test_submit_to_a_session_whose_wake_attempts_is_not_a_number_raises_malformed_record(
+    tmp_path: Path, clock: Any, autojump_clock: MockClock
+) -> None:
+    """As the `run` case: `submit` on a draining runtime raises a bare `ValueError` (which
+    §5 reserves for bad arguments - the caller is told its valid payload is wrong) and
+    stores nothing, every time: the session can take no input until someone finds the row
+    by hand. Expected: `MalformedRecord` naming the session row (or the input stored and
+    the poison row set aside)."""
+    db_path, raw = _sqlite(tmp_path)
+    async with runtime(Store(db_path, inline=True), Recorder(), clock, **QUIET) as rt:
+        raw.write("INSERT INTO session(id, time_created, wake_attempts) VALUES ('s', 0, 'abc')")
+        with pytest.raises((MalformedRecord, StoreError)):
+            await rt.submit("s", {"text": "hi"})
