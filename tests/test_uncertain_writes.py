@@ -46,14 +46,30 @@ class LostReplies:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._executor, name)
 
-    def lose(self, operation: Any, *, landed: bool) -> None:
+    def lose(
+        self,
+        operation: Any,
+        *,
+        landed: bool,
+        hold: tuple[trio.Event, trio.Event] | None = None,
+    ) -> None:
+        """Lose the next call of `operation`; with `hold` (ran, release), the lost call sets
+        `ran` once it ran (or not) and waits for `release` before raising - the reply on
+        its way while other calls go on."""
         self.plan = (operation, landed)
+        self.hold = hold
+
+    hold: tuple[trio.Event, trio.Event] | None = None
 
     async def run(self, operation: Any, *args: Any) -> Any:
         if self.plan is not None and self.plan[0] is operation:
             landed, self.plan = self.plan[1], None
+            hold, self.hold = self.hold, None
             if landed:
                 await self._executor.run(operation, *args)
+            if hold is not None:
+                hold[0].set()
+                await hold[1].wait()
             raise OutcomeUnknown("the outcome of a COMMIT is unknown (a reply lost, for a test)")
         return await self._executor.run(operation, *args)
 
@@ -236,3 +252,146 @@ async def test_inputs_taken_since_reads_only_this_claims_user_messages(
     outcome, _ = await run_drain(store, drain)
     assert outcome.kind == "succeeded", outcome
     assert seen == [[Input("i1", {"n": 1})], []]
+
+
+async def test_a_settlement_lost_while_another_task_settles_then_called_again_lands_once(
+    store: Any, autojump_clock: MockClock
+) -> None:
+    """Two tool calls settled from two tasks (tools run in parallel): c1's settlement is
+    answered `OutcomeUnknown` after it landed, c2's lands meanwhile; c1's again is a
+    no-op - the drain succeeds with both completed, not failed by `DuplicateSettlement`."""
+    errors: list[BaseException] = []
+
+    async def drain(ctx: DrainContext, lost: LostReplies) -> None:
+        writer = await opened(ctx)
+        await writer.start_tool("c2", "echo", {"x": 2})
+        ran, release = trio.Event(), trio.Event()
+        lost.lose(_store.update_assistant, landed=True, hold=(ran, release))
+
+        async def settle_c1() -> None:
+            try:
+                await writer.settle_tool("c1", "ok")
+            except OutcomeUnknown as exc:
+                errors.append(exc)
+                await writer.settle_tool("c1", "ok")
+
+        async def settle_c2() -> None:
+            await ran.wait()
+            try:
+                await writer.settle_tool("c2", "ok2")
+            finally:
+                release.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(settle_c1)
+            nursery.start_soon(settle_c2)
+        await writer.finish()
+
+    outcome, messages = await run_drain(store, drain)
+    assert len(errors) == 1
+    assert outcome.kind == "succeeded", outcome
+    parts = messages[-1].data.parts
+    assert [(p.call_id, p.status, p.output) for p in parts if isinstance(p, ToolPart)] == [
+        ("c1", "completed", "ok"),
+        ("c2", "completed", "ok2"),
+    ]
+
+
+async def test_take_inputs_lost_while_another_task_takes_returns_each_input_once(
+    store: Any, autojump_clock: MockClock
+) -> None:
+    """Two tasks take inputs one at a time: the first's call is answered `OutcomeUnknown`
+    after it took i2, the second's takes i3 meanwhile; the first's next call returns i2 -
+    each input returned once, none never."""
+    taken: list[str] = []
+    done: list[bool] = []
+
+    async def drain(ctx: DrainContext, lost: LostReplies) -> None:
+        if done:
+            taken.extend(i.id for i in await ctx.take_inputs())
+            return
+        done.append(True)
+        taken.extend(i.id for i in await ctx.take_inputs())
+        await ctx._runtime.submit("s", {"n": 2}, input_id="i2")
+        await ctx._runtime.submit("s", {"n": 3}, input_id="i3")
+        ran, release = trio.Event(), trio.Event()
+        lost.lose(_store.take_inputs, landed=True, hold=(ran, release))
+
+        async def first() -> None:
+            with pytest.raises(OutcomeUnknown):
+                await ctx.take_inputs(limit=1)
+            taken.extend(i.id for i in await ctx.take_inputs(limit=1))
+
+        async def second() -> None:
+            await ran.wait()
+            try:
+                taken.extend(i.id for i in await ctx.take_inputs(limit=1))
+            finally:
+                release.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(first)
+            nursery.start_soon(second)
+        taken.extend(i.id for i in await ctx.take_inputs())
+
+    outcome, messages = await run_drain(store, drain)
+    assert outcome.kind == "succeeded", outcome
+    assert [m.input_id for m in messages if m.role == "user"] == ["i1", "i2", "i3"]
+    assert sorted(taken) == ["i1", "i2", "i3"]
+
+
+async def test_take_inputs_after_an_unknown_one_returns_at_most_its_limit(
+    store: Any, autojump_clock: MockClock
+) -> None:
+    """A `take_inputs()` that took three inputs is answered `OutcomeUnknown`; the next call,
+    `take_inputs(limit=1)`, returns at most one of them - the rest come with the calls
+    after, each once."""
+    calls: list[list[str]] = []
+    done: list[bool] = []
+
+    async def drain(ctx: DrainContext, lost: LostReplies) -> None:
+        if done:
+            return
+        done.append(True)
+        await ctx.take_inputs()
+        for n in (2, 3, 4):
+            await ctx._runtime.submit("s", {"n": n}, input_id=f"i{n}")
+        lost.lose(_store.take_inputs, landed=True)
+        with pytest.raises(OutcomeUnknown):
+            await ctx.take_inputs()
+        while batch := await ctx.take_inputs(limit=1):
+            calls.append([i.id for i in batch])
+
+    outcome, _ = await run_drain(store, drain)
+    assert outcome.kind == "succeeded", outcome
+    assert calls == [["i2"], ["i3"], ["i4"]]
+
+
+async def test_begin_assistant_after_an_unknown_one_and_inputs_taken_since_follows_them(
+    store: Any, autojump_clock: MockClock
+) -> None:
+    """`begin_assistant` answered `OutcomeUnknown` after it landed, then the drain takes a
+    newer input and begins its answer: the message it writes comes after that input in the
+    transcript, not before the input it answers."""
+    done: list[bool] = []
+
+    async def drain(ctx: DrainContext, lost: LostReplies) -> None:
+        if done:
+            return
+        done.append(True)
+        await ctx.take_inputs()
+        await ctx._runtime.submit("s", {"n": 2}, input_id="i2")
+        lost.lose(_store.begin_assistant, landed=True)
+        with pytest.raises(OutcomeUnknown):
+            await ctx.begin_assistant()
+        assert [i.id for i in await ctx.take_inputs()] == ["i2"]
+        writer = await ctx.begin_assistant()
+        await writer.append_text("answer to i2")
+        await writer.finish()
+
+    outcome, messages = await run_drain(store, drain)
+    assert outcome.kind == "succeeded", outcome
+    i2 = next(m.seq for m in messages if m.input_id == "i2")
+    answer = next(m for m in messages if m.role == "assistant" and m.data.parts)
+    assert answer.data.parts == (TextPart("answer to i2"),)
+    assert answer.seq > i2, [(m.seq, m.role, m.input_id) for m in messages]
