@@ -395,3 +395,39 @@ async def test_begin_assistant_after_an_unknown_one_and_inputs_taken_since_follo
     answer = next(m for m in messages if m.role == "assistant" and m.data.parts)
     assert answer.data.parts == (TextPart("answer to i2"),)
     assert answer.seq > i2, [(m.seq, m.role, m.input_id) for m in messages]
+
+
+async def test_take_inputs_lost_as_the_execution_ends_is_given_to_the_next_drain(
+    store: Any, autojump_clock: MockClock
+) -> None:
+    """A drain whose `take_inputs` is answered `OutcomeUnknown` after it took i2 catches it
+    and returns, which ends the busy period; the next wake's drain is given i2 (a user
+    message of the ended execution now) - not only i3, leaving i2 never given to a drain."""
+    given: list[str] = []
+    lost: list[LostReplies] = []
+    drains: list[str] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        drains.append(ctx.execution_id)
+        if len(drains) == 1:
+            given.extend(i.id for i in await ctx.take_inputs())
+            await ctx._runtime.submit("s", {"n": 2}, input_id="i2")  # the next iteration
+            return
+        if len(drains) == 2:
+            lost[0].lose(_store.take_inputs, landed=True)
+            with pytest.raises(OutcomeUnknown):
+                await ctx.take_inputs()
+            return  # the busy period ends: nothing rang meanwhile
+        while batch := await ctx.take_inputs():
+            given.extend(i.id for i in batch)
+
+    async with open_runtime(store, drain, clock=ts_testing.trio_clock(), lease=30.0) as rt:
+        lost.append(LostReplies(rt))
+        await rt.submit("s", {"n": 1}, input_id="i1")
+        assert (await rt.run("s")).kind == "succeeded"
+        await rt.submit("s", {"n": 3}, input_id="i3")
+        assert (await rt.run("s")).kind == "succeeded"
+        messages = await rt.transcript("s")
+    assert len(drains) == 3 and drains[0] == drains[1] != drains[2]
+    assert [m.input_id for m in messages if m.role == "user"] == ["i1", "i2", "i3"]
+    assert sorted(given) == ["i1", "i2", "i3"]
