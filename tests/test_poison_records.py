@@ -36,9 +36,7 @@ async def test_doorbells_whose_wake_attempts_is_not_a_number_never_starve_the_do
     quarantined) and the valid doorbell starts within a few passes."""
     db_path, raw = _sqlite(tmp_path)
     drain = Recorder()
-    async with runtime(
-        Store(db_path, inline=True), drain, clock, recovery_batch=2, **QUIET
-    ) as rt:
+    async with runtime(Store(db_path, inline=True), drain, clock, recovery_batch=2, **QUIET) as rt:
         for n in (1, 2):
             raw.write(
                 "INSERT INTO session(id, time_created, time_woken, wakes, wake_attempts)"

@@ -98,10 +98,10 @@ class SessionEntry:
     # When a wake reached this runtime and started the busy period (trio clock), until its
     # first drain call starts: the wake-to-start latency (telemetry only).
     woken_at: float | None = None
-    # How many inputs this execution's drains were given (`take_inputs`), and whether the
-    # last `take_inputs` ended with its outcome unknown: the next one then reads back what
-    # that call took (its user messages past this count) before taking more.
-    inputs_given: int = 0
+    # The inputs this execution's drains were given (`take_inputs`), and whether a
+    # `take_inputs` ended with its outcome unknown: the next one then reads back what that
+    # call took (this execution's user messages not given yet) before taking more.
+    inputs_given: set[str] = attrs.Factory(set)
     take_uncertain: bool = False
 
     def ring(self) -> Execution:
@@ -217,7 +217,7 @@ class SessionEntry:
         self.claim_gone = False
         self.deciding = False
         self.yield_owed = False
-        self.inputs_given = 0
+        self.inputs_given = set()
         self.take_uncertain = False
 
     def woke_waiters(self) -> bool:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from . import _codec, _store, _transcript, _validate
 from ._errors import DuplicateSettlement, LeaseLost, OutcomeUnknown, UnknownToolCall
-from ._model import AssistantData, Input, Message
+from ._model import AssistantData, Input, Message, ToolPart
 from ._stream import Offer
 
 if TYPE_CHECKING:
@@ -110,28 +110,31 @@ class DrainContext:
         Raises `TypeError`/`ValueError` for a bad `limit`, `LeaseLost` (nothing taken) when
         the claim is gone or this context is stale, `StoreError`. A `StoreError` whose
         outcome is unknown (PostgreSQL: the COMMIT's reply lost and not read back) may have
-        taken inputs: the next call returns those, if it did. Cancellation: nothing taken
+        taken inputs: the next calls in this busy period return those, if it did (each
+        input once, at most `limit` per call). Cancellation: nothing taken
         if the transaction had not started, else the inputs are taken (they are user
         messages now, found again by `transcript()`).
         """
         limit = TAKE_INPUTS_CHUNK if limit is None else _validate.count(limit, "limit", 1)
         self._check_live()
         entry, claim = self._entry, (self.session_id, self.execution_id, self.owner_id)
+        self._lost_message = None  # its read-back is for the very next call only
         taken: list[Input] = []
         if entry.take_uncertain:
-            # The last call's outcome is unknown: what it took, if it landed, is this
-            # drain's to see (user messages now), and must not be taken twice.
-            taken = await self._runtime._db.run(
-                _store.inputs_taken_since, *claim, entry.inputs_given
-            )
-            entry.take_uncertain = False
+            # A call's outcome is unknown: what it took, if it landed, is this drain's to
+            # see (user messages now, not inputs), once.
+            mine = await self._runtime._db.run(_store.inputs_taken_by, *claim)
+            untold = [item for item in mine if item.id not in entry.inputs_given]
+            taken, entry.take_uncertain = untold[:limit], len(untold) > limit
         if not taken:
             try:
                 taken = await self._runtime._db.run(_store.take_inputs, *claim, limit)
             except OutcomeUnknown:
                 entry.take_uncertain = True
                 raise
-        entry.inputs_given += len(taken)
+        # Another task's read-back may have given some of them already (tasks taking at once).
+        taken = [item for item in taken if item.id not in entry.inputs_given]
+        entry.inputs_given.update(item.id for item in taken)
         self._runtime._streams.touch(self.session_id)  # new user messages: streams read them
         return taken
 
@@ -150,7 +153,8 @@ class DrainContext:
 
         Durable when it returns (one fenced transaction); local watchers see it at once.
         Raises `LeaseLost`, `StoreError`; after a `StoreError` whose outcome is unknown,
-        the next call returns the writer of the message that call began, if it did. A
+        the very next call of this context, if it is this one, returns the writer of the
+        message that call began, if it did. A
         message left open when the drain ends, however it ends, is finished by the
         runtime: `interrupted`, failed with the drain's error, or normally with its running
         tools failed.
@@ -338,17 +342,16 @@ class AssistantWriter:
             return False
         runtime = self._context._runtime
         stored = await runtime._db.run(_store.message_as_stored, *self._claim)
-        if stored is None:  # it was never ours to write: the write says so
-            self._uncertain = None
-            return False
         lost, self._uncertain = self._uncertain, None
+        if stored is None:  # it was never ours to write: the write says so
+            return False
         data, version, _ = stored
-        if version == self._version:
-            return False  # the lost call did not land
-        self._data, self._streamed, self._version = data, [], version
-        self._offer(version, "message", data)
-        self._publish(version)
-        return call == lost
+        moved = version > self._version  # the lost call, or another task's write
+        if moved:
+            self._data, self._streamed, self._version = data, [], version
+            self._offer(version, "message", data)
+            self._publish(version)
+        return call == lost and _shows(data, lost, moved)
 
     def _offer(
         self, version: int, kind: Literal["message", "append", "part", "finish"], data: Any
@@ -389,3 +392,23 @@ class AssistantWriter:
                 not self._data.finished,
             )
         )
+
+
+def _shows(data: AssistantData, call: tuple[Any, ...], moved: bool) -> bool:
+    """Whether the stored message shows the writer's `call` landed. A tool call or a finish
+    is told by its effect, which no other call of the message makes - whatever other tasks
+    wrote meanwhile (tools settled in parallel); an append only by the version having
+    moved, so appends from several tasks at once are beyond this read-back."""
+    kind, *args = call
+    if kind == "append_text":
+        return moved
+    if kind == "finish":
+        return data.finished
+    part = next((p for p in data.parts if isinstance(p, ToolPart) and p.call_id == args[0]), None)
+    if part is None:
+        return False
+    if kind == "start_tool":
+        return (part.name, part.input) == (args[1], args[2])
+    if kind == "settle_tool":
+        return part.status == "completed" and part.output == args[1]
+    return part.status == "error" and part.error == args[1]  # fail_tool

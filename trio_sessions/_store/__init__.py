@@ -102,7 +102,7 @@ from .control import (
     truncate,
 )
 from .inputs import submit, wake
-from .intake import TAKE_INPUTS_CHUNK, inputs_taken_since, take_inputs
+from .intake import TAKE_INPUTS_CHUNK, inputs_taken_by, take_inputs
 from .liveness import candidates_and_free_tokens, forget_gone_owners, free_tokens
 from .operator import (
     drop_quarantined,
@@ -184,7 +184,7 @@ __all__ = [
     "fork",
     "free_tokens",
     "heartbeat",
-    "inputs_taken_since",
+    "inputs_taken_by",
     "lift_quarantine",
     "malformed_columns",
     "mark_cancelling",

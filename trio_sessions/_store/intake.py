@@ -116,19 +116,16 @@ def take_inputs(
     return taken
 
 
-def inputs_taken_since(
-    tx: Tx, session_id: str, execution_id: str, owner_id: str, returned: int
-) -> list[Input]:
-    """The inputs this claim took - its user messages, in seq order - after the first
-    `returned` of them, under the claim fence: what a `take_inputs` whose outcome is
-    unknown (`OutcomeUnknown`, DESIGN §8 "Uncertain commits") took if it landed, for the
-    drain that never saw them. Only `take_inputs` writes user messages of an execution."""
+def inputs_taken_by(tx: Tx, session_id: str, execution_id: str, owner_id: str) -> list[Input]:
+    """The inputs this claim took - its user messages, in seq order - under the claim
+    fence: among them, what a `take_inputs` whose outcome is unknown (`OutcomeUnknown`,
+    DESIGN §8 "Uncertain commits") took if it landed, for the drain never given them. Only
+    `take_inputs` writes user messages of an execution."""
     _require_claim_session(tx, session_id, execution_id, owner_id)
     rows = tx.execute(
         "SELECT input_id, data FROM session_message"
-        " WHERE session_id = ? AND execution_id = ? AND role = 'user'"
-        " ORDER BY seq LIMIT 9223372036854775807 OFFSET ?",
-        (session_id, execution_id, returned),
+        " WHERE session_id = ? AND execution_id = ? AND role = 'user' ORDER BY seq",
+        (session_id, execution_id),
     ).fetchall()
     return [
         Input(key, _codec.decode_object(data, table="session_message", key=key))
