@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from trio.testing import MockClock
 
 from trio_sessions import (
@@ -30,6 +32,7 @@ from trio_sessions import (
     open_runtime,
 )
 from trio_sessions import testing as ts_testing
+from trio_sessions._coordinator import Takes
 from trio_sessions._errors import OutcomeUnknown
 from trio_sessions._model import UNSETTLED_AT_FINISH
 
@@ -410,14 +413,14 @@ async def test_take_inputs_lost_as_the_execution_ends_is_given_to_the_next_drain
     """A drain whose `take_inputs` is answered `OutcomeUnknown` after it took i2 catches it
     and returns, which ends the busy period; the next wake's drain is given i2 (a user
     message of the ended execution now) - not only i3, leaving i2 never given to a drain."""
-    given: list[str] = []
+    handed: list[str] = []
     lost: list[LostReplies] = []
     drains: list[str] = []
 
     async def drain(ctx: DrainContext) -> None:
         drains.append(ctx.execution_id)
         if len(drains) == 1:
-            given.extend(i.id for i in await ctx.take_inputs())
+            handed.extend(i.id for i in await ctx.take_inputs())
             await ctx._runtime.submit("s", {"n": 2}, input_id="i2")  # the next iteration
             return
         if len(drains) == 2:
@@ -426,7 +429,7 @@ async def test_take_inputs_lost_as_the_execution_ends_is_given_to_the_next_drain
                 await ctx.take_inputs()
             return  # the busy period ends: nothing rang meanwhile
         while batch := await ctx.take_inputs():
-            given.extend(i.id for i in batch)
+            handed.extend(i.id for i in batch)
 
     async with open_runtime(store, drain, clock=ts_testing.trio_clock(), lease=30.0) as rt:
         lost.append(LostReplies(rt))
@@ -437,4 +440,75 @@ async def test_take_inputs_lost_as_the_execution_ends_is_given_to_the_next_drain
         messages = await rt.transcript("s")
     assert len(drains) == 3 and drains[0] == drains[1] != drains[2]
     assert [m.input_id for m in messages if m.role == "user"] == ["i1", "i2", "i3"]
-    assert sorted(given) == ["i1", "i2", "i3"]
+    assert sorted(handed) == ["i1", "i2", "i3"]
+
+
+# ---------------------------------------------------------------------------------------------
+# `Takes`, the pure bookkeeping behind take_inputs' read-back: calls at once, in any order
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["start", "land", "lose-landed", "lose-unlanded"]),
+            st.integers(0, 3),  # which running call
+            st.integers(1, 3),  # its limit
+        ),
+        max_size=30,
+    )
+)
+def test_takes_gives_every_taken_input_once_whatever_the_interleaving(
+    steps: list[tuple[str, int, int]],
+) -> None:
+    """Calls of `take_inputs` start, land (the store takes up to `limit` new inputs as user
+    messages) or are lost (landed or not) in any interleaving; read-backs follow every
+    loss. Once every call ended and the read-backs ran dry, each user message was given
+    exactly once."""
+    messages: list[str] = []  # this execution's user messages, in seq order
+    pending = iter(f"i{n}" for n in range(1000))
+    handed: list[str] = []
+    takes = Takes()
+    running: list[tuple[int, int]] = []  # (sent_at, limit) per call in flight
+
+    def store_take(limit: int) -> list[Input]:
+        taken = [Input(next(pending), {}) for _ in range(limit)]
+        messages.extend(item.id for item in taken)
+        return taken
+
+    def call(limit: int) -> tuple[int, int]:
+        return takes.start(), limit
+
+    def finish(taken: list[Input]) -> None:
+        takes.running -= 1
+        handed.extend(item.id for item in takes.gave(taken))
+
+    def read_back_or_take(limit: int) -> None:
+        takes.start()
+        taken: list[Input] = []
+        if takes.unsure_from is not None:
+            taken = takes.untold([Input(m, {}) for m in messages], limit)
+        finish(taken or store_take(limit))
+
+    for action, which, limit in steps:
+        if action == "start" or not running:
+            running.append(call(limit))
+            continue
+        sent_at, its_limit = running.pop(which % len(running))
+        if action == "land":
+            finish(store_take(its_limit))
+            continue
+        if action == "lose-landed":
+            store_take(its_limit)
+        takes.running -= 1
+        takes.unsure(sent_at)
+    for _, its_limit in running:  # the calls still in flight land
+        finish(store_take(its_limit))
+    for _ in range(len(messages) + 1):  # a read-back that never ends fails, not hangs
+        if takes.unsure_from is None:
+            break
+        read_back_or_take(1)
+    assert takes.unsure_from is None
+    assert sorted(handed) == sorted(messages), (handed, messages)
+    assert len(handed) == len(set(handed))
+    assert takes.running == 0 and takes.given == len(messages)

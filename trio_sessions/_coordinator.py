@@ -17,10 +17,12 @@ Invariants:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import attrs
 import trio
 
-from ._model import InterruptReason, Outcome
+from ._model import Input, InterruptReason, Outcome
 
 
 @attrs.define(eq=False)
@@ -68,6 +70,49 @@ class Execution:
 
 
 @attrs.define(eq=False)
+class Takes:
+    """What one execution's `take_inputs` calls gave its drains, kept so that a call whose
+    outcome is unknown (DESIGN §8 "Uncertain commits") can be read back: its inputs, if it
+    landed, are among the execution's user messages from position `unsure_from` on (the
+    count given when it was sent), less those other calls gave since (`given_meanwhile`).
+    A count unless calls overlap or one is unsure: ids are kept only then."""
+
+    given: int = 0
+    running: int = 0
+    unsure_from: int | None = None
+    given_meanwhile: frozenset[str] = frozenset()  # an empty one costs no memory per entry
+
+    def start(self) -> int:
+        """A call begins; returns the count it was sent at."""
+        self.running += 1
+        return self.given
+
+    def unsure(self, sent_at: int) -> None:
+        """The call sent at `sent_at` ended with its outcome unknown."""
+        self.unsure_from = sent_at if self.unsure_from is None else min(self.unsure_from, sent_at)
+
+    def untold(self, mine: Sequence[Input], limit: int) -> list[Input]:
+        """Of this execution's user messages (seq order), at most `limit` that an unsure
+        call may have taken and no call gave; the read-back is over once none are left."""
+        assert self.unsure_from is not None
+        untold = [item for item in mine[self.unsure_from :] if item.id not in self.given_meanwhile]
+        if len(untold) <= limit:
+            self.unsure_from = None
+        return untold[:limit]
+
+    def gave(self, taken: Sequence[Input]) -> list[Input]:
+        """A call returns `taken` (its `running` ended): less what another call's read-back
+        gave already (calls at once), counted."""
+        fresh = [item for item in taken if item.id not in self.given_meanwhile]
+        self.given += len(fresh)
+        if self.running or self.unsure_from is not None:
+            self.given_meanwhile |= {item.id for item in fresh}
+        elif self.given_meanwhile:
+            self.given_meanwhile = frozenset()
+        return fresh
+
+
+@attrs.define(eq=False)
 class SessionEntry:
     """The local registration of one busy session."""
 
@@ -98,11 +143,9 @@ class SessionEntry:
     # When a wake reached this runtime and started the busy period (trio clock), until its
     # first drain call starts: the wake-to-start latency (telemetry only).
     woken_at: float | None = None
-    # The inputs this execution's drains were given (`take_inputs`), and whether a
-    # `take_inputs` ended with its outcome unknown: the next one then reads back what that
-    # call took (this execution's user messages not given yet) before taking more.
-    inputs_given: set[str] = attrs.Factory(set)
-    take_uncertain: bool = False
+    # What this execution's `take_inputs` calls gave (`_drain.Takes`): read back after a
+    # call whose outcome is unknown.
+    takes: Takes = attrs.Factory(Takes)
 
     def ring(self) -> Execution:
         """A wake reached this entry; returns the execution that will take it."""
@@ -217,8 +260,7 @@ class SessionEntry:
         self.claim_gone = False
         self.deciding = False
         self.yield_owed = False
-        self.inputs_given = set()
-        self.take_uncertain = False
+        self.takes = Takes()
 
     def woke_waiters(self) -> bool:
         """Whether the busy period's end woke a task (a joiner, or one waiting for it)."""

@@ -117,24 +117,24 @@ class DrainContext:
         """
         limit = TAKE_INPUTS_CHUNK if limit is None else _validate.count(limit, "limit", 1)
         self._check_live()
-        entry, claim = self._entry, (self.session_id, self.execution_id, self.owner_id)
+        claim, takes = (self.session_id, self.execution_id, self.owner_id), self._entry.takes
         self._lost_message = None  # its read-back is for the very next call only
         taken: list[Input] = []
-        if entry.take_uncertain:
-            # A call's outcome is unknown: what it took, if it landed, is this drain's to
-            # see (user messages now, not inputs), once.
-            mine = await self._runtime._db.run(_store.inputs_taken_by, *claim)
-            untold = [item for item in mine if item.id not in entry.inputs_given]
-            taken, entry.take_uncertain = untold[:limit], len(untold) > limit
-        if not taken:
-            try:
+        sent_at = takes.start()
+        try:
+            if takes.unsure_from is not None:
+                # A call's outcome is unknown: what it took, if it landed, is this drain's
+                # to see (user messages now, no longer inputs), once.
+                mine = await self._runtime._db.run(_store.inputs_taken_by, *claim)
+                taken = takes.untold(mine, limit)
+            if not taken:
                 taken = await self._runtime._db.run(_store.take_inputs, *claim, limit)
-            except OutcomeUnknown:
-                entry.take_uncertain = True
-                raise
-        # Another task's read-back may have given some of them already (tasks taking at once).
-        taken = [item for item in taken if item.id not in entry.inputs_given]
-        entry.inputs_given.update(item.id for item in taken)
+        except OutcomeUnknown:
+            takes.unsure(sent_at)
+            raise
+        finally:
+            takes.running -= 1
+        taken = takes.gave(taken)
         self._runtime._streams.touch(self.session_id)  # new user messages: streams read them
         return taken
 
