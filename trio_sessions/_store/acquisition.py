@@ -40,7 +40,7 @@ from .._backend import (
     sqlite_batched,
 )
 from .._decisions import AcquireVerdict
-from .common import _claim_row, _paused, _take_doorbell
+from .common import _claim_row, _paused, _take_doorbell, wake_attempts_of
 from .inputs import _ensure_session, _insert_input, _known_input, submit, wake
 
 
@@ -79,12 +79,19 @@ def _take_doorbells(tx: Tx, session_ids: Sequence[str]) -> None:
     )
 
 
+# A set-wise read's session (LEFT JOINed as `s`: none yet, or one) whose resume count is an
+# integer: a job whose session holds anything else is left to run alone.
+_NO_SESSION_OR_WHOLE_ATTEMPTS = "typeof(s.wake_attempts) IN ('null', 'integer')"
+
+
 def _claimable(
     tx: Tx, rows: Sequence[tuple[Any, ...]], *, doorbell: bool
 ) -> list[tuple[int, int | None, int]]:
     """The set-wise acquisitions' one read: of the rows (session first) - the first of each
     session only - those whose session has no claim row and is not paused (and, with
-    `doorbell`, whose doorbell is set): (index, time_woken, wake_attempts) each."""
+    `doorbell`, whose doorbell is set): (index, time_woken, wake_attempts) each. A session
+    whose `wake_attempts` is no integer is left out: its job runs alone, where its
+    `MalformedRecord` fails its caller only, not the whole batch."""
     firsts: dict[str, int] = {}
     for index, row in enumerate(rows):
         firsts.setdefault(row[0], index)
@@ -92,11 +99,15 @@ def _claimable(
     found = tx.execute(
         "SELECT j.key, s.time_woken, s.wake_attempts FROM json_each(?) j"
         " LEFT JOIN session s ON s.id = j.value WHERE s.time_paused IS NULL"
+        f" AND {_NO_SESSION_OR_WHOLE_ATTEMPTS}"
         + (" AND s.time_woken IS NOT NULL" if doorbell else "")
         + " AND NOT EXISTS (SELECT 1 FROM session_execution c WHERE c.session_id = j.value)",
         (json.dumps(list(firsts)),),
     ).fetchall()
-    return [(indexes[key], time_woken, int(attempts or 0)) for key, time_woken, attempts in found]
+    return [
+        (indexes[key], time_woken, wake_attempts_of(rows[indexes[key]][0], attempts))
+        for key, time_woken, attempts in found
+    ]
 
 
 def _acquire_many(tx: Tx, rows: Sequence[tuple[Any, ...]]) -> list[Any]:
@@ -139,11 +150,11 @@ def _wake_and_acquire_many(tx: Tx, rows: Sequence[tuple[Any, ...]]) -> list[Any]
 
 
 def _pg_acquired_row(args: tuple[Any, ...], row: tuple[Any, ...]) -> Acquired:
-    return _pg_acquired(*row)
+    return _pg_acquired(args[0], *row)
 
 
 def _pg_woken_and_acquired(args: tuple[Any, ...], row: tuple[Any, ...]) -> tuple[None, Acquired]:
-    return None, _pg_acquired(*row)
+    return None, _pg_acquired(args[0], *row)
 
 
 @caller_yields_next
@@ -206,7 +217,7 @@ def _pg_submitted_and_acquired(args: tuple[Any, ...], row: tuple[Any, ...]) -> A
     input_verdict, *acquired = row
     if input_verdict not in ("stored", "known"):
         return FALLBACK
-    return args[2], _pg_acquired(*acquired)
+    return args[2], _pg_acquired(args[0], *acquired)
 
 
 def _submit_and_acquire_many(tx: Tx, rows: Sequence[tuple[Any, ...]]) -> list[Any]:
@@ -233,7 +244,7 @@ def _submit_and_acquire_many(tx: Tx, rows: Sequence[tuple[Any, ...]]) -> list[An
     free = tx.execute(
         "SELECT j.key, s.time_woken, s.wake_attempts FROM json_each(?) j"
         " LEFT JOIN session s ON s.id = json_extract(j.value, '$[0]')"
-        " WHERE s.time_paused IS NULL AND NOT EXISTS"
+        f" WHERE s.time_paused IS NULL AND {_NO_SESSION_OR_WHOLE_ATTEMPTS} AND NOT EXISTS"
         " (SELECT 1 FROM session_execution c WHERE c.session_id = json_extract(j.value, '$[0]'))"
         " AND NOT EXISTS (SELECT 1 FROM session_input i WHERE i.id = json_extract(j.value, '$[1]'))"
         " AND NOT EXISTS"
@@ -252,7 +263,8 @@ def _submit_and_acquire_many(tx: Tx, rows: Sequence[tuple[Any, ...]]) -> list[An
         claims.append((session_id, payload, input_id, execution_id, owner_id, lease_ms))
         if time_woken is not None:
             rung.append(session_id)
-        results[index] = (input_id, Acquired(AcquireVerdict.CLAIM, attempt=int(attempts or 0)))
+        attempt = wake_attempts_of(session_id, attempts)
+        results[index] = (input_id, Acquired(AcquireVerdict.CLAIM, attempt=attempt))
     claimed = json.dumps(claims)
     # The session row (created, or its input count bumped; the doorbell untouched), then
     # the input at that count, as `_insert_input(ring=False)` does one by one.
@@ -308,12 +320,15 @@ def submit_and_acquire(
     return input_id, _insert_claim(tx, session_id, execution_id, owner_id, lease_ms, session)
 
 
-def _pg_acquired(verdict: str, attempt: int | None, holder: str | None) -> Acquired:
+def _pg_acquired(
+    session_id: str, verdict: str, attempt: int | None, holder: str | None
+) -> Acquired:
     """A PostgreSQL acquire verdict (`ts_acquire_locked`) as `Acquired`: 'busy' (another
     transaction holds the session: it claims it, or signals it again) as held."""
     if verdict == "busy":
         return Acquired(AcquireVerdict.HELD)
-    return Acquired(AcquireVerdict(verdict), attempt=int(attempt or 0), holder=holder)
+    attempts = wake_attempts_of(session_id, attempt)
+    return Acquired(AcquireVerdict(verdict), attempt=attempts, holder=holder)
 
 
 def _insert_claim(
@@ -322,7 +337,7 @@ def _insert_claim(
     execution_id: str,
     owner_id: str,
     lease_ms: int,
-    session: tuple[int | None, int] | None = None,
+    session: tuple[int | None, Any] | None = None,
 ) -> Acquired:
     """Insert the claim for a session known to have no claim row; take a set doorbell.
 
@@ -342,7 +357,7 @@ def _insert_claim(
     )
     if time_woken is not None:
         _take_doorbell(tx, session_id)
-    return Acquired(AcquireVerdict.CLAIM, attempt=int(attempts))
+    return Acquired(AcquireVerdict.CLAIM, attempt=wake_attempts_of(session_id, attempts))
 
 
 def _pg_acquire_many(

@@ -26,7 +26,7 @@ import attrs
 
 from .._backend import Cursor, Tx
 from .._decisions import ClaimRow
-from .._errors import LeaseLost
+from .._errors import LeaseLost, MalformedRecord
 from .._validate import MAX_INT64
 
 # The claim fence: the exact execution, held by this owner, on a live lease. Every write a
@@ -173,8 +173,33 @@ def _require_claim_session(
     if row is None:
         raise _lease_lost(execution_id)
     return _ClaimedSession(
-        session_id, row[0] is not None, int(row[1]), str(row[2]), row[3] is not None
+        session_id,
+        row[0] is not None,
+        wake_attempts_of(session_id, row[1]),
+        str(row[2]),
+        row[3] is not None,
     )
+
+
+def wake_attempts_of(session_id: str, stored: Any) -> int:
+    """A session's `wake_attempts` as read (None, from a session with no row yet: 0). One
+    that is no integer - SQLite keeps the text another tool writes, and its CHECK
+    `wake_attempts >= 0` holds for text - raises `MalformedRecord` naming the session, not
+    a bare `ValueError` from `int()` (§5) nor a silent truncation of a REAL."""
+    if stored is None:
+        return 0
+    if type(stored) is not int:
+        reasons = [f"wake_attempts is {stored!r}, not an integer"]
+        raise MalformedRecord("session", session_id, reasons)
+    return stored
+
+
+def whole_number(tx: Tx, column: str) -> str:
+    """A condition that passes over a row whose integer `column` holds anything else (SQLite
+    keeps whatever another tool writes; PostgreSQL's column is typed), for the scans over
+    every session: each such row would fail its claim attempt (`wake_attempts_of`) on every
+    pass and use up the pass's budget. `status` lists such a row as malformed."""
+    return f"typeof({column}) = 'integer'" if tx.dialect == "sqlite" else "TRUE"
 
 
 def _newest_seq(tx: Tx, session_id: str) -> int | None:

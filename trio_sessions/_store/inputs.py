@@ -95,10 +95,12 @@ def _canonical(text: str) -> str | None:
 
 def _insert_input(
     tx: Tx, session_id: str, payload: str, input_id: str, *, ring: bool
-) -> tuple[int | None, int]:
+) -> tuple[int | None, Any]:
     """Insert a pending input; `ring=False` when a claim inserted in this same transaction
     takes the wake at once (so the doorbell is never written). Returns the session's
-    doorbell and resume count as they are now (for the claim that may follow)."""
+    doorbell and resume count as they are now and as stored (for the claim that may follow,
+    which reads the count: `wake_attempts_of`; a submit that takes no claim stores its input
+    whatever the count holds)."""
     doorbell = tx.now if ring else None
     if ring:
         tx.notify(session_id)
@@ -115,7 +117,7 @@ def _insert_input(
         " VALUES (?, ?, ?, ?, ?)",
         (input_id, session_id, row[0], payload, tx.now),
     )
-    return row[1], int(row[2])
+    return row[1], row[2]
 
 
 def _ensure_session(tx: Tx, session_id: str) -> None:

@@ -38,6 +38,7 @@ from .common import (
     _no_longer_expired,
     _reset_attempts,
     _ring,
+    wake_attempts_of,
 )
 from .recovery_scan import Candidate
 from .transcript import _assistant_data, _close_open_messages
@@ -91,7 +92,7 @@ def _recovery_facts(tx: Tx, candidate: Candidate) -> tuple[RecoveryFacts, str | 
         claim=claim,
         superseded=superseded,
         newest_assistant_malformed=malformed_reason is not None,
-        wake_attempts=0 if attempts is None else int(attempts[0]),
+        wake_attempts=0 if attempts is None else wake_attempts_of(session_id, attempts[0]),
         handed_back=ours and bool(row[5]),
         paused=attempts is not None and attempts[1] is not None,
     )

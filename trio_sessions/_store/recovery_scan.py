@@ -26,7 +26,7 @@ import attrs
 
 from .._backend import Tx, autocommit_when_alone
 from .._liveness import _HELD as _TOKEN_HELD
-from .common import _IN_CHUNK, _chunks, _in_list, not_in, readable
+from .common import _IN_CHUNK, _chunks, _in_list, not_in, readable, whole_number
 from .control import next_due
 
 
@@ -101,13 +101,15 @@ def _doorbells_left(tx: Tx, local_sessions: Sequence[str], room: int) -> list[Ca
 
 def _unclaimed_doorbells(tx: Tx, local_sessions: Sequence[str], limit: int) -> list[str]:
     """Sessions with a set doorbell and no claim row, oldest wake first, except those held
-    locally (a crash between wake and acquire, or a wake from another process) and paused
-    ones (their doorbell waits for `resume`)."""
+    locally (a crash between wake and acquire, or a wake from another process), paused
+    ones (their doorbell waits for `resume`) and malformed ones (`readable`,
+    `whole_number`)."""
     not_local, local = not_in(tx, "s.id", local_sessions)
     rows = tx.execute(
         "SELECT s.id FROM session s WHERE s.time_woken IS NOT NULL AND s.time_paused IS NULL"
         " AND NOT EXISTS (SELECT 1 FROM session_execution e WHERE e.session_id = s.id)"
-        f" AND {not_local} AND {readable(tx, 's.id')} ORDER BY s.time_woken, s.id LIMIT :limit",
+        f" AND {not_local} AND {readable(tx, 's.id')} AND {whole_number(tx, 's.wake_attempts')}"
+        " ORDER BY s.time_woken, s.id LIMIT :limit",
         {"excluded": local, "limit": limit},
     ).fetchall()
     return [str(row[0]) for row in rows]
