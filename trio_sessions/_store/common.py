@@ -207,8 +207,19 @@ def _newest_seq(tx: Tx, session_id: str) -> int | None:
     return None if row[0] is None else int(row[0])
 
 
-def _next_message_seq(tx: Tx, session_id: str) -> int:
-    return (_newest_seq(tx, session_id) or 0) + 1
+def _next_message_seq(tx: Tx, session_id: str, count: int = 1) -> int:
+    """The seq of the session's next message - the first of the next `count` - or
+    `MalformedRecord` naming the newest message when it, written by another tool, leaves no
+    room for them below the largest 64-bit integer: PostgreSQL refuses such a seq ('bigint
+    out of range', a `StoreError`), SQLite's driver with a bare `OverflowError` (§6.20)."""
+    newest = _newest_seq(tx, session_id) or 0
+    if newest > MAX_INT64 - count:
+        row = tx.one(
+            "SELECT id FROM session_message WHERE session_id = ? AND seq = ?", (session_id, newest)
+        )
+        reasons = [f"seq out of range: no room for {count} more after {newest}"]
+        raise MalformedRecord("session_message", str(row[0]), reasons)
+    return newest + 1
 
 
 # An input `take_inputs` may take now: due (scheduled ones once their time has come).

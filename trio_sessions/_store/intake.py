@@ -80,7 +80,7 @@ def take_inputs(
     rows = rows[:limit]
     taken = []
     messages: list[tuple[Any, ...]] = []
-    seq = _next_message_seq(tx, session_id)
+    seq = _next_message_seq(tx, session_id, len(rows))
     for input_id, input_seq, kind, stored in rows:
         try:
             text = _codec.stored_text(kind, stored, table="session_input", key=input_id)
