@@ -227,9 +227,10 @@ def _open_for_health(db: str, schema: str | None) -> Engine:
 def release(database: Engine, execution_id: str, *, resume: bool) -> dict[str, Any]:
     """Act on one quarantined execution; `ValueError` unless it is quarantined.
 
-    `--drop` runs the store's drop: the open transcript is finished as owner-lost (a row
-    that does not decode is left as it is), the claim deleted, the resume budget reset and
-    the doorbell re-armed if inputs remain. `--resume` clears the quarantine and ends our
+    `--drop` runs the store's drop: the execution's messages that do not decode are set
+    aside in `session_message_rejected` (raw text kept), the rest of its open transcript is
+    finished as owner-lost, the claim deleted, the resume budget reset and the doorbell
+    re-armed if inputs remain. `--resume` clears the quarantine and ends our
     recovery lease at once: the next recovery pass of any runtime on this store examines the
     execution under the normal rules - resumed if its records now decode, quarantined again
     if they still do not. The CLI runs no drains, so it cannot resume the work itself.
@@ -357,7 +358,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume", action="store_true", help="clear it; the next recovery pass examines it"
     )
     choice.add_argument(
-        "--drop", action="store_true", help="finish it as owner-lost and delete its claim"
+        "--drop",
+        action="store_true",
+        help="set its malformed messages aside (in session_message_rejected), finish the rest"
+        " as owner-lost and delete its claim",
     )
     inputs = commands.add_parser("inputs", help="list or drop inputs set aside as malformed")
     input_actions = inputs.add_subparsers(dest="inputs_action", required=True, metavar="ACTION")

@@ -135,9 +135,10 @@ def format_release(result: dict[str, Any]) -> str:
     execution, session = result["execution_id"], result["session_id"]
     if result["action"] == "drop":
         return (
-            f"dropped execution {execution} of session {session}: its open messages are"
-            " finished as owner-lost (a row that does not decode is left as it is), the claim"
-            " deleted, and the doorbell re-armed if inputs remain."
+            f"dropped execution {execution} of session {session}: its messages that do not"
+            " decode are set aside in session_message_rejected (raw text kept), its other"
+            " open messages finished as owner-lost, the claim deleted, and the doorbell"
+            " re-armed if inputs remain."
         )
     return (
         f"lifted the quarantine on execution {execution} of session {session}: the next"
