@@ -49,6 +49,7 @@ from . import _store
 from ._errors import MalformedRecord
 from ._model import AssistantData, TextPart, ToolPart
 from ._store.stream import (
+    BEFORE_EVERY_SEQ,
     STREAMS_PER_CATCH_UP,
     Appended,
     Heads,
@@ -108,10 +109,13 @@ class StreamEvent:
 # Cursors: "1.<session tag>.<top>.<top tag>.<seq>:<tag>:<version>,..." (the open messages)
 
 _NUMBER = r"(?:0|[1-9][0-9]{0,17})"
+# A seq may be negative or 0: another tool may write a message there, and `transcript()`
+# returns it.
+_SEQ = r"(?:0|-?[1-9][0-9]{0,17})"
 _TAG = r"[0-9a-f]{12}"
 _CURSOR = re.compile(
-    rf"1\.({_TAG})\.({_NUMBER})\.((?:{_TAG})?)\.((?:{_NUMBER}:{_TAG}:{_NUMBER}"
-    rf"(?:,{_NUMBER}:{_TAG}:{_NUMBER})*)?)"
+    rf"1\.({_TAG})\.({_SEQ})\.((?:{_TAG})?)\.((?:{_SEQ}:{_TAG}:{_NUMBER}"
+    rf"(?:,{_SEQ}:{_TAG}:{_NUMBER})*)?)"
 )
 
 
@@ -143,7 +147,8 @@ def decode_cursor(session_id: str, cursor: object) -> Position:
         for seq, h_tag, version in (item.split(":") for item in held_text.split(",") if item)
     )
     seqs = [h.seq for h in held]
-    if (top == 0) != (top_tag == "") or any(not 0 < seq <= top for seq in seqs):
+    # Holding nothing (no top tag): top 0 and no open message; else none above the top.
+    if (top_tag == "" and (top != 0 or seqs)) or any(seq > top for seq in seqs):
         raise ValueError(f"malformed stream cursor: {cursor[:100]!r}")
     if seqs != sorted(set(seqs)):
         raise ValueError(f"malformed stream cursor: {cursor[:100]!r}")
@@ -257,18 +262,19 @@ class EventStream(AsyncIterator[StreamEvent]):
         self._wakeup.set()
 
     def watched(self) -> tuple[int, list[str]]:
-        """What the change scan must look at for this stream: the newest seq it holds, and
-        the ids of the messages whose change or loss it must see (the top one, whose loss
-        means a rewrite, and the open ones)."""
+        """What the change scan must look at for this stream: the seq its new messages
+        follow (`Position.after`: the newest it holds, if any), and the ids of the messages
+        whose change or loss it must see (the top one, whose loss means a rewrite, and the
+        open ones)."""
         ids = [held.message_id for held in self._open.values() if held.message_id is not None]
         if self._top_id is not None:
             ids.append(self._top_id)
-        return self._top, ids
+        return self._position().after, ids
 
     def behind(self, heads: Heads) -> bool:
         """Whether the store holds more than this stream holds or was offered, judged
         against the stream's position now (the scan's read may have raced the offers)."""
-        if heads.newest.get(self.session_id, 0) > self._top:
+        if heads.newest.get(self.session_id, BEFORE_EVERY_SEQ) > self._position().after:
             return True
         if self._top_id is not None and self._top_id not in heads.versions:
             return True
@@ -388,7 +394,8 @@ class EventStream(AsyncIterator[StreamEvent]):
             return False
         tag = message_tag(change.message_id)
         self._position_now = None
-        if change.seq > self._top:
+        # Holding nothing yet (no top tag), the first message is the top whatever its seq.
+        if not self._top_tag or change.seq > self._top:
             self._top, self._top_tag, self._top_id = change.seq, tag, change.message_id
         if change.open:
             self._open[change.seq] = _Open(tag, change.version, change.message_id)

@@ -1,10 +1,11 @@
 """Stream reads behind `runtime.stream()` (DESIGN §5.2): what changed since a position.
 
 A *position* is what a stream's client holds: every message with `seq <= top` (the one at
-`top` identified by a tag of its id), all of them final except the *open* ones listed with
-the version the client has. `stream_changes` answers, from one read snapshot, the changes
-that bring such a client up to date, and `stream_heads` reads, for many streams at once, what
-the change scan compares their positions with (newest seqs, versions of named messages).
+`top` identified by a tag of its id; top 0 with no tag: nothing held yet), all of them final
+except the *open* ones listed with the version the client has. `stream_changes` answers,
+from one read snapshot, the changes that bring such a client up to date, and `stream_heads`
+reads, for many streams at once, what the change scan compares their positions with (newest
+seqs, versions of named messages).
 
 Invariants:
 * work is proportional to the change, never to the transcript: a message is looked up by
@@ -55,6 +56,12 @@ class Held:
     version: int
 
 
+# One below every seq but the smallest a store holds (SQLite INTEGER, PostgreSQL bigint): the
+# seq a client that holds nothing reads after, so a message another tool wrote at a seq
+# <= 0 is streamed as `transcript()` returns it.
+BEFORE_EVERY_SEQ = -(2**63)
+
+
 @attrs.frozen
 class Position:
     """What a stream's client holds (see the module docstring)."""
@@ -62,6 +69,23 @@ class Position:
     top: int = 0
     top_tag: str = ""
     open: tuple[Held, ...] = ()
+
+    @property
+    def holds_top(self) -> bool:
+        """Whether the client holds a message (top 0 with no tag: nothing yet; a message
+        another tool wrote at seq 0 has its tag)."""
+        return self.top != 0 or self.top_tag != ""
+
+    @property
+    def after(self) -> int:
+        """The seq the messages new to this client follow."""
+        return self.top if self.holds_top else BEFORE_EVERY_SEQ
+
+    def named(self) -> list[tuple[int, str]]:
+        """The messages this position names, as (seq, tag): its top (if any), then the open
+        ones - each of which must still hold, or the transcript was rewritten."""
+        top = [(self.top, self.top_tag)] if self.holds_top else []
+        return top + [(held.seq, held.tag) for held in self.open]
 
 
 @attrs.frozen
@@ -131,10 +155,10 @@ def _pg_arguments(session_id: str, position: Position, limit: int) -> dict[str, 
     """`ts_stream_changes`'s arguments for a read from `position`, by name."""
     return {
         "session": session_id,
-        "named": ([position.top] if position.top else []) + [h.seq for h in position.open],
+        "named": [seq for seq, _ in position.named()],
         "open_seqs": [held.seq for held in position.open],
         "open_versions": [held.version for held in position.open],
-        "top": position.top,
+        "top": position.after,
         "limit": limit,
     }
 
@@ -180,9 +204,7 @@ def stream_changes_by_statements(
     """`stream_changes` as a few statements, each an index probe (SQLite's form; on
     PostgreSQL the reference `ts_stream_changes` is checked against)."""
     ids: dict[int, str] = {}
-    named = [(position.top, position.top_tag)] if position.top else []
-    named += [(held.seq, held.tag) for held in position.open]
-    for seq, tag in named:
+    for seq, tag in position.named():
         row = tx.one(
             "SELECT id FROM session_message WHERE session_id = ? AND seq = ?", (session_id, seq)
         )
@@ -192,7 +214,7 @@ def stream_changes_by_statements(
     changes: list[Change] = []
     for held in position.open:
         changes += _changes_of_open(tx, session_id, ids[held.seq], held)
-    new, more = _new_messages(tx, session_id, position.top, limit)
+    new, more = _new_messages(tx, session_id, position.after, limit)
     return StreamChanges(changes + new, more=more, ids=ids)
 
 
@@ -202,8 +224,7 @@ def _changes_from_rows(
     """`stream_changes` from `ts_stream_changes`'s rows; None when a message the position
     names is gone or replaced (the transcript was rewritten: read from scratch) or a step
     row does not decode (that message goes whole)."""
-    tags = {position.top: position.top_tag} if position.top else {}
-    tags.update((held.seq, held.tag) for held in position.open)
+    tags = dict(position.named())
     ids: dict[int, str] = {}
     wholes: dict[int, tuple[Any, ...]] = {}
     fresh: list[tuple[Any, ...]] = []
@@ -256,7 +277,7 @@ def _whole_of(session_id: str, row: tuple[Any, ...], streamed: dict[str, list[st
 
 
 def _from_scratch(tx: Tx, session_id: str, limit: int) -> StreamChanges:
-    new, more = _new_messages(tx, session_id, 0, limit)
+    new, more = _new_messages(tx, session_id, BEFORE_EVERY_SEQ, limit)
     return StreamChanges(new, rewritten=True, more=more)
 
 
@@ -480,9 +501,7 @@ def stream_catch_up(tx: Tx, reads: Sequence[tuple[str, Position]]) -> list[Strea
 
 
 def _appends_set_wise(tx: Tx, reads: Sequence[tuple[str, Position]]) -> list[StreamChanges | None]:
-    named = sorted(
-        {(s, seq) for s, p in reads for seq in ([p.top] if p.top else []) + [h.seq for h in p.open]}
-    )
+    named = sorted({(s, seq) for s, p in reads for seq, _ in p.named()})
     rows: dict[tuple[str, int], tuple[str, int]] = {}
     if named:
         for session, seq, message_id, version in tx.execute(
@@ -492,7 +511,7 @@ def _appends_set_wise(tx: Tx, reads: Sequence[tuple[str, Position]]) -> list[Str
             tuple(value for pair in named for value in pair),
         ).fetchall():
             rows[(str(session), placed(seq))] = (str(message_id), placed(version))
-    tops = sorted({(s, p.top) for s, p in reads})
+    tops = sorted({(s, p.after) for s, p in reads})
     newer = {
         (str(session), int(top))
         for session, top in tx.execute(
@@ -506,14 +525,13 @@ def _appends_set_wise(tx: Tx, reads: Sequence[tuple[str, Position]]) -> list[Str
     ids_of: list[dict[int, str] | None] = []
     for session, position in reads:
         found: dict[int, str] = {}
-        names = [(position.top, position.top_tag)] if position.top else []
-        for seq, tag in names + [(h.seq, h.tag) for h in position.open]:
+        for seq, tag in position.named():
             row = rows.get((session, seq))
             if row is None or message_tag(row[0]) != tag:
                 break  # rewritten
             found[seq] = row[0]
         else:
-            if (session, position.top) not in newer and all(
+            if (session, position.after) not in newer and all(
                 rows[(session, h.seq)][1] <= h.version for h in position.open
             ):
                 ids_of.append(found)
