@@ -27,6 +27,7 @@ from .. import _codec, _transcript
 from .._backend import Tx, autocommit_when_alone, reads_stored_bytes
 from .._errors import MalformedRecord
 from .._model import AssistantData, Message
+from .._validate import MAX_INT64
 from .common import _IN_CHUNK, _in_list, leading_rows, placed, streamed_texts_of
 from .control import next_due
 from .recovery_scan import _unclaimed_doorbells
@@ -312,11 +313,15 @@ def watched_messages(
 ) -> list[Snapshot]:
     """The session's stored messages with `after_seq < seq <= through_seq`, in seq order,
     at most `limit` of them and about `REPLAY_CHUNK_BYTES` of data (at least one): the
-    caller continues after the last seq returned."""
+    caller continues after the last seq returned. A `through_seq` of `MAX_INT64` sets no
+    upper bound: it is where `placed` puts a newest seq that is no integer (SQLite keeps
+    the text another tool writes and sorts it after every number), so that message is read
+    too and raises `MalformedRecord` in the watcher, as it does in `transcript()`."""
+    through = "" if through_seq >= MAX_INT64 else " AND m.seq <= :through"
     rows = tx.execute(
         f"SELECT {_SNAPSHOT_COLUMNS}, length(m.data) FROM session_message m"
-        " WHERE m.session_id = ? AND m.seq > ? AND m.seq <= ? ORDER BY m.seq LIMIT ?",
-        (session_id, after_seq, through_seq, limit),
+        f" WHERE m.session_id = :session AND m.seq > :after{through} ORDER BY m.seq LIMIT :limit",
+        {"session": session_id, "after": after_seq, "through": through_seq, "limit": limit},
     )
     kept, _ = leading_rows(rows, count=limit, size_bytes=REPLAY_CHUNK_BYTES)
     streamed = streamed_texts_of(tx, [str(row[1]) for row in kept if row[2] == "assistant"])
