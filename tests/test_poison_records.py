@@ -198,3 +198,34 @@ async def test_submit_to_a_session_whose_wake_attempts_is_not_a_number_raises_ma
         raw.write("INSERT INTO session(id, time_created, wake_attempts) VALUES ('s', 0, 'abc')")
         with pytest.raises((MalformedRecord, StoreError)):
             await rt.submit("s", {"text": "hi"})
+
+
+@pytest.mark.parametrize("seq", [0, -5])
+async def test_a_message_whose_seq_is_below_1_is_malformed(
+    store: Any, db_path: Any, clock: Any, autojump_clock: MockClock, seq: int
+) -> None:
+    """A session's seqs count from 1 (DESIGN §5: `watch(after_seq=0)` and
+    `truncate(after_seq=0)` mean every message, and a stream's truncate event at 0 drops
+    them all): a message another tool wrote below 1 is malformed - `transcript()` and a
+    stream from the start both raise `MalformedRecord` naming it, where `transcript()`
+    returned it and the stream (from the start) then sent it, which its clients could not
+    drop again."""
+    raw = Raw(db_path)
+    async with runtime(store, Recorder(), clock, **QUIET) as rt:
+        raw.write("INSERT INTO session(id, time_created) VALUES ('s', 0)")
+        raw.write(
+            "INSERT INTO session_message(id, session_id, role, seq, data, time_created,"
+            " time_updated) VALUES ('early', 's', 'user', ?, '{\"text\": \"hi\"}', 0, 0)",
+            (seq,),
+        )
+        with pytest.raises(MalformedRecord, match="below 1") as raised:
+            await rt.transcript("s")
+        assert raised.value.key == "early"
+
+        async def stream_from_the_start() -> None:
+            async with rt.stream("s") as events:
+                async for _ in events:
+                    pass
+
+        with pytest.raises(MalformedRecord, match="below 1"):
+            await stream_from_the_start()

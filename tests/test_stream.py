@@ -743,3 +743,38 @@ async def test_a_stream_or_watch_of_a_closed_runtime_raises_store_error(
                 pass  # pragma: no cover
         with pytest.raises(trio_sessions.StoreError, match="closed"):
             await rt.transcript("s")
+
+
+@pytest.mark.parametrize("seq", [2**62, 2**63 - 1])
+async def test_a_cursor_naming_a_message_at_a_19_digit_seq_resumes(
+    store: Any, db_path: Any, clock: Clock, autojump_clock: MockClock, seq: int
+) -> None:
+    """DESIGN §5.2: "with the cursor of any event it earlier yielded it continues with
+    exactly the events after that one". A message another tool wrote at a 19-digit seq is
+    streamed, but the cursor grammar took at most 18 digits: the cursor of its event was
+    refused by the very stream that made it ("malformed stream cursor", ValueError - an
+    SSE client's reconnect gets a 400). (A review's test; its seq -2**62 case is now a
+    malformed row, refused by both `transcript()` and `stream()`.)"""
+    from helpers import Raw, Recorder
+
+    raw = Raw(db_path)
+    async with runtime(store, Recorder(), clock, recovery_interval=10_000.0) as rt:
+        raw.write("INSERT INTO session(id, time_created) VALUES ('s', 0)")
+        raw.write(
+            "INSERT INTO session_message(id, session_id, role, seq, data, time_created,"
+            " time_updated) VALUES ('far', 's', 'user', ?, '{\"text\": \"hi\"}', 0, 0)",
+            (seq,),
+        )
+        first = await caught_up(rt)
+        assert [event.seq for event in first] == [seq]
+        assert await caught_up(rt, cursor=first[-1].cursor) == []
+
+
+def test_a_cursor_past_64_bits_is_refused() -> None:
+    """A 19-digit number above the largest 64-bit integer is no seq or version."""
+    tag = trio_sessions._stream.session_tag("s")
+    with pytest.raises(ValueError, match="malformed stream cursor"):
+        trio_sessions._stream.decode_cursor("s", f"1.{tag}.{2**63}.{'0' * 12}.")
+    assert trio_sessions._stream.decode_cursor("s", f"1.{tag}.{2**63 - 1}.{'0' * 12}.").top == (
+        2**63 - 1
+    )

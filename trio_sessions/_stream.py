@@ -60,6 +60,7 @@ from ._store.stream import (
     Whole,
     message_tag,
 )
+from ._validate import MAX_INT64
 
 EventKind = Literal["message", "append", "part", "finish", "truncate"]
 
@@ -108,14 +109,12 @@ class StreamEvent:
 # ---------------------------------------------------------------------------------------------
 # Cursors: "1.<session tag>.<top>.<top tag>.<seq>:<tag>:<version>,..." (the open messages)
 
-_NUMBER = r"(?:0|[1-9][0-9]{0,17})"
-# A seq may be negative or 0: another tool may write a message there, and `transcript()`
-# returns it.
-_SEQ = r"(?:0|-?[1-9][0-9]{0,17})"
+# Seqs and versions: whole numbers up to the largest 64-bit integer (checked after parsing).
+_NUMBER = r"(?:0|[1-9][0-9]{0,18})"
 _TAG = r"[0-9a-f]{12}"
 _CURSOR = re.compile(
-    rf"1\.({_TAG})\.({_SEQ})\.((?:{_TAG})?)\.((?:{_SEQ}:{_TAG}:{_NUMBER}"
-    rf"(?:,{_SEQ}:{_TAG}:{_NUMBER})*)?)"
+    rf"1\.({_TAG})\.({_NUMBER})\.((?:{_TAG})?)\.((?:{_NUMBER}:{_TAG}:{_NUMBER}"
+    rf"(?:,{_NUMBER}:{_TAG}:{_NUMBER})*)?)"
 )
 
 
@@ -147,8 +146,11 @@ def decode_cursor(session_id: str, cursor: object) -> Position:
         for seq, h_tag, version in (item.split(":") for item in held_text.split(",") if item)
     )
     seqs = [h.seq for h in held]
+    numbers = [top, *seqs, *(h.version for h in held)]
     # Holding nothing (no top tag): top 0 and no open message; else none above the top.
     if (top_tag == "" and (top != 0 or seqs)) or any(seq > top for seq in seqs):
+        raise ValueError(f"malformed stream cursor: {cursor[:100]!r}")
+    if max(numbers) > MAX_INT64:
         raise ValueError(f"malformed stream cursor: {cursor[:100]!r}")
     if seqs != sorted(set(seqs)):
         raise ValueError(f"malformed stream cursor: {cursor[:100]!r}")

@@ -58,7 +58,7 @@ class Held:
 
 # One below every seq but the smallest a store holds (SQLite INTEGER, PostgreSQL bigint): the
 # seq a client that holds nothing reads after, so a message another tool wrote at a seq
-# <= 0 is streamed as `transcript()` returns it.
+# below 1 is read - and refused as malformed, as `transcript()` refuses it.
 BEFORE_EVERY_SEQ = -(2**63)
 
 

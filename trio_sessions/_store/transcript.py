@@ -438,13 +438,19 @@ _ROLES = frozenset(get_args(Role))
 def _shape_reasons(row: Sequence[Any]) -> list[str]:
     """Why a message row - (id, role, seq, data, execution_id, input_id) - holds what the
     store never writes in its role, seq or ids (SQLite keeps what another tool writes past
-    a CHECK, into an INTEGER column, or as TEXT that is not UTF-8, read as bytes)."""
+    a CHECK, into an INTEGER column, or as TEXT that is not UTF-8, read as bytes; either
+    store keeps a seq below 1)."""
     message_id, role, seq, _, execution_id, input_id = row
     reasons = []
     if role not in _ROLES:
         reasons.append(f"role {role!r} is none of {', '.join(sorted(_ROLES))}")
     if type(seq) is not int:
         reasons.append(f"seq {seq!r} is no whole number")
+    elif seq < 1:
+        # A session's seqs count from 1 (DESIGN §5: `watch(after_seq=0)` and
+        # `truncate(after_seq=0)` mean every message): a stream or watcher could not name
+        # a message before them.
+        reasons.append(f"seq {seq} is below 1")
     for column, value in (
         ("id", message_id),
         ("execution_id", execution_id),
