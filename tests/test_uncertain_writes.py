@@ -512,3 +512,93 @@ def test_takes_gives_every_taken_input_once_whatever_the_interleaving(
     assert sorted(handed) == sorted(messages), (handed, messages)
     assert len(handed) == len(set(handed))
     assert takes.running == 0 and takes.given == len(messages)
+
+
+# ---------------------------------------------------------------------------------------------
+# Second review round: failing tests for defects found in the read-backs
+
+
+async def test_two_tasks_taking_after_an_unknown_take_each_get_their_inputs_once(
+    store: Any, autojump_clock: MockClock
+) -> None:
+    """A `take_inputs` is answered `OutcomeUnknown` after it took i2; then two tasks call
+    `take_inputs` at once (consumers in parallel). Both read back; the one whose read-back
+    ends first gives i2 and ends the read-back - the other must then take normally (i3),
+    not fail with an AssertionError from `Takes.untold`."""
+    taken: list[str] = []
+    errors: list[BaseException] = []
+    done: list[bool] = []
+
+    async def drain(ctx: DrainContext, lost: LostReplies) -> None:
+        if done:
+            return
+        done.append(True)
+        taken.extend(i.id for i in await ctx.take_inputs())
+        await ctx._runtime.submit("s", {"n": 2}, input_id="i2")
+        lost.lose(_store.take_inputs, landed=True)
+        with pytest.raises(OutcomeUnknown):
+            await ctx.take_inputs(limit=1)
+        await ctx._runtime.submit("s", {"n": 3}, input_id="i3")
+
+        async def consumer() -> None:
+            try:
+                taken.extend(i.id for i in await ctx.take_inputs(limit=1))
+            except Exception as exc:  # noqa: BLE001 - recorded for the assertion
+                errors.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(consumer)
+            nursery.start_soon(consumer)
+        taken.extend(i.id for i in await ctx.take_inputs())
+
+    outcome, messages = await run_drain(store, drain)
+    assert errors == [], errors
+    assert outcome.kind == "succeeded", outcome
+    assert [m.input_id for m in messages if m.role == "user"] == ["i1", "i2", "i3"]
+    assert sorted(taken) == ["i1", "i2", "i3"]
+
+
+async def test_a_settlement_lost_then_another_tasks_settlement_then_called_again_lands_once(
+    store: Any, autojump_clock: MockClock
+) -> None:
+    """c1's settlement is answered `OutcomeUnknown` after it landed; before its task calls
+    it again, another task settles c2 (tools run in parallel: that call reads the message
+    back, c1 completed in it). c1's settlement again is the same write again: a no-op, as
+    the README says ("tools settled from parallel tasks are fine") - not a
+    `DuplicateSettlement` that fails the drain."""
+    errors: list[BaseException] = []
+
+    async def drain(ctx: DrainContext, lost: LostReplies) -> None:
+        writer = await opened(ctx)
+        await writer.start_tool("c2", "echo", {"x": 2})
+        c1_lost, c2_settled = trio.Event(), trio.Event()
+        lost.lose(_store.update_assistant, landed=True)
+
+        async def settle_c1() -> None:
+            try:
+                await writer.settle_tool("c1", "ok")
+            except OutcomeUnknown as exc:
+                errors.append(exc)
+                c1_lost.set()
+                await c2_settled.wait()  # the retry comes a little later (a backoff)
+                await writer.settle_tool("c1", "ok")
+
+        async def settle_c2() -> None:
+            await c1_lost.wait()
+            await writer.settle_tool("c2", "ok2")
+            c2_settled.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(settle_c1)
+            nursery.start_soon(settle_c2)
+        await writer.finish()
+
+    outcome, messages = await run_drain(store, drain)
+    assert len(errors) == 1
+    assert outcome.kind == "succeeded", outcome
+    parts = messages[-1].data.parts
+    assert [(p.call_id, p.status, p.output) for p in parts if isinstance(p, ToolPart)] == [
+        ("c1", "completed", "ok"),
+        ("c2", "completed", "ok2"),
+    ]
+
