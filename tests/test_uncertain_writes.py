@@ -602,3 +602,73 @@ async def test_a_settlement_lost_then_another_tasks_settlement_then_called_again
         ("c2", "completed", "ok2"),
     ]
 
+
+
+class HeldReply:
+    """The runtime's store executor with the reply of one planned call held: it runs (and
+    lands), sets `ran`, and returns only once `release` is set."""
+
+    def __init__(self, runtime: Any) -> None:
+        self._executor = runtime._db
+        self.plan: Any = None
+        self.ran, self.release = trio.Event(), trio.Event()
+        runtime._db = self
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._executor, name)
+
+    async def run(self, operation: Any, *args: Any) -> Any:
+        result = await self._executor.run(operation, *args)
+        if self.plan is operation:
+            self.plan = None
+            self.ran.set()
+            await self.release.wait()
+        return result
+
+
+async def test_an_append_lost_unlanded_called_again_while_another_tasks_settlement_is_replied(
+    store: Any, autojump_clock: MockClock
+) -> None:
+    """An append is answered `OutcomeUnknown` without having landed; meanwhile another task
+    settles tool c1 (tools run in parallel), its write stored but its reply not yet back.
+    The append again must land: its text is in the message. The read-back takes the version
+    moved by the settlement for the lost append having landed, and the text is silently
+    dropped - not an append from a parallel task, which is all the README excludes."""
+    held: list[HeldReply] = []
+
+    async def drain(ctx: DrainContext, lost: LostReplies) -> None:
+        writer = await opened(ctx)
+        ran, release = trio.Event(), trio.Event()
+        lost.lose(_store.append_assistant_text, landed=False, hold=(ran, release))
+        hold = HeldReply(ctx._runtime)
+        held.append(hold)
+
+        async def append() -> None:
+            with pytest.raises(OutcomeUnknown):
+                await writer.append_text(" lost")
+            await writer.append_text(" lost")  # the same call again
+
+        async def settle_c1() -> None:
+            await ran.wait()  # the append's reply is on its way
+            hold.plan = _store.update_assistant
+            await writer.settle_tool("c1", "ok")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(append)
+            nursery.start_soon(settle_c1)
+            await hold.ran.wait()  # c1's settlement stored, its reply not back yet
+            release.set()  # the append's OutcomeUnknown: it is called again meanwhile
+            await trio.testing.wait_all_tasks_blocked()
+            hold.release.set()
+        await writer.finish()
+
+    outcome, messages = await run_drain(store, drain)
+    assert held and held[0].ran.is_set()
+    assert outcome.kind == "succeeded", outcome
+    parts = messages[-1].data.parts
+    assert [(type(p).__name__, getattr(p, "text", None)) for p in parts] == [
+        ("TextPart", "answer"),
+        ("ToolPart", None),
+        ("TextPart", " lost"),
+    ]
+    assert [(p.call_id, p.status) for p in parts if isinstance(p, ToolPart)] == [("c1", "completed")]
