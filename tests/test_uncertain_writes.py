@@ -672,3 +672,49 @@ async def test_an_append_lost_unlanded_called_again_while_another_tasks_settleme
         ("TextPart", " lost"),
     ]
     assert [(p.call_id, p.status) for p in parts if isinstance(p, ToolPart)] == [("c1", "completed")]
+
+
+def _corrupt_user_message(tx: Any, input_id: str) -> None:
+    """Another tool wrote text that is not JSON over a user message's data."""
+    tx.execute("UPDATE session_message SET data = 'not json' WHERE input_id = ?", (input_id,))
+
+
+async def test_take_inputs_after_an_unknown_one_is_not_blocked_by_a_malformed_earlier_message(
+    store: Any, autojump_clock: MockClock
+) -> None:
+    """i1, given to the drain long ago, is a malformed row now (another tool wrote text over
+    its user message); a later `take_inputs` is answered `OutcomeUnknown` after it took i2.
+    The next call returns i2, the one after i3: not `MalformedRecord` from every call for
+    the rest of the execution because the read-back decodes every user message of the
+    execution, even those before the unsure call (a poison row never blocks the others)."""
+    calls: list[Any] = []
+    done: list[bool] = []
+
+    async def drain(ctx: DrainContext, lost: LostReplies) -> None:
+        if done:
+            return
+        done.append(True)
+        await ctx.take_inputs()
+        await ctx._runtime._db.run(_corrupt_user_message, "i1")
+        await ctx._runtime.submit("s", {"n": 2}, input_id="i2")
+        lost.lose(_store.take_inputs, landed=True)
+        with pytest.raises(OutcomeUnknown):
+            await ctx.take_inputs()
+        await ctx._runtime.submit("s", {"n": 3}, input_id="i3")
+        for _ in range(2):
+            try:
+                calls.append([i.id for i in await ctx.take_inputs()])
+            except Exception as exc:  # noqa: BLE001 - recorded for the assertion
+                calls.append(type(exc).__name__)
+
+    lost: list[LostReplies] = []
+
+    async def wrapped(ctx: DrainContext) -> None:
+        await drain(ctx, lost[0])
+
+    async with open_runtime(store, wrapped, clock=ts_testing.trio_clock(), lease=30.0) as rt:
+        lost.append(LostReplies(rt))
+        await rt.submit("s", {"n": 1}, input_id="i1")
+        outcome = await rt.run("s")
+    assert calls == [["i2"], ["i3"]]
+    assert outcome.kind == "succeeded", outcome
