@@ -718,3 +718,49 @@ async def test_take_inputs_after_an_unknown_one_is_not_blocked_by_a_malformed_ea
         outcome = await rt.run("s")
     assert calls == [["i2"], ["i3"]]
     assert outcome.kind == "succeeded", outcome
+
+
+async def test_a_reply_arriving_after_a_read_back_does_not_take_the_writer_back(
+    store: Any, autojump_clock: MockClock
+) -> None:
+    """An append is answered `OutcomeUnknown` (not landed) while another task's settlement of
+    c1 is stored, its reply not back yet. The drain appends " y": the read-back takes the
+    message as stored (c1 completed), " y" lands after it. Then the settlement's reply
+    arrives and sets the writer back to the settlement's version; the next append, " y"
+    again (a repeated token), must land too - on PostgreSQL it is taken for a retry of the
+    first (`after_version` from the stale version) and dropped. (The same happens with no
+    lost call: any reply of a concurrent task arriving late sets the writer's version
+    back; the read-back is one more way to get there.)"""
+
+    async def drain(ctx: DrainContext, lost: LostReplies) -> None:
+        writer = await opened(ctx)
+        ran, release = trio.Event(), trio.Event()
+        lost.lose(_store.append_assistant_text, landed=False, hold=(ran, release))
+        hold = HeldReply(ctx._runtime)
+        settled = trio.Event()
+
+        async def append() -> None:
+            with pytest.raises(OutcomeUnknown):
+                await writer.append_text(" x")
+            await writer.append_text(" y")  # another call: the read-back, then " y"
+            hold.release.set()  # the settlement's reply arrives now
+            await settled.wait()
+            await writer.append_text(" y")
+
+        async def settle_c1() -> None:
+            await ran.wait()
+            hold.plan = _store.update_assistant
+            await writer.settle_tool("c1", "ok")
+            settled.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(append)
+            nursery.start_soon(settle_c1)
+            await hold.ran.wait()
+            release.set()
+        await writer.finish()
+
+    outcome, messages = await run_drain(store, drain)
+    assert outcome.kind == "succeeded", outcome
+    parts = messages[-1].data.parts
+    assert [p.text for p in parts if isinstance(p, TextPart)] == ["answer", " y y"]
