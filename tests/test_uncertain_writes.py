@@ -764,3 +764,39 @@ async def test_a_reply_arriving_after_a_read_back_does_not_take_the_writer_back(
     assert outcome.kind == "succeeded", outcome
     parts = messages[-1].data.parts
     assert [p.text for p in parts if isinstance(p, TextPart)] == ["answer", " y y"]
+
+
+async def test_two_tasks_beginning_after_an_unknown_begin_get_two_messages(
+    store: Any, autojump_clock: MockClock
+) -> None:
+    """`begin_assistant` is answered `OutcomeUnknown` after it landed; then two tasks each
+    begin a message at once (answers written in parallel). One gets the lost call's message,
+    the other a message of its own - not both the writer of the same message, their texts
+    mixed in one."""
+    ids: list[str] = []
+
+    async def drain(ctx: DrainContext, lost: LostReplies) -> None:
+        await ctx.take_inputs()
+        lost.lose(_store.begin_assistant, landed=True)
+        with pytest.raises(OutcomeUnknown):
+            await ctx.begin_assistant()
+
+        async def answer(text: str) -> None:
+            writer = await ctx.begin_assistant()
+            ids.append(writer.message_id)
+            await writer.append_text(text)
+            await writer.finish()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(answer, "one")
+            nursery.start_soon(answer, "two")
+
+    outcome, messages = await run_drain(store, drain)
+    assert outcome.kind == "succeeded", outcome
+    assert len(set(ids)) == 2, ids
+    texts = sorted(
+        "".join(p.text for p in m.data.parts if isinstance(p, TextPart))
+        for m in messages
+        if m.role == "assistant"
+    )
+    assert texts == ["one", "two"]
