@@ -18,11 +18,15 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import trio
 
 from ._model import Input, InterruptReason, Outcome
+
+# A user message as the read-back finds it: (input id, its data as stored).
+Item = tuple[str, Any]
 
 
 @attrs.define(eq=False)
@@ -91,11 +95,15 @@ class Takes:
         """The call sent at `sent_at` ended with its outcome unknown."""
         self.unsure_from = sent_at if self.unsure_from is None else min(self.unsure_from, sent_at)
 
-    def untold(self, mine: Sequence[Input], limit: int) -> list[Input]:
-        """Of this execution's user messages (seq order), at most `limit` that an unsure
-        call may have taken and no call gave; the read-back is over once none are left."""
-        assert self.unsure_from is not None
-        untold = [item for item in mine[self.unsure_from :] if item.id not in self.given_meanwhile]
+    def untold(self, offset: int, mine: Sequence[Item], limit: int) -> list[Item]:
+        """Of this execution's user messages from position `offset` on (seq order, read
+        when the read-back began: `unsure_from` then), at most `limit` that an unsure call
+        may have taken and no call gave; the read-back is over once none are left. None
+        when another call's read-back ended it meanwhile, or a call lost since reaches
+        further back (the next call reads from there)."""
+        if self.unsure_from is None or self.unsure_from < offset:
+            return []
+        untold = [item for item in mine if item[0] not in self.given_meanwhile]
         if len(untold) <= limit:
             self.unsure_from = None
         return untold[:limit]

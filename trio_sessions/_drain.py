@@ -122,11 +122,14 @@ class DrainContext:
         taken: list[Input] = []
         sent_at = takes.start()
         try:
-            if takes.unsure_from is not None:
+            if (offset := takes.unsure_from) is not None:
                 # A call's outcome is unknown: what it took, if it landed, is this drain's
                 # to see (user messages now, no longer inputs), once.
-                mine = await self._runtime._db.run(_store.inputs_taken_by, *claim)
-                taken = takes.untold(mine, limit)
+                mine = await self._runtime._db.run(_store.inputs_taken_by, *claim, offset)
+                taken = [
+                    Input(key, _codec.decode_object(data, table="session_message", key=key))
+                    for key, data in takes.untold(offset, mine, limit)
+                ]
             if not taken:
                 taken = await self._runtime._db.run(_store.take_inputs, *claim, limit)
         except OutcomeUnknown:
@@ -161,15 +164,17 @@ class DrainContext:
         """
         self._check_live()
         claim = (self.session_id, self.execution_id, self.owner_id)
-        if self._lost_message is not None:
+        lost, self._lost_message = self._lost_message, None  # one task reads it back
+        if lost is not None:
             # The last call's outcome is unknown: if it landed, its message is this one.
-            stored = await self._runtime._db.run(
-                _store.message_as_stored, *claim, self._lost_message
-            )
-            message_id, self._lost_message = self._lost_message, None
+            try:
+                stored = await self._runtime._db.run(_store.message_as_stored, *claim, lost)
+            except BaseException:
+                self._lost_message = self._lost_message or lost  # still to read back
+                raise
             if stored is not None:
                 data, version, seq = stored
-                return AssistantWriter(self, message_id, seq, data=data, version=version)
+                return AssistantWriter(self, lost, seq, data=data, version=version)
         message_id = _store.new_id()
         try:
             with self._runtime._streams.writing(self.session_id):
@@ -218,9 +223,11 @@ class AssistantWriter:
         self._data = data
         self._streamed: list[str] = []
         self._version = version  # as stored, so a retried append can tell whether it landed
-        # The call whose outcome is unknown, as (method, arguments): read back before the
-        # next call, which is its retry when equal.
-        self._uncertain: tuple[Any, ...] | None = None
+        # Calls, as (method, arguments), whose outcome is unknown (read back by the next
+        # call, of any task), and those the read-back found landed: each of these, called
+        # again, is a no-op once.
+        self._unsure: list[tuple[Any, ...]] = []
+        self._landed: list[tuple[Any, ...]] = []
         self._publish(version)
         self._offer(version, "message", data)
 
@@ -237,6 +244,8 @@ class AssistantWriter:
         data, version = await self._write(
             ("append_text", text), _store.append_assistant_text, text, self._version
         )
+        if version < self._version:
+            return  # a reply overtaken by a newer state (another task's, a read-back's)
         self._version = version
         if data is None:
             self._streamed.append(text)
@@ -309,6 +318,8 @@ class AssistantWriter:
         except (DuplicateSettlement, UnknownToolCall) as exc:
             context._defect = context._defect or exc
             raise
+        if version < self._version:
+            return  # a reply overtaken by a newer state (another task's, a read-back's)
         self._data, self._streamed = data, []
         self._version = version
         if step is None:
@@ -331,27 +342,30 @@ class AssistantWriter:
             with context._runtime._streams.writing(context.session_id):
                 return await context._runtime._db.run(operation, *self._claim, *args)
         except OutcomeUnknown:
-            self._uncertain = call
+            self._unsure.append(call)
             raise
 
     async def _landed_before(self, call: tuple[Any, ...]) -> bool:
-        """After a call whose outcome is unknown: read the message back (DESIGN §8
-        "Uncertain commits"), take it as stored, and say whether `call` - the same call
-        again - already landed then. False, with nothing read, otherwise."""
-        if self._uncertain is None:
-            return False
-        runtime = self._context._runtime
-        stored = await runtime._db.run(_store.message_as_stored, *self._claim)
-        lost, self._uncertain = self._uncertain, None
-        if stored is None:  # it was never ours to write: the write says so
-            return False
-        data, version, _ = stored
-        moved = version > self._version  # the lost call, or another task's write
-        if moved:
-            self._data, self._streamed, self._version = data, [], version
-            self._offer(version, "message", data)
-            self._publish(version)
-        return call == lost and _shows(data, lost, moved)
+        """After calls whose outcome is unknown: read the message back (DESIGN §8
+        "Uncertain commits"), take it as stored, and note which of them landed. Whether
+        `call` is one that landed (then it is done: a no-op). Nothing read otherwise."""
+        if self._unsure:
+            unsure = list(self._unsure)
+            runtime = self._context._runtime
+            stored = await runtime._db.run(_store.message_as_stored, *self._claim)
+            self._unsure = [c for c in self._unsure if c not in unsure]
+            if stored is not None:  # else it was never ours to write: the write says so
+                data, version, _ = stored
+                moved = version > self._version  # a lost call, or another task's write
+                if moved:
+                    self._data, self._streamed, self._version = data, [], version
+                    self._offer(version, "message", data)
+                    self._publish(version)
+                self._landed += [lost for lost in unsure if _shows(data, lost, moved)]
+        if call in self._landed:
+            self._landed.remove(call)
+            return True
+        return False
 
     def _offer(
         self, version: int, kind: Literal["message", "append", "part", "finish"], data: Any

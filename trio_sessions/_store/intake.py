@@ -116,21 +116,23 @@ def take_inputs(
     return taken
 
 
-def inputs_taken_by(tx: Tx, session_id: str, execution_id: str, owner_id: str) -> list[Input]:
-    """The inputs this claim took - its user messages, in seq order - under the claim
-    fence: among them, what a `take_inputs` whose outcome is unknown (`OutcomeUnknown`,
-    DESIGN §8 "Uncertain commits") took if it landed, for the drain never given them. Only
-    `take_inputs` writes user messages of an execution."""
+def inputs_taken_by(
+    tx: Tx, session_id: str, execution_id: str, owner_id: str, offset: int
+) -> list[tuple[str, Any]]:
+    """This claim's user messages - (input id, data as stored), in seq order - from
+    position `offset` on, under the claim fence: among them, what a `take_inputs` whose
+    outcome is unknown (`OutcomeUnknown`, DESIGN §8 "Uncertain commits") took if it
+    landed, for the drain never given them (the caller decodes those it gives: an earlier
+    message that does not decode never blocks the read-back). Only `take_inputs` writes
+    user messages of an execution."""
     _require_claim_session(tx, session_id, execution_id, owner_id)
     rows = tx.execute(
         "SELECT input_id, data FROM session_message"
-        " WHERE session_id = ? AND execution_id = ? AND role = 'user' ORDER BY seq",
-        (session_id, execution_id),
+        " WHERE session_id = ? AND execution_id = ? AND role = 'user'"
+        " ORDER BY seq LIMIT 9223372036854775807 OFFSET ?",
+        (session_id, execution_id, offset),
     ).fetchall()
-    return [
-        Input(key, _codec.decode_object(data, table="session_message", key=key))
-        for key, data in rows
-    ]
+    return [(str(key), data) for key, data in rows]
 
 
 # ---------------------------------------------------------------------------------------------
