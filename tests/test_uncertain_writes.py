@@ -815,3 +815,52 @@ async def test_two_tasks_beginning_after_an_unknown_begin_get_two_messages(
         if m.role == "assistant"
     )
     assert texts == ["one", "two"]
+
+
+@pytest.mark.parametrize("late", ["settle_tool", "append_text"])
+async def test_replies_of_two_tasks_out_of_order_never_lose_a_write(
+    store: Any, autojump_clock: MockClock, late: str
+) -> None:
+    """No reply lost at all: two tasks write one message at once and the first one's reply
+    comes back after the second's. The message as stored keeps both writes, and the finish
+    after them loses neither - the writer's own copy, overtaken, is not written back over
+    the stored message (on PostgreSQL a tool call or finish writes from that copy when it
+    is in step)."""
+    operation = {
+        "settle_tool": _store.update_assistant,
+        "append_text": _store.append_assistant_text,
+    }
+
+    async def drain(ctx: DrainContext, lost: LostReplies) -> None:
+        writer = await opened(ctx)
+        held = HeldReply(ctx._runtime)
+        held.plan = operation[late]
+
+        async def first() -> None:
+            if late == "settle_tool":
+                await writer.settle_tool("c1", "ok")
+            else:
+                await writer.append_text(" first")
+
+        async def second() -> None:
+            await held.ran.wait()
+            if late == "settle_tool":
+                await writer.append_text(" second")
+            else:
+                await writer.settle_tool("c1", "ok")
+            held.release.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(first)
+            nursery.start_soon(second)
+        await writer.append_text(" last")
+        await writer.finish()
+
+    outcome, messages = await run_drain(store, drain)
+    assert outcome.kind == "succeeded", outcome
+    parts = messages[-1].data.parts
+    texts = "".join(p.text for p in parts if isinstance(p, TextPart))
+    written = " second" if late == "settle_tool" else " first"
+    assert texts == f"answer{written} last", parts
+    tools = [(p.call_id, p.status, p.output) for p in parts if isinstance(p, ToolPart)]
+    assert tools == [("c1", "completed", "ok")]

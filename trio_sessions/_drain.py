@@ -228,6 +228,10 @@ class AssistantWriter:
         # again, is a no-op once.
         self._unsure: list[tuple[Any, ...]] = []
         self._landed: list[tuple[Any, ...]] = []
+        # Whether `_data` is the message as stored at `_version` (PostgreSQL's tool calls
+        # and finishes then write from it without reading); False after replies of tasks
+        # writing at once arrived out of order.
+        self._in_step = True
         self._publish(version)
         self._offer(version, "message", data)
 
@@ -244,8 +248,12 @@ class AssistantWriter:
         data, version = await self._write(
             ("append_text", text), _store.append_assistant_text, text, self._version
         )
+        if version != self._version + 1:
+            # Another task's write came between (replies out of order): what this writer
+            # holds may not be the message as stored; its next change reads it first.
+            self._in_step = False
         if version < self._version:
-            return  # a reply overtaken by a newer state (another task's, a read-back's)
+            return  # overtaken by a newer state, which local watchers already have
         self._version = version
         if data is None:
             self._streamed.append(text)
@@ -313,13 +321,20 @@ class AssistantWriter:
                 call,
                 _store.update_assistant,
                 transition,
-                _store.Known(self._data, tuple(self._streamed), self._version),
+                _store.Known(self._data, tuple(self._streamed), self._version)
+                if self._in_step
+                else None,
             )
         except (DuplicateSettlement, UnknownToolCall) as exc:
             context._defect = context._defect or exc
             raise
         if version < self._version:
-            return  # a reply overtaken by a newer state (another task's, a read-back's)
+            # Overtaken by a newer state (another task's reply, a read-back): that one may
+            # not hold this change; the next change reads the message first.
+            self._in_step = False
+            return
+        # Read from the store when not in step, or one past what this writer held.
+        self._in_step = True
         self._data, self._streamed = data, []
         self._version = version
         if step is None:
@@ -359,6 +374,7 @@ class AssistantWriter:
                 moved = version > self._version  # a lost call, or another task's write
                 if moved:
                     self._data, self._streamed, self._version = data, [], version
+                    self._in_step = True  # as just read
                     self._offer(version, "message", data)
                     self._publish(version)
                 self._landed += [lost for lost in unsure if _shows(data, lost, moved)]
