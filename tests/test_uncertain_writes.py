@@ -264,6 +264,16 @@ async def test_inputs_taken_by_reads_only_this_claims_user_messages(
     ]
 
 
+def assert_both_settled(outcome: Any, messages: list[Any]) -> None:
+    """The drain succeeded, tools c1 and c2 completed once each."""
+    assert outcome.kind == "succeeded", outcome
+    parts = messages[-1].data.parts
+    assert [(p.call_id, p.status, p.output) for p in parts if isinstance(p, ToolPart)] == [
+        ("c1", "completed", "ok"),
+        ("c2", "completed", "ok2"),
+    ]
+
+
 async def test_a_settlement_lost_while_another_task_settles_then_called_again_lands_once(
     store: Any, autojump_clock: MockClock
 ) -> None:
@@ -299,12 +309,7 @@ async def test_a_settlement_lost_while_another_task_settles_then_called_again_la
 
     outcome, messages = await run_drain(store, drain)
     assert len(errors) == 1
-    assert outcome.kind == "succeeded", outcome
-    parts = messages[-1].data.parts
-    assert [(p.call_id, p.status, p.output) for p in parts if isinstance(p, ToolPart)] == [
-        ("c1", "completed", "ok"),
-        ("c2", "completed", "ok2"),
-    ]
+    assert_both_settled(outcome, messages)
 
 
 async def test_take_inputs_lost_while_another_task_takes_returns_each_input_once(
@@ -603,12 +608,7 @@ async def test_a_settlement_lost_then_another_tasks_settlement_then_called_again
 
     outcome, messages = await run_drain(store, drain)
     assert len(errors) == 1
-    assert outcome.kind == "succeeded", outcome
-    parts = messages[-1].data.parts
-    assert [(p.call_id, p.status, p.output) for p in parts if isinstance(p, ToolPart)] == [
-        ("c1", "completed", "ok"),
-        ("c2", "completed", "ok2"),
-    ]
+    assert_both_settled(outcome, messages)
 
 
 class HeldReply:
