@@ -405,6 +405,7 @@ class BusyPeriods:
                 context._returned = True
             if context._defect is not None:
                 return _Ending("failed", error=context._defect)
+            await self._owe_unsure_inputs(entry)
             entry.begin_deciding()
             if runtime._seams.before_finish is not None:
                 await _test_seam(runtime, runtime._seams.before_finish, entry.session_id)
@@ -432,6 +433,20 @@ class BusyPeriods:
             # never awaits, woken again and again, must not starve the other tasks.
             if left:
                 await trio.lowlevel.cancel_shielded_checkpoint()
+
+    async def _owe_unsure_inputs(self, entry: SessionEntry) -> None:
+        """A drain returned while a `take_inputs` of its execution ended with its outcome
+        unknown and was not called again: what that call took, if it landed, no drain was
+        given. Ring once, so the busy period goes on (unless paused or stopping) and the
+        next iteration's `take_inputs` reads it back (DESIGN §8 "Uncertain commits"). A
+        ring that fails leaves those inputs as user messages, as the drain left them."""
+        takes = entry.takes
+        if takes.unsure_from is None or takes.rang:
+            return
+        takes.rang = True
+        with contextlib.suppress(StoreError):
+            await self._runtime._db.run(_store.wake, entry.session_id)
+            entry.ring()
 
     async def _finalize(self, entry: SessionEntry, ending: _Ending) -> tuple[Outcome, bool]:
         """The finalizer: act on how the claim ended. Cancellable (runtime closing): then

@@ -84,6 +84,7 @@ class Takes:
     given: int = 0
     running: int = 0
     unsure_from: int | None = None
+    rang: bool = False  # for the unsure window: the busy period goes on once for it
     given_meanwhile: frozenset[str] = frozenset()  # an empty one costs no memory per entry
 
     def start(self) -> int:
@@ -105,7 +106,7 @@ class Takes:
             return []
         untold = [item for item in mine if item[0] not in self.given_meanwhile]
         if len(untold) <= limit:
-            self.unsure_from = None
+            self.unsure_from, self.rang = None, False
         return untold[:limit]
 
     def gave(self, taken: Sequence[Input]) -> list[Input]:

@@ -110,8 +110,9 @@ class DrainContext:
         Raises `TypeError`/`ValueError` for a bad `limit`, `LeaseLost` (nothing taken) when
         the claim is gone or this context is stale, `StoreError`. A `StoreError` whose
         outcome is unknown (PostgreSQL: the COMMIT's reply lost and not read back) may have
-        taken inputs: the next calls in this busy period return those, if it did (each
-        input once, at most `limit` per call). Cancellation: nothing taken
+        taken inputs: the next calls return those, if it did (each input once, at most
+        `limit` per call; a drain that returns first is called once more for them).
+        Cancellation: nothing taken
         if the transaction had not started, else the inputs are taken (they are user
         messages now, found again by `transcript()`).
         """
