@@ -229,3 +229,28 @@ async def test_a_message_whose_seq_is_below_1_is_malformed(
 
         with pytest.raises(MalformedRecord, match="below 1"):
             await stream_from_the_start()
+
+
+@pytest.mark.parametrize("seq", ["'one'", "2.5"], ids=["text", "real"])
+async def test_a_drain_after_a_message_whose_seq_is_no_integer_fails_with_malformed_record(
+    tmp_path: Path, clock: Any, autojump_clock: MockClock, seq: str
+) -> None:
+    """SQLite keeps a seq another tool wrote as text or a REAL, and MAX(seq) returns it (text
+    sorts after every number). The next message's seq was `int()` of it: a bare
+    `ValueError` for text, and 2.5 silently became 2 (a seq that clashes or goes back).
+    Expected: the drain fails with `MalformedRecord` naming that message, its input kept."""
+    db_path, raw = _sqlite(tmp_path)
+    async with runtime(Store(db_path, inline=True), Recorder(), clock, **QUIET) as rt:
+        raw.write("INSERT INTO session(id, time_created) VALUES ('s', 0)")
+        raw.write(
+            "INSERT INTO session_message(id, session_id, role, seq, data, time_created,"
+            f" time_updated) VALUES ('odd', 's', 'user', {seq}, '{{}}', 0, 0)"
+        )
+        await rt.submit("s", {"text": "hi"}, input_id="i1")
+        await rt.wait_idle("s")
+        outcome = await rt.run("s")
+        pending = raw.rows("SELECT id FROM session_input")
+    assert outcome.kind == "failed"
+    assert isinstance(outcome.error, MalformedRecord), repr(outcome.error)
+    assert outcome.error.key == "odd"
+    assert pending == [("i1",)]

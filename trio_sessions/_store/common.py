@@ -203,8 +203,20 @@ def whole_number(tx: Tx, column: str) -> str:
 
 
 def _newest_seq(tx: Tx, session_id: str) -> int | None:
-    row = tx.one("SELECT MAX(seq) FROM session_message WHERE session_id = ?", (session_id,))
-    return None if row[0] is None else int(row[0])
+    """The session's newest message seq (None: no message), or `MalformedRecord` naming the
+    message when it is no integer (SQLite keeps the text or REAL another tool writes, and
+    its MAX puts text after every number): `int()` of it was a bare `ValueError`, or a REAL
+    cut down to a seq that may clash or go back."""
+    [(newest,)] = tx.execute(
+        "SELECT MAX(seq) FROM session_message WHERE session_id = ?", (session_id,)
+    ).fetchall()
+    if newest is None or type(newest) is int:
+        return newest
+    row = tx.one(
+        "SELECT id FROM session_message WHERE session_id = ? AND seq = ?", (session_id, newest)
+    )
+    key = "?" if row is None else str(row[0])
+    raise MalformedRecord("session_message", key, [f"seq {newest!r} is no whole number"])
 
 
 def _next_message_seq(tx: Tx, session_id: str, count: int = 1) -> int:
