@@ -99,7 +99,7 @@ class Takes:
     def untold(self, offset: int, mine: Sequence[Item], limit: int) -> list[Item]:
         """Of this execution's user messages from position `offset` on (seq order, read
         when the read-back began: `unsure_from` then), at most `limit` that an unsure call
-        may have taken and no call gave; the read-back is over once none are left. None
+        may have taken and no call gave; the read-back is over once none are left. Nothing
         when another call's read-back ended it meanwhile, or a call lost since reaches
         further back (the next call reads from there)."""
         if self.unsure_from is None or self.unsure_from < offset:
@@ -152,8 +152,8 @@ class SessionEntry:
     # When a wake reached this runtime and started the busy period (trio clock), until its
     # first drain call starts: the wake-to-start latency (telemetry only).
     woken_at: float | None = None
-    # What this execution's `take_inputs` calls gave (`_drain.Takes`): read back after a
-    # call whose outcome is unknown.
+    # What this execution's `take_inputs` calls gave (`Takes`): read back after a call
+    # whose outcome is unknown.
     takes: Takes = attrs.Factory(Takes)
 
     def ring(self) -> Execution:

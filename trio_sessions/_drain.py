@@ -82,6 +82,11 @@ class DrainContext:
         # The message of a `begin_assistant` whose outcome is unknown, read back next.
         self._lost_message: str | None = None
 
+    @property
+    def _claim(self) -> tuple[str, str, str]:
+        """The claim every write of this context names."""
+        return (self.session_id, self.execution_id, self.owner_id)
+
     def _check_live(self) -> None:
         self._runtime._check_run()
         if self._returned:
@@ -112,13 +117,12 @@ class DrainContext:
         outcome is unknown (PostgreSQL: the COMMIT's reply lost and not read back) may have
         taken inputs: the next calls return those, if it did (each input once, at most
         `limit` per call; a drain that returns first is called once more for them).
-        Cancellation: nothing taken
-        if the transaction had not started, else the inputs are taken (they are user
-        messages now, found again by `transcript()`).
+        Cancellation: nothing taken if the transaction had not started, else the inputs
+        are taken (they are user messages now, found again by `transcript()`).
         """
         limit = TAKE_INPUTS_CHUNK if limit is None else _validate.count(limit, "limit", 1)
         self._check_live()
-        claim, takes = (self.session_id, self.execution_id, self.owner_id), self._entry.takes
+        claim, takes = self._claim, self._entry.takes
         self._lost_message = None  # its read-back is for the very next call only
         taken: list[Input] = []
         sent_at = takes.start()
@@ -158,13 +162,12 @@ class DrainContext:
         Durable when it returns (one fenced transaction); local watchers see it at once.
         Raises `LeaseLost`, `StoreError`; after a `StoreError` whose outcome is unknown,
         the very next call of this context, if it is this one, returns the writer of the
-        message that call began, if it did. A
-        message left open when the drain ends, however it ends, is finished by the
-        runtime: `interrupted`, failed with the drain's error, or normally with its running
-        tools failed.
+        message that call began, if it did. A message left open when the drain ends,
+        however it ends, is finished by the runtime: `interrupted`, failed with the drain's
+        error, or normally with its running tools failed.
         """
         self._check_live()
-        claim = (self.session_id, self.execution_id, self.owner_id)
+        claim = self._claim
         lost, self._lost_message = self._lost_message, None  # one task reads it back
         if lost is not None:
             # The last call's outcome is unknown: if it landed, its message is this one.
@@ -244,7 +247,7 @@ class AssistantWriter:
         _codec.check_text(text, "text")
         context = self._context
         context._check_live()
-        if await self._landed_before(("append_text", text)):
+        if (self._unsure or self._landed) and await self._landed_before(("append_text", text)):
             return
         data, version = await self._write(
             ("append_text", text), _store.append_assistant_text, text, self._version
@@ -315,7 +318,7 @@ class AssistantWriter:
         when it was more (a finish that failed running tools)."""
         context = self._context
         context._check_live()
-        if await self._landed_before(call):
+        if (self._unsure or self._landed) and await self._landed_before(call):
             return
         try:
             data, version, step = await self._write(
@@ -347,8 +350,7 @@ class AssistantWriter:
     @property
     def _claim(self) -> tuple[str, str, str, str]:
         """The claim and message every write of this writer names."""
-        context = self._context
-        return (context.session_id, context.execution_id, context.owner_id, self.message_id)
+        return (*self._context._claim, self.message_id)
 
     async def _write(self, call: tuple[Any, ...], operation: Any, *args: Any) -> Any:
         """Run one write of `call`, remembering the call when its outcome is unknown (the
@@ -364,7 +366,8 @@ class AssistantWriter:
     async def _landed_before(self, call: tuple[Any, ...]) -> bool:
         """After calls whose outcome is unknown: read the message back (DESIGN §8
         "Uncertain commits"), take it as stored, and note which of them landed. Whether
-        `call` is one that landed (then it is done: a no-op). Nothing read otherwise."""
+        `call` is one that landed (then it is done: a no-op). Callers skip it while no
+        call is unsure or landed, so a plain write awaits nothing more."""
         if self._unsure:
             unsure = list(self._unsure)
             runtime = self._context._runtime
