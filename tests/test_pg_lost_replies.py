@@ -59,6 +59,14 @@ class UnreachableFor(Faults):
         return super().wrap(conn)
 
 
+def lossy_store(pg_url: str, pg_schema: str, faults: Faults) -> PostgresStore:
+    """An inline store on the test's schema, without LISTEN, whose connections go through
+    `faults`."""
+    return PostgresStore(
+        pg_url, schema=pg_schema, inline=True, listen=False, wrap_connection=faults.wrap
+    )
+
+
 @pytest.fixture
 def short_patience(monkeypatch: pytest.MonkeyPatch) -> float:
     monkeypatch.setattr(_postgres.engine, "RECONNECT_PATIENCE_S", 0.3)
@@ -85,9 +93,7 @@ async def test_uncertain_continue_of_an_iteration_never_strands_the_input_that_r
 
     with control_connection(pg_url, pg_schema) as control:
         faults = UnreachableFor(pg_url, pg_schema, control, for_s=0.5)
-        store = PostgresStore(
-            pg_url, schema=pg_schema, inline=True, listen=False, wrap_connection=faults.wrap
-        )
+        store = lossy_store(pg_url, pg_schema, faults)
         async with open_runtime(
             store, drain, clock=ts_testing.trio_clock(), lease=3.0, recovery_interval=0.5
         ) as runtime:
@@ -158,9 +164,7 @@ async def test_a_drain_write_retried_after_an_unknown_commit_lands_once(
 
     with control_connection(pg_url, pg_schema) as control:
         faults = Faults(pg_url, pg_schema, control)
-        store = PostgresStore(
-            pg_url, schema=pg_schema, inline=True, listen=False, wrap_connection=faults.wrap
-        )
+        store = lossy_store(pg_url, pg_schema, faults)
         async with open_runtime(store, drain, clock=ts_testing.trio_clock(), lease=30.0) as rt:
             await rt.submit("s", {"n": 1}, input_id="i1")
             outcome = await rt.run("s")
@@ -199,9 +203,7 @@ async def test_take_inputs_retried_after_an_unknown_commit_still_delivers_the_in
 
     with control_connection(pg_url, pg_schema) as control:
         faults = Faults(pg_url, pg_schema, control)
-        store = PostgresStore(
-            pg_url, schema=pg_schema, inline=True, listen=False, wrap_connection=faults.wrap
-        )
+        store = lossy_store(pg_url, pg_schema, faults)
         async with open_runtime(store, drain, clock=ts_testing.trio_clock(), lease=30.0) as rt:
             await rt.submit("s", {"n": 1}, input_id="i1")
             await rt.wait_idle("s")
@@ -261,9 +263,7 @@ async def test_an_input_cancelled_while_its_submit_reply_is_lost_is_never_taken(
 
     with control_connection(pg_url, pg_schema) as control:
         faults = ThenElsewhere(pg_url, pg_schema, control)
-        store = PostgresStore(
-            pg_url, schema=pg_schema, inline=True, listen=False, wrap_connection=faults.wrap
-        )
+        store = lossy_store(pg_url, pg_schema, faults)
         async with open_runtime(store, drain, clock=ts_testing.trio_clock(), lease=30.0) as rt:
             faults.elsewhere = cancel_elsewhere
             # The submit is one call in autocommit (the input and the claim it takes).

@@ -23,6 +23,19 @@ def _sqlite(tmp_path: Path) -> tuple[Path, Raw]:
     return db_path, Raw(db_path)
 
 
+async def first_of(feed: Any) -> Any:
+    """The first thing a stream or watcher (an async context manager) gives within 60 s of
+    virtual time: an item, the `MalformedRecord` it raises, or None."""
+    with trio.move_on_after(60):
+        async with feed as items:
+            try:
+                async for item in items:
+                    return item
+            except MalformedRecord as exc:
+                return exc
+    return None
+
+
 async def test_doorbells_whose_wake_attempts_is_not_a_number_never_starve_the_doorbell_behind_them(
     tmp_path: Path, clock: Any, autojump_clock: MockClock
 ) -> None:
@@ -90,15 +103,7 @@ async def test_stream_from_the_start_agrees_with_transcript_on_a_message_whose_s
             messages = await rt.transcript("s")
         except MalformedRecord:
             messages = None
-        first: Any = None
-        with trio.move_on_after(60):
-            async with rt.stream("s") as events:
-                try:
-                    async for event in events:
-                        first = event
-                        break
-                except MalformedRecord as exc:
-                    first = exc
+        first = await first_of(rt.stream("s"))
     if messages is None:
         assert isinstance(first, MalformedRecord)
     else:
@@ -125,15 +130,7 @@ async def test_watch_raises_malformed_record_for_a_message_whose_seq_is_text(
         )
         with pytest.raises(MalformedRecord):
             await rt.transcript("s")
-        outcome: Any = "nothing within 60 s"
-        with trio.move_on_after(60):
-            async with rt.watch("s") as watcher:
-                try:
-                    async for snapshot in watcher:
-                        outcome = snapshot
-                        break
-                except MalformedRecord as exc:
-                    outcome = exc
+        outcome = await first_of(rt.watch("s"))
     assert isinstance(outcome, MalformedRecord), outcome
 
 
