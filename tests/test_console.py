@@ -879,23 +879,8 @@ async def test_a_deleted_transcript_is_dropped_from_the_page_when_the_stream_set
 
     stream = EventStream("s", Position(3, tag), read)
     shown = Shown({1: "m1", 2: "m2", 3: "m3"}, [])
-    console = Console(_Runtime(stream, shown), "", Guard(None, False))  # type: ignore[arg-type]
-    cursor = encode_cursor(session_tag("s"), Position(3, tag))
-    sent: list[bytes] = []
-
-    async def send(message: Any) -> None:
-        sent.append(message.get("body", b""))
-
-    async def receive() -> Any:
-        await trio.sleep_forever()  # the page stays
-
-    async with trio.open_nursery() as nursery:
-        query = {"cursor": cursor, "from": "1"}
-        nursery.start_soon(console.events, "s", query, None, receive, send)
-        await trio.testing.wait_all_tasks_blocked()
-        nursery.cancel_scope.cancel()
+    text = await _sent_to_page(stream, shown, Position(3, tag), shown_from=1)
     assert reads == 2 and not stream.dirty  # the stream has nothing more to send
-    text = b"".join(sent).decode()
     assert '"drop_after": 0' in text, f"the page was sent {text!r}"
 
 
@@ -915,22 +900,9 @@ async def test_a_drop_held_back_over_several_reads_is_sent_when_a_read_brings_no
 
     stream = EventStream("s", Position(3, tag), read)
     shown = Shown({1: "m1", 2: "m2", 3: "m3"}, [])
-    console = Console(_Runtime(stream, shown), "", Guard(None, False))  # type: ignore[arg-type]
-    sent: list[bytes] = []
-
-    async def send(message: Any) -> None:
-        sent.append(message.get("body", b""))
-
-    async def receive() -> Any:
-        await trio.sleep_forever()
-
-    async with trio.open_nursery() as nursery:
-        query = {"cursor": encode_cursor(session_tag("s"), Position(3, tag)), "from": "1"}
-        nursery.start_soon(console.events, "s", query, None, receive, send)
-        await trio.testing.wait_all_tasks_blocked()
-        nursery.cancel_scope.cancel()
+    text = await _sent_to_page(stream, shown, Position(3, tag), shown_from=1)
     assert reads == 2
-    assert b"".join(sent).decode().count('"drop_after": 0') == 1
+    assert text.count('"drop_after": 0') == 1
 
 
 def _user(seq: int) -> Whole:
@@ -955,7 +927,14 @@ async def _page_text(
     async def read(job: Any, session_id: str, at: Position) -> StreamChanges:
         return next(answers, StreamChanges([]))
 
-    stream = EventStream("s", position, read)
+    return await _sent_to_page(EventStream("s", position, read), shown, position, shown_from)
+
+
+async def _sent_to_page(
+    stream: EventStream, shown: Shown, position: Position, shown_from: int
+) -> str:
+    """What `Console.events` sends a page that shows messages from `shown_from` on and holds
+    `position` (`stream` behind it, `shown` as the console's read) until nothing moves."""
     console = Console(_Runtime(stream, shown), "", Guard(None, False))  # type: ignore[arg-type]
     sent: list[bytes] = []
 
