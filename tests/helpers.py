@@ -178,6 +178,22 @@ class Raw:
             (session_id,),
         )
 
+    def seed_user_message(
+        self, session_id: str, message_id: str, seq: Any, data: str = '{"text": "hi"}'
+    ) -> None:
+        """A user message another tool wrote by hand (its session row too, if absent): any
+        `seq` a column may keep - an int out of the store's range, or on SQLite text or a
+        REAL."""
+        self.write(
+            "INSERT INTO session(id, time_created) VALUES (?, 0) ON CONFLICT(id) DO NOTHING",
+            (session_id,),
+        )
+        self.write(
+            "INSERT INTO session_message(id, session_id, role, seq, data, time_created,"
+            " time_updated) VALUES (?, ?, 'user', ?, ?, 0, 0)",
+            (message_id, session_id, seq, data),
+        )
+
     def seed_claim(
         self,
         session_id: str,

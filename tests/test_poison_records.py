@@ -92,13 +92,8 @@ async def test_stream_from_the_start_agrees_with_transcript_on_a_message_whose_s
     stream starts with the same message `transcript()` does - or both refuse the row."""
     raw = Raw(db_path)
     async with runtime(store, Recorder(), clock, **QUIET) as rt:
-        raw.write("INSERT INTO session(id, time_created) VALUES ('s', 0)")
         for message_id, message_seq in (("early", seq), ("later", 1)):
-            raw.write(
-                "INSERT INTO session_message(id, session_id, role, seq, data, time_created,"
-                " time_updated) VALUES (?, 's', 'user', ?, '{\"text\": \"hi\"}', 0, 0)",
-                (message_id, message_seq),
-            )
+            raw.seed_user_message("s", message_id, message_seq)
         try:
             messages = await rt.transcript("s")
         except MalformedRecord:
@@ -123,11 +118,7 @@ async def test_watch_raises_malformed_record_for_a_message_whose_seq_is_text(
     forever, so a follower never learns the transcript is damaged."""
     db_path, raw = _sqlite(tmp_path)
     async with runtime(Store(db_path, inline=True), Recorder(), clock, **QUIET) as rt:
-        raw.write("INSERT INTO session(id, time_created) VALUES ('s', 0)")
-        raw.write(
-            "INSERT INTO session_message(id, session_id, role, seq, data, time_created,"
-            " time_updated) VALUES ('m', 's', 'user', 'one', '{}', 0, 0)"
-        )
+        raw.seed_user_message("s", "m", "one", "{}")
         with pytest.raises(MalformedRecord):
             await rt.transcript("s")
         outcome = await first_of(rt.watch("s"))
@@ -144,12 +135,7 @@ async def test_a_drain_after_a_message_at_the_largest_seq_fails_alike_on_both_ba
     with a bare `OverflowError` ("Python int too large to convert to SQLite INTEGER")."""
     raw = Raw(db_path)
     async with runtime(store, Recorder(), clock, **QUIET) as rt:
-        raw.write("INSERT INTO session(id, time_created) VALUES ('s', 0)")
-        raw.write(
-            "INSERT INTO session_message(id, session_id, role, seq, data, time_created,"
-            " time_updated) VALUES ('m', 's', 'user', ?, '{}', 0, 0)",
-            (2**63 - 1,),
-        )
+        raw.seed_user_message("s", "m", 2**63 - 1, "{}")
         await rt.submit("s", {"text": "hi"})
         await rt.wait_idle("s")
         outcome = await rt.run("s")
@@ -209,12 +195,7 @@ async def test_a_message_whose_seq_is_below_1_is_malformed(
     drop again."""
     raw = Raw(db_path)
     async with runtime(store, Recorder(), clock, **QUIET) as rt:
-        raw.write("INSERT INTO session(id, time_created) VALUES ('s', 0)")
-        raw.write(
-            "INSERT INTO session_message(id, session_id, role, seq, data, time_created,"
-            " time_updated) VALUES ('early', 's', 'user', ?, '{\"text\": \"hi\"}', 0, 0)",
-            (seq,),
-        )
+        raw.seed_user_message("s", "early", seq)
         with pytest.raises(MalformedRecord, match="below 1") as raised:
             await rt.transcript("s")
         assert raised.value.key == "early"
@@ -228,9 +209,9 @@ async def test_a_message_whose_seq_is_below_1_is_malformed(
             await stream_from_the_start()
 
 
-@pytest.mark.parametrize("seq", ["'one'", "2.5"], ids=["text", "real"])
+@pytest.mark.parametrize("seq", ["one", 2.5], ids=["text", "real"])
 async def test_a_drain_after_a_message_whose_seq_is_no_integer_fails_with_malformed_record(
-    tmp_path: Path, clock: Any, autojump_clock: MockClock, seq: str
+    tmp_path: Path, clock: Any, autojump_clock: MockClock, seq: str | float
 ) -> None:
     """SQLite keeps a seq another tool wrote as text or a REAL, and MAX(seq) returns it (text
     sorts after every number). The next message's seq was `int()` of it: a bare
@@ -238,11 +219,7 @@ async def test_a_drain_after_a_message_whose_seq_is_no_integer_fails_with_malfor
     Expected: the drain fails with `MalformedRecord` naming that message, its input kept."""
     db_path, raw = _sqlite(tmp_path)
     async with runtime(Store(db_path, inline=True), Recorder(), clock, **QUIET) as rt:
-        raw.write("INSERT INTO session(id, time_created) VALUES ('s', 0)")
-        raw.write(
-            "INSERT INTO session_message(id, session_id, role, seq, data, time_created,"
-            f" time_updated) VALUES ('odd', 's', 'user', {seq}, '{{}}', 0, 0)"
-        )
+        raw.seed_user_message("s", "odd", seq, "{}")
         await rt.submit("s", {"text": "hi"}, input_id="i1")
         await rt.wait_idle("s")
         outcome = await rt.run("s")

@@ -759,12 +759,7 @@ async def test_a_cursor_naming_a_message_at_a_19_digit_seq_resumes(
 
     raw = Raw(db_path)
     async with runtime(store, Recorder(), clock, recovery_interval=10_000.0) as rt:
-        raw.write("INSERT INTO session(id, time_created) VALUES ('s', 0)")
-        raw.write(
-            "INSERT INTO session_message(id, session_id, role, seq, data, time_created,"
-            " time_updated) VALUES ('far', 's', 'user', ?, '{\"text\": \"hi\"}', 0, 0)",
-            (seq,),
-        )
+        raw.seed_user_message("s", "far", seq)
         first = await caught_up(rt)
         assert [event.seq for event in first] == [seq]
         assert await caught_up(rt, cursor=first[-1].cursor) == []
