@@ -394,6 +394,22 @@ async def test_a_cancelled_input_is_never_taken(
             await producer.cancel_input(5)  # type: ignore[arg-type]
 
 
+async def test_a_cancelled_inputs_id_is_forgotten_and_a_new_submit_with_it_is_taken(
+    store: Store, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """`cancel_input`'s documented promise: the id is forgotten, so a later `submit` with it
+    (the same payload: a user sending the message again) stores a new input, which a drain
+    takes - the trace a cancel leaves on PostgreSQL answers only a lost call's retry."""
+    drain = Recorder()
+    async with runtime(store, None, clock) as producer:
+        await producer.submit("s", {"n": 1}, input_id="again")
+        assert await producer.cancel_input("again") is True
+        assert await producer.submit("s", {"n": 1}, input_id="again") == "again"
+    async with runtime(store, drain, clock) as worker:
+        await worker.wait_idle("s")
+    assert drain.taken == ["again"]
+
+
 # --- §6.24 pause / resume ---------------------------------------------------------------------
 
 
@@ -1049,8 +1065,10 @@ async def test_upgrade_of_a_version_2_postgres_schema_keeps_pending_inputs_due(
     # recovery's takeover alone in autocommit; 13: an acquire never waits for a busy session;
     # 14: an iteration's end alone in autocommit, its release read back by execution id
     # 15: a batch's submits in one call, many streams' reads set-wise;
-    # 16: a session's lock key of 64 bits; 17: seeded with its schema
-    assert _postgres.SCHEMA_VERSION == 18
+    # 16: a session's lock key of 64 bits; 17: seeded with its schema;
+    # 18: an interrupting submit and a delete name the claim they stop;
+    # 19: a cancelled input's trace for a lost submit's retry
+    assert _postgres.SCHEMA_VERSION == 19
     assert drain.taken == ["old"]
     assert raw.rows("SELECT time_paused FROM session") == [(None,)]
 

@@ -9,10 +9,9 @@ follows: the runtime's own reaction leaves a state recovery can finish, a drain'
 its write lands once (as on SQLite), and a read-back after a lost reply answers for the
 lost call even when another process acted in between.
 
-The strict xfail is a defect a review found and left open (the closing note says why): a
-cancelled input leaves no trace for a lost submit's retry to find. It turns into a failure
-when fixed, to be unmarked then. A drain's own call after `OutcomeUnknown` reads back what
-the lost call did (`_drain`); `test_uncertain_writes` runs every such case on SQLite.
+A lost submit's retry finds its input cancelled in between by the trace a cancel leaves
+(`ts_cancel_input`). A drain's own call after `OutcomeUnknown` reads back what the lost
+call did (`_drain`); `test_uncertain_writes` runs every such case on SQLite.
 """
 
 from __future__ import annotations
@@ -234,11 +233,6 @@ class ThenElsewhere(Faults):
             raise
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open defect: a cancelled input leaves no trace, so a lost submit's retry that"
-    " ts_known_input cannot find stores it again",
-)
 async def test_an_input_cancelled_while_its_submit_reply_is_lost_is_never_taken(
     pg_url: str, pg_schema: str, autojump_clock: MockClock
 ) -> None:
@@ -274,3 +268,25 @@ async def test_an_input_cancelled_while_its_submit_reply_is_lost_is_never_taken(
             pending = control.execute("SELECT id FROM session_input").fetchall()
     assert cancelled == [True]  # the other process was told the input is gone
     assert taken == [] and pending == [], (taken, pending)
+
+
+async def test_a_cancels_trace_lasts_ten_minutes_of_the_lease_clock(
+    pg_url: str, pg_schema: str, autojump_clock: MockClock
+) -> None:
+    """The trace `ts_cancel_input` leaves serves a retry within the engine's patience
+    (seconds): the next cancel ten minutes later removes it, so cancels leave no growing
+    table."""
+    store = PostgresStore(pg_url, schema=pg_schema, inline=True, listen=False)
+    with control_connection(pg_url, pg_schema) as control:
+        async with open_runtime(store, None, clock=ts_testing.trio_clock()) as rt:
+            for input_id in ("i1", "i2", "i3"):
+                await rt.submit("s", {"n": 1}, input_id=input_id, delay=3600.0)
+            assert await rt.cancel_input("i1") is True
+            await trio.sleep(300)
+            assert await rt.cancel_input("i2") is True
+            await trio.sleep(301)
+            assert await rt.cancel_input("i3") is True
+            traces = control.execute(
+                "SELECT id FROM session_input_cancelled ORDER BY id"
+            ).fetchall()
+    assert traces == [("i2",), ("i3",)]

@@ -221,8 +221,10 @@ async def test_upgrade_of_a_version_1_schema_adds_streaming(pg_url: str, pg_sche
     # recovery's takeover alone in autocommit; 13: an acquire never waits for a busy session;
     # 14: an iteration's end alone in autocommit, its release read back by execution id
     # 15: a batch's submits in one call, many streams' reads set-wise;
-    # 16: a session's lock key of 64 bits; 17: seeded with its schema
-    assert SCHEMA_VERSION == 18
+    # 16: a session's lock key of 64 bits; 17: seeded with its schema;
+    # 18: an interrupting submit and a delete name the claim they stop;
+    # 19: a cancelled input's trace for a lost submit's retry
+    assert SCHEMA_VERSION == 19
     await check_pre_streaming_upgrade(location, PostgresStore(pg_url, schema=pg_schema))
 
 

@@ -173,7 +173,7 @@ SQLITE_OUR_TABLES = frozenset(
 # ---------------------------------------------------------------------------------------------
 # PostgreSQL
 
-POSTGRES_SCHEMA_VERSION = 18
+POSTGRES_SCHEMA_VERSION = 19
 
 # Same names, meanings and named CHECKs as the SQLite schema (`SQLITE_MIGRATIONS`, whose
 # versions 1-3 are PostgreSQL's first: no PostgreSQL store predates them); times
@@ -369,6 +369,22 @@ DROP FUNCTION IF EXISTS ts_update_message(text, text, text, text, bigint, text, 
     # (`ts_delete_session`, a new return type: `_create_functions` drops the old one), so
     # the caller stops that claim's drain and no other.
     18: "",
+    # A cancelled input leaves a trace for a few minutes (`ts_cancel_input`), PostgreSQL's
+    # alone: a submit whose reply was lost, called again (`p_retry`), finds that its lost
+    # call landed although the input was cancelled in between (`ts_known_input` gains
+    # `p_retry`: a new argument list is a new function, the old one goes). SQLite's calls run
+    # in process and lose no reply.
+    19: """
+CREATE TABLE session_input_cancelled(
+    id TEXT PRIMARY KEY,
+    session_id TEXT NOT NULL REFERENCES session(id) ON DELETE CASCADE,
+    payload TEXT NOT NULL,
+    time_cancelled BIGINT NOT NULL
+);
+CREATE INDEX session_input_cancelled_time ON session_input_cancelled(time_cancelled);
+CREATE INDEX session_input_cancelled_session ON session_input_cancelled(session_id);
+DROP FUNCTION IF EXISTS ts_known_input(text, text, text);
+""",
 }
 
 
@@ -425,4 +441,5 @@ POSTGRES_BACKFILLS: dict[int, Callable[[Any], None]] = {
     16: _create_functions,
     17: _create_functions,
     18: _create_functions,
+    19: _create_functions,
 }

@@ -540,7 +540,7 @@ DECLARE
     v_now bigint; v_held boolean;
 BEGIN
     v_now := ts_lock_now(p_session, p_now);
-    input_verdict := ts_known_input(p_session, p_input, p_payload);
+    input_verdict := ts_known_input(p_session, p_input, p_payload, p_retry);
     IF input_verdict IN ('other_session', 'other_payload') THEN
         RETURN;
     END IF;

@@ -501,7 +501,7 @@ DECLARE
     v_now bigint; v_known text; v_phase text; v_claim text; v_seq bigint;
 BEGIN
     v_now := ts_lock_now(p_session, p_now);
-    v_known := ts_known_input(p_session, p_input, p_payload);
+    v_known := ts_known_input(p_session, p_input, p_payload, p_retry);
     SELECT e.phase, e.id INTO v_phase, v_claim FROM session_execution e
         WHERE e.session_id = p_session;
     IF v_known IS NOT NULL THEN
@@ -530,24 +530,32 @@ BEGIN
 END $$;
 
 -- cancel_input: withdraw a pending input (due or scheduled) under its session's lock;
--- whether it was deleted here (not when taken meanwhile, set aside, or unknown).
+-- whether it was deleted here (not when taken meanwhile, set aside, or unknown). It leaves
+-- a trace for ts_known_input: a submit of it whose reply was lost, called again, answers
+-- for its lost call (landed) instead of storing the input again. A retry happens within
+-- the engine's patience (seconds), so traces older than ten minutes go.
 CREATE OR REPLACE FUNCTION ts_cancel_input(p_input text, p_now bigint, p_retry boolean)
 RETURNS boolean
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
-    v_session text;
+    v_session text; v_payload text; v_now bigint;
 BEGIN
     SELECT i.session_id INTO v_session FROM session_input i WHERE i.id = p_input;
     IF NOT FOUND THEN
         RETURN false;
     END IF;
-    PERFORM ts_lock(v_session);
+    v_now := ts_lock_now(v_session, p_now);
     -- Under the lock: a drain may have taken it since the lookup.
-    DELETE FROM session_input WHERE id = p_input;
+    DELETE FROM session_input WHERE id = p_input RETURNING payload INTO v_payload;
     IF NOT FOUND THEN
         RETURN false;
     END IF;
     PERFORM ts_signal(v_session);
+    DELETE FROM session_input_cancelled WHERE time_cancelled < v_now - 600000;
+    INSERT INTO session_input_cancelled(id, session_id, payload, time_cancelled)
+        VALUES (p_input, v_session, v_payload, v_now)
+        ON CONFLICT (id) DO UPDATE SET session_id = excluded.session_id,
+            payload = excluded.payload, time_cancelled = excluded.time_cancelled;
     RETURN true;
 END $$;
 

@@ -134,8 +134,11 @@ def _ensure_session(tx: Tx, session_id: str) -> None:
 PG_FUNCTIONS = r"""
 -- Under the session lock: is the input id stored (pending, taken or set aside)? NULL: no;
 -- known (same session, same payload text); other_session; other_payload (the caller
--- compares the payloads as JSON values).
-CREATE OR REPLACE FUNCTION ts_known_input(p_session text, p_input text, p_payload text)
+-- compares the payloads as JSON values). A call again after a lost reply (p_retry) also
+-- finds its lost call's input cancelled since (`ts_cancel_input`'s trace): known. A
+-- first call never does - a cancelled id is forgotten, and a submit with it stores anew.
+CREATE OR REPLACE FUNCTION ts_known_input(p_session text, p_input text, p_payload text,
+    p_retry boolean)
 RETURNS text
 LANGUAGE plpgsql STABLE AS $$
 DECLARE
@@ -148,7 +151,9 @@ BEGIN
             WHERE r.id = p_input
         LIMIT 1) k;
     IF NOT FOUND THEN
-        RETURN NULL;
+        RETURN CASE WHEN p_retry AND EXISTS (SELECT 1 FROM session_input_cancelled c
+            WHERE c.id = p_input AND c.session_id = p_session AND c.payload = p_payload)
+            THEN 'known' END;
     END IF;
     RETURN CASE WHEN v_session <> p_session THEN 'other_session'
                 WHEN v_payload = p_payload THEN 'known' ELSE 'other_payload' END;
@@ -186,7 +191,7 @@ DECLARE
     v_now bigint; v_known text;
 BEGIN
     v_now := ts_lock_now(p_session, p_now);
-    v_known := ts_known_input(p_session, p_input, p_payload);
+    v_known := ts_known_input(p_session, p_input, p_payload, p_retry);
     IF v_known IS NOT NULL THEN
         RETURN v_known;
     END IF;
