@@ -228,9 +228,10 @@ class AssistantWriter:
         self._streamed: list[str] = []
         self._version = version  # as stored, so a retried append can tell whether it landed
         # Calls, as (method, arguments), whose outcome is unknown (read back by the next
-        # call, of any task), and those the read-back found landed: each of these, called
-        # again, is a no-op once.
-        self._unsure: list[tuple[Any, ...]] = []
+        # call, of any task) - each with the message's text as this writer held it then,
+        # for an append (`_shows`) - and those the read-back found landed: each of these,
+        # called again, is a no-op once.
+        self._unsure: list[tuple[tuple[Any, ...], str | None]] = []
         self._landed: list[tuple[Any, ...]] = []
         # Whether `_data` is the message as stored at `_version` (PostgreSQL's tool calls
         # and finishes then write from it without reading); False after replies of tasks
@@ -360,7 +361,10 @@ class AssistantWriter:
             with context._runtime._streams.writing(context.session_id):
                 return await context._runtime._db.run(operation, *self._claim, *args)
         except OutcomeUnknown:
-            self._unsure.append(call)
+            text_before = None
+            if call[0] == "append_text":
+                text_before = _transcript.text_of(self._data) + "".join(self._streamed)
+            self._unsure.append((call, text_before))
             raise
 
     async def _landed_before(self, call: tuple[Any, ...]) -> bool:
@@ -381,7 +385,9 @@ class AssistantWriter:
                     self._in_step = True  # as just read
                     self._offer(version, "message", data)
                     self._publish(version)
-                self._landed += [lost for lost in unsure if _shows(data, lost, moved)]
+                self._landed += [
+                    lost for lost, text_before in unsure if _shows(data, lost, moved, text_before)
+                ]
         if call in self._landed:
             self._landed.remove(call)
             return True
@@ -428,13 +434,19 @@ class AssistantWriter:
         )
 
 
-def _shows(data: AssistantData, call: tuple[Any, ...], moved: bool) -> bool:
-    """Whether the stored message shows the writer's `call` landed. A tool call or a finish
-    is told by its effect, which no other call of the message makes - whatever other tasks
-    wrote meanwhile (tools settled in parallel); an append only by the version having
-    moved, so appends from several tasks at once are beyond this read-back."""
+def _shows(
+    data: AssistantData, call: tuple[Any, ...], moved: bool, text_before: str | None
+) -> bool:
+    """Whether the stored message shows the writer's `call` landed. Each is told by its
+    effect, which no other call of the message makes - whatever other tasks wrote
+    meanwhile (tools settled in parallel): a tool call or a finish by its part, an append by
+    the text (`text_before` it, or with it). Only appends from several tasks at once make
+    a text that is neither; the version having moved then decides, as best it can."""
     kind, *args = call
     if kind == "append_text":
+        stored, with_it = _transcript.text_of(data), f"{text_before}{args[0]}"
+        if text_before is not None and stored in (text_before, with_it):
+            return stored == with_it
         return moved
     if kind == "finish":
         return data.finished

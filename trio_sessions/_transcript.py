@@ -48,6 +48,11 @@ def with_streamed(data: AssistantData, texts: Sequence[str]) -> AssistantData:
     return _extend_text(data, "".join(texts)) if texts else data
 
 
+def text_of(data: AssistantData) -> str:
+    """The message's text parts, joined: what appends change and nothing else does."""
+    return "".join(part.text for part in data.parts if isinstance(part, TextPart))
+
+
 def _extend_text(data: AssistantData, text: str) -> AssistantData:
     parts = data.parts
     if parts and isinstance(parts[-1], TextPart):
