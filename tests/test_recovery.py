@@ -392,6 +392,28 @@ async def test_a_claim_whose_session_row_is_gone_is_quarantined_not_resumed(
     assert "its session 'orphan' has no row" in reason
 
 
+async def test_a_hand_back_mark_other_than_1_never_fails_the_pass(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """§6.11: a crashed claim whose `handed_back` another tool set to 2 resumes uncounted,
+    as the row-by-row path and PostgreSQL read any mark but 0, and the claim beside it
+    resumes. SQLite's set-wise count subtracted the mark itself (0 + 1 - 2): the CHECK
+    `wake_attempts >= 0` failed the whole pass - every pass, and every open_runtime on the
+    file - outside any row's savepoint."""
+    raw = Raw(db_path)
+    drain = Recorder()
+    async with runtime(store, drain, clock, **QUIET) as rt:
+        raw.seed_claim("marked", "marked-exec", expires_at=expired(clock, 10))
+        raw.write("UPDATE session_execution SET handed_back = 2")
+        raw.seed_claim("good", "good-exec", expires_at=expired(clock))
+        report = await rt.recover_once()
+        await rt.wait_idle("marked")
+        await rt.wait_idle("good")
+    assert report == RecoveryReport(examined=2, resumed=2)
+    assert sorted(call.session_id for call in drain.calls) == ["good", "marked"]
+    assert [call.attempt for call in sorted(drain.calls, key=lambda c: c.session_id)] == [1, 0]
+
+
 async def test_quarantine_fence_lost_touches_nothing(
     store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
 ) -> None:

@@ -123,7 +123,7 @@ _TAKE_OVER_PLAIN = (
     " AND NOT "
     + _superseded(session=":session", execution=":execution", anchor="session_execution.anchor_seq")
     + " AND EXISTS (SELECT 1 FROM session s WHERE s.id = :session AND s.time_paused IS NULL"
-    "   AND (session_execution.handed_back = 1 OR s.wake_attempts < :max_resumes))"
+    "   AND (session_execution.handed_back != 0 OR s.wake_attempts < :max_resumes))"
     " AND EXISTS (SELECT 1 FROM session_recovery r WHERE r.execution_id = :execution"
     "   AND r.owner_id = :me AND r.expires_at > :now AND r.recovery_error IS NULL)"
 )
@@ -182,7 +182,11 @@ def _count_plain_resumes(tx: Tx, session_ids: Sequence[str]) -> dict[str, int]:
     """After `_take_over_plain`: take each session's doorbell and count a resume unless
     its claim was handed back by a graceful shutdown, then clear that mark. Returns each
     session's resume count now."""
-    handed_back = "(SELECT e.handed_back FROM session_execution e WHERE e.session_id = session.id)"
+    # Any mark but 0 is a hand-back (as the row path's `bool` and PostgreSQL read it): one
+    # another tool set to 2 must not count -1 (the CHECK would fail the whole pass).
+    handed_back = (
+        "(SELECT e.handed_back != 0 FROM session_execution e WHERE e.session_id = session.id)"
+    )
     attempts: dict[str, int] = {}
     uncounted: list[str] = []
     for chunk in _chunks(session_ids):
