@@ -392,6 +392,30 @@ async def test_a_claim_whose_session_row_is_gone_is_quarantined_not_resumed(
     assert "its session 'orphan' has no row" in reason
 
 
+async def test_a_nul_in_a_malformed_message_is_quarantined_readably_and_dropped(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """§6.11: a crashed claim whose open message has an extra key holding a NUL character
+    (the JSON escape \\u0000, plain text that PostgreSQL's TEXT holds; another tool's
+    write) is quarantined with the NUL escaped in its reason, the valid claim beside it
+    resumes, and the drop sets the message aside. The reason quoted the key raw: on
+    PostgreSQL the driver refused the quarantine write, failing the whole pass - every
+    pass, and every open_runtime on the store - and the drop's set-aside reason alike."""
+    raw = Raw(db_path)
+    drain = Recorder()
+    async with runtime(store, drain, clock, **QUIET) as rt:
+        raw.seed_claim("bad", "bad-exec", expires_at=expired(clock, 10))
+        raw.seed_assistant(
+            "bad", "bad-exec", 1, r'{"parts": [], "finished": false, "error": null, "\u0000": 1}'
+        )
+        reason = await quarantined_beside_a_resumed_claim(rt, raw, clock, drain)
+        assert "extra fields found (\\x00)" in reason, reason
+        await rt.release_quarantine("bad-exec", resume=False)
+        assert await rt.transcript("bad") == []
+    [(why,)] = raw.rows("SELECT reason FROM session_message_rejected")
+    assert "\\x00" in why and "\x00" not in why
+
+
 async def test_a_hand_back_mark_other_than_1_never_fails_the_pass(
     store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
 ) -> None:

@@ -75,5 +75,15 @@ class MalformedRecord(TrioSessionsError):
     def __init__(self, table: str, key: str, reasons: Sequence[str]) -> None:
         self.table = table
         self.key = key
-        self.reasons = tuple(reasons)
+        self.reasons = tuple(_one_line(reason) for reason in reasons)
         super().__init__(f"malformed {table} row {key!r}: " + "; ".join(self.reasons))
+
+
+def _one_line(reason: str) -> str:
+    """A reason as one readable line: a character that prints nothing (a NUL, a newline -
+    quoted from the bad record itself, e.g. an unknown key) is shown escaped, as `repr`
+    shows it. The reasons are stored (a quarantine, a message or input set aside), and
+    PostgreSQL's TEXT holds no NUL: the driver refused the whole write."""
+    if reason.isprintable():
+        return reason
+    return "".join(char if char.isprintable() else repr(char)[1:-1] for char in reason)
