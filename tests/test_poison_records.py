@@ -13,7 +13,7 @@ import trio
 from helpers import Raw, Recorder, runtime
 from trio.testing import MockClock
 
-from trio_sessions import MalformedRecord, Store, StoreError
+from trio_sessions import DrainContext, MalformedRecord, Store, StoreError
 
 QUIET = {"recovery_interval": 10_000.0}  # passes only when the test asks for one
 
@@ -228,3 +228,71 @@ async def test_a_drain_after_a_message_whose_seq_is_no_integer_fails_with_malfor
     assert isinstance(outcome.error, MalformedRecord), repr(outcome.error)
     assert outcome.error.key == "odd"
     assert pending == [("i1",)]
+
+
+async def test_a_crashed_claim_whose_wake_attempts_is_a_real_is_quarantined_not_resumed(
+    tmp_path: Path, clock: Any, autojump_clock: MockClock
+) -> None:
+    """§6.11 on SQLite (PostgreSQL's column is typed): a crashed claim of a session whose
+    `wake_attempts` another tool set to 2.5 is quarantined, as the row-by-row path decides
+    it (`wake_attempts_of`), and the claim beside it resumes. The set-wise takeover took it
+    as a number: it resumed, counted 3.5 and told the drain attempt 3."""
+    db_path, raw = _sqlite(tmp_path)
+    drain = Recorder()
+    async with runtime(Store(db_path, inline=True), drain, clock, **QUIET) as rt:
+        expired = int(clock() * 1000) - 1
+        raw.seed_claim("bad", "bad-exec", expires_at=expired)
+        raw.write("UPDATE session SET wake_attempts = 2.5 WHERE id = 'bad'")
+        raw.seed_claim("good", "good-exec", expires_at=expired)
+        report = await rt.recover_once()
+        await rt.wait_idle("good")
+    assert [call.session_id for call in drain.calls] == ["good"]
+    assert (report.examined, report.resumed, report.quarantined) == (2, 1, 1)
+    [(reason,)] = raw.rows("SELECT recovery_error FROM session_recovery")
+    assert "wake_attempts is 2.5, not an integer" in reason
+
+
+@pytest.mark.parametrize("ending", ["failed", "interrupted"])
+async def test_a_session_row_corrupted_while_its_drain_runs_never_ends_the_runtime(
+    tmp_path: Path, clock: Any, autojump_clock: MockClock, ending: str
+) -> None:
+    """§5 and §6.11 on SQLite (PostgreSQL's column is typed): another tool writes text into
+    the `wake_attempts` of a session whose drain is running. Every fenced call of that
+    claim reads the session row, so they raise `MalformedRecord`: that session's run fails,
+    its claim goes to recovery, which quarantines it - and every other session goes on;
+    also when the user interrupts it. Observed: the failed (or interrupted) drain's finish
+    raised `MalformedRecord` out of its busy period and ended the whole runtime
+    (`open_runtime` raised it), stopping every session on the process."""
+    db_path, raw = _sqlite(tmp_path)
+    gate = trio.Event()
+    begun = trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        await ctx.take_inputs()
+        if ctx.session_id == "s":
+            begun.set()
+            await gate.wait()
+            await ctx.take_inputs()
+
+    store = Store(db_path, inline=True)
+    async with runtime(store, drain, clock, lease=5.0, **QUIET) as rt:
+        await rt.submit("s", {"n": 1})
+        await begun.wait()
+        raw.write("UPDATE session SET wake_attempts = 'abc' WHERE id = 's'")
+        if ending == "interrupted":
+            assert await rt.interrupt("s") is True
+            gate.set()
+        else:
+            gate.set()
+            outcome = await rt.run("s")  # joins the running one
+            assert outcome.kind == "failed", outcome
+            assert isinstance(outcome.error, MalformedRecord), outcome
+        await rt.wait_idle("s")
+        await trio.sleep(10)  # past the lease
+        await rt.recover_once()
+        await rt.submit("other", {"n": 2})
+        await rt.wait_idle("other")
+        other = raw.rows("SELECT role FROM session_message WHERE session_id = 'other'")
+        left = raw.rows("SELECT session_id, recovery_error FROM session_recovery")
+    assert other == [("user",)]
+    assert [(session, "wake_attempts is 'abc'" in why) for session, why in left] == [("s", True)]

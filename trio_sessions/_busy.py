@@ -40,7 +40,7 @@ from ._decisions import (
     decide_ending,
 )
 from ._drain import DrainContext, current_drain
-from ._errors import LeaseLost, OutcomeUnknown, StoreError
+from ._errors import LeaseLost, MalformedRecord, OutcomeUnknown, StoreError
 from ._lease import self_fence_deadline
 from ._model import Claim, Outcome
 
@@ -535,8 +535,9 @@ class BusyPeriods:
                 self._runtime._owner_id,
                 shown,
             )
-        except (LeaseLost, StoreError):
-            # The claim stays durable; its lease runs out and recovery takes it from there.
+        except (LeaseLost, StoreError, MalformedRecord):
+            # The claim stays durable; its lease runs out and recovery takes it from there
+            # (and quarantines it if a row of it is malformed: another tool's write).
             return outcome, False
         entry.disown()
         return outcome, doorbell or entry.rung_since_decision()
@@ -561,9 +562,9 @@ class BusyPeriods:
                 entry.execution_id,
                 self._runtime._owner_id,
             )
-        except (LeaseLost, StoreError):
+        except (LeaseLost, StoreError, MalformedRecord):
             # Left as 'cancelling' once that write landed: recovery finishes it as
-            # cancelled and never resumes it.
+            # cancelled and never resumes it (or quarantines it, a row of it malformed).
             return outcome, False
         entry.disown()
         return outcome, doorbell or entry.rung_since_decision()

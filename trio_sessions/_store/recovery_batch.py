@@ -123,6 +123,8 @@ _TAKE_OVER_PLAIN = (
     " AND NOT "
     + _superseded(session=":session", execution=":execution", anchor="session_execution.anchor_seq")
     + " AND EXISTS (SELECT 1 FROM session s WHERE s.id = :session AND s.time_paused IS NULL"
+    # A count another tool wrote as no integer: the row path quarantines it.
+    "   AND typeof(s.wake_attempts) = 'integer'"
     "   AND (session_execution.handed_back != 0 OR s.wake_attempts < :max_resumes))"
     " AND EXISTS (SELECT 1 FROM session_recovery r WHERE r.execution_id = :execution"
     "   AND r.owner_id = :me AND r.expires_at > :now AND r.recovery_error IS NULL)"
