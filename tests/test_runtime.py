@@ -1310,3 +1310,61 @@ async def test_a_renewal_answered_late_counts_from_when_it_was_sent(
     renewed_expiry = raw.claim("s")[3]  # a lost lease writes nothing
     assert renewed_expiry > acquired_expiry  # the late renewal did land
     assert stopped_at and stopped_at[0] * 1000 < renewed_expiry
+
+
+class _SlowFinishUnreachableExecutor:
+    """An executor whose drain-iteration ends answer `delay` seconds (trio time) after they
+    committed, and whose heartbeats fail meanwhile: the store became unreachable."""
+
+    def __init__(self, inner: Any, delay: float) -> None:
+        self._inner = inner
+        self._delay = delay
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def run(self, op: Any, *args: Any) -> Any:
+        if op is _store.heartbeat:
+            raise trio_sessions.StoreError("the store is unreachable")
+        result = await self._inner.run(op, *args)
+        if op is _store.end_iteration:
+            with trio.CancelScope(shield=True):  # taken: its caller waits for the reply
+                await trio.sleep(self._delay)
+        return result
+
+
+class _SlowFinishUnreachableStore:
+    def __init__(self, inner: Any, delay: float) -> None:
+        self._inner = inner
+        self._delay = delay
+
+    @asynccontextmanager
+    async def open_executor(self, clock: Any) -> AsyncIterator[Any]:
+        async with self._inner.open_executor(clock) as executor:
+            yield _SlowFinishUnreachableExecutor(executor, self._delay)
+
+
+async def test_an_iteration_end_answered_past_its_local_deadline_reaches_no_user_code(
+    store: Store, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """Invariant 17, the drain loop: a wake coalesced during a drain, whose iteration end
+    (it took that doorbell to go on) is answered 31 s into a 30 s lease with no renewal
+    meanwhile: the next drain call never starts - the store's lease has run out and another
+    runtime may be draining the session already."""
+    calls: list[DrainContext] = []
+    entered, finish = trio.Event(), trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        calls.append(ctx)
+        if len(calls) == 1:
+            entered.set()
+            await finish.wait()
+
+    slow = _SlowFinishUnreachableStore(store, 31.0)  # the lease is 30 s
+    async with runtime(slow, drain, clock) as rt, trio.open_nursery() as nursery:
+        outcomes = start_run(nursery, rt, "s")
+        await entered.wait()
+        await rt.wake("s")  # coalesced: the iteration end takes it and goes on
+        finish.set()
+    assert outcomes == [Outcome("interrupted", "lease_lost")]
+    assert len(calls) == 1

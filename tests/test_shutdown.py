@@ -8,15 +8,17 @@ cancelled is a shielded wait (as a `finally` that awaits) or a blocking call in 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import trio
 import trio.testing
 from helpers import Raw, runtime
 from trio.testing import MockClock
 
-from trio_sessions import DrainContext, Store
+from trio_sessions import DrainContext, Store, _store
 
 Clock = Callable[[], float]
 LEASE = 30.0
@@ -166,3 +168,81 @@ async def test_close_hands_back_at_once_when_drains_stop_promptly(
     async with runtime(store, record, clock, lease=LEASE) as second:
         await second.wait_idle("s")
     assert [(ctx.resumed, ctx.attempt) for ctx in resumed] == [(True, 0)]
+
+
+class _HeldFinishExecutor:
+    """An executor whose drain-iteration ends commit, then hold their reply until `reply`
+    is set (as a thread hand-off or a PostgreSQL round trip does: once taken, the caller
+    waits for the outcome); `committed` is set when one committed."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.committed = trio.Event()
+        self.reply = trio.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def run(self, op: Any, *args: Any) -> Any:
+        result = await self._inner.run(op, *args)
+        if op is _store.end_iteration and not self.reply.is_set():
+            self.committed.set()
+            with trio.CancelScope(shield=True):
+                await self.reply.wait()
+        return result
+
+
+class HeldFinishStore:
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.executor: _HeldFinishExecutor | None = None
+
+    @asynccontextmanager
+    async def open_executor(self, clock: Any) -> AsyncIterator[Any]:
+        async with self._inner.open_executor(clock) as executor:
+            self.executor = _HeldFinishExecutor(executor)
+            yield self.executor
+
+
+async def test_no_drain_iteration_starts_once_the_runtime_is_closing(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """A wake coalesced during a drain, whose iteration end (taking that doorbell to go on)
+    is answered only after the runtime began closing: no further drain call starts - the
+    claim is handed back, and the next runtime resumes it (the wake is not lost)."""
+    calls: list[DrainContext] = []
+    entered, finish = trio.Event(), trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        calls.append(ctx)
+        if len(calls) == 1:
+            entered.set()
+            await finish.wait()
+
+    held = HeldFinishStore(store)
+    async with trio.open_nursery() as nursery:
+        async with runtime(held, drain, clock, lease=LEASE) as rt:
+            await rt.wake("s")
+            await entered.wait()
+            await rt.wake("s")  # coalesced: the iteration end takes it and goes on
+            finish.set()
+            assert held.executor is not None
+            await held.executor.committed.wait()
+
+            async def answer_once_closing() -> None:
+                await trio.testing.wait_all_tasks_blocked()  # the close is waiting
+                assert rt._closing and held.executor is not None
+                held.executor.reply.set()
+
+            nursery.start_soon(answer_once_closing)
+        assert [c.resumed for c in calls] == [False]
+    claim = Raw(db_path).claim("s")
+    assert claim is not None and claim[2] == "running"  # handed back for recovery
+    resumed: list[DrainContext] = []
+
+    async def record(ctx: DrainContext) -> None:
+        resumed.append(ctx)
+
+    async with runtime(store, record, clock, lease=LEASE) as second:
+        await second.wait_idle("s")
+    assert [c.resumed for c in resumed] == [True]

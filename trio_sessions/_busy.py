@@ -433,6 +433,11 @@ class BusyPeriods:
             # never awaits, woken again and again, must not starve the other tasks.
             if left:
                 await trio.lowlevel.cancel_shielded_checkpoint()
+            # No drain call starts for a claim stopped while its finish was answered (the
+            # runtime closing, an interrupt) or answered past its local deadline (another
+            # owner may hold the session by then): it ends as if that call had been stopped
+            # at once - a handed-back or lost claim is resumed by recovery.
+            await trio.lowlevel.checkpoint_if_cancelled()
 
     async def _owe_unsure_inputs(self, entry: SessionEntry) -> None:
         """A drain returned while a `take_inputs` of its execution ended with its outcome
