@@ -1368,3 +1368,61 @@ async def test_an_iteration_end_answered_past_its_local_deadline_reaches_no_user
         finish.set()
     assert outcomes == [Outcome("interrupted", "lease_lost")]
     assert len(calls) == 1
+
+
+class _HeldAcquireExecutor:
+    """An executor whose next `acquire` waits, before it runs, until `proceed` is set;
+    `acquiring` is set once it waits."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.acquiring = trio.Event()
+        self.proceed = trio.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def run(self, op: Any, *args: Any) -> Any:
+        if op is _store.acquire and not self.proceed.is_set():
+            self.acquiring.set()
+            with trio.CancelScope(shield=True):  # sent: its caller waits for the reply
+                await self.proceed.wait()
+        return await self._inner.run(op, *args)
+
+
+class _HeldAcquireStore:
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.executor: _HeldAcquireExecutor | None = None
+
+    @asynccontextmanager
+    async def open_executor(self, clock: Any) -> AsyncIterator[Any]:
+        async with self._inner.open_executor(clock) as executor:
+            self.executor = _HeldAcquireExecutor(executor)
+            yield self.executor
+
+
+async def test_a_run_joining_an_acquisition_that_finds_the_session_held_records_its_wake(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """run() joins an acquisition already sent (a doorbell recovery found); another owner
+    took that doorbell and holds the session by the time it commits. run() returns
+    `deferred` - which promises its wake stays durable for the holder - so the wake must
+    be recorded: the holder's drain may have started before run() was called."""
+    raw = Raw(db_path)
+    async with trio_sessions.open_runtime(store, None, clock=clock) as producer:
+        await producer.wake("s")  # a doorbell, no claim
+    held = _HeldAcquireStore(store)
+    quiet = {"recovery_interval": 10_000.0}
+    async with runtime(held, Recorder(), clock, **quiet) as rt, trio.open_nursery() as nursery:
+        assert held.executor is not None
+        await held.executor.acquiring.wait()  # the first pass rang 's': its acquire was sent
+        outcomes = start_run(nursery, rt, "s")
+        await trio.testing.wait_all_tasks_blocked()
+        # Another owner took the doorbell and holds the session (its drain running).
+        raw.seed_claim("s", "foreign", expires_at=now_ms(clock) + 60_000, owner_id="other")
+        raw.write("UPDATE session SET time_woken = NULL, wakes = 0 WHERE id = 's'")
+        held.executor.proceed.set()
+        await rt.wait_idle("s")
+    assert outcomes == [Outcome("deferred")]
+    assert raw.one("SELECT time_woken FROM session WHERE id = 's'")[0] is not None

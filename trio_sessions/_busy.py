@@ -322,7 +322,8 @@ class BusyPeriods:
             ending = _INTERRUPTED
         outcome, successor_due = await self._finalize(entry, ending)
         self._runtime._streams.touch(entry.session_id)  # open messages were closed by the store
-        entry.current.resolve(outcome)
+        if not (successor_due and entry.needs_wake):  # else its joiners follow the successor
+            entry.current.resolve(outcome)
         return outcome, successor_due
 
     async def _claim(self, entry: SessionEntry) -> _Ending | None:
@@ -491,7 +492,11 @@ class BusyPeriods:
             case EndingWrite.PASS_ON_INTERRUPT:
                 await self._pass_on_interrupt(entry)
         error = ending.error if plan.outcome == "failed" else None
-        successor_due = plan.successor is Successor.IF_RUNG and entry.rung_since_decision()
+        # A run joined after this acquisition was sent (`needs_wake`): its wake was never
+        # recorded, and a holder's drain may have started before it; the successor's
+        # acquisition records it, and that run's outcome is the successor's.
+        rung = entry.rung_since_decision() or (ending is _NOT_CLAIMED and entry.needs_wake)
+        successor_due = plan.successor is Successor.IF_RUNG and rung
         # Released by a claim marked cancelling with a wake waiting: a successor takes it.
         return _outcome(plan, error), successor_due or ending.handed_over
 
