@@ -1426,3 +1426,25 @@ async def test_a_run_joining_an_acquisition_that_finds_the_session_held_records_
         await rt.wait_idle("s")
     assert outcomes == [Outcome("deferred")]
     assert raw.one("SELECT time_woken FROM session WHERE id = 's'")[0] is not None
+
+
+async def test_a_heartbeat_interval_past_the_self_fence_is_refused(
+    store: Store, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """Each drain self-fences 10% of a lease before the durable expiry (§6.17), and a claim
+    made just after a tick waits a whole interval for its first renewal: an interval past
+    that bound would stop every drain longer than it as `lease_lost` with the store
+    answering every renewal, so it is refused up front; one just inside it keeps a drain
+    three leases long alive."""
+    finished: list[float] = []
+
+    async def long_drain(ctx: DrainContext) -> None:
+        await trio.sleep(90.0)
+        finished.append(trio.current_time())
+
+    with pytest.raises(ValueError, match=r"heartbeat_interval \(28.0\) must be shorter than 90%"):
+        async with runtime(store, long_drain, clock, lease=30.0, heartbeat_interval=28.0):
+            pytest.fail("the runtime must not open")
+    async with runtime(store, long_drain, clock, lease=30.0, heartbeat_interval=26.0) as rt:
+        assert await rt.run("s") == Outcome("succeeded")
+    assert finished

@@ -29,6 +29,7 @@ from ._drain import TAKE_INPUTS_CHUNK as TAKE_INPUTS_CHUNK
 from ._drain import AssistantWriter as AssistantWriter
 from ._drain import Drain
 from ._drain import DrainContext as DrainContext
+from ._lease import SELF_FENCE_MARGIN, self_fence_deadline
 from ._model import Claim
 from ._naming import ACCEPTED_FORMS, check_file_store, store_kind
 from ._sqlite import SQLiteStore
@@ -104,6 +105,15 @@ async def open_runtime(
     )
     if heartbeat >= lease:
         raise ValueError(f"heartbeat_interval ({heartbeat}) must be shorter than lease ({lease})")
+    if heartbeat >= self_fence_deadline(0.0, lease):
+        # A claim made just after a tick waits a whole interval for its first renewal, and
+        # its drain stops at its local deadline (§6.17): past it, every drain longer than
+        # that would be stopped as lease_lost with the store answering every renewal.
+        raise ValueError(
+            f"heartbeat_interval ({heartbeat}) must be shorter than"
+            f" {1 - SELF_FENCE_MARGIN:.0%} of lease ({lease}): a drain whose claim is not"
+            " renewed by then is stopped"
+        )
     shutdown_grace = (
         lease / 3 if shutdown_grace is None else _validate.seconds(shutdown_grace, "shutdown_grace")
     )
