@@ -18,7 +18,9 @@ import trio.testing
 from helpers import Raw, runtime
 from trio.testing import MockClock
 
-from trio_sessions import DrainContext, Store, _store
+from trio_sessions import DrainContext, Store, StoreError, _store
+from trio_sessions._backend import Job
+from trio_sessions._handoff import HandoffQueue, Queued, pumping
 
 Clock = Callable[[], float]
 LEASE = 30.0
@@ -246,3 +248,46 @@ async def test_no_drain_iteration_starts_once_the_runtime_is_closing(
     async with runtime(store, record, clock, lease=LEASE) as second:
         await second.wait_idle("s")
     assert [c.resumed for c in resumed] == [True]
+
+
+async def test_an_operation_queued_as_the_executor_closes_is_refused_never_dropped(
+    autojump_clock: MockClock,
+) -> None:
+    """The group-commit queue's invariant at close: an operation queued while the pump
+    is busy with upkeep (a WAL checkpoint in a worker thread) when the executor closes
+    either runs or fails with `StoreError` - never returns a result it did not produce.
+    The hand-off models the SQLite one: `trio.to_thread.run_sync` first checks for
+    cancellation, before anything runs."""
+    queue = HandoffQueue()
+    in_upkeep, upkeep_done = trio.Event(), trio.Event()
+    results: list[object] = []
+
+    async def upkeep() -> None:
+        if not in_upkeep.is_set():
+            in_upkeep.set()
+            with trio.CancelScope(shield=True):  # a worker thread is not abandoned
+                await upkeep_done.wait()
+
+    async def hand_off(batch: list[Queued]) -> None:
+        await trio.lowlevel.checkpoint_if_cancelled()  # as trio.to_thread.run_sync begins
+        for queued in batch:
+            queued.job.result = queued.job.op(*queued.job.args)
+
+    async def caller() -> None:
+        try:
+            results.append(await queue.submit(Job(str.upper, ("ran",))))
+        except StoreError as exc:
+            results.append(exc)
+
+    async def end_upkeep_once_closing() -> None:
+        await trio.testing.wait_all_tasks_blocked()  # the close waits for the pump
+        upkeep_done.set()
+
+    async with trio.open_nursery() as nursery, pumping(queue, hand_off, upkeep):
+        queue.poke()
+        await in_upkeep.wait()
+        nursery.start_soon(caller)
+        await trio.testing.wait_all_tasks_blocked()  # queued behind the upkeep
+        nursery.start_soon(end_upkeep_once_closing)
+    assert len(results) == 1
+    assert results == ["RAN"] or isinstance(results[0], StoreError), results

@@ -122,6 +122,11 @@ class HandoffQueue:
                     self._work = trio.Event()
                     if upkeep is not None:
                         await upkeep()
+                    if scope.cancel_called:
+                        # Closed meanwhile (an upkeep or a wake-up finished after it):
+                        # a hand-off begun now would be cancelled before it ran anything,
+                        # and its callers handed no outcome. What is queued fails below.
+                        break
                     await self._hand_off_queued(hand_off)
         finally:
             self.closed = True
