@@ -13,11 +13,13 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 import trio.testing
 from helpers import Raw, runtime
 from trio.testing import MockClock
 
+import trio_sessions
 from trio_sessions import DrainContext, Store, StoreError, _store
 from trio_sessions._backend import Job
 from trio_sessions._handoff import HandoffQueue, Queued, pumping
@@ -291,3 +293,40 @@ async def test_an_operation_queued_as_the_executor_closes_is_refused_never_dropp
         nursery.start_soon(end_upkeep_once_closing)
     assert len(results) == 1
     assert results == ["RAN"] or isinstance(results[0], StoreError), results
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open defect: interrupt() marks only a live claim (request_cancel / ts_request_cancel"
+    " fence on expires_at > now), so a claim handed back by a graceful shutdown and not yet"
+    " taken over reads as 'nothing running' (False) and recovery then resumes the work the"
+    " user stopped; submit(on_busy='interrupt') and cancel_held_claim do mark an expired claim."
+    " The fix changes a PostgreSQL server-side function (schema version bump).",
+)
+async def test_an_interrupt_during_a_rolling_restarts_handoff_stops_the_work(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """A user presses Stop between a graceful shutdown's hand-back and the takeover (a
+    rolling restart): the interrupt is accepted and the handed-back claim is finished as
+    cancelled, never resumed."""
+    entered = trio.Event()
+    calls: list[DrainContext] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        calls.append(ctx)
+        if not ctx.resumed:
+            entered.set()
+            await trio.sleep_forever()
+
+    async with runtime(store, drain, clock, lease=LEASE) as first:
+        await first.wake("s")
+        await entered.wait()
+    claim = Raw(db_path).claim("s")
+    assert claim is not None and claim[2] == "running"  # handed back, lease ended
+    async with trio_sessions.open_runtime(store, None, clock=clock) as producer:
+        accepted = await producer.interrupt("s")
+    async with runtime(store, drain, clock, lease=LEASE) as second:
+        await second.wait_idle("s")
+    assert accepted
+    assert [c.resumed for c in calls] == [False]
+    assert Raw(db_path).claim("s") is None
