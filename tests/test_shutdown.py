@@ -297,11 +297,11 @@ async def test_an_operation_queued_as_the_executor_closes_is_refused_never_dropp
 
 @pytest.mark.xfail(
     strict=True,
-    reason="open defect: interrupt() marks only a live claim (request_cancel / ts_request_cancel"
-    " fence on expires_at > now), so a claim handed back by a graceful shutdown and not yet"
-    " taken over reads as 'nothing running' (False) and recovery then resumes the work the"
-    " user stopped; submit(on_busy='interrupt') and cancel_held_claim do mark an expired claim."
-    " The fix changes a PostgreSQL server-side function (schema version bump).",
+    reason="left as DESIGN §4 writes it ('fenced on that live row'; the closing note says"
+    " why it should change): interrupt() marks only a live claim, so a claim handed back by a"
+    " graceful shutdown and not yet taken over reads as 'nothing running' (False) and"
+    " recovery then resumes the work the user stopped; submit(on_busy='interrupt') and"
+    " cancel_held_claim do mark an expired claim.",
 )
 async def test_an_interrupt_during_a_rolling_restarts_handoff_stops_the_work(
     store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
