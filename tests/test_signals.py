@@ -16,11 +16,21 @@ from typing import Any
 
 import pytest
 import trio
+from backends import PgLocation
+from helpers import Raw, pg_raw
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import trio_sessions
-from trio_sessions import AssistantData, DrainContext, MalformedRecord, Message, Outcome, _filewatch
+from trio_sessions import (
+    AssistantData,
+    DrainContext,
+    MalformedRecord,
+    Message,
+    Outcome,
+    _filewatch,
+    _loops,
+)
 from trio_sessions._signals import Watcher
 
 NO_RECOVERY: dict[str, Any] = {"recovery_interval": 3600.0}
@@ -555,3 +565,45 @@ async def test_a_message_id_that_is_not_utf8_is_a_malformed_record_for_a_live_re
         assert "id b'm\\xff' is not UTF-8 text" in caught.value.reasons, caught.value.reasons
         await rt.submit("good", {"n": 1})
         assert await rt.transcript("good") == []
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"], indirect=True)
+async def test_more_remote_doorbells_than_one_look_takes_all_start_without_a_poll(
+    db_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One commit of another process rings more doorbells than one look takes
+    (`CHANGE_BATCH`): the look that took a full batch looks again at once, so every one
+    starts within the signal's bound - not 100 now and the rest at the fallback poll (or
+    the recovery pass) seconds later."""
+    monkeypatch.setattr(_loops, "CHANGE_FALLBACK_POLL", 3600.0)  # no look but the signal's
+    count = _loops.CHANGE_BATCH + 50
+    started: set[str] = set()
+
+    async def drain(ctx: DrainContext) -> None:
+        started.add(ctx.session_id)
+
+    store: Any
+    if isinstance(db_path, PgLocation):
+        from trio_sessions._postgres import PostgresStore
+
+        store = PostgresStore(db_path.url, schema=db_path.schema)
+    else:
+        store = trio_sessions.Store(db_path)
+    async with trio_sessions.open_runtime(store, drain, **NO_RECOVERY):
+        await trio.sleep(0.2)  # the worker's first look is done: only the signal is left
+        ids = [f"s{n:03}" for n in range(count)]
+        # One transaction rings them all: one signal (another process's, or an operator's).
+        Raw(db_path).write(
+            "INSERT INTO session(id, time_created, time_woken, wakes) VALUES "
+            + ", ".join("(?, 1, 1, 1)" for _ in ids),
+            tuple(ids),
+        )
+        if isinstance(db_path, PgLocation):
+            from trio_sessions._postgres import channel
+
+            with pg_raw(db_path.url, db_path.schema) as conn:
+                conn.execute("SELECT pg_notify(%s, '')", (channel(db_path.schema),))
+        with trio.move_on_after(BOUND * 2):
+            while len(started) < count:
+                await trio.sleep(0.01)
+    assert len(started) == count

@@ -77,17 +77,22 @@ class BackgroundLoops:
     async def _scan_changes(self) -> None:
         runtime = self._runtime
         takes_wakes = runtime._drain is not None and not runtime._closing
+        limit = runtime._busy.capacity_left(CHANGE_BATCH) if takes_wakes else 0
         changes = await runtime._db.read(
             _store.changes,
             runtime._owner_id,
             list(runtime._entries),
             [entry.execution_id for entry in runtime._busy.owned_entries()],
-            runtime._busy.capacity_left(CHANGE_BATCH) if takes_wakes else 0,
+            limit,
             runtime._watchers.followed(),
         )
         for session_id in changes.doorbells:
             if session_id not in runtime._entries and runtime._busy.ring(session_id) is not None:
                 runtime._remote_signals += 1
+        if limit and len(changes.doorbells) >= limit:
+            # A full batch: more doorbells may wait, and the signal that rang them all came
+            # once. Look again now (past the sessions just taken), not at the fallback poll.
+            runtime._kick.set()
         cancelling, gone = set(changes.cancelling), set(changes.gone)
         for entry in list(runtime._entries.values()):
             if entry.owned and entry.execution_id in cancelling and entry.interrupt("user"):
