@@ -607,3 +607,56 @@ async def test_more_remote_doorbells_than_one_look_takes_all_start_without_a_pol
             while len(started) < count:
                 await trio.sleep(0.01)
     assert len(started) == count
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"], indirect=True)
+async def test_a_remote_wake_just_after_the_owners_finish_released_starts_at_once(
+    db_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process wakes a session just after the worker's finish transaction released
+    its claim, while the worker still holds the registry entry (its busy period ending).
+    The wake found no claim, so it is the worker's to take by the signal - but the look the
+    signal caused passed the session over (held here): once the entry is released, the
+    drain starts at once, not at the fallback poll or recovery pass (DESIGN §7, §6.9)."""
+    from trio_sessions import testing
+
+    looks = CountedLooks(monkeypatch)
+    released, let_go = trio.Event(), trio.Event()
+    calls = 0
+
+    async def drain(ctx: DrainContext) -> None:
+        nonlocal calls
+        calls += 1
+
+    async def after_finish(session_id: str) -> None:
+        if not let_go.is_set():
+            released.set()
+            await let_go.wait()
+
+    store: Any
+    if isinstance(db_path, PgLocation):
+        from trio_sessions._postgres import PostgresStore
+
+        store = PostgresStore(db_path.url, schema=db_path.schema)
+    else:
+        store = trio_sessions.Store(db_path)
+    async with trio_sessions.open_runtime(store, drain, **NO_RECOVERY) as worker:
+        testing.set_seams(worker, after_finish=after_finish)
+        await worker.wake("s")
+        with trio.fail_after(BOUND):
+            await released.wait()
+            # Another process's wake (durable, and no claim: the worker's to take), written
+            # on the trio thread: every look that starts from here on can see it.
+            Raw(db_path).write("UPDATE session SET time_woken = 1, wakes = 1 WHERE id = 's'")
+            if isinstance(db_path, PgLocation):
+                from trio_sessions._postgres import channel
+
+                with pg_raw(db_path.url, db_path.schema) as conn:
+                    conn.execute("SELECT pg_notify(%s, 's')", (channel(db_path.schema),))
+            await looks.one_started_now()  # passed it over: still held here
+        assert worker.is_active("s")
+        let_go.set()
+        with trio.move_on_after(BOUND):
+            while calls < 2:
+                await trio.sleep(0.01)
+    assert calls == 2

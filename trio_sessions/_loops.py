@@ -78,16 +78,25 @@ class BackgroundLoops:
         runtime = self._runtime
         takes_wakes = runtime._drain is not None and not runtime._closing
         limit = runtime._busy.capacity_left(CHANGE_BATCH) if takes_wakes else 0
+        # Entries in a deciding transaction (acquire or finish) are looked at too: one whose
+        # finish released the claim stays registered until its busy period ends, and a wake
+        # committed meanwhile has nobody else here to ring it. A doorbell with no claim is
+        # rung into such an entry, which honours it with a successor (or merges the ring
+        # into the claim its acquisition takes); the others hold a claim row or stop.
+        deciding = {s: entry for s, entry in runtime._entries.items() if entry.deciding}
         changes = await runtime._db.read(
             _store.changes,
             runtime._owner_id,
-            list(runtime._entries),
+            [session_id for session_id in runtime._entries if session_id not in deciding],
             [entry.execution_id for entry in runtime._busy.owned_entries()],
             limit,
             runtime._watchers.followed(),
         )
         for session_id in changes.doorbells:
-            if session_id not in runtime._entries and runtime._busy.ring(session_id) is not None:
+            entry = runtime._entries.get(session_id)
+            if (entry is None or entry is deciding.get(session_id)) and runtime._busy.ring(
+                session_id
+            ) is not None:
                 runtime._remote_signals += 1
         if limit and len(changes.doorbells) >= limit:
             # A full batch: more doorbells may wait, and the signal that rang them all came
