@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import textwrap
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -660,3 +661,84 @@ async def test_a_remote_wake_just_after_the_owners_finish_released_starts_at_onc
             while calls < 2:
                 await trio.sleep(0.01)
     assert calls == 2
+
+
+class HoldAfterAcquire:
+    """`PostgresStore(wrap_connection=...)`: once armed, the writer whose transaction called
+    `ts_acquire` holds its thread right after that transaction committed, until `go` - the
+    claim is in the store, and its owner has not yet heard so."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.pending = False
+        self.committed = threading.Event()
+        self.go = threading.Event()
+
+    def wrap(self, conn: Any) -> Any:
+        hold = self
+
+        class Held:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(conn, name)
+
+            def execute(self, query: Any, params: Any = None) -> Any:
+                result = conn.execute(query, params)
+                hold.pending = hold.pending or (hold.armed and "ts_acquire" in str(query))
+                if not conn.info.transaction_status:  # IDLE: autocommit, or COMMIT sent
+                    hold.after_commit()
+                return result
+
+            def commit(self) -> None:
+                conn.commit()
+                hold.after_commit()
+
+        return Held()
+
+    def after_commit(self) -> None:
+        if self.pending:
+            self.pending = self.armed = False
+            self.committed.set()
+            self.go.wait(BOUND * 5)
+
+
+async def test_a_remote_interrupt_just_after_the_claim_committed_stops_it_before_its_drain(
+    pg_url: str, pg_schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process marks a claim cancelling (and signals it) just after the owner's
+    acquire committed, before the owner heard back: the owner's look must find it - the
+    claim's id is known before it commits - so the drain never starts, and the claim is
+    finished as interrupted. (The look asked only about claims already owned when it
+    began: the drain ran until the heartbeat read the phase, a third of a lease later.)"""
+    from trio_sessions._postgres import PostgresStore, channel
+
+    looks = CountedLooks(monkeypatch)
+    hold = HoldAfterAcquire()
+    started = trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        started.set()
+        await trio.sleep_forever()
+
+    location = PgLocation(pg_url, pg_schema)
+    store = PostgresStore(pg_url, schema=pg_schema, writers=2, wrap_connection=hold.wrap)
+    async with (
+        trio_sessions.open_runtime(store, drain, lease=60, **NO_RECOVERY) as worker,
+        trio_sessions.open_runtime(PostgresStore(pg_url, schema=pg_schema), None) as producer,
+    ):
+        hold.armed = True
+        await producer.wake("s")
+        with trio.fail_after(BOUND):
+            while not hold.committed.is_set():
+                await trio.sleep(0.001)
+            # What `interrupt` from another process writes, on the trio thread: every look
+            # from here on can see it.
+            Raw(location).write("UPDATE session_execution SET phase = 'cancelling'")
+            with pg_raw(pg_url, pg_schema) as conn:
+                conn.execute("SELECT pg_notify(%s, 's')", (channel(pg_schema),))
+            await looks.one_started_now()
+        hold.go.set()
+        with trio.move_on_after(BOUND):
+            await worker.wait_idle("s")
+        assert not started.is_set()
+        assert not worker.is_active("s")
+    assert Raw(location).rows("SELECT id FROM session_execution") == []

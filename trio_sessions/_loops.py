@@ -84,11 +84,16 @@ class BackgroundLoops:
         # rung into such an entry, which honours it with a successor (or merges the ring
         # into the claim its acquisition takes); the others hold a claim row or stop.
         deciding = {s: entry for s, entry in runtime._entries.items() if entry.deciding}
+        owned = {entry.execution_id for entry in runtime._busy.owned_entries()}
+        # The claims being taken here are looked up too (their ids are known before they
+        # commit): one marked cancelling by another process just after its commit, before
+        # its reply reached us, is interrupted now - before its drain starts - not at the
+        # fallback poll. Only a claim owned when the look began can be gone from it.
         changes = await runtime._db.read(
             _store.changes,
             runtime._owner_id,
             [session_id for session_id in runtime._entries if session_id not in deciding],
-            [entry.execution_id for entry in runtime._busy.owned_entries()],
+            [entry.execution_id for entry in runtime._entries.values()],
             limit,
             runtime._watchers.followed(),
         )
@@ -104,9 +109,9 @@ class BackgroundLoops:
             runtime._kick.set()
         cancelling, gone = set(changes.cancelling), set(changes.gone)
         for entry in list(runtime._entries.values()):
-            if entry.owned and entry.execution_id in cancelling and entry.interrupt("user"):
+            if entry.execution_id in cancelling and entry.interrupt("user"):
                 runtime._remote_signals += 1
-            elif entry.owned and not entry.deciding and entry.execution_id in gone:
+            elif entry.owned and not entry.deciding and entry.execution_id in (gone & owned):
                 # Taken over after its lease ran out, or deleted by another process
                 # (`delete_session`): nothing is left to write. (A transaction of our own
                 # that may delete it sets `deciding` first.)
