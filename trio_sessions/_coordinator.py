@@ -139,6 +139,8 @@ class SessionEntry:
     reason: InterruptReason | None = None
     # The store holds no claim of ours for it any more (`lose_claim`).
     claim_gone: bool = False
+    # Its claim left it durably (`disown`) and its busy period goes on, or ends, from here.
+    disowned: bool = False
     deciding: bool = False
     rings: int = 0
     rings_seen: int = 0
@@ -227,6 +229,13 @@ class SessionEntry:
     def disown(self) -> None:
         """The claim left this entry durably (released, finished, expired on purpose)."""
         self.owned = False
+        self.disowned = True
+
+    def ending_claim(self) -> bool:
+        """A transaction that may release the claim is in flight, or released it and the
+        busy period has not ended yet: a wake committed since finds no claim, and only a
+        ring into this entry (a successor) takes it here."""
+        return self.deciding and (self.owned or self.disowned)
 
     def self_fenced(self) -> bool:
         """The drain was stopped by its local lease deadline (nobody interrupted it): the
@@ -267,6 +276,7 @@ class SessionEntry:
         self.resumed = False
         self.reason = None
         self.claim_gone = False
+        self.disowned = False
         self.deciding = False
         self.yield_owed = False
         self.takes = Takes()

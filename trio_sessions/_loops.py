@@ -78,12 +78,12 @@ class BackgroundLoops:
         runtime = self._runtime
         takes_wakes = runtime._drain is not None and not runtime._closing
         limit = runtime._busy.capacity_left(CHANGE_BATCH) if takes_wakes else 0
-        # Entries in a deciding transaction (acquire or finish) are looked at too: one whose
-        # finish released the claim stays registered until its busy period ends, and a wake
-        # committed meanwhile has nobody else here to ring it. A doorbell with no claim is
-        # rung into such an entry, which honours it with a successor (or merges the ring
-        # into the claim its acquisition takes); the others hold a claim row or stop.
-        deciding = {s: entry for s, entry in runtime._entries.items() if entry.deciding}
+        # Entries whose claim is ending are looked at too: one whose finish released the
+        # claim stays registered until its reply is handled, and a wake committed
+        # meanwhile has nobody else here to ring it. A doorbell with no claim is rung into
+        # such an entry, which honours it with a successor. (An acquisition in flight is
+        # left out: it takes the doorbell it was rung for.)
+        ending = {s: entry for s, entry in runtime._entries.items() if entry.ending_claim()}
         owned = {entry.execution_id for entry in runtime._busy.owned_entries()}
         # The claims being taken here are looked up too (their ids are known before they
         # commit): one marked cancelling by another process just after its commit, before
@@ -92,14 +92,14 @@ class BackgroundLoops:
         changes = await runtime._db.read(
             _store.changes,
             runtime._owner_id,
-            [session_id for session_id in runtime._entries if session_id not in deciding],
+            [session_id for session_id in runtime._entries if session_id not in ending],
             [entry.execution_id for entry in runtime._entries.values()],
             limit,
             runtime._watchers.followed(),
         )
         for session_id in changes.doorbells:
             entry = runtime._entries.get(session_id)
-            if (entry is None or entry is deciding.get(session_id)) and runtime._busy.ring(
+            if (entry is None or entry is ending.get(session_id)) and runtime._busy.ring(
                 session_id
             ) is not None:
                 runtime._remote_signals += 1
