@@ -97,15 +97,20 @@ class BackgroundLoops:
             limit,
             runtime._watchers.followed(),
         )
+        started = 0
         for session_id in changes.doorbells:
             entry = runtime._entries.get(session_id)
-            if (entry is None or entry is ending.get(session_id)) and runtime._busy.ring(
-                session_id
-            ) is not None:
+            if entry is not None and entry is not ending.get(session_id):
+                continue
+            if runtime._busy.ring(session_id) is not None:
                 runtime._remote_signals += 1
-        if limit and len(changes.doorbells) >= limit:
+                if entry is None:
+                    started += 1
+        if started and len(changes.doorbells) >= limit:
             # A full batch: more doorbells may wait, and the signal that rang them all came
             # once. Look again now (past the sessions just taken), not at the fallback poll.
+            # (Not when it only rang entries whose claim is ending: the next look would find
+            # them again until their busy periods end.)
             runtime._kick.set()
         cancelling, gone = set(changes.cancelling), set(changes.gone)
         for entry in list(runtime._entries.values()):
