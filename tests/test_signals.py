@@ -742,3 +742,39 @@ async def test_a_remote_interrupt_just_after_the_claim_committed_stops_it_before
         assert not started.is_set()
         assert not worker.is_active("s")
     assert Raw(location).rows("SELECT id FROM session_execution") == []
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"], indirect=True)
+async def test_more_doorbells_than_the_first_pass_takes_all_start_when_a_worker_opens(
+    db_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Wakes rung while no worker ran (their signals went nowhere), more than the opening
+    recovery pass takes (`recovery_batch`): the worker's change loop looks for the rest at
+    once, on both backends - not at its fallback poll or the next recovery pass."""
+    looks = CountedLooks(monkeypatch)  # and no fallback poll
+    count = 150
+    started: set[str] = set()
+
+    async def drain(ctx: DrainContext) -> None:
+        started.add(ctx.session_id)
+
+    store: Any
+    if isinstance(db_path, PgLocation):
+        from trio_sessions._postgres import PostgresStore
+
+        store = PostgresStore(db_path.url, schema=db_path.schema)
+    else:
+        store = trio_sessions.Store(db_path)
+    async with trio_sessions.open_runtime(store, None):
+        pass  # the schema
+    ids = [f"s{n:03}" for n in range(count)]
+    Raw(db_path).write(
+        "INSERT INTO session(id, time_created, time_woken, wakes) VALUES "
+        + ", ".join("(?, 1, 1, 1)" for _ in ids),
+        tuple(ids),
+    )
+    async with trio_sessions.open_runtime(store, drain, recovery_batch=100, **NO_RECOVERY):
+        with trio.move_on_after(BOUND * 2):
+            while len(started) < count:
+                await trio.sleep(0.01)
+    assert len(started) == count, (looks.started, looks.ended)

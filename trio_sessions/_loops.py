@@ -148,9 +148,8 @@ class BackgroundLoops:
         gone = runtime._gone_owners.gone(trio.current_time())
         # With max_active, take recovery leases only on what this runtime has room for: a
         # lease it would not act on keeps the row from every other runtime for a lease.
-        scan = await runtime._recovery.scan(
-            list(runtime._entries), runtime._busy.capacity_left(runtime._recovery.batch), gone
-        )
+        budget = runtime._busy.capacity_left(runtime._recovery.batch)
+        scan = await runtime._recovery.scan(list(runtime._entries), budget, gone)
         # Scheduled inputs that fell due while no timer ran (a restart) ring their doorbells
         # (the scan's transaction looked), so this very pass starts them; the timer is armed
         # for the rest.
@@ -173,6 +172,11 @@ class BackgroundLoops:
                 and runtime._busy.ring(candidate.session_id) is not None
             ):
                 started += 1
+        if scan.doorbells and scan.examined >= min(budget, runtime._recovery.batch):
+            # The budget ran out among the doorbells: more may wait (wakes whose signals
+            # went nowhere, as before this runtime opened). The change loop takes them in
+            # full batches now, not at its fallback poll or the next pass.
+            runtime._kick.set()
         return attrs.evolve(report, doorbells_started=started)
 
     async def apply_recovery(
