@@ -5,7 +5,9 @@ batch taking one chat's inputs after another chat's append, beside the other wor
 of acquisitions of both - deadlock if each operation locks its own session as it runs: the
 server detects it only after `deadlock_timeout` (a second), and everything queued behind
 either batch's locks stalls that long. The engine locks every session its batch names, in
-the functions' order, with the batch's first statement.
+the functions' order, with the batch's first statement. An acquire from a doorbell never
+waits for a session's lock: it answers at once, and the runtime passes over that doorbell
+until the lock's holder is done, instead of asking again and again.
 """
 
 from __future__ import annotations
@@ -15,14 +17,16 @@ from typing import Any
 
 import psycopg
 import pytest
+import trio
+import trio.testing
 from conftest import fresh_schema
 from helpers import pg_engine_at as engine_at
 from helpers import pg_raw as raw
 
-from trio_sessions import _backend, _store
+from trio_sessions import DrainContext, _backend, _store, open_runtime
 from trio_sessions._backend import Job
 from trio_sessions._decisions import AcquireVerdict
-from trio_sessions._postgres import PgTx, connections, run_op
+from trio_sessions._postgres import PgTx, PostgresStore, connections, run_op
 
 WAIT_S = 30.0  # a bound on each gate, never reached when the test passes
 
@@ -357,3 +361,43 @@ def test_a_batch_whose_first_message_waits_within_every_server_timeout_is_not_cu
     assert cut_and_retried == 0
     assert [job.error for job in jobs] == [None, None]
     assert [job.result for job in jobs] == [first[0], first[1]]
+
+
+async def test_a_doorbell_locked_elsewhere_does_not_keep_max_active_spinning(
+    pg_url: str, pg_schema: str, clock: Any, autojump_clock: Any
+) -> None:
+    """max_active=1: the one place frees while the oldest waiting doorbell's session is
+    locked by another transaction (a fork, a delete, an operator's). Its acquire answers at
+    once without claiming, which frees the place again; the change scan must then go on to
+    the next waiting session, not pick the locked one again and again (a hot loop of scans
+    and acquires for as long as the lock is held, every other waiting session held back)."""
+    let_go = trio.Event()
+    started: list[str] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        started.append(ctx.session_id)
+        if ctx.session_id == "busy":
+            await let_go.wait()
+
+    store = PostgresStore(pg_url, schema=pg_schema, inline=True)
+    with trio.fail_after(600), raw(pg_url, pg_schema) as holder:
+        async with open_runtime(store, drain, clock=clock, max_active=1) as rt:
+            await rt.wake("busy")
+            await rt.wake("locked")  # no room: both wait, oldest first
+            await rt.wake("next")
+            await trio.testing.wait_all_tasks_blocked()
+            assert started == ["busy"]
+            _hold_session_lock(holder, "locked")
+            sent = rt.statistics().store.transactions
+            let_go.set()
+            # Scheduler rounds, not virtual time: a hot loop never lets the clock jump.
+            for _ in range(500):
+                if "next" in started:
+                    break
+                await trio.lowlevel.checkpoint()
+            spent = rt.statistics().store.transactions - sent
+            assert started == ["busy", "next"], f"{spent} transactions meanwhile"
+            assert spent < 20
+            holder.execute("ROLLBACK")
+            while "locked" not in started:  # at the change loop's fallback look, at most
+                await trio.sleep(0.1)

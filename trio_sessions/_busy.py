@@ -357,6 +357,8 @@ class BusyPeriods:
                 if acquired.verdict is AcquireVerdict.CLAIM:
                     self.own(entry, attempt=acquired.attempt, resumed=False, sent_at=sent_at)
             if acquired.verdict is not AcquireVerdict.CLAIM:
+                if acquired.locked:
+                    runtime._loops.pass_over(entry.session_id)
                 # The schedule point the acquire left to its caller (`caller_yields_next`);
                 # a claim goes on to its drain, which gives the loop up (or the task ends).
                 if left:

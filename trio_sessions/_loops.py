@@ -57,9 +57,32 @@ class BackgroundLoops:
                 own=runtime._watchers.watching,
                 follows=runtime._busy.followed,
             )
-            runtime._kick = trio.Event()
+            kicked, runtime._kick = runtime._kick.is_set(), trio.Event()
+            self._look_again_at_passed_over(signal, everything=signal is None and not kicked)
             with contextlib.suppress(StoreError):  # looked at again at the next signal
                 await self._look_at_changes(signal)
+
+    def pass_over(self, session_id: str) -> None:
+        """An acquire found the session locked by another transaction (PostgreSQL answers
+        at once, claiming nothing): the change scan passes over its doorbell until that
+        transaction's commit signals it, or a fallback poll's time at most. With max_active
+        the acquisition's end frees a place and kicks the scan, which would otherwise pick
+        this oldest doorbell again at once - a hot loop for as long as the lock is held,
+        every other waiting session held back."""
+        limit = trio.current_time() + CHANGE_FALLBACK_POLL
+        self._runtime._passed_over.setdefault(session_id, limit)
+
+    def _look_again_at_passed_over(self, signal: Signal | None, *, everything: bool) -> None:
+        """Forget the doorbells passed over that `signal` names, or all on a look at
+        `everything` (the fallback poll, a reconnect: not our own kick), or whose time is
+        up."""
+        passed = self._runtime._passed_over
+        if passed:
+            now = trio.current_time()
+            named = frozenset() if signal is None else signal.sessions
+            for session_id, limit in list(passed.items()):
+                if everything or session_id in named or limit <= now:
+                    del passed[session_id]
 
     async def _look_at_changes(self, signal: Signal | None) -> None:
         runtime = self._runtime
@@ -92,7 +115,10 @@ class BackgroundLoops:
         changes = await runtime._db.read(
             _store.changes,
             runtime._owner_id,
-            [session_id for session_id in runtime._entries if session_id not in ending],
+            [
+                *(session_id for session_id in runtime._entries if session_id not in ending),
+                *runtime._passed_over,
+            ],
             [entry.execution_id for entry in runtime._entries.values()],
             limit,
             runtime._watchers.followed(),

@@ -112,6 +112,9 @@ class Runtime:
         self._shutdown_grace = config.shutdown_grace
         self._hook = config.acquisition_hook
         self._entries: dict[str, SessionEntry] = {}
+        # Doorbells the change scan passes over for now (`BackgroundLoops.pass_over`), each
+        # until when at most (trio clock).
+        self._passed_over: dict[str, float] = {}
         self._recovery = Recovery(
             executor,
             owner_id=config.owner_id,

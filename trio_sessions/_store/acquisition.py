@@ -51,6 +51,9 @@ class Acquired:
     verdict: AcquireVerdict
     attempt: int = 0
     holder: str | None = None
+    # HELD by another transaction's lock on the session (PostgreSQL), with no claim seen:
+    # asking again before that transaction ends gets the same answer.
+    locked: bool = False
 
 
 def _insert_claims(tx: Tx, claims: Sequence[tuple[Any, ...]], rung: Sequence[str]) -> None:
@@ -326,7 +329,7 @@ def _pg_acquired(
     """A PostgreSQL acquire verdict (`ts_acquire_locked`) as `Acquired`: 'busy' (another
     transaction holds the session: it claims it, or signals it again) as held."""
     if verdict == "busy":
-        return Acquired(AcquireVerdict.HELD)
+        return Acquired(AcquireVerdict.HELD, locked=True)
     attempts = wake_attempts_of(session_id, attempt)
     return Acquired(AcquireVerdict(verdict), attempt=attempts, holder=holder)
 
