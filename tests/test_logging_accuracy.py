@@ -151,6 +151,51 @@ async def test_a_failed_claim_attempt_is_logged_as_such_not_as_a_failed_drain(
     assert calls == ["s"]
 
 
+async def test_with_max_active_a_claim_attempt_that_fails_is_not_retried_in_a_hot_loop(
+    store: Any, clock: Clock, autojump_clock: trio.testing.MockClock, logs: Any
+) -> None:
+    """max_active=1: the one place frees while the oldest waiting doorbell's claim attempt
+    fails at once (a store error). That attempt's end frees the place and kicks the change
+    scan, which must go on to the next waiting session - not pick the failing doorbell again
+    and again, flooding the log with `claim attempt failed` and holding every other waiting
+    session back. The failing one is taken once the store answers again."""
+    let_go = trio.Event()
+    started: list[str] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        started.append(ctx.session_id)
+        if ctx.session_id == "busy":
+            await let_go.wait()
+
+    async def refuse_one(op: Any, *args: Any) -> Any:
+        if args[0] != "failing":
+            return await healthy.run(op, *args)
+        await trio.lowlevel.checkpoint()
+        raise StoreError("disk full")
+
+    async with runtime(store, drain, clock, max_active=1, **QUIET) as rt:
+        await rt.wake("busy")
+        await rt.wake("failing")  # no room: both wait, oldest first
+        await rt.wake("next")
+        await trio.testing.wait_all_tasks_blocked()
+        healthy = rt._db
+        rt._db = Intercepted(healthy, {_store.acquire: refuse_one})  # type: ignore[assignment]
+        let_go.set()
+        # Scheduler rounds, not virtual time: a hot loop never lets the clock jump.
+        for _ in range(500):
+            if "next" in started:
+                break
+            await trio.lowlevel.checkpoint()
+        attempts = len(records(logs, events.CLAIM_ATTEMPT_FAILED))
+        assert started == ["busy", "next"], f"{attempts} failed claim attempts meanwhile"
+        assert attempts == 1
+        rt._db = healthy
+        await rt.wait_idle("next")
+        await rt.recover_once()  # (or the change loop's next look) finds the wake, durable
+        await rt.wait_idle("failing")
+    assert started == ["busy", "next", "failing"]
+
+
 # --- item 11: a heartbeat racing a normal release is not a lost claim --------------------------
 
 

@@ -318,6 +318,8 @@ class BusyPeriods:
             # Not owned: the claim attempt itself failed (a store error while acquiring),
             # and no drain ran.
             ending = _Ending("failed" if entry.owned else "claim_failed", error=exc)
+            if not entry.owned:
+                self._runtime._loops.pass_over(entry.session_id)
         if ending is None:
             ending = _INTERRUPTED
         outcome, successor_due = await self._finalize(entry, ending)

@@ -64,11 +64,11 @@ class BackgroundLoops:
 
     def pass_over(self, session_id: str) -> None:
         """An acquire found the session locked by another transaction (PostgreSQL answers
-        at once, claiming nothing): the change scan passes over its doorbell until that
-        transaction's commit signals it, or a fallback poll's time at most. With max_active
-        the acquisition's end frees a place and kicks the scan, which would otherwise pick
-        this oldest doorbell again at once - a hot loop for as long as the lock is held,
-        every other waiting session held back."""
+        at once, claiming nothing), or failed: the change scan passes over its doorbell
+        until a signal names it, or a fallback poll's time at most. With max_active the
+        acquisition's end frees a place and kicks the scan, which would otherwise pick this
+        oldest doorbell again at once - a hot loop for as long as the lock is held or the
+        store fails, every other waiting session held back."""
         limit = trio.current_time() + CHANGE_FALLBACK_POLL
         self._runtime._passed_over.setdefault(session_id, limit)
 
