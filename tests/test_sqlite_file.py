@@ -21,10 +21,11 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 from helpers import records
 
 import trio_sessions
-from trio_sessions import Store, StoreError, _sqlite
+from trio_sessions import Store, StoreError, _sqlite, testing
 from trio_sessions import _observe as events
 from trio_sessions._errors import StoreLost
 
@@ -302,3 +303,44 @@ async def test_a_failed_migration_leaves_a_foreign_sqlite_file_as_it_was(tmp_pat
         assert conn.execute("SELECT * FROM session").fetchall() == [("abc", 1)]
     finally:
         conn.close()
+
+
+# --- a file named through a symlink --------------------------------------------------------------
+
+
+async def test_a_dead_owner_is_taken_over_after_the_grace_through_a_symlinked_name(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """Deployments often name the database through a symlink (`/srv/app/chat.db` ->
+    `/data/chat.db`). SQLite opens the file the link names, and the liveness tokens sit
+    beside that file; recovery must look for a dead owner's token there too, or a SIGKILLed
+    owner's sessions wait for the whole lease instead of the grace (§6.22)."""
+    real = tmp_path / "data"
+    real.mkdir()
+    link = tmp_path / "chat.db"
+    link.symlink_to(real / "chat.db")
+    store = testing.inline_store(link)
+    clock = testing.trio_clock()
+    entered = trio.Event()
+
+    async def holding(ctx: trio_sessions.DrainContext) -> None:
+        await ctx.take_inputs()
+        entered.set()
+        await trio.sleep_forever()
+
+    resumed: list[str] = []
+
+    async def resume(ctx: trio_sessions.DrainContext) -> None:
+        resumed.append(ctx.session_id)
+
+    quiet: dict[str, Any] = {"clock": clock, "recovery_interval": 1e6, "takeover_grace": 0.5}
+    async with trio_sessions.open_runtime(store, resume, **quiet) as other:
+        async with trio_sessions.open_runtime(store, holding, **quiet) as owner:
+            await owner.submit("s", {"n": 1})
+            await entered.wait()
+            testing.crash(owner)
+        assert (await other.recover_once()).resumed == 0  # seen free once: not yet gone
+        await trio.sleep(1.0)  # past the grace, long before the 30 s lease runs out
+        assert (await other.recover_once()).resumed == 1
+        await other.wait_idle("s")
+    assert resumed == ["s"]

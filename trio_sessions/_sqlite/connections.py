@@ -110,11 +110,19 @@ class DatabaseFile:
     `problem` costs one `os.stat` (a few microseconds) per batch. `identity` is None when
     there is no file to follow (`:memory:`). Safe from any thread: the worst race is the
     event logged twice.
+
+    `path` is the name the runtime was given (a symlink re-pointed elsewhere is a replaced
+    file); `tokens` the file it resolves to, where SQLite opened it and where every process
+    keeps its liveness tokens (`engine.database_file`), whichever name it was given.
     """
 
     path: str
     identity: tuple[int, int] | None
     reported: bool = False
+    tokens: str = attrs.field(
+        kw_only=True,
+        default=attrs.Factory(lambda self: os.path.realpath(self.path), takes_self=True),
+    )
 
     @classmethod
     def opened(cls, path: str | os.PathLike[str]) -> DatabaseFile:

@@ -153,8 +153,10 @@ def run_read(
 
 
 def database_file(conn: sqlite3.Connection) -> str | None:
-    """The main database's file (None in memory: no liveness tokens there)."""
-    return str(conn.execute("PRAGMA database_list").fetchone()[2]) or None
+    """The main database's file, symlinks resolved (None in memory: no liveness tokens
+    there): every process finds the same tokens beside it, whatever name it opened."""
+    name = str(conn.execute("PRAGMA database_list").fetchone()[2])
+    return os.path.realpath(name) if name else None
 
 
 def store_error(exc: BaseException) -> BaseException:
@@ -250,7 +252,7 @@ def _run_jobs_or_raise(
         for job in jobs:
             job.error = exc
         return
-    tx = SQLiteTx(conn, now, None if file is None else file.path)
+    tx = SQLiteTx(conn, now, None if file is None else file.tokens)
     grouped = len(jobs) > 1
     if grouped and SET_WISE:
         jobs = _run_set_wise(conn, tx, jobs)
