@@ -159,6 +159,62 @@ async def test_a_deleted_or_replaced_database_file_fails_the_next_write(
             assert conn.execute("SELECT count(*) FROM sqlite_master").fetchone() == (0,)
 
 
+def overwrite_in_place(path: Path) -> None:
+    """Garbage over the file's first pages, same inode (a disk fault, a `dd` gone wrong),
+    once every commit was copied out of the WAL: SQLite now reads "not a database"."""
+    with sqlite3.connect(path) as conn:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    with path.open("r+b") as file:
+        file.write(b"garbage!" * 1024)
+
+
+async def test_a_write_to_a_file_that_is_no_database_now_raises_store_error(
+    tmp_path: Path,
+) -> None:
+    """A file damaged in place (the identity check cannot see it) fails each write with
+    `StoreError`, alone or grouped: never the driver's bare `DatabaseError` out of the
+    event loop's non-waiting BEGIN, and never a grouped caller told it succeeded while the
+    pump that was to run its write died."""
+    path = tmp_path / "sessions.db"
+    errors: list[BaseException] = []
+    results: list[object] = []
+
+    async def submit(n: int) -> None:
+        try:
+            results.append(await rt.submit("s", {"n": n}))
+        except StoreError as exc:
+            errors.append(exc)
+
+    with trio.fail_after(DEADLINE):
+        async with trio_sessions.open_runtime(path, None) as rt:
+            await rt.submit("s", {"n": 0})
+            overwrite_in_place(path)
+            async with trio.open_nursery() as nursery:  # a group commit through the pump
+                for n in range(1, 5):
+                    nursery.start_soon(submit, n)
+            await submit(5)  # a lone caller, on the loop
+            assert (results, len(errors)) == ([], 5)
+            assert all("not a database" in str(error) for error in errors)
+
+
+async def test_a_change_look_that_fails_is_a_lost_signal_not_the_runtimes_end(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """The change signal's `PRAGMA data_version` on a file damaged in place (or an I/O
+    error) raised the driver's error out of the change loop, ending the runtime with a bare
+    `DatabaseError`; it is a lost signal instead, and the fallback poll still returns."""
+    path = tmp_path / "sessions.db"
+    _sqlite.connect(path).close()
+    conn = _sqlite.connect_nonblocking(path)
+    try:
+        reader = _sqlite.ChangeReader(conn, time.time, _sqlite.CHANGE_POLL)
+        overwrite_in_place(path)
+        with trio.fail_after(5):
+            await reader.wait_for_change(trio.Event(), 1.0)
+    finally:
+        conn.close()
+
+
 @pytest.mark.parametrize("swap", [delete, replace_with_other_database], ids=["deleted", "replaced"])
 async def test_a_runtime_whose_file_is_gone_ends_instead_of_failing_for_ever(
     tmp_path: Path, swap: Any

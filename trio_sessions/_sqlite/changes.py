@@ -125,7 +125,13 @@ class ChangeReader:
         one of the loop's own to a session `own` says this runtime still needs (a
         transcript-only change only where `follows` says it is followed)."""
         conn = self.conn if self.own_conn is None else self.own_conn
-        version: int = conn.execute("PRAGMA data_version").fetchone()[0]
+        try:
+            version: int = conn.execute("PRAGMA data_version").fetchone()[0]
+        except sqlite3.Error:
+            # A look that failed (an I/O error, a file damaged in place) is a lost signal,
+            # never the runtime's end: the fallback poll's look at the store meets the
+            # error as a `StoreError`, where the change loop retries it.
+            version = self._version
         changed, self._version = version != self._version, version
         touched = self.touched
         if touched:

@@ -203,8 +203,8 @@ def try_run_batch(
         return True
     try:
         conn.execute("BEGIN IMMEDIATE")
-    except sqlite3.OperationalError as exc:
-        if is_locked(exc):
+    except sqlite3.Error as exc:  # also a file that is no database (now): a StoreError
+        if isinstance(exc, sqlite3.OperationalError) and is_locked(exc):
             return False
         for job in jobs:
             job.error = store_error(exc)
