@@ -22,6 +22,7 @@ from trio.testing import MockClock
 import trio_sessions
 from trio_sessions import DrainContext, Store, StoreError, _store
 from trio_sessions._backend import Job
+from trio_sessions._errors import OutcomeUnknown
 from trio_sessions._handoff import HandoffQueue, Queued, pumping
 
 Clock = Callable[[], float]
@@ -293,6 +294,33 @@ async def test_an_operation_queued_as_the_executor_closes_is_refused_never_dropp
         nursery.start_soon(end_upkeep_once_closing)
     assert len(results) == 1
     assert results == ["RAN"] or isinstance(results[0], StoreError), results
+
+
+async def test_a_hand_off_that_raises_never_reports_its_batch_done(
+    autojump_clock: MockClock,
+) -> None:
+    """The group-commit queue's invariant when the hand-off itself raises (a driver error no
+    engine turned into a job's outcome, `MemoryError` for SQLite's SQLITE_NOMEM): its taken
+    callers were finished with no error and got `None`, as if their writes had committed,
+    while the pump died. Whether such a batch ran is unknown: each caller gets that."""
+    queue = HandoffQueue()
+    outcomes: list[object] = []
+
+    async def hand_off(batch: list[Queued]) -> None:
+        raise MemoryError
+
+    async def caller() -> None:
+        try:
+            outcomes.append(await queue.submit(Job(str.upper, ("ran",))))
+        except StoreError as exc:
+            outcomes.append(exc)
+
+    with pytest.RaisesGroup(MemoryError, flatten_subgroups=True):
+        async with trio.open_nursery() as nursery, pumping(queue, hand_off):
+            nursery.start_soon(caller)
+            await trio.sleep_forever()  # ended by the pump's error
+    [outcome] = outcomes
+    assert isinstance(outcome, OutcomeUnknown), outcome
 
 
 @pytest.mark.xfail(

@@ -8,8 +8,9 @@ costs an fsync, so concurrent operations share both.
 Invariant: an operation that has begun is never abandoned. If its caller is cancelled while
 it is queued, it is withdrawn unrun; once taken, the caller waits for its outcome (as
 `trio.to_thread.run_sync` does with `abandon_on_cancel=False`), so a write that committed is
-always reported, never mistaken for one that did not happen. When the pump stops, every
-operation still queued fails with `StoreError`, and later ones are refused.
+always reported, never mistaken for one that did not happen, nor one that did not run for
+one that did (a hand-off that raises leaves its callers `OutcomeUnknown`). When the pump
+stops, every operation still queued fails with `StoreError`, and later ones are refused.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import attrs
 import trio
 
 from ._backend import Job, executor_closed
-from ._errors import StoreError
+from ._errors import OutcomeUnknown, StoreError
 
 
 @attrs.define(eq=False)
@@ -150,6 +151,13 @@ class HandoffQueue:
         self.in_flight = True
         try:
             await hand_off(batch)
+        except BaseException as exc:
+            # An error no engine made a job's outcome: whether the batch ran is unknown,
+            # and a caller must never take its unfilled result for a committed write.
+            for queued in batch:
+                if queued.job.error is None:
+                    queued.job.error = OutcomeUnknown(f"the store's writer failed: {exc!r}")
+            raise
         finally:
             self.in_flight = False
             for queued in batch:
