@@ -7,11 +7,14 @@ patience is spent."""
 from __future__ import annotations
 
 import sqlite3
+import threading
 import time
 from pathlib import Path
 
 import pytest
+import trio
 
+import trio_sessions
 from trio_sessions import _sqlite
 from trio_sessions._sqlite import connections
 
@@ -80,3 +83,33 @@ def test_a_lock_never_freed_ends_in_the_error_after_the_patience(
     holder.execute("ROLLBACK")
     conn.close()
     holder.close()
+
+
+async def test_a_shutdown_hand_back_outlasts_another_process_s_short_commit(
+    tmp_path: Path,
+) -> None:
+    """Under load another process holds the write lock for a moment at any instant. The
+    shutdown's hand-back (`run_nowait`) must not give up at the first "locked" - PostgreSQL
+    waits `NOWAIT_LOCK_TIMEOUT_MS` (50 ms) for it - or a graceful restart under load leaves
+    its claims to lease expiry and counts their takeover against the resume budget (and an
+    accepted interrupt's mark-cancelling, on the same path, is lost)."""
+    path = tmp_path / "handback.db"
+    entered = trio.Event()
+
+    async def holding(ctx: trio_sessions.DrainContext) -> None:
+        await ctx.take_inputs()
+        entered.set()
+        await trio.sleep_forever()
+
+    holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    async with trio_sessions.open_runtime(path, holding) as runtime:
+        await runtime.submit("s", {"n": 1})
+        await entered.wait()
+        holder.execute("BEGIN IMMEDIATE")  # another process's commit, 10 ms long
+        commit = threading.Timer(0.01, holder.execute, ["ROLLBACK"])
+        commit.start()
+    commit.join()
+    try:
+        assert holder.execute("SELECT handed_back FROM session_execution").fetchall() == [(1,)]
+    finally:
+        holder.close()

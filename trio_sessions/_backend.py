@@ -344,8 +344,9 @@ class Executor(Protocol):
     async def run(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T: ...
 
     async def run_nowait(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
-        """Like `run`, but never wait for another process's lock: raise `StoreError` at
-        once instead (best-effort writes with a deadline: shutdown)."""
+        """Like `run`, but never wait for another process's lock beyond a commit's moment
+        (about 50 ms): raise `StoreError` instead (best-effort writes with a deadline:
+        shutdown)."""
         ...
 
     async def read(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:

@@ -43,6 +43,10 @@ LOCK_PATIENCE_S = 120.0
 # stays unused for at most one pause.
 LOCK_POLL_S = 0.0002
 LOCK_POLL_MAX_S = 0.002
+# How long a best-effort write (`run_nowait`: a shutdown's hand-back) tries for a lock
+# another process holds, as PostgreSQL's NOWAIT_LOCK_TIMEOUT_MS: a commit's moment, not a
+# long transaction.
+NOWAIT_PATIENCE_S = 0.05
 
 
 def connect(

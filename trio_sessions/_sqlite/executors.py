@@ -53,6 +53,9 @@ from .._validate import check_flag
 from .changes import CHANGE_POLL, ChangeReader
 from .connections import (
     BUSY_TIMEOUT_MS,
+    LOCK_POLL_MAX_S,
+    LOCK_POLL_S,
+    NOWAIT_PATIENCE_S,
     DatabaseFile,
     check_synchronous,
     checkpoint,
@@ -159,9 +162,13 @@ def _run_nowait(
 ) -> T:
     job = Job(op, args)
     if not try_run_batch(conn, clock, [job], file, touched):
-        raise StoreError("the database is locked by another process; not waiting")
+        raise _Locked("the database is locked by another process; not waiting")
     result: T = job.unwrap()
     return result
+
+
+class _Locked(StoreError):
+    """`_run_nowait` found another connection holding the write lock: nothing ran."""
 
 
 @attrs.define(eq=False)
@@ -225,11 +232,24 @@ class ThreadExecutor:
         if self._handoff.in_flight or self.inline_conn is None:
             # The worker holds this process's write lock now: its batch ends soon.
             return await self.run(op, *args)
-        result: T = _run_nowait(
-            self.inline_conn, self.clock, op, args, self.file, self.reader.touched
-        )
-        await trio.lowlevel.cancel_shielded_checkpoint()
-        return result
+        # Another process's commit holds the lock for a moment at any instant under load:
+        # tried again in short pauses for NOWAIT_PATIENCE_S (PostgreSQL's lock_timeout),
+        # on the loop, so the caller's deadline still bounds it.
+        deadline = trio.current_time() + NOWAIT_PATIENCE_S
+        pause = LOCK_POLL_S
+        while True:
+            try:
+                result: T = _run_nowait(
+                    self.inline_conn, self.clock, op, args, self.file, self.reader.touched
+                )
+            except _Locked:
+                if trio.current_time() >= deadline:
+                    raise
+                await trio.sleep(pause)
+                pause = min(pause * 2, LOCK_POLL_MAX_S)
+                continue
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return result
 
     async def read(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
         return await self.reader.read(op, *args)
