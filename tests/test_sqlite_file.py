@@ -400,3 +400,19 @@ async def test_a_dead_owner_is_taken_over_after_the_grace_through_a_symlinked_na
         assert (await other.recover_once()).resumed == 1
         await other.wait_idle("s")
     assert resumed == ["s"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the WAL watch is inotify")
+async def test_a_store_named_through_a_symlink_watches_its_wal_instead_of_polling(
+    tmp_path: Path,
+) -> None:
+    """SQLite keeps the WAL beside the file a symlinked name resolves to, not beside the
+    link: the change signal must watch that WAL. Watching `<link>-wal` (no such file) fell
+    back to the 5 ms poll: an idle runtime used ~4% of a core instead of ~0.3% (§7: <= 1%)."""
+    real = tmp_path / "data"
+    real.mkdir()
+    link = tmp_path / "chat.db"
+    link.symlink_to(real / "chat.db")
+    async with _sqlite.SQLiteStore(link).open_executor(None) as executor:
+        assert isinstance(executor, _sqlite.ThreadExecutor)
+        assert executor.reader.watch is not None

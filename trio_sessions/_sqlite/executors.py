@@ -450,7 +450,9 @@ class SQLiteStore:
             contextlib.closing(connect_nonblocking(self.path, synchronous=self.synchronous))
         )
         conn.execute("SELECT 1 FROM sqlite_master LIMIT 1")  # the WAL file exists from here
-        watch = open_watch(f"{os.fspath(self.path)}-wal")
+        # The WAL sits beside the file the name resolves to (a symlink's target), where
+        # SQLite opened it: a watch on `<link>-wal` would never fire, leaving a 5 ms poll.
+        watch = open_watch(f"{os.path.realpath(self.path)}-wal")
         if watch is not None:
             connections.callback(watch.close)
         # `own_conn` unwrapped: the signal's PRAGMA is no statement of a batch.
