@@ -70,6 +70,20 @@ async def test_the_database_and_its_wal_and_shm_are_created_owner_only(
         assert modes(path) == OWNER_ONLY
 
 
+async def test_a_database_created_through_a_provisioned_symlink_is_owner_only(
+    tmp_path: Path, permissive_umask: None
+) -> None:
+    """A deployment's symlink provisioned before the first run (`chat.db -> data/chat.db`,
+    its target not yet there): the file created at the target is 0600 too. Creating with
+    O_EXCL on the link failed (a symlink exists), so SQLite created it 0644."""
+    (tmp_path / "data").mkdir()
+    link = tmp_path / "chat.db"
+    link.symlink_to(tmp_path / "data" / "chat.db")
+    async with trio_sessions.open_runtime(link, None) as rt:
+        await rt.submit("s", {"text": "private"})
+        assert modes(tmp_path / "data" / "chat.db") == OWNER_ONLY
+
+
 async def test_an_existing_files_mode_is_left_as_the_user_set_it(tmp_path: Path) -> None:
     """A database file that exists already keeps its mode (the operator chose it)."""
     path = tmp_path / "sessions.db"

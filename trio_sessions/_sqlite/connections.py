@@ -90,7 +90,9 @@ def _create_owner_only(path: str) -> None:
     if path in IN_MEMORY_NAMES:
         return
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        # At the file a symlink names (one provisioned before the first run): O_EXCL on
+        # the link itself fails, whether or not its target exists.
+        fd = os.open(os.path.realpath(path), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
         return
     except OSError as exc:
