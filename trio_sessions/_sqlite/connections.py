@@ -43,6 +43,10 @@ LOCK_PATIENCE_S = 120.0
 # stays unused for at most one pause.
 LOCK_POLL_S = 0.0002
 LOCK_POLL_MAX_S = 0.002
+# The size a WAL file is cut back to once it restarts (`journal_size_limit`): a reader
+# holding a snapshot, or several processes' checkpoints racing each other's commits, may let
+# it grow for a while, and SQLite otherwise keeps the file at its largest size for good.
+WAL_SIZE_LIMIT = 64 * 1024 * 1024
 # How long a best-effort write (`run_nowait`: a shutdown's hand-back) tries for a lock
 # another process holds, as PostgreSQL's NOWAIT_LOCK_TIMEOUT_MS: a commit's moment, not a
 # long transaction.
@@ -194,6 +198,7 @@ def _configure(conn: sqlite3.Connection, synchronous: str = "NORMAL") -> None:
         conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
         conn.execute("PRAGMA foreign_keys = ON")
         conn.execute(f"PRAGMA synchronous = {synchronous}")
+        conn.execute(f"PRAGMA journal_size_limit = {int(WAL_SIZE_LIMIT)}")
     except sqlite3.DatabaseError as exc:
         raise _unreadable(database_name(conn), exc) from exc
 
