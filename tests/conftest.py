@@ -22,7 +22,7 @@ import pytest
 import trio
 from backends import EngineDb, HandClock, PgLocation
 
-from trio_sessions import testing
+from trio_sessions import Store, testing
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -58,6 +58,16 @@ def db_path(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> Any
         schema = request.getfixturevalue("pg_schema" if unmigrated else "migrated_schema")
         return PgLocation(request.getfixturevalue("pg_url"), schema)
     return tmp_path / "sessions.db"
+
+
+@pytest.fixture
+def live_store(db_path: Any) -> Any:
+    """The test's store with its own threads and change signal (real time)."""
+    if isinstance(db_path, PgLocation):
+        from trio_sessions._postgres import PostgresStore
+
+        return PostgresStore(db_path.url, schema=db_path.schema)
+    return Store(db_path)
 
 
 @pytest.fixture

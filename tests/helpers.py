@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import attrs
 import backends
@@ -41,6 +41,25 @@ async def runtime(
     with trio.fail_after(VIRTUAL_TIME_LIMIT):
         async with trio_sessions.open_runtime(store, drain, clock=clock, **options) as rt:
             yield rt
+
+
+W = TypeVar("W")
+
+
+class WrappedStore(Generic[W]):
+    """A store whose executor a test wraps (`wrap(executor)`: one that holds, slows or fails
+    chosen operations); `executor` is that wrapper once the runtime opened it."""
+
+    def __init__(self, inner: Any, wrap: Callable[[Any], W]) -> None:
+        self._inner = inner
+        self._wrap = wrap
+        self.executor: W | None = None
+
+    @asynccontextmanager
+    async def open_executor(self, clock: Any) -> AsyncIterator[Any]:
+        async with self._inner.open_executor(clock) as executor:
+            self.executor = self._wrap(executor)
+            yield self.executor
 
 
 class JumpingClock:

@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from backends import PgLocation
 from helpers import Raw, Recorder, now_ms, open_tool_message, runtime, start_run
 from trio.testing import MockClock
 
@@ -38,16 +37,6 @@ from trio_sessions import (
 from trio_sessions._codec import decode_assistant
 
 Clock = Callable[[], float]
-
-
-@pytest.fixture
-def live_store(db_path: Any) -> Any:
-    """The test's store with its own threads and change signal (real time)."""
-    if isinstance(db_path, PgLocation):
-        from trio_sessions._postgres import PostgresStore
-
-        return PostgresStore(db_path.url, schema=db_path.schema)
-    return Store(db_path)
 
 
 RECOVERY_ROWS = "SELECT COUNT(*) FROM session_recovery WHERE session_id = ?"

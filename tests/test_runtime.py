@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import sqlite3
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
 import trio.testing
-from helpers import JumpingClock, Raw, Recorder, now_ms, runtime, start_run
+from helpers import JumpingClock, Raw, Recorder, WrappedStore, now_ms, runtime, start_run
 from trio.testing import MockClock
 
 import trio_sessions
@@ -1159,18 +1158,6 @@ class _SlowAcquireExecutor:
         return result
 
 
-class _SlowAcquireStore:
-    def __init__(self, inner: Any, delay: float, ops: tuple[Any, ...] = _ACQUISITIONS) -> None:
-        self._inner = inner
-        self._delay = delay
-        self._ops = ops
-
-    @asynccontextmanager
-    async def open_executor(self, clock: Any) -> AsyncIterator[Any]:
-        async with self._inner.open_executor(clock) as executor:
-            yield _SlowAcquireExecutor(executor, self._delay, self._ops)
-
-
 async def test_a_claim_past_its_local_deadline_at_commit_reaches_no_user_code(
     store: Store, clock: Clock, autojump_clock: MockClock
 ) -> None:
@@ -1183,7 +1170,7 @@ async def test_a_claim_past_its_local_deadline_at_commit_reaches_no_user_code(
     async def hook(claim: Claim) -> None:
         hooked.append(claim)
 
-    slow = _SlowAcquireStore(store, 31.0)  # the lease is 30 s
+    slow = WrappedStore(store, lambda e: _SlowAcquireExecutor(e, 31.0))  # the lease is 30 s
     async with runtime(slow, drain, clock, acquisition_hook=hook) as rt:
         await rt.wake("s")
         await rt.wait_idle("s")
@@ -1207,7 +1194,7 @@ async def test_a_rung_claim_answered_past_its_local_deadline_reaches_no_user_cod
     async def hook(claim: Claim) -> None:
         hooked.append(claim)
 
-    slow = _SlowAcquireStore(store, 31.0)  # the lease is 30 s
+    slow = WrappedStore(store, lambda e: _SlowAcquireExecutor(e, 31.0))  # the lease is 30 s
     quiet = {"recovery_interval": 10_000.0}  # only the first pass, which rings the doorbell
     async with runtime(slow, drain, clock, acquisition_hook=hook, **quiet) as rt:
         await rt.wait_idle("s")
@@ -1234,7 +1221,9 @@ async def test_a_takeover_answered_past_its_local_deadline_reaches_no_user_code(
     async def hook(claim: Claim) -> None:
         hooked.append(claim)
 
-    slow = _SlowAcquireStore(store, 31.0, ops=(_store.apply_recovery_batch,))
+    slow = WrappedStore(
+        store, lambda e: _SlowAcquireExecutor(e, 31.0, (_store.apply_recovery_batch,))
+    )
     async with runtime(
         slow,
         drain,
@@ -1272,17 +1261,6 @@ class _LateThenUnreachableExecutor:
         return result
 
 
-class _LateThenUnreachableStore:
-    def __init__(self, inner: Any, delay: float) -> None:
-        self._inner = inner
-        self._delay = delay
-
-    @asynccontextmanager
-    async def open_executor(self, clock: Any) -> AsyncIterator[Any]:
-        async with self._inner.open_executor(clock) as executor:
-            yield _LateThenUnreachableExecutor(executor, self._delay)
-
-
 async def test_a_renewal_answered_late_counts_from_when_it_was_sent(
     store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
 ) -> None:
@@ -1301,7 +1279,7 @@ async def test_a_renewal_answered_late_counts_from_when_it_was_sent(
             stopped_at.append(clock())
 
     raw = Raw(db_path)
-    slow = _LateThenUnreachableStore(store, 15.0)  # heartbeats every 10 s
+    slow = WrappedStore(store, lambda e: _LateThenUnreachableExecutor(e, 15.0))  # beats: 10 s
     async with runtime(slow, drain, clock) as rt, trio.open_nursery() as nursery:
         outcomes = start_run(nursery, rt, "s")
         await entered.wait()
@@ -1333,17 +1311,6 @@ class _SlowFinishUnreachableExecutor:
         return result
 
 
-class _SlowFinishUnreachableStore:
-    def __init__(self, inner: Any, delay: float) -> None:
-        self._inner = inner
-        self._delay = delay
-
-    @asynccontextmanager
-    async def open_executor(self, clock: Any) -> AsyncIterator[Any]:
-        async with self._inner.open_executor(clock) as executor:
-            yield _SlowFinishUnreachableExecutor(executor, self._delay)
-
-
 async def test_an_iteration_end_answered_past_its_local_deadline_reaches_no_user_code(
     store: Store, clock: Clock, autojump_clock: MockClock
 ) -> None:
@@ -1360,7 +1327,7 @@ async def test_an_iteration_end_answered_past_its_local_deadline_reaches_no_user
             entered.set()
             await finish.wait()
 
-    slow = _SlowFinishUnreachableStore(store, 31.0)  # the lease is 30 s
+    slow = WrappedStore(store, lambda e: _SlowFinishUnreachableExecutor(e, 31.0))  # lease: 30 s
     async with runtime(slow, drain, clock) as rt, trio.open_nursery() as nursery:
         outcomes = start_run(nursery, rt, "s")
         await entered.wait()
@@ -1390,18 +1357,6 @@ class _HeldAcquireExecutor:
         return await self._inner.run(op, *args)
 
 
-class _HeldAcquireStore:
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-        self.executor: _HeldAcquireExecutor | None = None
-
-    @asynccontextmanager
-    async def open_executor(self, clock: Any) -> AsyncIterator[Any]:
-        async with self._inner.open_executor(clock) as executor:
-            self.executor = _HeldAcquireExecutor(executor)
-            yield self.executor
-
-
 async def test_a_run_joining_an_acquisition_that_finds_the_session_held_records_its_wake(
     store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
 ) -> None:
@@ -1412,7 +1367,7 @@ async def test_a_run_joining_an_acquisition_that_finds_the_session_held_records_
     raw = Raw(db_path)
     async with trio_sessions.open_runtime(store, None, clock=clock) as producer:
         await producer.wake("s")  # a doorbell, no claim
-    held = _HeldAcquireStore(store)
+    held = WrappedStore(store, _HeldAcquireExecutor)
     quiet = {"recovery_interval": 10_000.0}
     async with runtime(held, Recorder(), clock, **quiet) as rt, trio.open_nursery() as nursery:
         assert held.executor is not None

@@ -8,15 +8,14 @@ cancelled is a shielded wait (as a `finally` that awaits) or a blocking call in 
 from __future__ import annotations
 
 import threading
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
 import trio.testing
-from helpers import Raw, runtime
+from helpers import Raw, WrappedStore, runtime
 from trio.testing import MockClock
 
 import trio_sessions
@@ -197,18 +196,6 @@ class _HeldFinishExecutor:
         return result
 
 
-class HeldFinishStore:
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-        self.executor: _HeldFinishExecutor | None = None
-
-    @asynccontextmanager
-    async def open_executor(self, clock: Any) -> AsyncIterator[Any]:
-        async with self._inner.open_executor(clock) as executor:
-            self.executor = _HeldFinishExecutor(executor)
-            yield self.executor
-
-
 async def test_no_drain_iteration_starts_once_the_runtime_is_closing(
     store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
 ) -> None:
@@ -224,7 +211,7 @@ async def test_no_drain_iteration_starts_once_the_runtime_is_closing(
             entered.set()
             await finish.wait()
 
-    held = HeldFinishStore(store)
+    held = WrappedStore(store, _HeldFinishExecutor)
     async with trio.open_nursery() as nursery:
         async with runtime(held, drain, clock, lease=LEASE) as rt:
             await rt.wake("s")

@@ -570,7 +570,7 @@ async def test_a_message_id_that_is_not_utf8_is_a_malformed_record_for_a_live_re
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgres"], indirect=True)
 async def test_more_remote_doorbells_than_one_look_takes_all_start_without_a_poll(
-    db_path: Any, monkeypatch: pytest.MonkeyPatch
+    db_path: Any, live_store: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """One commit of another process rings more doorbells than one look takes
     (`CHANGE_BATCH`): the look that took a full batch looks again at once, so every one
@@ -583,14 +583,7 @@ async def test_more_remote_doorbells_than_one_look_takes_all_start_without_a_pol
     async def drain(ctx: DrainContext) -> None:
         started.add(ctx.session_id)
 
-    store: Any
-    if isinstance(db_path, PgLocation):
-        from trio_sessions._postgres import PostgresStore
-
-        store = PostgresStore(db_path.url, schema=db_path.schema)
-    else:
-        store = trio_sessions.Store(db_path)
-    async with trio_sessions.open_runtime(store, drain, **NO_RECOVERY):
+    async with trio_sessions.open_runtime(live_store, drain, **NO_RECOVERY):
         await trio.sleep(0.2)  # the worker's first look is done: only the signal is left
         ids = [f"s{n:03}" for n in range(count)]
         # One transaction rings them all: one signal (another process's, or an operator's).
@@ -612,7 +605,7 @@ async def test_more_remote_doorbells_than_one_look_takes_all_start_without_a_pol
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgres"], indirect=True)
 async def test_a_remote_wake_just_after_the_owners_finish_released_starts_at_once(
-    db_path: Any, monkeypatch: pytest.MonkeyPatch
+    db_path: Any, live_store: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Another process wakes a session just after the worker's finish transaction released
     its claim, while the worker still holds the registry entry (its busy period ending).
@@ -634,14 +627,7 @@ async def test_a_remote_wake_just_after_the_owners_finish_released_starts_at_onc
             released.set()
             await let_go.wait()
 
-    store: Any
-    if isinstance(db_path, PgLocation):
-        from trio_sessions._postgres import PostgresStore
-
-        store = PostgresStore(db_path.url, schema=db_path.schema)
-    else:
-        store = trio_sessions.Store(db_path)
-    async with trio_sessions.open_runtime(store, drain, **NO_RECOVERY) as worker:
+    async with trio_sessions.open_runtime(live_store, drain, **NO_RECOVERY) as worker:
         testing.set_seams(worker, after_finish=after_finish)
         await worker.wake("s")
         with trio.fail_after(BOUND):
@@ -746,7 +732,7 @@ async def test_a_remote_interrupt_just_after_the_claim_committed_stops_it_before
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgres"], indirect=True)
 async def test_more_doorbells_than_the_first_pass_takes_all_start_when_a_worker_opens(
-    db_path: Any, monkeypatch: pytest.MonkeyPatch
+    db_path: Any, live_store: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Wakes rung while no worker ran (their signals went nowhere), more than the opening
     recovery pass takes (`recovery_batch`): the worker's change loop looks for the rest at
@@ -758,14 +744,7 @@ async def test_more_doorbells_than_the_first_pass_takes_all_start_when_a_worker_
     async def drain(ctx: DrainContext) -> None:
         started.add(ctx.session_id)
 
-    store: Any
-    if isinstance(db_path, PgLocation):
-        from trio_sessions._postgres import PostgresStore
-
-        store = PostgresStore(db_path.url, schema=db_path.schema)
-    else:
-        store = trio_sessions.Store(db_path)
-    async with trio_sessions.open_runtime(store, None):
+    async with trio_sessions.open_runtime(live_store, None):
         pass  # the schema
     ids = [f"s{n:03}" for n in range(count)]
     Raw(db_path).write(
@@ -773,7 +752,7 @@ async def test_more_doorbells_than_the_first_pass_takes_all_start_when_a_worker_
         + ", ".join("(?, 1, 1, 1)" for _ in ids),
         tuple(ids),
     )
-    async with trio_sessions.open_runtime(store, drain, recovery_batch=100, **NO_RECOVERY):
+    async with trio_sessions.open_runtime(live_store, drain, recovery_batch=100, **NO_RECOVERY):
         with trio.move_on_after(BOUND * 2):
             while len(started) < count:
                 await trio.sleep(0.01)
