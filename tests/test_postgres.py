@@ -627,6 +627,32 @@ def test_group_commit_batch_runs_in_one_transaction(pg_url: str, pg_schema: str)
     assert [job.unwrap() for job in jobs] == [f"in-{i}" for i in range(10)]
 
 
+@pytest.mark.parametrize(
+    "jobs",
+    [
+        pytest.param(
+            [Job(_store.submit, ("s1", "{}", "in-1")), Job(_store.submit, ("s2", "{}", "in\x002"))],
+            id="set-wise-autocommit",
+        ),
+        pytest.param([Job(_store.wake, ("s1",)), Job(_store.wake, ("s\x002",))], id="transaction"),
+    ],
+)
+def test_an_argument_the_driver_refuses_fails_its_own_job_only(
+    pg_url: str, pg_schema: str, jobs: list[Job]
+) -> None:
+    """A NUL in one job's argument (the driver refuses it before sending anything) fails
+    that job with a plain StoreError - no connection was lost, no outcome is unknown - and
+    the other job of its batch commits, with no reconnect."""
+    with opened(PostgresStore(pg_url, schema=pg_schema).engine()) as engine:
+        engine.run_batch(jobs)
+        assert engine.reconnects == 0
+    assert jobs[0].error is None
+    assert type(jobs[1].error) is StoreError
+    assert "NUL" in str(jobs[1].error)
+    with raw(pg_url, pg_schema) as conn:
+        assert conn.execute("SELECT id FROM session").fetchall() == [("s1",)]
+
+
 # ---------------------------------------------------------------------------------------------
 # Writer lanes: several writer connections, one session's operations on one of them
 

@@ -118,6 +118,11 @@ def _connection_lost(conn: Any, exc: BaseException) -> bool:
     if conn is not None and (conn.closed or conn.broken):
         return True
     state = exc.sqlstate
+    if state is None and isinstance(exc, psycopg.DataError):
+        # The driver refused a parameter before sending it (a NUL in a text): the
+        # connection is fine and nothing reached the server - that job's own error, not a
+        # lost reply to re-open for (and never an outcome left unknown).
+        return False
     # No SQLSTATE: a client-side failure (socket closed, EOF). 08: connection exceptions;
     # 57P01-57P03: the server terminated us (pg_terminate_backend, shutdown); 25P03: our
     # idle-in-transaction timeout fired.
