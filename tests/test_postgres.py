@@ -33,6 +33,7 @@ from trio_sessions import (
     MessageFinished,
     SchemaTooNew,
     StoreError,
+    _liveness,
     _postgres,
     _store,
     _transcript,
@@ -651,6 +652,35 @@ def test_an_argument_the_driver_refuses_fails_its_own_job_only(
     assert "NUL" in str(jobs[1].error)
     with raw(pg_url, pg_schema) as conn:
         assert conn.execute("SELECT id FROM session").fetchall() == [("s1",)]
+
+
+async def test_an_admins_idle_session_timeout_never_ends_a_connection_idle_by_design(
+    pg_url: str, migrated_schema: str
+) -> None:
+    """A server-side `idle_session_timeout` (an admin's; here the URL's options set it, as a
+    role default would) never ends the connections that are idle by design: the liveness
+    token's (its loss stops every drain of the runtime) and the listener's."""
+    url = pg_url + ("&" if "?" in pg_url else "?") + "options=-c%20idle_session_timeout%3D100"
+    token = _liveness.PgToken(
+        lambda: _postgres.token_connection(url, migrated_schema), "owner", False, None
+    )
+    await token.take()
+    listener = _postgres.PgListener(url, migrated_schema, inline=False)
+    await listener.open()
+    assert listener.conn is not None and token.conn is not None
+    pids = [listener.conn.info.backend_pid, token.conn.info.backend_pid]
+    try:
+        with trio.move_on_after(1.0) as idle:  # ten times the timeout (real time)
+            await token.wait_lost()
+        assert idle.cancelled_caught
+        with raw(pg_url, migrated_schema) as conn:
+            alive = conn.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE pid = ANY(%s)", (pids,)
+            ).fetchone()
+        assert alive == (2,)
+    finally:
+        listener.close()
+        token.close()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -159,8 +159,26 @@ def connect(
         raise StoreError(message) from None
     # Explicit: a database or role default must not change the isolation the fences assume.
     conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
+    _never_idle_out(conn, url)
     _WATCHDOG.watch(conn)
     return conn
+
+
+def _never_idle_out(conn: psycopg.Connection[Any], url: str) -> None:
+    """Turn off an admin's `idle_session_timeout` (PostgreSQL 14 on) for this session: the
+    listener's and the liveness token's connections are idle by design - the server ending
+    the token's would stop every drain of the runtime each time, the listener's cost a
+    rescan. Set here, not in the startup options: an older server refuses a parameter it
+    does not know, and only now is its version known."""
+    if conn.info.server_version < 140000:
+        return
+    try:
+        conn.execute("SET idle_session_timeout = 0")
+        conn.commit()
+    except psycopg.Error as exc:
+        conn.close()
+        message = mask_password(f"{type(exc).__name__}: {exc}", secrets=secrets_of(url))
+        raise StoreError(message) from None
 
 
 class _WatchedConnection(psycopg.Connection[Any]):
