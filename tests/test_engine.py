@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 from backends import PgLocation
+from helpers import terminate_backend
 
-from trio_sessions import _backend, _schema, _store
+from trio_sessions import _backend, _postgres, _schema, _store
 from trio_sessions._backend import Engine, Tx
 from trio_sessions._errors import InputConflict, StoreError
 
@@ -72,3 +73,19 @@ def test_an_engine_opened_without_migrate_never_writes_the_schema(
 def test_a_schema_needs_a_postgresql_url(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="postgresql://"):
         _backend.open_engine(tmp_path / "s.db", schema="public")
+
+
+def test_a_postgresql_engines_schema_version_survives_a_lost_connection(
+    pg_url: str, migrated_schema: str
+) -> None:
+    """`schema_version()` after the server ended the engine's connection (a restart, an
+    admin's pg_terminate_backend) re-opens it, as `run` and `read` do: no bare driver error
+    (`psycopg.OperationalError`) reaches the CLI's health check."""
+    engine = _backend.open_engine(pg_url, schema=migrated_schema)
+    try:
+        assert isinstance(engine, _postgres.PgSyncEngine)
+        terminate_backend(pg_url, engine.engine.conn.info.backend_pid)
+        assert engine.schema_version() == _schema.POSTGRES_SCHEMA_VERSION
+        assert engine.engine.reconnects == 1
+    finally:
+        engine.close()

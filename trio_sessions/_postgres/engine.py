@@ -692,6 +692,12 @@ def _one_autocommit_kind(jobs: Sequence[Job]) -> bool:
     return bool(op.__dict__.get("pg_batched_autocommit")) and all(job.op is op for job in jobs)
 
 
+def _schema_version(tx: Any) -> int:
+    """The schema's version, read on the transaction's connection (no statement of its
+    own: nothing to begin or commit)."""
+    return schema_version(tx.conn)
+
+
 def _call(tx: Tx, function: str, *args: Any) -> list[Any]:
     return tx.call(function, *args)
 
@@ -732,13 +738,9 @@ class PgSyncEngine:
         return result
 
     def schema_version(self) -> int:
-        conn = self.engine.conn
-        try:
-            return schema_version(conn)
-        except psycopg.Error as exc:
-            raise driver_error(exc) from exc
-        finally:
-            conn.rollback()
+        # Read as an operation: a lost connection is re-opened within the bounds, as for
+        # `run` and `read`, and the driver's errors reach the caller as `StoreError`.
+        return self.read(_schema_version)
 
     def close(self) -> None:
         self.engine.close()
