@@ -31,6 +31,7 @@ from trio_sessions import (
     Outcome,
     _filewatch,
     _loops,
+    _store,
 )
 from trio_sessions._signals import Watcher
 
@@ -757,3 +758,81 @@ async def test_more_doorbells_than_the_first_pass_takes_all_start_when_a_worker_
             while len(started) < count:
                 await trio.sleep(0.01)
     assert len(started) == count, (looks.started, looks.ended)
+
+
+class HeldReply:
+    """The runtime's executor, with the first `acquire` of `session_id` run at once but its
+    reply held until `go` (the server answered; the runtime has not heard yet)."""
+
+    def __init__(self, inner: Any, session_id: str) -> None:
+        self._inner = inner
+        self._session_id = session_id
+        self.answered, self.go = trio.Event(), trio.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def run(self, op: Any, *args: Any) -> Any:
+        result = await self._inner.run(op, *args)
+        if op is _store.acquire and args[0] == self._session_id and not self.answered.is_set():
+            self.answered.set()
+            await self.go.wait()
+        return result
+
+
+@pytest.mark.parametrize("backend", ["postgres"], indirect=True)
+async def test_a_locked_doorbell_whose_holder_signalled_during_its_acquire_starts_at_once(
+    db_path: Any, live_store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """max_active=1: the oldest waiting session's acquire finds it locked by another
+    transaction ('busy'), which commits - signalling the session - before that answer
+    reaches the runtime. The look that signal caused passed the session over (its
+    acquisition in flight here); the answer then passes its doorbell over 'until a signal
+    names it' - the signal that did came already. It must start at once (as it did before
+    the pass-over: the place the acquisition freed kicked a look that took it), not at the
+    fallback poll."""
+    looks = CountedLooks(monkeypatch)  # and no fallback poll
+    named = trio.Event()
+    begun = 0  # looks started when the signal naming it was taken: its own is the next
+    look_again = _loops.BackgroundLoops._look_again_at_passed_over
+
+    def noting(loops: _loops.BackgroundLoops, signal: Any, *, everything: bool) -> None:
+        nonlocal begun
+        if signal is not None and "locked" in signal.sessions and not named.is_set():
+            begun = looks.started
+            named.set()
+        look_again(loops, signal, everything=everything)
+
+    monkeypatch.setattr(_loops.BackgroundLoops, "_look_again_at_passed_over", noting)
+    let_go = trio.Event()
+    started: list[str] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        started.append(ctx.session_id)
+        if ctx.session_id == "busy":
+            await let_go.wait()
+
+    with pg_raw(db_path.url, db_path.schema) as holder:
+        async with trio_sessions.open_runtime(live_store, drain, max_active=1, **NO_RECOVERY) as rt:
+            await rt.wake("busy")
+            await rt.wake("locked")  # no room: it waits, durable
+            held = HeldReply(rt._db, "locked")
+            rt._db = held  # type: ignore[assignment]
+            holder.execute("BEGIN")
+            holder.execute("SELECT ts_lock(%s)", ("locked",))
+            let_go.set()
+            try:
+                with trio.fail_after(BOUND):
+                    await held.answered.wait()  # 'busy': the holder has the lock
+                    holder.execute("SELECT ts_signal(%s)", ("locked",))
+                    holder.execute("COMMIT")
+                    await named.wait()
+                    while looks.ended <= begun:
+                        await trio.sleep(0.01)
+                assert rt.is_active("locked")  # that look passed it over: held here
+            finally:
+                held.go.set()
+            with trio.move_on_after(BOUND):
+                while "locked" not in started:
+                    await trio.sleep(0.01)
+    assert started == ["busy", "locked"]

@@ -318,7 +318,7 @@ class BusyPeriods:
             # Not owned: the claim attempt itself failed (a store error while acquiring),
             # and no drain ran.
             ending = _Ending("failed" if entry.owned else "claim_failed", error=exc)
-            if not entry.owned:
+            if not entry.owned and not entry.signalled:
                 self._runtime._loops.pass_over(entry.session_id)
         if ending is None:
             ending = _INTERRUPTED
@@ -333,6 +333,7 @@ class BusyPeriods:
         runtime = self._runtime
         if not entry.owned:
             entry.begin_deciding()
+            entry.signalled = False  # only a signal taken from now on follows its answer
             # Shielded: the claim commit, the registration flip and the finalizer
             # installation (entry.owned is what the finalizer acts on) happen together or
             # not at all; an interrupt meanwhile is honoured right after.
@@ -359,7 +360,7 @@ class BusyPeriods:
                 if acquired.verdict is AcquireVerdict.CLAIM:
                     self.own(entry, attempt=acquired.attempt, resumed=False, sent_at=sent_at)
             if acquired.verdict is not AcquireVerdict.CLAIM:
-                if acquired.locked:
+                if acquired.locked and not entry.signalled:
                     runtime._loops.pass_over(entry.session_id)
                 # The schedule point the acquire left to its caller (`caller_yields_next`);
                 # a claim goes on to its drain, which gives the loop up (or the task ends).

@@ -142,6 +142,9 @@ class SessionEntry:
     # Its claim left it durably (`disown`) and its busy period goes on, or ends, from here.
     disowned: bool = False
     deciding: bool = False
+    # A change signal named the session while its acquisition was in flight: the look it
+    # caused passed it over (held here), so its answer must not pass its doorbell over.
+    signalled: bool = False
     rings: int = 0
     rings_seen: int = 0
     # Made by the first task that waits for the busy period's end (`released`).

@@ -75,11 +75,16 @@ class BackgroundLoops:
     def _look_again_at_passed_over(self, signal: Signal | None, *, everything: bool) -> None:
         """Forget the doorbells passed over that `signal` names, or all on a look at
         `everything` (the fallback poll, a reconnect: not our own kick), or whose time is
-        up."""
-        passed = self._runtime._passed_over
+        up; and mark the acquisitions in flight that `signal` names (`signalled`): the look
+        it causes passes them over, so their answer must not pass their doorbell over."""
+        passed, entries = self._runtime._passed_over, self._runtime._entries
+        named = frozenset() if signal is None else signal.sessions
+        for session_id in named:
+            entry = entries.get(session_id)
+            if entry is not None:
+                entry.signalled = True  # an answer in flight: the signal came already
         if passed:
             now = trio.current_time()
-            named = frozenset() if signal is None else signal.sessions
             for session_id, limit in list(passed.items()):
                 if everything or session_id in named or limit <= now:
                     del passed[session_id]
