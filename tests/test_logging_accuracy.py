@@ -8,11 +8,12 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import trio
 import trio.testing
 from backends import PgLocation
 from conftest import query
-from helpers import records, runtime
+from helpers import Raw, records, runtime
 
 import trio_sessions
 from trio_sessions import DrainContext, Message, Runtime, StoreError, _store
@@ -194,6 +195,53 @@ async def test_with_max_active_a_claim_attempt_that_fails_is_not_retried_in_a_ho
         await rt.recover_once()  # (or the change loop's next look) finds the wake, durable
         await rt.wait_idle("failing")
     assert started == ["busy", "next", "failing"]
+
+
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+async def test_a_failing_claim_attempt_stays_passed_over_while_another_process_commits(
+    live_store: Any, db_path: Any, logs: Any
+) -> None:
+    """As above, while another process commits now and then (any write to the file: a
+    producer's submit to another session). SQLite's change signal names no session, so
+    each such commit wakes the change loop with no signal - which read as 'a look at
+    everything' (meant: the fallback poll, a reconnect) and forgot the pass-over: the
+    failing doorbell was tried again at every other process's commit, up to one attempt
+    (and one 'claim attempt failed' log) per check gap. Passed over, it is tried again at
+    the fallback poll's time, not per commit."""
+    let_go = trio.Event()
+    started: list[str] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        started.append(ctx.session_id)
+        if ctx.session_id == "busy":
+            await let_go.wait()
+
+    async def refuse_one(op: Any, *args: Any) -> Any:
+        if args[0] != "failing":
+            return await healthy.run(op, *args)
+        await trio.lowlevel.checkpoint()
+        raise StoreError("disk full")
+
+    async with trio_sessions.open_runtime(
+        live_store, drain, max_active=1, recovery_interval=10_000.0
+    ) as rt:
+        await rt.wake("busy")
+        await rt.wake("failing")  # no room: it waits, durable
+        await trio.sleep(0.1)
+        healthy = rt._db
+        rt._db = Intercepted(healthy, {_store.acquire: refuse_one})  # type: ignore[assignment]
+        let_go.set()
+        for n in range(50):  # another process's commits, 20 ms apart: one second
+            await trio.sleep(0.02)
+            Raw(db_path).write(
+                "INSERT INTO session(id, time_created) VALUES (?, 1)", (f"other-{n}",)
+            )
+        attempts = len(records(logs, events.CLAIM_ATTEMPT_FAILED))
+        rt._db = healthy
+        assert attempts == 1
+        await rt.recover_once()
+        await rt.wait_idle("failing")
+    assert started == ["busy", "failing"]
 
 
 # --- item 11: a heartbeat racing a normal release is not a lost claim --------------------------

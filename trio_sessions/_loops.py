@@ -51,6 +51,7 @@ class BackgroundLoops:
         latency only: the fallback poll and recovery still find the work."""
         runtime = self._runtime
         while True:
+            waited_from = trio.current_time()
             signal = await runtime._db.wait_for_change(
                 runtime._kick,
                 CHANGE_FALLBACK_POLL,
@@ -58,7 +59,11 @@ class BackgroundLoops:
                 follows=runtime._busy.followed,
             )
             kicked, runtime._kick = runtime._kick.is_set(), trio.Event()
-            self._look_again_at_passed_over(signal, everything=signal is None and not kicked)
+            # A look at everything is the fallback poll's: SQLite's signal (another
+            # process's commit) names nothing either, and comes at every such commit.
+            polled = trio.current_time() - waited_from >= CHANGE_FALLBACK_POLL
+            everything = signal is None and not kicked and polled
+            self._look_again_at_passed_over(signal, everything=everything)
             with contextlib.suppress(StoreError):  # looked at again at the next signal
                 await self._look_at_changes(signal)
 
@@ -74,8 +79,8 @@ class BackgroundLoops:
 
     def _look_again_at_passed_over(self, signal: Signal | None, *, everything: bool) -> None:
         """Forget the doorbells passed over that `signal` names, or all on a look at
-        `everything` (the fallback poll, a reconnect: not our own kick), or whose time is
-        up; and mark the acquisitions in flight that `signal` names (`signalled`): the look
+        `everything` (the fallback poll: not our own kick, nor an unnamed signal), or whose
+        time is up; and mark the acquisitions in flight that `signal` names (`signalled`): the look
         it causes passes them over, so their answer must not pass their doorbell over."""
         passed, entries = self._runtime._passed_over, self._runtime._entries
         named = frozenset() if signal is None else signal.sessions
