@@ -290,3 +290,29 @@ async def test_a_cancels_trace_lasts_ten_minutes_of_the_lease_clock(
                 "SELECT id FROM session_input_cancelled ORDER BY id"
             ).fetchall()
     assert traces == [("i2",), ("i3",)]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open defect: a cancel's trace (schema 19) answers any retry of a submit with that"
+    " id and payload for ten minutes, also the retry of a later first call that never ran",
+)
+async def test_a_submit_again_of_a_cancelled_id_whose_call_never_ran_is_stored(
+    pg_url: str, pg_schema: str, autojump_clock: MockClock
+) -> None:
+    """§5.1: a first submit with a cancelled input's id stores it anew (the cancel's trace
+    answers only a retry). When that submit's call never ran - its connection lost while it
+    waited for the session's lock, so the engine calls again (`p_retry`) - the retry must
+    store it, not read the earlier cancel's trace as this call's landed input: the submit
+    returned its id and nothing was stored, the input silently lost."""
+    with control_connection(pg_url, pg_schema) as control:
+        faults = Faults(pg_url, pg_schema, control)
+        store = lossy_store(pg_url, pg_schema, faults)
+        async with open_runtime(store, None, clock=ts_testing.trio_clock()) as rt:
+            assert await rt.submit("s", {"n": 1}, input_id="i1") == "i1"
+            assert await rt.cancel_input("i1") is True
+            faults.arm(Plan(1, Mode.BLOCKED))  # killed while waiting: it never ran
+            assert await rt.submit("s", {"n": 1}, input_id="i1") == "i1"
+            assert faults.fired is not None and "ts_submit(" in faults.fired, faults.fired
+            pending = control.execute("SELECT id FROM session_input").fetchall()
+    assert pending == [("i1",)]
