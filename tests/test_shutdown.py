@@ -345,3 +345,39 @@ async def test_an_interrupt_during_a_rolling_restarts_handoff_stops_the_work(
     assert accepted
     assert [c.resumed for c in calls] == [False]
     assert Raw(db_path).claim("s") is None
+
+
+async def test_a_batch_the_close_stopped_before_its_thread_ran_is_refused_not_unknown() -> None:
+    """The SQLite hand-off waits for the worker thread's limiter, which a passive WAL
+    checkpoint (`_checkpoint_beside_writers`) may hold; the executor closing meanwhile
+    cancels `trio.to_thread.run_sync` before anything ran. Its callers must fail as
+    operations the close left unrun do (`StoreError`), not `OutcomeUnknown` - which tells
+    them their write may have committed (9d48c58 made every error of a hand-off that)."""
+    queue = HandoffQueue()
+    limiter = trio.CapacityLimiter(1)
+    ran: list[str] = []
+    results: list[object] = []
+
+    async def hand_off(batch: list[Queued]) -> None:
+        def run() -> None:
+            for queued in batch:
+                ran.append(queued.job.op(*queued.job.args))
+                queued.job.result = ran[-1]
+
+        await trio.to_thread.run_sync(run, limiter=limiter)
+
+    async def caller() -> None:
+        try:
+            results.append(await queue.submit(Job(str.upper, ("ran",))))
+        except StoreError as exc:
+            results.append(exc)
+
+    async with trio.open_nursery() as nursery:
+        await limiter.acquire()  # the checkpoint's thread holds it
+        async with pumping(queue, hand_off):
+            nursery.start_soon(caller)
+            await trio.testing.wait_all_tasks_blocked()  # the hand-off waits for the limiter
+        limiter.release()
+    assert ran == []
+    assert len(results) == 1 and isinstance(results[0], StoreError), results
+    assert not isinstance(results[0], OutcomeUnknown), results

@@ -151,6 +151,14 @@ class HandoffQueue:
         self.in_flight = True
         try:
             await hand_off(batch)
+        except trio.Cancelled:
+            # Only the executor's close cancels the pump, and a hand-off is cancelled then
+            # only before anything ran (waiting for the worker's limiter: its thread is never
+            # abandoned): refused as what the close left queued is.
+            for queued in batch:
+                if queued.job.error is None:
+                    queued.job.error = StoreError("the store executor closed before this ran")
+            raise
         except BaseException as exc:
             # An error no engine made a job's outcome: whether the batch ran is unknown,
             # and a caller must never take its unfilled result for a committed write.
