@@ -175,6 +175,20 @@ class Recorder:
         return self.gate
 
 
+@attrs.define
+class HoldsBusy:
+    """A drain that records the sessions it drains, in order, and holds session "busy"
+    until `let_go`: with `max_active=1`, the one place stays taken until then."""
+
+    started: list[str] = attrs.Factory(list)
+    let_go: trio.Event = attrs.Factory(trio.Event)
+
+    async def __call__(self, ctx: DrainContext) -> None:
+        self.started.append(ctx.session_id)
+        if ctx.session_id == "busy":
+            await self.let_go.wait()
+
+
 class Raw:
     """Direct SQL on the database (SQLite file or PostgreSQL schema), as an operator would."""
 

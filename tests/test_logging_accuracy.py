@@ -13,7 +13,7 @@ import trio
 import trio.testing
 from backends import PgLocation
 from conftest import query
-from helpers import Raw, records, runtime
+from helpers import HoldsBusy, Raw, records, runtime
 
 import trio_sessions
 from trio_sessions import DrainContext, Message, Runtime, StoreError, _store
@@ -53,6 +53,21 @@ class Intercepted:
         if hook is None:
             return await self._inner.run(op, *args)
         return await hook(op, *args)
+
+
+def fail_claims_of(rt: Runtime, session_id: str) -> Any:
+    """Make every claim attempt on `session_id` fail at once (a store error: a full disk);
+    returns the runtime's own executor, to put back when the store answers again."""
+    healthy = rt._db
+
+    async def refuse(op: Any, *args: Any) -> Any:
+        if args[0] != session_id:
+            return await healthy.run(op, *args)
+        await trio.lowlevel.checkpoint()
+        raise StoreError("disk full")
+
+    rt._db = Intercepted(healthy, {_store.acquire: refuse})  # type: ignore[assignment]
+    return healthy
 
 
 # --- item 5: a failed drain's transcript error ------------------------------------------------
@@ -160,27 +175,15 @@ async def test_with_max_active_a_claim_attempt_that_fails_is_not_retried_in_a_ho
     scan, which must go on to the next waiting session - not pick the failing doorbell again
     and again, flooding the log with `claim attempt failed` and holding every other waiting
     session back. The failing one is taken once the store answers again."""
-    let_go = trio.Event()
-    started: list[str] = []
-
-    async def drain(ctx: DrainContext) -> None:
-        started.append(ctx.session_id)
-        if ctx.session_id == "busy":
-            await let_go.wait()
-
-    async def refuse_one(op: Any, *args: Any) -> Any:
-        if args[0] != "failing":
-            return await healthy.run(op, *args)
-        await trio.lowlevel.checkpoint()
-        raise StoreError("disk full")
+    drain = HoldsBusy()
+    let_go, started = drain.let_go, drain.started
 
     async with runtime(store, drain, clock, max_active=1, **QUIET) as rt:
         await rt.wake("busy")
         await rt.wake("failing")  # no room: both wait, oldest first
         await rt.wake("next")
         await trio.testing.wait_all_tasks_blocked()
-        healthy = rt._db
-        rt._db = Intercepted(healthy, {_store.acquire: refuse_one})  # type: ignore[assignment]
+        healthy = fail_claims_of(rt, "failing")
         let_go.set()
         # Scheduler rounds, not virtual time: a hot loop never lets the clock jump.
         for _ in range(500):
@@ -208,19 +211,8 @@ async def test_a_failing_claim_attempt_stays_passed_over_while_another_process_c
     failing doorbell was tried again at every other process's commit, up to one attempt
     (and one 'claim attempt failed' log) per check gap. Passed over, it is tried again at
     the fallback poll's time, not per commit."""
-    let_go = trio.Event()
-    started: list[str] = []
-
-    async def drain(ctx: DrainContext) -> None:
-        started.append(ctx.session_id)
-        if ctx.session_id == "busy":
-            await let_go.wait()
-
-    async def refuse_one(op: Any, *args: Any) -> Any:
-        if args[0] != "failing":
-            return await healthy.run(op, *args)
-        await trio.lowlevel.checkpoint()
-        raise StoreError("disk full")
+    drain = HoldsBusy()
+    let_go, started = drain.let_go, drain.started
 
     async with trio_sessions.open_runtime(
         live_store, drain, max_active=1, recovery_interval=10_000.0
@@ -228,8 +220,7 @@ async def test_a_failing_claim_attempt_stays_passed_over_while_another_process_c
         await rt.wake("busy")
         await rt.wake("failing")  # no room: it waits, durable
         await trio.sleep(0.1)
-        healthy = rt._db
-        rt._db = Intercepted(healthy, {_store.acquire: refuse_one})  # type: ignore[assignment]
+        healthy = fail_claims_of(rt, "failing")
         let_go.set()
         for n in range(50):  # another process's commits, 20 ms apart: one second
             await trio.sleep(0.02)

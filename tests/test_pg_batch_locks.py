@@ -20,10 +20,11 @@ import pytest
 import trio
 import trio.testing
 from conftest import fresh_schema
+from helpers import HoldsBusy
 from helpers import pg_engine_at as engine_at
 from helpers import pg_raw as raw
 
-from trio_sessions import DrainContext, _backend, _store, open_runtime
+from trio_sessions import _backend, _store, open_runtime
 from trio_sessions._backend import Job
 from trio_sessions._decisions import AcquireVerdict
 from trio_sessions._postgres import PgTx, PostgresStore, connections, run_op
@@ -371,13 +372,8 @@ async def test_a_doorbell_locked_elsewhere_does_not_keep_max_active_spinning(
     once without claiming, which frees the place again; the change scan must then go on to
     the next waiting session, not pick the locked one again and again (a hot loop of scans
     and acquires for as long as the lock is held, every other waiting session held back)."""
-    let_go = trio.Event()
-    started: list[str] = []
-
-    async def drain(ctx: DrainContext) -> None:
-        started.append(ctx.session_id)
-        if ctx.session_id == "busy":
-            await let_go.wait()
+    drain = HoldsBusy()
+    let_go, started = drain.let_go, drain.started
 
     store = PostgresStore(pg_url, schema=pg_schema, inline=True)
     with trio.fail_after(600), raw(pg_url, pg_schema) as holder:

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import trio
 from backends import PgLocation
-from helpers import Raw, pg_raw
+from helpers import HoldsBusy, Raw, pg_raw
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -804,13 +804,8 @@ async def test_a_locked_doorbell_whose_holder_signalled_during_its_acquire_start
         look_again(loops, signal, everything=everything)
 
     monkeypatch.setattr(_loops.BackgroundLoops, "_look_again_at_passed_over", noting)
-    let_go = trio.Event()
-    started: list[str] = []
-
-    async def drain(ctx: DrainContext) -> None:
-        started.append(ctx.session_id)
-        if ctx.session_id == "busy":
-            await let_go.wait()
+    drain = HoldsBusy()
+    let_go, started = drain.let_go, drain.started
 
     with pg_raw(db_path.url, db_path.schema) as holder:
         async with trio_sessions.open_runtime(live_store, drain, max_active=1, **NO_RECOVERY) as rt:
