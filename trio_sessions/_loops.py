@@ -80,8 +80,9 @@ class BackgroundLoops:
     def _look_again_at_passed_over(self, signal: Signal | None, *, everything: bool) -> None:
         """Forget the doorbells passed over that `signal` names, or all on a look at
         `everything` (the fallback poll: not our own kick, nor an unnamed signal), or whose
-        time is up; and mark the acquisitions in flight that `signal` names (`signalled`): the look
-        it causes passes them over, so their answer must not pass their doorbell over."""
+        time is up; and mark the acquisitions in flight that `signal` names (`signalled`):
+        the look it causes passes them over, so their answer must not pass their doorbell
+        over."""
         passed, entries = self._runtime._passed_over, self._runtime._entries
         named = frozenset() if signal is None else signal.sessions
         for session_id in named:
@@ -148,11 +149,11 @@ class BackgroundLoops:
             # (Not when it only rang entries whose claim is ending: the next look would find
             # them again until their busy periods end.)
             runtime._kick.set()
-        cancelling, gone = set(changes.cancelling), set(changes.gone)
+        cancelling, gone = set(changes.cancelling), set(changes.gone) & owned
         for entry in list(runtime._entries.values()):
             if entry.execution_id in cancelling and entry.interrupt("user"):
                 runtime._remote_signals += 1
-            elif entry.owned and not entry.deciding and entry.execution_id in (gone & owned):
+            elif entry.owned and not entry.deciding and entry.execution_id in gone:
                 # Taken over after its lease ran out, or deleted by another process
                 # (`delete_session`): nothing is left to write. (A transaction of our own
                 # that may delete it sets `deciding` first.)

@@ -175,7 +175,7 @@ DEFECTS = {
             Edit(
                 "_loops.py",
                 "            elif entry.owned and not entry.deciding"
-                " and entry.execution_id in (gone & owned):\n",
+                " and entry.execution_id in gone:\n",
                 "            elif False:\n",
             ),
         ),
