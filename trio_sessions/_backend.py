@@ -470,6 +470,12 @@ def executor_closed() -> StoreError:
     return StoreError("the store executor is closed")
 
 
+def closed_before_run() -> StoreError:
+    """What an operation gets whose store executor closed while it waited (queued, or
+    handed off but not yet run): nothing of it ran."""
+    return StoreError("the store executor closed before this ran")
+
+
 # The lease clock's readings are epoch seconds up to this (about the year 5138): stored as
 # 64-bit milliseconds with durations of up to 1e9 s added to them, no sum overflows.
 MAX_CLOCK_SECONDS = 1e11

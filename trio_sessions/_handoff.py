@@ -22,8 +22,8 @@ from typing import Any
 import attrs
 import trio
 
-from ._backend import Job, executor_closed
-from ._errors import OutcomeUnknown, StoreError
+from ._backend import Job, closed_before_run, executor_closed
+from ._errors import OutcomeUnknown
 
 
 @attrs.define(eq=False)
@@ -132,7 +132,7 @@ class HandoffQueue:
         finally:
             self.closed = True
             for queued in self._queue:
-                queued.job.error = StoreError("the store executor closed before this ran")
+                queued.job.error = closed_before_run()
                 queued.finish()
             self._queue.clear()
 
@@ -157,7 +157,7 @@ class HandoffQueue:
             # abandoned): refused as what the close left queued is.
             for queued in batch:
                 if queued.job.error is None:
-                    queued.job.error = StoreError("the store executor closed before this ran")
+                    queued.job.error = closed_before_run()
             raise
         except BaseException as exc:
             # An error no engine made a job's outcome: whether the batch ran is unknown,

@@ -58,6 +58,7 @@ from .._backend import (
     Signal,
     StoreStatistics,
     Tx,
+    closed_before_run,
     executor_closed,
     session_named,
 )
@@ -297,7 +298,7 @@ class _Lane:
         and stop the worker."""
         self.closed = True
         for queued in self._queue:
-            queued.job.error = StoreError("the store executor closed before this ran")
+            queued.job.error = closed_before_run()
             queued.finish()
         self._queue.clear()
         if self._in_flight is not None:
