@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from . import _codec, _store, _transcript, _validate
 from ._errors import DuplicateSettlement, LeaseLost, OutcomeUnknown, UnknownToolCall
-from ._model import AssistantData, Input, Message, ToolPart
+from ._model import AssistantData, Input, Message
 from ._stream import Offer
 
 if TYPE_CHECKING:
@@ -450,7 +450,7 @@ def _shows(
         return moved
     if kind == "finish":
         return data.finished
-    part = next((p for p in data.parts if isinstance(p, ToolPart) and p.call_id == args[0]), None)
+    part = _transcript.tool_part(data, args[0])
     if part is None:
         return False
     if kind == "start_tool":

@@ -143,6 +143,13 @@ def _close(data: AssistantData, *, tool_error: str, message_error: str | None) -
     return AssistantData(parts=parts, finished=True, error=message_error)
 
 
+def tool_part(data: AssistantData, call_id: str) -> ToolPart | None:
+    """The message's tool part for `call_id`, if it has one."""
+    index = _find_tool(data, call_id)
+    part = None if index is None else data.parts[index]
+    return part if isinstance(part, ToolPart) else None
+
+
 def _find_tool(data: AssistantData, call_id: str) -> int | None:
     for index, part in enumerate(data.parts):
         if isinstance(part, ToolPart) and part.call_id == call_id:
