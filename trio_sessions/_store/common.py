@@ -212,10 +212,7 @@ def _newest_seq(tx: Tx, session_id: str) -> int | None:
     ).fetchall()
     if newest is None or type(newest) is int:
         return newest
-    row = tx.one(
-        "SELECT id FROM session_message WHERE session_id = ? AND seq = ?", (session_id, newest)
-    )
-    key = "?" if row is None else str(row[0])
+    key = _message_at(tx, session_id, newest)
     raise MalformedRecord("session_message", key, [f"seq {newest!r} is no whole number"])
 
 
@@ -226,12 +223,18 @@ def _next_message_seq(tx: Tx, session_id: str, count: int = 1) -> int:
     out of range', a `StoreError`), SQLite's driver with a bare `OverflowError` (§6.20)."""
     newest = _newest_seq(tx, session_id) or 0
     if newest > MAX_INT64 - count:
-        row = tx.one(
-            "SELECT id FROM session_message WHERE session_id = ? AND seq = ?", (session_id, newest)
-        )
         reasons = [f"seq out of range: no room for {count} more after {newest}"]
-        raise MalformedRecord("session_message", str(row[0]), reasons)
+        raise MalformedRecord("session_message", _message_at(tx, session_id, newest), reasons)
     return newest + 1
+
+
+def _message_at(tx: Tx, session_id: str, seq: Any) -> str:
+    """The id of the session's message at `seq` (as stored), to name it in a
+    `MalformedRecord`; "?" if it went meanwhile."""
+    row = tx.one(
+        "SELECT id FROM session_message WHERE session_id = ? AND seq = ?", (session_id, seq)
+    )
+    return "?" if row is None else str(row[0])
 
 
 # An input `take_inputs` may take now: due (scheduled ones once their time has come).
