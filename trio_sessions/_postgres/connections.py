@@ -152,11 +152,7 @@ def connect(
             **keepalives,
         )
     except psycopg.Error as exc:
-        # libpq may quote the connection string it could not use: the error is shown with
-        # the password masked, and without the driver's own error as its cause (a traceback
-        # would print that one's text unmasked).
-        message = mask_password(f"{type(exc).__name__}: {exc}", secrets=secrets_of(url))
-        raise StoreError(message) from None
+        raise _masked(exc, url) from None
     # Explicit: a database or role default must not change the isolation the fences assume.
     conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
     _never_idle_out(conn, url)
@@ -177,8 +173,15 @@ def _never_idle_out(conn: psycopg.Connection[Any], url: str) -> None:
         conn.commit()
     except psycopg.Error as exc:
         conn.close()
-        message = mask_password(f"{type(exc).__name__}: {exc}", secrets=secrets_of(url))
-        raise StoreError(message) from None
+        raise _masked(exc, url) from None
+
+
+def _masked(exc: psycopg.Error, url: str) -> StoreError:
+    """The driver's error while connecting, as a `StoreError`: libpq may quote the
+    connection string it could not use, so the password is masked - and the caller raises
+    it without the driver's error as its cause (a traceback would print that one's text
+    unmasked)."""
+    return StoreError(mask_password(f"{type(exc).__name__}: {exc}", secrets=secrets_of(url)))
 
 
 class _WatchedConnection(psycopg.Connection[Any]):
