@@ -17,6 +17,7 @@ library's round trips are counted on the wire (`roundtrips`), in a short run of 
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections.abc import Sequence
@@ -25,7 +26,12 @@ from typing import Any
 
 import psycopg
 
+from .._backend import Job
+from .._decisions import IterationVerdict
 from .._postgres import PostgresStore
+from .._postgres.engine import PgEngine
+from .._store.acquisition import submit_and_acquire
+from .._store.claims import end_iteration
 from .config import Config
 from .pg import PgSchemas
 from .recovery import RecoveryTarget, add_recovery_rows, recovery_rounds
@@ -116,6 +122,28 @@ def raw_pg_cycles(conn: psycopg.Connection[Any], session_ids: Sequence[str]) -> 
     return time.perf_counter() - started
 
 
+def library_calls(engine: PgEngine, session_ids: Sequence[str]) -> float:
+    """The library's two calls per sequential cycle (`submit_and_acquire`, then the no-op
+    drain's `end_iteration`), each alone as the runtime sends it, driven one after another on
+    one engine: the library's SQL and driver work without trio or a thread hand-off. Returns
+    elapsed seconds."""
+    owner = "calls-owner"
+    started = time.perf_counter()
+    for session_id in session_ids:
+        execution_id = uuid.uuid4().hex
+        submitted = Job(
+            submit_and_acquire,
+            (session_id, PAYLOAD_JSON, uuid.uuid4().hex, execution_id, owner, 30_000),
+        )
+        engine.run_alone(submitted)
+        submitted.unwrap()
+        ended = Job(end_iteration, (session_id, execution_id, owner))
+        engine.run_alone(ended)
+        if ended.unwrap() is not IterationVerdict.RELEASE:
+            raise RuntimeError(f"the no-op drain's end of {session_id} was {ended.result}")
+    return time.perf_counter() - started
+
+
 def raw_light_pg_cycles(conn: psycopg.Connection[Any], session_ids: Sequence[str]) -> float:
     """The earlier baseline, autocommit off: the claim, then its removal, two transactions
     of three round trips each; returns elapsed seconds."""
@@ -181,7 +209,7 @@ def migrated(schemas: PgSchemas, label: str) -> str:
     return store.schema
 
 
-VARIANTS = ["raw", "raw_light", "sequential", "concurrent"]
+VARIANTS = ["raw", "raw_light", "calls", "sequential", "concurrent"]
 
 
 async def bench_pg_cycle(config: Config, schemas: PgSchemas, report: Report) -> None:
@@ -194,7 +222,13 @@ async def bench_pg_cycle(config: Config, schemas: PgSchemas, report: Report) -> 
     ratios: dict[str, list[float]] = {}
     store: PostgresStore = schemas.store("cycle")
     raw_schema = schemas.name("cycle_raw")
-    with schemas.connect(raw_schema) as raw, schemas.connect(raw_schema) as light:
+    calls = schemas.store("cycle_calls").engine()
+    calls.open()
+    with (
+        contextlib.closing(calls),
+        schemas.connect(raw_schema) as raw,
+        schemas.connect(raw_schema) as light,
+    ):
         raw.execute(RAW_CLAIMS)
         raw.execute(RAW_CLAIMS_INDEX)
         raw.execute(RAW_ROWS)
@@ -209,6 +243,8 @@ async def bench_pg_cycle(config: Config, schemas: PgSchemas, report: Report) -> 
                         seconds[variant] = raw_pg_cycles(raw, ids(tag, per_round))
                     elif variant == "raw_light":
                         seconds[variant] = raw_light_pg_cycles(light, ids(tag, per_round))
+                    elif variant == "calls":
+                        seconds[variant] = library_calls(calls, ids(tag, per_round))
                     elif variant == "sequential":
                         seconds[variant] = await sequential_cycles(rt, ids(tag, per_round))
                     else:
@@ -220,6 +256,7 @@ async def bench_pg_cycle(config: Config, schemas: PgSchemas, report: Report) -> 
                 round_rates = {
                     "raw": per_round / seconds["raw"],
                     "raw_light": per_round / seconds["raw_light"],
+                    "calls": per_round / seconds["calls"],
                     "sequential": per_round / seconds["sequential"],
                     "concurrent": config.pg_concurrent / seconds["concurrent"],
                 }
@@ -241,6 +278,15 @@ async def bench_pg_cycle(config: Config, schemas: PgSchemas, report: Report) -> 
         fmt_rate(raw_rate),
         fmt_ratio(ratios["raw_light"]),
     )
+    calls_rate = median(rates["calls"])
+    report.add(
+        "postgres",
+        "the library's 2 calls per cycle, no trio (its SQL and driver alone)",
+        f"{fmt_rate(calls_rate)} = {fmt_us(1 / calls_rate)}",
+        fmt_rate(raw_rate),
+        fmt_ratio(ratios["calls"]),
+    )
+    report.machine["pg_calls_ratio"] = median(ratios["calls"])
     for variant, label, target in (
         ("sequential", "default store, sequential", 0.5),
         ("concurrent", f"default store, {config.pg_concurrent} in flight", 5.0),

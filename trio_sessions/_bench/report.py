@@ -47,6 +47,7 @@ MACHINE_KEYS = (
     "pg_cycle_ratio",
     "pg_concurrent_ratio",
     "pg_raw_cycle_us",
+    "pg_calls_ratio",
     "pg_recovery_ratio",
     "pg_raw_recovery_us",
     "watched_slowdown",
