@@ -10,8 +10,10 @@ its write lands once (as on SQLite), and a read-back after a lost reply answers 
 lost call even when another process acted in between.
 
 A lost submit's retry finds its input cancelled in between by the trace a cancel leaves
-(`ts_cancel_input`). A drain's own call after `OutcomeUnknown` reads back what the lost
-call did (`_drain`); `test_uncertain_writes` runs every such case on SQLite.
+(`ts_cancel_input`) - a trace naming its own call (`Job.call_id`), never an earlier
+call's of the same input id, whatever way the submit stores its input. A drain's own
+call after `OutcomeUnknown` reads back what the lost call did (`_drain`);
+`test_uncertain_writes` runs every such case on SQLite.
 """
 
 from __future__ import annotations
@@ -23,11 +25,21 @@ import attrs
 import psycopg
 import pytest
 import trio
-from test_pg_faults import Faults, Mode, Plan, control_connection
+from test_pg_faults import (
+    LEASE_MS,
+    OWNER,
+    Faults,
+    Mode,
+    Plan,
+    control_connection,
+    environment,
+    outcome_of,
+)
 from trio.testing import MockClock
 
 from trio_sessions import DrainContext, StoreError, _postgres, _store, open_runtime
 from trio_sessions import testing as ts_testing
+from trio_sessions._backend import Job
 from trio_sessions._postgres import PostgresStore
 
 
@@ -292,11 +304,6 @@ async def test_a_cancels_trace_lasts_ten_minutes_of_the_lease_clock(
     assert traces == [("i2",), ("i3",)]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open defect: a cancel's trace (schema 19) answers any retry of a submit with that"
-    " id and payload for ten minutes, also the retry of a later first call that never ran",
-)
 async def test_a_submit_again_of_a_cancelled_id_whose_call_never_ran_is_stored(
     pg_url: str, pg_schema: str, autojump_clock: MockClock
 ) -> None:
@@ -316,3 +323,96 @@ async def test_a_submit_again_of_a_cancelled_id_whose_call_never_ran_is_stored(
             assert faults.fired is not None and "ts_submit(" in faults.fired, faults.fired
             pending = control.execute("SELECT id FROM session_input").fetchall()
     assert pending == [("i1",)]
+
+
+# Each way a submit stores an input on PostgreSQL, as the engine runs it alone (one call in
+# autocommit, read back on `p_retry`): the operation, its arguments after the input's
+# session, payload and id, and the function its call names.
+SUBMITS = {
+    "submit": (_store.submit, (), "ts_submit("),
+    "submit_and_acquire": (
+        _store.submit_and_acquire,
+        ("e1", OWNER, LEASE_MS),
+        "ts_submit_and_acquire(",
+    ),
+    "reject": (_store.submit_controlled, ("reject",), "ts_submit_controlled("),
+    "interrupt": (_store.submit_controlled, ("interrupt",), "ts_submit_controlled("),
+    "scheduled": (_store.submit_scheduled, (60_000, "queue"), "ts_submit_controlled("),
+}
+
+
+@pytest.mark.parametrize("kind", [*SUBMITS, "set-wise"])
+def test_no_retry_of_a_first_submit_reads_an_earlier_cancel_as_its_own(
+    pg_url: str, pg_schema: str, kind: str
+) -> None:
+    """§5.1 and §8 "Uncertain commits", for every way a submit stores an input alone (one
+    call in autocommit), and a batch's submits (one set-wise call): an input is stored and
+    cancelled; a first submit of the same id and payload then loses its connection while
+    its call waits for the session's lock (it never ran), and the engine calls again
+    (`p_retry`). That call must store the input: the earlier cancel's trace is not this
+    call's landed input."""
+    payload = '{"n": 1}'
+    with environment(pg_url, pg_schema) as env:
+        for session_id, input_id in (("s", "i1"), ("t", "i2")):
+            env.run(_store.submit, session_id, payload, input_id)
+            assert env.run(_store.cancel_input, input_id) is True
+        env.faults.arm(Plan(1, Mode.BLOCKED))
+        if kind == "set-wise":
+            jobs = [
+                Job(_store.submit, ("s", payload, "i1")),
+                Job(_store.submit, ("t", payload, "i2")),
+            ]
+            env.engine.run_batch(jobs)
+            assert outcome_of(jobs) == [("ok", "i1"), ("ok", "i2")]
+            called, stored = "ts_submits(", [("i1",), ("i2",)]
+        else:
+            op, more, called = SUBMITS[kind]
+            env.run(op, "s", payload, "i1", *more)
+            stored = [("i1",)]
+        assert env.faults.fired is not None and called in env.faults.fired, env.faults.fired
+        pending = env.control.execute("SELECT id FROM session_input ORDER BY id").fetchall()
+    assert pending == stored
+
+
+@pytest.mark.parametrize("kind", [*SUBMITS, "set-wise"])
+def test_every_submit_whose_input_was_cancelled_after_its_lost_reply_reads_it_back(
+    pg_url: str, pg_schema: str, kind: str
+) -> None:
+    """DESIGN §6.23 and §5.1, for every way a submit stores an input alone and a batch's
+    submits (as `test_an_input_cancelled_while_its_submit_reply_is_lost_is_never_taken`
+    through a runtime): the call lands and its reply is lost; another process cancels the
+    input (True) before the engine calls again. The call again must read back that its
+    own call landed - not store the input a second time."""
+    payload = '{"n": 1}'
+    inputs = {"i1": "s", "i2": "t"} if kind == "set-wise" else {"i1": "s"}
+    cancelled: list[bool] = []
+
+    def cancel_elsewhere() -> None:
+        other = PostgresStore(pg_url, schema=pg_schema, listen=False).engine()
+        other.open(migrate_schema=False)
+        try:
+            cancelled.extend(_postgres.run_op(other, _store.cancel_input, i) for i in inputs)
+        finally:
+            other.close()
+
+    with control_connection(pg_url, pg_schema) as control:
+        faults = ThenElsewhere(pg_url, pg_schema, control)
+        engine = PostgresStore(pg_url, schema=pg_schema, wrap_connection=faults.wrap).engine()
+        engine.open()
+        try:
+            faults.elsewhere = cancel_elsewhere
+            faults.arm(Plan(1, Mode.LOST))
+            if kind == "set-wise":
+                jobs = [Job(_store.submit, (s, payload, i)) for i, s in inputs.items()]
+                engine.run_batch(jobs)
+                assert outcome_of(jobs) == [("ok", "i1"), ("ok", "i2")]
+                called = "ts_submits("
+            else:
+                op, more, called = SUBMITS[kind]
+                _postgres.run_op(engine, op, "s", payload, "i1", *more)
+        finally:
+            engine.close()
+        assert faults.fired is not None and called in faults.fired, faults.fired
+        pending = control.execute("SELECT id FROM session_input").fetchall()
+    assert cancelled == [True] * len(inputs)  # the other process was told they are gone
+    assert pending == []

@@ -34,7 +34,7 @@ def test_a_schema_comes_back_migrated_and_empty(pg_url: str, pool: MigratedSchem
         assert conn.execute("SELECT version FROM schema_version").fetchall() == [
             (_postgres.SCHEMA_VERSION,)
         ]
-        conn.execute("SELECT ts_submit('s', '{}', 'i1', 1000, false)")
+        conn.execute("SELECT ts_submit('s', '{}', 'i1', 'call-1', 1000, false)")
         assert conn.execute("SELECT count(*) FROM session_input").fetchall() == [(1,)]
     pool.give_back(first)
     assert pool.take() == first

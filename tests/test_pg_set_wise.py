@@ -76,8 +76,11 @@ def test_a_batch_of_submits_is_settled_without_the_row_function(
     try:
         conn.execute("SET track_functions = 'pl'")
         tx = PgTx(conn, fixed(2.0))
+        calls = [f"call-{n}" for n, _ in enumerate(jobs)]  # each job's own (`Job.call_id`)
         rows = tx.call(
-            "ts_submit_and_acquire_many", *(list(column) for column in zip(*jobs, strict=True))
+            "ts_submit_and_acquire_many",
+            *(list(column) for column in zip(*jobs, strict=True)),
+            calls,
         )
         row_calls = conn.execute(
             "SELECT COALESCE(sum(calls), 0) FROM pg_stat_xact_user_functions"
@@ -337,21 +340,28 @@ def _outcome(job: _backend.Job) -> Any:
     return ("error", type(job.error)) if job.error is not None else ("ok", job.result)
 
 
-def _tables(conn: psycopg.Connection[Any]) -> dict[str, list[Any]]:
-    """Every row of every table - but a user message's id, random on the server."""
-    return {
-        table: sorted(
-            conn.execute(
-                f"SELECT * FROM {table}"
-                if table != "session_message"
-                else "SELECT CASE WHEN role = 'user' THEN NULL ELSE id END,"
-                " session_id, execution_id, input_id, role, seq, data, finished"
-                " FROM session_message"
-            ).fetchall(),
-            key=repr,
+def _tables(conn: psycopg.Connection[Any], jobs: list[_backend.Job]) -> dict[str, list[Any]]:
+    """Every row of every table - but a user message's id, random on the server, and the
+    id of the call that stored an input (`Job.call_id`, random), which is the index of its
+    job among `jobs` (or "setup": a call of the setup's)."""
+    calls = {job.call_id: index for index, job in enumerate(jobs)}
+    tables = {}
+    for table in TABLES:
+        cursor = conn.execute(
+            f"SELECT * FROM {table}"
+            if table != "session_message"
+            else "SELECT CASE WHEN role = 'user' THEN NULL ELSE id END,"
+            " session_id, execution_id, input_id, role, seq, data, finished"
+            " FROM session_message"
         )
-        for table in TABLES
-    }
+        rows = cursor.fetchall()
+        if table == "session_input":
+            column = [c.name for c in cursor.description or ()].index("call_id")
+            rows = [
+                (*row[:column], calls.get(row[column], "setup"), *row[column + 1 :]) for row in rows
+            ]
+        tables[table] = sorted(rows, key=repr)
+    return tables
 
 
 @pytest.fixture
@@ -402,7 +412,7 @@ def _ends_as_alone(
             engine.run_batch([alone[i]])
     assert [_outcome(job) for job in batch] == [_outcome(job) for job in alone]
     with raw(pg_url, mine) as ours, raw(pg_url, reference) as theirs:
-        assert _tables(ours) == _tables(theirs)
+        assert _tables(ours, batch) == _tables(theirs, alone)
         for table in more:
             query = f"SELECT * FROM {table} ORDER BY 1, 2"
             assert ours.execute(query).fetchall() == theirs.execute(query).fetchall(), table

@@ -224,8 +224,9 @@ async def test_upgrade_of_a_version_1_schema_adds_streaming(pg_url: str, pg_sche
     # 15: a batch's submits in one call, many streams' reads set-wise;
     # 16: a session's lock key of 64 bits; 17: seeded with its schema;
     # 18: an interrupting submit and a delete name the claim they stop;
-    # 19: a cancelled input's trace for a lost submit's retry
-    assert SCHEMA_VERSION == 19
+    # 19: a cancelled input's trace for a lost submit's retry;
+    # 20: that trace answers only the retry of the call that stored the input
+    assert SCHEMA_VERSION == 20
     await check_pre_streaming_upgrade(location, PostgresStore(pg_url, schema=pg_schema))
 
 
@@ -275,6 +276,78 @@ def test_upgrade_of_a_version_16_schema_replaces_the_old_delete_function(
         engine.close()
     location = Raw(PgLocation(pg_url, pg_schema))
     assert location.rows("SELECT version FROM schema_version") == [(SCHEMA_VERSION,)]
+
+
+# The submit functions as schemas up to 19 named them: version 20 gives each a call's own id
+# (`p_call`; `p_calls` for the set-wise ones).
+_SUBMIT_FUNCTIONS_BEFORE_20 = {
+    "ts_known_input": "text, text, text, boolean",
+    "ts_insert_input": "text, text, text, boolean, bigint",
+    "ts_submit": "text, text, text, bigint, boolean",
+    "ts_submits": "text[], text[], text[], bigint, boolean",
+    "ts_submit_and_acquire": "text, text, text, text, text, bigint, bigint, boolean",
+    "ts_submit_and_acquire_many": (
+        "text[], text[], text[], text[], text[], bigint[], bigint, boolean"
+    ),
+    "ts_submit_controlled": "text, text, text, text, bigint, bigint, boolean",
+}
+
+
+def test_upgrade_of_a_version_19_schema_keeps_its_inputs_and_replaces_the_submit_functions(
+    pg_url: str, pg_schema: str
+) -> None:
+    """A version-19 schema is upgraded in place on open to the newest version: its pending
+    input and its cancel's trace are kept (with no call id: that trace answers no call's
+    retry), each submit function of before (no `p_call`) is gone - one function of each
+    name is left, the new one - and submits and cancels work on what was there."""
+    from trio_sessions._postgres import open_engine
+    from trio_sessions._schema import _create_functions
+
+    with raw(pg_url, pg_schema) as conn:
+        conn.execute("CREATE TABLE schema_version(version INTEGER NOT NULL)")
+        conn.execute("INSERT INTO schema_version VALUES (19)")
+        for version in range(1, 20):
+            for statement in _postgres._MIGRATIONS[version].split(";"):
+                if statement.strip():
+                    conn.execute(statement)
+        _create_functions(conn)
+        # What a version-19 store holds beside: the submit functions' argument lists of
+        # before (their bodies do not matter here: version 20's step must drop them).
+        for name, arguments in _SUBMIT_FUNCTIONS_BEFORE_20.items():
+            conn.execute(
+                f"CREATE FUNCTION {name}({arguments}) RETURNS void LANGUAGE plpgsql AS 'BEGIN END'"
+            )
+        conn.execute("INSERT INTO session(id, time_created, input_seq) VALUES ('s', 0, 1)")
+        conn.execute(
+            "INSERT INTO session_input(id, session_id, seq, payload, time_created)"
+            " VALUES ('old', 's', 1, '{}', 0)"
+        )
+        conn.execute(
+            "INSERT INTO session_input_cancelled(id, session_id, payload, time_cancelled)"
+            " VALUES ('gone', 's', '{}', 0)"
+        )
+    engine = open_engine(pg_url, schema=pg_schema)
+    try:
+        assert engine.run(_store.submit, "s", "{}", "old") == "old"  # known: kept
+        assert engine.run(_store.submit, "s", "{}", "gone") == "gone"  # a first call: stored
+        assert engine.run(_store.cancel_input, "old") is True
+        assert engine.run(_store.cancel_input, "gone") is True
+    finally:
+        engine.close()
+    location = Raw(PgLocation(pg_url, pg_schema))
+    assert location.rows("SELECT version FROM schema_version") == [(SCHEMA_VERSION,)]
+    # The trace of the input from before names no call; the one stored since, its call.
+    assert location.rows(
+        "SELECT id, call_id IS NOT NULL FROM session_input_cancelled ORDER BY id"
+    ) == [("gone", True), ("old", False)]
+    functions = location.rows(
+        "SELECT p.proname, pg_get_function_identity_arguments(p.oid) FROM pg_proc p"
+        " JOIN pg_namespace n ON n.oid = p.pronamespace"
+        " WHERE n.nspname = current_schema() AND p.proname = ANY(?) ORDER BY p.proname",
+        (list(_SUBMIT_FUNCTIONS_BEFORE_20),),
+    )
+    assert sorted(name for name, _ in functions) == sorted(_SUBMIT_FUNCTIONS_BEFORE_20)
+    assert all(" p_call" in arguments for _, arguments in functions), functions
 
 
 @pytest.mark.parametrize(

@@ -82,6 +82,14 @@ class Tx(Protocol):
         further statement asks the server to refuse it whole instead (`NEEDS_TRANSACTION`)."""
         ...
 
+    @property
+    def call_id(self) -> str:
+        """The running operation's own id, the same in every attempt of it (`Job.call_id`).
+        PostgreSQL stores it with an input a submit stores, so a call again after a lost
+        reply tells its own lost call's input from an earlier call's of the same input id;
+        SQLite's calls run in process, lose no reply and need none ("")."""
+        ...
+
     def call(self, function: str, *args: Any, idempotent: bool = True) -> list[Any]:
         """PostgreSQL only: one call of a server-side function of the store's schema
         (`_store.pg_functions`), one round trip; its rows. The function gets `args`, then the
@@ -226,6 +234,7 @@ def pg_batched(
     interpret: Callable[[tuple[Any, ...], tuple[Any, ...]], Any],
     *,
     autocommit: bool = False,
+    call_ids: bool = False,
 ) -> Callable[[Callable[..., T]], Callable[..., T]]:
     """Mark an operation that PostgreSQL group-commits set-wise: the jobs of one batch that
     call it become ONE call of `function` (one array per argument, in the operation's
@@ -233,11 +242,13 @@ def pg_batched(
     (or raises its refusal, or returns `FALLBACK`: nothing written, the job runs on its
     own). `autocommit`: every row of `function` is idempotent by natural key - called
     again, it answers what the first call did, whatever `p_retry` says - so a batch of
-    these jobs only is that one call in autocommit (one round trip)."""
+    these jobs only is that one call in autocommit (one round trip). `call_ids`: `function`
+    also takes each job's `Job.call_id`, as one more array after the operation's."""
 
     def mark(op: Callable[..., T]) -> Callable[..., T]:
         op.__dict__["pg_batched"] = (function, interpret)
         op.__dict__["pg_batched_autocommit"] = autocommit
+        op.__dict__["pg_batched_call_ids"] = call_ids
         return op
 
     return mark
@@ -261,6 +272,12 @@ def pg_read_batched(
     return mark
 
 
+def new_call_id() -> str:
+    """A call's own id (`Job.call_id`): 64 random bits from `os.urandom`, which forked
+    processes never repeat (a seeded generator's copies would)."""
+    return os.urandom(8).hex()
+
+
 @attrs.define(eq=False)
 class Job:
     """One operation waiting for a transaction; a backend fills `result` or `error`."""
@@ -269,6 +286,17 @@ class Job:
     args: tuple[Any, ...]
     result: Any = None
     error: BaseException | None = None
+    _call_id: str | None = attrs.field(default=None, init=False, repr=False)
+
+    @property
+    def call_id(self) -> str:
+        """This call's own id, the same in every attempt of it - again after a lost reply,
+        in a transaction after autocommit, alone after its batch - and no other call's:
+        what a retry's read-back tells its own lost call by (`Tx.call_id`). Made when
+        first asked for: only submits ask."""
+        if self._call_id is None:
+            self._call_id = new_call_id()
+        return self._call_id
 
     def unwrap(self) -> Any:
         if self.error is not None:

@@ -173,7 +173,7 @@ SQLITE_OUR_TABLES = frozenset(
 # ---------------------------------------------------------------------------------------------
 # PostgreSQL
 
-POSTGRES_SCHEMA_VERSION = 19
+POSTGRES_SCHEMA_VERSION = 20
 
 # Same names, meanings and named CHECKs as the SQLite schema (`SQLITE_MIGRATIONS`, whose
 # versions 1-3 are PostgreSQL's first: no PostgreSQL store predates them); times
@@ -385,6 +385,26 @@ CREATE INDEX session_input_cancelled_time ON session_input_cancelled(time_cancel
 CREATE INDEX session_input_cancelled_session ON session_input_cancelled(session_id);
 DROP FUNCTION IF EXISTS ts_known_input(text, text, text);
 """,
+    # A cancel's trace answers only the retry of the call that stored the input: an input
+    # keeps the id of the submit call that stored it (`call_id`, `Job.call_id`, the same
+    # in every attempt of the call), its trace copies it, and a retry reads the trace as
+    # its own landed input only when it names this call - not the retry of a later submit
+    # of the same id whose call never ran (`ts_known_input`). The submit functions gain
+    # `p_call` (a new argument list is a new function: the old ones go). Rows of before
+    # have none: their traces answer no retry. PostgreSQL's alone, as version 19.
+    20: """
+ALTER TABLE session_input ADD COLUMN call_id TEXT;
+ALTER TABLE session_input_cancelled ADD COLUMN call_id TEXT;
+DROP FUNCTION IF EXISTS ts_known_input(text, text, text, boolean);
+DROP FUNCTION IF EXISTS ts_insert_input(text, text, text, boolean, bigint);
+DROP FUNCTION IF EXISTS ts_submit(text, text, text, bigint, boolean);
+DROP FUNCTION IF EXISTS ts_submits(text[], text[], text[], bigint, boolean);
+DROP FUNCTION IF EXISTS ts_submit_and_acquire(text, text, text, text, text, bigint, bigint,
+    boolean);
+DROP FUNCTION IF EXISTS ts_submit_and_acquire_many(text[], text[], text[], text[], text[],
+    bigint[], bigint, boolean);
+DROP FUNCTION IF EXISTS ts_submit_controlled(text, text, text, text, bigint, bigint, boolean);
+""",
 }
 
 
@@ -442,4 +462,5 @@ POSTGRES_BACKFILLS: dict[int, Callable[[Any], None]] = {
     17: _create_functions,
     18: _create_functions,
     19: _create_functions,
+    20: _create_functions,
 }

@@ -366,7 +366,7 @@ class PgEngine:
         own: its rows' FALLBACK (nothing written for them), or all of them when the call
         failed whole (they are idempotent alike: a lost call's rows read themselves back)."""
         function, interpret = jobs[0].op.__dict__["pg_batched"]
-        arrays = [list(column) for column in zip(*(job.args for job in jobs), strict=True)]
+        arrays = _set_wise_arguments(jobs)
         try:
             rows = self._autocommit(Job(_call, (function, *arrays)))
         except StoreError as exc:
@@ -467,7 +467,7 @@ class PgEngine:
                     raise _unknown_outcome(lost, exc) from lost
                 raise
             self.transactions += 1
-            tx = PgTx(conn, self.clock, autocommit=True, retry=retry)
+            tx = PgTx(conn, self.clock, autocommit=True, retry=retry, job=job)
             try:
                 return job.op(tx, *job.args)
             except NeedsTransaction:
@@ -506,7 +506,7 @@ class PgEngine:
                 continue
             interpret = jobs[indexes[0]].op.__dict__["pg_batched"][1]
             tx.begin_operation()
-            arrays = [list(c) for c in zip(*(jobs[i].args for i in indexes), strict=True)]
+            arrays = _set_wise_arguments([jobs[index] for index in indexes])
             for ordinal, *row in tx.call(function, *arrays):
                 index = indexes[ordinal - 1]
                 result = interpret(jobs[index].args, tuple(row))
@@ -515,7 +515,7 @@ class PgEngine:
                     settled.add(index)
         for index, job in enumerate(jobs):
             if index not in settled:
-                tx.begin_operation()
+                tx.begin_operation(job)
                 results[index] = job.op(tx, *job.args)
         return results
 
@@ -700,6 +700,16 @@ def _schema_version(tx: Any) -> int:
 
 def _call(tx: Tx, function: str, *args: Any) -> list[Any]:
     return tx.call(function, *args)
+
+
+def _set_wise_arguments(jobs: Sequence[Job]) -> list[list[Any]]:
+    """The arguments of one set-wise call for `jobs` (of one `pg_batched` kind): an array
+    per argument of the operation, then the jobs' own ids if the function takes them - the
+    same in every attempt of the call, as each job's alone would be (`Job.call_id`)."""
+    arrays = [list(column) for column in zip(*(job.args for job in jobs), strict=True)]
+    if jobs[0].op.__dict__["pg_batched_call_ids"]:
+        arrays.append([job.call_id for job in jobs])
+    return arrays
 
 
 def _unknown_outcome(lost: BaseException | None, error: StoreError) -> OutcomeUnknown:

@@ -32,7 +32,7 @@ from typing import Any, Literal
 import psycopg
 
 from .. import _liveness
-from .._backend import BackendName, NeedsTransaction, Params, now_ms
+from .._backend import BackendName, Job, NeedsTransaction, Params, new_call_id, now_ms
 from .connections import WATCHERS_ONLY
 
 # run_nowait: a lock held by another process is not waited for beyond this.
@@ -183,6 +183,7 @@ class PgTx:
         begin: str = _BEGIN,
         autocommit: bool = False,
         retry: bool = False,
+        job: Job | None = None,
     ) -> None:
         self.conn = conn
         self._clock = clock
@@ -203,6 +204,10 @@ class PgTx:
         self.defers_signals = begin.startswith(_BEGIN_WRITE) and self._begin is not None
         self.autocommit = autocommit
         self.retry = retry
+        # The operation running now (`call_id`); None in a transaction a test runs by hand,
+        # which has an id of its own (`_own_call_id`).
+        self._job = job
+        self._own_call_id: str | None = None
         self.begun = False  # a statement was sent (a transaction is open unless autocommit)
         self.xid: str | None = None
         self.xid_fresh = False  # `xid` was read by the last statement sent
@@ -221,9 +226,19 @@ class PgTx:
     def dialect(self) -> BackendName:
         return "postgres"
 
-    def begin_operation(self) -> None:
-        """Each operation reads its own `now`, after its own locks."""
+    @property
+    def call_id(self) -> str:
+        if self._job is None:
+            if self._own_call_id is None:
+                self._own_call_id = new_call_id()
+            return self._own_call_id
+        return self._job.call_id
+
+    def begin_operation(self, job: Job | None = None) -> None:
+        """Each operation reads its own `now`, after its own locks; `job`: the operation
+        that runs next (its `call_id`)."""
         self._now = None
+        self._job = job
 
     def _send(self, statement: str, params: Params) -> psycopg.Cursor[Any]:
         if self.autocommit and self.begun:

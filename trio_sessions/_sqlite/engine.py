@@ -74,6 +74,10 @@ class SQLiteTx:
     def dialect(self) -> BackendName:
         return "sqlite"
 
+    @property
+    def call_id(self) -> str:
+        return ""  # in process: no reply is lost, none is read back
+
     def call(self, function: str, *args: Any, idempotent: bool = True) -> list[Any]:
         raise NotImplementedError("server-side functions are PostgreSQL's")
 

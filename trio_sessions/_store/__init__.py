@@ -43,7 +43,10 @@ returned verdict (`ok`, `lease_lost`, `held`, ...), never an exception, so a ref
 has written nothing. `p_retry` is true when the caller runs a call again after losing its
 reply in autocommit (`_backend.autocommit_when_alone`): such a function first reads back,
 by natural key (the input id, the execution id, the message id, the delta's version),
-whether the lost call landed, and answers as that call did.
+whether the lost call landed, and answers as that call did. A natural key may outlive a
+call (a cancelled input's id is submitted again), so a submit's functions also take the
+call's own id (`tx.call_id`, `p_call`), stored with the input: a trace the key left is
+read as this call's only when it names this call.
 
 Every name the rest of the package (and its tests) uses is re-exported here, so callers
 write `_store.submit(...)` whatever module the operation lives in.

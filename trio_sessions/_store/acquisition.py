@@ -290,7 +290,7 @@ def _submit_and_acquire_many(tx: Tx, rows: Sequence[tuple[Any, ...]]) -> list[An
 
 @caller_yields_next
 @autocommit_when_alone
-@pg_batched("ts_submit_and_acquire_many", _pg_submitted_and_acquired)
+@pg_batched("ts_submit_and_acquire_many", _pg_submitted_and_acquired, call_ids=True)
 @sqlite_batched(_submit_and_acquire_many)
 def submit_and_acquire(
     tx: Tx,
@@ -304,7 +304,7 @@ def submit_and_acquire(
     """`submit` and the acquire it rings for, in one transaction (see `wake_and_acquire`)."""
     if tx.dialect == "postgres":
         args = (session_id, payload, input_id, execution_id, owner_id, lease_ms)
-        [row] = tx.call("ts_submit_and_acquire", *args)
+        [row] = tx.call("ts_submit_and_acquire", *args, tx.call_id)
         result = _pg_submitted_and_acquired(args, row)
         if result is not FALLBACK:
             return result  # type: ignore[no-any-return]
@@ -534,16 +534,17 @@ END $$;
 -- submit and the acquire it rings for, in one call: when the claim is taken here the
 -- doorbell is rung and taken at once, so it is never written. Input verdicts as ts_submit
 -- (other_*: nothing written, no acquire); then the acquire's. Idempotent by input id and
--- execution id.
+-- execution id; p_call: the call's own id (ts_known_input).
 CREATE OR REPLACE FUNCTION ts_submit_and_acquire(p_session text, p_payload text,
-    p_input text, p_exec text, p_owner text, p_lease bigint, p_now bigint, p_retry boolean,
+    p_input text, p_exec text, p_owner text, p_lease bigint, p_call text, p_now bigint,
+    p_retry boolean,
     OUT input_verdict text, OUT verdict text, OUT attempt bigint, OUT holder text)
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     v_now bigint; v_held boolean;
 BEGIN
     v_now := ts_lock_now(p_session, p_now);
-    input_verdict := ts_known_input(p_session, p_input, p_payload, p_retry);
+    input_verdict := ts_known_input(p_session, p_input, p_payload, p_call, p_retry);
     IF input_verdict IN ('other_session', 'other_payload') THEN
         RETURN;
     END IF;
@@ -553,7 +554,7 @@ BEGIN
     IF input_verdict IS NULL THEN
         -- Rung only if a claim already holds the session (or it is paused: kept for
         -- resume): else the claim below takes it.
-        PERFORM ts_insert_input(p_session, p_payload, p_input, v_held, v_now);
+        PERFORM ts_insert_input(p_session, p_payload, p_input, p_call, v_held, v_now);
         input_verdict := 'stored';
     END IF;
     SELECT a.verdict, a.attempt, a.holder INTO verdict, attempt, holder
@@ -622,8 +623,8 @@ END $$;
 -- one after it, in the lock order: none of them touches a session or input id the
 -- statement wrote, so each sees what it would have seen run after it alone.
 CREATE OR REPLACE FUNCTION ts_submit_and_acquire_many(p_sessions text[], p_payloads text[],
-    p_inputs text[], p_execs text[], p_owners text[], p_leases bigint[], p_now bigint,
-    p_retry boolean)
+    p_inputs text[], p_execs text[], p_owners text[], p_leases bigint[], p_calls text[],
+    p_now bigint, p_retry boolean)
 RETURNS TABLE(ord bigint, input_verdict text, verdict text, attempt bigint, holder text)
 LANGUAGE plpgsql VOLATILE
 @GENERIC_PLAN@ AS $$
@@ -633,13 +634,13 @@ BEGIN
     PERFORM ts_lock_all(p_sessions);
     v_now := ts_now(p_now);
     WITH job AS (
-        SELECT u.s, u.p, u.i, u.e, u.o, u.l, u.n,
+        SELECT u.s, u.p, u.i, u.e, u.o, u.l, u.c, u.n,
             row_number() OVER (PARTITION BY u.s ORDER BY u.n) AS nth,
             count(*) OVER (PARTITION BY u.i) AS named
-        FROM unnest(p_sessions, p_payloads, p_inputs, p_execs, p_owners, p_leases)
-            WITH ORDINALITY AS u(s, p, i, e, o, l, n)),
+        FROM unnest(p_sessions, p_payloads, p_inputs, p_execs, p_owners, p_leases, p_calls)
+            WITH ORDINALITY AS u(s, p, i, e, o, l, c, n)),
     free AS MATERIALIZED (
-        SELECT j.s, j.p, j.i, j.e, j.o, j.l, j.n, s.time_woken,
+        SELECT j.s, j.p, j.i, j.e, j.o, j.l, j.c, j.n, s.time_woken,
             COALESCE(s.wake_attempts, 0) AS wake_attempts,
             COALESCE(s.input_seq, 0) + 1 AS input_seq
         FROM job j LEFT JOIN session s ON s.id = j.s
@@ -657,8 +658,8 @@ BEGIN
             ON CONFLICT (id) DO UPDATE SET input_seq = s.input_seq + 1, time_woken = NULL,
                 wakes = CASE WHEN s.time_woken IS NULL THEN s.wakes ELSE 0 END),
     inputs AS (
-        INSERT INTO session_input(id, session_id, seq, payload, time_created)
-            SELECT f.i, f.s, f.input_seq, f.p, v_now FROM free f),
+        INSERT INTO session_input(id, session_id, seq, payload, time_created, call_id)
+            SELECT f.i, f.s, f.input_seq, f.p, v_now, f.c FROM free f),
     claims AS (
         INSERT INTO session_execution(id, session_id, owner_id, phase, anchor_seq,
                 time_created, heartbeat_at, expires_at)
@@ -669,14 +670,14 @@ BEGIN
     SELECT array_agg(f.n), array_agg(f.wake_attempts) INTO v_ords, v_attempts FROM free f;
     RETURN QUERY SELECT u.n, 'stored', 'claim', u.a, NULL::text
         FROM unnest(v_ords, v_attempts) AS u(n, a);
-    FOR r IN SELECT u.s, u.p, u.i, u.e, u.o, u.l, u.n
-             FROM unnest(p_sessions, p_payloads, p_inputs, p_execs, p_owners, p_leases)
-                 WITH ORDINALITY AS u(s, p, i, e, o, l, n)
+    FOR r IN SELECT u.s, u.p, u.i, u.e, u.o, u.l, u.c, u.n
+             FROM unnest(p_sessions, p_payloads, p_inputs, p_execs, p_owners, p_leases,
+                         p_calls) WITH ORDINALITY AS u(s, p, i, e, o, l, c, n)
              WHERE NOT u.n = ANY(COALESCE(v_ords, '{}'))
              ORDER BY ts_lock_key(u.s), u.s, u.n LOOP
         SELECT r.n, f.input_verdict, f.verdict, f.attempt, f.holder
             INTO ord, input_verdict, verdict, attempt, holder
-            FROM ts_submit_and_acquire(r.s, r.p, r.i, r.e, r.o, r.l, p_now, p_retry) f;
+            FROM ts_submit_and_acquire(r.s, r.p, r.i, r.e, r.o, r.l, r.c, p_now, p_retry) f;
         RETURN NEXT;
     END LOOP;
 END $$;

@@ -173,7 +173,9 @@ def _pg_submit_controlled(
     `SessionBusy` for a refusal; None when the input id is stored for another session or
     with another payload text (nothing was written: the statements decide, in a
     transaction, comparing the payloads as JSON values)."""
-    [(verdict,)] = tx.call("ts_submit_controlled", session_id, payload, input_id, on_busy, delay_ms)
+    [(verdict,)] = tx.call(
+        "ts_submit_controlled", session_id, payload, input_id, on_busy, delay_ms, tx.call_id
+    )
     if verdict == "busy":
         raise _busy_error(session_id)
     return None if verdict in ("other_session", "other_payload") else str(verdict)
@@ -492,16 +494,17 @@ PG_FUNCTIONS = r"""
 -- and the running claim - live or expired: recovery then finishes it as cancelled - marked
 -- cancelling); busy (reject: nothing written); ts_known_input's (nothing written). Read
 -- back after a lost reply (p_retry) by input id: known, or interrupted when the session's
--- claim is cancelling (the lost call's, or a cancellation already under way).
+-- claim is cancelling (the lost call's, or a cancellation already under way). p_call: the
+-- call's own id, the same in each attempt (ts_known_input).
 CREATE OR REPLACE FUNCTION ts_submit_controlled(p_session text, p_payload text, p_input text,
-    p_on_busy text, p_delay bigint, p_now bigint, p_retry boolean)
+    p_on_busy text, p_delay bigint, p_call text, p_now bigint, p_retry boolean)
 RETURNS text
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     v_now bigint; v_known text; v_phase text; v_claim text; v_seq bigint;
 BEGIN
     v_now := ts_lock_now(p_session, p_now);
-    v_known := ts_known_input(p_session, p_input, p_payload, p_retry);
+    v_known := ts_known_input(p_session, p_input, p_payload, p_call, p_retry);
     SELECT e.phase, e.id INTO v_phase, v_claim FROM session_execution e
         WHERE e.session_id = p_session;
     IF v_known IS NOT NULL THEN
@@ -516,11 +519,12 @@ BEGIN
         INSERT INTO session AS s (id, time_created, input_seq) VALUES (p_session, v_now, 1)
             ON CONFLICT (id) DO UPDATE SET input_seq = s.input_seq + 1
             RETURNING s.input_seq INTO v_seq;
-        INSERT INTO session_input(id, session_id, seq, payload, time_created, due_at)
-            VALUES (p_input, p_session, v_seq, p_payload, v_now, v_now + p_delay);
+        INSERT INTO session_input(id, session_id, seq, payload, time_created, due_at,
+                call_id)
+            VALUES (p_input, p_session, v_seq, p_payload, v_now, v_now + p_delay, p_call);
         RETURN 'stored';
     END IF;
-    PERFORM ts_insert_input(p_session, p_payload, p_input, true, v_now);
+    PERFORM ts_insert_input(p_session, p_payload, p_input, p_call, true, v_now);
     IF p_on_busy = 'interrupt' AND v_phase = 'running' THEN
         UPDATE session_execution SET phase = 'cancelling'
             WHERE session_id = p_session AND phase = 'running';
@@ -532,13 +536,14 @@ END $$;
 -- cancel_input: withdraw a pending input (due or scheduled) under its session's lock;
 -- whether it was deleted here (not when taken meanwhile, set aside, or unknown). It leaves
 -- a trace for ts_known_input: a submit of it whose reply was lost, called again, answers
--- for its lost call (landed) instead of storing the input again. A retry happens within
--- the engine's patience (seconds), so traces older than ten minutes go.
+-- for its lost call (landed) instead of storing the input again - the trace names the call
+-- that stored the input (call_id), so only that call's retry reads it. A retry happens
+-- within the engine's patience (seconds), so traces older than ten minutes go.
 CREATE OR REPLACE FUNCTION ts_cancel_input(p_input text, p_now bigint, p_retry boolean)
 RETURNS boolean
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
-    v_session text; v_payload text; v_now bigint;
+    v_session text; v_payload text; v_call text; v_now bigint;
 BEGIN
     SELECT i.session_id INTO v_session FROM session_input i WHERE i.id = p_input;
     IF NOT FOUND THEN
@@ -546,16 +551,18 @@ BEGIN
     END IF;
     v_now := ts_lock_now(v_session, p_now);
     -- Under the lock: a drain may have taken it since the lookup.
-    DELETE FROM session_input WHERE id = p_input RETURNING payload INTO v_payload;
+    DELETE FROM session_input WHERE id = p_input RETURNING payload, call_id
+        INTO v_payload, v_call;
     IF NOT FOUND THEN
         RETURN false;
     END IF;
     PERFORM ts_signal(v_session);
     DELETE FROM session_input_cancelled WHERE time_cancelled < v_now - 600000;
-    INSERT INTO session_input_cancelled(id, session_id, payload, time_cancelled)
-        VALUES (p_input, v_session, v_payload, v_now)
+    INSERT INTO session_input_cancelled(id, session_id, payload, time_cancelled, call_id)
+        VALUES (p_input, v_session, v_payload, v_now, v_call)
         ON CONFLICT (id) DO UPDATE SET session_id = excluded.session_id,
-            payload = excluded.payload, time_cancelled = excluded.time_cancelled;
+            payload = excluded.payload, time_cancelled = excluded.time_cancelled,
+            call_id = excluded.call_id;
     RETURN true;
 END $$;
 

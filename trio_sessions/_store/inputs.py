@@ -42,7 +42,7 @@ def _pg_submitted(args: tuple[Any, ...], row: tuple[Any, ...]) -> Any:
 
 
 @autocommit_when_alone
-@pg_batched("ts_submits", _pg_submitted, autocommit=True)
+@pg_batched("ts_submits", _pg_submitted, autocommit=True, call_ids=True)
 def submit(tx: Tx, session_id: str, payload: str, input_id: str) -> str:
     """Admit an input and ring the doorbell, idempotently by `input_id`.
 
@@ -51,7 +51,7 @@ def submit(tx: Tx, session_id: str, payload: str, input_id: str) -> str:
     payload, raises `InputConflict`.
     """
     if tx.dialect == "postgres":
-        [row] = tx.call("ts_submit", session_id, payload, input_id)
+        [row] = tx.call("ts_submit", session_id, payload, input_id, tx.call_id)
         if _pg_submitted((session_id, payload, input_id), row) is not FALLBACK:
             return input_id
         # Another session's id, or another payload text (maybe the same JSON value):
@@ -136,9 +136,11 @@ PG_FUNCTIONS = r"""
 -- known (same session, same payload text); other_session; other_payload (the caller
 -- compares the payloads as JSON values). A call again after a lost reply (p_retry) also
 -- finds its lost call's input cancelled since (`ts_cancel_input`'s trace): known. A
--- first call never does - a cancelled id is forgotten, and a submit with it stores anew.
+-- first call never does - a cancelled id is forgotten, and a submit with it stores anew -
+-- and nor does a call again whose lost call never ran: the trace must name this call
+-- (p_call, `Job.call_id`), not an earlier submit's of the same id and payload.
 CREATE OR REPLACE FUNCTION ts_known_input(p_session text, p_input text, p_payload text,
-    p_retry boolean)
+    p_call text, p_retry boolean)
 RETURNS text
 LANGUAGE plpgsql STABLE AS $$
 DECLARE
@@ -152,18 +154,19 @@ BEGIN
         LIMIT 1) k;
     IF NOT FOUND THEN
         RETURN CASE WHEN p_retry AND EXISTS (SELECT 1 FROM session_input_cancelled c
-            WHERE c.id = p_input AND c.session_id = p_session AND c.payload = p_payload)
+            WHERE c.id = p_input AND c.session_id = p_session AND c.payload = p_payload
+                AND c.call_id = p_call)
             THEN 'known' END;
     END IF;
     RETURN CASE WHEN v_session <> p_session THEN 'other_session'
                 WHEN v_payload = p_payload THEN 'known' ELSE 'other_payload' END;
 END $$;
 
--- Store a pending input; p_ring: set the doorbell and count the wake (false when a claim
--- inserted in the same call takes the wake at once). Returns the session's doorbell and
--- resume count as they are now.
+-- Store a pending input, stored by the call p_call; p_ring: set the doorbell and count the
+-- wake (false when a claim inserted in the same call takes the wake at once). Returns the
+-- session's doorbell and resume count as they are now.
 CREATE OR REPLACE FUNCTION ts_insert_input(p_session text, p_payload text, p_input text,
-    p_ring boolean, p_at bigint, OUT time_woken bigint, OUT wake_attempts bigint)
+    p_call text, p_ring boolean, p_at bigint, OUT time_woken bigint, OUT wake_attempts bigint)
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     v_seq bigint; v_doorbell bigint := CASE WHEN p_ring THEN p_at END;
@@ -177,25 +180,26 @@ BEGIN
             wakes = s.wakes + p_ring::int, input_seq = s.input_seq + 1
         RETURNING s.input_seq, s.time_woken, s.wake_attempts
         INTO v_seq, ts_insert_input.time_woken, ts_insert_input.wake_attempts;
-    INSERT INTO session_input(id, session_id, seq, payload, time_created)
-        VALUES (p_input, p_session, v_seq, p_payload, p_at);
+    INSERT INTO session_input(id, session_id, seq, payload, time_created, call_id)
+        VALUES (p_input, p_session, v_seq, p_payload, p_at, p_call);
 END $$;
 
 -- submit: store the input and ring the doorbell, idempotently by input id. Verdicts:
--- stored, known, other_session, other_payload (ts_known_input; nothing written).
+-- stored, known, other_session, other_payload (ts_known_input; nothing written). p_call:
+-- the call's own id, the same in each attempt (ts_known_input).
 CREATE OR REPLACE FUNCTION ts_submit(p_session text, p_payload text, p_input text,
-    p_now bigint, p_retry boolean)
+    p_call text, p_now bigint, p_retry boolean)
 RETURNS text
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     v_now bigint; v_known text;
 BEGIN
     v_now := ts_lock_now(p_session, p_now);
-    v_known := ts_known_input(p_session, p_input, p_payload, p_retry);
+    v_known := ts_known_input(p_session, p_input, p_payload, p_call, p_retry);
     IF v_known IS NOT NULL THEN
         RETURN v_known;
     END IF;
-    PERFORM ts_insert_input(p_session, p_payload, p_input, true, v_now);
+    PERFORM ts_insert_input(p_session, p_payload, p_input, p_call, true, v_now);
     RETURN 'stored';
 END $$;
 
@@ -216,6 +220,6 @@ END $$;
 """ + pg_set_wise(
     "ts_submits",
     "ts_submit",
-    [("session", "text"), ("payload", "text"), ("input", "text")],
+    [("session", "text"), ("payload", "text"), ("input", "text"), ("call", "text")],
     [("verdict", "text")],
 )
