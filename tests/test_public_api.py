@@ -206,6 +206,26 @@ def test_the_trial_postgresql_server_recipe_works() -> None:
     run_trial_server()
 
 
+def test_the_readme_names_every_public_name_and_method() -> None:
+    """README.md documents the public surface: each public name, and each public method and
+    attribute of `Runtime`, `DrainContext` and `AssistantWriter`, is named in it (the error
+    classes, `Outcome`, `run`, `recover_once` and `is_active` were missing)."""
+    missing = [name for name in sorted(PUBLIC) if not re.search(rf"\b{name}\b", README)]
+    members = {
+        trio_sessions.Runtime: set(dir(trio_sessions.Runtime)),
+        trio_sessions.DrainContext: set(dir(trio_sessions.DrainContext))
+        | {"session_id", "execution_id", "owner_id", "attempt", "resumed"},
+        trio_sessions.AssistantWriter: set(dir(trio_sessions.AssistantWriter)),
+    }
+    missing += [
+        f"{cls.__name__}.{name}"
+        for cls, names in members.items()
+        for name in sorted(names)
+        if not name.startswith("_") and not re.search(rf"[.`]{name}\b", README)
+    ]
+    assert missing == []
+
+
 def test_every_log_event_is_in_the_readmes_logging_table() -> None:
     """Each stable log message of `_observe` (new ones included: `claim attempt failed`,
     the WAL and database file events) is documented in the README."""
