@@ -569,6 +569,60 @@ async def test_a_message_id_that_is_not_utf8_is_a_malformed_record_for_a_live_re
         assert await rt.transcript("good") == []
 
 
+@pytest.mark.parametrize(
+    ("reader", "written"),
+    [
+        ("transcript", "before"),
+        ("watch", "before"),
+        ("stream", "before"),
+        ("watch", "while-open"),
+        ("stream", "while-open"),
+    ],
+)
+async def test_a_message_whose_id_is_null_is_a_malformed_record_for_its_readers(
+    tmp_path: Path, reader: str, written: str
+) -> None:
+    """SQLite's `id TEXT PRIMARY KEY` of a rowid table takes a NULL (PostgreSQL's refuses
+    it), so another tool can write a message with no id. `transcript()`, a watcher and a
+    stream - opened before or after it was written - raise MalformedRecord saying so, as
+    for an id that is not UTF-8 (DESIGN §5, §6.20); the runtime serves other sessions on.
+    Before, `transcript()` returned a `Message` whose `id` was None."""
+    import sqlite3
+
+    def write_bad() -> None:
+        conn = sqlite3.connect(db)
+        with conn:
+            conn.execute(
+                "INSERT INTO session_message(id, session_id, role, seq, data, time_created,"
+                " time_updated) VALUES (NULL, 'bad', 'system', 1, '{}', 0, 0)"
+            )
+        conn.close()
+
+    db = tmp_path / "s.db"
+    async with trio_sessions.open_runtime(db, None) as rt:
+        await rt.submit("bad", {"n": 1})
+        if written == "before":
+            write_bad()
+
+        async def read() -> None:
+            if reader == "transcript":
+                await rt.transcript("bad")
+                return
+            opened = rt.watch("bad") if reader == "watch" else rt.stream("bad")
+            async with opened as updates:
+                if written == "while-open":
+                    write_bad()
+                async for _ in updates:
+                    pass
+
+        with pytest.raises(MalformedRecord) as caught, trio.fail_after(BOUND):
+            await read()
+        assert (caught.value.table, caught.value.key) == ("session_message", "NULL")
+        assert "id is NULL" in caught.value.reasons, caught.value.reasons
+        await rt.submit("good", {"n": 1})
+        assert await rt.transcript("good") == []
+
+
 @pytest.mark.parametrize("backend", ["sqlite", "postgres"], indirect=True)
 async def test_more_remote_doorbells_than_one_look_takes_all_start_without_a_poll(
     db_path: Any, live_store: Any, monkeypatch: pytest.MonkeyPatch

@@ -241,12 +241,12 @@ def _session_news(
             found.heads[session_id] = _newest(tx, session_id)
             return
         rows = rows[1:]
-    for message_id, _seq, version in rows:
+    for message_id, seq, version in rows:
         key = message_key(message_id)
         held = followed.open.get(key)
         seen = held.version if held is not None else followed.known.get(key, -1)
         if placed(version) > seen:
-            found.messages.append(_snapshot(tx, message_id))
+            found.messages.append(_snapshot(tx, message_id, at=(session_id, seq)))
     if rows:
         found.heads[session_id] = (placed(rows[-1][1]), message_key(rows[-1][0]))
 
@@ -334,9 +334,10 @@ def _message_snapshots(
     """Messages matching `where`, skipping those whose version is not newer than `seen`;
     the data of a skipped message is never read."""
     return [
-        _snapshot(tx, row[0])
+        _snapshot(tx, row[0], at=(row[2], row[3]))
         for row in tx.execute(
-            f"SELECT m.id, {_VERSION} FROM session_message m WHERE {where} ORDER BY m.seq",
+            f"SELECT m.id, {_VERSION}, m.session_id, m.seq FROM session_message m"
+            f" WHERE {where} ORDER BY m.seq",
             params,
         ).fetchall()
         if seen.get(message_key(row[0]), -1) < row[1]
@@ -351,9 +352,22 @@ def message_key(stored_id: Any) -> str:
     return str(_codec.shown_text(stored_id))
 
 
-def _snapshot(tx: Tx, stored_id: str | bytes) -> Snapshot:
+def _snapshot(
+    tx: Tx, stored_id: str | bytes | None, *, at: tuple[Any, Any] | None = None
+) -> Snapshot:
     """One message read whole, by its id as stored: its row and every delta streamed onto
-    it since."""
+    it since. A row with no id is read `at` its (session, seq)."""
+    if stored_id is None:
+        # SQLite: a rowid table's `id TEXT PRIMARY KEY` takes the NULL another tool writes,
+        # which no `m.id = ?` finds; (session_id, seq) is unique too. Malformed
+        # (`_shape_reasons`): its deltas are never merged.
+        assert at is not None, "a message with no id is read at its (session, seq)"
+        row = tx.one(
+            f"SELECT {_SNAPSHOT_COLUMNS} FROM session_message m"
+            " WHERE m.session_id = ? AND m.seq = ?",
+            at,
+        )
+        return _snapshot_of(row, [])
     if isinstance(stored_id, bytes):  # SQLite: text whose bytes are no UTF-8
         row = tx.one(
             f"SELECT {_SNAPSHOT_COLUMNS} FROM session_message m WHERE m.id = CAST(? AS TEXT)",

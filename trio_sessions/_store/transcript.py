@@ -451,6 +451,10 @@ def _shape_reasons(row: Sequence[Any]) -> list[str]:
         # `truncate(after_seq=0)` mean every message): a stream or watcher could not name
         # a message before them.
         reasons.append(f"seq {seq} is below 1")
+    if message_id is None:
+        # SQLite's `id TEXT PRIMARY KEY` of a rowid table takes the NULL another tool
+        # writes (PostgreSQL's refuses it): a message no reader can name.
+        reasons.append("id is NULL")
     for column, value in (
         ("id", message_id),
         ("execution_id", execution_id),
@@ -467,7 +471,8 @@ def _decode_message(session_id: str, row: Sequence[Any], streamed: Sequence[Any]
     message_id, role, seq, data, execution_id, input_id = row
     reasons = _shape_reasons(row)
     if reasons:
-        raise MalformedRecord("session_message", _codec.shown_text(message_id), reasons)
+        key = "NULL" if message_id is None else _codec.shown_text(message_id)
+        raise MalformedRecord("session_message", key, reasons)
     decoded: Any
     if role == "assistant":
         decoded = _transcript.with_streamed(
