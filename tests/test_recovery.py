@@ -293,6 +293,33 @@ async def test_text_that_is_not_utf8_is_quarantined_and_the_claims_behind_it_res
         assert await rt.transcript("bad") == []
 
 
+async def test_a_message_with_no_id_is_quarantined_readably_and_dropped(
+    tmp_path: Path, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """SQLite's `id TEXT PRIMARY KEY` of a rowid table takes the NULL another tool writes.
+    A crashed claim whose open message has no id is quarantined saying so (§6.11: the claim
+    beside it resumes), and the operator's drop sets that message aside so the transcript
+    reads again. Before, the takeover's close of the message raised a TypeError (its
+    `UPDATE ... WHERE id = NULL` found no row), quarantined as "recovery failed:
+    TypeError(...)", and every drop failed with that TypeError: no way out but SQL."""
+    db_path = tmp_path / "sessions.db"
+    raw = Raw(db_path)
+    drain = Recorder()
+    async with runtime(Store(db_path, inline=True), drain, clock, **QUIET) as rt:
+        raw.seed_claim("bad", "bad-exec", expires_at=expired(clock, 10))
+        message = raw.seed_assistant(
+            "bad", "bad-exec", 1, '{"parts": [], "finished": false, "error": null}'
+        )
+        raw.write("UPDATE session_message SET id = NULL WHERE id = ?", (message,))
+        reason = await quarantined_beside_a_resumed_claim(rt, raw, clock, drain)
+        assert "id is NULL" in reason, reason
+        await rt.release_quarantine("bad-exec", resume=False)
+        [(rejected, why)] = raw.rows("SELECT id, reason FROM session_message_rejected")
+        assert rejected is None and "id is NULL" in why
+        assert await rt.transcript("bad") == []
+        assert raw.rows("SELECT id FROM session_execution WHERE session_id = 'bad'") == []
+
+
 @pytest.mark.parametrize("which", ["doorbell", "session_id", "execution_id"])
 async def test_a_row_whose_id_is_not_utf8_never_stops_recovery_of_the_others(
     tmp_path: Path, clock: Clock, autojump_clock: MockClock, which: str

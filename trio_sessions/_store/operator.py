@@ -198,7 +198,13 @@ def _set_aside_malformed_messages(tx: Tx, session_id: str, execution_id: str) ->
                 " reason, time_created) VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (message_id, session_id, execution_id, seq, data, reason, tx.now),
             )
-            tx.execute("DELETE FROM session_message WHERE id = CAST(? AS TEXT)", (message_id,))
+            if message_id is None:  # SQLite, another tool's row: its (execution, seq) names it
+                tx.execute(
+                    "DELETE FROM session_message WHERE id IS NULL AND execution_id = ? AND seq = ?",
+                    (execution_id, seq),
+                )
+            else:
+                tx.execute("DELETE FROM session_message WHERE id = CAST(? AS TEXT)", (message_id,))
             tx.notify(session_id, watchers_only=True)  # gone, for the session's watchers
 
 

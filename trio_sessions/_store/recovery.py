@@ -99,7 +99,11 @@ def _recovery_facts(tx: Tx, candidate: Candidate) -> tuple[RecoveryFacts, str | 
     return facts, malformed_reason
 
 
-def _malformed_reason(tx: Tx, message_id: str, text: str) -> str | None:
+def _malformed_reason(tx: Tx, message_id: str | None, text: str) -> str | None:
+    if message_id is None:
+        # SQLite's rowid table takes the NULL id another tool writes: no write can name
+        # the message, so a takeover could not close it.
+        return str(MalformedRecord("session_message", "NULL", ["id is NULL"]))
     try:
         _assistant_data(tx, message_id, text)
     except MalformedRecord as exc:

@@ -380,6 +380,8 @@ def _close_open_messages(tx: Tx, execution_id: str, reason: str) -> None:
         (execution_id,),
     ).fetchall()
     for message_id, text, session_id in rows:
+        if message_id is None:  # SQLite, another tool's row: no write can name it
+            continue
         try:
             data = _assistant_data(tx, message_id, text)
         except MalformedRecord:
