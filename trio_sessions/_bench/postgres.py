@@ -115,8 +115,15 @@ def raw_pg_cycles(conn: psycopg.Connection[Any], session_ids: Sequence[str]) -> 
     owner = "raw-owner"
     started = time.perf_counter()
     for session_id in session_ids:
-        values = {"session": session_id, "input": uuid.uuid4().hex, "payload": PAYLOAD_JSON}
-        row = conn.execute(RAW_SUBMIT, {**values, "owner": owner}).fetchone()
+        row = conn.execute(
+            RAW_SUBMIT,
+            {
+                "session": session_id,
+                "input": uuid.uuid4().hex,
+                "payload": PAYLOAD_JSON,
+                "owner": owner,
+            },
+        ).fetchone()
         assert row is not None
         conn.execute(RAW_RELEASE, (session_id, owner, row[0]))
     return time.perf_counter() - started
