@@ -595,6 +595,41 @@ async def test_a_truncated_or_deleted_transcript_reaches_live_and_resumed_stream
         assert applied(before) == {}
 
 
+async def test_a_stream_open_for_a_long_conversation_keeps_nothing_per_finished_reply(
+    store: Any, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """A chat page's stream stays open for a whole conversation while its consumer reads
+    each reply only once it finished (its offers found the stream due to read first): the
+    stream still reproduces transcript(), and once every reply finished it holds nothing
+    per reply - its memory follows the open messages, not the messages ever streamed."""
+
+    async def drain(ctx: DrainContext) -> None:
+        for taken in await ctx.take_inputs():
+            writer = await ctx.begin_assistant()
+            await writer.append_text(f"re: {taken.payload['turn']}")
+            await writer.append_text(".")
+            await writer.finish()
+
+    got: list[StreamEvent] = []
+
+    async def collect(events: trio_sessions._stream.EventStream) -> None:
+        async for event in events:
+            got.append(event)
+
+    async with runtime(store, drain, clock) as rt, rt.stream("s") as events:
+        for turn in range(25):
+            await rt.submit("s", {"turn": turn})
+            await rt.wait_idle("s")
+            async with trio.open_nursery() as nursery:  # the consumer, one reply behind
+                nursery.start_soon(collect, events)
+                await trio.testing.wait_all_tasks_blocked()
+                nursery.cancel_scope.cancel()
+        assert applied(got) == await stored(rt)
+        assert len(got) >= 50
+        assert events._open == {}
+        assert events._offered == {}
+
+
 @pytest.mark.parametrize("backend", ["sqlite", "postgres"], indirect=True)
 async def test_a_stream_follows_another_runtimes_writes_one_append_at_a_time(
     db_path: Any,

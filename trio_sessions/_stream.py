@@ -201,7 +201,10 @@ class EventStream(AsyncIterator[StreamEvent]):
         self._top_id: str | None = None
         self._open = {h.seq: _Open(h.tag, h.version, None) for h in position.open}
         self._offers: collections.deque[Offer] = collections.deque()
-        self._offered: dict[str, int] = {}  # newest version offered, per open message id
+        # Newest version offered, per message held open or with an offer waiting: only
+        # those are ever looked up (`behind`), so no entry outlives both, and a stream open
+        # for a whole conversation holds none for the replies that finished.
+        self._offered: dict[str, int] = {}
         self._ready: collections.deque[StreamEvent] = collections.deque()
         self._error: MalformedRecord | None = None
         self.dirty = True  # the first read brings the client up to date
@@ -226,6 +229,7 @@ class EventStream(AsyncIterator[StreamEvent]):
     def offer(self, offer: Offer) -> None:
         if len(self._offers) >= MAX_PENDING_OFFERS:
             self._offers.clear()
+            self._forget_offered_unheld()
             self.dirty = True
         else:
             self._offers.append(offer)
@@ -370,6 +374,7 @@ class EventStream(AsyncIterator[StreamEvent]):
         if read.rewritten:
             self._top, self._top_tag, self._top_id = 0, "", None
             self._open.clear()
+            self._forget_offered_unheld()
             self._position_now = None
             self._emit("truncate", 0, "", None)
         if self._top in read.ids:
@@ -420,6 +425,14 @@ class EventStream(AsyncIterator[StreamEvent]):
         if held is not None and held.message_id is not None:
             self._offered.pop(held.message_id, None)
 
+    def _forget_offered_unheld(self) -> None:
+        """Drop the offered versions of messages neither held open nor with an offer
+        waiting (the offers were dropped, or the transcript was rewritten)."""
+        keep = {held.message_id for held in self._open.values()}
+        keep.update(offer.message_id for offer in self._offers)
+        for message_id in [m for m in self._offered if m not in keep]:
+            del self._offered[message_id]
+
     def _apply_offer(self, offer: Offer) -> None:
         held = self._open.get(offer.seq)
         if offer.version == 0 and held is None and offer.seq == self._top + 1 and not self.dirty:
@@ -432,7 +445,11 @@ class EventStream(AsyncIterator[StreamEvent]):
             self._emit("message", offer.seq, "assistant", offer.data)
             return
         if held is None or held.message_id != offer.message_id:
-            self.dirty = True  # not a message this client follows (yet): read
+            # Not a message this client follows (yet): read. The read brings it as it is
+            # then, so what was offered of it is moot: a message a read found finished
+            # meanwhile would otherwise stay on record for the stream's whole life.
+            self._offered.pop(offer.message_id, None)
+            self.dirty = True
             return
         if offer.version <= held.version:
             return  # already sent (by a read, or offered twice)
