@@ -915,6 +915,51 @@ async def test_fork_of_a_message_that_is_not_utf8(
     assert raw.rows("SELECT COUNT(*) FROM session WHERE id = 'copy'") == [(int(finished),)]
 
 
+async def test_a_watcher_open_across_edits_and_deletes_keeps_nothing_of_messages_gone(
+    store: Store, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """A watcher left open while the conversation is edited again and again (truncate,
+    regenerate) and finally deleted: it still gets each new reply, and it and its session's
+    record in the runtime hold no entry for a message that no longer exists - their memory
+    follows the transcript, not every message the watcher ever saw."""
+
+    async def drain(ctx: DrainContext) -> None:
+        for taken in await ctx.take_inputs():
+            writer = await ctx.begin_assistant()
+            await writer.append_text(f"re: {taken.payload['turn']}")
+            await writer.finish()
+
+    seen: list[Message] = []
+
+    async def follow(watcher: trio_sessions._signals.Watcher) -> None:
+        async for message in watcher:
+            seen.append(message)
+
+    async with runtime(store, drain, clock) as rt, rt.watch("s") as watcher:
+        hub = rt._watchers._sessions["s"]
+        for turn in range(20):
+            if turn:
+                assert await rt.truncate("s", after_seq=0) == 2  # edit and regenerate
+            await rt.submit("s", {"turn": turn})
+            await rt.wait_idle("s")
+            rt._kick.set()  # the change loop's look, which finds the rewrite, now
+            await trio.testing.wait_all_tasks_blocked()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(follow, watcher)
+                await trio.testing.wait_all_tasks_blocked()
+                nursery.cancel_scope.cancel()
+            stored = await rt.transcript("s")
+            present = {m.id for m in stored}
+            reply = AssistantData((TextPart(f"re: {turn}"),), True, None)
+            assert [m.id for m in seen if m.data == reply] == [stored[-1].id]
+            assert set(hub.known) <= present and set(watcher._seen) <= present
+        assert await rt.delete_session("s")
+        rt._kick.set()  # the look that finds the transcript gone
+        await trio.testing.wait_all_tasks_blocked()
+        assert hub.known == {} and hub.open == {}
+        assert watcher._seen == {}
+
+
 async def test_truncate_deletes_after_seq_and_refuses_while_a_claim_is_held(
     store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
 ) -> None:

@@ -5,7 +5,9 @@ by the message's durable `version` (bumped by every change), so a snapshot offer
 once by the local writer, once by a store scan - is delivered once, and an older state is
 never delivered after a newer one. A slow watcher skips intermediate snapshots of a message
 but always gets its latest. Idle watchers cost no task and no polling: the runtime's one
-change loop offers them what changed, reading only what changed (the hub below).
+change loop offers them what changed, reading only what changed (the hub below). What a
+watcher and the hub remember per message follows the transcript: a message a rewrite
+removed (truncate, delete) is forgotten once a look read the session whole.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ class Watcher(AsyncIterator[Message]):
         self.after_seq = after_seq
         self._pending: dict[str, tuple[Snapshot, int]] = {}
         self._seen: dict[str, int] = {}
+        # Messages gone whose last snapshot still waits: delivered, but not remembered.
+        self._forgotten: set[str] = set()
         self._ready = trio.Event()
         self._closed = False
 
@@ -46,6 +50,15 @@ class Watcher(AsyncIterator[Message]):
     def close(self) -> None:
         self._closed = True
         self._ready.set()
+
+    def forget(self, message_id: str) -> None:
+        """The message no longer exists (its transcript was rewritten): nothing more is
+        offered for it, so no version of it need be remembered - once a snapshot still
+        waiting for the consumer, if any, was delivered."""
+        if message_id in self._pending:
+            self._forgotten.add(message_id)
+        else:
+            self._seen.pop(message_id, None)
 
     def _newest(self, message_id: str) -> int:
         held = self._pending.get(message_id)
@@ -65,7 +78,10 @@ class Watcher(AsyncIterator[Message]):
             self._ready = trio.Event()
         message_id = next(iter(self._pending))
         snapshot, version = self._pending.pop(message_id)
-        self._seen[message_id] = version
+        if message_id in self._forgotten:
+            self._forgotten.discard(message_id)
+        else:
+            self._seen[message_id] = version
         if isinstance(snapshot, MalformedRecord):
             raise snapshot
         return snapshot
@@ -81,6 +97,8 @@ class _Session:
     high_id: str | None = None
     open: dict[str, _store.Snapshot] = attrs.Factory(dict)
     known: dict[str, int] = attrs.Factory(dict)
+    # The messages remembered in `known` since the current look began (`followed`).
+    fresh: set[str] = attrs.Factory(set)
 
 
 class WatchHub:
@@ -135,6 +153,8 @@ class WatchHub:
     def followed(self) -> dict[str, _store.Followed]:
         """Per watched session, what a look starts from. The mappings are the hub's own,
         not copies: a look reads them on the trio thread before anything changes them."""
+        for session in self._sessions.values():
+            session.fresh.clear()  # a look begins
         return {
             session_id: _store.Followed(
                 session.high_seq, session.high_id, session.open, session.known
@@ -148,12 +168,31 @@ class WatchHub:
         for message_id in found.gone:
             for watched in self._sessions.values():
                 watched.open.pop(message_id, None)
+        for session_id, present in found.present.items():
+            session = self._sessions.get(session_id)
+            if session is not None:
+                self._forget_gone(session, present)
         for snapshot in found.messages:
             self.publish(snapshot)
         for session_id, (high_seq, high_id) in found.heads.items():
             session = self._sessions.get(session_id)
             if session is not None:
                 session.high_seq, session.high_id = high_seq, high_id
+
+    @staticmethod
+    def _forget_gone(session: _Session, present: frozenset[str]) -> None:
+        """A look read the session's whole transcript (`present`: its messages then): the
+        messages remembered before that look began and not among them no longer exist, and
+        no look offers them again (ids are never reused), so neither the hub nor a watcher
+        keeps their versions - else a watcher open across many edits would hold every
+        message it ever saw. One remembered since the look began may have been written
+        after its read: it stays."""
+        gone = [m for m in session.known if m not in present and m not in session.fresh]
+        for message_id in gone:
+            session.known.pop(message_id, None)
+            session.open.pop(message_id, None)
+            for watcher in session.watchers:
+                watcher.forget(message_id)
 
     def publish(self, snapshot: _store.Snapshot, only: Watcher | None = None) -> None:
         """Offer a snapshot to the session's watchers (or to `only`, a watcher replaying
@@ -169,6 +208,7 @@ class WatchHub:
         known = session.known.get(message_id, -1)
         if remember and snapshot.version >= known:
             session.known[message_id] = snapshot.version
+            session.fresh.add(message_id)
             if snapshot.open:
                 session.open[message_id] = snapshot
             else:

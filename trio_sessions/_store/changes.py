@@ -66,6 +66,11 @@ class Watched:
     messages: list[Snapshot]
     heads: dict[str, tuple[int, str | None]]  # per session: its new (high_seq, high_id)
     gone: list[str]  # followed open messages that no longer exist
+    # Per session the look read whole - its transcript was rewritten (truncated, deleted),
+    # or no look had covered a message of it yet - the keys of its messages now: the
+    # runtime forgets the messages it remembered before the look that are not among them
+    # (ids are never reused), so a watcher kept open across many edits holds none of them.
+    present: dict[str, frozenset[str]] = attrs.Factory(dict)
 
 
 NO_CHANGE = Watched([], {}, [])
@@ -233,14 +238,20 @@ def _session_news(
         ):
             # Truncated (and maybe grown again): seqs up to the old head may name new
             # messages. Rare (an operator's or a user's edit), so the versions are read whole.
+            present: set[str] = set()
             found.messages.extend(
                 _message_snapshots(
-                    tx, "session_id = :session", {"session": session_id}, followed.known
+                    tx, "session_id = :session", {"session": session_id}, followed.known, present
                 )
             )
+            found.present[session_id] = frozenset(present)
             found.heads[session_id] = _newest(tx, session_id)
             return
         rows = rows[1:]
+    elif followed.high_seq == 0 and followed.known:
+        # Nothing covered yet, yet messages offered (by local writes): these rows are the
+        # whole transcript, so they tell which of those still exist.
+        found.present[session_id] = frozenset(message_key(row[0]) for row in rows)
     for message_id, seq, version in rows:
         key = message_key(message_id)
         held = followed.open.get(key)
@@ -329,17 +340,25 @@ def watched_messages(
 
 
 def _message_snapshots(
-    tx: Tx, where: str, params: dict[str, Any], seen: Mapping[str, int]
+    tx: Tx,
+    where: str,
+    params: dict[str, Any],
+    seen: Mapping[str, int],
+    present: set[str] | None = None,
 ) -> list[Snapshot]:
     """Messages matching `where`, skipping those whose version is not newer than `seen`;
-    the data of a skipped message is never read."""
+    the data of a skipped message is never read. `present` collects the keys of every
+    message matching."""
+    rows = tx.execute(
+        f"SELECT m.id, {_VERSION}, m.session_id, m.seq FROM session_message m"
+        f" WHERE {where} ORDER BY m.seq",
+        params,
+    ).fetchall()
+    if present is not None:
+        present.update(message_key(row[0]) for row in rows)
     return [
         _snapshot(tx, row[0], at=(row[2], row[3]))
-        for row in tx.execute(
-            f"SELECT m.id, {_VERSION}, m.session_id, m.seq FROM session_message m"
-            f" WHERE {where} ORDER BY m.seq",
-            params,
-        ).fetchall()
+        for row in rows
         if seen.get(message_key(row[0]), -1) < row[1]
     ]
 
