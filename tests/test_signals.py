@@ -9,6 +9,7 @@ test uses a real producer process. These run on the threaded store in real time,
 
 from __future__ import annotations
 
+import importlib
 import sys
 import textwrap
 import threading
@@ -58,6 +59,73 @@ async def test_a_submit_from_another_runtime_starts_the_drain_without_recovery(
         with trio.fail_after(BOUND):
             await started.wait()
         assert worker.statistics().remote_signals >= 1
+
+
+@pytest.mark.parametrize("backend", ["postgres"], indirect=True)
+async def test_a_message_begun_while_a_look_reads_is_not_taken_for_gone(
+    live_store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL reads run on a worker thread, on the snapshot their first statement took:
+    a reply a local drain begins while the change loop's look is reading is not in that
+    snapshot, and the look must not report it gone - the watchers' hub goes on following
+    it. (SQLite reads run on the trio thread: nothing changes under them.)"""
+    changes = importlib.import_module("trio_sessions._store.changes")
+    watched_changes = changes.watched_changes
+    holding, reading, resume = [False], threading.Event(), threading.Event()
+
+    def held_look(tx: Any, watched: Any) -> Any:
+        if holding[0]:
+            holding[0] = False
+            tx.execute("SELECT 1")  # the read's snapshot, as its earlier statements take it
+            reading.set()
+            resume.wait(BOUND)
+        return watched_changes(tx, watched)
+
+    monkeypatch.setattr(changes, "watched_changes", held_look)
+    entered, go, began, finish = trio.Event(), trio.Event(), trio.Event(), trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        if not await ctx.take_inputs():
+            return
+        entered.set()
+        await go.wait()
+        writer = await ctx.begin_assistant()
+        await writer.append_text("a")
+        began.set()
+        await finish.wait()
+        await writer.finish()
+
+    async with (
+        trio_sessions.open_runtime(live_store, drain, **NO_RECOVERY) as rt,
+        rt.watch("s"),
+    ):
+        hub = rt._watchers
+        looked = trio.Event()
+        apply = hub.apply
+
+        def applied(found: Any) -> None:
+            apply(found)
+            if resume.is_set():
+                looked.set()
+
+        monkeypatch.setattr(hub, "apply", applied)
+        # The reply's writes go to another writer lane than the one the look reads on, as
+        # under load: the lanes' batches run in parallel.
+        monkeypatch.setattr(rt._db, "spill_at", 0)
+        with trio.fail_after(BOUND):
+            await rt.submit("s", {"text": "q"})
+            await entered.wait()
+            holding[0] = True
+            rt._kick.set()
+            await trio.to_thread.run_sync(reading.wait, BOUND)  # the look is reading
+            go.set()
+            await began.wait()  # the reply is stored, and published to the hub
+            [reply] = hub._sessions["s"].open
+            resume.set()
+            await looked.wait()
+        assert reply in hub._sessions["s"].open
+        finish.set()
+        await rt.wait_idle("s")
 
 
 async def test_a_real_producer_process_wakes_the_worker(tmp_path: Path) -> None:

@@ -151,13 +151,17 @@ class WatchHub:
         return session_id in self._sessions
 
     def followed(self) -> dict[str, _store.Followed]:
-        """Per watched session, what a look starts from. The mappings are the hub's own,
-        not copies: a look reads them on the trio thread before anything changes them."""
+        """Per watched session, what a look starts from. The open messages are a copy (a
+        few per session): a look may read on a worker thread (PostgreSQL), on a snapshot
+        taken before a local write that adds one - the look would take that message,
+        absent from its snapshot, for gone and stop following it (or meet it removed
+        meanwhile). `known` is the hub's own: a look only looks versions up in it, and one
+        newer than its snapshot was offered by the local write that made it."""
         for session in self._sessions.values():
             session.fresh.clear()  # a look begins
         return {
             session_id: _store.Followed(
-                session.high_seq, session.high_id, session.open, session.known
+                session.high_seq, session.high_id, dict(session.open), session.known
             )
             for session_id, session in self._sessions.items()
             if session.covered
