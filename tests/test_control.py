@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from helpers import Raw, Recorder, now_ms, open_tool_message, runtime, start_run
+from helpers import Raw, Recorder, WrappedStore, now_ms, open_tool_message, runtime, start_run
 from trio.testing import MockClock
 
 import trio_sessions
@@ -958,6 +958,77 @@ async def test_a_watcher_open_across_edits_and_deletes_keeps_nothing_of_messages
         await trio.testing.wait_all_tasks_blocked()
         assert hub.known == {} and hub.open == {}
         assert watcher._seen == {}
+
+
+class _HeldReplay:
+    """An executor whose replay reads (`watched_messages`) wait at `gate` once read."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.holding = False
+        self.read_done = trio.Event()
+        self.gate = trio.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def read(self, op: Any, *args: Any) -> Any:
+        result = await self._inner.read(op, *args)
+        if op is _store.watched_messages and self.holding:
+            self.holding = False
+            self.read_done.set()
+            await self.gate.wait()
+        return result
+
+
+async def test_a_replay_read_before_an_edit_offers_the_messages_gone_to_no_other_watcher(
+    store: Store, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """A watcher entering reads its history; the transcript is edited (regenerated at the
+    same seqs) and the runtime forgets the messages removed before that read's answer is
+    offered: those messages go to the entering watcher only (as they always did), never
+    again to the watcher that had them already."""
+
+    async def drain(ctx: DrainContext) -> None:
+        for taken in await ctx.take_inputs():
+            writer = await ctx.begin_assistant()
+            await writer.append_text(f"re: {taken.payload['turn']}")
+            await writer.finish()
+
+    held = WrappedStore(store, _HeldReplay)
+    got: list[Message] = []
+
+    async def follow(watcher: trio_sessions._signals.Watcher) -> None:
+        async for message in watcher:
+            got.append(message)
+
+    async def enter(rt: trio_sessions.Runtime) -> None:
+        async with rt.watch("s"):
+            pass
+
+    async with runtime(held, drain, clock) as rt, rt.watch("s") as first:
+        assert held.executor is not None
+        await rt.submit("s", {"turn": 0})
+        await rt.wait_idle("s")
+        rt._kick.set()
+        await trio.testing.wait_all_tasks_blocked()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(follow, first)
+            await trio.testing.wait_all_tasks_blocked()
+            held.executor.holding = True
+            nursery.start_soon(enter, rt)
+            await held.executor.read_done.wait()  # the second watcher's replay was read
+            assert await rt.truncate("s", after_seq=0) == 2
+            await rt.submit("s", {"turn": 1})  # regenerated, at the same seqs
+            await rt.wait_idle("s")
+            rt._kick.set()  # the look that finds the edit, and forgets the messages gone
+            await trio.testing.wait_all_tasks_blocked()
+            held.executor.gate.set()
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.cancel_scope.cancel()
+        turn_0 = AssistantData((TextPart("re: 0"),), True, None)
+        assert [m.data for m in got].count(turn_0) == 1
+        assert AssistantData((TextPart("re: 1"),), True, None) in [m.data for m in got]
 
 
 async def test_truncate_deletes_after_seq_and_refuses_while_a_claim_is_held(

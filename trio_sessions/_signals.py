@@ -99,6 +99,9 @@ class _Session:
     known: dict[str, int] = attrs.Factory(dict)
     # The messages remembered in `known` since the current look began (`followed`).
     fresh: set[str] = attrs.Factory(set)
+    # How many times messages gone were forgotten: a replay read before the latest time
+    # may hold such a message, which must not look new to the hub.
+    forgettings: int = 0
 
 
 class WatchHub:
@@ -131,12 +134,20 @@ class WatchHub:
         through, _ = head = await read(_store.newest_message, session_id)
         self.cover(session_id, head)
         while after_seq < through:
+            forgettings = self._forgettings(session_id)
             replayed = await read(_store.watched_messages, session_id, after_seq, through)
             if not replayed:
                 break
+            # Read before messages gone were forgotten: it may hold them, and offered as
+            # news they would reach the watchers that had them already. Its own, then.
+            stale = self._forgettings(session_id) != forgettings
             for snapshot in replayed:
-                self.publish(snapshot, only=watcher)
+                self.publish(snapshot, only=watcher, remember=not stale)
             after_seq = replayed[-1].seq
+
+    def _forgettings(self, session_id: str) -> int:
+        session = self._sessions.get(session_id)
+        return 0 if session is None else session.forgettings
 
     def cover(self, session_id: str, head: tuple[int, str | None]) -> None:
         """The session's newest message when its first watcher entered: later looks read
@@ -192,22 +203,27 @@ class WatchHub:
         message it ever saw. One remembered since the look began may have been written
         after its read: it stays."""
         gone = [m for m in session.known if m not in present and m not in session.fresh]
+        if gone:
+            session.forgettings += 1
         for message_id in gone:
             session.known.pop(message_id, None)
             session.open.pop(message_id, None)
             for watcher in session.watchers:
                 watcher.forget(message_id)
 
-    def publish(self, snapshot: _store.Snapshot, only: Watcher | None = None) -> None:
+    def publish(
+        self, snapshot: _store.Snapshot, only: Watcher | None = None, *, remember: bool = True
+    ) -> None:
         """Offer a snapshot to the session's watchers (or to `only`, a watcher replaying
-        its history) and remember it: an open message is followed until it is finished."""
+        its history) and remember it (unless `remember` is False: offered to `only`
+        alone): an open message is followed until it is finished."""
         session = self._sessions.get(snapshot.session_id)
         if session is None:
             return
         message_id = snapshot.message_id
         # A replay past the covered seq is not remembered: the next look still finds that
         # message new and offers it to the session's other watchers too.
-        remember = only is None or snapshot.seq <= session.high_seq
+        remember = remember and (only is None or snapshot.seq <= session.high_seq)
         offered_to = session.watchers if only is None else {only}
         known = session.known.get(message_id, -1)
         if remember and snapshot.version >= known:
