@@ -6,9 +6,10 @@ Raw baselines, written as a careful psycopg user would (DESIGN §7: autocommit, 
 trip per statement, fsync on; the server's clock inline in the statement). The cycle writes
 the rows the library's cycle writes, as SQLite's raw cycle does, in two statements: the
 session row, the input and a fenced claim upsert in one (data-modifying CTEs, so they
-commit together), then the claim's fenced delete. Beside it, for comparison with earlier
-figures, the earlier baseline: the claim and its removal only, autocommit off (BEGIN and
-COMMIT each a round trip of their own, six per cycle). The reclaim does the library's two
+commit together), then the claim's fenced delete with the session row's update (the
+library's release records there which execution it released). Beside it, for comparison
+with earlier figures, the earlier baseline: the claim and its removal only, autocommit off
+(BEGIN and COMMIT each a round trip of their own, six per cycle). The reclaim does the library's two
 writes per claim (DESIGN §7: the takeover *and* the release), `batch` claims per transaction:
 one `UPDATE ... WHERE id IN (SELECT ... FOR UPDATE SKIP LOCKED)`, then one fenced DELETE of
 the claims it took, as SQLite's raw reclaim does, each statement in autocommit. The
@@ -67,7 +68,8 @@ RAW_RELEASE = "DELETE FROM claims WHERE session_id = %s AND owner = %s AND fence
 # The rows the library's cycle writes beside the claim (as SQLite's raw cycle's tables).
 RAW_ROWS = """
 CREATE TABLE IF NOT EXISTS raw_session(
-    id TEXT PRIMARY KEY, time_created BIGINT NOT NULL, input_seq BIGINT NOT NULL);
+    id TEXT PRIMARY KEY, time_created BIGINT NOT NULL, input_seq BIGINT NOT NULL,
+    released_fence BIGINT);
 CREATE TABLE IF NOT EXISTS raw_input(
     id TEXT PRIMARY KEY, session_id TEXT NOT NULL, seq BIGINT NOT NULL,
     payload TEXT NOT NULL, time_created BIGINT NOT NULL, UNIQUE(session_id, seq))
@@ -87,6 +89,15 @@ RAW_SUBMIT = (
     " ON CONFLICT (session_id) DO UPDATE SET owner = excluded.owner,"
     " fence = claims.fence + 1, expires_at = excluded.expires_at"
     f" WHERE claims.expires_at < {SERVER_MS} RETURNING fence"
+)
+# The claim's fenced removal and, as the library's release on PostgreSQL records on the
+# session row which execution it released (read back after a lost reply), the session row's
+# update: one statement.
+RAW_RELEASE_RECORDED = (
+    "WITH released AS (DELETE FROM claims WHERE session_id = %s AND owner = %s AND fence = %s"
+    " RETURNING session_id, fence)"
+    " UPDATE raw_session s SET released_fence = r.fence FROM released r"
+    " WHERE s.id = r.session_id"
 )
 # The reclaimed claims' release, fenced on their owner (the library's resumed no-op drains
 # each delete their claim).
@@ -125,7 +136,7 @@ def raw_pg_cycles(conn: psycopg.Connection[Any], session_ids: Sequence[str]) -> 
             },
         ).fetchone()
         assert row is not None
-        conn.execute(RAW_RELEASE, (session_id, owner, row[0]))
+        conn.execute(RAW_RELEASE_RECORDED, (session_id, owner, row[0]))
     return time.perf_counter() - started
 
 
@@ -315,10 +326,10 @@ async def bench_pg_cycle(config: Config, schemas: PgSchemas, report: Report) -> 
         f"postgres: the library ran {transactions} transactions over the section; its round "
         "trips are counted on the wire in a run of their own (every connection). The raw "
         "baseline writes the rows the library's cycle writes (the session row and its input "
-        "count, the input, the fenced claim; then the claim's fenced removal) in two "
-        "autocommit statements, one round trip each (DESIGN §7); the earlier baseline wrote "
-        "the claim and its removal only, autocommit off (BEGIN, the statement and COMMIT "
-        "per transaction)."
+        "count, the input, the fenced claim; then the claim's fenced removal and the "
+        "session row's update) in two autocommit statements, one round trip each (DESIGN "
+        "§7); the earlier baseline wrote the claim and its removal only, autocommit off "
+        "(BEGIN, the statement and COMMIT per transaction)."
     )
 
 
