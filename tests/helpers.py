@@ -302,6 +302,20 @@ PRE_STREAMING_DONE = AssistantData(
 )
 
 
+def build_pg_schema(conn: Any, version: int) -> None:
+    """The tables of a PostgreSQL store at schema `version`, on `conn` (its search_path
+    the schema): the version row and every migration's statements up to it - no functions
+    (a test creates what that version held)."""
+    from trio_sessions import _postgres
+
+    conn.execute("CREATE TABLE schema_version(version INTEGER NOT NULL)")
+    conn.execute("INSERT INTO schema_version VALUES (%s)", (version,))
+    for step in range(1, version + 1):
+        for statement in _postgres._MIGRATIONS[step].split(";"):
+            if statement.strip():
+                conn.execute(statement)
+
+
 def seed_pre_streaming(raw: Raw) -> None:
     raw.write("INSERT INTO session(id, time_created) VALUES ('s', 0)")
     raw.write(

@@ -17,7 +17,16 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from helpers import Raw, Recorder, WrappedStore, now_ms, open_tool_message, runtime, start_run
+from helpers import (
+    Raw,
+    Recorder,
+    WrappedStore,
+    build_pg_schema,
+    now_ms,
+    open_tool_message,
+    runtime,
+    start_run,
+)
 from trio.testing import MockClock
 
 import trio_sessions
@@ -1140,12 +1149,7 @@ async def test_upgrade_of_a_version_2_postgres_schema_keeps_pending_inputs_due(
     from trio_sessions import _postgres
 
     with psycopg.connect(pg_url, autocommit=True, options=f"-c search_path={pg_schema}") as conn:
-        conn.execute("CREATE TABLE schema_version(version INTEGER NOT NULL)")
-        conn.execute("INSERT INTO schema_version VALUES (2)")
-        for version in (1, 2):
-            for statement in _postgres._MIGRATIONS[version].split(";"):
-                if statement.strip():
-                    conn.execute(statement)
+        build_pg_schema(conn, 2)
         conn.execute(
             "INSERT INTO session(id, time_created, time_woken, input_seq) VALUES ('s', 0, 0, 1)"
         )

@@ -23,7 +23,14 @@ import psycopg
 import pytest
 import trio
 from backends import PgLocation
-from helpers import Raw, check_pre_streaming_upgrade, opened, seed_pre_streaming, terminate_backend
+from helpers import (
+    Raw,
+    build_pg_schema,
+    check_pre_streaming_upgrade,
+    opened,
+    seed_pre_streaming,
+    terminate_backend,
+)
 from psycopg import sql
 from trio.testing import MockClock
 
@@ -258,12 +265,7 @@ def test_upgrade_of_a_version_16_schema_replaces_the_old_delete_function(
     from trio_sessions._schema import _create_functions
 
     with raw(pg_url, pg_schema) as conn:
-        conn.execute("CREATE TABLE schema_version(version INTEGER NOT NULL)")
-        conn.execute("INSERT INTO schema_version VALUES (16)")
-        for version in range(1, 17):
-            for statement in _postgres._MIGRATIONS[version].split(";"):
-                if statement.strip():
-                    conn.execute(statement)
+        build_pg_schema(conn, 16)
         _create_functions(conn)
         # What a version-16 store holds: the delete function of before version 18.
         conn.execute("DROP FUNCTION ts_delete_session(text, bigint, boolean)")
@@ -304,12 +306,7 @@ def test_upgrade_of_a_version_19_schema_keeps_its_inputs_and_replaces_the_submit
     from trio_sessions._schema import _create_functions
 
     with raw(pg_url, pg_schema) as conn:
-        conn.execute("CREATE TABLE schema_version(version INTEGER NOT NULL)")
-        conn.execute("INSERT INTO schema_version VALUES (19)")
-        for version in range(1, 20):
-            for statement in _postgres._MIGRATIONS[version].split(";"):
-                if statement.strip():
-                    conn.execute(statement)
+        build_pg_schema(conn, 19)
         _create_functions(conn)
         # What a version-19 store holds beside: the submit functions' argument lists of
         # before (their bodies do not matter here: version 20's step must drop them).

@@ -243,6 +243,15 @@ async def quarantined_beside_a_resumed_claim(
     return str(reason)
 
 
+def crashed_with_an_open_message(
+    raw: Raw, clock: Clock, data: str = '{"parts": [], "finished": false, "error": null}'
+) -> str:
+    """Session 'bad': an expired claim 'bad-exec' whose assistant message is open (`data`);
+    returns the message's id."""
+    raw.seed_claim("bad", "bad-exec", expires_at=expired(clock, 10))
+    return raw.seed_assistant("bad", "bad-exec", 1, data)
+
+
 @pytest.mark.parametrize("where", ["message", "delta", "message id"])
 async def test_text_that_is_not_utf8_is_quarantined_and_the_claims_behind_it_resume(
     tmp_path: Path, clock: Clock, autojump_clock: MockClock, where: str
@@ -255,10 +264,7 @@ async def test_text_that_is_not_utf8_is_quarantined_and_the_claims_behind_it_res
     raw = Raw(db_path)
     drain = Recorder()
     async with runtime(Store(db_path, inline=True), drain, clock, **QUIET) as rt:
-        raw.seed_claim("bad", "bad-exec", expires_at=expired(clock, 10))
-        message = raw.seed_assistant(
-            "bad", "bad-exec", 1, '{"parts": [], "finished": false, "error": null}'
-        )
+        message = crashed_with_an_open_message(raw, clock)
         if where == "message":
             raw.write(
                 "UPDATE session_message SET data = CAST(X'7B2274223A2280FF227D' AS TEXT)"
@@ -306,10 +312,7 @@ async def test_a_message_with_no_id_is_quarantined_readably_and_dropped(
     raw = Raw(db_path)
     drain = Recorder()
     async with runtime(Store(db_path, inline=True), drain, clock, **QUIET) as rt:
-        raw.seed_claim("bad", "bad-exec", expires_at=expired(clock, 10))
-        message = raw.seed_assistant(
-            "bad", "bad-exec", 1, '{"parts": [], "finished": false, "error": null}'
-        )
+        message = crashed_with_an_open_message(raw, clock)
         raw.write("UPDATE session_message SET id = NULL WHERE id = ?", (message,))
         reason = await quarantined_beside_a_resumed_claim(rt, raw, clock, drain)
         assert "id is NULL" in reason, reason
@@ -431,9 +434,8 @@ async def test_a_nul_in_a_malformed_message_is_quarantined_readably_and_dropped(
     raw = Raw(db_path)
     drain = Recorder()
     async with runtime(store, drain, clock, **QUIET) as rt:
-        raw.seed_claim("bad", "bad-exec", expires_at=expired(clock, 10))
-        raw.seed_assistant(
-            "bad", "bad-exec", 1, r'{"parts": [], "finished": false, "error": null, "\u0000": 1}'
+        crashed_with_an_open_message(
+            raw, clock, r'{"parts": [], "finished": false, "error": null, "\u0000": 1}'
         )
         reason = await quarantined_beside_a_resumed_claim(rt, raw, clock, drain)
         assert "extra fields found (\\x00)" in reason, reason

@@ -593,50 +593,15 @@ async def test_a_message_no_store_writes_is_a_malformed_record_for_its_readers(
         assert await rt.transcript("good") == []
 
 
-@pytest.mark.parametrize("reader", ["watch", "stream"])
-@pytest.mark.parametrize("written", ["before", "while-open"])
-async def test_a_message_id_that_is_not_utf8_is_a_malformed_record_for_a_live_reader(
-    tmp_path: Path, reader: str, written: str
-) -> None:
-    """Another tool writes a message whose id is bytes that are not UTF-8, into a session
-    that is watched or streamed - before the reader opened or while it is open. The reader
-    raises MalformedRecord naming the id; the runtime stays open and serves other sessions.
-    Before, a watch that opened on it raised StoreError (the driver's decode error), and
-    one open when it was written crashed the change loop, and with it the whole runtime:
-    the row was looked up again by the `str()` of its bytes, which names no row."""
-    import sqlite3
-
-    def write_bad() -> None:
-        conn = sqlite3.connect(db)
-        with conn:
-            conn.execute(
-                "INSERT INTO session_message(id, session_id, role, seq, data, time_created,"
-                " time_updated) VALUES (CAST(X'6DFF' AS TEXT), 'bad', 'system', 1, '{}', 0, 0)"
-            )
-        conn.close()
-
-    db = tmp_path / "s.db"
-    async with trio_sessions.open_runtime(db, None) as rt:
-        await rt.submit("bad", {"n": 1})
-        if written == "before":
-            write_bad()
-
-        async def read() -> None:
-            opened = rt.watch("bad") if reader == "watch" else rt.stream("bad")
-            async with opened as updates:
-                if written == "while-open":
-                    write_bad()
-                async for _ in updates:
-                    pass
-
-        with pytest.raises(MalformedRecord) as caught, trio.fail_after(BOUND):
-            await read()
-        assert caught.value.table == "session_message"
-        assert "id b'm\\xff' is not UTF-8 text" in caught.value.reasons, caught.value.reasons
-        await rt.submit("good", {"n": 1})
-        assert await rt.transcript("good") == []
+# Ids another tool can write into SQLite's `session_message.id` (a rowid table's
+# `TEXT PRIMARY KEY`; PostgreSQL refuses both): (SQL, the key and reason a reader shows).
+_UNREADABLE_IDS = {
+    "not-utf8": ("CAST(X'6DFF' AS TEXT)", "m\ufffd", "id b'm\\xff' is not UTF-8 text"),
+    "null": ("NULL", "NULL", "id is NULL"),
+}
 
 
+@pytest.mark.parametrize("bad_id", sorted(_UNREADABLE_IDS))
 @pytest.mark.parametrize(
     ("reader", "written"),
     [
@@ -647,22 +612,27 @@ async def test_a_message_id_that_is_not_utf8_is_a_malformed_record_for_a_live_re
         ("stream", "while-open"),
     ],
 )
-async def test_a_message_whose_id_is_null_is_a_malformed_record_for_its_readers(
-    tmp_path: Path, reader: str, written: str
+async def test_a_message_whose_id_is_unreadable_is_a_malformed_record_for_its_readers(
+    tmp_path: Path, reader: str, written: str, bad_id: str
 ) -> None:
-    """SQLite's `id TEXT PRIMARY KEY` of a rowid table takes a NULL (PostgreSQL's refuses
-    it), so another tool can write a message with no id. `transcript()`, a watcher and a
-    stream - opened before or after it was written - raise MalformedRecord saying so, as
-    for an id that is not UTF-8 (DESIGN §5, §6.20); the runtime serves other sessions on.
-    Before, `transcript()` returned a `Message` whose `id` was None."""
+    """Another tool writes a message whose id no reader can name - bytes that are not
+    UTF-8, or NULL - into a session that is read: `transcript()`, a watcher or a stream,
+    opened before it was written or while it is open. The reader raises MalformedRecord
+    naming the id; the runtime stays open and serves other sessions (DESIGN §5, §6.20).
+    Before, a watch that opened on a non-UTF-8 id raised StoreError (the driver's decode
+    error), `transcript()` returned a `Message` whose id was None, and a reader open when
+    either was written crashed the change loop, and with it the whole runtime: the row was
+    looked up again by an id that names no row."""
     import sqlite3
+
+    id_sql, key, reason = _UNREADABLE_IDS[bad_id]
 
     def write_bad() -> None:
         conn = sqlite3.connect(db)
         with conn:
             conn.execute(
                 "INSERT INTO session_message(id, session_id, role, seq, data, time_created,"
-                " time_updated) VALUES (NULL, 'bad', 'system', 1, '{}', 0, 0)"
+                f" time_updated) VALUES ({id_sql}, 'bad', 'system', 1, '{{}}', 0, 0)"
             )
         conn.close()
 
@@ -685,8 +655,8 @@ async def test_a_message_whose_id_is_null_is_a_malformed_record_for_its_readers(
 
         with pytest.raises(MalformedRecord) as caught, trio.fail_after(BOUND):
             await read()
-        assert (caught.value.table, caught.value.key) == ("session_message", "NULL")
-        assert "id is NULL" in caught.value.reasons, caught.value.reasons
+        assert (caught.value.table, caught.value.key) == ("session_message", key)
+        assert reason in caught.value.reasons, caught.value.reasons
         await rt.submit("good", {"n": 1})
         assert await rt.transcript("good") == []
 
