@@ -14,13 +14,17 @@ every order is answered, and exits non-zero if that does not happen within a dea
 * A worker stops when its standard input closes: the producer closes it when done or
   interrupted (and the operating system closes it if the producer dies), so no worker
   outlives the example. Workers run in process groups of their own, so Ctrl-C reaches only
-  the producer: a worker interrupted while its interpreter starts would die loudly.
+  the producer: a worker interrupted while its interpreter starts would die loudly. The
+  producer turns Ctrl-C into a cancellation of its run (`trio.open_signal_receiver`), so
+  no KeyboardInterrupt lands halfway through the runtime's own code, and it still stops
+  its workers and waits for them before their file is removed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -113,16 +117,39 @@ async def produce(db: Path, workers: int, orders: int) -> bool:
                 while not (done := all_answered(conn, orders)):  # noqa: ASYNC110
                     await trio.sleep(0.1)
         finally:
-            for process in processes:
-                assert process.stdin is not None
-                await process.stdin.aclose()
-            with trio.fail_after(DEADLINE):
+            # Shielded: after a Ctrl-C this body is cancelled, yet the workers must still be
+            # told to stop and be waited for, or the temporary directory goes away under a
+            # worker still opening the file (a traceback from it).
+            with trio.CancelScope(shield=True), trio.fail_after(DEADLINE):
+                for process in processes:
+                    assert process.stdin is not None
+                    await process.stdin.aclose()
                 for process in processes:
                     await process.wait()
         counts = packed_by(conn)
         conn.close()
     print(f"producer: {sum(counts.values())}/{orders} orders packed, by {counts}")
     return done and sum(counts.values()) == orders
+
+
+async def produce_until_interrupted(db: Path, workers: int, orders: int) -> bool | None:
+    """`produce`'s result, or None once Ctrl-C arrived: SIGINT cancels the run."""
+    result: bool | None = None
+    with trio.open_signal_receiver(signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def interrupt() -> None:
+                async for _ in signals:
+                    nursery.cancel_scope.cancel()
+
+            async def run() -> None:
+                nonlocal result
+                result = await produce(db, workers, orders)
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(interrupt)
+            nursery.start_soon(run)
+    return result
 
 
 def main() -> int:
@@ -134,13 +161,15 @@ def main() -> int:
     if args.worker is not None:
         trio.run(work, args.worker[0], Path(args.worker[1]))
         return 0
-    ok = interrupted = False
+    ok: bool | None = False
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            ok = trio.run(produce, Path(tmp) / "orders.db", args.workers, args.orders)
+            ok = trio.run(
+                produce_until_interrupted, Path(tmp) / "orders.db", args.workers, args.orders
+            )
         except* KeyboardInterrupt:
-            interrupted = True  # Ctrl-C: `produce` closed the workers' input; they stopped
-    if interrupted:
+            ok = None  # Ctrl-C before the run could take it over: no worker started yet
+    if ok is None:
         print("producer: interrupted", file=sys.stderr)
         return 130
     return 0 if ok else 1
