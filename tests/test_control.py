@@ -18,6 +18,7 @@ import pytest
 import trio
 import trio.testing
 from helpers import (
+    LateReply,
     Raw,
     Recorder,
     WrappedStore,
@@ -673,28 +674,6 @@ async def test_a_submit_during_a_deleted_sessions_stop_starts_its_drain_at_once(
                 await trio.sleep(0.01)
         assert drain.taken == [["i1"], ["i2"]]
         assert drain.started[1] - released_at < 1.0
-
-
-class LateReply:
-    """The runtime's executor, whose reply to one operation reaches its caller only once
-    the test says so (the operation itself commits at once): the window a thread hand-off
-    leaves between a commit and the caller running again."""
-
-    def __init__(self, inner: Any, op: Any) -> None:
-        self._inner = inner
-        self._op = op
-        self.committed = trio.Event()
-        self.answer = trio.Event()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    async def run(self, op: Any, *args: Any) -> Any:
-        result = await self._inner.run(op, *args)
-        if op is self._op:
-            self.committed.set()
-            await self.answer.wait()
-        return result
 
 
 @contextlib.contextmanager

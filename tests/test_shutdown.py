@@ -10,12 +10,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import trio
 import trio.testing
-from helpers import Raw, WrappedStore, runtime
+from helpers import LateReply, Raw, WrappedStore, runtime
 from trio.testing import MockClock
 
 import trio_sessions
@@ -174,28 +173,6 @@ async def test_close_hands_back_at_once_when_drains_stop_promptly(
     assert [(ctx.resumed, ctx.attempt) for ctx in resumed] == [(True, 0)]
 
 
-class _HeldFinishExecutor:
-    """An executor whose drain-iteration ends commit, then hold their reply until `reply`
-    is set (as a thread hand-off or a PostgreSQL round trip does: once taken, the caller
-    waits for the outcome); `committed` is set when one committed."""
-
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-        self.committed = trio.Event()
-        self.reply = trio.Event()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    async def run(self, op: Any, *args: Any) -> Any:
-        result = await self._inner.run(op, *args)
-        if op is _store.end_iteration and not self.reply.is_set():
-            self.committed.set()
-            with trio.CancelScope(shield=True):
-                await self.reply.wait()
-        return result
-
-
 async def test_no_drain_iteration_starts_once_the_runtime_is_closing(
     store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
 ) -> None:
@@ -211,7 +188,9 @@ async def test_no_drain_iteration_starts_once_the_runtime_is_closing(
             entered.set()
             await finish.wait()
 
-    held = WrappedStore(store, _HeldFinishExecutor)
+    held = WrappedStore(
+        store, lambda executor: LateReply(executor, _store.end_iteration, shield=True)
+    )
     async with trio.open_nursery() as nursery:
         async with runtime(held, drain, clock, lease=LEASE) as rt:
             await rt.wake("s")
@@ -224,7 +203,7 @@ async def test_no_drain_iteration_starts_once_the_runtime_is_closing(
             async def answer_once_closing() -> None:
                 await trio.testing.wait_all_tasks_blocked()  # the close is waiting
                 assert rt._closing and held.executor is not None
-                held.executor.reply.set()
+                held.executor.answer.set()
 
             nursery.start_soon(answer_once_closing)
         assert [c.resumed for c in calls] == [False]
