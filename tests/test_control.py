@@ -1156,8 +1156,9 @@ async def test_upgrade_of_a_version_2_postgres_schema_keeps_pending_inputs_due(
     # 16: a session's lock key of 64 bits; 17: seeded with its schema;
     # 18: an interrupting submit and a delete name the claim they stop;
     # 19: a cancelled input's trace for a lost submit's retry;
-    # 20: that trace answers only the retry of the call that stored the input
-    assert _postgres.SCHEMA_VERSION == 20
+    # 20: that trace answers only the retry of the call that stored the input;
+    # 21: a double-texting submit with the claim it rings for in one call
+    assert _postgres.SCHEMA_VERSION == 21
     assert drain.taken == ["old"]
     assert raw.rows("SELECT time_paused FROM session") == [(None,)]
 

@@ -338,6 +338,14 @@ SUBMITS = {
     "reject": (_store.submit_controlled, ("reject",), "ts_submit_controlled("),
     "interrupt": (_store.submit_controlled, ("interrupt",), "ts_submit_controlled("),
     "scheduled": (_store.submit_scheduled, (60_000, "queue"), "ts_submit_controlled("),
+    **{
+        f"{on_busy}_and_acquire": (
+            _store.submit_controlled_and_acquire,
+            (on_busy, "e1", OWNER, LEASE_MS),
+            "ts_submit_controlled_and_acquire(",
+        )
+        for on_busy in ("reject", "interrupt")
+    },
 }
 
 

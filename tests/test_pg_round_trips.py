@@ -480,3 +480,35 @@ async def tool_write_round_trips(url: str, schema: str) -> list[int]:
     assert answer.data.finished
     assert [type(part).__name__ for part in answer.data.parts] == ["TextPart", "ToolPart"]
     return counts
+
+
+def test_a_controlled_submit_that_claims_is_one_round_trip(pg_url: str, pg_schema: str) -> None:
+    """Double-texting on a session idle here (`submit` with `on_busy`, which the runtime
+    sends with the claim it rings for: `submit_controlled_and_acquire`) is one call alone in
+    autocommit, whatever it finds: a free session claimed at once, a claim held elsewhere
+    (interrupt marks it, reject refuses), a retry of an input already stored. Before, it
+    was a transaction of one statement per fence read and write."""
+    with counting_url(pg_url) as (url, proxy):
+        engine = open_engine(url, schema=pg_schema)
+        try:
+
+            def counted(*args: Any) -> tuple[int, Any]:
+                before = proxy.round_trips
+                result: Any
+                op: Any = _store.submit_controlled_and_acquire
+                try:
+                    result = engine.run(op, *args, 60_000)
+                except SessionBusy as exc:
+                    result = exc
+                return proxy.round_trips - before, result
+
+            trips, (stored, acquired) = counted("free", '{"n": 1}', "in-1", "interrupt", "e1", "me")
+            assert (trips, stored, acquired.verdict.value) == (1, ("in-1", None), "claim")
+            trips, (stored, acquired) = counted("free", '{"n": 1}', "in-1", "interrupt", "e2", "me")
+            assert (trips, stored, acquired.verdict.value) == (1, ("in-1", None), "held")
+            trips, (stored, acquired) = counted("free", '{"n": 2}', "in-2", "interrupt", "e3", "me")
+            assert (trips, stored, acquired.verdict.value) == (1, ("in-2", "e1"), "held")
+            trips, refused = counted("free", '{"n": 3}', "in-3", "reject", "e4", "me")
+            assert (trips, type(refused)) == (1, SessionBusy)
+        finally:
+            engine.close()

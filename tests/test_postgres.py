@@ -232,8 +232,9 @@ async def test_upgrade_of_a_version_1_schema_adds_streaming(pg_url: str, pg_sche
     # 16: a session's lock key of 64 bits; 17: seeded with its schema;
     # 18: an interrupting submit and a delete name the claim they stop;
     # 19: a cancelled input's trace for a lost submit's retry;
-    # 20: that trace answers only the retry of the call that stored the input
-    assert SCHEMA_VERSION == 20
+    # 20: that trace answers only the retry of the call that stored the input;
+    # 21: a double-texting submit with the claim it rings for in one call
+    assert SCHEMA_VERSION == 21
     await check_pre_streaming_upgrade(location, PostgresStore(pg_url, schema=pg_schema))
 
 

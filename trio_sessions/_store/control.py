@@ -5,8 +5,9 @@ and `resume`, `delete_session`, `purge`, `fork` and `truncate` - each one transa
 written once for both dialects, each taking the session lock first (sorted, when it takes
 several) so that on PostgreSQL nothing about the session moves before COMMIT. On
 PostgreSQL `submit` with `on_busy` or `delay` (`submit_controlled`, `submit_scheduled`) is
-one call of `ts_submit_controlled`, alone in autocommit: one round trip, read back by input
-id after a lost reply.
+one call of `ts_submit_controlled` - with the claim it rings for, when the runtime sends
+one (`submit_controlled_and_acquire`), of `ts_submit_controlled_and_acquire` - alone in
+autocommit: one round trip, read back by input id and execution id after a lost reply.
 
 Invariants kept here:
 * `on_busy="reject"` stores nothing when the session is busy (a claim exists, or due inputs
@@ -33,11 +34,11 @@ from typing import Any
 import attrs
 
 from .. import _codec, _decisions, _transcript
-from .._backend import Tx, autocommit_when_alone, caller_yields_next
+from .._backend import FALLBACK, Tx, autocommit_when_alone, caller_yields_next
 from .._decisions import SubmitVerdict
 from .._errors import SessionBusy
 from .._model import INTERRUPTED
-from .acquisition import Acquired, _insert_claim, acquire
+from .acquisition import Acquired, _insert_claim, _pg_acquired, acquire
 from .common import (
     _claim_row,
     _has_pending_inputs,
@@ -103,6 +104,7 @@ def submit_controlled(
 
 
 @caller_yields_next
+@autocommit_when_alone
 def submit_controlled_and_acquire(
     tx: Tx,
     session_id: str,
@@ -115,6 +117,14 @@ def submit_controlled_and_acquire(
 ) -> tuple[tuple[str, str | None], Acquired]:
     """`submit_controlled` and the acquire it rings for, in one transaction: with no claim
     and no due input pending, the claim takes the input's wake at once."""
+    if tx.dialect == "postgres":
+        args = (session_id, payload, input_id, on_busy, execution_id, owner_id, lease_ms)
+        [row] = tx.call("ts_submit_controlled_and_acquire", *args, tx.call_id)
+        result = _pg_controlled_and_acquired(session_id, input_id, row)
+        if result is not FALLBACK:
+            return result  # type: ignore[no-any-return]
+        # Another session's id, or another payload text: nothing was written; the path
+        # below decides (in a transaction).
     tx.lock_session(session_id)
     if (
         _claim_row(tx, session_id) is not None
@@ -127,6 +137,21 @@ def submit_controlled_and_acquire(
     session = _insert_input(tx, session_id, payload, input_id, ring=False)
     return (input_id, None), _insert_claim(
         tx, session_id, execution_id, owner_id, lease_ms, session
+    )
+
+
+def _pg_controlled_and_acquired(session_id: str, input_id: str, row: tuple[Any, ...]) -> Any:
+    """`ts_submit_controlled_and_acquire`'s row as `submit_controlled_and_acquire` answers:
+    `SessionBusy` for a refusal, `FALLBACK` for an input id stored with another session or
+    payload text (nothing was written)."""
+    stored, *acquired = row
+    if stored == "busy":
+        raise _busy_error(session_id)
+    if stored in ("other_session", "other_payload"):
+        return FALLBACK
+    said, _, marked = stored.partition(":")
+    return (input_id, marked if said == "interrupted" else None), _pg_acquired(
+        session_id, *acquired
     )
 
 
@@ -531,6 +556,43 @@ BEGIN
         RETURN 'interrupted:' || v_claim;
     END IF;
     RETURN 'stored';
+END $$;
+
+-- submit_controlled and the acquire it rings for, in one call: a session with no claim, no
+-- due input waiting, not paused, whose input id is new, stores the input and is claimed at
+-- once, the claim taking the input's wake (the doorbell is never written); any other goes
+-- through ts_submit_controlled - a refusal (busy) or an input id stored with another
+-- session or payload text (other_*) answers that alone, nothing written, no acquire -
+-- then the acquire its doorbell rings for. Verdicts: ts_submit_controlled's, then
+-- ts_acquire_locked's. One `now` for both. Idempotent by input id and execution id: called
+-- again after a lost reply (p_retry), it finds the input known and the claim its own, and
+-- answers as the lost call did.
+CREATE OR REPLACE FUNCTION ts_submit_controlled_and_acquire(p_session text, p_payload text,
+    p_input text, p_on_busy text, p_exec text, p_owner text, p_lease bigint, p_call text,
+    p_now bigint, p_retry boolean,
+    OUT input_verdict text, OUT verdict text, OUT attempt bigint, OUT holder text)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_now bigint; v_free boolean;
+BEGIN
+    v_now := ts_lock_now(p_session, p_now);
+    v_free := NOT EXISTS (SELECT 1 FROM session_execution c WHERE c.session_id = p_session)
+        AND ts_known_input(p_session, p_input, p_payload, p_call, p_retry) IS NULL
+        AND NOT EXISTS (SELECT 1 FROM session s WHERE s.id = p_session
+                        AND s.time_paused IS NOT NULL)
+        AND NOT ts_due_inputs(p_session, v_now);
+    IF v_free THEN
+        PERFORM ts_insert_input(p_session, p_payload, p_input, p_call, false, v_now);
+        input_verdict := 'stored';
+    ELSE
+        input_verdict := ts_submit_controlled(p_session, p_payload, p_input, p_on_busy, 0,
+            p_call, v_now, p_retry);
+        IF input_verdict IN ('busy', 'other_session', 'other_payload') THEN
+            RETURN;
+        END IF;
+    END IF;
+    SELECT a.verdict, a.attempt, a.holder INTO verdict, attempt, holder
+        FROM ts_acquire_locked(p_session, p_exec, p_owner, p_lease, v_now, v_free) a;
 END $$;
 
 -- cancel_input: withdraw a pending input (due or scheduled) under its session's lock;
