@@ -39,6 +39,14 @@ SESSIONS = ("kitchen", "bar", "terrace", "delivery")
 DEADLINE = 30.0  # seconds for the whole run, workers' start-up included
 
 
+def say(line: str) -> None:
+    """Print a line in one write: the producer and its workers share one standard output,
+    and print() writes the text and its newline apart - with unbuffered output
+    (PYTHONUNBUFFERED=1) another process's line could land in between."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 # ---------------------------------------------------------------------------------------------
 # Worker processes
 
@@ -58,7 +66,7 @@ async def work(name: str, db: Path) -> None:
         await reply.settle_tool("pack", {"packed": len(orders)})
         await reply.append_text(f"{name} packed {orders}")
         await reply.finish()
-        print(f"{name}: {ctx.session_id:<8} packed order(s) {orders}", flush=True)
+        say(f"{name}: {ctx.session_id:<8} packed order(s) {orders}")
 
     async with trio_sessions.open_runtime(
         db, pack_orders, owner_id=name, lease=5.0, recovery_interval=0.2
@@ -111,7 +119,7 @@ async def produce(db: Path, workers: int, orders: int) -> bool:
                 for order in range(1, orders + 1):
                     session_id = SESSIONS[order % len(SESSIONS)]
                     await producer.submit(session_id, {"order": order})
-                    print(f"producer: order {order} -> {session_id}", flush=True)
+                    say(f"producer: order {order} -> {session_id}")
                     await trio.sleep(0.15)  # a trickle, so every worker gets a share
                 # The workers are other processes: poll the shared file for their progress.
                 while not (done := all_answered(conn, orders)):  # noqa: ASYNC110
@@ -128,7 +136,7 @@ async def produce(db: Path, workers: int, orders: int) -> bool:
                     await process.wait()
         counts = packed_by(conn)
         conn.close()
-    print(f"producer: {sum(counts.values())}/{orders} orders packed, by {counts}")
+    say(f"producer: {sum(counts.values())}/{orders} orders packed, by {counts}")
     return done and sum(counts.values()) == orders
 
 

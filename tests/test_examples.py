@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import io
 import os
 import signal
 import subprocess
@@ -23,13 +24,14 @@ TIMEOUT = 60
 DEADLINE = 20.0  # seconds a real process gets to reach an expected state
 
 
-def run_example(name: str) -> str:
+def run_example(name: str, env: dict[str, str] | None = None) -> str:
     run = subprocess.run(
         [sys.executable, str(EXAMPLES / name)],
         capture_output=True,
         text=True,
         timeout=TIMEOUT,
         cwd=EXAMPLES.parent,
+        env=None if env is None else {**os.environ, **env},
     )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "Traceback" not in run.stderr
@@ -117,8 +119,10 @@ def test_agent_loop_records_tools_and_the_interrupt() -> None:
 
 @pytest.mark.slow
 def test_workers_share_one_file_and_pack_every_order_once() -> None:
-    """workers.py: worker processes on one file pack all 12 orders, each exactly once."""
-    out = run_example("workers.py")
+    """workers.py: worker processes on one file pack all 12 orders, each exactly once. With
+    unbuffered output (`PYTHONUNBUFFERED=1`, as many containers and CI runners set it), where
+    every write reaches the shared pipe at once: no process's line is cut by another's."""
+    out = run_example("workers.py", env={"PYTHONUNBUFFERED": "1"})
     assert out.splitlines()[-1].startswith("producer: 12/12 orders packed, by {'worker-")
     packed = [
         int(order)
@@ -127,6 +131,23 @@ def test_workers_share_one_file_and_pack_every_order_once() -> None:
         for order in line.split("[", 1)[1].rstrip("]").split(", ")
     ]
     assert sorted(packed) == list(range(1, 13))
+
+
+def test_workers_write_each_line_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """workers.py's processes share one standard output: each line, its newline included,
+    goes out in one write, so that lines of two processes never interleave (print() writes
+    the text and its end separately, which unbuffered output sends as two writes)."""
+    workers = load_example("workers")
+    writes: list[str] = []
+
+    class Recorder(io.StringIO):
+        def write(self, text: str) -> int:
+            writes.append(text)
+            return len(text)
+
+    monkeypatch.setattr(sys, "stdout", Recorder())
+    workers.say("worker-1: s1       packed order(s) [1, 3]")
+    assert writes == ["worker-1: s1       packed order(s) [1, 3]\n"]
 
 
 @contextlib.contextmanager
