@@ -96,16 +96,23 @@ async def test_bytes_written_per_append_do_not_grow_with_the_message(
     if not isinstance(db_path, PgLocation):
         store = attrs.evolve(store, wrap_connection=_no_autocheckpoint)
     meter = WriteMeter(db_path)
-    appends = 20
+    appends, windows = 20, 3
     per_append: dict[str, float] = {}
     stored: dict[str, Any] = {}
 
     async def measure(writer: trio_sessions.AssistantWriter, name: str) -> None:
+        # The least of a few windows: PostgreSQL's WAL position is the server's, which
+        # other writers move too (autovacuum, a checkpoint's full-page images, another
+        # client) - they only ever add bytes to a window, and the appends' own bytes are
+        # the same in each.
         await writer.append_text("warm")
-        before = meter.bytes()
-        for _ in range(appends):
-            await writer.append_text("abcd")
-        per_append[name] = (meter.bytes() - before) / appends
+        seen = []
+        for _ in range(windows):
+            before = meter.bytes()
+            for _ in range(appends):
+                await writer.append_text("abcd")
+            seen.append((meter.bytes() - before) / appends)
+        per_append[name] = min(seen)
 
     async def drain(ctx: DrainContext) -> None:
         empty = await ctx.begin_assistant()
@@ -129,7 +136,7 @@ async def test_bytes_written_per_append_do_not_grow_with_the_message(
     assert per_append["empty"] > 0
     assert per_append["after_tool"] <= 1.5 * per_append["empty"], per_append
     assert stored["after"] == stored["before"]
-    assert text_of(messages[-1].data) == "warm" + "abcd" * appends
+    assert text_of(messages[-1].data) == "warm" + "abcd" * appends * windows
     assert deltas(db_path) == 0
 
 
