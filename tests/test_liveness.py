@@ -15,8 +15,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ import pytest
 import trio
 import trio.testing
 from backends import PgLocation, rows
-from helpers import Raw, Recorder, runtime, terminate_backend
+from helpers import Raw, Recorder, WrappedStore, runtime, terminate_backend
 
 import trio_sessions
 from trio_sessions import DrainContext, testing
@@ -479,3 +479,87 @@ async def test_an_owner_whose_token_is_lost_takes_no_due_scheduled_inputs(
         await _token_taken_again(worker, [f"s{n}" for n in range(3)])
     assert sorted(ctx.session_id for ctx in drain.calls) == [f"s{n}" for n in range(3)]
     assert not any(ctx.resumed for ctx in drain.calls)
+
+
+class _LosableToken:
+    """The runtime's liveness token, lost whenever the test says (`lose`): as a PostgreSQL
+    token's connection broken by the server, on any backend, in virtual time."""
+
+    def __init__(self, inner: Any) -> None:
+        self.poll_interval = inner.poll_interval
+        self._lost = trio.Event()
+        self.retaken = trio.Event()
+
+    def lose(self) -> None:
+        self._lost.set()
+
+    async def wait_lost(self) -> None:
+        await self._lost.wait()
+
+    async def retake(self) -> None:
+        self._lost = trio.Event()
+        self.retaken.set()
+        await trio.lowlevel.checkpoint()
+
+
+class _LosableTokenExecutor:
+    """The store's executor, whose liveness token is a `_LosableToken`."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.token: _LosableToken | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    @asynccontextmanager
+    async def hold_token(self, owner_id: str) -> AsyncIterator[_LosableToken]:
+        async with self._inner.hold_token(owner_id) as inner:
+            self.token = _LosableToken(inner)
+            yield self.token
+
+
+async def test_a_token_lost_again_while_the_last_loss_is_handed_back_stops_the_new_drains(
+    store: Any, clock: Callable[[], float], autojump_clock: trio.testing.MockClock
+) -> None:
+    """The token is lost, taken again at once, and lost again while the first loss's claim
+    is not yet handed back (its drain takes long to exit, §6.21). A drain started between
+    the two losses is stopped at the second at once, as any drain is: its claim looks free
+    to the others from then on, who take it over after the grace. Before, the runtime
+    looked at its token again only once the first loss's claims were handed back (and a
+    recovery pass ran), so that drain ran on, unwatched, beside the owner that took its
+    session over (the PostgreSQL soak's overlap, busy token kills of seed 105)."""
+    wrapped = WrappedStore(store, _LosableTokenExecutor)
+    slow_entered, slow_may_exit = trio.Event(), trio.Event()
+    new_entered = trio.Event()
+    events: list[str] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        await ctx.take_inputs()
+        if ctx.session_id == "slow":
+            slow_entered.set()
+            try:
+                await trio.sleep_forever()
+            finally:
+                with trio.CancelScope(shield=True):  # a blocking call that lands later
+                    await slow_may_exit.wait()
+        new_entered.set()
+        try:
+            await trio.sleep_forever()
+        finally:
+            events.append(f"{ctx.session_id} stopped")
+
+    async with runtime(wrapped, drain, clock, recovery_interval=3600) as owner:
+        assert wrapped.executor is not None and wrapped.executor.token is not None
+        token = wrapped.executor.token
+        await owner.submit("slow", {"n": 1})
+        await slow_entered.wait()
+        token.lose()
+        await token.retaken.wait()
+        await owner.submit("new", {"n": 2})
+        await new_entered.wait()
+        token.lose()  # "slow" has not exited: its claim is not handed back yet
+        await trio.testing.wait_all_tasks_blocked()
+        stopped_before_slow_exited = list(events)
+        slow_may_exit.set()
+    assert stopped_before_slow_exited == ["new stopped"]

@@ -639,7 +639,11 @@ class Runtime:
         who take it over once the token stayed free for the grace - a drain may take longer
         than that to exit (§6.21). Each claim is handed back once its drain exited and the
         store answers. A claim taken over all the same (the token could not be taken again
-        within the grace: a partition) had its drain stopped at once."""
+        within the grace: a partition) had its drain stopped at once.
+
+        The token taken again is watched from that moment: handing back the last loss's
+        claims waits for their drains to exit and for the store, and a loss meanwhile must
+        stop the drains started since at once too, so that waiting runs beside the watch."""
         while True:
             await token.wait_lost()
             self._token_lost = True
@@ -647,14 +651,18 @@ class Runtime:
             for entry in self._busy.owned_entries():
                 self._lost_claims[entry.execution_id] = entry
                 entry.lose_lease()
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._busy.hand_back_lost_claims)
-                await token.retake()
-                self._token_lost = False  # new claims are ours again
-                _observe.token_retaken(self._owner_id)
-            await self._busy.hand_back_lost_claims()  # any claimed while the token was retaken
-            with contextlib.suppress(StoreError):  # else the next pass takes them
-                await self.recover_once()  # resume the claims handed back, here or anywhere
+            self._nursery.start_soon(self._busy.hand_back_lost_claims)
+            await token.retake()
+            self._token_lost = False  # new claims are ours again
+            _observe.token_retaken(self._owner_id)
+            self._nursery.start_soon(self._settle_lost_claims)
+
+    async def _settle_lost_claims(self) -> None:
+        """After the token was taken again: hand back the claims lost with it (also any
+        committed while it was retaken), then resume them, here or anywhere."""
+        await self._busy.hand_back_lost_claims()
+        with contextlib.suppress(StoreError):  # else the next pass takes them
+            await self.recover_once()
 
     # -- lifecycle ----------------------------------------------------------------------------
 
