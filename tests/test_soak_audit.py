@@ -11,7 +11,7 @@ from pathlib import Path
 import trio
 import trio.testing
 
-from trio_sessions._soak import audit, broken
+from trio_sessions._soak import audit, broken, postgres
 from trio_sessions._soak.proxy import FaultProxy
 
 
@@ -84,6 +84,22 @@ def test_repeats_are_allowed_only_after_a_kill_a_cancel_or_a_failure() -> None:
     ]
     repeats = audit.repeats(effects, killed_workers={"w1"})
     assert repeats == audit.Repeats(after_kill=2, after_cancel=1, after_failure=0, unexpected=1)
+
+
+def test_too_few_faults_asks_only_for_the_kinds_the_run_made_room_for() -> None:
+    """The PostgreSQL soak fails a long run whose chaos injected too few of a fault kind -
+    but not for the host faults that `--busy-ratio 1` documents as made room for by busy
+    token kills alone ("1: nothing else"): such a run failed with "too few faults injected"
+    although its audit was clean (seed 105)."""
+    counts = {"kills": 0, "pauses": 0, "partitions": 0, "conn_kills": 167, "rolling_restarts": 0}
+    assert postgres.too_few_faults(counts, busy_ratio=1.0) == {}
+    assert postgres.too_few_faults({**counts, "conn_kills": 2}, busy_ratio=1.0) == {"conn_kills": 2}
+    assert postgres.too_few_faults(counts, busy_ratio=0.6) == {
+        "kills": 0,
+        "pauses": 0,
+        "partitions": 0,
+        "rolling_restarts": 0,
+    }
 
 
 def test_every_broken_copy_applies_exactly_once() -> None:
