@@ -8,9 +8,11 @@ import functools
 import os
 from pathlib import Path
 
+import pytest
 import trio
 import trio.testing
 
+from trio_sessions import soak
 from trio_sessions._soak import audit, broken, postgres
 from trio_sessions._soak.proxy import FaultProxy
 
@@ -100,6 +102,17 @@ def test_too_few_faults_asks_only_for_the_kinds_the_run_made_room_for() -> None:
         "partitions": 0,
         "rolling_restarts": 0,
     }
+
+
+def test_restart_ratio_is_refused_where_the_soak_would_ignore_it() -> None:
+    """`--restart-ratio` sets the SQLite soak's share of rolling restarts; the PostgreSQL
+    soak's host faults take their four kinds in turn and never read it, so a run asking
+    for `--restart-ratio 1` there got a quarter of rolling restarts and no word of it."""
+    assert soak.parse_args([]).restart_ratio == 0.25
+    assert soak.parse_args(["--restart-ratio", "1"]).restart_ratio == 1.0
+    with pytest.raises(SystemExit):
+        soak.parse_args(["--backend", "postgres", "--restart-ratio", "1"])
+    assert soak.parse_args(["--backend", "postgres"]).restart_ratio is None
 
 
 def test_every_broken_copy_applies_exactly_once() -> None:
