@@ -94,13 +94,29 @@ def test_too_few_faults_asks_only_for_the_kinds_the_run_made_room_for() -> None:
     token kills alone ("1: nothing else"): such a run failed with "too few faults injected"
     although its audit was clean (seed 105)."""
     counts = {"kills": 0, "pauses": 0, "partitions": 0, "conn_kills": 167, "rolling_restarts": 0}
-    assert postgres.too_few_faults(counts, busy_ratio=1.0) == {}
-    assert postgres.too_few_faults({**counts, "conn_kills": 2}, busy_ratio=1.0) == {"conn_kills": 2}
-    assert postgres.too_few_faults(counts, busy_ratio=0.6) == {
+    assert postgres.too_few_faults(counts, host_turns=0) == {}
+    assert postgres.too_few_faults({**counts, "conn_kills": 2}, host_turns=0) == {"conn_kills": 2}
+    assert postgres.too_few_faults(counts, host_turns=40) == {
         "kills": 0,
         "pauses": 0,
         "partitions": 0,
         "rolling_restarts": 0,
+    }
+
+
+def test_too_few_faults_expects_the_host_faults_a_busy_ratio_leaves_room_for() -> None:
+    """A busy ratio below 1 leaves the host faults only the turns it does not take: at 0.9
+    a run of 110 s made kills=1 pauses=0 partitions=1 rolling_restarts=1 beside 96 busy
+    token kills and failed for too few faults, its audit clean (seed 111); with room for
+    twice the minimum each, they are asked for."""
+    counts = {"kills": 1, "pauses": 0, "partitions": 1, "conn_kills": 276, "rolling_restarts": 1}
+    assert postgres.too_few_faults(counts, host_turns=3) == {}
+    assert postgres.too_few_faults(counts, host_turns=23) == {}
+    assert postgres.too_few_faults(counts, host_turns=24) == {
+        "kills": 1,
+        "pauses": 0,
+        "partitions": 1,
+        "rolling_restarts": 1,
     }
 
 

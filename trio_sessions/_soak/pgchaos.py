@@ -199,6 +199,8 @@ class Chaos(SoakBase):
                 if busy:
                     worker = await self.busy_target(worker)
                 kind = "busy token kill" if busy else kinds.pop()
+                if not busy:
+                    self.result.host_turns += 1
                 print(f"soak: {kind} {worker.name} at {self.elapsed():.1f} s")
                 if busy:
                     await self.busy_token_kill(worker)

@@ -53,6 +53,7 @@ class Result:
     commit_kills: int = 0
     token_kills: int = 0
     busy_token_kills: int = 0  # a token killed while its owner's drain was in a busy step
+    host_turns: int = 0  # turns of the host fault kinds (`Chaos.host_faults`), in rounds
     resets: int = 0
     restarts: int = 0
     skew_ms: int = 0
