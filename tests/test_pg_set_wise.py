@@ -233,6 +233,40 @@ def test_a_batch_of_acquires_is_settled_without_the_row_function(
         ]
 
 
+def test_a_set_wise_iteration_end_takes_every_wake_at_once(pg_url: str, pg_schema: str) -> None:
+    """§6.8 and §6.9 on `ts_finish_iterations` (the twin of tests/store/test_set_wise.py's):
+    drains rung once and three times during their iteration end it set-wise, with no row
+    call, as `continue` - each doorbell taken with no wake left, the claim kept - so the
+    next end releases the claim. Ended as `release` instead, the wakes would sit on an
+    unclaimed doorbell until a recovery pass found it."""
+    with engine_at(pg_url, pg_schema, 1.0) as engine:
+        for session_id, rings in (("w1", 1), ("w3", 3)):
+            run_op(engine, _store.submit, session_id, '{"k": 1}', f"in-{session_id}")
+            run_op(engine, _store.acquire, session_id, f"e-{session_id}", ME, LEASE_MS)
+            for _ in range(rings):
+                run_op(engine, _store.wake, session_id)
+    ends = (["w1", "w3"], ["e-w1", "e-w3"], [ME, ME])
+    conn = connect(pg_url, pg_schema)
+    try:
+        conn.execute("SET track_functions = 'pl'")
+        tx = PgTx(conn, fixed(2.0))
+        first = tx.call("ts_finish_iterations", *ends)
+        calls = _row_calls(conn, "ts_finish")
+        conn.commit()
+        second = PgTx(conn, fixed(3.0)).call("ts_finish_iterations", *ends)
+        conn.commit()
+    finally:
+        conn.close()
+    assert sorted(first) == [(1, "continue", False), (2, "continue", False)]
+    assert calls == (0,)
+    assert sorted(second) == [(1, "release", False), (2, "release", False)]
+    with raw(pg_url, pg_schema) as check:
+        assert check.execute(
+            "SELECT id, time_woken, wakes FROM session ORDER BY id"
+        ).fetchall() == [("w1", None, 0), ("w3", None, 0)]
+        assert check.execute("SELECT count(*) FROM session_execution").fetchone() == (0,)
+
+
 # ---------------------------------------------------------------------------------------------
 # The same outcome as one by one: random batches over sessions in every state the batched
 # kinds tell apart, against the same jobs run alone in another schema, in the order the
