@@ -27,7 +27,8 @@ from backends import PgLocation, rows
 from helpers import Raw, Recorder, WrappedStore, runtime, terminate_backend
 
 import trio_sessions
-from trio_sessions import DrainContext, testing
+from trio_sessions import DrainContext, _liveness, testing
+from trio_sessions._model import AssistantData
 
 GRACE = 0.5
 
@@ -563,3 +564,84 @@ async def test_a_token_lost_again_while_the_last_loss_is_handed_back_stops_the_n
         stopped_before_slow_exited = list(events)
         slow_may_exit.set()
     assert stopped_before_slow_exited == ["new stopped"]
+
+
+class _HandToken:
+    """An owner's liveness token taken and released by hand, with no runtime behind it: the
+    owner whose claim a test seeds (on SQLite its lock file, on PostgreSQL its advisory lock
+    and `session_owner` row, as a runtime takes them)."""
+
+    def __init__(self, location: Path | PgLocation, owner_id: str) -> None:
+        self._location = location
+        self._owner_id = owner_id
+        self._held: Any = None
+
+    def take(self) -> None:
+        if isinstance(self._location, PgLocation):
+            import psycopg
+
+            conn = psycopg.connect(
+                self._location.url,
+                autocommit=True,
+                options=f"-c search_path={self._location.schema}",
+            )
+            assert conn.execute(_liveness._TAKE, (self._owner_id,)).fetchone() == (True,)
+            conn.execute(_liveness._REGISTER, (self._owner_id,))
+            self._held = conn
+        else:
+            self._held = _liveness.take_file_token(self._location, self._owner_id)
+
+    def release(self) -> None:
+        if self._held is None:
+            return
+        if isinstance(self._location, PgLocation):
+            self._held.close()
+            _wait_released(self._location, self._owner_id)
+        else:
+            os.close(self._held)
+        self._held = None
+
+
+@pytest.mark.parametrize("written", [False, True], ids=["plain", "with-a-message"])
+async def test_a_takeover_rechecks_the_token_of_an_owner_found_gone(
+    store: Any,
+    db_path: Any,
+    clock: Callable[[], float],
+    autojump_clock: trio.testing.MockClock,
+    written: bool,
+) -> None:
+    """§6.22: a recovery pass finds an owner gone (its token free for the grace), and the
+    owner takes its token again before the takeover's transaction (a connection that broke
+    and came back): that transaction re-checks the token, under its locks, so the owner's
+    live claim stays its own. Trusting the pass's earlier sighting would take over a claim
+    whose owner is alive and whose lease is live, beside its running drain. Both takeover
+    paths: a plain claim (set-wise) and one whose drain wrote a message (row by row)."""
+    ghost = _HandToken(db_path, "ghost-owner")
+    ghost.take()
+    ghost.release()  # registered, then free: the owner's connection broke
+    raw = Raw(db_path)
+    live_until = int(clock() * 1000) + 60_000
+    resumed: list[str] = []
+
+    async def resume(ctx: DrainContext) -> None:
+        resumed.append(ctx.session_id)
+
+    async def token_retaken(execution_ids: list[str]) -> None:
+        ghost.take()
+
+    quiet: dict[str, Any] = {"clock": clock, "recovery_interval": 1e6, "takeover_grace": GRACE}
+    try:
+        async with trio_sessions.open_runtime(store, resume, **quiet) as other:
+            raw.seed_claim("s", "ghost-exec", expires_at=live_until, owner_id="ghost-owner")
+            if written:
+                raw.seed_assistant("s", "ghost-exec", 1, AssistantData((), False, None))
+            assert (await other.recover_once()).resumed == 0  # seen free: not yet gone
+            await trio.sleep(GRACE)
+            testing.set_seams(other, before_recovery_apply=token_retaken)
+            report = await other.recover_once()
+    finally:
+        ghost.release()
+    assert report.examined == 1  # found gone: its live claim was a candidate
+    assert report.resumed == 0
+    assert resumed == []
+    assert tuple(raw.claim("s")) == ("ghost-exec", "ghost-owner", "running", live_until)
