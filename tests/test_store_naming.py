@@ -318,3 +318,17 @@ def test_an_sqlite_store_takes_a_pathlike_whose_name_has_an_equals_sign(
     assert str(Path("./run=1.db")) == "run=1.db"
     store = trio_sessions.SQLiteStore(Path("./run=1.db"))
     assert Path(store.path) == Path("run=1.db")
+
+
+@pytest.mark.parametrize(
+    "url", [f"postgresql://app:{SECRET}@127.0.0.1:1/app", f"postgres://app:{SECRET}@db/app"]
+)
+def test_an_sqlite_store_refuses_a_postgres_url_and_creates_nothing(url: str, in_tmp: Path) -> None:
+    """§6.27: a PostgreSQL URL given to `SQLiteStore` - the wrong class - is a `ValueError`
+    that names the right one, with the password masked; never a store whose open creates an
+    SQLite file named after the URL (the application would run on an empty local file, its
+    password in the name)."""
+    with pytest.raises(ValueError, match="is a PostgreSQL URL, no SQLite file") as raised:
+        trio_sessions.SQLiteStore(url)
+    assert SECRET not in str(raised.value)
+    assert created(in_tmp) == []
