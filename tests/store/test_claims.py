@@ -1,6 +1,8 @@
 """Claims: acquire never overwrites a claim row and needs the doorbell; the fenced drain
 writes' positive cases (finish_iteration, finish_failed, mark_cancelling,
-finish_interrupted), heartbeat and expire_claims. On both backends, through the sync engine."""
+finish_interrupted), heartbeat and expire_claims, and the resume that restarts a paused
+session whose failed drain left its input pending. On both backends, through the sync
+engine."""
 
 from __future__ import annotations
 
@@ -171,6 +173,24 @@ def test_finish_failed_reports_an_already_set_doorbell(db: Db) -> None:
     execution = busy_claim(db)
     assert db.run(_store.finish_failed, "s", execution, "owner-a", "failed") is True
     assert db.doorbell()[0] is not None
+
+
+def test_resume_rings_for_inputs_a_failed_drain_left_without_a_doorbell(db: Db) -> None:
+    """§6.24: a session paused while its drain ran, which then failed - a failure does not
+    re-arm the doorbell - keeps its untaken input pending with no doorbell. Work is
+    pending, so resume rings the doorbell (and says so): exactly one busy period takes the
+    input. Without the ring nothing would ever start it, as no wake is coming."""
+    db.run(_store.submit, "s", '{"n": 1}', "in-1")
+    assert db.run(_store.acquire, "s", "exec-1", "owner-a", LEASE).verdict is AcquireVerdict.CLAIM
+    db.run(_store.pause, "s")
+    assert db.run(_store.finish_failed, "s", "exec-1", "owner-a", "failed: boom") is False
+    assert db.doorbell()[0] is None
+    assert db.rows("SELECT id FROM session_input") == [("in-1",)]
+    assert db.run(_store.resume, "s") is True
+    assert db.doorbell()[:2] == (db.now, 1)
+    assert db.run(_store.resume, "s") is True  # the doorbell set: signalled again, no count
+    assert db.doorbell()[:2] == (db.now, 1)
+    assert db.run(_store.acquire, "s", "exec-2", "owner-a", LEASE).verdict is AcquireVerdict.CLAIM
 
 
 def test_mark_cancelling_changes_only_the_phase(db: Db) -> None:
