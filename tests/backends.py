@@ -66,6 +66,24 @@ def write(location: Location, sql: str, params: tuple[Any, ...] = ()) -> None:
         lite.close()
 
 
+def write_many(location: Location, sql: str, rows: Iterable[tuple[Any, ...]]) -> None:
+    """`write` for each of `rows`, in one transaction on one connection: seeding hundreds
+    of rows costs one connection, not one each (a PostgreSQL connection is ~10 ms)."""
+    if isinstance(location, PgLocation):
+        import psycopg
+
+        with psycopg.connect(location.url, options=f"-c search_path={location.schema}") as conn:
+            conn.cursor().executemany(_pg(sql), list(rows))
+        return
+    lite = sqlite3.connect(location)
+    try:
+        with lite:
+            lite.execute("PRAGMA foreign_keys = ON")
+            lite.executemany(sql, rows)
+    finally:
+        lite.close()
+
+
 def _pg(sql: str) -> str:
     if sql.lstrip().upper().startswith("PRAGMA"):
         raise ValueError(f"SQLite-only statement in a test that runs on PostgreSQL: {sql}")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -229,6 +229,9 @@ class Raw:
 
     def write(self, sql: str, params: tuple[Any, ...] = ()) -> None:
         backends.write(self.path, sql, params)
+
+    def write_many(self, sql: str, rows: Iterable[tuple[Any, ...]]) -> None:
+        backends.write_many(self.path, sql, rows)
 
     def claim(self, session_id: str) -> Any:
         return self.one(

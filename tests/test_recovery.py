@@ -649,18 +649,20 @@ async def test_poison_rows_do_not_starve_valid_work(
     drain = Recorder()
     async with runtime(store, drain, clock, **QUIET) as rt:
         base = expired(clock, 100_000)
-        for index in range(300):
-            raw.write("INSERT INTO session(id, time_created) VALUES (?, 0)", (f"p{index}",))
-            raw.write(
-                "INSERT INTO session_execution(id, session_id, owner_id, phase,"
-                " time_created, expires_at) VALUES (?, ?, 'dead', 'running', 0, ?)",
-                (f"pe{index}", f"p{index}", base + index),
-            )
-            raw.write(
-                "INSERT INTO session_message(id, session_id, execution_id, role, seq,"
-                " data, time_created, time_updated) VALUES (?, ?, ?, 'assistant', 1, ?, 0, 0)",
-                (f"pm{index}", f"p{index}", f"pe{index}", MALFORMED),
-            )
+        poison = range(300)
+        raw.write_many(
+            "INSERT INTO session(id, time_created) VALUES (?, 0)", [(f"p{i}",) for i in poison]
+        )
+        raw.write_many(
+            "INSERT INTO session_execution(id, session_id, owner_id, phase,"
+            " time_created, expires_at) VALUES (?, ?, 'dead', 'running', 0, ?)",
+            [(f"pe{i}", f"p{i}", base + i) for i in poison],
+        )
+        raw.write_many(
+            "INSERT INTO session_message(id, session_id, execution_id, role, seq,"
+            " data, time_created, time_updated) VALUES (?, ?, ?, 'assistant', 1, ?, 0, 0)",
+            [(f"pm{i}", f"p{i}", f"pe{i}", MALFORMED) for i in poison],
+        )
         raw.seed_claim("valid", "v-exec", expires_at=base + 300)
         reports = []
         for _ in range(4):
