@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import pg_schemas
 import psycopg
 import pytest
 from pg_schemas import MigratedSchemas
@@ -40,6 +41,26 @@ def test_a_schema_comes_back_migrated_and_empty(pg_url: str, pool: MigratedSchem
     assert pool.take() == first
     with on(pg_url, first) as conn:
         assert conn.execute("SELECT count(*) FROM session_input").fetchall() == [(0,)]
+        assert conn.execute("SELECT count(*) FROM session").fetchall() == [(0,)]
+        assert conn.execute("SELECT version FROM schema_version").fetchall() == [
+            (_postgres.SCHEMA_VERSION,)
+        ]
+
+
+def test_a_schema_with_many_rows_comes_back_empty(pg_url: str, pool: MigratedSchemas) -> None:
+    """Past the rows a DELETE empties cheaply (`_DELETE_AT_MOST`), the tables are truncated:
+    the schema still comes back migrated and empty."""
+    first = pool.take()
+    many = pg_schemas._DELETE_AT_MOST + 1
+    with on(pg_url, first) as conn:
+        conn.execute(
+            "INSERT INTO session(id, time_created)"
+            " SELECT 's' || n, 0 FROM generate_series(1, %s) n",
+            (many,),
+        )
+    pool.give_back(first)
+    assert pool.take() == first
+    with on(pg_url, first) as conn:
         assert conn.execute("SELECT count(*) FROM session").fetchall() == [(0,)]
         assert conn.execute("SELECT version FROM schema_version").fetchall() == [
             (_postgres.SCHEMA_VERSION,)
