@@ -41,7 +41,7 @@ def _backend_waits_for_a_lock(url: str, pid: int) -> bool:
 
 
 def test_two_batches_naming_two_sessions_in_opposite_orders_never_deadlock(
-    pg_url: str, pg_schema: str
+    pg_url: str, migrated_schema: str
 ) -> None:
     first_locked = threading.Event()
     second_locked = threading.Event()
@@ -67,7 +67,10 @@ def test_two_batches_naming_two_sessions_in_opposite_orders_never_deadlock(
         second_locked.set()
         return session_id
 
-    with engine_at(pg_url, pg_schema, 1.0) as one, engine_at(pg_url, pg_schema, 1.0) as two:
+    with (
+        engine_at(pg_url, migrated_schema, 1.0) as one,
+        engine_at(pg_url, migrated_schema, 1.0) as two,
+    ):
         assert two.backend_pid is not None
         holder.append(two.backend_pid)
         batch_one = [
@@ -91,7 +94,7 @@ def test_two_batches_naming_two_sessions_in_opposite_orders_never_deadlock(
         assert one.retries == two.retries == 0
 
 
-def test_a_batch_locks_sessions_whose_ids_need_quoting(pg_url: str, pg_schema: str) -> None:
+def test_a_batch_locks_sessions_whose_ids_need_quoting(pg_url: str, migrated_schema: str) -> None:
     # The lock statement travels with the batch's first statement, bound client-side.
     sessions = ["50%'off", 'a"b\\c', "{x,y}", "naïve", "%s"]
 
@@ -99,7 +102,7 @@ def test_a_batch_locks_sessions_whose_ids_need_quoting(pg_url: str, pg_schema: s
         tx.lock_session(session_id)
         return session_id
 
-    with engine_at(pg_url, pg_schema, 1.0) as engine:
+    with engine_at(pg_url, migrated_schema, 1.0) as engine:
         batch = [_backend.Job(lock, (session_id,)) for session_id in sessions]
         engine.run_batch(batch)
         assert [job.unwrap() for job in batch] == sessions
@@ -128,7 +131,7 @@ SAME_HASHTEXT = ("chat-236080", "chat-263218")
 
 
 def test_sessions_whose_ids_share_a_32_bit_hash_never_block_each_other(
-    pg_url: str, pg_schema: str
+    pg_url: str, migrated_schema: str
 ) -> None:
     """DESIGN §6.14: different sessions never block each other. The session lock's key is
     64 bits (one collision expected among some 5e9 ids, not 1e5): while a transaction holds
@@ -136,7 +139,7 @@ def test_sessions_whose_ids_share_a_32_bit_hash_never_block_each_other(
     (a doorbell's acquire answered held, a drain deferred to the next recovery pass); the
     held session's own submit waits for its lock."""
     held, other = SAME_HASHTEXT
-    with engine_at(pg_url, pg_schema, 1.0) as engine, raw(pg_url, pg_schema) as holder:
+    with engine_at(pg_url, migrated_schema, 1.0) as engine, raw(pg_url, migrated_schema) as holder:
         [(one, two)] = holder.execute("SELECT hashtext(%s), hashtext(%s)", SAME_HASHTEXT).fetchall()
         assert one == two  # the premise: the ids collide in 32 bits
         run_op(engine, _store.wake, other)
@@ -198,13 +201,13 @@ def test_one_session_id_in_two_stores_of_one_database_is_two_locks(
 
 @pytest.mark.parametrize("together", [False, True], ids=["alone", "in-a-batch"])
 def test_an_acquire_of_a_session_another_transaction_holds_answers_at_once(
-    pg_url: str, pg_schema: str, together: bool
+    pg_url: str, migrated_schema: str, together: bool
 ) -> None:
     """Two workers see the same doorbell: the one whose acquire finds the session's lock
     taken (the other's acquire, a submit still committing) claims nothing and does not wait
     - nor does the rest of its batch - since whoever holds the lock claims the session or
     signals it again once committed. The doorbell stays for them; a later acquire claims."""
-    with engine_at(pg_url, pg_schema, 1.0) as engine, raw(pg_url, pg_schema) as holder:
+    with engine_at(pg_url, migrated_schema, 1.0) as engine, raw(pg_url, migrated_schema) as holder:
         run_op(engine, _store.wake, "busy")
         run_op(engine, _store.wake, "free")
         _hold_session_lock(holder, "busy")
@@ -227,12 +230,12 @@ def test_an_acquire_of_a_session_another_transaction_holds_answers_at_once(
 
 @pytest.mark.parametrize("together", [False, True], ids=["alone", "in-a-batch"])
 def test_an_acquire_of_a_claimed_session_takes_no_lock(
-    pg_url: str, pg_schema: str, together: bool
+    pg_url: str, migrated_schema: str, together: bool
 ) -> None:
     """The worker that lost the race for a session answers held from the claim it sees,
     without taking the session's lock: the winner's next operation on it (taking the
     inputs) never waits for the loser's batch to commit."""
-    with engine_at(pg_url, pg_schema, 1.0) as engine, raw(pg_url, pg_schema) as holder:
+    with engine_at(pg_url, migrated_schema, 1.0) as engine, raw(pg_url, migrated_schema) as holder:
         for session_id in ("won", "free"):
             run_op(engine, _store.wake, session_id)
         assert run_op(engine, _store.acquire, "won", "e0", "winner", 30_000).verdict is (
@@ -270,7 +273,7 @@ def _ids_in_the_other_order(conn: psycopg.Connection[Any]) -> tuple[str, str]:
 
 
 def test_an_operation_locking_two_sessions_takes_them_in_the_lock_order(
-    pg_url: str, pg_schema: str
+    pg_url: str, migrated_schema: str
 ) -> None:
     """`fork` locks its source and its new session; every multi-session lock must take them
     in one order - the key's (`ts_lock_all`) - or a fork beside a batch naming both
@@ -278,7 +281,7 @@ def test_an_operation_locking_two_sessions_takes_them_in_the_lock_order(
     new one and waits for the source (the server breaks it after deadlock_timeout, a
     second, and re-runs one). Here the other transaction holds the session first in key
     order: the fork waits for it holding nothing, and the other takes the second at once."""
-    with engine_at(pg_url, pg_schema, 1.0) as engine, raw(pg_url, pg_schema) as holder:
+    with engine_at(pg_url, migrated_schema, 1.0) as engine, raw(pg_url, migrated_schema) as holder:
         source, new = _ids_in_the_other_order(holder)
         assert source < new
         run_op(engine, _store.wake, source)
@@ -303,7 +306,7 @@ def test_an_operation_locking_two_sessions_takes_them_in_the_lock_order(
 
 
 def test_a_batch_whose_first_message_waits_within_every_server_timeout_is_not_cut(
-    pg_url: str, pg_schema: str, monkeypatch: pytest.MonkeyPatch
+    pg_url: str, migrated_schema: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """DESIGN §8: "`StoreError` reaches a caller only after a bound, and never for a race".
     A batch's first message carries two statements - its sessions' locks (`ts_lock_all`)
@@ -333,12 +336,14 @@ def test_a_batch_whose_first_message_waits_within_every_server_timeout_is_not_cu
         tx.lock_session(session_id)
         return session_id
 
-    with engine_at(pg_url, pg_schema, 1.0) as engine, raw(pg_url, pg_schema) as probe:
+    with engine_at(pg_url, migrated_schema, 1.0) as engine, raw(pg_url, migrated_schema) as probe:
         keys = {s: probe.execute("SELECT ts_lock_key(%s)", (s,)).fetchall()[0][0] for s in sessions}
         # The batch's two sessions, then the operation's two, each pair in the lock order.
         first = sorted(sessions[:2], key=lambda s: (keys[s], s))
         second = sorted(sessions[2:], key=lambda s: (keys[s], s))
-        holders = [psycopg.connect(pg_url, options=f"-c search_path={pg_schema}") for _ in range(4)]
+        holders = [
+            psycopg.connect(pg_url, options=f"-c search_path={migrated_schema}") for _ in range(4)
+        ]
         try:
             for conn, session in zip(holders, first + second, strict=True):
                 conn.execute("SELECT pg_advisory_xact_lock(ts_lock_key(%s))", (session,))
@@ -365,7 +370,7 @@ def test_a_batch_whose_first_message_waits_within_every_server_timeout_is_not_cu
 
 
 async def test_a_doorbell_locked_elsewhere_does_not_keep_max_active_spinning(
-    pg_url: str, pg_schema: str, clock: Any, autojump_clock: Any
+    pg_url: str, migrated_schema: str, clock: Any, autojump_clock: Any
 ) -> None:
     """max_active=1: the one place frees while the oldest waiting doorbell's session is
     locked by another transaction (a fork, a delete, an operator's). Its acquire answers at
@@ -375,8 +380,8 @@ async def test_a_doorbell_locked_elsewhere_does_not_keep_max_active_spinning(
     drain = HoldsBusy()
     let_go, started = drain.let_go, drain.started
 
-    store = PostgresStore(pg_url, schema=pg_schema, inline=True)
-    with trio.fail_after(600), raw(pg_url, pg_schema) as holder:
+    store = PostgresStore(pg_url, schema=migrated_schema, inline=True)
+    with trio.fail_after(600), raw(pg_url, migrated_schema) as holder:
         async with open_runtime(store, drain, clock=clock, max_active=1) as rt:
             await rt.wake("busy")
             await rt.wake("locked")  # no room: both wait, oldest first

@@ -85,7 +85,7 @@ def short_patience(monkeypatch: pytest.MonkeyPatch) -> float:
 
 
 async def test_uncertain_continue_of_an_iteration_never_strands_the_input_that_rang(
-    pg_url: str, pg_schema: str, autojump_clock: MockClock, short_patience: float
+    pg_url: str, migrated_schema: str, autojump_clock: MockClock, short_patience: float
 ) -> None:
     """DESIGN §1/§6.16/§6.19: a drain returns while an input submitted during it rang the
     doorbell; the iteration's end takes that doorbell to continue (its COMMIT lands) but
@@ -102,9 +102,9 @@ async def test_uncertain_continue_of_an_iteration_never_strands_the_input_that_r
         if len(calls) == 1:
             await gate.wait()
 
-    with control_connection(pg_url, pg_schema) as control:
-        faults = UnreachableFor(pg_url, pg_schema, control, for_s=0.5)
-        store = lossy_store(pg_url, pg_schema, faults)
+    with control_connection(pg_url, migrated_schema) as control:
+        faults = UnreachableFor(pg_url, migrated_schema, control, for_s=0.5)
+        store = lossy_store(pg_url, migrated_schema, faults)
         async with open_runtime(
             store, drain, clock=ts_testing.trio_clock(), lease=3.0, recovery_interval=0.5
         ) as runtime:
@@ -134,7 +134,7 @@ async def test_uncertain_continue_of_an_iteration_never_strands_the_input_that_r
 
 @pytest.mark.parametrize("step", ["append_text", "start_tool", "settle_tool", "finish"])
 async def test_a_drain_write_retried_after_an_unknown_commit_lands_once(
-    pg_url: str, pg_schema: str, autojump_clock: MockClock, short_patience: float, step: str
+    pg_url: str, migrated_schema: str, autojump_clock: MockClock, short_patience: float, step: str
 ) -> None:
     """DESIGN §8 "Uncertain commits" (natural keys and idempotent writes make a retry safe)
     and §6.20 (one contract on both backends): a drain write whose call landed but whose
@@ -173,9 +173,9 @@ async def test_a_drain_write_retried_after_an_unknown_commit_lands_once(
         if step != "finish":
             await writer.finish()
 
-    with control_connection(pg_url, pg_schema) as control:
-        faults = Faults(pg_url, pg_schema, control)
-        store = lossy_store(pg_url, pg_schema, faults)
+    with control_connection(pg_url, migrated_schema) as control:
+        faults = Faults(pg_url, migrated_schema, control)
+        store = lossy_store(pg_url, migrated_schema, faults)
         async with open_runtime(store, drain, clock=ts_testing.trio_clock(), lease=30.0) as rt:
             await rt.submit("s", {"n": 1}, input_id="i1")
             outcome = await rt.run("s")
@@ -192,7 +192,7 @@ async def test_a_drain_write_retried_after_an_unknown_commit_lands_once(
 
 
 async def test_take_inputs_retried_after_an_unknown_commit_still_delivers_the_input(
-    pg_url: str, pg_schema: str, autojump_clock: MockClock, short_patience: float
+    pg_url: str, migrated_schema: str, autojump_clock: MockClock, short_patience: float
 ) -> None:
     """DESIGN §1 (signalled work is never lost), §8 "Uncertain commits" and §6.20: take_inputs
     commits (the input is a user message now) but its COMMIT's reply is lost and cannot be
@@ -212,9 +212,9 @@ async def test_take_inputs_retried_after_an_unknown_commit_still_delivers_the_in
             inputs = await ctx.take_inputs()
         taken.append([i.id for i in inputs])
 
-    with control_connection(pg_url, pg_schema) as control:
-        faults = Faults(pg_url, pg_schema, control)
-        store = lossy_store(pg_url, pg_schema, faults)
+    with control_connection(pg_url, migrated_schema) as control:
+        faults = Faults(pg_url, migrated_schema, control)
+        store = lossy_store(pg_url, migrated_schema, faults)
         async with open_runtime(store, drain, clock=ts_testing.trio_clock(), lease=30.0) as rt:
             await rt.submit("s", {"n": 1}, input_id="i1")
             await rt.wait_idle("s")
@@ -246,7 +246,7 @@ class ThenElsewhere(Faults):
 
 
 async def test_an_input_cancelled_while_its_submit_reply_is_lost_is_never_taken(
-    pg_url: str, pg_schema: str, autojump_clock: MockClock
+    pg_url: str, migrated_schema: str, autojump_clock: MockClock
 ) -> None:
     """DESIGN §6.23 (a cancelled input is never taken) and §5.1 (`cancel_input`: True and the
     input is gone): submit's call lands and its reply is lost; before the engine calls
@@ -260,16 +260,16 @@ async def test_an_input_cancelled_while_its_submit_reply_is_lost_is_never_taken(
         taken.extend(i.id for i in await ctx.take_inputs())
 
     def cancel_elsewhere() -> None:
-        other = PostgresStore(pg_url, schema=pg_schema, listen=False).engine()
+        other = PostgresStore(pg_url, schema=migrated_schema, listen=False).engine()
         other.open(migrate_schema=False)
         try:
             cancelled.append(_postgres.run_op(other, _store.cancel_input, "i1"))
         finally:
             other.close()
 
-    with control_connection(pg_url, pg_schema) as control:
-        faults = ThenElsewhere(pg_url, pg_schema, control)
-        store = lossy_store(pg_url, pg_schema, faults)
+    with control_connection(pg_url, migrated_schema) as control:
+        faults = ThenElsewhere(pg_url, migrated_schema, control)
+        store = lossy_store(pg_url, migrated_schema, faults)
         async with open_runtime(store, drain, clock=ts_testing.trio_clock(), lease=30.0) as rt:
             faults.elsewhere = cancel_elsewhere
             # The submit is one call in autocommit (the input and the claim it takes).
@@ -283,13 +283,13 @@ async def test_an_input_cancelled_while_its_submit_reply_is_lost_is_never_taken(
 
 
 async def test_a_cancels_trace_lasts_ten_minutes_of_the_lease_clock(
-    pg_url: str, pg_schema: str, autojump_clock: MockClock
+    pg_url: str, migrated_schema: str, autojump_clock: MockClock
 ) -> None:
     """The trace `ts_cancel_input` leaves serves a retry within the engine's patience
     (seconds): the next cancel ten minutes later removes it, so cancels leave no growing
     table."""
-    store = PostgresStore(pg_url, schema=pg_schema, inline=True, listen=False)
-    with control_connection(pg_url, pg_schema) as control:
+    store = PostgresStore(pg_url, schema=migrated_schema, inline=True, listen=False)
+    with control_connection(pg_url, migrated_schema) as control:
         async with open_runtime(store, None, clock=ts_testing.trio_clock()) as rt:
             for input_id in ("i1", "i2", "i3"):
                 await rt.submit("s", {"n": 1}, input_id=input_id, delay=3600.0)
@@ -305,16 +305,16 @@ async def test_a_cancels_trace_lasts_ten_minutes_of_the_lease_clock(
 
 
 async def test_a_submit_again_of_a_cancelled_id_whose_call_never_ran_is_stored(
-    pg_url: str, pg_schema: str, autojump_clock: MockClock
+    pg_url: str, migrated_schema: str, autojump_clock: MockClock
 ) -> None:
     """§5.1: a first submit with a cancelled input's id stores it anew (the cancel's trace
     answers only a retry). When that submit's call never ran - its connection lost while it
     waited for the session's lock, so the engine calls again (`p_retry`) - the retry must
     store it, not read the earlier cancel's trace as this call's landed input: the submit
     returned its id and nothing was stored, the input silently lost."""
-    with control_connection(pg_url, pg_schema) as control:
-        faults = Faults(pg_url, pg_schema, control)
-        store = lossy_store(pg_url, pg_schema, faults)
+    with control_connection(pg_url, migrated_schema) as control:
+        faults = Faults(pg_url, migrated_schema, control)
+        store = lossy_store(pg_url, migrated_schema, faults)
         async with open_runtime(store, None, clock=ts_testing.trio_clock()) as rt:
             assert await rt.submit("s", {"n": 1}, input_id="i1") == "i1"
             assert await rt.cancel_input("i1") is True
@@ -351,7 +351,7 @@ SUBMITS = {
 
 @pytest.mark.parametrize("kind", [*SUBMITS, "set-wise"])
 def test_no_retry_of_a_first_submit_reads_an_earlier_cancel_as_its_own(
-    pg_url: str, pg_schema: str, kind: str
+    pg_url: str, migrated_schema: str, kind: str
 ) -> None:
     """§5.1 and §8 "Uncertain commits", for every way a submit stores an input alone (one
     call in autocommit), and a batch's submits (one set-wise call): an input is stored and
@@ -360,7 +360,7 @@ def test_no_retry_of_a_first_submit_reads_an_earlier_cancel_as_its_own(
     (`p_retry`). That call must store the input: the earlier cancel's trace is not this
     call's landed input."""
     payload = '{"n": 1}'
-    with environment(pg_url, pg_schema) as env:
+    with environment(pg_url, migrated_schema) as env:
         for session_id, input_id in (("s", "i1"), ("t", "i2")):
             env.run(_store.submit, session_id, payload, input_id)
             assert env.run(_store.cancel_input, input_id) is True
@@ -384,7 +384,7 @@ def test_no_retry_of_a_first_submit_reads_an_earlier_cancel_as_its_own(
 
 @pytest.mark.parametrize("kind", [*SUBMITS, "set-wise"])
 def test_every_submit_whose_input_was_cancelled_after_its_lost_reply_reads_it_back(
-    pg_url: str, pg_schema: str, kind: str
+    pg_url: str, migrated_schema: str, kind: str
 ) -> None:
     """DESIGN §6.23 and §5.1, for every way a submit stores an input alone and a batch's
     submits (as `test_an_input_cancelled_while_its_submit_reply_is_lost_is_never_taken`
@@ -396,16 +396,16 @@ def test_every_submit_whose_input_was_cancelled_after_its_lost_reply_reads_it_ba
     cancelled: list[bool] = []
 
     def cancel_elsewhere() -> None:
-        other = PostgresStore(pg_url, schema=pg_schema, listen=False).engine()
+        other = PostgresStore(pg_url, schema=migrated_schema, listen=False).engine()
         other.open(migrate_schema=False)
         try:
             cancelled.extend(_postgres.run_op(other, _store.cancel_input, i) for i in inputs)
         finally:
             other.close()
 
-    with control_connection(pg_url, pg_schema) as control:
-        faults = ThenElsewhere(pg_url, pg_schema, control)
-        engine = PostgresStore(pg_url, schema=pg_schema, wrap_connection=faults.wrap).engine()
+    with control_connection(pg_url, migrated_schema) as control:
+        faults = ThenElsewhere(pg_url, migrated_schema, control)
+        engine = PostgresStore(pg_url, schema=migrated_schema, wrap_connection=faults.wrap).engine()
         engine.open()
         try:
             faults.elsewhere = cancel_elsewhere

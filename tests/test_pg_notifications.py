@@ -65,17 +65,17 @@ def signal_sessions(tx: Tx, session_ids: list[str]) -> None:
 
 
 def test_a_batch_whose_jobs_signal_many_sessions_sends_one_notification(
-    pg_url: str, pg_schema: str
+    pg_url: str, migrated_schema: str
 ) -> None:
     """A group-commit batch of wakes and submits to held sessions (each function signals
     its own session) and a client-side signal sends ONE notification, naming every
     signalled session once."""
-    with opened(PostgresStore(pg_url, schema=pg_schema).engine()) as engine:
+    with opened(PostgresStore(pg_url, schema=migrated_schema).engine()) as engine:
         # Held sessions: a submit to them rings the doorbell (and signals).
         for n in range(3):
             run_op(engine, _store.wake, f"held{n}")
             run_op(engine, _store.acquire, f"held{n}", f"e{n}", "owner", LEASE_MS)
-        with listening(pg_url, pg_schema) as conn:
+        with listening(pg_url, migrated_schema) as conn:
             jobs = [Job(_store.wake, (f"w{n}",)) for n in range(10)]
             jobs += [
                 Job(_store.submit_and_acquire, (f"held{n}", "{}", f"i{n}", f"x{n}", "me", LEASE_MS))
@@ -86,7 +86,7 @@ def test_a_batch_whose_jobs_signal_many_sessions_sends_one_notification(
             engine.run_batch(jobs)
             assert [job.error for job in jobs] == [None] * len(jobs)
             assert engine.transactions == 7  # 6 to set up, then the batch in one
-            payloads = received(conn, pg_url, pg_schema)
+            payloads = received(conn, pg_url, migrated_schema)
     assert len(payloads) == 1
     signalled = payloads[0].split("\n")
     assert sorted(signalled) == sorted(
@@ -94,76 +94,76 @@ def test_a_batch_whose_jobs_signal_many_sessions_sends_one_notification(
     )
 
 
-def test_a_batch_of_submits_only_sends_one_notification(pg_url: str, pg_schema: str) -> None:
+def test_a_batch_of_submits_only_sends_one_notification(pg_url: str, migrated_schema: str) -> None:
     """A batch of submits only - one set-wise call in autocommit - sends ONE notification
     for the batch, naming every session it stored an input for once."""
     with (
-        opened(PostgresStore(pg_url, schema=pg_schema).engine()) as engine,
-        listening(pg_url, pg_schema) as conn,
+        opened(PostgresStore(pg_url, schema=migrated_schema).engine()) as engine,
+        listening(pg_url, migrated_schema) as conn,
     ):
         jobs = [Job(_store.submit, (f"s{n % 4}", "{}", f"i{n}")) for n in range(8)]
         engine.run_batch(jobs)
         assert [job.unwrap() for job in jobs] == [f"i{n}" for n in range(8)]
         assert engine.transactions == 1
-        payloads = received(conn, pg_url, pg_schema)
+        payloads = received(conn, pg_url, migrated_schema)
     assert [sorted(payload.split("\n")) for payload in payloads] == [[f"s{n}" for n in range(4)]]
 
 
 def test_one_operation_signalling_many_sessions_sends_one_notification(
-    pg_url: str, pg_schema: str
+    pg_url: str, migrated_schema: str
 ) -> None:
     """A transaction that signals several sessions from the client side sends one
     notification naming them all."""
     sessions = [f"s{n}" for n in range(5)]
     with (
-        opened(PostgresStore(pg_url, schema=pg_schema).engine()) as engine,
-        listening(pg_url, pg_schema) as conn,
+        opened(PostgresStore(pg_url, schema=migrated_schema).engine()) as engine,
+        listening(pg_url, migrated_schema) as conn,
     ):
         run_op(engine, signal_sessions, sessions)
-        payloads = received(conn, pg_url, pg_schema)
+        payloads = received(conn, pg_url, migrated_schema)
     assert [sorted(payload.split("\n")) for payload in payloads] == [sessions]
 
 
 def test_an_autocommit_call_and_a_lone_wake_send_one_notification_each(
-    pg_url: str, pg_schema: str
+    pg_url: str, migrated_schema: str
 ) -> None:
     """Alone, a submit (one autocommit call) and a wake (one transaction) each send one
     notification: their session's id."""
     with (
-        opened(PostgresStore(pg_url, schema=pg_schema).engine()) as engine,
-        listening(pg_url, pg_schema) as conn,
+        opened(PostgresStore(pg_url, schema=migrated_schema).engine()) as engine,
+        listening(pg_url, migrated_schema) as conn,
     ):
         run_op(engine, _store.submit, "a", "{}", "i1")
         run_op(engine, _store.wake, "b")
-        payloads = received(conn, pg_url, pg_schema)
+        payloads = received(conn, pg_url, migrated_schema)
     assert payloads == ["a", "b"]
 
 
 def test_sessions_that_do_not_fit_one_payload_send_look_at_everything(
-    pg_url: str, pg_schema: str
+    pg_url: str, migrated_schema: str
 ) -> None:
     """A batch signalling more sessions than 8000 bytes of payload hold sends one
     notification with the empty payload (look at everything), not an error and not one
     per session."""
     long_ids = [f"{n:03d}-" + "x" * 196 for n in range(60)]  # 12,000 bytes joined
     with (
-        opened(PostgresStore(pg_url, schema=pg_schema).engine()) as engine,
-        listening(pg_url, pg_schema) as conn,
+        opened(PostgresStore(pg_url, schema=migrated_schema).engine()) as engine,
+        listening(pg_url, migrated_schema) as conn,
     ):
         jobs = [Job(_store.wake, (session_id,)) for session_id in long_ids[:30]]
         jobs += [Job(signal_sessions, (long_ids[30:],))]
         engine.run_batch(jobs)
         assert [job.error for job in jobs] == [None] * len(jobs)
-        payloads = received(conn, pg_url, pg_schema)
+        payloads = received(conn, pg_url, migrated_schema)
     assert payloads == [""]
 
 
 async def test_the_listener_looks_at_each_session_a_notification_names(
-    pg_url: str, pg_schema: str
+    pg_url: str, migrated_schema: str
 ) -> None:
     """The listener asks `wanted` about each session of a notification; the empty payload
     (look at everything) wakes it whatever `wanted` says of any session."""
-    listener = PgListener(pg_url, pg_schema, inline=True)
+    listener = PgListener(pg_url, migrated_schema, inline=True)
     await listener.open()
     asked: list[str] = []
 
@@ -173,13 +173,13 @@ async def test_the_listener_looks_at_each_session_a_notification_names(
 
     try:
         with psycopg.connect(pg_url, autocommit=True) as other:
-            other.execute("SELECT pg_notify(%s, %s)", (channel(pg_schema), "a\nb\nc"))
+            other.execute("SELECT pg_notify(%s, %s)", (channel(migrated_schema), "a\nb\nc"))
             with trio.fail_after(10):
                 signal = await listener.wait(trio.Event(), 60, wanted)
             assert asked == ["a", "b", "c"]
             assert signal == Signal(frozenset({"c"}), transcripts_only=False)
             asked.clear()
-            other.execute("SELECT pg_notify(%s, %s)", (channel(pg_schema), ""))
+            other.execute("SELECT pg_notify(%s, %s)", (channel(migrated_schema), ""))
             with trio.fail_after(10):
                 signal = await listener.wait(
                     trio.Event(), 60, lambda pid, session_id, watchers_only: False
@@ -189,14 +189,16 @@ async def test_the_listener_looks_at_each_session_a_notification_names(
         listener.close()
 
 
-def test_transcript_writes_signal_the_sessions_watchers_only(pg_url: str, pg_schema: str) -> None:
+def test_transcript_writes_signal_the_sessions_watchers_only(
+    pg_url: str, migrated_schema: str
+) -> None:
     """A drain's transcript writes (taking inputs, beginning, appending, settling a message)
     signal `\\t<session>`: a change only the session's watchers and streams need. Wakes,
     submits and claim endings signal the bare id, which every runtime may need (a doorbell).
     So a worker with no watcher ignores another worker's streamed tokens."""
     with (
-        opened(PostgresStore(pg_url, schema=pg_schema).engine()) as engine,
-        listening(pg_url, pg_schema) as conn,
+        opened(PostgresStore(pg_url, schema=migrated_schema).engine()) as engine,
+        listening(pg_url, migrated_schema) as conn,
     ):
         run_op(engine, _store.submit_and_acquire, "s", "{}", "i1", "e1", "me", LEASE_MS)
         run_op(engine, _store.take_inputs, "s", "e1", "me")
@@ -211,18 +213,18 @@ def test_transcript_writes_signal_the_sessions_watchers_only(pg_url: str, pg_sch
                 Job(_store.wake, ("t",)),
             ]
         )
-        payloads = received(conn, pg_url, pg_schema)
+        payloads = received(conn, pg_url, migrated_schema)
     # take_inputs, begin, two appends, finish; then the wake; then the batch, re-run job by
     # job as its late append raised: the append wrote nothing, the wake signals.
     assert payloads == ["\ts"] * 5 + ["s", "t"]
 
 
 async def test_the_listener_tells_a_watchers_only_change_from_a_doorbell(
-    pg_url: str, pg_schema: str
+    pg_url: str, migrated_schema: str
 ) -> None:
     """`wanted` is asked whether each session's change is for its watchers only; the
     signal says whether every wanted one was (only then can a look skip the change scan)."""
-    listener = PgListener(pg_url, pg_schema, inline=True)
+    listener = PgListener(pg_url, migrated_schema, inline=True)
     await listener.open()
     asked: list[tuple[str, bool]] = []
 
@@ -232,12 +234,12 @@ async def test_the_listener_tells_a_watchers_only_change_from_a_doorbell(
 
     try:
         with psycopg.connect(pg_url, autocommit=True) as other:
-            other.execute("SELECT pg_notify(%s, %s)", (channel(pg_schema), "\ta\nb\n\tc"))
+            other.execute("SELECT pg_notify(%s, %s)", (channel(migrated_schema), "\ta\nb\n\tc"))
             with trio.fail_after(10):
                 signal = await listener.wait(trio.Event(), 60, wanted)
             assert asked == [("a", True), ("b", False), ("c", True)]
             assert signal == Signal(frozenset({"c"}), transcripts_only=True)
-            other.execute("SELECT pg_notify(%s, %s)", (channel(pg_schema), "\tc\nc"))
+            other.execute("SELECT pg_notify(%s, %s)", (channel(migrated_schema), "\tc\nc"))
             with trio.fail_after(10):
                 signal = await listener.wait(trio.Event(), 60, wanted)
             assert signal == Signal(frozenset({"c"}), transcripts_only=False)
@@ -269,22 +271,22 @@ def test_a_watchers_only_change_is_wanted_only_where_the_session_is_followed() -
 
 
 def test_signals_go_in_a_transaction_of_their_own_after_the_commit(
-    pg_url: str, pg_schema: str
+    pg_url: str, migrated_schema: str
 ) -> None:
     """A notification holds a database-wide lock from its transaction's COMMIT to the end
     of that COMMIT's WAL flush: a batch's signals are sent after its COMMIT, in the same
     message, by a transaction of their own with nothing to flush (synchronous_commit off) -
     so a batch is not queued behind every other notifying transaction's flush."""
     with (
-        recording_engine(pg_url, pg_schema) as (engine, made),
-        listening(pg_url, pg_schema) as conn,
+        recording_engine(pg_url, migrated_schema) as (engine, made),
+        listening(pg_url, migrated_schema) as conn,
     ):
         sent_before = len(made[-1].statements)
         jobs = [Job(_store.wake, (f"w{n}",)) for n in range(3)]
         engine.run_batch(jobs)
         assert [job.error for job in jobs] == [None] * 3
         sent = made[-1].statements[sent_before:]
-        payloads = received(conn, pg_url, pg_schema)
+        payloads = received(conn, pg_url, migrated_schema)
     assert [sorted(payload.split("\n")) for payload in payloads] == [["w0", "w1", "w2"]]
     *before, last = sent
     assert not any("ts_flush_signals" in statement for statement in before), before
@@ -293,7 +295,7 @@ def test_signals_go_in_a_transaction_of_their_own_after_the_commit(
 
 
 def test_a_commit_that_landed_stands_when_its_signals_fail(
-    pg_url: str, pg_schema: str, monkeypatch: pytest.MonkeyPatch
+    pg_url: str, migrated_schema: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The signals' transaction after a COMMIT fails (a full notification queue, say): the
     batch committed, its results stand (never re-run), and listeners are told to look at
@@ -301,13 +303,13 @@ def test_a_commit_that_landed_stands_when_its_signals_fail(
     from trio_sessions._postgres import engine as engine_module
 
     monkeypatch.setattr(engine_module, "_FLUSH", "SELECT 1 / 0, %s")
-    with opened(PostgresStore(pg_url, schema=pg_schema).engine()) as engine:
-        with listening(pg_url, pg_schema) as conn:
+    with opened(PostgresStore(pg_url, schema=migrated_schema).engine()) as engine:
+        with listening(pg_url, migrated_schema) as conn:
             jobs = [Job(_store.wake, (f"w{n}",)) for n in range(3)]
             engine.run_batch(jobs)
             assert [job.error for job in jobs] == [None] * 3
             assert engine.transactions == 1  # not re-run alone
-            payloads = received(conn, pg_url, pg_schema)
+            payloads = received(conn, pg_url, migrated_schema)
         wakes = engine.conn.execute("SELECT id, wakes FROM session ORDER BY id").fetchall()
     assert payloads == [""]
     assert wakes == [("w0", 1), ("w1", 1), ("w2", 1)]

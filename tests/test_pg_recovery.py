@@ -43,23 +43,23 @@ def candidates(*session_ids: str) -> list[_store.Candidate]:
     return [_store.Candidate(s, f"e-{s}") for s in session_ids]
 
 
-def test_a_batch_of_claims_is_recovered_in_one_call(pg_url: str, pg_schema: str) -> None:
+def test_a_batch_of_claims_is_recovered_in_one_call(pg_url: str, migrated_schema: str) -> None:
     """Expired claims with no assistant message - counted resumes, a handed-back one, a
     live one, one under another owner's recovery lease - are applied by one function call,
     alone in autocommit (1 round trip, whatever the batch), each by its own rule."""
-    with engine_at(pg_url, pg_schema, 1.0) as owner:
+    with engine_at(pg_url, migrated_schema, 1.0) as owner:
         for session_id in ("a", "b", "c"):
             claim(owner, session_id)
         claim(owner, "back")
         run_op(owner, _store.expire_claims, DEAD, ["e-back"])  # a graceful hand-back
         claim(owner, "live", lease_ms=60_000)
         claim(owner, "theirs")
-    with raw(pg_url, pg_schema) as conn:
+    with raw(pg_url, migrated_schema) as conn:
         conn.execute("UPDATE session SET wake_attempts = 2 WHERE id = 'a'")
     batch = candidates("a", "b", "c", "back", "live", "theirs")
-    with engine_at(pg_url, pg_schema, 2.0) as other:
+    with engine_at(pg_url, migrated_schema, 2.0) as other:
         assert run_op(other, _store.take_recovery_leases, OTHER, LEASE_MS, batch[5:]) == batch[5:]
-    with counting_url(pg_url) as (url, proxy), engine_at(url, pg_schema, 2.0) as rescuer:
+    with counting_url(pg_url) as (url, proxy), engine_at(url, migrated_schema, 2.0) as rescuer:
         leased = run_op(rescuer, _store.take_recovery_leases, ME, LEASE_MS, batch)
         assert leased == batch[:5]
         items = [(candidate, f"new-{candidate.session_id}") for candidate in batch]
@@ -74,7 +74,7 @@ def test_a_batch_of_claims_is_recovered_in_one_call(pg_url: str, pg_schema: str)
         (RecoveryDecision.SKIP_LIVE, False, None, 0),
         (RecoveryDecision.GONE, True, None, 0),  # another owner's recovery lease
     ]
-    with raw(pg_url, pg_schema) as conn:
+    with raw(pg_url, migrated_schema) as conn:
         claims = conn.execute(
             "SELECT session_id, id, owner_id, phase, expires_at, heartbeat_at, handed_back,"
             " time_created FROM session_execution ORDER BY session_id"
@@ -105,20 +105,20 @@ def test_a_batch_of_claims_is_recovered_in_one_call(pg_url: str, pg_schema: str)
 
 
 def test_a_batch_mixing_rows_the_set_cannot_decide_applies_each_rule(
-    pg_url: str, pg_schema: str
+    pg_url: str, migrated_schema: str
 ) -> None:
     """Claims the set-wise call leaves to the row path in the same transaction - a claim
     marked cancelling, an exhausted budget, a paused session - are finished by their rules
     beside a plain resume."""
-    with engine_at(pg_url, pg_schema, 1.0) as owner:
+    with engine_at(pg_url, migrated_schema, 1.0) as owner:
         for session_id in ("plain", "cancelling", "exhausted", "paused"):
             claim(owner, session_id)
         run_op(owner, _store.mark_cancelling, "cancelling", "e-cancelling", DEAD)
         run_op(owner, _store.pause, "paused")
-    with raw(pg_url, pg_schema) as conn:
+    with raw(pg_url, migrated_schema) as conn:
         conn.execute("UPDATE session SET wake_attempts = 10 WHERE id = 'exhausted'")
     batch = candidates("plain", "cancelling", "exhausted", "paused")
-    with engine_at(pg_url, pg_schema, 2.0) as rescuer:
+    with engine_at(pg_url, migrated_schema, 2.0) as rescuer:
         assert run_op(rescuer, _store.take_recovery_leases, ME, LEASE_MS, batch) == batch
         items = [(candidate, f"new-{candidate.session_id}") for candidate in batch]
         results = run_op(rescuer, _store.apply_recovery_batch, ME, items, LEASE_MS, 10)
@@ -128,7 +128,7 @@ def test_a_batch_mixing_rows_the_set_cannot_decide_applies_each_rule(
         RecoveryDecision.EXHAUSTED,
         RecoveryDecision.FINISH_PAUSED,
     ]
-    with raw(pg_url, pg_schema) as conn:
+    with raw(pg_url, migrated_schema) as conn:
         assert conn.execute("SELECT id, owner_id FROM session_execution").fetchall() == [
             ("new-plain", ME)
         ]
@@ -161,22 +161,22 @@ def while_a_claim_row_is_locked(
 
 
 def test_takeover_skips_a_claim_row_locked_by_another_transaction(
-    pg_url: str, pg_schema: str
+    pg_url: str, migrated_schema: str
 ) -> None:
     """DESIGN §8: the takeover skips a claim row another transaction holds locked (a
     heartbeat, another recoverer) instead of waiting for it: that claim is reported as a
     lost fence with nothing written and our recovery lease kept (a later pass looks again);
     the rest of the batch is taken over."""
-    with engine_at(pg_url, pg_schema, 1.0) as owner:
+    with engine_at(pg_url, migrated_schema, 1.0) as owner:
         claim(owner, "busy")
         claim(owner, "free")
     batch = candidates("busy", "free")
     items = [(candidate, f"new-{candidate.session_id}") for candidate in batch]
-    with engine_at(pg_url, pg_schema, 2.0) as rescuer:
+    with engine_at(pg_url, migrated_schema, 2.0) as rescuer:
         assert run_op(rescuer, _store.take_recovery_leases, ME, LEASE_MS, batch) == batch
         results = while_a_claim_row_is_locked(
             pg_url,
-            pg_schema,
+            migrated_schema,
             "e-busy",
             lambda: run_op(rescuer, _store.apply_recovery_batch, ME, items, LEASE_MS, 10),
         )
@@ -184,7 +184,7 @@ def test_takeover_skips_a_claim_row_locked_by_another_transaction(
         (RecoveryDecision.GONE, True),
         (RecoveryDecision.RESUME, False),
     ]
-    with raw(pg_url, pg_schema) as conn:
+    with raw(pg_url, migrated_schema) as conn:
         assert conn.execute(
             "SELECT session_id, id, owner_id FROM session_execution ORDER BY session_id"
         ).fetchall() == [("busy", "e-busy", DEAD), ("free", "new-free", ME)]
@@ -194,38 +194,38 @@ def test_takeover_skips_a_claim_row_locked_by_another_transaction(
 
 
 def test_the_scan_skips_a_claim_row_locked_by_another_transaction(
-    pg_url: str, pg_schema: str
+    pg_url: str, migrated_schema: str
 ) -> None:
     """DESIGN §8, §6.14: a recovery pass's scan skips an expired claim whose row another
     transaction holds locked (a heartbeat, another recoverer's scan) instead of waiting for
     it, and leases the other expired claim. Waiting, the pass - and every session behind it
     - would stall until that transaction ends."""
-    with engine_at(pg_url, pg_schema, 1.0) as owner:
+    with engine_at(pg_url, migrated_schema, 1.0) as owner:
         claim(owner, "busy")
         claim(owner, "free")
-    with engine_at(pg_url, pg_schema, 2.0) as rescuer:
+    with engine_at(pg_url, migrated_schema, 2.0) as rescuer:
         found, _, leased, _ = while_a_claim_row_is_locked(
             pg_url,
-            pg_schema,
+            migrated_schema,
             "e-busy",
             lambda: run_op(rescuer, scan_and_lease, ME, 10, [], [], LEASE_MS),
         )
     assert found == leased == candidates("free")
-    with raw(pg_url, pg_schema) as conn:
+    with raw(pg_url, migrated_schema) as conn:
         assert conn.execute("SELECT execution_id, owner_id FROM session_recovery").fetchall() == [
             ("e-free", ME)
         ]
 
 
 def test_a_batch_of_iteration_ends_is_settled_without_the_row_function(
-    pg_url: str, pg_schema: str
+    pg_url: str, migrated_schema: str
 ) -> None:
     """`ts_finish_iterations` settles a batch's common iteration ends - release, continue,
     pause, lease lost (another owner's claim, or our own whose lease ran out: nothing
     written, §6.13), a message left open - in one statement, each as `ts_finish` answers
     it, and calls `ts_finish` only for what the set leaves to it: a claim marked cancelling
     (hand over) and a session named twice (its ends in order)."""
-    with engine_at(pg_url, pg_schema, 1.0) as engine:
+    with engine_at(pg_url, migrated_schema, 1.0) as engine:
         sessions = ("release", "continue", "paused", "lost", "open", "cancel", "twice", "expired")
         for session_id in sessions:
             claim(engine, session_id, owner=ME, lease_ms=LEASE_MS)
@@ -234,7 +234,7 @@ def test_a_batch_of_iteration_ends_is_settled_without_the_row_function(
         run_op(engine, _store.pause, "paused")
         run_op(engine, _store.begin_assistant, "open", "e-open", ME, "m-open")
         run_op(engine, _store.mark_cancelling, "cancel", "e-cancel", ME)
-    with raw(pg_url, pg_schema) as conn:
+    with raw(pg_url, migrated_schema) as conn:
         conn.execute("UPDATE session SET wake_attempts = 1 WHERE id IN ('release', 'expired')")
         # Its lease ran out before its end landed (the batch's clock reads 2.0 s).
         conn.execute("UPDATE session_execution SET expires_at = 1500 WHERE id = 'e-expired'")
@@ -249,7 +249,7 @@ def test_a_batch_of_iteration_ends_is_settled_without_the_row_function(
         ("twice", "e-twice", ME),
         ("expired", "e-expired", ME),
     ]
-    conn = connect(pg_url, pg_schema)
+    conn = connect(pg_url, migrated_schema)
     try:
         conn.execute("SET track_functions = 'pl'")
         tx = PgTx(conn, fixed(2.0))
@@ -275,7 +275,7 @@ def test_a_batch_of_iteration_ends_is_settled_without_the_row_function(
         (9, "lease_lost", None),
     ]
     assert row_calls == (3,)  # cancel, twice, twice
-    with raw(pg_url, pg_schema) as check:
+    with raw(pg_url, migrated_schema) as check:
         assert check.execute(
             "SELECT session_id FROM session_execution ORDER BY session_id"
         ).fetchall() == [("continue",), ("expired",), ("lost",), ("open",)]

@@ -52,16 +52,16 @@ def test_relay_counts_one_round_trip_per_wait_for_the_server(pg_url: str) -> Non
         assert proxy.round_trips - before == 3
 
 
-def test_sequential_cycle_is_at_most_three_round_trips(pg_url: str, pg_schema: str) -> None:
-    assert trio.run(round_trips_per_cycle, pg_url, pg_schema, 5) <= 3
+def test_sequential_cycle_is_at_most_three_round_trips(pg_url: str, migrated_schema: str) -> None:
+    assert trio.run(round_trips_per_cycle, pg_url, migrated_schema, 5) <= 3
 
 
-def test_chat_turn_is_at_most_fifty_round_trips(pg_url: str, pg_schema: str) -> None:
-    assert trio.run(turn_round_trips, pg_url, pg_schema, 1) <= 50
+def test_chat_turn_is_at_most_fifty_round_trips(pg_url: str, migrated_schema: str) -> None:
+    assert trio.run(turn_round_trips, pg_url, migrated_schema, 1) <= 50
 
 
 def test_an_iteration_end_alone_is_one_round_trip_unless_it_continues(
-    pg_url: str, pg_schema: str
+    pg_url: str, migrated_schema: str
 ) -> None:
     """An iteration's end alone (`end_iteration`: the sequential cycle's release) is one
     `ts_finish` call in autocommit: one round trip, a release, a pause and a lost lease
@@ -70,7 +70,7 @@ def test_an_iteration_end_alone_is_one_round_trip_unless_it_continues(
     transaction - BEGIN with the call, then COMMIT."""
     now = [1_000.0]  # the lease clock (s), moved past "lapsed"'s lease below
     with counting_url(pg_url) as (url, proxy):
-        engine = open_engine(url, schema=pg_schema, clock=lambda: now[0])
+        engine = open_engine(url, schema=migrated_schema, clock=lambda: now[0])
         try:
 
             def ended(session: str, *, lapsed: bool = False) -> tuple[str, int]:
@@ -97,7 +97,9 @@ def test_an_iteration_end_alone_is_one_round_trip_unless_it_continues(
             engine.close()
 
 
-def test_a_batch_of_submits_is_one_round_trip_however_many(pg_url: str, pg_schema: str) -> None:
+def test_a_batch_of_submits_is_one_round_trip_however_many(
+    pg_url: str, migrated_schema: str
+) -> None:
     """Submits queued together (a web process's hand-off: one batch) are one set-wise call,
     `ts_submits`, in autocommit: one round trip and one signal for all of them - not a
     round trip per submit (under the chat load, a batch of five submits held the web
@@ -105,7 +107,7 @@ def test_a_batch_of_submits_is_one_round_trip_however_many(pg_url: str, pg_schem
     it would alone: new inputs are stored and ring their doorbells, a known input id (same
     session, same payload) returns its id again."""
     with counting_url(pg_url) as (url, proxy):
-        engine = open_engine(url, schema=pg_schema)
+        engine = open_engine(url, schema=migrated_schema)
         try:
             engine.run(_store.submit, "s0", '{"n": 0}', "in-known")
             jobs = [Job(_store.submit, (f"s{n}", f'{{"n": {n}}}', f"in-{n}")) for n in range(1, 6)]
@@ -116,7 +118,7 @@ def test_a_batch_of_submits_is_one_round_trip_however_many(pg_url: str, pg_schem
             assert [job.unwrap() for job in jobs] == [f"in-{n}" for n in range(1, 6)] + ["in-known"]
         finally:
             engine.close()
-    with pg_raw(pg_url, pg_schema) as conn:
+    with pg_raw(pg_url, migrated_schema) as conn:
         rows = conn.execute(
             "SELECT s.id, s.wakes, i.id FROM session s JOIN session_input i ON i.session_id = s.id"
             " ORDER BY s.id"
@@ -125,13 +127,13 @@ def test_a_batch_of_submits_is_one_round_trip_however_many(pg_url: str, pg_schem
 
 
 def test_a_call_alone_is_parsed_and_planned_once_per_connection(
-    pg_url: str, pg_schema: str
+    pg_url: str, migrated_schema: str
 ) -> None:
     """A function call that is its own message (alone in autocommit, or after the first
     statement of a transaction) is bound server-side: the same text each time, so the
     driver prepares it once it recurs, and the server no longer parses and plans it per
     call. A statement that shares its message with BEGIN stays bound client-side."""
-    engine = open_engine(pg_url, schema=pg_schema)
+    engine = open_engine(pg_url, schema=migrated_schema)
     try:
         for index in range(8):
             engine.run(_store.submit, f"s{index}", '{"n": 1}', f"in-{index}")
@@ -146,13 +148,13 @@ def test_a_call_alone_is_parsed_and_planned_once_per_connection(
         engine.close()
 
 
-def test_a_stream_read_is_one_round_trip(pg_url: str, pg_schema: str) -> None:
+def test_a_stream_read_is_one_round_trip(pg_url: str, migrated_schema: str) -> None:
     """A stream's read (`stream_changes`: the ids its position names, the new deltas of the
     open message it follows, the messages past its top) is one call, alone in autocommit:
     one round trip, whatever it finds; the answer is the one statement-by-statement reads
     give."""
     with counting_url(pg_url) as (url, proxy):
-        engine = open_engine(url, schema=pg_schema)
+        engine = open_engine(url, schema=migrated_schema)
         try:
             engine.run(_store.submit, "s", '{"n": 1}', "in-1")
             assert engine.run(_store.acquire, "s", "e1", "me", 60_000).verdict.value == "claim"
@@ -174,13 +176,15 @@ def test_a_stream_read_is_one_round_trip(pg_url: str, pg_schema: str) -> None:
             engine.close()
 
 
-def test_the_stream_reads_of_one_hand_off_are_one_round_trip(pg_url: str, pg_schema: str) -> None:
+def test_the_stream_reads_of_one_hand_off_are_one_round_trip(
+    pg_url: str, migrated_schema: str
+) -> None:
     """Reads of many streams queued together (`run_reads`, one hand-off) are one set-wise
     call; each read's answer is the one statement-by-statement reads give. A read whose
     position names a message that is not there (a rewritten transcript) runs on its own
     and starts over."""
     with counting_url(pg_url) as (url, proxy):
-        engine = open_engine(url, schema=pg_schema)
+        engine = open_engine(url, schema=migrated_schema)
         try:
             positions = {f"s{index}": following_position(engine, index) for index in range(3)}
             positions["s3"] = Position(7, message_tag("gone"))
@@ -202,14 +206,14 @@ def test_the_stream_reads_of_one_hand_off_are_one_round_trip(pg_url: str, pg_sch
 
 
 def test_the_stream_reads_of_one_hand_off_probe_indexes_and_scan_no_table(
-    pg_url: str, pg_schema: str
+    pg_url: str, migrated_schema: str
 ) -> None:
     """The set-wise stream read (`ts_stream_changes_many`) looks each position's rows up by
     key: it scans neither messages nor deltas whole, however many other sessions there are
     (the planner, guessing a hundred elements in any JSON array, flattened such lookups
     into hash joins over whole tables) - on every path: appends to an open message, a new
     message with its deltas, an open message replaced whole."""
-    engine = open_engine(pg_url, schema=pg_schema)
+    engine = open_engine(pg_url, schema=migrated_schema)
     try:
         positions = {f"s{index}": following_position(engine, index) for index in range(3)}
         positions["s1"] = Position(1, "")  # holds the user message only: m1 is new
@@ -223,7 +227,7 @@ def test_the_stream_reads_of_one_hand_off_probe_indexes_and_scan_no_table(
         "SELECT COALESCE(SUM(seq_scan), 0) FROM pg_stat_xact_user_tables"
         " WHERE relid IN ('session_message'::regclass, 'session_message_delta'::regclass)"
     )
-    with pg_raw(pg_url, pg_schema) as conn:
+    with pg_raw(pg_url, migrated_schema) as conn:
         conn.execute(
             "INSERT INTO session(id, time_created) SELECT 'x' || g, 0"
             " FROM generate_series(1, 2000) AS g"
@@ -272,13 +276,13 @@ def following_position(engine: PgSyncEngine, index: int) -> Position:
 
 
 def test_a_recovery_pass_costs_round_trips_per_pass_not_per_claim(
-    pg_url: str, pg_schema: str
+    pg_url: str, migrated_schema: str
 ) -> None:
     """A recovery pass over expired claims of a dead owner (DESIGN §8: set-wise recovery,
     no per-session round trips): the scan with its recovery leases and the due-input look
     (1: one autocommit call) and the takeover (1: `ts_recover` alone in autocommit, as no
     claim needs the row-by-row path) cost the same round trips for 5 claims as for 60."""
-    assert trio.run(recovery_pass_round_trips, pg_url, pg_schema) == [2, 2]
+    assert trio.run(recovery_pass_round_trips, pg_url, migrated_schema) == [2, 2]
 
 
 async def recovery_pass_round_trips(url: str, schema: str) -> list[int]:
@@ -304,14 +308,14 @@ async def recovery_pass_round_trips(url: str, schema: str) -> list[int]:
     return counts
 
 
-def test_a_change_scan_is_one_round_trip(pg_url: str, pg_schema: str) -> None:
+def test_a_change_scan_is_one_round_trip(pg_url: str, migrated_schema: str) -> None:
     """The change scan with no watched session (`changes`: unclaimed doorbells, our claims
     marked cancelling or gone, the next scheduled input) is one call, alone in autocommit:
     one round trip; its answer is the one statement-by-statement reads give, with few
     claims of ours (looked up by key) and with many (one scan by owner)."""
     clock = lambda: 1_000.0  # noqa: E731 - a lease clock stopped at 1,000 s
     with counting_url(pg_url) as (url, proxy):
-        engine = open_engine(url, schema=pg_schema, clock=clock)
+        engine = open_engine(url, schema=migrated_schema, clock=clock)
         try:
             for session in ("old", "local", "paused", "held", "new", "mine", "cancel"):
                 engine.run(_store.submit, session, '{"n": 1}', f"in-{session}")
@@ -342,14 +346,14 @@ def test_a_change_scan_is_one_round_trip(pg_url: str, pg_schema: str) -> None:
             engine.close()
 
 
-def test_the_conversation_controls_are_one_call_each(pg_url: str, pg_schema: str) -> None:
+def test_the_conversation_controls_are_one_call_each(pg_url: str, migrated_schema: str) -> None:
     """Double-texting (`submit` with `on_busy` "interrupt" or "reject") and a scheduled
     `submit` are one call alone in autocommit: one round trip, a refusal included; a retry
     of a stored input is one too. Another owner's claim interrupted from here
     (`request_cancel`: no natural key to read back by, so a transaction) is one call: BEGIN
     with it, then COMMIT."""
     with counting_url(pg_url) as (url, proxy):
-        engine = open_engine(url, schema=pg_schema)
+        engine = open_engine(url, schema=migrated_schema)
         try:
             engine.run(_store.submit, "s", '{"n": 1}', "in-1")
             engine.run(_store.acquire, "s", "e1", "other", 60_000)
@@ -386,14 +390,14 @@ def test_the_conversation_controls_are_one_call_each(pg_url: str, pg_schema: str
 
 
 def test_pause_resume_cancel_delete_and_truncate_are_one_call_each(
-    pg_url: str, pg_schema: str
+    pg_url: str, migrated_schema: str
 ) -> None:
     """`pause` and `resume` (idempotent: a retry after a lost reply is the same call) are
     one call alone in autocommit: one round trip. `cancel_input`, `delete_session` and
     `truncate` report what they removed, which a retry could not read back: one call in a
     transaction, BEGIN with it, then COMMIT - two."""
     with counting_url(pg_url) as (url, proxy):
-        engine = open_engine(url, schema=pg_schema)
+        engine = open_engine(url, schema=migrated_schema)
         try:
             engine.run(_store.submit, "s", '{"n": 1}', "in-1")
             engine.run(_store.submit_scheduled, "s", '{"n": 2}', "in-2", 60_000, "queue")
@@ -421,12 +425,12 @@ def test_pause_resume_cancel_delete_and_truncate_are_one_call_each(
             engine.close()
 
 
-def test_a_transcript_read_is_one_round_trip(pg_url: str, pg_schema: str) -> None:
+def test_a_transcript_read_is_one_round_trip(pg_url: str, migrated_schema: str) -> None:
     """`transcript()` (the messages and the text streamed onto the open ones) is one call
     alone in autocommit: one snapshot, one round trip; the messages are the ones the
     statement-by-statement read gives."""
     with counting_url(pg_url) as (url, proxy):
-        engine = open_engine(url, schema=pg_schema)
+        engine = open_engine(url, schema=migrated_schema)
         try:
             engine.run(_store.submit, "s", '{"n": 1}', "in-1")
             engine.run(_store.acquire, "s", "e1", "me", 60_000)
@@ -444,13 +448,13 @@ def test_a_transcript_read_is_one_round_trip(pg_url: str, pg_schema: str) -> Non
 
 
 def test_a_drains_tool_writes_and_finish_are_one_round_trip_each(
-    pg_url: str, pg_schema: str
+    pg_url: str, migrated_schema: str
 ) -> None:
     """`start_tool`, `settle_tool` and `finish` send the message the writer computed from
     what it wrote, fenced on the version it last stored: one call alone in autocommit, one
     round trip each (before: read the message, write it, COMMIT). The transcript is the
     one the statements would have written."""
-    assert trio.run(tool_write_round_trips, pg_url, pg_schema) == [1, 1, 1]
+    assert trio.run(tool_write_round_trips, pg_url, migrated_schema) == [1, 1, 1]
 
 
 async def tool_write_round_trips(url: str, schema: str) -> list[int]:

@@ -426,19 +426,19 @@ def renewed_under_session_lock(
 
 
 def test_takeover_waits_for_the_owners_renewal_then_finds_nothing(
-    pg_url: str, pg_schema: str
+    pg_url: str, migrated_schema: str
 ) -> None:
     """Recovery (apply_recovery) waits for an open owner tx that renewed the lease, then
     skips the claim as live instead of taking it over."""
-    with opened(PostgresStore(pg_url, schema=pg_schema).engine(fixed(1.0))) as engine:
+    with opened(PostgresStore(pg_url, schema=migrated_schema).engine(fixed(1.0))) as engine:
         claim(engine, "s", "e1", "owner", 500)  # expires at 1.5 s
     candidate = _store.Candidate("s", "e1")
-    with opened(PostgresStore(pg_url, schema=pg_schema).engine(fixed(2.0))) as rescuer:
+    with opened(PostgresStore(pg_url, schema=migrated_schema).engine(fixed(2.0))) as rescuer:
         taken = run_op(rescuer, _store.take_recovery_leases, "rescuer", LEASE_MS, [candidate])
         assert taken == [candidate]
     with (
-        renewed_under_session_lock(pg_url, pg_schema) as (owner, _),
-        open_tx(pg_url, pg_schema, fixed(2.0)) as (recovery, recovery_tx),
+        renewed_under_session_lock(pg_url, migrated_schema) as (owner, _),
+        open_tx(pg_url, migrated_schema, fixed(2.0)) as (recovery, recovery_tx),
     ):
 
         def take_over() -> _store.Recovered:
@@ -453,22 +453,22 @@ def test_takeover_waits_for_the_owners_renewal_then_finds_nothing(
         owner.commit()
         recovered = waiting.result()
     assert recovered.decision is RecoveryDecision.SKIP_LIVE
-    with raw(pg_url, pg_schema) as conn:
+    with raw(pg_url, migrated_schema) as conn:
         assert conn.execute(
             "SELECT id, owner_id, expires_at FROM session_execution"
         ).fetchall() == [("e1", "owner", 1200 + LEASE_MS)]
 
 
 def test_raw_takeover_update_waits_for_the_owners_renewal_then_matches_nothing(
-    pg_url: str, pg_schema: str
+    pg_url: str, migrated_schema: str
 ) -> None:
     """The recovery-fenced UPDATE waits for the owner's open renewal, re-checks the new row
     version after its COMMIT and updates 0 rows."""
-    with opened(PostgresStore(pg_url, schema=pg_schema).engine(fixed(1.0))) as engine:
+    with opened(PostgresStore(pg_url, schema=migrated_schema).engine(fixed(1.0))) as engine:
         claim(engine, "s", "e1", "owner", 500)
     with (
-        renewed_under_session_lock(pg_url, pg_schema) as (owner, _),
-        open_tx(pg_url, pg_schema, fixed(2.0)) as (recovery, recovery_tx),
+        renewed_under_session_lock(pg_url, migrated_schema) as (owner, _),
+        open_tx(pg_url, migrated_schema, fixed(2.0)) as (recovery, recovery_tx),
     ):
 
         def take_over() -> int:
@@ -485,20 +485,22 @@ def test_raw_takeover_update_waits_for_the_owners_renewal_then_matches_nothing(
         wait_until_blocked(pg_url, recovery.info.backend_pid)
         owner.commit()
         assert waiting.result() == 0
-    with raw(pg_url, pg_schema) as conn:
+    with raw(pg_url, migrated_schema) as conn:
         assert conn.execute("SELECT id, owner_id FROM session_execution").fetchall() == [
             ("e1", "owner")
         ]
 
 
-def test_failed_claim_does_not_block_the_owners_heartbeat(pg_url: str, pg_schema: str) -> None:
+def test_failed_claim_does_not_block_the_owners_heartbeat(
+    pg_url: str, migrated_schema: str
+) -> None:
     """An acquire that answered HELD, its transaction still open, does not delay the
     owner's heartbeat (no row lock on the live claim)."""
-    with opened(PostgresStore(pg_url, schema=pg_schema).engine(fixed(1.0))) as engine:
+    with opened(PostgresStore(pg_url, schema=migrated_schema).engine(fixed(1.0))) as engine:
         claim(engine, "s", "e1", "owner", LEASE_MS)
     with (
-        open_tx(pg_url, pg_schema, fixed(2.0)) as (_, claimant),
-        open_tx(pg_url, pg_schema, fixed(2.0)) as (owner, owner_tx),
+        open_tx(pg_url, migrated_schema, fixed(2.0)) as (_, claimant),
+        open_tx(pg_url, migrated_schema, fixed(2.0)) as (owner, owner_tx),
     ):
         acquired = _store.acquire(claimant, "s", "e2", "other", LEASE_MS)
         assert acquired.verdict is AcquireVerdict.HELD
@@ -507,7 +509,7 @@ def test_failed_claim_does_not_block_the_owners_heartbeat(pg_url: str, pg_schema
         assert _store.heartbeat(owner_tx, "owner", ["e1"], LEASE_MS) == {"e1": "running"}
         owner.commit()
         assert time.monotonic() - started < 0.5
-    with raw(pg_url, pg_schema) as conn:
+    with raw(pg_url, migrated_schema) as conn:
         assert conn.execute("SELECT expires_at FROM session_execution").fetchall() == [
             (2000 + LEASE_MS,)
         ]
@@ -528,14 +530,16 @@ class CountingStatements:
         return self._conn.execute(*args, **kwargs)
 
 
-def test_server_now_is_read_after_the_session_lock_is_granted(pg_url: str, pg_schema: str) -> None:
+def test_server_now_is_read_after_the_session_lock_is_granted(
+    pg_url: str, migrated_schema: str
+) -> None:
     """On the server's clock, `tx.now` after a waited-for `lock_session` is no earlier than
     the moment the lock's previous holder let go, and costs no round trip of its own."""
-    with opened(PostgresStore(pg_url, schema=pg_schema).engine()):
+    with opened(PostgresStore(pg_url, schema=migrated_schema).engine()):
         pass  # the schema's functions: the lock's key is one of them
     with (
-        open_tx(pg_url, pg_schema, None) as (holder, holder_tx),
-        open_tx(pg_url, pg_schema, None) as (waiter, _),
+        open_tx(pg_url, migrated_schema, None) as (holder, holder_tx),
+        open_tx(pg_url, migrated_schema, None) as (waiter, _),
     ):
         holder_tx.lock_session("s")
         counted = CountingStatements(waiter)
@@ -567,7 +571,7 @@ def server_ms(conn: psycopg.Connection[Any]) -> int:
 
 
 def test_a_host_clock_an_hour_ahead_decides_nothing(
-    pg_url: str, pg_schema: str, monkeypatch: pytest.MonkeyPatch
+    pg_url: str, migrated_schema: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """DESIGN §6.18: on the server's clock (no clock given), this host's clock an hour ahead
     changes nothing: an acquire's and a heartbeat's expiry are a lease after the server's
@@ -575,8 +579,8 @@ def test_a_host_clock_an_hour_ahead_decides_nothing(
     sent to the functions (the claim would be live an hour too long) or read as the Python
     operations' `now` (the input would be due an hour ago), skew would decide fences."""
     with (
-        opened(PostgresStore(pg_url, schema=pg_schema).engine()) as engine,
-        raw(pg_url, pg_schema) as conn,
+        opened(PostgresStore(pg_url, schema=migrated_schema).engine()) as engine,
+        raw(pg_url, migrated_schema) as conn,
     ):
         host_time = time.time
         monkeypatch.setattr(time, "time", lambda: host_time() + 3_600.0)
@@ -600,15 +604,15 @@ def test_a_host_clock_an_hour_ahead_decides_nothing(
 
 
 def test_a_function_reads_the_server_clock_after_the_session_lock_is_granted(
-    pg_url: str, pg_schema: str
+    pg_url: str, migrated_schema: str
 ) -> None:
     """DESIGN §8, §6.18: a server-side function's `now` (ts_now) is the server's clock read
     after the session lock it waited for, no earlier than the moment the lock's previous
     holder let go - not now(), the start of its transaction, which is older by the whole
     wait (a fence would judge a lease by a time before its last renewal)."""
     with (
-        opened(PostgresStore(pg_url, schema=pg_schema).engine()) as engine,
-        raw(pg_url, pg_schema) as holder,
+        opened(PostgresStore(pg_url, schema=migrated_schema).engine()) as engine,
+        raw(pg_url, migrated_schema) as holder,
     ):
         assert engine.backend_pid is not None
         holder.execute("BEGIN")
@@ -632,12 +636,17 @@ def test_a_function_reads_the_server_clock_after_the_session_lock_is_granted(
     assert row is not None and row[0] >= released
 
 
-def test_session_lock_is_retaken_after_a_savepoint_rolled_back(pg_url: str, pg_schema: str) -> None:
+def test_session_lock_is_retaken_after_a_savepoint_rolled_back(
+    pg_url: str, migrated_schema: str
+) -> None:
     """A session lock taken inside a savepoint that rolled back (and so was released) is
     taken again by the next lock_session of the same transaction."""
-    with opened(PostgresStore(pg_url, schema=pg_schema).engine()):
+    with opened(PostgresStore(pg_url, schema=migrated_schema).engine()):
         pass
-    with open_tx(pg_url, pg_schema, None) as (conn, tx), raw(pg_url, pg_schema) as observer:
+    with (
+        open_tx(pg_url, migrated_schema, None) as (conn, tx),
+        raw(pg_url, migrated_schema) as observer,
+    ):
 
         def advisory_locks() -> int:
             row = observer.execute(
@@ -668,10 +677,12 @@ def broken_statement(tx: Tx) -> None:
     tx.execute("SELECT * FROM no_such_table")
 
 
-def test_group_commit_batch_with_a_refusal_commits_the_others(pg_url: str, pg_schema: str) -> None:
+def test_group_commit_batch_with_a_refusal_commits_the_others(
+    pg_url: str, migrated_schema: str
+) -> None:
     """One job of a batch raises LeaseLost, another a database error: both get their error,
     nothing of theirs is written, and the other jobs still commit."""
-    with opened(PostgresStore(pg_url, schema=pg_schema).engine()) as engine:
+    with opened(PostgresStore(pg_url, schema=migrated_schema).engine()) as engine:
         jobs = [
             Job(_store.wake, ("s1",)),
             Job(_store.take_inputs, ("s", "no-such-execution", "owner")),
@@ -685,14 +696,14 @@ def test_group_commit_batch_with_a_refusal_commits_the_others(pg_url: str, pg_sc
     assert isinstance(jobs[1].error, LeaseLost)
     assert isinstance(jobs[3].error, StoreError)
     assert [job.error for job in jobs[::2]] == [None, None, None]
-    with raw(pg_url, pg_schema) as conn:
+    with raw(pg_url, migrated_schema) as conn:
         rows = conn.execute("SELECT id, wakes FROM session ORDER BY id").fetchall()
         assert rows == [("s1", 2), ("s2", 1)]
 
 
-def test_group_commit_batch_runs_in_one_transaction(pg_url: str, pg_schema: str) -> None:
+def test_group_commit_batch_runs_in_one_transaction(pg_url: str, migrated_schema: str) -> None:
     """A batch whose jobs all succeed is one transaction, and every job gets its result."""
-    with opened(PostgresStore(pg_url, schema=pg_schema).engine()) as engine:
+    with opened(PostgresStore(pg_url, schema=migrated_schema).engine()) as engine:
         jobs = [Job(_store.submit, (f"s{i}", '{"n": 1}', f"in-{i}")) for i in range(10)]
         engine.run_batch(jobs)
         assert engine.transactions == 1
@@ -710,18 +721,18 @@ def test_group_commit_batch_runs_in_one_transaction(pg_url: str, pg_schema: str)
     ],
 )
 def test_an_argument_the_driver_refuses_fails_its_own_job_only(
-    pg_url: str, pg_schema: str, jobs: list[Job]
+    pg_url: str, migrated_schema: str, jobs: list[Job]
 ) -> None:
     """A NUL in one job's argument (the driver refuses it before sending anything) fails
     that job with a plain StoreError - no connection was lost, no outcome is unknown - and
     the other job of its batch commits, with no reconnect."""
-    with opened(PostgresStore(pg_url, schema=pg_schema).engine()) as engine:
+    with opened(PostgresStore(pg_url, schema=migrated_schema).engine()) as engine:
         engine.run_batch(jobs)
         assert engine.reconnects == 0
     assert jobs[0].error is None
     assert type(jobs[1].error) is StoreError
     assert "NUL" in str(jobs[1].error)
-    with raw(pg_url, pg_schema) as conn:
+    with raw(pg_url, migrated_schema) as conn:
         assert conn.execute("SELECT id FROM session").fetchall() == [("s1",)]
 
 
@@ -766,12 +777,12 @@ def record_order(tx: Tx, session_id: str, ticket: int, seen: list[tuple[str, int
 
 
 async def test_one_sessions_operations_stay_on_one_writer_in_order(
-    pg_url: str, pg_schema: str
+    pg_url: str, migrated_schema: str
 ) -> None:
     """With three writer connections, 30 operations on each of 12 sessions, queued at once
     from as many tasks: each session's ran on one connection, in the order they were
     queued, and the sessions were spread over all three connections."""
-    store = PostgresStore(pg_url, schema=pg_schema, writers=3, listen=False)
+    store = PostgresStore(pg_url, schema=migrated_schema, writers=3, listen=False)
     sessions = [f"s{n}" for n in range(12)]
     seen: list[tuple[str, int, int]] = []
     tickets = iter(range(10_000))
@@ -818,11 +829,11 @@ def on_no_session(tx: Tx, owner_id: str, seen: list[tuple[str, int, int]]) -> in
 
 
 async def test_an_operation_on_no_session_goes_to_an_idle_writer(
-    pg_url: str, pg_schema: str
+    pg_url: str, migrated_schema: str
 ) -> None:
     """With three writers, two busy (held by operations on their sessions), an operation
     on no session runs on the idle one at once, not queued behind a busy one."""
-    store = PostgresStore(pg_url, schema=pg_schema, writers=3, listen=False)
+    store = PostgresStore(pg_url, schema=migrated_schema, writers=3, listen=False)
     gate = threading.Event()
     busy = ["s0", "s1"]
     seen: list[tuple[str, int, int]] = []
@@ -842,12 +853,12 @@ async def test_an_operation_on_no_session_goes_to_an_idle_writer(
 
 
 async def test_an_operation_on_no_session_runs_first_in_its_own_transaction(
-    pg_url: str, pg_schema: str
+    pg_url: str, migrated_schema: str
 ) -> None:
     """Queued in one hand-off with operations on sessions, an operation on no session (a
     recovery pass's scan or takeover) runs first, in a transaction of its own - alone, it
     can be one autocommit call - and the others still share one transaction."""
-    store = PostgresStore(pg_url, schema=pg_schema, writers=1, listen=False)
+    store = PostgresStore(pg_url, schema=migrated_schema, writers=1, listen=False)
     seen: list[tuple[str, int, int]] = []  # in the order run
     with trio.fail_after(30):
         async with store.open_executor(None) as executor:
@@ -878,13 +889,13 @@ def lock_both(
 
 @pytest.mark.parametrize("batched", [False, True], ids=["alone", "in-batches"])
 async def test_a_deadlock_between_two_writers_is_retried_inside_the_store(
-    pg_url: str, pg_schema: str, batched: bool
+    pg_url: str, migrated_schema: str, batched: bool
 ) -> None:
     """Two writer connections lock two sessions in opposite orders at once - each operation
     alone, or each in a batch with another operation on its session: the server breaks the
     deadlock (40P01), the victim's work runs again, and every caller gets its result (no
     error)."""
-    store = PostgresStore(pg_url, schema=pg_schema, writers=2, listen=False)
+    store = PostgresStore(pg_url, schema=migrated_schema, writers=2, listen=False)
     first, other = "a", "b"
     barrier = threading.Barrier(2)
     calls: list[str] = []
@@ -1019,7 +1030,7 @@ class BreakAtCommit:
 
 
 @pytest.mark.parametrize("land", [True, False], ids=["committed", "aborted"])
-def test_uncertain_commit_is_read_back(pg_url: str, pg_schema: str, land: bool) -> None:
+def test_uncertain_commit_is_read_back(pg_url: str, migrated_schema: str, land: bool) -> None:
     """The writer's connection dies at COMMIT: the outcome is read back from the server, so
     a submit is stored once and an acquire is reported as a claim exactly once. A wake (a
     transaction) is read back by its transaction id; submit and acquire (one autocommit
@@ -1030,7 +1041,7 @@ def test_uncertain_commit_is_read_back(pg_url: str, pg_schema: str, land: bool) 
         wrapped.append(BreakAtCommit(conn, pg_url, land=land))
         return wrapped[-1]
 
-    store = PostgresStore(pg_url, schema=pg_schema, wrap_connection=wrap)
+    store = PostgresStore(pg_url, schema=migrated_schema, wrap_connection=wrap)
     with opened(store.engine()) as engine:
         wrapped[-1].armed = True
         run_op(engine, _store.wake, "s")
@@ -1049,22 +1060,22 @@ def test_uncertain_commit_is_read_back(pg_url: str, pg_schema: str, land: bool) 
         assert engine.reconnects == 3
         again = run_op(engine, _store.acquire, "s", "e2", "owner", LEASE_MS)
         assert again.verdict is not AcquireVerdict.CLAIM
-    with raw(pg_url, pg_schema) as conn:
+    with raw(pg_url, migrated_schema) as conn:
         assert conn.execute("SELECT id, seq FROM session_input").fetchall() == [("in-1", 1)]
         assert conn.execute("SELECT wakes, input_seq FROM session").fetchall() == [(0, 1)]
         assert conn.execute("SELECT time_woken IS NULL FROM session").fetchall() == [(True,)]
         assert conn.execute("SELECT id FROM session_execution").fetchall() == [("e1",)]
 
 
-def test_lost_connection_before_commit_reruns(pg_url: str, pg_schema: str) -> None:
+def test_lost_connection_before_commit_reruns(pg_url: str, migrated_schema: str) -> None:
     """The writer's backend is killed between transactions: the next operation reconnects
     and runs once."""
-    with opened(PostgresStore(pg_url, schema=pg_schema).engine()) as engine:
+    with opened(PostgresStore(pg_url, schema=migrated_schema).engine()) as engine:
         run_op(engine, _store.wake, "s")
         terminate_backend(pg_url, engine.conn.info.backend_pid)
         run_op(engine, _store.wake, "s")
         assert engine.reconnects == 1
-    with raw(pg_url, pg_schema) as conn:
+    with raw(pg_url, migrated_schema) as conn:
         assert conn.execute("SELECT wakes FROM session").fetchall() == [(2,)]
 
 
@@ -1080,10 +1091,10 @@ async def echo(ctx: DrainContext) -> None:
 
 
 async def test_runtime_drains_on_the_inline_store(
-    pg_url: str, pg_schema: str, autojump_clock: MockClock
+    pg_url: str, migrated_schema: str, autojump_clock: MockClock
 ) -> None:
     """open_runtime on an inline PostgresStore with a virtual clock drains end to end."""
-    store = PostgresStore(pg_url, schema=pg_schema, inline=True)
+    store = PostgresStore(pg_url, schema=migrated_schema, inline=True)
     async with open_runtime(store, echo, clock=testing.trio_clock()) as rt:
         await rt.submit("s", {"text": "hi"})
         await rt.wait_idle("s")
@@ -1092,16 +1103,16 @@ async def test_runtime_drains_on_the_inline_store(
     assert [m.role for m in messages] == ["user", "assistant"]
     assert messages[0].data == {"text": "hi"}
     assert messages[1].data.parts[0].text == "echo hi"
-    with raw(pg_url, pg_schema) as conn:
+    with raw(pg_url, migrated_schema) as conn:
         assert conn.execute("SELECT count(*) FROM session_execution").fetchone() == (0,)
 
 
 async def test_runtime_drains_on_the_thread_executor_with_the_server_clock(
-    pg_url: str, pg_schema: str
+    pg_url: str, migrated_schema: str
 ) -> None:
     """The default (threaded, group-commit) executor on the server's clock drains 20
     sessions submitted concurrently."""
-    store = PostgresStore(pg_url, schema=pg_schema)
+    store = PostgresStore(pg_url, schema=migrated_schema)
     with trio.fail_after(60):
         async with open_runtime(store, echo) as rt:
             async with trio.open_nursery() as nursery:
@@ -1161,11 +1172,11 @@ def recording_engine(
         yield engine, made
 
 
-def test_batch_runs_each_batched_kind_as_one_call(pg_url: str, pg_schema: str) -> None:
+def test_batch_runs_each_batched_kind_as_one_call(pg_url: str, migrated_schema: str) -> None:
     """A group-commit batch of 8 submit_and_acquire and then 8 end_iteration jobs is one
     statement per kind and a COMMIT, and answers each job as it would alone: claims, then
     releases, with every input stored once."""
-    with recording_engine(pg_url, pg_schema) as (engine, made):
+    with recording_engine(pg_url, migrated_schema) as (engine, made):
         submits = [
             Job(
                 _store.submit_and_acquire,
@@ -1181,17 +1192,19 @@ def test_batch_runs_each_batched_kind_as_one_call(pg_url: str, pg_schema: str) -
         engine.run_batch(finishes)
         assert [job.unwrap() for job in finishes] == [IterationVerdict.RELEASE] * 8
         assert len(made[-1].statements) == 4
-    with raw(pg_url, pg_schema) as conn:
+    with raw(pg_url, migrated_schema) as conn:
         assert conn.execute("SELECT count(*) FROM session_input").fetchall() == [(8,)]
         assert conn.execute("SELECT count(*) FROM session_execution").fetchall() == [(0,)]
 
 
-def test_a_batch_of_claims_and_of_new_replies_is_one_call_each(pg_url: str, pg_schema: str) -> None:
+def test_a_batch_of_claims_and_of_new_replies_is_one_call_each(
+    pg_url: str, migrated_schema: str
+) -> None:
     """A worker's group-commit batch of acquires (a burst of chats rung at once), of wake-
     and-acquires, and then of the drains' `begin_assistant`s is one set-wise call per kind,
     each job answered as alone: a held session's acquire is HELD, a lost claim's begin
     raises `LeaseLost` for that job only."""
-    with recording_engine(pg_url, pg_schema) as (engine, made):
+    with recording_engine(pg_url, migrated_schema) as (engine, made):
         for n in range(6):
             run_op(engine, _store.wake, f"s{n}")
         run_op(engine, _store.acquire, "s5", "held", "other", 30_000)
@@ -1220,14 +1233,14 @@ def test_a_batch_of_claims_and_of_new_replies_is_one_call_each(pg_url: str, pg_s
 
 
 def test_a_batch_of_streamed_appends_is_one_call_in_order_and_fenced(
-    pg_url: str, pg_schema: str
+    pg_url: str, migrated_schema: str
 ) -> None:
     """A chat worker's group-commit batch of appends (two per message, 8 messages) is one
     set-wise call: each append gets the version it would alone, in arrival order per
     message; an append on a finished message still raises `MessageFinished` (the whole-row
     path, in the same batch) and a lost claim's append raises `LeaseLost` without taking
     the others' appends with it."""
-    with recording_engine(pg_url, pg_schema) as (engine, made):
+    with recording_engine(pg_url, migrated_schema) as (engine, made):
         for n in range(8):
             run_op(engine, _store.submit_and_acquire, f"s{n}", "{}", f"i{n}", f"e{n}", "me", 30_000)
             run_op(engine, _store.begin_assistant, f"s{n}", f"e{n}", "me", f"m{n}")
@@ -1280,12 +1293,12 @@ def held(tx: Tx, started: threading.Event, release: threading.Event) -> str:
 
 
 async def test_a_writer_lane_hands_batches_to_its_own_thread_without_to_thread(
-    pg_url: str, pg_schema: str, monkeypatch: pytest.MonkeyPatch
+    pg_url: str, migrated_schema: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A lane's worker is a thread of its own: no `trio.to_thread` call per batch (its cost
     dominated the sequential cycle). Operations started together still share a hand-off
     (at most `HANDOFF_LIMIT` each), and one after another each gets its own."""
-    store = PostgresStore(pg_url, schema=pg_schema, writers=1, listen=False)
+    store = PostgresStore(pg_url, schema=migrated_schema, writers=1, listen=False)
     calls: list[object] = []
     run_sync = trio.to_thread.run_sync
 
@@ -1313,12 +1326,12 @@ async def test_a_writer_lane_hands_batches_to_its_own_thread_without_to_thread(
 
 
 async def test_closing_an_executor_fails_what_is_queued_and_waits_for_the_batch_running(
-    pg_url: str, pg_schema: str
+    pg_url: str, migrated_schema: str
 ) -> None:
     """An operation still queued on a lane when its executor closes gets `StoreError`
     (never run); the batch the worker is running is waited for, and its caller gets the
     result."""
-    store = PostgresStore(pg_url, schema=pg_schema, writers=1, listen=False)
+    store = PostgresStore(pg_url, schema=migrated_schema, writers=1, listen=False)
     started, release = threading.Event(), threading.Event()
     outcomes: dict[str, object] = {}
 
@@ -1342,11 +1355,11 @@ async def test_closing_an_executor_fails_what_is_queued_and_waits_for_the_batch_
 
 
 async def test_a_lane_still_runs_shielded_cleanup_once_its_surrounding_scope_is_cancelled(
-    pg_url: str, pg_schema: str
+    pg_url: str, migrated_schema: str
 ) -> None:
     """The runtime's cleanup runs shielded after it was cancelled from outside: the lanes'
     pumps are shielded too, so an idle lane still hands the cleanup's operations over."""
-    store = PostgresStore(pg_url, schema=pg_schema, writers=1, listen=False)
+    store = PostgresStore(pg_url, schema=migrated_schema, writers=1, listen=False)
     with trio.fail_after(30), trio.CancelScope() as outer:
         async with store.open_executor(None) as executor:
             outer.cancel()
