@@ -42,23 +42,26 @@ from trio_sessions._store import operator
 
 
 @pytest.fixture
-def pg_store_factory(pg_url: str) -> Iterator[Callable[[], Any]]:
-    """Fresh PostgreSQL schemas (dropped afterwards), each as an inline store."""
-    from conftest import fresh_schema
-
+def pg_store_factory(pg_url: str, migrated_schemas: Any) -> Iterator[Callable[[], Any]]:
+    """Migrated, empty PostgreSQL schemas from the pool (`pg_schemas`), each as an inline
+    store: one per example, where a fresh schema's migration cost more than the example."""
     from trio_sessions._postgres import PostgresStore
 
-    made: list[Iterator[str]] = []
+    taken: list[str] = []
+
+    def give_back() -> None:
+        while taken:
+            migrated_schemas.give_back(taken.pop())
 
     def make() -> Any:
-        schemas = fresh_schema(pg_url)
-        made.append(schemas)
-        return PostgresStore(pg_url, schema=next(schemas), inline=True)
+        # Hypothesis runs one example after another: the last one has ended, so its schema
+        # goes back to the pool (reused only if it is exactly as migrated, emptied).
+        give_back()
+        taken.append(migrated_schemas.take())
+        return PostgresStore(pg_url, schema=taken[-1], inline=True)
 
     yield make
-    for schemas in made:
-        for _ in schemas:  # drops the schema
-            pass
+    give_back()
 
 
 @pytest.fixture
