@@ -168,7 +168,8 @@ def _set_aside_malformed_messages(tx: Tx, session_id: str, execution_id: str) ->
     # It is matched by its stored bytes (`CAST(? AS TEXT)` of them is the same text).
     columns = ", ".join(as_stored(tx, column) for column in ("id", "role", "data", "input_id"))
     rows = tx.execute(
-        f"SELECT seq, {columns} FROM session_message WHERE execution_id = ?", (execution_id,)
+        f"SELECT seq, {columns} FROM session_message WHERE execution_id = ? ORDER BY seq",
+        (execution_id,),
     ).fetchall()
     for seq, *stored in rows:
         message_id, role, data, input_id = (
