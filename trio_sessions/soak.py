@@ -83,8 +83,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=0.2,
         help="share of host faults (sqlite: of kills) made while a drain is in a blocking"
         " call: postgres kills the live owner's liveness token connection (in addition to"
-        " the other kinds; 1: nothing else while a worker serves), sqlite SIGKILLs the owner with the call running"
-        " on in a child process",
+        " the other kinds; 1: nothing else while a worker serves), sqlite SIGKILLs the"
+        " owner with the call running on in a child process",
     )
     parser.add_argument(
         "--broken", default=None, help="run the workers on a broken copy (`list`: the names)"
