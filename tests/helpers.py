@@ -62,21 +62,29 @@ class WrappedStore(Generic[W]):
             yield self.executor
 
 
-class LateReply:
+class ExecutorSeam:
+    """A store executor that is `inner` in all but what a subclass defines: a test's seam in
+    the runtime's path to the store."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+class LateReply(ExecutorSeam):
     """The runtime's executor, whose reply to one operation reaches its caller only once
     the test says so (the operation itself commits at once): the window a thread hand-off
     leaves between a commit and the caller running again. `shield`: the caller waits for
     the reply even when cancelled, as a caller whose operation was taken does."""
 
     def __init__(self, inner: Any, op: Any, *, shield: bool = False) -> None:
-        self._inner = inner
+        super().__init__(inner)
         self._op = op
         self._shield = shield
         self.committed = trio.Event()
         self.answer = trio.Event()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
 
     async def run(self, op: Any, *args: Any) -> Any:
         result = await self._inner.run(op, *args)

@@ -18,6 +18,7 @@ import pytest
 import trio
 import trio.testing
 from helpers import (
+    ExecutorSeam,
     LateReply,
     Raw,
     Recorder,
@@ -948,17 +949,14 @@ async def test_a_watcher_open_across_edits_and_deletes_keeps_nothing_of_messages
         assert watcher._seen == {}
 
 
-class _HeldReplay:
+class _HeldReplay(ExecutorSeam):
     """An executor whose replay reads (`watched_messages`) wait at `gate` once read."""
 
     def __init__(self, inner: Any) -> None:
-        self._inner = inner
+        super().__init__(inner)
         self.holding = False
         self.read_done = trio.Event()
         self.gate = trio.Event()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
 
     async def read(self, op: Any, *args: Any) -> Any:
         result = await self._inner.read(op, *args)

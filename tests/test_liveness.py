@@ -24,7 +24,7 @@ import pytest
 import trio
 import trio.testing
 from backends import PgLocation, rows
-from helpers import Raw, Recorder, WrappedStore, runtime, terminate_backend
+from helpers import ExecutorSeam, Raw, Recorder, WrappedStore, runtime, terminate_backend
 
 import trio_sessions
 from trio_sessions import DrainContext, _liveness, testing
@@ -503,15 +503,12 @@ class _LosableToken:
         await trio.lowlevel.checkpoint()
 
 
-class _LosableTokenExecutor:
+class _LosableTokenExecutor(ExecutorSeam):
     """The store's executor, whose liveness token is a `_LosableToken`."""
 
     def __init__(self, inner: Any) -> None:
-        self._inner = inner
+        super().__init__(inner)
         self.token: _LosableToken | None = None
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
 
     @asynccontextmanager
     async def hold_token(self, owner_id: str) -> AsyncIterator[_LosableToken]:

@@ -13,7 +13,7 @@ import trio
 import trio.testing
 from backends import PgLocation
 from conftest import query
-from helpers import HoldsBusy, Raw, records, runtime
+from helpers import ExecutorSeam, HoldsBusy, Raw, records, runtime
 
 import trio_sessions
 from trio_sessions import DrainContext, Message, Runtime, StoreError, _store
@@ -38,15 +38,12 @@ def every_stored_value(db_path: Any) -> str:
     return repr([query(db_path, f"SELECT * FROM {name}") for (name,) in tables])
 
 
-class Intercepted:
+class Intercepted(ExecutorSeam):
     """The runtime's executor, with `hooks[op]` run in place of chosen operations."""
 
     def __init__(self, inner: Any, hooks: dict[Any, Callable[..., Any]]) -> None:
-        self._inner = inner
+        super().__init__(inner)
         self._hooks = hooks
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
 
     async def run(self, op: Any, *args: Any) -> Any:
         hook = self._hooks.get(op)

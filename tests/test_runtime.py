@@ -15,7 +15,16 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from helpers import JumpingClock, Raw, Recorder, WrappedStore, now_ms, runtime, start_run
+from helpers import (
+    ExecutorSeam,
+    JumpingClock,
+    Raw,
+    Recorder,
+    WrappedStore,
+    now_ms,
+    runtime,
+    start_run,
+)
 from trio.testing import MockClock
 
 import trio_sessions
@@ -1141,17 +1150,14 @@ async def test_graceful_restarts_do_not_use_up_the_resume_budget(
 _ACQUISITIONS = (_store.acquire, _store.wake_and_acquire, _store.submit_and_acquire)
 
 
-class _SlowAcquireExecutor:
+class _SlowAcquireExecutor(ExecutorSeam):
     """An executor whose acquisitions (or other `ops`) answer `delay` seconds (trio time)
     after they committed."""
 
     def __init__(self, inner: Any, delay: float, ops: tuple[Any, ...] = _ACQUISITIONS) -> None:
-        self._inner = inner
+        super().__init__(inner)
         self._delay = delay
         self._ops = ops
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
 
     async def run(self, op: Any, *args: Any) -> Any:
         result = await self._inner.run(op, *args)
@@ -1240,17 +1246,14 @@ async def test_a_takeover_answered_past_its_local_deadline_reaches_no_user_code(
     assert drain.calls == []
 
 
-class _LateThenUnreachableExecutor:
+class _LateThenUnreachableExecutor(ExecutorSeam):
     """An executor whose first heartbeat answers `delay` seconds (trio time) after it
     committed, and whose later heartbeats fail: the store became unreachable."""
 
     def __init__(self, inner: Any, delay: float) -> None:
-        self._inner = inner
+        super().__init__(inner)
         self._delay = delay
         self.renewals = 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
 
     async def run(self, op: Any, *args: Any) -> Any:
         if op is not _store.heartbeat:
@@ -1292,16 +1295,13 @@ async def test_a_renewal_answered_late_counts_from_when_it_was_sent(
     assert stopped_at and stopped_at[0] * 1000 < renewed_expiry
 
 
-class _SlowFinishUnreachableExecutor:
+class _SlowFinishUnreachableExecutor(ExecutorSeam):
     """An executor whose drain-iteration ends answer `delay` seconds (trio time) after they
     committed, and whose heartbeats fail meanwhile: the store became unreachable."""
 
     def __init__(self, inner: Any, delay: float) -> None:
-        self._inner = inner
+        super().__init__(inner)
         self._delay = delay
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
 
     async def run(self, op: Any, *args: Any) -> Any:
         if op is _store.heartbeat:
@@ -1339,17 +1339,14 @@ async def test_an_iteration_end_answered_past_its_local_deadline_reaches_no_user
     assert len(calls) == 1
 
 
-class _HeldAcquireExecutor:
+class _HeldAcquireExecutor(ExecutorSeam):
     """An executor whose next `acquire` waits, before it runs, until `proceed` is set;
     `acquiring` is set once it waits."""
 
     def __init__(self, inner: Any) -> None:
-        self._inner = inner
+        super().__init__(inner)
         self.acquiring = trio.Event()
         self.proceed = trio.Event()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
 
     async def run(self, op: Any, *args: Any) -> Any:
         if op is _store.acquire and not self.proceed.is_set():

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import trio
 from backends import PgLocation
-from helpers import HoldsBusy, Raw, pg_raw
+from helpers import ExecutorSeam, HoldsBusy, Raw, pg_raw
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -852,17 +852,14 @@ async def test_more_doorbells_than_the_first_pass_takes_all_start_when_a_worker_
     assert len(started) == count, (looks.started, looks.ended)
 
 
-class HeldReply:
+class HeldReply(ExecutorSeam):
     """The runtime's executor, with the first `acquire` of `session_id` run at once but its
     reply held until `go` (the server answered; the runtime has not heard yet)."""
 
     def __init__(self, inner: Any, session_id: str) -> None:
-        self._inner = inner
+        super().__init__(inner)
         self._session_id = session_id
         self.answered, self.go = trio.Event(), trio.Event()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
 
     async def run(self, op: Any, *args: Any) -> Any:
         result = await self._inner.run(op, *args)
