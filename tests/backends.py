@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import re
 import sqlite3
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -50,38 +51,36 @@ def rows(location: Location, sql: str, params: tuple[Any, ...] = ()) -> list[tup
         lite.close()
 
 
-def write(location: Location, sql: str, params: tuple[Any, ...] = ()) -> None:
+@contextmanager
+def _writing(location: Location, sql: str) -> Iterator[tuple[Any, str]]:
+    """A cursor in one transaction on a connection of its own (committed when the block
+    succeeds), and `sql` as its backend takes it."""
     if isinstance(location, PgLocation):
         import psycopg
 
-        with psycopg.connect(location.url, options=f"-c search_path={location.schema}") as conn:
-            conn.execute(_pg(sql), params)
+        options = f"-c search_path={location.schema}"
+        with psycopg.connect(location.url, options=options) as conn, conn.cursor() as cursor:
+            yield cursor, _pg(sql)
         return
     lite = sqlite3.connect(location)
     try:
         with lite:
             lite.execute("PRAGMA foreign_keys = ON")
-            lite.execute(sql, params)
+            yield lite, sql
     finally:
         lite.close()
+
+
+def write(location: Location, sql: str, params: tuple[Any, ...] = ()) -> None:
+    with _writing(location, sql) as (cursor, statement):
+        cursor.execute(statement, params)
 
 
 def write_many(location: Location, sql: str, rows: Iterable[tuple[Any, ...]]) -> None:
     """`write` for each of `rows`, in one transaction on one connection: seeding hundreds
     of rows costs one connection, not one each (a PostgreSQL connection is ~10 ms)."""
-    if isinstance(location, PgLocation):
-        import psycopg
-
-        with psycopg.connect(location.url, options=f"-c search_path={location.schema}") as conn:
-            conn.cursor().executemany(_pg(sql), list(rows))
-        return
-    lite = sqlite3.connect(location)
-    try:
-        with lite:
-            lite.execute("PRAGMA foreign_keys = ON")
-            lite.executemany(sql, rows)
-    finally:
-        lite.close()
+    with _writing(location, sql) as (cursor, statement):
+        cursor.executemany(statement, list(rows))
 
 
 def _pg(sql: str) -> str:
