@@ -84,8 +84,7 @@ def submit_controlled(
     if tx.dialect == "postgres":
         stored = _pg_submit_controlled(tx, session_id, payload, input_id, on_busy, 0)
         if stored is not None:
-            said, _, marked = stored.partition(":")
-            return input_id, marked if said == "interrupted" else None
+            return stored
     tx.lock_session(session_id)
     if _known_input(tx, session_id, input_id, payload):
         return input_id, None
@@ -141,18 +140,14 @@ def submit_controlled_and_acquire(
 
 
 def _pg_controlled_and_acquired(session_id: str, input_id: str, row: tuple[Any, ...]) -> Any:
-    """`ts_submit_controlled_and_acquire`'s row as `submit_controlled_and_acquire` answers:
-    `SessionBusy` for a refusal, `FALLBACK` for an input id stored with another session or
-    payload text (nothing was written)."""
-    stored, *acquired = row
-    if stored == "busy":
-        raise _busy_error(session_id)
-    if stored in ("other_session", "other_payload"):
+    """`ts_submit_controlled_and_acquire`'s row as `submit_controlled_and_acquire` answers
+    (its input verdict as `_controlled_stored` reads it); `FALLBACK` for an input id stored
+    with another session or payload text (nothing was written)."""
+    verdict, *acquired = row
+    stored = _controlled_stored(session_id, input_id, verdict)
+    if stored is None:
         return FALLBACK
-    said, _, marked = stored.partition(":")
-    return (input_id, marked if said == "interrupted" else None), _pg_acquired(
-        session_id, *acquired
-    )
+    return stored, _pg_acquired(session_id, *acquired)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,18 +187,29 @@ def submit_scheduled(
 
 def _pg_submit_controlled(
     tx: Tx, session_id: str, payload: str, input_id: str, on_busy: str, delay_ms: int
-) -> str | None:
-    """`ts_submit_controlled`: "stored", "interrupted:<the execution id it marked>" or
-    "known" (the input is stored);
-    `SessionBusy` for a refusal; None when the input id is stored for another session or
-    with another payload text (nothing was written: the statements decide, in a
-    transaction, comparing the payloads as JSON values)."""
+) -> tuple[str, str | None] | None:
+    """`ts_submit_controlled`, its verdict as `_controlled_stored` reads it."""
     [(verdict,)] = tx.call(
         "ts_submit_controlled", session_id, payload, input_id, on_busy, delay_ms, tx.call_id
     )
+    return _controlled_stored(session_id, input_id, str(verdict))
+
+
+def _controlled_stored(
+    session_id: str, input_id: str, verdict: str
+) -> tuple[str, str | None] | None:
+    """`ts_submit_controlled`'s verdict - "stored", "interrupted:<the execution id it
+    marked>" or "known" (the input is stored) - as `submit_controlled` answers: (input id,
+    the execution id it marked cancelling, if any); `SessionBusy` for a refusal; None when
+    the input id is stored for another session or with another payload text (nothing was
+    written: the statements decide, in a transaction, comparing the payloads as JSON
+    values)."""
     if verdict == "busy":
         raise _busy_error(session_id)
-    return None if verdict in ("other_session", "other_payload") else str(verdict)
+    if verdict in ("other_session", "other_payload"):
+        return None
+    said, _, marked = verdict.partition(":")
+    return input_id, marked if said == "interrupted" else None
 
 
 def next_due(tx: Tx) -> int | None:
