@@ -38,6 +38,19 @@ from trio_sessions._store.stream import (
 from trio_sessions._store.transcript import read_transcript_by_statements
 
 
+def round_trips_of(
+    proxy: RoundTripProxy, engine: PgSyncEngine, op: Any, *args: Any
+) -> tuple[int, Any]:
+    """The round trips `op` alone costs on the wire, and its result - its refusal
+    (`SessionBusy`) as the result, if it refused."""
+    before = proxy.round_trips
+    try:
+        result = engine.run(op, *args)
+    except SessionBusy as exc:
+        result = exc
+    return proxy.round_trips - before, result
+
+
 def test_relay_counts_one_round_trip_per_wait_for_the_server(pg_url: str) -> None:
     """The counter itself: a statement in autocommit is one round trip, a psycopg
     transaction with one statement is three (BEGIN, the statement, COMMIT)."""
@@ -358,13 +371,7 @@ def test_the_conversation_controls_are_one_call_each(pg_url: str, migrated_schem
             engine.run(_store.submit, "s", '{"n": 1}', "in-1")
             engine.run(_store.acquire, "s", "e1", "other", 60_000)
 
-            def counted(op: Any, *args: Any) -> tuple[int, Any]:
-                before = proxy.round_trips
-                try:
-                    result = engine.run(op, *args)
-                except SessionBusy as exc:
-                    result = exc
-                return proxy.round_trips - before, result
+            counted = functools.partial(round_trips_of, proxy, engine)
 
             payload = '{"n": 2}'
             assert counted(_store.submit_controlled, "s", payload, "in-2", "interrupt") == (
@@ -406,10 +413,7 @@ def test_pause_resume_cancel_delete_and_truncate_are_one_call_each(
             engine.run(_store.finish_iteration, "s", "e1", "me")
             engine.run(_store.submit, "s", '{"n": 3}', "in-3")
 
-            def counted(op: Any, *args: Any) -> tuple[int, Any]:
-                before = proxy.round_trips
-                result = engine.run(op, *args)
-                return proxy.round_trips - before, result
+            counted = functools.partial(round_trips_of, proxy, engine)
 
             assert counted(_store.pause, "s") == (1, None)
             assert counted(_store.resume, "s") == (1, True)
@@ -486,25 +490,21 @@ async def tool_write_round_trips(url: str, schema: str) -> list[int]:
     return counts
 
 
-def test_a_controlled_submit_that_claims_is_one_round_trip(pg_url: str, pg_schema: str) -> None:
+def test_a_controlled_submit_that_claims_is_one_round_trip(
+    pg_url: str, migrated_schema: str
+) -> None:
     """Double-texting on a session idle here (`submit` with `on_busy`, which the runtime
     sends with the claim it rings for: `submit_controlled_and_acquire`) is one call alone in
     autocommit, whatever it finds: a free session claimed at once, a claim held elsewhere
     (interrupt marks it, reject refuses), a retry of an input already stored. Before, it
     was a transaction of one statement per fence read and write."""
     with counting_url(pg_url) as (url, proxy):
-        engine = open_engine(url, schema=pg_schema)
+        engine = open_engine(url, schema=migrated_schema)
         try:
 
             def counted(*args: Any) -> tuple[int, Any]:
-                before = proxy.round_trips
-                result: Any
-                op: Any = _store.submit_controlled_and_acquire
-                try:
-                    result = engine.run(op, *args, 60_000)
-                except SessionBusy as exc:
-                    result = exc
-                return proxy.round_trips - before, result
+                op = _store.submit_controlled_and_acquire
+                return round_trips_of(proxy, engine, op, *args, 60_000)
 
             trips, (stored, acquired) = counted("free", '{"n": 1}', "in-1", "interrupt", "e1", "me")
             assert (trips, stored, acquired.verdict.value) == (1, ("in-1", None), "claim")
