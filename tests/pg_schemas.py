@@ -126,9 +126,10 @@ class MigratedSchemas:
                 self._conn.execute(sql.SQL("TRUNCATE {}").format(tables))
         if deleted:
             # The dead rows go now, not whenever autovacuum comes: the next test's rows then
-            # land in the tables' pages in the order it writes them, as in a truncated table
-            # (an operation that visits rows in their physical order runs the same statements
-            # from test to test).
+            # land in the tables' pages in the order it writes them, as in a truncated table.
+            # A reused schema thus behaves as a fresh one even for a read with no ORDER BY
+            # (the store's reads that decide which statements follow order their rows, as
+            # drop_quarantined's now does; the fault sweep depends on that).
             self._conn.execute("SET lock_timeout = '500ms'")
             try:
                 self._conn.execute(sql.SQL("VACUUM {}").format(tables))
