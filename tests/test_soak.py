@@ -9,6 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from trio_sessions._soak import common
+from trio_sessions._soak.sqlite import Soak
+from trio_sessions.soak import parse_args
+
 ROOT = Path(__file__).resolve().parent.parent
 LAST_LINE = re.compile(
     r"^kills=(?P<kills>\d+) inputs=(?P<inputs>\d+)"
@@ -108,6 +112,33 @@ def test_kill_soak_busy_kills_overlap_only_without_the_grace(
         assert figures["overlaps"] >= 1, output
     busy = re.search(r"busy_kills=(\d+)", stdout)
     assert busy is not None and int(busy.group(1)) >= 2, output
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_busy_step_goes_to_a_serving_worker_not_to_a_plain_kill(
+    tmp_path: Path, seed: int
+) -> None:
+    """With `--busy-ratio=1`, the fault is a busy step whichever worker the draw favours:
+    it goes to a worker that serves, while two just restarted do not serve yet. (A worker
+    chosen before the fault turned the busy step into a plain kill when it was a starting
+    one: one busy kill in ten seconds on a loaded host.) With none serving, a plain kill."""
+    args = parse_args(
+        ["--busy-ratio=1", "--restart-ratio=0", "--handoff-ratio=0", f"--seed={seed}"]
+    )
+    soak = Soak(args, tmp_path)
+    try:
+        logs = {"w0.4": "", "w1.5": "", "w2.3": f"{common.SERVING} w2.3\n"}
+        for slot, (name, text) in enumerate(logs.items()):
+            (tmp_path / f"{name}.log").write_text(text)
+            process: subprocess.Popen[bytes] = None  # type: ignore[assignment]  # not run
+            soak.workers[slot] = common.Worker(slot, name, process, tmp_path / f"{name}.log")
+        fault, worker = soak.next_fault()
+        assert (fault, worker.name) == ("busy", "w2.3")
+        (tmp_path / "w2.3.log").write_text("")
+        fault, worker = soak.next_fault()
+        assert fault == "kill"
+    finally:
+        soak.conn.close()  # (no worker process to stop)
 
 
 PG_LAST_LINE = re.compile(

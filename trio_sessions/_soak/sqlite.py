@@ -213,6 +213,27 @@ class Soak:
             self.args.handoff_ratio > 0 and self.result.kills >= 2 and not self.result.handoff_kills
         )
 
+    def next_fault(self) -> tuple[str, common.Worker]:
+        """The next fault and its worker. A handoff, a rolling restart or a busy step needs a
+        worker that serves (one still starting has no claims to hand off or drains to ask
+        into a busy step), so it goes to one of those; a plain kill to any worker. Choosing
+        the worker first turned the fault asked for into a plain kill whenever that worker
+        had just been restarted (a busy-ratio-1 run on a loaded host saw one busy kill in
+        ten seconds)."""
+        args = self.args
+        everyone = list(self.workers.values())
+        serving = [worker for worker in everyone if self.retiring.serving(worker)]
+        if serving:
+            if self.handoff_owed():
+                return "handoff", self.rng.choice(serving)
+            if self.rng.random() < args.restart_ratio:
+                return "restart", self.rng.choice(serving)
+            if self.rng.random() < args.busy_ratio:
+                return "busy", self.rng.choice(serving)
+            if self.rng.random() < args.handoff_ratio:
+                return "handoff", self.rng.choice(serving)
+        return "kill", self.rng.choice(everyone)
+
     def check_exits(self) -> None:
         self.result.unexpected_exits += common.restart_exited(self.workers, self.spawn)
         self.retiring.reap(self.kill_overdue)
@@ -280,22 +301,15 @@ class Soak:
                     busy = None
                     next_kill = now + self.rng.uniform(*args.kill_gap)
             elif now >= next_kill and self.workers:
-                worker = self.rng.choice(list(self.workers.values()))
-                serving = self.retiring.serving(worker)
-                if self.handoff_owed() and serving:
+                fault, worker = self.next_fault()
+                if fault == "handoff":
                     (self.control / f"pause.{worker.name}").touch()
                     handoff = (worker, now + 2.0)
-                elif self.rng.random() < args.restart_ratio and serving:
+                elif fault == "restart":
                     self.rolling_restart(worker)
                     next_kill = now + self.rng.uniform(*args.kill_gap)
-                elif self.rng.random() < args.busy_ratio and serving:
-                    # (Only a worker that serves has drains to ask into a busy step.)
+                elif fault == "busy":
                     busy = (worker, common.BusyRequest.ask(self.control, worker.name))
-                elif self.rng.random() < args.handoff_ratio and serving:
-                    # (Only a worker that serves claims sessions: one still starting would
-                    # reach no handoff within the deadline.)
-                    (self.control / f"pause.{worker.name}").touch()
-                    handoff = (worker, now + 2.0)
                 else:
                     self.kill(worker, in_handoff=False)
                     self.restart_at[worker.slot] = now + self.rng.uniform(0.0, 0.5)
