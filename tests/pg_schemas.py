@@ -6,8 +6,9 @@ contract test's schema (`db_path`, `store`, `engine` on PostgreSQL) comes from t
 migrated already, and goes back emptied - but only when it is exactly as a migration left
 it: the same structure (`fingerprint`: tables, columns, indexes, constraints, triggers,
 functions, privileges and the schema version), every row of ours removed, and no other
-connection holding an advisory lock (a process the test started and that lingers: its
-locks would be the next test's). Anything else, or any error doing so (a lingering
+connection holding one of its advisory locks (a process the test started and that lingers:
+its liveness token or session locks would be the next test's; other schemas' locks, of other
+clients of the same server, do not count). Anything else, or any error doing so (a lingering
 transaction's lock past the lock timeout included), and the schema is dropped instead. A
 test that needs an empty schema takes `pg_schema`.
 """
@@ -21,6 +22,7 @@ import psycopg
 from psycopg import sql
 
 from trio_sessions import _backend
+from trio_sessions._postgres.connections import MIGRATION_LOCK_NAMESPACE
 
 # Everything about a schema's structure a test could change, in one text per object.
 _FINGERPRINT = """
@@ -57,8 +59,22 @@ SELECT md5(string_agg(x, '|' ORDER BY x)) FROM (
 # test, as much as the rest of its set-up. Past this many rows TRUNCATE, as before.
 _DELETE_AT_MOST = 1_000
 
-_OTHERS_ADVISORY_LOCKS = (
-    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid <> pg_backend_pid()"
+# Another connection's advisory locks of this schema: an owner's liveness token (its class
+# is the schema's, `_liveness._TOKEN_CLASS`), the schema's migration lock, a session lock of
+# one of its sessions (`ts_lock_key`). pg_locks shows a two-key lock as (classid, objid,
+# objsubid = 2) and a bigint key as its high and low halves (objsubid = 1), as unsigned oids.
+# Other schemas' locks - other clients of the same server - are not ours to wait for.
+_SCHEMAS_ADVISORY_LOCKS = sql.SQL(
+    "SELECT count(*) FROM pg_locks l WHERE l.locktype = 'advisory'"
+    " AND l.pid <> pg_backend_pid()"
+    " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+    " AND CASE l.objsubid"
+    "   WHEN 2 THEN l.classid = (hashtext('trio_sessions.owner:' || {name})::bigint"
+    "       & 4294967295)::oid"
+    "     OR (l.classid = {migration}::oid"
+    "       AND l.objid = (hashtext({name})::bigint & 4294967295)::oid)"
+    "   ELSE (l.classid::bigint << 32 | l.objid::bigint)"
+    "     IN (SELECT {lock_key}(s.id) FROM {sessions} s) END"
 )
 
 
@@ -110,7 +126,13 @@ class MigratedSchemas:
 
     def _reusable(self, name: str) -> bool:
         """Empty the schema if it is as migrated; whether it is (and now empty)."""
-        if self._conn.execute(_OTHERS_ADVISORY_LOCKS).fetchone() != (0,):
+        locks = _SCHEMAS_ADVISORY_LOCKS.format(
+            name=sql.Literal(name),
+            migration=sql.Literal(MIGRATION_LOCK_NAMESPACE),
+            lock_key=sql.Identifier(name, "ts_lock_key"),
+            sessions=sql.Identifier(name, "session"),
+        )
+        if self._conn.execute(locks).fetchone() != (0,):
             return False
         if self._fingerprint(name) != self._prints[name]:
             return False

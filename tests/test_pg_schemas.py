@@ -12,7 +12,8 @@ import psycopg
 import pytest
 from pg_schemas import MigratedSchemas
 
-from trio_sessions import _postgres
+from trio_sessions import _liveness, _postgres
+from trio_sessions._postgres.connections import MIGRATION_LOCK_NAMESPACE
 
 
 @pytest.fixture
@@ -109,13 +110,43 @@ def test_a_schema_a_test_changed_is_dropped_not_reused(
         assert gone.fetchall() == [(0,)]
 
 
-def test_a_schema_is_not_reused_while_another_connection_holds_an_advisory_lock(
-    pg_url: str, pool: MigratedSchemas
+# A lingering connection's advisory locks of the schema, as the library takes them.
+LINGERING_LOCKS: dict[str, Callable[[psycopg.Connection[Any], str], object]] = {
+    "liveness token": lambda conn, schema: conn.execute(_liveness._TAKE, ("owner-1",)),
+    "migration lock": lambda conn, schema: conn.execute(
+        "SELECT pg_advisory_lock(%s, hashtext(%s))", (MIGRATION_LOCK_NAMESPACE, schema)
+    ),
+    "session lock": lambda conn, schema: conn.execute("SELECT pg_advisory_lock(ts_lock_key('s'))"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("lock", list(LINGERING_LOCKS))
+def test_a_schema_is_not_reused_while_another_connection_holds_its_advisory_lock(
+    pg_url: str, pool: MigratedSchemas, lock: str
 ) -> None:
     """A process the test started may linger with its liveness token (a session-level
-    advisory lock): the next test on the same schema would see that owner alive."""
+    advisory lock), a migration or a session lock: the next test on the same schema would
+    see that owner alive, or wait."""
     first = pool.take()
+    with on(pg_url, first) as conn:
+        conn.execute("SELECT ts_submit('s', '{}', 'i1', 'call-1', 1000, false)")
     with on(pg_url, first) as lingering:
-        lingering.execute("SELECT pg_advisory_lock(42)")
+        LINGERING_LOCKS[lock](lingering, first)
         pool.give_back(first)
     assert pool.take() != first
+
+
+def test_another_schemas_advisory_locks_do_not_keep_a_schema_from_reuse(
+    pg_url: str, pool: MigratedSchemas
+) -> None:
+    """Other clients of the same server (another test run, a soak) hold advisory locks of
+    their own schemas, or none of ours at all: the schema comes back all the same."""
+    first, other = pool.take(), pool.take()
+    with on(pg_url, first) as conn:
+        conn.execute("SELECT ts_submit('s', '{}', 'i1', 'call-1', 1000, false)")
+    with on(pg_url, other) as lingering:
+        for take in LINGERING_LOCKS.values():
+            take(lingering, other)
+        lingering.execute("SELECT pg_advisory_lock(42)")
+        pool.give_back(first)
+        assert pool.take() == first
