@@ -150,7 +150,7 @@ HELP = {
     "interrupts": "interrupts timed per store",
     "appends": "append_text calls timed per message",
     "append_rounds": "paired append rounds",
-    "remote": "wakes and interrupts sent from another process, per backend",
+    "remote": "wakes, scheduled inputs and interrupts sent from another process, per backend",
     "idle_seconds": "seconds an idle runtime's CPU is measured, per backend",
     "takeover_rounds": "owner processes SIGKILLed, per backend",
     "pg_rounds": "PostgreSQL cycle and recovery rounds after one warm-up",

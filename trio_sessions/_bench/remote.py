@@ -1,13 +1,15 @@
-"""Section `remote`: signals between processes (DESIGN §7, §8). Another process - a real
-second interpreter, a producer runtime on the same SQLite file or PostgreSQL schema -
-submits to idle sessions or interrupts running drains; this process's runtime records when
-each drain starts or is cancelled. Both processes read `time.monotonic()`, which on Linux
+"""Section `remote`: signals between processes (DESIGN §5.1, §7, §8). Another process - a
+real second interpreter, a producer runtime on the same SQLite file or PostgreSQL schema -
+submits to idle sessions, schedules inputs on them or interrupts running drains; this
+process's runtime records when each drain starts, takes its scheduled input or is
+cancelled. Both processes read `time.monotonic()`, which on Linux
 is one system-wide clock (CLOCK_MONOTONIC), so latencies need no clock alignment.
 
 Sends are paced 5-15 ms apart (random), so each lands at a random phase of SQLite's
 `PRAGMA data_version` poll; latency counts from just before the sender's call (its own
 commit included) to the drain starting (or its cancellation reaching the drain's
-`finally`).
+`finally`). A scheduled input's lateness counts from its due time as the sender sees it
+(just before its call, plus the delay) to the drain taking it.
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ PAUSE_S = 0.010
 ARRIVAL_TIMEOUT_S = 30.0
 WAKE_P50_MS = 5.0
 WAKE_P99_MS = 50.0
+DUE_LATE_P99_MS = 100.0
+# Scheduled inputs fall due this long after their submit (random, so their due times land at
+# random phases of the receiver's work), well after the submit's commit and its signal.
+DELAY_S = (0.2, 0.4)
 
 
 def store_spec(store: StoreBackend) -> dict[str, Any]:
@@ -63,6 +69,8 @@ async def send_remote(arguments: dict[str, Any]) -> dict[str, list[float]]:
             started = time.monotonic()
             if arguments["action"] == "submit":
                 await rt.submit(session_id, PAYLOAD)
+            elif arguments["action"] == "schedule":
+                await rt.submit(session_id, PAYLOAD, delay=arguments["delays"][session_id])
             elif not await rt.interrupt(session_id):
                 raise RuntimeError(f"interrupt of {session_id} was refused")
             sent[session_id] = [started, time.monotonic()]
@@ -115,6 +123,35 @@ async def remote_submits(store: StoreBackend, n: int) -> Latencies:
     return _latencies(sent, started)
 
 
+async def remote_scheduled(store: StoreBackend, n: int) -> Latencies:
+    """From a scheduled input's due time (another process's `submit(..., delay=)`) to the
+    drain here taking it: `to_effect` is the lateness."""
+    taken = Arrivals(n)
+
+    async def drain(ctx: DrainContext) -> None:
+        if await ctx.take_inputs():
+            taken.record(ctx.session_id)
+
+    sessions = ids("due", n)
+    delays = {session_id: random.uniform(*DELAY_S) for session_id in sessions}
+    async with open_bench_runtime(store, drain):
+        sent = await run_child(
+            "remote",
+            {
+                "store": store_spec(store),
+                "action": "schedule",
+                "sessions": sessions,
+                "delays": delays,
+            },
+        )
+        with trio.fail_after(ARRIVAL_TIMEOUT_S):
+            await taken.all_in.wait()
+    return Latencies(
+        [taken.at[s] - (start + delays[s]) for s, (start, _) in sent.items()],
+        [end - start for start, end in sent.values()],
+    )
+
+
 async def remote_interrupts(store: StoreBackend, n: int) -> Latencies:
     """From another process's `interrupt()` to the owner's drain cancelled."""
     entered = Arrivals(n)
@@ -149,7 +186,10 @@ async def bench_remote(
     config: Config, folder: Path, report: Report, schemas: PgSchemas | None
 ) -> None:
     n = config.remote
-    progress(f"remote: {n} submits and {n} interrupts from another process, per backend")
+    progress(
+        f"remote: {n} submits, {n} scheduled inputs and {n} interrupts from another process,"
+        " per backend"
+    )
     backends: list[tuple[str, str, StoreBackend, StoreBackend]] = [
         (
             "sqlite",
@@ -176,6 +216,19 @@ async def bench_remote(
         )
         report.machine[f"{key}wake_p50_ms"] = p50
         report.machine[f"{key}wake_p99_ms"] = p99
+        due = await remote_scheduled(wake_store, n)
+        late_p50, late_p99 = _ms(due.to_effect, 50), _ms(due.to_effect, 99)
+        report.add(
+            "remote",
+            f"{name}: input scheduled in another process -> taken, after its due time",
+            f"p50 {late_p50:.1f} ms / p99 {late_p99:.1f} ms late"
+            f" (max {max(due.to_effect) * 1000:.1f})",
+            f"due {DELAY_S[0]:g}-{DELAY_S[1]:g} s after the call",
+            "",
+            f"p99 <= {DUE_LATE_P99_MS:g} ms",
+            verdict(late_p99 <= DUE_LATE_P99_MS),
+        )
+        report.machine[f"{key}due_late_p99_ms"] = late_p99
         interrupts = await remote_interrupts(interrupt_store, n)
         report.add(
             "remote",

@@ -39,6 +39,8 @@ MACHINE_KEYS = (
     "pg_wake_p50_ms",
     "pg_wake_p99_ms",
     "remote_interrupt_p50_ms",
+    "due_late_p99_ms",
+    "pg_due_late_p99_ms",
     "idle_cpu_pct",
     "takeover_p50_ms",
     "takeover_p99_ms",
