@@ -1110,7 +1110,7 @@ async def test_upgrade_of_a_version_4_sqlite_file_keeps_pending_inputs_due(
     async with trio_sessions.open_runtime(trio_sessions.testing.inline_store(path), drain) as rt:
         await rt.wait_idle("s")
     raw = Raw(path)
-    assert raw.rows("PRAGMA user_version") == [(_sqlite.SCHEMA_VERSION,)] == [(6,)]
+    assert raw.rows("PRAGMA user_version") == [(_sqlite.SCHEMA_VERSION,)] == [(7,)]
     assert drain.taken == ["old"]
     assert raw.rows("SELECT time_paused FROM session") == [(None,)]
 
@@ -1155,8 +1155,9 @@ async def test_upgrade_of_a_version_2_postgres_schema_keeps_pending_inputs_due(
     # 18: an interrupting submit and a delete name the claim they stop;
     # 19: a cancelled input's trace for a lost submit's retry;
     # 20: that trace answers only the retry of the call that stored the input;
-    # 21: a double-texting submit with the claim it rings for in one call
-    assert _postgres.SCHEMA_VERSION == 21
+    # 21: a double-texting submit with the claim it rings for in one call;
+    # 22: a hand-back signals its sessions, the change look finds handed-back claims
+    assert _postgres.SCHEMA_VERSION == 22
     assert drain.taken == ["old"]
     assert raw.rows("SELECT time_paused FROM session") == [(None,)]
 

@@ -642,3 +642,41 @@ async def test_a_takeover_rechecks_the_token_of_an_owner_found_gone(
     assert report.resumed == 0
     assert resumed == []
     assert tuple(raw.claim("s")) == ("ghost-exec", "ghost-owner", "running", live_until)
+
+
+async def test_a_claim_handed_back_by_a_graceful_close_is_taken_over_at_once(
+    location: Path | PgLocation,
+) -> None:
+    """A rolling restart: an owner closes gracefully (its drains exit, their claims are
+    handed back with ended leases) while another runtime on the store runs. That runtime
+    resumes them through the change signal, within milliseconds - not once the closed
+    owner's token has stayed free for the grace (or at its next recovery pass): the grace
+    guards against a dead owner's drain that may still run, and a hand-back comes only
+    after the drains exited (DESIGN §6.21); more than a pass takes, pass after pass. Real
+    time, threaded stores."""
+    entered = {f"s{index}": trio.Event() for index in range(5)}
+
+    async def holding(ctx: DrainContext) -> None:
+        await ctx.take_inputs()
+        entered[ctx.session_id].set()
+        await trio.sleep_forever()
+
+    resumes = Resumes()
+    resumes.expected = len(entered)
+    grace = 2.0  # far longer than a signal and a pass take, on a loaded machine too
+    quiet: dict[str, Any] = {"recovery_interval": 3600, "takeover_grace": grace}
+    # More claims than a pass takes: the passes follow each other while claims wait.
+    other_store = threaded_store(location)
+    async with trio_sessions.open_runtime(other_store, resumes, recovery_batch=2, **quiet) as other:
+        async with trio_sessions.open_runtime(threaded_store(location), holding, **quiet) as owner:
+            for session_id, claimed in entered.items():
+                await owner.submit(session_id, {"n": 1})
+                await claimed.wait()
+            closing = time.monotonic()
+        with trio.fail_after(10):
+            await resumes.all.wait()
+        for session_id in entered:
+            await other.wait_idle(session_id)
+    takeover = max(resumes.started.values()) - closing
+    assert takeover < grace / 2, takeover
+    assert rows(location, "SELECT COUNT(*) FROM session_execution") == [(0,)]

@@ -162,17 +162,26 @@ class BackgroundLoops:
                 runtime._remote_signals += 1
         runtime._due.arm(changes.next_due_ms)
         runtime._watchers.apply(changes.watched)
+        if changes.handed_back:
+            # A graceful shutdown elsewhere handed claims back (their drains exited): the
+            # pass takes them over now - the grace a dead owner's claims wait out guards
+            # against a drain that may still run, which a hand-back never leaves.
+            runtime._recover_now.set()
 
     # -- recovery -----------------------------------------------------------------------------
 
     async def recovery_loop(self) -> None:
-        """A pass every recovery interval; a pass that failed is retried by the next (leases
-        keep the rows), except on a store that can never be written again (`StoreLost`),
-        which ends the runtime."""
+        """A pass every recovery interval, or at once when the change look found claims
+        handed back elsewhere; a pass that failed is retried by the next (leases keep the
+        rows), except on a store that can never be written again (`StoreLost`), which ends
+        the runtime."""
+        runtime = self._runtime
         while True:
-            await trio.sleep(self._runtime._recovery_interval)
+            with trio.move_on_after(runtime._recovery_interval):
+                await runtime._recover_now.wait()
+            runtime._recover_now = trio.Event()
             try:
-                await self._runtime.recover_once()
+                await runtime.recover_once()
             except StoreLost:
                 raise
             except StoreError:
@@ -209,10 +218,11 @@ class BackgroundLoops:
                 and runtime._busy.ring(candidate.session_id) is not None
             ):
                 started += 1
-        if scan.doorbells and scan.examined >= min(budget, runtime._recovery.batch):
-            # The budget ran out among the doorbells: more may wait (wakes whose signals
-            # went nowhere, as before this runtime opened). The change loop takes them in
-            # full batches now, not at its fallback poll or the next pass.
+        if scan.examined and scan.examined >= min(budget, runtime._recovery.batch):
+            # The budget ran out: more may wait - doorbells (wakes whose signals went
+            # nowhere, as before this runtime opened), claims handed back by a shutdown.
+            # The change loop looks now, not at its fallback poll: it takes the doorbells in
+            # full batches and asks for the next pass while handed-back claims wait.
             runtime._kick.set()
         return attrs.evolve(report, doorbells_started=started)
 

@@ -27,11 +27,17 @@ from . import _codec
 # ---------------------------------------------------------------------------------------------
 # SQLite
 
-SQLITE_SCHEMA_VERSION = 6
+SQLITE_SCHEMA_VERSION = 7
 
 # The small, hot tables are WITHOUT ROWID: keyed by their text primary key directly, each
 # write touches one b-tree less (fewer WAL pages per commit). Messages keep a rowid: their
 # rows are large.
+# One index, both backends (SQLite version 7, PostgreSQL version 22).
+HANDED_BACK_INDEX = """
+CREATE INDEX session_execution_handed_back ON session_execution(expires_at)
+    WHERE handed_back = 1;
+"""
+
 SQLITE_MIGRATIONS: dict[int, str] = {
     1: """
 CREATE TABLE session(
@@ -162,6 +168,10 @@ CREATE TABLE session_message_change(
     data TEXT NOT NULL
 ) WITHOUT ROWID;
 """,
+    # Claims handed back by a graceful shutdown, found by the change look of every runtime
+    # that drains (a rolling restart's sessions are taken over at the signal, not after the
+    # grace): a partial index of those claims only.
+    7: HANDED_BACK_INDEX,
 }
 
 # The tables whose presence makes an SQLite file ours.
@@ -173,7 +183,7 @@ SQLITE_OUR_TABLES = frozenset(
 # ---------------------------------------------------------------------------------------------
 # PostgreSQL
 
-POSTGRES_SCHEMA_VERSION = 21
+POSTGRES_SCHEMA_VERSION = 22
 
 # Same names, meanings and named CHECKs as the SQLite schema (`SQLITE_MIGRATIONS`, whose
 # versions 1-3 are PostgreSQL's first: no PostgreSQL store predates them); times
@@ -409,6 +419,10 @@ DROP FUNCTION IF EXISTS ts_submit_controlled(text, text, text, text, bigint, big
     # for in one call (`ts_submit_controlled_and_acquire`), where it was a transaction of a
     # statement per fence read and write (ten round trips).
     21: "",
+    # A hand-back signals its sessions (`ts_expire_claims`) and the change look reports the
+    # claims handed back and waiting for a takeover (`ts_changes`), through the index SQLite
+    # gains in its version 7.
+    22: HANDED_BACK_INDEX,
 }
 
 
@@ -468,4 +482,5 @@ POSTGRES_BACKFILLS: dict[int, Callable[[Any], None]] = {
     19: _create_functions,
     20: _create_functions,
     21: _create_functions,
+    22: _create_functions,
 }

@@ -133,6 +133,9 @@ class Runtime:
         self._streams = StreamHub()
         # Set to look at the store now rather than at the next change signal.
         self._kick = trio.Event()
+        # Set to run a recovery pass now rather than at the next recovery interval (a
+        # claim handed back elsewhere waits for its takeover).
+        self._recover_now = trio.Event()
         # Owner liveness (DESIGN §4): other owners' tokens as seen, and whether ours is
         # lost now (between a loss and its re-take, with the claims taken meanwhile).
         self._gone_owners = GoneOwners(config.takeover_grace)

@@ -30,7 +30,7 @@ from .._model import AssistantData, Message
 from .._validate import MAX_INT64
 from .common import _IN_CHUNK, _in_list, leading_rows, placed, streamed_texts_of
 from .control import next_due
-from .recovery_scan import _unclaimed_doorbells
+from .recovery_scan import _unclaimed_doorbells, handed_back_waiting
 from .transcript import _decode_message, _streamed_texts
 
 
@@ -87,6 +87,9 @@ class Changes:
     # only while we hold at most `_IN_CHUNK` claims (else the heartbeat finds them).
     gone: list[str] = attrs.Factory(list)
     next_due_ms: int | None = None  # when the earliest scheduled input falls due
+    # A claim handed back by a graceful shutdown waits for the takeover a recovery pass
+    # here would make (looked for with the doorbells: only while this runtime has room).
+    handed_back: bool = False
 
 
 @autocommit_when_alone
@@ -99,10 +102,11 @@ def changes(
     doorbell_limit: int,
     watched: Mapping[str, Followed],
 ) -> Changes:
-    """Read what the change signal points at: doorbells this runtime may take, cancellations
-    of its claims (`owned_executions`) and those of them that are gone, what changed in
-    watched sessions since what their watchers were offered (`watched_changes`), and when
-    the earliest scheduled input falls due.
+    """Read what the change signal points at: doorbells this runtime may take and whether a
+    handed-back claim waits for a takeover (both only with `doorbell_limit` room),
+    cancellations of its claims (`owned_executions`) and those of them that are gone, what
+    changed in watched sessions since what their watchers were offered
+    (`watched_changes`), and when the earliest scheduled input falls due.
 
     On PostgreSQL a look with no watched session is one call (`ts_changes`: one statement,
     alone in autocommit, one snapshot); with watched sessions it is the statements below,
@@ -149,6 +153,7 @@ def changes_by_statements(
         watched_changes(tx, watched) if watched else NO_CHANGE,
         gone,
         next_due(tx),
+        bool(doorbell_limit) and handed_back_waiting(tx, owner_id, local_sessions),
     )
 
 
@@ -171,12 +176,22 @@ def _pg_changes(
     )
     found: dict[str, list[str]] = {"doorbell": [], "cancelling": [], "gone": []}
     next_due_ms = None
+    handed_back = False
     for kind, key, due_ms in rows:
         if kind == "due":
             next_due_ms = None if due_ms is None else int(due_ms)
+        elif kind == "handed_back":
+            handed_back = True
         else:
             found[kind].append(str(key))
-    return Changes(found["doorbell"], found["cancelling"], NO_CHANGE, found["gone"], next_due_ms)
+    return Changes(
+        found["doorbell"],
+        found["cancelling"],
+        NO_CHANGE,
+        found["gone"],
+        next_due_ms,
+        handed_back,
+    )
 
 
 def watched_changes(tx: Tx, watched: Mapping[str, Followed]) -> Watched:
@@ -444,13 +459,25 @@ CREATE OR REPLACE FUNCTION ts_changes(p_owner text, p_local text[], p_owned text
     p_scan boolean, p_limit bigint, p_now bigint, p_retry boolean)
 RETURNS TABLE(kind text, id text, due_ms bigint)
 LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    v_now bigint;
 BEGIN
+    v_now := ts_now(p_now);
     IF p_limit > 0 THEN
         RETURN QUERY SELECT 'doorbell', s.id, NULL::bigint FROM session s
             WHERE s.time_woken IS NOT NULL AND s.time_paused IS NULL
             AND NOT EXISTS (SELECT 1 FROM session_execution e WHERE e.session_id = s.id)
             AND NOT (s.id = ANY(p_local))
             ORDER BY s.time_woken, s.id LIMIT p_limit;
+        -- A claim handed back by a graceful shutdown that a recovery pass here would take
+        -- over (the partial index of handed-back claims; the scan's exclusions).
+        RETURN QUERY SELECT 'handed_back', NULL::text, NULL::bigint
+            WHERE EXISTS (SELECT 1 FROM session_execution e
+                WHERE e.handed_back = 1 AND e.expires_at <= v_now
+                AND NOT (e.session_id = ANY(p_local))
+                AND NOT EXISTS (SELECT 1 FROM session_recovery r WHERE r.execution_id = e.id
+                    AND (r.recovery_error IS NOT NULL
+                         OR (r.owner_id <> p_owner AND r.expires_at > v_now))));
     END IF;
     IF p_scan THEN
         RETURN QUERY SELECT 'cancelling', c.id, NULL::bigint FROM session_execution c
@@ -463,6 +490,6 @@ BEGIN
                               WHERE c.id = o.e AND c.owner_id = p_owner);
     END IF;
     RETURN QUERY SELECT 'due', NULL::text,
-        (SELECT MIN(i.due_at) FROM session_input i WHERE i.due_at IS NOT NULL) - ts_now(p_now);
+        (SELECT MIN(i.due_at) FROM session_input i WHERE i.due_at IS NOT NULL) - v_now;
 END $$;
 """

@@ -354,21 +354,31 @@ BEGIN
     SELECT e.id, r.phase FROM unnest(p_execs) AS e(id) LEFT JOIN renewed r ON r.id = e.id;
 END $$;
 
--- Shutdown: end these claims' leases now (fenced), handed back. Returns how many.
+-- Shutdown: end these claims' leases now (fenced), handed back, and signal their sessions.
+-- Returns how many.
 CREATE OR REPLACE FUNCTION ts_expire_claims(p_owner text, p_execs text[], p_now bigint,
     p_retry boolean)
 RETURNS bigint
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
-    v_now bigint; v_count bigint;
+    v_now bigint; v_sessions text[];
 BEGIN
     PERFORM 1 FROM session_execution c WHERE c.id = ANY(p_execs)
         ORDER BY c.id FOR NO KEY UPDATE;
     v_now := ts_now(p_now);
-    UPDATE session_execution c SET expires_at = v_now, handed_back = 1
-        WHERE c.id = ANY(p_execs) AND c.owner_id = p_owner AND c.expires_at > v_now;
-    GET DIAGNOSTICS v_count = ROW_COUNT;
-    RETURN v_count;
+    WITH handed AS (
+        UPDATE session_execution c SET expires_at = v_now, handed_back = 1
+        WHERE c.id = ANY(p_execs) AND c.owner_id = p_owner AND c.expires_at > v_now
+        RETURNING c.session_id)
+    SELECT COALESCE(array_agg(h.session_id), '{}') INTO v_sessions FROM handed h;
+    -- Every runtime that drains takes them over at this signal (its change look finds
+    -- them), not at its next recovery pass: one notification, as a batch's.
+    IF current_setting('trio_sessions.defer_signals', true) IS DISTINCT FROM 'on' THEN
+        PERFORM ts_flush_signals(v_sessions);
+    ELSE
+        PERFORM ts_signal(s.s) FROM unnest(v_sessions) AS s(s);
+    END IF;
+    RETURN cardinality(v_sessions);
 END $$;
 
 -- The cancellation made durable (claim fence). Verdicts: ok, lease_lost. Idempotent.
