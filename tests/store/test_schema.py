@@ -239,7 +239,7 @@ def test_schema_too_new_foreign_file_gets_no_tables(tmp_path: Path) -> None:
 
 def test_upgrade_of_a_version_1_file_adds_set_aside_tables(tmp_path: Path) -> None:
     """A version-1 file is upgraded in place on open: its rows kept, the set-aside tables and
-    session_execution.handed_back (0 for existing claims) added."""
+    session_execution.handed_back (0 for existing claims) added, and its partial index."""
     path = tmp_path / "v1.db"
     old = sqlite3.connect(path)
     old.executescript(_sqlite._MIGRATIONS[1])
@@ -253,10 +253,16 @@ def test_upgrade_of_a_version_1_file_adds_set_aside_tables(tmp_path: Path) -> No
     old.close()
     conn = _sqlite.connect(path)
     try:
-        assert _sqlite.schema_version(conn) == _sqlite.SCHEMA_VERSION == 6
+        assert _sqlite.schema_version(conn) == _sqlite.SCHEMA_VERSION == 7
         assert conn.execute("SELECT id, handed_back FROM session_execution").fetchall() == [
             ("e", 0)
         ]
+        # Version 7: the handed-back claims' partial index, which the change look reads.
+        indexes = conn.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = ?",
+            ("session_execution",),
+        ).fetchall()
+        assert ("session_execution_handed_back",) in indexes
         for table, columns in (
             ("session_input_rejected", ["id", "session_id", "seq", "payload", "reason"]),
             ("session_message_rejected", ["id", "session_id", "execution_id", "seq", "data"]),

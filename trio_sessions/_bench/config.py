@@ -152,7 +152,7 @@ HELP = {
     "append_rounds": "paired append rounds",
     "remote": "wakes, scheduled inputs and interrupts sent from another process, per backend",
     "idle_seconds": "seconds an idle runtime's CPU is measured, per backend",
-    "takeover_rounds": "owner processes SIGKILLed, per backend",
+    "takeover_rounds": "owner processes SIGKILLed (and as many stopped gracefully), per backend",
     "pg_rounds": "PostgreSQL cycle and recovery rounds after one warm-up",
     "pg_cycles": "PostgreSQL sequential cycles per variant, over all rounds",
     "pg_concurrent": "PostgreSQL sessions in flight",

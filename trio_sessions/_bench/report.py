@@ -46,6 +46,8 @@ MACHINE_KEYS = (
     "takeover_p99_ms",
     "pg_takeover_p50_ms",
     "pg_takeover_p99_ms",
+    "restart_p99_ms",
+    "pg_restart_p99_ms",
     "pg_cycle_ratio",
     "pg_concurrent_ratio",
     "pg_raw_cycle_us",
