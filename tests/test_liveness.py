@@ -9,6 +9,7 @@ in-process tests use the inline stores and the virtual clock.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -644,8 +645,9 @@ async def test_a_takeover_rechecks_the_token_of_an_owner_found_gone(
     assert tuple(raw.claim("s")) == ("ghost-exec", "ghost-owner", "running", live_until)
 
 
+@pytest.mark.parametrize("watching", [False, True])
 async def test_a_claim_handed_back_by_a_graceful_close_is_taken_over_at_once(
-    location: Path | PgLocation,
+    location: Path | PgLocation, watching: bool
 ) -> None:
     """A rolling restart: an owner closes gracefully (its drains exit, their claims are
     handed back with ended leases) while another runtime on the store runs. That runtime
@@ -653,7 +655,8 @@ async def test_a_claim_handed_back_by_a_graceful_close_is_taken_over_at_once(
     owner's token has stayed free for the grace (or at its next recovery pass): the grace
     guards against a dead owner's drain that may still run, and a hand-back comes only
     after the drains exited (DESIGN §6.21); more than a pass takes, pass after pass. Real
-    time, threaded stores."""
+    time, threaded stores. `watching`: the runtime also watches a session, so its look
+    reads statement by statement (on PostgreSQL, not the one call of `ts_changes`)."""
     entered = {f"s{index}": trio.Event() for index in range(5)}
 
     async def holding(ctx: DrainContext) -> None:
@@ -667,7 +670,10 @@ async def test_a_claim_handed_back_by_a_graceful_close_is_taken_over_at_once(
     quiet: dict[str, Any] = {"recovery_interval": 3600, "takeover_grace": grace}
     # More claims than a pass takes: the passes follow each other while claims wait.
     other_store = threaded_store(location)
-    async with trio_sessions.open_runtime(other_store, resumes, recovery_batch=2, **quiet) as other:
+    async with (
+        trio_sessions.open_runtime(other_store, resumes, recovery_batch=2, **quiet) as other,
+        other.watch("watched") if watching else contextlib.nullcontext(),
+    ):
         async with trio_sessions.open_runtime(threaded_store(location), holding, **quiet) as owner:
             for session_id, claimed in entered.items():
                 await owner.submit(session_id, {"n": 1})
