@@ -4,7 +4,8 @@ and scheduled inputs falling due.
 
 Each loop only finds work and hands it to the busy periods (`_busy.BusyPeriods`): a remote
 doorbell or a due input rings the local registry, a remote interrupt or delete stops the
-local claim, a recovered claim is registered and owned exactly as a local acquisition is.
+local claim, a recovered claim is registered and owned exactly as a local acquisition is; a
+claim handed back elsewhere (a graceful shutdown) brings the recovery pass at once.
 A lost signal costs latency only: the fallback poll and the recovery pass still find the
 work. A store error in a loop is retried at its next turn, never raised out of it.
 
