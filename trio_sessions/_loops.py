@@ -173,20 +173,24 @@ class BackgroundLoops:
 
     async def recovery_loop(self) -> None:
         """A pass every recovery interval, or at once when the change look found claims
-        handed back elsewhere; a pass that failed is retried by the next (leases keep the
-        rows), except on a store that can never be written again (`StoreLost`), which ends
-        the runtime."""
+        handed back elsewhere (and again at once while such a pass is full); a pass that
+        failed is retried by the next (leases keep the rows), except on a store that can
+        never be written again (`StoreLost`), which ends the runtime."""
         runtime = self._runtime
         while True:
             with trio.move_on_after(runtime._recovery_interval):
                 await runtime._recover_now.wait()
-            runtime._recover_now = trio.Event()
+            handed_back, runtime._recover_now = runtime._recover_now.is_set(), trio.Event()
             try:
-                await runtime.recover_once()
+                report = await runtime.recover_once()
             except StoreLost:
                 raise
             except StoreError:
-                pass
+                continue
+            if handed_back and report.examined >= runtime._recovery.batch:
+                # A full pass: more handed-back claims may wait, and the signals that
+                # named them came already. The next pass at once (while there is room).
+                runtime._recover_now.set()
 
     async def recovery_pass(self) -> RecoveryReport:
         runtime = self._runtime
@@ -219,11 +223,10 @@ class BackgroundLoops:
                 and runtime._busy.ring(candidate.session_id) is not None
             ):
                 started += 1
-        if scan.examined and scan.examined >= min(budget, runtime._recovery.batch):
-            # The budget ran out: more may wait - doorbells (wakes whose signals went
-            # nowhere, as before this runtime opened), claims handed back by a shutdown.
-            # The change loop looks now, not at its fallback poll: it takes the doorbells in
-            # full batches and asks for the next pass while handed-back claims wait.
+        if scan.doorbells and scan.examined >= min(budget, runtime._recovery.batch):
+            # The budget ran out among the doorbells: more may wait (wakes whose signals
+            # went nowhere, as before this runtime opened). The change loop takes them in
+            # full batches now, not at its fallback poll or the next pass.
             runtime._kick.set()
         return attrs.evolve(report, doorbells_started=started)
 
