@@ -313,3 +313,29 @@ def test_a_commit_that_landed_stands_when_its_signals_fail(
         wakes = engine.conn.execute("SELECT id, wakes FROM session ORDER BY id").fetchall()
     assert payloads == [""]
     assert wakes == [("w0", 1), ("w1", 1), ("w2", 1)]
+
+
+@pytest.mark.parametrize("mode", ["batch", "nowait"])
+def test_a_hand_back_of_many_claims_sends_one_notification(
+    pg_url: str, migrated_schema: str, mode: str
+) -> None:
+    """A hand-back (a graceful shutdown's, in a batch's transaction or alone with no wait
+    as the runtime runs it) sends one notification naming every session whose claim it
+    handed back - other runtimes take them over at that signal - and none for a claim it
+    did not hand back (another owner's)."""
+    with opened(PostgresStore(pg_url, schema=migrated_schema).engine()) as engine:
+        for session_id, execution_id, owner in [
+            *((f"s{n}", f"e{n}", "owner") for n in range(3)),
+            ("other", "e-other", "someone else"),
+        ]:
+            run_op(engine, _store.wake, session_id)
+            run_op(engine, _store.acquire, session_id, execution_id, owner, LEASE_MS)
+        with listening(pg_url, migrated_schema) as conn:
+            job = Job(_store.expire_claims, ("owner", ["e0", "e1", "e2", "e-other"]))
+            if mode == "batch":
+                engine.run_batch([job])
+            else:
+                engine.run_alone(job, "nowait")
+            assert job.unwrap() == 3
+            payloads = received(conn, pg_url, migrated_schema)
+    assert [sorted(payload.split("\n")) for payload in payloads] == [["s0", "s1", "s2"]]
