@@ -323,7 +323,8 @@ async def recovery_pass_round_trips(url: str, schema: str) -> list[int]:
 
 def test_a_change_scan_is_one_round_trip(pg_url: str, migrated_schema: str) -> None:
     """The change scan with no watched session (`changes`: unclaimed doorbells, our claims
-    marked cancelling or gone, the next scheduled input) is one call, alone in autocommit:
+    marked cancelling or gone, the next scheduled input, a handed-back claim waiting) is one
+    call, alone in autocommit:
     one round trip; its answer is the one statement-by-statement reads give, with few
     claims of ours (looked up by key) and with many (one scan by owner)."""
     clock = lambda: 1_000.0  # noqa: E731 - a lease clock stopped at 1,000 s
@@ -338,6 +339,9 @@ def test_a_change_scan_is_one_round_trip(pg_url: str, migrated_schema: str) -> N
             engine.run(_store.acquire, "cancel", "e-cancel", "me", 60_000)
             engine.run(_store.mark_cancelling, "cancel", "e-cancel", "me")
             engine.run(_store.submit_scheduled, "later", '{"n": 1}', "in-later", 5_000, "queue")
+            engine.run(_store.wake, "handed")  # a claim a graceful shutdown handed back
+            engine.run(_store.acquire, "handed", "e-handed", "stopped", 60_000)
+            engine.run(_store.expire_claims, "stopped", ["e-handed"])
             owned = ["e-mine", "e-cancel", "e-gone", "e-held"]
             many = owned + [f"e-x{index}" for index in range(600)]
             scans: list[tuple[str, list[str], list[str], int, dict[str, Followed]]] = [
@@ -353,8 +357,9 @@ def test_a_change_scan_is_one_round_trip(pg_url: str, migrated_schema: str) -> N
                 assert found == engine.read(changes_by_statements, *arguments)
             # Oldest wake first, by id among equals (one clock here).
             assert engine.read(_store.changes, "me", ["local"], owned, 10, {}) == Changes(
-                ["new", "old"], ["e-cancel"], NO_CHANGE, ["e-gone", "e-held"], 5_000
+                ["new", "old"], ["e-cancel"], NO_CHANGE, ["e-gone", "e-held"], 5_000, True
             )
+            assert not engine.read(_store.changes, "me", ["handed"], owned, 10, {}).handed_back
         finally:
             engine.close()
 

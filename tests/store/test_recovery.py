@@ -485,3 +485,35 @@ def test_a_claim_whose_recovery_raises_is_quarantined_not_the_whole_pass(
     assert db.rows(
         "SELECT session_id, id, owner_id FROM session_execution ORDER BY session_id"
     ) == [("good", "new-good", ME), ("s", execution, "owner-a")]
+
+
+def test_the_change_look_reports_a_handed_back_claim_a_pass_would_take(db: Db) -> None:
+    """A claim handed back by a graceful shutdown is reported by the change look - other
+    runtimes then run their recovery pass at once - exactly when the pass would take it:
+    not with no room (`doorbell_limit` 0), not for a session held here, a quarantined
+    execution or one under another owner's live recovery lease; an expired claim that
+    was not handed back (a dead owner's, which waits out the grace) is not reported."""
+
+    def reported(local: list[str] = [], limit: int = 10) -> bool:  # noqa: B006 - read only
+        found: bool = db.run(_store.changes, ME, local, [], limit, {}).handed_back
+        return found
+
+    expired_claim(db, "dead", NOW - 1000)
+    assert not reported()
+    execution = db.claim("s", owner="stopped", execution="exec-s")
+    assert not reported()  # live
+    assert db.run(_store.expire_claims, "stopped", [execution]) == 1
+    assert reported()
+    assert not reported(limit=0)
+    assert not reported(local=["s"])
+    put_recovery(db, execution, "other", NOW + LEASE)
+    assert not reported()
+    db.write("DELETE FROM session_recovery WHERE execution_id = ?", (execution,))
+    put_recovery(db, execution, ME, NOW + LEASE)  # our own lease: the pass takes it
+    assert reported()
+    db.write("DELETE FROM session_recovery WHERE execution_id = ?", (execution,))
+    put_recovery(db, execution, "other", NOW - 1)  # another's, run out
+    assert reported()
+    db.write("DELETE FROM session_recovery WHERE execution_id = ?", (execution,))
+    put_recovery(db, execution, ME, NOW + LEASE, "malformed")
+    assert not reported()
