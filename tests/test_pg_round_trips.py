@@ -324,9 +324,9 @@ async def recovery_pass_round_trips(url: str, schema: str) -> list[int]:
 def test_a_change_scan_is_one_round_trip(pg_url: str, migrated_schema: str) -> None:
     """The change scan with no watched session (`changes`: unclaimed doorbells, our claims
     marked cancelling or gone, the next scheduled input, a handed-back claim waiting) is one
-    call, alone in autocommit:
-    one round trip; its answer is the one statement-by-statement reads give, with few
-    claims of ours (looked up by key) and with many (one scan by owner)."""
+    call, alone in autocommit: one round trip; its answer is the one statement-by-statement
+    reads give, with few claims of ours (looked up by key) and with many (one scan by
+    owner)."""
     clock = lambda: 1_000.0  # noqa: E731 - a lease clock stopped at 1,000 s
     with counting_url(pg_url) as (url, proxy):
         engine = open_engine(url, schema=migrated_schema, clock=clock)
