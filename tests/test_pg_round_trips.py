@@ -521,3 +521,26 @@ def test_a_controlled_submit_that_claims_is_one_round_trip(
             assert (trips, type(refused)) == (1, SessionBusy)
         finally:
             engine.close()
+
+
+def test_a_watched_look_with_room_reads_the_handed_back_claims_at_no_extra_round_trips(
+    pg_url: str, migrated_schema: str
+) -> None:
+    """A runtime that drains and watches a session looks statement by statement on every
+    change of that session (each streamed word): the handed-back claims' lookup
+    (`handed_back_waiting`) must not add round trips to that look - before it, a look with
+    room cost one more round trip than one without (the doorbells' statement); with it,
+    two more (its own statement and a read of the server's clock)."""
+    with counting_url(pg_url) as (url, proxy):
+        engine = open_engine(url, schema=migrated_schema)
+        try:
+            engine.run(_store.submit, "w", '{"n": 1}', "in-w")
+            watched = {"w": Followed(0, None, {}, {})}
+            counts = []
+            for limit in (0, 10):
+                before = proxy.round_trips
+                engine.read(changes_by_statements, "me", [], [], limit, watched)
+                counts.append(proxy.round_trips - before)
+            assert counts[1] - counts[0] <= 1, counts
+        finally:
+            engine.close()
