@@ -528,9 +528,9 @@ def test_a_watched_look_with_room_reads_the_handed_back_claims_at_no_extra_round
 ) -> None:
     """A runtime that drains and watches a session looks statement by statement on every
     change of that session (each streamed word): the handed-back claims' lookup
-    (`handed_back_waiting`) must not add round trips to that look - before it, a look with
-    room cost one more round trip than one without (the doorbells' statement); with it,
-    two more (its own statement and a read of the server's clock)."""
+    (`handed_back_condition`, read in the due time's statement) adds no round trip to that
+    look - a look with room costs one more than one without (the doorbells' statement); a
+    statement of its own and a read of the server's clock made it two more."""
     with counting_url(pg_url) as (url, proxy):
         engine = open_engine(url, schema=migrated_schema)
         try:

@@ -181,15 +181,17 @@ class BackgroundLoops:
             with trio.move_on_after(runtime._recovery_interval):
                 await runtime._recover_now.wait()
             handed_back, runtime._recover_now = runtime._recover_now.is_set(), trio.Event()
+            budget = runtime._busy.capacity_left(runtime._recovery.batch)
             try:
                 report = await runtime.recover_once()
             except StoreLost:
                 raise
             except StoreError:
                 continue
-            if handed_back and report.examined >= runtime._recovery.batch:
+            if handed_back and budget and report.examined >= budget:
                 # A full pass: more handed-back claims may wait, and the signals that
-                # named them came already. The next pass at once (while there is room).
+                # named them came already. The next pass at once (it takes what the room
+                # left by this one allows: none, and it ends the chain).
                 runtime._recover_now.set()
 
     async def recovery_pass(self) -> RecoveryReport:

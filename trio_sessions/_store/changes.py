@@ -29,8 +29,8 @@ from .._errors import MalformedRecord
 from .._model import AssistantData, Message
 from .._validate import MAX_INT64
 from .common import _IN_CHUNK, _in_list, leading_rows, placed, streamed_texts_of
-from .control import next_due
-from .recovery_scan import _unclaimed_doorbells, handed_back_waiting
+from .control import due_in, earliest_due, next_due
+from .recovery_scan import _unclaimed_doorbells, handed_back_condition
 from .transcript import _decode_message, _streamed_texts
 
 
@@ -147,14 +147,14 @@ def changes_by_statements(
             (owner_id,),
         ).fetchall()
     cancelling = [str(row[0]) for row in rows]
-    return Changes(
-        doorbells,
-        cancelling,
-        watched_changes(tx, watched) if watched else NO_CHANGE,
-        gone,
-        next_due(tx),
-        bool(doorbell_limit) and handed_back_waiting(tx, owner_id, local_sessions),
-    )
+    watched_found = watched_changes(tx, watched) if watched else NO_CHANGE
+    if not doorbell_limit:
+        return Changes(doorbells, cancelling, watched_found, gone, next_due(tx))
+    # With room, whether a handed-back claim waits: in the due time's statement, so a look
+    # costs no round trip more for it on PostgreSQL.
+    handed_back, params = handed_back_condition(tx, owner_id, local_sessions)
+    due_at, waiting = tx.one(f"SELECT ({earliest_due(tx)}), {handed_back}", params)
+    return Changes(doorbells, cancelling, watched_found, gone, due_in(tx, due_at), bool(waiting))
 
 
 def _pg_changes(
@@ -470,14 +470,12 @@ BEGIN
             AND NOT (s.id = ANY(p_local))
             ORDER BY s.time_woken, s.id LIMIT p_limit;
         -- A claim handed back by a graceful shutdown that a recovery pass here would take
-        -- over (the partial index of handed-back claims; the scan's exclusions).
+        -- over (the partial index of handed-back claims; `handed_back_condition`).
         RETURN QUERY SELECT 'handed_back', NULL::text, NULL::bigint
             WHERE EXISTS (SELECT 1 FROM session_execution e
-                WHERE e.handed_back = 1 AND e.expires_at <= v_now
-                AND NOT (e.session_id = ANY(p_local))
+                WHERE e.handed_back = 1 AND NOT (e.session_id = ANY(p_local))
                 AND NOT EXISTS (SELECT 1 FROM session_recovery r WHERE r.execution_id = e.id
-                    AND (r.recovery_error IS NOT NULL
-                         OR (r.owner_id <> p_owner AND r.expires_at > v_now))));
+                    AND (r.recovery_error IS NOT NULL OR r.owner_id <> p_owner)));
     END IF;
     IF p_scan THEN
         RETURN QUERY SELECT 'cancelling', c.id, NULL::bigint FROM session_execution c

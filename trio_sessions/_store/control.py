@@ -218,11 +218,20 @@ def next_due(tx: Tx) -> int | None:
     integer (text another tool wrote: SQLite sorts it after every number) never falls
     due, and times nothing; nor does an input `promote_due` passes over (its session id
     is not UTF-8 text), which would otherwise count as due at every look."""
-    row = tx.one(
+    row = tx.one(earliest_due(tx))
+    return due_in(tx, None if row is None else row[0])
+
+
+def earliest_due(tx: Tx) -> str:
+    """The statement reading the earliest scheduled input's due time (`next_due`)."""
+    return (
         "SELECT due_at FROM session_input WHERE due_at IS NOT NULL"
         f" AND {readable(tx, 'session_id')} ORDER BY due_at LIMIT 1"
     )
-    due_at = None if row is None else row[0]
+
+
+def due_in(tx: Tx, due_at: Any) -> int | None:
+    """`next_due` of the due time `earliest_due` read."""
     return due_at - tx.now if type(due_at) is int else None
 
 

@@ -82,32 +82,32 @@ def _expired_claims(
     scan = (
         " FROM session_execution e"
         f" WHERE (e.expires_at <= :now{of_gone}) AND {not_local}"
-        f" AND {_recoverable(tx)} ORDER BY e.expires_at, e.id LIMIT :limit"
+        f" AND {readable(tx, 'e.id')} AND {readable(tx, 'e.session_id')}"
+        " AND NOT EXISTS (SELECT 1 FROM session_recovery r WHERE r.execution_id = e.id"
+        "   AND (r.recovery_error IS NOT NULL OR (r.owner_id != :me AND r.expires_at > :now)))"
+        " ORDER BY e.expires_at, e.id LIMIT :limit"
     )
     return scan, {"now": tx.now, "excluded": local, "me": owner_id, "limit": limit, **gone}
 
 
-def _recoverable(tx: Tx) -> str:
-    """A claim `e` the scan may take: its keys readable, neither quarantined nor under
-    another owner's live recovery lease (`:me`, `:now`)."""
-    return (
-        f"{readable(tx, 'e.id')} AND {readable(tx, 'e.session_id')}"
-        " AND NOT EXISTS (SELECT 1 FROM session_recovery r WHERE r.execution_id = e.id"
-        "   AND (r.recovery_error IS NOT NULL OR (r.owner_id != :me AND r.expires_at > :now)))"
-    )
-
-
-def handed_back_waiting(tx: Tx, owner_id: str, local_sessions: Sequence[str]) -> bool:
-    """Whether a claim handed back by a graceful shutdown (ended lease, `handed_back`) waits
-    for a takeover that a recovery pass of this owner would make (the scan's exclusions).
-    One lookup in the partial index of such claims (`session_execution_handed_back`)."""
+def handed_back_condition(
+    tx: Tx, owner_id: str, local_sessions: Sequence[str]
+) -> tuple[str, dict[str, Any]]:
+    """A condition (and its parameters): a claim handed back by a graceful shutdown (its
+    lease ended, `handed_back`) waits for a takeover that a recovery pass of this owner
+    would make - one lookup in the partial index of such claims
+    (`session_execution_handed_back`). With no clock read: the claim is not held here, its
+    keys are readable, and it has no recovery row but an unquarantined one of ours - a row
+    of another owner's, live or not (one that crashed in its pass), leaves it to the next
+    pass, which tells those apart with the clock (`_expired_claims`)."""
     not_local, local = not_in(tx, "e.session_id", local_sessions)
-    row = tx.one(
-        "SELECT 1 FROM session_execution e WHERE e.handed_back = 1 AND e.expires_at <= :now"
-        f" AND {not_local} AND {_recoverable(tx)} LIMIT 1",
-        {"now": tx.now, "excluded": local, "me": owner_id},
+    condition = (
+        "EXISTS (SELECT 1 FROM session_execution e WHERE e.handed_back = 1"
+        f" AND {not_local} AND {readable(tx, 'e.id')} AND {readable(tx, 'e.session_id')}"
+        " AND NOT EXISTS (SELECT 1 FROM session_recovery r WHERE r.execution_id = e.id"
+        "   AND (r.recovery_error IS NOT NULL OR r.owner_id != :me)))"
     )
-    return row is not None
+    return condition, {"excluded": local, "me": owner_id}
 
 
 def _doorbells_left(tx: Tx, local_sessions: Sequence[str], room: int) -> list[Candidate]:
