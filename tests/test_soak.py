@@ -114,6 +114,62 @@ def test_kill_soak_busy_kills_overlap_only_without_the_grace(
     assert busy is not None and int(busy.group(1)) >= 2, output
 
 
+# The line before the last: the conversation controls the producer made, and their audit.
+CONTROLS_LINE = re.compile(
+    r"^soak: controls queued=(?P<queued>\d+) interrupts=(?P<interrupts>\d+)"
+    r" rejects=(?P<rejects>\d+) rejected=(?P<rejected>\d+) scheduled=(?P<scheduled>\d+)"
+    r" pauses=(?P<pauses>\d+) resumes=(?P<resumes>\d+) while_paused=(?P<while_paused>\d+)"
+    r" early_takes=(?P<early_takes>\d+) paused_starts=(?P<paused_starts>\d+)"
+    r" rejected_stored=(?P<rejected_stored>\d+)$",
+    re.MULTILINE,
+)
+
+
+def check_controls(stdout: str, output: str, inputs: int) -> None:
+    """Every control kind was made (a reject also refused), every pause resumed, none of
+    them broke its promise, and the inputs owed are the ones stored (a refusal is not)."""
+    match = CONTROLS_LINE.search(stdout)
+    assert match is not None, output
+    made = {key: int(value) for key, value in match.groupdict().items()}
+    for kind in ("queued", "interrupts", "rejects", "rejected", "scheduled", "pauses"):
+        assert made[kind] >= 1, output
+    assert 1 <= made["resumes"] <= made["pauses"], output
+    assert made["while_paused"] >= made["pauses"], output
+    assert (made["early_takes"], made["paused_starts"], made["rejected_stored"]) == (0, 0, 0)
+    made_inputs = sum(made[kind] for kind in ("queued", "interrupts", "rejects", "scheduled"))
+    assert inputs == made_inputs + made["pauses"] - made["rejected"], output
+
+
+@pytest.mark.slow
+def test_short_kill_soak_with_conversation_controls_is_clean(tmp_path: Path) -> None:
+    """Half the producer's submits are conversation controls - double texts that interrupt
+    the running drain, submits rejected while busy, scheduled inputs, pauses resumed a
+    moment later - while workers are killed and restarted: every stored input is answered
+    once, none scheduled is taken early, no drain starts on a paused session, nothing
+    rejected is stored."""
+    figures, stdout, output = run_soak(
+        tmp_path,
+        LAST_LINE,
+        "--workers=3",
+        "--sessions=4",
+        "--duration=12",
+        "--rate=15",
+        "--kill-gap",
+        "0.4",
+        "1.5",
+        "--handoff-ratio=0.3",
+        "--restart-ratio=0.3",
+        "--interrupt-rate=0",
+        "--control-ratio=0.5",
+        "--settle-timeout=12",
+        "--seed=4",
+        "--model-steps=0",
+    )
+    assert (figures["lost"], figures["overlaps"], figures["orphaned"]) == (0, 0, 0), output
+    assert figures["kills"] >= 2, output
+    check_controls(stdout, output, figures["inputs"])
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_a_busy_step_goes_to_a_serving_worker_not_to_a_plain_kill(
     tmp_path: Path, seed: int
@@ -235,3 +291,35 @@ def test_postgres_soak_busy_token_kills_overlap_only_on_a_broken_liveness_copy(
     # aims a busy kill at a host that holds its token, while one serves).
     assert busy is not None, output
     assert int(busy.group(1)) >= (1 if defect == "ignore-lost-token" else 3), output
+
+
+@pytest.mark.slow
+def test_short_postgres_soak_with_conversation_controls_is_clean(tmp_path: Path) -> None:
+    """The PostgreSQL soak's hosts under its faults while half the producer's submits are
+    conversation controls: as the kill soak, no input lost, nothing scheduled taken early,
+    no drain of a paused session, nothing rejected stored - and no overlap, orphan or
+    zombie write."""
+    figures, stdout, output = run_soak(
+        tmp_path,
+        PG_LAST_LINE,
+        "--backend=postgres",
+        "--workers=3",
+        "--sessions=4",
+        "--duration=14",
+        "--rate=10",
+        "--lease=1.5",
+        "--kill-gap",
+        "0.3",
+        "1.0",
+        "--conn-kill-gap",
+        "0.5",
+        "1.5",
+        "--interrupt-rate=0",
+        "--control-ratio=0.5",
+        "--settle-timeout=15",
+        "--seed=4",
+        "--model-steps=0",
+    )
+    audit = ("lost", "overlaps", "orphaned", "zombie_writes")
+    assert [figures[key] for key in audit] == [0, 0, 0, 0], output
+    check_controls(stdout, output, figures["inputs"])

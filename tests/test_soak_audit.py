@@ -6,14 +6,16 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import random
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import trio
 import trio.testing
 
-from trio_sessions import soak
-from trio_sessions._soak import audit, broken, postgres
+from trio_sessions import _store, soak
+from trio_sessions._soak import audit, broken, common, postgres
 from trio_sessions._soak.proxy import FaultProxy
 
 
@@ -190,3 +192,92 @@ def test_a_worker_finds_the_package_it_was_started_from(tmp_path: Path) -> None:
     assert child_env(None)["PYTHONPATH"].split(os.pathsep)[0] == root
     paths = child_env(str(tmp_path))["PYTHONPATH"].split(os.pathsep)
     assert paths[:2] == [str(tmp_path), root]
+
+
+# ---------------------------------------------------------------------------------------------
+# The conversation controls (`--control-ratio`), shared by both soaks
+
+
+def control_clock(*readings: float) -> Callable[[], float]:
+    return iter(readings).__next__
+
+
+def test_no_control_ratio_draws_nothing_and_every_submit_is_queued() -> None:
+    """`--control-ratio 0` leaves the producer's random draws as they were without it."""
+    controls = common.Controls(0.0, control_clock())
+    rng, untouched = random.Random(7), random.Random(7)
+    assert [controls.draw(rng, n, "s").kind for n in range(50)] == ["queue"] * 50
+    assert rng.random() == untouched.random()
+
+
+def test_control_draws_make_every_kind_and_their_store_calls() -> None:
+    """A ratio of 1 makes only controls, each kind, each with its store operation."""
+    controls = common.Controls(1.0, control_clock())
+    rng = random.Random(1)
+    drawn = [controls.draw(rng, n, "s") for n in range(200)]
+    assert {submit.kind for submit in drawn} == set(common.CONTROL_KINDS)
+    calls = {submit.kind: submit.call() for submit in drawn}
+    assert calls["interrupt"][0] is _store.submit_controlled
+    assert calls["interrupt"][1][-1] == "interrupt"
+    assert calls["reject"][0] is _store.submit_controlled
+    assert calls["reject"][1][-1] == "reject"
+    assert calls["scheduled"][0] is _store.submit_scheduled
+    assert calls["pause"][0] is _store.submit
+    for submit in drawn:
+        if submit.kind == "scheduled":
+            assert 200 <= submit.delay_ms <= 2000
+        if submit.kind == "pause":
+            assert 0.1 <= submit.pause_for <= 1.0
+
+
+def test_control_audit_finds_early_takes_paused_starts_and_stored_rejects() -> None:
+    """A scheduled input taken before its due time (beyond the clock tolerance), a drain
+    started inside a pause window (past the slack), and a rejected input found stored are
+    each a violation; a take at the due time, a start within the slack or after the
+    resume, and a stored input that was accepted are not."""
+    controls = common.Controls(1.0, control_clock(100.0, 102.0))
+    scheduled = common.Submit(1, "s", "scheduled", delay_ms=500)
+    controls.stored(scheduled, before_ms=10_000)
+    controls.stored(common.Submit(2, "s", "scheduled", delay_ms=500), before_ms=20_000)
+    pause = common.Submit(3, "p", "pause", pause_for=0.0)
+    controls.pausing(pause)
+    controls.paused(pause)  # paused at 100.0
+    controls.stored(pause, before_ms=None)
+    controls.refused(common.Submit(4, "s", "reject"))
+    controls.refused(common.Submit(5, "s", "reject"))
+    assert controls.resumes_due() == ["p"]
+    controls.resuming("p")  # resumed at 102.0
+    controls.resumed("p")
+    assert controls.resume_at == {}
+    judged = common.ControlAudit.judge(
+        controls,
+        stored_ids=["in-1", "in-2", "in-3", "in-4"],
+        taken=[("in-1", 10_500 - common.DUE_TOLERANCE_MS), ("in-2", 20_500 - 6), ("in-3", 0)],
+        starts=[
+            ("p", 100.0 + common.PAUSE_SLACK - 0.01),  # within the slack
+            ("p", 101.0),  # paused: the violation
+            ("s", 101.0),  # another session
+            ("p", 102.0),  # resumed
+        ],
+    )
+    assert len(judged.early_takes) == 1 and "input 2 " in judged.early_takes[0]
+    assert len(judged.paused_starts) == 1 and "at 101.000" in judged.paused_starts[0]
+    assert judged.rejected_stored == [4]
+    assert judged.violations == 3
+    assert "while_paused=1 early_takes=1" in controls.summary(judged)
+
+
+def test_a_pause_that_lands_again_keeps_the_later_resume() -> None:
+    """A session paused again before its resume is resumed once, at the later time, and its
+    window runs from the first pause."""
+    controls = common.Controls(1.0, control_clock(5.0, 6.0, 9.0))
+    first = common.Submit(1, "p", "pause", pause_for=0.0)
+    second = common.Submit(2, "p", "pause", pause_for=60.0)
+    for submit in (first, second):
+        controls.pausing(submit)
+        controls.paused(submit)
+    assert controls.resumes_due() == []
+    assert controls.resumes_due(everything=True) == ["p"]
+    controls.resuming("p")
+    controls.resumed("p")
+    assert controls.windows == [("p", 5.0, 9.0)]

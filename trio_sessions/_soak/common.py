@@ -38,7 +38,9 @@ from typing import Any
 import attrs
 import trio
 
-from .._backend import StoreBackend
+from .. import _codec, _store
+from .._backend import StoreBackend, Tx
+from .._errors import SessionBusy
 from .._model import Claim, Message, TextPart
 from .._runtime import DrainContext, Runtime, open_runtime
 
@@ -361,3 +363,229 @@ def stop_workers(workers: dict[int, Worker]) -> None:
         worker.process.kill()
         worker.process.wait()
     workers.clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# Conversation controls under chaos (`--control-ratio`)
+
+# What a control submit may be, drawn evenly (DESIGN §5.1): a double text that interrupts
+# the running drain, a submit refused while the session is busy, a scheduled input, and a
+# pause of the session (with a queued input for it to hold) resumed a moment later.
+CONTROL_KINDS = ("interrupt", "reject", "scheduled", "pause")
+SCHEDULE_DELAY = (0.2, 2.0)  # seconds
+PAUSE_LENGTH = (0.1, 1.0)  # seconds
+# Two reads of the lease clock in milliseconds (the producer's before its submit, the take's
+# transaction later): integer truncation, and on SQLite two processes' reads of the wall clock.
+DUE_TOLERANCE_MS = 5
+# A drain start logged this long after the pause committed is one the pause must have
+# prevented: the start's log follows the transaction that decided it (an iteration
+# boundary before the pause, or a claim), through a thread and the audit's own write.
+PAUSE_SLACK = 0.5
+# Every input id the store holds, pending or taken (the producer's ids are `in-<n>`).
+STORED_INPUT_IDS_SQL = (
+    "SELECT id FROM session_input UNION ALL"
+    " SELECT input_id FROM session_message WHERE input_id IS NOT NULL UNION ALL"
+    " SELECT id FROM session_input_rejected"
+)
+# When each input was taken: its user message is written by the take, at the take's `now`.
+TAKEN_SQL = (
+    "SELECT input_id, time_created FROM session_message"
+    " WHERE role = 'user' AND input_id IS NOT NULL"
+)
+
+
+def input_id(n: int) -> str:
+    return f"in-{n}"
+
+
+def store_clock(tx: Tx) -> int:
+    """The lease clock (ms) as a store transaction reads it: the clock a due time is set on."""
+    return tx.now
+
+
+@attrs.frozen
+class Submit:
+    """One producer submit: input `n` of `kind` ("queue" or a control kind) to a session."""
+
+    n: int
+    session_id: str
+    kind: str
+    delay_ms: int = 0  # scheduled
+    pause_for: float = 0.0  # pause: seconds until the resume
+
+    def call(self) -> tuple[Callable[..., object], tuple[object, ...]]:
+        """The store operation and its arguments, as `Runtime.submit` makes them (the
+        producer runs no drains, so never the `_and_acquire` forms); a pause's input is
+        queued, after the pause."""
+        payload = _codec.dumps({"n": self.n})
+        stored = (self.session_id, payload, input_id(self.n))
+        if self.kind in ("interrupt", "reject"):
+            return _store.submit_controlled, (*stored, self.kind)
+        if self.kind == "scheduled":
+            return _store.submit_scheduled, (*stored, self.delay_ms, "queue")
+        return _store.submit, stored
+
+
+@attrs.define
+class Controls:
+    """The producer's side of the controls: which submit is which, the pauses to resume,
+    and what the audit checks of them. `clock` is the clock the backend's drain starts are
+    logged on, for the pause windows."""
+
+    ratio: float
+    clock: Callable[[], float]
+    made: dict[str, int] = attrs.Factory(lambda: dict.fromkeys(("queue", *CONTROL_KINDS), 0))
+    rejected: set[int] = attrs.Factory(set)
+    due: dict[int, int] = attrs.Factory(dict)  # scheduled input -> earliest due (store ms)
+    resume_at: dict[str, float] = attrs.Factory(dict)  # paused session -> time.monotonic()
+    paused_since: dict[str, float] = attrs.Factory(dict)  # paused session -> `clock`
+    windows: list[tuple[str, float, float]] = attrs.Factory(list)
+    resumes: int = 0
+    while_paused: int = 0  # inputs submitted to a paused session (answered after its resume)
+
+    def draw(self, rng: random.Random, n: int, session_id: str) -> Submit:
+        """Input `n`'s submit. A ratio of 0 draws nothing, so a run keeps the random draws
+        of a soak without controls."""
+        if self.ratio <= 0 or rng.random() >= self.ratio:
+            return Submit(n, session_id, "queue")
+        kind = rng.choice(CONTROL_KINDS)
+        if kind == "scheduled":
+            return Submit(n, session_id, kind, delay_ms=round(rng.uniform(*SCHEDULE_DELAY) * 1000))
+        if kind == "pause":
+            return Submit(n, session_id, kind, pause_for=rng.uniform(*PAUSE_LENGTH))
+        return Submit(n, session_id, kind)
+
+    def make(self, submit: Submit, run: Callable[..., Any]) -> bool:
+        """Make `submit` through `run(op, *args)` (one store transaction each; a
+        `StoreError` retried by `run` itself, with the same input id); whether its input
+        was stored (and is owed an answer)."""
+        before_ms = None
+        if submit.kind == "scheduled":
+            before_ms = run(store_clock)
+        elif submit.kind == "pause":
+            self.pausing(submit)
+            run(_store.pause, submit.session_id)
+            self.paused(submit)
+        op, args = submit.call()
+        try:
+            run(op, *args)
+        except SessionBusy:
+            self.refused(submit)
+            return False
+        self.stored(submit, before_ms=before_ms)
+        return True
+
+    def resume_due(self, run: Callable[..., Any], *, everything: bool = False) -> None:
+        """Resume through `run` the sessions whose pause is over (`everything`: all of
+        them, the chaos is over)."""
+        for session_id in self.resumes_due(everything=everything):
+            self.resuming(session_id)
+            run(_store.resume, session_id)
+            self.resumed(session_id)
+
+    def pausing(self, submit: Submit) -> None:
+        """Before the pause is written: its resume is owed from now on, whatever happens to
+        the call (a pause that landed unrecorded would never be resumed)."""
+        resume_at = time.monotonic() + submit.pause_for
+        self.resume_at[submit.session_id] = max(
+            resume_at, self.resume_at.get(submit.session_id, resume_at)
+        )
+
+    def paused(self, submit: Submit) -> None:
+        """The pause committed: drain starts on the session from now on are violations."""
+        self.paused_since.setdefault(submit.session_id, self.clock())
+
+    def stored(self, submit: Submit, *, before_ms: int | None) -> None:
+        """Input `submit.n` is stored (owed); `before_ms`, a scheduled input's lease clock
+        read before its submit, bounds its due time from below."""
+        self.made[submit.kind] += 1
+        self.while_paused += submit.session_id in self.resume_at
+        if before_ms is not None:
+            self.due[submit.n] = before_ms + submit.delay_ms
+
+    def refused(self, submit: Submit) -> None:
+        """A reject submit found the session busy: nothing stored, nothing owed."""
+        self.made[submit.kind] += 1
+        self.rejected.add(submit.n)
+
+    def resumes_due(self, *, everything: bool = False) -> list[str]:
+        """The paused sessions whose resume is due (`everything`: all of them, the chaos is
+        over). The producer resumes each (`resuming`, the call, `resumed`) before it pauses
+        or submits again, so no pause lands between a resume's call and its record."""
+        now = time.monotonic()
+        return [s for s, at in self.resume_at.items() if everything or at <= now]
+
+    def resuming(self, session_id: str) -> None:
+        """The session's pause window closes now, before its resume is written."""
+        since = self.paused_since.pop(session_id, None)
+        if since is not None:
+            self.windows.append((session_id, since, self.clock()))
+
+    def resumed(self, session_id: str) -> None:
+        """The resume committed (a call cut short leaves the resume owed: done again)."""
+        del self.resume_at[session_id]
+        self.resumes += 1
+
+    def summary(self, audit: ControlAudit) -> str:
+        made = self.made
+        return (
+            f"controls queued={made['queue']} interrupts={made['interrupt']}"
+            f" rejects={made['reject']} rejected={len(self.rejected)}"
+            f" scheduled={made['scheduled']} pauses={made['pause']} resumes={self.resumes}"
+            f" while_paused={self.while_paused} early_takes={len(audit.early_takes)}"
+            f" paused_starts={len(audit.paused_starts)}"
+            f" rejected_stored={len(audit.rejected_stored)}"
+        )
+
+
+@attrs.frozen
+class ControlAudit:
+    """What the controls may never do: a scheduled input taken before it was due (§6.23), a
+    drain started on a paused session (§6.24), a rejected input stored (§5.1)."""
+
+    early_takes: list[str] = attrs.Factory(list)
+    paused_starts: list[str] = attrs.Factory(list)
+    rejected_stored: list[int] = attrs.Factory(list)
+
+    @property
+    def violations(self) -> int:
+        return len(self.early_takes) + len(self.paused_starts) + len(self.rejected_stored)
+
+    @classmethod
+    def judge(
+        cls,
+        controls: Controls,
+        *,
+        stored_ids: Iterable[str],
+        taken: Iterable[tuple[str, int]],
+        starts: Iterable[tuple[str, float]],
+    ) -> ControlAudit:
+        """`stored_ids` (`STORED_INPUT_IDS_SQL`), `taken` (`TAKEN_SQL`: input id, take
+        time by the lease clock) and the drains' `starts` (session, time by
+        `controls.clock`)."""
+        due = {input_id(n): (n, at) for n, at in controls.due.items()}
+        early = [
+            f"input {due[i][0]} taken at {at} ms, due at {due[i][1]} ms or later"
+            for i, at in taken
+            if i in due and at < due[i][1] - DUE_TOLERANCE_MS
+        ]
+        by_session: dict[str, list[tuple[float, float]]] = {}
+        for session_id, since, until in controls.windows:
+            by_session.setdefault(session_id, []).append((since + PAUSE_SLACK, until))
+        paused = [
+            f"{session_id}: a drain started at {t:.3f}, paused from {since:.3f} to {until:.3f}"
+            for session_id, t in starts
+            for since, until in by_session.get(session_id, ())
+            if since <= t < until
+        ]
+        stored = set(stored_ids)
+        rejected = sorted(n for n in controls.rejected if input_id(n) in stored)
+        return cls(early, paused, rejected)
+
+    def report(self) -> None:
+        for line in self.early_takes[:20]:
+            print(f"soak: EARLY TAKE {line}")
+        for line in self.paused_starts[:20]:
+            print(f"soak: DRAIN OF A PAUSED SESSION {line}")
+        for n in self.rejected_stored[:20]:
+            print(f"soak: REJECTED INPUT STORED: {n}")

@@ -79,6 +79,7 @@ class Result:
     writes_logged: int = 0
     statuses: dict[str, int] = attrs.Factory(dict)
     takeovers: list[float] = attrs.Factory(list)  # seconds from a SIGKILL to the takeover
+    controls: common.ControlAudit = attrs.Factory(common.ControlAudit)
     settled: bool = False
 
     @property
@@ -118,6 +119,7 @@ class Result:
             and self.zombie_writes == 0
             and self.pending_left == 0
             and self.unexpected_exits == 0
+            and self.controls.violations == 0
         )
 
 
@@ -173,6 +175,7 @@ class SoakBase:
         self.proxies: list[FaultProxy] = []
         self.result = Result(skew_ms=args.skew_ms)
         self.submitted: dict[int, str] = {}
+        self.controls = common.Controls(args.control_ratio, time.monotonic)
         self.orphans: set[str] = set()
         self.sampling_paused_until = 0.0
         self.hosts_held = 0
@@ -181,7 +184,7 @@ class SoakBase:
         self.server_down = False
         self.admin = Admin(url, self.schema)
         self.producer: Engine | None = None  # opened (and the schema migrated) at install
-        self._producer_limiter = trio.CapacityLimiter(1)
+        self.producer_limiter = trio.CapacityLimiter(1)
         self.worker_path: str | None = None
         if args.broken:
             self.worker_path = str(broken.make_copy(args.broken, workdir / "broken"))
@@ -253,7 +256,7 @@ class SoakBase:
         assert self.producer is not None, "install_schema() opens the producer"
         return await trio.to_thread.run_sync(
             functools.partial(self.producer.run, op, *args),
-            limiter=self._producer_limiter,
+            limiter=self.producer_limiter,
         )
 
     def elapsed(self) -> float:

@@ -56,23 +56,27 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import signal
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import Any, TypeVar
 
 import psycopg
 import psycopg.conninfo
 import psycopg.sql
 import trio
 
-from .. import _codec, _store
+from .. import _store
 from .._errors import StoreError
 from . import audit, common
 from .pgchaos import Chaos
 from .pgworker import worker_main as worker_main  # the `--worker` side
 from .proxy import FaultProxy
+
+T = TypeVar("T")
 
 MIN_FAULTS = 3  # each fault kind, in a run at least as long as the default
 # The host faults that take turns with busy token kills (`pgchaos.Chaos.host_faults`): a
@@ -110,23 +114,36 @@ class Soak(Chaos):
             await trio.sleep_until(next_at)
             next_at = max(next_at + 1.0 / self.args.rate, trio.current_time() - 1.0)
             n += 1
-            await self.submit(n, common.session_name(self.rng.randrange(self.args.sessions)))
+            await self.resume_due()
+            session_id = common.session_name(self.rng.randrange(self.args.sessions))
+            await self.submit(self.controls.draw(self.rng, n, session_id))
 
-    async def submit(self, n: int, session_id: str) -> None:
-        """Submit input `n` until it is stored (the same id again after a StoreError: a
-        retried submit stores one input, even after a COMMIT in doubt)."""
-        payload = _codec.dumps({"n": n})
+    def store(self, op: Callable[..., T], *args: Any) -> T:
+        """Run a producer's store operation (in a thread) until it is done: the same call
+        again after a StoreError (a retried submit stores one input, even after a COMMIT in
+        doubt; a pause and a resume are idempotent)."""
+        assert self.producer is not None, "install_schema() opens the producer"
         while True:
             try:
-                # Shielded (bounded by the store's patience): a stored input is always counted.
-                with trio.CancelScope(shield=True):
-                    await self.db(_store.submit, session_id, payload, f"in-{n}")
+                return self.producer.run(op, *args)
             except StoreError:
-                await trio.sleep(0.1)
-                continue
-            self.submitted[n] = session_id
+                time.sleep(0.1)
+
+    async def submit(self, submit: common.Submit) -> None:
+        """Make `submit` (`common.Controls`) until its input is stored or, a reject,
+        refused. In a thread, which no cancellation abandons: a stored input or a pause is
+        always recorded (a pause to be resumed)."""
+        stored = await trio.to_thread.run_sync(
+            self.controls.make, submit, self.store, limiter=self.producer_limiter
+        )
+        if stored:
+            self.submitted[submit.n] = submit.session_id
             self.result.inputs += 1
-            return
+
+    async def resume_due(self, *, everything: bool = False) -> None:
+        """Resume the sessions whose pause is over (`everything`: all, before settling)."""
+        resume = functools.partial(self.controls.resume_due, self.store, everything=everything)
+        await trio.to_thread.run_sync(resume, limiter=self.producer_limiter)
 
     async def sample(self) -> None:
         try:
@@ -203,6 +220,7 @@ class Soak(Chaos):
         for slot in range(self.args.workers):
             if slot not in self.workers:
                 self.spawn(slot)
+        await self.resume_due(everything=True)
         while self.retiring.workers:
             self.retiring.reap(self.kill_overdue)
             await trio.sleep(0.02)
@@ -260,6 +278,17 @@ class Soak(Chaos):
         for line in found:
             print(f"soak: OVERLAP {line}")
         result.overlaps = len(found)
+        result.controls = common.ControlAudit.judge(
+            self.controls,
+            stored_ids=(i for (i,) in await self.admin.rows(common.STORED_INPUT_IDS_SQL)),
+            taken=[(i, t) for i, t in await self.admin.rows(common.TAKEN_SQL)],
+            starts=(
+                (effect.session_id, effect.t)
+                for effect in effects
+                if effect.kind in ("claim", "enter")
+            ),
+        )
+        result.controls.report()
         result.repeats = audit.repeats(effects, self.killed)
         starts: dict[str, tuple[str, str, str, float]] = {}  # per drain iteration
         for effect in effects:
@@ -400,6 +429,7 @@ def run_soak(args: argparse.Namespace) -> int:
         ok = False
     else:
         ok = result.clean
+    print(f"soak: {soak.controls.summary(result.controls)}")
     common.finish_workdir(workdir, ok=ok, keep=args.keep)
     print(
         f"backend=postgres kills={result.kills} pauses={result.pauses}"

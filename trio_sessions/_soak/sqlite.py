@@ -47,7 +47,7 @@ from typing import Any
 
 import attrs
 
-from .. import _codec, _sqlite, _store
+from .. import _sqlite, _store
 from .._bench.tools import child_env
 from . import audit, broken, common
 from .sqliteworker import worker_main as worker_main  # the `--worker` side
@@ -113,6 +113,7 @@ class SoakResult:
     statuses: dict[str, int] = attrs.Factory(dict)
     settled: bool = False
     takeovers: list[float] = attrs.Factory(list)
+    controls: common.ControlAudit = attrs.Factory(common.ControlAudit)
 
     @property
     def lost(self) -> int:
@@ -132,6 +133,7 @@ class SoakResult:
             and self.pending_left == 0
             and self.unexpected_duplicates == 0
             and self.unexpected_exits == 0
+            and self.controls.violations == 0
         )
 
 
@@ -150,6 +152,7 @@ class Soak:
         # A graceful shutdown waits for drains blocked in a thread (work_max at most).
         self.retiring = common.Retiring(bound=10 * (args.lease + args.work_max))
         self.next_n = 1
+        self.controls = common.Controls(args.control_ratio, time.time)
         self.engine = _sqlite.open_engine(self.db, migrate=True)
         # The same connection: the audit's own tables are written beside the store's.
         self.conn = self.engine.conn
@@ -253,8 +256,9 @@ class Soak:
         n = self.next_n
         self.next_n += 1
         session_id = common.session_name(self.rng.randrange(self.args.sessions))
-        payload = _codec.dumps({"n": n})
-        self.engine.run(_store.submit, session_id, payload, f"in-{n}")
+        submit = self.controls.draw(self.rng, n, session_id)
+        if not self.controls.make(submit, self.engine.run):
+            return  # rejected: nothing stored, nothing owed
         self.conn.execute(
             "INSERT INTO soak_submitted(n, session_id, t) VALUES (?, ?, ?)",
             (n, session_id, time.time()),
@@ -283,6 +287,7 @@ class Soak:
             while next_submit <= now:
                 self.submit_one()
                 next_submit += 1.0 / args.rate
+            self.controls.resume_due(self.engine.run)
             if handoff is not None:
                 worker, deadline = handoff
                 paused = (self.control / f"paused.{worker.name}").exists()
@@ -335,6 +340,7 @@ class Soak:
                 self.spawn(slot)
         self.restart_at.clear()
         self.retiring.wait(self.kill_overdue)
+        self.controls.resume_due(self.engine.run, everything=True)
         self.result.rolling_restarts = self.retiring.restarts
         self.result.unexpected_exits += self.retiring.bad_exits
 
@@ -403,6 +409,13 @@ class Soak:
             self.conn.execute("SELECT drain_id, MAX(t) FROM soak_child GROUP BY drain_id")
         )
         result.overlaps = self.count_overlaps(drains, kills, children)
+        result.controls = common.ControlAudit.judge(
+            self.controls,
+            stored_ids=(i for (i,) in self.conn.execute(common.STORED_INPUT_IDS_SQL)),
+            taken=self.conn.execute(common.TAKEN_SQL),
+            starts=((session_id, t_enter) for _, session_id, *_, t_enter, _, _ in drains),
+        )
+        result.controls.report()
         result.takeovers = audit.takeover_seconds(
             kills,
             (
@@ -506,6 +519,7 @@ def run_soak(args: argparse.Namespace) -> int:
         f" unexpected_duplicates={result.unexpected_duplicates}"
         f" unexpected_exits={result.unexpected_exits}"
     )
+    print(f"soak: {soak.controls.summary(result.controls)}")
     common.finish_workdir(workdir, ok=result.ok, keep=args.keep)
     print(
         f"kills={result.kills} inputs={result.inputs}"
