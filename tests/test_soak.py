@@ -119,23 +119,28 @@ CONTROLS_LINE = re.compile(
     r"^soak: controls queued=(?P<queued>\d+) interrupts=(?P<interrupts>\d+)"
     r" rejects=(?P<rejects>\d+) rejected=(?P<rejected>\d+) scheduled=(?P<scheduled>\d+)"
     r" pauses=(?P<pauses>\d+) resumes=(?P<resumes>\d+) while_paused=(?P<while_paused>\d+)"
-    r" early_takes=(?P<early_takes>\d+) paused_starts=(?P<paused_starts>\d+)"
-    r" rejected_stored=(?P<rejected_stored>\d+)$",
+    r" marked=(?P<marked>\d+) early_takes=(?P<early_takes>\d+)"
+    r" paused_starts=(?P<paused_starts>\d+) marked_starts=(?P<marked_starts>\d+)"
+    r" rejected_stored=(?P<rejected_stored>\d+) scheduled_taken=(?P<scheduled_taken>\d+)"
+    r" late_p50_ms=-?\d+ late_p99_ms=-?\d+ late_max_ms=-?\d+$",
     re.MULTILINE,
 )
 
 
 def check_controls(stdout: str, output: str, inputs: int) -> None:
-    """Every control kind was made (a reject also refused), every pause resumed, none of
-    them broke its promise, and the inputs owed are the ones stored (a refusal is not)."""
+    """Every control kind was made (a reject also refused, an interrupt also marking a
+    running claim), every pause resumed, none of them broke its promise, and the inputs
+    owed are the ones stored (a refusal is not)."""
     match = CONTROLS_LINE.search(stdout)
     assert match is not None, output
     made = {key: int(value) for key, value in match.groupdict().items()}
-    for kind in ("queued", "interrupts", "rejects", "rejected", "scheduled", "pauses"):
+    for kind in ("queued", "interrupts", "marked", "rejects", "rejected", "scheduled", "pauses"):
         assert made[kind] >= 1, output
     assert 1 <= made["resumes"] <= made["pauses"], output
     assert made["while_paused"] >= made["pauses"], output
-    assert (made["early_takes"], made["paused_starts"], made["rejected_stored"]) == (0, 0, 0)
+    assert made["scheduled_taken"] == made["scheduled"], output
+    violations = ("early_takes", "paused_starts", "marked_starts", "rejected_stored")
+    assert [made[key] for key in violations] == [0, 0, 0, 0], output
     made_inputs = sum(made[kind] for kind in ("queued", "interrupts", "rejects", "scheduled"))
     assert inputs == made_inputs + made["pauses"] - made["rejected"], output
 

@@ -232,10 +232,11 @@ def test_control_draws_make_every_kind_and_their_store_calls() -> None:
 
 def test_control_audit_finds_early_takes_paused_starts_and_stored_rejects() -> None:
     """A scheduled input taken before its due time (beyond the clock tolerance), a drain
-    started inside a pause window (past the slack), and a rejected input found stored are
-    each a violation; a take at the due time, a start within the slack or after the
-    resume, and a stored input that was accepted are not."""
-    controls = common.Controls(1.0, control_clock(100.0, 102.0))
+    started inside a pause window (past the slack), a rejected input found stored and a
+    drain iteration of a claim an interrupting submit marked (past the slack) are each a
+    violation; a take at the due time, a start within the slack or after the resume, a
+    stored input that was accepted and the marked claim's iterations before are not."""
+    controls = common.Controls(1.0, control_clock(100.0, 102.0, 200.0))
     scheduled = common.Submit(1, "s", "scheduled", delay_ms=500)
     controls.stored(scheduled, before_ms=10_000)
     controls.stored(common.Submit(2, "s", "scheduled", delay_ms=500), before_ms=20_000)
@@ -249,22 +250,34 @@ def test_control_audit_finds_early_takes_paused_starts_and_stored_rejects() -> N
     controls.resuming("p")  # resumed at 102.0
     controls.resumed("p")
     assert controls.resume_at == {}
+    stored = iter([("in-6", "E"), ("in-7", None)])
+    for n in (6, 7):  # the first marks E at 200.0, the second finds no running claim
+        assert controls.make(common.Submit(n, "m", "interrupt"), lambda *_: next(stored))
+    assert controls.marked == {"E": 200.0}
     judged = common.ControlAudit.judge(
         controls,
         stored_ids=["in-1", "in-2", "in-3", "in-4"],
         taken=[("in-1", 10_500 - common.DUE_TOLERANCE_MS), ("in-2", 20_500 - 6), ("in-3", 0)],
         starts=[
-            ("p", 100.0 + common.PAUSE_SLACK - 0.01),  # within the slack
-            ("p", 101.0),  # paused: the violation
-            ("s", 101.0),  # another session
-            ("p", 102.0),  # resumed
+            ("p", "P", 100.0 + common.START_SLACK - 0.01),  # within the slack
+            ("p", "P", 101.0),  # paused: a violation
+            ("s", "S", 101.0),  # another session
+            ("p", "P", 102.0),  # resumed
+            ("m", "E", 199.0),  # before the mark
+            ("m", "E", 200.0 + common.START_SLACK - 0.01),  # within the slack
+            ("m", "E", 201.0),  # marked: a violation
+            ("m", "F", 201.0),  # the successor
         ],
     )
     assert len(judged.early_takes) == 1 and "input 2 " in judged.early_takes[0]
     assert len(judged.paused_starts) == 1 and "at 101.000" in judged.paused_starts[0]
     assert judged.rejected_stored == [4]
-    assert judged.violations == 3
-    assert "while_paused=1 early_takes=1" in controls.summary(judged)
+    assert len(judged.marked_starts) == 1 and "at 201.000" in judged.marked_starts[0]
+    assert judged.violations == 4
+    assert judged.late_ms == [-6, -5]
+    summary = controls.summary(judged)
+    assert "interrupts=2 " in summary and "while_paused=1 marked=1 early_takes=1" in summary
+    assert summary.endswith("scheduled_taken=2 late_p50_ms=-5 late_p99_ms=-5 late_max_ms=-5")
 
 
 def test_a_pause_that_lands_again_keeps_the_later_resume() -> None:

@@ -377,10 +377,11 @@ PAUSE_LENGTH = (0.1, 1.0)  # seconds
 # Two reads of the lease clock in milliseconds (the producer's before its submit, the take's
 # transaction later): integer truncation, and on SQLite two processes' reads of the wall clock.
 DUE_TOLERANCE_MS = 5
-# A drain start logged this long after the pause committed is one the pause must have
-# prevented: the start's log follows the transaction that decided it (an iteration
-# boundary before the pause, or a claim), through a thread and the audit's own write.
-PAUSE_SLACK = 0.5
+# A drain start logged this long after a pause (or an interrupting submit's mark of its
+# claim) committed is one that must not have started: the start's log follows the
+# transaction that decided it (an iteration boundary or a claim before the pause or the
+# mark), through a thread and, on SQLite, the audit's own write.
+START_SLACK = 0.5
 # Every input id the store holds, pending or taken (the producer's ids are `in-<n>`).
 STORED_INPUT_IDS_SQL = (
     "SELECT id FROM session_input UNION ALL"
@@ -440,6 +441,7 @@ class Controls:
     resume_at: dict[str, float] = attrs.Factory(dict)  # paused session -> time.monotonic()
     paused_since: dict[str, float] = attrs.Factory(dict)  # paused session -> `clock`
     windows: list[tuple[str, float, float]] = attrs.Factory(list)
+    marked: dict[str, float] = attrs.Factory(dict)  # claim an interrupt marked -> `clock`
     resumes: int = 0
     while_paused: int = 0  # inputs submitted to a paused session (answered after its resume)
 
@@ -468,10 +470,13 @@ class Controls:
             self.paused(submit)
         op, args = submit.call()
         try:
-            run(op, *args)
+            stored = run(op, *args)
         except SessionBusy:
             self.refused(submit)
             return False
+        if submit.kind == "interrupt" and stored[1] is not None:
+            # The running claim it marked cancelling: no drain iteration of it starts now.
+            self.marked.setdefault(stored[1], self.clock())
         self.stored(submit, before_ms=before_ms)
         return True
 
@@ -532,24 +537,36 @@ class Controls:
             f"controls queued={made['queue']} interrupts={made['interrupt']}"
             f" rejects={made['reject']} rejected={len(self.rejected)}"
             f" scheduled={made['scheduled']} pauses={made['pause']} resumes={self.resumes}"
-            f" while_paused={self.while_paused} early_takes={len(audit.early_takes)}"
-            f" paused_starts={len(audit.paused_starts)}"
-            f" rejected_stored={len(audit.rejected_stored)}"
+            f" while_paused={self.while_paused} marked={len(self.marked)}"
+            f" early_takes={len(audit.early_takes)} paused_starts={len(audit.paused_starts)}"
+            f" marked_starts={len(audit.marked_starts)}"
+            f" rejected_stored={len(audit.rejected_stored)} {audit.lateness()}"
         )
 
 
 @attrs.frozen
 class ControlAudit:
     """What the controls may never do: a scheduled input taken before it was due (§6.23), a
-    drain started on a paused session (§6.24), a rejected input stored (§5.1)."""
+    drain started on a paused session (§6.24), a rejected input stored (§5.1), a drain
+    iteration of a claim an interrupting submit marked cancelling (§5.1: it stops at once,
+    and a successor takes the inputs)."""
 
     early_takes: list[str] = attrs.Factory(list)
     paused_starts: list[str] = attrs.Factory(list)
     rejected_stored: list[int] = attrs.Factory(list)
+    marked_starts: list[str] = attrs.Factory(list)
+    # Per scheduled input taken, ms from its due time (bounded from below) to its take: not
+    # judged (a chaos with every worker dead delays it), shown for a due timer that is late.
+    late_ms: list[int] = attrs.Factory(list)
 
     @property
     def violations(self) -> int:
-        return len(self.early_takes) + len(self.paused_starts) + len(self.rejected_stored)
+        return (
+            len(self.early_takes)
+            + len(self.paused_starts)
+            + len(self.rejected_stored)
+            + len(self.marked_starts)
+        )
 
     @classmethod
     def judge(
@@ -558,29 +575,48 @@ class ControlAudit:
         *,
         stored_ids: Iterable[str],
         taken: Iterable[tuple[str, int]],
-        starts: Iterable[tuple[str, float]],
+        starts: Iterable[tuple[str, str, float]],
     ) -> ControlAudit:
         """`stored_ids` (`STORED_INPUT_IDS_SQL`), `taken` (`TAKEN_SQL`: input id, take
-        time by the lease clock) and the drains' `starts` (session, time by
-        `controls.clock`)."""
+        time by the lease clock) and the drain iterations' `starts` (session, execution,
+        time by `controls.clock`)."""
+        starts = list(starts)
         due = {input_id(n): (n, at) for n, at in controls.due.items()}
+        scheduled = [(i, at) for i, at in taken if i in due]
         early = [
             f"input {due[i][0]} taken at {at} ms, due at {due[i][1]} ms or later"
-            for i, at in taken
-            if i in due and at < due[i][1] - DUE_TOLERANCE_MS
+            for i, at in scheduled
+            if at < due[i][1] - DUE_TOLERANCE_MS
         ]
+        late = sorted(at - due[i][1] for i, at in scheduled)
         by_session: dict[str, list[tuple[float, float]]] = {}
         for session_id, since, until in controls.windows:
-            by_session.setdefault(session_id, []).append((since + PAUSE_SLACK, until))
+            by_session.setdefault(session_id, []).append((since + START_SLACK, until))
         paused = [
             f"{session_id}: a drain started at {t:.3f}, paused from {since:.3f} to {until:.3f}"
-            for session_id, t in starts
+            for session_id, _, t in starts
             for since, until in by_session.get(session_id, ())
             if since <= t < until
         ]
+        marked = [
+            f"{session_id}: {execution_id} started a drain at {t:.3f}, marked cancelling"
+            f" at {controls.marked[execution_id]:.3f}"
+            for session_id, execution_id, t in starts
+            if t >= controls.marked.get(execution_id, t + 1) + START_SLACK
+        ]
         stored = set(stored_ids)
         rejected = sorted(n for n in controls.rejected if input_id(n) in stored)
-        return cls(early, paused, rejected)
+        return cls(early, paused, rejected, marked, late)
+
+    def lateness(self) -> str:
+        late = self.late_ms
+        if not late:
+            return "scheduled_taken=0"
+        p99 = late[min(len(late) - 1, len(late) * 99 // 100)]
+        return (
+            f"scheduled_taken={len(late)} late_p50_ms={late[len(late) // 2]}"
+            f" late_p99_ms={p99} late_max_ms={late[-1]}"
+        )
 
     def report(self) -> None:
         for line in self.early_takes[:20]:
@@ -589,3 +625,5 @@ class ControlAudit:
             print(f"soak: DRAIN OF A PAUSED SESSION {line}")
         for n in self.rejected_stored[:20]:
             print(f"soak: REJECTED INPUT STORED: {n}")
+        for line in self.marked_starts[:20]:
+            print(f"soak: DRAIN OF A CLAIM MARKED CANCELLING {line}")

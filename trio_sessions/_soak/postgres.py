@@ -282,10 +282,12 @@ class Soak(Chaos):
             self.controls,
             stored_ids=(i for (i,) in await self.admin.rows(common.STORED_INPUT_IDS_SQL)),
             taken=[(i, t) for i, t in await self.admin.rows(common.TAKEN_SQL)],
+            # An iteration's `enter` follows a checkpoint, where self-fencing cancels a
+            # drain whose host was stopped past its lease (the handoff's `claim` does not).
             starts=(
-                (effect.session_id, effect.t)
+                (effect.session_id, effect.execution_id, effect.t)
                 for effect in effects
-                if effect.kind in ("claim", "enter")
+                if effect.kind == "enter"
             ),
         )
         result.controls.report()

@@ -348,10 +348,13 @@ class Soak:
         """No more chaos or wakes: give the survivors the lease plus scans to finish."""
         (self.control / "stop-wakes").touch()
         args = self.args
-        if args.interrupt_rate > 0:
+        if args.interrupt_rate > 0 or args.control_ratio > 0:
             # Inputs taken by an interrupted drain are answered by the session's next drain;
             # one wake per session (as from a process that runs no drains) brings it. Lost
-            # wakes are still caught: the stranded-input sampling never stops.
+            # wakes are still caught: the stranded-input sampling never stops. (A control
+            # ends drains so too: recovery finishes a dead owner's claim of a paused session
+            # as owner-lost, its inputs taken, and re-arms the doorbell only for untaken
+            # ones - DESIGN §5.1; an interrupting submit's own input brings a successor.)
             time.sleep(0.5)
             for index in range(args.sessions):
                 self.engine.run(_store.wake, common.session_name(index))
@@ -413,7 +416,10 @@ class Soak:
             self.controls,
             stored_ids=(i for (i,) in self.conn.execute(common.STORED_INPUT_IDS_SQL)),
             taken=self.conn.execute(common.TAKEN_SQL),
-            starts=((session_id, t_enter) for _, session_id, *_, t_enter, _, _ in drains),
+            starts=(
+                (session_id, execution_id, t_enter)
+                for _, session_id, execution_id, _, _, t_enter, _, _ in drains
+            ),
         )
         result.controls.report()
         result.takeovers = audit.takeover_seconds(
