@@ -133,6 +133,15 @@ def test_restart_ratio_is_refused_where_the_soak_would_ignore_it() -> None:
     assert soak.parse_args(["--backend", "postgres"]).restart_ratio is None
 
 
+@pytest.mark.parametrize("ratio", ["-0.1", "1.5"])
+def test_control_ratio_is_a_share(ratio: str) -> None:
+    """`--control-ratio` is a share of the submits: 0 (the default) to 1, else refused."""
+    assert soak.parse_args([]).control_ratio == 0.0
+    assert soak.parse_args(["--control-ratio", "1"]).control_ratio == 1.0
+    with pytest.raises(SystemExit):
+        soak.parse_args(["--control-ratio", ratio])
+
+
 def test_every_broken_copy_applies_exactly_once() -> None:
     """Each defect's text to break occurs once in the current package (so the broken-copy
     checks cannot silently test the real code)."""

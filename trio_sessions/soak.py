@@ -140,6 +140,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.backend == "postgres" and args.restart_ratio is not None:
         # Silently ignored, it would let a run believe it tested what it did not.
         parser.error("--restart-ratio: sqlite only (postgres takes its host faults in turn)")
+    if not 0 <= args.control_ratio <= 1:
+        parser.error(f"--control-ratio: a share from 0 to 1, not {args.control_ratio}")
     for name, value in DEFAULTS[args.backend].items():
         if getattr(args, name) is None:
             setattr(args, name, value)

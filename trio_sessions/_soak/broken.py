@@ -131,6 +131,15 @@ DEFECTS = {
             ),
         ),
     ),
+    "ignore-pause": Defect(
+        "a pause neither stops a busy period at its iteration boundary nor refuses an"
+        " acquire (SQLite: on PostgreSQL these decisions run in the server's functions,"
+        " which the producer's real package installs)",
+        (
+            Edit("_decisions.py", "    if paused:\n        return AcquireVerdict.PAUSED\n", ""),
+            Edit("_decisions.py", "    if paused:\n        return IterationVerdict.PAUSE\n", ""),
+        ),
+    ),
     "early-hand-back": Defect(
         "a graceful shutdown hands the claims back before their drains exited (a drain"
         " blocked in a thread still runs while another worker resumes the session)",
