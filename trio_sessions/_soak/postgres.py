@@ -114,11 +114,12 @@ class Soak(Chaos):
             await trio.sleep_until(next_at)
             next_at = max(next_at + 1.0 / self.args.rate, trio.current_time() - 1.0)
             n += 1
-            await self.resume_due()
+            if self.controls.resumes_due():
+                await self.resume_due()
             session_id = common.session_name(self.rng.randrange(self.args.sessions))
             await self.submit(self.controls.draw(self.rng, n, session_id))
 
-    def store(self, op: Callable[..., T], *args: Any) -> T:
+    def run_until_done(self, op: Callable[..., T], *args: Any) -> T:
         """Run a producer's store operation (in a thread) until it is done: the same call
         again after a StoreError (a retried submit stores one input, even after a COMMIT in
         doubt; a pause and a resume are idempotent)."""
@@ -134,7 +135,7 @@ class Soak(Chaos):
         refused. In a thread, which no cancellation abandons: a stored input or a pause is
         always recorded (a pause to be resumed)."""
         stored = await trio.to_thread.run_sync(
-            self.controls.make, submit, self.store, limiter=self.producer_limiter
+            self.controls.make, submit, self.run_until_done, limiter=self.producer_limiter
         )
         if stored:
             self.submitted[submit.n] = submit.session_id
@@ -142,7 +143,9 @@ class Soak(Chaos):
 
     async def resume_due(self, *, everything: bool = False) -> None:
         """Resume the sessions whose pause is over (`everything`: all, before settling)."""
-        resume = functools.partial(self.controls.resume_due, self.store, everything=everything)
+        resume = functools.partial(
+            self.controls.resume_due, self.run_until_done, everything=everything
+        )
         await trio.to_thread.run_sync(resume, limiter=self.producer_limiter)
 
     async def sample(self) -> None:
