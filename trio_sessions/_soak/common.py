@@ -1,4 +1,5 @@
-"""What both soaks share: session names, the drain's answer, the workers' life, the model run.
+"""What both soaks share: session names, the drain's answer, the workers' life, the model run,
+and the conversation controls the producer makes under chaos, with their audit.
 
 A drain answers the numbered inputs it owes with one finished assistant message whose text
 is the JSON list of their numbers; an input counts as answered once such a message exists.
@@ -19,6 +20,10 @@ token's connection (the owner lives and must stop its drains), on SQLite it SIGK
 worker (the blocking call runs on in a child process). `BUSY_BLOCK` is shorter than the
 default grace, so the correct library takes nothing over before the effect landed, while a
 copy that takes over at the first free sighting, or ignores a lost token, overlaps.
+
+*Controls* (`--control-ratio`, `Controls`): the producer makes a share of its submits as
+the runtime's conversation controls do, with the same store calls, and records what each
+promised; `ControlAudit` checks the promises against the store and the drains' starts.
 """
 
 from __future__ import annotations

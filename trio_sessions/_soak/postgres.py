@@ -45,7 +45,9 @@ The audit (`audit` explains the zombie-write triggers and the overlap clock):
   commit order, and heartbeats that revived an expired lease.
 The last line gives the faults actually injected and these four figures; the exit status is
 non-zero on any violation (or, in a default-length run, when a fault kind ran fewer than 3
-times).
+times). With `--control-ratio R` a share R of the producer's submits are conversation
+controls, as in the SQLite soak (`common.Controls`; the line before the last has their
+figures, and a broken promise of theirs is a violation too).
 
 This module is the command: `Soak` produces, samples, runs the phases (chaos, settle,
 audit) and `run_soak` reports. The worker process is `pgworker`, the faults `pgchaos`, the

@@ -30,6 +30,10 @@ then the audit proves, and the last line says:
   was killed before finishing; repeats after an interrupted drain are counted apart, and any
   other repeat is a violation.
 
+With `--control-ratio R` a share R of the producer's submits are conversation controls
+(interrupting and rejected submits, scheduled inputs, pauses resumed a moment later) and
+the line before the last gives what `common.ControlAudit` checks of them.
+
 The exit status is non-zero on any violation. `--broken NAME` runs the workers on a copy of
 the package with one deliberate defect (`broken`). A liveness token here is a `flock` that
 only the death of its process releases, so the defect `ignore-lost-token` (a live owner
