@@ -1,5 +1,6 @@
-"""The PostgreSQL soak's instruments: its audit finds what it claims to find, its fault proxy
-does what its modes say, and every broken copy still applies to the current code."""
+"""The soaks' instruments: the PostgreSQL audit and the controls' audit (both soaks) find
+what they claim to find, the fault proxy does what its modes say, and every broken copy
+still applies to the current code."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import trio.testing
 from trio_sessions import _store, soak
 from trio_sessions._soak import audit, broken, common, postgres
 from trio_sessions._soak.proxy import FaultProxy
+from trio_sessions._sqlite import open_engine as sqlite_engine
 
 
 def claim(session: str, n: int, txid: str, old: str | None, new: str | None) -> audit.Write:
@@ -303,3 +305,25 @@ def test_a_pause_that_lands_again_keeps_the_later_resume() -> None:
     controls.resuming("p")
     controls.resumed("p")
     assert controls.windows == [("p", 5.0, 9.0)]
+
+
+def test_stranded_sampling_spares_paused_and_scheduled_inputs(tmp_path: Path) -> None:
+    """A paused session's pending inputs wait behind a set doorbell with no claim - held,
+    not stranded - and a scheduled input waits for its due time: the sampling counts
+    neither, and counts a pending input with no doorbell and no claim, paused or not."""
+    engine = sqlite_engine(tmp_path / "soak.db", migrate=True)
+    try:
+        engine.run(_store.pause, "paused")
+        for submit in (
+            common.Submit(1, "paused", "pause"),
+            common.Submit(2, "later", "scheduled", delay_ms=60_000),
+        ):
+            op, args = submit.call()
+            engine.run(op, *args)
+        [(stranded,)] = engine.conn.execute(common.STRANDED_SQL).fetchall()
+        assert stranded == 0
+        engine.conn.execute("UPDATE session SET time_woken = NULL WHERE id = 'paused'")
+        [(stranded,)] = engine.conn.execute(common.STRANDED_SQL).fetchall()
+        assert stranded == 1
+    finally:
+        engine.close()
