@@ -248,13 +248,19 @@ def test_control_audit_finds_early_takes_paused_starts_and_stored_rejects() -> N
     violation; a take at the due time, a start within the slack or after the resume, a
     stored input that was accepted and the marked claim's iterations before are not."""
     controls = common.Controls(1.0, control_clock(100.0, 102.0, 200.0))
-    scheduled = common.Submit(1, "s", "scheduled", delay_ms=500)
-    controls.stored(scheduled, before_ms=10_000)
-    controls.stored(common.Submit(2, "s", "scheduled", delay_ms=500), before_ms=20_000)
+    # The lease clock before and after each scheduled submit: the first one waited 300 ms.
+    clock_reads = iter([10_000, 10_300, 20_000, 20_000])
+
+    def run_scheduled(op: Callable[..., object], *args: object) -> object:
+        return next(clock_reads) if op is common.store_clock else args[2]
+
+    for n in (1, 2):
+        assert controls.make(common.Submit(n, "s", "scheduled", delay_ms=500), run_scheduled)
+    assert controls.due == {1: (10_500, 10_800), 2: (20_500, 20_500)}
     pause = common.Submit(3, "p", "pause", pause_for=0.0)
     controls.pausing(pause)
     controls.paused(pause)  # paused at 100.0
-    controls.stored(pause, before_ms=None)
+    controls.stored(pause)
     controls.refused(common.Submit(4, "s", "reject"))
     controls.refused(common.Submit(5, "s", "reject"))
     assert controls.resumes_due() == ["p"]
@@ -285,10 +291,10 @@ def test_control_audit_finds_early_takes_paused_starts_and_stored_rejects() -> N
     assert judged.rejected_stored == [4]
     assert len(judged.marked_starts) == 1 and "at 201.000" in judged.marked_starts[0]
     assert judged.violations == 4
-    assert judged.late_ms == [-6, -5]
+    assert judged.late_ms == [-305, -6]  # from the later bound
     summary = controls.summary(judged)
     assert "interrupts=2 " in summary and "while_paused=1 marked=1 early_takes=1" in summary
-    assert summary.endswith("scheduled_taken=2 late_p50_ms=-5 late_p99_ms=-5 late_max_ms=-5")
+    assert summary.endswith("scheduled_taken=2 late_p50_ms=-6 late_p99_ms=-6 late_max_ms=-6")
 
 
 def test_a_pause_that_lands_again_keeps_the_later_resume() -> None:
