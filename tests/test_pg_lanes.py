@@ -15,11 +15,12 @@ import threading
 
 import trio
 import trio.testing
-from helpers import pg_raw
+from helpers import opened, pg_raw
 
 from trio_sessions import _store
-from trio_sessions._backend import Tx
+from trio_sessions._backend import Job, Tx
 from trio_sessions._postgres import PgThreadExecutor, PostgresStore
+from trio_sessions._postgres.executors import _Lane
 
 
 def backend(tx: Tx, session_id: str) -> int:
@@ -122,3 +123,31 @@ async def test_a_write_replies_before_the_reads_of_its_hand_off_run(
             finally:
                 read_gate.set()
     assert read == [lane]
+
+
+def pid_of_no_session(tx: Tx) -> int:
+    """A write on no session (as a recovery pass's scan and takeover, a heartbeat)."""
+    [pid] = tx.one("SELECT pg_backend_pid()")
+    return int(pid)
+
+
+async def test_a_write_on_no_session_goes_to_an_idle_lane_at_once(
+    pg_url: str, pg_schema: str
+) -> None:
+    """A write on no session runs alone in any hand-off: on an idle lane it goes to the
+    worker at once, not a trio pass later with the lane's pump (a pass a recovery's freshly
+    started drains fill). With no pump running at all it completes; a session's write,
+    which may share a batch with others started in the same pass, waits for the pump."""
+    with opened(PostgresStore(pg_url, schema=pg_schema).engine()) as engine:
+        lane = _Lane(engine)
+        lane.start()
+        try:
+            with trio.fail_after(10):
+                pid = await lane.submit(Job(pid_of_no_session, ()), "write")
+            assert pid == engine.backend_pid
+            with trio.move_on_after(0.5) as waited:  # real time: the worker would answer
+                await lane.submit(Job(_store.wake, ("s",)), "write")
+            assert waited.cancelled_caught
+        finally:
+            with trio.CancelScope(shield=True):
+                await lane.close()

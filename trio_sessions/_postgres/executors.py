@@ -193,7 +193,8 @@ class _Lane:
     of its own.
 
     No `trio.to_thread` per batch: an idle lane's pump hands what was queued to the worker
-    one trio pass after the first submit (so operations started together share a batch),
+    one trio pass after the first submit (so operations started together share a batch;
+    a write on no session, which runs alone anyway, goes at once),
     and the worker's completion (one `run_sync_soon` callback) wakes each caller directly
     and hands over at once what queued meanwhile - the fewest trio passes and thread
     wake-ups between a call and its reply (on the sequential cycle the hand-offs cost more
@@ -229,7 +230,14 @@ class _Lane:
         queued = Queued(job, mode, trio.lowlevel.current_task())
         self._queue.append(queued)
         if self._in_flight is None:
-            self._wake.set()
+            if len(self._queue) == 1 and mode == "write" and not _on_a_session(job):
+                # A write on no session (a recovery pass's scan or takeover) runs alone
+                # in any hand-off: it has no batch to wait for, so it goes now rather than
+                # a trio pass later with the pump - a pass that the drains the last
+                # takeover started fill (PostgreSQL recovery 4-6 % faster, alternating).
+                self._dispatch()
+            else:
+                self._wake.set()
         return await queued.outcome(lambda withdrawn: self._queue.remove(withdrawn))
 
     async def pump(self) -> None:
