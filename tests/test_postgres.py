@@ -1287,6 +1287,11 @@ def echo_op(tx: Tx, n: int) -> int:
     return n
 
 
+def echo_in_session(tx: Tx, session_id: str, n: int) -> int:
+    """`echo_op` on a session: an operation that may share a hand-off with others."""
+    return n
+
+
 def held(tx: Tx, started: threading.Event, release: threading.Event) -> str:
     started.set()
     assert release.wait(timeout=20)
@@ -1297,8 +1302,9 @@ async def test_a_writer_lane_hands_batches_to_its_own_thread_without_to_thread(
     pg_url: str, migrated_schema: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A lane's worker is a thread of its own: no `trio.to_thread` call per batch (its cost
-    dominated the sequential cycle). Operations started together still share a hand-off
-    (at most `HANDOFF_LIMIT` each), and one after another each gets its own."""
+    dominated the sequential cycle). Operations on sessions started together still share
+    a hand-off (at most `HANDOFF_LIMIT` each), and one after another each gets its own.
+    (A write on no session that finds the lane idle goes alone at once: test_pg_lanes.)"""
     store = PostgresStore(pg_url, schema=migrated_schema, writers=1, listen=False)
     calls: list[object] = []
     run_sync = trio.to_thread.run_sync
@@ -1311,11 +1317,11 @@ async def test_a_writer_lane_hands_batches_to_its_own_thread_without_to_thread(
     async with store.open_executor(None) as executor:
         monkeypatch.setattr(trio.to_thread, "run_sync", counting)
         for n in range(10):
-            assert await executor.run(echo_op, n) == n
+            assert await executor.run(echo_in_session, f"s{n}", n) == n
         assert executor.statistics().handoffs == 10
 
         async def one(n: int) -> None:
-            results.append(await executor.run(echo_op, n))
+            results.append(await executor.run(echo_in_session, f"s{n}", n))
 
         async with trio.open_nursery() as nursery:
             for n in range(100):
