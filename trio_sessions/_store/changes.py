@@ -459,10 +459,7 @@ CREATE OR REPLACE FUNCTION ts_changes(p_owner text, p_local text[], p_owned text
     p_scan boolean, p_limit bigint, p_now bigint, p_retry boolean)
 RETURNS TABLE(kind text, id text, due_ms bigint)
 LANGUAGE plpgsql STABLE AS $$
-DECLARE
-    v_now bigint;
 BEGIN
-    v_now := ts_now(p_now);
     IF p_limit > 0 THEN
         RETURN QUERY SELECT 'doorbell', s.id, NULL::bigint FROM session s
             WHERE s.time_woken IS NOT NULL AND s.time_paused IS NULL
@@ -488,6 +485,6 @@ BEGIN
                               WHERE c.id = o.e AND c.owner_id = p_owner);
     END IF;
     RETURN QUERY SELECT 'due', NULL::text,
-        (SELECT MIN(i.due_at) FROM session_input i WHERE i.due_at IS NOT NULL) - v_now;
+        (SELECT MIN(i.due_at) FROM session_input i WHERE i.due_at IS NOT NULL) - ts_now(p_now);
 END $$;
 """
