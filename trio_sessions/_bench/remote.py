@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -98,9 +99,16 @@ class Latencies:
     call: list[float]  # seconds the sender's call itself took (its commit)
 
 
-def _latencies(sent: dict[str, list[float]], arrivals: Arrivals) -> Latencies:
+def _latencies(
+    sent: dict[str, list[float]],
+    arrivals: Arrivals,
+    due_after: Mapping[str, float] | None = None,
+) -> Latencies:
+    """From each call's start (plus its session's `due_after`, seconds: a scheduled input's
+    delay) to its effect here, and each call's own length."""
+    after = due_after or {}
     return Latencies(
-        [arrivals.at[s] - start for s, (start, _) in sent.items()],
+        [arrivals.at[s] - (start + after.get(s, 0.0)) for s, (start, _) in sent.items()],
         [end - start for start, end in sent.values()],
     )
 
@@ -146,10 +154,7 @@ async def remote_scheduled(store: StoreBackend, n: int) -> Latencies:
         )
         with trio.fail_after(ARRIVAL_TIMEOUT_S):
             await taken.all_in.wait()
-    return Latencies(
-        [taken.at[s] - (start + delays[s]) for s, (start, _) in sent.items()],
-        [end - start for start, end in sent.values()],
-    )
+    return _latencies(sent, taken, delays)
 
 
 async def remote_interrupts(store: StoreBackend, n: int) -> Latencies:
