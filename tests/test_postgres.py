@@ -10,6 +10,7 @@ test sees it wait in `pg_stat_activity` (no sleeping) before letting the other s
 from __future__ import annotations
 
 import os
+import select
 import subprocess
 import sys
 import threading
@@ -764,6 +765,33 @@ async def test_an_admins_idle_session_timeout_never_ends_a_connection_idle_by_de
     finally:
         listener.close()
         token.close()
+
+
+async def test_a_token_killed_by_the_server_looks_lost_before_its_watch_reads_it(
+    pg_url: str, migrated_schema: str
+) -> None:
+    """`looks_lost` sees a token connection the server ended (its error and close on the
+    socket) without reading it: the watch, `wait_lost`, still finds the end afterwards
+    rather than waiting forever on a socket someone else drained. A live token never
+    looks lost."""
+    token = _liveness.PgToken(
+        lambda: _postgres.token_connection(pg_url, migrated_schema), "owner", False, None
+    )
+    await token.take()
+    assert token.conn is not None
+    try:
+        assert not token.looks_lost()
+        fd = token.conn.pgconn.socket
+        terminate_backend(pg_url, token.conn.info.backend_pid)
+        readable, _, _ = select.select([fd], [], [], 10.0)  # the server's end arrives
+        assert readable
+        assert token.looks_lost()
+        assert token.looks_lost()  # nothing was read
+        with trio.fail_after(10):
+            await token.wait_lost()
+    finally:
+        token.close()
+    assert token.looks_lost()  # closed: no token held
 
 
 # ---------------------------------------------------------------------------------------------

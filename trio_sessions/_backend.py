@@ -359,6 +359,12 @@ class Token(Protocol):
         connection broke). Never returns on SQLite: only the process's death frees it."""
         ...
 
+    def looks_lost(self) -> bool:
+        """Whether the token's loss is already there to see, without waiting or reading:
+        after a pause, the server's end of its connection may be on the socket before the
+        task that waits for it (`wait_lost`) has run. Never true on SQLite."""
+        ...
+
     async def retake(self) -> None:
         """Take the token again, waiting (with backoff) until it is ours."""
         ...

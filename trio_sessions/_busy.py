@@ -392,6 +392,14 @@ class BusyPeriods:
     async def _drain_loop(self, entry: SessionEntry) -> _Ending:
         runtime = self._runtime
         while True:
+            if runtime._token is not None and runtime._token.looks_lost():
+                # Paused (in the claim's handoff, say) while the server dropped our token's
+                # connection: the others may take the claim over before the task that
+                # watches the token runs. Lost with the token: no drain starts;
+                # `Runtime._keep_token` hands it back with the others.
+                runtime._lost_claims[entry.execution_id] = entry
+                entry.lose_lease()
+                await trio.lowlevel.checkpoint_if_cancelled()
             context = DrainContext(runtime, entry)
             assert runtime._drain is not None  # producers never register an entry
             # The task (and every task the drain starts) knows which session it drains, so

@@ -39,6 +39,8 @@ import contextlib
 import fcntl
 import hashlib
 import os
+import select
+import socket
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
@@ -204,6 +206,9 @@ class FileToken:
     async def wait_lost(self) -> None:
         await trio.sleep_forever()
 
+    def looks_lost(self) -> bool:
+        return False
+
     async def retake(self) -> None:
         await trio.lowlevel.checkpoint()
 
@@ -321,6 +326,37 @@ class PgToken:
                 pass  # nothing listens here; keep the buffer empty
             if pgconn.status != psycopg.pq.ConnStatus.OK:
                 return
+
+    def looks_lost(self) -> bool:
+        """Whether the connection's end is on its socket already (the server's error
+        message, its close, a reset), seen without waiting and without reading: only
+        `wait_lost` reads this socket. Nothing else ever arrives on an idle token
+        connection but notices, which say nothing either way."""
+        import psycopg
+
+        conn = self.conn
+        if conn is None or conn.closed or conn.broken:
+            return True
+        try:
+            if conn.pgconn.status != psycopg.pq.ConnStatus.OK:
+                return True
+            fd = conn.pgconn.socket
+        except psycopg.OperationalError:
+            return True
+        readable, _, _ = select.select([fd], [], [], 0)
+        if not readable:
+            return False
+        sock = socket.socket(fileno=fd)
+        try:
+            first = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True  # reset
+        finally:
+            sock.detach()  # the connection's descriptor, not ours to close
+        # The end of the stream, or an ErrorResponse: unasked, always fatal.
+        return first in (b"", b"E")
 
     async def retake(self) -> None:
         self.close()

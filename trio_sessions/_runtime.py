@@ -244,6 +244,7 @@ async def _open_runtime(
         nursery: trio.Nursery = await outer.start(_task_nursery, tasks_stopping)
         runtime = Runtime(executor=executor, nursery=nursery, drain=drain, config=config)
         if token is not None:
+            runtime._token = token
             await runtime.recover_once()
             nursery.start_soon(runtime._keep_leases)
             nursery.start_soon(runtime._loops.recovery_loop)

@@ -139,6 +139,7 @@ class Runtime:
         # Owner liveness (DESIGN §4): other owners' tokens as seen, and whether ours is
         # lost now (between a loss and its re-take, with the claims taken meanwhile).
         self._gone_owners = GoneOwners(config.takeover_grace)
+        self._token: Token | None = None  # held while this runtime drains
         self._token_lost = False
         self._lost_claims: dict[str, SessionEntry] = {}
         # The earliest due time of a scheduled input (runtimes that drain run it).
