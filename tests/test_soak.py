@@ -21,50 +21,105 @@ LAST_LINE = re.compile(
 )
 
 
-def run_soak(
-    tmp_path: Path, last_line: re.Pattern[str], *args: str, violation: bool = False
-) -> tuple[dict[str, int], str, str]:
-    """Run `python -m trio_sessions.soak` with `args` to a clean exit (with `violation`: to
-    the exit status of a violation); the figures of its last line (which must match
-    `last_line`), its stdout, and its stdout and stderr."""
-    completed = subprocess.run(
-        [sys.executable, "-m", "trio_sessions.soak", *args, f"--dir={tmp_path / 'soak'}"],
+def start_soak(directory: Path, *args: str) -> subprocess.Popen[str]:
+    """Start `python -m trio_sessions.soak` with `args`, its files in `directory`. The soaks
+    wait more than they compute (about half a core each): a test runs two side by side."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "trio_sessions.soak", *args, f"--dir={directory}"],
         cwd=ROOT,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=60,
-        check=False,
     )
-    output = completed.stdout + completed.stderr
-    assert completed.returncode == (1 if violation else 0), output
-    match = last_line.match(completed.stdout.strip().splitlines()[-1])
+
+
+def soak_result(
+    process: subprocess.Popen[str], last_line: re.Pattern[str], *, violation: bool = False
+) -> tuple[dict[str, int], str, str]:
+    """Wait for a soak to a clean exit (with `violation`: to the exit status of a
+    violation); the figures of its last line (which must match `last_line`), its stdout,
+    and its stdout and stderr."""
+    try:
+        stdout, stderr = process.communicate(timeout=90)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    output = stdout + stderr
+    assert process.returncode == (1 if violation else 0), output
+    match = last_line.match(stdout.strip().splitlines()[-1])
     assert match is not None, output
     figures = {key: int(value) for key, value in match.groupdict().items()}
-    return figures, completed.stdout, output
+    return figures, stdout, output
+
+
+def run_soaks(
+    tmp_path: Path, last_line: re.Pattern[str], runs: dict[str, tuple[list[str], bool]]
+) -> dict[str, tuple[dict[str, int], str, str]]:
+    """Run soaks side by side (name: its arguments and whether it must end in a
+    violation); each one's `soak_result`, every one stopped whatever happens."""
+    processes: dict[str, subprocess.Popen[str]] = {}
+    try:
+        for name, (args, _) in runs.items():
+            processes[name] = start_soak(tmp_path / name, *args)
+        return {
+            name: soak_result(processes[name], last_line, violation=violation)
+            for name, (_, violation) in runs.items()
+        }
+    finally:
+        for process in processes.values():
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
+
+
+KILL_SOAK_ARGS = ["--workers=3", "--rate=15", "--kill-gap", "0.4", "1.5", "--model-steps=0"]
 
 
 @pytest.mark.slow
-def test_short_kill_soak_audit_is_clean(tmp_path: Path) -> None:
-    """Workers killed at random (also inside the claim handoff) or restarted gracefully
-    (SIGTERM, successor at once, drains blocked in threads) lose no input, never overlap on a
-    session and leave no orphaned claim; the soak prints its figures last."""
-    figures, stdout, output = run_soak(
+def test_short_kill_soaks_audits_are_clean(tmp_path: Path) -> None:
+    """Two kill soaks side by side. In `plain`, workers killed at random (also inside the
+    claim handoff) or restarted gracefully (SIGTERM, successor at once, drains blocked in
+    threads) lose no input, never overlap on a session and leave no orphaned claim; the
+    soak prints its figures last. In `controls`, half the producer's submits are
+    conversation controls - double texts that interrupt the running drain, submits
+    rejected while busy, scheduled inputs, pauses resumed a moment later - under the same
+    faults: every stored input is answered once, none scheduled is taken early, no drain
+    starts on a paused session, nothing rejected is stored."""
+    soaks = run_soaks(
         tmp_path,
         LAST_LINE,
-        "--workers=3",
-        "--sessions=6",
-        "--duration=12",
-        "--rate=15",
-        "--kill-gap",
-        "0.4",
-        "1.5",
-        "--handoff-ratio=0.5",
-        "--restart-ratio=0.5",
-        "--work-max=0.6",
-        "--settle-timeout=12",
-        "--seed=3",
-        "--model-steps=0",
+        {
+            "plain": (
+                [
+                    *KILL_SOAK_ARGS,
+                    "--sessions=6",
+                    "--duration=12",
+                    "--handoff-ratio=0.5",
+                    "--restart-ratio=0.5",
+                    "--work-max=0.6",
+                    "--settle-timeout=12",
+                    "--seed=3",
+                ],
+                False,
+            ),
+            "controls": (
+                [
+                    *KILL_SOAK_ARGS,
+                    "--sessions=4",
+                    "--duration=12",
+                    "--handoff-ratio=0.3",
+                    "--restart-ratio=0.3",
+                    "--interrupt-rate=0",
+                    "--control-ratio=0.5",
+                    "--settle-timeout=12",
+                    "--seed=4",
+                ],
+                False,
+            ),
+        },
     )
+    figures, stdout, output = soaks["plain"]
     assert (figures["lost"], figures["overlaps"], figures["orphaned"]) == (0, 0, 0), output
     assert figures["kills"] >= 3, output
     assert figures["inputs"] >= 100, output
@@ -72,22 +127,20 @@ def test_short_kill_soak_audit_is_clean(tmp_path: Path) -> None:
     assert handoff is not None and int(handoff.group(1)) >= 1, output
     restarts = re.search(r"rolling_restarts=(\d+)", stdout)
     assert restarts is not None and int(restarts.group(1)) >= 1, output
+    figures, stdout, output = soaks["controls"]
+    assert (figures["lost"], figures["overlaps"], figures["orphaned"]) == (0, 0, 0), output
+    assert figures["kills"] >= 2, output
+    check_controls(stdout, output, figures["inputs"])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("defect", [None, "no-takeover-grace"])
-def test_kill_soak_busy_kills_overlap_only_without_the_grace(
-    tmp_path: Path, defect: str | None
-) -> None:
+def test_kill_soak_busy_kills_overlap_only_without_the_grace(tmp_path: Path) -> None:
     """Workers SIGKILLed while a drain's blocking call runs on in a child process for less
-    than the takeover grace: the real package never overlaps; a copy that takes a dead
-    owner's claims over at the first sighting of its free token (`no-takeover-grace`) does,
-    and the audit sees it. (On SQLite a token is free only once its process died, so
-    `ignore-lost-token` has nothing to act on there.)"""
-    broken = [] if defect is None else [f"--broken={defect}"]
-    figures, stdout, output = run_soak(
-        tmp_path,
-        LAST_LINE,
+    than the takeover grace, two soaks side by side: the real package never overlaps; a
+    copy that takes a dead owner's claims over at the first sighting of its free token
+    (`no-takeover-grace`) does, and the audit sees it. (On SQLite a token is free only once
+    its process died, so `ignore-lost-token` has nothing to act on there.)"""
+    args = [
         "--workers=3",
         "--sessions=6",
         # Long enough for two busy kills on a loaded host, where a restarted worker may not
@@ -102,16 +155,20 @@ def test_kill_soak_busy_kills_overlap_only_without_the_grace(
         "--settle-timeout=8",
         "--seed=5",
         "--model-steps=0",
-        *broken,
-        violation=defect is not None,
+    ]
+    soaks = run_soaks(
+        tmp_path,
+        LAST_LINE,
+        {"real": (args, False), "broken": ([*args, "--broken=no-takeover-grace"], True)},
     )
-    assert (figures["lost"], figures["orphaned"]) == (0, 0), output
-    if defect is None:
-        assert figures["overlaps"] == 0, output
-    else:
-        assert figures["overlaps"] >= 1, output
-    busy = re.search(r"busy_kills=(\d+)", stdout)
-    assert busy is not None and int(busy.group(1)) >= 2, output
+    for name, (figures, stdout, output) in soaks.items():
+        assert (figures["lost"], figures["orphaned"]) == (0, 0), output
+        if name == "real":
+            assert figures["overlaps"] == 0, output
+        else:
+            assert figures["overlaps"] >= 1, output
+        busy = re.search(r"busy_kills=(\d+)", stdout)
+        assert busy is not None and int(busy.group(1)) >= 2, output
 
 
 # The line before the last: the conversation controls the producer made, and their audit.
@@ -143,36 +200,6 @@ def check_controls(stdout: str, output: str, inputs: int) -> None:
     assert [made[key] for key in violations] == [0, 0, 0, 0], output
     made_inputs = sum(made[kind] for kind in ("queued", "interrupts", "rejects", "scheduled"))
     assert inputs == made_inputs + made["pauses"] - made["rejected"], output
-
-
-@pytest.mark.slow
-def test_short_kill_soak_with_conversation_controls_is_clean(tmp_path: Path) -> None:
-    """Half the producer's submits are conversation controls - double texts that interrupt
-    the running drain, submits rejected while busy, scheduled inputs, pauses resumed a
-    moment later - while workers are killed and restarted: every stored input is answered
-    once, none scheduled is taken early, no drain starts on a paused session, nothing
-    rejected is stored."""
-    figures, stdout, output = run_soak(
-        tmp_path,
-        LAST_LINE,
-        "--workers=3",
-        "--sessions=4",
-        "--duration=12",
-        "--rate=15",
-        "--kill-gap",
-        "0.4",
-        "1.5",
-        "--handoff-ratio=0.3",
-        "--restart-ratio=0.3",
-        "--interrupt-rate=0",
-        "--control-ratio=0.5",
-        "--settle-timeout=12",
-        "--seed=4",
-        "--model-steps=0",
-    )
-    assert (figures["lost"], figures["overlaps"], figures["orphaned"]) == (0, 0, 0), output
-    assert figures["kills"] >= 2, output
-    check_controls(stdout, output, figures["inputs"])
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -210,35 +237,64 @@ PG_LAST_LINE = re.compile(
 )
 
 
+PG_SOAK_ARGS = ["--backend=postgres", "--workers=3", "--rate=10", "--lease=1.5", "--model-steps=0"]
+PG_AUDIT = ("lost", "overlaps", "orphaned", "zombie_writes")
+
+
 @pytest.mark.slow
-def test_short_postgres_soak_audit_is_clean(tmp_path: Path) -> None:
-    """Hosts on PostgreSQL, each behind its own fault proxy, killed, paused and partitioned
-    past the lease, restarted gracefully (SIGTERM, successor at once, drains blocked in
-    threads), their connections killed (COMMITs included), clocks skewed by more than a
-    lease and the server restarted once: no input lost, no overlap, no orphan, no zombie
-    write; every fault kind was injected."""
-    figures, stdout, output = run_soak(
+def test_short_postgres_soaks_audits_are_clean(tmp_path: Path) -> None:
+    """Two PostgreSQL soaks side by side, each with its own server. In `plain`, hosts each
+    behind its own fault proxy, killed, paused and partitioned past the lease, restarted
+    gracefully (SIGTERM, successor at once, drains blocked in threads), their connections
+    killed (COMMITs included), clocks skewed by more than a lease and the server restarted
+    once: no input lost, no overlap, no orphan, no zombie write; every fault kind was
+    injected. In `controls`, half the producer's submits are conversation controls under
+    those faults: as the kill soak, no input lost, nothing scheduled taken early, no drain
+    of a paused session, nothing rejected stored - and no overlap, orphan or zombie
+    write."""
+    soaks = run_soaks(
         tmp_path,
         PG_LAST_LINE,
-        "--backend=postgres",
-        "--workers=3",
-        "--sessions=6",
-        "--duration=16",
-        "--rate=10",
-        "--lease=1.5",
-        "--kill-gap",
-        "0.2",
-        "0.8",
-        "--conn-kill-gap",
-        "0.5",
-        "1.5",
-        "--handoff-ratio=0.5",
-        "--settle-timeout=15",
-        "--seed=8",
-        "--model-steps=0",
+        {
+            "plain": (
+                [
+                    *PG_SOAK_ARGS,
+                    "--sessions=6",
+                    "--duration=16",
+                    "--kill-gap",
+                    "0.2",
+                    "0.8",
+                    "--conn-kill-gap",
+                    "0.5",
+                    "1.5",
+                    "--handoff-ratio=0.5",
+                    "--settle-timeout=15",
+                    "--seed=8",
+                ],
+                False,
+            ),
+            "controls": (
+                [
+                    *PG_SOAK_ARGS,
+                    "--sessions=4",
+                    "--duration=14",
+                    "--kill-gap",
+                    "0.3",
+                    "1.0",
+                    "--conn-kill-gap",
+                    "0.5",
+                    "1.5",
+                    "--interrupt-rate=0",
+                    "--control-ratio=0.5",
+                    "--settle-timeout=15",
+                    "--seed=4",
+                ],
+                False,
+            ),
+        },
     )
-    audit = ("lost", "overlaps", "orphaned", "zombie_writes")
-    assert [figures[key] for key in audit] == [0, 0, 0, 0], output
+    figures, stdout, output = soaks["plain"]
+    assert [figures[key] for key in PG_AUDIT] == [0, 0, 0, 0], output
     for fault in ("kills", "pauses", "partitions", "conn_kills"):
         assert figures[fault] >= 1, output
     assert figures["skew_ms"] > 1500, output  # more than a lease
@@ -246,32 +302,30 @@ def test_short_postgres_soak_audit_is_clean(tmp_path: Path) -> None:
     assert restarts is not None and int(restarts.group(1)) >= 1, output
     assert figures["inputs"] >= 50, output
     assert re.search(r" restarts=1 ", stdout) is not None, output
+    figures, stdout, output = soaks["controls"]
+    assert [figures[key] for key in PG_AUDIT] == [0, 0, 0, 0], output
+    check_controls(stdout, output, figures["inputs"])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("defect", [None, "ignore-lost-token"])
 def test_postgres_soak_busy_token_kills_overlap_only_on_a_broken_liveness_copy(
-    tmp_path: Path, defect: str | None
+    tmp_path: Path,
 ) -> None:
     """Hosts whose liveness token connections are killed while a drain is in a blocking call
-    shorter than the grace, followed by more work: the real package never overlaps (nor
-    loses, orphans or writes as a zombie); a copy that goes on draining after losing its
-    token (`ignore-lost-token`) does, and the audit sees the drains overlap. Only busy
-    token kills among the host faults, and no interrupts (they would cancel a busy drain
-    before the grace ran out); the copy that ignores its lost token never takes it again,
-    so each host loses it once - and every host at the server restart halfway through -
-    which leaves a few busy token kills that count. (A copy without the takeover grace no
-    longer overlaps here: the owner takes its token again within milliseconds, too soon
-    for a poll to see it free. The kill soak shows that defect.)"""
-    figures, stdout, output = run_soak(
-        tmp_path,
-        PG_LAST_LINE,
-        "--backend=postgres",
-        "--workers=3",
+    shorter than the grace, followed by more work, two soaks side by side: the real package
+    never overlaps (nor loses, orphans or writes as a zombie); a copy that goes on draining
+    after losing its token (`ignore-lost-token`) does, and the audit sees the drains
+    overlap. Only busy token kills among the host faults, and no interrupts (they would
+    cancel a busy drain before the grace ran out); the copy that ignores its lost token
+    never takes it again, so each host loses it once - and every host at the server
+    restart halfway through - which leaves a few busy token kills that count. (A copy
+    without the takeover grace no longer overlaps here: the owner takes its token again
+    within milliseconds, too soon for a poll to see it free. The kill soak shows that
+    defect.)"""
+    args = [
+        *PG_SOAK_ARGS,
         "--sessions=6",
         "--duration=12",
-        "--rate=10",
-        "--lease=1.5",
         "--kill-gap",
         "0.2",
         "0.5",
@@ -282,49 +336,19 @@ def test_postgres_soak_busy_token_kills_overlap_only_on_a_broken_liveness_copy(
         "10",
         "--settle-timeout=8",
         "--seed=8",
-        "--model-steps=0",
-        *([] if defect is None else [f"--broken={defect}"]),
-        violation=defect is not None,
+    ]
+    soaks = run_soaks(
+        tmp_path,
+        PG_LAST_LINE,
+        {"real": (args, False), "broken": ([*args, "--broken=ignore-lost-token"], True)},
     )
-    if defect is None:
-        audit = ("lost", "overlaps", "orphaned", "zombie_writes")
-        assert [figures[key] for key in audit] == [0, 0, 0, 0], output
-    else:
-        assert figures["overlaps"] >= 1, output
+    figures, stdout, output = soaks["real"]
+    assert [figures[key] for key in PG_AUDIT] == [0, 0, 0, 0], output
+    busy = re.search(r"busy_token_kills=(\d+)", stdout)
+    assert busy is not None and int(busy.group(1)) >= 3, output
+    figures, stdout, output = soaks["broken"]
+    assert figures["overlaps"] >= 1, output
     busy = re.search(r"busy_token_kills=(\d+)", stdout)
     # A host ignoring its lost token has none left to kill after the first time (the chaos
     # aims a busy kill at a host that holds its token, while one serves).
-    assert busy is not None, output
-    assert int(busy.group(1)) >= (1 if defect == "ignore-lost-token" else 3), output
-
-
-@pytest.mark.slow
-def test_short_postgres_soak_with_conversation_controls_is_clean(tmp_path: Path) -> None:
-    """The PostgreSQL soak's hosts under its faults while half the producer's submits are
-    conversation controls: as the kill soak, no input lost, nothing scheduled taken early,
-    no drain of a paused session, nothing rejected stored - and no overlap, orphan or
-    zombie write."""
-    figures, stdout, output = run_soak(
-        tmp_path,
-        PG_LAST_LINE,
-        "--backend=postgres",
-        "--workers=3",
-        "--sessions=4",
-        "--duration=14",
-        "--rate=10",
-        "--lease=1.5",
-        "--kill-gap",
-        "0.3",
-        "1.0",
-        "--conn-kill-gap",
-        "0.5",
-        "1.5",
-        "--interrupt-rate=0",
-        "--control-ratio=0.5",
-        "--settle-timeout=15",
-        "--seed=4",
-        "--model-steps=0",
-    )
-    audit = ("lost", "overlaps", "orphaned", "zombie_writes")
-    assert [figures[key] for key in audit] == [0, 0, 0, 0], output
-    check_controls(stdout, output, figures["inputs"])
+    assert busy is not None and int(busy.group(1)) >= 1, output
