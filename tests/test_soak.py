@@ -178,7 +178,9 @@ CONTROLS_LINE = re.compile(
     r" pauses=(?P<pauses>\d+) resumes=(?P<resumes>\d+) while_paused=(?P<while_paused>\d+)"
     r" marked=(?P<marked>\d+) early_takes=(?P<early_takes>\d+)"
     r" paused_starts=(?P<paused_starts>\d+) marked_starts=(?P<marked_starts>\d+)"
-    r" rejected_stored=(?P<rejected_stored>\d+) scheduled_taken=(?P<scheduled_taken>\d+)"
+    r" rejected_stored=(?P<rejected_stored>\d+) cancels=(?P<cancels>\d+)"
+    r" cancelled=(?P<cancelled>\d+) cancel_faults=(?P<cancel_faults>\d+)"
+    r" scheduled_taken=(?P<scheduled_taken>\d+)"
     r" late_p50_ms=-?\d+ late_p99_ms=-?\d+ late_max_ms=-?\d+$",
     re.MULTILINE,
 )
@@ -186,20 +188,23 @@ CONTROLS_LINE = re.compile(
 
 def check_controls(stdout: str, output: str, inputs: int) -> None:
     """Every control kind was made (a reject also refused, an interrupt also marking a
-    running claim), every pause resumed, none of them broke its promise, and the inputs
-    owed are the ones stored (a refusal is not)."""
+    running claim, a cancel also withdrawing an input), every pause resumed, none of them
+    broke its promise, and the inputs owed are the ones stored (neither a refusal nor a
+    withdrawn input is)."""
     match = CONTROLS_LINE.search(stdout)
     assert match is not None, output
     made = {key: int(value) for key, value in match.groupdict().items()}
-    for kind in ("queued", "interrupts", "marked", "rejects", "rejected", "scheduled", "pauses"):
+    made_kinds = ("queued", "interrupts", "rejects", "scheduled", "cancels")
+    for kind in (*made_kinds, "marked", "rejected", "pauses", "cancelled"):
         assert made[kind] >= 1, output
     assert 1 <= made["resumes"] <= made["pauses"], output
     assert made["while_paused"] >= made["pauses"], output
     assert made["scheduled_taken"] == made["scheduled"], output
     violations = ("early_takes", "paused_starts", "marked_starts", "rejected_stored")
-    assert [made[key] for key in violations] == [0, 0, 0, 0], output
-    made_inputs = sum(made[kind] for kind in ("queued", "interrupts", "rejects", "scheduled"))
-    assert inputs == made_inputs + made["pauses"] - made["rejected"], output
+    assert [made[key] for key in (*violations, "cancel_faults")] == [0] * 5, output
+    made_inputs = sum(made[kind] for kind in made_kinds)
+    withdrawn = made["rejected"] + made["cancelled"]
+    assert inputs == made_inputs + made["pauses"] - withdrawn, output
 
 
 @pytest.mark.parametrize("seed", range(20))

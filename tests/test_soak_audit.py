@@ -234,8 +234,10 @@ def test_control_draws_make_every_kind_and_their_store_calls() -> None:
     assert calls["reject"][1][-1] == "reject"
     assert calls["scheduled"][0] is _store.submit_scheduled
     assert calls["pause"][0] is _store.submit
+    cancels = [submit for submit in drawn if submit.kind == "cancel"]
+    assert {submit.call()[0] for submit in cancels} == {_store.submit, _store.submit_scheduled}
     for submit in drawn:
-        if submit.kind == "scheduled":
+        if submit.kind == "scheduled" or (submit.kind == "cancel" and submit.delay_ms):
             assert 200 <= submit.delay_ms <= 2000
         if submit.kind == "pause":
             assert 0.1 <= submit.pause_for <= 1.0
@@ -295,6 +297,40 @@ def test_control_audit_finds_early_takes_paused_starts_and_stored_rejects() -> N
     summary = controls.summary(judged)
     assert "interrupts=2 " in summary and "while_paused=1 marked=1 early_takes=1" in summary
     assert summary.endswith("scheduled_taken=2 late_p50_ms=-6 late_p99_ms=-6 late_max_ms=-6")
+
+
+@pytest.mark.parametrize(
+    ("answer", "state", "owed", "faults"),
+    [
+        (True, "gone", False, 0),  # withdrawn
+        (False, "gone", False, 0),  # withdrawn by a call whose reply was lost
+        (False, "taken", True, 0),  # a drain took it first
+        (True, "taken", True, 1),  # "withdrawn", yet a user message
+        (True, "pending", True, 1),  # "withdrawn", yet waiting
+        (False, "pending", True, 1),  # refused, while it waits
+    ],
+)
+def test_a_cancel_is_judged_by_where_the_store_keeps_its_input(
+    answer: bool, state: str, owed: bool, faults: int
+) -> None:
+    """A cancel control submits, cancels and looks where the input is: gone means
+    withdrawn (not owed, and never to be found stored); taken means owed; an answer the
+    state contradicts is a violation. A withdrawn input found stored at the audit is one
+    too."""
+    controls = common.Controls(1.0, control_clock())
+    answers = {_store.submit: ("in-1", None), _store.cancel_input: answer}
+
+    def run(op: Callable[..., object], *args: object) -> object:
+        return state if op is common.input_state else answers[op]
+
+    assert controls.make(common.Submit(1, "s", "cancel"), run) is owed
+    assert controls.cancelled == (set() if owed else {1})
+    assert controls.made["cancel"] == 1
+    judged = common.ControlAudit.judge(controls, stored_ids=["in-1"], taken=[], starts=[])
+    assert judged.violations == (faults if owed else 1)  # gone, yet stored: a violation
+    clean = common.ControlAudit.judge(controls, stored_ids=[], taken=[], starts=[])
+    assert clean.violations == faults
+    assert f"cancels=1 cancelled={int(not owed)} cancel_faults={faults} " in controls.summary(clean)
 
 
 def test_a_pause_that_lands_again_keeps_the_later_resume() -> None:

@@ -101,7 +101,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=0.0,
         help="share of the producer's submits made as a conversation control, drawn evenly:"
         ' on_busy="interrupt", on_busy="reject", a scheduled input (delay 0.2-2 s), a pause'
-        " of the session resumed 0.1-1 s later; 0: plain queued submits only",
+        " of the session resumed 0.1-1 s later, an input cancelled at once (queued or"
+        " scheduled); 0: plain queued submits only",
     )
     parser.add_argument("--settle-timeout", type=float, default=None)
     parser.add_argument("--seed", type=int, default=None)

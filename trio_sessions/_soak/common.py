@@ -374,11 +374,16 @@ def stop_workers(workers: dict[int, Worker]) -> None:
 # Conversation controls under chaos (`--control-ratio`)
 
 # What a control submit may be, drawn evenly (DESIGN §5.1): a double text that interrupts
-# the running drain, a submit refused while the session is busy, a scheduled input, and a
-# pause of the session (with a queued input for it to hold) resumed a moment later.
-CONTROL_KINDS = ("interrupt", "reject", "scheduled", "pause")
+# the running drain, a submit refused while the session is busy, a scheduled input, a
+# pause of the session (with a queued input for it to hold) resumed a moment later, and an
+# input withdrawn at once (`cancel_input`; half of them queued, racing the drain's take,
+# half scheduled, not due yet).
+CONTROL_KINDS = ("interrupt", "reject", "scheduled", "pause", "cancel")
 SCHEDULE_DELAY = (0.2, 2.0)  # seconds
 PAUSE_LENGTH = (0.1, 1.0)  # seconds
+# A queued input's cancel follows its submit after this long (seconds): sometimes before a
+# drain takes it, sometimes after.
+CANCEL_AFTER = (0.0, 0.03)
 # Two reads of the lease clock in milliseconds (the producer's before its submit, the take's
 # transaction later): integer truncation, and on SQLite two processes' reads of the wall clock.
 DUE_TOLERANCE_MS = 5
@@ -412,6 +417,17 @@ def store_clock(tx: Tx) -> int:
     return tx.now
 
 
+def input_state(tx: Tx, input_id: str) -> str:
+    """Where an input is: "pending" (or scheduled), "taken" (a user message) or "gone"."""
+    for state, table, column in (
+        ("pending", "session_input", "id"),
+        ("taken", "session_message", "input_id"),
+    ):
+        if tx.one(f"SELECT 1 FROM {table} WHERE {column} = ?", (input_id,)):
+            return state
+    return "gone"
+
+
 @attrs.frozen
 class Submit:
     """One producer submit: input `n` of `kind` ("queue" or a control kind) to a session."""
@@ -421,6 +437,7 @@ class Submit:
     kind: str
     delay_ms: int = 0  # scheduled
     pause_for: float = 0.0  # pause: seconds until the resume
+    cancel_after: float = 0.0  # cancel of a queued input: seconds from its submit
 
     def call(self) -> tuple[Callable[..., object], tuple[object, ...]]:
         """The store operation and its arguments, as `Runtime.submit` makes them (the
@@ -430,7 +447,7 @@ class Submit:
         stored = (self.session_id, payload, input_id(self.n))
         if self.kind in ("interrupt", "reject"):
             return _store.submit_controlled, (*stored, self.kind)
-        if self.kind == "scheduled":
+        if self.delay_ms:  # scheduled, or a cancel of a scheduled input
             return _store.submit_scheduled, (*stored, self.delay_ms, "queue")
         return _store.submit, stored
 
@@ -456,6 +473,8 @@ class Controls:
     marked: dict[str, float] = attrs.Factory(dict)  # claim an interrupt marked -> `clock`
     resumes: int = 0
     while_paused: int = 0  # inputs submitted to a paused session (answered after its resume)
+    cancelled: set[int] = attrs.Factory(set)  # inputs a cancel withdrew: never to be taken
+    cancel_faults: list[str] = attrs.Factory(list)  # cancels that broke their promise
 
     def draw(self, rng: random.Random, n: int, session_id: str) -> Submit:
         """Input `n`'s submit. A ratio of 0 draws nothing, so a run keeps the random draws
@@ -467,6 +486,10 @@ class Controls:
             return Submit(n, session_id, kind, delay_ms=round(rng.uniform(*SCHEDULE_DELAY) * 1000))
         if kind == "pause":
             return Submit(n, session_id, kind, pause_for=rng.uniform(*PAUSE_LENGTH))
+        if kind == "cancel" and rng.random() < 0.5:
+            return Submit(n, session_id, kind, delay_ms=round(rng.uniform(*SCHEDULE_DELAY) * 1000))
+        if kind == "cancel":
+            return Submit(n, session_id, kind, cancel_after=rng.uniform(*CANCEL_AFTER))
         return Submit(n, session_id, kind)
 
     def make(self, submit: Submit, run: Callable[..., Any]) -> bool:
@@ -487,9 +510,30 @@ class Controls:
         if submit.kind == "interrupt" and stored[1] is not None:
             # The running claim it marked cancelling: no drain iteration of it starts now.
             self.marked.setdefault(stored[1], self.clock())
+        if submit.kind == "cancel":
+            return self.withdraw(submit, run)
         self.stored(submit)
         if before_ms is not None:
             self.due[submit.n] = (before_ms + submit.delay_ms, run(store_clock) + submit.delay_ms)
+        return True
+
+    def withdraw(self, submit: Submit, run: Callable[..., Any]) -> bool:
+        """Cancel the input `submit` just stored (DESIGN §5.1); whether it is still owed (a
+        drain took it first). The store then says where the input is: gone (withdrawn -
+        also by a call whose reply was lost, which answers False when made again), taken,
+        or waiting. A cancel that answered True for an input still there, or False for one
+        still waiting, broke its promise."""
+        n = submit.n
+        time.sleep(submit.cancel_after)  # the producer's own pace (SQLite: its only thread)
+        withdrawn = run(_store.cancel_input, input_id(n))
+        state = run(input_state, input_id(n))
+        if state == "gone":
+            self.made["cancel"] += 1
+            self.cancelled.add(n)
+            return False
+        if withdrawn or state == "pending":
+            self.cancel_faults.append(f"input {n}: the cancel answered {withdrawn}, it is {state}")
+        self.stored(submit)
         return True
 
     def resume_due(self, run: Callable[..., Any], *, everything: bool = False) -> None:
@@ -549,7 +593,9 @@ class Controls:
             f" while_paused={self.while_paused} marked={len(self.marked)}"
             f" early_takes={len(audit.early_takes)} paused_starts={len(audit.paused_starts)}"
             f" marked_starts={len(audit.marked_starts)}"
-            f" rejected_stored={len(audit.rejected_stored)} {audit.lateness()}"
+            f" rejected_stored={len(audit.rejected_stored)} cancels={made['cancel']}"
+            f" cancelled={len(self.cancelled)} cancel_faults={len(audit.cancel_faults)}"
+            f" {audit.lateness()}"
         )
 
 
@@ -558,7 +604,8 @@ class ControlAudit:
     """What the controls may never do: a scheduled input taken before it was due (§6.23), a
     drain started on a paused session (§6.24), a rejected input stored (§5.1), a drain
     iteration of a claim an interrupting submit marked cancelling (§5.1: it stops at once,
-    and a successor takes the inputs)."""
+    and a successor takes the inputs), a cancelled input taken or stored again (§6.23), or
+    a cancel's answer that the store's state contradicts (`Controls.withdraw`)."""
 
     early_takes: list[str] = attrs.Factory(list)
     paused_starts: list[str] = attrs.Factory(list)
@@ -567,6 +614,7 @@ class ControlAudit:
     # Per scheduled input taken, ms from its due time (bounded from below) to its take: not
     # judged (a chaos with every worker dead delays it), shown for a due timer that is late.
     late_ms: list[int] = attrs.Factory(list)
+    cancel_faults: list[str] = attrs.Factory(list)
 
     @property
     def violations(self) -> int:
@@ -575,6 +623,7 @@ class ControlAudit:
             + len(self.paused_starts)
             + len(self.rejected_stored)
             + len(self.marked_starts)
+            + len(self.cancel_faults)
         )
 
     @classmethod
@@ -618,7 +667,12 @@ class ControlAudit:
         ]
         stored = set(stored_ids)
         rejected = sorted(n for n in controls.rejected if input_id(n) in stored)
-        return cls(early, paused, rejected, marked, late)
+        cancelled = [
+            f"input {n}: cancelled, then found stored"
+            for n in sorted(controls.cancelled)
+            if input_id(n) in stored
+        ]
+        return cls(early, paused, rejected, marked, late, [*controls.cancel_faults, *cancelled])
 
     def lateness(self) -> str:
         late = self.late_ms
@@ -639,3 +693,5 @@ class ControlAudit:
             print(f"soak: REJECTED INPUT STORED: {n}")
         for line in self.marked_starts[:20]:
             print(f"soak: DRAIN OF A CLAIM MARKED CANCELLING {line}")
+        for line in self.cancel_faults[:20]:
+            print(f"soak: CANCEL BROKEN {line}")
