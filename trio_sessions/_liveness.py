@@ -343,8 +343,9 @@ class PgToken:
             fd = conn.pgconn.socket
         except psycopg.OperationalError:
             return True
-        readable, _, _ = select.select([fd], [], [], 0)
-        if not readable:
+        poller = select.poll()  # not select(): a busy process's descriptors pass 1024
+        poller.register(fd, select.POLLIN)
+        if not poller.poll(0):
             return False
         sock = socket.socket(fileno=fd)
         try:
