@@ -278,14 +278,14 @@ def test_control_audit_finds_early_takes_paused_starts_and_stored_rejects() -> N
         stored_ids=["in-1", "in-2", "in-3", "in-4"],
         taken=[("in-1", 10_500 - common.DUE_TOLERANCE_MS), ("in-2", 20_500 - 6), ("in-3", 0)],
         starts=[
-            ("p", "P", 100.0 + common.START_SLACK - 0.01),  # within the slack
-            ("p", "P", 101.0),  # paused: a violation
-            ("s", "S", 101.0),  # another session
-            ("p", "P", 102.0),  # resumed
-            ("m", "E", 199.0),  # before the mark
-            ("m", "E", 200.0 + common.START_SLACK - 0.01),  # within the slack
-            ("m", "E", 201.0),  # marked: a violation
-            ("m", "F", 201.0),  # the successor
+            ("p", "P", "w", 100.0 + common.START_SLACK - 0.01),  # within the slack
+            ("p", "P", "w", 101.0),  # paused: a violation
+            ("s", "S", "w", 101.0),  # another session
+            ("p", "P", "w", 102.0),  # resumed
+            ("m", "E", "w", 199.0),  # before the mark
+            ("m", "E", "w", 200.0 + common.START_SLACK - 0.01),  # within the slack
+            ("m", "E", "w", 201.0),  # marked: a violation
+            ("m", "F", "w", 201.0),  # the successor
         ],
     )
     assert len(judged.early_takes) == 1 and "input 2 " in judged.early_takes[0]
@@ -331,6 +331,44 @@ def test_a_cancel_is_judged_by_where_the_store_keeps_its_input(
     clean = common.ControlAudit.judge(controls, stored_ids=[], taken=[], starts=[])
     assert clean.violations == faults
     assert f"cancels=1 cancelled={int(not owed)} cancel_faults={faults} " in controls.summary(clean)
+
+
+def test_a_worker_cut_off_at_a_control_is_judged_from_when_it_could_hear_of_it() -> None:
+    """A worker SIGSTOPped or partitioned when a pause or an interrupt's mark committed
+    hears of it only when that ended (the PostgreSQL soak, seed 31: a host stopped in a
+    claim handoff, resumed after 1.1 s by the chaos' end, started the claim's drain 0.4 s
+    after an interrupt marked it, and stopped it 10 ms later): its starts are judged from
+    then. A worker cut off at another time, or another worker, is judged as before."""
+    controls = common.Controls(1.0, control_clock(100.0, 110.0, 200.0))
+    pause = common.Submit(1, "p", "pause", pause_for=0.0)
+    controls.pausing(pause)
+    controls.paused(pause)  # paused at 100.0
+    controls.resuming("p")  # resumed at 110.0
+    controls.resumed("p")
+    marked = iter([("in-2", "E")])
+    assert controls.make(common.Submit(2, "m", "interrupt"), lambda *_: next(marked))
+    slack = common.START_SLACK
+    judged = common.ControlAudit.judge(
+        controls,
+        stored_ids=[],
+        taken=[],
+        starts=[
+            ("p", "P", "stopped", 101.0 + slack - 0.01),  # heard at 101.0: within the slack
+            ("p", "P", "stopped", 101.0 + slack),  # a violation
+            ("p", "P", "other", 100.5),  # not cut off: a violation
+            ("m", "E", "stopped", 201.0),  # heard at 201.0 (a second window)
+            ("m", "E", "elsewhere", 201.0),  # cut off, but long before the mark
+        ],
+        cut_off={
+            "stopped": [(99.0, 101.0), (150.0, 151.0), (200.0, 201.0)],
+            "elsewhere": [(10.0, 20.0)],
+        },
+    )
+    assert [line.split(" on ")[1].split(",")[0] for line in judged.paused_starts] == [
+        "stopped",
+        "other",
+    ]
+    assert len(judged.marked_starts) == 1 and "on elsewhere" in judged.marked_starts[0]
 
 
 def test_a_pause_that_lands_again_keeps_the_later_resume() -> None:

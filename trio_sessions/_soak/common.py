@@ -36,7 +36,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -633,12 +633,26 @@ class ControlAudit:
         *,
         stored_ids: Iterable[str],
         taken: Iterable[tuple[str, int]],
-        starts: Iterable[tuple[str, str, float]],
+        starts: Iterable[tuple[str, str, str, float]],
+        cut_off: Mapping[str, Sequence[tuple[float, float]]] | None = None,
     ) -> ControlAudit:
         """`stored_ids` (`STORED_INPUT_IDS_SQL`), `taken` (`TAKEN_SQL`: input id, take
         time by the lease clock) and the drain iterations' `starts` (session, execution,
-        time by `controls.clock`)."""
+        worker, time by `controls.clock`); `cut_off`: per worker, when it was stopped or
+        partitioned (`heard_at`)."""
         starts = list(starts)
+        windows = cut_off or {}
+
+        def heard_at(worker: str, at: float) -> float:
+            """When `worker` could act on a control committed `at`: then, unless it was
+            cut off from the change signals at that moment (SIGSTOP, a partition), when
+            that ended - a host paused past its lease stops its drains by itself; one
+            paused less (cut short by the chaos' end) hears of the control on SIGCONT."""
+            for since, until in windows.get(worker, ()):
+                if since <= at + START_SLACK and until >= at:
+                    at = max(at, until)
+            return at
+
         due = {input_id(n): (n, *bounds) for n, bounds in controls.due.items()}
         scheduled = [(i, at) for i, at in taken if i in due]
         early = [
@@ -654,16 +668,18 @@ class ControlAudit:
         for session_id, since, until in controls.windows:
             by_session.setdefault(session_id, []).append((since, until))
         paused = [
-            f"{session_id}: a drain started at {t:.3f}, paused from {since:.3f} to {until:.3f}"
-            for session_id, _, t in starts
+            f"{session_id}: a drain started at {t:.3f} on {worker}, paused from {since:.3f}"
+            f" to {until:.3f}"
+            for session_id, _, worker, t in starts
             for since, until in by_session.get(session_id, ())
-            if since + START_SLACK <= t < until
+            if heard_at(worker, since) + START_SLACK <= t < until
         ]
         marked = [
-            f"{session_id}: {execution_id} started a drain at {t:.3f}, marked cancelling"
-            f" at {controls.marked[execution_id]:.3f}"
-            for session_id, execution_id, t in starts
-            if t >= controls.marked.get(execution_id, t + 1) + START_SLACK
+            f"{session_id}: {execution_id} started a drain at {t:.3f} on {worker}, marked"
+            f" cancelling at {controls.marked[execution_id]:.3f}"
+            for session_id, execution_id, worker, t in starts
+            if execution_id in controls.marked
+            and t >= heard_at(worker, controls.marked[execution_id]) + START_SLACK
         ]
         stored = set(stored_ids)
         rejected = sorted(n for n in controls.rejected if input_id(n) in stored)

@@ -85,12 +85,14 @@ class Chaos(SoakBase):
         in_handoff = False
         if self.rng.random() < self.args.handoff_ratio:
             in_handoff = await self.held_in_handoff(worker, "stop")
+        stopped = time.monotonic()
         worker.process.send_signal(signal.SIGSTOP)
         try:
             with self.holding_locks():
                 await trio.sleep(self.hold_time())
         finally:
             worker.process.send_signal(signal.SIGCONT)
+            self.cut_off.setdefault(worker.name, []).append((stopped, time.monotonic()))
             (self.control / f"held.{worker.name}").unlink(missing_ok=True)
         self.result.pauses += 1
         self.result.handoff_pauses += in_handoff
@@ -105,12 +107,14 @@ class Chaos(SoakBase):
             with trio.move_on_after(2.0):
                 await tripped.wait()
             in_tx = tripped.is_set()
+        cut = time.monotonic()  # the armed cut tripped just now, or the blackhole's starts
         proxy.blackhole()
         try:
             with self.holding_locks():
                 await trio.sleep(self.hold_time())
         finally:
             proxy.heal()
+            self.cut_off.setdefault(worker.name, []).append((cut, time.monotonic()))
         self.result.partitions += 1
         self.result.partitions_in_tx += in_tx
 

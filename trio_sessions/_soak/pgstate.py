@@ -170,6 +170,9 @@ class SoakBase:
         self.workers: dict[int, common.Worker] = {}
         self.killed: set[str] = set()
         self.kill_times: dict[str, float] = {}  # SIGKILLs of the chaos, CLOCK_MONOTONIC
+        # Per worker, when it was SIGSTOPped or partitioned (CLOCK_MONOTONIC): cut off from
+        # every change signal, it hears of a control made meanwhile only afterwards.
+        self.cut_off: dict[str, list[tuple[float, float]]] = {}
         # A graceful shutdown waits for drains blocked in a thread (a step at most).
         self.retiring = common.Retiring(bound=10 * (args.lease + args.work_max))
         self.proxies: list[FaultProxy] = []

@@ -290,10 +290,11 @@ class Soak(Chaos):
             # An iteration's `enter` follows a checkpoint, where self-fencing cancels a
             # drain whose host was stopped past its lease (the handoff's `claim` does not).
             starts=(
-                (effect.session_id, effect.execution_id, effect.t)
+                (effect.session_id, effect.execution_id, effect.worker, effect.t)
                 for effect in effects
                 if effect.kind == "enter"
             ),
+            cut_off=self.cut_off,
         )
         result.controls.report()
         result.repeats = audit.repeats(effects, self.killed)

@@ -422,8 +422,8 @@ class Soak:
             stored_ids=(i for (i,) in self.conn.execute(common.STORED_INPUT_IDS_SQL)),
             taken=self.conn.execute(common.TAKEN_SQL),
             starts=(
-                (session_id, execution_id, t_enter)
-                for _, session_id, execution_id, _, _, t_enter, _, _ in drains
+                (session_id, execution_id, worker, t_enter)
+                for _, session_id, execution_id, worker, _, t_enter, _, _ in drains
             ),
         )
         result.controls.report()
