@@ -10,11 +10,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
 import trio.testing
-from helpers import LateReply, Raw, WrappedStore, runtime
+from helpers import ExecutorSeam, LateReply, Raw, WrappedStore, runtime
 from trio.testing import MockClock
 
 import trio_sessions
@@ -171,6 +172,64 @@ async def test_close_hands_back_at_once_when_drains_stop_promptly(
     async with runtime(store, record, clock, lease=LEASE) as second:
         await second.wait_idle("s")
     assert [(ctx.resumed, ctx.attempt) for ctx in resumed] == [(True, 0)]
+
+
+class HandBacks(ExecutorSeam):
+    """The runtime's executor, recording each hand-back's claims as it is sent."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.sent: list[list[str]] = []
+
+    async def run_nowait(self, op: Any, *args: Any) -> Any:
+        if op is _store.expire_claims:
+            self.sent.append(sorted(args[1]))
+        return await self._inner.run_nowait(op, *args)
+
+
+async def test_close_hands_back_the_claims_of_drains_that_stop_together_at_once(
+    store: Store, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """Closing a runtime with many drains that stop when cancelled hands their claims back
+    in one transaction, not one each (200 live chats: the last one's session waited for
+    200 transactions before another worker could take it over); a drain that exits later
+    hands its own back when it does. Every claim is handed back."""
+    wrapped = WrappedStore(store, HandBacks)
+    entered: dict[str, str] = {}
+    all_in, let_go = trio.Event(), trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        entered[ctx.session_id] = ctx.execution_id
+        if len(entered) == 6:
+            all_in.set()
+        try:
+            await trio.sleep_forever()
+        finally:
+            if ctx.session_id == "late":
+                with trio.CancelScope(shield=True):  # a cleanup that outlasts the others
+                    await let_go.wait()
+
+    async def late_exit() -> None:
+        await trio.sleep(1.0)
+        let_go.set()
+
+    async with trio.open_nursery() as nursery, runtime(wrapped, drain, clock, lease=LEASE) as first:
+        for session_id in ("late", "s1", "s2", "s3", "s4", "s5"):
+            await first.wake(session_id)
+        await all_in.wait()
+        nursery.start_soon(late_exit)  # during the close
+    assert wrapped.executor is not None
+    prompt = sorted(entered[f"s{n}"] for n in range(1, 6))
+    assert wrapped.executor.sent == [prompt, [entered["late"]]]
+    resumed: list[str] = []
+
+    async def record(ctx: DrainContext) -> None:
+        resumed.append(ctx.session_id)
+
+    async with runtime(store, record, clock, lease=LEASE) as second:
+        for session_id in entered:
+            await second.wait_idle(session_id)
+    assert sorted(resumed) == sorted(entered)
 
 
 async def test_no_drain_iteration_starts_once_the_runtime_is_closing(

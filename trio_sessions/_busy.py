@@ -54,6 +54,18 @@ T = TypeVar("T")
 HAND_BACK_TIMEOUT = 5.0
 
 
+@attrs.define(eq=False)
+class _HandBack:
+    """Claims handed back together (`BusyPeriods._expire`): the first one's task sends
+    them, the others wait for `done`."""
+
+    entries: list[SessionEntry] = attrs.Factory(list)
+    done: trio.Event = attrs.Factory(trio.Event)
+
+    def claims(self) -> list[str]:
+        return [entry.execution_id for entry in self.entries]
+
+
 @attrs.frozen
 class _Ending:
     """How one claim's drain section ended, before the finalizer acted on it."""
@@ -104,6 +116,7 @@ class BusyPeriods:
 
     def __init__(self, runtime: Runtime) -> None:
         self._runtime = runtime
+        self._hand_back: _HandBack | None = None  # claims joining the next hand-back
 
     # -- local registry -----------------------------------------------------------------------
 
@@ -615,25 +628,50 @@ class BusyPeriods:
         """Hand a claim back (shutdown): keep it, end its lease now so any owner can recover
         it at once. Only ever called once the claim's drain has exited (§6.21).
 
-        Shielded and bounded, as trio asks of cleanup, and never waiting for another
-        process's lock: if it cannot land, the lease simply runs out.
+        The claims of the drains that exit in one scheduler round go back in one
+        transaction: a close stops them all at once, and a transaction each kept the last
+        of them waiting for all the others'. Shielded and bounded, as trio asks of cleanup, and never waiting for
+        another process's lock: if it cannot land, the lease simply runs out.
         """
-        runtime = self._runtime
         if not entry.owned:
             return
-        claims = [entry.execution_id]
-        with trio.move_on_after(HAND_BACK_TIMEOUT, shield=True) as bounded:
-            try:
-                await runtime._db.run_nowait(_store.expire_claims, runtime._owner_id, claims)
-            except StoreError as exc:
-                _observe.hand_back_failed(runtime._owner_id, claims, exc)
+        batch = self._hand_back
+        if batch is None:
+            batch = self._hand_back = _HandBack()
+            leading = True
+        else:
+            leading = False
+        batch.entries.append(entry)
+        with trio.move_on_after(HAND_BACK_TIMEOUT, shield=True):
+            if leading:
+                await self._hand_back_together(batch)
             else:
-                _observe.handed_back(runtime._owner_id, claims)
-        if bounded.cancelled_caught:
-            _observe.hand_back_failed(
-                runtime._owner_id, claims, TimeoutError("hand-back timed out")
-            )
+                await batch.done.wait()
         entry.disown()
+
+    async def _hand_back_together(self, batch: _HandBack) -> None:
+        """Send `batch`'s hand-back once the drains exiting in this scheduler round joined
+        it, and report it for all of its claims."""
+        runtime = self._runtime
+        error: BaseException | None = TimeoutError("hand-back timed out")
+        try:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            self._hand_back = None  # later exits make a batch of their own
+            await runtime._db.run_nowait(_store.expire_claims, runtime._owner_id, batch.claims())
+            error = None
+        except StoreError as exc:
+            error = exc
+        except trio.Cancelled:
+            raise  # the bound ran out
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            if error is None:
+                _observe.handed_back(runtime._owner_id, batch.claims())
+            else:
+                _observe.hand_back_failed(runtime._owner_id, batch.claims(), error)
+            batch.done.set()
 
     async def hand_back_lost_claims(self) -> None:
         """Expire the claims kept while our liveness token was lost, each once its drain
