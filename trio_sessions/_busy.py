@@ -45,6 +45,7 @@ from ._lease import self_fence_deadline
 from ._model import Claim, Outcome
 
 if TYPE_CHECKING:
+    from ._backend import Token
     from ._verbs import Runtime
 
 T = TypeVar("T")
@@ -52,6 +53,10 @@ T = TypeVar("T")
 # A hand-back (expiring a lease on purpose) is best effort: past this bound, or when another
 # process holds the write lock, the lease simply runs out instead.
 HAND_BACK_TIMEOUT = 5.0
+# Schedule points a drain about to start gives the token's watch when the token looks lost:
+# the watch becomes runnable at the next I/O poll, and runs before or after this task in
+# that round, so two suffice; a few more cost nothing on a path this rare.
+TOKEN_WATCH_TURNS = 4
 
 
 @attrs.define(eq=False)
@@ -402,17 +407,23 @@ class BusyPeriods:
             runtime._lost_claims[entry.execution_id] = entry
             entry.lose_lease()
 
+    async def _let_the_token_watch_run_first(self, token: Token) -> None:
+        """Paused (in the claim's handoff, say) while the server dropped our token's
+        connection, this task may run before the one that watches the token - while the
+        others take the claim over once the token stayed free for the grace. Its loss is on
+        the socket already: a few schedule points let the watch (`Runtime._keep_token`)
+        run first, and its verdict is the one that counts - a loss cancels this claim's
+        scope (the drain never starts), anything else (a notice) lets it start."""
+        for _ in range(TOKEN_WATCH_TURNS):
+            await trio.lowlevel.checkpoint()
+            if not token.looks_lost():
+                return
+
     async def _drain_loop(self, entry: SessionEntry) -> _Ending:
         runtime = self._runtime
         while True:
             if runtime._token is not None and runtime._token.looks_lost():
-                # Paused (in the claim's handoff, say) while the server dropped our token's
-                # connection: the others may take the claim over before the task that
-                # watches the token runs. Lost with the token: no drain starts;
-                # `Runtime._keep_token` hands it back with the others.
-                runtime._lost_claims[entry.execution_id] = entry
-                entry.lose_lease()
-                await trio.lowlevel.checkpoint_if_cancelled()
+                await self._let_the_token_watch_run_first(runtime._token)
             context = DrainContext(runtime, entry)
             assert runtime._drain is not None  # producers never register an entry
             # The task (and every task the drain starts) knows which session it drains, so
@@ -630,8 +641,9 @@ class BusyPeriods:
 
         The claims of the drains that exit in one scheduler round go back in one
         transaction: a close stops them all at once, and a transaction each kept the last
-        of them waiting for all the others'. Shielded and bounded, as trio asks of cleanup, and never waiting for
-        another process's lock: if it cannot land, the lease simply runs out.
+        of them waiting for all the others'. Shielded and bounded, as trio asks of
+        cleanup, and never waiting for another process's lock: if it cannot land, the
+        lease simply runs out.
         """
         if not entry.owned:
             return

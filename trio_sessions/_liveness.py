@@ -328,10 +328,11 @@ class PgToken:
                 return
 
     def looks_lost(self) -> bool:
-        """Whether the connection's end is on its socket already (the server's error
+        """Whether the connection's end may be on its socket already (the server's error
         message, its close, a reset), seen without waiting and without reading: only
-        `wait_lost` reads this socket. Nothing else ever arrives on an idle token
-        connection but notices, which say nothing either way."""
+        `wait_lost` reads this socket, and decides. Nothing else arrives on an idle token
+        connection but notices; under TLS a record's first byte cannot tell a notice from
+        the farewell, so anything there looks like a loss."""
         import psycopg
 
         conn = self.conn
@@ -357,7 +358,7 @@ class PgToken:
         finally:
             sock.detach()  # the connection's descriptor, not ours to close
         # The end of the stream, or an ErrorResponse: unasked, always fatal.
-        return first in (b"", b"E")
+        return first in (b"", b"E") or bool(conn.pgconn.ssl_in_use)
 
     async def retake(self) -> None:
         self.close()
