@@ -360,9 +360,10 @@ class Token(Protocol):
         ...
 
     def looks_lost(self) -> bool:
-        """Whether the token's loss is already there to see, without waiting or reading:
-        after a pause, the server's end of its connection may be on the socket before the
-        task that waits for it (`wait_lost`) has run. Never true on SQLite."""
+        """Whether the token's loss may be there to see already, looked at without waiting
+        or reading: after a pause, the server's end of its connection may be on the
+        socket before the task in `wait_lost` has run - which reads it, and decides.
+        Never true on SQLite."""
         ...
 
     async def retake(self) -> None:

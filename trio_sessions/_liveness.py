@@ -22,9 +22,11 @@ connection (never through a transaction pooler) that is autocommit and never has
 flight. The server drops it within seconds of a host's death (short server-side keepalives,
 `client_connection_check_interval`); the client's keepalives are shorter still, so a
 partitioned owner notices its loss before the server frees the token. Its socket is awaited by
-trio, so a broken connection is noticed in milliseconds. The evidence that an owner holds a
-token is its `session_owner` row, written after the lock is taken and removed, like a file,
-by whoever finds the token free and the owner without live claims.
+trio, so a broken connection is noticed in milliseconds; a drain about to start looks at it
+first (`looks_lost`): after a pause, the loss may be there before the watch has run. The
+evidence that an owner holds a token is its `session_owner` row, written after the lock is
+taken and removed, like a file, by whoever finds the token free and the owner without live
+claims.
 
 Invariants: a token is taken before the runtime's first claim and released after its last
 drain exited; a probe never reports a held token as free (a hash collision between two owners
