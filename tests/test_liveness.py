@@ -21,6 +21,7 @@ from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import trio
 import trio.testing
@@ -256,6 +257,102 @@ async def test_an_owner_that_loses_its_token_stops_its_drains_at_once(
     ]
     assert times["old drain exited"] <= times["resumed"] < killed + 2.0
     assert outcome.kind == "succeeded"
+
+
+FROZEN_IN_HANDOFF = """
+import os, sys, time, trio, trio_sessions
+from trio_sessions._postgres import PostgresStore
+
+url, schema, release = sys.argv[1], sys.argv[2], sys.argv[3]
+
+async def hook(claim):
+    if claim.session_id == "held":
+        print("HELD", claim.execution_id, flush=True)
+        # The trio thread stops here, as a SIGSTOPped process's, until the test says.
+        deadline = time.monotonic() + 20
+        while not os.path.exists(release) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+async def drain(ctx):
+    print("ENTERED", ctx.execution_id, flush=True)
+    await ctx.take_inputs()
+
+async def main():
+    store = PostgresStore(url, schema=schema)
+    async with trio_sessions.open_runtime(store, drain, acquisition_hook=hook) as runtime:
+        print("OWNER", runtime.owner_id, flush=True)
+        await runtime.submit("held", {"n": 1})
+        await trio.sleep_forever()
+
+trio.run(main)
+"""
+
+
+@attrs.define
+class FrozenOwner:
+    """An owner process (`FROZEN_IN_HANDOFF`) whose trio thread stopped in the handoff of
+    its claim `held`; touching `release` lets it run on. `output`: its stdout, once it was
+    killed."""
+
+    owner_id: str
+    held: str
+    release: Path
+    output: str = ""
+
+
+@contextmanager
+def frozen_owner(location: PgLocation, tmp_path: Path) -> Iterator[FrozenOwner]:
+    script, release = tmp_path / "frozen.py", tmp_path / "release"
+    script.write_text(FROZEN_IN_HANDOFF)
+    process = subprocess.Popen(
+        [sys.executable, str(script), location.url, location.schema, str(release)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        owner_id = process.stdout.readline().split()[1]
+        held = process.stdout.readline().split()  # the trio thread stops after this
+        assert held[0] == "HELD", held
+        frozen = FrozenOwner(owner_id, held[1], release)
+        yield frozen
+    finally:
+        process.kill()
+        output, _ = process.communicate(timeout=10)
+    frozen.output = output
+
+
+@pytest.mark.slow
+async def test_an_owner_frozen_in_a_claims_handoff_never_starts_it_after_losing_its_token(
+    pg_url: str, pg_schema: str, tmp_path: Path
+) -> None:
+    """PostgreSQL, a real owner process whose trio thread stops in a claim's handoff
+    (committed, drain not started), as a paused host's: the server drops its token's
+    connection, another runtime takes the claim over after the grace, and then the owner
+    runs on. Its drain must not start on that claim: the farewell on the token's socket
+    makes it let the token's watch run first, which stops it (the controls soak's seed 15
+    overlap: the drain started 4 ms before the owner noticed the loss)."""
+    location = PgLocation(pg_url, pg_schema)
+    with frozen_owner(location, tmp_path) as owner:
+        terminate_backend(pg_url, _token_pid(location, owner.owner_id))
+        resumes = Resumes()
+        resumes.expected = 1
+        async with trio_sessions.open_runtime(
+            threaded_store(location), resumes, takeover_grace=GRACE, recovery_interval=0.2
+        ) as runtime:
+            with trio.fail_after(10):
+                await resumes.all.wait()
+            await runtime.wait_idle("held")
+        owner.release.touch()  # it runs on, its loss on the token's socket
+        with trio.fail_after(10):  # it noticed: its token is held again
+            while not rows(
+                location,
+                "SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2"
+                " AND granted AND objid = (hashtext(?)::bigint & 4294967295)::oid",
+                (owner.owner_id,),
+            ):
+                await trio.sleep(0.01)
+    assert f"ENTERED {owner.held}" not in owner.output, owner.output
 
 
 async def test_a_live_owner_keeps_its_claim_and_a_dead_ones_goes_after_the_grace(
