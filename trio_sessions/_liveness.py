@@ -272,6 +272,10 @@ class PgToken:
     inline: bool
     poll_interval: float | None
     conn: Any = None
+    # `looks_lost`'s poll object, and the descriptor it watches (a new connection's may be
+    # another).
+    _poller: Any = None
+    _polled: int = -1
 
     def _take_sync(self) -> bool:
         import psycopg  # the optional extra: only a PostgreSQL store gets here
@@ -346,9 +350,10 @@ class PgToken:
             fd = conn.pgconn.socket
         except psycopg.OperationalError:
             return True
-        poller = select.poll()  # not select(): a busy process's descriptors pass 1024
-        poller.register(fd, select.POLLIN)
-        if not poller.poll(0):
+        if self._polled != fd:  # poll(), not select(): descriptors may pass 1024
+            self._poller, self._polled = select.poll(), fd
+            self._poller.register(fd, select.POLLIN)
+        if not self._poller.poll(0):
             return False
         sock = socket.socket(fileno=fd)
         try:
