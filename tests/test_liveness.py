@@ -168,14 +168,7 @@ async def test_sigstopped_owner_is_taken_over_only_at_lease_expiry(
         # Shorten the stopped owner's lease (as if it stopped 27 s ago) to keep this bounded.
         write_expiry = old_expiry - 27_000
         _write(location, "UPDATE session_execution SET expires_at = ?", (write_expiry,))
-        resumes = Resumes()
-        resumes.expected = 1
-        async with trio_sessions.open_runtime(
-            threaded_store(location), resumes, takeover_grace=GRACE, recovery_interval=0.2
-        ) as runtime:
-            with trio.fail_after(10):
-                await resumes.all.wait()
-            await runtime.wait_idle("s0")
+        await resumed_by_another_runtime(location, "s0")
         [(created,)] = rows(
             location,
             "SELECT MIN(time_created) FROM session_message WHERE role = 'assistant'"
@@ -188,6 +181,31 @@ def _write(location: Path | PgLocation, sql: str, params: tuple[Any, ...]) -> No
     from backends import write
 
     write(location, sql, params)
+
+
+async def resumed_by_another_runtime(location: Path | PgLocation, session_id: str) -> None:
+    """A runtime of the production store resumes the one claim left (`Resumes`) and
+    finishes it."""
+    resumes = Resumes()
+    resumes.expected = 1
+    async with trio_sessions.open_runtime(
+        threaded_store(location), resumes, takeover_grace=GRACE, recovery_interval=0.2
+    ) as runtime:
+        with trio.fail_after(10):
+            await resumes.all.wait()
+        await runtime.wait_idle(session_id)
+
+
+async def token_held_again(location: PgLocation, owner_id: str) -> None:
+    """Until the owner's token is held again (it noticed its loss and took it again)."""
+    with trio.fail_after(10):
+        while not rows(
+            location,
+            "SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2"
+            " AND granted AND objid = (hashtext(?)::bigint & 4294967295)::oid",
+            (owner_id,),
+        ):
+            await trio.sleep(0.01)
 
 
 def _token_pid(location: PgLocation, owner_id: str) -> int:
@@ -239,14 +257,7 @@ async def test_an_owner_that_loses_its_token_stops_its_drains_at_once(
             while not any(kind == "resumed" for kind, _ in events):
                 await trio.sleep(0.01)
         await owner.wait_idle("s")
-        with trio.fail_after(10):  # taken again
-            while not rows(
-                location,
-                "SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2"
-                " AND granted AND objid = (hashtext(?)::bigint & 4294967295)::oid",
-                (owner.owner_id,),
-            ):
-                await trio.sleep(0.01)
+        await token_held_again(location, owner.owner_id)
         outcome = await owner.run("fresh")
     kinds = [kind for kind, _ in events]
     times = dict(events)
@@ -335,23 +346,9 @@ async def test_an_owner_frozen_in_a_claims_handoff_never_starts_it_after_losing_
     location = PgLocation(pg_url, pg_schema)
     with frozen_owner(location, tmp_path) as owner:
         terminate_backend(pg_url, _token_pid(location, owner.owner_id))
-        resumes = Resumes()
-        resumes.expected = 1
-        async with trio_sessions.open_runtime(
-            threaded_store(location), resumes, takeover_grace=GRACE, recovery_interval=0.2
-        ) as runtime:
-            with trio.fail_after(10):
-                await resumes.all.wait()
-            await runtime.wait_idle("held")
+        await resumed_by_another_runtime(location, "held")
         owner.release.touch()  # it runs on, its loss on the token's socket
-        with trio.fail_after(10):  # it noticed: its token is held again
-            while not rows(
-                location,
-                "SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2"
-                " AND granted AND objid = (hashtext(?)::bigint & 4294967295)::oid",
-                (owner.owner_id,),
-            ):
-                await trio.sleep(0.01)
+        await token_held_again(location, owner.owner_id)  # it noticed the loss
     assert f"ENTERED {owner.held}" not in owner.output, owner.output
 
 
