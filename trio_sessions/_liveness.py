@@ -320,9 +320,7 @@ class PgToken:
         if conn is None:
             return
         pgconn = conn.pgconn
-        while True:
-            if conn.closed or conn.broken:
-                return
+        while not _ended(conn):
             await trio.lowlevel.wait_readable(pgconn.socket)
             try:
                 pgconn.consume_input()
@@ -330,8 +328,6 @@ class PgToken:
                 return  # the connection is gone, and the lock with it
             while pgconn.notifies() is not None:
                 pass  # nothing listens here; keep the buffer empty
-            if pgconn.status != psycopg.pq.ConnStatus.OK:
-                return
 
     def looks_lost(self) -> bool:
         """Whether the connection's end may be on its socket already (the server's error
@@ -342,11 +338,9 @@ class PgToken:
         import psycopg
 
         conn = self.conn
-        if conn is None or conn.closed or conn.broken:
+        if conn is None or _ended(conn):
             return True
         try:
-            if conn.pgconn.status != psycopg.pq.ConnStatus.OK:
-                return True
             fd = conn.pgconn.socket
         except psycopg.OperationalError:
             return True
@@ -382,6 +376,14 @@ class PgToken:
                 trio.lowlevel.notify_closing(conn.pgconn.socket)
         with contextlib.suppress(psycopg.Error):  # closing a broken connection may complain
             conn.close()
+
+
+def _ended(conn: Any) -> bool:
+    """Whether a token's connection is over, and the lock with it: closed, broken, or so
+    its last read left it (`wait_lost` reads it; `looks_lost` asks between reads)."""
+    import psycopg
+
+    return bool(conn.closed or conn.broken or conn.pgconn.status != psycopg.pq.ConnStatus.OK)
 
 
 @asynccontextmanager
