@@ -586,6 +586,7 @@ class _LosableToken:
         self._lost = trio.Event()
         self._notice = False
         self.retaken = trio.Event()
+        self.looks = 0
 
     def lose(self) -> None:
         self._lost.set()
@@ -596,6 +597,7 @@ class _LosableToken:
         self._notice = True
 
     def looks_lost(self) -> bool:
+        self.looks += 1
         if self._notice:
             self._notice = False  # read by the watch at its next turn
             return True
@@ -709,6 +711,78 @@ async def test_a_drain_never_starts_on_a_claim_whose_token_is_seen_lost(
     [first] = first_claims
     assert [resumed_flag for _, resumed_flag in drained] == [True]
     assert first not in [execution_id for execution_id, _ in drained]
+
+
+async def test_a_pause_just_after_the_tokens_last_look_makes_the_next_drain_look_again(
+    store: Any, clock: Callable[[], float], autojump_clock: trio.testing.MockClock
+) -> None:
+    """Drains that start within moments of a look at the token skip their own (the look
+    costs a GIL hand-off on PostgreSQL); a pause does not count as a moment. A drain ran
+    (its look found the token whole), then the owner stood still in the next claim's
+    handoff for the takeover grace while the server dropped its token's connection, with
+    no schedule point between the last look and the next drain. That drain must look, and
+    not start."""
+    wrapped = WrappedStore(store, _LosableTokenExecutor)
+    paused_claims: list[str] = []
+    drained: list[tuple[str, str]] = []
+    resumed = trio.Event()
+
+    def token() -> _LosableToken:
+        assert wrapped.executor is not None and wrapped.executor.token is not None
+        return wrapped.executor.token
+
+    async def hook(claim: trio_sessions.Claim) -> None:
+        if claim.session_id == "paused" and not paused_claims:
+            paused_claims.append(claim.execution_id)
+            token().lose()
+            autojump_clock.jump(0.5)  # the owner stood still: time passed, nothing ran
+
+    async def drain(ctx: DrainContext) -> None:
+        drained.append((ctx.session_id, ctx.execution_id))
+        await ctx.take_inputs()
+        if ctx.session_id == "paused":
+            resumed.set()
+
+    async with runtime(
+        wrapped, drain, clock, recovery_interval=3600, takeover_grace=0.5, acquisition_hook=hook
+    ) as owner:
+        await owner.submit("first", {"n": 1})
+        await owner.wait_idle("first")
+        looks_before = token().looks
+        await owner.submit("paused", {"n": 2})
+        await resumed.wait()
+    [paused] = paused_claims
+    assert looks_before >= 1
+    assert ("paused", paused) not in drained
+    assert [session for session, _ in drained] == ["first", "paused"]
+
+
+async def test_drains_starting_together_look_at_the_token_once(
+    store: Any, clock: Callable[[], float], autojump_clock: trio.testing.MockClock
+) -> None:
+    """A look at the token on PostgreSQL is a syscall that gives up the GIL, and with the
+    store's threads busy getting it back cost 25 us a drain call (1,000 sessions in
+    flight). Drains that start within moments of a look (no pause can have let another
+    owner take their claims over since) skip theirs: twenty starting at one instant look
+    once."""
+    wrapped = WrappedStore(store, _LosableTokenExecutor)
+    sessions = [f"s{i}" for i in range(20)]
+    started: list[str] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        started.append(ctx.session_id)
+        await ctx.take_inputs()
+
+    async with runtime(wrapped, drain, clock, recovery_interval=3600) as owner:
+        assert wrapped.executor is not None and wrapped.executor.token is not None
+        async with trio.open_nursery() as nursery:
+            for session_id in sessions:
+                nursery.start_soon(owner.submit, session_id, {"n": 1})
+        for session_id in sessions:
+            await owner.wait_idle(session_id)
+        looks = wrapped.executor.token.looks
+    assert sorted(started) == sorted(sessions)
+    assert looks == 1
 
 
 async def test_a_token_that_only_looked_lost_lets_the_drain_start(

@@ -57,6 +57,11 @@ HAND_BACK_TIMEOUT = 5.0
 # the watch becomes runnable at the next I/O poll, and runs before or after this task in
 # that round, so two suffice; a few more cost nothing on a path this rare.
 TOKEN_WATCH_TURNS = 4
+# A drain starting this soon after a look found the token whole skips its own (at most a
+# quarter of the takeover grace). Within it no pause can have let another owner take a claim
+# over: that takes the token free for the whole grace. A look on PostgreSQL gives up the GIL
+# (a syscall), and with the store's threads busy, getting it back cost 25 us a drain call.
+TOKEN_LOOK_GAP = 0.005
 
 
 @attrs.define(eq=False)
@@ -119,9 +124,13 @@ def _outcome(plan: EndingPlan, error: BaseException | None = None) -> Outcome:
 class BusyPeriods:
     """The runtime's busy periods: how a session's claim is taken, drained and ended."""
 
-    def __init__(self, runtime: Runtime) -> None:
+    def __init__(self, runtime: Runtime, *, takeover_grace: float) -> None:
         self._runtime = runtime
         self._hand_back: _HandBack | None = None  # claims joining the next hand-back
+        # When a look last found the runtime's token whole (trio clock), and how long that
+        # answer stands for drains starting after it.
+        self._token_whole_at = -math.inf
+        self._token_look_gap = min(TOKEN_LOOK_GAP, takeover_grace / 4)
 
     # -- local registry -----------------------------------------------------------------------
 
@@ -407,6 +416,17 @@ class BusyPeriods:
             runtime._lost_claims[entry.execution_id] = entry
             entry.lose_lease()
 
+    def _token_looks_lost(self, token: Token) -> bool:
+        """Whether the drain about to start must let the token's watch run first; a look
+        found the token whole moments ago stands (`TOKEN_LOOK_GAP`)."""
+        now = trio.current_time()
+        if now - self._token_whole_at < self._token_look_gap:
+            return False
+        if token.looks_lost():
+            return True
+        self._token_whole_at = now
+        return False
+
     async def _let_the_token_watch_run_first(self, token: Token) -> None:
         """Paused (in the claim's handoff, say) while the server dropped our token's
         connection, this task may run before the one that watches the token - while the
@@ -422,7 +442,7 @@ class BusyPeriods:
     async def _drain_loop(self, entry: SessionEntry) -> _Ending:
         runtime = self._runtime
         while True:
-            if runtime._token is not None and runtime._token.looks_lost():
+            if runtime._token is not None and self._token_looks_lost(runtime._token):
                 await self._let_the_token_watch_run_first(runtime._token)
             context = DrainContext(runtime, entry)
             assert runtime._drain is not None  # producers never register an entry

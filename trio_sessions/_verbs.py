@@ -85,7 +85,7 @@ class Runtime:
         self, *, executor: Executor, nursery: trio.Nursery, drain: Drain | None, config: _Config
     ) -> None:
         # Claims and their busy periods (working on this object's state: it keeps none).
-        self._busy = BusyPeriods(self)
+        self._busy = BusyPeriods(self, takeover_grace=config.takeover_grace)
         # What reaches this runtime from outside a local call (the same: it keeps no state).
         self._loops = BackgroundLoops(self)
         self._db = executor
