@@ -18,6 +18,8 @@ call after `OutcomeUnknown` reads back what the lost call did (`_drain`);
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -424,3 +426,35 @@ def test_every_submit_whose_input_was_cancelled_after_its_lost_reply_reads_it_ba
         pending = control.execute("SELECT id FROM session_input").fetchall()
     assert cancelled == [True] * len(inputs)  # the other process was told they are gone
     assert pending == []
+
+
+# Draws an id of each kind, forks, and prints the next ids of the child and of the parent
+# (the child first): a single-threaded process, as a forking server is.
+_FORKED_IDS = """
+import os
+from trio_sessions._backend import new_call_id
+from trio_sessions._store.common import new_id
+
+new_call_id(), new_id()
+child = os.fork()
+if child == 0:
+    print("child", new_call_id(), new_id()[12:], flush=True)
+    os._exit(0)
+os.waitpid(child, 0)
+print("parent", new_call_id(), new_id()[12:], flush=True)
+"""
+
+
+def test_a_forked_child_draws_ids_of_its_own() -> None:
+    """A call's id tells its own lost call from any other's (`Job.call_id`), and row ids
+    are unique as random ones (`new_id`): a child forked from a process that made some
+    draws other bits than its parent's next, though both copies of the generator start
+    from the same state."""
+    run = subprocess.run(
+        [sys.executable, "-c", _FORKED_IDS], capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 0, run.stderr
+    child, parent = (line.split() for line in run.stdout.splitlines())
+    assert (child[0], parent[0]) == ("child", "parent")
+    assert child[1] != parent[1]  # call ids
+    assert child[2] != parent[2]  # the random bits of row ids

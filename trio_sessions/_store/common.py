@@ -16,15 +16,13 @@ Invariants kept here:
 from __future__ import annotations
 
 import json
-import os
-import random
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any, TypeVar
 
 import attrs
 
-from .._backend import Cursor, Tx
+from .._backend import RANDOM_BITS, Cursor, Tx
 from .._decisions import ClaimRow
 from .._errors import LeaseLost, MalformedRecord
 from .._validate import MAX_INT64
@@ -60,14 +58,6 @@ def _no_longer_expired(execution_id: str) -> LeaseLost:
     return LeaseLost(f"execution {execution_id!r} is no longer an expired claim")
 
 
-# The random bits of `new_id`: a generator of their own, seeded from the OS at import and
-# again in every forked child (two processes never share a stream), and out of reach of
-# tests that seed the global `random` (pytest-randomly, hypothesis). A system call per id
-# (os.urandom) cost a few per cent of a concurrent cycle.
-_ID_BITS = random.Random()
-os.register_at_fork(after_in_child=_ID_BITS.seed)
-
-
 def new_id() -> str:
     """32 hex digits: the wall-clock millisecond (48 bits), then 80 random bits.
 
@@ -77,9 +67,8 @@ def new_id() -> str:
     id: 80 random bits within each millisecond.
     """
     # As f"{ms:012x}{bits:020x}", in half the time (an id or two per claim).
-    return (
-        ((time.time_ns() // 1_000_000 << 80) | _ID_BITS.getrandbits(80)).to_bytes(16, "big").hex()
-    )
+    bits = (time.time_ns() // 1_000_000 << 80) | RANDOM_BITS.getrandbits(80)
+    return bits.to_bytes(16, "big").hex()
 
 
 # Parameters per IN list: well below SQLite's and PostgreSQL's limits.
