@@ -14,8 +14,9 @@ is written for a claim after its lease is lost; a claim is never handed back whi
 runs; one terminal outcome per busy period and every registry entry released. How a claim
 ended is decided once, by `_decisions.decide_ending`; this module only carries it out.
 
-`BusyPeriods` holds no state: the registry, the flags and the executor are the `Runtime`'s
-(so a test that swaps `runtime._db` reaches every write here too).
+The registry, the flags and the executor are the `Runtime`'s (so a test that swaps
+`runtime._db` reaches every write here too); `BusyPeriods` keeps only the hand-back being
+gathered and when a look last found the token whole.
 """
 
 from __future__ import annotations

@@ -23,7 +23,9 @@ flight. The server drops it within seconds of a host's death (short server-side 
 `client_connection_check_interval`); the client's keepalives are shorter still, so a
 partitioned owner notices its loss before the server frees the token. Its socket is awaited by
 trio, so a broken connection is noticed in milliseconds; a drain about to start looks at it
-first (`looks_lost`): after a pause, the loss may be there before the watch has run. The
+first (`looks_lost`): after a pause, the loss may be there before the watch has run. (A drain
+starting moments after a look that found it whole skips its own, `_busy.TOKEN_LOOK_GAP`: no
+pause since can have let another owner take a claim over.) The
 evidence that an owner holds a token is its `session_owner` row, written after the lock is
 taken and removed, like a file, by whoever finds the token free and the owner without live
 claims.
