@@ -300,11 +300,13 @@ class HangingProxy:
     nothing more either way but keeps every connection open - a server that hangs (a frozen
     backend, a stuck pooler) while its host's kernel still acknowledges. `stall()` stalls it
     now, `stall_on(text)` the moment a client sends `text`; `drop(text)` closes the
-    connections whose client sent `text` (the server or a network between lost them)."""
+    connections whose client sent `text` (the server or a network between lost them).
+    `held`: the client messages it kept from the server since it stalled (calls in flight)."""
 
     def __init__(self, target: tuple[str, int]) -> None:
         self.target = target
         self.stalled = False
+        self.held = 0
         self.port = 0
         self.trigger: bytes | None = None
         self._connections: list[tuple[trio.CancelScope, bytearray]] = []
@@ -336,7 +338,12 @@ class HangingProxy:
         return dropped
 
     async def _forward(
-        self, source: trio.SocketStream, sink: trio.SocketStream, sent: bytearray
+        self,
+        source: trio.SocketStream,
+        sink: trio.SocketStream,
+        sent: bytearray,
+        *,
+        from_client: bool,
     ) -> None:
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
             while data := await source.receive_some(65536):
@@ -344,6 +351,8 @@ class HangingProxy:
                 if self.trigger is not None and self.trigger in data:
                     self.stalled = True
                 if self.stalled:
+                    if from_client:
+                        self.held += 1
                     await trio.sleep_forever()
                 await sink.send_all(data)
 
@@ -355,8 +364,10 @@ class HangingProxy:
         self._connections.append((scope, sent))
         with scope:
             async with client, server, trio.open_nursery() as nursery:
-                nursery.start_soon(self._forward, client, server, sent)
-                nursery.start_soon(self._forward, server, client, bytearray())
+                forward = functools.partial(self._forward, from_client=True)
+                nursery.start_soon(forward, client, server, sent)
+                backward = functools.partial(self._forward, from_client=False)
+                nursery.start_soon(backward, server, client, bytearray())
 
     async def serve(self, nursery: trio.Nursery) -> None:
         serve = functools.partial(trio.serve_tcp, host="127.0.0.1")
@@ -388,7 +399,10 @@ async def _exit_status_after_sigterm_on_a_hung_server(
         try:
             await worker.until_logged("worker started")
             await hang(proxy, worker)
-            await trio.sleep(1.5)  # the worker's next store calls are in flight
+            with trio.move_on_after(DEADLINE):
+                while not proxy.held:  # a store call of the worker's is in flight
+                    await trio.sleep(POLL)
+            assert proxy.held, worker.output()
             worker.process.send_signal(signal.SIGTERM)
             await worker.until_logged("worker stopping on SIGTERM")
             with trio.move_on_after(EXIT_AFTER_SIGTERM_S):
