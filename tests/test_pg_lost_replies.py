@@ -428,6 +428,63 @@ def test_every_submit_whose_input_was_cancelled_after_its_lost_reply_reads_it_ba
     assert pending == []
 
 
+class ThenRefused(ThenElsewhere):
+    """`ThenElsewhere`, and the engine's next statement that names `refused` after the lost
+    reply (its call again) fails on the server with an error of its own: a database error,
+    not a lost connection."""
+
+    def __init__(self, url: str, schema: str, control: psycopg.Connection[Any]) -> None:
+        super().__init__(url, schema, control)
+        self.refused: str | None = None
+
+    def statement(self, conn: Any, text: str, params: Any, run: Any) -> Any:
+        if self.fired is not None and self.refused is not None and self.refused in text:
+            self.refused = None
+            conn.execute("SELECT 1 / 0")  # division_by_zero, from the server
+        return super().statement(conn, text, params, run)
+
+
+def test_a_batch_whose_call_again_is_refused_runs_its_submits_alone_as_calls_again(
+    pg_url: str, migrated_schema: str
+) -> None:
+    """§5.1, §6.23 and §8 "Uncertain commits": a batch's submits (one set-wise call) land
+    and the reply is lost; another process cancels the inputs (True); the engine's call
+    again is refused whole by a database error, so each submit runs alone. Each alone call
+    must still read back that the lost call landed its input - as a call again, not a
+    first call, which stores the cancelled input a second time (and a drain takes it
+    although cancel_input said it was gone)."""
+    payload = '{"n": 1}'
+    inputs = {"i1": "s", "i2": "t"}
+    cancelled: list[bool] = []
+
+    def cancel_elsewhere() -> None:
+        other = PostgresStore(pg_url, schema=migrated_schema, listen=False).engine()
+        other.open(migrate_schema=False)
+        try:
+            cancelled.extend(_postgres.run_op(other, _store.cancel_input, i) for i in inputs)
+        finally:
+            other.close()
+
+    with control_connection(pg_url, migrated_schema) as control:
+        faults = ThenRefused(pg_url, migrated_schema, control)
+        engine = PostgresStore(pg_url, schema=migrated_schema, wrap_connection=faults.wrap).engine()
+        engine.open()
+        try:
+            faults.elsewhere = cancel_elsewhere
+            faults.refused = "ts_submits("
+            faults.arm(Plan(1, Mode.LOST))
+            jobs = [Job(_store.submit, (s, payload, i)) for i, s in inputs.items()]
+            engine.run_batch(jobs)
+        finally:
+            engine.close()
+        assert faults.fired is not None and "ts_submits(" in faults.fired, faults.fired
+        assert faults.refused is None  # the call again was refused
+        pending = control.execute("SELECT id FROM session_input ORDER BY id").fetchall()
+    assert cancelled == [True, True]
+    assert outcome_of(jobs) == [("ok", "i1"), ("ok", "i2")]
+    assert pending == []
+
+
 # Draws an id of each kind, forks, and prints the next ids of the child and of the parent
 # (the child first): a single-threaded process, as a forking server is.
 _FORKED_IDS = """

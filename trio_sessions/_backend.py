@@ -169,12 +169,8 @@ class NeedsTransaction(Exception):
     """Raised by a `Tx` in autocommit before it sends a statement that must share a
     transaction with others, or when the server refused a call whole (`NEEDS_TRANSACTION`):
     the backend runs the operation again in a transaction. Nothing was written by the
-    operation when it is raised. `after_lost_reply`: an earlier attempt's reply was lost,
-    so the transaction's calls read back whether it landed (`p_retry`)."""
-
-    def __init__(self, message: str, *, after_lost_reply: bool = False) -> None:
-        super().__init__(message)
-        self.after_lost_reply = after_lost_reply
+    operation when it is raised (an earlier attempt whose reply was lost may have written:
+    `Job.reply_lost`)."""
 
 
 # The SQLSTATE a server-side function raises, in autocommit, when part of its work needs
@@ -296,6 +292,10 @@ class Job:
     args: tuple[Any, ...]
     result: Any = None
     error: BaseException | None = None
+    # An attempt of it may have landed: its reply was lost. Every later attempt - again, in
+    # a transaction after autocommit, alone after its batch - reads back whether it did
+    # (`p_retry`), never runs as a first call.
+    reply_lost: bool = attrs.field(default=False, init=False)
     _call_id: str | None = attrs.field(default=None, init=False, repr=False)
 
     @property

@@ -366,15 +366,15 @@ class PgEngine:
         own: its rows' FALLBACK (nothing written for them), or all of them when the call
         failed whole (they are idempotent alike: a lost call's rows read themselves back)."""
         function, interpret = jobs[0].op.__dict__["pg_batched"]
-        arrays = _set_wise_arguments(jobs)
+        call = Job(_call, (function, *_set_wise_arguments(jobs)))
         try:
-            rows = self._autocommit(Job(_call, (function, *arrays)))
+            rows = self._autocommit(call)
         except StoreError as exc:
             for job in jobs:
                 job.error = exc
             return []
         except Exception:  # refused whole (or failed before sending): each alone says why
-            return list(jobs)
+            return _after_call(call, jobs)
         settled: set[int] = set()
         for ordinal, *row in rows:  # in the order the call applied them
             index = int(ordinal) - 1
@@ -387,20 +387,19 @@ class PgEngine:
                     continue
                 jobs[index].result = result
             settled.add(index)
-        return [job for index, job in enumerate(jobs) if index not in settled]
+        return _after_call(call, [job for index, job in enumerate(jobs) if index not in settled])
 
     def run_alone(self, job: Job, mode: Mode = "write") -> None:
         """Run one job in its own transaction - or as one autocommit call, if it is marked
         `autocommit_when_alone`. Never raises: the outcome goes on the job."""
         # A read that is one function call is one statement: its own snapshot, no BEGIN.
-        retry = False
         if mode != "nowait" and job.op.__dict__.get("autocommit_when_alone", False):
             try:
                 job.result = self._autocommit(job)
-            except NeedsTransaction as needs:
+            except NeedsTransaction:
                 # Nothing was written: run it in a transaction instead - whose calls read
-                # back whether a lost earlier attempt landed.
-                retry = needs.after_lost_reply
+                # back whether a lost earlier attempt landed (`Job.reply_lost`).
+                pass
             except StoreError as exc:
                 job.error = exc
                 return
@@ -410,7 +409,7 @@ class PgEngine:
             else:
                 return
         try:
-            [job.result] = self._transaction([job], mode, alone=True, retry=retry)
+            [job.result] = self._transaction([job], mode, alone=True, retry=job.reply_lost)
         except _JobRaised as raised:
             job.error = _store_error(raised.error)
         except StoreError as exc:
@@ -456,18 +455,17 @@ class PgEngine:
         written); `StoreError` past the bounds; the operation's own errors as they are."""
         deadline = time.monotonic() + RECONNECT_PATIENCE_S
         attempt = 0
-        retry = False
         lost: BaseException | None = None
         while True:
             attempt += 1
             try:
                 conn = self._connection(deadline)
             except StoreError as exc:
-                if retry:  # never guessed: the lost call may have landed
+                if job.reply_lost:  # never guessed: the lost call may have landed
                     raise _unknown_outcome(lost, exc) from lost
                 raise
             self.transactions += 1
-            tx = PgTx(conn, self.clock, autocommit=True, retry=retry, job=job)
+            tx = PgTx(conn, self.clock, autocommit=True, retry=job.reply_lost, job=job)
             try:
                 return job.op(tx, *job.args)
             except NeedsTransaction:
@@ -475,15 +473,15 @@ class PgEngine:
             except Exception as exc:
                 if isinstance(exc, psycopg.Error) and exc.sqlstate == NEEDS_TRANSACTION:
                     # The server refused the call whole: nothing written.
-                    raise NeedsTransaction(str(exc), after_lost_reply=retry) from exc
+                    raise NeedsTransaction(str(exc)) from exc
                 if _connection_lost(conn, exc):
                     self.close()  # the next attempt re-opens it
-                    retry = retry or tx.begun
+                    job.reply_lost = job.reply_lost or tx.begun
                     lost = exc
                 elif not (isinstance(exc, psycopg.Error) and exc.sqlstate in RETRYABLE_SQLSTATES):
                     raise  # the operation's own refusal, or a database error
                 if attempt >= MAX_ATTEMPTS or time.monotonic() >= deadline:
-                    if retry:
+                    if job.reply_lost:
                         raise _unknown_outcome(exc, driver_error(exc)) from exc
                     raise driver_error(exc) from exc
                 self.retries += 1
@@ -700,6 +698,15 @@ def _schema_version(tx: Any) -> int:
 
 def _call(tx: Tx, function: str, *args: Any) -> list[Any]:
     return tx.call(function, *args)
+
+
+def _after_call(call: Job, jobs: Sequence[Job]) -> list[Job]:
+    """`jobs`, left to run alone after their set-wise `call`: if a reply of the call was
+    lost, it may have landed for them too, and their own calls read back."""
+    if call.reply_lost:
+        for job in jobs:
+            job.reply_lost = True
+    return list(jobs)
 
 
 def _set_wise_arguments(jobs: Sequence[Job]) -> list[list[Any]]:
