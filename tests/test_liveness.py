@@ -433,8 +433,9 @@ def test_token_files_are_private_and_removed_once_free(tmp_path: Path) -> None:
 
 
 async def test_takeover_grace_is_validated_and_a_producer_holds_no_token(tmp_path: Path) -> None:
-    """`takeover_grace` must be a number of seconds (>= 1 ms) before anything opens; a
-    producer (`drain=None`) never takes a liveness token, a runtime that drains does."""
+    """`takeover_grace` must be a number of seconds (>= 20 ms: a drain starting within 5 ms
+    of a look that found its token whole skips its own) before anything opens; a producer
+    (`drain=None`) never takes a liveness token, a runtime that drains does."""
     from trio_sessions import _liveness
 
     database = tmp_path / "v.db"
@@ -445,6 +446,7 @@ async def test_takeover_grace_is_validated_and_a_producer_holds_no_token(tmp_pat
     bad_values: list[tuple[Any, type[Exception]]] = [
         (0, ValueError),
         (-1.0, ValueError),
+        (0.019, ValueError),
         ("1", TypeError),
         (True, TypeError),
     ]
@@ -713,15 +715,36 @@ async def test_a_drain_never_starts_on_a_claim_whose_token_is_seen_lost(
     assert first not in [execution_id for execution_id, _ in drained]
 
 
+class _BootClock:
+    """`_liveness.since_boot` as the test says: it stands still but for `advance`."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.mark.parametrize("paused", ["process", "host"])
 async def test_a_pause_just_after_the_tokens_last_look_makes_the_next_drain_look_again(
-    store: Any, clock: Callable[[], float], autojump_clock: trio.testing.MockClock
+    store: Any,
+    clock: Callable[[], float],
+    autojump_clock: trio.testing.MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+    paused: str,
 ) -> None:
     """Drains that start within moments of a look at the token skip their own (the look
     costs a GIL hand-off on PostgreSQL); a pause does not count as a moment. A drain ran
     (its look found the token whole), then the owner stood still in the next claim's
     handoff for the takeover grace while the server dropped its token's connection, with
     no schedule point between the last look and the next drain. That drain must look, and
-    not start."""
+    not start - whether the process was stopped (trio's clock saw the pause) or its whole
+    host was suspended (only a clock that counts suspended time saw it)."""
+    boot = _BootClock()
+    monkeypatch.setattr(_liveness, "since_boot", boot)
     wrapped = WrappedStore(store, _LosableTokenExecutor)
     paused_claims: list[str] = []
     drained: list[tuple[str, str]] = []
@@ -735,7 +758,12 @@ async def test_a_pause_just_after_the_tokens_last_look_makes_the_next_drain_look
         if claim.session_id == "paused" and not paused_claims:
             paused_claims.append(claim.execution_id)
             token().lose()
-            autojump_clock.jump(0.5)  # the owner stood still: time passed, nothing ran
+            # The owner stood still for the grace: time passed, nothing ran.
+            if paused == "process":
+                autojump_clock.jump(0.5)
+                boot.advance(0.5)
+            else:
+                boot.advance(0.5)
 
     async def drain(ctx: DrainContext) -> None:
         drained.append((ctx.session_id, ctx.execution_id))
@@ -758,13 +786,18 @@ async def test_a_pause_just_after_the_tokens_last_look_makes_the_next_drain_look
 
 
 async def test_drains_starting_together_look_at_the_token_once(
-    store: Any, clock: Callable[[], float], autojump_clock: trio.testing.MockClock
+    store: Any,
+    clock: Callable[[], float],
+    autojump_clock: trio.testing.MockClock,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A look at the token on PostgreSQL is a syscall that gives up the GIL, and with the
     store's threads busy getting it back cost 25 us a drain call (1,000 sessions in
     flight). Drains that start within moments of a look (no pause can have let another
     owner take their claims over since) skip theirs: twenty starting at one instant look
-    once."""
+    once. (The clock that counts a suspended host's time stands still here: on a loaded
+    machine twenty drains may take more than the gap in real time.)"""
+    monkeypatch.setattr(_liveness, "since_boot", _BootClock())
     wrapped = WrappedStore(store, _LosableTokenExecutor)
     sessions = [f"s{i}" for i in range(20)]
     started: list[str] = []

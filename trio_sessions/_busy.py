@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Literal, NoReturn, TypeVar
 import attrs
 import trio
 
-from . import _observe, _store
+from . import _liveness, _observe, _store
 from ._coordinator import Execution, SessionEntry
 from ._decisions import (
     AcquireVerdict,
@@ -58,11 +58,6 @@ HAND_BACK_TIMEOUT = 5.0
 # the watch becomes runnable at the next I/O poll, and runs before or after this task in
 # that round, so two suffice; a few more cost nothing on a path this rare.
 TOKEN_WATCH_TURNS = 4
-# A drain starting this soon after a look found the token whole skips its own (at most a
-# quarter of the takeover grace). Within it no pause can have let another owner take a claim
-# over: that takes the token free for the whole grace. A look on PostgreSQL gives up the GIL
-# (a syscall), and with the store's threads busy, getting it back cost 25 us a drain call.
-TOKEN_LOOK_GAP = 0.005
 
 
 @attrs.define(eq=False)
@@ -125,13 +120,12 @@ def _outcome(plan: EndingPlan, error: BaseException | None = None) -> Outcome:
 class BusyPeriods:
     """The runtime's busy periods: how a session's claim is taken, drained and ended."""
 
-    def __init__(self, runtime: Runtime, *, takeover_grace: float) -> None:
+    def __init__(self, runtime: Runtime) -> None:
         self._runtime = runtime
         self._hand_back: _HandBack | None = None  # claims joining the next hand-back
-        # When a look last found the runtime's token whole (trio clock), and how long that
-        # answer stands for drains starting after it.
-        self._token_whole_at = -math.inf
-        self._token_look_gap = min(TOKEN_LOOK_GAP, takeover_grace / 4)
+        # When a look last found the runtime's token whole: on trio's clock, and on one that
+        # counts a suspended host's time (`_liveness.since_boot`).
+        self._token_whole_at = (-math.inf, -math.inf)
 
     # -- local registry -----------------------------------------------------------------------
 
@@ -419,9 +413,12 @@ class BusyPeriods:
 
     def _token_looks_lost(self, token: Token) -> bool:
         """Whether the drain about to start must let the token's watch run first; a look
-        found the token whole moments ago stands (`TOKEN_LOOK_GAP`)."""
-        now = trio.current_time()
-        if now - self._token_whole_at < self._token_look_gap:
+        that found the token whole moments ago on both clocks stands (`TOKEN_LOOK_GAP`: a
+        stopped process's pause shows on trio's clock, a suspended host's on the other)."""
+        now = (trio.current_time(), _liveness.since_boot())
+        then = self._token_whole_at
+        gap = _liveness.TOKEN_LOOK_GAP
+        if now[0] - then[0] < gap and now[1] - then[1] < gap:
             return False
         if token.looks_lost():
             return True

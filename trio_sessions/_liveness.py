@@ -24,8 +24,8 @@ flight. The server drops it within seconds of a host's death (short server-side 
 partitioned owner notices its loss before the server frees the token. Its socket is awaited by
 trio, so a broken connection is noticed in milliseconds; a drain about to start looks at it
 first (`looks_lost`): after a pause, the loss may be there before the watch has run. (A drain
-starting moments after a look that found it whole skips its own, `_busy.TOKEN_LOOK_GAP`: no
-pause since can have let another owner take a claim over.) The
+starting moments after a look that found it whole skips its own, `TOKEN_LOOK_GAP`: no pause
+since can have let another owner take a claim over, every owner's grace being far longer.) The
 evidence that an owner holds a token is its `session_owner` row, written after the lock is
 taken and removed, like a file, by whoever finds the token free and the owner without live
 claims.
@@ -62,7 +62,27 @@ from ._errors import StoreError
 LIVENESS_POLL = 0.25
 # How long taking a token waits for a probe that holds its file's lock for a moment.
 TAKE_PATIENCE_S = 5.0
+# A drain starting this soon after a look found its runtime's token whole skips its own
+# (`_busy`): within it no pause can have let another owner take a claim over, which takes
+# the token free for the whole grace - hence the grace's floor, on every runtime alike. A
+# look on PostgreSQL gives up the GIL (a syscall), and with the store's threads busy,
+# getting it back cost 25 us a drain call.
+TOKEN_LOOK_GAP = 0.005
+MIN_TAKEOVER_GRACE = 4 * TOKEN_LOOK_GAP
 _OWNER_ID_LIMIT = 65_536
+
+
+# Linux's clock that counts the time the host was suspended (None elsewhere).
+_BOOT_CLOCK: int | None = getattr(time, "CLOCK_BOOTTIME", None)
+
+
+def since_boot() -> float:
+    """Seconds on a clock that also counts the time the host was suspended (trio's does not:
+    a suspended host's process sees no pause on it). Linux's boot time; elsewhere the wall
+    clock."""
+    if _BOOT_CLOCK is None:
+        return time.time()
+    return time.clock_gettime(_BOOT_CLOCK)
 
 
 # ---------------------------------------------------------------------------------------------

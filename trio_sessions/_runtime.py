@@ -30,6 +30,7 @@ from ._drain import AssistantWriter as AssistantWriter
 from ._drain import Drain
 from ._drain import DrainContext as DrainContext
 from ._lease import SELF_FENCE_MARGIN, self_fence_deadline
+from ._liveness import MIN_TAKEOVER_GRACE
 from ._model import Claim
 from ._naming import ACCEPTED_FORMS, check_file_store, store_kind
 from ._sqlite import SQLiteStore
@@ -75,10 +76,10 @@ async def open_runtime(
 
     A runtime that drains holds a liveness token from open to close (DESIGN §4 "Owner
     liveness"): when its process dies, the OS or the server releases it, and other runtimes
-    take its claims over once it stayed free for `takeover_grace` seconds (default 0.5),
-    long before their leases run out. Losing it while alive (its PostgreSQL connection
-    broke) stops every drain at once with reason `lease_lost`; their claims are handed back
-    once they exited, and the token is taken again.
+    take its claims over once it stayed free for `takeover_grace` seconds (default 0.5, at
+    least 0.02), long before their leases run out. Losing it while alive (its PostgreSQL
+    connection broke) stops every drain at once with reason `lease_lost`; their claims are
+    handed back once they exited, and the token is taken again.
 
     Raises, before anything is opened, `TypeError`/`ValueError` for a bad option or store
     (an in-memory SQLite database, `""` or `":memory:"`, is no store: `ValueError`) (and
@@ -124,7 +125,9 @@ async def open_runtime(
         max_active = _validate.count(max_active, "max_active", 1)
     if owner_id is not None:
         owner_id = _validate.validate_id(owner_id, "owner id")
-    takeover_grace = _validate.seconds(takeover_grace, "takeover_grace")
+    takeover_grace = _validate.duration(
+        takeover_grace, "takeover_grace", minimum=MIN_TAKEOVER_GRACE
+    )
     if clock is not None:
         clock = _validate.clock(clock)
     if acquisition_hook is not None:

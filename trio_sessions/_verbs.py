@@ -84,8 +84,9 @@ class Runtime:
     def __init__(
         self, *, executor: Executor, nursery: trio.Nursery, drain: Drain | None, config: _Config
     ) -> None:
-        # Claims and their busy periods (working on this object's state: it keeps none).
-        self._busy = BusyPeriods(self, takeover_grace=config.takeover_grace)
+        # Claims and their busy periods (working on this object's state: it keeps only the
+        # hand-back being gathered and when a look last found the token whole).
+        self._busy = BusyPeriods(self)
         # What reaches this runtime from outside a local call (the same: it keeps no state).
         self._loops = BackgroundLoops(self)
         self._db = executor
