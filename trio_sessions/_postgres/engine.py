@@ -387,7 +387,8 @@ class PgEngine:
                     continue
                 jobs[index].result = result
             settled.add(index)
-        return _after_call(call, [job for index, job in enumerate(jobs) if index not in settled])
+        # The call again read each row back (`p_retry`): a FALLBACK row landed nowhere.
+        return [job for index, job in enumerate(jobs) if index not in settled]
 
     def run_alone(self, job: Job, mode: Mode = "write") -> None:
         """Run one job in its own transaction - or as one autocommit call, if it is marked
@@ -701,8 +702,8 @@ def _call(tx: Tx, function: str, *args: Any) -> list[Any]:
 
 
 def _after_call(call: Job, jobs: Sequence[Job]) -> list[Job]:
-    """`jobs`, left to run alone after their set-wise `call`: if a reply of the call was
-    lost, it may have landed for them too, and their own calls read back."""
+    """`jobs`, left to run alone after their set-wise `call` failed whole: if a reply of the
+    call was lost, it may have landed for them, and their own calls read back."""
     if call.reply_lost:
         for job in jobs:
             job.reply_lost = True
