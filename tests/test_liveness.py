@@ -628,6 +628,12 @@ class _LosableTokenExecutor(ExecutorSeam):
             yield self.token
 
 
+def _token_of(wrapped: WrappedStore[_LosableTokenExecutor]) -> _LosableToken:
+    """The liveness token of the runtime open on `wrapped`."""
+    assert wrapped.executor is not None and wrapped.executor.token is not None
+    return wrapped.executor.token
+
+
 async def test_a_token_lost_again_while_the_last_loss_is_handed_back_stops_the_new_drains(
     store: Any, clock: Callable[[], float], autojump_clock: trio.testing.MockClock
 ) -> None:
@@ -659,8 +665,7 @@ async def test_a_token_lost_again_while_the_last_loss_is_handed_back_stops_the_n
             events.append(f"{ctx.session_id} stopped")
 
     async with runtime(wrapped, drain, clock, recovery_interval=3600) as owner:
-        assert wrapped.executor is not None and wrapped.executor.token is not None
-        token = wrapped.executor.token
+        token = _token_of(wrapped)
         await owner.submit("slow", {"n": 1})
         await slow_entered.wait()
         token.lose()
@@ -690,14 +695,10 @@ async def test_a_drain_never_starts_on_a_claim_whose_token_is_seen_lost(
     drained: list[tuple[str, bool]] = []
     resumed = trio.Event()
 
-    def token() -> _LosableToken:
-        assert wrapped.executor is not None and wrapped.executor.token is not None
-        return wrapped.executor.token
-
     async def hook(claim: trio_sessions.Claim) -> None:
         if not first_claims:
             first_claims.append(claim.execution_id)
-            token().lose()  # and no schedule point: the watch has not run yet
+            _token_of(wrapped).lose()  # and no schedule point: the watch has not run yet
 
     async def drain(ctx: DrainContext) -> None:
         drained.append((ctx.execution_id, ctx.resumed))
@@ -708,7 +709,7 @@ async def test_a_drain_never_starts_on_a_claim_whose_token_is_seen_lost(
         wrapped, drain, clock, recovery_interval=3600, acquisition_hook=hook
     ) as owner:
         await owner.submit("s", {"n": 1})
-        await token().retaken.wait()
+        await _token_of(wrapped).retaken.wait()
         await resumed.wait()
     [first] = first_claims
     assert [resumed_flag for _, resumed_flag in drained] == [True]
@@ -750,14 +751,10 @@ async def test_a_pause_just_after_the_tokens_last_look_makes_the_next_drain_look
     drained: list[tuple[str, str]] = []
     resumed = trio.Event()
 
-    def token() -> _LosableToken:
-        assert wrapped.executor is not None and wrapped.executor.token is not None
-        return wrapped.executor.token
-
     async def hook(claim: trio_sessions.Claim) -> None:
         if claim.session_id == "paused" and not paused_claims:
             paused_claims.append(claim.execution_id)
-            token().lose()
+            _token_of(wrapped).lose()
             # The owner stood still for the grace: time passed, nothing ran.
             if paused == "process":
                 autojump_clock.jump(0.5)
@@ -776,7 +773,7 @@ async def test_a_pause_just_after_the_tokens_last_look_makes_the_next_drain_look
     ) as owner:
         await owner.submit("first", {"n": 1})
         await owner.wait_idle("first")
-        looks_before = token().looks
+        looks_before = _token_of(wrapped).looks
         await owner.submit("paused", {"n": 2})
         await resumed.wait()
     [paused] = paused_claims
@@ -807,13 +804,12 @@ async def test_drains_starting_together_look_at_the_token_once(
         await ctx.take_inputs()
 
     async with runtime(wrapped, drain, clock, recovery_interval=3600) as owner:
-        assert wrapped.executor is not None and wrapped.executor.token is not None
         async with trio.open_nursery() as nursery:
             for session_id in sessions:
                 nursery.start_soon(owner.submit, session_id, {"n": 1})
         for session_id in sessions:
             await owner.wait_idle(session_id)
-        looks = wrapped.executor.token.looks
+        looks = _token_of(wrapped).looks
     assert sorted(started) == sorted(sessions)
     assert looks == 1
 
@@ -829,10 +825,9 @@ async def test_a_token_that_only_looked_lost_lets_the_drain_start(
     drained: list[tuple[str, bool]] = []
 
     async def hook(claim: trio_sessions.Claim) -> None:
-        assert wrapped.executor is not None and wrapped.executor.token is not None
         if not first_claims:
             first_claims.append(claim.execution_id)
-            wrapped.executor.token.notice_arrives()
+            _token_of(wrapped).notice_arrives()
 
     async def drain(ctx: DrainContext) -> None:
         drained.append((ctx.execution_id, ctx.resumed))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import attrs
@@ -247,6 +248,23 @@ class ThenElsewhere(Faults):
             raise
 
 
+def cancel_elsewhere(
+    url: str, schema: str, input_ids: Iterable[str], answers: list[bool]
+) -> Callable[[], None]:
+    """Another process's `cancel_input` of each of `input_ids`, its answers added to
+    `answers` (`ThenElsewhere.elsewhere`)."""
+
+    def cancel() -> None:
+        other = PostgresStore(url, schema=schema, listen=False).engine()
+        other.open(migrate_schema=False)
+        try:
+            answers.extend(_postgres.run_op(other, _store.cancel_input, i) for i in input_ids)
+        finally:
+            other.close()
+
+    return cancel
+
+
 async def test_an_input_cancelled_while_its_submit_reply_is_lost_is_never_taken(
     pg_url: str, migrated_schema: str, autojump_clock: MockClock
 ) -> None:
@@ -261,19 +279,11 @@ async def test_an_input_cancelled_while_its_submit_reply_is_lost_is_never_taken(
     async def drain(ctx: DrainContext) -> None:
         taken.extend(i.id for i in await ctx.take_inputs())
 
-    def cancel_elsewhere() -> None:
-        other = PostgresStore(pg_url, schema=migrated_schema, listen=False).engine()
-        other.open(migrate_schema=False)
-        try:
-            cancelled.append(_postgres.run_op(other, _store.cancel_input, "i1"))
-        finally:
-            other.close()
-
     with control_connection(pg_url, migrated_schema) as control:
         faults = ThenElsewhere(pg_url, migrated_schema, control)
         store = lossy_store(pg_url, migrated_schema, faults)
         async with open_runtime(store, drain, clock=ts_testing.trio_clock(), lease=30.0) as rt:
-            faults.elsewhere = cancel_elsewhere
+            faults.elsewhere = cancel_elsewhere(pg_url, migrated_schema, ["i1"], cancelled)
             # The submit is one call in autocommit (the input and the claim it takes).
             faults.arm(Plan(1, Mode.LOST))
             assert await rt.submit("s", {"n": 1}, input_id="i1") == "i1"
@@ -384,50 +394,6 @@ def test_no_retry_of_a_first_submit_reads_an_earlier_cancel_as_its_own(
     assert pending == stored
 
 
-@pytest.mark.parametrize("kind", [*SUBMITS, "set-wise"])
-def test_every_submit_whose_input_was_cancelled_after_its_lost_reply_reads_it_back(
-    pg_url: str, migrated_schema: str, kind: str
-) -> None:
-    """DESIGN §6.23 and §5.1, for every way a submit stores an input alone and a batch's
-    submits (as `test_an_input_cancelled_while_its_submit_reply_is_lost_is_never_taken`
-    through a runtime): the call lands and its reply is lost; another process cancels the
-    input (True) before the engine calls again. The call again must read back that its
-    own call landed - not store the input a second time."""
-    payload = '{"n": 1}'
-    inputs = {"i1": "s", "i2": "t"} if kind == "set-wise" else {"i1": "s"}
-    cancelled: list[bool] = []
-
-    def cancel_elsewhere() -> None:
-        other = PostgresStore(pg_url, schema=migrated_schema, listen=False).engine()
-        other.open(migrate_schema=False)
-        try:
-            cancelled.extend(_postgres.run_op(other, _store.cancel_input, i) for i in inputs)
-        finally:
-            other.close()
-
-    with control_connection(pg_url, migrated_schema) as control:
-        faults = ThenElsewhere(pg_url, migrated_schema, control)
-        engine = PostgresStore(pg_url, schema=migrated_schema, wrap_connection=faults.wrap).engine()
-        engine.open()
-        try:
-            faults.elsewhere = cancel_elsewhere
-            faults.arm(Plan(1, Mode.LOST))
-            if kind == "set-wise":
-                jobs = [Job(_store.submit, (s, payload, i)) for i, s in inputs.items()]
-                engine.run_batch(jobs)
-                assert outcome_of(jobs) == [("ok", "i1"), ("ok", "i2")]
-                called = "ts_submits("
-            else:
-                op, more, called = SUBMITS[kind]
-                _postgres.run_op(engine, op, "s", payload, "i1", *more)
-        finally:
-            engine.close()
-        assert faults.fired is not None and called in faults.fired, faults.fired
-        pending = control.execute("SELECT id FROM session_input").fetchall()
-    assert cancelled == [True] * len(inputs)  # the other process was told they are gone
-    assert pending == []
-
-
 class ThenRefused(ThenElsewhere):
     """`ThenElsewhere`, and the engine's next statement that names `refused` after the lost
     reply (its call again) fails on the server with an error of its own: a database error,
@@ -444,44 +410,46 @@ class ThenRefused(ThenElsewhere):
         return super().statement(conn, text, params, run)
 
 
-def test_a_batch_whose_call_again_is_refused_runs_its_submits_alone_as_calls_again(
-    pg_url: str, migrated_schema: str
+@pytest.mark.parametrize("kind", [*SUBMITS, "set-wise", "set-wise, refused again"])
+def test_every_submit_whose_input_was_cancelled_after_its_lost_reply_reads_it_back(
+    pg_url: str, migrated_schema: str, kind: str
 ) -> None:
-    """§5.1, §6.23 and §8 "Uncertain commits": a batch's submits (one set-wise call) land
-    and the reply is lost; another process cancels the inputs (True); the engine's call
-    again is refused whole by a database error, so each submit runs alone. Each alone call
-    must still read back that the lost call landed its input - as a call again, not a
-    first call, which stores the cancelled input a second time (and a drain takes it
-    although cancel_input said it was gone)."""
+    """DESIGN §6.23 and §5.1, for every way a submit stores an input alone and a batch's
+    submits (as `test_an_input_cancelled_while_its_submit_reply_is_lost_is_never_taken`
+    through a runtime): the call lands and its reply is lost; another process cancels the
+    input (True) before the engine calls again. The call again must read back that its
+    own call landed - not store the input a second time. "set-wise, refused again": the
+    batch's call again is refused whole by a database error, so each submit runs alone -
+    as a call again, which reads back, not as a first call, which stored the cancelled
+    inputs again."""
     payload = '{"n": 1}'
-    inputs = {"i1": "s", "i2": "t"}
+    set_wise = kind.startswith("set-wise")
+    inputs = {"i1": "s", "i2": "t"} if set_wise else {"i1": "s"}
     cancelled: list[bool] = []
-
-    def cancel_elsewhere() -> None:
-        other = PostgresStore(pg_url, schema=migrated_schema, listen=False).engine()
-        other.open(migrate_schema=False)
-        try:
-            cancelled.extend(_postgres.run_op(other, _store.cancel_input, i) for i in inputs)
-        finally:
-            other.close()
 
     with control_connection(pg_url, migrated_schema) as control:
         faults = ThenRefused(pg_url, migrated_schema, control)
         engine = PostgresStore(pg_url, schema=migrated_schema, wrap_connection=faults.wrap).engine()
         engine.open()
         try:
-            faults.elsewhere = cancel_elsewhere
-            faults.refused = "ts_submits("
+            faults.elsewhere = cancel_elsewhere(pg_url, migrated_schema, inputs, cancelled)
+            if kind == "set-wise, refused again":
+                faults.refused = "ts_submits("
             faults.arm(Plan(1, Mode.LOST))
-            jobs = [Job(_store.submit, (s, payload, i)) for i, s in inputs.items()]
-            engine.run_batch(jobs)
+            if set_wise:
+                jobs = [Job(_store.submit, (s, payload, i)) for i, s in inputs.items()]
+                engine.run_batch(jobs)
+                assert outcome_of(jobs) == [("ok", "i1"), ("ok", "i2")]
+                called = "ts_submits("
+            else:
+                op, more, called = SUBMITS[kind]
+                _postgres.run_op(engine, op, "s", payload, "i1", *more)
         finally:
             engine.close()
-        assert faults.fired is not None and "ts_submits(" in faults.fired, faults.fired
-        assert faults.refused is None  # the call again was refused
-        pending = control.execute("SELECT id FROM session_input ORDER BY id").fetchall()
-    assert cancelled == [True, True]
-    assert outcome_of(jobs) == [("ok", "i1"), ("ok", "i2")]
+        assert faults.fired is not None and called in faults.fired, faults.fired
+        assert faults.refused is None  # a call again to refuse was refused
+        pending = control.execute("SELECT id FROM session_input").fetchall()
+    assert cancelled == [True] * len(inputs)  # the other process was told they are gone
     assert pending == []
 
 
