@@ -32,8 +32,8 @@ then the audit proves, and the last line says:
 
 With `--control-ratio R` a share R of the producer's submits are conversation controls
 (interrupting and rejected submits, scheduled inputs, pauses resumed a moment later,
-inputs cancelled at once) and
-the line before the last gives what `common.ControlAudit` checks of them.
+inputs cancelled at once) and the line before the last gives what `common.ControlAudit`
+checks of them.
 
 The exit status is non-zero on any violation. `--broken NAME` runs the workers on a copy of
 the package with one deliberate defect (`broken`). A liveness token here is a `flock` that
