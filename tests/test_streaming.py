@@ -466,3 +466,108 @@ async def test_finishing_a_drain_decodes_no_finished_message(
         messages = await rt.transcript("s")
     assert len(decoded) == 1  # the one left open, closed as interrupted
     assert messages[-1].data.error == "interrupted" and text_of(messages[-1].data) == "open"
+
+
+# ---------------------------------------------------------------------------------------------
+# What a drain or a reader holds is its own
+
+
+async def test_a_drain_changing_its_tool_dicts_after_the_call_changes_nothing_stored(
+    store: Any, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """The dicts a drain gives `start_tool` and `settle_tool` are the caller's: changed
+    after the call returned, they change neither the message its later writes store (on
+    PostgreSQL those write from what the writer holds) nor what a watcher or a stream was
+    shown."""
+    shown: list[AssistantData] = []
+    parts: list[ToolPart] = []
+
+    async def follow(events: Any) -> None:
+        async for event in events:
+            if event.kind == "part":
+                parts.append(event.data)
+            if event.kind == "finish":
+                return
+
+    async def drain(ctx: DrainContext) -> None:
+        writer = await ctx.begin_assistant()
+        filters = ["a"]
+        arguments: dict[str, Any] = {"query": "original", "filters": filters}
+        await writer.start_tool("c1", "search", arguments)
+        arguments["query"] = "changed"
+        filters.append("b")
+        result = {"hits": [1]}
+        await writer.settle_tool("c1", result)
+        result["hits"].append(999)
+        await writer.append_text("done")
+        await writer.finish()
+
+    async with (
+        runtime(store, drain, clock) as rt,
+        rt.watch("s") as updates,
+        rt.stream("s") as events,
+        trio.open_nursery() as nursery,
+    ):
+        nursery.start_soon(follow, events)
+        await rt.wake("s")
+        async for message in updates:
+            shown.append(message.data)
+            if message.data.finished:
+                break
+        await rt.wait_idle("s")
+        [stored] = await rt.transcript("s")
+    arguments = {"query": "original", "filters": ["a"]}
+    expected = ToolPart("c1", "search", arguments, "completed", {"hits": [1]}, None)
+    assert stored.data.parts == (expected, TextPart("done"))
+    assert shown[-1] == stored.data
+    assert parts == [attrs.evolve(expected, status="running", output=None), expected]
+
+
+async def test_a_reader_editing_what_it_was_shown_never_changes_the_drains_message(
+    store: Any, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """A watcher that edits its snapshot (redacting a field for display, say) and a stream
+    consumer that edits its event's tool part edit what this runtime's readers of the
+    session share (one snapshot for all, as documented), never the drain's message: not
+    what its next writes store, nor what its next snapshot shows."""
+    edited = trio.Event()
+    secret = {"user": "ann", "password": "hunter2"}
+
+    async def drain(ctx: DrainContext) -> None:
+        writer = await ctx.begin_assistant()
+        await writer.start_tool("c1", "login", dict(secret))
+        await edited.wait()
+        await writer.settle_tool("c1", {"ok": True})
+        await writer.finish()
+
+    async def redact(updates: Any) -> None:
+        async for message in updates:
+            if message.data.parts:
+                message.data.parts[0].input.pop("password")
+                return
+
+    async def redact_event(events: Any) -> None:
+        async for event in events:
+            if event.kind == "part":
+                event.data.input["user"] = "someone else"
+                return
+
+    async with runtime(store, drain, clock) as rt:
+        async with (
+            rt.watch("s") as first,
+            rt.watch("s") as second,
+            rt.stream("s") as events,
+            trio.open_nursery() as nursery,
+        ):
+            nursery.start_soon(redact, first)
+            nursery.start_soon(redact_event, events)
+            await rt.wake("s")
+            await trio.testing.wait_all_tasks_blocked()  # both edits made
+            edited.set()
+            async for message in second:
+                if message.data.finished:
+                    break
+        await rt.wait_idle("s")
+        [stored] = await rt.transcript("s")
+    assert stored.data.parts[0].input == secret
+    assert message.data.parts[0].input == secret

@@ -14,9 +14,11 @@ import contextvars
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Literal
 
+import attrs
+
 from . import _codec, _store, _transcript, _validate
 from ._errors import DuplicateSettlement, LeaseLost, OutcomeUnknown, UnknownToolCall
-from ._model import AssistantData, Input, Message
+from ._model import AssistantData, Input, Message, ToolPart
 from ._stream import Offer
 
 if TYPE_CHECKING:
@@ -189,6 +191,33 @@ class DrainContext:
         return AssistantWriter(self, message_id, seq)
 
 
+class _ReaderCopies:
+    """The copies of a writer's tool parts that its local readers (watchers, streams) are
+    shown, each made once, when its part is first shown: what a reader edits in what it was
+    shown is never what the writer holds - on PostgreSQL its next write stores that
+    (`_store.Known`). This runtime's readers of the session share the copies."""
+
+    def __init__(self) -> None:
+        # id(the writer's part) -> (that part, its copy): the part kept, so its id stays its.
+        self._copies: dict[int, tuple[ToolPart, ToolPart]] = {}
+
+    def part(self, part: ToolPart) -> ToolPart:
+        held = self._copies.get(id(part))
+        if held is not None and held[0] is part:
+            return held[1]
+        shown = attrs.evolve(
+            part, input=_codec.copy_json(part.input), output=_codec.copy_json(part.output)
+        )
+        self._copies[id(part)] = (part, shown)
+        return shown
+
+    def data(self, data: AssistantData) -> AssistantData:
+        """`data` as readers are shown it; copies of parts it no longer has are dropped."""
+        parts = tuple(self.part(p) if isinstance(p, ToolPart) else p for p in data.parts)
+        self._copies = {id(p): self._copies[id(p)] for p in data.parts if isinstance(p, ToolPart)}
+        return attrs.evolve(data, parts=parts)
+
+
 class AssistantWriter:
     """Writes one assistant message; each call is one fenced transaction.
 
@@ -237,6 +266,7 @@ class AssistantWriter:
         # and finishes then write from it without reading); False after replies of tasks
         # writing at once arrived out of order.
         self._in_step = True
+        self._shown = _ReaderCopies()
         self._publish(version)
         self._offer(version, "message", data)
 
@@ -273,10 +303,11 @@ class AssistantWriter:
         already started in this message, `input` is not a JSON object of at most 1 MiB
         (`MAX_PAYLOAD_BYTES`, encoded), or a NUL character is in `call_id`, `name` or
         `input`. If the owner dies before it settles, recovery fails it with "interrupted:
-        owner lost": the call may or may not have happened."""
+        owner lost": the call may or may not have happened. The message keeps a copy of
+        `input` (and `settle_tool` of `output`): the caller may change its own afterwards."""
         call_id = _validate.tool_key(call_id, "call_id")
         name = _validate.tool_key(name, "name")
-        await _validate.checked_json(_codec.check_json_object, input, "tool input")
+        input = await _validate.owned_json(_codec.check_json_object, input, "tool input")
         await self._update(
             ("start_tool", call_id, name, input),
             lambda data: _transcript.start_tool(data, call_id, name, input),
@@ -288,7 +319,7 @@ class AssistantWriter:
         `call_id` that no started call can have (as `start_tool` checks it) is a
         `TypeError`/`ValueError` like any bad argument, not an `UnknownToolCall`."""
         call_id = _validate.tool_key(call_id, "call_id")
-        await _validate.checked_json(
+        output = await _validate.owned_json(
             _codec.check_json, output, "tool output", limit=_codec.MAX_PAYLOAD_BYTES
         )
         await self._update(
@@ -401,6 +432,10 @@ class AssistantWriter:
         streams = context._runtime._streams
         if streams.watching(context.session_id):
             is_open = not (isinstance(data, AssistantData) and data.finished) and kind != "finish"
+            if isinstance(data, AssistantData):
+                data = self._shown.data(data)
+            elif isinstance(data, ToolPart):
+                data = self._shown.part(data)
             offer = Offer(self.message_id, self._seq, version, kind, data, is_open)
             streams.offer(context.session_id, offer)
 
@@ -417,7 +452,7 @@ class AssistantWriter:
             context.session_id,
             "assistant",
             self._seq,
-            self._data,
+            self._shown.data(self._data),
             context.execution_id,
             None,
         )

@@ -586,7 +586,9 @@ class Runtime:
         nothing. A malformed row raises `MalformedRecord` in this watcher only; entering
         raises `TypeError`/`ValueError` for bad arguments and `StoreError` if the first read
         fails. Costs no task and no polling of its own; cancelling the block simply leaves
-        it.
+        it. This runtime's watchers and streams of a session share what they are shown (one
+        snapshot for all): copy a message's dicts before editing them. An edit never reaches
+        the store or the drain writing the message.
         """
         self._check_run()
         session_id = validate_session_id(session_id)
@@ -617,7 +619,8 @@ class Runtime:
         `ValueError` for a malformed cursor or another session's, `TypeError`/`ValueError`
         for a bad session id; iterating raises `MalformedRecord` for a row that does not
         decode (this stream only) and `StoreError` when a read fails (iterate again to
-        retry). Cancelling the block simply leaves it.
+        retry). Cancelling the block simply leaves it. An event's data is shared as
+        `watch()`'s snapshots are (`StreamEvent.to_json()` makes a copy).
         """
         self._check_run()
         session_id = validate_session_id(session_id)
