@@ -502,6 +502,28 @@ async def test_recovery_finishes_a_paused_sessions_dead_claim_as_owner_lost(
     assert [c.resumed for c in drain.calls] == [False]
 
 
+async def test_resume_drains_again_after_a_paused_sessions_claim_was_cut_short(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """A paused session's claim cut short mid-answer (its owner restarted or died), with
+    every input already taken: recovery finishes it as owner-lost and rings its doorbell, so
+    `resume` starts one drain, which finds the question still unanswered - no message of
+    the conversation is left owed for good."""
+    raw = Raw(db_path)
+    drain = Recorder()
+    async with runtime(store, None, clock) as producer:
+        raw.seed_user_message("s", "question", 1)  # its input taken by the claim below
+        raw.seed_claim("s", "dead-e", expires_at=now_ms(clock) - 1, anchor_seq=1)
+        raw.seed_assistant("s", "dead-e", 2, open_tool_message())
+        await producer.pause("s")
+    async with runtime(store, drain, clock) as rt:
+        assert rt.statistics().recovery.finished_paused == 1
+        assert raw.one("SELECT time_woken FROM session")[0] is not None
+        await rt.resume("s")
+        await rt.wait_idle("s")
+    assert [c.resumed for c in drain.calls] == [False]
+
+
 # --- §6.25 delete, purge, fork, truncate ------------------------------------------------------
 
 

@@ -33,6 +33,7 @@ from trio_sessions._decisions import (
     iteration_verdict,
     lease_is_live,
     may_take_recovery_lease,
+    owes_a_drain,
     rearms_doorbell,
     renewed_expiry,
     submit_verdict,
@@ -283,6 +284,13 @@ def test_rearms_doorbell_only_for_cancelled_superseded_and_paused() -> None:
         RecoveryDecision.DROP_SUPERSEDED,
         RecoveryDecision.FINISH_PAUSED,
     }
+
+
+def test_only_a_paused_sessions_claim_cut_short_rings_with_nothing_pending() -> None:
+    """The one ending owed a drain whatever is pending: a paused session's (the drain
+    `resume` then starts answers what the claim was cut short answering)."""
+    owing = {d for d in RecoveryDecision if owes_a_drain(d)}
+    assert owing == {RecoveryDecision.FINISH_PAUSED}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1019,11 +1019,10 @@ class ProtocolModel(RuleBasedStateMachine):
             self.quarantined.add(execution_id)
             return RecoveryDecision.QUARANTINE, False
         if session.paused:
-            # Never resumed: finished as owner-lost, pending inputs left rung for `resume`.
+            # Never resumed: finished as owner-lost and rung, so `resume` drains again.
             self.close_open_messages(execution_id, OWNER_LOST)
             self.end_claim(session_id)
-            if self.due_pending(session):
-                self.ring(session)
+            self.ring(session)
             del self.recovery_rows[execution_id]
             return RecoveryDecision.FINISH_PAUSED, False
         if not claim.handed_back and session.wake_attempts >= MAX_RESUMES:

@@ -180,7 +180,7 @@ class RecoveryDecision(enum.Enum):
     FINISH_CANCELLED = "finish_cancelled"
     DROP_SUPERSEDED = "drop_superseded"
     QUARANTINE = "quarantine"
-    FINISH_PAUSED = "finish_paused"  # a paused session's dead claim: owner-lost, no resume
+    FINISH_PAUSED = "finish_paused"  # a paused session's dead claim: owner-lost, rung for resume
     EXHAUSTED = "exhausted"
     RESUME = "resume"
 
@@ -233,6 +233,14 @@ def rearms_doorbell(decision: RecoveryDecision) -> bool:
         RecoveryDecision.DROP_SUPERSEDED,
         RecoveryDecision.FINISH_PAUSED,
     )
+
+
+def owes_a_drain(decision: RecoveryDecision) -> bool:
+    """Which endings ring the doorbell whatever is pending: a paused session's claim cut
+    short (its owner restarted or died mid-answer) is owed a drain once resumed. The
+    question it was answering is a user message by then, not a pending input: without the
+    ring, `resume` would find nothing to do and the question would stay unanswered."""
+    return decision is RecoveryDecision.FINISH_PAUSED
 
 
 class EndingCause(enum.Enum):

@@ -225,7 +225,9 @@ def _end_expired_claim(
     _delete_expired_claim(tx, execution_id, gone_owner)
     if decision is RecoveryDecision.EXHAUSTED:
         _reset_attempts(tx, candidate.session_id)
-    if _decisions.rearms_doorbell(decision) and _has_pending_inputs(tx, candidate.session_id):
+    if _decisions.owes_a_drain(decision) or (
+        _decisions.rearms_doorbell(decision) and _has_pending_inputs(tx, candidate.session_id)
+    ):
         _ring(tx, candidate.session_id)
 
 
