@@ -22,7 +22,7 @@ from helpers import runtime
 from trio.testing import MockClock
 
 import trio_sessions
-from trio_sessions import AssistantData, DrainContext, Store, TextPart, _store
+from trio_sessions import AssistantData, DrainContext, Outcome, Store, TextPart, _store
 from trio_sessions._bench.load import StepMeter, seed_backlog, seed_transcript
 from trio_sessions._bench.tools import library_schema
 from trio_sessions._runtime import TAKE_INPUTS_CHUNK
@@ -174,6 +174,24 @@ async def test_take_inputs_limit_is_checked(store: Store, clock: Any, autojump_c
         outcome = await rt.run("s")
     assert outcome.kind == "succeeded"
     assert len(errors) == 5
+
+
+async def test_take_inputs_takes_the_largest_limit_it_accepts(
+    store: Store, clock: Any, autojump_clock: Any
+) -> None:
+    """The largest limit the check lets through (2**63-1, as its message says) is taken as
+    "everything", on both backends: not an SQLite integer overflow failing the drain."""
+    taken: list[Any] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        taken.extend(item.payload for item in await ctx.take_inputs(limit=2**63 - 1))
+
+    async with runtime(store, drain, clock) as rt:
+        await rt.submit("s", {"n": 1})
+        await rt.submit("s", {"n": 2})
+        outcome = await rt.run("s")
+    assert outcome == Outcome("succeeded")
+    assert taken == [{"n": 1}, {"n": 2}]
 
 
 @pytest.mark.slow

@@ -22,6 +22,7 @@ from .. import _codec
 from .._backend import Tx
 from .._errors import MalformedRecord
 from .._model import Input
+from .._validate import MAX_INT64
 from .common import (
     _IN_CHUNK,
     DUE,
@@ -69,12 +70,13 @@ def take_inputs(
         return []
     tx.notify(session_id, watchers_only=True)
     due = {"session": session_id, "now": tx.now}
-    # One more than the chunk, to learn whether any are left without counting them. On
-    # SQLite the payload is read as bytes: one that is not UTF-8 is set aside below.
+    # One more than the chunk, to learn whether any are left without counting them (within
+    # SQLite's integers: no session holds 2**63-1 inputs). On SQLite the payload is read as
+    # bytes: one that is not UTF-8 is set aside below.
     rows = tx.execute(
         f"SELECT id, seq, {as_stored(tx, 'payload')} FROM session_input"
         f" WHERE session_id = :session AND {DUE} ORDER BY seq LIMIT :limit",
-        {**due, "limit": limit + 1},
+        {**due, "limit": min(limit, MAX_INT64 - 1) + 1},
     ).fetchall()
     more = len(rows) > limit
     rows = rows[:limit]
