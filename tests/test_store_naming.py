@@ -295,6 +295,44 @@ def test_postgres_store_refuses_what_is_neither_a_url_nor_a_dsn(url: str) -> Non
     assert SECRET not in str(raised.value)
 
 
+# What libpq cannot read as written: it stops at a NUL (the rest ignored, or a password's
+# start read as the port and quoted in its error) and takes no text that is not UTF-8.
+UNREADABLE_URLS = [
+    f"postgresql://app:{SECRET}\x00rest@127.0.0.1:1/app",
+    "postgresql://app@127.0.0.1:1/app\x00ignored",
+    f"host=127.0.0.1 port=1 password={SECRET}\x00rest",
+    f"postgresql://app:{SECRET}@127.0.0.1:1/app\udcff",
+    f"host=127.0.0.1 port=1 dbname=\udcff password={SECRET}",
+]
+
+
+@pytest.mark.parametrize("url", UNREADABLE_URLS)
+def test_postgres_store_refuses_a_url_libpq_cannot_read_as_written(url: str) -> None:
+    """A NUL character or a lone surrogate (bytes that are not UTF-8) in a URL or DSN is a
+    ValueError when the store is named, naming the character and not the password."""
+    from trio_sessions._postgres import PostgresStore
+
+    with pytest.raises(ValueError, match=r"NUL character|lone surrogate") as raised:
+        PostgresStore(url)
+    assert SECRET not in str(raised.value)
+
+
+@pytest.mark.parametrize("url", UNREADABLE_URLS[::3])
+@pytest.mark.parametrize("command", [["status"], ["health"]], ids=lambda c: " ".join(c))
+def test_cli_refuses_a_url_libpq_cannot_read_as_written(
+    command: list[str], url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The operator commands report such a URL as a usage error (exit 2), not a traceback,
+    and print no password."""
+    with pytest.raises(SystemExit) as exited:
+        _cli.main(argv(command, url))
+    assert exited.value.code == 2
+    out, err = capsys.readouterr()
+    assert "NUL character" in err or "lone surrogate" in err
+    assert "Traceback" not in err
+    assert SECRET not in out + err
+
+
 @pytest.mark.parametrize(
     "url", ["postgres://app@127.0.0.1:1/app", "host=127.0.0.1 port=1 dbname=app", ""]
 )

@@ -115,10 +115,20 @@ def check_file_store(path: str | os.PathLike[str]) -> None:
 
 def check_postgres_name(name: str) -> str:
     """A PostgreSQL URL or libpq DSN as `PostgresStore` takes it; `ValueError` for another
-    URL scheme and for a URL whose user name or password holds an unquoted `@` or `/`
-    (libpq would take part of the password for the host or the database)."""
+    URL scheme, for a URL whose user name or password holds an unquoted `@` or `/` (libpq
+    would take part of the password for the host or the database), and for a NUL character
+    or a lone surrogate (libpq reads a name only up to a NUL - the rest ignored, or the
+    start of a password read as the port and quoted in its error - and only UTF-8)."""
     if not isinstance(name, str):
         raise TypeError(f"url must be a str, got {type(name).__name__}")
+    if "\x00" in name:
+        raise ValueError(f"url {display_name(name)!r} holds a NUL character")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(
+            f"url {display_name(name)!r} holds a lone surrogate (bytes that are not UTF-8)"
+        ) from None
     if not name.strip():
         return name  # libpq's defaults: PGHOST, PGDATABASE, ... from the environment
     if not name.startswith(POSTGRES_SCHEMES):
