@@ -760,17 +760,23 @@ async def test_release_quarantine_resume_after_repair(
 async def test_release_quarantine_resume_still_malformed(
     store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
 ) -> None:
-    """resume=True on a row that is still malformed quarantines it again and raises."""
+    """resume=True on a row that is still malformed quarantines it again and raises the
+    message's `MalformedRecord`, as a read of it does: its table, its key, its reasons."""
     raw = Raw(db_path)
     drain = Recorder()
     async with runtime(store, drain, clock, **QUIET) as rt:
         raw.seed_claim("s", "poison", expires_at=expired(clock))
-        raw.seed_assistant("s", "poison", 1, MALFORMED)
+        message_id = raw.seed_assistant("s", "poison", 1, MALFORMED)
         await rt.recover_once()
+        with pytest.raises(MalformedRecord) as read:
+            await rt.transcript("s")
         with pytest.raises(MalformedRecord) as caught:
             await rt.release_quarantine("poison", resume=True)
         assert "expected bool" in str(caught.value)
         assert not isinstance(caught.value, BaseExceptionGroup)
+        error = caught.value
+        assert (error.table, error.key) == ("session_message", message_id)
+        assert (error.reasons, str(error)) == (read.value.reasons, str(read.value))
     assert drain.calls == []
     assert raw.one("SELECT recovery_error IS NOT NULL FROM session_recovery") == (1,)
 

@@ -111,10 +111,15 @@ class Recovery:
         return await self._db.run(_store.drop_quarantined, execution_id)
 
     async def quarantine_error(self, execution_id: str) -> MalformedRecord:
-        """The `MalformedRecord` an operator sees for a row quarantined again."""
+        """The `MalformedRecord` an operator sees for an execution quarantined again: its
+        newest assistant message's, which does not decode - or, quarantined for another
+        reason, the execution's with the quarantine's reason."""
+        malformed = await self._db.read(_store.newest_assistant_malformed, execution_id)
+        if malformed is not None:
+            return malformed
         rows = await self._db.run(_store.quarantined)
         why = [r["recovery_error"] for r in rows if r["execution_id"] == execution_id]
-        return MalformedRecord("session_message", execution_id, why or ["malformed"])
+        return MalformedRecord("session_execution", execution_id, why or ["malformed"])
 
     def record(self, report: RecoveryReport) -> None:
         self.totals = RecoveryReport(

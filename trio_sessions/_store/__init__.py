@@ -129,6 +129,7 @@ from .recovery import (
     _take_over,
     apply_recovery,
     end_recovery_leases,
+    newest_assistant_malformed,
     quarantine,
 )
 from .recovery_batch import apply_recovery_batch
@@ -193,6 +194,7 @@ __all__ = [
     "mark_cancelling",
     "message_as_stored",
     "new_id",
+    "newest_assistant_malformed",
     "newest_message",
     "next_due",
     "pause",

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import attrs
 
 from .. import _decisions
-from .._backend import Tx
+from .._backend import Tx, reads_stored_bytes
 from .._decisions import ClaimRow, RecoveryDecision, RecoveryFacts
 from .._errors import MalformedRecord
 from .._model import BUDGET_EXHAUSTED, INTERRUPTED, OWNER_LOST
@@ -76,12 +76,8 @@ def _recovery_facts(tx: Tx, candidate: Candidate) -> tuple[RecoveryFacts, str | 
             {"session": session_id, "execution": execution_id, "anchor": anchor_seq or 0},
         )[0]
     )
-    newest = tx.one(
-        "SELECT id, data FROM session_message WHERE execution_id = ? AND role = 'assistant'"
-        " ORDER BY seq DESC LIMIT 1",
-        (execution_id,),
-    )
-    malformed_reason = None if newest is None else _malformed_reason(tx, newest[0], newest[1])
+    malformed = _newest_assistant_malformed(tx, str(execution_id))
+    malformed_reason = None if malformed is None else str(malformed)
     attempts = tx.one("SELECT wake_attempts, time_paused FROM session WHERE id = ?", (session_id,))
     if attempts is None and ours:
         # Only another tool, with foreign keys off, leaves a claim without its session: a
@@ -99,15 +95,31 @@ def _recovery_facts(tx: Tx, candidate: Candidate) -> tuple[RecoveryFacts, str | 
     return facts, malformed_reason
 
 
-def _malformed_reason(tx: Tx, message_id: str | None, text: str) -> str | None:
+@reads_stored_bytes
+def newest_assistant_malformed(tx: Tx, execution_id: str) -> MalformedRecord | None:
+    """Why the execution's newest assistant message does not decode (None when it does or
+    there is none): what recovery quarantines the execution for, as that message's
+    `MalformedRecord` (its table, its key, its reasons)."""
+    return _newest_assistant_malformed(tx, execution_id)
+
+
+def _newest_assistant_malformed(tx: Tx, execution_id: str) -> MalformedRecord | None:
+    newest = tx.one(
+        "SELECT id, data FROM session_message WHERE execution_id = ? AND role = 'assistant'"
+        " ORDER BY seq DESC LIMIT 1",
+        (execution_id,),
+    )
+    if newest is None:
+        return None
+    message_id, text = newest
     if message_id is None:
         # SQLite's rowid table takes the NULL id another tool writes: no write can name
         # the message, so a takeover could not close it.
-        return str(MalformedRecord("session_message", "NULL", ["id is NULL"]))
+        return MalformedRecord("session_message", "NULL", ["id is NULL"])
     try:
         _assistant_data(tx, message_id, text)
     except MalformedRecord as exc:
-        return str(exc)
+        return exc
     return None
 
 
