@@ -567,6 +567,37 @@ async def test_a_clock_that_gives_no_usable_time_is_refused_before_the_store_is_
     assert not store_created(db_path)
 
 
+def _clock_needing_an_argument(now: float) -> float:
+    return now
+
+
+def _clock_that_raises() -> float:
+    return {}["now"]  # type: ignore[no-any-return]
+
+
+@pytest.mark.pg_unmigrated  # asserts that nothing was created
+@pytest.mark.parametrize(
+    "bad_clock",
+    [
+        pytest.param(_clock_needing_an_argument, id="needs-an-argument"),
+        pytest.param(_clock_that_raises, id="raises"),
+    ],
+)
+async def test_a_clock_that_cannot_be_read_is_refused_naming_the_clock(
+    store: Any, db_path: Any, bad_clock: Any
+) -> None:
+    """A clock that cannot be called without arguments, or that raises when read, is a
+    TypeError naming the clock and what its reading raised, before the store is created -
+    not the bare error of the call (`missing 1 required positional argument`,
+    `KeyError: 'now'`), which names nothing the caller passed."""
+    with pytest.raises(TypeError, match=r"^clock must be a zero-argument callable") as raised:
+        async with trio_sessions.open_runtime(store, take_all, clock=bad_clock):
+            pytest.fail("the runtime opened with a clock that cannot be read")
+    assert isinstance(raised.value.__cause__, TypeError | KeyError)
+    assert type(raised.value.__cause__).__name__ in str(raised.value)
+    assert not store_created(db_path)
+
+
 async def test_a_clock_that_goes_bad_later_fails_its_call_naming_the_clock(
     store: Any, db_path: Any, clock: Clock, autojump_clock: MockClock
 ) -> None:

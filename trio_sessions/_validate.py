@@ -150,7 +150,14 @@ def clock(value: object) -> Callable[[], float]:
         raise TypeError(
             f"clock must be a zero-argument callable returning epoch seconds, got {value!r:.80}"
         )
-    _backend.now_ms(value)
+    try:
+        reading = value()
+    except Exception as exc:  # whatever the caller's callable raises, it is no clock
+        raise TypeError(
+            "clock must be a zero-argument callable returning epoch seconds; reading"
+            f" {value!r:.80} raised {exc!r:.200}"
+        ) from exc
+    _backend.now_ms(lambda: reading)
     return value
 
 
