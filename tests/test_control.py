@@ -860,6 +860,29 @@ async def test_purge_deletes_only_idle_sessions_in_bounded_batches(
     assert names == ["busy", "recent", "scheduled"]
 
 
+async def test_purge_keeps_a_session_whose_last_write_left_no_row_behind(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """A truncate ("edit and regenerate", its submit to follow), an input withdrawn and a
+    resume are writes to an old session that leave no newer row or time behind: purge must
+    count them, or it deletes the session - and the history the user just kept - before
+    the next write lands."""
+    raw = Raw(db_path)
+    async with runtime(store, Recorder(), clock) as rt:
+        for name in ("truncated", "truncated", "withdrawn", "resumed", "idle"):
+            await rt.submit(name, {"n": 1})
+            await rt.wait_idle(name)
+        await rt.pause("resumed")
+        reminder = await rt.submit("withdrawn", {"n": 2}, delay=1000)
+        await trio.sleep(100)
+        assert await rt.truncate("truncated", after_seq=1) == 1
+        assert await rt.cancel_input(reminder)
+        await rt.resume("resumed")
+        assert await rt.purge(idle_for=50) == 1
+    names = [row[0] for row in raw.rows("SELECT id FROM session ORDER BY id")]
+    assert names == ["resumed", "truncated", "withdrawn"]
+
+
 async def test_fork_copies_the_transcript_and_closes_an_unfinished_reply(
     store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
 ) -> None:
@@ -1132,7 +1155,7 @@ async def test_upgrade_of_a_version_4_sqlite_file_keeps_pending_inputs_due(
     async with trio_sessions.open_runtime(trio_sessions.testing.inline_store(path), drain) as rt:
         await rt.wait_idle("s")
     raw = Raw(path)
-    assert raw.rows("PRAGMA user_version") == [(_sqlite.SCHEMA_VERSION,)] == [(7,)]
+    assert raw.rows("PRAGMA user_version") == [(_sqlite.SCHEMA_VERSION,)] == [(8,)]
     assert drain.taken == ["old"]
     assert raw.rows("SELECT time_paused FROM session") == [(None,)]
 
@@ -1178,8 +1201,9 @@ async def test_upgrade_of_a_version_2_postgres_schema_keeps_pending_inputs_due(
     # 19: a cancelled input's trace for a lost submit's retry;
     # 20: that trace answers only the retry of the call that stored the input;
     # 21: a double-texting submit with the claim it rings for in one call;
-    # 22: a hand-back signals its sessions, the change look finds handed-back claims
-    assert _postgres.SCHEMA_VERSION == 22
+    # 22: a hand-back signals its sessions, the change look finds handed-back claims;
+    # 23: a session's last write that left no newer row or time (purge counts it)
+    assert _postgres.SCHEMA_VERSION == 23
     assert drain.taken == ["old"]
     assert raw.rows("SELECT time_paused FROM session") == [(None,)]
 

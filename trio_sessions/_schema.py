@@ -27,7 +27,7 @@ from . import _codec
 # ---------------------------------------------------------------------------------------------
 # SQLite
 
-SQLITE_SCHEMA_VERSION = 7
+SQLITE_SCHEMA_VERSION = 8
 
 # The small, hot tables are WITHOUT ROWID: keyed by their text primary key directly, each
 # write touches one b-tree less (fewer WAL pages per commit). Messages keep a rowid: their
@@ -172,6 +172,10 @@ CREATE TABLE session_message_change(
     # that drains (a rolling restart's sessions are taken over at the signal, not after the
     # grace): a partial index of those claims only.
     7: HANDED_BACK_INDEX,
+    # The time of the last write to a session that left no newer row or time of its own -
+    # messages truncated, an input withdrawn, the pause lifted - which `purge` counts as a
+    # write, as it counts a message's `time_updated`.
+    8: "ALTER TABLE session ADD COLUMN time_written INTEGER;",
 }
 
 # The tables whose presence makes an SQLite file ours.
@@ -183,7 +187,7 @@ SQLITE_OUR_TABLES = frozenset(
 # ---------------------------------------------------------------------------------------------
 # PostgreSQL
 
-POSTGRES_SCHEMA_VERSION = 22
+POSTGRES_SCHEMA_VERSION = 23
 
 # Same names, meanings and named CHECKs as the SQLite schema (`SQLITE_MIGRATIONS`, whose
 # versions 1-3 are PostgreSQL's first: no PostgreSQL store predates them); times
@@ -423,6 +427,10 @@ DROP FUNCTION IF EXISTS ts_submit_controlled(text, text, text, text, bigint, big
     # claims handed back and waiting for a takeover (`ts_changes`), through the index SQLite
     # gains in its version 7.
     22: HANDED_BACK_INDEX,
+    # As SQLite's version 8: `session.time_written`, set by the functions of the writes
+    # that leave no newer row or time of their own (`ts_truncate`, `ts_cancel_input`,
+    # `ts_resume`).
+    23: "ALTER TABLE session ADD COLUMN time_written BIGINT;",
 }
 
 
@@ -483,4 +491,5 @@ POSTGRES_BACKFILLS: dict[int, Callable[[Any], None]] = {
     20: _create_functions,
     21: _create_functions,
     22: _create_functions,
+    23: _create_functions,
 }

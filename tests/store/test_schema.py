@@ -253,7 +253,7 @@ def test_upgrade_of_a_version_1_file_adds_set_aside_tables(tmp_path: Path) -> No
     old.close()
     conn = _sqlite.connect(path)
     try:
-        assert _sqlite.schema_version(conn) == _sqlite.SCHEMA_VERSION == 7
+        assert _sqlite.schema_version(conn) == _sqlite.SCHEMA_VERSION == 8
         assert conn.execute("SELECT id, handed_back FROM session_execution").fetchall() == [
             ("e", 0)
         ]
@@ -263,6 +263,8 @@ def test_upgrade_of_a_version_1_file_adds_set_aside_tables(tmp_path: Path) -> No
             ("session_execution",),
         ).fetchall()
         assert ("session_execution_handed_back",) in indexes
+        # Version 8: when a write that left no newer row or time of its own was made.
+        assert conn.execute("SELECT time_written FROM session").fetchall() == [(None,)]
         for table, columns in (
             ("session_input_rejected", ["id", "session_id", "seq", "payload", "reason"]),
             ("session_message_rejected", ["id", "session_id", "execution_id", "seq", "data"]),

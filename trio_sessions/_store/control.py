@@ -280,6 +280,7 @@ def cancel_input(tx: Tx, input_id: str) -> bool:
     # Under the lock: a drain may have taken it since the lookup (then nothing is deleted).
     deleted = tx.execute("DELETE FROM session_input WHERE id = ?", (input_id,)).rowcount
     if deleted:
+        _written(tx, str(row[0]))
         tx.notify(str(row[0]))
     return deleted == 1
 
@@ -318,8 +319,9 @@ def resume(tx: Tx, session_id: str) -> bool:
     if row is None:
         return False
     tx.execute(
-        "UPDATE session SET time_paused = NULL WHERE id = ? AND time_paused IS NOT NULL",
-        (session_id,),
+        "UPDATE session SET time_paused = NULL, time_written = ?"
+        " WHERE id = ? AND time_paused IS NOT NULL",
+        (tx.now, session_id),
     )
     if row[0] is not None:
         tx.notify(session_id)  # the doorbell is already set: only the signal is missing
@@ -387,6 +389,7 @@ def delete_session(tx: Tx, session_id: str) -> tuple[bool, str | None]:
 _IDLE = (
     "s.time_woken IS NULL AND s.time_created <= :cutoff"
     " AND (s.time_paused IS NULL OR s.time_paused <= :cutoff)"
+    " AND (s.time_written IS NULL OR s.time_written <= :cutoff)"
     " AND NOT EXISTS (SELECT 1 FROM session_execution e WHERE e.session_id = s.id)"
     " AND NOT EXISTS (SELECT 1 FROM session_input i WHERE i.session_id = s.id)"
     " AND NOT EXISTS (SELECT 1 FROM session_message m WHERE m.session_id = s.id"
@@ -507,8 +510,14 @@ def truncate(tx: Tx, session_id: str, after_seq: int) -> int:
         "DELETE FROM session_message WHERE session_id = :session AND seq > :after", params
     ).rowcount
     if deleted:
+        _written(tx, session_id)
         tx.notify(session_id)
     return int(deleted)
+
+
+def _written(tx: Tx, session_id: str) -> None:
+    """A write that leaves no newer row or time of its own is one `purge` must count."""
+    tx.execute("UPDATE session SET time_written = ? WHERE id = ?", (tx.now, session_id))
 
 
 def _truncate_busy(session_id: str) -> SessionBusy:
@@ -633,6 +642,7 @@ BEGIN
     IF NOT FOUND THEN
         RETURN false;
     END IF;
+    UPDATE session SET time_written = v_now WHERE id = v_session;
     PERFORM ts_signal(v_session);
     DELETE FROM session_input_cancelled WHERE time_cancelled < v_now - 600000;
     INSERT INTO session_input_cancelled(id, session_id, payload, time_cancelled, call_id)
@@ -669,7 +679,8 @@ BEGIN
     IF NOT FOUND THEN
         RETURN false;
     END IF;
-    UPDATE session SET time_paused = NULL WHERE id = p_session AND time_paused IS NOT NULL;
+    UPDATE session SET time_paused = NULL, time_written = v_now
+        WHERE id = p_session AND time_paused IS NOT NULL;
     IF v_woken IS NOT NULL THEN
         PERFORM ts_signal(p_session);
         RETURN true;
@@ -727,9 +738,9 @@ CREATE OR REPLACE FUNCTION ts_truncate(p_session text, p_after bigint, p_now big
 RETURNS bigint
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
-    v_count bigint;
+    v_count bigint; v_now bigint;
 BEGIN
-    PERFORM ts_lock(p_session);
+    v_now := ts_lock_now(p_session, p_now);
     IF EXISTS (SELECT 1 FROM session_execution e WHERE e.session_id = p_session) THEN
         RETURN NULL;
     END IF;
@@ -742,6 +753,7 @@ BEGIN
     DELETE FROM session_message WHERE session_id = p_session AND seq > p_after;
     GET DIAGNOSTICS v_count = ROW_COUNT;
     IF v_count > 0 THEN
+        UPDATE session SET time_written = v_now WHERE id = p_session;
         PERFORM ts_signal(p_session);
     END IF;
     RETURN v_count;
