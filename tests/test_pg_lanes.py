@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import trio
 import trio.testing
 from helpers import opened, pg_raw
@@ -151,3 +152,11 @@ async def test_a_write_on_no_session_goes_to_an_idle_lane_at_once(
         finally:
             with trio.CancelScope(shield=True):
                 await lane.close()
+
+
+@pytest.mark.parametrize("writers", [0, 17])
+def test_a_writer_count_out_of_range_is_refused_naming_the_range(writers: int) -> None:
+    """`writers` is 1 to 16 (README), and the error says so at either end - not "1 to
+    2**63-1" below the range and "<= 16" above it."""
+    with pytest.raises(ValueError, match=f"^writers must be 1 to 16, got {writers}$"):
+        PostgresStore("postgresql://app@127.0.0.1:1/app", writers=writers)

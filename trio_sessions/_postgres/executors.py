@@ -447,8 +447,8 @@ def _masked(url: str) -> str:
 
 
 def _check_writers(_store: object, _attribute: object, writers: object) -> None:
-    if count(writers, "writers", 1) > MAX_WRITERS:
-        raise ValueError(f"writers must be <= {MAX_WRITERS}, got {writers}")
+    if not 1 <= count(writers, "writers", 0) <= MAX_WRITERS:
+        raise ValueError(f"writers must be 1 to {MAX_WRITERS}, got {writers}")
 
 
 @attrs.frozen
