@@ -35,7 +35,9 @@ Run it (SQLite here; a `postgresql://` URL works the same, across hosts, with `-
   lease runs out; the resumed drain finds the question it still owes in the transcript.
 * `GET /` is a small chat page (`chat_page.html`, vanilla JavaScript on `EventSource`):
   send, stop, edit and regenerate, delete, and a live answer that survives a dropped
-  connection (`/?session=ID` opens a conversation).
+  connection (`/?session=ID` opens a conversation). A session id is one path segment,
+  percent-encoded (`/sessions/a%2Fb/...` is session `a/b`); `.` and `..` cannot be one,
+  since clients resolve them as a path's dots before sending.
 * `GET /health` answers 200 once the runtime is open (a readiness probe); `GET /metrics`
   is the runtime's `statistics()` as JSON.
 
@@ -126,6 +128,15 @@ class HTTPError(Exception):
         self.status = status
 
 
+def _segment(encoded: str) -> str:
+    """A path segment's text: its percent-escapes decoded as UTF-8 (400 for bytes that are
+    not - every such id would read as the same replacement character)."""
+    try:
+        return urllib.parse.unquote(encoded, errors="strict")
+    except UnicodeDecodeError:
+        raise HTTPError(400, f"session id {encoded!r} is not UTF-8") from None
+
+
 @attrs.define
 class ChatApp:
     """POST messages, GET the transcript, POST stop/interrupt/edit, GET events (SSE), DELETE
@@ -159,10 +170,12 @@ class ChatApp:
         if path == "/metrics" and method == "GET":
             await _respond(send, 200, attrs.asdict(self.runtime.statistics()))
             return
-        match = ROUTE.match(path)
+        # Routed on the path as sent: a session id is one percent-encoded segment, and an
+        # id holding a '/' must not split into two once decoded.
+        match = ROUTE.match(scope.get("raw_path", path.encode()).decode("latin-1"))
         if match is None:
             raise HTTPError(404, f"no such resource: {path}")
-        session_id, action = match["session"], match["action"]
+        session_id, action = _segment(match["session"]), match["action"]
         expected = METHODS[action]
         if method != expected:
             raise HTTPError(405, f"{action or 'a conversation'} takes {expected}")

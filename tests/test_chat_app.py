@@ -5,6 +5,7 @@ send, without starting the service's processes (`test_chat_service` does that)."
 from __future__ import annotations
 
 import json
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ async def _call(
     which answers 500)."""
     sent: list[Any] = []
     delivered = False
+    raw_path = path.encode("ascii")  # as the client sent it, percent-encoded
 
     async def receive() -> dict[str, Any]:
         nonlocal delivered
@@ -39,7 +41,8 @@ async def _call(
     scope = {
         "type": "http",
         "method": method,
-        "path": path,
+        "path": urllib.parse.unquote(path),  # as hypercorn decodes it
+        "raw_path": raw_path,
         "headers": headers or [],
         "query_string": b"",
     }
@@ -74,6 +77,26 @@ async def _answer(ctx: trio_sessions.DrainContext) -> None:
         reply = await ctx.begin_assistant()
         await reply.append_text(f"You said: {item.payload['text']}")
         await reply.finish()
+
+
+async def test_a_session_id_is_one_path_segment_whatever_it_holds(tmp_path: Path) -> None:
+    """The page sends a session id percent-encoded (`encodeURIComponent`): an id holding a
+    `/` is one segment, its conversation like any other - not a 404 for a path the decoded
+    slash split. A segment whose bytes are not UTF-8 names no session: a 400 - not the
+    replacement character, which made every such id one conversation."""
+    async with trio_sessions.open_runtime(str(tmp_path / "chat.db"), _answer) as rt:
+        app = chat.ChatApp(rt)
+        status, answer = await _call(app, "POST", "/sessions/a%2Fb/messages", b'{"text": "hi"}')
+        assert status == 202, answer
+        await rt.wait_idle("a/b")
+        status, answer = await _call(app, "GET", "/sessions/a%2Fb/transcript")
+        assert status == 200, answer
+        assert [m["role"] for m in json.loads(answer)] == ["user", "assistant"]
+        for segment in ("%FF", "%FE"):
+            status, answer = await _call(app, "POST", f"/sessions/{segment}/messages", b"{}")
+            assert status == 400, answer
+            assert b"not UTF-8" in answer, answer
+        assert await rt.transcript("\ufffd") == []
 
 
 async def test_edit_names_a_user_message_and_a_retried_edit_keeps_it(tmp_path: Path) -> None:
