@@ -213,8 +213,12 @@ class _ReaderCopies:
 
     def data(self, data: AssistantData) -> AssistantData:
         """`data` as readers are shown it; copies of parts it no longer has are dropped."""
+        tools = [p for p in data.parts if isinstance(p, ToolPart)]
+        if not tools:  # text only: nothing a reader could edit (an append's common case)
+            self._copies = {}
+            return data
         parts = tuple(self.part(p) if isinstance(p, ToolPart) else p for p in data.parts)
-        self._copies = {id(p): self._copies[id(p)] for p in data.parts if isinstance(p, ToolPart)}
+        self._copies = {id(p): self._copies[id(p)] for p in tools}
         return attrs.evolve(data, parts=parts)
 
 
