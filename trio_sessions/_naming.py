@@ -90,16 +90,25 @@ def check_sqlite_path(path: object) -> str | os.PathLike[str]:
             f"store path {display_name(name)!r} is a PostgreSQL URL, no SQLite file: pass it"
             " to PostgresStore (or to open_runtime as it is)"
         )
+    _refuse_nul_or_surrogate(
+        name,
+        f"store path {name!r}",
+        ": SQLite names its database files in UTF-8, so it cannot be a store; rename the file",
+    )
+    return path
+
+
+def _refuse_nul_or_surrogate(name: str, shown: str, surrogate_note: str = "") -> None:
+    """`ValueError` naming `shown` for a NUL character or a lone surrogate (bytes that are
+    not UTF-8, as Python spells them) in `name`: no store name can hold either."""
     if "\x00" in name:
-        raise ValueError(f"store path {name!r} holds a NUL character")
+        raise ValueError(f"{shown} holds a NUL character")
     try:
         name.encode("utf-8")
     except UnicodeEncodeError:
         raise ValueError(
-            f"store path {name!r} holds a lone surrogate (bytes that are not UTF-8): SQLite"
-            " names its database files in UTF-8, so it cannot be a store; rename the file"
+            f"{shown} holds a lone surrogate (bytes that are not UTF-8){surrogate_note}"
         ) from None
-    return path
 
 
 def check_file_store(path: str | os.PathLike[str]) -> None:
@@ -121,14 +130,7 @@ def check_postgres_name(name: str) -> str:
     start of a password read as the port and quoted in its error - and only UTF-8)."""
     if not isinstance(name, str):
         raise TypeError(f"url must be a str, got {type(name).__name__}")
-    if "\x00" in name:
-        raise ValueError(f"url {display_name(name)!r} holds a NUL character")
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError(
-            f"url {display_name(name)!r} holds a lone surrogate (bytes that are not UTF-8)"
-        ) from None
+    _refuse_nul_or_surrogate(name, f"url {display_name(name)!r}")
     if not name.strip():
         return name  # libpq's defaults: PGHOST, PGDATABASE, ... from the environment
     if not name.startswith(POSTGRES_SCHEMES):
