@@ -239,6 +239,42 @@ def test_listings_show_a_row_with_no_number_where_one_belongs_as_malformed(
     assert "  MALFORMED: session_recovery.time_quarantined is 'then'" in out
 
 
+def test_a_time_that_is_no_whole_number_is_shown_null_as_every_malformed_time(
+    seeded: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """README: a malformed row is listed "its times `null`". A REAL time (another tool's
+    12.5; SQLite only: PostgreSQL's columns hold integers) was said malformed yet used: a
+    doorbell "set 1796574351.6s ago", a lease 1000.5 ms after the epoch expired "since"
+    56 years. Found by an audit. Only `expired` still follows the number, as recovery does."""
+    raw = sqlite3.connect(seeded)
+    with raw:
+        raw.execute("UPDATE session SET time_woken = 12.5, wakes = 2.5 WHERE id = 'pending'")
+        raw.execute("UPDATE session_execution SET expires_at = 1000.5 WHERE id = 'exec-expired'")
+        raw.execute("UPDATE session_recovery SET time_quarantined = 7.5")
+    raw.close()
+    sessions = {s["id"]: s for s in cli_json(capsys, "status", str(seeded))["sessions"]}
+    assert sessions["pending"]["malformed"] == [
+        "session.time_woken is 12.5, not a whole number",
+        "session.wakes is 2.5, not a whole number",
+    ]
+    assert sessions["pending"]["doorbell"] == {"time_woken": None, "wakes": None, "age_s": None}
+    claim = sessions["expired"]["claim"]
+    assert (claim["expires_at"], claim["expired_since_s"], claim["lease_remaining_s"]) == (
+        None,
+        None,
+        None,
+    )
+    assert claim["expired"] is True
+    code, out, _ = cli(capsys, "status", str(seeded))
+    assert code == 0
+    lines = {line.split()[0]: line for line in out.splitlines()[3:]}
+    assert "set ? ago" not in lines["pending"] and "set ? (? wakes)" in lines["pending"]
+    assert "expired ?" in lines["expired"]
+    [row] = cli_json(capsys, "quarantine", "list", str(seeded))
+    assert (row["time_quarantined"], row["quarantined_for_s"]) == (None, None)
+    assert row["malformed"] == ["session_recovery.time_quarantined is 7.5, not a whole number"]
+
+
 def test_listings_do_not_modify_the_database(
     seeded: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -329,6 +329,7 @@ _CLAIM_NUMBERS = ("time_created", "heartbeat_at", "expires_at")
 
 def _claim(now: int, row: Sequence[Any], problems: list[str]) -> dict[str, Any]:
     (execution_id, owner, phase, created, heartbeat, expires, rec_owner, rec_expires, error) = row
+    expired = _passed(now, expires)
     execution_id, owner, phase = (
         _text(problems, f"session_execution.{column}", value)
         for column, value in zip(
@@ -351,9 +352,7 @@ def _claim(now: int, row: Sequence[Any], problems: list[str]) -> dict[str, Any]:
         "phase": phase,
         "time_created": created,
         "expires_at": expires,
-        # An expiry that is no number never passes: SQLite orders text and blobs after
-        # every number, so the store treats such a claim as live.
-        "expired": expires is not None and expires <= now,
+        "expired": expired,
         "lease_remaining_s": None if expires is None else _seconds(max(0, expires - now)),
         "expired_since_s": None if expires is None else _seconds(max(0, now - expires)),
         "heartbeat_at": heartbeat,
@@ -361,6 +360,13 @@ def _claim(now: int, row: Sequence[Any], problems: list[str]) -> dict[str, Any]:
         "quarantined": error is not None,
         "recovery": recovery,
     }
+
+
+def _passed(now: int, expires: Any) -> bool:
+    """Whether an expiry as stored has passed as the store sees it: a REAL (another tool's)
+    compares as the number it is, so recovery takes such a claim; text and blobs never pass
+    (SQLite orders them after every number), so the store treats such a claim as live."""
+    return type(expires) in (int, float) and expires <= now
 
 
 def _listed(
@@ -383,16 +389,17 @@ def malformed_columns(row: Mapping[str, Any]) -> set[str]:
     return {problem.split(" ", 1)[0] for problem in row["malformed"]}
 
 
-def _whole(problems: list[str], column: str, value: Any) -> float | None:
+def _whole(problems: list[str], column: str, value: Any) -> int | None:
     """A lease-clock time or count as read, or None, with a reason in `problems`, when it
     is no number: SQLite keeps whatever another tool wrote in any column, and one such row
     is shown as malformed, not a failure of the whole listing (a BLOB would not even print
-    as JSON). A REAL is kept - SQLite compares it as the number it is - and said too."""
+    as JSON). A REAL is None too: no time or count the store wrote (`_passed` still
+    compares a REAL expiry, as the store does)."""
     if value is None or type(value) is int:
         return value
     if type(value) is float:
         problems.append(f"{column} is {value!r}, not a whole number")
-        return value
+        return None
     problems.append(f"{column} is {shown_text(value)!r:.60}, not a whole number")
     return None
 
@@ -412,7 +419,7 @@ def _text(problems: list[str], column: str, value: Any) -> Any:
 _HEX_BYTES = 64
 
 
-def _since(now: int, then: float | None) -> float | None:
+def _since(now: int, then: int | None) -> float | None:
     return None if then is None else _seconds(now - then)
 
 
