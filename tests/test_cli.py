@@ -251,6 +251,7 @@ def test_a_time_that_is_no_whole_number_is_shown_null_as_every_malformed_time(
         raw.execute("UPDATE session SET time_woken = 12.5, wakes = 2.5 WHERE id = 'pending'")
         raw.execute("UPDATE session_execution SET expires_at = 1000.5 WHERE id = 'exec-expired'")
         raw.execute("UPDATE session_recovery SET time_quarantined = 7.5")
+        raw.execute("UPDATE session SET time_paused = 3.5 WHERE id = 'idle'")
     raw.close()
     sessions = {s["id"]: s for s in cli_json(capsys, "status", str(seeded))["sessions"]}
     assert sessions["pending"]["malformed"] == [
@@ -258,6 +259,8 @@ def test_a_time_that_is_no_whole_number_is_shown_null_as_every_malformed_time(
         "session.wakes is 2.5, not a whole number",
     ]
     assert sessions["pending"]["doorbell"] == {"time_woken": None, "wakes": None, "age_s": None}
+    # Paused as the store sees it (time_paused IS NOT NULL), with no time to show.
+    assert (sessions["idle"]["paused"], sessions["idle"]["paused_since"]) == (True, None)
     claim = sessions["expired"]["claim"]
     assert (claim["expires_at"], claim["expired_since_s"], claim["lease_remaining_s"]) == (
         None,
@@ -295,6 +298,7 @@ def test_listings_do_not_modify_the_database(
         ("active", ["live"]),
         ("expired", ["expired", "poison"]),
         ("quarantined", ["poison"]),
+        ("paused", []),
     ],
 )
 def test_status_state_filter_keeps_only_sessions_in_that_state(
@@ -899,6 +903,26 @@ def test_control_verbs_pause_resume_cancel_delete_and_purge(
     with pytest.raises(SystemExit) as exited:
         _cli.main(["purge", *db, "--idle-for", "-1"])
     assert exited.value.code == 2
+
+
+def test_status_shows_a_paused_session_as_paused(
+    seeded_store: tuple[list[str], backends.Location], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A paused session says `paused` in the NOTE column and `--state paused` lists it. Found
+    by an audit: only `--json` had `paused_since`; the text listed a paused session with a
+    pending input as a plain doorbell, as if a worker with room would start it."""
+    db, _ = seeded_store
+    cli_json(capsys, "pause", *db, "pending")
+    paused = cli_json(capsys, "status", *db, "--state", "paused")
+    assert [(s["id"], s["paused"]) for s in paused["sessions"]] == [("pending", True)]
+    assert paused["matched"] == 1
+    code, out, _ = cli(capsys, "status", *db)
+    assert code == 0
+    lines = {line.split()[0]: line for line in out.splitlines()[3:]}
+    assert lines["pending"].endswith("  paused")
+    assert [name for name, line in lines.items() if "paused" in line] == ["pending"]
+    code, out, _ = cli(capsys, "status", *db, "--state", "quarantined")
+    assert code == 0 and "paused" not in out
 
 
 # ---------------------------------------------------------------------------------------------

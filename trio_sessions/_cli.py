@@ -113,12 +113,15 @@ def _version_problem(db: str, schema: str | None, version: int) -> StoreError | 
 
 
 # A session can be in several states at once: a live claim with a doorbell set is both
-# `active` and `woken`; a quarantined claim is also `expired` (as in the summary's counts).
-STATES = ("idle", "woken", "active", "expired", "quarantined")
+# `active` and `woken`; a quarantined claim is also `expired` (as in the summary's counts);
+# a paused session is whatever else it is too (its doorbell stays set: no drain starts).
+STATES = ("idle", "woken", "active", "expired", "quarantined", "paused")
 
 
 def in_state(session: dict[str, Any], state: str) -> bool:
     """Whether a session of `_store.status` is in `state` (one of `STATES`)."""
+    if state == "paused":
+        return bool(session["paused"])
     claim = session["claim"]
     if state == "idle":
         return claim is None and session["doorbell"] is None
@@ -338,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--state",
         choices=STATES,
         help="only sessions in this state: idle (no claim, no doorbell), woken (doorbell"
-        " set), active (live claim), expired (expired claim), quarantined",
+        " set), active (live claim), expired (expired claim), quarantined, paused",
     )
     status.add_argument(
         "--limit", type=_positive_int, metavar="N", help="at most N sessions, in id order"

@@ -43,11 +43,10 @@ def _status_row(session: dict[str, Any]) -> list[str]:
     bell = session["doorbell"]
     wakes = "?" if bell is None or bell["wakes"] is None else bell["wakes"]
     doorbell = "-" if bell is None else f"set {_ago(bell['age_s'])} ({wakes} wakes)"
-    malformed = "MALFORMED: " + "; ".join(session["malformed"]) if session["malformed"] else ""
     claim = session["claim"]
     if claim is None:
         inputs = str(session["pending_inputs"])
-        return [session["id"], doorbell, inputs, "-", "idle", "", "", malformed]
+        return [session["id"], doorbell, inputs, "-", "idle", "", "", _note(session)]
     if claim["expired"]:
         lease = f"expired {_ago(claim['expired_since_s'])}"
     elif claim["lease_remaining_s"] is None:
@@ -57,14 +56,23 @@ def _status_row(session: dict[str, Any]) -> list[str]:
     age = claim["heartbeat_age_s"]
     unreadable = "session_execution.heartbeat_at" in malformed_columns(session)
     heartbeat = "never" if age is None and not unreadable else _ago(age)
-    note = "QUARANTINED" if claim["quarantined"] else ""
-    if session["wake_attempts"]:
-        note = f"{note} resumes={session['wake_attempts']}".strip()
-    note = f"{note} {malformed}".strip()
     return [
         *(session["id"], doorbell, str(session["pending_inputs"])),
-        *(claim["owner_id"], claim["phase"], lease, heartbeat, note),
+        *(claim["owner_id"], claim["phase"], lease, heartbeat, _note(session)),
     ]
+
+
+def _note(session: dict[str, Any]) -> str:
+    """What else an operator must know of a session: quarantined, paused (its doorbell may
+    be set, yet no drain starts), resumes spent, what in its rows is malformed."""
+    claim = session["claim"]
+    notes = [
+        "QUARANTINED" if claim is not None and claim["quarantined"] else "",
+        "paused" if session["paused"] else "",
+        f"resumes={session['wake_attempts']}" if session["wake_attempts"] else "",
+        "MALFORMED: " + "; ".join(session["malformed"]) if session["malformed"] else "",
+    ]
+    return " ".join(note for note in notes if note)
 
 
 def _ago(seconds: float | None) -> str:

@@ -297,7 +297,7 @@ def status(tx: Tx) -> dict[str, Any]:
 
 def _session(now: int, row: Sequence[Any]) -> dict[str, Any]:
     (session_id, created, woken, wakes, attempts, inputs, messages, paused, scheduled, *claim) = row
-    rung = woken is not None
+    rung, held = woken is not None, paused is not None
     problems: list[str] = []
     session_id = _text(problems, "session.id", session_id)
     created, woken, wakes, attempts, paused = (
@@ -315,6 +315,8 @@ def _session(now: int, row: Sequence[Any]) -> dict[str, Any]:
         "doorbell": doorbell,
         "pending_inputs": inputs,
         "scheduled_inputs": scheduled,  # of the pending ones: not due (or not rung) yet
+        # Paused as the store sees it: any time_paused, even one shown None as malformed.
+        "paused": held,
         "paused_since": paused,  # lease-clock ms of `pause`; None when not paused
         "messages": messages,
         "wake_attempts": attempts,
