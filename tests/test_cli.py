@@ -22,6 +22,7 @@ import pytest
 import trio
 from backends import PgLocation
 from conftest import query
+from console_process import seed_quarantine
 
 import trio_sessions
 from trio_sessions import _cli, _sqlite, _store
@@ -988,3 +989,35 @@ def test_quarantine_and_inputs_listings_filter_by_session_and_limit(
     assert cli_json(capsys, "quarantine", "list", str(seeded), "--session", "other") == []
     assert len(cli_json(capsys, "quarantine", "list", str(seeded), "--limit", "1")) == 1
     assert cli_json(capsys, "inputs", "list", str(seeded), "--limit", "1") == []
+
+
+def test_a_limited_listing_says_how_many_it_shows_of_how_many(
+    seeded: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`quarantine list` and `inputs list` with `--limit` say "showing N of M" as `status`
+    does. Found by an audit: they printed the page size as the count ("1 quarantined
+    execution(s):" of 3)."""
+    for n in (1, 2):
+        seed_quarantine(seeded, f"q{n}", f"exec-q{n}")
+    raw = sqlite3.connect(seeded)
+    with raw:
+        raw.executemany(
+            "INSERT INTO session_input_rejected(id, session_id, seq, payload, reason,"
+            " time_created) VALUES (?, 'idle', ?, '{bad', 'not JSON', 0)",
+            [(f"bad{n}", 10 + n) for n in range(3)],
+        )
+    raw.close()
+    code, out, _ = cli(capsys, "quarantine", "list", str(seeded), "--limit", "1")
+    assert code == 0
+    assert out.splitlines()[0] == "showing 1 of 3 quarantined execution(s):"
+    assert out.count("\nexecution ") == 1
+    code, out, _ = cli(capsys, "inputs", "list", str(seeded), "--limit", "2")
+    assert code == 0
+    assert out.splitlines()[0] == "showing 2 of 3 rejected input(s):"
+    assert out.count("\ninput ") == 2
+    code, out, _ = cli(capsys, "inputs", "list", str(seeded), "--limit", "3")
+    assert code == 0
+    assert out.splitlines()[0] == "3 rejected input(s):"
+    code, out, _ = cli(capsys, "quarantine", "list", str(seeded), "--session", "q1")
+    assert code == 0
+    assert out.splitlines()[0] == "1 quarantined execution(s):"

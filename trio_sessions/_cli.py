@@ -469,8 +469,8 @@ def run_command(args: argparse.Namespace, database: Engine) -> tuple[Any, str]:
         return status, format_status(status)
     if args.command == "inputs":
         if args.inputs_action == "list":
-            rows = read_rejected_inputs(database, args.session)[: args.limit]
-            return rows, format_rejected_inputs(rows)
+            rows = read_rejected_inputs(database, args.session)
+            return rows[: args.limit], format_rejected_inputs(rows[: args.limit], len(rows))
         if args.inputs_action == "cancel":
             cancelled = cancel_input(database, args.input_id)
             return cancelled, format_control(cancelled)
@@ -481,8 +481,8 @@ def run_command(args: argparse.Namespace, database: Engine) -> tuple[Any, str]:
             row
             for row in database.read(_store.quarantine_report)
             if args.session is None or row["session_id"] == args.session
-        ][: args.limit]
-        return rows, format_quarantine(rows)
+        ]
+        return rows[: args.limit], format_quarantine(rows[: args.limit], len(rows))
     result = release(database, args.execution_id, resume=args.resume)
     return result, format_release(result)
 

@@ -80,10 +80,17 @@ def _ago(seconds: float | None) -> str:
     return "?" if seconds is None else f"{seconds:.1f}s ago"
 
 
-def format_quarantine(rows: list[dict[str, Any]]) -> str:
+def _count(rows: list[Any], matched: int, what: str) -> str:
+    """A listing's first line: how many rows match, and how many of them `--limit` shows."""
+    shown = "" if len(rows) == matched else f"showing {len(rows)} of "
+    return f"{shown}{matched} {what}:"
+
+
+def format_quarantine(rows: list[dict[str, Any]], matched: int) -> str:
+    """`rows`: the first of the `matched` quarantined executions (all, without --limit)."""
     if not rows:
         return "no quarantined executions"
-    lines = [f"{len(rows)} quarantined execution(s):"]
+    lines = [_count(rows, matched, "quarantined execution(s)")]
     for row in rows:
         lines += [
             "",
@@ -97,10 +104,11 @@ def format_quarantine(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def format_rejected_inputs(rows: list[dict[str, Any]]) -> str:
+def format_rejected_inputs(rows: list[dict[str, Any]], matched: int) -> str:
+    """`rows`: the first of the `matched` rejected inputs (all, without --limit)."""
     if not rows:
         return "no rejected inputs"
-    lines = [f"{len(rows)} rejected input(s):"]
+    lines = [_count(rows, matched, "rejected input(s)")]
     for row in rows:
         lines += [
             "",
