@@ -1021,3 +1021,63 @@ def test_a_limited_listing_says_how_many_it_shows_of_how_many(
     code, out, _ = cli(capsys, "quarantine", "list", str(seeded), "--session", "q1")
     assert code == 0
     assert out.splitlines()[0] == "1 quarantined execution(s):"
+
+
+def test_text_listings_escape_what_a_terminal_would_act_on(
+    seeded: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Another tool's ids and reasons holding a newline, a NUL or an ANSI escape are printed
+    escaped as `repr` shows them, in every text listing; JSON keeps them as stored. Found by
+    an audit: `status` printed them raw - a newline split a row, the escape reached the
+    terminal. (SQLite and PostgreSQL format alike; SQLite alone also keeps a NUL.)"""
+    for session_id, execution_id in (
+        ("new\nline", "exec-new\nline"),
+        ("nul\x00x", "exec-nul"),
+        ("ansi\x1b[31mRED", "exec-ansi"),
+    ):
+        seed_quarantine(seeded, session_id, execution_id)
+    raw = sqlite3.connect(seeded)
+    with raw:
+        raw.execute(
+            "UPDATE session_recovery SET owner_id = 'rec\rowner', recovery_error = 'bad\nrow'"
+            " WHERE session_id = 'new\nline'"
+        )
+        raw.execute(
+            "UPDATE session_execution SET owner_id = ? WHERE session_id = ?",
+            ("own\ter\x07", "new\nline"),
+        )
+        raw.executemany(
+            "INSERT INTO session_input_rejected(id, session_id, seq, payload, reason,"
+            " time_created) VALUES (?, ?, ?, ?, ?, 0)",
+            [
+                ("in\nput", "nul\x00x", 1, "{\n\x1b[2J", "not\x1bJSON"),
+                ("in-ok", "nul\x00x", 2, "[]", "not an object"),
+            ],
+        )
+    raw.close()
+    code, status, _ = cli(capsys, "status", str(seeded))
+    assert code == 0
+    rows = status.splitlines()[3:]
+    assert len(rows) == 8  # one line per session: the 5 seeded and 3 new
+    assert [row.split()[0] for row in rows[:3]] == [r"ansi\x1b[31mRED", "expired", "idle"]
+    assert r"new\nline  " in status and r"nul\x00x  " in status
+    assert r"own\ter\x07  running  " in status
+    code, quarantine, _ = cli(capsys, "quarantine", "list", str(seeded))
+    assert code == 0
+    assert r"execution exec-new\nline  session new\nline" in quarantine
+    assert r"  claim owner: own\ter\x07 (running)" in quarantine
+    assert r"by rec\rowner" in quarantine and r"  - bad\nrow" in quarantine
+    code, inputs, _ = cli(capsys, "inputs", "list", str(seeded))
+    assert code == 0
+    assert r"input in\nput  session nul\x00x  seq 1" in inputs
+    assert r"  payload: {\n\x1b[2J" in inputs and r"  - not\x1bJSON" in inputs
+    for out in (status, quarantine, inputs):
+        assert not {"\x00", "\x07", "\x1b", "\r", "\t"} & set(out), out
+    row = cli_json(capsys, "inputs", "list", str(seeded))[0]
+    assert (row["id"], row["payload"]) == ("in\nput", "{\n\x1b[2J")
+    code, out, _ = cli(capsys, "inputs", "drop", str(seeded), "in-ok")
+    assert (code, out) == (0, "dropped rejected input in-ok of session nul\\x00x\n")
+    code, out, _ = cli(capsys, "quarantine", "release", str(seeded), "exec-ansi", "--resume")
+    assert code == 0 and r"of session ansi\x1b[31mRED: the next" in out
+    sessions = [s["id"] for s in cli_json(capsys, "status", str(seeded))["sessions"]]
+    assert "nul\x00x" in sessions and "ansi\x1b[31mRED" in sessions

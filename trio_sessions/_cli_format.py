@@ -3,7 +3,8 @@ lines a terminal shows; `--json` prints the same data as one JSON document inste
 
 Invariants: nothing here reads or writes a database - every function formats what a command
 already read; a rejected input's payload is cut to 200 characters (its length said), so one
-huge record never floods the terminal.
+huge record never floods the terminal; every stored text (ids, reasons, payloads: another
+tool may write any) goes through `_shown`, so no character of it acts on the terminal.
 """
 
 from __future__ import annotations
@@ -12,6 +13,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._store import malformed_columns
+
+
+def _shown(value: Any) -> Any:
+    """A stored text as a terminal may print it: one that is not printable (a newline that
+    would split a row, a NUL, an ANSI escape) escaped as `repr` shows it, without its
+    quotes; any other value as it is."""
+    if not isinstance(value, str) or value.isprintable():
+        return value
+    return repr(value)[1:-1]
 
 
 def _table(header: Sequence[str], rows: list[list[str]]) -> list[str]:
@@ -46,7 +56,7 @@ def _status_row(session: dict[str, Any]) -> list[str]:
     claim = session["claim"]
     if claim is None:
         inputs = str(session["pending_inputs"])
-        return [session["id"], doorbell, inputs, "-", "idle", "", "", _note(session)]
+        return [_shown(session["id"]), doorbell, inputs, "-", "idle", "", "", _note(session)]
     if claim["expired"]:
         lease = f"expired {_ago(claim['expired_since_s'])}"
     elif claim["lease_remaining_s"] is None:
@@ -57,8 +67,8 @@ def _status_row(session: dict[str, Any]) -> list[str]:
     unreadable = "session_execution.heartbeat_at" in malformed_columns(session)
     heartbeat = "never" if age is None and not unreadable else _ago(age)
     return [
-        *(session["id"], doorbell, str(session["pending_inputs"])),
-        *(claim["owner_id"], claim["phase"], lease, heartbeat, _note(session)),
+        *(_shown(session["id"]), doorbell, str(session["pending_inputs"])),
+        *(_shown(claim["owner_id"]), _shown(claim["phase"]), lease, heartbeat, _note(session)),
     ]
 
 
@@ -94,11 +104,11 @@ def format_quarantine(rows: list[dict[str, Any]], matched: int) -> str:
     for row in rows:
         lines += [
             "",
-            f"execution {row['execution_id']}  session {row['session_id']}",
-            f"  claim owner: {row['claim_owner_id']} ({row['claim_phase']})",
-            f"  quarantined {_ago(row['quarantined_for_s'])} by {row['recovery_owner']}",
+            f"execution {_shown(row['execution_id'])}  session {_shown(row['session_id'])}",
+            f"  claim owner: {_shown(row['claim_owner_id'])} ({_shown(row['claim_phase'])})",
+            f"  quarantined {_ago(row['quarantined_for_s'])} by {_shown(row['recovery_owner'])}",
             *(f"  MALFORMED: {problem}" for problem in row["malformed"]),
-            *(f"  - {reason}" for reason in str(row["recovery_error"]).split("; ")),
+            *(f"  - {_shown(reason)}" for reason in str(row["recovery_error"]).split("; ")),
         ]
     lines += ["", "act with: quarantine release DB EXECUTION_ID --resume|--drop"]
     return "\n".join(lines)
@@ -112,9 +122,9 @@ def format_rejected_inputs(rows: list[dict[str, Any]], matched: int) -> str:
     for row in rows:
         lines += [
             "",
-            f"input {row['id']}  session {row['session_id']}  seq {row['seq']}",
-            f"  payload: {_shorten(row['payload'])}",
-            f"  - {row['reason']}",
+            f"input {_shown(row['id'])}  session {_shown(row['session_id'])}  seq {row['seq']}",
+            f"  payload: {_shown(_shorten(row['payload']))}",
+            f"  - {_shown(row['reason'])}",
             *(f"  MALFORMED: {problem}" for problem in row["malformed"]),
         ]
     lines += ["", "delete one with: inputs drop DB INPUT_ID"]
@@ -126,7 +136,8 @@ def _shorten(text: str, limit: int = 200) -> str:
 
 
 def format_input_drop(result: dict[str, Any]) -> str:
-    return f"dropped rejected input {result['input_id']} of session {result['session_id']}"
+    input_id, session_id = result["input_id"], _shown(result["session_id"])
+    return f"dropped rejected input {input_id} of session {session_id}"
 
 
 def format_control(result: dict[str, Any]) -> str:
@@ -148,7 +159,7 @@ def format_health(health: dict[str, Any]) -> str:
 
 
 def format_release(result: dict[str, Any]) -> str:
-    execution, session = result["execution_id"], result["session_id"]
+    execution, session = result["execution_id"], _shown(result["session_id"])
     if result["action"] == "drop":
         return (
             f"dropped execution {execution} of session {session}: its messages that do not"
