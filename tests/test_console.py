@@ -1216,3 +1216,29 @@ def test_a_resumed_stream_names_at_most_followed_ids_open_messages(tmp_path: Pat
             assert ok.status_code == 200
             _, first = next(sse_events(ok.iter_lines()))
     assert first == {"drop_after": 0}  # none of them is stored: a rewrite, for the page
+
+
+@BOTH
+def test_a_cursor_at_the_last_seq_streams_as_on_postgresql_not_a_500(
+    db_path: Location, tmp_path: Path
+) -> None:
+    """A well-formed cursor whose top is seq 2**63-1 (a client's Last-Event-ID, or
+    ?cursor=) is a position `runtime.stream()` takes - no message follows it - but the
+    console's event stream answered 500 on SQLite (OverflowError: the first seq after the
+    top, 2**63, bound as a SQLite INTEGER) and 200 on PostgreSQL. Found by an audit.
+    Both answer 200 and the same first event: the stored transcript is not the one the
+    cursor names, a rewrite for the page."""
+    store = db_path
+    seed_ids(store, "s")
+    cursor = f"1.{session_tag('s')}.{2**63 - 1}.{message_tag('x')}."
+    with (
+        console_on(store, tmp_path) as (url, _),
+        httpx.Client(base_url=url, timeout=DEADLINE) as client,
+    ):
+        path = "/sessions/s/events"
+        firsts = []
+        for headers, params in (({"last-event-id": cursor}, {}), ({}, {"cursor": cursor})):
+            with client.stream("GET", path, headers=headers, params=params) as stream:
+                assert stream.status_code == 200, (headers, params)
+                firsts.append(next(sse_events(stream.iter_lines()))[1])
+    assert firsts == [{"drop_after": 0}] * 2

@@ -440,11 +440,15 @@ def shown_messages(tx: Tx, session_id: str, low: int, position: Position, limit:
     their rows and one for their deltas per `_IN_CHUNK` of them (the caller bounds how
     many a position may name). An open message whose seq holds another message now is
     left out (the transcript was rewritten: a stream from the position says so)."""
-    rows = tx.execute(
-        "SELECT seq, id FROM session_message WHERE session_id = ? AND seq >= ? AND seq <= ?"
-        " ORDER BY seq LIMIT ?",
-        (session_id, low, position.top, limit),
-    ).fetchall()
+    rows: list[Sequence[Any]] = []
+    # A page from past the top shows no seq; and `low` may be 2**63 (a position at the last
+    # seq: none follows it), which SQLite cannot bind.
+    if low <= position.top:
+        rows = tx.execute(
+            "SELECT seq, id FROM session_message WHERE session_id = ? AND seq >= ? AND seq <= ?"
+            " ORDER BY seq LIMIT ?",
+            (session_id, low, position.top, limit),
+        ).fetchall()
     ids = {placed(seq): str(message_id) for seq, message_id in rows}
     tags = {held.seq: held.tag for held in position.open}
     found: list[Sequence[Any]] = []
