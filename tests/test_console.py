@@ -1242,3 +1242,34 @@ def test_a_cursor_at_the_last_seq_streams_as_on_postgresql_not_a_500(
                 assert stream.status_code == 200, (headers, params)
                 firsts.append(next(sse_events(stream.iter_lines()))[1])
     assert firsts == [{"drop_after": 0}] * 2
+
+
+@BOTH
+def test_an_empty_session_or_execution_id_is_listed_on_the_first_page(
+    db_path: Location, tmp_path: Path
+) -> None:
+    """Another tool may store a session or a quarantined execution whose id is "" (the CLI's
+    `status` lists it); the console's first page of either table asked for ids after "",
+    and never listed it. Found by an audit. Listed now: the session as an id the runtime
+    refuses, the execution without buttons (a URL's empty segment names nothing: they
+    would answer 404; the CLI refuses the id too), saying so."""
+    store = db_path
+    seed_ids(store, "visible")
+    Raw(store).write("INSERT INTO session(id, time_created) VALUES ('', 0)")
+    Raw(store).write(
+        "INSERT INTO session_recovery(execution_id, session_id, owner_id, expires_at,"
+        " recovery_error, time_created, time_quarantined)"
+        " VALUES ('', 'visible', 'o', 0, 'bad', 0, 0)"
+    )
+    with (
+        console_on(store, tmp_path) as (url, _),
+        httpx.Client(base_url=url, timeout=DEADLINE) as client,
+    ):
+        page = client.get("/").text
+    sessions = page.split('<table id="sessions">')[1].split("</table>")[0]
+    assert sessions.count("<tr") == 3, sessions  # the head, "" and "visible"
+    assert "<tr><td></td>" in sessions and "an id the runtime refuses" in sessions
+    assert session_ids(page) == ["visible"]
+    row = re.search(r'<tr data-execution="">.*?</tr>', page)
+    assert row is not None and "<form" not in row.group(0), page
+    assert "an empty id: no action" in row.group(0)

@@ -318,7 +318,11 @@ contains"> <button>search</button></form>
                 body += f"<td>{_e('; '.join(row['malformed']))}</td><td></td></tr>"
                 continue
             actions = ""
-            if not self.guard.read_only:
+            if execution == "":
+                # No button: a URL's empty segment names nothing (its POST would be a 404),
+                # and the CLI refuses the id too: repaired or deleted with the store's tools.
+                actions = '<i class="error">an empty id: no action</i>'
+            elif not self.guard.read_only:
                 actions = self._button(
                     f"/quarantine/{_q(execution)}/resume", "resume"
                 ) + self._button(
@@ -523,12 +527,12 @@ def _cookies(headers: Mapping[str, str]) -> dict[str, str]:
     return {key: value for key, _, value in pairs if key}
 
 
-def _page_start(query: Mapping[str, str], name: str) -> PageKey:
-    """Where a table's page starts (`_store.session_page`, `_store.quarantine_page`): after
-    the id `name` a user may type, or after an id as stored that a next link names by the
-    hex digits of its bytes (`_list_query`): `name_hex` for text - not UTF-8, or holding a
-    NUL (SQLite keeps another tool's) - and `name_blob` for a BLOB, which SQLite orders
-    after all text."""
+def _page_start(query: Mapping[str, str], name: str) -> PageKey | None:
+    """Where a table's page starts (`_store.session_page`, `_store.quarantine_page`): at the first
+    id (None) without a field, else after the id `name` a user may type, or after an id as
+    stored that a next link names by the hex digits of its bytes (`_list_query`): `name_hex` for
+    text - not UTF-8, or holding a NUL (SQLite keeps another tool's) - and `name_blob` for a
+    BLOB, which SQLite orders after all text."""
     for kind, blob in (("hex", False), ("blob", True)):
         hex_digits = query.get(f"{name}_{kind}")
         if hex_digits is None:
@@ -543,7 +547,9 @@ def _page_start(query: Mapping[str, str], name: str) -> PageKey:
             return PageKey(key.decode("utf-8"))
         except UnicodeDecodeError:
             return PageKey(key)
-    text = query.get(name, "")
+    text = query.get(name)
+    if text is None:
+        return None
     if "\x00" in text:  # PostgreSQL refuses it in any text; a stored one pages by its hex
         raise HTTPError(400, "no session id holds a NUL character")
     return PageKey(text)
@@ -552,18 +558,21 @@ def _page_start(query: Mapping[str, str], name: str) -> PageKey:
 _HEX_DIGITS = re.compile(r"(?:[0-9A-Fa-f]{2})*")
 
 
-def _pages_on(page: Mapping[str, Any], after: PageKey) -> bool:
+def _pages_on(page: Mapping[str, Any], after: PageKey | None) -> bool:
     """Whether a table's page links a next one: more rows follow, past this page's own
     start (a page never links itself, were the store to order its keys unlike SQL does)."""
     return bool(page["more"]) and page["last"] is not None and page["last"] != after
 
 
-def _list_query(search: str, after: PageKey, quarantine_after: PageKey) -> str:
+def _list_query(search: str, after: PageKey | None, quarantine_after: PageKey | None) -> str:
     """A list page's query: the search, and where each of its two tables starts (an id a
     user could not type - a BLOB, text that is not UTF-8 or holds a NUL - as the hex of its
-    stored bytes: `_page_start`)."""
+    stored bytes: `_page_start`). The id "" sorts before every other: a page of more than
+    one row never ends at it, and a key of it is written as the first page's (no field)."""
     fields = {"q": search}
     for name, key in (("after", after), ("quarantine_after", quarantine_after)):
+        if key is None:
+            continue
         if key.blob:
             fields[f"{name}_blob"] = _as_bytes(key.id).hex()
         elif isinstance(key.id, bytes) or "\x00" in key.id:
@@ -578,7 +587,10 @@ def _as_bytes(stored: str | bytes) -> bytes:
 
 
 def _quarantine_more(
-    page: Mapping[str, Any], search: str, after: PageKey, quarantine_after: PageKey
+    page: Mapping[str, Any],
+    search: str,
+    after: PageKey | None,
+    quarantine_after: PageKey | None,
 ) -> str:
     """The link to the next page of quarantined executions (the sessions' page kept)."""
     if not _pages_on(page, quarantine_after):

@@ -32,3 +32,26 @@ def test_drop_quarantined_sets_the_malformed_message_aside(db: Db) -> None:
     assert row[6] == db.now
     messages = db.run(_store.read_transcript, "s")
     assert [(m.role, m.input_id) for m in messages] == [("user", "in-taken")]
+
+
+def test_the_console_pages_list_an_empty_id_first_and_go_on_after_it(db: Db) -> None:
+    """Another tool may store a session or a quarantined execution whose id is "" (the CLI's
+    `status` lists it); the console's first page asked for ids after "", which leaves it
+    out, on either table. Found by an audit. The first page (`after` None) starts before
+    every id; a page ending at "" goes on with the ids after it, each listed once."""
+    db.write("INSERT INTO session(id, time_created) VALUES ('', 0), ('a', 0), ('b', 0)")
+    db.write(
+        "INSERT INTO session_recovery(execution_id, session_id, owner_id, expires_at,"
+        " recovery_error, time_created, time_quarantined)"
+        " VALUES ('', 'a', 'o', 0, 'bad', 0, 0), ('e', 'a', 'o', 0, 'bad', 0, 0)"
+    )
+    whole = db.engine.read(_store.session_page, "", None, 10)
+    assert [s["id"] for s in whole["sessions"]] == ["", "a", "b"] and not whole["more"]
+    first = db.engine.read(_store.session_page, "", None, 1)
+    assert [s["id"] for s in first["sessions"]] == [""] and first["more"]
+    after = db.engine.read(_store.session_page, "", first["last"], 1)
+    assert [s["id"] for s in after["sessions"]] == ["a"]
+    quarantined = db.engine.read(_store.quarantine_page, None, 1)
+    assert [q["execution_id"] for q in quarantined["quarantined"]] == [""]
+    rest = db.engine.read(_store.quarantine_page, quarantined["last"], 1)
+    assert [q["execution_id"] for q in rest["quarantined"]] == ["e"] and not rest["more"]

@@ -51,13 +51,13 @@ _QUARANTINED = (
 
 
 @reads_stored_bytes
-def quarantine_page(tx: Tx, after: PageKey, limit: int) -> dict[str, Any]:
-    """Quarantined executions in execution id order after `after`, at most `limit` (`more`:
-    others follow; `last`: the last one's id as stored, the `PageKey` the next page starts
-    after), as `quarantined` lists them: the console's table costs one page however many
-    the store holds. Keyset paging on the primary key (an index walk; the table holds
-    little besides quarantines: recovery leases while a pass runs), not on the quarantine
-    time, which no index orders."""
+def quarantine_page(tx: Tx, after: PageKey | None, limit: int) -> dict[str, Any]:
+    """Quarantined executions in execution id order after `after` (None: from the first), at most
+    `limit` (`more`: others follow; `last`: the last one's id as stored, the `PageKey` the next
+    page starts after), as `quarantined` lists them: the console's table costs one page however
+    many the store holds. Keyset paging on the primary key (an index walk; the table holds
+    little besides quarantines: recovery leases while a pass runs), not on the quarantine time,
+    which no index orders."""
     condition, key = _after(tx, "execution_id", after)
     rows = tx.execute(
         f"SELECT {_is_blob(tx, 'execution_id')}, execution_id, session_id, owner_id,"
@@ -71,24 +71,30 @@ def quarantine_page(tx: Tx, after: PageKey, limit: int) -> dict[str, Any]:
 
 @attrs.frozen
 class PageKey:
-    """Where a keyset page of ids starts: after this id as stored (the first page: after
-    ""). `id` is a str for text that is UTF-8, else the stored bytes: of text that is not
-    UTF-8, or - `blob` - of a BLOB. SQLite keeps either in a TEXT column when another tool
-    writes it, and orders every BLOB after all text: a page after a BLOB compares BLOBs,
-    one after text that is not UTF-8 compares text by its bytes, never the name it is
-    shown by (replacement characters, which sort elsewhere: a page after it skipped rows,
-    or listed itself again). PostgreSQL holds UTF-8 text only."""
+    """Where a keyset page of ids starts: after this id as stored (the first page has
+    none: it starts before "", an id another tool may store). `id` is a str for text that
+    is UTF-8, else the stored bytes: of text that is not UTF-8, or - `blob` - of a BLOB.
+    SQLite keeps either in a TEXT column when another tool writes it, and orders every
+    BLOB after all text: a page after a BLOB compares BLOBs, one after text that is not
+    UTF-8 compares text by its bytes, never the name it is shown by (replacement
+    characters, which sort elsewhere: a page after it skipped rows, or listed itself
+    again). PostgreSQL holds UTF-8 text only."""
 
-    id: str | bytes = ""
+    id: str | bytes
     blob: bool = False
 
 
-def _after(tx: Tx, column: str, key: PageKey) -> tuple[str, Any]:
-    """The condition (naming `:after`) that a row's `column` sorts after `key`, and the
-    parameter's value: compared like with like (a BLOB's bytes as a BLOB; only text that
-    is not UTF-8 through `CAST(... AS TEXT)`, byte order, as SQLite orders the column).
+def _after(tx: Tx, column: str, key: PageKey | None) -> tuple[str, Any]:
+    """The condition (naming `:after`) that a row's `column` sorts after `key` - for None,
+    that it holds an id at all - and the parameter's value: compared like with like (a
+    BLOB's bytes as a BLOB; only text that is not UTF-8 through `CAST(... AS TEXT)`, byte
+    order, as SQLite orders the column).
     On PostgreSQL a key that names no storable text (a BLOB, bytes that are not UTF-8, a
     NUL) is a `ValueError`."""
+    if key is None:
+        # Not `> ''`, which leaves out the id "". A NULL id (SQLite's TEXT PRIMARY KEY
+        # takes one from another tool) names no key to page on from: left out, as before.
+        return f"{column} IS NOT NULL", None
     if tx.dialect == "postgres":
         text = _pg_text(key)
         if text is None or "\x00" in text:
@@ -460,10 +466,11 @@ def _contains(tx: Tx) -> str:
 
 
 @reads_stored_bytes
-def session_page(tx: Tx, query: str, after: PageKey, limit: int) -> dict[str, Any]:
-    """Sessions whose id contains `query`, in id order after `after`, at most `limit`: keyset
-    paging on the primary key, so a page costs the same with 100,000 sessions. `last`:
-    the last one's id as stored, the `PageKey` the next page starts after."""
+def session_page(tx: Tx, query: str, after: PageKey | None, limit: int) -> dict[str, Any]:
+    """Sessions whose id contains `query`, in id order after `after` (None: from the
+    first), at most `limit`: keyset paging on the primary key, so a page costs the same
+    with 100,000 sessions. `last`: the last one's id as stored, the `PageKey` the next
+    page starts after."""
     condition, key = _after(tx, "s.id", after)
     where = condition + (f" AND {_contains(tx)}" if query else "")
     sql = _STATUS_SQL.replace("ORDER BY s.id", f"WHERE {where} ORDER BY s.id LIMIT :limit")
