@@ -1273,3 +1273,37 @@ def test_an_empty_session_or_execution_id_is_listed_on_the_first_page(
     row = re.search(r'<tr data-execution="">.*?</tr>', page)
     assert row is not None and "<form" not in row.group(0), page
     assert "an empty id: no action" in row.group(0)
+
+
+@BOTH
+def test_interrupt_is_offered_only_where_it_can_act_and_says_when_nothing_was(
+    db_path: Location, tmp_path: Path
+) -> None:
+    """The console offered `interrupt` on every session holding a claim; on an expired one
+    (a quarantined claim is one) or one already stopping `runtime.interrupt()` does nothing
+    and returns False, and the console answered 303 as if it had acted. Found by an audit.
+    The button is shown for a live claim that is not stopping only; a POST that interrupts
+    nothing (a page from before the claim expired) is a 409 that says so, changing nothing."""
+    store = db_path
+    seed_ids(store, "gone", "stopping", "live")
+    now = int(time.time() * 1000)
+    raw = Raw(store)
+    raw.seed_claim("gone", "e-gone", expires_at=now - 1)
+    raw.seed_claim("stopping", "e-stopping", expires_at=now + 600_000, phase="cancelling")
+    raw.seed_claim("live", "e-live", expires_at=now + 600_000)
+    with (
+        console_on(store, tmp_path) as (url, _),
+        httpx.Client(base_url=url, timeout=DEADLINE) as client,
+    ):
+        listing = client.get("/").text
+        offered = re.findall(r'action="/sessions/([^/"]+)/interrupt"', listing)
+        assert offered == ["live"], offered
+        for session_id in ("gone", "stopping", "live"):
+            page = client.get(f"/sessions/{session_id}").text
+            assert ('value="interrupt"' in page) == (session_id == "live"), session_id
+        answer = client.post("/sessions/gone/interrupt", data={"csrf": csrf_of(listing)})
+        assert answer.status_code == 409 and "nothing was interrupted" in answer.text
+        done = client.post("/sessions/live/interrupt", data={"csrf": csrf_of(listing)})
+        assert done.status_code == 303
+    phases = dict(raw.rows("SELECT id, phase FROM session_execution"))
+    assert phases == {"e-gone": "running", "e-stopping": "cancelling", "e-live": "cancelling"}

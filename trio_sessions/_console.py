@@ -278,13 +278,13 @@ contains"> <button>search</button></form>
         )
 
     def _actions(self, session: Mapping[str, Any], *, page: bool = False) -> str:
-        """The buttons for one session: interrupt while a claim runs, pause or resume, and
-        on its own page delete (confirmed)."""
+        """The buttons for one session: interrupt while a claim runs (`_interruptible`),
+        pause or resume, and on its own page delete (confirmed)."""
         if self.guard.read_only:
             return ""
         base = f"/sessions/{_q(session['id'])}"
         buttons = []
-        if session["claim"] is not None:
+        if _interruptible(session["claim"]):
             buttons.append(self._button(f"{base}/interrupt", "interrupt"))
         if session["paused_since"] is None:
             buttons.append(self._button(f"{base}/pause", "pause"))
@@ -455,7 +455,14 @@ contains"> <button>search</button></form>
         """Run one action; returns where to send the browser next."""
         match segments:
             case ["sessions", session_id, "interrupt"]:
-                await self.runtime.interrupt(session_id)
+                # False: no claim runs now (a page from before it expired or stopped).
+                # Said, not a redirect that looks as if it had acted.
+                if not await self.runtime.interrupt(session_id):
+                    raise HTTPError(
+                        409,
+                        f"nothing was interrupted: session {session_id!r} runs no claim now"
+                        " (none, expired - quarantined too - or already stopping)",
+                    )
                 return f"/sessions/{_q(session_id)}"
             case ["sessions", session_id, "pause"]:
                 await self.runtime.pause(session_id)
@@ -480,6 +487,13 @@ contains"> <button>search</button></form>
                     await self.runtime._db.run(_store.drop_quarantined, execution_id)
                 return "/"
         raise HTTPError(404, "no such action")
+
+
+def _interruptible(claim: Mapping[str, Any] | None) -> bool:
+    """Whether `runtime.interrupt()` acts on a session holding `claim`: a live claim not
+    already stopping. It does nothing for an expired one (a quarantined one is expired),
+    which waits for recovery, or one stopping already."""
+    return claim is not None and not claim["expired"] and claim["phase"] != "cancelling"
 
 
 def _segments(scope: Scope) -> list[str]:
