@@ -1307,3 +1307,48 @@ def test_interrupt_is_offered_only_where_it_can_act_and_says_when_nothing_was(
         assert done.status_code == 303
     phases = dict(raw.rows("SELECT id, phase FROM session_execution"))
     assert phases == {"e-gone": "running", "e-stopping": "cancelling", "e-live": "cancelling"}
+
+
+@BOTH
+def test_a_session_page_pages_through_every_pending_input_once(
+    db_path: Location, tmp_path: Path
+) -> None:
+    """A session page said "pending inputs 120" and listed the first 50 (PAGE_SIZE), with
+    no way to see or cancel the rest. Found by an audit. The table says how many of them
+    it shows and links to the next page (keyset by seq), each input listed once; a cancel
+    on a later page comes back to that page."""
+
+    async def submit_all() -> None:
+        async with trio_sessions.open_runtime(store_of(db_path), None) as producer:
+            for index in range(120):
+                await producer.submit("many", {"i": index})
+
+    trio.run(submit_all)
+    with (
+        console_on(db_path, tmp_path) as (url, _),
+        httpx.Client(base_url=url, timeout=DEADLINE) as client,
+    ):
+        pages = [client.get("/sessions/many").text]
+        assert f"{PAGE_SIZE} of 120 pending inputs shown" in pages[0]
+        for _ in range(4):  # 3 pages; more is a link that never ends
+            link = re.search(r'id="inputs-next" href="([^"]+)"', pages[-1])
+            if link is None:
+                break
+            pages.append(client.get(link.group(1).replace("&amp;", "&")).text)
+        else:
+            pytest.fail("the pending inputs' next links never end")
+        seqs = [
+            [int(seq) for seq in re.findall(r'<tr data-input="[^"]+"><td>(\d+)</td>', page)]
+            for page in pages
+        ]
+        back = re.search(r'name="back" value="([^"]+)"', pages[1])
+        assert back is not None
+        cancelled = client.post(
+            re.findall(r'action="(/inputs/[^"]+/cancel)"', pages[1])[0],
+            data={"csrf": csrf_of(pages[1]), "back": back.group(1).replace("&amp;", "&")},
+        )
+        assert cancelled.status_code == 303
+        again = client.get(cancelled.headers["location"]).text
+    assert seqs == [list(range(1, 51)), list(range(51, 101)), list(range(101, 121))]
+    assert re.findall(r'<tr data-input="[^"]+"><td>(\d+)</td>', again)[0] == "52"
+    assert "50 of 119 pending inputs shown" in again

@@ -352,19 +352,25 @@ contains"> <button>search</button></form>
         tail = await self.runtime._db.read(
             _store.transcript_tail, session_id, before, TRANSCRIPT_PAGE_SIZE
         )
-        inputs = await self.runtime._db.read(_store.pending_inputs, session_id, PAGE_SIZE)
+        inputs_after = _seq_parameter(query, "inputs_after")
+        inputs = await self.runtime._db.read(
+            _store.pending_inputs, session_id, inputs_after, PAGE_SIZE
+        )
+        # This page, as a cancel button's way back: the same inputs and transcript pages.
+        here = _session_query(session_id, before=before, inputs_after=inputs_after)
         body = f"""
 <p><a href="/">all sessions</a></p>
 <p>state <b id="state">{_e(state(session))}</b> · pending inputs {session["pending_inputs"]}
 (scheduled {session["scheduled_inputs"]}) {self._actions(session, page=True)}</p>
-{self._inputs_table(session_id, inputs)}
+{self._inputs_table(inputs["inputs"], here)}
+{_inputs_more(session_id, session["pending_inputs"], inputs, before, inputs_after)}
 {_transcript_html(session_id, tail, newest=before is None)}
 <script>{SESSION_SCRIPT}</script>"""
         return html_page(
             f"Session {session_id}", body, store=self.store_name, read_only=self.guard.read_only
         )
 
-    def _inputs_table(self, session_id: str, inputs: Sequence[Mapping[str, Any]]) -> str:
+    def _inputs_table(self, inputs: Sequence[Mapping[str, Any]], back: str) -> str:
         if not inputs:
             return ""
         rows = ""
@@ -373,7 +379,6 @@ contains"> <button>search</button></form>
             cancel = ""
             # No button for an id shown replaced (not UTF-8): it would cancel nothing.
             if not self.guard.read_only and _nameable(item, "session_input.id"):
-                back = f"/sessions/{_q(session_id)}"
                 cancel = self._button(f"/inputs/{_q(item['id'])}/cancel", "cancel", back=back)
             seq, payload = _e(str(item["seq"])), _e(item["payload"])
             if item["malformed"]:
@@ -611,6 +616,39 @@ def _quarantine_more(
         return ""
     query = _list_query(search, after, page["last"])
     return f'<p><a id="quarantine-next" href="/?{query}">next quarantined executions</a></p>'
+
+
+def _session_query(session_id: str, *, before: int | None, inputs_after: int | None) -> str:
+    """A session page's URL: where its transcript ends (`before`) and its pending inputs
+    start (`inputs_after`), each left out for the newest messages and the first inputs."""
+    fields = {"before": before, "inputs_after": inputs_after}
+    query = urllib.parse.urlencode({k: v for k, v in fields.items() if v is not None})
+    return f"/sessions/{_q(session_id)}" + (f"?{query}" if query else "")
+
+
+def _inputs_more(
+    session_id: str,
+    pending: int,
+    page: Mapping[str, Any],
+    before: int | None,
+    inputs_after: int | None,
+) -> str:
+    """Under a page of pending inputs that is not all of them: how many it shows of how
+    many, a link to the next page (keyset by seq) and one back to the first."""
+    if not page["more"] and inputs_after is None:
+        return ""
+    shown = len(page["inputs"])
+    note = f"{shown} of {pending} pending inputs shown"
+    if inputs_after is not None:
+        first = _session_query(session_id, before=before, inputs_after=None)
+        note += f' (after seq {inputs_after}) · <a id="inputs-first" href="{_e(first)}">first</a>'
+    last = page["inputs"][-1]["seq"] if page["inputs"] else None
+    # Only a seq a link can name (from 1): another tool may have stored one below 1, or
+    # text (SQLite keeps it; listed as malformed): the note still says what is not shown.
+    if page["more"] and type(last) is int and last > 0:
+        following = _session_query(session_id, before=before, inputs_after=last)
+        note += f' · <a id="inputs-next" href="{_e(following)}">next pending inputs</a>'
+    return f'<p class="figures">{note}</p>'
 
 
 def _acceptable(session_id: str) -> bool:

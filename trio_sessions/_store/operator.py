@@ -512,15 +512,19 @@ def store_counts(tx: Tx) -> dict[str, int]:
 
 
 @reads_stored_bytes
-def pending_inputs(tx: Tx, session_id: str, limit: int) -> list[dict[str, Any]]:
-    """A session's untaken inputs in seq order (at most `limit`): id, seq, when due (None:
-    now) and the payload's first 200 characters, for the console's cancel buttons."""
+def pending_inputs(tx: Tx, session_id: str, after_seq: int | None, limit: int) -> dict[str, Any]:
+    """A page of a session's untaken inputs in seq order after `after_seq` (None: from the
+    first), at most `limit` - id, seq, when due (None: now) and the payload's first 200
+    characters, for the console's cancel buttons - and `more`: others follow. Keyset
+    paging on the (session, seq) key: a page costs the same however many are pending."""
+    after = "" if after_seq is None else " AND seq > :after"
     rows = tx.execute(
         "SELECT id, seq, due_at, substr(payload, 1, 200) FROM session_input"
-        " WHERE session_id = :session ORDER BY seq LIMIT :limit",
-        {"session": session_id, "limit": limit},
+        f" WHERE session_id = :session{after} ORDER BY seq LIMIT :limit",
+        {"session": session_id, "after": after_seq, "limit": limit + 1},
     ).fetchall()
-    return [_listed("session_input", _PENDING, row) for row in rows]
+    listed = [_listed("session_input", _PENDING, row) for row in rows[:limit]]
+    return {"inputs": listed, "more": len(rows) > limit}
 
 
 _PENDING = (
