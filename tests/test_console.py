@@ -1352,3 +1352,22 @@ def test_a_session_page_pages_through_every_pending_input_once(
     assert seqs == [list(range(1, 51)), list(range(51, 101)), list(range(101, 121))]
     assert re.findall(r'<tr data-input="[^"]+"><td>(\d+)</td>', again)[0] == "52"
     assert "50 of 119 pending inputs shown" in again
+
+
+def test_a_pause_time_another_tool_wrote_as_a_real_still_reads_as_paused(
+    db_path: Location, tmp_path: Path
+) -> None:
+    """A session whose `time_paused` another tool wrote as 12.5 is paused (the store reads
+    any pause time so); the listing shows that time as null, malformed, and the console
+    must still say "paused" and offer resume, not pause (it read the time, not the flag)."""
+    store = db_path
+    seed_ids(store, "held")
+    Raw(store).write("UPDATE session SET time_paused = 12.5 WHERE id = 'held'")
+    with (
+        console_on(store, tmp_path) as (url, _),
+        httpx.Client(base_url=url, timeout=DEADLINE) as client,
+    ):
+        page = client.get("/sessions/held").text
+    assert "paused, " in page
+    assert 'action="/sessions/held/resume"' in page
+    assert 'action="/sessions/held/pause"' not in page

@@ -286,7 +286,7 @@ contains"> <button>search</button></form>
         buttons = []
         if _interruptible(session["claim"]):
             buttons.append(self._button(f"{base}/interrupt", "interrupt"))
-        if session["paused_since"] is None:
+        if not session["paused"]:
             buttons.append(self._button(f"{base}/pause", "pause"))
         else:
             buttons.append(self._button(f"{base}/resume", "resume"))

@@ -23,7 +23,7 @@ from ._stream import StreamEvent, decode_cursor
 
 def state(session: Mapping[str, Any]) -> str:
     """A session's state in words, from its `_store.session_status` row."""
-    paused = "paused, " if session["paused_since"] is not None else ""
+    paused = "paused, " if session["paused"] else ""
     malformed = "; ".join(session["malformed"])
     return paused + _claim_state(session) + (f" (malformed row: {malformed})" if malformed else "")
 
