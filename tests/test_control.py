@@ -863,10 +863,11 @@ async def test_purge_deletes_only_idle_sessions_in_bounded_batches(
 async def test_purge_keeps_a_session_whose_last_write_left_no_row_behind(
     store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
 ) -> None:
-    """A truncate ("edit and regenerate", its submit to follow), an input withdrawn and a
-    resume are writes to an old session that leave no newer row or time behind: purge must
-    count them, or it deletes the session - and the history the user just kept - before
-    the next write lands."""
+    """A truncate ("edit and regenerate", its submit to follow), an input withdrawn, a
+    resume and a quarantine dropped (its malformed message set aside, kept for the
+    operator) are writes to an old session that leave no newer row or time behind: purge
+    must count them, or it deletes the session - and what the user or operator just kept -
+    before the next write lands."""
     raw = Raw(db_path)
     async with runtime(store, Recorder(), clock) as rt:
         for name in ("truncated", "truncated", "withdrawn", "resumed", "idle"):
@@ -874,13 +875,17 @@ async def test_purge_keeps_a_session_whose_last_write_left_no_row_behind(
             await rt.wait_idle(name)
         await rt.pause("resumed")
         reminder = await rt.submit("withdrawn", {"n": 2}, delay=1000)
+        raw.seed_claim("dropped", "poison", expires_at=now_ms(clock) - 1)
+        raw.seed_assistant("dropped", "poison", 1, '{"parts": [], "finished": "no"}')
+        assert (await rt.recover_once()).quarantined == 1
         await trio.sleep(100)
         assert await rt.truncate("truncated", after_seq=1) == 1
         assert await rt.cancel_input(reminder)
         await rt.resume("resumed")
+        await rt.release_quarantine("poison", resume=False)
         assert await rt.purge(idle_for=50) == 1
     names = [row[0] for row in raw.rows("SELECT id FROM session ORDER BY id")]
-    assert names == ["resumed", "truncated", "withdrawn"]
+    assert names == ["dropped", "resumed", "truncated", "withdrawn"]
 
 
 async def test_fork_copies_the_transcript_and_closes_an_unfinished_reply(

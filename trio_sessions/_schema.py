@@ -173,8 +173,8 @@ CREATE TABLE session_message_change(
     # grace): a partial index of those claims only.
     7: HANDED_BACK_INDEX,
     # The time of the last write to a session that left no newer row or time of its own -
-    # messages truncated, an input withdrawn, the pause lifted - which `purge` counts as a
-    # write, as it counts a message's `time_updated`.
+    # messages truncated or set aside, an input withdrawn, the pause lifted - which `purge`
+    # counts as a write, as it counts a message's `time_updated`.
     8: "ALTER TABLE session ADD COLUMN time_written INTEGER;",
 }
 
@@ -427,9 +427,9 @@ DROP FUNCTION IF EXISTS ts_submit_controlled(text, text, text, text, bigint, big
     # claims handed back and waiting for a takeover (`ts_changes`), through the index SQLite
     # gains in its version 7.
     22: HANDED_BACK_INDEX,
-    # As SQLite's version 8: `session.time_written`, set by the functions of the writes
-    # that leave no newer row or time of their own (`ts_truncate`, `ts_cancel_input`,
-    # `ts_resume`).
+    # As SQLite's version 8: `session.time_written`, set by the writes that leave no newer
+    # row or time of their own (`ts_truncate`, `ts_cancel_input`, `ts_resume`, and a
+    # quarantine's drop, which runs the shared SQL).
     23: "ALTER TABLE session ADD COLUMN time_written BIGINT;",
 }
 

@@ -260,6 +260,12 @@ def _ring(tx: Tx, session_id: str) -> None:
     )
 
 
+def _written(tx: Tx, session_id: str) -> None:
+    """A write that leaves no newer row or time of its own (messages truncated or set
+    aside, an input withdrawn, the pause lifted): `purge` counts it (`time_written`)."""
+    tx.execute("UPDATE session SET time_written = ? WHERE id = ?", (tx.now, session_id))
+
+
 def _take_doorbell(tx: Tx, session_id: str) -> None:
     tx.execute("UPDATE session SET time_woken = NULL, wakes = 0 WHERE id = ?", (session_id,))
 

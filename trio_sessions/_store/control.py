@@ -45,6 +45,7 @@ from .common import (
     _in_list,
     _paused,
     _ring,
+    _written,
     as_stored,
     new_id,
     readable,
@@ -513,11 +514,6 @@ def truncate(tx: Tx, session_id: str, after_seq: int) -> int:
         _written(tx, session_id)
         tx.notify(session_id)
     return int(deleted)
-
-
-def _written(tx: Tx, session_id: str) -> None:
-    """A write that leaves no newer row or time of its own is one `purge` must count."""
-    tx.execute("UPDATE session SET time_written = ? WHERE id = ?", (tx.now, session_id))
 
 
 def _truncate_busy(session_id: str) -> SessionBusy:

@@ -25,7 +25,14 @@ from .._backend import Tx, reads_stored_bytes
 from .._codec import shown_text, stored_text, stored_value
 from .._errors import MalformedRecord
 from .._model import OWNER_LOST
-from .common import _doorbell_set, _has_pending_inputs, _reset_attempts, _ring, as_stored
+from .common import (
+    _doorbell_set,
+    _has_pending_inputs,
+    _reset_attempts,
+    _ring,
+    _written,
+    as_stored,
+)
 from .recovery_scan import Candidate
 from .transcript import _close_open_messages, _decode_message
 
@@ -157,6 +164,7 @@ def drop_quarantined(tx: Tx, execution_id: str) -> tuple[str, bool]:
     inputs remain. Returns its session and whether the doorbell is set afterwards (a drain
     is due: the caller may start it)."""
     session_id = _quarantined_row(tx, execution_id)[0]
+    _written(tx, session_id)  # what it sets aside and deletes leaves no newer time behind
     _set_aside_malformed_messages(tx, session_id, execution_id)
     _unmark_finished(tx, execution_id)
     _close_open_messages(tx, execution_id, OWNER_LOST)
