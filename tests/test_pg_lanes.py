@@ -154,9 +154,15 @@ async def test_a_write_on_no_session_goes_to_an_idle_lane_at_once(
                 await lane.close()
 
 
-@pytest.mark.parametrize("writers", [0, 17])
+@pytest.mark.parametrize("writers", [-1, 0, 17, 2**63])
 def test_a_writer_count_out_of_range_is_refused_naming_the_range(writers: int) -> None:
     """`writers` is 1 to 16 (README), and the error says so at either end - not "1 to
-    2**63-1" below the range and "<= 16" above it."""
+    2**63-1" below the range and "<= 16" above it; not "0 to 2**63-1" below zero."""
     with pytest.raises(ValueError, match=f"^writers must be 1 to 16, got {writers}$"):
         PostgresStore("postgresql://app@127.0.0.1:1/app", writers=writers)
+
+
+@pytest.mark.parametrize("writers", [True, 2.0, "3"])
+def test_a_writer_count_that_is_no_int_is_a_type_error(writers: object) -> None:
+    with pytest.raises(TypeError, match=r"^writers must be an int"):
+        PostgresStore("postgresql://app@127.0.0.1:1/app", writers=writers)  # type: ignore[arg-type]

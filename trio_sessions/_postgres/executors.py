@@ -65,7 +65,7 @@ from .._backend import (
 from .._errors import StoreError
 from .._handoff import Queued
 from .._naming import check_postgres_name, check_schema, display_name
-from .._validate import check_flag, count
+from .._validate import check_flag
 from .engine import BATCH_LIMIT, PgEngine
 from .listener import PgListener, Wanted, _wait_for_change, token_connection
 from .transactions import Mode
@@ -447,7 +447,9 @@ def _masked(url: str) -> str:
 
 
 def _check_writers(_store: object, _attribute: object, writers: object) -> None:
-    if not 1 <= count(writers, "writers", 0) <= MAX_WRITERS:
+    if isinstance(writers, bool) or not isinstance(writers, int):
+        raise TypeError(f"writers must be an int, got {type(writers).__name__}")
+    if not 1 <= writers <= MAX_WRITERS:
         raise ValueError(f"writers must be 1 to {MAX_WRITERS}, got {writers}")
 
 
