@@ -172,7 +172,8 @@ class ChatApp:
             return
         # Routed on the path as sent: a session id is one percent-encoded segment, and an
         # id holding a '/' must not split into two once decoded.
-        match = ROUTE.match(scope.get("raw_path", path.encode()).decode("latin-1"))
+        raw_path = scope.get("raw_path") or urllib.parse.quote(path).encode()  # optional in ASGI
+        match = ROUTE.match(raw_path.decode("latin-1"))
         if match is None:
             raise HTTPError(404, f"no such resource: {path}")
         session_id, action = _segment(match["session"]), match["action"]

@@ -19,13 +19,21 @@ chat = load_example("chat_service")
 
 
 async def _call(
-    app: Any, method: str, path: str, body: bytes = b"", headers: list[Any] | None = None
+    app: Any,
+    method: str,
+    path: str,
+    body: bytes = b"",
+    headers: list[Any] | None = None,
+    *,
+    raw_path: bytes | None = b"",
 ) -> tuple[int | None, bytes]:
     """One request: its status and body (the app's exceptions propagate, as to hypercorn,
-    which answers 500)."""
+    which answers 500). `raw_path`: the path as the client sent it, percent-encoded (by
+    default `path` itself), or None from a server that sends none."""
     sent: list[Any] = []
     delivered = False
-    raw_path = path.encode("ascii")  # as the client sent it, percent-encoded
+    if raw_path == b"":
+        raw_path = path.encode("ascii")
 
     async def receive() -> dict[str, Any]:
         nonlocal delivered
@@ -97,6 +105,14 @@ async def test_a_session_id_is_one_path_segment_whatever_it_holds(tmp_path: Path
             assert status == 400, answer
             assert b"not UTF-8" in answer, answer
         assert await rt.transcript("\ufffd") == []
+        # A server that sends no raw_path (ASGI lets it): routed on the path, encoded again
+        # (a '%' in an id decoded once, as the client encoded it once).
+        status, answer = await _call(app, "POST", "/sessions/a%2525b/messages", b'{"text": "%"}')
+        assert status == 202, answer
+        await rt.wait_idle("a%25b")
+        status, answer = await _call(app, "GET", "/sessions/a%2525b/transcript", raw_path=None)
+        assert status == 200, answer
+        assert [m["role"] for m in json.loads(answer)] == ["user", "assistant"]
 
 
 async def test_edit_names_a_user_message_and_a_retried_edit_keeps_it(tmp_path: Path) -> None:
