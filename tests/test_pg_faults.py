@@ -473,8 +473,10 @@ START_TOOL = functools.partial(_transcript.start_tool, call_id="c1", name="echo"
 SETTLE_TOOL = functools.partial(_transcript.settle_tool, call_id="c1", output={"ok": 1})
 # What the writer of `drained`'s message stored last: its version 2 (begun at 0, two
 # updates) - and a stale view of it, one version behind.
-KNOWN = _store.Known(START_TOOL(APPEND(_transcript.EMPTY)), (), 2)
-STALE = _store.Known(APPEND(_transcript.EMPTY), (), 1)
+KNOWN_DATA = START_TOOL(APPEND(_transcript.EMPTY))
+STALE_DATA = APPEND(_transcript.EMPTY)
+KNOWN = _store.Known(KNOWN_DATA, (), 2, encode_assistant(KNOWN_DATA))
+STALE = _store.Known(STALE_DATA, (), 1, encode_assistant(STALE_DATA))
 
 
 def expired(env: Env, *, cancelling: bool = False) -> None:

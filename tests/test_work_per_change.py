@@ -481,3 +481,40 @@ async def test_a_watcher_entering_a_watched_session_costs_its_replay_not_every_w
                 await replayed.wait()
             nursery.cancel_scope.cancel()
     assert offers[0] <= 2 * messages * watchers, offers[0]
+
+
+async def test_a_large_tool_result_written_while_a_stream_follows_never_stalls_the_loop(
+    pg_url: str, pg_schema: str
+) -> None:
+    """A tool result of 300,000 JSON nodes (under 1 MiB) settled while a stream follows the
+    session: no task step of the library above 50 ms of CPU. Checking and copying the
+    caller's value runs in a thread, the write in a writer thread, and the stream is given
+    the writer's own part - copying it for readers on the loop took 90-220 ms (a review's
+    finding). PostgreSQL's threaded store, where the event loop does no SQL. Real time."""
+    from trio_sessions._postgres import PostgresStore
+
+    big = [[] for _ in range(300_000)]
+    settled = trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        await ctx.take_inputs()
+        writer = await ctx.begin_assistant()
+        await writer.start_tool("c1", "search", {"q": "x"})
+        await writer.settle_tool("c1", big)
+        await writer.finish()
+
+    store = PostgresStore(pg_url, schema=pg_schema)
+    with trio.fail_after(BOUND):
+        async with (
+            trio_sessions.open_runtime(store, drain, **NO_RECOVERY) as rt,
+            rt.stream("s") as events,
+        ):
+            with StepMeter() as meter:
+                await rt.submit("s", {"text": "go"})
+                async for event in events:
+                    if event.kind == "part" and event.data.status == "completed":
+                        settled.set()
+                    if event.kind == "finish":
+                        break
+    assert settled.is_set()
+    assert meter.longest_cpu < STALL_S, meter.longest_cpu

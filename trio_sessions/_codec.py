@@ -132,16 +132,6 @@ def loads(text: Any) -> Any:
 _DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_float)
 
 
-def copy_json(value: Any) -> Any:
-    """A copy of decoded JSON sharing nothing mutable with `value`: its dicts and lists are
-    new, its strings and numbers (immutable) the same objects."""
-    if isinstance(value, dict):
-        return {key: copy_json(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [copy_json(item) for item in value]
-    return value
-
-
 # The largest value a caller may store as one record - an input payload, a tool's input,
 # output or error, one appended text - measured as its stored compact JSON encoding (ASCII:
 # a character outside it counts as its \uXXXX escape), or as UTF-8 for text. Larger data

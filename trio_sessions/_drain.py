@@ -14,11 +14,9 @@ import contextvars
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Literal
 
-import attrs
-
 from . import _codec, _store, _transcript, _validate
 from ._errors import DuplicateSettlement, LeaseLost, OutcomeUnknown, UnknownToolCall
-from ._model import AssistantData, Input, Message, ToolPart
+from ._model import AssistantData, Input, Message
 from ._stream import Offer
 
 if TYPE_CHECKING:
@@ -191,35 +189,8 @@ class DrainContext:
         return AssistantWriter(self, message_id, seq)
 
 
-class _ReaderCopies:
-    """The copies of a writer's tool parts that its local readers (watchers, streams) are
-    shown, each made once, when its part is first shown: what a reader edits in what it was
-    shown is never what the writer holds - on PostgreSQL its next write stores that
-    (`_store.Known`). This runtime's readers of the session share the copies."""
-
-    def __init__(self) -> None:
-        # id(the writer's part) -> (that part, its copy): the part kept, so its id stays its.
-        self._copies: dict[int, tuple[ToolPart, ToolPart]] = {}
-
-    def part(self, part: ToolPart) -> ToolPart:
-        held = self._copies.get(id(part))
-        if held is not None and held[0] is part:
-            return held[1]
-        shown = attrs.evolve(
-            part, input=_codec.copy_json(part.input), output=_codec.copy_json(part.output)
-        )
-        self._copies[id(part)] = (part, shown)
-        return shown
-
-    def data(self, data: AssistantData) -> AssistantData:
-        """`data` as readers are shown it; copies of parts it no longer has are dropped."""
-        tools = [p for p in data.parts if isinstance(p, ToolPart)]
-        if not tools:  # text only: nothing a reader could edit (an append's common case)
-            self._copies = {}
-            return data
-        parts = tuple(self.part(p) if isinstance(p, ToolPart) else p for p in data.parts)
-        self._copies = {id(p): self._copies[id(p)] for p in tools}
-        return attrs.evolve(data, parts=parts)
+# A new message's stored encoding: the first `Known` of a writer that began it.
+_EMPTY_TEXT = _codec.encode_assistant(_transcript.EMPTY)
 
 
 class AssistantWriter:
@@ -255,10 +226,10 @@ class AssistantWriter:
         self._context = context
         self.message_id = message_id
         self._seq = seq
-        # The message as stored: `_data` plus the texts streamed onto it since, merged only
-        # when a local watcher needs a snapshot (an append costs the same on any message).
-        self._data = data
-        self._streamed: list[str] = []
+        # The message as stored: `_data` (its encoding `_text`, when known: `_store.Known`)
+        # plus the texts streamed onto it since, merged into `_view` only when a local
+        # watcher needs a snapshot (an append costs the same on any message).
+        self._adopt(data, _EMPTY_TEXT if data is _transcript.EMPTY else None)
         self._version = version  # as stored, so a retried append can tell whether it landed
         # Calls, as (method, arguments), whose outcome is unknown (read back by the next
         # call, of any task) - each with the message's text as this writer held it then,
@@ -270,9 +241,14 @@ class AssistantWriter:
         # and finishes then write from it without reading); False after replies of tasks
         # writing at once arrived out of order.
         self._in_step = True
-        self._shown = _ReaderCopies()
         self._publish(version)
         self._offer(version, "message", data)
+
+    def _adopt(self, data: AssistantData, text: str | None) -> None:
+        """Take `data` as the message as stored (`text`: its stored encoding, if known)."""
+        self._data, self._text = data, text
+        self._streamed: list[str] = []
+        self._view, self._view_upto = data, 0  # `_data` with `_streamed[:_view_upto]`
 
     async def append_text(self, text: str) -> None:
         """Stream text onto the message: one small durable write whatever the message's size;
@@ -298,7 +274,7 @@ class AssistantWriter:
             self._streamed.append(text)
             self._offer(version, "append", text)
         else:
-            self._data, self._streamed = data, []
+            self._adopt(data, None)
             self._offer(version, "message", data)
         self._publish(version)
 
@@ -357,11 +333,11 @@ class AssistantWriter:
         if (self._unsure or self._landed) and await self._landed_before(call):
             return
         try:
-            data, version, step = await self._write(
+            data, version, step, text = await self._write(
                 call,
                 _store.update_assistant,
                 transition,
-                _store.Known(self._data, tuple(self._streamed), self._version)
+                _store.Known(self._data, tuple(self._streamed), self._version, self._text)
                 if self._in_step
                 else None,
             )
@@ -375,7 +351,7 @@ class AssistantWriter:
             return
         # Read from the store when not in step, or one past what this writer held.
         self._in_step = True
-        self._data, self._streamed = data, []
+        self._adopt(data, text)
         self._version = version
         if step is None:
             self._offer(version, "message", data)
@@ -416,7 +392,8 @@ class AssistantWriter:
                 data, version, _ = stored
                 moved = version > self._version  # a lost call, or another task's write
                 if moved:
-                    self._data, self._streamed, self._version = data, [], version
+                    self._adopt(data, None)
+                    self._version = version
                     self._in_step = True  # as just read
                     self._offer(version, "message", data)
                     self._publish(version)
@@ -436,10 +413,6 @@ class AssistantWriter:
         streams = context._runtime._streams
         if streams.watching(context.session_id):
             is_open = not (isinstance(data, AssistantData) and data.finished) and kind != "finish"
-            if isinstance(data, AssistantData):
-                data = self._shown.data(data)
-            elif isinstance(data, ToolPart):
-                data = self._shown.part(data)
             offer = Offer(self.message_id, self._seq, version, kind, data, is_open)
             streams.offer(context.session_id, offer)
 
@@ -448,15 +421,17 @@ class AssistantWriter:
         context = self._context
         if not context._runtime._watchers.watching(context.session_id):
             return
-        if self._streamed:
-            self._data = _transcript.with_streamed(self._data, self._streamed)
-            self._streamed = []
+        if self._view_upto < len(self._streamed):
+            # Only the texts streamed since the last snapshot are merged: a snapshot per
+            # append costs the same on any message. `_data` stays as stored (`Known`).
+            self._view = _transcript.with_streamed(self._view, self._streamed[self._view_upto :])
+            self._view_upto = len(self._streamed)
         message = Message(
             self.message_id,
             context.session_id,
             "assistant",
             self._seq,
-            self._shown.data(self._data),
+            self._view,
             context.execution_id,
             None,
         )
@@ -468,7 +443,7 @@ class AssistantWriter:
                 message,
                 version,
                 None,  # the row's version is not known here: a look reads it whole
-                not self._data.finished,
+                not self._view.finished,
             )
         )
 

@@ -24,8 +24,9 @@ from .common import (
 
 def test_begin_and_update_assistant(db: Db) -> None:
     """begin_assistant appends an empty open message at the next seq; update_assistant applies
-    a transition to the stored row and returns the new value, its version and its stream
-    step, recorded beside it when there is one."""
+    a transition to the stored row and returns the new value, its version, its stream
+    step, recorded beside it when there is one, and on PostgreSQL the data as stored (the
+    writer's next `Known.text`)."""
     db.run(_store.submit, "s", '{"n": 1}', "in-1")
     execution = db.claim()
     db.run(_store.take_inputs, "s", execution, "owner-a")
@@ -38,13 +39,19 @@ def test_begin_and_update_assistant(db: Db) -> None:
     def update(transition: Any) -> Any:
         return db.run(_store.update_assistant, "s", execution, "owner-a", "m-1", transition)
 
-    result, version, step = update(lambda d: _transcript.append_text(d, "hi"))
+    def stored() -> str | None:
+        [(data,)] = db.rows("SELECT data FROM session_message WHERE id = 'm-1'")
+        return str(data) if db.dialect == "postgres" else None
+
+    result, version, step, text = update(lambda d: _transcript.append_text(d, "hi"))
     assert version == 1
     assert result == db.message("m-1") == _transcript.append_text(_transcript.EMPTY, "hi")
     assert step is None  # text changed: no "part" or "finish" event makes it
+    assert text == stored()
     assert db.rows("SELECT * FROM session_message_change") == []
-    result, version, step = update(lambda d: _transcript.start_tool(d, "c1", "look", {}))
+    result, version, step, text = update(lambda d: _transcript.start_tool(d, "c1", "look", {}))
     assert version == 2 and step == ("part", result.parts[-1])
+    assert text == stored()
     [(recorded, kind, data)] = db.rows("SELECT version, kind, data FROM session_message_change")
     assert (recorded, kind, json.loads(data)) == (2, "part", result.parts[-1].to_json())
 
@@ -81,8 +88,9 @@ def test_a_stale_known_view_never_settles_a_tool_twice(db: Db) -> None:
     execution = db.claim()
     db.run(_store.begin_assistant, "s", execution, "owner-a", "m-1")
     start = functools.partial(_transcript.start_tool, call_id="c1", name="echo", input={"x": 1})
-    data, version, _ = db.run(_store.update_assistant, "s", execution, "owner-a", "m-1", start)
-    known = _store.Known(data, (), version)  # the tool running, at version 2
+    written = db.run(_store.update_assistant, "s", execution, "owner-a", "m-1", start)
+    data, version, _, text = written
+    known = _store.Known(data, (), version, text)  # the tool running, at version 2
     settle = functools.partial(_transcript.settle_tool, call_id="c1", output={"ok": 1})
     db.run(_store.update_assistant, "s", execution, "owner-a", "m-1", settle, known)
     settled = db.message("m-1")

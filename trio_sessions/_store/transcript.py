@@ -131,7 +131,7 @@ def append_assistant_text(
         {"message": message_id, "execution": execution_id, "text": text},
     )
     if row is None:
-        data, version, _ = update_assistant(  # text: never one step, the message goes whole
+        data, version, *_ = update_assistant(  # text: never one step, the message goes whole
             tx,
             session_id,
             execution_id,
@@ -153,17 +153,19 @@ def update_assistant(
     message_id: str,
     transition: Callable[[AssistantData], AssistantData],
     known: Known | None = None,
-) -> tuple[AssistantData, int, Step | None]:
+) -> tuple[AssistantData, int, Step | None, str | None]:
     """Read-modify-write of one assistant message under the claim fence, its streamed text
-    folded in; returns the new data, its version and its stream step (`_transcript.step`,
-    recorded with it), for watchers and streams without another round trip.
+    folded in; returns the new data, its version, its stream step (`_transcript.step`,
+    recorded with it), for watchers and streams without another round trip, and on
+    PostgreSQL the data's stored encoding (the writer's next `Known.text`; None on SQLite).
 
     The transition runs on the durable message, so the settlement state machine checks what
     is stored, not what a writer remembers. On PostgreSQL, `known` - what the writer stored
     last (data, texts streamed since, version) - saves the read: the transition runs on it
     and the result is written only if the message is still at that version (one call,
     `ts_update_message`, alone in autocommit); otherwise, or when the transition refuses
-    the known message, the durable message is read and the transition runs on it.
+    the known message or its data no longer encodes as stored, the durable message is read
+    and the transition runs on it.
     """
     if tx.dialect == "postgres" and known is not None:
         updated = _pg_update_known(
@@ -186,18 +188,19 @@ def update_assistant(
                 _codec.decode_streamed(list(streamed), key=message_id),
             ),
         )
+        written = _codec.encode_assistant(data)
         [(version,)] = tx.call(
             "ts_write_message",
             execution_id,
             message_id,
-            _codec.encode_assistant(data),
+            written,
             data.finished,
             now,
             True,
             *_step_columns(step),
             idempotent=False,
         )
-        return data, int(version), step
+        return data, int(version), step, written
     _require_claim(tx, session_id, execution_id, owner_id)
     row = tx.one(
         "SELECT data FROM session_message WHERE id = ? AND execution_id = ?",
@@ -208,7 +211,7 @@ def update_assistant(
     data, step = _applied(transition, _assistant_data(tx, message_id, row[0]))
     version = _write_assistant(tx, message_id, execution_id, data, step)
     tx.notify(session_id, watchers_only=True)
-    return data, version, step
+    return data, version, step, None
 
 
 def message_as_stored(
@@ -233,11 +236,14 @@ def message_as_stored(
 @attrs.frozen
 class Known:
     """What a writer stored last of its message: data, the texts streamed onto it since,
-    and the version they make."""
+    the version they make, and the data's stored encoding. The writer's local readers are
+    shown its very objects, and a reader may edit the dicts of a tool part it was shown:
+    the data is written from only while it still encodes as `text` (None: unknown)."""
 
     data: AssistantData
     streamed: tuple[str, ...]
     version: int
+    text: str | None
 
 
 def _pg_update_known(
@@ -248,14 +254,18 @@ def _pg_update_known(
     message_id: str,
     transition: Callable[[AssistantData], AssistantData],
     known: Known,
-) -> tuple[AssistantData, int, Step | None] | None:
-    """`ts_update_message` with the transition applied to `known`: (data, version, step)
-    when it was written; None (nothing written) when the message moved past
-    `known.version` or the transition refuses it - the caller reads the durable message."""
+) -> tuple[AssistantData, int, Step | None, str] | None:
+    """`ts_update_message` with the transition applied to `known`: (data, version, step,
+    its encoding) when it was written; None (nothing written) when the message moved past
+    `known.version`, the transition refuses it, or the known data was edited since it was
+    stored (a reader's edit) - the caller reads the durable message."""
+    if known.text is None or _codec.encode_assistant(known.data) != known.text:
+        return None
     try:
         data, step = _applied(transition, _transcript.with_streamed(known.data, known.streamed))
     except (ValueError, TrioSessionsError):
         return None  # a refusal is the stored message's to make (it raises it again)
+    written = _codec.encode_assistant(data)
     [(verdict, version)] = tx.call(
         "ts_update_message",
         session_id,
@@ -263,7 +273,7 @@ def _pg_update_known(
         owner_id,
         message_id,
         known.version,
-        _codec.encode_assistant(data),
+        written,
         data.finished,
         *_step_columns(step),
     )
@@ -271,7 +281,7 @@ def _pg_update_known(
         raise _lease_lost(execution_id)
     if verdict == "not_owned":
         raise _not_owned(message_id, execution_id)
-    return None if verdict == "moved" else (data, int(version), step)
+    return None if verdict == "moved" else (data, int(version), step, written)
 
 
 def _applied(
