@@ -493,7 +493,7 @@ async def test_a_large_tool_result_written_while_a_stream_follows_never_stalls_t
     finding). PostgreSQL's threaded store, where the event loop does no SQL. Real time."""
     from trio_sessions._postgres import PostgresStore
 
-    big = [[] for _ in range(300_000)]
+    big: list[list[int]] = [[] for _ in range(300_000)]
     settled = trio.Event()
 
     async def drain(ctx: DrainContext) -> None:
