@@ -75,6 +75,47 @@ def test_round_trip_is_identity(data: AssistantData) -> None:
     assert _codec.encode_assistant(decoded) == text
 
 
+@RECORD_SETTINGS
+@given(assistant_data, tool_parts)
+def test_the_encoding_is_the_converters_byte_for_byte(data: AssistantData, part: ToolPart) -> None:
+    """The hand-written encoding of a message and of a stream step (a tool part, a finish)
+    writes exactly what cattrs' unstructuring did, key order included: rows written before
+    it and after it read alike, and a writer's known encoding compares equal."""
+    converter = _codec._converter
+    assert _codec.encode_assistant(data) == _codec.dumps(converter.unstructure(data))
+    assert _codec.encode_step(("part", part)) == _codec.dumps(converter.unstructure(part))
+    error = {"error": data.error}
+    assert _codec.encode_step(("finish", error)) == _codec.dumps(converter.unstructure(error))
+
+
+def test_encoding_a_large_tool_result_walks_no_converter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tool result of 300,000 JSON nodes is encoded by `dumps` alone: cattrs' unstructuring
+    walked every node (325 ms on the event loop with SQLite), where the value is plain JSON
+    already (checked on entry, or read back as such). Counted, not timed: a converter that
+    notes every list it is asked to unstructure is never asked about the result."""
+    data = AssistantData(
+        parts=(
+            ToolPart("c1", "search", {"q": []}, "completed", [[] for _ in range(300_000)], None),
+        ),
+        finished=True,
+        error=None,
+    )
+    asked: list[Any] = []
+
+    def noted(value: list[Any]) -> list[Any]:
+        asked.append(value)
+        return list(value)
+
+    counting = _codec._converter.copy()
+    counting.register_unstructure_hook(list, noted)
+    monkeypatch.setattr(_codec, "_converter", counting)
+    text = _codec.encode_assistant(data)
+    _codec.encode_step(("part", data.parts[0]))
+    assert asked == []
+    monkeypatch.undo()
+    assert _codec.decode_assistant(text, key="m") == data
+
+
 class Db:
     """A real SQLite file where each example gets its own session, claim and message."""
 

@@ -349,7 +349,32 @@ _BATCH = 4096
 
 
 def encode_assistant(data: AssistantData) -> str:
-    return dumps(_converter.unstructure(data))
+    return dumps(
+        {
+            "parts": [_part_json(part) for part in data.parts],
+            "finished": data.finished,
+            "error": data.error,
+        }
+    )
+
+
+def _part_json(part: Part) -> dict[str, Any]:
+    """A part as `dumps` writes it: cattrs' unstructuring, key order included, by hand. A
+    tool's input and output go as they are - plain JSON already (checked on entry, or read
+    back as such) - where the converter walked every node of them (a 1 MiB result of
+    300,000 nodes: 325 ms, on SQLite on the event loop). Shared, not copied: `dumps`
+    reads them at once."""
+    if isinstance(part, TextPart):
+        return {"text": part.text, "type": part.type}
+    return {
+        "call_id": part.call_id,
+        "name": part.name,
+        "input": part.input,
+        "status": part.status,
+        "output": part.output,
+        "error": part.error,
+        "type": part.type,
+    }
 
 
 def decode_assistant(text: Any, *, key: str) -> AssistantData:
@@ -382,7 +407,8 @@ def decode_streamed(texts: Sequence[Any], *, key: str) -> list[str]:
 def encode_step(step: Step) -> str:
     """A stream's step (`session_message_change.data`): the tool part, or the finish's
     `{"error": ...}`."""
-    return dumps(_converter.unstructure(step[1]))
+    kind, value = step
+    return dumps(_part_json(value) if kind == "part" else value)
 
 
 def decode_step(kind: Any, text: Any, *, key: str) -> Step:
