@@ -826,6 +826,46 @@ async def test_lease_lost_drain_writes_nothing(
     assert Raw(db_path).rows("SELECT id FROM session_message") == []
 
 
+async def test_a_drain_stopped_by_its_own_deadline_is_lease_lost_though_a_renewal_follows(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """The process stalls (a blocking call) for most of a lease: the drain's local deadline
+    passes, so its next checkpoint stops it (§6.17). The heartbeat, due meanwhile, still
+    renews the claim - the store's lease has not run out - and moved the deadline on: the
+    drain's shielded cleanup then wrote, and the busy period ended as a *user* interrupt,
+    its answer finished "interrupted" and its claim deleted, never resumed. Found by an
+    audit. Once the deadline passed the lease counts as lost: the cleanup's write raises
+    LeaseLost, nothing is written, and the claim is left for recovery."""
+    lease = 9.0
+    errors: list[BaseException] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        await ctx.take_inputs()
+        writer = await ctx.begin_assistant()
+        autojump_clock.jump(lease * 0.95)  # the whole thread blocked: no task ran
+        try:
+            await trio.lowlevel.checkpoint()
+        finally:
+            with trio.CancelScope(shield=True):
+                await trio.sleep(0.05)  # the heartbeat runs meanwhile
+                try:
+                    await writer.append_text("cleaning up")
+                except LeaseLost as exc:
+                    errors.append(exc)
+
+    async with runtime(store, drain, clock, lease=lease) as rt:
+        await rt.submit("s", {"n": 1})
+        outcome = await rt.run("s")
+        claim = Raw(db_path).claim("s")
+        messages = await rt.transcript("s")
+    assert outcome == Outcome("interrupted", "lease_lost")
+    assert [type(e) for e in errors] == [LeaseLost]
+    assert claim is not None  # left for recovery, which resumes the work
+    assert [(m.role, m.data.finished) for m in messages if m.role == "assistant"] == [
+        ("assistant", False)
+    ]
+
+
 async def test_serve_runtime_with_nursery_start(
     store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
 ) -> None:

@@ -94,9 +94,10 @@ class DrainContext:
                 f"this DrainContext of execution {self.execution_id!r} is stale: its drain"
                 " already returned"
             )
-        if self._entry.reason == "lease_lost":
-            # Known lost here first (the liveness token, a heartbeat): the store may still
-            # hold the lease for a moment, but nothing more is written for this claim.
+        if self._entry.self_fenced():
+            # Known lost here first (the liveness token, a heartbeat, or its local deadline
+            # passed - a write in a shielded cleanup): the store may still hold the lease
+            # for a moment, but nothing more is written for this claim.
             raise LeaseLost(f"execution {self.execution_id!r} lost its claim")
 
     async def take_inputs(self, *, limit: int | None = None) -> list[Input]:

@@ -67,7 +67,10 @@ class LeaseKeeper:
         A failed transaction is retried at the next tick; meanwhile each drain's own
         deadline still stops it in time.
         """
-        claims = {entry.execution_id: entry for entry in self._owned()}
+        # A claim whose local deadline passed is lost, whatever the store says: its drain
+        # was stopped at its next checkpoint (§6.17), and renewing it would let what it
+        # does on the way out (a shielded cleanup) count as alive.
+        claims = {entry.execution_id: entry for entry in self._owned() if not entry.self_fenced()}
         if not claims:
             return
         sent_at = trio.current_time()
@@ -93,6 +96,8 @@ class LeaseKeeper:
                     _observe.claim_lost(entry, self._owner_id, cause="heartbeat")
                 entry.lose_lease()
                 continue
+            if entry.self_fenced():
+                continue  # its deadline passed while the renewal was in flight
             entry.renewed(self_fence_deadline(sent_at, self._lease))
             if phase == "cancelling":
                 entry.interrupt("user")  # written by another process
