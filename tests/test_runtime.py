@@ -28,7 +28,7 @@ from helpers import (
 from trio.testing import MockClock
 
 import trio_sessions
-from trio_sessions import Claim, DrainContext, LeaseLost, Outcome, Store, _store, testing
+from trio_sessions import Claim, DrainContext, LeaseLost, Outcome, Runtime, Store, _store, testing
 
 Clock = Callable[[], float]
 
@@ -619,6 +619,42 @@ async def test_interrupt_with_untaken_inputs_rearms_doorbell(
     assert len(drain.calls) == 2
     assert drain.taken == ["i1", "i2"]
     assert Raw(db_path).rows("SELECT id FROM session_input") == []
+
+
+async def test_a_wake_taken_to_go_on_survives_an_interrupt_before_the_next_drain_call(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """A drain wakes its own session and returns; its iteration end takes that doorbell to
+    go on (same claim). An interrupt accepted at any moment around that end - before it,
+    while it is answered, before the next drain call, during it - leaves the wake to exactly
+    one successor (invariant 7): the drain runs twice, whichever moment. Before, an
+    interrupt landing after the end took the doorbell and before the next call started
+    finished the claim as interrupted with the doorbell taken: the wake was gone. Found by
+    an audit. Every moment from 0 to 15 schedule points after the drain returned."""
+    calls: dict[str, int] = {}
+    returned: dict[str, trio.Event] = {}
+    opened: list[Runtime] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        calls[ctx.session_id] = calls.get(ctx.session_id, 0) + 1
+        if calls[ctx.session_id] == 1:
+            await opened[0].wake(ctx.session_id)
+            returned[ctx.session_id].set()
+
+    async with runtime(store, drain, clock) as rt:
+        opened.append(rt)
+        for moment in range(16):
+            session_id = f"s{moment}"
+            returned[session_id] = trio.Event()
+            await rt.wake(session_id)
+            await returned[session_id].wait()
+            for _ in range(moment):
+                await trio.lowlevel.checkpoint()
+            await rt.interrupt(session_id)
+            await rt.wait_idle(session_id)
+    assert calls == {f"s{moment}": 2 for moment in range(16)}
+    assert Raw(db_path).rows("SELECT id FROM session WHERE time_woken IS NOT NULL") == []
+    assert Raw(db_path).rows("SELECT id FROM session_execution") == []
 
 
 async def test_remote_interrupt_before_the_drain_took_its_inputs_strands_none(

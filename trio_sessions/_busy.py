@@ -448,6 +448,7 @@ class BusyPeriods:
             # waiting on that very session fails at once instead of waiting for itself.
             draining = current_drain.set((runtime, entry.session_id))
             runtime._drains_running += 1
+            entry.wake_taken = False  # this call takes it
             woken_at, entry.woken_at = entry.woken_at, None
             try:
                 with _observe.drain_iteration(entry, runtime._owner_id, woken_at) as iteration:
@@ -485,6 +486,7 @@ class BusyPeriods:
                     await _test_seam(runtime, runtime._seams.after_finish, entry.session_id)
                 return _HANDED_OVER if verdict is IterationVerdict.HAND_OVER else _RELEASED
             entry.keep_going()
+            entry.wake_taken = True
             # The schedule point the finish left to us (`caller_yields_next`): a drain that
             # never awaits, woken again and again, must not starve the other tasks.
             if left:
@@ -619,6 +621,11 @@ class BusyPeriods:
                 entry.execution_id,
                 self._runtime._owner_id,
             )
+            if entry.wake_taken:
+                # Interrupted between an iteration end that took the doorbell to go on and
+                # the drain call that would have answered it: the wake stays rung, and this
+                # cleanup's answer starts its one successor.
+                await self._retrying(entry, _store.wake, entry.session_id)
             entry.begin_deciding()
             doorbell = await self._retrying(
                 entry,

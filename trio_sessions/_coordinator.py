@@ -154,6 +154,10 @@ class SessionEntry:
     joined: bool = False
     # The last finish left its schedule point to the busy period (`caller_yields_next`).
     yield_owed: bool = False
+    # The last iteration end took the doorbell to drain again, and no drain call has
+    # started since: a wake recorded before an interrupt that ends the busy period now is
+    # owed to a successor (invariant 7), so that cleanup rings again.
+    wake_taken: bool = False
     # When a wake reached this runtime and started the busy period (trio clock), until its
     # first drain call starts: the wake-to-start latency (telemetry only).
     woken_at: float | None = None
@@ -214,6 +218,7 @@ class SessionEntry:
         self.owned = True
         self.attempt = attempt
         self.resumed = resumed
+        self.wake_taken = False  # a new claim: what the last one took it answered
         # Usually set already, when the scope was made (`BusyPeriods.register`): setting a
         # deadline costs trio more than making a scope with it.
         if self.scope.deadline != deadline:
