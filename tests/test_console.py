@@ -45,6 +45,11 @@ pytestmark = pytest.mark.slow
 
 TOKEN = "console-test-token-0123456789"
 BOTH = pytest.mark.parametrize("backend", ["sqlite", "postgres"], indirect=True)
+# Quarantined executions another tool wrote (or a test), as the store keeps them.
+QUARANTINE_ROWS = (
+    "INSERT INTO session_recovery(execution_id, session_id, owner_id, expires_at,"
+    " recovery_error, time_created, time_quarantined)"
+)
 
 
 def seed(path: Path, sessions: int) -> None:
@@ -173,9 +178,7 @@ def test_sessions_are_paged_and_searched_in_the_store(tmp_path: Path) -> None:
     Raw(store).write("INSERT INTO session(id, time_created) VALUES (CAST(X'7A7A80' AS TEXT), 0)")
     Raw(store).write("INSERT INTO session(id, time_created) VALUES ('zz\u00e9', 0)")
     Raw(store).write(
-        "INSERT INTO session_recovery(execution_id, session_id, owner_id, expires_at,"
-        " recovery_error, time_created, time_quarantined)"
-        " VALUES (CAST(X'6EFF' AS TEXT), 's001', 'o', 0, 'bad', 0, 0)"
+        f"{QUARANTINE_ROWS} VALUES (CAST(X'6EFF' AS TEXT), 's001', 'o', 0, 'bad', 0, 0)"
     )
     with (
         console(str(store), tmp_path) as (url, _),
@@ -446,9 +449,7 @@ def test_the_quarantine_table_costs_a_page_not_the_store(db_path: Location, tmp_
     seed_ids(store, "s000")
     Raw(store).write(
         "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 1000)"
-        " INSERT INTO session_recovery(execution_id, session_id, owner_id, expires_at,"
-        " recovery_error, time_created, time_quarantined)"
-        " SELECT 'e' || i, 's' || i, 'o', 0, 'bad', 0, i FROM n"
+        f" {QUARANTINE_ROWS} SELECT 'e' || i, 's' || i, 'o', 0, 'bad', 0, i FROM n"
     )
     with (
         console_on(store, tmp_path) as (url, _),
@@ -678,9 +679,7 @@ def test_the_quarantine_table_pages_through_every_execution_once(tmp_path: Path)
     seed_ids(store, "s000")
     Raw(store).write(
         "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 250)"
-        " INSERT INTO session_recovery(execution_id, session_id, owner_id, expires_at,"
-        " recovery_error, time_created, time_quarantined)"
-        " SELECT printf('e%03d', i), 's000', 'o', 0, 'bad', 0, i FROM n"
+        f" {QUARANTINE_ROWS} SELECT printf('e%03d', i), 's000', 'o', 0, 'bad', 0, i FROM n"
     )
     with (
         console(str(store), tmp_path) as (url, _),
@@ -985,10 +984,7 @@ def test_the_quarantine_table_never_links_a_page_to_itself(tmp_path: Path) -> No
         f"(CAST(X'78FF{byte:02X}' AS TEXT), 's000', 'o', 0, 'bad', 0, 0)"
         for byte in range(0x80, 0x100)
     )
-    Raw(store).write(
-        "INSERT INTO session_recovery(execution_id, session_id, owner_id, expires_at,"
-        f" recovery_error, time_created, time_quarantined) VALUES {values}"
-    )
+    Raw(store).write(f"{QUARANTINE_ROWS} VALUES {values}")
     with console(str(store), tmp_path) as (url, _):
         links, shown = _quarantine_pages(url, most=4, counting=NOT_UTF8_EXECUTION)
     assert len(links) == len(set(links)), f"a next link leads to the same page: {links}"
@@ -1007,11 +1003,7 @@ def test_the_quarantine_table_pages_through_blob_execution_ids_once_each(
         f"(X'{f'b{index:03d}'.encode().hex()}', 's000', 'o', 0, 'bad', 0, 0)"
         for index in range(110)
     )
-    Raw(store).write(
-        "INSERT INTO session_recovery(execution_id, session_id, owner_id, expires_at,"
-        " recovery_error, time_created, time_quarantined) VALUES ('a', 's000', 'o', 0,"
-        f" 'bad', 0, 0), {values}"
-    )
+    Raw(store).write(f"{QUARANTINE_ROWS} VALUES ('a', 's000', 'o', 0, 'bad', 0, 0), {values}")
     with console(str(store), tmp_path) as (url, _):
         links, shown = _quarantine_pages(url, most=4, counting=NOT_UTF8_EXECUTION)
     assert len(links) == len(set(links)) == 1, f"next links: {links}"
@@ -1256,11 +1248,7 @@ def test_an_empty_session_or_execution_id_is_listed_on_the_first_page(
     store = db_path
     seed_ids(store, "visible")
     Raw(store).write("INSERT INTO session(id, time_created) VALUES ('', 0)")
-    Raw(store).write(
-        "INSERT INTO session_recovery(execution_id, session_id, owner_id, expires_at,"
-        " recovery_error, time_created, time_quarantined)"
-        " VALUES ('', 'visible', 'o', 0, 'bad', 0, 0)"
-    )
+    Raw(store).write(QUARANTINE_ROWS + " VALUES ('', 'visible', 'o', 0, 'bad', 0, 0)")
     with (
         console_on(store, tmp_path) as (url, _),
         httpx.Client(base_url=url, timeout=DEADLINE) as client,
