@@ -657,6 +657,50 @@ async def test_a_wake_taken_to_go_on_survives_an_interrupt_before_the_next_drain
     assert Raw(db_path).rows("SELECT id FROM session_execution") == []
 
 
+class _DeletedWhileStopping(ExecutorSeam):
+    """Once the first iteration end answered (`ended` set, the interrupting task let run),
+    another process deletes the session right after the interrupt's cleanup marked the
+    claim cancelling."""
+
+    ended = trio.Event()
+
+    async def run(self, op: Any, *args: Any) -> Any:
+        result = await self._inner.run(op, *args)
+        if op is _store.end_iteration and not self.ended.is_set():
+            self.ended.set()
+            for _ in range(3):
+                await trio.lowlevel.cancel_shielded_checkpoint()
+        if op is _store.mark_cancelling:
+            await self._inner.run(_store.delete_session, args[0])
+        return result
+
+
+async def test_a_session_deleted_during_that_interrupts_cleanup_stays_deleted(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """The wake such a cleanup keeps (the test above) is rung with the claim fence, in its
+    first step: a session another process deleted meanwhile is not made again, doorbell
+    set, nor drained again (a review found a separate wake doing both)."""
+    calls: list[str] = []
+    opened: list[Runtime] = []
+    _DeletedWhileStopping.ended = trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        calls.append(ctx.execution_id)
+        if len(calls) == 1:
+            await opened[0].wake(ctx.session_id)
+
+    async with runtime(WrappedStore(store, _DeletedWhileStopping), drain, clock) as rt:
+        opened.append(rt)
+        await rt.wake("s")
+        await _DeletedWhileStopping.ended.wait()
+        assert await rt.interrupt("s")
+        await rt.wait_idle("s")
+        await trio.sleep(5)  # virtual: any successor would have run
+    assert len(calls) == 1
+    assert Raw(db_path).rows("SELECT id FROM session") == []
+
+
 async def test_remote_interrupt_before_the_drain_took_its_inputs_strands_none(
     store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
 ) -> None:

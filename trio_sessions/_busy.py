@@ -580,6 +580,7 @@ class BusyPeriods:
                 entry.session_id,
                 entry.execution_id,
                 self._runtime._owner_id,
+                entry.wake_taken,
             )
         entry.disown()
 
@@ -620,12 +621,8 @@ class BusyPeriods:
                 entry.session_id,
                 entry.execution_id,
                 self._runtime._owner_id,
+                entry.wake_taken,  # a wake taken to go on, no drain call answered: rung
             )
-            if entry.wake_taken:
-                # Interrupted between an iteration end that took the doorbell to go on and
-                # the drain call that would have answered it: the wake stays rung, and this
-                # cleanup's answer starts its one successor.
-                await self._retrying(entry, _store.wake, entry.session_id)
             entry.begin_deciding()
             doorbell = await self._retrying(
                 entry,

@@ -244,19 +244,26 @@ def finish_failed(tx: Tx, session_id: str, execution_id: str, owner_id: str, err
 
 
 @autocommit_when_alone
-def mark_cancelling(tx: Tx, session_id: str, execution_id: str, owner_id: str) -> None:
-    """First step of an interrupt's cleanup: make the cancellation durable (claim fence)."""
+def mark_cancelling(
+    tx: Tx, session_id: str, execution_id: str, owner_id: str, ring: bool = False
+) -> None:
+    """First step of an interrupt's cleanup: make the cancellation durable (claim fence).
+    `ring`: the claim took its doorbell to drain again and no drain call answered it yet -
+    ring it again in the same transaction, so that wake goes to a successor whether this
+    cleanup's second step runs or recovery finishes the claim (invariant 7)."""
     if tx.dialect == "postgres":
         if tx.call("ts_mark_cancelling", session_id, execution_id, owner_id) != [("ok",)]:
             raise _lease_lost(execution_id)
-        return
-    tx.lock_session(session_id)
-    updated = tx.execute(
-        f"UPDATE session_execution SET phase = 'cancelling' WHERE {SESSION_FENCE.format(t='')}",
-        _session_fence(tx, session_id, execution_id, owner_id),
-    ).rowcount
-    if updated != 1:
-        raise _lease_lost(execution_id)
+    else:
+        tx.lock_session(session_id)
+        updated = tx.execute(
+            f"UPDATE session_execution SET phase = 'cancelling' WHERE {SESSION_FENCE.format(t='')}",
+            _session_fence(tx, session_id, execution_id, owner_id),
+        ).rowcount
+        if updated != 1:
+            raise _lease_lost(execution_id)
+    if ring:
+        _ring(tx, session_id)
 
 
 def finish_interrupted(tx: Tx, session_id: str, execution_id: str, owner_id: str) -> bool:
