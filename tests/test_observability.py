@@ -45,6 +45,7 @@ from trio_sessions import (
     Claim,
     DrainContext,
     DuplicateSettlement,
+    LeaseLost,
     MalformedRecord,
     Outcome,
     RecoveryReport,
@@ -230,6 +231,36 @@ async def test_self_fence_and_failed_heartbeats_are_logged(
     assert fenced.execution_id == drain.calls[0].execution_id
     failed = records(logs, events.HEARTBEAT_FAILED)
     assert failed and all(r.claims == 1 and "disk I/O error" in r.error for r in failed)
+    assert records(logs, events.CLAIM_LOST) == []
+
+
+async def test_a_drain_stopped_by_its_deadline_after_a_stall_is_logged_self_fenced(
+    tmp_path: Path, clock: Clock, autojump_clock: MockClock, logs: pytest.LogCaptureFixture
+) -> None:
+    """The process stalls past the drain's local deadline while the store still answers:
+    the heartbeat that runs then and the drain's own write notice the passed deadline
+    first. The loss is logged `self-fenced` once all the same - it was not, once noticing
+    it there took it for a loss the heartbeat had logged (a review's finding)."""
+    lease = 9.0
+
+    async def drain(ctx: DrainContext) -> None:
+        await ctx.take_inputs()
+        writer = await ctx.begin_assistant()
+        autojump_clock.jump(lease * 0.95)  # the whole thread blocked
+        try:
+            await trio.lowlevel.checkpoint()
+        finally:
+            with trio.CancelScope(shield=True):
+                await trio.sleep(0.05)  # the heartbeat runs meanwhile
+                with contextlib.suppress(LeaseLost):
+                    await writer.append_text("cleaning up")
+
+    async with runtime(store_at(tmp_path), drain, clock, lease=lease) as rt:
+        await rt.submit("s", {"n": 1})
+        outcome = await rt.run("s")
+    assert outcome == Outcome("interrupted", "lease_lost")
+    [fenced] = records(logs, events.SELF_FENCED)
+    assert (fenced.session_id, fenced.owner_id) == ("s", rt.owner_id)
     assert records(logs, events.CLAIM_LOST) == []
 
 

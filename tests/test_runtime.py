@@ -946,6 +946,42 @@ async def test_a_drain_stopped_by_its_own_deadline_is_lease_lost_though_a_renewa
     ]
 
 
+async def test_a_drain_stopped_by_its_deadline_keeps_its_claim_until_it_exits(
+    store: Store, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """Stopped by its local deadline after a stall, a drain still runs its shielded
+    cleanup (a side effect of 3 s here): its claim stays renewed at the store until the
+    drain exits, so another runtime's recovery never starts the session's drain while this
+    one still runs (§6.17, §6.21). A review found the heartbeat dropping the claim at once,
+    which let the other runtime start 2.5 s before the first drain had exited."""
+    lease = 9.0
+    exited: list[float] = []
+    started_elsewhere: list[float] = []
+
+    async def stalls(ctx: DrainContext) -> None:
+        await ctx.take_inputs()
+        autojump_clock.jump(lease * 0.95)  # the whole thread blocked
+        try:
+            await trio.lowlevel.checkpoint()
+        finally:
+            with trio.CancelScope(shield=True):
+                await trio.sleep(3.0)
+                exited.append(trio.current_time())
+
+    async def elsewhere(ctx: DrainContext) -> None:
+        started_elsewhere.append(trio.current_time())
+
+    async with (
+        runtime(store, stalls, clock, lease=lease) as first,
+        runtime(store, elsewhere, clock, lease=lease, recovery_interval=0.25),
+    ):
+        await first.submit("s", {"n": 1})
+        await trio.sleep(40)  # virtual: the lease runs out after the drain exited
+    [exit_time] = exited
+    assert started_elsewhere, "recovery resumes the claim once its lease ran out"
+    assert min(started_elsewhere) >= exit_time, (exit_time, started_elsewhere)
+
+
 async def test_serve_runtime_with_nursery_start(
     store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
 ) -> None:

@@ -517,7 +517,8 @@ class BusyPeriods:
         runtime = self._runtime
         if runtime._crashed:
             return Outcome("interrupted", "shutdown"), False
-        known_lost = entry.reason == "lease_lost"  # the heartbeat found it (and logged it)
+        # The heartbeat or the token watch found it (and logged it), not its deadline.
+        known_lost = entry.reason == "lease_lost" and not entry.fenced_by_deadline
         lease_lost = ending.kind in ("failed", "interrupted") and (
             isinstance(ending.error, LeaseLost) or ending.uncertain or entry.self_fenced()
         )

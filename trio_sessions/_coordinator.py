@@ -158,6 +158,9 @@ class SessionEntry:
     # started since: a wake recorded before an interrupt that ends the busy period now is
     # owed to a successor (invariant 7), so that cleanup rings again.
     wake_taken: bool = False
+    # Its lease counts as lost because its local deadline passed (`self_fenced`), which
+    # nothing has logged yet, unlike a loss the heartbeat or the token watch found.
+    fenced_by_deadline: bool = False
     # When a wake reached this runtime and started the busy period (trio clock), until its
     # first drain call starts: the wake-to-start latency (telemetry only).
     woken_at: float | None = None
@@ -250,6 +253,7 @@ class SessionEntry:
         lease must be treated as lost, with no durable write."""
         if self.reason is None and self.owned and trio.current_time() >= self.scope.deadline:
             self.reason = "lease_lost"
+            self.fenced_by_deadline = True  # noticed, not yet logged: the finalizer logs it
         return self.reason == "lease_lost"
 
     def lose_lease(self) -> None:

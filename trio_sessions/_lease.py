@@ -67,10 +67,7 @@ class LeaseKeeper:
         A failed transaction is retried at the next tick; meanwhile each drain's own
         deadline still stops it in time.
         """
-        # A claim whose local deadline passed is lost, whatever the store says: its drain
-        # was stopped at its next checkpoint (§6.17), and renewing it would let what it
-        # does on the way out (a shielded cleanup) count as alive.
-        claims = {entry.execution_id: entry for entry in self._owned() if not entry.self_fenced()}
+        claims = {entry.execution_id: entry for entry in self._owned()}
         if not claims:
             return
         sent_at = trio.current_time()
@@ -97,7 +94,12 @@ class LeaseKeeper:
                 entry.lose_lease()
                 continue
             if entry.self_fenced():
-                continue  # its deadline passed while the renewal was in flight
+                # Its local deadline passed (checked now: the renewal may have been in
+                # flight): lost here whatever the store says - its drain was stopped at its
+                # next checkpoint and writes nothing more (§6.17). The store's lease is kept
+                # all the same until the drain exits (a shielded cleanup, a thread), so no
+                # other owner's drain overlaps it (§6.21); then it runs out for recovery.
+                continue
             entry.renewed(self_fence_deadline(sent_at, self._lease))
             if phase == "cancelling":
                 entry.interrupt("user")  # written by another process
