@@ -529,7 +529,8 @@ async def test_a_reader_editing_what_it_was_shown_never_changes_the_drains_messa
     """A watcher that edits its snapshot (redacting a field for display, say) and a stream
     consumer that edits its event's tool part edit what this runtime's readers of the
     session share (one snapshot for all, as documented), never the drain's message: not
-    what its next writes store, nor what its next snapshot shows."""
+    what its next writes store, nor the snapshot of the message those writes made (the
+    writer reads it back: on PostgreSQL the data it held no longer encodes as stored)."""
     edited = trio.Event()
     secret = {"user": "ann", "password": "hunter2"}
 
@@ -571,3 +572,38 @@ async def test_a_reader_editing_what_it_was_shown_never_changes_the_drains_messa
         [stored] = await rt.transcript("s")
     assert stored.data.parts[0].input == secret
     assert message.data.parts[0].input == secret
+
+
+async def test_a_reader_putting_what_json_cannot_hold_in_its_snapshot_breaks_no_write(
+    store: Any, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """A watcher that puts a set (no JSON value) into a tool input it was shown: the drain's
+    next writes still land, as stored - on PostgreSQL the data it holds no longer encodes,
+    so the write reads the message instead of failing every later write (a review's
+    finding)."""
+    shown = trio.Event()
+    edited = trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        writer = await ctx.begin_assistant()
+        await writer.start_tool("c1", "search", {"q": "x"})
+        await edited.wait()
+        await writer.settle_tool("c1", {"hits": 1})
+        await writer.finish()
+
+    async with runtime(store, drain, clock) as rt:
+        async with rt.watch("s") as updates, trio.open_nursery() as nursery:
+            outcomes = start_run(nursery, rt, "s")
+            async for message in updates:
+                if message.data.parts and not shown.is_set():
+                    shown.set()
+                    message.data.parts[0].input["seen"] = {1, 2}
+                    edited.set()
+                if message.data.finished:
+                    break
+        await rt.wait_idle("s")
+        [stored] = await rt.transcript("s")
+    assert outcomes == [Outcome("succeeded")]
+    assert stored.data.parts == (
+        ToolPart("c1", "search", {"q": "x"}, "completed", {"hits": 1}, None),
+    )

@@ -259,13 +259,19 @@ def _pg_update_known(
     its encoding) when it was written; None (nothing written) when the message moved past
     `known.version`, the transition refuses it, or the known data was edited since it was
     stored (a reader's edit) - the caller reads the durable message."""
-    if known.text is None or _codec.encode_assistant(known.data) != known.text:
+    if known.text is None:
         return None
     try:
         data, step = _applied(transition, _transcript.with_streamed(known.data, known.streamed))
-    except (ValueError, TrioSessionsError):
-        return None  # a refusal is the stored message's to make (it raises it again)
-    written = _codec.encode_assistant(data)
+        # The new message first, then the check: a reader's edits are never undone, so
+        # one that reached `written` shows in the check too.
+        written = _codec.encode_assistant(data)
+        if _codec.encode_assistant(known.data) != known.text:
+            return None
+    except (ValueError, TypeError, RuntimeError, TrioSessionsError):
+        # A refusal is the stored message's to make (it raises it again); a value a reader
+        # put in that JSON cannot hold makes the known data unusable, not the write.
+        return None
     [(verdict, version)] = tx.call(
         "ts_update_message",
         session_id,
