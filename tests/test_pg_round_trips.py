@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import psycopg
+import pytest
 import trio
 from helpers import pg_raw
 
@@ -544,3 +545,45 @@ def test_a_watched_look_with_room_reads_the_handed_back_claims_at_no_extra_round
             assert counts[1] - counts[0] <= 1, counts
         finally:
             engine.close()
+
+
+def test_an_interrupts_mark_and_its_ring_land_together_or_not_at_all(
+    pg_url: str, migrated_schema: str, monkeypatch: Any
+) -> None:
+    """`mark_cancelling(ring=True)` (an interrupt's first step keeping a wake taken to go
+    on) runs alone in a transaction, never as the mark in autocommit followed by the ring:
+    the mark committed alone, and a ring that then failed (or a crash between) left the
+    claim cancelling with the wake gone - recovery finishes it, never resumes it (a
+    review's finding). A ring that fails undoes the mark."""
+    clock = lambda: 1_000.0  # noqa: E731 - a lease clock stopped at 1,000 s
+    engine = open_engine(pg_url, schema=migrated_schema, clock=clock)
+    try:
+        engine.run(_store.wake, "s")
+        engine.run(_store.acquire, "s", "e1", "me", 60_000)  # takes the doorbell
+        failing = RuntimeError("the ring fails")
+
+        def ring_fails(tx: Any, session_id: str) -> None:
+            raise failing
+
+        monkeypatch.setattr(_store.claims, "_ring", ring_fails)
+        with pytest.raises(RuntimeError) as raised:
+            engine.run(_store.mark_cancelling, "s", "e1", "me", True)
+        assert raised.value is failing
+        monkeypatch.undo()
+        phase, woken = engine.read(
+            lambda tx: tx.one(
+                "SELECT e.phase, s.time_woken FROM session_execution e"
+                " JOIN session s ON s.id = e.session_id WHERE e.id = 'e1'"
+            )
+        )
+        assert (phase, woken) == ("running", None)
+        engine.run(_store.mark_cancelling, "s", "e1", "me", True)
+        phase, woken = engine.read(
+            lambda tx: tx.one(
+                "SELECT e.phase, s.time_woken FROM session_execution e"
+                " JOIN session s ON s.id = e.session_id WHERE e.id = 'e1'"
+            )
+        )
+        assert phase == "cancelling" and woken is not None
+    finally:
+        engine.close()

@@ -222,6 +222,7 @@ class SessionEntry:
         self.attempt = attempt
         self.resumed = resumed
         self.wake_taken = False  # a new claim: what the last one took it answered
+        self.fenced_by_deadline = False
         # Usually set already, when the scope was made (`BusyPeriods.register`): setting a
         # deadline costs trio more than making a scope with it.
         if self.scope.deadline != deadline:

@@ -22,6 +22,7 @@ from typing import Any
 from .. import _decisions
 from .._backend import (
     FALLBACK,
+    NeedsTransaction,
     Tx,
     autocommit_when_alone,
     caller_yields_next,
@@ -251,6 +252,9 @@ def mark_cancelling(
     `ring`: the claim took its doorbell to drain again and no drain call answered it yet -
     ring it again in the same transaction, so that wake goes to a successor whether this
     cleanup's second step runs or recovery finishes the claim (invariant 7)."""
+    if ring and tx.autocommit:
+        # The mark and the ring land together or not at all: never the mark alone.
+        raise NeedsTransaction("a ring shares the mark's transaction")
     if tx.dialect == "postgres":
         if tx.call("ts_mark_cancelling", session_id, execution_id, owner_id) != [("ok",)]:
             raise _lease_lost(execution_id)
