@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import sqlite3
 import sys
+import threading
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -980,6 +982,40 @@ async def test_a_drain_stopped_by_its_deadline_keeps_its_claim_until_it_exits(
     [exit_time] = exited
     assert started_elsewhere, "recovery resumes the claim once its lease ran out"
     assert min(started_elsewhere) >= exit_time, (exit_time, started_elsewhere)
+
+
+async def test_cancelling_open_runtime_while_it_opens_is_a_plain_cancellation(
+    tmp_path: Path,
+) -> None:
+    """Cancelled while its first recovery pass waits for another connection's lock on the
+    file (a worker's SIGTERM at start-up, say), `open_runtime` ends as a cancellation the
+    caller's scope catches - not an ExceptionGroup of 'Nursery is closed to new arrivals'
+    from starting the runtime's tasks in the task nursery the cancellation had closed,
+    which made the worker exit 1 with a traceback. Found by an audit. Real time, bounded
+    (the default store waits for the lock in its worker thread)."""
+    path = tmp_path / "s.db"
+    async with trio_sessions.open_runtime(path, Recorder()):
+        pass  # the schema
+    locked = threading.Event()
+
+    def hold_the_lock() -> None:  # for 1 s, as another process's long write would
+        conn = sqlite3.connect(path, isolation_level=None)
+        conn.execute("BEGIN EXCLUSIVE")
+        locked.set()
+        time.sleep(1.0)
+        conn.rollback()
+        conn.close()
+
+    holder = threading.Thread(target=hold_the_lock)
+    holder.start()
+    try:
+        await trio.to_thread.run_sync(locked.wait, 10)
+        with trio.fail_after(10), trio.move_on_after(0.3) as cancelled:
+            async with trio_sessions.open_runtime(path, Recorder()):
+                pytest.fail("opened although cancelled")
+    finally:
+        await trio.to_thread.run_sync(holder.join)
+    assert cancelled.cancelled_caught
 
 
 async def test_serve_runtime_with_nursery_start(

@@ -249,6 +249,9 @@ async def _open_runtime(
         if token is not None:
             runtime._token = token
             await runtime.recover_once()
+            # Cancelled while the pass's transaction was waited for (never abandoned): the
+            # cancellation closed the task nursery, so it ends the open here, as itself.
+            await trio.lowlevel.checkpoint_if_cancelled()
             nursery.start_soon(runtime._keep_leases)
             nursery.start_soon(runtime._loops.recovery_loop)
             nursery.start_soon(runtime._keep_token, token)
