@@ -545,6 +545,18 @@ def test_load_drain_refuses_what_is_not_an_async_drain(spec: str, reason: str) -
         _worker.load_drain(spec)
 
 
+def test_a_drain_module_that_exits_while_importing_is_refused_not_a_silent_exit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A module calling `sys.exit(0)` at import made the worker exit 0 with no word (only
+    `Exception` was caught). Found by an audit. It is a drain that cannot load: refused,
+    saying so, and the worker exits 1 as for any other."""
+    (tmp_path / "exits_at_import.py").write_text("import sys\nsys.exit(0)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(_worker.DrainLoadError, match=r"cannot import module 'exits_at_import'"):
+        _worker.load_drain("exits_at_import:drain")
+
+
 def test_load_drain_returns_the_named_async_function() -> None:
     """MODULE:DRAIN resolves to the drain itself (DRAIN may be a dotted path)."""
     assert _worker.load_drain("worker_drain:reply") is worker_drain.reply

@@ -222,7 +222,9 @@ def load_drain(spec: str) -> Any:
         raise DrainLoadError(f"drain must be given as MODULE:DRAIN, got {spec!r}")
     try:
         target: Any = importlib.import_module(module_name)
-    except Exception as exc:  # whatever the module raises while importing
+    # Whatever the module raises while importing - also SystemExit, which would end the
+    # worker with no word of why (KeyboardInterrupt stays the user's).
+    except (Exception, SystemExit) as exc:
         reason = f"{type(exc).__name__}: {exc}"
         raise DrainLoadError(f"cannot import module {module_name!r}: {reason}") from exc
     for name in attribute.split("."):
