@@ -1018,6 +1018,20 @@ async def test_cancelling_open_runtime_while_it_opens_is_a_plain_cancellation(
     assert cancelled.cancelled_caught
 
 
+async def test_the_inline_store_counts_every_transaction_as_run_on_the_trio_thread(
+    store: Store, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """`statistics().store.inline_runs` is the store's batches run on the trio thread (the
+    `_inline_runs_total` metric); the tests' inline store runs every one there, and said
+    none. Found by an audit."""
+    async with runtime(store, Recorder(), clock) as rt:
+        await rt.submit("s", {"n": 1})
+        await rt.wait_idle("s")
+        figures = rt.statistics().store
+    assert 0 < figures.transactions == figures.inline_runs
+    assert figures.handoffs == 0
+
+
 async def test_serve_runtime_with_nursery_start(
     store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
 ) -> None:

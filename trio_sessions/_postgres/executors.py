@@ -124,7 +124,9 @@ class PgInlineExecutor:
     closed: bool = False
 
     def statistics(self) -> StoreStatistics:
-        return _statistics([self.engine], self.listener)
+        figures = _statistics([self.engine], self.listener)
+        # Every transaction runs on the trio thread.
+        return attrs.evolve(figures, inline_runs=figures.transactions)
 
     async def _run(self, mode: Mode, op: Callable[..., T], args: tuple[Any, ...]) -> T:
         await trio.lowlevel.checkpoint_if_cancelled()

@@ -120,7 +120,10 @@ class InlineExecutor:
         await kick.wait()
 
     def statistics(self) -> StoreStatistics:
-        return StoreStatistics("sqlite", transactions=self.transactions)
+        # Every transaction runs on the trio thread.
+        return StoreStatistics(
+            "sqlite", transactions=self.transactions, inline_runs=self.transactions
+        )
 
     def hold_token(self, owner_id: str) -> contextlib.AbstractAsyncContextManager[Any]:
         return _hold_token(self.conn, owner_id, inline=True)
