@@ -692,6 +692,24 @@ def test_a_store_no_worker_can_drain_is_a_usage_error(tmp_path: Path, store: str
     assert "store" in done.stderr
 
 
+def test_metrics_without_their_client_are_a_usage_error_before_the_store_is_opened(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--metrics-bind` without prometheus_client (the 'metrics' extra) was found only once
+    the runtime had opened - and maybe claimed sessions - then failed the worker (exit 1,
+    a traceback). Found by an audit. A usage error now (exit 2), saying what to install."""
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)  # import fails
+    argv = parse("--metrics-bind", "127.0.0.1:0")
+    assert _worker.run(argv, ENVIRONMENT) == 2
+    assert "metrics need prometheus_client" in capsys.readouterr().err
+
+
+def test_a_metrics_url_names_an_ipv6_host_in_brackets() -> None:
+    """The logged `worker metrics on URL` is a URL for an IPv6 host too: in brackets."""
+    assert _worker.metrics_url("::1", 9464) == "http://[::1]:9464/metrics"
+    assert _worker.metrics_url("127.0.0.1", 9464) == "http://127.0.0.1:9464/metrics"
+
+
 def test_a_postgres_password_is_not_logged() -> None:
     """The store shown in the log line hides a URL's password."""
     url = "postgresql://app:s3cret@db.example:5432/sessions"

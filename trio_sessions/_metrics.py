@@ -50,7 +50,7 @@ STORE_FIGURES = (
 )
 
 
-def _import_client() -> Any:
+def import_client() -> Any:
     try:
         import prometheus_client
     except ImportError as exc:  # an optional extra
@@ -92,7 +92,7 @@ def collector(statistics: Callable[[], RuntimeStatistics], *, owner_id: str) -> 
 
 def render(statistics: Callable[[], RuntimeStatistics], *, owner_id: str) -> bytes:
     """The Prometheus text format of one snapshot (the console's `/metrics`)."""
-    client = _import_client()
+    client = import_client()
     registry = client.CollectorRegistry(auto_describe=False)
     registry.register(collector(statistics, owner_id=owner_id))
     return bytes(client.generate_latest(registry))
@@ -118,7 +118,7 @@ async def serve_metrics(
     prometheus_client's threaded HTTP server answers scrapes; each scrape takes its snapshot
     on the trio thread (`trio.from_thread.run_sync`), so the runtime is only ever read there.
     """
-    client = _import_client()
+    client = import_client()
     host, port = parse_bind(bind)
     token = trio.lowlevel.current_trio_token()
 

@@ -170,8 +170,11 @@ def settings_from(args: argparse.Namespace, environ: Mapping[str, str]) -> Worke
     if metrics_bind is not None:
         try:
             _metrics.parse_bind(metrics_bind)
+            _metrics.import_client()  # before the store is opened, not once it holds claims
         except ValueError as exc:
             raise UsageError(f"metrics-bind: {exc}") from None
+        except RuntimeError as exc:
+            raise UsageError(str(exc)) from None
     if log_level not in LOG_LEVELS:
         raise UsageError(f"log level must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}")
     return WorkerSettings(
@@ -336,8 +339,13 @@ async def _serve_metrics(nursery: trio.Nursery, bind: str, runtime: Any) -> None
         _metrics.serve_metrics, bind, runtime.statistics, owner_id=runtime.owner_id
     )
     host, port = await nursery.start(serve)
-    url = f"http://{host}:{port}/metrics"
+    url = metrics_url(host, port)
     logger.info("worker metrics on %s", url, extra={"url": url})
+
+
+def metrics_url(host: str, port: int) -> str:
+    """Where a scrape reaches the worker's metrics (an IPv6 host in brackets)."""
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/metrics"
 
 
 async def _watch_signals(signals: AsyncIterator[int], runtime_scope: trio.CancelScope) -> None:
