@@ -470,7 +470,8 @@ def run_command(args: argparse.Namespace, database: Engine) -> tuple[Any, str]:
     if args.command == "inputs":
         if args.inputs_action == "list":
             rows = read_rejected_inputs(database, args.session)
-            return rows[: args.limit], format_rejected_inputs(rows[: args.limit], len(rows))
+            shown = rows[: args.limit]
+            return shown, format_rejected_inputs(shown, len(rows))
         if args.inputs_action == "cancel":
             cancelled = cancel_input(database, args.input_id)
             return cancelled, format_control(cancelled)
@@ -482,7 +483,8 @@ def run_command(args: argparse.Namespace, database: Engine) -> tuple[Any, str]:
             for row in database.read(_store.quarantine_report)
             if args.session is None or row["session_id"] == args.session
         ]
-        return rows[: args.limit], format_quarantine(rows[: args.limit], len(rows))
+        shown = rows[: args.limit]
+        return shown, format_quarantine(shown, len(rows))
     result = release(database, args.execution_id, resume=args.resume)
     return result, format_release(result)
 

@@ -157,7 +157,7 @@ def clock(value: object) -> Callable[[], float]:
             "clock must be a zero-argument callable returning epoch seconds; reading"
             f" {value!r:.80} raised {exc!r:.200}"
         ) from exc
-    _backend.now_ms(lambda: reading)
+    _backend.epoch_seconds(reading, "the runtime's clock reading")
     return value
 
 

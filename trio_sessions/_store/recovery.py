@@ -76,7 +76,7 @@ def _recovery_facts(tx: Tx, candidate: Candidate) -> tuple[RecoveryFacts, str | 
             {"session": session_id, "execution": execution_id, "anchor": anchor_seq or 0},
         )[0]
     )
-    malformed = _newest_assistant_malformed(tx, str(execution_id))
+    malformed = newest_assistant_malformed(tx, str(execution_id))
     malformed_reason = None if malformed is None else str(malformed)
     attempts = tx.one("SELECT wake_attempts, time_paused FROM session WHERE id = ?", (session_id,))
     if attempts is None and ours:
@@ -100,10 +100,6 @@ def newest_assistant_malformed(tx: Tx, execution_id: str) -> MalformedRecord | N
     """Why the execution's newest assistant message does not decode (None when it does or
     there is none): what recovery quarantines the execution for, as that message's
     `MalformedRecord` (its table, its key, its reasons)."""
-    return _newest_assistant_malformed(tx, execution_id)
-
-
-def _newest_assistant_malformed(tx: Tx, execution_id: str) -> MalformedRecord | None:
     newest = tx.one(
         "SELECT id, data FROM session_message WHERE execution_id = ? AND role = 'assistant'"
         " ORDER BY seq DESC LIMIT 1",
