@@ -14,6 +14,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -702,6 +703,33 @@ def test_metrics_without_their_client_are_a_usage_error_before_the_store_is_open
     argv = parse("--metrics-bind", "127.0.0.1:0")
     assert _worker.run(argv, ENVIRONMENT) == 2
     assert "metrics need prometheus_client" in capsys.readouterr().err
+
+
+async def test_a_metrics_port_in_use_fails_the_worker_before_the_store_is_opened(
+    db_path: Path, tmp_path: Path
+) -> None:
+    """`--metrics-bind` on a port another process holds was found only once the runtime had
+    opened (and maybe claimed sessions, which the closing runtime then handed back). The
+    port is bound first now: exit 1, the reason logged, no database created."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        worker = await start_worker(
+            tmp_path,
+            "worker_drain:reply",
+            "--store",
+            str(db_path),
+            "--metrics-bind",
+            f"127.0.0.1:{port}",
+        )
+        try:
+            assert await worker.exit_status() == 1, worker.output()
+        finally:
+            await stop(worker)
+    assert f"cannot serve metrics on 127.0.0.1:{port}" in worker.output()
+    assert "worker started" not in worker.output()
+    assert not db_path.exists()  # noqa: ASYNC240 - one stat, after the process ended
 
 
 def test_a_metrics_url_names_an_ipv6_host_in_brackets() -> None:

@@ -60,13 +60,21 @@ def import_client() -> Any:
     return prometheus_client
 
 
-def collector(statistics: Callable[[], RuntimeStatistics], *, owner_id: str) -> Collector:
-    """A collector that takes one `statistics()` snapshot per scrape."""
+# What a scrape reads: the runtime's owner id and one statistics snapshot, or None while
+# there is no runtime to read (the worker binds its port before it opens the runtime).
+Reading = Callable[[], "tuple[str, RuntimeStatistics] | None"]
+
+
+def collector(read: Reading) -> Collector:
+    """A collector that takes one snapshot per scrape (no families while `read()` is None)."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
     class RuntimeCollector:
         def collect(self) -> Iterator[Any]:
-            snapshot = statistics()
+            reading = read()
+            if reading is None:
+                return
+            owner_id, snapshot = reading
             labels = {"owner_id": owner_id, "backend": snapshot.store.backend}
             names, values = list(labels), list(labels.values())
             for field, name, kind, help_text in RUNTIME_FIGURES:
@@ -94,7 +102,7 @@ def render(statistics: Callable[[], RuntimeStatistics], *, owner_id: str) -> byt
     """The Prometheus text format of one snapshot (the console's `/metrics`)."""
     client = import_client()
     registry = client.CollectorRegistry(auto_describe=False)
-    registry.register(collector(statistics, owner_id=owner_id))
+    registry.register(collector(lambda: (owner_id, statistics())))
     return bytes(client.generate_latest(registry))
 
 
@@ -108,25 +116,25 @@ def parse_bind(bind: str) -> tuple[str, int]:
 
 async def serve_metrics(
     bind: str,
-    statistics: Callable[[], RuntimeStatistics],
+    read: Reading,
     *,
-    owner_id: str,
     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve `/metrics` on `bind` until cancelled; `task_status.started((host, port))`.
+    """Serve `/metrics` on `bind` until cancelled; `task_status.started((host, port))` once
+    the port is bound (`OSError` before that when it cannot be).
 
-    prometheus_client's threaded HTTP server answers scrapes; each scrape takes its snapshot
-    on the trio thread (`trio.from_thread.run_sync`), so the runtime is only ever read there.
+    prometheus_client's threaded HTTP server answers scrapes; each scrape calls `read` on the
+    trio thread (`trio.from_thread.run_sync`), so the runtime is only ever read there.
     """
     client = import_client()
     host, port = parse_bind(bind)
     token = trio.lowlevel.current_trio_token()
 
-    def snapshot() -> RuntimeStatistics:
-        return trio.from_thread.run_sync(statistics, trio_token=token)
+    def read_on_the_trio_thread() -> tuple[str, RuntimeStatistics] | None:
+        return trio.from_thread.run_sync(read, trio_token=token)
 
     registry = client.CollectorRegistry(auto_describe=False)
-    registry.register(collector(snapshot, owner_id=owner_id))
+    registry.register(collector(read_on_the_trio_thread))
     server, thread = client.start_http_server(port, addr=host, registry=registry)
     try:
         task_status.started((host, server.server_port))

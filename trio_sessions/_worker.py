@@ -5,6 +5,8 @@ Settings come from flags, else from the environment (`TRIO_SESSIONS_STORE`,
 `TRIO_SESSIONS_LOG_LEVEL`), else from `open_runtime`'s defaults. Logging goes to stderr at
 the chosen level. Once the runtime is open the worker freezes its start-up heap
 (`gc.freeze()`): full collections no longer walk the modules and classes start-up made.
+`--metrics-bind` binds its port before the runtime opens: a port that cannot be served
+fails the worker before it may claim a session.
 
 Signals: the first SIGTERM or SIGINT is a graceful shutdown - the runtime's block is left,
 which cancels the drains, waits until each has exited and only then expires its lease, so
@@ -16,20 +18,20 @@ SIGTERM), leaving the remaining leases to run out.
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
 import importlib
 import logging
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import attrs
 import trio
 
 from . import _metrics, _validate
+from ._model import RuntimeStatistics
 from ._naming import (
     check_file_store,
     check_schema,
@@ -40,7 +42,7 @@ from ._naming import (
     store_kind,
 )
 from ._observe import MaskTracebacks
-from ._runtime import open_runtime
+from ._runtime import Runtime, open_runtime
 
 logger = logging.getLogger("trio_sessions.worker")
 logger.addFilter(MaskTracebacks())
@@ -295,52 +297,73 @@ def store_of_url(store: str, schema: str | None) -> Any:
 
 async def serve(settings: WorkerSettings, drain: Any) -> int:
     """Run the runtime until the first signal, then leave its block; returns the status."""
-    options = runtime_options(settings)
     runtime_scope = trio.CancelScope()
     status = EXIT_OK
-    owner: str | None = None
+    opened: Runtime | None = None
+
+    def read_metrics() -> tuple[str, RuntimeStatistics] | None:
+        return None if opened is None else (opened.owner_id, opened.statistics())
+
+    def on_open(runtime: Runtime) -> None:
+        nonlocal opened
+        opened = runtime
+
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_watch_signals, signals, runtime_scope)
-            with runtime_scope:
-                try:
-                    async with (
-                        open_runtime(store_of(settings), drain, **options) as runtime,
-                        trio.open_nursery() as served,  # stops before the runtime closes
-                    ):
-                        owner = runtime.owner_id
-                        # What start-up made (modules, classes, functions: most of the
-                        # heap) stays for the process's life: out of the collector's reach,
-                        # full collections stop walking it - with 1,000 sessions in flight
-                        # they were about 15 % of the CPU per session.
-                        gc.freeze()
-                        store = display_name(settings.store)
-                        logger.info(
-                            "worker started: owner %s, store %s",
-                            owner,
-                            store,
-                            extra={"owner_id": owner, "store": store},
-                        )
-                        if settings.metrics_bind is not None:
-                            await _serve_metrics(served, settings.metrics_bind, runtime)
-                        await trio.sleep_forever()
-                except Exception as exc:
-                    reason = mask_password(str(exc), secrets=secrets_of(settings.store))
-                    logger.error("worker failed: %s: %s", type(exc).__name__, reason, exc_info=exc)
-                    status = EXIT_FAILED
+            # The port first: one taken is found before the runtime may claim sessions.
+            if settings.metrics_bind is not None and not await _serve_metrics(
+                nursery, settings.metrics_bind, read_metrics
+            ):
+                status = EXIT_FAILED
+            else:
+                with runtime_scope:
+                    status = await _run_runtime(settings, drain, on_open=on_open)
             nursery.cancel_scope.cancel()
     if status == EXIT_OK:
+        owner = None if opened is None else opened.owner_id
         logger.info("worker stopped: owner %s", owner, extra={"owner_id": owner})
     return status
 
 
-async def _serve_metrics(nursery: trio.Nursery, bind: str, runtime: Any) -> None:
-    serve = functools.partial(
-        _metrics.serve_metrics, bind, runtime.statistics, owner_id=runtime.owner_id
-    )
-    host, port = await nursery.start(serve)
+async def _run_runtime(
+    settings: WorkerSettings, drain: Any, *, on_open: Callable[[Runtime], None]
+) -> int:
+    """Hold the runtime open until cancelled (the first signal); EXIT_FAILED when it fails."""
+    try:
+        async with open_runtime(store_of(settings), drain, **runtime_options(settings)) as runtime:
+            on_open(runtime)
+            # What start-up made (modules, classes, functions: most of the heap) stays for
+            # the process's life: out of the collector's reach, full collections stop
+            # walking it - with 1,000 sessions in flight they were about 15 % of the CPU
+            # per session.
+            gc.freeze()
+            store = display_name(settings.store)
+            logger.info(
+                "worker started: owner %s, store %s",
+                runtime.owner_id,
+                store,
+                extra={"owner_id": runtime.owner_id, "store": store},
+            )
+            await trio.sleep_forever()
+    except Exception as exc:
+        reason = mask_password(str(exc), secrets=secrets_of(settings.store))
+        logger.error("worker failed: %s: %s", type(exc).__name__, reason, exc_info=exc)
+        return EXIT_FAILED
+
+
+async def _serve_metrics(nursery: trio.Nursery, bind: str, read: _metrics.Reading) -> bool:
+    """Start serving metrics; False (and the reason logged) when `bind` cannot be served."""
+    try:
+        host, port = await nursery.start(_metrics.serve_metrics, bind, read)
+    except OSError as exc:
+        logger.error(
+            "cannot serve metrics on %s: %s", bind, exc, extra={"bind": bind, "error": str(exc)}
+        )
+        return False
     url = metrics_url(host, port)
     logger.info("worker metrics on %s", url, extra={"url": url})
+    return True
 
 
 def metrics_url(host: str, port: int) -> str:
