@@ -720,6 +720,41 @@ def test_a_session_page_links_to_its_earlier_messages(tmp_path: Path) -> None:
     assert all("data-events=" not in page for page in pages[1:])
 
 
+def test_a_session_pages_transcript_links_keep_its_pending_inputs_page(tmp_path: Path) -> None:
+    """On the second page of pending inputs, "earlier messages" and "newest messages" went
+    back to the first page of inputs. Each link now keeps the other table's page."""
+    store = tmp_path / "db"
+    seed_ids(store, "long")
+    seed_messages(store, "long", 450)
+
+    async def submit_all() -> None:
+        async with trio_sessions.open_runtime(str(store), None) as producer:
+            for index in range(PAGE_SIZE + 10):
+                await producer.submit("long", {"i": index})
+
+    trio.run(submit_all)
+
+    def inputs_shown(page: str) -> list[str]:
+        return re.findall(r'<tr data-input="[^"]+"><td>(\d+)</td>', page)
+
+    def follow(page: str, link_id: str) -> str:
+        link = re.search(rf'id="{link_id}" href="([^"]+)"', page)
+        assert link is not None, (link_id, page)
+        return client.get(link.group(1).replace("&amp;", "&")).text
+
+    with (
+        console(str(store), tmp_path) as (url, _),
+        httpx.Client(base_url=url, timeout=DEADLINE) as client,
+    ):
+        second_inputs = follow(client.get("/sessions/long").text, "inputs-next")
+        earlier = follow(second_inputs, "earlier")
+        newest = follow(earlier, "newest")
+    assert len(inputs_shown(second_inputs)) == 11  # seed_ids submitted one more
+    assert inputs_shown(earlier) == inputs_shown(second_inputs)
+    assert inputs_shown(newest) == inputs_shown(second_inputs)
+    assert re.findall(r'data-seq="(\d+)"', earlier)[0] == "60"
+
+
 def sse_events(lines: Iterator[str]) -> Iterator[tuple[str | None, Any]]:
     """(the `id:` of the event or None, its data as JSON) per SSE event; comments skipped."""
     event_id, data = None, None

@@ -364,7 +364,7 @@ contains"> <button>search</button></form>
 (scheduled {session["scheduled_inputs"]}) {self._actions(session, page=True)}</p>
 {self._inputs_table(inputs["inputs"], here)}
 {_inputs_more(session_id, session["pending_inputs"], inputs, before, inputs_after)}
-{_transcript_html(session_id, tail, newest=before is None)}
+{_transcript_html(session_id, tail, before=before, inputs_after=inputs_after)}
 <script>{SESSION_SCRIPT}</script>"""
         return html_page(
             f"Session {session_id}", body, store=self.store_name, read_only=self.guard.read_only
@@ -671,17 +671,22 @@ def _seq_parameter(query: Mapping[str, str], name: str) -> int | None:
     return int(text)
 
 
-def _transcript_html(session_id: str, tail: Tail, *, newest: bool) -> str:
-    """A page of the transcript, with a link to the earlier messages; the newest page
-    carries the event stream's URL with the cursor of what it shows (none when the newest
-    row names no position: the page is static then)."""
+def _transcript_html(
+    session_id: str, tail: Tail, *, before: int | None, inputs_after: int | None
+) -> str:
+    """A page of the transcript (the newest when `before` is None), with a link to the
+    earlier messages, each link keeping the pending inputs' page; the newest page carries
+    the event stream's URL with the cursor of what it shows (none when the newest row names
+    no position: the page is static then)."""
+    newest = before is None
     base = f"/sessions/{_q(session_id)}"
     links = ""
     if tail.earlier and tail.messages:
-        earlier = urllib.parse.urlencode({"before": tail.messages[0].seq})
-        links += f'<p><a id="earlier" href="{base}?{earlier}">earlier messages</a></p>'
+        earlier = _session_query(session_id, before=tail.messages[0].seq, inputs_after=inputs_after)
+        links += f'<p><a id="earlier" href="{_e(earlier)}">earlier messages</a></p>'
     if not newest:
-        links += f'<p><a id="newest" href="{base}">newest messages</a></p>'
+        latest = _session_query(session_id, before=None, inputs_after=inputs_after)
+        links += f'<p><a id="newest" href="{_e(latest)}">newest messages</a></p>'
     events = ""
     if newest and tail.position is not None:
         shown_from = tail.messages[0].seq if tail.messages else tail.position.top + 1
