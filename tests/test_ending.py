@@ -61,11 +61,15 @@ for owned in (False, True):
 TABLE.update(
     {
         (C.FAILED, None, False): EndingPlan(NONE, "failed", None, S.NEVER),
-        (C.FAILED, "user", False): EndingPlan(NONE, "failed", None, S.NEVER),
-        (C.FAILED, "shutdown", False): EndingPlan(NONE, "failed", None, S.NEVER),
         (C.FAILED, None, True): EndingPlan(FAIL, "failed", None, S.AFTER_FINISH),
-        (C.FAILED, "user", True): EndingPlan(FAIL, "failed", None, S.AFTER_FINISH),
-        (C.FAILED, "shutdown", True): EndingPlan(FAIL, "failed", None, S.AFTER_FINISH),
+        # A drain that fails once an interrupt was accepted (a cleanup that raised when it
+        # was cancelled) ends as the interrupt asked: a user's stop re-arms the doorbell
+        # for what it did not take, a shutdown hands the claim back (an audit found both
+        # finished as failed: the input stranded, the answer never resumed).
+        (C.FAILED, "user", False): EndingPlan(NONE, "interrupted", "user", S.IF_RUNG),
+        (C.FAILED, "shutdown", False): EndingPlan(NONE, "interrupted", "shutdown", S.NEVER),
+        (C.FAILED, "user", True): EndingPlan(FINI, "interrupted", "user", S.AFTER_FINISH),
+        (C.FAILED, "shutdown", True): EndingPlan(BACK, "interrupted", "shutdown", S.NEVER),
         (C.INTERRUPTED, None, False): EndingPlan(NONE, "interrupted", "user", S.IF_RUNG),
         (C.INTERRUPTED, "user", False): EndingPlan(NONE, "interrupted", "user", S.IF_RUNG),
         (C.INTERRUPTED, "shutdown", False): EndingPlan(NONE, "interrupted", "shutdown", S.NEVER),

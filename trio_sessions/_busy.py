@@ -41,7 +41,7 @@ from ._decisions import (
     decide_ending,
 )
 from ._drain import DrainContext, current_drain
-from ._errors import LeaseLost, MalformedRecord, OutcomeUnknown, StoreError
+from ._errors import LeaseLost, MalformedRecord, OutcomeUnknown, StaleContext, StoreError
 from ._lease import self_fence_deadline
 from ._model import Claim, Outcome
 
@@ -99,12 +99,20 @@ _SUCCEEDED = Outcome("succeeded")
 # a recovery pass tries again).
 _CAUSES = {
     "not_claimed": EndingCause.NOT_CLAIMED,
-    "claim_failed": EndingCause.FAILED,
+    # No drain ran: as for a claim another owner holds (the wake stays durable; a user's
+    # interrupt accepted meanwhile is passed on, to the claim if it landed after all).
+    "claim_failed": EndingCause.NOT_CLAIMED,
     "released": EndingCause.RELEASED,
     "failed": EndingCause.FAILED,
     "interrupted": EndingCause.INTERRUPTED,
 }
 _DEFERRED = Outcome("deferred")
+
+
+def _lost_lease_error(error: BaseException | None) -> bool:
+    """Whether a drain's error says its claim was lost: a fenced write refused. A stale
+    context's is the drain's own defect (its claim is still ours): it fails the drain."""
+    return isinstance(error, LeaseLost) and not isinstance(error, StaleContext)
 
 
 def _outcome(plan: EndingPlan, error: BaseException | None = None) -> Outcome:
@@ -176,11 +184,11 @@ class BusyPeriods:
             self.own(entry, attempt=acquired.attempt, resumed=False, sent_at=sent_at)
             entry.keep_going()
             if runtime._closing:
-                # Committed while the runtime closes (its nursery may be gone): keep the
-                # claim for recovery with an expired lease; never start a drain now.
+                # Committed while the runtime closes (its nursery may be gone): never start
+                # a drain now. The claim goes back for recovery - marked cancelling if a
+                # user's interrupt was accepted meanwhile (that reason stays).
                 entry.interrupt("shutdown")
-                await self._expire(entry)
-                self._release(entry, Outcome("interrupted", "shutdown"))
+                self._release(entry, await self._stop_owned(entry))
             else:
                 runtime._nursery.start_soon(self.busy_period, entry)
         # The schedule point the transaction left to its caller (`caller_yields_next`),
@@ -302,18 +310,12 @@ class BusyPeriods:
         except BaseException:
             # Cancelled from outside (the runtime's scope) or an internal error: this busy
             # period was stopped, whatever an earlier iteration's outcome was.
-            plan = decide_ending(EndingCause.STOPPED, reason=entry.reason, owned=entry.owned)
-            outcome = _outcome(plan)
-            # The drain has exited (a cancellation only leaves it once it did): with the
-            # claim still ours, hand it back so any owner can recover it at once. A claim
-            # whose user interrupt was accepted is marked cancelling instead, so recovery
-            # finishes it and never resumes it.
-            if not runtime._crashed:
-                if plan.write is EndingWrite.MARK_CANCELLING:
-                    with trio.move_on_after(HAND_BACK_TIMEOUT, shield=True):
-                        await self._mark_cancelling_nowait(entry)
-                elif plan.write is EndingWrite.HAND_BACK:
-                    await self._expire(entry)
+            # The drain has exited (a cancellation only leaves it once it did).
+            if runtime._crashed:
+                plan = decide_ending(EndingCause.STOPPED, reason=entry.reason, owned=False)
+                outcome = _outcome(plan)
+            else:
+                outcome = await self._stop_owned(entry)
             raise
         finally:
             self._release(entry, outcome)
@@ -324,6 +326,19 @@ class BusyPeriods:
             # joins a group commit instead of committing alone (a recovery pass's resumed
             # drains end together, and nobody waits for them).
             await trio.lowlevel.cancel_shielded_checkpoint()
+
+    async def _stop_owned(self, entry: SessionEntry) -> Outcome:
+        """A busy period stopped from outside (the runtime closing) once its drain exited:
+        with the claim still ours, hand it back so any owner can recover it at once - or,
+        when a user's interrupt was accepted, mark it cancelling, so recovery finishes it
+        and never resumes it. Shielded and bounded, as trio asks of cleanup."""
+        plan = decide_ending(EndingCause.STOPPED, reason=entry.reason, owned=entry.owned)
+        if plan.write is EndingWrite.MARK_CANCELLING:
+            with trio.move_on_after(HAND_BACK_TIMEOUT, shield=True):
+                await self._mark_cancelling_nowait(entry)
+        elif plan.write is EndingWrite.HAND_BACK:
+            await self._expire(entry)
+        return _outcome(plan)
 
     async def _one_claim(self, entry: SessionEntry) -> tuple[Outcome, bool]:
         """Acquire (or take over a recovered claim), drain, finalize. Returns the outcome
@@ -394,11 +409,23 @@ class BusyPeriods:
         # its commit was answered, or interrupted during the handoff.
         await trio.lowlevel.checkpoint_if_cancelled()
         if runtime._hook is not None:
+            await self._run_hook(entry)
+            await trio.lowlevel.checkpoint_if_cancelled()  # interrupted during the hook
+        return None
+
+    async def _run_hook(self, entry: SessionEntry) -> None:
+        """The test hook (`acquisition_hook`). Its error is the test's, as a test seam's is:
+        raised from a task of the runtime's own, it ends the runtime's block, and this claim
+        is handed back with no drain started (nothing it owes is lost: recovery resumes it)."""
+        runtime = self._runtime
+        assert runtime._hook is not None
+        try:
             await runtime._hook(
                 Claim(entry.session_id, entry.execution_id, runtime._owner_id, entry.resumed)
             )
-            await trio.lowlevel.checkpoint_if_cancelled()  # interrupted during the hook
-        return None
+        except Exception as exc:
+            runtime._nursery.start_soon(_raise, exc)
+            entry.interrupt("shutdown")
 
     def own(self, entry: SessionEntry, *, attempt: int, resumed: bool, sent_at: float) -> None:
         """The claim committed; its local deadline counts from before it was sent."""
@@ -520,7 +547,7 @@ class BusyPeriods:
         # The heartbeat or the token watch found it (and logged it), not its deadline.
         known_lost = entry.reason == "lease_lost" and not entry.fenced_by_deadline
         lease_lost = ending.kind in ("failed", "interrupted") and (
-            isinstance(ending.error, LeaseLost) or ending.uncertain or entry.self_fenced()
+            _lost_lease_error(ending.error) or ending.uncertain or entry.self_fenced()
         )
         cause = _CAUSES[ending.kind]
         plan = decide_ending(
@@ -536,20 +563,21 @@ class BusyPeriods:
             entry.disown()
             successor_due = plan.successor is Successor.IF_RUNG and entry.rung_since_decision()
             return Outcome("interrupted", "lease_lost", ending.error), successor_due
+        # A drain's error is in the outcome and the log, also when an interrupt ended it.
+        error = ending.error if ending.kind == "failed" else None
         if ending.kind == "claim_failed":
             _observe.claim_attempt_failed(entry, runtime._owner_id, ending.error)
-        elif plan.outcome == "failed":
-            _observe.drain_failed(entry, runtime._owner_id, ending.error)
+        elif error is not None:
+            _observe.drain_failed(entry, runtime._owner_id, error)
         match plan.write:
             case EndingWrite.FINISH_FAILED:
-                return await self._finish_failed(entry, ending.error)
+                return await self._finish_failed(entry, error)
             case EndingWrite.FINISH_INTERRUPTED:
-                return await self._finish_interrupted(entry)
+                return await self._finish_interrupted(entry, error)
             case EndingWrite.HAND_BACK:
                 await self._expire(entry)
             case EndingWrite.PASS_ON_INTERRUPT:
                 await self._pass_on_interrupt(entry)
-        error = ending.error if plan.outcome == "failed" else None
         # A run joined after this acquisition was sent (`needs_wake`): its wake was never
         # recorded, and a holder's drain may have started before it; the successor's
         # acquisition records it, and that run's outcome is the successor's.
@@ -611,19 +639,14 @@ class BusyPeriods:
         entry.disown()
         return outcome, doorbell or entry.rung_since_decision()
 
-    async def _finish_interrupted(self, entry: SessionEntry) -> tuple[Outcome, bool]:
-        outcome = Outcome("interrupted", "user")
+    async def _finish_interrupted(
+        self, entry: SessionEntry, error: BaseException | None
+    ) -> tuple[Outcome, bool]:
+        outcome = Outcome("interrupted", "user", error)
         if not entry.owned:
             return outcome, entry.rung_since_decision()
         try:
-            await self._retrying(
-                entry,
-                _store.mark_cancelling,
-                entry.session_id,
-                entry.execution_id,
-                self._runtime._owner_id,
-                entry.wake_taken,  # a wake taken to go on, no drain call answered: rung
-            )
+            await self._retrying_mark_cancelling(entry)
             entry.begin_deciding()
             doorbell = await self._retrying(
                 entry,
@@ -638,6 +661,22 @@ class BusyPeriods:
             return outcome, False
         entry.disown()
         return outcome, doorbell or entry.rung_since_decision()
+
+    async def _retrying_mark_cancelling(self, entry: SessionEntry) -> None:
+        """An interrupt's first, durable step. A close gives up `_retrying` at the first
+        store error; the mark is then tried once more without waiting for locks (shielded,
+        bounded), as a stopped busy period's is: without it the claim would stay
+        'running', and recovery would resume work the user stopped."""
+        mark = (entry.session_id, entry.execution_id, self._runtime._owner_id)
+        try:
+            # A wake taken to go on that no drain call answered yet is rung again with it.
+            await self._retrying(entry, _store.mark_cancelling, *mark, entry.wake_taken)
+        except StoreError:
+            if not self._runtime._closing:
+                raise
+            with trio.move_on_after(HAND_BACK_TIMEOUT, shield=True):
+                await self._mark_cancelling_nowait(entry)
+            raise
 
     async def _retrying(self, entry: SessionEntry, op: Callable[..., T], *args: Any) -> T:
         """A finalizer write, retried through store errors while the claim is still ours.
@@ -709,8 +748,9 @@ class BusyPeriods:
             batch.done.set()
 
     async def hand_back_lost_claims(self) -> None:
-        """Expire the claims kept while our liveness token was lost, each once its drain
-        exited, retrying until the store answers."""
+        """Expire the claims kept while our liveness token was lost - marked cancelling
+        instead when a user's interrupt of it was accepted - each once its drain exited,
+        retrying until the store answers."""
         runtime = self._runtime
         pause = 0.01
         while runtime._lost_claims:
@@ -719,8 +759,13 @@ class BusyPeriods:
                 # A claim is never handed back while its drain runs (§6.21); a lost lease
                 # ends the busy period, with no successor.
                 await entry.released().wait()
+            stopped = sorted(key for key, entry in lost.items() if entry.stopped_by_user)
+            handed = sorted(key for key, entry in lost.items() if not entry.stopped_by_user)
             try:
-                await runtime._db.run(_store.expire_claims, runtime._owner_id, sorted(lost))
+                if stopped:
+                    await runtime._db.run(_store.cancel_own_claims, runtime._owner_id, stopped)
+                if handed:
+                    await runtime._db.run(_store.expire_claims, runtime._owner_id, handed)
             except StoreError:
                 await trio.sleep(pause)  # until the store answers
                 pause = min(pause * 2, 1.0)

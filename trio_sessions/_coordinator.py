@@ -137,6 +137,10 @@ class SessionEntry:
     resumed: bool = False
     attempt: int = 0
     reason: InterruptReason | None = None
+    # A user's interrupt was accepted for this claim: it stays one even when a lost lease
+    # or token takes over `reason`, so a claim handed back then is marked cancelling
+    # (recovery finishes it) and never resumed.
+    stopped_by_user: bool = False
     # The store holds no claim of ours for it any more (`lose_claim`).
     claim_gone: bool = False
     # Its claim left it durably (`disown`) and its busy period goes on, or ends, from here.
@@ -212,6 +216,7 @@ class SessionEntry:
         if self.reason is not None:
             return False
         self.reason = reason
+        self.stopped_by_user = reason == "user"
         self.scope.cancel()
         return True
 
@@ -288,6 +293,7 @@ class SessionEntry:
         self.owned = False
         self.resumed = False
         self.reason = None
+        self.stopped_by_user = False
         self.claim_gone = False
         self.disowned = False
         self.deciding = False

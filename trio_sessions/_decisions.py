@@ -351,10 +351,12 @@ def _ending_plan(
     if lease_lost or reason == "lease_lost":
         # No durable write, and no successor: recovery owns the claim now.
         return EndingPlan(EndingWrite.NOTHING, "interrupted", "lease_lost", Successor.NEVER)
-    if cause is EndingCause.FAILED:
+    if cause is EndingCause.FAILED and reason is None:
         if not owned:
             return EndingPlan(EndingWrite.NOTHING, "failed", None, Successor.NEVER)
         return EndingPlan(EndingWrite.FINISH_FAILED, "failed", None, Successor.AFTER_FINISH)
+    # Interrupted: also a drain that failed on its way out (a cleanup that raised when it
+    # was cancelled) - what the interrupt asked for stands.
     if reason == "shutdown":
         write = EndingWrite.HAND_BACK if owned else EndingWrite.NOTHING
         return EndingPlan(write, "interrupted", "shutdown", Successor.NEVER)

@@ -15,7 +15,13 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 from . import _codec, _store, _transcript, _validate
-from ._errors import DuplicateSettlement, LeaseLost, OutcomeUnknown, UnknownToolCall
+from ._errors import (
+    DuplicateSettlement,
+    LeaseLost,
+    OutcomeUnknown,
+    StaleContext,
+    UnknownToolCall,
+)
 from ._model import AssistantData, Input, Message
 from ._stream import Offer
 
@@ -90,7 +96,7 @@ class DrainContext:
     def _check_live(self) -> None:
         self._runtime._check_run()
         if self._returned:
-            raise LeaseLost(
+            raise StaleContext(
                 f"this DrainContext of execution {self.execution_id!r} is stale: its drain"
                 " already returned"
             )

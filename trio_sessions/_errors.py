@@ -40,6 +40,12 @@ class LeaseLost(TrioSessionsError):
     """A fenced write found its claim gone, taken over or expired; nothing was written."""
 
 
+class StaleContext(LeaseLost):
+    """A `DrainContext` (or its writer) used after its drain returned: a `LeaseLost` to the
+    drain, as DESIGN §5 words it, but the drain's own defect - its claim is not lost, and a
+    drain that fails with it ends `failed`. Private: not in the public surface."""
+
+
 class InputConflict(TrioSessionsError):
     """An input id that is already stored belongs to a different session, or was stored with
     a different payload."""

@@ -116,7 +116,9 @@ async def open_runtime(
             " renewed by then is stopped"
         )
     shutdown_grace = (
-        lease / 3 if shutdown_grace is None else _validate.seconds(shutdown_grace, "shutdown_grace")
+        lease / 3
+        if shutdown_grace is None
+        else _validate.duration(shutdown_grace, "shutdown_grace")
     )
     recovery_interval = _validate.seconds(recovery_interval, "recovery_interval")
     recovery_batch = _validate.count(recovery_batch, "recovery_batch", 1)
@@ -145,19 +147,50 @@ async def open_runtime(
         shutdown_grace=shutdown_grace,
         takeover_grace=takeover_grace,
     )
+    raised: BaseException | None = None  # the block's own exception
+    escaping: BaseException | None = None
     try:
         async with _open_runtime(backend, drain, config) as runtime:
-            yield runtime
+            try:
+                yield runtime
+            except BaseException as exc:
+                raised = exc
+                raise
     except BaseExceptionGroup as group:
-        # A group here wraps one exception - the block's own, or the one a background
-        # task ended the runtime with - once per nursery it crossed: exactly one escapes,
-        # as from any context manager.
-        single: BaseException = group
-        while isinstance(single, BaseExceptionGroup) and len(single.exceptions) == 1:
-            single = single.exceptions[0]
-        if single is group:
+        escaping = _the_one_exception(group, raised)
+        if escaping is group:
             raise
-        raise single from None
+    if escaping is not None:
+        # Raised here, outside the handler: its own cause and context stay as they were.
+        raise escaping
+
+
+def _the_one_exception(
+    group: BaseExceptionGroup[Any], raised: BaseException | None
+) -> BaseException:
+    """The exception a runtime's block lets escape. A group here wraps one exception - the
+    block's own, or the one a background task ended the runtime with - once per nursery it
+    crossed: exactly one escapes, as from any context manager. A group the block raised
+    itself escapes as that very group (trio's cancel scopes pass on a copy of it: `derive`,
+    the same message and members)."""
+    single: BaseException = group
+    while not _is_or_copies(single, raised):
+        if not (isinstance(single, BaseExceptionGroup) and len(single.exceptions) == 1):
+            return single
+        single = single.exceptions[0]
+    assert raised is not None
+    return raised
+
+
+def _is_or_copies(exc: BaseException, raised: BaseException | None) -> bool:
+    if exc is raised:
+        return True
+    return (
+        isinstance(exc, BaseExceptionGroup)
+        and isinstance(raised, BaseExceptionGroup)
+        and exc.message == raised.message
+        and exc.exceptions == raised.exceptions
+    )
 
 
 async def serve_runtime(

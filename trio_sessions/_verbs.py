@@ -309,6 +309,11 @@ class Runtime:
         running or it is already stopping. Wakes recorded before or during the interrupt
         survive into exactly one successor.
 
+        `reason="shutdown"` stops a drain as this runtime's close does: its claim is handed
+        back and recovery resumes the work. Only a claim of this runtime's own can be handed
+        back (another process's drain runs until its own shutdown): for a claim held
+        elsewhere it writes nothing and returns `False`.
+
         Raises `ValueError` for a reason other than `user`/`shutdown`, `TypeError`/
         `ValueError` for a bad session id, `StoreError` (the remote case only).
         Cancellation: an interrupt accepted locally stays accepted (the call returns);
@@ -324,6 +329,11 @@ class Runtime:
             # Accepted is accepted: a cancellation arriving now must not hide that.
             await trio.lowlevel.cancel_shielded_checkpoint()
             return accepted
+        if reason == "shutdown":
+            # The remote signal can only ask for a user's stop, which would end the work
+            # for good: the opposite of a hand-back.
+            await trio.lowlevel.checkpoint()
+            return False
         return await self._db.run(_store.request_cancel, session_id)
 
     async def wait_idle(self, session_id: str) -> None:

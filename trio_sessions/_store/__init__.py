@@ -79,6 +79,7 @@ from .changes import (
 )
 from .claims import (
     cancel_held_claim,
+    cancel_own_claims,
     end_iteration,
     expire_claims,
     finish_failed,
@@ -173,6 +174,7 @@ __all__ = [
     "begin_assistant",
     "cancel_held_claim",
     "cancel_input",
+    "cancel_own_claims",
     "candidates_and_free_tokens",
     "changes",
     "delete_session",

@@ -340,6 +340,24 @@ def expire_claims(tx: Tx, owner_id: str, execution_ids: Sequence[str]) -> int:
     return expired
 
 
+def cancel_own_claims(tx: Tx, owner_id: str, execution_ids: Sequence[str]) -> int:
+    """Hand back claims whose user interrupt was accepted while their cleanup could not
+    run (our liveness token was lost): `phase='cancelling'` and the lease ended now, fenced
+    on owner and execution, live or expired. Recovery then finishes them as cancelled and
+    never resumes work a user stopped (§6.6)."""
+    execution_ids = sorted(execution_ids)
+    tx.lock_claims(execution_ids)
+    marked = 0
+    for execution_id in execution_ids:
+        marked += tx.execute(
+            "UPDATE session_execution SET phase = 'cancelling',"
+            " expires_at = CASE WHEN expires_at > ? THEN ? ELSE expires_at END"
+            " WHERE id = ? AND owner_id = ?",
+            (tx.now, tx.now, execution_id, owner_id),
+        ).rowcount
+    return marked
+
+
 # ---------------------------------------------------------------------------------------------
 # PostgreSQL: this family's server-side functions (created by `_schema`'s migrations; see
 # `_store.pg_functions` for their conventions)
