@@ -340,6 +340,10 @@ def test_a_loopback_console_refuses_hostile_requests_without_acting(tmp_path: Pa
     store = tmp_path / "db"
     raw = Raw(store)
     seed(store, 1)
+    backs = ("/\\evil.example/", "/\t/evil.example/", "/sessions/x\nX: y", "/\x00")
+    # One pending input per hostile return page: each cancel acts, then redirects.
+    cancellable = [f"in-{index}" for index in range(len(backs))]
+    seed_inputs(store, "s000", *cancellable)
     seed_quarantine(store, "s000", "dead")
     with (
         console(str(store), tmp_path) as (url, _),
@@ -357,9 +361,10 @@ def test_a_loopback_console_refuses_hostile_requests_without_acting(tmp_path: Pa
         hostile = client.post("/sessions/%ff/pause", data={"csrf": csrf})
         assert hostile.status_code == 400
         assert raw.one("SELECT COUNT(*) FROM session") == (1,)
-        for back in ("/\\evil.example/", "/\t/evil.example/", "/sessions/x\nX: y", "/\x00"):
-            answer = client.post("/inputs/none/cancel", data={"csrf": csrf, "back": back})
+        for input_id, back in zip(cancellable, backs, strict=True):
+            answer = client.post(f"/inputs/{input_id}/cancel", data={"csrf": csrf, "back": back})
             assert (answer.status_code, answer.headers["location"]) == (303, "/"), back
+        assert raw.one("SELECT COUNT(*) FROM session_input WHERE id LIKE 'in-%'") == (0,)
         session = client.get("/sessions/s000")
         assert session.status_code == 200
         assert "malformed" in session.text and "/sessions/s000/delete" in session.text
@@ -423,6 +428,17 @@ def seed_ids(path: Location, *session_ids: str) -> None:
         async with trio_sessions.open_runtime(store_of(path), None) as producer:
             for session_id in session_ids:
                 await producer.submit(session_id, {"text": "hello"})
+
+    trio.run(submit_all)
+
+
+def seed_inputs(path: Location, session_id: str, *input_ids: str) -> None:
+    """A pending input of `session_id` for each of `input_ids`."""
+
+    async def submit_all() -> None:
+        async with trio_sessions.open_runtime(store_of(path), None) as producer:
+            for input_id in input_ids:
+                await producer.submit(session_id, {"text": "hello"}, input_id=input_id)
 
     trio.run(submit_all)
 
@@ -1394,3 +1410,56 @@ def test_a_pause_time_another_tool_wrote_as_a_real_still_reads_as_paused(
     assert "paused, " in page
     assert 'action="/sessions/held/resume"' in page
     assert 'action="/sessions/held/pause"' not in page
+
+
+@BOTH
+def test_the_consoles_cancel_of_an_input_a_drain_already_took_says_nothing_was_cancelled(
+    db_path: Location, tmp_path: Path
+) -> None:
+    """An operator presses "cancel" on a pending input a moment after a drain took it (the
+    page is from before): `cancel_input` withdraws nothing, yet the console answered 303
+    back to the page as if it had cancelled it, where the CLI's `inputs cancel` says "not
+    pending" and the console's interrupt answers 409. Found by an audit. It is a 409 that
+    says so; the drain's user message stays."""
+
+    async def take_one() -> None:
+        async def takes(ctx: trio_sessions.DrainContext) -> None:
+            await ctx.take_inputs()
+
+        async with trio_sessions.open_runtime(store_of(db_path), takes) as runtime:
+            await runtime.submit("s", {"text": "hello"}, input_id="in-1")
+            await runtime.wait_idle("s")
+
+    trio.run(take_one)
+    with (
+        console_on(db_path, tmp_path) as (url, _),
+        httpx.Client(base_url=url, timeout=DEADLINE) as client,
+    ):
+        page = client.get("/sessions/s")
+        assert page.status_code == 200
+        answer = client.post("/inputs/in-1/cancel", data={"csrf": csrf_of(page.text)})
+    assert answer.status_code == 409, (answer.status_code, answer.headers.get("location"))
+    assert "nothing was cancelled" in answer.text and "in-1" in answer.text
+    assert Raw(db_path).one("SELECT COUNT(*) FROM session_message WHERE input_id = 'in-1'") == (1,)
+
+
+@BOTH
+def test_a_delete_of_an_unknown_session_says_there_is_none(
+    db_path: Location, tmp_path: Path
+) -> None:
+    """The console's delete of a session that is not there (deleted meanwhile from another
+    page, or by the CLI) redirected to the list as if it had deleted it, where the CLI's
+    `delete` exits 1 "no session". It is a 404 that says so, creating nothing; a delete of
+    one that exists still erases it and goes back to the list."""
+    seed_ids(db_path, "here")
+    with (
+        console_on(db_path, tmp_path) as (url, _),
+        httpx.Client(base_url=url, timeout=DEADLINE) as client,
+    ):
+        csrf = csrf_of(client.get("/sessions/here").text)
+        missing = client.post("/sessions/gone/delete", data={"csrf": csrf})
+        deleted = client.post("/sessions/here/delete", data={"csrf": csrf})
+    assert missing.status_code == 404, (missing.status_code, missing.headers.get("location"))
+    assert "nothing was deleted" in missing.text and "gone" in missing.text
+    assert (deleted.status_code, deleted.headers["location"]) == (303, "/")
+    assert Raw(db_path).rows("SELECT id FROM session") == []

@@ -476,10 +476,19 @@ contains"> <button>search</button></form>
                 await self.runtime.resume(session_id)
                 return f"/sessions/{_q(session_id)}"
             case ["sessions", session_id, "delete"]:
-                await self.runtime.delete_session(session_id)
+                # False: no such session (deleted meanwhile, from another page or the CLI).
+                if not await self.runtime.delete_session(session_id):
+                    raise HTTPError(404, f"nothing was deleted: no session {session_id!r}")
                 return "/"
             case ["inputs", input_id, "cancel"]:
-                await self.runtime.cancel_input(input_id)
+                # False: a drain took it since the page was read (it is being answered), or
+                # it is unknown. Said, as the interrupt says it, not a redirect back.
+                if not await self.runtime.cancel_input(input_id):
+                    raise HTTPError(
+                        409,
+                        f"nothing was cancelled: input {input_id!r} is not pending (a drain"
+                        " already took it, or it is unknown)",
+                    )
                 # Only a page of this console, never another site (an open redirect).
                 return _own_page(form.get("back", "/"))
             case ["quarantine", execution_id, ("resume" | "drop") as what]:
