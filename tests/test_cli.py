@@ -828,6 +828,57 @@ def test_schema_needs_a_url(seeded: Path, capsys: pytest.CaptureFixture[str]) ->
     assert "--schema needs a postgresql:// URL" in capsys.readouterr().err
 
 
+def test_the_health_probe_the_readme_deploys_reads_the_schema_the_processes_use(
+    pg_url: str,
+    migrated_schema: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """README "Several hosts" exports `TRIO_SESSIONS_SCHEMA` ("both kinds of process read
+    it") and deploys `health "$TRIO_SESSIONS_STORE"` as the readiness probe, but the CLI
+    never read the variable: the probe looked at `public`, found no store and failed for
+    ever while the worker and the web process ran fine on the schema. Found by an audit.
+    Every command that takes a store reads it, as the worker does; `--schema` wins over it.
+    (Asserted through a schema with no store too: `public` may hold one on a shared server.)"""
+    monkeypatch.setenv("TRIO_SESSIONS_SCHEMA", migrated_schema)
+    code, _, err = cli(capsys, "health", pg_url)
+    assert code == 0, err
+    monkeypatch.setenv("TRIO_SESSIONS_SCHEMA", "no_store_here")
+    code, _, err = cli(capsys, "health", pg_url)
+    assert code == 1 and "'no_store_here'" in err, err
+    code, _, err = cli(capsys, "status", pg_url)
+    assert code == 1 and "schema 'no_store_here' is not a trio_sessions store" in err, err
+    code, _, err = cli(capsys, "health", pg_url, "--schema", migrated_schema)
+    assert code == 0, err
+
+
+def test_a_schema_from_the_environment_is_checked_as_the_flag_is(
+    seeded: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`TRIO_SESSIONS_SCHEMA` with an SQLite path, or naming no valid schema, is a usage
+    error (exit 2) naming the variable, as the worker refuses it."""
+    monkeypatch.setenv("TRIO_SESSIONS_SCHEMA", "chat")
+    with pytest.raises(SystemExit) as exited:
+        _cli.main(["status", str(seeded)])
+    assert exited.value.code == 2
+    assert "TRIO_SESSIONS_SCHEMA needs a postgresql:// URL" in capsys.readouterr().err
+    monkeypatch.setenv("TRIO_SESSIONS_SCHEMA", "pg_catalog")
+    with pytest.raises(SystemExit) as exited:
+        _cli.main(["health", "postgresql://postgres@127.0.0.1:1/postgres"])
+    assert exited.value.code == 2
+    assert "TRIO_SESSIONS_SCHEMA: schema 'pg_catalog' is reserved" in capsys.readouterr().err
+
+
+def test_an_unhealthy_postgres_schema_is_named_in_the_reason(pg_url: str) -> None:
+    """`health URL --schema S` on a schema with no store said "schema version 0 is not the
+    current N; opening it with a runtime of this library migrates it": which schema it
+    looked at was nowhere in the line (the listings' refusal names it). Found by an audit.
+    The reason names the schema."""
+    health = _cli.check_health(pg_url, "no_store_here")
+    assert not health["ok"]
+    assert "no_store_here" in health["reason"], health["reason"]
+
+
 # ---------------------------------------------------------------------------------------------
 # Conversation control verbs (DESIGN §5.1), on both backends
 

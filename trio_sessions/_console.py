@@ -54,7 +54,7 @@ from ._store.operator import PageKey
 from ._store.stream import Held, Position, Shown, Tail, Whole, message_tag
 from ._stream import decode_cursor, encode_cursor, session_tag
 from ._validate import MAX_INT64, validate_session_id
-from ._worker import LOG_LEVELS
+from ._worker import ENV_SCHEMA, LOG_LEVELS
 
 logger = logging.getLogger("trio_sessions.console")
 
@@ -926,7 +926,11 @@ def add_parser(commands: Any) -> None:
         f" address a token is required (--token or {ENV_TOKEN}).",
     )
     parser.add_argument("--store", required=True, metavar="PATH_OR_URL")
-    parser.add_argument("--schema", metavar="S", help="PostgreSQL schema (URL only)")
+    parser.add_argument(
+        "--schema",
+        metavar="S",
+        help=f"PostgreSQL schema of the store (env {ENV_SCHEMA}; default public; URL only)",
+    )
     parser.add_argument("--bind", default="127.0.0.1:8080", metavar="HOST:PORT")
     parser.add_argument("--token", default=None, help=f"access token (env {ENV_TOKEN})")
     parser.add_argument("--read-only", action="store_true", help="hide and refuse every action")
@@ -940,16 +944,17 @@ def run(
 ) -> int:
     """The `console` command: returns the exit status (2 for a setting to change; else
     `check_store`'s when it refuses the store: the console never creates or migrates one)."""
-    from ._worker import store_of_url
+    from ._worker import schema_setting, store_of_url
 
     token = args.token if args.token is not None else environ.get(ENV_TOKEN) or None
+    schema = schema_setting(args.schema, environ)
     try:
         check_settings(args.bind, token)
-        store = store_of_url(args.store, args.schema)
+        store = store_of_url(args.store, schema)
     except (UsageError, ValueError) as exc:
         print(f"error: {exc}", flush=True, file=sys.stderr)
         return 2
-    if refused := check_store(args.store, args.schema):
+    if refused := check_store(args.store, schema):
         return refused
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -152,7 +152,7 @@ def settings_from(args: argparse.Namespace, environ: Mapping[str, str]) -> Worke
             check_file_store(store)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    schema = pick(args.schema, ENV_SCHEMA)
+    schema = schema_setting(args.schema, environ)
     if schema is not None and kind != "postgres":
         raise UsageError("a schema needs a postgresql:// URL as the store")
     if schema is not None:
@@ -274,6 +274,15 @@ def runtime_options(settings: WorkerSettings) -> dict[str, Any]:
     if settings.recovery_interval is not None:
         options["recovery_interval"] = settings.recovery_interval
     return options
+
+
+def schema_setting(flag: str | None, environ: Mapping[str, str]) -> str | None:
+    """The PostgreSQL schema a command that opens a store uses: `--schema` when given,
+    else `TRIO_SESSIONS_SCHEMA` (unset or empty: None, the default `public`). One rule for
+    the worker, the console and the CLI, so a probe looks where the processes work."""
+    if flag is not None:
+        return flag
+    return environ.get(ENV_SCHEMA) or None
 
 
 def store_of(settings: WorkerSettings) -> Any:
