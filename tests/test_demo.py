@@ -71,6 +71,39 @@ def test_demo_refuses_an_existing_database(tmp_path: Path) -> None:
     assert db.read_bytes() == b"keep me"
 
 
+@pytest.mark.parametrize(
+    "db",
+    [
+        "postgresql://app:sekrit@127.0.0.1:1/postgres",
+        "postgres://app@127.0.0.1:1/postgres?password=sekrit",
+        "mysql://app:sekrit@127.0.0.1/app",
+        "host=127.0.0.1 password=sekrit",
+    ],
+    ids=["postgresql-url", "postgres-url-query", "other-scheme", "libpq-dsn"],
+)
+def test_the_demo_refuses_a_postgres_url_as_its_database_and_never_prints_its_password(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    db: str,
+) -> None:
+    """DESIGN §6.27 (a connection string is never taken for a file name) and §8 (a password
+    never appears in an error or CLI output). `--db` was parsed as a `Path`, which folds
+    `postgresql://` into `postgresql:/`, so store naming no longer saw a URL: the demo
+    printed `database postgresql:/app:sekrit@...`, then a traceback quoting it, or - where
+    a directory of that name existed - ran on an SQLite file named after the URL. Found by
+    an audit. Any connection string is a usage error (exit 2, argparse's form) before
+    anything runs, its password masked, nothing created."""
+    monkeypatch.chdir(tmp_path)
+    outcome = demo.main(["--db", db])
+    printed = capsys.readouterr()
+    assert outcome == 2, printed.out + printed.err
+    assert "sekrit" not in printed.out + printed.err, printed.out + printed.err
+    assert printed.out == ""
+    assert "error: argument --db: " in printed.err and "usage: " in printed.err
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="POSIX signals")
 @pytest.mark.parametrize("group", [False, True], ids=["demo", "terminal"])

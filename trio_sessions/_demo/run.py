@@ -4,7 +4,10 @@ Responsibility: `main` (behind `python -m trio_sessions.demo`) parses the comman
 refuses an existing database, runs the scenes against one runtime and then the summary, and
 turns the outcome into the exit status; `run_worker` is the body of scene 4's worker
 process (`--worker`). Invariants: the exit status is 0 only if every check passed, 1 if one
-failed, 2 for a refused database, 130 after Ctrl-C; Ctrl-C cancels the scenes only, so the
+failed, 2 for a refused database, 130 after Ctrl-C; `--db` is read as the text it is, and
+anything but the path of a new SQLite file - any connection string, a PostgreSQL URL
+included - is refused before anything runs, shown with its password masked (a `Path` would
+fold `postgresql://` into a file name); Ctrl-C cancels the scenes only, so the
 runtime still closes the ordinary way (its leases expired, the worker process killed); a
 scene that hangs is cut off after `SCENE_TIMEOUT` and fails the summary instead.
 """
@@ -24,6 +27,10 @@ import trio
 
 # Only public names: the demo is also a worked example of the API.
 from .. import open_runtime
+
+# The command line's, not the API's: the library's one rule for what a store name means and
+# how it is shown.
+from .._naming import IN_MEMORY_NAMES, check_sqlite_path, display_name, store_kind
 from .agent import ScriptedAgent, ask, tool
 from .checks import print_summary, verify
 from .output import Clock, relay_log
@@ -106,36 +113,68 @@ async def run_worker(db: Path, session_id: str, lease: float) -> None:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m trio_sessions.demo",
         description="Watch trio_sessions drive a scripted agent through turns, interrupts, "
         "a killed worker process and a quarantined record. Network-free; ~10 s.",
     )
     parser.add_argument(
-        "--db", type=Path, help="keep the database at this new path (default: a temporary file)"
+        "--db",
+        metavar="PATH",
+        help="keep the SQLite database at this new path (default: a temporary file)",
     )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--session", default="chat-4", help=argparse.SUPPRESS)
     parser.add_argument("--lease", type=float, default=LEASE, help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.worker:
         return _worker_main(args)
-    if args.db is not None and args.db.exists():
-        print(f"error: {args.db} exists; the demo needs a fresh database path", file=sys.stderr)
-        return 2
+    kept = None
+    if args.db is not None:
+        try:
+            kept = fresh_database(args.db)
+        except ValueError as exc:
+            # As argparse words a bad argument, but returned: `main` gives every exit status.
+            parser.print_usage(sys.stderr)
+            print(f"{parser.prog}: error: argument --db: {exc}", file=sys.stderr)
+            return 2
     with tempfile.TemporaryDirectory(prefix="trio-sessions-demo-") as tmp:
-        db = args.db if args.db is not None else Path(tmp) / "demo.db"
+        db = kept if kept is not None else Path(tmp) / "demo.db"
         outcome = _run_guarded(db)
     if outcome is None:
         print("\nStopped by Ctrl-C; the runtime shut down cleanly.", file=sys.stderr)
         return EXIT_INTERRUPTED
-    if args.db is not None:
+    if kept is not None:
         print(f"The database is kept at {db}. Try: python -m trio_sessions status {db}")
     return 0 if outcome else 1
+
+
+def fresh_database(text: str) -> Path:
+    """`--db` as the demo uses it: the path of an SQLite file that does not exist yet.
+    `ValueError`, its message showing no password, for any connection string (scene 4's
+    worker process and the summary's reads open an SQLite file: a PostgreSQL URL is refused
+    too), an in-memory name, a name no file can have, or a path that exists."""
+    if store_kind(text) == "postgres":  # a ValueError for a connection string of another form
+        raise ValueError(
+            f"{display_name(text)!r} is a PostgreSQL URL; the demo runs on a new SQLite file:"
+            " pass its path, or no --db for a temporary one"
+        )
+    check_sqlite_path(text)  # a NUL, or bytes that are not UTF-8
+    if text in IN_MEMORY_NAMES:
+        raise ValueError(f"{text!r} names no file; scene 4's worker process opens the same one")
+    path = Path(text)
+    if path.exists():
+        raise ValueError(f"{text} exists; the demo needs a fresh database path")
+    return path
 
 
 def _run_guarded(db: Path) -> bool | None:
@@ -151,7 +190,7 @@ def _run_guarded(db: Path) -> bool | None:
 
 def _worker_main(args: argparse.Namespace) -> int:
     try:
-        trio.run(run_worker, args.db, args.session, args.lease)
+        trio.run(run_worker, Path(args.db), args.session, args.lease)
     except* KeyboardInterrupt:
         pass  # the parent stops too; nothing to report
     return 0
