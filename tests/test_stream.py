@@ -555,6 +555,52 @@ def test_over_random_histories_every_stream_reproduces_the_transcript(
 # Rewrites, other processes, bytes
 
 
+async def test_a_stream_of_a_purged_session_learns_it_at_once(
+    store: Any, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """`purge` deletes sessions as `delete_session` does, but told no stream of this
+    runtime, so a stream open here on a purged conversation showed its messages until the
+    change loop's fallback poll (2 s on the threaded stores), and on the inline SQLite store
+    never. Found by an audit. It now sends "truncate" at once, as after `delete_session`
+    (the control half)."""
+
+    async def drain(ctx: DrainContext) -> None:
+        if await ctx.take_inputs():
+            reply = await ctx.begin_assistant()
+            await reply.append_text("re")
+            await reply.finish()
+
+    async def last_kind_after(rt: Any, session_id: str, erase: Any) -> str:
+        kinds: list[str] = []
+        async with rt.stream(session_id) as events:
+
+            async def follow() -> None:
+                async for event in events:
+                    kinds.append(event.kind)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(follow)
+                await trio.testing.wait_all_tasks_blocked()
+                assert kinds == ["message", "message"]
+                await erase()
+                with trio.move_on_after(0.5):  # well before the fallback poll (2 s)
+                    while kinds[-1] != "truncate":
+                        await trio.sleep(0.01)
+                nursery.cancel_scope.cancel()
+        return kinds[-1]
+
+    async with runtime(store, drain, clock) as rt:
+        for session_id in ("deleted", "purged"):
+            await rt.submit(session_id, {"n": 1})
+            await rt.wait_idle(session_id)
+        await trio.sleep(100)
+        deleted = await last_kind_after(rt, "deleted", lambda: rt.delete_session("deleted"))
+        purged = await last_kind_after(rt, "purged", lambda: rt.purge(idle_for=50))
+        assert await rt.transcript("purged") == []
+    assert deleted == "truncate"
+    assert purged == "truncate"
+
+
 async def test_a_truncated_or_deleted_transcript_reaches_live_and_resumed_streams(
     store: Any, clock: Clock, autojump_clock: MockClock
 ) -> None:

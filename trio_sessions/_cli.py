@@ -301,7 +301,7 @@ def purge(database: Engine, idle_for: float) -> dict[str, Any]:
     after: str | None = ""
     while after is not None:
         deleted, after = database.run(_store.purge_batch, idle_ms, after, PURGE_BATCH)
-        purged += deleted
+        purged += len(deleted)
     return {"action": "purge", "idle_for_s": idle_for, "purged": purged}
 
 

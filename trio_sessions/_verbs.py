@@ -544,7 +544,9 @@ class Runtime:
         after: str | None = ""
         while after is not None:
             deleted, after = await self._db.run(_store.purge_batch, idle_ms, after, PURGE_BATCH)
-            purged += deleted
+            for session_id in deleted:  # as after delete_session: "truncate" at once
+                self._streams.touch(session_id)
+            purged += len(deleted)
         return purged
 
     async def fork(

@@ -400,9 +400,9 @@ _IDLE = (
 )
 
 
-def purge_batch(tx: Tx, idle_ms: int, after: str, limit: int) -> tuple[int, str | None]:
+def purge_batch(tx: Tx, idle_ms: int, after: str, limit: int) -> tuple[list[str], str | None]:
     """Delete the idle sessions among the next `limit` sessions in id order after `after`;
-    returns (how many were deleted, where the next batch starts or None when done).
+    returns (the sessions deleted, where the next batch starts or None when done).
 
     Bounded: one batch examines at most `limit` sessions, so its transaction is short and
     no drain waits long behind it. Each candidate is checked again under its session lock
@@ -416,7 +416,7 @@ def purge_batch(tx: Tx, idle_ms: int, after: str, limit: int) -> tuple[int, str 
         ).fetchall()
     ]
     if not window:
-        return 0, None
+        return [], None
     cutoff = tx.now - idle_ms
     idle = _idle_sessions(tx, window, cutoff)
     if idle:
@@ -426,7 +426,7 @@ def purge_batch(tx: Tx, idle_ms: int, after: str, limit: int) -> tuple[int, str 
             tx.notify(session_id)
         if idle:
             _delete_rows(tx, idle)
-    return len(idle), (window[-1] if len(window) == limit else None)
+    return idle, (window[-1] if len(window) == limit else None)
 
 
 def _idle_sessions(tx: Tx, session_ids: Sequence[str], cutoff: int) -> list[str]:
