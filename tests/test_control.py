@@ -502,6 +502,29 @@ async def test_recovery_finishes_a_paused_sessions_dead_claim_as_owner_lost(
     assert [c.resumed for c in drain.calls] == [False]
 
 
+async def test_resume_of_a_session_that_is_not_paused_leaves_it_as_it_is(
+    store: Store, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """`Runtime.resume`'s docstring: "an unknown or unpaused session is left as it is", and
+    DESIGN §6.16: a drain that returns without taking its inputs leaves them pending "for
+    the next wake - its own choice". `resume` of a session that was never paused rang its
+    doorbell for those inputs and started another drain: a wake nobody sent (the CLI's
+    `resume` on such a session said "pending work rang its doorbell" too). Found by an
+    audit."""
+    calls: list[str] = []
+
+    async def leaves_its_inputs(ctx: DrainContext) -> None:
+        calls.append(ctx.execution_id)  # takes nothing: its own choice
+
+    async with runtime(store, leaves_its_inputs, clock) as rt:
+        await rt.submit("s", {"text": "later"})
+        await rt.wait_idle("s")
+        assert len(calls) == 1
+        await rt.resume("s")  # never paused
+        await rt.wait_idle("s")
+    assert len(calls) == 1, f"{len(calls)} drains: resume of an unpaused session woke it"
+
+
 async def test_resume_drains_again_after_a_paused_sessions_claim_was_cut_short(
     store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
 ) -> None:

@@ -280,7 +280,8 @@ def pause(database: Engine, session_id: str) -> dict[str, Any]:
 
 
 def resume(database: Engine, session_id: str) -> dict[str, Any]:
-    """Lift the pause; `rung` says whether pending work rang the doorbell (a worker on the
+    """Lift the pause; `rung` says whether pending work rang the doorbell (never for a
+    session that was not paused; a worker on the
     store starts it through the store's signal)."""
     rung = database.run(_store.resume, session_id)
     return {"session_id": session_id, "action": "resume", "rung": rung}

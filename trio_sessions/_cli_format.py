@@ -147,7 +147,7 @@ def format_control(result: dict[str, Any]) -> str:
     if action == "cancel":
         return f"cancelled input {result['input_id']}"
     if action == "resume":
-        started = "pending work rang its doorbell" if result["rung"] else "nothing pending"
+        started = "pending work rang its doorbell" if result["rung"] else "no doorbell rung"
         return f"resumed {result['session_id']} ({started})"
     return f"{'paused' if action == 'pause' else 'deleted'} {result['session_id']}"
 

@@ -495,7 +495,8 @@ class Runtime:
     async def resume(self, session_id: str) -> None:
         """Lift a pause; when inputs or wakes are pending, ring the doorbell so exactly one
         busy period starts (here if this runtime drains and has room, else anywhere).
-        Idempotent; an unknown or unpaused session is left as it is.
+        Idempotent; an unknown or unpaused session is left as it is (inputs a drain chose
+        not to take keep waiting for the next wake).
 
         Durable when it returns. Raises `TypeError`/`ValueError` for a bad session id,
         `StoreError`. Cancellation: as `submit`.

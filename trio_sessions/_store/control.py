@@ -311,7 +311,8 @@ def pause(tx: Tx, session_id: str) -> None:
 def resume(tx: Tx, session_id: str) -> bool:
     """Lift the pause; when due inputs or a wake are pending, make sure the doorbell is set
     (signalled). Returns whether work is pending (the caller rings its local registry).
-    Idempotent: once the doorbell is set, a second call only signals again."""
+    A session that is not paused is left as it is (inputs a drain chose not to take wait
+    for the next wake, §6.16), so a second call does nothing."""
     if tx.dialect == "postgres":
         [(pending,)] = tx.call("ts_resume", session_id)
         return bool(pending)
@@ -319,11 +320,13 @@ def resume(tx: Tx, session_id: str) -> bool:
     row = tx.one("SELECT time_woken FROM session WHERE id = ?", (session_id,))
     if row is None:
         return False
-    tx.execute(
+    lifted = tx.execute(
         "UPDATE session SET time_paused = NULL, time_written = ?"
         " WHERE id = ? AND time_paused IS NOT NULL",
         (tx.now, session_id),
-    )
+    ).rowcount
+    if not lifted:
+        return False
     if row[0] is not None:
         tx.notify(session_id)  # the doorbell is already set: only the signal is missing
         return True
@@ -677,6 +680,9 @@ BEGIN
     END IF;
     UPDATE session SET time_paused = NULL, time_written = v_now
         WHERE id = p_session AND time_paused IS NOT NULL;
+    IF NOT FOUND THEN
+        RETURN false;  -- not paused: left as it is
+    END IF;
     IF v_woken IS NOT NULL THEN
         PERFORM ts_signal(p_session);
         RETURN true;
