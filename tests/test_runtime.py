@@ -1625,6 +1625,19 @@ async def test_the_blocks_own_exception_group_escapes_as_itself(
     assert caught.value is mine
 
 
+async def test_the_blocks_own_nested_exception_group_escapes_as_itself(
+    store: Store, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """A group the block raises with a group nested in it escapes as that very group too:
+    trio's cancel scopes pass on a copy of it with copies of the groups inside (a review's
+    find), recognised by the identity of their exceptions that are no groups."""
+    mine = ExceptionGroup("outer", [ExceptionGroup("inner", [KeyError("k")]), ValueError("v")])
+    with pytest.raises(ExceptionGroup) as caught:
+        async with runtime(store, Recorder(), clock):
+            raise mine
+    assert caught.value is mine
+
+
 async def test_a_shutdown_grace_of_zero_is_accepted(
     store: Store, clock: Clock, autojump_clock: MockClock
 ) -> None:

@@ -304,16 +304,24 @@ class FailsOnce:
         return await self._executor.run(operation, *args)
 
 
-async def test_a_run_joining_an_acquisition_that_fails_is_not_told_a_drain_failed(
+async def test_a_run_joining_an_acquisition_that_fails_raises_its_store_error(
     store: Store, clock: Clock, autojump_clock: MockClock
 ) -> None:
     """`run()` joined an acquisition (here started by `resume`) whose transaction failed
-    with a store error: no drain ran, and the wake stays durable - the change loop starts
-    the drain moments later, which succeeds. The run is not told `failed` with the store's
-    error (DESIGN §5: `run` returns "the outcome of the execution that takes it"; its
-    docstring: "A drain's exception is returned in the outcome (`failed`)")."""
+    with a store error: no drain ran, and the acquisition was to record the run's wake
+    too. It was told `failed` with the store's error, as if a drain had failed (an audit's
+    find); then `deferred` - yet no wake of its was recorded (a review's). It raises the
+    `StoreError` now, as a run whose own wake could not be recorded does; the wake that
+    was durable before is still drained."""
     drain = Recorder()
-    outcomes: list[Outcome] = []
+    raised: list[BaseException] = []
+
+    async def run_and_catch(rt: Any) -> None:
+        try:
+            await rt.run("s")
+        except StoreError as exc:
+            raised.append(exc)
+
     async with runtime(store, drain, clock) as rt:
         await rt.pause("s")
         await rt.wake("s")  # durable, no claim: the session is paused
@@ -321,13 +329,70 @@ async def test_a_run_joining_an_acquisition_that_fails_is_not_told_a_drain_faile
         await rt.resume("s")  # rings: a busy period acquires
         await failing.sent.wait()
         async with trio.open_nursery() as nursery:
-            outcomes = start_run(nursery, rt, "s")  # joins the acquisition in flight
+            nursery.start_soon(run_and_catch, rt)  # joins the acquisition in flight
             await trio.testing.wait_all_tasks_blocked()
             failing.go.set()
-        await drain.entered.wait()  # the wake is taken after all (the change loop's look)
+        await drain.entered.wait()  # the durable wake is taken after all
         await rt.wait_idle("s")
-    assert len(drain.calls) == 1  # and its drain succeeded
-    assert outcomes[0].kind != "failed", outcomes
+    assert len(raised) == 1 and "the wake could not be recorded" in str(raised[0])
+    assert len(drain.calls) == 1
+
+
+class InterruptAfterContinue(ExecutorSeam):
+    """The store's executor (its token a `LosableToken`): once armed, right after an
+    iteration's end took the doorbell to drain again (CONTINUE), the user interrupts and
+    the liveness token is lost - before the next drain call starts."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.token: LosableToken | None = None
+        self.runtime: Any = None
+        self.armed = False
+
+    @asynccontextmanager
+    async def hold_token(self, owner_id: str) -> AsyncIterator[LosableToken]:
+        async with self._inner.hold_token(owner_id) as inner:
+            self.token = LosableToken(inner)
+            yield self.token
+
+    async def run(self, operation: Any, *args: Any) -> Any:
+        result = await self._inner.run(operation, *args)
+        if operation is _store.end_iteration and self.armed:
+            self.armed = False
+            assert await self.runtime.interrupt("s") is True
+            assert self.token is not None
+            self.token.lose()
+        return result
+
+
+async def test_a_wake_taken_to_go_on_survives_a_stop_handed_back_with_the_token_lost(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """A wake recorded during a drain call is taken by the iteration's end to drain again;
+    the user interrupts and the liveness token is lost before the next call starts. The
+    claim, handed back marked cancelling, dropped that wake: no successor, no doorbell
+    (found by a review). It is rung again with the mark (§6.7), as the normal cleanup's
+    mark does: once recovery finished the claim, one successor drains it."""
+    wrapped = WrappedStore(store, InterruptAfterContinue)
+    calls: list[bool] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        calls.append(ctx.resumed)
+        if len(calls) == 1:
+            await rt.wake("s")  # recorded during the call: the end takes it
+            assert wrapped.executor is not None
+            wrapped.executor.armed = True
+
+    async with runtime(wrapped, drain, clock) as rt:
+        assert wrapped.executor is not None and wrapped.executor.token is not None
+        wrapped.executor.runtime = rt
+        await rt.wake("s")
+        await wrapped.executor.token.retaken.wait()
+        await rt.wait_idle("s")
+        await trio.testing.wait_all_tasks_blocked()
+        await rt.recover_once()
+        await rt.wait_idle("s")
+    assert calls == [False, False]
 
 
 class LosableToken:

@@ -332,7 +332,9 @@ class BusyPeriods:
         with the claim still ours, hand it back so any owner can recover it at once - or,
         when a user's interrupt was accepted, mark it cancelling, so recovery finishes it
         and never resumes it. Shielded and bounded, as trio asks of cleanup."""
-        plan = decide_ending(EndingCause.STOPPED, reason=entry.reason, owned=entry.owned)
+        # A user's stop stays one when a lost lease or token took over the reason since.
+        reason = "user" if entry.stopped_by_user else entry.reason
+        plan = decide_ending(EndingCause.STOPPED, reason=reason, owned=entry.owned)
         if plan.write is EndingWrite.MARK_CANCELLING:
             with trio.move_on_after(HAND_BACK_TIMEOUT, shield=True):
                 await self._mark_cancelling_nowait(entry)
@@ -361,7 +363,14 @@ class BusyPeriods:
             ending = _INTERRUPTED
         outcome, successor_due = await self._finalize(entry, ending)
         self._runtime._streams.touch(entry.session_id)  # open messages were closed by the store
-        if not (successor_due and entry.needs_wake):  # else its joiners follow the successor
+        if ending.kind == "claim_failed" and entry.needs_wake:
+            # A run joined this acquisition, which was to record its wake and failed: that
+            # run raises, as a run whose own wake could not be recorded does (a successor
+            # would meet the same store error, again and again).
+            entry.needs_wake = False
+            assert ending.error is not None
+            entry.current.fail(ending.error)
+        elif not (successor_due and entry.needs_wake):  # else joiners follow the successor
             entry.current.resolve(outcome)
         return outcome, successor_due
 
@@ -599,18 +608,22 @@ class BusyPeriods:
         owner turned out to hold the claim: mark that claim cancelling, live or expired
         (an expired one is finished by recovery as cancelled, never resumed)."""
         if entry.reason == "user":
-            with contextlib.suppress(StoreError):
+            try:
                 await self._runtime._db.run(_store.cancel_held_claim, entry.session_id)
+            except StoreError as exc:
+                _observe.stop_not_recorded(entry, self._runtime._owner_id, exc)
 
     async def _mark_cancelling_nowait(self, entry: SessionEntry) -> None:
-        with contextlib.suppress(StoreError, LeaseLost):
-            await self._runtime._db.run_nowait(
-                _store.mark_cancelling,
-                entry.session_id,
-                entry.execution_id,
-                self._runtime._owner_id,
-                entry.wake_taken,
-            )
+        """Leave a claim a user stopped to recovery, marked cancelling with its lease ended
+        (its own cleanup cannot run: the runtime closes), without waiting for another
+        process's lock. If even that cannot land, the claim stays 'running' and recovery
+        would resume it: said in the log."""
+        runtime = self._runtime
+        claim = (entry.execution_id, entry.session_id, entry.wake_taken)
+        try:
+            await runtime._db.run_nowait(_store.cancel_own_claims, runtime._owner_id, [claim])
+        except StoreError as exc:
+            _observe.stop_not_recorded(entry, runtime._owner_id, exc)
         entry.disown()
 
     async def _finish_failed(
@@ -672,8 +685,8 @@ class BusyPeriods:
             # A wake taken to go on that no drain call answered yet is rung again with it.
             await self._retrying(entry, _store.mark_cancelling, *mark, entry.wake_taken)
         except StoreError:
-            if not self._runtime._closing:
-                raise
+            if not self._runtime._closing or entry.reason == "lease_lost":
+                raise  # a lost lease: no durable write
             with trio.move_on_after(HAND_BACK_TIMEOUT, shield=True):
                 await self._mark_cancelling_nowait(entry)
             raise
@@ -759,7 +772,11 @@ class BusyPeriods:
                 # A claim is never handed back while its drain runs (§6.21); a lost lease
                 # ends the busy period, with no successor.
                 await entry.released().wait()
-            stopped = sorted(key for key, entry in lost.items() if entry.stopped_by_user)
+            stopped = [
+                (key, entry.session_id, entry.wake_taken)
+                for key, entry in lost.items()
+                if entry.stopped_by_user
+            ]
             handed = sorted(key for key, entry in lost.items() if not entry.stopped_by_user)
             try:
                 if stopped:

@@ -23,6 +23,7 @@ from typing import Any
 import attrs
 import trio
 
+from ._errors import StoreError
 from ._model import Input, InterruptReason, Outcome
 
 # A user message as the read-back finds it: (input id, its data as stored).
@@ -34,6 +35,7 @@ class Execution:
     """One claim's busy period, as its joiners see it."""
 
     outcome: Outcome | None = None
+    error: BaseException | None = None  # `fail`: the joiners raise a StoreError from it
     forward: Execution | None = None
     settled: bool = False
     # Made by the first joiner that waits: most busy periods have none, and then cost no
@@ -43,6 +45,12 @@ class Execution:
     def resolve(self, outcome: Outcome) -> None:
         if not self.settled:
             self.outcome = outcome
+            self._settle()
+
+    def fail(self, error: BaseException) -> None:
+        """No outcome to give: the joiners' wake was never recorded (`error` is why)."""
+        if not self.settled:
+            self.error = error
             self._settle()
 
     def merge_into(self, other: Execution) -> None:
@@ -67,6 +75,11 @@ class Execution:
                 if execution.settled:
                     execution._done.set()
             await execution._done.wait()
+            if execution.error is not None:
+                # One exception per waiter: several may raise it at once.
+                raise StoreError(
+                    f"the wake could not be recorded: {execution.error}"
+                ) from execution.error
             if execution.forward is None:
                 assert execution.outcome is not None
                 return execution.outcome

@@ -67,6 +67,7 @@ HANDED_BACK = "claims handed back: %d"
 TOKEN_LOST = "liveness token lost: %d claims stopped"
 TOKEN_RETAKEN = "liveness token taken again"
 HAND_BACK_FAILED = "hand-back failed: %d claims keep their leases"
+STOP_NOT_RECORDED = "stop not recorded: session %s, execution %s"
 DRAINS_OUTLIVE_GRACE = "shutdown waits for %d drains still running after the grace"
 STORE_RETRY = "store transaction retried: %s"
 STORE_RECONNECTED = "store reconnected"
@@ -394,6 +395,24 @@ def drains_outlive_grace(owner_id: str, execution_ids: Sequence[str]) -> None:
         DRAINS_OUTLIVE_GRACE,
         len(execution_ids),
         extra={"owner_id": owner_id, "claims": len(execution_ids), "execution_ids": execution_ids},
+    )
+
+
+def stop_not_recorded(entry: SessionEntry, owner_id: str, error: BaseException) -> None:
+    """WARNING: a user's interrupt was accepted, but the store did not take its durable
+    mark (`phase='cancelling'`) before the runtime gave up (closing): the claim stays
+    'running', and recovery may resume the work the user stopped. extra: session_id,
+    execution_id, owner_id, error."""
+    logger.warning(
+        STOP_NOT_RECORDED,
+        entry.session_id,
+        entry.execution_id,
+        extra={
+            "session_id": entry.session_id,
+            "execution_id": entry.execution_id,
+            "owner_id": owner_id,
+            "error": _text(error),
+        },
     )
 
 

@@ -531,8 +531,8 @@ class Runtime:
     async def purge(self, *, idle_for: float) -> int:
         """Delete every session with no claim, no pending input or wake, and no write for
         `idle_for` seconds (by the store's lease clock; a `truncate`, a `cancel_input`, a
-        `resume` or a dropped quarantine counts, though it leaves no newer message); returns
-        how many.
+        `resume` that lifted a pause or a dropped quarantine counts, though it leaves no
+        newer message); returns how many.
 
         Runs in short transactions of at most `PURGE_BATCH` sessions each, so it never
         holds up a drain; each is durable when it commits. Raises `TypeError`/`ValueError`

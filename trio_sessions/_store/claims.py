@@ -340,21 +340,28 @@ def expire_claims(tx: Tx, owner_id: str, execution_ids: Sequence[str]) -> int:
     return expired
 
 
-def cancel_own_claims(tx: Tx, owner_id: str, execution_ids: Sequence[str]) -> int:
-    """Hand back claims whose user interrupt was accepted while their cleanup could not
-    run (our liveness token was lost): `phase='cancelling'` and the lease ended now, fenced
-    on owner and execution, live or expired. Recovery then finishes them as cancelled and
-    never resumes work a user stopped (§6.6)."""
-    execution_ids = sorted(execution_ids)
-    tx.lock_claims(execution_ids)
+def cancel_own_claims(tx: Tx, owner_id: str, claims: Sequence[tuple[str, str, bool]]) -> int:
+    """Leave claims whose user interrupt was accepted to recovery, when their own cleanup
+    cannot run (the runtime closing, our liveness token lost): `phase='cancelling'` and the
+    lease ended now, fenced on owner and execution (live or expired), so recovery finishes
+    each at once as cancelled - never resumes work a user stopped (§6.6). `claims`:
+    (execution id, session id, ring) - `ring` for a claim that took its doorbell to drain
+    again with no drain call answering it yet: that wake is rung again with it (§6.7)."""
+    claims = sorted(claims)
+    tx.lock_claims([execution_id for execution_id, _, _ in claims])
     marked = 0
-    for execution_id in execution_ids:
-        marked += tx.execute(
+    for execution_id, session_id, ring in claims:
+        updated = tx.execute(
             "UPDATE session_execution SET phase = 'cancelling',"
             " expires_at = CASE WHEN expires_at > ? THEN ? ELSE expires_at END"
             " WHERE id = ? AND owner_id = ?",
             (tx.now, tx.now, execution_id, owner_id),
         ).rowcount
+        if updated:
+            marked += 1
+            tx.notify(session_id)  # another runtime's recovery finishes it at once
+            if ring:
+                _ring(tx, session_id)
     return marked
 
 
