@@ -678,11 +678,12 @@ class ProtocolModel(RuleBasedStateMachine):
 
     @rule(session_id=st.sampled_from(SESSIONS))
     def resume(self, session_id: str) -> None:
-        """Lifts the pause; pending work rings the doorbell (once: a set one stays as is)."""
+        """Lifts the pause; pending work rings the doorbell (once: a set one stays as is).
+        A session that is not paused is left as it is."""
         self.step()
         pending = self.op(_store.resume, session_id)
         session = self.sessions.get(session_id)
-        if session is None:
+        if session is None or not session.paused:
             assert pending is False
             return
         session.paused = False

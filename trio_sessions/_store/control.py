@@ -680,8 +680,10 @@ BEGIN
     END IF;
     UPDATE session SET time_paused = NULL, time_written = v_now
         WHERE id = p_session AND time_paused IS NOT NULL;
-    IF NOT FOUND THEN
-        RETURN false;  -- not paused: left as it is
+    -- Not paused: left as it is. A retry after a lost reply cannot tell whether its first
+    -- call lifted the pause: it answers (and signals) as that call did.
+    IF NOT FOUND AND NOT p_retry THEN
+        RETURN false;
     END IF;
     IF v_woken IS NOT NULL THEN
         PERFORM ts_signal(p_session);
