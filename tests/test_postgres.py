@@ -236,8 +236,9 @@ async def test_upgrade_of_a_version_1_schema_adds_streaming(pg_url: str, pg_sche
     # 20: that trace answers only the retry of the call that stored the input;
     # 21: a double-texting submit with the claim it rings for in one call;
     # 22: a hand-back signals its sessions, the change look finds handed-back claims;
-    # 23: a session's last write that left no newer row or time (purge counts it)
-    assert SCHEMA_VERSION == 23
+    # 23: a session's last write that left no newer row or time (purge counts it);
+    # 24: a submit racing another session's submit of its input id is answered after it
+    assert SCHEMA_VERSION == 24
     await check_pre_streaming_upgrade(location, PostgresStore(pg_url, schema=pg_schema))
 
 
@@ -670,6 +671,184 @@ def test_session_lock_is_retaken_after_a_savepoint_rolled_back(
         assert advisory_locks() == 0
         tx.lock_session("s")
         assert advisory_locks() == 1
+
+
+# One input id submitted to another session while its first submit is uncommitted: every
+# operation that stores an input, alone and in a set-wise batch (with a second job of its
+# kind, on a session of its own, that must still land).
+_SHARED = ("in-shared", '{"n": 2}')
+RACING_SUBMITS: dict[str, Callable[[str], tuple[Callable[..., Any], tuple[Any, ...]]]] = {
+    "submit": lambda s: (_store.submit, (s, _SHARED[1], _SHARED[0])),
+    "submit_and_acquire": lambda s: (
+        _store.submit_and_acquire,
+        (s, _SHARED[1], _SHARED[0], f"e-{s}", "owner", LEASE_MS),
+    ),
+    "submit_controlled": lambda s: (
+        _store.submit_controlled,
+        (s, _SHARED[1], _SHARED[0], "interrupt"),
+    ),
+    "submit_scheduled": lambda s: (
+        _store.submit_scheduled,
+        (s, _SHARED[1], _SHARED[0], 60_000, "interrupt"),
+    ),
+    "submit_controlled_and_acquire": lambda s: (
+        _store.submit_controlled_and_acquire,
+        (s, _SHARED[1], _SHARED[0], "interrupt", f"e-{s}", "owner", LEASE_MS),
+    ),
+}
+
+
+@pytest.mark.parametrize("set_wise", [False, True], ids=["alone", "set-wise"])
+@pytest.mark.parametrize("operation", sorted(RACING_SUBMITS))
+def test_a_submit_racing_another_sessions_submit_of_its_input_id_is_an_input_conflict(
+    pg_url: str, migrated_schema: str, operation: str, set_wise: bool
+) -> None:
+    """Found by an audit. Two submits of one input id to two sessions at once (two clients
+    whose ids collide): the session locks are two, so neither sees the other's uncommitted
+    input, and the second waited on the input's primary key, then failed with `StoreError`
+    (the server's unique violation) once the first committed. DESIGN §4: another session's
+    id raises `InputConflict`, as SQLite (one writer) raises it; §8: `StoreError` never
+    for a race. Now the second finds the id taken after that wait, reads the first's input
+    back and is refused as it would be run after it - nothing written for its session - and
+    a job beside it in the same set-wise call still lands."""
+    from trio_sessions import InputConflict
+
+    op, args = RACING_SUBMITS[operation]("s2")
+    jobs = [Job(op, args)]
+    if set_wise:
+        beside, beside_args = RACING_SUBMITS[operation]("s3")
+        jobs.append(Job(beside, (*beside_args[:2], "in-s3", *beside_args[3:])))
+    with (
+        opened(PostgresStore(pg_url, schema=migrated_schema).engine()) as engine,
+        open_tx(pg_url, migrated_schema, None) as (first, first_tx),
+    ):
+        assert _store.submit(first_tx, "s1", '{"n": 1}', "in-shared") == "in-shared"
+        second = Background(lambda: engine.run_batch(jobs))
+        assert engine.backend_pid is not None
+        wait_until_blocked(pg_url, engine.backend_pid)
+        first.commit()
+        second.result()
+    with pytest.raises(InputConflict, match="in-shared"):
+        jobs[0].unwrap()
+    if set_wise:
+        jobs[1].unwrap()
+    with raw(pg_url, migrated_schema) as conn:
+        inputs = conn.execute("SELECT id, session_id FROM session_input ORDER BY id").fetchall()
+        sessions = conn.execute("SELECT id FROM session ORDER BY id").fetchall()
+    assert inputs == sorted([("in-shared", "s1"), *([("in-s3", "s3")] if set_wise else [])])
+    assert sessions == [("s1",), *([("s3",)] if set_wise else [])]
+
+
+@pytest.mark.parametrize(
+    ("function", "args", "answer"),
+    [
+        ("ts_submits", [["s2", "s3"], ["{}", "{}"], ["in-shared", "in-s3"]], ["other_session"]),
+        (
+            "ts_submit_and_acquire_many",
+            [
+                ["s2", "s3"],
+                ["{}", "{}"],
+                ["in-shared", "in-s3"],
+                ["e2", "e3"],
+                ["o", "o"],
+                [LEASE_MS, LEASE_MS],
+            ],
+            ["other_session", None, None, None],
+        ),
+    ],
+    ids=["submits", "submit_and_acquire"],
+)
+def test_a_set_wise_call_racing_another_sessions_input_id_answers_that_row_alone(
+    pg_url: str, migrated_schema: str, function: str, args: list[Any], answer: list[Any]
+) -> None:
+    """Found by an audit. A set-wise call of a batch's submits whose row stores an input id
+    another session's open transaction stores too waited on the primary key, then failed
+    whole with the server's unique violation (every job of the batch then ran alone). Now
+    that row answers `other_session` with nothing written for it, and the other rows of the
+    call land."""
+    with opened(PostgresStore(pg_url, schema=migrated_schema).engine()):
+        pass
+    with (
+        open_tx(pg_url, migrated_schema, None) as (first, first_tx),
+        open_tx(pg_url, migrated_schema, None) as (second, second_tx),
+    ):
+        assert _store.submit(first_tx, "s1", '{"n": 1}', "in-shared") == "in-shared"
+
+        def call() -> list[Any]:
+            rows = second_tx.call(function, *args, ["c2", "c3"])
+            second.commit()
+            return rows
+
+        waiting = Background(call)
+        wait_until_blocked(pg_url, second.info.backend_pid)
+        first.commit()
+        rows = {row[0]: list(row[1:]) for row in waiting.result()}
+    assert rows[1] == answer
+    assert rows[2][0] == "stored"
+    with raw(pg_url, migrated_schema) as conn:
+        assert conn.execute("SELECT id, session_id FROM session_input ORDER BY id").fetchall() == [
+            ("in-s3", "s3"),
+            ("in-shared", "s1"),
+        ]
+        assert conn.execute("SELECT id FROM session ORDER BY id").fetchall() == [("s1",), ("s3",)]
+
+
+def test_the_row_path_insert_racing_another_sessions_input_id_is_an_input_conflict(
+    pg_url: str, migrated_schema: str
+) -> None:
+    """Found by an audit. The path in Python (run when a server function leaves the job to
+    it) checks the input id under its session's lock, then inserts: another session's
+    uncommitted input of that id was unseen, and the insert failed with the server's
+    unique violation once that one committed. Now the insert finds the id taken, reads it
+    back and raises `InputConflict`; its transaction rolls back whole."""
+    from trio_sessions import InputConflict
+    from trio_sessions._store import inputs
+
+    def insert_second() -> None:
+        with open_tx(pg_url, migrated_schema, None) as (_, second_tx):
+            second_tx.lock_session("s2")
+            inputs._insert_input(second_tx, "s2", '{"n": 2}', "in-shared", ring=True)
+
+    with opened(PostgresStore(pg_url, schema=migrated_schema).engine()):
+        pass
+    with open_tx(pg_url, migrated_schema, None) as (first, first_tx):
+        assert _store.submit(first_tx, "s1", '{"n": 1}', "in-shared") == "in-shared"
+        with raw(pg_url, migrated_schema) as observer:
+            second = Background(insert_second)
+            row = None
+            deadline = time.monotonic() + 10
+            while row is None and time.monotonic() < deadline:
+                row = observer.execute(
+                    "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                    " AND query LIKE %s",
+                    ("%INSERT INTO session_input%",),
+                ).fetchone()
+            assert row is not None, "the second insert never waited"
+        first.commit()
+        with pytest.raises(InputConflict, match="in-shared"):
+            second.result()
+
+
+def test_a_submit_racing_its_own_retry_stores_one_input_and_answers_both(
+    pg_url: str, migrated_schema: str
+) -> None:
+    """The same (session, input id, payload) submitted twice at once (a client retrying
+    before the first reply): the second waits for the session lock, then finds the first's
+    input and returns its id; one input is stored."""
+    with (
+        opened(PostgresStore(pg_url, schema=migrated_schema).engine()) as engine,
+        open_tx(pg_url, migrated_schema, None) as (first, first_tx),
+    ):
+        assert _store.submit(first_tx, "s1", '{"n": 1}', "in-1") == "in-1"
+        second = Background(lambda: run_op(engine, _store.submit, "s1", '{"n": 1}', "in-1"))
+        assert engine.backend_pid is not None
+        wait_until_blocked(pg_url, engine.backend_pid)
+        first.commit()
+        assert second.result() == "in-1"
+    with raw(pg_url, migrated_schema) as conn:
+        assert conn.execute("SELECT id, session_id, seq FROM session_input").fetchall() == [
+            ("in-1", "s1", 1)
+        ]
 
 
 # ---------------------------------------------------------------------------------------------

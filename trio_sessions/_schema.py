@@ -187,7 +187,7 @@ SQLITE_OUR_TABLES = frozenset(
 # ---------------------------------------------------------------------------------------------
 # PostgreSQL
 
-POSTGRES_SCHEMA_VERSION = 23
+POSTGRES_SCHEMA_VERSION = 24
 
 # Same names, meanings and named CHECKs as the SQLite schema (`SQLITE_MIGRATIONS`, whose
 # versions 1-3 are PostgreSQL's first: no PostgreSQL store predates them); times
@@ -431,6 +431,14 @@ DROP FUNCTION IF EXISTS ts_submit_controlled(text, text, text, text, bigint, big
     # row or time of their own (`ts_truncate`, `ts_cancel_input`, `ts_resume`, and a
     # quarantine's drop, which runs the shared SQL).
     23: "ALTER TABLE session ADD COLUMN time_written BIGINT;",
+    # The functions again, no table changes: a submit racing another session's submit of
+    # its input id - unseen under its own session lock, waited for by the primary key - is
+    # answered as if run after it (`ts_insert_input` stores the input first, ON CONFLICT DO
+    # NOTHING, and reads a conflict back: it gains `p_due` and `p_retry` and returns a
+    # verdict; a new argument list is a new function, the old one goes).
+    24: """
+DROP FUNCTION IF EXISTS ts_insert_input(text, text, text, text, boolean, bigint);
+""",
 }
 
 
@@ -492,4 +500,5 @@ POSTGRES_BACKFILLS: dict[int, Callable[[Any], None]] = {
     21: _create_functions,
     22: _create_functions,
     23: _create_functions,
+    24: _create_functions,
 }

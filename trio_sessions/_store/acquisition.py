@@ -553,9 +553,13 @@ BEGIN
                    AND s.time_paused IS NOT NULL);
     IF input_verdict IS NULL THEN
         -- Rung only if a claim already holds the session (or it is paused: kept for
-        -- resume): else the claim below takes it.
-        PERFORM ts_insert_input(p_session, p_payload, p_input, p_call, v_held, v_now);
-        input_verdict := 'stored';
+        -- resume): else the claim below takes it. Another session's input of this id,
+        -- stored meanwhile: answered as above, nothing written.
+        input_verdict := ts_insert_input(p_session, p_payload, p_input, p_call, v_held, NULL,
+            v_now, p_retry);
+        IF input_verdict IN ('other_session', 'other_payload') THEN
+            RETURN;
+        END IF;
     END IF;
     SELECT a.verdict, a.attempt, a.holder INTO verdict, attempt, holder
         FROM ts_acquire_locked(p_session, p_exec, p_owner, p_lease, v_now,
@@ -651,23 +655,29 @@ BEGIN
             AND NOT EXISTS (SELECT 1 FROM session_input_rejected x WHERE x.id = j.i)),
     -- As ts_insert_input(..., p_ring => false), then the claim's taking of a set doorbell.
     -- The input's seq is the session's count as read above plus one: the session lock
-    -- keeps it from moving meanwhile (every writer of a session row holds it).
-    sessions AS (
-        INSERT INTO session AS s (id, time_created, time_woken, wakes, input_seq)
-            SELECT f.s, v_now, NULL, 0, 1 FROM free f
-            ON CONFLICT (id) DO UPDATE SET input_seq = s.input_seq + 1, time_woken = NULL,
-                wakes = CASE WHEN s.time_woken IS NULL THEN s.wakes ELSE 0 END),
+    -- keeps it from moving meanwhile (every writer of a session row holds it). The inputs
+    -- go first, and only those stored write their session and claim: another session's
+    -- input of the same id, uncommitted when read above, is waited for by the primary key
+    -- alone, and its job goes through ts_submit_and_acquire (nothing written here).
     inputs AS (
         INSERT INTO session_input(id, session_id, seq, payload, time_created, call_id)
-            SELECT f.i, f.s, f.input_seq, f.p, v_now, f.c FROM free f),
+            SELECT f.i, f.s, f.input_seq, f.p, v_now, f.c FROM free f
+            ON CONFLICT (id) DO NOTHING
+            RETURNING id),
+    stored AS (SELECT f.* FROM free f JOIN inputs i ON i.id = f.i),
+    sessions AS (
+        INSERT INTO session AS s (id, time_created, time_woken, wakes, input_seq)
+            SELECT f.s, v_now, NULL, 0, 1 FROM stored f
+            ON CONFLICT (id) DO UPDATE SET input_seq = s.input_seq + 1, time_woken = NULL,
+                wakes = CASE WHEN s.time_woken IS NULL THEN s.wakes ELSE 0 END),
     claims AS (
         INSERT INTO session_execution(id, session_id, owner_id, phase, anchor_seq,
                 time_created, heartbeat_at, expires_at)
             SELECT f.e, f.s, f.o, 'running',
                 (SELECT MAX(m.seq) FROM session_message m WHERE m.session_id = f.s),
                 v_now, NULL, v_now + f.l
-            FROM free f)
-    SELECT array_agg(f.n), array_agg(f.wake_attempts) INTO v_ords, v_attempts FROM free f;
+            FROM stored f)
+    SELECT array_agg(f.n), array_agg(f.wake_attempts) INTO v_ords, v_attempts FROM stored f;
     RETURN QUERY SELECT u.n, 'stored', 'claim', u.a, NULL::text
         FROM unnest(v_ords, v_attempts) AS u(n, a);
     FOR r IN SELECT u.s, u.p, u.i, u.e, u.o, u.l, u.c, u.n

@@ -549,7 +549,7 @@ CREATE OR REPLACE FUNCTION ts_submit_controlled(p_session text, p_payload text, 
 RETURNS text
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
-    v_now bigint; v_known text; v_phase text; v_claim text; v_seq bigint;
+    v_now bigint; v_known text; v_phase text; v_claim text;
 BEGIN
     v_now := ts_lock_now(p_session, p_now);
     v_known := ts_known_input(p_session, p_input, p_payload, p_call, p_retry);
@@ -563,16 +563,14 @@ BEGIN
         RETURN 'busy';
     END IF;
     IF p_delay > 0 THEN
-        PERFORM ts_signal(p_session);
-        INSERT INTO session AS s (id, time_created, input_seq) VALUES (p_session, v_now, 1)
-            ON CONFLICT (id) DO UPDATE SET input_seq = s.input_seq + 1
-            RETURNING s.input_seq INTO v_seq;
-        INSERT INTO session_input(id, session_id, seq, payload, time_created, due_at,
-                call_id)
-            VALUES (p_input, p_session, v_seq, p_payload, v_now, v_now + p_delay, p_call);
-        RETURN 'stored';
+        RETURN ts_insert_input(p_session, p_payload, p_input, p_call, false, v_now + p_delay,
+            v_now, p_retry);
     END IF;
-    PERFORM ts_insert_input(p_session, p_payload, p_input, p_call, true, v_now);
+    v_known := ts_insert_input(p_session, p_payload, p_input, p_call, true, NULL, v_now,
+        p_retry);
+    IF v_known <> 'stored' THEN
+        RETURN v_known;  -- another session's input of this id, stored meanwhile
+    END IF;
     IF p_on_busy = 'interrupt' AND v_phase = 'running' THEN
         UPDATE session_execution SET phase = 'cancelling'
             WHERE session_id = p_session AND phase = 'running';
@@ -605,8 +603,12 @@ BEGIN
                         AND s.time_paused IS NOT NULL)
         AND NOT ts_due_inputs(p_session, v_now);
     IF v_free THEN
-        PERFORM ts_insert_input(p_session, p_payload, p_input, p_call, false, v_now);
-        input_verdict := 'stored';
+        input_verdict := ts_insert_input(p_session, p_payload, p_input, p_call, false, NULL,
+            v_now, p_retry);
+        IF input_verdict IN ('other_session', 'other_payload') THEN
+            RETURN;  -- another session's input of this id, stored meanwhile
+        END IF;
+        v_free := input_verdict = 'stored';
     ELSE
         input_verdict := ts_submit_controlled(p_session, p_payload, p_input, p_on_busy, 0,
             p_call, v_now, p_retry);

@@ -2,7 +2,9 @@
 
 Invariants kept here:
 * an input id is stored once: the same id and payload for the same session writes nothing
-  (pending, taken or set aside); another session or another payload is `InputConflict`;
+  (pending, taken or set aside); another session or another payload is `InputConflict` -
+  also for a submit racing another session's of the same id, answered once that one ends
+  (session locks do not order them: the input's primary key does);
 * an input is either pending in `session_input` or a user message, never both, never none
   (`intake.take_inputs` moves it);
 * every write here takes the session lock first, and rings the change signal.
@@ -112,11 +114,18 @@ def _insert_input(
         " RETURNING input_seq, time_woken, wake_attempts",
         (session_id, tx.now, doorbell, int(ring), doorbell, int(ring)),
     )
-    tx.execute(
+    # PostgreSQL: the caller's check under its session lock cannot see another session's
+    # uncommitted input of this id (ids are unique across sessions, locks are per session);
+    # only the primary key makes this insert wait for it. Once that one committed, its
+    # verdict is read back: `InputConflict`, which rolls this transaction back whole.
+    while not tx.execute(
         "INSERT INTO session_input(id, session_id, seq, payload, time_created)"
-        " VALUES (?, ?, ?, ?, ?)",
+        " VALUES (?, ?, ?, ?, ?) ON CONFLICT(id) DO NOTHING",
         (input_id, session_id, row[0], payload, tx.now),
-    )
+    ).rowcount:
+        if _known_input(tx, session_id, input_id, payload):
+            break  # stored for this session, with this payload, after all
+        # Gone again before the read (withdrawn, its session deleted): insert it now.
     return row[1], row[2]
 
 
@@ -162,26 +171,49 @@ BEGIN
                 WHEN v_payload = p_payload THEN 'known' ELSE 'other_payload' END;
 END $$;
 
--- Store a pending input, stored by the call p_call; p_ring: set the doorbell and count the
--- wake (false when a claim inserted in the same call takes the wake at once). Returns the
--- session's doorbell and resume count as they are now.
+-- Store a pending input of the call p_call, under its session's lock; p_ring: set the
+-- doorbell and count the wake (false when a claim inserted in the same call takes the wake
+-- at once); p_due: when a scheduled input is due (NULL: now; it rings nothing, and its signal
+-- lets every runtime re-arm its due timer). Verdicts: stored; or, nothing written, the
+-- verdict of ts_known_input on the input another transaction stored meanwhile. The caller's
+-- check under its session lock cannot see another session's uncommitted input of this id
+-- (ids are unique across sessions, locks are per session): only the primary key makes this
+-- insert wait for it. So the input goes first, ON CONFLICT DO NOTHING, and the session row
+-- only after it, in the same statement (the input's foreign key is checked at its end); a
+-- conflict reads the committed input back (a statement of its own: a new snapshot) and
+-- answers as a call run after that one.
 CREATE OR REPLACE FUNCTION ts_insert_input(p_session text, p_payload text, p_input text,
-    p_call text, p_ring boolean, p_at bigint, OUT time_woken bigint, OUT wake_attempts bigint)
+    p_call text, p_ring boolean, p_due bigint, p_at bigint, p_retry boolean)
+RETURNS text
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
-    v_seq bigint; v_doorbell bigint := CASE WHEN p_ring THEN p_at END;
+    v_seq bigint; v_doorbell bigint := CASE WHEN p_ring THEN p_at END; v_known text;
 BEGIN
-    IF p_ring THEN
-        PERFORM ts_signal(p_session);
-    END IF;
-    INSERT INTO session AS s (id, time_created, time_woken, wakes, input_seq)
-        VALUES (p_session, p_at, v_doorbell, p_ring::int, 1)
-        ON CONFLICT (id) DO UPDATE SET time_woken = COALESCE(s.time_woken, v_doorbell),
-            wakes = s.wakes + p_ring::int, input_seq = s.input_seq + 1
-        RETURNING s.input_seq, s.time_woken, s.wake_attempts
-        INTO v_seq, ts_insert_input.time_woken, ts_insert_input.wake_attempts;
-    INSERT INTO session_input(id, session_id, seq, payload, time_created, call_id)
-        VALUES (p_input, p_session, v_seq, p_payload, p_at, p_call);
+    -- The session lock keeps its input count from moving meanwhile.
+    SELECT COALESCE(max(s.input_seq), 0) + 1 INTO v_seq FROM session s WHERE s.id = p_session;
+    LOOP
+        WITH input AS (
+            INSERT INTO session_input(id, session_id, seq, payload, time_created, due_at,
+                    call_id)
+                VALUES (p_input, p_session, v_seq, p_payload, p_at, p_due, p_call)
+                ON CONFLICT (id) DO NOTHING
+                RETURNING session_id)
+        INSERT INTO session AS s (id, time_created, time_woken, wakes, input_seq)
+            SELECT i.session_id, p_at, v_doorbell, p_ring::int, v_seq FROM input i
+            ON CONFLICT (id) DO UPDATE SET time_woken = COALESCE(s.time_woken, v_doorbell),
+                wakes = s.wakes + p_ring::int, input_seq = EXCLUDED.input_seq;
+        IF FOUND THEN
+            IF p_ring OR p_due IS NOT NULL THEN
+                PERFORM ts_signal(p_session);
+            END IF;
+            RETURN 'stored';
+        END IF;
+        v_known := ts_known_input(p_session, p_input, p_payload, p_call, p_retry);
+        IF v_known IS NOT NULL THEN
+            RETURN v_known;
+        END IF;
+        -- Gone again before the read (withdrawn, its session deleted): insert it now.
+    END LOOP;
 END $$;
 
 -- submit: store the input and ring the doorbell, idempotently by input id. Verdicts:
@@ -199,8 +231,7 @@ BEGIN
     IF v_known IS NOT NULL THEN
         RETURN v_known;
     END IF;
-    PERFORM ts_insert_input(p_session, p_payload, p_input, p_call, true, v_now);
-    RETURN 'stored';
+    RETURN ts_insert_input(p_session, p_payload, p_input, p_call, true, NULL, v_now, p_retry);
 END $$;
 
 -- wake: the durable doorbell (create the session if absent, set time_woken, count it).
