@@ -232,6 +232,26 @@ def test_a_batch_of_acquires_is_settled_without_the_row_function(
         ]
 
 
+def test_no_server_function_holds_an_empty_array_literal_that_postgresql_16_refuses(
+    pg_url: str, migrated_schema: str
+) -> None:
+    """Found by an audit. The server-side functions must run on every server the store
+    supports. `ts_acquire_many` (the set-wise acquire of a batch) held `'{{}}'` - a Python
+    `{{}}` escape in a piece of DDL that is no f-string, interpolated into one - which only
+    PostgreSQL 17+ reads as an empty array: on 14-16 every call raised `malformed array
+    literal: "{{}}"`, so each batch holding two acquires failed whole and all its jobs ran
+    again one transaction each (group commit lost; seen on 15.18 by the acquire test above
+    and `test_postgres.py::test_a_batch_of_claims_and_of_new_replies_is_one_call_each`).
+    Now the literal is `'{}'`, and no function's source holds the escape."""
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        holders = conn.execute(
+            "SELECT p.proname FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace"
+            " WHERE n.nspname = %s AND p.prosrc LIKE %s ORDER BY 1",
+            (migrated_schema, "%'{{}}'%"),
+        ).fetchall()
+    assert holders == []
+
+
 def test_a_set_wise_iteration_end_takes_every_wake_at_once(pg_url: str, pg_schema: str) -> None:
     """§6.8 and §6.9 on `ts_finish_iterations` (the twin of tests/store/test_set_wise.py's):
     drains rung once and three times during their iteration end it set-wise, with no row

@@ -435,7 +435,9 @@ DROP FUNCTION IF EXISTS ts_submit_controlled(text, text, text, text, bigint, big
     # its input id - unseen under its own session lock, waited for by the primary key - is
     # answered as if run after it (`ts_insert_input` stores the input first, ON CONFLICT DO
     # NOTHING, and reads a conflict back: it gains `p_due` and `p_retry` and returns a
-    # verdict; a new argument list is a new function, the old one goes).
+    # verdict; a new argument list is a new function, the old one goes); `ts_acquire_many`
+    # reads on every supported server (its `'{{}}'`, an empty array to PostgreSQL 17+ only,
+    # is `'{}'`).
     24: """
 DROP FUNCTION IF EXISTS ts_insert_input(text, text, text, text, boolean, bigint);
 """,

@@ -374,10 +374,11 @@ def _pg_acquire_many(
     wrote). `skip_busy`: a session whose lock another transaction holds is answered 'busy'
     at once (as `single` answers it), not waited for."""
     if skip_busy:
+        # Not an f-string: braces are written once here (`'{}'`), escaped in the one below.
         locks = """    -- Held by another execution: answered without the lock (as if run just
     -- before whatever moves that claim). A lock another transaction holds is never
     -- waited for: its holder claims the session or signals it again.
-    SELECT COALESCE(array_agg(u.n), '{{}}'), array_agg(c.owner_id) INTO v_skip, v_holders
+    SELECT COALESCE(array_agg(u.n), '{}'), array_agg(c.owner_id) INTO v_skip, v_holders
         FROM unnest(p_sessions, p_execs) WITH ORDINALITY AS u(s, e, n)
         JOIN session_execution c ON c.session_id = u.s AND c.id <> u.e;
     RETURN QUERY SELECT h.n, 'held', NULL::bigint, h.o FROM unnest(v_skip, v_holders) AS h(n, o);
