@@ -1504,3 +1504,52 @@ async def test_opening_an_engine_on_a_server_that_hangs_during_the_migration_is_
     assert proxy.stalled
     assert ended, f"engine.open still waiting {elapsed:.0f} s after the server hung"
     assert isinstance(ended[0], StoreError), ended
+
+
+async def test_a_connection_whose_server_hangs_right_after_it_logged_in_is_bounded(
+    pg_url: str, migrated_schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by an audit. DESIGN §8: `StoreError` "only after a bound"; every wait for a
+    reply is bounded (`_ReplyWatchdog`). `connect` sent `SET idle_session_timeout = 0` (and
+    its COMMIT) after the login but before the watchdog watched the new connection: a
+    server that hung right then - frozen, failing over, a stuck proxy, while its kernel
+    still acknowledges - held the connect for ever (keepalives are answered,
+    `connect_timeout` is over, `tcp_user_timeout` sees its data acknowledged). Every
+    connection passes there: an engine's open and each reconnect, the listener's reconnect
+    (in a thread trio cannot cancel, so the runtime could not even close) and the liveness
+    token's. Now the connection is watched from its login on: that wait is cut at the bound
+    and the connect fails with `StoreError`."""
+    from test_worker import HangingProxy
+
+    from trio_sessions._postgres import connections
+
+    monkeypatch.setattr(connections, "REPLY_BOUND_S", 2.0)  # waited out: short here
+    proxy = HangingProxy.to(pg_url)
+    outcome: list[BaseException | None] = []
+    async with trio.open_nursery() as nursery:
+        await proxy.serve(nursery)
+        engine = PostgresStore(proxy.url(pg_url), schema=migrated_schema).engine()
+        proxy.stall_on(b"SET idle_session_timeout")
+
+        def open_it() -> None:
+            try:
+                engine.open(migrate_schema=False)
+            except BaseException as exc:
+                outcome.append(exc)
+            else:
+                outcome.append(None)
+
+        runner = threading.Thread(target=open_it, daemon=True)
+        runner.start()
+        started = time.monotonic()
+        # The bound: the watchdog's 2 s and a tick, with room for a loaded machine.
+        while not outcome and time.monotonic() - started < 15:
+            await trio.sleep(0.1)
+        elapsed = time.monotonic() - started
+        ended = list(outcome)
+        nursery.cancel_scope.cancel()  # the proxy's connections close: the thread ends
+    runner.join(10)
+    engine.close()
+    assert proxy.stalled
+    assert ended, f"connect still waiting {elapsed:.0f} s after the server hung"
+    assert isinstance(ended[0], StoreError), ended

@@ -15,6 +15,8 @@ transactions begin with their first statement).
 Invariants:
 * a connection string's password never reaches an error (`connect` masks it and drops the
   driver's error as cause);
+* every wait for a reply is bounded, from a connection's first statement after the login on
+  (`connect` watches it before it sends anything);
 * migrations run in one transaction under an advisory lock per schema: processes starting
   together wait for the first one's migration and then find nothing to do; a schema a newer
   library migrated is refused (`SchemaTooNew`) with nothing written.
@@ -155,8 +157,10 @@ def connect(
         raise _masked(exc, url) from None
     # Explicit: a database or role default must not change the isolation the fences assume.
     conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
-    _never_idle_out(conn, url)
+    # Watched before its first statement: a server that hangs right after the login would
+    # hold every open and reconnect for ever (the listener's in a thread trio cannot cancel).
     _WATCHDOG.watch(conn)
+    _never_idle_out(conn, url)
     return conn
 
 
