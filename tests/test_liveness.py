@@ -270,6 +270,80 @@ async def test_an_owner_that_loses_its_token_stops_its_drains_at_once(
     assert outcome.kind == "succeeded"
 
 
+@contextmanager
+def limited_role(pg_url: str, schema: str, limit: int) -> Iterator[str]:
+    """A login role allowed `limit` connections at once (a DBA's per-role limit), with what
+    a runtime needs of the (migrated) schema; the URL that logs in as it (with a password,
+    which the server's trust never asks for: it must not show anywhere)."""
+    import urllib.parse
+    import uuid
+
+    import psycopg
+
+    role = f"limited_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute(f"CREATE ROLE {role} LOGIN CONNECTION LIMIT {limit}")
+        conn.execute(f'GRANT USAGE ON SCHEMA "{schema}" TO {role}')
+        conn.execute(f'GRANT ALL ON ALL TABLES IN SCHEMA "{schema}" TO {role}')
+    try:
+        parts = urllib.parse.urlsplit(pg_url)
+        host = parts.netloc.rpartition("@")[2]
+        yield urllib.parse.urlunsplit(parts._replace(netloc=f"{role}:{SECRET}@{host}"))
+    finally:
+        with psycopg.connect(pg_url, autocommit=True) as conn:
+            conn.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s",
+                (role,),
+            )
+            conn.execute(f'REVOKE ALL ON ALL TABLES IN SCHEMA "{schema}" FROM {role}')
+            conn.execute(f'REVOKE USAGE ON SCHEMA "{schema}" FROM {role}')
+            conn.execute(f"DROP ROLE {role}")
+
+
+SECRET = "tok3n-s3cret"
+
+
+async def test_a_liveness_token_that_cannot_be_connected_fails_the_open_with_store_error(
+    pg_url: str,
+    migrated_schema: str,
+    monkeypatch: pytest.MonkeyPatch,
+    logs: pytest.LogCaptureFixture,
+) -> None:
+    """Found by an audit. The store answers the writers and the listener, but the liveness
+    token's own connection is refused (here: the role's connection limit, sized for the
+    writers and the listener only). Opening a runtime that drains failed after 20 s with
+    trio's `TooSlowError` from the token's hidden retry loop, the server's refusal never
+    shown nor logged. Now it fails with a `StoreError` that carries the last refusal
+    (password masked), as the inline store and SQLite's token say why, and each failed
+    attempt is logged. Real time: under a virtual clock the loop's bound would pass during
+    the first connect."""
+    from helpers import records
+
+    from trio_sessions import StoreError, _observe
+    from trio_sessions._postgres import WRITERS, PostgresStore
+
+    monkeypatch.setattr(_liveness, "PG_TAKE_PATIENCE_S", 1.0)  # waited out: short here
+
+    async def drain(ctx: DrainContext) -> None:
+        await ctx.take_inputs()
+
+    with limited_role(pg_url, migrated_schema, WRITERS + 1) as url:
+        store = PostgresStore(url, schema=migrated_schema)
+        started = time.monotonic()
+        with pytest.raises(StoreError) as raised:
+            async with trio_sessions.open_runtime(store, drain):
+                pass
+        elapsed = time.monotonic() - started
+    assert "too many connections" in str(raised.value)
+    assert "liveness token" in str(raised.value)
+    assert elapsed < 10
+    failed = records(logs, _observe.TOKEN_TAKE_FAILED)
+    assert failed
+    assert all("too many connections" in record.error for record in failed)
+    assert SECRET not in logs.text
+    assert SECRET not in str(raised.value)
+
+
 FROZEN_IN_HANDOFF = """
 import os, sys, time, trio, trio_sessions
 from trio_sessions._postgres import PostgresStore

@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import math
 import os
 import select
 import socket
@@ -53,6 +54,7 @@ from typing import Any
 import attrs
 import trio
 
+from . import _observe
 from ._decisions import token_free_since, token_gone
 from ._errors import StoreError
 
@@ -62,6 +64,9 @@ from ._errors import StoreError
 LIVENESS_POLL = 0.25
 # How long taking a token waits for a probe that holds its file's lock for a moment.
 TAKE_PATIENCE_S = 5.0
+# How long opening a runtime tries to take its PostgreSQL token (a connection of its own,
+# refused or its lock still held) before `StoreError` with the last refusal.
+PG_TAKE_PATIENCE_S = 4 * TAKE_PATIENCE_S
 # A drain starting this soon after a look found its runtime's token whole skips its own
 # (`_busy`): within it no pause can have let another owner take a claim over, which takes
 # the token free for the whole grace - hence the grace's floor, on every runtime alike. A
@@ -318,9 +323,11 @@ class PgToken:
         self.conn = conn
         return True
 
-    async def take(self) -> None:
+    async def take(self, *, patience: float = math.inf) -> None:
         """Connect and take the lock, retrying until it is ours (a store error or a lock
-        still held by our broken connection's server side)."""
+        still held by our broken connection's server side), each refusal logged; past
+        `patience` seconds (trio's clock), `StoreError` with the last refusal."""
+        deadline = trio.current_time() + patience
         for attempt in range(1_000_000):
             try:
                 taken = (
@@ -328,11 +335,23 @@ class PgToken:
                     if self.inline
                     else await trio.to_thread.run_sync(self._take_sync)
                 )
-            except StoreError:
-                taken = False
-            if taken:
-                return
-            await trio.sleep(_RETAKE_PAUSES[min(attempt, len(_RETAKE_PAUSES) - 1)])
+            except StoreError as exc:
+                refusal = exc  # its text masks the URL's password (`connect`)
+            else:
+                if taken:
+                    return
+                refusal = StoreError(
+                    "the liveness token is held by another connection (the server has not"
+                    " yet closed this owner's lost one, or another process uses its owner id)"
+                )
+            _observe.token_take_failed(self.owner_id, refusal)
+            remaining = deadline - trio.current_time()
+            if remaining <= 0:
+                raise StoreError(
+                    f"cannot take the liveness token within {patience:g} s: {refusal}"
+                ) from refusal
+            pause = _RETAKE_PAUSES[min(attempt, len(_RETAKE_PAUSES) - 1)]
+            await trio.sleep(min(pause, remaining))
 
     async def wait_lost(self) -> None:
         """Return when the token's connection broke (the server frees the lock with it)."""
@@ -418,8 +437,7 @@ async def hold_pg_token(
         if not first():
             raise StoreError("the liveness token of a new owner id is held by another owner")
     else:
-        with trio.fail_after(TAKE_PATIENCE_S * 4):
-            await token.take()
+        await token.take(patience=PG_TAKE_PATIENCE_S)
     try:
         yield token
     finally:

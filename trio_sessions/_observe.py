@@ -66,6 +66,7 @@ RECOVERY_PASS_FAILED = "recovery pass failed"
 HANDED_BACK = "claims handed back: %d"
 TOKEN_LOST = "liveness token lost: %d claims stopped"
 TOKEN_RETAKEN = "liveness token taken again"
+TOKEN_TAKE_FAILED = "liveness token not taken"
 HAND_BACK_FAILED = "hand-back failed: %d claims keep their leases"
 STOP_NOT_RECORDED = "stop not recorded: session %s, execution %s"
 DRAINS_OUTLIVE_GRACE = "shutdown waits for %d drains still running after the grace"
@@ -385,6 +386,13 @@ def token_lost(owner_id: str, claims: int) -> None:
 def token_retaken(owner_id: str) -> None:
     """INFO: the liveness token is held again; new claims drain as usual. extra: owner_id."""
     logger.info(TOKEN_RETAKEN, extra={"owner_id": owner_id})
+
+
+def token_take_failed(owner_id: str, error: BaseException) -> None:
+    """WARNING: an attempt to take this runtime's PostgreSQL liveness token failed (its
+    connection refused, or the lock still held); tried again after a pause - opening the
+    runtime fails with `StoreError` past its bound. extra: owner_id, error."""
+    logger.warning(TOKEN_TAKE_FAILED, extra={"owner_id": owner_id, "error": _text(error)})
 
 
 def drains_outlive_grace(owner_id: str, execution_ids: Sequence[str]) -> None:
