@@ -1208,6 +1208,39 @@ def test_a_transaction_reading_back_a_lost_call_reports_its_outcome_unknown(
         assert not isinstance(plain.value, OutcomeUnknown)
 
 
+@pytest.mark.parametrize("mode", [Mode.BEFORE, Mode.LOST])
+@pytest.mark.parametrize("set_wise", [False, True], ids=["alone", "set-wise"])
+def test_a_read_whose_connection_is_lost_while_the_server_is_gone_is_no_unknown_commit(
+    pg_url: str, pg_schema: str, short_patience: float, mode: Mode, set_wise: bool
+) -> None:
+    """Found by an audit. A read (a transcript's, one call in autocommit; or a hand-off's
+    stream reads, one set-wise call) whose connection is lost, the server gone until the
+    engine's bound passed, failed with `OutcomeUnknown` - "the outcome of a COMMIT is
+    unknown", which tells the caller a write may have landed: the engine took the lost
+    reply of any call in autocommit for a write's. A read commits nothing (DESIGN §8
+    "Uncertain commits" are a write's): now it fails with a plain `StoreError` once the
+    bound has passed, and reads again once the server is back."""
+    from trio_sessions._store.stream import Position
+
+    with environment(pg_url, pg_schema) as env:
+        env.run(_store.submit, "s", '{"n": 1}', "i1")
+        if set_wise:
+            jobs = [Job(_store.stream_changes, (s, Position())) for s in ("s", "t")]
+        else:
+            jobs = [Job(_store.read_transcript, ("s",))]
+        env.faults.arm(Plan(1, mode, then_unreachable=True))
+        started = time.monotonic()
+        env.engine.run_reads(jobs)
+        assert time.monotonic() - started >= short_patience
+        for job in jobs:
+            assert isinstance(job.error, StoreError), job.error
+            assert not isinstance(job.error, OutcomeUnknown), job.error
+        env.faults.unreachable = False
+        again = [Job(job.op, job.args) for job in jobs]
+        env.engine.run_reads(again)
+        assert [job.error for job in again] == [None] * len(again)
+
+
 def test_commit_whose_outcome_stays_unknown_is_reported_as_store_error(
     pg_url: str, pg_schema: str, short_patience: float
 ) -> None:

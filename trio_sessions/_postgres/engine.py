@@ -19,7 +19,9 @@ COMMIT is re-opened and the transaction re-run (nothing committed). Other databa
 reach the caller as `StoreError`.
 
 Reads run each on its own snapshot, never in a write batch; the reads of one hand-off
-marked `pg_read_batched` (a stream's read) are one set-wise call in autocommit.
+marked `pg_read_batched` (a stream's read) are one set-wise call in autocommit. A read
+whose connection is lost runs again within the same bounds, then fails with a plain
+`StoreError`: it committed nothing, so no outcome is unknown.
 
 Signals (DESIGN §8 "Notifications scale"): at most one `pg_notify` per transaction, on the
 schema's channel, its payload the signalled sessions one per line (or empty: look at
@@ -310,7 +312,7 @@ class PgEngine:
         _, pack, interpret = jobs[0].op.__dict__["pg_read_batched"]
         call = Job(_call, (function, _codec.dumps([pack(job.args) for job in jobs])))
         try:
-            rows = self._autocommit(call)
+            rows = self._autocommit(call, read=True)
         except StoreError as exc:
             for job in jobs:
                 job.error = exc
@@ -396,7 +398,7 @@ class PgEngine:
         # A read that is one function call is one statement: its own snapshot, no BEGIN.
         if mode != "nowait" and job.op.__dict__.get("autocommit_when_alone", False):
             try:
-                job.result = self._autocommit(job)
+                job.result = self._autocommit(job, read=mode == "read")
             except NeedsTransaction:
                 # Nothing was written: run it in a transaction instead - whose calls read
                 # back whether a lost earlier attempt landed (`Job.reply_lost`).
@@ -446,14 +448,16 @@ class PgEngine:
                     raise _unknown_outcome(exc.__cause__, exc) from exc
                 raise
 
-    def _autocommit(self, job: Job) -> Any:
+    def _autocommit(self, job: Job, *, read: bool = False) -> Any:
         """Run a job as one autocommit call (`PgTx(autocommit=True)`), within the bounds.
 
-        A connection lost around the call leaves its outcome unknown: the call runs again
-        with `retry`, and the function reads back by natural key whether the lost one
-        landed (DESIGN §8 "Uncertain commits"). `NeedsTransaction` before anything was
-        sent, or when the server refused the call whole (`NEEDS_TRANSACTION`: nothing
-        written); `StoreError` past the bounds; the operation's own errors as they are."""
+        A connection lost around a write's call leaves its outcome unknown: the call runs
+        again with `retry`, and the function reads back by natural key whether the lost one
+        landed (DESIGN §8 "Uncertain commits"); past the bounds, `OutcomeUnknown`. A `read`
+        commits nothing: it only runs again, and past the bounds it is a plain
+        `StoreError`. `NeedsTransaction` before anything was sent, or when the server
+        refused the call whole (`NEEDS_TRANSACTION`: nothing written); the operation's own
+        errors as they are."""
         deadline = time.monotonic() + RECONNECT_PATIENCE_S
         attempt = 0
         lost: BaseException | None = None
@@ -477,7 +481,8 @@ class PgEngine:
                     raise NeedsTransaction(str(exc)) from exc
                 if _connection_lost(conn, exc):
                     self.close()  # the next attempt re-opens it
-                    job.reply_lost = job.reply_lost or tx.begun
+                    # A read's lost reply leaves nothing unknown: it wrote nothing.
+                    job.reply_lost = job.reply_lost or (tx.begun and not read)
                     lost = exc
                 elif not (isinstance(exc, psycopg.Error) and exc.sqlstate in RETRYABLE_SQLSTATES):
                     raise  # the operation's own refusal, or a database error
