@@ -1501,9 +1501,9 @@ async def test_opening_an_engine_on_a_server_that_hangs_during_the_migration_is_
     """DESIGN §8 (`StoreError` after a bound), README (15 s per reply). The server stops
     answering once the engine's first connection sent its migration's first statement: the
     migration's waits are not watched (`watch_replies` comes after it, "a migration may wait
-    for another process's" - but that wait is the advisory lock's, which lock_timeout ends
-    within 5 s), so `open` - `open_runtime`, a worker's start, every CLI command - waits
-    for ever, in a thread trio cannot cancel."""
+    for another process's" - but that wait is the advisory lock's, which `MIGRATION_WAIT_S`
+    ends within 20 s, below the reply bound), so `open` - `open_runtime`, a worker's start,
+    every CLI command - waits for ever, in a thread trio cannot cancel."""
     from test_worker import HangingProxy
 
     from trio_sessions._postgres import connections

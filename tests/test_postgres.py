@@ -204,6 +204,85 @@ def test_concurrent_migrations_of_an_empty_schema_all_succeed(
         assert conn.execute("SELECT version FROM schema_version").fetchall() == [(SCHEMA_VERSION,)]
 
 
+@contextmanager
+def migrating(pg_url: str, schema: str) -> Iterator[psycopg.Connection[Any]]:
+    """Another process migrating `schema`: its transaction holds the schema's migration lock
+    until the test commits it (or leaves)."""
+    from trio_sessions._postgres import MIGRATION_LOCK_NAMESPACE
+
+    with raw(pg_url, "public") as holder:
+        holder.execute("BEGIN")
+        holder.execute(
+            "SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (MIGRATION_LOCK_NAMESPACE, schema)
+        )
+        yield holder
+
+
+def wait_for_the_migration_lock(pg_url: str, schema: str, opener: Background) -> None:
+    """Return once `opener` waits for `schema`'s migration lock (or has ended)."""
+    deadline = time.monotonic() + 10
+    with psycopg.connect(pg_url, autocommit=True) as look:
+        while (
+            opener._thread.is_alive()
+            and not look.execute(
+                "SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+                " AND objid = (hashtext(%s)::bigint & 4294967295)::oid",
+                (schema,),
+            ).fetchone()
+        ):
+            assert time.monotonic() < deadline, "the opener never asked for the lock"
+            time.sleep(0.005)
+
+
+def test_an_open_waits_for_another_processs_migration_longer_than_the_lock_timeout(
+    pg_url: str, pg_schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by an audit. Processes starting together wait for the first one's migration
+    and then find nothing to do (`_postgres.migrate`), however long that migration takes
+    (a large store's backfill or index). The wait for the migration lock is no fence's lock
+    wait, but it was bounded by the connections' `lock_timeout` (5 s; 0.2 s here, so the
+    test is quick): the second opener failed with `StoreError: cannot migrate schema ...:
+    canceling statement due to lock timeout` while the first was still migrating. Now it
+    waits up to `MIGRATION_WAIT_S` (20 s) for the lock, and opens once the first is done."""
+    from trio_sessions._postgres import connections, open_engine
+
+    monkeypatch.setattr(connections, "LOCK_TIMEOUT_MS", 200)
+    with migrating(pg_url, pg_schema) as holder:
+
+        def open_second() -> None:
+            open_engine(pg_url, schema=pg_schema).close()
+
+        second = Background(open_second)
+        wait_for_the_migration_lock(pg_url, pg_schema, second)
+        second._thread.join(1.0)  # the first migration takes longer than the lock timeout...
+        holder.execute("COMMIT")  # ... and then ends (here: it had nothing to write)
+        second.result()  # opened, the schema migrated by whoever came
+    with raw(pg_url, pg_schema) as conn:
+        assert conn.execute("SELECT version FROM schema_version").fetchall() == [(SCHEMA_VERSION,)]
+
+
+def test_an_open_gives_up_on_another_processs_migration_after_its_bound(
+    pg_url: str, pg_schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by an audit (see above). A migration that holds its lock past
+    `MIGRATION_WAIT_S` (0.5 s here) fails the other openers with a `StoreError` that says
+    another process is migrating the schema - not the server's lock timeout - with nothing
+    written."""
+    from trio_sessions._postgres import connections, open_engine
+
+    monkeypatch.setattr(connections, "MIGRATION_WAIT_S", 0.5)
+    with migrating(pg_url, pg_schema):
+        started = time.monotonic()
+        with pytest.raises(StoreError, match="another process is migrating") as raised:
+            open_engine(pg_url, schema=pg_schema)
+        assert time.monotonic() - started < 5
+    assert "lock timeout" not in str(raised.value)
+    with raw(pg_url, "public") as conn:
+        assert conn.execute(
+            "SELECT count(*) FROM pg_tables WHERE schemaname = %s", (pg_schema,)
+        ).fetchall() == [(0,)]
+
+
 async def test_upgrade_of_a_version_1_schema_adds_streaming(pg_url: str, pg_schema: str) -> None:
     """A version-1 schema is upgraded on open (to the newest version; streaming came with
     version 2), as SQLite's version 3 file is: messages marked finished from their JSON (a

@@ -18,8 +18,9 @@ Invariants:
 * every wait for a reply is bounded, from a connection's first statement after the login on
   (`connect` watches it before it sends anything);
 * migrations run in one transaction under an advisory lock per schema: processes starting
-  together wait for the first one's migration and then find nothing to do; a schema a newer
-  library migrated is refused (`SchemaTooNew`) with nothing written.
+  together wait for the first one's migration (up to `MIGRATION_WAIT_S`) and then find
+  nothing to do; a schema a newer library migrated is refused (`SchemaTooNew`) with nothing
+  written.
 """
 
 from __future__ import annotations
@@ -63,6 +64,10 @@ IDLE_IN_TRANSACTION_TIMEOUT_MS = 15_000
 SERVER_KEEPALIVES = {"idle": 10, "interval": 5, "count": 3}
 CLIENT_CONNECT_TIMEOUT_S = 5
 TCP_USER_TIMEOUT_MS = 15_000
+# How long an open waits for another process's migration of the same schema (its lock)
+# before `StoreError`: a migration is no fence, and a large store's may take longer than
+# LOCK_TIMEOUT_MS. Below REPLY_BOUND_S, which would end the wait as a lost connection.
+MIGRATION_WAIT_S = 20.0
 # The longest a connection waits for one reply. The server ends any statement within
 # STATEMENT_TIMEOUT_MS, and a message of ours holds at most two that may wait (a batch's
 # lock-taking call and its first statement), so a longer wait is a server (or a proxy) that
@@ -293,17 +298,41 @@ def _not_ours(conn: Any, why: str) -> StoreError:
     return StoreError(f"schema {schema!r} is not a trio_sessions store: {why}; nothing was written")
 
 
+def _wait_for_migration_lock(conn: Any, schema: str) -> None:
+    """Take the schema's migration lock, waiting up to `MIGRATION_WAIT_S` for another
+    process's migration (`StoreError` past it, saying so); only this wait is that long:
+    the migration's own statements keep the connection's timeouts. One message."""
+    wait_ms = int(MIGRATION_WAIT_S * 1000)
+    statements = sql.SQL(
+        "SET LOCAL lock_timeout = {wait}; SET LOCAL statement_timeout = {statement};"
+        " SELECT pg_advisory_xact_lock({namespace}, hashtext({schema}));"
+        " SET LOCAL lock_timeout = DEFAULT; SET LOCAL statement_timeout = DEFAULT"
+    ).format(
+        wait=sql.Literal(wait_ms),
+        statement=sql.Literal(wait_ms + 1000),  # the lock timeout ends the wait first
+        namespace=sql.Literal(MIGRATION_LOCK_NAMESPACE),
+        schema=sql.Literal(schema),
+    )
+    try:
+        conn.execute(statements)
+    except psycopg.errors.LockNotAvailable:
+        raise StoreError(
+            f"cannot migrate schema {schema!r}: another process is migrating it (waited"
+            f" {MIGRATION_WAIT_S:g} s for its lock); nothing was written - open it again"
+            " once that one is done"
+        ) from None
+
+
 def migrate(conn: Any, schema: str) -> None:
     """Bring the schema up to date in one transaction; idempotent, safe from many hosts.
 
     Serialised by an advisory lock per schema, so processes starting together wait for the
-    first one's migration and then find nothing to do. `SchemaTooNew`, with nothing
-    written (not even the schema), when a newer library migrated it.
+    first one's migration (up to `MIGRATION_WAIT_S`, then `StoreError`) and then find
+    nothing to do. `SchemaTooNew`, with nothing written (not even the schema), when a
+    newer library migrated it.
     """
     try:
-        conn.execute(
-            f"SELECT pg_advisory_xact_lock({MIGRATION_LOCK_NAMESPACE}, hashtext(%s))", (schema,)
-        )
+        _wait_for_migration_lock(conn, schema)
         # Read under the lock: another process may have migrated while we waited.
         version = schema_version(conn)
         if version > SCHEMA_VERSION:
