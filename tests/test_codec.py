@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -443,3 +444,112 @@ def test_dumps_refuses_what_loads_would_refuse() -> None:
     for value in (float("nan"), float("inf"), -float("inf")):
         with pytest.raises(ValueError, match="not JSON compliant"):
             _codec.dumps({"x": value})
+
+
+def test_the_loop_budget_is_unset_by_default_and_per_thread() -> None:
+    """No budget anywhere unless a block sets one (worker threads, PostgreSQL, the inline
+    test store, the CLI's engine), and a block sets it for its own thread only: a worker
+    thread decodes whatever size while the loop's thread is held to its budget."""
+    assert _codec.budget_left() is None
+    big = _codec.dumps([[] for _ in range(1000)])
+    seen: list[Any] = []
+
+    def worker() -> None:
+        seen.append(_codec.budget_left())
+        seen.append(len(_codec.loads(big)))
+
+    with _codec.loop_budget(10):
+        thread = threading.Thread(target=worker)
+        thread.start()
+        thread.join()
+        assert _codec.budget_left() == 10
+        with pytest.raises(_codec.OffTheLoop):
+            _codec.loads(big)
+    assert seen == [None, 1000]
+    assert _codec.budget_left() is None
+
+
+def test_the_loop_budget_is_restored_after_the_block_even_on_error() -> None:
+    """The budget a block set is gone once it exits, by an error too (its own `OffTheLoop`
+    included), and an enclosing block's budget is back as it was."""
+    with pytest.raises(_codec.OffTheLoop), _codec.loop_budget(5):
+        _codec.spend(6)
+    assert _codec.budget_left() is None
+    with _codec.loop_budget(100):
+        _codec.spend(40)
+        with pytest.raises(KeyError), _codec.loop_budget(7):
+            raise KeyError("x")
+        assert _codec.budget_left() == 60
+    assert _codec.budget_left() is None
+
+
+def test_off_the_loop_is_raised_exactly_when_the_budget_is_spent() -> None:
+    """Spending what remains is allowed, one unit more raises `OffTheLoop` before any of
+    that work is done - and leaves the budget as it was, for a smaller operation of the
+    same batch. `loads` spends its text's length."""
+    with _codec.loop_budget(10):
+        _codec.spend(4)
+        _codec.spend(6)
+        assert _codec.budget_left() == 0
+        with pytest.raises(_codec.OffTheLoop):
+            _codec.spend(1)
+        assert _codec.budget_left() == 0
+        _codec.spend(0)
+    with _codec.loop_budget(len("[[],[]]")):
+        assert _codec.loads("[[],[]]") == [[], []]
+    with _codec.loop_budget(len("[[],[]]") - 1), pytest.raises(_codec.OffTheLoop):
+        _codec.loads("[[],[]]")
+
+
+def test_off_the_loop_is_no_error_an_operation_would_catch() -> None:
+    """Operations catch `ValueError`, `TypeError`, `RuntimeError` and the library's own
+    errors as refusals or malformed rows: `OffTheLoop` is none of them, so it always
+    reaches the executor, which runs the operation again in its worker thread."""
+    for caught in (ValueError, TypeError, RuntimeError, TrioSessionsError, MalformedRecord):
+        assert not issubclass(_codec.OffTheLoop, caught)
+    assert issubclass(_codec.OffTheLoop, Exception)
+
+
+def test_encoding_on_the_loop_spends_the_tool_parts_sizes() -> None:
+    """Encoding an assistant message or a step under a budget spends its tool parts' input
+    and output (a node `NODE_UNITS`, a character one) and its text: a large result raises
+    `OffTheLoop`, a small message encodes as without a budget."""
+    big = ToolPart("c1", "search", {"q": "x"}, "completed", [[] for _ in range(10_000)], None)
+    small = AssistantData(parts=(TextPart("hi"),), finished=True, error=None)
+    large = AssistantData(parts=(TextPart("hi"), big), finished=True, error=None)
+    with _codec.loop_budget(_codec.NODE_UNITS * 1000):
+        assert _codec.encode_assistant(small) == _codec.dumps(
+            {"parts": [{"text": "hi", "type": "text"}], "finished": True, "error": None}
+        )
+        with pytest.raises(_codec.OffTheLoop):
+            _codec.encode_assistant(large)
+        with pytest.raises(_codec.OffTheLoop):
+            _codec.encode_step(("part", big))
+        assert _codec.encode_step(("finish", {"error": None})) == '{"error":null}'
+    assert _codec.decode_assistant(_codec.encode_assistant(large), key="m") == large
+
+
+def test_the_units_walk_stops_once_past_its_limit() -> None:
+    """`json_units` counts a value's units (a node `NODE_UNITS`, a character one) exactly
+    up to its limit and stops as soon as the count passes it, so a huge value costs the
+    walk no more than a small one."""
+    value = {"a": ["xyz", [1, 2]], "b": None}
+    exact = _codec.json_units(value, 10**9)
+    # 7 nodes, the keys' and the string's characters.
+    assert exact == 7 * _codec.NODE_UNITS + len("a") + len("b") + len("xyz")
+    assert _codec.json_units(value, exact) == exact
+    assert _codec.json_units(value, exact - 1) > exact - 1
+    assert _codec.is_small(value, exact) and not _codec.is_small(value, exact - 1)
+
+    class Counted(list[Any]):
+        """A list that counts how often the walk iterated over it."""
+
+        iterated = 0
+
+        def __iter__(self) -> Iterator[Any]:
+            Counted.iterated += 1
+            return super().__iter__()
+
+    huge = Counted([Counted([]) for _ in range(100_000)])
+    assert _codec.json_units(huge, 1000) > 1000
+    assert Counted.iterated == 0  # refused on its length, before a child was visited

@@ -5,6 +5,7 @@ released by the test itself, so ordering is forced, not hoped for."""
 from __future__ import annotations
 
 import sqlite3
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -14,7 +15,8 @@ import trio
 from helpers import Raw
 
 import trio_sessions
-from trio_sessions import DrainContext, Outcome, Runtime
+from trio_sessions import DrainContext, Outcome, Runtime, _codec, _sqlite
+from trio_sessions._backend import Tx
 from trio_sessions._model import RuntimeStatistics
 
 pytestmark = pytest.mark.slow
@@ -241,3 +243,63 @@ def test_a_group_commits_callers_go_on_in_the_next_round(tmp_path: Path) -> None
 
     rounds = trio.run(_rounds_on_a_warm_runtime, tmp_path / "db", submits, submit)
     assert rounds <= 2.5 * submits, rounds / submits
+
+
+def _decode_and_note_the_thread(tx: Tx, text: str) -> int:
+    """A write that decodes `text` (a `loads`, spending its length of the loop's budget)
+    and records the thread it ran on; returns that thread."""
+    _codec.loads(text)
+    tx.execute("INSERT INTO probe(thread) VALUES (?)", (threading.get_ident(),))
+    return threading.get_ident()
+
+
+def _decode_on_a_snapshot(tx: Tx, text: str) -> int:
+    """A read that decodes `text`; returns the thread it ran on."""
+    _codec.loads(text)
+    assert tx.one("SELECT count(*) FROM probe") is not None
+    return threading.get_ident()
+
+
+async def test_an_operation_over_the_loops_budget_runs_again_in_the_worker_thread(
+    tmp_path: Path,
+) -> None:
+    """The threaded store runs a write on the event loop's thread within the loop's budget
+    (`_codec.loop_budget`): one that meets more data raises `OffTheLoop` there, its
+    transaction (or savepoint) rolled back, and runs again in the worker thread, whose
+    result its caller gets - alone (the lone-caller path) or grouped with a small one,
+    which still commits on the loop. Its write lands once. A read over the budget runs
+    again in the worker thread too. The inline test store sets no budget."""
+    path = tmp_path / "s.db"
+    small = "[]"
+    big = _codec.dumps([[] for _ in range(_codec.LOOP_BUDGET_UNITS // 3 + 1)])
+    assert len(big) > _codec.LOOP_BUDGET_UNITS
+    loop = threading.get_ident()
+    async with _sqlite.SQLiteStore(path).open_executor(None) as executor:
+        assert isinstance(executor, _sqlite.ThreadExecutor)
+        with sqlite3.connect(path) as conn:
+            conn.execute("CREATE TABLE probe(thread INTEGER)")
+        assert await executor.run(_decode_and_note_the_thread, small) == loop
+        assert executor.statistics().handoffs == 0
+        assert await executor.run(_decode_and_note_the_thread, big) != loop
+        assert executor.statistics().handoffs == 1
+
+        ran: dict[str, int] = {}
+
+        async def one(name: str, text: str) -> None:
+            ran[name] = await executor.run(_decode_and_note_the_thread, text)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one, "big", big)
+            nursery.start_soon(one, "small", small)
+        assert ran["small"] == loop and ran["big"] != loop
+        assert executor.statistics().handoffs == 2
+        assert await executor.read(_decode_on_a_snapshot, small) == loop
+        assert await executor.read(_decode_on_a_snapshot, big) != loop
+        assert executor.thread_reads == 1
+    with sqlite3.connect(path) as conn:
+        threads = [thread for (thread,) in conn.execute("SELECT thread FROM probe ORDER BY rowid")]
+    assert len(threads) == 4
+    assert [thread == loop for thread in threads] == [True, False, True, False]
+    async with _sqlite.SQLiteStore(path, inline=True).open_executor(None) as inline:
+        assert await inline.run(_decode_and_note_the_thread, big) == loop
+        assert await inline.read(_decode_on_a_snapshot, big) == loop

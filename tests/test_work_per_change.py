@@ -533,3 +533,83 @@ async def test_a_large_tool_result_written_while_a_stream_follows_never_stalls_t
     store = PostgresStore(pg_url, schema=pg_schema)
     longest = await _settle_a_large_result_with_a_stream(store, 300_000)
     assert longest < STALL_S, longest
+
+
+RESULTS = 4
+RESULT_NODES = 300_000
+
+
+def _many_large_results_drain(results: int, nodes: int) -> Any:
+    """A drain whose one assistant message settles `results` tool results of `nodes` JSON
+    nodes each (`[[], [], ...]`: the costliest shape per byte to decode), then finishes."""
+    big: list[list[int]] = [[] for _ in range(nodes)]
+
+    async def drain(ctx: DrainContext) -> None:
+        await ctx.take_inputs()
+        writer = await ctx.begin_assistant()
+        for k in range(results):
+            await writer.start_tool(f"c{k}", "search", {"q": "x"})
+            await writer.settle_tool(f"c{k}", big)
+        await writer.append_text("done")
+        await writer.finish()
+
+    return drain
+
+
+async def test_several_large_tool_results_in_one_message_never_stall_the_loop(
+    tmp_path: Path,
+) -> None:
+    """A drain settling four tool results of 300,000 JSON nodes each in one assistant
+    message, on the threaded SQLite store: no task step above 50 ms of CPU. Each settle
+    reads the message back, decodes it and encodes it again with every result so far: on
+    the event loop's thread that was one step of 133 ms. The loop now gives up a
+    transaction that meets more than its budget (`_codec.loop_budget`), and the worker
+    thread runs it. Real time."""
+    db = tmp_path / "s.db"
+    drain = _many_large_results_drain(RESULTS, RESULT_NODES)
+    with trio.fail_after(BOUND):
+        async with trio_sessions.open_runtime(db, drain, **NO_RECOVERY) as rt:
+            with StepMeter() as meter:
+                outcome = await rt.run("s")
+            [message] = await rt.transcript("s")
+            handoffs = rt.statistics().store.handoffs
+    assert outcome == Outcome("succeeded")
+    assert meter.longest_cpu < STALL_S, meter.longest_cpu
+    assert isinstance(message.data, AssistantData) and message.data.finished
+    outputs = [part.output for part in message.data.parts if not isinstance(part, TextPart)]
+    assert [len(output) for output in outputs] == [RESULT_NODES] * RESULTS
+    assert handoffs >= RESULTS  # every settle went to the worker thread
+
+
+async def test_reading_several_large_tool_results_never_stalls_the_loop(tmp_path: Path) -> None:
+    """`transcript()`, a `stream()`'s catch-up and a `watch()`'s catch-up of a session whose
+    message holds four tool results of 300,000 JSON nodes each, from a second runtime on
+    the threaded SQLite store: no task step of either above 50 ms of CPU. The reads ran
+    on the event loop's thread (59, 70 and 76 ms); one that meets more than the loop's
+    budget now runs again in the worker thread. Real time."""
+    db = tmp_path / "s.db"
+    drain = _many_large_results_drain(RESULTS, RESULT_NODES)
+    with trio.fail_after(BOUND):
+        async with trio_sessions.open_runtime(db, drain, **NO_RECOVERY) as rt:
+            assert await rt.run("s") == Outcome("succeeded")
+        async with trio_sessions.open_runtime(db, None, **NO_RECOVERY) as rt:
+            with StepMeter() as read:
+                [message] = await rt.transcript("s")
+            with StepMeter() as streamed:
+                async with rt.stream("s") as events:
+                    async for event in events:
+                        if event.role == "assistant":
+                            break
+            with StepMeter() as watched:
+                async with rt.watch("s") as updates:
+                    async for update in updates:
+                        if update.role == "assistant":
+                            break
+    assert isinstance(message.data, AssistantData) and message.data.finished
+    assert event.kind == "message" and update.data == message.data
+    longest = {
+        "transcript": read.longest_cpu,
+        "stream": streamed.longest_cpu,
+        "watch": watched.longest_cpu,
+    }
+    assert max(longest.values()) < STALL_S, longest
