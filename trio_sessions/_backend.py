@@ -296,6 +296,10 @@ class Job:
     # a transaction after autocommit, alone after its batch - reads back whether it did
     # (`p_retry`), never runs as a first call.
     reply_lost: bool = attrs.field(default=False, init=False)
+    # It met more data than the event loop may decode or encode at once (`_codec.OffTheLoop`,
+    # SQLite's loop-thread store): nothing of it committed there, and every later attempt
+    # runs in the worker thread - a batch holding it is never tried on the loop again.
+    off_the_loop: bool = attrs.field(default=False, init=False)
     _call_id: str | None = attrs.field(default=None, init=False, repr=False)
 
     @property

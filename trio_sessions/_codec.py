@@ -10,12 +10,20 @@ It also validates what callers hand over before anything is written (`check_json
 (one backend cannot store it, so none does: DESIGN §8), no lone surrogate (no UTF-8 for
 it), at most `MAX_PAYLOAD_BYTES` (1 MiB) per value; `is_small` tells a caller on the event
 loop whether the check is cheap enough to run there (§6.26).
+
+And it keeps the event loop's thread to a budget (`loop_budget`): where a block sets one,
+`loads` and the encoding of an assistant message or step spend their size from it first, and
+raise `OffTheLoop` - before doing the work - when it would be overspent, for the caller to
+run the whole operation again in a worker thread. Invariant: no budget is set anywhere but
+inside such a block, on the thread that set it, and only around synchronous code (a task
+switch at an `await` would hand it to another task).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import threading
 from collections.abc import Sequence
 from typing import Any, Literal, NoReturn, get_args, get_origin
 
@@ -119,9 +127,11 @@ _ENCODER = json.JSONEncoder(allow_nan=False, separators=(",", ":"))
 
 def loads(text: Any) -> Any:
     """Decode JSON text, rejecting what `dumps` could never write back (NaN, Infinity,
-    numbers that overflow a float, nesting beyond Python's recursion limit)."""
+    numbers that overflow a float, nesting beyond Python's recursion limit). Spends the
+    text's length of the thread's loop budget first (`OffTheLoop`), if one is set."""
     if not isinstance(text, str):
         raise TypeError(f"expected JSON text, got {type(text).__name__}")
+    spend(len(text))
     try:
         return _DECODER.decode(text)
     except RecursionError:
@@ -220,26 +230,117 @@ class _Bound:
 
 def is_small(value: Any, budget: int = INLINE_CHECK_UNITS) -> bool:
     """Whether `check_json(value)` is cheap enough for the event loop: at most `budget`
-    units (a character of text is one, a JSON node `NODE_UNITS`). Stops as soon as the
-    budget is spent, so it costs at most about `budget / NODE_UNITS` steps whatever the
-    value's size."""
+    units (`json_units`)."""
+    return json_units(value, budget) <= budget
+
+
+def json_units(value: Any, limit: int) -> int:
+    """What encoding or checking `value` costs, in units (a character of text or of a key
+    is one, a JSON node `NODE_UNITS`): the exact count while it stays within `limit`, else
+    some count over `limit`, returned as soon as it is certain. So it costs at most about
+    `limit / NODE_UNITS` steps, whatever the value's size: a container is refused on its
+    length before any of its items is looked at."""
+    units = 0
     stack = [value]
     while stack:
         item = stack.pop()
-        budget -= NODE_UNITS
+        units += NODE_UNITS
         if isinstance(item, str):
-            budget -= len(item)
+            units += len(item)
         elif isinstance(item, dict | list | tuple):
-            if len(item) * NODE_UNITS > budget:
-                return False
+            if units + len(item) * NODE_UNITS > limit:
+                return units + len(item) * NODE_UNITS
             if isinstance(item, dict):
-                budget -= sum(len(key) for key in item if isinstance(key, str))
+                units += sum(len(key) for key in item if isinstance(key, str))
                 stack.extend(item.values())
             else:
                 stack.extend(item)
-        if budget < 0:
-            return False
-    return True
+        if units > limit:
+            return units
+    return units
+
+
+class OffTheLoop(Exception):
+    """An operation met more data than the event loop may decode or encode in one step
+    (`loop_budget`): run it again in a worker thread. Raised before that work is done; the
+    executor that set the budget rolls the operation's writes back and re-runs it, so no
+    caller ever sees it. Deliberately no `ValueError`, `TypeError`, `RuntimeError` or
+    `TrioSessionsError`: operations catch those as refusals or malformed rows."""
+
+
+# The loop's budget in units (`json_units`; `loads` spends a character as one). Measured on
+# this machine (CPython 3.11, 2 vCPU), what a batch may do on the loop within it, garbage
+# collector excluded as `StepMeter` excludes it: decode a message of 256 KiB holding floats
+# (`[0.5,...]`, our float hook per number) 15-17 ms, nested lists (`[[[[]]]],...`) 13 ms,
+# `[[],...]` 6 ms, empty text parts (only another tool writes those) 20 ms; encode at most
+# ~3 ms. Well inside DESIGN §7's 50 ms for the whole step, while a message of up to ~100 KB
+# still round-trips on the loop, where a thread hand-off would cost more than the work.
+LOOP_BUDGET_UNITS = 256 * 1024
+
+
+class _LoopBudget(threading.local):
+    """The units the running block may still spend on this thread; None: no budget."""
+
+    units: int | None = None
+
+
+_BUDGET = _LoopBudget()
+
+
+def loop_budget(units: int | None = LOOP_BUDGET_UNITS) -> _Budget:
+    """Hold this thread to `units` (None: no budget) for a synchronous block (`with`):
+    `spend`, `loads` and the encoding of assistant messages raise `OffTheLoop` rather than
+    overspend it. The budget before the block is back when it exits, by an error too.
+    Never around an `await`: another task would run on the same thread with what is left."""
+    return _Budget(units)
+
+
+class _Budget:
+    """`loop_budget`'s context manager: a class, not a generator - it wraps every batch on
+    the loop, and a generator-based one cost 3 µs each."""
+
+    __slots__ = ("_previous", "_units")
+
+    def __init__(self, units: int | None) -> None:
+        self._units = units
+        self._previous: int | None = None
+
+    def __enter__(self) -> None:
+        self._previous, _BUDGET.units = _BUDGET.units, self._units
+
+    def __exit__(self, *exc_info: object) -> None:
+        _BUDGET.units = self._previous
+
+
+def budget_left() -> int | None:
+    """The units this thread's block may still spend (None: no budget)."""
+    return _BUDGET.units
+
+
+def spend(units: int) -> None:
+    """Take `units` from this thread's budget, if one is set: `OffTheLoop`, with the budget
+    left as it was, when fewer remain - an operation of the same batch that fits may still
+    run."""
+    left = _BUDGET.units
+    if left is None:
+        return
+    if units > left:
+        raise OffTheLoop(f"{units} units of data; the event loop's budget has {left} left")
+    _BUDGET.units = left - units
+
+
+def _spend_parts(parts: Sequence[Part]) -> None:
+    """Spend what encoding `parts` costs (`json_units` of each text and each tool part's
+    input and output), counted no further than the budget left: only where one is set."""
+    if _BUDGET.units is None:
+        return  # no walk at all off the loop (worker threads, PostgreSQL, tests' store)
+    for part in parts:
+        left = _BUDGET.units
+        if isinstance(part, TextPart):
+            spend(NODE_UNITS + len(part.text))
+            continue
+        units = NODE_UNITS + len(part.error or "") + json_units(part.input, left)
+        spend(units + json_units(part.output, max(0, left - units)))
 
 
 def _too_large(
@@ -349,6 +450,9 @@ _BATCH = 4096
 
 
 def encode_assistant(data: AssistantData) -> str:
+    """An assistant message as stored; spends its parts' size from the thread's loop
+    budget first (`OffTheLoop`), if one is set."""
+    _spend_parts(data.parts)
     return dumps(
         {
             "parts": [_part_json(part) for part in data.parts],
@@ -406,8 +510,11 @@ def decode_streamed(texts: Sequence[Any], *, key: str) -> list[str]:
 
 def encode_step(step: Step) -> str:
     """A stream's step (`session_message_change.data`): the tool part, or the finish's
-    `{"error": ...}`."""
+    `{"error": ...}`. A tool part spends its size from the thread's loop budget first, as
+    `encode_assistant`."""
     kind, value = step
+    if kind == "part":
+        _spend_parts((value,))
     return dumps(_part_json(value) if kind == "part" else value)
 
 

@@ -7,10 +7,12 @@ costs an fsync, so concurrent operations share both.
 
 Invariant: an operation that has begun is never abandoned. If its caller is cancelled while
 it is queued, it is withdrawn unrun; once taken, the caller waits for its outcome (as
-`trio.to_thread.run_sync` does with `abandon_on_cancel=False`), so a write that committed is
-always reported, never mistaken for one that did not happen, nor one that did not run for
-one that did (a hand-off that raises leaves its callers `OutcomeUnknown`). When the pump
-stops, every operation still queued fails with `StoreError`, and later ones are refused.
+`trio.to_thread.run_sync` does with `abandon_on_cancel=False`), so a write that committed
+is always reported, never mistaken for one that did not happen, nor one that did not run
+for one that did (a hand-off that raises leaves its callers `OutcomeUnknown`, but for those
+it already gave their outcome: `Queued.finish` early, for operations done before the rest).
+When the pump stops, every operation still queued fails with `StoreError`, and later ones
+are refused.
 """
 
 from __future__ import annotations
@@ -156,14 +158,14 @@ class HandoffQueue:
             # only before anything ran (waiting for the worker's limiter: its thread is never
             # abandoned): refused as what the close left queued is.
             for queued in batch:
-                if queued.job.error is None:
+                if not queued.finished and queued.job.error is None:
                     queued.job.error = closed_before_run()
             raise
         except BaseException as exc:
             # An error no engine made a job's outcome: whether the batch ran is unknown,
             # and a caller must never take its unfilled result for a committed write.
             for queued in batch:
-                if queued.job.error is None:
+                if not queued.finished and queued.job.error is None:
                     queued.job.error = OutcomeUnknown(f"the store's writer failed: {exc!r}")
             raise
         finally:

@@ -2,18 +2,20 @@
 thread, and tells a waiting runtime when another connection committed - or when one of the
 runtime's own commits changed a session a local watcher follows.
 
-Invariants: a read runs on one snapshot (one deferred transaction, rolled back: it never takes
-the write lock, so it never waits for a writer); `PRAGMA data_version` on a connection changes
-with every commit made on any other connection. Read on the connection the event loop commits
-on (`own_conn`), it changes with every commit but the loop's own: other processes', and this
-process's worker thread's (those get a look, conservatively). The loop's own commits are
-handled where they are made (a doorbell rung, a claim interrupted, a due timer armed, a
-stream offered its write), so they are looked at only for the sessions their batches
-signalled (`touched`, `SQLiteTx.notify`) that `own` says still need it, as PostgreSQL skips
-its own writers' notifications. Without `own_conn` (the deterministic executor) every commit
-on another connection is a change. A change is reported at most every `CHANGE_GAP` seconds,
-and where the WAL file cannot be watched the reader polls (`CHANGE_POLL`, `SQLiteStore`'s
-setting).
+Invariants: a read runs on one snapshot (one deferred transaction, rolled back: it never
+takes the write lock, so it never waits for a writer), and decodes at most `budget` units of
+data on the event loop (`_codec.loop_budget`: a read meeting more raises
+`_codec.OffTheLoop`, which the threaded executor answers by running it in its worker
+thread); `PRAGMA data_version` on a connection changes with every commit made on any other
+connection. Read on the connection the event loop commits on (`own_conn`), it changes with
+every commit but the loop's own: other processes', and this process's worker thread's (those
+get a look, conservatively). The loop's own commits are handled where they are made (a
+doorbell rung, a claim interrupted, a due timer armed, a stream offered its write), so they
+are looked at only for the sessions their batches signalled (`touched`, `SQLiteTx.notify`)
+that `own` says still need it, as PostgreSQL skips its own writers' notifications. Without
+`own_conn` (the deterministic executor) every commit on another connection is a change. A
+change is reported at most every `CHANGE_GAP` seconds, and where the WAL file cannot be
+watched the reader polls (`CHANGE_POLL`, `SQLiteStore`'s setting).
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ from typing import TypeVar, TypeVarTuple, Unpack
 import attrs
 import trio
 
-from .._backend import OwnChange, Tx, executor_closed, now_ms
+from .. import _codec
+from .._backend import OwnChange, Tx
 from .._filewatch import FileWatch
-from .engine import SQLiteTx, Touched, run_read, store_error
+from .engine import Touched, read_snapshot
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
@@ -63,22 +66,19 @@ class ChangeReader:
     # The sessions the loop's committed batches signalled since the last look (the executor
     # adds to it in place).
     touched: Touched = attrs.Factory(dict)
+    # The units of data a read may decode on the event loop (`_codec.loop_budget`); None,
+    # no bound: the deterministic executor, which has no thread to send a read to.
+    budget: int | None = None
     _version: int = 0
     _next_check: float = 0.0
 
     async def read(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
-        """Run a read-only operation on one snapshot, on the trio thread."""
+        """Run a read-only operation on one snapshot, on the trio thread, within `budget`:
+        one that meets more data raises `_codec.OffTheLoop` (its snapshot ended), for the
+        executor to run it again in its worker thread."""
         await trio.lowlevel.checkpoint_if_cancelled()
-        try:
-            self.conn.execute("BEGIN")  # one snapshot for the whole operation
-        except sqlite3.ProgrammingError:  # closed with its runtime
-            raise executor_closed() from None
-        try:
-            result = run_read(self.conn, op, SQLiteTx(self.conn, now_ms(self.clock)), args)
-        except sqlite3.Error as exc:
-            raise store_error(exc) from exc
-        finally:
-            self.conn.execute("ROLLBACK")
+        with _codec.loop_budget(self.budget):
+            result = read_snapshot(self.conn, self.clock, op, args)
         await trio.lowlevel.cancel_shielded_checkpoint()
         return result
 

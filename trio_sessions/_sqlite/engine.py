@@ -32,7 +32,16 @@ from typing import Any, TypeVar, TypeVarTuple, Unpack
 import attrs
 
 from .. import _codec, _liveness
-from .._backend import FALLBACK, BackendName, Job, Params, Tx, driver_error, now_ms
+from .._backend import (
+    FALLBACK,
+    BackendName,
+    Job,
+    Params,
+    Tx,
+    driver_error,
+    executor_closed,
+    now_ms,
+)
 from .._errors import TrioSessionsError
 from .connections import DatabaseFile, begin_immediate, connect, is_locked, schema_version
 
@@ -154,6 +163,24 @@ def run_read(
         return op(tx, *args)
     finally:
         conn.text_factory = str
+
+
+def read_snapshot(
+    conn: sqlite3.Connection, clock: Callable[[], float], op: Callable[..., T], args: Sequence[Any]
+) -> T:
+    """`op(tx, *args)` on one snapshot of an executor's connection (one deferred transaction,
+    rolled back: it never takes the write lock, so never waits for a writer); an SQLite
+    error as `StoreError`, a connection closed with its runtime as `executor_closed`."""
+    try:
+        conn.execute("BEGIN")
+    except sqlite3.ProgrammingError:  # closed with its runtime
+        raise executor_closed() from None
+    try:
+        return run_read(conn, op, SQLiteTx(conn, now_ms(clock)), args)
+    except sqlite3.Error as exc:
+        raise store_error(exc) from exc
+    finally:
+        conn.execute("ROLLBACK")
 
 
 def database_file(conn: sqlite3.Connection) -> str | None:

@@ -2,22 +2,26 @@
 SQLite, one writer path with group commit.
 
 `ThreadExecutor` (production) queues operations and groups every operation queued in one
-round of the event loop into one transaction (group commit). It runs that transaction on the
-trio thread, on a second connection that never waits: when the write lock is free at once
-(the common case, no other process writing), nothing crosses to a thread - a trio -> thread
-hand-off costs more than a whole SQLite cycle on our machines, and when the event loop is
-never idle (a producer submitting while drains run) every operation would pay one. When
-another process holds the lock, the group goes to the worker thread, which waits for it;
-operations arriving meanwhile join the next group. A lone caller (nothing queued, nothing
-in flight, no other task runnable: the group would be just itself) skips the queue. The
-loop's connection never checkpoints (a checkpoint may fsync); the worker does, every
+round of the event loop into one transaction (group commit). It runs that transaction on
+the trio thread, on a second connection that never waits: when the write lock is free at
+once (the common case, no other process writing), nothing crosses to a thread - a trio ->
+thread hand-off costs more than a whole SQLite cycle on our machines, and when the event
+loop is never idle (a producer submitting while drains run) every operation would pay one.
+When another process holds the lock, the group goes to the worker thread, which waits for
+it; operations arriving meanwhile join the next group. A lone caller (nothing queued,
+nothing in flight, no other task runnable: the group would be just itself) skips the queue.
+The loop's connection never checkpoints (a checkpoint may fsync); the worker does, every
 `CHECKPOINT_EVERY` commits on the loop, beside the writers (PASSIVE), and holds them back
 only when the WAL could not restart for `WAL_RESTART_FRAMES` frames. With WAL and
 synchronous=NORMAL a commit does not fsync, so the event loop never blocks on a lock or a
-disk flush. The loop's batches hand the sessions they signalled to the change reader
-(`ChangeReader.touched`): its own commits are no change signal otherwise, while the
-worker's are (as another process's). `InlineExecutor` (tests) runs each operation on the
-trio thread in its own transaction, so virtual time never jumps while SQLite works.
+disk flush. Nor on data: a transaction on the loop, and a read, run within the loop's
+budget (`_codec.loop_budget`, DESIGN §6.26: no step over 50 ms); an operation that meets
+more (a message holding large tool results) raises `_codec.OffTheLoop` with its writes
+rolled back, and runs again in the worker thread, whose result its caller gets. The loop's
+batches hand the sessions they signalled to the change reader (`ChangeReader.touched`): its
+own commits are no change signal otherwise, while the worker's are (as another process's).
+`InlineExecutor` (tests) runs each operation on the trio thread in its own transaction, so
+virtual time never jumps while SQLite works.
 
 Every write batch first checks that the path still names the file the executor opened
 (`DatabaseFile`). A WAL that checkpoints cannot shrink (a reader that never ends) is logged
@@ -43,7 +47,7 @@ from typing import Any, TypeVar, TypeVarTuple, Unpack
 import attrs
 import trio
 
-from .. import _liveness, _observe
+from .. import _codec, _liveness, _observe
 from .._backend import BackendName, Job, OwnChange, StoreStatistics, Tx
 from .._errors import StoreError
 from .._filewatch import open_watch
@@ -64,7 +68,7 @@ from .connections import (
     database_name,
     poll_for_lock,
 )
-from .engine import Touched, database_file, run_batch, try_run_batch
+from .engine import Touched, database_file, read_snapshot, run_batch, try_run_batch
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
@@ -196,6 +200,8 @@ class ThreadExecutor:
     _wal_warned: bool = False
     inline_runs: int = 0
     thread_handoffs: int = 0
+    # Reads over the loop's budget, run again in the worker thread (tests look).
+    thread_reads: int = 0
     backend: BackendName = "sqlite"
     # Whether the `run` that just returned left its schedule point to its caller
     # (`_backend.caller_yields_next`, run on the loop); the caller reads it at once.
@@ -216,21 +222,22 @@ class ThreadExecutor:
         await trio.lowlevel.checkpoint_if_cancelled()
         self._handoff.check_open()
         job = Job(op, args)
-        if self._lone_caller():
-            assert self.inline_conn is not None
-            if try_run_batch(self.inline_conn, self.clock, [job], self.file, self.reader.touched):
-                self._count_inline_commit()
-                # Set and read with no checkpoint between (see `left_schedule_point`).
-                self.left_schedule_point = _caller_yields_next(job)
-                if not self.left_schedule_point:
-                    await trio.lowlevel.cancel_shielded_checkpoint()
-                inline_result: T = job.unwrap()
-                return inline_result
+        if self._lone_caller() and self._run_on_the_loop([job], self.file) and not job.off_the_loop:
+            # Set and read with no checkpoint between (see `left_schedule_point`).
+            self.left_schedule_point = _caller_yields_next(job)
+            if not self.left_schedule_point:
+                await trio.lowlevel.cancel_shielded_checkpoint()
+            inline_result: T = job.unwrap()
+            return inline_result
+        # Queued (the worker thread's, if it went off the loop): the hand-off's rules for a
+        # cancelled caller, and its group commit, apply.
         result: T = await self._handoff.submit(job)
         self.left_schedule_point = False  # it waited for the hand-off
         return result
 
     async def run_nowait(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
+        # No loop budget here: these are shutdown's hand-backs (claims released, wakes kept),
+        # which decode no transcript, and they must not wait for the worker thread.
         await trio.lowlevel.checkpoint_if_cancelled()
         if self._handoff.in_flight or self.inline_conn is None:
             # The worker holds this process's write lock now: its batch ends soon.
@@ -255,7 +262,17 @@ class ThreadExecutor:
             return result
 
     async def read(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
-        return await self.reader.read(op, *args)
+        try:
+            return await self.reader.read(op, *args)
+        except _codec.OffTheLoop:
+            pass  # too much data for the loop: the worker thread reads it
+        # On the worker's connection, under its limiter (one user at a time): a WAL reader
+        # never waits for the write lock, so this waits at most for a batch in flight, and
+        # the loop's other readers go on meanwhile.
+        self.thread_reads += 1
+        return await trio.to_thread.run_sync(
+            read_snapshot, self.conn, self.clock, op, args, limiter=self._limiter
+        )
 
     async def wait_for_change(
         self,
@@ -276,6 +293,29 @@ class ThreadExecutor:
             and self._handoff.idle()
             and trio.lowlevel.current_statistics().tasks_runnable == 0
         )
+
+    def _run_on_the_loop(self, jobs: list[Job], file: DatabaseFile | None) -> bool:
+        """Run `jobs` in one transaction on the trio thread, within the loop's budget, if
+        the write lock is free now (False: nothing ran). A job over the budget is marked
+        `off_the_loop`, its writes rolled back and its outcome cleared, for the worker
+        thread to run; the others committed."""
+        assert self.inline_conn is not None
+        # The budget spans the whole synchronous batch: what the loop decodes and encodes
+        # in this one step, whichever job does it.
+        with _codec.loop_budget():
+            ran = try_run_batch(self.inline_conn, self.clock, jobs, file, self.reader.touched)
+        if not ran:
+            return False
+        stayed = False
+        for job in jobs:
+            if isinstance(job.error, _codec.OffTheLoop):
+                job.error = job.result = None
+                job.off_the_loop = True
+            else:
+                stayed = True
+        if stayed:  # else it rolled back, or committed nothing
+            self._count_inline_commit()
+        return True
 
     def _count_inline_commit(self) -> None:
         self.inline_runs += 1
@@ -311,12 +351,22 @@ class ThreadExecutor:
             return
         # Group commit on the trio thread when the write lock is free: a thread hand-off
         # costs more than the whole group's SQL, and when the event loop is never idle
-        # (a producer submitting while drains run) every operation would pay one.
-        if self.inline_conn is not None and try_run_batch(
-            self.inline_conn, self.clock, jobs, touched=self.reader.touched
+        # (a producer submitting while drains run) every operation would pay one. A job
+        # that went off the loop before is never tried there again.
+        on_the_loop = [job for job in jobs if not job.off_the_loop]
+        # (The file was checked just above.)
+        if (
+            on_the_loop
+            and self.inline_conn is not None
+            and self._run_on_the_loop(on_the_loop, None)
         ):
-            self._count_inline_commit()
-            return
+            jobs = [job for job in jobs if job.off_the_loop]
+            if not jobs:
+                return
+            # Those that committed on the loop go on now, not after the worker's batch.
+            for queued in batch:
+                if not queued.job.off_the_loop:
+                    queued.finish()
         self.thread_handoffs += 1
         await trio.to_thread.run_sync(
             run_batch, self.conn, self.clock, jobs, self.file, limiter=self._limiter
@@ -432,6 +482,7 @@ class SQLiteStore:
                 contextlib.closing(connect_nonblocking(self.path, synchronous=self.synchronous))
             )
             reader = self._reader(connections, clock, CHANGE_POLL, own_conn=inline_conn)
+            reader.budget = _codec.LOOP_BUDGET_UNITS  # a worker thread reads larger data
             async with open_thread_executor(
                 self._wrapped(conn),
                 clock,
