@@ -101,3 +101,38 @@ def test_a_stale_known_view_never_settles_a_tool_twice(db: Db) -> None:
     [part] = settled.parts
     assert isinstance(part, ToolPart)
     assert (part.status, part.output, part.error) == ("completed", {"ok": 1}, None)
+
+
+def test_a_write_from_what_the_writer_holds_shares_its_objects_while_they_encode_as_stored(
+    db: Db,
+) -> None:
+    """Given what the writer stored last (`Known`), update_assistant runs the transition on
+    the writer's very data while that encodes as stored (SQLite compares it with the row,
+    PostgreSQL with `Known.text`): the new message shares its unchanged tool parts with it,
+    so no decoded copy of a large result is made, nor dropped on the event loop. Once a
+    reader edited those objects into something encoding otherwise (`1` made `True`, equal
+    in Python), the stored message is read and the edit is never written."""
+    db.run(_store.submit, "s", '{"n": 1}', "in-1")
+    execution = db.claim()
+    db.run(_store.take_inputs, "s", execution, "owner-a")
+    db.run(_store.begin_assistant, "s", execution, "owner-a", "m-1")
+
+    def update(transition: Any, known: _store.Known | None) -> Any:
+        return db.run(_store.update_assistant, "s", execution, "owner-a", "m-1", transition, known)
+
+    data, version, _, text = update(lambda d: _transcript.start_tool(d, "c1", "look", {}), None)
+    data, version, _, text = update(
+        lambda d: _transcript.settle_tool(d, "c1", output={"hits": [1]}), None
+    )
+    known = _store.Known(data, (), version, text)
+    after, version, _, text = update(lambda d: _transcript.start_tool(d, "c2", "look", {}), known)
+    assert after.parts[0] is data.parts[0]
+    assert after == db.message("m-1")
+    after.parts[0].output["hits"][0] = True  # a reader's edit: == 1, encodes as `true`
+    known = _store.Known(after, (), version, text)
+    final, _, _, _ = update(lambda d: _transcript.settle_tool(d, "c2", output=2), known)
+    assert final.parts[0] is not after.parts[0]
+    assert type(final.parts[0].output["hits"][0]) is int
+    assert db.message("m-1") == final
+    [(stored,)] = db.rows("SELECT data FROM session_message WHERE id = 'm-1'")
+    assert '"hits":[1]' in str(stored)

@@ -165,7 +165,8 @@ def update_assistant(
     and the result is written only if the message is still at that version (one call,
     `ts_update_message`, alone in autocommit); otherwise, or when the transition refuses
     the known message or its data no longer encodes as stored, the durable message is read
-    and the transition runs on it.
+    and the transition runs on it. On SQLite, `known` saves decoding the message read: its
+    data is used while it encodes as stored (`_stored_or_known`).
     """
     if tx.dialect == "postgres" and known is not None:
         updated = _pg_update_known(
@@ -208,7 +209,7 @@ def update_assistant(
     )
     if row is None:
         raise _not_owned(message_id, execution_id)
-    data, step = _applied(transition, _assistant_data(tx, message_id, row[0]))
+    data, step = _applied(transition, _stored_or_known(tx, message_id, row[0], known))
     version = _write_assistant(tx, message_id, execution_id, data, step)
     tx.notify(session_id, watchers_only=True)
     return data, version, step, None
@@ -305,6 +306,25 @@ def _step_columns(step: Step | None) -> tuple[str | None, str | None]:
 
 def _not_owned(message_id: str, execution_id: str) -> LeaseLost:
     return LeaseLost(f"message {message_id!r} is not owned by execution {execution_id!r}")
+
+
+def _stored_or_known(tx: Tx, message_id: str, text: Any, known: Known | None) -> AssistantData:
+    """SQLite: the message as stored (`_assistant_data`) - as the writer's own data, when
+    that is what is stored: `known.data` encodes as the row's `text`, byte for byte (no
+    reader edited it since it was written), merged with the texts streamed since, as
+    stored. Encoding costs a fraction of decoding, and the new message then shares its
+    unchanged parts with the writer's: a decoded copy would be dropped on the event loop
+    when the writer takes the new message (26 ms for four tool results of 300,000 nodes).
+    `OffTheLoop` from either passes through: the executor's worker thread runs it again."""
+    if known is not None and isinstance(text, str):
+        try:
+            same = _codec.encode_assistant(known.data) == text
+        except (ValueError, TypeError, RecursionError):
+            same = False  # a reader put in a value JSON cannot hold: the stored one is read
+        if same:
+            streamed = _codec.decode_streamed(_streamed_texts(tx, message_id), key=message_id)
+            return _transcript.with_streamed(known.data, streamed)
+    return _assistant_data(tx, message_id, text)
 
 
 def _streamed_texts(tx: Tx, message_id: str) -> list[Any]:
