@@ -30,7 +30,17 @@ from helpers import (
 from trio.testing import MockClock
 
 import trio_sessions
-from trio_sessions import Claim, DrainContext, LeaseLost, Outcome, Runtime, Store, _store, testing
+from trio_sessions import (
+    Claim,
+    DrainContext,
+    LeaseLost,
+    Outcome,
+    Runtime,
+    Store,
+    StoreError,
+    _store,
+    testing,
+)
 
 Clock = Callable[[], float]
 
@@ -1648,3 +1658,18 @@ async def test_a_shutdown_grace_of_zero_is_accepted(
     drain = Recorder()
     async with runtime(store, drain, clock, shutdown_grace=0) as rt:
         assert await rt.run("s") == Outcome("succeeded")
+
+
+async def test_a_write_after_close_says_the_store_is_closed_on_the_inline_store_too(
+    store: Store, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """A verb awaited after the runtime's block exited raises the same `StoreError` on
+    every store - "the store executor is closed", as reads and the threaded stores say -
+    not the inline SQLite store's leaked driver error ("ProgrammingError: Cannot operate
+    on a closed database."). Found by an audit."""
+    async with runtime(store, Recorder(), clock) as rt:
+        await rt.run("s")
+    with pytest.raises(StoreError) as caught:
+        await rt.submit("s", {"q": 1})
+    assert "closed database" not in str(caught.value)
+    assert "executor is closed" in str(caught.value)

@@ -48,7 +48,7 @@ import attrs
 import trio
 
 from .. import _codec, _liveness, _observe
-from .._backend import BackendName, Job, OwnChange, StoreStatistics, Tx
+from .._backend import BackendName, Job, OwnChange, StoreStatistics, Tx, executor_closed
 from .._errors import StoreError
 from .._filewatch import open_watch
 from .._handoff import HandoffQueue, Queued, pumping
@@ -106,6 +106,9 @@ class InlineExecutor:
     backend: BackendName = "sqlite"
     transactions: int = 0
     file: DatabaseFile | None = None
+    # Set when its store's block exits: a call then says so, as the other executors do,
+    # not the driver's "Cannot operate on a closed database".
+    closed: bool = False
 
     async def read(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
         return await self.reader.read(op, *args)
@@ -134,6 +137,7 @@ class InlineExecutor:
 
     async def run(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
         await trio.lowlevel.checkpoint_if_cancelled()
+        self._check_open()
         job = Job(op, args)
         self.transactions += 1
         run_batch(self.conn, self.clock, [job], self.file)
@@ -145,6 +149,7 @@ class InlineExecutor:
 
     async def run_nowait(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
         await trio.lowlevel.checkpoint_if_cancelled()
+        self._check_open()
         self.conn.execute("PRAGMA busy_timeout = 0")  # really not waiting, here too
         try:
             result: T = _run_nowait(self.conn, self.clock, op, args, self.file)
@@ -152,6 +157,10 @@ class InlineExecutor:
             self.conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
         await trio.lowlevel.cancel_shielded_checkpoint()
         return result
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise executor_closed()
 
 
 def _caller_yields_next(job: Job) -> bool:
@@ -467,7 +476,11 @@ class SQLiteStore:
                 )
                 file = DatabaseFile.opened(self.path)
                 reader = self._reader(connections, clock, CHANGE_POLL)
-                yield InlineExecutor(self._wrapped(conn), clock, reader, file=file)
+                inline = InlineExecutor(self._wrapped(conn), clock, reader, file=file)
+                try:
+                    yield inline
+                finally:
+                    inline.closed = True
                 return
             conn = connections.enter_context(
                 contextlib.closing(
