@@ -437,6 +437,85 @@ async def test_a_stream_of_a_tool_heavy_transcript_never_stalls_the_loop(tmp_pat
     assert meter.longest_cpu < STALL_S, meter.longest_cpu
 
 
+def _seed_open_reply(db: Path, session_id: str, deltas: int) -> None:
+    """An open assistant message at seq 1 with `deltas` streamed words not folded yet (a
+    long answer still being written, no tool call yet), as a drain's appends leave it."""
+    library_schema(db)
+    conn = sqlite3.connect(db)
+    with conn:
+        conn.execute("INSERT INTO session(id, time_created) VALUES (?, 0)", (session_id,))
+        conn.execute(
+            "INSERT INTO session_message(id, session_id, execution_id, role, seq, data,"
+            " time_created, time_updated, finished) VALUES ('reply', ?, 'e1', 'assistant', 1,"
+            ' \'{"parts": [], "finished": false, "error": null}\', 0, 0, 0)',
+            (session_id,),
+        )
+        conn.execute(
+            "INSERT INTO session_message_stream(message_id, execution_id, version)"
+            " VALUES ('reply', 'e1', 0)"
+        )
+        conn.executemany(
+            "INSERT INTO session_message_delta(message_id, version, text) VALUES ('reply', ?, ?)",
+            ((version, "tok ") for version in range(1, deltas + 1)),
+        )
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    conn.close()
+
+
+async def test_a_stream_resumed_early_in_a_long_open_reply_never_stalls_the_loop(
+    tmp_path: Path,
+) -> None:
+    """A client reconnects with the cursor of a reply's first event while the reply -
+    100,000 streamed words, a 400 KB answer - is still open (or a consumer more than
+    `MAX_PENDING_OFFERS` behind reads instead): no task step of the library above 50 ms of
+    CPU, and it still gets every word as its own "append", in order. Found by an audit:
+    the stream read every delta past the cursor at once and turned them all into events
+    (a cursor each) in one step on the event loop's thread (SQLite reads there): ~110 ms.
+    Now an open message's deltas come in bounded pages, as new messages do. Real time."""
+    from trio_sessions._store.stream import Held, Position, message_tag
+    from trio_sessions._stream import encode_cursor, session_tag
+
+    db = tmp_path / "s.db"
+    words = 100_000
+    _seed_open_reply(db, "s", words)
+    tag = message_tag("reply")
+    cursor = encode_cursor(session_tag("s"), Position(1, tag, (Held(1, tag, 0),)))
+    texts: list[str] = []
+    with trio.fail_after(BOUND):
+        async with trio_sessions.open_runtime(db, None, **NO_RECOVERY) as rt:
+            with StepMeter() as meter:
+                async with rt.stream("s", cursor=cursor) as events:
+                    async for event in events:
+                        assert (event.kind, event.seq) == ("append", 1), event
+                        texts.append(event.data)
+                        if len(texts) == words:
+                            break
+    assert texts == ["tok "] * words
+    assert meter.longest_cpu < STALL_S, meter.longest_cpu
+
+
+async def test_a_watcher_entering_during_a_long_open_reply_never_stalls_the_loop(
+    tmp_path: Path,
+) -> None:
+    """The same for `watch()`: entering it while a reply of 150,000 streamed words (600 KB)
+    is open yields the reply whole without a task step of the library above 50 ms of CPU.
+    Found by an audit: the replay read every delta as a row and merged them in Python in
+    one step (~105 ms), and its chunk budget counted the message row's data only, not the
+    text streamed onto it. Now the store concatenates a message's streamed text itself
+    and the budget counts it. Real time."""
+    db = tmp_path / "s.db"
+    words = 150_000
+    _seed_open_reply(db, "s", words)
+    with trio.fail_after(BOUND):
+        async with trio_sessions.open_runtime(db, None, **NO_RECOVERY) as rt:
+            with StepMeter() as meter:
+                async with rt.watch("s") as updates:
+                    reply = await updates.__anext__()
+    assert reply.seq == 1
+    assert text_of(reply.data) == "tok " * words
+    assert meter.longest_cpu < STALL_S, meter.longest_cpu
+
+
 async def test_a_watcher_entering_a_watched_session_costs_its_replay_not_every_watchers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

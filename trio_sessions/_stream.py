@@ -27,9 +27,9 @@ it; a client's position is never advanced past what it was sent. Memory per stre
 Two hooks serve the library's own consumers (the console's page feed, which holds back
 what a rewrite resends until the stream has sent all it read), not the public API:
 `EventStream.left_out` (whether the last read, the stream's own or the change scan's
-catch-up, left messages out: more follow at once) and `EventStream.on_settled` (awaited
-in the consumer's task after a read of the stream's own that brought no event and left
-nothing out: no event would carry what is held back).
+catch-up, left messages or appends out: more follow at once) and `EventStream.on_settled`
+(awaited in the consumer's task after a read of the stream's own that brought no event and
+left nothing out: no event would carry what is held back).
 """
 
 from __future__ import annotations
@@ -212,7 +212,7 @@ class EventStream(AsyncIterator[StreamEvent]):
         self._closed = False
         self._iterating = False
         self._reading = False  # its own read is under way: its answer comes from before
-        # Whether the last read (its own or the change scan's) left messages out: the
+        # Whether the last read (its own or the change scan's) left changes out: the
         # stream reads on at once, so a consumer holding something back until the stream
         # has sent all it read (the console's page feed after a rewrite) waits for the rest.
         self.left_out = False

@@ -31,7 +31,8 @@ from .._validate import MAX_INT64
 from .common import _IN_CHUNK, _in_list, leading_rows, placed, streamed_texts_of
 from .control import due_in, earliest_due, next_due
 from .recovery_scan import _unclaimed_doorbells, handed_back_condition
-from .transcript import _decode_message, _streamed_texts
+from .stream import streamed_onto, text_bytes
+from .transcript import _decode_message
 
 
 @attrs.frozen
@@ -327,8 +328,9 @@ def _newest(tx: Tx, session_id: str) -> tuple[int, str | None]:
     return (0, None) if row is None else (placed(row[0]), message_key(row[1]))
 
 
-# A replay reads at most this many messages, or this many bytes of message data, per read:
-# each read is one short step on the event loop, whatever the transcript's length.
+# A replay reads at most this many messages, or about this many bytes of message data and
+# text streamed onto them, per read: each read is one short step on the event loop,
+# whatever the transcript's length.
 REPLAY_CHUNK = 100
 REPLAY_CHUNK_BYTES = 1 << 20
 
@@ -338,7 +340,8 @@ def watched_messages(
     tx: Tx, session_id: str, after_seq: int, through_seq: int, limit: int = REPLAY_CHUNK
 ) -> list[Snapshot]:
     """The session's stored messages with `after_seq < seq <= through_seq`, in seq order,
-    at most `limit` of them and about `REPLAY_CHUNK_BYTES` of data (at least one): the
+    at most `limit` of them and about `REPLAY_CHUNK_BYTES` of data and streamed text (at
+    least one; the text streamed onto an open reply joined by the store): the
     caller continues after the last seq returned. A `through_seq` of `MAX_INT64` sets no
     upper bound: it is where `placed` puts a newest seq that is no integer (SQLite keeps
     the text another tool writes and sorts it after every number), so that message is read
@@ -350,8 +353,29 @@ def watched_messages(
         {"session": session_id, "after": after_seq, "through": through_seq, "limit": limit},
     )
     kept, _ = leading_rows(rows, count=limit, size_bytes=REPLAY_CHUNK_BYTES)
-    streamed = streamed_texts_of(tx, [str(row[1]) for row in kept if row[2] == "assistant"])
-    return [_snapshot_of(row, streamed.get(row[1], [])) for row in kept]
+    streamed = _streamed_onto_rows(tx, kept)
+    snapshots: list[Snapshot] = []
+    size = 0
+    for row in kept:
+        texts = streamed.get(row[1], [])
+        size += text_bytes([row[4], *texts])
+        if snapshots and size > REPLAY_CHUNK_BYTES:
+            break  # the text streamed onto it filled the chunk: the caller reads on from here
+        snapshots.append(_snapshot_of(row, texts))
+    return snapshots
+
+
+def _streamed_onto_rows(tx: Tx, rows: Sequence[Sequence[Any]]) -> dict[Any, list[Any]]:
+    """The texts streamed onto the assistant messages of these `_SNAPSHOT_COLUMNS` rows: of
+    those with a delta newer than their row (an open reply, mostly one), joined by the
+    store (`streamed_onto`); of the others (any delta older than the row, which only
+    another tool writes) in one statement per `_IN_CHUNK`, as before."""
+    assistant = [row for row in rows if row[2] == "assistant"]
+    newer = {row[1] for row in assistant if placed(row[8]) > placed(row[7])}  # versions
+    streamed = streamed_texts_of(tx, [str(row[1]) for row in assistant if row[1] not in newer])
+    for message_id in newer:
+        streamed[message_id] = streamed_onto(tx, str(message_id))
+    return streamed
 
 
 def _message_snapshots(
@@ -409,7 +433,7 @@ def _snapshot(
         )
         return _snapshot_of(row, [])  # malformed: its deltas are never merged
     row = tx.one(f"SELECT {_SNAPSHOT_COLUMNS} FROM session_message m WHERE m.id = ?", (stored_id,))
-    return _snapshot_of(row, _streamed_texts(tx, stored_id) if row[2] == "assistant" else [])
+    return _snapshot_of(row, streamed_onto(tx, stored_id) if row[2] == "assistant" else [])
 
 
 def _snapshot_of(row: Sequence[Any], streamed: Sequence[Any]) -> Snapshot:

@@ -17,6 +17,12 @@ Invariants:
   client one version behind it gets the write's recorded step (`session_message_change`:
   a "part", a "finish") - one that missed more, or a write that was more than one event,
   gets the message whole;
+* a read is bounded, so no read or the events made of it stalls the event loop (SQLite
+  reads on it): at most `DELTAS_PER_READ` appends and about `NEW_BYTES_PER_READ` of their
+  text (a client far behind in a long open reply gets the rest in the next reads, `more`),
+  then at most `NEW_MESSAGES_PER_READ` new messages and about `NEW_BYTES_PER_READ` of their
+  data and streamed text; the text streamed onto a message sent whole is joined by SQLite
+  (`streamed_onto`), not row by row in Python;
 * a message the client holds that is gone or replaced (another id at its seq) means the
   transcript was rewritten (truncate, delete): the answer starts from nothing (the client
   is told to drop what it holds, then gets every message, in bounded pages).
@@ -37,7 +43,7 @@ from .._errors import MalformedRecord
 from .._model import AssistantData, Message, Step
 from .._validate import MAX_INT64
 from .common import _chunks, _in_list, leading_rows, placed, streamed_texts_of
-from .transcript import _decode_message
+from .transcript import _decode_message, _streamed_texts
 
 
 @functools.lru_cache(maxsize=4096)  # the change scan tags the same open messages every look
@@ -130,7 +136,7 @@ class StreamChanges:
 
     changes: list[Change]
     rewritten: bool = False
-    more: bool = False
+    more: bool = False  # also: an open message's appends were left out
     # The ids of the messages the position names (top and open ones) that still hold.
     ids: dict[int, str] = attrs.field(factory=dict)
 
@@ -140,6 +146,10 @@ class StreamChanges:
 # so no read stalls the event loop (SQLite reads and decodes on it).
 NEW_MESSAGES_PER_READ = 200
 NEW_BYTES_PER_READ = 1 << 20
+# The most appends one read sends (and about `NEW_BYTES_PER_READ` of their text): a client
+# that resumes early in a long open reply (100,000 words) gets it in pages too - the rows
+# read, and the events and cursors the stream makes of them on the event loop, ~5 ms each.
+DELTAS_PER_READ = 5_000
 
 # A message's version as streams order it (for `session_message m`): the newest of its
 # row's and its deltas'.
@@ -213,9 +223,19 @@ def stream_changes_by_statements(
         ids[seq] = str(row[0])
     changes: list[Change] = []
     for held in position.open:
-        changes += _changes_of_open(tx, session_id, ids[held.seq], held)
+        found, cut = _changes_of_open(tx, session_id, ids[held.seq], held, _room(changes))
+        changes += found
+        if cut:  # the rest of its appends, and what follows them, come with the next read
+            return StreamChanges(changes, more=True, ids=ids)
     new, more = _new_messages(tx, session_id, position.after, limit)
     return StreamChanges(changes + new, more=more, ids=ids)
+
+
+def _room(changes: Sequence[Change]) -> tuple[int, int]:
+    """How many more appends, and about how many more bytes of their text, a read that
+    found `changes` may send (`DELTAS_PER_READ`, `NEW_BYTES_PER_READ`)."""
+    appended = [change.text for change in changes if isinstance(change, Appended)]
+    return DELTAS_PER_READ - len(appended), NEW_BYTES_PER_READ - sum(map(len, appended))
 
 
 def _changes_from_rows(
@@ -264,12 +284,27 @@ def _changes_from_rows(
         deltas = sorted(appended.get(held.seq, []))
         message_id = ids[held.seq]
         texts = _codec.decode_streamed([text for _, text in deltas], key=message_id)
+        kept = _within(texts, _room(changes))
         changes += [
             Appended(held.seq, message_id, text, version)
-            for (version, _), text in zip(deltas, texts, strict=True)
+            for (version, _), text in zip(deltas, kept, strict=False)
         ]
+        if len(kept) < len(texts):  # as `stream_changes_by_statements` pages them
+            return StreamChanges(changes, more=True, ids=ids)
     changes += [_whole_of(session_id, row, streamed) for row in fresh[:limit]]
     return StreamChanges(changes, more=len(fresh) > limit, ids=ids)
+
+
+def _within(texts: list[str], room: tuple[int, int]) -> list[str]:
+    """The leading texts that fit in `room` (`_room`; at least one when any fits)."""
+    count, size_bytes = room
+    kept: list[str] = []
+    for text in texts[: max(count, 0)]:
+        size_bytes -= len(text)
+        if kept and size_bytes < 0:
+            break
+        kept.append(text)
+    return kept
 
 
 def _whole_of(session_id: str, row: tuple[Any, ...], streamed: dict[str, list[str]]) -> Whole:
@@ -281,9 +316,12 @@ def _from_scratch(tx: Tx, session_id: str, limit: int) -> StreamChanges:
     return StreamChanges(new, rewritten=True, more=more)
 
 
-def _changes_of_open(tx: Tx, session_id: str, message_id: str, held: Held) -> list[Change]:
+def _changes_of_open(
+    tx: Tx, session_id: str, message_id: str, held: Held, room: tuple[int, int]
+) -> tuple[list[Change], bool]:
     """An open message's changes since `held`: its new deltas, after the step that made its
-    version when that is the one the client missed; else the message whole."""
+    version when that is the one the client missed; else the message whole. At most the
+    deltas that fit in `room` (`_room`); the flag says whether others were left out."""
     version, kind, data = tx.one(
         "SELECT m.version, c.kind, c.data FROM session_message m"
         " LEFT JOIN session_message_change c ON c.message_id = m.id AND c.version = m.version"
@@ -294,18 +332,24 @@ def _changes_of_open(tx: Tx, session_id: str, message_id: str, held: Held) -> li
     if version > held.version:
         step = _step_missed(held, version, kind, data, message_id)
         if step is None:
-            return [_whole(tx, session_id, message_id)]
+            return [_whole(tx, session_id, message_id)], False
         changes.append(Stepped(held.seq, message_id, step, version))
-    rows = tx.execute(
-        "SELECT version, text FROM session_message_delta WHERE message_id = ? AND version > ?"
-        " ORDER BY version",
-        (message_id, held.version),
-    ).fetchall()
+    count, size_bytes = room
+    rows, cut = leading_rows(
+        tx.execute(
+            "SELECT version, text, length(text) FROM session_message_delta"
+            " WHERE message_id = ? AND version > ? ORDER BY version LIMIT ?",
+            (message_id, held.version, max(count, 0) + 1),
+        ),
+        count=max(count, 0),
+        size_bytes=size_bytes,
+    )
     texts = _codec.decode_streamed([text for _, text in rows], key=message_id)
-    return changes + [
+    appended = [
         Appended(held.seq, message_id, text, placed(version))
         for (version, _), text in zip(rows, texts, strict=True)
     ]
+    return changes + appended, cut
 
 
 def _step_missed(held: Held, version: int, kind: Any, data: Any, message_id: str) -> Step | None:
@@ -329,28 +373,61 @@ def _whole(tx: Tx, session_id: str, message_id: str) -> Whole:
 
 
 def _new_messages(tx: Tx, session_id: str, after: int, limit: int) -> tuple[list[Change], bool]:
-    """The messages past seq `after`, whole (`NEW_MESSAGES_PER_READ`, `NEW_BYTES_PER_READ`),
-    and whether others were left out."""
+    """The messages past seq `after`, whole (`NEW_MESSAGES_PER_READ`, and about
+    `NEW_BYTES_PER_READ` of their data and streamed text), and whether others were left out."""
     rows = tx.execute(
         f"SELECT {_WHOLE_COLUMNS}, length(m.data) FROM session_message m"
         " WHERE m.session_id = ? AND m.seq > ? ORDER BY m.seq LIMIT ?",
         (session_id, after, limit + 1),
     )
     kept, more = leading_rows(rows, count=limit, size_bytes=NEW_BYTES_PER_READ)
-    return [_decoded(tx, session_id, row) for row in kept], more
+    wholes: list[Change] = []
+    size = 0
+    for row in kept:
+        streamed = _streamed_of(tx, row)
+        size += text_bytes([row[3], *streamed])
+        if wholes and size > NEW_BYTES_PER_READ:
+            return wholes, True  # its streamed text filled the read: it comes with the next
+        wholes.append(_whole_from(session_id, row, streamed))
+    return wholes, more
 
 
 def _decoded(tx: Tx, session_id: str, row: Sequence[Any]) -> Whole:
-    streamed: list[Any] = []
-    if row[1] == "assistant":
-        streamed = [
-            text
-            for (text,) in tx.execute(
-                "SELECT text FROM session_message_delta WHERE message_id = ? ORDER BY version",
-                (str(row[0]),),
-            ).fetchall()
-        ]
-    return _whole_from(session_id, row, streamed)
+    return _whole_from(session_id, row, _streamed_of(tx, row))
+
+
+def _streamed_of(tx: Tx, row: Sequence[Any]) -> list[Any]:
+    """The texts streamed onto the message of a `_WHOLE_COLUMNS` row (`streamed_onto`)."""
+    return streamed_onto(tx, str(row[0])) if row[1] == "assistant" else []
+
+
+def streamed_onto(tx: Tx, message_id: str) -> list[Any]:
+    """The texts streamed onto a message since its data was written, as
+    `_codec.decode_streamed` checks them and `_transcript.with_streamed` joins them. On
+    SQLite, joined by SQLite into one when every one is text: an open reply of 150,000
+    words is one C loop (~20 ms) on the event loop, not 150,000 Python rows (~100 ms).
+    Row by row otherwise: a row that is no text is named by its index, and PostgreSQL's
+    reads run in threads."""
+    if tx.dialect == "sqlite":
+        # Every scan of the WITHOUT ROWID delta table runs in its key's order (message_id,
+        # version), so the texts join in version order; SQLite 3.40 takes no ORDER BY in
+        # an aggregate, and an ordered subquery in between doubles the cost.
+        not_text, joined = tx.one(
+            "SELECT sum(typeof(text) <> 'text'), group_concat(text, '')"
+            " FROM session_message_delta WHERE message_id = ?",
+            (message_id,),
+        )
+        if joined is None:
+            return []
+        if not not_text and isinstance(joined, str):
+            return [joined]
+    return _streamed_texts(tx, message_id)
+
+
+def text_bytes(values: Sequence[Any]) -> int:
+    """About the bytes of these stored texts - a message's data and the texts streamed onto
+    it - as SQL's `length` counts them (anything else another tool stored counts 0)."""
+    return sum(len(value) for value in values if isinstance(value, str | bytes))
 
 
 def _whole_from(session_id: str, row: Sequence[Any], streamed: Sequence[Any]) -> Whole:
@@ -481,7 +558,8 @@ def stream_catch_up(tx: Tx, reads: Sequence[tuple[str, Position]]) -> list[Strea
     On SQLite, set-wise in three statements however many streams: the messages the
     positions name, the sessions with a message past a position's top, and the new deltas
     of the open messages held; a stream that misses more than appends (a message changed
-    whole, a new message, a rewritten transcript, a row that does not decode) gets None.
+    whole, a new message, a rewritten transcript, a row that does not decode) or more than
+    `DELTAS_PER_READ` of them gets None.
     On PostgreSQL, one call of `ts_stream_changes_many`; None only for a rewritten
     transcript."""
     if not reads:
@@ -506,15 +584,16 @@ def stream_catch_up(tx: Tx, reads: Sequence[tuple[str, Position]]) -> list[Strea
 
 def _appends_set_wise(tx: Tx, reads: Sequence[tuple[str, Position]]) -> list[StreamChanges | None]:
     named = sorted({(s, seq) for s, p in reads for seq, _ in p.named()})
-    rows: dict[tuple[str, int], tuple[str, int]] = {}
+    # Per named message: its id, its row's version and its newest version (`_VERSION`).
+    rows: dict[tuple[str, int], tuple[str, int, int]] = {}
     if named:
-        for session, seq, message_id, version in tx.execute(
+        for session, seq, message_id, version, newest in tx.execute(
             f"WITH w(s, q) AS (VALUES {_values(len(named), 2)})"
-            " SELECT w.s, w.q, m.id, m.version FROM w"
+            f" SELECT w.s, w.q, m.id, m.version, {_VERSION} FROM w"
             " JOIN session_message m ON m.session_id = w.s AND m.seq = w.q",
             tuple(value for pair in named for value in pair),
         ).fetchall():
-            rows[(str(session), placed(seq))] = (str(message_id), placed(version))
+            rows[(str(session), placed(seq))] = (str(message_id), placed(version), placed(newest))
     tops = sorted({(s, p.after) for s, p in reads})
     newer = {
         (str(session), int(top))
@@ -536,11 +615,13 @@ def _appends_set_wise(tx: Tx, reads: Sequence[tuple[str, Position]]) -> list[Str
             found[seq] = row[0]
         else:
             if (session, position.after) not in newer and all(
-                rows[(session, h.seq)][1] <= h.version for h in position.open
+                _only_appends(rows[(session, h.seq)], h) for h in position.open
             ):
                 ids_of.append(found)
                 continue
-        ids_of.append(None)  # rewritten, a new message, or an open one changed whole
+        # Rewritten, a new message, an open one changed whole, or more appends than a read
+        # sends: its own read pages them.
+        ids_of.append(None)
     held = sorted(
         {
             (ids[h.seq], h.version)
@@ -579,6 +660,13 @@ def _appends_set_wise(tx: Tx, reads: Sequence[tuple[str, Position]]) -> list[Str
             continue
         answers.append(StreamChanges(changes, ids=ids))
     return answers
+
+
+def _only_appends(row: tuple[str, int, int], held: Held) -> bool:
+    """Whether a client holding an open message at `held` missed only appends to it, and
+    no more than one read sends (`row`: its id, row version and newest version)."""
+    _, version, newest = row
+    return version <= held.version and newest - held.version <= DELTAS_PER_READ
 
 
 def _values(rows: int, columns: int) -> str:
