@@ -357,6 +357,41 @@ async def test_a_malformed_cursor_or_another_sessions_raises_value_error(
         assert await caught_up(rt, "s", cursor=good) == []
 
 
+async def test_a_cursor_naming_its_top_message_with_two_tags_is_malformed(
+    store: Any, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """A cursor whose open message is its top one (the same seq) under another tag than the
+    top's names two messages at one seq: no stream makes it, and stream() refuses it with
+    ValueError. Found by an audit: it was accepted, and the backends disagreed on it
+    (DESIGN §6.20) - SQLite read it as a rewritten transcript (a "truncate" event, then
+    every message again), PostgreSQL carried on as if it were sound (its read kept one
+    tag per seq, the open message's)."""
+    release = trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        await ctx.take_inputs()
+        writer = await ctx.begin_assistant()
+        await writer.append_text("hi")
+        await release.wait()
+        await writer.finish()
+
+    async with runtime(store, drain, clock) as rt:
+        await rt.submit("s", {"text": "q"})
+        await trio.testing.wait_all_tasks_blocked()
+        [*_, last] = await caught_up(rt, "s")
+        head, top, top_tag, held = last.cursor.rsplit(".", 3)
+        seq, tag, _ = held.split(":")
+        assert seq == top and tag == top_tag  # the open reply is the top message
+        for forged in (
+            f"{head}.{top}.{'0' * 12}.{held}",
+            f"{head}.{top}.{top_tag}.{seq}:{'0' * 12}:1",
+        ):
+            with pytest.raises(ValueError, match="malformed stream cursor"):
+                async with rt.stream("s", cursor=forged):
+                    pytest.fail(f"entered with {forged!r}")
+        release.set()
+
+
 # ---------------------------------------------------------------------------------------------
 # The property: over random histories, every stream's events reproduce transcript()
 

@@ -147,8 +147,11 @@ def decode_cursor(session_id: str, cursor: object) -> Position:
     )
     seqs = [h.seq for h in held]
     numbers = [top, *seqs, *(h.version for h in held)]
-    # Holding nothing (no top tag): top 0 and no open message; else none above the top.
+    # Holding nothing (no top tag): top 0 and no open message; else none above the top,
+    # and an open top message under the top's own tag (one seq, one message).
     if (top_tag == "" and (top != 0 or seqs)) or any(seq > top for seq in seqs):
+        raise ValueError(f"malformed stream cursor: {cursor[:100]!r}")
+    if any(h.seq == top and h.tag != top_tag for h in held):
         raise ValueError(f"malformed stream cursor: {cursor[:100]!r}")
     if max(numbers) > MAX_INT64:
         raise ValueError(f"malformed stream cursor: {cursor[:100]!r}")

@@ -129,6 +129,21 @@ def test_a_read_far_behind_in_an_open_answer_sends_its_appends_in_pages(
     assert [type(change).__name__ for change in answer.changes[2:]] == ["Whole"]
 
 
+def test_a_position_naming_one_seq_under_two_tags_reads_as_rewritten_everywhere(
+    db: Db,
+) -> None:
+    """A position whose open message is its top one under another tag (no stream makes
+    one: `decode_cursor` refuses it) names a message that is not there: every read answers
+    from scratch - the statements, PostgreSQL's one call, the catch-up - the same on both
+    backends. Found by an audit: PostgreSQL's one call kept one tag per seq (the open
+    message's) and carried on from the bogus position."""
+    session, position = following(db, 0)
+    forged = attrs.evolve(position, top_tag="0" * 12)
+    for read in (_store.stream_changes, stream_changes_by_statements):
+        assert db.engine.read(read, session, forged).rewritten, read
+    assert db.engine.read(stream_catch_up, [(session, forged)]) == [None]
+
+
 def _first_tag(tx: Any, session_id: str) -> str:
     [(message_id,)] = tx.execute(
         "SELECT id FROM session_message WHERE session_id = ? AND seq = 1", (session_id,)

@@ -244,7 +244,6 @@ def _changes_from_rows(
     """`stream_changes` from `ts_stream_changes`'s rows; None when a message the position
     names is gone or replaced (the transcript was rewritten: read from scratch) or a step
     row does not decode (that message goes whole)."""
-    tags = dict(position.named())
     ids: dict[int, str] = {}
     wholes: dict[int, tuple[Any, ...]] = {}
     fresh: list[tuple[Any, ...]] = []
@@ -259,9 +258,8 @@ def _changes_from_rows(
                 return None  # the statements' read sends that message whole
             steps[seq] = Stepped(seq, message_id, step, version)
         elif kind == "named":
-            if message_id is None or message_tag(message_id) != tags[seq]:
-                return None
-            ids[seq] = message_id
+            if message_id is not None:  # else no message is at that seq now
+                ids[seq] = message_id
         elif kind == "append":
             appended.setdefault(seq, []).append((version, text))
         elif kind == "delta":
@@ -272,6 +270,11 @@ def _changes_from_rows(
                 wholes[seq] = row
             else:
                 fresh.append(row)
+    # Every pair the position names, not one tag per seq: its top and an open message
+    # may name one seq (the same message, or a position no stream makes - one seq, two
+    # tags - which the statements' read also takes for a rewrite).
+    if any(seq not in ids or message_tag(ids[seq]) != tag for seq, tag in position.named()):
+        return None
     streamed = {key: [text for _, text in sorted(texts)] for key, texts in deltas_of.items()}
     fresh.sort(key=lambda row: placed(row[2]))
     changes: list[Change] = []
