@@ -129,6 +129,30 @@ def test_a_read_far_behind_in_an_open_answer_sends_its_appends_in_pages(
     assert [type(change).__name__ for change in answer.changes[2:]] == ["Whole"]
 
 
+def test_a_read_far_behind_fetches_one_page_of_appends_not_every_missed_one(db: Db) -> None:
+    """A stream 6,000 words behind in an open answer: each read fetches one page of
+    appends and one more (to say `more`), not every missed delta - PostgreSQL's one-call
+    read returned them all and cut the page in Python, so a reader far behind fetched the
+    rest again at every page (a transfer growing with the square of the backlog)."""
+    session, position = following(db, 0, words=1)
+    [(newest,)] = db.rows("SELECT MAX(version) FROM session_message_delta")
+    for start in range(0, 6_000, 1_000):  # the words, written straight into the table
+        db.write(
+            "INSERT INTO session_message_delta(message_id, version, text) VALUES "
+            + ", ".join(f"('m0', {newest + 1 + n}, 'x ')" for n in range(start, start + 1_000))
+        )
+    answer = db.engine.read(_store.stream_changes, session, position)
+    appended = [change for change in answer.changes if isinstance(change, Appended)]
+    assert answer.more and len(appended) == stream_family.DELTAS_PER_READ
+    if db.dialect == "postgres":
+        rows = db.engine.read(
+            lambda tx: tx.call(
+                "ts_stream_changes", *stream_family._pg_arguments(session, position, 1).values()
+            )
+        )
+        assert sum(row[0] == "append" for row in rows) == stream_family.DELTAS_PER_READ + 1
+
+
 def test_a_position_naming_one_seq_under_two_tags_reads_as_rewritten_everywhere(
     db: Db,
 ) -> None:

@@ -776,7 +776,8 @@ BEGIN
     UNION ALL
     SELECT o.ord, 'append', o.seq, o.id, NULL, NULL, NULL, NULL, d.version, d.text
         FROM opened o CROSS JOIN LATERAL (SELECT d.version, d.text FROM session_message_delta d
-            WHERE d.message_id = o.id AND d.version > o.held OFFSET 0) d
+            WHERE d.message_id = o.id AND d.version > o.held
+            ORDER BY d.version LIMIT {appends_per_call}) d
         WHERE o.row_version <= o.held OR o.step IS NOT NULL
     UNION ALL
     SELECT w.ord, 'delta', w.seq, w.id, NULL, NULL, NULL, NULL, d.version, d.text
@@ -807,4 +808,9 @@ LANGUAGE sql STABLE AS $$
             'open_versions', p_open_versions, 'top', p_top, 'limit', p_limit))::text,
             p_now, p_retry) c
 $$;
-"""
+""".replace(
+    # One page of a long open reply and one more (`more`): a reader far behind fetches a page
+    # per read, not every missed delta each time (`_changes_from_rows` cuts the page).
+    "{appends_per_call}",
+    str(DELTAS_PER_READ + 1),
+)
