@@ -185,6 +185,32 @@ async def test_another_write_after_an_unknown_one_applies_to_the_message_as_stor
     ]
 
 
+async def test_an_append_found_landed_is_not_swallowed_when_the_same_text_comes_later(
+    store: Any, autojump_clock: MockClock
+) -> None:
+    """Found by an audit. An append answered `OutcomeUnknown` that did land, after which the
+    drain moves on (it never calls that append again): the next call reads the message back
+    and writes, and a later append of the same text - a common token such as " the" - is a
+    new write, stored. It was taken for the lost call's retry (the landed call was kept
+    until an identical one came, however much later) and silently dropped."""
+
+    async def drain(ctx: DrainContext, lost: LostReplies) -> None:
+        writer = await opened(ctx)
+        await writer.settle_tool("c1", "ok")
+        lost.lose(_store.append_assistant_text, landed=True)
+        with pytest.raises(OutcomeUnknown):
+            await writer.append_text(" the")
+        await writer.append_text(" cat sat on")  # another call: reads the message back
+        await writer.append_text(" the")  # a new token that happens to repeat the lost one
+        await writer.append_text(" mat")
+        await writer.finish()
+
+    outcome, messages = await run_drain(store, drain)
+    assert outcome.kind == "succeeded", outcome
+    texts = [p.text for p in messages[-1].data.parts if isinstance(p, TextPart)]
+    assert texts == ["answer", " the cat sat on the mat"]
+
+
 @pytest.mark.parametrize("landed", [True, False], ids=["landed", "not-landed"])
 async def test_begin_assistant_again_after_an_unknown_one_begins_one_message(
     store: Any, autojump_clock: MockClock, landed: bool

@@ -241,7 +241,7 @@ class AssistantWriter:
         # Calls, as (method, arguments), whose outcome is unknown (read back by the next
         # call, of any task) - each with the message's text as this writer held it then,
         # for an append (`_shows`) - and those the read-back found landed: each of these,
-        # called again, is a no-op once.
+        # called again, is a no-op once (an append only as the very next call: `_retried`).
         self._unsure: list[tuple[tuple[Any, ...], str | None]] = []
         self._landed: list[tuple[Any, ...]] = []
         # Whether `_data` is the message as stored at `_version` (PostgreSQL's tool calls
@@ -388,8 +388,8 @@ class AssistantWriter:
     async def _landed_before(self, call: tuple[Any, ...]) -> bool:
         """After calls whose outcome is unknown: read the message back (DESIGN §8
         "Uncertain commits"), take it as stored, and note which of them landed. Whether
-        `call` is one that landed (then it is done: a no-op). Callers skip it while no
-        call is unsure or landed, so a plain write awaits nothing more."""
+        `call` is one that landed (then it is done: a no-op, `_retried`). Callers skip it
+        while no call is unsure or landed, so a plain write awaits nothing more."""
         if self._unsure:
             unsure = list(self._unsure)
             runtime = self._context._runtime
@@ -407,9 +407,19 @@ class AssistantWriter:
                 self._landed += [
                     lost for lost, text_before in unsure if _shows(data, lost, moved, text_before)
                 ]
+        return self._retried(call)
+
+    def _retried(self, call: tuple[Any, ...]) -> bool:
+        """Whether `call` is the retry of a landed one (taken off: the next is a new call).
+        If not, it goes on to write, and no landed append stays: only the very next call
+        can be its retry - the same text later is a new token (" the", again), which must
+        be stored. A landed tool change or finish stays until called again: whenever it
+        comes, a second one can only be its retry (else a defect: a tool settled or
+        started twice, a message finished twice), and tools run in parallel tasks."""
         if call in self._landed:
             self._landed.remove(call)
             return True
+        self._landed = [landed for landed in self._landed if landed[0] != "append_text"]
         return False
 
     def _offer(
