@@ -1231,7 +1231,8 @@ async def test_upgrade_of_a_version_2_postgres_schema_keeps_pending_inputs_due(
     # 21: a double-texting submit with the claim it rings for in one call;
     # 22: a hand-back signals its sessions, the change look finds handed-back claims;
     # 23: a session's last write that left no newer row or time (purge counts it);
-    # 24: a submit racing another session's submit of its input id is answered after it
+    # 24: a submit racing another session's submit of its input id is answered after it;
+    #     a take of inputs returns the user messages it appended
     assert _postgres.SCHEMA_VERSION == 24
     assert drain.taken == ["old"]
     assert raw.rows("SELECT time_paused FROM session") == [(None,)]

@@ -19,9 +19,10 @@ from typing import Any
 import pytest
 import trio
 from backends import PgLocation
-from helpers import ExecutorSeam, HoldsBusy, Raw, pg_raw
+from helpers import ExecutorSeam, HoldsBusy, Raw, pg_raw, runtime
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from trio.testing import MockClock
 
 import trio_sessions
 from trio_sessions import (
@@ -423,6 +424,89 @@ async def test_watch_replays_then_follows_local_writes_in_order(tmp_path: Path) 
         assert again.seq == 2 and again.data.finished
 
 
+async def test_a_watcher_gets_the_stored_history_before_the_reply_being_written(
+    store: Any, clock: Any, autojump_clock: MockClock
+) -> None:
+    """Found by an audit. DESIGN §5: `watch(s)` yields "first every message with seq > n as
+    stored now, then a snapshot of each message whenever it is created or changed". A
+    watcher entering while the drain streams its reply (seq 301) after a 300-message
+    history: the replay reads the history in chunks, each read a schedule point, and the
+    writer's snapshots of the reply are offered to the entering watcher meanwhile. They
+    were queued ahead of the history not read yet (the half-written reply came before
+    message 1); now what is offered past the replay's reach waits until the replay
+    reached it, so the watcher's messages come in seq order."""
+    history = 300
+    go, begun, stop = trio.Event(), trio.Event(), trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        await go.wait()
+        while await ctx.take_inputs():
+            pass
+        writer = await ctx.begin_assistant()
+        begun.set()
+        while not stop.is_set():
+            await writer.append_text("w")
+        await writer.finish()
+
+    async with runtime(store, drain, clock) as rt:
+        for n in range(history):
+            await rt.submit("s", {"n": n})
+        go.set()
+        await begun.wait()
+        order: list[int] = []
+        async with rt.watch("s") as updates:
+            stop.set()
+            async for message in updates:
+                if message.seq not in order:
+                    order.append(message.seq)
+                if len(order) == history + 1:
+                    break
+        await rt.wait_idle("s")
+    assert order == sorted(order), order[:5]
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"], indirect=True)
+async def test_a_watcher_gets_the_users_message_before_the_reply_to_it(
+    live_store: Any, backend: str
+) -> None:
+    """Found by an audit. DESIGN §5: after its history, a watcher gets "a snapshot of each
+    message whenever it is created or changed". In the plainest chat turn - submit, the
+    drain takes the input and streams its reply - a watcher got the reply (seq 2) before
+    the user's message (seq 1) on both backends: the reply's writer offers local watchers
+    its snapshots at once, while `take_inputs` offered none, so the user message reached
+    the watcher only through the change loop's next look, milliseconds later. Now
+    `take_inputs` offers the user messages it appended at once too. (The gate holds that
+    look until the reply was begun, as its few milliseconds' delay did every time it was
+    tried, so the test is deterministic.)"""
+    begun = trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        await ctx.take_inputs()
+        writer = await ctx.begin_assistant()
+        begun.set()
+        await writer.append_text("hi")
+        await writer.finish()
+
+    order: list[int] = []
+    with trio.fail_after(10):
+        async with trio_sessions.open_runtime(live_store, drain, recovery_interval=60) as rt:
+            look = rt._loops._look_at_changes
+
+            async def look_once_the_reply_began(signal: Any) -> None:
+                await begun.wait()
+                await look(signal)
+
+            rt._loops._look_at_changes = look_once_the_reply_began  # type: ignore[method-assign]
+            async with rt.watch("s") as updates:
+                await rt.submit("s", {"text": "q"})
+                async for message in updates:
+                    if message.seq not in order:
+                        order.append(message.seq)
+                    if len(order) == 2:
+                        break
+    assert order == [1, 2]
+
+
 async def test_a_producer_watcher_sees_another_runtimes_reply(tmp_path: Path) -> None:
     """watch() in a producer runtime follows a reply written by a worker runtime."""
     db = tmp_path / "s.db"
@@ -508,12 +592,16 @@ async def test_a_malformed_row_raises_in_its_watcher_only(tmp_path: Path) -> Non
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 20), st.booleans()), max_size=40))
+@given(
+    st.lists(st.tuples(st.integers(0, 3), st.integers(0, 20), st.booleans()), max_size=40),
+    st.integers(0, 40),
+)
 def test_a_slow_watcher_gets_the_latest_snapshot_and_never_an_older_one(
-    offers: list[tuple[int, int, bool]],
+    offers: list[tuple[int, int, bool]], replayed: int
 ) -> None:
-    """Offers in any order, read at any moments: per message the versions delivered only
-    grow, and the last delivered is the newest offered."""
+    """Offers in any order, read at any moments, its replay (of nothing) over at any of
+    them: per message the versions delivered only grow, and the last delivered is the
+    newest offered."""
     watcher = Watcher("s", after_seq=0)
     delivered: dict[str, list[int]] = {}
 
@@ -525,13 +613,16 @@ def test_a_slow_watcher_gets_the_latest_snapshot_and_never_an_older_one(
             delivered.setdefault(message_id, []).append(version)
 
     newest: dict[str, int] = {}
-    for message, version, read_now in offers:
+    for n, (message, version, read_now) in enumerate(offers):
+        if n == replayed:
+            watcher.replay_over()
         message_id = f"m{message}"
         snapshot = Message(message_id, "s", "user", message + 1, {"v": version}, None, None)
         watcher.offer(message_id, message + 1, snapshot, version)
         newest[message_id] = max(newest.get(message_id, -1), version)
         if read_now:
             drain_ready()
+    watcher.replay_over()
     drain_ready()
     for message_id, versions in delivered.items():
         assert versions == sorted(set(versions))

@@ -2,7 +2,8 @@
 
 Every write here is fenced on the live claim, carries the session id the context holds, and
 raises `LeaseLost` (writing nothing) once the lease is gone or the iteration's drain returned.
-Local watchers and streams get each change from the writer itself, with no store round trip;
+Local watchers and streams get each change from the writer itself, with no store round trip
+(watchers get the user messages `take_inputs` appended from it too, before any reply);
 a defect of the drain's own making (a tool call settled twice, an unknown call id) fails the
 drain even if the drain catches it. No SQL: the writes are `_store` operations run by the
 runtime's executor.
@@ -11,7 +12,7 @@ runtime's executor.
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from . import _codec, _store, _transcript, _validate
@@ -131,7 +132,7 @@ class DrainContext:
         self._check_live()
         claim, takes = self._claim, self._entry.takes
         self._lost_message = None  # its read-back is for the very next call only
-        taken: list[Input] = []
+        taken: Sequence[Input] = []
         sent_at = takes.start()
         try:
             if (offset := takes.unsure_from) is not None:
@@ -151,7 +152,31 @@ class DrainContext:
             takes.running -= 1
         taken = takes.gave(taken)
         self._runtime._streams.touch(self.session_id)  # new user messages: streams read them
-        return taken
+        self._publish_taken(taken)
+        return [Input(item.id, item.payload) for item in taken]
+
+    def _publish_taken(self, taken: Sequence[Input]) -> None:
+        """Local watchers get the new user messages now, before any reply to them (DESIGN
+        §5: as created). Those a read-back found (a lost call's, known by input only) a
+        look offers: the change loop looks now."""
+        runtime = self._runtime
+        if not taken or not runtime._watchers.watching(self.session_id):
+            return
+        for item in taken:
+            if not isinstance(item, _store.Taken):
+                runtime._kick.set()
+                continue
+            # Decoded again: the drain owns the payload it was given, and may change it.
+            data = _codec.decode_object(item.text, table="session_message", key=item.message_id)
+            message = Message(
+                item.message_id, self.session_id, "user", item.seq, data, self.execution_id, item.id
+            )
+            # Version 0: a user message's as inserted, never changed (a look that finds it
+            # offers nothing more).
+            snapshot = _store.Snapshot(
+                self.session_id, item.message_id, item.seq, message, 0, None, False
+            )
+            runtime._watchers.publish(snapshot)
 
     async def transcript(self) -> list[Message]:
         """The session's messages in seq order (`MalformedRecord` for a row that does not

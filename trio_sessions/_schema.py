@@ -437,7 +437,10 @@ DROP FUNCTION IF EXISTS ts_submit_controlled(text, text, text, text, bigint, big
     # NOTHING, and reads a conflict back: it gains `p_due` and `p_retry` and returns a
     # verdict; a new argument list is a new function, the old one goes); `ts_acquire_many`
     # reads on every supported server (its `'{{}}'`, an empty array to PostgreSQL 17+ only,
-    # is `'{}'`).
+    # is `'{}'`); a take of inputs returns the user messages it appended (`ts_take_inputs`,
+    # a new return type: `_create_functions` drops the old one), so the drain offers them
+    # to local watchers before its reply to them; `ts_resume` leaves a session that is not
+    # paused as it is; a stream's read fetches one page of a long answer's appends.
     24: """
 DROP FUNCTION IF EXISTS ts_insert_input(text, text, text, text, boolean, bigint);
 """,
@@ -477,6 +480,7 @@ def _create_functions(conn: Any) -> None:
 # so the function goes first (and is created again with the others), from any older step.
 _RETYPED_FUNCTIONS = """
 DROP FUNCTION IF EXISTS ts_delete_session(text, bigint, boolean);
+DROP FUNCTION IF EXISTS ts_take_inputs(text, text, text, bigint, bigint, boolean);
 """
 
 

@@ -4,10 +4,12 @@ A `Watcher` holds, per message, the newest snapshot not yet delivered. Snapshots
 by the message's durable `version` (bumped by every change), so a snapshot offered twice -
 once by the local writer, once by a store scan - is delivered once, and an older state is
 never delivered after a newer one. A slow watcher skips intermediate snapshots of a message
-but always gets its latest. Idle watchers cost no task and no polling: the runtime's one
-change loop offers them what changed, reading only what changed (the hub below). What a
-watcher and the hub remember per message follows the transcript: a message a rewrite
-removed (truncate, delete) is forgotten once a look read the session whole.
+but always gets its latest. A watcher replaying its history holds what is offered live past
+the replay's reach until the replay reached it: the history first (DESIGN §5). Idle watchers
+cost no task and no polling: the runtime's one change loop offers them what changed, reading
+only what changed (the hub below). What a watcher and the hub remember per message follows
+the transcript: a message a rewrite removed (truncate, delete) is forgotten once a look read
+the session whole.
 """
 
 from __future__ import annotations
@@ -34,6 +36,12 @@ class Watcher(AsyncIterator[Message]):
         self.session_id = session_id
         self.after_seq = after_seq
         self._pending: dict[str, tuple[Snapshot, int]] = {}
+        # While the history is replayed: how far its replay reached (None once it is over),
+        # and the newest snapshot offered of each message past that (with its seq), held
+        # until the replay reaches the message - else a reply written now would come
+        # before the questions it answers (DESIGN §5: the history first).
+        self._reach: int | None = after_seq
+        self._held: dict[str, tuple[Snapshot, int, int]] = {}
         self._seen: dict[str, int] = {}
         # Messages gone whose last snapshot still waits: delivered, but not remembered.
         self._forgotten: set[str] = set()
@@ -42,26 +50,54 @@ class Watcher(AsyncIterator[Message]):
 
     def offer(self, message_id: str, seq: int, snapshot: Snapshot, version: int) -> None:
         """A message was created or changed; keep it if newer than anything held for it."""
-        if seq <= self.after_seq or version <= self._newest(message_id):
+        if seq <= self.after_seq:
+            return
+        reach = self._reach
+        if reach is not None and seq <= reach and message_id in self._held:
+            # The replay reached a message offered live meanwhile: its newest snapshot
+            # takes the message's place in the history (the replay's is older, or it).
+            self._pending[message_id] = self._held.pop(message_id)[:2]
+            self._ready.set()
+        if version <= self._newest(message_id):
+            return
+        if reach is not None and seq > reach:
+            self._held[message_id] = (snapshot, version, seq)
             return
         self._pending[message_id] = (snapshot, version)
         self._ready.set()
 
+    def replaying_to(self, seq: int) -> None:
+        """The replay offers the history up to `seq` next (at once, in seq order)."""
+        self._reach = seq
+
+    def replay_over(self) -> None:
+        """The history is all offered: what waited past it follows, in seq order."""
+        self._reach = None
+        self._release_held()
+
+    def _release_held(self) -> None:
+        for message_id, (snapshot, version, _) in sorted(
+            self._held.items(), key=lambda item: item[1][2]
+        ):
+            self._pending[message_id] = (snapshot, version)
+        self._held.clear()
+        self._ready.set()
+
     def close(self) -> None:
         self._closed = True
-        self._ready.set()
+        self._release_held()
 
     def forget(self, message_id: str) -> None:
         """The message no longer exists (its transcript was rewritten): nothing more is
         offered for it, so no version of it need be remembered - once a snapshot still
         waiting for the consumer, if any, was delivered."""
-        if message_id in self._pending:
+        if message_id in self._pending or message_id in self._held:
             self._forgotten.add(message_id)
         else:
             self._seen.pop(message_id, None)
 
     def _newest(self, message_id: str) -> int:
-        held = self._pending.get(message_id)
+        held = self._held.get(message_id) or self._pending.get(message_id)
         return held[1] if held is not None else self._seen.get(message_id, -1)
 
     def __aiter__(self) -> Watcher:
@@ -141,9 +177,11 @@ class WatchHub:
             # Read before messages gone were forgotten: it may hold them, and offered as
             # news they would reach the watchers that had them already. Its own, then.
             stale = self._forgettings(session_id) != forgettings
+            after_seq = replayed[-1].seq
+            watcher.replaying_to(after_seq)
             for snapshot in replayed:
                 self.publish(snapshot, only=watcher, remember=not stale)
-            after_seq = replayed[-1].seq
+        watcher.replay_over()
 
     def _forgettings(self, session_id: str) -> int:
         session = self._sessions.get(session_id)

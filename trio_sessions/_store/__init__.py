@@ -106,7 +106,7 @@ from .control import (
     truncate,
 )
 from .inputs import submit, wake
-from .intake import TAKE_INPUTS_CHUNK, inputs_taken_by, take_inputs
+from .intake import TAKE_INPUTS_CHUNK, Taken, inputs_taken_by, take_inputs
 from .liveness import candidates_and_free_tokens, forget_gone_owners, free_tokens
 from .operator import (
     drop_quarantined,
@@ -164,6 +164,7 @@ __all__ = [
     "Known",
     "Recovered",
     "Snapshot",
+    "Taken",
     "Watched",
     "_recovery_facts",
     "_take_over",

@@ -10,13 +10,17 @@ Invariants kept here:
 * an input that does not decode to a JSON object never blocks those behind it: it is set
   aside in `session_input_rejected`, raw text and reason kept;
 * scheduled inputs not yet due stay pending, unseen; when more due inputs remain than one
-  chunk takes, the doorbell is rung, so none is stranded.
+  chunk takes, the doorbell is rung, so none is stranded;
+* a take returns the user messages it appended (`Taken`: id, seq, data as stored), so the
+  runtime offers them to its local watchers before any reply to them (DESIGN §5).
 """
 
 from __future__ import annotations
 
 import itertools
 from typing import Any
+
+import attrs
 
 from .. import _codec
 from .._backend import Tx
@@ -39,13 +43,25 @@ from .common import (
 TAKE_INPUTS_CHUNK = 200
 
 
+@attrs.frozen
+class Taken(Input):
+    """An input taken, and the user message it became (`text`: its data as stored). Two
+    takes are equal when they took the same inputs into the same places: a message's id
+    is random."""
+
+    message_id: str = attrs.field(eq=False)
+    seq: int
+    text: str
+
+
 def take_inputs(
     tx: Tx, session_id: str, execution_id: str, owner_id: str, limit: int = TAKE_INPUTS_CHUNK
-) -> list[Input]:
+) -> list[Taken]:
     """Consume the oldest `limit` due pending inputs in seq order, appending each as a user
-    message (claim fence). Scheduled inputs not yet due by the lease clock stay pending,
-    unseen. When more due ones are pending, the doorbell is rung, so the rest are taken by
-    a further call or by the busy period's next iteration - never stranded.
+    message (claim fence); returns them with their messages. Scheduled inputs not yet due
+    by the lease clock stay pending, unseen. When more due ones are pending, the doorbell
+    is rung, so the rest are taken by a further call or by the busy period's next
+    iteration - never stranded.
 
     An input whose payload does not decode to a JSON object never blocks the ones behind
     it: it moves to `session_input_rejected` (raw text and reason kept for the operator).
@@ -60,8 +76,14 @@ def take_inputs(
             raise _lease_lost(execution_id)
         if found[0][0] == "ok":
             return [
-                Input(key, _codec.decode_object(payload, table="session_input", key=key))
-                for _, key, payload in found[1:]
+                Taken(
+                    key,
+                    _codec.decode_object(payload, table="session_input", key=key),
+                    message_id,
+                    seq,
+                    payload,
+                )
+                for _, key, payload, message_id, seq in found[1:]
             ]
         # mixed: some input of the chunk is not a plain JSON object; nothing was written,
         # the path below sets such inputs aside.
@@ -94,8 +116,9 @@ def take_inputs(
                 (input_id, session_id, input_seq, _codec.shown_text(stored), str(exc), tx.now),
             )
             continue
-        taken.append(Input(input_id, decoded))
-        messages.append((new_id(), session_id, execution_id, input_id, seq, text, tx.now, tx.now))
+        message_id = new_id()
+        taken.append(Taken(input_id, decoded, message_id, seq, text))
+        messages.append((message_id, session_id, execution_id, input_id, seq, text, tx.now, tx.now))
         seq += 1
     # A few multi-row statements for the whole chunk, not one per input.
     per_statement = _IN_CHUNK // 8  # eight parameters per row
@@ -172,11 +195,11 @@ END $$;
 -- (ts_plain_object); when more due inputs remain, the doorbell is rung (as `_ring`), so
 -- they are never stranded. Rows: first (verdict, NULL, NULL) - ok, lease_lost, or mixed
 -- (nothing written: the caller's own path sets the others aside) - then (NULL, input id,
--- payload) per input taken. Not idempotent: a lost reply is read back by the
--- transaction's id.
+-- payload, message id, seq) per input taken, the user message it became. Not idempotent:
+-- a lost reply is read back by the transaction's id.
 CREATE OR REPLACE FUNCTION ts_take_inputs(p_session text, p_exec text, p_owner text,
     p_limit bigint, p_now bigint, p_retry boolean)
-RETURNS TABLE(verdict text, input_id text, payload text)
+RETURNS TABLE(verdict text, input_id text, payload text, message_id text, seq bigint)
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     v_session text; v_now bigint; v_seq bigint; v_more boolean;
@@ -184,13 +207,13 @@ BEGIN
     SELECT l.session_id, l.now INTO v_session, v_now
         FROM ts_lock_execution(p_session, p_exec, p_now) l;
     IF v_session IS NULL OR NOT ts_holds(p_exec, p_owner, v_now) THEN
-        RETURN QUERY SELECT 'lease_lost', NULL::text, NULL::text;
+        RETURN QUERY SELECT 'lease_lost', NULL::text, NULL::text, NULL::text, NULL::bigint;
         RETURN;
     END IF;
     -- A claim marked cancelling takes nothing: its successor does.
     IF EXISTS (SELECT 1 FROM session_execution c WHERE c.id = p_exec
                AND c.phase = 'cancelling') THEN
-        RETURN QUERY SELECT 'ok', NULL::text, NULL::text;
+        RETURN QUERY SELECT 'ok', NULL::text, NULL::text, NULL::text, NULL::bigint;
         RETURN;
     END IF;
     -- Only due inputs (scheduled ones once their time has come), the oldest p_limit.
@@ -199,7 +222,7 @@ BEGIN
                               AND (i.due_at IS NULL OR i.due_at <= v_now)
                               ORDER BY i.seq LIMIT p_limit) c
                WHERE NOT ts_plain_object(c.payload)) THEN
-        RETURN QUERY SELECT 'mixed', NULL::text, NULL::text;
+        RETURN QUERY SELECT 'mixed', NULL::text, NULL::text, NULL::text, NULL::bigint;
         RETURN;
     END IF;
     v_more := EXISTS (SELECT 1 FROM session_input i WHERE i.session_id = v_session
@@ -207,7 +230,7 @@ BEGIN
                       ORDER BY i.seq OFFSET p_limit LIMIT 1);
     SELECT COALESCE(MAX(m.seq), 0) INTO v_seq FROM session_message m
         WHERE m.session_id = v_session;
-    RETURN QUERY SELECT 'ok', NULL::text, NULL::text;
+    RETURN QUERY SELECT 'ok', NULL::text, NULL::text, NULL::text, NULL::bigint;
     RETURN QUERY
     WITH chunk AS (
         SELECT i.seq FROM session_input i WHERE i.session_id = v_session
@@ -226,8 +249,9 @@ BEGIN
                     || substr(md5(random()::text || clock_timestamp()::text || o.id), 1, 20),
                 v_session, p_exec, o.id, 'user', o.seq, o.payload, v_now, v_now, 1
             FROM ordered o
-            RETURNING session_message.input_id, session_message.data, session_message.seq)
-    SELECT NULL::text, a.input_id, a.data FROM added a ORDER BY a.seq;
+            RETURNING session_message.input_id, session_message.data, session_message.id,
+                session_message.seq)
+    SELECT NULL::text, a.input_id, a.data, a.id, a.seq FROM added a ORDER BY a.seq;
     IF FOUND THEN
         PERFORM ts_signal_watchers(v_session);
     END IF;
