@@ -1,7 +1,8 @@
 """SQLite's change signal does not react to the runtime's own commits (issue 24 item 2):
 its own work is handled where it is done, so a look (`_store.changes`) after each of its
-commits reads nothing new. Another connection's commit is still a look, and so is an own
-commit to a session a local watcher follows; a scheduled input submitted here still starts
+commits reads nothing new. Another connection's commit is still a look; an own commit to a
+session a local watcher follows offers the watcher its change itself, or has the change loop
+look (the store closing an answer left open); a scheduled input submitted here still starts
 on time (the runtime arms its due timer itself).
 
 These run on the threaded store in real time, bounded by `fail_after`; the fallback poll and
@@ -113,16 +114,17 @@ async def test_a_local_watcher_sees_an_answer_closed_by_the_end_of_its_drain(
     tmp_path: Path, looks: Looks
 ) -> None:
     """A drain that returns with its answer open: the commit that ends the iteration closes
-    it `interrupted`, and a local watcher of the session sees that final state (an own
-    commit to a watched session is a look)."""
+    it `interrupted`, and a local watcher of the session sees that final state. Its
+    writes offered the watcher their snapshots themselves; the close, the store's, is an
+    own commit that offers nothing, so the change loop looks for it (the runtime's own
+    signals are no look: `BackgroundLoops.changed_here`)."""
     seen = trio.Event()
 
     async def drain(ctx: DrainContext) -> None:
         await ctx.take_inputs()
         writer = await ctx.begin_assistant()
         await writer.append_text("partial")
-        await looks.next()  # the look for the append is done: the close is a change of its own
-        await seen.wait()
+        await seen.wait()  # the watcher has the open answer: the close is a change of its own
 
     with trio.fail_after(BOUND):
         async with (

@@ -516,6 +516,60 @@ async def test_a_watcher_entering_during_a_long_open_reply_never_stalls_the_loop
     assert meter.longest_cpu < STALL_S, meter.longest_cpu
 
 
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"], indirect=True)
+async def test_a_local_watcher_costs_no_store_read_per_local_append(
+    live_store: Any, backend: str
+) -> None:
+    """Found by an audit. DESIGN §5: "Watching costs no polling per watcher and no store
+    round trip per snapshot for local writes." A drain streams 20 words (20 ms apart, a
+    model's pace) into a session this runtime watches: the watcher gets each snapshot
+    from the writer, yet every append's own notification was taken for a change to look
+    at (the change loop's `own` was `WatchHub.watching`), so the change loop read the
+    store (`_store.changes`) once per append - 20+ looks where a stream of the same session
+    costs none. Now every local write offers its change to local watchers itself (or, for
+    the few that cannot - the store closing open messages, a rewrite - has the change loop
+    look once), and the runtime's own signals are no look."""
+    import collections
+
+    words = 20
+    go = trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        await ctx.take_inputs()
+        writer = await ctx.begin_assistant()
+        await go.wait()
+        for n in range(words):
+            await writer.append_text(f"w{n} ")
+            await trio.sleep(0.02)  # the model's pace between words, not a settling wait
+        await writer.finish()
+
+    reads: collections.Counter[str] = collections.Counter()
+    with trio.fail_after(20):
+        async with trio_sessions.open_runtime(live_store, drain, recovery_interval=60) as rt:
+            inner = rt._db
+
+            class CountingReads:
+                def __getattr__(self, name: str) -> Any:
+                    return getattr(inner, name)
+
+                async def read(self, op: Any, *args: Any) -> Any:
+                    reads[op.__name__] += 1
+                    return await inner.read(op, *args)
+
+            rt._db = CountingReads()  # type: ignore[assignment]
+            async with rt.watch("s") as updates:
+                await rt.submit("s", {"text": "q"})
+                async for message in updates:
+                    if message.role != "assistant":
+                        continue
+                    if not go.is_set():
+                        go.set()
+                        reads.clear()  # from the first word on
+                    if message.data.finished:
+                        break
+    assert reads["changes"] <= 5, reads
+
+
 async def test_a_watcher_entering_a_watched_session_costs_its_replay_not_every_watchers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -362,7 +362,7 @@ class BusyPeriods:
         if ending is None:
             ending = _INTERRUPTED
         outcome, successor_due = await self._finalize(entry, ending)
-        self._runtime._streams.touch(entry.session_id)  # open messages were closed by the store
+        self._runtime._loops.changed_here(entry.session_id)  # the store closed open messages
         if ending.kind == "claim_failed" and entry.needs_wake:
             # A run joined this acquisition, which was to record its wake and failed: that
             # run raises, as a run whose own wake could not be recorded does (a successor
@@ -514,7 +514,7 @@ class BusyPeriods:
                 # claim as failed then would strand the input that rang (a failed finish
                 # does not re-arm). Recovery resumes the claim whichever way it went.
                 return _Ending("failed", error=exc, uncertain=True)
-            runtime._streams.touch(entry.session_id)  # messages left open were closed
+            runtime._loops.changed_here(entry.session_id)  # messages left open were closed
             if verdict is not IterationVerdict.CONTINUE:
                 entry.disown()
                 entry.yield_owed = left

@@ -147,6 +147,7 @@ class DrainContext:
                 taken = await self._runtime._db.run(_store.take_inputs, *claim, limit)
         except OutcomeUnknown:
             takes.unsure(sent_at)
+            self._look_if_watched()
             raise
         finally:
             takes.running -= 1
@@ -158,13 +159,13 @@ class DrainContext:
     def _publish_taken(self, taken: Sequence[Input]) -> None:
         """Local watchers get the new user messages now, before any reply to them (DESIGN
         §5: as created). Those a read-back found (a lost call's, known by input only) a
-        look offers: the change loop looks now."""
+        look offers."""
         runtime = self._runtime
         if not taken or not runtime._watchers.watching(self.session_id):
             return
         for item in taken:
             if not isinstance(item, _store.Taken):
-                runtime._kick.set()
+                self._look_if_watched()
                 continue
             # Decoded again: the drain owns the payload it was given, and may change it.
             data = _codec.decode_object(item.text, table="session_message", key=item.message_id)
@@ -177,6 +178,13 @@ class DrainContext:
                 self.session_id, item.message_id, item.seq, message, 0, None, False
             )
             runtime._watchers.publish(snapshot)
+
+    def _look_if_watched(self) -> None:
+        """A write of this claim may have changed the session unoffered (its outcome is
+        unknown, or a read-back found it): local watchers get it from a look, now - the
+        runtime's own commits' signals are no look."""
+        if self._runtime._watchers.watching(self.session_id):
+            self._runtime._kick.set()
 
     async def transcript(self) -> list[Message]:
         """The session's messages in seq order (`MalformedRecord` for a row that does not
@@ -217,6 +225,7 @@ class DrainContext:
                 seq = await self._runtime._db.run(_store.begin_assistant, *claim, message_id)
         except OutcomeUnknown:
             self._lost_message = message_id
+            self._look_if_watched()
             raise
         return AssistantWriter(self, message_id, seq)
 
@@ -408,6 +417,7 @@ class AssistantWriter:
             if call[0] == "append_text":
                 text_before = _transcript.text_of(self._data) + "".join(self._streamed)
             self._unsure.append((call, text_before))
+            context._look_if_watched()
             raise
 
     async def _landed_before(self, call: tuple[Any, ...]) -> bool:

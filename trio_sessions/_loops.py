@@ -53,11 +53,11 @@ class BackgroundLoops:
         runtime = self._runtime
         while True:
             waited_from = trio.current_time()
+            # No `own`: this runtime's own commits are no look, not even for a session a
+            # local watcher follows - each local write offers its change to local watchers
+            # itself, or has this loop look at once (`changed_here`).
             signal = await runtime._db.wait_for_change(
-                runtime._kick,
-                CHANGE_FALLBACK_POLL,
-                own=runtime._watchers.watching,
-                follows=runtime._busy.followed,
+                runtime._kick, CHANGE_FALLBACK_POLL, follows=runtime._busy.followed
             )
             kicked, runtime._kick = runtime._kick.is_set(), trio.Event()
             # A look at everything is the fallback poll's: SQLite's signal (another
@@ -67,6 +67,16 @@ class BackgroundLoops:
             self._look_again_at_passed_over(signal, everything=everything)
             with contextlib.suppress(StoreError):  # looked at again at the next signal
                 await self._look_at_changes(signal)
+
+    def changed_here(self, session_id: str) -> None:
+        """This runtime changed the session's messages without offering the change to its
+        local watchers and streams (the store closed open messages, rewrote or copied the
+        transcript): streams read it by themselves, and for watchers this loop looks now
+        (its own commits' signals are no look)."""
+        runtime = self._runtime
+        runtime._streams.touch(session_id)
+        if runtime._watchers.watching(session_id):
+            runtime._kick.set()
 
     def pass_over(self, session_id: str) -> None:
         """An acquire found the session locked by another transaction (PostgreSQL answers
@@ -259,7 +269,7 @@ class BackgroundLoops:
                 )
                 for (candidate, entry), result in zip(entries, results, strict=True):
                     _observe.recovered(candidate, entry.execution_id, result, runtime._owner_id)
-                    runtime._streams.touch(candidate.session_id)
+                    self.changed_here(candidate.session_id)  # open messages closed
                     if result.decision is RecoveryDecision.RESUME and not result.fence_lost:
                         runtime._busy.own(
                             entry, attempt=result.attempt, resumed=True, sent_at=sent_at

@@ -447,6 +447,7 @@ class Runtime:
         async with self._recovery.lock:
             if not resume:
                 session_id, doorbell = await self._recovery.drop_quarantine(execution_id)
+                self._loops.changed_here(session_id)  # its open messages were closed
                 _observe.quarantine_released(execution_id, self._owner_id, resume=False)
                 if doorbell:
                     # Our own commit is no change signal here (as `resume`): start it now.
@@ -520,7 +521,7 @@ class Runtime:
         self._check_run()
         session_id = validate_session_id(session_id)
         existed, removed = await self._db.run(_store.delete_session, session_id)
-        self._streams.touch(session_id)
+        self._loops.changed_here(session_id)
         # The claim the delete removed, if ours (owned, or its acquisition's reply still on
         # its way): stop its drain, write nothing for it. An entry made meanwhile holds a
         # fresh session's claim, which runs on.
@@ -545,8 +546,8 @@ class Runtime:
         after: str | None = ""
         while after is not None:
             deleted, after = await self._db.run(_store.purge_batch, idle_ms, after, PURGE_BATCH)
-            for session_id in deleted:  # as after delete_session: "truncate" at once
-                self._streams.touch(session_id)
+            for session_id in deleted:  # as after delete_session
+                self._loops.changed_here(session_id)
             purged += len(deleted)
         return purged
 
@@ -571,7 +572,7 @@ class Runtime:
         if through_seq is not None:
             through_seq = _validate.count(through_seq, "through_seq", 0)
         await self._db.run(_store.fork, session_id, new_session_id, through_seq)
-        self._streams.touch(new_session_id)
+        self._loops.changed_here(new_session_id)
 
     async def truncate(self, session_id: str, *, after_seq: int) -> int:
         """Delete the session's messages with `seq > after_seq`; returns how many. "Edit and
@@ -585,7 +586,7 @@ class Runtime:
         session_id = validate_session_id(session_id)
         after_seq = _validate.count(after_seq, "after_seq", 0)
         deleted = await self._db.run(_store.truncate, session_id, after_seq)
-        self._streams.touch(session_id)
+        self._loops.changed_here(session_id)
         return deleted
 
     # -- signals between processes ------------------------------------------------------------
