@@ -202,9 +202,10 @@ class DrainContext:
         Durable when it returns (one fenced transaction); local watchers see it at once.
         Raises `LeaseLost`, `StoreError`; after a `StoreError` whose outcome is unknown,
         the very next call of this context, if it is this one, returns the writer of the
-        message that call began, if it did. A message left open when the drain ends,
-        however it ends, is finished by the runtime: `interrupted`, failed with the drain's
-        error, or normally with its running tools failed.
+        message that call began, if it did. A message left open when the drain ends is
+        finished by the runtime, its running tools failed the same way: with the drain's
+        error when it raised, else `interrupted` - a drain that returned, an interrupt, the
+        runtime closing (recovery's after a lost lease: "interrupted: owner lost").
         """
         self._check_live()
         claim = self._claim
