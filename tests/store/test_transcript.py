@@ -5,19 +5,25 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
 
 from trio_sessions import (
     DuplicateSettlement,
     ToolPart,
     TrioSessionsError,
+    _sqlite,
     _store,
     _transcript,
 )
+from trio_sessions._store import transcript as transcript_family
 
 from .common import (
+    LEASE,
     Db,
 )
 
@@ -136,3 +142,49 @@ def test_a_write_from_what_the_writer_holds_shares_its_objects_while_they_encode
     assert db.message("m-1") == final
     [(stored,)] = db.rows("SELECT data FROM session_message WHERE id = 'm-1'")
     assert '"hits":[1]' in str(stored)
+
+
+async def test_a_readers_edit_while_a_write_runs_in_the_worker_thread_is_never_stored(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SQLite writes from the writer's held data while it encodes as the row stores it. In
+    the worker thread (a large message, or another process holding the lock) the SQL after
+    that check releases the GIL, and a reader on the loop may edit the objects it was shown:
+    the edit was written to the store (a review's find). The held data is checked again
+    once the new message is encoded, as on PostgreSQL: the stored message is used then."""
+    loop = threading.get_ident()
+    async with _sqlite.SQLiteStore(tmp_path / "s.db").open_executor(None) as executor:
+        await executor.run(_store.submit, "s", '{"n": 1}', "in-1")
+        await executor.run(_store.acquire, "s", "e1", "o", LEASE)
+        await executor.run(_store.take_inputs, "s", "e1", "o")
+        await executor.run(_store.begin_assistant, "s", "e1", "o", "m")
+
+        async def update(transition: Any, known: Any) -> Any:
+            return await executor.run(
+                _store.update_assistant, "s", "e1", "o", "m", transition, known
+            )
+
+        result = {"hits": ["x" * 30 for _ in range(10_000)], "flag": "as returned"}
+        await update(lambda data: _transcript.start_tool(data, "c1", "look", {}), None)
+        data, version, _, _ = await update(
+            lambda data: _transcript.settle_tool(data, "c1", output=result), None
+        )
+        shown = data.parts[0].output  # what a local reader is shown: the writer's objects
+        streamed_texts = transcript_family._streamed_texts
+
+        def edited_meanwhile(tx: Any, message_id: str) -> Any:
+            if threading.get_ident() != loop:  # in the worker thread: a reader runs now
+                trio.from_thread.run_sync(shown.__setitem__, "flag", "a reader's edit")
+            return streamed_texts(tx, message_id)
+
+        monkeypatch.setattr(transcript_family, "_streamed_texts", edited_meanwhile)
+        await update(
+            lambda data: _transcript.start_tool(data, "c2", "look", {}),
+            _store.Known(data, (), version, None),
+        )
+        assert executor.statistics().handoffs >= 1  # the write ran in the worker thread
+        [(stored,)] = executor.conn.execute(
+            "SELECT data FROM session_message WHERE id = 'm'"
+        ).fetchall()
+    assert "a reader's edit" not in stored
+    assert json.loads(stored)["parts"][0]["output"]["flag"] == "as returned"

@@ -166,7 +166,8 @@ def update_assistant(
     `ts_update_message`, alone in autocommit); otherwise, or when the transition refuses
     the known message or its data no longer encodes as stored, the durable message is read
     and the transition runs on it. On SQLite, `known` saves decoding the message read: its
-    data is used while it encodes as stored (`_stored_or_known`).
+    data is used while it encodes as stored (`_encodes_as`), checked again once the new
+    message is encoded.
     """
     if tx.dialect == "postgres" and known is not None:
         updated = _pg_update_known(
@@ -209,8 +210,20 @@ def update_assistant(
     )
     if row is None:
         raise _not_owned(message_id, execution_id)
-    data, step = _applied(transition, _stored_or_known(tx, message_id, row[0], known))
-    version = _write_assistant(tx, message_id, execution_id, data, step)
+    held = known if known is not None and _encodes_as(known.data, row[0]) else None
+    if held is not None:
+        base = _transcript.with_streamed(held.data, _streamed(tx, message_id))
+    else:
+        base = _assistant_data(tx, message_id, row[0])
+    data, step = _applied(transition, base)
+    columns = _Written.of(data, step)
+    if held is not None and not _encodes_as(held.data, row[0]):
+        # A reader edited what the writer holds while this ran (in the worker thread: the
+        # SQL between releases the GIL), maybe before the new message was encoded: the
+        # message as stored, as PostgreSQL's `_pg_update_known` checks after encoding.
+        data, step = _applied(transition, _assistant_data(tx, message_id, row[0]))
+        columns = _Written.of(data, step)
+    version = _write_assistant(tx, message_id, execution_id, data, step, columns)
     tx.notify(session_id, watchers_only=True)
     return data, version, step, None
 
@@ -308,23 +321,37 @@ def _not_owned(message_id: str, execution_id: str) -> LeaseLost:
     return LeaseLost(f"message {message_id!r} is not owned by execution {execution_id!r}")
 
 
-def _stored_or_known(tx: Tx, message_id: str, text: Any, known: Known | None) -> AssistantData:
-    """SQLite: the message as stored (`_assistant_data`) - as the writer's own data, when
-    that is what is stored: `known.data` encodes as the row's `text`, byte for byte (no
-    reader edited it since it was written), merged with the texts streamed since, as
-    stored. Encoding costs a fraction of decoding, and the new message then shares its
+def _encodes_as(data: AssistantData, text: Any) -> bool:
+    """SQLite: whether the writer's held data is still what the row stores - it encodes as
+    the row's `text`, byte for byte (no reader edited it since it was written). Encoding
+    costs a fraction of decoding, and a message made from the held data shares its
     unchanged parts with the writer's: a decoded copy would be dropped on the event loop
     when the writer takes the new message (26 ms for four tool results of 300,000 nodes).
-    `OffTheLoop` from either passes through: the executor's worker thread runs it again."""
-    if known is not None and isinstance(text, str):
-        try:
-            same = _codec.encode_assistant(known.data) == text
-        except (ValueError, TypeError, RecursionError):
-            same = False  # a reader put in a value JSON cannot hold: the stored one is read
-        if same:
-            streamed = _codec.decode_streamed(_streamed_texts(tx, message_id), key=message_id)
-            return _transcript.with_streamed(known.data, streamed)
-    return _assistant_data(tx, message_id, text)
+    `OffTheLoop` passes through: the executor's worker thread runs the write again."""
+    if not isinstance(text, str):
+        return False
+    try:
+        return _codec.encode_assistant(data) == text
+    except (ValueError, TypeError, RecursionError):
+        return False  # a reader put in a value JSON cannot hold: the stored one is read
+
+
+def _streamed(tx: Tx, message_id: str) -> list[str]:
+    """The texts streamed onto a message since its data was written, checked."""
+    return _codec.decode_streamed(_streamed_texts(tx, message_id), key=message_id)
+
+
+@attrs.frozen
+class _Written:
+    """A message's columns as a write stores them, encoded once: its data, and the stream
+    step that made its version (`_step_columns`)."""
+
+    data: str
+    step: tuple[str | None, str | None]
+
+    @classmethod
+    def of(cls, data: AssistantData, step: Step | None) -> _Written:
+        return cls(_codec.encode_assistant(data), _step_columns(step))
 
 
 def _streamed_texts(tx: Tx, message_id: str) -> list[Any]:
@@ -353,18 +380,24 @@ _NEXT_VERSION = (
 
 
 def _write_assistant(
-    tx: Tx, message_id: str, execution_id: str, data: AssistantData, step: Step | None = None
+    tx: Tx,
+    message_id: str,
+    execution_id: str,
+    data: AssistantData,
+    step: Step | None = None,
+    written: _Written | None = None,
 ) -> int:
     """Store the complete message (deltas folded in, then dropped) and return its version:
     every change bumps it, which orders watchers' snapshots. An open message keeps its
     stream row, at the new version; a finished one loses it (nothing streams onto it). The
     stream step that made the version is recorded with it (none: a stream one version
-    behind gets the message whole)."""
+    behind gets the message whole). `written`: the columns, if encoded already."""
+    written = written or _Written.of(data, step)
     row = tx.one(
         f"UPDATE session_message SET data = :data, finished = :finished, time_updated = :now,"
         f" version = {_NEXT_VERSION} WHERE id = :message RETURNING version",
         {
-            "data": _codec.encode_assistant(data),
+            "data": written.data,
             "finished": int(data.finished),
             "now": tx.now,
             "message": message_id,
@@ -380,7 +413,7 @@ def _write_assistant(
             " VALUES (?, ?, ?) ON CONFLICT(message_id) DO UPDATE SET version = excluded.version",
             (message_id, execution_id, version),
         )
-    kind, step_data = _step_columns(step)
+    kind, step_data = written.step
     if kind is None:
         tx.execute("DELETE FROM session_message_change WHERE message_id = ?", (message_id,))
     else:
