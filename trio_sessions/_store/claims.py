@@ -348,13 +348,17 @@ def cancel_own_claims(tx: Tx, owner_id: str, claims: Sequence[tuple[str, str, bo
     (execution id, session id, ring) - `ring` for a claim that took its doorbell to drain
     again with no drain call answering it yet: that wake is rung again with it (§6.7)."""
     claims = sorted(claims)
+    # Sessions first, then claims: every writer's order (a submit that interrupts writes
+    # the session row, then the claim), so two never wait for each other.
+    tx.lock_sessions(sorted({session_id for _, session_id, _ in claims}))
     tx.lock_claims([execution_id for execution_id, _, _ in claims])
     marked = 0
     for execution_id, session_id, ring in claims:
+        # Once marked, a retry (its transaction's reply lost) changes nothing: no second ring.
         updated = tx.execute(
             "UPDATE session_execution SET phase = 'cancelling',"
             " expires_at = CASE WHEN expires_at > ? THEN ? ELSE expires_at END"
-            " WHERE id = ? AND owner_id = ?",
+            " WHERE id = ? AND owner_id = ? AND phase <> 'cancelling'",
             (tx.now, tx.now, execution_id, owner_id),
         ).rowcount
         if updated:
