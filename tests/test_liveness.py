@@ -337,9 +337,10 @@ async def test_a_liveness_token_that_cannot_be_connected_fails_the_open_with_sto
     assert "too many connections" in str(raised.value)
     assert "liveness token" in str(raised.value)
     assert elapsed < 10
-    failed = records(logs, _observe.TOKEN_TAKE_FAILED)
-    assert failed
-    assert all("too many connections" in record.error for record in failed)
+    # Logged once: the same refusal at every attempt (a review found a WARNING per attempt,
+    # for as long as a server stays down).
+    [failed] = records(logs, _observe.TOKEN_TAKE_FAILED)
+    assert "too many connections" in failed.error
     assert SECRET not in logs.text
     assert SECRET not in str(raised.value)
 

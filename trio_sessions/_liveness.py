@@ -328,6 +328,7 @@ class PgToken:
         still held by our broken connection's server side), each refusal logged; past
         `patience` seconds (trio's clock), `StoreError` with the last refusal."""
         deadline = trio.current_time() + patience
+        logged = None  # the refusal last logged: a server down for an hour logs it once
         for attempt in range(1_000_000):
             try:
                 taken = (
@@ -344,7 +345,9 @@ class PgToken:
                     "the liveness token is held by another connection (the server has not"
                     " yet closed this owner's lost one, or another process uses its owner id)"
                 )
-            _observe.token_take_failed(self.owner_id, refusal)
+            if str(refusal) != logged:
+                logged = str(refusal)
+                _observe.token_take_failed(self.owner_id, refusal)
             remaining = deadline - trio.current_time()
             if remaining <= 0:
                 raise StoreError(
