@@ -13,7 +13,6 @@ The last test checks the reader's decision itself, deterministically, on raw con
 from __future__ import annotations
 
 import contextlib
-import sqlite3
 import time
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ from trio_sessions import AssistantData, DrainContext, _loops, _store
 from trio_sessions._backend import Job
 from trio_sessions._sqlite.changes import ChangeReader
 from trio_sessions._sqlite.connections import connect, connect_nonblocking
-from trio_sessions._sqlite.engine import Touched, run_batch, try_run_batch
+from trio_sessions._sqlite.engine import run_batch, try_run_batch
 
 NO_RECOVERY: dict[str, Any] = {"recovery_interval": 3600.0}
 BOUND = 10.0  # seconds of real time; the machine may be shared and slow
@@ -191,28 +190,14 @@ async def test_an_own_scheduled_input_starts_on_time(tmp_path: Path, looks: Look
     assert took[0] >= 0.2
 
 
-def _signal(*sessions: tuple[str, bool]) -> Any:
-    """An operation that writes a row and signals these sessions (watchers only or not)."""
-
-    def op(tx: Any) -> None:
-        tx.execute("INSERT INTO scratch VALUES (1)")
-        for session_id, watchers_only in sessions:
-            tx.notify(session_id, watchers_only=watchers_only)
-
-    return op
+def _write(tx: Any) -> None:
+    tx.execute("INSERT INTO scratch VALUES (1)")
+    tx.notify("s")  # a no-op on SQLite: no own commit is a change, signalled or not
 
 
-def _commit(conn: sqlite3.Connection, touched: Touched, *ops: Any) -> None:
-    jobs = [Job(op, ()) for op in ops]
-    assert try_run_batch(conn, time.time, jobs, touched=touched)
-    for job in jobs:
-        job.unwrap()
-
-
-def test_the_signal_skips_own_commits_unless_a_local_watcher_needs_them(tmp_path: Path) -> None:
+def test_the_signal_skips_own_commits(tmp_path: Path) -> None:
     """`ChangeReader._changed` on the loop's writer connection: another connection's commit
-    is a change; an own commit only for a session `own` names (a watchers-only signal only
-    where `follows` says it is followed); an own batch that rolled back signals nothing."""
+    is a change; the loop's own commits (signalling a session or not) are none."""
     db = tmp_path / "s.db"
     with (
         contextlib.closing(connect(db)) as other,
@@ -221,29 +206,13 @@ def test_the_signal_skips_own_commits_unless_a_local_watcher_needs_them(tmp_path
     ):
         other.execute("CREATE TABLE scratch(x)")
         reader = ChangeReader(reader_conn, time.time, 0.005, None, loop_conn)
-        watched = {"watched"}
-        followed = {"watched", "streamed"}
-
-        def changed() -> bool:
-            return reader._changed(watched.__contains__, followed.__contains__)
-
-        changed()  # the first check: nothing to compare with yet
-        assert not changed()
-        _commit(loop_conn, reader.touched, _signal(("a", False), ("streamed", True)))
-        assert not changed()
-        _commit(loop_conn, reader.touched, _signal(("a", False)), _signal(("watched", True)))
-        assert changed()
-        assert not changed()  # looked at: forgotten
-
-        def refused(tx: Any) -> None:
-            tx.execute("INSERT INTO scratch VALUES (1)")
-            tx.notify("watched")
-            raise ValueError("refused")
-
-        job = Job(refused, ())
-        assert try_run_batch(loop_conn, time.time, [job], touched=reader.touched)
-        assert isinstance(job.error, ValueError)
-        assert not changed()
-        run_batch(other, time.time, [Job(_signal(("a", False)), ())])
-        assert changed()
-        assert not changed()
+        reader._changed()  # the first check: nothing to compare with yet
+        assert not reader._changed()
+        jobs = [Job(_write, ()), Job(_write, ())]  # a group commit on the loop
+        assert try_run_batch(loop_conn, time.time, jobs)
+        for job in jobs:
+            job.unwrap()
+        assert not reader._changed()
+        run_batch(other, time.time, [Job(_write, ())])
+        assert reader._changed()
+        assert not reader._changed()  # looked at: forgotten

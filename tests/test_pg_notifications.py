@@ -250,20 +250,20 @@ async def test_the_listener_tells_a_watchers_only_change_from_a_doorbell(
 def test_a_watchers_only_change_is_wanted_only_where_the_session_is_followed() -> None:
     """The executors' filter: another process's doorbell is always worth a look; a
     watchers-only change only where a watcher or stream follows the session; our own
-    writers' changes (any of them) only where `own` says so."""
+    writers' changes (any of them) never."""
 
     class Engine:
         def __init__(self, backend_pid: int) -> None:
             self.backend_pid = backend_pid
 
     engines = [Engine(7), Engine(9)]
-    wanted = _wanted(engines, lambda s: s == "mine-watched", lambda s: s == "followed")  # type: ignore[arg-type]
+    wanted = _wanted(engines, lambda s: s == "followed")  # type: ignore[arg-type]
     assert wanted(8, "any", False)
     assert not wanted(8, "any", True)
     assert wanted(8, "followed", True)
     for ours in (7, 9):
         assert not wanted(ours, "any", False)
-        assert wanted(ours, "mine-watched", False)
+        assert not wanted(ours, "followed", False)
         assert not wanted(ours, "followed", True)
     engines[1].backend_pid = 10  # the second writer reconnected
     assert wanted(9, "any", False)

@@ -40,7 +40,8 @@ T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
 
 BackendName = Literal["sqlite", "postgres"]
-OwnChange = Callable[[str], bool] | None
+# Whether a watcher or stream of this runtime follows a session (`Executor.wait_for_change`).
+Follows = Callable[[str], bool] | None
 Params = Sequence[Any] | Mapping[str, Any]
 
 
@@ -408,18 +409,16 @@ class Executor(Protocol):
         kick: trio.Event,
         fallback: float,
         *,
-        own: OwnChange = None,
-        follows: OwnChange = None,
+        follows: Follows = None,
     ) -> Signal | None:
         """Return when another connection may have committed (SQLite: `data_version`;
         PostgreSQL: a notification), when `kick` is set, or after `fallback` seconds (the slow
         fallback poll: a lost signal costs latency, never work). What changed: what the
         signal named (PostgreSQL), or None when anything may have (SQLite, a kick, the poll).
+        A backend that can tell this runtime's own commits apart (PostgreSQL: the notifying
+        backend's pid; SQLite: `data_version` on the event loop's writer connection) skips
+        them: the runtime handles its own writes where it makes them.
 
-        `own(session_id)`: whether a change this runtime made itself to that session still
-        needs a look (a local watcher follows it); a backend that can tell its own commits
-        apart (PostgreSQL: the notifying backend's pid; SQLite: `data_version` on the event
-        loop's writer connection, and the sessions its batches signalled) skips the others.
         `follows(session_id)`: whether a watcher or stream of this runtime follows that
         session; a backend that can tell a transcript-only change
         (`Tx.notify(watchers_only=True)`) skips those of the sessions nobody here follows

@@ -53,8 +53,8 @@ class BackgroundLoops:
         runtime = self._runtime
         while True:
             waited_from = trio.current_time()
-            # No `own`: this runtime's own commits are no look, not even for a session a
-            # local watcher follows - each local write offers its change to local watchers
+            # This runtime's own commits are no look, not even for a session a local
+            # watcher follows - each local write offers its change to local watchers
             # itself, or has this loop look at once (`changed_here`).
             signal = await runtime._db.wait_for_change(
                 runtime._kick, CHANGE_FALLBACK_POLL, follows=runtime._busy.followed

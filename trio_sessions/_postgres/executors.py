@@ -33,8 +33,9 @@ Invariants:
   takeover, a heartbeat) has no session's order to keep: it goes to the least busy lane
   and runs first in its hand-off, in a transaction of its own (alone, one autocommit call
   if it can be), not behind or inside a batch of drains' writes;
-* a notification our own writer sent is not a change worth a look, unless the runtime says
-  it still needs it (`own`).
+* a notification our own writers sent is not a change worth a look (the runtime handles its
+  own writes where it makes them), nor is another process's transcript-only one for a
+  session no watcher or stream here follows (`follows`).
 """
 
 from __future__ import annotations
@@ -53,8 +54,8 @@ import trio
 from .. import _liveness
 from .._backend import (
     BackendName,
+    Follows,
     Job,
-    OwnChange,
     Signal,
     StoreStatistics,
     Tx,
@@ -152,27 +153,25 @@ class PgInlineExecutor:
         kick: trio.Event,
         fallback: float,
         *,
-        own: OwnChange = None,
-        follows: OwnChange = None,
+        follows: Follows = None,
     ) -> Signal | None:
-        wanted = _wanted([self.engine], own, follows)
+        wanted = _wanted([self.engine], follows)
         return await _wait_for_change(self.listener, kick, fallback, wanted)
 
     def hold_token(self, owner_id: str) -> AbstractAsyncContextManager[_liveness.PgToken]:
         return _hold_token(self.engine, owner_id, inline=True)
 
 
-def _wanted(engines: Sequence[PgEngine], own: OwnChange, follows: OwnChange) -> Wanted:
+def _wanted(engines: Sequence[PgEngine], follows: Follows) -> Wanted:
     """Whether a notification's session (backend pid, session, watchers only) is worth a
-    look: not one our own writers sent, unless `own` says this runtime still needs it; and a
-    transcript-only change only if `follows` says a watcher or stream here follows it."""
+    look: not one our own writers sent; and a transcript-only change only if `follows` says
+    a watcher or stream here follows it."""
 
     def wanted(pid: int, session_id: str, watchers_only: bool) -> bool:
         if watchers_only and follows is not None and not follows(session_id):
             return False
         # Read per notification: a writer's pid changes when it reconnects.
-        ours = any(pid == engine.backend_pid for engine in engines)
-        return not ours or (own is not None and own(session_id))
+        return not any(pid == engine.backend_pid for engine in engines)
 
     return wanted
 
@@ -381,10 +380,9 @@ class PgThreadExecutor:
         kick: trio.Event,
         fallback: float,
         *,
-        own: OwnChange = None,
-        follows: OwnChange = None,
+        follows: Follows = None,
     ) -> Signal | None:
-        wanted = _wanted(self.engines, own, follows)
+        wanted = _wanted(self.engines, follows)
         return await _wait_for_change(self.listener, kick, fallback, wanted)
 
     def hold_token(self, owner_id: str) -> AbstractAsyncContextManager[_liveness.PgToken]:

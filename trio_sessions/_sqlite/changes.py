@@ -1,6 +1,5 @@
 """SQLite's change signal: `ChangeReader` reads on a connection of its own, on the trio
-thread, and tells a waiting runtime when another connection committed - or when one of the
-runtime's own commits changed a session a local watcher follows.
+thread, and tells a waiting runtime when another connection committed.
 
 Invariants: a read runs on one snapshot (one deferred transaction, rolled back: it never
 takes the write lock, so it never waits for a writer), and decodes at most `budget` units of
@@ -10,12 +9,11 @@ thread); `PRAGMA data_version` on a connection changes with every commit made on
 connection. Read on the connection the event loop commits on (`own_conn`), it changes with
 every commit but the loop's own: other processes', and this process's worker thread's (those
 get a look, conservatively). The loop's own commits are handled where they are made (a
-doorbell rung, a claim interrupted, a due timer armed, a stream offered its write), so they
-are looked at only for the sessions their batches signalled (`touched`, `SQLiteTx.notify`)
-that `own` says still need it, as PostgreSQL skips its own writers' notifications. Without
-`own_conn` (the deterministic executor) every commit on another connection is a change. A
-change is reported at most every `CHANGE_GAP` seconds, and where the WAL file cannot be
-watched the reader polls (`CHANGE_POLL`, `SQLiteStore`'s setting).
+doorbell rung, a claim interrupted, a due timer armed, a watcher or stream offered its
+write, the change loop kicked), so they are no change, as PostgreSQL skips its own writers'
+notifications. Without `own_conn` (the deterministic executor) every commit on another
+connection is a change. A change is reported at most every `CHANGE_GAP` seconds, and where
+the WAL file cannot be watched the reader polls (`CHANGE_POLL`, `SQLiteStore`'s setting).
 """
 
 from __future__ import annotations
@@ -29,9 +27,9 @@ import attrs
 import trio
 
 from .. import _codec
-from .._backend import OwnChange, Tx
+from .._backend import Tx
 from .._filewatch import FileWatch
-from .engine import Touched, read_snapshot
+from .engine import read_snapshot
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
@@ -52,9 +50,8 @@ WRITE_SETTLE_MAX = 0.5
 class ChangeReader:
     """Reads on the trio thread on a connection of its own: a WAL reader never waits for the
     write lock. A change is another connection's commit (`PRAGMA data_version` on
-    `own_conn`, the event loop's writer, else on its own connection), or a commit of the
-    loop's own to a session `own` names (`touched`). With a watch on the WAL file
-    (`_filewatch`), an idle reader sleeps until a commit writes it."""
+    `own_conn`, the event loop's writer, else on its own connection). With a watch on the
+    WAL file (`_filewatch`), an idle reader sleeps until a commit writes it."""
 
     conn: sqlite3.Connection
     clock: Callable[[], float]
@@ -63,9 +60,6 @@ class ChangeReader:
     # The connection the event loop commits on (`ThreadExecutor.inline_conn`, unwrapped):
     # read only on the trio thread, between its batches, which run synchronously there.
     own_conn: sqlite3.Connection | None = None
-    # The sessions the loop's committed batches signalled since the last look (the executor
-    # adds to it in place).
-    touched: Touched = attrs.Factory(dict)
     # The units of data a read may decode on the event loop (`_codec.loop_budget`); None,
     # no bound: the deterministic executor, which has no thread to send a read to.
     budget: int | None = None
@@ -82,16 +76,9 @@ class ChangeReader:
         await trio.lowlevel.cancel_shielded_checkpoint()
         return result
 
-    async def wait_for_change(
-        self,
-        kick: trio.Event,
-        fallback: float,
-        *,
-        own: OwnChange = None,
-        follows: OwnChange = None,
-    ) -> None:
-        """Return when another connection committed, an own commit touched a session `own`
-        names, `kick` is set, or after `fallback` seconds."""
+    async def wait_for_change(self, kick: trio.Event, fallback: float) -> None:
+        """Return when another connection committed, `kick` is set, or after `fallback`
+        seconds."""
         with trio.move_on_after(fallback):
             settle = 0.0  # > 0: the WAL was written, and no commit was visible at the check
             written = False  # the WAL was written since the last check
@@ -105,7 +92,7 @@ class ChangeReader:
                 if self.watch is not None:
                     written = self.watch.discard() or written  # the check below covers them
                 self._next_check = trio.current_time() + CHANGE_GAP
-                if self._changed(own, follows):
+                if self._changed():
                     return
                 if written:
                     # Our own commits, or a writer that wrote its frames and has not yet
@@ -120,10 +107,8 @@ class ChangeReader:
                 with trio.move_on_after(settle or math.inf):
                     written = await self._signal(kick)
 
-    def _changed(self, own: OwnChange, follows: OwnChange) -> bool:
-        """Whether a commit since the last call is worth a look: another connection's, or
-        one of the loop's own to a session `own` says this runtime still needs (a
-        transcript-only change only where `follows` says it is followed)."""
+    def _changed(self) -> bool:
+        """Whether another connection committed since the last call."""
         conn = self.conn if self.own_conn is None else self.own_conn
         try:
             version: int = conn.execute("PRAGMA data_version").fetchone()[0]
@@ -133,15 +118,6 @@ class ChangeReader:
             # error as a `StoreError`, where the change loop retries it.
             version = self._version
         changed, self._version = version != self._version, version
-        touched = self.touched
-        if touched:
-            changed = changed or any(
-                own is not None
-                and own(session_id)
-                and not (watchers_only and follows is not None and not follows(session_id))
-                for session_id, watchers_only in touched.items()
-            )
-            touched.clear()  # the look that follows (or none needed) covers them
         return changed
 
     async def _signal(self, kick: trio.Event) -> bool:

@@ -14,10 +14,9 @@ savepoint, so one operation's error (a refusal such as `LeaseLost`) rolls back o
 writes; an error SQLite answers by rolling back the whole transaction fails
 every operation of the batch, and so does a database file deleted or replaced under the
 runtime (`DatabaseFile`). Errors are stored on the jobs, never raised, and an SQLite error
-reaches the caller as `StoreError` (`store_error`). The sessions a batch's operations
-signalled (`SQLiteTx.notify`) are handed to the caller's `touched` only once it committed.
-A read marked `reads_stored_bytes` that meets text another tool wrote that is not UTF-8
-runs again on its snapshot with such text as bytes (`run_read`), to name the row malformed.
+reaches the caller as `StoreError` (`store_error`). A read marked `reads_stored_bytes` that
+meets text another tool wrote that is not UTF-8 runs again on its snapshot with such text as
+bytes (`run_read`), to name the row malformed.
 """
 
 from __future__ import annotations
@@ -49,17 +48,6 @@ T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
 
 
-# The sessions a committed batch's operations signalled (`SQLiteTx.notify`), each with
-# whether only its transcript changed (watchers only): what this process's change signal
-# (`changes.ChangeReader`) is told about its own commits.
-Touched = dict[str, bool]
-
-
-def _touch(touched: Touched, session_id: str, watchers_only: bool) -> None:
-    """Record a signal: a session stays watchers-only while every signal of it is."""
-    touched[session_id] = touched.get(session_id, True) and watchers_only
-
-
 # Test seam: False runs every job of a group commit alone, each in its own savepoint (the
 # path set-wise jobs fall back to), e.g. to inject a fault into one job of a group.
 SET_WISE = True
@@ -74,7 +62,6 @@ class SQLiteTx:
         self.conn = conn
         self.now = now
         self._database = database  # its file, when the caller knows it (`DatabaseFile`)
-        self.notified: Touched = {}
 
     # Every operation runs in a write transaction: never one call in autocommit.
     autocommit = False
@@ -111,10 +98,9 @@ class SQLiteTx:
 
     def notify(self, session_id: str, *, watchers_only: bool = False) -> None:
         # Other connections notice every commit through `PRAGMA data_version`, which cannot
-        # say what changed. Recorded for this process's own change signal: a batch that
-        # commits hands these to it (`Touched`), which looks only for the sessions a local
-        # watcher follows.
-        _touch(self.notified, session_id, watchers_only)
+        # say what changed; this process's own commits are no change signal at all (each
+        # write offers its change to local watchers itself).
+        pass
 
     @contextlib.contextmanager
     def savepoint(self) -> Iterator[None]:
@@ -199,15 +185,13 @@ def run_batch(
     clock: Callable[[], float],
     jobs: list[Job],
     file: DatabaseFile | None = None,
-    touched: Touched | None = None,
 ) -> None:
     """Run `jobs` in one `BEGIN IMMEDIATE` transaction (group commit).
 
     Each job runs in its own savepoint, so one job's error rolls back only its own writes;
     the others commit together. A failed BEGIN or COMMIT fails every job, with nothing
     written, and so does a `file` that was deleted or replaced. Errors are stored on the
-    jobs, never raised. Once the transaction committed, the sessions it signalled are added
-    to `touched`.
+    jobs, never raised.
     """
     if file is not None and file.refuse(jobs):
         return
@@ -217,7 +201,7 @@ def run_batch(
         for job in jobs:
             job.error = store_error(exc)
         return
-    _run_jobs(conn, clock, jobs, file, touched)
+    _run_jobs(conn, clock, jobs, file)
 
 
 def try_run_batch(
@@ -225,7 +209,6 @@ def try_run_batch(
     clock: Callable[[], float],
     jobs: list[Job],
     file: DatabaseFile | None = None,
-    touched: Touched | None = None,
 ) -> bool:
     """Like `run_batch`, but only if the write lock is free right now: False, with nothing
     run, when another connection holds it. Never waits (the connection's busy timeout is
@@ -240,7 +223,7 @@ def try_run_batch(
         for job in jobs:
             job.error = store_error(exc)
         return True
-    _run_jobs(conn, clock, jobs, file, touched)
+    _run_jobs(conn, clock, jobs, file)
     return True
 
 
@@ -249,7 +232,6 @@ def _run_jobs(
     clock: Callable[[], float],
     jobs: list[Job],
     file: DatabaseFile | None = None,
-    touched: Touched | None = None,
 ) -> None:
     """Run jobs inside the open transaction and commit. Never raises: errors go on jobs.
 
@@ -257,7 +239,7 @@ def _run_jobs(
     committed, whatever it returned, and every job reports the failure.
     """
     try:
-        _run_jobs_or_raise(conn, clock, jobs, file, touched)
+        _run_jobs_or_raise(conn, clock, jobs, file)
     except sqlite3.Error as exc:
         if conn.in_transaction:
             with contextlib.suppress(sqlite3.Error):
@@ -273,7 +255,6 @@ def _run_jobs_or_raise(
     clock: Callable[[], float],
     jobs: list[Job],
     file: DatabaseFile | None = None,
-    touched: Touched | None = None,
 ) -> None:
     try:
         now = now_ms(clock)
@@ -306,9 +287,6 @@ def _run_jobs_or_raise(
             if grouped:
                 conn.execute("RELEASE job")
     conn.execute("COMMIT")
-    if touched is not None:
-        for session_id, watchers_only in tx.notified.items():
-            _touch(touched, session_id, watchers_only)
 
 
 def _run_set_wise(conn: sqlite3.Connection, tx: SQLiteTx, jobs: list[Job]) -> list[Job]:

@@ -18,8 +18,8 @@ disk flush. Nor on data: a transaction on the loop, and a read, run within the l
 budget (`_codec.loop_budget`, DESIGN §6.26: no step over 50 ms); an operation that meets
 more (a message holding large tool results) raises `_codec.OffTheLoop` with its writes
 rolled back, and runs again in the worker thread, whose result its caller gets. The loop's
-batches hand the sessions they signalled to the change reader (`ChangeReader.touched`): its
-own commits are no change signal otherwise, while the worker's are (as another process's).
+own commits are no change signal (`ChangeReader.own_conn`), while the worker's are (as
+another process's).
 `InlineExecutor` (tests) runs each operation on the trio thread in its own transaction, so
 virtual time never jumps while SQLite works.
 
@@ -48,7 +48,7 @@ import attrs
 import trio
 
 from .. import _codec, _liveness, _observe
-from .._backend import BackendName, Job, OwnChange, StoreStatistics, Tx, executor_closed
+from .._backend import BackendName, Follows, Job, StoreStatistics, Tx, executor_closed
 from .._errors import StoreError
 from .._filewatch import open_watch
 from .._handoff import HandoffQueue, Queued, pumping
@@ -68,7 +68,7 @@ from .connections import (
     database_name,
     poll_for_lock,
 )
-from .engine import Touched, database_file, read_snapshot, run_batch, try_run_batch
+from .engine import database_file, read_snapshot, run_batch, try_run_batch
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
@@ -118,8 +118,7 @@ class InlineExecutor:
         kick: trio.Event,
         fallback: float,
         *,
-        own: OwnChange = None,
-        follows: OwnChange = None,
+        follows: Follows = None,
     ) -> None:
         # Deterministic tests: no background look at the store (it would race the steps a
         # test drives under the virtual clock), only an explicit kick. The change signal
@@ -174,10 +173,9 @@ def _run_nowait(
     op: Callable[..., T],
     args: tuple[Any, ...],
     file: DatabaseFile | None,
-    touched: Touched | None = None,
 ) -> T:
     job = Job(op, args)
-    if not try_run_batch(conn, clock, [job], file, touched):
+    if not try_run_batch(conn, clock, [job], file):
         raise _Locked("the database is locked by another process; not waiting")
     result: T = job.unwrap()
     return result
@@ -258,9 +256,7 @@ class ThreadExecutor:
         pause = LOCK_POLL_S
         while True:
             try:
-                result: T = _run_nowait(
-                    self.inline_conn, self.clock, op, args, self.file, self.reader.touched
-                )
+                result: T = _run_nowait(self.inline_conn, self.clock, op, args, self.file)
             except _Locked:
                 if trio.current_time() >= deadline:
                     raise
@@ -288,10 +284,10 @@ class ThreadExecutor:
         kick: trio.Event,
         fallback: float,
         *,
-        own: OwnChange = None,
-        follows: OwnChange = None,
+        follows: Follows = None,
     ) -> None:
-        await self.reader.wait_for_change(kick, fallback, own=own, follows=follows)
+        # `follows` filters nothing here: `data_version` cannot say which session changed.
+        await self.reader.wait_for_change(kick, fallback)
 
     def hold_token(self, owner_id: str) -> contextlib.AbstractAsyncContextManager[Any]:
         return _hold_token(self.reader.conn, owner_id, inline=False)
@@ -312,7 +308,7 @@ class ThreadExecutor:
         # The budget spans the whole synchronous batch: what the loop decodes and encodes
         # in this one step, whichever job does it.
         with _codec.loop_budget():
-            ran = try_run_batch(self.inline_conn, self.clock, jobs, file, self.reader.touched)
+            ran = try_run_batch(self.inline_conn, self.clock, jobs, file)
         if not ran:
             return False
         stayed = False
