@@ -185,6 +185,29 @@ async def test_another_write_after_an_unknown_one_applies_to_the_message_as_stor
     ]
 
 
+async def test_a_retried_append_lands_once_though_another_tasks_tool_call_came_between(
+    store: Any, autojump_clock: MockClock
+) -> None:
+    """A task's append answers `OutcomeUnknown` but landed; another task settles a tool
+    (which reads the message back); the first task retries its append. It was stored twice:
+    any call that went on to write made the writer forget the landed append (a review's
+    find). Only another append does: text streams in order from one task."""
+
+    async def drain(ctx: DrainContext, lost: LostReplies) -> None:
+        writer = await opened(ctx)
+        lost.lose(_store.append_assistant_text, landed=True)
+        with pytest.raises(OutcomeUnknown):
+            await writer.append_text(" x")
+        await writer.settle_tool("c1", "ok")  # another task's settlement in between
+        await writer.append_text(" x")  # the first task's retry
+        await writer.finish()
+
+    outcome, messages = await run_drain(store, drain)
+    assert outcome.kind == "succeeded", outcome
+    texts = [part.text for part in messages[-1].data.parts if isinstance(part, TextPart)]
+    assert texts == ["answer", " x"], texts
+
+
 async def test_an_append_found_landed_is_not_swallowed_when_the_same_text_comes_later(
     store: Any, autojump_clock: MockClock
 ) -> None:

@@ -447,15 +447,19 @@ class AssistantWriter:
 
     def _retried(self, call: tuple[Any, ...]) -> bool:
         """Whether `call` is the retry of a landed one (taken off: the next is a new call).
-        If not, it goes on to write, and no landed append stays: only the very next call
-        can be its retry - the same text later is a new token (" the", again), which must
-        be stored. A landed tool change or finish stays until called again: whenever it
-        comes, a second one can only be its retry (else a defect: a tool settled or
-        started twice, a message finished twice), and tools run in parallel tasks."""
+        A landed append stays only until another append goes on to write: text streams in
+        order, from one task, so only the very next append can be its retry - the same
+        text after another is a new token (" the", again), which must be stored. A tool
+        call or a finish of another task in between changes nothing (a review found such
+        a retry stored twice). A landed tool change or finish stays until called again:
+        whenever it comes, a second one can only be its retry (else a defect: a tool
+        settled or started twice, a message finished twice), and tools run in parallel
+        tasks."""
         if call in self._landed:
             self._landed.remove(call)
             return True
-        self._landed = [landed for landed in self._landed if landed[0] != "append_text"]
+        if call[0] == "append_text":
+            self._landed = [landed for landed in self._landed if landed[0] != "append_text"]
         return False
 
     def _offer(
