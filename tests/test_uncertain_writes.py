@@ -928,3 +928,43 @@ async def test_replies_of_two_tasks_out_of_order_never_lose_a_write(
     assert texts == f"answer{written} last", parts
     tools = [(p.call_id, p.status, p.output) for p in parts if isinstance(p, ToolPart)]
     assert tools == [("c1", "completed", "ok")]
+
+
+@pytest.mark.parametrize("verb", ["fork", "truncate", "delete_session"])
+async def test_a_rewrite_whose_reply_was_lost_still_reaches_local_readers_at_once(
+    store: Any, autojump_clock: MockClock, verb: str
+) -> None:
+    """A fork, truncate or delete of this runtime whose COMMIT landed but whose reply was
+    lost: a local watcher of the fork, or a local stream of the rewritten session, heard of
+    it only at the change loop's fallback poll (2 s; on the inline store never), since this
+    runtime's own commits are no look - the look was asked for only after a reply (a
+    review's find). It is asked for whatever the reply. Virtual time: "at once" is no time
+    passing at all."""
+
+    async def drain(ctx: DrainContext) -> None:
+        await ctx.take_inputs()
+        writer = await ctx.begin_assistant()
+        await writer.append_text("hi")
+        await writer.finish()
+
+    calls = {
+        "fork": lambda rt: rt.fork("s", "f"),
+        "truncate": lambda rt: rt.truncate("s", after_seq=1),
+        "delete_session": lambda rt: rt.delete_session("s"),
+    }
+    async with open_runtime(store, drain, clock=ts_testing.trio_clock()) as rt:
+        await rt.submit("s", {"n": 1})
+        await rt.run("s")
+        lost = LostReplies(rt)
+        async with rt.watch("f") as forked, rt.stream("s") as events:
+            assert [(await events.__anext__()).kind for _ in range(2)] == ["message"] * 2
+            lost.lose(getattr(_store, verb), landed=True)
+            with pytest.raises(OutcomeUnknown):
+                await calls[verb](rt)
+            started = trio.current_time()
+            with trio.fail_after(10):  # the inline store never polls: no look, no news
+                if verb == "fork":
+                    assert (await forked.__anext__()).session_id == "f"
+                else:
+                    assert (await events.__anext__()).kind == "truncate"
+            assert trio.current_time() == started

@@ -269,7 +269,6 @@ class BackgroundLoops:
                 )
                 for (candidate, entry), result in zip(entries, results, strict=True):
                     _observe.recovered(candidate, entry.execution_id, result, runtime._owner_id)
-                    self.changed_here(candidate.session_id)  # open messages closed
                     if result.decision is RecoveryDecision.RESUME and not result.fence_lost:
                         runtime._busy.own(
                             entry, attempt=result.attempt, resumed=True, sent_at=sent_at
@@ -277,7 +276,9 @@ class BackgroundLoops:
                         entry.keep_going()
                         resumed.append(entry)
         finally:
-            for _, entry in entries:
+            for candidate, entry in entries:
+                # Open messages closed - also when the reply was lost after the commit.
+                self.changed_here(candidate.session_id)
                 if not entry.owned:
                     runtime._busy.settle_unclaimed(entry)
         for entry in resumed:

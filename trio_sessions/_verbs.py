@@ -33,7 +33,7 @@ from ._busy import BusyPeriods
 from ._coordinator import SessionEntry
 from ._decisions import ON_BUSY
 from ._drain import Drain, refuse_waiting_for_own_drain
-from ._errors import StoreError
+from ._errors import OutcomeUnknown, StoreError
 from ._lease import LeaseKeeper
 from ._liveness import GoneOwners
 from ._loops import BackgroundLoops
@@ -520,8 +520,10 @@ class Runtime:
         """
         self._check_run()
         session_id = validate_session_id(session_id)
-        existed, removed = await self._db.run(_store.delete_session, session_id)
-        self._loops.changed_here(session_id)
+        try:
+            existed, removed = await self._db.run(_store.delete_session, session_id)
+        finally:  # also when its reply was lost after the commit (`OutcomeUnknown`)
+            self._loops.changed_here(session_id)
         # The claim the delete removed, if ours (owned, or its acquisition's reply still on
         # its way): stop its drain, write nothing for it. An entry made meanwhile holds a
         # fresh session's claim, which runs on.
@@ -545,7 +547,11 @@ class Runtime:
         purged = 0
         after: str | None = ""
         while after is not None:
-            deleted, after = await self._db.run(_store.purge_batch, idle_ms, after, PURGE_BATCH)
+            try:
+                deleted, after = await self._db.run(_store.purge_batch, idle_ms, after, PURGE_BATCH)
+            except OutcomeUnknown:
+                self._kick.set()  # which sessions it deleted is unknown: look at them all
+                raise
             for session_id in deleted:  # as after delete_session
                 self._loops.changed_here(session_id)
             purged += len(deleted)
@@ -571,8 +577,10 @@ class Runtime:
             raise ValueError(f"cannot fork session {session_id!r} into itself")
         if through_seq is not None:
             through_seq = _validate.count(through_seq, "through_seq", 0)
-        await self._db.run(_store.fork, session_id, new_session_id, through_seq)
-        self._loops.changed_here(new_session_id)
+        try:
+            await self._db.run(_store.fork, session_id, new_session_id, through_seq)
+        finally:  # also when its reply was lost after the commit (`OutcomeUnknown`)
+            self._loops.changed_here(new_session_id)
 
     async def truncate(self, session_id: str, *, after_seq: int) -> int:
         """Delete the session's messages with `seq > after_seq`; returns how many. "Edit and
@@ -585,9 +593,10 @@ class Runtime:
         self._check_run()
         session_id = validate_session_id(session_id)
         after_seq = _validate.count(after_seq, "after_seq", 0)
-        deleted = await self._db.run(_store.truncate, session_id, after_seq)
-        self._loops.changed_here(session_id)
-        return deleted
+        try:
+            return await self._db.run(_store.truncate, session_id, after_seq)
+        finally:  # also when its reply was lost after the commit (`OutcomeUnknown`)
+            self._loops.changed_here(session_id)
 
     # -- signals between processes ------------------------------------------------------------
 
