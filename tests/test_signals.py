@@ -630,6 +630,27 @@ def test_a_slow_watcher_gets_the_latest_snapshot_and_never_an_older_one(
     assert set(delivered) == set(newest)
 
 
+async def test_a_message_deleted_while_held_for_the_replay_is_never_delivered_last() -> None:
+    """A live snapshot of message 2 is held while the replay reaches it; the transcript is
+    then truncated and a new message takes seq 2. The held snapshot of the deleted message
+    was released after the replay, after the new one - a deleted message shown last (a
+    review's find). Forgetting a message drops what was held of it."""
+    watcher = Watcher("s", after_seq=0)
+    watcher.replaying_to(1)
+
+    def message(message_id: str, seq: int) -> Message:
+        return Message(message_id, "s", "user", seq, {"id": message_id}, None, None)
+
+    watcher.offer("old", 2, message("old", 2), 1)  # live, past the replay: held
+    watcher.offer("m1", 1, message("m1", 1), 1)  # the replay
+    watcher.forget("old")  # truncated
+    watcher.replaying_to(2)
+    watcher.offer("new", 2, message("new", 2), 1)
+    watcher.replay_over()
+    watcher.close()
+    assert [m.id async for m in watcher] == ["m1", "new"]
+
+
 @pytest.mark.parametrize("reader", ["transcript", "watch", "stream"])
 @pytest.mark.parametrize(
     ("role", "seq", "data", "reason"),

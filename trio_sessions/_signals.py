@@ -90,8 +90,11 @@ class Watcher(AsyncIterator[Message]):
     def forget(self, message_id: str) -> None:
         """The message no longer exists (its transcript was rewritten): nothing more is
         offered for it, so no version of it need be remembered - once a snapshot still
-        waiting for the consumer, if any, was delivered."""
-        if message_id in self._pending or message_id in self._held:
+        waiting for the consumer, if any, was delivered. One held back for the replay is
+        dropped: released after the replay, it would come after the message that took its
+        seq (a review's find)."""
+        self._held.pop(message_id, None)
+        if message_id in self._pending:
             self._forgotten.add(message_id)
         else:
             self._seen.pop(message_id, None)
