@@ -153,6 +153,19 @@ def test_a_read_far_behind_fetches_one_page_of_appends_not_every_missed_one(db: 
         assert sum(row[0] == "append" for row in rows) == stream_family.DELTAS_PER_READ + 1
 
 
+@pytest.mark.sqlite_only("SQLite's query plan")
+def test_the_streamed_texts_join_in_version_order_by_the_primary_key(db: Db) -> None:
+    """SQLite joins a message's streamed texts with `group_concat`, in the order the rows
+    are read: by the primary key (message_id, version). An index that covered `text` would
+    read them in text order (a review measured "z0 z1 z10 ...") - this pins the plan, and
+    the order it gives."""
+    [(_, _, _, plan)] = db.rows(f"EXPLAIN QUERY PLAN {stream_family.JOIN_STREAMED}", ("m0",))
+    assert "USING PRIMARY KEY (message_id=?)" in plan, plan
+    following(db, 0, words=12)
+    [(_, joined)] = db.rows(stream_family.JOIN_STREAMED, ("m0",))
+    assert joined == "".join(f"w{n} " for n in range(12)) + "more "
+
+
 def test_a_position_naming_one_seq_under_two_tags_reads_as_rewritten_everywhere(
     db: Db,
 ) -> None:

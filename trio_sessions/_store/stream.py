@@ -149,6 +149,8 @@ NEW_BYTES_PER_READ = 1 << 20
 # The most appends one read sends (and about `NEW_BYTES_PER_READ` of their text): a client
 # that resumes early in a long open reply (100,000 words) gets it in pages too - the rows
 # read, and the events and cursors the stream makes of them on the event loop, ~5 ms each.
+# PostgreSQL's `ts_stream_changes_many` holds it (one more, for `more`): a change to it is a
+# change to that function, so a new schema version.
 DELTAS_PER_READ = 5_000
 
 # A message's version as streams order it (for `session_message m`): the newest of its
@@ -404,6 +406,17 @@ def _streamed_of(tx: Tx, row: Sequence[Any]) -> list[Any]:
     return streamed_onto(tx, str(row[0])) if row[1] == "assistant" else []
 
 
+# SQLite: a message's streamed texts joined in version order. The search by the WITHOUT
+# ROWID table's primary key (message_id, version) reads the rows in that order, and the
+# aggregate joins them as read; SQLite 3.40 takes no ORDER BY in an aggregate, and an
+# ordered subquery in between doubles the cost. An index that covered `text` would change
+# the order: tests/store/test_stream_catch_up.py pins this plan.
+JOIN_STREAMED = (
+    "SELECT sum(typeof(text) <> 'text'), group_concat(text, '')"
+    " FROM session_message_delta WHERE message_id = ?"
+)
+
+
 def streamed_onto(tx: Tx, message_id: str) -> list[Any]:
     """The texts streamed onto a message since its data was written, as
     `_codec.decode_streamed` checks them and `_transcript.with_streamed` joins them. On
@@ -412,14 +425,7 @@ def streamed_onto(tx: Tx, message_id: str) -> list[Any]:
     Row by row otherwise: a row that is no text is named by its index, and PostgreSQL's
     reads run in threads."""
     if tx.dialect == "sqlite":
-        # Every scan of the WITHOUT ROWID delta table runs in its key's order (message_id,
-        # version), so the texts join in version order; SQLite 3.40 takes no ORDER BY in
-        # an aggregate, and an ordered subquery in between doubles the cost.
-        not_text, joined = tx.one(
-            "SELECT sum(typeof(text) <> 'text'), group_concat(text, '')"
-            " FROM session_message_delta WHERE message_id = ?",
-            (message_id,),
-        )
+        not_text, joined = tx.one(JOIN_STREAMED, (message_id,))
         if joined is None:
             return []
         if not not_text and isinstance(joined, str):
