@@ -4,11 +4,13 @@ released by the test itself, so ordering is forced, not hoped for."""
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -303,3 +305,40 @@ async def test_an_operation_over_the_loops_budget_runs_again_in_the_worker_threa
     async with _sqlite.SQLiteStore(path, inline=True).open_executor(None) as inline:
         assert await inline.run(_decode_and_note_the_thread, big) == loop
         assert await inline.read(_decode_on_a_snapshot, big) == loop
+
+
+async def test_a_read_too_large_for_the_loop_never_holds_up_the_writes(tmp_path: Path) -> None:
+    """A read over the loop's budget runs in a worker thread - on the writer's connection,
+    under its limiter, at first: a write that needed the thread meanwhile (over the budget
+    too) waited for the whole read (a review's find). Reads have a connection and a limiter
+    of their own: here the read waits until the write has committed."""
+    big = _codec.dumps([[] for _ in range(_codec.LOOP_BUDGET_UNITS // 3 + 1)])
+    reading, written = threading.Event(), threading.Event()
+
+    def large_read(tx: Any) -> bool:
+        _codec.loads(big)  # over the budget: from here on in the worker thread
+        reading.set()
+        return written.wait(10)
+
+    def large_write(tx: Any) -> None:
+        _codec.loads(big)
+        tx.execute("INSERT INTO probe(x) VALUES (1)")
+
+    path = tmp_path / "s.db"
+    async with _sqlite.SQLiteStore(path).open_executor(None) as executor:
+        with contextlib.closing(sqlite3.connect(path)) as conn, conn:
+            conn.execute("CREATE TABLE probe(x)")
+        results: list[bool] = []
+
+        async def read() -> None:
+            results.append(await executor.read(large_read))
+
+        async def write() -> None:
+            await trio.to_thread.run_sync(reading.wait, 10)  # the read holds its thread
+            await executor.run(large_write)
+            written.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read)
+            nursery.start_soon(write)
+    assert results == [True]

@@ -197,8 +197,13 @@ class ThreadExecutor:
     file: DatabaseFile | None = None
     # The database's page size: the WAL's length in bytes is frames x this.
     page_size: int = 4096
+    # Reads too large for the loop, in a worker thread on a connection and limiter of
+    # their own: one slow read never holds up the writes of the process (the writer's
+    # connection when None).
+    read_conn: sqlite3.Connection | None = None
     _handoff: HandoffQueue = attrs.Factory(HandoffQueue)
     _limiter: trio.CapacityLimiter = attrs.Factory(lambda: trio.CapacityLimiter(1))
+    _read_limiter: trio.CapacityLimiter = attrs.Factory(lambda: trio.CapacityLimiter(1))
     _nursery: trio.Nursery | None = None
     _inline_since_checkpoint: int = 0
     _checkpoint_due: bool = False
@@ -271,12 +276,15 @@ class ThreadExecutor:
             return await self.reader.read(op, *args)
         except _codec.OffTheLoop:
             pass  # too much data for the loop: the worker thread reads it
-        # On the worker's connection, under its limiter (one user at a time): a WAL reader
-        # never waits for the write lock, so this waits at most for a batch in flight, and
-        # the loop's other readers go on meanwhile.
+        # A WAL reader never waits for the write lock; the loop's other readers, and the
+        # writers, go on meanwhile.
         self.thread_reads += 1
+        if self.read_conn is None:
+            conn, limiter = self.conn, self._limiter
+        else:
+            conn, limiter = self.read_conn, self._read_limiter
         return await trio.to_thread.run_sync(
-            read_snapshot, self.conn, self.clock, op, args, limiter=self._limiter
+            read_snapshot, conn, self.clock, op, args, limiter=limiter
         )
 
     async def wait_for_change(
@@ -415,15 +423,23 @@ async def open_thread_executor(
     *,
     inline_conn: sqlite3.Connection | None = None,
     file: DatabaseFile | None = None,
+    read_conn: sqlite3.Connection | None = None,
 ) -> AsyncIterator[ThreadExecutor]:
     """A `ThreadExecutor` whose pump lives in its own nursery, for the block's duration.
 
     `inline_conn` (from `connect_nonblocking`) enables the lone-caller fast path; `file`,
-    the check that the database file is still the one opened, at every write batch.
+    the check that the database file is still the one opened, at every write batch;
+    `read_conn`, the connection of the reads too large for the loop.
     """
     page_size = int(conn.execute("PRAGMA page_size").fetchone()[0])
     executor = ThreadExecutor(
-        conn, clock, reader, inline_conn=inline_conn, file=file, page_size=page_size
+        conn,
+        clock,
+        reader,
+        inline_conn=inline_conn,
+        file=file,
+        page_size=page_size,
+        read_conn=read_conn,
     )
     async with (
         trio.open_nursery() as nursery,
@@ -492,12 +508,16 @@ class SQLiteStore:
             )
             reader = self._reader(connections, clock, CHANGE_POLL, own_conn=inline_conn)
             reader.budget = _codec.LOOP_BUDGET_UNITS  # a worker thread reads larger data
+            read_conn = connections.enter_context(
+                contextlib.closing(connect_nonblocking(self.path, synchronous=self.synchronous))
+            )
             async with open_thread_executor(
                 self._wrapped(conn),
                 clock,
                 reader,
                 inline_conn=self._wrapped(inline_conn),
                 file=file,
+                read_conn=self._wrapped(read_conn),
             ) as executor:
                 yield executor
 
