@@ -404,3 +404,52 @@ __all__ = ["Raw", "Recorder", "open_tool_message", "runtime", "testing"]
 def records(caplog: pytest.LogCaptureFixture, message: str) -> list[Any]:
     """The records of one event, by its stable message (typed Any: `extra` attributes)."""
     return [r for r in caplog.records if r.msg == message]
+
+
+class LosableToken:
+    """The runtime's liveness token, lost whenever the test says (`lose`): as a PostgreSQL
+    token's connection broken by the server, on any backend, in virtual time."""
+
+    def __init__(self, inner: Any) -> None:
+        self.poll_interval = inner.poll_interval
+        self._lost = trio.Event()
+        self._notice = False
+        self.retaken = trio.Event()
+        self.looks = 0
+
+    def lose(self) -> None:
+        self._lost.set()
+
+    def notice_arrives(self) -> None:
+        """Something other than the server's farewell is on the token's socket (a notice):
+        `looks_lost` says lost until the watch's next turn reads it."""
+        self._notice = True
+
+    def looks_lost(self) -> bool:
+        self.looks += 1
+        if self._notice:
+            self._notice = False  # read by the watch at its next turn
+            return True
+        return self._lost.is_set()
+
+    async def wait_lost(self) -> None:
+        await self._lost.wait()
+
+    async def retake(self) -> None:
+        self._lost = trio.Event()
+        self.retaken.set()
+        await trio.lowlevel.checkpoint()
+
+
+class LosableTokenExecutor(ExecutorSeam):
+    """The store's executor, whose liveness token is a `LosableToken`."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.token: LosableToken | None = None
+
+    @asynccontextmanager
+    async def hold_token(self, owner_id: str) -> AsyncIterator[LosableToken]:
+        async with self._inner.hold_token(owner_id) as inner:
+            self.token = LosableToken(inner)
+            yield self.token

@@ -16,8 +16,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,15 @@ import pytest
 import trio
 import trio.testing
 from backends import PgLocation, rows
-from helpers import ExecutorSeam, Raw, Recorder, WrappedStore, runtime, terminate_backend
+from helpers import (
+    LosableToken,
+    LosableTokenExecutor,
+    Raw,
+    Recorder,
+    WrappedStore,
+    runtime,
+    terminate_backend,
+)
 
 import trio_sessions
 from trio_sessions import DrainContext, _liveness, testing
@@ -654,56 +662,7 @@ async def test_an_owner_whose_token_is_lost_takes_no_due_scheduled_inputs(
     assert not any(ctx.resumed for ctx in drain.calls)
 
 
-class _LosableToken:
-    """The runtime's liveness token, lost whenever the test says (`lose`): as a PostgreSQL
-    token's connection broken by the server, on any backend, in virtual time."""
-
-    def __init__(self, inner: Any) -> None:
-        self.poll_interval = inner.poll_interval
-        self._lost = trio.Event()
-        self._notice = False
-        self.retaken = trio.Event()
-        self.looks = 0
-
-    def lose(self) -> None:
-        self._lost.set()
-
-    def notice_arrives(self) -> None:
-        """Something other than the server's farewell is on the token's socket (a notice):
-        `looks_lost` says lost until the watch's next turn reads it."""
-        self._notice = True
-
-    def looks_lost(self) -> bool:
-        self.looks += 1
-        if self._notice:
-            self._notice = False  # read by the watch at its next turn
-            return True
-        return self._lost.is_set()
-
-    async def wait_lost(self) -> None:
-        await self._lost.wait()
-
-    async def retake(self) -> None:
-        self._lost = trio.Event()
-        self.retaken.set()
-        await trio.lowlevel.checkpoint()
-
-
-class _LosableTokenExecutor(ExecutorSeam):
-    """The store's executor, whose liveness token is a `_LosableToken`."""
-
-    def __init__(self, inner: Any) -> None:
-        super().__init__(inner)
-        self.token: _LosableToken | None = None
-
-    @asynccontextmanager
-    async def hold_token(self, owner_id: str) -> AsyncIterator[_LosableToken]:
-        async with self._inner.hold_token(owner_id) as inner:
-            self.token = _LosableToken(inner)
-            yield self.token
-
-
-def _token_of(wrapped: WrappedStore[_LosableTokenExecutor]) -> _LosableToken:
+def _token_of(wrapped: WrappedStore[LosableTokenExecutor]) -> LosableToken:
     """The liveness token of the runtime open on `wrapped`."""
     assert wrapped.executor is not None and wrapped.executor.token is not None
     return wrapped.executor.token
@@ -719,7 +678,7 @@ async def test_a_token_lost_again_while_the_last_loss_is_handed_back_stops_the_n
     looked at its token again only once the first loss's claims were handed back (and a
     recovery pass ran), so that drain ran on, unwatched, beside the owner that took its
     session over (the PostgreSQL soak's overlap, busy token kills of seed 105)."""
-    wrapped = WrappedStore(store, _LosableTokenExecutor)
+    wrapped = WrappedStore(store, LosableTokenExecutor)
     slow_entered, slow_may_exit = trio.Event(), trio.Event()
     new_entered = trio.Event()
     events: list[str] = []
@@ -765,7 +724,7 @@ async def test_a_drain_never_starts_on_a_claim_whose_token_is_seen_lost(
     is handed back with the others and resumed (the PostgreSQL controls soak, seed 15: a
     drain entered 4 ms before its owner noticed the loss, beside the owner that had taken
     its session over)."""
-    wrapped = WrappedStore(store, _LosableTokenExecutor)
+    wrapped = WrappedStore(store, LosableTokenExecutor)
     first_claims: list[str] = []
     drained: list[tuple[str, bool]] = []
     resumed = trio.Event()
@@ -821,7 +780,7 @@ async def test_a_pause_just_after_the_tokens_last_look_makes_the_next_drain_look
     host was suspended (only a clock that counts suspended time saw it)."""
     boot = _BootClock()
     monkeypatch.setattr(_liveness, "since_boot", boot)
-    wrapped = WrappedStore(store, _LosableTokenExecutor)
+    wrapped = WrappedStore(store, LosableTokenExecutor)
     paused_claims: list[str] = []
     drained: list[tuple[str, str]] = []
     resumed = trio.Event()
@@ -870,7 +829,7 @@ async def test_drains_starting_together_look_at_the_token_once(
     once. (The clock that counts a suspended host's time stands still here: on a loaded
     machine twenty drains may take more than the gap in real time.)"""
     monkeypatch.setattr(_liveness, "since_boot", _BootClock())
-    wrapped = WrappedStore(store, _LosableTokenExecutor)
+    wrapped = WrappedStore(store, LosableTokenExecutor)
     sessions = [f"s{i}" for i in range(20)]
     started: list[str] = []
 
@@ -895,7 +854,7 @@ async def test_a_token_that_only_looked_lost_lets_the_drain_start(
     """A notice on the token's socket as the drain is about to start (`looks_lost` cannot
     tell it from the server's farewell under TLS): the watch reads it and sees no loss,
     and the drain starts on its claim - no hand-back, no takeover."""
-    wrapped = WrappedStore(store, _LosableTokenExecutor)
+    wrapped = WrappedStore(store, LosableTokenExecutor)
     first_claims: list[str] = []
     drained: list[tuple[str, bool]] = []
 

@@ -1495,6 +1495,44 @@ async def test_reads_of_one_hand_off_reach_store_error_within_a_bound_when_the_s
     assert elapsed <= bound, f"the hand-off's callers got StoreError after {elapsed:.1f} s"
 
 
+async def open_while_the_server_hangs(
+    pg_url: str, schema: str, stall_on: bytes, *, wait: float, **options: Any
+) -> tuple[bool, list[BaseException | None], float]:
+    """Open an engine through a proxy to the server that hangs once `stall_on` passes (it
+    forwards nothing more, keeps every connection open), in a thread - which trio could not
+    cancel. Whether the proxy stalled, how `open(**options)` ended (nothing, when it had not
+    within `wait` seconds: the proxy then closes its connections, so the thread ends), and
+    after how long."""
+    from test_worker import HangingProxy
+
+    proxy = HangingProxy.to(pg_url)
+    outcome: list[BaseException | None] = []
+    async with trio.open_nursery() as nursery:
+        await proxy.serve(nursery)
+        engine = PostgresStore(proxy.url(pg_url), schema=schema).engine()
+        proxy.stall_on(stall_on)
+
+        def open_it() -> None:
+            try:
+                engine.open(**options)
+            except BaseException as exc:
+                outcome.append(exc)
+            else:
+                outcome.append(None)
+
+        runner = threading.Thread(target=open_it, daemon=True)
+        runner.start()
+        started = time.monotonic()
+        while not outcome and time.monotonic() - started < wait:
+            await trio.sleep(0.1)
+        elapsed = time.monotonic() - started
+        ended = list(outcome)
+        nursery.cancel_scope.cancel()
+    runner.join(10)
+    engine.close()
+    return proxy.stalled, ended, elapsed
+
+
 async def test_opening_an_engine_on_a_server_that_hangs_during_the_migration_is_bounded(
     pg_url: str, pg_schema: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1504,37 +1542,13 @@ async def test_opening_an_engine_on_a_server_that_hangs_during_the_migration_is_
     for another process's" - but that wait is the advisory lock's, which `MIGRATION_WAIT_S`
     ends within 20 s, below the reply bound), so `open` - `open_runtime`, a worker's start,
     every CLI command - waits for ever, in a thread trio cannot cancel."""
-    from test_worker import HangingProxy
-
     from trio_sessions._postgres import connections
 
     monkeypatch.setattr(connections, "REPLY_BOUND_S", 4.0)  # waited out: short here
-    proxy = HangingProxy.to(pg_url)
-    outcome: list[BaseException | None] = []
-    async with trio.open_nursery() as nursery:
-        await proxy.serve(nursery)
-        engine = PostgresStore(proxy.url(pg_url), schema=pg_schema).engine()
-        proxy.stall_on(b"pg_advisory_xact_lock(")
-
-        def open_it() -> None:
-            try:
-                engine.open()
-            except BaseException as exc:
-                outcome.append(exc)
-            else:
-                outcome.append(None)
-
-        runner = threading.Thread(target=open_it, daemon=True)
-        runner.start()
-        started = time.monotonic()
-        while not outcome and time.monotonic() - started < 40:
-            await trio.sleep(0.1)
-        elapsed = time.monotonic() - started
-        ended = list(outcome)
-        nursery.cancel_scope.cancel()  # the proxy's connections close: the thread ends
-    runner.join(10)
-    engine.close()
-    assert proxy.stalled
+    stalled, ended, elapsed = await open_while_the_server_hangs(
+        pg_url, pg_schema, b"pg_advisory_xact_lock(", wait=40
+    )
+    assert stalled
     assert ended, f"engine.open still waiting {elapsed:.0f} s after the server hung"
     assert isinstance(ended[0], StoreError), ended
 
@@ -1552,37 +1566,14 @@ async def test_a_connection_whose_server_hangs_right_after_it_logged_in_is_bound
     (in a thread trio cannot cancel, so the runtime could not even close) and the liveness
     token's. Now the connection is watched from its login on: that wait is cut at the bound
     and the connect fails with `StoreError`."""
-    from test_worker import HangingProxy
 
     from trio_sessions._postgres import connections
 
     monkeypatch.setattr(connections, "REPLY_BOUND_S", 2.0)  # waited out: short here
-    proxy = HangingProxy.to(pg_url)
-    outcome: list[BaseException | None] = []
-    async with trio.open_nursery() as nursery:
-        await proxy.serve(nursery)
-        engine = PostgresStore(proxy.url(pg_url), schema=migrated_schema).engine()
-        proxy.stall_on(b"SET idle_session_timeout")
-
-        def open_it() -> None:
-            try:
-                engine.open(migrate_schema=False)
-            except BaseException as exc:
-                outcome.append(exc)
-            else:
-                outcome.append(None)
-
-        runner = threading.Thread(target=open_it, daemon=True)
-        runner.start()
-        started = time.monotonic()
-        # The bound: the watchdog's 2 s and a tick, with room for a loaded machine.
-        while not outcome and time.monotonic() - started < 15:
-            await trio.sleep(0.1)
-        elapsed = time.monotonic() - started
-        ended = list(outcome)
-        nursery.cancel_scope.cancel()  # the proxy's connections close: the thread ends
-    runner.join(10)
-    engine.close()
-    assert proxy.stalled
+    # The bound: the watchdog's 2 s and a tick, with room for a loaded machine.
+    stalled, ended, elapsed = await open_while_the_server_hangs(
+        pg_url, migrated_schema, b"SET idle_session_timeout", wait=15, migrate_schema=False
+    )
+    assert stalled
     assert ended, f"connect still waiting {elapsed:.0f} s after the server hung"
     assert isinstance(ended[0], StoreError), ended

@@ -8,19 +8,28 @@ virtual clock, gates and executor seams."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
 import trio.testing
-from helpers import ExecutorSeam, LateReply, Raw, Recorder, WrappedStore, runtime, start_run
+from helpers import (
+    ExecutorSeam,
+    LateReply,
+    LosableTokenExecutor,
+    Raw,
+    Recorder,
+    WrappedStore,
+    runtime,
+    start_run,
+)
+from test_uncertain_writes import LostReplies
 from trio.testing import MockClock
 
 from trio_sessions import AssistantData, Claim, DrainContext, Outcome, Store, _store
-from trio_sessions._errors import OutcomeUnknown, StoreError
+from trio_sessions._errors import StoreError
 
 Clock = Callable[[], float]
 
@@ -104,31 +113,6 @@ async def test_a_shutdown_interrupt_hands_back_only_a_claim_of_this_runtimes_own
     assert resumed == ["s-local"]
 
 
-class LostReply:
-    """The runtime's store executor, whose next call of one operation runs (it lands),
-    then waits for `release` and raises `OutcomeUnknown`: PostgreSQL's COMMIT whose reply
-    was lost (DESIGN §8 "Uncertain commits"), made at the executor so it runs on both
-    backends. Everything else goes to the executor."""
-
-    def __init__(self, runtime: Any, operation: Any) -> None:
-        self._executor = runtime._db
-        self._operation: Any = operation
-        self.ran, self.release = trio.Event(), trio.Event()
-        runtime._db = self
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._executor, name)
-
-    async def run(self, operation: Any, *args: Any) -> Any:
-        if operation is self._operation:
-            self._operation = None
-            await self._executor.run(operation, *args)
-            self.ran.set()
-            await self.release.wait()
-            raise OutcomeUnknown("the outcome of a COMMIT is unknown (a reply lost, for a test)")
-        return await self._executor.run(operation, *args)
-
-
 async def test_an_interrupt_accepted_during_a_rung_acquire_whose_outcome_is_unknown_holds(
     store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
 ) -> None:
@@ -144,11 +128,13 @@ async def test_an_interrupt_accepted_during_a_rung_acquire_whose_outcome_is_unkn
     async with runtime(store, drain, clock) as rt:
         await rt.pause("s")
         await rt.wake("s")  # durable, no claim: the session is paused
-        lost = LostReply(rt, _store.acquire)
+        lost = LostReplies(rt)
+        ran, release = trio.Event(), trio.Event()
+        lost.lose(_store.acquire, landed=True, hold=(ran, release))
         await rt.resume("s")  # rings: a busy period acquires
-        await lost.ran.wait()  # the claim landed; its reply is on its way
+        await ran.wait()  # the claim landed; its reply is on its way
         assert await rt.interrupt("s") is True
-        lost.release.set()
+        release.set()
         await rt.wait_idle("s")
         claim = Raw(db_path).claim("s")
     autojump_clock.jump(120.0)  # well past the lease: any owner may recover it
@@ -338,22 +324,15 @@ async def test_a_run_joining_an_acquisition_that_fails_raises_its_store_error(
     assert len(drain.calls) == 1
 
 
-class InterruptAfterContinue(ExecutorSeam):
+class InterruptAfterContinue(LosableTokenExecutor):
     """The store's executor (its token a `LosableToken`): once armed, right after an
     iteration's end took the doorbell to drain again (CONTINUE), the user interrupts and
     the liveness token is lost - before the next drain call starts."""
 
     def __init__(self, inner: Any) -> None:
         super().__init__(inner)
-        self.token: LosableToken | None = None
         self.runtime: Any = None
         self.armed = False
-
-    @asynccontextmanager
-    async def hold_token(self, owner_id: str) -> AsyncIterator[LosableToken]:
-        async with self._inner.hold_token(owner_id) as inner:
-            self.token = LosableToken(inner)
-            yield self.token
 
     async def run(self, operation: Any, *args: Any) -> Any:
         result = await self._inner.run(operation, *args)
@@ -393,45 +372,6 @@ async def test_a_wake_taken_to_go_on_survives_a_stop_handed_back_with_the_token_
         await rt.recover_once()
         await rt.wait_idle("s")
     assert calls == [False, False]
-
-
-class LosableToken:
-    """The runtime's liveness token, lost when the test says (`lose`): as a PostgreSQL
-    token's connection broken by the server, on any backend, in virtual time (as
-    `test_liveness`'s); taken again at once."""
-
-    def __init__(self, inner: Any) -> None:
-        self.poll_interval = inner.poll_interval
-        self._lost = trio.Event()
-        self.retaken = trio.Event()
-
-    def lose(self) -> None:
-        self._lost.set()
-
-    def looks_lost(self) -> bool:
-        return self._lost.is_set()
-
-    async def wait_lost(self) -> None:
-        await self._lost.wait()
-
-    async def retake(self) -> None:
-        self._lost = trio.Event()
-        self.retaken.set()
-        await trio.lowlevel.checkpoint()
-
-
-class LosableTokenExecutor(ExecutorSeam):
-    """The store's executor, whose liveness token is a `LosableToken`."""
-
-    def __init__(self, inner: Any) -> None:
-        super().__init__(inner)
-        self.token: LosableToken | None = None
-
-    @asynccontextmanager
-    async def hold_token(self, owner_id: str) -> AsyncIterator[LosableToken]:
-        async with self._inner.hold_token(owner_id) as inner:
-            self.token = LosableToken(inner)
-            yield self.token
 
 
 async def test_an_accepted_interrupt_survives_a_token_loss_while_its_drain_exits(

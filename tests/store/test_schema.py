@@ -313,4 +313,5 @@ def test_synchronous_option_applies_to_every_connection(tmp_path: Path) -> None:
                 pass
 
     trio.run(main)
-    assert seen == [2, 2, 1, 1]
+    # The connections it wraps: the worker's writer, the loop's, the large reads'.
+    assert seen == [2, 2, 2, 1, 1, 1]
