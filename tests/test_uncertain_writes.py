@@ -930,12 +930,12 @@ async def test_replies_of_two_tasks_out_of_order_never_lose_a_write(
     assert tools == [("c1", "completed", "ok")]
 
 
-@pytest.mark.parametrize("verb", ["fork", "truncate", "delete_session"])
+@pytest.mark.parametrize("verb", ["fork", "truncate", "delete_session", "purge_batch"])
 async def test_a_rewrite_whose_reply_was_lost_still_reaches_local_readers_at_once(
     store: Any, autojump_clock: MockClock, verb: str
 ) -> None:
-    """A fork, truncate or delete of this runtime whose COMMIT landed but whose reply was
-    lost: a local watcher of the fork, or a local stream of the rewritten session, heard of
+    """A fork, truncate, delete or purge of this runtime whose COMMIT landed but whose reply
+    was lost: a local watcher of the fork, or a local stream of the rewritten session, heard of
     it only at the change loop's fallback poll (2 s; on the inline store never), since this
     runtime's own commits are no look - the look was asked for only after a reply (a
     review's find). It is asked for whatever the reply. Virtual time: "at once" is no time
@@ -951,10 +951,12 @@ async def test_a_rewrite_whose_reply_was_lost_still_reaches_local_readers_at_onc
         "fork": lambda rt: rt.fork("s", "f"),
         "truncate": lambda rt: rt.truncate("s", after_seq=1),
         "delete_session": lambda rt: rt.delete_session("s"),
+        "purge_batch": lambda rt: rt.purge(idle_for=50),
     }
     async with open_runtime(store, drain, clock=ts_testing.trio_clock()) as rt:
         await rt.submit("s", {"n": 1})
         await rt.run("s")
+        await trio.sleep(100)  # idle: a purge takes it
         lost = LostReplies(rt)
         async with rt.watch("f") as forked, rt.stream("s") as events:
             assert [(await events.__anext__()).kind for _ in range(2)] == ["message"] * 2

@@ -454,7 +454,9 @@ class AssistantWriter:
         a retry stored twice). A landed tool change or finish stays until called again:
         whenever it comes, a second one can only be its retry (else a defect: a tool
         settled or started twice, a message finished twice), and tools run in parallel
-        tasks."""
+        tasks. What cannot be told apart: a drain that gives up on a lost append, calls a
+        tool, then appends the same text as a new token - that append is taken for the
+        retry."""
         if call in self._landed:
             self._landed.remove(call)
             return True

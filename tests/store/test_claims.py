@@ -195,6 +195,28 @@ def test_resume_rings_for_inputs_a_failed_drain_left_without_a_doorbell(db: Db) 
     assert db.run(_store.acquire, "s", "exec-2", "owner-a", LEASE).verdict is AcquireVerdict.CLAIM
 
 
+@pytest.mark.parametrize("marked_before", [False, True], ids=["running", "marked-elsewhere"])
+def test_cancel_own_claims_leaves_a_stop_to_recovery_at_once_with_its_taken_wake(
+    db: Db, marked_before: bool
+) -> None:
+    """A claim a user stopped whose own cleanup cannot run (closing, token lost): marked
+    cancelling, its lease ended now, and a wake it had taken to go on rung again - also
+    when another runtime's interrupt had marked it already (a review found such a claim
+    skipped: its lease ran on and the taken wake was lost). Another owner's claim, or an
+    execution it does not hold, is untouched."""
+    execution = db.claim()
+    assert db.doorbell()[0] is None  # the claim took the doorbell
+    if marked_before:
+        assert db.run(_store.request_cancel, "s") is True
+    assert db.run(_store.cancel_own_claims, "owner-b", [(execution, "s", True)]) == 0
+    before = db.claim_row()
+    assert before is not None and before[2] == ("cancelling" if marked_before else "running")
+    assert db.run(_store.cancel_own_claims, "owner-a", [(execution, "s", True)]) == 1
+    after = db.claim_row()
+    assert after is not None and (after[2], after[6]) == ("cancelling", db.now)
+    assert db.doorbell()[0] == db.now
+
+
 def test_mark_cancelling_changes_only_the_phase(db: Db) -> None:
     """mark_cancelling makes the cancellation durable and touches nothing else."""
     execution = busy_claim(db)

@@ -98,8 +98,8 @@ class SQLiteTx:
 
     def notify(self, session_id: str, *, watchers_only: bool = False) -> None:
         # Other connections notice every commit through `PRAGMA data_version`, which cannot
-        # say what changed; this process's own commits are no change signal at all (each
-        # write offers its change to local watchers itself).
+        # say what changed; the event loop's own commits (`ChangeReader.own_conn`) are no
+        # change signal at all (each write offers its change to local watchers itself).
         pass
 
     @contextlib.contextmanager

@@ -354,11 +354,13 @@ def cancel_own_claims(tx: Tx, owner_id: str, claims: Sequence[tuple[str, str, bo
     tx.lock_claims([execution_id for execution_id, _, _ in claims])
     marked = 0
     for execution_id, session_id, ring in claims:
-        # Once marked, a retry (its transaction's reply lost) changes nothing: no second ring.
+        # Also a claim already marked (another runtime's interrupt, or this claim's own
+        # mark whose reply was lost): its lease ends now, and the wake it took is rung. A
+        # retry of this very call rings once more - one more count, the doorbell the same.
         updated = tx.execute(
             "UPDATE session_execution SET phase = 'cancelling',"
             " expires_at = CASE WHEN expires_at > ? THEN ? ELSE expires_at END"
-            " WHERE id = ? AND owner_id = ? AND phase <> 'cancelling'",
+            " WHERE id = ? AND owner_id = ?",
             (tx.now, tx.now, execution_id, owner_id),
         ).rowcount
         if updated:

@@ -217,7 +217,8 @@ def update_assistant(
         base = _assistant_data(tx, message_id, row[0])
     data, step = _applied(transition, base)
     columns = _Written.of(data, step)
-    if held is not None and not _encodes_as(held.data, row[0]):
+    in_worker_thread = _codec.budget_left() is None  # on the loop, nothing runs between
+    if held is not None and in_worker_thread and not _encodes_as(held.data, row[0]):
         # A reader edited what the writer holds while this ran (in the worker thread: the
         # SQL between releases the GIL), maybe before the new message was encoded: the
         # message as stored, as PostgreSQL's `_pg_update_known` checks after encoding.
