@@ -193,14 +193,13 @@ class ThreadExecutor:
     conn: sqlite3.Connection
     clock: Callable[[], float]
     reader: ChangeReader
+    # Reads too large for the loop, in a worker thread on a connection and limiter of
+    # their own: one slow read never holds up the writes of the process.
+    read_conn: sqlite3.Connection
     inline_conn: sqlite3.Connection | None = None
     file: DatabaseFile | None = None
     # The database's page size: the WAL's length in bytes is frames x this.
     page_size: int = 4096
-    # Reads too large for the loop, in a worker thread on a connection and limiter of
-    # their own: one slow read never holds up the writes of the process (the writer's
-    # connection when None).
-    read_conn: sqlite3.Connection | None = None
     _handoff: HandoffQueue = attrs.Factory(HandoffQueue)
     _limiter: trio.CapacityLimiter = attrs.Factory(lambda: trio.CapacityLimiter(1))
     _read_limiter: trio.CapacityLimiter = attrs.Factory(lambda: trio.CapacityLimiter(1))
@@ -279,12 +278,8 @@ class ThreadExecutor:
         # A WAL reader never waits for the write lock; the loop's other readers, and the
         # writers, go on meanwhile.
         self.thread_reads += 1
-        if self.read_conn is None:
-            conn, limiter = self.conn, self._limiter
-        else:
-            conn, limiter = self.read_conn, self._read_limiter
         return await trio.to_thread.run_sync(
-            read_snapshot, conn, self.clock, op, args, limiter=limiter
+            read_snapshot, self.read_conn, self.clock, op, args, limiter=self._read_limiter
         )
 
     async def wait_for_change(
@@ -421,9 +416,9 @@ async def open_thread_executor(
     clock: Callable[[], float],
     reader: ChangeReader,
     *,
+    read_conn: sqlite3.Connection,
     inline_conn: sqlite3.Connection | None = None,
     file: DatabaseFile | None = None,
-    read_conn: sqlite3.Connection | None = None,
 ) -> AsyncIterator[ThreadExecutor]:
     """A `ThreadExecutor` whose pump lives in its own nursery, for the block's duration.
 
@@ -433,13 +428,7 @@ async def open_thread_executor(
     """
     page_size = int(conn.execute("PRAGMA page_size").fetchone()[0])
     executor = ThreadExecutor(
-        conn,
-        clock,
-        reader,
-        inline_conn=inline_conn,
-        file=file,
-        page_size=page_size,
-        read_conn=read_conn,
+        conn, clock, reader, read_conn, inline_conn=inline_conn, file=file, page_size=page_size
     )
     async with (
         trio.open_nursery() as nursery,
@@ -517,7 +506,7 @@ class SQLiteStore:
                 reader,
                 inline_conn=self._wrapped(inline_conn),
                 file=file,
-                read_conn=self._wrapped(read_conn),
+                read_conn=self._wrapped(read_conn),  # wrapped last: seams count the others
             ) as executor:
                 yield executor
 
