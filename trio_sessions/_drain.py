@@ -183,8 +183,7 @@ class DrainContext:
         """A write of this claim may have changed the session unoffered (its outcome is
         unknown, or a read-back found it): local watchers get it from a look, now - the
         runtime's own commits' signals are no look."""
-        if self._runtime._watchers.watching(self.session_id):
-            self._runtime._kick.set()
+        self._runtime._loops.look_for_watchers(self.session_id)
 
     async def transcript(self) -> list[Message]:
         """The session's messages in seq order (`MalformedRecord` for a row that does not

@@ -73,8 +73,13 @@ class BackgroundLoops:
         local watchers and streams (the store closed open messages, rewrote or copied the
         transcript): streams read it by themselves, and for watchers this loop looks now
         (its own commits' signals are no look)."""
+        self._runtime._streams.touch(session_id)
+        self.look_for_watchers(session_id)
+
+    def look_for_watchers(self, session_id: str) -> None:
+        """The session may have changed unoffered to local watchers (a write whose outcome
+        is unknown, a read-back): if one follows it, this loop looks now."""
         runtime = self._runtime
-        runtime._streams.touch(session_id)
         if runtime._watchers.watching(session_id):
             runtime._kick.set()
 
