@@ -369,8 +369,7 @@ def _assistant_data(tx: Tx, message_id: str, text: str) -> AssistantData:
     """An assistant message as every reader sees it: its data with its streamed text merged
     (`MalformedRecord` when either does not decode)."""
     data = _codec.decode_assistant(text, key=message_id)
-    streamed = _codec.decode_streamed(_streamed_texts(tx, message_id), key=message_id)
-    return _transcript.with_streamed(data, streamed)
+    return _transcript.with_streamed(data, _streamed(tx, message_id))
 
 
 # The version a write makes: one past the newest of the row's and its deltas'.
