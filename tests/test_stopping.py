@@ -113,6 +113,36 @@ async def test_a_shutdown_interrupt_hands_back_only_a_claim_of_this_runtimes_own
     assert resumed == ["s-local"]
 
 
+async def test_a_shutdown_interrupt_of_a_live_runtime_is_resumed_by_it_at_once(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """A claim this runtime hands back while it stays open (`interrupt(s,
+    reason="shutdown")`) is resumed by its own recovery pass at once, as another runtime's
+    hand-back is (its signal brings the pass). It waited for the next pass (`recovery_interval`)
+    on the inline store and for the change loop's fallback poll elsewhere: the change loop
+    passes over the runtime's own commits. Found by an audit (a differential campaign)."""
+    calls: list[bool] = []
+    entered, resumed = trio.Event(), trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        calls.append(ctx.resumed)
+        if ctx.resumed:
+            resumed.set()
+            return
+        entered.set()
+        await trio.sleep_forever()
+
+    async with runtime(store, drain, clock, recovery_interval=600) as rt:
+        await rt.wake("s")
+        await entered.wait()
+        assert await rt.interrupt("s", reason="shutdown") is True
+        with trio.fail_after(1):
+            await resumed.wait()
+        await rt.wait_idle("s")
+    assert calls == [False, True]
+    assert Raw(db_path).claim("s") is None
+
+
 async def test_an_interrupt_accepted_during_a_rung_acquire_whose_outcome_is_unknown_holds(
     store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
 ) -> None:
