@@ -317,8 +317,9 @@ async def test_upgrade_of_a_version_1_schema_adds_streaming(pg_url: str, pg_sche
     # 22: a hand-back signals its sessions, the change look finds handed-back claims;
     # 23: a session's last write that left no newer row or time (purge counts it);
     # 24: a submit racing another session's submit of its input id is answered after it;
-    #     a take of inputs returns the user messages it appended
-    assert SCHEMA_VERSION == 24
+    #     a take of inputs returns the user messages it appended;
+    # 25: a writer's write from what it stored last checks the stored text too
+    assert SCHEMA_VERSION == 25
     await check_pre_streaming_upgrade(location, PostgresStore(pg_url, schema=pg_schema))
 
 

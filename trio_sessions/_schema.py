@@ -187,7 +187,7 @@ SQLITE_OUR_TABLES = frozenset(
 # ---------------------------------------------------------------------------------------------
 # PostgreSQL
 
-POSTGRES_SCHEMA_VERSION = 24
+POSTGRES_SCHEMA_VERSION = 25
 
 # Same names, meanings and named CHECKs as the SQLite schema (`SQLITE_MIGRATIONS`, whose
 # versions 1-3 are PostgreSQL's first: no PostgreSQL store predates them); times
@@ -444,6 +444,15 @@ DROP FUNCTION IF EXISTS ts_submit_controlled(text, text, text, text, bigint, big
     24: """
 DROP FUNCTION IF EXISTS ts_insert_input(text, text, text, text, boolean, bigint);
 """,
+    # The functions again, no table changes: a writer's tool change or finish from what it
+    # stored last is written only while the stored data is still that text
+    # (`ts_update_message` gains `p_known_digest`), so another tool's edit of an open
+    # message - which leaves its version as it was - is never undone. A new argument list
+    # is a new function: the old one goes.
+    25: """
+DROP FUNCTION IF EXISTS ts_update_message(text, text, text, text, bigint, text, boolean, text,
+    text, bigint, boolean);
+""",
 }
 
 
@@ -507,4 +516,5 @@ POSTGRES_BACKFILLS: dict[int, Callable[[Any], None]] = {
     22: _create_functions,
     23: _create_functions,
     24: _create_functions,
+    25: _create_functions,
 }

@@ -68,7 +68,7 @@ def test_begin_and_update_assistant(db: Db) -> None:
 
 @pytest.mark.parametrize("edit", ["malformed", "redacted"])
 def test_a_write_from_what_the_writer_holds_never_undoes_another_tools_edit_of_the_message(
-    db: Db, edit: str, request: pytest.FixtureRequest
+    db: Db, edit: str
 ) -> None:
     """DESIGN §6.20 (a backend difference is a bug) and `update_assistant`'s contract: the
     transition runs on the message as stored, not on what the writer remembers. Another
@@ -78,16 +78,8 @@ def test_a_write_from_what_the_writer_holds_never_undoes_another_tools_edit_of_t
     stays as stored, a redaction stays. SQLite compares the view with the row and does so.
     Found by the differential test (a drain's `finish()` after its open message was
     corrupted: `MalformedRecord` on SQLite, `None` on PostgreSQL). PostgreSQL's fast path
-    (`ts_update_message`) trusts the view at the row's version alone and writes it over
-    the edit: the stored redaction is undone, the malformed row silently replaced."""
-    if db.dialect == "postgres":
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                reason="ts_update_message checks only the version, not that the stored data"
-                " is still the writer's (needs a new function version: a schema change)",
-            )
-        )
+    (`ts_update_message`) trusted the view at the row's version alone and wrote it over
+    the edit: the stored redaction was undone, the malformed row silently replaced."""
     execution = db.claim()
     db.run(_store.begin_assistant, "s", execution, "owner-a", "m-1")
 

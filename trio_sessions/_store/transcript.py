@@ -16,6 +16,7 @@ Invariants kept here:
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any, get_args
 
@@ -273,7 +274,8 @@ def _pg_update_known(
     """`ts_update_message` with the transition applied to `known`: (data, version, step,
     its encoding) when it was written; None (nothing written) when the message moved past
     `known.version`, the transition refuses it, or the known data was edited since it was
-    stored (a reader's edit) - the caller reads the durable message."""
+    stored (a reader's edit here, or another tool's edit of the row, which leaves the
+    version as it was) - the caller reads the durable message."""
     if known.text is None:
         return None
     try:
@@ -294,6 +296,7 @@ def _pg_update_known(
         owner_id,
         message_id,
         known.version,
+        hashlib.sha256(known.text.encode()).digest(),
         written,
         data.finished,
         *_step_columns(step),
@@ -649,13 +652,15 @@ END $$;
 
 -- update_assistant from what the writer stored last: p_data is written (as
 -- ts_write_message) only if the message - the newest of its row's and its deltas'
--- versions - is still at p_known, the version that writer last stored. Verdicts: ok
+-- versions - is still at p_known, the version that writer last stored, and its data is
+-- still the text that writer stored (p_known_digest: its SHA-256). Verdicts: ok
 -- (version), moved (nothing written: the caller reads the message), lease_lost,
 -- not_owned. A lost reply's call (p_retry) is read back by its result: the message at
 -- p_known + 1 with p_data.
 CREATE OR REPLACE FUNCTION ts_update_message(p_session text, p_exec text, p_owner text,
-    p_message text, p_known bigint, p_data text, p_finished boolean, p_step_kind text,
-    p_step_data text, p_now bigint, p_retry boolean, OUT verdict text, OUT version bigint)
+    p_message text, p_known bigint, p_known_digest bytea, p_data text, p_finished boolean,
+    p_step_kind text, p_step_data text, p_now bigint, p_retry boolean, OUT verdict text,
+    OUT version bigint)
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     v_session text; v_now bigint; v_data text;
@@ -678,7 +683,9 @@ BEGIN
         verdict := 'ok';
         RETURN;
     END IF;
-    IF version <> p_known THEN
+    -- Another tool's edit of the data (an operator's redaction, a bad write) leaves the
+    -- version as it was: the stored data must still be what that writer stored.
+    IF version <> p_known OR sha256(convert_to(v_data, 'UTF8')) <> p_known_digest THEN
         verdict := 'moved';
         RETURN;
     END IF;
