@@ -1,0 +1,103 @@
+"""Invariants (DESIGN §6) whose enforcing line no other test pinned down deterministically:
+each test here was written after a small mutation of that line survived the tests beside it
+(or was caught only under some of trio's scheduling orders), and fails with it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from helpers import LateReply, Raw, Recorder, WrappedStore, runtime
+from trio.testing import MockClock
+
+from trio_sessions import DrainContext, Store, _store
+
+Clock = Callable[[], float]
+
+
+async def test_a_wake_taken_to_go_on_is_rung_again_by_an_interrupt_answered_with_it(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """Invariant 7: a drain wakes its own session (no input) and returns; its iteration end
+    takes that doorbell to go on, and the interrupt is accepted while that end is answered.
+    No drain call answers the taken wake, so the interrupt's first step (`mark_cancelling`
+    with the wake taken) rings it again and exactly one successor drains it. Without that
+    ring the wake is gone: nothing pending re-arms it (the sweep over moments in
+    test_runtime hits this window only under some scheduling orders)."""
+    calls: list[str] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        calls.append(ctx.execution_id)
+        if len(calls) == 1:
+            await rt.wake(ctx.session_id)
+
+    wrapped = WrappedStore(store, lambda inner: LateReply(inner, _store.end_iteration, shield=True))
+    async with runtime(wrapped, drain, clock) as rt:
+        await rt.wake("s")
+        assert wrapped.executor is not None
+        await wrapped.executor.committed.wait()  # the end took the doorbell to go on
+        assert Raw(db_path).rows("SELECT time_woken FROM session") == [(None,)]
+        assert await rt.interrupt("s")
+        wrapped.executor.answer.set()
+        await rt.wait_idle("s")
+        assert len(calls) == 2
+        assert calls[0] != calls[1]  # a successor claim, not the interrupted one
+    assert Raw(db_path).rows("SELECT id FROM session WHERE time_woken IS NOT NULL") == []
+    assert Raw(db_path).rows("SELECT id FROM session_execution") == []
+
+
+async def test_a_ring_after_an_interrupts_cleanup_committed_starts_one_successor(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """Invariants 7 and 9 at the interrupt's finish: a wake committed after the interrupt's
+    cleanup deleted the claim (no input left, so the cleanup set no doorbell) rings the
+    registry entry still held; the entry starts exactly one successor before it is
+    released. Without it the durable doorbell waits, unclaimed, for a recovery pass."""
+    drain = Recorder(take_inputs=False)
+    gate = drain.hold()
+    wrapped = WrappedStore(
+        store, lambda inner: LateReply(inner, _store.finish_interrupted, shield=True)
+    )
+    async with runtime(wrapped, drain, clock) as rt:
+        await rt.wake("s")
+        await drain.entered.wait()
+        assert await rt.interrupt("s")
+        assert wrapped.executor is not None
+        await wrapped.executor.committed.wait()
+        assert Raw(db_path).rows("SELECT id FROM session_execution") == []
+        drain.gate = None  # the successor's call returns at once
+        await rt.wake("s")  # durable, then rings the entry still held
+        wrapped.executor.answer.set()
+        await rt.wait_idle("s")
+        assert len(drain.calls) == 2
+        assert Raw(db_path).rows("SELECT time_woken FROM session") == [(None,)]
+        assert Raw(db_path).rows("SELECT id FROM session_execution") == []
+    gate.set()
+
+
+async def test_a_ring_after_a_failed_drains_finish_committed_starts_one_successor(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """Invariant 9 at a failed drain's finish: a wake committed after that finish deleted
+    the claim rings the registry entry still held, and the entry starts exactly one
+    successor before it is released (a failure re-arms nothing for untaken inputs, but this
+    wake came after it). Without it the durable doorbell waits for a recovery pass."""
+    calls: list[str] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        calls.append(ctx.execution_id)
+        if len(calls) == 1:
+            raise RuntimeError("the first call fails")
+
+    wrapped = WrappedStore(store, lambda inner: LateReply(inner, _store.finish_failed, shield=True))
+    async with runtime(wrapped, drain, clock) as rt:
+        await rt.wake("s")
+        assert wrapped.executor is not None
+        await wrapped.executor.committed.wait()
+        assert Raw(db_path).rows("SELECT id FROM session_execution") == []
+        await rt.wake("s")  # durable, then rings the entry still held
+        wrapped.executor.answer.set()
+        await rt.wait_idle("s")
+        assert len(calls) == 2
+        assert Raw(db_path).rows("SELECT time_woken FROM session") == [(None,)]
+        assert Raw(db_path).rows("SELECT id FROM session_execution") == []
