@@ -8,8 +8,10 @@ import pytest
 
 from trio_sessions import (
     InputConflict,
+    SessionBusy,
     _store,
 )
+from trio_sessions._decisions import AcquireVerdict
 
 from .common import (
     NOW,
@@ -175,3 +177,50 @@ def test_take_inputs_takes_a_chunk_of_due_inputs_and_rings_for_the_rest(db: Db) 
     assert [i.id for i in taken] == ["in-6", "in-7"]
     assert db.rows("SELECT id FROM session_input") == []
     assert db.doorbell()[:2] == (NOW, wakes + 1)
+
+
+@pytest.mark.parametrize("busy", ["claim", "due_input"])
+def test_a_scheduled_submit_that_rejects_a_busy_session_stores_nothing(db: Db, busy: str) -> None:
+    """§6.23 for scheduled inputs: `submit(delay=..., on_busy="reject")` on a busy session (a
+    claim exists, or a due input waits untaken) raises `SessionBusy` and stores nothing; a
+    session whose only input is scheduled is not busy, so the next one is stored. Found by
+    mutation: dropping the reject check from SQLite's `submit_scheduled` broke no test."""
+    if busy == "claim":
+        db.claim()
+    else:
+        db.run(_store.submit, "s", '{"n": 1}', "in-due")
+    before = db.snapshot()
+    with pytest.raises(SessionBusy):
+        db.run(_store.submit_scheduled, "s", '{"n": 2}', "in-later", 20_000, "reject")
+    assert db.snapshot() == before
+
+    db.run(_store.submit_scheduled, "idle", '{"n": 1}', "in-a", 20_000, "reject")
+    db.run(_store.submit_scheduled, "idle", '{"n": 2}', "in-b", 20_000, "reject")
+    assert db.rows("SELECT id FROM session_input WHERE session_id = 'idle' ORDER BY seq") == [
+        ("in-a",),
+        ("in-b",),
+    ]
+
+
+@pytest.mark.parametrize("on_busy", ["reject", "interrupt"])
+def test_a_controlled_submit_that_acquires_sees_due_inputs_waiting_as_busy(
+    db: Db, on_busy: str
+) -> None:
+    """§6.23 on the path a draining runtime takes (`submit_controlled_and_acquire`): with
+    no claim but a due input waiting untaken, the session is busy - "reject" raises
+    `SessionBusy` and stores nothing; "interrupt" (no claim to stop) queues the input and
+    takes the claim for both. Found by mutation: dropping the pending-input check before
+    the one-transaction claim broke no test."""
+    db.run(_store.submit, "s", '{"n": 1}', "in-due")
+    args = ("s", '{"n": 2}', "in-new", on_busy, "exec-new", "owner-a", 30_000)
+    if on_busy == "reject":
+        before = db.snapshot()
+        with pytest.raises(SessionBusy):
+            db.run(_store.submit_controlled_and_acquire, *args)
+        assert db.snapshot() == before
+        return
+    (stored, stopped), acquired = db.run(_store.submit_controlled_and_acquire, *args)
+    assert (stored, stopped) == ("in-new", None)
+    assert acquired.verdict is AcquireVerdict.CLAIM
+    assert db.rows("SELECT id FROM session_input ORDER BY seq") == [("in-due",), ("in-new",)]
+    assert db.doorbell()[:2] == (None, 0)  # taken with the claim
