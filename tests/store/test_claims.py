@@ -64,6 +64,42 @@ def test_a_wake_or_submit_that_acquires_never_overwrites_a_claim_row(
     assert db.doorbell()[0] is not None
 
 
+@pytest.mark.parametrize("expired", [False, True], ids=["live", "expired"])
+@pytest.mark.parametrize(
+    "verb", ["acquire", "wake_and_acquire", "submit_and_acquire", "submit_controlled"]
+)
+def test_an_acquire_never_reenters_an_own_claim_under_another_execution(
+    db: Db, expired: bool, verb: str
+) -> None:
+    """Invariants 2, 3 and 19: the owner's own claim row (a claim its registry no longer
+    holds: one whose commit's reply was lost, say) is never re-entered by an acquisition
+    under a new execution id, live or expired, on any acquiring path - only a retry of the
+    very execution that landed is its own. Found by mutation: PostgreSQL's
+    ts_acquire_locked answering 'claim' for any claim of the same owner broke no test (the
+    tests above acquire as another owner)."""
+    db.claim(owner="owner-a", execution="exec-1")
+    db.run(_store.wake, "s")
+    if expired:
+        db.expire()
+        db.now += 60_000
+    claim = db.snapshot(["session_execution"])
+    mine = ("exec-new", "owner-a", LEASE)
+    if verb == "acquire":
+        acquired = db.run(_store.acquire, "s", *mine)
+    elif verb == "wake_and_acquire":
+        _, acquired = db.run(_store.wake_and_acquire, "s", *mine)
+    elif verb == "submit_and_acquire":
+        _, acquired = db.run(_store.submit_and_acquire, "s", '{"n": 1}', "in-1", *mine)
+    else:
+        _, acquired = db.run(
+            _store.submit_controlled_and_acquire, "s", '{"n": 1}', "in-1", "queue", *mine
+        )
+    assert acquired.verdict is AcquireVerdict.HELD
+    assert acquired.holder == "owner-a"
+    assert db.snapshot(["session_execution"]) == claim
+    assert db.doorbell()[0] is not None
+
+
 def test_acquire_needs_the_doorbell(db: Db) -> None:
     """Without a set doorbell nothing is claimed, for an idle session or an unknown one."""
     execution = db.claim()
