@@ -10,6 +10,7 @@ in-process tests use the inline stores and the virtual clock.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import signal
@@ -603,6 +604,107 @@ async def test_a_drain_still_exiting_after_its_token_was_lost_keeps_its_claim(
             await resumed.wait()
     (_, old_end), (new_start, _) = sorted(spans.values())
     assert old_end <= new_start
+
+
+@pytest.mark.slow
+async def test_a_token_lost_while_a_graceful_close_waits_for_a_drain_is_taken_again(
+    pg_url: str, pg_schema: str
+) -> None:
+    """PostgreSQL, DESIGN §6.21: the owner is closing (a worker's SIGTERM) and waits for a
+    drain that needs a while to exit (a blocking call in a thread) when the server drops
+    its token's connection. The owner takes its token again at once, so the claim still
+    looks held, and hands it back once the drain exited: the other runtime resumes it only
+    then. Before, the token's watch was cancelled with the runtime's other tasks as the
+    close began, so nothing took the token again: the other runtime found it free for the
+    grace and resumed the session while the old drain still ran. Found by an audit: a real
+    rolling restart of two workers, the closing one's token backend terminated."""
+    location = PgLocation(pg_url, pg_schema)
+    spans: dict[str, list[float]] = {}
+    entered, exiting = trio.Event(), trio.Event()
+    resumed = trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        started = time.monotonic()
+        if ctx.resumed:
+            spans[ctx.execution_id] = [started, started]
+            resumed.set()
+            return
+        spans[ctx.execution_id] = [started, math.inf]
+        entered.set()
+        try:
+            await trio.sleep_forever()
+        finally:
+            exiting.set()
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(time.sleep, 1.5)
+            spans[ctx.execution_id][1] = time.monotonic()
+
+    store = threaded_store(location)
+    options: dict[str, Any] = {"takeover_grace": 0.3, "recovery_interval": 0.25}
+
+    async def drop_the_token_once_closing(owner_id: str) -> None:
+        await exiting.wait()
+        await trio.to_thread.run_sync(
+            lambda: terminate_backend(pg_url, _token_pid(location, owner_id))
+        )
+
+    async with (
+        trio_sessions.open_runtime(store, drain, **options),
+        trio.open_nursery() as helpers,
+    ):
+        async with trio.open_nursery() as nursery:
+            owner = await nursery.start(
+                functools.partial(trio_sessions.serve_runtime, store, drain, **options)
+            )
+            helpers.start_soon(drop_the_token_once_closing, owner.owner_id)
+            await owner.submit("s", {"n": 1})
+            with trio.fail_after(10):
+                await entered.wait()
+            nursery.cancel_scope.cancel()  # the owner closes: its drain takes 1.5 s to exit
+        with trio.fail_after(10):
+            await resumed.wait()
+    (_, old_end), (new_start, _) = sorted(spans.values())
+    assert old_end <= new_start
+
+
+async def test_closing_takes_a_lost_token_again_while_it_waits_for_a_drain(
+    store: Any, clock: Callable[[], float], autojump_clock: trio.testing.MockClock
+) -> None:
+    """The same in virtual time, on both backends: a token lost while closing waits for a
+    drain to exit is taken again before the drain exited (the watch outlives the close's
+    cancellation, as the heartbeat does), and the claim is handed back once it did."""
+    wrapped = WrappedStore(store, LosableTokenExecutor)
+    entered, exiting, may_exit = trio.Event(), trio.Event(), trio.Event()
+    retaken_before_exit: list[bool] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        await ctx.take_inputs()
+        entered.set()
+        try:
+            await trio.sleep_forever()
+        finally:
+            exiting.set()
+            with trio.CancelScope(shield=True):  # a blocking call that lands later
+                await may_exit.wait()
+            retaken_before_exit.append(_token_of(wrapped).retaken.is_set())
+
+    async def lose_the_token_while_closing() -> None:
+        await exiting.wait()
+        token = _token_of(wrapped)
+        token.lose()
+        with trio.move_on_after(1.0):
+            await token.retaken.wait()
+        may_exit.set()
+
+    async with trio.open_nursery() as helpers:
+        with trio.CancelScope() as closing:
+            async with runtime(wrapped, drain, clock, recovery_interval=3600) as owner:
+                await owner.submit("s", {"n": 1})
+                await entered.wait()
+                helpers.start_soon(lose_the_token_while_closing)
+                closing.cancel()  # as a worker's SIGTERM: the close waits for the drain
+                await trio.sleep_forever()
+    assert retaken_before_exit == [True]
 
 
 async def _token_taken_again(worker: Any, sessions: list[str]) -> None:

@@ -314,6 +314,7 @@ async def _open_runtime(
                         await runtime._shutdown()
             finally:
                 runtime._heartbeat_scope.cancel()
+                runtime._token_scope.cancel()
                 runtime._closed = True
                 outer.cancel_scope.cancel()
 

@@ -110,6 +110,11 @@ class Runtime:
         # when cancelled keeps its lease until it exits (§6.21). Cancelled by `open_runtime`
         # once no claim is owned any more.
         self._heartbeat_scope = trio.CancelScope(shield=True)
+        # So does the watch of the liveness token, for the same drains: a token lost while
+        # closing waits for them is taken again at once, or their claims would look free
+        # to the others - who resume them after the grace, beside the drains still running.
+        # Cancelled with the heartbeat.
+        self._token_scope = trio.CancelScope(shield=True)
         self._shutdown_grace = config.shutdown_grace
         self._hook = config.acquisition_hook
         self._entries: dict[str, SessionEntry] = {}
@@ -676,7 +681,14 @@ class Runtime:
 
         The token taken again is watched from that moment: handing back the last loss's
         claims waits for their drains to exit and for the store, and a loss meanwhile must
-        stop the drains started since at once too, so that waiting runs beside the watch."""
+        stop the drains started since at once too, so that waiting runs beside the watch.
+
+        Shielded like the heartbeat (`_token_scope`): closing waits for drains to exit, and
+        the token must stay held until they did."""
+        with self._token_scope:
+            await self._watch_token(token)
+
+    async def _watch_token(self, token: Token) -> None:
         while True:
             await token.wait_lost()
             self._token_lost = True

@@ -97,4 +97,5 @@ def crash(runtime: Runtime) -> None:
     runtime._crashed_event.set()
     runtime._closing = True
     runtime._heartbeat_scope.cancel()
+    runtime._token_scope.cancel()
     runtime._nursery.cancel_scope.cancel()
