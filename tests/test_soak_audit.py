@@ -144,6 +144,36 @@ def test_control_ratio_is_a_share(ratio: str) -> None:
         soak.parse_args(["--control-ratio", ratio])
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--workers", "0"],
+        ["--sessions", "0"],
+        ["--rate", "0"],
+        ["--lease", "-1"],
+        ["--recovery-interval", "0"],
+        ["--work-max", "-0.1"],
+        ["--handoff-ratio", "1.5"],
+        ["--busy-ratio", "-0.5"],
+        ["--restart-ratio", "2"],
+        ["--interrupt-rate", "-1"],
+        ["--broken", "no-such-defect"],
+    ],
+    ids=lambda argv: " ".join(argv),
+)
+def test_a_setting_the_soak_cannot_run_is_refused_before_it_starts(argv: list[str]) -> None:
+    """A count, time, rate or share the soak cannot run with is a usage error (exit 2)
+    before anything starts. Before, `--workers 0` or `--lease -1` ran the whole soak and
+    ended in `soak: VIOLATION ... lost=60` - the library blamed for workers that never
+    drained (no worker, or every worker refused by `open_runtime`) - `--sessions 0` and
+    `--rate 0` in a traceback, a share past 0-1 or a negative rate was taken silently as
+    its bound, and `--broken` with an unknown name was refused only after the stateful
+    model's 50,000 steps. Found by an audit."""
+    with pytest.raises(SystemExit) as refused:
+        soak.parse_args(argv)
+    assert refused.value.code == 2
+
+
 def test_every_broken_copy_applies_exactly_once() -> None:
     """Each defect's text to break occurs once in the current package (so the broken-copy
     checks cannot silently test the real code)."""

@@ -25,6 +25,7 @@ model (`tests/test_model.py`) for N steps, the long run that `nox -s soak` adds.
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import sys
 from collections.abc import Sequence
@@ -141,8 +142,29 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.backend == "postgres" and args.restart_ratio is not None:
         # Silently ignored, it would let a run believe it tested what it did not.
         parser.error("--restart-ratio: sqlite only (postgres takes its host faults in turn)")
-    if not 0 <= args.control_ratio <= 1:
-        parser.error(f"--control-ratio: a share from 0 to 1, not {args.control_ratio}")
+    # Refused here, not found out by the run: a worker `open_runtime` refuses, or none at
+    # all, reads as inputs lost by the library; other values fail mid-run or are taken as
+    # their bound without a word.
+    for name, value in (("workers", args.workers), ("sessions", args.sessions)):
+        if value < 1:
+            parser.error(f"--{name}: at least 1, not {value}")
+    for name in ("rate", "lease", "recovery_interval"):
+        value = getattr(args, name)
+        if value is not None and not 0 < value < math.inf:
+            parser.error(f"--{name.replace('_', '-')}: a positive number, not {value}")
+    for name in ("work_max", "interrupt_rate"):
+        value = getattr(args, name)
+        if not 0 <= value < math.inf:
+            parser.error(f"--{name.replace('_', '-')}: zero or more, not {value}")
+    for name in ("control_ratio", "restart_ratio", "handoff_ratio", "busy_ratio"):
+        value = getattr(args, name)
+        if value is not None and not 0 <= value <= 1:
+            parser.error(f"--{name.replace('_', '-')}: a share from 0 to 1, not {value}")
+    if args.broken not in (None, "list"):
+        from ._soak import broken
+
+        if args.broken not in broken.DEFECTS:
+            parser.error(f"--broken: unknown defect {args.broken!r} (`--broken list`)")
     for name, value in DEFAULTS[args.backend].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
