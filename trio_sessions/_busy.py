@@ -747,10 +747,13 @@ class BusyPeriods:
         it, and report it for all of its claims."""
         runtime = self._runtime
         error: BaseException | None = TimeoutError("hand-back timed out")
+        handed = 0
         try:
             await trio.lowlevel.cancel_shielded_checkpoint()
             self._hand_back = None  # later exits make a batch of their own
-            await runtime._db.run_nowait(_store.expire_claims, runtime._owner_id, batch.claims())
+            handed = await runtime._db.run_nowait(
+                _store.expire_claims, runtime._owner_id, batch.claims()
+            )
             error = None
         except StoreError as exc:
             error = exc
@@ -761,7 +764,7 @@ class BusyPeriods:
             raise
         finally:
             if error is None:
-                _observe.handed_back(runtime._owner_id, batch.claims())
+                _observe.handed_back(runtime._owner_id, batch.claims(), handed)
             else:
                 _observe.hand_back_failed(runtime._owner_id, batch.claims(), error)
             batch.done.set()

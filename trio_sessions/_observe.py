@@ -366,13 +366,15 @@ def quarantine_released(execution_id: str, owner_id: str, *, resume: bool) -> No
 # -- shutdown -------------------------------------------------------------------------------------
 
 
-def handed_back(owner_id: str, execution_ids: Sequence[str]) -> None:
+def handed_back(owner_id: str, execution_ids: Sequence[str], handed: int) -> None:
     """INFO: shutdown kept these claims and expired their leases (their drains had exited),
-    so any owner recovers them at once. extra: owner_id, claims, execution_ids."""
+    so any owner recovers them at once. `handed` (the count logged, extra `claims`) is how
+    many the store still held as ours: a claim deleted or taken over meanwhile changed no
+    row, and no runtime will resume it. extra: owner_id, claims, execution_ids (all sent)."""
     logger.info(
         HANDED_BACK,
-        len(execution_ids),
-        extra={"owner_id": owner_id, "claims": len(execution_ids), "execution_ids": execution_ids},
+        handed,
+        extra={"owner_id": owner_id, "claims": handed, "execution_ids": execution_ids},
     )
 
 
