@@ -576,7 +576,8 @@ async def test_a_worker_on_a_postgres_url_drains_the_schema_it_is_given(
     pg_url: str, pg_schema: str, tmp_path: Path
 ) -> None:
     """`--store postgresql://... --schema S`: the worker drains that schema's sessions (and
-    SIGTERM still exits 0)."""
+    SIGTERM still exits 0), and its `worker started` line names the schema: two workers on
+    one server, different schemas, logged the same store line (found by an audit)."""
     from trio_sessions._postgres import PostgresStore
 
     store = PostgresStore(pg_url, schema=pg_schema)
@@ -598,6 +599,8 @@ async def test_a_worker_on_a_postgres_url_drains_the_schema_it_is_given(
             await stop(worker)
         _, answer = await producer.transcript("echo")
     assert texts(answer) == ["echo: hi"]
+    shown = _naming.display_name(pg_url)
+    assert f", store {shown} (schema {pg_schema})" in worker.output()
 
 
 ENVIRONMENT = {

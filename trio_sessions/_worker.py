@@ -348,6 +348,9 @@ async def _run_runtime(
             # per session.
             gc.freeze()
             store = display_name(settings.store)
+            if settings.schema is not None:
+                # Workers on one server in different schemas drain different stores.
+                store = f"{store} (schema {settings.schema})"
             logger.info(
                 "worker started: owner %s, store %s",
                 runtime.owner_id,
