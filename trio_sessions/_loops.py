@@ -196,18 +196,26 @@ class BackgroundLoops:
             with trio.move_on_after(runtime._recovery_interval):
                 await runtime._recover_now.wait()
             handed_back, runtime._recover_now = runtime._recover_now.is_set(), trio.Event()
-            budget = runtime._busy.capacity_left(runtime._recovery.batch)
             try:
-                report = await runtime.recover_once()
+                full = await self._full_recovery_pass()
             except StoreLost:
                 raise
             except StoreError:
                 continue
-            if handed_back and budget and report.examined >= budget:
-                # A full pass: more handed-back claims may wait, and the signals that
-                # named them came already. The next pass at once (it takes what the room
-                # left by this one allows: none, and it ends the chain).
+            if handed_back and full:
+                # More handed-back claims may wait, and the signals that named them came
+                # already. The next pass at once (it takes what the room left by this one
+                # allows: none, and it ends the chain).
                 runtime._recover_now.set()
+
+    async def _full_recovery_pass(self) -> bool:
+        """A recovery pass; whether it was full - it examined all it had room for, so more
+        candidates may wait (each one it examined is excluded from the next: resumed or
+        started here, finished, or another's)."""
+        runtime = self._runtime
+        budget = runtime._busy.capacity_left(runtime._recovery.batch)
+        report = await runtime.recover_once()
+        return bool(budget) and report.examined >= budget
 
     async def recovery_pass(self) -> RecoveryReport:
         runtime = self._runtime
@@ -322,7 +330,10 @@ class BackgroundLoops:
             with contextlib.suppress(StoreError):  # looked at again at the next poll
                 gone = await self._look_at_owners()
                 if gone and not runtime._token_lost:
-                    await runtime.recover_once()
+                    # Pass after pass while they come back full: a gone owner's claims
+                    # beyond one pass waited a poll each (300 claims: three polls).
+                    while await self._full_recovery_pass():
+                        pass
                     left = await runtime._db.run(_store.forget_gone_owners, sorted(gone))
                     runtime._gone_owners.forget(gone - set(left))
 
