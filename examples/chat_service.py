@@ -243,6 +243,7 @@ class ChatApp:
         seq, text = payload.get("seq"), payload.get("text")
         if type(seq) is not int or seq < 1 or not isinstance(text, str):
             raise HTTPError(400, 'the body must be {"seq": <a user message\'s seq>, "text": "..."}')
+        _check_storable(text)  # before the truncate: a refused submit after it lost the rest
         key = _header(scope, b"idempotency-key")
         input_id = _input_id(session_id, key)
         messages = await self.runtime.transcript(session_id)
@@ -293,6 +294,18 @@ class ChatApp:
                 nursery.cancel_scope.cancel()  # the runtime closed: end the stream
         if not disconnected.is_set():
             await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _check_storable(text: str) -> None:
+    """400 for a text no store holds - a NUL, or a lone surrogate (JSON's `\\ud800` escape
+    makes one) - which `submit` refuses: an edit checks it before it truncates, since a
+    submit refused after the truncate left the conversation cut at the edited message."""
+    if "\x00" in text:
+        raise HTTPError(400, "the text holds a NUL character (\\x00): no store holds it")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise HTTPError(400, "the text holds a lone surrogate: it is no Unicode text") from None
 
 
 def _input_id(session_id: str, key: str | None) -> str:

@@ -169,3 +169,28 @@ async def test_an_edit_retried_before_its_input_was_answered_is_stored_once(
         messages = await worker.transcript("s")
     assert [(m.seq, m.role, m.data) for m in messages][:1] == [(1, "user", {"text": "two"})]
     assert len(messages) == 2
+
+
+@pytest.mark.parametrize(
+    "text", ["oops\\u0000", "half \\ud800 a pair"], ids=["nul", "lone-surrogate"]
+)
+async def test_an_edit_whose_text_cannot_be_stored_is_a_400_that_drops_nothing(
+    tmp_path: Path, text: str
+) -> None:
+    """POST /edit with a text no store holds (a NUL, a lone surrogate - both valid JSON
+    escapes a client may send) is a 400 and the conversation stays as it was. Before, the
+    edit truncated first and only then submitted: the submit's 400 came after the edited
+    message and every answer after it were deleted, and a retry could not bring them back."""
+    async with trio_sessions.open_runtime(str(tmp_path / "chat.db"), _answer) as rt:
+        app = chat.ChatApp(rt)
+        for question in ("one", "two"):
+            body = json.dumps({"text": question}).encode()
+            status, _ = await _call(app, "POST", "/sessions/s/messages", body)
+            assert status == 202
+            await rt.wait_idle("s")
+        before = await rt.transcript("s")
+        assert [m.role for m in before] == ["user", "assistant", "user", "assistant"]
+        edit = b'{"seq": 3, "text": "' + text.encode() + b'"}'
+        status, answer = await _call(app, "POST", "/sessions/s/edit", edit)
+        assert status == 400, answer
+        assert await rt.transcript("s") == before
