@@ -236,9 +236,10 @@ class ChatApp:
     async def edit(self, session_id: str, scope: Scope, receive: Receive, send: Send) -> None:
         """Edit and regenerate: replace user message `seq` with `text`, dropping everything
         after it, and answer it again. 404 unless `seq` is a user message; 409 while an
-        answer is running (stop it first). A retry (the same Idempotency-Key) is the edit
-        already made - also before its input was answered, when `seq` is the slot just past
-        the last message: its input is stored once."""
+        answer is running (stop it first), or when the Idempotency-Key names an earlier
+        message. A retry (the same Idempotency-Key) is the edit already made - also before
+        its input was answered, when `seq` is the slot just past the last message: its input
+        is stored once. Everything that refuses the edit is checked before the truncate."""
         payload = await _read_json(receive)
         seq, text = payload.get("seq"), payload.get("text")
         if type(seq) is not int or seq < 1 or not isinstance(text, str):
@@ -256,6 +257,11 @@ class ChatApp:
         elif edited.role != "user":
             raise HTTPError(404, f"no user message at seq {seq}")
         elif edited.input_id != input_id:  # else a retry of this edit, already answered
+            kept = next((m for m in messages if m.input_id == input_id and m.seq < seq), None)
+            if kept is not None:
+                # Checked before the truncate, which keeps that message: its submit would
+                # store nothing new (or raise InputConflict) after the rest was deleted.
+                raise HTTPError(409, f"the Idempotency-Key names message {kept.seq} already")
             await self.runtime.truncate(session_id, after_seq=seq - 1)
             input_id = await self.runtime.submit(session_id, {"text": text}, input_id=input_id)
         await _respond(send, 202, {"input_id": input_id})

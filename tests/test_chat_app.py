@@ -194,3 +194,27 @@ async def test_an_edit_whose_text_cannot_be_stored_is_a_400_that_drops_nothing(
         status, answer = await _call(app, "POST", "/sessions/s/edit", edit)
         assert status == 400, answer
         assert await rt.transcript("s") == before
+
+
+async def test_an_edit_whose_key_names_an_earlier_message_drops_nothing(tmp_path: Path) -> None:
+    """POST /edit with an Idempotency-Key the client already used for an earlier message it
+    keeps (a client numbering its keys afresh after a reload) cannot store the edit: a 4xx,
+    and the conversation stays as it was. Before, the edit truncated first: its submit then
+    raised InputConflict (another text; a 400) or returned the earlier message's input (the
+    same text; a 202 answered by nothing) - either way every message from the edited one on
+    was deleted and no edit was made."""
+    key = [(b"idempotency-key", b"1")]
+    async with trio_sessions.open_runtime(str(tmp_path / "chat.db"), _answer) as rt:
+        app = chat.ChatApp(rt)
+        for question, headers in (("one", key), ("two", None)):
+            body = json.dumps({"text": question}).encode()
+            status, _ = await _call(app, "POST", "/sessions/s/messages", body, headers)
+            assert status == 202
+            await rt.wait_idle("s")
+        before = await rt.transcript("s")
+        assert [m.role for m in before] == ["user", "assistant", "user", "assistant"]
+        for text in ("edited", "one"):
+            edit = json.dumps({"seq": 3, "text": text}).encode()
+            status, answer = await _call(app, "POST", "/sessions/s/edit", edit, key)
+            assert status is not None and 400 <= status < 500, (text, status, answer)
+            assert await rt.transcript("s") == before, text
