@@ -38,8 +38,16 @@ from helpers import Raw
 import trio_sessions
 from trio_sessions._console import FOLLOWED_IDS, PAGE_SIZE, Console, Guard, HTTPError, _fields
 from trio_sessions._model import AssistantData, Message, TextPart
-from trio_sessions._store.stream import Held, Position, Shown, StreamChanges, Whole, message_tag
-from trio_sessions._stream import EventStream, encode_cursor, session_tag
+from trio_sessions._store.stream import (
+    Appended,
+    Held,
+    Position,
+    Shown,
+    StreamChanges,
+    Whole,
+    message_tag,
+)
+from trio_sessions._stream import EventStream, decode_cursor, encode_cursor, session_tag
 
 pytestmark = pytest.mark.slow
 
@@ -981,10 +989,15 @@ async def _page_text(
 
 
 async def _sent_to_page(
-    stream: EventStream, shown: Shown, position: Position, shown_from: int
+    stream: EventStream,
+    shown: Shown,
+    position: Position,
+    shown_from: int,
+    last_event_id: str | None = None,
 ) -> str:
     """What `Console.events` sends a page that shows messages from `shown_from` on and holds
-    `position` (`stream` behind it, `shown` as the console's read) until nothing moves."""
+    `position` (`stream` behind it, `shown` as the console's read) until nothing moves; with
+    `last_event_id`, an EventSource's reconnect of that page (its URL unchanged)."""
     console = Console(_Runtime(stream, shown), "", Guard(None, False))  # type: ignore[arg-type]
     sent: list[bytes] = []
 
@@ -996,7 +1009,7 @@ async def _sent_to_page(
 
     async with trio.open_nursery() as nursery:
         query = {"cursor": encode_cursor(session_tag("s"), position), "from": str(shown_from)}
-        nursery.start_soon(console.events, "s", query, None, receive, send)
+        nursery.start_soon(console.events, "s", query, last_event_id, receive, send)
         await trio.testing.wait_all_tasks_blocked()
         nursery.cancel_scope.cancel()
     return b"".join(sent).decode()
@@ -1478,3 +1491,40 @@ def test_the_console_reads_the_schema_from_the_environment(
         httpx.Client(base_url=url, timeout=DEADLINE) as client,
     ):
         assert session_ids(client.get("/").text) == ["here"]
+
+
+async def test_a_page_emptied_by_a_rewrite_follows_its_new_messages_after_a_reconnect() -> None:
+    """A page shows seqs 10 to 12 (its URL: `from=10`). The transcript is emptied (an edit
+    of its first message, a delete) and a new conversation starts: the feed drops
+    everything and shows the new messages 1 and 2 (it lowers its `shown_from`), 2 an open
+    answer. The EventSource reconnects (a network
+    blip, a console restart) with the same URL and Last-Event-ID: the new feed took its
+    first seq from the URL again (10), so the answer's appends to message 2 were "not on
+    the page" - nothing was sent, and the page showed the answer's first word, open,
+    forever. Found by following console pages over real HTTP while a chat service edited
+    its conversations."""
+    page = Position(12, message_tag("m12"))
+    shown = Shown({10: "m10", 11: "m11", 12: "m12"}, [])
+    answer = _assistant(2, "You", finished=False, version=0)
+    reads = [StreamChanges([], rewritten=True), StreamChanges([_user(1), answer])]
+
+    async def read_on(job: Any, session_id: str, position: Position) -> StreamChanges:
+        if len(reads) == 2:
+            stream.mark_dirty()  # the new conversation is stored meanwhile: read again
+        return reads.pop(0) if reads else StreamChanges([])
+
+    stream = EventStream("s", page, read_on)
+    text = await _sent_to_page(stream, shown, page, shown_from=10)
+    assert '"drop_after": 0' in text and '"seq": 2' in text  # the page shows 1 and 2 now
+    last_event_id = re.findall(r"^id: (\S+)$", text, re.MULTILINE)[-1]
+    at = decode_cursor("s", last_event_id)
+    assert at.top == 2 and [held.seq for held in at.open] == [2]
+    appended = iter([StreamChanges([Appended(2, "m2", " said", 1)], ids={2: "m2"})])
+
+    async def read(job: Any, session_id: str, position: Position) -> StreamChanges:
+        return next(appended, StreamChanges([]))
+
+    text = await _sent_to_page(
+        EventStream("s", at, read), Shown({1: "m1", 2: "m2"}, [answer]), page, 10, last_event_id
+    )
+    assert '{"seq": 2, "append": " said"}' in text, f"the reconnected page was sent {text!r}"

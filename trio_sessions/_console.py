@@ -415,6 +415,12 @@ contains"> <button>search</button></form>
             if len(position.open) > FOLLOWED_IDS:  # a client's own: no page follows that many
                 raise HTTPError(400, f"a cursor names at most {FOLLOWED_IDS} open messages")
             shown_from = _seq_parameter(query, "from") or position.top + 1
+            if position.top < shown_from:
+                # The stream holds nothing the page rendered (a page's cursor names its
+                # newest message): a rewrite emptied the page, whose feed then showed every
+                # message from seq 1 on (`PageFeed._end_check`). An EventSource reconnects
+                # with the page's URL, so its `from` is not what the page shows now.
+                shown_from = 1
             shown = await self.runtime._db.read(
                 _store.shown_messages, session_id, shown_from, position, FOLLOWED_IDS
             )
