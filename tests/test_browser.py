@@ -240,10 +240,12 @@ def test_the_chat_page_answers_live_resumes_stops_edits_and_deletes(
     chrome: Any, tmp_path: Path
 ) -> None:
     """The chat page: an answer streams in live; a connection dropped mid-answer resumes
-    from its cursor and ends with exactly the stored text; Stop interrupts an answer;
-    edit-and-regenerate replaces the question and its answer; delete empties it all."""
+    from its cursor and ends with exactly the stored text; a message refused while an
+    answer runs keeps what was typed; Stop interrupts an answer; edit-and-regenerate
+    replaces the question and its answer; delete empties it all."""
     from console_process import spawn, wait_for_line
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
 
     store = tmp_path / "db"
     web = spawn(
@@ -283,6 +285,15 @@ def test_the_chat_page_answers_live_resumes_stops_edits_and_deletes(
             assert chat_texts(chrome, "assistant")[1] == f"You said: {long_question}"
             say(long_question)  # Stop lands mid-answer: ~2 s of words
             until(lambda: len(chat_texts(chrome, "assistant")) == 3, "a third answer", chrome)
+            # Refused while the answer runs (on_busy="reject": 409), a message keeps what
+            # was typed, to send again; the page cleared it before posting.
+            on_busy = Select(chrome.find_element(By.ID, "on_busy"))
+            on_busy.select_by_value("reject")
+            say("are you there?")
+            until(lambda: chrome.find_element(By.ID, "status").text, "the refusal", chrome)
+            assert typed.get_attribute("value") == "are you there?"
+            typed.clear()
+            on_busy.select_by_value("queue")
             chrome.find_element(By.ID, "stop").click()
             until(
                 lambda: "(interrupted)" in chrome.find_element(By.ID, "messages").text,
