@@ -696,6 +696,24 @@ def test_a_pending_input_whose_id_is_not_utf8_offers_no_cancel_button(tmp_path: 
     assert left == (1,)
 
 
+def test_a_scheduled_inputs_due_time_reads_as_a_time(tmp_path: Path) -> None:
+    """A session page shows when a scheduled input falls due as a UTC time, not as the
+    store's epoch milliseconds ("at 1796592531788 ms", found by an audit)."""
+    store = tmp_path / "db"
+    seed_ids(store, "s000")
+    Raw(store).write(
+        "INSERT INTO session_input(id, session_id, seq, payload, time_created, due_at)"
+        " VALUES ('later', 's000', 99, '{}', 0, 1796592531788)"
+    )
+    with (
+        console(str(store), tmp_path) as (url, _),
+        httpx.Client(base_url=url, timeout=DEADLINE) as client,
+    ):
+        page = client.get("/sessions/s000").text
+    row = re.search(r'<tr data-input="later">.*?</tr>', page)
+    assert row is not None and "<td>at 2026-12-06 21:28:51.788 UTC</td>" in row.group(0), row
+
+
 def test_the_quarantine_table_pages_through_every_execution_once(tmp_path: Path) -> None:
     """The quarantine table's link to its next page (keyset by execution id, the sessions'
     page and search kept) lists each quarantined execution exactly once, 100 a page."""

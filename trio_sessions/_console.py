@@ -24,6 +24,7 @@ Security rules (kept by `Guard`, checked on every request, the event stream incl
 
 from __future__ import annotations
 
+import datetime
 import functools
 import hashlib
 import hmac
@@ -375,7 +376,7 @@ contains"> <button>search</button></form>
             return ""
         rows = ""
         for item in inputs:
-            due = "now" if item["due_at"] is None else f"at {item['due_at']} ms"
+            due = "now" if item["due_at"] is None else f"at {_utc_time(item['due_at'])}"
             cancel = ""
             # No button for an id shown replaced (not UTF-8): it would cancel nothing.
             if not self.guard.read_only and _nameable(item, "session_input.id"):
@@ -995,3 +996,13 @@ def _only(exc: BaseException, kind: type[E]) -> E | None:
         if matched is not None and rest is None and len(matched.exceptions) == 1:
             return _only(matched.exceptions[0], kind)
     return None
+
+
+def _utc_time(epoch_ms: Any) -> str:
+    """A store time (epoch milliseconds) as a UTC time to the millisecond; a value that is
+    not one (another tool's write) as it is, with its unit."""
+    try:
+        moment = datetime.datetime.fromtimestamp(epoch_ms / 1000, tz=datetime.UTC)
+    except (TypeError, ValueError, OverflowError, OSError):
+        return f"{epoch_ms} ms"
+    return moment.strftime("%Y-%m-%d %H:%M:%S.") + f"{moment.microsecond // 1000:03d} UTC"
