@@ -41,7 +41,9 @@ Run it (SQLite here; a `postgresql://` URL works the same, across hosts, with `-
 * `GET /health` answers 200 once the runtime is open (a readiness probe); `GET /metrics`
   is the runtime's `statistics()` as JSON.
 
-`CHAT_WORD_DELAY` (seconds, default 0.05) sets the pause between streamed words.
+`CHAT_WORD_DELAY` (seconds, default 0.05) sets the pause between streamed words;
+`CHAT_KEEP_ALIVE` (seconds, default 15) how long an event stream stays silent before it
+sends an SSE comment (`: keep-alive`), so proxies keep it open.
 """
 
 from __future__ import annotations
@@ -72,6 +74,10 @@ import trio_sessions
 logger = logging.getLogger("chat_service")
 
 WORD_DELAY = float(os.environ.get("CHAT_WORD_DELAY", "0.05"))
+# An idle event stream sends an SSE comment this often: proxies cut a response that is
+# silent for a minute or so (nginx: 60 s), and a client gone without closing is only
+# noticed by a write.
+KEEP_ALIVE = float(os.environ.get("CHAT_KEEP_ALIVE", "15"))
 CHAT_PAGE = (Path(__file__).resolve().parent / "chat_page.html").read_bytes()
 MAX_BODY = 64 * 1024
 
@@ -286,17 +292,16 @@ class ChatApp:
                 }
             )
             disconnected = trio.Event()
+            writes = _Writes(send)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(
                     _cancel_on_disconnect, receive, nursery.cancel_scope, disconnected
                 )
+                nursery.start_soon(writes.keep_alive)
                 async for event in events:
                     # With it, the events already here (a stream that fell behind): one
                     # write for all, not one each - a write is most of an event's cost.
-                    chunk = "".join(map(_sse, [event, *events.take_ready()]))
-                    await send(
-                        {"type": "http.response.body", "body": chunk.encode(), "more_body": True}
-                    )
+                    await writes.write("".join(map(_sse, [event, *events.take_ready()])))
                 nursery.cancel_scope.cancel()  # the runtime closed: end the stream
         if not disconnected.is_set():
             await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -344,6 +349,29 @@ async def _lifespan(receive: Receive, send: Send) -> None:
         elif event["type"] == "lifespan.shutdown":
             await send({"type": "lifespan.shutdown.complete"})
             return
+
+
+@attrs.define
+class _Writes:
+    """An event stream's body writes, one at a time: the events', and a comment whenever
+    none was written for `KEEP_ALIVE` seconds."""
+
+    send: Send
+    _lock: trio.Lock = attrs.field(factory=trio.Lock)
+    _written_at: float = attrs.field(factory=trio.current_time)
+
+    async def write(self, text: str) -> None:
+        async with self._lock:
+            await self.send(
+                {"type": "http.response.body", "body": text.encode(), "more_body": True}
+            )
+            self._written_at = trio.current_time()
+
+    async def keep_alive(self) -> None:
+        while True:
+            await trio.sleep_until(self._written_at + KEEP_ALIVE)
+            if trio.current_time() >= self._written_at + KEEP_ALIVE:
+                await self.write(": keep-alive\n\n")
 
 
 async def _cancel_on_disconnect(

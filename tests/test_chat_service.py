@@ -55,6 +55,7 @@ def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRIO_SESSIONS_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(EXAMPLES), env.get("PYTHONPATH")]))
     env["CHAT_WORD_DELAY"] = "0.02"
+    env["CHAT_KEEP_ALIVE"] = "0.2"
     return env
 
 
@@ -314,6 +315,25 @@ def answered(
 async def transcript_now(service: Service, session: str) -> list[dict[str, Any]]:
     async with httpx.AsyncClient(base_url=service.url, timeout=5) as client:
         return await transcript(client, session)
+
+
+async def test_an_idle_event_stream_sends_a_keep_alive_comment(service: Service) -> None:
+    """An event stream with nothing to send writes an SSE comment every `CHAT_KEEP_ALIVE`
+    seconds (0.2 here), so a proxy does not cut it as idle (nginx: after 60 s) and a
+    client gone without closing is noticed. It was silent (found by an audit)."""
+    address = httpx.URL(service.url)
+    assert address.host and address.port
+    stream = await trio.open_tcp_stream(address.host, address.port)
+    async with stream:
+        request = f"GET /sessions/idle/events HTTP/1.1\r\nHost: {address.host}\r\n\r\n"
+        await stream.send_all(request.encode())
+        received = b""
+        with trio.fail_after(5):
+            while received.count(b": keep-alive\n\n") < 2:
+                chunk = await stream.receive_some()
+                assert chunk, f"the event stream ended early: {received!r}"
+                received += chunk
+    assert b"data:" not in received  # nothing happened in the session: comments only
 
 
 async def test_the_event_stream_delivers_the_answer_as_resumable_events(service: Service) -> None:
