@@ -13,7 +13,7 @@ import trio
 from helpers import Raw, Recorder, runtime
 from trio.testing import MockClock
 
-from trio_sessions import DrainContext, MalformedRecord, Store, StoreError
+from trio_sessions import DrainContext, MalformedRecord, Store, StoreError, _store
 
 QUIET = {"recovery_interval": 10_000.0}  # passes only when the test asks for one
 
@@ -296,3 +296,46 @@ async def test_a_session_row_corrupted_while_its_drain_runs_never_ends_the_runti
         left = raw.rows("SELECT session_id, recovery_error FROM session_recovery")
     assert other == [("user",)]
     assert [(session, "wake_attempts is 'abc'" in why) for session, why in left] == [("s", True)]
+
+
+@pytest.mark.parametrize("expires_at", ["soon", b"\x01", 9e300])
+async def test_a_claim_whose_expiry_is_no_time_is_quarantined_not_held_for_ever(
+    tmp_path: Path, clock: Any, autojump_clock: MockClock, expires_at: Any
+) -> None:
+    """A claim whose `expires_at` another tool wrote as no time (text, a blob, a number no
+    clock reaches) looked live for ever on SQLite - text sorts after every number, so
+    `expires_at <= now` never held: recovery never took it, `run()` answered deferred and
+    the session stayed stuck until deleted (found by an audit). The recovery pass finds
+    it and quarantines it, as any row it cannot process; the valid claim beside it is
+    resumed in the same pass."""
+    db_path, raw = _sqlite(tmp_path)
+    resumed: list[str] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        resumed.append(ctx.session_id)
+
+    async with runtime(Store(db_path, inline=True), drain, clock, **QUIET) as rt:
+        raw.seed_claim("poison", "e-poison", expires_at=expires_at)
+        raw.seed_claim("valid", "e-valid", expires_at=1)
+        report = await rt.recover_once()
+        await rt.wait_idle("valid")
+    assert (report.quarantined, report.resumed) == (1, 1), report
+    assert resumed == ["valid"]
+    [(why,)] = raw.rows("SELECT recovery_error FROM session_recovery")
+    assert "expires_at is" in why and "not a time" in why, why
+
+
+async def test_a_gone_owners_claim_whose_expiry_is_no_time_is_examined_once(
+    tmp_path: Path, clock: Any, autojump_clock: MockClock
+) -> None:
+    """The claims of an owner found gone are candidates whatever their expiry, and the
+    scan for expiries that are no time comes after: a claim that is both is leased and
+    examined once in the pass, not twice."""
+    db_path, raw = _sqlite(tmp_path)
+    no_time: Any = "soon"
+    async with runtime(Store(db_path, inline=True), Recorder(), clock, **QUIET) as rt:
+        raw.seed_claim("poison", "e-poison", expires_at=no_time, owner_id="gone-owner")
+        candidates = await rt._db.run(
+            _store.recovery_scan.scan_and_lease, "me", 10, [], ["gone-owner"], 30_000
+        )
+    assert [c.execution_id for c in candidates[0]] == ["e-poison"]

@@ -69,6 +69,10 @@ def _recovery_facts(tx: Tx, candidate: Candidate) -> tuple[RecoveryFacts, str | 
     claim = None if row is None else ClaimRow(*row[:4])
     # Another execution's anchor is never used: the decision for a replaced claim is GONE.
     ours = claim is not None and claim.execution_id == execution_id
+    if ours and type(row[3]) is not int:
+        # Another tool's write (SQLite keeps any value): no lease to judge, no decision.
+        reasons = [f"expires_at is {row[3]!r:.60}, not a time"]
+        raise MalformedRecord("session_execution", str(execution_id), reasons)
     anchor_seq = row[4] if ours else None
     superseded = bool(
         tx.one(

@@ -26,6 +26,7 @@ import attrs
 
 from .._backend import Tx, autocommit_when_alone
 from .._liveness import _HELD as _TOKEN_HELD
+from .._validate import MAX_INT64
 from .common import _IN_CHUNK, _chunks, _in_list, not_in, readable, whole_number
 from .control import next_due
 
@@ -63,31 +64,56 @@ def recovery_candidates(
             "ts_recovery_candidates", owner_id, limit, list(local_sessions), list(gone_owners)
         )
         return [Candidate(str(session_id), execution_id) for session_id, execution_id in rows]
-    scan, params = _expired_claims(tx, owner_id, limit, local_sessions, gone_owners)
-    expired = tx.execute(
-        "SELECT e.session_id, e.id" + scan + _SKIP_LOCKED[tx.dialect], params
-    ).fetchall()
-    candidates = [Candidate(session_id, execution_id) for session_id, execution_id in expired]
+    candidates: list[Candidate] = []
+    for no_time in (False, True):
+        room = limit - len(candidates)
+        if room <= 0:
+            break
+        scan, params = _expired_claims(tx, owner_id, room, local_sessions, gone_owners, no_time)
+        expired = tx.execute(
+            "SELECT e.session_id, e.id" + scan + _SKIP_LOCKED[tx.dialect], params
+        ).fetchall()
+        candidates += [Candidate(session_id, execution_id) for session_id, execution_id in expired]
     return candidates + _doorbells_left(tx, local_sessions, limit - len(candidates))
 
 
 def _expired_claims(
-    tx: Tx, owner_id: str, limit: int, local_sessions: Sequence[str], gone_owners: Sequence[str]
+    tx: Tx,
+    owner_id: str,
+    limit: int,
+    local_sessions: Sequence[str],
+    gone_owners: Sequence[str],
+    no_time: bool = False,
 ) -> tuple[str, dict[str, Any]]:
     """The FROM ... LIMIT of the scan for expired claims (`recovery_candidates`), shared by
-    SQLite's lease-taking scan (`_lease_expired_claims`), and its parameters."""
+    SQLite's lease-taking scan (`_lease_expired_claims`), and its parameters.
+
+    `no_time`: instead, the claims whose expiry is no time - text, a blob or a number past
+    any 64-bit time, which SQLite keeps when another tool writes it (text sorts after every
+    number): they would look live for ever, and recovery quarantines them. A scan of their
+    own, after the expired claims': an OR in one scan walks the whole index in order."""
     not_local, local = not_in(tx, "e.session_id", local_sessions)
     gone = {f"gone{index}": owner for index, owner in enumerate(gone_owners)}
-    of_gone = "".join(f" OR e.owner_id = :{name}" for name in gone)
+    if no_time:  # a gone owner's claims were found by the scan before, whatever their expiry
+        due = "e.expires_at > :latest" + "".join(f" AND e.owner_id != :{n}" for n in gone)
+    else:
+        due = "(e.expires_at <= :now" + "".join(f" OR e.owner_id = :{n}" for n in gone) + ")"
     scan = (
         " FROM session_execution e"
-        f" WHERE (e.expires_at <= :now{of_gone}) AND {not_local}"
+        f" WHERE {due} AND {not_local}"
         f" AND {readable(tx, 'e.id')} AND {readable(tx, 'e.session_id')}"
         " AND NOT EXISTS (SELECT 1 FROM session_recovery r WHERE r.execution_id = e.id"
         "   AND (r.recovery_error IS NOT NULL OR (r.owner_id != :me AND r.expires_at > :now)))"
         " ORDER BY e.expires_at, e.id LIMIT :limit"
     )
-    return scan, {"now": tx.now, "excluded": local, "me": owner_id, "limit": limit, **gone}
+    return scan, {
+        "now": tx.now,
+        "latest": MAX_INT64,
+        "excluded": local,
+        "me": owner_id,
+        "limit": limit,
+        **gone,
+    }
 
 
 def handed_back_condition(
@@ -175,20 +201,26 @@ def _lease_expired_claims(
     upsert of `take_recovery_leases` fed by the scan), in the order the scan returns them.
     Every claim the scan finds is leased: it excludes the rows the upsert would refuse (a
     quarantined one, another owner's live lease), and the write lock holds them still."""
-    scan, params = _expired_claims(tx, owner_id, limit, local_sessions, gone_owners)
-    rows = tx.execute(
-        "INSERT INTO session_recovery(execution_id, session_id, owner_id, expires_at,"
-        " time_created) SELECT e.id, e.session_id, :me, :expires, :now"
-        + scan
-        + " ON CONFLICT(execution_id) DO UPDATE SET owner_id = excluded.owner_id,"
-        " expires_at = excluded.expires_at"
-        " WHERE session_recovery.recovery_error IS NULL"
-        " AND (session_recovery.owner_id = excluded.owner_id"
-        "   OR session_recovery.expires_at <= excluded.time_created)"
-        " RETURNING session_id, execution_id",
-        {**params, "expires": tx.now + lease_ms},
-    ).fetchall()
-    return [Candidate(session_id, execution_id) for session_id, execution_id in rows]
+    leased: list[Candidate] = []
+    for no_time in (False, True):
+        room = limit - len(leased)
+        if room <= 0:
+            break
+        scan, params = _expired_claims(tx, owner_id, room, local_sessions, gone_owners, no_time)
+        rows = tx.execute(
+            "INSERT INTO session_recovery(execution_id, session_id, owner_id, expires_at,"
+            " time_created) SELECT e.id, e.session_id, :me, :expires, :now"
+            + scan
+            + " ON CONFLICT(execution_id) DO UPDATE SET owner_id = excluded.owner_id,"
+            " expires_at = excluded.expires_at"
+            " WHERE session_recovery.recovery_error IS NULL"
+            " AND (session_recovery.owner_id = excluded.owner_id"
+            "   OR session_recovery.expires_at <= excluded.time_created)"
+            " RETURNING session_id, execution_id",
+            {**params, "expires": tx.now + lease_ms},
+        ).fetchall()
+        leased += [Candidate(session_id, execution_id) for session_id, execution_id in rows]
+    return leased
 
 
 def _pg_scan_and_lease(
