@@ -158,6 +158,10 @@ def test_control_ratio_is_a_share(ratio: str) -> None:
         ["--restart-ratio", "2"],
         ["--interrupt-rate", "-1"],
         ["--broken", "no-such-defect"],
+        ["--settle-timeout", "0"],
+        ["--duration", "-1"],
+        ["--kill-gap", "-1", "2"],
+        ["--conn-kill-gap", "1", "-1"],
     ],
     ids=lambda argv: " ".join(argv),
 )
@@ -168,7 +172,9 @@ def test_a_setting_the_soak_cannot_run_is_refused_before_it_starts(argv: list[st
     drained (no worker, or every worker refused by `open_runtime`) - `--sessions 0` and
     `--rate 0` in a traceback, a share past 0-1 or a negative rate was taken silently as
     its bound, and `--broken` with an unknown name was refused only after the stateful
-    model's 50,000 steps. Found by an audit."""
+    model's 50,000 steps. Found by an audit. A review found `--settle-timeout 0` still
+    ending in `soak: VIOLATION ... lost=22` (no time to settle read as inputs lost) and a
+    negative `--duration` or kill gap taken to a negative `trio.sleep` (`ValueError`)."""
     with pytest.raises(SystemExit) as refused:
         soak.parse_args(argv)
     assert refused.value.code == 2

@@ -143,19 +143,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         # Silently ignored, it would let a run believe it tested what it did not.
         parser.error("--restart-ratio: sqlite only (postgres takes its host faults in turn)")
     # Refused here, not found out by the run: a worker `open_runtime` refuses, or none at
-    # all, reads as inputs lost by the library; other values fail mid-run or are taken as
-    # their bound without a word.
+    # all (or no time to settle), reads as inputs lost by the library; other values fail
+    # mid-run (a negative sleep) or are taken as their bound without a word.
     for name, value in (("workers", args.workers), ("sessions", args.sessions)):
         if value < 1:
             parser.error(f"--{name}: at least 1, not {value}")
-    for name in ("rate", "lease", "recovery_interval"):
+    for name in ("rate", "lease", "recovery_interval", "settle_timeout"):
         value = getattr(args, name)
         if value is not None and not 0 < value < math.inf:
             parser.error(f"--{name.replace('_', '-')}: a positive number, not {value}")
-    for name in ("work_max", "interrupt_rate"):
-        value = getattr(args, name)
-        if not 0 <= value < math.inf:
-            parser.error(f"--{name.replace('_', '-')}: zero or more, not {value}")
+    for name in ("duration", "work_max", "interrupt_rate", "kill_gap", "conn_kill_gap"):
+        setting = getattr(args, name)
+        for value in setting if isinstance(setting, (tuple, list)) else (setting,):
+            if not 0 <= value < math.inf:
+                parser.error(f"--{name.replace('_', '-')}: zero or more, not {value}")
     for name in ("control_ratio", "restart_ratio", "handoff_ratio", "busy_ratio"):
         value = getattr(args, name)
         if value is not None and not 0 <= value <= 1:
