@@ -113,8 +113,8 @@ DEFECTS = {
         (
             Edit(
                 "_store/recovery_scan.py",
-                '        f" WHERE (e.expires_at <= :now{of_gone}) AND {not_local}"',
-                '        f" WHERE (e.expires_at <= :now{of_gone}) AND {not_local} AND 1 = 0"',
+                '        f" WHERE {due} AND {not_local}"',
+                '        f" WHERE {due} AND {not_local} AND 1 = 0"',
             ),
         ),
     ),
