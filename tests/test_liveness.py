@@ -33,6 +33,7 @@ from helpers import (
     Raw,
     Recorder,
     WrappedStore,
+    now_ms,
     runtime,
     terminate_backend,
 )
@@ -705,6 +706,57 @@ async def test_closing_takes_a_lost_token_again_while_it_waits_for_a_drain(
                 closing.cancel()  # as a worker's SIGTERM: the close waits for the drain
                 await trio.sleep_forever()
     assert retaken_before_exit == [True]
+
+
+@pytest.mark.parametrize("lost", ["before the close", "while the close waits"])
+async def test_a_claim_whose_token_was_lost_is_handed_back_when_the_close_ends(
+    store: Any,
+    db_path: Any,
+    clock: Callable[[], float],
+    autojump_clock: trio.testing.MockClock,
+    lost: str,
+) -> None:
+    """The token is lost while a drain takes a while to exit, and the runtime closes (a
+    worker's SIGTERM) before that drain exited. The claim is handed back once it did, as
+    a token loss without a close hands it back: its lease ended, no resume counted. The
+    close cancelled the task that would hand it back, so it kept its lease until the
+    process went, and another runtime resumed it after the grace as an owner lost -
+    counting a resume against its budget (found by an audit)."""
+    wrapped = WrappedStore(store, LosableTokenExecutor)
+    entered, exiting, may_exit = trio.Event(), trio.Event(), trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        await ctx.take_inputs()
+        entered.set()
+        try:
+            await trio.sleep_forever()
+        finally:
+            exiting.set()
+            with trio.CancelScope(shield=True):  # a blocking call that lands later
+                await may_exit.wait()
+
+    async def exit_later() -> None:
+        await trio.sleep(1.0)
+        may_exit.set()
+
+    async with trio.open_nursery() as helpers:
+        with trio.CancelScope() as closing:
+            async with runtime(wrapped, drain, clock, recovery_interval=3600) as owner:
+                await owner.submit("s", {"n": 1})
+                await entered.wait()
+                if lost == "before the close":
+                    _token_of(wrapped).lose()
+                    await exiting.wait()
+                helpers.start_soon(exit_later)
+                closing.cancel()  # as a worker's SIGTERM: the close waits for the drain
+                if lost == "while the close waits":
+                    await exiting.wait()
+                    _token_of(wrapped).lose()
+                await trio.sleep_forever()
+    claim = Raw(db_path).claim("s")
+    assert claim is not None and claim[3] <= now_ms(clock), claim  # its lease ended
+    [(attempts,)] = rows(db_path, "SELECT wake_attempts FROM session WHERE id = 's'")
+    assert attempts == 0
 
 
 async def _token_taken_again(worker: Any, sessions: list[str]) -> None:
