@@ -19,7 +19,7 @@ Invariants kept here:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -65,16 +65,31 @@ def recovery_candidates(
         )
         return [Candidate(str(session_id), execution_id) for session_id, execution_id in rows]
     candidates: list[Candidate] = []
-    for no_time in (False, True):
-        room = limit - len(candidates)
-        if room <= 0:
-            break
-        scan, params = _expired_claims(tx, owner_id, room, local_sessions, gone_owners, no_time)
+    for scan, params in _expired_scans(
+        tx, owner_id, limit, local_sessions, gone_owners, candidates
+    ):
         expired = tx.execute(
             "SELECT e.session_id, e.id" + scan + _SKIP_LOCKED[tx.dialect], params
         ).fetchall()
         candidates += [Candidate(session_id, execution_id) for session_id, execution_id in expired]
     return candidates + _doorbells_left(tx, local_sessions, limit - len(candidates))
+
+
+def _expired_scans(
+    tx: Tx,
+    owner_id: str,
+    limit: int,
+    local_sessions: Sequence[str],
+    gone_owners: Sequence[str],
+    found: list[Candidate],
+) -> Iterator[tuple[str, dict[str, Any]]]:
+    """The scan for expired claims, then the one for claims whose expiry is no time, each
+    for the room the claims `found` so far (the caller's list, grown between them) left."""
+    for no_time in (False, True):
+        room = limit - len(found)
+        if room <= 0:
+            return
+        yield _expired_claims(tx, owner_id, room, local_sessions, gone_owners, no_time)
 
 
 def _expired_claims(
@@ -202,11 +217,7 @@ def _lease_expired_claims(
     Every claim the scan finds is leased: it excludes the rows the upsert would refuse (a
     quarantined one, another owner's live lease), and the write lock holds them still."""
     leased: list[Candidate] = []
-    for no_time in (False, True):
-        room = limit - len(leased)
-        if room <= 0:
-            break
-        scan, params = _expired_claims(tx, owner_id, room, local_sessions, gone_owners, no_time)
+    for scan, params in _expired_scans(tx, owner_id, limit, local_sessions, gone_owners, leased):
         rows = tx.execute(
             "INSERT INTO session_recovery(execution_id, session_id, owner_id, expires_at,"
             " time_created) SELECT e.id, e.session_id, :me, :expires, :now"
