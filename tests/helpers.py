@@ -299,6 +299,28 @@ class Raw:
         return message_id
 
 
+class SlowToExit:
+    """A drain that takes its inputs and waits to be cancelled, then takes until `may_exit`
+    is set to exit (a blocking call that lands later): `entered` once it took them,
+    `exiting` once its cancellation came; `on_exit` runs as it exits."""
+
+    def __init__(self, on_exit: Callable[[], None] | None = None) -> None:
+        self.entered, self.exiting, self.may_exit = trio.Event(), trio.Event(), trio.Event()
+        self._on_exit = on_exit
+
+    async def __call__(self, ctx: DrainContext) -> None:
+        await ctx.take_inputs()
+        self.entered.set()
+        try:
+            await trio.sleep_forever()
+        finally:
+            self.exiting.set()
+            with trio.CancelScope(shield=True):
+                await self.may_exit.wait()
+            if self._on_exit is not None:
+                self._on_exit()
+
+
 def start_run(nursery: trio.Nursery, rt: Runtime, session_id: str) -> list[Outcome]:
     """Start `rt.run(session_id)` in `nursery`; its outcome lands in the returned list."""
     outcomes: list[Outcome] = []

@@ -32,6 +32,7 @@ from helpers import (
     LosableTokenExecutor,
     Raw,
     Recorder,
+    SlowToExit,
     WrappedStore,
     now_ms,
     runtime,
@@ -558,6 +559,39 @@ def _token_files(database: Path) -> list[str] | None:
     return sorted(os.listdir(directory)) if os.path.isdir(directory) else []
 
 
+class Spans:
+    """A drain recording each execution's span in real time (monotonic start and end): a
+    resumed one returns at once; the first waits to be cancelled, then takes `exit_s` in a
+    thread (a blocking call) to exit. `entered`, `exiting` (its cancellation came) and
+    `resumed` mark the steps."""
+
+    def __init__(self, exit_s: float) -> None:
+        self.exit_s = exit_s
+        self.spans: dict[str, list[float]] = {}
+        self.entered, self.exiting, self.resumed = trio.Event(), trio.Event(), trio.Event()
+
+    async def __call__(self, ctx: DrainContext) -> None:
+        started = time.monotonic()
+        if ctx.resumed:
+            self.spans[ctx.execution_id] = [started, started]
+            self.resumed.set()
+            return
+        self.spans[ctx.execution_id] = [started, math.inf]
+        self.entered.set()
+        try:
+            await trio.sleep_forever()
+        finally:
+            self.exiting.set()
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(time.sleep, self.exit_s)
+            self.spans[ctx.execution_id][1] = time.monotonic()
+
+    def end_and_resumed_start(self) -> tuple[float, float]:
+        """When the first drain ended and the resumed one started (exactly two ran)."""
+        (_, old_end), (new_start, _) = sorted(self.spans.values())
+        return old_end, new_start
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("exit_s", "grace_s"), [(0.3, 1.0), (1.5, 0.3)], ids=["within-the-grace", "past-the-grace"]
@@ -572,25 +606,7 @@ async def test_a_drain_still_exiting_after_its_token_was_lost_keeps_its_claim(
     grace (then the token was free for good until the drain exited: the two drains
     overlapped)."""
     location = PgLocation(pg_url, pg_schema)
-    spans: dict[str, list[float]] = {}
-    entered = trio.Event()
-    resumed = trio.Event()
-
-    async def drain(ctx: DrainContext) -> None:
-        started = time.monotonic()
-        if ctx.resumed:
-            spans[ctx.execution_id] = [started, started]
-            resumed.set()
-            return
-        spans[ctx.execution_id] = [started, math.inf]
-        entered.set()
-        try:
-            await trio.sleep_forever()
-        finally:
-            with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(time.sleep, exit_s)
-            spans[ctx.execution_id][1] = time.monotonic()
-
+    drain = Spans(exit_s)
     store = threaded_store(location)
     options: dict[str, Any] = {"takeover_grace": grace_s, "recovery_interval": 0.25}
     async with (
@@ -599,11 +615,11 @@ async def test_a_drain_still_exiting_after_its_token_was_lost_keeps_its_claim(
     ):
         await owner.submit("s", {"n": 1})
         with trio.fail_after(10):
-            await entered.wait()
+            await drain.entered.wait()
         terminate_backend(pg_url, _token_pid(location, owner.owner_id))
         with trio.fail_after(10):
-            await resumed.wait()
-    (_, old_end), (new_start, _) = sorted(spans.values())
+            await drain.resumed.wait()
+    old_end, new_start = drain.end_and_resumed_start()
     assert old_end <= new_start
 
 
@@ -620,31 +636,12 @@ async def test_a_token_lost_while_a_graceful_close_waits_for_a_drain_is_taken_ag
     grace and resumed the session while the old drain still ran. Found by an audit: a real
     rolling restart of two workers, the closing one's token backend terminated."""
     location = PgLocation(pg_url, pg_schema)
-    spans: dict[str, list[float]] = {}
-    entered, exiting = trio.Event(), trio.Event()
-    resumed = trio.Event()
-
-    async def drain(ctx: DrainContext) -> None:
-        started = time.monotonic()
-        if ctx.resumed:
-            spans[ctx.execution_id] = [started, started]
-            resumed.set()
-            return
-        spans[ctx.execution_id] = [started, math.inf]
-        entered.set()
-        try:
-            await trio.sleep_forever()
-        finally:
-            exiting.set()
-            with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(time.sleep, 1.5)
-            spans[ctx.execution_id][1] = time.monotonic()
-
+    drain = Spans(1.5)
     store = threaded_store(location)
     options: dict[str, Any] = {"takeover_grace": 0.3, "recovery_interval": 0.25}
 
     async def drop_the_token_once_closing(owner_id: str) -> None:
-        await exiting.wait()
+        await drain.exiting.wait()
         await trio.to_thread.run_sync(
             lambda: terminate_backend(pg_url, _token_pid(location, owner_id))
         )
@@ -660,11 +657,11 @@ async def test_a_token_lost_while_a_graceful_close_waits_for_a_drain_is_taken_ag
             helpers.start_soon(drop_the_token_once_closing, owner.owner_id)
             await owner.submit("s", {"n": 1})
             with trio.fail_after(10):
-                await entered.wait()
+                await drain.entered.wait()
             nursery.cancel_scope.cancel()  # the owner closes: its drain takes 1.5 s to exit
         with trio.fail_after(10):
-            await resumed.wait()
-    (_, old_end), (new_start, _) = sorted(spans.values())
+            await drain.resumed.wait()
+    old_end, new_start = drain.end_and_resumed_start()
     assert old_end <= new_start
 
 
@@ -675,33 +672,22 @@ async def test_closing_takes_a_lost_token_again_while_it_waits_for_a_drain(
     drain to exit is taken again before the drain exited (the watch outlives the close's
     cancellation, as the heartbeat does), and the claim is handed back once it did."""
     wrapped = WrappedStore(store, LosableTokenExecutor)
-    entered, exiting, may_exit = trio.Event(), trio.Event(), trio.Event()
     retaken_before_exit: list[bool] = []
-
-    async def drain(ctx: DrainContext) -> None:
-        await ctx.take_inputs()
-        entered.set()
-        try:
-            await trio.sleep_forever()
-        finally:
-            exiting.set()
-            with trio.CancelScope(shield=True):  # a blocking call that lands later
-                await may_exit.wait()
-            retaken_before_exit.append(_token_of(wrapped).retaken.is_set())
+    drain = SlowToExit(lambda: retaken_before_exit.append(_token_of(wrapped).retaken.is_set()))
 
     async def lose_the_token_while_closing() -> None:
-        await exiting.wait()
+        await drain.exiting.wait()
         token = _token_of(wrapped)
         token.lose()
         with trio.move_on_after(1.0):
             await token.retaken.wait()
-        may_exit.set()
+        drain.may_exit.set()
 
     async with trio.open_nursery() as helpers:
         with trio.CancelScope() as closing:
             async with runtime(wrapped, drain, clock, recovery_interval=3600) as owner:
                 await owner.submit("s", {"n": 1})
-                await entered.wait()
+                await drain.entered.wait()
                 helpers.start_soon(lose_the_token_while_closing)
                 closing.cancel()  # as a worker's SIGTERM: the close waits for the drain
                 await trio.sleep_forever()
@@ -723,34 +709,24 @@ async def test_a_claim_whose_token_was_lost_is_handed_back_when_the_close_ends(
     process went, and another runtime resumed it after the grace as an owner lost -
     counting a resume against its budget (found by an audit)."""
     wrapped = WrappedStore(store, LosableTokenExecutor)
-    entered, exiting, may_exit = trio.Event(), trio.Event(), trio.Event()
-
-    async def drain(ctx: DrainContext) -> None:
-        await ctx.take_inputs()
-        entered.set()
-        try:
-            await trio.sleep_forever()
-        finally:
-            exiting.set()
-            with trio.CancelScope(shield=True):  # a blocking call that lands later
-                await may_exit.wait()
+    drain = SlowToExit()
 
     async def exit_later() -> None:
         await trio.sleep(1.0)
-        may_exit.set()
+        drain.may_exit.set()
 
     async with trio.open_nursery() as helpers:
         with trio.CancelScope() as closing:
             async with runtime(wrapped, drain, clock, recovery_interval=3600) as owner:
                 await owner.submit("s", {"n": 1})
-                await entered.wait()
+                await drain.entered.wait()
                 if lost == "before the close":
                     _token_of(wrapped).lose()
-                    await exiting.wait()
+                    await drain.exiting.wait()
                 helpers.start_soon(exit_later)
                 closing.cancel()  # as a worker's SIGTERM: the close waits for the drain
                 if lost == "while the close waits":
-                    await exiting.wait()
+                    await drain.exiting.wait()
                     _token_of(wrapped).lose()
                 await trio.sleep_forever()
     claim = Raw(db_path).claim("s")

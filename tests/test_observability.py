@@ -25,6 +25,7 @@ from helpers import (
     JumpingClock,
     Raw,
     Recorder,
+    SlowToExit,
     now_ms,
     open_tool_message,
     opened,
@@ -586,28 +587,18 @@ async def test_a_hand_back_logs_only_the_claims_it_handed_back(
     session (a user's erasure). The drain's claim is gone, so the hand-back changes no row
     - and `claims handed back` says 0, not 1: an operator reading it must not believe a
     claim is waiting for any runtime to resume it. Found by an audit."""
-    entered, exiting, may_exit = trio.Event(), trio.Event(), trio.Event()
-
-    async def drain(ctx: DrainContext) -> None:
-        await ctx.take_inputs()
-        entered.set()
-        try:
-            await trio.sleep_forever()
-        finally:
-            exiting.set()
-            with trio.CancelScope(shield=True):  # a blocking call that lands later
-                await may_exit.wait()
+    drain = SlowToExit()
 
     async def delete_while_closing(producer: trio_sessions.Runtime) -> None:
-        await exiting.wait()
+        await drain.exiting.wait()
         assert await producer.delete_session("s")
-        may_exit.set()
+        drain.may_exit.set()
 
     async with runtime(store, None, clock) as producer, trio.open_nursery() as helpers:
         with trio.CancelScope() as closing:
             async with runtime(store, drain, clock) as owner:
                 await owner.submit("s", {"n": 1})
-                await entered.wait()
+                await drain.entered.wait()
                 helpers.start_soon(delete_while_closing, producer)
                 closing.cancel()  # as a worker's SIGTERM: the close waits for the drain
                 await trio.sleep_forever()
