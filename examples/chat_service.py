@@ -43,7 +43,7 @@ Run it (SQLite here; a `postgresql://` URL works the same, across hosts, with `-
 
 `CHAT_WORD_DELAY` (seconds, default 0.05) sets the pause between streamed words;
 `CHAT_KEEP_ALIVE` (seconds, default 15) how long an event stream stays silent before it
-sends an SSE comment (`: keep-alive`), so proxies keep it open.
+sends an SSE comment (`: keep-alive`), so proxies keep it open (`inf`: never).
 """
 
 from __future__ import annotations
@@ -480,6 +480,8 @@ def settings(argv: list[str] | None = None) -> tuple[Any, str]:
     )
     parser.add_argument("--bind", default="127.0.0.1:8000", help="HOST:PORT (port 0: any free)")
     args = parser.parse_args(argv)
+    if not KEEP_ALIVE > 0:  # 0 (or less) wrote a comment after every comment, without end
+        parser.error(f"CHAT_KEEP_ALIVE must be a positive number of seconds, got {KEEP_ALIVE}")
     if args.store is None:
         parser.error("no store: pass --store or set TRIO_SESSIONS_STORE")
     if args.schema is None:

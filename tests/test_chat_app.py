@@ -251,3 +251,17 @@ async def test_an_edit_whose_key_names_a_pending_message_drops_nothing(tmp_path:
         status, answer = await _call(app, "POST", "/sessions/s/edit", edit, key)
         assert status is not None and 400 <= status < 500, (status, answer)
         assert await web.transcript("s") == before
+
+
+@pytest.mark.parametrize("keep_alive", [0.0, -1.0, float("nan")])
+def test_a_keep_alive_period_that_is_no_positive_time_is_refused(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], keep_alive: float
+) -> None:
+    """`CHAT_KEEP_ALIVE=0` (say, to turn the comments off) made every event stream write
+    `: keep-alive` after each one, without end - a flood per client - and NaN failed each
+    stream at its first wait (found by the review). The service refuses it at start;
+    `inf` turns the comments off."""
+    monkeypatch.setattr(chat, "KEEP_ALIVE", keep_alive)
+    with pytest.raises(SystemExit):
+        chat.settings(["--store", "chat.db"])
+    assert "CHAT_KEEP_ALIVE must be a positive number of seconds" in capsys.readouterr().err
