@@ -117,6 +117,8 @@ _TAKE_OVER_PLAIN = (
     " time_created = :now, heartbeat_at = NULL, expires_at = :expires"
     " WHERE id = :execution AND (expires_at <= :now"
     "   OR owner_id IN (SELECT value FROM json_each(:gone)))"
+    # An expiry another tool wrote as no integer: the row path quarantines it.
+    " AND typeof(expires_at) = 'integer'"
     " AND session_id = :session AND phase != 'cancelling'"
     " AND NOT EXISTS (SELECT 1 FROM session_message m WHERE m.execution_id = :execution"
     "   AND m.role = 'assistant')"
