@@ -253,3 +253,41 @@ async def test_a_crashed_runtime_writes_nothing_more(
             with pytest.raises(trio_sessions.StoreError, match="crashed"):
                 await first.submit("t", {"n": 2})  # the dead owner
     assert Raw(path).rows("SELECT session_id FROM session_input WHERE session_id = 't'") == []
+
+
+async def test_a_runtime_crashed_in_its_recovery_seam_takes_nothing_over(
+    db_path: Any, store: Any, clock: Callable[[], float], autojump_clock: trio.testing.MockClock
+) -> None:
+    """Killing an owner at a chosen step (DESIGN §5): `crash(second)` called from its own
+    `before_recovery_apply` seam, as a test kills the recovery owner between taking its
+    recovery leases and applying its decisions. A killed process writes nothing more, so
+    the dead first owner's claim must stay as it was (for a later owner to recover once the
+    recovery lease runs out). The takeover ran all the same - it is shielded, and only the
+    public verbs looked at the crash - so the store showed a new execution of the crashed
+    owner, its resume counted, which no killed worker could have left. Found combining the
+    two tools as the README's testing section offers them."""
+    drain = Recorder()
+    drain.hold()
+    crashed: list[bool] = []
+    with trio.fail_after(BOUND):
+        async with trio_sessions.open_runtime(store, drain, clock=clock, lease=10) as first:
+            await first.submit("s", {"n": 1})
+            await drain.entered.wait()
+            [(dead_execution,)] = Raw(db_path).rows("SELECT id FROM session_execution")
+            testing.crash(first)  # like SIGKILL of the first worker: its claim stays
+            async with trio_sessions.open_runtime(
+                store, drain, clock=clock, lease=10, recovery_interval=1
+            ) as second:
+
+                async def killed_here(execution_ids: list[str]) -> None:
+                    testing.crash(second)  # the recovery owner dies at this step
+                    crashed.append(True)
+
+                testing.set_seams(second, before_recovery_apply=killed_here)
+                await trio.sleep(15)  # past the lease: a pass of `second` reaches the seam
+    assert crashed == [True]
+    assert [call.resumed for call in drain.calls] == [False]
+    rows = Raw(db_path).rows("SELECT id, owner_id FROM session_execution")
+    assert [row[0] for row in rows] == [dead_execution], rows
+    [(attempts,)] = Raw(db_path).rows("SELECT wake_attempts FROM session WHERE id = 's'")
+    assert attempts == 0
