@@ -977,6 +977,31 @@ def test_status_shows_a_paused_session_as_paused(
     assert code == 0 and "paused" not in out
 
 
+def test_status_shows_a_scheduled_input_as_scheduled(
+    seeded_store: tuple[list[str], backends.Location], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A session whose only input is scheduled (`submit(..., delay=)`, not due yet) says so
+    in the NOTE column. Found by an audit: only `--json` had `scheduled_inputs`; the text
+    listed it as a pending input with no doorbell and no claim - how a stranded input
+    (DESIGN §6.16) looks - though its due timer will ring it."""
+    db, _ = seeded_store
+    database = _cli.open_database(db[0], db[2] if len(db) > 1 else None)
+    try:
+        database.run(
+            _store.submit_scheduled, "later", '{"text": "soon"}', "in-later", 3_600_000, "queue"
+        )
+    finally:
+        database.close()
+    [later] = cli_json(capsys, "status", *db, "--session", "later")["sessions"]
+    assert (later["doorbell"], later["claim"], later["pending_inputs"]) == (None, None, 1)
+    assert later["scheduled_inputs"] == 1
+    code, out, _ = cli(capsys, "status", *db)
+    assert code == 0
+    lines = {line.split()[0]: line for line in out.splitlines()[3:]}
+    assert lines["later"].endswith("  1 scheduled"), lines["later"]
+    assert [name for name, line in lines.items() if "scheduled" in line] == ["later"]
+
+
 # ---------------------------------------------------------------------------------------------
 # Bad arguments: a usage error (exit 2) before anything is written, never a traceback
 

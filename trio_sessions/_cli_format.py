@@ -74,11 +74,13 @@ def _status_row(session: dict[str, Any]) -> list[str]:
 
 def _note(session: dict[str, Any]) -> str:
     """What else an operator must know of a session: quarantined, paused (its doorbell may
-    be set, yet no drain starts), resumes spent, what in its rows is malformed."""
+    be set, yet no drain starts), inputs scheduled for later (pending with no doorbell, yet
+    not stranded: their due time rings it), resumes spent, what in its rows is malformed."""
     claim = session["claim"]
     notes = [
         "QUARANTINED" if claim is not None and claim["quarantined"] else "",
         "paused" if session["paused"] else "",
+        f"{session['scheduled_inputs']} scheduled" if session["scheduled_inputs"] else "",
         f"resumes={session['wake_attempts']}" if session["wake_attempts"] else "",
         "MALFORMED: " + "; ".join(session["malformed"]) if session["malformed"] else "",
     ]
