@@ -156,6 +156,11 @@ class SessionEntry:
     stopped_by_user: bool = False
     # The store holds no claim of ours for it any more (`lose_claim`).
     claim_gone: bool = False
+    # This runtime's `delete_session` is removing the session, its claim with it: set
+    # before that commit, since the drain's next write, the heartbeat or the change scan
+    # may find the claim gone before the delete's reply arrives. Its loss is on purpose,
+    # no `claim lost` news.
+    deleting: bool = False
     # Its claim left it durably (`disown`) and its busy period goes on, or ends, from here.
     disowned: bool = False
     deciding: bool = False
@@ -308,6 +313,7 @@ class SessionEntry:
         self.reason = None
         self.stopped_by_user = False
         self.claim_gone = False
+        self.deleting = False
         self.disowned = False
         self.deciding = False
         self.yield_owed = False

@@ -174,8 +174,9 @@ class BackgroundLoops:
                 # (`delete_session`): nothing is left to write. (A transaction of our own
                 # that may delete it sets `deciding` first.)
                 _observe.claim_lost(entry, runtime._owner_id, cause="gone")
+                if not entry.deleting:  # our own delete is no signal from elsewhere
+                    runtime._remote_signals += 1
                 entry.lose_claim()
-                runtime._remote_signals += 1
         runtime._due.arm(changes.next_due_ms)
         runtime._watchers.apply(changes.watched)
         if changes.handed_back:

@@ -133,7 +133,10 @@ def claim_lost(entry: SessionEntry, owner_id: str, *, cause: str) -> None:
     owner_id, attempt, resumed, cause (`heartbeat`: a renewal matched nothing; `write`: a
     fenced write did; `gone`: the store's changes show its row gone - taken over, or its
     session deleted by another process; `store`: the store did not say whether the
-    iteration's end landed, so the claim is left to recovery)."""
+    iteration's end landed, so the claim is left to recovery). Nothing for a claim this
+    runtime's own `delete_session` removes (`entry.deleting`): gone on purpose."""
+    if entry.deleting:
+        return
     logger.warning(
         CLAIM_LOST,
         entry.session_id,

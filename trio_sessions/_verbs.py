@@ -525,8 +525,19 @@ class Runtime:
         """
         self._check_run()
         session_id = validate_session_id(session_id)
+        # A local claim this delete removes is not lost (`SessionEntry.deleting`), also
+        # when its drain or the change scan finds it gone before the reply comes back.
+        deleting = self._entries.get(session_id)
+        if deleting is not None:
+            deleting.deleting = True
         try:
             existed, removed = await self._db.run(_store.delete_session, session_id)
+        except OutcomeUnknown:
+            raise  # it may have landed: a loss found meanwhile is still this delete's
+        except BaseException:
+            if deleting is not None:
+                deleting.deleting = False  # nothing deleted: a loss is news again
+            raise
         finally:  # also when its reply was lost after the commit (`OutcomeUnknown`)
             self._loops.changed_here(session_id)
         # The claim the delete removed, if ours (owned, or its acquisition's reply still on
