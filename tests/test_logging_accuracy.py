@@ -13,7 +13,7 @@ import trio
 import trio.testing
 from backends import PgLocation
 from conftest import query
-from helpers import ExecutorSeam, HoldsBusy, LateReply, Raw, records, runtime
+from helpers import ExecutorSeam, HoldsBusy, JumpingClock, LateReply, Raw, records, runtime
 
 import trio_sessions
 from trio_sessions import DrainContext, Message, Runtime, StoreError, _store
@@ -312,3 +312,42 @@ async def test_deleting_a_session_this_runtime_drains_is_not_a_lost_claim(
     assert len(errors) == 1  # the race window was hit: the write found the claim gone
     assert records(logs, events.CLAIM_LOST) == []
     assert statistics.remote_signals == 0
+
+
+async def test_a_lost_claim_taken_over_later_is_logged_lost_once(
+    store: Any, clock: Clock, autojump_clock: trio.testing.MockClock, logs: Any
+) -> None:
+    """An owner's heartbeat finds its lease gone (logged `claim lost`, cause `heartbeat`)
+    while its drain is still in a shielded cleanup; another runtime then takes the claim
+    over, and the owner's change look sees it gone. That is the same loss: it was logged -
+    and counted in `trio_sessions.claims_lost` - a second time (cause `gone`), so an
+    operator saw two lost claims where one was lost. Found by an audit of the counts."""
+    jumping = JumpingClock(clock)
+    entered, release = trio.Event(), trio.Event()
+
+    async def slow_cleanup(ctx: DrainContext) -> None:
+        await ctx.take_inputs()
+        entered.set()
+        try:
+            await trio.sleep_forever()
+        finally:
+            with trio.CancelScope(shield=True):
+                await release.wait()
+
+    async def answer(ctx: DrainContext) -> None:
+        await ctx.take_inputs()
+
+    async with runtime(store, slow_cleanup, jumping, lease=9.0, **QUIET) as owner:
+        await owner.submit("s", {"text": "hi"})
+        await entered.wait()
+        jumping.offset += 60.0  # the lease has run out at the store
+        await trio.sleep(4)  # the heartbeat's tick finds it gone
+        assert [r.cause for r in records(logs, events.CLAIM_LOST)] == ["heartbeat"]
+        async with runtime(store, answer, jumping, lease=9.0, **QUIET) as other:
+            await other.wait_idle("s")  # its opening recovery pass took the claim over
+            assert other.statistics().recovery.resumed == 1
+            owner._kick.set()  # the owner looks at the store's changes: its claim is gone
+            await trio.testing.wait_all_tasks_blocked()
+            release.set()
+            await owner.wait_idle("s")
+    assert [r.cause for r in records(logs, events.CLAIM_LOST)] == ["heartbeat"]

@@ -173,7 +173,10 @@ class BackgroundLoops:
                 # Taken over after its lease ran out, or deleted by another process
                 # (`delete_session`): nothing is left to write. (A transaction of our own
                 # that may delete it sets `deciding` first.)
-                _observe.claim_lost(entry, runtime._owner_id, cause="gone")
+                # Not for a loss already known - the heartbeat or the token's watch said
+                # so, and a passed deadline is the finalizer's to log - nor a hand-back.
+                if entry.reason not in ("shutdown", "lease_lost"):
+                    _observe.claim_lost(entry, runtime._owner_id, cause="gone")
                 if not entry.deleting:  # our own delete is no signal from elsewhere
                     runtime._remote_signals += 1
                 entry.lose_claim()
