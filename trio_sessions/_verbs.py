@@ -530,16 +530,20 @@ class Runtime:
         deleting = self._entries.get(session_id)
         if deleting is not None:
             deleting.deleting = True
+        unknown = False
         try:
             existed, removed = await self._db.run(_store.delete_session, session_id)
         except OutcomeUnknown:
-            raise  # it may have landed: a loss found meanwhile is still this delete's
-        except BaseException:
-            if deleting is not None:
-                deleting.deleting = False  # nothing deleted: a loss is news again
+            unknown = True  # it may have landed: a loss found later may be this delete's
             raise
         finally:  # also when its reply was lost after the commit (`OutcomeUnknown`)
             self._loops.changed_here(session_id)
+            if deleting is not None and not unknown:
+                # Answered: the claim it removed is marked lost just below, with no
+                # checkpoint between; a loss found from now on is news again - also
+                # when this delete removed no claim of that entry's (a successor's,
+                # an acquisition answered after it).
+                deleting.deleting = False
         # The claim the delete removed, if ours (owned, or its acquisition's reply still on
         # its way): stop its drain, write nothing for it. An entry made meanwhile holds a
         # fresh session's claim, which runs on.
