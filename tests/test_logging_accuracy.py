@@ -314,6 +314,58 @@ async def test_deleting_a_session_this_runtime_drains_is_not_a_lost_claim(
     assert statistics.remote_signals == 0
 
 
+class HeldBeforeAcquire(ExecutorSeam):
+    """The runtime's executor, holding its first acquiring operation until `go` is set,
+    before that operation runs."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.waiting = trio.Event()
+        self.go = trio.Event()
+
+    async def run(self, op: Any, *args: Any) -> Any:
+        if "acquire" in op.__name__ and not self.go.is_set():
+            self.waiting.set()
+            await self.go.wait()
+        return await self._inner.run(op, *args)
+
+
+async def test_a_delete_that_removed_no_claim_of_an_entry_leaves_its_later_loss_news(
+    store: Any, clock: Clock, autojump_clock: trio.testing.MockClock, logs: Any
+) -> None:
+    """A delete answered without removing the claim of this runtime's entry for the
+    session - its acquisition had not run yet, so it claims the session afresh after the
+    delete - must not hide that claim's later loss: here another runtime deletes the
+    session, and the drain's next write finds the claim gone. That is a lost claim to
+    log. The entry stayed marked `deleting` after the first delete was answered, so the
+    loss went unlogged."""
+    go = trio.Event()
+    entered = trio.Event()
+
+    async def streaming(ctx: DrainContext) -> None:
+        await ctx.take_inputs()
+        entered.set()
+        await go.wait()
+        await ctx.begin_assistant()
+
+    async with (
+        runtime(store, streaming, clock, **QUIET) as rt,
+        runtime(store, None, clock) as other,
+        trio.open_nursery() as nursery,
+    ):
+        held = HeldBeforeAcquire(rt._db)
+        rt._db = held  # type: ignore[assignment]
+        nursery.start_soon(rt.submit, "s", {"text": "hi"})
+        await held.waiting.wait()  # the entry is registered; nothing stored yet
+        assert await rt.delete_session("s") is False
+        held.go.set()
+        await entered.wait()
+        assert await other.delete_session("s") is True
+        go.set()
+        await rt.wait_idle("s")
+    assert [r.cause for r in records(logs, events.CLAIM_LOST)] == ["write"]
+
+
 async def test_a_lost_claim_taken_over_later_is_logged_lost_once(
     store: Any, clock: Clock, autojump_clock: trio.testing.MockClock, logs: Any
 ) -> None:
