@@ -156,10 +156,10 @@ class SessionEntry:
     stopped_by_user: bool = False
     # The store holds no claim of ours for it any more (`lose_claim`).
     claim_gone: bool = False
-    # This runtime's `delete_session` is removing the session, its claim with it: set
-    # before that commit, since the drain's next write, the heartbeat or the change scan
-    # may find the claim gone before the delete's reply arrives. Its loss is on purpose,
-    # no `claim lost` news.
+    # This runtime's `delete_session` may be removing the session, its claim with it: set
+    # from before that commit until it is answered, since the drain's next write, the
+    # heartbeat or the change scan may find the claim gone before the reply arrives. Such
+    # a loss is on purpose, no `claim lost` news.
     deleting: bool = False
     # Its claim left it durably (`disown`) and its busy period goes on, or ends, from here.
     disowned: bool = False
