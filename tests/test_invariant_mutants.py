@@ -10,7 +10,7 @@ from pathlib import Path
 from helpers import LateReply, Raw, Recorder, WrappedStore, runtime
 from trio.testing import MockClock
 
-from trio_sessions import DrainContext, Store, _store
+from trio_sessions import DrainContext, Outcome, Store, _store, testing
 
 Clock = Callable[[], float]
 
@@ -101,3 +101,21 @@ async def test_a_ring_after_a_failed_drains_finish_committed_starts_one_successo
         assert len(calls) == 2
         assert Raw(db_path).rows("SELECT time_woken FROM session") == [(None,)]
         assert Raw(db_path).rows("SELECT id FROM session_execution") == []
+
+
+async def test_a_finished_busy_period_frees_its_registry_entry_and_place(
+    store: Store, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """Invariant 15, fast: once a busy period ends its registry entry is gone, so under
+    `max_active=1` the next session runs here instead of being deferred. A leaked entry
+    also makes the close wait for it forever (it once showed only as the suite's 300 s
+    timeout), so a leak found here crashes the runtime, which closes without waiting."""
+    drain = Recorder()
+    async with runtime(store, drain, clock, max_active=1) as rt:
+        first = await rt.run("a")
+        second = await rt.run("b")
+        leaked = rt.active_sessions()
+        if leaked:
+            testing.crash(rt)
+    assert (first, second, leaked) == (Outcome("succeeded"), Outcome("succeeded"), frozenset())
+    assert [ctx.session_id for ctx in drain.calls] == ["a", "b"]
