@@ -7,9 +7,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import trio
 from helpers import LateReply, Raw, Recorder, WrappedStore, runtime
 from trio.testing import MockClock
 
+import trio_sessions
 from trio_sessions import DrainContext, Outcome, Store, _store, testing
 
 Clock = Callable[[], float]
@@ -119,3 +121,38 @@ async def test_a_finished_busy_period_frees_its_registry_entry_and_place(
             testing.crash(rt)
     assert (first, second, leaked) == (Outcome("succeeded"), Outcome("succeeded"), frozenset())
     assert [ctx.session_id for ctx in drain.calls] == ["a", "b"]
+
+
+async def test_resume_by_another_runtime_rings_for_inputs_a_drain_left_before_the_pause(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """Invariant 24 (`resume` starts exactly one busy period when work is pending) across
+    runtimes: a drain left its input pending (its own choice, so no doorbell), then the
+    session was paused. A producer's `resume` must set the doorbell durably - a signal
+    alone names a session whose doorbell the worker's look finds unset, and the input
+    would wait for the next wake that nobody sends."""
+    calls: list[str] = []
+    first, second = trio.Event(), trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        calls.append(ctx.execution_id)
+        first.set()
+        if len(calls) == 2:
+            await ctx.take_inputs()
+            second.set()
+
+    async with (
+        runtime(store, drain, clock) as worker,
+        trio_sessions.open_runtime(store, None, clock=clock) as producer,
+    ):
+        await producer.submit("s", {"text": "later"}, input_id="i1")
+        await first.wait()
+        await worker.wait_idle("s")  # the first call took nothing
+        assert len(calls) == 1
+        await producer.pause("s")
+        await producer.resume("s")
+        assert Raw(db_path).one("SELECT time_woken FROM session")[0] is not None
+        await second.wait()
+        await worker.wait_idle("s")
+    assert len(calls) == 2
+    assert Raw(db_path).rows("SELECT id FROM session_input") == []
