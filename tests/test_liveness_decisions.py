@@ -14,6 +14,7 @@ from trio_sessions._decisions import (
     token_free_since,
     token_gone,
 )
+from trio_sessions._liveness import GoneOwners
 
 INSTANTS = [i * 0.125 for i in range(0, 25)]  # 0 .. 3 s
 GRACES = [0.125, 0.5, 1.0, 2.0]
@@ -97,3 +98,18 @@ def test_recovery_treats_a_gone_owners_live_claim_as_expired() -> None:
             assert decision is as_expired
         else:
             assert decision is RecoveryDecision.SKIP_LIVE
+
+
+def test_gone_owners_restarts_the_grace_of_an_owner_seen_holding_its_token_again() -> None:
+    """`GoneOwners.observe` feeds `token_free_since` only the owners seen free: an owner seen
+    free once (its token's connection broke), then holding its token again, is judged from
+    scratch at its next free sighting. Kept from the first sighting, a live owner that
+    re-took its token and claimed again would count as gone after the grace, and its live
+    claims would be taken over (§6.22); found by mutation, as the pure decision's grid
+    above never goes through the tracker."""
+    owners = GoneOwners(grace=0.5)
+    assert owners.observe({"a", "b"}, 0.0) == frozenset()
+    assert owners.observe({"b"}, 0.25) == frozenset()  # "a" holds its token again
+    assert owners.observe({"a", "b"}, 0.5) == {"b"}  # "a": free again since 0.5 only
+    assert owners.observe({"a", "b"}, 0.75) == {"b"}
+    assert owners.observe({"a", "b"}, 1.0) == {"a", "b"}
