@@ -688,6 +688,30 @@ def test_a_host_clock_an_hour_ahead_decides_nothing(
         assert due_in is not None and 60_000 - (after - before) <= due_in <= 60_000
 
 
+def test_a_clock_read_after_a_session_lock_is_the_servers_not_the_hosts(
+    pg_url: str, migrated_schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DESIGN §6.18 on the operations written in Python: the lease clock a transaction reads
+    again once its session locks are granted (`promote_due` takes them after its scan) is
+    the server's. With this host's clock an hour ahead, one input due now is promoted and
+    its neighbour, due in a minute, stays scheduled; read from the host after the lock, the
+    neighbour would be taken an hour early (found by mutation: the host-clock test above
+    calls only server-side functions)."""
+    with (
+        opened(PostgresStore(pg_url, schema=migrated_schema).engine()) as engine,
+        raw(pg_url, migrated_schema) as conn,
+    ):
+        host_time = time.time
+        monkeypatch.setattr(time, "time", lambda: host_time() + 3_600.0)
+        run_op(engine, _store.submit_scheduled, "s", "{}", "now", 60_000, "reject")
+        run_op(engine, _store.submit_scheduled, "s", "{}", "later", 60_000, "reject")
+        conn.execute("UPDATE session_input SET due_at = %s WHERE id = 'now'", (server_ms(conn),))
+        due = run_op(engine, _store.promote_due, 10)
+        assert due.sessions == ["s"]
+        rows = conn.execute("SELECT id, due_at IS NULL FROM session_input ORDER BY id").fetchall()
+        assert rows == [("later", False), ("now", True)]
+
+
 def test_a_function_reads_the_server_clock_after_the_session_lock_is_granted(
     pg_url: str, migrated_schema: str
 ) -> None:
