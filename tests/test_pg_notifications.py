@@ -23,10 +23,12 @@ from typing import Any
 import psycopg
 import pytest
 import trio
-from helpers import opened
+from helpers import ExecutorSeam, WrappedStore, opened
 from psycopg import sql
 from test_postgres import recording_engine
 
+import trio_sessions
+import trio_sessions._loops
 from trio_sessions import _store, _transcript
 from trio_sessions._backend import Job, Signal, Tx
 from trio_sessions._postgres import PostgresStore, channel, run_op
@@ -339,3 +341,42 @@ def test_a_hand_back_of_many_claims_sends_one_notification(
             assert job.unwrap() == 3
             payloads = received(conn, pg_url, migrated_schema)
     assert [sorted(payload.split("\n")) for payload in payloads] == [["s0", "s1", "s2"]]
+
+
+async def test_a_streamed_word_costs_a_followers_read_not_a_doorbell_scan(
+    pg_url: str, migrated_schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DESIGN §6.26 in a chat's web process (a producer following a session with a stream,
+    no watcher): another worker's streamed words are watchers-only changes, so each costs
+    the stream's read and never the change scan over doorbells and claims. Found by
+    mutation: a `_needs_scan` that always scanned survived every test, the listener's
+    filter being pinned only on its own. Real time, bounded; the fallback poll (a scan of
+    everything) is moved out of the way."""
+    monkeypatch.setattr(trio_sessions._loops, "CHANGE_FALLBACK_POLL", 3_600.0)
+    scans: list[object] = []
+
+    class CountingScans(ExecutorSeam):
+        async def read(self, op: Any, *args: Any) -> Any:
+            if op is _store.changes:
+                scans.append(args)
+            return await self._inner.read(op, *args)
+
+    store = WrappedStore(PostgresStore(pg_url, schema=migrated_schema), CountingScans)
+    words = [f"w{i} " for i in range(5)]
+    with opened(PostgresStore(pg_url, schema=migrated_schema).engine()) as engine:
+        run_op(engine, _store.submit_and_acquire, "s", "{}", "i1", "e1", "me", 30_000)
+        run_op(engine, _store.take_inputs, "s", "e1", "me")
+        run_op(engine, _store.begin_assistant, "s", "e1", "me", "m1")
+        with trio.fail_after(30):
+            async with (
+                trio_sessions.open_runtime(store, None) as producer,
+                producer.stream("s") as events,
+            ):
+                kinds = [(await events.__anext__()).kind for _ in range(2)]
+                assert kinds == ["message", "message"]  # the question, the open reply
+                scanned = len(scans)
+                for word in words:
+                    append = (_store.append_assistant_text, "s", "e1", "me", "m1", word, None)
+                    await trio.to_thread.run_sync(run_op, engine, *append)
+                    assert (await events.__anext__()).kind == "append"
+                assert len(scans) == scanned, f"{len(scans) - scanned} scans for 5 words"
