@@ -4,6 +4,10 @@ each test here was written after a small mutation of that line survived the test
 
 from __future__ import annotations
 
+import ast
+import re
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,6 +19,7 @@ import trio_sessions
 from trio_sessions import DrainContext, Outcome, Store, _store, testing
 
 Clock = Callable[[], float]
+ROOT = Path(__file__).resolve().parent.parent
 
 
 async def test_a_wake_taken_to_go_on_is_rung_again_by_an_interrupt_answered_with_it(
@@ -156,3 +161,40 @@ async def test_resume_by_another_runtime_rings_for_inputs_a_drain_left_before_th
         await worker.wait_idle("s")
     assert len(calls) == 2
     assert Raw(db_path).rows("SELECT id FROM session_input") == []
+
+
+BACKEND_ID = re.compile(r"(?<=[\[-])(sqlite|postgres)(?=[\]-])")
+
+
+def test_the_contract_tests_are_collected_on_both_backends() -> None:
+    """Invariant 20: every test taking `store` (a contract test) runs on SQLite and on
+    PostgreSQL; one marked `sqlite_only` runs once, on SQLite. Two contract files'
+    collections must list the same tests under both backends, and the marked ones with
+    neither. Found by mutation: a conftest that parametrised over SQLite alone passed the
+    whole suite (every PostgreSQL variant silently gone)."""
+    files = [ROOT / "tests" / "test_runtime.py", ROOT / "tests" / "test_control.py"]
+    collected = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
+        + [str(path) for path in files],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=True,
+    ).stdout
+    on: dict[str, set[str]] = {"sqlite": set(), "postgres": set()}
+    lines = [line for line in collected.splitlines() if "::" in line]
+    for line in lines:
+        if found := BACKEND_ID.search(line):
+            on[found.group(1)].add(BACKEND_ID.sub("", line))
+    marked = {
+        f"{path.relative_to(ROOT)}::{node.name}"
+        for path in files
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.AsyncFunctionDef | ast.FunctionDef)
+        and any("sqlite_only" in ast.unparse(d) for d in node.decorator_list)
+    }
+    assert len(on["postgres"]) > 80
+    assert on["sqlite"] == on["postgres"]
+    with_id = {line.split("[")[0] for line in lines if BACKEND_ID.search(line)}
+    without_id = {line.split("[")[0] for line in lines if not BACKEND_ID.search(line)}
+    assert marked and marked <= without_id and marked.isdisjoint(with_id)
