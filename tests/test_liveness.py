@@ -792,6 +792,53 @@ async def test_an_owner_whose_token_is_lost_takes_no_due_scheduled_inputs(
     assert not any(ctx.resumed for ctx in drain.calls)
 
 
+class _RetakenOnCue(LosableToken):
+    """A lost token taken again only once the test says so (`may_retake`): a partition."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.may_retake = trio.Event()
+
+    async def retake(self) -> None:
+        await self.may_retake.wait()
+        await super().retake()
+
+
+class _RetakenOnCueExecutor(LosableTokenExecutor):
+    @contextlib.asynccontextmanager
+    async def hold_token(self, owner_id: str) -> Any:
+        async with self._inner.hold_token(owner_id) as inner:
+            self.token = _RetakenOnCue(inner)
+            yield self.token
+
+
+async def test_a_run_while_the_token_is_really_lost_is_deferred_and_drains_once_retaken(
+    store: Any, clock: Callable[[], float], db_path: Any, autojump_clock: trio.testing.MockClock
+) -> None:
+    """§6.22 through the token's watch itself (the tests above set the lost flag by hand):
+    while our token is lost and not yet taken again, `run` on an idle session claims
+    nothing and is deferred - a drain started then would run with its claim looking free
+    to the others, who take it over after the grace. Once the token is taken again, the
+    durable wake drains here. Found by mutation: a watch that did not flag the loss
+    survived every test."""
+    wrapped = WrappedStore(store, _RetakenOnCueExecutor)
+    drain = Recorder()
+    async with runtime(wrapped, drain, clock, recovery_interval=3600) as worker:
+        assert wrapped.executor is not None
+        token = wrapped.executor.token
+        assert isinstance(token, _RetakenOnCue)
+        token.lose()
+        await trio.testing.wait_all_tasks_blocked()  # the watch noticed, waits to retake
+        assert await worker.run("s") == trio_sessions.Outcome("deferred")
+        assert drain.calls == []
+        assert Raw(db_path).claim("s") is None
+        token.may_retake.set()
+        await token.retaken.wait()
+        await trio.testing.wait_all_tasks_blocked()
+        await worker.wait_idle("s")
+    assert [ctx.session_id for ctx in drain.calls] == ["s"]
+
+
 def _token_of(wrapped: WrappedStore[LosableTokenExecutor]) -> LosableToken:
     """The liveness token of the runtime open on `wrapped`."""
     assert wrapped.executor is not None and wrapped.executor.token is not None
