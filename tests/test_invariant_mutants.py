@@ -10,9 +10,11 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import trio
-from helpers import LateReply, Raw, Recorder, WrappedStore, runtime
+import trio.testing
+from helpers import ExecutorSeam, LateReply, Raw, Recorder, WrappedStore, runtime, start_run
 from trio.testing import MockClock
 
 import trio_sessions
@@ -198,3 +200,43 @@ def test_the_contract_tests_are_collected_on_both_backends() -> None:
     with_id = {line.split("[")[0] for line in lines if BACKEND_ID.search(line)}
     without_id = {line.split("[")[0] for line in lines if not BACKEND_ID.search(line)}
     assert marked and marked <= without_id and marked.isdisjoint(with_id)
+
+
+class HeldBeforeSending(ExecutorSeam):
+    """The runtime's executor, whose first `op` is sent only once the test says so: a
+    deciding transaction in flight (the thread hand-off's window before it runs)."""
+
+    def __init__(self, inner: Any, op: Any) -> None:
+        super().__init__(inner)
+        self._op = op
+        self.reached = trio.Event()
+        self.send = trio.Event()
+
+    async def run(self, op: Any, *args: Any) -> Any:
+        if op is self._op and not self.reached.is_set():
+            self.reached.set()
+            await self.send.wait()
+        return await self._inner.run(op, *args)
+
+
+async def test_a_run_rung_while_an_iteration_end_is_in_flight_gets_the_iteration_it_joined(
+    store: Store, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """Invariant 8 for the caller: a `run` during the iteration end's transaction (its
+    wake committed first, so that end takes it and continues) waits for a would-be
+    successor, which merges into the continuing claim: the run gets that claim's outcome,
+    `succeeded`. Unmerged, it was told `deferred` though its wake was drained right here
+    (found by mutation of `SessionEntry.keep_going`)."""
+    drain = Recorder(take_inputs=False)
+    wrapped = WrappedStore(store, lambda inner: HeldBeforeSending(inner, _store.end_iteration))
+    async with runtime(wrapped, drain, clock) as rt, trio.open_nursery() as nursery:
+        await rt.wake("s")
+        assert wrapped.executor is not None
+        await wrapped.executor.reached.wait()  # the first call returned; its end waits
+        outcomes = start_run(nursery, rt, "s")
+        await trio.testing.wait_all_tasks_blocked()  # the run's wake committed and rang
+        wrapped.executor.send.set()
+        await rt.wait_idle("s")
+    assert outcomes == [Outcome("succeeded")]
+    assert len(drain.calls) == 2
+    assert drain.calls[0].execution_id == drain.calls[1].execution_id
