@@ -80,6 +80,17 @@ async def test_a_body_json_cannot_read_is_a_400_not_a_server_error(
         assert await rt.transcript("s") == []
 
 
+async def _asked_and_answered(
+    app: Any, rt: trio_sessions.Runtime, questions: list[tuple[str, Any]]
+) -> None:
+    """Each (question, headers) POSTed to session `s` in turn (a 202), and answered."""
+    for question, headers in questions:
+        body = json.dumps({"text": question}).encode()
+        status, _ = await _call(app, "POST", "/sessions/s/messages", body, headers)
+        assert status == 202
+        await rt.wait_idle("s")
+
+
 async def _answer(ctx: trio_sessions.DrainContext) -> None:
     for item in await ctx.take_inputs():
         reply = await ctx.begin_assistant()
@@ -183,11 +194,7 @@ async def test_an_edit_whose_text_cannot_be_stored_is_a_400_that_drops_nothing(
     message and every answer after it were deleted, and a retry could not bring them back."""
     async with trio_sessions.open_runtime(str(tmp_path / "chat.db"), _answer) as rt:
         app = chat.ChatApp(rt)
-        for question in ("one", "two"):
-            body = json.dumps({"text": question}).encode()
-            status, _ = await _call(app, "POST", "/sessions/s/messages", body)
-            assert status == 202
-            await rt.wait_idle("s")
+        await _asked_and_answered(app, rt, [("one", None), ("two", None)])
         before = await rt.transcript("s")
         assert [m.role for m in before] == ["user", "assistant", "user", "assistant"]
         edit = b'{"seq": 3, "text": "' + text.encode() + b'"}'
@@ -206,11 +213,7 @@ async def test_an_edit_whose_key_names_an_earlier_message_drops_nothing(tmp_path
     key = [(b"idempotency-key", b"1")]
     async with trio_sessions.open_runtime(str(tmp_path / "chat.db"), _answer) as rt:
         app = chat.ChatApp(rt)
-        for question, headers in (("one", key), ("two", None)):
-            body = json.dumps({"text": question}).encode()
-            status, _ = await _call(app, "POST", "/sessions/s/messages", body, headers)
-            assert status == 202
-            await rt.wait_idle("s")
+        await _asked_and_answered(app, rt, [("one", key), ("two", None)])
         before = await rt.transcript("s")
         assert [m.role for m in before] == ["user", "assistant", "user", "assistant"]
         for text in ("edited", "one"):
@@ -234,11 +237,7 @@ async def test_an_edit_whose_key_names_a_pending_message_drops_nothing(tmp_path:
     database = str(tmp_path / "chat.db")
     async with trio_sessions.open_runtime(database, _answer) as rt:
         app = chat.ChatApp(rt)
-        for question in ("one", "two"):
-            body = json.dumps({"text": question}).encode()
-            status, _ = await _call(app, "POST", "/sessions/s/messages", body)
-            assert status == 202
-            await rt.wait_idle("s")
+        await _asked_and_answered(app, rt, [("one", None), ("two", None)])
     key = [(b"idempotency-key", b"7")]
     async with trio_sessions.open_runtime(database, None) as web:  # no worker runs now
         app = chat.ChatApp(web)

@@ -298,7 +298,7 @@ async def test_a_session_row_corrupted_while_its_drain_runs_never_ends_the_runti
     assert [(session, "wake_attempts is 'abc'" in why) for session, why in left] == [("s", True)]
 
 
-@pytest.mark.parametrize("expires_at", ["soon", b"\x01", 9e300])
+@pytest.mark.parametrize("expires_at", ["soon", b"\x01", 9e300, 0.5, -1e300])
 async def test_a_claim_whose_expiry_is_no_time_is_quarantined_not_held_for_ever(
     tmp_path: Path, clock: Any, autojump_clock: MockClock, expires_at: Any
 ) -> None:
@@ -307,7 +307,10 @@ async def test_a_claim_whose_expiry_is_no_time_is_quarantined_not_held_for_ever(
     `expires_at <= now` never held: recovery never took it, `run()` answered deferred and
     the session stayed stuck until deleted (found by an audit). The recovery pass finds
     it and quarantines it, as any row it cannot process; the valid claim beside it is
-    resumed in the same pass."""
+    resumed in the same pass. So is a REAL that has passed (0.5, -1e300), whether or not
+    its execution wrote anything: SQLite's takeover of a claim with nothing to close
+    resumed it (its WHERE compared the REAL as a time) while the row path quarantined the
+    same claim with a message written (found by the review)."""
     db_path, raw = _sqlite(tmp_path)
     resumed: list[str] = []
 
@@ -339,29 +342,3 @@ async def test_a_gone_owners_claim_whose_expiry_is_no_time_is_examined_once(
             _store.recovery_scan.scan_and_lease, "me", 10, [], ["gone-owner"], 30_000
         )
     assert [c.execution_id for c in candidates[0]] == ["e-poison"]
-
-
-@pytest.mark.parametrize("expires_at", [0.5, -1e300])
-async def test_an_expired_claim_whose_expiry_is_no_integer_is_quarantined_with_nothing_written(
-    tmp_path: Path, clock: Any, autojump_clock: MockClock, expires_at: Any
-) -> None:
-    """A claim whose `expires_at` is a REAL that has passed is quarantined like any
-    expiry that is no integer, whether or not its execution wrote anything: SQLite's
-    takeover of a claim with nothing to close resumed it (its WHERE compared the REAL as a
-    time) while the row path quarantined the same claim with a message written (found by
-    the review)."""
-    db_path, raw = _sqlite(tmp_path)
-    resumed: list[str] = []
-
-    async def drain(ctx: DrainContext) -> None:
-        resumed.append(ctx.session_id)
-
-    async with runtime(Store(db_path, inline=True), drain, clock, **QUIET) as rt:
-        raw.seed_claim("poison", "e-poison", expires_at=expires_at)
-        raw.seed_claim("valid", "e-valid", expires_at=1)
-        report = await rt.recover_once()
-        await rt.wait_idle("valid")
-    assert (report.quarantined, report.resumed) == (1, 1), report
-    assert resumed == ["valid"]
-    [(why,)] = raw.rows("SELECT recovery_error FROM session_recovery")
-    assert "expires_at is" in why and "not a time" in why, why
