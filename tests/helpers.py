@@ -320,6 +320,29 @@ class SlowToExit:
             if self._on_exit is not None:
                 self._on_exit()
 
+    async def close_during(
+        self,
+        store: StoreBackend,
+        clock: Callable[[], float],
+        while_closing: Callable[[], Awaitable[None]],
+        *,
+        before_close: Callable[[], Awaitable[None]] | None = None,
+        **options: Any,
+    ) -> None:
+        """Open a runtime draining with this drain and submit to session "s"; once the drain
+        runs (and `before_close` returned), close the runtime as a worker's SIGTERM does -
+        the close waits for this drain to exit - while `while_closing` runs beside it."""
+        async with trio.open_nursery() as helpers:
+            with trio.CancelScope() as closing:
+                async with runtime(store, self, clock, **options) as owner:
+                    await owner.submit("s", {"n": 1})
+                    await self.entered.wait()
+                    if before_close is not None:
+                        await before_close()
+                    helpers.start_soon(while_closing)
+                    closing.cancel()
+                    await trio.sleep_forever()
+
 
 def start_run(nursery: trio.Nursery, rt: Runtime, session_id: str) -> list[Outcome]:
     """Start `rt.run(session_id)` in `nursery`; its outcome lands in the returned list."""

@@ -683,14 +683,7 @@ async def test_closing_takes_a_lost_token_again_while_it_waits_for_a_drain(
             await token.retaken.wait()
         drain.may_exit.set()
 
-    async with trio.open_nursery() as helpers:
-        with trio.CancelScope() as closing:
-            async with runtime(wrapped, drain, clock, recovery_interval=3600) as owner:
-                await owner.submit("s", {"n": 1})
-                await drain.entered.wait()
-                helpers.start_soon(lose_the_token_while_closing)
-                closing.cancel()  # as a worker's SIGTERM: the close waits for the drain
-                await trio.sleep_forever()
+    await drain.close_during(wrapped, clock, lose_the_token_while_closing, recovery_interval=3600)
     assert retaken_before_exit == [True]
 
 
@@ -711,24 +704,21 @@ async def test_a_claim_whose_token_was_lost_is_handed_back_when_the_close_ends(
     wrapped = WrappedStore(store, LosableTokenExecutor)
     drain = SlowToExit()
 
+    async def lose_the_token() -> None:
+        _token_of(wrapped).lose()
+        await drain.exiting.wait()
+
     async def exit_later() -> None:
+        if lost == "while the close waits":
+            await drain.exiting.wait()
+            _token_of(wrapped).lose()
         await trio.sleep(1.0)
         drain.may_exit.set()
 
-    async with trio.open_nursery() as helpers:
-        with trio.CancelScope() as closing:
-            async with runtime(wrapped, drain, clock, recovery_interval=3600) as owner:
-                await owner.submit("s", {"n": 1})
-                await drain.entered.wait()
-                if lost == "before the close":
-                    _token_of(wrapped).lose()
-                    await drain.exiting.wait()
-                helpers.start_soon(exit_later)
-                closing.cancel()  # as a worker's SIGTERM: the close waits for the drain
-                if lost == "while the close waits":
-                    await drain.exiting.wait()
-                    _token_of(wrapped).lose()
-                await trio.sleep_forever()
+    before_close = lose_the_token if lost == "before the close" else None
+    await drain.close_during(
+        wrapped, clock, exit_later, before_close=before_close, recovery_interval=3600
+    )
     claim = Raw(db_path).claim("s")
     assert claim is not None and claim[3] <= now_ms(clock), claim  # its lease ended
     [(attempts,)] = rows(db_path, "SELECT wake_attempts FROM session WHERE id = 's'")

@@ -589,18 +589,13 @@ async def test_a_hand_back_logs_only_the_claims_it_handed_back(
     claim is waiting for any runtime to resume it. Found by an audit."""
     drain = SlowToExit()
 
-    async def delete_while_closing(producer: trio_sessions.Runtime) -> None:
-        await drain.exiting.wait()
-        assert await producer.delete_session("s")
-        drain.may_exit.set()
+    async with runtime(store, None, clock) as producer:
 
-    async with runtime(store, None, clock) as producer, trio.open_nursery() as helpers:
-        with trio.CancelScope() as closing:
-            async with runtime(store, drain, clock) as owner:
-                await owner.submit("s", {"n": 1})
-                await drain.entered.wait()
-                helpers.start_soon(delete_while_closing, producer)
-                closing.cancel()  # as a worker's SIGTERM: the close waits for the drain
-                await trio.sleep_forever()
+        async def delete_while_closing() -> None:
+            await drain.exiting.wait()
+            assert await producer.delete_session("s")
+            drain.may_exit.set()
+
+        await drain.close_during(store, clock, delete_while_closing)
     [handed] = records(logs, events.HANDED_BACK)
     assert (handed.getMessage(), handed.claims) == ("claims handed back: 0", 0)
