@@ -264,6 +264,21 @@ def view_of(messages: list[dict[str, Any]]) -> View:
     return {m["seq"]: {"role": m["role"], "data": m["data"]} for m in messages}
 
 
+async def _get_events(
+    url: str, session: str, last_event_id: str | None = None
+) -> trio.SocketStream:
+    """A plain TCP stream (an SSE client is a socket reader) that sent GET /events for
+    `session`, with `Last-Event-ID` when given."""
+    address = httpx.URL(url)
+    assert address.host and address.port
+    stream = await trio.open_tcp_stream(address.host, address.port)
+    request = f"GET /sessions/{session}/events HTTP/1.1\r\nHost: {address.host}\r\n"
+    if last_event_id is not None:
+        request += f"Last-Event-ID: {last_event_id}\r\n"
+    await stream.send_all((request + "\r\n").encode())
+    return stream
+
+
 async def read_events(
     url: str,
     session: str,
@@ -276,14 +291,7 @@ async def read_events(
     `Last-Event-ID` when given: the response head (`responded` is set when it arrives) and
     the (id, event) pairs up to the first for which `until(events)` holds; then the
     connection is dropped."""
-    address = httpx.URL(url)
-    assert address.host and address.port
-    stream = await trio.open_tcp_stream(address.host, address.port)
-    async with stream:
-        request = f"GET /sessions/{session}/events HTTP/1.1\r\nHost: {address.host}\r\n"
-        if last_event_id is not None:
-            request += f"Last-Event-ID: {last_event_id}\r\n"
-        await stream.send_all((request + "\r\n").encode())
+    async with await _get_events(url, session, last_event_id) as stream:
         received = b""
         while True:
             chunk = await stream.receive_some()
@@ -321,12 +329,7 @@ async def test_an_idle_event_stream_sends_a_keep_alive_comment(service: Service)
     """An event stream with nothing to send writes an SSE comment every `CHAT_KEEP_ALIVE`
     seconds (0.2 here), so a proxy does not cut it as idle (nginx: after 60 s) and a
     client gone without closing is noticed. It was silent (found by an audit)."""
-    address = httpx.URL(service.url)
-    assert address.host and address.port
-    stream = await trio.open_tcp_stream(address.host, address.port)
-    async with stream:
-        request = f"GET /sessions/idle/events HTTP/1.1\r\nHost: {address.host}\r\n\r\n"
-        await stream.send_all(request.encode())
+    async with await _get_events(service.url, "idle") as stream:
         received = b""
         with trio.fail_after(5):
             while received.count(b": keep-alive\n\n") < 2:
