@@ -561,9 +561,12 @@ def _token_files(database: Path) -> list[str] | None:
 
 class Spans:
     """A drain recording each execution's span in real time (monotonic start and end): a
-    resumed one returns at once; the first waits to be cancelled, then takes `exit_s` in a
-    thread (a blocking call) to exit. `entered`, `exiting` (its cancellation came) and
-    `resumed` mark the steps."""
+    resumed one returns at once; the first takes the input, then waits to be cancelled and
+    takes `exit_s` in a thread (a blocking call) to exit. `entered`, `exiting` (its
+    cancellation came) and `resumed` mark the steps. With the input taken, the resumed
+    execution leaves nothing to do: once it released its claim (`wait_idle` on every
+    runtime) exactly two executions ran - a test closing before that may see a third, the
+    close handing the resumed claim back to the other runtime."""
 
     def __init__(self, exit_s: float) -> None:
         self.exit_s = exit_s
@@ -577,6 +580,7 @@ class Spans:
             self.resumed.set()
             return
         self.spans[ctx.execution_id] = [started, math.inf]
+        await ctx.take_inputs()
         self.entered.set()
         try:
             await trio.sleep_forever()
@@ -611,7 +615,7 @@ async def test_a_drain_still_exiting_after_its_token_was_lost_keeps_its_claim(
     options: dict[str, Any] = {"takeover_grace": grace_s, "recovery_interval": 0.25}
     async with (
         trio_sessions.open_runtime(store, drain, **options) as owner,
-        trio_sessions.open_runtime(store, drain, **options),
+        trio_sessions.open_runtime(store, drain, **options) as other,
     ):
         await owner.submit("s", {"n": 1})
         with trio.fail_after(10):
@@ -619,6 +623,8 @@ async def test_a_drain_still_exiting_after_its_token_was_lost_keeps_its_claim(
         terminate_backend(pg_url, _token_pid(location, owner.owner_id))
         with trio.fail_after(10):
             await drain.resumed.wait()
+            await owner.wait_idle("s")
+            await other.wait_idle("s")
     old_end, new_start = drain.end_and_resumed_start()
     assert old_end <= new_start
 
@@ -647,7 +653,7 @@ async def test_a_token_lost_while_a_graceful_close_waits_for_a_drain_is_taken_ag
         )
 
     async with (
-        trio_sessions.open_runtime(store, drain, **options),
+        trio_sessions.open_runtime(store, drain, **options) as other,
         trio.open_nursery() as helpers,
     ):
         async with trio.open_nursery() as nursery:
@@ -661,6 +667,7 @@ async def test_a_token_lost_while_a_graceful_close_waits_for_a_drain_is_taken_ag
             nursery.cancel_scope.cancel()  # the owner closes: its drain takes 1.5 s to exit
         with trio.fail_after(10):
             await drain.resumed.wait()
+            await other.wait_idle("s")
     old_end, new_start = drain.end_and_resumed_start()
     assert old_end <= new_start
 
