@@ -203,14 +203,19 @@ class Chaos(SoakBase):
                 if busy:
                     worker = await self.busy_target(worker)
                 kind = "busy token kill" if busy else kinds.pop()
+                if kind == "restart" and not self.retiring.serving(worker):
+                    # SIGTERM would just end a worker still starting (a loaded host boots
+                    # slowly): the restart waits for the next fault's worker instead of
+                    # losing its turn, so a short soak still restarts one that serves.
+                    kinds.append(kind)
+                    continue
                 if not busy:
                     self.result.host_turns += 1
                 print(f"soak: {kind} {worker.name} at {self.elapsed():.1f} s")
                 if busy:
                     await self.busy_token_kill(worker)
                 elif kind == "restart":
-                    if self.retiring.serving(worker):  # else SIGTERM just ends a starting one
-                        self.rolling_restart(worker)
+                    self.rolling_restart(worker)
                 elif kind == "kill":
                     await self.kill(worker, nursery)
                 elif kind == "pause":
