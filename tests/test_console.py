@@ -84,8 +84,10 @@ def csrf_of(page: str) -> str:
     [
         (["--bind", "0.0.0.0:0"], "without a token"),
         (["--log-level", "x"], "log-level"),
+        (["--keep-alive", "0"], "--keep-alive must be a positive number of seconds"),
+        (["--keep-alive", "nan"], "--keep-alive must be a positive number of seconds"),
     ],
-    ids=["public-bind-without-token", "bad-log-level"],
+    ids=["public-bind-without-token", "bad-log-level", "keep-alive-0", "keep-alive-nan"],
 )
 def test_a_setting_to_change_exits_2_before_opening_the_store(
     tmp_path: Path, options: list[str], message: str
@@ -1546,3 +1548,50 @@ async def test_a_page_emptied_by_a_rewrite_follows_its_new_messages_after_a_reco
         EventStream("s", at, read), Shown({1: "m1", 2: "m2"}, [answer]), page, 10, last_event_id
     )
     assert '{"seq": 2, "append": " said"}' in text, f"the reconnected page was sent {text!r}"
+
+
+async def test_an_idle_event_stream_sends_a_keep_alive_comment(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A page's event stream with nothing to send writes an SSE comment every `keep_alive`
+    seconds after its last write (15 by default), as the chat example's does: it was silent
+    while idle, so a proxy cut it (nginx: after 60 s) and a browser gone without closing
+    held it - its task, its stream's reads - until the session next changed. Found by an
+    audit, after the chat example got its keep-alive."""
+    tag = message_tag("m1")
+    changes: list[StreamChanges] = []
+
+    async def read(job: Any, session_id: str, position: Position) -> StreamChanges:
+        return changes.pop() if changes else StreamChanges([])
+
+    answer = _assistant(1, "some", finished=False, version=0)
+    position = Position(1, tag, (Held(1, tag, 0),))
+    stream = EventStream("s", position, read)
+    console = Console(_Runtime(stream, Shown({1: "m1"}, [answer])), "", Guard(None, False))  # type: ignore[arg-type]
+    sent: list[tuple[float, bytes]] = []
+
+    async def send(message: Any) -> None:
+        sent.append((trio.current_time(), message.get("body", b"")))
+
+    async def receive() -> Any:
+        await trio.sleep_forever()  # the page stays
+
+    query = {"cursor": encode_cursor(session_tag("s"), position), "from": "1"}
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(console.events, "s", query, None, receive, send)
+        await trio.sleep(5)
+        changes.append(StreamChanges([Appended(1, "m1", " more", 1)], ids={1: "m1"}))
+        stream.mark_dirty()  # the append: the stream's last write, at 5 s
+        await trio.sleep(31)
+        nursery.cancel_scope.cancel()
+    assert [at for at, body in sent if b'" more"' in body] == [5]
+    comments = [at for at, body in sent if body == b": keep-alive\n\n"]
+    assert comments == [20, 35], f"sent {sent!r}"
+
+
+def test_a_keep_alive_that_is_no_positive_time_is_refused() -> None:
+    """`Console(keep_alive=0)` would write a comment after each comment, without end (a
+    flood per page), and NaN never wrote one: refused, as `CHAT_KEEP_ALIVE` is."""
+    for value in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="keep_alive must be"):
+            Console(None, "", Guard(None, False), keep_alive=value)  # type: ignore[arg-type]

@@ -75,6 +75,10 @@ TRANSCRIPT_PAGE_SIZE = 200
 # a page that followed its stream for long shows more than it rendered.
 FOLLOWED_IDS = 1_000
 MAX_FORM = 16 * 1024
+# An idle event stream sends an SSE comment this often (seconds): proxies cut a response
+# that is silent for a minute or so (nginx: 60 s), and a browser gone without closing is
+# only noticed by a write - until then it holds its task and its stream.
+KEEP_ALIVE = 15.0
 COOKIE_PREFIX = "trio_sessions_console_"
 # The cookie of earlier versions, which held the raw token: expired at every login, so a
 # browser that kept it stops sending the token to every service on the host name.
@@ -144,13 +148,23 @@ def _same(given: str, expected: str) -> bool:
     return hmac.compare_digest(given.encode(), expected.encode())
 
 
+def check_keep_alive(keep_alive: float) -> float:
+    """`keep_alive` as a period: 0 (or less) would write a comment after each comment,
+    without end, and NaN would never write one (`inf`: never)."""
+    if not keep_alive > 0:
+        raise ValueError(f"keep_alive must be a positive number of seconds, got {keep_alive}")
+    return keep_alive
+
+
 @attrs.define
 class Console:
-    """The console's ASGI app over a producer runtime."""
+    """The console's ASGI app over a producer runtime; an idle event stream writes an SSE
+    comment every `keep_alive` seconds."""
 
     runtime: Runtime
     store_name: str  # masked
     guard: Guard
+    keep_alive: float = attrs.field(default=KEEP_ALIVE, kw_only=True, converter=check_keep_alive)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -438,14 +452,16 @@ contains"> <button>search</button></form>
                     ],
                 }
             )
+            writes = _Writes(send, self.keep_alive)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
+                nursery.start_soon(writes.keep_alive)
                 if first:
-                    await _send_chunk(send, "".join(first))
+                    await writes.write("".join(first))
 
                 async def send_held_back() -> None:
                     if feed.pending:
-                        await _send_chunk(send, feed.feed([], settled=True))
+                        await writes.write(feed.feed([], settled=True))
 
                 stream.on_settled = send_held_back
                 try:
@@ -454,11 +470,11 @@ contains"> <button>search</button></form>
                         events = [event, *stream.take_ready()]
                         text = feed.feed(events, settled=not stream.left_out)
                         if text:
-                            await _send_chunk(send, text)
+                            await writes.write(text)
                 except MalformedRecord as exc:
                     # A comment (the page ignores it), then nothing until the client leaves:
                     # an ended stream would have the browser reconnect into the same row.
-                    await _send_chunk(send, f": malformed record: {_one_line(str(exc))}\n\n")
+                    await writes.write(f": malformed record: {_one_line(str(exc))}\n\n")
                     await trio.sleep_forever()
 
     # -- actions ----------------------------------------------------------------------------
@@ -547,8 +563,28 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
-async def _send_chunk(send: Send, text: str) -> None:
-    await send({"type": "http.response.body", "body": text.encode(), "more_body": True})
+@attrs.define
+class _Writes:
+    """An event stream's body writes, one at a time: the events', and a comment whenever
+    none was written for `keep_alive` seconds."""
+
+    send: Send
+    period: float  # the console's `keep_alive`
+    _lock: trio.Lock = attrs.field(factory=trio.Lock)
+    _written_at: float = attrs.field(factory=trio.current_time)
+
+    async def write(self, text: str) -> None:
+        async with self._lock:
+            await self.send(
+                {"type": "http.response.body", "body": text.encode(), "more_body": True}
+            )
+            self._written_at = trio.current_time()
+
+    async def keep_alive(self) -> None:
+        while True:
+            await trio.sleep_until(self._written_at + self.period)
+            if trio.current_time() >= self._written_at + self.period:
+                await self.write(": keep-alive\n\n")
 
 
 def _headers(scope: Scope) -> dict[str, str]:
@@ -864,10 +900,12 @@ class UsageError(Exception):
     """A console setting the operator must change (exit 2)."""
 
 
-def check_settings(bind: str, token: str | None) -> tuple[str, int]:
+def check_settings(bind: str, token: str | None, keep_alive: float = KEEP_ALIVE) -> tuple[str, int]:
     host, port = _metrics.parse_bind(bind)
     if token is not None and len(token) < 16:
         raise UsageError("the token must be at least 16 characters")
+    if not keep_alive > 0:  # `check_keep_alive`, said as the flag's
+        raise UsageError(f"--keep-alive must be a positive number of seconds, got {keep_alive}")
     if token is None and not is_loopback(host):
         raise UsageError(
             f"refusing to serve the console on {host!r} without a token: pass --token or"
@@ -883,22 +921,24 @@ async def serve_console(
     bind: str,
     token: str | None,
     read_only: bool,
+    keep_alive: float = KEEP_ALIVE,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve the console until SIGTERM/SIGINT or cancellation; `task_status.started(urls)`."""
+    """Serve the console until SIGTERM/SIGINT or cancellation; `task_status.started(urls)`.
+    An idle event stream writes an SSE comment every `keep_alive` seconds (`inf`: never)."""
     import hypercorn.config  # the `console` extra
     import hypercorn.trio
 
     from ._runtime import open_runtime
 
-    check_settings(bind, token)
+    check_settings(bind, token, keep_alive)
     async with open_runtime(store, None, owner_id="console") as runtime:
         config = hypercorn.config.Config()
         config.bind = [bind]
         config.errorlog = logging.getLogger("hypercorn.error")
         config.accesslog = None
         config.graceful_timeout = 1.0
-        app = Console(runtime, store_name, Guard(token, read_only))
+        app = Console(runtime, store_name, Guard(token, read_only), keep_alive=keep_alive)
 
         async def serve(task_status: trio.TaskStatus[list[str]]) -> None:
             await hypercorn.trio.serve(
@@ -942,6 +982,14 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--token", default=None, help=f"access token (env {ENV_TOKEN})")
     parser.add_argument("--read-only", action="store_true", help="hide and refuse every action")
     parser.add_argument(
+        "--keep-alive",
+        default=KEEP_ALIVE,
+        type=float,
+        metavar="SECONDS",
+        help="an idle event stream sends a comment this often, so proxies keep it open"
+        f" (default {KEEP_ALIVE:g}; inf: never)",
+    )
+    parser.add_argument(
         "--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, metavar="LEVEL"
     )
 
@@ -956,7 +1004,7 @@ def run(
     token = args.token if args.token is not None else environ.get(ENV_TOKEN) or None
     schema = schema_setting(args.schema, environ)
     try:
-        check_settings(args.bind, token)
+        check_settings(args.bind, token, args.keep_alive)
         store = store_of_url(args.store, schema)
     except (UsageError, ValueError) as exc:
         print(f"error: {exc}", flush=True, file=sys.stderr)
@@ -973,6 +1021,7 @@ def run(
         bind=args.bind,
         token=token,
         read_only=args.read_only,
+        keep_alive=args.keep_alive,
     )
     try:
         trio.run(serve)
