@@ -1498,6 +1498,31 @@ def test_a_delete_of_an_unknown_session_says_there_is_none(
     assert Raw(db_path).rows("SELECT id FROM session") == []
 
 
+@BOTH
+def test_a_pause_from_a_page_of_a_deleted_session_brings_nothing_back(
+    db_path: Location, tmp_path: Path
+) -> None:
+    """A session page left open while the session is deleted (from another page, the CLI,
+    a user's erasure) still shows its pause button; pressing it made the session again
+    (`pause` creates an unknown session, paused): an erased conversation back in the list,
+    empty and paused, with nothing saying why. It is a 404 that says so, creating nothing,
+    as the delete and the interrupt of such a page say nothing was done; a pause of one
+    that exists still pauses it. Found by an audit of the console over real HTTP."""
+    seed_ids(db_path, "here", "gone")
+    with (
+        console_on(db_path, tmp_path) as (url, _),
+        httpx.Client(base_url=url, timeout=DEADLINE) as client,
+    ):
+        csrf = csrf_of(client.get("/sessions/gone").text)
+        assert client.post("/sessions/gone/delete", data={"csrf": csrf}).status_code == 303
+        stale = client.post("/sessions/gone/pause", data={"csrf": csrf})
+        paused = client.post("/sessions/here/pause", data={"csrf": csrf})
+    assert stale.status_code == 404, (stale.status_code, stale.headers.get("location"))
+    assert "nothing was paused" in stale.text and "gone" in stale.text
+    assert (paused.status_code, paused.headers["location"]) == (303, "/sessions/here")
+    assert Raw(db_path).rows("SELECT id, time_paused IS NOT NULL FROM session") == [("here", True)]
+
+
 @pytest.mark.parametrize("backend", ["postgres"], indirect=True)
 def test_the_console_reads_the_schema_from_the_environment(
     db_path: PgLocation, tmp_path: Path

@@ -493,7 +493,11 @@ contains"> <button>search</button></form>
                     )
                 return f"/sessions/{_q(session_id)}"
             case ["sessions", session_id, "pause"]:
-                await self.runtime.pause(session_id)
+                # False: no such session (deleted since the page was read): a pause would
+                # make it again, empty and paused.
+                session_id = validate_session_id(session_id)
+                if not await self.runtime._db.run(_store.pause_existing, session_id):
+                    raise HTTPError(404, f"nothing was paused: no session {session_id!r}")
                 return f"/sessions/{_q(session_id)}"
             case ["sessions", session_id, "resume"]:
                 await self.runtime.resume(session_id)

@@ -307,6 +307,17 @@ def pause(tx: Tx, session_id: str) -> None:
     )
 
 
+def pause_existing(tx: Tx, session_id: str) -> bool:
+    """`pause` of a session that exists now; False, writing nothing, for an unknown one (the
+    console's button on a page of a session deleted since: `pause` would make it again).
+    The session lock holds a delete off until the pause commits."""
+    tx.lock_session(session_id)
+    if tx.one("SELECT 1 FROM session WHERE id = ?", (session_id,)) is None:
+        return False
+    pause(tx, session_id)
+    return True
+
+
 @autocommit_when_alone
 def resume(tx: Tx, session_id: str) -> bool:
     """Lift the pause; when due inputs or a wake are pending, make sure the doorbell is set
