@@ -1620,3 +1620,40 @@ def test_a_keep_alive_that_is_no_positive_time_is_refused() -> None:
     for value in (0, -1.0, float("nan")):
         with pytest.raises(ValueError, match="keep_alive must be"):
             Console(None, "", Guard(None, False), keep_alive=value)  # type: ignore[arg-type]
+
+
+async def test_a_store_that_does_not_answer_is_a_503_not_a_bad_request() -> None:
+    """A page read while the store is down (PostgreSQL restarting, the file's disk gone)
+    answered 400 "store error": a status that blames the request, which a client or a
+    probe then does not retry, and which reads to an operator as a bad link. It is 503
+    (the service is unavailable for now), still with no detail of the store's error."""
+
+    class Down:
+        _db = property(lambda self: self)
+
+        async def read(self, job: Any, *args: Any) -> Any:
+            raise trio_sessions.StoreError("connection refused: password=secret")
+
+    console = Console(Down(), "", Guard(None, False))  # type: ignore[arg-type]
+    sent: list[Any] = []
+
+    async def receive() -> Any:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    for path in ("/", "/sessions/s"):
+        sent.clear()
+        scope = {
+            "type": "http",
+            "method": "GET",
+            "path": path,
+            "raw_path": path.encode(),
+            "query_string": b"",
+            "headers": [(b"host", b"127.0.0.1")],
+        }
+        await console(scope, receive, send)
+        body = b"".join(message.get("body", b"") for message in sent)
+        assert sent[0]["status"] == 503, (path, sent[0]["status"], body)
+        assert b"store error" in body and b"secret" not in body

@@ -176,9 +176,12 @@ class Console:
             await self.route(scope, receive, send)
         except HTTPError as exc:
             await _respond(send, exc.status, html_page("Error", f"<p>{_e(str(exc))}</p>"))
+        except StoreError:
+            # The store did not answer (its error may name the server, never shown): the
+            # service is down for now, not the request wrong - a client may retry it.
+            await _respond(send, 503, html_page("Error", "<p>store error</p>"))
         except (ValueError, TypeError, TrioSessionsError) as exc:
-            message = str(exc) if not isinstance(exc, StoreError) else "store error"
-            await _respond(send, 400, html_page("Error", f"<p>{_e(message)}</p>"))
+            await _respond(send, 400, html_page("Error", f"<p>{_e(str(exc))}</p>"))
 
     async def route(self, scope: Scope, receive: Receive, send: Send) -> None:
         method = scope["method"]
