@@ -245,7 +245,10 @@ class ChatApp:
         answer is running (stop it first), or when the Idempotency-Key names an earlier
         message. A retry (the same Idempotency-Key) is the edit already made - also before
         its input was answered, when `seq` is the slot just past the last message: its input
-        is stored once. Everything that refuses the edit is checked before the truncate."""
+        is stored once. What refuses the edit is checked before the truncate, but for two
+        gaps no public call closes yet (the truncate and the submit are two transactions):
+        a key that names a message still pending (400 after the truncate), and a web
+        process dying between the two (the rest deleted, the edit not stored)."""
         payload = await _read_json(receive)
         seq, text = payload.get("seq"), payload.get("text")
         if type(seq) is not int or seq < 1 or not isinstance(text, str):
