@@ -291,3 +291,38 @@ async def test_a_runtime_crashed_in_its_recovery_seam_takes_nothing_over(
     assert [row[0] for row in rows] == [dead_execution], rows
     [(attempts,)] = Raw(db_path).rows("SELECT wake_attempts FROM session WHERE id = 's'")
     assert attempts == 0
+
+
+@pytest.mark.sqlite_only("the crash tool is backend-independent")
+@pytest.mark.parametrize("follow", ["watch", "stream"])
+async def test_a_crash_ends_its_watchers_and_streams(
+    tmp_path: Path, clock: Callable[[], float], autojump_clock: trio.testing.MockClock, follow: str
+) -> None:
+    """A `watch()` or `stream()` open on a runtime that `crash` kills ends, as it does when
+    the runtime closes (nothing feeds it any more: its change loop died with the owner).
+    Before, it waited for ever - a test that crashed a runtime while a watcher was open hung
+    until its `fail_after`. Found by the last audit, crashing a watched owner."""
+    drain = Recorder()
+    drain.hold()
+    ended = trio.Event()
+    with trio.fail_after(BOUND):
+        async with trio_sessions.open_runtime(
+            testing.inline_store(tmp_path / "sessions.db"), drain, clock=clock, lease=LEASE
+        ) as first:
+            await first.submit("s", {"n": 1})
+            await drain.entered.wait()
+            following = first.watch("s") if follow == "watch" else first.stream("s")
+            async with following as updates, trio.open_nursery() as nursery:
+
+                async def read_to_the_end() -> None:
+                    async for _ in updates:
+                        pass
+                    ended.set()
+
+                nursery.start_soon(read_to_the_end)
+                await trio.testing.wait_all_tasks_blocked()
+                testing.crash(first)
+                with trio.move_on_after(60):  # virtual seconds: far past any delivery
+                    await ended.wait()
+                nursery.cancel_scope.cancel()
+    assert ended.is_set(), f"the {follow} of the crashed runtime waited for ever"

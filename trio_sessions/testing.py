@@ -86,9 +86,10 @@ def crash(runtime: Runtime) -> None:
     `open_runtime` block exits (as a dead process's is): from then on other runtimes take
     the claims over after `takeover_grace`, else when the leases run out. Only the
     runtime's tasks stop: the code after the call (a test going on to watch the takeover)
-    runs on, and a call to the crashed runtime raises `StoreError`. During a graceful
-    shutdown it stops the shutdown too (a second signal to a worker); once the runtime
-    closed it is a `RuntimeError` (too late: its claims were handed back)."""
+    runs on, and a call to the crashed runtime raises `StoreError`; its open `watch()` and
+    `stream()` iterators end, as when a runtime closes (nothing feeds them any more). During
+    a graceful shutdown it stops the shutdown too (a second signal to a worker); once the
+    runtime closed it is a `RuntimeError` (too late: its claims were handed back)."""
     if runtime._closed:
         raise RuntimeError(
             "crash: the runtime is closed (its claims handed back): crash it inside its"
@@ -99,3 +100,6 @@ def crash(runtime: Runtime) -> None:
     runtime._heartbeat_scope.cancel()
     runtime._token_scope.cancel()
     runtime._nursery.cancel_scope.cancel()
+    # Their feed (the change loop) stops with the tasks: left open they would wait for ever.
+    runtime._watchers.close()
+    runtime._streams.close()
