@@ -326,3 +326,32 @@ async def test_a_crash_ends_its_watchers_and_streams(
                     await ended.wait()
                 nursery.cancel_scope.cancel()
     assert ended.is_set(), f"the {follow} of the crashed runtime waited for ever"
+
+
+@pytest.mark.sqlite_only("the seams are backend-independent")
+async def test_each_set_seams_call_replaces_every_seam(
+    tmp_path: Path, clock: Callable[[], float], autojump_clock: trio.testing.MockClock
+) -> None:
+    """`set_seams` sets all its seams at each call (its docstring and the README say so): a
+    second call naming only `after_finish` removes the `before_finish` of the first, which
+    then never runs again. Pinned so the documented replacement cannot drift into a merge
+    (or back) unnoticed; the last audit found it undocumented."""
+    reached: list[str] = []
+
+    async def before(session_id: str) -> None:
+        reached.append("before_finish")
+
+    async def after(session_id: str) -> None:
+        reached.append("after_finish")
+
+    with trio.fail_after(BOUND):
+        async with trio_sessions.open_runtime(
+            testing.inline_store(tmp_path / "sessions.db"), answer, clock=clock
+        ) as rt:
+            testing.set_seams(rt, before_finish=before)
+            await rt.run("s")
+            testing.set_seams(rt, after_finish=after)
+            await rt.run("s")
+            testing.set_seams(rt)
+            await rt.run("s")
+    assert reached == ["before_finish", "after_finish"]

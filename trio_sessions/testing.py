@@ -5,8 +5,9 @@
 * `inline_store(path)`: a `Store` whose SQLite work runs on the trio thread, so autojump
   never advances virtual time while a worker thread blocks.
 * `set_seams(runtime, ...)`: pause an owner at a named step (before its finish transaction,
-  before recovery applies its decisions); `crash(runtime)`: make an owner vanish like a
-  killed process - no further durable write, claims left to expire.
+  before recovery applies its decisions) - each call replaces every seam; `crash(runtime)`:
+  make an owner vanish like a killed process - no further durable write, claims left to
+  expire.
 """
 
 from __future__ import annotations
@@ -59,7 +60,9 @@ def set_seams(
     transaction and `after_finish(session_id)` after one that released the claim, while the
     registry entry is still held; `before_recovery_apply(execution_ids)` runs between
     taking recovery leases and applying recovery's decisions. Each is awaited: a plain
-    `def` is a `TypeError` naming it."""
+    `def` is a `TypeError` naming it. Each call sets all three: a seam it does not name is
+    removed (one installed by an earlier call included), and `set_seams(runtime)` removes
+    them all - pass every seam a test needs in one call."""
     seams = {
         "before_finish": before_finish,
         "after_finish": after_finish,
