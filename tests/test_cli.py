@@ -917,7 +917,11 @@ def test_control_verbs_pause_resume_cancel_delete_and_purge(
     operations on a file and on a URL alike, each with --json; a verb that finds nothing to
     act on exits 1 saying why."""
     db, location = seeded_store
-    assert cli_json(capsys, "pause", *db, "pending") == {"session_id": "pending", "action": "pause"}
+    assert cli_json(capsys, "pause", *db, "pending") == {
+        "session_id": "pending",
+        "action": "pause",
+        "created": False,
+    }
     paused = "SELECT COUNT(*) FROM session WHERE id = 'pending' AND time_paused IS NOT NULL"
     assert query(location, paused) == [(1,)]
     status = cli_json(capsys, "status", *db, "--session", "pending")
@@ -955,6 +959,33 @@ def test_control_verbs_pause_resume_cancel_delete_and_purge(
     with pytest.raises(SystemExit) as exited:
         _cli.main(["purge", *db, "--idle-for", "-1"])
     assert exited.value.code == 2
+
+
+def test_pause_of_an_unknown_session_says_it_created_one_and_resume_refuses_it(
+    seeded_store: tuple[list[str], backends.Location], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`pause DB <typo>` creates a paused session (as `runtime.pause` does: a session can be
+    held before its first message) - the CLI says so, in its text and its JSON, instead of
+    "paused <typo>" as if a session had been found; `resume DB <typo>` exits 1 naming the
+    missing session, as `delete` does, instead of "resumed <typo> (no doorbell rung)". Found
+    by the last audit: a mistyped id silently left a paused session behind."""
+    db, location = seeded_store
+    code, out, err = cli(capsys, "pause", *db, "pendign")
+    assert code == 0, err
+    assert out.startswith("paused pendign (no such session existed: created it, paused")
+    created = "SELECT COUNT(*) FROM session WHERE id = 'pendign' AND time_paused IS NOT NULL"
+    assert query(location, created) == [(1,)]
+    assert cli_json(capsys, "pause", *db, "pendign") == {
+        "session_id": "pendign",
+        "action": "pause",
+        "created": False,
+    }
+    assert cli_json(capsys, "pause", *db, "nosuch")["created"] is True
+    code, out, err = cli(capsys, "pause", *db, "pending")
+    assert (code, out) == (0, "paused pending\n"), err
+    code, out, err = cli(capsys, "resume", *db, "resumetypo")
+    assert (code, out) == (1, "") and "no session 'resumetypo'" in err
+    assert query(location, "SELECT COUNT(*) FROM session WHERE id = 'resumetypo'") == [(0,)]
 
 
 def test_status_shows_a_paused_session_as_paused(

@@ -151,6 +151,11 @@ def format_control(result: dict[str, Any]) -> str:
     if action == "resume":
         started = "pending work rang its doorbell" if result["rung"] else "no doorbell rung"
         return f"resumed {result['session_id']} ({started})"
+    if action == "pause" and result["created"]:
+        return (
+            f"paused {result['session_id']} (no such session existed: created it, paused;"
+            " `delete` removes it)"
+        )
     return f"{'paused' if action == 'pause' else 'deleted'} {result['session_id']}"
 
 
