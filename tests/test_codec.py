@@ -58,9 +58,18 @@ tool_parts = st.builds(
     output=json_values,
     error=st.none() | st.text(max_size=20),
 )
+
+
+def one_part_per_call(parts: list[Any]) -> tuple[Any, ...]:
+    """`parts` without a tool part whose call id an earlier one holds: no writer stores two
+    (`start_tool` refuses the id), and a reader refuses them (`_codec._repeated_calls`)."""
+    calls = {part.call_id: part for part in reversed(parts) if isinstance(part, ToolPart)}
+    return tuple(p for p in parts if not isinstance(p, ToolPart) or calls[p.call_id] is p)
+
+
 assistant_data = st.builds(
     AssistantData,
-    parts=st.lists(text_parts | tool_parts, max_size=4).map(tuple),
+    parts=st.lists(text_parts | tool_parts, max_size=4).map(one_part_per_call),
     finished=st.booleans(),
     error=st.none() | st.text(max_size=20),
 )
@@ -295,6 +304,21 @@ MALFORMED: list[Any] = [
         mutated(lambda r: text_part(r).update(bold=True)),
         ["extra fields", "bold"],
         id="part-extra-key",
+    ),
+    pytest.param(
+        mutated(lambda r: r["parts"].append(copy.deepcopy(tool_part(r)))),
+        ["tool call 'c1' is held by parts 0 and 2", "settles at most once"],
+        id="one-call-twice",
+    ),
+    pytest.param(
+        mutated(lambda r: text_part(r).update(text="a\ud800b")),
+        ["lone surrogate (\\ud800) at $.parts[1].text"],
+        id="lone-high-surrogate",
+    ),
+    pytest.param(
+        mutated(lambda r: tool_part(r).update(output={"k\udfff": 1})),
+        ["lone surrogate (\\udfff) at a key of $.parts[0].output"],
+        id="lone-low-surrogate-in-a-key",
     ),
     pytest.param(NAN_OUTPUT, ["NaN is not JSON"], id="nan-literal"),
     pytest.param(INFINITY_ERROR, ["Infinity is not JSON"], id="infinity-literal"),

@@ -5,6 +5,7 @@ defect it shows."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -342,3 +343,83 @@ async def test_a_gone_owners_claim_whose_expiry_is_no_time_is_examined_once(
             _store.recovery_scan.scan_and_lease, "me", 10, [], ["gone-owner"], 30_000
         )
     assert [c.execution_id for c in candidates[0]] == ["e-poison"]
+
+
+def _tool(call_id: str, status: str, output: Any) -> dict[str, Any]:
+    return {
+        "type": "tool",
+        "call_id": call_id,
+        "name": "search",
+        "input": {},
+        "status": status,
+        "output": output,
+        "error": None,
+    }
+
+
+# Assistant rows another tool wrote that no writer of ours would: `append_text` and the tool
+# calls refuse a lone surrogate (`_codec.check_text`), `start_tool` a call id already in the
+# message, `settle_tool` a second settlement (§6.12).
+UNWRITABLE_ASSISTANT = {
+    "lone-surrogate": (
+        '{"parts": [{"type": "text", "text": "bad \\ud800 text"}], "finished": false,'
+        ' "error": null}',
+        "lone surrogate",
+    ),
+    "settled-twice": (
+        json.dumps(
+            {
+                "parts": [_tool("c1", "completed", 1), _tool("c1", "error", None)],
+                "finished": False,
+                "error": None,
+            }
+        ),
+        "'c1'",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", list(UNWRITABLE_ASSISTANT))
+async def test_a_message_no_writer_could_write_is_malformed_and_its_crashed_claim_quarantined(
+    store: Any, db_path: Any, clock: Any, autojump_clock: MockClock, kind: str
+) -> None:
+    """DESIGN §3 (strict decoding), §5 ("a malformed row raises `MalformedRecord`"), §6.12
+    (the transcript never holds two settlements) and §4 (a message that fails to decode
+    quarantines its claim), on both backends: an assistant message another tool wrote with a
+    lone surrogate in its text, or with one tool call settled twice. Found by the last
+    audit reading the store: the readers accepted both - `transcript()` returned them (a
+    str no UTF-8 encoder takes; two parts for one call, which a stream client replacing
+    parts by call id cannot show) and recovery resumed the dead owner's claim."""
+    text, reason = UNWRITABLE_ASSISTANT[kind]
+    raw = Raw(db_path)
+    drain = Recorder()
+    async with runtime(store, drain, clock, **QUIET) as rt:
+        raw.seed_claim("s", "poison", expires_at=1)
+        message_id = raw.seed_assistant("s", "poison", 1, text)
+        with pytest.raises(MalformedRecord, match=reason) as raised:
+            await rt.transcript("s")
+        assert raised.value.key == message_id
+        report = await rt.recover_once()
+    assert (report.resumed, report.quarantined) == (0, 1)
+    assert drain.calls == []
+    [(why,)] = raw.rows("SELECT recovery_error FROM session_recovery")
+    assert reason in why
+
+
+async def test_a_user_message_holding_a_lone_surrogate_is_malformed(
+    store: Any, db_path: Any, clock: Any, autojump_clock: MockClock
+) -> None:
+    """As above for a user message (`submit` refuses a payload holding a lone surrogate):
+    `transcript()` raises `MalformedRecord` naming it instead of returning text no UTF-8
+    encoder takes - a web app serving the transcript failed later, far from the cause. A
+    surrogate pair (an emoji as JSON escapes it) and an escaped backslash before `ud800`
+    stay valid text."""
+    raw = Raw(db_path)
+    async with runtime(store, Recorder(), clock, **QUIET) as rt:
+        raw.seed_user_message("s", "fine", 1, '{"text": "\\ud83d\\ude00 and \\\\ud800"}')
+        [message] = await rt.transcript("s")
+        assert message.data == {"text": "\U0001f600 and \\ud800"}
+        raw.seed_user_message("s", "lone", 2, '{"text": "\\udc00"}')
+        with pytest.raises(MalformedRecord, match="lone surrogate") as raised:
+            await rt.transcript("s")
+    assert raised.value.key == "lone"

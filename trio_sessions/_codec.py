@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import threading
 from collections.abc import Sequence
 from typing import Any, Literal, NoReturn, get_args, get_origin
@@ -487,12 +488,34 @@ def decode_assistant(text: Any, *, key: str) -> AssistantData:
     if type(raw) is not dict:
         raise MalformedRecord("session_message", key, [f"expected a JSON object, got {raw!r}"])
     try:
-        return _converter.structure(raw, AssistantData)
+        data = _converter.structure(raw, AssistantData)
     except cattrs.BaseValidationError as exc:
         reasons = cattrs.transform_error(exc, format_exception=_format_reason)
         raise MalformedRecord("session_message", key, reasons) from None
     except (TypeError, ValueError, AttributeError) as exc:
         raise MalformedRecord("session_message", key, [str(exc)]) from None
+    if reasons := _repeated_calls(data.parts):
+        raise MalformedRecord("session_message", key, reasons)
+    return data
+
+
+def _repeated_calls(parts: Sequence[Part]) -> list[str]:
+    """A reason per tool call id held by more than one part: `start_tool` refuses a call
+    id already in the message and a call settles at most once (§6.12), so no writer leaves
+    two parts of one call - nor could a stream client, which replaces a part by its id."""
+    first: dict[str, int] = {}
+    reasons = []
+    for index, part in enumerate(parts):
+        if not isinstance(part, ToolPart):
+            continue
+        if part.call_id in first:
+            reasons.append(
+                f"tool call {part.call_id!r} is held by parts {first[part.call_id]} and"
+                f" {index}: a call is started once and settles at most once"
+            )
+        else:
+            first[part.call_id] = index
+    return reasons
 
 
 def decode_streamed(texts: Sequence[Any], *, key: str) -> list[str]:
@@ -580,8 +603,62 @@ def decode_object(text: Any, *, table: str, key: str) -> dict[str, Any]:
 
 def _decode_json(text: Any, *, table: str, key: str) -> Any:
     try:
-        return loads(text)
+        raw = loads(text)
     except (TypeError, ValueError) as exc:
         if isinstance(text, bytes):  # text that is not UTF-8, read as its bytes: say so
             stored_text("text", text, table=table, key=key)
         raise MalformedRecord(table, key, [f"not JSON: {exc}"]) from None
+    if _SURROGATE_ESCAPE.search(text) is not None:
+        spend(len(text))  # the check below encodes the value once more
+        _refuse_lone_surrogates(raw, table=table, key=key)
+    return raw
+
+
+# A JSON escape of a surrogate (`\ud800`): the only way stored text holds one, since both
+# backends keep text as UTF-8, which has none. Found, the decoded value is checked whole
+# (a pair - an emoji as `dumps` escapes it - is one character once decoded, and fine).
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+# Encodes decoded values back as text (not escaped): UTF-8 then refuses a lone surrogate.
+_TEXT_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+
+
+def _refuse_lone_surrogates(raw: Any, *, table: str, key: str) -> None:
+    """`MalformedRecord` when a decoded value holds a lone surrogate - a str no UTF-8
+    encoder takes, which every writer refuses (`check_text`, `check_json`), so a reader
+    does too. The check is one encoding of the value (C speed); the path to the
+    offending string is looked for only when there is one."""
+    try:
+        _TEXT_ENCODER.encode(raw).encode("utf-8")
+    except UnicodeEncodeError:
+        pass
+    else:
+        return
+    stack: list[tuple[Any, _Path]] = [(raw, None)]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, dict):
+            for name, item in value.items():
+                if (index := _lone_surrogate(name)) is not None:
+                    _malformed_surrogate(table, key, name[index], f"a key of {_format_path(path)}")
+                stack.append((item, (path, name)))
+        elif isinstance(value, list):
+            stack.extend((item, (path, index)) for index, item in enumerate(value))
+        elif isinstance(value, str) and (index := _lone_surrogate(value)) is not None:
+            _malformed_surrogate(table, key, value[index], _format_path(path))
+
+
+def _lone_surrogate(text: str) -> int | None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return exc.start
+    return None
+
+
+def _malformed_surrogate(table: str, key: str, char: str, where: str) -> NoReturn:
+    reason = (
+        f"holds a lone surrogate (\\u{ord(char):04x}) at {where}: no Unicode text, which"
+        " no writer stores"
+    )
+    raise MalformedRecord(table, key, [reason])
