@@ -423,3 +423,29 @@ async def test_a_user_message_holding_a_lone_surrogate_is_malformed(
         with pytest.raises(MalformedRecord, match="lone surrogate") as raised:
             await rt.transcript("s")
     assert raised.value.key == "lone"
+
+
+@pytest.mark.parametrize("how", ["drained", "scheduled", "producer"])
+async def test_a_submit_after_the_largest_input_seq_fails_alike_on_both_backends(
+    store: Any, db_path: Any, clock: Any, autojump_clock: MockClock, how: str
+) -> None:
+    """§6.20 and §5, as for a message at the largest seq: a session row another tool wrote
+    with `input_seq` 2**63 - 1 leaves no seq for the next input. PostgreSQL refuses the
+    submit ('bigint out of range', `StoreError`) and stores nothing. Found by the last
+    audit: SQLite turned the count into a REAL (9.223372036854776e+18) and stored the input
+    at that seq - every later input at the same seq, their order lost, and a second submit
+    while one waited failed with "UNIQUE constraint failed". Expected: every submit path
+    (a draining runtime's, a scheduled input's, a producer's) refuses it, writing
+    nothing."""
+    raw = Raw(db_path)
+    largest = 2**63 - 1
+    drain = None if how == "producer" else Recorder()
+    async with runtime(store, drain, clock, **QUIET) as rt:
+        raw.write("INSERT INTO session(id, time_created, input_seq) VALUES ('s', 0, ?)", (largest,))
+        for n in range(2):
+            with pytest.raises((StoreError, MalformedRecord)) as raised:
+                await rt.submit("s", {"n": n}, delay=5 if how == "scheduled" else None)
+            assert "out of range" in str(raised.value)
+    assert raw.rows("SELECT id FROM session_input") == []
+    assert raw.rows("SELECT input_seq FROM session") == [(largest,)]
+    assert raw.rows("SELECT id FROM session_message") == []

@@ -85,6 +85,11 @@ def _take_doorbells(tx: Tx, session_ids: Sequence[str]) -> None:
 # A set-wise read's session (LEFT JOINed as `s`: none yet, or one) whose resume count is an
 # integer: a job whose session holds anything else is left to run alone.
 _NO_SESSION_OR_WHOLE_ATTEMPTS = "typeof(s.wake_attempts) IN ('null', 'integer')"
+# A session whose input count has a seq left (SQLite would count on past the largest
+# integer as a REAL): any other goes one by one, where `counted_input_seq` refuses it.
+_NO_SESSION_OR_INPUT_SEQ_LEFT = (
+    "(s.id IS NULL OR (typeof(s.input_seq) = 'integer' AND s.input_seq < 9223372036854775807))"
+)
 
 
 def _claimable(
@@ -247,7 +252,8 @@ def _submit_and_acquire_many(tx: Tx, rows: Sequence[tuple[Any, ...]]) -> list[An
     free = tx.execute(
         "SELECT j.key, s.time_woken, s.wake_attempts FROM json_each(?) j"
         " LEFT JOIN session s ON s.id = json_extract(j.value, '$[0]')"
-        f" WHERE s.time_paused IS NULL AND {_NO_SESSION_OR_WHOLE_ATTEMPTS} AND NOT EXISTS"
+        f" WHERE s.time_paused IS NULL AND {_NO_SESSION_OR_WHOLE_ATTEMPTS}"
+        f" AND {_NO_SESSION_OR_INPUT_SEQ_LEFT} AND NOT EXISTS"
         " (SELECT 1 FROM session_execution c WHERE c.session_id = json_extract(j.value, '$[0]'))"
         " AND NOT EXISTS (SELECT 1 FROM session_input i WHERE i.id = json_extract(j.value, '$[1]'))"
         " AND NOT EXISTS"

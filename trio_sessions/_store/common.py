@@ -217,6 +217,22 @@ def _next_message_seq(tx: Tx, session_id: str, count: int = 1) -> int:
     return newest + 1
 
 
+def counted_input_seq(session_id: str, counted: Any) -> int:
+    """The seq a new input takes: the session's `input_seq` as its count just bumped it
+    (`RETURNING`). SQLite turns a count past the largest 64-bit integer into a REAL
+    (9.223372036854776e+18: every later input at that seq, their order lost) and keeps
+    whatever another tool writes; PostgreSQL refuses the bump ('bigint out of range', a
+    `StoreError`). Anything but an integer is `MalformedRecord` naming the session, raised
+    inside the operation, so its writes are rolled back with it (§6.20)."""
+    if type(counted) is int:
+        return counted
+    if isinstance(counted, float) and counted > MAX_INT64:
+        reason = f"input_seq out of range: no seq is left for another input after {MAX_INT64}"
+    else:
+        reason = f"input_seq is no whole number (counted on to {counted!r})"
+    raise MalformedRecord("session", session_id, [reason])
+
+
 def _message_at(tx: Tx, session_id: str, seq: Any) -> str:
     """The id of the session's message at `seq` (as stored), to name it in a
     `MalformedRecord`; "?" if it went meanwhile."""

@@ -47,6 +47,7 @@ from .common import (
     _ring,
     _written,
     as_stored,
+    counted_input_seq,
     new_id,
     readable,
 )
@@ -181,7 +182,14 @@ def submit_scheduled(
     tx.execute(
         "INSERT INTO session_input(id, session_id, seq, payload, time_created, due_at)"
         " VALUES (?, ?, ?, ?, ?, ?)",
-        (input_id, session_id, row[0], payload, tx.now, tx.now + delay_ms),
+        (
+            input_id,
+            session_id,
+            counted_input_seq(session_id, row[0]),
+            payload,
+            tx.now,
+            tx.now + delay_ms,
+        ),
     )
     return input_id
 

@@ -18,7 +18,7 @@ from typing import Any
 from .. import _codec
 from .._backend import FALLBACK, Tx, autocommit_when_alone, pg_batched
 from .._errors import InputConflict
-from .common import pg_set_wise
+from .common import counted_input_seq, pg_set_wise
 
 
 def wake(tx: Tx, session_id: str) -> None:
@@ -114,6 +114,7 @@ def _insert_input(
         " RETURNING input_seq, time_woken, wake_attempts",
         (session_id, tx.now, doorbell, int(ring), doorbell, int(ring)),
     )
+    seq = counted_input_seq(session_id, row[0])
     # PostgreSQL: the caller's check under its session lock cannot see another session's
     # uncommitted input of this id (ids are unique across sessions, locks are per session);
     # only the primary key makes this insert wait for it. Once that one committed, its
@@ -121,7 +122,7 @@ def _insert_input(
     while not tx.execute(
         "INSERT INTO session_input(id, session_id, seq, payload, time_created)"
         " VALUES (?, ?, ?, ?, ?) ON CONFLICT(id) DO NOTHING",
-        (input_id, session_id, row[0], payload, tx.now),
+        (input_id, session_id, seq, payload, tx.now),
     ).rowcount:
         if _known_input(tx, session_id, input_id, payload):
             break  # stored for this session, with this payload, after all
