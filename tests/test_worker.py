@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import os
 import re
 import signal
@@ -776,3 +777,38 @@ def test_message_to_json_is_the_stored_projection_and_a_copy() -> None:
     user = Message("m0", "s1", "user", 2, {"text": ["hi"]}, "e1", "in-1")
     user.to_json()["data"]["text"].append("there")
     assert user.data == {"text": ["hi"]}
+
+
+async def test_a_signal_while_the_runtime_opens_logs_no_owner_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SIGTERM before the runtime opened (a PostgreSQL liveness token still held elsewhere
+    keeps an open waiting up to 20 s) stops the worker with status 0, and its last line says
+    the runtime never opened. Found by the last audit: it logged "worker stopped: owner
+    None", an owner that does not exist."""
+    opening = trio.Event()
+
+    @contextlib.asynccontextmanager
+    async def never_opens(*args: Any, **options: Any) -> Any:
+        opening.set()
+        await trio.sleep_forever()
+        yield  # pragma: no cover
+
+    monkeypatch.setattr(_worker, "open_runtime", never_opens)
+    caplog.set_level(logging.INFO, logger="trio_sessions")
+    settings = _worker.WorkerSettings(drain="m:d", store=str(tmp_path / "w.db"))
+    status: list[int] = []
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+
+            async def serve() -> None:
+                status.append(await _worker.serve(settings, worker_drain.reply))
+
+            nursery.start_soon(serve)
+            await opening.wait()
+            os.kill(os.getpid(), signal.SIGTERM)
+    messages = [record.getMessage() for record in caplog.records]
+    assert status == [_worker.EXIT_OK]
+    assert "worker stopping on SIGTERM" in messages
+    assert messages[-1] == "worker stopped: its runtime never opened", messages
+    assert not any("None" in message for message in messages), messages

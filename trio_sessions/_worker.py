@@ -329,8 +329,12 @@ async def serve(settings: WorkerSettings, drain: Any) -> int:
                 with runtime_scope:
                     status = await _run_runtime(settings, drain, on_open=on_open)
             nursery.cancel_scope.cancel()
-    if status == EXIT_OK:
-        owner = None if opened is None else opened.owner_id
+    if status == EXIT_OK and opened is None:
+        # Stopped while `open_runtime` still waited (a liveness token held elsewhere): no
+        # owner id was made, so none is named.
+        logger.info("worker stopped: its runtime never opened")
+    elif status == EXIT_OK and opened is not None:
+        owner = opened.owner_id
         logger.info("worker stopped: owner %s", owner, extra={"owner_id": owner})
     return status
 
