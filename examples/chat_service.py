@@ -458,13 +458,36 @@ async def serve_web(store: Any, bind: str) -> None:
         serve = functools.partial(
             hypercorn.trio.serve, ChatApp(runtime), config, shutdown_trigger=_until_signal
         )
-        async with trio.open_nursery() as nursery:
-            binds = await nursery.start(serve)
-            # What start-up made (modules, classes, functions: most of the heap) stays:
-            # a full collection no longer walks it - with 200 live streams it paused the
-            # event loop for 13-18 ms, every request then in flight with it.
-            gc.freeze()
-            logger.info("chat service listening on %s", " ".join(binds))
+        listening = False
+        try:
+            async with trio.open_nursery() as nursery:
+                binds = await nursery.start(serve)
+                listening = True
+                # What start-up made (modules, classes, functions: most of the heap) stays:
+                # a full collection no longer walks it - with 200 live streams it paused the
+                # event loop for 13-18 ms, every request then in flight with it.
+                gc.freeze()
+                logger.info("chat service listening on %s", " ".join(binds))
+        except BaseExceptionGroup as group:
+            # Hypercorn's nurseries wrap the bind's error in groups, one per nursery.
+            refused = None if listening else _only_error(group)
+            if not isinstance(refused, OSError):
+                raise
+            reason = refused.strerror or str(refused)
+            raise CannotListen(f"cannot listen on {bind}: {reason}") from None
+
+
+class CannotListen(Exception):
+    """The bind address cannot be listened on (in use, not this host's): the operator
+    reads one line, not a traceback."""
+
+
+def _only_error(group: BaseExceptionGroup[Any]) -> BaseException:
+    """The one exception a group wraps (through nested groups), else the group itself."""
+    error: BaseException = group
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return error
 
 
 def settings(argv: list[str] | None = None) -> tuple[Any, str]:
@@ -502,7 +525,11 @@ def main() -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    trio.run(serve_web, store, bind)
+    try:
+        trio.run(serve_web, store, bind)
+    except CannotListen as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

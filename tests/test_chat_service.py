@@ -159,6 +159,27 @@ def test_the_web_process_names_its_schema_as_the_worker_does(
     assert "a schema needs a postgresql:// URL" in capsys.readouterr().err
 
 
+def test_a_bind_address_in_use_is_one_line_and_exit_1(tmp_path: Path) -> None:
+    """The web process started on a port another process listens on says so in one line
+    and exits 1. Found by the last audit: it printed hypercorn's nested exception-group
+    traceback (four levels) ending in "OSError: [Errno 98] Address already in use"."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        bind = f"127.0.0.1:{taken.getsockname()[1]}"
+        done = subprocess.run(
+            [sys.executable, str(EXAMPLES / "chat_service.py"), "--store",
+             str(tmp_path / "chat.db"), "--bind", bind],
+            capture_output=True, text=True, env=_env(), timeout=DEADLINE,
+        )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    [line] = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert line.startswith(f"error: cannot listen on {bind}: ") and "in use" in line, line
+
+
 async def transcript(client: httpx.AsyncClient, session: str) -> list[dict[str, Any]]:
     response = await client.get(f"/sessions/{session}/transcript")
     assert response.status_code == 200, response.text
