@@ -449,3 +449,31 @@ async def test_a_submit_after_the_largest_input_seq_fails_alike_on_both_backends
     assert raw.rows("SELECT id FROM session_input") == []
     assert raw.rows("SELECT input_seq FROM session") == [(largest,)]
     assert raw.rows("SELECT id FROM session_message") == []
+
+
+async def test_an_input_holding_a_lone_surrogate_is_set_aside_not_blocking_the_next(
+    store: Any, db_path: Any, clock: Any, autojump_clock: MockClock
+) -> None:
+    """DESIGN §4: an input row that does not decode never blocks the inputs behind it - it
+    is set aside for the operator and the drain gets the valid ones. A payload another tool
+    wrote with a lone surrogate (which `submit` refuses) is such a row, on both backends."""
+    raw = Raw(db_path)
+    taken: list[Any] = []
+
+    async def take(ctx: DrainContext) -> None:
+        taken.extend(item.payload for item in await ctx.take_inputs())
+
+    async with runtime(store, take, clock, **QUIET) as rt:
+        raw.write("INSERT INTO session(id, time_created, input_seq) VALUES ('s', 0, 1)", ())
+        raw.write(
+            "INSERT INTO session_input(id, session_id, seq, payload, time_created)"
+            " VALUES ('bad', 's', 1, ?, 0)",
+            ('{"text": "\\ud800"}',),
+        )
+        await rt.submit("s", {"text": "fine"}, input_id="good")
+        await rt.wait_idle("s")
+        outcome = await rt.run("s")
+    assert taken == [{"text": "fine"}], outcome
+    assert raw.rows("SELECT id FROM session_input") == []
+    [(reason,)] = raw.rows("SELECT reason FROM session_input_rejected WHERE id = 'bad'")
+    assert "lone surrogate" in reason

@@ -144,7 +144,11 @@ class DrainContext:
                     for key, data in takes.untold(offset, mine, limit)
                 ]
             if not taken:
-                taken = await self._runtime._db.run(_store.take_inputs, *claim, limit)
+                try:
+                    taken = await self._runtime._db.run(_store.take_inputs, *claim, limit)
+                except _store.FastTakeRefused:
+                    # Rolled back: the library's own path sets the refused input aside.
+                    taken = await self._runtime._db.run(_store.take_inputs, *claim, limit, False)
         except OutcomeUnknown:
             takes.unsure(sent_at)
             self._look_if_watched()

@@ -107,7 +107,7 @@ from .control import (
     truncate,
 )
 from .inputs import submit, wake
-from .intake import TAKE_INPUTS_CHUNK, Taken, inputs_taken_by, take_inputs
+from .intake import TAKE_INPUTS_CHUNK, FastTakeRefused, Taken, inputs_taken_by, take_inputs
 from .liveness import candidates_and_free_tokens, forget_gone_owners, free_tokens
 from .operator import (
     drop_quarantined,
@@ -161,6 +161,7 @@ __all__ = [
     "Candidate",
     "Changes",
     "Due",
+    "FastTakeRefused",
     "Followed",
     "Known",
     "Recovered",

@@ -54,8 +54,21 @@ class Taken(Input):
     text: str
 
 
+class FastTakeRefused(Exception):
+    """PostgreSQL's fast take (`ts_take_inputs`) took an input whose payload the codec
+    refuses though the server's JSON check passed it (a lone surrogate escape): raised
+    inside the operation, so its transaction - the inputs moved - is rolled back; the
+    caller takes again with `fast=False`, the library's own path, which sets that input
+    aside. Deliberately no `MalformedRecord`: nothing is wrong with what stays stored."""
+
+
 def take_inputs(
-    tx: Tx, session_id: str, execution_id: str, owner_id: str, limit: int = TAKE_INPUTS_CHUNK
+    tx: Tx,
+    session_id: str,
+    execution_id: str,
+    owner_id: str,
+    limit: int = TAKE_INPUTS_CHUNK,
+    fast: bool = True,
 ) -> list[Taken]:
     """Consume the oldest `limit` due pending inputs in seq order, appending each as a user
     message (claim fence); returns them with their messages. Scheduled inputs not yet due
@@ -65,26 +78,31 @@ def take_inputs(
 
     An input whose payload does not decode to a JSON object never blocks the ones behind
     it: it moves to `session_input_rejected` (raw text and reason kept for the operator).
+    PostgreSQL's server-side take runs first unless `fast` is False; it leaves such inputs
+    to this path, or, for one only the codec refuses, raises `FastTakeRefused`.
     A claim marked cancelling takes nothing: its drain is being interrupted, and the
     inputs are left for the successor its cleanup rings for (DESIGN §5.1, on_busy).
     """
-    if tx.dialect == "postgres":
+    if tx.dialect == "postgres" and fast:
         found = tx.call(
             "ts_take_inputs", session_id, execution_id, owner_id, limit, idempotent=False
         )
         if found[0][0] == "lease_lost":
             raise _lease_lost(execution_id)
         if found[0][0] == "ok":
-            return [
-                Taken(
-                    key,
-                    _codec.decode_object(payload, table="session_input", key=key),
-                    message_id,
-                    seq,
-                    payload,
-                )
-                for _, key, payload, message_id, seq in found[1:]
-            ]
+            try:
+                return [
+                    Taken(
+                        key,
+                        _codec.decode_object(payload, table="session_input", key=key),
+                        message_id,
+                        seq,
+                        payload,
+                    )
+                    for _, key, payload, message_id, seq in found[1:]
+                ]
+            except MalformedRecord as exc:
+                raise FastTakeRefused(str(exc)) from None
         # mixed: some input of the chunk is not a plain JSON object; nothing was written,
         # the path below sets such inputs aside.
     claimed = _require_claim_session(tx, session_id, execution_id, owner_id)
