@@ -245,15 +245,13 @@ class ChatApp:
         answer is running (stop it first), or when the Idempotency-Key names an earlier
         message. A retry (the same Idempotency-Key) is the edit already made - also before
         its input was answered, when `seq` is the slot just past the last message: its input
-        is stored once. What refuses the edit is checked before the truncate, but for two
-        gaps no public call closes yet (the truncate and the submit are two transactions):
-        a key that names a message still pending (400 after the truncate), and a web
-        process dying between the two (the rest deleted, the edit not stored)."""
+        is stored once. The truncate and the input are one transaction
+        (`submit(truncate_after=...)`): an edit refused - its key names a message still
+        pending, say - or a web process dying midway deletes nothing."""
         payload = await _read_json(receive)
         seq, text = payload.get("seq"), payload.get("text")
         if type(seq) is not int or seq < 1 or not isinstance(text, str):
             raise HTTPError(400, 'the body must be {"seq": <a user message\'s seq>, "text": "..."}')
-        _check_storable(text)  # before the truncate: a refused submit after it lost the rest
         key = _header(scope, b"idempotency-key")
         input_id = _input_id(session_id, key)
         messages = await self.runtime.transcript(session_id)
@@ -268,11 +266,13 @@ class ChatApp:
         elif edited.input_id != input_id:  # else a retry of this edit, already answered
             kept = next((m for m in messages if m.input_id == input_id and m.seq < seq), None)
             if kept is not None:
-                # Checked before the truncate, which keeps that message: its submit would
-                # store nothing new (or raise InputConflict) after the rest was deleted.
+                # The submit would take the edit for a retry of that message's input (the
+                # same text: 202, nothing edited) or raise InputConflict (a 400 that hides
+                # why): the client reused a key, say so.
                 raise HTTPError(409, f"the Idempotency-Key names message {kept.seq} already")
-            await self.runtime.truncate(session_id, after_seq=seq - 1)
-            input_id = await self.runtime.submit(session_id, {"text": text}, input_id=input_id)
+            input_id = await self.runtime.submit(
+                session_id, {"text": text}, input_id=input_id, truncate_after=seq - 1
+            )
         await _respond(send, 202, {"input_id": input_id})
 
     async def stream_events(
@@ -308,18 +308,6 @@ class ChatApp:
                 nursery.cancel_scope.cancel()  # the runtime closed: end the stream
         if not disconnected.is_set():
             await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-def _check_storable(text: str) -> None:
-    """400 for a text no store holds - a NUL, or a lone surrogate (JSON's `\\ud800` escape
-    makes one) - which `submit` refuses: an edit checks it before it truncates, since a
-    submit refused after the truncate left the conversation cut at the edited message."""
-    if "\x00" in text:
-        raise HTTPError(400, "the text holds a NUL character (\\x00): no store holds it")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise HTTPError(400, "the text holds a lone surrogate: it is no Unicode text") from None
 
 
 def _input_id(session_id: str, key: str | None) -> str:

@@ -223,11 +223,6 @@ async def test_an_edit_whose_key_names_an_earlier_message_drops_nothing(tmp_path
             assert await rt.transcript("s") == before, text
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the edit's check looks only at the transcript: no public call tells whether an"
-    " input id is pending, so the truncate runs before submit raises InputConflict",
-)
 async def test_an_edit_whose_key_names_a_pending_message_drops_nothing(tmp_path: Path) -> None:
     """The same with an Idempotency-Key that names a message not answered yet (its input
     pending: the service stores messages and its workers are busy or down): the edit cannot

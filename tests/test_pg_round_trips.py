@@ -587,3 +587,24 @@ def test_an_interrupts_mark_and_its_ring_land_together_or_not_at_all(
         assert phase == "cancelling" and woken is not None
     finally:
         engine.close()
+
+
+def test_an_edit_is_statement_by_statement_and_a_retry_stops_after_its_checks(
+    pg_url: str, migrated_schema: str
+) -> None:
+    """`submit(truncate_after=...)` (README's table): a user's rare edit, its checks and the
+    input's insert run statement by statement around `ts_truncate` in one transaction -
+    eight round trips; a retry of it is answered by its checks - four."""
+    with counting_url(pg_url) as (url, proxy):
+        engine = open_engine(url, schema=migrated_schema)
+        try:
+            engine.run(_store.submit, "s", '{"n": 1}', "in-1")
+            engine.run(_store.acquire, "s", "e1", "me", 60_000)
+            engine.run(_store.take_inputs, "s", "e1", "me")
+            engine.run(_store.finish_iteration, "s", "e1", "me")
+            counted = functools.partial(round_trips_of, proxy, engine)
+            edit = (_store.submit_truncating, "s", '{"n": 2}', "in-2", 0, "queue")
+            assert counted(*edit) == (8, "in-2")
+            assert counted(*edit) == (4, "in-2")
+        finally:
+            engine.close()

@@ -166,6 +166,7 @@ class Runtime:
         input_id: str | None = None,
         on_busy: str = "queue",
         delay: float | None = None,
+        truncate_after: int | None = None,
     ) -> str:
         """Store an input and wake the session; returns the input id.
 
@@ -187,6 +188,14 @@ class Runtime:
         after restarts. A session whose only inputs are scheduled is not busy. `0`/`None`:
         due now.
 
+        `truncate_after` (a seq) edits and regenerates in the same transaction: the
+        session's messages with a higher seq are deleted (as `truncate`) and the input
+        stored - all or nothing. Everything that refuses the edit is checked before
+        anything is deleted: a retry of this input id returns it and deletes nothing, an
+        `InputConflict`, and `SessionBusy` while a claim is held (with `"reject"`, also
+        while due inputs wait). It takes an input due now, queued or rejected: not with a
+        `delay` or `"interrupt"` (`ValueError`).
+
         Idempotent by `input_id` (also after the input was taken): a retry with the same id
         and payload stores nothing new and returns the id. Raises `InputConflict` when the
         id belongs to another session or to a different payload; `SessionBusy` (above);
@@ -207,6 +216,14 @@ class Runtime:
         delay_ms = _validate.delay_ms(delay)
         if delay_ms and on_busy == "interrupt":
             raise ValueError('on_busy="interrupt" needs an input due now (delay=None)')
+        if truncate_after is not None:
+            after_seq = _validate.count(truncate_after, "truncate_after", 0)
+            if delay_ms or on_busy == "interrupt":
+                raise ValueError(
+                    "truncate_after edits an idle session now: no delay, and on_busy"
+                    f' "queue" or "reject" (got delay={delay!r}, on_busy={on_busy!r})'
+                )
+            return await self._submit_truncating(session_id, text, input_id, after_seq, on_busy)
         if delay_ms:
             stored = await self._db.run(
                 _store.submit_scheduled, session_id, text, input_id, delay_ms, on_busy
@@ -232,6 +249,18 @@ class Runtime:
             # doorbell for the successor. Any other local entry - a successor that took
             # this input, an acquisition that found another owner's claim - runs on.
             entry.interrupt("user")
+        return str(stored)
+
+    async def _submit_truncating(
+        self, session_id: str, text: str, input_id: str, after_seq: int, on_busy: str
+    ) -> str:
+        try:
+            stored = await self._db.run(
+                _store.submit_truncating, session_id, text, input_id, after_seq, on_busy
+            )
+        finally:  # also when its reply was lost after the commit (`OutcomeUnknown`)
+            self._loops.changed_here(session_id)
+        self._busy.ring(session_id)
         return str(stored)
 
     @property
@@ -603,8 +632,9 @@ class Runtime:
             self._loops.changed_here(new_session_id)
 
     async def truncate(self, session_id: str, *, after_seq: int) -> int:
-        """Delete the session's messages with `seq > after_seq`; returns how many. "Edit and
-        regenerate": truncate, then submit the edited text.
+        """Delete the session's messages with `seq > after_seq`; returns how many. To edit and
+        regenerate, `submit(..., truncate_after=after_seq)` deletes them and stores the
+        edited text in one transaction.
 
         One transaction, durable when it returns: never a half-truncated transcript.
         Raises `SessionBusy` (nothing deleted) while a claim is held on the session,

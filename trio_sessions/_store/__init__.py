@@ -104,6 +104,7 @@ from .control import (
     submit_controlled,
     submit_controlled_and_acquire,
     submit_scheduled,
+    submit_truncating,
     truncate,
 )
 from .inputs import submit, wake
@@ -231,6 +232,7 @@ __all__ = [
     "submit_controlled",
     "submit_controlled_and_acquire",
     "submit_scheduled",
+    "submit_truncating",
     "take_inputs",
     "take_recovery_leases",
     "transcript_tail",
