@@ -614,10 +614,16 @@ def _decode_json(text: Any, *, table: str, key: str) -> Any:
     return raw
 
 
-# A JSON escape of a surrogate (`\ud800`): the only way stored text holds one, since both
-# backends keep text as UTF-8, which has none. Found, the decoded value is checked whole
-# (a pair - an emoji as `dumps` escapes it - is one character once decoded, and fine).
-_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+# A JSON escape of a lone surrogate (`\ud800`): the only way stored text holds one, since
+# both backends keep text as UTF-8, which has none. A pair - an emoji, as `dumps` escapes
+# every one - is one character once decoded, and passes: a high escape followed by a low
+# one, a low one preceded by a high one that no backslash escapes. It may find text that
+# only reads as an escape (an escaped backslash before `ud800`), never miss a lone one;
+# found, the decoded value is checked whole. Each branch begins `\uD`: a fast scan.
+_SURROGATE_ESCAPE = re.compile(
+    r"\\u[dD](?:[89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])"
+    r"|(?<![^\\]\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD])[c-fC-F])"
+)
 
 # Encodes decoded values back as text (not escaped): UTF-8 then refuses a lone surrogate.
 _TEXT_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
