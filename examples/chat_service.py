@@ -22,8 +22,9 @@ Run it (SQLite here; a `postgresql://` URL works the same, across hosts, with `-
 * The conversation controls a chat UI needs: a message sent while an answer streams says
   what to do with it (`"on_busy"`: `queue`, `interrupt` the answer, or `reject` with 409);
   *Stop* withdraws the user's message if no worker picked it up yet and interrupts the
-  answer otherwise; *edit* replaces a user message and regenerates from there (truncate,
-  then submit; 409 while an answer runs); `DELETE` erases the conversation.
+  answer otherwise; *edit* replaces a user message and regenerates from there (one
+  `submit(truncate_after=...)`; 409 while an answer runs or a message waits unanswered);
+  `DELETE` erases the conversation.
 * `GET /events` is server-sent events from `runtime.stream()`: each event's `id:` is its
   cursor, so a browser's `EventSource` that loses its connection reconnects with
   `Last-Event-ID` and continues with exactly the events it missed (`?cursor=` does the same
@@ -242,12 +243,13 @@ class ChatApp:
     async def edit(self, session_id: str, scope: Scope, receive: Receive, send: Send) -> None:
         """Edit and regenerate: replace user message `seq` with `text`, dropping everything
         after it, and answer it again. 404 unless `seq` is a user message; 409 while an
-        answer is running (stop it first), or when the Idempotency-Key names an earlier
-        message. A retry (the same Idempotency-Key) is the edit already made - also before
-        its input was answered, when `seq` is the slot just past the last message: its input
-        is stored once. The truncate and the input are one transaction
-        (`submit(truncate_after=...)`): an edit refused - its key names a message still
-        pending, say - or a web process dying midway deletes nothing."""
+        answer is running or a message waits unanswered (stop it first: "reject", since
+        "queue" would keep the waiting one and answer it before the edit), or when the
+        Idempotency-Key names an earlier message. A retry (the same Idempotency-Key) is the
+        edit already made - also before its input was answered, when `seq` is the slot just
+        past the last message: its input is stored once. The truncate and the input are one
+        transaction (`submit(truncate_after=...)`): an edit refused - its key names a
+        message still pending, say - or a web process dying midway deletes nothing."""
         payload = await _read_json(receive)
         seq, text = payload.get("seq"), payload.get("text")
         if type(seq) is not int or seq < 1 or not isinstance(text, str):
@@ -271,7 +273,11 @@ class ChatApp:
                 # why): the client reused a key, say so.
                 raise HTTPError(409, f"the Idempotency-Key names message {kept.seq} already")
             input_id = await self.runtime.submit(
-                session_id, {"text": text}, input_id=input_id, truncate_after=seq - 1
+                session_id,
+                {"text": text},
+                input_id=input_id,
+                on_busy="reject",
+                truncate_after=seq - 1,
             )
         await _respond(send, 202, {"input_id": input_id})
 

@@ -247,6 +247,36 @@ async def test_an_edit_whose_key_names_a_pending_message_drops_nothing(tmp_path:
         assert await web.transcript("s") == before
 
 
+async def test_an_edit_while_a_later_message_waits_unanswered_drops_nothing(
+    tmp_path: Path,
+) -> None:
+    """POST /edit of an earlier message while a later one waits unanswered (workers busy
+    or down) is a 409, as while an answer runs (Stop withdraws the waiting one): the edit
+    drops everything after the edited message, and a waiting message is after it. Before,
+    the edit queued behind it: the messages between were deleted, the waiting one stayed
+    and was answered first - the conversation read "three", then the edited "one". Found
+    by a review of `submit(truncate_after=...)`, whose "queue" stores the edit after the
+    inputs waiting."""
+    database = str(tmp_path / "chat.db")
+    async with trio_sessions.open_runtime(database, _answer) as rt:
+        app = chat.ChatApp(rt)
+        await _asked_and_answered(app, rt, [("one", None), ("two", None)])
+    async with trio_sessions.open_runtime(database, None) as web:  # no worker runs now
+        app = chat.ChatApp(web)
+        body = json.dumps({"text": "three"}).encode()
+        status, _ = await _call(app, "POST", "/sessions/s/messages", body)
+        assert status == 202
+        before = await web.transcript("s")
+        edit = json.dumps({"seq": 1, "text": "one, edited"}).encode()
+        status, answer = await _call(app, "POST", "/sessions/s/edit", edit)
+        assert status == 409, (status, answer)
+        assert await web.transcript("s") == before
+    async with trio_sessions.open_runtime(database, _answer) as rt:
+        await rt.run("s")
+        texts = [m.data.get("text") for m in await rt.transcript("s") if m.role == "user"]
+    assert texts == ["one", "two", "three"]
+
+
 @pytest.mark.parametrize("keep_alive", [0.0, -1.0, float("nan")])
 def test_a_keep_alive_period_that_is_no_positive_time_is_refused(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], keep_alive: float
