@@ -243,13 +243,14 @@ class ChatApp:
     async def edit(self, session_id: str, scope: Scope, receive: Receive, send: Send) -> None:
         """Edit and regenerate: replace user message `seq` with `text`, dropping everything
         after it, and answer it again. 404 unless `seq` is a user message; 409 while an
-        answer is running or a message waits unanswered (stop it first: "reject", since
-        "queue" would keep the waiting one and answer it before the edit), or when the
-        Idempotency-Key names an earlier message. A retry (the same Idempotency-Key) is the
-        edit already made - also before its input was answered, when `seq` is the slot just
-        past the last message: its input is stored once. The truncate and the input are one
-        transaction (`submit(truncate_after=...)`): an edit refused - its key names a
-        message still pending, say - or a web process dying midway deletes nothing."""
+        answer is running or a message waits unanswered (stop it first: the waiting one
+        came after the edited message, and answered before the edit it would reorder the
+        conversation), or when the Idempotency-Key names an earlier message. A retry (the
+        same Idempotency-Key) is the edit already made - also before its input was
+        answered, when `seq` is the slot just past the last message: its input is stored
+        once. The truncate and the input are one transaction
+        (`submit(truncate_after=...)`): an edit refused - its key names a message still
+        pending, say - or a web process dying midway deletes nothing."""
         payload = await _read_json(receive)
         seq, text = payload.get("seq"), payload.get("text")
         if type(seq) is not int or seq < 1 or not isinstance(text, str):
@@ -273,11 +274,7 @@ class ChatApp:
                 # why): the client reused a key, say so.
                 raise HTTPError(409, f"the Idempotency-Key names message {kept.seq} already")
             input_id = await self.runtime.submit(
-                session_id,
-                {"text": text},
-                input_id=input_id,
-                on_busy="reject",
-                truncate_after=seq - 1,
+                session_id, {"text": text}, input_id=input_id, truncate_after=seq - 1
             )
         await _respond(send, 202, {"input_id": input_id})
 

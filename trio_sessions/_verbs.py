@@ -192,8 +192,9 @@ class Runtime:
         session's messages with a higher seq are deleted (as `truncate`) and the input
         stored - all or nothing. Everything that refuses the edit is checked before
         anything is deleted: a retry of this input id returns it and deletes nothing, an
-        `InputConflict`, and `SessionBusy` while a claim is held (with `"reject"`, also
-        while due inputs wait). It takes an input due now, queued or rejected: not with a
+        `InputConflict`, and `SessionBusy` unless the session is idle - while a claim is
+        held or due inputs wait, whatever `on_busy` (inputs that came after the edited
+        message, answered before the edit, would reorder the conversation). Not with a
         `delay` or `"interrupt"` (`ValueError`).
 
         Idempotent by `input_id` (also after the input was taken): a retry with the same id
@@ -223,7 +224,7 @@ class Runtime:
                     "truncate_after edits an idle session now: no delay, and on_busy"
                     f' "queue" or "reject" (got delay={delay!r}, on_busy={on_busy!r})'
                 )
-            return await self._submit_truncating(session_id, text, input_id, after_seq, on_busy)
+            return await self._submit_truncating(session_id, text, input_id, after_seq)
         if delay_ms:
             stored = await self._db.run(
                 _store.submit_scheduled, session_id, text, input_id, delay_ms, on_busy
@@ -252,11 +253,11 @@ class Runtime:
         return str(stored)
 
     async def _submit_truncating(
-        self, session_id: str, text: str, input_id: str, after_seq: int, on_busy: str
+        self, session_id: str, text: str, input_id: str, after_seq: int
     ) -> str:
         try:
             stored = await self._db.run(
-                _store.submit_truncating, session_id, text, input_id, after_seq, on_busy
+                _store.submit_truncating, session_id, text, input_id, after_seq
             )
         finally:  # also when its reply was lost after the commit (`OutcomeUnknown`)
             self._loops.changed_here(session_id)

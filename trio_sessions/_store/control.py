@@ -538,21 +538,20 @@ def truncate(tx: Tx, session_id: str, after_seq: int) -> int:
     return int(deleted)
 
 
-def submit_truncating(
-    tx: Tx, session_id: str, payload: str, input_id: str, after_seq: int, on_busy: str
-) -> str:
+def submit_truncating(tx: Tx, session_id: str, payload: str, input_id: str, after_seq: int) -> str:
     """Edit and regenerate: `truncate`, then admit the input and ring the doorbell, in one
     transaction - never a transcript cut with the edit not stored. Checked first, under the
     session lock: a retry of this input (stored, taken or set aside: same session and
     payload) returns its id and deletes nothing; `InputConflict` for another session's id
-    or another payload; `SessionBusy` while a claim is held, and with "reject" also while
-    due inputs wait. A failure after the truncate (the input's seq) rolls it back."""
+    or another payload; `SessionBusy` while a claim is held or due inputs wait (they came
+    after the edited message: answered before the edit, they would reorder the
+    conversation). A failure after the truncate (the input's seq) rolls it back."""
     tx.lock_session(session_id)
     if _known_input(tx, session_id, input_id, payload):
         return input_id
     if _claim_row(tx, session_id) is not None:
         raise _truncate_busy(session_id)
-    if on_busy == "reject" and _has_pending_inputs(tx, session_id):
+    if _has_pending_inputs(tx, session_id):
         raise _busy_error(session_id)
     truncate(tx, session_id, after_seq)
     _insert_input(tx, session_id, payload, input_id, ring=True)
