@@ -49,7 +49,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import _backend, _console, _sqlite, _store, _validate, _worker
-from ._backend import Engine, Tx
+from ._backend import Engine
 from ._cli_format import (
     format_control,
     format_health,
@@ -278,30 +278,18 @@ def pause(database: Engine, session_id: str) -> dict[str, Any]:
     """Hold a session; `created` says it did not exist: pausing creates it, paused (as
     `runtime.pause` does - a session can be held before its first message), which for a
     mistyped id the operator must hear of (`delete` removes it)."""
-    created = database.run(_pause_saying_if_created, session_id)
-    return {"session_id": session_id, "action": "pause", "created": created}
-
-
-def _pause_saying_if_created(tx: Tx, session_id: str) -> bool:
-    """`_store.pause`, and whether the session was absent before it (one transaction)."""
-    absent = tx.one("SELECT 1 FROM session WHERE id = ?", (session_id,)) is None
-    _store.pause(tx, session_id)
-    return absent
+    existed = database.run(_store.pause_session, session_id, True)
+    return {"session_id": session_id, "action": "pause", "created": not existed}
 
 
 def resume(database: Engine, session_id: str) -> dict[str, Any]:
     """Lift the pause; `rung` says whether pending work rang the doorbell (never for a
     session that was not paused; a worker on the store starts it through the store's
     signal). `ValueError` when there is no such session (a mistyped id), as for `delete`."""
-    rung = database.run(_resume_existing, session_id)
-    return {"session_id": session_id, "action": "resume", "rung": rung}
-
-
-def _resume_existing(tx: Tx, session_id: str) -> bool:
-    """`_store.resume` of a session that exists (one transaction), else `ValueError`."""
-    if tx.one("SELECT 1 FROM session WHERE id = ?", (session_id,)) is None:
+    rung = database.run(_store.resume_existing, session_id)
+    if rung is None:
         raise ValueError(f"no session {session_id!r}")
-    return _store.resume(tx, session_id)
+    return {"session_id": session_id, "action": "resume", "rung": rung}
 
 
 def delete(database: Engine, session_id: str) -> dict[str, Any]:

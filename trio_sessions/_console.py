@@ -499,7 +499,7 @@ contains"> <button>search</button></form>
                 # False: no such session (deleted since the page was read): a pause would
                 # make it again, empty and paused.
                 session_id = validate_session_id(session_id)
-                if not await self.runtime._db.run(_store.pause_existing, session_id):
+                if not await self.runtime._db.run(_store.pause_session, session_id, False):
                     raise HTTPError(404, f"nothing was paused: no session {session_id!r}")
                 return f"/sessions/{_q(session_id)}"
             case ["sessions", session_id, "resume"]:

@@ -315,15 +315,29 @@ def pause(tx: Tx, session_id: str) -> None:
     )
 
 
-def pause_existing(tx: Tx, session_id: str) -> bool:
-    """`pause` of a session that exists now; False, writing nothing, for an unknown one (the
-    console's button on a page of a session deleted since: `pause` would make it again).
-    The session lock holds a delete off until the pause commits."""
+def pause_session(tx: Tx, session_id: str, create: bool) -> bool:
+    """`pause` for an operator, who must hear of a mistyped id: returns whether the session
+    existed. An unknown one is made paused only when `create` (the CLI, which says so);
+    else nothing is written (the console's button on a page of a session deleted since).
+    The session lock holds a delete off between the look and the pause."""
     tx.lock_session(session_id)
-    if tx.one("SELECT 1 FROM session WHERE id = ?", (session_id,)) is None:
-        return False
-    pause(tx, session_id)
-    return True
+    existed = _session_exists(tx, session_id)
+    if existed or create:
+        pause(tx, session_id)
+    return existed
+
+
+def resume_existing(tx: Tx, session_id: str) -> bool | None:
+    """`resume` for an operator: None, writing nothing, for an unknown session (a mistyped
+    id), else whether pending work rang the doorbell."""
+    tx.lock_session(session_id)
+    if not _session_exists(tx, session_id):
+        return None
+    return resume(tx, session_id)
+
+
+def _session_exists(tx: Tx, session_id: str) -> bool:
+    return tx.one("SELECT 1 FROM session WHERE id = ?", (session_id,)) is not None
 
 
 @autocommit_when_alone
