@@ -722,10 +722,44 @@ async def test_a_submit_during_a_deleted_sessions_stop_starts_its_drain_at_once(
         assert drain.started[1] - released_at < 1.0
 
 
+async def test_a_submit_after_a_delete_during_an_interrupts_cleanup_starts_at_once(
+    store: Store, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """A user presses Stop, then deletes the chat while the interrupt's cleanup is between
+    its two transactions (the cancelling mark committed, its reply on its way), then starts
+    a fresh chat under the same id. The cleanup's finish finds the claim gone (`LeaseLost`)
+    and used to end the busy period with the fresh submit's ring unanswered: its drain
+    started only at the next recovery pass (5 s) or fallback poll (2 s), not at once."""
+    taken: list[list[str]] = []
+    started: list[float] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        started.append(trio.current_time())
+        taken.append([i.id for i in await ctx.take_inputs()])
+        if len(taken) == 1:
+            await trio.sleep_forever()
+
+    async with runtime(store, drain, clock, recovery_interval=5.0) as rt:
+        await rt.submit("s", {"n": 1}, input_id="i1")
+        await trio.testing.wait_all_tasks_blocked()
+        with late_reply(rt, _store.mark_cancelling, shield=True) as late:
+            assert await rt.interrupt("s") is True
+            await late.committed.wait()
+            assert await rt.delete_session("s") is True
+            await rt.submit("s", {"n": 2}, input_id="i2")
+            submitted_at = trio.current_time()
+            late.answer.set()
+        with trio.move_on_after(10.0):
+            while len(taken) < 2:
+                await trio.sleep(0.01)
+    assert taken == [["i1"], ["i2"]]
+    assert started[1] - submitted_at < 1.0
+
+
 @contextlib.contextmanager
-def late_reply(rt: Any, op: Any) -> Iterator[LateReply]:
+def late_reply(rt: Any, op: Any, *, shield: bool = False) -> Iterator[LateReply]:
     """`rt`'s executor a `LateReply` for `op` while the block runs."""
-    late = LateReply(rt._db, op)
+    late = LateReply(rt._db, op, shield=shield)
     rt._db = late
     try:
         yield late

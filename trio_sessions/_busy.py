@@ -288,10 +288,14 @@ class BusyPeriods:
         entry.disown()
         if runtime._entries.get(entry.session_id) is entry:
             del runtime._entries[entry.session_id]
-            if runtime._max_active is not None or outcome.reason == "lease_lost":
-                # Room again, or a claim lost (its session maybe deleted elsewhere, and
-                # submitted to again): look for durable wakes left waiting - the change
-                # scan passes over the sessions this runtime holds.
+            if (
+                runtime._max_active is not None
+                or outcome.reason == "lease_lost"
+                or entry.claim_gone
+            ):
+                # Room again, or a claim lost or gone (its session maybe deleted here or
+                # elsewhere, and submitted to again): look for durable wakes left waiting -
+                # the change scan passes over the sessions this runtime holds.
                 runtime._kick.set()
             if outcome.reason == "shutdown" and not runtime._closing:
                 # Handed back while we stay open (`interrupt(s, reason="shutdown")`): our
@@ -674,7 +678,13 @@ class BusyPeriods:
                 entry.execution_id,
                 self._runtime._owner_id,
             )
-        except (LeaseLost, StoreError, MalformedRecord):
+        except LeaseLost:
+            # The claim is gone (its session deleted during this cleanup, or taken over):
+            # nobody passes on a wake rung meanwhile - a fresh session's submit, whose
+            # doorbell this cleanup was to answer.
+            entry.claim_gone = True
+            return outcome, False
+        except (StoreError, MalformedRecord):
             # Left as 'cancelling' once that write landed: recovery finishes it as
             # cancelled and never resumes it (or quarantines it, a row of it malformed).
             return outcome, False
