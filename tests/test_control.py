@@ -470,6 +470,41 @@ async def test_pause_ends_a_running_busy_period_at_its_next_iteration_boundary(
     assert drain.taken == ["i1"]
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="A5: a pause committed between the claim's commit and its drain's start does not"
+    " stop that drain; honouring it needs the store's take (or a read before the drain"
+    " starts) to see the pause - a change to ts_take_inputs, i.e. a schema change",
+)
+async def test_a_pause_between_the_claims_commit_and_the_drains_start_starts_no_drain(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """Another process pauses the session right after this runtime's claim committed and
+    before its drain starts (the acquisition hook's window: the thread hand-off's reply on
+    its way). `pause` has returned, so no drain may start on the session (§5.1, §6.24) and
+    the input waits for `resume`; instead the drain starts and answers it."""
+    drain = Recorder()
+    raw = Raw(db_path)
+    paused: list[str] = []
+
+    async with runtime(store, None, clock) as producer:
+
+        async def hook(claim: Any) -> None:
+            if not paused:
+                paused.append(claim.session_id)
+                await producer.pause(claim.session_id)
+
+        async with runtime(store, drain, clock, acquisition_hook=hook) as rt:
+            await rt.submit("s", {"n": 1}, input_id="i1")
+            await rt.wait_idle("s")
+            assert paused == ["s"]
+            assert drain.calls == [], "a drain started on a session whose pause had returned"
+            assert raw.rows("SELECT id FROM session_input") == [("i1",)]
+            await rt.resume("s")
+            await rt.wait_idle("s")
+    assert drain.taken == ["i1"]
+
+
 async def test_recovery_finishes_a_paused_sessions_dead_claim_as_owner_lost(
     store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
 ) -> None:
