@@ -791,6 +791,43 @@ async def test_a_submit_after_a_delete_during_an_interrupts_cleanup_starts_at_on
     assert started[1] - submitted_at < 1.0
 
 
+@pytest.mark.sqlite_only("the inline SQLite store sends no change signal: the delete is unseen")
+async def test_a_submit_after_a_remote_delete_while_the_drain_fails_starts_at_once(
+    store: Store, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """Another process deletes the session while its drain here runs, and a fresh chat is
+    submitted here under the same id before the delete's signal arrived (it rings the old
+    entry); then the old drain fails (its model call raised). Its failed finish finds the
+    claim gone (`LeaseLost`) and used to end the busy period with that ring unanswered:
+    the fresh input waited for the next recovery pass (5 s) instead of draining at once."""
+    taken: list[list[str]] = []
+    started: list[float] = []
+    gate = trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        started.append(trio.current_time())
+        taken.append([i.id for i in await ctx.take_inputs()])
+        if len(taken) == 1:
+            await gate.wait()
+            raise RuntimeError("the model call failed")
+
+    async with (
+        runtime(store, drain, clock, recovery_interval=5.0) as rt,
+        runtime(store, None, clock) as producer,
+    ):
+        await rt.submit("s", {"n": 1}, input_id="i1")
+        await trio.testing.wait_all_tasks_blocked()
+        assert await producer.delete_session("s") is True
+        await rt.submit("s", {"n": 2}, input_id="i2")
+        submitted_at = trio.current_time()
+        gate.set()
+        with trio.move_on_after(10.0):
+            while len(taken) < 2:
+                await trio.sleep(0.01)
+    assert taken == [["i1"], ["i2"]]
+    assert started[1] - submitted_at < 1.0
+
+
 @contextlib.contextmanager
 def late_reply(rt: Any, op: Any, *, shield: bool = False) -> Iterator[LateReply]:
     """`rt`'s executor a `LateReply` for `op` while the block runs."""

@@ -655,7 +655,12 @@ class BusyPeriods:
                 self._runtime._owner_id,
                 shown,
             )
-        except (LeaseLost, StoreError, MalformedRecord):
+        except LeaseLost:
+            # The claim is gone (its session deleted by another process before the signal
+            # came, or taken over): nobody passes on a wake rung meanwhile.
+            entry.claim_gone = True
+            return outcome, False
+        except (StoreError, MalformedRecord):
             # The claim stays durable; its lease runs out and recovery takes it from there
             # (and quarantines it if a row of it is malformed: another tool's write).
             return outcome, False
