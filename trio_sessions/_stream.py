@@ -18,6 +18,12 @@ forward, each with the cursor of the position it reaches. Events come from two s
   follows; a stream that misses more, or is not free to take it (reading, offers or
   events waiting), is marked dirty and reads by itself.
 
+A rewritten transcript (a truncate, a deletion) costs what it changed: the stream keeps
+*marks* - the tags of a few messages it sent (`marked`: a few dozen) - and its read after
+the rewrite resumes at the newest mark still stored with every one below it ("truncate"
+there, then the messages after it); with none (a stream opened at a cursor knows only its
+top) it sends every message again.
+
 Invariants: an event is computed against the position the previous event reached, so
 applying the events in order reproduces the transcript, with no gap and no duplicate; the
 cursor names that position exactly, so a stream opened at it continues with the events after
@@ -78,7 +84,8 @@ class StreamEvent:
     * `"part"`: one `ToolPart`: add it, or replace the part with the same `call_id`;
     * `"finish"`: `{"error": str | None}`: mark message `seq` finished with that error;
     * `"truncate"`: `None` (and `role` is `""`): drop every message with a seq above `seq` -
-      the transcript was rewritten (truncated or deleted); the current messages follow.
+      the transcript was rewritten (truncated or deleted); the current messages past `seq`
+      follow (`seq` is 0 when none the client holds is known to be stored still).
 
     `cursor` is opaque (ASCII letters, digits and `.:,`, safe in an SSE `id:` field): pass it
     to `runtime.stream(..., cursor=)` to continue with exactly the events after this one.
@@ -180,6 +187,17 @@ class Offer:
 # A consumer this far behind the writers gets one read instead of the offers it missed.
 MAX_PENDING_OFFERS = 1_000
 
+
+def marked(seq: int, top: int) -> bool:
+    """Whether a stream whose newest message is at `top` keeps the mark (seq, tag) of the
+    message it sent at `seq` below it, for a read after a rewrite (`Position.marks`): a
+    multiple of 2**i within 4 * 2**i of the top. At most two per power of two - a few dozen
+    however long the transcript - and for any seq n below the top, one at most `top - n`
+    below n: after a truncate past n, the stream sends again fewer messages than were
+    deleted, not the transcript. Once false for a seq, false for every later top."""
+    return 0 < seq < top and top - seq < 4 * (seq & -seq)
+
+
 Read = Callable[..., Awaitable[Any]]
 
 
@@ -202,6 +220,9 @@ class EventStream(AsyncIterator[StreamEvent]):
         self._top = position.top
         self._top_tag = position.top_tag
         self._top_id: str | None = None
+        # The marks of the messages sent below the top (`marked`): seq -> tag. A stream
+        # opened at a cursor knows none below its top: a rewrite sends it everything again.
+        self._marks: dict[int, str] = {}
         self._open = {h.seq: _Open(h.tag, h.version, None) for h in position.open}
         self._offers: collections.deque[Offer] = collections.deque()
         # Newest version offered, per message held open or with an offer waiting: only
@@ -363,8 +384,19 @@ class EventStream(AsyncIterator[StreamEvent]):
     def _position(self) -> Position:
         if self._position_now is None:
             held = tuple(Held(seq, h.tag, h.version) for seq, h in sorted(self._open.items()))
-            self._position_now = Position(self._top, self._top_tag, held)
+            marks = tuple(self._marks.items())
+            self._position_now = Position(self._top, self._top_tag, held, marks)
         return self._position_now
+
+    def _new_top(self, seq: int, tag: str, message_id: str) -> None:
+        """The client holds a message past its top now: the old top is marked if it is
+        to be (`marked`), and the marks no longer to be are forgotten."""
+        if self._top_tag:
+            self._marks[self._top] = self._top_tag
+        self._top, self._top_tag, self._top_id = seq, tag, message_id
+        for old in [old for old in self._marks if not marked(old, seq)]:
+            del self._marks[old]
+        self._position_now = None
 
     def _emit(self, kind: EventKind, seq: int, role: str, data: Any) -> None:
         cursor = encode_cursor(self._session_tag, self._position())
@@ -375,11 +407,17 @@ class EventStream(AsyncIterator[StreamEvent]):
         if read.more:
             self.dirty = True
         if read.rewritten:
-            self._top, self._top_tag, self._top_id = 0, "", None
-            self._open.clear()
+            # Drop what follows the part of the position that still holds (`read.kept`:
+            # its top a mark of this stream's; None: nothing holds).
+            kept = read.kept or Position()
+            self._top, self._top_tag, self._top_id = kept.top, kept.top_tag, None
+            for seq in [seq for seq in self._open if seq > kept.top or not kept.holds_top]:
+                del self._open[seq]
+            for seq in [seq for seq in self._marks if seq >= kept.top or not kept.holds_top]:
+                del self._marks[seq]
             self._forget_offered_unheld()
             self._position_now = None
-            self._emit("truncate", 0, "", None)
+            self._emit("truncate", kept.top, "", None)
         if self._top in read.ids:
             self._top_id = read.ids[self._top]
         for seq, held in self._open.items():
@@ -406,7 +444,7 @@ class EventStream(AsyncIterator[StreamEvent]):
         self._position_now = None
         # Holding nothing yet (no top tag), the first message is the top whatever its seq.
         if not self._top_tag or change.seq > self._top:
-            self._top, self._top_tag, self._top_id = change.seq, tag, change.message_id
+            self._new_top(change.seq, tag, change.message_id)
         if change.open:
             self._open[change.seq] = _Open(tag, change.version, change.message_id)
         else:
@@ -442,7 +480,7 @@ class EventStream(AsyncIterator[StreamEvent]):
             # A message just begun right after the newest one held: nothing in between. (Not
             # while a read is due: the messages held may have been rewritten meanwhile.)
             tag = message_tag(offer.message_id)
-            self._top, self._top_tag, self._top_id = offer.seq, tag, offer.message_id
+            self._new_top(offer.seq, tag, offer.message_id)
             self._open[offer.seq] = _Open(tag, 0, offer.message_id)
             self._position_now = None
             self._emit("message", offer.seq, "assistant", offer.data)

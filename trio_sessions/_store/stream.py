@@ -24,8 +24,12 @@ Invariants:
   data and streamed text; the text streamed onto a message sent whole is joined by SQLite
   (`streamed_onto`), not row by row in Python;
 * a message the client holds that is gone or replaced (another id at its seq) means the
-  transcript was rewritten (truncate, delete): the answer starts from nothing (the client
-  is told to drop what it holds, then gets every message, in bounded pages).
+  transcript was rewritten (truncate, delete): the answer starts from the newest of the
+  position's *marks* (a few of the messages the client holds, by seq and tag) that is
+  still stored with every mark below it - message ids are never reused, and a truncate
+  deletes a suffix, a delete everything, so such a message and every one before it are
+  the client's still - or from nothing when none is (the client is told to drop what
+  follows, then gets every message after it, in bounded pages).
 """
 
 from __future__ import annotations
@@ -70,11 +74,14 @@ BEFORE_EVERY_SEQ = -(2**63)
 
 @attrs.frozen
 class Position:
-    """What a stream's client holds (see the module docstring)."""
+    """What a stream's client holds (see the module docstring). `marks`: (seq, tag) of some
+    of the messages it holds below its top, where a read after a rewrite may resume - known
+    to a stream that sent them, not part of a cursor nor of the position's identity."""
 
     top: int = 0
     top_tag: str = ""
     open: tuple[Held, ...] = ()
+    marks: tuple[tuple[int, str], ...] = attrs.field(default=(), eq=False, repr=False)
 
     @property
     def holds_top(self) -> bool:
@@ -131,14 +138,17 @@ Change = Whole | Appended | Stepped
 
 @attrs.frozen
 class StreamChanges:
-    """The changes from a position, in order. `rewritten`: the client must drop everything
-    first. `more`: new messages were left out (a bounded read); ask again."""
+    """The changes from a position, in order. `rewritten`: the client must drop what it
+    holds past `kept` first (None: everything), and the changes are those from `kept`.
+    `more`: new messages were left out (a bounded read); ask again."""
 
     changes: list[Change]
     rewritten: bool = False
     more: bool = False  # also: an open message's appends were left out
     # The ids of the messages the position names (top and open ones) that still hold.
     ids: dict[int, str] = attrs.field(factory=dict)
+    # After a rewrite: the part of the position that still holds (its top a mark).
+    kept: Position | None = None
 
 
 # The most new messages one read sends whole, and about the most bytes of their data (at
@@ -199,7 +209,7 @@ def stream_changes(
     """The changes that bring a client at `position` up to date (at most `limit` new
     messages; `more` says there are others). On PostgreSQL one call of `ts_stream_changes`
     (alone: one autocommit statement, one snapshot; the reads of one hand-off: one call of
-    `ts_stream_changes_many`); a rewritten transcript reads from scratch after it."""
+    `ts_stream_changes_many`); a rewritten transcript is read by statements after it."""
     if tx.dialect == "postgres":
         arguments = _pg_arguments(session_id, position, limit)
         rows = tx.call("ts_stream_changes", *arguments.values())
@@ -221,7 +231,7 @@ def stream_changes_by_statements(
             "SELECT id FROM session_message WHERE session_id = ? AND seq = ?", (session_id, seq)
         )
         if row is None or message_tag(str(row[0])) != tag:
-            return _from_scratch(tx, session_id, limit)
+            return _rewritten(tx, session_id, position, limit)
         ids[seq] = str(row[0])
     changes: list[Change] = []
     for held in position.open:
@@ -319,6 +329,43 @@ def _whole_of(session_id: str, row: tuple[Any, ...], streamed: dict[str, list[st
 def _from_scratch(tx: Tx, session_id: str, limit: int) -> StreamChanges:
     new, more = _new_messages(tx, session_id, BEFORE_EVERY_SEQ, limit)
     return StreamChanges(new, rewritten=True, more=more)
+
+
+def _rewritten(tx: Tx, session_id: str, position: Position, limit: int) -> StreamChanges:
+    """The changes for a client whose position no longer holds: from the part of it that
+    still does (`_kept`), else from nothing."""
+    kept = _kept(tx, session_id, position)
+    if kept is None:
+        return _from_scratch(tx, session_id, limit)
+    # `kept` has no marks: should it not hold either (an open message it keeps was
+    # replaced, which no truncate or delete does), this read is from scratch.
+    found = stream_changes_by_statements(tx, session_id, kept, limit)
+    return found if found.rewritten else attrs.evolve(found, rewritten=True, kept=kept)
+
+
+def _kept(tx: Tx, session_id: str, position: Position) -> Position | None:
+    """The position up to the newest of its marks that is stored - the same id at its seq
+    - with every mark below it (None: none is): a truncate deletes the messages past a seq
+    and a delete all of them, and ids are never reused, so the client holds that message
+    and each before it as stored. A probe per mark (a stream keeps a few: `EventStream`)."""
+    marked = sorted({(seq, tag) for seq, tag in position.marks if seq < position.top})
+    stored: dict[int, str] = {}
+    for chunk in _chunks(sorted({seq for seq, _ in marked})):
+        for seq, message_id in tx.execute(
+            "SELECT seq, id FROM session_message WHERE session_id = ?"
+            f" AND seq IN {_in_list(chunk)}",
+            (session_id, *chunk),
+        ).fetchall():
+            stored[placed(seq)] = str(message_id)
+    top: tuple[int, str] | None = None
+    for seq, tag in marked:
+        message_id = stored.get(seq)
+        if message_id is None or message_tag(message_id) != tag:
+            break
+        top = (seq, tag)
+    if top is None:
+        return None
+    return Position(*top, tuple(held for held in position.open if held.seq <= top[0]))
 
 
 def _changes_of_open(
