@@ -15,7 +15,7 @@ import attrs
 import pytest
 import trio
 import trio.testing
-from helpers import VIRTUAL_TIME_LIMIT, runtime
+from helpers import VIRTUAL_TIME_LIMIT, Raw, now_ms, runtime
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_stream import View, applied, apply, caught_up, stored
@@ -115,6 +115,48 @@ async def test_a_session_deleted_and_made_again_is_sent_whole_not_from_an_old_ma
         after = got[40:]
         assert [(event.kind, event.seq) for event in after[:1]] == [("truncate", 0)]
         assert len(after) == 41
+        assert applied(got) == await stored(rt)
+
+
+async def test_a_quarantine_drop_that_sets_aside_a_message_below_a_mark_sends_it_whole(
+    store: Any, clock: Clock, db_path: Any, autojump_clock: MockClock
+) -> None:
+    """A dead owner's execution wrote 31 messages; an open stream sent them all. Another
+    tool then broke two of them - seq 21 and the newest, 31 - and the operator dropped the
+    quarantine: `release_quarantine(resume=False)` sets both aside, which deletes seq 21
+    from the middle of the transcript (the only writer that deletes there). The stream's
+    top was gone, so it read after a rewrite - and resumed at its mark 30, whose message
+    is stored unchanged, sending "truncate 30": its client kept message 21, which
+    transcript() no longer holds. Found by a review of the marks (DESIGN 5.2: applying
+    the events reproduces transcript()). Expected: the client's copy is transcript()."""
+    raw = Raw(db_path)
+    async with runtime(store, take, clock, recovery_interval=10_000.0) as rt:
+        raw.write("INSERT INTO session(id, time_created) VALUES ('s', 0)")
+        for seq in range(1, 32):
+            reply = f'{{"parts": [{{"type": "text", "text": "r{seq}"}}], "finished": true,'
+            raw.seed_assistant("s", "poison", seq, reply + ' "error": null}')
+        got: list[StreamEvent] = []
+        async with rt.stream("s") as events:
+
+            async def collect() -> None:
+                async for event in events:
+                    got.append(event)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(collect)
+                await trio.testing.wait_all_tasks_blocked()
+                assert len(got) == 31
+                raw.write(
+                    "UPDATE session_message SET data = ? WHERE seq IN (21, 31)",
+                    ('{"parts": [], "finished": "false", "error": null}',),
+                )
+                raw.seed_claim("s", "poison", expires_at=now_ms(clock) - 1)
+                await rt.recover_once()
+                await rt.release_quarantine("poison", resume=False)
+                await rt.wait_idle("s")
+                await trio.testing.wait_all_tasks_blocked()
+                nursery.cancel_scope.cancel()
+        assert sorted(await stored(rt)) == [seq for seq in range(1, 31) if seq != 21]
         assert applied(got) == await stored(rt)
 
 

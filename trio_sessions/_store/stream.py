@@ -28,8 +28,9 @@ Invariants:
   position's *marks* (a few of the messages the client holds, by seq and tag) that is
   still stored with every mark below it - message ids are never reused, and a truncate
   deletes a suffix, a delete everything, so such a message and every one before it are
-  the client's still - or from nothing when none is (the client is told to drop what
-  follows, then gets every message after it, in bounded pages).
+  the client's still (a message set aside from the middle, `session_message_rejected`,
+  leaves only the marks below it) - or from nothing when none is (the client is told to
+  drop what follows, then gets every message after it, in bounded pages).
 """
 
 from __future__ import annotations
@@ -347,7 +348,10 @@ def _kept(tx: Tx, session_id: str, position: Position) -> Position | None:
     """The position up to the newest of its marks that is stored - the same id at its seq
     - with every mark below it (None: none is): a truncate deletes the messages past a seq
     and a delete all of them, and ids are never reused, so the client holds that message
-    and each before it as stored. A probe per mark (a stream keeps a few: `EventStream`)."""
+    and each before it as stored - unless a message below it was set aside from the middle
+    of the transcript (`drop_quarantined`, the one writer that deletes there: a row of
+    `session_message_rejected`), so only marks below the first such seq are taken. A probe
+    per mark (a stream keeps a few: `EventStream`), then one for the set-aside seqs."""
     marked = sorted({(seq, tag) for seq, tag in position.marks if seq < position.top})
     stored: dict[int, str] = {}
     for chunk in _chunks(sorted({seq for seq, _ in marked})):
@@ -365,6 +369,15 @@ def _kept(tx: Tx, session_id: str, position: Position) -> Position | None:
         top = (seq, tag)
     if top is None:
         return None
+    # Read after the marks: a set-aside committed before that read is seen here.
+    (first_set_aside,) = tx.one(
+        "SELECT MIN(seq) FROM session_message_rejected WHERE session_id = ?", (session_id,)
+    )
+    if first_set_aside is not None and placed(first_set_aside) <= top[0]:
+        below = [mark for mark in marked if mark[0] < placed(first_set_aside)]
+        if not below:
+            return None
+        top = below[-1]
     return Position(*top, tuple(held for held in position.open if held.seq <= top[0]))
 
 
