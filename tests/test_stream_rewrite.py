@@ -135,27 +135,7 @@ async def test_a_quarantine_drop_that_sets_aside_a_message_below_a_mark_sends_it
         for seq in range(1, 32):
             reply = f'{{"parts": [{{"type": "text", "text": "r{seq}"}}], "finished": true,'
             raw.seed_assistant("s", "poison", seq, reply + ' "error": null}')
-        got: list[StreamEvent] = []
-        async with rt.stream("s") as events:
-
-            async def collect() -> None:
-                async for event in events:
-                    got.append(event)
-
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(collect)
-                await trio.testing.wait_all_tasks_blocked()
-                assert len(got) == 31
-                raw.write(
-                    "UPDATE session_message SET data = ? WHERE seq IN (21, 31)",
-                    ('{"parts": [], "finished": "false", "error": null}',),
-                )
-                raw.seed_claim("s", "poison", expires_at=now_ms(clock) - 1)
-                await rt.recover_once()
-                await rt.release_quarantine("poison", resume=False)
-                await rt.wait_idle("s")
-                await trio.testing.wait_all_tasks_blocked()
-                nursery.cancel_scope.cancel()
+        got = await drop_a_quarantine_under_a_stream(rt, raw, clock, broken=(21, 31))
         assert sorted(await stored(rt)) == [seq for seq in range(1, 31) if seq != 21]
         assert applied(got) == await stored(rt)
 
@@ -182,29 +162,40 @@ async def test_a_quarantine_drop_that_sets_aside_a_message_below_the_newest_reac
             "INSERT INTO session_message(id, session_id, execution_id, role, seq, data,"
             " time_created, time_updated) VALUES ('u2', 's', 'poison', 'user', 2, '{}', 0, 0)"
         )
-        got: list[StreamEvent] = []
-        async with rt.stream("s") as events:
-
-            async def collect() -> None:
-                async for event in events:
-                    got.append(event)
-
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(collect)
-                await trio.testing.wait_all_tasks_blocked()
-                assert len(got) == 2
-                raw.write(
-                    "UPDATE session_message SET data = ? WHERE seq = 1",
-                    ('{"parts": [], "finished": "false", "error": null}',),
-                )
-                raw.seed_claim("s", "poison", expires_at=now_ms(clock) - 1)
-                await rt.recover_once()
-                await rt.release_quarantine("poison", resume=False)
-                await rt.wait_idle("s")
-                await trio.testing.wait_all_tasks_blocked()
-                nursery.cancel_scope.cancel()
+        got = await drop_a_quarantine_under_a_stream(rt, raw, clock, broken=(1,))
         assert sorted(await stored(rt)) == [2]
         assert applied(got) == await stored(rt)
+
+
+async def drop_a_quarantine_under_a_stream(
+    rt: Runtime, raw: Raw, clock: Clock, *, broken: tuple[int, ...]
+) -> list[StreamEvent]:
+    """The events of a stream of session "s" that sent every message seeded (all of the
+    dead execution "poison"); meanwhile another tool breaks those at the `broken` seqs,
+    recovery quarantines "poison" and the operator drops the quarantine
+    (`release_quarantine(resume=False)` sets the broken messages aside)."""
+    got: list[StreamEvent] = []
+    async with rt.stream("s") as events:
+
+        async def collect() -> None:
+            async for event in events:
+                got.append(event)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(collect)
+            await trio.testing.wait_all_tasks_blocked()
+            assert applied(got) == await stored(rt)
+            raw.write(
+                f"UPDATE session_message SET data = ? WHERE seq IN ({', '.join(map(str, broken))})",
+                ('{"parts": [], "finished": "false", "error": null}',),
+            )
+            raw.seed_claim("s", "poison", expires_at=now_ms(clock) - 1)
+            await rt.recover_once()
+            await rt.release_quarantine("poison", resume=False)
+            await rt.wait_idle("s")
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.cancel_scope.cancel()
+    return got
 
 
 def test_a_streams_marks_are_few_and_near_every_seq_below_its_top() -> None:
