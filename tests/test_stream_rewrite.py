@@ -89,8 +89,9 @@ async def test_a_session_deleted_and_made_again_is_sent_whole_not_from_an_old_ma
 ) -> None:
     """A stream that held 40 messages reads only after the session was deleted and 40 new
     messages were stored under the same id - at the same seqs, with other ids: none of
-    the messages it holds is stored, so it sends "truncate" 0 and all 40 new ones (a mark
-    found by its seq alone would keep the old messages below it)."""
+    the messages it holds is stored, so it sends "truncate" 0 and all 40 new ones: a mark
+    counts by its tag, not its seq (the read from a kept position checks that position's
+    top by its tag too, so this holds twice over)."""
     async with runtime(store, take, clock) as rt:
         await grow(rt, "s", 40)
         got: list[StreamEvent] = []
