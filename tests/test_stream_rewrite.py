@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import unittest.mock
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import attrs
@@ -43,6 +43,27 @@ async def grow(rt: Runtime, session_id: str, count: int) -> None:
     await rt.wait_idle(session_id)
 
 
+async def stream_around(
+    rt: Runtime, act: Callable[[list[StreamEvent]], Awaitable[None]]
+) -> list[StreamEvent]:
+    """The events a stream of session "s" yields: everything stored, then what `act` (given
+    the events so far, once they are in) changes, until every task is blocked again."""
+    got: list[StreamEvent] = []
+    async with rt.stream("s") as events:
+
+        async def collect() -> None:
+            async for event in events:
+                got.append(event)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(collect)
+            await trio.testing.wait_all_tasks_blocked()
+            await act(got)
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.cancel_scope.cancel()
+    return got
+
+
 async def test_a_truncate_sends_an_open_stream_only_what_it_changed(
     store: Any, clock: Clock, autojump_clock: MockClock
 ) -> None:
@@ -54,22 +75,14 @@ async def test_a_truncate_sends_an_open_stream_only_what_it_changed(
     50 before the cut, then the messages after it: fewer sent again than were deleted."""
     async with runtime(store, take, clock) as rt:
         await grow(rt, "s", 2_000)
-        got: list[StreamEvent] = []
-        async with rt.stream("s") as events:
 
-            async def collect() -> None:
-                async for event in events:
-                    got.append(event)
+        async def edit(got: list[StreamEvent]) -> None:
+            assert len(got) == 2_000
+            assert await rt.truncate("s", after_seq=1_950) == 50
+            await rt.submit("s", {"edited": True})
+            await rt.wait_idle("s")
 
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(collect)
-                await trio.testing.wait_all_tasks_blocked()
-                assert len(got) == 2_000
-                assert await rt.truncate("s", after_seq=1_950) == 50
-                await rt.submit("s", {"edited": True})
-                await rt.wait_idle("s")
-                await trio.testing.wait_all_tasks_blocked()
-                nursery.cancel_scope.cancel()
+        got = await stream_around(rt, edit)
         after = got[2_000:]
         assert applied(got) == await stored(rt)
         assert after[0].kind == "truncate"
@@ -94,25 +107,17 @@ async def test_a_session_deleted_and_made_again_is_sent_whole_not_from_an_old_ma
     top by its tag too, so this holds twice over)."""
     async with runtime(store, take, clock) as rt:
         await grow(rt, "s", 40)
-        got: list[StreamEvent] = []
         with held_reads() as gate:
-            async with rt.stream("s") as events:
 
-                async def collect() -> None:
-                    async for event in events:
-                        got.append(event)
+            async def made_again(got: list[StreamEvent]) -> None:
+                assert len(got) == 40
+                gate[0] = released = trio.Event()
+                assert await rt.delete_session("s")
+                await grow(rt, "s", 40)
+                gate[0] = None
+                released.set()
 
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(collect)
-                    await trio.testing.wait_all_tasks_blocked()
-                    assert len(got) == 40
-                    gate[0] = released = trio.Event()
-                    assert await rt.delete_session("s")
-                    await grow(rt, "s", 40)
-                    gate[0] = None
-                    released.set()
-                    await trio.testing.wait_all_tasks_blocked()
-                    nursery.cancel_scope.cancel()
+            got = await stream_around(rt, made_again)
         after = got[40:]
         assert [(event.kind, event.seq) for event in after[:1]] == [("truncate", 0)]
         assert len(after) == 41
@@ -175,28 +180,19 @@ async def drop_a_quarantine_under_a_stream(
     dead execution "poison"); meanwhile another tool breaks those at the `broken` seqs,
     recovery quarantines "poison" and the operator drops the quarantine
     (`release_quarantine(resume=False)` sets the broken messages aside)."""
-    got: list[StreamEvent] = []
-    async with rt.stream("s") as events:
 
-        async def collect() -> None:
-            async for event in events:
-                got.append(event)
+    async def drop(got: list[StreamEvent]) -> None:
+        assert applied(got) == await stored(rt)
+        raw.write(
+            f"UPDATE session_message SET data = ? WHERE seq IN ({', '.join(map(str, broken))})",
+            ('{"parts": [], "finished": "false", "error": null}',),
+        )
+        raw.seed_claim("s", "poison", expires_at=now_ms(clock) - 1)
+        await rt.recover_once()
+        await rt.release_quarantine("poison", resume=False)
+        await rt.wait_idle("s")
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(collect)
-            await trio.testing.wait_all_tasks_blocked()
-            assert applied(got) == await stored(rt)
-            raw.write(
-                f"UPDATE session_message SET data = ? WHERE seq IN ({', '.join(map(str, broken))})",
-                ('{"parts": [], "finished": "false", "error": null}',),
-            )
-            raw.seed_claim("s", "poison", expires_at=now_ms(clock) - 1)
-            await rt.recover_once()
-            await rt.release_quarantine("poison", resume=False)
-            await rt.wait_idle("s")
-            await trio.testing.wait_all_tasks_blocked()
-            nursery.cancel_scope.cancel()
-    return got
+    return await stream_around(rt, drop)
 
 
 def test_a_streams_marks_are_few_and_near_every_seq_below_its_top() -> None:
