@@ -44,3 +44,18 @@ def test_testing_section_examples_pass_under_pytest_as_written(tmp_path: Path) -
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "2 passed" in result.stdout
+
+
+def test_testing_section_examples_bound_their_waits_and_say_when_the_takeover_comes() -> None:
+    """'Testing your drains' asks to bound each test in time (`trio.fail_after`), yet its own
+    tests were unbounded; and its crash test said the session resumed once "the lease runs
+    out", where `testing.crash` frees the owner's token: the first recovery pass after
+    `takeover_grace` takes the claim over, seconds before the lease (a reader following it
+    slept out whole leases). The block itself, run by the test above, now waits for the
+    resume under a bound shorter than its lease."""
+    block = python_blocks()[1]
+    tests = re.split(r"\nasync def (?=test_)", block)[1:]
+    assert len(tests) == 2
+    assert all("trio.fail_after(" in test for test in tests)
+    assert "lease runs out" not in block
+    assert "after_its_lease" not in block
