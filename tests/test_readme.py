@@ -59,3 +59,15 @@ def test_testing_section_examples_bound_their_waits_and_say_when_the_takeover_co
     assert all("trio.fail_after(" in test for test in tests)
     assert "lease runs out" not in block
     assert "after_its_lease" not in block
+
+
+def test_the_trial_server_recipe_exports_the_port_it_asks_for() -> None:
+    """'A trial PostgreSQL server' ran `pg-trial-server [--port 5433]` and then exported a URL
+    on port 5433; but without `--port` the server takes a free port (the tests rely on it),
+    so a reader leaving out the optional-looking flag exported a URL nothing listens on."""
+    text = README.read_text()
+    start = text.index("**A trial PostgreSQL server.**")
+    recipe = text[start : text.index("```", text.index("```", start) + 3)]
+    exported = re.search(r"export TRIO_SESSIONS_STORE=postgresql://\S+:(\d+)/", recipe)
+    assert exported is not None
+    assert re.search(rf"pg-trial-server --port {exported.group(1)}\b", recipe)
