@@ -11,10 +11,10 @@ An interrupt cancels the drain wherever it is - here inside a slow tool call. Th
 then finishes the open assistant message with `error="interrupted"` and fails the running
 tool call the same way; the drain needs no cleanup code of its own.
 
-Resume: if the process dies mid-answer, another runtime resumes the drain after the lease
-runs out (`ctx.resumed`). The dead owner had already taken the inputs, so the drain finds
-the question it still owes an answer to in the transcript (`trio_sessions.unanswered`),
-not among the inputs.
+Resume: if the process dies mid-answer, another runtime resumes the drain about a second
+later, when the dead process's liveness token is free (`ctx.resumed`). The dead owner had
+already taken the inputs, so the drain finds the question it still owes an answer to in the
+transcript (`trio_sessions.unanswered`), not among the inputs.
 Recovery closed the dead owner's answer as "interrupted: owner lost", failing its running
 tool calls the same way: such a call may or may not have happened. A tool with side effects
 (a payment, an e-mail) must not simply run again: give it an idempotency key that is the same

@@ -32,8 +32,9 @@ Run it (SQLite here; a `postgresql://` URL works the same, across hosts, with `-
   it to your copy of message `seq` (see DESIGN §5.2's table).
 * Workers run `drain` with the worker command. The drain streams its answer a word at a
   time (a stand-in for an LLM's tokens), so an interrupt or a dead worker can land
-  mid-answer. Killed mid-answer, a worker's session is resumed by another worker once the
-  lease runs out; the resumed drain finds the question it still owes in the transcript.
+  mid-answer. Killed mid-answer, a worker's session is resumed by another worker about a
+  second later (its liveness token goes with the process); the resumed drain finds the
+  question it still owes in the transcript.
 * `GET /` is a small chat page (`chat_page.html`, vanilla JavaScript on `EventSource`):
   send, stop, edit and regenerate, delete, and a live answer that survives a dropped
   connection (`/?session=ID` opens a conversation). A session id is one path segment,

@@ -9,7 +9,7 @@ every order is answered, and exits non-zero if that does not happen within a dea
   within milliseconds and starts the sessions whose doorbell is set but which nobody
   claims; the claim guarantees that exactly one worker drains a session at a time, and
   inputs arriving while a worker drains a session coalesce into that worker's next drain
-  iteration. A worker that dies mid-answer is resumed by another after its lease: the
+  iteration. A worker that dies mid-answer is resumed by another about a second later: the
   drain finds the orders still owed in the transcript (`trio_sessions.unanswered`).
 * A worker stops when its standard input closes: the producer closes it when done or
   interrupted (and the operating system closes it if the producer dies), so no worker

@@ -71,3 +71,32 @@ def test_the_trial_server_recipe_exports_the_port_it_asks_for() -> None:
     exported = re.search(r"export TRIO_SESSIONS_STORE=postgresql://\S+:(\d+)/", recipe)
     assert exported is not None
     assert re.search(rf"pg-trial-server --port {exported.group(1)}\b", recipe)
+
+
+def test_no_text_says_a_dead_process_waits_for_its_lease() -> None:
+    """A dead owner's sessions resume about a second after it died (its liveness token is
+    released: README "Crashes, resumes and side effects", `tests/test_liveness.py`), and so
+    do those a worker held when a second signal made it exit at once (its exit releases the
+    token: "Graceful restarts"). Older text still said they wait for the lease: the first
+    program's note, the life-of-a-session diagram, "Running workers" (which contradicted
+    "Graceful restarts") and three examples' docstrings - a reader sized timeouts and
+    expectations on 30 s where the wait is about one."""
+    root = README.parent
+    texts = {
+        name: " ".join((root / name).read_text().split())
+        for name in (
+            "README.md",
+            "examples/agent_loop.py",
+            "examples/chat_service.py",
+            "examples/workers.py",
+        )
+    }
+    stale = [
+        "the process dies mid-answer, another runtime resumes the drain once the lease runs out",
+        "owner dies ------------------+ the lease runs out",
+        "the claims it still held are recovered when their leases run out",
+        "another runtime resumes the drain after the lease runs out",
+        "resumed by another worker once the lease runs out",
+        "A worker that dies mid-answer is resumed by another after its lease",
+    ]
+    assert [(name, s) for name, text in texts.items() for s in stale if s in text] == []
