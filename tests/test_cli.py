@@ -869,6 +869,34 @@ def test_a_schema_from_the_environment_is_checked_as_the_flag_is(
     assert "TRIO_SESSIONS_SCHEMA: schema 'pg_catalog' is reserved" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "db",
+    ["postgresql+psycopg://u:s3cret@h/db", "host=h password=s3cret", "postgresql://u:p@ss@h/db"],
+)
+def test_a_bad_store_name_is_not_blamed_on_the_schema_variable(
+    db: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A DB argument of no accepted form is a usage error about DB. It was reported as
+    `TRIO_SESSIONS_SCHEMA: store ...` whenever `--schema` was not given, the variable unset
+    too, sending the operator after a setting they never made. Found following the README:
+    `status 'postgresql+psycopg://...'` in a shell with no TRIO_SESSIONS_ variable."""
+    monkeypatch.delenv("TRIO_SESSIONS_SCHEMA", raising=False)
+    for command in (["status", db], ["health", db], ["pause", db, "s1"]):
+        with pytest.raises(SystemExit) as exited:
+            _cli.main(command)
+        assert exited.value.code == 2
+        err = capsys.readouterr().err
+        assert "error: " in err and "TRIO_SESSIONS_SCHEMA" not in err, err
+        assert "s3cret" not in err, err
+    # With the variable set, the error about DB still names DB, not the variable.
+    monkeypatch.setenv("TRIO_SESSIONS_SCHEMA", "chat")
+    with pytest.raises(SystemExit) as exited:
+        _cli.main(["status", db])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "TRIO_SESSIONS_SCHEMA" not in err, err
+
+
 def test_an_unhealthy_postgres_schema_is_named_in_the_reason(pg_url: str) -> None:
     """`health URL --schema S` on a schema with no store said "schema version 0 is not the
     current N; opening it with a runtime of this library migrates it": which schema it

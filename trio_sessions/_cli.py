@@ -561,12 +561,15 @@ def _schema_of(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str
     given_as = "--schema" if args.schema is not None else _worker.ENV_SCHEMA
     try:
         url = is_url(args.db)
-        if schema is not None:
-            if not url:
-                parser.error(f"{given_as} needs a postgresql:// URL as DB")
+    except ValueError as exc:  # about DB itself: blame no schema setting
+        parser.error(str(exc))
+    if schema is not None:
+        if not url:
+            parser.error(f"{given_as} needs a postgresql:// URL as DB")
+        try:
             check_schema(schema)
-    except ValueError as exc:
-        parser.error(str(exc) if args.schema is not None else f"{given_as}: {exc}")
+        except ValueError as exc:
+            parser.error(str(exc) if args.schema is not None else f"{given_as}: {exc}")
     return schema
 
 
