@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
@@ -100,3 +101,27 @@ def test_no_text_says_a_dead_process_waits_for_its_lease() -> None:
         "A worker that dies mid-answer is resumed by another after its lease",
     ]
     assert [(name, s) for name, text in texts.items() for s in stale if s in text] == []
+
+
+def test_the_worker_flag_table_lists_every_worker_flag() -> None:
+    """'Running workers' gives the worker's flags as a table, and `--metrics-bind` (with its
+    `TRIO_SESSIONS_METRICS_BIND`) was missing from it: a reader of the table found no way
+    to serve metrics, which only 'Logs and metrics' mentions."""
+    from trio_sessions import _worker
+
+    commands = argparse.ArgumentParser().add_subparsers()
+    _worker.add_parser(commands)
+    worker = commands.choices["worker"]
+    flags = {o for action in worker._actions for o in action.option_strings} - {"-h", "--help"}
+    text = README.read_text()
+    section = text[text.index("## Running workers") : text.index("A flag wins over its variable")]
+    rows = [line for line in section.splitlines() if line.startswith("| `--")]
+    assert (
+        sorted(
+            flag for flag in flags if not any(f"`{flag} " in r or f"`{flag}`" in r for r in rows)
+        )
+        == []
+    )
+    assert "TRIO_SESSIONS_METRICS_BIND" in "".join(rows)
+    # The worker's --help names the variables the flags fall back on: that one too.
+    assert "TRIO_SESSIONS_METRICS_BIND" in (worker.description or "")

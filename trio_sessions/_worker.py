@@ -91,7 +91,8 @@ def add_parser(commands: Any) -> None:
         "worker",
         help="run MODULE:DRAIN as a long-lived worker until SIGTERM/SIGINT",
         description="Run an async drain as a worker. Settings not given as flags come from "
-        f"{ENV_STORE}, {ENV_SCHEMA}, {ENV_MAX_ACTIVE}, {ENV_OWNER} and {ENV_LOG_LEVEL}. "
+        f"{ENV_STORE}, {ENV_SCHEMA}, {ENV_MAX_ACTIVE}, {ENV_OWNER}, {ENV_LOG_LEVEL} and "
+        f"{ENV_METRICS_BIND}. "
         "The first SIGTERM or SIGINT shuts down gracefully (each claim handed back once "
         "its drain exited, exit 0); a second one exits at once.",
     )
