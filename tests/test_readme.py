@@ -125,3 +125,24 @@ def test_the_worker_flag_table_lists_every_worker_flag() -> None:
     assert "TRIO_SESSIONS_METRICS_BIND" in "".join(rows)
     # The worker's --help names the variables the flags fall back on: that one too.
     assert "TRIO_SESSIONS_METRICS_BIND" in (worker.description or "")
+
+
+def test_the_testing_section_names_every_seam_and_what_it_is_called_with() -> None:
+    """'Testing your drains' showed `set_seams(runtime, before_finish=...,
+    before_recovery_apply=...)` and said each call replaces every seam, but never named
+    `after_finish` nor said what a seam is: a reader could not write one (an async function,
+    given the session id or the execution ids) without reading the source."""
+    import inspect
+
+    from trio_sessions import testing
+
+    text = README.read_text()
+    section = text[
+        text.index("## Testing your drains") : text.index(
+            "```python", text.index("## Testing your drains")
+        )
+    ]
+    section = " ".join(section.split())
+    seams = [name for name in inspect.signature(testing.set_seams).parameters if name != "runtime"]
+    assert [name for name in seams if f"{name}=" not in section] == []
+    assert "async" in section[section.index("set_seams(") :]
