@@ -897,6 +897,42 @@ def test_a_bad_store_name_is_not_blamed_on_the_schema_variable(
     assert "TRIO_SESSIONS_SCHEMA" not in err, err
 
 
+def test_status_columns_line_up_for_wide_and_combining_characters(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Session ids are any printable text, and a table padded by `len` put every column
+    after an id of CJK characters or an emoji (two terminal cells each) one cell late per
+    character, and after a combining accent (no cell) one early: found listing sessions
+    named in Japanese. Each column now starts at the same terminal cell on every row."""
+    import unicodedata
+
+    db = tmp_path / "wide.db"
+    ids = ["plain", "日本語セッション", "emoji😀", "e\u0301te"]
+
+    async def seed() -> None:
+        async with trio_sessions.open_runtime(db, None) as producer:
+            for session_id in ids:
+                await producer.submit(session_id, {"text": "hi"})
+
+    trio.run(seed)
+    code, out, err = cli(capsys, "status", str(db))
+    assert code == 0, err
+
+    def cells(text: str) -> int:
+        return sum(
+            0 if unicodedata.combining(c) else 2 if unicodedata.east_asian_width(c) in "WF" else 1
+            for c in text
+        )
+
+    rows = [line for line in out.splitlines() if line.startswith(("SESSION", *ids))]
+    assert len(rows) == len(ids) + 1, out
+    # Where the second column (DOORBELL: "set ..." or the header) starts, in cells.
+    starts = {
+        cells(row[: row.index("set ") if "set " in row else row.index("DOORBELL")]) for row in rows
+    }
+    assert len(starts) == 1, out
+
+
 def test_an_unhealthy_postgres_schema_is_named_in_the_reason(pg_url: str) -> None:
     """`health URL --schema S` on a schema with no store said "schema version 0 is not the
     current N; opening it with a runtime of this library migrates it": which schema it

@@ -9,6 +9,7 @@ tool may write any) goes through `_shown`, so no character of it acts on the ter
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,11 +25,23 @@ def _shown(value: Any) -> Any:
     return repr(value)[1:-1]
 
 
+def _cells(text: str) -> int:
+    """How many terminal cells `text` takes: two for a wide character (CJK, most emoji),
+    none for a combining mark, one for any other - so ids in any script line up."""
+    return sum(
+        0 if unicodedata.combining(c) else 2 if unicodedata.east_asian_width(c) in "WF" else 1
+        for c in text
+    )
+
+
 def _table(header: Sequence[str], rows: list[list[str]]) -> list[str]:
-    widths = [max(len(cell) for cell in column) for column in zip(header, *rows, strict=True)]
+    lines = [[(cell, _cells(cell)) for cell in line] for line in (header, *rows)]
+    widths = [max(cells for _, cells in column) for column in zip(*lines, strict=True)]
     return [
-        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
-        for line in (header, *rows)
+        "  ".join(
+            cell + " " * (width - cells) for (cell, cells), width in zip(line, widths, strict=True)
+        ).rstrip()
+        for line in lines
     ]
 
 
