@@ -104,6 +104,25 @@ def test_the_demo_refuses_a_postgres_url_as_its_database_and_never_prints_its_pa
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("where", ["missing-directory", "a-file"])
+def test_the_demo_refuses_a_database_in_no_directory_without_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], where: str
+) -> None:
+    """README: "Add `--db demo.db` to keep the database". A path whose directory does not
+    exist (a typo) or is a file printed 'database ...', then a 40-line exception-group
+    traceback ending in `StoreError: cannot open ...`, exit 1. Found following the README.
+    It is refused as the other unusable paths are: one usage line, exit 2, nothing made."""
+    parent = tmp_path / "no-such-dir" if where == "missing-directory" else tmp_path / "file"
+    if where == "a-file":
+        parent.write_text("not a directory")
+    outcome = demo.main(["--db", str(parent / "demo.db")])
+    printed = capsys.readouterr()
+    assert outcome == 2, printed.out + printed.err
+    assert "Traceback" not in printed.err and printed.out == "", printed.out + printed.err
+    assert "error: argument --db: " in printed.err and str(parent) in printed.err, printed.err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ([] if where != "a-file" else ["file"])
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="POSIX signals")
 @pytest.mark.parametrize("group", [False, True], ids=["demo", "terminal"])

@@ -162,7 +162,8 @@ def fresh_database(text: str) -> Path:
     """`--db` as the demo uses it: the path of an SQLite file that does not exist yet.
     `ValueError`, its message showing no password, for any connection string (scene 4's
     worker process and the summary's reads open an SQLite file: a PostgreSQL URL is refused
-    too), an in-memory name, a name no file can have, or a path that exists."""
+    too), an in-memory name, a name no file can have, a path that exists, or one whose
+    directory does not."""
     if store_kind(text) == "postgres":  # a ValueError for a connection string of another form
         raise ValueError(
             f"{display_name(text)!r} is a PostgreSQL URL; the demo runs on a new SQLite file:"
@@ -174,6 +175,9 @@ def fresh_database(text: str) -> Path:
     path = Path(text)
     if path.exists():
         raise ValueError(f"{text} exists; the demo needs a fresh database path")
+    # Else opening the runtime fails deep inside the scenes' nursery: a traceback.
+    if not path.parent.is_dir():
+        raise ValueError(f"{text}: no directory {str(path.parent)!r} to create it in")
     return path
 
 
