@@ -273,7 +273,7 @@ async def _drain(ctx: trio_sessions.DrainContext) -> None:
 async def test_the_worker_failure_line_hides_the_password(
     form: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A worker whose store cannot be reached logs "worker failed" (with the traceback)
+    """A worker whose store cannot be reached logs "worker failed" (its `StoreError` line)
     without any piece of the password."""
     logged = capture(caplog)
     settings = _worker.WorkerSettings(drain="m:d", store=url_forms(CLOSED)[form])

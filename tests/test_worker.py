@@ -16,6 +16,7 @@ import os
 import re
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -812,3 +813,27 @@ async def test_a_signal_while_the_runtime_opens_logs_no_owner_none(
     assert "worker stopping on SIGTERM" in messages
     assert messages[-1] == "worker stopped: its runtime never opened", messages
     assert not any("None" in message for message in messages), messages
+
+
+async def test_a_store_error_at_opening_is_one_log_line_without_a_traceback(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker started on a store it cannot use - a newer schema (an old worker left over
+    from an upgrade, which the README tells to avoid), a path in a missing directory, a
+    server that refuses - logged `worker failed: ...` and then a 30-line traceback through
+    `open_runtime` and trio's threads: noise for an operator, where the line says all (the
+    library logs a `StoreError` without one elsewhere too: `claim attempt failed`). Found
+    following the README. A `StoreError` is now the line alone; any other error keeps its
+    traceback (it is a bug to report)."""
+    newer = tmp_path / "newer.db"
+    with contextlib.closing(sqlite3.connect(newer)) as conn:
+        conn.execute("PRAGMA user_version = 999")
+        conn.commit()
+    for store in (str(newer), str(tmp_path / "missing" / "w.db")):
+        caplog.clear()
+        settings = _worker.WorkerSettings(drain="m:d", store=store)
+        with caplog.at_level(logging.ERROR, logger="trio_sessions.worker"):
+            assert await _worker.serve(settings, worker_drain.reply) == _worker.EXIT_FAILED
+        [record] = [r for r in caplog.records if r.getMessage().startswith("worker failed")]
+        assert "StoreError" in record.getMessage() or "SchemaTooNew" in record.getMessage()
+        assert record.exc_info is None, record.getMessage()

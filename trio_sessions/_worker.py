@@ -31,6 +31,7 @@ import attrs
 import trio
 
 from . import _metrics, _validate
+from ._errors import StoreError
 from ._model import RuntimeStatistics
 from ._naming import (
     check_file_store,
@@ -365,7 +366,10 @@ async def _run_runtime(
             await trio.sleep_forever()
     except Exception as exc:
         reason = mask_password(str(exc), secrets=secrets_of(settings.store))
-        logger.error("worker failed: %s: %s", type(exc).__name__, reason, exc_info=exc)
+        # A store the worker cannot use (unreachable, a newer schema, a bad path) says all
+        # in its line; any other error is a bug, reported with its traceback.
+        traceback = None if isinstance(exc, StoreError) else exc
+        logger.error("worker failed: %s: %s", type(exc).__name__, reason, exc_info=traceback)
         return EXIT_FAILED
 
 
