@@ -488,12 +488,13 @@ def settings(argv: list[str] | None = None) -> tuple[Any, str]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument(
         "--store",
-        default=os.environ.get("TRIO_SESSIONS_STORE"),
+        # Empty is unset, as for the worker command (a deployment template's `VAR=`).
+        default=os.environ.get("TRIO_SESSIONS_STORE") or None,
         help="SQLite path or postgresql:// URL (env TRIO_SESSIONS_STORE)",
     )
     parser.add_argument(
         "--schema",
-        default=os.environ.get("TRIO_SESSIONS_SCHEMA"),
+        default=os.environ.get("TRIO_SESSIONS_SCHEMA") or None,
         help="PostgreSQL schema, as the workers' (env TRIO_SESSIONS_SCHEMA; default public)",
     )
     parser.add_argument("--bind", default="127.0.0.1:8000", help="HOST:PORT (port 0: any free)")
@@ -519,7 +520,8 @@ def main() -> int:
     )
     try:
         trio.run(serve_web, store, bind)
-    except CannotListen as exc:
+    except (CannotListen, trio_sessions.StoreError) as exc:
+        # A port in use, or a store that cannot be opened: the line says it all.
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0

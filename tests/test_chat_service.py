@@ -159,6 +159,43 @@ def test_the_web_process_names_its_schema_as_the_worker_does(
     assert "a schema needs a postgresql:// URL" in capsys.readouterr().err
 
 
+def test_the_web_process_reads_empty_variables_as_unset_as_the_worker_does(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """README "Several hosts": the web process and the workers read the same variables. The
+    worker takes an empty one as unset (`TRIO_SESSIONS_SCHEMA=` from a deployment template:
+    `public`); the web process took it as given - a schema named '' refused, or, with an
+    SQLite store, "a schema needs a postgresql:// URL" - while the workers ran, and an
+    empty `TRIO_SESSIONS_STORE` reached `open_runtime` as an in-memory database: a
+    traceback. Found following the README."""
+    chat = load_example("chat_service")
+    url = "postgresql://app@db.example/chat"
+    monkeypatch.setenv("TRIO_SESSIONS_SCHEMA", "")
+    monkeypatch.setenv("TRIO_SESSIONS_STORE", url)
+    assert chat.settings([])[0] == url
+    assert chat.settings(["--store", "chat.db"])[0] == "chat.db"
+    monkeypatch.setenv("TRIO_SESSIONS_STORE", "")
+    with pytest.raises(SystemExit) as refused:
+        chat.settings([])
+    assert refused.value.code == 2
+    assert "no store" in capsys.readouterr().err
+
+
+def test_a_store_the_web_process_cannot_open_is_one_line_and_exit_1(tmp_path: Path) -> None:
+    """`--store` in a directory that does not exist (or a server that refuses) printed a
+    traceback through trio and open_runtime; it is one `error:` line and exit 1, as a bind
+    address in use is."""
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / "chat_service.py"), "--store",
+         str(tmp_path / "missing" / "chat.db"), "--bind", "127.0.0.1:0"],
+        capture_output=True, text=True, env=_env(), timeout=DEADLINE,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    [line] = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert "cannot open" in line and "missing" in line, line
+
+
 def test_a_bind_address_in_use_is_one_line_and_exit_1(tmp_path: Path) -> None:
     """The web process started on a port another process listens on says so in one line
     and exits 1. Found by the last audit: it printed hypercorn's nested exception-group
