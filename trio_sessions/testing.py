@@ -87,7 +87,9 @@ def crash(runtime: Runtime) -> None:
     """Make the owner vanish as if its process was killed: every task stops and nothing more
     is written; its claims stay with live leases. Its liveness token is released when its
     `open_runtime` block exits (as a dead process's is): from then on other runtimes take
-    the claims over after `takeover_grace`, else when the leases run out. Only the
+    the claims over once it stayed free for `takeover_grace` - at their next look at the
+    owners' tokens, which on an inline store is only a recovery pass (every
+    `recovery_interval`: no look in the background) - else when the leases run out. Only the
     runtime's tasks stop: the code after the call (a test going on to watch the takeover)
     runs on, and a call to the crashed runtime raises `StoreError`; its open `watch()` and
     `stream()` iterators end, as when a runtime closes (nothing feeds them any more). During
