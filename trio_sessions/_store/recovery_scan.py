@@ -106,7 +106,11 @@ def _expired_claims(
     `no_time`: instead, the claims whose expiry is no time - text, a blob or a number past
     any 64-bit time, which SQLite keeps when another tool writes it (text sorts after every
     number): they would look live for ever, and recovery quarantines them. A scan of their
-    own, after the expired claims': an OR in one scan walks the whole index in order."""
+    own, after the expired claims': an OR in one scan walks the whole index in order.
+
+    Another owner's recovery lease whose expiry is no time (SQLite again) is no live lease:
+    it would hold its claim out of every pass for ever, so the scan takes it as expired, and
+    so do the lease upserts."""
     not_local, local = not_in(tx, "e.session_id", local_sessions)
     gone = {f"gone{index}": owner for index, owner in enumerate(gone_owners)}
     if no_time:  # a gone owner's claims were found by the scan before, whatever their expiry
@@ -118,7 +122,8 @@ def _expired_claims(
         f" WHERE {due} AND {not_local}"
         f" AND {readable(tx, 'e.id')} AND {readable(tx, 'e.session_id')}"
         " AND NOT EXISTS (SELECT 1 FROM session_recovery r WHERE r.execution_id = e.id"
-        "   AND (r.recovery_error IS NOT NULL OR (r.owner_id != :me AND r.expires_at > :now)))"
+        "   AND (r.recovery_error IS NOT NULL OR (r.owner_id != :me AND r.expires_at > :now"
+        "     AND r.expires_at <= :latest)))"
         " ORDER BY e.expires_at, e.id LIMIT :limit"
     )
     return scan, {
@@ -226,7 +231,8 @@ def _lease_expired_claims(
             " expires_at = excluded.expires_at"
             " WHERE session_recovery.recovery_error IS NULL"
             " AND (session_recovery.owner_id = excluded.owner_id"
-            "   OR session_recovery.expires_at <= excluded.time_created)"
+            "   OR session_recovery.expires_at <= excluded.time_created"
+            f"   OR NOT session_recovery.expires_at <= {MAX_INT64})"
             " RETURNING session_id, execution_id",
             {**params, "expires": tx.now + lease_ms},
         ).fetchall()
@@ -312,7 +318,8 @@ def _upsert_leases(
             " expires_at = excluded.expires_at"
             " WHERE session_recovery.recovery_error IS NULL"
             " AND (session_recovery.owner_id = excluded.owner_id"
-            "   OR session_recovery.expires_at <= excluded.time_created)"
+            "   OR session_recovery.expires_at <= excluded.time_created"
+            f"   OR NOT session_recovery.expires_at <= {MAX_INT64})"
             " RETURNING execution_id",
             [
                 value

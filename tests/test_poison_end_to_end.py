@@ -1,0 +1,45 @@
+"""Rows another tool wrote by hand, followed end to end through a running runtime (DESIGN
+§3, §4, §6.11): each surfaces as `MalformedRecord`, is quarantined or set aside, or is
+worked through - never a session stuck for ever behind it, never the others held up."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import Raw, Recorder, runtime
+from trio.testing import MockClock
+
+from trio_sessions import Store
+
+QUIET = {"recovery_interval": 10_000.0}  # passes only when the test asks for one
+
+
+@pytest.mark.parametrize("expires_at", ["soon", b"\x01", 9e300], ids=["text", "blob", "huge"])
+async def test_an_expired_claim_under_a_recovery_lease_whose_expiry_is_no_time_is_recovered(
+    tmp_path: Path, clock: Any, autojump_clock: MockClock, expires_at: Any
+) -> None:
+    """§4 (a recovery lease is taken if absent or expired) on SQLite, which keeps whatever
+    another tool writes (PostgreSQL's column is typed): a dead owner's expired claim whose
+    `session_recovery` row - another recoverer's lease, not quarantined - has an
+    `expires_at` that is no time. Text and blobs sort after every number, so the lease
+    looked live for ever: every pass excluded the claim (examined 0), nothing quarantined
+    it, and the session stayed stuck with its claim until an operator deleted rows by
+    hand (found by the poison audit). A lease that is no time is no live lease: the pass
+    takes it over and resumes the claim, as for an expired one."""
+    db_path = tmp_path / "sessions.db"
+    raw = Raw(db_path)
+    drain = Recorder()
+    async with runtime(Store(db_path, inline=True), drain, clock, **QUIET) as rt:
+        raw.seed_claim("s", "e-s", expires_at=1)
+        raw.write(
+            "INSERT INTO session_recovery(execution_id, session_id, owner_id, expires_at,"
+            " time_created) VALUES ('e-s', 's', 'other-recoverer', ?, 0)",
+            (expires_at,),
+        )
+        report = await rt.recover_once()
+        await rt.wait_idle("s")
+    assert (report.examined, report.resumed, report.quarantined) == (1, 1, 0), report
+    assert [(call.session_id, call.resumed) for call in drain.calls] == [("s", True)]
+    assert raw.rows("SELECT execution_id FROM session_recovery") == []
