@@ -43,3 +43,38 @@ async def test_an_expired_claim_under_a_recovery_lease_whose_expiry_is_no_time_i
     assert (report.examined, report.resumed, report.quarantined) == (1, 1, 0), report
     assert [(call.session_id, call.resumed) for call in drain.calls] == [("s", True)]
     assert raw.rows("SELECT execution_id FROM session_recovery") == []
+
+
+@pytest.mark.parametrize("anchor_seq", ["abc", b"\x01", 2.5], ids=["text", "blob", "real"])
+async def test_an_expired_claim_whose_anchor_is_no_seq_is_quarantined_not_resumed(
+    tmp_path: Path, clock: Any, autojump_clock: MockClock, anchor_seq: Any
+) -> None:
+    """§6.5 (recovery never resumes a superseded execution) and §6.11 on SQLite
+    (PostgreSQL's column is typed): a dead owner's expired claim whose `anchor_seq` another
+    tool wrote as no whole number, in a session where another execution wrote an assistant
+    message since. Whether that message came after the claim's anchor cannot be told -
+    `seq > 'abc'` is false for every number - so recovery resumed the claim (resumed 1),
+    a drain on a transcript another execution had moved on from. Expected: the claim is
+    quarantined with a reason naming `anchor_seq`, as a claim whose expiry is no time, and
+    the valid claim beside it resumes in the same pass."""
+    db_path = tmp_path / "sessions.db"
+    raw = Raw(db_path)
+    drain = Recorder()
+    async with runtime(Store(db_path, inline=True), drain, clock, **QUIET) as rt:
+        raw.seed_claim("s", "e-s", expires_at=1)
+        raw.write("UPDATE session_execution SET anchor_seq = ? WHERE id = 'e-s'", (anchor_seq,))
+        raw.seed_assistant("s", "e-other", 1, '{"parts": [], "finished": true, "error": null}')
+        raw.seed_claim("valid", "e-valid", expires_at=1)
+        report = await rt.recover_once()
+        await rt.wait_idle("valid")
+        [(execution_id, why)] = raw.rows(
+            "SELECT execution_id, recovery_error FROM session_recovery"
+        )
+        # The operator drops it; the session works again.
+        await rt.release_quarantine("e-s", resume=False)
+        await rt.submit("s", {"n": 1})
+        await rt.wait_idle("s")
+    assert (report.resumed, report.quarantined) == (1, 1), report
+    assert [call.session_id for call in drain.calls] == ["valid", "s"]
+    assert execution_id == "e-s"
+    assert "anchor_seq" in why, why

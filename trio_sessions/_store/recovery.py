@@ -74,6 +74,11 @@ def _recovery_facts(tx: Tx, candidate: Candidate) -> tuple[RecoveryFacts, str | 
         reasons = [f"expires_at is {row[3]!r:.60}, not a time"]
         raise MalformedRecord("session_execution", str(execution_id), reasons)
     anchor_seq = row[4] if ours else None
+    if anchor_seq is not None and type(anchor_seq) is not int:
+        # Another tool's write again: whether a message came after it cannot be told
+        # (`seq > 'abc'` holds for no number), so neither can whether it was superseded.
+        reasons = [f"anchor_seq is {anchor_seq!r:.60}, not a seq"]
+        raise MalformedRecord("session_execution", str(execution_id), reasons)
     superseded = bool(
         tx.one(
             "SELECT " + _superseded(session=":session", execution=":execution", anchor=":anchor"),

@@ -119,6 +119,8 @@ _TAKE_OVER_PLAIN = (
     "   OR owner_id IN (SELECT value FROM json_each(:gone)))"
     # An expiry another tool wrote as no integer: the row path quarantines it.
     " AND typeof(expires_at) = 'integer'"
+    # So is an anchor (superseded or not cannot be told).
+    " AND typeof(anchor_seq) IN ('integer', 'null')"
     " AND session_id = :session AND phase != 'cancelling'"
     " AND NOT EXISTS (SELECT 1 FROM session_message m WHERE m.execution_id = :execution"
     "   AND m.role = 'assistant')"
