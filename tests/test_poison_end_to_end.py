@@ -11,7 +11,7 @@ import pytest
 from helpers import Raw, Recorder, runtime
 from trio.testing import MockClock
 
-from trio_sessions import Store
+from trio_sessions import MalformedRecord, Store
 
 QUIET = {"recovery_interval": 10_000.0}  # passes only when the test asks for one
 
@@ -78,3 +78,69 @@ async def test_an_expired_claim_whose_anchor_is_no_seq_is_quarantined_not_resume
     assert [call.session_id for call in drain.calls] == ["valid", "s"]
     assert execution_id == "e-s"
     assert "anchor_seq" in why, why
+
+
+@pytest.mark.parametrize("how", ["drained", "scheduled", "producer"])
+@pytest.mark.parametrize("input_seq", ["abc", b"\x01"], ids=["text", "blob"])
+async def test_a_submit_to_a_session_whose_input_count_is_no_count_stores_nothing(
+    tmp_path: Path, clock: Any, autojump_clock: MockClock, input_seq: Any, how: str
+) -> None:
+    """§4 (inputs are taken in the order they were stored) and §5 (a malformed row raises
+    `MalformedRecord`) on SQLite (PostgreSQL's column is typed): a session with a pending
+    input at seq 2, whose `input_seq` another tool wrote as text or a blob. SQLite counts
+    `'abc' + 1` as 1, so the next input was stored at seq 1 - ahead of the input already
+    waiting, which the next drain then took second - and with an input at seq 1 still
+    pending the submit failed with a bare "UNIQUE constraint failed" `StoreError`.
+    Expected: every submit path refuses it with `MalformedRecord` naming the session and
+    its `input_seq`, storing nothing."""
+    db_path = tmp_path / "sessions.db"
+    raw = Raw(db_path)
+    drain = None if how == "producer" else Recorder()
+    async with runtime(Store(db_path, inline=True), drain, clock, **QUIET) as rt:
+        raw.write(
+            "INSERT INTO session(id, time_created, input_seq) VALUES ('s', 0, ?)", (input_seq,)
+        )
+        raw.write(
+            "INSERT INTO session_input(id, session_id, seq, payload, time_created)"
+            " VALUES ('waiting', 's', 2, '{}', 0)"
+        )
+        with pytest.raises(MalformedRecord) as raised:
+            await rt.submit("s", {"n": 1}, delay=5 if how == "scheduled" else None)
+    assert (raised.value.table, raised.value.key) == ("session", "s")
+    assert "input_seq" in str(raised.value)
+    assert raw.rows("SELECT id, seq FROM session_input") == [("waiting", 2)]
+
+
+@pytest.mark.parametrize("how", ["drained", "scheduled", "producer"])
+async def test_a_submit_to_a_session_whose_input_count_is_negative_stores_nothing_on_both(
+    store: Any,
+    db_path: Any,
+    backend: str,
+    clock: Any,
+    autojump_clock: MockClock,
+    how: str,
+    request: pytest.FixtureRequest,
+) -> None:
+    """§6.20: as above, on both backends - PostgreSQL's BIGINT column keeps a negative
+    count as well. There `ts_insert_input` (and the other server-side submits) count on
+    from it and store the input at seq -2, ahead of the one waiting; refusing it is a change
+    to those functions, i.e. a schema change."""
+    if backend == "postgres":
+        request.applymarker(
+            pytest.mark.xfail(
+                strict=True,
+                reason="the server-side submits count on from a negative input_seq; a"
+                " check there (seq < 1 -> malformed) is a schema change",
+            )
+        )
+    raw = Raw(db_path)
+    drain = None if how == "producer" else Recorder()
+    async with runtime(store, drain, clock, **QUIET) as rt:
+        raw.write("INSERT INTO session(id, time_created, input_seq) VALUES ('s', 0, -3)")
+        raw.write(
+            "INSERT INTO session_input(id, session_id, seq, payload, time_created)"
+            " VALUES ('waiting', 's', 2, '{}', 0)"
+        )
+        with pytest.raises(MalformedRecord):
+            await rt.submit("s", {"n": 1}, delay=5 if how == "scheduled" else None)
+    assert raw.rows("SELECT id, seq FROM session_input") == [("waiting", 2)]

@@ -18,7 +18,15 @@ from typing import Any
 
 import pytest
 
-from trio_sessions import InputConflict, LeaseLost, StoreError, _backend, _sqlite, _store
+from trio_sessions import (
+    InputConflict,
+    LeaseLost,
+    MalformedRecord,
+    StoreError,
+    _backend,
+    _sqlite,
+    _store,
+)
 from trio_sessions._decisions import AcquireVerdict, IterationVerdict
 
 from .common import LEASE, Db
@@ -308,3 +316,23 @@ def test_a_heartbeat_renews_every_claim_in_one_statement(db: Db) -> None:
             "SELECT COUNT(*) FROM session_execution WHERE expires_at = ?", (db.now + LEASE,)
         ) == [(n - 2,)]
         db.write("DELETE FROM session_execution")
+
+
+def test_a_set_wise_submit_to_a_session_whose_input_count_is_negative_runs_alone(db: Db) -> None:
+    """The set-wise `submit_and_acquire` stores each input at its session's `input_seq`
+    plus one, as `_insert_input` does, and leaves a session whose count has no seq left to
+    run alone (`counted_input_seq` refuses it). A count another tool wrote below 0 passed
+    its check, so the batch stored the input at seq -2, ahead of the input already waiting
+    at seq 2. Expected: that job runs alone and fails with `MalformedRecord`, storing
+    nothing; the other session's job is settled set-wise."""
+    db.write("INSERT INTO session(id, time_created, input_seq) VALUES ('bad', 0, -3)")
+    db.write(
+        "INSERT INTO session_input(id, session_id, seq, payload, time_created)"
+        " VALUES ('waiting', 'bad', 2, '{}', 0)"
+    )
+    jobs = submits(["bad", "good"], "a")
+    run_counted(db, jobs)
+    with pytest.raises(MalformedRecord, match="input_seq"):
+        jobs[0].unwrap()
+    assert jobs[1].unwrap() == ("in-a-good", _store.Acquired(AcquireVerdict.CLAIM))
+    assert db.rows("SELECT id, seq FROM session_input WHERE session_id = 'bad'") == [("waiting", 2)]

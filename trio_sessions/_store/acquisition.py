@@ -86,9 +86,11 @@ def _take_doorbells(tx: Tx, session_ids: Sequence[str]) -> None:
 # integer: a job whose session holds anything else is left to run alone.
 _NO_SESSION_OR_WHOLE_ATTEMPTS = "typeof(s.wake_attempts) IN ('null', 'integer')"
 # A session whose input count has a seq left (SQLite would count on past the largest
-# integer as a REAL): any other goes one by one, where `counted_input_seq` refuses it.
+# integer as a REAL) and not below 0 (another tool's write: the input would go ahead of
+# those waiting): any other goes one by one, where `counted_input_seq` refuses it.
 _NO_SESSION_OR_INPUT_SEQ_LEFT = (
-    "(s.id IS NULL OR (typeof(s.input_seq) = 'integer' AND s.input_seq < 9223372036854775807))"
+    "(s.id IS NULL OR (typeof(s.input_seq) = 'integer'"
+    " AND s.input_seq BETWEEN 0 AND 9223372036854775806))"
 )
 
 

@@ -217,19 +217,37 @@ def _next_message_seq(tx: Tx, session_id: str, count: int = 1) -> int:
     return newest + 1
 
 
+def bumped_input_seq(tx: Tx) -> str:
+    """The upsert's new `input_seq` of a session row (`session.input_seq + 1`), read back by
+    `counted_input_seq`. SQLite adds 1 to text or a blob as to 0 (`'abc' + 1` is 1), which
+    would store the next input at seq 1 - ahead of the inputs already waiting, or clashing
+    with one: a count that is no integer is kept as it is, for `counted_input_seq` to
+    refuse. PostgreSQL's column is typed."""
+    if tx.dialect == "sqlite":
+        return (
+            "CASE WHEN typeof(session.input_seq) = 'integer' THEN session.input_seq + 1"
+            " ELSE session.input_seq END"
+        )
+    return "session.input_seq + 1"
+
+
 def counted_input_seq(session_id: str, counted: Any) -> int:
     """The seq a new input takes: the session's `input_seq` as its count just bumped it
-    (`RETURNING`). SQLite turns a count past the largest 64-bit integer into a REAL
-    (9.223372036854776e+18: every later input at that seq, their order lost) and keeps
-    whatever another tool writes; PostgreSQL refuses the bump ('bigint out of range', a
-    `StoreError`). Anything but an integer is `MalformedRecord` naming the session, raised
-    inside the operation, so its writes are rolled back with it (§6.20)."""
-    if type(counted) is int:
+    (`RETURNING`, `bumped_input_seq`). SQLite turns a count past the largest 64-bit integer
+    into a REAL (9.223372036854776e+18: every later input at that seq, their order lost) and
+    keeps whatever another tool writes; PostgreSQL refuses the bump ('bigint out of range', a
+    `StoreError`). Anything but an integer from 1 is `MalformedRecord` naming the session
+    (the first input takes seq 1: a count below it, written by another tool, would store
+    the input ahead of those waiting), raised inside the operation, so its writes are
+    rolled back with it (§6.20)."""
+    if type(counted) is int and counted >= 1:
         return counted
-    if isinstance(counted, float) and counted > MAX_INT64:
+    if type(counted) is int:
+        reason = f"input_seq is {counted - 1}, below 0: the next input would take seq {counted}"
+    elif isinstance(counted, float) and counted > MAX_INT64:
         reason = f"input_seq out of range: no seq is left for another input after {MAX_INT64}"
     else:
-        reason = f"input_seq is no whole number (counted on to {counted!r})"
+        reason = f"input_seq is {counted!r:.60}, no whole number"
     raise MalformedRecord("session", session_id, [reason])
 
 

@@ -47,6 +47,7 @@ from .common import (
     _ring,
     _written,
     as_stored,
+    bumped_input_seq,
     counted_input_seq,
     new_id,
     readable,
@@ -175,7 +176,7 @@ def submit_scheduled(
     tx.notify(session_id)
     row = tx.one(
         "INSERT INTO session(id, time_created, input_seq) VALUES (?, ?, 1)"
-        " ON CONFLICT(id) DO UPDATE SET input_seq = session.input_seq + 1"
+        f" ON CONFLICT(id) DO UPDATE SET input_seq = {bumped_input_seq(tx)}"
         " RETURNING input_seq",
         (session_id, tx.now),
     )

@@ -18,7 +18,7 @@ from typing import Any
 from .. import _codec
 from .._backend import FALLBACK, Tx, autocommit_when_alone, pg_batched
 from .._errors import InputConflict
-from .common import counted_input_seq, pg_set_wise
+from .common import bumped_input_seq, counted_input_seq, pg_set_wise
 
 
 def wake(tx: Tx, session_id: str) -> None:
@@ -110,7 +110,7 @@ def _insert_input(
         "INSERT INTO session(id, time_created, time_woken, wakes, input_seq)"
         " VALUES (?, ?, ?, ?, 1)"
         " ON CONFLICT(id) DO UPDATE SET time_woken = COALESCE(session.time_woken, ?),"
-        " wakes = session.wakes + ?, input_seq = session.input_seq + 1"
+        f" wakes = session.wakes + ?, input_seq = {bumped_input_seq(tx)}"
         " RETURNING input_seq, time_woken, wake_attempts",
         (session_id, tx.now, doorbell, int(ring), doorbell, int(ring)),
     )
