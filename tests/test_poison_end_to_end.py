@@ -144,3 +144,45 @@ async def test_a_submit_to_a_session_whose_input_count_is_negative_stores_nothin
         with pytest.raises(MalformedRecord):
             await rt.submit("s", {"n": 1}, delay=5 if how == "scheduled" else None)
     assert raw.rows("SELECT id, seq FROM session_input") == [("waiting", 2)]
+
+
+@pytest.mark.parametrize("where", ["message", "delta"])
+async def test_a_quarantine_for_an_open_message_at_the_largest_version_can_be_dropped(
+    store: Any, db_path: Any, clock: Any, autojump_clock: MockClock, where: str
+) -> None:
+    """§4 (`release_quarantine(resume=False)` finishes the open transcript, deletes the
+    claim; dropping a quarantine sets the malformed message aside, so the session reads
+    again), on both backends: a crashed claim whose open assistant message another tool
+    left at `version` 2**63 - 1 (or a text streamed onto it at that version). No write can
+    bump it (SQLite computes a REAL, PostgreSQL refuses 'bigint out of range'), so
+    recovery quarantines the claim - but the drop tried to finish that message too and
+    failed the same way, every time: the operator could neither drop nor resume it (no way
+    out but SQL). Expected: the drop sets the message aside (raw text and why kept in
+    `session_message_rejected`), and the session works again."""
+    raw = Raw(db_path)
+    drain = Recorder()
+    async with runtime(store, drain, clock, **QUIET) as rt:
+        raw.seed_claim("s", "e-s", expires_at=1)
+        message_id = raw.seed_assistant(
+            "s", "e-s", 1, '{"parts": [], "finished": false, "error": null}'
+        )
+        if where == "message":
+            raw.write(
+                "UPDATE session_message SET version = ? WHERE id = ?", (2**63 - 1, message_id)
+            )
+        else:
+            raw.write(
+                "INSERT INTO session_message_delta(message_id, version, text) VALUES (?, ?, 'x')",
+                (message_id, 2**63 - 1),
+            )
+        report = await rt.recover_once()
+        assert report.quarantined == 1, report
+        await rt.release_quarantine("e-s", resume=False)
+        [(rejected, why)] = raw.rows("SELECT id, reason FROM session_message_rejected")
+        assert await rt.transcript("s") == []
+        await rt.submit("s", {"n": 1})
+        await rt.wait_idle("s")
+    assert rejected == message_id
+    assert "version out of range" in why, why
+    assert [call.session_id for call in drain.calls] == ["s"]
+    assert raw.rows("SELECT execution_id FROM session_recovery") == []

@@ -24,7 +24,8 @@ import attrs
 from .._backend import Tx, reads_stored_bytes
 from .._codec import shown_text, stored_text, stored_value
 from .._errors import MalformedRecord
-from .._model import OWNER_LOST
+from .._model import OWNER_LOST, AssistantData
+from .._validate import MAX_INT64
 from .common import (
     _doorbell_set,
     _has_pending_inputs,
@@ -199,9 +200,11 @@ def _set_aside_malformed_messages(tx: Tx, session_id: str, execution_id: str) ->
                 stored_text(*delta, table="session_message_delta", key=shown_text(message_id))
                 for delta in deltas
             ]
-            _decode_message(
+            message = _decode_message(
                 session_id, (message_id, role, seq, data, execution_id, input_id), streamed
             )
+            if isinstance(message.data, AssistantData) and not message.data.finished:
+                _check_version_left(tx, message.id)
         except MalformedRecord as exc:
             # The raw data is kept as it was stored (bytes that are not UTF-8 as a BLOB);
             # text streamed onto it since goes into the reason, such bytes as a bytes
@@ -221,6 +224,22 @@ def _set_aside_malformed_messages(tx: Tx, session_id: str, execution_id: str) ->
             else:
                 tx.execute("DELETE FROM session_message WHERE id = CAST(? AS TEXT)", (message_id,))
             tx.notify(session_id, watchers_only=True)  # gone, for the session's watchers
+
+
+def _check_version_left(tx: Tx, message_id: str) -> None:
+    """`MalformedRecord` for an open message whose version (or a delta's) leaves no next
+    one - another tool's write: the largest 64-bit integer, or on SQLite a REAL. Finishing
+    it (`_close_open_messages`) bumps the version, which SQLite turns into a REAL
+    (`transcript._next_version` refuses it) and PostgreSQL refuses ('bigint out of
+    range'): the drop would fail with it every time, where it sets the message aside."""
+    [(version,)] = tx.execute(
+        "SELECT COALESCE((SELECT MAX(d.version) FROM session_message_delta d"
+        " WHERE d.message_id = m.id), m.version) FROM session_message m WHERE m.id = ?",
+        (message_id,),
+    ).fetchall()
+    if isinstance(version, float) or (type(version) is int and version >= MAX_INT64):
+        reasons = [f"version out of range: no version after {version!r}"]
+        raise MalformedRecord("session_message", message_id, reasons)
 
 
 @reads_stored_bytes
