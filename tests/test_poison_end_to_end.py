@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
 from helpers import Raw, Recorder, runtime
 from trio.testing import MockClock
 
@@ -186,3 +187,46 @@ async def test_a_quarantine_for_an_open_message_at_the_largest_version_can_be_dr
     assert "version out of range" in why, why
     assert [call.session_id for call in drain.calls] == ["s"]
     assert raw.rows("SELECT execution_id FROM session_recovery") == []
+
+
+async def first_of(feed: Any) -> Any:
+    """The first thing a watcher or stream gives within 60 s of virtual time: an item, the
+    `MalformedRecord` it raises, or None."""
+    with trio.move_on_after(60):
+        async with feed as items:
+            try:
+                async for item in items:
+                    return item
+            except MalformedRecord as exc:
+                return exc
+    return None
+
+
+@pytest.mark.parametrize("where", ["message", "delta"])
+async def test_watch_shows_a_message_whose_version_is_negative(
+    store: Any, db_path: Any, clock: Any, autojump_clock: MockClock, where: str
+) -> None:
+    """§5 (`watch`: first every message as stored now; never skips a message's latest
+    snapshot), on both backends (a BIGINT keeps a negative number as well): a message
+    another tool wrote at `version` -5 (or an open one with a text streamed onto it at
+    -5). `transcript()` and `stream()` show it, but `watch()` gave nothing: a watcher
+    takes a snapshot only if its version is above the newest it has seen of the message,
+    counted from -1 for one never seen - so the message never reached it, with no error.
+    Expected: the watcher's first snapshot is that message, as `transcript()` reads it."""
+    raw = Raw(db_path)
+    async with runtime(store, Recorder(), clock, **QUIET) as rt:
+        if where == "message":
+            raw.seed_user_message("s", "m", 1)
+            raw.write("UPDATE session_message SET version = -5 WHERE id = 'm'")
+        else:
+            raw.seed_claim("s", "e", expires_at=2**62)
+            message_id = raw.seed_assistant(
+                "s", "e", 1, '{"parts": [], "finished": false, "error": null}'
+            )
+            raw.write(
+                "INSERT INTO session_message_delta(message_id, version, text) VALUES (?, -5, 'a')",
+                (message_id,),
+            )
+        [stored] = await rt.transcript("s")
+        watched = await first_of(rt.watch("s"))
+    assert watched == stored

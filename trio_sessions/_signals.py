@@ -25,6 +25,10 @@ from ._errors import MalformedRecord
 from ._model import Message
 
 Snapshot = Message | MalformedRecord
+# The newest version seen of a message never seen: below every version a 64-bit column
+# holds. Our writes count from 0, but another tool may write a negative version, and a
+# watcher comparing with -1 dropped that message's every snapshot, silently.
+NEVER_SEEN = -(2**63) - 1
 # The executor's `read`: runs a read-only store operation off the event loop.
 Read = Callable[..., Awaitable[Any]]
 
@@ -101,7 +105,7 @@ class Watcher(AsyncIterator[Message]):
 
     def _newest(self, message_id: str) -> int:
         held = self._held.get(message_id) or self._pending.get(message_id)
-        return held[1] if held is not None else self._seen.get(message_id, -1)
+        return held[1] if held is not None else self._seen.get(message_id, NEVER_SEEN)
 
     def __aiter__(self) -> Watcher:
         return self
@@ -266,7 +270,7 @@ class WatchHub:
         # message new and offers it to the session's other watchers too.
         remember = remember and (only is None or snapshot.seq <= session.high_seq)
         offered_to = session.watchers if only is None else {only}
-        known = session.known.get(message_id, -1)
+        known = session.known.get(message_id, NEVER_SEEN)
         if remember and snapshot.version >= known:
             session.known[message_id] = snapshot.version
             session.fresh.add(message_id)
