@@ -230,3 +230,34 @@ async def test_watch_shows_a_message_whose_version_is_negative(
         [stored] = await rt.transcript("s")
         watched = await first_of(rt.watch("s"))
     assert watched == stored
+
+
+@pytest.mark.parametrize("resume", [False, True])
+async def test_a_quarantine_whose_row_names_another_session_is_released_for_its_claims_session(
+    store: Any, db_path: Any, clock: Any, autojump_clock: MockClock, resume: bool
+) -> None:
+    """§4 (`release_quarantine`), on both backends: a quarantined execution whose
+    `session_recovery.session_id` another tool changed to a session that has no row. The
+    release read its session from that row, so the drop set the malformed message aside
+    under a session that does not exist and failed with a bare "FOREIGN KEY constraint
+    failed" `StoreError`, every time; the resume looked for the claim in that session.
+    Expected: the claim's own session is the one released - the message set aside (drop)
+    or the claim quarantined again with `MalformedRecord` (resume: it still does not
+    decode) - and after the drop the session works again."""
+    raw = Raw(db_path)
+    drain = Recorder()
+    async with runtime(store, drain, clock, **QUIET) as rt:
+        raw.seed_claim("s", "e-s", expires_at=1)
+        raw.seed_assistant("s", "e-s", 1, '{"parts": 5}')
+        assert (await rt.recover_once()).quarantined == 1
+        raw.write("UPDATE session_recovery SET session_id = 'elsewhere'")
+        if resume:
+            with pytest.raises(MalformedRecord):
+                await rt.release_quarantine("e-s", resume=True)
+            assert raw.rows("SELECT session_id FROM session_recovery") == [("s",)]
+            return
+        await rt.release_quarantine("e-s", resume=False)
+        assert raw.rows("SELECT session_id FROM session_message_rejected") == [("s",)]
+        await rt.submit("s", {"n": 1})
+        await rt.wait_idle("s")
+    assert [call.session_id for call in drain.calls] == ["s"]

@@ -138,10 +138,11 @@ def _last_key(rows: Sequence[Sequence[Any]]) -> PageKey | None:
 def lift_quarantine(tx: Tx, execution_id: str, owner_id: str, lease_ms: int) -> Candidate:
     """Clear a quarantine and take the recovery lease on it at once (for a resume)."""
     row = _quarantined_row(tx, execution_id)
+    # The claim's session, as recovery's fences name it (`_quarantined_row`).
     tx.execute(
         "UPDATE session_recovery SET recovery_error = NULL, time_quarantined = NULL,"
-        " owner_id = ?, expires_at = ? WHERE execution_id = ?",
-        (owner_id, tx.now + lease_ms, execution_id),
+        " owner_id = ?, expires_at = ?, session_id = ? WHERE execution_id = ?",
+        (owner_id, tx.now + lease_ms, row[0], execution_id),
     )
     _unmark_finished(tx, execution_id)
     return Candidate(row[0], execution_id)
@@ -275,10 +276,14 @@ def drop_rejected_input(tx: Tx, input_id: str) -> str:
 
 
 def _quarantined_row(tx: Tx, execution_id: str) -> Any:
-    """The quarantined row's (session id,), under its session lock; `ValueError` if none."""
+    """The quarantined row's (session id,), under its session lock; `ValueError` if none.
+    The session is its claim's, while the claim is there: the recovery row's own copy is
+    one another tool may have changed, and a release under a session that is not the
+    claim's failed (a foreign key) or missed the claim."""
     row = tx.one(
-        "SELECT session_id FROM session_recovery WHERE execution_id = ?"
-        " AND recovery_error IS NOT NULL",
+        "SELECT COALESCE((SELECT e.session_id FROM session_execution e"
+        "   WHERE e.id = r.execution_id), r.session_id)"
+        " FROM session_recovery r WHERE r.execution_id = ? AND r.recovery_error IS NOT NULL",
         (execution_id,),
     )
     if row is None:
