@@ -261,3 +261,32 @@ async def test_a_quarantine_whose_row_names_another_session_is_released_for_its_
         await rt.submit("s", {"n": 1})
         await rt.wait_idle("s")
     assert [call.session_id for call in drain.calls] == ["s"]
+
+
+@pytest.mark.parametrize("version", ["x", b"\x01"], ids=["text", "blob"])
+async def test_a_stream_resumed_on_an_open_message_whose_version_is_no_number_does_not_crash(
+    tmp_path: Path, clock: Any, autojump_clock: MockClock, version: Any
+) -> None:
+    """§5.2 (iterating a stream raises `MalformedRecord` for a row that does not decode,
+    `StoreError` when a read fails) on SQLite (PostgreSQL's column is typed): a client
+    resumes a stream with the cursor of an open message, whose `version` another tool then
+    wrote as text or a blob. The read compared that version with the cursor's in Python
+    and raised a bare `TypeError` ("'>' not supported between instances of 'str' and
+    'int'") out of the stream, every time the client reconnected. `transcript()` reads the
+    message; a version that is no number goes last in a stream's order (`placed`), as for
+    a REAL, so the client gets the message whole."""
+    db_path = tmp_path / "sessions.db"
+    raw = Raw(db_path)
+    async with runtime(Store(db_path, inline=True), Recorder(), clock, **QUIET) as rt:
+        raw.write("INSERT INTO session(id, time_created) VALUES ('s', 0)")
+        raw.seed_assistant(
+            "s",
+            "e",
+            1,
+            '{"parts": [{"type": "text", "text": "a"}], "finished": false, "error": null}',
+        )
+        first = await first_of(rt.stream("s"))
+        raw.write("UPDATE session_message SET version = ?", (version,))
+        resumed = await first_of(rt.stream("s", cursor=first.cursor))
+        [stored] = await rt.transcript("s")
+    assert (resumed.kind, resumed.seq, resumed.data) == ("message", 1, stored.data)

@@ -394,6 +394,9 @@ def _changes_of_open(
         (message_id,),
     )
     changes: list[Change] = []
+    # One another tool wrote as no number goes last, as everywhere in a stream's order (a
+    # bare `TypeError` here, else): the client gets the message whole.
+    version = placed(version)
     if version > held.version:
         step = _step_missed(held, version, kind, data, message_id)
         if step is None:
