@@ -60,6 +60,7 @@ from trio_sessions._errors import OutcomeUnknown
 from trio_sessions._loops import CHANGE_FALLBACK_POLL
 from trio_sessions._postgres import PgEngine, PostgresStore, run_op
 from trio_sessions._store.recovery_scan import scan_and_lease
+from trio_sessions._store.stream import Position, message_tag
 
 T0 = 1_800_000_000.0
 LEASE_MS = 30_000
@@ -86,6 +87,8 @@ class Mode(enum.Enum):
     AFTER = "after"  # COMMIT only: it landed and was answered, then killed
     FAREWELL = "farewell"  # COMMIT only: killed first; the client read the server's 57P01
     # (terminating connection) but not yet the connection's end
+    REFUSED = "refused"  # the server refuses it with `Plan.sqlstate` (a retryable error),
+    # aborting the transaction it is in; the connection stays
 
 
 # After these the COMMIT has landed: its outcome is read back, never re-applied.
@@ -203,6 +206,7 @@ class Plan:
     then_unreachable: bool = False  # after firing, every reconnect fails
     every: int = 0  # instead: every `every`-th statement, `times` times, `mode` then `LOST`
     times: int = 1
+    sqlstate: str = "40001"  # Mode.REFUSED's
 
     def hit(self, index: int, text: str) -> bool:
         if self.every:
@@ -224,6 +228,7 @@ class Faults:
         self.fired: str | None = None
         self.firings = 0
         self.unreachable = False
+        self._sqlstate = "40001"
 
     def wrap(self, conn: psycopg.Connection[Any]) -> FaultyConnection:
         if self.unreachable:
@@ -249,6 +254,7 @@ class Faults:
         if not plan.hit(self.index, text):
             return run()
         mode = (plan.mode, Mode.LOST)[self.firings % 2]
+        self._sqlstate = plan.sqlstate
         self.firings += 1
         if self.firings >= plan.times:
             self.plan = None
@@ -267,6 +273,16 @@ class Faults:
         run: Callable[[], Any],
     ) -> Any:
         pid = conn.info.backend_pid
+        if mode is Mode.REFUSED:
+            # Refused by the server where the statement would run: in the transaction its
+            # BEGIN opened (aborted now), or alone. The statement itself is never sent.
+            assert self.plan is None or self.plan.every == 0
+            conn.execute(
+                "DO $$ BEGIN RAISE EXCEPTION 'injected' USING ERRCODE = '"
+                + self._sqlstate
+                + "'; END $$"
+            )
+            raise AssertionError("the injected refusal was not raised")
         if mode is Mode.BEFORE:
             terminate_on(self.control, pid)
             return run()
@@ -538,6 +554,59 @@ def two_claims(env: Env) -> None:
     claimed(env, "s1", "e1")
     claimed(env, "s2", "e2")
     env.clock.now += 1.0
+
+
+def idle_answered(env: Env) -> None:
+    """An idle session that was answered: `drained`'s claim finished (seq 1 the user's
+    message, seq 2 the open answer, finished)."""
+    drained(env)
+    env.run(_store.finish_iteration, "s", "e1", OWNER)
+
+
+# An edit of `idle_answered`: drop what follows seq 1, store the edited text.
+EDIT = ("s", '{"n": 2}', "edit", 1)
+
+
+def surrogate_claimed(env: Env) -> None:
+    """A claim whose first input holds a lone surrogate (the server's JSON check passes it,
+    the codec refuses it), the second a plain object."""
+    env.run(_store.submit, "s", '{"t": "\\ud800"}', "i1")
+    env.run(_store.submit, "s", '{"n": 2}', "i2")
+    env.run(_store.acquire, "s", "e1", OWNER, LEASE_MS)
+
+
+def _seed_message(env: Env, message_id: str, seq: int) -> None:
+    env.raw(
+        "INSERT INTO session_message(id, session_id, execution_id, role, seq, data,"
+        " time_created, time_updated, finished)"
+        " VALUES (%s, 's', 'x', 'assistant', %s, %s, 0, 0, 1)",
+        (message_id, seq, encode_assistant(_transcript.EMPTY)),
+    )
+
+
+def rewritten(env: Env) -> None:
+    """Messages r1-r4 a stream held (`REWRITTEN_POSITION`), truncated after seq 2, then one
+    new message at seq 3."""
+    env.run(_store.wake, "s")
+    for seq in range(1, 5):
+        _seed_message(env, f"r{seq}", seq)
+    env.run(_store.truncate, "s", 2)
+    _seed_message(env, "n3", 3)
+
+
+def set_aside_below(env: Env) -> None:
+    """A message below the stream's marks set aside from the middle (as a quarantine drop
+    does): only the marks below it hold."""
+    env.raw("DELETE FROM session_message WHERE id = 'r2'")
+    env.raw(
+        "INSERT INTO session_message_rejected(id, session_id, execution_id, seq, data, reason,"
+        " time_created) VALUES ('r2', 's', 'x', 2, '{', 'bad', 0)"
+    )
+
+
+REWRITTEN_POSITION = Position(
+    4, message_tag("r4"), (), marks=((1, message_tag("r1")), (2, message_tag("r2")))
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -918,6 +987,85 @@ OPERATIONS = [
         steps(drained, do(_store.finish_iteration, "s", "e1", OWNER)),
         one(_store.truncate, "s", 1),
     ),
+    # This stop's paths: an edit (`submit(truncate_after=)`, statement by statement around
+    # `ts_truncate`), its retry and its refusals; the operator's pause and resume; the fast
+    # take refused by the codec and the library's take after it; a stream's read after a
+    # rewrite (its marks, and the set-aside seqs).
+    Operation("submit_truncating", idle_answered, one(_store.submit_truncating, *EDIT)),
+    Operation(
+        "submit_truncating-retried",
+        steps(idle_answered, do(_store.submit_truncating, *EDIT)),
+        one(_store.submit_truncating, *EDIT),
+        writes=False,
+    ),
+    Operation(
+        "submit_truncating-taken-retried",
+        steps(
+            idle_answered,
+            do(_store.submit_truncating, *EDIT),
+            do(_store.acquire, "s", "e2", OWNER, LEASE_MS),
+            do(_store.take_inputs, "s", "e2", OWNER),
+            do(_store.finish_iteration, "s", "e2", OWNER),
+        ),
+        one(_store.submit_truncating, *EDIT),
+        writes=False,
+    ),
+    Operation(
+        "submit_truncating-held",
+        claimed,
+        one(_store.submit_truncating, *EDIT),
+        writes=False,
+    ),
+    Operation(
+        "submit_truncating-pending",
+        steps(idle_answered, do(_store.submit, "s", '{"n": 3}', "i3")),
+        one(_store.submit_truncating, *EDIT),
+        writes=False,
+    ),
+    Operation(
+        "submit_truncating-conflict",
+        steps(idle_answered, do(_store.submit, "t", '{"n": 3}', "edit")),
+        one(_store.submit_truncating, *EDIT),
+        writes=False,
+    ),
+    Operation("pause_session", drained, one(_store.pause_session, "s", False)),
+    Operation("pause_session-create", empty, one(_store.pause_session, "s", True)),
+    Operation("pause_session-unknown", empty, one(_store.pause_session, "s", False), writes=False),
+    Operation(
+        "resume_existing",
+        steps(
+            do(_store.pause, "s"),
+            do(_store.submit_scheduled, "s", '{"n": 1}', "i1", 1, "queue"),
+            lapse,
+        ),
+        one(_store.resume_existing, "s"),
+    ),
+    Operation("resume_existing-unknown", empty, one(_store.resume_existing, "s"), writes=False),
+    Operation(
+        "take_inputs-fast-refused",
+        surrogate_claimed,
+        one(_store.take_inputs, "s", "e1", OWNER),
+        writes=False,
+    ),
+    Operation(
+        "take_inputs-after-fast-refused",
+        surrogate_claimed,
+        one(_store.take_inputs, "s", "e1", OWNER, 200, False),
+    ),
+    Operation(
+        "stream_changes-rewritten",
+        rewritten,
+        one(_store.stream_changes, "s", REWRITTEN_POSITION),
+        mode="read",
+        writes=False,
+    ),
+    Operation(
+        "stream_changes-rewritten-set-aside",
+        steps(rewritten, set_aside_below),
+        one(_store.stream_changes, "s", REWRITTEN_POSITION),
+        mode="read",
+        writes=False,
+    ),
     Operation(
         "group-commit",
         empty,
@@ -1110,6 +1258,53 @@ def test_every_statement_of_every_operation(
         assert fired >= 2 * len(statements)
 
 
+# A serialisation failure, a deadlock, a statement timeout: the whole transaction runs again.
+REFUSALS = ("40001", "40P01", "57014")
+
+
+@pytest.mark.parametrize(
+    "operation",
+    [op for op in OPERATIONS if len(op.jobs()) == 1 and op.mode != "nowait"],
+    ids=lambda op: op.name,
+)
+def test_every_statement_of_every_operation_refused_with_a_retryable_error(
+    pg_url: str, migrated_schema: str, operation: Operation
+) -> None:
+    """DESIGN §8: serialisation failures, deadlocks (and timeouts) are retried inside the
+    store. The server refuses each statement in turn with each of them, aborting the
+    transaction it is in: the operation reports what its clean run reported, the durable
+    state is exactly the clean post-state (nothing of the refused attempt, nothing twice),
+    on the same connection, with exactly one transaction run again."""
+    with environment(pg_url, migrated_schema) as env:
+        pre = prepare(env, operation)
+        saved = Saved.take(env)
+        env.faults.recorded = []
+        transactions = env.engine.transactions
+        expected = operation.call(env)
+        statements, env.faults.recorded = env.faults.recorded, None
+        clean_transactions = env.engine.transactions - transactions
+        post = snapshot(env.control)
+        assert (post != pre) == operation.writes, "the clean run did not do what it should"
+        fired = 0
+        for k, statement in enumerate(statements, 1):
+            if statement == "COMMIT":
+                continue  # READ COMMITTED refuses no COMMIT with these
+            for sqlstate in REFUSALS:
+                where = f"statement {k} ({statement[:60]!r}), {sqlstate}"
+                saved.restore(env)
+                transactions = env.engine.transactions
+                reconnects = env.engine.reconnects
+                env.faults.arm(Plan(k, Mode.REFUSED, sqlstate=sqlstate))
+                got = operation.call(env)
+                assert env.faults.fired == statement, f"{where}: another statement ran"
+                assert got == expected, where
+                assert snapshot(env.control) == post, where
+                assert env.engine.transactions - transactions - clean_transactions == 1, where
+                assert env.engine.reconnects == reconnects, where
+                fired += 1
+        assert fired >= len(REFUSALS)
+
+
 def test_a_recovery_takeover_alone_is_one_autocommit_call_unless_a_row_needs_its_path(
     pg_url: str, pg_schema: str
 ) -> None:
@@ -1220,8 +1415,6 @@ def test_a_read_whose_connection_is_lost_while_the_server_is_gone_is_no_unknown_
     reply of any call in autocommit for a write's. A read commits nothing (DESIGN §8
     "Uncertain commits" are a write's): now it fails with a plain `StoreError` once the
     bound has passed, and reads again once the server is back."""
-    from trio_sessions._store.stream import Position
-
     with environment(pg_url, pg_schema) as env:
         env.run(_store.submit, "s", '{"n": 1}', "i1")
         if set_wise:
