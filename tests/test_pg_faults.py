@@ -1383,6 +1383,52 @@ def test_unreachable_server_fails_the_operation_after_the_bound_with_nothing_wri
             assert env.control.execute("SELECT id FROM session_input").fetchall() == [("i1",)]
 
 
+@pytest.mark.parametrize("then", ["retried", "taken-and-answered-then-retried"])
+def test_an_edit_whose_commit_stays_unknown_is_retried_by_its_input_id_deleting_nothing_more(
+    pg_url: str, pg_schema: str, short_patience: float, then: str
+) -> None:
+    """DESIGN §6.19 for an edit (`submit_truncating`): its COMMIT lands, the reply is lost
+    and the server cannot be asked within the bound - `OutcomeUnknown`, the edit durable.
+    The caller's retry with the same input id, once the server is back (also after a
+    worker took the edited input and answered it), returns the id, deletes nothing more
+    and stores nothing: the state is the landed edit's (and the answer's)."""
+    with environment(pg_url, pg_schema) as env:
+        idle_answered(env)
+        saved = Saved.take(env)
+        env.faults.recorded = []
+        env.run(_store.submit_truncating, *EDIT)  # a clean run: where its COMMIT comes
+        k = env.faults.recorded.index("COMMIT") + 1
+        env.faults.recorded = None
+        saved.restore(env)
+        env.faults.arm(Plan(k, Mode.LOST, then_unreachable=True))
+        job = Job(_store.submit_truncating, EDIT)
+        env.engine.run_alone(job)
+        [(kind, message)] = outcome_of([job])
+        assert env.faults.fired == "COMMIT"
+        assert kind == "OutcomeUnknown", message
+        env.faults.unreachable = False
+        if then != "retried":
+            env.run(_store.acquire, "s", "e2", OWNER, LEASE_MS)
+            env.run(_store.take_inputs, "s", "e2", OWNER)
+            env.run(_store.begin_assistant, "s", "e2", OWNER, "m2")
+            env.run(_store.finish_iteration, "s", "e2", OWNER)
+        landed = snapshot(env.control)
+        assert env.run(_store.submit_truncating, *EDIT) == "edit"
+        assert snapshot(env.control) == landed
+        edited = "SELECT seq, role, input_id FROM session_message ORDER BY seq"
+        pending = "SELECT id FROM session_input"
+        if then == "retried":
+            assert env.control.execute(edited).fetchall() == [(1, "user", "i1")]
+            assert env.control.execute(pending).fetchall() == [("edit",)]
+        else:
+            assert env.control.execute(edited).fetchall() == [
+                (1, "user", "i1"),
+                (2, "user", "edit"),
+                (3, "assistant", None),
+            ]
+            assert env.control.execute(pending).fetchall() == []
+
+
 def test_a_transaction_reading_back_a_lost_call_reports_its_outcome_unknown(
     pg_url: str, pg_schema: str, short_patience: float
 ) -> None:
