@@ -18,14 +18,16 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
+import trio
 from helpers import pg_engine_at as engine_at
 from helpers import pg_raw as raw
 
-from trio_sessions import SessionBusy, _store
+from trio_sessions import SessionBusy, _store, open_runtime
 from trio_sessions._backend import Job
 from trio_sessions._decisions import AcquireVerdict
-from trio_sessions._postgres import PgEngine, run_op
-from trio_sessions._store import control
+from trio_sessions._loops import CHANGE_FALLBACK_POLL
+from trio_sessions._postgres import PgEngine, PostgresStore, run_op
+from trio_sessions._store import common, control
 
 WAIT_S = 30.0  # a bound on each gate, never reached when the test passes
 LEASE_MS = 30_000
@@ -191,3 +193,55 @@ def test_a_delete_during_an_edit_waits_and_removes_it_whole(
         assert job.error is None, job.error
     for table in ("session", "session_input", "session_message", "session_execution"):
         assert rows(pg_url, pg_schema, f"SELECT * FROM {table}") == [], table
+
+
+async def test_an_acquire_that_met_a_refused_edit_claims_without_waiting_for_the_poll(
+    pg_url: str, pg_schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker's acquire answered 'busy' because an edit held the session's lock passes
+    over that doorbell "until the lock's holder is done: it claims the session, or signals
+    it again once committed" (`ts_acquire`). An edit refused - `SessionBusy` for the input
+    waiting, the very input the worker came for - rolls back and signals nothing, so the
+    worker passed the doorbell over until its fallback poll (2 s): the user's message waited
+    2 s for its answer to start (DESIGN §7: p99 50 ms). Now a refused operation that took
+    session locks signals them once rolled back: the worker claims at once."""
+    started = trio.Event()
+
+    async def drain(ctx: Any) -> None:
+        started.set()
+        await ctx.take_inputs()
+
+    checking, go = threading.Event(), threading.Event()
+    pending = common._has_pending_inputs
+
+    def gated(tx: Any, session_id: str) -> bool:
+        checking.set()
+        assert go.wait(WAIT_S), "the gate was never opened"
+        return pending(tx, session_id)
+
+    with engine_at(pg_url, pg_schema, 1.0) as web:
+        run_op(web, _store.submit, "s", '{"text": "q"}', "q1")  # waiting for a worker
+        monkeypatch.setattr(control, "_has_pending_inputs", gated)
+        edit = Job(_store.submit_truncating, EDIT)
+        editing = threading.Thread(target=web.run_batch, args=([edit],), daemon=True)
+        editing.start()
+        try:
+            await trio.to_thread.run_sync(checking.wait, WAIT_S)
+            store = PostgresStore(pg_url, schema=pg_schema)
+            async with open_runtime(store, drain, recovery_interval=3600) as worker:
+                with trio.fail_after(WAIT_S):
+                    while "s" not in worker._passed_over:  # its acquire answered busy
+                        await trio.sleep(0.001)
+                assert not started.is_set()
+                go.set()
+                await trio.to_thread.run_sync(editing.join, WAIT_S)
+                assert isinstance(edit.error, SessionBusy), edit.error
+                refused_at = trio.current_time()
+                with trio.fail_after(WAIT_S):
+                    await started.wait()
+                waited = trio.current_time() - refused_at
+                await worker.wait_idle("s")
+        finally:
+            go.set()
+            editing.join(WAIT_S)
+    assert waited < CHANGE_FALLBACK_POLL / 4, f"the drain started {waited:.2f} s after the edit"

@@ -99,6 +99,14 @@ Ts = TypeVarTuple("Ts")
 _FLUSH = (
     "SELECT set_config('synchronous_commit', 'off', true), ts_flush_signals(CAST(%s AS text[]))"
 )
+# After an operation alone was refused holding session locks (`PgEngine._signal_refused`):
+# the signal, in a transaction of its own, for those of the sessions an acquire waits for.
+SIGNAL_WAITING = (
+    "SELECT set_config('synchronous_commit', 'off', true), ts_flush_signals(ARRAY("
+    "SELECT s.id FROM session s WHERE s.id = ANY(CAST(%s AS text[]))"
+    " AND s.time_woken IS NOT NULL AND s.time_paused IS NULL"
+    " AND NOT EXISTS (SELECT 1 FROM session_execution e WHERE e.session_id = s.id)))"
+)
 # Retries: SQLSTATEs after which the whole transaction is re-run.
 RETRYABLE_SQLSTATES = frozenset({"40001", "40P01", "55P03", "57014"})
 MAX_ATTEMPTS = 8
@@ -572,6 +580,8 @@ class PgEngine:
             # unlikely to recur between single operations); nowait never waits again.
             if retryable and alone and not nowait:
                 raise _Rerun(exc) from exc
+            if alone and tx.locked:
+                self._signal_refused(conn, tx.locked)
             raise _JobRaised(exc) from exc
         except BaseException:
             self._rollback()
@@ -604,6 +614,18 @@ class PgEngine:
                 return results
             raise _Rerun(exc) from exc
         return results
+
+    def _signal_refused(self, conn: Any, sessions: frozenset[str]) -> None:
+        """After an operation alone raised (rolled back) holding these sessions' locks: signal
+        them. An acquire from a doorbell that met one of those locks answered 'busy' and its
+        runtime passes over that doorbell until a signal names the session (the holder was
+        to claim it or signal it once committed); rolled back, the holder does neither - an
+        edit refused for the very input a worker came for held that input's drain back until
+        the worker's fallback poll (seconds). Only those an acquire waits for (a doorbell, no
+        claim, not paused): a zombie's refused write signals nothing. Best effort, as every
+        signal: one round trip, on refusals only."""
+        with contextlib.suppress(psycopg.Error):
+            conn.execute(SIGNAL_WAITING, (bound(sorted(sessions)),))
 
     def _send_signals(self, conn: Any, sessions: str) -> None:
         try:

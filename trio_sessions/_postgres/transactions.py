@@ -287,6 +287,11 @@ class PgTx:
             self.xid_fresh = True
         return [tuple(row[:-1]) for row in rows]
 
+    @property
+    def locked(self) -> frozenset[str]:
+        """The sessions whose locks this transaction took (`lock_session(s)`)."""
+        return frozenset(self._locked)
+
     def lock_session(self, session_id: str) -> None:
         if session_id not in self._locked:
             self._lock(_LOCK_SESSION_ANY, session_id, [session_id])
