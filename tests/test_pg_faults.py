@@ -1820,3 +1820,70 @@ async def test_a_connection_whose_server_hangs_right_after_it_logged_in_is_bound
     assert stalled
     assert ended, f"connect still waiting {elapsed:.0f} s after the server hung"
     assert isinstance(ended[0], StoreError), ended
+
+
+# ---------------------------------------------------------------------------------------------
+# Edits under faults: a stream converges to transcript()
+
+
+async def test_edits_while_the_connection_keeps_dying_store_each_once_and_a_stream_converges(
+    pg_url: str, pg_schema: str, autojump_clock: MockClock
+) -> None:
+    """A conversation with a stream open is edited three times (`submit(truncate_after=)`,
+    each answered) while the runtime's connection is lost at every 11th statement (more
+    than an edit's transaction sends) - before it is sent, or with its reply lost, COMMITs
+    and stream reads included: each edit
+    returns its id, its input is stored and answered once, the messages after the edited
+    one are gone, and the stream's client holds exactly transcript()."""
+    from test_stream import applied, stored
+
+    async def drain(ctx: DrainContext) -> None:
+        for item in await ctx.take_inputs():
+            writer = await ctx.begin_assistant()
+            await writer.append_text(f"re {item.payload['n']}")
+            await writer.finish()
+
+    with control_connection(pg_url, pg_schema) as control:
+        faults = Faults(pg_url, pg_schema, control)
+        store = PostgresStore(
+            pg_url, schema=pg_schema, inline=True, listen=False, wrap_connection=faults.wrap
+        )
+        async with open_runtime(store, drain, clock=ts_testing.trio_clock()) as runtime:
+            for n in range(3):
+                await runtime.submit("s", {"n": n}, input_id=f"q{n}")
+                await runtime.wait_idle("s")
+            got: list[Any] = []
+            async with trio.open_nursery() as nursery, runtime.stream("s") as events:
+
+                async def collect() -> None:
+                    async for event in events:
+                        got.append(event)
+
+                nursery.start_soon(collect)
+                await trio.testing.wait_all_tasks_blocked()
+                faults.arm(Plan(None, Mode.BEFORE, every=11, times=1_000))
+                for n, after in ((10, 4), (11, 2), (12, 4)):
+                    edit = {"n": n}
+                    stored_id = await runtime.submit(
+                        "s", edit, input_id=f"e{n}", truncate_after=after
+                    )
+                    assert stored_id == f"e{n}"
+                    await runtime.wait_idle("s")
+                fired, faults.plan = faults.firings, None
+                await trio.testing.wait_all_tasks_blocked()
+                assert applied(got) == await stored(runtime)
+                nursery.cancel_scope.cancel()
+            assert fired >= 5
+            assert runtime.statistics().store.reconnects >= 5
+        rows = control.execute(
+            "SELECT seq, role, input_id FROM session_message ORDER BY seq"
+        ).fetchall()
+        assert rows == [
+            (1, "user", "q0"),
+            (2, "assistant", None),
+            (3, "user", "e11"),
+            (4, "assistant", None),
+            (5, "user", "e12"),
+            (6, "assistant", None),
+        ]
+        assert control.execute("SELECT count(*) FROM session_input").fetchall() == [(0,)]
