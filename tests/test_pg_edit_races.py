@@ -27,7 +27,7 @@ from trio_sessions._backend import Job
 from trio_sessions._decisions import AcquireVerdict
 from trio_sessions._loops import CHANGE_FALLBACK_POLL
 from trio_sessions._postgres import PgEngine, PostgresStore, run_op
-from trio_sessions._store import common, control
+from trio_sessions._store import common, control, inputs
 
 WAIT_S = 30.0  # a bound on each gate, never reached when the test passes
 LEASE_MS = 30_000
@@ -195,16 +195,33 @@ def test_a_delete_during_an_edit_waits_and_removes_it_whole(
         assert rows(pg_url, pg_schema, f"SELECT * FROM {table}") == [], table
 
 
-async def test_an_acquire_that_met_a_refused_edit_claims_without_waiting_for_the_poll(
-    pg_url: str, pg_schema: str, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("waiting", "gate", "answer"),
+    [
+        # Refused: SessionBusy for the input waiting, the very input the worker came for.
+        (("q1", '{"text": "q"}'), "_has_pending_inputs", SessionBusy),
+        # A retry of the edit, already stored: it returns its id and writes nothing.
+        (("edit-a", EDIT[1]), "_known_input", "edit-a"),
+    ],
+    ids=["refused", "retried"],
+)
+async def test_an_acquire_that_met_an_edit_claims_once_it_ended_without_waiting_for_the_poll(
+    pg_url: str,
+    pg_schema: str,
+    monkeypatch: pytest.MonkeyPatch,
+    waiting: tuple[str, str],
+    gate: str,
+    answer: Any,
 ) -> None:
     """A worker's acquire answered 'busy' because an edit held the session's lock passes
     over that doorbell "until the lock's holder is done: it claims the session, or signals
-    it again once committed" (`ts_acquire`). An edit refused - `SessionBusy` for the input
-    waiting, the very input the worker came for - rolls back and signals nothing, so the
-    worker passed the doorbell over until its fallback poll (2 s): the user's message waited
-    2 s for its answer to start (DESIGN §7: p99 50 ms). Now a refused operation that took
-    session locks signals them once rolled back: the worker claims at once."""
+    it again once committed" (`ts_acquire`). An edit refused (`SessionBusy` for the input
+    waiting, the very input the worker came for) rolled back and signalled nothing, and a
+    retry of an edit stored already (a client's retried POST, which comes right after the
+    first edit's commit, when workers acquire) committed nothing to signal: the worker
+    passed the doorbell over until its fallback poll, and the user's message waited 2 s
+    for its answer to start (DESIGN §7: p99 50 ms). Now both signal the session once they
+    ended: the worker claims at once."""
     started = trio.Event()
 
     async def drain(ctx: Any) -> None:
@@ -212,16 +229,17 @@ async def test_an_acquire_that_met_a_refused_edit_claims_without_waiting_for_the
         await ctx.take_inputs()
 
     checking, go = threading.Event(), threading.Event()
-    pending = common._has_pending_inputs
+    checked = getattr(common if gate == "_has_pending_inputs" else inputs, gate)
 
-    def gated(tx: Any, session_id: str) -> bool:
+    def gated(tx: Any, *args: Any) -> Any:
         checking.set()
         assert go.wait(WAIT_S), "the gate was never opened"
-        return pending(tx, session_id)
+        return checked(tx, *args)
 
     with engine_at(pg_url, pg_schema, 1.0) as web:
-        run_op(web, _store.submit, "s", '{"text": "q"}', "q1")  # waiting for a worker
-        monkeypatch.setattr(control, "_has_pending_inputs", gated)
+        input_id, payload = waiting
+        run_op(web, _store.submit, "s", payload, input_id)  # waiting for a worker
+        monkeypatch.setattr(control, gate, gated)
         edit = Job(_store.submit_truncating, EDIT)
         editing = threading.Thread(target=web.run_batch, args=([edit],), daemon=True)
         editing.start()
@@ -235,11 +253,14 @@ async def test_an_acquire_that_met_a_refused_edit_claims_without_waiting_for_the
                 assert not started.is_set()
                 go.set()
                 await trio.to_thread.run_sync(editing.join, WAIT_S)
-                assert isinstance(edit.error, SessionBusy), edit.error
-                refused_at = trio.current_time()
+                if isinstance(answer, str):
+                    assert edit.unwrap() == answer
+                else:
+                    assert isinstance(edit.error, answer), edit.error
+                ended_at = trio.current_time()
                 with trio.fail_after(WAIT_S):
                     await started.wait()
-                waited = trio.current_time() - refused_at
+                waited = trio.current_time() - ended_at
                 await worker.wait_idle("s")
         finally:
             go.set()

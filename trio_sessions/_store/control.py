@@ -563,6 +563,11 @@ def submit_truncating(tx: Tx, session_id: str, payload: str, input_id: str, afte
     conversation). A failure after the truncate (the input's seq) rolls it back."""
     tx.lock_session(session_id)
     if _known_input(tx, session_id, input_id, payload):
+        if tx.dialect == "postgres":
+            # A retry comes right after the edit committed, when workers acquire: one that
+            # met this lock answered 'busy' and waits for a signal of the session (its
+            # fallback poll, seconds, else). It travels with the COMMIT: no round trip.
+            tx.notify(session_id)
         return input_id
     if _claim_row(tx, session_id) is not None:
         raise _truncate_busy(session_id)
