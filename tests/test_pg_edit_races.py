@@ -32,6 +32,8 @@ from trio_sessions._store import common, control, inputs
 WAIT_S = 30.0  # a bound on each gate, never reached when the test passes
 LEASE_MS = 30_000
 EDIT = ("s", '{"text": "edited"}', "edit-a", 1)
+EDITING = (_store.submit_truncating, EDIT)
+FORKING = (_store.fork, ("s", "branch", None))
 
 
 def answered(engine: PgEngine) -> None:
@@ -196,21 +198,25 @@ def test_a_delete_during_an_edit_waits_and_removes_it_whole(
 
 
 @pytest.mark.parametrize(
-    ("waiting", "gate", "answer"),
+    ("waiting", "gate", "operation", "answer"),
     [
         # Refused: SessionBusy for the input waiting, the very input the worker came for.
-        (("q1", '{"text": "q"}'), "_has_pending_inputs", SessionBusy),
+        (("q1", '{"text": "q"}'), "_has_pending_inputs", EDITING, SessionBusy),
         # A retry of the edit, already stored: it returns its id and writes nothing.
-        (("edit-a", EDIT[1]), "_known_input", "edit-a"),
+        (("edit-a", EDIT[1]), "_known_input", EDITING, "edit-a"),
+        # A fork of the session (held at its read of the messages): it writes and signals
+        # the new session; the question is an input still, so it copies no message.
+        (("q1", '{"text": "q"}'), "as_stored", FORKING, 0),
     ],
-    ids=["refused", "retried"],
+    ids=["refused", "retried", "forked"],
 )
-async def test_an_acquire_that_met_an_edit_claims_once_it_ended_without_waiting_for_the_poll(
+async def test_an_acquire_that_met_an_edit_or_a_fork_claims_once_it_ended_without_the_poll(
     pg_url: str,
     pg_schema: str,
     monkeypatch: pytest.MonkeyPatch,
     waiting: tuple[str, str],
     gate: str,
+    operation: tuple[Any, tuple[Any, ...]],
     answer: Any,
 ) -> None:
     """A worker's acquire answered 'busy' because an edit held the session's lock passes
@@ -220,8 +226,9 @@ async def test_an_acquire_that_met_an_edit_claims_once_it_ended_without_waiting_
     retry of an edit stored already (a client's retried POST, which comes right after the
     first edit's commit, when workers acquire) committed nothing to signal: the worker
     passed the doorbell over until its fallback poll, and the user's message waited 2 s
-    for its answer to start (DESIGN §7: p99 50 ms). Now both signal the session once they
-    ended: the worker claims at once."""
+    for its answer to start (DESIGN §7: p99 50 ms). The same for a fork, which takes the
+    source's lock too and signalled only the new session. Now each signals the session
+    once it ended: the worker claims at once."""
     started = trio.Event()
 
     async def drain(ctx: Any) -> None:
@@ -229,7 +236,7 @@ async def test_an_acquire_that_met_an_edit_claims_once_it_ended_without_waiting_
         await ctx.take_inputs()
 
     checking, go = threading.Event(), threading.Event()
-    checked = getattr(common if gate == "_has_pending_inputs" else inputs, gate)
+    checked = getattr(inputs if gate == "_known_input" else common, gate)
 
     def gated(tx: Any, *args: Any) -> Any:
         checking.set()
@@ -240,7 +247,7 @@ async def test_an_acquire_that_met_an_edit_claims_once_it_ended_without_waiting_
         input_id, payload = waiting
         run_op(web, _store.submit, "s", payload, input_id)  # waiting for a worker
         monkeypatch.setattr(control, gate, gated)
-        edit = Job(_store.submit_truncating, EDIT)
+        edit = Job(*operation)
         editing = threading.Thread(target=web.run_batch, args=([edit],), daemon=True)
         editing.start()
         try:
@@ -253,10 +260,10 @@ async def test_an_acquire_that_met_an_edit_claims_once_it_ended_without_waiting_
                 assert not started.is_set()
                 go.set()
                 await trio.to_thread.run_sync(editing.join, WAIT_S)
-                if isinstance(answer, str):
-                    assert edit.unwrap() == answer
-                else:
+                if isinstance(answer, type):
                     assert isinstance(edit.error, answer), edit.error
+                else:
+                    assert edit.unwrap() == answer
                 ended_at = trio.current_time()
                 with trio.fail_after(WAIT_S):
                     await started.wait()

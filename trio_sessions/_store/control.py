@@ -524,6 +524,10 @@ def fork(tx: Tx, session_id: str, new_session_id: str, through_seq: int | None) 
             },
         )
     tx.notify(new_session_id)
+    if tx.dialect == "postgres":
+        # A worker's acquire of the source that met its lock answered 'busy' and waits for
+        # a signal of it (its fallback poll, seconds, else). It travels with the COMMIT.
+        tx.notify(session_id)
     return len(rows)
 
 
