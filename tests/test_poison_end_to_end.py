@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import trio
 from helpers import Raw, Recorder, runtime
+from test_poison_records import first_of
 from trio.testing import MockClock
 
 from trio_sessions import MalformedRecord, Store
@@ -187,19 +187,6 @@ async def test_a_quarantine_for_an_open_message_at_the_largest_version_can_be_dr
     assert "version out of range" in why, why
     assert [call.session_id for call in drain.calls] == ["s"]
     assert raw.rows("SELECT execution_id FROM session_recovery") == []
-
-
-async def first_of(feed: Any) -> Any:
-    """The first thing a watcher or stream gives within 60 s of virtual time: an item, the
-    `MalformedRecord` it raises, or None."""
-    with trio.move_on_after(60):
-        async with feed as items:
-            try:
-                async for item in items:
-                    return item
-            except MalformedRecord as exc:
-                return exc
-    return None
 
 
 @pytest.mark.parametrize("where", ["message", "delta"])
