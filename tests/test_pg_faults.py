@@ -1216,6 +1216,33 @@ class Saved:
         env.clock.now = self.now
 
 
+@attrs.frozen
+class CleanRun:
+    """An operation run once without faults, from its prepared state: the state before
+    (`pre`, and `saved` to restore it), what it reported, the statements it sent, the
+    transactions it took and the state after - what every faulted run must match."""
+
+    pre: dict[str, list[tuple[Any, ...]]]
+    saved: Saved
+    expected: Any
+    statements: list[str]
+    transactions: int
+    post: dict[str, list[tuple[Any, ...]]]
+
+    @classmethod
+    def of(cls, env: Env, operation: Operation) -> CleanRun:
+        pre = prepare(env, operation)
+        saved = Saved.take(env)
+        env.faults.recorded = []
+        transactions = env.engine.transactions
+        expected = operation.call(env)
+        statements, env.faults.recorded = env.faults.recorded, None
+        transactions = env.engine.transactions - transactions
+        post = snapshot(env.control)
+        assert (post != pre) == operation.writes, "the clean run did not do what it should"
+        return cls(pre, saved, expected, statements, transactions, post)
+
+
 @pytest.mark.parametrize("operation", OPERATIONS, ids=[op.name for op in OPERATIONS])
 def test_every_statement_of_every_operation(
     pg_url: str, migrated_schema: str, operation: Operation
@@ -1226,15 +1253,8 @@ def test_every_statement_of_every_operation(
     # A schema migrated already (the pool's): faults are armed only after the setup, so the
     # migration a fresh schema needed was never under test here, only paid for per case.
     with environment(pg_url, migrated_schema) as env:
-        pre = prepare(env, operation)
-        saved = Saved.take(env)
-        env.faults.recorded = []
-        transactions = env.engine.transactions
-        expected = operation.call(env)
-        statements, env.faults.recorded = env.faults.recorded, None
-        clean_transactions = env.engine.transactions - transactions
-        post = snapshot(env.control)
-        assert (post != pre) == operation.writes, "the clean run did not do what it should"
+        clean = CleanRun.of(env, operation)
+        statements = clean.statements
         # Committed by a COMMIT, or by a function call in autocommit (its own COMMIT).
         committed = "COMMIT" in statements or any(s.startswith(AUTOCOMMIT) for s in statements)
         assert committed or not operation.writes
@@ -1242,16 +1262,18 @@ def test_every_statement_of_every_operation(
         for k, statement in enumerate(statements, 1):
             for mode in modes_for(statement):
                 where = f"statement {k} ({statement[:60]!r}), {mode.value}"
-                saved.restore(env)
-                assert snapshot(env.control) == pre, f"{where}: the pre-state was not restored"
+                clean.saved.restore(env)
+                assert snapshot(env.control) == clean.pre, (
+                    f"{where}: the pre-state was not restored"
+                )
                 transactions = env.engine.transactions
                 reconnects = env.engine.reconnects
                 env.faults.arm(Plan(k, mode))
                 got = operation.call(env)
                 assert env.faults.fired == statement, f"{where}: another statement ran"
-                assert got == expected, where
-                assert snapshot(env.control) == post, where
-                extra = env.engine.transactions - transactions - clean_transactions
+                assert got == clean.expected, where
+                assert snapshot(env.control) == clean.post, where
+                extra = env.engine.transactions - transactions - clean.transactions
                 assert extra == reruns(operation, statements, k, mode), where
                 # The next operation succeeds, on the one re-opened connection.
                 env.run(_store.wake, "probe")
@@ -1278,32 +1300,24 @@ def test_every_statement_of_every_operation_refused_with_a_retryable_error(
     state is exactly the clean post-state (nothing of the refused attempt, nothing twice),
     on the same connection, with exactly one transaction run again."""
     with environment(pg_url, migrated_schema) as env:
-        pre = prepare(env, operation)
-        saved = Saved.take(env)
-        env.faults.recorded = []
-        transactions = env.engine.transactions
-        expected = operation.call(env)
-        statements, env.faults.recorded = env.faults.recorded, None
-        clean_transactions = env.engine.transactions - transactions
-        post = snapshot(env.control)
-        assert (post != pre) == operation.writes, "the clean run did not do what it should"
+        clean = CleanRun.of(env, operation)
         fired = 0
-        for k, statement in enumerate(statements, 1):
+        for k, statement in enumerate(clean.statements, 1):
             if statement == "COMMIT" or _postgres.engine.SIGNAL_WAITING in statement:
                 # READ COMMITTED refuses no COMMIT with these; the signal after a refusal
                 # is best effort, nothing to run again.
                 continue
             for sqlstate in REFUSALS:
                 where = f"statement {k} ({statement[:60]!r}), {sqlstate}"
-                saved.restore(env)
+                clean.saved.restore(env)
                 transactions = env.engine.transactions
                 reconnects = env.engine.reconnects
                 env.faults.arm(Plan(k, Mode.REFUSED, sqlstate=sqlstate))
                 got = operation.call(env)
                 assert env.faults.fired == statement, f"{where}: another statement ran"
-                assert got == expected, where
-                assert snapshot(env.control) == post, where
-                assert env.engine.transactions - transactions - clean_transactions == 1, where
+                assert got == clean.expected, where
+                assert snapshot(env.control) == clean.post, where
+                assert env.engine.transactions - transactions - clean.transactions == 1, where
                 assert env.engine.reconnects == reconnects, where
                 fired += 1
         assert fired >= len(REFUSALS)
