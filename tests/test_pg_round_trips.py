@@ -609,3 +609,19 @@ def test_an_edit_is_statement_by_statement_and_a_retry_stops_after_its_checks(
             assert counted(*edit) == (4, "in-2")
         finally:
             engine.close()
+
+
+def test_a_streams_marks_at_its_opening_are_one_round_trip(
+    pg_url: str, migrated_schema: str
+) -> None:
+    """A stream opened at a cursor past `MARKS_FROM` reads the ids of the few dozen messages
+    it may resume at after a truncate: one statement, in a read transaction (README's
+    table: two round trips more, once)."""
+    with counting_url(pg_url) as (url, proxy):
+        engine = open_engine(url, schema=migrated_schema)
+        try:
+            before = proxy.round_trips
+            assert engine.read(_store.stream_marks, "s", 20_000) == ()
+            assert proxy.round_trips - before == 2
+        finally:
+            engine.close()

@@ -101,13 +101,15 @@ async def test_streams_behind_on_appends_are_caught_up_without_reads_of_their_ow
     own_reads: list[str] = []  # the sessions of the reads streams make by themselves
     hub_open = StreamHub.open
 
-    def open_counted(hub: StreamHub, session_id: str, position: Any, read: Any) -> Any:
+    def open_counted(
+        hub: StreamHub, session_id: str, position: Any, read: Any, marks: Any = ()
+    ) -> Any:
         async def counted(op: Any, *args: Any) -> Any:
             if op is _store.stream_changes:
                 own_reads.append(args[0])
             return await read(op, *args)
 
-        return hub_open(hub, session_id, position, counted)
+        return hub_open(hub, session_id, position, counted, marks)
 
     monkeypatch.setattr(StreamHub, "open", open_counted)
     words = [trio.Event() for _ in range(WORDS)]

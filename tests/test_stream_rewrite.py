@@ -23,7 +23,8 @@ from trio.testing import MockClock
 
 import trio_sessions
 from trio_sessions import DrainContext, Runtime, StreamEvent, _store, testing
-from trio_sessions._stream import StreamHub, marked
+from trio_sessions._store.stream import marked
+from trio_sessions._stream import StreamHub
 
 Clock = Callable[[], float]
 
@@ -44,12 +45,13 @@ async def grow(rt: Runtime, session_id: str, count: int) -> None:
 
 
 async def stream_around(
-    rt: Runtime, act: Callable[[list[StreamEvent]], Awaitable[None]]
+    rt: Runtime, act: Callable[[list[StreamEvent]], Awaitable[None]], cursor: str | None = None
 ) -> list[StreamEvent]:
-    """The events a stream of session "s" yields: everything stored, then what `act` (given
-    the events so far, once they are in) changes, until every task is blocked again."""
+    """The events a stream of session "s" opened at `cursor` yields: what the cursor's
+    client misses (everything stored, with none), then what `act` (given the events so
+    far, once they are in) changes, until every task is blocked again."""
     got: list[StreamEvent] = []
-    async with rt.stream("s") as events:
+    async with rt.stream("s", cursor=cursor) as events:
 
         async def collect() -> None:
             async for event in events:
@@ -95,6 +97,50 @@ async def test_a_truncate_sends_an_open_stream_only_what_it_changed(
             if index % 10 == 0:
                 resumed = await caught_up(rt, cursor=event.cursor)
                 assert applied(resumed, view) == await stored(rt)
+
+
+async def test_a_stream_opened_at_a_cursor_gets_what_a_truncate_changed(
+    store: Any, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """A client that reconnected (its stream opened at the cursor of the last event it
+    applied) holds the whole transcript too, but its stream knew only the newest message:
+    an edit near the end of 2,000 messages sent it "truncate 0" and all 1,951 again - every
+    SSE reconnect, and the console's page, which opens at its cursor. Found by the review
+    of the marks. Expected: as for a stream that sent everything itself - "truncate" near
+    the cut, then only the messages after it."""
+    async with runtime(store, take, clock) as rt:
+        await grow(rt, "s", 2_000)
+        before = await caught_up(rt)
+
+        async def edit(got: list[StreamEvent]) -> None:
+            assert got == []  # the reconnected client misses nothing
+            assert await rt.truncate("s", after_seq=1_950) == 50
+            await rt.submit("s", {"edited": True})
+            await rt.wait_idle("s")
+
+        got = await stream_around(rt, edit, cursor=before[-1].cursor)
+        assert applied(got, applied(before)) == await stored(rt)
+    assert got[0].kind == "truncate"
+    assert 1_900 < got[0].seq <= 1_950, got[0]
+    assert len(got) == 1 + (1_951 - got[0].seq), f"{len(got)} events"
+
+
+async def test_a_stream_opened_at_a_cursor_older_than_a_truncate_is_sent_whole(
+    store: Any, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """The marks a stream opened at a cursor reads are the store's at its opening: they
+    count only once a read finds the cursor's newest message still stored. A client whose
+    cursor predates a truncate holds messages the truncated transcript does not: it gets
+    "truncate 0" and every message, never a resume at a mark it does not hold."""
+    async with runtime(store, take, clock) as rt:
+        await grow(rt, "s", 300)
+        before = await caught_up(rt)
+        assert await rt.truncate("s", after_seq=150) == 150
+        await grow(rt, "s", 150)
+        got = await caught_up(rt, cursor=before[-1].cursor)
+        assert applied(got, applied(before)) == await stored(rt)
+    assert (got[0].kind, got[0].seq) == ("truncate", 0)
+    assert len(got) == 1 + 300
 
 
 async def test_a_session_deleted_and_made_again_is_sent_whole_not_from_an_old_mark(
@@ -254,13 +300,15 @@ def held_reads() -> Iterator[list[trio.Event | None]]:
     gate: list[trio.Event | None] = [None]
     hub_open = StreamHub.open
 
-    def open_held(hub: StreamHub, session_id: str, position: Any, read: Any) -> Any:
+    def open_held(
+        hub: StreamHub, session_id: str, position: Any, read: Any, marks: Any = ()
+    ) -> Any:
         async def held(op: Any, *args: Any) -> Any:
             while op is _store.stream_changes and gate[0] is not None:
                 await gate[0].wait()
             return await read(op, *args)
 
-        return hub_open(hub, session_id, position, held)
+        return hub_open(hub, session_id, position, held, marks)
 
     with unittest.mock.patch.object(StreamHub, "open", open_held):
         yield gate

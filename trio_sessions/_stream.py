@@ -21,8 +21,9 @@ forward, each with the cursor of the position it reaches. Events come from two s
 A rewritten transcript (a truncate, a deletion) costs what it changed: the stream keeps
 *marks* - the tags of a few messages it sent (`marked`: a few dozen) - and its read after
 the rewrite resumes at the newest mark still stored with every one below it ("truncate"
-there, then the messages after it); with none (a stream opened at a cursor knows only its
-top) it sends every message again.
+there, then the messages after it); with none it sends every message again. A stream
+opened at a cursor, which knows only its top, reads the marks of the messages stored as it
+opens (past `MARKS_FROM`), and keeps them once a read finds its top still stored.
 
 Invariants: an event is computed against the position the previous event reached, so
 applying the events in order reproduces the transcript, with no gap and no duplicate; the
@@ -64,6 +65,7 @@ from ._store.stream import (
     Stepped,
     StreamChanges,
     Whole,
+    marked,
     message_tag,
 )
 from ._validate import MAX_INT64
@@ -188,16 +190,6 @@ class Offer:
 MAX_PENDING_OFFERS = 1_000
 
 
-def marked(seq: int, top: int) -> bool:
-    """Whether a stream whose newest message is at `top` keeps the mark (seq, tag) of the
-    message it sent at `seq` below it, for a read after a rewrite (`Position.marks`): a
-    multiple of 2**i within 4 * 2**i of the top. At most two per power of two - a few dozen
-    however long the transcript - and for any seq n below the top, one at most `top - n`
-    below n: after a truncate past n, the stream sends again fewer messages than were
-    deleted, not the transcript. Once false for a seq, false for every later top."""
-    return 0 < seq < top and top - seq < 4 * (seq & -seq)
-
-
 Read = Callable[..., Awaitable[Any]]
 
 
@@ -213,7 +205,13 @@ class _Open:
 class EventStream(AsyncIterator[StreamEvent]):
     """One `runtime.stream()` block's feed of events (iterate it from one task)."""
 
-    def __init__(self, session_id: str, position: Position, read: Read) -> None:
+    def __init__(
+        self,
+        session_id: str,
+        position: Position,
+        read: Read,
+        marks: Collection[tuple[int, str]] = (),
+    ) -> None:
         self.session_id = session_id
         self._session_tag = session_tag(session_id)
         self._read = read
@@ -221,8 +219,11 @@ class EventStream(AsyncIterator[StreamEvent]):
         self._top_tag = position.top_tag
         self._top_id: str | None = None
         # The marks of the messages sent below the top (`marked`): seq -> tag. A stream
-        # opened at a cursor knows none below its top: a rewrite sends it everything again.
+        # opened at a cursor knows none below its top; the ones read as it opened
+        # (`_store.stream_marks`) count once a read finds its top still stored
+        # (`_confirm_marks`) - until then a rewrite sends it everything again.
         self._marks: dict[int, str] = {}
+        self._unconfirmed_marks = dict(marks)
         self._open = {h.seq: _Open(h.tag, h.version, None) for h in position.open}
         self._offers: collections.deque[Offer] = collections.deque()
         # Newest version offered, per message held open or with an offer waiting: only
@@ -388,6 +389,17 @@ class EventStream(AsyncIterator[StreamEvent]):
             self._position_now = Position(self._top, self._top_tag, held, marks)
         return self._position_now
 
+    def _confirm_marks(self) -> None:
+        """A read found the top still stored: the marks read as the stream opened, from
+        before that read, name messages its client holds (a truncate or a delete below the
+        top would have removed the top too; ids are never reused)."""
+        if self._unconfirmed_marks:
+            for seq, tag in self._unconfirmed_marks.items():
+                if marked(seq, self._top):
+                    self._marks.setdefault(seq, tag)
+            self._unconfirmed_marks.clear()
+            self._position_now = None
+
     def _new_top(self, seq: int, tag: str, message_id: str) -> None:
         """The client holds a message past its top now: the old top is marked if it is
         to be (`marked`), and the marks no longer to be are forgotten."""
@@ -407,6 +419,8 @@ class EventStream(AsyncIterator[StreamEvent]):
         if read.more:
             self.dirty = True
         if read.rewritten:
+            # Read before the top was found gone: they may name what the client does not hold.
+            self._unconfirmed_marks.clear()
             # Drop what follows the part of the position that still holds (`read.kept`:
             # its top a mark of this stream's; None: nothing holds).
             kept = read.kept or Position()
@@ -420,6 +434,7 @@ class EventStream(AsyncIterator[StreamEvent]):
             self._emit("truncate", kept.top, "", None)
         if self._top in read.ids:
             self._top_id = read.ids[self._top]
+            self._confirm_marks()
         for seq, held in self._open.items():
             held.message_id = read.ids.get(seq, held.message_id)
         for change in read.changes:
@@ -524,8 +539,14 @@ class StreamHub:
             if not self._writing[session_id]:
                 del self._writing[session_id]
 
-    def open(self, session_id: str, position: Position, read: Read) -> EventStream:
-        stream = EventStream(session_id, position, read)
+    def open(
+        self,
+        session_id: str,
+        position: Position,
+        read: Read,
+        marks: Collection[tuple[int, str]] = (),
+    ) -> EventStream:
+        stream = EventStream(session_id, position, read, marks)
         self._streams.setdefault(session_id, set()).add(stream)
         return stream
 

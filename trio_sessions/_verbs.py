@@ -41,6 +41,7 @@ from ._model import Message, Outcome, RecoveryReport, RuntimeStatistics
 from ._recovery import Recovery
 from ._schedule import DueTimer
 from ._signals import Watcher, WatchHub
+from ._store.stream import Position
 from ._stream import EventStream, StreamHub, decode_cursor
 from ._validate import validate_session_id
 
@@ -701,12 +702,26 @@ class Runtime:
         self._check_run()
         session_id = validate_session_id(session_id)
         position = decode_cursor(session_id, cursor)
+        marks = await self._stream_marks(session_id, position)
         self._check_following()
-        events = self._streams.open(session_id, position, self._db.read)
+        events = self._streams.open(session_id, position, self._db.read, marks)
         try:
             yield events
         finally:
             self._streams.remove(events)
+
+    async def _stream_marks(
+        self, session_id: str, position: Position
+    ) -> tuple[tuple[int, str], ...]:
+        """For a stream opened at a cursor deep in a transcript: the marks its client holds
+        if the stream's first read finds its newest message still stored, so a truncate
+        after it sends what changed, not the transcript (`_store.stream_marks`). None for
+        a short one, or when the read fails: the stream works without them."""
+        if position.top < _store.MARKS_FROM:
+            return ()
+        with contextlib.suppress(StoreError):
+            return await self._db.read(_store.stream_marks, session_id, position.top)
+        return ()
 
     def _check_following(self) -> None:
         """A watch or stream starts only in an open runtime: closing ends those it has, and

@@ -139,10 +139,12 @@ from .recovery import (
 from .recovery_batch import apply_recovery_batch
 from .recovery_scan import Candidate, recovery_candidates, take_recovery_leases
 from .stream import (
+    MARKS_FROM,
     shown_messages,
     stream_catch_up,
     stream_changes,
     stream_heads,
+    stream_marks,
     transcript_tail,
 )
 from .transcript import (
@@ -156,6 +158,7 @@ from .transcript import (
 
 __all__ = [
     "CLAIM_FENCE",
+    "MARKS_FROM",
     "RECOVERY_FENCE",
     "REPLAY_CHUNK",
     "TAKE_INPUTS_CHUNK",
@@ -229,6 +232,7 @@ __all__ = [
     "stream_catch_up",
     "stream_changes",
     "stream_heads",
+    "stream_marks",
     "submit",
     "submit_and_acquire",
     "submit_controlled",

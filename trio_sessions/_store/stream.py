@@ -332,6 +332,54 @@ def _from_scratch(tx: Tx, session_id: str, limit: int) -> StreamChanges:
     return StreamChanges(new, rewritten=True, more=more)
 
 
+def marked(seq: int, top: int) -> bool:
+    """Whether a stream whose newest message is at `top` keeps the mark (seq, tag) of the
+    message it sent at `seq` below it, for a read after a rewrite (`Position.marks`): a
+    multiple of 2**i within 4 * 2**i of the top. At most two per power of two - a few dozen
+    however long the transcript - and for any seq n below the top, one at most `top - n`
+    below n: after a truncate past n, the stream sends again fewer messages than were
+    deleted, not the transcript. Once false for a seq, false for every later top."""
+    return 0 < seq < top and top - seq < 4 * (seq & -seq)
+
+
+def _marked_seqs(top: int) -> list[int]:
+    """Every seq `marked` below `top`: for each power of two, its multiples within four of
+    it below the top (a few dozen)."""
+    seqs: set[int] = set()
+    power = 1
+    while power < top:
+        first = (top - 4 * power) // power * power + power
+        seqs.update(range(max(first, power), top, power))
+        power *= 2
+    return sorted(seq for seq in seqs if marked(seq, top))
+
+
+# A stream opened at a cursor whose newest message is at least this far in reads its marks
+# as it opens (`stream_marks`): below, sending the transcript again after a truncate costs
+# about what that read would.
+MARKS_FROM = 64
+
+
+@reads_stored_bytes
+def stream_marks(tx: Tx, session_id: str, top: int) -> tuple[tuple[int, str], ...]:
+    """The marks (seq, tag) of the messages stored now at the seqs a stream whose newest
+    message is at `top` keeps (`marked`): for a stream opened at a cursor, which knows only
+    its newest message. They hold for its client once a later read finds that message still
+    stored: ids are never reused, and a truncate or a delete below it would have removed
+    it too. One statement (on PostgreSQL in a read transaction: two round trips)."""
+    seqs = _marked_seqs(top)
+    marks: list[tuple[int, str]] = []
+    for chunk in _chunks(seqs):
+        for seq, message_id in tx.execute(
+            "SELECT seq, id FROM session_message WHERE session_id = ?"
+            f" AND seq IN {_in_list(chunk)}",
+            (session_id, *chunk),
+        ).fetchall():
+            if isinstance(message_id, str) and type(seq) is int:
+                marks.append((seq, message_tag(message_id)))
+    return tuple(sorted(marks))
+
+
 def _rewritten(tx: Tx, session_id: str, position: Position, limit: int) -> StreamChanges:
     """The changes for a client whose position no longer holds: from the part of it that
     still does (`_kept`), else from nothing."""
