@@ -611,7 +611,7 @@ def test_an_edit_is_statement_by_statement_and_a_retry_stops_after_its_checks(
             engine.close()
 
 
-def test_a_streams_marks_at_its_opening_are_one_round_trip(
+def test_a_streams_marks_at_its_opening_are_one_statement_in_a_read_transaction(
     pg_url: str, migrated_schema: str
 ) -> None:
     """A stream opened at a cursor past `MARKS_FROM` reads the ids of the few dozen messages
