@@ -209,6 +209,19 @@ def scan_and_lease(
     return leased + doorbells, free, leased, next_due(tx)
 
 
+# The recovery lease's upsert takes a row over only when it is no quarantine and the lease
+# is ours or expired - or its expiry is no time (another tool's text, blob or huge value,
+# which would look live for ever). Both SQLite upserts: the scan's and the candidates'.
+_TAKE_LEASE = (
+    " ON CONFLICT(execution_id) DO UPDATE SET owner_id = excluded.owner_id,"
+    " expires_at = excluded.expires_at"
+    " WHERE session_recovery.recovery_error IS NULL"
+    " AND (session_recovery.owner_id = excluded.owner_id"
+    "   OR session_recovery.expires_at <= excluded.time_created"
+    f"   OR NOT session_recovery.expires_at <= {MAX_INT64})"
+)
+
+
 def _lease_expired_claims(
     tx: Tx,
     owner_id: str,
@@ -227,13 +240,8 @@ def _lease_expired_claims(
             "INSERT INTO session_recovery(execution_id, session_id, owner_id, expires_at,"
             " time_created) SELECT e.id, e.session_id, :me, :expires, :now"
             + scan
-            + " ON CONFLICT(execution_id) DO UPDATE SET owner_id = excluded.owner_id,"
-            " expires_at = excluded.expires_at"
-            " WHERE session_recovery.recovery_error IS NULL"
-            " AND (session_recovery.owner_id = excluded.owner_id"
-            "   OR session_recovery.expires_at <= excluded.time_created"
-            f"   OR NOT session_recovery.expires_at <= {MAX_INT64})"
-            " RETURNING session_id, execution_id",
+            + _TAKE_LEASE
+            + " RETURNING session_id, execution_id",
             {**params, "expires": tx.now + lease_ms},
         ).fetchall()
         leased += [Candidate(session_id, execution_id) for session_id, execution_id in rows]
@@ -314,13 +322,8 @@ def _upsert_leases(
             "INSERT INTO session_recovery(execution_id, session_id, owner_id, expires_at,"
             " time_created) VALUES "
             + ", ".join(["(?, ?, ?, ?, ?)"] * len(chunk))
-            + " ON CONFLICT(execution_id) DO UPDATE SET owner_id = excluded.owner_id,"
-            " expires_at = excluded.expires_at"
-            " WHERE session_recovery.recovery_error IS NULL"
-            " AND (session_recovery.owner_id = excluded.owner_id"
-            "   OR session_recovery.expires_at <= excluded.time_created"
-            f"   OR NOT session_recovery.expires_at <= {MAX_INT64})"
-            " RETURNING execution_id",
+            + _TAKE_LEASE
+            + " RETURNING execution_id",
             [
                 value
                 for candidate in chunk
