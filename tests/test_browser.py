@@ -371,3 +371,50 @@ def test_a_session_page_drops_what_a_truncate_removes_and_resumes_after_a_restar
             script += ".map((e) => Number(e.dataset.seq))"
             kept = chrome.execute_script(script)
             assert kept == list(range(10, 16)), f"only {kept} of the nodes shown kept"
+
+
+def test_the_chat_page_sends_a_new_message_after_the_message_it_was_editing_is_deleted(
+    chrome: Any, tmp_path: Path
+) -> None:
+    """Edit pressed on a message, then delete: the message being edited is gone, so what is
+    typed next is a new message, answered. (The page kept the deleted message's seq as the
+    one it edits: every send was then an edit of a message that is no more, a 404, and the
+    conversation could not go on without reloading the page.)"""
+    from console_process import spawn, wait_for_line
+    from selenium.webdriver.common.by import By
+
+    store = tmp_path / "db"
+    web = spawn(
+        ["examples/chat_service.py", "--store", str(store), "--bind", "127.0.0.1:0"],
+        tmp_path / "web.log",
+        CHAT_WORD_DELAY="0",
+    )
+    try:
+        url = wait_for_line(web, r"chat service listening on (http://\S+)").group(1)
+        with worker(str(store), tmp_path, "chat_service:drain", "w1"):
+            chrome.get(f"{url}/?session=e1")
+            typed = chrome.find_element(By.ID, "text")
+            typed.send_keys("first question")
+            chrome.find_element(By.ID, "send").click()
+            until(
+                lambda: chat_texts(chrome, "assistant") == ["You said: first question"],
+                "the first answer",
+                chrome,
+            )
+            # In one script call: the page re-renders its messages on each stream event.
+            chrome.execute_script("document.querySelector('.message.user .edit').click()")
+            assert typed.get_attribute("value") == "first question"  # editing it now
+            chrome.find_element(By.ID, "delete").click()
+            until(lambda: chat_texts(chrome, "user") == [], "the deleted conversation", chrome)
+            typed.clear()
+            typed.send_keys("a fresh start")
+            chrome.find_element(By.ID, "send").click()
+            until(
+                lambda: chat_texts(chrome, "assistant") == ["You said: a fresh start"],
+                "the new message answered",
+                chrome,
+            )
+            assert chrome.find_element(By.ID, "status").text == ""
+            assert stored_texts(url, "e1", "user") == ["a fresh start"]
+    finally:
+        web.stop()
