@@ -716,6 +716,36 @@ def test_a_scheduled_inputs_due_time_reads_as_a_time(tmp_path: Path) -> None:
     assert row is not None and "<td>at 2026-12-06 21:28:51.788 UTC</td>" in row.group(0), row
 
 
+@BOTH
+def test_a_pending_input_and_a_message_in_any_script_read_as_written(
+    db_path: Location, tmp_path: Path
+) -> None:
+    """A session page shows a pending input's payload and a user message's text as the user
+    wrote them, not as the `\\uXXXX` escapes the store's JSON holds (an operator read
+    "h\\u00e9llo \\u65e5\\u672c" for "héllo 日本", found by an audit)."""
+    store = db_path
+
+    async def submit() -> None:
+        async with trio_sessions.open_runtime(store_of(store), None) as producer:
+            await producer.submit("s", {"text": "héllo 日本 😀"}, input_id="pending")
+
+    trio.run(submit)
+    Raw(store).write(
+        "INSERT INTO session_message(id, session_id, role, seq, data, time_created,"
+        " time_updated) VALUES ('m1', 's', 'user', 1, ?, 0, 0)",
+        (json.dumps({"text": "für dich"}),),
+    )
+    with (
+        console_on(store, tmp_path) as (url, _),
+        httpx.Client(base_url=url, timeout=DEADLINE) as client,
+    ):
+        page = client.get("/sessions/s").text
+    row = re.search(r'<tr data-input="pending">.*?</tr>', page)
+    assert row is not None and "héllo 日本 😀" in row.group(0), row
+    message = re.search(r'<div class="message user" data-seq="1">.*?</div>', page)
+    assert message is not None and "für dich" in message.group(0), message
+
+
 def test_the_quarantine_table_pages_through_every_execution_once(tmp_path: Path) -> None:
     """The quarantine table's link to its next page (keyset by execution id, the sessions'
     page and search kept) lists each quarantined execution exactly once, 100 a page."""

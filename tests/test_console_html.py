@@ -9,7 +9,14 @@ from typing import Any
 import pytest
 
 from trio_sessions import StreamEvent
-from trio_sessions._console_html import PageFeed, _data_html, apply_event, quote, unquote
+from trio_sessions._console_html import (
+    PageFeed,
+    _data_html,
+    apply_event,
+    quote,
+    readable_json,
+    unquote,
+)
 from trio_sessions._model import AssistantData, TextPart
 from trio_sessions._store.stream import Held, Position, message_tag
 from trio_sessions._stream import EventKind, encode_cursor, session_tag
@@ -203,3 +210,30 @@ def test_a_segment_quote_never_makes_is_refused(segment: str) -> None:
     spells: earlier consoles linked session "~foo" as "~foo")."""
     with pytest.raises(ValueError, match="doubled"):
         unquote(segment)
+
+
+def test_a_user_message_in_any_script_reads_as_its_text() -> None:
+    """A user message's JSON reaches the page with its text as written, not as `\\uXXXX`
+    escapes (`json.dumps`'s default: an operator read "h\\u00e9llo \\u65e5\\u672c" for
+    "héllo 日本" - every message in a script but Latin's unreadable); HTML in it is still
+    escaped."""
+    html = _data_html(1, "user", {"text": "héllo 日本 😀 <b>"})
+    assert "héllo 日本 😀 &lt;b&gt;" in html
+    assert "\\u" not in html
+
+
+@pytest.mark.parametrize(
+    ("stored", "shown"),
+    [
+        ('{"text":"h\\u00e9llo \\u65e5\\u672c \\ud83d\\ude00"}', '{"text":"héllo 日本 😀"}'),
+        # Cut at 200 characters by the store, mid-text: what is there still reads.
+        ('{"text":"f\\u00fcr \\u65e5', '{"text":"für 日'),
+        # An escaped backslash before "u00e9" is text, not an escape; a control character,
+        # a quote, a lone surrogate, a cut escape stay escaped (the JSON still reads so).
+        ('{"a":"\\\\u00e9 \\u0007 \\u0022 \\ud83d x \\u00',) * 2,
+    ],
+)
+def test_a_stored_payload_reads_as_its_text(stored: str, shown: str) -> None:
+    """A pending input's payload, stored as JSON with `\\uXXXX` escapes (and cut at 200
+    characters: it may not parse), is shown with those characters as written."""
+    assert readable_json(stored) == shown

@@ -43,7 +43,15 @@ import attrs
 import trio
 
 from . import _metrics, _store
-from ._console_html import SESSION_SCRIPT, PageFeed, html_page, message_html, sse_blocks, state
+from ._console_html import (
+    SESSION_SCRIPT,
+    PageFeed,
+    html_page,
+    message_html,
+    readable_json,
+    sse_blocks,
+    state,
+)
 from ._console_html import escape as _e  # short: they stand in f-strings dozens of times
 from ._console_html import quote as _q
 from ._console_html import unquote as _unquote
@@ -398,7 +406,7 @@ contains"> <button>search</button></form>
             # No button for an id shown replaced (not UTF-8): it would cancel nothing.
             if not self.guard.read_only and _nameable(item, "session_input.id"):
                 cancel = self._button(f"/inputs/{_q(item['id'])}/cancel", "cancel", back=back)
-            seq, payload = _e(str(item["seq"])), _e(item["payload"])
+            seq, payload = _e(str(item["seq"])), _e(readable_json(item["payload"]))
             if item["malformed"]:
                 payload += f' <i class="error">(malformed: {_e("; ".join(item["malformed"]))})</i>'
             rows += (

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import html
 import json
+import re
 import urllib.parse
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -64,7 +65,7 @@ def _data_html(seq: int, role: str, data: Any) -> str:
             status = f' <i class="error">({escape(data["error"])})</i>'
         content = "".join(parts) + status
     else:
-        content = escape(json.dumps(data))
+        content = escape(readable_json(json.dumps(data)))  # a lone surrogate stays escaped
     role, at = escape(role), escape(str(seq))
     return f'<div class="message {role}" data-seq="{at}"><b>{role}</b> {content}</div>'
 
@@ -283,6 +284,34 @@ def html_page(title: str, body: str, *, store: str = "", read_only: bool = False
         f'<!doctype html><html><head><meta charset="utf-8"><title>{escape(title)}</title>'
         f"<style>{STYLE}</style></head><body><h1>{escape(title)}</h1>{where}{body}</body></html>"
     ).encode()
+
+
+def readable_json(text: str) -> str:
+    """A stored JSON text (perhaps cut short: a pending input's first 200 characters) with
+    its `\\uXXXX` escapes of characters that print written as those characters: the store
+    writes JSON ASCII-only, and an operator reads "héllo", not "h\\u00e9llo". A control
+    character, a quote or a backslash, a lone surrogate and an escape cut short stay
+    escaped: the text still reads as the same JSON."""
+    return _UNICODE_ESCAPE.sub(_unescaped, text)
+
+
+# A `\uXXXX` escape (a surrogate pair as one) after an even run of backslashes: after an
+# odd one, its backslash is an escaped backslash's and "uXXXX" is text.
+_UNICODE_ESCAPE = re.compile(
+    r"(?<!\\)((?:\\\\)*)\\u([dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}"
+    r"|[0-9a-fA-F]{4})"
+)
+
+
+def _unescaped(match: re.Match[str]) -> str:
+    code = match.group(2)
+    if len(code) > 4:  # a surrogate pair: one character past the BMP
+        high, low = int(code[:4], 16), int(code[6:], 16)
+        return match.group(1) + chr(0x10000 + ((high - 0xD800) << 10) + (low - 0xDC00))
+    point = int(code, 16)
+    if point < 0x20 or 0x7F <= point < 0xA0 or 0xD800 <= point < 0xE000 or chr(point) in '"\\':
+        return match.group(0)
+    return match.group(1) + chr(point)
 
 
 def escape(text: str) -> str:
