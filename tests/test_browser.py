@@ -418,3 +418,32 @@ def test_the_chat_page_sends_a_new_message_after_the_message_it_was_editing_is_d
             assert stored_texts(url, "e1", "user") == ["a fresh start"]
     finally:
         web.stop()
+
+
+def test_the_chat_page_says_when_the_service_does_not_answer(chrome: Any, tmp_path: Path) -> None:
+    """A send or a delete the service never answers (it is down: the request fails, there
+    is no response) is said on the page, and what was typed stays to send again. (Only an
+    answered request was: a failed one threw in the handler and the page said nothing, as
+    if the message had gone.)"""
+    from console_process import spawn, wait_for_line
+    from selenium.webdriver.common.by import By
+
+    store = tmp_path / "db"
+    web = spawn(
+        ["examples/chat_service.py", "--store", str(store), "--bind", "127.0.0.1:0"],
+        tmp_path / "web.log",
+    )
+    try:
+        url = wait_for_line(web, r"chat service listening on (http://\S+)").group(1)
+        chrome.get(f"{url}/?session=down")
+    finally:
+        web.stop()
+    typed = chrome.find_element(By.ID, "text")
+    typed.send_keys("anyone there?")
+    chrome.find_element(By.ID, "send").click()
+    status = chrome.find_element(By.ID, "status")
+    until(lambda: "did not answer" in status.text, "the failed send said", chrome)
+    assert typed.get_attribute("value") == "anyone there?"
+    chrome.execute_script("document.getElementById('status').textContent = ''")
+    chrome.find_element(By.ID, "delete").click()
+    until(lambda: "did not answer" in status.text, "the failed delete said", chrome)
