@@ -447,3 +447,45 @@ def test_the_chat_page_says_when_the_service_does_not_answer(chrome: Any, tmp_pa
     chrome.execute_script("document.getElementById('status').textContent = ''")
     chrome.find_element(By.ID, "delete").click()
     until(lambda: "did not answer" in status.text, "the failed delete said", chrome)
+
+
+def test_the_chat_pages_edit_button_takes_a_click_while_an_answer_streams(
+    chrome: Any, tmp_path: Path
+) -> None:
+    """A click on a message's edit button lands while another answer streams: the page
+    updates the message that changed, not every message. (It rebuilt all of them on each
+    event: a button pressed before a word arrived and released after it was another node
+    by then, and the click was lost - an answer streams a word every 50 ms.)"""
+    from console_process import spawn, wait_for_line
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+
+    store = tmp_path / "db"
+    web = spawn(
+        ["examples/chat_service.py", "--store", str(store), "--bind", "127.0.0.1:0"],
+        tmp_path / "web.log",
+        CHAT_WORD_DELAY="0.05",
+    )
+    try:
+        url = wait_for_line(web, r"chat service listening on (http://\S+)").group(1)
+        with worker(str(store), tmp_path, "chat_service:drain", "w1"):
+            chrome.get(f"{url}/?session=c1")
+            typed = chrome.find_element(By.ID, "text")
+            typed.send_keys("short")
+            chrome.find_element(By.ID, "send").click()
+            until(
+                lambda: chat_texts(chrome, "assistant") == ["You said: short"],
+                "the first answer",
+                chrome,
+            )
+            typed.send_keys(" ".join(f"word{n}" for n in range(200)))  # ~10 s of words
+            chrome.find_element(By.ID, "send").click()
+            until(lambda: len(chat_texts(chrome, "assistant")) == 2, "the second answer", chrome)
+            edit = chrome.find_element(By.CSS_SELECTOR, '.message.user[data-seq="1"] .edit')
+            ActionChains(chrome).click_and_hold(edit).perform()
+            before = chat_texts(chrome, "assistant")[1]
+            until(lambda: chat_texts(chrome, "assistant")[1] != before, "a word more", chrome)
+            ActionChains(chrome).release().perform()
+            assert typed.get_attribute("value") == "short"
+    finally:
+        web.stop()
