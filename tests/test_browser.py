@@ -489,3 +489,45 @@ def test_the_chat_pages_edit_button_takes_a_click_while_an_answer_streams(
             assert typed.get_attribute("value") == "short"
     finally:
         web.stop()
+
+
+def test_a_double_click_on_send_sends_the_message_once(chrome: Any, tmp_path: Path) -> None:
+    """A double click on send (or Enter pressed twice) stores the message once: the page
+    sends each message under an Idempotency-Key, as the README asks of a client, so a
+    second POST of it - or a retry after a request that got no answer - is the same input.
+    (The page sent none: both clicks posted before the first answer cleared the box, and
+    the question was stored, and answered, twice.)"""
+    from console_process import spawn, wait_for_line
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+
+    store = tmp_path / "db"
+    web = spawn(
+        ["examples/chat_service.py", "--store", str(store), "--bind", "127.0.0.1:0"],
+        tmp_path / "web.log",
+        CHAT_WORD_DELAY="0",
+    )
+    try:
+        url = wait_for_line(web, r"chat service listening on (http://\S+)").group(1)
+        chrome.get(f"{url}/?session=twice")
+        # The page's requests in flight, counted, to read the store once all are answered.
+        chrome.execute_script(
+            "const sent = window.fetch; window.inFlight = 0;"
+            " window.fetch = async (...args) => {"
+            "   window.inFlight++;"
+            "   try { return await sent(...args); } finally { window.inFlight--; }"
+            " };"
+        )
+        chrome.find_element(By.ID, "text").send_keys("only once")
+        ActionChains(chrome).double_click(chrome.find_element(By.ID, "send")).perform()
+        until(
+            lambda: (
+                chrome.find_element(By.ID, "text").get_attribute("value") == ""
+                and chrome.execute_script("return window.inFlight") == 0
+            ),
+            "every POST answered",
+            chrome,
+        )
+        assert Raw(store).one("SELECT COUNT(*) FROM session_input") == (1,)
+    finally:
+        web.stop()
