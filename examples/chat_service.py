@@ -82,6 +82,7 @@ WORD_DELAY = float(os.environ.get("CHAT_WORD_DELAY", "0.05"))
 KEEP_ALIVE = float(os.environ.get("CHAT_KEEP_ALIVE", "15"))
 CHAT_PAGE = (Path(__file__).resolve().parent / "chat_page.html").read_bytes()
 MAX_BODY = 64 * 1024
+MALFORMED = "the conversation holds a record that cannot be read: see the service's log"
 
 # ---------------------------------------------------------------------------------------------
 # The drain (run by the workers)
@@ -166,6 +167,11 @@ class ChatApp:
             await _respond(send, 409, {"error": str(exc)})
         except (ValueError, TypeError, trio_sessions.InputConflict) as exc:
             await _respond(send, 400, {"error": str(exc)})
+        except trio_sessions.MalformedRecord as exc:
+            # A row the store cannot read (another tool's write): logged for the operator,
+            # whose tools repair it, and said - not a bare 500 and a traceback.
+            logger.error("malformed record: %s", exc)
+            await _respond(send, 500, {"error": MALFORMED})
 
     async def route(self, scope: Scope, receive: Receive, send: Send) -> None:
         method, path = scope["method"], scope["path"]
@@ -305,10 +311,18 @@ class ChatApp:
                     _cancel_on_disconnect, receive, nursery.cancel_scope, disconnected
                 )
                 nursery.start_soon(writes.keep_alive)
-                async for event in events:
-                    # With it, the events already here (a stream that fell behind): one
-                    # write for all, not one each - a write is most of an event's cost.
-                    await writes.write("".join(map(_sse, [event, *events.take_ready()])))
+                try:
+                    async for event in events:
+                        # With it, the events already here (a stream that fell behind): one
+                        # write for all, not one each - a write is most of an event's cost.
+                        await writes.write("".join(map(_sse, [event, *events.take_ready()])))
+                except trio_sessions.MalformedRecord as exc:
+                    # A comment (a client ignores it), then nothing until the client leaves:
+                    # an ended stream would have an EventSource reconnect into the same row
+                    # every few seconds, without end.
+                    logger.error("malformed record in %r's event stream: %s", session_id, exc)
+                    await writes.write(f": malformed record: {MALFORMED}\n\n")
+                    await trio.sleep_forever()
                 nursery.cancel_scope.cancel()  # the runtime closed: end the stream
         if not disconnected.is_set():
             await send({"type": "http.response.body", "body": b"", "more_body": False})

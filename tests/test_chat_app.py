@@ -289,3 +289,56 @@ def test_a_keep_alive_period_that_is_no_positive_time_is_refused(
     with pytest.raises(SystemExit):
         chat.settings(["--store", "chat.db"])
     assert "CHAT_KEEP_ALIVE must be a positive number of seconds" in capsys.readouterr().err
+
+
+async def test_a_conversation_holding_a_malformed_record_is_said_not_a_500_loop(
+    tmp_path: Path,
+) -> None:
+    """A message row the store cannot read (another tool's write): GET /transcript answers
+    a JSON error saying so, not a bare 500 with a traceback, and the event stream says it
+    in a comment and stays open until the client leaves. (The stream's MalformedRecord
+    ended the response: a browser's EventSource reconnected into the same row every few
+    seconds, forever, each time a traceback in the log.)"""
+    from helpers import Raw
+
+    path = tmp_path / "chat.db"
+    async with trio_sessions.open_runtime(str(path), None) as rt:
+        await rt.submit("s", {"text": "hello"})
+        Raw(path).write(
+            "INSERT INTO session_message(id, session_id, role, seq, data, time_created,"
+            " time_updated) VALUES ('m1', 's', 'user', 1, 'not json', 0, 0)"
+        )
+        app = chat.ChatApp(rt)
+        status, answer = await _call(app, "GET", "/sessions/s/transcript")
+        assert status == 500
+        assert "cannot be read" in json.loads(answer)["error"]
+
+        sent: list[Any] = []
+        said = trio.Event()
+
+        async def receive() -> dict[str, Any]:
+            await said.wait()  # the client leaves once the stream said it
+            return {"type": "http.disconnect"}
+
+        async def send(message: Any) -> None:
+            sent.append(message)
+            if b": malformed record" in message.get("body", b""):
+                said.set()
+
+        scope = {
+            "type": "http",
+            "method": "GET",
+            "path": "/sessions/s/events",
+            "raw_path": b"/sessions/s/events",
+            "headers": [],
+            "query_string": b"",
+        }
+        with trio.fail_after(10):
+            await app(scope, receive, send)
+        assert sent[0] == {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")],
+        }
+        assert said.is_set()
+        assert not any(m.get("more_body") is False for m in sent)  # never ended by the app
