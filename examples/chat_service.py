@@ -33,8 +33,10 @@ Run it (SQLite here; a `postgresql://` URL works the same, across hosts, with `-
 * Workers run `drain` with the worker command. The drain streams its answer a word at a
   time (a stand-in for an LLM's tokens), so an interrupt or a dead worker can land
   mid-answer. Killed mid-answer, a worker's session is resumed by another worker about a
-  second later (its liveness token goes with the process); the resumed drain finds the
-  question it still owes in the transcript.
+  second later (its liveness token goes with the process), and stopped by SIGTERM (a
+  rolling restart) within milliseconds; the resumed drain finds the question it still owes
+  in the transcript and goes on from the words the cut answer streamed (the page shows
+  the resumed answer in the cut one's place: no word twice).
 * `GET /` is a small chat page (`chat_page.html`, vanilla JavaScript on `EventSource`):
   send, stop, edit and regenerate, delete, and a live answer that survives a dropped
   connection (`/?session=ID` opens a conversation). A session id is one path segment,
@@ -94,14 +96,40 @@ def compose(questions: list[trio_sessions.Message]) -> list[str]:
     return ["You", "said:", *words]
 
 
+# How the takeover closes an answer whose worker stopped (SIGTERM) or died mid-answer.
+OWNER_LOST = "interrupted: owner lost"
+
+
+def streamed(messages: list[trio_sessions.Message], words: list[str]) -> int:
+    """How many of the answer's `words` a cut answer already streamed: the newest message,
+    if the takeover closed it as owner lost and it holds the first words of this answer
+    (a model would be given them to go on from)."""
+    cut = messages[-1] if messages else None
+    if cut is None or not isinstance(cut.data, trio_sessions.AssistantData):
+        return 0
+    if cut.data.error != OWNER_LOST:
+        return 0
+    text = "".join(p.text for p in cut.data.parts if isinstance(p, trio_sessions.TextPart))
+    done = text.split()
+    return len(done) if done == words[: len(done)] else 0
+
+
 async def drain(ctx: trio_sessions.DrainContext) -> None:
     """Answer the session's unanswered user messages, streaming one word at a time."""
     await ctx.take_inputs()  # pending inputs become user messages, atomically
-    questions = trio_sessions.unanswered(await ctx.transcript())
+    messages = await ctx.transcript()
+    questions = trio_sessions.unanswered(messages)
     if not questions:
         return  # a wake with nothing left to answer
+    words = compose(questions)
+    # Resumed after a rolling restart or a crash cut the answer: it goes on from the words
+    # the user already saw (in one write), not from its first word again - the chat page
+    # shows this answer in place of the cut one.
+    done = streamed(messages, words)
     reply = await ctx.begin_assistant()
-    for n, word in enumerate(compose(questions)):
+    if done:
+        await reply.append_text(" ".join(words[:done]))
+    for n, word in enumerate(words[done:], start=done):
         # Each append is durable and reaches every watcher; an interrupt or a shutdown
         # cancels the drain at the sleep, and the runtime closes the message.
         await reply.append_text(word if n == 0 else f" {word}")

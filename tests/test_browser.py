@@ -319,6 +319,55 @@ def test_the_chat_page_answers_live_resumes_stops_edits_and_deletes(
         web.stop()
 
 
+def test_the_chat_page_shows_an_answer_a_rolling_restart_cut_once(
+    chrome: Any, tmp_path: Path
+) -> None:
+    """A rolling restart mid-answer: the worker streaming it is stopped (SIGTERM: its claim
+    handed back) and another resumes it. The page showed the cut answer, marked
+    "(interrupted: owner lost)", and under it the resumed answer from its first word - the
+    words already streamed twice. It shows one answer, the full text, no error; the
+    transcript keeps both (found by running the chat service through rolling restarts)."""
+    from console_process import spawn, wait_for_line
+    from selenium.webdriver.common.by import By
+
+    store = tmp_path / "db"
+    web = spawn(
+        ["examples/chat_service.py", "--store", str(store), "--bind", "127.0.0.1:0"],
+        tmp_path / "web.log",
+    )
+    question = " ".join(f"word{n}" for n in range(40))  # ~2 s of words
+    try:
+        url = wait_for_line(web, r"chat service listening on (http://\S+)").group(1)
+        with worker(str(store), tmp_path, "chat_service:drain", "w1") as first:
+            chrome.get(f"{url}/?session=r1")
+            chrome.find_element(By.ID, "text").send_keys(question)
+            chrome.find_element(By.ID, "send").click()
+            until(
+                lambda: len("".join(chat_texts(chrome, "assistant")).split()) >= 5,
+                "the answer streaming",
+                chrome,
+            )
+            assert first.stop() == 0, first.output()
+        with worker(str(store), tmp_path, "chat_service:drain", "w2"):
+            until(
+                lambda: chrome.find_elements(
+                    By.CSS_SELECTOR, '.message.assistant[data-finished="true"]'
+                ),
+                "the resumed answer finished",
+                chrome,
+            )
+            until(
+                lambda: chat_texts(chrome, "assistant") == [f"You said: {question}"],
+                "one full answer",
+                chrome,
+            )
+            assert "owner lost" not in chrome.find_element(By.ID, "messages").text
+            cut, answer = stored_texts(url, "r1", "assistant")
+            assert answer == f"You said: {question}" and answer.startswith(cut) and cut
+    finally:
+        web.stop()
+
+
 def test_a_session_page_drops_what_a_truncate_removes_and_resumes_after_a_restart(
     chrome: Any, tmp_path: Path
 ) -> None:

@@ -9,8 +9,10 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import trio
+import trio.testing
 from test_examples import load_example
 
 import trio_sessions
@@ -342,3 +344,65 @@ async def test_a_conversation_holding_a_malformed_record_is_said_not_a_500_loop(
         }
         assert said.is_set()
         assert not any(m.get("more_body") is False for m in sent)  # never ended by the app
+
+
+@attrs.define
+class _Resumed:
+    """The drain's view of a session whose answer a stopped or killed worker left cut
+    (closed "interrupted: owner lost" by the takeover): its transcript, and the resumed
+    answer's writes as the drain makes them."""
+
+    messages: list[trio_sessions.Message]
+    writes: list[str] = attrs.field(factory=list)
+    finished: bool = False
+
+    async def take_inputs(self) -> list[trio_sessions.Input]:
+        return []  # the dead owner took them: the question is in the transcript
+
+    async def transcript(self) -> list[trio_sessions.Message]:
+        return self.messages
+
+    async def begin_assistant(self) -> _Resumed:
+        return self
+
+    async def append_text(self, text: str) -> None:
+        self.writes.append(text)
+
+    async def finish(self) -> None:
+        self.finished = True
+
+
+def _message(seq: int, role: Any, data: Any) -> trio_sessions.Message:
+    return trio_sessions.Message(f"m{seq}", "s", role, seq, data, f"e{seq}", None)
+
+
+def _cut_or_given(text: str, error: str | None) -> trio_sessions.AssistantData:
+    return trio_sessions.AssistantData((trio_sessions.TextPart(text),), True, error)
+
+
+async def test_a_resumed_answer_goes_on_from_the_words_already_streamed(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A rolling restart (SIGTERM) or a crash cuts an answer mid-stream; the worker that
+    resumes it started the answer over, so the chat showed the words already streamed
+    twice - the cut answer, then the new one from its first word - and streamed them again
+    at the model's pace. The resumed answer starts with the cut one's words, in one write,
+    and streams the rest (found by running the chat service through rolling restarts)."""
+    resumed = _Resumed(
+        [
+            _message(1, "user", {"text": "one two three four"}),
+            _message(2, "assistant", _cut_or_given("You said: one", "interrupted: owner lost")),
+        ]
+    )
+    await chat.drain(resumed)  # the drain's part of a DrainContext
+    assert resumed.writes == ["You said: one", " two", " three", " four"]
+    assert resumed.finished
+    # A cut that is no prefix of this answer (the drain composes another), an answer cut
+    # by the user (it counts as given) or none at all: the answer from its first word.
+    for cut in [
+        _cut_or_given("You said: two", "interrupted: owner lost"),
+        _cut_or_given("x", None),
+    ]:
+        other = _Resumed([_message(1, "user", {"text": "one two"}), _message(2, "assistant", cut)])
+        await chat.drain(other)
+        assert other.writes == (["You", " said:", " one", " two"] if cut.error else []), cut
