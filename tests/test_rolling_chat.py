@@ -366,6 +366,16 @@ def check_chats(service: Service, run: Run, *, cuts: int) -> list[float]:
             assert answer.startswith(text_of(cut)), (chat.session, text_of(cut))
             assert cut["error"] == "interrupted: owner lost", cut
         assert len(answers) <= 1 + cuts, (chat.session, answers)
+        # A resumed answer goes on from its cut: its first write holds the cut's words,
+        # which the user saw once (the chat page shows it in the cut's place).
+        seqs = [m["seq"] for m in stored if m["role"] == "assistant"]
+        for cut, resumed in itertools.pairwise(seqs):
+            first = [event for _, event in chat.events if event["seq"] == resumed][:2]
+            shown = "".join(
+                text_of(event["data"]) if event["kind"] == "message" else event["data"]
+                for event in first
+            )
+            assert shown.startswith(text_of(chat.view()[cut]["data"])), (chat.session, first)
         # Drains: one per answer, a resumed one per cut, never two at once (a killed
         # drain logs no end: its process was gone before the takeover).
         mine = [line for line in drains if line["session"] == chat.session]
