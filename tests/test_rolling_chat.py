@@ -55,7 +55,7 @@ def _log(**fields):
 
 async def drain(ctx):
     ids = dict(session=ctx.session_id, execution=ctx.execution_id, pid=os.getpid())
-    _log(event="start", t=time.time(), resumed=ctx.resumed, **ids)
+    _log(event="start", t=time.time(), resumed=ctx.resumed, attempt=ctx.attempt, **ids)
     try:
         await chat_service.drain(ctx)
     finally:
@@ -348,9 +348,11 @@ async def run_chats(service: Service, disrupt: Disruption, words: int) -> Run:
     return Run(chats, stored, disrupted_at, posts)
 
 
-def check_chats(service: Service, run: Run, *, cuts: int) -> list[float]:
+def check_chats(service: Service, run: Run, *, cuts: int, counted: int = 0) -> list[float]:
     """The per-chat checks (the module's docstring); each chat's answer cut at most `cuts`
-    times. The takeover delays, from the disruption to each resumed drain's start."""
+    times, and each resume counted `counted` (`ctx.attempt`: a crash counts, a hand-back
+    does not - a rolling restart is no crash loop). The takeover delays, from the
+    disruption to each resumed drain's start."""
     drains = service.drains()
     takeovers = []
     for chat in run.chats:
@@ -382,6 +384,7 @@ def check_chats(service: Service, run: Run, *, cuts: int) -> list[float]:
         starts = [line for line in mine if line["event"] == "start"]
         assert len(starts) == len(answers), (chat.session, mine)
         assert [line["resumed"] for line in starts] == [False] + [True] * (len(starts) - 1)
+        assert [line["attempt"] for line in starts] == [0] + [counted] * (len(starts) - 1)
         ends = {line["execution"]: line["t"] for line in mine if line["event"] == "end"}
         for before, after in itertools.pairwise(starts):
             assert ends.get(before["execution"], 0.0) <= after["t"], (chat.session, mine)
@@ -429,13 +432,13 @@ async def test_a_stopped_worker_s_chats_go_on_at_once_on_the_other(service: Serv
 async def test_a_killed_worker_s_chats_go_on_about_a_second_later(service: Service) -> None:
     """SIGKILL the worker streaming the most answers: the other worker resumes every cut
     answer once the dead one's liveness token stayed free for the grace (about a second),
-    not after the 30 s lease."""
+    not after the 30 s lease; each resume counts against `max_resumes`."""
 
     async def kill(service: Service) -> None:
         assert await service.stop(service.busiest(), signal.SIGKILL) == -signal.SIGKILL
 
     run = await run_chats(service, kill, 40)
-    takeovers = check_chats(service, run, cuts=1)
+    takeovers = check_chats(service, run, cuts=1, counted=1)
     assert takeovers and max(takeovers) < LEASE / 6, sorted(takeovers)
     check_settled(service)
 
