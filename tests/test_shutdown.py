@@ -419,3 +419,42 @@ async def test_a_batch_the_close_stopped_before_its_thread_ran_is_refused_not_un
     assert ran == []
     assert len(results) == 1 and isinstance(results[0], StoreError), results
     assert not isinstance(results[0], OutcomeUnknown), results
+
+
+async def test_a_full_runtime_resumes_a_handed_back_answer_before_a_newer_message(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """A rolling restart hands an answer back to a runtime at its `max_active`; a new chat's
+    message arrives meanwhile. When a place frees, the cut answer goes on first (a recovery
+    pass takes expired and handed-back claims before doorbells, §4): the user whose answer
+    was cut does not watch it frozen behind newer work. (The change look rang the new
+    chat's doorbell into the freed place first, and the pass it triggered found none left.)
+    Found by the rolling-restart audit (audQ53)."""
+    started: list[str] = []
+    busy_gate, cut_entered, both_ran = trio.Event(), trio.Event(), trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        started.append(ctx.session_id)
+        await ctx.take_inputs()
+        if ctx.session_id == "busy":
+            await busy_gate.wait()
+        elif ctx.session_id == "cut" and not ctx.resumed:
+            cut_entered.set()
+            await trio.sleep_forever()  # cut by the restart
+        if {"cut", "new"} <= set(started):
+            both_ran.set()
+
+    async with runtime(store, drain, clock, lease=LEASE, max_active=1) as full:
+        await full.submit("busy", {"n": 1})
+        await trio.testing.wait_all_tasks_blocked()
+        assert started == ["busy"]
+        async with runtime(store, drain, clock, lease=LEASE) as stopping:
+            await stopping.submit("cut", {"n": 1})
+            await cut_entered.wait()
+            started.remove("cut")  # its first run, on the runtime that stops
+        await full.submit("new", {"n": 1})
+        await trio.testing.wait_all_tasks_blocked()
+        assert started == ["busy"]  # no place left for either
+        busy_gate.set()
+        await both_ran.wait()
+    assert started == ["busy", "cut", "new"]

@@ -155,6 +155,11 @@ class BackgroundLoops:
             entry = runtime._entries.get(session_id)
             if entry is not None and entry is not ending.get(session_id):
                 continue
+            if entry is None and changes.handed_back:
+                # A claim handed back by a graceful shutdown waits: the pass this look
+                # triggers takes it before doorbells, from the same room (§4's order), so an
+                # answer a rolling restart cut goes on before newer chats take its place.
+                continue
             if runtime._busy.ring(session_id) is not None:
                 runtime._remote_signals += 1
                 if entry is None:
