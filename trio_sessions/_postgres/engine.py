@@ -99,8 +99,10 @@ Ts = TypeVarTuple("Ts")
 _FLUSH = (
     "SELECT set_config('synchronous_commit', 'off', true), ts_flush_signals(CAST(%s AS text[]))"
 )
-# After an operation alone was refused holding session locks (`PgEngine._signal_refused`):
-# the signal, in a transaction of its own, for those of the sessions an acquire waits for.
+# After a transaction that took session locks ended without signalling them - committed
+# (after its COMMIT, in the same message) or an operation alone refused and rolled back
+# (`PgEngine._signal_refused`): the signal, in a transaction of its own, for those of the
+# sessions an acquire waits for (a doorbell, no claim, not paused).
 SIGNAL_WAITING = (
     "SELECT set_config('synchronous_commit', 'off', true), ts_flush_signals(ARRAY("
     "SELECT s.id FROM session s WHERE s.id = ANY(CAST(%s AS text[]))"
@@ -592,9 +594,22 @@ class PgEngine:
             if flush:
                 self._send_signals(conn, bound(signals))
             return results
+        # After the COMMIT, in its own message (no round trip): the signals, and the
+        # sessions whose locks the transaction took without signalling them, for those an
+        # acquire waits for (`SIGNAL_WAITING`). An acquire that met such a lock answered
+        # 'busy' and its runtime passes over that doorbell until a signal names the session
+        # - the holder was to claim it or signal it - and an operation that ended with
+        # neither (a skipping purge, an operator's drop) held the drain back until the
+        # worker's fallback poll (seconds).
+        after = [(_FLUSH, bound(signals))] if flush else []
+        unsignalled = sorted(tx.locked.difference(signals))
+        if unsignalled:
+            after.append((SIGNAL_WAITING, bound(unsignalled)))
+            flush = True
         try:
             if flush:
-                conn.execute(f"COMMIT; {_FLUSH}", (bound(signals),))
+                statements = "; ".join(["COMMIT", *(statement for statement, _ in after)])
+                conn.execute(statements, tuple(sessions for _, sessions in after))
             else:
                 conn.commit()
         except psycopg.Error as exc:

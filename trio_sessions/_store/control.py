@@ -523,11 +523,9 @@ def fork(tx: Tx, session_id: str, new_session_id: str, through_seq: int | None) 
                 "now": tx.now,
             },
         )
+    # On PostgreSQL a worker's acquire of the source that met its lock answered 'busy' and
+    # waits for a signal of it: the engine sends it after the COMMIT (`SIGNAL_WAITING`).
     tx.notify(new_session_id)
-    if tx.dialect == "postgres":
-        # A worker's acquire of the source that met its lock answered 'busy' and waits for
-        # a signal of it (its fallback poll, seconds, else). It travels with the COMMIT.
-        tx.notify(session_id)
     return len(rows)
 
 
@@ -567,11 +565,9 @@ def submit_truncating(tx: Tx, session_id: str, payload: str, input_id: str, afte
     conversation). A failure after the truncate (the input's seq) rolls it back."""
     tx.lock_session(session_id)
     if _known_input(tx, session_id, input_id, payload):
-        if tx.dialect == "postgres":
-            # A retry comes right after the edit committed, when workers acquire: one that
-            # met this lock answered 'busy' and waits for a signal of the session (its
-            # fallback poll, seconds, else). It travels with the COMMIT: no round trip.
-            tx.notify(session_id)
+        # A retry comes right after the edit committed, when workers acquire: on PostgreSQL
+        # one that met this lock answered 'busy' and waits for a signal of the session,
+        # which the engine sends after the COMMIT (`SIGNAL_WAITING`): no round trip.
         return input_id
     if _claim_row(tx, session_id) is not None:
         raise _truncate_busy(session_id)

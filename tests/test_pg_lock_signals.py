@@ -1,0 +1,139 @@
+"""PostgreSQL: an operation that held a session's lock and ended without claiming or
+signalling the session still lets a worker's acquire that met the lock claim at once.
+
+An acquire from a doorbell that meets a session lock answers 'busy' (`ts_acquire`) and its
+runtime passes over that doorbell until a signal names the session: the lock's holder was to
+claim it or signal it once done. Each test holds one such operation in its transaction once
+it ran - its locks held, in a thread, on an engine of its own - while a worker opens, finds
+the session's doorbell and answers busy; then lets it commit, and the worker's drain must
+start at once, not at its fallback poll (2 s; DESIGN §7: p99 50 ms)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import trio
+from helpers import pg_engine_at as engine_at
+from helpers import pg_raw as raw
+
+from trio_sessions import _store, open_runtime
+from trio_sessions._backend import Job
+from trio_sessions._loops import CHANGE_FALLBACK_POLL
+from trio_sessions._postgres import PgEngine, PostgresStore, run_op
+from trio_sessions._store import control
+
+WAIT_S = 30.0  # a bound on each gate, never reached when the test passes
+QUESTION = '{"text": "q"}'
+
+
+def waiting(engine: PgEngine, pg_url: str, pg_schema: str) -> None:
+    """A message waiting for a worker: input q1, the doorbell set, no claim."""
+    run_op(engine, _store.submit, "s", QUESTION, "q1")
+
+
+def waiting_beside_a_rejected_input(engine: PgEngine, pg_url: str, pg_schema: str) -> None:
+    waiting(engine, pg_url, pg_schema)
+    with raw(pg_url, pg_schema) as conn:
+        conn.execute(
+            "INSERT INTO session_input_rejected(id, session_id, seq, payload, reason,"
+            " time_created) VALUES ('bad', 's', 7, 'not json', 'malformed', 0)"
+        )
+
+
+def idle(engine: PgEngine, pg_url: str, pg_schema: str) -> None:
+    """An idle session (no input, no doorbell) a purge will find - and then find busy."""
+    with raw(pg_url, pg_schema) as conn:
+        conn.execute("INSERT INTO session(id, time_created) VALUES ('s', 0)")
+
+
+OPERATIONS = [
+    # An operator drops another input of the session, one set aside earlier.
+    pytest.param(
+        waiting_beside_a_rejected_input,
+        _store.drop_rejected_input,
+        ("bad",),
+        "s",
+        id="drop-rejected-input",
+    ),
+    # A purge that found the session idle, then - under its lock - an input it got meanwhile.
+    pytest.param(idle, _store.purge_batch, (0, "", 10), ([], None), id="purge-skips"),
+]
+
+
+@pytest.mark.parametrize(("prepare", "op", "args", "answer"), OPERATIONS)
+async def test_an_acquire_that_met_an_operation_holding_the_lock_claims_once_it_ended(
+    pg_url: str,
+    pg_schema: str,
+    monkeypatch: pytest.MonkeyPatch,
+    prepare: Callable[[PgEngine, str, str], None],
+    op: Callable[..., Any],
+    args: tuple[Any, ...],
+    answer: Any,
+) -> None:
+    """Each of these held the session lock and ended with no claim and no signal of the
+    session (an operator's drop of another input, a purge that skipped the session), so
+    the worker whose acquire met the lock passed the doorbell over until its fallback
+    poll: the user's message waited 2 s for its answer to start. Each is held here in its
+    transaction once it ran."""
+    started = trio.Event()
+
+    async def drain(ctx: Any) -> None:
+        started.set()
+        await ctx.take_inputs()
+
+    ran, go = threading.Event(), threading.Event()
+    looked, submitted = threading.Event(), threading.Event()
+
+    def held(tx: Any, *arguments: Any) -> Any:
+        try:
+            return op(tx, *arguments)
+        finally:
+            ran.set()
+            assert go.wait(WAIT_S), "the gate was never opened"
+
+    idle_sessions = control._idle_sessions
+
+    def looking(tx: Any, session_ids: Any, cutoff: int) -> list[str]:
+        found = idle_sessions(tx, session_ids, cutoff)
+        if not looked.is_set():  # its first look, before its locks: an input arrives
+            looked.set()
+            assert submitted.wait(WAIT_S), "the input was never submitted"
+        return found
+
+    monkeypatch.setattr(control, "_idle_sessions", looking)
+    with engine_at(pg_url, pg_schema, 1.0) as operator, engine_at(pg_url, pg_schema, 1.0) as web:
+        prepare(web, pg_url, pg_schema)
+        job = Job(held, args)
+        running = threading.Thread(target=operator.run_batch, args=([job],), daemon=True)
+        running.start()
+        try:
+            if op is _store.purge_batch:
+                await trio.to_thread.run_sync(looked.wait, WAIT_S)
+                waiting(web, pg_url, pg_schema)
+                submitted.set()
+            await trio.to_thread.run_sync(ran.wait, WAIT_S)
+            store = PostgresStore(pg_url, schema=pg_schema)
+            async with open_runtime(store, drain, recovery_interval=3600) as worker:
+                with trio.fail_after(WAIT_S):
+                    while "s" not in worker._passed_over:  # its acquire answered busy
+                        await trio.sleep(0.001)
+                assert not started.is_set()
+                go.set()
+                await trio.to_thread.run_sync(running.join, WAIT_S)
+                if isinstance(answer, type):
+                    assert isinstance(job.error, answer), job.error
+                else:
+                    assert job.unwrap() == answer
+                ended_at = trio.current_time()
+                with trio.fail_after(WAIT_S):
+                    await started.wait()
+                waited = trio.current_time() - ended_at
+                await worker.wait_idle("s")
+        finally:
+            go.set()
+            submitted.set()
+            running.join(WAIT_S)
+    assert waited < CHANGE_FALLBACK_POLL / 4, f"the drain started {waited:.2f} s after it ended"
