@@ -1339,8 +1339,10 @@ async def test_upgrade_of_a_version_2_postgres_schema_keeps_pending_inputs_due(
     # 23: a session's last write that left no newer row or time (purge counts it);
     # 24: a submit racing another session's submit of its input id is answered after it;
     #     a take of inputs returns the user messages it appended;
-    # 25: a writer's write from what it stored last checks the stored text too
-    assert _postgres.SCHEMA_VERSION == 25
+    # 25: a writer's write from what it stored last checks the stored text too;
+    # 26: an operation that took a session's lock and ends without claiming or signalling it
+    #     signals it when an acquire waits for it
+    assert _postgres.SCHEMA_VERSION == 26
     assert drain.taken == ["old"]
     assert raw.rows("SELECT time_paused FROM session") == [(None,)]
 

@@ -14,12 +14,13 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import psycopg
 import pytest
 import trio
 from helpers import pg_engine_at as engine_at
 from helpers import pg_raw as raw
 
-from trio_sessions import _store, open_runtime
+from trio_sessions import SessionBusy, _store, open_runtime
 from trio_sessions._backend import Job
 from trio_sessions._loops import CHANGE_FALLBACK_POLL
 from trio_sessions._postgres import PgEngine, PostgresStore, run_op
@@ -50,6 +51,18 @@ def idle(engine: PgEngine, pg_url: str, pg_schema: str) -> None:
 
 
 OPERATIONS = [
+    # A client's retried POST of a message already stored: 'known', nothing written.
+    pytest.param(waiting, _store.submit, ("s", QUESTION, "q1"), "q1", id="retried-submit"),
+    # submit(on_busy="reject") refused for the message waiting untaken.
+    pytest.param(
+        waiting,
+        _store.submit_controlled,
+        ("s", '{"text": "r"}', "q2", "reject"),
+        SessionBusy,
+        id="rejected-submit",
+    ),
+    # resume of a session that is not paused: left as it is.
+    pytest.param(waiting, _store.resume, ("s",), False, id="resume-not-paused"),
     # An operator drops another input of the session, one set aside earlier.
     pytest.param(
         waiting_beside_a_rejected_input,
@@ -58,6 +71,8 @@ OPERATIONS = [
         "s",
         id="drop-rejected-input",
     ),
+    # A truncate with nothing after the seq to delete (the question is an input still).
+    pytest.param(waiting, _store.truncate, ("s", 5), 0, id="truncate-nothing"),
     # A purge that found the session idle, then - under its lock - an input it got meanwhile.
     pytest.param(idle, _store.purge_batch, (0, "", 10), ([], None), id="purge-skips"),
 ]
@@ -74,10 +89,13 @@ async def test_an_acquire_that_met_an_operation_holding_the_lock_claims_once_it_
     answer: Any,
 ) -> None:
     """Each of these held the session lock and ended with no claim and no signal of the
-    session (an operator's drop of another input, a purge that skipped the session), so
-    the worker whose acquire met the lock passed the doorbell over until its fallback
-    poll: the user's message waited 2 s for its answer to start. Each is held here in its
-    transaction once it ran."""
+    session (a retried submit answered 'known', a reject answered 'busy', a resume found
+    nothing paused, a truncate nothing to delete, a drop and a skipping purge wrote nothing
+    of the session's doorbell),
+    so the worker whose acquire met the lock passed the doorbell over until its fallback
+    poll: the user's message waited 2 s for its answer to start. Each is held here in a
+    transaction once it ran - a server-side function's lock is then held to the COMMIT
+    too; alone, the same function runs in autocommit and holds it for its call."""
     started = trio.Event()
 
     async def drain(ctx: Any) -> None:
@@ -135,5 +153,69 @@ async def test_an_acquire_that_met_an_operation_holding_the_lock_claims_once_it_
         finally:
             go.set()
             submitted.set()
+            running.join(WAIT_S)
+    assert waited < CHANGE_FALLBACK_POLL / 4, f"the drain started {waited:.2f} s after it ended"
+
+
+@pytest.mark.parametrize(
+    ("op", "args", "answer"),
+    [
+        pytest.param(_store.submit, ("s", QUESTION, "q1"), "q1", id="retried-submit"),
+        pytest.param(
+            _store.submit_controlled,
+            ("s", '{"text": "r"}', "q2", "reject"),
+            SessionBusy,
+            id="rejected-submit",
+        ),
+    ],
+)
+async def test_an_acquire_that_met_a_call_in_autocommit_holding_the_lock_claims_once_it_ended(
+    pg_url: str, pg_schema: str, op: Callable[..., Any], args: tuple[Any, ...], answer: Any
+) -> None:
+    """As above, for the path these take alone: one call in autocommit (`ts_submit`,
+    `ts_submit_controlled`), which holds the session lock for the call. It is held inside
+    the call, after its lock, by the table its input check reads next
+    (`session_input_rejected`, which a worker's look and acquire do not read) locked by
+    another transaction."""
+    started = trio.Event()
+
+    async def drain(ctx: Any) -> None:
+        started.set()
+        await ctx.take_inputs()
+
+    with engine_at(pg_url, pg_schema, 1.0) as web, raw(pg_url, pg_schema) as gate:
+        waiting(web, pg_url, pg_schema)
+        gate.execute("BEGIN")
+        gate.execute("LOCK TABLE session_input_rejected IN ACCESS EXCLUSIVE MODE")
+        job = Job(op, args)
+        running = threading.Thread(target=web.run_batch, args=([job],), daemon=True)
+        running.start()
+        try:
+            with trio.fail_after(WAIT_S):
+                while not gate.execute(  # the call waits for the table, its lock held
+                    "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE NOT granted"
+                    " AND relation = 'session_input_rejected'::regclass)"
+                ).fetchone()[0]:  # type: ignore[index]
+                    await trio.sleep(0.001)
+            store = PostgresStore(pg_url, schema=pg_schema)
+            async with open_runtime(store, drain, recovery_interval=3600) as worker:
+                with trio.fail_after(WAIT_S):
+                    while "s" not in worker._passed_over:  # its acquire answered busy
+                        await trio.sleep(0.001)
+                assert not started.is_set()
+                gate.execute("COMMIT")
+                await trio.to_thread.run_sync(running.join, WAIT_S)
+                if isinstance(answer, type):
+                    assert isinstance(job.error, answer), job.error
+                else:
+                    assert job.unwrap() == answer
+                ended_at = trio.current_time()
+                with trio.fail_after(WAIT_S):
+                    await started.wait()
+                waited = trio.current_time() - ended_at
+                await worker.wait_idle("s")
+        finally:
+            if gate.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+                gate.execute("COMMIT")
             running.join(WAIT_S)
     assert waited < CHANGE_FALLBACK_POLL / 4, f"the drain started {waited:.2f} s after it ended"

@@ -187,7 +187,7 @@ SQLITE_OUR_TABLES = frozenset(
 # ---------------------------------------------------------------------------------------------
 # PostgreSQL
 
-POSTGRES_SCHEMA_VERSION = 25
+POSTGRES_SCHEMA_VERSION = 26
 
 # Same names, meanings and named CHECKs as the SQLite schema (`SQLITE_MIGRATIONS`, whose
 # versions 1-3 are PostgreSQL's first: no PostgreSQL store predates them); times
@@ -453,6 +453,13 @@ DROP FUNCTION IF EXISTS ts_insert_input(text, text, text, text, boolean, bigint)
 DROP FUNCTION IF EXISTS ts_update_message(text, text, text, text, bigint, text, boolean, text,
     text, bigint, boolean);
 """,
+    # The functions again, no table changes: an operation that took a session's lock and
+    # ends without claiming or signalling it - a retried submit (`ts_submit`: known), a
+    # submit refused or known (`ts_submit_controlled`), a resume of a session not paused
+    # (`ts_resume`), a truncate that deleted nothing (`ts_truncate`) - signals it when an
+    # acquire waits for it (`ts_signal_waiting`): one that met the lock answered 'busy' and
+    # passed the doorbell over until a signal.
+    26: "",
 }
 
 
@@ -517,4 +524,5 @@ POSTGRES_BACKFILLS: dict[int, Callable[[Any], None]] = {
     23: _create_functions,
     24: _create_functions,
     25: _create_functions,
+    26: _create_functions,
 }

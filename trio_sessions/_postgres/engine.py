@@ -582,8 +582,11 @@ class PgEngine:
             # unlikely to recur between single operations); nowait never waits again.
             if retryable and alone and not nowait:
                 raise _Rerun(exc) from exc
-            if alone and tx.locked:
-                self._signal_refused(conn, tx.locked)
+            # The sessions its statements locked, and those its functions meant to signal
+            # (their locks taken server-side; the signals rolled back with it).
+            refused = tx.locked.union(filter(None, (tx.deferred or "").split("\n")))
+            if alone and refused:
+                self._signal_refused(conn, refused)
             raise _JobRaised(exc) from exc
         except BaseException:
             self._rollback()
@@ -631,12 +634,13 @@ class PgEngine:
         return results
 
     def _signal_refused(self, conn: Any, sessions: frozenset[str]) -> None:
-        """After an operation alone raised (rolled back) holding these sessions' locks: signal
-        them. An acquire from a doorbell that met one of those locks answered 'busy' and its
-        runtime passes over that doorbell until a signal names the session (the holder was
-        to claim it or signal it once committed); rolled back, the holder does neither - an
-        edit refused for the very input a worker came for held that input's drain back until
-        the worker's fallback poll (seconds). Only those an acquire waits for (a doorbell, no
+        """After an operation alone raised (rolled back) holding these sessions' locks (or its
+        functions', which name them in the signals they deferred): signal them. An acquire
+        from a doorbell that met one of those locks answered 'busy' and its runtime passes
+        over that doorbell until a signal names the session (the holder was to claim it or
+        signal it once committed); rolled back, the holder does neither - an edit refused
+        for the very input a worker came for held that input's drain back until the
+        worker's fallback poll (seconds). Only those an acquire waits for (a doorbell, no
         claim, not paused): a zombie's refused write signals nothing. Best effort, as every
         signal: one round trip, on refusals only."""
         with contextlib.suppress(psycopg.Error):

@@ -485,6 +485,22 @@ BEGIN
     END IF;
 END $$;
 
+-- Signal a session an acquire waits for - its doorbell set, no claim, not paused - where
+-- an operation that took its lock ends without claiming or signalling it: an acquire that
+-- met the lock answered 'busy' (ts_acquire), and its runtime passes over that doorbell until
+-- a signal names the session. (The engine does the same after a transaction for the locks
+-- its own statements took: `SIGNAL_WAITING`.)
+CREATE OR REPLACE FUNCTION ts_signal_waiting(p_session text) RETURNS void
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    IF EXISTS (SELECT 1 FROM session s WHERE s.id = p_session
+               AND s.time_woken IS NOT NULL AND s.time_paused IS NULL)
+            AND NOT EXISTS (SELECT 1 FROM session_execution e
+                            WHERE e.session_id = p_session) THEN
+        PERFORM ts_signal(p_session);
+    END IF;
+END $$;
+
 -- A change only the session's watchers and streams need (its transcript): the session
 -- behind a tab (ids are printable: never one of their characters), so a runtime that
 -- follows no such session - a worker streaming another worker's tokens past it - skips

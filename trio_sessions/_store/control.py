@@ -599,10 +599,11 @@ PG_FUNCTIONS = r"""
 -- every runtime re-arm its due timer). Busy: a claim exists, or due inputs wait untaken
 -- (`_decisions.submit_verdict`). Verdicts: stored; interrupted:<its execution id> (stored,
 -- and the running claim - live or expired: recovery then finishes it as cancelled - marked
--- cancelling); busy (reject: nothing written); ts_known_input's (nothing written). Read
--- back after a lost reply (p_retry) by input id: known, or interrupted when the session's
--- claim is cancelling (the lost call's, or a cancellation already under way). p_call: the
--- call's own id, the same in each attempt (ts_known_input).
+-- cancelling); busy (reject: nothing written); ts_known_input's (nothing written). With
+-- nothing written, the session is signalled if an acquire waits for it. Read back after a
+-- lost reply (p_retry) by input id: known, or interrupted when the session's claim is
+-- cancelling (the lost call's, or a cancellation already under way). p_call: the call's
+-- own id, the same in each attempt (ts_known_input).
 CREATE OR REPLACE FUNCTION ts_submit_controlled(p_session text, p_payload text, p_input text,
     p_on_busy text, p_delay bigint, p_call text, p_now bigint, p_retry boolean)
 RETURNS text
@@ -615,10 +616,13 @@ BEGIN
     SELECT e.phase, e.id INTO v_phase, v_claim FROM session_execution e
         WHERE e.session_id = p_session;
     IF v_known IS NOT NULL THEN
+        PERFORM ts_signal_waiting(p_session);
         RETURN CASE WHEN v_known = 'known' AND p_retry AND v_phase = 'cancelling'
                     THEN 'interrupted:' || v_claim ELSE v_known END;
     END IF;
     IF p_on_busy = 'reject' AND (v_phase IS NOT NULL OR ts_due_inputs(p_session, v_now)) THEN
+        -- Refused for the inputs waiting: a worker may have come for them.
+        PERFORM ts_signal_waiting(p_session);
         RETURN 'busy';
     END IF;
     IF p_delay > 0 THEN
@@ -628,6 +632,7 @@ BEGIN
     v_known := ts_insert_input(p_session, p_payload, p_input, p_call, true, NULL, v_now,
         p_retry);
     IF v_known <> 'stored' THEN
+        PERFORM ts_signal_waiting(p_session);
         RETURN v_known;  -- another session's input of this id, stored meanwhile
     END IF;
     IF p_on_busy = 'interrupt' AND v_phase = 'running' THEN
@@ -741,9 +746,11 @@ BEGIN
     END IF;
     UPDATE session SET time_paused = NULL, time_written = v_now
         WHERE id = p_session AND time_paused IS NOT NULL;
-    -- Not paused: left as it is. A retry after a lost reply cannot tell whether its first
-    -- call lifted the pause: it answers (and signals) as that call did.
+    -- Not paused: left as it is (signalled if an acquire waits for it: one that met the
+    -- lock answered 'busy'). A retry after a lost reply cannot tell whether its first call
+    -- lifted the pause: it answers (and signals) as that call did.
     IF NOT FOUND AND NOT p_retry THEN
+        PERFORM ts_signal_waiting(p_session);
         RETURN false;
     END IF;
     IF v_woken IS NOT NULL THEN
@@ -820,6 +827,8 @@ BEGIN
     IF v_count > 0 THEN
         UPDATE session SET time_written = v_now WHERE id = p_session;
         PERFORM ts_signal(p_session);
+    ELSE
+        PERFORM ts_signal_waiting(p_session);  -- an acquire that met the lock: 'busy'
     END IF;
     RETURN v_count;
 END $$;

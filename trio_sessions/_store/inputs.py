@@ -219,7 +219,9 @@ END $$;
 
 -- submit: store the input and ring the doorbell, idempotently by input id. Verdicts:
 -- stored, known, other_session, other_payload (ts_known_input; nothing written). p_call:
--- the call's own id, the same in each attempt (ts_known_input).
+-- the call's own id, the same in each attempt (ts_known_input). Nothing stored (a client's
+-- retry of its POST, which comes when workers acquire): the session signalled if an
+-- acquire waits for it (ts_signal_waiting).
 CREATE OR REPLACE FUNCTION ts_submit(p_session text, p_payload text, p_input text,
     p_call text, p_now bigint, p_retry boolean)
 RETURNS text
@@ -229,10 +231,14 @@ DECLARE
 BEGIN
     v_now := ts_lock_now(p_session, p_now);
     v_known := ts_known_input(p_session, p_input, p_payload, p_call, p_retry);
-    IF v_known IS NOT NULL THEN
-        RETURN v_known;
+    IF v_known IS NULL THEN
+        v_known := ts_insert_input(p_session, p_payload, p_input, p_call, true, NULL, v_now,
+            p_retry);
     END IF;
-    RETURN ts_insert_input(p_session, p_payload, p_input, p_call, true, NULL, v_now, p_retry);
+    IF v_known <> 'stored' THEN
+        PERFORM ts_signal_waiting(p_session);
+    END IF;
+    RETURN v_known;
 END $$;
 
 -- wake: the durable doorbell (create the session if absent, set time_woken, count it).
