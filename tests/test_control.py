@@ -1341,7 +1341,7 @@ async def test_upgrade_of_a_version_2_postgres_schema_keeps_pending_inputs_due(
     #     a take of inputs returns the user messages it appended;
     # 25: a writer's write from what it stored last checks the stored text too;
     # 26: an operation that took a session's lock and ends without claiming or signalling it
-    #     signals it when an acquire waits for it
+    #     signals it when an acquire waits for it; an input count below 0 is refused
     assert _postgres.SCHEMA_VERSION == 26
     assert drain.taken == ["old"]
     assert raw.rows("SELECT time_paused FROM session") == [(None,)]

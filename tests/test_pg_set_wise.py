@@ -22,7 +22,8 @@ from helpers import fixed
 from helpers import pg_engine_at as engine_at
 from helpers import pg_raw as raw
 
-from trio_sessions import _backend, _store
+from trio_sessions import MalformedRecord, _backend, _store
+from trio_sessions._decisions import AcquireVerdict
 from trio_sessions._postgres import PgEngine, PgTx, connect, run_op
 
 LEASE_MS = 30_000
@@ -543,3 +544,43 @@ def test_a_batch_of_appends_ends_as_its_jobs_alone(
     setup = functools.partial(_open_answers, seed=seed, n=n)
     tables = ("session_message_delta", "session_message_stream")
     _ends_as_alone(pg_url, (migrated_schema, reference_schema), jobs, setup, *tables)
+
+
+@pytest.mark.parametrize("kind", ["submit_and_acquire", "submit"])
+def test_a_set_wise_submit_to_a_session_whose_input_count_is_negative_stores_nothing(
+    pg_url: str, pg_schema: str, kind: str
+) -> None:
+    """§4 (inputs are taken in the order they were stored), §5 (a malformed row raises
+    `MalformedRecord`) and §6.20 (a backend difference is a bug): a session whose
+    `input_seq` another tool set below 0, an input waiting at seq 2. The set-wise
+    statement (`ts_submit_and_acquire_many`) and the row functions (`ts_insert_input`)
+    counted on from it and stored the batch's input at seq -2, ahead of the one waiting;
+    SQLite refuses it (tests/store/test_set_wise.py). Expected: that job fails with
+    `MalformedRecord` naming the count, storing nothing; the other session's job is
+    settled as usual."""
+    if kind == "submit":
+        jobs = [_backend.Job(_store.submit, (s, '{"k": 1}', f"in-{s}")) for s in ("bad", "good")]
+        good: Any = "in-good"
+    else:
+        jobs = [
+            _backend.Job(
+                _store.submit_and_acquire, (s, '{"k": 1}', f"in-{s}", f"e-{s}", ME, LEASE_MS)
+            )
+            for s in ("bad", "good")
+        ]
+        good = ("in-good", _store.Acquired(AcquireVerdict.CLAIM))
+    with engine_at(pg_url, pg_schema, 1.0) as engine, raw(pg_url, pg_schema) as conn:
+        conn.execute("INSERT INTO session(id, time_created, input_seq) VALUES ('bad', 0, -3)")
+        conn.execute(
+            "INSERT INTO session_input(id, session_id, seq, payload, time_created)"
+            " VALUES ('waiting', 'bad', 2, '{}', 0)"
+        )
+        engine.run_batch(jobs)
+    with pytest.raises(MalformedRecord, match="input_seq"):
+        jobs[0].unwrap()
+    assert jobs[1].unwrap() == good
+    with raw(pg_url, pg_schema) as conn:
+        stored = conn.execute(
+            "SELECT id, seq FROM session_input WHERE session_id = 'bad'"
+        ).fetchall()
+    assert stored == [("waiting", 2)]

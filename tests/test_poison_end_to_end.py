@@ -116,24 +116,14 @@ async def test_a_submit_to_a_session_whose_input_count_is_no_count_stores_nothin
 async def test_a_submit_to_a_session_whose_input_count_is_negative_stores_nothing_on_both(
     store: Any,
     db_path: Any,
-    backend: str,
     clock: Any,
     autojump_clock: MockClock,
     how: str,
-    request: pytest.FixtureRequest,
 ) -> None:
     """§6.20: as above, on both backends - PostgreSQL's BIGINT column keeps a negative
-    count as well. There `ts_insert_input` (and the other server-side submits) count on
-    from it and store the input at seq -2, ahead of the one waiting; refusing it is a change
-    to those functions, i.e. a schema change."""
-    if backend == "postgres":
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                reason="the server-side submits count on from a negative input_seq; a"
-                " check there (seq < 1 -> malformed) is a schema change",
-            )
-        )
+    count as well. There `ts_insert_input` (and the other server-side submits) counted on
+    from it and stored the input at seq -2, ahead of the one waiting; now they answer
+    'malformed', writing nothing, and the path in Python refuses it (schema 26)."""
     raw = Raw(db_path)
     drain = None if how == "producer" else Recorder()
     async with runtime(store, drain, clock, **QUIET) as rt:

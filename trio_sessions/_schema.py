@@ -458,7 +458,9 @@ DROP FUNCTION IF EXISTS ts_update_message(text, text, text, text, bigint, text, 
     # submit refused or known (`ts_submit_controlled`), a resume of a session not paused
     # (`ts_resume`), a truncate that deleted nothing (`ts_truncate`) - signals it when an
     # acquire waits for it (`ts_signal_waiting`): one that met the lock answered 'busy' and
-    # passed the doorbell over until a signal.
+    # passed the doorbell over until a signal. A session's input count below 0 (another
+    # tool's write) is refused, not counted on from (`ts_insert_input` answers 'malformed',
+    # the set-wise submit leaves it to the row path), as SQLite refuses it.
     26: "",
 }
 

@@ -223,7 +223,8 @@ def wake_and_acquire(
 
 def _pg_submitted_and_acquired(args: tuple[Any, ...], row: tuple[Any, ...]) -> Any:
     """`ts_submit_and_acquire`'s row as `submit_and_acquire` answers; `FALLBACK` for an
-    input id stored with another session or payload text (nothing was written)."""
+    input id stored with another session or payload text, or a malformed input count
+    (nothing was written)."""
     input_verdict, *acquired = row
     if input_verdict not in ("stored", "known"):
         return FALLBACK
@@ -542,7 +543,7 @@ END $$;
 
 -- submit and the acquire it rings for, in one call: when the claim is taken here the
 -- doorbell is rung and taken at once, so it is never written. Input verdicts as ts_submit
--- (other_*: nothing written, no acquire); then the acquire's. Idempotent by input id and
+-- (other_*, malformed: nothing written, no acquire); then the acquire's. Idempotent by input id and
 -- execution id; p_call: the call's own id (ts_known_input).
 CREATE OR REPLACE FUNCTION ts_submit_and_acquire(p_session text, p_payload text,
     p_input text, p_exec text, p_owner text, p_lease bigint, p_call text, p_now bigint,
@@ -566,7 +567,7 @@ BEGIN
         -- stored meanwhile: answered as above, nothing written.
         input_verdict := ts_insert_input(p_session, p_payload, p_input, p_call, v_held, NULL,
             v_now, p_retry);
-        IF input_verdict IN ('other_session', 'other_payload') THEN
+        IF input_verdict IN ('other_session', 'other_payload', 'malformed') THEN
             RETURN;
         END IF;
     END IF;
@@ -628,11 +629,12 @@ END $$;
 -- ts_submit_and_acquire answers it. Every session lock first, in the functions' order
 -- (ts_lock_key, id), then the clock. The common job - the first of its session in the batch,
 -- its input id new (pending, taken or set aside: none) and named once in the batch, the
--- session free to claim (no claim row, not paused) - is settled for the whole batch by one
--- statement, as ts_submit_and_acquire settles it: the session row written (created, or its
--- input count bumped), the input stored unrung, the claim inserted and a doorbell already
--- set taken. Every other job (a held or paused session, a known or conflicting input id, a
--- session's later jobs, an input id named twice) goes through ts_submit_and_acquire one by
+-- session free to claim (no claim row, not paused), its input count from 0 - is settled for
+-- the whole batch by one statement, as ts_submit_and_acquire settles it: the session row
+-- written (created, or its input count bumped), the input stored unrung, the claim
+-- inserted and a doorbell already set taken. Every other job (a held or paused session, a
+-- known or conflicting input id, a session's later jobs, an input id named twice, an input
+-- count below 0: ts_insert_input refuses it) goes through ts_submit_and_acquire one by
 -- one after it, in the lock order: none of them touches a session or input id the
 -- statement wrote, so each sees what it would have seen run after it alone.
 CREATE OR REPLACE FUNCTION ts_submit_and_acquire_many(p_sessions text[], p_payloads text[],
@@ -658,6 +660,7 @@ BEGIN
             COALESCE(s.input_seq, 0) + 1 AS input_seq
         FROM job j LEFT JOIN session s ON s.id = j.s
         WHERE j.nth = 1 AND j.named = 1 AND s.time_paused IS NULL
+            AND COALESCE(s.input_seq, 0) >= 0
             AND NOT EXISTS (SELECT 1 FROM session_execution c WHERE c.session_id = j.s)
             AND NOT EXISTS (SELECT 1 FROM session_input i WHERE i.id = j.i)
             AND NOT EXISTS (SELECT 1 FROM session_message m WHERE m.input_id = j.i)

@@ -211,12 +211,12 @@ def _controlled_stored(
     """`ts_submit_controlled`'s verdict - "stored", "interrupted:<the execution id it
     marked>" or "known" (the input is stored) - as `submit_controlled` answers: (input id,
     the execution id it marked cancelling, if any); `SessionBusy` for a refusal; None when
-    the input id is stored for another session or with another payload text (nothing was
-    written: the statements decide, in a transaction, comparing the payloads as JSON
-    values)."""
+    the input id is stored for another session or with another payload text, or the
+    session's input count is below 0 (nothing was written: the statements decide, in a
+    transaction, comparing the payloads as JSON values - or refuse the count)."""
     if verdict == "busy":
         raise _busy_error(session_id)
-    if verdict in ("other_session", "other_payload"):
+    if verdict in ("other_session", "other_payload", "malformed"):
         return None
     said, _, marked = verdict.partition(":")
     return input_id, marked if said == "interrupted" else None
@@ -599,11 +599,12 @@ PG_FUNCTIONS = r"""
 -- every runtime re-arm its due timer). Busy: a claim exists, or due inputs wait untaken
 -- (`_decisions.submit_verdict`). Verdicts: stored; interrupted:<its execution id> (stored,
 -- and the running claim - live or expired: recovery then finishes it as cancelled - marked
--- cancelling); busy (reject: nothing written); ts_known_input's (nothing written). With
--- nothing written, the session is signalled if an acquire waits for it. Read back after a
--- lost reply (p_retry) by input id: known, or interrupted when the session's claim is
--- cancelling (the lost call's, or a cancellation already under way). p_call: the call's
--- own id, the same in each attempt (ts_known_input).
+-- cancelling); busy (reject: nothing written); ts_known_input's, or ts_insert_input's
+-- malformed (nothing written). With nothing written, the session is signalled if an
+-- acquire waits for it. Read back after a lost reply (p_retry) by input id: known, or
+-- interrupted when the session's claim is cancelling (the lost call's, or a cancellation
+-- already under way). p_call: the call's own id, the same in each attempt
+-- (ts_known_input).
 CREATE OR REPLACE FUNCTION ts_submit_controlled(p_session text, p_payload text, p_input text,
     p_on_busy text, p_delay bigint, p_call text, p_now bigint, p_retry boolean)
 RETURNS text
@@ -646,12 +647,12 @@ END $$;
 -- submit_controlled and the acquire it rings for, in one call: a session with no claim, no
 -- due input waiting, not paused, whose input id is new, stores the input and is claimed at
 -- once, the claim taking the input's wake (the doorbell is never written); any other goes
--- through ts_submit_controlled - a refusal (busy) or an input id stored with another
--- session or payload text (other_*) answers that alone, nothing written, no acquire -
--- then the acquire its doorbell rings for. Verdicts: ts_submit_controlled's, then
--- ts_acquire_locked's. One `now` for both. Idempotent by input id and execution id: called
--- again after a lost reply (p_retry), it finds the input known and the claim its own, and
--- answers as the lost call did.
+-- through ts_submit_controlled - a refusal (busy), an input id stored with another
+-- session or payload text (other_*) or a malformed input count answers that alone, nothing
+-- written, no acquire - then the acquire its doorbell rings for. Verdicts:
+-- ts_submit_controlled's, then ts_acquire_locked's. One `now` for both. Idempotent by
+-- input id and execution id: called again after a lost reply (p_retry), it finds the input
+-- known and the claim its own, and answers as the lost call did.
 CREATE OR REPLACE FUNCTION ts_submit_controlled_and_acquire(p_session text, p_payload text,
     p_input text, p_on_busy text, p_exec text, p_owner text, p_lease bigint, p_call text,
     p_now bigint, p_retry boolean,
@@ -669,14 +670,14 @@ BEGIN
     IF v_free THEN
         input_verdict := ts_insert_input(p_session, p_payload, p_input, p_call, false, NULL,
             v_now, p_retry);
-        IF input_verdict IN ('other_session', 'other_payload') THEN
-            RETURN;  -- another session's input of this id, stored meanwhile
+        IF input_verdict IN ('other_session', 'other_payload', 'malformed') THEN
+            RETURN;  -- another session's input of this id, stored meanwhile; a bad count
         END IF;
         v_free := input_verdict = 'stored';
     ELSE
         input_verdict := ts_submit_controlled(p_session, p_payload, p_input, p_on_busy, 0,
             p_call, v_now, p_retry);
-        IF input_verdict IN ('busy', 'other_session', 'other_payload') THEN
+        IF input_verdict IN ('busy', 'other_session', 'other_payload', 'malformed') THEN
             RETURN;
         END IF;
     END IF;

@@ -37,8 +37,9 @@ def wake(tx: Tx, session_id: str) -> None:
 
 
 def _pg_submitted(args: tuple[Any, ...], row: tuple[Any, ...]) -> Any:
-    """`ts_submit`'s verdict as `submit` answers; `FALLBACK` for another session's input id
-    or another payload text (nothing was written: the path in Python decides)."""
+    """`ts_submit`'s verdict as `submit` answers; `FALLBACK` for another session's input id,
+    another payload text or a malformed input count (nothing was written: the path in
+    Python decides, or refuses it)."""
     (verdict,) = row
     return args[2] if verdict in ("stored", "known") else FALLBACK
 
@@ -176,7 +177,10 @@ END $$;
 -- doorbell and count the wake (false when a claim inserted in the same call takes the wake
 -- at once); p_due: when a scheduled input is due (NULL: now; it rings nothing, and its signal
 -- lets every runtime re-arm its due timer). Verdicts: stored; or, nothing written, the
--- verdict of ts_known_input on the input another transaction stored meanwhile. The caller's
+-- verdict of ts_known_input on the input another transaction stored meanwhile, or
+-- malformed: the session's input count is below 0 (another tool's write), so the input
+-- would be stored ahead of those waiting - the caller's path in Python then refuses it with
+-- `MalformedRecord` naming the session (`counted_input_seq`), as on SQLite. The caller's
 -- check under its session lock cannot see another session's uncommitted input of this id
 -- (ids are unique across sessions, locks are per session): only the primary key makes this
 -- insert wait for it. So the input goes first, ON CONFLICT DO NOTHING, and the session row
@@ -192,6 +196,9 @@ DECLARE
 BEGIN
     -- The session lock keeps its input count from moving meanwhile.
     SELECT COALESCE(max(s.input_seq), 0) + 1 INTO v_seq FROM session s WHERE s.id = p_session;
+    IF v_seq < 1 THEN
+        RETURN 'malformed';
+    END IF;
     LOOP
         WITH input AS (
             INSERT INTO session_input(id, session_id, seq, payload, time_created, due_at,
