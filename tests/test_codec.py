@@ -32,31 +32,38 @@ SETTINGS = settings(max_examples=200, deadline=None)
 # Whole assistant records are costly to generate; fewer examples keep the file fast.
 RECORD_SETTINGS = settings(max_examples=100, deadline=None)
 
+
+def storable_text(max_size: int) -> st.SearchStrategy[str]:
+    """Text a writer stores: UTF-8 without a NUL (§8: every writer refuses one, and so does
+    a reader)."""
+    return st.text(st.characters(codec="utf-8", exclude_characters="\x00"), max_size=max_size)
+
+
 json_scalars = (
     st.none()
     | st.booleans()
     | st.integers(min_value=-(2**63), max_value=2**63 - 1)
     | st.floats(allow_nan=False, allow_infinity=False)
-    | st.text(max_size=20)
+    | storable_text(20)
 )
 json_values = st.recursive(
     json_scalars,
     lambda children: (
-        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
+        st.lists(children, max_size=4) | st.dictionaries(storable_text(8), children, max_size=4)
     ),
     max_leaves=8,
 )
-json_objects = st.dictionaries(st.text(max_size=8), json_values, max_size=4)
+json_objects = st.dictionaries(storable_text(8), json_values, max_size=4)
 
-text_parts = st.builds(TextPart, text=st.text(max_size=30))
+text_parts = st.builds(TextPart, text=storable_text(30))
 tool_parts = st.builds(
     ToolPart,
-    call_id=st.text(max_size=10),
-    name=st.text(max_size=10),
+    call_id=storable_text(10),
+    name=storable_text(10),
     input=json_objects,
     status=st.sampled_from(["running", "completed", "error"]),
     output=json_values,
-    error=st.none() | st.text(max_size=20),
+    error=st.none() | storable_text(20),
 )
 
 
@@ -71,7 +78,7 @@ assistant_data = st.builds(
     AssistantData,
     parts=st.lists(text_parts | tool_parts, max_size=4).map(one_part_per_call),
     finished=st.booleans(),
-    error=st.none() | st.text(max_size=20),
+    error=st.none() | storable_text(20),
 )
 
 
@@ -621,3 +628,36 @@ def test_a_pair_or_text_that_reads_as_an_escape_is_no_lone_surrogate(stored: str
     """A pair is one character once decoded, and `\\ud800` after an escaped backslash is
     text: both decode."""
     assert set(_codec.decode_object(stored, table="session_input", key="i")) == {"t"}
+
+
+@pytest.mark.parametrize(
+    ("stored", "where"),
+    [
+        (r'{"t": "a\u0000b"}', "$.t"),
+        (r'{"t": ["x", "\\\u0000"]}', "$.t[1]"),  # an escaped backslash, then a NUL
+        (r'{"t": {"k\u0000": 1}}', "a key of $.t"),
+    ],
+)
+def test_a_nul_escape_is_malformed_naming_where_it_is(stored: str, where: str) -> None:
+    """Every writer refuses a NUL (§8: PostgreSQL cannot store one), so a reader does too,
+    naming where it is - as for a lone surrogate. Found by the audit (audU53): a stored
+    `\\u0000` decoded."""
+    with pytest.raises(MalformedRecord) as caught:
+        _codec.decode_object(stored, table="session_input", key="i")
+    [reason] = caught.value.reasons
+    assert f"NUL character (\\x00) at {where}," in reason
+
+
+def test_text_that_only_reads_as_a_nul_escape_decodes() -> None:
+    """An escaped backslash before `u0000` is text, not a NUL."""
+    stored = r'{"t": "\\u0000 and \\\\\\u0000"}'
+    assert _codec.decode_object(stored, table="session_input", key="i") == {
+        "t": "\\u0000 and \\\\\\u0000"
+    }
+
+
+def test_a_streamed_text_holding_a_nul_is_malformed() -> None:
+    """A streamed text row (SQLite keeps a raw NUL another tool wrote) is refused as the
+    message's other text is: no writer stores one."""
+    with pytest.raises(MalformedRecord, match=r"streamed text #1 holds a NUL"):
+        _codec.decode_streamed(["fine", "a\x00b"], key="m")

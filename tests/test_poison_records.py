@@ -376,6 +376,11 @@ UNWRITABLE_ASSISTANT = {
         ),
         "'c1'",
     ),
+    "nul": (
+        '{"parts": [{"type": "text", "text": "bad \\u0000 text"}], "finished": false,'
+        ' "error": null}',
+        "NUL character",
+    ),
 }
 
 
@@ -477,3 +482,39 @@ async def test_an_input_holding_a_lone_surrogate_is_set_aside_not_blocking_the_n
     assert raw.rows("SELECT id FROM session_input") == []
     [(reason,)] = raw.rows("SELECT reason FROM session_input_rejected WHERE id = 'bad'")
     assert "lone surrogate" in reason
+
+
+async def test_a_user_message_or_input_holding_a_nul_is_malformed_on_both_backends(
+    store: Any, db_path: Any, clock: Any, autojump_clock: MockClock
+) -> None:
+    """§8: every writer refuses a NUL character (PostgreSQL cannot store one), so a reader
+    refuses one too, as it does a lone surrogate. Found by the audit (audU53): a user
+    message another tool stored as `{"text": "a\\u0000b"}` decoded, and `transcript()`
+    handed a web app text that no store the library writes could hold; an input holding one
+    was taken. Expected: `MalformedRecord` naming the message; the input set aside with a
+    readable reason; an escaped backslash before `u0000` stays text."""
+    raw = Raw(db_path)
+    taken: list[Any] = []
+
+    async def take(ctx: DrainContext) -> None:
+        taken.extend(item.payload for item in await ctx.take_inputs())
+
+    async with runtime(store, take, clock, **QUIET) as rt:
+        raw.seed_user_message("s", "fine", 1, '{"text": "\\\\u0000"}')
+        [message] = await rt.transcript("s")
+        assert message.data == {"text": "\\u0000"}
+        raw.seed_user_message("s", "nul", 2, '{"te\\u0000xt": "b"}')
+        with pytest.raises(MalformedRecord, match="NUL character") as raised:
+            await rt.transcript("s")
+        assert raised.value.key == "nul"
+        raw.write("INSERT INTO session(id, time_created, input_seq) VALUES ('t', 0, 1)", ())
+        raw.write(
+            "INSERT INTO session_input(id, session_id, seq, payload, time_created)"
+            " VALUES ('bad', 't', 1, ?, 0)",
+            ('{"text": "a\\u0000b"}',),
+        )
+        await rt.submit("t", {"text": "fine"}, input_id="good")
+        await rt.wait_idle("t")
+    assert taken == [{"text": "fine"}]
+    [(reason,)] = raw.rows("SELECT reason FROM session_input_rejected WHERE id = 'bad'")
+    assert "NUL character" in reason

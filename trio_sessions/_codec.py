@@ -484,17 +484,19 @@ def _part_json(part: Part) -> dict[str, Any]:
 
 def decode_assistant(text: Any, *, key: str) -> AssistantData:
     """Decode an assistant message's `data`; `MalformedRecord` with readable reasons otherwise."""
-    raw = _decode_json(text, table="session_message", key=key)
+    raw = _decode_json(text, table="session_message", key=key, nul=False)
     if type(raw) is not dict:
         raise MalformedRecord("session_message", key, [f"expected a JSON object, got {raw!r}"])
+    # A NUL is one more problem beside any of the shape's: each gets its own reason.
+    nul = _nul_reasons(text, raw)
     try:
         data = _converter.structure(raw, AssistantData)
     except cattrs.BaseValidationError as exc:
         reasons = cattrs.transform_error(exc, format_exception=_format_reason)
-        raise MalformedRecord("session_message", key, reasons) from None
+        raise MalformedRecord("session_message", key, [*reasons, *nul]) from None
     except (TypeError, ValueError, AttributeError) as exc:
-        raise MalformedRecord("session_message", key, [str(exc)]) from None
-    if reasons := _repeated_calls(data.parts):
+        raise MalformedRecord("session_message", key, [str(exc), *nul]) from None
+    if reasons := [*nul, *_repeated_calls(data.parts)]:
         raise MalformedRecord("session_message", key, reasons)
     return data
 
@@ -523,8 +525,10 @@ def decode_streamed(texts: Sequence[Any], *, key: str) -> list[str]:
     `MalformedRecord` naming the message when one is not text."""
     reasons = [
         f"streamed text #{index} is {type(text).__name__} {text!r}, not text"
-        for index, text in enumerate(texts)
         if type(text) is not str
+        else f"streamed text #{index} holds a NUL character (\\x00), which no writer stores"
+        for index, text in enumerate(texts)
+        if type(text) is not str or NUL in text
     ]
     if reasons:
         raise MalformedRecord("session_message_delta", key, reasons)
@@ -601,17 +605,55 @@ def decode_object(text: Any, *, table: str, key: str) -> dict[str, Any]:
     return raw
 
 
-def _decode_json(text: Any, *, table: str, key: str) -> Any:
+def _decode_json(text: Any, *, table: str, key: str, nul: bool = True) -> Any:
+    """`loads`, or `MalformedRecord`: not JSON, a lone surrogate, or (unless `nul` is
+    False: the caller reports `_nul_reasons` itself) a NUL character."""
     try:
         raw = loads(text)
     except (TypeError, ValueError) as exc:
         if isinstance(text, bytes):  # text that is not UTF-8, read as its bytes: say so
             stored_text("text", text, table=table, key=key)
         raise MalformedRecord(table, key, [f"not JSON: {exc}"]) from None
+    if "\\" not in text:
+        return raw  # no escape at all (a memchr): neither check below can find one
     if _SURROGATE_ESCAPE.search(text) is not None:
         spend(len(text))  # the check below encodes the value once more
         _refuse_lone_surrogates(raw, table=table, key=key)
+    if nul and (reasons := _nul_reasons(text, raw)):
+        raise MalformedRecord(table, key, reasons)
     return raw
+
+
+# The JSON escape of a NUL, after an even number of backslashes (an escaped backslash
+# before `u0000` is text).
+_NUL_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
+
+
+def _nul_reasons(text: str, raw: Any) -> list[str]:
+    """The reason, if the decoded value holds a NUL character - which every writer refuses
+    (`check_text`, `check_json`: PostgreSQL cannot store one), so a reader does too. A NUL
+    is stored only as its escape (JSON text holds no raw control character): a substring
+    search at C speed, then the escape told from text that only reads as one."""
+    if "\\" not in text or "\\u0000" not in text or _NUL_ESCAPE.search(text) is None:
+        return []
+    spend(len(text))  # the walk below visits the value once more
+    return [f"holds a NUL character (\\x00) at {_where_nul(raw)}, which no writer stores"]
+
+
+def _where_nul(raw: Any) -> str:
+    stack: list[tuple[Any, _Path]] = [(raw, None)]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, dict):
+            for name, item in value.items():
+                if NUL in name:
+                    return f"a key of {_format_path(path)}"
+                stack.append((item, (path, name)))
+        elif isinstance(value, list):
+            stack.extend((item, (path, index)) for index, item in enumerate(value))
+        elif isinstance(value, str) and NUL in value:
+            return _format_path(path)
+    return "$"
 
 
 # A JSON escape of a lone surrogate (`\ud800`): the only way stored text holds one, since
