@@ -28,7 +28,16 @@ from helpers import runtime
 from trio.testing import MockClock
 
 import trio_sessions
-from trio_sessions import AssistantWriter, DrainContext, Runtime, _sqlite, _store, testing
+from trio_sessions import (
+    AssistantWriter,
+    DrainContext,
+    Runtime,
+    _cli,
+    _sqlite,
+    _store,
+    _worker,
+    testing,
+)
 
 Call = Callable[[Runtime], Awaitable[Any]]
 Clock = Callable[[], float]
@@ -351,6 +360,41 @@ def test_lease_below_one_millisecond_is_rejected(tmp_path: Path) -> None:
                 pass
 
     trio.run(main)
+
+
+@pytest.mark.parametrize("lease", [0.001, 0.003, 0.49])
+async def test_a_lease_no_heartbeat_can_keep_is_refused_naming_it(
+    tmp_path: Path, lease: float
+) -> None:
+    """A lease shorter than `MIN_LEASE` (0.5 s) is refused before anything is created,
+    naming the value and why. Found by the audit (audU53): `lease=0.001` (also the worker's
+    `--lease 0.001`) opened, and every drain stopped at once as `lease_lost` - its default
+    heartbeat (lease/3, shorter than the 1 ms an explicit `heartbeat_interval` may be) could
+    not renew it before its local deadline at 90% of it."""
+    with pytest.raises(ValueError, match=rf"lease must be at least 0.5 seconds, got {lease}"):
+        async with trio_sessions.open_runtime(
+            testing.inline_store(tmp_path / "x.db"), idle_drain, lease=lease
+        ):
+            pytest.fail("the runtime must not open")
+    assert created_files(tmp_path) == []
+    flags = _cli.build_parser().parse_args(["worker", "m:drain", "--lease", str(lease)])
+    with pytest.raises(
+        _worker.UsageError, match=rf"lease must be at least 0.5 seconds, got {lease}"
+    ):
+        _worker.settings_from(flags, {"TRIO_SESSIONS_STORE": "env.db"})
+
+
+async def test_the_shortest_lease_drains(
+    tmp_path: Path, clock: Any, autojump_clock: MockClock
+) -> None:
+    """`lease=MIN_LEASE` opens and its drain runs to completion, renewed by heartbeats."""
+    from trio_sessions._validate import MIN_LEASE
+
+    async def slow(ctx: DrainContext) -> None:
+        await trio.sleep(10 * MIN_LEASE)
+
+    async with runtime(testing.inline_store(tmp_path / "x.db"), slow, clock, lease=MIN_LEASE) as rt:
+        assert await rt.run("s") == trio_sessions.Outcome("succeeded")
 
 
 def sync_drain(ctx: DrainContext) -> None:

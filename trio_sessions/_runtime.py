@@ -98,7 +98,7 @@ async def open_runtime(
         check_file_store(backend.path)
     if drain is not None:
         _validate.async_callable(drain, "drain", "a DrainContext, or None")
-    lease = _validate.seconds(lease, "lease")
+    lease = _validate.lease(lease)
     heartbeat = (
         lease / 3
         if heartbeat_interval is None

@@ -116,6 +116,26 @@ def seconds(value: object, what: str) -> float:
     return duration(value, what, minimum=0.001)
 
 
+# The shortest lease a heartbeat can keep: a drain stops at 90% of an unrenewed lease (`_lease.
+# SELF_FENCE_MARGIN`), and the renewal sent a third of the way in must land before that
+# through the event-loop stalls DESIGN allows (§6.26: up to 50 ms), while the last 10% must
+# still cover a drain's way to its next checkpoint - at least one such stall: 0.5 s. A
+# shorter lease (a typo's 0.001) was accepted and every drain stopped as lease_lost at once.
+MIN_LEASE = 0.5
+
+
+def lease(value: object) -> float:
+    """A lease in seconds, from `MIN_LEASE` to `MAX_SECONDS`."""
+    value = seconds(value, "lease")
+    if value < MIN_LEASE:
+        raise ValueError(
+            f"lease must be at least {MIN_LEASE:g} seconds, got {value!r}: a heartbeat could"
+            " not renew it before its drain stops (at 90% of it), so every drain would stop"
+            " as lease_lost"
+        )
+    return value
+
+
 def flag(value: object, what: str) -> bool:
     """A bool, and nothing that merely tests true (the string "no" would)."""
     if not isinstance(value, bool):

@@ -187,7 +187,7 @@ def settings_from(args: argparse.Namespace, environ: Mapping[str, str]) -> Worke
         max_active=None if max_active is None else _positive_int(max_active, "max-active"),
         owner=owner,
         log_level=log_level,
-        lease=None if args.lease is None else _seconds(args.lease, "lease"),
+        lease=None if args.lease is None else _seconds(args.lease, "lease", _validate.lease),
         recovery_interval=None
         if args.recovery_interval is None
         else _seconds(args.recovery_interval, "recovery-interval"),
@@ -210,14 +210,14 @@ def _positive_int(text: str, what: str) -> int:
         raise UsageError(str(exc)) from None
 
 
-def _seconds(text: str, what: str) -> float:
-    """A duration as `open_runtime` takes it (`_validate.seconds`)."""
+def _seconds(text: str, what: str, check: Callable[[float], float] | None = None) -> float:
+    """A duration as `open_runtime` takes it (`_validate.seconds`, or `check`: a lease's)."""
     try:
         value = float(text)
     except ValueError:
         raise UsageError(f"{what} must be a number of seconds, got {text!r}") from None
     try:
-        return _validate.seconds(value, what)
+        return _validate.seconds(value, what) if check is None else check(value)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 
