@@ -599,3 +599,33 @@ async def test_a_hand_back_logs_only_the_claims_it_handed_back(
         await drain.close_during(store, clock, delete_while_closing)
     [handed] = records(logs, events.HANDED_BACK)
     assert (handed.getMessage(), handed.claims) == ("claims handed back: 0", 0)
+
+
+async def test_a_session_deleted_by_another_runtime_is_no_lost_claim_where_it_drained(
+    tmp_path: Path, clock: Clock, logs: pytest.LogCaptureFixture
+) -> None:
+    """A user's erasure (`delete_session`) from another runtime - a web process - of a
+    session whose drain runs in a worker removes the claim on purpose: the worker logs it at
+    INFO (`claim ended: session deleted`, with its ids), not as `claim lost` and not in
+    `claims_lost`, which tell an operator that a lease ran out or another owner took over
+    (as a delete from the draining runtime itself logs nothing). Found by the audit
+    (audU53): every chat deleted while it was answered logged a `claim lost` WARNING with
+    cause `gone` on its worker. On the threaded store in real time (the delete reaches the
+    worker through the file's change signal)."""
+    drain = Recorder()
+    drain.hold()
+    database = tmp_path / "sessions.db"
+    async with (
+        runtime(Store(database), drain, clock) as worker,
+        runtime(Store(database), None, clock) as web,
+    ):
+        await web.submit("s", {"text": "hi"})
+        await drain.entered.wait()
+        assert await web.delete_session("s")
+        with trio.fail_after(1):  # well within the heartbeat's 10 s
+            await worker.wait_idle("s")
+    assert records(logs, events.CLAIM_LOST) == []
+    [record] = records(logs, events.SESSION_DELETED)
+    assert record.levelno == logging.INFO
+    assert (record.session_id, record.owner_id) == ("s", worker.owner_id)
+    assert record.execution_id == drain.calls[0].execution_id

@@ -171,6 +171,7 @@ class BackgroundLoops:
             # them again until their busy periods end.)
             runtime._kick.set()
         cancelling, gone = set(changes.cancelling), set(changes.gone) & owned
+        lost: list[_observe.ClaimSeen] = []
         for entry in list(runtime._entries.values()):
             if entry.execution_id in cancelling and entry.interrupt("user"):
                 runtime._remote_signals += 1
@@ -181,7 +182,7 @@ class BackgroundLoops:
                 # Not for a loss already known - the heartbeat or the token's watch said
                 # so, and a passed deadline is the finalizer's to log - nor a hand-back.
                 if entry.reason not in ("shutdown", "lease_lost"):
-                    _observe.claim_lost(entry, runtime._owner_id, cause="gone")
+                    lost.append(_observe.ClaimSeen.of(entry))
                 if not entry.deleting:  # our own delete is no signal from elsewhere
                     runtime._remote_signals += 1
                 entry.lose_claim()
@@ -192,6 +193,26 @@ class BackgroundLoops:
             # pass takes them over now - the grace a dead owner's claims wait out guards
             # against a drain that may still run, which a hand-back never leaves.
             runtime._recover_now.set()
+        if lost:
+            await self._report_gone(lost)
+
+    async def _report_gone(self, lost: list[_observe.ClaimSeen]) -> None:
+        """Log the claims the change look found gone (their drains already stopped): with
+        their session, deleted on purpose (`delete_session` elsewhere: a user's erasure, no
+        lost claim an operator is alerted to); else lost - taken over. A failed look for
+        the sessions logs them lost, as before it was made."""
+        runtime = self._runtime
+        try:
+            present = await runtime._db.read(
+                _store.sessions_present, [entry.session_id for entry in lost]
+            )
+        except StoreError:
+            present = {entry.session_id for entry in lost}
+        for entry in lost:
+            if entry.session_id in present:
+                _observe.claim_lost(entry, runtime._owner_id, cause="gone")
+            else:
+                _observe.session_deleted(entry, runtime._owner_id)
 
     # -- recovery -----------------------------------------------------------------------------
 

@@ -54,6 +54,7 @@ logger.addHandler(logging.NullHandler())
 DRAIN_FAILED = "drain failed: session %s, execution %s"
 CLAIM_ATTEMPT_FAILED = "claim attempt failed: session %s"
 CLAIM_LOST = "claim lost: session %s, execution %s"
+SESSION_DELETED = "claim ended, session deleted: session %s, execution %s"
 SELF_FENCED = "self-fenced: session %s, execution %s"
 HEARTBEAT_FAILED = "heartbeat failed: %d claims not renewed"
 TAKEOVER = "takeover: session %s, execution %s replaces %s"
@@ -127,14 +128,33 @@ def claim_attempt_failed(entry: SessionEntry, owner_id: str, error: BaseExceptio
     )
 
 
-def claim_lost(entry: SessionEntry, owner_id: str, *, cause: str) -> None:
+@attrs.frozen
+class ClaimSeen:
+    """A claim as a log line names it, taken when its event happened: a line written after
+    an await names that claim, not the successor its entry may have moved on to."""
+
+    session_id: str
+    execution_id: str
+    attempt: int
+    resumed: bool
+    deleting: bool
+
+    @classmethod
+    def of(cls, entry: SessionEntry) -> ClaimSeen:
+        return cls(
+            entry.session_id, entry.execution_id, entry.attempt, entry.resumed, entry.deleting
+        )
+
+
+def claim_lost(entry: SessionEntry | ClaimSeen, owner_id: str, *, cause: str) -> None:
     """WARNING: the store no longer holds this claim for us (expired, or taken over); its
     drain is stopped and nothing more is written for it. extra: session_id, execution_id,
     owner_id, attempt, resumed, cause (`heartbeat`: a renewal matched nothing; `write`: a
-    fenced write did; `gone`: the store's changes show its row gone - taken over, or its
-    session deleted by another process; `store`: the store did not say whether the
-    iteration's end landed, so the claim is left to recovery). Nothing for a claim this
-    runtime's own `delete_session` removes (`entry.deleting`): gone on purpose."""
+    fenced write did; `gone`: the store's changes show its row gone - taken over (gone
+    with its session, deleted by another process, is `session_deleted`); `store`: the
+    store did not say whether the iteration's end landed, so the claim is left to
+    recovery). Nothing for a claim this runtime's own `delete_session` removes
+    (`entry.deleting`): gone on purpose."""
     if entry.deleting:
         return
     logger.warning(
@@ -144,6 +164,19 @@ def claim_lost(entry: SessionEntry, owner_id: str, *, cause: str) -> None:
         extra={**_claim(entry, owner_id), "cause": cause},
     )
     _telemetry.count(CLAIMS_LOST, {"cause": cause})
+
+
+def session_deleted(entry: ClaimSeen, owner_id: str) -> None:
+    """INFO: the store's changes show this claim gone with its session - deleted by another
+    process (`delete_session`, a user's erasure): its drain is stopped and nothing more is
+    written for it. Removed on purpose, so no `claim lost` and no `claims_lost` count, which
+    tell an operator that a lease ran out or another owner took over. extra: session_id,
+    execution_id, owner_id, attempt, resumed."""
+    if entry.deleting:
+        return
+    logger.info(
+        SESSION_DELETED, entry.session_id, entry.execution_id, extra=_claim(entry, owner_id)
+    )
 
 
 def self_fenced(entry: SessionEntry, owner_id: str) -> None:
@@ -164,7 +197,7 @@ def heartbeat_failed(owner_id: str, claims: int, error: BaseException) -> None:
     )
 
 
-def _claim(entry: SessionEntry, owner_id: str) -> dict[str, Any]:
+def _claim(entry: SessionEntry | ClaimSeen, owner_id: str) -> dict[str, Any]:
     return {
         "session_id": entry.session_id,
         "execution_id": entry.execution_id,

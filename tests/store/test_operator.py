@@ -55,3 +55,15 @@ def test_the_console_pages_list_an_empty_id_first_and_go_on_after_it(db: Db) -> 
     assert [q["execution_id"] for q in quarantined["quarantined"]] == [""]
     rest = db.engine.read(_store.quarantine_page, quarantined["last"], 1)
     assert [q["execution_id"] for q in rest["quarantined"]] == ["e"] and not rest["more"]
+
+
+def test_sessions_present_names_the_sessions_that_still_have_a_row(db: Db) -> None:
+    """`sessions_present` tells a claim deleted with its session (no row left) from one
+    taken over (its session still there), on both backends: the change look logs only
+    the second as a lost claim."""
+    db.write("INSERT INTO session(id, time_created) VALUES ('kept', 0), ('it''s', 0)")
+    assert db.engine.read(_store.sessions_present, ["kept", "deleted", "it's"]) == {
+        "kept",
+        "it's",
+    }
+    assert db.engine.read(_store.sessions_present, []) == set()

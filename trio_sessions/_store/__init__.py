@@ -74,6 +74,7 @@ from .changes import (
     Watched,
     changes,
     newest_message,
+    sessions_present,
     watched_changes,
     watched_messages,
 )
@@ -226,6 +227,7 @@ __all__ = [
     "session_count",
     "session_page",
     "session_status",
+    "sessions_present",
     "shown_messages",
     "status",
     "store_counts",

@@ -314,6 +314,19 @@ def _extended(tx: Tx, grown: Sequence[tuple[Snapshot, int, bool]]) -> list[Snaps
     return snapshots
 
 
+def sessions_present(tx: Tx, session_ids: Sequence[str]) -> set[str]:
+    """Which of `session_ids` still have a session row. A claim of ours `changes` found gone
+    whose session is gone too was deleted with it (`delete_session` elsewhere, a user's
+    erasure), not taken over: the runtime then reports no lost claim. Looked up only for
+    claims found gone - rare - by key."""
+    present: set[str] = set()
+    for start in range(0, len(session_ids), _IN_CHUNK):
+        chunk = session_ids[start : start + _IN_CHUNK]
+        rows = tx.execute(f"SELECT id FROM session WHERE id IN {_in_list(chunk)}", tuple(chunk))
+        present.update(str(row[0]) for row in rows.fetchall())
+    return present
+
+
 @reads_stored_bytes
 def newest_message(tx: Tx, session_id: str) -> tuple[int, str | None]:
     """The session's newest message as (seq, id); (0, None) when it has none."""
