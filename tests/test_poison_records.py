@@ -518,3 +518,46 @@ async def test_a_user_message_or_input_holding_a_nul_is_malformed_on_both_backen
     assert taken == [{"text": "fine"}]
     [(reason,)] = raw.rows("SELECT reason FROM session_input_rejected WHERE id = 'bad'")
     assert "NUL character" in reason
+
+
+@pytest.mark.parametrize("drain_does", ["raise", "return"])
+async def test_a_drain_failing_on_its_own_corrupted_message_leaves_its_claim_to_be_quarantined(
+    store: Any, db_path: Any, clock: Any, autojump_clock: MockClock, drain_does: str
+) -> None:
+    """DESIGN §1 and §4 (records that cannot be decoded are quarantined): another tool
+    corrupts the assistant message a drain is writing, and the drain's next write raises
+    `MalformedRecord` - which the drain lets fail it, or catches and returns. Its finish
+    cannot close that message (DESIGN §5: a drain's open messages are finished when it
+    ends), so it must not delete the claim either: the busy period fails with that
+    `MalformedRecord`, the claim's lease runs out and recovery quarantines it, with the
+    reason, where the operator sees it (`quarantine list`, the console). Found by the audit
+    (audU53): the finish skipped the message and deleted the claim - nothing was
+    quarantined, nothing listed it, and `transcript()` raised `MalformedRecord` until
+    someone truncated the session by hand."""
+    raw = Raw(db_path)
+    errors: list[BaseException] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        await ctx.take_inputs()
+        writer = await ctx.begin_assistant()
+        await writer.append_text("hi")
+        raw.write("UPDATE session_message SET data = '{\"parts\": 1}' WHERE role = 'assistant'")
+        try:
+            await writer.start_tool("c1", "search", {})
+        except MalformedRecord as exc:
+            errors.append(exc)
+            if drain_does == "raise":
+                raise
+
+    async with runtime(store, drain, clock, lease=9.0, **QUIET) as rt:
+        await rt.submit("s", {"text": "hello"})
+        outcome = await rt.run("s")
+        assert outcome.kind == "failed"
+        assert isinstance(outcome.error, MalformedRecord)
+        assert len(errors) == 1
+        await trio.sleep(10)  # past the lease: the claim is recovery's now
+        report = await rt.recover_once()
+    assert (report.quarantined, report.resumed) == (1, 0), report
+    [(execution_id, why)] = raw.rows("SELECT execution_id, recovery_error FROM session_recovery")
+    assert "parts" in why
+    assert raw.rows("SELECT id FROM session_execution") == [(execution_id,)]

@@ -170,7 +170,9 @@ def end_iteration(tx: Tx, session_id: str, execution_id: str, owner_id: str) -> 
     """After a drain returned: take a set doorbell and continue, or delete the claim.
 
     Either way, a message the drain left open is finished and its running tools failed
-    (`interrupted`): nothing stays `running` forever. Serialised with `wake` by the write
+    (`interrupted`): nothing stays `running` forever. One that does not decode (another
+    tool's write) cannot be: `MalformedRecord`, nothing written, the claim left for
+    recovery to quarantine. Serialised with `wake` by the write
     lock: a wake either committed before this, and is taken here, or finds no claim
     afterwards and leads to a fresh acquisition. A paused session's busy period ends here
     with its doorbell left set (for `resume`); a claim marked cancelling never continues:
@@ -185,7 +187,7 @@ def end_iteration(tx: Tx, session_id: str, execution_id: str, owner_id: str) -> 
         if result is not FALLBACK:
             return IterationVerdict(result)
     claimed = _require_claim_session(tx, session_id, execution_id, owner_id)
-    _close_open_messages(tx, execution_id, INTERRUPTED)
+    _close_open_messages(tx, execution_id, INTERRUPTED, malformed_keeps_claim=True)
     cancelling = claimed.phase == "cancelling"
     verdict = _decisions.iteration_verdict(
         doorbell_set=claimed.doorbell,
@@ -229,6 +231,8 @@ def _delete_claim(tx: Tx, execution_id: str, owner_id: str) -> None:
 
 def finish_failed(tx: Tx, session_id: str, execution_id: str, owner_id: str, error: str) -> bool:
     """A drain raised: close its open message as failed, delete the claim, reset attempts.
+    `MalformedRecord` (nothing written) when an open message does not decode - another
+    tool's write: the claim stays for recovery to quarantine.
 
     Untaken inputs do not re-arm the doorbell (that would loop on a drain that always
     fails); a doorbell already set stays set. Returns whether it is set (one follow-up).
@@ -238,7 +242,7 @@ def finish_failed(tx: Tx, session_id: str, execution_id: str, owner_id: str, err
         if verdict is not None:
             return verdict == "released-set"
     _require_claim(tx, session_id, execution_id, owner_id)
-    _close_open_messages(tx, execution_id, error)
+    _close_open_messages(tx, execution_id, error, malformed_keeps_claim=True)
     _delete_claim(tx, execution_id, owner_id)
     _reset_attempts(tx, session_id)
     return _doorbell_set(tx, session_id)

@@ -439,12 +439,17 @@ def _next_version(message_id: str, version: Any) -> int:
     return version
 
 
-def _close_open_messages(tx: Tx, execution_id: str, reason: str) -> None:
+def _close_open_messages(
+    tx: Tx, execution_id: str, reason: str, *, malformed_keeps_claim: bool = False
+) -> None:
     """Finish every open assistant message of an execution as interrupted/failed.
 
     Only rows not marked finished are read (a partial index: a drain's finish does not grow
     with its transcript). A row that does not decode is left as it is: recovery quarantines
-    such rows, and rewriting it would destroy what an operator needs to see.
+    such rows, and rewriting it would destroy what an operator needs to see. So
+    `malformed_keeps_claim` (an owner's finish that would delete its running claim next)
+    raises its `MalformedRecord` instead, rolling the finish back: the claim stays for
+    recovery to quarantine - deleted, nothing would ever list the message.
     """
     rows = tx.execute(
         "SELECT id, data, session_id FROM session_message"
@@ -457,6 +462,8 @@ def _close_open_messages(tx: Tx, execution_id: str, reason: str) -> None:
         try:
             data = _assistant_data(tx, message_id, text)
         except MalformedRecord:
+            if malformed_keeps_claim:
+                raise
             continue
         if not data.finished:  # a finished row written by hand stays exactly as it is
             _write_assistant(tx, message_id, execution_id, _transcript.interrupt(data, reason))
