@@ -15,6 +15,7 @@ from helpers import Raw, Recorder, runtime
 from trio.testing import MockClock
 
 from trio_sessions import DrainContext, MalformedRecord, Store, StoreError, _store
+from trio_sessions._model import TextPart
 
 QUIET = {"recovery_interval": 10_000.0}  # passes only when the test asks for one
 
@@ -561,3 +562,39 @@ async def test_a_drain_failing_on_its_own_corrupted_message_leaves_its_claim_to_
     [(execution_id, why)] = raw.rows("SELECT execution_id, recovery_error FROM session_recovery")
     assert "parts" in why
     assert raw.rows("SELECT id FROM session_execution") == [(execution_id,)]
+
+
+@pytest.mark.parametrize("version", ["abc", 2.5], ids=["text", "real"])
+async def test_an_append_after_a_streamed_text_whose_version_is_no_number_is_malformed(
+    tmp_path: Path, clock: Any, autojump_clock: MockClock, version: Any
+) -> None:
+    """DESIGN §5 (every write raises `LeaseLost`, or `MalformedRecord` for a row another
+    tool broke - never a driver's error) on SQLite, whose INTEGER column keeps what
+    another tool writes: a text streamed onto the open message has its `version` set to
+    text or a REAL. Found by the audit (audU53): the next `append_text` failed with
+    `StoreError` "IntegrityError: UNIQUE constraint failed" (text sorts above every number,
+    and 'abc' + 1 is 1, a version taken), or stored its text at version 3.5, sorted last.
+    Expected: `MalformedRecord` naming the message and the version, nothing written."""
+    db_path, raw = _sqlite(tmp_path)
+    raised: list[BaseException] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        writer = await ctx.begin_assistant()
+        await writer.append_text("a")
+        await writer.append_text("b")
+        raw.write("UPDATE session_message_delta SET version = ? WHERE text = 'b'", (version,))
+        try:
+            await writer.append_text("c")
+        except Exception as exc:
+            raised.append(exc)
+            raise
+
+    async with runtime(Store(db_path, inline=True), drain, clock, **QUIET) as rt:
+        outcome = await rt.run("s")
+        [message] = await rt.transcript("s")
+    [error] = raised
+    assert isinstance(error, MalformedRecord), error
+    assert error.table == "session_message_delta"
+    assert f"version {version!r}" in str(error)
+    assert outcome.kind == "failed"
+    assert message.data.parts == (TextPart("ab"),)  # the failed finish folded a and b in

@@ -88,6 +88,27 @@ def _pg_appended(args: tuple[Any, ...], row: tuple[Any, ...]) -> Any:
     return FALLBACK
 
 
+# An open message's newest version on SQLite: its newest streamed text's, else its stream
+# row's (`s`).
+_TOP_DELTA = (
+    "COALESCE((SELECT MAX(d.version) FROM session_message_delta d"
+    " WHERE d.message_id = s.message_id), s.version)"
+)
+
+
+def _check_top_delta(tx: Tx, message_id: str, execution_id: str) -> None:
+    """`MalformedRecord` when the append found the message streaming but its newest version
+    no whole number (another tool's write); nothing when it is not streaming."""
+    row = tx.one(
+        f"SELECT {_TOP_DELTA} FROM session_message_stream s"
+        " WHERE s.message_id = ? AND s.execution_id = ?",
+        (message_id, execution_id),
+    )
+    if row is not None and type(row[0]) is not int:
+        reasons = [f"version {row[0]!r:.60} is no whole number: no next version follows it"]
+        raise MalformedRecord("session_message_delta", message_id, reasons)
+
+
 @autocommit_when_alone
 @pg_batched("ts_append_texts", _pg_appended)
 def append_assistant_text(
@@ -122,16 +143,19 @@ def append_assistant_text(
     _require_claim(tx, session_id, execution_id, owner_id)
     # Serialised with every other write to this message by the session lock, so the
     # newest version read here is still the newest when the row lands.
+    # Only after a whole-number version: SQLite keeps whatever another tool writes in an
+    # INTEGER column, and text + 1 (or a REAL + 1) names no next version.
     row = tx.one(
         "INSERT INTO session_message_delta(message_id, version, text)"
-        " SELECT s.message_id, COALESCE((SELECT MAX(d.version) FROM session_message_delta d"
-        "   WHERE d.message_id = s.message_id), s.version) + 1, :text"
+        f" SELECT s.message_id, {_TOP_DELTA} + 1, :text"
         " FROM session_message_stream s"
         " WHERE s.message_id = :message AND s.execution_id = :execution"
+        f" AND typeof({_TOP_DELTA}) = 'integer'"
         " RETURNING version",
         {"message": message_id, "execution": execution_id, "text": text},
     )
     if row is None:
+        _check_top_delta(tx, message_id, execution_id)
         data, version, *_ = update_assistant(  # text: never one step, the message goes whole
             tx,
             session_id,
