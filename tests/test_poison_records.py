@@ -6,6 +6,7 @@ defect it shows."""
 from __future__ import annotations
 
 import json
+import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -598,3 +599,39 @@ async def test_an_append_after_a_streamed_text_whose_version_is_no_number_is_mal
     assert f"version {version!r}" in str(error)
     assert outcome.kind == "failed"
     assert message.data.parts == (TextPart("ab"),)  # the failed finish folded a and b in
+
+
+@pytest.mark.parametrize("written", [False, True], ids=["nothing-written", "message-written"])
+async def test_a_crashed_claim_whose_phase_is_unknown_is_quarantined_not_resumed(
+    tmp_path: Path, clock: Any, autojump_clock: MockClock, written: bool
+) -> None:
+    """DESIGN §4 (recovery never resumes an expired cancellation claim; a row it cannot
+    process is quarantined) on SQLite, where another tool can write past the phase's
+    CHECK (`PRAGMA ignore_check_constraints`): a crashed claim whose `phase` is neither
+    'running' nor 'cancelling' - a cancellation or not cannot be told. Found by the audit
+    (audU53): recovery resumed it as running, with or without a message of its own.
+    Expected: quarantined with a readable reason; the valid claim beside it resumes."""
+    db_path, raw = _sqlite(tmp_path)
+    resumed: list[str] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        resumed.append(ctx.session_id)
+
+    async with runtime(Store(db_path, inline=True), drain, clock, **QUIET) as rt:
+        raw.seed_claim("poison", "e-poison", expires_at=1)
+        if written:
+            raw.seed_assistant(
+                "poison", "e-poison", 1, '{"parts": [], "finished": false, "error": null}'
+            )
+        conn = sqlite3.connect(db_path)
+        conn.execute("PRAGMA ignore_check_constraints = ON")
+        conn.execute("UPDATE session_execution SET phase = 'stopping'")
+        conn.commit()
+        conn.close()
+        raw.seed_claim("valid", "e-valid", expires_at=1)
+        report = await rt.recover_once()
+        await rt.wait_idle("valid")
+    assert (report.quarantined, report.resumed) == (1, 1), report
+    assert resumed == ["valid"]
+    [(why,)] = raw.rows("SELECT recovery_error FROM session_recovery")
+    assert "phase is 'stopping', not 'running' or 'cancelling'" in why, why

@@ -107,8 +107,8 @@ def _apply_one(
 
 # SQLite's takeover of a claim that resumes with nothing to close, run once per claim
 # (`_take_over_plain`). Its WHERE is `decide_recovery` reaching RESUME, the recovery fence
-# first (`RECOVERY_FENCE`, an owner found gone in `:gone`), then: of the session named, not
-# cancelling, no assistant message of the claim's own (nothing to close or decode), not
+# first (`RECOVERY_FENCE`, an owner found gone in `:gone`), then: of the session named,
+# running, no assistant message of the claim's own (nothing to close or decode), not
 # superseded, not paused, the resume budget left (or handed back), our live recovery lease.
 # It leaves `handed_back` for `_count_plain_resumes` to read, which clears it.
 _TAKE_OVER_PLAIN = (
@@ -121,7 +121,8 @@ _TAKE_OVER_PLAIN = (
     " AND typeof(expires_at) = 'integer'"
     # So is an anchor (superseded or not cannot be told).
     " AND typeof(anchor_seq) IN ('integer', 'null')"
-    " AND session_id = :session AND phase != 'cancelling'"
+    # A phase past the CHECK (`PRAGMA ignore_check_constraints`): the row path too.
+    " AND session_id = :session AND phase = 'running'"
     " AND NOT EXISTS (SELECT 1 FROM session_message m WHERE m.execution_id = :execution"
     "   AND m.role = 'assistant')"
     " AND NOT "
