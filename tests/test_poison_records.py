@@ -635,3 +635,48 @@ async def test_a_crashed_claim_whose_phase_is_unknown_is_quarantined_not_resumed
     assert resumed == ["valid"]
     [(why,)] = raw.rows("SELECT recovery_error FROM session_recovery")
     assert "phase is 'stopping', not 'running' or 'cancelling'" in why, why
+
+
+OPEN_TOOL = (
+    '{"parts": [{"type": "tool", "call_id": "c", "name": "n", "input": {}, "status":'
+    ' "running", "output": null, "error": null}], "finished": false, "error": null}'
+)
+
+
+@pytest.mark.parametrize("resume", [False, True], ids=["dropped", "resumed"])
+@pytest.mark.parametrize("finished", ["x", 2, 1], ids=["text", "two", "one-but-open"])
+async def test_a_crashed_claims_message_whose_finished_mark_is_broken_is_quarantined(
+    tmp_path: Path, clock: Any, autojump_clock: MockClock, finished: Any, resume: bool
+) -> None:
+    """DESIGN §5 (when a drain ends its open messages are finished and their running tools
+    failed: nothing stays `running` forever) and §4 (a row recovery cannot process is
+    quarantined), on SQLite: a crashed claim's open message whose `finished` mark (the
+    column every finish reads its open messages by) another tool set to text, to 2, or
+    to 1 while its data is open. Found by the audit (audU53): recovery resumed the claim
+    and its takeover, looking for `finished = 0`, never closed the message - its tool
+    stayed `running` for ever in `transcript()`. Expected: quarantined, with a readable
+    reason naming the mark; the valid claim beside it resumes; and once the operator
+    releases the quarantine (drop or resume), the message is closed, its tool failed."""
+    db_path, raw = _sqlite(tmp_path)
+    resumed: list[str] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        resumed.append(ctx.session_id)
+
+    async with runtime(Store(db_path, inline=True), drain, clock, **QUIET) as rt:
+        raw.seed_claim("poison", "e-poison", expires_at=1)
+        raw.seed_assistant("poison", "e-poison", 1, OPEN_TOOL)
+        raw.write("UPDATE session_message SET finished = ?", (finished,))
+        raw.seed_claim("valid", "e-valid", expires_at=1)
+        report = await rt.recover_once()
+        await rt.wait_idle("valid")
+        [(why,)] = raw.rows("SELECT recovery_error FROM session_recovery")
+        await rt.release_quarantine("e-poison", resume=resume)
+        await rt.wait_idle("poison")
+        [message] = await rt.transcript("poison")
+    assert (report.quarantined, report.resumed) == (1, 1), report
+    assert resumed == ["valid", "poison"] if resume else ["valid"]
+    assert f"finished is {finished!r}" in why, why
+    [tool] = message.data.parts
+    assert (message.data.finished, tool.status) == (True, "error")
+    assert raw.rows("SELECT finished FROM session_message") == [(1,)]

@@ -151,10 +151,12 @@ def lift_quarantine(tx: Tx, execution_id: str, owner_id: str, lease_ms: int) -> 
 def _unmark_finished(tx: Tx, execution_id: str) -> None:
     """The operator may have repaired the execution's messages by hand (the documented way
     out of a quarantine), and `finished` does not follow a hand-written `data`: count them
-    as maybe open again, so closing the execution reads what they say now."""
+    as maybe open again, so closing the execution reads what they say now - also a mark
+    another tool broke (text, 2: what recovery quarantined it for), which every finish,
+    looking for `finished = 0`, would pass over."""
     tx.execute(
         "UPDATE session_message SET finished = 0"
-        " WHERE execution_id = ? AND role = 'assistant' AND finished = 1",
+        " WHERE execution_id = ? AND role = 'assistant' AND finished <> 0",
         (execution_id,),
     )
 

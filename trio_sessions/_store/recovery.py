@@ -115,22 +115,30 @@ def newest_assistant_malformed(tx: Tx, execution_id: str) -> MalformedRecord | N
     there is none): what recovery quarantines the execution for, as that message's
     `MalformedRecord` (its table, its key, its reasons)."""
     newest = tx.one(
-        "SELECT id, data FROM session_message WHERE execution_id = ? AND role = 'assistant'"
-        " ORDER BY seq DESC LIMIT 1",
+        "SELECT id, data, finished FROM session_message"
+        " WHERE execution_id = ? AND role = 'assistant' ORDER BY seq DESC LIMIT 1",
         (execution_id,),
     )
     if newest is None:
         return None
-    message_id, text = newest
+    message_id, text, finished = newest
     if message_id is None:
         # SQLite's rowid table takes the NULL id another tool writes: no write can name
         # the message, so a takeover could not close it.
         return MalformedRecord("session_message", "NULL", ["id is NULL"])
     try:
-        _assistant_data(tx, message_id, text)
+        data = _assistant_data(tx, message_id, text)
     except MalformedRecord as exc:
         return exc
-    return None
+    # Every finish looks for open messages by this mark (`finished = 0`): one another tool
+    # broke would leave the message open, its tools `running` for ever, under a takeover.
+    if type(finished) is not int or finished not in (0, 1):
+        reason = f"finished is {finished!r:.60}, not 0 or 1"
+    elif finished == 1 and not data.finished:
+        reason = "finished is 1 while its data is open: no finish would close it"
+    else:
+        return None
+    return MalformedRecord("session_message", str(message_id), [reason])
 
 
 @attrs.frozen
