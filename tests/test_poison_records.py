@@ -680,3 +680,20 @@ async def test_a_crashed_claims_message_whose_finished_mark_is_broken_is_quarant
     [tool] = message.data.parts
     assert (message.data.finished, tool.status) == (True, "error")
     assert raw.rows("SELECT finished FROM session_message") == [(1,)]
+
+
+@pytest.mark.parametrize("column", ["id", "input_id", "execution_id"])
+async def test_a_message_whose_id_holds_a_nul_is_malformed(
+    tmp_path: Path, clock: Any, autojump_clock: MockClock, column: str
+) -> None:
+    """§8: no writer stores a NUL character (PostgreSQL cannot), so a reader refuses one in
+    a message's ids as in its data. On SQLite, which keeps the one another tool writes.
+    Found by the audit (audU53): `transcript()` returned the message with the NUL in its
+    id, where the same row on PostgreSQL cannot exist (§6.20)."""
+    db_path, raw = _sqlite(tmp_path)
+    async with runtime(Store(db_path, inline=True), Recorder(), clock, **QUIET) as rt:
+        raw.seed_user_message("s", "fine", 1)
+        raw.write(f"UPDATE session_message SET {column} = 'a' || char(0) || 'b'")
+        with pytest.raises(MalformedRecord, match="holds a NUL character") as raised:
+            await rt.transcript("s")
+    assert f"{column} 'a\\x00b'" in str(raised.value)

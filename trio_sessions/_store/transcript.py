@@ -567,6 +567,9 @@ def _shape_reasons(row: Sequence[Any]) -> list[str]:
     ):
         if value is not None and type(value) is not str:
             reasons.append(f"{column} {value!r} is not UTF-8 text")
+        elif value is not None and _codec.NUL in value:
+            # SQLite keeps one another tool writes; no writer does (§8).
+            reasons.append(f"{column} {value!r} holds a NUL character, which no writer stores")
     return reasons
 
 
