@@ -33,6 +33,7 @@ from trio_sessions import (
     DrainContext,
     Runtime,
     _cli,
+    _metrics,
     _sqlite,
     _store,
     _worker,
@@ -906,3 +907,17 @@ def test_a_max_active_past_64_bits_is_a_usage_error(
     assert "max-active" in done.stderr
     assert "Traceback" not in done.stderr
     assert created_files(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    "bind", ["host:\u00b2", "host:\u0668\u0660", "host:" + "9" * 5000, "host:", ":80", "h:65536"]
+)
+def test_a_metrics_bind_that_names_no_port_is_refused_naming_it(bind: str) -> None:
+    """`--metrics-bind HOST:PORT` takes an ASCII port of 0-65535; anything else is a
+    `ValueError` naming the value. Found by the audit (audU53): a superscript digit (which
+    `str.isdigit` counts) or a port of 5,000 digits escaped as int()'s own error
+    ("invalid literal for int()", "Exceeds the limit"), and Arabic-Indic digits bound
+    port 80."""
+    with pytest.raises(ValueError, match="expected HOST:PORT, got"):
+        _metrics.parse_bind(bind)
+    assert _metrics.parse_bind("[::1]:9464") == ("::1", 9464)

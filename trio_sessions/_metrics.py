@@ -109,7 +109,9 @@ def render(statistics: Callable[[], RuntimeStatistics], *, owner_id: str) -> byt
 def parse_bind(bind: str) -> tuple[str, int]:
     """`HOST:PORT` (`[::1]:PORT` for IPv6) -> (host, port); `ValueError` naming the value."""
     host, sep, port = bind.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+    # ASCII digits, at most 5: `isdigit` also counts a superscript, which `int` refuses.
+    digits = port.isascii() and port.isdigit() and len(port) <= 5
+    if not sep or not host or not digits or not 0 <= int(port) <= 65535:
         raise ValueError(f"expected HOST:PORT, got {bind!r}")
     return host.strip("[]"), int(port)
 
