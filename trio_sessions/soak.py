@@ -152,6 +152,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         value = getattr(args, name)
         if value is not None and not 0 < value < math.inf:
             parser.error(f"--{name.replace('_', '-')}: a positive number, not {value}")
+    if args.lease is not None and 0 < args.lease < math.inf:
+        from ._validate import lease
+
+        try:
+            lease(args.lease)  # as the workers' `open_runtime` checks it
+        except ValueError as exc:
+            parser.error(f"--lease: {exc}")
     for name in ("duration", "work_max", "interrupt_rate", "kill_gap", "conn_kill_gap"):
         setting = getattr(args, name)
         for value in setting if isinstance(setting, (tuple, list)) else (setting,):
