@@ -85,6 +85,8 @@ KEEP_ALIVE = float(os.environ.get("CHAT_KEEP_ALIVE", "15"))
 CHAT_PAGE = (Path(__file__).resolve().parent / "chat_page.html").read_bytes()
 MAX_BODY = 64 * 1024
 MALFORMED = "the conversation holds a record that cannot be read: see the service's log"
+STORE_DOWN = "the store did not answer: try again shortly"
+RETRY_AFTER = b"5"  # seconds
 
 # ---------------------------------------------------------------------------------------------
 # The drain (run by the workers)
@@ -200,6 +202,11 @@ class ChatApp:
             # whose tools repair it, and said - not a bare 500 and a traceback.
             logger.error("malformed record: %s", exc)
             await _respond(send, 500, {"error": MALFORMED})
+        except trio_sessions.StoreError as exc:
+            # The store did not answer: the service is down for now, not the request wrong -
+            # a client may retry it. The reason is the operator's (it may name the server).
+            logger.warning("store error on %s %s: %s", scope["method"], scope["path"], exc)
+            await _respond(send, 503, {"error": STORE_DOWN}, extra=((b"retry-after", RETRY_AFTER),))
 
     async def route(self, scope: Scope, receive: Receive, send: Send) -> None:
         method, path = scope["method"], scope["path"]
@@ -351,6 +358,11 @@ class ChatApp:
                     logger.error("malformed record in %r's event stream: %s", session_id, exc)
                     await writes.write(f": malformed record: {MALFORMED}\n\n")
                     await trio.sleep_forever()
+                except trio_sessions.StoreError as exc:
+                    # The store did not answer: the stream ends, and says when to reconnect
+                    # (an EventSource does, from its last event's id) - one log line.
+                    logger.warning("store error in %r's event stream: %s", session_id, exc)
+                    await writes.write(f"retry: {int(RETRY_AFTER) * 1000}\n\n")
                 nursery.cancel_scope.cancel()  # the runtime closed: end the stream
         if not disconnected.is_set():
             await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -467,9 +479,15 @@ async def _respond_page(send: Send, body: bytes) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-async def _respond(send: Send, status: int, value: Any) -> None:
+async def _respond(
+    send: Send, status: int, value: Any, *, extra: tuple[tuple[bytes, bytes], ...] = ()
+) -> None:
     body = json.dumps(value).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        *extra,
+    ]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 

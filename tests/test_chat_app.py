@@ -4,8 +4,10 @@ send, without starting the service's processes (`test_chat_service` does that)."
 
 from __future__ import annotations
 
+import contextlib
 import json
 import urllib.parse
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -406,3 +408,86 @@ async def test_a_resumed_answer_goes_on_from_the_words_already_streamed(
         other = _Resumed([_message(1, "user", {"text": "one two"}), _message(2, "assistant", cut)])
         await chat.drain(other)
         assert other.writes == (["You", " said:", " one", " two"] if cut.error else []), cut
+
+
+async def test_a_store_that_does_not_answer_is_a_json_503_with_retry_after(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The store unreachable (a StoreError: PostgreSQL down, a lock that never cleared) is
+    said as the service being down for now - a JSON 503 with a Retry-After, its reason in
+    one log line and not in the answer (it may name the server) - as the console says it.
+    (It escaped the app: hypercorn answered a bare 500, not JSON, with a traceback.)"""
+    async with trio_sessions.open_runtime(str(tmp_path / "chat.db"), None) as rt:
+
+        async def unreachable(*args: Any, **kwargs: Any) -> Any:
+            raise trio_sessions.StoreError("connection refused: password=secret")
+
+        rt.transcript = unreachable  # type: ignore[method-assign]
+        rt.submit = unreachable  # type: ignore[method-assign]
+        app = chat.ChatApp(rt)
+        sent: list[Any] = []
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": b'{"text": "hi"}', "more_body": False}
+
+        async def send(message: Any) -> None:
+            sent.append(message)
+
+        for method, path in [("GET", "/sessions/s/transcript"), ("POST", "/sessions/s/messages")]:
+            sent.clear()
+            caplog.clear()
+            headers = [(b"content-type", b"application/json")]
+            scope = {
+                "type": "http",
+                "method": method,
+                "path": path,
+                "raw_path": path.encode(),
+                "headers": headers,
+                "query_string": b"",
+            }
+            await app(scope, receive, send)
+            start = sent[0]
+            assert start["status"] == 503, (path, sent)
+            answer = dict(start["headers"])
+            assert answer[b"content-type"] == b"application/json"
+            assert int(answer[b"retry-after"]) > 0
+            body = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+            assert "store" in body["error"] and "secret" not in body["error"], body
+            assert [r.levelname for r in caplog.records] == ["WARNING"], caplog.records
+            assert "connection refused" in caplog.records[0].getMessage()
+
+        # Lost while an event stream is open (its 200 sent): one log line, and the stream
+        # ends, an SSE `retry:` saying when to reconnect - not a traceback, a cut response.
+        class Events:
+            def __aiter__(self) -> Events:
+                return self
+
+            async def __anext__(self) -> Any:
+                raise trio_sessions.StoreError("connection refused: password=secret")
+
+        @contextlib.asynccontextmanager
+        async def stream(*args: Any, **kwargs: Any) -> AsyncIterator[Events]:
+            yield Events()
+
+        rt.stream = stream  # type: ignore[assignment]
+        sent.clear()
+        caplog.clear()
+
+        async def stays() -> dict[str, Any]:
+            await trio.sleep_forever()
+            raise AssertionError  # pragma: no cover
+
+        scope = {
+            "type": "http",
+            "method": "GET",
+            "path": "/sessions/s/events",
+            "raw_path": b"/sessions/s/events",
+            "headers": [],
+            "query_string": b"",
+        }
+        with trio.fail_after(10):
+            await app(scope, stays, send)
+        assert sent[0]["status"] == 200
+        assert sent[1]["body"] == b"retry: 5000\n\n" and sent[1]["more_body"] is True
+        assert sent[2:] == [{"type": "http.response.body", "body": b"", "more_body": False}]
+        assert [r.levelname for r in caplog.records] == ["WARNING"], caplog.records
