@@ -7,11 +7,12 @@ Run it (SQLite here; a `postgresql://` URL works the same, across hosts, with `-
     PYTHONPATH=examples python -m trio_sessions worker chat_service:drain --store chat.db
     PYTHONPATH=examples python -m trio_sessions worker chat_service:drain --store chat.db
 
-    curl -X POST localhost:8000/sessions/s1/messages -d '{"text": "hello there"}'
+    J='content-type: application/json'               # every POST says its body is JSON
+    curl -H "$J" localhost:8000/sessions/s1/messages -d '{"text": "hello there"}'
     curl -N localhost:8000/sessions/s1/events        # resumable events (server-sent events)
     curl localhost:8000/sessions/s1/transcript
-    curl -X POST localhost:8000/sessions/s1/stop -d '{"input_id": "..."}'
-    curl -X POST localhost:8000/sessions/s1/edit -d '{"seq": 1, "text": "hello again"}'
+    curl -H "$J" localhost:8000/sessions/s1/stop -d '{"input_id": "..."}'
+    curl -H "$J" localhost:8000/sessions/s1/edit -d '{"seq": 1, "text": "hello again"}'
     curl -X DELETE localhost:8000/sessions/s1
 
 * The web process (`serve_web`) is an ASGI app on hypercorn's trio worker. It opens a
@@ -24,7 +25,9 @@ Run it (SQLite here; a `postgresql://` URL works the same, across hosts, with `-
   *Stop* withdraws the user's message if no worker picked it up yet and interrupts the
   answer otherwise; *edit* replaces a user message and regenerates from there (one
   `submit(truncate_after=...)`; 409 while an answer runs or a message waits unanswered);
-  `DELETE` erases the conversation.
+  `DELETE` erases the conversation. Every POST sends `Content-Type: application/json`
+  (415 otherwise, an empty body too), so a page of another site cannot drive a
+  conversation with a form or a no-cors fetch, which the browser sends without asking.
 * `GET /events` is server-sent events from `runtime.stream()`: each event's `id:` is its
   cursor, so a browser's `EventSource` that loses its connection reconnects with
   `Last-Event-ID` and continues with exactly the events it missed (`?cursor=` does the same
@@ -229,6 +232,11 @@ class ChatApp:
         expected = METHODS[action]
         if method != expected:
             raise HTTPError(405, f"{action or 'a conversation'} takes {expected}")
+        if method == "POST" and not _is_json(_header(scope, b"content-type")):
+            # What a page of another site can POST without the browser asking first (a
+            # form's text/plain, urlencoded or multipart body, or a no-cors fetch with no
+            # type) is refused: it cannot post, stop, edit or interrupt a conversation.
+            raise HTTPError(415, "a POST takes a JSON body: send Content-Type: application/json")
         if action == "messages":
             await self.post_message(session_id, scope, receive, send)
         elif action == "transcript":
@@ -464,6 +472,13 @@ def _header(scope: Scope, name: bytes) -> str | None:
         if key.lower() == name:
             return bytes(value).decode("latin-1")
     return None
+
+
+def _is_json(content_type: str | None) -> bool:
+    """Whether a Content-Type names JSON (`application/json`, parameters aside)."""
+    if content_type is None:
+        return False
+    return content_type.partition(";")[0].strip().lower() == "application/json"
 
 
 def _query(scope: Scope) -> dict[str, str]:

@@ -30,11 +30,16 @@ async def _call(
     headers: list[Any] | None = None,
     *,
     raw_path: bytes | None = b"",
+    content_type: bytes | None = b"application/json",
 ) -> tuple[int | None, bytes]:
     """One request: its status and body (the app's exceptions propagate, as to hypercorn,
     which answers 500). `raw_path`: the path as the client sent it, percent-encoded (by
-    default `path` itself), or None from a server that sends none."""
+    default `path` itself), or None from a server that sends none. A POST says its body is
+    `content_type` (None: it sends no Content-Type), as the chat page does."""
     sent: list[Any] = []
+    headers = list(headers or [])
+    if method == "POST" and content_type is not None:
+        headers.append((b"content-type", content_type))
     delivered = False
     if raw_path == b"":
         raw_path = path.encode("ascii")
@@ -55,7 +60,7 @@ async def _call(
         "method": method,
         "path": urllib.parse.unquote(path),  # as hypercorn decodes it
         "raw_path": raw_path,
-        "headers": headers or [],
+        "headers": headers,
         "query_string": b"",
     }
     await app(scope, receive, send)
@@ -491,3 +496,44 @@ async def test_a_store_that_does_not_answer_is_a_json_503_with_retry_after(
         assert sent[1]["body"] == b"retry: 5000\n\n" and sent[1]["more_body"] is True
         assert sent[2:] == [{"type": "http.response.body", "body": b"", "more_body": False}]
         assert [r.levelname for r in caplog.records] == ["WARNING"], caplog.records
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    [None, b"text/plain", b"application/x-www-form-urlencoded", b"multipart/form-data; b=x"],
+)
+async def test_a_post_that_is_not_json_by_its_content_type_is_a_415_that_does_nothing(
+    tmp_path: Path, content_type: bytes | None
+) -> None:
+    """A POST whose Content-Type is not application/json - what a cross-site form (or a
+    no-cors fetch) can send without the browser asking the service first - is refused with
+    415, and does nothing: another site's page cannot post, stop or edit a conversation.
+    (The app read any body as JSON: a `text/plain` form holding `{"text": ...}` posted a
+    message, and an empty POST to /stop or /interrupt interrupted the answer.)"""
+    from helpers import Raw
+
+    async with trio_sessions.open_runtime(str(tmp_path / "chat.db"), None) as rt:
+        app = chat.ChatApp(rt)
+        await rt.submit("s", {"text": "first"})
+        requests = [
+            ("messages", b'{"text": "from another site"}'),
+            ("edit", b'{"seq": 1, "text": "from another site"}'),
+            ("stop", b""),
+            ("interrupt", b""),
+        ]
+        for action, body in requests:
+            status, answer = await _call(
+                app, "POST", f"/sessions/s/{action}", body, content_type=content_type
+            )
+            assert status == 415, (action, status, answer)
+            assert "application/json" in json.loads(answer)["error"], answer
+        status, answer = await _call(
+            app,
+            "POST",
+            "/sessions/s/messages",
+            b'{"text": "from the page"}',
+            content_type=b"Application/JSON; charset=utf-8",
+        )
+        assert status == 202, answer
+        stored = Raw(tmp_path / "chat.db").rows("SELECT payload FROM session_input ORDER BY seq")
+        assert [json.loads(payload)["text"] for (payload,) in stored] == ["first", "from the page"]

@@ -33,6 +33,7 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 DEADLINE = 15.0  # seconds any one expected state may take (generous for a loaded CI host)
 POLL = 0.05
 WORDS = 100  # a long question: its streamed answer takes ~2 s, room to land mid-answer
+JSON = {"content-type": "application/json"}  # what the service takes a POST's body as
 
 pytestmark = pytest.mark.slow
 
@@ -536,7 +537,7 @@ async def test_edit_regenerates_and_delete_erases_the_conversation(service: Serv
         await until_answers(client, service, "edit", 1, started=True)
         response = await client.post("/sessions/edit/edit", json={"seq": 1, "text": "x"})
         assert response.status_code == 409, response.text
-        await client.post("/sessions/edit/interrupt")
+        await client.post("/sessions/edit/interrupt", json={})
         await until_answers(client, service, "edit", 2)
         response = await client.post("/sessions/edit/edit", json={"seq": 3, "text": "second"})
         assert response.status_code == 202, response.text
@@ -564,7 +565,7 @@ async def test_bad_requests_get_a_4xx_and_store_nothing(service: Service) -> Non
             ("/sessions/bad/messages", b'{"text": 1}'),
             (f"/sessions/{long_id}/messages", b'{"text": "hi"}'),
         ]:
-            response = await client.post(path, content=body)
+            response = await client.post(path, content=body, headers=JSON)
             assert response.status_code == 400, response.text
             assert "error" in response.json()
         assert (await client.get(f"/sessions/{long_id}/events")).status_code == 400
@@ -579,7 +580,7 @@ async def test_an_interrupt_mid_answer_ends_that_answer_interrupted(service: Ser
     async with httpx.AsyncClient(base_url=service.url, timeout=5) as client:
         await post(client, "stop", long_question("w"))
         await until_answers(client, service, "stop", 0, started=True)
-        response = await client.post("/sessions/stop/interrupt")
+        response = await client.post("/sessions/stop/interrupt", json={})
         assert response.json() == {"accepted": True}
         messages = await until_answers(client, service, "stop", 1)
         cut = messages[-1]["data"]
