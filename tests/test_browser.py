@@ -208,6 +208,36 @@ def test_pause_cancel_resume_and_delete_from_the_console(chrome: Any, tmp_path: 
     assert raw.one("SELECT COUNT(*) FROM session WHERE id = 'later'") == (0,)
 
 
+def test_a_console_action_posts_once_and_a_dismissed_confirm_leaves_it_to_click(
+    chrome: Any, tmp_path: Path
+) -> None:
+    """An action's button is disabled once its form is submitted: a second click (a double
+    click, a click again on a slow answer) posts nothing more. (It posted again: landing
+    after the first had acted, it answered a 409 or 404 that contradicted it - "nothing was
+    interrupted", "no session".) A confirm() dismissed submits nothing and leaves the
+    button to click; the forms stay plain HTML forms (the script only disables them)."""
+    from selenium.webdriver.common.by import By
+
+    store = tmp_path / "db"
+    submit(store, "once", {"text": "hi"})
+    raw = Raw(store)
+    with console(str(store), tmp_path, "--token", TOKEN) as (url, _):
+        chrome.get(f"{url}/?token={TOKEN}")
+        chrome.get(f"{url}/sessions/once")
+        chrome.find_element(By.CSS_SELECTOR, "button[value=delete]").click()
+        chrome.switch_to.alert.dismiss()
+        assert chrome.find_element(By.CSS_SELECTOR, "button[value=delete]").is_enabled()
+        assert raw.one("SELECT COUNT(*) FROM session WHERE id = 'once'") == (1,)
+        # In one script call, before the first submit's navigation replaces the page.
+        disabled = chrome.execute_script(
+            "const button = document.querySelector('button[value=pause]');"
+            " button.click(); return button.disabled"
+        )
+        assert disabled is True, "the pause button still takes a click once submitted"
+        until(lambda: "paused" in chrome.find_element(By.ID, "state").text, "paused", chrome)
+        assert chrome.find_element(By.CSS_SELECTOR, "button[value=resume]").is_enabled()
+
+
 # ---------------------------------------------------------------------------------------------
 # The chat example's page (examples/chat_page.html behind examples/chat_service.py)
 

@@ -268,6 +268,30 @@ if (source) source.onmessage = (event) => {
 };
 """
 
+# On every page: an action's form posts once. A second click landing before the answer (a
+# double click, a slow store) posted again and acted on what the first had changed: a 409
+# or 404 contradicting it ("nothing was interrupted", "no session"). A document listener
+# runs after the form's own onsubmit, so a confirm() dismissed (the submit prevented)
+# leaves the button as it was. Without JavaScript the forms are plain forms, as before.
+FORMS_SCRIPT = """
+document.addEventListener("submit", (event) => {
+  const form = event.target;
+  if (!form.classList.contains("action")) return;
+  if (form.dataset.sent) { event.preventDefault(); return; }
+  if (event.defaultPrevented) return;
+  form.dataset.sent = "yes";
+  for (const button of form.querySelectorAll("button")) button.disabled = true;
+});
+// The page shown again by Back (from the back/forward cache): its forms post again.
+addEventListener("pageshow", (event) => {
+  if (!event.persisted) return;
+  for (const form of document.querySelectorAll("form.action[data-sent]")) {
+    delete form.dataset.sent;
+    for (const button of form.querySelectorAll("button")) button.disabled = false;
+  }
+});
+"""
+
 STYLE = """
 body{font-family:system-ui,sans-serif;margin:1.5em;color:#222}
 table{border-collapse:collapse}td,th{border-bottom:1px solid #ddd;padding:.3em .6em;text-align:left}
@@ -282,7 +306,8 @@ def html_page(title: str, body: str, *, store: str = "", read_only: bool = False
     where = f"<p>store {escape(store)}{badge}</p>" if store else ""
     return (
         f'<!doctype html><html><head><meta charset="utf-8"><title>{escape(title)}</title>'
-        f"<style>{STYLE}</style></head><body><h1>{escape(title)}</h1>{where}{body}</body></html>"
+        f"<style>{STYLE}</style></head><body><h1>{escape(title)}</h1>{where}{body}"
+        f"<script>{FORMS_SCRIPT}</script></body></html>"
     ).encode()
 
 
