@@ -275,6 +275,7 @@ def test_the_chat_page_answers_live_resumes_stops_edits_and_deletes(
     replaces the question and its answer; delete empties it all."""
     from console_process import spawn, wait_for_line
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.support.ui import Select
 
     store = tmp_path / "db"
@@ -331,7 +332,7 @@ def test_the_chat_page_answers_live_resumes_stops_edits_and_deletes(
                 chrome,
             )
             chrome.find_elements(By.CSS_SELECTOR, ".message.user .edit")[0].click()
-            typed.clear()
+            typed.send_keys(Keys.CONTROL, "a")  # typed over: a box emptied is a new message
             say("edited question")
             until(
                 lambda: (
@@ -608,5 +609,61 @@ def test_a_double_click_on_send_sends_the_message_once(chrome: Any, tmp_path: Pa
             chrome,
         )
         assert Raw(store).one("SELECT COUNT(*) FROM session_input") == (1,)
+    finally:
+        web.stop()
+
+
+def test_the_chat_pages_edit_mode_is_shown_and_cancel_or_an_empty_box_leaves_it(
+    chrome: Any, tmp_path: Path
+) -> None:
+    """After "edit" the page says it is editing message N, with a cancel control; cancel -
+    or emptying the box - returns to a plain send: what is sent next is a new message, and
+    nothing of the conversation is cut. (Nothing showed the edit mode, and only a send that
+    succeeded left it: a user who cleared the box and typed a new question had it taken
+    as an edit, and lost every message after the one edited.)"""
+    from console_process import spawn, wait_for_line
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    store = tmp_path / "db"
+    web = spawn(
+        ["examples/chat_service.py", "--store", str(store), "--bind", "127.0.0.1:0"],
+        tmp_path / "web.log",
+        CHAT_WORD_DELAY="0",
+    )
+    try:
+        url = wait_for_line(web, r"chat service listening on (http://\S+)").group(1)
+        with worker(str(store), tmp_path, "chat_service:drain", "w1"):
+            chrome.get(f"{url}/?session=m1")
+            typed = chrome.find_element(By.ID, "text")
+            answers: list[str] = []
+
+            def say(text: str) -> None:
+                typed.send_keys(text)
+                chrome.find_element(By.ID, "send").click()
+                answers.append(f"You said: {text}")
+                until(lambda: chat_texts(chrome, "assistant") == answers, text, chrome)
+
+            def edit_first() -> None:
+                # In one script call: the page re-renders the message on each stream event.
+                chrome.execute_script("document.querySelector('.message.user .edit').click()")
+                shown = chrome.find_element(By.ID, "editing")
+                assert shown.is_displayed() and "editing message 1" in shown.text, shown.text
+
+            say("first question")
+            say("second question")
+            edit_first()
+            chrome.find_element(By.ID, "cancel-edit").click()
+            assert not chrome.find_element(By.ID, "editing").is_displayed()
+            assert typed.get_attribute("value") == ""  # the edited text, untouched, gone
+            say("third question")
+            edit_first()
+            typed.send_keys(Keys.CONTROL, "a")
+            typed.send_keys(Keys.BACK_SPACE)  # the box emptied by hand: a new message next
+            assert not chrome.find_element(By.ID, "editing").is_displayed()
+            say("fourth question")
+            asked = ["first question", "second question", "third question", "fourth question"]
+            assert stored_texts(url, "m1", "user") == asked
+            assert chat_texts(chrome, "user") == asked
     finally:
         web.stop()
