@@ -32,7 +32,9 @@ Run it (SQLite here; a `postgresql://` URL works the same, across hosts, with `-
   cursor, so a browser's `EventSource` that loses its connection reconnects with
   `Last-Event-ID` and continues with exactly the events it missed (`?cursor=` does the same
   for clients that cannot set the header). Each `data:` is one `StreamEvent` as JSON: apply
-  it to your copy of message `seq` (see DESIGN §5.2's table).
+  it to your copy of message `seq` (see DESIGN §5.2's table). While the store does not
+  answer, a request is a JSON 503 with `Retry-After`, and an event stream sends `retry:`
+  and ends (an EventSource gives up for good on a 503, and reconnects after an end).
 * Workers run `drain` with the worker command. The drain streams its answer a word at a
   time (a stand-in for an LLM's tokens), so an interrupt or a dead worker can land
   mid-answer. Killed mid-answer, a worker's session is resumed by another worker about a
@@ -56,6 +58,7 @@ sends an SSE comment (`: keep-alive`), so proxies keep it open (`inf`: never).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
 import hashlib
@@ -90,6 +93,7 @@ MAX_BODY = 64 * 1024
 MALFORMED = "the conversation holds a record that cannot be read: see the service's log"
 STORE_DOWN = "the store did not answer: try again shortly"
 RETRY_AFTER = b"5"  # seconds
+SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 
 # ---------------------------------------------------------------------------------------------
 # The drain (run by the workers)
@@ -335,18 +339,20 @@ class ChatApp:
         event's cursor, `data:` the event as JSON. A reconnecting `EventSource` sends the
         last id it saw as `Last-Event-ID` and gets exactly the events after it."""
         cursor = _header(scope, b"last-event-id") or _query(scope).get("cursor") or None
-        # Entered before the response starts: a bad session id or cursor is a plain 400.
-        async with self.runtime.stream(session_id, cursor=cursor) as events:
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 200,
-                    "headers": [
-                        (b"content-type", b"text/event-stream"),
-                        (b"cache-control", b"no-cache"),
-                    ],
-                }
-            )
+        async with contextlib.AsyncExitStack() as opened:
+            try:
+                # Entered before the response starts: a bad session id or cursor is a 400.
+                events = await opened.enter_async_context(
+                    self.runtime.stream(session_id, cursor=cursor)
+                )
+            except trio_sessions.StoreError as exc:
+                # Not a 503: an EventSource fails for good on any status but 200. An event
+                # stream that says when to reconnect, and ends, has it come back.
+                logger.warning("store error opening %r's event stream: %s", session_id, exc)
+                await send({"type": "http.response.start", "status": 200, "headers": SSE})
+                await send({"type": "http.response.body", "body": _retry_later()})
+                return
+            await send({"type": "http.response.start", "status": 200, "headers": SSE})
             disconnected = trio.Event()
             writes = _Writes(send)
             async with trio.open_nursery() as nursery:
@@ -370,7 +376,7 @@ class ChatApp:
                     # The store did not answer: the stream ends, and says when to reconnect
                     # (an EventSource does, from its last event's id) - one log line.
                     logger.warning("store error in %r's event stream: %s", session_id, exc)
-                    await writes.write(f"retry: {int(RETRY_AFTER) * 1000}\n\n")
+                    await writes.write(_retry_later().decode())
                 nursery.cancel_scope.cancel()  # the runtime closed: end the stream
         if not disconnected.is_set():
             await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -391,6 +397,11 @@ def _of_session(input_id: str, session_id: str) -> bool:
 
 def _digest(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+def _retry_later() -> bytes:
+    """An SSE field telling an EventSource to reconnect after `RETRY_AFTER` seconds."""
+    return f"retry: {int(RETRY_AFTER) * 1000}\n\n".encode()
 
 
 def _sse(event: trio_sessions.StreamEvent) -> str:

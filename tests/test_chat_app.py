@@ -537,3 +537,27 @@ async def test_a_post_that_is_not_json_by_its_content_type_is_a_415_that_does_no
         assert status == 202, answer
         stored = Raw(tmp_path / "chat.db").rows("SELECT payload FROM session_input ORDER BY seq")
         assert [json.loads(payload)["text"] for (payload,) in stored] == ["first", "from the page"]
+
+
+async def test_an_event_stream_opened_while_the_store_does_not_answer_says_when_to_retry(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """GET /events while the store is down answers an event stream holding an SSE `retry:`
+    and ending it, which a browser's EventSource follows: it reconnects from its last event
+    a few seconds later. (It was a 503: an EventSource fails for good on any status but
+    200, so a chat page reconnecting during a store outage stopped showing answers, and
+    said nothing, until it was reloaded.)"""
+    async with trio_sessions.open_runtime(str(tmp_path / "chat.db"), None) as rt:
+
+        @contextlib.asynccontextmanager
+        async def stream(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+            raise trio_sessions.StoreError("connection refused: password=secret")
+            yield  # pragma: no cover
+
+        rt.stream = stream  # type: ignore[method-assign]
+        app = chat.ChatApp(rt)
+        status, answer = await _call(app, "GET", "/sessions/s/events")
+        assert status == 200
+        assert answer == b"retry: 5000\n\n"
+        assert [r.levelname for r in caplog.records] == ["WARNING"], caplog.records
+        assert "secret" in caplog.records[0].getMessage()  # the operator's, not the client's
