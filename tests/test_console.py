@@ -1687,3 +1687,58 @@ async def test_a_store_that_does_not_answer_is_a_503_not_a_bad_request() -> None
         body = b"".join(message.get("body", b"") for message in sent)
         assert sent[0]["status"] == 503, (path, sent[0]["status"], body)
         assert b"store error" in body and b"secret" not in body
+
+
+@pytest.mark.parametrize("when", ["opening", "streaming"])
+async def test_a_session_pages_event_stream_outlives_a_store_that_does_not_answer(
+    when: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The store down when a page's event stream opens, or while it streams: the stream
+    sends an SSE `retry:` and ends, so the page's EventSource reconnects from its last
+    event a few seconds later - and the reason is logged in one line. (Opening, it was a
+    503, on which an EventSource fails for good: the page stopped following the session,
+    saying nothing, until reloaded. Streaming, the StoreError escaped the app in an
+    exception group: a traceback, and a response never ended.)"""
+
+    class Events:
+        on_settled = None
+        left_out = False
+
+        def __aiter__(self) -> Events:
+            return self
+
+        async def __anext__(self) -> Any:
+            raise trio_sessions.StoreError("connection refused: password=secret")
+
+    class Down:
+        @contextlib.asynccontextmanager
+        async def stream(self, session_id: str, cursor: str | None) -> AsyncIterator[Events]:
+            if when == "opening":
+                raise trio_sessions.StoreError("connection refused: password=secret")
+            yield Events()
+
+    console = Console(Down(), "", Guard(None, False))  # type: ignore[arg-type]
+    sent: list[Any] = []
+
+    async def receive() -> Any:
+        await trio.sleep_forever()
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "method": "GET",
+        "path": "/sessions/s/events",
+        "raw_path": b"/sessions/s/events",
+        "query_string": b"",
+        "headers": [(b"host", b"127.0.0.1")],
+    }
+    with trio.fail_after(10):
+        await console(scope, receive, send)
+    assert (
+        sent[0]["status"] == 200 and (b"content-type", b"text/event-stream") in sent[0]["headers"]
+    )
+    assert b"".join(message.get("body", b"") for message in sent[1:]) == b"retry: 5000\n\n"
+    assert sent[-1].get("more_body", False) is False  # ended: the EventSource reconnects
+    assert [record.levelname for record in caplog.records] == ["WARNING"], caplog.records

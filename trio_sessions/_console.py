@@ -24,6 +24,7 @@ Security rules (kept by `Guard`, checked on every request, the event stream incl
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import hashlib
@@ -61,7 +62,7 @@ from ._naming import display_name
 from ._runtime import Runtime, make_owner_id
 from ._store.operator import PageKey
 from ._store.stream import Held, Position, Shown, Tail, Whole, message_tag
-from ._stream import decode_cursor, encode_cursor, session_tag
+from ._stream import EventStream, decode_cursor, encode_cursor, session_tag
 from ._validate import MAX_INT64, validate_session_id
 from ._worker import ENV_SCHEMA, LOG_LEVELS
 
@@ -87,6 +88,10 @@ MAX_FORM = 16 * 1024
 # that is silent for a minute or so (nginx: 60 s), and a browser gone without closing is
 # only noticed by a write - until then it holds its task and its stream.
 KEEP_ALIVE = 15.0
+SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+# What an event stream says before it ends when the store does not answer: an EventSource
+# reconnects after this many milliseconds.
+RETRY_LATER = b"retry: 5000\n\n"
 COOKIE_PREFIX = "trio_sessions_console_"
 # The cookie of earlier versions, which held the raw token: expired at every login, so a
 # browser that kept it stops sending the token to every service on the host name.
@@ -431,39 +436,21 @@ contains"> <button>search</button></form>
         the `id:` of the last event a reconnecting EventSource applied (Last-Event-ID) -
         so the page gets what changed since it was read, once; without either, every
         message (a client other than a page)."""
-        cursor = last_event_id or query.get("cursor") or None
-        feed = PageFeed(session_id, 0, {}, {})
-        first: list[str] = []
-        if cursor is not None:
-            # The page's open messages and its message ids, read when the stream opens
-            # (`_followed`); a change since the page's read arrives as the update `first`.
-            position = decode_cursor(session_id, cursor)
-            if len(position.open) > FOLLOWED_IDS:  # a client's own: no page follows that many
-                raise HTTPError(400, f"a cursor names at most {FOLLOWED_IDS} open messages")
-            shown_from = _seq_parameter(query, "from") or position.top + 1
-            if position.top < shown_from:
-                # The stream holds nothing the page rendered (a page's cursor names its
-                # newest message): a rewrite emptied the page, whose feed then showed every
-                # message from seq 1 on (`PageFeed._end_check`). An EventSource reconnects
-                # with the page's URL, so its `from` is not what the page shows now.
-                shown_from = 1
-            shown = await self.runtime._db.read(
-                _store.shown_messages, session_id, shown_from, position, FOLLOWED_IDS
-            )
-            feed, position, first = _followed(session_id, shown_from, position, shown)
-            cursor = encode_cursor(session_tag(session_id), position)
-        async with self.runtime.stream(session_id, cursor=cursor) as stream:
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 200,
-                    "headers": [
-                        (b"content-type", b"text/event-stream"),
-                        (b"cache-control", b"no-cache"),
-                    ],
-                }
-            )
+        async with contextlib.AsyncExitStack() as opened:
+            try:
+                feed, first, stream = await self._open_events(
+                    session_id, query, last_event_id, opened
+                )
+            except StoreError as exc:
+                # Not a 503: an EventSource fails for good on any status but 200, and the
+                # page would stop following the session, silently, until reloaded.
+                logger.warning("store error opening %r's event stream: %s", session_id, exc)
+                await send({"type": "http.response.start", "status": 200, "headers": SSE})
+                await send({"type": "http.response.body", "body": RETRY_LATER})
+                return
+            await send({"type": "http.response.start", "status": 200, "headers": SSE})
             writes = _Writes(send, self.keep_alive)
+            lost = False
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
                 nursery.start_soon(writes.keep_alive)
@@ -487,6 +474,48 @@ contains"> <button>search</button></form>
                     # an ended stream would have the browser reconnect into the same row.
                     await writes.write(f": malformed record: {_one_line(str(exc))}\n\n")
                     await trio.sleep_forever()
+                except StoreError as exc:
+                    # The store did not answer: the stream says when to reconnect and ends;
+                    # the EventSource comes back from its last event (Last-Event-ID).
+                    logger.warning("store error in %r's event stream: %s", session_id, exc)
+                    await writes.write(RETRY_LATER.decode())
+                    lost = True
+                    nursery.cancel_scope.cancel()
+            if lost:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _open_events(
+        self,
+        session_id: str,
+        query: Mapping[str, str],
+        last_event_id: str | None,
+        opened: contextlib.AsyncExitStack,
+    ) -> tuple[PageFeed, list[str], EventStream]:
+        """The page's feed, the update that brings it up to the stream, and the stream
+        (entered in `opened`), for `events`."""
+        cursor = last_event_id or query.get("cursor") or None
+        feed = PageFeed(session_id, 0, {}, {})
+        first: list[str] = []
+        if cursor is not None:
+            # The page's open messages and its message ids, read when the stream opens
+            # (`_followed`); a change since the page's read arrives as the update `first`.
+            position = decode_cursor(session_id, cursor)
+            if len(position.open) > FOLLOWED_IDS:  # a client's own: no page follows that many
+                raise HTTPError(400, f"a cursor names at most {FOLLOWED_IDS} open messages")
+            shown_from = _seq_parameter(query, "from") or position.top + 1
+            if position.top < shown_from:
+                # The stream holds nothing the page rendered (a page's cursor names its
+                # newest message): a rewrite emptied the page, whose feed then showed every
+                # message from seq 1 on (`PageFeed._end_check`). An EventSource reconnects
+                # with the page's URL, so its `from` is not what the page shows now.
+                shown_from = 1
+            shown = await self.runtime._db.read(
+                _store.shown_messages, session_id, shown_from, position, FOLLOWED_IDS
+            )
+            feed, position, first = _followed(session_id, shown_from, position, shown)
+            cursor = encode_cursor(session_tag(session_id), position)
+        stream = await opened.enter_async_context(self.runtime.stream(session_id, cursor=cursor))
+        return feed, first, stream
 
     # -- actions ----------------------------------------------------------------------------
 
