@@ -1652,11 +1652,15 @@ def test_a_keep_alive_that_is_no_positive_time_is_refused() -> None:
             Console(None, "", Guard(None, False), keep_alive=value)  # type: ignore[arg-type]
 
 
-async def test_a_store_that_does_not_answer_is_a_503_not_a_bad_request() -> None:
+async def test_a_store_that_does_not_answer_is_a_503_not_a_bad_request(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """A page read while the store is down (PostgreSQL restarting, the file's disk gone)
     answered 400 "store error": a status that blames the request, which a client or a
     probe then does not retry, and which reads to an operator as a bad link. It is 503
-    (the service is unavailable for now), still with no detail of the store's error."""
+    (the service is unavailable for now), still with no detail of the store's error, with
+    a Retry-After; the error is logged in one line (it was nowhere: an operator saw 503s
+    and no reason)."""
 
     class Down:
         _db = property(lambda self: self)
@@ -1687,6 +1691,10 @@ async def test_a_store_that_does_not_answer_is_a_503_not_a_bad_request() -> None
         body = b"".join(message.get("body", b"") for message in sent)
         assert sent[0]["status"] == 503, (path, sent[0]["status"], body)
         assert b"store error" in body and b"secret" not in body
+        # When to come back, and why for the operator (in the log: the page hides it).
+        assert int(dict(sent[0]["headers"])[b"retry-after"]) > 0, sent[0]["headers"]
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 2 and all("connection refused" in line for line in warned), warned
 
 
 @pytest.mark.parametrize("when", ["opening", "streaming"])

@@ -89,8 +89,9 @@ MAX_FORM = 16 * 1024
 # only noticed by a write - until then it holds its task and its stream.
 KEEP_ALIVE = 15.0
 SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
-# What an event stream says before it ends when the store does not answer: an EventSource
-# reconnects after this many milliseconds.
+# When the store does not answer: a 503's Retry-After (seconds), and what an event stream
+# says before it ends (an EventSource reconnects after this many milliseconds).
+RETRY_AFTER = b"5"
 RETRY_LATER = b"retry: 5000\n\n"
 COOKIE_PREFIX = "trio_sessions_console_"
 # The cookie of earlier versions, which held the raw token: expired at every login, so a
@@ -189,10 +190,13 @@ class Console:
             await self.route(scope, receive, send)
         except HTTPError as exc:
             await _respond(send, exc.status, html_page("Error", f"<p>{_e(str(exc))}</p>"))
-        except StoreError:
-            # The store did not answer (its error may name the server, never shown): the
-            # service is down for now, not the request wrong - a client may retry it.
-            await _respond(send, 503, html_page("Error", "<p>store error</p>"))
+        except StoreError as exc:
+            # The store did not answer (its error may name the server, never shown: logged
+            # for the operator): the service is down for now, not the request wrong - a
+            # client may retry it.
+            logger.warning("store error on %s %s: %s", scope["method"], scope["path"], exc)
+            page = html_page("Error", "<p>store error</p>")
+            await _respond(send, 503, page, extra=((b"retry-after", RETRY_AFTER),))
         except (ValueError, TypeError, TrioSessionsError) as exc:
             await _respond(send, 400, html_page("Error", f"<p>{_e(str(exc))}</p>"))
 
@@ -894,13 +898,19 @@ async def _read_body(receive: Receive) -> bytes:
 
 
 async def _respond(
-    send: Send, status: int, body: bytes, *, content_type: str = "text/html; charset=utf-8"
+    send: Send,
+    status: int,
+    body: bytes,
+    *,
+    content_type: str = "text/html; charset=utf-8",
+    extra: tuple[tuple[bytes, bytes], ...] = (),
 ) -> None:
     headers = [
         (b"content-type", content_type.encode()),
         (b"content-length", str(len(body)).encode()),
         (b"x-frame-options", b"DENY"),
         (b"content-security-policy", b"default-src 'self' 'unsafe-inline'"),
+        *extra,
     ]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
