@@ -667,3 +667,65 @@ def test_the_chat_pages_edit_mode_is_shown_and_cancel_or_an_empty_box_leaves_it(
             assert chat_texts(chrome, "user") == asked
     finally:
         web.stop()
+
+
+def test_an_edit_whose_answer_was_lost_is_retried_as_that_edit(chrome: Any, tmp_path: Path) -> None:
+    """An edit the service made but whose answer never reached the page (a proxy's
+    timeout, the network): the page says "try again", and sending again is a retry of that
+    edit, stored once. (The edit's own truncate, streamed back before the lost answer, took
+    the page out of edit mode: the retry went out as a new message, and the question was
+    stored, and answered, twice.)"""
+    from console_process import spawn, wait_for_line
+    from selenium.webdriver.common.by import By
+
+    store = tmp_path / "db"
+    web = spawn(
+        ["examples/chat_service.py", "--store", str(store), "--bind", "127.0.0.1:0"],
+        tmp_path / "web.log",
+        CHAT_WORD_DELAY="0",
+    )
+    try:
+        url = wait_for_line(web, r"chat service listening on (http://\S+)").group(1)
+        with worker(str(store), tmp_path, "chat_service:drain", "w1"):
+            chrome.get(f"{url}/?session=lost")
+            typed = chrome.find_element(By.ID, "text")
+            typed.send_keys("first question")
+            chrome.find_element(By.ID, "send").click()
+            until(
+                lambda: chat_texts(chrome, "assistant") == ["You said: first question"],
+                "the first answer",
+                chrome,
+            )
+            # The first edit's POST reaches the service; its answer is lost on the way back.
+            chrome.execute_script(
+                "const sent = window.fetch; let lose = true; window.inFlight = 0;"
+                " window.fetch = async (url, options) => {"
+                "   window.inFlight++;"
+                "   try {"
+                "     const response = await sent(url, options);"
+                "     if (lose && String(url).endsWith('/edit')) {"
+                "       lose = false; throw new TypeError('the answer was lost');"
+                "     }"
+                "     return response;"
+                "   } finally { window.inFlight--; }"
+                " };"
+                "document.querySelector('.message.user .edit').click()"
+            )
+            typed.send_keys(" again")
+            chrome.find_element(By.ID, "send").click()
+            status = chrome.find_element(By.ID, "status")
+            until(lambda: "did not answer" in status.text, "the lost answer said", chrome)
+            until(
+                lambda: chat_texts(chrome, "assistant") == ["You said: first question again"],
+                "the edit made, streamed back",
+                chrome,
+            )
+            chrome.find_element(By.ID, "send").click()  # try again, as the page says
+            until(
+                lambda: status.text == "" and chrome.execute_script("return window.inFlight") == 0,
+                "the retry answered",
+                chrome,
+            )
+            assert stored_texts(url, "lost", "user") == ["first question again"]
+    finally:
+        web.stop()
