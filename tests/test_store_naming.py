@@ -35,6 +35,13 @@ LOOKALIKES = [
     f"mysql://app:{SECRET}@127.0.0.1:1/app",
     "sqlite:///var/lib/app/sessions.db",
     f"HTTP://app:{SECRET}@127.0.0.1:1/app",
+    # JDBC URLs (Java's form, common in shared configuration): no scheme of RFC 3986, so
+    # they were taken for paths - a file created, or a "no such file" error quoting the
+    # password.
+    f"jdbc:postgresql://127.0.0.1:1/app?user=app&password={SECRET}",
+    f"jdbc:postgresql://app:{SECRET}@127.0.0.1:1/app",
+    "jdbc:postgresql:app",
+    "JDBC:sqlite:/var/lib/app/sessions.db",
 ]
 
 

@@ -5,8 +5,8 @@ Invariants:
 * `store_kind` is the one decision between a path and a URL, for `open_runtime`, the worker
   command and the operator CLI: a `postgresql://` or `postgres://` URL is PostgreSQL, any
   other path is SQLite, and anything else that looks like a connection string (a libpq
-  `key=value` DSN, `postgresql+psycopg://`, another `scheme://`) is a `ValueError` - never
-  a file named after it;
+  `key=value` DSN, `postgresql+psycopg://`, another `scheme://`, a JDBC URL) is a
+  `ValueError` - never a file named after it;
 * `mask_password` is the one way a store name, or any text that may hold one (a driver's
   error), is shown: the password is gone whatever the form (`user:pw@`, `?password=`,
   percent-encoded, a DSN's `password=`), and a URL that libpq would read differently from
@@ -34,13 +34,18 @@ MASK = "***"
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 # A libpq connection string starts with `keyword=` (`host=... dbname=...`).
 _DSN = re.compile(r"\s*[A-Za-z_][A-Za-z0-9_]*\s*=")
+# A JDBC URL (`jdbc:postgresql://host/db`, `jdbc:postgresql:db`): Java's connection string,
+# common in shared configuration. Its `jdbc:` prefix is no scheme `_URL` sees, so it would
+# name a file (created, or a "no such file" error quoting its password).
+_JDBC = re.compile(r"\s*jdbc:", re.IGNORECASE)
 
 
 def store_kind(store: str | os.PathLike[str]) -> Literal["sqlite", "postgres"]:
     """Which backend a store name means; `ValueError` naming the accepted forms for a
     connection string of any other form (the name is shown with its password masked).
 
-    A path that starts with `word=` reads as a DSN: write it `./word=...`.
+    A path that starts with `word=` reads as a DSN, one that starts with `jdbc:` as a JDBC
+    URL: write it `./word=...`, `./jdbc:...`.
     """
     name = os.fspath(store)
     if not isinstance(name, str):
@@ -57,6 +62,11 @@ def store_kind(store: str | os.PathLike[str]) -> Literal["sqlite", "postgres"]:
         scheme = name.split("://", 1)[0]
         raise ValueError(
             f"store {display_name(name)!r} is a {scheme}:// URL; a store is {ACCEPTED_FORMS}"
+        )
+    if _JDBC.match(name):
+        raise ValueError(
+            f"store {display_name(name)!r} is a JDBC URL; a store is {ACCEPTED_FORMS}"
+            " - write a file whose name starts with 'jdbc:' as './jdbc:...'"
         )
     if _DSN.match(name):
         raise ValueError(  # not shown: where a malformed one's password ends is unknown
