@@ -42,6 +42,10 @@ LOOKALIKES = [
     f"jdbc:postgresql://app:{SECRET}@127.0.0.1:1/app",
     "jdbc:postgresql:app",
     "JDBC:sqlite:/var/lib/app/sessions.db",
+    # SQLite's own URI form: where sqlite3 is built with SQLITE_USE_URI (Debian's is) the
+    # driver opened `sessions.db` while the library created and watched `file:sessions.db`.
+    "file:sessions.db",
+    "file:sessions.db?mode=rwc",
 ]
 
 
@@ -377,3 +381,22 @@ def test_an_sqlite_store_refuses_a_postgres_url_and_creates_nothing(url: str, in
         trio_sessions.SQLiteStore(url)
     assert SECRET not in str(raised.value)
     assert created(in_tmp) == []
+
+
+async def test_an_sqlite_store_named_like_an_sqlite_uri_by_a_pathlike_is_that_file(
+    in_tmp: Path,
+) -> None:
+    """§6.27 for a path object, which names a file whatever its name holds: the file
+    `file:x.db` (pathlib turns `./file:x.db` back into `file:x.db`) is the store, and the
+    only one. The library created `file:x.db` 0600 and watched it, while every driver
+    connection - where sqlite3 reads `file:` names as URIs, as Debian's does - opened
+    `x.db`, a second database, created 0644: writes and the file checks went to two
+    different files."""
+    store = trio_sessions.SQLiteStore(Path("./file:x.db"))
+    async with trio_sessions.open_runtime(store, None) as producer:
+        await producer.submit("s", {"text": "hi"})
+    assert created(in_tmp) == ["file:x.db"]
+    assert (in_tmp / "file:x.db").stat().st_mode & 0o777 == 0o600
+    async with trio_sessions.open_runtime(trio_sessions.SQLiteStore(Path("file:x.db")), None):
+        pass
+    assert created(in_tmp) == ["file:x.db"]

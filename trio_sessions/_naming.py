@@ -5,8 +5,8 @@ Invariants:
 * `store_kind` is the one decision between a path and a URL, for `open_runtime`, the worker
   command and the operator CLI: a `postgresql://` or `postgres://` URL is PostgreSQL, any
   other path is SQLite, and anything else that looks like a connection string (a libpq
-  `key=value` DSN, `postgresql+psycopg://`, another `scheme://`, a JDBC URL) is a
-  `ValueError` - never a file named after it;
+  `key=value` DSN, `postgresql+psycopg://`, another `scheme://`, a JDBC URL, an SQLite
+  `file:` URI) is a `ValueError` - never a file named after it;
 * `mask_password` is the one way a store name, or any text that may hold one (a driver's
   error), is shown: the password is gone whatever the form (`user:pw@`, `?password=`,
   percent-encoded, a DSN's `password=`), and a URL that libpq would read differently from
@@ -38,14 +38,17 @@ _DSN = re.compile(r"\s*[A-Za-z_][A-Za-z0-9_]*\s*=")
 # common in shared configuration. Its `jdbc:` prefix is no scheme `_URL` sees, so it would
 # name a file (created, or a "no such file" error quoting its password).
 _JDBC = re.compile(r"\s*jdbc:", re.IGNORECASE)
+# An SQLite URI (`file:sessions.db?mode=ro`): SQLite reads a name that starts with `file:`
+# as one where it is built with SQLITE_USE_URI, and as a file of that name elsewhere.
+_SQLITE_URI = re.compile(r"file:")
 
 
 def store_kind(store: str | os.PathLike[str]) -> Literal["sqlite", "postgres"]:
     """Which backend a store name means; `ValueError` naming the accepted forms for a
     connection string of any other form (the name is shown with its password masked).
 
-    A path that starts with `word=` reads as a DSN, one that starts with `jdbc:` as a JDBC
-    URL: write it `./word=...`, `./jdbc:...`.
+    A path that starts with `word=` reads as a DSN, one that starts with `jdbc:` or `file:`
+    as a JDBC URL or an SQLite URI: write it `./word=...`, `./jdbc:...`, `./file:...`.
     """
     name = os.fspath(store)
     if not isinstance(name, str):
@@ -67,6 +70,11 @@ def store_kind(store: str | os.PathLike[str]) -> Literal["sqlite", "postgres"]:
         raise ValueError(
             f"store {display_name(name)!r} is a JDBC URL; a store is {ACCEPTED_FORMS}"
             " - write a file whose name starts with 'jdbc:' as './jdbc:...'"
+        )
+    if _SQLITE_URI.match(name):
+        raise ValueError(
+            f"store {display_name(name)!r} is an SQLite URI; a store is {ACCEPTED_FORMS}"
+            " - write a file whose name starts with 'file:' as './file:...'"
         )
     if _DSN.match(name):
         raise ValueError(  # not shown: where a malformed one's password ends is unknown

@@ -53,6 +53,16 @@ WAL_SIZE_LIMIT = 64 * 1024 * 1024
 NOWAIT_PATIENCE_S = 0.05
 
 
+def file_name(path: str | os.PathLike[str]) -> str:
+    """`path` as SQLite opens the file of that name: where sqlite3 is built with
+    SQLITE_USE_URI (Debian's is), a name that starts with `file:` is read as a URI - `file:x`
+    opens `x` - while the library creates, checks and watches the file `file:x` itself
+    (`_create_owner_only`, `DatabaseFile`): two databases for one store. `./` keeps it a
+    name (a `Path` cannot: `Path("./file:x")` is `file:x` again)."""
+    name = os.fspath(path)
+    return f"./{name}" if name.startswith("file:") else name
+
+
 def connect(
     path: str | os.PathLike[str], *, create: bool = True, synchronous: str = "NORMAL"
 ) -> sqlite3.Connection:
@@ -68,7 +78,10 @@ def connect(
         _create_owner_only(path)
     try:
         conn = sqlite3.connect(
-            path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False
+            file_name(path),
+            timeout=BUSY_TIMEOUT_MS / 1000,
+            isolation_level=None,
+            check_same_thread=False,
         )
     except sqlite3.Error as exc:
         raise StoreError(f"cannot open {path!r}: {exc}") from exc
@@ -337,7 +350,7 @@ def connect_nonblocking(
     """A second connection for work on the event loop: it never waits for a lock and never
     checkpoints (a checkpoint may fsync); `checkpoint` runs on the worker connection."""
     conn = sqlite3.connect(
-        os.fspath(path), timeout=0, isolation_level=None, check_same_thread=False
+        file_name(path), timeout=0, isolation_level=None, check_same_thread=False
     )
     _configure(conn, synchronous)
     conn.execute("PRAGMA busy_timeout = 0")
