@@ -46,6 +46,11 @@ LOOKALIKES = [
     # driver opened `sessions.db` while the library created and watched `file:sessions.db`.
     "file:sessions.db",
     "file:sessions.db?mode=rwc",
+    # A URL with its quotes kept (docker's --env-file keeps them): a path whose "no such
+    # file" error quoted the password.
+    f'"postgresql://app:{SECRET}@127.0.0.1:1/app"',
+    f"'postgres://app:{SECRET}@127.0.0.1:1/app'",
+    f'"jdbc:postgresql://app:{SECRET}@127.0.0.1:1/app"',
 ]
 
 

@@ -41,6 +41,8 @@ _JDBC = re.compile(r"\s*jdbc:", re.IGNORECASE)
 # An SQLite URI (`file:sessions.db?mode=ro`): SQLite reads a name that starts with `file:`
 # as one where it is built with SQLITE_USE_URI, and as a file of that name elsewhere.
 _SQLITE_URI = re.compile(r"file:")
+# What may be left around a URL pasted from a configuration file: quotes, angle brackets.
+_AROUND = "'\"`<>"
 
 
 def store_kind(store: str | os.PathLike[str]) -> Literal["sqlite", "postgres"]:
@@ -53,10 +55,13 @@ def store_kind(store: str | os.PathLike[str]) -> Literal["sqlite", "postgres"]:
     name = os.fspath(store)
     if not isinstance(name, str):
         raise TypeError(f"store must be {ACCEPTED_FORMS}, got bytes")
-    if name != name.strip() and _URL.match(name.strip()):
+    # A URL with space or quotes around it (an environment file's quotes kept as text) is
+    # still a connection string, whose "no such file" error would quote its password.
+    bare = name.strip().strip(_AROUND)
+    if bare != name and (_URL.match(bare) or _JDBC.match(bare)):
         raise ValueError(
-            f"store {display_name(name)!r} is a URL with space around it; a store is"
-            f" {ACCEPTED_FORMS}"
+            f"store {display_name(name)!r} is a URL with quotes or space around it; a store"
+            f" is {ACCEPTED_FORMS}"
         )
     if name.startswith(POSTGRES_SCHEMES):
         check_postgres_name(name)
