@@ -33,8 +33,7 @@ from typing import Any, TypeVar
 
 import trio
 import trio.testing
-from backends import PgLocation
-from helpers import Raw
+from backends import PgLocation, Reader
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -147,11 +146,11 @@ class TrioThread:
 
 
 class TrioRaw:
-    """`Raw` reads run on the runtime's trio thread, blocking it: no task of the runtime (a
-    drain woken by a change signal that arrived after the step settled) moves between a
-    read and the model's bookkeeping."""
+    """Reads (as an operator's, on a connection of their own) run on the runtime's trio
+    thread, blocking it: no task of the runtime (a drain woken by a change signal that
+    arrived after the step settled) moves between a read and the model's bookkeeping."""
 
-    def __init__(self, raw: Raw, thread: TrioThread) -> None:
+    def __init__(self, raw: Reader, thread: TrioThread) -> None:
         self._raw = raw
         self._thread = thread
 
@@ -244,7 +243,8 @@ class ControlMachine(RuleBasedStateMachine):
         self.remote_until = 0.0
         self.remote_written = False  # since the streams were last compared
         self.thread = TrioThread(store, self.drain)
-        self.raw = TrioRaw(Raw(location), self.thread)
+        self.reader = Reader(location)
+        self.raw = TrioRaw(self.reader, self.thread)
         self.followers = {s: Follower(s) for s in SESSIONS}
         for follower in self.followers.values():
             self._start_following(follower)
@@ -311,6 +311,7 @@ class ControlMachine(RuleBasedStateMachine):
                 self.thread.call(_set(gate))
             self.thread.close()
         finally:
+            self.reader.close()
             self._done()
 
     def new_id(self) -> str:
