@@ -415,6 +415,8 @@ def check_settled(service: Service) -> None:
     assert not noise.search(service.output()), service.output()
 
 
+# PostgreSQL only: on SQLite the rolling restart below stops a worker as this does.
+@pytest.mark.parametrize("location", ["postgres"], indirect=True)
 async def test_a_stopped_worker_s_chats_go_on_at_once_on_the_other(service: Service) -> None:
     """SIGTERM the worker streaming the most answers: it exits 0 at once, its claims handed
     back, and the other worker resumes every cut answer within about a signal - well
@@ -429,6 +431,8 @@ async def test_a_stopped_worker_s_chats_go_on_at_once_on_the_other(service: Serv
     check_settled(service)
 
 
+# PostgreSQL only: on SQLite test_chat_service kills a worker mid-answer.
+@pytest.mark.parametrize("location", ["postgres"], indirect=True)
 async def test_a_killed_worker_s_chats_go_on_about_a_second_later(service: Service) -> None:
     """SIGKILL the worker streaming the most answers: the other worker resumes every cut
     answer once the dead one's liveness token stayed free for the grace (about a second),
@@ -443,6 +447,8 @@ async def test_a_killed_worker_s_chats_go_on_about_a_second_later(service: Servi
     check_settled(service)
 
 
+# SQLite only: the web process reads either backend through the same stream().
+@pytest.mark.parametrize("location", ["sqlite"], indirect=True)
 async def test_a_restarted_web_process_s_streams_resume_where_they_were(
     service: Service,
 ) -> None:
