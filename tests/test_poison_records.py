@@ -697,3 +697,42 @@ async def test_a_message_whose_id_holds_a_nul_is_malformed(
         with pytest.raises(MalformedRecord, match="holds a NUL character") as raised:
             await rt.transcript("s")
     assert f"{column} 'a\\x00b'" in str(raised.value)
+
+
+async def test_a_drain_ending_with_an_older_open_message_corrupted_is_quarantined_not_resumed(
+    store: Any, db_path: Any, clock: Any, autojump_clock: MockClock
+) -> None:
+    """DESIGN §1 and §4, as the test above, when the corrupted message is not the
+    execution's newest: the drain begins a message, begins a second one, another tool
+    corrupts the first, and the drain returns. Its finish cannot close the first, so it
+    keeps the claim for recovery - which must then quarantine it, not resume a drain that
+    returned (review revB53: recovery judged only the newest message, which decodes, and
+    resumed the claim; its takeover passed over the corrupted one and the resumed busy
+    period ended normally, so nothing was quarantined and the message stayed open)."""
+    raw = Raw(db_path)
+    calls: list[bool] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        calls.append(ctx.resumed)
+        await ctx.take_inputs()
+        first = await ctx.begin_assistant()
+        await first.append_text("hi")
+        await ctx.begin_assistant()
+        raw.write(
+            "UPDATE session_message SET data = '{\"parts\": 1}'"
+            " WHERE role = 'assistant' AND seq = (SELECT MIN(seq) FROM session_message"
+            " WHERE role = 'assistant')"
+        )
+
+    async with runtime(store, drain, clock, lease=9.0, **QUIET) as rt:
+        await rt.submit("s", {"text": "hello"})
+        outcome = await rt.run("s")
+        assert outcome.kind == "failed"
+        assert isinstance(outcome.error, MalformedRecord)
+        await trio.sleep(10)  # past the lease: the claim is recovery's now
+        report = await rt.recover_once()
+    assert (report.quarantined, report.resumed) == (1, 0), report
+    assert calls == [False]
+    [(execution_id, why)] = raw.rows("SELECT execution_id, recovery_error FROM session_recovery")
+    assert "parts" in why
+    assert raw.rows("SELECT id FROM session_execution") == [(execution_id,)]

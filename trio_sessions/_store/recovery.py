@@ -111,17 +111,22 @@ def _recovery_facts(tx: Tx, candidate: Candidate) -> tuple[RecoveryFacts, str | 
 
 @reads_stored_bytes
 def newest_assistant_malformed(tx: Tx, execution_id: str) -> MalformedRecord | None:
-    """Why the execution's newest assistant message does not decode (None when it does or
-    there is none): what recovery quarantines the execution for, as that message's
-    `MalformedRecord` (its table, its key, its reasons)."""
-    newest = tx.one(
+    """Why the execution's newest assistant message - or an older one it left open - does
+    not decode (None when each does or there is none): what recovery quarantines the
+    execution for, as that message's `MalformedRecord` (its table, its key, its reasons).
+    An older open one counts because its owner's finish refused to end the busy period
+    over it (`_close_open_messages`, `malformed_keeps_claim`) and a takeover would pass
+    over it, leaving it open for ever. One read: the newest row first, then the open ones."""
+    rows = tx.execute(
         "SELECT id, data, finished FROM session_message"
-        " WHERE execution_id = ? AND role = 'assistant' ORDER BY seq DESC LIMIT 1",
-        (execution_id,),
-    )
-    if newest is None:
+        " WHERE execution_id = ? AND role = 'assistant' AND (finished = 0 OR seq = ("
+        "SELECT MAX(seq) FROM session_message WHERE execution_id = ? AND role = 'assistant'))"
+        " ORDER BY seq DESC",
+        (execution_id, execution_id),
+    ).fetchall()
+    if not rows:
         return None
-    message_id, text, finished = newest
+    message_id, text, finished = rows[0]
     if message_id is None:
         # SQLite's rowid table takes the NULL id another tool writes: no write can name
         # the message, so a takeover could not close it.
@@ -137,6 +142,13 @@ def newest_assistant_malformed(tx: Tx, execution_id: str) -> MalformedRecord | N
     elif finished == 1 and not data.finished:
         reason = "finished is 1 while its data is open: no finish would close it"
     else:
+        for older_id, older_text, _ in rows[1:]:
+            if older_id is None:  # as every finish does: no write can name it
+                continue
+            try:
+                _assistant_data(tx, older_id, older_text)
+            except MalformedRecord as exc:
+                return exc
         return None
     return MalformedRecord("session_message", str(message_id), [reason])
 
