@@ -51,6 +51,9 @@ LOOKALIKES = [
     f'"postgresql://app:{SECRET}@127.0.0.1:1/app"',
     f"'postgres://app:{SECRET}@127.0.0.1:1/app'",
     f'"jdbc:postgresql://app:{SECRET}@127.0.0.1:1/app"',
+    # A libpq DSN with its quotes kept likewise (review revB53): an SQLite file named after
+    # it, password and all, was created in the working directory.
+    f'"host=127.0.0.1 port=1 dbname=app user=app password={SECRET}"',
 ]
 
 

@@ -81,7 +81,7 @@ def store_kind(store: str | os.PathLike[str]) -> Literal["sqlite", "postgres"]:
             f"store {display_name(name)!r} is an SQLite URI; a store is {ACCEPTED_FORMS}"
             " - write a file whose name starts with 'file:' as './file:...'"
         )
-    if _DSN.match(name):
+    if _DSN.match(bare):  # quotes kept around one as well: a file named after it otherwise
         raise ValueError(  # not shown: where a malformed one's password ends is unknown
             "store looks like a libpq connection string (key=value);"
             f" a store is {ACCEPTED_FORMS} - write a file whose name starts with 'word='"
