@@ -729,3 +729,55 @@ def test_an_edit_whose_answer_was_lost_is_retried_as_that_edit(chrome: Any, tmp_
             assert stored_texts(url, "lost", "user") == ["first question again"]
     finally:
         web.stop()
+
+
+def test_an_edit_the_service_refused_leaves_edit_mode_when_its_message_is_deleted(
+    chrome: Any, tmp_path: Path
+) -> None:
+    """An edit refused (409: a message waits unanswered), then the conversation deleted:
+    the message being edited is gone, so the next send is a new message. (The page took the
+    delete's truncate for the refused edit's own, streamed back before a lost answer, and
+    stayed in edit mode: every send was an edit of a seq that names nothing, a 404.)"""
+    from console_process import spawn, wait_for_line
+    from selenium.webdriver.common.by import By
+
+    store = tmp_path / "db"
+    web = spawn(
+        ["examples/chat_service.py", "--store", str(store), "--bind", "127.0.0.1:0"],
+        tmp_path / "web.log",
+        CHAT_WORD_DELAY="0",
+    )
+    try:
+        url = wait_for_line(web, r"chat service listening on (http://\S+)").group(1)
+        chrome.get(f"{url}/?session=refused")
+        typed = chrome.find_element(By.ID, "text")
+        status = chrome.find_element(By.ID, "status")
+        with worker(str(store), tmp_path, "chat_service:drain", "w1"):
+            answers: list[str] = []
+            for text in ["first question", "second question"]:
+                typed.send_keys(text)
+                chrome.find_element(By.ID, "send").click()
+                answers.append(f"You said: {text}")
+                until(lambda: chat_texts(chrome, "assistant") == answers, text, chrome)
+        typed.send_keys("third question")  # no worker: it waits unanswered
+        chrome.find_element(By.ID, "send").click()
+        until(lambda: typed.get_attribute("value") == "", "the third question stored", chrome)
+        # In one script call: the page re-renders its messages on each stream event.
+        chrome.execute_script("document.querySelectorAll('.message.user .edit')[1].click()")
+        typed.send_keys(" revised")
+        chrome.find_element(By.ID, "send").click()
+        until(lambda: status.text != "", "the edit refused (409)", chrome)
+        chrome.find_element(By.ID, "delete").click()
+        until(lambda: chat_texts(chrome, "user") == [], "the deleted conversation", chrome)
+        assert not chrome.find_element(By.ID, "editing").is_displayed()
+        with worker(str(store), tmp_path, "chat_service:drain", "w2"):
+            chrome.find_element(By.ID, "send").click()  # what the box holds, as a new message
+            until(
+                lambda: chat_texts(chrome, "assistant") == ["You said: second question revised"],
+                "the new message answered",
+                chrome,
+            )
+        assert status.text == ""
+        assert stored_texts(url, "refused", "user") == ["second question revised"]
+    finally:
+        web.stop()
