@@ -317,7 +317,12 @@ class ChatApp:
             newest = messages[-1].seq if messages else 0
             if key is None or newest != seq - 1:
                 raise HTTPError(404, f"no user message at seq {seq}")
-            input_id = await self.runtime.submit(session_id, {"text": text}, input_id=input_id)
+            # As an edit (it truncates nothing): a retry returns its input, another key
+            # while an input waits - another edit of this slot - is SessionBusy, not a
+            # message stored after the one waiting.
+            input_id = await self.runtime.submit(
+                session_id, {"text": text}, input_id=input_id, truncate_after=seq - 1
+            )
         elif edited.role != "user":
             raise HTTPError(404, f"no user message at seq {seq}")
         elif edited.input_id != input_id:  # else a retry of this edit, already answered

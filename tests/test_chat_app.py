@@ -191,6 +191,42 @@ async def test_an_edit_retried_before_its_input_was_answered_is_stored_once(
     assert len(messages) == 2
 
 
+async def test_an_edit_of_the_slot_a_pending_edit_holds_is_a_409_not_a_second_message(
+    tmp_path: Path,
+) -> None:
+    """An edit made (its input waiting for a worker: the edited slot still empty), then
+    another edit of that slot with another key - the user changed the text after a lost
+    answer, or a second tab edited the same message: a 409, as for any edit while a message
+    waits. (It was taken for a retry of the first and stored as a new message after it:
+    both texts then stood in the conversation, answered together.)"""
+    db = str(tmp_path / "chat.db")
+    async with trio_sessions.open_runtime(db, _answer) as worker:
+        await worker.submit("s", {"text": "one"})
+        await worker.wait_idle("s")
+    async with trio_sessions.open_runtime(db, None) as web:
+        app = chat.ChatApp(web)
+        status, answer = await _call(
+            app,
+            "POST",
+            "/sessions/s/edit",
+            b'{"seq": 1, "text": "two"}',
+            [(b"idempotency-key", b"e1")],
+        )
+        assert status == 202, answer
+        status, answer = await _call(
+            app,
+            "POST",
+            "/sessions/s/edit",
+            b'{"seq": 1, "text": "three"}',
+            [(b"idempotency-key", b"e2")],
+        )
+        assert status == 409, answer
+    async with trio_sessions.open_runtime(db, _answer) as worker:
+        await worker.wait_idle("s")
+        messages = await worker.transcript("s")
+    assert [m.data for m in messages if m.role == "user"] == [{"text": "two"}]
+
+
 @pytest.mark.parametrize(
     "text", ["oops\\u0000", "half \\ud800 a pair"], ids=["nul", "lone-surrogate"]
 )
