@@ -126,14 +126,15 @@ MIN_LEASE = 0.5
 
 def lease(value: object) -> float:
     """A lease in seconds, from `MIN_LEASE` to `MAX_SECONDS`."""
-    value = seconds(value, "lease")
-    if value < MIN_LEASE:
-        raise ValueError(
-            f"lease must be at least {MIN_LEASE:g} seconds, got {value!r}: a heartbeat could"
-            " not renew it before its drain stops (at 90% of it), so every drain would stop"
-            " as lease_lost"
-        )
-    return value
+    try:
+        return duration(value, "lease", minimum=MIN_LEASE)
+    except ValueError as exc:
+        if isinstance(value, int | float) and value < MIN_LEASE:
+            raise ValueError(
+                f"{exc}: a heartbeat could not renew a shorter one before its drain stops (at"
+                " 90% of it), so every drain would stop as lease_lost"
+            ) from None
+        raise
 
 
 def flag(value: object, what: str) -> bool:
