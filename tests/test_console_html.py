@@ -231,6 +231,15 @@ def test_a_user_message_in_any_script_reads_as_its_text() -> None:
         # An escaped backslash before "u00e9" is text, not an escape; a control character,
         # a quote, a lone surrogate, a cut escape stay escaped (the JSON still reads so).
         ('{"a":"\\\\u00e9 \\u0007 \\u0022 \\ud83d x \\u00',) * 2,
+        # Controls that reorder or split what the operator reads stay escaped: bidi
+        # overrides, embeddings and isolates, the marks, the line and paragraph separators
+        # (a payload holding "\u202e" showed its text reversed). Other format characters
+        # (a zero-width joiner inside an emoji) are written.
+        (
+            '{"t":"a\\u202eb \\u2066c\\u2069 \\u200f \\u2028 \\u2029 '
+            '\\ud83d\\udc69\\u200d\\ud83d\\udcbb"}',
+            '{"t":"a\\u202eb \\u2066c\\u2069 \\u200f \\u2028 \\u2029 \U0001f469\u200d\U0001f4bb"}',
+        ),
     ],
 )
 def test_a_stored_payload_reads_as_its_text(stored: str, shown: str) -> None:

@@ -315,8 +315,8 @@ def readable_json(text: str) -> str:
     """A stored JSON text (perhaps cut short: a pending input's first 200 characters) with
     its `\\uXXXX` escapes of characters that print written as those characters: the store
     writes JSON ASCII-only, and an operator reads "héllo", not "h\\u00e9llo". A control
-    character, a quote or a backslash, a lone surrogate and an escape cut short stay
-    escaped: the text still reads as the same JSON."""
+    character, a quote or a backslash, a bidi or line-separating control, a lone surrogate
+    and an escape cut short stay escaped: the text still reads as the same JSON."""
     return _UNICODE_ESCAPE.sub(_unescaped, text)
 
 
@@ -334,9 +334,22 @@ def _unescaped(match: re.Match[str]) -> str:
         high, low = int(code[:4], 16), int(code[6:], 16)
         return match.group(1) + chr(0x10000 + ((high - 0xD800) << 10) + (low - 0xDC00))
     point = int(code, 16)
-    if point < 0x20 or 0x7F <= point < 0xA0 or 0xD800 <= point < 0xE000 or chr(point) in '"\\':
+    if (
+        point < 0x20
+        or 0x7F <= point < 0xA0
+        or 0xD800 <= point < 0xE000
+        or chr(point) in _KEPT_ESCAPED
+    ):
         return match.group(0)
     return match.group(1) + chr(point)
+
+
+# Kept as escapes: a quote and a backslash (the JSON reads so), and what would reorder or
+# split the text the operator reads - the bidi marks, embeddings, overrides and isolates
+# ("\u202e" showed a payload reversed) and the line and paragraph separators.
+_KEPT_ESCAPED = frozenset(
+    '"\\\u061c\u200e\u200f\u2028\u2029\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069'
+)
 
 
 def escape(text: str) -> str:
