@@ -11,9 +11,10 @@ every commit but the loop's own: other processes', and this process's worker thr
 get a look, conservatively). The loop's own commits are handled where they are made (a
 doorbell rung, a claim interrupted, a due timer armed, a watcher or stream offered its
 write, the change loop kicked), so they are no change, as PostgreSQL skips its own writers'
-notifications. Without `own_conn` (the deterministic executor) every commit on another
-connection is a change. A change is reported at most every `CHANGE_GAP` seconds, and where
-the WAL file cannot be watched the reader polls (`CHANGE_POLL`, `SQLiteStore`'s setting).
+notifications. The deterministic executor's `own_conn` is its one connection; it asks
+`_changed` itself, at its fallback poll on the virtual clock, never watching in real time.
+A change is reported at most every `CHANGE_GAP` seconds, and where the WAL file cannot be
+watched the reader polls (`CHANGE_POLL`, `SQLiteStore`'s setting).
 """
 
 from __future__ import annotations
