@@ -267,3 +267,43 @@ async def test_a_stream_resumed_on_an_open_message_whose_version_is_no_number_do
         resumed = await first_of(rt.stream("s", cursor=first.cursor))
         [stored] = await rt.transcript("s")
     assert (resumed.kind, resumed.seq, resumed.data) == ("message", 1, stored.data)
+
+
+async def test_a_quarantine_resumed_with_its_budget_spent_ends_failed_and_keeps_its_inputs(
+    store: Any, db_path: Any, clock: Any, autojump_clock: MockClock
+) -> None:
+    """§4 (`release_quarantine(resume=True)` recovers under the normal rules, "budget
+    counts"; a failed ending does not re-arm the doorbell), on both backends: a dead
+    owner's claim quarantined with its resume budget spent (the malformed check comes
+    before the budget's), repaired, then released with `resume=True`. It is finished as
+    failed - "resume budget exhausted", no drain - and its untaken input stays pending with
+    no doorbell and no claim, as after any failed drain, until the next wake takes it with
+    a fresh budget. (The README and the CLI's help said such a resume resumes the work
+    once its records decode: the operator who wants the work retried drops the quarantine
+    instead - which resets the budget and rings the doorbell.)"""
+    raw = Raw(db_path)
+    drain = Recorder()
+    async with runtime(store, drain, clock, max_resumes=3, **QUIET) as rt:
+        raw.seed_claim("s", "e-s", expires_at=1, wake_attempts=3)
+        raw.seed_assistant("s", "e-s", 1, '{"parts": [], "finished": "no", "error": null}')
+        raw.write(
+            "INSERT INTO session_input(id, session_id, seq, payload, time_created)"
+            " VALUES ('i1', 's', 1, '{}', 0)"
+        )
+        assert (await rt.recover_once()).quarantined == 1
+        raw.write(
+            "UPDATE session_message SET data = ? WHERE id = 'm-e-s-1'",
+            ('{"parts": [], "finished": false, "error": null}',),
+        )
+        await rt.release_quarantine("e-s", resume=True)
+        await rt.wait_idle("s")
+        (reply,) = await rt.transcript("s")
+        assert (reply.data.finished, reply.data.error) == (True, "resume budget exhausted")
+        assert drain.calls == []
+        assert raw.rows("SELECT id FROM session_execution") == []
+        assert raw.rows("SELECT time_woken, wake_attempts FROM session") == [(None, 0)]
+        assert raw.rows("SELECT id FROM session_input") == [("i1",)]
+        await rt.wake("s")
+        await rt.wait_idle("s")
+    assert [(call.resumed, call.attempt) for call in drain.calls] == [(False, 0)]
+    assert raw.rows("SELECT id FROM session_input") == []

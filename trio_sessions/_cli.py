@@ -246,7 +246,9 @@ def release(database: Engine, execution_id: str, *, resume: bool) -> dict[str, A
     re-armed if inputs remain. `--resume` clears the quarantine and ends our
     recovery lease at once: the next recovery pass of any runtime on this store examines the
     execution under the normal rules - resumed if its records now decode, quarantined again
-    if they still do not. The CLI runs no drains, so it cannot resume the work itself.
+    if they still do not, finished as failed if its resume budget is spent (its pending
+    inputs then wait for the next wake: `--drop` resets the budget and rings the doorbell).
+    The CLI runs no drains, so it cannot resume the work itself.
     """
     if resume:
         candidate = database.run(_store.lift_quarantine, execution_id, make_owner_id("cli"), 0)
@@ -375,7 +377,10 @@ def build_parser() -> argparse.ArgumentParser:
     release_cmd.add_argument("execution_id", type=_id_arg("execution id"), metavar="EXECUTION_ID")
     choice = release_cmd.add_mutually_exclusive_group(required=True)
     choice.add_argument(
-        "--resume", action="store_true", help="clear it; the next recovery pass examines it"
+        "--resume",
+        action="store_true",
+        help="clear it; the next recovery pass examines it (the resume budget counts:"
+        " spent, it ends failed)",
     )
     choice.add_argument(
         "--drop",

@@ -460,7 +460,10 @@ class Runtime:
 
         `resume=True` clears the quarantine and recovers it at once under the normal rules
         (the budget counts); durable when it returns: the takeover is committed and its
-        drain started here, or it was quarantined again and `MalformedRecord` is raised. A
+        drain started here, or it was quarantined again and `MalformedRecord` is raised, or
+        another rule ended it - with its resume budget spent it is finished as failed
+        ("resume budget exhausted") and, as after any failed drain, its untaken inputs wait
+        for the next wake (`resume=False` resets the budget and rings the doorbell). A
         runtime that cannot drain it here (a producer, `drain=None`; or no room left under
         `max_active`) clears the quarantine and lets go of it: the next recovery pass of
         any runtime with room examines it (as the CLI's `quarantine release --resume`).
