@@ -149,6 +149,9 @@ class ProtocolModel(RuleBasedStateMachine):
         self.counter = 0
         self.cancelled: set[str] = set()
         self.gone_executions: set[str] = set()
+        # Assistant messages corrupted while open (`finished = 0` stays on the row): an
+        # owner's finish cannot close one, and keeps the claim for recovery to quarantine.
+        self.corrupted_open: set[str] = set()
         self.expired_at_seen: dict[str, int] = {}
         self.quarantined: set[str] = set()
         self.all_inputs: dict[str, str] = {}  # input id -> session id
@@ -228,6 +231,12 @@ class ProtocolModel(RuleBasedStateMachine):
         for message in self.assistant_messages(execution_id):
             if isinstance(message.data, AssistantData) and not message.data.finished:
                 message.data = _transcript.interrupt(message.data, reason)
+
+    def corrupted_while_open(self, execution_id: str) -> bool:
+        return any(
+            message.id in self.corrupted_open and message.data == MALFORMED
+            for message in self.assistant_messages(execution_id)
+        )
 
     def end_claim(self, session_id: str) -> None:
         session = self.sessions[session_id]
@@ -570,6 +579,11 @@ class ProtocolModel(RuleBasedStateMachine):
             with pytest.raises(LeaseLost):
                 self.op(_store.finish_iteration, session_id, execution_id, owner.owner_id)
             return
+        if self.corrupted_while_open(execution_id):
+            # Nothing written: the claim stays for recovery to quarantine once it expires.
+            with pytest.raises(MalformedRecord):
+                self.op(_store.finish_iteration, session_id, execution_id, owner.owner_id)
+            return
         continued = self.op(_store.finish_iteration, session_id, execution_id, owner.owner_id)
         self.close_open_messages(execution_id, INTERRUPTED)
         session = self.sessions[session_id]
@@ -605,6 +619,11 @@ class ProtocolModel(RuleBasedStateMachine):
         session_id, execution_id = self.held_claim(owner, pick)
         if not self.fenced(owner, session_id, execution_id):
             with pytest.raises(LeaseLost):
+                self.op(_store.finish_failed, session_id, execution_id, owner.owner_id, FAILED)
+            return
+        if self.corrupted_while_open(execution_id):
+            # Nothing written: the claim stays for recovery to quarantine once it expires.
+            with pytest.raises(MalformedRecord):
                 self.op(_store.finish_failed, session_id, execution_id, owner.owner_id, FAILED)
             return
         doorbell = self.op(_store.finish_failed, session_id, execution_id, owner.owner_id, FAILED)
@@ -1064,11 +1083,14 @@ class ProtocolModel(RuleBasedStateMachine):
         assert claim is not None
         own = sorted(self.assistant_messages(claim.execution_id), key=lambda m: m.seq)
         if own:
-            assert own[-1].id is not None
+            newest = own[-1]
+            assert newest.id is not None
+            if isinstance(newest.data, AssistantData) and not newest.data.finished:
+                self.corrupted_open.add(newest.id)  # (corrupted again: as open as it was)
             self.conn.execute(
-                "UPDATE session_message SET data = ? WHERE id = ?", (MALFORMED, own[-1].id)
+                "UPDATE session_message SET data = ? WHERE id = ?", (MALFORMED, newest.id)
             )
-            own[-1].data = MALFORMED
+            newest.data = MALFORMED
             return
         message_id = self.fresh("bad")
         seq = self.next_seq(session_id)
@@ -1080,6 +1102,7 @@ class ProtocolModel(RuleBasedStateMachine):
         self.messages[session_id].append(
             MessageModel(message_id, "assistant", seq, claim.execution_id, None, MALFORMED)
         )
+        self.corrupted_open.add(message_id)  # inserted with `finished = 0`
 
     @precondition(lambda self: self.sessions)
     @rule(session_id=st.sampled_from(SESSIONS))
