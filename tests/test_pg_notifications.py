@@ -380,3 +380,19 @@ async def test_a_streamed_word_costs_a_followers_read_not_a_doorbell_scan(
                     await trio.to_thread.run_sync(run_op, engine, *append)
                     assert (await events.__anext__()).kind == "append"
                 assert len(scans) == scanned, f"{len(scans) - scanned} scans for 5 words"
+
+
+def test_a_fork_of_a_session_whose_message_waits_sends_one_notification(
+    pg_url: str, migrated_schema: str
+) -> None:
+    """A fork signals its copy (client-side) and, after its COMMIT, its source when an
+    acquire waits for it (locked, not signalled: `SIGNAL_WAITING`) - one notification
+    naming both, not one for each: every listener of the store reads and looks at each
+    notification, and §8 allows one per transaction. (The source's signal travelled as a
+    second `pg_notify` beside the copy's flush.)"""
+    with opened(PostgresStore(pg_url, schema=migrated_schema).engine()) as engine:
+        run_op(engine, _store.submit, "s", "{}", "q1")  # waits: doorbell set, no claim
+        with listening(pg_url, migrated_schema) as conn:
+            assert run_op(engine, _store.fork, "s", "f", None) == 0
+            payloads = received(conn, pg_url, migrated_schema)
+    assert [sorted(payload.split("\n")) for payload in payloads] == [["f", "s"]]

@@ -103,11 +103,18 @@ _FLUSH = (
 # (after its COMMIT, in the same message) or an operation alone refused and rolled back
 # (`PgEngine._signal_refused`): the signal, in a transaction of its own, for those of the
 # sessions an acquire waits for (a doorbell, no claim, not paused).
-SIGNAL_WAITING = (
-    "SELECT set_config('synchronous_commit', 'off', true), ts_flush_signals(ARRAY("
-    "SELECT s.id FROM session s WHERE s.id = ANY(CAST(%s AS text[]))"
+_WAITING = (
+    "ARRAY(SELECT s.id FROM session s WHERE s.id = ANY(CAST(%s AS text[]))"
     " AND s.time_woken IS NOT NULL AND s.time_paused IS NULL"
-    " AND NOT EXISTS (SELECT 1 FROM session_execution e WHERE e.session_id = s.id)))"
+    " AND NOT EXISTS (SELECT 1 FROM session_execution e WHERE e.session_id = s.id))"
+)
+SIGNAL_WAITING = (
+    f"SELECT set_config('synchronous_commit', 'off', true), ts_flush_signals({_WAITING})"
+)
+# Both after one COMMIT: one `ts_flush_signals`, so one notification (DESIGN §8).
+_FLUSH_AND_SIGNAL_WAITING = (
+    "SELECT set_config('synchronous_commit', 'off', true),"
+    f" ts_flush_signals(CAST(%s AS text[]) || {_WAITING})"
 )
 # Retries: SQLSTATEs after which the whole transaction is re-run.
 RETRYABLE_SQLSTATES = frozenset({"40001", "40P01", "55P03", "57014"})
@@ -603,16 +610,20 @@ class PgEngine:
         # 'busy' and its runtime passes over that doorbell until a signal names the session
         # - the holder was to claim it or signal it - and an operation that ended with
         # neither (a skipping purge, an operator's drop) held the drain back until the
-        # worker's fallback poll (seconds).
-        after = [(_FLUSH, bound(signals))] if flush else []
+        # worker's fallback poll (seconds). Both in one call: one notification.
+        after: tuple[str, tuple[str, ...]] = (_FLUSH, (bound(signals),))
         unsignalled = sorted(tx.locked.difference(signals))
         if unsignalled:
-            after.append((SIGNAL_WAITING, bound(unsignalled)))
+            waiting = bound(unsignalled)
+            after = (
+                (_FLUSH_AND_SIGNAL_WAITING, (bound(signals), waiting))
+                if flush
+                else (SIGNAL_WAITING, (waiting,))
+            )
             flush = True
         try:
             if flush:
-                statements = "; ".join(["COMMIT", *(statement for statement, _ in after)])
-                conn.execute(statements, tuple(sessions for _, sessions in after))
+                conn.execute(f"COMMIT; {after[0]}", after[1])
             else:
                 conn.commit()
         except psycopg.Error as exc:
