@@ -21,12 +21,13 @@ import pytest
 import trio
 from helpers import pg_engine_at as engine_at
 from helpers import pg_raw as raw
+from test_pg_lock_signals import wait_after_it_ended
 
-from trio_sessions import SessionBusy, _store, open_runtime
+from trio_sessions import SessionBusy, _store
 from trio_sessions._backend import Job
 from trio_sessions._decisions import AcquireVerdict
 from trio_sessions._loops import CHANGE_FALLBACK_POLL
-from trio_sessions._postgres import PgEngine, PostgresStore, run_op
+from trio_sessions._postgres import PgEngine, run_op
 from trio_sessions._store import common, control, inputs
 
 WAIT_S = 30.0  # a bound on each gate, never reached when the test passes
@@ -229,12 +230,6 @@ async def test_an_acquire_that_met_an_edit_or_a_fork_claims_once_it_ended_withou
     for its answer to start (DESIGN §7: p99 50 ms). The same for a fork, which takes the
     source's lock too and signalled only the new session. Now each signals the session
     once it ended: the worker claims at once."""
-    started = trio.Event()
-
-    async def drain(ctx: Any) -> None:
-        started.set()
-        await ctx.take_inputs()
-
     checking, go = threading.Event(), threading.Event()
     checked = getattr(inputs if gate == "_known_input" else common, gate)
 
@@ -252,23 +247,7 @@ async def test_an_acquire_that_met_an_edit_or_a_fork_claims_once_it_ended_withou
         editing.start()
         try:
             await trio.to_thread.run_sync(checking.wait, WAIT_S)
-            store = PostgresStore(pg_url, schema=pg_schema)
-            async with open_runtime(store, drain, recovery_interval=3600) as worker:
-                with trio.fail_after(WAIT_S):
-                    while "s" not in worker._passed_over:  # its acquire answered busy
-                        await trio.sleep(0.001)
-                assert not started.is_set()
-                go.set()
-                await trio.to_thread.run_sync(editing.join, WAIT_S)
-                if isinstance(answer, type):
-                    assert isinstance(edit.error, answer), edit.error
-                else:
-                    assert edit.unwrap() == answer
-                ended_at = trio.current_time()
-                with trio.fail_after(WAIT_S):
-                    await started.wait()
-                waited = trio.current_time() - ended_at
-                await worker.wait_idle("s")
+            waited = await wait_after_it_ended(pg_url, pg_schema, go.set, editing, edit, answer)
         finally:
             go.set()
             editing.join(WAIT_S)

@@ -78,6 +78,44 @@ OPERATIONS = [
 ]
 
 
+async def wait_after_it_ended(
+    pg_url: str,
+    pg_schema: str,
+    end: Callable[[], None],
+    running: threading.Thread,
+    job: Job,
+    answer: Any,
+) -> float:
+    """How long after the operation `running` holds (its locks taken, the session's
+    message waiting) ended a worker's drain started: the worker opens, its acquire meets
+    the lock and answers busy (the doorbell passed over); then `end` lets the operation
+    end, which answers `answer` (a value, or the type of its error)."""
+    started = trio.Event()
+
+    async def drain(ctx: Any) -> None:
+        started.set()
+        await ctx.take_inputs()
+
+    store = PostgresStore(pg_url, schema=pg_schema)
+    async with open_runtime(store, drain, recovery_interval=3600) as worker:
+        with trio.fail_after(WAIT_S):
+            while "s" not in worker._passed_over:  # its acquire answered busy
+                await trio.sleep(0.001)
+        assert not started.is_set()
+        end()
+        await trio.to_thread.run_sync(running.join, WAIT_S)
+        if isinstance(answer, type):
+            assert isinstance(job.error, answer), job.error
+        else:
+            assert job.unwrap() == answer
+        ended_at = trio.current_time()
+        with trio.fail_after(WAIT_S):
+            await started.wait()
+        waited = trio.current_time() - ended_at
+        await worker.wait_idle("s")
+    return waited
+
+
 @pytest.mark.parametrize(("prepare", "op", "args", "answer"), OPERATIONS)
 async def test_an_acquire_that_met_an_operation_holding_the_lock_claims_once_it_ended(
     pg_url: str,
@@ -96,12 +134,6 @@ async def test_an_acquire_that_met_an_operation_holding_the_lock_claims_once_it_
     poll: the user's message waited 2 s for its answer to start. Each is held here in a
     transaction once it ran - a server-side function's lock is then held to the COMMIT
     too; alone, the same function runs in autocommit and holds it for its call."""
-    started = trio.Event()
-
-    async def drain(ctx: Any) -> None:
-        started.set()
-        await ctx.take_inputs()
-
     ran, go = threading.Event(), threading.Event()
     looked, submitted = threading.Event(), threading.Event()
 
@@ -133,23 +165,7 @@ async def test_an_acquire_that_met_an_operation_holding_the_lock_claims_once_it_
                 waiting(web, pg_url, pg_schema)
                 submitted.set()
             await trio.to_thread.run_sync(ran.wait, WAIT_S)
-            store = PostgresStore(pg_url, schema=pg_schema)
-            async with open_runtime(store, drain, recovery_interval=3600) as worker:
-                with trio.fail_after(WAIT_S):
-                    while "s" not in worker._passed_over:  # its acquire answered busy
-                        await trio.sleep(0.001)
-                assert not started.is_set()
-                go.set()
-                await trio.to_thread.run_sync(running.join, WAIT_S)
-                if isinstance(answer, type):
-                    assert isinstance(job.error, answer), job.error
-                else:
-                    assert job.unwrap() == answer
-                ended_at = trio.current_time()
-                with trio.fail_after(WAIT_S):
-                    await started.wait()
-                waited = trio.current_time() - ended_at
-                await worker.wait_idle("s")
+            waited = await wait_after_it_ended(pg_url, pg_schema, go.set, running, job, answer)
         finally:
             go.set()
             submitted.set()
@@ -177,12 +193,6 @@ async def test_an_acquire_that_met_a_call_in_autocommit_holding_the_lock_claims_
     the call, after its lock, by the table its input check reads next
     (`session_input_rejected`, which a worker's look and acquire do not read) locked by
     another transaction."""
-    started = trio.Event()
-
-    async def drain(ctx: Any) -> None:
-        started.set()
-        await ctx.take_inputs()
-
     with engine_at(pg_url, pg_schema, 1.0) as web, raw(pg_url, pg_schema) as gate:
         waiting(web, pg_url, pg_schema)
         gate.execute("BEGIN")
@@ -197,23 +207,11 @@ async def test_an_acquire_that_met_a_call_in_autocommit_holding_the_lock_claims_
                     " AND relation = 'session_input_rejected'::regclass)"
                 ).fetchone()[0]:  # type: ignore[index]
                     await trio.sleep(0.001)
-            store = PostgresStore(pg_url, schema=pg_schema)
-            async with open_runtime(store, drain, recovery_interval=3600) as worker:
-                with trio.fail_after(WAIT_S):
-                    while "s" not in worker._passed_over:  # its acquire answered busy
-                        await trio.sleep(0.001)
-                assert not started.is_set()
+
+            def end() -> None:
                 gate.execute("COMMIT")
-                await trio.to_thread.run_sync(running.join, WAIT_S)
-                if isinstance(answer, type):
-                    assert isinstance(job.error, answer), job.error
-                else:
-                    assert job.unwrap() == answer
-                ended_at = trio.current_time()
-                with trio.fail_after(WAIT_S):
-                    await started.wait()
-                waited = trio.current_time() - ended_at
-                await worker.wait_idle("s")
+
+            waited = await wait_after_it_ended(pg_url, pg_schema, end, running, job, answer)
         finally:
             if gate.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
                 gate.execute("COMMIT")
