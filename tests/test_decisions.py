@@ -32,6 +32,7 @@ from trio_sessions._decisions import (
     holds_live_claim,
     iteration_verdict,
     lease_is_live,
+    leaves_a_doorbell,
     may_take_recovery_lease,
     owes_a_drain,
     rearms_doorbell,
@@ -283,6 +284,19 @@ def test_rearms_doorbell_only_for_cancelled_superseded_and_paused() -> None:
         RecoveryDecision.FINISH_CANCELLED,
         RecoveryDecision.DROP_SUPERSEDED,
         RecoveryDecision.FINISH_PAUSED,
+    }
+
+
+def test_endings_that_may_leave_a_doorbell_are_the_rearming_ones_and_exhausted() -> None:
+    """The endings after which the recovering runtime looks for doorbells at once: those
+    that re-arm, and an exhausted one (a message rung while its claim was held); a resume
+    keeps the claim, and the others end nothing of the session's."""
+    leaving = {d for d in RecoveryDecision if leaves_a_doorbell(d)}
+    assert leaving == {
+        RecoveryDecision.FINISH_CANCELLED,
+        RecoveryDecision.DROP_SUPERSEDED,
+        RecoveryDecision.FINISH_PAUSED,
+        RecoveryDecision.EXHAUSTED,
     }
 
 

@@ -520,6 +520,35 @@ async def test_resume_budget_exhaustion_finishes_as_failed(
     assert data.error == "resume budget exhausted"
 
 
+async def test_a_message_sent_while_an_exhausted_claim_was_held_is_answered_at_once(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """A claim whose resume budget ran out is finished as failed without re-arming the
+    doorbell - but a message the user sent while that claim was held rang it already: it
+    is a new wake, taken as soon as the claim is gone. The pass's own commit is no change
+    signal here, and the other endings that leave a doorbell set look for it at once; this
+    one did not, so the message waited for the fallback poll (2 s on PostgreSQL; never on
+    the inline store, which has no background look)."""
+    raw = Raw(db_path)
+    started = trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        started.set()
+        await ctx.take_inputs()
+
+    async with runtime(store, drain, clock, max_resumes=3, **QUIET) as rt:
+        raw.seed_claim("s", "tired", expires_at=expired(clock), wake_attempts=3)
+        await rt.submit("s", {"text": "are you there?"})  # rings: the claim holds it
+        report = await rt.recover_once()
+        assert report == RecoveryReport(examined=1, exhausted=1)
+        ended_at = trio.current_time()
+        with trio.fail_after(10 * _loops.CHANGE_FALLBACK_POLL):
+            await started.wait()
+        waited = trio.current_time() - ended_at
+        await rt.wait_idle("s")
+    assert waited < _loops.CHANGE_FALLBACK_POLL / 4, f"the drain started {waited:.2f} s late"
+
+
 async def test_resumes_count_toward_the_budget(
     store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
 ) -> None:

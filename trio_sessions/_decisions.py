@@ -235,6 +235,14 @@ def rearms_doorbell(decision: RecoveryDecision) -> bool:
     )
 
 
+def leaves_a_doorbell(decision: RecoveryDecision) -> bool:
+    """Which endings may leave the session's doorbell set with no claim: those that re-arm
+    it, and an exhausted one - it re-arms nothing, but a message rung while its claim was
+    held is a new wake, not the failed work. The runtime that recovered looks for it at
+    once: its own commit is no change signal to it."""
+    return rearms_doorbell(decision) or decision is RecoveryDecision.EXHAUSTED
+
+
 def owes_a_drain(decision: RecoveryDecision) -> bool:
     """Which endings ring the doorbell whatever is pending: a paused session's claim cut
     short (its owner restarted or died mid-answer) is owed a drain once resumed. The

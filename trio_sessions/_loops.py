@@ -24,7 +24,7 @@ import trio
 from . import _observe, _store
 from ._backend import Signal
 from ._coordinator import SessionEntry
-from ._decisions import RecoveryDecision, rearms_doorbell
+from ._decisions import RecoveryDecision, leaves_a_doorbell
 from ._errors import StoreError, StoreLost
 from ._model import RecoveryReport
 from ._recovery import report_of
@@ -336,9 +336,10 @@ class BackgroundLoops:
             if runtime._closing:
                 entry.interrupt("shutdown")
             runtime._nursery.start_soon(runtime._busy.busy_period, entry)
-        if any(rearms_doorbell(result.decision) for result in results):
-            # Endings that re-arm the doorbell for untaken inputs are our own commit, no
-            # change signal: look for those doorbells now, not at the next pass.
+        if any(leaves_a_doorbell(result.decision) for result in results):
+            # Endings that leave a doorbell set (re-armed for untaken inputs, or rung while
+            # the claim was held) are our own commit, no change signal: look for those
+            # doorbells now, not at the fallback poll or the next pass.
             runtime._kick.set()
         if unacted:
             # Else their leases keep the rows from every runtime with room until they run
