@@ -31,6 +31,7 @@ from .common import (
     _next_message_seq,
     _require_claim,
     pg_set_wise,
+    whole_number,
 )
 
 # An empty assistant message, as stored (also a literal in `ts_begin_assistants`).
@@ -144,13 +145,14 @@ def append_assistant_text(
     # Serialised with every other write to this message by the session lock, so the
     # newest version read here is still the newest when the row lands.
     # Only after a whole-number version: SQLite keeps whatever another tool writes in an
-    # INTEGER column, and text + 1 (or a REAL + 1) names no next version.
+    # INTEGER column, and text + 1 (or a REAL + 1) names no next version (PostgreSQL's
+    # column is typed, and it has no typeof: `whole_number`).
     row = tx.one(
         "INSERT INTO session_message_delta(message_id, version, text)"
         f" SELECT s.message_id, {_TOP_DELTA} + 1, :text"
         " FROM session_message_stream s"
         " WHERE s.message_id = :message AND s.execution_id = :execution"
-        f" AND typeof({_TOP_DELTA}) = 'integer'"
+        f" AND {whole_number(tx, _TOP_DELTA)}"
         " RETURNING version",
         {"message": message_id, "execution": execution_id, "text": text},
     )
