@@ -240,6 +240,9 @@ def test_a_user_message_in_any_script_reads_as_its_text() -> None:
             '\\ud83d\\udc69\\u200d\\ud83d\\udcbb"}',
             '{"t":"a\\u202eb \\u2066c\\u2069 \\u200f \\u2028 \\u2029 \U0001f469\u200d\U0001f4bb"}',
         ),
+        # Another tool's row may hold them raw (valid JSON, not ASCII-only): escaped too,
+        # so such a payload cannot show reversed or split either. Found by review (revE53).
+        ('{"t":"a\u202eb\u2028c \u00e9"}', '{"t":"a\\u202eb\\u2028c \u00e9"}'),
     ],
 )
 def test_a_stored_payload_reads_as_its_text(stored: str, shown: str) -> None:

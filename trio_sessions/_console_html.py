@@ -316,8 +316,9 @@ def readable_json(text: str) -> str:
     its `\\uXXXX` escapes of characters that print written as those characters: the store
     writes JSON ASCII-only, and an operator reads "héllo", not "h\\u00e9llo". A control
     character, a quote or a backslash, a bidi or line-separating control, a lone surrogate
-    and an escape cut short stay escaped: the text still reads as the same JSON."""
-    return _UNICODE_ESCAPE.sub(_unescaped, text)
+    and an escape cut short stay escaped: the text still reads as the same JSON. Those
+    controls stored raw (another tool's row, not ASCII-only) are escaped too."""
+    return _RAW_KEPT.sub(_escaped, _UNICODE_ESCAPE.sub(_unescaped, text))
 
 
 # A `\uXXXX` escape (a surrogate pair as one) after an even run of backslashes: after an
@@ -350,6 +351,14 @@ def _unescaped(match: re.Match[str]) -> str:
 _KEPT_ESCAPED = frozenset(
     '"\\\u061c\u200e\u200f\u2028\u2029\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069'
 )
+
+
+# The controls of `_KEPT_ESCAPED` (all but the quote and backslash), as stored raw.
+_RAW_KEPT = re.compile("[" + "".join(sorted(_KEPT_ESCAPED - frozenset('"\\'))) + "]")
+
+
+def _escaped(match: re.Match[str]) -> str:
+    return f"\\u{ord(match.group()):04x}"
 
 
 def escape(text: str) -> str:
