@@ -20,9 +20,10 @@ from typing import Any
 import attrs
 import pytest
 import trio
+import trio.testing
 
 import trio_sessions
-from trio_sessions import AssistantData, DrainContext, _loops, _store
+from trio_sessions import AssistantData, DrainContext, _loops, _store, testing
 from trio_sessions._backend import Job
 from trio_sessions._sqlite.changes import ChangeReader
 from trio_sessions._sqlite.connections import connect, connect_nonblocking
@@ -55,6 +56,11 @@ class Looks:
 def looks(monkeypatch: pytest.MonkeyPatch) -> Looks:
     """Counts looks; no fallback poll."""
     monkeypatch.setattr(_loops, "CHANGE_FALLBACK_POLL", 3600.0)
+    return counted_looks(monkeypatch)
+
+
+def counted_looks(monkeypatch: pytest.MonkeyPatch) -> Looks:
+    """Counts looks (`_store.changes` reads)."""
     counted = Looks()
     changes = _store.changes
 
@@ -216,3 +222,29 @@ def test_the_signal_skips_own_commits(tmp_path: Path) -> None:
         run_batch(other, time.time, [Job(_write, ())])
         assert reader._changed()
         assert not reader._changed()  # looked at: forgotten
+
+
+async def test_a_runtime_alone_on_the_inline_store_looks_at_no_fallback_poll(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.testing.MockClock
+) -> None:
+    """The inline SQLite store looks at its fallback poll only when another connection
+    committed meanwhile (a471d43: another runtime on the store): a runtime alone, after
+    cycles of its own commits, spends 30 fallback polls of virtual time with no look - its
+    own commits are no change, as on the threaded store. Pinned by review (revE53): no test
+    failed when the inline executor looked at every fallback poll."""
+    looks = counted_looks(monkeypatch)
+
+    async def drain(ctx: DrainContext) -> None:
+        await ctx.take_inputs()
+
+    store = testing.inline_store(tmp_path / "s.db")
+    with trio.fail_after(600):
+        async with trio_sessions.open_runtime(
+            store, drain, clock=testing.trio_clock(), **NO_RECOVERY
+        ) as rt:
+            for n in range(5):
+                await rt.submit("s", {"n": n})
+                await rt.wait_idle("s")
+            before = looks.count
+            await trio.sleep(30 * _loops.CHANGE_FALLBACK_POLL)  # virtual time
+            assert looks.count == before, looks
