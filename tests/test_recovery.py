@@ -549,6 +549,41 @@ async def test_a_message_sent_while_an_exhausted_claim_was_held_is_answered_at_o
     assert waited < _loops.CHANGE_FALLBACK_POLL / 4, f"the drain started {waited:.2f} s late"
 
 
+async def test_an_exhausted_ending_costs_one_look_not_a_loop(
+    store: Store,
+    clock: Clock,
+    db_path: Path,
+    autojump_clock: MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The kick after an exhausted ending (dd532f9) brings one look, never a recovery pass:
+    no pass, so no exhausted ending and no kick again. With no fallback poll and no timed
+    pass, a minute after the pass the runtime has looked once and run no other pass.
+    Pinned by review (revE53), which asked whether the kick could loop."""
+    monkeypatch.setattr(_loops, "CHANGE_FALLBACK_POLL", 3600.0)
+    looks, passes = [0], [0]
+    changes, recovery_pass = _store.changes, _loops.BackgroundLoops.recovery_pass
+
+    def counted_changes(tx: Any, *args: Any) -> Any:
+        looks[0] += 1
+        return changes(tx, *args)
+
+    async def counted_pass(self: _loops.BackgroundLoops) -> RecoveryReport:
+        passes[0] += 1
+        return await recovery_pass(self)
+
+    monkeypatch.setattr(_store, "changes", counted_changes)
+    monkeypatch.setattr(_loops.BackgroundLoops, "recovery_pass", counted_pass)
+    raw = Raw(db_path)
+    async with runtime(store, Recorder(), clock, max_resumes=3, **QUIET) as rt:
+        await rt.wait_idle("s")  # the opening look and pass are done
+        raw.seed_claim("s", "tired", expires_at=expired(clock), wake_attempts=3)
+        looked, passed = looks[0], passes[0]
+        assert await rt.recover_once() == RecoveryReport(examined=1, exhausted=1)
+        await trio.sleep(60)  # virtual: what the kick brings, and nothing after it
+        assert (looks[0] - looked, passes[0] - passed) == (1, 1)
+
+
 async def test_resumes_count_toward_the_budget(
     store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
 ) -> None:
