@@ -36,6 +36,7 @@ from trio_sessions import (
     _metrics,
     _sqlite,
     _store,
+    _validate,
     _worker,
     testing,
 )
@@ -382,6 +383,18 @@ async def test_a_lease_no_heartbeat_can_keep_is_refused_naming_it(
     flags = _cli.build_parser().parse_args(["worker", "m:drain", "--lease", str(lease)])
     with pytest.raises(_worker.UsageError, match=refused):
         _worker.settings_from(flags, {"TRIO_SESSIONS_STORE": "env.db"})
+
+
+@pytest.mark.parametrize("lease", [0, -1, float("nan")])
+def test_a_lease_that_is_no_duration_is_refused_without_the_heartbeats_reason(
+    lease: float,
+) -> None:
+    """The heartbeat's reason fits a lease above 0 and below `MIN_LEASE` only: a zero,
+    negative or NaN lease is refused naming the range alone (found by the review revE53:
+    -1 was told a heartbeat could not renew "a shorter one")."""
+    with pytest.raises(ValueError, match=r"lease must be 0.5 to 1e\+09 seconds, got") as info:
+        _validate.lease(lease)
+    assert "heartbeat" not in str(info.value)
 
 
 async def test_the_shortest_lease_drains(

@@ -129,7 +129,7 @@ def lease(value: object) -> float:
     try:
         return duration(value, "lease", minimum=MIN_LEASE)
     except ValueError as exc:
-        if isinstance(value, int | float) and value < MIN_LEASE:
+        if isinstance(value, int | float) and 0 < value < MIN_LEASE:
             raise ValueError(
                 f"{exc}: a heartbeat could not renew a shorter one before its drain stops (at"
                 " 90% of it), so every drain would stop as lease_lost"
