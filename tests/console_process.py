@@ -86,6 +86,21 @@ def console(store: str, log_dir: Path, *args: str, **env: str) -> Iterator[tuple
 
 
 @contextmanager
+def chat_service(store: str, log_dir: Path, **env: str) -> Iterator[str]:
+    """The chat example's web process (examples/chat_service.py) on a free loopback port;
+    yields its base URL. `env` sets e.g. CHAT_WORD_DELAY, how fast an answer streams."""
+    process = spawn(
+        [str(EXAMPLES / "chat_service.py"), "--store", store, "--bind", "127.0.0.1:0"],
+        log_dir / "web.log",
+        **env,
+    )
+    try:
+        yield wait_for_line(process, r"chat service listening on (http://\S+)").group(1)
+    finally:
+        process.stop()
+
+
+@contextmanager
 def worker(store: str, log_dir: Path, drain: str, name: str, *args: str) -> Iterator[Process]:
     process = spawn(
         ["-m", "trio_sessions", "worker", drain, "--store", store, "--owner", name, *args],

@@ -12,12 +12,13 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
-from console_process import DEADLINE, console, seed_quarantine, worker
+from console_process import DEADLINE, chat_service, console, seed_quarantine, worker
 from helpers import Raw
 
 import trio_sessions
@@ -25,6 +26,7 @@ import trio_sessions
 pytestmark = pytest.mark.browser
 
 TOKEN = "browser-test-token-0123456789"
+DRAIN = "chat_service:drain"  # the chat example's drain, as its workers run it
 
 
 @pytest.fixture(scope="module")
@@ -251,6 +253,29 @@ def chat_texts(browser: Any, role: str) -> list[str]:
     return [str(text) for text in browser.execute_script(script, f".message.{role} .text")]
 
 
+@contextmanager
+def chat_page(browser: Any, tmp_path: Path, session_id: str, **env: str) -> Iterator[str]:
+    """The chat service and one worker on a new store in `tmp_path`, and `browser` at
+    `session_id`'s page; yields the service's URL. `env`: e.g. CHAT_WORD_DELAY."""
+    store = str(tmp_path / "db")
+    with chat_service(store, tmp_path, **env) as url, worker(store, tmp_path, DRAIN, "w1"):
+        browser.get(f"{url}/?session={session_id}")
+        yield url
+
+
+def send(browser: Any, text: str) -> None:
+    """Type `text` into the chat page's box (after what it holds) and click send."""
+    from selenium.webdriver.common.by import By
+
+    browser.find_element(By.ID, "text").send_keys(text)
+    browser.find_element(By.ID, "send").click()
+
+
+def until_answers(browser: Any, answers: list[str], what: str) -> None:
+    """Wait until the chat page shows exactly `answers`, the assistant's texts."""
+    until(lambda: chat_texts(browser, "assistant") == answers, what, browser)
+
+
 def stored_texts(url: str, session_id: str, role: str) -> list[str]:
     import httpx
 
@@ -273,81 +298,64 @@ def test_the_chat_page_answers_live_resumes_stops_edits_and_deletes(
     from its cursor and ends with exactly the stored text; a message refused while an
     answer runs keeps what was typed; Stop interrupts an answer; edit-and-regenerate
     replaces the question and its answer; delete empties it all."""
-    from console_process import spawn, wait_for_line
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.support.ui import Select
 
-    store = tmp_path / "db"
-    web = spawn(
-        ["examples/chat_service.py", "--store", str(store), "--bind", "127.0.0.1:0"],
-        tmp_path / "web.log",
-        CHAT_WORD_DELAY="0.05",
-    )
-    try:
-        url = wait_for_line(web, r"chat service listening on (http://\S+)").group(1)
-        with worker(str(store), tmp_path, "chat_service:drain", "w1"):
-            chrome.get(f"{url}/?session=b1")
-            typed = chrome.find_element(By.ID, "text")
+    with chat_page(chrome, tmp_path, "b1", CHAT_WORD_DELAY="0.05") as url:
+        typed = chrome.find_element(By.ID, "text")
 
-            def say(text: str) -> None:
-                typed.send_keys(text)
-                chrome.find_element(By.ID, "send").click()
+        def say(text: str) -> None:
+            send(chrome, text)
 
-            say("hello browser")
-            until(
-                lambda: chat_texts(chrome, "assistant") == ["You said: hello browser"],
-                "the first answer",
-                chrome,
-            )
-            screenshot(chrome, "chat")
-            long_question = " ".join(f"word{n}" for n in range(40))
-            say(long_question)
-            until(lambda: len(chat_texts(chrome, "assistant")) == 2, "the second answer", chrome)
-            chrome.execute_script("window.chat.drop()")  # mid-answer: ~2 s of words
-            until(
-                lambda: chrome.find_elements(
-                    By.CSS_SELECTOR, '.message.assistant[data-finished="true"]'
-                )[1:],
-                "the second answer finished",
-                chrome,
-            )
-            assert chat_texts(chrome, "assistant") == stored_texts(url, "b1", "assistant")
-            assert chat_texts(chrome, "assistant")[1] == f"You said: {long_question}"
-            say(long_question)  # Stop lands mid-answer: ~2 s of words
-            until(lambda: len(chat_texts(chrome, "assistant")) == 3, "a third answer", chrome)
-            # Refused while the answer runs (on_busy="reject": 409), a message keeps what
-            # was typed, to send again; the page cleared it before posting.
-            on_busy = Select(chrome.find_element(By.ID, "on_busy"))
-            on_busy.select_by_value("reject")
-            say("are you there?")
-            until(lambda: chrome.find_element(By.ID, "status").text, "the refusal", chrome)
-            assert typed.get_attribute("value") == "are you there?"
-            typed.clear()
-            on_busy.select_by_value("queue")
-            chrome.find_element(By.ID, "stop").click()
-            until(
-                lambda: "(interrupted)" in chrome.find_element(By.ID, "messages").text,
-                "the interrupted answer",
-                chrome,
-            )
-            chrome.find_elements(By.CSS_SELECTOR, ".message.user .edit")[0].click()
-            typed.send_keys(Keys.CONTROL, "a")  # typed over: a box emptied is a new message
-            say("edited question")
-            until(
-                lambda: (
-                    chat_texts(chrome, "user") == ["edited question"]
-                    and chat_texts(chrome, "assistant") == ["You said: edited question"]
-                ),
-                "the regenerated answer",
-                chrome,
-            )
-            assert stored_texts(url, "b1", "user") == ["edited question"]
-            chrome.find_element(By.ID, "delete").click()
-            until(lambda: chat_texts(chrome, "user") == [], "the deleted conversation", chrome)
-            assert stored_texts(url, "b1", "user") == []
-    finally:
-        web.stop()
+        say("hello browser")
+        until_answers(chrome, ["You said: hello browser"], "the first answer")
+        screenshot(chrome, "chat")
+        long_question = " ".join(f"word{n}" for n in range(40))
+        say(long_question)
+        until(lambda: len(chat_texts(chrome, "assistant")) == 2, "the second answer", chrome)
+        chrome.execute_script("window.chat.drop()")  # mid-answer: ~2 s of words
+        until(
+            lambda: chrome.find_elements(
+                By.CSS_SELECTOR, '.message.assistant[data-finished="true"]'
+            )[1:],
+            "the second answer finished",
+            chrome,
+        )
+        assert chat_texts(chrome, "assistant") == stored_texts(url, "b1", "assistant")
+        assert chat_texts(chrome, "assistant")[1] == f"You said: {long_question}"
+        say(long_question)  # Stop lands mid-answer: ~2 s of words
+        until(lambda: len(chat_texts(chrome, "assistant")) == 3, "a third answer", chrome)
+        # Refused while the answer runs (on_busy="reject": 409), a message keeps what
+        # was typed, to send again; the page cleared it before posting.
+        on_busy = Select(chrome.find_element(By.ID, "on_busy"))
+        on_busy.select_by_value("reject")
+        say("are you there?")
+        until(lambda: chrome.find_element(By.ID, "status").text, "the refusal", chrome)
+        assert typed.get_attribute("value") == "are you there?"
+        typed.clear()
+        on_busy.select_by_value("queue")
+        chrome.find_element(By.ID, "stop").click()
+        until(
+            lambda: "(interrupted)" in chrome.find_element(By.ID, "messages").text,
+            "the interrupted answer",
+            chrome,
+        )
+        chrome.find_elements(By.CSS_SELECTOR, ".message.user .edit")[0].click()
+        typed.send_keys(Keys.CONTROL, "a")  # typed over: a box emptied is a new message
+        say("edited question")
+        until(
+            lambda: (
+                chat_texts(chrome, "user") == ["edited question"]
+                and chat_texts(chrome, "assistant") == ["You said: edited question"]
+            ),
+            "the regenerated answer",
+            chrome,
+        )
+        assert stored_texts(url, "b1", "user") == ["edited question"]
+        chrome.find_element(By.ID, "delete").click()
+        until(lambda: chat_texts(chrome, "user") == [], "the deleted conversation", chrome)
+        assert stored_texts(url, "b1", "user") == []
 
 
 def test_the_chat_page_shows_an_answer_a_rolling_restart_cut_once(
@@ -358,28 +366,21 @@ def test_the_chat_page_shows_an_answer_a_rolling_restart_cut_once(
     "(interrupted: owner lost)", and under it the resumed answer from its first word - the
     words already streamed twice. It shows one answer, the full text, no error; the
     transcript keeps both (found by running the chat service through rolling restarts)."""
-    from console_process import spawn, wait_for_line
     from selenium.webdriver.common.by import By
 
     store = tmp_path / "db"
-    web = spawn(
-        ["examples/chat_service.py", "--store", str(store), "--bind", "127.0.0.1:0"],
-        tmp_path / "web.log",
-    )
     question = " ".join(f"word{n}" for n in range(40))  # ~2 s of words
-    try:
-        url = wait_for_line(web, r"chat service listening on (http://\S+)").group(1)
-        with worker(str(store), tmp_path, "chat_service:drain", "w1") as first:
+    with chat_service(str(store), tmp_path) as url:
+        with worker(str(store), tmp_path, DRAIN, "w1") as first:
             chrome.get(f"{url}/?session=r1")
-            chrome.find_element(By.ID, "text").send_keys(question)
-            chrome.find_element(By.ID, "send").click()
+            send(chrome, question)
             until(
                 lambda: len("".join(chat_texts(chrome, "assistant")).split()) >= 5,
                 "the answer streaming",
                 chrome,
             )
             assert first.stop() == 0, first.output()
-        with worker(str(store), tmp_path, "chat_service:drain", "w2"):
+        with worker(str(store), tmp_path, DRAIN, "w2"):
             until(
                 lambda: chrome.find_elements(
                     By.CSS_SELECTOR, '.message.assistant[data-finished="true"]'
@@ -387,16 +388,10 @@ def test_the_chat_page_shows_an_answer_a_rolling_restart_cut_once(
                 "the resumed answer finished",
                 chrome,
             )
-            until(
-                lambda: chat_texts(chrome, "assistant") == [f"You said: {question}"],
-                "one full answer",
-                chrome,
-            )
+            until_answers(chrome, [f"You said: {question}"], "one full answer")
             assert "owner lost" not in chrome.find_element(By.ID, "messages").text
             cut, answer = stored_texts(url, "r1", "assistant")
             assert answer == f"You said: {question}" and answer.startswith(cut) and cut
-    finally:
-        web.stop()
 
 
 def test_a_session_page_drops_what_a_truncate_removes_and_resumes_after_a_restart(
@@ -460,44 +455,22 @@ def test_the_chat_page_sends_a_new_message_after_the_message_it_was_editing_is_d
     typed next is a new message, answered. (The page kept the deleted message's seq as the
     one it edits: every send was then an edit of a message that is no more, a 404, and the
     conversation could not go on without reloading the page.)"""
-    from console_process import spawn, wait_for_line
     from selenium.webdriver.common.by import By
 
-    store = tmp_path / "db"
-    web = spawn(
-        ["examples/chat_service.py", "--store", str(store), "--bind", "127.0.0.1:0"],
-        tmp_path / "web.log",
-        CHAT_WORD_DELAY="0",
-    )
-    try:
-        url = wait_for_line(web, r"chat service listening on (http://\S+)").group(1)
-        with worker(str(store), tmp_path, "chat_service:drain", "w1"):
-            chrome.get(f"{url}/?session=e1")
-            typed = chrome.find_element(By.ID, "text")
-            typed.send_keys("first question")
-            chrome.find_element(By.ID, "send").click()
-            until(
-                lambda: chat_texts(chrome, "assistant") == ["You said: first question"],
-                "the first answer",
-                chrome,
-            )
-            # In one script call: the page re-renders its messages on each stream event.
-            chrome.execute_script("document.querySelector('.message.user .edit').click()")
-            assert typed.get_attribute("value") == "first question"  # editing it now
-            chrome.find_element(By.ID, "delete").click()
-            until(lambda: chat_texts(chrome, "user") == [], "the deleted conversation", chrome)
-            typed.clear()
-            typed.send_keys("a fresh start")
-            chrome.find_element(By.ID, "send").click()
-            until(
-                lambda: chat_texts(chrome, "assistant") == ["You said: a fresh start"],
-                "the new message answered",
-                chrome,
-            )
-            assert chrome.find_element(By.ID, "status").text == ""
-            assert stored_texts(url, "e1", "user") == ["a fresh start"]
-    finally:
-        web.stop()
+    with chat_page(chrome, tmp_path, "e1", CHAT_WORD_DELAY="0") as url:
+        typed = chrome.find_element(By.ID, "text")
+        send(chrome, "first question")
+        until_answers(chrome, ["You said: first question"], "the first answer")
+        # In one script call: the page re-renders its messages on each stream event.
+        chrome.execute_script("document.querySelector('.message.user .edit').click()")
+        assert typed.get_attribute("value") == "first question"  # editing it now
+        chrome.find_element(By.ID, "delete").click()
+        until(lambda: chat_texts(chrome, "user") == [], "the deleted conversation", chrome)
+        typed.clear()
+        send(chrome, "a fresh start")
+        until_answers(chrome, ["You said: a fresh start"], "the new message answered")
+        assert chrome.find_element(By.ID, "status").text == ""
+        assert stored_texts(url, "e1", "user") == ["a fresh start"]
 
 
 def test_the_chat_page_says_when_the_service_does_not_answer(chrome: Any, tmp_path: Path) -> None:
@@ -505,22 +478,13 @@ def test_the_chat_page_says_when_the_service_does_not_answer(chrome: Any, tmp_pa
     is no response) is said on the page, and what was typed stays to send again. (Only an
     answered request was: a failed one threw in the handler and the page said nothing, as
     if the message had gone.)"""
-    from console_process import spawn, wait_for_line
     from selenium.webdriver.common.by import By
 
     store = tmp_path / "db"
-    web = spawn(
-        ["examples/chat_service.py", "--store", str(store), "--bind", "127.0.0.1:0"],
-        tmp_path / "web.log",
-    )
-    try:
-        url = wait_for_line(web, r"chat service listening on (http://\S+)").group(1)
+    with chat_service(str(store), tmp_path) as url:
         chrome.get(f"{url}/?session=down")
-    finally:
-        web.stop()
     typed = chrome.find_element(By.ID, "text")
-    typed.send_keys("anyone there?")
-    chrome.find_element(By.ID, "send").click()
+    send(chrome, "anyone there?")
     status = chrome.find_element(By.ID, "status")
     until(lambda: "did not answer" in status.text, "the failed send said", chrome)
     assert typed.get_attribute("value") == "anyone there?"
@@ -536,39 +500,21 @@ def test_the_chat_pages_edit_button_takes_a_click_while_an_answer_streams(
     updates the message that changed, not every message. (It rebuilt all of them on each
     event: a button pressed before a word arrived and released after it was another node
     by then, and the click was lost - an answer streams a word every 50 ms.)"""
-    from console_process import spawn, wait_for_line
     from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By
 
-    store = tmp_path / "db"
-    web = spawn(
-        ["examples/chat_service.py", "--store", str(store), "--bind", "127.0.0.1:0"],
-        tmp_path / "web.log",
-        CHAT_WORD_DELAY="0.05",
-    )
-    try:
-        url = wait_for_line(web, r"chat service listening on (http://\S+)").group(1)
-        with worker(str(store), tmp_path, "chat_service:drain", "w1"):
-            chrome.get(f"{url}/?session=c1")
-            typed = chrome.find_element(By.ID, "text")
-            typed.send_keys("short")
-            chrome.find_element(By.ID, "send").click()
-            until(
-                lambda: chat_texts(chrome, "assistant") == ["You said: short"],
-                "the first answer",
-                chrome,
-            )
-            typed.send_keys(" ".join(f"word{n}" for n in range(200)))  # ~10 s of words
-            chrome.find_element(By.ID, "send").click()
-            until(lambda: len(chat_texts(chrome, "assistant")) == 2, "the second answer", chrome)
-            edit = chrome.find_element(By.CSS_SELECTOR, '.message.user[data-seq="1"] .edit')
-            ActionChains(chrome).click_and_hold(edit).perform()
-            before = chat_texts(chrome, "assistant")[1]
-            until(lambda: chat_texts(chrome, "assistant")[1] != before, "a word more", chrome)
-            ActionChains(chrome).release().perform()
-            assert typed.get_attribute("value") == "short"
-    finally:
-        web.stop()
+    with chat_page(chrome, tmp_path, "c1", CHAT_WORD_DELAY="0.05"):
+        typed = chrome.find_element(By.ID, "text")
+        send(chrome, "short")
+        until_answers(chrome, ["You said: short"], "the first answer")
+        send(chrome, " ".join(f"word{n}" for n in range(200)))  # ~10 s of words
+        until(lambda: len(chat_texts(chrome, "assistant")) == 2, "the second answer", chrome)
+        edit = chrome.find_element(By.CSS_SELECTOR, '.message.user[data-seq="1"] .edit')
+        ActionChains(chrome).click_and_hold(edit).perform()
+        before = chat_texts(chrome, "assistant")[1]
+        until(lambda: chat_texts(chrome, "assistant")[1] != before, "a word more", chrome)
+        ActionChains(chrome).release().perform()
+        assert typed.get_attribute("value") == "short"
 
 
 def test_a_double_click_on_send_sends_the_message_once(chrome: Any, tmp_path: Path) -> None:
@@ -577,18 +523,11 @@ def test_a_double_click_on_send_sends_the_message_once(chrome: Any, tmp_path: Pa
     second POST of it - or a retry after a request that got no answer - is the same input.
     (The page sent none: both clicks posted before the first answer cleared the box, and
     the question was stored, and answered, twice.)"""
-    from console_process import spawn, wait_for_line
     from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By
 
     store = tmp_path / "db"
-    web = spawn(
-        ["examples/chat_service.py", "--store", str(store), "--bind", "127.0.0.1:0"],
-        tmp_path / "web.log",
-        CHAT_WORD_DELAY="0",
-    )
-    try:
-        url = wait_for_line(web, r"chat service listening on (http://\S+)").group(1)
+    with chat_service(str(store), tmp_path, CHAT_WORD_DELAY="0") as url:
         chrome.get(f"{url}/?session=twice")
         # The page's requests in flight, counted, to read the store once all are answered.
         chrome.execute_script(
@@ -609,8 +548,6 @@ def test_a_double_click_on_send_sends_the_message_once(chrome: Any, tmp_path: Pa
             chrome,
         )
         assert Raw(store).one("SELECT COUNT(*) FROM session_input") == (1,)
-    finally:
-        web.stop()
 
 
 def test_the_chat_pages_edit_mode_is_shown_and_cancel_or_an_empty_box_leaves_it(
@@ -621,52 +558,39 @@ def test_the_chat_pages_edit_mode_is_shown_and_cancel_or_an_empty_box_leaves_it(
     nothing of the conversation is cut. (Nothing showed the edit mode, and only a send that
     succeeded left it: a user who cleared the box and typed a new question had it taken
     as an edit, and lost every message after the one edited.)"""
-    from console_process import spawn, wait_for_line
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
 
-    store = tmp_path / "db"
-    web = spawn(
-        ["examples/chat_service.py", "--store", str(store), "--bind", "127.0.0.1:0"],
-        tmp_path / "web.log",
-        CHAT_WORD_DELAY="0",
-    )
-    try:
-        url = wait_for_line(web, r"chat service listening on (http://\S+)").group(1)
-        with worker(str(store), tmp_path, "chat_service:drain", "w1"):
-            chrome.get(f"{url}/?session=m1")
-            typed = chrome.find_element(By.ID, "text")
-            answers: list[str] = []
+    with chat_page(chrome, tmp_path, "m1", CHAT_WORD_DELAY="0") as url:
+        typed = chrome.find_element(By.ID, "text")
+        answers: list[str] = []
 
-            def say(text: str) -> None:
-                typed.send_keys(text)
-                chrome.find_element(By.ID, "send").click()
-                answers.append(f"You said: {text}")
-                until(lambda: chat_texts(chrome, "assistant") == answers, text, chrome)
+        def say(text: str) -> None:
+            send(chrome, text)
+            answers.append(f"You said: {text}")
+            until_answers(chrome, answers, text)
 
-            def edit_first() -> None:
-                # In one script call: the page re-renders the message on each stream event.
-                chrome.execute_script("document.querySelector('.message.user .edit').click()")
-                shown = chrome.find_element(By.ID, "editing")
-                assert shown.is_displayed() and "editing message 1" in shown.text, shown.text
+        def edit_first() -> None:
+            # In one script call: the page re-renders the message on each stream event.
+            chrome.execute_script("document.querySelector('.message.user .edit').click()")
+            shown = chrome.find_element(By.ID, "editing")
+            assert shown.is_displayed() and "editing message 1" in shown.text, shown.text
 
-            say("first question")
-            say("second question")
-            edit_first()
-            chrome.find_element(By.ID, "cancel-edit").click()
-            assert not chrome.find_element(By.ID, "editing").is_displayed()
-            assert typed.get_attribute("value") == ""  # the edited text, untouched, gone
-            say("third question")
-            edit_first()
-            typed.send_keys(Keys.CONTROL, "a")
-            typed.send_keys(Keys.BACK_SPACE)  # the box emptied by hand: a new message next
-            assert not chrome.find_element(By.ID, "editing").is_displayed()
-            say("fourth question")
-            asked = ["first question", "second question", "third question", "fourth question"]
-            assert stored_texts(url, "m1", "user") == asked
-            assert chat_texts(chrome, "user") == asked
-    finally:
-        web.stop()
+        say("first question")
+        say("second question")
+        edit_first()
+        chrome.find_element(By.ID, "cancel-edit").click()
+        assert not chrome.find_element(By.ID, "editing").is_displayed()
+        assert typed.get_attribute("value") == ""  # the edited text, untouched, gone
+        say("third question")
+        edit_first()
+        typed.send_keys(Keys.CONTROL, "a")
+        typed.send_keys(Keys.BACK_SPACE)  # the box emptied by hand: a new message next
+        assert not chrome.find_element(By.ID, "editing").is_displayed()
+        say("fourth question")
+        asked = ["first question", "second question", "third question", "fourth question"]
+        assert stored_texts(url, "m1", "user") == asked
+        assert chat_texts(chrome, "user") == asked
 
 
 def test_an_edit_whose_answer_was_lost_is_retried_as_that_edit(chrome: Any, tmp_path: Path) -> None:
@@ -675,60 +599,37 @@ def test_an_edit_whose_answer_was_lost_is_retried_as_that_edit(chrome: Any, tmp_
     edit, stored once. (The edit's own truncate, streamed back before the lost answer, took
     the page out of edit mode: the retry went out as a new message, and the question was
     stored, and answered, twice.)"""
-    from console_process import spawn, wait_for_line
     from selenium.webdriver.common.by import By
 
-    store = tmp_path / "db"
-    web = spawn(
-        ["examples/chat_service.py", "--store", str(store), "--bind", "127.0.0.1:0"],
-        tmp_path / "web.log",
-        CHAT_WORD_DELAY="0",
-    )
-    try:
-        url = wait_for_line(web, r"chat service listening on (http://\S+)").group(1)
-        with worker(str(store), tmp_path, "chat_service:drain", "w1"):
-            chrome.get(f"{url}/?session=lost")
-            typed = chrome.find_element(By.ID, "text")
-            typed.send_keys("first question")
-            chrome.find_element(By.ID, "send").click()
-            until(
-                lambda: chat_texts(chrome, "assistant") == ["You said: first question"],
-                "the first answer",
-                chrome,
-            )
-            # The first edit's POST reaches the service; its answer is lost on the way back.
-            chrome.execute_script(
-                "const sent = window.fetch; let lose = true; window.inFlight = 0;"
-                " window.fetch = async (url, options) => {"
-                "   window.inFlight++;"
-                "   try {"
-                "     const response = await sent(url, options);"
-                "     if (lose && String(url).endsWith('/edit')) {"
-                "       lose = false; throw new TypeError('the answer was lost');"
-                "     }"
-                "     return response;"
-                "   } finally { window.inFlight--; }"
-                " };"
-                "document.querySelector('.message.user .edit').click()"
-            )
-            typed.send_keys(" again")
-            chrome.find_element(By.ID, "send").click()
-            status = chrome.find_element(By.ID, "status")
-            until(lambda: "did not answer" in status.text, "the lost answer said", chrome)
-            until(
-                lambda: chat_texts(chrome, "assistant") == ["You said: first question again"],
-                "the edit made, streamed back",
-                chrome,
-            )
-            chrome.find_element(By.ID, "send").click()  # try again, as the page says
-            until(
-                lambda: status.text == "" and chrome.execute_script("return window.inFlight") == 0,
-                "the retry answered",
-                chrome,
-            )
-            assert stored_texts(url, "lost", "user") == ["first question again"]
-    finally:
-        web.stop()
+    with chat_page(chrome, tmp_path, "lost", CHAT_WORD_DELAY="0") as url:
+        send(chrome, "first question")
+        until_answers(chrome, ["You said: first question"], "the first answer")
+        # The first edit's POST reaches the service; its answer is lost on the way back.
+        chrome.execute_script(
+            "const sent = window.fetch; let lose = true; window.inFlight = 0;"
+            " window.fetch = async (url, options) => {"
+            "   window.inFlight++;"
+            "   try {"
+            "     const response = await sent(url, options);"
+            "     if (lose && String(url).endsWith('/edit')) {"
+            "       lose = false; throw new TypeError('the answer was lost');"
+            "     }"
+            "     return response;"
+            "   } finally { window.inFlight--; }"
+            " };"
+            "document.querySelector('.message.user .edit').click()"
+        )
+        send(chrome, " again")
+        status = chrome.find_element(By.ID, "status")
+        until(lambda: "did not answer" in status.text, "the lost answer said", chrome)
+        until_answers(chrome, ["You said: first question again"], "the edit made, streamed back")
+        chrome.find_element(By.ID, "send").click()  # try again, as the page says
+        until(
+            lambda: status.text == "" and chrome.execute_script("return window.inFlight") == 0,
+            "the retry answered",
+            chrome,
+        )
+        assert stored_texts(url, "lost", "user") == ["first question again"]
 
 
 def test_an_edit_the_service_refused_leaves_edit_mode_when_its_message_is_deleted(
@@ -738,46 +639,30 @@ def test_an_edit_the_service_refused_leaves_edit_mode_when_its_message_is_delete
     the message being edited is gone, so the next send is a new message. (The page took the
     delete's truncate for the refused edit's own, streamed back before a lost answer, and
     stayed in edit mode: every send was an edit of a seq that names nothing, a 404.)"""
-    from console_process import spawn, wait_for_line
     from selenium.webdriver.common.by import By
 
     store = tmp_path / "db"
-    web = spawn(
-        ["examples/chat_service.py", "--store", str(store), "--bind", "127.0.0.1:0"],
-        tmp_path / "web.log",
-        CHAT_WORD_DELAY="0",
-    )
-    try:
-        url = wait_for_line(web, r"chat service listening on (http://\S+)").group(1)
+    with chat_service(str(store), tmp_path, CHAT_WORD_DELAY="0") as url:
         chrome.get(f"{url}/?session=refused")
         typed = chrome.find_element(By.ID, "text")
         status = chrome.find_element(By.ID, "status")
-        with worker(str(store), tmp_path, "chat_service:drain", "w1"):
+        with worker(str(store), tmp_path, DRAIN, "w1"):
             answers: list[str] = []
             for text in ["first question", "second question"]:
-                typed.send_keys(text)
-                chrome.find_element(By.ID, "send").click()
+                send(chrome, text)
                 answers.append(f"You said: {text}")
-                until(lambda: chat_texts(chrome, "assistant") == answers, text, chrome)
-        typed.send_keys("third question")  # no worker: it waits unanswered
-        chrome.find_element(By.ID, "send").click()
+                until_answers(chrome, answers, text)
+        send(chrome, "third question")  # no worker: it waits unanswered
         until(lambda: typed.get_attribute("value") == "", "the third question stored", chrome)
         # In one script call: the page re-renders its messages on each stream event.
         chrome.execute_script("document.querySelectorAll('.message.user .edit')[1].click()")
-        typed.send_keys(" revised")
-        chrome.find_element(By.ID, "send").click()
+        send(chrome, " revised")
         until(lambda: status.text != "", "the edit refused (409)", chrome)
         chrome.find_element(By.ID, "delete").click()
         until(lambda: chat_texts(chrome, "user") == [], "the deleted conversation", chrome)
         assert not chrome.find_element(By.ID, "editing").is_displayed()
-        with worker(str(store), tmp_path, "chat_service:drain", "w2"):
+        with worker(str(store), tmp_path, DRAIN, "w2"):
             chrome.find_element(By.ID, "send").click()  # what the box holds, as a new message
-            until(
-                lambda: chat_texts(chrome, "assistant") == ["You said: second question revised"],
-                "the new message answered",
-                chrome,
-            )
+            until_answers(chrome, ["You said: second question revised"], "the new message answered")
         assert status.text == ""
         assert stored_texts(url, "refused", "user") == ["second question revised"]
-    finally:
-        web.stop()
