@@ -22,6 +22,21 @@ import trio_sessions
 chat = load_example("chat_service")
 
 
+def _scope(
+    method: str, path: str, headers: list[Any], *, raw_path: bytes | None = b""
+) -> dict[str, Any]:
+    """A request's ASGI scope as hypercorn builds it: `path` percent-decoded, `raw_path` as
+    the client sent it (by default `path` itself; None from a server that sends none)."""
+    return {
+        "type": "http",
+        "method": method,
+        "path": urllib.parse.unquote(path),
+        "raw_path": path.encode("ascii") if raw_path == b"" else raw_path,
+        "headers": headers,
+        "query_string": b"",
+    }
+
+
 async def _call(
     app: Any,
     method: str,
@@ -41,8 +56,6 @@ async def _call(
     if method == "POST" and content_type is not None:
         headers.append((b"content-type", content_type))
     delivered = False
-    if raw_path == b"":
-        raw_path = path.encode("ascii")
 
     async def receive() -> dict[str, Any]:
         nonlocal delivered
@@ -55,15 +68,7 @@ async def _call(
     async def send(message: Any) -> None:
         sent.append(message)
 
-    scope = {
-        "type": "http",
-        "method": method,
-        "path": urllib.parse.unquote(path),  # as hypercorn decodes it
-        "raw_path": raw_path,
-        "headers": headers,
-        "query_string": b"",
-    }
-    await app(scope, receive, send)
+    await app(_scope(method, path, headers, raw_path=raw_path), receive, send)
     status = next((m["status"] for m in sent if m["type"] == "http.response.start"), None)
     return status, b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
 
@@ -370,16 +375,8 @@ async def test_a_conversation_holding_a_malformed_record_is_said_not_a_500_loop(
             if b": malformed record" in message.get("body", b""):
                 said.set()
 
-        scope = {
-            "type": "http",
-            "method": "GET",
-            "path": "/sessions/s/events",
-            "raw_path": b"/sessions/s/events",
-            "headers": [],
-            "query_string": b"",
-        }
         with trio.fail_after(10):
-            await app(scope, receive, send)
+            await app(_scope("GET", "/sessions/s/events", []), receive, send)
         assert sent[0] == {
             "type": "http.response.start",
             "status": 200,
@@ -478,15 +475,7 @@ async def test_a_store_that_does_not_answer_is_a_json_503_with_retry_after(
             sent.clear()
             caplog.clear()
             headers = [(b"content-type", b"application/json")]
-            scope = {
-                "type": "http",
-                "method": method,
-                "path": path,
-                "raw_path": path.encode(),
-                "headers": headers,
-                "query_string": b"",
-            }
-            await app(scope, receive, send)
+            await app(_scope(method, path, headers), receive, send)
             start = sent[0]
             assert start["status"] == 503, (path, sent)
             answer = dict(start["headers"])
@@ -518,16 +507,8 @@ async def test_a_store_that_does_not_answer_is_a_json_503_with_retry_after(
             await trio.sleep_forever()
             raise AssertionError  # pragma: no cover
 
-        scope = {
-            "type": "http",
-            "method": "GET",
-            "path": "/sessions/s/events",
-            "raw_path": b"/sessions/s/events",
-            "headers": [],
-            "query_string": b"",
-        }
         with trio.fail_after(10):
-            await app(scope, stays, send)
+            await app(_scope("GET", "/sessions/s/events", []), stays, send)
         assert sent[0]["status"] == 200
         assert sent[1]["body"] == b"retry: 5000\n\n" and sent[1]["more_body"] is True
         assert sent[2:] == [{"type": "http.response.body", "body": b"", "more_body": False}]
