@@ -263,6 +263,18 @@ class Raw:
             (message_id, session_id, seq, data),
         )
 
+    def seed_input(self, session_id: str, input_id: str, seq: int, payload: str) -> None:
+        """An input another tool wrote by hand, `payload` the column's raw text, as the only
+        input of a new session (its `input_seq` at `seq`: a submit goes after it)."""
+        self.write(
+            "INSERT INTO session(id, time_created, input_seq) VALUES (?, 0, ?)", (session_id, seq)
+        )
+        self.write(
+            "INSERT INTO session_input(id, session_id, seq, payload, time_created)"
+            " VALUES (?, ?, ?, ?, 0)",
+            (input_id, session_id, seq, payload),
+        )
+
     def seed_claim(
         self,
         session_id: str,

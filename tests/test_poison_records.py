@@ -471,12 +471,7 @@ async def test_an_input_holding_a_lone_surrogate_is_set_aside_not_blocking_the_n
         taken.extend(item.payload for item in await ctx.take_inputs())
 
     async with runtime(store, take, clock, **QUIET) as rt:
-        raw.write("INSERT INTO session(id, time_created, input_seq) VALUES ('s', 0, 1)", ())
-        raw.write(
-            "INSERT INTO session_input(id, session_id, seq, payload, time_created)"
-            " VALUES ('bad', 's', 1, ?, 0)",
-            ('{"text": "\\ud800"}',),
-        )
+        raw.seed_input("s", "bad", 1, '{"text": "\\ud800"}')
         await rt.submit("s", {"text": "fine"}, input_id="good")
         await rt.wait_idle("s")
         outcome = await rt.run("s")
@@ -509,12 +504,7 @@ async def test_a_user_message_or_input_holding_a_nul_is_malformed_on_both_backen
         with pytest.raises(MalformedRecord, match="NUL character") as raised:
             await rt.transcript("s")
         assert raised.value.key == "nul"
-        raw.write("INSERT INTO session(id, time_created, input_seq) VALUES ('t', 0, 1)", ())
-        raw.write(
-            "INSERT INTO session_input(id, session_id, seq, payload, time_created)"
-            " VALUES ('bad', 't', 1, ?, 0)",
-            ('{"text": "a\\u0000b"}',),
-        )
+        raw.seed_input("t", "bad", 1, '{"text": "a\\u0000b"}')
         await rt.submit("t", {"text": "fine"}, input_id="good")
         await rt.wait_idle("t")
     assert taken == [{"text": "fine"}]
