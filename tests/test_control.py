@@ -22,6 +22,7 @@ from helpers import (
     LateReply,
     Raw,
     Recorder,
+    SlowToExit,
     WrappedStore,
     build_pg_schema,
     now_ms,
@@ -341,15 +342,8 @@ async def test_delete_session_from_another_process_stops_the_owner_through_the_s
     """Real time, threaded stores, default lease (heartbeat 10 s away): a producer's
     delete_session stops the owner's drain within the signal's bound, and no row of the
     session remains."""
-    entered, stopped = trio.Event(), trio.Event()
-
-    async def drain(ctx: DrainContext) -> None:
-        await ctx.take_inputs()
-        entered.set()
-        try:
-            await trio.sleep_forever()
-        finally:
-            stopped.set()
+    drain = SlowToExit()
+    drain.may_exit.set()  # not slow: it exits as soon as it is cancelled
 
     async with (
         trio_sessions.open_runtime(live_store, drain, recovery_interval=3600) as owner,
@@ -357,10 +351,10 @@ async def test_delete_session_from_another_process_stops_the_owner_through_the_s
     ):
         await owner.submit("s", {"n": 1})
         with trio.fail_after(5):
-            await entered.wait()
+            await drain.entered.wait()
         assert await producer.delete_session("s") is True
         with trio.fail_after(2):
-            await stopped.wait()
+            await drain.exiting.wait()
             await owner.wait_idle("s")
     assert rows_of(Raw(db_path), "s") == [0] * len(SESSION_ROWS)
 

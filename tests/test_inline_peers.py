@@ -11,6 +11,7 @@ from typing import Any
 
 import trio
 import trio.testing
+from helpers import SlowToExit
 
 import trio_sessions
 from trio_sessions import DrainContext
@@ -77,15 +78,8 @@ async def test_another_runtimes_interrupt_and_doorbell_arrive_within_a_fallback_
     the worker's drain, and its interrupt stops it, within 2 s of virtual time (the change
     loop's fallback look) - on SQLite before, only at the next recovery pass (5 s) and the
     next heartbeat (lease/3: 10 s)."""
-    entered, stopped = trio.Event(), trio.Event()
-
-    async def held(ctx: DrainContext) -> None:
-        await ctx.take_inputs()
-        entered.set()
-        try:
-            await trio.sleep_forever()
-        finally:
-            stopped.set()
+    held = SlowToExit()
+    held.may_exit.set()  # not slow: it exits as soon as it is cancelled
 
     with trio.fail_after(BOUND):
         async with (
@@ -95,11 +89,11 @@ async def test_another_runtimes_interrupt_and_doorbell_arrive_within_a_fallback_
             await trio.sleep(1)  # clear of the worker's opening
             submitted = trio.current_time()
             await producer.submit("s", {"text": "hi"})
-            await entered.wait()
+            await held.entered.wait()
             started_after = trio.current_time() - submitted
             interrupted = trio.current_time()
             assert await producer.interrupt("s")
-            await stopped.wait()
+            await held.exiting.wait()
             stopped_after = trio.current_time() - interrupted
             await worker.wait_idle("s")
     assert started_after <= 2.0, started_after
