@@ -356,6 +356,14 @@ class SlowToExit:
                     await trio.sleep_forever()
 
 
+async def answer_ok(ctx: DrainContext) -> None:
+    """A drain that takes its inputs and answers "ok" in one finished assistant message."""
+    await ctx.take_inputs()
+    reply = await ctx.begin_assistant()
+    await reply.append_text("ok")
+    await reply.finish()
+
+
 def start_run(nursery: trio.Nursery, rt: Runtime, session_id: str) -> list[Outcome]:
     """Start `rt.run(session_id)` in `nursery`; its outcome lands in the returned list."""
     outcomes: list[Outcome] = []

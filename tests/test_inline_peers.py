@@ -11,19 +11,11 @@ from typing import Any
 
 import trio
 import trio.testing
-from helpers import SlowToExit
+from helpers import SlowToExit, answer_ok
 
 import trio_sessions
-from trio_sessions import DrainContext
 
 BOUND = 600.0  # virtual seconds: a hang fails the test instead of blocking it
-
-
-async def answer(ctx: DrainContext) -> None:
-    await ctx.take_inputs()
-    reply = await ctx.begin_assistant()
-    await reply.append_text("ok")
-    await reply.finish()
 
 
 async def test_a_producer_watches_what_another_runtime_writes(
@@ -36,7 +28,7 @@ async def test_a_producer_watches_what_another_runtime_writes(
     with trio.fail_after(BOUND):
         async with (
             trio_sessions.open_runtime(store, None, clock=clock) as producer,
-            trio_sessions.open_runtime(store, answer, clock=clock) as worker,
+            trio_sessions.open_runtime(store, answer_ok, clock=clock) as worker,
             producer.watch("s") as updates,
         ):
             await producer.submit("s", {"text": "hi"})
@@ -57,7 +49,7 @@ async def test_a_producer_streams_what_another_runtime_writes(
     with trio.fail_after(BOUND):
         async with (
             trio_sessions.open_runtime(store, None, clock=clock) as producer,
-            trio_sessions.open_runtime(store, answer, clock=clock) as worker,
+            trio_sessions.open_runtime(store, answer_ok, clock=clock) as worker,
             producer.stream("s") as events,
         ):
             await producer.submit("s", {"text": "hi"})

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from helpers import Raw, Recorder
+from helpers import Raw, Recorder, answer_ok
 
 import trio_sessions
 from trio_sessions import DrainContext, testing
@@ -22,13 +22,6 @@ from trio_sessions import DrainContext, testing
 SECRET = "s3cret"
 BOUND = 600.0  # virtual seconds: a hang fails the test instead of blocking it
 LEASE = 30.0
-
-
-async def answer(ctx: DrainContext) -> None:
-    await ctx.take_inputs()
-    reply = await ctx.begin_assistant()
-    await reply.append_text("ok")
-    await reply.finish()
 
 
 async def test_crash_leaves_the_code_after_it_running(
@@ -86,7 +79,7 @@ async def test_set_seams_refuses_a_plain_function(
     `def` drain is by `open_runtime`), not awaited later and blamed on the drain ("drain
     failed", outcome `failed` with "object NoneType can't be used in 'await' expression")."""
     with trio.fail_after(BOUND):
-        async with trio_sessions.open_runtime(store, answer, clock=clock) as rt:
+        async with trio_sessions.open_runtime(store, answer_ok, clock=clock) as rt:
             with pytest.raises(TypeError):
                 testing.set_seams(rt, before_finish=lambda session_id: None)  # type: ignore[arg-type,return-value]
             outcome = await rt.run("s")
@@ -113,7 +106,7 @@ async def test_crash_refuses_a_closed_runtime(
 ) -> None:
     """`crash(runtime)` after its block exited (a kill "too late": it already shut down
     gracefully and handed its claims back) raises instead of silently doing nothing."""
-    async with trio_sessions.open_runtime(store, answer, clock=clock) as rt:
+    async with trio_sessions.open_runtime(store, answer_ok, clock=clock) as rt:
         await rt.run("s")
     with pytest.raises(RuntimeError):
         testing.crash(rt)
@@ -134,7 +127,7 @@ async def test_an_exception_in_a_seam_fails_the_test(
     outcomes: list[trio_sessions.Outcome] = []
     with pytest.raises(AssertionError, match="the user's check in a seam"):  # noqa: PT012
         with trio.fail_after(BOUND):
-            async with trio_sessions.open_runtime(store, answer, clock=clock) as rt:
+            async with trio_sessions.open_runtime(store, answer_ok, clock=clock) as rt:
                 seams: dict[str, Any] = {seam: failing}
                 testing.set_seams(rt, **seams)
                 outcomes.append(await rt.run("s"))
@@ -346,7 +339,7 @@ async def test_each_set_seams_call_replaces_every_seam(
 
     with trio.fail_after(BOUND):
         async with trio_sessions.open_runtime(
-            testing.inline_store(tmp_path / "sessions.db"), answer, clock=clock
+            testing.inline_store(tmp_path / "sessions.db"), answer_ok, clock=clock
         ) as rt:
             testing.set_seams(rt, before_finish=before)
             await rt.run("s")
