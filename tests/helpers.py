@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -362,6 +363,34 @@ async def answer_ok(ctx: DrainContext) -> None:
     reply = await ctx.begin_assistant()
     await reply.append_text("ok")
     await reply.finish()
+
+
+def apply_event(view: dict[int, dict[str, Any]], event: dict[str, Any]) -> None:
+    """A client applying one stream event (DESIGN §5.2) to its copy of the messages (a
+    copy: the same events are applied again to other views)."""
+    kind, seq, data = event["kind"], event["seq"], copy.deepcopy(event["data"])
+    if kind == "truncate":
+        for stale in [n for n in view if n > seq]:
+            del view[stale]
+    elif kind == "message":
+        view[seq] = {"role": event["role"], "data": data}
+    else:
+        message = view[seq]["data"]
+        parts = message["parts"]
+        if kind == "append":
+            if parts and parts[-1]["type"] == "text":
+                parts[-1]["text"] += data
+            else:
+                parts.append({"type": "text", "text": data})
+        elif kind == "part":
+            same = [i for i, p in enumerate(parts) if p.get("call_id") == data["call_id"]]
+            if same:
+                parts[same[0]] = data
+            else:
+                parts.append(data)
+        else:
+            assert kind == "finish", event
+            message["finished"], message["error"] = True, data["error"]
 
 
 def start_run(nursery: trio.Nursery, rt: Runtime, session_id: str) -> list[Outcome]:

@@ -9,7 +9,6 @@ module); each uses its own sessions, and the last one kills a worker.
 
 from __future__ import annotations
 
-import copy
 import functools
 import json
 import os
@@ -27,6 +26,7 @@ import httpx
 import pytest
 import trio
 from conftest import query
+from helpers import apply_event
 from test_examples import load_example
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -291,34 +291,6 @@ Event = dict[str, Any]
 View = dict[int, dict[str, Any]]
 
 
-def apply(view: View, event: Event) -> None:
-    """A client applying one stream event (DESIGN §5.2) to its copy of the messages (a
-    copy: the same events are applied again to other views)."""
-    kind, seq, data = event["kind"], event["seq"], copy.deepcopy(event["data"])
-    if kind == "truncate":
-        for stale in [n for n in view if n > seq]:
-            del view[stale]
-    elif kind == "message":
-        view[seq] = {"role": event["role"], "data": data}
-    else:
-        message = view[seq]["data"]
-        parts = message["parts"]
-        if kind == "append":
-            if parts and parts[-1]["type"] == "text":
-                parts[-1]["text"] += data
-            else:
-                parts.append({"type": "text", "text": data})
-        elif kind == "part":
-            same = [i for i, p in enumerate(parts) if p.get("call_id") == data["call_id"]]
-            if same:
-                parts[same[0]] = data
-            else:
-                parts.append(data)
-        else:
-            assert kind == "finish", event
-            message["finished"], message["error"] = True, data["error"]
-
-
 def view_of(messages: list[dict[str, Any]]) -> View:
     return {m["seq"]: {"role": m["role"], "data": m["data"]} for m in messages}
 
@@ -374,7 +346,7 @@ def answered(
     """Whether the newest assistant message of the events (after `before`) is finished."""
     view: View = {}
     for _, event in (before or []) + events:
-        apply(view, event)
+        apply_event(view, event)
     answers = [m for m in view.values() if m["role"] == "assistant"]
     return bool(answers) and answers[-1]["data"]["finished"]
 
@@ -429,7 +401,7 @@ async def test_the_event_stream_delivers_the_answer_as_resumable_events(service:
     assert len({ident for ident, _ in events}) == len(events)
     view: View = {}
     for _, event in events:
-        apply(view, event)
+        apply_event(view, event)
     assert view == view_of(stored)
 
 
@@ -469,7 +441,7 @@ async def test_a_dropped_event_stream_resumes_with_last_event_id(service: Servic
     assert not {ident for ident, _ in second} & {ident for ident, _ in first}
     view: View = {}
     for _, event in first + second:
-        apply(view, event)
+        apply_event(view, event)
     assert view == view_of(stored)
     answer = [m for m in stored if m["role"] == "assistant"][-1]
     assert text_of(answer) == f"You said: {question}"
@@ -624,7 +596,7 @@ async def test_fifty_live_event_streams_each_get_their_own_answer(service: Servi
         assert head.startswith(b"HTTP/1.1 200"), head
         view: View = {}
         for _, event in events:
-            apply(view, event)
+            apply_event(view, event)
         assert view == view_of(stored[session]), session
         question, answer = (view[seq] for seq in sorted(view))
         assert question == {"role": "user", "data": {"text": f"hello from {session}"}}

@@ -19,7 +19,6 @@ deadline. The drain is the example's, wrapped to log each start and end (a line 
 from __future__ import annotations
 
 import contextlib
-import copy
 import itertools
 import json
 import os
@@ -38,6 +37,7 @@ import httpx
 import pytest
 import trio
 from backends import PgLocation, rows
+from helpers import apply_event
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 CHATS = 20
@@ -184,25 +184,6 @@ def service(location: Path | PgLocation, tmp_path: Path) -> Iterator[Service]:
     )
 
 
-def apply(view: dict[int, Any], event: Event) -> None:
-    """A client applying one stream event (DESIGN §5.2) to its copy of the messages."""
-    kind, seq, data = event["kind"], event["seq"], copy.deepcopy(event["data"])
-    if kind == "truncate":
-        for stale in [n for n in view if n > seq]:
-            del view[stale]
-    elif kind == "message":
-        view[seq] = {"role": event["role"], "data": data}
-    elif kind == "append":
-        parts = view[seq]["data"]["parts"]
-        if parts and parts[-1]["type"] == "text":
-            parts[-1]["text"] += data
-        else:
-            parts.append({"type": "text", "text": data})
-    else:
-        assert kind == "finish", event
-        view[seq]["data"]["finished"], view[seq]["data"]["error"] = True, data["error"]
-
-
 def text_of(data: dict[str, Any]) -> str:
     return "".join(part["text"] for part in data["parts"] if part["type"] == "text")
 
@@ -229,7 +210,7 @@ class Chat:
     def view(self) -> dict[int, Any]:
         view: dict[int, Any] = {}
         for _, event in self.events:
-            apply(view, event)
+            apply_event(view, event)
         return view
 
     def done(self) -> bool:
