@@ -151,7 +151,7 @@ def test_control_ratio_is_a_share(ratio: str) -> None:
         ["--sessions", "0"],
         ["--rate", "0"],
         ["--lease", "-1"],
-        ["--lease", "0.2"],  # under the shortest lease a worker's open_runtime takes
+        ["--lease", "0.002"],  # under the shortest lease a worker's open_runtime takes
         ["--recovery-interval", "0"],
         ["--work-max", "-0.1"],
         ["--handoff-ratio", "1.5"],

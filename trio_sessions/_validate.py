@@ -116,12 +116,12 @@ def seconds(value: object, what: str) -> float:
     return duration(value, what, minimum=0.001)
 
 
-# The shortest lease a heartbeat can keep: a drain stops at 90% of an unrenewed lease (`_lease.
-# SELF_FENCE_MARGIN`), and the renewal sent a third of the way in must land before that
-# through the event-loop stalls DESIGN allows (§6.26: up to 50 ms), while the last 10% must
-# still cover a drain's way to its next checkpoint - at least one such stall: 0.5 s. A
-# shorter lease (a typo's 0.001) was accepted and every drain stopped as lease_lost at once.
-MIN_LEASE = 0.5
+# The shortest lease: its default heartbeat, a third of it, is the shortest
+# `heartbeat_interval` (1 ms, the store's unit of time). A shorter one (a typo's 0.001) was
+# accepted and every drain stopped as lease_lost at once. DESIGN §5 refuses `lease <= 0`
+# only, so nothing a heartbeat can renew is refused: a lease of 0.1 s is a test's under a
+# virtual clock, and on a loaded host the caller's to choose.
+MIN_LEASE = 0.003
 
 
 def lease(value: object) -> float:
@@ -131,8 +131,8 @@ def lease(value: object) -> float:
     except ValueError as exc:
         if isinstance(value, int | float) and 0 < value < MIN_LEASE:
             raise ValueError(
-                f"{exc}: a heartbeat could not renew a shorter one before its drain stops (at"
-                " 90% of it), so every drain would stop as lease_lost"
+                f"{exc}: its default heartbeat, a third of it, would be under the 1 ms a"
+                " heartbeat_interval may be, so every drain would stop as lease_lost"
             ) from None
         raise
 
