@@ -228,10 +228,10 @@ async def test_a_runtime_alone_on_the_inline_store_looks_at_no_fallback_poll(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.testing.MockClock
 ) -> None:
     """The inline SQLite store looks at its fallback poll only when another connection
-    committed meanwhile (a471d43: another runtime on the store): a runtime alone, after
-    cycles of its own commits, spends 30 fallback polls of virtual time with no look - its
-    own commits are no change, as on the threaded store. Pinned by review (revE53): no test
-    failed when the inline executor looked at every fallback poll."""
+    committed meanwhile (another runtime on the store: `InlineExecutor.wait_for_change`): a
+    runtime alone, after cycles of its own commits, spends 30 fallback polls of virtual time
+    with no look - its own commits are no change, as on the threaded store. Pinned by
+    review (revE53): no test failed when the inline executor looked at every fallback poll."""
     looks = counted_looks(monkeypatch)
 
     async def drain(ctx: DrainContext) -> None:

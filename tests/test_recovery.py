@@ -556,9 +556,10 @@ async def test_an_exhausted_ending_costs_one_look_not_a_loop(
     autojump_clock: MockClock,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The kick after an exhausted ending (dd532f9) brings one look, never a recovery pass:
-    no pass, so no exhausted ending and no kick again. With no fallback poll and no timed
-    pass, a minute after the pass the runtime has looked once and run no other pass.
+    """The kick after an exhausted ending (`_decisions.leaves_a_doorbell`) brings one look,
+    never a recovery pass: no pass, so no exhausted ending and no kick again. With no
+    fallback poll and no timed pass, a minute after the pass the runtime has looked once and
+    run no other pass.
     Pinned by review (revE53), which asked whether the kick could loop."""
     monkeypatch.setattr(_loops, "CHANGE_FALLBACK_POLL", 3600.0)
     looks, passes = [0], [0]
