@@ -25,7 +25,7 @@ import json
 import math
 import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, NoReturn, get_args, get_origin
 
 import cattrs
@@ -641,19 +641,27 @@ def _nul_reasons(text: str, raw: Any) -> list[str]:
 
 
 def _where_nul(raw: Any) -> str:
+    found = _first_string(raw, lambda text: NUL in text)
+    return "$" if found is None else found[1]
+
+
+def _first_string(raw: Any, holds: Callable[[str], bool]) -> tuple[str, str] | None:
+    """The first key or string in a decoded value that `holds`, and where it is (a JSON
+    path, or "a key of" one): the walk that names where a reader found what no writer
+    stores."""
     stack: list[tuple[Any, _Path]] = [(raw, None)]
     while stack:
         value, path = stack.pop()
         if isinstance(value, dict):
             for name, item in value.items():
-                if NUL in name:
-                    return f"a key of {_format_path(path)}"
+                if holds(name):
+                    return name, f"a key of {_format_path(path)}"
                 stack.append((item, (path, name)))
         elif isinstance(value, list):
             stack.extend((item, (path, index)) for index, item in enumerate(value))
-        elif isinstance(value, str) and NUL in value:
-            return _format_path(path)
-    return "$"
+        elif isinstance(value, str) and holds(value):
+            return value, _format_path(path)
+    return None
 
 
 # A JSON escape of a lone surrogate (`\ud800`): the only way stored text holds one, since
@@ -682,18 +690,12 @@ def _refuse_lone_surrogates(raw: Any, *, table: str, key: str) -> None:
         pass
     else:
         return
-    stack: list[tuple[Any, _Path]] = [(raw, None)]
-    while stack:
-        value, path = stack.pop()
-        if isinstance(value, dict):
-            for name, item in value.items():
-                if (index := _lone_surrogate(name)) is not None:
-                    _malformed_surrogate(table, key, name[index], f"a key of {_format_path(path)}")
-                stack.append((item, (path, name)))
-        elif isinstance(value, list):
-            stack.extend((item, (path, index)) for index, item in enumerate(value))
-        elif isinstance(value, str) and (index := _lone_surrogate(value)) is not None:
-            _malformed_surrogate(table, key, value[index], _format_path(path))
+    found = _first_string(raw, lambda text: _lone_surrogate(text) is not None)
+    if found is not None:
+        text, where = found
+        index = _lone_surrogate(text)
+        assert index is not None  # the walk found the string so
+        _malformed_surrogate(table, key, text[index], where)
 
 
 def _lone_surrogate(text: str) -> int | None:
