@@ -103,11 +103,7 @@ _FLUSH = (
 # (after its COMMIT, in the same message) or an operation alone refused and rolled back
 # (`PgEngine._signal_refused`): the signal, in a transaction of its own, for those of the
 # sessions an acquire waits for (a doorbell, no claim, not paused).
-_WAITING = (
-    "ARRAY(SELECT s.id FROM session s WHERE s.id = ANY(CAST(%s AS text[]))"
-    " AND s.time_woken IS NOT NULL AND s.time_paused IS NULL"
-    " AND NOT EXISTS (SELECT 1 FROM session_execution e WHERE e.session_id = s.id))"
-)
+_WAITING = "ts_waiting(CAST(%s AS text[]))"
 SIGNAL_WAITING = (
     f"SELECT set_config('synchronous_commit', 'off', true), ts_flush_signals({_WAITING})"
 )

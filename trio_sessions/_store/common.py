@@ -485,18 +485,23 @@ BEGIN
     END IF;
 END $$;
 
--- Signal a session an acquire waits for - its doorbell set, no claim, not paused - where
--- an operation that took its lock ends without claiming or signalling it: an acquire that
--- met the lock answered 'busy' (ts_acquire), and its runtime passes over that doorbell until
--- a signal names the session. (The engine does the same after a transaction for the locks
--- its own statements took: `SIGNAL_WAITING`.)
+-- Those of these sessions an acquire waits for: the doorbell set, no claim, not paused. An
+-- acquire that met one's lock answered 'busy' (ts_acquire), and its runtime passes over that
+-- doorbell until a signal names the session; an operation that took the lock and ends
+-- without claiming or signalling it signals these (ts_signal_waiting here; the engine,
+-- after a transaction, for the locks its own statements took: `SIGNAL_WAITING`).
+CREATE OR REPLACE FUNCTION ts_waiting(p_sessions text[]) RETURNS text[]
+LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    RETURN ARRAY(SELECT s.id FROM session s WHERE s.id = ANY(p_sessions)
+        AND s.time_woken IS NOT NULL AND s.time_paused IS NULL
+        AND NOT EXISTS (SELECT 1 FROM session_execution e WHERE e.session_id = s.id));
+END $$;
+
 CREATE OR REPLACE FUNCTION ts_signal_waiting(p_session text) RETURNS void
 LANGUAGE plpgsql VOLATILE AS $$
 BEGIN
-    IF EXISTS (SELECT 1 FROM session s WHERE s.id = p_session
-               AND s.time_woken IS NOT NULL AND s.time_paused IS NULL)
-            AND NOT EXISTS (SELECT 1 FROM session_execution e
-                            WHERE e.session_id = p_session) THEN
+    IF cardinality(ts_waiting(ARRAY[p_session])) > 0 THEN
         PERFORM ts_signal(p_session);
     END IF;
 END $$;
