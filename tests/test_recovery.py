@@ -180,6 +180,33 @@ async def test_expired_cancellation_claim_is_finished_not_resumed(
         gate.set()
 
 
+async def test_wait_idle_right_after_open_waits_for_the_successor_the_first_pass_owes(
+    store: Store,
+    clock: Clock,
+    db_path: Path,
+    autojump_clock: MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A dead owner's cancelling claim with an untaken input: the opening pass finishes it
+    and re-arms the doorbell, and this runtime owes the successor. `wait_idle` right after
+    `open_runtime` returns waits for that successor (DESIGN §5: "includes successors"), as
+    it would had the input been submitted here - not only once the change loop took it."""
+    monkeypatch.setattr(_loops, "CHANGE_FALLBACK_POLL", 3600.0)
+    raw = Raw(db_path)
+    async with runtime(store, None, clock, **QUIET):
+        pass  # the schema, migrated
+    raw.seed_claim("s", "dead-exec", expires_at=expired(clock), phase="cancelling")
+    raw.write(
+        "INSERT INTO session_input(id, session_id, seq, payload, time_created)"
+        " VALUES ('left', 's', 1, '{}', 0)"
+    )
+    drain = Recorder()
+    async with runtime(store, drain, clock, **QUIET) as rt:
+        await rt.wait_idle("s")
+        assert drain.taken == ["left"]
+        assert raw.claim("s") is None
+
+
 async def test_superseded_execution_is_dropped_not_resumed(
     store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
 ) -> None:
@@ -549,40 +576,47 @@ async def test_a_message_sent_while_an_exhausted_claim_was_held_is_answered_at_o
     assert waited < _loops.CHANGE_FALLBACK_POLL / 4, f"the drain started {waited:.2f} s late"
 
 
-async def test_an_exhausted_ending_costs_one_look_not_a_loop(
+async def test_an_exhausted_ending_costs_one_acquisition_not_a_loop(
     store: Store,
     clock: Clock,
     db_path: Path,
     autojump_clock: MockClock,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The kick after an exhausted ending (`_decisions.leaves_a_doorbell`) brings one look,
-    never a recovery pass: no pass, so no exhausted ending and no kick again. With no
-    fallback poll and no timed pass, a minute after the pass the runtime has looked once and
-    run no other pass.
-    Pinned by review (revE53), which asked whether the kick could loop."""
+    """The ring after an exhausted ending (`_decisions.leaves_a_doorbell`) brings one
+    acquisition (no doorbell: it claims nothing), never a look or a recovery pass: no pass,
+    so no exhausted ending and no ring again. With no fallback poll and no timed pass, a
+    minute after the pass the runtime has acquired once, looked never and run no other pass.
+    Pinned by review (revE53), which asked whether the kick (now a ring) could loop."""
     monkeypatch.setattr(_loops, "CHANGE_FALLBACK_POLL", 3600.0)
-    looks, passes = [0], [0]
+    looks, passes, acquisitions = [0], [0], [0]
     changes, recovery_pass = _store.changes, _loops.BackgroundLoops.recovery_pass
+    acquire = _store.acquire
 
     def counted_changes(tx: Any, *args: Any) -> Any:
         looks[0] += 1
         return changes(tx, *args)
+
+    def counted_acquire(tx: Any, *args: Any) -> Any:
+        acquisitions[0] += 1
+        return acquire(tx, *args)
 
     async def counted_pass(self: _loops.BackgroundLoops) -> RecoveryReport:
         passes[0] += 1
         return await recovery_pass(self)
 
     monkeypatch.setattr(_store, "changes", counted_changes)
+    monkeypatch.setattr(_store, "acquire", counted_acquire)
     monkeypatch.setattr(_loops.BackgroundLoops, "recovery_pass", counted_pass)
     raw = Raw(db_path)
     async with runtime(store, Recorder(), clock, max_resumes=3, **QUIET) as rt:
         await rt.wait_idle("s")  # the opening look and pass are done
         raw.seed_claim("s", "tired", expires_at=expired(clock), wake_attempts=3)
-        looked, passed = looks[0], passes[0]
+        looked, passed, acquired = looks[0], passes[0], acquisitions[0]
         assert await rt.recover_once() == RecoveryReport(examined=1, exhausted=1)
-        await trio.sleep(60)  # virtual: what the kick brings, and nothing after it
-        assert (looks[0] - looked, passes[0] - passed) == (1, 1)
+        await trio.sleep(60)  # virtual: what the ring brings, and nothing after it
+        assert (looks[0] - looked, passes[0] - passed) == (0, 1)
+        assert acquisitions[0] - acquired == 1
 
 
 async def test_resumes_count_toward_the_budget(

@@ -336,11 +336,18 @@ class BackgroundLoops:
             if runtime._closing:
                 entry.interrupt("shutdown")
             runtime._nursery.start_soon(runtime._busy.busy_period, entry)
-        if any(leaves_a_doorbell(result.decision) for result in results):
-            # Endings that leave a doorbell set (re-armed for untaken inputs, or rung while
-            # the claim was held) are our own commit, no change signal: look for those
-            # doorbells now, not at the fallback poll or the next pass.
-            runtime._kick.set()
+        for (candidate, _), result in zip(entries, results, strict=True):
+            if (
+                leaves_a_doorbell(result.decision)
+                and result.decision is not RecoveryDecision.FINISH_PAUSED
+            ):
+                # An ending that may leave a doorbell set (re-armed for untaken inputs, or
+                # rung while the claim was held) is our own commit, no change signal: ring
+                # it here, as the scan's doorbells are, so its successor is registered
+                # before the pass returns - `wait_idle` right after it (the opening pass's
+                # too) waits for the successor. (No doorbell: the acquisition claims
+                # nothing, one transaction. A paused session's waits for `resume`.)
+                runtime._busy.ring(candidate.session_id)
         if unacted:
             # Else their leases keep the rows from every runtime with room until they run
             # out (best effort: that is all a failure costs).
