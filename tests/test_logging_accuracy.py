@@ -164,6 +164,44 @@ async def test_a_failed_claim_attempt_is_logged_as_such_not_as_a_failed_drain(
     assert calls == ["s"]
 
 
+async def test_a_finish_refused_by_a_malformed_record_is_not_logged_as_a_failed_drain(
+    store: Any, db_path: Any, clock: Clock, autojump_clock: trio.testing.MockClock, logs: Any
+) -> None:
+    """The drain returned; its finish cannot close its open message, which another tool
+    corrupted, so the claim is kept for recovery to quarantine (DESIGN §4). The drain did
+    not fail: no `drain failed` (ERROR, a traceback - a code defect to chase), but one
+    WARNING without a traceback naming the claim, the malformed row and why - what the
+    operator acts on. Found by the audit (audC54): it was logged as `drain failed`."""
+    raw = Raw(db_path)
+
+    async def drain(ctx: DrainContext) -> None:
+        writer = await ctx.begin_assistant()
+        await writer.append_text("hi")
+        raw.write("UPDATE session_message SET data = '{\"parts\": 1}' WHERE role = 'assistant'")
+
+    async with runtime(store, drain, clock, **QUIET) as rt:
+        outcome = await rt.run("s")
+        [(execution_id, message_id)] = raw.rows(
+            "SELECT e.id, m.id FROM session_execution e"
+            " JOIN session_message m ON m.execution_id = e.id"
+        )
+    assert outcome.kind == "failed"
+    assert records(logs, events.DRAIN_FAILED) == []
+    [record] = records(logs, events.CLAIM_KEPT_MALFORMED)
+    assert record.levelno == logging.WARNING
+    assert record.exc_info is None
+    assert record.getMessage() == (
+        f"claim kept for quarantine, a record is malformed: session s, execution {execution_id}"
+    )
+    assert (record.session_id, record.execution_id, record.owner_id) == (
+        "s",
+        execution_id,
+        rt.owner_id,
+    )
+    assert (record.table, record.key) == ("session_message", message_id)
+    assert "parts" in record.reason
+
+
 async def test_with_max_active_a_claim_attempt_that_fails_is_not_retried_in_a_hot_loop(
     store: Any, clock: Clock, autojump_clock: trio.testing.MockClock, logs: Any
 ) -> None:

@@ -85,6 +85,10 @@ class _Ending:
     # reply was lost past the engine's bound): treated as a lost lease - nothing more is
     # written, the lease runs out and recovery takes the claim over.
     uncertain: bool = False
+    # The drain returned, and its iteration's end could not close an open message (a row
+    # another tool broke, `MalformedRecord`): the claim is kept for quarantine - the
+    # drain did not fail, and the log says which (`_observe.claim_kept_malformed`).
+    finish_refused: bool = False
 
 
 # Frozen, so one instance serves every claim that ends this way (most end so): no
@@ -519,6 +523,8 @@ class BusyPeriods:
                 left = self._left_schedule_point()
             except LeaseLost as exc:
                 return _Ending("failed", error=exc)
+            except MalformedRecord as exc:
+                return _Ending("failed", error=exc, finish_refused=True)
             except OutcomeUnknown as exc:
                 # The end may have landed and taken the doorbell to continue: finishing the
                 # claim as failed then would strand the input that rang (a failed finish
@@ -586,7 +592,7 @@ class BusyPeriods:
         error = ending.error if ending.kind == "failed" else None
         if ending.kind == "claim_failed":
             _observe.claim_attempt_failed(entry, runtime._owner_id, ending.error)
-        elif error is not None:
+        elif error is not None and not ending.finish_refused:
             _observe.drain_failed(entry, runtime._owner_id, error)
         match plan.write:
             case EndingWrite.FINISH_FAILED:
@@ -660,9 +666,13 @@ class BusyPeriods:
             # came, or taken over): nobody passes on a wake rung meanwhile.
             entry.claim_gone = True
             return outcome, False
-        except (StoreError, MalformedRecord):
-            # The claim stays durable; its lease runs out and recovery takes it from there
-            # (and quarantines it if a row of it is malformed: another tool's write).
+        except MalformedRecord as exc:
+            # A row of it is malformed (another tool's write): the claim stays durable, its
+            # lease runs out and recovery quarantines it.
+            _observe.claim_kept_malformed(entry, self._runtime._owner_id, exc)
+            return outcome, False
+        except StoreError:
+            # The claim stays durable; its lease runs out and recovery takes it from there.
             return outcome, False
         entry.disown()
         return outcome, doorbell or entry.rung_since_decision()
@@ -689,9 +699,13 @@ class BusyPeriods:
             # doorbell this cleanup was to answer.
             entry.claim_gone = True
             return outcome, False
-        except (StoreError, MalformedRecord):
+        except MalformedRecord as exc:
+            # Left as 'cancelling': recovery quarantines it (a row of it malformed).
+            _observe.claim_kept_malformed(entry, self._runtime._owner_id, exc)
+            return outcome, False
+        except StoreError:
             # Left as 'cancelling' once that write landed: recovery finishes it as
-            # cancelled and never resumes it (or quarantines it, a row of it malformed).
+            # cancelled and never resumes it.
             return outcome, False
         entry.disown()
         return outcome, doorbell or entry.rung_since_decision()

@@ -33,7 +33,7 @@ import attrs
 import trio
 
 from ._decisions import RecoveryDecision
-from ._errors import LeaseLost, StoreError
+from ._errors import LeaseLost, MalformedRecord, StoreError
 from ._model import RecoveryReport
 from ._naming import mask_password
 
@@ -52,6 +52,7 @@ logger.addHandler(logging.NullHandler())
 # -- messages (record.msg): part of the public surface, listed in the README --------------------
 
 DRAIN_FAILED = "drain failed: session %s, execution %s"
+CLAIM_KEPT_MALFORMED = "claim kept for quarantine, a record is malformed: session %s, execution %s"
 CLAIM_ATTEMPT_FAILED = "claim attempt failed: session %s"
 CLAIM_LOST = "claim lost: session %s, execution %s"
 SESSION_DELETED = "claim ended, session deleted: session %s, execution %s"
@@ -106,6 +107,25 @@ def drain_failed(entry: SessionEntry, owner_id: str, error: BaseException | None
         entry.execution_id,
         exc_info=error,
         extra={**_claim(entry, owner_id), "error": mask_password(repr(error))},
+    )
+
+
+def claim_kept_malformed(entry: SessionEntry, owner_id: str, error: MalformedRecord) -> None:
+    """WARNING, no traceback (bad data, not a defect to chase): a finish could not close
+    the claim's open message - a row another tool broke - so the claim is kept; once its
+    lease runs out recovery quarantines it, for the operator to act on. Not a failed drain
+    when the drain returned. extra: session_id, execution_id, owner_id, attempt, resumed,
+    table, key, reason."""
+    logger.warning(
+        CLAIM_KEPT_MALFORMED,
+        entry.session_id,
+        entry.execution_id,
+        extra={
+            **_claim(entry, owner_id),
+            "table": error.table,
+            "key": error.key,
+            "reason": "; ".join(error.reasons),
+        },
     )
 
 
