@@ -15,8 +15,7 @@ import trio
 from helpers import Raw, Recorder, runtime
 from trio.testing import MockClock
 
-from trio_sessions import DrainContext, MalformedRecord, Store, StoreError, _store
-from trio_sessions._model import TextPart
+from trio_sessions import DrainContext, MalformedRecord, Store, StoreError, _store, testing
 
 QUIET = {"recovery_interval": 10_000.0}  # passes only when the test asks for one
 
@@ -582,13 +581,17 @@ async def test_an_append_after_a_streamed_text_whose_version_is_no_number_is_mal
 
     async with runtime(Store(db_path, inline=True), drain, clock, **QUIET) as rt:
         outcome = await rt.run("s")
-        [message] = await rt.transcript("s")
+        # The failed finish cannot fold in texts whose order is unknown (audC54): the
+        # claim is kept for quarantine, and every reader refuses the message.
+        with pytest.raises(MalformedRecord, match="version"):
+            await rt.transcript("s")
     [error] = raised
     assert isinstance(error, MalformedRecord), error
     assert error.table == "session_message_delta"
     assert f"version {version!r}" in str(error)
     assert outcome.kind == "failed"
-    assert message.data.parts == (TextPart("ab"),)  # the failed finish folded a and b in
+    texts = raw.rows("SELECT text FROM session_message_delta ORDER BY text")
+    assert texts == [("a",), ("b",)]  # nothing written: no "c"
 
 
 @pytest.mark.parametrize("written", [False, True], ids=["nothing-written", "message-written"])
@@ -726,3 +729,66 @@ async def test_a_drain_ending_with_an_older_open_message_corrupted_is_quarantine
     [(execution_id, why)] = raw.rows("SELECT execution_id, recovery_error FROM session_recovery")
     assert "parts" in why
     assert raw.rows("SELECT id FROM session_execution") == [(execution_id,)]
+
+
+@pytest.mark.parametrize("version", ["abc", 2.5], ids=["text", "real"])
+async def test_a_streamed_text_whose_version_is_no_number_is_refused_by_every_reader(
+    tmp_path: Path, clock: Any, autojump_clock: MockClock, version: Any
+) -> None:
+    """DESIGN §5 (a malformed row raises `MalformedRecord`) and §4 (recovery quarantines
+    what it cannot decode) on SQLite, whose INTEGER column keeps what another tool writes
+    (PostgreSQL's BIGINT cannot hold it): the first text streamed onto an open message gets
+    a `version` that is text, or a REAL past the newest. SQLite's ORDER BY then puts that
+    text last, and the readers showed "bc" + "a" - the reply reordered, not refused. Found
+    by the audit (audC54; the lead's question 3). Expected: `transcript()`, `watch()`,
+    `stream()` from the start and from a cursor raise `MalformedRecord` naming the delta's
+    message and its version; recovery quarantines the claim with that reason."""
+    db_path, raw = _sqlite(tmp_path)
+    streamed, hold = trio.Event(), trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        writer = await ctx.begin_assistant()
+        for text in "abc":
+            await writer.append_text(text)
+        streamed.set()
+        await hold.wait()
+
+    store = Store(db_path, inline=True)
+    async with runtime(store, drain, clock, **QUIET) as rt, trio.open_nursery() as nursery:
+        nursery.start_soon(rt.run, "s")
+        await streamed.wait()
+        first = await first_of(rt.stream("s"))
+        if version == 2.5:  # between the versions of "b" and "c"
+            [(version,)] = raw.rows("SELECT MAX(version) - 0.5 FROM session_message_delta")
+        raw.write("UPDATE session_message_delta SET version = ? WHERE text = 'a'", (version,))
+        [(message_id, stored)] = raw.rows(
+            "SELECT message_id, version FROM session_message_delta WHERE text = 'a'"
+        )
+        assert type(stored) is type(version)
+        seen = [await first_of(rt.watch("s")), await first_of(rt.stream("s"))]
+        caught_up = await first_of(rt.stream("s", cursor=first.cursor))
+        if version == "abc":  # sorted past the cursor's version: the catch-up reads it
+            seen.append(caught_up)
+        else:  # before it: the client holds the texts in their order, nothing is new
+            assert caught_up is None
+        with pytest.raises(MalformedRecord) as raised:
+            await rt.transcript("s")
+        seen.append(raised.value)
+        for error in seen:
+            assert isinstance(error, MalformedRecord), error
+            assert (error.table, error.key) == ("session_message_delta", message_id)
+            assert "version" in str(error)
+        testing.crash(rt)
+        nursery.cancel_scope.cancel()
+    await trio.sleep(31)  # past the crashed claim's lease
+    async with runtime(store, Recorder(), clock, **QUIET) as rt:
+        # Its opening pass recovered the claim: quarantined, with the reason.
+        [(execution_id, why)] = raw.rows(
+            "SELECT execution_id, recovery_error FROM session_recovery"
+        )
+        assert why is not None and "version" in why
+        # Dropped, the message is set aside (its texts in the reason): the transcript reads.
+        await rt.release_quarantine(execution_id, resume=False)
+        assert await rt.transcript("s") == []
+    [(reason,)] = raw.rows("SELECT reason FROM session_message_rejected")
+    assert "version" in reason and "'a'" in reason

@@ -28,6 +28,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NoReturn, get_args, get_origin
 
+import attrs
 import cattrs
 from cattrs.errors import IterableValidationNote
 from cattrs.v import format_exception
@@ -520,13 +521,41 @@ def _repeated_calls(parts: Sequence[Part]) -> list[str]:
     return reasons
 
 
+@attrs.frozen
+class Misplaced:
+    """A streamed text whose `version` is no whole number: SQLite's INTEGER column keeps
+    the text or REAL another tool writes there (no writer does; PostgreSQL's BIGINT cannot
+    hold it), and its ORDER BY then puts the text after, or between, the others. Its place
+    in the message is unknown, so `decode_streamed` refuses the message instead of showing
+    its text reordered. A reader puts it in place of the text (`streamed_text`)."""
+
+    version: Any
+    text: Any
+
+
+def streamed_text(version: Any, text: Any) -> Any:
+    """A delta row as a reader passes it to `decode_streamed`: its text, or `Misplaced`
+    when its version is no whole number (one type check per row: the fast path stays)."""
+    return text if type(version) is int else Misplaced(version, text)
+
+
+def _streamed_reason(index: int, text: Any) -> str:
+    if type(text) is Misplaced:
+        return (
+            f"streamed text #{index} has version {text.version!r:.60}, no whole number: its"
+            " place among the message's texts is unknown"
+        )
+    if type(text) is not str:
+        return f"streamed text #{index} is {type(text).__name__} {text!r}, not text"
+    return f"streamed text #{index} holds a NUL character (\\x00), which no writer stores"
+
+
 def decode_streamed(texts: Sequence[Any], *, key: str) -> list[str]:
     """The text rows streamed onto a message (`session_message_delta.text`, in order);
-    `MalformedRecord` naming the message when one is not text."""
+    `MalformedRecord` naming the message when one is not text, or is `Misplaced` (its
+    version no whole number: the order read is not the order written)."""
     reasons = [
-        f"streamed text #{index} is {type(text).__name__} {text!r}, not text"
-        if type(text) is not str
-        else f"streamed text #{index} holds a NUL character (\\x00), which no writer stores"
+        _streamed_reason(index, text)
         for index, text in enumerate(texts)
         if type(text) is not str or NUL in text
     ]

@@ -290,12 +290,12 @@ def _extended(tx: Tx, grown: Sequence[tuple[Snapshot, int, bool]]) -> list[Snaps
         return []
     terms = " OR ".join(["(message_id = ? AND version > ?)"] * len(grown))
     texts: dict[str, list[Any]] = {}
-    for message_id, text in tx.execute(
-        f"SELECT message_id, text FROM session_message_delta WHERE {terms}"
+    for message_id, version, text in tx.execute(
+        f"SELECT message_id, version, text FROM session_message_delta WHERE {terms}"
         " ORDER BY message_id, version",
         tuple(value for held, _, _ in grown for value in (held.message_id, held.version)),
     ).fetchall():
-        texts.setdefault(str(message_id), []).append(text)
+        texts.setdefault(str(message_id), []).append(_codec.streamed_text(version, text))
     snapshots = []
     for held, version, still_open in grown:
         message = held.message

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 import attrs
 
+from .. import _codec
 from .._backend import RANDOM_BITS, Cursor, Tx
 from .._decisions import ClaimRow
 from .._errors import LeaseLost, MalformedRecord
@@ -87,12 +88,12 @@ def streamed_texts_of(tx: Tx, message_ids: Sequence[str]) -> dict[Any, list[Any]
     message id as the store returns it: one statement per `_IN_CHUNK` of them."""
     streamed: dict[Any, list[Any]] = {}
     for chunk in _chunks(message_ids):
-        for message_id, text in tx.execute(
-            "SELECT message_id, text FROM session_message_delta"
+        for message_id, version, text in tx.execute(
+            "SELECT message_id, version, text FROM session_message_delta"
             f" WHERE message_id IN {_in_list(chunk)} ORDER BY message_id, version",
             tuple(chunk),
         ).fetchall():
-            streamed.setdefault(message_id, []).append(text)
+            streamed.setdefault(message_id, []).append(_codec.streamed_text(version, text))
     return streamed
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import attrs
 
+from .. import _codec
 from .._backend import Tx, reads_stored_bytes
 from .._codec import shown_text, stored_text, stored_value
 from .._errors import MalformedRecord
@@ -194,14 +195,17 @@ def _set_aside_malformed_messages(tx: Tx, session_id: str, execution_id: str) ->
             stored_value(kind, value) for kind, value in zip(stored[::2], stored[1::2], strict=True)
         )
         deltas = tx.execute(
-            f"SELECT {as_stored(tx, 'text')} FROM session_message_delta"
+            f"SELECT version, {as_stored(tx, 'text')} FROM session_message_delta"
             " WHERE message_id = CAST(? AS TEXT) ORDER BY version",
             (message_id,),
         ).fetchall()
         try:
             streamed = [
-                stored_text(*delta, table="session_message_delta", key=shown_text(message_id))
-                for delta in deltas
+                _codec.streamed_text(
+                    version,
+                    stored_text(*text, table="session_message_delta", key=shown_text(message_id)),
+                )
+                for version, *text in deltas
             ]
             message = _decode_message(
                 session_id, (message_id, role, seq, data, execution_id, input_id), streamed
@@ -212,7 +216,7 @@ def _set_aside_malformed_messages(tx: Tx, session_id: str, execution_id: str) ->
             # The raw data is kept as it was stored (bytes that are not UTF-8 as a BLOB);
             # text streamed onto it since goes into the reason, such bytes as a bytes
             # literal (its rows leave with the message): nothing of it is lost.
-            streamed_since = [stored_value(*delta) for delta in deltas]
+            streamed_since = [stored_value(*text) for _, *text in deltas]
             reason = str(exc) + (f"; streamed since: {streamed_since!r}" if deltas else "")
             tx.execute(
                 "INSERT INTO session_message_rejected(id, session_id, execution_id, seq, data,"

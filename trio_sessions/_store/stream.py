@@ -460,7 +460,9 @@ def _changes_of_open(
         count=max(count, 0),
         size_bytes=size_bytes,
     )
-    texts = _codec.decode_streamed([text for _, text in rows], key=message_id)
+    texts = _codec.decode_streamed(
+        [_codec.streamed_text(version, text) for version, text in rows], key=message_id
+    )
     appended = [
         Appended(held.seq, message_id, text, placed(version))
         for (version, _), text in zip(rows, texts, strict=True)
@@ -523,7 +525,8 @@ def _streamed_of(tx: Tx, row: Sequence[Any]) -> list[Any]:
 # ordered subquery in between doubles the cost. An index that covered `text` would change
 # the order: tests/store/test_stream_catch_up.py pins this plan.
 JOIN_STREAMED = (
-    "SELECT sum(typeof(text) <> 'text'), group_concat(text, '')"
+    "SELECT sum(typeof(text) <> 'text' OR typeof(version) <> 'integer'),"
+    " group_concat(text, '')"
     " FROM session_message_delta WHERE message_id = ?"
 )
 
@@ -533,8 +536,9 @@ def streamed_onto(tx: Tx, message_id: str) -> list[Any]:
     `_codec.decode_streamed` checks them and `_transcript.with_streamed` joins them. On
     SQLite, joined by SQLite into one when every one is text: an open reply of 150,000
     words is one C loop (~20 ms) on the event loop, not 150,000 Python rows (~100 ms).
-    Row by row otherwise: a row that is no text is named by its index, and PostgreSQL's
-    reads run in threads."""
+    Row by row otherwise: a row that is no text, or whose version is no whole number (its
+    place unknown: `_codec.Misplaced`), is named by its index, and PostgreSQL's reads run in
+    threads."""
     if tx.dialect == "sqlite":
         not_text, joined = tx.one(JOIN_STREAMED, (message_id,))
         if joined is None:
@@ -790,7 +794,9 @@ def _appends_set_wise(
             " ORDER BY w.m, w.v, d.version",
             tuple(value for pair in held for value in pair),
         ).fetchall():
-            deltas.setdefault((str(message_id), placed(after)), []).append((placed(version), text))
+            deltas.setdefault((str(message_id), placed(after)), []).append(
+                (placed(version), _codec.streamed_text(version, text))
+            )
     answers: list[StreamChanges | None] = []
     for (_, position), ids in zip(reads, ids_of, strict=True):
         if ids is None:

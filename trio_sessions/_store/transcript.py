@@ -388,10 +388,10 @@ def _streamed_texts(tx: Tx, message_id: str) -> list[Any]:
     """The texts streamed onto a message since its data was last written, in order, as
     stored (`_codec.decode_streamed` checks them)."""
     rows = tx.execute(
-        "SELECT text FROM session_message_delta WHERE message_id = ? ORDER BY version",
+        "SELECT version, text FROM session_message_delta WHERE message_id = ? ORDER BY version",
         (message_id,),
     ).fetchall()
-    return [row[0] for row in rows]
+    return [_codec.streamed_text(version, text) for version, text in rows]
 
 
 def _assistant_data(tx: Tx, message_id: str, text: str) -> AssistantData:
@@ -529,13 +529,13 @@ def read_transcript_by_statements(tx: Tx, session_id: str) -> list[Message]:
         (session_id,),
     ).fetchall()
     streamed: dict[str, list[Any]] = {}
-    for message_id, text in tx.execute(
-        "SELECT d.message_id, d.text FROM session_message_delta d"
+    for message_id, version, text in tx.execute(
+        "SELECT d.message_id, d.version, d.text FROM session_message_delta d"
         " JOIN session_message m ON m.id = d.message_id"
         " WHERE m.session_id = ? ORDER BY d.message_id, d.version",
         (session_id,),
     ).fetchall():
-        streamed.setdefault(message_id, []).append(text)
+        streamed.setdefault(message_id, []).append(_codec.streamed_text(version, text))
     return [_decode_message(session_id, row, streamed.get(row[0], ())) for row in rows]
 
 
