@@ -213,6 +213,7 @@ async def sweep_remaining(db: Path) -> None:
                 await trio.sleep(0.05)
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 def test_four_processes_never_see_a_locked_database(tmp_path: Path) -> None:
     """Four processes contending for one file: every operation and drain succeeds, no lock

@@ -140,6 +140,7 @@ class Resumes:
             self.all.set()
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 async def test_sigkilled_owner_is_resumed_after_the_grace_not_the_lease(
     location: Path | PgLocation, tmp_path: Path
@@ -167,6 +168,7 @@ async def test_sigkilled_owner_is_resumed_after_the_grace_not_the_lease(
     assert rows(location, "SELECT COUNT(*) FROM session_execution") == [(0,)]
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 async def test_sigstopped_owner_is_taken_over_only_at_lease_expiry(
     location: Path | PgLocation, tmp_path: Path
@@ -229,6 +231,7 @@ def _token_pid(location: PgLocation, owner_id: str) -> int:
     return int(pid)
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 async def test_an_owner_that_loses_its_token_stops_its_drains_at_once(
     pg_url: str, pg_schema: str
@@ -419,6 +422,7 @@ def frozen_owner(location: PgLocation, tmp_path: Path) -> Iterator[FrozenOwner]:
     frozen.output = output
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 async def test_an_owner_frozen_in_a_claims_handoff_never_starts_it_after_losing_its_token(
     pg_url: str, pg_schema: str, tmp_path: Path
@@ -629,6 +633,7 @@ async def test_a_drain_still_exiting_after_its_token_was_lost_keeps_its_claim(
     assert old_end <= new_start
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 async def test_a_token_lost_while_a_graceful_close_waits_for_a_drain_is_taken_again(
     pg_url: str, pg_schema: str
@@ -1176,6 +1181,7 @@ async def test_a_gone_owners_claims_beyond_a_pass_are_taken_over_in_one_look(
     assert rows(location, "SELECT COUNT(*) FROM session_execution") == [(0,)]
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("watching", [False, True])
 async def test_a_claim_handed_back_by_a_graceful_close_is_taken_over_at_once(
     location: Path | PgLocation, watching: bool

@@ -62,7 +62,7 @@ async def drain(ctx):
         _log(event="end", t=time.time(), **ids)
 '''
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 Event = dict[str, Any]
 

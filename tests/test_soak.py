@@ -71,6 +71,7 @@ def run_soaks(
 KILL_SOAK_ARGS = ["--workers=3", "--rate=15", "--kill-gap", "0.4", "1.5", "--model-steps=0"]
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 def test_short_kill_soaks_audits_are_clean(tmp_path: Path) -> None:
     """Two kill soaks side by side. In `plain`, workers killed at random (also inside the
@@ -128,6 +129,7 @@ def test_short_kill_soaks_audits_are_clean(tmp_path: Path) -> None:
     check_controls(stdout, output, figures["inputs"])
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 def test_kill_soak_busy_kills_overlap_only_without_the_grace(tmp_path: Path) -> None:
     """Workers SIGKILLed while a drain's blocking call runs on in a child process for less
@@ -241,6 +243,7 @@ PG_SOAK_ARGS = ["--backend=postgres", "--workers=3", "--rate=10", "--lease=1.5",
 PG_AUDIT = ("lost", "overlaps", "orphaned", "zombie_writes")
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 def test_short_postgres_soaks_audits_are_clean(tmp_path: Path) -> None:
     """Two PostgreSQL soaks side by side, each with its own server. In `plain`, hosts each
@@ -307,6 +310,7 @@ def test_short_postgres_soaks_audits_are_clean(tmp_path: Path) -> None:
     check_controls(stdout, output, figures["inputs"])
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 def test_postgres_soak_busy_token_kills_overlap_only_on_a_broken_liveness_copy(
     tmp_path: Path,

@@ -105,6 +105,7 @@ async def test_a_change_scan_reads_the_change_not_the_watched_transcript(
     assert max(instructions) < TRANSCRIPT, instructions
 
 
+@pytest.mark.serial
 async def test_a_watched_long_transcript_never_stalls_the_loop(tmp_path: Path) -> None:
     """Entering a watch of a 20,000-message session from its start delivers every message,
     then the live reply, without one task step of the library above 50 ms of CPU: the
@@ -194,6 +195,7 @@ async def test_take_inputs_takes_the_largest_limit_it_accepts(
     assert taken == [{"n": 1}, {"n": 2}]
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 async def test_a_200k_backlog_is_taken_in_chunks_without_stalling_the_loop(
     tmp_path: Path,
@@ -413,6 +415,7 @@ def _seed_tool_heavy_transcript(db: Path, session_id: str, count: int, size: int
     conn.close()
 
 
+@pytest.mark.serial
 async def test_a_stream_of_a_tool_heavy_transcript_never_stalls_the_loop(tmp_path: Path) -> None:
     """Entering `stream()` (cursor=None) on a session of 200 assistant messages with ~100 KB
     tool results each (22 MB) sends every message without one task step of the library
@@ -462,6 +465,7 @@ def _seed_open_reply(db: Path, session_id: str, deltas: int) -> None:
     conn.close()
 
 
+@pytest.mark.serial
 async def test_a_stream_resumed_early_in_a_long_open_reply_never_stalls_the_loop(
     tmp_path: Path,
 ) -> None:
@@ -494,6 +498,7 @@ async def test_a_stream_resumed_early_in_a_long_open_reply_never_stalls_the_loop
     assert meter.longest_cpu < STALL_S, meter.longest_cpu
 
 
+@pytest.mark.serial
 async def test_a_watcher_entering_during_a_long_open_reply_never_stalls_the_loop(
     tmp_path: Path,
 ) -> None:
@@ -644,6 +649,7 @@ async def _settle_a_large_result_with_a_stream(store: Any, nodes: int) -> float:
     return meter.longest_cpu
 
 
+@pytest.mark.serial
 async def test_a_large_tool_result_on_sqlite_never_stalls_the_loop(tmp_path: Path) -> None:
     """SQLite writes on the event loop's thread: settling a tool result of 150,000 JSON
     nodes (and finishing its message) takes no task step above 50 ms of CPU. Encoding it
@@ -653,6 +659,7 @@ async def test_a_large_tool_result_on_sqlite_never_stalls_the_loop(tmp_path: Pat
     assert longest < STALL_S, longest
 
 
+@pytest.mark.serial
 async def test_a_large_tool_result_written_while_a_stream_follows_never_stalls_the_loop(
     pg_url: str, pg_schema: str
 ) -> None:
@@ -689,6 +696,7 @@ def _many_large_results_drain(results: int, nodes: int) -> Any:
     return drain
 
 
+@pytest.mark.serial
 async def test_several_large_tool_results_in_one_message_never_stall_the_loop(
     tmp_path: Path,
 ) -> None:
@@ -714,6 +722,7 @@ async def test_several_large_tool_results_in_one_message_never_stall_the_loop(
     assert handoffs >= RESULTS  # every settle went to the worker thread
 
 
+@pytest.mark.serial
 async def test_reading_several_large_tool_results_never_stalls_the_loop(tmp_path: Path) -> None:
     """`transcript()`, a `stream()`'s catch-up and a `watch()`'s catch-up of a session whose
     message holds four tool results of 300,000 JSON nodes each, from a second runtime on
