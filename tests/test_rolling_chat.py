@@ -353,7 +353,12 @@ def check_chats(service: Service, run: Run, *, cuts: int, counted: int = 0) -> l
         # which the user saw once (the chat page shows it in the cut's place).
         seqs = [m["seq"] for m in stored if m["role"] == "assistant"]
         for cut, resumed in itertools.pairwise(seqs):
-            first = [event for _, event in chat.events if event["seq"] == resumed][:2]
+            # (A cut that held every word: the resumed answer's message, then its finish.)
+            first = [
+                event
+                for _, event in chat.events
+                if event["seq"] == resumed and event["kind"] in ("message", "append")
+            ][:2]
             shown = "".join(
                 text_of(event["data"]) if event["kind"] == "message" else event["data"]
                 for event in first
