@@ -912,6 +912,33 @@ def test_an_open_message_on_the_page_streams_its_appends(tmp_path: Path) -> None
     assert first == {"seq": 1, "append": "llo"}
 
 
+def test_an_answer_holding_a_bidi_override_reads_escaped_on_the_page_and_live(
+    tmp_path: Path,
+) -> None:
+    """An assistant message holding U+202E (a model's output, a prompt injection's) is
+    shown with it escaped on the page and in the text streamed onto it, as a payload is:
+    the operator read the answer reversed. Found by audit (audB54)."""
+    store = tmp_path / "db"
+    seed_ids(store, "s")
+    raw = Raw(store)
+    opened = {"parts": [{"type": "text", "text": "ok \u202eevil"}], "finished": False}
+    raw.seed_assistant("s", "x1", 1, json.dumps({**opened, "error": None}))
+    with (
+        console(str(store), tmp_path) as (url, _),
+        httpx.Client(base_url=url, timeout=DEADLINE) as client,
+    ):
+        page = client.get("/sessions/s").text
+        assert ">ok \\u202eevil</span>" in page and "\u202e" not in page
+        with client.stream("GET", events_path(page)) as stream:
+            raw.write(
+                "INSERT INTO session_message_delta(message_id, version, text)"
+                " VALUES ('m-x1-1', 1, ?)",
+                ("\u2067more\u2069",),
+            )
+            _, first = next(sse_events(stream.iter_lines()))
+    assert first == {"seq": 1, "append": "\\u2067more\\u2069"}
+
+
 # ---------------------------------------------------------------------------------------------
 # The live page after a rewrite; paging on stored bytes; ids marked in URLs (second review)
 

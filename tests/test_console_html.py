@@ -249,3 +249,31 @@ def test_a_stored_payload_reads_as_its_text(stored: str, shown: str) -> None:
     """A pending input's payload, stored as JSON with `\\uXXXX` escapes (and cut at 200
     characters: it may not parse), is shown with those characters as written."""
     assert readable_json(stored) == shown
+
+
+def test_an_assistant_message_shows_bidi_controls_escaped_whole_and_appended() -> None:
+    """A model's text holding a bidi override (or an isolate, a mark, a line separator) is
+    shown with it escaped, as a payload and a user message are: it showed the answer
+    reversed to the operator. The whole message and each streamed append alike, and a tool
+    part's name and error and the message's error. Found by audit (audB54)."""
+    tool: dict[str, Any] = {
+        "type": "tool",
+        "call_id": "c1",
+        "name": "lo\u202eok",
+        "input": {},
+        "status": "error",
+        "output": None,
+        "error": "bad\u2067x\u2069",
+    }
+    data = {"parts": [{"type": "text", "text": "a\u202eb\u2028c"}, tool], "finished": True}
+    html = _data_html(2, "assistant", {**data, "error": "e\u200f"})
+    assert "a\\u202eb\\u2028c" in html and "lo\\u202eok" in html, html
+    assert "bad\\u2067x\\u2069" in html and "e\\u200f" in html, html
+    assert not {"\u202e", "\u2028", "\u2067", "\u2069", "\u200f"} & set(html), html
+    copies: dict[int, tuple[str, Any]] = {}
+    opened = AssistantData(parts=(TextPart("ok "),), finished=False, error=None)
+    apply_event(copies, event("message", opened))
+    [update] = apply_event(copies, event("append", "\u202edesrever"))
+    assert update == {"seq": 2, "append": "\\u202edesrever"}
+    # The console's copy keeps the text as stored (a later render escapes it once).
+    assert copies[2][1]["parts"][-1]["text"] == "ok \u202edesrever"

@@ -55,14 +55,14 @@ def _data_html(seq: int, role: str, data: Any) -> str:
         parts = []
         for part in data["parts"]:
             if part["type"] == "text":
-                parts.append(f'<span class="text">{escape(part["text"])}</span>')
+                parts.append(f'<span class="text">{escape(readable_text(part["text"]))}</span>')
             else:
-                error = f": {escape(part['error'])}" if part["error"] else ""
-                name, status = escape(part["name"]), escape(part["status"])
+                error = f": {escape(readable_text(part['error']))}" if part["error"] else ""
+                name, status = escape(readable_text(part["name"])), escape(part["status"])
                 parts.append(f'<span class="tool">[{name} {status}{error}]</span>')
         status = "" if data["finished"] else ' <i class="open">…</i>'
         if data["error"]:
-            status = f' <i class="error">({escape(data["error"])})</i>'
+            status = f' <i class="error">({escape(readable_text(data["error"]))})</i>'
         content = "".join(parts) + status
     else:
         content = escape(readable_json(json.dumps(data)))  # a lone surrogate stays escaped
@@ -87,7 +87,9 @@ def apply_event(copies: dict[int, tuple[str, Any]], event: StreamEvent) -> list[
         if kind == "append":
             if parts and parts[-1]["type"] == "text":
                 parts[-1]["text"] += value
-                return [{"seq": seq, "append": value}]
+                # Shown as the full render shows it (each control is one character: the
+                # appends' escapes add up to the whole text's).
+                return [{"seq": seq, "append": readable_text(value)}]
             parts.append({"type": "text", "text": value})
         elif kind == "part":
             same = [i for i, part in enumerate(parts) if part.get("call_id") == value["call_id"]]
@@ -355,6 +357,13 @@ _KEPT_ESCAPED = frozenset(
 
 # The controls of `_KEPT_ESCAPED` (all but the quote and backslash), as stored raw.
 _RAW_KEPT = re.compile("[" + "".join(sorted(_KEPT_ESCAPED - frozenset('"\\'))) + "]")
+
+
+def readable_text(text: str) -> str:
+    """A model's text as the operator reads it: the controls `readable_json` keeps escaped
+    (bidi overrides, embeddings, isolates, marks; line and paragraph separators) written as
+    `\\uXXXX`, so an answer holding "\\u202e" does not show reversed."""
+    return _RAW_KEPT.sub(_escaped, text)
 
 
 def _escaped(match: re.Match[str]) -> str:
