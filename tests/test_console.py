@@ -169,6 +169,27 @@ def test_actions_need_the_csrf_field_and_read_only_refuses_them(tmp_path: Path) 
     assert raw.one("SELECT COUNT(*) FROM session_execution") == (1,)
 
 
+def test_every_action_form_asks_the_browser_not_to_restore_its_state(tmp_path: Path) -> None:
+    """Each action's form - whose button the page disables once it posts - carries
+    `autocomplete="off"`: Firefox restores a form control's state, `disabled` included,
+    on a page shown again by Back or a reload, so the button came back disabled and the
+    action could not be taken again. Found by audit (audB54)."""
+    store = tmp_path / "db"
+    seed(store, 1)  # a pending input: its cancel button, and pause
+    seed_quarantine(store, "s000", "dead")  # the quarantine's buttons
+    with (
+        console(str(store), tmp_path) as (url, _),
+        httpx.Client(base_url=url, timeout=DEADLINE) as client,
+    ):
+        pages = [client.get("/").text, client.get("/sessions/s000").text]
+    forms = [form for page in pages for form in re.findall(r'<form method="post"[^>]*>', page)]
+    labels = {
+        label for page in pages for label in re.findall(r'<button name="do" value="(\w+)"', page)
+    }
+    assert labels >= {"pause", "delete", "cancel", "resume", "drop"}, labels
+    assert forms and all('autocomplete="off"' in form for form in forms), forms
+
+
 def test_sessions_are_paged_and_searched_in_the_store(tmp_path: Path) -> None:
     """The list shows 50 sessions a page in id order with a link to the next page, and a
     search matches ids containing the text; a session page shows its transcript. A row

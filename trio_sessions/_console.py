@@ -335,8 +335,11 @@ contains"> <button>search</button></form>
     ) -> str:
         onsubmit = f' onsubmit="return confirm({_e(json.dumps(confirm))})"' if confirm else ""
         after = f'<input type="hidden" name="back" value="{_e(back)}">' if back else ""
+        # autocomplete="off": Firefox restores a control's state - the `disabled` the page
+        # gives a posted form's button - on a page shown again (Back, a reload).
         return (
-            f'<form method="post" action="{_e(action)}" class="action"{onsubmit}>{after}'
+            f'<form method="post" action="{_e(action)}" class="action" autocomplete="off"'
+            f"{onsubmit}>{after}"
             f'<input type="hidden" name="csrf" value="{self.guard.csrf()}">'
             f'<button name="do" value="{_e(label)}">{_e(label)}</button></form>'
         )
