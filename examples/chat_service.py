@@ -47,8 +47,12 @@ Run it (SQLite here; a `postgresql://` URL works the same, across hosts, with `-
   connection (`/?session=ID` opens a conversation). A session id is one path segment,
   percent-encoded (`/sessions/a%2Fb/...` is session `a/b`); `.` and `..` cannot be one,
   since clients resolve them as a path's dots before sending.
-* `GET /health` answers 200 once the runtime is open (a readiness probe); `GET /metrics`
-  is the runtime's `statistics()` as JSON.
+* `GET /health` is a readiness probe: 200 while the store answers, a JSON 503 with
+  `Retry-After` while it does not (an error, or no answer within `HEALTH_TIMEOUT`), so a
+  load balancer sends no chats to a process that cannot store them. A web process holds
+  no liveness token, and its runtime keeps no verdict on the store: a probe has one small
+  read made (`StoreProbe`: the probes waiting at once share one). `GET /metrics` is the
+  runtime's `statistics()` as JSON.
 
 `CHAT_WORD_DELAY` (seconds, default 0.05) sets the pause between streamed words;
 `CHAT_KEEP_ALIVE` (seconds, default 15) how long an event stream stays silent before it
@@ -93,6 +97,10 @@ MAX_BODY = 64 * 1024
 MALFORMED = "the conversation holds a record that cannot be read: see the service's log"
 STORE_DOWN = "the store did not answer: try again shortly"
 RETRY_AFTER = b"5"  # seconds
+HEALTH_TIMEOUT = 2.0  # seconds a /health probe waits for the store
+# The conversation a /health probe reads: one nobody has (a read of nothing, not of a
+# user's transcript, whatever its size).
+HEALTH_SESSION = f"health-probe-{uuid.uuid4().hex}"
 SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 
 # ---------------------------------------------------------------------------------------------
@@ -189,6 +197,11 @@ class ChatApp:
     a conversation, over a runtime."""
 
     runtime: trio_sessions.Runtime
+    probe: StoreProbe = attrs.field()
+
+    @probe.default
+    def _probe(self) -> StoreProbe:
+        return StoreProbe(self.runtime)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -221,7 +234,7 @@ class ChatApp:
             await _respond_page(send, CHAT_PAGE)
             return
         if path == "/health" and method == "GET":
-            await _respond(send, 200, {"ok": True, "owner_id": self.runtime.owner_id})
+            await self.health(send)
             return
         if path == "/metrics" and method == "GET":
             await _respond(send, 200, attrs.asdict(self.runtime.statistics()))
@@ -258,6 +271,17 @@ class ChatApp:
             await _respond(send, 200, {"deleted": deleted})
         else:
             await self.stream_events(session_id, scope, receive, send)
+
+    async def health(self, send: Send) -> None:
+        """200 while the store answers a read, else a JSON 503 with Retry-After: the
+        process cannot serve a chat now. (It answered 200 whatever the store did.)"""
+        error = await self.probe.check()
+        if error is None:
+            await _respond(send, 200, {"ok": True, "owner_id": self.runtime.owner_id})
+            return
+        await _respond(
+            send, 503, {"ok": False, "error": error}, extra=((b"retry-after", RETRY_AFTER),)
+        )
 
     async def post_message(
         self, session_id: str, scope: Scope, receive: Receive, send: Send
@@ -385,6 +409,43 @@ class ChatApp:
                 nursery.cancel_scope.cancel()  # the runtime closed: end the stream
         if not disconnected.is_set():
             await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+@attrs.define
+class StoreProbe:
+    """Whether the store answers, for `/health`: its task (`run`, beside the server) reads
+    the store when a probe asks, one read at a time for every probe waiting. A probe waits
+    at most `HEALTH_TIMEOUT` for the answer: a store call that has begun is never
+    abandoned (a hung server holds it until the connection's reply bound, 25 s), so the
+    read is the task's, not the request's."""
+
+    runtime: trio_sessions.Runtime
+    _wanted: trio.Event = attrs.field(factory=trio.Event)
+    _answered: trio.Event = attrs.field(factory=trio.Event)
+    _error: str | None = None
+
+    async def run(self) -> None:
+        while True:
+            await self._wanted.wait()
+            self._wanted = trio.Event()
+            answered, self._answered = self._answered, trio.Event()  # later asks: next read
+            try:
+                await self.runtime.transcript(HEALTH_SESSION)
+                self._error = None
+            except trio_sessions.StoreError as exc:
+                logger.warning("health probe: store error: %s", exc)
+                self._error = STORE_DOWN
+            answered.set()
+
+    async def check(self) -> str | None:
+        """None when the store answered a read begun after this call; else why not."""
+        answered = self._answered
+        self._wanted.set()
+        with trio.move_on_after(HEALTH_TIMEOUT):
+            await answered.wait()
+            return self._error
+        logger.warning("health probe: the store did not answer in %g s", HEALTH_TIMEOUT)
+        return f"{STORE_DOWN} (no answer within {HEALTH_TIMEOUT:g} s)"
 
 
 def _input_id(session_id: str, key: str | None) -> str:
@@ -538,19 +599,21 @@ async def serve_web(store: Any, bind: str) -> None:
         config.bind = [bind]
         config.errorlog = logging.getLogger("hypercorn.error")  # through our handler, once
         config.graceful_timeout = 2.0  # event streams are cut after this on shutdown
-        serve = functools.partial(
-            hypercorn.trio.serve, ChatApp(runtime), config, shutdown_trigger=_until_signal
-        )
+        app = ChatApp(runtime)
+        serve = functools.partial(hypercorn.trio.serve, app, config, shutdown_trigger=_until_signal)
         listening = False
         try:
-            async with trio.open_nursery() as nursery:
-                binds = await nursery.start(serve)
-                listening = True
-                # What start-up made (modules, classes, functions: most of the heap) stays:
-                # a full collection no longer walks it - with 200 live streams it paused the
-                # event loop for 13-18 ms, every request then in flight with it.
-                gc.freeze()
-                logger.info("chat service listening on %s", " ".join(binds))
+            async with trio.open_nursery() as probing:
+                probing.start_soon(app.probe.run)
+                async with trio.open_nursery() as nursery:
+                    binds = await nursery.start(serve)
+                    listening = True
+                    # What start-up made (modules, classes, functions: most of the heap)
+                    # stays: a full collection no longer walks it - with 200 live streams
+                    # it paused the event loop for 13-18 ms, every request then in flight.
+                    gc.freeze()
+                    logger.info("chat service listening on %s", " ".join(binds))
+                probing.cancel_scope.cancel()  # served: /health's probe ends with it
         except BaseExceptionGroup as group:
             # Hypercorn's nurseries wrap the bind's error in groups, one per nursery.
             refused = None if listening else _only_error(group)

@@ -578,3 +578,62 @@ async def test_an_event_stream_opened_while_the_store_does_not_answer_says_when_
         assert answer == b"retry: 5000\n\n"
         assert [r.levelname for r in caplog.records] == ["WARNING"], caplog.records
         assert "secret" in caplog.records[0].getMessage()  # the operator's, not the client's
+
+
+HUNG = 25.0  # seconds a hung PostgreSQL server holds a store call (its reply bound)
+
+
+async def test_health_is_a_503_while_the_store_does_not_answer(
+    tmp_path: Path,
+    autojump_clock: trio.testing.MockClock,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`/health` says whether the process can serve a chat: 200 while the store answers, a
+    JSON 503 with Retry-After while it raises StoreError or does not answer within
+    `HEALTH_TIMEOUT` - then 200 again once it does. It answered 200 whatever the store did
+    (once the runtime was open), so a load balancer kept sending chats to a process that
+    could store none. The reason in the answer is no server's (it may name one): that goes
+    to the log. Found by audit (audB54)."""
+    async with (
+        trio_sessions.open_runtime(str(tmp_path / "chat.db"), None) as rt,
+        trio.open_nursery() as nursery,
+    ):
+        app = chat.ChatApp(rt)
+        nursery.start_soon(app.probe.run)  # as the web process runs it, beside the server
+        status, answer = await _call(app, "GET", "/health")
+        assert (status, json.loads(answer)) == (200, {"ok": True, "owner_id": rt.owner_id})
+        served = rt.transcript
+
+        async def refused(*args: Any, **kwargs: Any) -> Any:
+            raise trio_sessions.StoreError("connection refused: password=secret")
+
+        async def hangs(*args: Any, **kwargs: Any) -> Any:
+            await trio.sleep(HUNG)  # a hung server: a reply bound ends the call
+            raise trio_sessions.StoreError("no reply")
+
+        for down in [refused, hangs]:
+            rt.transcript = down  # type: ignore[method-assign]
+            sent: list[Any] = []
+
+            async def send(message: Any, sent: list[Any] = sent) -> None:
+                sent.append(message)
+
+            async def receive() -> dict[str, Any]:
+                return {"type": "http.request", "body": b"", "more_body": False}
+
+            started = trio.current_time()
+            await app(_scope("GET", "/health", []), receive, send)
+            assert sent[0]["status"] == 503, (down, sent)
+            assert trio.current_time() - started <= chat.HEALTH_TIMEOUT
+            headers = dict(sent[0]["headers"])
+            assert headers[b"content-type"] == b"application/json"
+            assert int(headers[b"retry-after"]) > 0
+            body = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+            assert body["ok"] is False and "store" in body["error"], body
+            assert "secret" not in body["error"]
+        rt.transcript = served  # type: ignore[method-assign]
+        await trio.sleep(HUNG)  # the hung read ended: the next probe reads the store again
+        status, answer = await _call(app, "GET", "/health")
+        assert (status, json.loads(answer)["ok"]) == (200, True)
+        nursery.cancel_scope.cancel()
+    assert any("secret" in r.getMessage() for r in caplog.records), caplog.records

@@ -643,3 +643,45 @@ async def test_a_worker_killed_mid_answer_is_completed_by_the_other(service: Ser
     assert answer["execution_id"] != cut["execution_id"]
     survivor = next(p for n, p in service.workers.items() if n != name)
     assert survivor.poll() is None, service.output()
+
+
+async def test_health_is_a_503_while_the_postgresql_store_does_not_answer(
+    pg_url: str, pg_schema: str, tmp_path: Path
+) -> None:
+    """The web process on PostgreSQL, through a proxy that then hangs (a frozen server, a
+    stuck pooler: nothing answers, nothing is refused): `/health`, 200 before, is a JSON
+    503 with Retry-After within `HEALTH_TIMEOUT` - a load balancer stops sending it chats
+    it cannot store - and a post is a 503 too. It answered 200 once the runtime was open,
+    whatever the store did. Found by audit (audB54)."""
+    from test_worker import HangingProxy
+
+    chat = load_example("chat_service")
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    proxy = HangingProxy.to(pg_url)
+    async with trio.open_nursery() as nursery:
+        await proxy.serve(nursery)
+        web = _spawn(
+            [sys.executable, str(EXAMPLES / "chat_service.py"), "--store", proxy.url(pg_url),
+             "--schema", pg_schema, "--bind", "127.0.0.1:0"],
+            logs / "web.log",
+        )  # fmt: skip
+        try:
+            url = await trio.to_thread.run_sync(
+                _wait_for, lambda: _listening(logs / "web.log"), "the web process", logs
+            )
+            async with httpx.AsyncClient(base_url=url, timeout=DEADLINE) as client:
+                assert (await client.get("/health")).status_code == 200
+                proxy.stall()
+                # Answered at the timeout, not when the hung read gives up (25 s).
+                with trio.fail_after(chat.HEALTH_TIMEOUT + 3):
+                    health = await client.get("/health")
+                assert health.status_code == 503, health.text
+                assert int(health.headers["retry-after"]) > 0
+                assert health.json()["ok"] is False and "store" in health.json()["error"]
+                assert "127.0.0.1" not in health.text  # the server's name is the log's
+        finally:
+            web.send_signal(signal.SIGKILL)  # its store hangs: no graceful stop to wait for
+            await trio.to_thread.run_sync(web.wait)
+            nursery.cancel_scope.cancel()
+    assert "health probe: the store did not answer" in (logs / "web.log").read_text()
