@@ -709,3 +709,38 @@ def test_the_chat_page_shows_a_long_conversation_in_time_linear_in_it(
         )
     assert chat_texts(chrome, "assistant")[-1] == f"answer {LONG_CONVERSATION}"
     assert chat_texts(chrome, "user")[0] == "question 1"
+
+
+def test_a_double_click_on_stop_withdraws_the_queued_message_and_stops_nothing_more(
+    chrome: Any, tmp_path: Path
+) -> None:
+    """Stop double-clicked while an answer streams and the user's next message waits
+    behind it: the message is withdrawn, and the answer streams on to its end. (Both
+    clicks posted: the first withdrew the message, the second - finding nothing to
+    withdraw - interrupted the answer the user had not asked to stop.) The button takes
+    no click while its request is in flight, as a console action's. Found by audit
+    (audB54)."""
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+
+    question = " ".join(f"word{n}" for n in range(60))  # ~3 s of words
+    with chat_page(chrome, tmp_path, "stop2", CHAT_WORD_DELAY="0.05") as url:
+        typed = chrome.find_element(By.ID, "text")
+        send(chrome, question)
+        until(lambda: len(chat_texts(chrome, "assistant")) == 1, "the answer streaming", chrome)
+        send(chrome, "never mind")
+        until(lambda: typed.get_attribute("value") == "", "the second message stored", chrome)
+        ActionChains(chrome).double_click(chrome.find_element(By.ID, "stop")).perform()
+        until_answers(chrome, [f"You said: {question}"], "the answer streamed to its end")
+        until(
+            lambda: (
+                chrome.find_element(By.CSS_SELECTOR, ".message.assistant").get_attribute(
+                    "data-finished"
+                )
+                == "true"
+            ),
+            "the answer finished",
+            chrome,
+        )
+        assert chrome.find_elements(By.CSS_SELECTOR, ".message.assistant .error") == []
+        assert stored_texts(url, "stop2", "user") == [question]
