@@ -3,10 +3,11 @@ signalling the session still lets a worker's acquire that met the lock claim at 
 
 An acquire from a doorbell that meets a session lock answers 'busy' (`ts_acquire`) and its
 runtime passes over that doorbell until a signal names the session: the lock's holder was to
-claim it or signal it once done. Each test holds one such operation in its transaction once
-it ran - its locks held, in a thread, on an engine of its own - while a worker opens, finds
-the session's doorbell and answers busy; then lets it commit, and the worker's drain must
-start at once, not at its fallback poll (2 s; DESIGN §7: p99 50 ms)."""
+claim it or signal it once done. Each test holds one such operation - its locks held, in a
+thread, on an engine of its own: in its transaction once it ran, or inside its call, after
+its locks - while a worker opens, finds the session's doorbell and answers busy; then lets
+it end, and the worker's drain must start at once, not at its fallback poll (2 s; DESIGN
+§7: p99 50 ms)."""
 
 from __future__ import annotations
 
@@ -20,11 +21,12 @@ import trio
 from helpers import pg_engine_at as engine_at
 from helpers import pg_raw as raw
 
-from trio_sessions import SessionBusy, _store, open_runtime
+from trio_sessions import LeaseLost, SessionBusy, _codec, _store, _transcript, open_runtime
 from trio_sessions._backend import Job
 from trio_sessions._loops import CHANGE_FALLBACK_POLL
 from trio_sessions._postgres import PgEngine, PostgresStore, run_op
 from trio_sessions._store import control
+from trio_sessions._store.transcript import Known
 
 WAIT_S = 30.0  # a bound on each gate, never reached when the test passes
 QUESTION = '{"text": "q"}'
@@ -48,6 +50,18 @@ def idle(engine: PgEngine, pg_url: str, pg_schema: str) -> None:
     """An idle session (no input, no doorbell) a purge will find - and then find busy."""
     with raw(pg_url, pg_schema) as conn:
         conn.execute("INSERT INTO session(id, time_created) VALUES ('s', 0)")
+
+
+def zombie_left_behind(engine: PgEngine, pg_url: str, pg_schema: str) -> None:
+    """Execution z of owner `zombie` claimed the session and began message m; its claim
+    is gone since (deleted here, as recovery's release of it leaves it); a new message
+    waits for a worker: the doorbell set, no claim."""
+    waiting(engine, pg_url, pg_schema)
+    run_op(engine, _store.acquire, "s", "z", "zombie", 60_000)
+    run_op(engine, _store.begin_assistant, "s", "z", "zombie", "m")
+    with raw(pg_url, pg_schema) as conn:
+        conn.execute("DELETE FROM session_execution WHERE id = 'z'")
+    run_op(engine, _store.submit, "s", '{"text": "q2"}', "q2")
 
 
 OPERATIONS = [
@@ -75,6 +89,15 @@ OPERATIONS = [
     pytest.param(waiting, _store.truncate, ("s", 5), 0, id="truncate-nothing"),
     # A purge that found the session idle, then - under its lock - an input it got meanwhile.
     pytest.param(idle, _store.purge_batch, (0, "", 10), ([], None), id="purge-skips"),
+    # A zombie's read-back under its claim fence, refused (LeaseLost): its statement's lock
+    # (`tx.lock_session`) is signalled by the engine's refusal.
+    pytest.param(
+        zombie_left_behind,
+        _store.inputs_taken_by,
+        ("s", "z", "zombie", 0),
+        LeaseLost,
+        id="zombie-read-back",
+    ),
 ]
 
 
@@ -215,5 +238,93 @@ async def test_an_acquire_that_met_a_call_in_autocommit_holding_the_lock_claims_
         finally:
             if gate.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
                 gate.execute("COMMIT")
+            running.join(WAIT_S)
+    assert waited < CHANGE_FALLBACK_POLL / 4, f"the drain started {waited:.2f} s after it ended"
+
+
+# A zombie: a runtime whose claim ended without it (taken over and released, say) writes
+# on. Its functions take the session lock, find no claim of its execution and answer
+# lease_lost. The gate holds such a call after its lock, as the functions read the clock
+# right after their locks (`ts_now`): the zombie's connections only (application_name).
+ZOMBIE_GATE = (54, 54)
+_GATED_CLOCK = f"""
+CREATE OR REPLACE FUNCTION ts_now(p_now bigint) RETURNS bigint
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    IF current_setting('application_name') = 'zombie' THEN
+        PERFORM pg_advisory_xact_lock_shared{ZOMBIE_GATE};
+    END IF;
+    RETURN COALESCE(p_now, floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint);
+END $$;
+"""
+
+
+async def at_the_gate(gate: psycopg.Connection[Any]) -> None:
+    """Until a zombie's call waits for the gate that `gate` holds (its own locks held)."""
+    with trio.fail_after(WAIT_S):
+        while not gate.execute(
+            "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE NOT granted"
+            " AND locktype = 'advisory' AND classid = %s AND objid = %s)",
+            ZOMBIE_GATE,
+        ).fetchone()[0]:  # type: ignore[index]
+            await trio.sleep(0.001)
+
+
+_ZOMBIE = ("s", "z", "zombie")
+_KNOWN = Known(_transcript.EMPTY, (), 0, _codec.encode_assistant(_transcript.EMPTY))
+
+
+def _unchanged(data: Any) -> Any:
+    return data
+
+
+ZOMBIE_WRITES = [
+    # Alone, each of these is one call in autocommit:
+    pytest.param(_store.append_assistant_text, (*_ZOMBIE, "m", "tok", 0), id="append"),
+    pytest.param(_store.begin_assistant, (*_ZOMBIE, "m2"), id="begin-assistant"),
+    pytest.param(
+        _store.update_assistant, (*_ZOMBIE, "m", _unchanged, _KNOWN), id="update-from-known"
+    ),
+    pytest.param(_store.end_iteration, _ZOMBIE, id="end-iteration"),
+    pytest.param(_store.mark_cancelling, _ZOMBIE, id="mark-cancelling"),
+    # ... and these a call in a transaction, which is rolled back:
+    pytest.param(_store.append_assistant_text, (*_ZOMBIE, "m", "tok"), id="append-unversioned"),
+    pytest.param(_store.update_assistant, (*_ZOMBIE, "m", _unchanged), id="update-read"),
+    pytest.param(_store.take_inputs, _ZOMBIE, id="take-inputs"),
+    pytest.param(_store.finish_failed, (*_ZOMBIE, "boom"), id="finish-failed"),
+    pytest.param(_store.finish_interrupted, _ZOMBIE, id="finish-interrupted"),
+]
+
+
+@pytest.mark.parametrize(("op", "args"), ZOMBIE_WRITES)
+async def test_an_acquire_that_met_a_zombies_write_claims_once_it_was_refused(
+    pg_url: str, pg_schema: str, op: Callable[..., Any], args: tuple[Any, ...]
+) -> None:
+    """A zombie's write took the session lock, found its claim gone and answered
+    lease_lost - and signalled nothing, so the worker whose acquire met the lock passed the
+    doorbell over until its fallback poll: the waiting message's answer started 2 s late.
+    Each write runs as the engine runs it alone (one call in autocommit, or a transaction
+    rolled back on its LeaseLost), held by the gate after its lock."""
+    zombie_url = psycopg.conninfo.make_conninfo(pg_url, application_name="zombie")
+    with (
+        engine_at(pg_url, pg_schema, 1.0) as web,
+        engine_at(zombie_url, pg_schema, 1.0) as zombie,
+        raw(pg_url, pg_schema) as gate,
+    ):
+        zombie_left_behind(web, pg_url, pg_schema)
+        gate.execute(_GATED_CLOCK)
+        gate.execute("SELECT pg_advisory_lock(%s, %s)", ZOMBIE_GATE)
+        job = Job(op, args)
+        running = threading.Thread(target=zombie.run_batch, args=([job],), daemon=True)
+        running.start()
+        try:
+            await at_the_gate(gate)
+
+            def end() -> None:
+                gate.execute("SELECT pg_advisory_unlock(%s, %s)", ZOMBIE_GATE)
+
+            waited = await wait_after_it_ended(pg_url, pg_schema, end, running, job, LeaseLost)
+        finally:
+            gate.execute("SELECT pg_advisory_unlock_all()")
             running.join(WAIT_S)
     assert waited < CHANGE_FALLBACK_POLL / 4, f"the drain started {waited:.2f} s after it ended"

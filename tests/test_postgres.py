@@ -320,8 +320,9 @@ async def test_upgrade_of_a_version_1_schema_adds_streaming(pg_url: str, pg_sche
     #     a take of inputs returns the user messages it appended;
     # 25: a writer's write from what it stored last checks the stored text too;
     # 26: an operation that took a session's lock and ends without claiming or signalling it
-    #     signals it when an acquire waits for it; an input count below 0 is refused
-    assert SCHEMA_VERSION == 26
+    #     signals it when an acquire waits for it; an input count below 0 is refused;
+    # 27: so does a drain's write whose claim is gone (a zombie's, answered lease_lost)
+    assert SCHEMA_VERSION == 27
     await check_pre_streaming_upgrade(location, PostgresStore(pg_url, schema=pg_schema))
 
 

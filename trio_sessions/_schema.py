@@ -187,7 +187,7 @@ SQLITE_OUR_TABLES = frozenset(
 # ---------------------------------------------------------------------------------------------
 # PostgreSQL
 
-POSTGRES_SCHEMA_VERSION = 26
+POSTGRES_SCHEMA_VERSION = 27
 
 # Same names, meanings and named CHECKs as the SQLite schema (`SQLITE_MIGRATIONS`, whose
 # versions 1-3 are PostgreSQL's first: no PostgreSQL store predates them); times
@@ -462,6 +462,11 @@ DROP FUNCTION IF EXISTS ts_update_message(text, text, text, text, bigint, text, 
     # tool's write) is refused, not counted on from (`ts_insert_input` answers 'malformed',
     # the set-wise submit leaves it to the row path), as SQLite refuses it.
     26: "",
+    # The functions again, no table changes: a drain's write whose claim is gone (a
+    # zombie's, answered lease_lost) took the session's lock and ended without a signal;
+    # it signals the session when an acquire waits for it (`ts_lock_execution`, through
+    # which every drain's function takes its lock), as version 26's operations do.
+    27: "",
 }
 
 
@@ -527,4 +532,5 @@ POSTGRES_BACKFILLS: dict[int, Callable[[Any], None]] = {
     24: _create_functions,
     25: _create_functions,
     26: _create_functions,
+    27: _create_functions,
 }

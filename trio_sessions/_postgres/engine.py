@@ -648,8 +648,8 @@ class PgEngine:
         signal it once committed); rolled back, the holder does neither - an edit refused
         for the very input a worker came for held that input's drain back until the
         worker's fallback poll (seconds). Only those an acquire waits for (a doorbell, no
-        claim, not paused): a zombie's refused write signals nothing. Best effort, as every
-        signal: one round trip, on refusals only."""
+        claim, not paused): a zombie's refused write signals nothing while another claim
+        holds its session. Best effort, as every signal: one round trip, on refusals only."""
         with contextlib.suppress(psycopg.Error):
             conn.execute(SIGNAL_WAITING, (bound(sorted(sessions)),))
 

@@ -543,6 +543,11 @@ END $$;
 -- The session lock a drain's write names, taken at once, and the clock read after it;
 -- session_id is that session when the execution's claim is of it, NULL otherwise (no claim
 -- row carries this id, or it is another session's: the fence includes the session).
+-- Every drain's function takes its lock here, and one whose claim is gone - a zombie's
+-- write, answered lease_lost - signals the session when an acquire waits for it
+-- (ts_signal_waiting): one that met this lock answered 'busy' and passed the doorbell over
+-- until a signal. A claim row still there (expired, or another owner's) is a claim: no
+-- acquire waits for its session. Nothing on the path of a write that holds its claim.
 CREATE OR REPLACE FUNCTION ts_lock_execution(p_session text, p_exec text, p_now bigint,
     OUT session_id text, OUT now bigint)
 LANGUAGE plpgsql VOLATILE AS $$
@@ -551,6 +556,9 @@ BEGIN
     SELECT c.session_id INTO ts_lock_execution.session_id
         FROM session_execution c WHERE c.id = p_exec AND c.session_id = p_session;
     now := ts_now(p_now);
+    IF ts_lock_execution.session_id IS NULL THEN
+        PERFORM ts_signal_waiting(p_session);
+    END IF;
 END $$;
 
 -- The claim fence under the session lock: the exact execution, this owner, a live lease.
