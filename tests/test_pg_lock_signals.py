@@ -328,3 +328,44 @@ async def test_an_acquire_that_met_a_zombies_write_claims_once_it_was_refused(
             gate.execute("SELECT pg_advisory_unlock_all()")
             running.join(WAIT_S)
     assert waited < CHANGE_FALLBACK_POLL / 4, f"the drain started {waited:.2f} s after it ended"
+
+
+async def test_a_zombies_heartbeat_holds_no_lock_an_acquire_meets(
+    pg_url: str, pg_schema: str
+) -> None:
+    """A heartbeat locks its claims' rows, never a session's lock (`ts_heartbeat`): a
+    zombie's, its claim gone, holds nothing a worker's acquire meets, so nothing is owed a
+    signal - the worker claims while the heartbeat is still held after its locks."""
+    started = trio.Event()
+
+    async def drain(ctx: Any) -> None:
+        started.set()
+        await ctx.take_inputs()
+
+    zombie_url = psycopg.conninfo.make_conninfo(pg_url, application_name="zombie")
+    with (
+        engine_at(pg_url, pg_schema, 1.0) as web,
+        engine_at(zombie_url, pg_schema, 1.0) as zombie,
+        raw(pg_url, pg_schema) as gate,
+    ):
+        zombie_left_behind(web, pg_url, pg_schema)
+        gate.execute(_GATED_CLOCK)
+        gate.execute("SELECT pg_advisory_lock(%s, %s)", ZOMBIE_GATE)
+        job = Job(_store.heartbeat, ("zombie", ["z"], 60_000))
+        running = threading.Thread(target=zombie.run_batch, args=([job],), daemon=True)
+        running.start()
+        try:
+            await at_the_gate(gate)
+            store = PostgresStore(pg_url, schema=pg_schema)
+            async with open_runtime(store, drain, recovery_interval=3600) as worker:
+                with trio.fail_after(WAIT_S):
+                    await started.wait()
+                assert "s" not in worker._passed_over
+                assert running.is_alive()  # still held
+                await worker.wait_idle("s")
+            gate.execute("SELECT pg_advisory_unlock(%s, %s)", ZOMBIE_GATE)
+            await trio.to_thread.run_sync(running.join, WAIT_S)
+            assert job.unwrap() == {"z": None}  # lost
+        finally:
+            gate.execute("SELECT pg_advisory_unlock_all()")
+            running.join(WAIT_S)

@@ -1710,3 +1710,15 @@ def test_only_the_servers_refusal_of_a_stored_value_names_a_row_malformed() -> N
     assert refused == "a row holds a value the database refuses (22003): bigint out of range"
     assert tx.refused_value(psycopg.DataError("PostgreSQL text fields cannot contain NUL")) is None
     assert tx.refused_value(psycopg.OperationalError("server closed the connection")) is None
+
+
+def test_no_message_is_stored_without_an_id(pg_url: str, migrated_schema: str) -> None:
+    """An owner's finish passes over an open assistant message with no id
+    (`transcript._close_open_messages`: no write can name it), which SQLite's rowid table
+    takes from another tool. PostgreSQL's primary key refuses the NULL, so there no such
+    message is left open: another tool's write of one is refused whole."""
+    with raw(pg_url, migrated_schema) as conn, pytest.raises(psycopg.errors.NotNullViolation):
+        conn.execute(
+            "INSERT INTO session_message(id, session_id, role, seq, data, time_created,"
+            " time_updated, finished) VALUES (NULL, 's', 'assistant', 1, '{}', 0, 0, 0)"
+        )
