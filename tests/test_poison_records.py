@@ -792,3 +792,43 @@ async def test_a_streamed_text_whose_version_is_no_number_is_refused_by_every_re
         assert await rt.transcript("s") == []
     [(reason,)] = raw.rows("SELECT reason FROM session_message_rejected")
     assert "version" in reason and "'a'" in reason
+
+
+@pytest.mark.parametrize("which", ["newest", "older"])
+async def test_a_drain_ending_over_an_open_message_with_no_id_is_quarantined(
+    tmp_path: Path, clock: Any, autojump_clock: MockClock, which: str
+) -> None:
+    """DESIGN §1 and §4 on SQLite, whose rowid table keeps the NULL id another tool writes
+    (PostgreSQL's primary key refuses it): the drain's open message loses its id, and the
+    drain returns. Its finish cannot close the message (no write can name it), so it keeps
+    the claim for recovery to quarantine, as for any other open message it cannot close.
+    Before, the finish passed over that row and deleted the claim: the message stayed open,
+    its tools running, nothing listed it, and `transcript()` raised until someone truncated
+    (audA54's question, revB53)."""
+    db_path, raw = _sqlite(tmp_path)
+
+    async def drain(ctx: DrainContext) -> None:
+        await ctx.take_inputs()
+        await ctx.begin_assistant()
+        if which == "older":
+            await ctx.begin_assistant()
+        # As the sqlite3 shell does by default: foreign keys off, so the rows that name
+        # the message keep its old id.
+        with sqlite3.connect(db_path) as tool:
+            tool.execute(
+                "UPDATE session_message SET id = NULL WHERE role = 'assistant' AND seq = ("
+                "SELECT MIN(seq) FROM session_message WHERE role = 'assistant')"
+            )
+        tool.close()
+
+    async with runtime(Store(db_path, inline=True), drain, clock, lease=9.0, **QUIET) as rt:
+        await rt.submit("s", {"text": "hello"})
+        outcome = await rt.run("s")
+        assert outcome.kind == "failed"
+        assert isinstance(outcome.error, MalformedRecord), outcome
+        await trio.sleep(10)  # past the lease: the claim is recovery's now
+        report = await rt.recover_once()
+    assert (report.quarantined, report.resumed) == (1, 0), report
+    [(execution_id, why)] = raw.rows("SELECT execution_id, recovery_error FROM session_recovery")
+    assert "id is NULL" in why
+    assert raw.rows("SELECT id FROM session_execution") == [(execution_id,)]

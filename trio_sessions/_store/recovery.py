@@ -41,7 +41,7 @@ from .common import (
     wake_attempts_of,
 )
 from .recovery_scan import Candidate
-from .transcript import _assistant_data, _close_open_messages
+from .transcript import _assistant_data, _close_open_messages, no_id
 
 # Whether a claim is superseded: any other execution's assistant message after the claim's
 # anchor (any at all for a claim taken before any message). One spelling for the
@@ -127,10 +127,8 @@ def newest_assistant_malformed(tx: Tx, execution_id: str) -> MalformedRecord | N
     if not rows:
         return None
     message_id, text, finished = rows[0]
-    if message_id is None:
-        # SQLite's rowid table takes the NULL id another tool writes: no write can name
-        # the message, so a takeover could not close it.
-        return MalformedRecord("session_message", "NULL", ["id is NULL"])
+    if message_id is None:  # a takeover could not close it
+        return no_id()
     try:
         data = _assistant_data(tx, message_id, text)
     except MalformedRecord as exc:
@@ -143,8 +141,8 @@ def newest_assistant_malformed(tx: Tx, execution_id: str) -> MalformedRecord | N
         reason = "finished is 1 while its data is open: no finish would close it"
     else:
         for older_id, older_text, _ in rows[1:]:
-            if older_id is None:  # as every finish does: no write can name it
-                continue
+            if older_id is None:
+                return no_id()
             try:
                 _assistant_data(tx, older_id, older_text)
             except MalformedRecord as exc:

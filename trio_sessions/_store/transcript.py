@@ -465,6 +465,12 @@ def _next_version(message_id: str, version: Any) -> int:
     return version
 
 
+def no_id() -> MalformedRecord:
+    """A message whose id is NULL: SQLite's rowid table keeps the NULL another tool writes
+    (PostgreSQL's primary key refuses it), and no write can name the message."""
+    return MalformedRecord("session_message", "NULL", ["id is NULL"])
+
+
 def _close_open_messages(
     tx: Tx, execution_id: str, reason: str, *, malformed_keeps_claim: bool = False
 ) -> None:
@@ -483,9 +489,9 @@ def _close_open_messages(
         (execution_id,),
     ).fetchall()
     for message_id, text, session_id in rows:
-        if message_id is None:  # SQLite, another tool's row: no write can name it
-            continue
         try:
+            if message_id is None:
+                raise no_id()
             data = _assistant_data(tx, message_id, text)
         except MalformedRecord:
             if malformed_keeps_claim:
