@@ -8,8 +8,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import trio
+import trio.testing
 
 from trio_sessions._soak import common
+from trio_sessions._soak.pgchaos import Chaos
 from trio_sessions._soak.sqlite import Soak
 from trio_sessions.soak import parse_args
 
@@ -69,6 +72,33 @@ def run_soaks(
 
 
 KILL_SOAK_ARGS = ["--workers=3", "--rate=15", "--kill-gap", "0.4", "1.5", "--model-steps=0"]
+# The two soaks of `test_short_kill_soaks_audits_are_clean`. Each goes on past its duration
+# until its first four faults happened, which cover what the test checks of it (a seed
+# draws the same faults in the same order on any host, pinned by
+# `test_the_kill_soaks_seeds_draw_the_faults_their_test_checks`).
+PLAIN_KILL_SOAK = [
+    *KILL_SOAK_ARGS,
+    "--sessions=6",
+    "--duration=12",
+    "--handoff-ratio=0.5",
+    "--restart-ratio=0.5",
+    "--work-max=0.6",
+    "--settle-timeout=12",
+    "--min-faults=4",
+    "--seed=6",
+]
+CONTROLS_KILL_SOAK = [
+    *KILL_SOAK_ARGS,
+    "--sessions=4",
+    "--duration=12",
+    "--handoff-ratio=0.3",
+    "--restart-ratio=0.3",
+    "--interrupt-rate=0",
+    "--control-ratio=0.5",
+    "--settle-timeout=12",
+    "--min-faults=4",
+    "--seed=4",
+]
 
 
 @pytest.mark.serial
@@ -85,35 +115,7 @@ def test_short_kill_soaks_audits_are_clean(tmp_path: Path) -> None:
     soaks = run_soaks(
         tmp_path,
         LAST_LINE,
-        {
-            "plain": (
-                [
-                    *KILL_SOAK_ARGS,
-                    "--sessions=6",
-                    "--duration=12",
-                    "--handoff-ratio=0.5",
-                    "--restart-ratio=0.5",
-                    "--work-max=0.6",
-                    "--settle-timeout=12",
-                    "--seed=3",
-                ],
-                False,
-            ),
-            "controls": (
-                [
-                    *KILL_SOAK_ARGS,
-                    "--sessions=4",
-                    "--duration=12",
-                    "--handoff-ratio=0.3",
-                    "--restart-ratio=0.3",
-                    "--interrupt-rate=0",
-                    "--control-ratio=0.5",
-                    "--settle-timeout=12",
-                    "--seed=4",
-                ],
-                False,
-            ),
-        },
+        {"plain": (PLAIN_KILL_SOAK, False), "controls": (CONTROLS_KILL_SOAK, False)},
     )
     figures, stdout, output = soaks["plain"]
     assert (figures["lost"], figures["overlaps"], figures["orphaned"]) == (0, 0, 0), output
@@ -140,9 +142,10 @@ def test_kill_soak_busy_kills_overlap_only_without_the_grace(tmp_path: Path) -> 
     args = [
         "--workers=3",
         "--sessions=6",
-        # Long enough for two busy kills on a loaded host, where a restarted worker may not
-        # serve yet when its kill comes (then it is a plain kill): 6 s gave one in CI once.
+        # A busy step waits for a serving worker (a loaded host boots one for seconds), and
+        # the chaos for two busy kills (6 s without waiting gave one in CI once).
         "--duration=10",
+        "--min-faults=2",
         "--rate=15",
         "--kill-gap",
         "0.3",
@@ -205,13 +208,13 @@ def check_controls(stdout: str, output: str, inputs: int) -> None:
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_a_busy_step_goes_to_a_serving_worker_not_to_a_plain_kill(
-    tmp_path: Path, seed: int
-) -> None:
+def test_a_busy_step_goes_to_a_serving_worker_and_waits_for_one(tmp_path: Path, seed: int) -> None:
     """With `--busy-ratio=1`, the fault is a busy step whichever worker the draw favours:
     it goes to a worker that serves, while two just restarted do not serve yet. (A worker
     chosen before the fault turned the busy step into a plain kill when it was a starting
-    one: one busy kill in ten seconds on a loaded host.) With none serving, a plain kill."""
+    one: one busy kill in ten seconds on a loaded host.) With none serving, it waits for
+    one - never a plain kill (which kept booting workers from ever serving: no busy kill
+    at all in a loaded run) - while a plain kill takes any worker."""
     args = parse_args(
         ["--busy-ratio=1", "--restart-ratio=0", "--handoff-ratio=0", f"--seed={seed}"]
     )
@@ -222,13 +225,99 @@ def test_a_busy_step_goes_to_a_serving_worker_not_to_a_plain_kill(
             (tmp_path / f"{name}.log").write_text(text)
             process: subprocess.Popen[bytes] = None  # type: ignore[assignment]  # not run
             soak.workers[slot] = common.Worker(slot, name, process, tmp_path / f"{name}.log")
-        fault, worker = soak.next_fault()
-        assert (fault, worker.name) == ("busy", "w2.3")
+        fault = soak.draw_fault()
+        assert fault.kind == "busy"
+        worker = soak.place(fault.kind, fault.pick)
+        assert worker is not None and worker.name == "w2.3"
         (tmp_path / "w2.3.log").write_text("")
-        fault, worker = soak.next_fault()
-        assert fault == "kill"
+        assert soak.place(fault.kind, fault.pick) is None
+        assert soak.place("kill", fault.pick) is not None
     finally:
         soak.conn.close()  # (no worker process to stop)
+
+
+def test_a_seed_draws_the_same_faults_however_the_producer_and_the_workers_fare(
+    tmp_path: Path,
+) -> None:
+    """The chaos draws its faults from a stream of its own, a fixed number of draws per
+    fault: the kinds a seed gives do not depend on how many inputs the producer submitted
+    between them, nor on which workers served (a shared stream made a seed's faults and
+    submits depend on their timing, so a loaded host ran other faults than the seed was
+    chosen for)."""
+    args = parse_args(["--restart-ratio=0.4", "--busy-ratio=0.3", "--seed=3"])
+    kinds = []
+    for run, submits in enumerate((0, 3)):
+        (tmp_path / str(run)).mkdir()
+        soak = Soak(args, tmp_path / str(run))
+        try:
+            drawn = []
+            for _ in range(30):
+                for _ in range(submits):
+                    soak.submit_one()
+                drawn.append(soak.draw_fault())
+            kinds.append(drawn)
+        finally:
+            soak.conn.close()
+    assert kinds[0] == kinds[1]
+    assert {fault.kind for fault in kinds[0]} >= {"restart", "busy", "kill"}
+
+
+@pytest.mark.parametrize(
+    ("argv", "first_faults"),
+    [
+        (PLAIN_KILL_SOAK, ["handoff", "busy", "kill", "restart"]),
+        (CONTROLS_KILL_SOAK, ["restart", "handoff", "busy", "handoff"]),
+    ],
+)
+def test_the_kill_soaks_seeds_draw_the_faults_their_test_checks(
+    tmp_path: Path, argv: list[str], first_faults: list[str]
+) -> None:
+    """The faults `--min-faults=4` waits for in `test_short_kill_soaks_audits_are_clean`:
+    in `plain`, three kills (one in a handoff) and a rolling restart; in `controls`, two
+    kills. (A handoff that missed its hook is a kill, and the next kill makes up for it:
+    `Soak.handoff_owed`.)"""
+    soak = Soak(parse_args(argv), tmp_path)
+    try:
+        soak.chaos_rng.uniform(*soak.args.kill_gap)  # the chaos's first: its first gap
+        assert [soak.draw_fault().kind for _ in first_faults] == first_faults
+    finally:
+        soak.conn.close()
+
+
+async def test_a_busy_token_kill_waits_for_a_serving_host_that_holds_its_token(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL: a busy token kill drawn while no host both serves and holds its token
+    waits for one (a loaded host boots a worker for seconds) - before, it became another
+    host fault kind, of a booting worker (a busy-ratio-1 run made plain kills and pauses
+    and too few busy token kills); a restart waits for a host that serves."""
+    args = parse_args(["--backend=postgres", "--busy-ratio=1", "--seed=1"])
+    chaos = Chaos(args, tmp_path, "postgresql://unused", None)
+    holders = {"w1.2"}
+
+    async def token_holders() -> set[str]:
+        return set(holders)
+
+    monkeypatch.setattr(chaos, "token_holders", token_holders)
+    logs = {"w0.1": "", "w1.2": f"{common.SERVING} w1.2\n", "w2.3": ""}
+    for slot, name in enumerate(logs):
+        (tmp_path / f"{name}.log").write_text(logs[name])
+        process: subprocess.Popen[bytes] = None  # type: ignore[assignment]  # not run
+        chaos.workers[slot] = common.Worker(slot, name, process, tmp_path / f"{name}.log")
+    restart = await chaos.serving_worker(0.9, holding_token=False)
+    assert restart.name == "w1.2"
+    holders.clear()  # w1.2 lost its token: nobody has one to lose
+
+    async def w2_serves_later() -> None:
+        await trio.sleep(3)
+        (tmp_path / "w2.3.log").write_text(f"{common.SERVING} w2.3\n")
+        holders.add("w2.3")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(w2_serves_later)
+        busy = await chaos.serving_worker(0.0, holding_token=True)
+    assert busy.name == "w2.3"
+    assert trio.current_time() >= 3
 
 
 PG_LAST_LINE = re.compile(
@@ -344,7 +433,12 @@ def test_postgres_soak_busy_token_kills_overlap_only_on_a_broken_liveness_copy(
     soaks = run_soaks(
         tmp_path,
         PG_LAST_LINE,
-        {"real": (args, False), "broken": ([*args, "--broken=ignore-lost-token"], True)},
+        {
+            # Busy token kills wait for a serving host that holds its token; the chaos for
+            # three of them (the broken copy's hosts lose their token once: one will do).
+            "real": ([*args, "--min-faults=3"], False),
+            "broken": ([*args, "--min-faults=1", "--broken=ignore-lost-token"], True),
+        },
     )
     figures, stdout, output = soaks["real"]
     assert [figures[key] for key in PG_AUDIT] == [0, 0, 0, 0], output

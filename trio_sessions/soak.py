@@ -105,6 +105,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         " of the session resumed 0.1-1 s later, an input cancelled at once (queued or"
         " scheduled); 0: plain queued submits only",
     )
+    parser.add_argument(
+        "--min-faults",
+        type=int,
+        default=0,
+        help="the chaos goes on past --duration (twice as long more at most) until this many"
+        " faults happened (sqlite: kills and rolling restarts; postgres: host faults and busy"
+        " token kills); a seed draws the same kinds in the same order on any host",
+    )
     parser.add_argument("--settle-timeout", type=float, default=None)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--dir", default=None, help="work directory (default: a temp dir)")
@@ -159,7 +167,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             lease(args.lease)  # as the workers' `open_runtime` checks it
         except ValueError as exc:
             parser.error(f"--lease: {exc}")
-    for name in ("duration", "work_max", "interrupt_rate", "kill_gap", "conn_kill_gap"):
+    for name in (
+        "duration",
+        "work_max",
+        "interrupt_rate",
+        "kill_gap",
+        "conn_kill_gap",
+        "min_faults",
+    ):
         setting = getattr(args, name)
         for value in setting if isinstance(setting, (tuple, list)) else (setting,):
             if not 0 <= value < math.inf:

@@ -29,7 +29,7 @@ from . import common
 from .pgstate import SoakBase
 from .proxy import FaultProxy, Link
 
-STARTUP = 2.0  # seconds the workers get to boot before the first host fault
+STARTUP = 2.0  # seconds of work before the first host fault (the workers serve by then)
 # The backends that hold a liveness token of the soak's schema (`_liveness`: one advisory
 # lock per owner, keyed by the schema); one parameter, the schema.
 _TOKEN_HOLDERS = (
@@ -45,7 +45,7 @@ class Chaos(SoakBase):
     # -- host faults ------------------------------------------------------------------------------
 
     def hold_time(self) -> float:
-        return self.rng.uniform(1.1, 1.5) * float(self.args.lease)
+        return self.chaos_rng.uniform(1.1, 1.5) * float(self.args.lease)
 
     async def held_in_handoff(self, worker: common.Worker, flag: str) -> bool:
         """Ask `worker`'s hook to hold the next claim handoff; whether it did within 2 s."""
@@ -64,7 +64,7 @@ class Chaos(SoakBase):
 
     async def kill(self, worker: common.Worker, nursery: trio.Nursery) -> None:
         in_handoff = False
-        if self.rng.random() < self.args.handoff_ratio:
+        if self.chaos_rng.random() < self.args.handoff_ratio:
             in_handoff = await self.held_in_handoff(worker, "kill")
         worker.process.kill()
         worker.process.wait()  # a SIGKILLed process is reaped at once
@@ -74,16 +74,17 @@ class Chaos(SoakBase):
         del self.workers[worker.slot]
         self.result.kills += 1
         self.result.handoff_kills += in_handoff
+        delay = self.chaos_rng.uniform(0.0, 0.5)  # drawn here: the host faults' turn
 
         async def restart() -> None:
-            await trio.sleep(self.rng.uniform(0.0, 0.5))
+            await trio.sleep(delay)
             self.spawn(worker.slot)
 
         nursery.start_soon(restart)
 
     async def pause(self, worker: common.Worker) -> None:
         in_handoff = False
-        if self.rng.random() < self.args.handoff_ratio:
+        if self.chaos_rng.random() < self.args.handoff_ratio:
             in_handoff = await self.held_in_handoff(worker, "stop")
         stopped = time.monotonic()
         worker.process.send_signal(signal.SIGSTOP)
@@ -100,10 +101,10 @@ class Chaos(SoakBase):
     async def partition(self, worker: common.Worker) -> None:
         proxy = self.proxies[worker.slot]
         in_tx = False
-        if self.rng.random() < 0.7:
+        if self.chaos_rng.random() < 0.7:
             # BEGIN, then a drain's write reads its execution's session, locks it, reads the
             # clock and the fence: a cut after the 3rd to 6th message lands around the fence.
-            tripped = proxy.arm_partition(self.rng.randint(3, 6))
+            tripped = proxy.arm_partition(self.chaos_rng.randint(3, 6))
             with trio.move_on_after(2.0):
                 await tripped.wait()
             in_tx = tripped.is_set()
@@ -143,19 +144,21 @@ class Chaos(SoakBase):
         prefix = f"{self.schema}-"
         return {str(name).removeprefix(prefix) for (name,) in rows}
 
-    async def busy_target(self, picked: common.Worker) -> common.Worker:
-        """Where a busy token kill goes: `picked`, unless it lacks its token (between losing
-        and taking it again; for good, in a copy that ignores a lost token) and so has none
-        to lose - then a serving worker that holds one, if any."""
-        holders = await self.token_holders()
-        if picked.name in holders:
-            return picked
-        serving = [
-            worker
-            for worker in self.workers.values()
-            if worker.name in holders and self.retiring.serving(worker)
-        ]
-        return self.rng.choice(serving) if serving else picked
+    async def serving_worker(self, pick: float, *, holding_token: bool) -> common.Worker:
+        """The worker `pick` draws among those that serve (with `holding_token`: and hold
+        their liveness token - one between losing and taking it again, or for good in a
+        copy that ignores a lost token, has none to lose), waiting for one: a loaded host
+        boots a worker for seconds. (Made another kind meanwhile, a busy token kill went
+        missing: a busy-ratio-1 run made plain kills of booting workers instead, and no
+        busy token kill. The chaos's end cancels the wait.)"""
+        while True:
+            serving = [w for w in self.workers.values() if self.retiring.serving(w)]
+            if serving and holding_token:
+                holders = await self.token_holders()
+                serving = [worker for worker in serving if worker.name in holders]
+            if serving:
+                return serving[int(pick * len(serving))]
+            await trio.sleep(0.05)
 
     async def busy_token_kill(self, worker: common.Worker) -> None:
         """Kill `worker`'s liveness token connection while one of its drains is in a busy
@@ -189,26 +192,30 @@ class Chaos(SoakBase):
         share of them (`--busy-ratio`) are busy token kills, in addition: the round's next
         kind waits for the next fault (so every kind still runs as often per round, and a
         ratio of 1 makes every fault a busy token kill)."""
-        await trio.sleep(STARTUP)  # the workers boot first
+        await trio.sleep(STARTUP)  # the producer first
         while True:
             kinds = ["kill", "pause", "partition", "restart"]
-            self.rng.shuffle(kinds)
+            self.chaos_rng.shuffle(kinds)
             while kinds:
-                await trio.sleep(self.rng.uniform(*self.args.kill_gap))
+                await trio.sleep(self.chaos_rng.uniform(*self.args.kill_gap))
                 if not self.workers:
                     continue
-                worker = self.rng.choice(list(self.workers.values()))
-                # Only a host that serves has drains to ask into a busy step.
-                busy = self.rng.random() < self.args.busy_ratio and self.retiring.serving(worker)
-                if busy:
-                    worker = await self.busy_target(worker)
-                kind = "busy token kill" if busy else kinds.pop()
-                if kind == "restart" and not self.retiring.serving(worker):
-                    # SIGTERM would just end a worker still starting (a loaded host boots
-                    # slowly): the restart waits for the next fault's worker instead of
-                    # losing its turn, so a short soak still restarts one that serves.
-                    kinds.append(kind)
-                    continue
+                # Two draws each turn, whoever serves: a seed gives the same kinds in order.
+                pick, busy_draw = self.chaos_rng.random(), self.chaos_rng.random()
+                kind = "busy token kill" if busy_draw < self.args.busy_ratio else kinds.pop()
+                drawn_at = time.monotonic()
+                if kind in ("busy token kill", "restart"):
+                    # Only a host that serves has drains to ask into a busy step, and claims
+                    # to hand back (SIGTERM would just end a worker still starting).
+                    holding_token = kind == "busy token kill"
+                    worker = await self.serving_worker(pick, holding_token=holding_token)
+                else:
+                    everyone = list(self.workers.values())
+                    worker = everyone[int(pick * len(everyone))]
+                if time.monotonic() - drawn_at >= 0.5:
+                    waited = time.monotonic() - drawn_at
+                    print(f"soak: a {kind} waited {waited:.1f} s for a serving worker")
+                busy = kind == "busy token kill"
                 if not busy:
                     self.result.host_turns += 1
                 print(f"soak: {kind} {worker.name} at {self.elapsed():.1f} s")
@@ -240,11 +247,11 @@ class Chaos(SoakBase):
     async def conn_kills(self) -> None:
         """`pg_terminate_backend` of a random worker connection, or of one at its COMMIT."""
         while True:
-            await trio.sleep(self.rng.uniform(*self.args.conn_kill_gap))
+            await trio.sleep(self.conn_rng.uniform(*self.args.conn_kill_gap))
             if self.server_down:
                 continue
-            proxy = self.rng.choice(self.proxies)
-            kind = self.rng.random()
+            proxy = self.conn_rng.choice(self.proxies)
+            kind = self.conn_rng.random()
             if kind < 0.3:
                 self.result.conn_kills += await self.terminate("true")
             elif kind < 0.5:
@@ -254,7 +261,7 @@ class Chaos(SoakBase):
                 self.result.conn_kills += killed
                 self.result.token_kills += killed
             elif kind < 0.8:
-                proxy.arm_commit_trap(forward=self.rng.random() < 0.5)
+                proxy.arm_commit_trap(forward=self.conn_rng.random() < 0.5)
                 with trio.move_on_after(2.0):
                     await self.kill_at_commit(await proxy.trapped.receive())
                 proxy.disarm()

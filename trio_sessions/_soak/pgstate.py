@@ -165,7 +165,12 @@ class SoakBase:
         self.schema = f"soak_{uuid.uuid4().hex[:10]}"
         self.control = workdir / "control"
         self.control.mkdir()
+        # The producer's draws, the host faults' and the connection kills', each its own
+        # stream of the seed: sharing one, what a seed gave depended on how the three
+        # interleaved in time (a loaded host), and on how long a fault waited for a worker.
         self.rng = random.Random(args.seed)
+        self.chaos_rng = random.Random(f"chaos-{args.seed}")
+        self.conn_rng = random.Random(f"conn-{args.seed}")
         self.generation = 0
         self.workers: dict[int, common.Worker] = {}
         self.killed: set[str] = set()

@@ -205,13 +205,35 @@ class Soak(Chaos):
 
     # -- phases -----------------------------------------------------------------------------------
 
+    def faults_done(self) -> int:
+        """Host faults and busy token kills that happened (`--min-faults`)."""
+        return self.result.host_turns + self.result.busy_token_kills
+
+    async def wait_serving(self, bound: float = 60.0) -> None:
+        """Until every worker serves (a loaded host boots one for seconds, which a short
+        soak's chaos would otherwise spend waiting), `bound` at most."""
+        start = time.monotonic()
+        while time.monotonic() < start + bound:  # (`watch` restarts a worker that exits)
+            if all(self.retiring.serving(worker) for worker in self.workers.values()):
+                break
+            await trio.sleep(0.02)
+        print(f"soak: workers serving after {time.monotonic() - start:.1f} s", flush=True)
+
     async def chaos(self) -> None:
+        """The producer and the faults for the duration, from when the workers serve."""
+        await self.wait_serving()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.produce)
             nursery.start_soon(self.host_faults, nursery)
             nursery.start_soon(self.conn_kills)
             nursery.start_soon(self.restart_once)
             await trio.sleep(self.args.duration)
+            with trio.move_on_after(2 * self.args.duration):
+                # `--min-faults`: faults that wait for a serving worker fit fewer in the
+                # duration on a loaded host, which boots a worker for seconds. (Counts the
+                # chaos tasks keep: polled, there is no event to await.)
+                while self.faults_done() < self.args.min_faults:  # noqa: ASYNC110
+                    await trio.sleep(0.05)
             nursery.cancel_scope.cancel()
         # Faults end with the chaos: heal every path, resume every host.
         for proxy in self.proxies:

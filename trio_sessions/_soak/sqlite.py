@@ -94,6 +94,18 @@ CREATE TABLE IF NOT EXISTS soak_kill(
 # The parent: producer, chaos, audit
 
 
+@attrs.frozen
+class Fault:
+    """A fault the chaos drew (`Soak.draw_fault`): its kind ("kill", "handoff", "restart"
+    or "busy"), the draw that picks its worker among those it may go to (`Soak.place`),
+    the seconds until a killed worker's successor starts, and until the next fault."""
+
+    kind: str
+    pick: float
+    successor: float
+    gap: float
+
+
 @attrs.define
 class SoakResult:
     kills: int = 0
@@ -149,7 +161,11 @@ class Soak:
         self.db = workdir / "soak.db"
         self.control = workdir / "control"
         self.control.mkdir()
+        # The producer's draws and the chaos's, each its own stream of the seed: sharing one,
+        # the submits and faults a seed gave depended on how they interleaved in time (a
+        # loaded host), and a run's faults on how many draws waiting for a worker took.
         self.rng = random.Random(args.seed)
+        self.chaos_rng = random.Random(f"chaos-{args.seed}")
         self.generation = 0
         self.workers: dict[int, common.Worker] = {}
         self.result = SoakResult()
@@ -221,26 +237,55 @@ class Soak:
             self.args.handoff_ratio > 0 and self.result.kills >= 2 and not self.result.handoff_kills
         )
 
-    def next_fault(self) -> tuple[str, common.Worker]:
-        """The next fault and its worker. A handoff, a rolling restart or a busy step needs a
-        worker that serves (one still starting has no claims to hand off or drains to ask
-        into a busy step), so it goes to one of those; a plain kill to any worker. Choosing
-        the worker first turned the fault asked for into a plain kill whenever that worker
-        had just been restarted (a busy-ratio-1 run on a loaded host saw one busy kill in
-        ten seconds)."""
+    def draw_fault(self) -> Fault:
+        """The next fault, all of its draws at once: six of the chaos's stream each time,
+        whatever the workers are doing, so a seed gives the same faults in the same order
+        on any host (but for `handoff_owed`, which a handoff that missed calls for)."""
         args = self.args
+        restart, busy, handoff, pick = (self.chaos_rng.random() for _ in range(4))
+        successor = self.chaos_rng.uniform(0.0, 0.5)
+        gap = self.chaos_rng.uniform(*args.kill_gap)
+        kind = "kill"
+        if self.handoff_owed():
+            kind = "handoff"
+        elif restart < args.restart_ratio:
+            kind = "restart"
+        elif busy < args.busy_ratio:
+            kind = "busy"
+        elif handoff < args.handoff_ratio:
+            kind = "handoff"
+        return Fault(kind, pick, successor, gap)
+
+    def place(self, fault: str, pick: float) -> common.Worker | None:
+        """The worker `fault` goes to now, or None while it must wait. A handoff, a rolling
+        restart or a busy step needs a worker that serves (one still starting has no claims
+        to hand off or drains to ask into a busy step); a plain kill takes any. Made a plain
+        kill instead when none served, the fault a soak exists to inject went missing on a
+        loaded host, where restarted workers boot for seconds - and each such kill of a
+        booting worker kept it from serving (ten seconds with no busy kill)."""
         everyone = list(self.workers.values())
-        serving = [worker for worker in everyone if self.retiring.serving(worker)]
-        if serving:
-            if self.handoff_owed():
-                return "handoff", self.rng.choice(serving)
-            if self.rng.random() < args.restart_ratio:
-                return "restart", self.rng.choice(serving)
-            if self.rng.random() < args.busy_ratio:
-                return "busy", self.rng.choice(serving)
-            if self.rng.random() < args.handoff_ratio:
-                return "handoff", self.rng.choice(serving)
-        return "kill", self.rng.choice(everyone)
+        if fault != "kill":
+            everyone = [worker for worker in everyone if self.retiring.serving(worker)]
+        return everyone[int(pick * len(everyone))] if everyone else None
+
+    def faults_owed(self, overtime: float) -> bool:
+        """Whether the chaos goes on past its duration (by `overtime` so far): fewer faults
+        than `--min-faults` happened (kills of any kind, rolling restarts), and less than
+        twice the duration more has passed. A loaded host boots workers for seconds, and
+        faults that wait for a serving one then fit fewer in the duration."""
+        done = self.result.kills + self.retiring.restarts
+        return done < int(self.args.min_faults) and overtime < 2 * float(self.args.duration)
+
+    def wait_serving(self, bound: float = 60.0) -> None:
+        """Before the chaos: until every worker serves (a loaded host boots one for seconds,
+        which a short soak's faults would otherwise spend waiting), `bound` at most."""
+        start = time.monotonic()
+        while time.monotonic() < start + bound:
+            self.check_exits()
+            if all(self.retiring.serving(worker) for worker in self.workers.values()):
+                break
+            time.sleep(0.02)
+        print(f"soak: workers serving after {time.monotonic() - start:.1f} s", flush=True)
 
     def check_exits(self) -> None:
         self.result.unexpected_exits += common.restart_exited(self.workers, self.spawn)
@@ -279,51 +324,69 @@ class Soak:
     # -- phases --------------------------------------------------------------------------------
 
     def chaos(self) -> None:
-        """Produce, kill and restart until the duration is over."""
+        """Produce, kill and restart until the duration is over (from when the workers
+        serve). A fault drawn waits, if it must, for a worker to take it (`place`)."""
         args = self.args
+        self.wait_serving()
         start = time.monotonic()
         end = start + args.duration
         next_submit = start
-        next_kill = start + self.rng.uniform(*args.kill_gap)
+        next_kill = start + self.chaos_rng.uniform(*args.kill_gap)
         next_sample = start
-        handoff: tuple[common.Worker, float] | None = None
-        busy: tuple[common.Worker, common.BusyRequest] | None = None
-        while (now := time.monotonic()) < end:
+        handoff: tuple[common.Worker, float, Fault] | None = None
+        busy: tuple[common.Worker, common.BusyRequest, Fault] | None = None
+        drawn: tuple[Fault, float] | None = None  # a fault waiting for a worker, since
+        while (now := time.monotonic()) < end or self.faults_owed(now - end):
             while next_submit <= now:
                 self.submit_one()
                 next_submit += 1.0 / args.rate
             self.controls.resume_due(self.engine.run)
             if handoff is not None:
-                worker, deadline = handoff
+                worker, deadline, fault = handoff
                 paused = (self.control / f"paused.{worker.name}").exists()
                 if paused or now >= deadline:
                     self.kill(worker, in_handoff=paused)
-                    self.restart_at[worker.slot] = now + self.rng.uniform(0.0, 0.5)
+                    self.restart_at[worker.slot] = now + fault.successor
                     handoff = None
-                    next_kill = now + self.rng.uniform(*args.kill_gap)
+                    next_kill = now + fault.gap
             elif busy is not None:
-                worker, request = busy
+                worker, request, fault = busy
                 began = request.began()
-                if began is not None:
+                if began:
                     # Begun: SIGKILLed at once, its blocking call running on in its child.
-                    self.kill(worker, in_handoff=False, busy=began)
-                    self.restart_at[worker.slot] = now + self.rng.uniform(0.0, 0.5)
+                    self.kill(worker, in_handoff=False, busy=True)
+                    self.restart_at[worker.slot] = now + fault.successor
                     busy = None
-                    next_kill = now + self.rng.uniform(*args.kill_gap)
-            elif now >= next_kill and self.workers:
-                fault, worker = self.next_fault()
-                if fault == "handoff":
+                    next_kill = now + fault.gap
+                elif began is not None:
+                    # No drain took the request (it is withdrawn): the step is asked again,
+                    # of a serving worker, rather than made a plain kill.
+                    busy = None
+                    drawn = (fault, now)
+            elif (drawn is not None or now >= next_kill) and self.workers:
+                if drawn is None:
+                    drawn = (self.draw_fault(), now)
+                fault, drawn_at = drawn
+                placed = self.place(fault.kind, fault.pick)
+                if placed is not None:
+                    worker, drawn = placed, None
+                    if now - drawn_at >= 0.5:
+                        waited = now - drawn_at
+                        print(f"soak: a {fault.kind} waited {waited:.1f} s for a worker")
+                if placed is None:
+                    pass  # no worker serves yet: the fault waits for one
+                elif fault.kind == "handoff":
                     (self.control / f"pause.{worker.name}").touch()
-                    handoff = (worker, now + 2.0)
-                elif fault == "restart":
+                    handoff = (worker, now + 2.0, fault)
+                elif fault.kind == "restart":
                     self.rolling_restart(worker)
-                    next_kill = now + self.rng.uniform(*args.kill_gap)
-                elif fault == "busy":
-                    busy = (worker, common.BusyRequest.ask(self.control, worker.name))
+                    next_kill = now + fault.gap
+                elif fault.kind == "busy":
+                    busy = (worker, common.BusyRequest.ask(self.control, worker.name), fault)
                 else:
                     self.kill(worker, in_handoff=False)
-                    self.restart_at[worker.slot] = now + self.rng.uniform(0.0, 0.5)
-                    next_kill = now + self.rng.uniform(*args.kill_gap)
+                    self.restart_at[worker.slot] = now + fault.successor
+                    next_kill = now + fault.gap
             for slot, when in list(self.restart_at.items()):
                 if when <= now:
                     del self.restart_at[slot]
@@ -334,10 +397,15 @@ class Soak:
                 next_sample = now + 0.25
             time.sleep(0.005)
         if handoff is not None:  # a hook paused for a kill that is due now
-            worker, _ = handoff
+            worker, _, _ = handoff
             self.kill(worker, in_handoff=(self.control / f"paused.{worker.name}").exists())
+        if drawn is not None:
+            print(
+                f"soak: a {drawn[0].kind} drawn {time.monotonic() - drawn[1]:.1f} s before the end"
+                " found no serving worker"
+            )
         if busy is not None:  # a busy step asked for: killed now, begun or not
-            worker, request = busy
+            worker, request, _ = busy
             (self.control / f"busy.{worker.name}").unlink(missing_ok=True)
             self.kill(worker, in_handoff=False, busy=bool(request.began()))
         for slot in range(args.workers):
