@@ -1020,7 +1020,11 @@ class ProtocolModel(RuleBasedStateMachine):
             for m in self.messages[session_id]
         )
         own = sorted(self.assistant_messages(execution_id), key=lambda m: m.seq)
-        malformed = bool(own) and not isinstance(own[-1].data, AssistantData)
+        # The newest message, or an older one corrupted while open: a takeover could not
+        # close that one (nor could the owner's finish), so it is quarantined too.
+        malformed = (
+            bool(own) and not isinstance(own[-1].data, AssistantData)
+        ) or self.corrupted_while_open(execution_id)
         if claim.phase == "cancelling" or superseded:
             decision = (
                 RecoveryDecision.FINISH_CANCELLED
@@ -1172,6 +1176,7 @@ class ProtocolModel(RuleBasedStateMachine):
                         "DELETE FROM session_message_delta WHERE message_id = ?", (message.id,)
                     )
                     message.data = _transcript.EMPTY
+                    self.corrupted_open.discard(str(message.id))
         candidate = self.op(_store.lift_quarantine, execution_id, owner.owner_id, LEASE_MS)
         assert candidate == _store.Candidate(row.session_id, execution_id)
         row.error = None
@@ -1339,3 +1344,43 @@ def test_protocol_model() -> None:
         )
     print(f"model steps: {ProtocolModel.steps}")
     assert ProtocolModel.steps >= TARGET_STEPS
+
+
+# -- shrunk examples, replayed step by step --------------------------------------------------
+
+
+def replay(*steps: tuple[str, dict[str, Any]]) -> ProtocolModel:
+    """Run rules of the model in order, checking every invariant after each step, as
+    Hypothesis does: a shrunk failing example stays a deterministic test once it is fixed."""
+    machine = ProtocolModel()
+    try:
+        for name, arguments in steps:
+            getattr(machine, name)(**arguments)
+            for invariant in machine.invariants:
+                invariant.function(machine)
+    except BaseException:
+        machine.teardown()
+        raise
+    return machine
+
+
+def test_recovery_quarantines_an_older_open_message_corrupted_under_a_newer_one() -> None:
+    """A crashed drain left a corrupted open message (`bad7`) behind a newer open one: the
+    takeover could not close it, so recovery quarantines the claim rather than resume it -
+    the rule the owner's own finish follows (it refuses to end the busy period over it)."""
+    machine = replay(
+        ("busy_start", {"holders": [0, 1, 0]}),
+        ("finish_failed", {"pick": 0, "slot": 0}),
+        ("corrupt_assistant", {"pick": 0}),  # s2's claim e4 (owner b#1): bad7, open
+        ("begin_assistant", {"pick": 0, "slot": 1}),  # e4 opens m8 after it
+        ("advance_clock", {"jump": 3_000}),
+        ("recovery_pass", {"slot": 0}),
+    )
+    try:
+        assert machine.quarantined == {"e4"}
+        reason = machine.conn.execute(
+            "SELECT recovery_error FROM session_recovery WHERE execution_id = 'e4'"
+        ).fetchone()[0]
+        assert "'bad7'" in reason
+    finally:
+        machine.teardown()
