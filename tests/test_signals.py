@@ -259,7 +259,7 @@ async def test_a_submit_while_a_remotely_deleted_sessions_drain_stops_starts_at_
             assert await producer.delete_session("s") is True
             await cleaning.wait()
             await producer.submit("s", {"n": 2}, input_id="i2")
-            await looks.one_started_now()  # passed the new doorbell over: still held here
+            await looks.one_started_now(of=worker)  # passed the new doorbell over: still held
         assert worker.is_active("s")
         let_go.set()
         with trio.fail_after(BOUND):
@@ -302,7 +302,7 @@ async def test_a_submit_after_a_remote_delete_during_the_owners_finish_starts_at
             await finishing.wait()
             assert await producer.delete_session("s") is True
             await producer.submit("s", {"n": 2}, input_id="i2")
-            await looks.one_started_now()  # passed the new doorbell over: still held here
+            await looks.one_started_now(of=worker)  # passed the new doorbell over: still held
         assert worker.is_active("s")
         let_go.set()
         with trio.fail_after(BOUND):
