@@ -619,6 +619,52 @@ async def test_an_exhausted_ending_costs_one_acquisition_not_a_loop(
         assert acquisitions[0] - acquired == 1
 
 
+@pytest.mark.parametrize("max_active", [None, 1])
+@pytest.mark.parametrize("inputs", [[], ["left"]], ids=["no-input", "an-input"])
+async def test_a_cancelled_ending_rings_its_session_once_with_or_without_room(
+    store: Store,
+    clock: Clock,
+    db_path: Path,
+    autojump_clock: MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+    max_active: int | None,
+    inputs: list[str],
+) -> None:
+    """The ring after an ending that may leave a doorbell (a dead owner's cancelling claim)
+    is one acquisition, whether the doorbell is set (an untaken input: its successor takes
+    it) or not (it claims nothing), with `max_active` too - where the acquisition's end
+    frees a place and kicks the change scan: that look rings nothing again, so no loop
+    and no second acquisition. Asked by review (revA54) of the ring that replaced a kick."""
+    monkeypatch.setattr(_loops, "CHANGE_FALLBACK_POLL", 3600.0)
+    acquisitions = [0]
+    acquire = _store.acquire
+
+    def counted_acquire(tx: Any, *args: Any) -> Any:
+        acquisitions[0] += 1
+        return acquire(tx, *args)
+
+    monkeypatch.setattr(_store, "acquire", counted_acquire)
+    raw = Raw(db_path)
+    drain = Recorder()
+    async with runtime(store, drain, clock, max_active=max_active, **QUIET) as rt:
+        await rt.wait_idle("s")  # the opening look and pass are done
+        raw.seed_claim("s", "dead-exec", expires_at=expired(clock), phase="cancelling")
+        for input_id in inputs:
+            raw.write(
+                "INSERT INTO session_input(id, session_id, seq, payload, time_created)"
+                " VALUES (?, 's', 1, '{}', 0)",
+                (input_id,),
+            )
+        acquired = acquisitions[0]
+        report = await rt.recover_once()
+        await rt.wait_idle("s")
+        await trio.sleep(60)  # virtual: what the ring brings, and nothing after it
+        assert report == RecoveryReport(examined=1, finished_cancelled=1)
+        assert acquisitions[0] - acquired == 1
+        assert drain.taken == inputs
+        assert raw.claim("s") is None
+
+
 async def test_resumes_count_toward_the_budget(
     store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
 ) -> None:
