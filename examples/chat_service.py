@@ -51,7 +51,9 @@ Run it (SQLite here; a `postgresql://` URL works the same, across hosts, with `-
   `Retry-After` while it does not (an error, or no answer within `HEALTH_TIMEOUT`), so a
   load balancer sends no chats to a process that cannot store them. A web process holds
   no liveness token, and its runtime keeps no verdict on the store: a probe has one small
-  read made (`StoreProbe`: the probes waiting at once share one). `GET /metrics` is the
+  read made (`StoreProbe`: the probes waiting at once share one). A read begun is never
+  abandoned: while a PostgreSQL server hangs it stays in flight until the engine's 25 s
+  reply bound, and a SIGTERM's exit waits for it, as for any store call. `GET /metrics` is the
   runtime's `statistics()` as JSON.
 
 `CHAT_WORD_DELAY` (seconds, default 0.05) sets the pause between streamed words;
