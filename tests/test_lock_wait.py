@@ -9,13 +9,18 @@ from __future__ import annotations
 import sqlite3
 import threading
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
 
 import trio_sessions
 from trio_sessions import _sqlite
+from trio_sessions._backend import Job
+from trio_sessions._handoff import BatchStart
 from trio_sessions._sqlite import connections
 
 pytestmark = pytest.mark.sqlite_only
@@ -113,3 +118,178 @@ async def test_a_shutdown_hand_back_outlasts_another_process_s_short_commit(
         assert holder.execute("SELECT handed_back FROM session_execution").fetchall() == [(1,)]
     finally:
         holder.close()
+
+
+# How long another process holds the write lock in the tests below at the most: far longer
+# than a lease of LEASE, so a caller that waits for it is told apart from one that does not.
+HOLD_S = 8.0
+LEASE = 1.0
+
+
+class _LockHolder:
+    """Another process's connection holding SQLite's write lock (BEGIN IMMEDIATE)."""
+
+    def __init__(self, path: Path) -> None:
+        self.conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self.held = False
+        self.taken = trio.Event()
+
+    def take(self) -> None:
+        self.conn.execute("BEGIN IMMEDIATE")
+        self.held = True
+        self.taken.set()
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.conn.execute("ROLLBACK")
+
+
+@asynccontextmanager
+async def _lock_holder(path: Path) -> AsyncIterator[_LockHolder]:
+    """A `_LockHolder` that lets go by `HOLD_S` after it took the lock at the latest (a
+    caller that waits for the lock then fails its test instead of hanging it), and at
+    the block's end."""
+    holder = _LockHolder(path)
+    try:
+        async with trio.open_nursery() as nursery:
+
+            async def release_at_the_latest() -> None:
+                await holder.taken.wait()
+                await trio.sleep(HOLD_S)
+                holder.release()
+
+            nursery.start_soon(release_at_the_latest)
+            try:
+                yield holder
+            finally:
+                holder.release()
+                nursery.cancel_scope.cancel()
+    finally:
+        holder.conn.close()
+
+
+async def test_a_drain_waiting_for_the_write_lock_stops_within_its_lease(tmp_path: Path) -> None:
+    """A drain whose write waits for the write lock another process holds is stopped at
+    its lease's local deadline and exits while the lock is still held, not when it is
+    freed: its batch had not begun, so its caller is withdrawn (DESIGN §6.17: no drain
+    outlives its lease, drains of one session never overlap). Found by a soak at load 12:
+    a drain sat in `take_inputs` two seconds past its lease, its successors already in."""
+    path = tmp_path / "lease.db"
+    first_taken, go, exited = trio.Event(), trio.Event(), trio.Event()
+    calls = 0
+
+    async def drain(ctx: trio_sessions.DrainContext) -> None:
+        nonlocal calls
+        calls += 1
+        if calls > 1:
+            return  # a later busy period (the lost claim recovered): nothing to see
+        try:
+            await ctx.take_inputs()
+            first_taken.set()
+            await go.wait()
+            await ctx.take_inputs()  # waits for the write lock
+        finally:
+            exited.set()
+
+    async with (
+        _lock_holder(path) as holder,
+        trio_sessions.open_runtime(path, drain, lease=LEASE) as runtime,
+    ):
+        await runtime.submit("s", {"n": 1})
+        await first_taken.wait()
+        await runtime.submit("s", {"n": 2})  # a pending input: the take writes
+        holder.take()
+        go.set()
+        await exited.wait()
+        assert holder.held, "the drain ran on past its lease, until the lock was freed"
+        holder.release()
+
+
+async def test_a_caller_cancelled_while_its_batch_waits_for_the_lock_is_withdrawn(
+    tmp_path: Path,
+) -> None:
+    """A submit cancelled while its batch waits in the worker thread for the write lock
+    another process holds returns at once, and nothing of it is written once the lock is
+    freed: nothing had begun, so it is withdrawn as a queued operation is."""
+    path = tmp_path / "withdrawn.db"
+    async with (
+        _lock_holder(path) as holder,
+        trio_sessions.open_runtime(path, None) as runtime,
+    ):
+        holder.take()
+        with trio.move_on_after(0.2) as waited:
+            await runtime.submit("s", {"n": 1})
+        assert holder.held, "the cancelled submit waited until the lock was freed"
+        assert waited.cancelled_caught
+        holder.release()
+        await runtime.submit("t", {"n": 2})  # after the withdrawn batch, in the same writer
+        assert holder.conn.execute("SELECT session_id FROM session_input").fetchall() == [("t",)]
+
+
+def _mark(tx: Any, name: str) -> str:
+    tx.execute("CREATE TABLE IF NOT EXISTS mark(name TEXT)")
+    tx.execute("INSERT INTO mark VALUES (?)", (name,))
+    return name
+
+
+class _WithdrawnAtBegin:
+    """A worker connection whose BEGIN IMMEDIATE succeeds just as `then` runs (a cancelled
+    caller's withdrawal on the trio thread, racing the lock taken)."""
+
+    def __init__(self, conn: sqlite3.Connection, then: Any) -> None:
+        self._conn = conn
+        self._then = then
+
+    def execute(self, sql: str, params: Any = ()) -> sqlite3.Cursor:
+        cursor = self._conn.execute(sql, params)
+        if sql == "BEGIN IMMEDIATE":
+            self._then()
+        return cursor
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+
+def test_a_withdrawal_racing_the_lock_taken_ends_one_way(tmp_path: Path) -> None:
+    """A caller withdrawing just as its batch's BEGIN IMMEDIATE took the lock is withdrawn
+    (nothing of its job runs, the others commit); one withdrawing after the batch began is
+    refused and its job runs and commits (its caller waits for it); a batch withdrawn whole
+    begins nothing, leaving the lock to others."""
+    conn = connections.poll_for_lock(_sqlite.connect(tmp_path / "race.db"))
+
+    def marks() -> list[str]:
+        return [row[0] for row in conn.execute("SELECT name FROM mark ORDER BY rowid")]
+
+    withdrawn, kept = Job(_mark, ("withdrawn",)), Job(_mark, ("kept",))
+    start = BatchStart(2)
+    outcomes: list[bool] = []
+    racing = _WithdrawnAtBegin(conn, lambda: outcomes.append(start.withdraw(withdrawn)))
+    _sqlite.run_batch(racing, time.time, [withdrawn, kept], None, start)  # type: ignore[arg-type]
+    assert outcomes == [True]
+    assert (withdrawn.result, kept.result) == (None, "kept")
+    assert marks() == ["kept"]
+    assert not start.withdraw(kept)  # begun: too late, its outcome stands
+
+    late = Job(_mark, ("late",))
+    start = BatchStart(1)
+    _sqlite.run_batch(conn, time.time, [late], None, start)
+    assert not start.withdraw(late)
+    assert late.result == "late"
+
+    alone = Job(_mark, ("alone",))
+    start = BatchStart(1)
+    racing = _WithdrawnAtBegin(conn, lambda: outcomes.append(start.withdraw(alone)))
+    _sqlite.run_batch(racing, time.time, [alone], None, start)  # type: ignore[arg-type]
+    assert outcomes == [True, True]
+    assert not conn.in_transaction  # the empty transaction rolled back, the lock let go
+    assert alone.result is None and alone.error is None
+
+    never = Job(_mark, ("never",))
+    start = BatchStart(1)
+    assert start.withdraw(never)
+    assert not connections.begin_immediate(conn, start.abandoned)
+    _sqlite.run_batch(conn, time.time, [never], None, start)
+    assert not conn.in_transaction
+    assert marks() == ["kept", "late"]
+    conn.close()

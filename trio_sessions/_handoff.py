@@ -6,17 +6,21 @@ thread hand-off costs more than a whole SQLite cycle on our machines and a Postg
 costs an fsync, so concurrent operations share both.
 
 Invariant: an operation that has begun is never abandoned. If its caller is cancelled while
-it is queued, it is withdrawn unrun; once taken, the caller waits for its outcome (as
-`trio.to_thread.run_sync` does with `abandon_on_cancel=False`), so a write that committed
-is always reported, never mistaken for one that did not happen, nor one that did not run
-for one that did (a hand-off that raises leaves its callers `OutcomeUnknown`, but for those
-it already gave their outcome: `Queued.finish` early, for operations done before the rest).
-When the pump stops, every operation still queued fails with `StoreError`, and later ones
-are refused.
+it is queued, it is withdrawn unrun; so it is when taken in a batch whose engine has not
+begun it yet (a `BatchStart`: SQLite's worker thread waiting for the write lock another
+process holds - nothing of the batch ran, and a drain cancelled at its lease's deadline must
+not wait up to `LOCK_PATIENCE_S` for it, DESIGN §6.17); once begun, the caller waits for its
+outcome (as `trio.to_thread.run_sync` does with `abandon_on_cancel=False`), so a write that
+committed is always reported, never mistaken for one that did not happen, nor one that did
+not run for one that did (a hand-off that raises leaves its callers `OutcomeUnknown`, but
+for those it already gave their outcome: `Queued.finish` early, for operations done before
+the rest). When the pump stops, every operation still queued fails with `StoreError`, and
+later ones are refused.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
 from typing import Any
@@ -26,6 +30,45 @@ import trio
 
 from ._backend import Job, closed_before_run, executor_closed
 from ._errors import OutcomeUnknown
+
+
+class BatchStart:
+    """Whether a batch handed to a worker thread has begun (SQLite: its BEGIN IMMEDIATE took
+    the write lock). Until then a caller cancelled withdraws its operation (`withdraw`, on
+    the trio thread), which the worker drops unrun (`begin`), and a worker whose operations
+    were all withdrawn stops waiting (`abandoned`, between its tries for the lock); from
+    then on every operation left runs and its caller waits for the outcome. One lock
+    decides between a withdrawal and the start, so one that races it ends one way: unrun
+    and the caller cancelled, or run and the caller told."""
+
+    def __init__(self, size: int) -> None:
+        self._lock = threading.Lock()
+        self._begun = False
+        self._left = size
+        self._withdrawn: set[int] = set()  # ids of the jobs withdrawn
+
+    def withdraw(self, job: Job) -> bool:
+        """Withdraw `job` unless its batch has begun; True when it did."""
+        with self._lock:
+            if self._begun:
+                return False
+            self._withdrawn.add(id(job))
+            self._left -= 1
+            return True
+
+    def abandoned(self) -> bool:
+        """Every operation of the batch was withdrawn: nothing to begin (a read, no lock:
+        a withdrawal that comes after the read is still dropped by `begin`)."""
+        return self._left == 0
+
+    def begin(self, jobs: list[Job]) -> list[Job]:
+        """The batch has begun (call right after it did): its jobs not withdrawn, which
+        now run whatever their callers do."""
+        with self._lock:
+            self._begun = True
+        if not self._withdrawn:
+            return jobs
+        return [job for job in jobs if id(job) not in self._withdrawn]
 
 
 @attrs.define(eq=False)
@@ -39,6 +82,9 @@ class Queued:
     task: trio.lowlevel.Task | None = None
     taken: bool = False
     finished: bool = False
+    # Set when taken into a worker's batch that may wait before it begins: a cancelled
+    # caller can still withdraw the operation until it does.
+    start: BatchStart | None = None
 
     def finish(self) -> None:
         if not self.finished:
@@ -49,13 +95,15 @@ class Queued:
     async def outcome(self, withdraw: Callable[[Queued], None]) -> Any:
         """Sleep until `finish`, then return the job's result or raise its error. Cancelled
         while still queued, the operation is withdrawn unrun (`withdraw` takes it off its
-        queue); once taken, the caller waits for its outcome like a non-abandoning
-        to_thread call, and the next checkpoint delivers the cancellation."""
+        queue), and so it is when taken into a batch that has not begun (`start`: the
+        worker drops it); once begun, the caller waits for its outcome like a
+        non-abandoning to_thread call, and the next checkpoint delivers the cancellation."""
 
         def abort(_: Any) -> trio.lowlevel.Abort:
-            if self.taken:
+            if not self.taken:
+                withdraw(self)
+            elif self.start is None or not self.start.withdraw(self.job):
                 return trio.lowlevel.Abort.FAILED
-            withdraw(self)
             self.finished = True
             return trio.lowlevel.Abort.SUCCEEDED
 

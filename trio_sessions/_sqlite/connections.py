@@ -8,8 +8,9 @@ that is not SQLite, not ours, or from a newer library is refused with nothing wr
 (`SchemaTooNew`, `StoreError`); migrations run in one `BEGIN IMMEDIATE` transaction,
 re-reading the version under the write lock; taking the write lock (`begin_immediate`)
 retries "database is locked" for up to `LOCK_PATIENCE_S` (every `LOCK_POLL_MAX_S` at most
-on the executor's connection), so that error never reaches a caller; a checkpoint never
-raises (the WAL keeps every commit).
+on the executor's connection), so that error never reaches a caller, and stops with nothing
+begun once every caller of the batch withdrew; a checkpoint never raises (the WAL keeps
+every commit).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import os
 import sqlite3
 import time
+from collections.abc import Callable
 
 import attrs
 
@@ -311,8 +313,10 @@ def is_locked(exc: sqlite3.OperationalError) -> bool:
     return "locked" in str(exc) or "busy" in str(exc)
 
 
-def begin_immediate(conn: sqlite3.Connection) -> None:
+def begin_immediate(conn: sqlite3.Connection, abandoned: Callable[[], bool] | None = None) -> bool:
     """Take the write lock, waiting out other processes; "database is locked" never escapes.
+    False, with nothing begun, once `abandoned()` says before a try that no one waits for
+    the transaction any more (`_handoff.BatchStart`: every caller was cancelled).
 
     While another process holds the lock, BEGIN IMMEDIATE is tried again every
     `LOCK_POLL_S`, doubling up to `LOCK_POLL_MAX_S`. On a connection whose busy timeout is
@@ -324,9 +328,11 @@ def begin_immediate(conn: sqlite3.Connection) -> None:
     deadline = time.monotonic() + LOCK_PATIENCE_S
     pause = LOCK_POLL_S
     while True:
+        if abandoned is not None and abandoned():
+            return False
         try:
             conn.execute("BEGIN IMMEDIATE")
-            return
+            return True
         except sqlite3.OperationalError as exc:
             if not is_locked(exc) or time.monotonic() >= deadline:
                 raise

@@ -26,7 +26,7 @@ import os
 import sqlite3
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
-from typing import Any, TypeVar, TypeVarTuple, Unpack
+from typing import TYPE_CHECKING, Any, TypeVar, TypeVarTuple, Unpack
 
 import attrs
 
@@ -43,6 +43,9 @@ from .._backend import (
 )
 from .._errors import TrioSessionsError
 from .connections import DatabaseFile, begin_immediate, connect, is_locked, schema_version
+
+if TYPE_CHECKING:
+    from .._handoff import BatchStart
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
@@ -185,22 +188,32 @@ def run_batch(
     clock: Callable[[], float],
     jobs: list[Job],
     file: DatabaseFile | None = None,
+    start: BatchStart | None = None,
 ) -> None:
     """Run `jobs` in one `BEGIN IMMEDIATE` transaction (group commit).
 
     Each job runs in its own savepoint, so one job's error rolls back only its own writes;
     the others commit together. A failed BEGIN or COMMIT fails every job, with nothing
     written, and so does a `file` that was deleted or replaced. Errors are stored on the
-    jobs, never raised.
+    jobs, never raised. With a `start`, a job its caller withdrew before the BEGIN took
+    the lock is dropped unrun (its caller was cancelled), and once every job was, the
+    wait for the lock ends with nothing begun.
     """
     if file is not None and file.refuse(jobs):
         return
     try:
-        begin_immediate(conn)
+        if not begin_immediate(conn, None if start is None else start.abandoned):
+            return  # every caller withdrawn while it waited for the lock
     except sqlite3.Error as exc:
         for job in jobs:
             job.error = store_error(exc)
         return
+    if start is not None:
+        jobs = start.begin(jobs)
+        if not jobs:  # withdrawn just as the lock was taken: nothing ran
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+            return
     _run_jobs(conn, clock, jobs, file)
 
 

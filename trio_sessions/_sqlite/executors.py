@@ -28,9 +28,13 @@ Every write batch first checks that the path still names the file the executor o
 once it passes `WAL_WARN_BYTES`.
 
 Invariant, both executors: an operation that has begun is never abandoned. If its caller is
-cancelled while it is queued, it is withdrawn unrun; once taken, the caller waits for it (as
-`trio.to_thread.run_sync` does with `abandon_on_cancel=False`), so a write that committed is
-always reported, never mistaken for one that did not happen.
+cancelled while it is queued, it is withdrawn unrun, and so it is while its batch waits in
+the worker thread for the write lock another process holds (`_handoff.BatchStart`: nothing
+of it ran; a drain stopped at its lease's deadline exits then, not up to `LOCK_PATIENCE_S`
+later, DESIGN §6.17); once the batch's BEGIN IMMEDIATE took the lock, or the operation runs
+on the loop, the caller waits for it (as `trio.to_thread.run_sync` does with
+`abandon_on_cancel=False`), so a write that committed is always reported, never mistaken for
+one that did not happen.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ from .. import _codec, _liveness, _observe
 from .._backend import BackendName, Follows, Job, StoreStatistics, Tx, executor_closed
 from .._errors import StoreError
 from .._filewatch import open_watch
-from .._handoff import HandoffQueue, Queued, pumping
+from .._handoff import BatchStart, HandoffQueue, Queued, pumping
 from .._naming import check_sqlite_path
 from .._validate import check_flag
 from .changes import CHANGE_POLL, ChangeReader
@@ -385,8 +389,15 @@ class ThreadExecutor:
                 if not queued.job.off_the_loop:
                     queued.finish()
         self.thread_handoffs += 1
+        # Until the worker's BEGIN IMMEDIATE takes the lock (another process may hold it
+        # for long), a cancelled caller withdraws its operation; those finished on the loop
+        # above are no longer the worker's.
+        start = BatchStart(len(jobs))
+        for queued in batch:
+            if not queued.finished:
+                queued.start = start
         await trio.to_thread.run_sync(
-            run_batch, self.conn, self.clock, jobs, self.file, limiter=self._limiter
+            run_batch, self.conn, self.clock, jobs, self.file, start, limiter=self._limiter
         )
 
     async def _checkpoint_if_due(self) -> None:
