@@ -28,7 +28,7 @@ MAX_WORKERS = "4"
 
 @nox.session(python=None)
 def tests(session: nox.Session) -> None:
-    """The whole test suite, crash tests included, in two passes (about 6 minutes on 2
+    """The whole test suite, crash tests included, in two passes (about 8 minutes on 2
     cores): every test not marked `serial` spread over the cores (pytest-xdist), then the
     `serial` ones - tests that bound real elapsed time across processes - with the machine
     to themselves, where a busy neighbour cannot make them miss a bound. Each pass fails when
