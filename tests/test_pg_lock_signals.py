@@ -11,8 +11,9 @@ it end, and the worker's drain must start at once, not at its fallback poll (2 s
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
@@ -296,15 +297,13 @@ ZOMBIE_WRITES = [
 ]
 
 
-@pytest.mark.parametrize(("op", "args"), ZOMBIE_WRITES)
-async def test_an_acquire_that_met_a_zombies_write_claims_once_it_was_refused(
-    pg_url: str, pg_schema: str, op: Callable[..., Any], args: tuple[Any, ...]
-) -> None:
-    """A zombie's write took the session lock, found its claim gone and answered
-    lease_lost - and signalled nothing, so the worker whose acquire met the lock passed the
-    doorbell over until its fallback poll: the waiting message's answer started 2 s late.
-    Each write runs as the engine runs it alone (one call in autocommit, or a transaction
-    rolled back on its LeaseLost), held by the gate after its lock."""
+@contextlib.contextmanager
+def zombie_held_at_the_gate(
+    pg_url: str, pg_schema: str, job: Job
+) -> Iterator[tuple[psycopg.Connection[Any], threading.Thread]]:
+    """The zombie left behind (`zombie_left_behind`), its `job` running in a thread as its
+    engine runs it alone, held by the gate after its locks (`_GATED_CLOCK`); yields the
+    gate's connection and the thread. On exit the gate lets go and the thread is joined."""
     zombie_url = psycopg.conninfo.make_conninfo(pg_url, application_name="zombie")
     with (
         engine_at(pg_url, pg_schema, 1.0) as web,
@@ -314,19 +313,32 @@ async def test_an_acquire_that_met_a_zombies_write_claims_once_it_was_refused(
         zombie_left_behind(web, pg_url, pg_schema)
         gate.execute(_GATED_CLOCK)
         gate.execute("SELECT pg_advisory_lock(%s, %s)", ZOMBIE_GATE)
-        job = Job(op, args)
         running = threading.Thread(target=zombie.run_batch, args=([job],), daemon=True)
         running.start()
         try:
-            await at_the_gate(gate)
-
-            def end() -> None:
-                gate.execute("SELECT pg_advisory_unlock(%s, %s)", ZOMBIE_GATE)
-
-            waited = await wait_after_it_ended(pg_url, pg_schema, end, running, job, LeaseLost)
+            yield gate, running
         finally:
             gate.execute("SELECT pg_advisory_unlock_all()")
             running.join(WAIT_S)
+
+
+@pytest.mark.parametrize(("op", "args"), ZOMBIE_WRITES)
+async def test_an_acquire_that_met_a_zombies_write_claims_once_it_was_refused(
+    pg_url: str, pg_schema: str, op: Callable[..., Any], args: tuple[Any, ...]
+) -> None:
+    """A zombie's write took the session lock, found its claim gone and answered
+    lease_lost - and signalled nothing, so the worker whose acquire met the lock passed the
+    doorbell over until its fallback poll: the waiting message's answer started 2 s late.
+    Each write runs as the engine runs it alone (one call in autocommit, or a transaction
+    rolled back on its LeaseLost), held by the gate after its lock."""
+    job = Job(op, args)
+    with zombie_held_at_the_gate(pg_url, pg_schema, job) as (gate, running):
+        await at_the_gate(gate)
+
+        def end() -> None:
+            gate.execute("SELECT pg_advisory_unlock(%s, %s)", ZOMBIE_GATE)
+
+        waited = await wait_after_it_ended(pg_url, pg_schema, end, running, job, LeaseLost)
     assert waited < CHANGE_FALLBACK_POLL / 4, f"the drain started {waited:.2f} s after it ended"
 
 
@@ -342,30 +354,16 @@ async def test_a_zombies_heartbeat_holds_no_lock_an_acquire_meets(
         started.set()
         await ctx.take_inputs()
 
-    zombie_url = psycopg.conninfo.make_conninfo(pg_url, application_name="zombie")
-    with (
-        engine_at(pg_url, pg_schema, 1.0) as web,
-        engine_at(zombie_url, pg_schema, 1.0) as zombie,
-        raw(pg_url, pg_schema) as gate,
-    ):
-        zombie_left_behind(web, pg_url, pg_schema)
-        gate.execute(_GATED_CLOCK)
-        gate.execute("SELECT pg_advisory_lock(%s, %s)", ZOMBIE_GATE)
-        job = Job(_store.heartbeat, ("zombie", ["z"], 60_000))
-        running = threading.Thread(target=zombie.run_batch, args=([job],), daemon=True)
-        running.start()
-        try:
-            await at_the_gate(gate)
-            store = PostgresStore(pg_url, schema=pg_schema)
-            async with open_runtime(store, drain, recovery_interval=3600) as worker:
-                with trio.fail_after(WAIT_S):
-                    await started.wait()
-                assert "s" not in worker._passed_over
-                assert running.is_alive()  # still held
-                await worker.wait_idle("s")
-            gate.execute("SELECT pg_advisory_unlock(%s, %s)", ZOMBIE_GATE)
-            await trio.to_thread.run_sync(running.join, WAIT_S)
-            assert job.unwrap() == {"z": None}  # lost
-        finally:
-            gate.execute("SELECT pg_advisory_unlock_all()")
-            running.join(WAIT_S)
+    job = Job(_store.heartbeat, ("zombie", ["z"], 60_000))
+    with zombie_held_at_the_gate(pg_url, pg_schema, job) as (gate, running):
+        await at_the_gate(gate)
+        store = PostgresStore(pg_url, schema=pg_schema)
+        async with open_runtime(store, drain, recovery_interval=3600) as worker:
+            with trio.fail_after(WAIT_S):
+                await started.wait()
+            assert "s" not in worker._passed_over
+            assert running.is_alive()  # still held
+            await worker.wait_idle("s")
+        gate.execute("SELECT pg_advisory_unlock(%s, %s)", ZOMBIE_GATE)
+        await trio.to_thread.run_sync(running.join, WAIT_S)
+        assert job.unwrap() == {"z": None}  # lost
