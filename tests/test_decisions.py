@@ -32,11 +32,11 @@ from trio_sessions._decisions import (
     holds_live_claim,
     iteration_verdict,
     lease_is_live,
-    leaves_a_doorbell,
     may_take_recovery_lease,
     owes_a_drain,
     rearms_doorbell,
     renewed_expiry,
+    rings_after_recovery,
     submit_verdict,
 )
 
@@ -287,15 +287,15 @@ def test_rearms_doorbell_only_for_cancelled_superseded_and_paused() -> None:
     }
 
 
-def test_endings_that_may_leave_a_doorbell_are_the_rearming_ones_and_exhausted() -> None:
-    """The endings after which the recovering runtime looks for doorbells at once: those
-    that re-arm, and an exhausted one (a message rung while its claim was held); a resume
-    keeps the claim, and the others end nothing of the session's."""
-    leaving = {d for d in RecoveryDecision if leaves_a_doorbell(d)}
-    assert leaving == {
+def test_endings_rung_after_recovery_are_the_rearming_ones_and_exhausted_but_paused() -> None:
+    """The endings the recovering runtime rings at once: those that re-arm, and an
+    exhausted one (a message rung while its claim was held), but a paused session's (its
+    doorbell waits for `resume`); a resume keeps the claim, and the others end nothing of
+    the session's."""
+    rung = {d for d in RecoveryDecision if rings_after_recovery(d)}
+    assert rung == {
         RecoveryDecision.FINISH_CANCELLED,
         RecoveryDecision.DROP_SUPERSEDED,
-        RecoveryDecision.FINISH_PAUSED,
         RecoveryDecision.EXHAUSTED,
     }
 

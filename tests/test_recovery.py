@@ -583,7 +583,7 @@ async def test_an_exhausted_ending_costs_one_acquisition_not_a_loop(
     autojump_clock: MockClock,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The ring after an exhausted ending (`_decisions.leaves_a_doorbell`) brings one
+    """The ring after an exhausted ending (`_decisions.rings_after_recovery`) brings one
     acquisition (no doorbell: it claims nothing), never a look or a recovery pass: no pass,
     so no exhausted ending and no ring again. With no fallback poll and no timed pass, a
     minute after the pass the runtime has acquired once, looked never and run no other pass.

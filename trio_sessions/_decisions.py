@@ -235,12 +235,16 @@ def rearms_doorbell(decision: RecoveryDecision) -> bool:
     )
 
 
-def leaves_a_doorbell(decision: RecoveryDecision) -> bool:
-    """Which endings may leave the session's doorbell set with no claim: those that re-arm
-    it, and an exhausted one - it re-arms nothing, but a message rung while its claim was
-    held is a new wake, not the failed work. The runtime that recovered looks for it at
-    once: its own commit is no change signal to it."""
-    return rearms_doorbell(decision) or decision is RecoveryDecision.EXHAUSTED
+def rings_after_recovery(decision: RecoveryDecision) -> bool:
+    """Which endings the runtime that recovered rings at once, its own commit being no
+    change signal to it: those that may leave the session's doorbell set with no claim -
+    the ones that re-arm it, and an exhausted one (it re-arms nothing, but a message rung
+    while its claim was held is a new wake, not the failed work) - but a paused session's,
+    whose doorbell waits for `resume`. Ringing registers the successor before the pass
+    returns, so `wait_idle` waits for it; with no doorbell set, the ring claims nothing."""
+    return (
+        rearms_doorbell(decision) or decision is RecoveryDecision.EXHAUSTED
+    ) and decision is not RecoveryDecision.FINISH_PAUSED
 
 
 def owes_a_drain(decision: RecoveryDecision) -> bool:

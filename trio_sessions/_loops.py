@@ -24,7 +24,7 @@ import trio
 from . import _observe, _store
 from ._backend import Signal
 from ._coordinator import SessionEntry
-from ._decisions import RecoveryDecision, leaves_a_doorbell
+from ._decisions import RecoveryDecision, rings_after_recovery
 from ._errors import StoreError, StoreLost
 from ._model import RecoveryReport
 from ._recovery import report_of
@@ -337,16 +337,9 @@ class BackgroundLoops:
                 entry.interrupt("shutdown")
             runtime._nursery.start_soon(runtime._busy.busy_period, entry)
         for (candidate, _), result in zip(entries, results, strict=True):
-            if (
-                leaves_a_doorbell(result.decision)
-                and result.decision is not RecoveryDecision.FINISH_PAUSED
-            ):
-                # An ending that may leave a doorbell set (re-armed for untaken inputs, or
-                # rung while the claim was held) is our own commit, no change signal: ring
-                # it here, as the scan's doorbells are, so its successor is registered
-                # before the pass returns - `wait_idle` right after it (the opening pass's
-                # too) waits for the successor. (No doorbell: the acquisition claims
-                # nothing, one transaction. A paused session's waits for `resume`.)
+            if rings_after_recovery(result.decision):
+                # As the scan's doorbells are rung: the opening pass's successors too are
+                # registered before `open_runtime` returns.
                 runtime._busy.ring(candidate.session_id)
         if unacted:
             # Else their leases keep the rows from every runtime with room until they run
