@@ -16,9 +16,10 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 import trio_sessions
-from trio_sessions import _sqlite
+from trio_sessions import _codec, _sqlite
 from trio_sessions._backend import Job
 from trio_sessions._handoff import BatchStart
 from trio_sessions._sqlite import connections
@@ -293,3 +294,77 @@ def test_a_withdrawal_racing_the_lock_taken_ends_one_way(tmp_path: Path) -> None
     assert not conn.in_transaction
     assert marks() == ["kept", "late"]
     conn.close()
+
+
+async def test_a_hand_back_is_not_queued_behind_a_batch_waiting_for_the_lock(
+    tmp_path: Path,
+) -> None:
+    """`run_nowait` (shutdown's hand-backs, an interrupt's mark) while the worker's batch
+    waits for the write lock another process holds is tried on the loop for
+    `NOWAIT_PATIENCE_S` and refused, as when nothing is in flight - not queued behind that
+    batch, which waits as long as the lock is held (a close whose drain's take waited for
+    the lock took the hand-back's whole 5 s bound; before the withdrawal, until the lock
+    was freed). Found by review of the withdrawal of a batch that has not begun."""
+    path = tmp_path / "nowait.db"
+    async with (
+        _lock_holder(path) as holder,
+        _sqlite.SQLiteStore(path).open_executor(None) as executor,
+        trio.open_nursery() as nursery,
+    ):
+        assert isinstance(executor, _sqlite.ThreadExecutor)
+        await executor.run(_mark, "first")
+        holder.take()
+        nursery.start_soon(executor.run, _mark, "waiting")
+        await trio.testing.wait_all_tasks_blocked()
+        assert executor._handoff.in_flight  # its batch waits in the worker for the lock
+        with trio.move_on_after(HOLD_S / 2) as bound:
+            with pytest.raises(trio_sessions.StoreError, match="locked"):
+                await executor.run_nowait(_mark, "nowait")
+        assert not bound.cancelled_caught, "the hand-back waited behind the worker's batch"
+        assert holder.held
+        holder.release()  # the waiting batch now commits
+    check = sqlite3.connect(path)
+    assert [row[0] for row in check.execute("SELECT name FROM mark ORDER BY rowid")] == [
+        "first",
+        "waiting",
+    ]
+    check.close()
+
+
+def _in_the_worker(tx: Any, began: threading.Event, go: threading.Event) -> str:
+    """Runs only in the worker thread (on the loop it goes off it), and holds its batch
+    - begun: the write lock taken - until `go`."""
+    if threading.current_thread() is threading.main_thread():
+        raise _codec.OffTheLoop("the worker thread's")
+    tx.execute("CREATE TABLE IF NOT EXISTS mark(name TEXT)")
+    began.set()
+    go.wait(HOLD_S)
+    return "worker"
+
+
+async def test_a_hand_back_waits_for_the_worker_s_batch_that_holds_the_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While the worker's batch has begun (this process holds the write lock), `run_nowait`
+    joins the next hand-off instead of trying the loop, which could only fail until that
+    batch ends: it lands once the batch is done."""
+    monkeypatch.setattr(_sqlite.executors, "NOWAIT_PATIENCE_S", 0.0)  # one try on the loop
+    path = tmp_path / "begun.db"
+    began, go = threading.Event(), threading.Event()
+    results: list[str] = []
+
+    async def run_nowait() -> None:
+        results.append(await executor.run_nowait(_mark, "after"))
+
+    async with (
+        _sqlite.SQLiteStore(path).open_executor(None) as executor,
+        trio.open_nursery() as nursery,
+    ):
+        assert isinstance(executor, _sqlite.ThreadExecutor)
+        nursery.start_soon(executor.run, _in_the_worker, began, go)
+        await trio.to_thread.run_sync(began.wait)
+        nursery.start_soon(run_nowait)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not results  # waiting for the batch, not refused
+        go.set()
+    assert results == ["after"]

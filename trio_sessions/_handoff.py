@@ -56,6 +56,12 @@ class BatchStart:
             self._left -= 1
             return True
 
+    @property
+    def begun(self) -> bool:
+        """The batch took the write lock (a read, no lock: the trio thread's look while the
+        worker may be taking it)."""
+        return self._begun
+
     def abandoned(self) -> bool:
         """Every operation of the batch was withdrawn: nothing to begin (a read, no lock:
         a withdrawal that comes after the read is still dropped by `begin`)."""

@@ -214,6 +214,8 @@ class ThreadExecutor:
     # The database's page size: the WAL's length in bytes is frames x this.
     page_size: int = 4096
     _handoff: HandoffQueue = attrs.Factory(HandoffQueue)
+    # The batch in the worker thread, while it is there: whether it took the write lock yet.
+    _worker_batch: BatchStart | None = None
     _limiter: trio.CapacityLimiter = attrs.Factory(lambda: trio.CapacityLimiter(1))
     _read_limiter: trio.CapacityLimiter = attrs.Factory(lambda: trio.CapacityLimiter(1))
     _nursery: trio.Nursery | None = None
@@ -263,8 +265,11 @@ class ThreadExecutor:
         # No loop budget here: these are shutdown's hand-backs (claims released, wakes kept),
         # which decode no transcript, and they must not wait for the worker thread.
         await trio.lowlevel.checkpoint_if_cancelled()
-        if self._handoff.in_flight or self.inline_conn is None:
-            # The worker holds this process's write lock now: its batch ends soon.
+        batch = self._worker_batch
+        if self.inline_conn is None or (self._handoff.in_flight and (batch is None or batch.begun)):
+            # The worker holds this process's write lock now: its batch ends soon. (A batch
+            # still waiting for another process's lock is no reason to queue behind it: it
+            # waits as long as that lock is held.)
             return await self.run(op, *args)
         # Another process's commit holds the lock for a moment at any instant under load:
         # tried again in short pauses for NOWAIT_PATIENCE_S (PostgreSQL's lock_timeout),
@@ -396,9 +401,13 @@ class ThreadExecutor:
         for queued in batch:
             if not queued.finished:
                 queued.start = start
-        await trio.to_thread.run_sync(
-            run_batch, self.conn, self.clock, jobs, self.file, start, limiter=self._limiter
-        )
+        self._worker_batch = start
+        try:
+            await trio.to_thread.run_sync(
+                run_batch, self.conn, self.clock, jobs, self.file, start, limiter=self._limiter
+            )
+        finally:
+            self._worker_batch = None
 
     async def _checkpoint_if_due(self) -> None:
         if not self._checkpoint_due:
