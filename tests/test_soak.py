@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 import subprocess
 import sys
@@ -305,7 +306,7 @@ async def test_a_busy_token_kill_waits_for_a_serving_host_that_holds_its_token(
         process: subprocess.Popen[bytes] = None  # type: ignore[assignment]  # not run
         chaos.workers[slot] = common.Worker(slot, name, process, tmp_path / f"{name}.log")
     restart = await chaos.serving_worker(0.9, holding_token=False)
-    assert restart.name == "w1.2"
+    assert restart is not None and restart.name == "w1.2"
     holders.clear()  # w1.2 lost its token: nobody has one to lose
 
     async def w2_serves_later() -> None:
@@ -316,8 +317,48 @@ async def test_a_busy_token_kill_waits_for_a_serving_host_that_holds_its_token(
     async with trio.open_nursery() as nursery:
         nursery.start_soon(w2_serves_later)
         busy = await chaos.serving_worker(0.0, holding_token=True)
-    assert busy.name == "w2.3"
+    assert busy is not None and busy.name == "w2.3"
     assert trio.current_time() >= 3
+
+
+async def test_host_faults_go_on_while_the_serving_hosts_hold_no_token(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL: a busy token kill drawn while hosts serve but none holds its token - for
+    good in a copy that ignores a lost token (`ignore-lost-token`: it never takes one
+    again, and the server restart and the token kills take every host's) - gives its turn
+    up after a while, and the other host faults go on. Waiting for a holder without end,
+    the first such draw stopped every host fault for the rest of the chaos: a run of that
+    copy at the default `--busy-ratio` made no kill, pause, partition or restart after
+    it (here: one partition in a virtual minute, then nothing)."""
+    args = parse_args(
+        ["--backend=postgres", "--busy-ratio=0.5", "--kill-gap", "0.3", "0.5", "--seed=1"]
+    )
+    chaos = Chaos(args, tmp_path, "postgresql://unused", None)
+
+    async def token_holders() -> set[str]:
+        return set()  # every host lost its token, and takes none again
+
+    done: list[str] = []
+
+    async def fault(kind: str, worker: common.Worker, *_: object) -> None:
+        done.append(kind)
+
+    monkeypatch.setattr(chaos, "token_holders", token_holders)
+    for kind in ("kill", "pause", "partition", "busy_token_kill"):
+        monkeypatch.setattr(chaos, kind, functools.partial(fault, kind))
+    monkeypatch.setattr(chaos, "rolling_restart", lambda worker: done.append("restart"))
+    for slot in range(3):
+        name = f"w{slot}.{slot + 1}"
+        (tmp_path / f"{name}.log").write_text(f"{common.SERVING} {name}\n")
+        process: subprocess.Popen[bytes] = None  # type: ignore[assignment]  # not run
+        chaos.workers[slot] = common.Worker(slot, name, process, tmp_path / f"{name}.log")
+    with trio.move_on_after(60):
+        async with trio.open_nursery() as nursery:
+            await chaos.host_faults(nursery)
+    assert "busy_token_kill" not in done  # nobody had a token to lose
+    assert len(done) >= 8, done
+    assert set(done) == {"kill", "pause", "partition", "restart"}, done
 
 
 PG_LAST_LINE = re.compile(

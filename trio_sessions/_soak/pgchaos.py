@@ -30,6 +30,11 @@ from .pgstate import SoakBase
 from .proxy import FaultProxy, Link
 
 STARTUP = 2.0  # seconds of work before the first host fault (the workers serve by then)
+# How long a busy token kill waits while hosts serve but none holds its liveness token: a
+# live owner takes its token again within milliseconds (after the server restart, once it
+# reconnected); a copy that ignores a lost token (`ignore-lost-token`) never does, and the
+# host faults must not stop for it.
+TOKEN_PATIENCE = 5.0
 # The backends that hold a liveness token of the soak's schema (`_liveness`: one advisory
 # lock per owner, keyed by the schema); one parameter, the schema.
 _TOKEN_HOLDERS = (
@@ -144,18 +149,29 @@ class Chaos(SoakBase):
         prefix = f"{self.schema}-"
         return {str(name).removeprefix(prefix) for (name,) in rows}
 
-    async def serving_worker(self, pick: float, *, holding_token: bool) -> common.Worker:
+    async def serving_worker(self, pick: float, *, holding_token: bool) -> common.Worker | None:
         """The worker `pick` draws among those that serve (with `holding_token`: and hold
         their liveness token - one between losing and taking it again, or for good in a
         copy that ignores a lost token, has none to lose), waiting for one: a loaded host
         boots a worker for seconds. (Made another kind meanwhile, a busy token kill went
         missing: a busy-ratio-1 run made plain kills of booting workers instead, and no
-        busy token kill. The chaos's end cancels the wait.)"""
+        busy token kill. The chaos's end cancels the wait.) None once hosts served for
+        `TOKEN_PATIENCE` with no token among them: waiting on, the host faults stopped for
+        good when every host of a copy that ignores a lost token had lost its own."""
+        tokenless_since: float | None = None
         while True:
             serving = [w for w in self.workers.values() if self.retiring.serving(w)]
             if serving and holding_token:
                 holders = await self.token_holders()
                 serving = [worker for worker in serving if worker.name in holders]
+                if serving:
+                    tokenless_since = None
+                elif tokenless_since is None:
+                    tokenless_since = trio.current_time()
+                elif trio.current_time() - tokenless_since >= TOKEN_PATIENCE:
+                    return None
+            elif not serving:
+                tokenless_since = None  # none serves: a booting host will hold its token
             if serving:
                 return serving[int(pick * len(serving))]
             await trio.sleep(0.05)
@@ -208,7 +224,13 @@ class Chaos(SoakBase):
                     # Only a host that serves has drains to ask into a busy step, and claims
                     # to hand back (SIGTERM would just end a worker still starting).
                     holding_token = kind == "busy token kill"
-                    worker = await self.serving_worker(pick, holding_token=holding_token)
+                    found = await self.serving_worker(pick, holding_token=holding_token)
+                    if found is None:
+                        # Nobody has a token to lose: the turn makes nothing (it is in
+                        # addition to the round's kinds, which go on).
+                        print(f"soak: a {kind} found no serving host holding its token")
+                        continue
+                    worker = found
                 else:
                     everyone = list(self.workers.values())
                     worker = everyone[int(pick * len(everyone))]
