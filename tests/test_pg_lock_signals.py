@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import attrs
 import psycopg
 import pytest
 import trio
@@ -247,28 +249,39 @@ async def test_an_acquire_that_met_a_call_in_autocommit_holding_the_lock_claims_
 # on. Its functions take the session lock, find no claim of its execution and answer
 # lease_lost. The gate holds such a call after its lock, as the functions read the clock
 # right after their locks (`ts_now`): the zombie's connections only (application_name).
-ZOMBIE_GATE = (54, 54)
-_GATED_CLOCK = f"""
+# Its advisory key is the schema's: xdist workers on one server never share a gate.
+_GATED_CLOCK = """
 CREATE OR REPLACE FUNCTION ts_now(p_now bigint) RETURNS bigint
 LANGUAGE plpgsql VOLATILE AS $$
 BEGIN
     IF current_setting('application_name') = 'zombie' THEN
-        PERFORM pg_advisory_xact_lock_shared{ZOMBIE_GATE};
+        PERFORM pg_advisory_xact_lock_shared({classid}, {objid});
     END IF;
     RETURN COALESCE(p_now, floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint);
 END $$;
 """
 
 
-async def at_the_gate(gate: psycopg.Connection[Any]) -> None:
-    """Until a zombie's call waits for the gate that `gate` holds (its own locks held)."""
-    with trio.fail_after(WAIT_S):
-        while not gate.execute(
-            "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE NOT granted"
-            " AND locktype = 'advisory' AND classid = %s AND objid = %s)",
-            ZOMBIE_GATE,
-        ).fetchone()[0]:  # type: ignore[index]
-            await trio.sleep(0.001)
+@attrs.frozen
+class ZombieGate:
+    """The gate's connection, which holds the gate; its key; the zombie's thread."""
+
+    conn: psycopg.Connection[Any]
+    key: tuple[int, int]
+    running: threading.Thread
+
+    async def reached(self) -> None:
+        """Until the zombie's call waits for the gate (its own locks held)."""
+        with trio.fail_after(WAIT_S):
+            while not self.conn.execute(
+                "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE NOT granted"
+                " AND locktype = 'advisory' AND classid = %s AND objid = %s)",
+                self.key,
+            ).fetchone()[0]:  # type: ignore[index]
+                await trio.sleep(0.001)
+
+    def let_go(self) -> None:
+        self.conn.execute("SELECT pg_advisory_unlock(%s, %s)", self.key)
 
 
 _ZOMBIE = ("s", "z", "zombie")
@@ -298,27 +311,26 @@ ZOMBIE_WRITES = [
 
 
 @contextlib.contextmanager
-def zombie_held_at_the_gate(
-    pg_url: str, pg_schema: str, job: Job
-) -> Iterator[tuple[psycopg.Connection[Any], threading.Thread]]:
+def zombie_held_at_the_gate(pg_url: str, pg_schema: str, job: Job) -> Iterator[ZombieGate]:
     """The zombie left behind (`zombie_left_behind`), its `job` running in a thread as its
-    engine runs it alone, held by the gate after its locks (`_GATED_CLOCK`); yields the
-    gate's connection and the thread. On exit the gate lets go and the thread is joined."""
+    engine runs it alone, held by the gate after its locks (`_GATED_CLOCK`). On exit the
+    gate lets go and the thread is joined."""
     zombie_url = psycopg.conninfo.make_conninfo(pg_url, application_name="zombie")
+    key = (54, zlib.crc32(pg_schema.encode()) & 0x7FFFFFFF)
     with (
         engine_at(pg_url, pg_schema, 1.0) as web,
         engine_at(zombie_url, pg_schema, 1.0) as zombie,
-        raw(pg_url, pg_schema) as gate,
+        raw(pg_url, pg_schema) as conn,
     ):
         zombie_left_behind(web, pg_url, pg_schema)
-        gate.execute(_GATED_CLOCK)
-        gate.execute("SELECT pg_advisory_lock(%s, %s)", ZOMBIE_GATE)
+        conn.execute(_GATED_CLOCK.format(classid=key[0], objid=key[1]))
+        conn.execute("SELECT pg_advisory_lock(%s, %s)", key)
         running = threading.Thread(target=zombie.run_batch, args=([job],), daemon=True)
         running.start()
         try:
-            yield gate, running
+            yield ZombieGate(conn, key, running)
         finally:
-            gate.execute("SELECT pg_advisory_unlock_all()")
+            conn.execute("SELECT pg_advisory_unlock_all()")
             running.join(WAIT_S)
 
 
@@ -332,13 +344,11 @@ async def test_an_acquire_that_met_a_zombies_write_claims_once_it_was_refused(
     Each write runs as the engine runs it alone (one call in autocommit, or a transaction
     rolled back on its LeaseLost), held by the gate after its lock."""
     job = Job(op, args)
-    with zombie_held_at_the_gate(pg_url, pg_schema, job) as (gate, running):
-        await at_the_gate(gate)
-
-        def end() -> None:
-            gate.execute("SELECT pg_advisory_unlock(%s, %s)", ZOMBIE_GATE)
-
-        waited = await wait_after_it_ended(pg_url, pg_schema, end, running, job, LeaseLost)
+    with zombie_held_at_the_gate(pg_url, pg_schema, job) as gate:
+        await gate.reached()
+        waited = await wait_after_it_ended(
+            pg_url, pg_schema, gate.let_go, gate.running, job, LeaseLost
+        )
     assert waited < CHANGE_FALLBACK_POLL / 4, f"the drain started {waited:.2f} s after it ended"
 
 
@@ -355,15 +365,15 @@ async def test_a_zombies_heartbeat_holds_no_lock_an_acquire_meets(
         await ctx.take_inputs()
 
     job = Job(_store.heartbeat, ("zombie", ["z"], 60_000))
-    with zombie_held_at_the_gate(pg_url, pg_schema, job) as (gate, running):
-        await at_the_gate(gate)
+    with zombie_held_at_the_gate(pg_url, pg_schema, job) as gate:
+        await gate.reached()
         store = PostgresStore(pg_url, schema=pg_schema)
         async with open_runtime(store, drain, recovery_interval=3600) as worker:
             with trio.fail_after(WAIT_S):
                 await started.wait()
             assert "s" not in worker._passed_over
-            assert running.is_alive()  # still held
+            assert gate.running.is_alive()  # still held
             await worker.wait_idle("s")
-        gate.execute("SELECT pg_advisory_unlock(%s, %s)", ZOMBIE_GATE)
-        await trio.to_thread.run_sync(running.join, WAIT_S)
+        gate.let_go()
+        await trio.to_thread.run_sync(gate.running.join, WAIT_S)
         assert job.unwrap() == {"z": None}  # lost
