@@ -926,10 +926,12 @@ def test_the_row_path_insert_racing_another_sessions_input_id_is_an_input_confli
             row = None
             deadline = time.monotonic() + 10
             while row is None and time.monotonic() < deadline:
+                # Blocked by the first transaction: not another test's backend, when
+                # xdist workers share one server.
                 row = observer.execute(
                     "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-                    " AND query LIKE %s",
-                    ("%INSERT INTO session_input%",),
+                    " AND query LIKE %s AND %s = ANY(pg_blocking_pids(pid))",
+                    ("%INSERT INTO session_input%", first.info.backend_pid),
                 ).fetchone()
             assert row is not None, "the second insert never waited"
         first.commit()
