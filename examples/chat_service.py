@@ -51,7 +51,8 @@ Run it (SQLite here; a `postgresql://` URL works the same, across hosts, with `-
   `Retry-After` while it does not (an error, or no answer within `HEALTH_TIMEOUT`), so a
   load balancer sends no chats to a process that cannot store them. A web process holds
   no liveness token, and its runtime keeps no verdict on the store: a probe has one small
-  read made (`StoreProbe`: the probes waiting at once share one). A read begun is never
+  read made (`StoreProbe`: the probes waiting at once share one, and a probe arriving
+  mid-read takes the answer of the read in flight). A read begun is never
   abandoned: while a PostgreSQL server hangs it stays in flight until the engine's 25 s
   reply bound, and a SIGTERM's exit waits for it, as for any store call. `GET /metrics` is the
   runtime's `statistics()` as JSON.
@@ -416,38 +417,54 @@ class ChatApp:
 @attrs.define
 class StoreProbe:
     """Whether the store answers, for `/health`: its task (`run`, beside the server) reads
-    the store when a probe asks, one read at a time for every probe waiting. A probe waits
-    at most `HEALTH_TIMEOUT` for the answer: a store call that has begun is never
-    abandoned (a hung server holds it until the connection's reply bound, 25 s), so the
-    read is the task's, not the request's."""
+    the store when a probe asks, one read at a time for every probe waiting. A probe
+    takes the answer of the read in flight when it comes (that answer comes after the
+    probe did: fresh evidence - waiting for the next read instead, a store whose reads
+    take over half of `HEALTH_TIMEOUT` read as down to a probe arriving mid-read), else
+    asks for a new read. A probe waits at most `HEALTH_TIMEOUT` for the answer: a store
+    call that has begun is never abandoned (a hung server holds it until the
+    connection's reply bound, 25 s), so the read is the task's, not the request's."""
 
     runtime: trio_sessions.Runtime
     _wanted: trio.Event = attrs.field(factory=trio.Event)
-    _answered: trio.Event = attrs.field(factory=trio.Event)
-    _error: str | None = None
+    _next: _StoreRead = attrs.field(factory=lambda: _StoreRead())
+    _in_flight: _StoreRead | None = None
 
     async def run(self) -> None:
         while True:
             await self._wanted.wait()
             self._wanted = trio.Event()
-            answered, self._answered = self._answered, trio.Event()  # later asks: next read
+            read, self._next = self._next, _StoreRead()  # later asks: this read or the next
+            self._in_flight = read
             try:
                 await self.runtime.transcript(HEALTH_SESSION)
-                self._error = None
             except trio_sessions.StoreError as exc:
                 logger.warning("health probe: store error: %s", exc)
-                self._error = STORE_DOWN
-            answered.set()
+                read.error = STORE_DOWN
+            finally:
+                self._in_flight = None
+            read.answered.set()
 
     async def check(self) -> str | None:
-        """None when the store answered a read begun after this call; else why not."""
-        answered = self._answered
-        self._wanted.set()
+        """None when the store answered a read that answered after this call; else why not."""
+        read = self._in_flight
+        if read is None:
+            read = self._next
+            self._wanted.set()
         with trio.move_on_after(HEALTH_TIMEOUT):
-            await answered.wait()
-            return self._error
+            await read.answered.wait()
+            return read.error
         logger.warning("health probe: the store did not answer in %g s", HEALTH_TIMEOUT)
         return f"{STORE_DOWN} (no answer within {HEALTH_TIMEOUT:g} s)"
+
+
+@attrs.define
+class _StoreRead:
+    """One read of `StoreProbe`'s task, shared by every probe waiting for it: its answer
+    is kept with it, so a probe woken late reads its own read's, never a later one's."""
+
+    answered: trio.Event = attrs.field(factory=trio.Event)
+    error: str | None = None
 
 
 def _input_id(session_id: str, key: str | None) -> str:

@@ -637,3 +637,50 @@ async def test_health_is_a_503_while_the_store_does_not_answer(
         assert (status, json.loads(answer)["ok"]) == (200, True)
         nursery.cancel_scope.cancel()
     assert any("secret" in r.getMessage() for r in caplog.records), caplog.records
+
+
+async def test_health_takes_the_answer_of_a_slow_read_in_flight(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A probe that arrives while the store's read is in flight takes that read's answer:
+    the read answers after the probe came, so it is fresh evidence. It waited for the next
+    read instead, so with reads of 1.5 s a probe arriving mid-read waited 3 s against its
+    2 s bound and a slow store that answers every read read as down - a 503 that made a
+    load balancer take the process out. One read at a time still serves every probe
+    waiting. Found by review (H54)."""
+    async with (
+        trio_sessions.open_runtime(str(tmp_path / "chat.db"), None) as rt,
+        trio.open_nursery() as nursery,
+    ):
+        app = chat.ChatApp(rt)
+        nursery.start_soon(app.probe.run)
+        reads: list[float] = []
+        in_flight = 0
+
+        async def slow(*args: Any, **kwargs: Any) -> Any:
+            nonlocal in_flight
+            in_flight += 1
+            assert in_flight == 1, "two reads at once"
+            reads.append(trio.current_time())
+            await trio.sleep(1.5)  # a slow store, answering every read
+            in_flight -= 1
+            return []  # the probe's session has no messages (no thread: the clock jumps)
+
+        rt.transcript = slow  # type: ignore[method-assign]
+        answers: list[tuple[str, int | None, float]] = []
+
+        async def probe(name: str) -> None:
+            status, _ = await _call(app, "GET", "/health")
+            answers.append((name, status, trio.current_time()))
+
+        started = trio.current_time()
+        async with trio.open_nursery() as probes:
+            probes.start_soon(probe, "first")
+            await trio.sleep(0.5)  # the first probe's read is in flight
+            probes.start_soon(probe, "mid-read")
+        assert sorted(answers) == [("first", 200, started + 1.5), ("mid-read", 200, started + 1.5)]
+        assert reads == [started]  # one read answered both
+        await probe("after")  # no read in flight: a new read
+        assert answers[-1] == ("after", 200, started + 3.0)
+        assert reads == [started, started + 1.5]
+        nursery.cancel_scope.cancel()
