@@ -202,6 +202,48 @@ async def test_a_finish_refused_by_a_malformed_record_is_not_logged_as_a_failed_
     assert "parts" in record.reason
 
 
+async def test_a_refused_finish_is_logged_once_when_the_failed_finish_after_it_fails(
+    store: Any, db_path: Any, clock: Clock, autojump_clock: trio.testing.MockClock, logs: Any
+) -> None:
+    """The drain returned and its finish was refused by a malformed record; the failed
+    finish that follows meets a store error and the runtime is closing, so it gives up:
+    the claim stays for recovery to quarantine all the same. That is said once, the same
+    WARNING as when the second write is refused too - it logged nothing at all (neither
+    `drain failed` nor `claim kept for quarantine`), so the operator learnt of the broken
+    row only from a quarantine later. Found by review (revA54)."""
+    raw = Raw(db_path)
+    tried = trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        writer = await ctx.begin_assistant()
+        await writer.append_text("hi")
+        raw.write("UPDATE session_message SET data = '{\"parts\": 1}' WHERE role = 'assistant'")
+
+    async def refuse(op: Any, *args: Any) -> Any:
+        tried.set()
+        await trio.lowlevel.checkpoint()
+        raise StoreError("server closed the connection unexpectedly")
+
+    async with runtime(store, drain, clock, **QUIET) as rt:
+        rt._db = Intercepted(rt._db, {_store.finish_failed: refuse})  # type: ignore[assignment]
+        await rt.wake("s")
+        await tried.wait()  # retried until the close below: then it gives up
+    [(execution_id, message_id)] = raw.rows(
+        "SELECT e.id, m.id FROM session_execution e JOIN session_message m ON m.execution_id = e.id"
+    )
+    assert records(logs, events.DRAIN_FAILED) == []
+    [record] = records(logs, events.CLAIM_KEPT_MALFORMED)
+    assert record.levelno == logging.WARNING
+    assert record.exc_info is None
+    assert (record.session_id, record.execution_id, record.owner_id) == (
+        "s",
+        execution_id,
+        rt.owner_id,
+    )
+    assert (record.table, record.key) == ("session_message", message_id)
+    assert "parts" in record.reason
+
+
 async def test_with_max_active_a_claim_attempt_that_fails_is_not_retried_in_a_hot_loop(
     store: Any, clock: Clock, autojump_clock: trio.testing.MockClock, logs: Any
 ) -> None:

@@ -592,13 +592,19 @@ class BusyPeriods:
         error = ending.error if ending.kind == "failed" else None
         if ending.kind == "claim_failed":
             _observe.claim_attempt_failed(entry, runtime._owner_id, ending.error)
-        elif error is not None and not ending.finish_refused:
+        elif ending.finish_refused:
+            # Said here, once, whatever the write below does: it may give up on a store
+            # error (closing, lease lost) with the claim left as it is all the same.
+            assert isinstance(error, MalformedRecord)
+            _observe.claim_kept_malformed(entry, runtime._owner_id, error)
+        elif error is not None:
             _observe.drain_failed(entry, runtime._owner_id, error)
+        refused = ending.finish_refused
         match plan.write:
             case EndingWrite.FINISH_FAILED:
-                return await self._finish_failed(entry, error)
+                return await self._finish_failed(entry, error, refused=refused)
             case EndingWrite.FINISH_INTERRUPTED:
-                return await self._finish_interrupted(entry, error)
+                return await self._finish_interrupted(entry, error, refused=refused)
             case EndingWrite.HAND_BACK:
                 await self._expire(entry)
             case EndingWrite.PASS_ON_INTERRUPT:
@@ -643,8 +649,10 @@ class BusyPeriods:
         entry.disown()
 
     async def _finish_failed(
-        self, entry: SessionEntry, error: BaseException | None
+        self, entry: SessionEntry, error: BaseException | None, *, refused: bool = False
     ) -> tuple[Outcome, bool]:
+        """`refused`: the iteration's end was refused by a malformed record, and that was
+        logged already (`_finalize`)."""
         outcome = Outcome("failed", error=error)
         if not entry.owned:
             return outcome, False
@@ -669,7 +677,8 @@ class BusyPeriods:
         except MalformedRecord as exc:
             # A row of it is malformed (another tool's write): the claim stays durable, its
             # lease runs out and recovery quarantines it.
-            _observe.claim_kept_malformed(entry, self._runtime._owner_id, exc)
+            if not refused:
+                _observe.claim_kept_malformed(entry, self._runtime._owner_id, exc)
             return outcome, False
         except StoreError:
             # The claim stays durable; its lease runs out and recovery takes it from there.
@@ -678,8 +687,9 @@ class BusyPeriods:
         return outcome, doorbell or entry.rung_since_decision()
 
     async def _finish_interrupted(
-        self, entry: SessionEntry, error: BaseException | None
+        self, entry: SessionEntry, error: BaseException | None, *, refused: bool = False
     ) -> tuple[Outcome, bool]:
+        """`refused`: as for `_finish_failed`."""
         outcome = Outcome("interrupted", "user", error)
         if not entry.owned:
             return outcome, entry.rung_since_decision()
@@ -701,7 +711,8 @@ class BusyPeriods:
             return outcome, False
         except MalformedRecord as exc:
             # Left as 'cancelling': recovery quarantines it (a row of it malformed).
-            _observe.claim_kept_malformed(entry, self._runtime._owner_id, exc)
+            if not refused:
+                _observe.claim_kept_malformed(entry, self._runtime._owner_id, exc)
             return outcome, False
         except StoreError:
             # Left as 'cancelling' once that write landed: recovery finishes it as
