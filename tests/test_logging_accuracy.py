@@ -5,7 +5,9 @@ release is not a lost claim (issue 21, items 5 and 11). Contract tests: both bac
 from __future__ import annotations
 
 import logging
+import sqlite3
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -483,3 +485,107 @@ async def test_a_lost_claim_taken_over_later_is_logged_lost_once(
             release.set()
             await owner.wait_idle("s")
     assert [r.cause for r in records(logs, events.CLAIM_LOST)] == ["heartbeat"]
+
+
+class _Heard(logging.Handler):
+    """Sets `heard` once a record of `message` is logged (a test's gate on an event)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(logging.DEBUG)
+        self.message = message
+        self.heard = trio.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.msg == self.message:
+            self.heard.set()
+
+
+@pytest.mark.sqlite_only("another process's SQLite write lock held, in real time")
+async def test_a_close_past_its_grace_says_it_waits_for_a_claim_being_acquired(
+    tmp_path: Path, logs: Any
+) -> None:
+    """A submit rings a worker, whose claim acquisition (shielded) waits for the write lock
+    another process's connection holds (up to `LOCK_PATIENCE_S`); the runtime closes, and
+    past `shutdown_grace` its log names what it waits for - one claim being acquired, no
+    drain. It said `shutdown waits for 0 drains still running after the grace`, which sent
+    the operator hunting for a drain that does not exist. Found by review (H54)."""
+    path = tmp_path / "sessions.db"
+    holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    held = trio.Event()
+    heard = _Heard(events.DRAINS_OUTLIVE_GRACE)
+    logging.getLogger("trio_sessions").addHandler(heard)
+
+    async def drain(ctx: DrainContext) -> None:
+        await ctx.take_inputs()
+
+    async def lock_then_acquire(op: Any, *args: Any) -> Any:
+        if not held.is_set():
+            holder.execute("BEGIN IMMEDIATE")  # another process's long write transaction
+            held.set()
+        return await healthy.run(op, *args)
+
+    async def release_once_logged() -> None:
+        await heard.heard.wait()
+        holder.execute("ROLLBACK")
+
+    try:
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(release_once_logged)
+                async with (
+                    trio_sessions.open_runtime(path, None) as producer,
+                    trio_sessions.open_runtime(path, drain, shutdown_grace=0.05) as rt,
+                ):
+                    healthy = rt._db
+                    hooks = {_store.acquire: lock_then_acquire}
+                    rt._db = Intercepted(healthy, hooks)  # type: ignore[assignment]
+                    await producer.submit("s", {"text": "hi"})  # rings the worker
+                    await held.wait()  # its acquisition waits for the lock: close now
+    finally:
+        logging.getLogger("trio_sessions").removeHandler(heard)
+        holder.close()
+    [record] = records(logs, events.DRAINS_OUTLIVE_GRACE)
+    assert record.levelno == logging.WARNING
+    assert record.getMessage() == (
+        "shutdown waits for 0 drains still running and 1 claims being acquired after the grace"
+    )
+    assert (record.claims, record.execution_ids) == (0, [])
+    assert record.acquiring == ["s"]
+
+
+async def test_a_close_past_its_grace_counts_a_drain_still_running_as_a_drain(
+    store: Any, clock: Clock, autojump_clock: trio.testing.MockClock, logs: Any
+) -> None:
+    """A drain whose shielded `finally` outlasts `shutdown_grace` is counted as a drain
+    still running, with its claim's execution id - and no claim being acquired."""
+    entered, release = trio.Event(), trio.Event()
+    heard = _Heard(events.DRAINS_OUTLIVE_GRACE)
+    logging.getLogger("trio_sessions").addHandler(heard)
+
+    async def slow_to_exit(ctx: DrainContext) -> None:
+        await ctx.take_inputs()
+        entered.set()
+        try:
+            await trio.sleep_forever()
+        finally:
+            with trio.CancelScope(shield=True):
+                await release.wait()  # a cleanup that outlives shutdown_grace
+
+    async def release_once_logged() -> None:
+        await heard.heard.wait()
+        release.set()
+
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(release_once_logged)
+            async with runtime(store, slow_to_exit, clock, shutdown_grace=1, **QUIET) as rt:
+                await rt.submit("s", {"text": "hi"})
+                await entered.wait()
+                [execution_id] = [e.execution_id for e in rt._entries.values()]
+    finally:
+        logging.getLogger("trio_sessions").removeHandler(heard)
+    [record] = records(logs, events.DRAINS_OUTLIVE_GRACE)
+    assert record.getMessage() == (
+        "shutdown waits for 1 drains still running and 0 claims being acquired after the grace"
+    )
+    assert (record.claims, record.execution_ids, record.acquiring) == (1, [execution_id], [])

@@ -71,7 +71,9 @@ TOKEN_RETAKEN = "liveness token taken again"
 TOKEN_TAKE_FAILED = "liveness token not taken"
 HAND_BACK_FAILED = "hand-back failed: %d claims keep their leases"
 STOP_NOT_RECORDED = "stop not recorded: session %s, execution %s"
-DRAINS_OUTLIVE_GRACE = "shutdown waits for %d drains still running after the grace"
+DRAINS_OUTLIVE_GRACE = (
+    "shutdown waits for %d drains still running and %d claims being acquired after the grace"
+)
 STORE_RETRY = "store transaction retried: %s"
 STORE_RECONNECTED = "store reconnected"
 LISTENER_RECONNECTED = "listener reconnected"
@@ -453,14 +455,28 @@ def token_take_failed(owner_id: str, error: BaseException) -> None:
     logger.warning(TOKEN_TAKE_FAILED, extra={"owner_id": owner_id, "error": _text(error)})
 
 
-def drains_outlive_grace(owner_id: str, execution_ids: Sequence[str]) -> None:
-    """WARNING: closing, these claims' drains did not exit within `shutdown_grace` (a
-    blocking call in a thread, a shielded `finally`); they keep their claims and heartbeat
-    until they exit, and closing waits for them. extra: owner_id, claims, execution_ids."""
+def drains_outlive_grace(owner_id: str, entries: Sequence[SessionEntry]) -> None:
+    """WARNING: closing, these busy periods did not end within `shutdown_grace`. Drains
+    still running (a blocking call in a thread, a shielded `finally`) keep their claims
+    and heartbeat until they exit. A claim being acquired is a shielded transaction (the
+    claim commit and its registration happen together or not at all) that may wait up to
+    `LOCK_PATIENCE_S` for another process's SQLite write lock - with what follows it
+    before a claim was ours (a user's interrupt passed on to its holder). Closing waits
+    for both; they are counted apart (the close once said it waited for "0 drains" while
+    it waited for an acquisition). extra: owner_id, claims, execution_ids (the drains'),
+    acquiring (the session ids of the claims being acquired)."""
+    execution_ids = [entry.execution_id for entry in entries if entry.owned]
+    acquiring = [entry.session_id for entry in entries if not entry.owned and not entry.disowned]
     logger.warning(
         DRAINS_OUTLIVE_GRACE,
         len(execution_ids),
-        extra={"owner_id": owner_id, "claims": len(execution_ids), "execution_ids": execution_ids},
+        len(acquiring),
+        extra={
+            "owner_id": owner_id,
+            "claims": len(execution_ids),
+            "execution_ids": execution_ids,
+            "acquiring": acquiring,
+        },
     )
 
 

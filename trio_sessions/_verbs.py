@@ -782,7 +782,9 @@ class Runtime:
 
         A drain still running after `shutdown_grace` (a blocking call in a thread, a
         shielded `finally`) keeps its claim and its heartbeat until it exits or its lease
-        self-fences; a claim is never handed back while its drain runs.
+        self-fences; a claim is never handed back while its drain runs. A claim acquisition
+        in flight (shielded: it may wait for another process's SQLite write lock) is waited
+        for too; the log past the grace counts the two apart.
         """
         self._closing = True
         # A claim already stopping for a user interrupt finishes its own cleanup (handing
@@ -792,9 +794,7 @@ class Runtime:
         with trio.move_on_after(self._shutdown_grace):
             await self._all_released()
         if self._entries:
-            _observe.drains_outlive_grace(
-                self._owner_id, [e.execution_id for e in self._entries.values() if e.owned]
-            )
+            _observe.drains_outlive_grace(self._owner_id, list(self._entries.values()))
             await self._all_released()
 
     async def _all_released(self) -> None:
