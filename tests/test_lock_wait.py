@@ -368,3 +368,64 @@ async def test_a_hand_back_waits_for_the_worker_s_batch_that_holds_the_lock(
         assert not results  # waiting for the batch, not refused
         go.set()
     assert results == ["after"]
+
+
+async def test_a_stop_s_mark_withdrawn_at_its_bound_is_said_in_the_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A closing runtime's last try at a user's stop (`_mark_cancelling_nowait`, bounded by
+    `HAND_BACK_TIMEOUT`) joins the next hand-off while the worker's batch holds the lock;
+    when another process takes the lock before that hand-off begins, the bound withdraws
+    the mark unrun. The claim stays 'running' and recovery resumes the work the user
+    stopped: the log must say so (`stop not recorded`), as it does when the store refuses
+    the mark - the withdrawal raised Cancelled past the log, which only caught StoreError.
+    Found by review of the withdrawal meeting the busy period's shutdown writes."""
+    path = tmp_path / "mark.db"
+    entered = trio.Event()
+    began, go = threading.Event(), threading.Event()
+
+    async def holding(ctx: trio_sessions.DrainContext) -> None:
+        await ctx.take_inputs()
+        entered.set()
+        await trio.sleep_forever()
+
+    async with (
+        _lock_holder(path) as holder,
+        trio_sessions.open_runtime(path, holding) as runtime,
+    ):
+        await runtime.submit("s", {"n": 1})
+        await entered.wait()
+        entry = runtime._entries["s"]
+        executor = runtime._db
+        assert isinstance(executor, _sqlite.ThreadExecutor)
+        real_try = _sqlite.engine.try_run_batch
+
+        def taken_first(*args: Any) -> bool:
+            # Another process takes the lock just as the next hand-off tries it.
+            monkeypatch.setattr(_sqlite.executors, "try_run_batch", real_try)
+            holder.take()
+            return real_try(*args)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(executor.run, _in_the_worker, began, go)
+            await trio.to_thread.run_sync(began.wait)
+            monkeypatch.setattr(_sqlite.executors, "try_run_batch", taken_first)
+            done = trio.Event()
+
+            async def stop() -> None:
+                with trio.move_on_after(0.2, shield=True) as bound:
+                    await runtime._busy._mark_cancelling_nowait(entry)
+                assert bound.cancelled_caught  # withdrawn at the bound, the lock still held
+                done.set()
+
+            nursery.start_soon(stop)
+            await trio.testing.wait_all_tasks_blocked()
+            go.set()
+            await done.wait()
+        assert holder.held
+        holder.release()
+        phase = holder.conn.execute("SELECT phase FROM session_execution").fetchall()
+        assert phase == [("running",)]
+        assert any(
+            record.msg == trio_sessions._observe.STOP_NOT_RECORDED for record in caplog.records
+        ), "the stop that did not land left no word in the log"

@@ -646,6 +646,11 @@ class BusyPeriods:
             await runtime._db.run_nowait(_store.cancel_own_claims, runtime._owner_id, [claim])
         except StoreError as exc:
             _observe.stop_not_recorded(entry, runtime._owner_id, exc)
+        except trio.Cancelled:
+            # The caller's bound ran out with the mark unrun (withdrawn while it waited for
+            # another process's lock: one that ran is reported, never cancelled).
+            _observe.stop_not_recorded(entry, runtime._owner_id, TimeoutError("mark timed out"))
+            raise
         entry.disown()
 
     async def _finish_failed(
