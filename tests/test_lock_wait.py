@@ -429,3 +429,50 @@ async def test_a_stop_s_mark_withdrawn_at_its_bound_is_said_in_the_log(
         assert any(
             record.msg == trio_sessions._observe.STOP_NOT_RECORDED for record in caplog.records
         ), "the stop that did not land left no word in the log"
+
+
+async def test_a_hand_back_tried_on_the_loop_joins_the_worker_s_batch_once_it_took_the_lock(
+    tmp_path: Path,
+) -> None:
+    """`run_nowait` called while the worker's batch waits for another process's lock is
+    tried on the loop (not queued behind that batch). When that lock is freed and the
+    worker's batch takes it, this process holds the lock now: the tries on the loop can
+    only fail until that batch ends, so the hand-back must join the next hand-off as when
+    the batch had begun at the call - not give up after `NOWAIT_PATIENCE_S` behind our own
+    batch (a close's hand-back then failed: the claims waited out their leases). Found by
+    review of the withdrawal meeting shutdown's hand-backs."""
+    path = tmp_path / "joined.db"
+    began, go = threading.Event(), threading.Event()
+    results: list[Any] = []
+    done = trio.Event()
+
+    async def run_nowait() -> None:
+        try:
+            results.append(await executor.run_nowait(_mark, "after"))
+        except trio_sessions.StoreError as exc:
+            results.append(exc)
+        done.set()
+
+    async with (
+        _lock_holder(path) as holder,
+        _sqlite.SQLiteStore(path).open_executor(None) as executor,
+        trio.open_nursery() as nursery,
+    ):
+        assert isinstance(executor, _sqlite.ThreadExecutor)
+        await executor.run(_mark, "first")
+        holder.take()
+        nursery.start_soon(executor.run, _in_the_worker, began, go)
+        await trio.testing.wait_all_tasks_blocked()
+        assert executor._worker_batch is not None and not executor._worker_batch.begun
+        nursery.start_soon(run_nowait)
+        await trio.testing.wait_all_tasks_blocked()  # tried on the loop: locked, it pauses
+        assert not results
+        # Freed, and taken by the worker before the loop tries again (the loop is held
+        # here until the worker's batch runs).
+        holder.release()
+        assert began.wait(HOLD_S)
+        with trio.move_on_after(10 * connections.NOWAIT_PATIENCE_S):
+            await done.wait()
+        go.set()
+        await done.wait()
+    assert results == ["after"], results

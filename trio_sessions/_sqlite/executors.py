@@ -265,11 +265,7 @@ class ThreadExecutor:
         # No loop budget here: these are shutdown's hand-backs (claims released, wakes kept),
         # which decode no transcript, and they must not wait for the worker thread.
         await trio.lowlevel.checkpoint_if_cancelled()
-        batch = self._worker_batch
-        if self.inline_conn is None or (self._handoff.in_flight and (batch is None or batch.begun)):
-            # The worker holds this process's write lock now: its batch ends soon. (A batch
-            # still waiting for another process's lock is no reason to queue behind it: it
-            # waits as long as that lock is held.)
+        if self.inline_conn is None or self._worker_holds_the_lock():
             return await self.run(op, *args)
         # Another process's commit holds the lock for a moment at any instant under load:
         # tried again in short pauses for NOWAIT_PATIENCE_S (PostgreSQL's lock_timeout),
@@ -280,6 +276,10 @@ class ThreadExecutor:
             try:
                 result: T = _run_nowait(self.inline_conn, self.clock, op, args, self.file)
             except _Locked:
+                if self._worker_holds_the_lock():
+                    # The worker's batch took the lock since (another process freed it):
+                    # the loop's tries could only fail until that batch ends.
+                    return await self.run(op, *args)
                 if trio.current_time() >= deadline:
                     raise
                 await trio.sleep(pause)
@@ -287,6 +287,13 @@ class ThreadExecutor:
                 continue
             await trio.lowlevel.cancel_shielded_checkpoint()
             return result
+
+    def _worker_holds_the_lock(self) -> bool:
+        """Whether the worker holds this process's write lock now (its batch, or upkeep):
+        it ends soon. A batch still waiting for another process's lock is no reason to
+        queue behind it: it waits as long as that lock is held."""
+        batch = self._worker_batch
+        return self._handoff.in_flight and (batch is None or batch.begun)
 
     async def read(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
         try:
