@@ -188,20 +188,28 @@ async def test_a_finish_refused_by_a_malformed_record_is_not_logged_as_a_failed_
             " JOIN session_message m ON m.execution_id = e.id"
         )
     assert outcome.kind == "failed"
+    record = one_claim_kept_malformed(logs, execution_id, message_id, rt.owner_id)
+    assert record.getMessage() == (
+        f"claim kept for quarantine, a record is malformed: session s, execution {execution_id}"
+    )
+
+
+def one_claim_kept_malformed(logs: Any, execution_id: str, message_id: str, owner_id: str) -> Any:
+    """The one `claim kept for quarantine` record, for session s's claim over a message
+    whose `parts` another tool broke - a WARNING without a traceback - and no `drain
+    failed` (the drain did not fail). Typed Any, as `records` gives it: `extra` fields."""
     assert records(logs, events.DRAIN_FAILED) == []
     [record] = records(logs, events.CLAIM_KEPT_MALFORMED)
     assert record.levelno == logging.WARNING
     assert record.exc_info is None
-    assert record.getMessage() == (
-        f"claim kept for quarantine, a record is malformed: session s, execution {execution_id}"
-    )
     assert (record.session_id, record.execution_id, record.owner_id) == (
         "s",
         execution_id,
-        rt.owner_id,
+        owner_id,
     )
     assert (record.table, record.key) == ("session_message", message_id)
     assert "parts" in record.reason
+    return record
 
 
 async def test_a_refused_finish_is_logged_once_when_the_failed_finish_after_it_fails(
@@ -233,17 +241,7 @@ async def test_a_refused_finish_is_logged_once_when_the_failed_finish_after_it_f
     [(execution_id, message_id)] = raw.rows(
         "SELECT e.id, m.id FROM session_execution e JOIN session_message m ON m.execution_id = e.id"
     )
-    assert records(logs, events.DRAIN_FAILED) == []
-    [record] = records(logs, events.CLAIM_KEPT_MALFORMED)
-    assert record.levelno == logging.WARNING
-    assert record.exc_info is None
-    assert (record.session_id, record.execution_id, record.owner_id) == (
-        "s",
-        execution_id,
-        rt.owner_id,
-    )
-    assert (record.table, record.key) == ("session_message", message_id)
-    assert "parts" in record.reason
+    one_claim_kept_malformed(logs, execution_id, message_id, rt.owner_id)
 
 
 async def test_with_max_active_a_claim_attempt_that_fails_is_not_retried_in_a_hot_loop(
