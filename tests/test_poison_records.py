@@ -511,6 +511,24 @@ async def test_a_user_message_or_input_holding_a_nul_is_malformed_on_both_backen
     assert "NUL character" in reason
 
 
+async def quarantined_once_its_lease_ran_out(store: Any, drain: Any, clock: Any, raw: Raw) -> str:
+    """Session s is sent a message and `drain` runs: the busy period fails with a
+    `MalformedRecord` (its finish refused, the claim kept). Past the lease, one recovery
+    pass quarantines that claim, resuming nothing, and the claim stays for the operator.
+    The quarantine's reason."""
+    async with runtime(store, drain, clock, lease=9.0, **QUIET) as rt:
+        await rt.submit("s", {"text": "hello"})
+        outcome = await rt.run("s")
+        assert outcome.kind == "failed"
+        assert isinstance(outcome.error, MalformedRecord), outcome
+        await trio.sleep(10)  # past the lease: the claim is recovery's now
+        report = await rt.recover_once()
+    assert (report.quarantined, report.resumed) == (1, 0), report
+    [(execution_id, why)] = raw.rows("SELECT execution_id, recovery_error FROM session_recovery")
+    assert raw.rows("SELECT id FROM session_execution") == [(execution_id,)]
+    return str(why)
+
+
 @pytest.mark.parametrize("drain_does", ["raise", "return"])
 async def test_a_drain_failing_on_its_own_corrupted_message_leaves_its_claim_to_be_quarantined(
     store: Any, db_path: Any, clock: Any, autojump_clock: MockClock, drain_does: str
@@ -540,18 +558,9 @@ async def test_a_drain_failing_on_its_own_corrupted_message_leaves_its_claim_to_
             if drain_does == "raise":
                 raise
 
-    async with runtime(store, drain, clock, lease=9.0, **QUIET) as rt:
-        await rt.submit("s", {"text": "hello"})
-        outcome = await rt.run("s")
-        assert outcome.kind == "failed"
-        assert isinstance(outcome.error, MalformedRecord)
-        assert len(errors) == 1
-        await trio.sleep(10)  # past the lease: the claim is recovery's now
-        report = await rt.recover_once()
-    assert (report.quarantined, report.resumed) == (1, 0), report
-    [(execution_id, why)] = raw.rows("SELECT execution_id, recovery_error FROM session_recovery")
+    why = await quarantined_once_its_lease_ran_out(store, drain, clock, raw)
+    assert len(errors) == 1
     assert "parts" in why
-    assert raw.rows("SELECT id FROM session_execution") == [(execution_id,)]
 
 
 @pytest.mark.parametrize("version", ["abc", 2.5], ids=["text", "real"])
@@ -717,18 +726,9 @@ async def test_a_drain_ending_with_an_older_open_message_corrupted_is_quarantine
             " WHERE role = 'assistant')"
         )
 
-    async with runtime(store, drain, clock, lease=9.0, **QUIET) as rt:
-        await rt.submit("s", {"text": "hello"})
-        outcome = await rt.run("s")
-        assert outcome.kind == "failed"
-        assert isinstance(outcome.error, MalformedRecord)
-        await trio.sleep(10)  # past the lease: the claim is recovery's now
-        report = await rt.recover_once()
-    assert (report.quarantined, report.resumed) == (1, 0), report
+    why = await quarantined_once_its_lease_ran_out(store, drain, clock, raw)
     assert calls == [False]
-    [(execution_id, why)] = raw.rows("SELECT execution_id, recovery_error FROM session_recovery")
     assert "parts" in why
-    assert raw.rows("SELECT id FROM session_execution") == [(execution_id,)]
 
 
 @pytest.mark.parametrize("version", ["abc", 2.5], ids=["text", "real"])
@@ -821,14 +821,5 @@ async def test_a_drain_ending_over_an_open_message_with_no_id_is_quarantined(
             )
         tool.close()
 
-    async with runtime(Store(db_path, inline=True), drain, clock, lease=9.0, **QUIET) as rt:
-        await rt.submit("s", {"text": "hello"})
-        outcome = await rt.run("s")
-        assert outcome.kind == "failed"
-        assert isinstance(outcome.error, MalformedRecord), outcome
-        await trio.sleep(10)  # past the lease: the claim is recovery's now
-        report = await rt.recover_once()
-    assert (report.quarantined, report.resumed) == (1, 0), report
-    [(execution_id, why)] = raw.rows("SELECT execution_id, recovery_error FROM session_recovery")
+    why = await quarantined_once_its_lease_ran_out(Store(db_path, inline=True), drain, clock, raw)
     assert "id is NULL" in why
-    assert raw.rows("SELECT id FROM session_execution") == [(execution_id,)]
