@@ -145,6 +145,15 @@ async def test_never_recovers_a_live_lease(
     assert raw.claim("live")[0] == "live-exec"
 
 
+def untaken_input(raw: Raw, input_id: str) -> None:
+    """An input of session s (seeded with its claim) that no drain took."""
+    raw.write(
+        "INSERT INTO session_input(id, session_id, seq, payload, time_created)"
+        " VALUES (?, 's', 1, '{}', 0)",
+        (input_id,),
+    )
+
+
 async def test_expired_cancellation_claim_is_finished_not_resumed(
     store: Store,
     clock: Clock,
@@ -163,10 +172,7 @@ async def test_expired_cancellation_claim_is_finished_not_resumed(
     async with runtime(store, drain, clock, **QUIET) as rt:
         raw.seed_claim("s", "dead-exec", expires_at=expired(clock), phase="cancelling")
         message_id = raw.seed_assistant("s", "dead-exec", 1, open_tool_message())
-        raw.write(
-            "INSERT INTO session_input(id, session_id, seq, payload, time_created)"
-            " VALUES ('left', 's', 1, '{}', 0)"
-        )
+        untaken_input(raw, "left")
         report = await rt.recover_once()
         assert report == RecoveryReport(examined=1, finished_cancelled=1)
         assert raw.one("SELECT COUNT(*) FROM session_execution WHERE id = 'dead-exec'") == (0,)
@@ -196,10 +202,7 @@ async def test_wait_idle_right_after_open_waits_for_the_successor_the_first_pass
     async with runtime(store, None, clock, **QUIET):
         pass  # the schema, migrated
     raw.seed_claim("s", "dead-exec", expires_at=expired(clock), phase="cancelling")
-    raw.write(
-        "INSERT INTO session_input(id, session_id, seq, payload, time_created)"
-        " VALUES ('left', 's', 1, '{}', 0)"
-    )
+    untaken_input(raw, "left")
     drain = Recorder()
     async with runtime(store, drain, clock, **QUIET) as rt:
         await rt.wait_idle("s")
@@ -531,10 +534,7 @@ async def test_resume_budget_exhaustion_finishes_as_failed(
     async with runtime(store, drain, clock, max_resumes=3, **QUIET) as rt:
         raw.seed_claim("s", "tired", expires_at=expired(clock), wake_attempts=3)
         message_id = raw.seed_assistant("s", "tired", 1, open_tool_message())
-        raw.write(
-            "INSERT INTO session_input(id, session_id, seq, payload, time_created)"
-            " VALUES ('left', 's', 1, '{}', 0)"
-        )
+        untaken_input(raw, "left")
         report = await rt.recover_once()
         await rt.wait_idle("s")
     assert report == RecoveryReport(examined=1, exhausted=1)
@@ -650,11 +650,7 @@ async def test_a_cancelled_ending_rings_its_session_once_with_or_without_room(
         await rt.wait_idle("s")  # the opening look and pass are done
         raw.seed_claim("s", "dead-exec", expires_at=expired(clock), phase="cancelling")
         for input_id in inputs:
-            raw.write(
-                "INSERT INTO session_input(id, session_id, seq, payload, time_created)"
-                " VALUES (?, 's', 1, '{}', 0)",
-                (input_id,),
-            )
+            untaken_input(raw, input_id)
         acquired = acquisitions[0]
         report = await rt.recover_once()
         await rt.wait_idle("s")
@@ -860,10 +856,7 @@ async def test_release_quarantine_drop(
     async with runtime(store, drain, clock, **QUIET) as rt:
         raw.seed_claim("s", "poison", expires_at=expired(clock), wake_attempts=2)
         raw.seed_assistant("s", "poison", 1, MALFORMED)
-        raw.write(
-            "INSERT INTO session_input(id, session_id, seq, payload, time_created)"
-            " VALUES ('left', 's', 1, '{}', 0)"
-        )
+        untaken_input(raw, "left")
         await rt.recover_once()
         with pytest.raises(ValueError, match="not quarantined"):
             await rt.release_quarantine("no-such-execution", resume=False)
