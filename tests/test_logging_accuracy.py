@@ -15,7 +15,16 @@ import trio
 import trio.testing
 from backends import PgLocation
 from conftest import query
-from helpers import ExecutorSeam, HoldsBusy, JumpingClock, LateReply, Raw, records, runtime
+from helpers import (
+    ExecutorSeam,
+    HoldsBusy,
+    JumpingClock,
+    LateReply,
+    Raw,
+    SlowToExit,
+    records,
+    runtime,
+)
 
 import trio_sessions
 from trio_sessions import DrainContext, Message, Runtime, StoreError, _store
@@ -455,23 +464,14 @@ async def test_a_lost_claim_taken_over_later_is_logged_lost_once(
     and counted in `trio_sessions.claims_lost` - a second time (cause `gone`), so an
     operator saw two lost claims where one was lost. Found by an audit of the counts."""
     jumping = JumpingClock(clock)
-    entered, release = trio.Event(), trio.Event()
-
-    async def slow_cleanup(ctx: DrainContext) -> None:
-        await ctx.take_inputs()
-        entered.set()
-        try:
-            await trio.sleep_forever()
-        finally:
-            with trio.CancelScope(shield=True):
-                await release.wait()
+    slow_cleanup = SlowToExit()
 
     async def answer(ctx: DrainContext) -> None:
         await ctx.take_inputs()
 
     async with runtime(store, slow_cleanup, jumping, lease=9.0, **QUIET) as owner:
         await owner.submit("s", {"text": "hi"})
-        await entered.wait()
+        await slow_cleanup.entered.wait()
         jumping.offset += 60.0  # the lease has run out at the store
         await trio.sleep(4)  # the heartbeat's tick finds it gone
         assert [r.cause for r in records(logs, events.CLAIM_LOST)] == ["heartbeat"]
@@ -480,7 +480,7 @@ async def test_a_lost_claim_taken_over_later_is_logged_lost_once(
             assert other.statistics().recovery.resumed == 1
             owner._kick.set()  # the owner looks at the store's changes: its claim is gone
             await trio.testing.wait_all_tasks_blocked()
-            release.set()
+            slow_cleanup.may_exit.set()
             await owner.wait_idle("s")
     assert [r.cause for r in records(logs, events.CLAIM_LOST)] == ["heartbeat"]
 
@@ -556,29 +556,20 @@ async def test_a_close_past_its_grace_counts_a_drain_still_running_as_a_drain(
 ) -> None:
     """A drain whose shielded `finally` outlasts `shutdown_grace` is counted as a drain
     still running, with its claim's execution id - and no claim being acquired."""
-    entered, release = trio.Event(), trio.Event()
+    slow_to_exit = SlowToExit()  # a cleanup that outlives shutdown_grace
     heard = _Heard(events.DRAINS_OUTLIVE_GRACE)
     logging.getLogger("trio_sessions").addHandler(heard)
 
-    async def slow_to_exit(ctx: DrainContext) -> None:
-        await ctx.take_inputs()
-        entered.set()
-        try:
-            await trio.sleep_forever()
-        finally:
-            with trio.CancelScope(shield=True):
-                await release.wait()  # a cleanup that outlives shutdown_grace
-
     async def release_once_logged() -> None:
         await heard.heard.wait()
-        release.set()
+        slow_to_exit.may_exit.set()
 
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(release_once_logged)
             async with runtime(store, slow_to_exit, clock, shutdown_grace=1, **QUIET) as rt:
                 await rt.submit("s", {"text": "hi"})
-                await entered.wait()
+                await slow_to_exit.entered.wait()
                 [execution_id] = [e.execution_id for e in rt._entries.values()]
     finally:
         logging.getLogger("trio_sessions").removeHandler(heard)

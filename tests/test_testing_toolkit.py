@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from helpers import Raw, Recorder, answer_ok
+from helpers import Raw, Recorder, SlowToExit, answer_ok
 
 import trio_sessions
 from trio_sessions import DrainContext, testing
@@ -178,29 +178,18 @@ async def test_crash_while_closing_waits_for_a_drain_keeps_its_claim(
     "(its claims handed back)", which is untrue here: the claim is still held by the drain."""
     path = tmp_path / "sessions.db"
     store = testing.inline_store(path)
-    entered, cancelled, release = trio.Event(), trio.Event(), trio.Event()
-
-    async def slow_to_exit(ctx: DrainContext) -> None:
-        await ctx.take_inputs()
-        entered.set()
-        try:
-            await trio.sleep_forever()
-        finally:
-            cancelled.set()
-            with trio.CancelScope(shield=True):
-                await release.wait()  # a cleanup that outlives shutdown_grace
-
+    slow_to_exit = SlowToExit()  # a cleanup that outlives shutdown_grace
     refused: list[str] = []
     runtime: list[trio_sessions.Runtime] = []
 
     async def second_signal() -> None:
-        await cancelled.wait()  # the graceful shutdown has begun
+        await slow_to_exit.exiting.wait()  # the graceful shutdown has begun
         await trio.sleep(5)  # past shutdown_grace: the drain still holds its claim
         try:
             testing.crash(runtime[0])
         except RuntimeError as exc:
             refused.append(str(exc))
-        release.set()
+        slow_to_exit.may_exit.set()
 
     with trio.fail_after(BOUND):
         async with (
@@ -211,7 +200,7 @@ async def test_crash_while_closing_waits_for_a_drain_keeps_its_claim(
         ):
             runtime.append(rt)
             await rt.submit("s", {"n": 1})
-            await entered.wait()
+            await slow_to_exit.entered.wait()
             nursery.start_soon(second_signal)
     assert refused == []
     [(expires_at,)] = Raw(path).rows("SELECT expires_at FROM session_execution")
