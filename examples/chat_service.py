@@ -415,6 +415,15 @@ class ChatApp:
 
 
 @attrs.define
+class _StoreRead:
+    """One read of `StoreProbe`'s task, shared by every probe waiting for it: its answer
+    is kept with it, so a probe woken late reads its own read's, never a later one's."""
+
+    answered: trio.Event = attrs.field(factory=trio.Event)
+    error: str | None = None
+
+
+@attrs.define
 class StoreProbe:
     """Whether the store answers, for `/health`: its task (`run`, beside the server) reads
     the store when a probe asks, one read at a time for every probe waiting. A probe
@@ -427,7 +436,7 @@ class StoreProbe:
 
     runtime: trio_sessions.Runtime
     _wanted: trio.Event = attrs.field(factory=trio.Event)
-    _next: _StoreRead = attrs.field(factory=lambda: _StoreRead())
+    _next: _StoreRead = attrs.field(factory=_StoreRead)
     _in_flight: _StoreRead | None = None
 
     async def run(self) -> None:
@@ -456,15 +465,6 @@ class StoreProbe:
             return read.error
         logger.warning("health probe: the store did not answer in %g s", HEALTH_TIMEOUT)
         return f"{STORE_DOWN} (no answer within {HEALTH_TIMEOUT:g} s)"
-
-
-@attrs.define
-class _StoreRead:
-    """One read of `StoreProbe`'s task, shared by every probe waiting for it: its answer
-    is kept with it, so a probe woken late reads its own read's, never a later one's."""
-
-    answered: trio.Event = attrs.field(factory=trio.Event)
-    error: str | None = None
 
 
 def _input_id(session_id: str, key: str | None) -> str:
