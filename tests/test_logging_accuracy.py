@@ -21,14 +21,16 @@ from helpers import (
     JumpingClock,
     LateReply,
     Raw,
+    Recorder,
     SlowToExit,
     records,
     runtime,
 )
 
 import trio_sessions
-from trio_sessions import DrainContext, Message, Runtime, StoreError, _store
+from trio_sessions import DrainContext, MalformedRecord, Message, Runtime, StoreError, _store
 from trio_sessions import _observe as events
+from trio_sessions._model import AssistantData
 
 Clock = Callable[[], float]
 QUIET = {"recovery_interval": 10_000.0}  # passes only when the test asks for one
@@ -251,6 +253,92 @@ async def test_a_refused_finish_is_logged_once_when_the_failed_finish_after_it_f
         "SELECT e.id, m.id FROM session_execution e JOIN session_message m ON m.execution_id = e.id"
     )
     one_claim_kept_malformed(logs, execution_id, message_id, rt.owner_id)
+
+
+async def test_an_interrupt_over_a_malformed_open_message_says_it_left_it_open(
+    store: Any, db_path: Any, clock: Clock, autojump_clock: trio.testing.MockClock, logs: Any
+) -> None:
+    """DESIGN §4: an interrupt's cleanup finishes the open message and deletes the claim;
+    one another tool corrupted meanwhile cannot be finished, so it is left as it is and
+    `transcript()` raises `MalformedRecord` until someone truncates. The claim is gone,
+    so nothing quarantines it: the log is where the operator learns of it. Found by the
+    audit (audM55): nothing above INFO was logged - one WARNING now, no traceback, naming
+    the session, the execution, the row and why, and the ending that left it."""
+    raw = Raw(db_path)
+    corrupted = trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        writer = await ctx.begin_assistant()
+        await writer.append_text("hi")
+        raw.write("UPDATE session_message SET data = '{\"parts\": 1}' WHERE role = 'assistant'")
+        corrupted.set()
+        await trio.sleep_forever()
+
+    async with runtime(store, drain, clock, **QUIET) as rt:
+        await rt.wake("s")
+        await corrupted.wait()
+        [(execution_id, message_id)] = raw.rows(
+            "SELECT e.id, m.id FROM session_execution e"
+            " JOIN session_message m ON m.execution_id = e.id"
+        )
+        assert await rt.interrupt("s") is True
+        await rt.wait_idle("s")
+        with pytest.raises(MalformedRecord):
+            await rt.transcript("s")
+    assert raw.rows("SELECT id FROM session_execution") == []  # DESIGN's order, as written
+    record = one_message_left_open(logs, execution_id, message_id, rt.owner_id, "interrupted")
+    assert record.getMessage() == (
+        f"malformed message left open: session s, execution {execution_id}"
+    )
+
+
+@pytest.mark.parametrize("ending", ["finished_cancelled", "dropped_superseded"])
+async def test_recovery_ending_a_claim_over_a_malformed_open_message_says_it_left_it_open(
+    store: Any,
+    db_path: Any,
+    clock: Clock,
+    autojump_clock: trio.testing.MockClock,
+    logs: Any,
+    ending: str,
+) -> None:
+    """DESIGN §4's recovery order: a claim marked cancelling is finished as cancelled, and
+    a superseded one dropped, before the malformed check - its open message that does not
+    decode is left as it is and the claim deleted, so nothing quarantines it. Found by the
+    audit (audM55): the pass logged nothing above INFO (and counted only a finished or
+    dropped claim); one WARNING now names the session, the execution, the row, why, and
+    the ending that left it."""
+    raw = Raw(db_path)
+    async with runtime(store, Recorder(), clock, **QUIET) as rt:
+        cancelling = ending == "finished_cancelled"
+        raw.seed_claim("s", "e-dead", expires_at=1, phase="cancelling" if cancelling else "running")
+        message_id = raw.seed_assistant("s", "e-dead", 1, '{"parts": 1}')
+        if not cancelling:
+            raw.seed_assistant(
+                "s", "e-other", 2, AssistantData(parts=(), finished=True, error=None)
+            )
+        report = await rt.recover_once()
+    assert getattr(report, ending) == 1, report
+    assert raw.rows("SELECT id FROM session_execution") == []
+    one_message_left_open(logs, "e-dead", message_id, rt.owner_id, ending)
+
+
+def one_message_left_open(
+    logs: Any, execution_id: str, message_id: str, owner_id: str, ending: str
+) -> Any:
+    """The one `malformed message left open` record, for session s's execution whose
+    message's `parts` another tool broke - a WARNING without a traceback. Typed Any."""
+    [record] = records(logs, events.MESSAGE_LEFT_OPEN)
+    assert record.levelno == logging.WARNING
+    assert record.exc_info is None
+    assert (record.session_id, record.execution_id, record.owner_id) == (
+        "s",
+        execution_id,
+        owner_id,
+    )
+    assert (record.table, record.key) == ("session_message", message_id)
+    assert "parts" in record.reason
+    assert record.ending == ending
+    return record
 
 
 async def test_with_max_active_a_claim_attempt_that_fails_is_not_retried_in_a_hot_loop(

@@ -659,13 +659,13 @@ class ProtocolModel(RuleBasedStateMachine):
             # The cleanup was cancelled: the claim stays 'cancelling'; the owner moves on.
             owner.forget(session_id)
             return
-        doorbell = self.op(_store.finish_interrupted, session_id, execution_id, owner.owner_id)
+        ended = self.op(_store.finish_interrupted, session_id, execution_id, owner.owner_id)
         self.close_open_messages(execution_id, INTERRUPTED)
         self.end_claim(session_id)
         session.wake_attempts = 0
         if self.due_pending(session):
             self.ring(session)
-        assert doorbell == (session.time_woken is not None)
+        assert ended.doorbell == (session.time_woken is not None)
         owner.forget(session_id)
 
     @rule(session_id=st.sampled_from(SESSIONS))

@@ -16,6 +16,7 @@ from helpers import Raw, Recorder, runtime
 from trio.testing import MockClock
 
 from trio_sessions import DrainContext, MalformedRecord, Store, StoreError, _store, testing
+from trio_sessions import _observe as events
 
 QUIET = {"recovery_interval": 10_000.0}  # passes only when the test asks for one
 
@@ -823,3 +824,38 @@ async def test_a_drain_ending_over_an_open_message_with_no_id_is_quarantined(
 
     why = await quarantined_once_its_lease_ran_out(Store(db_path, inline=True), drain, clock, raw)
     assert "id is NULL" in why
+
+
+async def test_an_interrupt_over_an_open_message_with_no_id_says_it_left_it_open(
+    tmp_path: Path, clock: Any, autojump_clock: MockClock, logs: Any
+) -> None:
+    """As the finish above, on SQLite, but the user interrupts: DESIGN §4's cleanup deletes
+    the claim whatever its messages hold, so the message with no id stays open and
+    `transcript()` raises until someone truncates. Found by the audit (audM55): nothing
+    above INFO said so; one WARNING now names the session, the execution and why."""
+    db_path, raw = _sqlite(tmp_path)
+    corrupted = trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        await ctx.begin_assistant()
+        with sqlite3.connect(db_path) as tool:  # foreign keys off, as the sqlite3 shell
+            tool.execute("UPDATE session_message SET id = NULL WHERE role = 'assistant'")
+        tool.close()
+        corrupted.set()
+        await trio.sleep_forever()
+
+    async with runtime(Store(db_path, inline=True), drain, clock, **QUIET) as rt:
+        await rt.wake("s")
+        await corrupted.wait()
+        [(execution_id,)] = raw.rows("SELECT id FROM session_execution")
+        assert await rt.interrupt("s") is True
+        await rt.wait_idle("s")
+        with pytest.raises(MalformedRecord):
+            await rt.transcript("s")
+    [record] = [r for r in logs.records if r.msg == events.MESSAGE_LEFT_OPEN]
+    assert (record.session_id, record.execution_id, record.ending) == (
+        "s",
+        execution_id,
+        "interrupted",
+    )
+    assert (record.table, record.key, record.reason) == ("session_message", "NULL", "id is NULL")

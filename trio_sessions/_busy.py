@@ -701,7 +701,7 @@ class BusyPeriods:
         try:
             await self._retrying_mark_cancelling(entry)
             entry.begin_deciding()
-            doorbell = await self._retrying(
+            ended = await self._retrying(
                 entry,
                 _store.finish_interrupted,
                 entry.session_id,
@@ -723,8 +723,16 @@ class BusyPeriods:
             # Left as 'cancelling' once that write landed: recovery finishes it as
             # cancelled and never resumes it.
             return outcome, False
+        for left_open in ended.left_open:
+            _observe.message_left_open(
+                entry.session_id,
+                entry.execution_id,
+                self._runtime._owner_id,
+                left_open,
+                "interrupted",
+            )
         entry.disown()
-        return outcome, doorbell or entry.rung_since_decision()
+        return outcome, ended.doorbell or entry.rung_since_decision()
 
     async def _retrying_mark_cancelling(self, entry: SessionEntry) -> None:
         """An interrupt's first, durable step. A close gives up `_retrying` at the first

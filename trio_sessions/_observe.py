@@ -53,6 +53,7 @@ logger.addHandler(logging.NullHandler())
 
 DRAIN_FAILED = "drain failed: session %s, execution %s"
 CLAIM_KEPT_MALFORMED = "claim kept for quarantine, a record is malformed: session %s, execution %s"
+MESSAGE_LEFT_OPEN = "malformed message left open: session %s, execution %s"
 CLAIM_ATTEMPT_FAILED = "claim attempt failed: session %s"
 CLAIM_LOST = "claim lost: session %s, execution %s"
 SESSION_DELETED = "claim ended, session deleted: session %s, execution %s"
@@ -127,6 +128,32 @@ def claim_kept_malformed(entry: SessionEntry, owner_id: str, error: MalformedRec
             "table": error.table,
             "key": error.key,
             "reason": "; ".join(error.reasons),
+        },
+    )
+
+
+def message_left_open(
+    session_id: str, execution_id: str, owner_id: str, error: MalformedRecord, ending: str
+) -> None:
+    """WARNING, no traceback: an ending that deletes its claim whatever its messages hold
+    (`ending`: `interrupted`, a local interrupt's cleanup; `finished_cancelled` or
+    `dropped_superseded`, recovery's - DESIGN §4's order) could not finish an open message
+    that does not decode (a row another tool broke) and left it as it is. Nothing will
+    quarantine it - the claim is gone - and `transcript()` raises `MalformedRecord` until
+    an operator truncates the session before it. extra: session_id, execution_id,
+    owner_id, table, key, reason, ending."""
+    logger.warning(
+        MESSAGE_LEFT_OPEN,
+        session_id,
+        execution_id,
+        extra={
+            "session_id": session_id,
+            "execution_id": execution_id,
+            "owner_id": owner_id,
+            "table": error.table,
+            "key": error.key,
+            "reason": "; ".join(error.reasons),
+            "ending": ending,
         },
     )
 
@@ -367,10 +394,21 @@ def recovered(
       acts. extra: session_id, execution_id, owner_id, reason.
     * RESUMES_EXHAUSTED (WARNING): finished as failed after `max_resumes` takeovers.
       extra: session_id, execution_id, owner_id.
+    * MESSAGE_LEFT_OPEN (WARNING, `message_left_open`): finished as cancelled or dropped as
+      superseded over an open message that does not decode, one per such message.
     A result whose fence was lost (another recovery owner acted) is not an event here.
     """
     if result.fence_lost:
         return
+    for error in result.left_open:
+        assert candidate.execution_id is not None
+        message_left_open(
+            candidate.session_id,
+            candidate.execution_id,
+            owner_id,
+            error,
+            _ENDINGS.get(result.decision, result.decision.value),
+        )
     if result.decision is RecoveryDecision.RESUME:
         # Its extras are built only for a logger that takes them: a pass resumes a batch of
         # claims, and INFO is usually off.
@@ -404,6 +442,13 @@ def recovered(
             candidate.execution_id,
             extra=_ids(candidate, owner_id),
         )
+
+
+# Recovery's endings as `message_left_open` names them (the `RecoveryReport` fields).
+_ENDINGS = {
+    RecoveryDecision.FINISH_CANCELLED: "finished_cancelled",
+    RecoveryDecision.DROP_SUPERSEDED: "dropped_superseded",
+}
 
 
 def _ids(candidate: Candidate, owner_id: str) -> dict[str, Any]:

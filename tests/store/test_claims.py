@@ -275,7 +275,7 @@ def test_finish_interrupted_cleans_and_rearms_for_pending_inputs(db: Db) -> None
     db.run(_store.finish_iteration, "s", execution, "owner-a")  # doorbell taken
     assert db.doorbell()[0] is None
     db.run(_store.mark_cancelling, "s", execution, "owner-a")
-    assert db.run(_store.finish_interrupted, "s", execution, "owner-a") is True
+    assert db.run(_store.finish_interrupted, "s", execution, "owner-a") == _store.Interrupted(True)
     assert db.claim_row() is None
     message = db.message("m-1")
     assert message.finished
@@ -287,7 +287,7 @@ def test_finish_interrupted_cleans_and_rearms_for_pending_inputs(db: Db) -> None
 def test_finish_interrupted_without_inputs_leaves_no_doorbell(db: Db) -> None:
     """With nothing pending and no wake, an interrupt leaves no doorbell: no successor."""
     execution = db.claim()
-    assert db.run(_store.finish_interrupted, "s", execution, "owner-a") is False
+    assert db.run(_store.finish_interrupted, "s", execution, "owner-a") == _store.Interrupted(False)
     assert db.doorbell()[:2] == (None, 0)
     assert db.claim_row() is None
 

@@ -79,6 +79,7 @@ from .changes import (
     watched_messages,
 )
 from .claims import (
+    Interrupted,
     cancel_held_claim,
     cancel_own_claims,
     end_iteration,
@@ -169,6 +170,7 @@ __all__ = [
     "Due",
     "FastTakeRefused",
     "Followed",
+    "Interrupted",
     "Known",
     "Recovered",
     "Snapshot",

@@ -19,6 +19,8 @@ import json
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import attrs
+
 from .. import _decisions
 from .._backend import (
     FALLBACK,
@@ -30,6 +32,7 @@ from .._backend import (
     sqlite_batched,
 )
 from .._decisions import IterationVerdict
+from .._errors import MalformedRecord
 from .._model import INTERRUPTED
 from .common import (
     CLAIM_FENCE,
@@ -274,21 +277,33 @@ def mark_cancelling(
         _ring(tx, session_id)
 
 
-def finish_interrupted(tx: Tx, session_id: str, execution_id: str, owner_id: str) -> bool:
+@attrs.frozen
+class Interrupted:
+    """What an interrupt's cleanup did (`finish_interrupted`)."""
+
+    # Whether the doorbell is set afterwards (exactly one successor).
+    doorbell: bool
+    # The open messages it could not finish (they do not decode) and left as they are:
+    # the claim is deleted all the same (DESIGN §4), so the caller tells the operator.
+    left_open: tuple[MalformedRecord, ...] = ()
+
+
+def finish_interrupted(tx: Tx, session_id: str, execution_id: str, owner_id: str) -> Interrupted:
     """Second step of an interrupt's cleanup, one transaction: finish the open message and
     fail its running tools (`interrupted`), delete the claim, re-arm the doorbell if inputs
-    remain. Returns whether the doorbell is set afterwards (exactly one successor)."""
+    remain. An open message that does not decode (another tool's write) is left as it is,
+    and said in the result."""
     if tx.dialect == "postgres":
         verdict = _pg_finish(tx, session_id, execution_id, owner_id, "interrupted")
         if verdict is not None:
-            return verdict == "released-set"
+            return Interrupted(verdict == "released-set")
     _require_claim(tx, session_id, execution_id, owner_id)
-    _close_open_messages(tx, execution_id, INTERRUPTED)
+    left_open = _close_open_messages(tx, execution_id, INTERRUPTED)
     _delete_claim(tx, execution_id, owner_id)
     _reset_attempts(tx, session_id)
     if _has_pending_inputs(tx, session_id):
         _ring(tx, session_id)
-    return _doorbell_set(tx, session_id)
+    return Interrupted(_doorbell_set(tx, session_id), left_open)
 
 
 def request_cancel(tx: Tx, session_id: str) -> bool:

@@ -160,6 +160,9 @@ class Recovered:
     new_execution_id: str | None = None
     attempt: int = 0
     reason: str | None = None  # why a quarantined row does not decode
+    # A cancelled or superseded claim's open messages that do not decode, left as they are
+    # with the claim deleted (DESIGN §4's order): the runtime tells the operator.
+    left_open: tuple[MalformedRecord, ...] = ()
 
 
 def apply_recovery(
@@ -198,9 +201,11 @@ def apply_recovery(
         RecoveryDecision.FINISH_PAUSED,
         RecoveryDecision.EXHAUSTED,
     ):
-        _end_expired_claim(tx, candidate, decision, _gone_owner(facts))
+        left_open = _end_expired_claim(tx, candidate, decision, _gone_owner(facts))
+    else:
+        left_open = ()
     _delete_recovery_row(tx, execution_id, owner_id)
-    return Recovered(decision)
+    return Recovered(decision, left_open=left_open)
 
 
 def _holds_recovery_lease(tx: Tx, execution_id: str, owner_id: str) -> bool:
@@ -252,7 +257,9 @@ def _delete_expired_claim(tx: Tx, execution_id: str, gone_owner: str | None) -> 
 
 def _end_expired_claim(
     tx: Tx, candidate: Candidate, decision: RecoveryDecision, gone_owner: str | None
-) -> None:
+) -> tuple[MalformedRecord, ...]:
+    """Finish an expired claim that is not resumed, deleting it; returns the open messages
+    left as they are (they do not decode)."""
     execution_id = candidate.execution_id
     assert execution_id is not None
     reason = {
@@ -261,7 +268,7 @@ def _end_expired_claim(
         RecoveryDecision.FINISH_PAUSED: OWNER_LOST,
         RecoveryDecision.EXHAUSTED: BUDGET_EXHAUSTED,
     }[decision]
-    _close_open_messages(tx, execution_id, reason)
+    left_open = _close_open_messages(tx, execution_id, reason)
     _delete_expired_claim(tx, execution_id, gone_owner)
     if decision is RecoveryDecision.EXHAUSTED:
         _reset_attempts(tx, candidate.session_id)
@@ -269,6 +276,7 @@ def _end_expired_claim(
         _decisions.rearms_doorbell(decision) and _has_pending_inputs(tx, candidate.session_id)
     ):
         _ring(tx, candidate.session_id)
+    return left_open
 
 
 def _take_over(

@@ -473,7 +473,7 @@ def no_id() -> MalformedRecord:
 
 def _close_open_messages(
     tx: Tx, execution_id: str, reason: str, *, malformed_keeps_claim: bool = False
-) -> None:
+) -> tuple[MalformedRecord, ...]:
     """Finish every open assistant message of an execution as interrupted/failed.
 
     Only rows not marked finished are read (a partial index: a drain's finish does not grow
@@ -481,26 +481,32 @@ def _close_open_messages(
     such rows, and rewriting it would destroy what an operator needs to see. So
     `malformed_keeps_claim` (an owner's finish that would delete its running claim next)
     raises its `MalformedRecord` instead, rolling the finish back: the claim stays for
-    recovery to quarantine - deleted, nothing would ever list the message.
+    recovery to quarantine - deleted, nothing would ever list the message. Otherwise (an
+    interrupt's or a cancelled or superseded claim's end, which deletes the claim all the
+    same: DESIGN §4's order) returns each such row's `MalformedRecord`, for the caller to
+    tell the operator: nothing else will, and `transcript()` raises until one acts.
     """
     rows = tx.execute(
         "SELECT id, data, session_id FROM session_message"
         " WHERE execution_id = ? AND finished = 0 AND role = 'assistant'",
         (execution_id,),
     ).fetchall()
+    left_open: list[MalformedRecord] = []
     for message_id, text, session_id in rows:
         try:
             if message_id is None:
                 raise no_id()
             data = _assistant_data(tx, message_id, text)
-        except MalformedRecord:
+        except MalformedRecord as exc:
             if malformed_keeps_claim:
                 raise
+            left_open.append(exc)
             continue
         if not data.finished:  # a finished row written by hand stays exactly as it is
             _write_assistant(tx, message_id, execution_id, _transcript.interrupt(data, reason))
             # For the session's watchers (on SQLite, this runtime's own ones too).
             tx.notify(session_id, watchers_only=True)
+    return tuple(left_open)
 
 
 @autocommit_when_alone
