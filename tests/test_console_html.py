@@ -277,3 +277,26 @@ def test_an_assistant_message_shows_bidi_controls_escaped_whole_and_appended() -
     assert update == {"seq": 2, "append": "\\u202edesrever"}
     # The console's copy keeps the text as stored (a later render escapes it once).
     assert copies[2][1]["parts"][-1]["text"] == "ok \u202edesrever"
+
+
+def test_an_answer_holding_a_literal_escape_reads_apart_from_the_control_it_spells() -> None:
+    """The console writes a bidi control as `\\u202e`; an answer that holds those six
+    characters as typed (a model explaining escapes) read exactly the same, so the operator
+    could not tell which the answer held. A backslash is escaped too (`\\\\`), in the whole
+    render and in each streamed append alike. Found by the audit (audM55)."""
+    typed = {"parts": [{"type": "text", "text": "a\\u202eb"}], "finished": True, "error": None}
+    control = {"parts": [{"type": "text", "text": "a\u202eb"}], "finished": True, "error": None}
+    assert ">a\\\\u202eb</span>" in _data_html(2, "assistant", typed)
+    assert ">a\\u202eb</span>" in _data_html(2, "assistant", control)
+    copies: dict[int, tuple[str, Any]] = {}
+    opened = AssistantData(parts=(TextPart("ok "),), finished=False, error=None)
+    apply_event(copies, event("message", opened))
+    updates = [apply_event(copies, event("append", text)) for text in ("x\\", "u202e", "\u202e")]
+    assert updates == [
+        [{"seq": 2, "append": "x\\\\"}],
+        [{"seq": 2, "append": "u202e"}],
+        [{"seq": 2, "append": "\\u202e"}],
+    ]
+    # The appends add up to the whole render of the text they built.
+    whole = _data_html(2, "assistant", copies[2][1])
+    assert ">ok x\\\\u202e\\u202e</span>" in whole, whole

@@ -357,16 +357,22 @@ _KEPT_ESCAPED = frozenset(
 
 # The controls of `_KEPT_ESCAPED` (all but the quote and backslash), as stored raw.
 _RAW_KEPT = re.compile("[" + "".join(sorted(_KEPT_ESCAPED - frozenset('"\\'))) + "]")
+# What `readable_text` escapes in a plain text: those controls, and the backslash.
+_TEXT_KEPT = re.compile("[" + re.escape("".join(sorted(_KEPT_ESCAPED - frozenset('"')))) + "]")
 
 
 def readable_text(text: str) -> str:
     """A model's text as the operator reads it: the controls `readable_json` keeps escaped
     (bidi overrides, embeddings, isolates, marks; line and paragraph separators) written as
-    `\\uXXXX`, so an answer holding "\\u202e" does not show reversed."""
-    return _RAW_KEPT.sub(_escaped, text)
+    `\\uXXXX`, so an answer holding "\\u202e" does not show reversed - and a backslash as
+    `\\\\`, so the six characters `\\u202e` typed in an answer never read as that escape.
+    Character by character: a streamed append's escapes add up to the whole text's."""
+    return _TEXT_KEPT.sub(_escaped, text)
 
 
 def _escaped(match: re.Match[str]) -> str:
+    if match.group() == "\\":
+        return "\\\\"
     return f"\\u{ord(match.group()):04x}"
 
 
