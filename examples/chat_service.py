@@ -49,7 +49,8 @@ Run it (SQLite here; a `postgresql://` URL works the same, across hosts, with `-
   since clients resolve them as a path's dots before sending.
 * `GET /health` is a readiness probe: 200 while the store answers, a JSON 503 with
   `Retry-After` while it does not (an error, or no answer within `HEALTH_TIMEOUT`), so a
-  load balancer sends no chats to a process that cannot store them. A web process holds
+  load balancer sends no chats to a process that cannot store them; `HEAD /health` (how
+  many balancers probe) answers the same without the body. A web process holds
   no liveness token, and its runtime keeps no verdict on the store: a probe has one small
   read made (`StoreProbe`: the probes waiting at once share one, and a probe arriving
   mid-read takes the answer of the read in flight). A read begun is never
@@ -236,8 +237,8 @@ class ChatApp:
         if path == "/" and method == "GET":
             await _respond_page(send, CHAT_PAGE)
             return
-        if path == "/health" and method == "GET":
-            await self.health(send)
+        if path == "/health" and method in ("GET", "HEAD"):  # load balancers probe with HEAD
+            await self.health(send, head=method == "HEAD")
             return
         if path == "/metrics" and method == "GET":
             await _respond(send, 200, attrs.asdict(self.runtime.statistics()))
@@ -275,16 +276,16 @@ class ChatApp:
         else:
             await self.stream_events(session_id, scope, receive, send)
 
-    async def health(self, send: Send) -> None:
+    async def health(self, send: Send, *, head: bool = False) -> None:
         """200 while the store answers a read, else a JSON 503 with Retry-After: the
-        process cannot serve a chat now. (It answered 200 whatever the store did.)"""
+        process cannot serve a chat now. (It answered 200 whatever the store did.) `head`:
+        the same answer without its body."""
         error = await self.probe.check()
         if error is None:
-            await _respond(send, 200, {"ok": True, "owner_id": self.runtime.owner_id})
+            await _respond(send, 200, {"ok": True, "owner_id": self.runtime.owner_id}, head=head)
             return
-        await _respond(
-            send, 503, {"ok": False, "error": error}, extra=((b"retry-after", RETRY_AFTER),)
-        )
+        retry = ((b"retry-after", RETRY_AFTER),)
+        await _respond(send, 503, {"ok": False, "error": error}, extra=retry, head=head)
 
     async def post_message(
         self, session_id: str, scope: Scope, receive: Receive, send: Send
@@ -591,8 +592,14 @@ async def _respond_page(send: Send, body: bytes) -> None:
 
 
 async def _respond(
-    send: Send, status: int, value: Any, *, extra: tuple[tuple[bytes, bytes], ...] = ()
+    send: Send,
+    status: int,
+    value: Any,
+    *,
+    extra: tuple[tuple[bytes, bytes], ...] = (),
+    head: bool = False,
 ) -> None:
+    """`value` as a JSON answer; `head` (a HEAD request): its headers, no body."""
     body = json.dumps(value).encode()
     headers = [
         (b"content-type", b"application/json"),
@@ -600,7 +607,7 @@ async def _respond(
         *extra,
     ]
     await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+    await send({"type": "http.response.body", "body": b"" if head else body})
 
 
 async def _until_signal() -> None:

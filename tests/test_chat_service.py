@@ -546,6 +546,20 @@ async def test_bad_requests_get_a_4xx_and_store_nothing(service: Service) -> Non
         assert await transcript(client, "bad") == []
 
 
+async def test_a_head_probe_of_health_answers_as_get_does_without_a_body(service: Service) -> None:
+    """Load balancers probe with HEAD: `HEAD /health` answered 404 (only GET was routed), so
+    a balancer probing that way took a healthy process out. It answers as GET does - the
+    status and headers, its Content-Length the GET body's - with no body. Found by the
+    audit (audM55)."""
+    async with httpx.AsyncClient(base_url=service.url, timeout=5) as client:
+        got = await client.get("/health")
+        head = await client.head("/health")
+    assert (got.status_code, head.status_code) == (200, 200), head
+    assert head.content == b""
+    assert head.headers["content-type"] == got.headers["content-type"] == "application/json"
+    assert int(head.headers["content-length"]) == len(got.content)
+
+
 async def test_an_interrupt_mid_answer_ends_that_answer_interrupted(service: Service) -> None:
     """POST /interrupt while a worker streams an answer: the answer ends 'interrupted' after
     a few words, and the session answers the next message normally (not the cut one)."""
