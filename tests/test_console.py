@@ -1706,9 +1706,8 @@ async def test_a_store_that_does_not_answer_is_a_503_not_a_bad_request(
     """A page read while the store is down (PostgreSQL restarting, the file's disk gone)
     answered 400 "store error": a status that blames the request, which a client or a
     probe then does not retry, and which reads to an operator as a bad link. It is 503
-    (the service is unavailable for now), still with no detail of the store's error, with
-    a Retry-After; the error is logged in one line (it was nowhere: an operator saw 503s
-    and no reason)."""
+    (the service is unavailable for now), with a Retry-After; the error is logged in one
+    line (it was nowhere: an operator saw 503s and no reason)."""
 
     class Down:
         _db = property(lambda self: self)
@@ -1743,6 +1742,42 @@ async def test_a_store_that_does_not_answer_is_a_503_not_a_bad_request(
         assert int(dict(sent[0]["headers"])[b"retry-after"]) > 0, sent[0]["headers"]
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warned) == 2 and all("connection refused" in line for line in warned), warned
+
+
+async def test_a_store_error_page_says_which_error() -> None:
+    """The 503 page said only "store error": the operator at the console had to find the
+    process's log to learn whether the server was down, a file locked or a disk full. It
+    names the error now - its type and message, escaped, a password in it masked - and
+    never a traceback. Found by the audit (audM55)."""
+
+    class Down:
+        _db = property(lambda self: self)
+
+        async def read(self, job: Any, *args: Any) -> Any:
+            raise trio_sessions.StoreError("database is locked <b> password=secret")
+
+    console = Console(Down(), "", Guard(None, False))  # type: ignore[arg-type]
+    sent: list[Any] = []
+
+    async def receive() -> Any:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "method": "GET",
+        "path": "/",
+        "raw_path": b"/",
+        "query_string": b"",
+        "headers": [(b"host", b"127.0.0.1")],
+    }
+    await console(scope, receive, send)
+    body = b"".join(message.get("body", b"") for message in sent).decode()
+    assert sent[0]["status"] == 503
+    assert "StoreError: database is locked &lt;b&gt; password=***" in body, body
+    assert "secret" not in body and "<b>" not in body and "Traceback" not in body
 
 
 @pytest.mark.parametrize("when", ["opening", "streaming"])

@@ -58,7 +58,7 @@ from ._console_html import quote as _q
 from ._console_html import unquote as _unquote
 from ._errors import MalformedRecord, StoreError, TrioSessionsError
 from ._model import Message
-from ._naming import display_name
+from ._naming import display_name, mask_password
 from ._runtime import Runtime, make_owner_id
 from ._store.operator import PageKey
 from ._store.stream import Held, Position, Shown, Tail, Whole, message_tag
@@ -191,11 +191,12 @@ class Console:
         except HTTPError as exc:
             await _respond(send, exc.status, html_page("Error", f"<p>{_e(str(exc))}</p>"))
         except StoreError as exc:
-            # The store did not answer (its error may name the server, never shown: logged
-            # for the operator): the service is down for now, not the request wrong - a
-            # client may retry it.
+            # The store did not answer: the service is down for now, not the request wrong -
+            # a client may retry it. Which error is said (the console is the operator's),
+            # any password in it masked; its traceback is not a page's.
             logger.warning("store error on %s %s: %s", scope["method"], scope["path"], exc)
-            page = html_page("Error", "<p>store error</p>")
+            said = f"{type(exc).__name__}: {mask_password(str(exc))}"
+            page = html_page("Error", f"<p>store error: {_e(said)}</p>")
             await _respond(send, 503, page, extra=((b"retry-after", RETRY_AFTER),))
         except (ValueError, TypeError, TrioSessionsError) as exc:
             await _respond(send, 400, html_page("Error", f"<p>{_e(str(exc))}</p>"))
