@@ -859,3 +859,48 @@ async def test_an_interrupt_over_an_open_message_with_no_id_says_it_left_it_open
         "interrupted",
     )
     assert (record.table, record.key, record.reason) == ("session_message", "NULL", "id is NULL")
+
+
+@pytest.mark.parametrize("ending", ["returns", "raises", "interrupted"])
+async def test_an_ending_over_streamed_text_that_is_not_utf8_does_not_retry_for_ever(
+    tmp_path: Path, clock: Any, autojump_clock: MockClock, logs: Any, ending: str
+) -> None:
+    """On SQLite, which keeps whatever bytes another tool writes as TEXT: a text streamed
+    onto the drain's open message becomes bytes that are not UTF-8. Every ending reads that
+    text to close the message, and the driver refused the whole read - a store error, so
+    the finalizer retried it while the heartbeat kept the lease: `run()` and `wait_idle()`
+    never returned, nothing but one `drain failed` was logged, and the claim stayed until
+    the process closed. The ending names the row malformed instead, as for a text that
+    does not decode: a drain that returned or raised keeps its claim for quarantine; an
+    interrupt deletes it and says the message was left open. Found by the audit (audM55)."""
+    db_path, raw = _sqlite(tmp_path)
+    corrupted = trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        writer = await ctx.begin_assistant()
+        await writer.append_text("a")
+        await writer.append_text("b")
+        raw.write("UPDATE session_message_delta SET text = CAST(X'ff' AS TEXT) WHERE text = 'b'")
+        corrupted.set()
+        if ending == "raises":
+            raise RuntimeError("the model's call failed")
+        if ending == "interrupted":
+            await trio.sleep_forever()
+
+    async with runtime(Store(db_path, inline=True), drain, clock, **QUIET) as rt:
+        with trio.fail_after(60):
+            if ending == "interrupted":
+                await rt.wake("s")
+                await corrupted.wait()
+                assert await rt.interrupt("s") is True
+                await rt.wait_idle("s")
+            else:
+                outcome = await rt.run("s")
+                assert outcome.kind == "failed", outcome
+        claims = raw.rows("SELECT id FROM session_execution")
+    [message_id] = [r[0] for r in raw.rows("SELECT id FROM session_message")]
+    event = events.MESSAGE_LEFT_OPEN if ending == "interrupted" else events.CLAIM_KEPT_MALFORMED
+    [record] = [r for r in logs.records if r.msg == event]
+    assert (record.table, record.key) == ("session_message_delta", message_id)
+    assert "bytes" in record.reason, record.reason
+    assert len(claims) == (0 if ending == "interrupted" else 1)

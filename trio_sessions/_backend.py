@@ -193,7 +193,8 @@ def reads_stored_bytes(op: Callable[..., T]) -> Callable[..., T]:
     SQLite keeps whatever bytes another tool writes as TEXT, and its driver refuses the
     whole read of a row that is not UTF-8; such a read then runs again on the same snapshot
     with that text read as its bytes (`_sqlite.engine.run_read`). Any other read raises
-    `StoreError`, as it did."""
+    `StoreError`, as it did. A write marked so runs again too, its writes undone
+    (`_sqlite.engine._run_job`): a claim's endings, which read its open messages."""
     op.__dict__["reads_stored_bytes"] = True
     return op
 

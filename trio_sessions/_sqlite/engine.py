@@ -16,7 +16,7 @@ every operation of the batch, and so does a database file deleted or replaced un
 runtime (`DatabaseFile`). Errors are stored on the jobs, never raised, and an SQLite error
 reaches the caller as `StoreError` (`store_error`). A read marked `reads_stored_bytes` that
 meets text another tool wrote that is not UTF-8 runs again on its snapshot with such text as
-bytes (`run_read`), to name the row malformed.
+bytes (`run_read`), to name the row malformed; so does a write marked so (`_run_job`).
 """
 
 from __future__ import annotations
@@ -285,7 +285,7 @@ def _run_jobs_or_raise(
         if grouped:
             conn.execute("SAVEPOINT job")
         try:
-            job.result = job.op(tx, *job.args)
+            job.result = _run_job(conn, tx, job)
         except Exception as exc:
             job.error = store_error(exc)
             if not conn.in_transaction:
@@ -300,6 +300,30 @@ def _run_jobs_or_raise(
             if grouped:
                 conn.execute("RELEASE job")
     conn.execute("COMMIT")
+
+
+def _run_job(conn: sqlite3.Connection, tx: SQLiteTx, job: Job) -> Any:
+    """`job.op(tx, *args)`. An operation marked `reads_stored_bytes` that meets text
+    another tool wrote that is not UTF-8 runs again, its writes so far undone, with such
+    text read as its bytes (as `run_read` does), so that it names the row malformed: the
+    driver's refusal is a `StoreError`, which a finalizer retries while its lease lasts -
+    for ever, with the same bytes in the row."""
+    if not job.op.__dict__.get("reads_stored_bytes"):
+        return job.op(tx, *job.args)
+    conn.execute("SAVEPOINT stored_bytes")
+    try:
+        result = job.op(tx, *job.args)
+    except sqlite3.OperationalError as exc:
+        if tx.refused_value(exc) is None or not conn.in_transaction:
+            raise
+        conn.execute("ROLLBACK TO stored_bytes")
+        conn.text_factory = _codec.utf8_or_bytes
+        try:
+            result = job.op(tx, *job.args)
+        finally:
+            conn.text_factory = str
+    conn.execute("RELEASE stored_bytes")
+    return result
 
 
 def _run_set_wise(conn: sqlite3.Connection, tx: SQLiteTx, jobs: list[Job]) -> list[Job]:

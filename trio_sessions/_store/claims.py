@@ -29,6 +29,7 @@ from .._backend import (
     autocommit_when_alone,
     caller_yields_next,
     pg_batched,
+    reads_stored_bytes,
     sqlite_batched,
 )
 from .._decisions import IterationVerdict
@@ -167,6 +168,7 @@ def _end_iterations(tx: Tx, rows: Sequence[tuple[Any, ...]]) -> list[Any]:
 
 @autocommit_when_alone
 @caller_yields_next
+@reads_stored_bytes
 @pg_batched("ts_finish_iterations", _pg_iteration_finished)
 @sqlite_batched(_end_iterations)
 def end_iteration(tx: Tx, session_id: str, execution_id: str, owner_id: str) -> IterationVerdict:
@@ -232,6 +234,7 @@ def _delete_claim(tx: Tx, execution_id: str, owner_id: str) -> None:
         raise _lease_lost(execution_id)
 
 
+@reads_stored_bytes
 def finish_failed(tx: Tx, session_id: str, execution_id: str, owner_id: str, error: str) -> bool:
     """A drain raised: close its open message as failed, delete the claim, reset attempts.
     `MalformedRecord` (nothing written) when an open message does not decode - another
@@ -288,6 +291,7 @@ class Interrupted:
     left_open: tuple[MalformedRecord, ...] = ()
 
 
+@reads_stored_bytes
 def finish_interrupted(tx: Tx, session_id: str, execution_id: str, owner_id: str) -> Interrupted:
     """Second step of an interrupt's cleanup, one transaction: finish the open message and
     fail its running tools (`interrupted`), delete the claim, re-arm the doorbell if inputs
