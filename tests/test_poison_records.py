@@ -861,13 +861,15 @@ async def test_an_interrupt_over_an_open_message_with_no_id_says_it_left_it_open
     assert (record.table, record.key, record.reason) == ("session_message", "NULL", "id is NULL")
 
 
+@pytest.mark.parametrize("table", ["session_message_delta", "session_message"])
 @pytest.mark.parametrize("ending", ["returns", "raises", "interrupted"])
 async def test_an_ending_over_streamed_text_that_is_not_utf8_does_not_retry_for_ever(
-    tmp_path: Path, clock: Any, autojump_clock: MockClock, logs: Any, ending: str
+    tmp_path: Path, clock: Any, autojump_clock: MockClock, logs: Any, ending: str, table: str
 ) -> None:
     """On SQLite, which keeps whatever bytes another tool writes as TEXT: a text streamed
-    onto the drain's open message becomes bytes that are not UTF-8. Every ending reads that
-    text to close the message, and the driver refused the whole read - a store error, so
+    onto the drain's open message (or the message's data) becomes bytes that are not UTF-8.
+    Every ending reads that text to close the message, and the driver refused the whole
+    read - a store error, so
     the finalizer retried it while the heartbeat kept the lease: `run()` and `wait_idle()`
     never returned, nothing but one `drain failed` was logged, and the claim stayed until
     the process closed. The ending names the row malformed instead, as for a text that
@@ -880,7 +882,10 @@ async def test_an_ending_over_streamed_text_that_is_not_utf8_does_not_retry_for_
         writer = await ctx.begin_assistant()
         await writer.append_text("a")
         await writer.append_text("b")
-        raw.write("UPDATE session_message_delta SET text = CAST(X'ff' AS TEXT) WHERE text = 'b'")
+        if table == "session_message":
+            raw.write("UPDATE session_message SET data = CAST(X'ff' AS TEXT) WHERE seq = 1")
+        else:
+            raw.write(f"UPDATE {table} SET text = CAST(X'ff' AS TEXT) WHERE text = 'b'")
         corrupted.set()
         if ending == "raises":
             raise RuntimeError("the model's call failed")
@@ -901,6 +906,6 @@ async def test_an_ending_over_streamed_text_that_is_not_utf8_does_not_retry_for_
     [message_id] = [r[0] for r in raw.rows("SELECT id FROM session_message")]
     event = events.MESSAGE_LEFT_OPEN if ending == "interrupted" else events.CLAIM_KEPT_MALFORMED
     [record] = [r for r in logs.records if r.msg == event]
-    assert (record.table, record.key) == ("session_message_delta", message_id)
-    assert "bytes" in record.reason, record.reason
+    assert (record.table, record.key) == (table, message_id)
+    assert "bytes" in record.reason or "not UTF-8" in record.reason, record.reason
     assert len(claims) == (0 if ending == "interrupted" else 1)
