@@ -322,7 +322,8 @@ async def test_upgrade_of_a_version_1_schema_adds_streaming(pg_url: str, pg_sche
     # 26: an operation that took a session's lock and ends without claiming or signalling it
     #     signals it when an acquire waits for it; an input count below 0 is refused;
     # 27: so does a drain's write whose claim is gone (a zombie's, answered lease_lost)
-    assert SCHEMA_VERSION == 27
+    # 28: a cancel's trace keeps no payload and goes after ten minutes in a recovery pass
+    assert SCHEMA_VERSION == 28
     await check_pre_streaming_upgrade(location, PostgresStore(pg_url, schema=pg_schema))
 
 
@@ -434,6 +435,40 @@ def test_upgrade_of_a_version_19_schema_keeps_its_inputs_and_replaces_the_submit
     )
     assert sorted(name for name, _ in functions) == sorted(_SUBMIT_FUNCTIONS_BEFORE_20)
     assert all(" p_call" in arguments for _, arguments in functions), functions
+
+
+def test_upgrade_of_a_version_27_schema_forgets_cancelled_payloads_and_old_traces(
+    pg_url: str, pg_schema: str
+) -> None:
+    """A version-27 schema's cancel traces held the withdrawn messages' payloads, and one
+    older than ten minutes stayed until a later cancel. Version 28's step deletes those old
+    ones and drops the payloads; a trace within its ten minutes still answers the retry of
+    the call that stored its input (known: not stored again), and only that call's."""
+    from trio_sessions._postgres import open_engine
+    from trio_sessions._schema import _create_functions
+
+    with raw(pg_url, pg_schema) as conn:
+        build_pg_schema(conn, 27)
+        _create_functions(conn)
+        conn.execute("INSERT INTO session(id, time_created, input_seq) VALUES ('s', 0, 1)")
+        conn.execute(
+            "INSERT INTO session_input_cancelled(id, session_id, payload, time_cancelled,"
+            " call_id) VALUES ('old', 's', '{\"card\": 4111}', 0, 'c0'),"
+            " ('recent', 's', '{\"card\": 4111}',"
+            " floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint - 60000, 'c1')"
+        )
+    open_engine(pg_url, schema=pg_schema).close()
+    location = Raw(PgLocation(pg_url, pg_schema))
+    assert location.rows("SELECT version FROM schema_version") == [(SCHEMA_VERSION,)]
+    assert location.rows("SELECT id, call_id FROM session_input_cancelled") == [("recent", "c1")]
+    assert location.rows(
+        "SELECT column_name FROM information_schema.columns WHERE table_schema ="
+        " current_schema() AND table_name = 'session_input_cancelled' ORDER BY column_name"
+    ) == [("call_id",), ("id",), ("session_id",), ("time_cancelled",)]
+    known = "SELECT ts_submit('s', '{\"card\": 4111}', 'recent', ?, NULL, true)"
+    assert location.rows(known, ("c1",)) == [("known",)]
+    assert location.rows("SELECT id FROM session_input") == []
+    assert location.rows(known, ("c2",)) == [("stored",)]  # another call's: stored
 
 
 @pytest.mark.parametrize(

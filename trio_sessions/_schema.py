@@ -187,7 +187,7 @@ SQLITE_OUR_TABLES = frozenset(
 # ---------------------------------------------------------------------------------------------
 # PostgreSQL
 
-POSTGRES_SCHEMA_VERSION = 27
+POSTGRES_SCHEMA_VERSION = 28
 
 # Same names, meanings and named CHECKs as the SQLite schema (`SQLITE_MIGRATIONS`, whose
 # versions 1-3 are PostgreSQL's first: no PostgreSQL store predates them); times
@@ -467,6 +467,18 @@ DROP FUNCTION IF EXISTS ts_update_message(text, text, text, text, bigint, text, 
     # it signals the session when an acquire waits for it (`ts_lock_execution`, through
     # which every drain's function takes its lock), as version 26's operations do.
     27: "",
+    # A cancel's trace keeps no payload: it holds the text a user took back (a pasted card
+    # number), and the call id it names already tells its call's retry - which carries the
+    # same payload - from any other submit (`ts_known_input` compares it no more). And it
+    # lasts its ten minutes whether or not another cancel follows: a recovery pass, which
+    # every worker runs periodically, deletes the older ones too (`ts_forget_cancelled`,
+    # from `ts_recovery_scan` and `ts_cancel_input`), as this step does now (by the server's
+    # clock, the lease clock's). PostgreSQL's alone, as version 19.
+    28: """
+DELETE FROM session_input_cancelled
+    WHERE time_cancelled < floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint - 600000;
+ALTER TABLE session_input_cancelled DROP COLUMN payload;
+""",
 }
 
 
@@ -533,4 +545,5 @@ POSTGRES_BACKFILLS: dict[int, Callable[[Any], None]] = {
     25: _create_functions,
     26: _create_functions,
     27: _create_functions,
+    28: _create_functions,
 }

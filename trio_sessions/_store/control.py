@@ -689,13 +689,15 @@ END $$;
 -- whether it was deleted here (not when taken meanwhile, set aside, or unknown). It leaves
 -- a trace for ts_known_input: a submit of it whose reply was lost, called again, answers
 -- for its lost call (landed) instead of storing the input again - the trace names the call
--- that stored the input (call_id), so only that call's retry reads it. A retry happens
--- within the engine's patience (seconds), so traces older than ten minutes go.
+-- that stored the input (call_id), so only that call's retry reads it; it keeps no
+-- payload (the text a user took back), which that retry carries again. A retry happens
+-- within the engine's patience (seconds), so traces older than ten minutes go
+-- (`ts_forget_cancelled`, here and in every recovery pass).
 CREATE OR REPLACE FUNCTION ts_cancel_input(p_input text, p_now bigint, p_retry boolean)
 RETURNS boolean
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
-    v_session text; v_payload text; v_call text; v_now bigint;
+    v_session text; v_call text; v_now bigint;
 BEGIN
     SELECT i.session_id INTO v_session FROM session_input i WHERE i.id = p_input;
     IF NOT FOUND THEN
@@ -703,20 +705,31 @@ BEGIN
     END IF;
     v_now := ts_lock_now(v_session, p_now);
     -- Under the lock: a drain may have taken it since the lookup.
-    DELETE FROM session_input WHERE id = p_input RETURNING payload, call_id
-        INTO v_payload, v_call;
+    DELETE FROM session_input WHERE id = p_input RETURNING call_id INTO v_call;
     IF NOT FOUND THEN
         RETURN false;
     END IF;
     UPDATE session SET time_written = v_now WHERE id = v_session;
     PERFORM ts_signal(v_session);
-    DELETE FROM session_input_cancelled WHERE time_cancelled < v_now - 600000;
-    INSERT INTO session_input_cancelled(id, session_id, payload, time_cancelled, call_id)
-        VALUES (p_input, v_session, v_payload, v_now, v_call)
+    PERFORM ts_forget_cancelled(v_now);
+    INSERT INTO session_input_cancelled(id, session_id, time_cancelled, call_id)
+        VALUES (p_input, v_session, v_now, v_call)
         ON CONFLICT (id) DO UPDATE SET session_id = excluded.session_id,
-            payload = excluded.payload, time_cancelled = excluded.time_cancelled,
-            call_id = excluded.call_id;
+            time_cancelled = excluded.time_cancelled, call_id = excluded.call_id;
     RETURN true;
+END $$;
+
+-- Delete the cancels' traces older than ten minutes (`ts_cancel_input`), from a cancel and
+-- from every recovery pass (`ts_recovery_scan`): a store where no cancel follows forgets
+-- them too. A trace another transaction holds is skipped, never waited for (two sweeps
+-- deleting the same rows in different orders would deadlock): the next sweep takes it.
+CREATE OR REPLACE FUNCTION ts_forget_cancelled(p_now bigint)
+RETURNS void
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    DELETE FROM session_input_cancelled WHERE id IN (
+        SELECT c.id FROM session_input_cancelled c WHERE c.time_cancelled < p_now - 600000
+        FOR UPDATE SKIP LOCKED);
 END $$;
 
 -- pause: mark the session paused (created if absent); the first pause's time stays.

@@ -149,7 +149,8 @@ PG_FUNCTIONS = r"""
 -- finds its lost call's input cancelled since (`ts_cancel_input`'s trace): known. A
 -- first call never does - a cancelled id is forgotten, and a submit with it stores anew -
 -- and nor does a call again whose lost call never ran: the trace must name this call
--- (p_call, `Job.call_id`), not an earlier submit's of the same id and payload.
+-- (p_call, `Job.call_id`), not an earlier submit's of the same id and payload. The trace
+-- keeps no payload (the text a user took back): a call again carries its call's payload.
 CREATE OR REPLACE FUNCTION ts_known_input(p_session text, p_input text, p_payload text,
     p_call text, p_retry boolean)
 RETURNS text
@@ -165,8 +166,7 @@ BEGIN
         LIMIT 1) k;
     IF NOT FOUND THEN
         RETURN CASE WHEN p_retry AND EXISTS (SELECT 1 FROM session_input_cancelled c
-            WHERE c.id = p_input AND c.session_id = p_session AND c.payload = p_payload
-                AND c.call_id = p_call)
+            WHERE c.id = p_input AND c.session_id = p_session AND c.call_id = p_call)
             THEN 'known' END;
     END IF;
     RETURN CASE WHEN v_session <> p_session THEN 'other_session'

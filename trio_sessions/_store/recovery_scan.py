@@ -480,6 +480,9 @@ BEGIN
     + r""";
     RETURN QUERY SELECT 'due'::text, NULL::text, NULL::text, MIN(i.due_at) - v_now
         FROM session_input i WHERE i.due_at IS NOT NULL;
+    -- A pass runs periodically anyway: cancels' traces past their ten minutes go here too,
+    -- not only in a later cancel, which a quiet store never runs.
+    PERFORM ts_forget_cancelled(v_now);
 END $$;
 """
 )
