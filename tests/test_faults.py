@@ -24,6 +24,7 @@ from typing import Any
 import attrs
 import pytest
 import trio
+from helpers import records
 from trio.testing import MockClock
 
 import trio_sessions
@@ -34,6 +35,7 @@ from trio_sessions import (
     Runtime,
     StoreError,
     ToolPart,
+    _observe,
     _sqlite,
     _store,
     testing,
@@ -1242,3 +1244,43 @@ async def test_control_call_fault_writes_nothing_and_retry_succeeds(
             assert_consistent(path)
 
     assert await sweep(tmp_path, message, scenario) >= 4
+
+
+async def test_an_ending_retried_past_a_heartbeat_interval_says_so_once(
+    tmp_path: Path, clock: Clock, autojump_clock: MockClock, logs: pytest.LogCaptureFixture
+) -> None:
+    """A drain's ending (its claim's delete) fails again and again while the heartbeat keeps
+    the lease: the finalizer retries for as long as the claim is ours, and `run()` waits.
+    The operator learns of it once the retries have lasted a heartbeat interval - one
+    WARNING naming the session, the execution and the error, however long they go on -
+    and the ending lands once the store takes it."""
+    path = tmp_path / "db.sqlite"
+    faults = Faults(path)
+    worker = Worker()
+    async with open_faulty(path, worker, clock, faults, heartbeat_interval=1.0) as runtime:
+        faults.arm_matching("DELETE FROM session_execution", "disk I/O error")
+        async with trio.open_nursery() as nursery:
+            outcomes: list[Outcome] = []
+
+            async def run() -> None:
+                outcomes.append(await runtime.run("s"))
+
+            nursery.start_soon(run)
+            await trio.sleep(0.9)
+            assert faults.fired, "the ending was not tried"
+            assert records(logs, _observe.ENDING_RETRIED) == []
+            await trio.sleep(5.0)
+            assert outcomes == [], "the ending gave up while the claim was ours"
+            [record] = records(logs, _observe.ENDING_RETRIED)
+            assert (record.session_id, record.execution_id) == ("s", worker_execution(path))
+            assert "disk I/O error" in record.error
+            faults.disarm()
+        assert [outcome.kind for outcome in outcomes] == ["failed"]
+        await runtime.wait_idle("s")
+    assert rows(path, "SELECT * FROM session_execution") == []
+    assert len(records(logs, _observe.ENDING_RETRIED)) == 1
+
+
+def worker_execution(path: Path) -> str:
+    [(execution_id,)] = rows(path, "SELECT id FROM session_execution")
+    return str(execution_id)

@@ -760,12 +760,16 @@ class BusyPeriods:
         """
         runtime = self._runtime
         pause = 0.01
+        said_at = trio.current_time() + runtime._heartbeat_interval
         while True:
             try:
                 return await runtime._db.run(op, *args)
-            except StoreError:
+            except StoreError as exc:
                 if entry.reason == "lease_lost" or runtime._closing:
                     raise
+                if trio.current_time() >= said_at:
+                    _observe.ending_retried(entry, runtime._owner_id, exc)
+                    said_at = math.inf
             await trio.sleep(pause)
             pause = min(pause * 2, runtime._heartbeat_interval)
 

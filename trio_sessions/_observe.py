@@ -54,6 +54,7 @@ logger.addHandler(logging.NullHandler())
 DRAIN_FAILED = "drain failed: session %s, execution %s"
 CLAIM_KEPT_MALFORMED = "claim kept for quarantine, a record is malformed: session %s, execution %s"
 MESSAGE_LEFT_OPEN = "malformed message left open: session %s, execution %s"
+ENDING_RETRIED = "claim ending retried: session %s, execution %s"
 CLAIM_ATTEMPT_FAILED = "claim attempt failed: session %s"
 CLAIM_LOST = "claim lost: session %s, execution %s"
 SESSION_DELETED = "claim ended, session deleted: session %s, execution %s"
@@ -129,6 +130,20 @@ def claim_kept_malformed(entry: SessionEntry, owner_id: str, error: MalformedRec
             "key": error.key,
             "reason": "; ".join(error.reasons),
         },
+    )
+
+
+def ending_retried(entry: SessionEntry, owner_id: str, error: StoreError) -> None:
+    """WARNING, once per ending: a claim's ending (its iteration end, a failed drain's or
+    an interrupt's finish) has failed for a heartbeat interval. It is retried for as long
+    as the claim is ours - giving up would leave recovery to resume work meant to stop -
+    and `run()` waits meanwhile, so the operator hears of it. extra: session_id,
+    execution_id, owner_id, attempt, resumed, error."""
+    logger.warning(
+        ENDING_RETRIED,
+        entry.session_id,
+        entry.execution_id,
+        extra={**_claim(entry, owner_id), "error": mask_password(str(error))},
     )
 
 
