@@ -302,6 +302,9 @@ class Job:
     # SQLite's loop-thread store): nothing of it committed there, and every later attempt
     # runs in the worker thread - a batch holding it is never tried on the loop again.
     off_the_loop: bool = attrs.field(default=False, init=False)
+    # Withdrawn unrun by the worker (PostgreSQL's `Withdrawals`): its caller was cancelled
+    # and nothing of it committed; the caller's wait ends in its cancellation.
+    withdrawn: bool = attrs.field(default=False, init=False)
     _call_id: str | None = attrs.field(default=None, init=False, repr=False)
 
     @property

@@ -9,7 +9,10 @@ Invariant: an operation that has begun is never abandoned. If its caller is canc
 it is queued, it is withdrawn unrun; so it is when taken in a batch whose engine has not
 begun it yet (a `BatchStart`: SQLite's worker thread waiting for the write lock another
 process holds - nothing of the batch ran, and a drain cancelled at its lease's deadline must
-not wait up to `LOCK_PATIENCE_S` for it, DESIGN §6.17); once begun, the caller waits for its
+not wait up to `LOCK_PATIENCE_S` for it, DESIGN §6.17), and when its engine withdraws it
+unrun later (PostgreSQL's `Withdrawals`: the statement waiting for a session's lock another
+connection holds is cancelled, rolled back before COMMIT - the caller waits for that verdict,
+then sees its cancellation); once begun, the caller waits for its
 outcome (as `trio.to_thread.run_sync` does with `abandon_on_cancel=False`), so a write that
 committed is always reported, never mistaken for one that did not happen, nor one that did
 not run for one that did (a hand-off that raises leaves its callers `OutcomeUnknown`, but
@@ -23,13 +26,23 @@ from __future__ import annotations
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import trio
 
 from ._backend import Job, closed_before_run, executor_closed
-from ._errors import OutcomeUnknown
+from ._errors import OutcomeUnknown, StoreError
+
+
+class Withdrawable(Protocol):
+    """A batch handed to a worker thread whose operations a cancelled caller may still
+    withdraw (`BatchStart`; PostgreSQL's `Withdrawals`)."""
+
+    def withdraw(self, job: Job) -> bool:
+        """Withdraw `job` now (True), or leave the verdict to the worker (False): the caller
+        waits for the job's outcome, which `Job.withdrawn` may then say never ran."""
+        ...
 
 
 class BatchStart:
@@ -90,7 +103,7 @@ class Queued:
     finished: bool = False
     # Set when taken into a worker's batch that may wait before it begins: a cancelled
     # caller can still withdraw the operation until it does.
-    start: BatchStart | None = None
+    start: Withdrawable | None = None
 
     def finish(self) -> None:
         if not self.finished:
@@ -103,7 +116,8 @@ class Queued:
         while still queued, the operation is withdrawn unrun (`withdraw` takes it off its
         queue), and so it is when taken into a batch that has not begun (`start`: the
         worker drops it); once begun, the caller waits for its outcome like a
-        non-abandoning to_thread call, and the next checkpoint delivers the cancellation."""
+        non-abandoning to_thread call, and the next checkpoint delivers the cancellation -
+        at once when the worker withdrew the operation unrun meanwhile (`Job.withdrawn`)."""
 
         def abort(_: Any) -> trio.lowlevel.Abort:
             if not self.taken:
@@ -114,6 +128,11 @@ class Queued:
             return trio.lowlevel.Abort.SUCCEEDED
 
         await trio.lowlevel.wait_task_rescheduled(abort)
+        if self.job.withdrawn:
+            # Only a cancelled caller's operation is withdrawn: this checkpoint raises its
+            # Cancelled (unless a shield came up since, which leaves it no result to take).
+            await trio.lowlevel.checkpoint()
+            raise StoreError("the operation was withdrawn unrun, its caller cancelled")
         return self.job.unwrap()
 
 

@@ -49,8 +49,17 @@ operation gets `StoreError`, so the runtime never treats an uncertain claim as i
 it landed, it expires and recovery takes it. A lost reply to an autocommit call is resolved
 by calling again with `retry`: the function reads back by natural key whether it landed.
 
+Withdrawn callers (`Withdrawals`, the threaded executor's hand-offs): a write whose caller
+was cancelled is withdrawn unrun where nothing of it committed - before its transaction (or
+autocommit call) sends anything, or once a statement of it still unanswered `CANCEL_AFTER_S`
+after it was sent (waiting for a session's lock) is cancelled (`cancel_safe`), the
+transaction rolled back before its COMMIT; the rest of its batch runs again without it.
+
 Invariants:
 * an operation that raised has written nothing; results are reported only after COMMIT;
+* a cancel reaches the server only while a statement of an attempt before its COMMIT is
+  unanswered, and the worker sends nothing more until that request is done: it never lands
+  on a COMMIT or a later statement (the server ignores one that finds its backend idle);
 * an outcome is never guessed: a COMMIT whose outcome cannot be read back within
   `RECONNECT_PATIENCE_S` is a `StoreError`, never a retry that could apply twice;
 * methods never raise for an operation's failure: outcomes go on the `Job`.
@@ -59,7 +68,9 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar, TypeVarTuple, Unpack
@@ -120,6 +131,12 @@ RECONNECT_PATIENCE_S = 10.0
 # At most this many operations per transaction (the rest follow in the same hand-off): a
 # huge transaction holds many session locks at once and costs more to re-run alone.
 BATCH_LIMIT = 64
+# A statement still unanswered this long after it was sent is cancelled once a caller of
+# its transaction was cancelled (`Withdrawals`): one that answers sooner - the common
+# case, an interrupt while a drain's write runs - is let be, and its transaction commits.
+CANCEL_AFTER_S = 0.05
+# The longest a cancel request waits for the server to take it (the worker waits for it).
+CANCEL_TIMEOUT_S = 5.0
 
 
 def _store_error(exc: BaseException) -> BaseException:
@@ -166,6 +183,161 @@ class _Rerun(Exception):
         self.cause = cause
 
 
+class _Withdrawn(Exception):
+    """A caller of the transaction (or autocommit call) was cancelled, and nothing of it
+    committed: it was never sent, cancelled while a statement waited, or rolled back before
+    its COMMIT (`Withdrawals`)."""
+
+
+class Withdrawals:
+    """The callers of one hand-off's writes cancelled while the worker runs them (PostgreSQL's
+    `_handoff.BatchStart`): a cancelled caller's operation is withdrawn unrun - its caller
+    goes on, cancelled - where nothing of it committed, so a drain stopped at its lease's
+    deadline exits then, not when another connection lets go of its session's lock (up to
+    `LOCK_TIMEOUT_MS`, retried for up to `RECONNECT_PATIENCE_S`; DESIGN §6.17).
+
+    A cancelled caller asks (`withdraw`, on the trio thread) and waits for the worker's
+    verdict. The worker withdraws the operation before a transaction (or autocommit call)
+    holding it sends anything; and while one of its statements is still unanswered
+    `CANCEL_AFTER_S` after it was sent (waiting for a lock), that statement is cancelled
+    (psycopg's `cancel_safe`, from a thread of its own), the transaction rolled back, its
+    cancelled callers' operations withdrawn and the others run again. Where the cancel came
+    too late for its statement, the transaction is rolled back before COMMIT all the same.
+
+    Invariants:
+    * a committed operation is always reported: no cancel is ever sent while no statement
+      of ours is in flight, nor once the transaction's COMMIT is due (`commit`), and the
+      worker sends nothing more on the connection until a cancel request under way is done
+      (`statement`) - the server has signalled its backend by then, which ignores a cancel
+      that finds it idle, so a late one never lands on a later statement (a COMMIT, the next
+      batch's); the server's 57014 means the statement (an autocommit call with it) rolled
+      back, as for statement_timeout's, which the engine retries;
+    * an operation whose earlier attempt's reply was lost (`Job.reply_lost`: it may have
+      landed) is never withdrawn; one left uncancelled runs to its outcome, its caller told.
+    """
+
+    def __init__(self, on_withdrawn: Callable[[list[Job]], None]) -> None:
+        self._lock = threading.Lock()
+        self._on_withdrawn = on_withdrawn  # in the worker thread: wake their callers
+        self._asked: set[int] = set()  # ids of the jobs whose callers were cancelled
+        # The running attempt's jobs, which may be withdrawn but for those whose reply was lost.
+        self._current: Sequence[Job] = ()
+        self._statements = 0
+        # The statement unanswered: its number, the connection (as connected), sent when.
+        self._in_flight: tuple[int, Any, float] | None = None
+        self._cancelled = False  # a cancel was sent during the running attempt
+        self._sending: threading.Event | None = None  # set once that request is done
+
+    def withdraw(self, job: Job) -> bool:
+        """On the trio thread: `job`'s caller was cancelled. The worker decides (False): it
+        withdraws the job unless it committed, or is past its COMMIT."""
+        with self._lock:
+            self._asked.add(id(job))
+            flight = self._in_flight
+            if flight is None or job.reply_lost or not any(each is job for each in self._current):
+                return False
+        threading.Thread(
+            target=self._cancel_unanswered,
+            args=(flight[0],),
+            name="trio-sessions-pg-cancel",
+            daemon=True,
+        ).start()
+        return False
+
+    def _cancel_unanswered(self, number: int) -> None:
+        """Cancel statement `number` if it is still unanswered `CANCEL_AFTER_S` after it was
+        sent."""
+        with self._lock:
+            flight = self._in_flight
+            if flight is None or flight[0] != number:
+                return
+            pause = flight[2] + CANCEL_AFTER_S - time.monotonic()
+        if pause > 0:
+            time.sleep(pause)
+        with self._lock:
+            flight = self._in_flight
+            if flight is None or flight[0] != number or self._cancelled:
+                return
+            self._cancelled = True
+            sending = self._sending = threading.Event()
+        try:
+            with contextlib.suppress(Exception):  # a connection gone: its statement ended
+                flight[1].cancel_safe(timeout=CANCEL_TIMEOUT_S)
+        finally:
+            sending.set()
+
+    def attempt(self, jobs: Sequence[Job], *, certain: bool = True) -> None:
+        """In the worker: a transaction (or autocommit call) for `jobs` begins; `_Withdrawn`
+        before anything is sent when a caller of one was cancelled. Not `certain`: a lost
+        reply of an earlier attempt may have landed - none of them may be withdrawn."""
+        with self._lock:
+            self._cancelled = False
+            self._current = jobs if certain else ()
+            asked = self._asked
+            if asked and any(id(job) in asked and not job.reply_lost for job in self._current):
+                raise _Withdrawn
+
+    @contextlib.contextmanager
+    def statement(self, conn: Any) -> Iterator[None]:
+        """In the worker, around each statement of the attempt sent on `conn` (the
+        connection as connected): cancellable while unanswered. `_Withdrawn` for the
+        server's 57014 after a cancel of ours, and before sending once one was sent."""
+        with self._lock:
+            if self._cancelled:  # it came too late for the statement before
+                raise _Withdrawn
+            self._statements += 1
+            self._in_flight = (self._statements, conn, time.monotonic())
+        try:
+            yield
+        except psycopg.Error as exc:
+            if self._answered() and exc.sqlstate == "57014":
+                raise _Withdrawn from exc
+            raise
+        except BaseException:
+            self._answered()
+            raise
+        else:
+            self._answered()
+
+    def _answered(self) -> bool:
+        """The statement answered: no cancel starts from now on, and one under way is waited
+        for. Whether one was sent during the attempt."""
+        with self._lock:
+            self._in_flight = None
+            sending, cancelled = self._sending, self._cancelled
+            self._sending = None
+        if sending is not None:
+            sending.wait()
+        return cancelled
+
+    def commit(self) -> None:
+        """In the worker, before the attempt's COMMIT: `_Withdrawn` (roll back) once a cancel
+        was sent during it; from here on its callers wait for its outcome."""
+        with self._lock:
+            if self._cancelled:
+                raise _Withdrawn
+            self._current = ()
+
+    def withdrawn(self, jobs: Sequence[Job]) -> list[Job]:
+        """In the worker, after `_Withdrawn` (nothing of `jobs` committed): those of the
+        attempt's that may be withdrawn whose callers were cancelled are withdrawn, their
+        callers woken; the others, to run again."""
+        with self._lock:
+            current = {id(job) for job in self._current}
+            self._current = ()
+            self._cancelled = False
+            gone = [
+                job
+                for job in jobs
+                if id(job) in current and id(job) in self._asked and not job.reply_lost
+            ]
+        for job in gone:
+            job.withdrawn = True
+        if gone:
+            self._on_withdrawn(gone)
+        return [job for job in jobs if not job.withdrawn]
+
+
 class PgEngine:
     """One connection and the transactions run on it, by one thread at a time.
 
@@ -191,6 +363,8 @@ class PgEngine:
         # many fails within one bound, not a bound per job.
         self._in_hand_off = False
         self._silent = False
+        # The hand-off's cancelled callers (`run_jobs`); None: no caller is ever withdrawn.
+        self._withdrawals: Withdrawals | None = None
         self.backend_pid: int | None = None
         self.transactions = 0
         self.retries = 0
@@ -273,18 +447,39 @@ class PgEngine:
         )
 
     def run_jobs(
-        self, jobs: Sequence[Job], nowait: Sequence[Job] = (), alone: Sequence[Job] = ()
+        self,
+        jobs: Sequence[Job],
+        nowait: Sequence[Job] = (),
+        alone: Sequence[Job] = (),
+        withdrawals: Withdrawals | None = None,
     ) -> None:
         """One hand-off's writes: `alone` (writes on no session) first, each in its own
         transaction (one autocommit call if it can be), then `nowait` jobs alone each, the
-        rest in batches of `BATCH_LIMIT`. Its reads follow (`run_reads`)."""
+        rest in batches of `BATCH_LIMIT`. Its reads follow (`run_reads`). With
+        `withdrawals`, a job whose caller was cancelled is withdrawn where nothing of it
+        committed."""
         with self._hand_off():
-            for job in alone:
-                self.run_alone(job)
-            for job in nowait:
-                self.run_alone(job, "nowait")
-            for start in range(0, len(jobs), BATCH_LIMIT):
-                self.run_batch(jobs[start : start + BATCH_LIMIT])
+            self._withdrawals = withdrawals
+            try:
+                for job in alone:
+                    self.run_alone(job)
+                for job in nowait:
+                    self.run_alone(job, "nowait")
+                for start in range(0, len(jobs), BATCH_LIMIT):
+                    self.run_batch(jobs[start : start + BATCH_LIMIT])
+            finally:
+                self._withdrawals = None
+
+    def _guard(self) -> Callable[[], contextlib.AbstractContextManager[None]] | None:
+        """Around each statement of a write (`PgTx`): cancellable for a cancelled caller."""
+        if self._withdrawals is None:
+            return None
+        return functools.partial(self._withdrawals.statement, self._raw)
+
+    def _withdraw(self, jobs: Sequence[Job]) -> list[Job]:
+        """After `_Withdrawn`: the jobs withdrawn (their callers go on); the rest."""
+        assert self._withdrawals is not None
+        return self._withdrawals.withdrawn(jobs)
 
     @contextlib.contextmanager
     def _hand_off(self) -> Iterator[None]:
@@ -362,6 +557,10 @@ class PgEngine:
             return
         try:
             results = self._transaction(jobs, "write", alone=False)
+        except _Withdrawn:  # rolled back: the others run again without the withdrawn
+            if rest := self._withdraw(jobs):
+                self.run_batch(rest)
+            return
         except _JobRaised:
             for job in jobs:
                 self.run_alone(job)
@@ -383,13 +582,13 @@ class PgEngine:
         function, interpret = jobs[0].op.__dict__["pg_batched"]
         call = Job(_call, (function, *_set_wise_arguments(jobs)))
         try:
-            rows = self._autocommit(call)
+            rows = self._autocommit(call, callers=jobs)
         except StoreError as exc:
             for job in jobs:
                 job.error = exc
             return []
-        except Exception:  # refused whole (or failed before sending): each alone says why
-            return _after_call(call, jobs)
+        except Exception:  # refused whole, failed before sending, or `_Withdrawn`: each
+            return _after_call(call, jobs)  # alone says why (or is withdrawn)
         settled: set[int] = set()
         for ordinal, *row in rows:  # in the order the call applied them
             index = int(ordinal) - 1
@@ -408,10 +607,19 @@ class PgEngine:
     def run_alone(self, job: Job, mode: Mode = "write") -> None:
         """Run one job in its own transaction - or as one autocommit call, if it is marked
         `autocommit_when_alone`. Never raises: the outcome goes on the job."""
+        try:
+            self._run_alone(job, mode)
+        except _Withdrawn:  # nothing of it committed
+            for rest in self._withdraw([job]):
+                self.run_alone(rest, mode)
+
+    def _run_alone(self, job: Job, mode: Mode) -> None:
         # A read that is one function call is one statement: its own snapshot, no BEGIN.
         if mode != "nowait" and job.op.__dict__.get("autocommit_when_alone", False):
             try:
                 job.result = self._autocommit(job, read=mode == "read")
+            except _Withdrawn:
+                raise
             except NeedsTransaction:
                 # Nothing was written: run it in a transaction instead - whose calls read
                 # back whether a lost earlier attempt landed (`Job.reply_lost`).
@@ -461,7 +669,9 @@ class PgEngine:
                     raise _unknown_outcome(exc.__cause__, exc) from exc
                 raise
 
-    def _autocommit(self, job: Job, *, read: bool = False) -> Any:
+    def _autocommit(
+        self, job: Job, *, read: bool = False, callers: Sequence[Job] | None = None
+    ) -> Any:
         """Run a job as one autocommit call (`PgTx(autocommit=True)`), within the bounds.
 
         A connection lost around a write's call leaves its outcome unknown: the call runs
@@ -470,7 +680,8 @@ class PgEngine:
         commits nothing: it only runs again, and past the bounds it is a plain
         `StoreError`. `NeedsTransaction` before anything was sent, or when the server
         refused the call whole (`NEEDS_TRANSACTION`: nothing written); the operation's own
-        errors as they are."""
+        errors as they are; `_Withdrawn` (nothing committed) for a write whose caller - or
+        one of its `callers`, for a set-wise call - was cancelled (`Withdrawals`)."""
         deadline = time.monotonic() + RECONNECT_PATIENCE_S
         attempt = 0
         lost: BaseException | None = None
@@ -482,11 +693,16 @@ class PgEngine:
                 if job.reply_lost:  # never guessed: the lost call may have landed
                     raise _unknown_outcome(lost, exc) from lost
                 raise
+            guard = None if read else self._guard()
+            if guard is not None:
+                self._withdrawals.attempt(  # type: ignore[union-attr]
+                    [job] if callers is None else callers, certain=not job.reply_lost
+                )
             self.transactions += 1
-            tx = PgTx(conn, self.clock, autocommit=True, retry=job.reply_lost, job=job)
+            tx = PgTx(conn, self.clock, autocommit=True, retry=job.reply_lost, job=job, guard=guard)
             try:
                 return job.op(tx, *job.args)
-            except NeedsTransaction:
+            except (NeedsTransaction, _Withdrawn):
                 raise
             except Exception as exc:
                 if isinstance(exc, psycopg.Error) and exc.sqlstate == NEEDS_TRANSACTION:
@@ -557,9 +773,14 @@ class PgEngine:
             begin = _BEGIN_READ
         else:
             begin = _write_begin(jobs)
-        tx = PgTx(conn, self.clock, begin=begin, retry=retry)
+        # A write's cancelled callers are withdrawn (`Withdrawals`), before its COMMIT.
+        withdrawals = None if mode == "read" else self._withdrawals
+        guard = None if withdrawals is None else self._guard()
+        tx = PgTx(conn, self.clock, begin=begin, retry=retry, guard=guard)
         xid = None
         try:
+            if withdrawals is not None:
+                withdrawals.attempt(jobs, certain=not retry)
             results = self._run_jobs(tx, jobs)
             # Read just before COMMIT (not at BEGIN): only a transaction that wrote has an
             # id, and a read-only one needs no read-back. The signals travel with it, in
@@ -575,21 +796,27 @@ class PgEngine:
                 )
             else:
                 xid = tx.xid
+            if withdrawals is not None:
+                withdrawals.commit()  # last: nothing is cancelled from here on
         except Exception as exc:
             self._rollback()
             if _connection_lost(conn, exc):
                 self.close()  # the next attempt re-opens it
                 raise _Rerun(exc) from exc
+            withdrawn = isinstance(exc, _Withdrawn)
             retryable = isinstance(exc, psycopg.Error) and exc.sqlstate in RETRYABLE_SQLSTATES
             # A batch re-runs its jobs alone instead (a deadlock between two batches is
             # unlikely to recur between single operations); nowait never waits again.
             if retryable and alone and not nowait:
                 raise _Rerun(exc) from exc
             # The sessions its statements locked, and those its functions meant to signal
-            # (their locks taken server-side; the signals rolled back with it).
+            # (their locks taken server-side; the signals rolled back with it). Withdrawn,
+            # a batch's operations may never run again to signal them.
             refused = tx.locked.union(filter(None, (tx.deferred or "").split("\n")))
-            if alone and refused:
+            if (alone or withdrawn) and refused:
                 self._signal_refused(conn, refused)
+            if withdrawn:
+                raise
             raise _JobRaised(exc) from exc
         except BaseException:
             self._rollback()

@@ -18,7 +18,13 @@ headroom. The inline executor has one writer.
 Invariants:
 * an operation that has begun is never abandoned (as in `_sqlite`): a caller cancelled while
   its operation is queued sees it withdrawn unrun; once taken, the caller waits for its
-  outcome, so a committed write is always reported;
+  outcome, so a committed write is always reported - but a write's worker withdraws it
+  unrun (`engine.Withdrawals`) where nothing of it committed: before its transaction (or
+  autocommit call) sends anything, or when a statement of it still unanswered after
+  `CANCEL_AFTER_S` (waiting for a session's lock another connection holds) is cancelled and
+  the transaction rolled back before its COMMIT, the others of its batch run again - so a
+  drain stopped at its lease's deadline exits then, not when the lock is freed (DESIGN
+  §6.17); an operation whose earlier attempt's reply was lost is never withdrawn;
 * a session's operations queued or running are all on one lane, so they run on one
   connection in the order they were queued (within one batch, the set-wise calls of a
   kind come before the jobs run one by one: operations queued together are concurrent
@@ -67,7 +73,7 @@ from .._errors import StoreError
 from .._handoff import Queued
 from .._naming import check_postgres_name, check_schema, display_name
 from .._validate import check_flag
-from .engine import BATCH_LIMIT, PgEngine
+from .engine import BATCH_LIMIT, PgEngine, Withdrawals
 from .listener import PgListener, Wanted, _wait_for_change, token_connection
 from .transactions import Mode
 
@@ -203,8 +209,10 @@ class _Lane:
     first, before its reads run.
 
     Invariants (as `_handoff.HandoffQueue`): a caller cancelled while its operation is
-    queued sees it withdrawn unrun; once taken, it waits for the outcome. Only the trio
-    thread touches the queue; the worker sees a batch only through its inbox.
+    queued sees it withdrawn unrun; once taken, it waits for the outcome - which for a write
+    may be its withdrawal by the worker, nothing of it committed (`engine.Withdrawals`, one
+    per hand-off). Only the trio thread touches the queue; the worker sees a batch only
+    through its inbox.
     """
 
     engine: PgEngine
@@ -214,7 +222,9 @@ class _Lane:
     _queue: list[Queued] = attrs.Factory(list)
     _in_flight: list[Queued] | None = None
     _idle: trio.Event | None = None
-    _inbox: queue.SimpleQueue[list[Queued] | None] = attrs.Factory(queue.SimpleQueue)
+    _inbox: queue.SimpleQueue[tuple[list[Queued], Withdrawals] | None] = attrs.Factory(
+        queue.SimpleQueue
+    )
     _token: trio.lowlevel.TrioToken | None = None
     _wake: trio.Event = attrs.Factory(trio.Event)
 
@@ -252,36 +262,49 @@ class _Lane:
 
     def _dispatch(self) -> None:
         batch, self._queue = self._queue[: self.limit], self._queue[self.limit :]
+        # A write's caller cancelled in the worker is withdrawn where nothing of it
+        # committed (its statement waiting for a session's lock cancelled), and woken then.
+        token = self._token
+        assert token is not None
+
+        def wake(jobs: list[Job]) -> None:
+            gone = {id(job) for job in jobs}
+            token.run_sync_soon(_finish, [queued for queued in batch if id(queued.job) in gone])
+
+        withdrawals = Withdrawals(wake)
         for queued in batch:
             queued.taken = True
+            if queued.mode != "read":
+                queued.start = withdrawals
         self.handoffs += 1
         self._in_flight = batch
-        self._inbox.put(batch)
+        self._inbox.put((batch, withdrawals))
 
     def _work(self) -> None:
         """The worker thread: each batch the trio side hands over, until told to stop - its
         writes, then its reads. The writes' callers go on once their transactions are
         over: a write's reply never waits for the reads that shared its hand-off."""
         assert self._token is not None
-        while (batch := self._inbox.get()) is not None:
+        while (handed := self._inbox.get()) is not None:
+            batch, withdrawals = handed
             writes = [queued for queued in batch if queued.mode != "read"]
             reads = [queued for queued in batch if queued.mode == "read"]
             if writes:
-                _reporting(writes, self._run_writes)
+                _reporting(writes, functools.partial(self._run_writes, withdrawals=withdrawals))
                 if reads:
                     self._token.run_sync_soon(_finish, writes)
             if reads:
                 _reporting(reads, self._run_reads)
             self._token.run_sync_soon(self._done, batch)
 
-    def _run_writes(self, writes: list[Queued]) -> None:
+    def _run_writes(self, writes: list[Queued], withdrawals: Withdrawals) -> None:
         by_mode: dict[str, list[Job]] = {"write": [], "nowait": [], "alone": []}
         for queued in writes:
             mode = queued.mode
             if mode == "write" and not _on_a_session(queued.job):
                 mode = "alone"
             by_mode[mode].append(queued.job)
-        self.engine.run_jobs(by_mode["write"], by_mode["nowait"], by_mode["alone"])
+        self.engine.run_jobs(by_mode["write"], by_mode["nowait"], by_mode["alone"], withdrawals)
 
     def _run_reads(self, reads: list[Queued]) -> None:
         self.engine.run_reads([queued.job for queued in reads])

@@ -27,6 +27,7 @@ import contextlib
 import functools
 import re
 from collections.abc import Callable, Collection, Iterator, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, Literal
 
 import psycopg
@@ -184,8 +185,12 @@ class PgTx:
         autocommit: bool = False,
         retry: bool = False,
         job: Job | None = None,
+        guard: Callable[[], AbstractContextManager[None]] | None = None,
     ) -> None:
         self.conn = conn
+        # Around each statement sent (`Withdrawals.statement`): a caller cancelled while it
+        # waits may have it cancelled.
+        self._guard = guard
         self._clock = clock
         self._now: int | None = None
         # Sessions to signal once committed (insertion-ordered), in the transaction's one
@@ -243,6 +248,12 @@ class PgTx:
     def _send(self, statement: str, params: Params) -> psycopg.Cursor[Any]:
         if self.autocommit and self.begun:
             raise NeedsTransaction("a second statement needs a transaction")
+        if self._guard is None:
+            return self._sent(statement, params)
+        with self._guard():
+            return self._sent(statement, params)
+
+    def _sent(self, statement: str, params: Params) -> psycopg.Cursor[Any]:
         self.begun = True  # from here on, the statement may have reached the server
         self.xid_fresh = False
         if self.defers_signals:

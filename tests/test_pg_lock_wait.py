@@ -1,0 +1,270 @@
+"""A PostgreSQL store call waiting for a session's lock another connection holds: a caller
+cancelled meanwhile - a drain at its lease's local deadline, a plain call's timeout - is
+withdrawn unrun, and its task goes on then, not when the lock is freed (DESIGN §6.17: no
+drain outlives its lease, drains of one session never overlap). The lock is the session's
+advisory lock (`ts_lock_key`), which every function of the store takes first."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import psycopg
+import pytest
+import trio
+from helpers import pg_engine_at as engine_at
+from helpers import pg_raw as raw
+
+import trio_sessions
+from trio_sessions._backend import Job
+from trio_sessions._postgres import PgTx, PostgresStore
+from trio_sessions._postgres.engine import Withdrawals, _Withdrawn
+
+WAIT_S = 30.0  # a bound on each wait below, never reached when the test passes
+
+# How long another connection holds the session's lock at the most: far longer than a
+# lease of LEASE, so a caller that waits for it is told apart from one that does not (and
+# longer than LOCK_TIMEOUT_MS, after which the store retries the wait).
+HOLD_S = 8.0
+LEASE = 1.0
+
+
+class _LockHolder:
+    """Another connection holding session `session_id`'s advisory lock in an open
+    transaction (as another process's store call does while it runs), and its claim's row:
+    the heartbeat cannot renew the claim meanwhile, so the lease runs out."""
+
+    def __init__(self, conn: psycopg.Connection[Any], session_id: str) -> None:
+        self.conn = conn
+        self.session_id = session_id
+        self.held = False
+        self.taken = trio.Event()
+
+    def take(self) -> None:
+        self.conn.execute("BEGIN")
+        self.conn.execute("SELECT pg_advisory_xact_lock(ts_lock_key(%s))", (self.session_id,))
+        self.conn.execute(
+            "SELECT id FROM session_execution WHERE session_id = %s FOR UPDATE", (self.session_id,)
+        )
+        self.held = True
+        self.taken.set()
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.conn.execute("ROLLBACK")
+
+    def inputs(self) -> list[tuple[Any, ...]]:
+        return self.conn.execute(
+            "SELECT session_id FROM session_input ORDER BY session_id"
+        ).fetchall()
+
+
+@asynccontextmanager
+async def _lock_holder(url: str, schema: str, session_id: str) -> AsyncIterator[_LockHolder]:
+    """A `_LockHolder` that lets go `HOLD_S` after it took the lock at the latest (a caller
+    that waits for it then fails its test instead of hanging it), and at the block's end."""
+    with raw(url, schema) as conn:
+        holder = _LockHolder(conn, session_id)
+        async with trio.open_nursery() as nursery:
+
+            async def release_at_the_latest() -> None:
+                await holder.taken.wait()
+                await trio.sleep(HOLD_S)
+                holder.release()
+
+            nursery.start_soon(release_at_the_latest)
+            try:
+                yield holder
+            finally:
+                holder.release()
+                nursery.cancel_scope.cancel()
+
+
+@pytest.fixture
+def pg_store(pg_url: str, migrated_schema: str) -> PostgresStore:
+    return PostgresStore(pg_url, schema=migrated_schema)
+
+
+async def test_a_drain_waiting_for_its_sessions_lock_stops_within_its_lease(
+    pg_store: PostgresStore,
+) -> None:
+    """A drain whose take waits for its session's lock another connection holds is stopped
+    at its lease's local deadline and exits while the lock is still held: its call is
+    withdrawn, the statement waiting for the lock cancelled. Before, it ran on past its
+    lease until the holder let go (the wait retried lock timeouts for up to 15 s), while a
+    successor's drain could already run."""
+    first_taken, go, exited = trio.Event(), trio.Event(), trio.Event()
+    calls = 0
+
+    async def drain(ctx: trio_sessions.DrainContext) -> None:
+        nonlocal calls
+        calls += 1
+        if calls > 1:
+            return  # a later busy period (the lost claim recovered): nothing to see
+        try:
+            await ctx.take_inputs()
+            first_taken.set()
+            await go.wait()
+            await ctx.take_inputs()  # waits for the session's lock
+        finally:
+            exited.set()
+
+    with trio.fail_after(HOLD_S + 20):
+        async with (
+            _lock_holder(pg_store.url, pg_store.schema, "s") as holder,
+            trio_sessions.open_runtime(pg_store, drain, lease=LEASE) as runtime,
+        ):
+            await runtime.submit("s", {"n": 1})
+            await first_taken.wait()
+            await runtime.submit("s", {"n": 2})  # a pending input: the take writes
+            holder.take()
+            started = trio.current_time()
+            go.set()
+            await exited.wait()
+            assert holder.held, "the drain ran on past its lease, until the lock was freed"
+            assert trio.current_time() - started < LEASE + 1.0
+            holder.release()
+
+
+async def test_a_caller_cancelled_while_its_call_waits_for_the_lock_is_withdrawn(
+    pg_store: PostgresStore,
+) -> None:
+    """A submit cancelled while its call waits for its session's lock another connection
+    holds returns at once, and nothing of it is written once the lock is freed; a call
+    after it on the same writer runs as usual."""
+    with trio.fail_after(HOLD_S + 20):
+        async with (
+            _lock_holder(pg_store.url, pg_store.schema, "s") as holder,
+            trio_sessions.open_runtime(pg_store, None) as runtime,
+        ):
+            holder.take()
+            with trio.move_on_after(0.3) as waited:
+                await runtime.submit("s", {"n": 1})
+            assert waited.cancelled_caught
+            assert holder.held, "the cancelled submit waited until the lock was freed"
+            holder.release()
+            await runtime.submit("t", {"n": 2})
+            assert holder.inputs() == [("t",)]
+
+
+def _mark(tx: PgTx, session_id: str) -> str:
+    """A write on `session_id`, under its lock."""
+    tx.lock_session(session_id)
+    tx.execute("INSERT INTO mark VALUES (?)", (session_id,))
+    return session_id
+
+
+def _waits_for_a_lock(url: str, pid: int) -> bool:
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", (pid,)
+        ).fetchone()
+    return row is not None and row[0] == "Lock"
+
+
+def test_a_batch_waiting_for_a_lock_drops_the_withdrawn_and_commits_the_rest(
+    pg_url: str, migrated_schema: str
+) -> None:
+    """A batch waiting for one session's lock another connection holds: its caller cancelled,
+    the waiting statement is cancelled, the batch rolled back, that job withdrawn unrun (its
+    caller woken then) and the other job run again and committed - all while the lock is
+    still held, and on the same connection: the cancel lands on no later statement. Nothing
+    of the withdrawn job is written once the lock is freed."""
+    with engine_at(pg_url, migrated_schema, 1.0) as engine, raw(pg_url, migrated_schema) as holder:
+        holder.execute("CREATE TABLE mark(name TEXT)")
+        holder.execute("BEGIN")
+        holder.execute("SELECT pg_advisory_xact_lock(ts_lock_key('s'))")
+        woken: list[list[Job]] = []
+        withdrawals = Withdrawals(woken.append)
+        waiting, other = Job(_mark, ("s",)), Job(_mark, ("t",))
+        runner = threading.Thread(
+            target=engine.run_jobs, args=([waiting, other],), kwargs={"withdrawals": withdrawals}
+        )
+        runner.start()
+        assert engine.backend_pid is not None
+        for _ in range(int(WAIT_S / 0.01)):
+            if _waits_for_a_lock(pg_url, engine.backend_pid):
+                break
+            runner.join(0.01)
+        else:
+            raise AssertionError("the batch never waited for the lock")
+        assert not withdrawals.withdraw(waiting)  # the worker's verdict: the caller waits
+        runner.join(WAIT_S / 3)
+        assert not runner.is_alive(), "the batch waited on for the lock"
+        assert woken == [[waiting]]
+        assert waiting.withdrawn and waiting.result is None and waiting.error is None
+        assert not other.withdrawn and other.unwrap() == "t"
+        holder.execute("ROLLBACK")
+        assert holder.execute("SELECT name FROM mark").fetchall() == [("t",)]
+        holder.execute("DROP TABLE mark")
+
+
+class _Connection:
+    """A connection's cancel, counted (nothing reaches a server)."""
+
+    def __init__(self) -> None:
+        self.cancels = 0
+        self.cancelled = threading.Event()
+
+    def cancel_safe(self, timeout: float) -> None:
+        self.cancels += 1
+        self.cancelled.set()
+
+
+def test_a_cancel_too_late_for_its_statement_still_withdraws_before_commit() -> None:
+    """A cancel sent while a statement was unanswered, which answered all the same (the lock
+    granted just then): the attempt sends nothing more and never reaches its COMMIT - it
+    rolls back, its caller's job withdrawn."""
+    conn = _Connection()
+    withdrawals = Withdrawals(lambda jobs: None)
+    job = Job(_mark, ("s",))
+    withdrawals.attempt([job])
+    with withdrawals.statement(conn):
+        withdrawals.withdraw(job)
+        assert conn.cancelled.wait(WAIT_S)  # sent; the statement answers after it
+    with pytest.raises(_Withdrawn), withdrawals.statement(conn):
+        raise AssertionError("a statement was sent after the cancel")
+    with pytest.raises(_Withdrawn):
+        withdrawals.commit()
+    assert withdrawals.withdrawn([job]) == [] and job.withdrawn
+    assert conn.cancels == 1
+
+
+def test_an_operation_past_its_commit_or_whose_reply_was_lost_is_never_withdrawn() -> None:
+    """A caller cancelled once its transaction's COMMIT is due waits for the outcome: no
+    cancel is sent; nor is one for a job an earlier attempt of which may have landed (its
+    reply lost), and that job runs on."""
+    conn = _Connection()
+    withdrawals = Withdrawals(lambda jobs: None)
+    job = Job(_mark, ("s",))
+    withdrawals.attempt([job])
+    with withdrawals.statement(conn):
+        pass
+    withdrawals.commit()
+    assert not withdrawals.withdraw(job)
+    assert conn.cancels == 0
+
+    lost = Job(_mark, ("t",))
+    lost.reply_lost = True
+    withdrawals.withdraw(lost)
+    withdrawals.attempt([lost])  # not withdrawn before it is sent
+    assert withdrawals.withdrawn([lost]) == [lost] and not lost.withdrawn
+    withdrawals.attempt([job], certain=False)  # nor any job of an uncertain attempt
+    assert withdrawals.withdrawn([job]) == [job] and not job.withdrawn
+
+
+def test_a_cancel_that_finds_the_backend_idle_never_lands_on_its_next_statement(
+    pg_url: str,
+) -> None:
+    """The server ignores a cancel request that finds the backend idle (a statement
+    answered before it came): once `cancel_safe` returned, the next statement on the
+    connection runs - what `Withdrawals` relies on to never cancel a COMMIT or the next
+    batch."""
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        for _ in range(20):
+            conn.execute("SELECT 1")
+            conn.cancel_safe(timeout=WAIT_S)
+            assert conn.execute("SELECT pg_sleep(0.01), 2").fetchone() == ("", 2)
