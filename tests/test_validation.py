@@ -935,3 +935,24 @@ def test_a_metrics_bind_that_names_no_port_is_refused_naming_it(bind: str) -> No
     with pytest.raises(ValueError, match="expected HOST:PORT, got"):
         _metrics.parse_bind(bind)
     assert _metrics.parse_bind("[::1]:9464") == ("::1", 9464)
+
+
+# ---------------------------------------------------------------------------------------------
+# The owner id
+
+
+async def test_runtimes_opened_in_one_millisecond_get_their_own_owner_ids(
+    store: Any, clock: Clock, autojump_clock: MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An owner id is "name + host + pid + random nonce, unique per runtime instance": two
+    runtimes of one process opened in the same millisecond (a nursery starting several)
+    still get two ids, and both drain. Found by the audit (audY55): the nonce was the first
+    12 hex digits of a new id - its millisecond, not its random bits - so 1,000 ids made in
+    a row held 2 distinct values, and the second runtime's open waited for the first's
+    liveness token (the same file or advisory lock), then failed with StoreError."""
+    frozen = time.time_ns()
+    monkeypatch.setattr(_store.common, "time", type("Frozen", (), {"time_ns": lambda: frozen}))
+    async with runtime(store, take_all, clock) as first, runtime(store, take_all, clock) as second:
+        assert first.owner_id != second.owner_id
+        assert await second.run("s") == trio_sessions.Outcome(kind="succeeded")
+    assert len({_validate.make_owner_id(None) for _ in range(100)}) == 100

@@ -91,8 +91,11 @@ def async_callable(value: object, what: str, takes: str) -> None:
 
 
 def make_owner_id(name: str | None) -> str:
-    """name + host + pid + a random nonce: unique per runtime instance, never reused."""
-    nonce = _store.new_id()[:12]
+    """name + host + pid + a random nonce: unique per runtime instance, never reused.
+
+    The nonce is 48 random bits: runtimes of one process opened in the same millisecond get
+    their own ids (a new id's first digits are its millisecond, not random)."""
+    nonce = f"{_backend.RANDOM_BITS.getrandbits(48):012x}"
     base = f"{socket.gethostname()}:{os.getpid()}:{nonce}"
     return base if name is None else f"{name}@{base}"
 
