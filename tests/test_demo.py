@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import query
 
-from trio_sessions import _sqlite, demo
+from trio_sessions import _sqlite, _store, demo
+from trio_sessions._demo import output
 
 DEMO = [sys.executable, "-m", "trio_sessions.demo"]
 TIMEOUT = 60  # the demo itself takes about 5 s; the issue allows 30
@@ -163,3 +164,14 @@ def _wait_for_worker_mid_turn(process: subprocess.Popen[str]) -> int:
         if worker_pid is not None and "compile_report(" in line:
             return worker_pid
     raise AssertionError("the demo ended before its worker started a tool call")
+
+
+def test_the_demo_tells_executions_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The demo's short execution ids differ for executions begun in the same moment. Found
+    by the audit (audY55): it showed an id's first 8 hex digits - its time, to about a
+    minute - so every turn of a run read "execution 01a24f10", the resumed one too
+    ("RESUMED as execution 01a24f10", the killed worker's own id as far as a reader saw)."""
+    frozen = 1_800_000_000_000_000_000
+    monkeypatch.setattr(_store.common, "time", type("Frozen", (), {"time_ns": lambda: frozen}))
+    ids = {_store.new_id() for _ in range(20)}
+    assert len({output.short(i) for i in ids}) == len(ids)
