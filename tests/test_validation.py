@@ -718,6 +718,27 @@ async def test_set_seams_refuses_a_seam_that_is_not_async(
             testing.set_seams(rt, **sync_seams)
 
 
+@pytest.mark.parametrize(
+    ("helper", "bad", "what"),
+    [
+        pytest.param(testing.crash, None, "runtime", id="crash-none"),
+        pytest.param(testing.crash, "rt", "runtime", id="crash-str"),
+        pytest.param(testing.set_seams, None, "runtime", id="set-seams-none"),
+        pytest.param(testing.inline_store, 5, "store", id="inline-store-int"),
+        pytest.param(testing.inline_store, None, "store", id="inline-store-none"),
+    ],
+)
+def test_testing_helpers_refuse_what_is_no_runtime_or_store_naming_it(
+    helper: Callable[[Any], Any], bad: Any, what: str
+) -> None:
+    """The testing helpers check their first argument as the API does: a TypeError naming
+    what was expected. Found by the audit (audY55): `crash(None)` and `set_seams(None)`
+    raised AttributeError ("'NoneType' object has no attribute '_closed'"), and
+    `inline_store(5)` os.fspath's own TypeError, which names no store."""
+    with pytest.raises(TypeError, match=what):
+        helper(bad)
+
+
 # ---------------------------------------------------------------------------------------------
 # open_runtime: a store name that is no durable SQLite file
 

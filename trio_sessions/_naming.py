@@ -52,6 +52,8 @@ def store_kind(store: str | os.PathLike[str]) -> Literal["sqlite", "postgres"]:
     A path that starts with `word=` reads as a DSN, one that starts with `jdbc:` or `file:`
     as a JDBC URL or an SQLite URI: write it `./word=...`, `./jdbc:...`, `./file:...`.
     """
+    if not isinstance(store, str | os.PathLike):
+        raise TypeError(f"store must be {ACCEPTED_FORMS}, got {type(store).__name__}")
     name = os.fspath(store)
     if not isinstance(name, str):
         raise TypeError(f"store must be {ACCEPTED_FORMS}, got bytes")

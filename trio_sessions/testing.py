@@ -63,6 +63,7 @@ def set_seams(
     `def` is a `TypeError` naming it. Each call sets all three: a seam it does not name is
     removed (one installed by an earlier call included), and `set_seams(runtime)` removes
     them all - pass every seam a test needs in one call."""
+    _check_runtime(runtime, "set_seams")
     seams = {
         "before_finish": before_finish,
         "after_finish": after_finish,
@@ -95,6 +96,7 @@ def crash(runtime: Runtime) -> None:
     `stream()` iterators end, as when a runtime closes (nothing feeds them any more). During
     a graceful shutdown it stops the shutdown too (a second signal to a worker); once the
     runtime closed it is a `RuntimeError` (too late: its claims were handed back)."""
+    _check_runtime(runtime, "crash")
     if runtime._closed:
         raise RuntimeError(
             "crash: the runtime is closed (its claims handed back): crash it inside its"
@@ -108,3 +110,12 @@ def crash(runtime: Runtime) -> None:
     # Their feed (the change loop) stops with the tasks: left open they would wait for ever.
     runtime._watchers.close()
     runtime._streams.close()
+
+
+def _check_runtime(runtime: object, what: str) -> None:
+    """`TypeError` naming the argument unless `runtime` is one (the seams and the crash
+    reach into it)."""
+    if not isinstance(runtime, Runtime):
+        raise TypeError(
+            f"{what}: runtime must be the Runtime open_runtime yielded, got {runtime!r:.80}"
+        )
