@@ -56,15 +56,20 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-async def follow(url: httpx.URL, chat: Chat, opened: trio.Event) -> None:
+async def follow(address: tuple[str, int], chat: Chat, opened: trio.Event) -> None:
     """Hold the session's event stream (plain HTTP/1.1 on a socket: the client's own cost
     stays small beside the server's) until its assistant message is finished. A short
     answer may arrive whole in one "message" event, so a message counts as well as an
     "append" for the first word, and its `finished` as well as a "finish" event."""
-    assert url.host and url.port
-    stream = await trio.open_tcp_stream(url.host, url.port)
+    host, port = address
+    try:
+        stream = await trio.open_tcp_stream(host, port)
+    except OSError as exc:  # no service there: this chat's error, not a traceback
+        chat.error = f"events: cannot connect to {host}:{port}: {exc}"
+        opened.set()
+        return
     async with stream:
-        request = f"GET /sessions/{chat.session}/events HTTP/1.1\r\nHost: {url.host}\r\n\r\n"
+        request = f"GET /sessions/{chat.session}/events HTTP/1.1\r\nHost: {host}\r\n\r\n"
         await stream.send_all(request.encode())
         buffer = b""
         while chunk := await stream.receive_some():
@@ -101,15 +106,14 @@ class Connections:
     """Keep-alive connections for the POSTs, as a browser's (or httpx's) pool keeps them: a
     POST takes an idle one or opens one, and gives it back after a whole response."""
 
-    url: httpx.URL
+    address: tuple[str, int]
     idle: list[trio.SocketStream] = attrs.Factory(list)
 
     async def request(self, request: bytes) -> bytes:
-        assert self.url.host and self.url.port
         if self.idle:
             stream = self.idle.pop()
         else:
-            stream = await trio.open_tcp_stream(self.url.host, self.url.port)
+            stream = await trio.open_tcp_stream(*self.address)
         try:
             await stream.send_all(request)
             response = b""
@@ -142,7 +146,7 @@ async def post(connections: Connections, chat: Chat, delay: float, words: int) -
     responses it measured."""
     body = json.dumps({"text": question(chat, words)}).encode()
     request = (
-        f"POST /sessions/{chat.session}/messages HTTP/1.1\r\nHost: {connections.url.host}\r\n"
+        f"POST /sessions/{chat.session}/messages HTTP/1.1\r\nHost: {connections.address[0]}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
     ).encode() + body
     await trio.sleep(delay)
@@ -173,7 +177,7 @@ async def run(
 ) -> list[Chat]:
     tag = f"load-{random.randrange(16**6):06x}"
     everyone = [Chat(f"{tag}-{n}") for n in range(chats)]
-    address = httpx.URL(url)
+    address = address_of(url)
     connections = Connections(address)
     with trio.move_on_after(give_up_after):
         async with trio.open_nursery() as nursery:
@@ -182,9 +186,22 @@ async def run(
                 nursery.start_soon(follow, address, chat, opened)
                 await opened.wait()
             for chat in everyone:
-                nursery.start_soon(post, connections, chat, random.uniform(0, spread), words)
+                if chat.error is None:  # a chat whose stream failed posts nothing
+                    nursery.start_soon(post, connections, chat, random.uniform(0, spread), words)
     await connections.aclose()
     return everyone
+
+
+def address_of(url: str) -> tuple[str, int]:
+    """The host and port of the service's `http://HOST[:PORT]` URL (port 80 when it names
+    none); `ValueError` naming the URL for anything else."""
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL as exc:
+        raise ValueError(f"--url must be http://HOST[:PORT], got {url!r}: {exc}") from None
+    if parsed.scheme != "http" or not parsed.host:
+        raise ValueError(f"--url must be http://HOST[:PORT], got {url!r}")
+    return parsed.host, parsed.port or 80
 
 
 def summary(everyone: list[Chat]) -> str:
@@ -219,6 +236,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--chats must be at least 1, not {args.chats}")
     if args.words < 3:
         parser.error(f"--words must be at least 3, not {args.words}")
+    if not 0 <= args.spread < math.inf:
+        parser.error(f"--spread must be a number of seconds, at least 0, not {args.spread}")
+    if not 0 < args.timeout <= math.inf:
+        parser.error(f"--timeout must be a number of seconds above 0, not {args.timeout}")
+    try:
+        address_of(args.url)
+    except ValueError as exc:
+        parser.error(str(exc))
     started = time.perf_counter()
     everyone = trio.run(
         functools.partial(run, words=args.words), args.url, args.chats, args.spread, args.timeout

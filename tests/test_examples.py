@@ -7,6 +7,7 @@ import importlib.util
 import io
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -198,3 +199,46 @@ def test_ctrl_c_stops_the_workers_example_quietly(after: str) -> None:
     assert process.returncode == 130, err
     assert err.splitlines() == ["producer: interrupted"]
     assert left.stdout == ""
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        pytest.param(["--url", "nonsense"], "nonsense", id="url-no-scheme"),
+        pytest.param(["--url", "ftp://127.0.0.1:21"], "ftp://", id="url-not-http"),
+        pytest.param(["--spread", "-1"], "--spread", id="spread-negative"),
+        pytest.param(["--spread", "nan"], "--spread", id="spread-nan"),
+        pytest.param(["--timeout", "0"], "--timeout", id="timeout-zero"),
+        pytest.param(["--timeout", "-5"], "--timeout", id="timeout-negative"),
+    ],
+)
+def test_chat_load_refuses_a_bad_setting_naming_it(
+    argv: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """chat_load.py: a URL it cannot use, or a spread or timeout that is no duration, is a
+    usage error naming it (exit 2) before any connection. Found by the audit (audY55): a
+    URL with no host escaped as a bare AssertionError, and a negative or NaN spread or
+    timeout as trio's ValueError, each with a traceback."""
+    chat_load = load_example("chat_load")
+    with pytest.raises(SystemExit) as exited:
+        chat_load.main([*argv, "--chats", "1"])
+    assert exited.value.code == 2
+    assert named in capsys.readouterr().err
+
+
+def test_chat_load_without_a_service_says_so_and_exits_1(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """chat_load.py pointed at a port nobody serves counts each chat as an error, says why
+    and exits 1 - not an ExceptionGroup traceback out of its stream task, as it did before
+    (found by the audit, audY55). An http URL without a port means port 80."""
+    chat_load = load_example("chat_load")
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+    # Closed on leaving the block: nothing listens there now.
+    assert chat_load.main(["--url", f"http://127.0.0.1:{port}", "--chats", "2"]) == 1
+    out = capsys.readouterr().out
+    assert "errors=2" in out.splitlines()[-1]
+    assert "cannot connect" in out
+    assert chat_load.address_of("http://example.test") == ("example.test", 80)
