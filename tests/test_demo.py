@@ -7,6 +7,7 @@ tests run real processes (marked `slow`, bounded by timeouts).
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -175,3 +176,28 @@ def test_the_demo_tells_executions_apart(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(_store.common, "time", type("Frozen", (), {"time_ns": lambda: frozen}))
     ids = {_store.new_id() for _ in range(20)}
     assert len({output.short(i) for i in ids}) == len(ids)
+
+
+@pytest.mark.slow
+def test_the_demo_keeps_a_database_written_dot_slash_word_equals(tmp_path: Path) -> None:
+    """README: "a file whose name starts with `word=` ... is written `./word=...`". The demo
+    accepted `--db ./host=x.db`, then folded it into a `Path` ("host=x.db"), which the
+    runtime read as a libpq string: an exception-group traceback, exit 1. Found by the
+    audit (audY55). Now it runs, and the command it prints to look at the file works."""
+    run = subprocess.run(
+        [*DEMO, "--db", "./host=x.db"],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        cwd=tmp_path,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "Traceback" not in run.stderr
+    hint = shlex.split(run.stdout.rstrip().splitlines()[-1].split("Try: ", 1)[1])
+    assert hint[:4] == ["python", "-m", "trio_sessions", "status"]
+    status = subprocess.run(
+        [sys.executable, *hint[1:]], capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path
+    )
+    assert status.returncode == 0, status.stderr
+    assert "chat-1" in status.stdout
+    assert (tmp_path / "host=x.db").exists()

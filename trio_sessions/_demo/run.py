@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import shlex
 import signal
 import sys
 import tempfile
@@ -154,7 +155,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\nStopped by Ctrl-C; the runtime shut down cleanly.", file=sys.stderr)
         return EXIT_INTERRUPTED
     if kept is not None:
-        print(f"The database is kept at {db}. Try: python -m trio_sessions status {db}")
+        print(
+            f"The database is kept at {db}."
+            f" Try: python -m trio_sessions status {shlex.quote(str(db))}"
+        )
     return 0 if outcome else 1
 
 
@@ -178,7 +182,9 @@ def fresh_database(text: str) -> Path:
     # Else opening the runtime fails deep inside the scenes' nursery: a traceback.
     if not path.parent.is_dir():
         raise ValueError(f"{text}: no directory {str(path.parent)!r} to create it in")
-    return path
+    # Absolute: a `Path` drops the "./" of "./host=x.db", and "host=x.db" reads as a libpq
+    # string to the runtime, the worker process and the command the demo prints at the end.
+    return path.absolute()
 
 
 def _run_guarded(db: Path) -> bool | None:
