@@ -1268,3 +1268,26 @@ def test_text_listings_escape_what_a_terminal_would_act_on(
     assert code == 0 and r"of session ansi\x1b[31mRED: the next" in out
     sessions = [s["id"] for s in cli_json(capsys, "status", str(seeded))["sessions"]]
     assert "nul\x00x" in sessions and "ansi\x1b[31mRED" in sessions
+
+
+def test_a_time_ahead_of_the_clock_reads_as_ahead_not_as_a_negative_age(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A doorbell or heartbeat stamped after the clock the CLI reads (another runtime's
+    `clock=`, a host clock stepped back) is shown ahead of now. Found by the audit
+    (audY55): `status` printed "set -3600.0s ago" and a heartbeat "-3600.0s ago"."""
+    path = tmp_path / "ahead.db"
+    conn = _sqlite.connect(path)
+    try:
+        ahead = time.time() + 3600
+        _op(conn, ahead, _store.submit, "ahead", '{"text": "hi"}', "in-ahead")
+        _op(conn, ahead, _store.acquire, "ahead", "exec-ahead", "owner-ahead", LIVE_LEASE_MS)
+        _op(conn, ahead, _store.heartbeat, "owner-ahead", ["exec-ahead"], LIVE_LEASE_MS)
+        _op(conn, ahead, _store.wake, "ahead")
+    finally:
+        conn.close()
+    code, out, err = cli(capsys, "status", str(path))
+    assert code == 0, err
+    row = out.splitlines()[-1]
+    assert "-" not in row.replace("owner-ahead", "").replace("exec-ahead", ""), row
+    assert row.count("s ahead") == 2, row

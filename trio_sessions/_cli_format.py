@@ -102,7 +102,11 @@ def _note(session: dict[str, Any]) -> str:
 
 def _ago(seconds: float | None) -> str:
     # None: the row's time is no number (`_store.status` says why, in `malformed`).
-    return "?" if seconds is None else f"{seconds:.1f}s ago"
+    if seconds is None:
+        return "?"
+    # Negative: stamped by a clock ahead of the one read here (a runtime's `clock=`, a host
+    # clock stepped back) - "-5.0s ago" would read as a typo.
+    return f"{seconds:.1f}s ago" if seconds >= 0 else f"{-seconds:.1f}s ahead"
 
 
 def _count(rows: list[Any], matched: int, what: str) -> str:
