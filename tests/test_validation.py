@@ -977,3 +977,60 @@ async def test_runtimes_opened_in_one_millisecond_get_their_own_owner_ids(
         assert first.owner_id != second.owner_id
         assert await second.run("s") == trio_sessions.Outcome(kind="succeeded")
     assert len({_validate.make_owner_id(None) for _ in range(100)}) == 100
+
+
+# ---------------------------------------------------------------------------------------------
+# A postgresql:// URL without the `postgres` extra installed
+
+NO_EXTRA_URL = "postgresql://app:sekrit@127.0.0.1:1/app"
+
+
+@pytest.fixture
+def without_psycopg(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As after `pip install trio-sessions` without `[postgres]`: psycopg cannot be
+    imported, and the PostgreSQL backend was never imported in this process."""
+    monkeypatch.setitem(sys.modules, "psycopg", None)
+    for name in list(sys.modules):
+        if name == "trio_sessions._postgres" or name.startswith("trio_sessions._postgres."):
+            monkeypatch.delitem(sys.modules, name)
+
+
+@pytest.mark.usefixtures("without_psycopg")
+@pytest.mark.parametrize(
+    "open_store",
+    [
+        pytest.param(lambda: trio_sessions.open_runtime(NO_EXTRA_URL, take_all), id="open-runtime"),
+        pytest.param(
+            lambda: trio_sessions.open_runtime(testing.inline_store(NO_EXTRA_URL), take_all),
+            id="inline-store",
+        ),
+    ],
+)
+async def test_a_postgres_url_without_the_extra_says_how_to_install_it(
+    open_store: Callable[[], Any],
+) -> None:
+    """DESIGN §8: PostgreSQL is an optional extra. Without it, a postgresql:// URL raises a
+    StoreError saying to `pip install 'trio-sessions[postgres]'` (as the operator CLI
+    already did), password masked. Found by the audit (audY55): `open_runtime` and
+    `testing.inline_store` raised psycopg's bare ModuleNotFoundError, and the worker command
+    logged it as a bug, with a traceback."""
+    with pytest.raises(trio_sessions.StoreError, match=r"trio-sessions\[postgres\]") as raised:
+        async with open_store():
+            pass
+    assert "sekrit" not in str(raised.value)
+
+
+@pytest.mark.usefixtures("without_psycopg")
+@pytest.mark.parametrize("schema", [[], ["--schema", "chat"]], ids=["public", "schema"])
+def test_the_worker_without_the_postgres_extra_says_how_to_install_it(
+    caplog: pytest.LogCaptureFixture, schema: list[str]
+) -> None:
+    """The worker command given a postgresql:// URL without psycopg logs one line naming the
+    extra and exits 1 - no traceback, as for any store it cannot use."""
+    with caplog.at_level("ERROR", logger="trio_sessions.worker"):
+        status = _cli.main(["worker", "worker_drain:reply", "--store", NO_EXTRA_URL, *schema])
+    assert status == 1
+    [failed] = [r for r in caplog.records if r.getMessage().startswith("worker failed")]
+    assert "trio-sessions[postgres]" in failed.getMessage()
+    assert failed.exc_info is None
+    assert "sekrit" not in failed.getMessage()

@@ -29,6 +29,7 @@ from ._drain import TAKE_INPUTS_CHUNK as TAKE_INPUTS_CHUNK
 from ._drain import AssistantWriter as AssistantWriter
 from ._drain import Drain
 from ._drain import DrainContext as DrainContext
+from ._errors import StoreError
 from ._lease import SELF_FENCE_MARGIN, self_fence_deadline
 from ._liveness import MIN_TAKEOVER_GRACE
 from ._model import Claim
@@ -219,14 +220,24 @@ async def serve_runtime(
         await runtime._crashed_event.wait()
 
 
+def postgres_store(url: str, **options: Any) -> StoreBackend:
+    """`PostgresStore(url, **options)`; `StoreError` saying how to install the `postgres`
+    extra when psycopg is missing - a setup step, not a bug to report with a traceback."""
+    try:
+        from ._postgres import PostgresStore  # psycopg is an optional extra
+    except ImportError as exc:
+        raise StoreError(
+            f"a postgresql:// URL needs psycopg: pip install 'trio-sessions[postgres]' ({exc})"
+        ) from exc
+    return PostgresStore(url, **options)
+
+
 def _resolve_store(store: object) -> StoreBackend:
     """A path is an SQLite file; a postgresql:// or postgres:// URL a PostgreSQL database;
     another connection string a `ValueError` (`_naming.store_kind` decides)."""
     if isinstance(store, str | os.PathLike):
         if store_kind(store) == "postgres":
-            from ._postgres import PostgresStore  # psycopg is an optional extra
-
-            return PostgresStore(os.fspath(store))
+            return postgres_store(os.fspath(store))
         return SQLiteStore(store)
     if callable(getattr(store, "open_executor", None)):
         return store  # type: ignore[return-value]

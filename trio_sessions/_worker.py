@@ -43,7 +43,7 @@ from ._naming import (
     store_kind,
 )
 from ._observe import MaskTracebacks
-from ._runtime import Runtime, open_runtime
+from ._runtime import Runtime, open_runtime, postgres_store
 
 logger = logging.getLogger("trio_sessions.worker")
 logger.addFilter(MaskTracebacks())
@@ -301,9 +301,7 @@ def store_of_url(store: str, schema: str | None) -> Any:
     if schema is None:
         return store
     check_schema(schema)
-    from ._postgres import PostgresStore  # psycopg is an optional extra
-
-    return PostgresStore(store, schema=schema)
+    return postgres_store(store, schema=schema)
 
 
 async def serve(settings: WorkerSettings, drain: Any) -> int:

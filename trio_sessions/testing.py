@@ -20,7 +20,7 @@ import trio
 from . import _validate
 from ._backend import StoreBackend
 from ._naming import store_kind
-from ._runtime import Runtime, Seams
+from ._runtime import Runtime, Seams, postgres_store
 from ._sqlite import SQLiteStore as Store
 
 DEFAULT_EPOCH = 1_800_000_000.0
@@ -43,9 +43,7 @@ def inline_store(path: str | os.PathLike[str]) -> StoreBackend:
     SQLite file, or for a postgresql:// URL `PostgresStore(url, inline=True)` (psycopg, the
     `postgres` extra). Another connection string is a `ValueError`, its password masked."""
     if store_kind(path) == "postgres":
-        from ._postgres import PostgresStore  # psycopg is an optional extra
-
-        return PostgresStore(os.fspath(path), inline=True)
+        return postgres_store(os.fspath(path), inline=True)
     return Store(path, inline=True)
 
 
