@@ -166,6 +166,9 @@ def main() -> int:
     parser.add_argument("--orders", type=int, default=12)
     parser.add_argument("--worker", nargs=2, metavar=("NAME", "DB"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    for flag, value in (("--workers", args.workers), ("--orders", args.orders)):
+        if value < 1:
+            parser.error(f"{flag} must be at least 1, not {value}")
     if args.worker is not None:
         trio.run(work, args.worker[0], Path(args.worker[1]))
         return 0

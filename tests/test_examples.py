@@ -242,3 +242,25 @@ def test_chat_load_without_a_service_says_so_and_exits_1(
     assert "errors=2" in out.splitlines()[-1]
     assert "cannot connect" in out
     assert chat_load.address_of("http://example.test") == ("example.test", 80)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--workers", "0"], ["--workers", "-2"], ["--orders", "0"], ["--orders", "-1"]],
+    ids=["no-workers", "negative-workers", "no-orders", "negative-orders"],
+)
+def test_workers_refuses_a_count_it_cannot_run_naming_it(argv: list[str]) -> None:
+    """workers.py: no workers, or no orders, is a usage error naming the flag (exit 2) at
+    once. Found by the audit (audY55): `--workers 0` submitted every order, waited out the
+    whole 30 s deadline for workers that never came, then failed; `--orders -1` did the
+    same; `--orders 0` started the workers for nothing and "passed"."""
+    run = subprocess.run(
+        [sys.executable, str(EXAMPLES / "workers.py"), *argv],
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE,
+        cwd=EXAMPLES.parent,
+    )
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert argv[0] in run.stderr and "Traceback" not in run.stderr
+    assert run.stdout == ""
