@@ -1,6 +1,8 @@
 """The smallest trio_sessions program: submit inputs, let a drain answer, read the transcript.
 
-Run it: `python examples/basic.py`. It uses a temporary SQLite file; pass a path to keep it.
+Run it: `python examples/basic.py`. It uses a temporary SQLite file; pass a path to keep it
+(or a `postgresql://` URL, with the `postgres` extra installed: the store is named as
+`open_runtime` takes it).
 
 The drain is an async function taking a `DrainContext`. It takes the session's pending
 inputs (each becomes a user message, atomically), then answers the user messages still owed
@@ -43,7 +45,7 @@ def show(message: trio_sessions.Message) -> str:
     return f"{message.seq}. assistant: {text}"
 
 
-async def main(db: Path) -> None:
+async def main(db: str | Path) -> None:
     async with trio_sessions.open_runtime(db, echo) as runtime:
         for text in ("hello", "how are you?"):
             # Durable when it returns; the drain starts at once, in the runtime's nursery.
@@ -56,7 +58,12 @@ async def main(db: Path) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1:
-        trio.run(main, Path(sys.argv[1]))
+        # The text as given, never a `Path`: one folds "postgresql://" into "postgresql:/",
+        # a file name. A store that cannot be used says why in one line.
+        try:
+            trio.run(main, sys.argv[1])
+        except (trio_sessions.StoreError, ValueError) as exc:
+            sys.exit(f"error: {exc}")
     else:
         with tempfile.TemporaryDirectory() as tmp:
             trio.run(main, Path(tmp) / "sessions.db")

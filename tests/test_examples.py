@@ -49,6 +49,31 @@ def test_basic_answers_each_input_in_order() -> None:
     ]
 
 
+@pytest.mark.parametrize(
+    "store",
+    ["postgresql://app:sekrit@127.0.0.1:1/app", "host=127.0.0.1 password=sekrit"],
+    ids=["postgres-url", "libpq-dsn"],
+)
+def test_basic_never_takes_a_connection_string_for_a_file_name(tmp_path: Path, store: str) -> None:
+    """basic.py's "pass a path to keep it": a connection string given instead is the store
+    it names (here one that refuses), never a file named after it, and its password is
+    never printed (DESIGN §6.27, §8). Found by the audit (audY55): the argument went through
+    `Path`, which folds "postgresql://" into "postgresql:/", and the run ended in a
+    traceback quoting "cannot open 'postgresql:/app:sekrit@...'". Refused now with one
+    line, exit 1."""
+    run = subprocess.run(
+        [sys.executable, str(EXAMPLES / "basic.py"), store],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        cwd=tmp_path,
+    )
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "sekrit" not in run.stdout + run.stderr
+    assert "Traceback" not in run.stderr and run.stderr.startswith("error: "), run.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def load_example(name: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
     assert spec is not None and spec.loader is not None
