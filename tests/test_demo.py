@@ -201,3 +201,17 @@ def test_the_demo_keeps_a_database_written_dot_slash_word_equals(tmp_path: Path)
     assert status.returncode == 0, status.stderr
     assert "chat-1" in status.stdout
     assert (tmp_path / "host=x.db").exists()
+
+
+def test_the_demo_refuses_a_database_it_cannot_create_without_a_traceback(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A `--db` in a directory where no file can be made (no write permission; /proc even
+    for root) is refused as the other unusable paths are - one usage line, exit 2. Found by
+    the audit (audY55): the demo printed its first lines, then an exception-group
+    traceback ending in `StoreError: cannot open ...`, exit 1."""
+    outcome = demo.main(["--db", "/proc/trio-sessions-demo.db"])
+    printed = capsys.readouterr()
+    assert outcome == 2, printed.out + printed.err
+    assert "Traceback" not in printed.err and printed.out == "", printed.out + printed.err
+    assert "error: argument --db: /proc/trio-sessions-demo.db: cannot create it" in printed.err

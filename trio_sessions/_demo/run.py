@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import shlex
 import signal
 import sys
@@ -182,6 +183,13 @@ def fresh_database(text: str) -> Path:
     # Else opening the runtime fails deep inside the scenes' nursery: a traceback.
     if not path.parent.is_dir():
         raise ValueError(f"{text}: no directory {str(path.parent)!r} to create it in")
+    # Made and removed at once: a directory without write permission (or /proc) is
+    # refused here, not as a traceback out of the scenes' nursery.
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except OSError as exc:
+        raise ValueError(f"{text}: cannot create it: {exc.strerror}") from None
+    path.unlink()
     # Absolute: a `Path` drops the "./" of "./host=x.db", and "host=x.db" reads as a libpq
     # string to the runtime, the worker process and the command the demo prints at the end.
     return path.absolute()
