@@ -13,6 +13,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -1165,6 +1166,29 @@ def test_pg_trial_server_refuses_a_port_no_server_can_listen_on_as_a_usage_error
     assert exited.value.code == 2
     assert "argument --port: " in capsys.readouterr().err
     assert _cli.build_parser().parse_args(["pg-trial-server", "--port", "65535"]).port == 65535
+
+
+def test_pg_trial_server_on_a_port_another_server_holds_fails_and_names_no_url(
+    pg_url: str,
+) -> None:
+    """`pg-trial-server --port P` where another PostgreSQL server already listens exits 1
+    saying why, and prints no URL. Found by the audit (audY55): its readiness check
+    connected to the *other* server (trusting local connections, as the suite's does), so
+    it printed that server's URL as "trial PostgreSQL server on 127.0.0.1:P ... deleted when
+    it stops" while its own server had failed to bind - `--port 5432` beside a real
+    server would send a user's trial writes into it."""
+    address = urllib.parse.urlsplit(pg_url)
+    if address.hostname not in ("127.0.0.1", "localhost") or address.port is None:
+        pytest.skip("needs the suite's server on this host")
+    run = subprocess.run(
+        [sys.executable, "-m", "trio_sessions", "pg-trial-server", "--port", str(address.port)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert run.stdout == ""
+    assert run.stderr.startswith("error: ") and "Address already in use" in run.stderr
 
 
 def test_quarantine_and_inputs_listings_filter_by_session_and_limit(

@@ -230,7 +230,7 @@ class PgServer:
                 command, stdout=out, stderr=subprocess.STDOUT, **_as_user()
             )
         try:
-            _wait_ready(self._process, self.url, self.log)
+            _wait_ready(self._process, self.url, self.log, self.data)
         except BaseException:
             self.stop()
             raise
@@ -247,20 +247,28 @@ class PgServer:
         self.start()
 
 
-def _wait_ready(server: subprocess.Popen[bytes], url: str, log: Path) -> None:
+def _wait_ready(server: subprocess.Popen[bytes], url: str, log: Path, data: Path) -> None:
+    """Return once `server` - the one on `data`, not another listening on its port -
+    accepts connections; `ServerDidNotStart` if it exits or does not within the bound."""
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
         if server.poll() is not None:
             raise ServerDidNotStart(f"postgres exited with {server.returncode}:\n{_log_tail(log)}")
         try:
-            with psycopg.connect(url, connect_timeout=2):
+            with psycopg.connect(url, connect_timeout=2) as conn:
+                # Another server on the port answers too (one that trusts local
+                # connections): ours fails to bind and exits, which the next look sees.
+                row = conn.execute("SHOW data_directory").fetchone()
+            if row is not None and os.path.realpath(row[0]) == os.path.realpath(data):
                 return
-        except psycopg.OperationalError as exc:
-            if time.monotonic() >= deadline:
-                raise ServerDidNotStart(
-                    f"postgres did not accept connections within {START_TIMEOUT_S} s: {exc}\n"
-                    f"{_log_tail(log)}"
-                ) from exc
+            problem = f"another server answers on its port (data directory {row})"
+        except psycopg.Error as exc:
+            problem = str(exc)
+        if time.monotonic() >= deadline:
+            raise ServerDidNotStart(
+                f"postgres did not accept connections within {START_TIMEOUT_S} s: {problem}\n"
+                f"{_log_tail(log)}"
+            )
         time.sleep(0.02)
 
 
