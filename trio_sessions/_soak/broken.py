@@ -126,8 +126,9 @@ DEFECTS = {
                 "    _reset_attempts(tx, session_id)\n"
                 "    if _has_pending_inputs(tx, session_id):\n"
                 "        _ring(tx, session_id)\n"
-                "    return _doorbell_set(tx, session_id)\n",
-                "    _reset_attempts(tx, session_id)\n    return _doorbell_set(tx, session_id)\n",
+                "    return Interrupted(_doorbell_set(tx, session_id), left_open)\n",
+                "    _reset_attempts(tx, session_id)\n"
+                "    return Interrupted(_doorbell_set(tx, session_id), left_open)\n",
             ),
         ),
     ),
