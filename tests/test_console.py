@@ -1700,6 +1700,38 @@ def test_a_keep_alive_that_is_no_positive_time_is_refused() -> None:
             Console(None, "", Guard(None, False), keep_alive=value)  # type: ignore[arg-type]
 
 
+async def served_by_a_store_that_raises(message: str, path: str) -> tuple[int, Any, str]:
+    """The status, headers and body a console answers `GET path` with when every store read
+    raises `StoreError(message)`."""
+
+    class Down:
+        _db = property(lambda self: self)
+
+        async def read(self, job: Any, *args: Any) -> Any:
+            raise trio_sessions.StoreError(message)
+
+    console = Console(Down(), "", Guard(None, False))  # type: ignore[arg-type]
+    sent: list[Any] = []
+
+    async def receive() -> Any:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(sent_message: Any) -> None:
+        sent.append(sent_message)
+
+    scope = {
+        "type": "http",
+        "method": "GET",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "headers": [(b"host", b"127.0.0.1")],
+    }
+    await console(scope, receive, send)
+    body = b"".join(sent_message.get("body", b"") for sent_message in sent).decode()
+    return sent[0]["status"], dict(sent[0]["headers"]), body
+
+
 async def test_a_store_that_does_not_answer_is_a_503_not_a_bad_request(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -1708,38 +1740,14 @@ async def test_a_store_that_does_not_answer_is_a_503_not_a_bad_request(
     probe then does not retry, and which reads to an operator as a bad link. It is 503
     (the service is unavailable for now), with a Retry-After; the error is logged in one
     line (it was nowhere: an operator saw 503s and no reason)."""
-
-    class Down:
-        _db = property(lambda self: self)
-
-        async def read(self, job: Any, *args: Any) -> Any:
-            raise trio_sessions.StoreError("connection refused: password=secret")
-
-    console = Console(Down(), "", Guard(None, False))  # type: ignore[arg-type]
-    sent: list[Any] = []
-
-    async def receive() -> Any:
-        return {"type": "http.request", "body": b"", "more_body": False}
-
-    async def send(message: Any) -> None:
-        sent.append(message)
-
     for path in ("/", "/sessions/s"):
-        sent.clear()
-        scope = {
-            "type": "http",
-            "method": "GET",
-            "path": path,
-            "raw_path": path.encode(),
-            "query_string": b"",
-            "headers": [(b"host", b"127.0.0.1")],
-        }
-        await console(scope, receive, send)
-        body = b"".join(message.get("body", b"") for message in sent)
-        assert sent[0]["status"] == 503, (path, sent[0]["status"], body)
-        assert b"store error" in body and b"secret" not in body
-        # When to come back, and why for the operator (in the log: the page hides it).
-        assert int(dict(sent[0]["headers"])[b"retry-after"]) > 0, sent[0]["headers"]
+        status, headers, body = await served_by_a_store_that_raises(
+            "connection refused: password=secret", path
+        )
+        assert status == 503, (path, status, body)
+        assert "store error" in body and "secret" not in body
+        # When to come back, and why for the operator (in the log too).
+        assert int(headers[b"retry-after"]) > 0, headers
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warned) == 2 and all("connection refused" in line for line in warned), warned
 
@@ -1749,33 +1757,10 @@ async def test_a_store_error_page_says_which_error() -> None:
     process's log to learn whether the server was down, a file locked or a disk full. It
     names the error now - its type and message, escaped, a password in it masked - and
     never a traceback. Found by the audit (audM55)."""
-
-    class Down:
-        _db = property(lambda self: self)
-
-        async def read(self, job: Any, *args: Any) -> Any:
-            raise trio_sessions.StoreError("database is locked <b> password=secret")
-
-    console = Console(Down(), "", Guard(None, False))  # type: ignore[arg-type]
-    sent: list[Any] = []
-
-    async def receive() -> Any:
-        return {"type": "http.request", "body": b"", "more_body": False}
-
-    async def send(message: Any) -> None:
-        sent.append(message)
-
-    scope = {
-        "type": "http",
-        "method": "GET",
-        "path": "/",
-        "raw_path": b"/",
-        "query_string": b"",
-        "headers": [(b"host", b"127.0.0.1")],
-    }
-    await console(scope, receive, send)
-    body = b"".join(message.get("body", b"") for message in sent).decode()
-    assert sent[0]["status"] == 503
+    status, _, body = await served_by_a_store_that_raises(
+        "database is locked <b> password=secret", "/"
+    )
+    assert status == 503
     assert "StoreError: database is locked &lt;b&gt; password=***" in body, body
     assert "secret" not in body and "<b>" not in body and "Traceback" not in body
 
