@@ -292,6 +292,49 @@ async def test_an_interrupt_over_a_malformed_open_message_says_it_left_it_open(
     )
 
 
+async def test_an_interrupt_during_a_refused_iteration_end_never_says_the_claim_is_kept(
+    store: Any, db_path: Any, clock: Clock, autojump_clock: trio.testing.MockClock, logs: Any
+) -> None:
+    """The drain returned over an open message another tool broke; its iteration end is
+    refused (`MalformedRecord`), and the user's Stop is accepted while that reply is on
+    its way (the thread hand-off's window). The interrupt's cleanup then deletes the claim
+    whatever its messages hold (DESIGN §4) and says it left the message open - but the log
+    also said `claim kept for quarantine`, for a claim that is gone and that nothing will
+    quarantine: two WARNINGs contradicting each other. Found by review (revB55)."""
+    raw = Raw(db_path)
+    refused = trio.Event()
+    answer = trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        writer = await ctx.begin_assistant()
+        await writer.append_text("hi")
+        raw.write("UPDATE session_message SET data = '{\"parts\": 1}' WHERE role = 'assistant'")
+
+    async def late(op: Any, *args: Any) -> Any:
+        try:
+            return await inner.run(op, *args)
+        finally:
+            refused.set()
+            with trio.CancelScope(shield=True):
+                await answer.wait()
+
+    async with runtime(store, drain, clock, **QUIET) as rt:
+        inner = rt._db
+        rt._db = Intercepted(inner, {_store.end_iteration: late})  # type: ignore[assignment]
+        await rt.wake("s")
+        await refused.wait()
+        [(execution_id, message_id)] = raw.rows(
+            "SELECT e.id, m.id FROM session_execution e"
+            " JOIN session_message m ON m.execution_id = e.id"
+        )
+        assert await rt.interrupt("s") is True
+        answer.set()
+        await rt.wait_idle("s")
+    assert raw.rows("SELECT id FROM session_execution") == []  # the cleanup deleted it
+    one_message_left_open(logs, execution_id, message_id, rt.owner_id, "interrupted")
+    assert records(logs, events.CLAIM_KEPT_MALFORMED) == []
+
+
 @pytest.mark.parametrize("ending", ["finished_cancelled", "dropped_superseded"])
 async def test_recovery_ending_a_claim_over_a_malformed_open_message_says_it_left_it_open(
     store: Any,

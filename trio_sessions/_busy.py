@@ -592,9 +592,11 @@ class BusyPeriods:
         error = ending.error if ending.kind == "failed" else None
         if ending.kind == "claim_failed":
             _observe.claim_attempt_failed(entry, runtime._owner_id, ending.error)
-        elif ending.finish_refused:
+        elif ending.finish_refused and plan.write is not EndingWrite.FINISH_INTERRUPTED:
             # Said here, once, whatever the write below does: it may give up on a store
-            # error (closing, lease lost) with the claim left as it is all the same.
+            # error (closing, lease lost) with the claim left as it is all the same. Not
+            # before an interrupt's cleanup: that deletes the claim whatever its messages
+            # hold (DESIGN §4) and says what it left open - or, refused too, that it kept it.
             assert isinstance(error, MalformedRecord)
             _observe.claim_kept_malformed(entry, runtime._owner_id, error)
         elif error is not None:
@@ -604,7 +606,7 @@ class BusyPeriods:
             case EndingWrite.FINISH_FAILED:
                 return await self._finish_failed(entry, error, refused=refused)
             case EndingWrite.FINISH_INTERRUPTED:
-                return await self._finish_interrupted(entry, error, refused=refused)
+                return await self._finish_interrupted(entry, error)
             case EndingWrite.HAND_BACK:
                 await self._expire(entry)
             case EndingWrite.PASS_ON_INTERRUPT:
@@ -692,9 +694,11 @@ class BusyPeriods:
         return outcome, doorbell or entry.rung_since_decision()
 
     async def _finish_interrupted(
-        self, entry: SessionEntry, error: BaseException | None, *, refused: bool = False
+        self, entry: SessionEntry, error: BaseException | None
     ) -> tuple[Outcome, bool]:
-        """`refused`: as for `_finish_failed`."""
+        """An interrupt's cleanup - also after an iteration's end a malformed record
+        refused (`_finalize` said nothing of it: this cleanup deletes the claim all the
+        same, and says so of each message it leaves open)."""
         outcome = Outcome("interrupted", "user", error)
         if not entry.owned:
             return outcome, entry.rung_since_decision()
@@ -716,8 +720,7 @@ class BusyPeriods:
             return outcome, False
         except MalformedRecord as exc:
             # Left as 'cancelling': recovery quarantines it (a row of it malformed).
-            if not refused:
-                _observe.claim_kept_malformed(entry, self._runtime._owner_id, exc)
+            _observe.claim_kept_malformed(entry, self._runtime._owner_id, exc)
             return outcome, False
         except StoreError:
             # Left as 'cancelling' once that write landed: recovery finishes it as
