@@ -1284,3 +1284,42 @@ async def test_an_ending_retried_past_a_heartbeat_interval_says_so_once(
 def worker_execution(path: Path) -> str:
     [(execution_id,)] = rows(path, "SELECT id FROM session_execution")
     return str(execution_id)
+
+
+async def test_an_interrupts_ending_retried_past_a_heartbeat_interval_says_so_once(
+    tmp_path: Path, clock: Clock, autojump_clock: MockClock, logs: pytest.LogCaptureFixture
+) -> None:
+    """An interrupt's ending is two writes (the mark, then the finish), each retried for
+    as long as the claim is ours. README's event table says `claim ending retried` is
+    logged once per ending; here both writes fail for longer than a heartbeat interval,
+    one after the other, and the one interrupt was reported twice. Found by review
+    (revB55)."""
+    path = tmp_path / "db.sqlite"
+    faults = Faults(path)
+    worker = Worker(gate=trio.Event())
+    async with open_faulty(path, worker, clock, faults, heartbeat_interval=1.0) as runtime:
+        async with trio.open_nursery() as nursery:
+            outcomes: list[Outcome] = []
+
+            async def run() -> None:
+                outcomes.append(await runtime.run("s"))
+
+            nursery.start_soon(run)
+            await worker.entered.wait()
+            execution_id = worker_execution(path)
+            faults.arm_matching("SET phase = 'cancelling'", "disk I/O error")
+            assert await runtime.interrupt("s") is True
+            await trio.sleep(2.5)
+            assert faults.fired, "the mark was not tried"
+            assert len(records(logs, _observe.ENDING_RETRIED)) == 1
+            # The mark lands at its next try; the finish after it fails as long again.
+            faults.arm_matching("DELETE FROM session_execution", "disk I/O error")
+            await trio.sleep(2.5)
+            assert faults.fired, "the finish was not tried"
+            assert outcomes == [], "the ending gave up while the claim was ours"
+            faults.disarm()
+        assert [(outcome.kind, outcome.reason) for outcome in outcomes] == [("interrupted", "user")]
+        await runtime.wait_idle("s")
+    assert rows(path, "SELECT * FROM session_execution") == []
+    [record] = records(logs, _observe.ENDING_RETRIED)
+    assert (record.session_id, record.execution_id) == ("s", execution_id)

@@ -91,6 +91,14 @@ class _Ending:
     finish_refused: bool = False
 
 
+@attrs.define(eq=False)
+class _Retried:
+    """One ending's writes retried (`BusyPeriods._retrying`): whether `claim ending
+    retried` was said - once per ending, also an interrupt's, which is two writes."""
+
+    said: bool = False
+
+
 # Frozen, so one instance serves every claim that ends this way (most end so): no
 # allocation per busy period.
 _RELEASED = _Ending("released")
@@ -702,8 +710,9 @@ class BusyPeriods:
         outcome = Outcome("interrupted", "user", error)
         if not entry.owned:
             return outcome, entry.rung_since_decision()
+        retried = _Retried()
         try:
-            await self._retrying_mark_cancelling(entry)
+            await self._retrying_mark_cancelling(entry, retried)
             entry.begin_deciding()
             ended = await self._retrying(
                 entry,
@@ -711,6 +720,7 @@ class BusyPeriods:
                 entry.session_id,
                 entry.execution_id,
                 self._runtime._owner_id,
+                retried=retried,
             )
         except LeaseLost:
             # The claim is gone (its session deleted during this cleanup, or taken over):
@@ -737,7 +747,7 @@ class BusyPeriods:
         entry.disown()
         return outcome, ended.doorbell or entry.rung_since_decision()
 
-    async def _retrying_mark_cancelling(self, entry: SessionEntry) -> None:
+    async def _retrying_mark_cancelling(self, entry: SessionEntry, retried: _Retried) -> None:
         """An interrupt's first, durable step. A close gives up `_retrying` at the first
         store error; the mark is then tried once more without waiting for locks (shielded,
         bounded), as a stopped busy period's is: without it the claim would stay
@@ -745,7 +755,9 @@ class BusyPeriods:
         mark = (entry.session_id, entry.execution_id, self._runtime._owner_id)
         try:
             # A wake taken to go on that no drain call answered yet is rung again with it.
-            await self._retrying(entry, _store.mark_cancelling, *mark, entry.wake_taken)
+            await self._retrying(
+                entry, _store.mark_cancelling, *mark, entry.wake_taken, retried=retried
+            )
         except StoreError:
             if not self._runtime._closing or entry.reason == "lease_lost":
                 raise  # a lost lease: no durable write
@@ -753,15 +765,21 @@ class BusyPeriods:
                 await self._mark_cancelling_nowait(entry)
             raise
 
-    async def _retrying(self, entry: SessionEntry, op: Callable[..., T], *args: Any) -> T:
+    async def _retrying(
+        self, entry: SessionEntry, op: Callable[..., T], *args: Any, retried: _Retried | None = None
+    ) -> T:
         """A finalizer write, retried through store errors while the claim is still ours.
 
         Giving up early would release the registry entry with the claim still 'running',
         and recovery would then resume work that was meant to stop. The heartbeat keeps
         renewing the claim meanwhile; once the lease is lost (or the runtime closes), the
-        last error is raised and the durable state is left for recovery.
+        last error is raised and the durable state is left for recovery. Retried for a
+        heartbeat interval, it says so - once per ending (`retried`: the ending's other
+        writes share it).
         """
         runtime = self._runtime
+        if retried is None:
+            retried = _Retried()
         pause = 0.01
         said_at = trio.current_time() + runtime._heartbeat_interval
         while True:
@@ -770,9 +788,9 @@ class BusyPeriods:
             except StoreError as exc:
                 if entry.reason == "lease_lost" or runtime._closing:
                     raise
-                if trio.current_time() >= said_at:
+                if not retried.said and trio.current_time() >= said_at:
                     _observe.ending_retried(entry, runtime._owner_id, exc)
-                    said_at = math.inf
+                    retried.said = True
             await trio.sleep(pause)
             pause = min(pause * 2, runtime._heartbeat_interval)
 
