@@ -12,7 +12,7 @@ import trio
 from helpers import Raw, Recorder, runtime
 from trio.testing import MockClock
 
-from trio_sessions import Store
+from trio_sessions import DrainContext, Store
 
 Clock = Callable[[], float]
 
@@ -59,3 +59,38 @@ async def test_a_cancelled_inputs_trace_keeps_no_payload_and_lasts_its_ten_minut
         " current_schema() AND table_name = 'session_input_cancelled' AND column_name = 'payload'"
     )
     assert payload_columns == []
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a recovery pass with no room (max_active reached) scans nothing: it reads when"
+    " the next scheduled input falls due (`next_due`) instead of calling ts_recovery_scan,"
+    " so it never runs ts_forget_cancelled. Fix (no schema change): on PostgreSQL the pass"
+    " with no room calls `scan_and_lease` with limit 0 too (ts_recovery_scan examines"
+    " nothing then, and still sweeps: `_recovery.Recovery.scan`)",
+)
+@pytest.mark.parametrize("backend", ["postgres"], indirect=True)
+async def test_a_cancelled_inputs_trace_goes_after_ten_minutes_on_a_busy_worker(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """As above, but the only worker is at its `max_active`: a chat service at capacity
+    for as long as it is busy. Its recovery passes run, with no room - and the trace the
+    cancel left outlives its ten minutes for as long as that lasts (README: "a cancel
+    leaves a trace ... for ten minutes"). Found by review (revB55)."""
+    raw = Raw(db_path)
+    busy = trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        busy.set()
+        await trio.sleep_forever()
+
+    async with runtime(store, drain, clock, max_active=1, recovery_interval=60.0) as worker:
+        await worker.wake("held")
+        await busy.wait()
+        await worker.submit("s", {"text": "my card is 4111..."}, input_id="oops", delay=3600.0)
+        assert await worker.cancel_input("oops") is True
+        await trio.sleep(11 * 60)  # eleven recovery passes
+        await worker.recover_once()
+        traces = raw.rows("SELECT id FROM session_input_cancelled")
+        await worker.interrupt("held")
+    assert traces == [], "the trace outlived its ten minutes"
