@@ -955,3 +955,41 @@ async def test_an_ending_over_an_open_message_whose_finished_mark_is_broken_says
     [record] = [r for r in logs.records if r.msg == event]
     assert (record.table, record.key) == ("session_message", message_id)
     assert "finished" in record.reason
+
+
+@pytest.mark.parametrize("table", ["session_message_delta", "session_message"])
+@pytest.mark.parametrize("ending", ["finished_cancelled", "dropped_superseded"])
+async def test_recovery_ends_a_cancelled_claim_over_text_that_is_not_utf8(
+    tmp_path: Path, clock: Any, autojump_clock: MockClock, logs: Any, ending: str, table: str
+) -> None:
+    """DESIGN §4's recovery order: a claim marked cancelling is finished as cancelled, and a
+    superseded one dropped, before the malformed check - over a message that does not
+    decode too (it is left open and said so: `malformed message left open`). On SQLite,
+    with the open message's data (or a text streamed onto it) made bytes that are not
+    UTF-8, the driver refused the read and recovery quarantined the claim instead: the
+    user's Stop (or the newer answer) left the session held by a quarantined claim, no
+    drain taking its next message until an operator acted - where the same message that
+    is UTF-8 but no valid record is finished and the session goes on, and where a live
+    interrupt over those very bytes deletes the claim. Found by review (revB55)."""
+    db_path, raw = _sqlite(tmp_path)
+    async with runtime(Store(db_path, inline=True), Recorder(), clock, **QUIET) as rt:
+        cancelling = ending == "finished_cancelled"
+        raw.seed_claim("s", "e-dead", expires_at=1, phase="cancelling" if cancelling else "running")
+        message_id = raw.seed_assistant("s", "e-dead", 1, OPEN_TOOL)
+        if table == "session_message":
+            raw.write("UPDATE session_message SET data = CAST(X'ff' AS TEXT) WHERE seq = 1")
+        else:
+            raw.write(
+                "INSERT INTO session_message_delta(message_id, version, text)"
+                " VALUES (?, 5, CAST(X'ff' AS TEXT))",
+                (message_id,),
+            )
+        if not cancelling:
+            raw.seed_assistant("s", "e-other", 2, '{"parts": [], "finished": true, "error": null}')
+        report = await rt.recover_once()
+    assert (getattr(report, ending), report.quarantined) == (1, 0), report
+    assert raw.rows("SELECT id FROM session_execution") == []
+    assert raw.rows("SELECT execution_id FROM session_recovery") == []
+    [record] = [r for r in logs.records if r.msg == events.MESSAGE_LEFT_OPEN]
+    assert (record.execution_id, record.ending) == ("e-dead", ending)
+    assert (record.table, record.key) == (table, message_id)

@@ -116,6 +116,17 @@ class SQLiteTx:
         finally:
             self.conn.execute("RELEASE nested")
 
+    @contextlib.contextmanager
+    def stored_bytes(self) -> Iterator[None]:
+        """Meanwhile, text another tool wrote that is not UTF-8 is read as its bytes
+        (`_codec.utf8_or_bytes`), which a decoder names malformed, instead of failing the
+        whole read (`_store.recovery_batch`: a cancelled claim ends over such a message)."""
+        self.conn.text_factory = _codec.utf8_or_bytes
+        try:
+            yield
+        finally:
+            self.conn.text_factory = str
+
     def refused_value(self, exc: BaseException) -> str | None:
         undecodable = isinstance(exc, sqlite3.OperationalError) and str(exc).startswith(
             "Could not decode to UTF-8"

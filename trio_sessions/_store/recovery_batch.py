@@ -102,7 +102,48 @@ def _apply_one(
         refused = tx.refused_value(exc)
         if refused is None:
             raise
+        ended = _ended_over_stored_bytes(
+            tx, owner_id, candidate, new_execution_id, lease_ms, max_resumes, gone
+        )
+        if ended is not None:
+            return ended
         return quarantine(tx, owner_id, candidate, f"recovery failed: {refused}")
+
+
+class _Undone(Exception):
+    """`_ended_over_stored_bytes`: what the second run did is not kept."""
+
+
+def _ended_over_stored_bytes(
+    tx: Tx,
+    owner_id: str,
+    candidate: Candidate,
+    new_execution_id: str,
+    lease_ms: int,
+    max_resumes: int,
+    gone: frozenset[str],
+) -> Recovered | None:
+    """SQLite, whose driver refused a read of text another tool wrote that is not UTF-8:
+    `apply_recovery` once more, such text read as its bytes (`SQLiteTx.stored_bytes`).
+    Kept only when it finishes a cancelled claim or drops a superseded one - DESIGN §4
+    decides those before the malformed check, and the message that does not decode is
+    left open and said so, as for any other such message; a claim left quarantined
+    would hold its session until an operator acted. Anything else is undone (None): the
+    row is quarantined for its bytes, as before."""
+    stored_bytes = getattr(tx, "stored_bytes", None)
+    if stored_bytes is None:
+        return None
+    try:
+        with tx.savepoint(), stored_bytes():
+            result = apply_recovery(
+                tx, owner_id, candidate, new_execution_id, lease_ms, max_resumes, gone
+            )
+            ends = (RecoveryDecision.FINISH_CANCELLED, RecoveryDecision.DROP_SUPERSEDED)
+            if result.fence_lost or result.decision not in ends:
+                raise _Undone
+            return result
+    except (_Undone, LeaseLost, MalformedRecord, ValueError, TypeError, RecursionError):
+        return None
 
 
 # SQLite's takeover of a claim that resumes with nothing to close, run once per claim
