@@ -61,14 +61,6 @@ async def test_a_cancelled_inputs_trace_keeps_no_payload_and_lasts_its_ten_minut
     assert payload_columns == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a recovery pass with no room (max_active reached) scans nothing: it reads when"
-    " the next scheduled input falls due (`next_due`) instead of calling ts_recovery_scan,"
-    " so it never runs ts_forget_cancelled. Fix (no schema change): on PostgreSQL the pass"
-    " with no room calls `scan_and_lease` with limit 0 too (ts_recovery_scan examines"
-    " nothing then, and still sweeps: `_recovery.Recovery.scan`)",
-)
 @pytest.mark.parametrize("backend", ["postgres"], indirect=True)
 async def test_a_cancelled_inputs_trace_goes_after_ten_minutes_on_a_busy_worker(
     store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock

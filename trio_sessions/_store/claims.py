@@ -417,6 +417,9 @@ BEGIN
         WHERE c.id = ANY(p_execs) AND c.owner_id = p_owner AND c.expires_at > v_now
         RETURNING c.id, c.phase)
     SELECT e.id, r.phase FROM unnest(p_execs) AS e(id) LEFT JOIN renewed r ON r.id = e.id;
+    -- A worker at max_active makes no recovery scan, whose call sweeps cancels' traces
+    -- past their ten minutes: its heartbeat does.
+    PERFORM ts_forget_cancelled(v_now);
 END $$;
 
 -- Shutdown: end these claims' leases now (fenced), handed back, and signal their sessions.
