@@ -134,8 +134,8 @@ def claim_kept_malformed(entry: SessionEntry, owner_id: str, error: MalformedRec
 
 
 def ending_retried(entry: SessionEntry, owner_id: str, error: StoreError) -> None:
-    """WARNING, once per ending: a claim's ending (its iteration end, a failed drain's or
-    an interrupt's finish) has failed for a heartbeat interval. It is retried for as long
+    """WARNING, once per ending: a claim's ending (a failed drain's finish, or an
+    interrupt's mark and finish) has failed for a heartbeat interval. It is retried for as long
     as the claim is ours - giving up would leave recovery to resume work meant to stop -
     and `run()` waits meanwhile, so the operator hears of it. extra: session_id,
     execution_id, owner_id, attempt, resumed, error."""
