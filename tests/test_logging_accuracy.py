@@ -210,17 +210,9 @@ def one_claim_kept_malformed(logs: Any, execution_id: str, message_id: str, owne
     whose `parts` another tool broke - a WARNING without a traceback - and no `drain
     failed` (the drain did not fail). Typed Any, as `records` gives it: `extra` fields."""
     assert records(logs, events.DRAIN_FAILED) == []
-    [record] = records(logs, events.CLAIM_KEPT_MALFORMED)
-    assert record.levelno == logging.WARNING
-    assert record.exc_info is None
-    assert (record.session_id, record.execution_id, record.owner_id) == (
-        "s",
-        execution_id,
-        owner_id,
+    return _one_broken_parts_warning(
+        logs, events.CLAIM_KEPT_MALFORMED, execution_id, message_id, owner_id
     )
-    assert (record.table, record.key) == ("session_message", message_id)
-    assert "parts" in record.reason
-    return record
 
 
 async def test_a_refused_finish_is_logged_once_when_the_failed_finish_after_it_fails(
@@ -370,7 +362,19 @@ def one_message_left_open(
 ) -> Any:
     """The one `malformed message left open` record, for session s's execution whose
     message's `parts` another tool broke - a WARNING without a traceback. Typed Any."""
-    [record] = records(logs, events.MESSAGE_LEFT_OPEN)
+    record = _one_broken_parts_warning(
+        logs, events.MESSAGE_LEFT_OPEN, execution_id, message_id, owner_id
+    )
+    assert record.ending == ending
+    return record
+
+
+def _one_broken_parts_warning(
+    logs: Any, event: str, execution_id: str, message_id: str, owner_id: str
+) -> Any:
+    """The one record of `event` for session s's execution whose message's `parts` another
+    tool broke: a WARNING without a traceback, naming the row and why."""
+    [record] = records(logs, event)
     assert record.levelno == logging.WARNING
     assert record.exc_info is None
     assert (record.session_id, record.execution_id, record.owner_id) == (
@@ -380,7 +384,6 @@ def one_message_left_open(
     )
     assert (record.table, record.key) == ("session_message", message_id)
     assert "parts" in record.reason
-    assert record.ending == ending
     return record
 
 
