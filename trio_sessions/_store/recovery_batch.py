@@ -18,7 +18,7 @@ Invariants kept here (and in `recovery`, whose fences and single-row rules this 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from .._backend import NEEDS_TRANSACTION, Tx, autocommit_when_alone
 from .._decisions import RecoveryDecision
@@ -87,11 +87,14 @@ def _apply_one(
     max_resumes: int,
     gone: frozenset[str],
 ) -> Recovered:
+    def apply() -> Recovered:
+        return apply_recovery(
+            tx, owner_id, candidate, new_execution_id, lease_ms, max_resumes, gone
+        )
+
     try:
         with tx.savepoint():
-            return apply_recovery(
-                tx, owner_id, candidate, new_execution_id, lease_ms, max_resumes, gone
-            )
+            return apply()
     except LeaseLost:
         return Recovered(RecoveryDecision.GONE, fence_lost=True)
     except (MalformedRecord, ValueError, TypeError, RecursionError) as exc:
@@ -102,9 +105,7 @@ def _apply_one(
         refused = tx.refused_value(exc)
         if refused is None:
             raise
-        ended = _ended_over_stored_bytes(
-            tx, owner_id, candidate, new_execution_id, lease_ms, max_resumes, gone
-        )
+        ended = _ended_over_stored_bytes(tx, apply)
         if ended is not None:
             return ended
         return quarantine(tx, owner_id, candidate, f"recovery failed: {refused}")
@@ -114,17 +115,10 @@ class _Undone(Exception):
     """`_ended_over_stored_bytes`: what the second run did is not kept."""
 
 
-def _ended_over_stored_bytes(
-    tx: Tx,
-    owner_id: str,
-    candidate: Candidate,
-    new_execution_id: str,
-    lease_ms: int,
-    max_resumes: int,
-    gone: frozenset[str],
-) -> Recovered | None:
+def _ended_over_stored_bytes(tx: Tx, apply: Callable[[], Recovered]) -> Recovered | None:
     """SQLite, whose driver refused a read of text another tool wrote that is not UTF-8:
-    `apply_recovery` once more, such text read as its bytes (`SQLiteTx.stored_bytes`).
+    `apply` (`apply_recovery`) once more, such text read as its bytes
+    (`SQLiteTx.stored_bytes`).
     Kept only when it finishes a cancelled claim or drops a superseded one - DESIGN §4
     decides those before the malformed check, and the message that does not decode is
     left open and said so, as for any other such message; a claim left quarantined
@@ -135,9 +129,7 @@ def _ended_over_stored_bytes(
         return None
     try:
         with tx.savepoint(), stored_bytes():
-            result = apply_recovery(
-                tx, owner_id, candidate, new_execution_id, lease_ms, max_resumes, gone
-            )
+            result = apply()
             ends = (RecoveryDecision.FINISH_CANCELLED, RecoveryDecision.DROP_SUPERSEDED)
             if result.fence_lost or result.decision not in ends:
                 raise _Undone
