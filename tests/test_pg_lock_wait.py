@@ -268,3 +268,76 @@ def test_a_cancel_that_finds_the_backend_idle_never_lands_on_its_next_statement(
             conn.execute("SELECT 1")
             conn.cancel_safe(timeout=WAIT_S)
             assert conn.execute("SELECT pg_sleep(0.01), 2").fetchone() == ("", 2)
+
+
+def test_a_caller_who_asked_before_the_waiting_statement_has_it_cancelled() -> None:
+    """A caller cancelled while a statement of its transaction answers within
+    `CANCEL_AFTER_S` (or between two statements): the cancel is not sent for that one, but a
+    later statement of the attempt still unanswered `CANCEL_AFTER_S` after it was sent (the
+    one waiting for a lock) is cancelled. Before, the request was dropped with the statement
+    it came during, and the later statement waited for the lock as if no caller had asked."""
+    conn = _Connection()
+    withdrawals = Withdrawals(lambda jobs: None)
+    job = Job(_mark, ("s",))
+    withdrawals.attempt([job])
+    with withdrawals.statement(conn):
+        withdrawals.withdraw(job)  # the statement answers at once
+    with withdrawals.statement(conn):  # the next one waits
+        assert conn.cancelled.wait(WAIT_S), "the waiting statement was never cancelled"
+    assert conn.cancels == 1
+
+    between = Withdrawals(lambda jobs: None)
+    later = Job(_mark, ("t",))
+    between.attempt([later])
+    with between.statement(conn):
+        pass
+    conn.cancelled.clear()
+    between.withdraw(later)  # between two statements: none is in flight
+    with between.statement(conn):
+        assert conn.cancelled.wait(WAIT_S), "the waiting statement was never cancelled"
+    assert conn.cancels == 2
+
+
+def _gated(tx: PgTx, name: str, reached: threading.Event, go: threading.Event) -> str:
+    """A write on no session that lets the test act between its statements."""
+    tx.execute("INSERT INTO mark VALUES (?)", (name,))
+    reached.set()
+    assert go.wait(WAIT_S)
+    return name
+
+
+def test_a_job_whose_caller_was_cancelled_before_its_statement_waits_is_withdrawn_then(
+    pg_url: str, migrated_schema: str
+) -> None:
+    """A batch whose second job waits for a session's lock another connection holds, its
+    caller cancelled while the first job ran (no statement in flight): the waiting statement
+    is cancelled all the same, that job withdrawn and the first committed while the lock is
+    still held. Before, the lock was waited for until it was freed (here lock_timeout is
+    off, as a long wait: the engine's own gives up after `LOCK_TIMEOUT_MS`)."""
+    with engine_at(pg_url, migrated_schema, 1.0) as engine, raw(pg_url, migrated_schema) as holder:
+        holder.execute("CREATE TABLE mark(name TEXT)")
+        engine.conn.execute("SET lock_timeout = 0")
+        holder.execute("BEGIN")
+        holder.execute("SELECT pg_advisory_xact_lock(ts_lock_key('s'))")
+        woken: list[list[Job]] = []
+        withdrawals = Withdrawals(woken.append)
+        reached, go = threading.Event(), threading.Event()
+        first, waiting = Job(_gated, ("t", reached, go)), Job(_mark, ("s",))
+        runner = threading.Thread(
+            target=engine.run_jobs, args=([first, waiting],), kwargs={"withdrawals": withdrawals}
+        )
+        runner.start()
+        try:
+            assert reached.wait(WAIT_S)
+            assert not withdrawals.withdraw(waiting)  # between two statements
+            go.set()
+            runner.join(WAIT_S / 3)
+            assert not runner.is_alive(), "the batch waited on for the lock"
+            assert woken == [[waiting]] and waiting.withdrawn
+            assert first.unwrap() == "t"
+        finally:
+            go.set()
+            holder.execute("ROLLBACK")
+            runner.join(WAIT_S)
+        assert holder.execute("SELECT name FROM mark").fetchall() == [("t",)]
+        holder.execute("DROP TABLE mark")

@@ -203,6 +203,9 @@ class Withdrawals:
     (psycopg's `cancel_safe`, from a thread of its own), the transaction rolled back, its
     cancelled callers' operations withdrawn and the others run again. Where the cancel came
     too late for its statement, the transaction is rolled back before COMMIT all the same.
+    A caller that asked while no statement of its attempt was unanswered, or one that
+    answered in time, has each later statement of the attempt timed the same way: the one
+    that waits for a lock is cancelled all the same.
 
     Invariants:
     * a committed operation is always reported: no cancel is ever sent while no statement
@@ -213,7 +216,8 @@ class Withdrawals:
       batch's); the server's 57014 means the statement (an autocommit call with it) rolled
       back, as for statement_timeout's, which the engine retries;
     * an operation whose earlier attempt's reply was lost (`Job.reply_lost`: it may have
-      landed) is never withdrawn; one left uncancelled runs to its outcome, its caller told.
+      landed) is never withdrawn; one left uncancelled runs to its outcome, its caller told;
+    * at most one cancel thread per statement, and none while no caller asked.
     """
 
     def __init__(self, on_withdrawn: Callable[[list[Job]], None]) -> None:
@@ -225,6 +229,7 @@ class Withdrawals:
         self._statements = 0
         # The statement unanswered: its number, the connection (as connected), sent when.
         self._in_flight: tuple[int, Any, float] | None = None
+        self._timed = 0  # the statement a cancel thread was started for (numbers from 1)
         self._cancelled = False  # a cancel was sent during the running attempt
         self._sending: threading.Event | None = None  # set once that request is done
 
@@ -233,16 +238,29 @@ class Withdrawals:
         withdraws the job unless it committed, or is past its COMMIT."""
         with self._lock:
             self._asked.add(id(job))
-            flight = self._in_flight
-            if flight is None or job.reply_lost or not any(each is job for each in self._current):
+            if job.reply_lost or not any(each is job for each in self._current):
                 return False
+            number = self._time()  # None between statements: the next one is timed
+        if number is not None:
+            self._start(number)
+        return False
+
+    def _time(self) -> int | None:
+        """Under the lock, a caller of the attempt having asked: the statement in flight to
+        time, unless none is or it already is (or a cancel was sent)."""
+        flight = self._in_flight
+        if flight is None or flight[0] == self._timed or self._cancelled:
+            return None
+        self._timed = flight[0]
+        return flight[0]
+
+    def _start(self, number: int) -> None:
         threading.Thread(
             target=self._cancel_unanswered,
-            args=(flight[0],),
+            args=(number,),
             name="trio-sessions-pg-cancel",
             daemon=True,
         ).start()
-        return False
 
     def _cancel_unanswered(self, number: int) -> None:
         """Cancel statement `number` if it is still unanswered `CANCEL_AFTER_S` after it was
@@ -273,9 +291,13 @@ class Withdrawals:
         with self._lock:
             self._cancelled = False
             self._current = jobs if certain else ()
-            asked = self._asked
-            if asked and any(id(job) in asked and not job.reply_lost for job in self._current):
+            if self._asking():
                 raise _Withdrawn
+
+    def _asking(self) -> bool:
+        """Under the lock: whether a caller of the running attempt asked to withdraw."""
+        asked = self._asked
+        return bool(asked) and any(id(job) in asked and not job.reply_lost for job in self._current)
 
     @contextlib.contextmanager
     def statement(self, conn: Any) -> Iterator[None]:
@@ -287,6 +309,10 @@ class Withdrawals:
                 raise _Withdrawn
             self._statements += 1
             self._in_flight = (self._statements, conn, time.monotonic())
+            # A caller asked before this statement: timed as if it asked now.
+            number = self._time() if self._asked and self._asking() else None
+        if number is not None:
+            self._start(number)
         try:
             yield
         except psycopg.Error as exc:
