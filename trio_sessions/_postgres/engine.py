@@ -68,7 +68,6 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
-import functools
 import random
 import threading
 import time
@@ -217,7 +216,8 @@ class Withdrawals:
       back, as for statement_timeout's, which the engine retries;
     * an operation whose earlier attempt's reply was lost (`Job.reply_lost`: it may have
       landed) is never withdrawn; one left uncancelled runs to its outcome, its caller told;
-    * at most one cancel thread per statement, and none while no caller asked.
+    * at most one cancel thread per statement, and none while no caller asked: the common
+      path costs a lock taken twice per statement (`_Statement`, no generator).
     """
 
     def __init__(self, on_withdrawn: Callable[[list[Job]], None]) -> None:
@@ -299,11 +299,15 @@ class Withdrawals:
         asked = self._asked
         return bool(asked) and any(id(job) in asked and not job.reply_lost for job in self._current)
 
-    @contextlib.contextmanager
-    def statement(self, conn: Any) -> Iterator[None]:
+    def statement(self, conn: Any) -> _Statement:
         """In the worker, around each statement of the attempt sent on `conn` (the
         connection as connected): cancellable while unanswered. `_Withdrawn` for the
-        server's 57014 after a cancel of ours, and before sending once one was sent."""
+        server's 57014 after a cancel of ours, and before sending once one was sent. One
+        context manager serves every statement of a transaction."""
+        return _Statement(self, conn)
+
+    def _sent(self, conn: Any) -> None:
+        """Before a statement is sent (`_Statement`)."""
         with self._lock:
             if self._cancelled:  # it came too late for the statement before
                 raise _Withdrawn
@@ -313,17 +317,6 @@ class Withdrawals:
             number = self._time() if self._asked and self._asking() else None
         if number is not None:
             self._start(number)
-        try:
-            yield
-        except psycopg.Error as exc:
-            if self._answered() and exc.sqlstate == "57014":
-                raise _Withdrawn from exc
-            raise
-        except BaseException:
-            self._answered()
-            raise
-        else:
-            self._answered()
 
     def _answered(self) -> bool:
         """The statement answered: no cancel starts from now on, and one under way is waited
@@ -362,6 +355,25 @@ class Withdrawals:
         if gone:
             self._on_withdrawn(gone)
         return [job for job in jobs if not job.withdrawn]
+
+
+class _Statement:
+    """`Withdrawals.statement`: a plain context manager (no generator, nothing allocated per
+    statement) around every statement of a write."""
+
+    __slots__ = ("_conn", "_withdrawals")
+
+    def __init__(self, withdrawals: Withdrawals, conn: Any) -> None:
+        self._withdrawals = withdrawals
+        self._conn = conn
+
+    def __enter__(self) -> None:
+        self._withdrawals._sent(self._conn)
+
+    def __exit__(self, kind: object, exc: BaseException | None, traceback: object) -> None:
+        cancelled = self._withdrawals._answered()
+        if cancelled and isinstance(exc, psycopg.Error) and exc.sqlstate == "57014":
+            raise _Withdrawn from exc
 
 
 class PgEngine:
@@ -496,11 +508,11 @@ class PgEngine:
             finally:
                 self._withdrawals = None
 
-    def _guard(self) -> Callable[[], contextlib.AbstractContextManager[None]] | None:
+    def _guard(self) -> contextlib.AbstractContextManager[None] | None:
         """Around each statement of a write (`PgTx`): cancellable for a cancelled caller."""
         if self._withdrawals is None:
             return None
-        return functools.partial(self._withdrawals.statement, self._raw)
+        return self._withdrawals.statement(self._raw)
 
     def _withdraw(self, jobs: Sequence[Job]) -> list[Job]:
         """After `_Withdrawn`: the jobs withdrawn (their callers go on); the rest."""

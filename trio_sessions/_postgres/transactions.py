@@ -185,7 +185,7 @@ class PgTx:
         autocommit: bool = False,
         retry: bool = False,
         job: Job | None = None,
-        guard: Callable[[], AbstractContextManager[None]] | None = None,
+        guard: AbstractContextManager[None] | None = None,
     ) -> None:
         self.conn = conn
         # Around each statement sent (`Withdrawals.statement`): a caller cancelled while it
@@ -250,7 +250,7 @@ class PgTx:
             raise NeedsTransaction("a second statement needs a transaction")
         if self._guard is None:
             return self._sent(statement, params)
-        with self._guard():
+        with self._guard:
             return self._sent(statement, params)
 
     def _sent(self, statement: str, params: Params) -> psycopg.Cursor[Any]:
