@@ -341,3 +341,40 @@ def test_a_job_whose_caller_was_cancelled_before_its_statement_waits_is_withdraw
             runner.join(WAIT_S)
         assert holder.execute("SELECT name FROM mark").fetchall() == [("t",)]
         holder.execute("DROP TABLE mark")
+
+
+def test_a_job_no_attempt_has_begun_is_withdrawn_at_once(pg_url: str, migrated_schema: str) -> None:
+    """A caller cancelled while an earlier operation of its hand-off still runs (here one
+    held at a gate, as one waiting for another session's lock another connection holds, up
+    to `RECONNECT_PATIENCE_S` of lock-timeout retries): nothing of its own operation was
+    sent, so it is withdrawn at once (`withdraw` says True, its caller goes on) and the
+    worker never runs it. Before, the caller waited for the verdict until the worker came
+    to its operation - a drain past its lease outlived it by the other operation's wait."""
+    with engine_at(pg_url, migrated_schema, 1.0) as engine, raw(pg_url, migrated_schema) as check:
+        check.execute("CREATE TABLE mark(name TEXT)")
+        woken: list[list[Job]] = []
+        withdrawals = Withdrawals(woken.append)
+        reached, go = threading.Event(), threading.Event()
+        first, later = Job(_gated, ("t", reached, go)), Job(_mark, ("s",))
+        runner = threading.Thread(
+            target=engine.run_jobs,
+            args=([later],),
+            kwargs={"alone": [first], "withdrawals": withdrawals},
+        )
+        runner.start()
+        try:
+            assert reached.wait(WAIT_S)
+            assert withdrawals.withdraw(later), "the caller waits for the operation before it"
+        finally:
+            go.set()
+            runner.join(WAIT_S)
+        assert not runner.is_alive()
+        assert later.withdrawn and woken == [[later]]
+        assert first.unwrap() == "t"
+        assert check.execute("SELECT name FROM mark").fetchall() == [("t",)]
+        check.execute("DROP TABLE mark")
+
+    begun = Withdrawals(lambda jobs: None)
+    job = Job(_mark, ("u",))
+    begun.attempt([job])
+    assert not begun.withdraw(job)  # begun: the worker decides

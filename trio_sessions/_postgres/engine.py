@@ -195,10 +195,12 @@ class Withdrawals:
     deadline exits then, not when another connection lets go of its session's lock (up to
     `LOCK_TIMEOUT_MS`, retried for up to `RECONNECT_PATIENCE_S`; DESIGN §6.17).
 
-    A cancelled caller asks (`withdraw`, on the trio thread) and waits for the worker's
-    verdict. The worker withdraws the operation before a transaction (or autocommit call)
-    holding it sends anything; and while one of its statements is still unanswered
-    `CANCEL_AFTER_S` after it was sent (waiting for a lock), that statement is cancelled
+    A cancelled caller asks (`withdraw`, on the trio thread): one whose operation no attempt
+    has begun for goes on at once (the worker never runs it, however long the operations
+    before it wait); the others wait for the worker's verdict. The worker withdraws the
+    operation before a transaction (or autocommit call) holding it sends anything; and
+    while one of its statements is still unanswered `CANCEL_AFTER_S` after it was sent
+    (waiting for a lock), that statement is cancelled
     (psycopg's `cancel_safe`, from a thread of its own), the transaction rolled back, its
     cancelled callers' operations withdrawn and the others run again. Where the cancel came
     too late for its statement, the transaction is rolled back before COMMIT all the same.
@@ -224,6 +226,7 @@ class Withdrawals:
         self._lock = threading.Lock()
         self._on_withdrawn = on_withdrawn  # in the worker thread: wake their callers
         self._asked: set[int] = set()  # ids of the jobs whose callers were cancelled
+        self._begun: set[int] = set()  # ids of the jobs an attempt (or more) was for
         # The running attempt's jobs, which may be withdrawn but for those whose reply was lost.
         self._current: Sequence[Job] = ()
         self._statements = 0
@@ -234,10 +237,14 @@ class Withdrawals:
         self._sending: threading.Event | None = None  # set once that request is done
 
     def withdraw(self, job: Job) -> bool:
-        """On the trio thread: `job`'s caller was cancelled. The worker decides (False): it
-        withdraws the job unless it committed, or is past its COMMIT."""
+        """On the trio thread: `job`'s caller was cancelled. Withdrawn at once (True) while
+        no attempt holding it has begun - the worker never runs it (`attempt`), and its
+        caller does not wait for the operations before it; else the worker decides (False):
+        it withdraws the job unless it committed, or is past its COMMIT."""
         with self._lock:
             self._asked.add(id(job))
+            if id(job) not in self._begun:
+                return True
             if job.reply_lost or not any(each is job for each in self._current):
                 return False
             number = self._time()  # None between statements: the next one is timed
@@ -290,6 +297,7 @@ class Withdrawals:
         reply of an earlier attempt may have landed - none of them may be withdrawn."""
         with self._lock:
             self._cancelled = False
+            self._begun.update(map(id, jobs))
             self._current = jobs if certain else ()
             if self._asking():
                 raise _Withdrawn

@@ -209,9 +209,10 @@ class _Lane:
     first, before its reads run.
 
     Invariants (as `_handoff.HandoffQueue`): a caller cancelled while its operation is
-    queued sees it withdrawn unrun; once taken, it waits for the outcome - which for a write
-    may be its withdrawal by the worker, nothing of it committed (`engine.Withdrawals`, one
-    per hand-off). Only the trio thread touches the queue; the worker sees a batch only
+    queued sees it withdrawn unrun; so does a write's caller while no attempt for its
+    operation has begun; else it waits for the outcome - which for a write may be its
+    withdrawal by the worker, nothing of it committed (`engine.Withdrawals`, one per
+    hand-off). Only the trio thread touches the queue; the worker sees a batch only
     through its inbox.
     """
 
