@@ -547,3 +547,23 @@ class LosableTokenExecutor(ExecutorSeam):
         async with self._inner.hold_token(owner_id) as inner:
             self.token = LosableToken(inner)
             yield self.token
+
+
+@asynccontextmanager
+async def released_at_the_latest(holder: Any, hold_s: float) -> AsyncIterator[None]:
+    """Lets `holder` - a lock another connection holds, with its `taken` event and an
+    idempotent `release()` - go `hold_s` after it took the lock at the latest (a caller that
+    waits for the lock then fails its test instead of hanging it), and at the block's end."""
+    async with trio.open_nursery() as nursery:
+
+        async def release_at_the_latest() -> None:
+            await holder.taken.wait()
+            await trio.sleep(hold_s)
+            holder.release()
+
+        nursery.start_soon(release_at_the_latest)
+        try:
+            yield
+        finally:
+            holder.release()
+            nursery.cancel_scope.cancel()

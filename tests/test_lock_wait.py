@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
+from helpers import released_at_the_latest
 
 import trio_sessions
 from trio_sessions import _codec, _sqlite
@@ -153,19 +154,8 @@ async def _lock_holder(path: Path) -> AsyncIterator[_LockHolder]:
     the block's end."""
     holder = _LockHolder(path)
     try:
-        async with trio.open_nursery() as nursery:
-
-            async def release_at_the_latest() -> None:
-                await holder.taken.wait()
-                await trio.sleep(HOLD_S)
-                holder.release()
-
-            nursery.start_soon(release_at_the_latest)
-            try:
-                yield holder
-            finally:
-                holder.release()
-                nursery.cancel_scope.cancel()
+        async with released_at_the_latest(holder, HOLD_S):
+            yield holder
     finally:
         holder.conn.close()
 

@@ -16,6 +16,7 @@ import pytest
 import trio
 from helpers import pg_engine_at as engine_at
 from helpers import pg_raw as raw
+from helpers import released_at_the_latest
 
 import trio_sessions
 from trio_sessions._backend import Job
@@ -68,19 +69,8 @@ async def _lock_holder(url: str, schema: str, session_id: str) -> AsyncIterator[
     that waits for it then fails its test instead of hanging it), and at the block's end."""
     with raw(url, schema) as conn:
         holder = _LockHolder(conn, session_id)
-        async with trio.open_nursery() as nursery:
-
-            async def release_at_the_latest() -> None:
-                await holder.taken.wait()
-                await trio.sleep(HOLD_S)
-                holder.release()
-
-            nursery.start_soon(release_at_the_latest)
-            try:
-                yield holder
-            finally:
-                holder.release()
-                nursery.cancel_scope.cancel()
+        async with released_at_the_latest(holder, HOLD_S):
+            yield holder
 
 
 @pytest.fixture
