@@ -146,9 +146,7 @@ class SQLiteTx:
             _liveness.forget_file_tokens(database, owner_ids)
 
 
-def run_read(
-    conn: sqlite3.Connection, op: Callable[..., T], tx: SQLiteTx, args: Sequence[Any]
-) -> T:
+def run_read(op: Callable[..., T], tx: SQLiteTx, args: Sequence[Any]) -> T:
     """`op(tx, *args)`, a read. A row's text that is not UTF-8 (SQLite keeps whatever bytes
     another tool wrote as TEXT) fails the driver's whole read with an error naming neither
     row nor table; a read marked `_backend.reads_stored_bytes` then runs once more on the
@@ -158,11 +156,8 @@ def run_read(
     except sqlite3.OperationalError as exc:
         if tx.refused_value(exc) is None or not op.__dict__.get("reads_stored_bytes"):
             raise
-    conn.text_factory = _codec.utf8_or_bytes
-    try:
+    with tx.stored_bytes():
         return op(tx, *args)
-    finally:
-        conn.text_factory = str
 
 
 def read_snapshot(
@@ -176,7 +171,7 @@ def read_snapshot(
     except sqlite3.ProgrammingError:  # closed with its runtime
         raise executor_closed() from None
     try:
-        return run_read(conn, op, SQLiteTx(conn, now_ms(clock)), args)
+        return run_read(op, SQLiteTx(conn, now_ms(clock)), args)
     except sqlite3.Error as exc:
         raise store_error(exc) from exc
     finally:
@@ -328,11 +323,8 @@ def _run_job(conn: sqlite3.Connection, tx: SQLiteTx, job: Job) -> Any:
         if tx.refused_value(exc) is None or not conn.in_transaction:
             raise
         conn.execute("ROLLBACK TO stored_bytes")
-        conn.text_factory = _codec.utf8_or_bytes
-        try:
+        with tx.stored_bytes():
             result = job.op(tx, *job.args)
-        finally:
-            conn.text_factory = str
     conn.execute("RELEASE stored_bytes")
     return result
 
@@ -404,7 +396,7 @@ class SQLiteEngine:
     def read(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
         self.conn.execute("BEGIN")  # one deferred read transaction: a snapshot, no lock
         try:
-            return run_read(self.conn, op, SQLiteTx(self.conn, now_ms(self.clock)), args)
+            return run_read(op, SQLiteTx(self.conn, now_ms(self.clock)), args)
         except sqlite3.Error as exc:
             raise store_error(exc) from exc
         finally:
