@@ -108,6 +108,10 @@ class Queued:
     def finish(self) -> None:
         if not self.finished:
             self.finished = True
+            # No withdrawal after this: and PostgreSQL's `Withdrawals` holds its batch of
+            # `Queued`s (to wake them), a cycle that would keep every hand-off's jobs and
+            # results for the cyclic collector, whose full passes then stall the loop.
+            self.start = None
             if self.task is not None:
                 trio.lowlevel.reschedule(self.task)
 
@@ -125,6 +129,7 @@ class Queued:
             elif self.start is None or not self.start.withdraw(self.job):
                 return trio.lowlevel.Abort.FAILED
             self.finished = True
+            self.start = None  # as `finish` lets go of it
             return trio.lowlevel.Abort.SUCCEEDED
 
         await trio.lowlevel.wait_task_rescheduled(abort)
