@@ -567,3 +567,28 @@ async def released_at_the_latest(holder: Any, hold_s: float) -> AsyncIterator[No
         finally:
             holder.release()
             nursery.cancel_scope.cancel()
+
+
+class TakesAgainAtGo:
+    """A drain whose first busy period takes its inputs, waits for `go`, then takes again
+    (a write the test makes wait for a lock another connection holds); `exited` is set
+    once that busy period's drain left, however. Later busy periods (its lost claim
+    recovered) return at once: nothing to see."""
+
+    def __init__(self) -> None:
+        self.first_taken = trio.Event()
+        self.go = trio.Event()
+        self.exited = trio.Event()
+        self.calls = 0
+
+    async def __call__(self, ctx: DrainContext) -> None:
+        self.calls += 1
+        if self.calls > 1:
+            return
+        try:
+            await ctx.take_inputs()
+            self.first_taken.set()
+            await self.go.wait()
+            await ctx.take_inputs()
+        finally:
+            self.exited.set()

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from helpers import released_at_the_latest
+from helpers import TakesAgainAtGo, released_at_the_latest
 
 import trio_sessions
 from trio_sessions import _codec, _sqlite
@@ -167,32 +167,18 @@ async def test_a_drain_waiting_for_the_write_lock_stops_within_its_lease(tmp_pat
     outlives its lease, drains of one session never overlap). Found by a soak at load 12:
     a drain sat in `take_inputs` two seconds past its lease, its successors already in."""
     path = tmp_path / "lease.db"
-    first_taken, go, exited = trio.Event(), trio.Event(), trio.Event()
-    calls = 0
-
-    async def drain(ctx: trio_sessions.DrainContext) -> None:
-        nonlocal calls
-        calls += 1
-        if calls > 1:
-            return  # a later busy period (the lost claim recovered): nothing to see
-        try:
-            await ctx.take_inputs()
-            first_taken.set()
-            await go.wait()
-            await ctx.take_inputs()  # waits for the write lock
-        finally:
-            exited.set()
+    drain = TakesAgainAtGo()
 
     async with (
         _lock_holder(path) as holder,
         trio_sessions.open_runtime(path, drain, lease=LEASE) as runtime,
     ):
         await runtime.submit("s", {"n": 1})
-        await first_taken.wait()
+        await drain.first_taken.wait()
         await runtime.submit("s", {"n": 2})  # a pending input: the take writes
         holder.take()
-        go.set()
-        await exited.wait()
+        drain.go.set()
+        await drain.exited.wait()
         assert holder.held, "the drain ran on past its lease, until the lock was freed"
         holder.release()
 

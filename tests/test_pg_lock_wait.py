@@ -15,9 +15,9 @@ from typing import Any
 import psycopg
 import pytest
 import trio
+from helpers import TakesAgainAtGo, released_at_the_latest
 from helpers import pg_engine_at as engine_at
 from helpers import pg_raw as raw
-from helpers import released_at_the_latest
 
 import trio_sessions
 from trio_sessions._backend import Job
@@ -87,21 +87,7 @@ async def test_a_drain_waiting_for_its_sessions_lock_stops_within_its_lease(
     withdrawn, the statement waiting for the lock cancelled. Before, it ran on past its
     lease until the holder let go (the wait retried lock timeouts for up to 15 s), while a
     successor's drain could already run."""
-    first_taken, go, exited = trio.Event(), trio.Event(), trio.Event()
-    calls = 0
-
-    async def drain(ctx: trio_sessions.DrainContext) -> None:
-        nonlocal calls
-        calls += 1
-        if calls > 1:
-            return  # a later busy period (the lost claim recovered): nothing to see
-        try:
-            await ctx.take_inputs()
-            first_taken.set()
-            await go.wait()
-            await ctx.take_inputs()  # waits for the session's lock
-        finally:
-            exited.set()
+    drain = TakesAgainAtGo()
 
     with trio.fail_after(HOLD_S + 20):
         async with (
@@ -109,12 +95,12 @@ async def test_a_drain_waiting_for_its_sessions_lock_stops_within_its_lease(
             trio_sessions.open_runtime(pg_store, drain, lease=LEASE) as runtime,
         ):
             await runtime.submit("s", {"n": 1})
-            await first_taken.wait()
+            await drain.first_taken.wait()
             await runtime.submit("s", {"n": 2})  # a pending input: the take writes
             holder.take()
             started = trio.current_time()
-            go.set()
-            await exited.wait()
+            drain.go.set()
+            await drain.exited.wait()
             assert holder.held, "the drain ran on past its lease, until the lock was freed"
             assert trio.current_time() - started < LEASE + 1.0
             holder.release()
