@@ -193,9 +193,9 @@ async def test_a_signal_naming_one_session_catches_up_only_its_streams_in_one_re
     # A transcript-only change needs no scan of doorbells and claims where no watcher
     # follows the session: the web process went straight to its streams.
     assert web_scans == 0
-    # The word reached c3's stream through a catch-up read of c3's stream only, with no
-    # heads read. (A late signal of an earlier write may add a read of the sessions it
-    # named - never of every stream.)
+    # The word reached c3's stream through a catch-up read naming c3, with no heads read.
+    # (A late signal of an earlier write may name other sessions, in a read of its own or
+    # in c3's when the two signals arrived together - never every stream.)
     assert heads_read == []
-    assert {"c3"} in caught_up, caught_up
+    assert any("c3" in sessions for sessions in caught_up), caught_up
     assert all(sessions < set(chats.sessions) for sessions in caught_up), caught_up
