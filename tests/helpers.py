@@ -549,11 +549,30 @@ class LosableTokenExecutor(ExecutorSeam):
             yield self.token
 
 
+class HeldLock:
+    """A lock another connection (`conn`) holds in an open transaction, as another
+    process's write does: a subclass's `take` begins it and calls `_took`; `release` rolls
+    it back, once (`held`), and `taken` is set once it was first taken."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+        self.held = False
+        self.taken = trio.Event()
+
+    def _took(self) -> None:
+        self.held = True
+        self.taken.set()
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.conn.execute("ROLLBACK")
+
+
 @asynccontextmanager
-async def released_at_the_latest(holder: Any, hold_s: float) -> AsyncIterator[None]:
-    """Lets `holder` - a lock another connection holds, with its `taken` event and an
-    idempotent `release()` - go `hold_s` after it took the lock at the latest (a caller that
-    waits for the lock then fails its test instead of hanging it), and at the block's end."""
+async def released_at_the_latest(holder: HeldLock, hold_s: float) -> AsyncIterator[None]:
+    """Lets `holder` go `hold_s` after it took its lock at the latest (a caller that waits
+    for the lock then fails its test instead of hanging it), and at the block's end."""
     async with trio.open_nursery() as nursery:
 
         async def release_at_the_latest() -> None:

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from helpers import TakesAgainAtGo, released_at_the_latest
+from helpers import HeldLock, TakesAgainAtGo, released_at_the_latest
 
 import trio_sessions
 from trio_sessions import _codec, _sqlite
@@ -128,23 +128,15 @@ HOLD_S = 8.0
 LEASE = 1.0
 
 
-class _LockHolder:
+class _LockHolder(HeldLock):
     """Another process's connection holding SQLite's write lock (BEGIN IMMEDIATE)."""
 
     def __init__(self, path: Path) -> None:
-        self.conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-        self.held = False
-        self.taken = trio.Event()
+        super().__init__(sqlite3.connect(path, isolation_level=None, check_same_thread=False))
 
     def take(self) -> None:
         self.conn.execute("BEGIN IMMEDIATE")
-        self.held = True
-        self.taken.set()
-
-    def release(self) -> None:
-        if self.held:
-            self.held = False
-            self.conn.execute("ROLLBACK")
+        self._took()
 
 
 @asynccontextmanager
@@ -202,6 +194,25 @@ async def test_a_caller_cancelled_while_its_batch_waits_for_the_lock_is_withdraw
         holder.release()
         await runtime.submit("t", {"n": 2})  # after the withdrawn batch, in the same writer
         assert holder.conn.execute("SELECT session_id FROM session_input").fetchall() == [("t",)]
+
+
+@asynccontextmanager
+async def _a_batch_waiting_for_the_held_lock(
+    path: Path, op: Any, *args: Any
+) -> AsyncIterator[tuple[_LockHolder, _sqlite.ThreadExecutor, trio.Nursery]]:
+    """A threaded executor whose first write landed; then another process holds the write
+    lock, and `op(*args)` is handed to the worker, whose batch waits for that lock."""
+    async with (
+        _lock_holder(path) as holder,
+        _sqlite.SQLiteStore(path).open_executor(None) as executor,
+        trio.open_nursery() as nursery,
+    ):
+        assert isinstance(executor, _sqlite.ThreadExecutor)
+        await executor.run(_mark, "first")
+        holder.take()
+        nursery.start_soon(executor.run, op, *args)
+        await trio.testing.wait_all_tasks_blocked()
+        yield holder, executor, nursery
 
 
 def _mark(tx: Any, name: str) -> str:
@@ -282,16 +293,7 @@ async def test_a_hand_back_is_not_queued_behind_a_batch_waiting_for_the_lock(
     the lock took the hand-back's whole 5 s bound; before the withdrawal, until the lock
     was freed). Found by review of the withdrawal of a batch that has not begun."""
     path = tmp_path / "nowait.db"
-    async with (
-        _lock_holder(path) as holder,
-        _sqlite.SQLiteStore(path).open_executor(None) as executor,
-        trio.open_nursery() as nursery,
-    ):
-        assert isinstance(executor, _sqlite.ThreadExecutor)
-        await executor.run(_mark, "first")
-        holder.take()
-        nursery.start_soon(executor.run, _mark, "waiting")
-        await trio.testing.wait_all_tasks_blocked()
+    async with _a_batch_waiting_for_the_held_lock(path, _mark, "waiting") as (holder, executor, _):
         assert executor._handoff.in_flight  # its batch waits in the worker for the lock
         with trio.move_on_after(HOLD_S / 2) as bound:
             with pytest.raises(trio_sessions.StoreError, match="locked"):
@@ -429,16 +431,11 @@ async def test_a_hand_back_tried_on_the_loop_joins_the_worker_s_batch_once_it_to
             results.append(exc)
         done.set()
 
-    async with (
-        _lock_holder(path) as holder,
-        _sqlite.SQLiteStore(path).open_executor(None) as executor,
-        trio.open_nursery() as nursery,
+    async with _a_batch_waiting_for_the_held_lock(path, _in_the_worker, began, go) as (
+        holder,
+        executor,
+        nursery,
     ):
-        assert isinstance(executor, _sqlite.ThreadExecutor)
-        await executor.run(_mark, "first")
-        holder.take()
-        nursery.start_soon(executor.run, _in_the_worker, began, go)
-        await trio.testing.wait_all_tasks_blocked()
         assert executor._worker_batch is not None and not executor._worker_batch.begun
         nursery.start_soon(run_nowait)
         await trio.testing.wait_all_tasks_blocked()  # tried on the loop: locked, it pauses

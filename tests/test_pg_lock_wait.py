@@ -15,7 +15,7 @@ from typing import Any
 import psycopg
 import pytest
 import trio
-from helpers import TakesAgainAtGo, released_at_the_latest
+from helpers import HeldLock, TakesAgainAtGo, released_at_the_latest
 from helpers import pg_engine_at as engine_at
 from helpers import pg_raw as raw
 
@@ -33,16 +33,16 @@ HOLD_S = 8.0
 LEASE = 1.0
 
 
-class _LockHolder:
+class _LockHolder(HeldLock):
     """Another connection holding session `session_id`'s advisory lock in an open
     transaction (as another process's store call does while it runs), and its claim's row:
     the heartbeat cannot renew the claim meanwhile, so the lease runs out."""
 
+    conn: psycopg.Connection[Any]
+
     def __init__(self, conn: psycopg.Connection[Any], session_id: str) -> None:
-        self.conn = conn
+        super().__init__(conn)
         self.session_id = session_id
-        self.held = False
-        self.taken = trio.Event()
 
     def take(self) -> None:
         self.conn.execute("BEGIN")
@@ -50,13 +50,7 @@ class _LockHolder:
         self.conn.execute(
             "SELECT id FROM session_execution WHERE session_id = %s FOR UPDATE", (self.session_id,)
         )
-        self.held = True
-        self.taken.set()
-
-    def release(self) -> None:
-        if self.held:
-            self.held = False
-            self.conn.execute("ROLLBACK")
+        self._took()
 
     def inputs(self) -> list[tuple[Any, ...]]:
         return self.conn.execute(
