@@ -124,12 +124,7 @@ def claim_kept_malformed(entry: SessionEntry, owner_id: str, error: MalformedRec
         CLAIM_KEPT_MALFORMED,
         entry.session_id,
         entry.execution_id,
-        extra={
-            **_claim(entry, owner_id),
-            "table": error.table,
-            "key": error.key,
-            "reason": "; ".join(error.reasons),
-        },
+        extra={**_claim(entry, owner_id), **_malformed(error)},
     )
 
 
@@ -165,9 +160,7 @@ def message_left_open(
             "session_id": session_id,
             "execution_id": execution_id,
             "owner_id": owner_id,
-            "table": error.table,
-            "key": error.key,
-            "reason": "; ".join(error.reasons),
+            **_malformed(error),
             "ending": ending,
         },
     )
@@ -259,6 +252,11 @@ def heartbeat_failed(owner_id: str, claims: int, error: BaseException) -> None:
         claims,
         extra={"owner_id": owner_id, "claims": claims, "error": _text(error)},
     )
+
+
+def _malformed(error: MalformedRecord) -> dict[str, Any]:
+    """The extra fields naming a malformed row: its table, key and why."""
+    return {"table": error.table, "key": error.key, "reason": "; ".join(error.reasons)}
 
 
 def _claim(entry: SessionEntry | ClaimSeen, owner_id: str) -> dict[str, Any]:
