@@ -1688,3 +1688,18 @@ async def test_a_write_after_close_says_the_store_is_closed_on_the_inline_store_
         await rt.submit("s", {"q": 1})
     assert "closed database" not in str(caught.value)
     assert "executor is closed" in str(caught.value)
+
+
+@pytest.mark.parametrize("producer", [False, True], ids=["drains", "producer"])
+async def test_recover_once_after_close_says_the_store_is_closed(
+    store: Store, clock: Clock, autojump_clock: MockClock, producer: bool
+) -> None:
+    """`recover_once()` awaited after the runtime's block exited raises the `StoreError`
+    every other verb raises there ("the store executor is closed"). It returned an empty
+    `RecoveryReport`, so a caller looping until a pass examined nothing stopped as if the
+    store held no work, while a write beside it failed. Found by an audit."""
+    async with runtime(store, None if producer else Recorder(), clock) as rt:
+        pass
+    with pytest.raises(StoreError) as caught:
+        await rt.recover_once()
+    assert "executor is closed" in str(caught.value)

@@ -28,7 +28,7 @@ import attrs
 import trio
 
 from . import _codec, _observe, _store, _validate
-from ._backend import Executor, Token
+from ._backend import Executor, Token, executor_closed
 from ._busy import BusyPeriods
 from ._coordinator import SessionEntry
 from ._decisions import ON_BUSY
@@ -438,13 +438,19 @@ class Runtime:
         Durable when it returns: every decision of the pass is committed - takeovers (their
         drains already started here), cancelled or superseded claims finished, quarantines
         recorded, exhausted budgets failed - and unclaimed doorbells have been started.
-        A producer runtime (`drain=None`) recovers nothing and reports nothing. Raises
-        `StoreError` when a transaction of the pass failed (what committed before stands;
-        the rows keep their recovery leases and a later pass retries them). Cancellation
-        stops the pass between transactions: each takeover commits together with the start
-        of its drain (shielded), so a claim taken over is never left without its drain.
+        A producer runtime (`drain=None`), or one closing, recovers nothing and reports
+        nothing. Raises `StoreError` when a transaction of the pass failed (what committed
+        before stands; the rows keep their recovery leases and a later pass retries them),
+        and once the runtime's block exited, as every verb (the store closed with it).
+        Cancellation stops the pass between transactions: each takeover commits together
+        with the start of its drain (shielded), so a claim taken over is never left without
+        its drain.
         """
         self._check_run()
+        if self._closed:
+            # Not the empty report a closing runtime gives: a caller looping until a pass
+            # examines nothing would read the store as holding no work.
+            raise executor_closed()
         if self._drain is None or self._closing:
             await trio.lowlevel.checkpoint()
             return RecoveryReport()
