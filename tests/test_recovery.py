@@ -282,6 +282,25 @@ def crashed_with_an_open_message(
     return raw.seed_assistant("bad", "bad-exec", 1, data)
 
 
+def write_text_that_is_not_utf8(raw: Raw, message: str, where: str) -> None:
+    """Another tool's write into the open message `message`: its data, a word streamed
+    into it, or its id becomes text that is not UTF-8."""
+    if where == "message":
+        raw.write(
+            "UPDATE session_message SET data = CAST(X'7B2274223A2280FF227D' AS TEXT) WHERE id = ?",
+            (message,),
+        )
+    elif where == "delta":
+        raw.write(
+            "INSERT INTO session_message_delta(message_id, version, text)"
+            " SELECT id, version + 1, CAST(X'80FF' AS TEXT) FROM session_message"
+            " WHERE id = ?",
+            (message,),
+        )
+    else:
+        raw.write("UPDATE session_message SET id = CAST(X'6DFF' AS TEXT) WHERE id = ?", (message,))
+
+
 @pytest.mark.parametrize("where", ["message", "delta", "message id"])
 async def test_text_that_is_not_utf8_is_quarantined_and_the_claims_behind_it_resume(
     tmp_path: Path, clock: Clock, autojump_clock: MockClock, where: str
@@ -295,23 +314,7 @@ async def test_text_that_is_not_utf8_is_quarantined_and_the_claims_behind_it_res
     drain = Recorder()
     async with runtime(Store(db_path, inline=True), drain, clock, **QUIET) as rt:
         message = crashed_with_an_open_message(raw, clock)
-        if where == "message":
-            raw.write(
-                "UPDATE session_message SET data = CAST(X'7B2274223A2280FF227D' AS TEXT)"
-                " WHERE id = ?",
-                (message,),
-            )
-        elif where == "delta":
-            raw.write(
-                "INSERT INTO session_message_delta(message_id, version, text)"
-                " SELECT id, version + 1, CAST(X'80FF' AS TEXT) FROM session_message"
-                " WHERE id = ?",
-                (message,),
-            )
-        else:
-            raw.write(
-                "UPDATE session_message SET id = CAST(X'6DFF' AS TEXT) WHERE id = ?", (message,)
-            )
+        write_text_that_is_not_utf8(raw, message, where)
         reason = await quarantined_beside_a_resumed_claim(rt, raw, clock, drain)
     assert "not UTF-8" in reason
     # The operator's way out: the drop sets the message aside (its bytes kept as they
@@ -327,6 +330,32 @@ async def test_text_that_is_not_utf8_is_quarantined_and_the_claims_behind_it_res
         assert "streamed since: [b'\\x80\\xff']" in why
     async with runtime(Store(db_path, inline=True), drain, clock, **QUIET) as rt:
         assert await rt.transcript("bad") == []
+
+
+@pytest.mark.parametrize(
+    ("where", "row"),
+    [
+        ("message", "session_message row 'm-bad-exec-1'"),
+        ("delta", "session_message_delta row 'm-bad-exec-1'"),
+        ("message id", "session_message row 'm\ufffd'"),
+    ],
+    ids=["message", "delta", "message id"],
+)
+async def test_a_quarantine_for_text_that_is_not_utf8_names_the_row(
+    tmp_path: Path, clock: Clock, autojump_clock: MockClock, where: str, row: str
+) -> None:
+    """The quarantine reason for text that is not UTF-8 names the row it is in (table,
+    key), as every other malformed reason does (`MalformedRecord`), so an operator knows
+    which row to look at. It was the driver's error, which names only a column ("a row's
+    text is not UTF-8: Could not decode to UTF-8 column 'data' ..."). Found by an audit."""
+    db_path = tmp_path / "sessions.db"
+    raw = Raw(db_path)
+    drain = Recorder()
+    async with runtime(Store(db_path, inline=True), drain, clock, **QUIET) as rt:
+        write_text_that_is_not_utf8(raw, crashed_with_an_open_message(raw, clock), where)
+        reason = await quarantined_beside_a_resumed_claim(rt, raw, clock, drain)
+    assert f"malformed {row}: " in reason, reason
+    assert "not UTF-8" in reason, reason
 
 
 async def test_a_message_with_no_id_is_quarantined_readably_and_dropped(

@@ -545,6 +545,8 @@ def _streamed_reason(index: int, text: Any) -> str:
             f"streamed text #{index} has version {text.version!r:.60}, no whole number: its"
             " place among the message's texts is unknown"
         )
+    if type(text) is bytes:  # SQLite: a BLOB, or text read as its bytes (`stored_bytes`)
+        return f"streamed text #{index} is bytes {text!r} (a BLOB, or not UTF-8), not text"
     if type(text) is not str:
         return f"streamed text #{index} is {type(text).__name__} {text!r}, not text"
     return f"streamed text #{index} holds a NUL character (\\x00), which no writer stores"

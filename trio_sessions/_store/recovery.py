@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from .. import _decisions
+from .. import _codec, _decisions
 from .._backend import Tx, reads_stored_bytes
 from .._decisions import ClaimRow, RecoveryDecision, RecoveryFacts
 from .._errors import MalformedRecord
@@ -127,8 +127,8 @@ def newest_assistant_malformed(tx: Tx, execution_id: str) -> MalformedRecord | N
     if not rows:
         return None
     message_id, text, finished = rows[0]
-    if message_id is None:  # a takeover could not close it
-        return no_id()
+    if (unnamed := _unnamed(message_id)) is not None:  # a takeover could not close it
+        return unnamed
     try:
         data = _assistant_data(tx, message_id, text)
     except MalformedRecord as exc:
@@ -141,14 +141,26 @@ def newest_assistant_malformed(tx: Tx, execution_id: str) -> MalformedRecord | N
         reason = "finished is 1 while its data is open: no finish would close it"
     else:
         for older_id, older_text, _ in rows[1:]:
-            if older_id is None:
-                return no_id()
+            if (unnamed := _unnamed(older_id)) is not None:
+                return unnamed
             try:
                 _assistant_data(tx, older_id, older_text)
             except MalformedRecord as exc:
                 return exc
         return None
     return MalformedRecord("session_message", str(message_id), [reason])
+
+
+def _unnamed(message_id: object) -> MalformedRecord | None:
+    """Why no write can name a message by its id (None when one can): a NULL (`no_id`),
+    or - read as its bytes (`SQLiteTx.stored_bytes`) - text another tool wrote that is not
+    UTF-8, which the driver's error, naming only the column, did not say of which row."""
+    if message_id is None:
+        return no_id()
+    if type(message_id) is not str:
+        reasons = [f"id {message_id!r} is not UTF-8 text"]  # as the transcript's reader
+        return MalformedRecord("session_message", _codec.shown_text(message_id), reasons)
+    return None
 
 
 @attrs.frozen

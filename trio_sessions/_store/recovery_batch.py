@@ -106,24 +106,31 @@ def _apply_one(
         if refused is None:
             raise
         ended = _ended_over_stored_bytes(tx, apply)
-        if ended is not None:
+        if isinstance(ended, Recovered):
             return ended
-        return quarantine(tx, owner_id, candidate, f"recovery failed: {refused}")
+        return quarantine(tx, owner_id, candidate, ended or f"recovery failed: {refused}")
 
 
 class _Undone(Exception):
-    """`_ended_over_stored_bytes`: what the second run did is not kept."""
+    """`_ended_over_stored_bytes`: what the second run did is not kept (and the reason it
+    quarantined the row for, if it did)."""
+
+    def __init__(self, reason: str | None) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
-def _ended_over_stored_bytes(tx: Tx, apply: Callable[[], Recovered]) -> Recovered | None:
+def _ended_over_stored_bytes(tx: Tx, apply: Callable[[], Recovered]) -> Recovered | str | None:
     """SQLite, whose driver refused a read of text another tool wrote that is not UTF-8:
     `apply` (`apply_recovery`) once more, such text read as its bytes
     (`SQLiteTx.stored_bytes`).
     Kept only when it finishes a cancelled claim or drops a superseded one - DESIGN §4
     decides those before the malformed check, and the message that does not decode is
     left open and said so, as for any other such message; a claim left quarantined
-    would hold its session until an operator acted. Anything else is undone (None): the
-    row is quarantined for its bytes, as before."""
+    would hold its session until an operator acted. Anything else is undone: the row is
+    quarantined for its bytes, as before, for the reason the second run found - which
+    names the row (table, key) as every other malformed reason does, where the driver's
+    error names only a column - when it found one (else None)."""
     stored_bytes = getattr(tx, "stored_bytes", None)
     if stored_bytes is None:
         return None
@@ -132,9 +139,14 @@ def _ended_over_stored_bytes(tx: Tx, apply: Callable[[], Recovered]) -> Recovere
             result = apply()
             ends = (RecoveryDecision.FINISH_CANCELLED, RecoveryDecision.DROP_SUPERSEDED)
             if result.fence_lost or result.decision not in ends:
-                raise _Undone
+                quarantined = result.decision is RecoveryDecision.QUARANTINE
+                raise _Undone(result.reason if quarantined else None)
             return result
-    except (_Undone, LeaseLost, MalformedRecord, ValueError, TypeError, RecursionError):
+    except _Undone as undone:
+        return undone.reason
+    except MalformedRecord as exc:
+        return f"recovery failed: {exc!r}"  # as `_apply_one` words one
+    except (LeaseLost, ValueError, TypeError, RecursionError):
         return None
 
 
