@@ -20,6 +20,7 @@ from helpers import pg_engine_at as engine_at
 from helpers import pg_raw as raw
 
 import trio_sessions
+from trio_sessions import _store
 from trio_sessions._backend import Job
 from trio_sessions._postgres import PgTx, PostgresStore
 from trio_sessions._postgres.engine import Withdrawals, _Withdrawn
@@ -368,3 +369,45 @@ async def test_a_hand_off_leaves_no_reference_cycle_behind(pg_store: PostgresSto
         assert left == [], f"{len(left)} hand-offs' Withdrawals wait for the collector"
     finally:
         gc.enable()
+
+
+def test_a_withdrawn_forget_of_gone_owners_waiting_for_a_row_lock_is_cancelled(
+    pg_url: str, migrated_schema: str
+) -> None:
+    """`forget_gone_owners` deleting a gone owner's token record (`tx.forget_tokens`)
+    while another connection holds that `session_owner` row locked, its caller cancelled:
+    the waiting statement is cancelled and the job withdrawn, while the lock is still held,
+    as every other statement of a write. `PgTx.free_tokens` and `forget_tokens` sent
+    their statements past the statement guard, so the wait ran on whatever the caller -
+    here (`lock_timeout` off, as a long wait) until `statement_timeout` failed the job
+    with a `StoreError` 10 s later, never withdrawn. Found by an audit."""
+    with engine_at(pg_url, migrated_schema, 1.0) as engine, raw(pg_url, migrated_schema) as holder:
+        holder.execute("INSERT INTO session_owner(owner_id, time_created) VALUES ('gone', 0)")
+        engine.conn.execute("SET lock_timeout = 0")
+        holder.execute("BEGIN")
+        holder.execute("SELECT owner_id FROM session_owner WHERE owner_id = 'gone' FOR UPDATE")
+        woken: list[list[Job]] = []
+        withdrawals = Withdrawals(woken.append)
+        forget = Job(_store.forget_gone_owners, (["gone"],))
+        runner = threading.Thread(
+            target=engine.run_jobs,
+            args=((),),
+            kwargs={"alone": [forget], "withdrawals": withdrawals},
+        )
+        runner.start()
+        try:
+            assert engine.backend_pid is not None
+            for _ in range(int(WAIT_S / 0.01)):
+                if _waits_for_a_lock(pg_url, engine.backend_pid):
+                    break
+                runner.join(0.01)
+            else:
+                raise AssertionError("the forget never waited for the row lock")
+            assert not withdrawals.withdraw(forget)  # the worker's verdict: the caller waits
+            runner.join(WAIT_S / 3)
+            assert not runner.is_alive(), "the forget waited on for the row lock"
+            assert woken == [[forget]] and forget.withdrawn
+        finally:
+            holder.execute("ROLLBACK")
+            runner.join(WAIT_S)
+        assert holder.execute("SELECT owner_id FROM session_owner").fetchall() == [("gone",)]

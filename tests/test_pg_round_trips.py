@@ -625,3 +625,18 @@ def test_a_streams_marks_at_its_opening_are_one_statement_in_a_read_transaction(
             assert proxy.round_trips - before == 2
         finally:
             engine.close()
+
+
+def test_an_owners_look_is_one_round_trip(pg_url: str, migrated_schema: str) -> None:
+    """The look at other owners' liveness tokens (`free_tokens`), which every runtime that
+    drains makes every `LIVENESS_POLL` (0.25 s), is one statement alone in autocommit: one
+    round trip, no BEGIN and COMMIT around it."""
+    with counting_url(pg_url) as (url, proxy):
+        engine = open_engine(url, schema=migrated_schema, clock=lambda: 1_000.0)
+        try:
+            engine.run(_store.free_tokens)  # connected, and the schema checked
+            before = proxy.round_trips
+            assert engine.read(_store.free_tokens) == set()
+            assert proxy.round_trips - before == 1
+        finally:
+            engine.close()

@@ -181,9 +181,10 @@ NEEDS_TRANSACTION = "TSROW"
 
 
 def autocommit_when_alone(op: Callable[..., T]) -> Callable[..., T]:
-    """Mark an operation whose PostgreSQL form is one idempotent function call: alone, it
-    runs in autocommit (one round trip; a lost reply is resolved by calling again, which
-    reads back by natural key). Its other paths raise `NeedsTransaction` first."""
+    """Mark an operation whose PostgreSQL form is one idempotent function call (or one
+    read statement): alone, it runs in autocommit (one round trip; a lost reply is resolved
+    by calling again, which reads back by natural key). Its other paths raise
+    `NeedsTransaction` first."""
     op.__dict__["autocommit_when_alone"] = True
     return op
 

@@ -344,10 +344,14 @@ class PgTx:
             return f"a row holds a value the database refuses ({exc.sqlstate}): {exc}"
         return None
 
+    # Both are sent as every statement of the operation is (`_send`): in its transaction,
+    # and under the statement guard - the forget's DELETE may wait for a row lock, and a
+    # cancelled caller's wait is cancelled there, not left to `lock_timeout`.
+
     def free_tokens(self, owner_ids: Sequence[str] | None) -> set[str]:
         # pg_locks is the lock manager's present state, not a snapshot: read after the
         # operation's own locks, it is the re-check a takeover needs.
-        rows = self.conn.execute(
+        rows = self._send(
             _liveness.FREE_PG_TOKENS,
             {"all": owner_ids is None, "owners": list(owner_ids or ())},
         ).fetchall()
@@ -355,7 +359,7 @@ class PgTx:
 
     def forget_tokens(self, owner_ids: Sequence[str]) -> None:
         if owner_ids:
-            self.conn.execute(_liveness.FORGET_PG_TOKENS, (list(owner_ids),))
+            self._send(_liveness.FORGET_PG_TOKENS, (list(owner_ids),))
 
     @contextlib.contextmanager
     def savepoint(self) -> Iterator[None]:

@@ -13,13 +13,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .._backend import Tx
+from .._backend import Tx, autocommit_when_alone
 from .common import _in_list
 from .recovery_scan import Candidate, recovery_candidates
 
 
+@autocommit_when_alone
 def free_tokens(tx: Tx) -> set[str]:
-    """Every owner on record whose liveness token is free now (read-only)."""
+    """Every owner on record whose liveness token is free now (read-only): one statement,
+    which PostgreSQL runs alone in autocommit (one round trip: no BEGIN, no COMMIT, as a
+    function call's), every runtime that drains looking every `LIVENESS_POLL`."""
     return tx.free_tokens(None)
 
 
