@@ -30,6 +30,7 @@ from helpers import (
 import trio_sessions
 from trio_sessions import DrainContext, MalformedRecord, Message, Runtime, StoreError, _store
 from trio_sessions import _observe as events
+from trio_sessions._errors import OutcomeUnknown
 from trio_sessions._model import AssistantData
 
 Clock = Callable[[], float]
@@ -282,6 +283,47 @@ async def test_an_interrupt_over_a_malformed_open_message_says_it_left_it_open(
     assert record.getMessage() == (
         f"malformed message left open: session s, execution {execution_id}"
     )
+
+
+async def test_an_interrupt_whose_finish_outcome_was_unknown_says_it_left_a_message_open(
+    store: Any, db_path: Any, clock: Clock, autojump_clock: trio.testing.MockClock, logs: Any
+) -> None:
+    """An interrupt's finish over a malformed open message commits, but its outcome stays
+    unknown past the engine's bound (PostgreSQL: the connection lost during COMMIT and the
+    server not reachable again in time: `OutcomeUnknown`). The retry finds the claim gone
+    (`LeaseLost`) - its own first attempt deleted it - and the WARNING that the message was
+    left open was never logged, so nothing told the operator of it. Found by review
+    (revB55); the retry now reads back what the unknown attempt left open."""
+    raw = Raw(db_path)
+    corrupted = trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        writer = await ctx.begin_assistant()
+        await writer.append_text("hi")
+        raw.write("UPDATE session_message SET data = '{\"parts\": 1}' WHERE role = 'assistant'")
+        corrupted.set()
+        await trio.sleep_forever()
+
+    async def unknown(op: Any, *args: Any) -> Any:
+        del hooks[op]  # the retry runs as it is
+        await inner.run(op, *args)
+        raise OutcomeUnknown("the outcome of a COMMIT is unknown (connection lost)")
+
+    async with runtime(store, drain, clock, **QUIET) as rt:
+        inner = rt._db
+        hooks: dict[Any, Any] = {_store.finish_interrupted: unknown}
+        rt._db = Intercepted(inner, hooks)  # type: ignore[assignment]
+        await rt.wake("s")
+        await corrupted.wait()
+        [(execution_id, message_id)] = raw.rows(
+            "SELECT e.id, m.id FROM session_execution e"
+            " JOIN session_message m ON m.execution_id = e.id"
+        )
+        assert await rt.interrupt("s") is True
+        await rt.wait_idle("s")
+        assert hooks == {}  # the finish's outcome was unknown once
+    assert raw.rows("SELECT id FROM session_execution") == []
+    one_message_left_open(logs, execution_id, message_id, rt.owner_id, "interrupted")
 
 
 async def test_an_interrupt_during_a_refused_iteration_end_never_says_the_claim_is_kept(

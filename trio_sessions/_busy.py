@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, NoReturn, TypeVar
 
 import attrs
@@ -94,9 +94,12 @@ class _Ending:
 @attrs.define(eq=False)
 class _Retried:
     """One ending's writes retried (`BusyPeriods._retrying`): whether `claim ending
-    retried` was said - once per ending, also an interrupt's, which is two writes."""
+    retried` was said - once per ending, also an interrupt's, which is two writes - and
+    whether an attempt's outcome was unknown (it may have committed: a retry that finds
+    the claim gone may be finding its own work)."""
 
     said: bool = False
+    unknown: bool = False
 
 
 # Frozen, so one instance serves every claim that ends this way (most end so): no
@@ -713,6 +716,7 @@ class BusyPeriods:
         retried = _Retried()
         try:
             await self._retrying_mark_cancelling(entry, retried)
+            retried.unknown = False  # the finish's own outcome is what counts below
             entry.begin_deciding()
             ended = await self._retrying(
                 entry,
@@ -727,6 +731,14 @@ class BusyPeriods:
             # nobody passes on a wake rung meanwhile - a fresh session's submit, whose
             # doorbell this cleanup was to answer.
             entry.claim_gone = True
+            if retried.unknown:
+                # Or our own finish deleted it, its outcome unknown: what it left open,
+                # read back (best effort: the message stays, the log is all a failure costs).
+                with contextlib.suppress(StoreError):
+                    left = await self._runtime._db.read(
+                        _store.messages_left_open, entry.execution_id
+                    )
+                    self._left_open(entry, left)
             return outcome, False
         except MalformedRecord as exc:
             # Left as 'cancelling': recovery quarantines it (a row of it malformed).
@@ -736,16 +748,15 @@ class BusyPeriods:
             # Left as 'cancelling' once that write landed: recovery finishes it as
             # cancelled and never resumes it.
             return outcome, False
-        for left_open in ended.left_open:
-            _observe.message_left_open(
-                entry.session_id,
-                entry.execution_id,
-                self._runtime._owner_id,
-                left_open,
-                "interrupted",
-            )
+        self._left_open(entry, ended.left_open)
         entry.disown()
         return outcome, ended.doorbell or entry.rung_since_decision()
+
+    def _left_open(self, entry: SessionEntry, left_open: Sequence[MalformedRecord]) -> None:
+        for error in left_open:
+            _observe.message_left_open(
+                entry.session_id, entry.execution_id, self._runtime._owner_id, error, "interrupted"
+            )
 
     async def _retrying_mark_cancelling(self, entry: SessionEntry, retried: _Retried) -> None:
         """An interrupt's first, durable step. A close gives up `_retrying` at the first
@@ -786,6 +797,7 @@ class BusyPeriods:
             try:
                 return await runtime._db.run(op, *args)
             except StoreError as exc:
+                retried.unknown = retried.unknown or isinstance(exc, OutcomeUnknown)
                 if entry.reason == "lease_lost" or runtime._closing:
                     raise
                 if not retried.said and trio.current_time() >= said_at:

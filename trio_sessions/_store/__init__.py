@@ -89,6 +89,7 @@ from .claims import (
     finish_iteration,
     heartbeat,
     mark_cancelling,
+    messages_left_open,
     request_cancel,
 )
 from .common import CLAIM_FENCE, RECOVERY_FENCE, new_id
@@ -206,6 +207,7 @@ __all__ = [
     "malformed_columns",
     "mark_cancelling",
     "message_as_stored",
+    "messages_left_open",
     "new_id",
     "newest_assistant_malformed",
     "newest_message",

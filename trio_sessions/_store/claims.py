@@ -49,7 +49,7 @@ from .common import (
     _session_fence,
     _take_doorbell,
 )
-from .transcript import _close_open_messages
+from .transcript import _assistant_data, _close_open_messages, no_id
 
 
 @autocommit_when_alone
@@ -308,6 +308,30 @@ def finish_interrupted(tx: Tx, session_id: str, execution_id: str, owner_id: str
     if _has_pending_inputs(tx, session_id):
         _ring(tx, session_id)
     return Interrupted(_doorbell_set(tx, session_id), left_open)
+
+
+@reads_stored_bytes
+def messages_left_open(tx: Tx, execution_id: str) -> tuple[MalformedRecord, ...]:
+    """The open assistant messages of an execution whose claim is gone that do not decode
+    (none while its claim exists): what an ending that deletes its claim whatever its
+    messages hold left open, as `finish_interrupted` says in its result - read back when
+    that result was lost (an outcome unknown, the retry finding the claim gone)."""
+    if tx.one("SELECT 1 FROM session_execution WHERE id = ?", (execution_id,)) is not None:
+        return ()
+    rows = tx.execute(
+        "SELECT id, data FROM session_message"
+        " WHERE execution_id = ? AND finished = 0 AND role = 'assistant' ORDER BY seq",
+        (execution_id,),
+    ).fetchall()
+    left_open: list[MalformedRecord] = []
+    for message_id, text in rows:
+        try:
+            if message_id is None:
+                raise no_id()
+            _assistant_data(tx, message_id, text)
+        except MalformedRecord as exc:
+            left_open.append(exc)
+    return tuple(left_open)
 
 
 def request_cancel(tx: Tx, session_id: str) -> bool:
