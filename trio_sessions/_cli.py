@@ -388,7 +388,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="set its malformed messages aside (in session_message_rejected), finish the rest"
         " as owner-lost and delete its claim",
     )
-    inputs = commands.add_parser("inputs", help="list or drop inputs set aside as malformed")
+    inputs = commands.add_parser(
+        "inputs", help="list or drop inputs set aside as malformed, or cancel a pending one"
+    )
     input_actions = inputs.add_subparsers(dest="inputs_action", required=True, metavar="ACTION")
     list_inputs = input_actions.add_parser(
         "list", parents=[common], help="inputs whose payload does not decode, and why"
