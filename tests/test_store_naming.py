@@ -97,6 +97,23 @@ async def test_open_runtime_refuses_a_connection_string_given_as_a_path_object(
     assert created(in_tmp) == []
 
 
+@pytest.mark.parametrize("name", ["host=x.db", "jdbc:x.db", "file:x.db"])
+async def test_a_path_object_named_like_a_connection_string_gets_advice_a_path_can_follow(
+    name: str, in_tmp: Path
+) -> None:
+    """`Path("./host=x.db")` is `Path("host=x.db")` (pathlib drops the `./`), so the
+    advice to write the name as `./host=...` cannot be followed with a path object: the
+    error says how (its absolute form), and that form opens the file (§6.27 still refuses
+    the name itself: a DSN wrapped in a path object stays a DSN). Found by an audit."""
+    with pytest.raises(ValueError, match=re.escape(".absolute()")):
+        async with trio_sessions.open_runtime(Path("./" + name), None):
+            pytest.fail("the runtime opened")  # pragma: no cover
+    assert created(in_tmp) == []
+    async with trio_sessions.open_runtime(in_tmp / name, None) as producer:  # absolute
+        await producer.submit("s", {"text": "hi"})
+    assert created(in_tmp) == [name]
+
+
 async def test_open_runtime_still_takes_paths_and_store_objects(in_tmp: Path) -> None:
     """Relative and absolute paths (also ones holding '=' past their start), a PathLike and
     a store object open SQLite files as before."""

@@ -50,7 +50,8 @@ def store_kind(store: str | os.PathLike[str]) -> Literal["sqlite", "postgres"]:
     connection string of any other form (the name is shown with its password masked).
 
     A path that starts with `word=` reads as a DSN, one that starts with `jdbc:` or `file:`
-    as a JDBC URL or an SQLite URI: write it `./word=...`, `./jdbc:...`, `./file:...`.
+    as a JDBC URL or an SQLite URI: write it `./word=...`, `./jdbc:...`, `./file:...` (a
+    `Path`, which drops the `./`, in its absolute form).
     """
     if not isinstance(store, str | os.PathLike):
         raise TypeError(f"store must be {ACCEPTED_FORMS}, got {type(store).__name__}")
@@ -76,20 +77,28 @@ def store_kind(store: str | os.PathLike[str]) -> Literal["sqlite", "postgres"]:
     if _JDBC.match(name):
         raise ValueError(
             f"store {display_name(name)!r} is a JDBC URL; a store is {ACCEPTED_FORMS}"
-            " - write a file whose name starts with 'jdbc:' as './jdbc:...'"
+            + _written_as("jdbc:")
         )
     if _SQLITE_URI.match(name):
         raise ValueError(
             f"store {display_name(name)!r} is an SQLite URI; a store is {ACCEPTED_FORMS}"
-            " - write a file whose name starts with 'file:' as './file:...'"
+            + _written_as("file:")
         )
     if _DSN.match(bare):  # quotes kept around one as well: a file named after it otherwise
         raise ValueError(  # not shown: where a malformed one's password ends is unknown
             "store looks like a libpq connection string (key=value);"
-            f" a store is {ACCEPTED_FORMS} - write a file whose name starts with 'word='"
-            " as './word=...'"
+            f" a store is {ACCEPTED_FORMS}" + _written_as("word=")
         )
     return "sqlite"
+
+
+def _written_as(start: str) -> str:
+    """How to name a file whose name starts like a connection string: pathlib drops a
+    leading `./`, so a `Path` can say it only in its absolute form."""
+    return (
+        f" - write a file whose name starts with {start!r} as './{start}...'"
+        " (a pathlib.Path drops the './': pass Path(...).absolute())"
+    )
 
 
 # The names SQLite opens as a private in-memory database: no file, nothing that another
