@@ -1283,7 +1283,7 @@ async def test_upgrade_of_a_version_4_sqlite_file_keeps_pending_inputs_due(
     async with trio_sessions.open_runtime(trio_sessions.testing.inline_store(path), drain) as rt:
         await rt.wait_idle("s")
     raw = Raw(path)
-    assert raw.rows("PRAGMA user_version") == [(_sqlite.SCHEMA_VERSION,)] == [(8,)]
+    assert raw.rows("PRAGMA user_version") == [(_sqlite.SCHEMA_VERSION,)] == [(9,)]
     assert drain.taken == ["old"]
     assert raw.rows("SELECT time_paused FROM session") == [(None,)]
 
@@ -1337,8 +1337,9 @@ async def test_upgrade_of_a_version_2_postgres_schema_keeps_pending_inputs_due(
     # 26: an operation that took a session's lock and ends without claiming or signalling it
     #     signals it when an acquire waits for it; an input count below 0 is refused;
     # 27: so does a drain's write whose claim is gone (a zombie's, answered lease_lost)
-    # 28: a cancel's trace keeps no payload and goes after ten minutes in a recovery pass
-    assert _postgres.SCHEMA_VERSION == 28
+    # 28: a cancel's trace keeps no payload and goes after ten minutes in a recovery pass;
+    # 29: the endings read an execution's maybe-open messages as `finished <> 1`
+    assert _postgres.SCHEMA_VERSION == 29
     assert drain.taken == ["old"]
     assert raw.rows("SELECT time_paused FROM session") == [(None,)]
 

@@ -685,6 +685,40 @@ async def test_a_crashed_claims_message_whose_finished_mark_is_broken_is_quarant
     assert raw.rows("SELECT finished FROM session_message") == [(1,)]
 
 
+async def test_a_crashed_claims_older_message_whose_finished_mark_is_broken_is_quarantined(
+    store: Any, db_path: Any, clock: Any, autojump_clock: MockClock
+) -> None:
+    """As the test above, on both backends, when the message whose mark another tool set
+    to 2 is not the execution's newest: recovery read the newest message and those marked
+    0 only, so it passed over this one and resumed the claim, whose takeover passed over it
+    too - its tool `running` for ever. Found by the audit (audS56), fixing the live endings
+    (which now look for `finished <> 1`). Expected: quarantined with the reason; once
+    dropped, both messages are closed and the tool failed."""
+    raw = Raw(db_path)
+    resumed: list[str] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        resumed.append(ctx.session_id)
+
+    async with runtime(store, drain, clock, **QUIET) as rt:
+        raw.seed_claim("poison", "e-poison", expires_at=1)
+        older = raw.seed_assistant("poison", "e-poison", 1, OPEN_TOOL)
+        newest = '{"parts": [], "finished": false, "error": null}'
+        raw.seed_assistant("poison", "e-poison", 2, newest)
+        raw.write("UPDATE session_message SET finished = 2 WHERE id = ?", (older,))
+        raw.seed_claim("valid", "e-valid", expires_at=1)
+        report = await rt.recover_once()
+        await rt.wait_idle("valid")
+        [(why,)] = raw.rows("SELECT recovery_error FROM session_recovery")
+        await rt.release_quarantine("e-poison", resume=False)
+        messages = await rt.transcript("poison")
+    assert (report.quarantined, report.resumed) == (1, 1), report
+    assert resumed == ["valid"]
+    assert "finished is 2, not 0 or 1" in why, why
+    assert [m.data.finished for m in messages] == [True, True]
+    assert [part.status for part in messages[0].data.parts] == ["error"]
+
+
 @pytest.mark.parametrize("column", ["id", "input_id", "execution_id"])
 async def test_a_message_whose_id_holds_a_nul_is_malformed(
     tmp_path: Path, clock: Any, autojump_clock: MockClock, column: str
@@ -911,16 +945,6 @@ async def test_an_ending_over_streamed_text_that_is_not_utf8_does_not_retry_for_
     assert len(claims) == (0 if ending == "interrupted" else 1)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="every ending finds a claim's open messages by `finished = 0` (SQLite's"
-    " _close_open_messages and _end_iterations, PostgreSQL's ts_finish and"
-    " ts_finish_iterations, and the partial index session_message_open): a message whose"
-    " mark another tool set to any other value is passed over and its claim deleted, in"
-    " silence. Closing it needs the endings to look for `finished <> 1` (or the mark"
-    " checked like recovery's `newest_assistant_malformed`): PostgreSQL functions and the"
-    " index change - a schema change",
-)
 @pytest.mark.parametrize("ending", ["returns", "interrupted"])
 async def test_an_ending_over_an_open_message_whose_finished_mark_is_broken_says_so(
     store: Any, db_path: Any, clock: Any, autojump_clock: MockClock, logs: Any, ending: str
@@ -993,3 +1017,25 @@ async def test_recovery_ends_a_cancelled_claim_over_text_that_is_not_utf8(
     [record] = [r for r in logs.records if r.msg == events.MESSAGE_LEFT_OPEN]
     assert (record.execution_id, record.ending) == ("e-dead", ending)
     assert (record.table, record.key) == (table, message_id)
+
+
+async def test_recovery_ends_a_cancelled_claim_over_a_broken_finished_mark_and_says_so(
+    store: Any, db_path: Any, clock: Any, autojump_clock: MockClock, logs: Any
+) -> None:
+    """DESIGN §4's recovery order: a crashed claim marked cancelling is finished as
+    cancelled before the malformed check - over an open message whose `finished` mark
+    another tool set to 2 too, which it cannot close: it is left as it is and said so
+    (`malformed message left open`), as a message that does not decode. Found by the audit
+    (audS56): that end looked for `finished = 0` and passed over the message in silence."""
+    raw = Raw(db_path)
+    async with runtime(store, Recorder(), clock, **QUIET) as rt:
+        raw.seed_claim("s", "e-dead", expires_at=1, phase="cancelling")
+        message_id = raw.seed_assistant("s", "e-dead", 1, OPEN_TOOL)
+        raw.write("UPDATE session_message SET finished = 2")
+        report = await rt.recover_once()
+    assert (report.finished_cancelled, report.quarantined) == (1, 0), report
+    assert raw.rows("SELECT id FROM session_execution") == []
+    [record] = [r for r in logs.records if r.msg == events.MESSAGE_LEFT_OPEN]
+    assert (record.execution_id, record.ending) == ("e-dead", "finished_cancelled")
+    assert (record.table, record.key) == ("session_message", message_id)
+    assert "finished is 2, not 0 or 1" in record.reason, record.reason

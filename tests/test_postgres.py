@@ -322,8 +322,9 @@ async def test_upgrade_of_a_version_1_schema_adds_streaming(pg_url: str, pg_sche
     # 26: an operation that took a session's lock and ends without claiming or signalling it
     #     signals it when an acquire waits for it; an input count below 0 is refused;
     # 27: so does a drain's write whose claim is gone (a zombie's, answered lease_lost)
-    # 28: a cancel's trace keeps no payload and goes after ten minutes in a recovery pass
-    assert SCHEMA_VERSION == 28
+    # 28: a cancel's trace keeps no payload and goes after ten minutes in a recovery pass;
+    # 29: the endings read an execution's maybe-open messages as `finished <> 1`
+    assert SCHEMA_VERSION == 29
     await check_pre_streaming_upgrade(location, PostgresStore(pg_url, schema=pg_schema))
 
 
@@ -469,6 +470,48 @@ def test_upgrade_of_a_version_27_schema_forgets_cancelled_payloads_and_old_trace
     assert location.rows(known, ("c1",)) == [("known",)]
     assert location.rows("SELECT id FROM session_input") == []
     assert location.rows(known, ("c2",)) == [("stored",)]  # another call's: stored
+
+
+def test_upgrade_of_a_version_28_schema_indexes_every_message_an_ending_reads_as_open(
+    pg_url: str, pg_schema: str
+) -> None:
+    """Every ending (`ts_finish`, `ts_finish_iterations`, the transcript rules' own path)
+    reads an execution's maybe-open messages as `finished <> 1` since version 29, so a mark
+    another tool set to 2 is read and refused, not passed over; version 29's step makes the
+    partial index cover those rows, and the read stays one index lookup on it (the plan,
+    with the sequential scan the planner prefers on a few rows ruled out)."""
+    from trio_sessions._postgres import open_engine
+    from trio_sessions._schema import _create_functions
+    from trio_sessions._store.transcript import MAYBE_OPEN
+
+    with raw(pg_url, pg_schema) as conn:
+        build_pg_schema(conn, 28)
+        _create_functions(conn)
+        conn.execute("INSERT INTO session(id, time_created) VALUES ('s', 0)")
+        for seq, finished in ((1, 1), (2, 2), (3, 0)):
+            conn.execute(
+                "INSERT INTO session_message(id, session_id, execution_id, role, seq, data,"
+                " time_created, time_updated, finished)"
+                " VALUES (%s, 's', 'e', 'assistant', %s, '{}', 0, 0, %s)",
+                (f"m{seq}", seq, finished),
+            )
+    open_engine(pg_url, schema=pg_schema).close()
+    with raw(pg_url, pg_schema) as conn:
+        assert conn.execute("SELECT version FROM schema_version").fetchall() == [(29,)]
+        [(definition,)] = conn.execute(
+            "SELECT indexdef FROM pg_indexes WHERE schemaname = current_schema()"
+            " AND indexname = 'session_message_open'"
+        ).fetchall()
+        assert definition.endswith("WHERE (finished <> 1)"), definition
+        query = (
+            "SELECT id FROM session_message m"
+            f" WHERE m.execution_id = 'e' AND m.{MAYBE_OPEN} AND m.role = 'assistant'"
+        )
+        assert conn.execute(query + " ORDER BY id").fetchall() == [("m2",), ("m3",)]
+        conn.execute("ANALYZE session_message")
+        conn.execute("SET enable_seqscan = off")
+        plan = "\n".join(row[0] for row in conn.execute("EXPLAIN " + query))
+    assert "session_message_open" in plan, plan
 
 
 @pytest.mark.parametrize(

@@ -27,7 +27,7 @@ from . import _codec
 # ---------------------------------------------------------------------------------------------
 # SQLite
 
-SQLITE_SCHEMA_VERSION = 8
+SQLITE_SCHEMA_VERSION = 9
 
 # The small, hot tables are WITHOUT ROWID: keyed by their text primary key directly, each
 # write touches one b-tree less (fewer WAL pages per commit). Messages keep a rowid: their
@@ -36,6 +36,14 @@ SQLITE_SCHEMA_VERSION = 8
 HANDED_BACK_INDEX = """
 CREATE INDEX session_execution_handed_back ON session_execution(expires_at)
     WHERE handed_back = 1;
+"""
+
+# One index again, both backends (SQLite version 9, PostgreSQL version 29): an execution's
+# maybe-open messages, as every ending reads them (`_store.transcript.MAYBE_OPEN`): not marked
+# 1, where it was `finished = 0`, which passed over a mark another tool set to 2 or to text.
+MAYBE_OPEN_INDEX = """
+DROP INDEX IF EXISTS session_message_open;
+CREATE INDEX session_message_open ON session_message(execution_id) WHERE finished <> 1;
 """
 
 SQLITE_MIGRATIONS: dict[int, str] = {
@@ -176,6 +184,10 @@ CREATE TABLE session_message_change(
     # messages truncated or set aside, an input withdrawn, the pause lifted - which `purge`
     # counts as a write, as it counts a message's `time_updated`.
     8: "ALTER TABLE session ADD COLUMN time_written INTEGER;",
+    # Every ending reads an execution's maybe-open messages as `finished <> 1`, so a mark
+    # another tool broke (2, text) is read and refused as recovery refuses it, not passed
+    # over with the claim deleted: the partial index covers those rows.
+    9: MAYBE_OPEN_INDEX,
 }
 
 # The tables whose presence makes an SQLite file ours.
@@ -187,7 +199,7 @@ SQLITE_OUR_TABLES = frozenset(
 # ---------------------------------------------------------------------------------------------
 # PostgreSQL
 
-POSTGRES_SCHEMA_VERSION = 28
+POSTGRES_SCHEMA_VERSION = 29
 
 # Same names, meanings and named CHECKs as the SQLite schema (`SQLITE_MIGRATIONS`, whose
 # versions 1-3 are PostgreSQL's first: no PostgreSQL store predates them); times
@@ -479,6 +491,9 @@ DELETE FROM session_input_cancelled
     WHERE time_cancelled < floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint - 600000;
 ALTER TABLE session_input_cancelled DROP COLUMN payload;
 """,
+    # As SQLite's version 9: the endings (`ts_finish`, `ts_finish_iterations`) read an
+    # execution's maybe-open messages as `finished <> 1`, through the partial index again.
+    29: MAYBE_OPEN_INDEX,
 }
 
 
@@ -546,4 +561,5 @@ POSTGRES_BACKFILLS: dict[int, Callable[[Any], None]] = {
     26: _create_functions,
     27: _create_functions,
     28: _create_functions,
+    29: _create_functions,
 }

@@ -253,7 +253,7 @@ def test_upgrade_of_a_version_1_file_adds_set_aside_tables(tmp_path: Path) -> No
     old.close()
     conn = _sqlite.connect(path)
     try:
-        assert _sqlite.schema_version(conn) == _sqlite.SCHEMA_VERSION == 8
+        assert _sqlite.schema_version(conn) == _sqlite.SCHEMA_VERSION == 9
         assert conn.execute("SELECT id, handed_back FROM session_execution").fetchall() == [
             ("e", 0)
         ]
@@ -291,6 +291,48 @@ async def test_upgrade_of_a_version_3_file_adds_streaming(tmp_path: Path) -> Non
     _sqlite.connect(path).close()
     assert raw.rows("PRAGMA user_version") == [(_sqlite.SCHEMA_VERSION,)]
     await check_pre_streaming_upgrade(raw, path)
+
+
+def test_upgrade_of_a_version_8_file_indexes_every_message_an_ending_reads_as_open(
+    tmp_path: Path,
+) -> None:
+    """Every ending reads an execution's maybe-open messages as `finished <> 1` since
+    version 9, so a mark another tool set to 2 is read and refused, not passed over;
+    version 9's step makes the partial index cover those rows, and the read stays one
+    search of it."""
+    from trio_sessions._store.transcript import MAYBE_OPEN
+
+    path = tmp_path / "v8.db"
+    old = sqlite3.connect(path)
+    for version in range(1, 9):
+        old.executescript(_sqlite._MIGRATIONS[version])
+    old.execute("PRAGMA user_version = 8")
+    old.execute("INSERT INTO session(id, time_created) VALUES ('s', 0)")
+    for seq, finished in ((1, 1), (2, 2), (3, 0)):
+        old.execute(
+            "INSERT INTO session_message(id, session_id, execution_id, role, seq, data,"
+            " time_created, time_updated, finished) VALUES (?, 's', 'e', 'assistant', ?, '{}',"
+            " 0, 0, ?)",
+            (f"m{seq}", seq, finished),
+        )
+    old.commit()
+    old.close()
+    conn = _sqlite.connect(path)
+    try:
+        assert _sqlite.schema_version(conn) == 9
+        [(definition,)] = conn.execute(
+            "SELECT sql FROM sqlite_master WHERE name = 'session_message_open'"
+        ).fetchall()
+        assert definition.endswith("WHERE finished <> 1"), definition
+        query = (
+            "SELECT id FROM session_message m"
+            f" WHERE m.execution_id = 'e' AND m.{MAYBE_OPEN} AND m.role = 'assistant'"
+        )
+        assert conn.execute(query + " ORDER BY id").fetchall() == [("m2",), ("m3",)]
+        [(_, _, _, plan)] = conn.execute("EXPLAIN QUERY PLAN " + query).fetchall()
+    finally:
+        conn.close()
+    assert "USING INDEX session_message_open (execution_id=?)" in plan, plan
 
 
 def test_synchronous_option_applies_to_every_connection(tmp_path: Path) -> None:

@@ -49,7 +49,7 @@ from .common import (
     _session_fence,
     _take_doorbell,
 )
-from .transcript import _assistant_data, _close_open_messages, no_id
+from .transcript import MAYBE_OPEN, _assistant_data, _close_open_messages, broken_mark, no_id
 
 
 @autocommit_when_alone
@@ -126,7 +126,7 @@ def _end_iterations(tx: Tx, rows: Sequence[tuple[Any, ...]]) -> list[Any]:
         " JOIN session s ON s.id = c.session_id"
         " WHERE c.phase = 'running' AND s.time_paused IS NULL"
         " AND NOT EXISTS (SELECT 1 FROM session_message m WHERE m.execution_id = c.id"
-        " AND m.finished = 0 AND m.role = 'assistant')",
+        f" AND m.{MAYBE_OPEN} AND m.role = 'assistant')",
         {"rows": json.dumps([rows[index] for index in firsts.values()]), "now": tx.now},
     ).fetchall()
     indexes = list(firsts.values())
@@ -319,16 +319,18 @@ def messages_left_open(tx: Tx, execution_id: str) -> tuple[MalformedRecord, ...]
     if tx.one("SELECT 1 FROM session_execution WHERE id = ?", (execution_id,)) is not None:
         return ()
     rows = tx.execute(
-        "SELECT id, data FROM session_message"
-        " WHERE execution_id = ? AND finished = 0 AND role = 'assistant' ORDER BY seq",
+        "SELECT id, data, finished FROM session_message"
+        f" WHERE execution_id = ? AND {MAYBE_OPEN} AND role = 'assistant' ORDER BY seq",
         (execution_id,),
     ).fetchall()
     left_open: list[MalformedRecord] = []
-    for message_id, text in rows:
+    for message_id, text, finished in rows:
         try:
             if message_id is None:
                 raise no_id()
             _assistant_data(tx, message_id, text)
+            if (broken := broken_mark(message_id, finished)) is not None:
+                raise broken
         except MalformedRecord as exc:
             left_open.append(exc)
     return tuple(left_open)
@@ -542,8 +544,10 @@ BEGIN
         END IF;
         RETURN;
     END IF;
+    -- Maybe open: not marked 1 (the partial index session_message_open), so a mark another
+    -- tool broke is read too, and refused by the caller's path.
     IF EXISTS (SELECT 1 FROM session_message m WHERE m.execution_id = p_exec
-               AND m.finished = 0 AND m.role = 'assistant') THEN
+               AND m.finished <> 1 AND m.role = 'assistant') THEN
         verdict := 'open_messages';
         RETURN;
     END IF;
@@ -612,7 +616,7 @@ BEGIN
             c.id IS NOT NULL AND c.session_id = j.s AND c.owner_id = j.o
                 AND c.expires_at > v_now AS held,
             EXISTS (SELECT 1 FROM session_message m WHERE m.execution_id = j.e
-                    AND m.finished = 0 AND m.role = 'assistant') AS open
+                    AND m.finished <> 1 AND m.role = 'assistant') AS open
         FROM job j
         LEFT JOIN session_execution c ON c.id = j.e
         LEFT JOIN session s ON s.id = j.s

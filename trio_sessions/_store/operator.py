@@ -152,9 +152,10 @@ def lift_quarantine(tx: Tx, execution_id: str, owner_id: str, lease_ms: int) -> 
 def _unmark_finished(tx: Tx, execution_id: str) -> None:
     """The operator may have repaired the execution's messages by hand (the documented way
     out of a quarantine), and `finished` does not follow a hand-written `data`: count them
-    as maybe open again, so closing the execution reads what they say now - also a mark
-    another tool broke (text, 2: what recovery quarantined it for), which every finish,
-    looking for `finished = 0`, would pass over."""
+    as maybe open again, so closing the execution reads what they say now - also one
+    marked 1 while its data is open, which every finish, reading `MAYBE_OPEN`, would pass
+    over, and a mark another tool broke (text, 2: what recovery quarantined it for), which
+    every finish would refuse again."""
     tx.execute(
         "UPDATE session_message SET finished = 0"
         " WHERE execution_id = ? AND role = 'assistant' AND finished <> 0",

@@ -41,7 +41,7 @@ from .common import (
     wake_attempts_of,
 )
 from .recovery_scan import Candidate
-from .transcript import _assistant_data, _close_open_messages, no_id
+from .transcript import MAYBE_OPEN, _assistant_data, _close_open_messages, broken_mark, no_id
 
 # Whether a claim is superseded: any other execution's assistant message after the claim's
 # anchor (any at all for a claim taken before any message). One spelling for the
@@ -116,10 +116,12 @@ def newest_assistant_malformed(tx: Tx, execution_id: str) -> MalformedRecord | N
     execution for, as that message's `MalformedRecord` (its table, its key, its reasons).
     An older open one counts because its owner's finish refused to end the busy period
     over it (`_close_open_messages`, `malformed_keeps_claim`) and a takeover would pass
-    over it, leaving it open for ever. One read: the newest row first, then the open ones."""
+    over it, leaving it open for ever - as one whose mark another tool broke (neither 0
+    nor 1: `broken_mark`), which the finish refuses too. One read: the newest row first,
+    then the maybe open ones (`MAYBE_OPEN`)."""
     rows = tx.execute(
         "SELECT id, data, finished FROM session_message"
-        " WHERE execution_id = ? AND role = 'assistant' AND (finished = 0 OR seq = ("
+        f" WHERE execution_id = ? AND role = 'assistant' AND ({MAYBE_OPEN} OR seq = ("
         "SELECT MAX(seq) FROM session_message WHERE execution_id = ? AND role = 'assistant'))"
         " ORDER BY seq DESC",
         (execution_id, execution_id),
@@ -133,22 +135,26 @@ def newest_assistant_malformed(tx: Tx, execution_id: str) -> MalformedRecord | N
         data = _assistant_data(tx, message_id, text)
     except MalformedRecord as exc:
         return exc
-    # Every finish looks for open messages by this mark (`finished = 0`): one another tool
-    # broke would leave the message open, its tools `running` for ever, under a takeover.
-    if type(finished) is not int or finished not in (0, 1):
-        reason = f"finished is {finished!r:.60}, not 0 or 1"
-    elif finished == 1 and not data.finished:
+    # Every finish looks for open messages by this mark (`MAYBE_OPEN`): one another tool
+    # set to 1 would leave the message open, its tools `running` for ever, under a takeover;
+    # one set to anything but 0 or 1 is refused, as the finishes refuse it.
+    broken = broken_mark(message_id, finished)
+    if broken is not None:
+        return broken
+    if finished == 1 and not data.finished:
         reason = "finished is 1 while its data is open: no finish would close it"
-    else:
-        for older_id, older_text, _ in rows[1:]:
-            if (unnamed := _unnamed(older_id)) is not None:
-                return unnamed
-            try:
-                _assistant_data(tx, older_id, older_text)
-            except MalformedRecord as exc:
-                return exc
-        return None
-    return MalformedRecord("session_message", str(message_id), [reason])
+        return MalformedRecord("session_message", str(message_id), [reason])
+    for older_id, older_text, older_finished in rows[1:]:
+        if (unnamed := _unnamed(older_id)) is not None:
+            return unnamed
+        try:
+            _assistant_data(tx, older_id, older_text)
+        except MalformedRecord as exc:
+            return exc
+        broken = broken_mark(older_id, older_finished)
+        if broken is not None:
+            return broken
+    return None
 
 
 def _unnamed(message_id: object) -> MalformedRecord | None:

@@ -471,32 +471,53 @@ def no_id() -> MalformedRecord:
     return MalformedRecord("session_message", "NULL", ["id is NULL"])
 
 
+# The rows an ending reads as maybe open (the partial index `session_message_open` covers
+# exactly these: SQLite version 9, PostgreSQL version 29). Not `finished = 0`: a mark
+# another tool set to any other value (2, text) would be passed over, the message left open
+# for ever with its claim deleted in silence; read, it is refused (`broken_mark`).
+MAYBE_OPEN = "finished <> 1"
+
+
+def broken_mark(message_id: Any, finished: Any) -> MalformedRecord | None:
+    """The message's `MalformedRecord` when its `finished` mark is neither 0 (maybe open) nor
+    1 (finished): another tool's write, which neither an ending nor recovery can judge."""
+    if type(finished) is int and finished in (0, 1):
+        return None
+    return MalformedRecord(
+        "session_message", str(message_id), [f"finished is {finished!r:.60}, not 0 or 1"]
+    )
+
+
 def _close_open_messages(
     tx: Tx, execution_id: str, reason: str, *, malformed_keeps_claim: bool = False
 ) -> tuple[MalformedRecord, ...]:
     """Finish every open assistant message of an execution as interrupted/failed.
 
-    Only rows not marked finished are read (a partial index: a drain's finish does not grow
-    with its transcript). A row that does not decode is left as it is: recovery quarantines
-    such rows, and rewriting it would destroy what an operator needs to see. So
-    `malformed_keeps_claim` (an owner's finish that would delete its running claim next)
-    raises its `MalformedRecord` instead, rolling the finish back: the claim stays for
-    recovery to quarantine - deleted, nothing would ever list the message. Otherwise (an
-    interrupt's or a cancelled or superseded claim's end, which deletes the claim all the
-    same: DESIGN §4's order) returns each such row's `MalformedRecord`, for the caller to
-    tell the operator: nothing else will, and `transcript()` raises until one acts.
+    Only rows not marked finished are read (`MAYBE_OPEN`, a partial index: a drain's finish
+    does not grow with its transcript). A row that does not decode, or whose mark is
+    neither 0 nor 1 (`broken_mark`), is left as it is: recovery quarantines such rows, and
+    rewriting it would destroy what an operator needs to see. So `malformed_keeps_claim`
+    (an owner's finish that would delete its running claim next) raises its
+    `MalformedRecord` instead, rolling the finish back: the claim stays for recovery to
+    quarantine - deleted, nothing would ever list the message. Otherwise (an interrupt's
+    or a cancelled or superseded claim's end, which deletes the claim all the same: DESIGN
+    §4's order) returns each such row's `MalformedRecord`, for the caller to tell the
+    operator: nothing else will, and `transcript()` raises until one acts.
     """
     rows = tx.execute(
-        "SELECT id, data, session_id FROM session_message"
-        " WHERE execution_id = ? AND finished = 0 AND role = 'assistant'",
+        "SELECT id, data, session_id, finished FROM session_message"
+        f" WHERE execution_id = ? AND {MAYBE_OPEN} AND role = 'assistant'",
         (execution_id,),
     ).fetchall()
     left_open: list[MalformedRecord] = []
-    for message_id, text, session_id in rows:
+    for message_id, text, session_id, finished in rows:
         try:
             if message_id is None:
                 raise no_id()
             data = _assistant_data(tx, message_id, text)
+            broken = broken_mark(message_id, finished)
+            if broken is not None:
+                raise broken
         except MalformedRecord as exc:
             if malformed_keeps_claim:
                 raise
