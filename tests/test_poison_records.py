@@ -1039,3 +1039,43 @@ async def test_recovery_ends_a_cancelled_claim_over_a_broken_finished_mark_and_s
     assert (record.execution_id, record.ending) == ("e-dead", "finished_cancelled")
     assert (record.table, record.key) == ("session_message", message_id)
     assert "finished is 2, not 0 or 1" in record.reason, record.reason
+
+
+async def test_an_iteration_end_over_a_claim_whose_phase_is_unknown_keeps_it_for_quarantine(
+    tmp_path: Path, clock: Any, autojump_clock: MockClock, logs: Any
+) -> None:
+    """On SQLite, where another tool can write past the phase's CHECK (`PRAGMA
+    ignore_check_constraints`): a live claim's `phase` becomes neither 'running' nor
+    'cancelling' while its drain runs, and a new input sets the doorbell. Recovery names
+    such a claim malformed ("phase is 'stopping', not 'running' or 'cancelling'": whether a
+    cancellation was asked for cannot be told) and never resumes it; the drain's
+    iteration end read the phase as running and continued the busy period - the drain
+    called again - in silence. Found by the audit (audS56). Expected: as for any malformed
+    row an ending cannot judge, the claim is kept for quarantine and said so; the drain is
+    not called again."""
+    db_path, raw = _sqlite(tmp_path)
+    calls: list[bool] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        calls.append(ctx.resumed)
+        await ctx.take_inputs()
+        if len(calls) == 1:
+            await rt.submit("s", {"text": "more"})
+            with sqlite3.connect(db_path) as tool:
+                tool.execute("PRAGMA ignore_check_constraints = ON")
+                tool.execute("UPDATE session_execution SET phase = 'stopping'")
+            tool.close()
+
+    async with runtime(Store(db_path, inline=True), drain, clock, lease=9.0, **QUIET) as rt:
+        await rt.submit("s", {"text": "hello"})
+        with trio.fail_after(60):
+            outcome = await rt.run("s")
+        [(execution_id,)] = raw.rows("SELECT id FROM session_execution")
+        await trio.sleep(10)  # past the lease: the claim is recovery's now
+        report = await rt.recover_once()
+    assert calls == [False]
+    assert outcome.kind == "failed", outcome
+    assert (report.quarantined, report.resumed) == (1, 0), report
+    [record] = [r for r in logs.records if r.msg == events.CLAIM_KEPT_MALFORMED]
+    assert (record.table, record.key) == ("session_execution", execution_id)
+    assert "phase is 'stopping'" in record.reason, record.reason

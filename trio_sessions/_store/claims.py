@@ -48,6 +48,7 @@ from .common import (
     _ring,
     _session_fence,
     _take_doorbell,
+    unknown_phase,
 )
 from .transcript import MAYBE_OPEN, _assistant_data, _close_open_messages, broken_mark, no_id
 
@@ -177,9 +178,10 @@ def end_iteration(tx: Tx, session_id: str, execution_id: str, owner_id: str) -> 
     Either way, a message the drain left open is finished and its running tools failed
     (`interrupted`): nothing stays `running` forever. One that does not decode (another
     tool's write) cannot be: `MalformedRecord`, nothing written, the claim left for
-    recovery to quarantine. Serialised with `wake` by the write
-    lock: a wake either committed before this, and is taken here, or finds no claim
-    afterwards and leads to a fresh acquisition. A paused session's busy period ends here
+    recovery to quarantine - as for a claim whose phase is unknown
+    (`_refuse_unknown_phase`). Serialised with `wake` by the write lock: a wake either
+    committed before this, and is taken here, or finds no claim afterwards and leads to a
+    fresh acquisition. A paused session's busy period ends here
     with its doorbell left set (for `resume`); a claim marked cancelling never continues:
     its set doorbell is left for a successor, and rung for the due inputs its drain was not
     given (`_decisions.iteration_verdict`), as an interrupt's cleanup does.
@@ -192,6 +194,7 @@ def end_iteration(tx: Tx, session_id: str, execution_id: str, owner_id: str) -> 
         if result is not FALLBACK:
             return IterationVerdict(result)
     claimed = _require_claim_session(tx, session_id, execution_id, owner_id)
+    _refuse_unknown_phase(execution_id, claimed.phase)
     _close_open_messages(tx, execution_id, INTERRUPTED, malformed_keeps_claim=True)
     cancelling = claimed.phase == "cancelling"
     verdict = _decisions.iteration_verdict(
@@ -209,6 +212,17 @@ def end_iteration(tx: Tx, session_id: str, execution_id: str, owner_id: str) -> 
     if claimed.wake_attempts:
         _reset_attempts(tx, claimed.session_id)
     return verdict
+
+
+def _refuse_unknown_phase(execution_id: str, phase: str) -> None:
+    """A drain's own end over a claim whose phase another tool wrote past the CHECK
+    (SQLite): `MalformedRecord`, nothing written, the claim kept for recovery to
+    quarantine, as recovery would - never continued or released as if running. The
+    set-wise end (`_end_iterations`) reads running claims only and leaves this one to the
+    row path; PostgreSQL's CHECK keeps any other phase out."""
+    unknown = unknown_phase(execution_id, phase)
+    if unknown is not None:
+        raise unknown
 
 
 def _pg_finish(tx: Tx, session_id: str, execution_id: str, owner_id: str, kind: str) -> str | None:
@@ -237,8 +251,9 @@ def _delete_claim(tx: Tx, execution_id: str, owner_id: str) -> None:
 @reads_stored_bytes
 def finish_failed(tx: Tx, session_id: str, execution_id: str, owner_id: str, error: str) -> bool:
     """A drain raised: close its open message as failed, delete the claim, reset attempts.
-    `MalformedRecord` (nothing written) when an open message does not decode - another
-    tool's write: the claim stays for recovery to quarantine.
+    `MalformedRecord` (nothing written) when an open message does not decode, or the
+    claim's phase is unknown - another tool's write: the claim stays for recovery to
+    quarantine.
 
     Untaken inputs do not re-arm the doorbell (that would loop on a drain that always
     fails); a doorbell already set stays set. Returns whether it is set (one follow-up).
@@ -247,7 +262,8 @@ def finish_failed(tx: Tx, session_id: str, execution_id: str, owner_id: str, err
         verdict = _pg_finish(tx, session_id, execution_id, owner_id, "failed")
         if verdict is not None:
             return verdict == "released-set"
-    _require_claim(tx, session_id, execution_id, owner_id)
+    claimed = _require_claim_session(tx, session_id, execution_id, owner_id)
+    _refuse_unknown_phase(execution_id, claimed.phase)
     _close_open_messages(tx, execution_id, error, malformed_keeps_claim=True)
     _delete_claim(tx, execution_id, owner_id)
     _reset_attempts(tx, session_id)

@@ -149,6 +149,20 @@ class _ClaimedSession:
     paused: bool = False
 
 
+PHASES = ("running", "cancelling")
+
+
+def unknown_phase(execution_id: str, phase: Any) -> MalformedRecord | None:
+    """The claim's `MalformedRecord` when its phase is neither of `PHASES`: past the CHECK
+    (SQLite, `PRAGMA ignore_check_constraints`), another tool's write. Whether a
+    cancellation was asked for cannot be told, so neither recovery (it never resumes such a
+    claim) nor a drain's end (it never continues one) decides on it."""
+    if phase in PHASES:
+        return None
+    reasons = [f"phase is {phase!r:.60}, not 'running' or 'cancelling'"]
+    return MalformedRecord("session_execution", str(execution_id), reasons)
+
+
 def _require_claim_session(
     tx: Tx, session_id: str, execution_id: str, owner_id: str
 ) -> _ClaimedSession:

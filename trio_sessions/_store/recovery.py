@@ -38,6 +38,7 @@ from .common import (
     _no_longer_expired,
     _reset_attempts,
     _ring,
+    unknown_phase,
     wake_attempts_of,
 )
 from .recovery_scan import Candidate
@@ -73,11 +74,11 @@ def _recovery_facts(tx: Tx, candidate: Candidate) -> tuple[RecoveryFacts, str | 
         # Another tool's write (SQLite keeps any value): no lease to judge, no decision.
         reasons = [f"expires_at is {row[3]!r:.60}, not a time"]
         raise MalformedRecord("session_execution", str(execution_id), reasons)
-    if ours and row[2] not in ("running", "cancelling"):
-        # Past the phase's CHECK (SQLite, `PRAGMA ignore_check_constraints`): whether a
-        # cancellation was asked for - never resumed - cannot be told.
-        reasons = [f"phase is {row[2]!r:.60}, not 'running' or 'cancelling'"]
-        raise MalformedRecord("session_execution", str(execution_id), reasons)
+    unknown = unknown_phase(str(execution_id), row[2]) if ours else None
+    if unknown is not None:
+        # Past the phase's CHECK: whether a cancellation was asked for - never resumed -
+        # cannot be told.
+        raise unknown
     anchor_seq = row[4] if ours else None
     if anchor_seq is not None and type(anchor_seq) is not int:
         # Another tool's write again: whether a message came after it cannot be told
