@@ -1079,3 +1079,44 @@ async def test_an_iteration_end_over_a_claim_whose_phase_is_unknown_keeps_it_for
     [record] = [r for r in logs.records if r.msg == events.CLAIM_KEPT_MALFORMED]
     assert (record.table, record.key) == ("session_execution", execution_id)
     assert "phase is 'stopping'" in record.reason, record.reason
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="every ending reads an execution's maybe-open messages by their mark"
+    " (`finished <> 1`, the partial index session_message_open); one marked 1 while its"
+    " data is open is not among them, and telling it needs the execution's newest message"
+    " read and decoded at every ending (or an index of the open messages' stream rows by"
+    " execution) - a cost on the hot path the lead has to weigh",
+)
+@pytest.mark.parametrize("ending", ["returns", "interrupted"])
+async def test_an_ending_over_an_open_message_marked_finished_says_so(
+    store: Any, db_path: Any, clock: Any, autojump_clock: MockClock, logs: Any, ending: str
+) -> None:
+    """As the test of a broken mark above, with the mark another tool set to 1 while the
+    message's data is open: recovery names it malformed ("finished is 1 while its data is
+    open: no finish would close it") and quarantines its claim; every live ending passes
+    over it and deletes the claim in silence - the message open for ever, nothing listing
+    it. Found by the audit (audS56). Expected: as for a mark of 2."""
+    raw = Raw(db_path)
+    corrupted = trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        writer = await ctx.begin_assistant()
+        await writer.append_text("a")
+        raw.write("UPDATE session_message SET finished = 1 WHERE role = 'assistant'")
+        corrupted.set()
+        if ending == "interrupted":
+            await trio.sleep_forever()
+
+    async with runtime(store, drain, clock, **QUIET) as rt:
+        await rt.wake("s")
+        await corrupted.wait()
+        if ending == "interrupted":
+            assert await rt.interrupt("s") is True
+        await rt.wait_idle("s")
+    [(message_id,)] = raw.rows("SELECT id FROM session_message")
+    event = events.MESSAGE_LEFT_OPEN if ending == "interrupted" else events.CLAIM_KEPT_MALFORMED
+    [record] = [r for r in logs.records if r.msg == event]
+    assert (record.table, record.key) == ("session_message", message_id)
+    assert "finished is 1" in record.reason
