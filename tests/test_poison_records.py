@@ -1120,3 +1120,38 @@ async def test_an_ending_over_an_open_message_marked_finished_says_so(
     [record] = [r for r in logs.records if r.msg == event]
     assert (record.table, record.key) == ("session_message", message_id)
     assert "finished is 1" in record.reason
+
+
+async def test_a_fork_closes_a_message_whose_finished_mark_is_broken_as_any_maybe_open_one(
+    store: Any, db_path: Any, clock: Any, autojump_clock: MockClock
+) -> None:
+    """§5.1's fork copies each message with its streamed text merged and an unfinished
+    reply closed as interrupted. An interrupt left a reply open whose `finished` mark
+    another tool set to 2 (and said so: `malformed message left open`); the fork read any
+    mark but 0 as finished and copied the row's data as stored: the copy lost the text
+    streamed onto it and stayed open for ever, marked 1 - a state no ending looks at. Found
+    by the audit (audS56). Expected: read as maybe open, as every ending reads it
+    (`finished <> 1`), and closed in the copy with its text."""
+    raw = Raw(db_path)
+    corrupted = trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        writer = await ctx.begin_assistant()
+        await writer.append_text("a")
+        await writer.append_text("b")
+        raw.write("UPDATE session_message SET finished = 2 WHERE role = 'assistant'")
+        corrupted.set()
+        await trio.sleep_forever()
+
+    async with runtime(store, drain, clock, **QUIET) as rt:
+        await rt.wake("s")
+        await corrupted.wait()
+        assert await rt.interrupt("s") is True
+        await rt.wait_idle("s")
+        [original] = await rt.transcript("s")
+        await rt.fork("s", "copy")
+        [copied] = await rt.transcript("copy")
+    assert (original.data.finished, original.data.parts[0].text) == (False, "ab")
+    assert copied.data.finished is True
+    assert copied.data.parts[0].text == "ab"
+    assert raw.rows("SELECT finished FROM session_message WHERE session_id = 'copy'") == [(1,)]

@@ -504,8 +504,9 @@ def fork(tx: Tx, session_id: str, new_session_id: str, through_seq: int | None) 
     tx.execute("INSERT INTO session(id, time_created) VALUES (?, ?)", (new_session_id, tx.now))
     for message_id, role, seq, kind, data, finished, time_created in rows:
         copied = "CAST(:data AS TEXT)" if kind == "text" else ":data"  # the same bytes
-        if role == "assistant" and not finished:
-            # Maybe open: its streamed text merged, closed as an interrupted answer.
+        if role == "assistant" and finished != 1:
+            # Maybe open - also a mark another tool broke, as every ending reads it
+            # (`MAYBE_OPEN`): its streamed text merged, closed as an interrupted answer.
             text = _codec.stored_text(kind, data, table="session_message", key=message_id)
             merged = _assistant_data(tx, message_id, text)
             data = _codec.encode_assistant(_transcript.interrupt(merged, INTERRUPTED))
