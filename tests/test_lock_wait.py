@@ -449,3 +449,188 @@ async def test_a_hand_back_tried_on_the_loop_joins_the_worker_s_batch_once_it_to
         go.set()
         await done.wait()
     assert results == ["after"], results
+
+
+class _SaysWhenTheWorkerWaits:
+    """Wraps the executor's connections (`SQLiteStore.wrap_connection`): `waiting` is set
+    once a worker thread's BEGIN IMMEDIATE found the write lock held (its batch waits)."""
+
+    def __init__(self) -> None:
+        self.waiting = trio.Event()
+        self._token = trio.lowlevel.current_trio_token()
+
+    def __call__(self, conn: sqlite3.Connection) -> Any:
+        return _TellsOfALockedBegin(conn, self)
+
+    def locked(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            self._token.run_sync_soon(self.waiting.set)
+
+
+class _TellsOfALockedBegin:
+    def __init__(self, conn: sqlite3.Connection, says: _SaysWhenTheWorkerWaits) -> None:
+        self._conn = conn
+        self._says = says
+
+    def execute(self, sql: str, params: Any = ()) -> sqlite3.Cursor:
+        try:
+            return self._conn.execute(sql, params)
+        except sqlite3.OperationalError:
+            if sql == "BEGIN IMMEDIATE":
+                self._says.locked()
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+
+async def test_a_close_does_not_wait_for_a_claim_acquisition_stuck_on_another_process_s_lock(
+    tmp_path: Path,
+) -> None:
+    """Another process rings a doorbell and then holds the write lock (a long operator
+    transaction, a backup): this runtime's acquisition of that session waits in the worker
+    thread for the lock, shielded. Closing the runtime then (a rolling restart's SIGTERM)
+    must not wait for the lock - nothing of the acquisition has begun, so the close
+    withdraws it unrun - and the doorbell stays rung: the next runtime drains the session.
+    Before, the close waited until the lock was freed (up to `LOCK_PATIENCE_S`, 120 s;
+    measured 14.5 s with a lock held 15 s). Found by review of the close path (note 54)."""
+    path = tmp_path / "acquire.db"
+    drained: list[str] = []
+
+    async def drain(ctx: trio_sessions.DrainContext) -> None:
+        drained.append(ctx.session_id)
+
+    says = _SaysWhenTheWorkerWaits()
+    store = _sqlite.SQLiteStore(path, wrap_connection=says)
+    async with _lock_holder(path) as holder:
+        async with trio_sessions.open_runtime(store, drain) as runtime:
+            now = int(time.time() * 1000)
+            # Another process's wake, and right after its commit (no trio task runs between)
+            # a transaction of its own holding the lock.
+            holder.conn.execute(
+                "INSERT INTO session(id, time_created, time_woken, wakes) VALUES (?, ?, ?, 1)",
+                ("s", now, now),
+            )
+            holder.take()
+            await says.waiting.wait()  # the acquisition's batch waits for the lock
+            assert runtime.is_active("s")
+            assert not drained
+        assert holder.held, "the close waited for the acquisition until the lock was freed"
+        holder.release()
+    check = sqlite3.connect(path)
+    try:
+        assert check.execute("SELECT time_woken IS NOT NULL FROM session").fetchall() == [(1,)]
+        assert check.execute("SELECT count(*) FROM session_execution").fetchall() == [(0,)]
+    finally:
+        check.close()
+    async with trio_sessions.open_runtime(path, drain) as runtime:
+        await runtime.wait_idle("s")
+    assert drained == ["s"]
+
+
+class _HoldsTheBegunBatch(_SaysWhenTheWorkerWaits):
+    """As `_SaysWhenTheWorkerWaits`, and a worker thread's batch whose BEGIN IMMEDIATE took
+    the lock sets `began` at its next statement (the batch has begun: `BatchStart.begin`
+    came between) and is held there until `go`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.began = trio.Event()
+        self.go = threading.Event()
+
+    def __call__(self, conn: sqlite3.Connection) -> Any:
+        return _HoldsABegin(conn, self)
+
+    def begun(self) -> None:
+        if threading.current_thread() is not threading.main_thread() and not self.go.is_set():
+            self._token.run_sync_soon(self.began.set)
+            self.go.wait(HOLD_S)
+
+
+class _HoldsABegin(_TellsOfALockedBegin):
+    began = False
+
+    def execute(self, sql: str, params: Any = ()) -> sqlite3.Cursor:
+        if self.began:
+            self.began = False
+            assert isinstance(self._says, _HoldsTheBegunBatch)
+            self._says.begun()
+        cursor = super().execute(sql, params)
+        self.began = sql == "BEGIN IMMEDIATE"
+        return cursor
+
+
+async def test_a_close_waits_for_a_claim_acquisition_that_took_the_lock_and_hands_it_back(
+    tmp_path: Path,
+) -> None:
+    """The other side of the close's withdrawal: an acquisition whose BEGIN IMMEDIATE took
+    the lock runs to its end - the claim commits and is registered together, as the
+    shielded handoff promises - and the close hands that claim back unrun (no drain starts
+    once the runtime closes), so the next runtime resumes it at once, not after a lease."""
+    path = tmp_path / "begun.db"
+    drained: list[bool] = []
+
+    async def drain(ctx: trio_sessions.DrainContext) -> None:
+        drained.append(ctx.resumed)
+
+    says = _HoldsTheBegunBatch()
+    store = _sqlite.SQLiteStore(path, wrap_connection=says)
+    async with _lock_holder(path) as holder, trio.open_nursery() as nursery:
+        async with trio_sessions.open_runtime(store, drain) as runtime:
+            now = int(time.time() * 1000)
+            holder.conn.execute(
+                "INSERT INTO session(id, time_created, time_woken, wakes) VALUES (?, ?, ?, 1)",
+                ("s", now, now),
+            )
+            holder.take()
+            await says.waiting.wait()
+            holder.release()  # the acquisition's batch takes the lock, and is held begun
+            await says.began.wait()
+
+            async def go_once_closing() -> None:
+                while not runtime._closing:
+                    await trio.testing.wait_all_tasks_blocked()
+                await trio.testing.wait_all_tasks_blocked()  # the close waits for it
+                says.go.set()
+
+            nursery.start_soon(go_once_closing)
+        assert says.go.is_set()
+    assert not drained
+    check = sqlite3.connect(path)
+    try:
+        rows = check.execute("SELECT handed_back, phase FROM session_execution").fetchall()
+        assert rows == [(1, "running")]
+    finally:
+        check.close()
+    async with trio_sessions.open_runtime(path, drain) as runtime:
+        await runtime.wait_idle("s")
+    assert drained == [True]
+
+
+async def test_a_close_right_after_a_ring_does_not_begin_its_acquisition(tmp_path: Path) -> None:
+    """A ring that registered a session's acquisition just before the runtime closed (the
+    change loop's, in the same scheduler round): its busy period's first step comes after
+    the close began, and must not begin a shielded acquisition then - one that waits for
+    another process's lock held the close as long as that lock. Its doorbell stays rung for
+    the next runtime. Found by review of the close's withdrawal (the acquisition's shield,
+    raised after the close lifted the others)."""
+    path = tmp_path / "ring.db"
+    drained: list[str] = []
+
+    async def drain(ctx: trio_sessions.DrainContext) -> None:
+        drained.append(ctx.session_id)
+
+    async with _lock_holder(path) as holder:
+        async with trio_sessions.open_runtime(path, drain) as runtime:
+            now = int(time.time() * 1000)
+            holder.conn.execute(
+                "INSERT INTO session(id, time_created, time_woken, wakes) VALUES (?, ?, ?, 1)",
+                ("s", now, now),
+            )
+            holder.take()
+            assert runtime._busy.ring("s") is not None  # registered; its task not yet run
+        assert holder.held, "the close waited for an acquisition it began itself"
+        holder.release()
+    async with trio_sessions.open_runtime(path, drain) as runtime:
+        await runtime.wait_idle("s")
+    assert drained == ["s"]

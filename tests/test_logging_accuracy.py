@@ -701,7 +701,10 @@ async def test_a_close_past_its_grace_says_it_waits_for_a_claim_being_acquired(
     another process's connection holds (up to `LOCK_PATIENCE_S`); the runtime closes, and
     past `shutdown_grace` its log names what it waits for - one claim being acquired, no
     drain. It said `shutdown waits for 0 drains still running after the grace`, which sent
-    the operator hunting for a drain that does not exist. Found by review (H54)."""
+    the operator hunting for a drain that does not exist. Found by review (H54). The close
+    withdraws a plain acquire that has not begun (tests/test_lock_wait.py); the one here
+    is shielded inside too, as an acquisition the close waits for is (a run's wake
+    recorded with its acquire)."""
     path = tmp_path / "sessions.db"
     holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     held = trio.Event()
@@ -715,7 +718,8 @@ async def test_a_close_past_its_grace_says_it_waits_for_a_claim_being_acquired(
         if not held.is_set():
             holder.execute("BEGIN IMMEDIATE")  # another process's long write transaction
             held.set()
-        return await healthy.run(op, *args)
+        with trio.CancelScope(shield=True):
+            return await healthy.run(op, *args)
 
     async def release_once_logged() -> None:
         await heard.heard.wait()

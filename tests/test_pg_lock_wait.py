@@ -411,3 +411,60 @@ def test_a_withdrawn_forget_of_gone_owners_waiting_for_a_row_lock_is_cancelled(
             holder.execute("ROLLBACK")
             runner.join(WAIT_S)
         assert holder.execute("SELECT owner_id FROM session_owner").fetchall() == [("gone",)]
+
+
+class _RowLockHolder(HeldLock):
+    """Another connection holding a session's row lock in an open transaction (an
+    operator's `UPDATE session ...` not committed yet) - not its advisory lock, which an
+    acquire never waits for ('busy')."""
+
+    conn: psycopg.Connection[Any]
+
+    def take(self) -> None:
+        self.conn.execute("BEGIN")
+        self.conn.execute("SELECT id FROM session WHERE id = 's' FOR UPDATE")
+        self._took()
+
+
+async def test_a_close_does_not_wait_for_a_claim_acquisition_stuck_on_a_row_lock(
+    pg_store: PostgresStore,
+) -> None:
+    """Another connection holds a woken session's row lock (a long operator transaction):
+    the opening recovery pass starts its acquisition, whose doorbell update waits for the
+    lock, shielded. Closing the runtime then must not wait for it - the close withdraws the
+    acquisition, its statement cancelled and rolled back - and the doorbell stays rung for
+    the next runtime. Before, the close waited until the lock was freed (its wait is cut
+    at `lock_timeout` and retried for up to `RECONNECT_PATIENCE_S`, about 10 s)."""
+    drained: list[str] = []
+
+    async def drain(ctx: trio_sessions.DrainContext) -> None:
+        drained.append(ctx.session_id)
+
+    with trio.fail_after(HOLD_S + 20):
+        with (
+            raw(pg_store.url, pg_store.schema) as other,
+            raw(pg_store.url, pg_store.schema) as conn,
+        ):
+            other.execute(
+                "INSERT INTO session(id, time_created, time_woken, wakes) VALUES ('s', 0, 0, 1)"
+            )
+            holder = _RowLockHolder(conn)
+            async with released_at_the_latest(holder, HOLD_S):
+                holder.take()
+                async with trio_sessions.open_runtime(pg_store, drain) as runtime:
+                    assert runtime.is_active("s")  # its acquisition waits for the lock
+                    waiting = (
+                        "SELECT count(*) FROM pg_stat_activity"
+                        " WHERE wait_event_type = 'Lock' AND query LIKE '%ts_acquire%'"
+                    )
+                    while other.execute(waiting).fetchone() == (0,):
+                        await trio.sleep(0.01)  # until the acquisition's statement waits
+                    closing = trio.current_time()
+                assert trio.current_time() - closing < 1.0, "the close waited for the lock"
+                assert holder.held
+                holder.release()
+            assert other.execute("SELECT time_woken FROM session").fetchall() == [(0,)]
+            assert other.execute("SELECT count(*) FROM session_execution").fetchall() == [(0,)]
+        async with trio_sessions.open_runtime(pg_store, drain) as runtime:
+            await runtime.wait_idle("s")
+    assert drained == ["s"]

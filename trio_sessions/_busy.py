@@ -407,8 +407,16 @@ class BusyPeriods:
             entry.signalled = False  # only a signal taken from now on follows its answer
             # Shielded: the claim commit, the registration flip and the finalizer
             # installation (entry.owned is what the finalizer acts on) happen together or
-            # not at all; an interrupt meanwhile is honoured right after.
-            with trio.CancelScope(shield=True):
+            # not at all; an interrupt meanwhile is honoured right after. The runtime's
+            # close lifts the shield of a plain acquire (`withdraw_acquisition`): one that
+            # has not begun is then withdrawn unrun, its doorbell left rung - and one whose
+            # task comes to it only once the close began (rung just before) is not shielded
+            # at all. A joiner's wake, recorded with the acquire, is no doorbell yet: that
+            # one stays shielded.
+            closing = runtime._closing and not entry.needs_wake
+            with trio.CancelScope(shield=not closing) as shield:
+                if not entry.needs_wake:
+                    entry.acquisition = shield
                 sent_at = trio.current_time()
                 if entry.needs_wake:  # a joiner's wake, recorded with the acquire
                     _, acquired = await runtime._db.run(
@@ -430,6 +438,7 @@ class BusyPeriods:
                 left = self._left_schedule_point()
                 if acquired.verdict is AcquireVerdict.CLAIM:
                     self.own(entry, attempt=acquired.attempt, resumed=False, sent_at=sent_at)
+                entry.acquisition = None
             if acquired.verdict is not AcquireVerdict.CLAIM:
                 if acquired.locked and not entry.signalled:
                     runtime._loops.pass_over(entry.session_id)

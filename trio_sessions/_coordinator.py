@@ -189,6 +189,9 @@ class SessionEntry:
     # What this execution's `take_inputs` calls gave (`Takes`): read back after a call
     # whose outcome is unknown.
     takes: Takes = attrs.Factory(Takes)
+    # The shield of a claim acquisition in flight whose doorbell is durable already (a
+    # plain acquire): the runtime's close lifts it (`withdraw_acquisition`).
+    acquisition: trio.CancelScope | None = None
 
     def ring(self) -> Execution:
         """A wake reached this entry; returns the execution that will take it."""
@@ -237,6 +240,16 @@ class SessionEntry:
         self.stopped_by_user = reason == "user"
         self.scope.cancel()
         return True
+
+    def withdraw_acquisition(self) -> None:
+        """The runtime closes: let its cancellation reach a claim acquisition in flight,
+        so one that has not begun (SQLite: its batch waits for another process's write
+        lock) is withdrawn unrun instead of holding the close for up to `LOCK_PATIENCE_S`.
+        Nothing is lost: its doorbell stays rung for whoever drains next. One that began
+        runs to its end as before - the executor never abandons it, and its caller flips
+        the registration with no checkpoint between - and its claim is handed back."""
+        if self.acquisition is not None:
+            self.acquisition.shield = False
 
     def own(self, *, attempt: int, resumed: bool, deadline: float) -> None:
         """The claim committed: this entry owns it until `deadline` (trio clock) unless
@@ -318,6 +331,7 @@ class SessionEntry:
         self.deciding = False
         self.yield_owed = False
         self.takes = Takes()
+        self.acquisition = None
 
     def woke_waiters(self) -> bool:
         """Whether the busy period's end woke a task (a joiner, or one waiting for it)."""

@@ -789,14 +789,19 @@ class Runtime:
         A drain still running after `shutdown_grace` (a blocking call in a thread, a
         shielded `finally`) keeps its claim and its heartbeat until it exits or its lease
         self-fences; a claim is never handed back while its drain runs. A claim acquisition
-        in flight (shielded: it may wait for another process's SQLite write lock) is waited
-        for too; the log past the grace counts the two apart.
+        in flight is shielded; the close lifts the shield of one whose doorbell is durable,
+        so if it has not begun (waiting for another process's lock) it is withdrawn unrun,
+        its doorbell left rung. One that began, or a run's wake recorded with its acquire,
+        is waited for; the log past the grace counts drains and acquisitions apart.
         """
         self._closing = True
         # A claim already stopping for a user interrupt finishes its own cleanup (handing
         # it back would let recovery resume the work).
         for entry in list(self._entries.values()):
             entry.interrupt("shutdown")
+            # An acquisition not yet begun is withdrawn (its doorbell stays rung), not
+            # waited for: it may wait up to LOCK_PATIENCE_S for another process's lock.
+            entry.withdraw_acquisition()
         with trio.move_on_after(self._shutdown_grace):
             await self._all_released()
         if self._entries:
