@@ -634,3 +634,43 @@ async def test_a_close_right_after_a_ring_does_not_begin_its_acquisition(tmp_pat
     async with trio_sessions.open_runtime(path, drain) as runtime:
         await runtime.wait_idle("s")
     assert drained == ["s"]
+
+
+async def test_a_close_does_not_wait_for_a_failed_drain_s_finish_stuck_on_another_process_s_lock(
+    tmp_path: Path,
+) -> None:
+    """A drain fails just as another process takes the write lock (a long operator
+    transaction): its finalizer's write (`finish_failed`) waits for the lock in the worker
+    thread. A close then (SIGTERM) must not wait for it: the close withdraws it unrun, and
+    as after a store error at close the claim stays durable - recovery takes it over once
+    the closed runtime's liveness token is free, and the drain runs again. Before, the
+    close waited until the lock was freed (up to `LOCK_PATIENCE_S`, 120 s). Found by review
+    of the close path's writes that wait for locks."""
+    path = tmp_path / "finish.db"
+    taken, go, resumed = trio.Event(), trio.Event(), trio.Event()
+    says = _SaysWhenTheWorkerWaits()
+
+    async def failing(ctx: trio_sessions.DrainContext) -> None:
+        if ctx.resumed:
+            resumed.set()
+            return
+        await ctx.take_inputs()
+        taken.set()
+        await go.wait()
+        raise RuntimeError("the model refused")
+
+    store = _sqlite.SQLiteStore(path, wrap_connection=says)
+    async with _lock_holder(path) as holder:
+        async with trio_sessions.open_runtime(store, failing) as runtime:
+            await runtime.submit("s", {"n": 1})
+            await taken.wait()
+            holder.take()
+            go.set()
+            await says.waiting.wait()  # the failed finish waits for the lock
+        assert holder.held, "the close waited for the failed drain's finish"
+        holder.release()
+        claims = holder.conn.execute("SELECT phase, handed_back FROM session_execution")
+        assert claims.fetchall() == [("running", 0)]
+    with trio.fail_after(HOLD_S):
+        async with trio_sessions.open_runtime(path, failing, recovery_interval=0.05):
+            await resumed.wait()

@@ -468,3 +468,41 @@ async def test_a_close_does_not_wait_for_a_claim_acquisition_stuck_on_a_row_lock
         async with trio_sessions.open_runtime(pg_store, drain) as runtime:
             await runtime.wait_idle("s")
     assert drained == ["s"]
+
+
+async def test_a_close_does_not_wait_for_a_failed_drain_s_finish_stuck_on_the_sessions_lock(
+    pg_store: PostgresStore,
+) -> None:
+    """A drain fails just as another connection takes its session's lock (a long operator
+    transaction): its finalizer's write waits for the lock. A close then must not wait for
+    it - the close withdraws it, its statement cancelled - and the claim stays durable for
+    recovery. Before, the close waited until the lock was freed (the wait is cut at
+    `lock_timeout` and retried for up to `RECONNECT_PATIENCE_S`)."""
+    taken, go = trio.Event(), trio.Event()
+
+    async def failing(ctx: trio_sessions.DrainContext) -> None:
+        await ctx.take_inputs()
+        taken.set()
+        await go.wait()
+        raise RuntimeError("the model refused")
+
+    with trio.fail_after(HOLD_S + 20):
+        async with _lock_holder(pg_store.url, pg_store.schema, "s") as holder:
+            with raw(pg_store.url, pg_store.schema) as other:
+                async with trio_sessions.open_runtime(pg_store, failing) as runtime:
+                    await runtime.submit("s", {"n": 1})
+                    await taken.wait()
+                    holder.take()
+                    go.set()
+                    waiting = (
+                        "SELECT count(*) FROM pg_stat_activity"
+                        " WHERE wait_event_type = 'Lock' AND query LIKE '%ts_finish%'"
+                    )
+                    while other.execute(waiting).fetchone() == (0,):
+                        await trio.sleep(0.01)  # until the finish's statement waits
+                    closing = trio.current_time()
+                assert trio.current_time() - closing < 1.0, "the close waited for the lock"
+                assert holder.held
+                holder.release()
+                claims = other.execute("SELECT phase FROM session_execution").fetchall()
+                assert claims == [("running",)]

@@ -688,14 +688,18 @@ class BusyPeriods:
         shown = "failed" if error is None else f"failed: {type(error).__name__}"
         entry.begin_deciding()
         try:
-            doorbell = await self._retrying(
-                entry,
-                _store.finish_failed,
-                entry.session_id,
-                entry.execution_id,
-                self._runtime._owner_id,
-                shown,
-            )
+            # The runtime's close cancels it (`withdraw_failed_finish`): still waiting for
+            # another process's lock, it is withdrawn unrun, not waited for up to
+            # LOCK_PATIENCE_S; one that began is waited for, as ever.
+            with trio.CancelScope() as entry.failed_finish:
+                doorbell = await self._retrying(
+                    entry,
+                    _store.finish_failed,
+                    entry.session_id,
+                    entry.execution_id,
+                    self._runtime._owner_id,
+                    shown,
+                )
         except LeaseLost:
             # The claim is gone (its session deleted by another process before the signal
             # came, or taken over): nobody passes on a wake rung meanwhile.
@@ -709,6 +713,11 @@ class BusyPeriods:
             return outcome, False
         except StoreError:
             # The claim stays durable; its lease runs out and recovery takes it from there.
+            return outcome, False
+        finally:
+            finishing, entry.failed_finish = entry.failed_finish, None
+        if finishing is not None and finishing.cancelled_caught:
+            # Withdrawn by the close: as after a store error then, the claim stays durable.
             return outcome, False
         entry.disown()
         return outcome, doorbell or entry.rung_since_decision()

@@ -192,6 +192,9 @@ class SessionEntry:
     # The shield of a claim acquisition in flight whose doorbell is durable already (a
     # plain acquire): the runtime's close lifts it (`withdraw_acquisition`).
     acquisition: trio.CancelScope | None = None
+    # The scope of a failed drain's finish in flight: the runtime's close cancels it
+    # (`withdraw_failed_finish`).
+    failed_finish: trio.CancelScope | None = None
 
     def ring(self) -> Execution:
         """A wake reached this entry; returns the execution that will take it."""
@@ -250,6 +253,16 @@ class SessionEntry:
         the registration with no checkpoint between - and its claim is handed back."""
         if self.acquisition is not None:
             self.acquisition.shield = False
+
+    def withdraw_failed_finish(self) -> None:
+        """The runtime closes: cancel a failed drain's finish in flight, so one still
+        waiting for another process's lock (SQLite's write lock, a PostgreSQL row lock) is
+        withdrawn unrun instead of holding the close for up to `LOCK_PATIENCE_S`. As after
+        a store error at close, the claim stays durable and recovery takes it over once
+        this runtime's liveness token is free. (A user's stop finishes its own cleanup:
+        handing it back or leaving it would let recovery resume the work.)"""
+        if self.failed_finish is not None:
+            self.failed_finish.cancel()
 
     def own(self, *, attempt: int, resumed: bool, deadline: float) -> None:
         """The claim committed: this entry owns it until `deadline` (trio clock) unless

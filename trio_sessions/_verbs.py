@@ -792,7 +792,9 @@ class Runtime:
         in flight is shielded; the close lifts the shield of one whose doorbell is durable,
         so if it has not begun (waiting for another process's lock) it is withdrawn unrun,
         its doorbell left rung. One that began, or a run's wake recorded with its acquire,
-        is waited for; the log past the grace counts drains and acquisitions apart.
+        is waited for; the log past the grace counts drains and acquisitions apart. A
+        failed drain's finish still waiting for such a lock is withdrawn as well, its claim
+        left durably for recovery (as after a store error at close).
         """
         self._closing = True
         # A claim already stopping for a user interrupt finishes its own cleanup (handing
@@ -802,6 +804,7 @@ class Runtime:
             # An acquisition not yet begun is withdrawn (its doorbell stays rung), not
             # waited for: it may wait up to LOCK_PATIENCE_S for another process's lock.
             entry.withdraw_acquisition()
+            entry.withdraw_failed_finish()  # the same wait, on a failed drain's finish
         with trio.move_on_after(self._shutdown_grace):
             await self._all_released()
         if self._entries:
