@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from helpers import ExecutorSeam, LateReply, Raw, WrappedStore, runtime
+from helpers import ExecutorSeam, LateReply, Raw, WrappedStore, now_ms, runtime
 from trio.testing import MockClock
 
 import trio_sessions
@@ -144,6 +144,49 @@ async def test_close_waits_for_a_drain_blocked_in_a_thread(
     assert overlap.peak == 1
     assert [ctx.resumed for ctx in overlap.calls] == [False, True]
     assert Raw(db_path).claim("s") is None
+
+
+async def test_an_open_cancelled_after_its_first_pass_took_a_claim_over_hands_it_back_undrained(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """The opening recovery pass took a dead owner's claim over, and the open is then
+    cancelled (a SIGTERM while a worker starts), before the heartbeat and the close's
+    shutdown exist. No drain of it may start there - nothing would renew its lease while
+    it ran (§6.17, §6.21) - and the claim is handed back at once, so another runtime
+    resumes it in its next pass (not a lease later), counting no second resume. Asked by
+    an audit of the close path (audR56); it holds: the resumed busy periods are tasks that
+    first run once the open yields, and they start cancelled."""
+    calls: list[DrainContext] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        calls.append(ctx)
+
+    opening = trio.CancelScope()
+
+    class SigtermAfterTheTakeover(ExecutorSeam):
+        async def run(self, op: Any, *args: Any) -> Any:
+            result = await self._inner.run(op, *args)
+            if op is _store.apply_recovery_batch:
+                opening.cancel()  # lands at the open's next checkpoint, after the takeover
+            return result
+
+    async with runtime(store, drain, clock, lease=LEASE, recovery_interval=3600.0) as other:
+        raw = Raw(db_path)
+        raw.seed_claim("s", "dead-e", expires_at=now_ms(clock) - 1)
+        with opening:
+            async with runtime(WrappedStore(store, SigtermAfterTheTakeover), drain, clock):
+                pytest.fail("the open was cancelled")  # pragma: no cover
+        assert opening.cancelled_caught
+        assert calls == []
+        [(execution_id, phase, handed_back, expires_at)] = raw.rows(
+            "SELECT id, phase, handed_back, expires_at FROM session_execution"
+        )
+        assert execution_id != "dead-e", "the opening pass did not take the claim over"
+        assert (phase, handed_back, expires_at) == ("running", 1, now_ms(clock))
+        assert (await other.recover_once()).resumed == 1
+        await other.wait_idle("s")
+    assert [(ctx.resumed, ctx.attempt) for ctx in calls] == [(True, 1)]
+    assert raw.claim("s") is None
 
 
 async def test_close_hands_back_at_once_when_drains_stop_promptly(
