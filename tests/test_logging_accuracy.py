@@ -23,6 +23,7 @@ from helpers import (
     Raw,
     Recorder,
     SlowToExit,
+    WrappedStore,
     records,
     runtime,
 )
@@ -628,13 +629,16 @@ async def test_a_delete_that_removed_no_claim_of_an_entry_leaves_its_later_loss_
         finally:
             written.set()
 
+    # The seam wraps the executor from the runtime's opening: put in afterwards, it would
+    # miss the change loop's wait already under way, the one that hears of the delete.
+    wrapped = WrappedStore(store, HeldBeforeAcquire)
     async with (
-        runtime(store, streaming, clock, **QUIET) as rt,
+        runtime(wrapped, streaming, clock, **QUIET) as rt,
         runtime(store, None, clock) as other,
         trio.open_nursery() as nursery,
     ):
-        held = HeldBeforeAcquire(rt._db)
-        rt._db = held  # type: ignore[assignment]
+        held = wrapped.executor
+        assert held is not None
         nursery.start_soon(rt.submit, "s", {"text": "hi"})
         await held.waiting.wait()  # the entry is registered; nothing stored yet
         assert await rt.delete_session("s") is False
