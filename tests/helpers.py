@@ -74,6 +74,22 @@ class ExecutorSeam:
         return getattr(self._inner, name)
 
 
+class LooksHeld(ExecutorSeam):
+    """The runtime's executor, whose change waits answer only once `until` is set, when a
+    test set one: the runtime's change look learns of another runtime's write - on
+    PostgreSQL through a notification, which may arrive at any scheduling step - only
+    after what the test lets run first. Wrap the executor from the runtime's opening
+    (`WrappedStore`): a seam put in afterwards misses the wait already under way."""
+
+    until: trio.Event | None = None
+
+    async def wait_for_change(self, *args: Any, **kwargs: Any) -> Any:
+        signal = await self._inner.wait_for_change(*args, **kwargs)
+        if self.until is not None:
+            await self.until.wait()
+        return signal
+
+
 class LateReply(ExecutorSeam):
     """The runtime's executor, whose reply to one operation reaches its caller only once
     the test says so (the operation itself commits at once): the window a thread hand-off

@@ -20,6 +20,7 @@ import trio.testing
 from helpers import (
     ExecutorSeam,
     LateReply,
+    LooksHeld,
     Raw,
     Recorder,
     SlowToExit,
@@ -165,6 +166,7 @@ async def test_a_drain_whose_claim_was_marked_cancelling_takes_no_inputs(
     calls: list[list[str]] = []
     interrupted = trio.Event()
     entered = trio.Event()
+    taken = trio.Event()
 
     async def drain(ctx: DrainContext) -> None:
         if not calls:
@@ -173,13 +175,19 @@ async def test_a_drain_whose_claim_was_marked_cancelling_takes_no_inputs(
             with trio.CancelScope(shield=True):  # still running when the request lands
                 await interrupted.wait()
         calls.append([i.id for i in await ctx.take_inputs()])
+        taken.set()
 
+    # The owner notices the interrupt only once the drain took: on PostgreSQL its
+    # notification could bring a change look that stops the drain before its take.
+    wrapped = WrappedStore(store, LooksHeld)
     async with (
-        runtime(store, drain, clock, lease=3) as owner,
+        runtime(wrapped, drain, clock, lease=3) as owner,
         runtime(store, None, clock) as producer,
     ):
+        assert wrapped.executor is not None
         await owner.wake("s")
         await entered.wait()
+        wrapped.executor.until = taken
         await producer.submit("s", {"n": 1}, input_id="i1")
         await producer.submit("s", {"n": 2}, input_id="i2", on_busy="interrupt")
         interrupted.set()
