@@ -20,6 +20,7 @@ from helpers import (
     HoldsBusy,
     JumpingClock,
     LateReply,
+    LooksHeld,
     Raw,
     Recorder,
     SlowToExit,
@@ -580,9 +581,9 @@ async def test_deleting_a_session_this_runtime_drains_is_not_a_lost_claim(
     assert statistics.remote_signals == 0
 
 
-class HeldBeforeAcquire(ExecutorSeam):
+class HeldBeforeAcquire(LooksHeld):
     """The runtime's executor, holding its first acquiring operation until `go` is set,
-    before that operation runs."""
+    before that operation runs (and its change looks as `LooksHeld` does)."""
 
     def __init__(self, inner: Any) -> None:
         super().__init__(inner)
@@ -594,17 +595,6 @@ class HeldBeforeAcquire(ExecutorSeam):
             self.waiting.set()
             await self.go.wait()
         return await self._inner.run(op, *args)
-
-    async def wait_for_change(self, *args: Any, **kwargs: Any) -> Any:
-        """As the store's, but its answer waits for `changes_seen` when a test set one:
-        the runtime's change look then learns of another process's write only after
-        what the test lets run first."""
-        signal = await self._inner.wait_for_change(*args, **kwargs)
-        if self.changes_seen is not None:
-            await self.changes_seen.wait()
-        return signal
-
-    changes_seen: trio.Event | None = None
 
 
 async def test_a_delete_that_removed_no_claim_of_an_entry_leaves_its_later_loss_news(
@@ -647,7 +637,7 @@ async def test_a_delete_that_removed_no_claim_of_an_entry_leaves_its_later_loss_
         # The drain's write, not this runtime's change look, is the first to meet the
         # delete (on PostgreSQL the delete's notification could reach the look first,
         # which then says the session was deleted: a loss logged, but not this one).
-        held.changes_seen = written
+        held.until = written
         assert await other.delete_session("s") is True
         go.set()
         await rt.wait_idle("s")
