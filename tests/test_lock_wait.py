@@ -674,3 +674,50 @@ async def test_a_close_does_not_wait_for_a_failed_drain_s_finish_stuck_on_anothe
     with trio.fail_after(HOLD_S):
         async with trio_sessions.open_runtime(path, failing, recovery_interval=0.05):
             await resumed.wait()
+
+
+async def test_a_close_passes_on_a_user_s_interrupt_accepted_while_acquiring_a_held_session(
+    tmp_path: Path,
+) -> None:
+    """A user interrupts a session this runtime is acquiring (`interrupt` returns True: "a
+    claim being acquired") while another runtime holds its claim, and the acquisition waits
+    for another process's write lock; then this runtime closes. The accepted interrupt is
+    owed to the holder (`_pass_on_interrupt`: its claim marked cancelling): the close must
+    not withdraw that acquisition, as it withdraws a plain one, or the holder's drain runs
+    on, the user's stop lost. A user's stop finishes its own cleanup at a close. Found by
+    review of the close's withdrawal (revV56)."""
+    path = tmp_path / "pass-on.db"
+    started, stopped = trio.Event(), trio.Event()
+
+    async def holding(ctx: trio_sessions.DrainContext) -> None:
+        started.set()
+        try:
+            await trio.sleep_forever()
+        finally:
+            stopped.set()
+
+    says = _SaysWhenTheWorkerWaits()
+    store = _sqlite.SQLiteStore(path, wrap_connection=says)
+    async with (
+        trio_sessions.open_runtime(path, holding) as other,
+        _lock_holder(path) as holder,
+        trio.open_nursery() as nursery,
+    ):
+        await other.submit("s", {"n": 1})
+        await started.wait()
+        async with trio_sessions.open_runtime(store, holding) as runtime:
+            holder.take()
+            assert runtime._busy.ring("s") is not None
+            await says.waiting.wait()  # the acquisition waits for the lock
+            assert await runtime.interrupt("s")
+
+            async def release_once_closing() -> None:
+                while not runtime._closing:
+                    await trio.testing.wait_all_tasks_blocked()
+                await trio.testing.wait_all_tasks_blocked()
+                holder.release()
+
+            nursery.start_soon(release_once_closing)
+        holder.release()
+        with trio.fail_after(HOLD_S):
+            await stopped.wait()  # the holder was told of the user's stop

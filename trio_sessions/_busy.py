@@ -411,9 +411,10 @@ class BusyPeriods:
             # close lifts the shield of a plain acquire (`withdraw_acquisition`): one that
             # has not begun is then withdrawn unrun, its doorbell left rung - and one whose
             # task comes to it only once the close began (rung just before) is not shielded
-            # at all. A joiner's wake, recorded with the acquire, is no doorbell yet: that
-            # one stays shielded.
-            closing = runtime._closing and not entry.needs_wake
+            # at all. A joiner's wake, recorded with the acquire, is no doorbell yet, and a
+            # user's interrupt accepted meanwhile is owed to the claim's holder: those stay
+            # shielded.
+            closing = runtime._closing and not entry.needs_wake and not entry.stopped_by_user
             with trio.CancelScope(shield=not closing) as shield:
                 if not entry.needs_wake:
                     entry.acquisition = shield

@@ -250,8 +250,10 @@ class SessionEntry:
         lock) is withdrawn unrun instead of holding the close for up to `LOCK_PATIENCE_S`.
         Nothing is lost: its doorbell stays rung for whoever drains next. One that began
         runs to its end as before - the executor never abandons it, and its caller flips
-        the registration with no checkpoint between - and its claim is handed back."""
-        if self.acquisition is not None:
+        the registration with no checkpoint between - and its claim is handed back. One a
+        user's interrupt was accepted for stays shielded: that stop is owed to whoever
+        holds the claim (`_pass_on_interrupt`), and a user's stop finishes its cleanup."""
+        if self.acquisition is not None and not self.stopped_by_user:
             self.acquisition.shield = False
 
     def withdraw_failed_finish(self) -> None:

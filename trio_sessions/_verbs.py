@@ -791,10 +791,11 @@ class Runtime:
         self-fences; a claim is never handed back while its drain runs. A claim acquisition
         in flight is shielded; the close lifts the shield of one whose doorbell is durable,
         so if it has not begun (waiting for another process's lock) it is withdrawn unrun,
-        its doorbell left rung. One that began, or a run's wake recorded with its acquire,
-        is waited for; the log past the grace counts drains and acquisitions apart. A
-        failed drain's finish still waiting for such a lock is withdrawn as well, its claim
-        left durably for recovery (as after a store error at close).
+        its doorbell left rung. One that began, a run's wake recorded with its acquire, or
+        one a user's interrupt was accepted for (owed to the claim's holder), is waited
+        for; the log past the grace counts drains and acquisitions apart. A failed drain's
+        finish still waiting for such a lock is withdrawn as well, its claim left durably
+        for recovery (as after a store error at close).
         """
         self._closing = True
         # A claim already stopping for a user interrupt finishes its own cleanup (handing
