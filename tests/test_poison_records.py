@@ -719,6 +719,39 @@ async def test_a_crashed_claims_older_message_whose_finished_mark_is_broken_is_q
     assert [part.status for part in messages[0].data.parts] == ["error"]
 
 
+async def test_a_watcher_sees_an_older_message_whose_finished_mark_is_broken_closed(
+    store: Any, db_path: Any, clock: Any, autojump_clock: MockClock
+) -> None:
+    """A watcher follows the messages that may still change: every ending, recovery and
+    the release of a quarantine read those as `finished <> 1` (`MAYBE_OPEN`), so one whose
+    mark another tool set to 2 is maybe open, and closed once the operator drops the
+    quarantine. The change look followed only `finished = 0` (`not finished`): a watcher
+    took that message for finished and never saw it closed, its tool `running` for ever
+    on the watcher's screen. Found by review (revV56) of the maybe-open reads."""
+    raw = Raw(db_path)
+
+    async def drain(ctx: DrainContext) -> None:
+        pass
+
+    async with runtime(store, drain, clock, **QUIET) as rt:
+        raw.seed_claim("poison", "e-poison", expires_at=1)
+        older = raw.seed_assistant("poison", "e-poison", 1, OPEN_TOOL)
+        newest = '{"parts": [], "finished": false, "error": null}'
+        raw.seed_assistant("poison", "e-poison", 2, newest)
+        raw.write("UPDATE session_message SET finished = 2 WHERE id = ?", (older,))
+        async with rt.watch("poison") as updates:
+            replayed = [await updates.__anext__(), await updates.__anext__()]
+            assert [message.seq for message in replayed] == [1, 2]
+            report = await rt.recover_once()
+            assert report.quarantined == 1, report
+            await rt.release_quarantine("e-poison", resume=False)
+            with trio.fail_after(5):
+                async for message in updates:
+                    if message.seq == 1 and message.data.finished:
+                        break
+        assert [part.status for part in message.data.parts] == ["error"]
+
+
 @pytest.mark.parametrize("column", ["id", "input_id", "execution_id"])
 async def test_a_message_whose_id_holds_a_nul_is_malformed(
     tmp_path: Path, clock: Any, autojump_clock: MockClock, column: str

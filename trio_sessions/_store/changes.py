@@ -7,7 +7,8 @@ Invariants kept here:
   is not newer than the one the watcher saw is not read;
 * work per look is proportional to the change, never to a watched transcript (DESIGN
   §6.26): a look reads a watched session's messages past the newest seq it already covered
-  and the messages it follows because they may still change (`finished = 0`) - for one
+  and the messages it follows because they may still change (`finished <> 1`, as every
+  ending reads them: `transcript.MAYBE_OPEN`, also a mark another tool broke) - for one
   whose row is unchanged, only the deltas streamed since. A finished message does not
   change (`MessageFinished`), so it is never read again; a seq found reused (the session
   was truncated and grew again) is the one case that reads the session's versions whole;
@@ -47,7 +48,7 @@ class Snapshot:
     # The row's own version when `message` was read from the store: deltas above it extend
     # `message` without reading the row again. None when not known (a local write).
     row_version: int | None
-    open: bool  # `finished = 0`: it may still change, so a look follows it by id
+    open: bool  # `finished <> 1` (`MAYBE_OPEN`): it may still change, so a look follows it
 
 
 @attrs.frozen
@@ -219,7 +220,7 @@ def watched_changes(tx: Tx, watched: Mapping[str, Followed]) -> Watched:
             if placed(version) <= held.version:
                 continue
             if held.row_version == placed(row_version) and _extensible(held):
-                grown.append((held, placed(version), not finished))
+                grown.append((held, placed(version), finished != 1))
             else:
                 found.messages.append(_snapshot(tx, str(message_id)))
         found.messages.extend(_extended(tx, grown))
@@ -464,7 +465,10 @@ def _snapshot_of(row: Sequence[Any], streamed: Sequence[Any]) -> Snapshot:
         snapshot,
         placed(version),
         placed(row_version),
-        not finished,
+        # Maybe open as every ending reads it (`MAYBE_OPEN`): a mark another tool broke
+        # (2, text) is followed too - an ending refuses it, and the operator's release of
+        # the quarantine closes it later, which a watcher must see.
+        finished != 1,
     )
 
 
