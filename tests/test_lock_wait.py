@@ -721,3 +721,53 @@ async def test_a_close_passes_on_a_user_s_interrupt_accepted_while_acquiring_a_h
         holder.release()
         with trio.fail_after(HOLD_S):
             await stopped.wait()  # the holder was told of the user's stop
+
+
+async def test_a_close_lets_a_failed_drain_s_finish_a_user_stopped_meanwhile_land(
+    tmp_path: Path,
+) -> None:
+    """A drain fails and its finish (`finish_failed`) waits for another process's write
+    lock; meanwhile its user interrupts the session (`interrupt` returns True), and then
+    the runtime closes. The close withdraws a failed finish still waiting for the lock, the
+    claim left running for recovery to resume - but a user's stop finishes its own cleanup
+    at a close (cut, recovery would resume the work the user stopped): this finish must
+    land, so nothing is left to resume. Found by review of the close's withdrawals
+    (revV56): the claim was left running, and the next runtime ran the drain again."""
+    path = tmp_path / "finish-stopped.db"
+    taken, go = trio.Event(), trio.Event()
+    resumed: list[str] = []
+    says = _SaysWhenTheWorkerWaits()
+
+    async def failing(ctx: trio_sessions.DrainContext) -> None:
+        if ctx.resumed:
+            resumed.append(ctx.session_id)
+            return
+        await ctx.take_inputs()
+        taken.set()
+        await go.wait()
+        raise RuntimeError("the model refused")
+
+    store = _sqlite.SQLiteStore(path, wrap_connection=says)
+    async with _lock_holder(path) as holder, trio.open_nursery() as nursery:
+        async with trio_sessions.open_runtime(store, failing) as runtime:
+            await runtime.submit("s", {"n": 1})
+            await taken.wait()
+            holder.take()
+            go.set()
+            await says.waiting.wait()  # the failed finish waits for the lock
+            assert await runtime.interrupt("s")
+
+            async def release_once_closing() -> None:
+                while not runtime._closing:
+                    await trio.testing.wait_all_tasks_blocked()
+                await trio.testing.wait_all_tasks_blocked()
+                holder.release()
+
+            nursery.start_soon(release_once_closing)
+        holder.release()
+        claims = holder.conn.execute("SELECT phase, handed_back FROM session_execution")
+        assert claims.fetchall() == []
+    async with trio_sessions.open_runtime(path, failing, recovery_interval=0.05) as runtime:
+        await runtime.recover_once()
+        await runtime.wait_idle("s")
+    assert resumed == []

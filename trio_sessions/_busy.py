@@ -691,7 +691,8 @@ class BusyPeriods:
         try:
             # The runtime's close cancels it (`withdraw_failed_finish`): still waiting for
             # another process's lock, it is withdrawn unrun, not waited for up to
-            # LOCK_PATIENCE_S; one that began is waited for, as ever.
+            # LOCK_PATIENCE_S; one that began, or one a user stopped meanwhile (that stop
+            # finishes its own cleanup), is waited for, as ever.
             with trio.CancelScope() as entry.failed_finish:
                 doorbell = await self._retrying(
                     entry,

@@ -261,9 +261,10 @@ class SessionEntry:
         waiting for another process's lock (SQLite's write lock, a PostgreSQL row lock) is
         withdrawn unrun instead of holding the close for up to `LOCK_PATIENCE_S`. As after
         a store error at close, the claim stays durable and recovery takes it over once
-        this runtime's liveness token is free. (A user's stop finishes its own cleanup:
-        handing it back or leaving it would let recovery resume the work.)"""
-        if self.failed_finish is not None:
+        this runtime's liveness token is free. A user's stop finishes its own cleanup:
+        one accepted while the finish was in flight keeps it (left, the claim would be
+        resumed by recovery - the work the user stopped)."""
+        if self.failed_finish is not None and not self.stopped_by_user:
             self.failed_finish.cancel()
 
     def own(self, *, attempt: int, resumed: bool, deadline: float) -> None:

@@ -795,7 +795,8 @@ class Runtime:
         one a user's interrupt was accepted for (owed to the claim's holder), is waited
         for; the log past the grace counts drains and acquisitions apart. A failed drain's
         finish still waiting for such a lock is withdrawn as well, its claim left durably
-        for recovery (as after a store error at close).
+        for recovery (as after a store error at close) - unless its user stopped the
+        session meanwhile: that stop finishes its own cleanup.
         """
         self._closing = True
         # A claim already stopping for a user interrupt finishes its own cleanup (handing
