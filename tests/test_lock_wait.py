@@ -20,7 +20,7 @@ import trio.testing
 from helpers import HeldLock, TakesAgainAtGo, released_at_the_latest
 
 import trio_sessions
-from trio_sessions import _codec, _sqlite
+from trio_sessions import _codec, _sqlite, testing
 from trio_sessions._backend import Job
 from trio_sessions._handoff import BatchStart
 from trio_sessions._sqlite import connections
@@ -771,3 +771,46 @@ async def test_a_close_lets_a_failed_drain_s_finish_a_user_stopped_meanwhile_lan
         await runtime.recover_once()
         await runtime.wait_idle("s")
     assert resumed == []
+
+
+async def test_a_close_does_not_wait_for_a_recovery_takeover_stuck_on_another_process_s_lock(
+    tmp_path: Path,
+) -> None:
+    """A recovery pass leased a dead owner's expired claim, and its takeover (one shielded
+    transaction, the registrations flipped with its commit) waits in the worker thread
+    for the write lock another process took meanwhile. Closing the runtime then must not
+    wait for the lock, as it does not for a claim acquisition: nothing of the takeover has
+    begun, the claim stays expired, and the next runtime resumes it once the recovery
+    lease runs out. Found by review of the close's withdrawals (revV56): the close waited
+    for the registered entries until the lock was freed (up to `LOCK_PATIENCE_S`)."""
+    path = tmp_path / "takeover.db"
+    resumed = trio.Event()
+
+    async def drain(ctx: trio_sessions.DrainContext) -> None:
+        assert ctx.resumed
+        resumed.set()
+
+    says = _SaysWhenTheWorkerWaits()
+    store = _sqlite.SQLiteStore(path, wrap_connection=says)
+    async with _lock_holder(path) as holder:
+        async with trio_sessions.open_runtime(store, drain, lease=LEASE) as runtime:
+            holder.conn.execute("INSERT INTO session(id, time_created) VALUES ('s', 0)")
+            holder.conn.execute(
+                "INSERT INTO session_execution(id, session_id, owner_id, phase,"
+                " time_created, expires_at) VALUES ('e', 's', 'dead', 'running', 0, 1)"
+            )
+
+            async def take_the_lock(execution_ids: list[str]) -> None:
+                holder.take()
+
+            testing.set_seams(runtime, before_recovery_apply=take_the_lock)
+            runtime._recover_now.set()
+            await says.waiting.wait()  # the takeover's batch waits for the lock
+            assert runtime.is_active("s")
+        assert holder.held, "the close waited for the recovery takeover until the lock was freed"
+        holder.release()
+        rows = holder.conn.execute("SELECT owner_id, phase FROM session_execution").fetchall()
+        assert rows == [("dead", "running")]
+    with trio.fail_after(HOLD_S):
+        async with trio_sessions.open_runtime(path, drain, recovery_interval=0.05):
+            await resumed.wait()  # once the closed runtime's recovery lease ran out

@@ -506,3 +506,47 @@ async def test_a_close_does_not_wait_for_a_failed_drain_s_finish_stuck_on_the_se
                 holder.release()
                 claims = other.execute("SELECT phase FROM session_execution").fetchall()
                 assert claims == [("running",)]
+
+
+async def test_a_close_does_not_wait_for_a_recovery_takeover_stuck_on_a_row_lock(
+    pg_store: PostgresStore,
+) -> None:
+    """As tests/test_lock_wait.py's test of the same name, on PostgreSQL: a recovery pass
+    leased a dead owner's expired claim, and its takeover waits for the session's row lock
+    (an operator's transaction not committed yet). The close must not wait for it - the
+    takeover is withdrawn, its statement cancelled and rolled back - and the claim stays
+    the dead owner's, for the next runtime once our recovery lease ran out. Before, the
+    close waited until the lock was freed. Found by review (revV56)."""
+    resumed = trio.Event()
+
+    async def drain(ctx: trio_sessions.DrainContext) -> None:
+        assert ctx.resumed
+        resumed.set()
+
+    with trio.fail_after(HOLD_S + 20):
+        with (
+            raw(pg_store.url, pg_store.schema) as other,
+            raw(pg_store.url, pg_store.schema) as conn,
+        ):
+            holder = _RowLockHolder(conn)
+            async with released_at_the_latest(holder, HOLD_S):
+                async with trio_sessions.open_runtime(pg_store, drain, lease=LEASE) as runtime:
+                    other.execute("INSERT INTO session(id, time_created) VALUES ('s', 0)")
+                    other.execute(
+                        "INSERT INTO session_execution(id, session_id, owner_id, phase,"
+                        " time_created, expires_at) VALUES ('e', 's', 'dead', 'running', 0, 1)"
+                    )
+                    holder.take()
+                    runtime._recover_now.set()
+                    waiting = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                    while other.execute(waiting).fetchone() == (0,):
+                        await trio.sleep(0.01)  # until the takeover's statement waits
+                    assert runtime.is_active("s")
+                    closing = trio.current_time()
+                assert trio.current_time() - closing < 1.0, "the close waited for the lock"
+                assert holder.held
+                holder.release()
+            claims = other.execute("SELECT owner_id, phase FROM session_execution").fetchall()
+            assert claims == [("dead", "running")]
+        async with trio_sessions.open_runtime(pg_store, drain, recovery_interval=0.05):
+            await resumed.wait()  # once the closed runtime's recovery lease ran out

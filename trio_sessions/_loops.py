@@ -310,9 +310,16 @@ class BackgroundLoops:
                 (candidate, runtime._busy.register(candidate.session_id, sent_at=sent_at))
             )
         resumed: list[SessionEntry] = []
+        # Shielded: the takeover commit and the registration flips happen together. The
+        # runtime's close cancels it (`Runtime._takeover`): one that has not begun (its
+        # transaction waits for another process's lock) is then withdrawn unrun, not
+        # waited for up to LOCK_PATIENCE_S - the claims stay expired under our recovery
+        # leases, which run out - and the close never begins one.
+        takeover = runtime._takeover = trio.CancelScope(shield=True)
+        if runtime._closing:
+            takeover.cancel()
         try:
-            # Shielded: the takeover commit and the registration flips happen together.
-            with trio.CancelScope(shield=True):
+            with takeover:
                 results = await runtime._recovery.apply(
                     [(c, e.execution_id) for c, e in entries], gone
                 )
@@ -325,11 +332,14 @@ class BackgroundLoops:
                         entry.keep_going()
                         resumed.append(entry)
         finally:
+            runtime._takeover = None
             for candidate, entry in entries:
                 # Open messages closed - also when the reply was lost after the commit.
                 self.changed_here(candidate.session_id)
                 if not entry.owned:
                     runtime._busy.settle_unclaimed(entry)
+        if takeover.cancelled_caught:
+            return RecoveryReport()  # withdrawn by the close: nothing of it committed
         for entry in resumed:
             # Closing meanwhile: the busy period starts already interrupted (shutdown), so
             # the takeover is kept with an expired lease, never drained.

@@ -130,6 +130,8 @@ class Runtime:
             max_resumes=config.max_resumes,
         )
         self._closing = False
+        # A recovery takeover in flight (`_loops.apply_recovery`): the close cancels it.
+        self._takeover: trio.CancelScope | None = None
         self._closed = False  # its `open_runtime` block exited
         self._crashed_event = trio.Event()  # `testing.crash`: it writes nothing more
         self._seams = Seams()
@@ -807,6 +809,9 @@ class Runtime:
             # waited for: it may wait up to LOCK_PATIENCE_S for another process's lock.
             entry.withdraw_acquisition()
             entry.withdraw_failed_finish()  # the same wait, on a failed drain's finish
+        if self._takeover is not None:
+            # And on a recovery takeover not yet begun: its entries are released unclaimed.
+            self._takeover.cancel()
         with trio.move_on_after(self._shutdown_grace):
             await self._all_released()
         if self._entries:
