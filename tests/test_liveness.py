@@ -1223,3 +1223,61 @@ async def test_a_claim_handed_back_by_a_graceful_close_is_taken_over_at_once(
     takeover = max(resumes.started.values()) - closing
     assert takeover < grace / 2, takeover
     assert rows(location, "SELECT COUNT(*) FROM session_execution") == [(0,)]
+
+
+@pytest.mark.parametrize("recoverer", ["gone", "alive"])
+async def test_a_gone_recoverers_recovery_lease_holds_the_claim_out_only_for_the_grace(
+    store: Any,
+    db_path: Any,
+    clock: Callable[[], float],
+    autojump_clock: trio.testing.MockClock,
+    recoverer: str,
+) -> None:
+    """A runtime leased an expired claim for its takeover (a `session_recovery` row for a
+    whole lease) and then died - SIGKILL, or a close that withdrew the waiting takeover -
+    before taking it over. Its token is free: once it stayed free for the grace, the lease
+    is no live one, and another runtime's pass resumes the claim then, not after the lease
+    (DESIGN §4: a SIGKILLed owner's sessions resume in about a second). Every pass excluded
+    it as "another owner's live recovery lease", whoever held it - found by an audit. A
+    live recoverer's lease (its token held) still holds the claim out."""
+    hand = _HandToken(db_path, "dead-recoverer")
+    hand.take()
+    if recoverer == "gone":
+        hand.release()
+    raw = Raw(db_path)
+    expired_at = int(clock() * 1000) - 1
+    lease_until = expired_at + 30_000
+    resumed: list[str] = []
+
+    async def resume(ctx: DrainContext) -> None:
+        resumed.append(ctx.session_id)
+
+    quiet: dict[str, Any] = {"clock": clock, "recovery_interval": 1e6, "takeover_grace": GRACE}
+    try:
+        async with trio_sessions.open_runtime(store, resume, **quiet) as other:
+            raw.seed_claim("s", "dead-exec", expires_at=expired_at)
+            raw.write(
+                "INSERT INTO session_recovery(execution_id, session_id, owner_id, expires_at,"
+                " time_created) VALUES ('dead-exec', 's', 'dead-recoverer', ?, 0)",
+                (lease_until,),
+            )
+            first = await other.recover_once()  # seen free once (if free): not yet gone
+            await trio.sleep(GRACE)
+            report = await other.recover_once()
+            if recoverer == "gone":
+                await other.wait_idle("s")
+    finally:
+        hand.release()
+    assert (first.examined, first.resumed) == (0, 0)
+    assert clock() * 1000 < lease_until - 20_000
+    if recoverer == "gone":
+        assert (report.examined, report.resumed) == (1, 1)
+        assert resumed == ["s"]
+        assert raw.rows("SELECT * FROM session_recovery") == []
+    else:
+        assert (report.examined, report.resumed) == (0, 0)
+        assert resumed == []
+        assert tuple(raw.claim("s")) == ("dead-exec", "dead-owner", "running", expired_at)
+        assert raw.rows("SELECT owner_id, expires_at FROM session_recovery") == [
+            ("dead-recoverer", lease_until)
+        ]

@@ -2,8 +2,9 @@
 
 A pass examines at most `batch` candidates, oldest first: expired claims, then unclaimed
 doorbells, one shared budget. Quarantined executions, executions under another owner's live
-recovery lease and sessions this runtime holds are excluded in SQL, so poison rows never use
-up the budget (300 poison rows cost three passes; row 301 progresses on the fourth).
+recovery lease (not of an owner found gone) and sessions this runtime holds are excluded in
+SQL, so poison rows never use up the budget (300 poison rows cost three passes; row 301
+progresses on the fourth).
 
 This module knows nothing of the local registry: the runtime registers the prospective
 claims before `apply` and starts the resumed drains after it (`_loops.py`, through the busy
@@ -69,8 +70,8 @@ class Recovery:
         self, local_sessions: Sequence[str], limit: int, gone: frozenset[str] = frozenset()
     ) -> Scan:
         """Find at most `limit` candidates (at most `batch`) and take a recovery lease on
-        each expired claim, counting the claims of `gone` owners as expired; and read when
-        the next scheduled input falls due."""
+        each expired claim, counting the claims of `gone` owners, and their recovery leases,
+        as expired; and read when the next scheduled input falls due."""
         if limit == 0:
             return Scan(0, [], 0, [], await self._db.read(_store.next_due))
         limit = min(limit, self.batch)

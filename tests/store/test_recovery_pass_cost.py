@@ -89,6 +89,28 @@ def test_scan_and_lease_keeps_the_lease_rules(db: Db) -> None:
     ]
 
 
+def test_scan_and_lease_takes_a_gone_owners_recovery_lease_over(db: Db) -> None:
+    """The live recovery lease of an owner found gone (it died, or closed, between its scan
+    and its takeover) is no live one: the scan finds its claim and the upsert takes the
+    lease over, not a whole lease later. Another owner's live lease, and a quarantine
+    whatever its owner, still keep their claims out."""
+    for name in ("gone", "theirs", "poison"):
+        expired_claim(db, name, NOW - 1000)
+    put_recovery(db, "exec-gone", "gone-recoverer", NOW + 5000)
+    put_recovery(db, "exec-theirs", "other", NOW + 5000)
+    put_recovery(db, "exec-poison", "gone-recoverer", NOW + 5000, "malformed")
+    candidates, _, leased, _ = db.run(scan_and_lease, ME, 10, [], ["gone-recoverer"], LEASE)
+    assert [c.session_id for c in candidates] == ["gone"]
+    assert leased == candidates
+    assert db.rows(
+        "SELECT execution_id, owner_id, expires_at FROM session_recovery ORDER BY execution_id"
+    ) == [
+        ("exec-gone", ME, NOW + LEASE),
+        ("exec-poison", "gone-recoverer", NOW + 5000),
+        ("exec-theirs", "other", NOW + 5000),
+    ]
+
+
 @pytest.mark.sqlite_only
 @pytest.mark.parametrize("n", [10, 100])
 def test_a_batch_takes_plain_claims_over_with_one_prepared_statement(db: Db, n: int) -> None:

@@ -7,14 +7,18 @@ statement that finds them).
 Invariants kept here:
 * quarantined executions, executions under another owner's live recovery lease, sessions
   held locally and paused sessions' doorbells are excluded in the scan itself, so they
-  never use up its limit;
+  never use up its limit. The recovery lease of an owner found gone (its liveness token
+  free for the grace: it died, or closed after withdrawing its takeover, between its scan
+  and its takeover) is no live one: it would hold the claim out for a whole lease;
 * on PostgreSQL the scan skips claim rows another transaction holds locked instead of
   waiting for them (DESIGN §8); SQLite's single writer has nothing to skip;
-* a recovery lease is taken only if absent, expired or already ours, never on a quarantined
-  row; one taken on a claim that is gone meanwhile is undone in the same transaction. A
-  pass's scan and its leases share one transaction (`scan_and_lease`): under SQLite's only
-  write lock, or PostgreSQL's row locks on the claims scanned (one autocommit call,
-  `ts_recovery_scan`), no claim the scan read can go before its lease is written.
+* a recovery lease is taken only if absent, expired, already ours or a gone owner's, never
+  on a quarantined row (the takeover is fenced on our lease, `recovery._holds_recovery_lease`:
+  a gone owner that comes back finds its lease moved and acts on nothing); one taken on a
+  claim that is gone meanwhile is undone in the same transaction. A pass's scan and its
+  leases share one transaction (`scan_and_lease`): under SQLite's only write lock, or
+  PostgreSQL's row locks on the claims scanned (one autocommit call, `ts_recovery_scan`),
+  no claim the scan read can go before its lease is written.
 """
 
 from __future__ import annotations
@@ -56,8 +60,8 @@ def recovery_candidates(
     """The oldest `limit` candidates: expired claims (and every claim of `gone_owners`,
     owners whose liveness token stayed free for the grace) by `expires_at`, then unclaimed
     doorbells by `time_woken`. Quarantined executions, executions under another owner's live
-    recovery lease and sessions held locally are excluded here, so they never use up the
-    budget."""
+    recovery lease (not of a gone owner) and sessions held locally are excluded here, so they
+    never use up the budget."""
     if tx.dialect == "postgres":
         # One call: the clock, the expired claims, then the doorbells if room is left.
         rows = tx.call(
@@ -110,9 +114,11 @@ def _expired_claims(
 
     Another owner's recovery lease whose expiry is no time (SQLite again) is no live lease:
     it would hold its claim out of every pass for ever, so the scan takes it as expired, and
-    so do the lease upserts."""
+    so do the lease upserts. Nor is the lease of a gone owner (`gone_owners`): it died or
+    closed between its scan and its takeover, and its lease would hold the claim out for a
+    whole lease; the scan's lease upsert (`_take_lease`) takes it over."""
     not_local, local = not_in(tx, "e.session_id", local_sessions)
-    gone = {f"gone{index}": owner for index, owner in enumerate(gone_owners)}
+    gone = _gone_params(gone_owners)
     if no_time:  # a gone owner's claims were found by the scan before, whatever their expiry
         due = "e.expires_at > :latest" + "".join(f" AND e.owner_id != :{n}" for n in gone)
     else:
@@ -123,7 +129,7 @@ def _expired_claims(
         f" AND {readable(tx, 'e.id')} AND {readable(tx, 'e.session_id')}"
         " AND NOT EXISTS (SELECT 1 FROM session_recovery r WHERE r.execution_id = e.id"
         "   AND (r.recovery_error IS NOT NULL OR (r.owner_id != :me AND r.expires_at > :now"
-        "     AND r.expires_at <= :latest)))"
+        f"     AND r.expires_at <= :latest{_not_gone('r.owner_id', gone)})))"
         " ORDER BY e.expires_at, e.id LIMIT :limit"
     )
     return scan, {
@@ -134,6 +140,16 @@ def _expired_claims(
         "limit": limit,
         **gone,
     }
+
+
+def _gone_params(gone_owners: Sequence[str]) -> dict[str, str]:
+    """The named parameters of the owners found gone (`gone0`, ...)."""
+    return {f"gone{index}": owner for index, owner in enumerate(gone_owners)}
+
+
+def _not_gone(column: str, gone: dict[str, str]) -> str:
+    """A condition's tail (empty for no gone owner): `column` names none of them."""
+    return "".join(f" AND {column} != :{name}" for name in gone)
 
 
 def handed_back_condition(
@@ -209,17 +225,21 @@ def scan_and_lease(
     return leased + doorbells, free, leased, next_due(tx)
 
 
-# The recovery lease's upsert takes a row over only when it is no quarantine and the lease
-# is ours or expired - or its expiry is no time (another tool's text, blob or huge value,
-# which would look live for ever). Both SQLite upserts: the scan's and the candidates'.
-_TAKE_LEASE = (
-    " ON CONFLICT(execution_id) DO UPDATE SET owner_id = excluded.owner_id,"
-    " expires_at = excluded.expires_at"
-    " WHERE session_recovery.recovery_error IS NULL"
-    " AND (session_recovery.owner_id = excluded.owner_id"
-    "   OR session_recovery.expires_at <= excluded.time_created"
-    f"   OR NOT session_recovery.expires_at <= {MAX_INT64})"
-)
+def _take_lease(gone: dict[str, str]) -> str:
+    """The recovery lease's upsert tail: it takes a row over only when it is no quarantine
+    and the lease is ours, expired or of an owner found gone (`gone`, named parameters:
+    `_gone_params`) - or its expiry is no time (another tool's text, blob or huge value,
+    which would look live for ever). Both SQLite upserts: the scan's and the candidates'."""
+    return (
+        " ON CONFLICT(execution_id) DO UPDATE SET owner_id = excluded.owner_id,"
+        " expires_at = excluded.expires_at"
+        " WHERE session_recovery.recovery_error IS NULL"
+        " AND (session_recovery.owner_id = excluded.owner_id"
+        "   OR session_recovery.expires_at <= excluded.time_created"
+        f"   OR NOT session_recovery.expires_at <= {MAX_INT64}"
+        + "".join(f" OR session_recovery.owner_id = :{name}" for name in gone)
+        + ")"
+    )
 
 
 def _lease_expired_claims(
@@ -240,7 +260,7 @@ def _lease_expired_claims(
             "INSERT INTO session_recovery(execution_id, session_id, owner_id, expires_at,"
             " time_created) SELECT e.id, e.session_id, :me, :expires, :now"
             + scan
-            + _TAKE_LEASE
+            + _take_lease(_gone_params(gone_owners))
             + " RETURNING session_id, execution_id",
             {**params, "expires": tx.now + lease_ms},
         ).fetchall()
@@ -322,7 +342,7 @@ def _upsert_leases(
             "INSERT INTO session_recovery(execution_id, session_id, owner_id, expires_at,"
             " time_created) VALUES "
             + ", ".join(["(?, ?, ?, ?, ?)"] * len(chunk))
-            + _TAKE_LEASE
+            + _take_lease({})
             + " RETURNING execution_id",
             [
                 value
@@ -365,7 +385,8 @@ def _drop_leases_without_claim(tx: Tx, owner_id: str, execution_ids: Sequence[st
 PG_FUNCTIONS = (
     r"""
 -- `recovery_candidates` in one call: the expired claims (and every claim of the owners
--- found gone) oldest first, skipping claim rows another transaction holds locked, then
+-- found gone) oldest first - not under another owner's live recovery lease, unless that
+-- owner is found gone too - skipping claim rows another transaction holds locked, then
 -- the unclaimed doorbells of unpaused sessions while the limit leaves room. A session held
 -- locally (p_local) is neither. Rows (session_id, execution_id NULL for a doorbell).
 CREATE OR REPLACE FUNCTION ts_recovery_candidates(p_owner text, p_limit bigint,
@@ -390,7 +411,8 @@ BEGIN
             AND NOT (e.session_id = ANY(p_local))
             AND NOT EXISTS (SELECT 1 FROM session_recovery r WHERE r.execution_id = e.id
                 AND (r.recovery_error IS NOT NULL
-                     OR (r.owner_id <> p_owner AND r.expires_at > v_now)))
+                     OR (r.owner_id <> p_owner AND r.expires_at > v_now
+                         AND NOT (r.owner_id = ANY(p_gone)))))
             ORDER BY e.expires_at, e.id LIMIT p_limit FOR NO KEY UPDATE OF e SKIP LOCKED;
     END IF;
     GET DIAGNOSTICS v_found = ROW_COUNT;
@@ -441,13 +463,14 @@ END $$;
 -- `scan_and_lease` in one call (a recovery pass's scan and leases, DESIGN §8): the
 -- candidates of `ts_recovery_candidates` - whose claim rows stay locked (FOR NO KEY
 -- UPDATE) until this call commits, so none is taken over or removed before its lease is
--- written: nothing to undo - the leases upserted on the expired ones (absent, expired or
--- ours, never a quarantined row), then the owners whose liveness token is free now and when
--- the next scheduled input falls due (`next_due`). Rows (kind, session, execution, due) in
--- scan order: `leased`, `lost` (another owner's lease), `doorbell`; then `free` (the owner
--- in the session column); then one `due` (ms from now, NULL for none). Idempotent: a retry
--- after a lost reply takes our own leases again. No generic plan (@GENERIC_PLAN@): the setting
--- would reach the scan's own statements, whose index walk needs the limit and the clock.
+-- written: nothing to undo - the leases upserted on the expired ones (absent, expired,
+-- ours or a gone owner's, never a quarantined row), then the owners whose liveness token
+-- is free now and when the next scheduled input falls due (`next_due`). Rows (kind,
+-- session, execution, due) in scan order: `leased`, `lost` (another owner's lease),
+-- `doorbell`; then `free` (the owner in the session column); then one `due` (ms from now,
+-- NULL for none). Idempotent: a retry after a lost reply takes our own leases again. No
+-- generic plan (@GENERIC_PLAN@): the setting would reach the scan's own statements, whose
+-- index walk needs the limit and the clock.
 CREATE OR REPLACE FUNCTION ts_recovery_scan(p_owner text, p_limit bigint, p_local text[],
     p_gone text[], p_lease bigint, p_now bigint, p_retry boolean)
 RETURNS TABLE(scan_kind text, scan_session text, scan_execution text, scan_due bigint)
@@ -467,7 +490,8 @@ BEGIN
         ON CONFLICT (execution_id) DO UPDATE SET owner_id = excluded.owner_id,
             expires_at = excluded.expires_at
         WHERE r.recovery_error IS NULL
-            AND (r.owner_id = excluded.owner_id OR r.expires_at <= excluded.time_created)
+            AND (r.owner_id = excluded.owner_id OR r.expires_at <= excluded.time_created
+                 OR r.owner_id = ANY(p_gone))
         RETURNING r.execution_id)
     SELECT CASE WHEN f.e IS NULL THEN 'doorbell'
                 WHEN l.execution_id IS NOT NULL THEN 'leased' ELSE 'lost' END, f.s, f.e,
