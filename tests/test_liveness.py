@@ -1281,3 +1281,39 @@ async def test_a_gone_recoverers_recovery_lease_holds_the_claim_out_only_for_the
         assert raw.rows("SELECT owner_id, expires_at FROM session_recovery") == [
             ("dead-recoverer", lease_until)
         ]
+
+
+async def test_a_gone_recoverers_token_record_stays_while_its_recovery_lease_holds_a_claim(
+    store: Any, db_path: Any, clock: Callable[[], float], autojump_clock: trio.testing.MockClock
+) -> None:
+    """A gone owner's recovery lease is no live one only while the owner is seen gone (its
+    token free on record). The look at the owners forgets those gone with no live claims
+    after its passes; one whose lease a pass could not take over yet (no room, a claim row
+    locked) must stay on record, or it is never seen free again and its lease holds the
+    claim out for a whole lease. Its lease on a claim that is gone, an expired one and a
+    quarantine keep nobody."""
+    raw = Raw(db_path)
+    now = int(clock() * 1000)
+    owners = ["leasing", "no-claim", "expired", "quarantined"]
+    for owner in owners:
+        hand = _HandToken(db_path, owner)
+        hand.take()
+        hand.release()
+    async with trio_sessions.open_runtime(store, Recorder(), clock=clock) as other:
+        for name in ("leasing", "expired", "quarantined"):
+            raw.seed_claim(name, f"exec-{name}", expires_at=now - 1)
+        for name, expires_at, error in [
+            ("leasing", now + 30_000, None),
+            ("no-claim", now + 30_000, None),
+            ("expired", now - 1, None),
+            ("quarantined", now + 30_000, "malformed"),
+        ]:
+            raw.write(
+                "INSERT INTO session_recovery(execution_id, session_id, owner_id, expires_at,"
+                " recovery_error, time_created) VALUES (?, ?, ?, ?, ?, 0)",
+                (f"exec-{name}", name, name, expires_at, error),
+            )
+        left = await other._db.run(_store.forget_gone_owners, owners)
+        free = await other._db.read(_store.free_tokens)
+    assert left == ["leasing"]
+    assert free == {"leasing"}

@@ -5,7 +5,8 @@ advisory lock and its `session_owner` record on PostgreSQL); `tx.free_tokens` an
 `tx.forget_tokens` are each dialect's form, so these operations are written once.
 
 Invariants: a token record is removed only while its token is free and its owner holds no
-live claim recovery may take (quarantined ones wait for the operator, whatever the record);
+live claim recovery may take and no live recovery lease on a claim (quarantined ones wait for
+the operator, whatever the record);
 an owner with no record is never reported free.
 """
 
@@ -37,15 +38,23 @@ def candidates_and_free_tokens(
 
 def forget_gone_owners(tx: Tx, owner_ids: Sequence[str]) -> list[str]:
     """Of these gone owners, those still holding live claims recovery may take (not
-    quarantined); the token records of the others are removed where still free."""
+    quarantined), or live recovery leases on claims (not quarantined either); the token
+    records of the others are removed where still free. A gone owner's recovery lease is
+    no live one only while the owner is seen gone (`recovery_scan`): with its record
+    removed it is never seen free again, and the lease - one a pass could not take over
+    yet (no room, a claim row locked) - would hold the claim out for a whole lease."""
     if not owner_ids:
         return []
     rows = tx.execute(
-        "SELECT DISTINCT e.owner_id FROM session_execution e"
+        "SELECT e.owner_id FROM session_execution e"
         f" WHERE e.owner_id IN {_in_list(owner_ids)} AND e.expires_at > ?"
         " AND NOT EXISTS (SELECT 1 FROM session_recovery r WHERE r.execution_id = e.id"
-        "   AND r.recovery_error IS NOT NULL)",
-        (*owner_ids, tx.now),
+        "   AND r.recovery_error IS NOT NULL)"
+        " UNION SELECT r.owner_id FROM session_recovery r"
+        f" WHERE r.owner_id IN {_in_list(owner_ids)} AND r.expires_at > ?"
+        " AND r.recovery_error IS NULL"
+        " AND EXISTS (SELECT 1 FROM session_execution e WHERE e.id = r.execution_id)",
+        (*owner_ids, tx.now, *owner_ids, tx.now),
     ).fetchall()
     left = sorted(str(row[0]) for row in rows)
     tx.forget_tokens([owner for owner in owner_ids if owner not in left])
