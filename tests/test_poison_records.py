@@ -978,25 +978,20 @@ async def test_an_ending_over_streamed_text_that_is_not_utf8_does_not_retry_for_
     assert len(claims) == (0 if ending == "interrupted" else 1)
 
 
-@pytest.mark.parametrize("ending", ["returns", "interrupted"])
-async def test_an_ending_over_an_open_message_whose_finished_mark_is_broken_says_so(
-    store: Any, db_path: Any, clock: Any, autojump_clock: MockClock, logs: Any, ending: str
-) -> None:
-    """Another tool sets the `finished` mark of the drain's open message to 2 (neither
-    open nor finished; both backends keep it). Recovery names such a row malformed
-    ("finished is 2, not 0 or 1") and quarantines its claim; but every live ending passed
-    over it and deleted the claim, with nothing logged: the message stays open for ever
-    (its data unfinished, a page shows it streaming), and nothing lists it. Expected: as
-    for any open message that does not decode - a drain that returned keeps its claim for
-    quarantine (`claim kept for quarantine`), an interrupt says it left it open. Found by
-    the audit (audM55)."""
+async def _ending_over_a_marked_open_message(
+    store: Any, db_path: Any, clock: Any, logs: Any, ending: str, mark: int
+) -> str:
+    """A drain's open message whose `finished` mark another tool sets to `mark`, then the
+    drain returns or is interrupted (`ending`); the reason of the one event that ending
+    logs about the message (`claim kept for quarantine` or `malformed message left
+    open`), which must name its row."""
     raw = Raw(db_path)
     corrupted = trio.Event()
 
     async def drain(ctx: DrainContext) -> None:
         writer = await ctx.begin_assistant()
         await writer.append_text("a")
-        raw.write("UPDATE session_message SET finished = 2 WHERE role = 'assistant'")
+        raw.write(f"UPDATE session_message SET finished = {mark} WHERE role = 'assistant'")
         corrupted.set()
         if ending == "interrupted":
             await trio.sleep_forever()
@@ -1011,7 +1006,23 @@ async def test_an_ending_over_an_open_message_whose_finished_mark_is_broken_says
     event = events.MESSAGE_LEFT_OPEN if ending == "interrupted" else events.CLAIM_KEPT_MALFORMED
     [record] = [r for r in logs.records if r.msg == event]
     assert (record.table, record.key) == ("session_message", message_id)
-    assert "finished" in record.reason
+    return str(record.reason)
+
+
+@pytest.mark.parametrize("ending", ["returns", "interrupted"])
+async def test_an_ending_over_an_open_message_whose_finished_mark_is_broken_says_so(
+    store: Any, db_path: Any, clock: Any, autojump_clock: MockClock, logs: Any, ending: str
+) -> None:
+    """Another tool sets the `finished` mark of the drain's open message to 2 (neither
+    open nor finished; both backends keep it). Recovery names such a row malformed
+    ("finished is 2, not 0 or 1") and quarantines its claim; but every live ending passed
+    over it and deleted the claim, with nothing logged: the message stays open for ever
+    (its data unfinished, a page shows it streaming), and nothing lists it. Expected: as
+    for any open message that does not decode - a drain that returned keeps its claim for
+    quarantine (`claim kept for quarantine`), an interrupt says it left it open. Found by
+    the audit (audM55)."""
+    reason = await _ending_over_a_marked_open_message(store, db_path, clock, logs, ending, 2)
+    assert "finished" in reason
 
 
 @pytest.mark.parametrize("table", ["session_message_delta", "session_message"])
@@ -1131,28 +1142,8 @@ async def test_an_ending_over_an_open_message_marked_finished_says_so(
     open: no finish would close it") and quarantines its claim; every live ending passes
     over it and deletes the claim in silence - the message open for ever, nothing listing
     it. Found by the audit (audS56). Expected: as for a mark of 2."""
-    raw = Raw(db_path)
-    corrupted = trio.Event()
-
-    async def drain(ctx: DrainContext) -> None:
-        writer = await ctx.begin_assistant()
-        await writer.append_text("a")
-        raw.write("UPDATE session_message SET finished = 1 WHERE role = 'assistant'")
-        corrupted.set()
-        if ending == "interrupted":
-            await trio.sleep_forever()
-
-    async with runtime(store, drain, clock, **QUIET) as rt:
-        await rt.wake("s")
-        await corrupted.wait()
-        if ending == "interrupted":
-            assert await rt.interrupt("s") is True
-        await rt.wait_idle("s")
-    [(message_id,)] = raw.rows("SELECT id FROM session_message")
-    event = events.MESSAGE_LEFT_OPEN if ending == "interrupted" else events.CLAIM_KEPT_MALFORMED
-    [record] = [r for r in logs.records if r.msg == event]
-    assert (record.table, record.key) == ("session_message", message_id)
-    assert "finished is 1" in record.reason
+    reason = await _ending_over_a_marked_open_message(store, db_path, clock, logs, ending, 1)
+    assert "finished is 1" in reason
 
 
 async def test_a_fork_closes_a_message_whose_finished_mark_is_broken_as_any_maybe_open_one(
