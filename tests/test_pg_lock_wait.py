@@ -137,6 +137,17 @@ def _waits_for_a_lock(url: str, pid: int) -> bool:
     return row is not None and row[0] == "Lock"
 
 
+def _until_it_waits_for_a_lock(url: str, engine: Any, runner: threading.Thread, what: str) -> None:
+    """Return once the engine's connection, run by `runner`, waits for a lock (within
+    `WAIT_S`)."""
+    assert engine.backend_pid is not None
+    for _ in range(int(WAIT_S / 0.01)):
+        if _waits_for_a_lock(url, engine.backend_pid):
+            return
+        runner.join(0.01)
+    raise AssertionError(f"{what} never waited for the lock")
+
+
 def test_a_batch_waiting_for_a_lock_drops_the_withdrawn_and_commits_the_rest(
     pg_url: str, migrated_schema: str
 ) -> None:
@@ -156,13 +167,7 @@ def test_a_batch_waiting_for_a_lock_drops_the_withdrawn_and_commits_the_rest(
             target=engine.run_jobs, args=([waiting, other],), kwargs={"withdrawals": withdrawals}
         )
         runner.start()
-        assert engine.backend_pid is not None
-        for _ in range(int(WAIT_S / 0.01)):
-            if _waits_for_a_lock(pg_url, engine.backend_pid):
-                break
-            runner.join(0.01)
-        else:
-            raise AssertionError("the batch never waited for the lock")
+        _until_it_waits_for_a_lock(pg_url, engine, runner, "the batch")
         assert not withdrawals.withdraw(waiting)  # the worker's verdict: the caller waits
         runner.join(WAIT_S / 3)
         assert not runner.is_alive(), "the batch waited on for the lock"
@@ -396,13 +401,7 @@ def test_a_withdrawn_forget_of_gone_owners_waiting_for_a_row_lock_is_cancelled(
         )
         runner.start()
         try:
-            assert engine.backend_pid is not None
-            for _ in range(int(WAIT_S / 0.01)):
-                if _waits_for_a_lock(pg_url, engine.backend_pid):
-                    break
-                runner.join(0.01)
-            else:
-                raise AssertionError("the forget never waited for the row lock")
+            _until_it_waits_for_a_lock(pg_url, engine, runner, "the forget")
             assert not withdrawals.withdraw(forget)  # the worker's verdict: the caller waits
             runner.join(WAIT_S / 3)
             assert not runner.is_alive(), "the forget waited on for the row lock"
