@@ -138,6 +138,16 @@ class _LockHolder(HeldLock):
         self.conn.execute("BEGIN IMMEDIATE")
         self._took()
 
+    def wake_then_take(self, session_id: str) -> None:
+        """Another process's wake of a new session, then - right after its commit, no trio
+        task running between - a transaction of its own holding the lock."""
+        now = int(time.time() * 1000)
+        self.conn.execute(
+            "INSERT INTO session(id, time_created, time_woken, wakes) VALUES (?, ?, ?, 1)",
+            (session_id, now, now),
+        )
+        self.take()
+
 
 @asynccontextmanager
 async def _lock_holder(path: Path) -> AsyncIterator[_LockHolder]:
@@ -504,14 +514,7 @@ async def test_a_close_does_not_wait_for_a_claim_acquisition_stuck_on_another_pr
     store = _sqlite.SQLiteStore(path, wrap_connection=says)
     async with _lock_holder(path) as holder:
         async with trio_sessions.open_runtime(store, drain) as runtime:
-            now = int(time.time() * 1000)
-            # Another process's wake, and right after its commit (no trio task runs between)
-            # a transaction of its own holding the lock.
-            holder.conn.execute(
-                "INSERT INTO session(id, time_created, time_woken, wakes) VALUES (?, ?, ?, 1)",
-                ("s", now, now),
-            )
-            holder.take()
+            holder.wake_then_take("s")
             await says.waiting.wait()  # the acquisition's batch waits for the lock
             assert runtime.is_active("s")
             assert not drained
@@ -577,12 +580,7 @@ async def test_a_close_waits_for_a_claim_acquisition_that_took_the_lock_and_hand
     store = _sqlite.SQLiteStore(path, wrap_connection=says)
     async with _lock_holder(path) as holder, trio.open_nursery() as nursery:
         async with trio_sessions.open_runtime(store, drain) as runtime:
-            now = int(time.time() * 1000)
-            holder.conn.execute(
-                "INSERT INTO session(id, time_created, time_woken, wakes) VALUES (?, ?, ?, 1)",
-                ("s", now, now),
-            )
-            holder.take()
+            holder.wake_then_take("s")
             await says.waiting.wait()
             holder.release()  # the acquisition's batch takes the lock, and is held begun
             await says.began.wait()
@@ -622,12 +620,7 @@ async def test_a_close_right_after_a_ring_does_not_begin_its_acquisition(tmp_pat
 
     async with _lock_holder(path) as holder:
         async with trio_sessions.open_runtime(path, drain) as runtime:
-            now = int(time.time() * 1000)
-            holder.conn.execute(
-                "INSERT INTO session(id, time_created, time_woken, wakes) VALUES (?, ?, ?, 1)",
-                ("s", now, now),
-            )
-            holder.take()
+            holder.wake_then_take("s")
             assert runtime._busy.ring("s") is not None  # registered; its task not yet run
         assert holder.held, "the close waited for an acquisition it began itself"
         holder.release()
