@@ -218,6 +218,33 @@ def one_claim_kept_malformed(logs: Any, execution_id: str, message_id: str, owne
     )
 
 
+class AnswerBrokenWhileOpen:
+    """A drain that opens an answer which another tool then breaks (its parts not a list),
+    and waits to be interrupted."""
+
+    def __init__(self, raw: Raw) -> None:
+        self._raw = raw
+        self._broken = trio.Event()
+
+    async def __call__(self, ctx: DrainContext) -> None:
+        writer = await ctx.begin_assistant()
+        await writer.append_text("hi")
+        self._raw.write(
+            "UPDATE session_message SET data = '{\"parts\": 1}' WHERE role = 'assistant'"
+        )
+        self._broken.set()
+        await trio.sleep_forever()
+
+    async def broken(self) -> tuple[str, str]:
+        """Once broken: the drain's execution id and its answer's id."""
+        await self._broken.wait()
+        [(execution_id, message_id)] = self._raw.rows(
+            "SELECT e.id, m.id FROM session_execution e"
+            " JOIN session_message m ON m.execution_id = e.id"
+        )
+        return str(execution_id), str(message_id)
+
+
 async def test_a_refused_finish_is_logged_once_when_the_failed_finish_after_it_fails(
     store: Any, db_path: Any, clock: Clock, autojump_clock: trio.testing.MockClock, logs: Any
 ) -> None:
@@ -260,22 +287,11 @@ async def test_an_interrupt_over_a_malformed_open_message_says_it_left_it_open(
     audit (audM55): nothing above INFO was logged - one WARNING now, no traceback, naming
     the session, the execution, the row and why, and the ending that left it."""
     raw = Raw(db_path)
-    corrupted = trio.Event()
-
-    async def drain(ctx: DrainContext) -> None:
-        writer = await ctx.begin_assistant()
-        await writer.append_text("hi")
-        raw.write("UPDATE session_message SET data = '{\"parts\": 1}' WHERE role = 'assistant'")
-        corrupted.set()
-        await trio.sleep_forever()
+    drain = AnswerBrokenWhileOpen(raw)
 
     async with runtime(store, drain, clock, **QUIET) as rt:
         await rt.wake("s")
-        await corrupted.wait()
-        [(execution_id, message_id)] = raw.rows(
-            "SELECT e.id, m.id FROM session_execution e"
-            " JOIN session_message m ON m.execution_id = e.id"
-        )
+        execution_id, message_id = await drain.broken()
         assert await rt.interrupt("s") is True
         await rt.wait_idle("s")
         with pytest.raises(MalformedRecord):
@@ -297,14 +313,7 @@ async def test_an_interrupt_whose_finish_outcome_was_unknown_says_it_left_a_mess
     left open was never logged, so nothing told the operator of it. Found by review
     (revB55); the retry now reads back what the unknown attempt left open."""
     raw = Raw(db_path)
-    corrupted = trio.Event()
-
-    async def drain(ctx: DrainContext) -> None:
-        writer = await ctx.begin_assistant()
-        await writer.append_text("hi")
-        raw.write("UPDATE session_message SET data = '{\"parts\": 1}' WHERE role = 'assistant'")
-        corrupted.set()
-        await trio.sleep_forever()
+    drain = AnswerBrokenWhileOpen(raw)
 
     async def unknown(op: Any, *args: Any) -> Any:
         del hooks[op]  # the retry runs as it is
@@ -316,11 +325,7 @@ async def test_an_interrupt_whose_finish_outcome_was_unknown_says_it_left_a_mess
         hooks: dict[Any, Any] = {_store.finish_interrupted: unknown}
         rt._db = Intercepted(inner, hooks)  # type: ignore[assignment]
         await rt.wake("s")
-        await corrupted.wait()
-        [(execution_id, message_id)] = raw.rows(
-            "SELECT e.id, m.id FROM session_execution e"
-            " JOIN session_message m ON m.execution_id = e.id"
-        )
+        execution_id, message_id = await drain.broken()
         assert await rt.interrupt("s") is True
         await rt.wait_idle("s")
         assert hooks == {}  # the finish's outcome was unknown once
