@@ -5,6 +5,7 @@ defect it shows."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 from pathlib import Path
@@ -1179,3 +1180,44 @@ async def test_a_fork_closes_a_message_whose_finished_mark_is_broken_as_any_mayb
     assert copied.data.finished is True
     assert copied.data.parts[0].text == "ab"
     assert raw.rows("SELECT finished FROM session_message WHERE session_id = 'copy'") == [(1,)]
+
+
+@pytest.mark.parametrize("ending", ["returns", "interrupted"])
+async def test_an_ending_over_an_open_message_whose_id_is_not_utf8_says_so(
+    tmp_path: Path, clock: Any, autojump_clock: MockClock, logs: Any, ending: str
+) -> None:
+    """On SQLite, another tool rewrites the id of the drain's open message as text that is
+    not UTF-8. Recovery names such a message malformed (`session_message row 'm\\ufffd'`:
+    no write can name it) and quarantines its claim; the drain's own ending read the id as
+    its bytes (the second run over stored bytes), took the message for well formed and
+    closed it by that id - which names no row: the write found nothing, and the ending
+    failed with a TypeError, retried for as long as the heartbeat kept the lease. Found by
+    review (revW56). Expected: as for a message with no id - a drain that returned keeps
+    its claim for quarantine, an interrupt says it left the message open; both end."""
+    db_path, raw = _sqlite(tmp_path)
+    corrupted = trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        writer = await ctx.begin_assistant()
+        await writer.append_text("a")
+        with contextlib.closing(sqlite3.connect(db_path)) as tool, tool:  # no foreign keys
+            tool.execute(
+                "UPDATE session_message SET id = CAST(X'6DFF' AS TEXT) WHERE role = 'assistant'"
+            )
+        corrupted.set()
+        if ending == "interrupted":
+            await trio.sleep_forever()
+
+    async with runtime(Store(db_path, inline=True), drain, clock, **QUIET) as rt:
+        await rt.wake("s")
+        await corrupted.wait()
+        if ending == "interrupted":
+            assert await rt.interrupt("s") is True
+        with trio.fail_after(60):
+            await rt.wait_idle("s")
+    event = events.MESSAGE_LEFT_OPEN if ending == "interrupted" else events.CLAIM_KEPT_MALFORMED
+    [record] = [r for r in logs.records if r.msg == event]
+    assert (record.table, record.key) == ("session_message", "m\ufffd")
+    assert "not UTF-8" in record.reason, record.reason
+    claims = raw.rows("SELECT id FROM session_execution")
+    assert len(claims) == (0 if ending == "interrupted" else 1)

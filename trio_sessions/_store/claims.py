@@ -50,7 +50,7 @@ from .common import (
     _take_doorbell,
     unknown_phase,
 )
-from .transcript import MAYBE_OPEN, _assistant_data, _close_open_messages, broken_mark, no_id
+from .transcript import MAYBE_OPEN, _close_open_messages, maybe_open_data
 
 
 @autocommit_when_alone
@@ -342,11 +342,7 @@ def messages_left_open(tx: Tx, execution_id: str) -> tuple[MalformedRecord, ...]
     left_open: list[MalformedRecord] = []
     for message_id, text, finished in rows:
         try:
-            if message_id is None:
-                raise no_id()
-            _assistant_data(tx, message_id, text)
-            if (broken := broken_mark(message_id, finished)) is not None:
-                raise broken
+            maybe_open_data(tx, message_id, text, finished)
         except MalformedRecord as exc:
             left_open.append(exc)
     return tuple(left_open)

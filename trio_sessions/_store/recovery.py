@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from .. import _codec, _decisions
+from .. import _decisions
 from .._backend import Tx, reads_stored_bytes
 from .._decisions import ClaimRow, RecoveryDecision, RecoveryFacts
 from .._errors import MalformedRecord
@@ -42,7 +42,7 @@ from .common import (
     wake_attempts_of,
 )
 from .recovery_scan import Candidate
-from .transcript import MAYBE_OPEN, _assistant_data, _close_open_messages, broken_mark, no_id
+from .transcript import MAYBE_OPEN, _close_open_messages, maybe_open_data
 
 # Whether a claim is superseded: any other execution's assistant message after the claim's
 # anchor (any at all for a claim taken before any message). One spelling for the
@@ -130,43 +130,22 @@ def newest_assistant_malformed(tx: Tx, execution_id: str) -> MalformedRecord | N
     if not rows:
         return None
     message_id, text, finished = rows[0]
-    if (unnamed := _unnamed(message_id)) is not None:  # a takeover could not close it
-        return unnamed
     try:
-        data = _assistant_data(tx, message_id, text)
+        # Refused as the finishes refuse it: no id a takeover could close it by, no
+        # decoding, or a mark neither 0 nor 1.
+        data = maybe_open_data(tx, message_id, text, finished)
     except MalformedRecord as exc:
         return exc
     # Every finish looks for open messages by this mark (`MAYBE_OPEN`): one another tool
-    # set to 1 would leave the message open, its tools `running` for ever, under a takeover;
-    # one set to anything but 0 or 1 is refused, as the finishes refuse it.
-    broken = broken_mark(message_id, finished)
-    if broken is not None:
-        return broken
+    # set to 1 would leave the message open, its tools `running` for ever, under a takeover.
     if finished == 1 and not data.finished:
         reason = "finished is 1 while its data is open: no finish would close it"
         return MalformedRecord("session_message", str(message_id), [reason])
     for older_id, older_text, older_finished in rows[1:]:
-        if (unnamed := _unnamed(older_id)) is not None:
-            return unnamed
         try:
-            _assistant_data(tx, older_id, older_text)
+            maybe_open_data(tx, older_id, older_text, older_finished)
         except MalformedRecord as exc:
             return exc
-        broken = broken_mark(older_id, older_finished)
-        if broken is not None:
-            return broken
-    return None
-
-
-def _unnamed(message_id: object) -> MalformedRecord | None:
-    """Why no write can name a message by its id (None when one can): a NULL (`no_id`),
-    or - read as its bytes (`SQLiteTx.stored_bytes`) - text another tool wrote that is not
-    UTF-8, which the driver's error, naming only the column, did not say of which row."""
-    if message_id is None:
-        return no_id()
-    if type(message_id) is not str:
-        reasons = [f"id {message_id!r} is not UTF-8 text"]  # as the transcript's reader
-        return MalformedRecord("session_message", _codec.shown_text(message_id), reasons)
     return None
 
 

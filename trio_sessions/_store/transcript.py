@@ -465,10 +465,38 @@ def _next_version(message_id: str, version: Any) -> int:
     return version
 
 
-def no_id() -> MalformedRecord:
+def _no_id() -> MalformedRecord:
     """A message whose id is NULL: SQLite's rowid table keeps the NULL another tool writes
     (PostgreSQL's primary key refuses it), and no write can name the message."""
     return MalformedRecord("session_message", "NULL", ["id is NULL"])
+
+
+def unnamed(message_id: object) -> MalformedRecord | None:
+    """Why no write can name a message by its id (None when one can): a NULL (`_no_id`),
+    or - read as its bytes (`SQLiteTx.stored_bytes`) - text another tool wrote that is not
+    UTF-8, which the driver's error, naming only the column, did not say of which row: a
+    write by those bytes finds no row."""
+    if message_id is None:
+        return _no_id()
+    if type(message_id) is not str:
+        reasons = [f"id {message_id!r} is not UTF-8 text"]  # as the transcript's reader
+        return MalformedRecord("session_message", _codec.shown_text(message_id), reasons)
+    return None
+
+
+def maybe_open_data(tx: Tx, message_id: Any, text: Any, finished: Any) -> AssistantData:
+    """A maybe-open assistant message (`MAYBE_OPEN`) as an ending or recovery judges it:
+    its data with its streamed text merged, or `MalformedRecord` when no write can name it
+    (`unnamed`), it does not decode, or its mark is broken (`broken_mark`) - every reader
+    of such rows refuses the same ones."""
+    refused = unnamed(message_id)
+    if refused is not None:
+        raise refused
+    data = _assistant_data(tx, message_id, text)
+    refused = broken_mark(message_id, finished)
+    if refused is not None:
+        raise refused
+    return data
 
 
 # The rows an ending reads as maybe open (the partial index `session_message_open` covers
@@ -494,15 +522,16 @@ def _close_open_messages(
     """Finish every open assistant message of an execution as interrupted/failed.
 
     Only rows not marked finished are read (`MAYBE_OPEN`, a partial index: a drain's finish
-    does not grow with its transcript). A row that does not decode, or whose mark is
-    neither 0 nor 1 (`broken_mark`), is left as it is: recovery quarantines such rows, and
-    rewriting it would destroy what an operator needs to see. So `malformed_keeps_claim`
-    (an owner's finish that would delete its running claim next) raises its
-    `MalformedRecord` instead, rolling the finish back: the claim stays for recovery to
-    quarantine - deleted, nothing would ever list the message. Otherwise (an interrupt's
-    or a cancelled or superseded claim's end, which deletes the claim all the same: DESIGN
-    §4's order) returns each such row's `MalformedRecord`, for the caller to tell the
-    operator: nothing else will, and `transcript()` raises until one acts.
+    does not grow with its transcript). A row that does not decode, whose mark is
+    neither 0 nor 1, or whose id names no row (`maybe_open_data`), is left as it is:
+    recovery quarantines such rows, and rewriting it would destroy what an operator needs
+    to see. So `malformed_keeps_claim` (an owner's finish that would delete its running
+    claim next) raises its `MalformedRecord` instead, rolling the finish back: the claim
+    stays for recovery to quarantine - deleted, nothing would ever list the message.
+    Otherwise (an interrupt's or a cancelled or superseded claim's end, which deletes the
+    claim all the same: DESIGN §4's order) returns each such row's `MalformedRecord`, for
+    the caller to tell the operator: nothing else will, and `transcript()` raises until one
+    acts.
     """
     rows = tx.execute(
         "SELECT id, data, session_id, finished FROM session_message"
@@ -512,12 +541,7 @@ def _close_open_messages(
     left_open: list[MalformedRecord] = []
     for message_id, text, session_id, finished in rows:
         try:
-            if message_id is None:
-                raise no_id()
-            data = _assistant_data(tx, message_id, text)
-            broken = broken_mark(message_id, finished)
-            if broken is not None:
-                raise broken
+            data = maybe_open_data(tx, message_id, text, finished)
         except MalformedRecord as exc:
             if malformed_keeps_claim:
                 raise
