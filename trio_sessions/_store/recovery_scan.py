@@ -120,7 +120,7 @@ def _expired_claims(
     not_local, local = not_in(tx, "e.session_id", local_sessions)
     gone = _gone_params(gone_owners)
     if no_time:  # a gone owner's claims were found by the scan before, whatever their expiry
-        due = "e.expires_at > :latest" + "".join(f" AND e.owner_id != :{n}" for n in gone)
+        due = "e.expires_at > :latest" + _not_gone("e.owner_id", gone)
     else:
         due = "(e.expires_at <= :now" + "".join(f" OR e.owner_id = :{n}" for n in gone) + ")"
     scan = (
