@@ -149,6 +149,14 @@ class _LockHolder(HeldLock):
         self.take()
 
 
+async def _release_once_closing(runtime: Any, holder: _LockHolder) -> None:
+    """Let the lock go once `runtime` is closing and what its close started is waiting."""
+    while not runtime._closing:
+        await trio.testing.wait_all_tasks_blocked()
+    await trio.testing.wait_all_tasks_blocked()
+    holder.release()
+
+
 @asynccontextmanager
 async def _lock_holder(path: Path) -> AsyncIterator[_LockHolder]:
     """A `_LockHolder` that lets go by `HOLD_S` after it took the lock at the latest (a
@@ -703,14 +711,7 @@ async def test_a_close_passes_on_a_user_s_interrupt_accepted_while_acquiring_a_h
             assert runtime._busy.ring("s") is not None
             await says.waiting.wait()  # the acquisition waits for the lock
             assert await runtime.interrupt("s")
-
-            async def release_once_closing() -> None:
-                while not runtime._closing:
-                    await trio.testing.wait_all_tasks_blocked()
-                await trio.testing.wait_all_tasks_blocked()
-                holder.release()
-
-            nursery.start_soon(release_once_closing)
+            nursery.start_soon(_release_once_closing, runtime, holder)
         holder.release()
         with trio.fail_after(HOLD_S):
             await stopped.wait()  # the holder was told of the user's stop
@@ -749,14 +750,7 @@ async def test_a_close_lets_a_failed_drain_s_finish_a_user_stopped_meanwhile_lan
             go.set()
             await says.waiting.wait()  # the failed finish waits for the lock
             assert await runtime.interrupt("s")
-
-            async def release_once_closing() -> None:
-                while not runtime._closing:
-                    await trio.testing.wait_all_tasks_blocked()
-                await trio.testing.wait_all_tasks_blocked()
-                holder.release()
-
-            nursery.start_soon(release_once_closing)
+            nursery.start_soon(_release_once_closing, runtime, holder)
         holder.release()
         claims = holder.conn.execute("SELECT phase, handed_back FROM session_execution")
         assert claims.fetchall() == []
