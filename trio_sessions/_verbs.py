@@ -483,9 +483,10 @@ class Runtime:
 
         Raises `ValueError` unless the execution is quarantined, `TypeError` for bad
         arguments, `StoreError`. Cancellation: the drop is one transaction (as `submit`);
-        a resume cancelled after the quarantine was lifted leaves the execution under this
-        runtime's recovery lease, and the next recovery pass anywhere examines it once that
-        runs out.
+        a resume cancelled after the quarantine was lifted - or whose takeover the
+        runtime's close withdrew while it waited for another process's lock, which returns
+        normally - leaves the execution under this runtime's recovery lease, and the next
+        recovery pass anywhere examines it once that runs out or this runtime is gone.
         """
         self._check_run()
         execution_id = _validate.validate_id(execution_id, "execution_id")
