@@ -137,6 +137,17 @@ def _waits_for_a_lock(url: str, pid: int) -> bool:
     return row is not None and row[0] == "Lock"
 
 
+async def _until_a_statement_waits_for_a_lock(conn: psycopg.Connection[Any], text: str) -> None:
+    """Return once a statement holding `text` waits for a lock on the server (polled
+    through `conn`, another connection; the caller's `fail_after` bounds it)."""
+    waiting = (
+        "SELECT count(*) FROM pg_stat_activity"
+        " WHERE wait_event_type = 'Lock' AND query LIKE '%%' || %s || '%%'"
+    )
+    while conn.execute(waiting, (text,)).fetchone() == (0,):
+        await trio.sleep(0.01)
+
+
 def _until_it_waits_for_a_lock(url: str, engine: Any, runner: threading.Thread, what: str) -> None:
     """Return once the engine's connection, run by `runner`, waits for a lock (within
     `WAIT_S`)."""
@@ -452,12 +463,7 @@ async def test_a_close_does_not_wait_for_a_claim_acquisition_stuck_on_a_row_lock
                 holder.take()
                 async with trio_sessions.open_runtime(pg_store, drain) as runtime:
                     assert runtime.is_active("s")  # its acquisition waits for the lock
-                    waiting = (
-                        "SELECT count(*) FROM pg_stat_activity"
-                        " WHERE wait_event_type = 'Lock' AND query LIKE '%ts_acquire%'"
-                    )
-                    while other.execute(waiting).fetchone() == (0,):
-                        await trio.sleep(0.01)  # until the acquisition's statement waits
+                    await _until_a_statement_waits_for_a_lock(other, "ts_acquire")
                     closing = trio.current_time()
                 assert trio.current_time() - closing < 1.0, "the close waited for the lock"
                 assert holder.held
@@ -493,12 +499,7 @@ async def test_a_close_does_not_wait_for_a_failed_drain_s_finish_stuck_on_the_se
                     await taken.wait()
                     holder.take()
                     go.set()
-                    waiting = (
-                        "SELECT count(*) FROM pg_stat_activity"
-                        " WHERE wait_event_type = 'Lock' AND query LIKE '%ts_finish%'"
-                    )
-                    while other.execute(waiting).fetchone() == (0,):
-                        await trio.sleep(0.01)  # until the finish's statement waits
+                    await _until_a_statement_waits_for_a_lock(other, "ts_finish")
                     closing = trio.current_time()
                 assert trio.current_time() - closing < 1.0, "the close waited for the lock"
                 assert holder.held
@@ -537,9 +538,7 @@ async def test_a_close_does_not_wait_for_a_recovery_takeover_stuck_on_a_row_lock
                     )
                     holder.take()
                     runtime._recover_now.set()
-                    waiting = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-                    while other.execute(waiting).fetchone() == (0,):
-                        await trio.sleep(0.01)  # until the takeover's statement waits
+                    await _until_a_statement_waits_for_a_lock(other, "")  # the takeover, any text
                     assert runtime.is_active("s")
                     closing = trio.current_time()
                 assert trio.current_time() - closing < 1.0, "the close waited for the lock"
