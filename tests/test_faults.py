@@ -211,6 +211,18 @@ async def open_faulty(
         yield runtime
 
 
+def started_run(nursery: trio.Nursery, runtime: Runtime, session_id: str) -> list[Outcome]:
+    """`runtime.run(session_id)` started in `nursery`: its outcome lands in the list
+    returned once it ends."""
+    outcomes: list[Outcome] = []
+
+    async def run() -> None:
+        outcomes.append(await runtime.run(session_id))
+
+    nursery.start_soon(run)
+    return outcomes
+
+
 def rows(path: Path, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
     conn = sqlite3.connect(path)
     try:
@@ -463,12 +475,7 @@ async def test_heartbeats_failing_for_a_lease_lose_it_without_writing(
     worker = Worker(gate=gate)
     async with open_faulty(path, worker, clock, faults) as runtime:
         async with trio.open_nursery() as nursery:
-            outcomes: list[Outcome] = []
-
-            async def run() -> None:
-                outcomes.append(await runtime.run("s"))
-
-            nursery.start_soon(run)
+            outcomes = started_run(nursery, runtime, "s")
             await worker.entered.wait()
             faults.arm_matching("heartbeat_at = :now", message)
             transcript = rows(path, "SELECT id, data FROM session_message ORDER BY seq")
@@ -539,18 +546,13 @@ async def test_watchdog_cancels_a_drain_while_its_heartbeat_hangs(
     store = trio_sessions.Store(tmp_path / "db", wrap_connection=stuck.wrap)
     gate = trio.Event()
     worker = Worker(gate=gate)
-    outcomes: list[Outcome] = []
     async with (
         trio_sessions.open_runtime(
             store, worker, clock=testing.trio_clock(), lease=LEASE, recovery_interval=1_000.0
         ) as runtime,
         trio.open_nursery() as nursery,
     ):
-
-        async def run() -> None:
-            outcomes.append(await runtime.run("s"))
-
-        nursery.start_soon(run)
+        outcomes = started_run(nursery, runtime, "s")
         await worker.entered.wait()
         stuck.hang.set()
         try:
@@ -694,15 +696,10 @@ async def interrupt_scenario(
     gate = trio.Event()
     worker = Worker(gate=gate)
     async with open_faulty(path, worker, clock, faults, recovery_interval=0.5) as runtime:
-        outcomes: list[Outcome] = []
         async with trio.open_nursery() as nursery:
-
-            async def run() -> None:
-                outcomes.append(await runtime.run("s"))
-
             # One wake, by run() itself: a wake racing the claim would rightly leave a
             # doorbell for exactly one successor, which is not what this checks.
-            nursery.start_soon(run)
+            outcomes = started_run(nursery, runtime, "s")
             await worker.entered.wait()
             faults.arm(k, message, transaction=transaction)
             assert await runtime.interrupt("s")
@@ -1260,12 +1257,7 @@ async def test_an_ending_retried_past_a_heartbeat_interval_says_so_once(
     async with open_faulty(path, worker, clock, faults, heartbeat_interval=1.0) as runtime:
         faults.arm_matching("DELETE FROM session_execution", "disk I/O error")
         async with trio.open_nursery() as nursery:
-            outcomes: list[Outcome] = []
-
-            async def run() -> None:
-                outcomes.append(await runtime.run("s"))
-
-            nursery.start_soon(run)
+            outcomes = started_run(nursery, runtime, "s")
             await trio.sleep(0.9)
             assert faults.fired, "the ending was not tried"
             assert records(logs, _observe.ENDING_RETRIED) == []
@@ -1299,12 +1291,7 @@ async def test_an_interrupts_ending_retried_past_a_heartbeat_interval_says_so_on
     worker = Worker(gate=trio.Event())
     async with open_faulty(path, worker, clock, faults, heartbeat_interval=1.0) as runtime:
         async with trio.open_nursery() as nursery:
-            outcomes: list[Outcome] = []
-
-            async def run() -> None:
-                outcomes.append(await runtime.run("s"))
-
-            nursery.start_soon(run)
+            outcomes = started_run(nursery, runtime, "s")
             await worker.entered.wait()
             execution_id = worker_execution(path)
             faults.arm_matching("SET phase = 'cancelling'", "disk I/O error")
