@@ -408,16 +408,16 @@ class BusyPeriods:
             # Shielded: the claim commit, the registration flip and the finalizer
             # installation (entry.owned is what the finalizer acts on) happen together or
             # not at all; an interrupt meanwhile is honoured right after. The runtime's
-            # close lifts the shield of a plain acquire (`withdraw_acquisition`): one that
-            # has not begun is then withdrawn unrun, its doorbell left rung - and one whose
-            # task comes to it only once the close began (rung just before) is not shielded
-            # at all. A joiner's wake, recorded with the acquire, is no doorbell yet, and a
-            # user's interrupt accepted meanwhile is owed to the claim's holder: those stay
-            # shielded.
-            closing = runtime._closing and not entry.needs_wake and not entry.stopped_by_user
-            with trio.CancelScope(shield=not closing) as shield:
+            # close lifts the shield of a plain acquire (`withdraw_acquisition`, which
+            # decides which): one that has not begun is then withdrawn unrun, its doorbell
+            # left rung - also one whose task comes to it only once the close began (rung
+            # just before). A joiner's wake, recorded with the acquire, is no doorbell yet:
+            # that one stays shielded.
+            with trio.CancelScope(shield=True) as shield:
                 if not entry.needs_wake:
                     entry.acquisition = shield
+                    if runtime._closing:
+                        entry.withdraw_acquisition()
                 sent_at = trio.current_time()
                 if entry.needs_wake:  # a joiner's wake, recorded with the acquire
                     _, acquired = await runtime._db.run(
