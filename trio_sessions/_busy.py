@@ -693,7 +693,8 @@ class BusyPeriods:
             # another process's lock, it is withdrawn unrun, not waited for up to
             # LOCK_PATIENCE_S; one that began, or one a user stopped meanwhile (that stop
             # finishes its own cleanup), is waited for, as ever.
-            with trio.CancelScope() as entry.failed_finish:
+            with trio.CancelScope() as finishing:
+                entry.failed_finish = finishing
                 doorbell = await self._retrying(
                     entry,
                     _store.finish_failed,
@@ -717,8 +718,8 @@ class BusyPeriods:
             # The claim stays durable; its lease runs out and recovery takes it from there.
             return outcome, False
         finally:
-            finishing, entry.failed_finish = entry.failed_finish, None
-        if finishing is not None and finishing.cancelled_caught:
+            entry.failed_finish = None
+        if finishing.cancelled_caught:
             # Withdrawn by the close: as after a store error then, the claim stays durable.
             return outcome, False
         entry.disown()
