@@ -122,7 +122,7 @@ def _expired_claims(
     if no_time:  # a gone owner's claims were found by the scan before, whatever their expiry
         due = "e.expires_at > :latest" + _not_gone("e.owner_id", gone)
     else:
-        due = "(e.expires_at <= :now" + "".join(f" OR e.owner_id = :{n}" for n in gone) + ")"
+        due = "(e.expires_at <= :now" + _or_gone("e.owner_id", gone) + ")"
     scan = (
         " FROM session_execution e"
         f" WHERE {due} AND {not_local}"
@@ -150,6 +150,11 @@ def _gone_params(gone_owners: Sequence[str]) -> dict[str, str]:
 def _not_gone(column: str, gone: dict[str, str]) -> str:
     """A condition's tail (empty for no gone owner): `column` names none of them."""
     return "".join(f" AND {column} != :{name}" for name in gone)
+
+
+def _or_gone(column: str, gone: dict[str, str]) -> str:
+    """A disjunction's tail (empty for no gone owner): or `column` names one of them."""
+    return "".join(f" OR {column} = :{name}" for name in gone)
 
 
 def handed_back_condition(
@@ -237,7 +242,7 @@ def _take_lease(gone: dict[str, str]) -> str:
         " AND (session_recovery.owner_id = excluded.owner_id"
         "   OR session_recovery.expires_at <= excluded.time_created"
         f"   OR NOT session_recovery.expires_at <= {MAX_INT64}"
-        + "".join(f" OR session_recovery.owner_id = :{name}" for name in gone)
+        + _or_gone("session_recovery.owner_id", gone)
         + ")"
     )
 
