@@ -33,7 +33,7 @@ from .common import _IN_CHUNK, _in_list, leading_rows, placed, streamed_texts_of
 from .control import due_in, earliest_due, next_due
 from .recovery_scan import _unclaimed_doorbells, handed_back_condition
 from .stream import streamed_onto, text_bytes
-from .transcript import _decode_message
+from .transcript import _decode_message, maybe_open
 
 
 @attrs.frozen
@@ -220,7 +220,7 @@ def watched_changes(tx: Tx, watched: Mapping[str, Followed]) -> Watched:
             if placed(version) <= held.version:
                 continue
             if held.row_version == placed(row_version) and _extensible(held):
-                grown.append((held, placed(version), finished != 1))
+                grown.append((held, placed(version), maybe_open(finished)))
             else:
                 found.messages.append(_snapshot(tx, str(message_id)))
         found.messages.extend(_extended(tx, grown))
@@ -465,10 +465,10 @@ def _snapshot_of(row: Sequence[Any], streamed: Sequence[Any]) -> Snapshot:
         snapshot,
         placed(version),
         placed(row_version),
-        # Maybe open as every ending reads it (`MAYBE_OPEN`): a mark another tool broke
-        # (2, text) is followed too - an ending refuses it, and the operator's release of
-        # the quarantine closes it later, which a watcher must see.
-        finished != 1,
+        # Maybe open as every ending reads it: a mark another tool broke (2, text) is
+        # followed too - an ending refuses it, and the operator's release of the
+        # quarantine closes it later, which a watcher must see.
+        maybe_open(finished),
     )
 
 

@@ -53,7 +53,7 @@ from .common import (
     readable,
 )
 from .inputs import _insert_input, _known_input
-from .transcript import _assistant_data
+from .transcript import _assistant_data, maybe_open
 
 # ---------------------------------------------------------------------------------------------
 # on_busy
@@ -504,9 +504,9 @@ def fork(tx: Tx, session_id: str, new_session_id: str, through_seq: int | None) 
     tx.execute("INSERT INTO session(id, time_created) VALUES (?, ?)", (new_session_id, tx.now))
     for message_id, role, seq, kind, data, finished, time_created in rows:
         copied = "CAST(:data AS TEXT)" if kind == "text" else ":data"  # the same bytes
-        if role == "assistant" and finished != 1:
-            # Maybe open - also a mark another tool broke, as every ending reads it
-            # (`MAYBE_OPEN`): its streamed text merged, closed as an interrupted answer.
+        if role == "assistant" and maybe_open(finished):
+            # Maybe open - also a mark another tool broke, as every ending reads it: its
+            # streamed text merged, closed as an interrupted answer.
             text = _codec.stored_text(kind, data, table="session_message", key=message_id)
             merged = _assistant_data(tx, message_id, text)
             data = _codec.encode_assistant(_transcript.interrupt(merged, INTERRUPTED))

@@ -506,6 +506,11 @@ def maybe_open_data(tx: Tx, message_id: Any, text: Any, finished: Any) -> Assist
 MAYBE_OPEN = "finished <> 1"
 
 
+def maybe_open(finished: Any) -> bool:
+    """`MAYBE_OPEN` for a mark already read: a row every ending reads as maybe open."""
+    return bool(finished != 1)
+
+
 def broken_mark(message_id: Any, finished: Any) -> MalformedRecord | None:
     """The message's `MalformedRecord` when its `finished` mark is neither 0 (maybe open) nor
     1 (finished): another tool's write, which neither an ending nor recovery can judge."""
