@@ -520,11 +520,11 @@ def drains_outlive_grace(owner_id: str, entries: Sequence[SessionEntry]) -> None
     claim commit and its registration happen together or not at all): the close withdraws
     one that has not begun, but a run's wake recorded with its acquire, or an acquisition
     a user's interrupt was accepted for, may wait up to `LOCK_PATIENCE_S` for another
-    process's SQLite write lock - and so may what follows an
-    acquisition before a claim was ours (a user's interrupt passed on to its holder).
-    Closing waits for both; they are counted apart (the close once said it waited for
-    "0 drains" while it waited for an acquisition). extra: owner_id, claims,
-    execution_ids (the drains'), acquiring (the session ids of the claims being acquired)."""
+    process's SQLite write lock - and so may what follows an acquisition before a claim
+    was ours (a user's interrupt passed on to its holder). Closing waits for both; they
+    are counted apart (the close once said it waited for "0 drains" while it waited for an
+    acquisition). extra: owner_id, claims, execution_ids (the drains'), acquiring (the
+    session ids of the claims being acquired)."""
     execution_ids = [entry.execution_id for entry in entries if entry.owned]
     acquiring = [entry.session_id for entry in entries if not entry.owned and not entry.disowned]
     logger.warning(
