@@ -21,6 +21,7 @@ import trio.testing
 from helpers import (
     ExecutorSeam,
     JumpingClock,
+    LooksHeld,
     Raw,
     Recorder,
     WrappedStore,
@@ -732,17 +733,29 @@ async def test_remote_interrupt_before_the_drain_took_its_inputs_strands_none(
     interrupt; its iteration end rings for the pending input, which a successor takes
     (invariant 16; the soak once caught this input stranded: no doorbell, no claim)."""
     takes: list[list[str]] = []
+    taken = trio.Event()
 
     async def drain(ctx: DrainContext) -> None:
         takes.append([i.id for i in await ctx.take_inputs()])
+        taken.set()
 
     async with trio_sessions.open_runtime(store, None, clock=clock) as producer:
         await producer.submit("s", {"n": 1}, input_id="i1")
     paused, release = trio.Event(), trio.Event()
+    # The owner notices the interrupt only once its drain took: on PostgreSQL the mark's
+    # notification could bring a change look that stops the claim before its drain starts
+    # (the successor alone takes i1; the ending under test never runs).
+    wrapped = WrappedStore(store, LooksHeld)
+    # The other runtime is a producer: one that drains runs an opening recovery pass, which
+    # may find the doorbell before the owner's claim took it and acquire "s" too - winning
+    # it (the hook never runs), or holding the interrupt as its own until its acquisition
+    # finds the claim held, passing it on only after the owner's drain took i1.
     async with (
-        runtime(store, drain, clock, acquisition_hook=_pausing_hook(paused, release)) as owner,
-        runtime(store, Recorder(), clock) as other,
+        runtime(wrapped, drain, clock, acquisition_hook=_pausing_hook(paused, release)) as owner,
+        runtime(store, None, clock) as other,
     ):
+        assert wrapped.executor is not None
+        wrapped.executor.until = taken
         await paused.wait()
         assert await other.interrupt("s") is True
         release.set()
