@@ -1622,6 +1622,38 @@ async def test_a_run_joining_an_acquisition_that_finds_the_session_held_records_
     assert raw.one("SELECT time_woken FROM session WHERE id = 's'")[0] is not None
 
 
+async def test_a_run_joining_an_acquisition_that_finds_the_session_held_at_close_records_its_wake(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """As above, with the runtime closing before the acquisition is answered: no successor
+    acquisition records the joined run's wake then, so the close does. run() returns
+    `deferred` with its wake durable for the holder (DESIGN §5 `run`), not
+    interrupted/shutdown for an execution that never was - with its wake never stored,
+    and the holder's drain maybe started before run() was called."""
+    raw = Raw(db_path)
+    async with trio_sessions.open_runtime(store, None, clock=clock) as producer:
+        await producer.wake("s")  # a doorbell, no claim
+    held = WrappedStore(store, _HeldAcquireExecutor)
+    quiet = {"recovery_interval": 10_000.0}
+    async with trio.open_nursery() as nursery, runtime(held, Recorder(), clock, **quiet) as rt:
+        assert held.executor is not None
+        await held.executor.acquiring.wait()  # the first pass rang 's': its acquire was sent
+        outcomes = start_run(nursery, rt, "s")
+        await trio.testing.wait_all_tasks_blocked()
+        # Another owner took the doorbell and holds the session (its drain running).
+        raw.seed_claim("s", "foreign", expires_at=now_ms(clock) + 60_000, owner_id="other")
+        raw.write("UPDATE session SET time_woken = NULL, wakes = 0 WHERE id = 's'")
+
+        async def proceed_once_closing() -> None:
+            await trio.testing.wait_all_tasks_blocked()  # the close is waiting
+            assert rt._closing and held.executor is not None
+            held.executor.proceed.set()
+
+        nursery.start_soon(proceed_once_closing)
+    assert outcomes == [Outcome("deferred")]
+    assert raw.one("SELECT time_woken FROM session WHERE id = 's'")[0] is not None
+
+
 async def test_a_heartbeat_interval_past_the_self_fence_is_refused(
     store: Store, clock: Clock, autojump_clock: MockClock
 ) -> None:

@@ -395,9 +395,38 @@ class BusyPeriods:
             entry.needs_wake = False
             assert ending.error is not None
             entry.current.fail(ending.error)
+        elif (
+            entry.needs_wake
+            and entry.reason == "shutdown"
+            and not entry.owned
+            and not self._runtime._crashed
+        ):
+            # A run joined this acquisition after it was sent, and it claimed nothing:
+            # stopped for a shutdown (the runtime closing), it starts no successor - the
+            # acquisition that would record that run's wake. Recorded here then, the run
+            # is deferred, its wake durable for the session's holder or the next owner.
+            await self._record_joined_wake(entry)
         elif not (successor_due and entry.needs_wake):  # else joiners follow the successor
             entry.current.resolve(outcome)
         return outcome, successor_due
+
+    async def _record_joined_wake(self, entry: SessionEntry) -> None:
+        """The wake of a run that joined an acquisition which claimed nothing, with no
+        successor to record it (`_one_claim`): its joiners are deferred once it landed.
+        Shielded and bounded, never waiting for another process's lock, as every write of
+        a close: if it cannot land, they raise `StoreError`, as a run whose own wake
+        could not be recorded does."""
+        entry.needs_wake = False
+        error: BaseException = TimeoutError("the wake timed out")
+        with trio.move_on_after(HAND_BACK_TIMEOUT, shield=True):
+            try:
+                await self._runtime._db.run_nowait(_store.wake, entry.session_id)
+            except StoreError as exc:
+                error = exc
+            else:
+                entry.current.resolve(_DEFERRED)
+                return
+        entry.current.fail(error)
 
     async def _claim(self, entry: SessionEntry) -> _Ending | None:
         """Acquire the claim unless already owned; None once the drain may start."""
