@@ -46,9 +46,10 @@ for owned in (False, True):
         {
             (C.NOT_CLAIMED, None, owned): EndingPlan(NONE, "deferred", None, S.IF_RUNG),
             (C.NOT_CLAIMED, "user", owned): EndingPlan(PASS, "interrupted", "user", S.NEVER),
-            (C.NOT_CLAIMED, "shutdown", owned): EndingPlan(
-                NONE, "interrupted", "shutdown", S.NEVER
-            ),
+            # No execution here took the wake, durable for the holder or the next owner:
+            # deferred (DESIGN §5 run). An audit found a run's wake_and_acquire that met
+            # another owner's claim as the runtime closed returning interrupted/shutdown.
+            (C.NOT_CLAIMED, "shutdown", owned): EndingPlan(NONE, "deferred", None, S.NEVER),
             (C.NOT_CLAIMED, "lease_lost", owned): LOST,
             (C.FAILED, "lease_lost", owned): LOST,
             (C.INTERRUPTED, "lease_lost", owned): LOST,

@@ -21,6 +21,7 @@ import trio.testing
 from helpers import (
     ExecutorSeam,
     JumpingClock,
+    LateReply,
     LooksHeld,
     Raw,
     Recorder,
@@ -1650,6 +1651,34 @@ async def test_a_run_joining_an_acquisition_that_finds_the_session_held_at_close
             held.executor.proceed.set()
 
         nursery.start_soon(proceed_once_closing)
+    assert outcomes == [Outcome("deferred")]
+    assert raw.one("SELECT time_woken FROM session WHERE id = 's'")[0] is not None
+
+
+async def test_a_run_whose_acquisition_finds_the_session_held_at_close_is_deferred(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """run()'s own wake commits with its acquisition, which finds another owner holding
+    the session; the runtime starts closing before the reply arrives. Its wake is durable
+    for the holder and no execution of this runtime took it: `deferred` (DESIGN §5 `run`,
+    and run()'s docstring: "the runtime is closing"), not interrupted/shutdown."""
+    raw = Raw(db_path)
+    held = WrappedStore(
+        store, lambda executor: LateReply(executor, _store.wake_and_acquire, shield=True)
+    )
+    quiet = {"recovery_interval": 10_000.0}
+    async with trio.open_nursery() as nursery, runtime(held, Recorder(), clock, **quiet) as rt:
+        assert held.executor is not None
+        raw.seed_claim("s", "foreign", expires_at=now_ms(clock) + 60_000, owner_id="other")
+        outcomes = start_run(nursery, rt, "s")
+        await held.executor.committed.wait()
+
+        async def answer_once_closing() -> None:
+            await trio.testing.wait_all_tasks_blocked()  # the close is waiting
+            assert rt._closing and held.executor is not None
+            held.executor.answer.set()
+
+        nursery.start_soon(answer_once_closing)
     assert outcomes == [Outcome("deferred")]
     assert raw.one("SELECT time_woken FROM session WHERE id = 's'")[0] is not None
 

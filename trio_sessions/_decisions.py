@@ -307,6 +307,7 @@ class EndingPlan:
 # The two plans nearly every claim ends with (frozen: shared, not built per claim).
 _RELEASED = EndingPlan(EndingWrite.NOTHING, "succeeded", None, Successor.IF_RUNG)
 _DEFERRED = EndingPlan(EndingWrite.NOTHING, "deferred", None, Successor.IF_RUNG)
+_DEFERRED_AT_SHUTDOWN = EndingPlan(EndingWrite.NOTHING, "deferred", None, Successor.NEVER)
 
 
 def decide_ending(
@@ -357,6 +358,10 @@ def _ending_plan(
     if cause is EndingCause.NOT_CLAIMED:
         if reason == "user":
             return EndingPlan(EndingWrite.PASS_ON_INTERRUPT, "interrupted", reason, Successor.NEVER)
+        if reason == "shutdown":
+            # No execution here took the wake, and it stays durable for the session's holder
+            # or the next owner: deferred, as a run that finds the runtime closing is.
+            return _DEFERRED_AT_SHUTDOWN
         if reason is not None:
             return EndingPlan(EndingWrite.NOTHING, "interrupted", reason, Successor.NEVER)
         return _DEFERRED
