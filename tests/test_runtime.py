@@ -1683,6 +1683,50 @@ async def test_a_run_whose_acquisition_finds_the_session_held_at_close_is_deferr
     assert raw.one("SELECT time_woken FROM session WHERE id = 's'")[0] is not None
 
 
+class _UnbegunSuccessorExecutor(ExecutorSeam):
+    """An executor whose interrupt cleanup (`mark_cancelling`) waits until `stopping` is
+    set, and whose `acquire` after it never begins: it waits, cancellable, as a batch
+    waiting for another process's write lock does (`acquiring` is set then)."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.stopping = trio.Event()
+        self.acquiring = trio.Event()
+
+    async def run(self, op: Any, *args: Any) -> Any:
+        if op is _store.mark_cancelling:
+            await self.stopping.wait()
+        elif op is _store.acquire and self.stopping.is_set():
+            self.acquiring.set()
+            await trio.sleep_forever()
+        return await self._inner.run(op, *args)
+
+
+async def test_a_run_waiting_for_a_successor_withdrawn_at_close_is_deferred(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """run() while an interrupt stops the session: its wake is recorded and rings a
+    successor acquisition, which the runtime's close withdraws before it began (its
+    doorbell left rung). No execution here took the wake, which stays durable for the next
+    owner: `deferred`, as for an acquisition that found the session held - not
+    interrupted/shutdown for an execution that never was."""
+    drain = Recorder()
+    drain.hold()  # running until the interrupt
+    held = WrappedStore(store, _UnbegunSuccessorExecutor)
+    async with trio.open_nursery() as nursery, runtime(held, drain, clock) as rt:
+        assert held.executor is not None
+        await rt.wake("s")
+        await drain.entered.wait()
+        assert await rt.interrupt("s") is True
+        outcomes = start_run(nursery, rt, "s")  # stopping: its wake rings a successor
+        await trio.testing.wait_all_tasks_blocked()
+        held.executor.stopping.set()
+        await held.executor.acquiring.wait()
+    assert outcomes == [Outcome("deferred")]
+    assert Raw(db_path).one("SELECT time_woken FROM session WHERE id = 's'")[0] is not None
+    assert len(drain.calls) == 1
+
+
 async def test_a_heartbeat_interval_past_the_self_fence_is_refused(
     store: Store, clock: Clock, autojump_clock: MockClock
 ) -> None:

@@ -385,7 +385,10 @@ class BusyPeriods:
             if not entry.owned and not entry.signalled:
                 self._runtime._loops.pass_over(entry.session_id)
         if ending is None:
-            ending = _INTERRUPTED
+            # Stopped before any claim of this acquisition: withdrawn unrun by the close
+            # (`withdraw_acquisition`), it claimed nothing - no execution was interrupted.
+            claimed = entry.owned or entry.disowned
+            ending = _INTERRUPTED if claimed else _NOT_CLAIMED
         outcome, successor_due = await self._finalize(entry, ending)
         self._runtime._loops.changed_here(entry.session_id)  # the store closed open messages
         if ending.kind == "claim_failed" and entry.needs_wake:
