@@ -1683,6 +1683,41 @@ async def test_a_run_whose_acquisition_finds_the_session_held_at_close_is_deferr
     assert raw.one("SELECT time_woken FROM session WHERE id = 's'")[0] is not None
 
 
+async def test_a_run_joining_a_wake_s_held_acquisition_at_close_records_its_wake(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """As the joiner test above, on the path a wake's own acquisition takes (`signal`:
+    wake_and_acquire, then `settle_unclaimed`): run() joins while the reply is on its way,
+    the holder took the doorbell meanwhile, and the runtime starts closing before the
+    reply arrives. No successor records the joined run's wake at a close, so it must be
+    recorded before run() returns `deferred` (DESIGN §5 `run`) - the holder's drain that
+    took the doorbell may have started before run() was called."""
+    raw = Raw(db_path)
+    held = WrappedStore(
+        store, lambda executor: LateReply(executor, _store.wake_and_acquire, shield=True)
+    )
+    quiet = {"recovery_interval": 10_000.0}
+    async with trio.open_nursery() as nursery, runtime(held, Recorder(), clock, **quiet) as rt:
+        assert held.executor is not None
+        raw.seed_claim("s", "foreign", expires_at=now_ms(clock) + 60_000, owner_id="other")
+        nursery.start_soon(rt.wake, "s")
+        await held.executor.committed.wait()  # found the session held; the reply waits
+        # The holder's iteration end took that doorbell, to drain again.
+        raw.write("UPDATE session SET time_woken = NULL, wakes = 0 WHERE id = 's'")
+        outcomes = start_run(nursery, rt, "s")  # joins the acquisition in flight
+        await trio.testing.wait_all_tasks_blocked()
+        assert rt._entries["s"].needs_wake
+
+        async def answer_once_closing() -> None:
+            await trio.testing.wait_all_tasks_blocked()  # the close is waiting
+            assert rt._closing and held.executor is not None
+            held.executor.answer.set()
+
+        nursery.start_soon(answer_once_closing)
+    assert outcomes == [Outcome("deferred")]
+    assert raw.one("SELECT time_woken FROM session WHERE id = 's'")[0] is not None
+
+
 class _UnbegunSuccessorExecutor(ExecutorSeam):
     """An executor whose interrupt cleanup (`mark_cancelling`) waits until `stopping` is
     set, and whose `acquire` after it never begins: it waits, cancellable, as a batch

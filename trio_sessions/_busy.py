@@ -241,8 +241,20 @@ class BusyPeriods:
         ):
             entry.start_successor(_store.new_id())
             runtime._nursery.start_soon(self.busy_period, entry)
+        elif entry.needs_wake and plan.outcome == "deferred" and not runtime._crashed:
+            # A run joined it in flight, and no successor records that run's wake (the
+            # runtime closing): recorded first, as `_one_claim` does (`_record_joined_wake`).
+            runtime._nursery.start_soon(self._record_joined_wake_then_release, entry)
         else:
             self._release(entry, _outcome(plan))
+
+    async def _record_joined_wake_then_release(self, entry: SessionEntry) -> None:
+        """`settle_unclaimed`'s entry, kept registered until its joined run's wake landed
+        (a close waits for it, bounded as that write is)."""
+        try:
+            await self._record_joined_wake(entry)
+        finally:
+            self._release(entry, _DEFERRED)
 
     async def _pass_on_then_release(self, entry: SessionEntry) -> None:
         try:
