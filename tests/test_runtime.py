@@ -1683,6 +1683,57 @@ async def test_a_run_whose_acquisition_finds_the_session_held_at_close_is_deferr
     assert raw.one("SELECT time_woken FROM session WHERE id = 's'")[0] is not None
 
 
+class _HeldThenLateExecutor(_HeldAcquireExecutor):
+    """As `_HeldAcquireExecutor`, and a `wake_and_acquire` whose reply reaches its caller
+    only once `answer` is set (it commits at once; `committed` is set then)."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.committed = trio.Event()
+        self.answer = trio.Event()
+
+    async def run(self, op: Any, *args: Any) -> Any:
+        result = await super().run(op, *args)
+        if op is _store.wake_and_acquire:
+            self.committed.set()
+            with trio.CancelScope(shield=True):  # sent: its caller waits for the reply
+                await self.answer.wait()
+        return result
+
+
+async def test_a_run_joining_a_joiner_s_wake_in_flight_that_finds_the_session_held_records_its_wake(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """The successor acquisition that records a joined run's wake (wake_and_acquire) finds
+    the session held; a second run() joins it after that wake committed and before the
+    reply arrived, and the holder took the doorbell meanwhile. The second run's wake must
+    be recorded as the first's was, before it returns `deferred` (DESIGN §5 `run`): the
+    holder's drain that took the doorbell started before that run() was called."""
+    raw = Raw(db_path)
+    async with trio_sessions.open_runtime(store, None, clock=clock) as producer:
+        await producer.wake("s")  # a doorbell, no claim
+    held = WrappedStore(store, _HeldThenLateExecutor)
+    quiet = {"recovery_interval": 10_000.0}
+    async with runtime(held, Recorder(), clock, **quiet) as rt, trio.open_nursery() as nursery:
+        assert held.executor is not None
+        await held.executor.acquiring.wait()  # the first pass rang 's': its acquire was sent
+        first = start_run(nursery, rt, "s")
+        await trio.testing.wait_all_tasks_blocked()
+        raw.seed_claim("s", "foreign", expires_at=now_ms(clock) + 60_000, owner_id="other")
+        raw.write("UPDATE session SET time_woken = NULL, wakes = 0 WHERE id = 's'")
+        held.executor.proceed.set()
+        await held.executor.committed.wait()  # the first run's wake, with its acquire
+        # The holder's iteration end took that doorbell, to drain again.
+        raw.write("UPDATE session SET time_woken = NULL, wakes = 0 WHERE id = 's'")
+        second = start_run(nursery, rt, "s")  # joins the acquisition in flight
+        await trio.testing.wait_all_tasks_blocked()
+        held.executor.answer.set()
+        await rt.wait_idle("s")
+        await trio.testing.wait_all_tasks_blocked()
+    assert first + second == [Outcome("deferred")] * 2
+    assert raw.one("SELECT time_woken FROM session WHERE id = 's'")[0] is not None
+
+
 async def test_a_run_joining_a_wake_s_held_acquisition_at_close_records_its_wake(
     store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
 ) -> None:

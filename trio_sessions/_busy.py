@@ -464,14 +464,20 @@ class BusyPeriods:
                         entry.withdraw_acquisition()
                 sent_at = trio.current_time()
                 if entry.needs_wake:  # a joiner's wake, recorded with the acquire
-                    _, acquired = await runtime._db.run(
-                        _store.wake_and_acquire,
-                        entry.session_id,
-                        entry.execution_id,
-                        runtime._owner_id,
-                        runtime._lease_ms,
-                    )
+                    # Taken as it is sent: a run joining while it is in flight (its commit
+                    # maybe made already, the holder's drain started since) sets it again.
                     entry.needs_wake = False
+                    try:
+                        _, acquired = await runtime._db.run(
+                            _store.wake_and_acquire,
+                            entry.session_id,
+                            entry.execution_id,
+                            runtime._owner_id,
+                            runtime._lease_ms,
+                        )
+                    except BaseException:
+                        entry.needs_wake = True  # not recorded: its joiners raise
+                        raise
                 else:
                     acquired = await runtime._db.run(
                         _store.acquire,
