@@ -765,6 +765,53 @@ async def test_remote_interrupt_before_the_drain_took_its_inputs_strands_none(
     assert takes == [[], ["i1"]]
 
 
+async def test_interrupt_held_by_a_runtime_acquiring_the_session_reaches_its_holder(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """The race the test above leaves out: the interrupting runtime drains too, and its own
+    acquisition of the session (a doorbell its recovery pass or change loop found) is in
+    flight, so the interrupt is accepted locally as its prospective claim's (DESIGN §4:
+    True at once). Once that acquisition finds the session held, the interrupt is passed
+    on to the holder - whose drain took the input meanwhile - and stops it: the input is
+    taken once, nothing stays pending, and the claim is gone."""
+    takes: list[list[str]] = []
+    took, stopped = trio.Event(), trio.Event()
+
+    async def drain(ctx: DrainContext) -> None:
+        takes.append([i.id for i in await ctx.take_inputs()])
+        took.set()
+        try:
+            await trio.sleep_forever()
+        finally:
+            stopped.set()
+
+    async with trio_sessions.open_runtime(store, None, clock=clock) as producer:
+        await producer.submit("s", {"n": 1}, input_id="i1")
+    paused, release = trio.Event(), trio.Event()
+    held = WrappedStore(store, _HeldAcquireExecutor)
+    quiet = {"recovery_interval": 10_000.0}
+    async with (
+        runtime(store, drain, clock, acquisition_hook=_pausing_hook(paused, release)) as owner,
+        runtime(held, Recorder(), clock, **quiet) as other,
+    ):
+        assert held.executor is not None
+        await paused.wait()  # the owner's claim committed; its drain not started
+        assert other._busy.ring("s") is not None  # as a doorbell found a moment before
+        await held.executor.acquiring.wait()
+        assert await other.interrupt("s") is True  # accepted as the prospective claim's
+        release.set()
+        await took.wait()  # the owner's drain took i1
+        held.executor.proceed.set()  # the acquisition finds the session held
+        await other.wait_idle("s")
+        raw = Raw(db_path)
+        assert raw.claim("s")[2] == "cancelling"  # passed on to the holder's claim
+        await stopped.wait()  # the holder heard of it (a change signal, or its heartbeat)
+        await owner.wait_idle("s")
+        assert raw.rows("SELECT id FROM session_input") == []
+        assert raw.claim("s") is None
+    assert takes == [["i1"]]
+
+
 async def test_two_runtimes_hammering_three_sessions(
     store: Store, clock: Clock, autojump_clock: MockClock
 ) -> None:
