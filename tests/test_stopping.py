@@ -29,7 +29,7 @@ from test_uncertain_writes import LostReplies
 from trio.testing import MockClock
 
 from trio_sessions import AssistantData, Claim, DrainContext, Outcome, Store, _store
-from trio_sessions._errors import StoreError
+from trio_sessions._errors import OutcomeUnknown, StoreError
 
 Clock = Callable[[], float]
 
@@ -299,12 +299,18 @@ async def test_an_acquisition_hook_that_raises_ends_the_runtime_and_strands_no_i
 
 class FailsOnce:
     """The runtime's store executor, whose next call of one operation waits for `go`,
-    then fails with a `StoreError` without running (SQLite: another process held the write
-    lock past `busy_timeout`). Everything else goes to the executor."""
+    then fails with `error` (default: a `StoreError` without running - SQLite: another
+    process held the write lock past `busy_timeout`). Everything else goes to the executor."""
 
-    def __init__(self, runtime: Any, operation: Any) -> None:
+    def __init__(
+        self,
+        runtime: Any,
+        operation: Any,
+        error: StoreError | None = None,
+    ) -> None:
         self._executor = runtime._db
         self._operation: Any = operation
+        self._error = error or StoreError("database is locked (for a test)")
         self.sent, self.go = trio.Event(), trio.Event()
         runtime._db = self
 
@@ -316,7 +322,7 @@ class FailsOnce:
             self._operation = None
             self.sent.set()
             await self.go.wait()
-            raise StoreError("database is locked (for a test)")
+            raise self._error
         return await self._executor.run(operation, *args)
 
 
@@ -352,6 +358,38 @@ async def test_a_run_joining_an_acquisition_that_fails_raises_its_store_error(
         await rt.wait_idle("s")
     assert len(raised) == 1 and "the wake could not be recorded" in str(raised[0])
     assert len(drain.calls) == 1
+
+
+async def test_a_run_joining_an_acquisition_whose_outcome_is_unknown_raises_outcome_unknown(
+    store: Store, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """As above, the acquisition's COMMIT reply lost (`OutcomeUnknown`): whether it landed -
+    its claim, which would serve the joined run - is unknown, and the run is told so with
+    `OutcomeUnknown`, as a run whose own wake's outcome is unknown is, not a plain
+    `StoreError` saying the wake was not recorded (a review's find)."""
+    drain = Recorder()
+    raised: list[BaseException] = []
+
+    async def run_and_catch(rt: Any) -> None:
+        try:
+            await rt.run("s")
+        except StoreError as exc:
+            raised.append(exc)
+
+    async with runtime(store, drain, clock) as rt:
+        await rt.pause("s")
+        await rt.wake("s")
+        failing = FailsOnce(rt, _store.acquire, OutcomeUnknown("a COMMIT reply lost (for a test)"))
+        await rt.resume("s")
+        await failing.sent.wait()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run_and_catch, rt)  # joins the acquisition in flight
+            await trio.testing.wait_all_tasks_blocked()
+            failing.go.set()
+        await drain.entered.wait()  # the durable wake is taken after all
+        await rt.wait_idle("s")
+    assert [type(exc) for exc in raised] == [OutcomeUnknown]
+    assert "a COMMIT reply lost" in str(raised[0])
 
 
 class InterruptAfterContinue(LosableTokenExecutor):

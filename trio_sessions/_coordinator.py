@@ -23,7 +23,7 @@ from typing import Any
 import attrs
 import trio
 
-from ._errors import StoreError
+from ._errors import OutcomeUnknown, StoreError
 from ._model import Input, InterruptReason, Outcome
 
 # A user message as the read-back finds it: (input id, its data as stored).
@@ -76,10 +76,12 @@ class Execution:
                     execution._done.set()
             await execution._done.wait()
             if execution.error is not None:
-                # One exception per waiter: several may raise it at once.
-                raise StoreError(
-                    f"the wake could not be recorded: {execution.error}"
-                ) from execution.error
+                # One exception per waiter: several may raise it at once. A lost reply
+                # may have landed (its claim would serve this wake): unknown, not lost.
+                unknown = isinstance(execution.error, OutcomeUnknown)
+                kind = OutcomeUnknown if unknown else StoreError
+                what = "may have been" if unknown else "could not be"
+                raise kind(f"the wake {what} recorded: {execution.error}") from execution.error
             if execution.forward is None:
                 assert execution.outcome is not None
                 return execution.outcome

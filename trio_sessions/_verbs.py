@@ -313,7 +313,8 @@ class Runtime:
         runtime that takes it. A drain's exception is returned in the
         outcome (`failed`, `error=`), never raised here. Raises `RuntimeError` when called
         from a drain (or a task it started) on its own session, `TypeError`/`ValueError`
-        for a bad session id, `StoreError` when the wake could not be recorded.
+        for a bad session id, `StoreError` when the wake could not be recorded
+        (`OutcomeUnknown` when whether it was is unknown).
         Cancellation: cancelling this call only stops the waiting - it never cancels the
         execution, and a wake already committed stays.
         """
