@@ -1816,6 +1816,65 @@ async def test_a_run_joining_a_wake_s_held_acquisition_at_close_records_its_wake
     assert raw.one("SELECT time_woken FROM session WHERE id = 's'")[0] is not None
 
 
+class _LateReplyFailingWake(LateReply):
+    """As `LateReply` on `wake_and_acquire` (shielded), and a `wake` sent without waiting
+    for locks (`run_nowait`: the close's writes) that fails with a `StoreError` without
+    running, as one finding another process's write lock does."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner, _store.wake_and_acquire, shield=True)
+        self.wakes_refused = 0
+
+    async def run_nowait(self, op: Any, *args: Any) -> Any:
+        if op is _store.wake:
+            self.wakes_refused += 1
+            await trio.lowlevel.checkpoint()
+            raise StoreError("database is locked (for a test)")
+        return await self._inner.run_nowait(op, *args)
+
+
+async def test_a_run_joining_a_wake_s_held_acquisition_at_close_whose_wake_fails_raises(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """As above, and the close's write of the joined run's wake fails: run() raises
+    `StoreError` - as a run whose own wake could not be recorded does - instead of
+    returning `deferred` for a wake never stored, and the entry is released, so the close
+    ends (`_record_joined_wake_then_release`)."""
+    raw = Raw(db_path)
+    held = WrappedStore(store, _LateReplyFailingWake)
+    raised: list[BaseException] = []
+
+    async def run_and_catch(rt: Runtime) -> None:
+        try:
+            await rt.run("s")
+        except StoreError as exc:
+            raised.append(exc)
+
+    quiet = {"recovery_interval": 10_000.0}
+    async with trio.open_nursery() as nursery, runtime(held, Recorder(), clock, **quiet) as rt:
+        assert held.executor is not None
+        raw.seed_claim("s", "foreign", expires_at=now_ms(clock) + 60_000, owner_id="other")
+        nursery.start_soon(rt.wake, "s")
+        await held.executor.committed.wait()  # found the session held; the reply waits
+        # The holder's iteration end took that doorbell, to drain again.
+        raw.write("UPDATE session SET time_woken = NULL, wakes = 0 WHERE id = 's'")
+        nursery.start_soon(run_and_catch, rt)  # joins the acquisition in flight
+        await trio.testing.wait_all_tasks_blocked()
+        assert rt._entries["s"].needs_wake
+
+        async def answer_once_closing() -> None:
+            await trio.testing.wait_all_tasks_blocked()  # the close is waiting
+            assert rt._closing and held.executor is not None
+            held.executor.answer.set()
+
+        nursery.start_soon(answer_once_closing)
+    assert held.executor.wakes_refused == 1
+    assert [type(exc) for exc in raised] == [StoreError]
+    assert "could not be recorded" in str(raised[0])
+    assert not rt._entries
+    assert raw.one("SELECT time_woken FROM session WHERE id = 's'")[0] is None
+
+
 class _UnbegunSuccessorExecutor(ExecutorSeam):
     """An executor whose interrupt cleanup (`mark_cancelling`) waits until `stopping` is
     set, and whose `acquire` after it never begins: it waits, cancellable, as a batch
