@@ -1875,6 +1875,39 @@ async def test_a_run_joining_a_wake_s_held_acquisition_at_close_whose_wake_fails
     assert raw.one("SELECT time_woken FROM session WHERE id = 's'")[0] is None
 
 
+async def test_a_wake_s_acquisition_answered_after_a_crash_leaves_its_claim_live(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """`testing.crash` while a wake's own acquisition (`signal`: wake_and_acquire) is on its
+    way, and it claims: a crashed runtime writes nothing more - its claims stay with live
+    leases, as a killed process's (`testing.crash`) - so that claim is not handed back (an
+    expired lease, taken over at once rather than after the takeover grace or the lease),
+    and no drain starts."""
+    raw = Raw(db_path)
+    held = WrappedStore(
+        store, lambda executor: LateReply(executor, _store.wake_and_acquire, shield=True)
+    )
+    drain = Recorder()
+    outcomes: list[Outcome] = []
+    quiet = {"recovery_interval": 10_000.0}
+    async with trio.open_nursery() as nursery, runtime(held, drain, clock, **quiet) as rt:
+        assert held.executor is not None
+
+        async def run() -> None:
+            outcomes.append(await rt.run("s"))
+
+        nursery.start_soon(run)
+        await held.executor.committed.wait()  # claimed; the reply waits
+        testing.crash(rt)
+        held.executor.answer.set()
+        await trio.testing.wait_all_tasks_blocked()
+        claim = raw.claim("s")
+        assert claim is not None
+        assert claim[3] > now_ms(clock)  # its lease live, as the dead owner left it
+    assert outcomes == [Outcome("interrupted", "shutdown")]
+    assert drain.calls == []
+
+
 class _UnbegunSuccessorExecutor(ExecutorSeam):
     """An executor whose interrupt cleanup (`mark_cancelling`) waits until `stopping` is
     set, and whose `acquire` after it never begins: it waits, cancellable, as a batch

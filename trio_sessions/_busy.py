@@ -371,7 +371,10 @@ class BusyPeriods:
         and never resumes it. Shielded and bounded, as trio asks of cleanup."""
         # A user's stop stays one when a lost lease or token took over the reason since.
         reason = "user" if entry.stopped_by_user else entry.reason
-        plan = decide_ending(EndingCause.STOPPED, reason=reason, owned=entry.owned)
+        # A crashed runtime (`testing.crash`) writes nothing, as a killed process: its claim
+        # stays with its live lease (a wake's acquisition answered after the crash, `signal`).
+        owned = entry.owned and not self._runtime._crashed
+        plan = decide_ending(EndingCause.STOPPED, reason=reason, owned=owned)
         if plan.write is EndingWrite.MARK_CANCELLING:
             with trio.move_on_after(HAND_BACK_TIMEOUT, shield=True):
                 await self._mark_cancelling_nowait(entry)
