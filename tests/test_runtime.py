@@ -1908,6 +1908,42 @@ async def test_a_wake_s_acquisition_answered_after_a_crash_leaves_its_claim_live
     assert drain.calls == []
 
 
+async def test_a_wake_s_held_acquisition_answered_after_a_crash_writes_and_starts_nothing(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """As above, the acquisition finding the session held and a user's interrupt accepted
+    for it meanwhile (owed to the holder): answered after `testing.crash`, nothing is
+    passed on (a crashed runtime writes nothing more) and nothing is started in the
+    crashed runtime's closed nursery - the wake returns, instead of raising trio's
+    "Nursery is closed to new arrivals" with the session left registered for ever."""
+    raw = Raw(db_path)
+    held = WrappedStore(
+        store, lambda executor: LateReply(executor, _store.wake_and_acquire, shield=True)
+    )
+    raised: list[BaseException] = []
+    quiet = {"recovery_interval": 10_000.0}
+    async with trio.open_nursery() as nursery, runtime(held, Recorder(), clock, **quiet) as rt:
+        assert held.executor is not None
+        raw.seed_claim("s", "foreign", expires_at=now_ms(clock) + 60_000, owner_id="other")
+
+        async def wake() -> None:
+            try:
+                await rt.wake("s")
+            except Exception as exc:
+                raised.append(exc)
+
+        nursery.start_soon(wake)
+        await held.executor.committed.wait()  # found the session held; the reply waits
+        assert await rt.interrupt("s")  # accepted for the prospective claim
+        testing.crash(rt)
+        await trio.testing.wait_all_tasks_blocked()  # its tasks ended, its nursery closed
+        held.executor.answer.set()
+        await trio.testing.wait_all_tasks_blocked()
+        assert raised == []
+        assert not rt.is_active("s")
+        assert raw.claim("s")[2] == "running"  # the dead owner passed nothing on
+
+
 class _UnbegunSuccessorExecutor(ExecutorSeam):
     """An executor whose interrupt cleanup (`mark_cancelling`) waits until `stopping` is
     set, and whose `acquire` after it never begins: it waits, cancellable, as a batch

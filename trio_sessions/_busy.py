@@ -232,7 +232,11 @@ class BusyPeriods:
         plan = decide_ending(
             EndingCause.NOT_CLAIMED, reason=entry.reason, owned=False, claim_gone=entry.claim_gone
         )
-        if plan.write is EndingWrite.PASS_ON_INTERRUPT:
+        if runtime._crashed:
+            # A killed process (`testing.crash`): nothing more is written, and nothing starts
+            # in its nursery (closed once its tasks ended).
+            self._release(entry, _outcome(plan))
+        elif plan.write is EndingWrite.PASS_ON_INTERRUPT:
             runtime._nursery.start_soon(self._pass_on_then_release, entry)
         elif (
             plan.successor is Successor.IF_RUNG
@@ -241,7 +245,7 @@ class BusyPeriods:
         ):
             entry.start_successor(_store.new_id())
             runtime._nursery.start_soon(self.busy_period, entry)
-        elif entry.needs_wake and plan.outcome == "deferred" and not runtime._crashed:
+        elif entry.needs_wake and plan.outcome == "deferred":
             # A run joined it in flight, and no successor records that run's wake (the
             # runtime closing): recorded first, as `_one_claim` does (`_record_joined_wake`).
             runtime._nursery.start_soon(self._record_joined_wake_then_release, entry)
