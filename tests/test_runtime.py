@@ -1944,6 +1944,45 @@ async def test_a_wake_s_held_acquisition_answered_after_a_crash_writes_and_start
         assert raw.claim("s")[2] == "running"  # the dead owner passed nothing on
 
 
+async def test_a_recovery_takeover_answered_after_a_crash_starts_nothing(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """As above, for a `recover_once()` whose takeover of a dead owner's claim is answered
+    after `testing.crash`: the crashed runtime starts no drain in its closed nursery and
+    keeps no entry - the call raises `StoreError` (the runtime crashed), as a crashed
+    runtime's verbs do, not trio's "Nursery is closed to new arrivals" with the session
+    registered for ever - and the claim it took over stays with its live lease."""
+    raw = Raw(db_path)
+    held = WrappedStore(
+        store, lambda executor: LateReply(executor, _store.apply_recovery_batch, shield=True)
+    )
+    drain = Recorder()
+    raised: list[BaseException] = []
+    quiet = {"recovery_interval": 10_000.0}
+    async with trio.open_nursery() as nursery, runtime(held, drain, clock, **quiet) as rt:
+        assert held.executor is not None
+        raw.seed_claim("s", "dead", expires_at=now_ms(clock) - 1_000, owner_id="other")
+
+        async def recover() -> None:
+            try:
+                await rt.recover_once()
+            except Exception as exc:
+                raised.append(exc)
+
+        nursery.start_soon(recover)
+        await held.executor.committed.wait()  # taken over; the reply waits
+        testing.crash(rt)
+        await trio.testing.wait_all_tasks_blocked()  # its tasks ended, its nursery closed
+        held.executor.answer.set()
+        await trio.testing.wait_all_tasks_blocked()
+        assert [type(exc) for exc in raised] == [StoreError]
+        assert "crashed" in str(raised[0])
+        assert not rt.is_active("s")
+        claim = raw.claim("s")
+        assert claim[1] == rt.owner_id and claim[3] > now_ms(clock)  # live, as left
+    assert drain.calls == []
+
+
 class _UnbegunSuccessorExecutor(ExecutorSeam):
     """An executor whose interrupt cleanup (`mark_cancelling`) waits until `stopping` is
     set, and whose `acquire` after it never begins: it waits, cancellable, as a batch

@@ -252,6 +252,12 @@ class BusyPeriods:
         else:
             self._release(entry, _outcome(plan))
 
+    def abandon(self, entry: SessionEntry) -> None:
+        """A crashed runtime's claim (`testing.crash`), answered after the crash: released
+        with nothing written, the claim left as a killed process leaves it (a live lease)."""
+        plan = decide_ending(EndingCause.STOPPED, reason=entry.reason, owned=False)
+        self._release(entry, _outcome(plan))
+
     async def _record_joined_wake_then_release(self, entry: SessionEntry) -> None:
         """`settle_unclaimed`'s entry, kept registered until its joined run's wake landed
         (a close waits for it, bounded as that write is)."""

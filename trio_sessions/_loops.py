@@ -340,6 +340,12 @@ class BackgroundLoops:
                     runtime._busy.settle_unclaimed(entry)
         if takeover.cancelled_caught:
             return RecoveryReport()  # withdrawn by the close: nothing of it committed
+        if runtime._crashed:
+            # Answered after `testing.crash`: a killed process starts no drain (its nursery
+            # is closed once its tasks ended); what it took over keeps its live lease.
+            for entry in resumed:
+                runtime._busy.abandon(entry)
+            raise StoreError("the runtime crashed (testing.crash): it writes nothing more")
         for entry in resumed:
             # Closing meanwhile: the busy period starts already interrupted (shutdown), so
             # the takeover is kept with an expired lease, never drained.
