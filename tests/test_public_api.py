@@ -41,6 +41,7 @@ PUBLIC = {
     "Message",
     "MessageFinished",
     "Outcome",
+    "OutcomeUnknown",
     "PostgresStore",
     "RecoveryReport",
     "Runtime",

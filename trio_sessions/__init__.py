@@ -37,6 +37,7 @@ from ._errors import InputConflict as InputConflict
 from ._errors import LeaseLost as LeaseLost
 from ._errors import MalformedRecord as MalformedRecord
 from ._errors import MessageFinished as MessageFinished
+from ._errors import OutcomeUnknown as OutcomeUnknown
 from ._errors import SchemaTooNew as SchemaTooNew
 from ._errors import SessionBusy as SessionBusy
 from ._errors import StoreError as StoreError

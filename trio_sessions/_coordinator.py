@@ -77,11 +77,14 @@ class Execution:
             await execution._done.wait()
             if execution.error is not None:
                 # One exception per waiter: several may raise it at once. A lost reply
-                # may have landed (its claim would serve this wake): unknown, not lost.
-                unknown = isinstance(execution.error, OutcomeUnknown)
-                kind = OutcomeUnknown if unknown else StoreError
-                what = "may have been" if unknown else "could not be"
-                raise kind(f"the wake {what} recorded: {execution.error}") from execution.error
+                # may have landed - the wake, or the claim that would have served it.
+                if isinstance(execution.error, OutcomeUnknown):
+                    raise OutcomeUnknown(
+                        f"whether the write for this run landed is unknown: {execution.error}"
+                    ) from execution.error
+                raise StoreError(
+                    f"the wake could not be recorded: {execution.error}"
+                ) from execution.error
             if execution.forward is None:
                 assert execution.outcome is not None
                 return execution.outcome
