@@ -28,6 +28,7 @@ from console_process import seed_quarantine
 import trio_sessions
 from trio_sessions import _cli, _sqlite, _store
 from trio_sessions._decisions import RecoveryDecision
+from trio_sessions._store.recovery_scan import scan_and_lease
 
 LIVE_LEASE_MS = 600_000
 DEAD_FOR = 100  # the dead owner took its claims this many seconds ago, with a 10 s lease
@@ -56,7 +57,8 @@ def _seed_quarantined(op: Op, execute: Execute, now: float) -> None:
     execute("UPDATE session SET time_woken = NULL, wakes = 0 WHERE id = 'poison'", ())
     execute("UPDATE session_message SET data = ? WHERE id = 'msg-poison'", (MALFORMED,))
     candidate = _store.Candidate("poison", "exec-poison")
-    assert op(now, _store.take_recovery_leases, "owner-rec", 30_000, [candidate])
+    _, _, leased, _ = op(now, scan_and_lease, "owner-rec", 10, [], [], 30_000)
+    assert leased == [candidate]
     result = op(now, _store.apply_recovery, "owner-rec", candidate, "new", 30_000, 10)
     assert result.decision is RecoveryDecision.QUARANTINE
 
@@ -75,9 +77,9 @@ def seed_operations(op: Op, execute: Execute) -> None:
     op(now - 3, _store.submit, "live", '{"text": "go"}', "in-live")
     op(now - 3, _store.acquire, "live", "exec-live", "owner-live", LIVE_LEASE_MS)
     op(now - 2, _store.heartbeat, "owner-live", ["exec-live"], LIVE_LEASE_MS)
+    _seed_quarantined(op, execute, now)  # its recovery pass finds no other expired claim
     op(dead_at, _store.submit, "expired", '{"text": "x"}', "in-expired")
     op(dead_at, _store.acquire, "expired", "exec-expired", "owner-dead", 10_000)
-    _seed_quarantined(op, execute, now)
 
 
 def seed(path: Path) -> None:

@@ -39,6 +39,7 @@ from trio_sessions._decisions import (
     rings_after_recovery,
     submit_verdict,
 )
+from trio_sessions._store.recovery_scan import scan_and_lease
 
 SETTINGS = settings(max_examples=200, deadline=None)
 DB_SETTINGS = settings(
@@ -514,11 +515,11 @@ def test_expire_claims_sql_agrees_with_holds_live_claim(
 
 @DB_SETTINGS
 @given(case=recovery_lease_cases())
-def test_take_recovery_leases_sql_agrees_with_may_take(
+def test_recovery_lease_sql_agrees_with_may_take(
     db: Db, case: tuple[int, RecoveryLeaseRow | None, str]
 ) -> None:
-    """`take_recovery_leases` takes (and writes) a recovery lease exactly when
-    `may_take_recovery_lease` allows it; a refused row is unchanged."""
+    """A recovery pass (`scan_and_lease`) takes (and writes) a recovery lease on an expired
+    claim exactly when `may_take_recovery_lease` allows it; a refused row is unchanged."""
     db.reset()
     now, row, owner_id = case
     db.put_session(doorbell=False)
@@ -537,7 +538,7 @@ def test_take_recovery_leases_sql_agrees_with_may_take(
         )
     before = db.snapshot()
     candidate = _store.Candidate("s", "exec-1")
-    taken = db.run(now, _store.take_recovery_leases, owner_id, LEASE_MS, [candidate])
+    _, _, taken, _ = db.run(now, scan_and_lease, owner_id, 10, [], [], LEASE_MS)
     if may_take_recovery_lease(row, owner_id, now):
         assert taken == [candidate]
         assert db.rows("SELECT owner_id, expires_at, recovery_error FROM session_recovery") == [

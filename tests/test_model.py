@@ -3,7 +3,7 @@
 Hypothesis drives the synchronous store operations (`trio_sessions._store`, and the
 runtime's recovery batch) for several owners on one SQLite database, with wall-clock jumps,
 wakes, submits, acquisitions, heartbeats, drain writes, finishes, interrupts, crashes,
-recovery passes split into their three transactions (so other owners act in between), a
+recovery passes split into their transactions (so other owners act in between), a
 malformed assistant row now and then, and operator releases of quarantined executions.
 
 An independent model predicts every result from the contract (DESIGN §4); after every step
@@ -54,6 +54,7 @@ from trio_sessions._model import (
     TextPart,
     ToolPart,
 )
+from trio_sessions._store.recovery_scan import scan_and_lease
 
 LEASE_MS = 3_000
 MAX_RESUMES = 2
@@ -118,7 +119,6 @@ class OwnerModel:
     held: dict[str, str] = attrs.Factory(dict)  # session -> execution id
     renewed_at: dict[str, int] = attrs.Factory(dict)  # execution id -> last renewal instant
     open_message: dict[str, str] = attrs.Factory(dict)  # execution id -> message id
-    scan: list[_store.Candidate] | None = None
     leased: list[_store.Candidate] | None = None
 
     def forget(self, session_id: str) -> None:
@@ -824,9 +824,8 @@ class ProtocolModel(RuleBasedStateMachine):
             self.due_at.pop(input_id, None)
         for owner in self.owners:
             owner.forget(session_id)
-            for candidates in (owner.scan, owner.leased):
-                if candidates is not None:
-                    candidates[:] = [c for c in candidates if c.session_id != session_id]
+            if owner.leased is not None:
+                owner.leased[:] = [c for c in owner.leased if c.session_id != session_id]
 
     # -- owners disappear -----------------------------------------------------------------------
 
@@ -855,32 +854,45 @@ class ProtocolModel(RuleBasedStateMachine):
         assert expired == expected
         self.owners[slot] = OwnerModel(self._new_owner_id(OWNER_SLOTS[slot]))
 
-    # -- recovery, in three transactions ------------------------------------------------------
+    # -- recovery, in two transactions and the doorbells' acquisitions -----------------------
 
     @rule(slot=st.integers(0, 2))
     def recovery_pass(self, slot: int) -> None:
-        """One whole pass, as `recover_once` runs it: scan, lease, apply, acquire doorbells."""
+        """One whole pass, as `recover_once` runs it: scan and lease, apply, acquire
+        doorbells."""
         self.step()
         owner = self.owners[slot]
-        self._scan(owner)
-        self._lease(owner)
+        self._scan_and_lease(owner)
         self._apply_leased(owner)
 
     @rule(slot=st.integers(0, 2))
     def recovery_scan(self, slot: int) -> None:
-        """Candidates: expired claims by expiry, then unclaimed doorbells; exclusions in SQL."""
+        """Candidates: expired claims by expiry, then unclaimed doorbells; exclusions in SQL.
+        Recovery leases on the expired claims, in the same transaction (`scan_and_lease`):
+        only if absent, expired or ours, never on a quarantined row."""
         self.step()
-        self._scan(self.owners[slot])
+        self._scan_and_lease(self.owners[slot])
 
-    def _scan(self, owner: OwnerModel) -> None:
-        candidates = self.op(
-            _store.recovery_candidates, owner.owner_id, RECOVERY_BATCH, sorted(owner.held)
+    def _scan_and_lease(self, owner: OwnerModel) -> None:
+        candidates, _, leased, _ = self.op(
+            scan_and_lease, owner.owner_id, RECOVERY_BATCH, sorted(owner.held), [], LEASE_MS
         )
         for candidate in candidates:
             assert candidate.execution_id not in self.quarantined
         assert candidates == self.expected_candidates(owner)
-        owner.scan = candidates
-        owner.leased = None
+        expired = [c for c in candidates if c.execution_id is not None]
+        for candidate in expired:
+            assert candidate.execution_id is not None
+            row = self.recovery_rows.get(candidate.execution_id)
+            if row is None:
+                self.recovery_rows[candidate.execution_id] = RecoveryRowModel(
+                    candidate.session_id, owner.owner_id, self.now + LEASE_MS
+                )
+            else:  # the scan found it: no quarantine, and ours or expired
+                row.owner_id = owner.owner_id
+                row.expires_at = self.now + LEASE_MS
+        assert leased == expired
+        owner.leased = candidates
 
     def expected_candidates(self, owner: OwnerModel) -> list[_store.Candidate]:
         expired = []
@@ -907,50 +919,6 @@ class ProtocolModel(RuleBasedStateMachine):
         )
         result += [_store.Candidate(s, None) for _, s in doorbells]
         return result[:RECOVERY_BATCH]
-
-    @precondition(lambda self: any(o.scan is not None for o in self.owners))
-    @rule(pick=st.integers(0, 2))
-    def recovery_lease(self, pick: int) -> None:
-        """Recovery leases: only if absent, expired or ours, never on a quarantined row."""
-        self.step()
-        scanning = [o for o in self.owners if o.scan is not None]
-        self._lease(scanning[pick % len(scanning)])
-
-    def _lease(self, owner: OwnerModel) -> None:
-        if owner.scan is None:
-            return
-        expired = [c for c in owner.scan if c.execution_id is not None]
-        leased = self.op(_store.take_recovery_leases, owner.owner_id, LEASE_MS, expired)
-        expected = []
-        for candidate in expired:
-            assert candidate.execution_id is not None
-            row = self.recovery_rows.get(candidate.execution_id)
-            claim = self.sessions[candidate.session_id].claim
-            if claim is None or claim.execution_id != candidate.execution_id:
-                # A stale candidate (its claim is gone): a lease it could take is undone,
-                # with whatever lease row it would have taken over.
-                if (
-                    row is not None
-                    and row.error is None
-                    and (row.owner_id == owner.owner_id or row.expires_at <= self.now)
-                ):
-                    del self.recovery_rows[candidate.execution_id]
-                continue
-            if row is None:
-                self.recovery_rows[candidate.execution_id] = RecoveryRowModel(
-                    candidate.session_id, owner.owner_id, self.now + LEASE_MS
-                )
-            elif row.error is None and (
-                row.owner_id == owner.owner_id or row.expires_at <= self.now
-            ):
-                row.owner_id = owner.owner_id
-                row.expires_at = self.now + LEASE_MS
-            else:
-                continue
-            expected.append(candidate)
-        assert leased == expected
-        owner.leased = leased + [c for c in owner.scan if c.execution_id is None]
-        owner.scan = None
 
     @precondition(lambda self: any(o.leased is not None for o in self.owners))
     @rule(pick=st.integers(0, 2))

@@ -509,7 +509,12 @@ def lapse(env: Env) -> None:
 
 def recovery_leased(env: Env, *, cancelling: bool = False) -> None:
     expired(env, cancelling=cancelling)
-    env.run(_store.take_recovery_leases, RESCUER, LEASE_MS, [CANDIDATE])
+    lease(env)
+
+
+def lease(env: Env) -> None:
+    """A recovery pass's scan and leases (`scan_and_lease`): every expired claim leased."""
+    env.run(scan_and_lease, RESCUER, 10, [], [], LEASE_MS)
 
 
 CANDIDATE = _store.Candidate("s", "e1")
@@ -620,9 +625,6 @@ class Operation:
     jobs: Callable[[], list[Job]]  # more than one: a group-commit batch
     mode: _postgres.Mode = "write"
     writes: bool = True  # False: an idempotent repeat or a refusal, post-state == pre-state
-    # Takes row locks (the recovery scan): a transaction id, though it writes no row, so a
-    # landed COMMIT is read back like a write's.
-    locks: bool = False
 
     def call(self, env: Env) -> list[tuple[str, Any]]:
         jobs = self.jobs()
@@ -834,11 +836,6 @@ OPERATIONS = [
         one(_store.expire_claims, OWNER, ["e1", "e2"]),
         mode="nowait",
     ),
-    Operation(
-        "take_recovery_leases",
-        expired,
-        one(_store.take_recovery_leases, RESCUER, LEASE_MS, [CANDIDATE]),
-    ),
     Operation("recovery-takeover", recovery_leased, recover((CANDIDATE, "e2"))),
     Operation(
         "recovery-finish-cancelled",
@@ -853,8 +850,7 @@ OPERATIONS = [
         steps(
             functools.partial(claimed, session_id="t", execution_id="f1"),
             do(_store.mark_cancelling, "t", "f1", OWNER),
-            recovery_leased,
-            do(_store.take_recovery_leases, RESCUER, LEASE_MS, [_store.Candidate("t", "f1")]),
+            recovery_leased,  # both expired claims leased
         ),
         recover((CANDIDATE, "e2"), (_store.Candidate("t", "f1"), "f2")),
     ),
@@ -867,8 +863,7 @@ OPERATIONS = [
             do(_store.expire_claims, OWNER, ["f1"]),
             claimed,
             lapse,
-            do(_store.take_recovery_leases, RESCUER, LEASE_MS, [CANDIDATE]),
-            do(_store.take_recovery_leases, RESCUER, LEASE_MS, [_store.Candidate("t", "f1")]),
+            lease,
         ),
         recover((CANDIDATE, "e2"), (_store.Candidate("t", "f1"), "f2")),
     ),
@@ -880,18 +875,10 @@ OPERATIONS = [
             functools.partial(claimed, session_id="t", execution_id="f1"),
             claimed,
             lapse,
-            do(_store.take_recovery_leases, RESCUER, LEASE_MS, [CANDIDATE]),
-            do(_store.take_recovery_leases, RESCUER, LEASE_MS, [_store.Candidate("t", "f1")]),
+            lease,
             live_again,
         ),
         recover((CANDIDATE, "e2"), (_store.Candidate("t", "f1"), "f2")),
-    ),
-    Operation(
-        "recovery-scan",
-        steps(claimed, lapse),
-        one(_store.candidates_and_free_tokens, RESCUER, 10, [], []),
-        writes=False,
-        locks=True,
     ),
     # A recovery pass's scan and its leases in one autocommit call (`ts_recovery_scan`).
     Operation(
@@ -1173,7 +1160,7 @@ def reruns(operation: Operation, statements: list[str], k: int, mode: Mode) -> i
         # the connection gone before it sent anything.
         return int(k < len(statements))
     # A transaction that wrote nothing has no id to read back: it runs again, harmlessly.
-    return int(not operation.writes and not operation.locks)
+    return int(not operation.writes)
 
 
 def prepare(env: Env, operation: Operation) -> dict[str, list[tuple[Any, ...]]]:

@@ -52,16 +52,21 @@ def test_a_batch_of_claims_is_recovered_in_one_call(pg_url: str, migrated_schema
             claim(owner, session_id)
         claim(owner, "back")
         run_op(owner, _store.expire_claims, DEAD, ["e-back"])  # a graceful hand-back
-        claim(owner, "live", lease_ms=60_000)
+        claim(owner, "live")
         claim(owner, "theirs")
     with raw(pg_url, migrated_schema) as conn:
         conn.execute("UPDATE session SET wake_attempts = 2 WHERE id = 'a'")
     batch = candidates("a", "b", "c", "back", "live", "theirs")
     with engine_at(pg_url, migrated_schema, 2.0) as other:
-        assert run_op(other, _store.take_recovery_leases, OTHER, LEASE_MS, batch[5:]) == batch[5:]
+        # Another owner's pass, with the other sessions held locally, leases 'theirs'.
+        local = ["a", "b", "c", "back", "live"]
+        _, _, leased, _ = run_op(other, scan_and_lease, OTHER, 10, local, [], LEASE_MS)
+        assert leased == batch[5:]
     with counting_url(pg_url) as (url, proxy), engine_at(url, migrated_schema, 2.0) as rescuer:
-        leased = run_op(rescuer, _store.take_recovery_leases, ME, LEASE_MS, batch)
-        assert leased == batch[:5]
+        _, _, leased, _ = run_op(rescuer, scan_and_lease, ME, 10, [], [], LEASE_MS)
+        assert leased == candidates("back", "a", "b", "c", "live")  # oldest expiry first
+        with raw(pg_url, migrated_schema) as conn:  # its owner renewed it after our lease
+            conn.execute("UPDATE session_execution SET expires_at = 61000 WHERE id = 'e-live'")
         items = [(candidate, f"new-{candidate.session_id}") for candidate in batch]
         before = proxy.round_trips
         results = run_op(rescuer, _store.apply_recovery_batch, ME, items, LEASE_MS, 10)
@@ -119,7 +124,8 @@ def test_a_batch_mixing_rows_the_set_cannot_decide_applies_each_rule(
         conn.execute("UPDATE session SET wake_attempts = 10 WHERE id = 'exhausted'")
     batch = candidates("plain", "cancelling", "exhausted", "paused")
     with engine_at(pg_url, migrated_schema, 2.0) as rescuer:
-        assert run_op(rescuer, _store.take_recovery_leases, ME, LEASE_MS, batch) == batch
+        _, _, leased, _ = run_op(rescuer, scan_and_lease, ME, 10, [], [], LEASE_MS)
+        assert leased == candidates("cancelling", "exhausted", "paused", "plain")
         items = [(candidate, f"new-{candidate.session_id}") for candidate in batch]
         results = run_op(rescuer, _store.apply_recovery_batch, ME, items, LEASE_MS, 10)
     assert [r.decision for r in results] == [
@@ -173,7 +179,7 @@ def test_takeover_skips_a_claim_row_locked_by_another_transaction(
     batch = candidates("busy", "free")
     items = [(candidate, f"new-{candidate.session_id}") for candidate in batch]
     with engine_at(pg_url, migrated_schema, 2.0) as rescuer:
-        assert run_op(rescuer, _store.take_recovery_leases, ME, LEASE_MS, batch) == batch
+        assert run_op(rescuer, scan_and_lease, ME, 10, [], [], LEASE_MS)[2] == batch
         results = while_a_claim_row_is_locked(
             pg_url,
             migrated_schema,

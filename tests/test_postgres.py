@@ -60,6 +60,7 @@ from trio_sessions._postgres import (
     connect,
     run_op,
 )
+from trio_sessions._store.recovery_scan import scan_and_lease
 
 REPO = Path(__file__).resolve().parent.parent
 LEASE_MS = 30_000
@@ -600,7 +601,7 @@ def test_takeover_waits_for_the_owners_renewal_then_finds_nothing(
         claim(engine, "s", "e1", "owner", 500)  # expires at 1.5 s
     candidate = _store.Candidate("s", "e1")
     with opened(PostgresStore(pg_url, schema=migrated_schema).engine(fixed(2.0))) as rescuer:
-        taken = run_op(rescuer, _store.take_recovery_leases, "rescuer", LEASE_MS, [candidate])
+        _, _, taken, _ = run_op(rescuer, scan_and_lease, "rescuer", 10, [], [], LEASE_MS)
         assert taken == [candidate]
     with (
         renewed_under_session_lock(pg_url, migrated_schema) as (owner, _),

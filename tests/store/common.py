@@ -13,6 +13,7 @@ from backends import EngineDb
 
 from trio_sessions import AssistantData, ToolPart, _codec, _sqlite, _store, _transcript
 from trio_sessions._decisions import AcquireVerdict
+from trio_sessions._store.recovery_scan import scan_and_lease
 
 NOW = 1_800_000_000_000
 LEASE = 30_000
@@ -178,8 +179,16 @@ def names(candidates: list[_store.Candidate]) -> list[tuple[str, str | None]]:
     return [(c.session_id, c.execution_id) for c in candidates]
 
 
+def lease(db: Db, *candidates: _store.Candidate, owner: str = ME) -> list[_store.Candidate]:
+    """A recovery pass's scan and leases now (`scan_and_lease`, as the runtime takes them):
+    the expired claims it leased, which must be exactly `candidates` (in any order)."""
+    leased: list[_store.Candidate] = db.run(scan_and_lease, owner, 1000, [], [], LEASE)[2]
+    assert sorted(names(leased)) == sorted(names(list(candidates))), leased
+    return leased
+
+
 def recover(db: Db, execution: str, *, max_resumes: int = 10, take: bool = True) -> Any:
     candidate = _store.Candidate("s", execution)
     if take:
-        assert db.run(_store.take_recovery_leases, ME, LEASE, [candidate]) == [candidate]
+        lease(db, candidate)
     return db.run(_store.apply_recovery, ME, candidate, "exec-new", LEASE, max_resumes)

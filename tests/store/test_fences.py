@@ -22,6 +22,7 @@ from .common import (
     REFUSALS,
     Db,
     busy_claim,
+    lease,
     refuse,
 )
 
@@ -106,7 +107,7 @@ def test_zombie_owner_cannot_write_after_takeover(db: Db) -> None:
     execution = busy_claim(db)
     db.expire()
     candidate = _store.Candidate("s", execution)
-    assert db.run(_store.take_recovery_leases, ME, LEASE, [candidate]) == [candidate]
+    lease(db, candidate)
     recovered = db.run(_store.apply_recovery, ME, candidate, "exec-new", LEASE, 10)
     assert recovered.decision is RecoveryDecision.RESUME
     before = db.snapshot()

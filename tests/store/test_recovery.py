@@ -18,6 +18,7 @@ from trio_sessions import (
 from trio_sessions._decisions import RecoveryDecision
 from trio_sessions._model import BUDGET_EXHAUSTED, INTERRUPTED, OWNER_LOST
 from trio_sessions._store import recovery_batch
+from trio_sessions._store.recovery_scan import scan_and_lease
 
 from .common import (
     LEASE,
@@ -26,6 +27,7 @@ from .common import (
     Db,
     busy_claim,
     expired_claim,
+    lease,
     names,
     put_recovery,
     recover,
@@ -46,11 +48,17 @@ def ordering_fixture(db: Db) -> None:
     woken_at(db, "bell-mid", NOW - 2000)
 
 
+def scan(db: Db, limit: int, local: list[str] | None = None) -> list[_store.Candidate]:
+    """The candidates of a recovery pass of ours now (`scan_and_lease`, the runtime's scan)."""
+    found: list[_store.Candidate] = db.run(scan_and_lease, ME, limit, local or [], [], LEASE)[0]
+    return found
+
+
 def test_recovery_candidates_ordering(db: Db) -> None:
     """Expired claims oldest expiry first, then unclaimed doorbells oldest wake first; live
     claims are never candidates."""
     ordering_fixture(db)
-    assert names(db.run(_store.recovery_candidates, ME, 100, [])) == [
+    assert names(scan(db, 100)) == [
         ("early", "exec-early"),
         ("mid", "exec-mid"),
         ("late", "exec-late"),
@@ -69,11 +77,11 @@ def test_recovery_candidates_share_one_limit(
 ) -> None:
     """Expired claims and doorbells share one budget, expired claims first."""
     ordering_fixture(db)
-    found = db.run(_store.recovery_candidates, ME, limit, [])
+    found = scan(db, limit)
     assert len(found) == limit
     assert sum(c.execution_id is not None for c in found) == count_expired
     assert sum(c.execution_id is None for c in found) == count_bells
-    assert names(found) == names(db.run(_store.recovery_candidates, ME, 100, []))[:limit]
+    assert names(found) == names(scan(db, 100))[:limit]  # our own leases hide nothing
 
 
 def test_recovery_candidates_exclusions_do_not_use_the_budget(db: Db) -> None:
@@ -86,8 +94,8 @@ def test_recovery_candidates_exclusions_do_not_use_the_budget(db: Db) -> None:
     woken_at(db, "local-bell", NOW - 50_000)
     woken_at(db, "bell", NOW - 40_000)
     local = ["local", "local-bell"]
-    assert names(db.run(_store.recovery_candidates, ME, 1, local)) == [("valid", "exec-valid")]
-    assert names(db.run(_store.recovery_candidates, ME, 100, local)) == [
+    assert names(scan(db, 1, local)) == [("valid", "exec-valid")]
+    assert names(scan(db, 100, local)) == [
         ("valid", "exec-valid"),
         ("bell", None),
     ]
@@ -99,33 +107,41 @@ def test_recovery_candidates_include_own_and_expired_recovery_leases(db: Db) -> 
     expired_claim(db, "stale", NOW - 1000)
     put_recovery(db, "exec-mine", ME, NOW + LEASE)
     put_recovery(db, "exec-stale", "other-recoverer", NOW)
-    assert names(db.run(_store.recovery_candidates, ME, 10, [])) == [
+    assert names(scan(db, 10)) == [
         ("mine", "exec-mine"),
         ("stale", "exec-stale"),
     ]
 
 
 def test_a_stale_candidate_gets_no_recovery_lease(db: Db) -> None:
-    """A candidate whose claim another recoverer took over after this scan read it gets no
-    recovery lease: a lease row with no claim behind it is never scanned again, so if its
-    recoverer then died it would stay forever (found by the PostgreSQL soak)."""
+    """A claim another recoverer took over gets no recovery lease from our pass: a lease row
+    with no claim behind it is never scanned again, so if its recoverer then died it would
+    stay forever (found by the PostgreSQL soak, when the scan and the leases were two
+    transactions; `scan_and_lease` leases only claims its own transaction reads)."""
     execution = busy_claim(db)
     db.expire()
     candidate = _store.Candidate("s", execution)
-    assert db.run(_store.recovery_candidates, ME, 10, []) == [candidate]
-    assert db.run(_store.take_recovery_leases, "other", LEASE, [candidate]) == [candidate]
+    assert lease(db, candidate, owner="other") == [candidate]
     db.run(_store.apply_recovery, "other", candidate, "exec-new", LEASE, 10)
     assert db.rows("SELECT * FROM session_recovery") == []
-    assert db.run(_store.take_recovery_leases, ME, LEASE, [candidate]) == []
+    assert db.run(scan_and_lease, ME, 10, [], [], LEASE)[2] == []
     assert db.rows("SELECT * FROM session_recovery") == []
 
 
-def test_recovery_candidates_writes_nothing(db: Db) -> None:
-    """The candidate scan is a read."""
+def test_recovery_scan_writes_nothing_but_its_leases(db: Db) -> None:
+    """The candidate scan writes nothing but the recovery leases on the expired claims it
+    found."""
     ordering_fixture(db)
     before = db.snapshot()
-    db.run(_store.recovery_candidates, ME, 100, [])
-    assert db.snapshot() == before
+    del before["session_recovery"]
+    leased = db.run(scan_and_lease, ME, 100, [], [], LEASE)[2]
+    assert sorted(
+        db.rows("SELECT execution_id, owner_id, expires_at FROM session_recovery")
+    ) == sorted((c.execution_id, ME, NOW + LEASE) for c in leased)
+    assert len(leased) == 4  # the expired claims of `ordering_fixture`
+    after = db.snapshot()
+    del after["session_recovery"]
+    assert after == before
 
 
 def recovery_rows(db: Db) -> list[tuple[Any, ...]]:
@@ -135,19 +151,18 @@ def recovery_rows(db: Db) -> list[tuple[Any, ...]]:
     )
 
 
-def test_take_recovery_leases_rules(db: Db) -> None:
-    """Taken when absent, own or expired; refused when another owner's is live or when
-    quarantined; refused rows are unchanged and only taken candidates are returned."""
+def test_recovery_lease_rules(db: Db) -> None:
+    """A pass's leases (`scan_and_lease`): taken when absent, own or expired; refused when
+    another owner's is live or when quarantined (the scan leaves those claims out); refused
+    rows are unchanged and only taken candidates are returned."""
     for session in ("absent", "own", "foreign-live", "foreign-expired", "quarantined"):
         expired_claim(db, session, NOW - 1)
     put_recovery(db, "exec-own", ME, NOW + 5)
     put_recovery(db, "exec-foreign-live", "other", NOW + 1)
     put_recovery(db, "exec-foreign-expired", "other", NOW)
     put_recovery(db, "exec-quarantined", ME, NOW + LEASE, error="bad")
-    candidates = db.run(_store.recovery_candidates, ME, 100, [])
-    candidates.append(_store.Candidate("quarantined", "exec-quarantined"))
-    candidates.append(_store.Candidate("foreign-live", "exec-foreign-live"))
-    taken = db.run(_store.take_recovery_leases, ME, LEASE, candidates)
+    candidates, _, taken, _ = db.run(scan_and_lease, ME, 100, [], [], LEASE)
+    assert taken == candidates
     assert sorted(c.session_id for c in taken) == ["absent", "foreign-expired", "own"]
     assert recovery_rows(db) == [
         ("exec-absent", ME, NOW + LEASE, None),
@@ -162,7 +177,11 @@ def test_recovery_skips_a_live_lease(db: Db) -> None:
     """Invariant 5: a claim whose lease is live is never recovered; only the recovery row goes."""
     execution = busy_claim(db)
     before = db.snapshot()
-    recovered = recover(db, execution)
+    live_at = db.now
+    db.expire()
+    lease(db, _store.Candidate("s", execution))  # a pass whose clock runs ahead (skew)
+    db.now = live_at
+    recovered = recover(db, execution, take=False)
     assert (recovered.decision, recovered.fence_lost) == (RecoveryDecision.SKIP_LIVE, False)
     assert db.snapshot() == before
 
@@ -172,7 +191,7 @@ def test_recovery_of_a_vanished_claim_is_gone(db: Db) -> None:
     execution = db.claim()
     db.expire()
     candidate = _store.Candidate("s", execution)
-    db.run(_store.take_recovery_leases, ME, LEASE, [candidate])
+    lease(db, candidate)
     db.write("DELETE FROM session_execution")
     recovered = db.run(_store.apply_recovery, ME, candidate, "exec-new", LEASE, 10)
     assert recovered.decision is RecoveryDecision.GONE
@@ -254,9 +273,8 @@ def test_recovery_quarantines_a_malformed_newest_message(db: Db) -> None:
     assert {k: v for k, v in after.items() if k != "session_recovery"} == {
         k: v for k, v in before.items() if k != "session_recovery"
     }
-    assert db.run(_store.recovery_candidates, ME, 100, []) == []
-    candidate = _store.Candidate("s", execution)
-    assert db.run(_store.take_recovery_leases, ME, LEASE, [candidate]) == []
+    candidates, _, leased, _ = db.run(scan_and_lease, ME, 100, [], [], LEASE)
+    assert (candidates, leased) == ([], [])
     assert db.run(_store.quarantined)[0]["execution_id"] == execution
 
 
@@ -423,9 +441,9 @@ def test_recovery_scan_skips_claims_locked_by_others(db: Db) -> None:
     assert isinstance(db.location, PgLocation)
     with psycopg.connect(db.location.url, options=f"-c search_path={db.location.schema}") as other:
         other.execute("SELECT id FROM session_execution WHERE id = 'exec-busy' FOR UPDATE")
-        assert names(db.run(_store.recovery_candidates, ME, 1, [])) == [("free", "exec-free")]
+        assert names(scan(db, 1)) == [("free", "exec-free")]
         other.rollback()
-    assert names(db.run(_store.recovery_candidates, ME, 1, [])) == [("busy", "exec-busy")]
+    assert names(scan(db, 1)) == [("busy", "exec-busy")]  # our lease on 'free' hides nothing
 
 
 def quarantined_beside_a_resumed_claim(db: Db, execution: str) -> None:
@@ -434,7 +452,7 @@ def quarantined_beside_a_resumed_claim(db: Db, execution: str) -> None:
     db.expire()
     expired_claim(db, "good", NOW - 1)
     candidates = [_store.Candidate("s", execution), _store.Candidate("good", "exec-good")]
-    assert db.run(_store.take_recovery_leases, ME, LEASE, candidates) == candidates
+    lease(db, *candidates)
     items = [(candidate, f"new-{candidate.session_id}") for candidate in candidates]
     results = db.run(_store.apply_recovery_batch, ME, items, LEASE, 10, [])
     assert [r.decision for r in results] == [RecoveryDecision.QUARANTINE, RecoveryDecision.RESUME]

@@ -21,7 +21,7 @@ from trio_sessions._decisions import RecoveryDecision
 from trio_sessions._store.recovery_batch import _take_over_plain
 from trio_sessions._store.recovery_scan import scan_and_lease
 
-from .common import LEASE, ME, NOW, Db, expired_claim, put_recovery
+from .common import LEASE, ME, NOW, Db, expired_claim, lease, put_recovery
 
 
 @contextmanager
@@ -66,9 +66,9 @@ def test_scan_and_lease_costs_statements_per_pass_not_per_claim(db: Db, n: int) 
 
 @pytest.mark.sqlite_only
 def test_scan_and_lease_keeps_the_lease_rules(db: Db) -> None:
-    """In one transaction, the leases keep `take_recovery_leases`' rules: none on a row
-    another owner holds live (excluded from the scan) or on a quarantined one; an expired
-    lease of another owner, or one of ours, is taken."""
+    """In one transaction, the leases keep the recovery lease rules: none on a row another
+    owner holds live (excluded from the scan) or on a quarantined one; an expired lease of
+    another owner, or one of ours, is taken."""
     for name in ("free", "theirs", "stale", "ours", "poison"):
         expired_claim(db, name, NOW - 1000)
     put_recovery(db, "exec-theirs", "other", NOW + 5000)
@@ -147,7 +147,7 @@ def test_a_batch_applies_each_claims_own_outcome(db: Db) -> None:
         _store.Candidate(name, f"exec-{name}")
         for name in ("plain", "back", "live", "vanished", "stolen")
     ]
-    assert db.run(_store.take_recovery_leases, ME, LEASE, candidates) == candidates
+    lease(db, *candidates)
     db.write("UPDATE session_execution SET expires_at = ? WHERE id = 'exec-live'", (NOW + 5000,))
     db.write("DELETE FROM session_execution WHERE id = 'exec-vanished'")
     db.write("UPDATE session_recovery SET owner_id = 'other' WHERE execution_id = 'exec-stolen'")
@@ -213,10 +213,11 @@ def test_a_batch_takeover_reports_exactly_the_claims_it_replaced(db: Db) -> None
     """SQLite: the batch takeover (one prepared statement run per claim) returns the
     positions whose takeover matched - not the whole batch when one claim's lease is live
     again or its claim vanished - and replaces, counts and lets go of only those."""
-    for name in ("a", "b", "live", "c", "vanished"):
+    for name in ("a", "b", "live", "c"):
         expired_claim(db, name, NOW - 1000)
     candidates = [_store.Candidate(name, f"exec-{name}") for name in ("a", "b", "live", "c")]
-    assert db.run(_store.take_recovery_leases, ME, LEASE, candidates) == candidates
+    lease(db, *candidates)
+    expired_claim(db, "vanished", NOW - 1000)  # not leased: a claim gone before its lease
     db.write("UPDATE session_execution SET expires_at = ? WHERE id = 'exec-live'", (NOW + 5000,))
     db.write("DELETE FROM session_execution WHERE id = 'exec-vanished'")
     items = [(candidate, f"new-{candidate.session_id}") for candidate in candidates]
@@ -260,7 +261,7 @@ def test_plain_claims_the_takeover_refuses_get_their_own_decision(db: Db) -> Non
         (_codec.encode_assistant(_transcript.EMPTY),),
     )
     candidates = [_store.Candidate(name, f"exec-{name}") for name in names]
-    assert db.run(_store.take_recovery_leases, ME, LEASE, candidates) == candidates
+    lease(db, *candidates)
     db.write("UPDATE session_recovery SET owner_id = 'other' WHERE execution_id = 'exec-theirs'")
     items = [(candidate, f"new-{candidate.session_id}") for candidate in candidates]
     results = db.run(_store.apply_recovery_batch, ME, items, LEASE, 3, [])
@@ -303,7 +304,7 @@ def test_a_claim_named_twice_in_a_batch_is_taken_over_once(db: Db) -> None:
     finds its claim replaced (gone, its fence lost) and writes nothing."""
     expired_claim(db, "s", NOW - 1000)
     candidate = _store.Candidate("s", "exec-s")
-    assert db.run(_store.take_recovery_leases, ME, LEASE, [candidate]) == [candidate]
+    lease(db, candidate)
     items = [(candidate, "new-1"), (candidate, "new-2")]
     results = db.run(_store.apply_recovery_batch, ME, items, LEASE, 10, [])
     assert [(r.decision, r.fence_lost, r.new_execution_id, r.attempt) for r in results] == [

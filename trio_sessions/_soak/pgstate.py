@@ -66,8 +66,8 @@ class Result:
     claims_left: int = 0
     recovery_rows_left: int = 0
     # A recovery lease left on a claim that is gone (a stale candidate of a recoverer killed
-    # before it applied; `_store.take_recovery_leases` undoes such leases since the soak
-    # found them): counted apart, and as orphaned.
+    # before it applied; since the soak found them a pass's scan and its leases share one
+    # transaction, `_store.recovery_scan.scan_and_lease`): counted apart, and as orphaned.
     stale_recovery_rows: int = 0
     overlaps: int = 0
     zombie_writes: int = 0

@@ -113,7 +113,7 @@ from .control import (
 )
 from .inputs import submit, wake
 from .intake import TAKE_INPUTS_CHUNK, FastTakeRefused, Taken, inputs_taken_by, take_inputs
-from .liveness import candidates_and_free_tokens, forget_gone_owners, free_tokens
+from .liveness import forget_gone_owners, free_tokens
 from .operator import (
     drop_quarantined,
     drop_rejected_input,
@@ -140,7 +140,7 @@ from .recovery import (
     quarantine,
 )
 from .recovery_batch import apply_recovery_batch
-from .recovery_scan import Candidate, recovery_candidates, take_recovery_leases
+from .recovery_scan import Candidate
 from .stream import (
     MARKS_FROM,
     shown_messages,
@@ -187,7 +187,6 @@ __all__ = [
     "cancel_held_claim",
     "cancel_input",
     "cancel_own_claims",
-    "candidates_and_free_tokens",
     "changes",
     "delete_session",
     "drop_quarantined",
@@ -223,7 +222,6 @@ __all__ = [
     "quarantine_report",
     "quarantined",
     "read_transcript",
-    "recovery_candidates",
     "rejected_inputs",
     "request_cancel",
     "resume",
@@ -246,7 +244,6 @@ __all__ = [
     "submit_scheduled",
     "submit_truncating",
     "take_inputs",
-    "take_recovery_leases",
     "transcript_tail",
     "truncate",
     "update_assistant",

@@ -16,7 +16,6 @@ from collections.abc import Sequence
 
 from .._backend import Tx, autocommit_when_alone
 from .common import _in_list
-from .recovery_scan import Candidate, recovery_candidates
 
 
 @autocommit_when_alone
@@ -25,15 +24,6 @@ def free_tokens(tx: Tx) -> set[str]:
     which PostgreSQL runs alone in autocommit (one round trip: no BEGIN, no COMMIT, as a
     function call's), every runtime that drains looking every `LIVENESS_POLL`."""
     return tx.free_tokens(None)
-
-
-def candidates_and_free_tokens(
-    tx: Tx, owner_id: str, limit: int, local_sessions: Sequence[str], gone_owners: Sequence[str]
-) -> tuple[list[Candidate], set[str]]:
-    """A recovery pass's scan (`recovery_candidates`) and, in the same transaction, every
-    owner whose token is free now: the sightings the next pass judges by."""
-    candidates = recovery_candidates(tx, owner_id, limit, local_sessions, gone_owners)
-    return candidates, tx.free_tokens(None)
 
 
 def forget_gone_owners(tx: Tx, owner_ids: Sequence[str]) -> list[str]:

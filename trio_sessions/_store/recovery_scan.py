@@ -1,8 +1,7 @@
-"""The recovery scan: which expired claims and unclaimed doorbells a recovery pass looks at
-(`recovery_candidates`), and the recovery leases it takes on them (`take_recovery_leases`)
-before `recovery` applies its decision. A pass does both, and its look at the next due
-input, in one transaction (`scan_and_lease`; on SQLite the expired claims are leased by the
-statement that finds them).
+"""The recovery scan: which expired claims and unclaimed doorbells a recovery pass looks at,
+and the recovery leases it takes on them before `recovery` applies its decision. A pass does
+both, and its look at the next due input, in one transaction (`scan_and_lease`; on SQLite
+the expired claims are leased by the statement that finds them).
 
 Invariants kept here:
 * quarantined executions, executions under another owner's live recovery lease, sessions
@@ -14,11 +13,11 @@ Invariants kept here:
   waiting for them (DESIGN §8); SQLite's single writer has nothing to skip;
 * a recovery lease is taken only if absent, expired, already ours or a gone owner's, never
   on a quarantined row (the takeover is fenced on our lease, `recovery._holds_recovery_lease`:
-  a gone owner that comes back finds its lease moved and acts on nothing); one taken on a
-  claim that is gone meanwhile is undone in the same transaction. A pass's scan and its
-  leases share one transaction (`scan_and_lease`): under SQLite's only write lock, or
-  PostgreSQL's row locks on the claims scanned (one autocommit call, `ts_recovery_scan`),
-  no claim the scan read can go before its lease is written.
+  a gone owner that comes back finds its lease moved and acts on nothing). A pass's scan
+  and its leases share one transaction (`scan_and_lease`): under SQLite's only write lock,
+  or PostgreSQL's row locks on the claims scanned (one autocommit call,
+  `ts_recovery_scan`), no claim the scan read can go before its lease is written, so no
+  lease is ever taken on a claim that is gone.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ import attrs
 from .._backend import Tx, autocommit_when_alone
 from .._liveness import _HELD as _TOKEN_HELD
 from .._validate import MAX_INT64
-from .common import _IN_CHUNK, _chunks, _in_list, not_in, readable, whole_number
+from .common import not_in, readable, whole_number
 from .control import next_due
 
 
@@ -41,42 +40,6 @@ class Candidate:
 
     session_id: str
     execution_id: str | None
-
-
-# DESIGN §8: the scan skips claim rows another transaction holds locked (a takeover, a
-# heartbeat, another recoverer's scan) instead of waiting for them; a skipped row does not
-# use up the limit, and the next pass sees it again. SQLite's single writer has nothing to
-# skip. NO KEY UPDATE is the lock a claim's own UPDATEs and `lock_claims` take.
-_SKIP_LOCKED = {"sqlite": "", "postgres": " FOR NO KEY UPDATE OF e SKIP LOCKED"}
-
-
-def recovery_candidates(
-    tx: Tx,
-    owner_id: str,
-    limit: int,
-    local_sessions: Sequence[str],
-    gone_owners: Sequence[str] = (),
-) -> list[Candidate]:
-    """The oldest `limit` candidates: expired claims (and every claim of `gone_owners`,
-    owners whose liveness token stayed free for the grace) by `expires_at`, then unclaimed
-    doorbells by `time_woken`. Quarantined executions, executions under another owner's live
-    recovery lease (not of a gone owner) and sessions held locally are excluded here, so they
-    never use up the budget."""
-    if tx.dialect == "postgres":
-        # One call: the clock, the expired claims, then the doorbells if room is left.
-        rows = tx.call(
-            "ts_recovery_candidates", owner_id, limit, list(local_sessions), list(gone_owners)
-        )
-        return [Candidate(str(session_id), execution_id) for session_id, execution_id in rows]
-    candidates: list[Candidate] = []
-    for scan, params in _expired_scans(
-        tx, owner_id, limit, local_sessions, gone_owners, candidates
-    ):
-        expired = tx.execute(
-            "SELECT e.session_id, e.id" + scan + _SKIP_LOCKED[tx.dialect], params
-        ).fetchall()
-        candidates += [Candidate(session_id, execution_id) for session_id, execution_id in expired]
-    return candidates + _doorbells_left(tx, local_sessions, limit - len(candidates))
 
 
 def _expired_scans(
@@ -104,8 +67,8 @@ def _expired_claims(
     gone_owners: Sequence[str],
     no_time: bool = False,
 ) -> tuple[str, dict[str, Any]]:
-    """The FROM ... LIMIT of the scan for expired claims (`recovery_candidates`), shared by
-    SQLite's lease-taking scan (`_lease_expired_claims`), and its parameters.
+    """The FROM ... LIMIT of SQLite's scan for expired claims, which leases them
+    (`_lease_expired_claims`), and its parameters.
 
     `no_time`: instead, the claims whose expiry is no time - text, a blob or a number past
     any 64-bit time, which SQLite keeps when another tool writes it (text sorts after every
@@ -211,17 +174,18 @@ def scan_and_lease(
     gone_owners: Sequence[str],
     lease_ms: int,
 ) -> tuple[list[Candidate], set[str], list[Candidate], int | None]:
-    """A recovery pass's scan (`recovery_candidates`), every owner whose liveness token is
-    free now, the recovery leases on the expired claims found, and when the next scheduled
-    input falls due (`control.next_due`), in one transaction: (candidates, free owners,
-    leased candidates, ms until due or None).
+    """A recovery pass's scan (the expired claims, and every claim of `gone_owners`, oldest
+    expiry first, then unclaimed doorbells oldest wake first, `limit` in all), every owner
+    whose liveness token is free now, the recovery leases on the expired claims found, and
+    when the next scheduled input falls due (`control.next_due`), in one transaction:
+    (candidates, free owners, leased candidates, ms until due or None).
 
     No claim the scan read can be taken over or removed before its lease is written - the
     scan holds SQLite's only write lock, or on PostgreSQL the claim rows it returns locked
-    (FOR NO KEY UPDATE, to COMMIT) - so nothing is left to undo (`_drop_leases_without_claim`
-    is for a lease taken in a later transaction). On PostgreSQL one call of
-    `ts_recovery_scan` (alone: in autocommit, durable when it returns; a retry after a lost
-    reply takes our own leases again)."""
+    (FOR NO KEY UPDATE, to COMMIT; a row another transaction holds locked is skipped, not
+    waited for: DESIGN §8) - so no lease is taken on a claim that is gone. On PostgreSQL
+    one call of `ts_recovery_scan` (alone: in autocommit, durable when it returns; a retry
+    after a lost reply takes our own leases again)."""
     if tx.dialect == "postgres":
         return _pg_scan_and_lease(tx, owner_id, limit, local_sessions, gone_owners, lease_ms)
     leased = _lease_expired_claims(tx, owner_id, limit, local_sessions, gone_owners, lease_ms)
@@ -234,7 +198,7 @@ def _take_lease(gone: dict[str, str]) -> str:
     """The recovery lease's upsert tail: it takes a row over only when it is no quarantine
     and the lease is ours, expired or of an owner found gone (`gone`, named parameters:
     `_gone_params`) - or its expiry is no time (another tool's text, blob or huge value,
-    which would look live for ever). Both SQLite upserts: the scan's and the candidates'."""
+    which would look live for ever)."""
     return (
         " ON CONFLICT(execution_id) DO UPDATE SET owner_id = excluded.owner_id,"
         " expires_at = excluded.expires_at"
@@ -256,7 +220,7 @@ def _lease_expired_claims(
     lease_ms: int,
 ) -> list[Candidate]:
     """SQLite: the scan for expired claims and their recovery leases in one statement (the
-    upsert of `take_recovery_leases` fed by the scan), in the order the scan returns them.
+    lease upsert, `_take_lease`, fed by the scan), in the order the scan returns them.
     Every claim the scan finds is leased: it excludes the rows the upsert would refuse (a
     quarantined one, another owner's live lease), and the write lock holds them still."""
     leased: list[Candidate] = []
@@ -307,93 +271,18 @@ def _pg_scan_and_lease(
     return candidates, free, leased, due
 
 
-@autocommit_when_alone
-def take_recovery_leases(
-    tx: Tx, owner_id: str, lease_ms: int, candidates: Sequence[Candidate]
-) -> list[Candidate]:
-    """Take a recovery lease on each expired claim: only if absent, expired or ours, and never
-    on a quarantined row. Returns the candidates whose lease we now hold. One statement per
-    `_IN_CHUNK` parameters (a multi-row upsert); on PostgreSQL one call of
-    `ts_take_recovery_leases` (alone: in autocommit, a retry takes our own leases again)."""
-    if tx.dialect == "postgres":
-        if not candidates:
-            return []
-        rows = tx.call(
-            "ts_take_recovery_leases",
-            owner_id,
-            [candidate.execution_id for candidate in candidates],
-            [candidate.session_id for candidate in candidates],
-            lease_ms,
-        )
-        held = {str(row[0]) for row in rows}
-        return [candidate for candidate in candidates if candidate.execution_id in held]
-    taken = _upsert_leases(tx, owner_id, lease_ms, candidates)
-    for chunk in _chunks(sorted(taken)):
-        taken.difference_update(_drop_leases_without_claim(tx, owner_id, chunk))
-    return [candidate for candidate in candidates if candidate.execution_id in taken]
-
-
-def _upsert_leases(
-    tx: Tx, owner_id: str, lease_ms: int, candidates: Sequence[Candidate]
-) -> set[str]:
-    """The recovery leases' upsert on SQLite (see `take_recovery_leases`): the execution
-    ids whose lease we hold now."""
-    expires = tx.now + lease_ms
-    taken: set[str] = set()
-    per_statement = _IN_CHUNK // 5  # five parameters per row
-    for start in range(0, len(candidates), per_statement):
-        chunk = candidates[start : start + per_statement]
-        rows = tx.execute(
-            "INSERT INTO session_recovery(execution_id, session_id, owner_id, expires_at,"
-            " time_created) VALUES "
-            + ", ".join(["(?, ?, ?, ?, ?)"] * len(chunk))
-            + _take_lease({})
-            + " RETURNING execution_id",
-            [
-                value
-                for candidate in chunk
-                for value in (
-                    candidate.execution_id,
-                    candidate.session_id,
-                    owner_id,
-                    expires,
-                    tx.now,
-                )
-            ],
-        ).fetchall()
-        taken.update(str(row[0]) for row in rows)
-    return taken
-
-
-def _drop_leases_without_claim(tx: Tx, owner_id: str, execution_ids: Sequence[str]) -> set[str]:
-    """Undo the leases just taken on claims that are gone: another recoverer took them over
-    after our scan read them. Nothing scans a lease row without its claim, so one left behind
-    by a recoverer that then died would stay forever. A separate statement, so on
-    PostgreSQL it sees a takeover that committed while the upsert waited on its lease row."""
-    if not execution_ids:
-        return set()
-    rows = tx.execute(
-        "DELETE FROM session_recovery WHERE owner_id = ? AND recovery_error IS NULL"
-        f" AND execution_id IN {_in_list(execution_ids)}"
-        " AND NOT EXISTS (SELECT 1 FROM session_execution e"
-        "   WHERE e.id = session_recovery.execution_id)"
-        " RETURNING execution_id",
-        [owner_id, *execution_ids],
-    ).fetchall()
-    return {str(row[0]) for row in rows}
-
-
 # ---------------------------------------------------------------------------------------------
 # PostgreSQL: this family's server-side functions (created by `_schema`'s migrations; see
 # `_store.pg_functions` for their conventions)
 
 PG_FUNCTIONS = (
     r"""
--- `recovery_candidates` in one call: the expired claims (and every claim of the owners
--- found gone) oldest first - not under another owner's live recovery lease, unless that
--- owner is found gone too - skipping claim rows another transaction holds locked, then
--- the unclaimed doorbells of unpaused sessions while the limit leaves room. A session held
--- locally (p_local) is neither. Rows (session_id, execution_id NULL for a doorbell).
+-- `ts_recovery_scan`'s scan (an older process in a rolling upgrade may call it alone):
+-- the expired claims (and every claim of the owners found gone) oldest first - not under
+-- another owner's live recovery lease, unless that owner is found gone too - skipping
+-- claim rows another transaction holds locked, then the unclaimed doorbells of unpaused
+-- sessions while the limit leaves room. A session held locally (p_local) is neither. Rows
+-- (session_id, execution_id NULL for a doorbell).
 CREATE OR REPLACE FUNCTION ts_recovery_candidates(p_owner text, p_limit bigint,
     p_local text[], p_gone text[], p_now bigint, p_retry boolean)
 RETURNS TABLE(candidate_session text, candidate_execution text)
@@ -430,11 +319,13 @@ BEGIN
     END IF;
 END $$;
 
--- `take_recovery_leases` in one call: the upsert (absent, expired or ours, never a
+-- Recovery leases taken apart from the scan: the upsert (absent, expired or ours, never a
 -- quarantined row), then the leases just taken on claims that are gone undone - a
 -- statement of its own, so its snapshot sees a takeover that committed while the upsert
 -- waited on a lease row. The execution ids whose lease we hold. Idempotent: a retry after
--- a lost reply takes our own leases again.
+-- a lost reply takes our own leases again. This version no longer calls it (a pass's scan
+-- and leases are one call, `ts_recovery_scan`); it stays for an older process that may
+-- still call it during a rolling upgrade.
 CREATE OR REPLACE FUNCTION ts_take_recovery_leases(p_owner text, p_execs text[],
     p_sessions text[], p_lease bigint, p_now bigint, p_retry boolean)
 RETURNS TABLE(leased_id text)
