@@ -12,6 +12,7 @@ from trio_sessions import (
     _store,
 )
 from trio_sessions._decisions import AcquireVerdict
+from trio_sessions._errors import InputConflict
 from trio_sessions._model import INTERRUPTED
 
 from .common import (
@@ -98,6 +99,43 @@ def test_an_acquire_never_reenters_an_own_claim_under_another_execution(
     assert acquired.holder == "owner-a"
     assert db.snapshot(["session_execution"]) == claim
     assert db.doorbell()[0] is not None
+
+
+@pytest.mark.parametrize("where", ["pending", "taken", "set_aside"])
+@pytest.mark.parametrize("session", ["s", "other"], ids=["same", "another"])
+def test_submit_and_acquire_answers_a_stored_input_id_as_submit_does(
+    db: Db, where: str, session: str
+) -> None:
+    """An input id already stored - pending, taken, or set aside - on a session free to
+    claim: `submit_and_acquire` stores nothing for it (a retry after a lost COMMIT outcome
+    lands once) and claims only if the doorbell is set; for another session it raises
+    `InputConflict` with nothing written. The check `submit_and_acquire` starts with must
+    see the id in every table it can be in, not only the session's claim and pause."""
+    payload = '{"n": 1}' if where != "set_aside" else "[1]"  # not an object: set aside
+    db.run(_store.submit, "s", payload, "in-1")
+    if where != "pending":
+        execution = db.claim()
+        db.run(_store.take_inputs, "s", execution, "owner-a")
+        db.run(_store.finish_iteration, "s", execution, "owner-a")
+    assert db.claim_row("s") is None
+    before = db.snapshot()
+    args = (payload, "in-1", "exec-2", "owner-b", LEASE)
+    if session == "other":
+        with pytest.raises(InputConflict, match="in-1"):
+            db.run(_store.submit_and_acquire, session, *args)
+        assert db.snapshot() == before
+        return
+    inputs = ["session_input", "session_message", "session_input_rejected"]
+    inputs_before = db.snapshot(inputs)
+    stored, acquired = db.run(_store.submit_and_acquire, session, *args)
+    assert stored == "in-1"
+    assert db.snapshot(inputs) == inputs_before
+    if where == "pending":  # its doorbell still set: the claim takes it
+        assert acquired.verdict is AcquireVerdict.CLAIM
+        assert db.claim_row("s") is not None
+    else:
+        assert acquired.verdict is AcquireVerdict.NO_DOORBELL
+        assert db.snapshot() == before
 
 
 def test_acquire_needs_the_doorbell(db: Db) -> None:
