@@ -11,6 +11,10 @@ Invariants kept here:
 * on PostgreSQL each operation is one call of its server-side function (`PG_FUNCTIONS`
   below); a claim row carrying the caller's own execution id is that call's, landed before
   a lost reply;
+* on SQLite a `submit_and_acquire` alone asks whether its session is free (no claim row,
+  not paused) and its input id new in one read, and writes at once when so; anything else
+  is read again one question at a time (`_known_input` answers a stored id, so a retry
+  after an unknown COMMIT outcome lands once);
 * on SQLite a group commit's jobs of one kind run set-wise (`sqlite_batched`: one read,
   then one statement per table) for the sessions free to claim, under the same rules; a
   job the read does not settle writes nothing there and runs alone after;
@@ -320,16 +324,33 @@ def submit_and_acquire(
         # Another session's id, or another payload text: nothing was written; the path
         # below decides (in a transaction).
     tx.lock_session(session_id)
-    claim = _claim_row(tx, session_id)
-    if (
-        claim is not None
-        or _known_input(tx, session_id, input_id, payload)
-        or _paused(tx, session_id)
+    # SQLite: the common case in one read; anything else is read again, one question at a
+    # time, where a known input id gets its answer (`_known_input`: also a retry's).
+    if (tx.dialect == "sqlite" and _free_and_new(tx, session_id, input_id)) or (
+        _claim_row(tx, session_id) is None
+        and not _known_input(tx, session_id, input_id, payload)
+        and not _paused(tx, session_id)
     ):
-        stored = submit(tx, session_id, payload, input_id)
-        return stored, acquire(tx, session_id, execution_id, owner_id, lease_ms)
-    session = _insert_input(tx, session_id, payload, input_id, ring=False)
-    return input_id, _insert_claim(tx, session_id, execution_id, owner_id, lease_ms, session)
+        session = _insert_input(tx, session_id, payload, input_id, ring=False)
+        return input_id, _insert_claim(tx, session_id, execution_id, owner_id, lease_ms, session)
+    stored = submit(tx, session_id, payload, input_id)
+    return stored, acquire(tx, session_id, execution_id, owner_id, lease_ms)
+
+
+def _free_and_new(tx: Tx, session_id: str, input_id: str) -> bool:
+    """Whether the session has no claim row and is not paused, and the input id is stored
+    nowhere (pending, taken or set aside): the three reads of `submit_and_acquire`'s
+    careful path in one statement, which reads no stored text. False says only that one of
+    them is not so: that path reads them again and answers."""
+    [(busy,)] = tx.execute(
+        "SELECT EXISTS (SELECT 1 FROM session_execution WHERE session_id = :session)"
+        " OR EXISTS (SELECT 1 FROM session WHERE id = :session AND time_paused IS NOT NULL)"
+        " OR EXISTS (SELECT 1 FROM session_input WHERE id = :input)"
+        " OR EXISTS (SELECT 1 FROM session_message WHERE input_id = :input)"
+        " OR EXISTS (SELECT 1 FROM session_input_rejected WHERE id = :input)",
+        {"session": session_id, "input": input_id},
+    ).fetchall()
+    return not busy
 
 
 def _pg_acquired(
