@@ -50,7 +50,7 @@ from .common import (
     _take_doorbell,
     unknown_phase,
 )
-from .transcript import MAYBE_OPEN, _close_open_messages, maybe_open_data
+from .transcript import MAYBE_OPEN, OPEN_ASSISTANT, _close_open_messages, maybe_open_data
 
 
 @autocommit_when_alone
@@ -193,9 +193,10 @@ def end_iteration(tx: Tx, session_id: str, execution_id: str, owner_id: str) -> 
         result = _pg_iteration_finished((session_id, execution_id, owner_id), row)
         if result is not FALLBACK:
             return IterationVerdict(result)
-    claimed = _require_claim_session(tx, session_id, execution_id, owner_id)
+    claimed = _require_claim_session(tx, session_id, execution_id, owner_id, OPEN_ASSISTANT)
     _refuse_unknown_phase(execution_id, claimed.phase)
-    _close_open_messages(tx, execution_id, INTERRUPTED, malformed_keeps_claim=True)
+    if claimed.open_messages:
+        _close_open_messages(tx, execution_id, INTERRUPTED, malformed_keeps_claim=True)
     cancelling = claimed.phase == "cancelling"
     verdict = _decisions.iteration_verdict(
         doorbell_set=claimed.doorbell,
@@ -262,9 +263,10 @@ def finish_failed(tx: Tx, session_id: str, execution_id: str, owner_id: str, err
         verdict = _pg_finish(tx, session_id, execution_id, owner_id, "failed")
         if verdict is not None:
             return verdict == "released-set"
-    claimed = _require_claim_session(tx, session_id, execution_id, owner_id)
+    claimed = _require_claim_session(tx, session_id, execution_id, owner_id, OPEN_ASSISTANT)
     _refuse_unknown_phase(execution_id, claimed.phase)
-    _close_open_messages(tx, execution_id, error, malformed_keeps_claim=True)
+    if claimed.open_messages:
+        _close_open_messages(tx, execution_id, error, malformed_keeps_claim=True)
     _delete_claim(tx, execution_id, owner_id)
     _reset_attempts(tx, session_id)
     return _doorbell_set(tx, session_id)

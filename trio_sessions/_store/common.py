@@ -147,6 +147,9 @@ class _ClaimedSession:
     wake_attempts: int
     phase: str = "running"  # the claim's: 'cancelling' once an interrupt was requested
     paused: bool = False
+    # Whether the execution has a message meeting the caller's `open_messages` condition
+    # (True when none was asked: the caller reads them itself).
+    open_messages: bool = True
 
 
 PHASES = ("running", "cancelling")
@@ -164,13 +167,21 @@ def unknown_phase(execution_id: str, phase: Any) -> MalformedRecord | None:
 
 
 def _require_claim_session(
-    tx: Tx, session_id: str, execution_id: str, owner_id: str
+    tx: Tx, session_id: str, execution_id: str, owner_id: str, open_messages: str = ""
 ) -> _ClaimedSession:
     """`_require_claim`, reading the session's doorbell, resume count and pause, and the
-    claim's phase, in the same statement."""
+    claim's phase, in the same statement - and with `open_messages` (a condition on
+    `session_message` columns: an ending's `OPEN_ASSISTANT`), whether any message of the
+    execution meets it, so an ending with none open reads them no further."""
     tx.lock_session(session_id)
+    exists = (
+        f", EXISTS (SELECT 1 FROM session_message WHERE execution_id = c.id AND {open_messages})"
+        if open_messages
+        else ", TRUE"
+    )
     row = tx.one(
-        "SELECT s.time_woken, s.wake_attempts, c.phase, s.time_paused FROM session_execution c"
+        f"SELECT s.time_woken, s.wake_attempts, c.phase, s.time_paused{exists}"
+        " FROM session_execution c"
         f" JOIN session s ON s.id = c.session_id WHERE {SESSION_FENCE.format(t='c.')}",
         _session_fence(tx, session_id, execution_id, owner_id),
     )
@@ -182,6 +193,7 @@ def _require_claim_session(
         wake_attempts_of(session_id, row[1]),
         str(row[2]),
         row[3] is not None,
+        bool(row[4]),
     )
 
 

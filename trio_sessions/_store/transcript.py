@@ -504,6 +504,9 @@ def maybe_open_data(tx: Tx, message_id: Any, text: Any, finished: Any) -> Assist
 # another tool set to any other value (2, text) would be passed over, the message left open
 # for ever with its claim deleted in silence; read, it is refused (`broken_mark`).
 MAYBE_OPEN = "finished <> 1"
+# The messages an ending finishes (`_close_open_messages`): an execution's maybe-open
+# assistant messages.
+OPEN_ASSISTANT = f"{MAYBE_OPEN} AND role = 'assistant'"
 
 
 def maybe_open(finished: Any) -> bool:
@@ -540,7 +543,7 @@ def _close_open_messages(
     """
     rows = tx.execute(
         "SELECT id, data, session_id, finished FROM session_message"
-        f" WHERE execution_id = ? AND {MAYBE_OPEN} AND role = 'assistant'",
+        f" WHERE execution_id = ? AND {OPEN_ASSISTANT}",
         (execution_id,),
     ).fetchall()
     left_open: list[MalformedRecord] = []
