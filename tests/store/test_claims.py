@@ -12,7 +12,7 @@ from trio_sessions import (
     _store,
 )
 from trio_sessions._decisions import AcquireVerdict
-from trio_sessions._errors import InputConflict
+from trio_sessions._errors import InputConflict, MalformedRecord
 from trio_sessions._model import INTERRUPTED
 
 from .common import (
@@ -224,6 +224,27 @@ def test_finish_iteration_closes_open_messages(db: Db) -> None:
     db.run(_store.begin_assistant, "s", execution, "owner-a", "m-2")
     assert db.run(_store.finish_iteration, "s", execution, "owner-a") is False
     assert (db.message("m-2").finished, db.message("m-2").error) == (True, INTERRUPTED)
+
+
+@pytest.mark.sqlite_only
+def test_an_ending_over_a_second_open_message_not_utf8_writes_nothing(db: Db) -> None:
+    """An execution with two open messages, the second's streamed text made bytes that are
+    not UTF-8 by another tool (SQLite keeps them as TEXT): the drain's ending names that
+    message malformed and writes nothing - the first message stays open, the claim stays
+    for quarantine. The first message would be closed before the second is read: its
+    write must be undone with the ending, never committed beside a refusal."""
+    execution = busy_claim(db)
+    [(data,)] = db.rows("SELECT data FROM session_message WHERE id = 'm-1'")
+    db.put_message("m-2", execution, 10, data)
+    db.write(
+        "INSERT INTO session_message_delta(message_id, version, text)"
+        " VALUES ('m-2', 5, CAST(X'ff' AS TEXT))"
+    )
+    before = db.snapshot()
+    with pytest.raises(MalformedRecord) as raised:
+        db.run(_store.end_iteration, "s", execution, "owner-a")
+    assert (raised.value.table, raised.value.key) == ("session_message_delta", "m-2")
+    assert db.snapshot() == before
 
 
 def test_finish_failed_closes_message_and_does_not_rearm(db: Db) -> None:
