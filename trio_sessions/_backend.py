@@ -200,6 +200,19 @@ def reads_stored_bytes(op: Callable[..., T]) -> Callable[..., T]:
     return op
 
 
+# `reads_stored_bytes_first`'s mark.
+READS_STORED_BYTES_FIRST = "first"
+
+
+def reads_stored_bytes_first(op: Callable[..., T]) -> Callable[..., T]:
+    """`reads_stored_bytes` for a write whose every read of stored text comes before its
+    first write (a drain's `end_iteration`, on the path every cycle takes): a read that
+    meets bytes finds nothing to undo, so SQLite runs it with no savepoint of its own
+    (`_sqlite.engine._run_job`, which checks that nothing was written)."""
+    op.__dict__["reads_stored_bytes"] = READS_STORED_BYTES_FIRST
+    return op
+
+
 def skips_a_busy_session(op: Callable[..., T]) -> Callable[..., T]:
     """Mark an operation on one session that never waits for another transaction's lock on
     it (PostgreSQL: it answers at once instead - an acquire from a doorbell, which leaves

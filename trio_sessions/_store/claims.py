@@ -30,6 +30,7 @@ from .._backend import (
     caller_yields_next,
     pg_batched,
     reads_stored_bytes,
+    reads_stored_bytes_first,
     sqlite_batched,
 )
 from .._decisions import IterationVerdict
@@ -169,7 +170,7 @@ def _end_iterations(tx: Tx, rows: Sequence[tuple[Any, ...]]) -> list[Any]:
 
 @autocommit_when_alone
 @caller_yields_next
-@reads_stored_bytes
+@reads_stored_bytes_first
 @pg_batched("ts_finish_iterations", _pg_iteration_finished)
 @sqlite_batched(_end_iterations)
 def end_iteration(tx: Tx, session_id: str, execution_id: str, owner_id: str) -> IterationVerdict:

@@ -540,6 +540,9 @@ def _close_open_messages(
     claim all the same: DESIGN §4's order) returns each such row's `MalformedRecord`, for
     the caller to tell the operator: nothing else will, and `transcript()` raises until one
     acts.
+
+    Every row is read (its stored text too) before the first is written: an ending's
+    reads of stored text all come before its writes (`reads_stored_bytes_first`).
     """
     rows = tx.execute(
         "SELECT id, data, session_id, finished FROM session_message"
@@ -547,6 +550,7 @@ def _close_open_messages(
         (execution_id,),
     ).fetchall()
     left_open: list[MalformedRecord] = []
+    closing: list[tuple[str, str, AssistantData]] = []
     for message_id, text, session_id, finished in rows:
         try:
             data = maybe_open_data(tx, message_id, text, finished)
@@ -556,9 +560,11 @@ def _close_open_messages(
             left_open.append(exc)
             continue
         if not data.finished:  # a finished row written by hand stays exactly as it is
-            _write_assistant(tx, message_id, execution_id, _transcript.interrupt(data, reason))
-            # For the session's watchers (on SQLite, this runtime's own ones too).
-            tx.notify(session_id, watchers_only=True)
+            closing.append((message_id, session_id, data))
+    for message_id, session_id, data in closing:
+        _write_assistant(tx, message_id, execution_id, _transcript.interrupt(data, reason))
+        # For the session's watchers (on SQLite, this runtime's own ones too).
+        tx.notify(session_id, watchers_only=True)
     return tuple(left_open)
 
 
