@@ -6,13 +6,15 @@ engine."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from trio_sessions import (
     _store,
 )
-from trio_sessions._decisions import AcquireVerdict
-from trio_sessions._errors import InputConflict, MalformedRecord
+from trio_sessions._decisions import AcquireVerdict, IterationVerdict
+from trio_sessions._errors import InputConflict, LeaseLost, MalformedRecord
 from trio_sessions._model import INTERRUPTED
 
 from .common import (
@@ -245,6 +247,64 @@ def test_an_ending_over_a_second_open_message_not_utf8_writes_nothing(db: Db) ->
         db.run(_store.end_iteration, "s", execution, "owner-a")
     assert (raised.value.table, raised.value.key) == ("session_message_delta", "m-2")
     assert db.snapshot() == before
+
+
+_ENDINGS: dict[str, Any] = {
+    "plain": IterationVerdict.RELEASE,
+    "attempts": IterationVerdict.RELEASE,
+    "rung": IterationVerdict.CONTINUE,
+    "paused": IterationVerdict.PAUSE,
+    "cancelling": IterationVerdict.RELEASE,
+    "cancelling_rung": IterationVerdict.HAND_OVER,
+    "cancelling_inputs": IterationVerdict.HAND_OVER,
+    "open": IterationVerdict.RELEASE,
+    "attempts_text": MalformedRecord,
+    "wrong_owner": LeaseLost,
+    "expired": LeaseLost,
+}
+
+
+@pytest.mark.parametrize("state", list(_ENDINGS))
+def test_end_iteration_of_a_lone_claim_in_each_state(db: Db, state: str) -> None:
+    """`end_iteration` run alone (no group commit), in every state its verdict turns on:
+    the verdict, and what it leaves - the claim deleted on any ending but `CONTINUE`, the
+    resume count reset, an open message closed; a refusal writes nothing. Pins the common
+    ending's shortcut on SQLite (a running, unrung, unpaused claim with nothing open,
+    deleted in one statement) against the fence read's path."""
+    execution = db.claim()
+    owner = "owner-b" if state == "wrong_owner" else "owner-a"
+    if state == "attempts":
+        db.write("UPDATE session SET wake_attempts = 2")
+    if state == "attempts_text":
+        if db.dialect != "sqlite":
+            pytest.skip("PostgreSQL's column is typed")
+        db.write("UPDATE session SET wake_attempts = 'abc'")
+    if state in ("rung", "cancelling_rung"):
+        db.run(_store.wake, "s")
+    if state == "paused":
+        db.run(_store.pause, "s")
+    if state == "cancelling_inputs":  # an input waits, its ring taken: handed over
+        db.run(_store.submit, "s", '{"n": 1}', "in-1")
+        db.write("UPDATE session SET time_woken = NULL, wakes = 0")
+    if state.startswith("cancelling"):
+        db.run(_store.mark_cancelling, "s", execution, "owner-a")
+    if state == "open":
+        db.run(_store.begin_assistant, "s", execution, "owner-a", "m-1")
+    if state == "expired":
+        db.expire()
+    expected = _ENDINGS[state]
+    if not isinstance(expected, IterationVerdict):
+        before = db.snapshot()
+        with pytest.raises(expected):
+            db.run(_store.end_iteration, "s", execution, owner)
+        assert db.snapshot() == before
+        return
+    assert db.run(_store.end_iteration, "s", execution, owner) is expected
+    continues = expected is IterationVerdict.CONTINUE
+    assert (db.claim_row() is not None) == continues
+    assert db.doorbell()[2] == 0
+    if state == "open":
+        assert db.message("m-1").finished
 
 
 def test_finish_failed_closes_message_and_does_not_rearm(db: Db) -> None:
