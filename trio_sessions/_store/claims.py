@@ -10,7 +10,9 @@ Invariants kept here:
   interrupt re-arms the doorbell when inputs remain (exactly one successor);
 * on SQLite a heartbeat renews all its claims in one fenced statement, and a group
   commit's `end_iteration` jobs run set-wise (`sqlite_batched`) under the same fence; a
-  job the set-wise read does not settle writes nothing there and runs alone after.
+  job the set-wise read does not settle writes nothing there and runs alone after; one
+  alone whose verdict is sure to be `RELEASE` deletes its claim in one fenced statement
+  (`_released_at_once`), and any other writes nothing there and is judged as before.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from .common import (
     _session_fence,
     _take_doorbell,
     unknown_phase,
+    wake_attempts_of,
 )
 from .transcript import MAYBE_OPEN, OPEN_ASSISTANT, _close_open_messages, maybe_open_data
 
@@ -194,6 +197,8 @@ def end_iteration(tx: Tx, session_id: str, execution_id: str, owner_id: str) -> 
         result = _pg_iteration_finished((session_id, execution_id, owner_id), row)
         if result is not FALLBACK:
             return IterationVerdict(result)
+    if tx.dialect == "sqlite" and _released_at_once(tx, session_id, execution_id, owner_id):
+        return IterationVerdict.RELEASE
     claimed = _require_claim_session(tx, session_id, execution_id, owner_id, OPEN_ASSISTANT)
     _refuse_unknown_phase(execution_id, claimed.phase)
     if claimed.open_messages:
@@ -214,6 +219,28 @@ def end_iteration(tx: Tx, session_id: str, execution_id: str, owner_id: str) -> 
     if claimed.wake_attempts:
         _reset_attempts(tx, claimed.session_id)
     return verdict
+
+
+def _released_at_once(tx: Tx, session_id: str, execution_id: str, owner_id: str) -> bool:
+    """SQLite, the common end of a drain call: a running claim under its fence, its drain
+    left no message open, its session's doorbell unset and no pause - so the verdict is
+    `RELEASE` - is deleted in one statement, its resume count reset; False, with nothing
+    written, for anything else, which the fence read then judges."""
+    row = tx.one(
+        f"DELETE FROM session_execution WHERE {SESSION_FENCE.format(t='')}"
+        " AND phase = 'running'"
+        " AND EXISTS (SELECT 1 FROM session s WHERE s.id = :session"
+        " AND s.time_woken IS NULL AND s.time_paused IS NULL)"
+        " AND NOT EXISTS (SELECT 1 FROM session_message"
+        f" WHERE execution_id = :execution AND {OPEN_ASSISTANT})"
+        " RETURNING (SELECT s.wake_attempts FROM session s WHERE s.id = :session)",
+        _session_fence(tx, session_id, execution_id, owner_id),
+    )
+    if row is None:
+        return False
+    if wake_attempts_of(session_id, row[0]):  # `MalformedRecord`: undone with the job
+        _reset_attempts(tx, session_id)
+    return True
 
 
 def _refuse_unknown_phase(execution_id: str, phase: str) -> None:
