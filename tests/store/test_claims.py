@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from trio_sessions import (
+    _sqlite,
     _store,
 )
 from trio_sessions._decisions import AcquireVerdict, IterationVerdict
@@ -305,6 +306,26 @@ def test_end_iteration_of_a_lone_claim_in_each_state(db: Db, state: str) -> None
     assert db.doorbell()[2] == 0
     if state == "open":
         assert db.message("m-1").finished
+
+
+@pytest.mark.sqlite_only
+def test_an_ending_over_a_resume_count_not_utf8_names_it_malformed(db: Db) -> None:
+    """A running claim whose session's resume count another tool set to bytes that are
+    not UTF-8 (SQLite keeps them as TEXT), nothing else in the way of a release: the
+    drain's ending names the session malformed (`MalformedRecord`, for quarantine) and
+    writes nothing - never a `StoreError`, which a finalizer retries for ever over the
+    same bytes. The ending that deletes the claim at once reads the count back from its
+    DELETE: the refused read comes after a write, so it must be read again over bytes."""
+    execution = db.claim()
+    db.write("UPDATE session SET wake_attempts = CAST(X'ff' AS TEXT)")
+    # The session row read as bytes (the driver refuses it as text), every other whole.
+    session = "SELECT id, time_woken, wakes, CAST(wake_attempts AS BLOB) FROM session"
+    before = (db.snapshot(set(_sqlite.OUR_TABLES) - {"session"}), db.rows(session))
+    with pytest.raises(MalformedRecord) as raised:
+        db.run(_store.end_iteration, "s", execution, "owner-a")
+    assert (raised.value.table, raised.value.key) == ("session", "s")
+    assert (db.snapshot(set(_sqlite.OUR_TABLES) - {"session"}), db.rows(session)) == before
+    assert db.claim_row() is not None
 
 
 def test_finish_failed_closes_message_and_does_not_rearm(db: Db) -> None:

@@ -223,14 +223,18 @@ def end_iteration(tx: Tx, session_id: str, execution_id: str, owner_id: str) -> 
 
 def _released_at_once(tx: Tx, session_id: str, execution_id: str, owner_id: str) -> bool:
     """SQLite, the common end of a drain call: a running claim under its fence, its drain
-    left no message open, its session's doorbell unset and no pause - so the verdict is
-    `RELEASE` - is deleted in one statement, its resume count reset; False, with nothing
-    written, for anything else, which the fence read then judges."""
+    left no message open, its session's doorbell unset, no pause and a whole resume count -
+    so the verdict is `RELEASE` - is deleted in one statement, its resume count reset;
+    False, with nothing written, for anything else, which the fence read then judges."""
     row = tx.one(
         f"DELETE FROM session_execution WHERE {SESSION_FENCE.format(t='')}"
         " AND phase = 'running'"
         " AND EXISTS (SELECT 1 FROM session s WHERE s.id = :session"
-        " AND s.time_woken IS NULL AND s.time_paused IS NULL)"
+        " AND s.time_woken IS NULL AND s.time_paused IS NULL"
+        # Any other resume count, read back only after the DELETE, is left to the fence
+        # read, which reads it before any write: text that is not UTF-8 is read again as
+        # bytes there (`reads_stored_bytes_first`), to name the session malformed.
+        " AND typeof(s.wake_attempts) = 'integer')"
         " AND NOT EXISTS (SELECT 1 FROM session_message"
         f" WHERE execution_id = :execution AND {OPEN_ASSISTANT})"
         " RETURNING (SELECT s.wake_attempts FROM session s WHERE s.id = :session)",
