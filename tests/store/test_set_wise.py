@@ -82,6 +82,27 @@ SINGLE_FENCE = "SELECT s.time_woken, s.wake_attempts, c.phase"
 SINGLE_KNOWN_INPUT = "SELECT session_id, payload FROM session_input WHERE id = ?"
 
 
+def test_a_grouped_ending_over_a_resume_count_not_an_integer_refuses_it_as_alone(
+    db: Db,
+) -> None:
+    """Two drains end in one group commit, one session's resume count text another tool
+    wrote: that ending gets `MalformedRecord` with its claim kept for quarantine and the
+    count left as stored, as it does run alone - never a release that resets the count to
+    0 in silence. The other ends set-wise."""
+    for s in ("s1", "s2"):
+        db.claim(s, execution=f"exec-a-{s}")
+    db.write("UPDATE session SET wake_attempts = 'abc' WHERE id = 's1'")
+    ending = ends(["s1", "s2"], "a")
+    run_counted(db, ending)
+    assert isinstance(ending[0].error, MalformedRecord)
+    assert ending[1].unwrap() is IterationVerdict.RELEASE
+    assert db.rows("SELECT id FROM session_execution") == [("exec-a-s1",)]
+    assert db.rows("SELECT id, wake_attempts FROM session ORDER BY id") == [
+        ("s1", "abc"),
+        ("s2", 0),
+    ]
+
+
 def test_grouped_cycle_statements_do_not_grow_with_the_batch(db: Db) -> None:
     """A grouped cycle's two batches - submits that take their claims, then the ends of
     those iterations - send as many statements for 100 sessions as for 2."""

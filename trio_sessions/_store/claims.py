@@ -116,8 +116,9 @@ def _end_iterations(tx: Tx, rows: Sequence[tuple[Any, ...]]) -> list[Any]:
     pause; a running claim whose drain left no message open then continues (its doorbell
     taken) or is deleted, all of them in one statement of each kind. Every other job -
     a fence that fails (`LeaseLost`), an open message, a claim marked cancelling, a paused
-    session, a session named twice - is `FALLBACK`, with nothing written for it: it runs
-    on its own (`end_iteration`) after these, under the same write lock.
+    session, a resume count that is no integer, a session named twice - is `FALLBACK`,
+    with nothing written for it: it runs on its own (`end_iteration`) after these, under
+    the same write lock.
     """
     results: list[Any] = [FALLBACK] * len(rows)
     firsts: dict[str, int] = {}
@@ -130,6 +131,8 @@ def _end_iterations(tx: Tx, rows: Sequence[tuple[Any, ...]]) -> list[Any]:
         " AND c.owner_id = json_extract(j.value, '$[2]') AND c.expires_at > :now"
         " JOIN session s ON s.id = c.session_id"
         " WHERE c.phase = 'running' AND s.time_paused IS NULL"
+        # Any other resume count is refused alone (`wake_attempts_of`), the claim kept.
+        " AND typeof(s.wake_attempts) = 'integer'"
         " AND NOT EXISTS (SELECT 1 FROM session_message m WHERE m.execution_id = c.id"
         f" AND m.{MAYBE_OPEN} AND m.role = 'assistant')",
         {"rows": json.dumps([rows[index] for index in firsts.values()]), "now": tx.now},
