@@ -63,8 +63,8 @@ DEFECTS = {
         (
             Edit(
                 "_store/common.py",
-                '    tx.lock_session(session_id)\n    row = tx.one(\n        "SELECT s.time_woken',
-                '    row = tx.one(\n        "SELECT s.time_woken',
+                "    tx.lock_session(session_id)\n    exists = (\n",
+                "    exists = (\n",
             ),
         ),
     ),
