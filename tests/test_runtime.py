@@ -1627,6 +1627,42 @@ async def test_an_iteration_end_answered_past_its_local_deadline_reaches_no_user
     assert len(calls) == 1
 
 
+def _held_elsewhere(raw: Raw, clock: Clock) -> None:
+    """Another owner holds 's' (a live claim: its drain running)."""
+    raw.seed_claim("s", "foreign", expires_at=now_ms(clock) + 60_000, owner_id="other")
+
+
+def _doorbell_taken_elsewhere(raw: Raw) -> None:
+    """The holder's iteration end took the doorbell of 's', to drain again."""
+    raw.write("UPDATE session SET time_woken = NULL, wakes = 0 WHERE id = 's'")
+
+
+async def _doorbell_unclaimed(store: Store, clock: Clock) -> None:
+    """A doorbell rung on 's' by a producer, with no claim: the next runtime's first
+    recovery pass finds it and acquires."""
+    async with trio_sessions.open_runtime(store, None, clock=clock) as producer:
+        await producer.wake("s")
+
+
+def _late_wake_and_acquire(store: Store) -> WrappedStore[LateReply]:
+    """The store, its `wake_and_acquire` committed at once and answered (shielded) only
+    once its executor's `answer` is set."""
+    return WrappedStore(
+        store, lambda executor: LateReply(executor, _store.wake_and_acquire, shield=True)
+    )
+
+
+def _set_once_closing(nursery: trio.Nursery, rt: Runtime, event: trio.Event) -> None:
+    """Set `event` once the runtime's close waits (the block it is opened by exits)."""
+
+    async def set_once_closing() -> None:
+        await trio.testing.wait_all_tasks_blocked()  # the close is waiting
+        assert rt._closing
+        event.set()
+
+    nursery.start_soon(set_once_closing)
+
+
 class _HeldAcquireExecutor(ExecutorSeam):
     """An executor whose next `acquire` waits, before it runs, until `proceed` is set;
     `acquiring` is set once it waits."""
@@ -1652,8 +1688,7 @@ async def test_a_run_joining_an_acquisition_that_finds_the_session_held_records_
     `deferred` - which promises its wake stays durable for the holder - so the wake must
     be recorded: the holder's drain may have started before run() was called."""
     raw = Raw(db_path)
-    async with trio_sessions.open_runtime(store, None, clock=clock) as producer:
-        await producer.wake("s")  # a doorbell, no claim
+    await _doorbell_unclaimed(store, clock)
     held = WrappedStore(store, _HeldAcquireExecutor)
     quiet = {"recovery_interval": 10_000.0}
     async with runtime(held, Recorder(), clock, **quiet) as rt, trio.open_nursery() as nursery:
@@ -1662,8 +1697,8 @@ async def test_a_run_joining_an_acquisition_that_finds_the_session_held_records_
         outcomes = start_run(nursery, rt, "s")
         await trio.testing.wait_all_tasks_blocked()
         # Another owner took the doorbell and holds the session (its drain running).
-        raw.seed_claim("s", "foreign", expires_at=now_ms(clock) + 60_000, owner_id="other")
-        raw.write("UPDATE session SET time_woken = NULL, wakes = 0 WHERE id = 's'")
+        _held_elsewhere(raw, clock)
+        _doorbell_taken_elsewhere(raw)
         held.executor.proceed.set()
         await rt.wait_idle("s")
     assert outcomes == [Outcome("deferred")]
@@ -1679,8 +1714,7 @@ async def test_a_run_joining_an_acquisition_that_finds_the_session_held_at_close
     interrupted/shutdown for an execution that never was - with its wake never stored,
     and the holder's drain maybe started before run() was called."""
     raw = Raw(db_path)
-    async with trio_sessions.open_runtime(store, None, clock=clock) as producer:
-        await producer.wake("s")  # a doorbell, no claim
+    await _doorbell_unclaimed(store, clock)
     held = WrappedStore(store, _HeldAcquireExecutor)
     quiet = {"recovery_interval": 10_000.0}
     async with trio.open_nursery() as nursery, runtime(held, Recorder(), clock, **quiet) as rt:
@@ -1689,15 +1723,10 @@ async def test_a_run_joining_an_acquisition_that_finds_the_session_held_at_close
         outcomes = start_run(nursery, rt, "s")
         await trio.testing.wait_all_tasks_blocked()
         # Another owner took the doorbell and holds the session (its drain running).
-        raw.seed_claim("s", "foreign", expires_at=now_ms(clock) + 60_000, owner_id="other")
-        raw.write("UPDATE session SET time_woken = NULL, wakes = 0 WHERE id = 's'")
+        _held_elsewhere(raw, clock)
+        _doorbell_taken_elsewhere(raw)
 
-        async def proceed_once_closing() -> None:
-            await trio.testing.wait_all_tasks_blocked()  # the close is waiting
-            assert rt._closing and held.executor is not None
-            held.executor.proceed.set()
-
-        nursery.start_soon(proceed_once_closing)
+        _set_once_closing(nursery, rt, held.executor.proceed)
     assert outcomes == [Outcome("deferred")]
     assert raw.one("SELECT time_woken FROM session WHERE id = 's'")[0] is not None
 
@@ -1710,22 +1739,15 @@ async def test_a_run_whose_acquisition_finds_the_session_held_at_close_is_deferr
     for the holder and no execution of this runtime took it: `deferred` (DESIGN §5 `run`,
     and run()'s docstring: "the runtime is closing"), not interrupted/shutdown."""
     raw = Raw(db_path)
-    held = WrappedStore(
-        store, lambda executor: LateReply(executor, _store.wake_and_acquire, shield=True)
-    )
+    held = _late_wake_and_acquire(store)
     quiet = {"recovery_interval": 10_000.0}
     async with trio.open_nursery() as nursery, runtime(held, Recorder(), clock, **quiet) as rt:
         assert held.executor is not None
-        raw.seed_claim("s", "foreign", expires_at=now_ms(clock) + 60_000, owner_id="other")
+        _held_elsewhere(raw, clock)
         outcomes = start_run(nursery, rt, "s")
         await held.executor.committed.wait()
 
-        async def answer_once_closing() -> None:
-            await trio.testing.wait_all_tasks_blocked()  # the close is waiting
-            assert rt._closing and held.executor is not None
-            held.executor.answer.set()
-
-        nursery.start_soon(answer_once_closing)
+        _set_once_closing(nursery, rt, held.executor.answer)
     assert outcomes == [Outcome("deferred")]
     assert raw.one("SELECT time_woken FROM session WHERE id = 's'")[0] is not None
 
@@ -1757,8 +1779,7 @@ async def test_a_run_joining_a_joiner_s_wake_in_flight_that_finds_the_session_he
     be recorded as the first's was, before it returns `deferred` (DESIGN §5 `run`): the
     holder's drain that took the doorbell started before that run() was called."""
     raw = Raw(db_path)
-    async with trio_sessions.open_runtime(store, None, clock=clock) as producer:
-        await producer.wake("s")  # a doorbell, no claim
+    await _doorbell_unclaimed(store, clock)
     held = WrappedStore(store, _HeldThenLateExecutor)
     quiet = {"recovery_interval": 10_000.0}
     async with runtime(held, Recorder(), clock, **quiet) as rt, trio.open_nursery() as nursery:
@@ -1766,12 +1787,12 @@ async def test_a_run_joining_a_joiner_s_wake_in_flight_that_finds_the_session_he
         await held.executor.acquiring.wait()  # the first pass rang 's': its acquire was sent
         first = start_run(nursery, rt, "s")
         await trio.testing.wait_all_tasks_blocked()
-        raw.seed_claim("s", "foreign", expires_at=now_ms(clock) + 60_000, owner_id="other")
-        raw.write("UPDATE session SET time_woken = NULL, wakes = 0 WHERE id = 's'")
+        _held_elsewhere(raw, clock)
+        _doorbell_taken_elsewhere(raw)
         held.executor.proceed.set()
         await held.executor.committed.wait()  # the first run's wake, with its acquire
         # The holder's iteration end took that doorbell, to drain again.
-        raw.write("UPDATE session SET time_woken = NULL, wakes = 0 WHERE id = 's'")
+        _doorbell_taken_elsewhere(raw)
         second = start_run(nursery, rt, "s")  # joins the acquisition in flight
         await trio.testing.wait_all_tasks_blocked()
         held.executor.answer.set()
@@ -1791,27 +1812,20 @@ async def test_a_run_joining_a_wake_s_held_acquisition_at_close_records_its_wake
     recorded before run() returns `deferred` (DESIGN §5 `run`) - the holder's drain that
     took the doorbell may have started before run() was called."""
     raw = Raw(db_path)
-    held = WrappedStore(
-        store, lambda executor: LateReply(executor, _store.wake_and_acquire, shield=True)
-    )
+    held = _late_wake_and_acquire(store)
     quiet = {"recovery_interval": 10_000.0}
     async with trio.open_nursery() as nursery, runtime(held, Recorder(), clock, **quiet) as rt:
         assert held.executor is not None
-        raw.seed_claim("s", "foreign", expires_at=now_ms(clock) + 60_000, owner_id="other")
+        _held_elsewhere(raw, clock)
         nursery.start_soon(rt.wake, "s")
         await held.executor.committed.wait()  # found the session held; the reply waits
         # The holder's iteration end took that doorbell, to drain again.
-        raw.write("UPDATE session SET time_woken = NULL, wakes = 0 WHERE id = 's'")
+        _doorbell_taken_elsewhere(raw)
         outcomes = start_run(nursery, rt, "s")  # joins the acquisition in flight
         await trio.testing.wait_all_tasks_blocked()
         assert rt._entries["s"].needs_wake
 
-        async def answer_once_closing() -> None:
-            await trio.testing.wait_all_tasks_blocked()  # the close is waiting
-            assert rt._closing and held.executor is not None
-            held.executor.answer.set()
-
-        nursery.start_soon(answer_once_closing)
+        _set_once_closing(nursery, rt, held.executor.answer)
     assert outcomes == [Outcome("deferred")]
     assert raw.one("SELECT time_woken FROM session WHERE id = 's'")[0] is not None
 
@@ -1853,21 +1867,16 @@ async def test_a_run_joining_a_wake_s_held_acquisition_at_close_whose_wake_fails
     quiet = {"recovery_interval": 10_000.0}
     async with trio.open_nursery() as nursery, runtime(held, Recorder(), clock, **quiet) as rt:
         assert held.executor is not None
-        raw.seed_claim("s", "foreign", expires_at=now_ms(clock) + 60_000, owner_id="other")
+        _held_elsewhere(raw, clock)
         nursery.start_soon(rt.wake, "s")
         await held.executor.committed.wait()  # found the session held; the reply waits
         # The holder's iteration end took that doorbell, to drain again.
-        raw.write("UPDATE session SET time_woken = NULL, wakes = 0 WHERE id = 's'")
+        _doorbell_taken_elsewhere(raw)
         nursery.start_soon(run_and_catch, rt)  # joins the acquisition in flight
         await trio.testing.wait_all_tasks_blocked()
         assert rt._entries["s"].needs_wake
 
-        async def answer_once_closing() -> None:
-            await trio.testing.wait_all_tasks_blocked()  # the close is waiting
-            assert rt._closing and held.executor is not None
-            held.executor.answer.set()
-
-        nursery.start_soon(answer_once_closing)
+        _set_once_closing(nursery, rt, held.executor.answer)
     assert held.executor.wakes_refused == 1
     assert [type(exc) for exc in raised] == [StoreError]
     assert "could not be recorded" in str(raised[0])
@@ -1884,9 +1893,7 @@ async def test_a_wake_s_acquisition_answered_after_a_crash_leaves_its_claim_live
     expired lease, taken over at once rather than after the takeover grace or the lease),
     and no drain starts."""
     raw = Raw(db_path)
-    held = WrappedStore(
-        store, lambda executor: LateReply(executor, _store.wake_and_acquire, shield=True)
-    )
+    held = _late_wake_and_acquire(store)
     drain = Recorder()
     outcomes: list[Outcome] = []
     quiet = {"recovery_interval": 10_000.0}
@@ -1917,14 +1924,12 @@ async def test_a_wake_s_held_acquisition_answered_after_a_crash_writes_and_start
     crashed runtime's closed nursery - the wake returns, instead of raising trio's
     "Nursery is closed to new arrivals" with the session left registered for ever."""
     raw = Raw(db_path)
-    held = WrappedStore(
-        store, lambda executor: LateReply(executor, _store.wake_and_acquire, shield=True)
-    )
+    held = _late_wake_and_acquire(store)
     raised: list[BaseException] = []
     quiet = {"recovery_interval": 10_000.0}
     async with trio.open_nursery() as nursery, runtime(held, Recorder(), clock, **quiet) as rt:
         assert held.executor is not None
-        raw.seed_claim("s", "foreign", expires_at=now_ms(clock) + 60_000, owner_id="other")
+        _held_elsewhere(raw, clock)
 
         async def wake() -> None:
             try:

@@ -326,15 +326,13 @@ class FailsOnce:
         return await self._executor.run(operation, *args)
 
 
-async def test_a_run_joining_an_acquisition_that_fails_raises_its_store_error(
-    store: Store, clock: Clock, autojump_clock: MockClock
-) -> None:
-    """`run()` joined an acquisition (here started by `resume`) whose transaction failed
-    with a store error: no drain ran, and the acquisition was to record the run's wake
-    too. It was told `failed` with the store's error, as if a drain had failed (an audit's
-    find); then `deferred` - yet no wake of its was recorded (a review's). It raises the
-    `StoreError` now, as a run whose own wake could not be recorded does; the wake that
-    was durable before is still drained."""
+async def _run_joining_an_acquisition_that_fails(
+    store: Store, clock: Clock, error: StoreError | None = None
+) -> list[BaseException]:
+    """A paused session's durable wake; `resume` rings it and a busy period acquires; a
+    `run()` joins that acquisition in flight, which then fails with `error` (`FailsOnce`).
+    The wake durable before is drained after all (once, checked here); returns what the
+    run raised."""
     drain = Recorder()
     raised: list[BaseException] = []
 
@@ -347,7 +345,7 @@ async def test_a_run_joining_an_acquisition_that_fails_raises_its_store_error(
     async with runtime(store, drain, clock) as rt:
         await rt.pause("s")
         await rt.wake("s")  # durable, no claim: the session is paused
-        failing = FailsOnce(rt, _store.acquire)
+        failing = FailsOnce(rt, _store.acquire, error)
         await rt.resume("s")  # rings: a busy period acquires
         await failing.sent.wait()
         async with trio.open_nursery() as nursery:
@@ -356,8 +354,22 @@ async def test_a_run_joining_an_acquisition_that_fails_raises_its_store_error(
             failing.go.set()
         await drain.entered.wait()  # the durable wake is taken after all
         await rt.wait_idle("s")
-    assert len(raised) == 1 and "the wake could not be recorded" in str(raised[0])
     assert len(drain.calls) == 1
+    return raised
+
+
+async def test_a_run_joining_an_acquisition_that_fails_raises_its_store_error(
+    store: Store, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """`run()` joined an acquisition (here started by `resume`) whose transaction failed
+    with a store error: no drain ran, and the acquisition was to record the run's wake
+    too. It was told `failed` with the store's error, as if a drain had failed (an audit's
+    find); then `deferred` - yet no wake of its was recorded (a review's). It raises the
+    `StoreError` now, as a run whose own wake could not be recorded does; the wake that
+    was durable before is still drained."""
+    raised = await _run_joining_an_acquisition_that_fails(store, clock)
+    assert [type(exc) for exc in raised] == [StoreError]
+    assert "the wake could not be recorded" in str(raised[0])
 
 
 async def test_a_run_joining_an_acquisition_whose_outcome_is_unknown_raises_outcome_unknown(
@@ -367,27 +379,8 @@ async def test_a_run_joining_an_acquisition_whose_outcome_is_unknown_raises_outc
     its claim, which would serve the joined run - is unknown, and the run is told so with
     `OutcomeUnknown`, as a run whose own wake's outcome is unknown is, not a plain
     `StoreError` saying the wake was not recorded (a review's find)."""
-    drain = Recorder()
-    raised: list[BaseException] = []
-
-    async def run_and_catch(rt: Any) -> None:
-        try:
-            await rt.run("s")
-        except StoreError as exc:
-            raised.append(exc)
-
-    async with runtime(store, drain, clock) as rt:
-        await rt.pause("s")
-        await rt.wake("s")
-        failing = FailsOnce(rt, _store.acquire, OutcomeUnknown("a COMMIT reply lost (for a test)"))
-        await rt.resume("s")
-        await failing.sent.wait()
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(run_and_catch, rt)  # joins the acquisition in flight
-            await trio.testing.wait_all_tasks_blocked()
-            failing.go.set()
-        await drain.entered.wait()  # the durable wake is taken after all
-        await rt.wait_idle("s")
+    lost = OutcomeUnknown("a COMMIT reply lost (for a test)")
+    raised = await _run_joining_an_acquisition_that_fails(store, clock, lost)
     assert [type(exc) for exc in raised] == [OutcomeUnknown]
     assert "a COMMIT reply lost" in str(raised[0])
 
