@@ -1830,6 +1830,40 @@ async def test_a_run_joining_a_wake_s_held_acquisition_at_close_records_its_wake
     assert raw.one("SELECT time_woken FROM session WHERE id = 's'")[0] is not None
 
 
+async def test_a_joined_run_s_wake_recorded_after_a_shutdown_interrupt_is_taken_at_once(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """run() joins an acquisition in flight; `interrupt(s, reason="shutdown")` stops it
+    while the runtime stays open, and it finds no doorbell (another owner drained it
+    meanwhile). The joined run's wake is recorded and run() returns `deferred` - then, the
+    session free and the runtime open with room, this runtime takes that wake at once, as
+    it resumes a claim it hands back (`recovery_interval` is crash recovery only, not
+    pickup latency: README). It waited for the next pass: the release asked for one only
+    when the outcome named the shutdown, which a stop that claimed nothing no longer does."""
+    raw = Raw(db_path)
+    async with trio_sessions.open_runtime(store, None, clock=clock) as producer:
+        await producer.wake("s")  # a doorbell, no claim
+    held = WrappedStore(store, _HeldAcquireExecutor)
+    recorder = Recorder()
+    quiet = {"recovery_interval": 10_000.0}
+    async with runtime(held, recorder, clock, **quiet) as rt, trio.open_nursery() as nursery:
+        assert held.executor is not None
+        await held.executor.acquiring.wait()  # the first pass rang 's': its acquire was sent
+        outcomes = start_run(nursery, rt, "s")
+        await trio.testing.wait_all_tasks_blocked()
+        assert await rt.interrupt("s", reason="shutdown") is True
+        # Another owner took the doorbell and drained it, its claim gone already.
+        raw.write("UPDATE session SET time_woken = NULL, wakes = 0 WHERE id = 's'")
+        held.executor.proceed.set()
+        await rt.wait_idle("s")
+        assert outcomes == [Outcome("deferred")]
+        assert raw.one("SELECT time_woken FROM session WHERE id = 's'")[0] is not None
+        with trio.fail_after(1):
+            await recorder.entered.wait()
+        await rt.wait_idle("s")
+    assert len(recorder.calls) == 1
+
+
 class _LateReplyFailingWake(LateReply):
     """As `LateReply` on `wake_and_acquire` (shielded), and a `wake` sent without waiting
     for locks (`run_nowait`: the close's writes) that fails with a `StoreError` without

@@ -334,11 +334,12 @@ class BusyPeriods:
                 # elsewhere, and submitted to again): look for durable wakes left waiting -
                 # the change scan passes over the sessions this runtime holds.
                 runtime._kick.set()
-            if outcome.reason == "shutdown" and not runtime._closing:
+            if "shutdown" in (outcome.reason, entry.reason) and not runtime._closing:
                 # Handed back while we stay open (`interrupt(s, reason="shutdown")`): our
                 # own pass resumes it now, as another runtime's signal would bring it - the
                 # change loop passes over our own commits. Only now, as the pass skips
-                # the sessions we hold.
+                # the sessions we hold. Also when it claimed nothing (its outcome
+                # `deferred`): a joined run's wake recorded then waits for the same pass.
                 runtime._recover_now.set()
         entry.close(outcome)
 
