@@ -225,7 +225,9 @@ class BusyPeriods:
         or a recovery placeholder that did not take over).
 
         A user interrupt accepted meanwhile is passed on to the holder; a ring since it
-        decided, or a joined run's wake, gets a fresh acquisition; otherwise: deferred.
+        decided, or a joined run's wake, gets a fresh acquisition - or, with none to start
+        (the runtime closing, a shutdown interrupt), that wake is recorded here; otherwise:
+        deferred. After `testing.crash` nothing is written or started.
         """
         runtime = self._runtime
         entry.deciding = False
