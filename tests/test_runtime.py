@@ -1841,8 +1841,7 @@ async def test_a_joined_run_s_wake_recorded_after_a_shutdown_interrupt_is_taken_
     pickup latency: README). It waited for the next pass: the release asked for one only
     when the outcome named the shutdown, which a stop that claimed nothing no longer does."""
     raw = Raw(db_path)
-    async with trio_sessions.open_runtime(store, None, clock=clock) as producer:
-        await producer.wake("s")  # a doorbell, no claim
+    await _doorbell_unclaimed(store, clock)
     held = WrappedStore(store, _HeldAcquireExecutor)
     recorder = Recorder()
     quiet = {"recovery_interval": 10_000.0}
@@ -1853,7 +1852,7 @@ async def test_a_joined_run_s_wake_recorded_after_a_shutdown_interrupt_is_taken_
         await trio.testing.wait_all_tasks_blocked()
         assert await rt.interrupt("s", reason="shutdown") is True
         # Another owner took the doorbell and drained it, its claim gone already.
-        raw.write("UPDATE session SET time_woken = NULL, wakes = 0 WHERE id = 's'")
+        _doorbell_taken_elsewhere(raw)
         held.executor.proceed.set()
         await rt.wait_idle("s")
         assert outcomes == [Outcome("deferred")]
