@@ -259,7 +259,6 @@ _ENDINGS: dict[str, Any] = {
     "cancelling_rung": IterationVerdict.HAND_OVER,
     "cancelling_inputs": IterationVerdict.HAND_OVER,
     "open": IterationVerdict.RELEASE,
-    "attempts_text": MalformedRecord,
     "wrong_owner": LeaseLost,
     "expired": LeaseLost,
 }
@@ -276,10 +275,6 @@ def test_end_iteration_of_a_lone_claim_in_each_state(db: Db, state: str) -> None
     owner = "owner-b" if state == "wrong_owner" else "owner-a"
     if state == "attempts":
         db.write("UPDATE session SET wake_attempts = 2")
-    if state == "attempts_text":
-        if db.dialect != "sqlite":
-            pytest.skip("PostgreSQL's column is typed")
-        db.write("UPDATE session SET wake_attempts = 'abc'")
     if state in ("rung", "cancelling_rung"):
         db.run(_store.wake, "s")
     if state == "paused":
@@ -306,6 +301,19 @@ def test_end_iteration_of_a_lone_claim_in_each_state(db: Db, state: str) -> None
     assert db.doorbell()[2] == 0
     if state == "open":
         assert db.message("m-1").finished
+
+
+@pytest.mark.sqlite_only  # PostgreSQL's column is typed
+def test_end_iteration_of_a_lone_claim_over_a_text_resume_count_writes_nothing(db: Db) -> None:
+    """As `test_end_iteration_of_a_lone_claim_in_each_state`, the session's resume count
+    text another tool wrote: refused (`MalformedRecord`), nothing written - never released
+    by the common ending's shortcut."""
+    execution = db.claim()
+    db.write("UPDATE session SET wake_attempts = 'abc'")
+    before = db.snapshot()
+    with pytest.raises(MalformedRecord):
+        db.run(_store.end_iteration, "s", execution, "owner-a")
+    assert db.snapshot() == before
 
 
 @pytest.mark.sqlite_only
