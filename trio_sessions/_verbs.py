@@ -281,7 +281,12 @@ class Runtime:
                 "a Runtime is used only in the trio run that opened it; this call comes from"
                 " another trio.run (another thread?): use trio.from_thread.run to call it"
             )
-        if self._crashed:  # as a killed process's: nothing more is written
+        self._refuse_if_crashed()
+
+    def _refuse_if_crashed(self) -> None:
+        """`StoreError` after `testing.crash`: as a killed process's, nothing more is
+        written - also by a verb of many transactions whose reply came after the crash."""
+        if self._crashed:
             raise StoreError("the runtime crashed (testing.crash): it writes nothing more")
 
     def _local_claim(self, session_id: str, execution_id: str | None) -> SessionEntry | None:
@@ -611,6 +616,7 @@ class Runtime:
         purged = 0
         after: str | None = ""
         while after is not None:
+            self._refuse_if_crashed()  # a batch answered after the crash: no next one
             try:
                 deleted, after = await self._db.run(_store.purge_batch, idle_ms, after, PURGE_BATCH)
             except OutcomeUnknown:
