@@ -12,10 +12,11 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from helpers import LateReply, Raw, Recorder, WrappedStore, runtime
+from helpers import LateReply, Raw, Recorder, WrappedStore, now_ms, runtime
 from trio.testing import MockClock
 
 from trio_sessions import Store, StoreError, _store, _verbs, testing
+from trio_sessions._store.recovery_scan import scan_and_lease
 
 Clock = Callable[[], float]
 TABLES = ("session", "session_input", "session_execution", "session_message", "session_recovery")
@@ -98,3 +99,27 @@ async def test_a_purge_batch_answered_after_a_crash_deletes_no_further_batch(
         assert "crashed" in str(raised[0])
     names = [row[0] for row in raw.rows("SELECT id FROM session ORDER BY id")]
     assert names == ["b", "c"]  # the batch answered late, and no other
+
+
+async def test_a_recovery_scan_answered_after_a_crash_promotes_and_takes_over_nothing(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """`recover_once()` whose scan is answered after `testing.crash`: the pass goes no
+    further - no scheduled input found due is promoted, no claim it leased is taken over -
+    and the call raises `StoreError`, as a crashed runtime's verbs do (and as the same
+    pass does when the crash comes in its `before_recovery_apply` seam), not a report of a
+    pass the dead runtime never made."""
+    raw = Raw(db_path)
+    held = holding(store, scan_and_lease)
+    drain = Recorder()
+    async with runtime(held, drain, clock, **QUIET) as rt:
+        assert held.executor is not None
+        await rt.submit("later", {"n": 1}, delay=1_000)
+        raw.write("UPDATE session_input SET due_at = ?", (now_ms(clock) - 1,))  # due now
+        raw.seed_claim("s", "dead", expires_at=now_ms(clock) - 1_000, owner_id="other")
+        raised = await call_after_crash(rt, raw, held.executor, rt.recover_once)
+        assert [type(exc) for exc in raised] == [StoreError]
+        assert "crashed" in str(raised[0])
+        assert raw.one("SELECT due_at FROM session_input")[0] is not None  # not promoted
+        assert raw.claim("s")[1] == "other"  # not taken over
+    assert drain.calls == []

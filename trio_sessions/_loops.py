@@ -256,6 +256,9 @@ class BackgroundLoops:
         # lease it would not act on keeps the row from every other runtime for a lease.
         budget = runtime._busy.capacity_left(runtime._recovery.batch)
         scan = await runtime._recovery.scan(list(runtime._entries), budget, gone)
+        # Answered after `testing.crash`: a dead process goes no further (no promotion, no
+        # takeover); the pass's task is cancelled with the others, a caller's call raises.
+        await _refuse_if_crashed(runtime)
         # Scheduled inputs that fell due while no timer ran (a restart) ring their doorbells
         # (the scan's transaction looked), so this very pass starts them; the timer is armed
         # for the rest.
@@ -397,3 +400,11 @@ class BackgroundLoops:
         for session_id in due.sessions:
             self._runtime._busy.ring(session_id)
         return due.next_due_ms
+
+
+async def _refuse_if_crashed(runtime: Runtime) -> None:
+    """After `testing.crash`, before a recovery step that writes: the runtime's own task
+    (cancelled with the others) stops; a caller's call raises `StoreError`, as a verb does."""
+    if runtime._crashed:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        raise StoreError("the runtime crashed (testing.crash): it writes nothing more")
