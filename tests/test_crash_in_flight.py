@@ -123,3 +123,26 @@ async def test_a_recovery_scan_answered_after_a_crash_promotes_and_takes_over_no
         assert raw.one("SELECT due_at FROM session_input")[0] is not None  # not promoted
         assert raw.claim("s")[1] == "other"  # not taken over
     assert drain.calls == []
+
+
+async def test_a_quarantine_lifted_after_a_crash_raises_and_takes_over_nothing(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """`release_quarantine(resume=True)` whose lift is answered after `testing.crash`: the
+    crashed runtime takes nothing over and the call raises `StoreError` - not a normal
+    return, which says the takeover was committed and its drain started here."""
+    raw = Raw(db_path)
+    held = holding(store, _store.lift_quarantine)
+    drain = Recorder()
+    async with runtime(held, drain, clock, **QUIET) as rt:
+        assert held.executor is not None
+        raw.seed_claim("q", "poison", expires_at=now_ms(clock) - 1)
+        raw.seed_assistant("q", "poison", 1, '{"parts": [], "finished": "no"}')
+        assert (await rt.recover_once()).quarantined == 1
+        raised = await call_after_crash(
+            rt, raw, held.executor, lambda: rt.release_quarantine("poison", resume=True)
+        )
+        assert [type(exc) for exc in raised] == [StoreError]
+        assert "crashed" in str(raised[0])
+        assert raw.claim("q")[0] == "poison"  # not taken over
+    assert drain.calls == []

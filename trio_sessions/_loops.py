@@ -295,12 +295,9 @@ class BackgroundLoops:
         runtime = self._runtime
         if runtime._seams.before_recovery_apply is not None:
             await runtime._seams.before_recovery_apply([c.execution_id or "" for c in leased])
-            if runtime._crashed:
-                # Killed at this step (`testing.crash` from the seam, the only await before
-                # the shielded takeover): a dead process applies nothing. The pass's task
-                # is cancelled with the others; a caller's own call raises as a verb does.
-                await trio.lowlevel.checkpoint_if_cancelled()
-                raise StoreError("the runtime crashed (testing.crash): it writes nothing more")
+        # Killed before this step (`testing.crash` from the seam, or while the scan or a
+        # quarantine's lift was answered): a dead process applies nothing.
+        await _refuse_if_crashed(runtime)
         entries: list[tuple[_store.Candidate, SessionEntry]] = []
         unacted: list[str] = []  # leased, but no room any more, or busy here since the scan
         sent_at = trio.current_time()  # no checkpoint before the takeover is sent
