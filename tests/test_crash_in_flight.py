@@ -61,10 +61,20 @@ class ArmedReply(LateReply):
     armed = False
 
     async def run(self, op: Any, *args: Any) -> Any:
-        if not self.armed:
+        if not (self.armed and op is self._op):
             return await self._inner.run(op, *args)
         self.armed = False
         return await super().run(op, *args)
+
+    async def read(self, op: Any, *args: Any) -> Any:
+        """A read's reply held alike (a watch's replay, a stream's first read)."""
+        result = await self._inner.read(op, *args)
+        if self.armed and op is self._op:
+            self.armed = False
+            self.committed.set()
+            with trio.CancelScope(shield=self._shield):
+                await self.answer.wait()
+        return result
 
 
 def holding(store: Store, op: Any) -> WrappedStore[ArmedReply]:
@@ -146,3 +156,183 @@ async def test_a_quarantine_lifted_after_a_crash_raises_and_takes_over_nothing(
         assert "crashed" in str(raised[0])
         assert raw.claim("q")[0] == "poison"  # not taken over
     assert drain.calls == []
+
+
+async def _idle_session(rt: Any) -> None:
+    await rt.submit("s", {"n": 0})
+    await rt.wait_idle("s")
+
+
+VERBS: dict[str, tuple[Any, Callable[[Any], Any]]] = {
+    "submit": (_store.submit_and_acquire, lambda rt: rt.submit("s", {"n": 1})),
+    "submit-busy": (_store.submit, lambda rt: rt.submit("s", {"n": 1})),
+    "submit-interrupt": (
+        _store.submit_controlled_and_acquire,
+        lambda rt: rt.submit("s", {"n": 1}, on_busy="interrupt"),
+    ),
+    "submit-reject": (
+        _store.submit_controlled_and_acquire,
+        lambda rt: rt.submit("s", {"n": 1}, on_busy="reject"),
+    ),
+    "submit-delay": (_store.submit_scheduled, lambda rt: rt.submit("s", {"n": 1}, delay=5)),
+    "submit-truncate": (
+        _store.submit_truncating,
+        lambda rt: rt.submit("s", {"n": 1}, truncate_after=0),
+    ),
+    "wake": (_store.wake_and_acquire, lambda rt: rt.wake("s")),
+    "run": (_store.wake_and_acquire, lambda rt: rt.run("s")),
+    "interrupt-remote": (_store.request_cancel, lambda rt: rt.interrupt("s")),
+    "pause": (_store.pause, lambda rt: rt.pause("s")),
+    "resume": (_store.resume, lambda rt: rt.resume("s")),
+    "delete": (_store.delete_session, lambda rt: rt.delete_session("s")),
+    "fork": (_store.fork, lambda rt: rt.fork("s", "t")),
+    "truncate": (_store.truncate, lambda rt: rt.truncate("s", after_seq=0)),
+    "cancel_input": (_store.cancel_input, lambda rt: rt.cancel_input("nope")),
+    "drop-quarantine": (
+        _store.drop_quarantined,
+        lambda rt: rt.release_quarantine("poison", resume=False),
+    ),
+}
+
+
+@pytest.mark.parametrize("verb", sorted(VERBS))
+async def test_a_verb_s_write_answered_after_a_crash_is_its_last(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock, verb: str
+) -> None:
+    """Each one-transaction verb whose reply comes after `testing.crash` (its write landed
+    before): it returns what the store said, and the crashed runtime writes, starts and
+    registers nothing more for it - no drain, no hand-back, no pass-on, no successor."""
+    raw = Raw(db_path)
+    op, call = VERBS[verb]
+    held = holding(store, op)
+    drain = Recorder()
+    async with runtime(held, drain, clock, **QUIET) as rt:
+        assert held.executor is not None
+        await _idle_session(rt)
+        if verb == "submit-busy":
+            gate = drain.hold()
+            await rt.wake("s")
+            await drain.entered.wait()
+        if verb == "resume":
+            await rt.pause("s")
+            await rt.submit("s", {"n": 2})
+        if verb == "drop-quarantine":  # its doorbell rung: the drop starts no drain
+            raw.seed_claim("q", "poison", expires_at=now_ms(clock) - 1)
+            raw.seed_assistant("q", "poison", 1, '{"parts": [], "finished": "no"}')
+            assert (await rt.recover_once()).quarantined == 1
+            raw.write("UPDATE session SET time_woken = 1 WHERE id = 'q'")
+        calls = len(drain.calls)
+        raised = await call_after_crash(rt, raw, held.executor, lambda: call(rt))
+        assert len(drain.calls) == calls
+        if verb == "submit-busy":
+            gate.set()
+    assert raised == []
+
+
+class _Drain:
+    """A drain for the background paths: takes its inputs, writes a message, then fails,
+    waits on a gate (an interrupt or a heartbeat comes meanwhile) or returns."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.fail = False
+        self.gate: trio.Event | None = None
+
+    async def __call__(self, ctx: Any) -> None:
+        self.calls += 1
+        await ctx.take_inputs()
+        reply = await ctx.begin_assistant()
+        await reply.append_text("hi")
+        if self.gate is not None:
+            await self.gate.wait()
+        if self.fail:
+            raise RuntimeError("drain failed")
+
+
+BACKGROUND: dict[str, Any] = {
+    "acquire": _store.acquire,
+    "take_inputs": _store.take_inputs,
+    "begin_assistant": _store.begin_assistant,
+    "append_text": _store.append_assistant_text,
+    "end_iteration": _store.end_iteration,
+    "finish_failed": _store.finish_failed,
+    "mark_cancelling": _store.mark_cancelling,
+    "finish_interrupted": _store.finish_interrupted,
+    "heartbeat": _store.heartbeat,
+}
+
+
+@pytest.mark.parametrize("path", sorted(BACKGROUND))
+async def test_a_busy_period_s_write_answered_after_a_crash_is_its_last(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock, path: str
+) -> None:
+    """A busy period's store call (its acquisition, the drain's writes, the iteration's
+    end, a failed drain's finish, an interrupt's cleanup, the heartbeat) answered after
+    `testing.crash`: nothing more is written - no hand-back, no cleanup, no next
+    iteration or successor - no entry stays, and the user's `run()` ends."""
+    raw = Raw(db_path)
+    held = holding(store, BACKGROUND[path])
+    drain = _Drain()
+    drain.fail = path == "finish_failed"
+    if path in ("mark_cancelling", "finish_interrupted", "heartbeat"):
+        drain.gate = trio.Event()
+    async with runtime(held, drain, clock, **QUIET) as rt:
+        assert held.executor is not None
+        await rt.pause("s")
+        await rt.submit("s", {"n": 1})  # stored, no drain: the resume starts one (acquire)
+        await rt.submit("s", {"n": 2})  # pending: the iteration's end goes on
+
+        async def start() -> None:
+            await rt.resume("s")
+            if path in ("mark_cancelling", "finish_interrupted"):
+                while drain.calls == 0:
+                    await trio.sleep(0.01)
+                await trio.testing.wait_all_tasks_blocked()
+                await rt.interrupt("s")
+
+        raised = await call_after_crash(rt, raw, held.executor, start)
+        assert raised == []
+        if drain.gate is not None:
+            drain.gate.set()
+        claim = raw.claim("s")
+        if claim is not None:  # a dead owner's claim keeps its lease
+            assert claim[3] > now_ms(clock)
+
+
+async def _watch(rt: Any, seen: list[Any]) -> None:
+    async with rt.watch("s") as watcher:
+        async for message in watcher:
+            seen.append(message)
+
+
+async def _stream(rt: Any, seen: list[Any]) -> None:
+    async with rt.stream("s") as events:
+        async for event in events:
+            seen.append(event)
+
+
+FOLLOWERS: dict[str, Any] = {
+    "watch-head": _store.newest_message,
+    "watch-replay": _store.watched_messages,
+    "stream": _store.stream_changes,
+}
+
+
+@pytest.mark.parametrize("what", sorted(FOLLOWERS))
+async def test_a_follower_s_read_answered_after_a_crash_ends_it(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock, what: str
+) -> None:
+    """A `watch()` or `stream()` whose first read is answered after `testing.crash` gives
+    what that read found, then ends (nothing feeds it any more), as one open at the crash
+    does - it neither raises nor waits for ever."""
+    raw = Raw(db_path)
+    held = holding(store, FOLLOWERS[what])
+    async with runtime(held, Recorder(), clock, **QUIET) as rt:
+        assert held.executor is not None
+        await rt.submit("s", {"n": 1})
+        await rt.wait_idle("s")
+        seen: list[Any] = []
+        follow = _stream if what == "stream" else _watch
+        raised = await call_after_crash(rt, raw, held.executor, lambda: follow(rt, seen))
+        assert raised == []
+        assert [item.data for item in seen] == [{"n": 1}]
