@@ -336,3 +336,45 @@ async def test_a_follower_s_read_answered_after_a_crash_ends_it(
         raised = await call_after_crash(rt, raw, held.executor, lambda: follow(rt, seen))
         assert raised == []
         assert [item.data for item in seen] == [{"n": 1}]
+
+
+@pytest.mark.parametrize("waiting", ["recover_once", "release_quarantine"])
+async def test_a_verb_waiting_for_the_recovery_lock_at_a_crash_writes_nothing(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock, waiting: str
+) -> None:
+    """A `recover_once()` or `release_quarantine()` called before `testing.crash`, waiting
+    for the recovery lock (a pass in flight holds it): the crashed runtime's pass ends,
+    and the waiting call then writes nothing - no recovery lease (the scan is a write), no
+    quarantine dropped - and raises `StoreError`, as a crashed runtime's verbs do."""
+    raw = Raw(db_path)
+    held = holding(store, scan_and_lease)
+    async with runtime(held, Recorder(), clock, **QUIET) as rt:
+        assert held.executor is not None
+        raw.seed_claim("q", "poison", expires_at=now_ms(clock) - 1)
+        raw.seed_assistant("q", "poison", 1, '{"parts": [], "finished": "no"}')
+        assert (await rt.recover_once()).quarantined == 1
+        raised: list[BaseException] = []
+
+        async def call(verb: Callable[[], Any]) -> None:
+            try:
+                await verb()
+            except Exception as exc:
+                raised.append(exc)
+
+        second = {
+            "recover_once": rt.recover_once,
+            "release_quarantine": lambda: rt.release_quarantine("poison", resume=False),
+        }[waiting]
+        async with trio.open_nursery() as nursery:
+            held.executor.armed = True
+            nursery.start_soon(call, rt.recover_once)
+            await held.executor.committed.wait()  # the first pass's scan; the reply waits
+            nursery.start_soon(call, second)
+            await trio.testing.wait_all_tasks_blocked()  # the second waits for the lock
+            raw.seed_claim("s", "dead", expires_at=now_ms(clock) - 1_000, owner_id="other")
+            testing.crash(rt)
+            await trio.testing.wait_all_tasks_blocked()
+            left = snapshot(raw)
+            held.executor.answer.set()
+        assert snapshot(raw) == left  # no recovery lease, the quarantine kept
+        assert [type(exc) for exc in raised] == [StoreError, StoreError]

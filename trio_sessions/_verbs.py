@@ -463,6 +463,7 @@ class Runtime:
             await trio.lowlevel.checkpoint()
             return RecoveryReport()
         async with self._recovery.lock:
+            self._refuse_if_crashed()  # crashed while it waited for a pass in flight
             with _observe.recovery_pass(self._owner_id) as observed:
                 report = await self._loops.recovery_pass()
                 observed.done(report)
@@ -499,6 +500,7 @@ class Runtime:
         if not isinstance(resume, bool):
             raise TypeError(f"resume must be a bool, got {type(resume).__name__}")
         async with self._recovery.lock:
+            self._refuse_if_crashed()  # crashed while it waited for a pass in flight
             if not resume:
                 session_id, doorbell = await self._recovery.drop_quarantine(execution_id)
                 self._loops.changed_here(session_id)  # its open messages were closed
