@@ -5,6 +5,8 @@ raise) - never trio's "Nursery is closed to new arrivals" or a wait for ever."""
 
 from __future__ import annotations
 
+import math
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,7 @@ import trio.testing
 from helpers import LateReply, Raw, Recorder, WrappedStore, now_ms, runtime
 from trio.testing import MockClock
 
-from trio_sessions import Store, StoreError, _store, _verbs, testing
+from trio_sessions import Store, StoreError, _codec, _store, _verbs, testing
 from trio_sessions._store.recovery_scan import scan_and_lease
 
 Clock = Callable[[], float]
@@ -378,3 +380,48 @@ async def test_a_verb_waiting_for_the_recovery_lock_at_a_crash_writes_nothing(
             held.executor.answer.set()
         assert snapshot(raw) == left  # no recovery lease, the quarantine kept
         assert [type(exc) for exc in raised] == [StoreError, StoreError]
+
+
+async def test_a_large_submit_checked_across_a_crash_stores_nothing(
+    store: Store,
+    clock: Clock,
+    db_path: Path,
+    autojump_clock: MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A `submit()` of a large payload, called before `testing.crash` and checked in a
+    worker thread across it: the crashed runtime stores nothing - no input, no wake - and
+    the call raises `StoreError`, as a crashed runtime's verbs do."""
+    raw = Raw(db_path)
+    checking = trio.Event()
+    go_on = threading.Event()
+    check = _codec.check_json_object
+
+    def blocking_check(value: Any, what: str) -> str:
+        trio.from_thread.run_sync(checking.set)
+        go_on.wait(timeout=60)
+        return check(value, what)
+
+    monkeypatch.setattr(_codec, "check_json_object", blocking_check)
+    payload = {"items": list(range(50_000))}
+    assert not _codec.is_small(payload)
+    raised: list[BaseException] = []
+    async with runtime(store, Recorder(), clock, **QUIET) as rt:
+        left = snapshot(raw)
+
+        async def submit() -> None:
+            try:
+                await rt.submit("s", payload)
+            except Exception as exc:
+                raised.append(exc)
+
+        # Virtual time stands still while the worker thread runs (real time).
+        autojump_clock.autojump_threshold = math.inf
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(submit)
+            await checking.wait()  # in the worker thread
+            testing.crash(rt)
+            go_on.set()
+        autojump_clock.autojump_threshold = 0
+        assert snapshot(raw) == left
+        assert [type(exc) for exc in raised] == [StoreError]

@@ -214,6 +214,8 @@ class Runtime:
         self._check_run()
         session_id = validate_session_id(session_id)
         text = await _validate.checked_json(_codec.check_json_object, payload, "payload")
+        # A large payload's check ran in a worker thread: crashed meanwhile, store nothing.
+        self._refuse_if_crashed()
         input_id = _validate.validate_input_id(input_id)
         if on_busy not in ON_BUSY:
             raise ValueError(f"on_busy must be one of {', '.join(ON_BUSY)}; got {on_busy!r}")
