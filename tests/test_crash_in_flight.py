@@ -68,6 +68,16 @@ class ArmedReply(LateReply):
         self.armed = False
         return await super().run(op, *args)
 
+    async def run_nowait(self, op: Any, *args: Any) -> Any:
+        """A close's write (a hand-back, a joined wake) held alike."""
+        result = await self._inner.run_nowait(op, *args)
+        if self.armed and op is self._op:
+            self.armed = False
+            self.committed.set()
+            with trio.CancelScope(shield=self._shield):
+                await self.answer.wait()
+        return result
+
     async def read(self, op: Any, *args: Any) -> Any:
         """A read's reply held alike (a watch's replay, a stream's first read)."""
         result = await self._inner.read(op, *args)
@@ -425,3 +435,36 @@ async def test_a_large_submit_checked_across_a_crash_stores_nothing(
         autojump_clock.autojump_threshold = 0
         assert snapshot(raw) == left
         assert [type(exc) for exc in raised] == [StoreError]
+
+
+async def test_a_close_s_hand_back_answered_after_a_crash_is_its_last_write(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """`testing.crash` during a graceful close, while its hand-back (expire_claims) is on
+    its way: answered, nothing more is written, no entry stays and the close ends."""
+    raw = Raw(db_path)
+    held = holding(store, _store.expire_claims)
+    drain = Recorder()
+    gate = drain.hold()
+    left: dict[str, list[str]] = {}
+    async with trio.open_nursery() as nursery:
+
+        async def crash_in_the_close(rt: Any) -> None:
+            await held.executor.committed.wait()  # type: ignore[union-attr]
+            testing.crash(rt)
+            await trio.testing.wait_all_tasks_blocked()
+            left.update(snapshot(raw))
+            held.executor.answer.set()  # type: ignore[union-attr]
+
+        async with runtime(held, drain, clock, **QUIET) as rt:
+            assert held.executor is not None
+            await rt.submit("s", {"n": 1})
+            await drain.entered.wait()
+            await rt.submit("s", {"n": 2})  # pending: a successor would be due
+            held.executor.armed = True
+            nursery.start_soon(crash_in_the_close, rt)
+    assert snapshot(raw) == left
+    assert not rt.active_sessions()
+    assert raw.claim("s")[3] <= now_ms(clock)  # handed back before the crash
+    assert len(drain.calls) == 1
+    gate.set()
