@@ -468,3 +468,43 @@ async def test_a_close_s_hand_back_answered_after_a_crash_is_its_last_write(
     assert raw.claim("s")[3] <= now_ms(clock)  # handed back before the crash
     assert len(drain.calls) == 1
     gate.set()
+
+
+@pytest.mark.parametrize("then", ["append", "finish", "return", "raise"])
+async def test_a_crash_from_inside_a_drain_is_its_last_write(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock, then: str
+) -> None:
+    """A drain that calls `testing.crash` on its own runtime (a test simulating a kill
+    mid-reply) and goes on - a write, its finish, a return or an error: nothing more is
+    written (its write raises `StoreError`), its claim keeps its live lease, no entry
+    stays and the `run()` waiting for it ends."""
+    raw = Raw(db_path)
+    left: dict[str, list[str]] = {}
+    errors: list[BaseException] = []
+    outcomes: list[Any] = []
+
+    async def drain(ctx: Any) -> None:
+        await ctx.take_inputs()
+        reply = await ctx.begin_assistant()
+        testing.crash(ctx._runtime)
+        left.update(snapshot(raw))
+        try:
+            if then == "append":
+                await reply.append_text("more")
+            elif then == "finish":
+                await reply.finish()
+        except StoreError as exc:
+            errors.append(exc)
+        if then == "raise":
+            raise RuntimeError("after the crash")
+
+    async with runtime(store, drain, clock, **QUIET) as rt:
+        await rt.submit("s", {"n": 1})
+        await rt.submit("s", {"n": 2})
+        outcomes.append(await rt.run("s"))
+        await trio.testing.wait_all_tasks_blocked()
+        assert snapshot(raw) == left
+        assert not rt.active_sessions()
+        assert raw.claim("s")[3] > now_ms(clock)  # live, as the dead owner left it
+    assert len(errors) == (then in ("append", "finish"))
+    assert outcomes and outcomes[0].kind == "interrupted"
