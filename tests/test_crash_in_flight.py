@@ -508,3 +508,31 @@ async def test_a_crash_from_inside_a_drain_is_its_last_write(
         assert raw.claim("s")[3] > now_ms(clock)  # live, as the dead owner left it
     assert len(errors) == (then in ("append", "finish"))
     assert outcomes and outcomes[0].kind == "interrupted"
+
+
+async def test_a_stream_whose_marks_are_read_across_a_crash_says_the_runtime_crashed(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """`stream()` at a cursor deep in a transcript reads its marks first: answered after
+    `testing.crash`, the stream does not start and the `StoreError` says the runtime
+    crashed, as every call to it does - not that it "is closed", which a test reading the
+    error would take for a close it never made."""
+    raw = Raw(db_path)
+    held = holding(store, _store.stream_marks)
+    async with runtime(held, Recorder(), clock, **QUIET) as rt:
+        assert held.executor is not None
+        for index in range(_store.MARKS_FROM):
+            await rt.submit("s", {"n": index})
+        await rt.wait_idle("s")
+        async with rt.stream("s") as events:
+            cursor = ""
+            for _ in range(_store.MARKS_FROM):
+                cursor = (await events.__anext__()).cursor
+
+        async def follow() -> None:
+            async with rt.stream("s", cursor=cursor):
+                pass
+
+        raised = await call_after_crash(rt, raw, held.executor, follow)
+        assert [type(exc) for exc in raised] == [StoreError]
+        assert "crashed" in str(raised[0])

@@ -748,7 +748,9 @@ class Runtime:
 
     def _check_following(self) -> None:
         """A watch or stream starts only in an open runtime: closing ends those it has, and
-        nothing would feed one entered later (it would wait forever)."""
+        nothing would feed one entered later (it would wait forever). Crashed meanwhile
+        (its first read answered after `testing.crash`): said so, as every verb does."""
+        self._refuse_if_crashed()
         if self._closing:
             raise StoreError("the runtime is closed: no watch or stream starts now")
 
