@@ -345,7 +345,7 @@ class BackgroundLoops:
             # is closed once its tasks ended); what it took over keeps its live lease.
             for entry in resumed:
                 runtime._busy.abandon(entry)
-            raise StoreError("the runtime crashed (testing.crash): it writes nothing more")
+        runtime._refuse_if_crashed()
         for entry in resumed:
             # Closing meanwhile: the busy period starts already interrupted (shutdown), so
             # the takeover is kept with an expired lease, never drained.
@@ -404,4 +404,4 @@ async def _refuse_if_crashed(runtime: Runtime) -> None:
     (cancelled with the others) stops; a caller's call raises `StoreError`, as a verb does."""
     if runtime._crashed:
         await trio.lowlevel.checkpoint_if_cancelled()
-        raise StoreError("the runtime crashed (testing.crash): it writes nothing more")
+    runtime._refuse_if_crashed()
