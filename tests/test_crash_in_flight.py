@@ -246,12 +246,12 @@ class _Drain:
     waits on a gate (an interrupt or a heartbeat comes meanwhile) or returns."""
 
     def __init__(self) -> None:
-        self.calls = 0
+        self.entered = trio.Event()
         self.fail = False
         self.gate: trio.Event | None = None
 
     async def __call__(self, ctx: Any) -> None:
-        self.calls += 1
+        self.entered.set()
         await ctx.take_inputs()
         reply = await ctx.begin_assistant()
         await reply.append_text("hi")
@@ -297,9 +297,8 @@ async def test_a_busy_period_s_write_answered_after_a_crash_is_its_last(
         async def start() -> None:
             await rt.resume("s")
             if path in ("mark_cancelling", "finish_interrupted"):
-                while drain.calls == 0:
-                    await trio.sleep(0.01)
-                await trio.testing.wait_all_tasks_blocked()
+                await drain.entered.wait()
+                await trio.testing.wait_all_tasks_blocked()  # at its gate
                 await rt.interrupt("s")
 
         raised = await call_after_crash(rt, raw, held.executor, start)
