@@ -21,7 +21,7 @@ from typing import Any
 import backends
 import pytest
 import trio
-from backends import PgLocation
+from backends import PgLocation, finish_iteration
 from conftest import query
 from console_process import seed_quarantine
 
@@ -71,7 +71,7 @@ def seed_operations(op: Op, execute: Execute) -> None:
     op(now - 50, _store.submit, "idle", '{"text": "hi"}', "in-idle")
     op(now - 50, _store.acquire, "idle", "exec-idle", "owner-a", 60_000)
     op(now - 50, _store.take_inputs, "idle", "exec-idle", "owner-a")
-    op(now - 50, _store.finish_iteration, "idle", "exec-idle", "owner-a")
+    op(now - 50, finish_iteration, "idle", "exec-idle", "owner-a")
     op(now - 5, _store.submit, "pending", '{"text": "1"}', "in-pending-1")
     op(now - 4, _store.submit, "pending", '{"text": "2"}', "in-pending-2")
     op(now - 3, _store.submit, "live", '{"text": "go"}', "in-live")
@@ -708,7 +708,7 @@ def test_inputs_list_and_drop_a_rejected_input(
         _op(conn, now, _store.acquire, "badin", "exec-badin", "owner-a", 60_000)
         taken = _op(conn, now, _store.take_inputs, "badin", "exec-badin", "owner-a")
         assert [i.id for i in taken] == ["in-ok"]
-        _op(conn, now, _store.finish_iteration, "badin", "exec-badin", "owner-a")
+        _op(conn, now, finish_iteration, "badin", "exec-badin", "owner-a")
     finally:
         conn.close()
     rows = cli_json(capsys, "inputs", "list", str(seeded))

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from backends import EngineDb
+from backends import EngineDb, finish_iteration
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -441,7 +441,7 @@ FENCED_OPS: dict[str, Callable[[Db, int, str, str], Any]] = {
     ),
     "mark_cancelling": lambda db, now, e, o: db.run(now, _store.mark_cancelling, "s", e, o),
     "take_inputs": lambda db, now, e, o: db.run(now, _store.take_inputs, "s", e, o),
-    "finish_iteration": lambda db, now, e, o: db.run(now, _store.finish_iteration, "s", e, o),
+    "finish_iteration": lambda db, now, e, o: db.run(now, finish_iteration, "s", e, o),
     "finish_interrupted": lambda db, now, e, o: db.run(now, _store.finish_interrupted, "s", e, o),
     "finish_failed": lambda db, now, e, o: db.run(
         now, _store.finish_failed, "s", e, o, "failed: x"

@@ -25,6 +25,7 @@ from typing import Any
 
 import attrs
 import pytest
+from backends import finish_iteration
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -577,14 +578,14 @@ class ProtocolModel(RuleBasedStateMachine):
         session_id, execution_id = self.held_claim(owner, pick)
         if not self.fenced(owner, session_id, execution_id):
             with pytest.raises(LeaseLost):
-                self.op(_store.finish_iteration, session_id, execution_id, owner.owner_id)
+                self.op(finish_iteration, session_id, execution_id, owner.owner_id)
             return
         if self.corrupted_while_open(execution_id):
             # Nothing written: the claim stays for recovery to quarantine once it expires.
             with pytest.raises(MalformedRecord):
-                self.op(_store.finish_iteration, session_id, execution_id, owner.owner_id)
+                self.op(finish_iteration, session_id, execution_id, owner.owner_id)
             return
-        continued = self.op(_store.finish_iteration, session_id, execution_id, owner.owner_id)
+        continued = self.op(finish_iteration, session_id, execution_id, owner.owner_id)
         self.close_open_messages(execution_id, INTERRUPTED)
         session = self.sessions[session_id]
         claim = session.claim

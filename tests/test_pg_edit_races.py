@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import trio
+from backends import finish_iteration
 from helpers import pg_engine_at as engine_at
 from helpers import pg_raw as raw
 from test_pg_lock_signals import wait_after_it_ended
@@ -43,7 +44,7 @@ def answered(engine: PgEngine) -> None:
     run_op(engine, _store.acquire, "s", "e1", "owner", LEASE_MS)
     run_op(engine, _store.take_inputs, "s", "e1", "owner")
     run_op(engine, _store.begin_assistant, "s", "e1", "owner", "a1")
-    run_op(engine, _store.finish_iteration, "s", "e1", "owner")
+    run_op(engine, finish_iteration, "s", "e1", "owner")
 
 
 @contextmanager

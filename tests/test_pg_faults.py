@@ -48,6 +48,7 @@ import attrs
 import psycopg
 import pytest
 import trio
+from backends import finish_iteration
 from helpers import terminate_on
 from psycopg import sql
 from trio.testing import MockClock
@@ -565,7 +566,7 @@ def idle_answered(env: Env) -> None:
     """An idle session that was answered: `drained`'s claim finished (seq 1 the user's
     message, seq 2 the open answer, finished)."""
     drained(env)
-    env.run(_store.finish_iteration, "s", "e1", OWNER)
+    env.run(finish_iteration, "s", "e1", OWNER)
 
 
 # An edit of `idle_answered`: drop what follows seq 1, store the edited text.
@@ -737,13 +738,11 @@ OPERATIONS = [
         ),
         one(_store.take_inputs, "s", "e1", OWNER),
     ),
-    Operation(
-        "finish_iteration-plain-release", claimed, one(_store.finish_iteration, "s", "e1", OWNER)
-    ),
+    Operation("finish_iteration-plain-release", claimed, one(finish_iteration, "s", "e1", OWNER)),
     Operation(
         "finish_iteration-plain-continue",
         steps(claimed, do(_store.wake, "s")),
-        one(_store.finish_iteration, "s", "e1", OWNER),
+        one(finish_iteration, "s", "e1", OWNER),
     ),
     # An iteration's end alone is one call in autocommit: a lost reply's retry reads back
     # the release its lost call left on the session row; a continue is refused by that call
@@ -785,11 +784,11 @@ OPERATIONS = [
         lambda env: claimed(env, owner="other"),
         one(_store.submit_and_acquire, "s", '{"n": 2}', "i2", "e2", OWNER, LEASE_MS),
     ),
-    Operation("finish_iteration-release", drained, one(_store.finish_iteration, "s", "e1", OWNER)),
+    Operation("finish_iteration-release", drained, one(finish_iteration, "s", "e1", OWNER)),
     Operation(
         "finish_iteration-continue",
         steps(drained, do(_store.wake, "s")),
-        one(_store.finish_iteration, "s", "e1", OWNER),
+        one(finish_iteration, "s", "e1", OWNER),
     ),
     Operation(
         "finish_iteration-ring-over",
@@ -798,7 +797,7 @@ OPERATIONS = [
             do(_store.acquire, "s", "e1", OWNER, LEASE_MS),
             do(_store.request_cancel, "s"),
         ),
-        one(_store.finish_iteration, "s", "e1", OWNER),
+        one(finish_iteration, "s", "e1", OWNER),
     ),
     Operation(
         "finish_failed",
@@ -965,13 +964,13 @@ OPERATIONS = [
     Operation("delete_session", drained, one(_store.delete_session, "s")),
     Operation(
         "purge_batch",
-        steps(drained, do(_store.finish_iteration, "s", "e1", OWNER), lapse),
+        steps(drained, do(finish_iteration, "s", "e1", OWNER), lapse),
         one(_store.purge_batch, 1_000, "", 200),
     ),
     Operation("fork", drained, one(_store.fork, "s", "f", None)),
     Operation(
         "truncate",
-        steps(drained, do(_store.finish_iteration, "s", "e1", OWNER)),
+        steps(drained, do(finish_iteration, "s", "e1", OWNER)),
         one(_store.truncate, "s", 1),
     ),
     # This stop's paths: an edit (`submit(truncate_after=)`, statement by statement around
@@ -992,7 +991,7 @@ OPERATIONS = [
             do(_store.submit_truncating, *EDIT),
             do(_store.acquire, "s", "e2", OWNER, LEASE_MS),
             do(_store.take_inputs, "s", "e2", OWNER),
-            do(_store.finish_iteration, "s", "e2", OWNER),
+            do(finish_iteration, "s", "e2", OWNER),
         ),
         one(_store.submit_truncating, *EDIT),
         writes=False,
@@ -1416,7 +1415,7 @@ def test_an_edit_whose_commit_stays_unknown_is_retried_by_its_input_id_deleting_
             env.run(_store.acquire, "s", "e2", OWNER, LEASE_MS)
             env.run(_store.take_inputs, "s", "e2", OWNER)
             env.run(_store.begin_assistant, "s", "e2", OWNER, "m2")
-            env.run(_store.finish_iteration, "s", "e2", OWNER)
+            env.run(finish_iteration, "s", "e2", OWNER)
         landed = snapshot(env.control)
         assert env.run(_store.submit_truncating, *EDIT) == "edit"
         assert snapshot(env.control) == landed

@@ -12,6 +12,7 @@ from typing import Any
 import psycopg
 import pytest
 import trio
+from backends import finish_iteration
 from helpers import pg_raw
 
 from trio_sessions import DrainContext, LeaseLost, SessionBusy, _codec, _store, _transcript
@@ -416,7 +417,7 @@ def test_pause_resume_cancel_delete_and_truncate_are_one_call_each(
             engine.run(_store.submit_scheduled, "s", '{"n": 2}', "in-2", 60_000, "queue")
             engine.run(_store.acquire, "s", "e1", "me", 60_000)
             [taken] = engine.run(_store.take_inputs, "s", "e1", "me")
-            engine.run(_store.finish_iteration, "s", "e1", "me")
+            engine.run(finish_iteration, "s", "e1", "me")
             engine.run(_store.submit, "s", '{"n": 3}', "in-3")
 
             counted = functools.partial(round_trips_of, proxy, engine)
@@ -602,7 +603,7 @@ def test_an_edit_is_statement_by_statement_and_a_retry_stops_after_its_checks(
             engine.run(_store.submit, "s", '{"n": 1}', "in-1")
             engine.run(_store.acquire, "s", "e1", "me", 60_000)
             engine.run(_store.take_inputs, "s", "e1", "me")
-            engine.run(_store.finish_iteration, "s", "e1", "me")
+            engine.run(finish_iteration, "s", "e1", "me")
             counted = functools.partial(round_trips_of, proxy, engine)
             edit = (_store.submit_truncating, "s", '{"n": 2}', "in-2", 0)
             assert counted(*edit) == (9, "in-2")

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from backends import PgLocation
+from backends import PgLocation, finish_iteration
 from conftest import query
 from helpers import runtime
 from trio.testing import MockClock
@@ -64,7 +64,7 @@ def populate(path: Path) -> None:
         _sqlite.run_op(conn, time.time, _store.acquire, "existing", "exec-1", "owner", 30_000)
         _sqlite.run_op(conn, time.time, _store.take_inputs, "existing", "exec-1", "owner")
         assert (
-            _sqlite.run_op(conn, time.time, _store.finish_iteration, "existing", "exec-1", "owner")
+            _sqlite.run_op(conn, time.time, finish_iteration, "existing", "exec-1", "owner")
             is False
         )
     finally:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-from backends import EngineDb
+from backends import EngineDb, finish_iteration
 
 from trio_sessions import AssistantData, ToolPart, _codec, _sqlite, _store, _transcript
 from trio_sessions._decisions import AcquireVerdict
@@ -122,7 +122,7 @@ REFUSALS = ["wrong_owner", "wrong_execution", "expired", "expired_long_ago"]
 
 # Each fenced drain write as (db, execution, owner), in session "s" unless `s=` names another.
 FENCED: dict[str, Callable[..., Any]] = {
-    "finish_iteration": lambda db, e, o, s="s": db.run(_store.finish_iteration, s, e, o),
+    "finish_iteration": lambda db, e, o, s="s": db.run(finish_iteration, s, e, o),
     "finish_failed": lambda db, e, o, s="s": db.run(_store.finish_failed, s, e, o, "failed"),
     "mark_cancelling": lambda db, e, o, s="s": db.run(_store.mark_cancelling, s, e, o),
     "finish_interrupted": lambda db, e, o, s="s": db.run(_store.finish_interrupted, s, e, o),

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from backends import finish_iteration
 
 from trio_sessions import (
     _sqlite,
@@ -119,7 +120,7 @@ def test_submit_and_acquire_answers_a_stored_input_id_as_submit_does(
     if where != "pending":
         execution = db.claim()
         db.run(_store.take_inputs, "s", execution, "owner-a")
-        db.run(_store.finish_iteration, "s", execution, "owner-a")
+        db.run(finish_iteration, "s", execution, "owner-a")
     assert db.claim_row("s") is None
     before = db.snapshot()
     args = (payload, "in-1", "exec-2", "owner-b", LEASE)
@@ -144,7 +145,7 @@ def test_submit_and_acquire_answers_a_stored_input_id_as_submit_does(
 def test_acquire_needs_the_doorbell(db: Db) -> None:
     """Without a set doorbell nothing is claimed, for an idle session or an unknown one."""
     execution = db.claim()
-    db.run(_store.finish_iteration, "s", execution, "owner-a")
+    db.run(finish_iteration, "s", execution, "owner-a")
     before = db.snapshot()
     assert db.run(_store.acquire, "s", "exec-2", "owner-a", LEASE).verdict is (
         AcquireVerdict.NO_DOORBELL
@@ -163,7 +164,7 @@ def test_acquire_takes_doorbell_and_anchors_at_newest_seq(db: Db) -> None:
     first = db.claim(execution="exec-1")
     db.run(_store.take_inputs, "s", first, "owner-a")
     db.run(_store.begin_assistant, "s", first, "owner-a", "m-1")
-    assert db.run(_store.finish_iteration, "s", first, "owner-a") is False
+    assert db.run(finish_iteration, "s", first, "owner-a") is False
     db.write("UPDATE session SET wake_attempts = 4")
     db.now += 1000
     db.run(_store.wake, "s")
@@ -187,7 +188,7 @@ def test_finish_iteration_releases_and_resets_attempts(db: Db) -> None:
     """With no doorbell, finish_iteration deletes the claim and resets wake_attempts."""
     execution = db.claim()
     db.write("UPDATE session SET wake_attempts = 3")
-    assert db.run(_store.finish_iteration, "s", execution, "owner-a") is False
+    assert db.run(finish_iteration, "s", execution, "owner-a") is False
     assert db.claim_row() is None
     assert db.doorbell() == (None, 0, 0)
 
@@ -199,10 +200,10 @@ def test_wake_during_claim_makes_finish_continue(db: Db) -> None:
     claim = db.claim_row()
     db.run(_store.wake, "s")
     db.run(_store.wake, "s")
-    assert db.run(_store.finish_iteration, "s", execution, "owner-a") is True
+    assert db.run(finish_iteration, "s", execution, "owner-a") is True
     assert db.claim_row() == claim
     assert db.doorbell()[:2] == (None, 0)
-    assert db.run(_store.finish_iteration, "s", execution, "owner-a") is False
+    assert db.run(finish_iteration, "s", execution, "owner-a") is False
     assert db.claim_row() is None
 
 
@@ -210,7 +211,7 @@ def test_wake_after_release_finds_no_claim_and_acquires(db: Db) -> None:
     """The other order of the serialisation: a wake after the finish leaves a doorbell that
     a fresh acquire takes."""
     execution = db.claim()
-    assert db.run(_store.finish_iteration, "s", execution, "owner-a") is False
+    assert db.run(finish_iteration, "s", execution, "owner-a") is False
     db.run(_store.wake, "s")
     assert db.run(_store.acquire, "s", "exec-2", "owner-b", LEASE).verdict is AcquireVerdict.CLAIM
 
@@ -220,12 +221,12 @@ def test_finish_iteration_closes_open_messages(db: Db) -> None:
     fails its running tools ('interrupted'), whether the claim continues or is released."""
     execution = busy_claim(db)
     db.run(_store.wake, "s")
-    assert db.run(_store.finish_iteration, "s", execution, "owner-a") is True
+    assert db.run(finish_iteration, "s", execution, "owner-a") is True
     message = db.message("m-1")
     assert (message.finished, message.error) == (True, INTERRUPTED)
     assert tools(message) == {"running": ("error", INTERRUPTED), "done": ("completed", None)}
     db.run(_store.begin_assistant, "s", execution, "owner-a", "m-2")
-    assert db.run(_store.finish_iteration, "s", execution, "owner-a") is False
+    assert db.run(finish_iteration, "s", execution, "owner-a") is False
     assert (db.message("m-2").finished, db.message("m-2").error) == (True, INTERRUPTED)
 
 
@@ -420,7 +421,7 @@ def test_finish_interrupted_cleans_and_rearms_for_pending_inputs(db: Db) -> None
     """finish_interrupted finishes the message as interrupted, fails running tools, deletes
     the claim and re-arms the doorbell because an input is still pending."""
     execution = busy_claim(db)
-    db.run(_store.finish_iteration, "s", execution, "owner-a")  # doorbell taken
+    db.run(finish_iteration, "s", execution, "owner-a")  # doorbell taken
     assert db.doorbell()[0] is None
     db.run(_store.mark_cancelling, "s", execution, "owner-a")
     assert db.run(_store.finish_interrupted, "s", execution, "owner-a") == _store.Interrupted(True)
@@ -454,7 +455,7 @@ def test_a_cancelling_claim_released_at_its_iteration_end_rearms_for_untaken_inp
     else:
         db.run(_store.mark_cancelling, "s", execution, "owner-a")
     assert db.run(_store.take_inputs, "s", execution, "owner-a") == []
-    assert db.run(_store.finish_iteration, "s", execution, "owner-a") is False
+    assert db.run(finish_iteration, "s", execution, "owner-a") is False
     assert db.claim_row() is None
     assert db.doorbell()[0] == db.now
     assert db.run(_store.acquire, "s", "exec-2", "owner-b", LEASE).verdict is (AcquireVerdict.CLAIM)
@@ -466,7 +467,7 @@ def test_a_cancelling_claim_without_pending_inputs_rings_nothing(db: Db) -> None
     """Released at its iteration end with nothing pending: no doorbell, no successor."""
     execution = db.claim()
     assert db.run(_store.request_cancel, "s") is True
-    assert db.run(_store.finish_iteration, "s", execution, "owner-a") is False
+    assert db.run(finish_iteration, "s", execution, "owner-a") is False
     assert db.claim_row() is None
     assert db.doorbell()[0] is None
 

@@ -5,6 +5,7 @@ malformed one aside. On both backends, through the sync engine."""
 from __future__ import annotations
 
 import pytest
+from backends import finish_iteration
 
 from trio_sessions import (
     InputConflict,
@@ -53,7 +54,7 @@ def test_submit_is_idempotent_after_the_input_was_taken(db: Db) -> None:
     db.run(_store.submit, "s", '{"n": 1}', "in-1")
     execution = db.claim()
     db.run(_store.take_inputs, "s", execution, "owner-a")
-    assert db.run(_store.finish_iteration, "s", execution, "owner-a") is False
+    assert db.run(finish_iteration, "s", execution, "owner-a") is False
     before = db.snapshot()
     assert db.run(_store.submit, "s", '{"n": 1}', "in-1") == "in-1"
     assert db.snapshot() == before

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from backends import finish_iteration
 
 from trio_sessions import (
     LeaseLost,
@@ -202,7 +203,7 @@ def test_recovery_finishes_a_cancelling_claim(db: Db) -> None:
     """Invariant 5: an expired cancellation claim is finished as cancelled, never resumed;
     running tools fail 'interrupted' and the doorbell is re-armed for the pending input."""
     execution = busy_claim(db)
-    db.run(_store.finish_iteration, "s", execution, "owner-a")  # doorbell taken
+    db.run(finish_iteration, "s", execution, "owner-a")  # doorbell taken
     db.run(_store.mark_cancelling, "s", execution, "owner-a")
     db.expire()
     recovered = recover(db, execution)
@@ -221,7 +222,7 @@ def test_recovery_drops_a_superseded_execution(db: Db) -> None:
     """Invariant 5: an assistant message of another execution after the anchor means the claim
     is dropped, never resumed; the doorbell is re-armed for the pending input."""
     execution = busy_claim(db)
-    db.run(_store.finish_iteration, "s", execution, "owner-a")  # doorbell taken
+    db.run(finish_iteration, "s", execution, "owner-a")  # doorbell taken
     db.put_message("m-later", "exec-successor", 10, _codec.encode_assistant(_transcript.EMPTY))
     db.expire()
     recovered = recover(db, execution)

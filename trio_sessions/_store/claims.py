@@ -104,11 +104,6 @@ def _pg_iteration_finished(args: tuple[Any, ...], row: tuple[Any, ...]) -> Any:
     return IterationVerdict(verdict)
 
 
-def finish_iteration(tx: Tx, session_id: str, execution_id: str, owner_id: str) -> bool:
-    """`end_iteration`: True when the claim continues (the doorbell was taken)."""
-    return end_iteration(tx, session_id, execution_id, owner_id) is IterationVerdict.CONTINUE
-
-
 def _end_iterations(tx: Tx, rows: Sequence[tuple[Any, ...]]) -> list[Any]:
     """SQLite group commit, set-wise: the batch's `end_iteration` jobs in a few statements.
 
