@@ -98,6 +98,10 @@ _NO_SESSION_OR_INPUT_SEQ_LEFT = (
 )
 
 
+# A set-wise submit's input id, in its job row (`json_each`'s `j`).
+_JOB_INPUT_ID = "json_extract(j.value, '$[1]')"
+
+
 def _claimable(
     tx: Tx, rows: Sequence[tuple[Any, ...]], *, doorbell: bool
 ) -> list[tuple[int, int | None, int]]:
@@ -262,11 +266,7 @@ def _submit_and_acquire_many(tx: Tx, rows: Sequence[tuple[Any, ...]]) -> list[An
         f" WHERE s.time_paused IS NULL AND {_NO_SESSION_OR_WHOLE_ATTEMPTS}"
         f" AND {_NO_SESSION_OR_INPUT_SEQ_LEFT} AND NOT EXISTS"
         " (SELECT 1 FROM session_execution c WHERE c.session_id = json_extract(j.value, '$[0]'))"
-        " AND NOT EXISTS (SELECT 1 FROM session_input i WHERE i.id = json_extract(j.value, '$[1]'))"
-        " AND NOT EXISTS"
-        " (SELECT 1 FROM session_message m WHERE m.input_id = json_extract(j.value, '$[1]'))"
-        " AND NOT EXISTS"
-        " (SELECT 1 FROM session_input_rejected r WHERE r.id = json_extract(j.value, '$[1]'))",
+        f" AND NOT {_input_id_stored(_JOB_INPUT_ID)}",
         (json.dumps([(rows[index][0], rows[index][2]) for index in candidates]),),
     ).fetchall()
     if not free:
@@ -345,12 +345,20 @@ def _free_and_new(tx: Tx, session_id: str, input_id: str) -> bool:
     [(busy,)] = tx.execute(
         "SELECT EXISTS (SELECT 1 FROM session_execution WHERE session_id = :session)"
         " OR EXISTS (SELECT 1 FROM session WHERE id = :session AND time_paused IS NOT NULL)"
-        " OR EXISTS (SELECT 1 FROM session_input WHERE id = :input)"
-        " OR EXISTS (SELECT 1 FROM session_message WHERE input_id = :input)"
-        " OR EXISTS (SELECT 1 FROM session_input_rejected WHERE id = :input)",
+        f" OR {_input_id_stored(':input')}",
         {"session": session_id, "input": input_id},
     ).fetchall()
     return not busy
+
+
+def _input_id_stored(input_id: str) -> str:
+    """SQL: whether the input id `input_id` (an SQL expression) is stored anywhere -
+    pending, taken as a user message or set aside - the tables `_known_input` reads."""
+    return (
+        f"(EXISTS (SELECT 1 FROM session_input WHERE id = {input_id})"
+        f" OR EXISTS (SELECT 1 FROM session_message WHERE input_id = {input_id})"
+        f" OR EXISTS (SELECT 1 FROM session_input_rejected WHERE id = {input_id}))"
+    )
 
 
 def _pg_acquired(

@@ -54,7 +54,7 @@ from .common import (
     unknown_phase,
     wake_attempts_of,
 )
-from .transcript import MAYBE_OPEN, OPEN_ASSISTANT, _close_open_messages, maybe_open_data
+from .transcript import OPEN_ASSISTANT, _close_open_messages, maybe_open_data
 
 
 @autocommit_when_alone
@@ -129,7 +129,7 @@ def _end_iterations(tx: Tx, rows: Sequence[tuple[Any, ...]]) -> list[Any]:
         # Any other resume count is refused alone (`wake_attempts_of`), the claim kept.
         " AND typeof(s.wake_attempts) = 'integer'"
         " AND NOT EXISTS (SELECT 1 FROM session_message m WHERE m.execution_id = c.id"
-        f" AND m.{MAYBE_OPEN} AND m.role = 'assistant')",
+        f" AND {OPEN_ASSISTANT})",
         {"rows": json.dumps([rows[index] for index in firsts.values()]), "now": tx.now},
     ).fetchall()
     indexes = list(firsts.values())
@@ -368,7 +368,7 @@ def messages_left_open(tx: Tx, execution_id: str) -> tuple[MalformedRecord, ...]
         return ()
     rows = tx.execute(
         "SELECT id, data, finished FROM session_message"
-        f" WHERE execution_id = ? AND {MAYBE_OPEN} AND role = 'assistant' ORDER BY seq",
+        f" WHERE execution_id = ? AND {OPEN_ASSISTANT} ORDER BY seq",
         (execution_id,),
     ).fetchall()
     left_open: list[MalformedRecord] = []
