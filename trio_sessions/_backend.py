@@ -319,6 +319,10 @@ class Job:
     # Withdrawn unrun by the worker (PostgreSQL's `Withdrawals`): its caller was cancelled
     # and nothing of it committed; the caller's wait ends in its cancellation.
     withdrawn: bool = attrs.field(default=False, init=False)
+    # An autocommit call of it was refused whole, or it needed a second statement, on the
+    # trio thread (PostgreSQL's `_postgres.onloop`): nothing of it written there, and the
+    # worker runs it in a transaction, not as a call that would be refused again.
+    autocommit_refused: bool = attrs.field(default=False, init=False)
     _call_id: str | None = attrs.field(default=None, init=False, repr=False)
 
     @property

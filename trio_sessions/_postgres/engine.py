@@ -72,7 +72,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeVar, TypeVarTuple, Unpack
+from typing import Any, Literal, TypeVar, TypeVarTuple, Unpack
 
 import psycopg
 
@@ -105,6 +105,7 @@ from .transactions import (
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
+AutocommitFailure = Literal["refused", "lost", "retry"]
 
 _FLUSH = (
     "SELECT set_config('synchronous_commit', 'off', true), ts_flush_signals(CAST(%s AS text[]))"
@@ -158,6 +159,20 @@ def _connection_lost(conn: Any, exc: BaseException) -> bool:
     # 57P01-57P03: the server terminated us (pg_terminate_backend, shutdown); 25P03: our
     # idle-in-transaction timeout fired.
     return state is None or state.startswith("08") or state in {"57P01", "57P02", "57P03", "25P03"}
+
+
+def autocommit_failure(conn: Any, exc: BaseException) -> AutocommitFailure | None:
+    """What an autocommit call's failure `exc` on `conn` means: `refused` - the server
+    refused the call whole (`NEEDS_TRANSACTION`), nothing written, it runs in a transaction;
+    `lost` - the connection is gone, and a write's call may have landed; `retry` - the
+    server refused it in a way that is retried (`RETRYABLE_SQLSTATES`), nothing written;
+    None - the operation's own refusal, or a database error, the caller's."""
+    state = exc.sqlstate if isinstance(exc, psycopg.Error) else None
+    if state == NEEDS_TRANSACTION:
+        return "refused"
+    if _connection_lost(conn, exc):
+        return "lost"
+    return "retry" if state in RETRYABLE_SQLSTATES else None
 
 
 class _JobRaised(Exception):
@@ -413,6 +428,7 @@ class PgEngine:
         self._withdrawals: Withdrawals | None = None
         self.backend_pid: int | None = None
         self.transactions = 0
+        self.loop_calls = 0  # autocommit calls run from the trio thread (`onloop`)
         self.retries = 0
         self.reconnects = 0
 
@@ -488,6 +504,7 @@ class PgEngine:
             "postgres",
             transactions=self.transactions,
             handoffs=handoffs,
+            inline_runs=self.loop_calls,
             retries=self.retries,
             reconnects=self.reconnects,
         )
@@ -661,7 +678,11 @@ class PgEngine:
 
     def _run_alone(self, job: Job, mode: Mode) -> None:
         # A read that is one function call is one statement: its own snapshot, no BEGIN.
-        if mode != "nowait" and job.op.__dict__.get("autocommit_when_alone", False):
+        if (
+            mode != "nowait"
+            and job.op.__dict__.get("autocommit_when_alone", False)
+            and not job.autocommit_refused
+        ):
             try:
                 job.result = self._autocommit(job, read=mode == "read")
             except _Withdrawn:
@@ -705,8 +726,7 @@ class PgEngine:
                     if retry:
                         error = _unknown_outcome(rerun.cause, error)
                     raise error from rerun.cause
-                self.retries += 1
-                _observe.store_retry("postgres", rerun.cause, attempt, _retried_state(rerun.cause))
+                self.count_retry(rerun.cause, attempt)
                 time.sleep(min(0.005 * 2**attempt, 0.2) * random.uniform(0.5, 1.0))
             except OutcomeUnknown:
                 raise
@@ -751,23 +771,27 @@ class PgEngine:
             except (NeedsTransaction, _Withdrawn):
                 raise
             except Exception as exc:
-                if isinstance(exc, psycopg.Error) and exc.sqlstate == NEEDS_TRANSACTION:
-                    # The server refused the call whole: nothing written.
+                failure = autocommit_failure(conn, exc)
+                if failure is None:
+                    raise  # the operation's own refusal, or a database error
+                if failure == "refused":  # nothing written
                     raise NeedsTransaction(str(exc)) from exc
-                if _connection_lost(conn, exc):
+                if failure == "lost":
                     self.close()  # the next attempt re-opens it
                     # A read's lost reply leaves nothing unknown: it wrote nothing.
                     job.reply_lost = job.reply_lost or (tx.begun and not read)
                     lost = exc
-                elif not (isinstance(exc, psycopg.Error) and exc.sqlstate in RETRYABLE_SQLSTATES):
-                    raise  # the operation's own refusal, or a database error
                 if attempt >= MAX_ATTEMPTS or time.monotonic() >= deadline:
                     if job.reply_lost:
                         raise _unknown_outcome(exc, driver_error(exc)) from exc
                     raise driver_error(exc) from exc
-                self.retries += 1
-                _observe.store_retry("postgres", exc, attempt, _retried_state(exc))
+                self.count_retry(exc, attempt)
                 time.sleep(min(0.005 * 2**attempt, 0.2) * random.uniform(0.5, 1.0))
+
+    def count_retry(self, cause: BaseException, attempt: int) -> None:
+        """Attempt `attempt` committed nothing and runs again (a retry, logged)."""
+        self.retries += 1
+        _observe.store_retry("postgres", cause, attempt, _retried_state(cause))
 
     @staticmethod
     def _run_jobs(tx: PgTx, jobs: Sequence[Job]) -> list[Any]:

@@ -10,6 +10,11 @@ set-based batch: one connection leaves the server's other cores idle). `PgInline
 (`inline=True`, tests) runs each operation in its own transaction on the trio thread, so
 virtual time never jumps while PostgreSQL works.
 
+A lone caller (its lane idle, no other task runnable) of an operation that runs alone as
+one autocommit call skips the worker: the call runs on the lane's connection from the
+trio thread, without blocking (`onloop`) - on the sequential cycle the hand-off's thread
+wake-ups cost more than the server's work for the call.
+
 Connections per executor, hence per runtime: `writers` writer connections (default
 `WRITERS`), the listener (`listen=True`), and the liveness token's connection (`hold_token`)
 while the runtime holds the token - size `max_connections` at `writers + 2` per process plus
@@ -73,6 +78,7 @@ from .._errors import StoreError
 from .._handoff import Queued
 from .._naming import check_postgres_name, check_schema, display_name
 from .._validate import check_flag
+from . import onloop
 from .engine import BATCH_LIMIT, PgEngine, Withdrawals
 from .listener import PgListener, Wanted, _wait_for_change, token_connection
 from .transactions import Mode
@@ -114,6 +120,7 @@ def _statistics(
         "postgres",
         transactions=sum(figures.transactions for figures in each),
         handoffs=handoffs,
+        inline_runs=sum(figures.inline_runs for figures in each),
         retries=sum(figures.retries for figures in each),
         reconnects=sum(figures.reconnects for figures in each)
         + (0 if listener is None else listener.reconnects),
@@ -239,6 +246,25 @@ class _Lane:
     async def submit(self, job: Job, mode: str) -> Any:
         if self.closed:
             raise executor_closed()
+        if self._in_flight is None and not self._queue and onloop.may_run(self.engine, job, mode):
+            if await self._on_the_loop(job, mode):
+                return job.unwrap()
+            if job.reply_lost:
+                # It may have landed: its caller waits for the worker's read-back, never
+                # withdrawing it (as the worker never withdraws it).
+                with trio.CancelScope(shield=True):
+                    return await self._queued(job, mode)
+        return await self._queued(job, mode)
+
+    async def _on_the_loop(self, job: Job, mode: str) -> bool:
+        """`onloop.run_on_the_loop`, the lane in flight meanwhile: what queues waits for it."""
+        self._in_flight = []
+        try:
+            return await onloop.run_on_the_loop(self.engine, job, read=mode == "read")
+        finally:
+            self._done([])
+
+    async def _queued(self, job: Job, mode: str) -> Any:
         queued = Queued(job, mode, trio.lowlevel.current_task())
         self._queue.append(queued)
         if self._in_flight is None:

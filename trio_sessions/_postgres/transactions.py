@@ -156,10 +156,15 @@ class BindingCursor(psycopg.Cursor[Any]):
         prepare: bool | None = None,
         binary: bool | None = None,
     ) -> psycopg.Cursor[Any]:
-        if isinstance(query, str) and query.startswith(_CALL):
+        if binds_server_side(query):
             return super().execute(query, params, prepare=prepare, binary=binary)
         client = psycopg.ClientCursor(self.connection)
         return client.execute(query, params, prepare=prepare, binary=binary)
+
+
+def binds_server_side(query: object) -> bool:
+    """Whether `query` is a function call that is its own message (`BindingCursor`)."""
+    return isinstance(query, str) and query.startswith(_CALL)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,207 @@
+"""A lone autocommit call on the trio thread (`_postgres.onloop`): an idle lane's connection
+driven without blocking, no hand-off to its worker thread - and what the loop does not
+settle goes to the worker as the engine's own autocommit call would have left it: a call
+refused for a transaction runs in one (once, not as a second call), a call whose connection
+was lost is read back and lands once, and a caller cancelled while its call waits for a
+lock is withdrawn with nothing written."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import psycopg
+import pytest
+import trio
+import trio.testing
+from helpers import pg_raw, terminate_on
+
+from trio_sessions import _codec, _store
+from trio_sessions._backend import StoreStatistics, Tx, autocommit_when_alone
+from trio_sessions._decisions import IterationVerdict
+from trio_sessions._postgres import PgThreadExecutor, PostgresStore
+
+WAIT_S = 30.0  # a bound on each wait below, never reached when the test passes
+LEASE_MS = 30_000
+
+
+@pytest.fixture
+def pg_store(pg_url: str, migrated_schema: str) -> PostgresStore:
+    return PostgresStore(pg_url, schema=migrated_schema, writers=1, listen=False)
+
+
+@asynccontextmanager
+async def _executor(store: PostgresStore) -> AsyncIterator[PgThreadExecutor]:
+    async with store.open_executor(None) as executor:
+        assert isinstance(executor, PgThreadExecutor)
+        # Its lanes' pumps, started just now, are runnable until they first wait.
+        await trio.testing.wait_all_tasks_blocked()
+        yield executor
+
+
+def _figures(executor: PgThreadExecutor) -> tuple[int, int, int]:
+    """Calls on the loop, hand-offs to the worker, transactions (loop calls included)."""
+    store: StoreStatistics = executor.statistics()
+    return store.inline_runs, store.handoffs, store.transactions
+
+
+def _inputs(conn: psycopg.Connection[Any]) -> list[tuple[Any, ...]]:
+    return conn.execute("SELECT session_id, id FROM session_input ORDER BY id").fetchall()
+
+
+def _take_session_lock(conn: psycopg.Connection[Any], session_id: str) -> None:
+    """Hold `session_id`'s advisory lock in an open transaction on `conn`, as another
+    process's store call does while it runs: every function of the store takes it first."""
+    conn.execute("BEGIN")
+    conn.execute("SELECT pg_advisory_xact_lock(ts_lock_key(%s))", (session_id,))
+
+
+async def _until_it_waits_for_a_lock(control: psycopg.Connection[Any], pid: int | None) -> None:
+    assert pid is not None
+    waiting = "SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s"
+    while control.execute(waiting, (pid,)).fetchone() != ("Lock",):
+        await trio.sleep(0.01)
+
+
+async def test_a_lone_call_runs_on_the_loop_and_calls_started_together_share_a_hand_off(
+    pg_store: PostgresStore,
+) -> None:
+    """A call alone, on an idle lane, with no other task runnable runs on the trio thread:
+    no hand-off. Of calls started together, the first to run goes on the loop (trio counts
+    as runnable only the tasks of its next batch, not those of the batch running now: as
+    for SQLite's lone caller) and the others, queued behind it, share one hand-off."""
+    with trio.fail_after(WAIT_S), pg_raw(pg_store.url, pg_store.schema) as control:
+        async with _executor(pg_store) as executor:
+            stored = await executor.run(_store.submit, "s", '{"n": 1}', "in-1")
+            assert stored == "in-1"
+            assert _figures(executor) == (1, 0, 1)
+
+            async def submit(number: int) -> None:
+                await executor.run(_store.submit, f"t{number}", '{"n": 2}', f"in-t{number}")
+
+            async with trio.open_nursery() as nursery:
+                for number in range(3):
+                    nursery.start_soon(submit, number)
+            loop_calls, handoffs, _ = _figures(executor)
+            assert (loop_calls, handoffs) == (2, 1)
+        assert [row[1] for row in _inputs(control)] == ["in-1", "in-t0", "in-t1", "in-t2"]
+
+
+async def test_a_call_refused_for_a_transaction_on_the_loop_runs_once_in_one(
+    pg_store: PostgresStore,
+) -> None:
+    """An iteration whose session's doorbell is set continues: its call (`ts_finish`)
+    refuses it on the loop, nothing written, and the worker runs it in a transaction at
+    once - not as a second autocommit call refused again."""
+    with trio.fail_after(WAIT_S):
+        async with _executor(pg_store) as executor:
+            args = ("s", '{"n": 1}', "in-1", "exec-1", "owner", LEASE_MS)
+            await executor.run(_store.submit_and_acquire, *args)
+            await executor.run(_store.wake, "s")
+            before = _figures(executor)
+            verdict = await executor.run(_store.end_iteration, "s", "exec-1", "owner")
+            after = _figures(executor)
+    assert verdict is IterationVerdict.CONTINUE
+    # One call on the loop, one hand-off, two transactions: the call and the worker's.
+    assert (after[0] - before[0], after[1] - before[1], after[2] - before[2]) == (1, 1, 2)
+
+
+async def test_a_call_on_the_loop_whose_connection_is_killed_is_read_back_and_lands_once(
+    pg_store: PostgresStore,
+) -> None:
+    """The lane's backend killed while its call on the loop waits for a session's lock:
+    the call may have landed as far as the client knows, so the worker re-opens the
+    connection and calls again with `retry`, which reads back whether it did - the input
+    is stored once, and the caller is told its id."""
+    with (
+        trio.fail_after(WAIT_S),
+        pg_raw(pg_store.url, pg_store.schema) as control,
+        pg_raw(pg_store.url, pg_store.schema) as holder,
+    ):
+        async with _executor(pg_store) as executor:
+            engine = executor.engine
+            killed = engine.backend_pid
+            assert killed is not None
+            _take_session_lock(holder, "s")
+            stored: list[str] = []
+
+            async def submit() -> None:
+                stored.append(await executor.run(_store.submit, "s", '{"n": 1}', "in-1"))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(submit)
+                await _until_it_waits_for_a_lock(control, killed)
+                terminate_on(control, killed)
+                holder.execute("COMMIT")
+            assert stored == ["in-1"]
+            assert engine.backend_pid != killed
+            assert engine.reconnects == 1
+            loop_calls, handoffs, _ = _figures(executor)
+            assert (loop_calls, handoffs) == (1, 1)
+        assert _inputs(control) == [("s", "in-1")]
+
+
+async def test_a_caller_cancelled_while_its_call_on_the_loop_waits_for_a_lock_is_withdrawn(
+    pg_store: PostgresStore,
+) -> None:
+    """A caller cancelled while its call on the loop waits for a session's lock another
+    connection holds goes on while the lock is still held: the statement is cancelled,
+    nothing of it is written once the lock is freed, and the lane's next call runs on the
+    same connection."""
+    with (
+        trio.fail_after(WAIT_S),
+        pg_raw(pg_store.url, pg_store.schema) as control,
+        pg_raw(pg_store.url, pg_store.schema) as holder,
+    ):
+        async with _executor(pg_store) as executor:
+            engine = executor.engine
+            pid = engine.backend_pid
+            _take_session_lock(holder, "s")
+            async with trio.open_nursery() as nursery:
+                cancelled = trio.CancelScope()
+
+                async def submit() -> None:
+                    with cancelled:
+                        await executor.run(_store.submit, "s", '{"n": 1}', "in-1")
+                    nursery.cancel_scope.cancel()  # what follows never runs: the test's end
+
+                nursery.start_soon(submit)
+                await _until_it_waits_for_a_lock(control, pid)
+                cancelled.cancel()
+                await trio.sleep_forever()
+            assert cancelled.cancelled_caught
+            waiting = "SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+            assert control.execute(waiting).fetchall() == [], "the cancelled call still waits"
+            holder.execute("COMMIT")
+            await executor.run(_store.submit, "t", '{"n": 2}', "in-2")
+            assert engine.backend_pid == pid and engine.reconnects == 0
+            assert _figures(executor)[:2] == (2, 0)
+        assert _inputs(control) == [("t", "in-2")]
+
+
+@autocommit_when_alone
+def _submit_then_decode(tx: Tx, session_id: str, input_id: str, text: str) -> int:
+    """A submit (one call) whose caller then decodes `text`; the thread it decoded on."""
+    _store.submit(tx, session_id, '{"n": 1}', input_id)
+    _codec.loads(text)
+    return threading.get_ident()
+
+
+async def test_a_call_on_the_loop_over_the_loops_budget_is_read_back_in_the_worker(
+    pg_store: PostgresStore,
+) -> None:
+    """A call on the loop whose reply holds more than the loop may decode (DESIGN §6.26,
+    `_codec.loop_budget`) is not decoded there: its write landed, so the worker calls
+    again with `retry`, which reads back what it did - the input is stored once, and its
+    caller gets the worker's answer, decoded off the loop."""
+    big = _codec.dumps([[] for _ in range(_codec.LOOP_BUDGET_UNITS // 3 + 1)])
+    loop = threading.get_ident()
+    with trio.fail_after(WAIT_S), pg_raw(pg_store.url, pg_store.schema) as control:
+        async with _executor(pg_store) as executor:
+            assert await executor.run(_submit_then_decode, "s", "in-1", "[]") == loop
+            assert _figures(executor)[:2] == (1, 0)
+            assert await executor.run(_submit_then_decode, "t", "in-2", big) != loop
+            assert _figures(executor)[:2] == (2, 1)
+        assert _inputs(control) == [("s", "in-1"), ("t", "in-2")]
