@@ -205,3 +205,72 @@ async def test_a_call_on_the_loop_over_the_loops_budget_is_read_back_in_the_work
             assert await executor.run(_submit_then_decode, "t", "in-2", big) != loop
             assert _figures(executor)[:2] == (2, 1)
         assert _inputs(control) == [("s", "in-1"), ("t", "in-2")]
+
+
+async def test_a_call_the_loop_leaves_to_the_worker_runs_before_the_sessions_next_operation(
+    pg_store: PostgresStore,
+) -> None:
+    """A session's operations run in the order they were queued, also when the first ran on
+    the loop and left its call to the worker (here: its connection killed while it waited
+    for the session's lock, so it is read back with `retry`): the session's next operation,
+    queued behind the call on the loop meanwhile, runs after it, not before."""
+    with (
+        trio.fail_after(WAIT_S),
+        pg_raw(pg_store.url, pg_store.schema) as control,
+        pg_raw(pg_store.url, pg_store.schema) as holder,
+    ):
+        async with _executor(pg_store) as executor:
+            killed = executor.engine.backend_pid
+            assert killed is not None
+            _take_session_lock(holder, "s")
+            stored: list[str] = []
+
+            async def submit(input_id: str) -> None:
+                stored.append(await executor.run(_store.submit, "s", '{"n": 1}', input_id))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(submit, "in-1")
+                await _until_it_waits_for_a_lock(control, killed)
+                nursery.start_soon(submit, "in-2")
+                await trio.testing.wait_all_tasks_blocked()  # queued behind the call
+                assert _figures(executor)[:2] == (1, 0)
+                terminate_on(control, killed)
+                holder.execute("COMMIT")
+            assert sorted(stored) == ["in-1", "in-2"]
+        by_seq = "SELECT id FROM session_input WHERE session_id = 's' ORDER BY seq"
+        assert control.execute(by_seq).fetchall() == [("in-1",), ("in-2",)]
+
+
+async def test_a_call_on_the_loop_refused_while_the_executor_closes_runs_before_it_closes(
+    pg_store: PostgresStore,
+) -> None:
+    """The executor closing waits for a call on the loop in flight, and for what that call
+    leaves to the worker: a call the server refuses for a transaction (nothing written)
+    runs in one before the lane stops and its caller is answered - not queued on a closed
+    lane, where nothing ever runs it and its caller waits for ever."""
+    with (
+        trio.fail_after(WAIT_S),
+        pg_raw(pg_store.url, pg_store.schema) as control,
+        pg_raw(pg_store.url, pg_store.schema) as holder,
+    ):
+        verdicts: list[IterationVerdict] = []
+        async with trio.open_nursery() as nursery, _executor(pg_store) as executor:
+            pid = executor.engine.backend_pid
+            args = ("s", '{"n": 1}', "in-1", "exec-1", "owner", LEASE_MS)
+            await executor.run(_store.submit_and_acquire, *args)
+            await executor.run(_store.wake, "s")  # so `ts_finish` refuses the call
+            _take_session_lock(holder, "s")
+
+            async def end() -> None:
+                ended = await executor.run(_store.end_iteration, "s", "exec-1", "owner")
+                verdicts.append(ended)
+
+            async def release() -> None:
+                await trio.testing.wait_all_tasks_blocked()  # closing, waiting for the call
+                assert all(lane.closed for lane in executor._lanes)
+                holder.execute("COMMIT")
+
+            nursery.start_soon(end)
+            await _until_it_waits_for_a_lock(control, pid)
+            nursery.start_soon(release)
+        assert verdicts == [IterationVerdict.CONTINUE]

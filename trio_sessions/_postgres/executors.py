@@ -247,22 +247,32 @@ class _Lane:
         if self.closed:
             raise executor_closed()
         if self._in_flight is None and not self._queue and onloop.may_run(self.engine, job, mode):
-            if await self._on_the_loop(job, mode):
-                return job.unwrap()
-            if job.reply_lost:
-                # It may have landed: its caller waits for the worker's read-back, never
-                # withdrawing it (as the worker never withdraws it).
-                with trio.CancelScope(shield=True):
-                    return await self._queued(job, mode)
+            return await self._on_the_loop(job, mode)
         return await self._queued(job, mode)
 
-    async def _on_the_loop(self, job: Job, mode: str) -> bool:
-        """`onloop.run_on_the_loop`, the lane in flight meanwhile: what queues waits for it."""
+    async def _on_the_loop(self, job: Job, mode: str) -> Any:
+        """`onloop.run_on_the_loop`, the lane in flight meanwhile: what queues waits for it.
+        What the loop leaves to the worker is handed over at once, first in the hand-off
+        of what queued meanwhile - a session's operations keep their order - and so also
+        once the lane closed meanwhile: `close` waits for it as for any batch in flight."""
         self._in_flight = []
         try:
-            return await onloop.run_on_the_loop(self.engine, job, read=mode == "read")
-        finally:
+            settled = await onloop.run_on_the_loop(self.engine, job, read=mode == "read")
+        except BaseException:
             self._done([])
+            raise
+        if settled:
+            self._done([])
+            return job.unwrap()
+        queued = Queued(job, mode, trio.lowlevel.current_task())
+        self._queue.insert(0, queued)
+        self._dispatch()
+        if job.reply_lost:
+            # It may have landed: its caller waits for the worker's read-back, never
+            # withdrawing it (as the worker never withdraws it).
+            with trio.CancelScope(shield=True):
+                return await queued.outcome(self._queue.remove)
+        return await queued.outcome(self._queue.remove)
 
     async def _queued(self, job: Job, mode: str) -> Any:
         queued = Queued(job, mode, trio.lowlevel.current_task())
@@ -328,7 +338,9 @@ class _Lane:
         by_mode: dict[str, list[Job]] = {"write": [], "nowait": [], "alone": []}
         for queued in writes:
             mode = queued.mode
-            if mode == "write" and not _on_a_session(queued.job):
+            # A write whose call on the loop may have landed (`Job.reply_lost`) runs alone,
+            # first: its call reads back with `retry`, which a batch's would not.
+            if mode == "write" and (queued.job.reply_lost or not _on_a_session(queued.job)):
                 mode = "alone"
             by_mode[mode].append(queued.job)
         self.engine.run_jobs(by_mode["write"], by_mode["nowait"], by_mode["alone"], withdrawals)
