@@ -274,3 +274,28 @@ async def test_a_call_on_the_loop_refused_while_the_executor_closes_runs_before_
             await _until_it_waits_for_a_lock(control, pid)
             nursery.start_soon(release)
         assert verdicts == [IterationVerdict.CONTINUE]
+
+
+async def test_a_write_on_no_session_goes_to_an_idle_lane_not_behind_a_call_on_the_loop(
+    pg_url: str, migrated_schema: str
+) -> None:
+    """A write on no session (a heartbeat) goes to the least busy lane: a lane whose call
+    on the loop waits for a session's lock is busy, so the heartbeat runs on the idle lane
+    at once - not behind that call, until the lock is freed or its `lock_timeout`."""
+    store = PostgresStore(pg_url, schema=migrated_schema, writers=2, listen=False)
+    with (
+        trio.fail_after(WAIT_S),
+        pg_raw(store.url, store.schema) as control,
+        pg_raw(store.url, store.schema) as holder,
+    ):
+        async with _executor(store) as executor:
+            first, second = executor.engines
+            _take_session_lock(holder, "s")
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(executor.run, _store.submit, "s", '{"n": 1}', "in-1")
+                await _until_it_waits_for_a_lock(control, first.backend_pid)
+                renewed = await executor.run(_store.heartbeat, "owner", ["exec-1"], LEASE_MS)
+                assert renewed == {"exec-1": None}
+                assert (first.transactions, second.transactions) == (1, 1)
+                holder.execute("COMMIT")
+        assert _inputs(control) == [("s", "in-1")]

@@ -350,8 +350,10 @@ class _Lane:
 
     @property
     def load(self) -> int:
-        """Operations queued or in flight here."""
-        return len(self._queue) + (0 if self._in_flight is None else len(self._in_flight))
+        """Operations queued or in flight here: a call on the loop (`_on_the_loop`, no
+        batch) counts as one."""
+        flight = self._in_flight
+        return len(self._queue) + (0 if flight is None else max(1, len(flight)))
 
     def _done(self, batch: list[Queued]) -> None:
         """On the trio thread: the batch's callers go on (a write's caller that went on
