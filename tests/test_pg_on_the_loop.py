@@ -7,6 +7,7 @@ lock is withdrawn with nothing written."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -19,6 +20,7 @@ import trio.testing
 from helpers import pg_raw, terminate_on
 
 from trio_sessions import _codec, _store
+from trio_sessions import _observe as events
 from trio_sessions._backend import StoreStatistics, Tx, autocommit_when_alone
 from trio_sessions._decisions import IterationVerdict
 from trio_sessions._postgres import PgThreadExecutor, PostgresStore
@@ -299,3 +301,24 @@ async def test_a_write_on_no_session_goes_to_an_idle_lane_not_behind_a_call_on_t
                 assert (first.transactions, second.transactions) == (1, 1)
                 holder.execute("COMMIT")
         assert _inputs(control) == [("s", "in-1")]
+
+
+async def test_a_call_on_the_loop_whose_connection_was_lost_counts_and_logs_its_retry(
+    pg_store: PostgresStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A call on the loop whose connection turns out lost, run again by the worker, is a
+    retry as the engine's own autocommit call's would be: counted in
+    `StoreStatistics.retries` and logged (`store transaction retried: connection lost`)."""
+    caplog.set_level(logging.INFO, logger="trio_sessions")
+    with trio.fail_after(WAIT_S), pg_raw(pg_store.url, pg_store.schema) as control:
+        async with _executor(pg_store) as executor:
+            killed = executor.engine.backend_pid
+            assert killed is not None
+            terminate_on(control, killed)  # idle: the client learns it with its next call
+            assert await executor.run(_store.submit, "s", '{"n": 1}', "in-1") == "in-1"
+            store = executor.statistics()
+        assert _inputs(control) == [("s", "in-1")]
+    assert (store.inline_runs, store.handoffs, store.reconnects) == (1, 1, 1)
+    assert store.retries == 1
+    [retry] = [record for record in caplog.records if record.msg == events.STORE_RETRY]
+    assert retry.getMessage() == "store transaction retried: connection lost"

@@ -150,11 +150,12 @@ async def run_on_the_loop(engine: PgEngine, job: Job, *, read: bool) -> bool:
             return True
         if failure == "refused":
             job.autocommit_refused = True
-        elif failure == "lost":
+            return False
+        if failure == "lost":
             engine.close()  # the worker re-opens it
             job.reply_lost = not read  # a read's lost reply leaves nothing unknown
-        else:
-            engine.count_retry(exc, 1)
+        # The worker's call is this one's retry, as `PgEngine._autocommit` counts its own.
+        engine.count_retry(exc, 1)
         return False
     return True
 
