@@ -22,11 +22,13 @@ from helpers import pg_raw, terminate_on
 from trio_sessions import _codec, _store
 from trio_sessions import _observe as events
 from trio_sessions._backend import StoreStatistics, Tx, autocommit_when_alone
+from trio_sessions._bench.load import StepMeter
 from trio_sessions._decisions import IterationVerdict
 from trio_sessions._postgres import PgThreadExecutor, PostgresStore
 
 WAIT_S = 30.0  # a bound on each wait below, never reached when the test passes
 LEASE_MS = 30_000
+STALL_S = 0.050  # DESIGN §6.26: no event-loop stall above 50 ms from the library
 
 
 @pytest.fixture
@@ -322,3 +324,33 @@ async def test_a_call_on_the_loop_whose_connection_was_lost_counts_and_logs_its_
     assert store.retries == 1
     [retry] = [record for record in caplog.records if record.msg == events.STORE_RETRY]
     assert retry.getMessage() == "store transaction retried: connection lost"
+
+
+@pytest.mark.serial
+async def test_a_lone_read_of_a_long_transcript_never_stalls_the_loop(
+    pg_store: PostgresStore,
+) -> None:
+    """A lone `read_transcript` of a 20,000-message session (DESIGN §6.26): its call runs
+    on the loop, but its reply is not fetched and decoded there: one task step of 100-150 ms
+    of CPU fetched the rows and decoded message after message (each small, so `loads`
+    charged the loop's budget little for each) until the budget ran out, and the worker
+    read it all again. Real time (CPU)."""
+    count = 20_000
+    with trio.fail_after(WAIT_S), pg_raw(pg_store.url, pg_store.schema) as control:
+        control.execute("INSERT INTO session(id, time_created) VALUES ('big', 0)")
+        with control.cursor() as cursor:
+            cursor.executemany(
+                "INSERT INTO session_message(id, session_id, role, seq, data, time_created,"
+                " time_updated, finished) VALUES (%s, 'big', 'user', %s, %s, 0, 0, 1)",
+                [
+                    (f"m{seq:08d}", seq, _codec.dumps({"text": str(seq)}))
+                    for seq in range(1, count + 1)
+                ],
+            )
+        async with _executor(pg_store) as executor:
+            with StepMeter() as meter:
+                messages = await executor.read(_store.read_transcript, "big")
+                await trio.lowlevel.checkpoint()  # the read's last step ends in the meter
+            assert _figures(executor)[:2] == (1, 1)  # called on the loop, read in the worker
+    assert [message.seq for message in messages] == list(range(1, count + 1))
+    assert meter.longest_cpu < STALL_S, meter.longest_cpu
