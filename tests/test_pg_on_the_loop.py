@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -354,3 +355,49 @@ async def test_a_lone_read_of_a_long_transcript_never_stalls_the_loop(
             assert _figures(executor)[:2] == (1, 1)  # called on the loop, read in the worker
     assert [message.seq for message in messages] == list(range(1, count + 1))
     assert meter.longest_cpu < STALL_S, meter.longest_cpu
+
+
+@pytest.mark.parametrize("kind", ["read", "write"])
+async def test_a_call_on_the_loop_cut_by_the_reply_watchdog_fails_then_not_a_reconnect_later(
+    pg_url: str, migrated_schema: str, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """DESIGN §8 (a reply not come within `REPLY_BOUND_S`: the connection counts as lost
+    and the call fails with `StoreError`): a lone call on the loop when the server stops
+    answering, its connection kept up, fails once the reply watchdog cuts its wait - a
+    read with `StoreError`, a write with `OutcomeUnknown` - as the worker's call does (the
+    server did not answer in its hand-off: nothing more is tried there), not after the
+    worker re-opened the connection for up to `RECONNECT_PATIENCE_S` more, a connect
+    timeout per attempt, against a server that accepts TCP and never answers."""
+    from test_worker import HangingProxy
+
+    from trio_sessions._errors import OutcomeUnknown, StoreError
+    from trio_sessions._postgres import connections
+    from trio_sessions._postgres.engine import RECONNECT_PATIENCE_S
+
+    monkeypatch.setattr(connections, "REPLY_BOUND_S", 2.0)  # waited out: short here
+    proxy = HangingProxy.to(pg_url)
+    with trio.fail_after(WAIT_S):
+        async with trio.open_nursery() as nursery:
+            await proxy.serve(nursery)
+            store = PostgresStore(
+                proxy.url(pg_url), schema=migrated_schema, writers=1, listen=False
+            )
+            async with _executor(store) as executor:
+
+                async def call(input_id: str) -> Any:
+                    if kind == "read":
+                        return await executor.read(_store.read_transcript, "s")
+                    return await executor.run(_store.submit, "s", '{"n": 1}', input_id)
+
+                await call("in-1")
+                proxy.stall()
+                started = time.monotonic()
+                with pytest.raises(StoreError) as raised:
+                    await call("in-2")
+                elapsed = time.monotonic() - started
+                assert _figures(executor)[0] == 2  # both on the loop
+            nursery.cancel_scope.cancel()
+    # A write's call may have landed; a read leaves nothing unknown.
+    assert isinstance(raised.value, OutcomeUnknown) == (kind == "write")
+    bound = connections.REPLY_BOUND_S + RECONNECT_PATIENCE_S / 2
+    assert elapsed < bound, f"StoreError after {elapsed:.1f} s"

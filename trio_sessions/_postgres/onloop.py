@@ -25,6 +25,8 @@ What the loop does not settle goes to the worker (`engine.autocommit_failure`):
   written - the worker runs it again, within its own bounds;
 * the connection lost: a write's call may have landed (`Job.reply_lost`) - the worker
   re-opens the connection and calls again with `retry`, reading back whether it did;
+  but a wait the reply watchdog cut (the server stopped answering) fails then, as the
+  worker's call fails in its hand-off (`OutcomeUnknown` for a write);
 * a reply holding more than the loop may fetch and decode (`_codec.OffTheLoop`, DESIGN
   §6.26; its values charged up front, `CELL_UNITS` each): the worker calls again - a
   write's call with `retry`, reading back what it did.
@@ -56,8 +58,15 @@ import trio
 from psycopg.waiting import Ready, Wait
 
 from .. import _codec
-from .._backend import Job, NeedsTransaction, Params
-from .engine import CANCEL_AFTER_S, CANCEL_TIMEOUT_S, PgEngine, _store_error, autocommit_failure
+from .._backend import Job, NeedsTransaction, Params, driver_error
+from .engine import (
+    CANCEL_AFTER_S,
+    CANCEL_TIMEOUT_S,
+    PgEngine,
+    _store_error,
+    _unknown_outcome,
+    autocommit_failure,
+)
 from .transactions import PgTx, binds_server_side
 
 # What fetching one value of a reply on the loop costs its budget (`_codec.loop_budget`),
@@ -162,8 +171,16 @@ async def run_on_the_loop(engine: PgEngine, job: Job, *, read: bool) -> bool:
             job.autocommit_refused = True
             return False
         if failure == "lost":
+            # Cut by the reply watchdog: the server stopped answering. The call fails now,
+            # as in the worker's hand-off (nothing more tried there), not after the worker
+            # re-opened the connection for up to `RECONNECT_PATIENCE_S` more.
+            silent = getattr(conn, "cut", False)
             engine.close()  # the worker re-opens it
             job.reply_lost = not read  # a read's lost reply leaves nothing unknown
+            if silent:
+                error = driver_error(exc)
+                job.error = _unknown_outcome(exc, error) if job.reply_lost else error
+                return True
         # The worker's call is this one's retry, as `PgEngine._autocommit` counts its own.
         engine.count_retry(exc, 1)
         return False
