@@ -25,7 +25,7 @@ from trio_sessions import _observe as events
 from trio_sessions._backend import StoreStatistics, Tx, autocommit_when_alone
 from trio_sessions._bench.load import StepMeter
 from trio_sessions._decisions import IterationVerdict
-from trio_sessions._postgres import PgThreadExecutor, PostgresStore
+from trio_sessions._postgres import PgThreadExecutor, PostgresStore, onloop
 
 WAIT_S = 30.0  # a bound on each wait below, never reached when the test passes
 LEASE_MS = 30_000
@@ -401,3 +401,38 @@ async def test_a_call_on_the_loop_cut_by_the_reply_watchdog_fails_then_not_a_rec
     assert isinstance(raised.value, OutcomeUnknown) == (kind == "write")
     bound = connections.REPLY_BOUND_S + RECONNECT_PATIENCE_S / 2
     assert elapsed < bound, f"StoreError after {elapsed:.1f} s"
+
+
+async def test_an_operation_given_an_iterator_renews_what_it_names_alone(
+    pg_store: PostgresStore,
+) -> None:
+    """A call on the loop runs its operation twice (recording its statement, then reading
+    its reply), so an argument read only once - an iterator - would be empty the second
+    time: a heartbeat given one renewed the claim and answered `{}`. Such a call goes to
+    the worker, which runs the operation once, as before."""
+    with trio.fail_after(WAIT_S):
+        async with _executor(pg_store) as executor:
+            args = ("s", '{"n": 1}', "in-1", "exec-1", "owner", LEASE_MS)
+            await executor.run(_store.submit_and_acquire, *args)
+            renewed = await executor.run(_store.heartbeat, "owner", iter(["exec-1"]), LEASE_MS)
+            assert renewed == {"exec-1": "running"}
+            assert _figures(executor)[:2] == (1, 1)
+
+
+def test_a_psycopg_without_the_execute_generator_as_called_runs_every_call_in_the_worker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The loop drives psycopg's private generator of a cursor's execute: a psycopg whose
+    generator is gone, or takes other arguments, is no error - every call goes to the
+    worker, as before the loop path."""
+    assert onloop._drivable()
+
+    def other(self: object, query: object, *, prepare: object = None) -> None:
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(psycopg.Cursor, "_execute_gen", other)
+    assert not onloop._drivable()
+    for klass in psycopg.Cursor.__mro__:
+        if "_execute_gen" in vars(klass):
+            monkeypatch.delattr(klass, "_execute_gen")
+    assert not onloop._drivable()

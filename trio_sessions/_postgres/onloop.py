@@ -48,9 +48,10 @@ Invariants:
 
 from __future__ import annotations
 
+import inspect
 import select
 import time
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
 from typing import Any
 
 import psycopg
@@ -76,9 +77,22 @@ from .transactions import PgTx, binds_server_side
 # row its text's 15 characters; the budget's 256 Ki units are 15-20 ms of decoding.
 CELL_UNITS = 16
 
-# psycopg's generator of a cursor's execute, which its sync and async cursors share (3.0 on):
-# private, so without it every call goes to the worker, as before.
-_DRIVABLE = hasattr(psycopg.Cursor, "_execute_gen")
+
+def _drivable() -> bool:
+    """Whether psycopg has the generator of a cursor's execute that its sync and async
+    cursors share (3.0 to 3.3, at least), as we call it: private, so with another shape
+    every call goes to the worker, as before."""
+    execute = getattr(psycopg.Cursor, "_execute_gen", None)
+    if execute is None:
+        return False
+    try:
+        inspect.signature(execute).bind(None, "query", (), prepare=None, binary=None)
+    except TypeError:
+        return False
+    return True
+
+
+_DRIVABLE = _drivable()
 
 
 class _Recorded(Exception):
@@ -117,6 +131,9 @@ def may_run(engine: PgEngine, job: Job, mode: str) -> bool:
         and job.op.__dict__.get("autocommit_when_alone", False)
         and not job.reply_lost
         and not job.autocommit_refused
+        # The operation runs twice: an argument read only once would be empty the second
+        # time (`_Replaying` would answer what the reply did not ask).
+        and not any(isinstance(argument, Iterator) for argument in job.args)
         and trio.lowlevel.current_statistics().tasks_runnable == 0
     )
 
