@@ -7,6 +7,7 @@ lock is withdrawn with nothing written."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -20,11 +21,12 @@ import trio
 import trio.testing
 from helpers import pg_raw, terminate_on
 
-from trio_sessions import _codec, _store
+from trio_sessions import _codec, _store, _transcript
 from trio_sessions import _observe as events
 from trio_sessions._backend import StoreStatistics, Tx, autocommit_when_alone
 from trio_sessions._bench.load import StepMeter
 from trio_sessions._decisions import IterationVerdict
+from trio_sessions._model import ToolPart
 from trio_sessions._postgres import PgThreadExecutor, PostgresStore, onloop
 
 WAIT_S = 30.0  # a bound on each wait below, never reached when the test passes
@@ -436,3 +438,47 @@ def test_a_psycopg_without_the_execute_generator_as_called_runs_every_call_in_th
         if "_execute_gen" in vars(klass):
             monkeypatch.delattr(klass, "_execute_gen")
     assert not onloop._drivable()
+
+
+async def test_a_tool_settled_on_the_loop_while_a_reader_edits_its_input_settles_once(
+    pg_store: PostgresStore,
+) -> None:
+    """A call on the loop runs its operation twice, its statement's reply awaited between:
+    a reader that edits the tool input it was shown meanwhile (`Known`: the writer's data
+    is written from only while it still encodes as stored) made the second run take the
+    read path, which needs a transaction - so the worker applied the settlement again onto
+    the message the first run's call had already settled: `DuplicateSettlement` for a
+    settlement that landed once. The caller gets the settlement that landed, as from the
+    worker, whose operation runs once."""
+    claim = ("s", "exec-1", "owner", "m1")
+    start = functools.partial(_transcript.start_tool, call_id="c1", name="echo", input={"x": 1})
+    settle = functools.partial(_transcript.settle_tool, call_id="c1", output={"ok": 1})
+    with (
+        trio.fail_after(WAIT_S),
+        pg_raw(pg_store.url, pg_store.schema) as control,
+        pg_raw(pg_store.url, pg_store.schema) as holder,
+    ):
+        async with _executor(pg_store) as executor:
+            args = ("s", '{"n": 1}', "in-1", "exec-1", "owner", LEASE_MS)
+            await executor.run(_store.submit_and_acquire, *args)
+            await executor.run(_store.begin_assistant, *claim)
+            data, version, _, text = await executor.run(_store.update_assistant, *claim, start)
+            known = _store.Known(data, (), version, text)
+            [tool] = [part for part in data.parts if isinstance(part, ToolPart)]
+            _take_session_lock(holder, "s")
+            settled: list[Any] = []
+
+            async def update() -> None:
+                settled.append(await executor.run(_store.update_assistant, *claim, settle, known))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(update)
+                await _until_it_waits_for_a_lock(control, executor.engine.backend_pid)
+                tool.input["x"] = 2  # a reader's edit of what it was shown
+                holder.execute("COMMIT")
+            [(after, settled_version, _, _)] = settled
+            assert settled_version == version + 1
+            [tool_after] = [part for part in after.parts if isinstance(part, ToolPart)]
+            assert tool_after.status == "completed"
+        stored = "SELECT version FROM session_message WHERE id = 'm1'"
+        assert control.execute(stored).fetchone() == (version + 1,)

@@ -60,6 +60,7 @@ from psycopg.waiting import Ready, Wait
 
 from .. import _codec
 from .._backend import Job, NeedsTransaction, Params, driver_error
+from .._store.transcript import Known
 from .engine import (
     CANCEL_AFTER_S,
     CANCEL_TIMEOUT_S,
@@ -131,9 +132,13 @@ def may_run(engine: PgEngine, job: Job, mode: str) -> bool:
         and job.op.__dict__.get("autocommit_when_alone", False)
         and not job.reply_lost
         and not job.autocommit_refused
-        # The operation runs twice: an argument read only once would be empty the second
-        # time (`_Replaying` would answer what the reply did not ask).
-        and not any(isinstance(argument, Iterator) for argument in job.args)
+        # The operation runs twice, its call's reply awaited between, so it must decide
+        # alike both times: an argument read only once would be empty the second time
+        # (`_Replaying` would answer what the reply did not ask), and a writer's `Known`
+        # message holds dicts its readers were shown and may edit meanwhile - the second
+        # run then reads the message in a transaction, in the worker, onto which the
+        # first run's call already wrote (a tool settled twice).
+        and not any(isinstance(argument, Iterator | Known) for argument in job.args)
         and trio.lowlevel.current_statistics().tasks_runnable == 0
     )
 
