@@ -27,7 +27,7 @@ from trio_sessions._backend import StoreStatistics, Tx, autocommit_when_alone
 from trio_sessions._bench.load import StepMeter
 from trio_sessions._decisions import IterationVerdict
 from trio_sessions._model import ToolPart
-from trio_sessions._postgres import PgThreadExecutor, PostgresStore, onloop
+from trio_sessions._postgres import PgThreadExecutor, PgTx, PostgresStore, onloop
 
 WAIT_S = 30.0  # a bound on each wait below, never reached when the test passes
 LEASE_MS = 30_000
@@ -482,3 +482,33 @@ async def test_a_tool_settled_on_the_loop_while_a_reader_edits_its_input_settles
             assert tool_after.status == "completed"
         stored = "SELECT version FROM session_message WHERE id = 'm1'"
         assert control.execute(stored).fetchone() == (version + 1,)
+
+
+@autocommit_when_alone
+def _submit_then_diverge(tx: Tx, session_id: str, runs: list[int]) -> tuple[str, bool]:
+    """A submit on its first run; on its second a statement that needs a transaction, sent
+    before the call; on any later one, whether its calls read back (`retry`)."""
+    runs.append(len(runs) + 1)
+    if len(runs) == 1:
+        return _store.submit(tx, session_id, '{"n": 1}', "in-1"), False
+    if len(runs) == 2:
+        tx.execute("SELECT 1")
+    assert isinstance(tx, PgTx)
+    return "worker", tx.retry
+
+
+async def test_an_operation_whose_second_run_sends_another_statement_is_read_back(
+    pg_store: PostgresStore,
+) -> None:
+    """A call on the loop reads its reply through the operation's second run, which must
+    send first what the first run sent. One that does not (it raised `NeedsTransaction`
+    before sending, here) says nothing about the call that ran: not "refused, nothing
+    written", which would run it again in a transaction as a first call - the worker calls
+    again with `retry`, reading back what the landed call did, as after a lost reply."""
+    with trio.fail_after(WAIT_S), pg_raw(pg_store.url, pg_store.schema) as control:
+        async with _executor(pg_store) as executor:
+            runs: list[int] = []
+            result = await executor.run(_submit_then_diverge, "s", runs)
+            assert (result, runs) == (("worker", True), [1, 2, 3])
+            assert _figures(executor)[:2] == (1, 1)
+        assert _inputs(control) == [("s", "in-1")]

@@ -189,6 +189,15 @@ def autocommit_when_alone(op: Callable[..., T]) -> Callable[..., T]:
     return op
 
 
+def never_replayed(op: Callable[..., T]) -> Callable[..., T]:
+    """Mark an operation that decides from data its caller's other tasks may change while
+    it waits for its reply (the writer's `Known` message, whose dicts its readers may
+    edit): PostgreSQL never runs it as a call on the loop (`_postgres.onloop`), which runs
+    an operation twice around its reply and needs both runs to decide alike."""
+    op.__dict__["never_replayed"] = True
+    return op
+
+
 def reads_stored_bytes(op: Callable[..., T]) -> Callable[..., T]:
     """Mark a read that names a row malformed when one of its text columns comes as bytes.
     SQLite keeps whatever bytes another tool writes as TEXT, and its driver refuses the

@@ -60,7 +60,6 @@ from psycopg.waiting import Ready, Wait
 
 from .. import _codec
 from .._backend import Job, NeedsTransaction, Params, driver_error
-from .._store.transcript import Known
 from .engine import (
     CANCEL_AFTER_S,
     CANCEL_TIMEOUT_S,
@@ -109,12 +108,18 @@ class _Recording(PgTx):
         raise _Recorded(statement, params)
 
 
+class _Diverged(Exception):
+    """The operation's second run did not send first what its first run sent."""
+
+
 class _Replaying(PgTx):
     def __init__(self, conn: Any, engine: PgEngine, job: Job, reply: _Reply) -> None:
         super().__init__(conn, engine.clock, autocommit=True, job=job)
         self._reply = reply
 
     def _sent(self, statement: str, params: Params) -> psycopg.Cursor[Any]:
+        if statement != self._reply.statement:
+            raise _Diverged
         self.begun = True
         return self._reply.cursor()
 
@@ -134,11 +139,11 @@ def may_run(engine: PgEngine, job: Job, mode: str) -> bool:
         and not job.autocommit_refused
         # The operation runs twice, its call's reply awaited between, so it must decide
         # alike both times: an argument read only once would be empty the second time
-        # (`_Replaying` would answer what the reply did not ask), and a writer's `Known`
-        # message holds dicts its readers were shown and may edit meanwhile - the second
-        # run then reads the message in a transaction, in the worker, onto which the
-        # first run's call already wrote (a tool settled twice).
-        and not any(isinstance(argument, Iterator | Known) for argument in job.args)
+        # (`_Replaying` would answer what the reply did not ask), and an operation marked
+        # `never_replayed` decides from data other tasks may change meanwhile (a tool
+        # settled twice: the second run went to the worker, onto the first run's write).
+        and not job.op.__dict__.get("never_replayed", False)
+        and not any(isinstance(argument, Iterator) for argument in job.args)
         and trio.lowlevel.current_statistics().tasks_runnable == 0
     )
 
@@ -171,20 +176,28 @@ async def run_on_the_loop(engine: PgEngine, job: Job, *, read: bool) -> bool:
         if not reply.done:  # the connection still carries the statement
             engine.close()
         raise
+    return _replayed(engine, job, reply, read=read)
+
+
+def _replayed(engine: PgEngine, job: Job, reply: _Reply, *, read: bool) -> bool:
+    """The operation's second run, on the reply: `run_on_the_loop`'s verdict."""
+    conn = engine.conn
+    replaying = _Replaying(conn, engine, job, reply)
     try:
         with _codec.loop_budget():
             # Charged up front: a long reply (many small messages) is not fetched here.
             _codec.spend(reply.cells() * CELL_UNITS)
-            job.result = job.op(_Replaying(conn, engine, job, reply), *job.args)
-    except _codec.OffTheLoop:
-        # More to decode than the loop may (DESIGN §6.26): the worker calls again, off the
-        # loop - a write's call with `retry`, which reads back what this one did.
-        job.reply_lost = not read
-        return False
+            result = job.op(replaying, *job.args)
+    except (_codec.OffTheLoop, _Diverged):
+        return _read_back(job, read=read)
     except NeedsTransaction:
+        if not replaying.begun:
+            return _read_back(job, read=read)
         job.autocommit_refused = True
         return False
     except Exception as exc:
+        if not replaying.begun:
+            return _read_back(job, read=read)
         failure = autocommit_failure(conn, exc)
         if failure is None:
             job.error = _store_error(exc)
@@ -206,7 +219,19 @@ async def run_on_the_loop(engine: PgEngine, job: Job, *, read: bool) -> bool:
         # The worker's call is this one's retry, as `PgEngine._autocommit` counts its own.
         engine.count_retry(exc, 1)
         return False
+    if not replaying.begun:
+        return _read_back(job, read=read)
+    job.result = result
     return True
+
+
+def _read_back(job: Job, *, read: bool) -> bool:
+    """The call ran, but its reply cannot be read through the operation here: more to
+    fetch and decode than the loop may (`OffTheLoop`, DESIGN §6.26), or a second run that
+    did not send first what the first run sent (`_Diverged`). The worker calls again - a
+    write's call with `retry`, which reads back what this one did, as after a lost reply."""
+    job.reply_lost = not read
+    return False
 
 
 def _socket_closed(exc: OSError) -> psycopg.Error:
@@ -221,6 +246,7 @@ class _Reply:
     generator of a cursor's execute, driven from the trio thread."""
 
     def __init__(self, conn: Any, statement: str, params: Params) -> None:
+        self.statement = statement
         self._cursor: psycopg.Cursor[Any] = (
             conn.cursor() if binds_server_side(statement) else psycopg.ClientCursor(conn)
         )

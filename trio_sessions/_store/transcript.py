@@ -23,7 +23,14 @@ from typing import Any, get_args
 import attrs
 
 from .. import _codec, _transcript
-from .._backend import FALLBACK, Tx, autocommit_when_alone, pg_batched, reads_stored_bytes
+from .._backend import (
+    FALLBACK,
+    Tx,
+    autocommit_when_alone,
+    never_replayed,
+    pg_batched,
+    reads_stored_bytes,
+)
 from .._errors import LeaseLost, MalformedRecord, TrioSessionsError
 from .._model import AssistantData, Message, Role, Step
 from .common import (
@@ -172,6 +179,7 @@ def append_assistant_text(
 
 
 @autocommit_when_alone
+@never_replayed
 def update_assistant(
     tx: Tx,
     session_id: str,
