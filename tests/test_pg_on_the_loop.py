@@ -11,8 +11,8 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import psycopg
@@ -46,6 +46,19 @@ async def _executor(store: PostgresStore) -> AsyncIterator[PgThreadExecutor]:
         # Its lanes' pumps, started just now, are runnable until they first wait.
         await trio.testing.wait_all_tasks_blocked()
         yield executor
+
+
+@contextmanager
+def _control_and_holder(
+    store: PostgresStore,
+) -> Iterator[tuple[psycopg.Connection[Any], psycopg.Connection[Any]]]:
+    """Within `WAIT_S`: a connection to look with, and one to hold a session's lock with."""
+    with (
+        trio.fail_after(WAIT_S),
+        pg_raw(store.url, store.schema) as control,
+        pg_raw(store.url, store.schema) as holder,
+    ):
+        yield control, holder
 
 
 def _figures(executor: PgThreadExecutor) -> tuple[int, int, int]:
@@ -122,11 +135,7 @@ async def test_a_call_on_the_loop_whose_connection_is_killed_is_read_back_and_la
     the call may have landed as far as the client knows, so the worker re-opens the
     connection and calls again with `retry`, which reads back whether it did - the input
     is stored once, and the caller is told its id."""
-    with (
-        trio.fail_after(WAIT_S),
-        pg_raw(pg_store.url, pg_store.schema) as control,
-        pg_raw(pg_store.url, pg_store.schema) as holder,
-    ):
+    with _control_and_holder(pg_store) as (control, holder):
         async with _executor(pg_store) as executor:
             engine = executor.engine
             killed = engine.backend_pid
@@ -157,11 +166,7 @@ async def test_a_caller_cancelled_while_its_call_on_the_loop_waits_for_a_lock_is
     connection holds goes on while the lock is still held: the statement is cancelled,
     nothing of it is written once the lock is freed, and the lane's next call runs on the
     same connection."""
-    with (
-        trio.fail_after(WAIT_S),
-        pg_raw(pg_store.url, pg_store.schema) as control,
-        pg_raw(pg_store.url, pg_store.schema) as holder,
-    ):
+    with _control_and_holder(pg_store) as (control, holder):
         async with _executor(pg_store) as executor:
             engine = executor.engine
             pid = engine.backend_pid
@@ -221,11 +226,7 @@ async def test_a_call_the_loop_leaves_to_the_worker_runs_before_the_sessions_nex
     the loop and left its call to the worker (here: its connection killed while it waited
     for the session's lock, so it is read back with `retry`): the session's next operation,
     queued behind the call on the loop meanwhile, runs after it, not before."""
-    with (
-        trio.fail_after(WAIT_S),
-        pg_raw(pg_store.url, pg_store.schema) as control,
-        pg_raw(pg_store.url, pg_store.schema) as holder,
-    ):
+    with _control_and_holder(pg_store) as (control, holder):
         async with _executor(pg_store) as executor:
             killed = executor.engine.backend_pid
             assert killed is not None
@@ -255,11 +256,7 @@ async def test_a_call_on_the_loop_refused_while_the_executor_closes_runs_before_
     leaves to the worker: a call the server refuses for a transaction (nothing written)
     runs in one before the lane stops and its caller is answered - not queued on a closed
     lane, where nothing ever runs it and its caller waits for ever."""
-    with (
-        trio.fail_after(WAIT_S),
-        pg_raw(pg_store.url, pg_store.schema) as control,
-        pg_raw(pg_store.url, pg_store.schema) as holder,
-    ):
+    with _control_and_holder(pg_store) as (control, holder):
         verdicts: list[IterationVerdict] = []
         async with trio.open_nursery() as nursery, _executor(pg_store) as executor:
             pid = executor.engine.backend_pid
@@ -290,11 +287,7 @@ async def test_a_write_on_no_session_goes_to_an_idle_lane_not_behind_a_call_on_t
     on the loop waits for a session's lock is busy, so the heartbeat runs on the idle lane
     at once - not behind that call, until the lock is freed or its `lock_timeout`."""
     store = PostgresStore(pg_url, schema=migrated_schema, writers=2, listen=False)
-    with (
-        trio.fail_after(WAIT_S),
-        pg_raw(store.url, store.schema) as control,
-        pg_raw(store.url, store.schema) as holder,
-    ):
+    with _control_and_holder(store) as (control, holder):
         async with _executor(store) as executor:
             first, second = executor.engines
             _take_session_lock(holder, "s")
@@ -453,11 +446,7 @@ async def test_a_tool_settled_on_the_loop_while_a_reader_edits_its_input_settles
     claim = ("s", "exec-1", "owner", "m1")
     start = functools.partial(_transcript.start_tool, call_id="c1", name="echo", input={"x": 1})
     settle = functools.partial(_transcript.settle_tool, call_id="c1", output={"ok": 1})
-    with (
-        trio.fail_after(WAIT_S),
-        pg_raw(pg_store.url, pg_store.schema) as control,
-        pg_raw(pg_store.url, pg_store.schema) as holder,
-    ):
+    with _control_and_holder(pg_store) as (control, holder):
         async with _executor(pg_store) as executor:
             args = ("s", '{"n": 1}', "in-1", "exec-1", "owner", LEASE_MS)
             await executor.run(_store.submit_and_acquire, *args)
