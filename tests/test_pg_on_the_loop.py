@@ -501,3 +501,33 @@ async def test_an_operation_whose_second_run_sends_another_statement_is_read_bac
             assert (result, runs) == (("worker", True), [1, 2, 3])
             assert _figures(executor)[:2] == (1, 1)
         assert _inputs(control) == [("s", "in-1")]
+
+
+@autocommit_when_alone
+def _fail_then_diverge(tx: Tx, session_id: str, runs: list[int]) -> tuple[str, bool]:
+    """A call the server refuses with an error on its first run; on its second a statement
+    that needs a transaction, sent before the call; on any later one, whether its calls
+    read back (`retry`)."""
+    runs.append(len(runs) + 1)
+    if len(runs) == 1:
+        tx.call("ts_no_such_function", session_id)
+    if len(runs) == 2:
+        tx.execute("SELECT 1")
+    assert isinstance(tx, PgTx)
+    return "worker", tx.retry
+
+
+async def test_a_diverging_second_run_after_a_server_error_is_no_unknown_outcome(
+    pg_store: PostgresStore,
+) -> None:
+    """A call on the loop that the server answered with an error wrote nothing: a second
+    run that then does not send what the first sent leaves it to the worker as a first
+    call, not as one whose reply was lost - whose read-back, should the server then be
+    gone, would say `OutcomeUnknown` of a call whose outcome is known."""
+    with trio.fail_after(WAIT_S):
+        async with _executor(pg_store) as executor:
+            runs: list[int] = []
+            result = await executor.run(_fail_then_diverge, "s", runs)
+            assert (result, runs) == (("worker", False), [1, 2, 3])
+            assert executor.engine.reconnects == 0
+            assert _figures(executor)[:2] == (1, 1)

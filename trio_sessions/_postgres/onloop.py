@@ -189,15 +189,15 @@ def _replayed(engine: PgEngine, job: Job, reply: _Reply, *, read: bool) -> bool:
             _codec.spend(reply.cells() * CELL_UNITS)
             result = job.op(replaying, *job.args)
     except (_codec.OffTheLoop, _Diverged):
-        return _read_back(job, read=read)
+        return _read_back(engine, job, reply, read=read)
     except NeedsTransaction:
         if not replaying.begun:
-            return _read_back(job, read=read)
+            return _read_back(engine, job, reply, read=read)
         job.autocommit_refused = True
         return False
     except Exception as exc:
         if not replaying.begun:
-            return _read_back(job, read=read)
+            return _read_back(engine, job, reply, read=read)
         failure = autocommit_failure(conn, exc)
         if failure is None:
             job.error = _store_error(exc)
@@ -220,16 +220,22 @@ def _replayed(engine: PgEngine, job: Job, reply: _Reply, *, read: bool) -> bool:
         engine.count_retry(exc, 1)
         return False
     if not replaying.begun:
-        return _read_back(job, read=read)
+        return _read_back(engine, job, reply, read=read)
     job.result = result
     return True
 
 
-def _read_back(job: Job, *, read: bool) -> bool:
+def _read_back(engine: PgEngine, job: Job, reply: _Reply, *, read: bool) -> bool:
     """The call ran, but its reply cannot be read through the operation here: more to
     fetch and decode than the loop may (`OffTheLoop`, DESIGN §6.26), or a second run that
     did not send first what the first run sent (`_Diverged`). The worker calls again - a
-    write's call with `retry`, which reads back what this one did, as after a lost reply."""
+    write's call with `retry`, which reads back what this one did, as after a lost reply;
+    but as a first call when the server answered with an error (nothing written)."""
+    error = reply.error
+    if error is not None:
+        if autocommit_failure(engine.conn, error) != "lost":
+            return False
+        engine.close()  # it may still carry the statement, half-read: the worker re-opens it
     job.reply_lost = not read
     return False
 
