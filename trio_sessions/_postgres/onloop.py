@@ -167,7 +167,7 @@ async def run_on_the_loop(engine: PgEngine, job: Job, *, read: bool) -> bool:
     engine.loop_calls += 1
     reply = _Reply(conn, statement, params)
     try:
-        await reply.answered(conn)
+        await reply.answered()
     except psycopg.Error as exc:
         reply.error = exc
     except OSError as exc:
@@ -256,6 +256,7 @@ class _Reply:
         self._cursor: psycopg.Cursor[Any] = (
             conn.cursor() if binds_server_side(statement) else psycopg.ClientCursor(conn)
         )
+        self._conn = conn
         self._fileno: int = conn.pgconn.socket
         self._steps: Generator[Any, Any, None] = self._cursor._execute_gen(statement, params)
         self._wait: Wait | None = None
@@ -284,19 +285,20 @@ class _Reply:
             self.done = True  # the generator ended with its error
             raise
 
-    async def answered(self, conn: Any) -> None:
+    async def answered(self) -> None:
         """Until the reply was read. A caller cancelled meanwhile waits on (shielded), and
         the statement is cancelled if still unanswered `CANCEL_AFTER_S` after it was sent:
         the server's 57014 for it then ends the wait in the caller's cancellation. Bounded
         as the worker's waits are: past `REPLY_BOUND_S` the reply watchdog shuts the
         connection's socket down, and the wait ends as a lost connection."""
+        conn = self._conn
         self._sent_at = conn.waiting_since = time.monotonic()
         try:
             self._advance(None)  # sends it, as far as the socket takes it now
             if await self._answered_unless_cancelled():
                 return
             with trio.CancelScope(shield=True):
-                withdrawn = await self._answered_or_cancelled(conn)
+                withdrawn = await self._answered_or_cancelled()
         finally:
             conn.waiting_since = None
         if withdrawn:
@@ -322,7 +324,7 @@ class _Reply:
         await trio.lowlevel.wait_writable(self._fileno)
         return Ready.W
 
-    async def _answered_or_cancelled(self, conn: Any) -> bool:
+    async def _answered_or_cancelled(self) -> bool:
         """Shielded, for a cancelled caller: read the reply, cancelling the statement if it
         is still unanswered `CANCEL_AFTER_S` after it was sent. Whether the server answered
         our cancel (the operation withdrawn, nothing written)."""
@@ -337,7 +339,7 @@ class _Reply:
                 self._advance(ready)
         if self.done:
             return False
-        await trio.to_thread.run_sync(_cancel, conn)
+        await trio.to_thread.run_sync(_cancel, self._conn)
         try:
             while not self.done:
                 self._advance(await self._ready())
