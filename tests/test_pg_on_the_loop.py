@@ -11,7 +11,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
@@ -473,17 +473,34 @@ async def test_a_tool_settled_on_the_loop_while_a_reader_edits_its_input_settles
         assert control.execute(stored).fetchone() == (version + 1,)
 
 
-@autocommit_when_alone
-def _submit_then_diverge(tx: Tx, session_id: str, runs: list[int]) -> tuple[str, bool]:
-    """A submit on its first run; on its second a statement that needs a transaction, sent
-    before the call; on any later one, whether its calls read back (`retry`)."""
-    runs.append(len(runs) + 1)
-    if len(runs) == 1:
-        return _store.submit(tx, session_id, '{"n": 1}', "in-1"), False
-    if len(runs) == 2:
-        tx.execute("SELECT 1")
-    assert isinstance(tx, PgTx)
-    return "worker", tx.retry
+def _diverging(first: Callable[[Tx, str], object]) -> Callable[..., tuple[str, bool]]:
+    """A made-up operation: `first` on its first run (the call on the loop); on its second,
+    a statement that needs a transaction, sent before anything else; on any later one (the
+    worker's), whether its calls read back (`retry`)."""
+
+    @autocommit_when_alone
+    def diverging(tx: Tx, session_id: str, runs: list[int]) -> tuple[str, bool]:
+        runs.append(len(runs) + 1)
+        if len(runs) == 1:
+            first(tx, session_id)
+        if len(runs) == 2:
+            tx.execute("SELECT 1")
+        assert isinstance(tx, PgTx)
+        return "worker", tx.retry
+
+    return diverging
+
+
+def _submit(tx: Tx, session_id: str) -> None:
+    _store.submit(tx, session_id, '{"n": 1}', "in-1")
+
+
+def _call_what_the_server_refuses(tx: Tx, session_id: str) -> None:
+    tx.call("ts_no_such_function", session_id)
+
+
+_submit_then_diverge = _diverging(_submit)
+_fail_then_diverge = _diverging(_call_what_the_server_refuses)
 
 
 async def test_an_operation_whose_second_run_sends_another_statement_is_read_back(
@@ -501,20 +518,6 @@ async def test_an_operation_whose_second_run_sends_another_statement_is_read_bac
             assert (result, runs) == (("worker", True), [1, 2, 3])
             assert _figures(executor)[:2] == (1, 1)
         assert _inputs(control) == [("s", "in-1")]
-
-
-@autocommit_when_alone
-def _fail_then_diverge(tx: Tx, session_id: str, runs: list[int]) -> tuple[str, bool]:
-    """A call the server refuses with an error on its first run; on its second a statement
-    that needs a transaction, sent before the call; on any later one, whether its calls
-    read back (`retry`)."""
-    runs.append(len(runs) + 1)
-    if len(runs) == 1:
-        tx.call("ts_no_such_function", session_id)
-    if len(runs) == 2:
-        tx.execute("SELECT 1")
-    assert isinstance(tx, PgTx)
-    return "worker", tx.retry
 
 
 async def test_a_diverging_second_run_after_a_server_error_is_no_unknown_outcome(
