@@ -17,21 +17,7 @@ OUTPUT = "x" * 300_000
 MESSAGES = 12
 
 
-@pytest.mark.parametrize(
-    "backend",
-    [
-        "sqlite",
-        pytest.param(
-            "postgres",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="ts_stream_changes_many returns up to 200 new messages whatever their"
-                " size (no NEW_BYTES_PER_READ bound): the fix is a new schema version",
-            ),
-        ),
-    ],
-    indirect=True,
-)
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"], indirect=True)
 async def test_a_stream_behind_reads_large_messages_in_pages_of_about_a_mebibyte(
     store: Any, autojump_clock: trio.testing.MockClock
 ) -> None:
@@ -61,3 +47,47 @@ async def test_a_stream_behind_reads_large_messages_in_pages_of_about_a_mebibyte
     )
     # At least one message, then about 1 MiB at most (as `_new_messages` pages them).
     assert stored_bytes <= _store.stream.NEW_BYTES_PER_READ + len(OUTPUT), len(first)
+
+
+def test_a_postgresql_read_of_missed_messages_fetches_about_a_page_of_them(
+    pg_url: str, migrated_schema: str
+) -> None:
+    """The server itself sends a read about a page of the messages it missed, not up to 200
+    of them whatever their size for the client to cut: in seq order, every message that
+    the ones before it leave room for - the first over `NEW_BYTES_PER_READ` and one more,
+    which tells the client that more follow. A small question, then answers of 300 KB
+    (one holding part of it as streamed text): the fifth message takes the page over
+    1 MiB, the sixth is the one more."""
+    import json
+
+    from helpers import pg_raw
+
+    with pg_raw(pg_url, migrated_schema) as conn:
+        conn.execute("INSERT INTO session(id, time_created) VALUES ('s', 0)")
+        conn.execute(
+            "INSERT INTO session_message(id, session_id, role, seq, data, time_created,"
+            " time_updated, finished) VALUES ('m1', 's', 'user', 1, '{}', 0, 0, 1)"
+        )
+        for seq in range(2, MESSAGES + 2):
+            streamed = seq == 3  # a third of its text streamed, not yet folded in
+            text = OUTPUT[: 200_000 if streamed else None]
+            data = {"parts": [{"type": "text", "text": text}], "finished": not streamed}
+            conn.execute(
+                "INSERT INTO session_message(id, session_id, role, seq, data, time_created,"
+                " time_updated, finished) VALUES (%s, 's', 'assistant', %s, %s, 0, 0, %s)",
+                (f"m{seq}", seq, json.dumps(data), int(not streamed)),
+            )
+            if streamed:
+                conn.execute(
+                    "INSERT INTO session_message_delta(message_id, version, text)"
+                    " VALUES (%s, 1, %s)",
+                    (f"m{seq}", OUTPUT[200_000:]),
+                )
+        position = {"session": "s", "top": 0, "limit": 200, "named": []}
+        position |= {"open_seqs": [], "open_versions": []}
+        rows = conn.execute(
+            "SELECT seq FROM ts_stream_changes_many(%s, NULL, false) WHERE kind = 'new'"
+            " ORDER BY seq",
+            (json.dumps([position]),),
+        ).fetchall()
+    assert [seq for (seq,) in rows] == [1, 2, 3, 4, 5, 6]

@@ -324,8 +324,9 @@ async def test_upgrade_of_a_version_1_schema_adds_streaming(pg_url: str, pg_sche
     #     signals it when an acquire waits for it; an input count below 0 is refused;
     # 27: so does a drain's write whose claim is gone (a zombie's, answered lease_lost)
     # 28: a cancel's trace keeps no payload and goes after ten minutes in a recovery pass;
-    # 29: the endings read an execution's maybe-open messages as `finished <> 1`
-    assert SCHEMA_VERSION == 29
+    # 29: the endings read an execution's maybe-open messages as `finished <> 1`;
+    # 30: a stream's read of the messages it missed sends about NEW_BYTES_PER_READ of them
+    assert SCHEMA_VERSION == 30
     await check_pre_streaming_upgrade(location, PostgresStore(pg_url, schema=pg_schema))
 
 
@@ -498,7 +499,7 @@ def test_upgrade_of_a_version_28_schema_indexes_every_message_an_ending_reads_as
             )
     open_engine(pg_url, schema=pg_schema).close()
     with raw(pg_url, pg_schema) as conn:
-        assert conn.execute("SELECT version FROM schema_version").fetchall() == [(29,)]
+        assert conn.execute("SELECT version FROM schema_version").fetchall() == [(30,)]
         [(definition,)] = conn.execute(
             "SELECT indexdef FROM pg_indexes WHERE schemaname = current_schema()"
             " AND indexname = 'session_message_open'"

@@ -199,7 +199,7 @@ SQLITE_OUR_TABLES = frozenset(
 # ---------------------------------------------------------------------------------------------
 # PostgreSQL
 
-POSTGRES_SCHEMA_VERSION = 29
+POSTGRES_SCHEMA_VERSION = 30
 
 # Same names, meanings and named CHECKs as the SQLite schema (`SQLITE_MIGRATIONS`, whose
 # versions 1-3 are PostgreSQL's first: no PostgreSQL store predates them); times
@@ -494,6 +494,10 @@ ALTER TABLE session_input_cancelled DROP COLUMN payload;
     # As SQLite's version 9: the endings (`ts_finish`, `ts_finish_iterations`) read an
     # execution's maybe-open messages as `finished <> 1`, through the partial index again.
     29: MAYBE_OPEN_INDEX,
+    # The functions again, no table changes: a stream's read of the messages it missed
+    # (`ts_stream_changes_many`) sends about `NEW_BYTES_PER_READ` of their data and
+    # streamed text, not 200 messages whatever their size, as SQLite's read pages them.
+    30: "",
 }
 
 
@@ -562,4 +566,5 @@ POSTGRES_BACKFILLS: dict[int, Callable[[Any], None]] = {
     27: _create_functions,
     28: _create_functions,
     29: _create_functions,
+    30: _create_functions,
 }

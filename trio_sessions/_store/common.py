@@ -98,22 +98,30 @@ def streamed_texts_of(tx: Tx, message_ids: Sequence[str]) -> dict[Any, list[Any]
 
 
 def leading_rows(rows: Cursor, *, count: int, size_bytes: int) -> tuple[list[Sequence[Any]], bool]:
+    """`leading` of a cursor's rows, the cursor then closed, so no statement stays open on
+    the connection. From a lazy cursor (SQLite's) no row after the first one left out is
+    fetched."""
+    try:
+        return leading(rows, count=count, size_bytes=size_bytes)
+    finally:
+        rows.close()
+
+
+def leading(
+    rows: Iterable[Sequence[Any]], *, count: int, size_bytes: int
+) -> tuple[list[Sequence[Any]], bool]:
     """The leading rows of `rows` - each ending in its size, which is dropped - up to
     `count` of them and about `size_bytes` (at least one), and whether any were left. A
     read whose result is decoded on the event loop stays one short step that way, however
-    large its messages. From a lazy cursor (SQLite's) no row after the first one left out
-    is fetched; the cursor is closed, so no statement stays open on the connection."""
+    large its messages."""
     kept: list[Sequence[Any]] = []
     size = 0
-    try:
-        for row in rows:
-            size += int(row[-1] or 0)
-            if len(kept) == count or (kept and size > size_bytes):
-                return kept, True
-            kept.append(row[:-1])
-        return kept, False
-    finally:
-        rows.close()
+    for row in rows:
+        size += int(row[-1] or 0)
+        if len(kept) == count or (kept and size > size_bytes):
+            return kept, True
+        kept.append(row[:-1])
+    return kept, False
 
 
 def _in_list(values: Sequence[Any]) -> str:

@@ -47,7 +47,7 @@ from .._backend import FALLBACK, Tx, autocommit_when_alone, pg_read_batched, rea
 from .._errors import MalformedRecord
 from .._model import AssistantData, Message, Step
 from .._validate import MAX_INT64
-from .common import _chunks, _in_list, leading_rows, placed, streamed_texts_of
+from .common import _chunks, _in_list, leading, leading_rows, placed, streamed_texts_of
 from .transcript import _decode_message, _streamed_texts
 
 
@@ -307,8 +307,10 @@ def _changes_from_rows(
         ]
         if len(kept) < len(texts):  # as `stream_changes_by_statements` pages them
             return StreamChanges(changes, more=True, ids=ids)
-    changes += [_whole_of(session_id, row, streamed) for row in fresh[:limit]]
-    return StreamChanges(changes, more=len(fresh) > limit, ids=ids)
+    sized = [(*row, text_bytes([row[3], *streamed.get(str(row[0]), [])])) for row in fresh]
+    page, more = leading(sized, count=limit, size_bytes=NEW_BYTES_PER_READ)
+    changes += [_whole_of(session_id, tuple(row), streamed) for row in page]
+    return StreamChanges(changes, more=more, ids=ids)
 
 
 def _within(texts: list[str], room: tuple[int, int]) -> list[str]:
@@ -909,11 +911,21 @@ BEGIN
                     FROM session_message m WHERE m.id = o.id OFFSET 0) r
             WHERE o.row_version > o.held AND o.step IS NULL
         UNION ALL
-        SELECT pos.ord, 'new', f.*
+        SELECT pos.ord, 'new', f.id, f.role, f.seq, f.data, f.execution_id, f.input_id,
+                f.version
             FROM pos CROSS JOIN LATERAL (
-                SELECT m.id, m.role, m.seq, m.data, m.execution_id, m.input_id, m.version
-                    FROM session_message m WHERE m.session_id = pos.session AND m.seq > pos.top
-                    ORDER BY m.seq LIMIT pos.lim + 1) f
+                SELECT n.*, COALESCE(SUM(n.size) OVER (ORDER BY n.seq
+                        ROWS BETWEEN UNBOUNDED PRECEDING AND 2 PRECEDING), 0) AS before
+                    FROM (SELECT m.id, m.role, m.seq, m.data, m.execution_id, m.input_id,
+                            m.version, COALESCE(length(m.data), 0) + CASE
+                                WHEN m.role = 'assistant' THEN COALESCE((
+                                    SELECT SUM(length(d.text)) FROM session_message_delta d
+                                    WHERE d.message_id = m.id), 0)
+                                ELSE 0 END AS size
+                        FROM session_message m
+                        WHERE m.session_id = pos.session AND m.seq > pos.top
+                        ORDER BY m.seq LIMIT pos.lim + 1) n) f
+            WHERE f.before <= {new_bytes_per_read}
     )
     SELECT pos.ord, 'named', n.seq::bigint, m.id, NULL, NULL, NULL, NULL, NULL::bigint, NULL
         FROM pos CROSS JOIN LATERAL jsonb_array_elements_text(pos.pos->'named') AS n(seq)
@@ -946,7 +958,10 @@ END $$;
 -- changed since: the deltas are folded) or 'append' (each newer delta: version, text),
 -- after its 'step' (role: the kind, data: the event's) when the write that changed its
 -- data since is the one step the client missed;
--- 'new': the messages past p_top, at most p_limit + 1; 'delta': the streamed texts of each
+-- 'new': the messages past p_top, at most p_limit + 1, cut by size in seq order: each one
+-- whose predecessors but the nearest hold at most NEW_BYTES_PER_READ of data and streamed
+-- text - so the first message over that much, and one more to tell the caller that more
+-- follow (it cuts the page, as `leading` does); 'delta': the streamed texts of each
 -- whole and new assistant message (version, text). Unordered: the caller sorts, and
 -- compares the named ids with its tags (a mismatch: the transcript was rewritten, read
 -- from scratch). The set-wise read above, for one position: one query for both.
@@ -967,4 +982,9 @@ $$;
     # per read, not every missed delta each time (`_changes_from_rows` cuts the page).
     "{appends_per_call}",
     str(DELTAS_PER_READ + 1),
+).replace(
+    # And about a page of the messages it missed (`_changes_from_rows` cuts it too): a tool
+    # result of a few hundred KB in each is no 200 of them in one read.
+    "{new_bytes_per_read}",
+    str(NEW_BYTES_PER_READ),
 )
