@@ -53,7 +53,7 @@ from .common import (
     readable,
 )
 from .inputs import _insert_input, _known_input
-from .transcript import _assistant_data, maybe_open
+from .transcript import OPEN_ASSISTANT, _assistant_data
 
 # ---------------------------------------------------------------------------------------------
 # on_busy
@@ -494,32 +494,42 @@ def fork(tx: Tx, session_id: str, new_session_id: str, through_seq: int | None) 
     if tx.one("SELECT 1 FROM session WHERE id = ?", (session_id,)) is None:
         raise ValueError(f"session {session_id!r} does not exist")
     limit = "" if through_seq is None else " AND seq <= :through"
-    # The data as stored: a finished message is copied as it is, even one that does not
-    # decode or is not UTF-8 (its copy is as malformed as it); only an open one is decoded.
-    rows = tx.execute(
-        f"SELECT id, role, seq, {as_stored(tx, 'data')}, finished, time_created"
-        f" FROM session_message WHERE session_id = :session{limit} ORDER BY seq",
-        {"session": session_id, "through": through_seq},
-    ).fetchall()
+    params = {"session": session_id, "through": through_seq}
     tx.execute("INSERT INTO session(id, time_created) VALUES (?, ?)", (new_session_id, tx.now))
-    for message_id, role, seq, kind, data, finished, time_created in rows:
-        copied = "CAST(:data AS TEXT)" if kind == "text" else ":data"  # the same bytes
-        if role == "assistant" and maybe_open(finished):
-            # Maybe open - also a mark another tool broke, as every ending reads it: its
-            # streamed text merged, closed as an interrupted answer.
-            text = _codec.stored_text(kind, data, table="session_message", key=message_id)
-            merged = _assistant_data(tx, message_id, text)
-            data = _codec.encode_assistant(_transcript.interrupt(merged, INTERRUPTED))
+    # Every message but a maybe-open answer in one statement, however long the transcript
+    # (a statement per message held the source's session lock for as many round trips on
+    # PostgreSQL, its live answer's appends waiting behind them). The data as stored: a
+    # message that does not decode or is not UTF-8 is copied as it is (its copy as
+    # malformed as it). A copy's id is this fork's own id and its row's number (not its
+    # seq, which another tool's write may have made something no id can hold).
+    copied = tx.execute(
+        "INSERT INTO session_message(id, session_id, role, seq, data, time_created,"
+        " time_updated, finished)"
+        " SELECT CAST(:base AS TEXT) || '-' || CAST(row_number() OVER (ORDER BY seq) AS TEXT),"
+        " :new, role, seq, data, time_created, :now, 1"
+        f" FROM session_message WHERE session_id = :session{limit}"
+        f" AND NOT ({OPEN_ASSISTANT})",
+        {**params, "base": new_id(), "new": new_session_id, "now": tx.now},
+    ).rowcount
+    # Maybe open - also a mark another tool broke, as every ending reads it: its streamed
+    # text merged, closed as an interrupted answer (one per execution at most: a few).
+    rows = tx.execute(
+        f"SELECT id, seq, {as_stored(tx, 'data')}, time_created FROM session_message"
+        f" WHERE session_id = :session{limit} AND {OPEN_ASSISTANT} ORDER BY seq",
+        params,
+    ).fetchall()
+    for message_id, seq, kind, data, time_created in rows:
+        text = _codec.stored_text(kind, data, table="session_message", key=message_id)
+        merged = _assistant_data(tx, message_id, text)
         tx.execute(
             "INSERT INTO session_message(id, session_id, role, seq, data, time_created,"
-            f" time_updated, finished) VALUES (:id, :session, :role, :seq, {copied},"
+            " time_updated, finished) VALUES (:id, :session, 'assistant', :seq, :data,"
             " :created, :now, 1)",
             {
                 "id": new_id(),
                 "session": new_session_id,
-                "role": role,
                 "seq": seq,
-                "data": data,
+                "data": _codec.encode_assistant(_transcript.interrupt(merged, INTERRUPTED)),
                 "created": time_created,
                 "now": tx.now,
             },
@@ -527,7 +537,7 @@ def fork(tx: Tx, session_id: str, new_session_id: str, through_seq: int | None) 
     # On PostgreSQL a worker's acquire of the source that met its lock answered 'busy' and
     # waits for a signal of it: the engine sends it after the COMMIT (`SIGNAL_WAITING`).
     tx.notify(new_session_id)
-    return len(rows)
+    return int(copied) + len(rows)
 
 
 def truncate(tx: Tx, session_id: str, after_seq: int) -> int:

@@ -1,0 +1,89 @@
+"""Conversation control on a long conversation (DESIGN §5.1, §6.26, §7): `fork`, `truncate`,
+`delete_session` and `purge` of a session holding thousands of messages.
+
+A chat product branches, edits and erases long conversations while others stream. Their
+work is the copy or the delete itself - but on PostgreSQL a fork that sends a statement per
+message holds the source's session lock for as many round trips (its live answer's every
+append waits behind them), and on SQLite an operation the executor runs on the event loop
+must not take it for longer than the 50 ms the library may (§7): a long one goes to the
+worker thread, as a large message's write does (`_codec.loop_budget`).
+
+Round trips are counted on the wire (`_bench.roundtrips`); loop steps by CPU time on the
+event loop's thread (`StepMeter`, as tests/test_work_per_change.py), real time bounded.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any
+
+from helpers import pg_raw
+
+from trio_sessions import AssistantData, TextPart, _store
+from trio_sessions._bench.roundtrips import counting_url
+from trio_sessions._postgres import open_engine
+from trio_sessions._postgres.engine import PgSyncEngine
+
+BOUND = 60.0  # seconds of real time; the machine may be shared and slow
+STALL_S = 0.050  # DESIGN §7: no event-loop stall above 50 ms from the library
+LONG = 20_000  # DESIGN §7's long transcript
+REPLY = json.dumps(
+    {"parts": [{"type": "text", "text": "an answer " * 8}], "finished": True, "error": None}
+)
+
+
+def conversation(session_id: str, count: int) -> list[tuple[Any, ...]]:
+    """`count` finished messages, questions and answers in turn, as rows to insert."""
+    return [
+        (
+            f"{session_id}-{seq}",
+            session_id,
+            "user" if seq % 2 else "assistant",
+            seq,
+            json.dumps({"text": f"question {seq}"}) if seq % 2 else REPLY,
+        )
+        for seq in range(1, count + 1)
+    ]
+
+
+INSERT_MESSAGE = (
+    "INSERT INTO session_message(id, session_id, role, seq, data, time_created,"
+    " time_updated, finished) VALUES (%s, %s, %s, %s, %s, 0, 0, 1)"
+)
+
+
+def round_trips_of(proxy: Any, engine: PgSyncEngine, op: Any, *args: Any) -> int:
+    before = proxy.round_trips
+    engine.run(op, *args)
+    return int(proxy.round_trips - before)
+
+
+def test_a_fork_costs_the_same_round_trips_however_long_the_conversation(
+    pg_url: str, migrated_schema: str
+) -> None:
+    """On PostgreSQL a fork sent one INSERT per message copied, in the transaction that holds
+    the source's session lock: forking a 20,000-message conversation took ~5 s here, and
+    the answer being streamed into it waited that long at its next append. The copy is
+    one statement (only a still-open answer, which is merged and closed, is copied row by
+    row): the same round trips for 2 messages as for 300."""
+    with pg_raw(pg_url, migrated_schema) as conn:
+        for session_id, count in (("short", 2), ("long", 300)):
+            conn.execute("INSERT INTO session(id, time_created) VALUES (%s, 0)", (session_id,))
+            with conn.cursor() as cursor:
+                cursor.executemany(INSERT_MESSAGE, conversation(session_id, count))
+    with counting_url(pg_url) as (url, proxy):
+        engine = open_engine(url, schema=migrated_schema)
+        try:
+            counted = functools.partial(round_trips_of, proxy, engine)
+            short = counted(_store.fork, "short", "short-branch", None)
+            long = counted(_store.fork, "long", "long-branch", None)
+            assert long == short, (short, long)
+            copied = engine.run(_store.read_transcript, "long-branch")
+        finally:
+            engine.close()
+    assert [(m.seq, m.role) for m in copied] == [
+        (seq, "user" if seq % 2 else "assistant") for seq in range(1, 301)
+    ]
+    assert copied[1].data == AssistantData((TextPart("an answer " * 8),), True, None)
+    assert copied[0].data == {"text": "question 1"}
