@@ -16,19 +16,22 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
-from helpers import Raw, pg_raw
+from helpers import Raw, pg_raw, runtime
+from trio.testing import MockClock
 
 import trio_sessions
-from trio_sessions import AssistantData, TextPart, _store
+from trio_sessions import AssistantData, Store, TextPart, _store
 from trio_sessions._bench.load import StepMeter
 from trio_sessions._bench.roundtrips import counting_url
 from trio_sessions._postgres import open_engine
 from trio_sessions._postgres.engine import PgSyncEngine
+from trio_sessions._store.control import PURGE_ROWS
 
 BOUND = 60.0  # seconds of real time; the machine may be shared and slow
 STALL_S = 0.050  # DESIGN §7: no event-loop stall above 50 ms from the library
@@ -134,3 +137,43 @@ async def test_control_of_a_long_conversation_never_stalls_the_loop(
     }
     assert (result, left) == want[operation]
     assert meter.longest_cpu < STALL_S, meter.longest_cpu
+
+
+async def test_a_purge_batch_deletes_a_bounded_number_of_messages(
+    store: Store,
+    clock: Callable[[], float],
+    db_path: Any,
+    autojump_clock: MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`purge` runs "in short transactions that never hold up a drain" - but a batch was
+    bounded by sessions alone (200): purging 200 old conversations of 500 messages each
+    on SQLite held the write lock ~0.7 s in one transaction, and a live answer's append
+    waited that long. A batch also stops once the messages it deletes pass
+    `PURGE_ROWS` (one long session alone still goes whole: a session is deleted at
+    once), and the next batch goes on after the last session it deleted."""
+    raw = Raw(db_path)
+    sizes = {f"old-{index}": 1_500 for index in range(4)} | {"old-4": 30, "old-5": 2}
+    batches: list[int] = []
+    real = _store.purge_batch
+
+    def counted(tx: Any, *args: Any) -> Any:
+        before = dict(
+            tx.execute("SELECT session_id, COUNT(*) FROM session_message GROUP BY session_id")
+        )
+        deleted, after = real(tx, *args)
+        batches.append(sum(before.get(session_id, 0) for session_id in deleted))
+        return deleted, after
+
+    monkeypatch.setattr(_store, "purge_batch", counted)
+    async with runtime(store, None, clock) as rt:
+        for session_id, count in sizes.items():
+            raw.write("INSERT INTO session(id, time_created) VALUES (?, 0)", (session_id,))
+            raw.write_many(INSERT_MESSAGE.replace("%s", "?"), conversation(session_id, count))
+        await rt.submit("recent", {"n": 1})
+        await trio.sleep(100)
+        await rt.submit("recent", {"n": 2})
+        assert await rt.purge(idle_for=50) == len(sizes)
+    assert sum(batches) == sum(sizes.values())
+    assert max(batches) <= PURGE_ROWS + 1_500, batches
+    assert [row[0] for row in raw.rows("SELECT id FROM session")] == ["recent"]

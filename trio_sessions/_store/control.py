@@ -399,6 +399,11 @@ def _spend_rows(tx: Tx, params: Any, *rows: str) -> None:
     _codec.spend(int(count) * ROW_UNITS)
 
 
+# Messages of the sessions a purge batch examines at most, beyond its first session's (a
+# session goes whole): about what fits the event loop's budget (`ROW_UNITS`).
+PURGE_ROWS = 2_000
+
+
 # Every table holding rows of a session, children first; `{ids}` is the IN list of sessions.
 _SESSION_ROWS = (
     "DELETE FROM session_message_delta WHERE message_id IN"
@@ -473,9 +478,12 @@ def purge_batch(tx: Tx, idle_ms: int, after: str, limit: int) -> tuple[list[str]
     """Delete the idle sessions among the next `limit` sessions in id order after `after`;
     returns (the sessions deleted, where the next batch starts or None when done).
 
-    Bounded: one batch examines at most `limit` sessions, so its transaction is short and
-    no drain waits long behind it. Each candidate is checked again under its session lock
-    (sorted), so a session that became busy meanwhile is kept.
+    Bounded: one batch examines at most `limit` sessions, and no more of them than hold
+    `PURGE_ROWS` messages beyond its first session's (the idle check reads each one's
+    messages, the delete removes them), so its transaction is short and no drain waits
+    long behind it - 200 long conversations in one transaction held SQLite's write lock
+    for most of a second. Each candidate is checked again under its session lock (sorted),
+    so a session that became busy meanwhile is kept.
     """
     window = [
         str(row[0])
@@ -486,6 +494,10 @@ def purge_batch(tx: Tx, idle_ms: int, after: str, limit: int) -> tuple[list[str]
     ]
     if not window:
         return [], None
+    more = len(window) == limit  # sessions may follow the window
+    cut = _within_purge_rows(tx, window)
+    if cut < len(window):  # the next batch goes on after the last session examined
+        window, more = window[:cut], True
     cutoff = tx.now - idle_ms
     idle = _idle_sessions(tx, window, cutoff)
     if idle:
@@ -497,7 +509,22 @@ def purge_batch(tx: Tx, idle_ms: int, after: str, limit: int) -> tuple[list[str]
             tx.notify(session_id)
         if idle:
             _delete_rows(tx, idle)
-    return idle, (window[-1] if len(window) == limit else None)
+    return idle, (window[-1] if more else None)
+
+
+def _within_purge_rows(tx: Tx, sessions: list[str]) -> int:
+    """How many of `sessions` (in the store's id order) one batch examines: the first ones
+    whose messages stay within `PURGE_ROWS`, and always the first one. One look at no
+    more than `PURGE_ROWS + 1` entries of the messages' (session, seq) index, in the same
+    order: the session where it stops may have more messages after them."""
+    rows = tx.execute(
+        f"SELECT session_id FROM session_message WHERE session_id IN {_in_list(sessions)}"
+        " ORDER BY session_id LIMIT ?",
+        (*sessions, PURGE_ROWS + 1),
+    ).fetchall()
+    if len(rows) <= PURGE_ROWS:
+        return len(sessions)
+    return max(1, sessions.index(str(rows[-1][0])))
 
 
 def _idle_sessions(tx: Tx, session_ids: Sequence[str], cutoff: int) -> list[str]:
