@@ -263,18 +263,31 @@ def promote_due(tx: Tx, limit: int) -> Due:
         f" AND {readable(tx, 'session_id')} ORDER BY due_at LIMIT ?",
         (tx.now, limit),
     ).fetchall()
-    rung = []
     due = sorted({str(row[0]) for row in rows})
+    if not due:
+        return Due([], next_due(tx))
     tx.lock_sessions(due)  # in the lock order: two promoters never deadlock
-    for session_id in due:
-        promoted = tx.execute(
-            "UPDATE session_input SET due_at = NULL"
-            " WHERE session_id = ? AND due_at IS NOT NULL AND due_at <= ?",
-            (session_id, tx.now),
-        ).rowcount
-        if promoted:
-            _ring(tx, session_id)
-            rung.append(session_id)
+    # Set-wise, whatever the number of sessions (reminders set for the same instant): a
+    # statement per session cost PostgreSQL two round trips each, and the last of 500
+    # due together started ~0.7 s late.
+    promoted = {
+        str(row[0])
+        for row in tx.execute(
+            f"UPDATE session_input SET due_at = NULL WHERE session_id IN {_in_list(due)}"
+            " AND due_at IS NOT NULL AND due_at <= ? RETURNING session_id",
+            (*due, tx.now),
+        ).fetchall()
+    }
+    rung = [session_id for session_id in due if session_id in promoted]
+    if rung:
+        for session_id in rung:
+            tx.notify(session_id)
+        # As `_ring`, for each of them.
+        tx.execute(
+            "UPDATE session SET time_woken = COALESCE(time_woken, ?), wakes = wakes + 1"
+            f" WHERE id IN {_in_list(rung)}",
+            (tx.now, *rung),
+        )
     return Due(rung, next_due(tx))
 
 
