@@ -12,7 +12,6 @@ the scanning runtime's apply finds the claim gone and drops it, if it still runs
 
 from __future__ import annotations
 
-import pytest
 from helpers import pg_engine_at as engine_at
 from helpers import pg_raw as raw
 from test_pg_edit_races import WAIT_S, run_in_thread, waits_for_a_lock
@@ -22,13 +21,6 @@ from trio_sessions import _store
 RECOVERY_ROWS = "SELECT execution_id, owner_id FROM session_recovery WHERE session_id = 's'"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ts_delete_rows deletes session_recovery before session_execution: a lease the"
-    " scan inserted while holding the claim's row lock commits after the former and before"
-    " the latter; deleting the claim rows first (their lock waited for), then the recovery"
-    " rows, is a change of ts_delete_rows - a PostgreSQL function, i.e. a schema change",
-)
 def test_a_delete_racing_a_recovery_scan_leaves_no_recovery_row(
     pg_url: str, pg_schema: str
 ) -> None:

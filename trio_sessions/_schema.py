@@ -496,7 +496,9 @@ ALTER TABLE session_input_cancelled DROP COLUMN payload;
     29: MAYBE_OPEN_INDEX,
     # The functions again, no table changes: a stream's read of the messages it missed
     # (`ts_stream_changes_many`) sends about `NEW_BYTES_PER_READ` of their data and
-    # streamed text, not 200 messages whatever their size, as SQLite's read pages them.
+    # streamed text, not 200 messages whatever their size, as SQLite's read pages them; a
+    # delete or purge (`ts_delete_rows`) deletes the claims before their recovery leases,
+    # so a lease a recovery scan inserted meanwhile goes too.
     30: "",
 }
 

@@ -429,8 +429,11 @@ _SESSION_ROWS = (
     "DELETE FROM session_message_rejected WHERE session_id IN {ids}",
     "DELETE FROM session_input WHERE session_id IN {ids}",
     "DELETE FROM session_input_rejected WHERE session_id IN {ids}",
-    "DELETE FROM session_recovery WHERE session_id IN {ids}",
+    # The claims before their recovery leases: on PostgreSQL a recovery scan holding a
+    # claim's row lock may insert its lease uncommitted; the claim's delete waits for that
+    # lock, so the leases' delete, a statement after it, sees the committed lease.
     "DELETE FROM session_execution WHERE session_id IN {ids}",
+    "DELETE FROM session_recovery WHERE session_id IN {ids}",
     "DELETE FROM session WHERE id IN {ids}",
 )
 
@@ -880,8 +883,10 @@ BEGIN
     DELETE FROM session_message_rejected WHERE session_id = ANY(p_sessions);
     DELETE FROM session_input WHERE session_id = ANY(p_sessions);
     DELETE FROM session_input_rejected WHERE session_id = ANY(p_sessions);
-    DELETE FROM session_recovery WHERE session_id = ANY(p_sessions);
+    -- The claims first (as _SESSION_ROWS): a scan's lease inserted under a claim's row lock
+    -- has committed once that claim's delete got the lock.
     DELETE FROM session_execution WHERE session_id = ANY(p_sessions);
+    DELETE FROM session_recovery WHERE session_id = ANY(p_sessions);
     DELETE FROM session WHERE id = ANY(p_sessions);
 END $$;
 
