@@ -322,10 +322,17 @@ def _doorbell_set(tx: Tx, session_id: str) -> bool:
 
 
 def _ring(tx: Tx, session_id: str) -> None:
-    tx.notify(session_id)
+    _ring_all(tx, [session_id])
+
+
+def _ring_all(tx: Tx, session_ids: Sequence[str]) -> None:
+    """Ring these sessions' doorbells in one statement (signalled each)."""
+    for session_id in session_ids:
+        tx.notify(session_id)
     tx.execute(
-        "UPDATE session SET time_woken = COALESCE(time_woken, ?), wakes = wakes + 1 WHERE id = ?",
-        (tx.now, session_id),
+        "UPDATE session SET time_woken = COALESCE(time_woken, ?), wakes = wakes + 1"
+        f" WHERE id IN {_in_list(session_ids)}",
+        (tx.now, *session_ids),
     )
 
 

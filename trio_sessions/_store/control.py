@@ -45,6 +45,7 @@ from .common import (
     _in_list,
     _paused,
     _ring,
+    _ring_all,
     _written,
     as_stored,
     bumped_input_seq,
@@ -280,14 +281,7 @@ def promote_due(tx: Tx, limit: int) -> Due:
     }
     rung = [session_id for session_id in due if session_id in promoted]
     if rung:
-        for session_id in rung:
-            tx.notify(session_id)
-        # As `_ring`, for each of them.
-        tx.execute(
-            "UPDATE session SET time_woken = COALESCE(time_woken, ?), wakes = wakes + 1"
-            f" WHERE id IN {_in_list(rung)}",
-            (tx.now, *rung),
-        )
+        _ring_all(tx, rung)
     return Due(rung, next_due(tx))
 
 
