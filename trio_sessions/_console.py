@@ -531,6 +531,18 @@ contains"> <button>search</button></form>
         """Run one action; returns where to send the browser next."""
         match segments:
             case ["sessions", session_id, "interrupt"]:
+                # A quarantined claim may hold a live lease (a dead owner's, found by its
+                # free liveness token): `interrupt` would mark it `cancelling`, and the
+                # operator's later resume would finish it as cancelled instead of
+                # quarantining it again. The quarantine's own actions decide it.
+                session_id = validate_session_id(session_id)
+                session = await self.runtime._db.read(_store.session_status, session_id)
+                if session is not None and session["claim"] and session["claim"]["quarantined"]:
+                    raise HTTPError(
+                        409,
+                        f"nothing was interrupted: session {session_id!r}'s claim is"
+                        " quarantined (resume or drop it in the quarantine table)",
+                    )
                 # False: no claim runs now (a page from before it expired or stopped).
                 # Said, not a redirect that looks as if it had acted.
                 if not await self.runtime.interrupt(session_id):
@@ -579,10 +591,17 @@ contains"> <button>search</button></form>
 
 
 def _interruptible(claim: Mapping[str, Any] | None) -> bool:
-    """Whether `runtime.interrupt()` acts on a session holding `claim`: a live claim not
-    already stopping. It does nothing for an expired one (a quarantined one is expired),
-    which waits for recovery, or one stopping already."""
-    return claim is not None and not claim["expired"] and claim["phase"] != "cancelling"
+    """Whether the console interrupts a session holding `claim`: a live claim not already
+    stopping and not quarantined. `runtime.interrupt()` does nothing for an expired one,
+    which waits for recovery, or one stopping already; a quarantined one may hold a live
+    lease (its dead owner's, taken over by the free liveness token), but the quarantine's
+    own actions decide it (`act`)."""
+    return (
+        claim is not None
+        and not claim["expired"]
+        and not claim["quarantined"]
+        and claim["phase"] != "cancelling"
+    )
 
 
 def _segments(scope: Scope) -> list[str]:
