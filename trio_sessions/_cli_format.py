@@ -121,10 +121,14 @@ def format_quarantine(rows: list[dict[str, Any]], matched: int) -> str:
         return "no quarantined executions"
     lines = [_count(rows, matched, "quarantined execution(s)")]
     for row in rows:
+        claim = f"  claim owner: {_shown(row['claim_owner_id'])} ({_shown(row['claim_phase'])})"
+        if row["claim_owner_id"] is None and row["claim_phase"] is None:
+            # Another tool deleted the claim row; Python's None would read as an owner's name.
+            claim = "  claim: none (the claim row is gone)"
         lines += [
             "",
             f"execution {_shown(row['execution_id'])}  session {_shown(row['session_id'])}",
-            f"  claim owner: {_shown(row['claim_owner_id'])} ({_shown(row['claim_phase'])})",
+            claim,
             f"  quarantined {_ago(row['quarantined_for_s'])} by {_shown(row['recovery_owner'])}",
             *(f"  MALFORMED: {problem}" for problem in row["malformed"]),
             *(f"  - {_shown(reason)}" for reason in str(row["recovery_error"]).split("; ")),
