@@ -37,3 +37,27 @@ def test_a_quarantine_whose_claim_is_gone_says_so_not_none(
     assert "claim: none (the claim row is gone)" in listed
     assert _cli.main(["quarantine", "list", str(store), "--json"]) == 0
     assert '"claim_owner_id": null' in capsys.readouterr().out
+
+
+def test_cancelling_a_rejected_input_points_at_inputs_drop(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`inputs list` shows an input set aside as malformed; `inputs cancel` of that id said
+    "not pending (already taken, or unknown)" - neither, and no word of the verb that
+    removes it. Found by running the listed verbs on a store with a corrupt input. The
+    error names it set aside and `inputs drop`; nothing is written."""
+    store = tmp_path / "sessions.db"
+
+    async def make() -> None:
+        async with trio_sessions.open_runtime(store, None) as producer:
+            await producer.submit("s", {"text": "hello"})
+
+    trio.run(make)
+    Raw(store).write(
+        "INSERT INTO session_input_rejected(id, session_id, seq, payload, reason, time_created)"
+        " VALUES ('bad', 's', 9, '[1,2', 'not JSON', 0)"
+    )
+    assert _cli.main(["inputs", "cancel", str(store), "bad"]) == _cli.EXIT_FAILED
+    error = capsys.readouterr().err
+    assert "set aside as malformed" in error and "inputs drop" in error
+    assert Raw(store).rows("SELECT id FROM session_input_rejected") == [("bad",)]

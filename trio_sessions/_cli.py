@@ -272,6 +272,13 @@ def drop_input(database: Engine, input_id: str) -> dict[str, Any]:
 def cancel_input(database: Engine, input_id: str) -> dict[str, Any]:
     """Withdraw one pending input; `ValueError` unless it is pending (taken or unknown)."""
     if not database.run(_store.cancel_input, input_id):
+        # `inputs list` shows the set-aside ones: one of those is no pending input either,
+        # and the operator is owed the verb that removes it.
+        if any(row["id"] == input_id for row in read_rejected_inputs(database, None)):
+            raise ValueError(
+                f"input {input_id!r} was set aside as malformed, not pending: delete it with"
+                " `inputs drop`"
+            )
         raise ValueError(f"input {input_id!r} is not pending (already taken, or unknown)")
     return {"input_id": input_id, "action": "cancel"}
 
