@@ -26,11 +26,6 @@ OPEN = '{"parts": [], "finished": false, "error": null}'
 
 
 @BOTH
-@pytest.mark.xfail(
-    strict=True,
-    reason="release_quarantine's takeover knows no gone owner: a live lease of a dead owner is"
-    " skipped (needs _verbs.py to pass the gone owners, and _store/liveness.py to keep them)",
-)
 async def test_a_resume_of_a_dead_owners_quarantined_claim_takes_it_over_at_once(
     store: Any, db_path: Any, clock: Callable[[], float], autojump_clock: trio.testing.MockClock
 ) -> None:
@@ -97,11 +92,6 @@ def _release_argv(db_path: Any, execution_id: str) -> list[str]:
 
 @pytest.mark.slow
 @BOTH
-@pytest.mark.xfail(
-    strict=True,
-    reason="the dead owner's token record is forgotten while its only live claim is"
-    " quarantined (_store/liveness.forget_gone_owners): lifted, the claim waits for its lease",
-)
 async def test_the_cli_resume_of_a_dead_owners_quarantined_claim_is_taken_at_the_next_pass(
     live_store: Any, db_path: Any
 ) -> None:

@@ -517,7 +517,10 @@ class Runtime:
                 return
             candidate = await self._recovery.lift_quarantine(execution_id)
             _observe.quarantine_released(execution_id, self._owner_id, resume=True)
-            report = await self._loops.apply_recovery([candidate])
+            # A dead owner's claim may still hold a live lease (quarantined once its free
+            # liveness token was seen): the owners seen gone let the takeover take it now.
+            gone = self._gone_owners.gone(trio.current_time())
+            report = await self._loops.apply_recovery([candidate], gone)
             self._recovery.record(report)  # a takeover as a pass's: counted alike
             if report.quarantined:
                 raise await self._recovery.quarantine_error(execution_id)

@@ -27,9 +27,10 @@ def free_tokens(tx: Tx) -> set[str]:
 
 
 def forget_gone_owners(tx: Tx, owner_ids: Sequence[str]) -> list[str]:
-    """Of these gone owners, those still holding live claims recovery may take (not
-    quarantined), or live recovery leases on claims (not quarantined either); the token
-    records of the others are removed where still free. A gone owner's recovery lease is
+    """Of these gone owners, those still holding live claims (a quarantined one too: lifted,
+    it is taken over at once only while its owner is seen gone, not after its lease), or
+    live recovery leases on claims (not quarantined); the token records of the others are
+    removed where still free. A gone owner's recovery lease is
     no live one only while the owner is seen gone (`recovery_scan`): with its record
     removed it is never seen free again, and the lease - one a pass could not take over
     yet (no room, a claim row locked) - would hold the claim out for a whole lease."""
@@ -38,8 +39,6 @@ def forget_gone_owners(tx: Tx, owner_ids: Sequence[str]) -> list[str]:
     rows = tx.execute(
         "SELECT e.owner_id FROM session_execution e"
         f" WHERE e.owner_id IN {_in_list(owner_ids)} AND e.expires_at > ?"
-        " AND NOT EXISTS (SELECT 1 FROM session_recovery r WHERE r.execution_id = e.id"
-        "   AND r.recovery_error IS NOT NULL)"
         " UNION SELECT r.owner_id FROM session_recovery r"
         f" WHERE r.owner_id IN {_in_list(owner_ids)} AND r.expires_at > ?"
         " AND r.recovery_error IS NULL"
