@@ -188,6 +188,8 @@ class BackgroundLoops:
                 entry.lose_claim()
         runtime._due.arm(changes.next_due_ms)
         runtime._watchers.apply(changes.watched)
+        if changes.watched.behind:
+            runtime._kick.set()  # the rest of what those sessions gained: in the next look
         if changes.handed_back:
             # A graceful shutdown elsewhere handed claims back (their drains exited): the
             # pass takes them over now - the grace a dead owner's claims wait out guards
