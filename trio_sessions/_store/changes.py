@@ -10,8 +10,11 @@ Invariants kept here:
   and the messages it follows because they may still change (`finished <> 1`, as every
   ending reads them: `transcript.MAYBE_OPEN`, also a mark another tool broke) - for one
   whose row is unchanged, only the deltas streamed since. A finished message does not
-  change (`MessageFinished`), so it is never read again; a seq found reused (the session
-  was truncated and grew again) is the one case that reads the session's versions whole;
+  change (`MessageFinished`), so it is never read again; a session found rewritten (its
+  covered message gone: truncated, deleted) is read from the top down to the newest
+  message the runtime remembers, and the remembered ones are looked up by id;
+* a look reads about `NEW_PER_LOOK` new messages of a session, and as many whole in all:
+  a session that gained thousands at once (a fork into it) is read over several looks;
 * the history a new watcher replays is read in bounded chunks, each its own short read;
 * on PostgreSQL a look with no watched session is one call (`ts_changes`), alone in
   autocommit: one round trip, one snapshot.
@@ -296,15 +299,8 @@ def _session_news(
             followed.high_seq,
         ):
             # Truncated (and maybe grown again): seqs up to the old head may name new
-            # messages. Rare (an operator's or a user's edit), so the versions are read whole.
-            present: set[str] = set()
-            found.messages.extend(
-                _message_snapshots(
-                    tx, "session_id = :session", {"session": session_id}, followed.known, present
-                )
-            )
-            found.present[session_id] = frozenset(present)
-            found.heads[session_id] = _newest(tx, session_id)
+            # messages (`_rewritten_news`).
+            _rewritten_news(tx, session_id, followed, found)
             return
         rows = rows[1:]
     elif followed.high_seq == 0 and followed.known and not limited:
@@ -328,6 +324,47 @@ def _session_news(
         # the rest comes with the next look, at once. One look read them all - 20,000 held
         # the event loop 130 ms on SQLite (a review measured).
         found.behind.add(session_id)
+
+
+def _rewritten_news(tx: Tx, session_id: str, followed: Followed, found: Watched) -> None:
+    """The messages of a session whose covered message is gone (a truncate, a delete, a
+    quarantine's set-aside of the newest) that its watchers were not offered: those above
+    the newest one whose version the hub remembers (`known`), read from the top down. A
+    truncate deletes a suffix, and ids are never reused: that message and every one below
+    it are as they were - an edit of a long conversation reads what it changed, where the
+    look read every message whose version the hub did not remember, those below every
+    watcher's `after_seq` too (a review: 1,980 read whole for a truncate of ten). With no
+    remembered message left (the session deleted and made again) every message is new.
+    The known messages still stored are looked up by id (`Watched.present`)."""
+    newer: list[tuple[Any, Any]] = []
+    below: int | None = None  # the seq the next page of rows ends before (None: the top)
+    while True:
+        page = tx.execute(
+            "SELECT id, seq FROM session_message WHERE session_id = ?"
+            + ("" if below is None else " AND seq < ?")
+            + " ORDER BY seq DESC LIMIT ?",
+            (session_id, NEW_PER_LOOK) if below is None else (session_id, below, NEW_PER_LOOK),
+        ).fetchall()
+        kept = next(
+            (i for i, row in enumerate(page) if message_key(row[0]) in followed.known), None
+        )
+        newer += page if kept is None else page[:kept]
+        if kept is not None or len(page) < NEW_PER_LOOK or type(page[-1][1]) is not int:
+            break
+        below = page[-1][1]
+    present = {message_key(message_id) for message_id, _ in newer}
+    known = sorted(followed.known)
+    for start in range(0, len(known), _IN_CHUNK):
+        chunk = known[start : start + _IN_CHUNK]
+        rows = tx.execute(
+            f"SELECT id FROM session_message WHERE id IN {_in_list(chunk)}", tuple(chunk)
+        )
+        present.update(message_key(row[0]) for row in rows.fetchall())
+    found.messages.extend(
+        _snapshot(tx, message_id, at=(session_id, seq)) for message_id, seq in reversed(newer)
+    )
+    found.present[session_id] = frozenset(present)
+    found.heads[session_id] = _newest(tx, session_id)
 
 
 def _extensible(held: Snapshot) -> bool:
@@ -444,30 +481,6 @@ def _streamed_onto_rows(tx: Tx, rows: Sequence[Sequence[Any]]) -> dict[Any, list
     for message_id in newer:
         streamed[message_id] = streamed_onto(tx, str(message_id))
     return streamed
-
-
-def _message_snapshots(
-    tx: Tx,
-    where: str,
-    params: dict[str, Any],
-    seen: Mapping[str, int],
-    present: set[str] | None = None,
-) -> list[Snapshot]:
-    """Messages matching `where`, skipping those whose version is not newer than `seen`;
-    the data of a skipped message is never read. `present` collects the keys of every
-    message matching."""
-    rows = tx.execute(
-        f"SELECT m.id, {_VERSION}, m.session_id, m.seq FROM session_message m"
-        f" WHERE {where} ORDER BY m.seq",
-        params,
-    ).fetchall()
-    if present is not None:
-        present.update(message_key(row[0]) for row in rows)
-    return [
-        _snapshot(tx, row[0], at=(row[2], row[3]))
-        for row in rows
-        if seen.get(message_key(row[0]), -1) < row[1]
-    ]
 
 
 def message_key(stored_id: Any) -> str:
