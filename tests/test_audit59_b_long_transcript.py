@@ -7,7 +7,6 @@ too close to the bound for a strict expectation of the first three."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import trio
@@ -35,37 +34,8 @@ async def _longest_step(db: Path, verb: str) -> float:
     return meter.longest_cpu
 
 
-def _stalls(reason: str) -> Any:
-    return pytest.mark.xfail(strict=True, reason=reason)
-
-
 @pytest.mark.serial
-@pytest.mark.parametrize(
-    "verb",
-    [
-        pytest.param(
-            "transcript",
-            marks=_stalls(
-                "read_transcript decodes every row on the loop until the loop budget of"
-                " 256K units of text runs out: short messages cost their rows, not their"
-                " text (89 ms of CPU in one step): _codec/_store.transcript need a per-row"
-                " charge"
-            ),
-        ),
-        pytest.param(
-            "truncate",
-            marks=_stalls("_store.truncate deletes the rows on the loop (231 ms)"),
-        ),
-        pytest.param(
-            "delete_session",
-            marks=_stalls("_store.delete_session deletes the rows on the loop (204 ms)"),
-        ),
-        pytest.param(
-            "fork",
-            marks=_stalls("_store.fork copies the rows one by one on the loop (483 ms)"),
-        ),
-    ],
-)
+@pytest.mark.parametrize("verb", ["transcript", "truncate", "delete_session", "fork"])
 async def test_a_verb_over_a_long_transcript_never_stalls_the_loop(
     tmp_path: Path, verb: str
 ) -> None:

@@ -124,6 +124,50 @@ def leading(
     return kept, False
 
 
+# What fetching, copying or deleting one message or input costs the event loop's budget
+# (`_codec.loop_budget`). Measured here: SQLite reads, copies or deletes a message with its
+# index entries (and its streamed text's rows) in 5-9 us, so the budget's 256 Ki units -
+# 15-20 ms of decoding - take about 2,000 rows on the loop; a longer conversation goes to
+# the worker thread.
+ROW_UNITS = 128
+
+
+def spend_rows(tx: Tx, params: Any, *rows: str) -> None:
+    """On the event loop (a budget set: SQLite's executor runs a batch there when the write
+    lock is free), spend what the rows the operation will touch cost, before it touches
+    any: the copy or delete of a long conversation raises `_codec.OffTheLoop`, and the
+    executor runs it again in its worker thread (§6.26: no loop step over 50 ms). `rows`:
+    each a `FROM ... WHERE ...` of them, counted no further than the budget reaches (a
+    200,000-input backlog costs no full count on the loop). Anywhere else (a worker
+    thread, PostgreSQL's functions) nothing is counted."""
+    left = _codec.budget_left()
+    if left is None:
+        return
+    enough = left // ROW_UNITS + 1
+    counts = " + ".join(
+        f"(SELECT COUNT(*) FROM (SELECT 1 {where} LIMIT {enough}) AS counted)" for where in rows
+    )
+    [(count,)] = tx.execute(f"SELECT {counts}", params).fetchall()
+    _codec.spend(int(count) * ROW_UNITS)
+
+
+def fetched_on_budget(rows: Cursor) -> list[Any]:
+    """Every row of `rows`, each charged `ROW_UNITS` of the loop's budget as it is fetched,
+    where one is set: a read of many short messages raises `_codec.OffTheLoop` (nothing to
+    roll back) and runs again in the worker thread, however little text they hold. The
+    cursor is closed, so no statement stays open on the connection."""
+    if _codec.budget_left() is None:
+        return rows.fetchall()
+    fetched = []
+    try:
+        for row in rows:
+            _codec.spend(ROW_UNITS)
+            fetched.append(row)
+    finally:
+        rows.close()
+    return fetched
+
+
 def _in_list(values: Sequence[Any]) -> str:
     return "(" + ", ".join("?" * len(values)) + ")"
 

@@ -52,6 +52,7 @@ from .common import (
     counted_input_seq,
     new_id,
     readable,
+    spend_rows,
 )
 from .inputs import _insert_input, _known_input
 from .transcript import OPEN_ASSISTANT, _assistant_data
@@ -380,34 +381,8 @@ def resume(tx: Tx, session_id: str) -> bool:
 # ---------------------------------------------------------------------------------------------
 # Delete and purge
 
-# What copying or deleting one message or input costs the event loop's budget
-# (`_codec.loop_budget`). Measured here: SQLite copies or deletes a message with its index
-# entries (and its streamed text's rows) in 5-9 us, so the budget's 256 Ki units - 15-20 ms
-# of decoding - take about 2,000 rows on the loop; a longer conversation goes to the thread.
-ROW_UNITS = 128
-
-
-def _spend_rows(tx: Tx, params: Any, *rows: str) -> None:
-    """On the event loop (a budget set: SQLite's executor runs a batch there when the write
-    lock is free), spend what the rows the operation will touch cost, before it touches
-    any: the copy or delete of a long conversation raises `_codec.OffTheLoop`, and the
-    executor runs it again in its worker thread (§6.26: no loop step over 50 ms). `rows`:
-    each a `FROM ... WHERE ...` of them, counted no further than the budget reaches (a
-    200,000-input backlog costs no full count on the loop). Anywhere else (a worker
-    thread, PostgreSQL) nothing is counted."""
-    left = _codec.budget_left()
-    if left is None:
-        return
-    enough = left // ROW_UNITS + 1
-    counts = " + ".join(
-        f"(SELECT COUNT(*) FROM (SELECT 1 {where} LIMIT {enough}) AS counted)" for where in rows
-    )
-    [(count,)] = tx.execute(f"SELECT {counts}", params).fetchall()
-    _codec.spend(int(count) * ROW_UNITS)
-
-
 # Messages of the sessions a purge batch examines at most, beyond its first session's (a
-# session goes whole): about what fits the event loop's budget (`ROW_UNITS`).
+# session goes whole): about what fits the event loop's budget (`common.ROW_UNITS`).
 PURGE_ROWS = 2_000
 
 
@@ -457,7 +432,7 @@ def delete_session(tx: Tx, session_id: str) -> tuple[bool, str | None]:
     tx.lock_session(session_id)
     if tx.one("SELECT 1 FROM session WHERE id = ?", (session_id,)) is None:
         return False, None
-    _spend_rows(
+    spend_rows(
         tx,
         {"session": session_id},
         "FROM session_message WHERE session_id = :session",
@@ -514,7 +489,7 @@ def purge_batch(tx: Tx, idle_ms: int, after: str, limit: int) -> tuple[list[str]
         tx.lock_sessions(idle)
         idle = _idle_sessions(tx, idle, tx.now - idle_ms)
         if idle:  # idle: no input left, so their messages are what the delete touches
-            _spend_rows(tx, idle, f"FROM session_message WHERE session_id IN {_in_list(idle)}")
+            spend_rows(tx, idle, f"FROM session_message WHERE session_id IN {_in_list(idle)}")
         for session_id in idle:
             tx.notify(session_id)
         if idle:
@@ -566,7 +541,7 @@ def fork(tx: Tx, session_id: str, new_session_id: str, through_seq: int | None) 
         raise ValueError(f"session {session_id!r} does not exist")
     limit = "" if through_seq is None else " AND seq <= :through"
     params = {"session": session_id, "through": through_seq}
-    _spend_rows(tx, params, f"FROM session_message WHERE session_id = :session{limit}")
+    spend_rows(tx, params, f"FROM session_message WHERE session_id = :session{limit}")
     tx.execute("INSERT INTO session(id, time_created) VALUES (?, ?)", (new_session_id, tx.now))
     # Every message but a maybe-open answer in one statement, however long the transcript
     # (a statement per message held the source's session lock for as many round trips on
@@ -626,7 +601,7 @@ def truncate(tx: Tx, session_id: str, after_seq: int) -> int:
         raise _truncate_busy(session_id)
     params = {"session": session_id, "after": after_seq}
     doomed = "SELECT id FROM session_message WHERE session_id = :session AND seq > :after"
-    _spend_rows(tx, params, "FROM session_message WHERE session_id = :session AND seq > :after")
+    spend_rows(tx, params, "FROM session_message WHERE session_id = :session AND seq > :after")
     tx.execute(f"DELETE FROM session_message_delta WHERE message_id IN ({doomed})", params)
     tx.execute(f"DELETE FROM session_message_stream WHERE message_id IN ({doomed})", params)
     tx.execute(f"DELETE FROM session_message_change WHERE message_id IN ({doomed})", params)
