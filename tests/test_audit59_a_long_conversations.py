@@ -139,6 +139,40 @@ async def test_control_of_a_long_conversation_never_stalls_the_loop(
     assert meter.longest_cpu < STALL_S, meter.longest_cpu
 
 
+@pytest.mark.serial
+@pytest.mark.parametrize("operation", ["truncate", "delete_session"])
+async def test_control_of_a_long_streamed_answer_never_stalls_the_loop(
+    tmp_path: Path, operation: str
+) -> None:
+    """As above, for an open answer's streamed text: one row per append, 200,000 of them in
+    one message (a long answer streamed word by word, never finished). Truncating or
+    deleting it deletes every one of those rows: that too goes to the worker thread."""
+    db = tmp_path / "s.db"
+    async with trio_sessions.open_runtime(db, None):
+        pass
+    raw = Raw(db)
+    raw.write("INSERT INTO session(id, time_created) VALUES ('long', 0)")
+    raw.write(
+        "INSERT INTO session_message(id, session_id, role, seq, data, time_created,"
+        " time_updated, finished) VALUES ('open', 'long', 'assistant', 1, ?, 0, 0, 0)",
+        (json.dumps({"parts": [], "finished": False, "error": None}),),
+    )
+    raw.write_many(
+        "INSERT INTO session_message_delta(message_id, version, text) VALUES ('open', ?, 'w ')",
+        [(version,) for version in range(1, 200_001)],
+    )
+    with trio.fail_after(BOUND):
+        async with trio_sessions.open_runtime(db, None, recovery_interval=3600.0) as rt:
+            with StepMeter() as meter:
+                if operation == "truncate":
+                    assert await rt.truncate("long", after_seq=0) == 1
+                else:
+                    assert await rt.delete_session("long")
+            assert await rt.transcript("long") == []
+    assert raw.rows("SELECT COUNT(*) FROM session_message_delta") == [(0,)]
+    assert meter.longest_cpu < STALL_S, meter.longest_cpu
+
+
 async def test_a_purge_batch_deletes_a_bounded_number_of_messages(
     store: Store,
     clock: Callable[[], float],

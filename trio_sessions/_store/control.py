@@ -437,6 +437,9 @@ def delete_session(tx: Tx, session_id: str) -> tuple[bool, str | None]:
         {"session": session_id},
         "FROM session_message WHERE session_id = :session",
         "FROM session_input WHERE session_id = :session",
+        # An open answer's streamed text: one row per append, tens of thousands in a long one.
+        "FROM session_message_delta WHERE message_id IN"
+        " (SELECT id FROM session_message WHERE session_id = :session)",
     )
     tx.notify(session_id)
     claim = tx.one("SELECT id FROM session_execution WHERE session_id = ?", (session_id,))
@@ -601,7 +604,12 @@ def truncate(tx: Tx, session_id: str, after_seq: int) -> int:
         raise _truncate_busy(session_id)
     params = {"session": session_id, "after": after_seq}
     doomed = "SELECT id FROM session_message WHERE session_id = :session AND seq > :after"
-    spend_rows(tx, params, "FROM session_message WHERE session_id = :session AND seq > :after")
+    spend_rows(
+        tx,
+        params,
+        "FROM session_message WHERE session_id = :session AND seq > :after",
+        f"FROM session_message_delta WHERE message_id IN ({doomed})",
+    )
     tx.execute(f"DELETE FROM session_message_delta WHERE message_id IN ({doomed})", params)
     tx.execute(f"DELETE FROM session_message_stream WHERE message_id IN ({doomed})", params)
     tx.execute(f"DELETE FROM session_message_change WHERE message_id IN ({doomed})", params)
