@@ -498,7 +498,8 @@ ALTER TABLE session_input_cancelled DROP COLUMN payload;
     # (`ts_stream_changes_many`) sends about `NEW_BYTES_PER_READ` of their data and
     # streamed text, not 200 messages whatever their size, as SQLite's read pages them; a
     # delete or purge (`ts_delete_rows`) deletes the claims before their recovery leases,
-    # so a lease a recovery scan inserted meanwhile goes too.
+    # so a lease a recovery scan inserted meanwhile goes too; an interrupt
+    # (`ts_request_cancel`) leaves a quarantined claim to the quarantine's actions.
     30: "",
 }
 

@@ -380,10 +380,21 @@ def messages_left_open(tx: Tx, execution_id: str) -> tuple[MalformedRecord, ...]
     return tuple(left_open)
 
 
+# A claim quarantined by recovery (it may still hold its dead owner's live lease): no drain
+# runs it, and what becomes of it is the quarantine's own actions' choice - marked
+# `cancelling`, a later resume would finish it as cancelled, its malformed message left open
+# and no quarantine left to drop.
+_NOT_QUARANTINED = (
+    "NOT EXISTS (SELECT 1 FROM session_recovery r WHERE r.execution_id = session_execution.id"
+    " AND r.recovery_error IS NOT NULL)"
+)
+
+
 def request_cancel(tx: Tx, session_id: str) -> bool:
-    """Interrupt another owner's claim: `phase='cancelling'` fenced on the live running row.
-    On PostgreSQL one call (`ts_request_cancel`) in a transaction: whether a lost reply's
-    call landed cannot be read back (nothing names it), so COMMIT's outcome is asked for."""
+    """Interrupt another owner's claim: `phase='cancelling'` fenced on the live running row,
+    not quarantined. On PostgreSQL one call (`ts_request_cancel`) in a transaction: whether
+    a lost reply's call landed cannot be read back (nothing names it), so COMMIT's outcome
+    is asked for."""
     if tx.dialect == "postgres":
         [(marked,)] = tx.call("ts_request_cancel", session_id, idempotent=False)
         return bool(marked)
@@ -391,8 +402,8 @@ def request_cancel(tx: Tx, session_id: str) -> bool:
     tx.notify(session_id)
     return (
         tx.execute(
-            "UPDATE session_execution SET phase = 'cancelling'"
-            " WHERE session_id = ? AND phase = 'running' AND expires_at > ?",
+            "UPDATE session_execution SET phase = 'cancelling' WHERE session_id = ?"
+            f" AND phase = 'running' AND expires_at > ? AND {_NOT_QUARANTINED}",
             (session_id, tx.now),
         ).rowcount
         == 1
@@ -536,8 +547,9 @@ BEGIN
 END $$;
 
 -- Interrupt another owner's claim (`request_cancel`): phase cancelling, fenced on the live
--- running row, and its owner signalled. Whether it marked one. Not idempotent (a second
--- call finds the row cancelling): called in a transaction, never retried by read-back.
+-- running row not quarantined (_NOT_QUARANTINED), and its owner signalled. Whether it
+-- marked one. Not idempotent (a second call finds the row cancelling): called in a
+-- transaction, never retried by read-back.
 CREATE OR REPLACE FUNCTION ts_request_cancel(p_session text, p_now bigint, p_retry boolean)
 RETURNS boolean
 LANGUAGE plpgsql VOLATILE AS $$
@@ -547,7 +559,8 @@ BEGIN
     v_now := ts_lock_now(p_session, p_now);
     PERFORM ts_signal(p_session);
     UPDATE session_execution SET phase = 'cancelling'
-        WHERE session_id = p_session AND phase = 'running' AND expires_at > v_now;
+        WHERE session_id = p_session AND phase = 'running' AND expires_at > v_now
+        AND {not_quarantined};
     RETURN FOUND;
 END $$;
 
@@ -702,4 +715,4 @@ BEGIN
         RETURN NEXT;
     END LOOP;
 END $$;
-"""
+""".replace("{not_quarantined}", _NOT_QUARANTINED)
