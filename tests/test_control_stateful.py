@@ -3,8 +3,8 @@
 
 Hypothesis drives a worker runtime and a producer (another process of the chat product) on
 one store with submit (every `on_busy`, due now or scheduled, and idempotent retries),
-`cancel_input`, pause/resume, interrupt, delete, fork, run, drains held on a gate and
-released, streams dropped and resumed from their cursor, and time advancing. A model of
+`cancel_input`, pause/resume, interrupt, delete, fork, truncate, purge, run, drains held on
+a gate and released, streams dropped and resumed from their cursor, and time advancing. A model of
 what DESIGN says is checked after every step:
 
 * no input lost or duplicated: every accepted input is pending or is exactly one user
@@ -453,6 +453,58 @@ class ControlMachine(RuleBasedStateMachine):
             else:
                 assert forked.data == original.data
         self.forks[new] = [(m.seq, m.role, m.data) for m in copied]
+
+    @rule(session_id=st.sampled_from(SESSIONS), after=st.sampled_from((0, 1, 2, 3)), via=VIA)
+    def truncate(self, session_id: str, after: int, via: str) -> None:
+        """Edit and regenerate: the messages past `after` go, unless a claim is held."""
+        doomed: list[tuple[int, str | None]] = []
+        held = False
+
+        async def truncate(rt: trio_sessions.Runtime) -> int:
+            nonlocal doomed, held  # read right before it, with no checkpoint between
+            held = bool(self.raw.one(CLAIM, (session_id,))[0])
+            doomed = [
+                (int(seq), input_id)
+                for seq, input_id in self.raw.rows(
+                    "SELECT seq, input_id FROM session_message WHERE session_id = ? AND seq > ?",
+                    (session_id, after),
+                )
+            ]
+            return await rt.truncate(session_id, after_seq=after)
+
+        try:
+            deleted = self.act(truncate, via)
+        except SessionBusy:
+            assert held, "truncate refused as busy though no claim was held"
+            return
+        assert not held, "truncate went ahead while a claim was held"
+        assert deleted == len(doomed)
+        # A taken input's user message truncated: that input is gone with it.
+        for _, input_id in doomed:
+            if input_id is not None:
+                self.accepted.pop(input_id, None)
+        left = self.raw.rows(
+            "SELECT COUNT(*) FROM session_message WHERE session_id = ? AND seq > ?",
+            (session_id, after),
+        )
+        assert left == [(0,)], f"{left} messages past {after} after truncate"
+
+    @rule(via=VIA)
+    def purge(self, via: str) -> None:
+        """Every idle session goes (no claim, no pending input, nothing written since):
+        with `idle_for=0`, any session idle now - a fork too."""
+        existed = {s for s in (*SESSIONS, *self.forks) if self.raw.one(SESSION_ROW, (s,))[0]}
+        purged = self.act(lambda rt: rt.purge(idle_for=0), via)
+        gone = {s for s in existed if not self.raw.one(SESSION_ROW, (s,))[0]}
+        assert purged == len(gone), (purged, gone)
+        for session_id in gone:
+            assert self.raw.rows(PENDING, (session_id,)) == []
+            assert self.raw.one(CLAIM, (session_id,)) == (0,)
+            for input_id, (s, _, _) in list(self.accepted.items()):
+                if s == session_id:  # every one of them taken: its user message went
+                    del self.accepted[input_id]
+            self.paused.discard(session_id)
+            self.forks.pop(session_id, None)
 
     @rule(session_id=st.sampled_from(SESSIONS))
     def run(self, session_id: str) -> None:
