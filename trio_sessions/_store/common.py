@@ -137,18 +137,25 @@ def spend_rows(tx: Tx, params: Any, *rows: str) -> None:
     lock is free), spend what the rows the operation will touch cost, before it touches
     any: the copy or delete of a long conversation raises `_codec.OffTheLoop`, and the
     executor runs it again in its worker thread (§6.26: no loop step over 50 ms). `rows`:
-    each a `FROM ... WHERE ...` of them, counted no further than the budget reaches (a
-    200,000-input backlog costs no full count on the loop). Anywhere else (a worker
-    thread, PostgreSQL's functions) nothing is counted."""
+    each a `FROM ... WHERE ...` of them, counted in turn no further than the budget
+    reaches (a 200,000-input backlog costs no full count on the loop), and not at all once
+    the ones before filled it: a later one's count may cost more than its limit - an open
+    answer's streamed text, `message_id IN (SELECT id ...)`, gathers every message id of
+    the session first (200,000 of them: ~130 ms). Anywhere else (a worker thread,
+    PostgreSQL's functions) nothing is counted."""
     left = _codec.budget_left()
     if left is None:
         return
-    enough = left // ROW_UNITS + 1
-    counts = " + ".join(
-        f"(SELECT COUNT(*) FROM (SELECT 1 {where} LIMIT {enough}) AS counted)" for where in rows
-    )
-    [(count,)] = tx.execute(f"SELECT {counts}", params).fetchall()
-    _codec.spend(int(count) * ROW_UNITS)
+    counted = 0
+    for where in rows:
+        enough = left // ROW_UNITS + 1 - counted
+        [(count,)] = tx.execute(
+            f"SELECT COUNT(*) FROM (SELECT 1 {where} LIMIT {enough}) AS counted", params
+        ).fetchall()
+        counted += int(count)
+        if counted * ROW_UNITS > left:
+            break
+    _codec.spend(counted * ROW_UNITS)
 
 
 def fetched_on_budget(rows: Cursor) -> list[Any]:
