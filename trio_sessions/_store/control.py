@@ -544,7 +544,14 @@ def fork(tx: Tx, session_id: str, new_session_id: str, through_seq: int | None) 
         raise ValueError(f"session {session_id!r} does not exist")
     limit = "" if through_seq is None else " AND seq <= :through"
     params = {"session": session_id, "through": through_seq}
-    spend_rows(tx, params, f"FROM session_message WHERE session_id = :session{limit}")
+    spend_rows(
+        tx,
+        params,
+        f"FROM session_message WHERE session_id = :session{limit}",
+        # A maybe-open answer's streamed text, read and merged row by row: one per append.
+        "FROM session_message_delta WHERE message_id IN (SELECT id FROM session_message"
+        f" WHERE session_id = :session{limit} AND {OPEN_ASSISTANT})",
+    )
     tx.execute("INSERT INTO session(id, time_created) VALUES (?, ?)", (new_session_id, tx.now))
     # Every message but a maybe-open answer in one statement, however long the transcript
     # (a statement per message held the source's session lock for as many round trips on
