@@ -435,10 +435,10 @@ def delete_session(tx: Tx, session_id: str) -> tuple[bool, str | None]:
     spend_rows(
         tx,
         {"session": session_id},
-        "FROM session_message WHERE session_id = :session",
-        "FROM session_input WHERE session_id = :session",
+        "length(data) FROM session_message WHERE session_id = :session",
+        "length(payload) FROM session_input WHERE session_id = :session",
         # An open answer's streamed text: one row per append, tens of thousands in a long one.
-        "FROM session_message_delta WHERE message_id IN"
+        "length(text) FROM session_message_delta WHERE message_id IN"
         " (SELECT id FROM session_message WHERE session_id = :session)",
     )
     tx.notify(session_id)
@@ -492,7 +492,9 @@ def purge_batch(tx: Tx, idle_ms: int, after: str, limit: int) -> tuple[list[str]
         tx.lock_sessions(idle)
         idle = _idle_sessions(tx, idle, tx.now - idle_ms)
         if idle:  # idle: no input left, so their messages are what the delete touches
-            spend_rows(tx, idle, f"FROM session_message WHERE session_id IN {_in_list(idle)}")
+            spend_rows(
+                tx, idle, f"length(data) FROM session_message WHERE session_id IN {_in_list(idle)}"
+            )
         for session_id in idle:
             tx.notify(session_id)
         if idle:
@@ -547,10 +549,10 @@ def fork(tx: Tx, session_id: str, new_session_id: str, through_seq: int | None) 
     spend_rows(
         tx,
         params,
-        f"FROM session_message WHERE session_id = :session{limit}",
+        f"length(data) FROM session_message WHERE session_id = :session{limit}",
         # A maybe-open answer's streamed text, read and merged row by row: one per append.
-        "FROM session_message_delta WHERE message_id IN (SELECT id FROM session_message"
-        f" WHERE session_id = :session{limit} AND {OPEN_ASSISTANT})",
+        "length(text) FROM session_message_delta WHERE message_id IN (SELECT id"
+        f" FROM session_message WHERE session_id = :session{limit} AND {OPEN_ASSISTANT})",
     )
     tx.execute("INSERT INTO session(id, time_created) VALUES (?, ?)", (new_session_id, tx.now))
     # Every message but a maybe-open answer in one statement, however long the transcript
@@ -614,8 +616,8 @@ def truncate(tx: Tx, session_id: str, after_seq: int) -> int:
     spend_rows(
         tx,
         params,
-        "FROM session_message WHERE session_id = :session AND seq > :after",
-        f"FROM session_message_delta WHERE message_id IN ({doomed})",
+        "length(data) FROM session_message WHERE session_id = :session AND seq > :after",
+        f"length(text) FROM session_message_delta WHERE message_id IN ({doomed})",
     )
     tx.execute(f"DELETE FROM session_message_delta WHERE message_id IN ({doomed})", params)
     tx.execute(f"DELETE FROM session_message_stream WHERE message_id IN ({doomed})", params)
