@@ -217,7 +217,11 @@ class WatchHub:
             session.fresh.clear()  # a look begins
         return {
             session_id: _store.Followed(
-                session.high_seq, session.high_id, dict(session.open), session.known
+                session.high_seq,
+                session.high_id,
+                dict(session.open),
+                session.known,
+                min(watcher.after_seq for watcher in session.watchers),
             )
             for session_id, session in self._sessions.items()
             if session.covered

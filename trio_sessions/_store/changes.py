@@ -62,6 +62,9 @@ class Followed:
     high_id: str | None  # the message at `high_seq` (None: none yet), to notice a reused seq
     open: Mapping[str, Snapshot]  # messages that may still change, newest snapshot offered
     known: Mapping[str, int]  # every offered message's newest version (reused seq only)
+    # The lowest `after_seq` of the session's watchers: no watcher takes a message at or
+    # below it, so a rewritten session is not read that far (`_rewritten_news`).
+    floor: int = 0
 
 
 @attrs.frozen
@@ -335,15 +338,20 @@ def _rewritten_news(tx: Tx, session_id: str, followed: Followed, found: Watched)
     look read every message whose version the hub did not remember, those below every
     watcher's `after_seq` too (a review: 1,980 read whole for a truncate of ten). With no
     remembered message left (the session deleted and made again) every message is new.
-    The known messages still stored are looked up by id (`Watched.present`)."""
+    Never below the watchers' `floor`: none takes a message there, and the hub remembers
+    none (a watcher of the last messages, all truncated, read the transcript whole - a
+    review's find). The known messages still stored are looked up by id
+    (`Watched.present`)."""
     newer: list[tuple[Any, Any]] = []
     below: int | None = None  # the seq the next page of rows ends before (None: the top)
     while True:
         page = tx.execute(
-            "SELECT id, seq FROM session_message WHERE session_id = ?"
+            "SELECT id, seq FROM session_message WHERE session_id = ? AND seq > ?"
             + ("" if below is None else " AND seq < ?")
             + " ORDER BY seq DESC LIMIT ?",
-            (session_id, NEW_PER_LOOK) if below is None else (session_id, below, NEW_PER_LOOK),
+            (session_id, followed.floor, NEW_PER_LOOK)
+            if below is None
+            else (session_id, followed.floor, below, NEW_PER_LOOK),
         ).fetchall()
         kept = next(
             (i for i, row in enumerate(page) if message_key(row[0]) in followed.known), None

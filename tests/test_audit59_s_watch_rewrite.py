@@ -1,0 +1,51 @@
+"""Review S59: a rewrite (truncate) of a watched session reads what its watchers can be
+offered, not the messages at or below every watcher's `after_seq` (DESIGN §6.26)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import trio
+from helpers import runtime
+
+from trio_sessions import DrainContext, _store, testing
+
+MESSAGES = 300
+
+
+async def test_a_truncate_below_every_watchers_after_seq_reads_no_transcript(
+    store: Any, autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A watcher of a 300-message session's last two messages (`after_seq` 298): an edit
+    (truncate those two, then a new message at seq 299) reaches it, and the looks read a
+    message or two whole. They read all 298 left below the cut - the hub remembered none of
+    them (no watcher was offered one), so the read down the transcript for the newest
+    remembered message went to its start. Found by reading `_rewritten_news`."""
+
+    async def drain(ctx: DrainContext) -> None:
+        await ctx.take_inputs()
+
+    async with runtime(store, drain, testing.trio_clock()) as rt:
+        for index in range(MESSAGES):
+            await rt.submit("s", {"n": index})
+        await rt.wait_idle("s")
+        per_look: list[int] = []
+        changes = _store.changes
+
+        def counted(tx: Any, *args: Any) -> Any:
+            found = changes(tx, *args)
+            per_look.append(len(found.watched.messages))
+            return found
+
+        async with rt.watch("s", after_seq=MESSAGES - 2) as updates:
+            replayed = [await updates.__anext__() for _ in range(2)]
+            monkeypatch.setattr(_store, "changes", counted)
+            assert await rt.truncate("s", after_seq=MESSAGES - 2) == 2
+            await rt.submit("s", {"n": "edited"})
+            async for message in updates:
+                if message.data == {"n": "edited"}:
+                    break
+    assert [message.seq for message in replayed] == [MESSAGES - 1, MESSAGES]
+    assert message.seq == MESSAGES - 1
+    assert sum(per_look) <= 2, per_look
