@@ -10,6 +10,7 @@ import trio
 from helpers import runtime
 
 from trio_sessions import DrainContext, _store, testing
+from trio_sessions._store.changes import NEW_PER_LOOK
 
 MESSAGES = 300
 
@@ -49,3 +50,43 @@ async def test_a_truncate_below_every_watchers_after_seq_reads_no_transcript(
     assert [message.seq for message in replayed] == [MESSAGES - 1, MESSAGES]
     assert message.seq == MESSAGES - 1
     assert sum(per_look) <= 2, per_look
+
+
+async def test_a_watched_session_deleted_and_forked_into_reaches_its_watcher_in_bounded_looks(
+    store: Any, autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A watched session is deleted and a 300-message conversation forked into its id (a
+    "restart from this branch" button): every message reaches the watcher in seq order, and
+    no look reads more than `NEW_PER_LOOK` of them whole. The look that found the session
+    rewritten read all 300 (no remembered message left: every one new), where a fork into
+    a session not yet made is read over several looks. Found by reading
+    `_rewritten_news`."""
+    per_look: list[int] = []
+    changes = _store.changes
+
+    def counted(tx: Any, *args: Any) -> Any:
+        found = changes(tx, *args)
+        per_look.append(len(found.watched.messages))
+        return found
+
+    async def drain(ctx: DrainContext) -> None:
+        await ctx.take_inputs()
+
+    async with runtime(store, drain, testing.trio_clock()) as rt:
+        for index in range(MESSAGES):
+            await rt.submit("source", {"n": index})
+        await rt.submit("s", {"n": "first"})
+        await rt.wait_idle("source")
+        await rt.wait_idle("s")
+        async with rt.watch("s") as updates:
+            assert (await updates.__anext__()).data == {"n": "first"}
+            monkeypatch.setattr(_store, "changes", counted)
+            assert await rt.delete_session("s")
+            await rt.fork("source", "s")
+            seen = []
+            async for message in updates:
+                seen.append((message.seq, message.data))
+                if len(seen) == MESSAGES:
+                    break
+    assert seen == [(index + 1, {"n": index}) for index in range(MESSAGES)]
+    assert max(per_look) <= NEW_PER_LOOK, per_look

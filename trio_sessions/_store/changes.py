@@ -341,8 +341,11 @@ def _rewritten_news(tx: Tx, session_id: str, followed: Followed, found: Watched)
     Never below the watchers' `floor`: none takes a message there, and the hub remembers
     none (a watcher of the last messages, all truncated, read the transcript whole - a
     review's find). The known messages still stored are looked up by id
-    (`Watched.present`)."""
+    (`Watched.present`). As `_session_news`, it reads about `NEW_PER_LOOK` of them whole,
+    the oldest first; the next look reads on from the last (a conversation forked into a
+    watched session deleted before was read whole in one look - a review's find)."""
     newer: list[tuple[Any, Any]] = []
+    stop: tuple[Any, Any] | None = None  # the newest message remembered, if one is left
     below: int | None = None  # the seq the next page of rows ends before (None: the top)
     while True:
         page = tx.execute(
@@ -357,6 +360,7 @@ def _rewritten_news(tx: Tx, session_id: str, followed: Followed, found: Watched)
             (i for i, row in enumerate(page) if message_key(row[0]) in followed.known), None
         )
         newer += page if kept is None else page[:kept]
+        stop = None if kept is None else page[kept]
         if kept is not None or len(page) < NEW_PER_LOOK or type(page[-1][1]) is not int:
             break
         below = page[-1][1]
@@ -368,11 +372,22 @@ def _rewritten_news(tx: Tx, session_id: str, followed: Followed, found: Watched)
             f"SELECT id FROM session_message WHERE id IN {_in_list(chunk)}", tuple(chunk)
         )
         present.update(message_key(row[0]) for row in rows.fetchall())
+    newer.reverse()  # in seq order
+    offered = newer[: max(0, NEW_PER_LOOK - len(found.messages))]
     found.messages.extend(
-        _snapshot(tx, message_id, at=(session_id, seq)) for message_id, seq in reversed(newer)
+        _snapshot(tx, message_id, at=(session_id, seq)) for message_id, seq in offered
     )
     found.present[session_id] = frozenset(present)
-    found.heads[session_id] = _newest(tx, session_id)
+    if len(offered) == len(newer):
+        found.heads[session_id] = _newest(tx, session_id)
+        return
+    # The rest: the next look reads on past the last message offered (or the newest one
+    # remembered, or the floor), as it reads a session grown by many (`_session_news`).
+    head = offered[-1] if offered else stop
+    found.heads[session_id] = (
+        (followed.floor, None) if head is None else (placed(head[1]), message_key(head[0]))
+    )
+    found.behind.add(session_id)
 
 
 def _extensible(held: Snapshot) -> bool:
