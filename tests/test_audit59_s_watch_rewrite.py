@@ -10,6 +10,7 @@ import trio
 from helpers import runtime
 
 from trio_sessions import DrainContext, _store, testing
+from trio_sessions._signals import WatchHub
 from trio_sessions._store.changes import NEW_PER_LOOK
 
 MESSAGES = 300
@@ -90,3 +91,21 @@ async def test_a_watched_session_deleted_and_forked_into_reaches_its_watcher_in_
                     break
     assert seen == [(index + 1, {"n": index}) for index in range(MESSAGES)]
     assert max(per_look) <= NEW_PER_LOOK, per_look
+
+
+def test_a_look_reads_the_floor_of_the_watchers_there_when_it_reads() -> None:
+    """A look's rewrite read stops at the watchers' lowest `after_seq` as it is when it
+    reads, not when the look began: a watcher entering meanwhile (the look reads on a
+    worker thread on PostgreSQL) may replay messages a truncate then removes, and the
+    look must offer it what replaced them. A floor taken when the look began would leave
+    that watcher's new messages below the first watcher's `after_seq` unread."""
+    hub = WatchHub()
+    first = hub.add("s", after_seq=298)
+    hub.cover("s", (300, "m300"))
+    followed = hub.followed()["s"]
+    assert followed.floor() == 298
+    second = hub.add("s", after_seq=0)
+    assert followed.floor() == 0
+    hub.remove(second)
+    assert hub.followed()["s"].floor() == 298
+    hub.remove(first)

@@ -145,6 +145,13 @@ class _Session:
     # How many times messages gone were forgotten: a replay read before the latest time
     # may hold such a message, which must not look new to the hub.
     forgettings: int = 0
+    # The lowest `after_seq` of the watchers, set on the loop as they come and go, read by
+    # a look when it reads (`Followed.floor`): a watcher that entered after the look began
+    # may have replayed a message the look's rewrite read must then offer it again.
+    floor: int = 0
+
+    def lowest_after_seq(self) -> int:
+        return self.floor
 
 
 class WatchHub:
@@ -158,7 +165,11 @@ class WatchHub:
 
     def add(self, session_id: str, after_seq: int) -> Watcher:
         watcher = Watcher(session_id, after_seq)
-        self._sessions.setdefault(session_id, _Session()).watchers.add(watcher)
+        session = self._sessions.get(session_id)
+        if session is None:
+            session = self._sessions[session_id] = _Session(floor=after_seq)
+        session.floor = min(session.floor, after_seq)
+        session.watchers.add(watcher)
         return watcher
 
     def remove(self, watcher: Watcher) -> None:
@@ -169,6 +180,8 @@ class WatchHub:
         session.watchers.discard(watcher)
         if not session.watchers:
             del self._sessions[watcher.session_id]
+        else:
+            session.floor = min(other.after_seq for other in session.watchers)
 
     async def replay(self, watcher: Watcher, read: Read) -> None:
         """A new watcher's history up to the session's newest message now, in short reads (a
@@ -221,7 +234,7 @@ class WatchHub:
                 session.high_id,
                 dict(session.open),
                 session.known,
-                min(watcher.after_seq for watcher in session.watchers),
+                session.lowest_after_seq,
             )
             for session_id, session in self._sessions.items()
             if session.covered

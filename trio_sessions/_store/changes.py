@@ -22,7 +22,7 @@ Invariants kept here:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -62,9 +62,10 @@ class Followed:
     high_id: str | None  # the message at `high_seq` (None: none yet), to notice a reused seq
     open: Mapping[str, Snapshot]  # messages that may still change, newest snapshot offered
     known: Mapping[str, int]  # every offered message's newest version (reused seq only)
-    # The lowest `after_seq` of the session's watchers: no watcher takes a message at or
-    # below it, so a rewritten session is not read that far (`_rewritten_news`).
-    floor: int = 0
+    # The lowest `after_seq` of the session's watchers, as it is when the look reads: no
+    # watcher takes a message at or below it, so a rewritten session is not read that far
+    # (`_rewritten_news`).
+    floor: Callable[[], int] = lambda: 0
 
 
 @attrs.frozen
@@ -346,15 +347,16 @@ def _rewritten_news(tx: Tx, session_id: str, followed: Followed, found: Watched)
     watched session deleted before was read whole in one look - a review's find)."""
     newer: list[tuple[Any, Any]] = []
     stop: tuple[Any, Any] | None = None  # the newest message remembered, if one is left
+    floor = followed.floor()
     below: int | None = None  # the seq the next page of rows ends before (None: the top)
     while True:
         page = tx.execute(
             "SELECT id, seq FROM session_message WHERE session_id = ? AND seq > ?"
             + ("" if below is None else " AND seq < ?")
             + " ORDER BY seq DESC LIMIT ?",
-            (session_id, followed.floor, NEW_PER_LOOK)
+            (session_id, floor, NEW_PER_LOOK)
             if below is None
-            else (session_id, followed.floor, below, NEW_PER_LOOK),
+            else (session_id, floor, below, NEW_PER_LOOK),
         ).fetchall()
         kept = next(
             (i for i, row in enumerate(page) if message_key(row[0]) in followed.known), None
@@ -385,7 +387,7 @@ def _rewritten_news(tx: Tx, session_id: str, followed: Followed, found: Watched)
     # remembered, or the floor), as it reads a session grown by many (`_session_news`).
     head = offered[-1] if offered else stop
     found.heads[session_id] = (
-        (followed.floor, None) if head is None else (placed(head[1]), message_key(head[0]))
+        (floor, None) if head is None else (placed(head[1]), message_key(head[0]))
     )
     found.behind.add(session_id)
 
