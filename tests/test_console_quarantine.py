@@ -1,4 +1,4 @@
-"""Audit 59 (brief C): the operator console over a store in production's states."""
+"""The operator console over a store in production's states."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Audit 59 (brief C): lifting the quarantine of a SIGKILLed owner's claim.
+"""Lifting the quarantine of a SIGKILLed owner's claim.
 
 A worker killed mid-answer is taken over through its free liveness token long before its
 lease ends; a claim whose message does not decode is quarantined then, with the dead
@@ -25,6 +25,21 @@ BOTH = pytest.mark.parametrize("backend", ["sqlite", "postgres"], indirect=True)
 OPEN = '{"parts": [], "finished": false, "error": null}'
 
 
+class _Holding:
+    """A drain killed mid-answer: it takes its inputs, opens an answer, streams a word and
+    holds (`entered` once it did)."""
+
+    def __init__(self) -> None:
+        self.entered = trio.Event()
+
+    async def __call__(self, ctx: DrainContext) -> None:
+        await ctx.take_inputs()
+        writer = await ctx.begin_assistant()
+        await writer.append_text("working")
+        self.entered.set()
+        await trio.sleep_forever()
+
+
 @BOTH
 async def test_a_resume_of_a_dead_owners_quarantined_claim_takes_it_over_at_once(
     store: Any, db_path: Any, clock: Callable[[], float], autojump_clock: trio.testing.MockClock
@@ -36,14 +51,7 @@ async def test_a_resume_of_a_dead_owners_quarantined_claim_takes_it_over_at_once
     and a later pass. DESIGN §4: resume=True "recovers e at once" (durable when it
     returns: the takeover committed and its drain started here). Found by SIGKILLing a
     worker on a poisoned answer, then releasing the quarantine."""
-    entered = trio.Event()
-
-    async def holding(ctx: DrainContext) -> None:
-        await ctx.take_inputs()
-        writer = await ctx.begin_assistant()
-        await writer.append_text("working")
-        entered.set()
-        await trio.sleep_forever()
+    holding = _Holding()
 
     resumed: list[bool] = []
 
@@ -55,7 +63,7 @@ async def test_a_resume_of_a_dead_owners_quarantined_claim_takes_it_over_at_once
     async with trio_sessions.open_runtime(store, resume, **quiet) as other:
         async with trio_sessions.open_runtime(store, holding, **quiet) as owner:
             await owner.submit("s", {"n": 1})
-            await entered.wait()
+            await holding.entered.wait()
             raw.write("UPDATE session_message SET data = '{bad json' WHERE role = 'assistant'")
             testing.crash(owner)
         _wait_released(db_path, owner.owner_id)
@@ -102,14 +110,7 @@ async def test_the_cli_resume_of_a_dead_owners_quarantined_claim_is_taken_at_the
     (its only live claim was quarantined), so nothing counted that lease as a gone owner's
     any more. Found by SIGKILLing a worker on a poisoned answer and releasing the
     quarantine with the CLI."""
-    entered = trio.Event()
-
-    async def holding(ctx: DrainContext) -> None:
-        await ctx.take_inputs()
-        writer = await ctx.begin_assistant()
-        await writer.append_text("working")
-        entered.set()
-        await trio.sleep_forever()
+    holding = _Holding()
 
     resumed = trio.Event()
     resumes: list[tuple[str, bool, float]] = []
@@ -124,7 +125,7 @@ async def test_the_cli_resume_of_a_dead_owners_quarantined_claim_is_taken_at_the
         with trio.fail_after(10):
             async with trio_sessions.open_runtime(live_store, holding, **options) as owner:
                 await owner.submit("s", {"n": 1})
-                await entered.wait()
+                await holding.entered.wait()
                 raw.write("UPDATE session_message SET data = '{bad json' WHERE role = 'assistant'")
                 testing.crash(owner)
             while not raw.rows("SELECT 1 FROM session_recovery WHERE recovery_error IS NOT NULL"):
