@@ -327,7 +327,7 @@ async def test_upgrade_of_a_version_1_schema_adds_streaming(pg_url: str, pg_sche
     # 29: the endings read an execution's maybe-open messages as `finished <> 1`;
     # 30: a stream's read of the messages it missed sends about NEW_BYTES_PER_READ of them;
     #     a delete's lease-row delete follows its claim's (a racing scan's lease goes too);
-    #     an interrupt leaves a quarantined claim as it is
+    #     an interrupt (or a submit that interrupts) leaves a quarantined claim as it is
     assert SCHEMA_VERSION == 30
     await check_pre_streaming_upgrade(location, PostgresStore(pg_url, schema=pg_schema))
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import trio.testing
 from helpers import Raw, now_ms, runtime
 
@@ -30,3 +31,28 @@ async def test_an_interrupt_of_a_quarantined_claim_with_a_live_lease_marks_nothi
         )
         assert await producer.interrupt("s") is False
     assert raw.claim("s") == ("dead-e", "dead-owner", "running", live)
+
+
+@pytest.mark.parametrize("lease_left_ms", [3_600_000, -1_000], ids=["live", "expired"])
+async def test_a_submit_that_interrupts_stores_its_input_and_leaves_a_quarantined_claim(
+    store: Any,
+    db_path: Any,
+    clock: Callable[[], float],
+    autojump_clock: trio.testing.MockClock,
+    lease_left_ms: int,
+) -> None:
+    """`on_busy="interrupt"` marks the running claim as `interrupt()` does - live or
+    expired - so a quarantined one is left to the quarantine's actions there too."""
+    raw = Raw(db_path)
+    async with runtime(store, None, clock) as producer:
+        expires_at = now_ms(clock) + lease_left_ms
+        raw.seed_claim("s", "dead-e", expires_at=expires_at)
+        raw.write(
+            "INSERT INTO session_recovery(execution_id, session_id, owner_id, expires_at,"
+            " recovery_error, time_quarantined, time_created)"
+            " VALUES ('dead-e', 's', 'a-recoverer', 0, 'message m does not decode', 0, 0)"
+        )
+        stored = await producer.submit("s", {"text": "next"}, input_id="i", on_busy="interrupt")
+    assert stored == "i"
+    assert raw.claim("s") == ("dead-e", "dead-owner", "running", expires_at)
+    assert raw.rows("SELECT id FROM session_input WHERE session_id = 's'") == [("i",)]

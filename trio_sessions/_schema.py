@@ -499,7 +499,8 @@ ALTER TABLE session_input_cancelled DROP COLUMN payload;
     # streamed text, not 200 messages whatever their size, as SQLite's read pages them; a
     # delete or purge (`ts_delete_rows`) deletes the claims before their recovery leases,
     # so a lease a recovery scan inserted meanwhile goes too; an interrupt
-    # (`ts_request_cancel`) leaves a quarantined claim to the quarantine's actions.
+    # (`ts_request_cancel`), or a submit that interrupts (`ts_submit_controlled`), leaves a
+    # quarantined claim to the quarantine's actions.
     30: "",
 }
 

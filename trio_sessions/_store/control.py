@@ -39,6 +39,7 @@ from .._decisions import SubmitVerdict
 from .._errors import SessionBusy
 from .._model import INTERRUPTED
 from .acquisition import Acquired, _insert_claim, _pg_acquired, acquire
+from .claims import _NOT_QUARANTINED
 from .common import (
     _claim_row,
     _has_pending_inputs,
@@ -98,10 +99,11 @@ def submit_controlled(
     if verdict is not SubmitVerdict.INTERRUPT:
         return input_id, None
     # Live or expired: an expired one is then finished by recovery as cancelled, never
-    # resumed. The input's own notify signals the owner.
+    # resumed. Not a quarantined one: the quarantine's actions decide it, as for
+    # `request_cancel`. The input's own notify signals the owner.
     row = tx.one(
         "UPDATE session_execution SET phase = 'cancelling'"
-        " WHERE session_id = ? AND phase = 'running' RETURNING id",
+        f" WHERE session_id = ? AND phase = 'running' AND {_NOT_QUARANTINED} RETURNING id",
         (session_id,),
     )
     return input_id, None if row is None else str(row[0])
@@ -674,13 +676,13 @@ PG_FUNCTIONS = r"""
 -- due p_delay ms from now by the lease clock; it rings no doorbell, and its signal lets
 -- every runtime re-arm its due timer). Busy: a claim exists, or due inputs wait untaken
 -- (`_decisions.submit_verdict`). Verdicts: stored; interrupted:<its execution id> (stored,
--- and the running claim - live or expired: recovery then finishes it as cancelled - marked
--- cancelling); busy (reject: nothing written); ts_known_input's, or ts_insert_input's
--- malformed (nothing written). With nothing written, the session is signalled if an
--- acquire waits for it. Read back after a lost reply (p_retry) by input id: known, or
--- interrupted when the session's claim is cancelling (the lost call's, or a cancellation
--- already under way). p_call: the call's own id, the same in each attempt
--- (ts_known_input).
+-- and the running claim - live or expired: recovery then finishes it as cancelled; not a
+-- quarantined one (_NOT_QUARANTINED) - marked cancelling); busy (reject: nothing
+-- written); ts_known_input's, or ts_insert_input's malformed (nothing written). With
+-- nothing written, the session is signalled if an acquire waits for it. Read back after a
+-- lost reply (p_retry) by input id: known, or interrupted when the session's claim is
+-- cancelling (the lost call's, or a cancellation already under way). p_call: the call's
+-- own id, the same in each attempt (ts_known_input).
 CREATE OR REPLACE FUNCTION ts_submit_controlled(p_session text, p_payload text, p_input text,
     p_on_busy text, p_delay bigint, p_call text, p_now bigint, p_retry boolean)
 RETURNS text
@@ -714,8 +716,10 @@ BEGIN
     END IF;
     IF p_on_busy = 'interrupt' AND v_phase = 'running' THEN
         UPDATE session_execution SET phase = 'cancelling'
-            WHERE session_id = p_session AND phase = 'running';
-        RETURN 'interrupted:' || v_claim;
+            WHERE session_id = p_session AND phase = 'running' AND {not_quarantined};
+        IF FOUND THEN
+            RETURN 'interrupted:' || v_claim;
+        END IF;
     END IF;
     RETURN 'stored';
 END $$;
@@ -924,4 +928,4 @@ BEGIN
     END IF;
     RETURN v_count;
 END $$;
-"""
+""".replace("{not_quarantined}", _NOT_QUARANTINED)
