@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import trio.testing
-from helpers import Raw, now_ms, runtime
+from helpers import Raw, Recorder, now_ms, runtime
 
 
 async def test_an_interrupt_of_a_quarantined_claim_with_a_live_lease_marks_nothing(
@@ -56,3 +56,26 @@ async def test_a_submit_that_interrupts_stores_its_input_and_leaves_a_quarantine
     assert stored == "i"
     assert raw.claim("s") == ("dead-e", "dead-owner", "running", expires_at)
     assert raw.rows("SELECT id FROM session_input WHERE session_id = 's'") == [("i",)]
+
+
+async def test_an_interrupt_accepted_while_acquiring_passes_nothing_to_a_quarantined_claim(
+    store: Any, db_path: Any, clock: Callable[[], float], autojump_clock: trio.testing.MockClock
+) -> None:
+    """An interrupt accepted while this runtime was still acquiring, the acquire finding
+    another owner's claim: that claim is marked `cancelling` (`cancel_held_claim`) - not a
+    quarantined one."""
+    raw = Raw(db_path)
+    async with runtime(store, Recorder(), clock, recovery_interval=10_000.0) as rt:
+        live = now_ms(clock) + 3_600_000
+        raw.write("INSERT INTO session(id, time_created, time_woken) VALUES ('s', 0, 1)")
+        await rt.recover_once()  # registers a prospective acquisition for 's'
+        assert rt.is_active("s")
+        raw.seed_claim("s", "dead-e", expires_at=live)
+        raw.write(
+            "INSERT INTO session_recovery(execution_id, session_id, owner_id, expires_at,"
+            " recovery_error, time_quarantined, time_created)"
+            " VALUES ('dead-e', 's', 'a-recoverer', 0, 'message m does not decode', 0, 0)"
+        )
+        assert await rt.interrupt("s") is True  # accepted for this runtime's acquisition
+        await rt.wait_idle("s")
+    assert raw.claim("s") == ("dead-e", "dead-owner", "running", live)

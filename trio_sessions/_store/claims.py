@@ -413,13 +413,13 @@ def request_cancel(tx: Tx, session_id: str) -> bool:
 def cancel_held_claim(tx: Tx, session_id: str) -> bool:
     """An interrupt accepted locally while another owner's claim turned up at acquire: mark
     that claim cancelling even if its lease already expired, so recovery finishes it as
-    cancelled instead of resuming it."""
+    cancelled instead of resuming it - unless it is quarantined (`request_cancel`)."""
     tx.lock_session(session_id)
     tx.notify(session_id)
     return (
         tx.execute(
             "UPDATE session_execution SET phase = 'cancelling'"
-            " WHERE session_id = ? AND phase = 'running'",
+            f" WHERE session_id = ? AND phase = 'running' AND {_NOT_QUARANTINED}",
             (session_id,),
         ).rowcount
         == 1
