@@ -494,14 +494,30 @@ class ControlMachine(RuleBasedStateMachine):
         """Every idle session goes (no claim, no pending input, nothing written since):
         with `idle_for=0`, any session idle now - a fork too."""
         existed = {s for s in (*SESSIONS, *self.forks) if self.raw.one(SESSION_ROW, (s,))[0]}
-        purged = self.act(lambda rt: rt.purge(idle_for=0), via)
+        busy: dict[str, tuple[Any, ...]] = {}
+
+        async def purge(rt: trio_sessions.Runtime) -> int:
+            # Read right before it, with no checkpoint between (the clock moves only by
+            # `advance`): what made each session not idle - a claim, pending inputs, a wake.
+            for s in existed:
+                claim = self.raw.one(CLAIM, (s,))[0]
+                pending = self.raw.rows(PENDING, (s,))
+                woken = self.raw.one("SELECT time_woken FROM session WHERE id = ?", (s,))[0]
+                busy[s] = (claim, pending, woken)
+            return await rt.purge(idle_for=0)
+
+        purged = self.act(purge, via)
         gone = {s for s in existed if not self.raw.one(SESSION_ROW, (s,))[0]}
         assert purged == len(gone), (purged, gone)
+        for session_id in existed:
+            claim, pending, woken = busy[session_id]
+            if session_id in gone:
+                assert claim == 0 and pending == [], f"{session_id} purged: {busy[session_id]}"
+            else:
+                assert (claim, pending, woken) != (0, [], None), f"idle {session_id} kept"
         for session_id in gone:
-            assert self.raw.rows(PENDING, (session_id,)) == []
-            assert self.raw.one(CLAIM, (session_id,)) == (0,)
             for input_id, (s, _, _) in list(self.accepted.items()):
-                if s == session_id:  # every one of them taken: its user message went
+                if s == session_id:  # none pending (above): taken, its user message went
                     del self.accepted[input_id]
             self.paused.discard(session_id)
             self.forks.pop(session_id, None)
