@@ -440,9 +440,10 @@ async def test_a_stream_of_a_tool_heavy_transcript_never_stalls_the_loop(tmp_pat
     assert meter.longest_cpu < STALL_S, meter.longest_cpu
 
 
-def _seed_open_reply(db: Path, session_id: str, deltas: int) -> None:
-    """An open assistant message at seq 1 with `deltas` streamed words not folded yet (a
-    long answer still being written, no tool call yet), as a drain's appends leave it."""
+def _seed_open_reply(db: Path, session_id: str, deltas: int, text: str = "tok ") -> None:
+    """An open assistant message at seq 1 with `deltas` streamed words (each `text`) not
+    folded yet (a long answer still being written, no tool call yet), as a drain's appends
+    leave it."""
     library_schema(db)
     conn = sqlite3.connect(db)
     with conn:
@@ -459,7 +460,7 @@ def _seed_open_reply(db: Path, session_id: str, deltas: int) -> None:
         )
         conn.executemany(
             "INSERT INTO session_message_delta(message_id, version, text) VALUES ('reply', ?, ?)",
-            ((version, "tok ") for version in range(1, deltas + 1)),
+            ((version, text) for version in range(1, deltas + 1)),
         )
     conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     conn.close()
@@ -518,6 +519,27 @@ async def test_a_watcher_entering_during_a_long_open_reply_never_stalls_the_loop
                     reply = await updates.__anext__()
     assert reply.seq == 1
     assert text_of(reply.data) == "tok " * words
+    assert meter.longest_cpu < STALL_S, meter.longest_cpu
+
+
+@pytest.mark.serial
+async def test_a_watcher_entering_during_an_open_reply_of_large_appends_never_stalls_the_loop(
+    tmp_path: Path,
+) -> None:
+    """As above, for an open reply of few but large appends: 25 of 2 MB each (a document
+    streamed a page at a time). Its rows were charged to the loop's budget before they were
+    joined, but not the text each holds, so the join of 50 MB ran on the event loop: a
+    step of 160 ms here. Real time."""
+    db = tmp_path / "s.db"
+    appends, page = 25, "t" * 2_000_000
+    _seed_open_reply(db, "s", appends, page)
+    with trio.fail_after(BOUND):
+        async with trio_sessions.open_runtime(db, None, **NO_RECOVERY) as rt:
+            with StepMeter() as meter:
+                async with rt.watch("s") as updates:
+                    reply = await updates.__anext__()
+    assert reply.seq == 1
+    assert text_of(reply.data) == page * appends
     assert meter.longest_cpu < STALL_S, meter.longest_cpu
 
 
