@@ -165,9 +165,7 @@ class WatchHub:
 
     def add(self, session_id: str, after_seq: int) -> Watcher:
         watcher = Watcher(session_id, after_seq)
-        session = self._sessions.get(session_id)
-        if session is None:
-            session = self._sessions[session_id] = _Session(floor=after_seq)
+        session = self._sessions.setdefault(session_id, _Session(floor=after_seq))
         session.floor = min(session.floor, after_seq)
         session.watchers.add(watcher)
         return watcher

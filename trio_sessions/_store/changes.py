@@ -32,7 +32,7 @@ from .._backend import Tx, autocommit_when_alone, reads_stored_bytes
 from .._errors import MalformedRecord
 from .._model import AssistantData, Message
 from .._validate import MAX_INT64
-from .common import _IN_CHUNK, _in_list, leading_rows, placed, streamed_texts_of
+from .common import _IN_CHUNK, _chunks, _in_list, leading_rows, placed, streamed_texts_of
 from .control import due_in, earliest_due, next_due
 from .recovery_scan import _unclaimed_doorbells, handed_back_condition
 from .stream import streamed_onto, text_bytes
@@ -367,9 +367,7 @@ def _rewritten_news(tx: Tx, session_id: str, followed: Followed, found: Watched)
             break
         below = page[-1][1]
     present = {message_key(message_id) for message_id, _ in newer}
-    known = sorted(followed.known)
-    for start in range(0, len(known), _IN_CHUNK):
-        chunk = known[start : start + _IN_CHUNK]
+    for chunk in _chunks(sorted(followed.known)):
         rows = tx.execute(
             f"SELECT id FROM session_message WHERE id IN {_in_list(chunk)}", tuple(chunk)
         )
@@ -434,8 +432,7 @@ def sessions_present(tx: Tx, session_ids: Sequence[str]) -> set[str]:
     erasure), not taken over: the runtime then reports no lost claim. Looked up only for
     claims found gone - rare - by key."""
     present: set[str] = set()
-    for start in range(0, len(session_ids), _IN_CHUNK):
-        chunk = session_ids[start : start + _IN_CHUNK]
+    for chunk in _chunks(session_ids):
         rows = tx.execute(f"SELECT id FROM session WHERE id IN {_in_list(chunk)}", tuple(chunk))
         present.update(str(row[0]) for row in rows.fetchall())
     return present

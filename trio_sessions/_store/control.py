@@ -497,9 +497,8 @@ def purge_batch(tx: Tx, idle_ms: int, after: str, limit: int) -> tuple[list[str]
             spend_rows(
                 tx, idle, f"length(data) FROM session_message WHERE session_id IN {_in_list(idle)}"
             )
-        for session_id in idle:
-            tx.notify(session_id)
-        if idle:
+            for session_id in idle:
+                tx.notify(session_id)
             _delete_rows(tx, idle)
     return idle, (window[-1] if more else None)
 
