@@ -1429,11 +1429,12 @@ def test_an_empty_session_or_execution_id_is_listed_on_the_first_page(
 def test_interrupt_is_offered_only_where_it_can_act_and_says_when_nothing_was(
     db_path: Location, tmp_path: Path
 ) -> None:
-    """The console offered `interrupt` on every session holding a claim; on an expired one
-    (a quarantined claim is one) or one already stopping `runtime.interrupt()` does nothing
-    and returns False, and the console answered 303 as if it had acted. Found by an audit.
-    The button is shown for a live claim that is not stopping only; a POST that interrupts
-    nothing (a page from before the claim expired) is a 409 that says so, changing nothing."""
+    """The console offered `interrupt` on every session holding a claim; on one already
+    stopping `runtime.interrupt()` does nothing and returns False, and the console answered
+    303 as if it had acted. Found by an audit. The button is shown for a claim that is not
+    stopping (an expired one too: marked, recovery finishes it as cancelled); a POST that
+    interrupts nothing (a page from before the claim began stopping) is a 409 that says so,
+    changing nothing."""
     store = db_path
     seed_ids(store, "gone", "stopping", "live")
     now = int(time.time() * 1000)
@@ -1447,16 +1448,17 @@ def test_interrupt_is_offered_only_where_it_can_act_and_says_when_nothing_was(
     ):
         listing = client.get("/").text
         offered = re.findall(r'action="/sessions/([^/"]+)/interrupt"', listing)
-        assert offered == ["live"], offered
+        assert offered == ["gone", "live"], offered
         for session_id in ("gone", "stopping", "live"):
             page = client.get(f"/sessions/{session_id}").text
-            assert ('value="interrupt"' in page) == (session_id == "live"), session_id
-        answer = client.post("/sessions/gone/interrupt", data={"csrf": csrf_of(listing)})
+            assert ('value="interrupt"' in page) == (session_id != "stopping"), session_id
+        answer = client.post("/sessions/stopping/interrupt", data={"csrf": csrf_of(listing)})
         assert answer.status_code == 409 and "nothing was interrupted" in answer.text
-        done = client.post("/sessions/live/interrupt", data={"csrf": csrf_of(listing)})
-        assert done.status_code == 303
+        for session_id in ("gone", "live"):
+            done = client.post(f"/sessions/{session_id}/interrupt", data={"csrf": csrf_of(listing)})
+            assert done.status_code == 303, session_id
     phases = dict(raw.rows("SELECT id, phase FROM session_execution"))
-    assert phases == {"e-gone": "running", "e-stopping": "cancelling", "e-live": "cancelling"}
+    assert phases == {"e-gone": "cancelling", "e-stopping": "cancelling", "e-live": "cancelling"}
 
 
 @BOTH

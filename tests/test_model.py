@@ -671,12 +671,17 @@ class ProtocolModel(RuleBasedStateMachine):
 
     @rule(session_id=st.sampled_from(SESSIONS))
     def request_cancel(self, session_id: str) -> None:
-        """An interrupt from a process that does not hold the claim."""
+        """An interrupt from a process that does not hold the claim: marks a running one,
+        live or expired (then recovery finishes it as cancelled), unless quarantined."""
         self.step()
         accepted = self.op(_store.request_cancel, session_id)
         session = self.sessions.get(session_id)
         claim = None if session is None else session.claim
-        expected = claim is not None and claim.phase == "running" and claim.expires_at > self.now
+        expected = (
+            claim is not None
+            and claim.phase == "running"
+            and claim.execution_id not in self.quarantined
+        )
         assert accepted == expected
         if expected:
             assert claim is not None

@@ -823,11 +823,6 @@ OPERATIONS = [
     Operation(
         "request_cancel", lambda env: claimed(env, owner="other"), one(_store.request_cancel, "s")
     ),
-    Operation(
-        "cancel_held_claim",
-        lambda env: claimed(env, owner="other"),
-        one(_store.cancel_held_claim, "s"),
-    ),
     Operation("heartbeat", two_claims, one(_store.heartbeat, OWNER, ["e1", "e2"], LEASE_MS)),
     Operation(
         "expire_claims-nowait",

@@ -328,7 +328,8 @@ async def test_upgrade_of_a_version_1_schema_adds_streaming(pg_url: str, pg_sche
     # 30: a stream's read of the messages it missed sends about NEW_BYTES_PER_READ of them;
     #     a delete's lease-row delete follows its claim's (a racing scan's lease goes too);
     #     an interrupt (or a submit that interrupts) leaves a quarantined claim as it is
-    assert SCHEMA_VERSION == 30
+    # 31: an interrupt marks another owner's claim whether or not its lease ran out
+    assert SCHEMA_VERSION == 31
     await check_pre_streaming_upgrade(location, PostgresStore(pg_url, schema=pg_schema))
 
 
@@ -501,7 +502,7 @@ def test_upgrade_of_a_version_28_schema_indexes_every_message_an_ending_reads_as
             )
     open_engine(pg_url, schema=pg_schema).close()
     with raw(pg_url, pg_schema) as conn:
-        assert conn.execute("SELECT version FROM schema_version").fetchall() == [(30,)]
+        assert conn.execute("SELECT version FROM schema_version").fetchall() == [(31,)]
         [(definition,)] = conn.execute(
             "SELECT indexdef FROM pg_indexes WHERE schemaname = current_schema()"
             " AND indexname = 'session_message_open'"

@@ -62,7 +62,7 @@ async def test_an_interrupt_accepted_while_acquiring_passes_nothing_to_a_quarant
     store: Any, db_path: Any, clock: Callable[[], float], autojump_clock: trio.testing.MockClock
 ) -> None:
     """An interrupt accepted while this runtime was still acquiring, the acquire finding
-    another owner's claim: that claim is marked `cancelling` (`cancel_held_claim`) - not a
+    another owner's claim: that claim is marked `cancelling` (`request_cancel`) - not a
     quarantined one."""
     raw = Raw(db_path)
     async with runtime(store, Recorder(), clock, recovery_interval=10_000.0) as rt:

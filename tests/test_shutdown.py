@@ -15,12 +15,21 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from helpers import ExecutorSeam, LateReply, Raw, WrappedStore, now_ms, runtime
+from helpers import (
+    ExecutorSeam,
+    LateReply,
+    Raw,
+    WrappedStore,
+    now_ms,
+    open_tool_message,
+    runtime,
+)
 from trio.testing import MockClock
 
 import trio_sessions
 from trio_sessions import DrainContext, Store, StoreError, _store
 from trio_sessions._backend import Job
+from trio_sessions._codec import decode_assistant
 from trio_sessions._errors import OutcomeUnknown
 from trio_sessions._handoff import HandoffQueue, Queued, pumping
 
@@ -391,14 +400,6 @@ async def test_a_hand_off_that_raises_never_reports_its_batch_done(
     assert isinstance(outcome, OutcomeUnknown), outcome
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="left as DESIGN §4 writes it ('fenced on that live row'; the closing note says"
-    " why it should change): interrupt() marks only a live claim, so a claim handed back by a"
-    " graceful shutdown and not yet taken over reads as 'nothing running' (False) and"
-    " recovery then resumes the work the user stopped; submit(on_busy='interrupt') and"
-    " cancel_held_claim do mark an expired claim.",
-)
 async def test_an_interrupt_during_a_rolling_restarts_handoff_stops_the_work(
     store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
 ) -> None:
@@ -426,6 +427,37 @@ async def test_an_interrupt_during_a_rolling_restarts_handoff_stops_the_work(
     assert accepted
     assert [c.resumed for c in calls] == [False]
     assert Raw(db_path).claim("s") is None
+
+
+async def test_an_interrupt_of_a_dead_owners_claim_stops_the_work_for_good(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: MockClock
+) -> None:
+    """A user presses Stop after the owner died mid-step (its lease ran out, no recovery
+    yet): accepted, and recovery finishes the claim as cancelled - its open reply finished
+    `interrupted`, its running tool failed - never resumed; the input sent meanwhile goes to
+    exactly one successor."""
+    raw = Raw(db_path)
+    calls: list[DrainContext] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        calls.append(ctx)
+        await ctx.take_inputs()
+
+    async with trio_sessions.open_runtime(store, None, clock=clock) as producer:
+        raw.seed_claim("s", "dead-e", expires_at=now_ms(clock) - 1)
+        message_id = raw.seed_assistant("s", "dead-e", 1, open_tool_message())
+        assert await producer.interrupt("s")
+        await producer.submit("s", {"n": 1}, input_id="i1")
+    async with runtime(store, drain, clock, lease=LEASE) as rt:
+        assert rt.statistics().recovery.finished_cancelled == 1
+        await rt.wait_idle("s")
+    [data] = raw.rows("SELECT data FROM session_message WHERE id = ?", (message_id,))
+    reply = decode_assistant(data[0], key=message_id)
+    assert (reply.finished, reply.error) == (True, "interrupted")
+    assert [getattr(part, "status", None) for part in reply.parts] == ["error"]
+    assert [c.resumed for c in calls] == [False]
+    assert raw.claim("s") is None
+    assert raw.rows("SELECT id FROM session_input") == []
 
 
 async def test_a_batch_the_close_stopped_before_its_thread_ran_is_refused_not_unknown() -> None:

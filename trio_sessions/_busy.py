@@ -720,7 +720,7 @@ class BusyPeriods:
         (an expired one is finished by recovery as cancelled, never resumed)."""
         if entry.reason == "user":
             try:
-                await self._runtime._db.run(_store.cancel_held_claim, entry.session_id)
+                await self._runtime._db.run(_store.request_cancel, entry.session_id)
             except StoreError as exc:
                 _observe.stop_not_recorded(entry, self._runtime._owner_id, exc)
 

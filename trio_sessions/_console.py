@@ -543,13 +543,13 @@ contains"> <button>search</button></form>
                         f"nothing was interrupted: session {session_id!r}'s claim is"
                         " quarantined (resume or drop it in the quarantine table)",
                     )
-                # False: no claim runs now (a page from before it expired or stopped).
+                # False: no claim runs now (a page from before it stopped or ended).
                 # Said, not a redirect that looks as if it had acted.
                 if not await self.runtime.interrupt(session_id):
                     raise HTTPError(
                         409,
                         f"nothing was interrupted: session {session_id!r} runs no claim now"
-                        " (none, expired - quarantined too - or already stopping)",
+                        " (none, or already stopping)",
                     )
                 return f"/sessions/{_q(session_id)}"
             case ["sessions", session_id, "pause"]:
@@ -591,17 +591,11 @@ contains"> <button>search</button></form>
 
 
 def _interruptible(claim: Mapping[str, Any] | None) -> bool:
-    """Whether the console interrupts a session holding `claim`: a live claim not already
-    stopping and not quarantined. `runtime.interrupt()` does nothing for an expired one,
-    which waits for recovery, or one stopping already; a quarantined one may hold a live
-    lease (its dead owner's, taken over by the free liveness token), but the quarantine's
-    own actions decide it (`act`)."""
-    return (
-        claim is not None
-        and not claim["expired"]
-        and not claim["quarantined"]
-        and claim["phase"] != "cancelling"
-    )
+    """Whether the console interrupts a session holding `claim`: one not already stopping
+    and not quarantined. An expired one is (a crashed owner's, or one a rolling restart
+    handed back): marked, recovery finishes it as cancelled instead of resuming it. A
+    quarantined one's own actions decide it (`act`)."""
+    return claim is not None and not claim["quarantined"] and claim["phase"] != "cancelling"
 
 
 def _segments(scope: Scope) -> list[str]:

@@ -199,7 +199,7 @@ SQLITE_OUR_TABLES = frozenset(
 # ---------------------------------------------------------------------------------------------
 # PostgreSQL
 
-POSTGRES_SCHEMA_VERSION = 30
+POSTGRES_SCHEMA_VERSION = 31
 
 # Same names, meanings and named CHECKs as the SQLite schema (`SQLITE_MIGRATIONS`, whose
 # versions 1-3 are PostgreSQL's first: no PostgreSQL store predates them); times
@@ -502,6 +502,10 @@ ALTER TABLE session_input_cancelled DROP COLUMN payload;
     # (`ts_request_cancel`), or a submit that interrupts (`ts_submit_controlled`), leaves a
     # quarantined claim to the quarantine's actions.
     30: "",
+    # The functions again, no table changes: an interrupt of another owner's claim
+    # (`ts_request_cancel`) marks it whether or not its lease ran out (a dead owner's, or one
+    # a rolling restart's shutdown handed back), so recovery finishes it as cancelled.
+    31: "",
 }
 
 
@@ -571,4 +575,5 @@ POSTGRES_BACKFILLS: dict[int, Callable[[Any], None]] = {
     28: _create_functions,
     29: _create_functions,
     30: _create_functions,
+    31: _create_functions,
 }

@@ -351,9 +351,11 @@ class Runtime:
         releases the claim (had the process died first, recovery would resume the work).
         Claim held by another owner: durable when it returns - `phase='cancelling'` is
         committed and signalled, so the owner cancels within milliseconds and recovery
-        finishes the claim (never resumes it) if the owner is dead. `False` when nothing is
-        running or it is already stopping. Wakes recorded before or during the interrupt
-        survive into exactly one successor.
+        finishes the claim (never resumes it) if the owner is dead - also once its lease
+        ran out (a crashed owner's, or one a rolling restart's shutdown handed back: work
+        that would otherwise resume). `False` when nothing is running, it is already
+        stopping, or its claim is quarantined (the quarantine's actions decide it). Wakes
+        recorded before or during the interrupt survive into exactly one successor.
 
         `reason="shutdown"` stops a drain as this runtime's close does: its claim is handed
         back and recovery resumes the work. Only a claim of this runtime's own can be handed

@@ -80,7 +80,6 @@ from .changes import (
 )
 from .claims import (
     Interrupted,
-    cancel_held_claim,
     cancel_own_claims,
     end_iteration,
     expire_claims,
@@ -183,7 +182,6 @@ __all__ = [
     "apply_recovery",
     "apply_recovery_batch",
     "begin_assistant",
-    "cancel_held_claim",
     "cancel_input",
     "cancel_own_claims",
     "changes",

@@ -391,10 +391,12 @@ _NOT_QUARANTINED = (
 
 
 def request_cancel(tx: Tx, session_id: str) -> bool:
-    """Interrupt another owner's claim: `phase='cancelling'` fenced on the live running row,
-    not quarantined. On PostgreSQL one call (`ts_request_cancel`) in a transaction: whether
-    a lost reply's call landed cannot be read back (nothing names it), so COMMIT's outcome
-    is asked for."""
+    """Interrupt another owner's claim: `phase='cancelling'` fenced on its running row, not
+    quarantined, and its owner signalled. Its lease may have run out (a dead owner's, or one
+    a graceful shutdown handed back in a rolling restart): marked, recovery finishes it as
+    cancelled instead of resuming the work the user stopped. On PostgreSQL one call
+    (`ts_request_cancel`) in a transaction: whether a lost reply's call landed cannot be
+    read back (nothing names it), so COMMIT's outcome is asked for."""
     if tx.dialect == "postgres":
         [(marked,)] = tx.call("ts_request_cancel", session_id, idempotent=False)
         return bool(marked)
@@ -403,23 +405,7 @@ def request_cancel(tx: Tx, session_id: str) -> bool:
     return (
         tx.execute(
             "UPDATE session_execution SET phase = 'cancelling' WHERE session_id = ?"
-            f" AND phase = 'running' AND expires_at > ? AND {_NOT_QUARANTINED}",
-            (session_id, tx.now),
-        ).rowcount
-        == 1
-    )
-
-
-def cancel_held_claim(tx: Tx, session_id: str) -> bool:
-    """An interrupt accepted locally while another owner's claim turned up at acquire: mark
-    that claim cancelling even if its lease already expired, so recovery finishes it as
-    cancelled instead of resuming it - unless it is quarantined (`request_cancel`)."""
-    tx.lock_session(session_id)
-    tx.notify(session_id)
-    return (
-        tx.execute(
-            "UPDATE session_execution SET phase = 'cancelling'"
-            f" WHERE session_id = ? AND phase = 'running' AND {_NOT_QUARANTINED}",
+            f" AND phase = 'running' AND {_NOT_QUARANTINED}",
             (session_id,),
         ).rowcount
         == 1
@@ -546,21 +532,18 @@ BEGIN
     RETURN CASE WHEN FOUND THEN 'ok' ELSE 'lease_lost' END;
 END $$;
 
--- Interrupt another owner's claim (`request_cancel`): phase cancelling, fenced on the live
--- running row not quarantined (_NOT_QUARANTINED), and its owner signalled. Whether it
--- marked one. Not idempotent (a second call finds the row cancelling): called in a
--- transaction, never retried by read-back.
+-- Interrupt another owner's claim (`request_cancel`): phase cancelling, fenced on its
+-- running row, live or expired, not quarantined (_NOT_QUARANTINED), and its owner
+-- signalled. Whether it marked one. Not idempotent (a second call finds the row
+-- cancelling): called in a transaction, never retried by read-back.
 CREATE OR REPLACE FUNCTION ts_request_cancel(p_session text, p_now bigint, p_retry boolean)
 RETURNS boolean
 LANGUAGE plpgsql VOLATILE AS $$
-DECLARE
-    v_now bigint;
 BEGIN
-    v_now := ts_lock_now(p_session, p_now);
+    PERFORM ts_lock_now(p_session, p_now);
     PERFORM ts_signal(p_session);
     UPDATE session_execution SET phase = 'cancelling'
-        WHERE session_id = p_session AND phase = 'running' AND expires_at > v_now
-        AND {not_quarantined};
+        WHERE session_id = p_session AND phase = 'running' AND {not_quarantined};
     RETURN FOUND;
 END $$;
 
