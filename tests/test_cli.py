@@ -161,7 +161,7 @@ def test_status_json_reports_claims_leases_doorbells_and_inputs(
     assert not expired["quarantined"]
     assert sessions["poison"]["claim"]["quarantined"]
     assert status["summary"] == {
-        **{"sessions": 5, "claims": 3, "live_claims": 1, "expired_claims": 2},
+        **{"sessions": 5, "claims": 3, "live_claims": 1, "expired_claims": 1},
         **{"quarantined": 1, "doorbells": 1, "pending_inputs": 5},
     }
 
@@ -180,7 +180,7 @@ def test_status_text_is_a_readable_table(seeded: Path, capsys: pytest.CaptureFix
     assert "set" in lines["pending"]
     assert "(2 wakes)" in lines["pending"]
     assert "idle" in lines["idle"]
-    assert out.startswith("5 sessions; claims: 1 live, 2 expired (1 quarantined)")
+    assert out.startswith("5 sessions; claims: 1 live, 1 expired, 1 quarantined")
 
 
 def test_listings_show_a_row_with_no_number_where_one_belongs_as_malformed(
@@ -300,7 +300,7 @@ def test_listings_do_not_modify_the_database(
         ("idle", ["idle"]),
         ("woken", ["pending"]),
         ("active", ["live"]),
-        ("expired", ["expired", "poison"]),
+        ("expired", ["expired"]),
         ("quarantined", ["poison"]),
         ("paused", []),
     ],
@@ -768,7 +768,7 @@ def test_every_command_takes_a_postgres_url(
     assert sessions["pending"]["pending_inputs"] == 2
     assert sessions["poison"]["claim"]["quarantined"] is True
     expired = cli_json(capsys, "status", *db, "--state", "expired")
-    assert [s["id"] for s in expired["sessions"]] == ["expired", "poison"]
+    assert [s["id"] for s in expired["sessions"]] == ["expired"]
     code, out, _ = cli(capsys, "status", *db)
     assert code == 0 and "owner-live" in out
     health = cli_json(capsys, "health", *db)

@@ -115,8 +115,10 @@ def _version_problem(db: str, schema: str | None, version: int) -> StoreError | 
 
 
 # A session can be in several states at once: a live claim with a doorbell set is both
-# `active` and `woken`; a quarantined claim is also `expired` (as in the summary's counts);
-# a paused session is whatever else it is too (its doorbell stays set: no drain starts).
+# `active` and `woken`; a paused session is whatever else it is too (its doorbell stays
+# set: no drain starts). A claim is in one of `active`, `expired` and `quarantined`: a
+# quarantined claim is `quarantined` whatever its lease - a liveness takeover quarantines a
+# dead owner's claim long before its lease runs out, and no owner works on it meanwhile.
 STATES = ("idle", "woken", "active", "expired", "quarantined", "paused")
 
 
@@ -131,11 +133,11 @@ def in_state(session: dict[str, Any], state: str) -> bool:
         return session["doorbell"] is not None
     if claim is None:
         return False
+    if claim["quarantined"]:  # whatever its lease (`STATES`)
+        return state == "quarantined"
     if state == "active":
         return not claim["expired"]
-    if state == "expired":
-        return bool(claim["expired"])
-    return bool(claim["quarantined"])
+    return state == "expired" and bool(claim["expired"])
 
 
 def filter_status(
@@ -367,7 +369,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--state",
         choices=STATES,
         help="only sessions in this state: idle (no claim, no doorbell), woken (doorbell"
-        " set), active (live claim), expired (expired claim), quarantined, paused",
+        " set), active (live claim), expired (expired claim), quarantined (a claim recovery"
+        " set aside, whatever its lease), paused",
     )
     status.add_argument(
         "--limit", type=_positive_int, metavar="N", help="at most N sessions, in id order"

@@ -49,7 +49,7 @@ def format_status(status: dict[str, Any]) -> str:
     s = status["summary"]
     lines = [
         f"{s['sessions']} sessions; claims: {s['live_claims']} live, {s['expired_claims']}"
-        f" expired ({s['quarantined']} quarantined); doorbells set: {s['doorbells']};"
+        f" expired, {s['quarantined']} quarantined; doorbells set: {s['doorbells']};"
         f" pending inputs: {s['pending_inputs']}"
     ]
     shown = len(status["sessions"])

@@ -324,14 +324,17 @@ def status(tx: Tx) -> dict[str, Any]:
     """Every session with its doorbell, pending inputs and claim, as plain JSON values."""
     sessions = [_session(tx.now, row) for row in tx.execute(_STATUS_SQL).fetchall()]
     claims = [s["claim"] for s in sessions if s["claim"] is not None]
+    # Apart, adding up to the claims: a quarantined claim is quarantined whatever its lease
+    # (a liveness takeover quarantines one long before it expires), neither live nor expired.
+    held = [c for c in claims if not c["quarantined"]]
     return {
         "now": tx.now,
         "summary": {
             "sessions": len(sessions),
             "claims": len(claims),
-            "live_claims": sum(not c["expired"] for c in claims),
-            "expired_claims": sum(c["expired"] for c in claims),
-            "quarantined": sum(c["quarantined"] for c in claims),
+            "live_claims": sum(not c["expired"] for c in held),
+            "expired_claims": sum(c["expired"] for c in held),
+            "quarantined": len(claims) - len(held),
             "doorbells": sum(s["doorbell"] is not None for s in sessions),
             "pending_inputs": sum(s["pending_inputs"] for s in sessions),
         },
@@ -531,9 +534,13 @@ def session_status(tx: Tx, session_id: str) -> dict[str, Any] | None:
 def store_counts(tx: Tx) -> dict[str, int]:
     """Store-wide counts for the console's figures, each one aggregate."""
     (sessions, woken) = tx.one("SELECT COUNT(*), COUNT(time_woken) FROM session")
+    # A quarantined claim is no live one whatever its lease (a liveness takeover
+    # quarantines one long before it expires): it is counted among the quarantined.
     (claims, live) = tx.one(
-        "SELECT COUNT(*), COALESCE(SUM(CASE WHEN expires_at > :now THEN 1 ELSE 0 END), 0)"
-        " FROM session_execution",
+        "SELECT COUNT(*), COALESCE(SUM(CASE WHEN e.expires_at > :now AND NOT EXISTS"
+        " (SELECT 1 FROM session_recovery r WHERE r.execution_id = e.id"
+        " AND r.recovery_error IS NOT NULL) THEN 1 ELSE 0 END), 0)"
+        " FROM session_execution e",
         {"now": tx.now},
     )
     (quarantined,) = tx.one(

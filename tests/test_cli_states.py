@@ -1,0 +1,70 @@
+"""The operator CLI's session states on both backends: a quarantined claim is quarantined
+whatever its lease, in `status`'s filters, its summary and its text."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from backends import EngineDb
+
+from trio_sessions import _cli, _store
+from trio_sessions._cli_format import format_status
+
+LEASE_MS = 600_000
+QUARANTINE_ROW = (
+    "INSERT INTO session_recovery(execution_id, session_id, owner_id, expires_at,"
+    " recovery_error, time_created, time_quarantined) VALUES (?, ?, 'recovery', ?, 'malformed',"
+    " ?, ?)"
+)
+
+
+def seed_claim(engine: EngineDb, session_id: str, *, expires_at: int) -> None:
+    """A session holding a claim of another owner, its lease ending at `expires_at`."""
+    engine.write("INSERT INTO session(id, time_created) VALUES (?, 0)", (session_id,))
+    engine.write(
+        "INSERT INTO session_execution(id, session_id, owner_id, phase, time_created,"
+        " expires_at) VALUES (?, ?, 'owner-gone', 'running', 0, ?)",
+        (f"exec-{session_id}", session_id, expires_at),
+    )
+
+
+def quarantine(engine: EngineDb, session_id: str) -> None:
+    """Recovery's quarantine of the session's claim (its records do not decode)."""
+    now = engine.now
+    engine.write(QUARANTINE_ROW, (f"exec-{session_id}", session_id, now + LEASE_MS, now, now))
+
+
+def status(engine: EngineDb, *flags: str) -> dict[str, Any]:
+    """`status DB *flags --json` run on the test's engine (its hand clock)."""
+    args = _cli.build_parser().parse_args(["status", "db", *flags, "--json"])
+    value, _ = _cli.run_command(args, engine.engine)
+    return dict(value)
+
+
+def ids(listed: dict[str, Any]) -> list[str]:
+    return [session["id"] for session in listed["sessions"]]
+
+
+def test_a_quarantined_claim_whose_lease_is_live_is_quarantined_not_active(
+    engine: EngineDb,
+) -> None:
+    """A liveness takeover quarantines a dead owner's claim long before its lease runs out.
+    `status` counted such a claim as live and listed it under `--state active` (the CLI took
+    every quarantined claim to be expired, which it no longer is). Found by the reviewers
+    of stop 59. A quarantined claim is in state `quarantined` only, whatever its lease: not
+    `active` and not `expired`, and the summary counts live, expired and quarantined claims
+    apart (they add up to the claims)."""
+    seed_claim(engine, "live", expires_at=engine.now + LEASE_MS)
+    seed_claim(engine, "expired", expires_at=engine.now - 1)
+    seed_claim(engine, "taken", expires_at=engine.now + LEASE_MS)
+    quarantine(engine, "taken")
+    seed_claim(engine, "poison", expires_at=engine.now - 1)
+    quarantine(engine, "poison")
+    assert ids(status(engine, "--state", "active")) == ["live"]
+    assert ids(status(engine, "--state", "expired")) == ["expired"]
+    assert ids(status(engine, "--state", "quarantined")) == ["poison", "taken"]
+    summary = status(engine)["summary"]
+    assert (summary["claims"], summary["live_claims"], summary["expired_claims"]) == (4, 1, 1)
+    assert summary["quarantined"] == 2
+    text = format_status(engine.engine.read(_store.status))
+    assert text.startswith("4 sessions; claims: 1 live, 1 expired, 2 quarantined;"), text
