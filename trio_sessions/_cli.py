@@ -62,6 +62,7 @@ from ._cli_format import (
 from ._errors import SchemaTooNew, StoreError
 from ._naming import check_schema, display_name, mask_password, secrets_of, store_kind
 from ._runtime import make_owner_id
+from ._store.operator import is_rejected_input
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # the database was refused or the command could not be carried out
@@ -276,7 +277,7 @@ def cancel_input(database: Engine, input_id: str) -> dict[str, Any]:
     if not database.run(_store.cancel_input, input_id):
         # `inputs list` shows the set-aside ones: one of those is no pending input either,
         # and the operator is owed the verb that removes it.
-        if any(row["id"] == input_id for row in read_rejected_inputs(database, None)):
+        if database.read(is_rejected_input, input_id):
             raise ValueError(
                 f"input {input_id!r} was set aside as malformed, not pending: delete it with"
                 " `inputs drop`"

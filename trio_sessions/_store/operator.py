@@ -272,6 +272,11 @@ _REJECTED = (
 )
 
 
+def is_rejected_input(tx: Tx, input_id: str) -> bool:
+    """Whether `input_id` names an input set aside as malformed: one row read, by its key."""
+    return tx.one("SELECT 1 FROM session_input_rejected WHERE id = ?", (input_id,)) is not None
+
+
 def drop_rejected_input(tx: Tx, input_id: str) -> str:
     """Operator drop of a set-aside input; returns its session id, `ValueError` if none."""
     row = tx.one("SELECT session_id FROM session_input_rejected WHERE id = ?", (input_id,))

@@ -1,0 +1,142 @@
+"""The operator CLI's verbs on one row read that row, not the whole set it belongs to, on
+both backends: the rows each verb's reads return are counted (`CountingEngine`), with a
+set of hundreds beside the one row acted on."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import attrs
+import pytest
+from backends import EngineDb
+
+from trio_sessions import _cli
+from trio_sessions._backend import Engine, Tx
+
+MANY = 300  # rows in the set beside the one a verb acts on
+FEW = 5  # the most rows a keyed verb may read back
+
+
+@attrs.define
+class Counter:
+    rows: int = 0
+
+
+@attrs.define
+class CountingCursor:
+    """A cursor whose rows read back are counted."""
+
+    inner: Any
+    counter: Counter
+
+    @property
+    def rowcount(self) -> int:
+        return int(self.inner.rowcount)
+
+    def fetchone(self) -> Any:
+        row = self.inner.fetchone()
+        self.counter.rows += row is not None
+        return row
+
+    def fetchall(self) -> list[Any]:
+        rows = list(self.inner.fetchall())
+        self.counter.rows += len(rows)
+        return rows
+
+    def __iter__(self) -> Iterator[Any]:
+        for row in self.inner:
+            self.counter.rows += 1
+            yield row
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+@attrs.define
+class CountingTx:
+    """A transaction whose statements' rows read back are counted (PostgreSQL's function
+    calls' rows too); everything else is the transaction's own."""
+
+    inner: Tx
+    counter: Counter
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def execute(self, sql: str, params: Any = ()) -> CountingCursor:
+        return CountingCursor(self.inner.execute(sql, params), self.counter)
+
+    def one(self, sql: str, params: Any = ()) -> Any:
+        row = self.inner.one(sql, params)
+        self.counter.rows += row is not None
+        return row
+
+    def call(self, function: str, *args: Any, **options: Any) -> list[Any]:
+        rows = self.inner.call(function, *args, **options)
+        self.counter.rows += len(rows)
+        return rows
+
+
+@attrs.define
+class CountingEngine:
+    """The test's engine, counting the rows every operation run on it reads back."""
+
+    inner: Engine
+    counter: Counter = attrs.field(factory=Counter)
+
+    @property
+    def dialect(self) -> Any:
+        return self.inner.dialect
+
+    def _counted(self, op: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(op)  # keeps the operation's marks (`reads_stored_bytes`, ...)
+        def counted(tx: Tx, *args: Any) -> Any:
+            return op(CountingTx(tx, self.counter), *args)
+
+        return counted
+
+    def run(self, op: Callable[..., Any], *args: Any) -> Any:
+        return self.inner.run(self._counted(op), *args)
+
+    def read(self, op: Callable[..., Any], *args: Any) -> Any:
+        return self.inner.read(self._counted(op), *args)
+
+    def schema_version(self) -> int:
+        return self.inner.schema_version()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def seed_rejected_inputs(engine: EngineDb, session_id: str, count: int) -> None:
+    """`count` inputs of `session_id` set aside as malformed, ids bad-1 ... bad-count."""
+    engine.write(
+        "INSERT INTO session(id, time_created) VALUES (?, 0) ON CONFLICT(id) DO NOTHING",
+        (session_id,),
+    )
+    engine.write(
+        "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < ?)"
+        " INSERT INTO session_input_rejected(id, session_id, seq, payload, reason,"
+        " time_created) SELECT 'bad-' || i, ?, i, '{bad', 'not JSON', 0 FROM n",
+        (count, session_id),
+    )
+
+
+def test_cancelling_a_set_aside_input_reads_that_input_not_every_set_aside_one(
+    engine: EngineDb,
+) -> None:
+    """`inputs cancel` of an id that is no pending input looks whether it was set aside as
+    malformed, to name `inputs drop`: it read every set-aside input of the store to find
+    that one id (the reviewers of stop 59). It reads that id only; the errors are as
+    before."""
+    seed_rejected_inputs(engine, "s", MANY)
+    counting = CountingEngine(engine.engine)
+    with pytest.raises(ValueError, match=r"set aside as malformed.*inputs drop"):
+        _cli.cancel_input(counting, f"bad-{MANY // 2}")  # type: ignore[arg-type]
+    assert counting.counter.rows <= FEW, counting.counter
+    counting.counter.rows = 0
+    with pytest.raises(ValueError, match="is not pending"):
+        _cli.cancel_input(counting, "unknown")  # type: ignore[arg-type]
+    assert counting.counter.rows <= FEW, counting.counter
