@@ -140,3 +140,56 @@ def test_cancelling_a_set_aside_input_reads_that_input_not_every_set_aside_one(
     with pytest.raises(ValueError, match="is not pending"):
         _cli.cancel_input(counting, "unknown")  # type: ignore[arg-type]
     assert counting.counter.rows <= FEW, counting.counter
+
+
+def seed_quarantines(engine: EngineDb, count: int) -> None:
+    """`count` quarantined executions q-1 ... q-count of sessions qs-1 ... (recovery rows
+    whose claims another tool deleted: the listing shows each as such)."""
+    engine.write(
+        "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < ?)"
+        " INSERT INTO session_recovery(execution_id, session_id, owner_id, expires_at,"
+        " recovery_error, time_created, time_quarantined)"
+        " SELECT 'q-' || i, 'qs-' || i, 'recovery', 0, 'malformed', 0, i FROM n",
+        (count,),
+    )
+
+
+def seed_quarantined_claim(engine: EngineDb, session_id: str, execution_id: str) -> None:
+    """An expired claim of `session_id` that recovery quarantined, quarantined last."""
+    engine.write("INSERT INTO session(id, time_created) VALUES (?, 0)", (session_id,))
+    engine.write(
+        "INSERT INTO session_execution(id, session_id, owner_id, phase, time_created,"
+        " expires_at) VALUES (?, ?, 'owner-gone', 'running', 0, 1)",
+        (execution_id, session_id),
+    )
+    engine.write(
+        "INSERT INTO session_recovery(execution_id, session_id, owner_id, expires_at,"
+        " recovery_error, time_created, time_quarantined)"
+        " VALUES (?, ?, 'recovery', 0, 'malformed', 0, ?)",
+        (execution_id, session_id, engine.now),
+    )
+
+
+def command(counting: CountingEngine, *argv: str) -> Any:
+    """The JSON value of the CLI command `argv` (its DB argument: the counting engine's)."""
+    args = _cli.build_parser().parse_args([*argv[:2], "db", *argv[2:], "--json"])
+    value, _ = _cli.run_command(args, counting)  # type: ignore[arg-type]
+    return value
+
+
+def test_dropping_a_quarantined_execution_reads_that_execution_not_every_quarantine(
+    engine: EngineDb,
+) -> None:
+    """`quarantine release --drop` read every quarantined execution of the store to name the
+    dropped one's session, before the drop read that execution again by its key (found
+    reading the operator paths for the class of stop 59's defect). It reads that execution
+    only, and names the session the drop acted on."""
+    seed_quarantines(engine, MANY)
+    seed_quarantined_claim(engine, "s", "exec-s")
+    counting = CountingEngine(engine.engine)
+    released = command(counting, "quarantine", "release", "exec-s", "--drop")
+    assert released == {"execution_id": "exec-s", "session_id": "s", "action": "drop"}
+    assert counting.counter.rows <= FEW, counting.counter
+    assert engine.rows("SELECT id FROM session_execution") == []
+    with pytest.raises(ValueError, match="is not quarantined"):
+        command(counting, "quarantine", "release", "exec-s", "--drop")

@@ -257,8 +257,9 @@ def release(database: Engine, execution_id: str, *, resume: bool) -> dict[str, A
         candidate = database.run(_store.lift_quarantine, execution_id, make_owner_id("cli"), 0)
         session_id = candidate.session_id
     else:
-        session_id = _session_of_quarantined(database, execution_id)
-        database.run(_store.drop_quarantined, execution_id)
+        # The drop names the session it acted on (its claim's): it reads the execution by
+        # its key, and raises `ValueError` unless it is quarantined.
+        session_id, _ = database.run(_store.drop_quarantined, execution_id)
     return {
         "execution_id": execution_id,
         "session_id": session_id,
@@ -321,13 +322,6 @@ def purge(database: Engine, idle_for: float) -> dict[str, Any]:
         deleted, after = database.run(_store.purge_batch, idle_ms, after, PURGE_BATCH)
         purged += len(deleted)
     return {"action": "purge", "idle_for_s": idle_for, "purged": purged}
-
-
-def _session_of_quarantined(database: Engine, execution_id: str) -> str:
-    for row in database.read(_store.quarantined):
-        if row["execution_id"] == execution_id:
-            return str(row["session_id"])
-    raise ValueError(f"execution {execution_id!r} is not quarantined")
 
 
 # ---------------------------------------------------------------------------------------------
