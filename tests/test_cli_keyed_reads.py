@@ -193,3 +193,27 @@ def test_dropping_a_quarantined_execution_reads_that_execution_not_every_quarant
     assert engine.rows("SELECT id FROM session_execution") == []
     with pytest.raises(ValueError, match="is not quarantined"):
         command(counting, "quarantine", "release", "exec-s", "--drop")
+
+
+def test_quarantine_list_of_one_session_reads_that_sessions_quarantines(
+    engine: EngineDb,
+) -> None:
+    """`quarantine list --session S` read every quarantined execution of the store, and each
+    one's claim with a query of its own, then kept S's in Python; `--limit N` read them all
+    too, to show N (found reading the operator paths for the class of stop 59's defect). The
+    filters are the read's: it reads S's rows (and the first N), with their claims in the
+    same statement, and counts the others it does not show."""
+    seed_quarantines(engine, MANY)
+    seed_quarantined_claim(engine, "s", "exec-s")
+    counting = CountingEngine(engine.engine)
+    [listed] = command(counting, "quarantine", "list", "--session", "s")
+    assert (listed["execution_id"], listed["claim_owner_id"]) == ("exec-s", "owner-gone")
+    assert counting.counter.rows <= FEW, counting.counter
+    counting.counter.rows = 0
+    args = _cli.build_parser().parse_args(["quarantine", "list", "db", "--limit", "2"])
+    shown, text = _cli.run_command(args, counting)  # type: ignore[arg-type]
+    assert [row["execution_id"] for row in shown] == ["q-1", "q-2"]
+    assert [row["claim_owner_id"] for row in shown] == [None, None]
+    assert text.splitlines()[0] == f"showing 2 of {MANY + 1} quarantined execution(s):"
+    assert counting.counter.rows <= FEW, counting.counter
+    assert command(counting, "quarantine", "list", "--session", "nobody") == []

@@ -519,13 +519,9 @@ def run_command(args: argparse.Namespace, database: Engine) -> tuple[Any, str]:
         dropped = drop_input(database, args.input_id)
         return dropped, format_input_drop(dropped)
     if args.action == "list":
-        rows = [
-            row
-            for row in database.read(_store.quarantine_report)
-            if args.session is None or row["session_id"] == args.session
-        ]
-        shown = rows[: args.limit]
-        return shown, format_quarantine(shown, len(rows))
+        report = database.read(_store.quarantine_report, args.session, args.limit)
+        shown = report["quarantined"]
+        return shown, format_quarantine(shown, report["matched"])
     result = release(database, args.execution_id, resume=args.resume)
     return result, format_release(result)
 

@@ -479,19 +479,37 @@ def _since(now: int, then: int | None) -> float | None:
 
 
 @reads_stored_bytes
-def quarantine_report(tx: Tx) -> list[dict[str, Any]]:
-    """Quarantined executions, oldest first, with the claim they hold back."""
-    rows = quarantined(tx)
-    for row in rows:
-        claim = tx.one(
-            "SELECT owner_id, phase, expires_at FROM session_execution WHERE id = ?",
-            (row["execution_id"],),
-        )
-        owner, phase = (None, None) if claim is None else claim[:2]
+def quarantine_report(
+    tx: Tx, session_id: str | None = None, limit: int | None = None
+) -> dict[str, Any]:
+    """Quarantined executions, oldest first, with the claim they hold back - of one session
+    (its recovery rows' `session_id`) when given, at most `limit` - and `matched`: how many
+    match. One statement reads the rows shown with their claims; a count, only when `limit`
+    leaves some out: the filters are the read's, never a read of every quarantine."""
+    where = (
+        "r.recovery_error IS NOT NULL"
+        " AND (CAST(:session AS TEXT) IS NULL OR r.session_id = :session)"
+    )
+    params = {"session": session_id, "limit": limit}
+    page = "" if limit is None else " LIMIT :limit"
+    rows = tx.execute(
+        "SELECT r.execution_id, r.session_id, r.owner_id, r.recovery_error, r.time_quarantined,"
+        " e.owner_id, e.phase FROM session_recovery r"
+        f" LEFT JOIN session_execution e ON e.id = r.execution_id WHERE {where}"
+        f" ORDER BY r.time_quarantined, r.execution_id{page}",
+        params,
+    ).fetchall()
+    listed = []
+    for *quarantine, owner, phase in rows:
+        row = _listed("session_recovery", _QUARANTINED, quarantine)
         row["claim_owner_id"] = _text(row["malformed"], "session_execution.owner_id", owner)
         row["claim_phase"] = _text(row["malformed"], "session_execution.phase", phase)
         row["quarantined_for_s"] = _since(tx.now, row["time_quarantined"])
-    return rows
+        listed.append(row)
+    matched = len(listed)
+    if limit is not None and matched == limit:
+        (matched,) = tx.one(f"SELECT COUNT(*) FROM session_recovery r WHERE {where}", params)
+    return {"quarantined": listed, "matched": int(matched)}
 
 
 def _seconds(ms: float) -> float:
