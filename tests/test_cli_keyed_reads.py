@@ -170,9 +170,10 @@ def seed_quarantined_claim(engine: EngineDb, session_id: str, execution_id: str)
     )
 
 
-def command(counting: CountingEngine, *argv: str) -> Any:
-    """The JSON value of the CLI command `argv` (its DB argument: the counting engine's)."""
-    args = _cli.build_parser().parse_args([*argv[:2], "db", *argv[2:], "--json"])
+def command(counting: CountingEngine, verb: str, *argv: str) -> Any:
+    """The JSON value of the CLI command `verb` (one or two words) with `argv` after its DB
+    argument, run on the counting engine."""
+    args = _cli.build_parser().parse_args([*verb.split(), "db", *argv, "--json"])
     value, _ = _cli.run_command(args, counting)  # type: ignore[arg-type]
     return value
 
@@ -187,12 +188,12 @@ def test_dropping_a_quarantined_execution_reads_that_execution_not_every_quarant
     seed_quarantines(engine, MANY)
     seed_quarantined_claim(engine, "s", "exec-s")
     counting = CountingEngine(engine.engine)
-    released = command(counting, "quarantine", "release", "exec-s", "--drop")
+    released = command(counting, "quarantine release", "exec-s", "--drop")
     assert released == {"execution_id": "exec-s", "session_id": "s", "action": "drop"}
     assert counting.counter.rows <= FEW, counting.counter
     assert engine.rows("SELECT id FROM session_execution") == []
     with pytest.raises(ValueError, match="is not quarantined"):
-        command(counting, "quarantine", "release", "exec-s", "--drop")
+        command(counting, "quarantine release", "exec-s", "--drop")
 
 
 def test_quarantine_list_of_one_session_reads_that_sessions_quarantines(
@@ -206,7 +207,7 @@ def test_quarantine_list_of_one_session_reads_that_sessions_quarantines(
     seed_quarantines(engine, MANY)
     seed_quarantined_claim(engine, "s", "exec-s")
     counting = CountingEngine(engine.engine)
-    [listed] = command(counting, "quarantine", "list", "--session", "s")
+    [listed] = command(counting, "quarantine list", "--session", "s")
     assert (listed["execution_id"], listed["claim_owner_id"]) == ("exec-s", "owner-gone")
     assert counting.counter.rows <= FEW, counting.counter
     counting.counter.rows = 0
@@ -216,4 +217,29 @@ def test_quarantine_list_of_one_session_reads_that_sessions_quarantines(
     assert [row["claim_owner_id"] for row in shown] == [None, None]
     assert text.splitlines()[0] == f"showing 2 of {MANY + 1} quarantined execution(s):"
     assert counting.counter.rows <= FEW, counting.counter
-    assert command(counting, "quarantine", "list", "--session", "nobody") == []
+    assert command(counting, "quarantine list", "--session", "nobody") == []
+
+
+def test_status_of_one_session_reads_that_session_and_counts_the_rest(
+    engine: EngineDb,
+) -> None:
+    """`status --session S` read every session of the store - each with its claim, counts
+    of its inputs and messages - to keep S in Python (found reading the operator paths for
+    the class of stop 59's defect). It reads the named sessions by their keys; the summary,
+    which still counts the whole store, is aggregates (one row each), as the console's."""
+    engine.write(
+        "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < ?)"
+        " INSERT INTO session(id, time_created) SELECT 'other-' || i, 0 FROM n",
+        (MANY,),
+    )
+    seed_quarantined_claim(engine, "s", "exec-s")
+    seed_rejected_inputs(engine, "t", 1)
+    counting = CountingEngine(engine.engine)
+    status = command(counting, "status", "--session", "s", "--session", "t")
+    assert [session["id"] for session in status["sessions"]] == ["s", "t"]
+    assert status["sessions"][0]["claim"]["quarantined"] is True
+    assert status["summary"] == {
+        **{"sessions": MANY + 2, "claims": 1, "live_claims": 0, "expired_claims": 0},
+        **{"quarantined": 1, "doorbells": 0, "pending_inputs": 0},
+    }
+    assert counting.counter.rows <= FEW, counting.counter

@@ -505,7 +505,7 @@ def run_command(args: argparse.Namespace, database: Engine) -> tuple[Any, str]:
         result = control[args.command]()
         return result, format_control(result)
     if args.command == "status":
-        status = database.read(_store.status)
+        status = database.read(_store.status, args.session)
         status = filter_status(status, session_ids=args.session, state=args.state, limit=args.limit)
         return status, format_status(status)
     if args.command == "inputs":

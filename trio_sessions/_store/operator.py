@@ -325,26 +325,51 @@ ORDER BY s.id
 
 
 @reads_stored_bytes
-def status(tx: Tx) -> dict[str, Any]:
-    """Every session with its doorbell, pending inputs and claim, as plain JSON values."""
-    sessions = [_session(tx.now, row) for row in tx.execute(_STATUS_SQL).fetchall()]
-    claims = [s["claim"] for s in sessions if s["claim"] is not None]
-    # Apart, adding up to the claims: a quarantined claim is quarantined whatever its lease
-    # (a liveness takeover quarantines one long before it expires), neither live nor expired.
-    held = [c for c in claims if not c["quarantined"]]
+def status(tx: Tx, session_ids: Sequence[str] = ()) -> dict[str, Any]:
+    """Every session - or those of `session_ids`, each read by its key - with its doorbell,
+    pending inputs and claim, as plain JSON values; `summary` counts the whole store in
+    aggregates, whichever sessions are read."""
+    sql = _STATUS_SQL
+    if session_ids:
+        keys = ", ".join("?" * len(session_ids))
+        sql = sql.replace("ORDER BY s.id", f"WHERE s.id IN ({keys}) ORDER BY s.id")
+    sessions = [_session(tx.now, row) for row in tx.execute(sql, tuple(session_ids)).fetchall()]
     return {
         "now": tx.now,
-        "summary": {
-            "sessions": len(sessions),
-            "claims": len(claims),
-            "live_claims": sum(not c["expired"] for c in held),
-            "expired_claims": sum(c["expired"] for c in held),
-            "quarantined": len(claims) - len(held),
-            "doorbells": sum(s["doorbell"] is not None for s in sessions),
-            "pending_inputs": sum(s["pending_inputs"] for s in sessions),
-        },
+        "summary": _summary(tx),
         "matched": len(sessions),
         "sessions": sessions,
+    }
+
+
+# The claims apart, adding up to them: a quarantined claim is quarantined whatever its
+# lease (a liveness takeover quarantines one long before it expires), neither live nor
+# expired. Expired as `_passed` reads a lease, and recovery: a number not after now (on
+# SQLite a text or a BLOB sorts after every number: such a claim is live).
+_SUMMARY_SQL = """
+SELECT (SELECT COUNT(*) FROM session), (SELECT COUNT(time_woken) FROM session),
+       (SELECT COUNT(*) FROM session_input), COUNT(e.id), COUNT(r.recovery_error),
+       COALESCE(SUM(CASE WHEN r.recovery_error IS NULL AND e.expires_at <= :now
+                    THEN 1 ELSE 0 END), 0)
+FROM session s
+JOIN session_execution e ON e.session_id = s.id
+LEFT JOIN session_recovery r ON r.execution_id = e.id
+"""
+
+
+def _summary(tx: Tx) -> dict[str, int]:
+    """`status`'s store-wide counts, one row of aggregates (no session is read for them)."""
+    (sessions, doorbells, inputs, claims, quarantined, expired) = tx.one(
+        _SUMMARY_SQL, {"now": tx.now}
+    )
+    return {
+        "sessions": int(sessions),
+        "claims": int(claims),
+        "live_claims": int(claims) - int(quarantined) - int(expired),
+        "expired_claims": int(expired),
+        "quarantined": int(quarantined),
+        "doorbells": int(doorbells),
+        "pending_inputs": int(inputs),
     }
 
 
