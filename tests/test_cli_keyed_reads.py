@@ -243,3 +243,25 @@ def test_status_of_one_session_reads_that_session_and_counts_the_rest(
         **{"quarantined": 1, "doorbells": 0, "pending_inputs": 0},
     }
     assert counting.counter.rows <= FEW, counting.counter
+
+
+def test_status_of_one_state_or_a_limit_reads_the_sessions_it_lists(engine: EngineDb) -> None:
+    """`status --state STATE` and `--limit N` read every session of the store - each with its
+    claim and counts - to keep the few in that state, or the first N, in Python (found
+    reading the operator paths for the class of stop 59's defect). The state and the limit
+    are the read's: it reads the sessions it lists, and counts the others it matched."""
+    engine.write(
+        "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < ?)"
+        " INSERT INTO session(id, time_created) SELECT 'other-' || i, 0 FROM n",
+        (MANY,),
+    )
+    seed_quarantined_claim(engine, "s", "exec-s")
+    counting = CountingEngine(engine.engine)
+    status = command(counting, "status", "--state", "quarantined")
+    assert ([s["id"] for s in status["sessions"]], status["matched"]) == (["s"], 1)
+    assert counting.counter.rows <= FEW, counting.counter
+    counting.counter.rows = 0
+    status = command(counting, "status", "--state", "idle", "--limit", "2")
+    assert [s["id"] for s in status["sessions"]] == ["other-1", "other-10"]
+    assert (status["matched"], status["summary"]["sessions"]) == (MANY, MANY + 1)
+    assert counting.counter.rows <= FEW, counting.counter

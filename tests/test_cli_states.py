@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from backends import EngineDb
 
 from trio_sessions import _cli, _store
 from trio_sessions._cli_format import format_status
+from trio_sessions._store.operator import STATES
 
 LEASE_MS = 600_000
 QUARANTINE_ROW = (
@@ -68,3 +70,48 @@ def test_a_quarantined_claim_whose_lease_is_live_is_quarantined_not_active(
     assert summary["quarantined"] == 2
     text = format_status(engine.engine.read(_store.status))
     assert text.startswith("4 sessions; claims: 1 live, 1 expired, 2 quarantined;"), text
+
+
+def listed_in(session: dict[str, Any], state: str) -> bool:
+    """Whether a listed session is in `state`, as its row reads (claim, doorbell, pause)."""
+    claim = session["claim"]
+    held = claim is not None and not claim["quarantined"]
+    return bool(
+        {
+            "idle": claim is None and session["doorbell"] is None,
+            "woken": session["doorbell"] is not None,
+            "active": held and not claim["expired"],
+            "expired": held and claim["expired"],
+            "quarantined": claim is not None and claim["quarantined"],
+            "paused": session["paused"],
+        }[state]
+    )
+
+
+@pytest.mark.sqlite_only("another tool's text or REAL in an INTEGER column: SQLite keeps it")
+def test_each_state_lists_the_sessions_whose_rows_read_so(engine: EngineDb) -> None:
+    """`status --state` filters in its read (SQL), and the listing says each session's claim,
+    doorbell and pause: both agree for every state, also for a lease another tool wrote as
+    text (live, as the store treats it) or as a REAL (expired, as recovery reads it)."""
+    seed_claim(engine, "live", expires_at=engine.now + LEASE_MS)
+    seed_claim(engine, "expired", expires_at=engine.now - 1)
+    seed_claim(engine, "taken", expires_at=engine.now + LEASE_MS)
+    quarantine(engine, "taken")
+    seed_claim(engine, "text-lease", expires_at=engine.now)
+    seed_claim(engine, "real-lease", expires_at=engine.now)
+    engine.write("UPDATE session_execution SET expires_at = 'soon' WHERE id = 'exec-text-lease'")
+    engine.write("UPDATE session_execution SET expires_at = 1000.5 WHERE id = 'exec-real-lease'")
+    engine.write(
+        "INSERT INTO session(id, time_created, time_woken, wakes) VALUES ('rung', 0, 1, 1)"
+    )
+    engine.write("INSERT INTO session(id, time_created, time_paused) VALUES ('held', 0, 1)")
+    engine.write("UPDATE session SET time_woken = 2, wakes = 1 WHERE id = 'live'")
+    every = status(engine)["sessions"]
+    for state in STATES:
+        expected = [session["id"] for session in every if listed_in(session, state)]
+        assert ids(status(engine, "--state", state)) == expected, state
+        assert expected, state  # every state has a session in it here
+    assert ids(status(engine, "--state", "active")) == ["live", "text-lease"]
+    assert ids(status(engine, "--state", "expired")) == ["expired", "real-lease"]
+    summary = status(engine)["summary"]
+    assert (summary["live_claims"], summary["expired_claims"], summary["quarantined"]) == (2, 2, 1)

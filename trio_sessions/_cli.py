@@ -62,7 +62,7 @@ from ._cli_format import (
 from ._errors import SchemaTooNew, StoreError
 from ._naming import check_schema, display_name, mask_password, secrets_of, store_kind
 from ._runtime import make_owner_id
-from ._store.operator import is_rejected_input
+from ._store.operator import STATES, is_rejected_input
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # the database was refused or the command could not be carried out
@@ -113,52 +113,6 @@ def _version_problem(db: str, schema: str | None, version: int) -> StoreError | 
             " library (a worker) to migrate it"
         )
     return None
-
-
-# A session can be in several states at once: a live claim with a doorbell set is both
-# `active` and `woken`; a paused session is whatever else it is too (its doorbell stays
-# set: no drain starts). A claim is in one of `active`, `expired` and `quarantined`: a
-# quarantined claim is `quarantined` whatever its lease - a liveness takeover quarantines a
-# dead owner's claim long before its lease runs out, and no owner works on it meanwhile.
-STATES = ("idle", "woken", "active", "expired", "quarantined", "paused")
-
-
-def in_state(session: dict[str, Any], state: str) -> bool:
-    """Whether a session of `_store.status` is in `state` (one of `STATES`)."""
-    if state == "paused":
-        return bool(session["paused"])
-    claim = session["claim"]
-    if state == "idle":
-        return claim is None and session["doorbell"] is None
-    if state == "woken":
-        return session["doorbell"] is not None
-    if claim is None:
-        return False
-    if claim["quarantined"]:  # whatever its lease (`STATES`)
-        return state == "quarantined"
-    if state == "active":
-        return not claim["expired"]
-    return state == "expired" and bool(claim["expired"])
-
-
-def filter_status(
-    status: dict[str, Any],
-    *,
-    session_ids: Sequence[str] = (),
-    state: str | None = None,
-    limit: int | None = None,
-) -> dict[str, Any]:
-    """`status` with only the matching sessions, at most `limit` of them in id order.
-
-    The summary still counts the whole database; `matched` counts the sessions that match
-    the filters before `limit`.
-    """
-    sessions = [
-        s
-        for s in status["sessions"]
-        if (not session_ids or s["id"] in session_ids) and (state is None or in_state(s, state))
-    ]
-    return {**status, "matched": len(sessions), "sessions": sessions[:limit]}
 
 
 def read_rejected_inputs(engine: Engine, session_id: str | None) -> list[Any]:
@@ -505,8 +459,7 @@ def run_command(args: argparse.Namespace, database: Engine) -> tuple[Any, str]:
         result = control[args.command]()
         return result, format_control(result)
     if args.command == "status":
-        status = database.read(_store.status, args.session)
-        status = filter_status(status, session_ids=args.session, state=args.state, limit=args.limit)
+        status = database.read(_store.status, args.session, args.state, args.limit)
         return status, format_status(status)
     if args.command == "inputs":
         if args.inputs_action == "list":

@@ -308,7 +308,11 @@ def _quarantined_row(tx: Tx, execution_id: str) -> Any:
 # The CLI's reads (`python -m trio_sessions status | quarantine list | health`)
 
 
-_STATUS_SQL = """
+_STATUS_FROM = (
+    "FROM session s LEFT JOIN session_execution e ON e.session_id = s.id"
+    " LEFT JOIN session_recovery r ON r.execution_id = e.id"
+)
+_STATUS_SQL = f"""
 SELECT s.id, s.time_created, s.time_woken, s.wakes, s.wake_attempts,
        (SELECT COUNT(*) FROM session_input i WHERE i.session_id = s.id),
        (SELECT COUNT(*) FROM session_message m WHERE m.session_id = s.id),
@@ -317,27 +321,55 @@ SELECT s.id, s.time_created, s.time_woken, s.wakes, s.wake_attempts,
           AND i.due_at IS NOT NULL),
        e.id, e.owner_id, e.phase, e.time_created, e.heartbeat_at, e.expires_at,
        r.owner_id, r.expires_at, r.recovery_error
-FROM session s
-LEFT JOIN session_execution e ON e.session_id = s.id
-LEFT JOIN session_recovery r ON r.execution_id = e.id
+{_STATUS_FROM}
 ORDER BY s.id
 """
 
 
+# A session can be in several states at once: a live claim with a doorbell set is both
+# `active` and `woken`; a paused session is whatever else it is too (its doorbell stays
+# set: no drain starts). A claim is in one of `active`, `expired` and `quarantined`: a
+# quarantined claim is `quarantined` whatever its lease - a liveness takeover quarantines a
+# dead owner's claim long before its lease runs out, and no owner works on it meanwhile.
+# A lease expired as recovery and `_passed` read it: a number not after now (on SQLite, a
+# text or a BLOB another tool wrote sorts after every number: such a claim is live).
+_STATES = {
+    "idle": "e.id IS NULL AND s.time_woken IS NULL",
+    "woken": "s.time_woken IS NOT NULL",
+    "active": "e.id IS NOT NULL AND r.recovery_error IS NULL AND e.expires_at > :now",
+    "expired": "e.id IS NOT NULL AND r.recovery_error IS NULL AND e.expires_at <= :now",
+    "quarantined": "e.id IS NOT NULL AND r.recovery_error IS NOT NULL",
+    "paused": "s.time_paused IS NOT NULL",
+}
+STATES = tuple(_STATES)
+
+
 @reads_stored_bytes
-def status(tx: Tx, session_ids: Sequence[str] = ()) -> dict[str, Any]:
-    """Every session - or those of `session_ids`, each read by its key - with its doorbell,
-    pending inputs and claim, as plain JSON values; `summary` counts the whole store in
-    aggregates, whichever sessions are read."""
-    sql = _STATUS_SQL
+def status(
+    tx: Tx, session_ids: Sequence[str] = (), state: str | None = None, limit: int | None = None
+) -> dict[str, Any]:
+    """The sessions - all, or those of `session_ids` (read by their keys), in `state` (one
+    of `STATES`), the first `limit` of them in id order - each with its doorbell, pending
+    inputs and claim, as plain JSON values; `matched` counts the sessions the filters match
+    before `limit`, and `summary` the whole store in aggregates. The filters are the read's:
+    it reads the sessions it lists, whatever the store holds."""
+    conditions = [_STATES[state]] if state is not None else []
+    params: dict[str, Any] = {"now": tx.now, "limit": limit}
     if session_ids:
-        keys = ", ".join("?" * len(session_ids))
-        sql = sql.replace("ORDER BY s.id", f"WHERE s.id IN ({keys}) ORDER BY s.id")
-    sessions = [_session(tx.now, row) for row in tx.execute(sql, tuple(session_ids)).fetchall()]
+        keys = {f"id{n}": session_id for n, session_id in enumerate(session_ids)}
+        conditions.append(f"s.id IN ({', '.join(f':{key}' for key in keys)})")
+        params.update(keys)
+    where = f"WHERE {' AND '.join(conditions)} " if conditions else ""
+    page = "" if limit is None else " LIMIT :limit"
+    sql = _STATUS_SQL.replace("ORDER BY s.id", f"{where}ORDER BY s.id{page}")
+    sessions = [_session(tx.now, row) for row in tx.execute(sql, params).fetchall()]
+    matched = len(sessions)
+    if limit is not None and matched == limit:
+        (matched,) = tx.one(f"SELECT COUNT(*) {_STATUS_FROM} {where}", params)
     return {
         "now": tx.now,
         "summary": _summary(tx),
-        "matched": len(sessions),
+        "matched": int(matched),
         "sessions": sessions,
     }
 
@@ -352,7 +384,7 @@ SELECT (SELECT COUNT(*) FROM session), (SELECT COUNT(time_woken) FROM session),
        COALESCE(SUM(CASE WHEN r.recovery_error IS NULL AND e.expires_at <= :now
                     THEN 1 ELSE 0 END), 0)
 FROM session s
-JOIN session_execution e ON e.session_id = s.id
+JOIN session_execution e ON e.session_id = s.id AND e.id IS NOT NULL
 LEFT JOIN session_recovery r ON r.execution_id = e.id
 """
 
