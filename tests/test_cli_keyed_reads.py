@@ -265,3 +265,18 @@ def test_status_of_one_state_or_a_limit_reads_the_sessions_it_lists(engine: Engi
     assert [s["id"] for s in status["sessions"]] == ["other-1", "other-10"]
     assert (status["matched"], status["summary"]["sessions"]) == (MANY, MANY + 1)
     assert counting.counter.rows <= FEW, counting.counter
+
+
+def test_inputs_list_with_a_limit_reads_the_inputs_it_shows(engine: EngineDb) -> None:
+    """`inputs list --limit N` read every set-aside input of the store (of the session,
+    with `--session`) to show the first N (found reading the operator paths for the class
+    of stop 59's defect). The limit is the read's: it reads N and counts the others."""
+    seed_rejected_inputs(engine, "s", MANY)
+    counting = CountingEngine(engine.engine)
+    args = _cli.build_parser().parse_args(["inputs", "list", "db", "--limit", "2"])
+    shown, text = _cli.run_command(args, counting)  # type: ignore[arg-type]
+    assert [row["id"] for row in shown] == ["bad-1", "bad-2"]
+    assert text.splitlines()[0] == f"showing 2 of {MANY} rejected input(s):"
+    assert counting.counter.rows <= FEW, counting.counter
+    assert len(command(counting, "inputs list", "--session", "s")) == MANY
+    assert command(counting, "inputs list", "--session", "t", "--limit", "1") == []

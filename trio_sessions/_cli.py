@@ -62,7 +62,7 @@ from ._cli_format import (
 from ._errors import SchemaTooNew, StoreError
 from ._naming import check_schema, display_name, mask_password, secrets_of, store_kind
 from ._runtime import make_owner_id
-from ._store.operator import STATES, is_rejected_input
+from ._store.operator import STATES, is_rejected_input, rejected_input_report
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # the database was refused or the command could not be carried out
@@ -113,11 +113,6 @@ def _version_problem(db: str, schema: str | None, version: int) -> StoreError | 
             " library (a worker) to migrate it"
         )
     return None
-
-
-def read_rejected_inputs(engine: Engine, session_id: str | None) -> list[Any]:
-    """Inputs set aside as malformed, oldest first (of one session, if given)."""
-    return engine.read(_store.rejected_inputs, session_id)
 
 
 def check_health(db: str, schema: str | None = None) -> dict[str, Any]:
@@ -463,9 +458,9 @@ def run_command(args: argparse.Namespace, database: Engine) -> tuple[Any, str]:
         return status, format_status(status)
     if args.command == "inputs":
         if args.inputs_action == "list":
-            rows = read_rejected_inputs(database, args.session)
-            shown = rows[: args.limit]
-            return shown, format_rejected_inputs(shown, len(rows))
+            report = database.read(rejected_input_report, args.session, args.limit)
+            shown = report["inputs"]
+            return shown, format_rejected_inputs(shown, report["matched"])
         if args.inputs_action == "cancel":
             cancelled = cancel_input(database, args.input_id)
             return cancelled, format_control(cancelled)

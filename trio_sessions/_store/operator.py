@@ -250,16 +250,36 @@ def _check_version_left(tx: Tx, message_id: str) -> None:
         raise MalformedRecord("session_message", message_id, reasons)
 
 
+_OF_SESSION = "CAST(:session AS TEXT) IS NULL OR session_id = :session"
+
+
 @reads_stored_bytes
-def rejected_inputs(tx: Tx, session_id: str | None) -> list[dict[str, Any]]:
-    """Inputs set aside by `take_inputs` because they do not decode, oldest first."""
+def rejected_inputs(
+    tx: Tx, session_id: str | None, limit: int | None = None
+) -> list[dict[str, Any]]:
+    """Inputs set aside by `take_inputs` because they do not decode, oldest first (of one
+    session when given, at most `limit`)."""
+    page = "" if limit is None else " LIMIT :limit"
     rows = tx.execute(
         "SELECT id, session_id, seq, payload, reason, time_created FROM session_input_rejected"
-        " WHERE CAST(:session AS TEXT) IS NULL OR session_id = :session"
-        " ORDER BY time_created, session_id, seq",
-        {"session": session_id},
+        f" WHERE {_OF_SESSION} ORDER BY time_created, session_id, seq{page}",
+        {"session": session_id, "limit": limit},
     ).fetchall()
     return [_listed("session_input_rejected", _REJECTED, row) for row in rows]
+
+
+@reads_stored_bytes
+def rejected_input_report(tx: Tx, session_id: str | None, limit: int | None) -> dict[str, Any]:
+    """`rejected_inputs` and `matched`: how many match (counted only when `limit` leaves
+    some out), on one snapshot - the listing reads the rows it shows, never all of them."""
+    listed = rejected_inputs(tx, session_id, limit)
+    matched = len(listed)
+    if limit is not None and matched == limit:
+        (matched,) = tx.one(
+            f"SELECT COUNT(*) FROM session_input_rejected WHERE {_OF_SESSION}",
+            {"session": session_id},
+        )
+    return {"inputs": listed, "matched": int(matched)}
 
 
 _REJECTED = (
