@@ -27,7 +27,7 @@ def test_interrupt_is_not_offered_on_a_quarantined_claim_whose_lease_is_live(
     while it marked the quarantined claim `cancelling`: the operator's later "resume" then
     finished it as cancelled, the malformed message left open, instead of quarantining it
     again. Found by SIGKILLing a worker and clicking through the console. README: interrupt
-    is offered only for a live claim, never a quarantined one, and a POST is a 409."""
+    is never offered for a quarantined claim, and a POST is a 409."""
     store = db_path
     seed_ids(store, "poisoned")
     now = int(time.time() * 1000)

@@ -531,10 +531,10 @@ contains"> <button>search</button></form>
         """Run one action; returns where to send the browser next."""
         match segments:
             case ["sessions", session_id, "interrupt"]:
-                # A quarantined claim may hold a live lease (a dead owner's, found by its
-                # free liveness token): `interrupt` would mark it `cancelling`, and the
-                # operator's later resume would finish it as cancelled instead of
-                # quarantining it again. The quarantine's own actions decide it.
+                # A quarantined claim (it may hold a live lease: a dead owner's, found by
+                # its free liveness token) is left to the quarantine's own actions:
+                # `interrupt` marks nothing and returns False for it, and this 409 says
+                # where to act instead of "runs no claim now".
                 session_id = validate_session_id(session_id)
                 session = await self.runtime._db.read(_store.session_status, session_id)
                 if session is not None and session["claim"] and session["claim"]["quarantined"]:
