@@ -83,6 +83,32 @@ async def test_a_mark_between_a_passs_scan_and_its_takeover_finishes_the_claim_c
         assert (reply.finished, reply.error) == (True, INTERRUPTED)
 
 
+async def test_a_wake_recorded_before_the_mark_of_a_handed_back_claim_gets_one_successor(
+    store: Store, clock: Clock, db_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A rolling restart's handed-back claim; another runtime's `run()` meanwhile is
+    deferred (the claim is held elsewhere) with its wake durable, then a user's interrupt
+    marks the claim: recovery finishes it as cancelled and the wake - no input behind it -
+    still starts exactly one fresh drain (DESIGN §4: wakes recorded before the interrupt
+    survive into exactly one successor)."""
+    raw = Raw(db_path)
+    drain = Recorder()
+    async with (
+        trio_sessions.open_runtime(store, None, clock=clock) as producer,
+        runtime(store, drain, clock, **QUIET) as rt,
+    ):
+        raw.seed_claim("s", "old-e", expires_at=now_ms(clock) - 1)
+        raw.write("UPDATE session_execution SET handed_back = 1 WHERE id = 'old-e'")
+        assert (await producer.run("s")).kind == "deferred"
+        assert await producer.interrupt("s")
+        report = await rt.recover_once()
+        await rt.wait_idle("s")
+    assert report == RecoveryReport(examined=1, finished_cancelled=1)
+    assert [c.resumed for c in drain.calls] == [False]
+    assert raw.claim("s") is None
+    assert raw.rows("SELECT wake_attempts, time_woken FROM session WHERE id = 's'") == [(0, None)]
+
+
 @pytest.mark.parametrize("handed_back", [False, True], ids=["dead", "handed_back"])
 @pytest.mark.parametrize("open_reply", [False, True], ids=["set_wise", "row_path"])
 async def test_a_mark_just_after_a_takeover_stops_the_resumed_drain(
