@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import trio
+from backends import EngineDb, write_many
 from helpers import runtime
 
 from trio_sessions import DrainContext, Runtime, _store, testing
@@ -130,6 +131,48 @@ async def test_a_watched_session_deleted_and_forked_into_reaches_its_watcher_in_
                     break
     assert seen == [(index + 1, {"n": index}) for index in range(messages)]
     assert max(per_look) <= NEW_PER_LOOK, per_look
+
+
+def _grow(engine: EngineDb, session_id: str, first_seq: int, count: int) -> None:
+    """`count` finished user messages in `session_id` from `first_seq` on, written directly
+    (another process's writes: only a change look offers them to this runtime's watchers)."""
+    write_many(
+        engine.location,
+        "INSERT INTO session_message(id, session_id, role, seq, data, time_created,"
+        " time_updated, finished) VALUES (?, ?, 'user', ?, ?, 0, 0, 1)",
+        (
+            (f"{session_id}-{seq}", session_id, seq, f'{{"text": "{seq}"}}')
+            for seq in range(first_seq, first_seq + count)
+        ),
+    )
+
+
+def test_a_session_gaining_a_looks_worth_before_every_look_never_starves_the_others(
+    engine: EngineDb,
+) -> None:
+    """Two watched sessions: "busy" gains more than `NEW_PER_LOOK` messages before every
+    look, "quiet" one message before the first. The quiet one's message is offered by the
+    second look at the latest. The looks visited the sessions in the hub's order and cut
+    the rest once one look's worth was read: "busy", watched first, filled every look and
+    "quiet" waited as long as "busy" kept growing (found by reading `_session_news`)."""
+    for session_id in ("busy", "quiet"):
+        engine.write("INSERT INTO session(id, time_created) VALUES (?, 0)", (session_id,))
+    hub = WatchHub()
+    for session_id in ("busy", "quiet"):
+        hub.add(session_id, after_seq=0)
+        hub.cover(session_id, (0, None))
+    _grow(engine, "quiet", 1, 1)
+    offered: list[list[str]] = []  # per look, the sessions whose messages it offered
+    for look in range(4):
+        _grow(engine, "busy", look * (NEW_PER_LOOK + 1) + 1, NEW_PER_LOOK + 1)
+        found = engine.engine.read(_store.changes, "owner", [], [], 0, hub.followed())
+        hub.apply(found.watched)
+        assert len(found.watched.messages) <= NEW_PER_LOOK
+        assert "busy" in found.watched.behind  # it gained more than a look reads
+        offered.append(sorted({snapshot.session_id for snapshot in found.watched.messages}))
+    assert any("quiet" in sessions for sessions in offered[:2]), offered
+    assert sum("quiet" in sessions for sessions in offered) == 1, offered
+    assert hub.followed()["quiet"].high_seq == 1
 
 
 def test_a_look_reads_the_floor_of_the_watchers_there_when_it_reads() -> None:

@@ -162,6 +162,12 @@ class WatchHub:
 
     def __init__(self) -> None:
         self._sessions: dict[str, _Session] = {}
+        # The session the next look visits first: the first one the last look read none of
+        # the news of, other sessions' having filled it (`Watched.crowded`). The looks go
+        # round the sessions so: each visits its first one with room, so the first crowded
+        # out is always another, further on - one session gaining a look's worth before
+        # every look never starves those after it.
+        self._first: str | None = None
 
     def add(self, session_id: str, after_seq: int) -> Watcher:
         watcher = Watcher(session_id, after_seq)
@@ -218,14 +224,17 @@ class WatchHub:
         return session_id in self._sessions
 
     def followed(self) -> dict[str, _store.Followed]:
-        """Per watched session, what a look starts from. The open messages are a copy (a
-        few per session): a look may read on a worker thread (PostgreSQL), on a snapshot
-        taken before a local write that adds one - the look would take that message,
-        absent from its snapshot, for gone and stop following it (or meet it removed
-        meanwhile). `known` is the hub's own: a look only looks versions up in it, and one
+        """Per watched session, what a look starts from, in the order it visits them (from
+        the one the last look crowded out on, round: `_first`). The open messages are a
+        copy (a few per session): a look may read on a worker thread (PostgreSQL), on a
+        snapshot taken before a local write that adds one - the look would take that
+        message, absent from its snapshot, for gone and stop following it (or meet it
+        removed meanwhile). `known` is the hub's own: a look only looks versions up in it, and one
         newer than its snapshot was offered by the local write that made it."""
         for session in self._sessions.values():
             session.fresh.clear()  # a look begins
+        order = list(self._sessions.items())
+        start = next((i for i, (s, _) in enumerate(order) if s == self._first), 0)
         return {
             session_id: _store.Followed(
                 session.high_seq,
@@ -234,12 +243,13 @@ class WatchHub:
                 session.known,
                 session.lowest_after_seq,
             )
-            for session_id, session in self._sessions.items()
+            for session_id, session in order[start:] + order[:start]
             if session.covered
         }
 
     def apply(self, found: _store.Watched) -> None:
         """What a look found: publish it and move each session's covered seq on."""
+        self._first = found.crowded[0] if found.crowded else None
         for message_id in found.gone:
             for watched in self._sessions.values():
                 watched.open.pop(message_id, None)

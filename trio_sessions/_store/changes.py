@@ -14,7 +14,9 @@ Invariants kept here:
   covered message gone: truncated, deleted) is read from the top down to the newest
   message the runtime remembers, and the remembered ones are looked up by id;
 * a look reads about `NEW_PER_LOOK` new messages of a session, and as many whole in all:
-  a session that gained thousands at once (a fork into it) is read over several looks;
+  a session that gained thousands at once (a fork into it) is read over several looks,
+  and the next look visits first the first session a full one read nothing of
+  (`Watched.crowded`): no session gaining that much before every look starves another;
 * the history a new watcher replays is read in bounded chunks, each its own short read;
 * on PostgreSQL a look with no watched session is one call (`ts_changes`), alone in
   autocommit: one round trip, one snapshot.
@@ -83,6 +85,11 @@ class Watched:
     # The sessions whose new messages past their head this look left for the next one
     # (`NEW_PER_LOOK`): the runtime looks again at once.
     behind: set[str] = attrs.Factory(set)
+    # Those of them it read none of, other sessions' news having filled it, in the order it
+    # visited them: the next look visits the first of them first (`WatchHub.followed`).
+    # Visited in one order every time, a session gaining a look's worth before every look
+    # starved the sessions after it.
+    crowded: list[str] = attrs.Factory(list)
 
 
 NO_CHANGE = Watched([], {}, [])
@@ -320,6 +327,8 @@ def _session_news(
         if len(found.messages) >= NEW_PER_LOOK:
             rows = rows[:index]  # other sessions' news filled this look: the next reads on
             limited = True
+            if not index:
+                found.crowded.append(session_id)
             break
         key = message_key(message_id)
         held = followed.open.get(key)
@@ -379,6 +388,8 @@ def _rewritten_news(tx: Tx, session_id: str, followed: Followed, found: Watched)
         present.update(message_key(row[0]) for row in rows.fetchall())
     newer.reverse()  # in seq order
     offered = newer[: max(0, NEW_PER_LOOK - len(found.messages))]
+    if newer and not offered:
+        found.crowded.append(session_id)
     found.messages.extend(
         _snapshot(tx, message_id, at=(session_id, seq)) for message_id, seq in offered
     )
