@@ -224,10 +224,17 @@ def watched_changes(tx: Tx, watched: Mapping[str, Followed]) -> Watched:
     open_ids = [message_id for followed in watched.values() for message_id in followed.open]
     step = _IN_CHUNK // 2  # the deltas' statement takes two parameters per message
     for chunk in (open_ids[start : start + step] for start in range(0, len(open_ids), step)):
+        # PostgreSQL: the ids as one array (`_new_messages`: psycopg parses a statement of
+        # more than 50 parameters anew each time - 3 ms for 250 ids).
+        among, params = (
+            ("= ANY(?::text[])", (chunk,))
+            if tx.dialect == "postgres"
+            else (f"IN {_in_list(chunk)}", tuple(chunk))
+        )
         rows = tx.execute(
             f"SELECT m.id, m.session_id, m.version, {_VERSION}, m.finished"
-            f" FROM session_message m WHERE m.id IN {_in_list(chunk)}",
-            tuple(chunk),
+            f" FROM session_message m WHERE m.id {among}",
+            params,
         ).fetchall()
         present = {str(row[0]) for row in rows}
         found.gone.extend(message_id for message_id in chunk if message_id not in present)
@@ -413,16 +420,30 @@ def _extensible(held: Snapshot) -> bool:
 
 def _extended(tx: Tx, grown: Sequence[tuple[Snapshot, int, bool]]) -> list[Snapshot]:
     """Each held snapshot (its row unchanged since it was read) with the deltas streamed
-    onto it since, read in one statement: one primary-key range per message."""
+    onto it since, read in one statement: one primary-key range per message (PostgreSQL:
+    the messages and their versions as two arrays, joined - an OR of 250 terms was 500
+    parameters psycopg parsed anew on every look, 7.5 ms of CPU, and 1 ms of planning)."""
     if not grown:
         return []
-    terms = " OR ".join(["(message_id = ? AND version > ?)"] * len(grown))
+    if tx.dialect == "postgres":
+        sql = (
+            "SELECT d.message_id, d.version, d.text FROM unnest(?::text[], ?::bigint[])"
+            " AS g(id, v) JOIN session_message_delta d ON d.message_id = g.id"
+            " AND d.version > g.v ORDER BY d.message_id, d.version"
+        )
+        params: tuple[Any, ...] = (
+            [held.message_id for held, _, _ in grown],
+            [held.version for held, _, _ in grown],
+        )
+    else:
+        terms = " OR ".join(["(message_id = ? AND version > ?)"] * len(grown))
+        sql = (
+            f"SELECT message_id, version, text FROM session_message_delta WHERE {terms}"
+            " ORDER BY message_id, version"
+        )
+        params = tuple(value for held, _, _ in grown for value in (held.message_id, held.version))
     texts: dict[str, list[Any]] = {}
-    for message_id, version, text in tx.execute(
-        f"SELECT message_id, version, text FROM session_message_delta WHERE {terms}"
-        " ORDER BY message_id, version",
-        tuple(value for held, _, _ in grown for value in (held.message_id, held.version)),
-    ).fetchall():
+    for message_id, version, text in tx.execute(sql, params).fetchall():
         texts.setdefault(str(message_id), []).append(_codec.streamed_text(version, text))
     snapshots = []
     for held, version, still_open in grown:
