@@ -780,7 +780,13 @@ class ProtocolModel(RuleBasedStateMachine):
         self.ring(session)
         session.input_seq += 1
         session.pending.append((input_id, session.input_seq, payload))
-        interrupts = on_busy == "interrupt" and claim is not None and claim.phase == "running"
+        # A quarantined claim is left to the quarantine's actions (`_NOT_QUARANTINED`).
+        interrupts = (
+            on_busy == "interrupt"
+            and claim is not None
+            and claim.phase == "running"
+            and claim.execution_id not in self.quarantined
+        )
         # It names the claim it marked cancelling (its owner stops that drain, no other).
         assert marked == (claim.execution_id if interrupts and claim is not None else None)
         if interrupts:
@@ -1356,5 +1362,26 @@ def test_recovery_quarantines_an_older_open_message_corrupted_under_a_newer_one(
             "SELECT recovery_error FROM session_recovery WHERE execution_id = 'e4'"
         ).fetchone()[0]
         assert "'bad7'" in reason
+    finally:
+        machine.teardown()
+
+
+def test_an_interrupting_submit_leaves_a_quarantined_claim_as_it_is() -> None:
+    """Found by the model run (the rule expected the mark): recovery quarantined s2's claim
+    (`e4`, its reply corrupted), then a submit with `on_busy="interrupt"` stores its input
+    and marks nothing - the quarantine's own actions decide that claim."""
+    machine = replay(
+        ("busy_start", {"holders": [0, 0, 0]}),
+        ("advance_clock", {"jump": 3_000}),
+        ("corrupt_assistant", {"pick": 1}),
+        ("recovery_pass", {"slot": 1}),
+        ("submit_controlled", {"on_busy": "interrupt", "session_id": "s2"}),
+    )
+    try:
+        assert machine.quarantined == {"e4"}
+        phase = machine.conn.execute(
+            "SELECT phase FROM session_execution WHERE id = 'e4'"
+        ).fetchone()[0]
+        assert phase == "running"
     finally:
         machine.teardown()
