@@ -115,3 +115,36 @@ def test_each_state_lists_the_sessions_whose_rows_read_so(engine: EngineDb) -> N
     assert ids(status(engine, "--state", "expired")) == ["expired", "real-lease"]
     summary = status(engine)["summary"]
     assert (summary["live_claims"], summary["expired_claims"], summary["quarantined"]) == (2, 2, 1)
+
+
+@pytest.mark.sqlite_only("another tool's rows of no session: SQLite keeps them, foreign keys off")
+def test_the_summary_counts_what_the_listing_of_every_session_shows(engine: EngineDb) -> None:
+    """`status`'s summary is aggregates, not a sum over the listing (stop 60): it counted
+    another tool's input of a session that is gone among the pending inputs, which no
+    session listed holds and no drain ever takes. The summary counts the listing's inputs,
+    claims and quarantines: those of sessions that are there."""
+    seed_claim(engine, "kept", expires_at=engine.now + LEASE_MS)
+    input_row = (
+        "INSERT INTO session_input(id, session_id, seq, payload, time_created, due_at)"
+        " VALUES (?, ?, 1, '{}', 0, ?)"
+    )
+    engine.write(input_row, ("in-kept", "kept", None))
+    engine.write("INSERT INTO session(id, time_created) VALUES ('later', 0)")
+    engine.write(input_row, ("in-later", "later", engine.now + LEASE_MS))  # scheduled
+    conn = engine.sqlite_conn
+    conn.execute("PRAGMA foreign_keys = OFF")
+    try:
+        seed_claim(engine, "gone", expires_at=engine.now + LEASE_MS)
+        quarantine(engine, "gone")
+        engine.write(input_row, ("in-gone", "gone", None))
+        engine.write("DELETE FROM session WHERE id = 'gone'")
+    finally:
+        conn.execute("PRAGMA foreign_keys = ON")
+    listed = status(engine)
+    sessions, summary = listed["sessions"], listed["summary"]
+    assert ids(listed) == ["kept", "later"]
+    claims = [session["claim"] for session in sessions if session["claim"] is not None]
+    assert summary["pending_inputs"] == sum(s["pending_inputs"] for s in sessions) == 2
+    assert summary["claims"] == len(claims) == 1
+    assert summary["quarantined"] == sum(c["quarantined"] for c in claims) == 0
+    assert summary["sessions"] == len(sessions)

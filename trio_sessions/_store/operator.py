@@ -394,13 +394,16 @@ def status(
     }
 
 
-# The claims apart, adding up to them: a quarantined claim is quarantined whatever its
-# lease (a liveness takeover quarantines one long before it expires), neither live nor
-# expired. Expired as `_passed` reads a lease, and recovery: a number not after now (on
-# SQLite a text or a BLOB sorts after every number: such a claim is live).
+# What the listing of every session shows, counted: the inputs, claims and quarantines of
+# sessions that are there (SQLite keeps another tool's rows of a session gone). The claims
+# apart, adding up to them: a quarantined claim is quarantined whatever its lease (a
+# liveness takeover quarantines one long before it expires), neither live nor expired.
+# Expired as `_passed` reads a lease, and recovery: a number not after now (on SQLite a
+# text or a BLOB sorts after every number: such a claim is live).
 _SUMMARY_SQL = """
 SELECT (SELECT COUNT(*) FROM session), (SELECT COUNT(time_woken) FROM session),
-       (SELECT COUNT(*) FROM session_input), COUNT(e.id), COUNT(r.recovery_error),
+       (SELECT COUNT(*) FROM session_input i JOIN session si ON si.id = i.session_id),
+       COUNT(e.id), COUNT(r.recovery_error),
        COALESCE(SUM(CASE WHEN r.recovery_error IS NULL AND e.expires_at <= :now
                     THEN 1 ELSE 0 END), 0)
 FROM session s
