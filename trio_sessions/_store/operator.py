@@ -328,12 +328,11 @@ def _quarantined_row(tx: Tx, execution_id: str) -> Any:
 # The CLI's reads (`python -m trio_sessions status | quarantine list | health`)
 
 
-_STATUS_FROM = (
-    "FROM session s LEFT JOIN session_execution e ON e.session_id = s.id"
-    " LEFT JOIN session_recovery r ON r.execution_id = e.id"
-)
-_STATUS_SQL = f"""
-SELECT s.id, s.time_created, s.time_woken, s.wakes, s.wake_attempts,
+# A session's row as `_session` reads it, `SELECT {_STATUS_COLUMNS} {_STATUS_FROM} ...`:
+# the readers (`status`, the console's `session_page` and `session_status`) each put their
+# own WHERE, order and limit after it, and `status` counts its matches FROM the same joins.
+_STATUS_COLUMNS = """
+s.id, s.time_created, s.time_woken, s.wakes, s.wake_attempts,
        (SELECT COUNT(*) FROM session_input i WHERE i.session_id = s.id),
        (SELECT COUNT(*) FROM session_message m WHERE m.session_id = s.id),
        s.time_paused,
@@ -341,9 +340,11 @@ SELECT s.id, s.time_created, s.time_woken, s.wakes, s.wake_attempts,
           AND i.due_at IS NOT NULL),
        e.id, e.owner_id, e.phase, e.time_created, e.heartbeat_at, e.expires_at,
        r.owner_id, r.expires_at, r.recovery_error
-{_STATUS_FROM}
-ORDER BY s.id
 """
+_STATUS_FROM = (
+    "FROM session s LEFT JOIN session_execution e ON e.session_id = s.id"
+    " LEFT JOIN session_recovery r ON r.execution_id = e.id"
+)
 
 
 # A session can be in several states at once: a live claim with a doorbell set is both
@@ -379,9 +380,9 @@ def status(
         keys = {f"id{n}": session_id for n, session_id in enumerate(session_ids)}
         conditions.append(f"s.id IN ({', '.join(f':{key}' for key in keys)})")
         params.update(keys)
-    where = f"WHERE {' AND '.join(conditions)} " if conditions else ""
-    page = "" if limit is None else " LIMIT :limit"
-    sql = _STATUS_SQL.replace("ORDER BY s.id", f"{where}ORDER BY s.id{page}")
+    where = f"WHERE {' AND '.join(conditions)}" if conditions else ""
+    page = "" if limit is None else "LIMIT :limit"
+    sql = f"SELECT {_STATUS_COLUMNS} {_STATUS_FROM} {where} ORDER BY s.id {page}"
     sessions = [_session(tx.now, row) for row in tx.execute(sql, params).fetchall()]
     matched = len(sessions)
     if limit is not None and matched == limit:
@@ -618,8 +619,10 @@ def session_page(tx: Tx, query: str, after: PageKey | None, limit: int) -> dict[
     page starts after."""
     condition, key = _after(tx, "s.id", after)
     where = condition + (f" AND {_contains(tx)}" if query else "")
-    sql = _STATUS_SQL.replace("ORDER BY s.id", f"WHERE {where} ORDER BY s.id LIMIT :limit")
-    sql = sql.replace("SELECT s.id,", f"SELECT {_is_blob(tx, 's.id')}, s.id,", 1)
+    sql = (
+        f"SELECT {_is_blob(tx, 's.id')}, {_STATUS_COLUMNS} {_STATUS_FROM}"
+        f" WHERE {where} ORDER BY s.id LIMIT :limit"
+    )
     rows = tx.execute(sql, {"after": key, "q": query, "limit": limit + 1}).fetchall()
     sessions = [_session(tx.now, row[1:]) for row in rows[:limit]]
     more = len(rows) > limit
@@ -629,7 +632,7 @@ def session_page(tx: Tx, query: str, after: PageKey | None, limit: int) -> dict[
 @reads_stored_bytes
 def session_status(tx: Tx, session_id: str) -> dict[str, Any] | None:
     """One session as `status` shows it, or None."""
-    sql = _STATUS_SQL.replace("ORDER BY s.id", "WHERE s.id = :session")
+    sql = f"SELECT {_STATUS_COLUMNS} {_STATUS_FROM} WHERE s.id = :session"
     row = tx.one(sql, {"session": session_id})
     return None if row is None else _session(tx.now, row)
 
