@@ -1702,24 +1702,16 @@ def test_a_keep_alive_that_is_no_positive_time_is_refused() -> None:
             Console(None, "", Guard(None, False), keep_alive=value)  # type: ignore[arg-type]
 
 
-async def served_by_a_store_that_raises(message: str, path: str) -> tuple[int, Any, str]:
-    """The status, headers and body a console answers `GET path` with when every store read
-    raises `StoreError(message)`."""
-
-    class Down:
-        _db = property(lambda self: self)
-
-        async def read(self, job: Any, *args: Any) -> Any:
-            raise trio_sessions.StoreError(message)
-
-    console = Console(Down(), "", Guard(None, False))  # type: ignore[arg-type]
+async def answered(console: Console, path: str) -> tuple[int, Any, str]:
+    """The status, headers and body `console` answers `GET path` with (called as an ASGI
+    app, no server)."""
     sent: list[Any] = []
 
     async def receive() -> Any:
         return {"type": "http.request", "body": b"", "more_body": False}
 
-    async def send(sent_message: Any) -> None:
-        sent.append(sent_message)
+    async def send(message: Any) -> None:
+        sent.append(message)
 
     scope = {
         "type": "http",
@@ -1730,8 +1722,21 @@ async def served_by_a_store_that_raises(message: str, path: str) -> tuple[int, A
         "headers": [(b"host", b"127.0.0.1")],
     }
     await console(scope, receive, send)
-    body = b"".join(sent_message.get("body", b"") for sent_message in sent).decode()
+    body = b"".join(message.get("body", b"") for message in sent).decode()
     return sent[0]["status"], dict(sent[0]["headers"]), body
+
+
+async def served_by_a_store_that_raises(message: str, path: str) -> tuple[int, Any, str]:
+    """The status, headers and body a console answers `GET path` with when every store read
+    raises `StoreError(message)`."""
+
+    class Down:
+        _db = property(lambda self: self)
+
+        async def read(self, job: Any, *args: Any) -> Any:
+            raise trio_sessions.StoreError(message)
+
+    return await answered(Console(Down(), "", Guard(None, False)), path)  # type: ignore[arg-type]
 
 
 async def test_a_store_that_does_not_answer_is_a_503_not_a_bad_request(

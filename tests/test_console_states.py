@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Any
 
 import pytest
 from backends import Location
 from helpers import Raw
-from test_console import BOTH, QUARANTINE_ROWS, store_of
+from test_console import BOTH, QUARANTINE_ROWS, answered, store_of
 
 import trio_sessions
 from trio_sessions._console import Console, Guard
@@ -21,24 +20,8 @@ LEASE_MS = 600_000
 
 async def get(console: Console, path: str) -> tuple[int, str]:
     """The status and body the console answers `GET path` with."""
-    sent: list[Any] = []
-
-    async def receive() -> Any:
-        return {"type": "http.request", "body": b"", "more_body": False}
-
-    async def send(message: Any) -> None:
-        sent.append(message)
-
-    scope = {
-        "type": "http",
-        "method": "GET",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "headers": [(b"host", b"127.0.0.1")],
-    }
-    await console(scope, receive, send)
-    return sent[0]["status"], b"".join(m.get("body", b"") for m in sent).decode()
+    status, _, body = await answered(console, path)
+    return status, body
 
 
 def figures(page: str) -> dict[str, int]:
