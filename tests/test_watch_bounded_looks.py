@@ -175,6 +175,37 @@ def test_a_session_gaining_a_looks_worth_before_every_look_never_starves_the_oth
     assert hub.followed()["quiet"].high_seq == 1
 
 
+def test_a_rewritten_session_is_not_starved_by_one_gaining_a_looks_worth_before_every_look(
+    engine: EngineDb,
+) -> None:
+    """As above, for a session whose covered message is gone (an edit: truncated, a new
+    message at its seq), whose news `_rewritten_news` reads: "busy", watched first, fills
+    every look, and the edited session's new message is offered by the second look at the
+    latest - crowded out of the first, the next look visits it first."""
+    for session_id in ("busy", "edited"):
+        engine.write("INSERT INTO session(id, time_created) VALUES (?, 0)", (session_id,))
+    _grow(engine, "edited", 1, 1)
+    hub = WatchHub()
+    for session_id in ("busy", "edited"):
+        hub.add(session_id, after_seq=0)
+    hub.cover("busy", (0, None))
+    hub.cover("edited", (1, "edited-1"))
+    engine.write("DELETE FROM session_message WHERE id = 'edited-1'")
+    engine.write(
+        "INSERT INTO session_message(id, session_id, role, seq, data, time_created,"
+        " time_updated, finished) VALUES ('edited-new', 'edited', 'user', 1, '{}', 0, 0, 1)"
+    )
+    offered: list[list[str]] = []  # per look, the messages of "edited" it offered
+    for look in range(4):
+        _grow(engine, "busy", look * (NEW_PER_LOOK + 1) + 1, NEW_PER_LOOK + 1)
+        found = engine.engine.read(_store.changes, "owner", [], [], 0, hub.followed())
+        hub.apply(found.watched)
+        assert len(found.watched.messages) <= NEW_PER_LOOK
+        offered.append([s.message_id for s in found.watched.messages if s.session_id == "edited"])
+    assert ["edited-new"] in offered[:2], offered
+    assert [m for look in offered for m in look] == ["edited-new"], offered
+
+
 def test_a_look_reads_the_floor_of_the_watchers_there_when_it_reads() -> None:
     """A look's rewrite read stops at the watchers' lowest `after_seq` as it is when it
     reads, not when the look began: a watcher entering meanwhile (the look reads on a
