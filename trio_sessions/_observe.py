@@ -710,10 +710,14 @@ class _Telemetry:
         }
         self._counters: dict[str, Counter] = {
             TAKEOVERS: meter.create_counter(
-                TAKEOVERS, unit="{claim}", description="Expired claims resumed by recovery."
+                TAKEOVERS,
+                unit="{claim}",
+                description="Claims recovery resumed (expired, or a dead owner's).",
             ),
             QUARANTINES: meter.create_counter(
-                QUARANTINES, unit="{claim}", description="Expired claims quarantined."
+                QUARANTINES,
+                unit="{claim}",
+                description="Claims recovery quarantined (expired, or a dead owner's).",
             ),
             CLAIMS_LOST: meter.create_counter(
                 CLAIMS_LOST, unit="{claim}", description="Claims whose lease was lost, by cause."

@@ -229,8 +229,8 @@ class WatchHub:
         copy (a few per session): a look may read on a worker thread (PostgreSQL), on a
         snapshot taken before a local write that adds one - the look would take that
         message, absent from its snapshot, for gone and stop following it (or meet it
-        removed meanwhile). `known` is the hub's own: a look only looks versions up in it, and one
-        newer than its snapshot was offered by the local write that made it."""
+        removed meanwhile). `known` is the hub's own: a look only looks versions up in it,
+        and one newer than its snapshot was offered by the local write that made it."""
         for session in self._sessions.values():
             session.fresh.clear()  # a look begins
         order = list(self._sessions.items())
