@@ -4,10 +4,11 @@ Commands:
 * `status DB [--session S] [--state STATE] [--limit N]` - every session (or those matching
   the filters) with its claim (owner, phase, lease remaining or expired since, heartbeat
   age), its pending doorbell and inputs;
-* `quarantine list DB` - executions that recovery set aside because a record is malformed;
+* `quarantine list DB [--session S] [--limit N]` - executions that recovery set aside because
+  a record is malformed;
 * `quarantine release DB EXECUTION_ID --resume|--drop` - the operator's decision;
-* `inputs list DB [--session S]` - inputs set aside because their payload does not decode
-  (they never block the inputs behind them);
+* `inputs list DB [--session S] [--limit N]` - inputs set aside because their payload does
+  not decode (they never block the inputs behind them);
 * `inputs drop DB INPUT_ID` - delete one of them;
 * `inputs cancel DB INPUT_ID` - withdraw a pending input no drain has taken yet;
 * `pause DB SESSION` / `resume DB SESSION` - hold a session (no drain starts on it anywhere;
