@@ -408,7 +408,7 @@ SELECT (SELECT COUNT(*) FROM session), (SELECT COUNT(time_woken) FROM session),
        COALESCE(SUM(CASE WHEN r.recovery_error IS NULL AND e.expires_at <= :now
                     THEN 1 ELSE 0 END), 0)
 FROM session s
-JOIN session_execution e ON e.session_id = s.id AND e.id IS NOT NULL
+JOIN session_execution e ON e.session_id = s.id
 LEFT JOIN session_recovery r ON r.execution_id = e.id
 """
 
