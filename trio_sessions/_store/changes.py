@@ -271,8 +271,7 @@ def _new_messages(tx: Tx, watched: Mapping[str, Followed], found: Watched) -> No
             NEW_PER_LOOK + 1,
         )
         sql = (
-            "SELECT w.s, m.id, m.seq, COALESCE((SELECT MAX(d.version)"
-            " FROM session_message_delta d WHERE d.message_id = m.id), m.version)"
+            f"SELECT w.s, m.id, m.seq, {_VERSION}"
             " FROM unnest(?::text[], ?::bigint[]) AS w(s, h) CROSS JOIN LATERAL"
             " (SELECT x.id, x.seq, x.version FROM session_message x"
             " WHERE x.session_id = w.s AND x.seq >= w.h ORDER BY x.seq LIMIT ?) m"
