@@ -7,6 +7,7 @@ stops the resumed drain."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -189,8 +190,17 @@ def test_postgres_set_wise_recovery_reads_a_mark_that_committed_while_it_waited(
             )
             runner = threading.Thread(target=engine.run_batch, args=([apply],))
             runner.start()
-            runner.join(1.0)
-            assert runner.is_alive()  # waiting for the session lock
+            with pg_raw(pg_url, migrated_schema) as watcher:
+                # Until the recovery's backend waits for the session lock the holder holds
+                # (not merely started): only then is the mark committed during its wait.
+                waiting = (
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+                )
+                deadline = time.monotonic() + 30.0
+                while watcher.execute(waiting).fetchall() == [(0,)]:
+                    assert time.monotonic() < deadline, "the recovery never waited for the lock"
+                    assert runner.is_alive(), "the recovery ended without waiting for the lock"
+                    time.sleep(0.01)
             holder.execute("COMMIT")
             runner.join(30.0)
             assert not runner.is_alive()
