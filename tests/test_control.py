@@ -1351,6 +1351,7 @@ async def test_upgrade_of_a_version_2_postgres_schema_keeps_pending_inputs_due(
     #     a delete's lease-row delete follows its claim's (a racing scan's lease goes too);
     #     an interrupt (or a submit that interrupts) leaves a quarantined claim as it is
     # 31: an interrupt marks another owner's claim whether or not its lease ran out
+    #     and a stream's read sends at most 1,000 appends
     assert _postgres.SCHEMA_VERSION == 31
     assert drain.taken == ["old"]
     assert raw.rows("SELECT time_paused FROM session") == [(None,)]

@@ -329,6 +329,7 @@ async def test_upgrade_of_a_version_1_schema_adds_streaming(pg_url: str, pg_sche
     #     a delete's lease-row delete follows its claim's (a racing scan's lease goes too);
     #     an interrupt (or a submit that interrupts) leaves a quarantined claim as it is
     # 31: an interrupt marks another owner's claim whether or not its lease ran out
+    #     and a stream's read sends at most 1,000 appends
     assert SCHEMA_VERSION == 31
     await check_pre_streaming_upgrade(location, PostgresStore(pg_url, schema=pg_schema))
 

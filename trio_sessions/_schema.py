@@ -504,7 +504,8 @@ ALTER TABLE session_input_cancelled DROP COLUMN payload;
     30: "",
     # The functions again, no table changes: an interrupt of another owner's claim
     # (`ts_request_cancel`) marks it whether or not its lease ran out (a dead owner's, or one
-    # a rolling restart's shutdown handed back), so recovery finishes it as cancelled.
+    # a rolling restart's shutdown handed back), so recovery finishes it as cancelled; a
+    # stream's read (`ts_stream_changes_many`) sends at most 1,000 appends, not 5,000.
     31: "",
 }
 

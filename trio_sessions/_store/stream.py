@@ -167,10 +167,11 @@ NEW_MESSAGES_PER_READ = 200
 NEW_BYTES_PER_READ = 1 << 20
 # The most appends one read sends (and about `NEW_BYTES_PER_READ` of their text): a client
 # that resumes early in a long open reply (100,000 words) gets it in pages too - the rows
-# read, and the events and cursors the stream makes of them on the event loop, ~5 ms each.
+# read, and the events and cursors the stream makes of them on the event loop: 10-15 ms of
+# CPU a page on a slow 2-core machine (5,000 a page took 50-76 ms there, over §6.26's 50).
 # PostgreSQL's `ts_stream_changes_many` holds it (one more, for `more`): a change to it is a
 # change to that function, so a new schema version.
-DELTAS_PER_READ = 5_000
+DELTAS_PER_READ = 1_000
 
 # A message's version as streams order it (for `session_message m`): the newest of its
 # row's and its deltas'.
