@@ -250,7 +250,18 @@ def _check_version_left(tx: Tx, message_id: str) -> None:
         raise MalformedRecord("session_message", message_id, reasons)
 
 
-_OF_SESSION = "CAST(:session AS TEXT) IS NULL OR session_id = :session"
+def _of_session(column: str) -> str:
+    """A condition: `column` is the `:session` parameter's, or that parameter is None."""
+    return f"(CAST(:session AS TEXT) IS NULL OR {column} = :session)"
+
+
+def _matched(tx: Tx, listed: Sequence[Any], limit: int | None, count: str, params: Any) -> int:
+    """How many rows a listing's filters match: the rows it read, unless `limit` cut them
+    off - then `count` (a `SELECT COUNT(*)` of the same filters) on the same snapshot."""
+    if limit is None or len(listed) < limit:
+        return len(listed)
+    (matched,) = tx.one(count, params)
+    return int(matched)
 
 
 @reads_stored_bytes
@@ -262,7 +273,7 @@ def rejected_inputs(
     page = "" if limit is None else " LIMIT :limit"
     rows = tx.execute(
         "SELECT id, session_id, seq, payload, reason, time_created FROM session_input_rejected"
-        f" WHERE {_OF_SESSION} ORDER BY time_created, session_id, seq{page}",
+        f" WHERE {_of_session('session_id')} ORDER BY time_created, session_id, seq{page}",
         {"session": session_id, "limit": limit},
     ).fetchall()
     return [_listed("session_input_rejected", _REJECTED, row) for row in rows]
@@ -273,13 +284,11 @@ def rejected_input_report(tx: Tx, session_id: str | None, limit: int | None) -> 
     """`rejected_inputs` and `matched`: how many match (counted only when `limit` leaves
     some out), on one snapshot - the listing reads the rows it shows, never all of them."""
     listed = rejected_inputs(tx, session_id, limit)
-    matched = len(listed)
-    if limit is not None and matched == limit:
-        (matched,) = tx.one(
-            f"SELECT COUNT(*) FROM session_input_rejected WHERE {_OF_SESSION}",
-            {"session": session_id},
-        )
-    return {"inputs": listed, "matched": int(matched)}
+    count = f"SELECT COUNT(*) FROM session_input_rejected WHERE {_of_session('session_id')}"
+    return {
+        "inputs": listed,
+        "matched": _matched(tx, listed, limit, count, {"session": session_id}),
+    }
 
 
 _REJECTED = (
@@ -384,13 +393,11 @@ def status(
     page = "" if limit is None else "LIMIT :limit"
     sql = f"SELECT {_STATUS_COLUMNS} {_STATUS_FROM} {where} ORDER BY s.id {page}"
     sessions = [_session(tx.now, row) for row in tx.execute(sql, params).fetchall()]
-    matched = len(sessions)
-    if limit is not None and matched == limit:
-        (matched,) = tx.one(f"SELECT COUNT(*) {_STATUS_FROM} {where}", params)
+    count = f"SELECT COUNT(*) {_STATUS_FROM} {where}"
     return {
         "now": tx.now,
         "summary": _summary(tx),
-        "matched": int(matched),
+        "matched": _matched(tx, sessions, limit, count, params),
         "sessions": sessions,
     }
 
@@ -567,10 +574,7 @@ def quarantine_report(
     (its recovery rows' `session_id`) when given, at most `limit` - and `matched`: how many
     match. One statement reads the rows shown with their claims; a count, only when `limit`
     leaves some out: the filters are the read's, never a read of every quarantine."""
-    where = (
-        "r.recovery_error IS NOT NULL"
-        " AND (CAST(:session AS TEXT) IS NULL OR r.session_id = :session)"
-    )
+    where = f"r.recovery_error IS NOT NULL AND {_of_session('r.session_id')}"
     params = {"session": session_id, "limit": limit}
     page = "" if limit is None else " LIMIT :limit"
     rows = tx.execute(
@@ -587,10 +591,8 @@ def quarantine_report(
         row["claim_phase"] = _text(row["malformed"], "session_execution.phase", phase)
         row["quarantined_for_s"] = _since(tx.now, row["time_quarantined"])
         listed.append(row)
-    matched = len(listed)
-    if limit is not None and matched == limit:
-        (matched,) = tx.one(f"SELECT COUNT(*) FROM session_recovery r WHERE {where}", params)
-    return {"quarantined": listed, "matched": int(matched)}
+    count = f"SELECT COUNT(*) FROM session_recovery r WHERE {where}"
+    return {"quarantined": listed, "matched": _matched(tx, listed, limit, count, params)}
 
 
 def _seconds(ms: float) -> float:
