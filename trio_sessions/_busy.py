@@ -597,6 +597,7 @@ class BusyPeriods:
                 runtime._drains_running -= 1
                 current_drain.reset(draining)
                 context._returned = True
+                context._let_go()
             if context._defect is not None:
                 return _Ending("failed", error=context._defect)
             await self._owe_unsure_inputs(entry)
