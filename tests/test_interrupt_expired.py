@@ -20,6 +20,7 @@ from helpers import Raw, Recorder, now_ms, open_tool_message, runtime
 import trio_sessions
 from trio_sessions import DrainContext, RecoveryReport, Store, testing
 from trio_sessions._codec import decode_assistant
+from trio_sessions._loops import CHANGE_FALLBACK_POLL
 from trio_sessions._model import INTERRUPTED
 
 Clock = Callable[[], float]
@@ -151,6 +152,53 @@ async def test_a_mark_just_after_a_takeover_stops_the_resumed_drain(
     assert all(not c.resumed for c in calls[1:])
     assert raw.claim("s") is None
     assert raw.rows("SELECT id FROM session_input") == []
+
+
+@pytest.mark.parametrize("stop", ["interrupt", "double_text"])
+@pytest.mark.parametrize("by", ["worker", "producer"])
+@pytest.mark.parametrize("open_reply", [False, True], ids=["set_wise", "row_path"])
+async def test_a_stop_of_a_dead_owners_expired_claim_is_finished_at_once(
+    store: Store,
+    clock: Clock,
+    db_path: Path,
+    autojump_clock: trio.testing.MockClock,
+    open_reply: bool,
+    by: str,
+    stop: str,
+) -> None:
+    """A user's Stop (or a message sent with `on_busy="interrupt"`) of a claim whose dead
+    owner's lease ran out: a recovery pass finishes it as cancelled at once - the worker's
+    own when the worker took the Stop, and the worker's change look brings one when
+    another runtime took it - not at the next pass of
+    `recovery_interval` (here 10,000 s; 5 s by default, with the reply open until then).
+    The untaken input goes to one fresh drain within the change loop's fallback poll (how
+    the deterministic SQLite executor sees another runtime's commit; PostgreSQL's signal
+    and a real SQLite reader's come at once)."""
+    raw = Raw(db_path)
+    drain = Recorder()
+    async with (
+        trio_sessions.open_runtime(store, None, clock=clock) as producer,
+        runtime(store, drain, clock, **QUIET) as rt,
+    ):
+        message_id = seed_expired(raw, clock, open_reply=open_reply, handed_back=False)
+        stopping = rt if by == "worker" else producer
+        if stop == "interrupt":
+            assert await stopping.interrupt("s")
+        else:
+            await stopping.submit(
+                "s", {"text": "stop, and this"}, input_id="new", on_busy="interrupt"
+            )
+        with trio.fail_after(CHANGE_FALLBACK_POLL + 1.0):
+            await drain.entered.wait()
+        await rt.wait_idle("s")
+    assert [c.resumed for c in drain.calls] == [False]
+    assert sorted(drain.taken) == (["left"] if stop == "interrupt" else ["left", "new"])
+    assert raw.claim("s") is None
+    assert raw.rows("SELECT wake_attempts FROM session WHERE id = 's'") == [(0,)]
+    if message_id is not None:
+        [(data,)] = raw.rows("SELECT data FROM session_message WHERE id = ?", (message_id,))
+        reply = decode_assistant(data, key=message_id)
+        assert (reply.finished, reply.error) == (True, INTERRUPTED)
 
 
 def test_postgres_set_wise_recovery_reads_a_mark_that_committed_while_it_waited(

@@ -77,7 +77,7 @@ class ClaimModel:
     phase: str
     expires_at: int
     anchor_seq: int | None
-    handed_back: bool = False  # by a graceful shutdown: resumed without counting
+    handed_back: bool = False  # by a graceful shutdown (resumed without counting) or a Stop
 
 
 @attrs.define
@@ -669,6 +669,13 @@ class ProtocolModel(RuleBasedStateMachine):
         assert ended.doorbell == (session.time_woken is not None)
         owner.forget(session_id)
 
+    def stop(self, claim: ClaimModel) -> None:
+        """A user's Stop of another owner's claim: cancelling, and handed back when its
+        lease ran out (no drain of it runs; every runtime's change look brings a pass)."""
+        claim.phase = "cancelling"
+        claim.handed_back = claim.handed_back or claim.expires_at <= self.now
+        self.cancelled.add(claim.execution_id)
+
     @rule(session_id=st.sampled_from(SESSIONS))
     def request_cancel(self, session_id: str) -> None:
         """An interrupt from a process that does not hold the claim: marks a running one,
@@ -685,8 +692,7 @@ class ProtocolModel(RuleBasedStateMachine):
         assert accepted == expected
         if expected:
             assert claim is not None
-            claim.phase = "cancelling"
-            self.cancelled.add(claim.execution_id)
+            self.stop(claim)
 
     # -- conversation control (DESIGN §5.1) ------------------------------------------------------
 
@@ -791,8 +797,7 @@ class ProtocolModel(RuleBasedStateMachine):
         assert marked == (claim.execution_id if interrupts and claim is not None else None)
         if interrupts:
             assert claim is not None
-            claim.phase = "cancelling"
-            self.cancelled.add(claim.execution_id)
+            self.stop(claim)
 
     @precondition(lambda self: self.all_inputs)
     @rule(pick=st.integers(0, 1_000))

@@ -330,7 +330,8 @@ async def test_upgrade_of_a_version_1_schema_adds_streaming(pg_url: str, pg_sche
     #     an interrupt (or a submit that interrupts) leaves a quarantined claim as it is
     # 31: an interrupt marks another owner's claim whether or not its lease ran out
     #     and a stream's read sends at most 1,000 appends
-    assert SCHEMA_VERSION == 31
+    # 32: it marks one whose lease ran out handed back too (a pass finishes it at once)
+    assert SCHEMA_VERSION == 32
     await check_pre_streaming_upgrade(location, PostgresStore(pg_url, schema=pg_schema))
 
 
@@ -503,7 +504,7 @@ def test_upgrade_of_a_version_28_schema_indexes_every_message_an_ending_reads_as
             )
     open_engine(pg_url, schema=pg_schema).close()
     with raw(pg_url, pg_schema) as conn:
-        assert conn.execute("SELECT version FROM schema_version").fetchall() == [(31,)]
+        assert conn.execute("SELECT version FROM schema_version").fetchall() == [(32,)]
         [(definition,)] = conn.execute(
             "SELECT indexdef FROM pg_indexes WHERE schemaname = current_schema()"
             " AND indexname = 'session_message_open'"

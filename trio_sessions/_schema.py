@@ -199,7 +199,7 @@ SQLITE_OUR_TABLES = frozenset(
 # ---------------------------------------------------------------------------------------------
 # PostgreSQL
 
-POSTGRES_SCHEMA_VERSION = 31
+POSTGRES_SCHEMA_VERSION = 32
 
 # Same names, meanings and named CHECKs as the SQLite schema (`SQLITE_MIGRATIONS`, whose
 # versions 1-3 are PostgreSQL's first: no PostgreSQL store predates them); times
@@ -507,6 +507,10 @@ ALTER TABLE session_input_cancelled DROP COLUMN payload;
     # a rolling restart's shutdown handed back), so recovery finishes it as cancelled; a
     # stream's read (`ts_stream_changes_many`) sends at most 1,000 appends, not 5,000.
     31: "",
+    # The functions again, no table changes: an interrupt (`ts_request_cancel`), or a submit
+    # that interrupts (`ts_submit_controlled`), marks a claim whose lease ran out handed
+    # back as well, so every runtime's change look brings the pass that finishes it at once.
+    32: "",
 }
 
 
@@ -577,4 +581,5 @@ POSTGRES_BACKFILLS: dict[int, Callable[[Any], None]] = {
     29: _create_functions,
     30: _create_functions,
     31: _create_functions,
+    32: _create_functions,
 }

@@ -255,6 +255,8 @@ class Runtime:
             # doorbell for the successor. Any other local entry - a successor that took
             # this input, an acquisition that found another owner's claim - runs on.
             entry.interrupt("user")
+        elif marked is not None:
+            self._recover_soon_if_stopped_after_expiry()
         return str(stored)
 
     async def _submit_truncating(
@@ -351,11 +353,12 @@ class Runtime:
         releases the claim (had the process died first, recovery would resume the work).
         Claim held by another owner: durable when it returns - `phase='cancelling'` is
         committed and signalled, so the owner cancels within milliseconds and recovery
-        finishes the claim (never resumes it) if the owner is dead - also once its lease
-        ran out (a crashed owner's, or one a rolling restart's shutdown handed back: work
-        that would otherwise resume). `False` when nothing is running, it is already
-        stopping, or its claim is quarantined (the quarantine's actions decide it). Wakes
-        recorded before or during the interrupt survive into exactly one successor.
+        finishes the claim (never resumes it) if the owner is dead - also once its lease ran
+        out (a crashed owner's, or one a rolling restart's shutdown handed back: work that
+        would otherwise resume), then at once, by the pass the mark brings. `False` when
+        nothing is running, it is already stopping, or its claim is quarantined (the
+        quarantine's actions decide it). Wakes recorded before or during the interrupt
+        survive into exactly one successor.
 
         `reason="shutdown"` stops a drain as this runtime's close does: its claim is handed
         back and recovery resumes the work. Only a claim of this runtime's own can be handed
@@ -382,7 +385,18 @@ class Runtime:
             # for good: the opposite of a hand-back.
             await trio.lowlevel.checkpoint()
             return False
-        return await self._db.run(_store.request_cancel, session_id)
+        marked = await self._db.run(_store.request_cancel, session_id)
+        if marked:
+            self._recover_soon_if_stopped_after_expiry()
+        return marked
+
+    def _recover_soon_if_stopped_after_expiry(self) -> None:
+        """Another owner's claim was just marked cancelling: if its lease had run out (a
+        dead owner's, or handed back), no drain of it runs and the mark handed it back, so
+        a recovery pass finishes it now. Other runtimes' change looks bring theirs; ours
+        passes over our own commits, so this runtime's pass is asked for here - a pass
+        that finds nothing when the claim was live, at the rate users press Stop."""
+        self._recover_now.set()
 
     async def wait_idle(self, session_id: str) -> None:
         """Wait until this runtime holds no execution for the session, successors included.

@@ -537,3 +537,36 @@ def test_the_change_look_reports_a_handed_back_claim_a_pass_would_take(db: Db) -
     db.write("DELETE FROM session_recovery WHERE execution_id = ?", (execution,))
     put_recovery(db, execution, ME, NOW + LEASE, "malformed")
     assert not reported()
+
+
+@pytest.mark.parametrize("stop", ["request_cancel", "submit_controlled"])
+def test_a_stop_of_a_claim_whose_lease_ran_out_hands_it_back(db: Db, stop: str) -> None:
+    """A user's Stop (`interrupt()` of another owner's claim, or a message sent with
+    `on_busy="interrupt"`) marks the claim cancelling, and - only when its lease ran out,
+    so no drain of it still runs - handed back too: the change look reports it, so every
+    runtime with room runs its recovery pass at once and finishes it as cancelled, not at
+    the next pass of `recovery_interval`. A live claim's owner stops its own drain."""
+
+    def reported() -> bool:
+        found: bool = db.run(_store.changes, ME, [], [], 10, {}).handed_back
+        return found
+
+    def stop_it(session_id: str, execution_id: str) -> None:
+        if stop == "request_cancel":
+            assert db.run(_store.request_cancel, session_id) is True
+        else:
+            marked = db.run(
+                _store.submit_controlled, session_id, '{"n": 1}', f"in-{session_id}", "interrupt"
+            )
+            assert marked == (f"in-{session_id}", execution_id)
+
+    live = db.claim("live", owner="alive", execution="exec-live")
+    stop_it("live", live)
+    assert not reported()
+    expired = expired_claim(db, "dead", NOW - 1)
+    assert not reported()  # a dead owner's: the next pass, after the grace
+    stop_it("dead", expired)
+    assert reported()
+    assert db.rows(
+        "SELECT session_id, phase, handed_back FROM session_execution ORDER BY session_id"
+    ) == [("dead", "cancelling", 1), ("live", "cancelling", 0)]

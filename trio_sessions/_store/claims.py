@@ -390,13 +390,22 @@ _NOT_QUARANTINED = (
 )
 
 
+# A claim marked cancelling whose lease already ran out is marked handed back as well: no
+# drain of it can still run, so - as for a graceful shutdown's hand-back - every runtime's
+# change look brings a recovery pass at once (`handed_back_condition`), which finishes it as
+# cancelled, instead of the next pass of `recovery_interval`. (`handed_back` also spares a
+# resume from being counted: a cancelling claim is never resumed.)
+STOPPED_AFTER_EXPIRY = "CASE WHEN expires_at <= {now} THEN 1 ELSE handed_back END"
+
+
 def request_cancel(tx: Tx, session_id: str) -> bool:
     """Interrupt another owner's claim: `phase='cancelling'` fenced on its running row, not
     quarantined, and its owner signalled. Its lease may have run out (a dead owner's, or one
-    a graceful shutdown handed back in a rolling restart): marked, recovery finishes it as
-    cancelled instead of resuming the work the user stopped. On PostgreSQL one call
-    (`ts_request_cancel`) in a transaction: whether a lost reply's call landed cannot be
-    read back (nothing names it), so COMMIT's outcome is asked for."""
+    a graceful shutdown handed back in a rolling restart): marked (and handed back,
+    `STOPPED_AFTER_EXPIRY`), recovery finishes it as cancelled at once instead of resuming
+    the work the user stopped. On PostgreSQL one call (`ts_request_cancel`) in a
+    transaction: whether a lost reply's call landed cannot be read back (nothing names
+    it), so COMMIT's outcome is asked for."""
     if tx.dialect == "postgres":
         [(marked,)] = tx.call("ts_request_cancel", session_id, idempotent=False)
         return bool(marked)
@@ -404,9 +413,10 @@ def request_cancel(tx: Tx, session_id: str) -> bool:
     tx.notify(session_id)
     return (
         tx.execute(
-            "UPDATE session_execution SET phase = 'cancelling' WHERE session_id = ?"
-            f" AND phase = 'running' AND {_NOT_QUARANTINED}",
-            (session_id,),
+            "UPDATE session_execution SET phase = 'cancelling',"
+            f" handed_back = {STOPPED_AFTER_EXPIRY.format(now=':now')}"
+            f" WHERE session_id = :session AND phase = 'running' AND {_NOT_QUARANTINED}",
+            {"session": session_id, "now": tx.now},
         ).rowcount
         == 1
     )
@@ -532,17 +542,19 @@ BEGIN
     RETURN CASE WHEN FOUND THEN 'ok' ELSE 'lease_lost' END;
 END $$;
 
--- Interrupt another owner's claim (`request_cancel`): phase cancelling, fenced on its
--- running row, live or expired, not quarantined (_NOT_QUARANTINED), and its owner
--- signalled. Whether it marked one. Not idempotent (a second call finds the row
+-- Interrupt another owner's claim (`request_cancel`): phase cancelling, fenced on its running row,
+-- live or expired (then handed back too: STOPPED_AFTER_EXPIRY), not quarantined (_NOT_QUARANTINED),
+-- and its owner signalled. Whether it marked one. Not idempotent (a second call finds the row
 -- cancelling): called in a transaction, never retried by read-back.
 CREATE OR REPLACE FUNCTION ts_request_cancel(p_session text, p_now bigint, p_retry boolean)
 RETURNS boolean
 LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_now bigint;
 BEGIN
-    PERFORM ts_lock_now(p_session, p_now);
+    v_now := ts_lock_now(p_session, p_now);
     PERFORM ts_signal(p_session);
-    UPDATE session_execution SET phase = 'cancelling'
+    UPDATE session_execution SET phase = 'cancelling', handed_back = {stopped_after_expiry}
         WHERE session_id = p_session AND phase = 'running' AND {not_quarantined};
     RETURN FOUND;
 END $$;
@@ -698,4 +710,6 @@ BEGIN
         RETURN NEXT;
     END LOOP;
 END $$;
-""".replace("{not_quarantined}", _NOT_QUARANTINED)
+""".replace("{not_quarantined}", _NOT_QUARANTINED).replace(
+    "{stopped_after_expiry}", STOPPED_AFTER_EXPIRY.format(now="v_now")
+)

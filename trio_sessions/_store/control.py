@@ -39,7 +39,7 @@ from .._decisions import SubmitVerdict
 from .._errors import SessionBusy
 from .._model import INTERRUPTED
 from .acquisition import Acquired, _insert_claim, _pg_acquired, acquire
-from .claims import _NOT_QUARANTINED
+from .claims import _NOT_QUARANTINED, STOPPED_AFTER_EXPIRY
 from .common import (
     _claim_row,
     _has_pending_inputs,
@@ -98,13 +98,15 @@ def submit_controlled(
     _insert_input(tx, session_id, payload, input_id, ring=True)
     if verdict is not SubmitVerdict.INTERRUPT:
         return input_id, None
-    # Live or expired: an expired one is then finished by recovery as cancelled, never
-    # resumed. Not a quarantined one: the quarantine's actions decide it, as for
-    # `request_cancel`. The input's own notify signals the owner.
+    # Live or expired: an expired one is then finished by recovery as cancelled at once,
+    # never resumed (`STOPPED_AFTER_EXPIRY`). Not a quarantined one: the quarantine's
+    # actions decide it, as for `request_cancel`. The input's own notify signals the owner.
     row = tx.one(
-        "UPDATE session_execution SET phase = 'cancelling'"
-        f" WHERE session_id = ? AND phase = 'running' AND {_NOT_QUARANTINED} RETURNING id",
-        (session_id,),
+        "UPDATE session_execution SET phase = 'cancelling',"
+        f" handed_back = {STOPPED_AFTER_EXPIRY.format(now=':now')}"
+        f" WHERE session_id = :session AND phase = 'running' AND {_NOT_QUARANTINED}"
+        " RETURNING id",
+        {"session": session_id, "now": tx.now},
     )
     return input_id, None if row is None else str(row[0])
 
@@ -671,17 +673,17 @@ def _pg_removed(tx: Tx, function: str, key: str) -> bool:
 # `_store.pg_functions` for their conventions)
 
 PG_FUNCTIONS = r"""
--- submit with on_busy 'reject' or 'interrupt' (double-texting), or scheduled (p_delay > 0:
--- due p_delay ms from now by the lease clock; it rings no doorbell, and its signal lets
--- every runtime re-arm its due timer). Busy: a claim exists, or due inputs wait untaken
--- (`_decisions.submit_verdict`). Verdicts: stored; interrupted:<its execution id> (stored,
--- and the running claim - live or expired: recovery then finishes it as cancelled; not a
--- quarantined one (_NOT_QUARANTINED) - marked cancelling); busy (reject: nothing
--- written); ts_known_input's, or ts_insert_input's malformed (nothing written). With
--- nothing written, the session is signalled if an acquire waits for it. Read back after a
--- lost reply (p_retry) by input id: known, or interrupted when the session's claim is
--- cancelling (the lost call's, or a cancellation already under way). p_call: the call's
--- own id, the same in each attempt (ts_known_input).
+-- submit with on_busy 'reject' or 'interrupt' (double-texting), or scheduled (p_delay > 0: due
+-- p_delay ms from now by the lease clock; it rings no doorbell, and its signal lets every runtime
+-- re-arm its due timer). Busy: a claim exists, or due inputs wait untaken
+-- (`_decisions.submit_verdict`). Verdicts: stored; interrupted:<its execution id> (stored, and the
+-- running claim - live or expired: recovery then finishes it as cancelled, at once
+-- (STOPPED_AFTER_EXPIRY); not a quarantined one (_NOT_QUARANTINED) - marked cancelling); busy
+-- (reject: nothing written); ts_known_input's, or ts_insert_input's malformed (nothing written).
+-- With nothing written, the session is signalled if an acquire waits for it. Read back after a lost
+-- reply (p_retry) by input id: known, or interrupted when the session's claim is cancelling (the
+-- lost call's, or a cancellation already under way). p_call: the call's own id, the same in each
+-- attempt (ts_known_input).
 CREATE OR REPLACE FUNCTION ts_submit_controlled(p_session text, p_payload text, p_input text,
     p_on_busy text, p_delay bigint, p_call text, p_now bigint, p_retry boolean)
 RETURNS text
@@ -714,7 +716,7 @@ BEGIN
         RETURN v_known;  -- another session's input of this id, stored meanwhile
     END IF;
     IF p_on_busy = 'interrupt' AND v_phase = 'running' THEN
-        UPDATE session_execution SET phase = 'cancelling'
+        UPDATE session_execution SET phase = 'cancelling', handed_back = {stopped_after_expiry}
             WHERE session_id = p_session AND phase = 'running' AND {not_quarantined};
         IF FOUND THEN
             RETURN 'interrupted:' || v_claim;
@@ -927,4 +929,6 @@ BEGIN
     END IF;
     RETURN v_count;
 END $$;
-""".replace("{not_quarantined}", _NOT_QUARANTINED)
+""".replace("{not_quarantined}", _NOT_QUARANTINED).replace(
+    "{stopped_after_expiry}", STOPPED_AFTER_EXPIRY.format(now="v_now")
+)

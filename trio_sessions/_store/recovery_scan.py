@@ -123,8 +123,9 @@ def _or_gone(column: str, gone: dict[str, str]) -> str:
 def handed_back_condition(
     tx: Tx, owner_id: str, local_sessions: Sequence[str]
 ) -> tuple[str, dict[str, Any]]:
-    """A condition (and its parameters): a claim handed back by a graceful shutdown (its
-    lease ended, `handed_back`) waits for a takeover that a recovery pass of this owner
+    """A condition (and its parameters): a claim handed back by a graceful shutdown, or
+    stopped by a user after its lease ran out (`handed_back`: its lease ended, no drain of
+    it runs), waits for a takeover that a recovery pass of this owner
     would make - one lookup in the partial index of such claims
     (`session_execution_handed_back`). With no clock read: the claim is not held here, its
     keys are readable, and it has no recovery row but an unquarantined one of ours - a row
