@@ -964,6 +964,47 @@ def seeded_store(
     return [location.url, "--schema", location.schema], location
 
 
+def _tables_of(location: backends.Location) -> set[str]:
+    if isinstance(location, PgLocation):
+        rows = query(
+            location,
+            "SELECT table_name FROM information_schema.tables WHERE table_schema = ?",
+            (location.schema,),
+        )
+    else:
+        rows = query(location, "SELECT name FROM sqlite_master WHERE type = 'table'")
+    return {str(name) for (name,) in rows} - {"schema_version"}  # PostgreSQL's version row
+
+
+def test_the_health_probe_reads_every_table_of_a_store(
+    seeded_store: tuple[list[str], backends.Location],
+) -> None:
+    """`health` reads each of the library's tables (`_store.STORE_TABLES`): the list is
+    every table a current store has, on each backend."""
+    _, location = seeded_store
+    dialect = "postgres" if isinstance(location, PgLocation) else "sqlite"
+    assert set(_store.STORE_TABLES[dialect]) == _tables_of(location)
+
+
+@pytest.mark.parametrize("table", ["session_message_delta", "session_input_rejected"])
+def test_health_is_ok_only_while_every_table_answers(
+    seeded_store: tuple[list[str], backends.Location],
+    capsys: pytest.CaptureFixture[str],
+    table: str,
+) -> None:
+    """A store at the current version whose `table` is gone (another tool's drop): `health`
+    said ok, reading only the session table - and counting every row of it, each probe.
+    Now it reads at most one row of each table, in one statement, and names the one that
+    does not answer."""
+    argv, location = seeded_store
+    assert cli(capsys, "health", *argv)[0] == 0
+    drop = f"DROP TABLE {table}" + (" CASCADE" if isinstance(location, PgLocation) else "")
+    backends.write(location, drop)
+    code, out, err = cli(capsys, "health", *argv)
+    assert (code, out) == (1, "")
+    assert err.startswith("unhealthy: ") and "cannot read" in err and table in err, err
+
+
 def _rows_of(location: backends.Location, session_id: str) -> list[Any]:
     return [
         query(location, f"SELECT COUNT(*) FROM {table} WHERE {column} = ?", (session_id,))[0][0]

