@@ -12,6 +12,7 @@ runtime's executor.
 from __future__ import annotations
 
 import contextvars
+import functools
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -288,6 +289,7 @@ class AssistantWriter:
         # The message as stored: `_data` (its encoding `_text`, when known: `_store.Known`)
         # plus the texts streamed onto it since, merged into `_view` only when a local
         # watcher needs a snapshot (an append costs the same on any message).
+        self._data = self._view = _transcript.EMPTY
         self._adopt(data, _EMPTY_TEXT if data is _transcript.EMPTY else None)
         self._version = version  # as stored, so a retried append can tell whether it landed
         # Calls, as (method, arguments), whose outcome is unknown (read back by the next
@@ -304,10 +306,23 @@ class AssistantWriter:
         self._offer(version, "message", data)
 
     def _adopt(self, data: AssistantData, text: str | None) -> None:
-        """Take `data` as the message as stored (`text`: its stored encoding, if known)."""
+        """Take `data` as the message as stored (`text`: its stored encoding, if known).
+        The tool inputs and outputs of the message held before that `data` does not share
+        (a message read whole, after replies out of order or a lost reply; `_let_go`'s
+        placeholder) are freed in a worker thread when large (`_free_in_thread`): freeing
+        three results of 300,000 JSON nodes, read again by tools settled in parallel tasks,
+        was one step of 49 ms on the loop."""
+        dropped = _unshared_payloads((self._data, self._view), (data,))
         self._data, self._text = data, text
         self._streamed: list[str] = []
         self._view, self._view_upto = data, 0  # `_data` with `_streamed[:_view_upto]`
+        _free_if_large(dropped)
+
+    def _unkept(self, data: AssistantData | None) -> list[Any]:
+        """The tool inputs and outputs of `data`, a message a store call returned, that this
+        writer does not hold: what dropping it frees (`_free_if_large` them once the
+        caller's own references are gone)."""
+        return [] if data is None else _unshared_payloads((data,), (self._data, self._view))
 
     async def append_text(self, text: str) -> None:
         """Stream text onto the message: one small durable write whatever the message's size;
@@ -327,7 +342,11 @@ class AssistantWriter:
             # holds may not be the message as stored; its next change reads it first.
             self._in_step = False
         if version < self._version:
-            return  # overtaken by a newer state, which local watchers already have
+            # Overtaken by a newer state, which local watchers already have.
+            unkept = self._unkept(data)
+            del data
+            _free_if_large(unkept)
+            return
         self._version = version
         if data is None:
             self._streamed.append(text)
@@ -409,6 +428,9 @@ class AssistantWriter:
             # Overtaken by a newer state (another task's reply, a read-back): that one may
             # not hold this change; the next change reads the message first.
             self._in_step = False
+            unkept = self._unkept(data)
+            del data, step
+            _free_if_large(unkept)
             return
         # Read from the store when not in step, or one past what this writer held.
         self._in_step = True
@@ -427,16 +449,13 @@ class AssistantWriter:
         300,000 JSON nodes took one step of 54-62 ms when the drain's last reference to
         this writer went. The text stays, for a lost append's read-back (`_landed_before`)."""
         data = self._data
-        payloads = [(part.input, part.output) for part in data.parts if isinstance(part, ToolPart)]
-        if _codec.is_small(payloads, _codec.LOOP_BUDGET_UNITS):
+        if _codec.is_small(_unshared_payloads((data, self._view), ()), _codec.LOOP_BUDGET_UNITS):
             return
         text = _transcript.text_of(data) + "".join(self._streamed)
         kept = attrs.evolve(data, parts=(TextPart(text),) if text else ())
-        held: list[object] = [data, self._view, payloads]
-        del data, payloads  # the thread's clear() must drop the last references, not this frame
+        del data  # the worker thread must drop the last references, not this frame
         self._adopt(kept, None)
         self._in_step = False
-        trio.lowlevel.start_thread_soon(held.clear, _ignore)
 
     @property
     def _claim(self) -> tuple[str, str, str, str]:
@@ -480,6 +499,9 @@ class AssistantWriter:
                 self._landed += [
                     lost for lost, text_before in unsure if _shows(data, lost, moved, text_before)
                 ]
+                unkept = self._unkept(data)
+                del stored, data
+                _free_if_large(unkept)
         return self._retried(call)
 
     def _retried(self, call: tuple[Any, ...]) -> bool:
@@ -568,6 +590,57 @@ def _shows(
     if kind == "settle_tool":
         return part.status == "completed" and part.output == args[1]
     return part.status == "error" and part.error == args[1]  # fail_tool
+
+
+def _unshared_payloads(
+    dropped: Sequence[AssistantData], kept: Sequence[AssistantData]
+) -> list[Any]:
+    """The tool inputs and outputs (JSON containers) of the messages `dropped` that no
+    message `kept` holds, each once: what dropping them frees."""
+    held = {
+        id(value)
+        for data in kept
+        for part in data.parts
+        if isinstance(part, ToolPart)
+        for value in (part.input, part.output)
+    }
+    unshared: dict[int, Any] = {}
+    for data in dropped:
+        for part in data.parts:
+            if isinstance(part, ToolPart):
+                for value in (part.input, part.output):
+                    if isinstance(value, dict | list) and id(value) not in held:
+                        unshared[id(value)] = value
+    return list(unshared.values())
+
+
+def _free_if_large(values: list[Any]) -> None:
+    """Free `values` - the last references to them, the caller holding no other - in a
+    worker thread when freeing them would cost the loop's step more than its budget
+    (`_free_in_thread`); else here, with the list."""
+    if values and not _codec.is_small(values, _codec.LOOP_BUDGET_UNITS):
+        _free_in_thread(values)
+
+
+def _free_in_thread(values: list[Any]) -> None:
+    """Free `values` in a worker thread (`_free_one_by_one`), which holds their last
+    references: the caller holds none once it returns. Python frees a value node by node,
+    and a message of four tool results of 300,000 nodes took one step of 54-62 ms on the
+    loop. `start_thread_soon`, not `trio.to_thread`: nothing waits for it (called where no
+    await can be: a finally, a writer's bookkeeping), and no thread limiter's slot is taken
+    from the store's writes."""
+    trio.lowlevel.start_thread_soon(functools.partial(_free_one_by_one, values), _ignore)
+
+
+def _free_one_by_one(values: list[Any]) -> None:
+    """A worker thread's: drop `values`, one at a time. CPython frees a value in C and holds
+    the GIL throughout, so the event loop's thread, waiting for the GIL, stalls for as long
+    as one takes - a stall in wall-clock time that its CPU time (`StepMeter`) does not
+    show. A tool input or output is at most 1 MiB encoded: 14-22 ms here for the costliest
+    shapes (`[[],...]`, `[[[]]],...`); between two values the loop takes the GIL back. One
+    `clear()` of four such results held it for 60-65 ms (a loop ticking every 1 ms)."""
+    while values:
+        values.pop()
 
 
 def _ignore(result: outcome.Outcome[None]) -> None:
