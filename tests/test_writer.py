@@ -19,6 +19,7 @@ from trio_sessions import (
     DrainContext,
     DuplicateSettlement,
     MalformedRecord,
+    Message,
     Outcome,
     Store,
     TextPart,
@@ -272,3 +273,72 @@ async def test_writes_after_finish_raise_a_public_library_error(
     assert len(errors) == 4
     assert all(isinstance(e, trio_sessions.MessageFinished) for e in errors)
     assert message.data.finished and message.data.error is None
+
+
+async def test_a_large_message_let_go_of_at_its_finish_refuses_writes_and_is_shown_whole(
+    store: Store, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """A message whose tool results are over the loop's budget is let go of when it is
+    finished (the writer keeps only its text; `AssistantWriter._let_go`). Tools settled in
+    parallel tasks while another task finishes it each land or raise `MessageFinished`;
+    every write after the finish raises `MessageFinished` and changes nothing; and a local
+    watcher's last snapshot of it is the message as stored - never the writer's
+    placeholder."""
+    big: list[list[int]] = [[] for _ in range(10_000)]  # over `_codec.LOOP_BUDGET_UNITS`
+    refused: list[str] = []
+
+    async def drain(ctx: DrainContext) -> None:
+        await ctx.take_inputs()
+        writer = await ctx.begin_assistant()
+        await writer.append_text("Looking")
+        for k in range(3):
+            await writer.start_tool(f"c{k}", "search", {"q": k})
+
+        async def settle(k: int) -> None:
+            try:
+                await writer.settle_tool(f"c{k}", big)
+            except trio_sessions.MessageFinished:
+                refused.append(f"c{k}")
+
+        await settle(0)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(settle, 1)
+            nursery.start_soon(writer.finish)
+            nursery.start_soon(settle, 2)
+        writes: list[tuple[str, Callable[[], Awaitable[object]]]] = [
+            ("append", lambda: writer.append_text(" more")),
+            ("start", lambda: writer.start_tool("c9", "search", {})),
+            ("settle", lambda: writer.settle_tool("c1", big)),
+            ("fail", lambda: writer.fail_tool("c2", "late")),
+            ("finish", lambda: writer.finish()),
+        ]
+        for name, write in writes:
+            try:
+                await write()
+            except trio_sessions.MessageFinished:
+                refused.append(name)
+
+    seen: list[Message] = []
+
+    async def follow(watcher: trio_sessions._signals.Watcher) -> None:
+        async for message in watcher:
+            seen.append(message)
+
+    async with runtime(store, drain, clock) as rt, rt.watch("s") as watcher:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(follow, watcher)
+            await rt.submit("s", {"text": "go"})
+            await rt.wait_idle("s")
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.cancel_scope.cancel()
+        [_, message] = await rt.transcript("s")
+    assert refused[-5:] == ["append", "start", "settle", "fail", "finish"]
+    data = message.data
+    assert isinstance(data, AssistantData) and data.finished and data.error is None
+    assert data.parts[0] == TextPart("Looking")
+    settled = {p.call_id: p.status for p in data.parts if isinstance(p, ToolPart)}
+    assert sorted(settled) == ["c0", "c1", "c2"]
+    for call_id, status in settled.items():
+        # Landed before the finish, or refused and failed by it - never both, never lost.
+        assert (status == "completed") == (call_id not in refused), (call_id, status, refused)
+    assert [m for m in seen if m.id == message.id][-1] == message
