@@ -570,3 +570,27 @@ def test_a_stop_of_a_claim_whose_lease_ran_out_hands_it_back(db: Db, stop: str) 
     assert db.rows(
         "SELECT session_id, phase, handed_back FROM session_execution ORDER BY session_id"
     ) == [("dead", "cancelling", 1), ("live", "cancelling", 0)]
+
+
+@pytest.mark.parametrize("stop", ["request_cancel", "submit_controlled"])
+def test_a_stop_at_the_very_ms_a_lease_ends_hands_back_what_recovery_takes_as_expired(
+    db: Db, stop: str
+) -> None:
+    """The Stop's test of a lease that ran out (`STOPPED_AFTER_EXPIRY`: `expires_at <= now`)
+    is the recovery scan's (`_expired_claims`) and the heartbeat's (renews only while
+    `expires_at > now`): a claim whose lease ends at this very millisecond is handed back
+    and is a candidate of the pass the change look brings; one a millisecond later is
+    neither - its owner may still renew it."""
+    edge = expired_claim(db, "edge", NOW)
+    expired_claim(db, "later", NOW + 1)
+    for session_id in ("edge", "later"):
+        if stop == "request_cancel":
+            assert db.run(_store.request_cancel, session_id) is True
+        else:
+            args = (session_id, '{"n": 1}', f"in-{session_id}", "interrupt")
+            db.run(_store.submit_controlled, *args)
+    assert db.rows(
+        "SELECT session_id, phase, handed_back FROM session_execution ORDER BY session_id"
+    ) == [("edge", "cancelling", 1), ("later", "cancelling", 0)]
+    assert db.run(_store.changes, ME, [], [], 10, {}).handed_back
+    assert scan(db, 10) == [_store.Candidate("edge", edge)]
