@@ -17,6 +17,9 @@ Invariants kept here:
   a session that gained thousands at once (a fork into it) is read over several looks,
   and the next look visits first the first session a full one read nothing of
   (`Watched.crowded`): no session gaining that much before every look starves another;
+* a look reads the messages it offers whole at its end, in one statement per `_IN_CHUNK`
+  of them (and one more for the text streamed onto those with some), not one or two each
+  (`_snapshots`); on the event loop their rows and texts are charged before they are read;
 * the history a new watcher replays is read in bounded chunks, each its own short read;
 * on PostgreSQL a look with no watched session is one call (`ts_changes`), alone in
   autocommit: one round trip, one snapshot.
@@ -25,7 +28,7 @@ Invariants kept here:
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 import attrs
 
@@ -34,10 +37,18 @@ from .._backend import Tx, autocommit_when_alone, reads_stored_bytes
 from .._errors import MalformedRecord
 from .._model import AssistantData, Message
 from .._validate import MAX_INT64
-from .common import _IN_CHUNK, _chunks, _in_list, leading_rows, placed, streamed_texts_of
+from .common import (
+    _IN_CHUNK,
+    _chunks,
+    _in_list,
+    leading_rows,
+    placed,
+    spend_rows,
+    streamed_texts_of,
+)
 from .control import due_in, earliest_due, next_due
 from .recovery_scan import _unclaimed_doorbells, handed_back_condition
-from .stream import streamed_onto, text_bytes
+from .stream import JOINED_COLUMNS, streamed_joined, streamed_onto, text_bytes
 from .transcript import _decode_message, maybe_open
 
 
@@ -93,6 +104,11 @@ class Watched:
 
 
 NO_CHANGE = Watched([], {}, [])
+
+# A message a look offers, in the look's order: a snapshot it made already (`_extended`), or
+# one to read whole (`_snapshots`) - its id as stored, and its (session, seq) for a row with
+# no id (None: looked for by id only).
+_Wanted: TypeAlias = "Snapshot | tuple[Any, tuple[Any, Any] | None]"
 
 
 @attrs.frozen
@@ -218,9 +234,11 @@ def watched_changes(tx: Tx, watched: Mapping[str, Followed]) -> Watched:
     past each session's covered seq, and followed open messages whose version grew (for
     one whose row is unchanged, only the deltas streamed since are read)."""
     found = Watched([], {}, [])
+    wanted: list[_Wanted] = []  # what the look offers, in order: read whole at its end
     sessions = list(watched)
     for start in range(0, len(sessions), _IN_CHUNK // 2):
-        _new_messages(tx, {s: watched[s] for s in sessions[start : start + _IN_CHUNK // 2]}, found)
+        some = {s: watched[s] for s in sessions[start : start + _IN_CHUNK // 2]}
+        _new_messages(tx, some, found, wanted)
     open_ids = [message_id for followed in watched.values() for message_id in followed.open]
     step = _IN_CHUNK // 2  # the deltas' statement takes two parameters per message
     for chunk in (open_ids[start : start + step] for start in range(0, len(open_ids), step)):
@@ -246,12 +264,15 @@ def watched_changes(tx: Tx, watched: Mapping[str, Followed]) -> Watched:
             if held.row_version == placed(row_version) and _extensible(held):
                 grown.append((held, placed(version), maybe_open(finished)))
             else:
-                found.messages.append(_snapshot(tx, str(message_id)))
-        found.messages.extend(_extended(tx, grown))
+                wanted.append((str(message_id), None))
+        wanted.extend(_extended(tx, grown))
+    found.messages.extend(_snapshots(tx, wanted))
     return found
 
 
-def _new_messages(tx: Tx, watched: Mapping[str, Followed], found: Watched) -> None:
+def _new_messages(
+    tx: Tx, watched: Mapping[str, Followed], found: Watched, wanted: list[_Wanted]
+) -> None:
     """Messages of each session from its covered seq on, the covered one included to see
     it is still the same message, about `NEW_PER_LOOK` past it (the rest: the next look):
     one statement for many sessions, each reading only the rows it keeps by index seeks of
@@ -300,7 +321,7 @@ def _new_messages(tx: Tx, watched: Mapping[str, Followed], found: Watched) -> No
         limited = len(rows) > NEW_PER_LOOK or any(
             placed(row[1]) > upper[session_id] for row in rows
         )
-        _session_news(tx, session_id, followed, rows, found, limited=limited)
+        _session_news(tx, session_id, followed, rows, found, wanted, limited=limited)
 
 
 def _session_news(
@@ -309,6 +330,7 @@ def _session_news(
     followed: Followed,
     rows: list[Any],
     found: Watched,
+    wanted: list[_Wanted],
     *,
     limited: bool,
 ) -> None:
@@ -322,7 +344,7 @@ def _session_news(
         ):
             # Truncated (and maybe grown again): seqs up to the old head may name new
             # messages (`_rewritten_news`).
-            _rewritten_news(tx, session_id, followed, found)
+            _rewritten_news(tx, session_id, followed, found, wanted)
             return
         rows = rows[1:]
     elif followed.high_seq == 0 and followed.known and not limited:
@@ -330,7 +352,7 @@ def _session_news(
         # whole transcript, so they tell which of those still exist.
         found.present[session_id] = frozenset(message_key(row[0]) for row in rows)
     for index, (message_id, seq, version) in enumerate(rows):
-        if len(found.messages) >= NEW_PER_LOOK:
+        if len(wanted) >= NEW_PER_LOOK:
             rows = rows[:index]  # other sessions' news filled this look: the next reads on
             limited = True
             if not index:
@@ -340,7 +362,7 @@ def _session_news(
         held = followed.open.get(key)
         seen = held.version if held is not None else followed.known.get(key, -1)
         if placed(version) > seen:
-            found.messages.append(_snapshot(tx, message_id, at=(session_id, seq)))
+            wanted.append((message_id, (session_id, seq)))
     if rows:
         found.heads[session_id] = (placed(rows[-1][1]), message_key(rows[-1][0]))
     if limited:
@@ -350,7 +372,9 @@ def _session_news(
         found.behind.add(session_id)
 
 
-def _rewritten_news(tx: Tx, session_id: str, followed: Followed, found: Watched) -> None:
+def _rewritten_news(
+    tx: Tx, session_id: str, followed: Followed, found: Watched, wanted: list[_Wanted]
+) -> None:
     """The messages of a session whose covered message is gone (a truncate, a delete, a
     quarantine's set-aside of the newest) that its watchers were not offered: those above
     the newest one whose version the hub remembers (`known`), read from the top down. A
@@ -393,12 +417,10 @@ def _rewritten_news(tx: Tx, session_id: str, followed: Followed, found: Watched)
         )
         present.update(message_key(row[0]) for row in rows.fetchall())
     newer.reverse()  # in seq order
-    offered = newer[: max(0, NEW_PER_LOOK - len(found.messages))]
+    offered = newer[: max(0, NEW_PER_LOOK - len(wanted))]
     if newer and not offered:
         found.crowded.append(session_id)
-    found.messages.extend(
-        _snapshot(tx, message_id, at=(session_id, seq)) for message_id, seq in offered
-    )
+    wanted.extend((message_id, (session_id, seq)) for message_id, seq in offered)
     found.present[session_id] = frozenset(present)
     if len(offered) == len(newer):
         found.heads[session_id] = _newest(tx, session_id)
@@ -573,6 +595,88 @@ def _snapshot(
         return _snapshot_of(row, [])  # malformed: its deltas are never merged
     row = tx.one(f"SELECT {_SNAPSHOT_COLUMNS} FROM session_message m WHERE m.id = ?", (stored_id,))
     return _snapshot_of(row, streamed_onto(tx, stored_id) if row[2] == "assistant" else [])
+
+
+def _snapshots(tx: Tx, wanted: Sequence[_Wanted]) -> list[Snapshot]:
+    """What a look offers, in the order given: the messages whose id is text read whole in
+    one statement per `_IN_CHUNK` (`_read_whole`), the others (no id; SQLite's text that is
+    no UTF-8) one by one (`_snapshot`). A catch-up look of `NEW_PER_LOOK` messages read
+    each by its id and each answer's streamed text by one more: ~150 statements, each a
+    round trip on PostgreSQL inside the look's read transaction."""
+    ids = list(
+        dict.fromkeys(w[0] for w in wanted if not isinstance(w, Snapshot) and type(w[0]) is str)
+    )
+    read: dict[Any, Snapshot] = {}
+    for chunk in _chunks(ids):
+        read.update(_read_whole(tx, chunk))
+    snapshots: list[Snapshot] = []
+    for w in wanted:
+        if isinstance(w, Snapshot):
+            snapshots.append(w)
+        else:
+            stored_id, at = w
+            held = read.get(stored_id) if type(stored_id) is str else None
+            snapshots.append(_snapshot(tx, stored_id, at=at) if held is None else held)
+    return snapshots
+
+
+def _read_whole(tx: Tx, ids: Sequence[str]) -> dict[Any, Snapshot]:
+    """These messages read whole (`_snapshot`), by their id as stored: their rows in one
+    statement, and the texts streamed onto those of them that are answers with a delta (an
+    `EXISTS` of the row: whatever its versions say) in one more. On the event loop
+    (SQLite) their rows and texts are charged first (`spend_rows`): a look meeting more
+    than the loop's budget goes to the worker thread before it reads any."""
+    params: tuple[Any, ...]
+    if tx.dialect == "postgres":
+        among, params = "= ANY(?::text[])", (list(ids),)
+    else:
+        among, params = f"IN {_in_list(ids)}", tuple(ids)
+        spend_rows(
+            tx,
+            params + params,
+            f"length(m.data) FROM session_message m WHERE m.id {among} UNION ALL"
+            f" SELECT length(d.text) FROM session_message_delta d WHERE d.message_id {among}",
+        )
+    rows = tx.execute(
+        f"SELECT {_SNAPSHOT_COLUMNS}, EXISTS(SELECT 1 FROM session_message_delta x"
+        f" WHERE x.message_id = m.id) FROM session_message m WHERE m.id {among}",
+        params,
+    ).fetchall()
+    streamed = _streamed_onto_each(
+        tx, [row[1] for row in rows if row[2] == "assistant" and row[-1]]
+    )
+    return {row[1]: _snapshot_of(row[:-1], streamed.get(row[1], [])) for row in rows}
+
+
+def _streamed_onto_each(tx: Tx, ids: Sequence[str]) -> dict[Any, list[Any]]:
+    """`streamed_onto` of each of these messages, in one statement: SQLite joins each one's
+    texts (a text that is no text, or a version no whole number: that message's read again
+    row by row, `streamed_joined`); PostgreSQL sends them in order."""
+    if not ids:
+        return {}
+    if tx.dialect == "postgres":
+        streamed: dict[Any, list[Any]] = {}
+        for message_id, version, text in tx.execute(
+            "SELECT message_id, version, text FROM session_message_delta"
+            " WHERE message_id = ANY(?::text[]) ORDER BY message_id, version",
+            (list(ids),),
+        ).fetchall():
+            streamed.setdefault(message_id, []).append(_codec.streamed_text(version, text))
+        return streamed
+    rows = tx.execute(_join_streamed_of(len(ids)), tuple(ids)).fetchall()
+    return {
+        message_id: streamed_joined(tx, message_id, not_text, joined)
+        for message_id, not_text, joined in rows
+    }
+
+
+def _join_streamed_of(count: int) -> str:
+    """SQLite: `JOIN_STREAMED` of `count` messages, one row each - read, as that one's, by
+    the primary key (message_id, version): each message's texts in version order."""
+    return (
+        f"SELECT message_id, {JOINED_COLUMNS} FROM session_message_delta"
+        f" WHERE message_id IN {_in_list(range(count))} GROUP BY message_id"
+    )
 
 
 def _snapshot_of(row: Sequence[Any], streamed: Sequence[Any]) -> Snapshot:

@@ -534,12 +534,14 @@ def _streamed_of(tx: Tx, row: Sequence[Any]) -> list[Any]:
 # ROWID table's primary key (message_id, version) reads the rows in that order, and the
 # aggregate joins them as read; SQLite 3.40 takes no ORDER BY in an aggregate, and an
 # ordered subquery in between doubles the cost. An index that covered `text` would change
-# the order: tests/store/test_stream_catch_up.py pins this plan.
-JOIN_STREAMED = (
-    "SELECT sum(typeof(text) <> 'text' OR typeof(version) <> 'integer'),"
-    " group_concat(text, '')"
-    " FROM session_message_delta WHERE message_id = ?"
+# the order: tests/store/test_stream_catch_up.py pins this plan (and
+# tests/test_watch_look_statements.py that of a change look's join of several messages,
+# `GROUP BY message_id`). The columns: how many of the texts are no text or have a version
+# that is no whole number, and the texts joined.
+JOINED_COLUMNS = (
+    "sum(typeof(text) <> 'text' OR typeof(version) <> 'integer'), group_concat(text, '')"
 )
+JOIN_STREAMED = f"SELECT {JOINED_COLUMNS} FROM session_message_delta WHERE message_id = ?"
 
 
 def streamed_onto(tx: Tx, message_id: str) -> list[Any]:
@@ -559,10 +561,18 @@ def streamed_onto(tx: Tx, message_id: str) -> list[Any]:
             tx, (message_id,), "length(text) FROM session_message_delta WHERE message_id = ?"
         )
         not_text, joined = tx.one(JOIN_STREAMED, (message_id,))
-        if joined is None:
-            return []
-        if not not_text and isinstance(joined, str):
-            return [joined]
+        return streamed_joined(tx, message_id, not_text, joined)
+    return _streamed_texts(tx, message_id)
+
+
+def streamed_joined(tx: Tx, message_id: str, not_text: Any, joined: Any) -> list[Any]:
+    """`streamed_onto` from what SQLite joined (`JOINED_COLUMNS`): the one text when every
+    one is text, else the texts read again row by row (`_codec.decode_streamed` names the
+    bad one)."""
+    if joined is None:
+        return []
+    if not not_text and isinstance(joined, str):
+        return [joined]
     return _streamed_texts(tx, message_id)
 
 
