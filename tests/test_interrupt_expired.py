@@ -42,6 +42,17 @@ def seed_expired(raw: Raw, clock: Clock, *, open_reply: bool, handed_back: bool)
     return message_id
 
 
+def assert_finished_cancelled(raw: Raw, message_id: str | None) -> None:
+    """Session s's claim finished as cancelled: gone, no resume counted, and its open reply
+    (if seeded) finished `interrupted`."""
+    assert raw.claim("s") is None
+    assert raw.rows("SELECT wake_attempts FROM session WHERE id = 's'") == [(0,)]
+    if message_id is not None:
+        [(data,)] = raw.rows("SELECT data FROM session_message WHERE id = ?", (message_id,))
+        reply = decode_assistant(data, key=message_id)
+        assert (reply.finished, reply.error) == (True, INTERRUPTED)
+
+
 @pytest.mark.parametrize("handed_back", [False, True], ids=["dead", "handed_back"])
 @pytest.mark.parametrize("open_reply", [False, True], ids=["set_wise", "row_path"])
 async def test_a_mark_between_a_passs_scan_and_its_takeover_finishes_the_claim_cancelled(
@@ -77,12 +88,7 @@ async def test_a_mark_between_a_passs_scan_and_its_takeover_finishes_the_claim_c
     assert report == RecoveryReport(examined=1, finished_cancelled=1)
     assert [c.resumed for c in drain.calls] == [False]
     assert drain.taken == ["left"]
-    assert raw.claim("s") is None
-    assert raw.rows("SELECT wake_attempts FROM session WHERE id = 's'") == [(0,)]
-    if message_id is not None:
-        [(data,)] = raw.rows("SELECT data FROM session_message WHERE id = ?", (message_id,))
-        reply = decode_assistant(data, key=message_id)
-        assert (reply.finished, reply.error) == (True, INTERRUPTED)
+    assert_finished_cancelled(raw, message_id)
 
 
 async def test_a_wake_recorded_before_the_mark_of_a_handed_back_claim_gets_one_successor(
@@ -193,12 +199,7 @@ async def test_a_stop_of_a_dead_owners_expired_claim_is_finished_at_once(
         await rt.wait_idle("s")
     assert [c.resumed for c in drain.calls] == [False]
     assert sorted(drain.taken) == (["left"] if stop == "interrupt" else ["left", "new"])
-    assert raw.claim("s") is None
-    assert raw.rows("SELECT wake_attempts FROM session WHERE id = 's'") == [(0,)]
-    if message_id is not None:
-        [(data,)] = raw.rows("SELECT data FROM session_message WHERE id = ?", (message_id,))
-        reply = decode_assistant(data, key=message_id)
-        assert (reply.finished, reply.error) == (True, INTERRUPTED)
+    assert_finished_cancelled(raw, message_id)
 
 
 def test_postgres_set_wise_recovery_reads_a_mark_that_committed_while_it_waited(

@@ -14,6 +14,7 @@ import gc
 import json
 import sqlite3
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from trio_sessions import (
     AssistantData,
     AssistantWriter,
     DrainContext,
+    Message,
     Outcome,
     Store,
     TextPart,
@@ -757,6 +759,25 @@ async def test_several_large_tool_results_in_one_message_never_stall_the_loop(
     assert handoffs >= RESULTS  # every settle went to the worker thread
 
 
+async def _metered_run_without_gc(
+    tmp_path: Path, drain: Any, on_return: Callable[[], None] = lambda: None
+) -> tuple[Outcome, StepMeter, Message]:
+    """`run("s")` of `drain` on a threaded SQLite store, metered (`StepMeter`) with the
+    garbage collector off - a collection, which the meter does not count, must not be what
+    frees a large message; `on_return` runs as the run returns. Then the one message."""
+    gc.disable()
+    try:
+        with trio.fail_after(BOUND):
+            async with trio_sessions.open_runtime(tmp_path / "s.db", drain, **NO_RECOVERY) as rt:
+                with StepMeter() as meter:
+                    outcome = await rt.run("s")
+                on_return()
+                [message] = await rt.transcript("s")
+    finally:
+        gc.enable()
+    return outcome, meter, message
+
+
 @pytest.mark.serial
 @pytest.mark.parametrize("finish", [True, False], ids=["finished", "left-open"])
 async def test_letting_go_of_several_large_tool_results_never_stalls_the_loop(
@@ -772,17 +793,12 @@ async def test_letting_go_of_several_large_tool_results_never_stalls_the_loop(
     free on the loop later. Real time."""
     writers: list[weakref.ref[AssistantWriter]] = []
     drain = _many_large_results_drain(RESULTS, RESULT_NODES, finish=finish, writers=writers)
-    gc.disable()
-    try:
-        with trio.fail_after(BOUND):
-            async with trio_sessions.open_runtime(tmp_path / "s.db", drain, **NO_RECOVERY) as rt:
-                with StepMeter() as meter:
-                    outcome = await rt.run("s")
-                [writer] = writers
-                assert writer() is None
-                [message] = await rt.transcript("s")
-    finally:
-        gc.enable()
+
+    def writer_is_gone() -> None:
+        [writer] = writers
+        assert writer() is None
+
+    outcome, meter, message = await _metered_run_without_gc(tmp_path, drain, writer_is_gone)
     assert outcome == Outcome("succeeded")
     assert meter.longest_cpu < STALL_S, meter.longest_cpu
     assert isinstance(message.data, AssistantData) and message.data.finished
@@ -816,15 +832,7 @@ async def test_large_tool_results_settled_in_parallel_tasks_never_stall_the_loop
                 nursery.start_soon(writer.settle_tool, f"c{k}", big)
         await writer.finish()
 
-    gc.disable()
-    try:
-        with trio.fail_after(BOUND):
-            async with trio_sessions.open_runtime(tmp_path / "s.db", drain, **NO_RECOVERY) as rt:
-                with StepMeter() as meter:
-                    outcome = await rt.run("s")
-                [message] = await rt.transcript("s")
-    finally:
-        gc.enable()
+    outcome, meter, message = await _metered_run_without_gc(tmp_path, drain)
     assert outcome == Outcome("succeeded")
     assert meter.longest_cpu < STALL_S, meter.longest_cpu
     assert isinstance(message.data, AssistantData) and message.data.finished
