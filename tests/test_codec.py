@@ -105,6 +105,35 @@ def test_the_encoding_is_the_converters_byte_for_byte(data: AssistantData, part:
     assert _codec.encode_step(("finish", error)) == _codec.dumps(converter.unstructure(error))
 
 
+def test_a_message_is_encoded_a_part_per_encoder_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C encoder holds the GIL for a whole call, so in a worker thread the event loop's
+    thread waits for as long as one call runs: a message of four large tool results is
+    encoded in calls of at most one part each, not one call for the whole message (the
+    same text: `test_the_encoding_is_the_converters_byte_for_byte`)."""
+    result: list[list[int]] = [[] for _ in range(10_000)]
+    data = AssistantData(
+        parts=tuple(
+            ToolPart(f"c{k}", "search", {"q": k}, "completed", result, None) for k in range(4)
+        ),
+        finished=True,
+        error=None,
+    )
+    encoded: list[int] = []
+    encoder = _codec._ENCODER
+
+    class Counting(json.JSONEncoder):
+        def encode(self, o: Any) -> str:
+            text = encoder.encode(o)
+            encoded.append(len(text))
+            return text
+
+    monkeypatch.setattr(_codec, "_ENCODER", Counting())
+    text = _codec.encode_assistant(data)
+    part = len(_codec.encode_step(("part", data.parts[0])))
+    assert encoded[:-1] and max(encoded) <= part < len(text) // 4
+    assert text == _codec.dumps(_codec._converter.unstructure(data))
+
+
 def test_encoding_a_large_tool_result_walks_no_converter(monkeypatch: pytest.MonkeyPatch) -> None:
     """A tool result of 300,000 JSON nodes is encoded by `dumps` alone: cattrs' unstructuring
     walked every node (325 ms on the event loop with SQLite), where the value is plain JSON

@@ -453,15 +453,14 @@ _BATCH = 4096
 
 def encode_assistant(data: AssistantData) -> str:
     """An assistant message as stored; spends its parts' size from the thread's loop
-    budget first (`OffTheLoop`), if one is set."""
+    budget first (`OffTheLoop`), if one is set. Encoded a part at a time, as `dumps` of
+    the whole writes it: the C encoder holds the GIL for as long as one call runs, and in
+    a worker thread the event loop's thread waits that long for it - a message of four
+    tool results of ~1 MiB was one call of up to 100-170 ms, a stall of the loop in wall
+    time; a part is at most a tool's input and output of 1 MiB each."""
     _spend_parts(data.parts)
-    return dumps(
-        {
-            "parts": [_part_json(part) for part in data.parts],
-            "finished": data.finished,
-            "error": data.error,
-        }
-    )
+    parts = ",".join(dumps(_part_json(part)) for part in data.parts)
+    return f'{{"parts":[{parts}],"finished":{dumps(data.finished)},"error":{dumps(data.error)}}}'
 
 
 def _part_json(part: Part) -> dict[str, Any]:
