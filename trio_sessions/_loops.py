@@ -5,7 +5,8 @@ and scheduled inputs falling due.
 Each loop only finds work and hands it to the busy periods (`_busy.BusyPeriods`): a remote
 doorbell or a due input rings the local registry, a remote interrupt or delete stops the
 local claim, a recovered claim is registered and owned exactly as a local acquisition is; a
-claim handed back elsewhere (a graceful shutdown) brings the recovery pass at once.
+claim handed back elsewhere (a graceful shutdown, or a user's Stop after its lease ran out)
+brings the recovery pass at once.
 A lost signal costs latency only: the fallback poll and the recovery pass still find the
 work. A store error in a loop is retried at its next turn, never raised out of it.
 
@@ -156,9 +157,10 @@ class BackgroundLoops:
             if entry is not None and entry is not ending.get(session_id):
                 continue
             if entry is None and changes.handed_back:
-                # A claim handed back by a graceful shutdown waits: the pass this look
-                # triggers takes it before doorbells, from the same room (§4's order), so an
-                # answer a rolling restart cut goes on before newer chats take its place.
+                # A claim handed back (a graceful shutdown; a Stop after its lease ran out)
+                # waits: the pass this look triggers takes it before doorbells, from the
+                # same room (§4's order), so an answer a rolling restart cut goes on before
+                # newer chats take its place.
                 continue
             if runtime._busy.ring(session_id) is not None:
                 runtime._remote_signals += 1
@@ -191,9 +193,11 @@ class BackgroundLoops:
         if changes.watched.behind:
             runtime._kick.set()  # the rest of what those sessions gained: in the next look
         if changes.handed_back:
-            # A graceful shutdown elsewhere handed claims back (their drains exited): the
-            # pass takes them over now - the grace a dead owner's claims wait out guards
-            # against a drain that may still run, which a hand-back never leaves.
+            # Claims were handed back elsewhere - by a graceful shutdown (their drains
+            # exited), or by a user's Stop after their lease ran out (no drain runs past
+            # its lease): the pass takes them over now - the grace a dead owner's live
+            # claims wait out guards against a drain that may still run, which neither
+            # leaves.
             runtime._recover_now.set()
         if lost:
             await self._report_gone(lost)
