@@ -690,3 +690,98 @@ def test_a_streamed_text_holding_a_nul_is_malformed() -> None:
     message's other text is: no writer stores one."""
     with pytest.raises(MalformedRecord, match=r"streamed text #1 holds a NUL"):
         _codec.decode_streamed(["fine", "a\x00b"], key="m")
+
+
+def _whole_or_error(text: str) -> Any:
+    try:
+        return ("value", _codec.loads(text))
+    except ValueError as exc:
+        return ("error", type(exc))
+
+
+# Texts shaped like a message, and near misses of that shape a part-wise decode must not
+# read differently from the whole decode.
+_MESSAGE_LIKE = st.builds(
+    lambda parts, sep, tail: '{"parts":[' + sep.join(parts) + "]" + tail,
+    st.lists(
+        st.sampled_from(
+            [
+                '{"text":"a","type":"text"}',
+                "[]",
+                "1",
+                '"x"',
+                "[[],[[]]]",
+                "{}",
+                "",
+                " 1",
+                "NaN",
+                "1e999",
+                '{"a":1',
+                "[1,]",
+            ]
+        ),
+        max_size=4,
+    ),
+    st.sampled_from([",", ", ", " ,"]),
+    st.sampled_from(
+        [
+            "}",
+            ',"finished":true,"error":null}',
+            ',"finished":false}',
+            ",}",
+            ', "finished":true}',
+            ',"parts":[2]}',
+            "}x",
+            "} ",
+            ',"finished":true,"error":"e"} ',
+            ',"error":null',
+            "]}",
+            "",
+        ]
+    ),
+)
+
+
+@RECORD_SETTINGS
+@given(_MESSAGE_LIKE)
+def test_a_message_decoded_by_part_reads_as_the_whole_decode_does(text: str) -> None:
+    """`loads_message` gives the value `loads` gives, or refuses what it refuses, for texts
+    of the message's shape and the near misses around it (space between parts, `,}`, a
+    second "parts" key, text after the object, a broken part)."""
+    try:
+        got: Any = ("value", _codec.loads_message(text))
+    except ValueError as exc:
+        got = ("error", type(exc))
+    assert got == _whole_or_error(text)
+
+
+@RECORD_SETTINGS
+@given(assistant_data)
+def test_a_stored_message_is_decoded_a_part_per_decoder_call(data: AssistantData) -> None:
+    """A message's text as stored decodes to the same value a part per call: no call of
+    the C decoder reads more than one part (it holds the GIL for the whole call)."""
+    text = _codec.encode_assistant(data)
+    whole = _codec.loads(text)
+    read: list[int] = []
+    decoder = _codec._DECODER
+
+    class Counting(json.JSONDecoder):
+        def raw_decode(self, s: str, idx: int = 0) -> tuple[Any, int]:
+            value, end = decoder.raw_decode(s, idx)
+            read.append(end - idx)
+            return value, end
+
+        def decode(self, s: str, _w: Any = None) -> Any:
+            read.append(len(s))
+            return decoder.decode(s)
+
+    _codec._DECODER = Counting()
+    try:
+        by_part = _codec.loads_message(text)
+    finally:
+        _codec._DECODER = decoder
+    assert by_part == whole
+    longest_part = max((len(_codec.encode_step(("part", p))) for p in data.parts), default=0)
+    assert max(read) <= max(
+        longest_part, len(text) - len(",".join(_codec.encode_step(("part", p)) for p in data.parts))
+    )

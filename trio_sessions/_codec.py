@@ -134,10 +134,62 @@ def loads(text: Any) -> Any:
     if not isinstance(text, str):
         raise TypeError(f"expected JSON text, got {type(text).__name__}")
     spend(len(text))
+    return _decoded_whole(text)
+
+
+def _decoded_whole(text: str) -> Any:
     try:
         return _DECODER.decode(text)
     except RecursionError:
         raise ValueError("JSON nested too deeply") from None
+
+
+# How `encode_assistant` begins a message's text.
+_PARTS_OPEN = '{"parts":['
+
+
+def loads_message(text: Any) -> Any:
+    """`loads` of an assistant message's text, a part per decoder call when the text is as
+    `encode_assistant` writes it (else whole): the same value either way. The C decoder
+    holds the GIL for as long as one call runs, and in a worker thread the event loop's
+    thread waits that long for it - a message of several large tool results was one call
+    of its whole size; a part is at most a tool's input and output of 1 MiB each."""
+    if not isinstance(text, str):
+        raise TypeError(f"expected JSON text, got {type(text).__name__}")
+    spend(len(text))
+    if text.startswith(_PARTS_OPEN):
+        try:
+            value = _decoded_by_part(text)
+        except (ValueError, RecursionError):
+            value = None  # whatever is wrong, the whole decode says it as it always did
+        if value is not None:
+            return value
+    return _decoded_whole(text)
+
+
+def _decoded_by_part(text: str) -> dict[str, Any] | None:
+    """`{"parts": [...], ...}` decoded a part per call; None for a text of another shape
+    (space between the parts, a second "parts" key, anything after the object)."""
+    parts: list[Any] = []
+    end = len(_PARTS_OPEN)
+    if not text.startswith("]", end):
+        while True:
+            part, end = _DECODER.raw_decode(text, end)
+            parts.append(part)
+            if not text.startswith(",", end):
+                break
+            end += 1
+        if not text.startswith("]", end):
+            return None
+    tail = text[end + 1 :]
+    if tail == "}":
+        return {"parts": parts}
+    if not tail.startswith(',"'):
+        return None  # `,}` would decode as `{}`: the whole decode refuses it
+    rest = _DECODER.decode("{" + tail[1:])
+    if "parts" in rest:
+        return None  # the last of two keys wins: the whole decode tells which
+    return {"parts": parts, **rest}
 
 
 # One decoder for every `loads` (`json.loads` with these options builds a new one per call).
@@ -484,7 +536,7 @@ def _part_json(part: Part) -> dict[str, Any]:
 
 def decode_assistant(text: Any, *, key: str) -> AssistantData:
     """Decode an assistant message's `data`; `MalformedRecord` with readable reasons otherwise."""
-    raw = _decode_json(text, table="session_message", key=key, nul=False)
+    raw = _decode_json(text, table="session_message", key=key, nul=False, decode=loads_message)
     if type(raw) is not dict:
         raise MalformedRecord("session_message", key, [f"expected a JSON object, got {raw!r}"])
     # A NUL is one more problem beside any of the shape's: each gets its own reason.
@@ -635,11 +687,13 @@ def decode_object(text: Any, *, table: str, key: str) -> dict[str, Any]:
     return raw
 
 
-def _decode_json(text: Any, *, table: str, key: str, nul: bool = True) -> Any:
-    """`loads`, or `MalformedRecord`: not JSON, a lone surrogate, or (unless `nul` is
-    False: the caller reports `_nul_reasons` itself) a NUL character."""
+def _decode_json(
+    text: Any, *, table: str, key: str, nul: bool = True, decode: Callable[[Any], Any] = loads
+) -> Any:
+    """`decode` (`loads`), or `MalformedRecord`: not JSON, a lone surrogate, or (unless
+    `nul` is False: the caller reports `_nul_reasons` itself) a NUL character."""
     try:
-        raw = loads(text)
+        raw = decode(text)
     except (TypeError, ValueError) as exc:
         if isinstance(text, bytes):  # text that is not UTF-8, read as its bytes: say so
             stored_text("text", text, table=table, key=key)
