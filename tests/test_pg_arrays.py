@@ -133,3 +133,27 @@ def test_a_statement_s_in_list_reaches_psycopg_as_one_parameter(
             assert engine.read(_filtered, stored, wanted, True) == outside
 
         same_rows()
+
+
+def test_an_in_list_is_rewritten_whatever_its_case_and_spacing() -> None:
+    """`NOT IN` spelled in lower case or across a line is `<> ALL(?)` - never the `IN` alone
+    rewritten after a `NOT` left standing (`x not = ANY(?)`: not SQL) - and `in (`, `IN(`
+    and lists without spaces are lists too."""
+    for statement, rewritten in (
+        ("SELECT 1 WHERE x not IN (?, ?)", "SELECT 1 WHERE x <> ALL(?)"),
+        ("SELECT 1 WHERE x not in (?)", "SELECT 1 WHERE x <> ALL(?)"),
+        ("SELECT 1 WHERE x NOT\n   IN (?)", "SELECT 1 WHERE x <> ALL(?)"),
+        ("SELECT 1 WHERE x NOT  IN(?,?)", "SELECT 1 WHERE x <> ALL(?)"),
+        ("SELECT 1 WHERE x in (?)", "SELECT 1 WHERE x = ANY(?)"),
+        ("SELECT 1 WHERE x IN( ?, ? )", "SELECT 1 WHERE x = ANY(?)"),
+        (
+            "SELECT 1 WHERE not_x IN (?) AND cannot IN (?)",
+            "SELECT 1 WHERE not_x = ANY(?) AND cannot = ANY(?)",
+        ),
+        (
+            "SELECT 1 WHERE x JOIN (?) AND x MIN (?) AND x WITHIN (?)",
+            "SELECT 1 WHERE x JOIN (?) AND x MIN (?) AND x WITHIN (?)",
+        ),
+    ):
+        assert in_lists_as_arrays(statement)[0] == rewritten, statement
+    assert in_lists_as_arrays("SELECT 1 WHERE y = ? AND x not IN (?,  ?) AND z = ?")[1] == ((1, 2),)

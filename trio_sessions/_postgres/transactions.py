@@ -109,7 +109,11 @@ def translate(statement: str) -> str:
 
 
 # A quoted string (kept as it is), a positional `IN` list, or any other positional parameter.
-_IN_LIST = re.compile(r"'(?:[^']|'')*'|\b(NOT )?IN \((\?(?:, \?)*)\)|\?")
+# In any case and spacing: a `NOT` not taken with its `IN` would be left standing before
+# `= ANY(?)`, which is no SQL.
+_IN_LIST = re.compile(
+    r"'(?:[^']|'')*'|\b(NOT\s+)?IN\s*\((\s*\?\s*(?:,\s*\?\s*)*)\)|\?", re.IGNORECASE
+)
 
 
 @functools.lru_cache(maxsize=2048)
