@@ -242,17 +242,11 @@ def watched_changes(tx: Tx, watched: Mapping[str, Followed]) -> Watched:
     open_ids = [message_id for followed in watched.values() for message_id in followed.open]
     step = _IN_CHUNK // 2  # the deltas' statement takes two parameters per message
     for chunk in (open_ids[start : start + step] for start in range(0, len(open_ids), step)):
-        # PostgreSQL: the ids as one array (`_new_messages`: psycopg parses a statement of
-        # more than 50 parameters anew each time - 3 ms for 250 ids).
-        among, params = (
-            ("= ANY(?::text[])", (chunk,))
-            if tx.dialect == "postgres"
-            else (f"IN {_in_list(chunk)}", tuple(chunk))
-        )
+        # PostgreSQL gets the list as one array (`PgTx.execute`).
         rows = tx.execute(
             f"SELECT m.id, m.session_id, m.version, {_VERSION}, m.finished"
-            f" FROM session_message m WHERE m.id {among}",
-            params,
+            f" FROM session_message m WHERE m.id IN {_in_list(chunk)}",
+            tuple(chunk),
         ).fetchall()
         present = {str(row[0]) for row in rows}
         found.gone.extend(message_id for message_id in chunk if message_id not in present)
@@ -625,18 +619,15 @@ def _read_whole(tx: Tx, ids: Sequence[str]) -> dict[Any, Snapshot]:
     statement, and the texts streamed onto those of them that are answers with a delta (an
     `EXISTS` of the row: whatever its versions say) in one more. On the event loop
     (SQLite) their rows and texts are charged first (`spend_rows`): a look meeting more
-    than the loop's budget goes to the worker thread before it reads any."""
-    params: tuple[Any, ...]
-    if tx.dialect == "postgres":
-        among, params = "= ANY(?::text[])", (list(ids),)
-    else:
-        among, params = f"IN {_in_list(ids)}", tuple(ids)
-        spend_rows(
-            tx,
-            params + params,
-            f"length(m.data) FROM session_message m WHERE m.id {among} UNION ALL"
-            f" SELECT length(d.text) FROM session_message_delta d WHERE d.message_id {among}",
-        )
+    than the loop's budget goes to the worker thread before it reads any. (PostgreSQL
+    gets each id list as one array: `PgTx.execute`.)"""
+    among, params = f"IN {_in_list(ids)}", tuple(ids)
+    spend_rows(
+        tx,
+        params + params,
+        f"length(m.data) FROM session_message m WHERE m.id {among} UNION ALL"
+        f" SELECT length(d.text) FROM session_message_delta d WHERE d.message_id {among}",
+    )
     rows = tx.execute(
         f"SELECT {_SNAPSHOT_COLUMNS}, EXISTS(SELECT 1 FROM session_message_delta x"
         f" WHERE x.message_id = m.id) FROM session_message m WHERE m.id {among}",
@@ -658,8 +649,8 @@ def _streamed_onto_each(tx: Tx, ids: Sequence[str]) -> dict[Any, list[Any]]:
         streamed: dict[Any, list[Any]] = {}
         for message_id, version, text in tx.execute(
             "SELECT message_id, version, text FROM session_message_delta"
-            " WHERE message_id = ANY(?::text[]) ORDER BY message_id, version",
-            (list(ids),),
+            f" WHERE message_id IN {_in_list(ids)} ORDER BY message_id, version",
+            tuple(ids),
         ).fetchall():
             streamed.setdefault(message_id, []).append(_codec.streamed_text(version, text))
         return streamed
