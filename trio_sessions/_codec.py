@@ -154,17 +154,14 @@ def loads_message(text: Any) -> Any:
     holds the GIL for as long as one call runs, and in a worker thread the event loop's
     thread waits that long for it - a message of several large tool results was one call
     of its whole size; a part is at most a tool's input and output of 1 MiB each."""
-    if not isinstance(text, str):
-        raise TypeError(f"expected JSON text, got {type(text).__name__}")
+    if not (isinstance(text, str) and text.startswith(_PARTS_OPEN)):
+        return loads(text)
     spend(len(text))
-    if text.startswith(_PARTS_OPEN):
-        try:
-            value = _decoded_by_part(text)
-        except (ValueError, RecursionError):
-            value = None  # whatever is wrong, the whole decode says it as it always did
-        if value is not None:
-            return value
-    return _decoded_whole(text)
+    try:
+        value = _decoded_by_part(text)
+    except (ValueError, RecursionError):
+        value = None  # whatever is wrong, the whole decode says it as it always did
+    return _decoded_whole(text) if value is None else value
 
 
 def _decoded_by_part(text: str) -> dict[str, Any] | None:
