@@ -642,18 +642,11 @@ def _read_whole(tx: Tx, ids: Sequence[str]) -> dict[Any, Snapshot]:
 def _streamed_onto_each(tx: Tx, ids: Sequence[str]) -> dict[Any, list[Any]]:
     """`streamed_onto` of each of these messages, in one statement: SQLite joins each one's
     texts (a text that is no text, or a version no whole number: that message's read again
-    row by row, `streamed_joined`); PostgreSQL sends them in order."""
+    row by row, `streamed_joined`); PostgreSQL sends them in order (`streamed_texts_of`)."""
     if not ids:
         return {}
     if tx.dialect == "postgres":
-        streamed: dict[Any, list[Any]] = {}
-        for message_id, version, text in tx.execute(
-            "SELECT message_id, version, text FROM session_message_delta"
-            f" WHERE message_id IN {_in_list(ids)} ORDER BY message_id, version",
-            tuple(ids),
-        ).fetchall():
-            streamed.setdefault(message_id, []).append(_codec.streamed_text(version, text))
-        return streamed
+        return streamed_texts_of(tx, ids)
     rows = tx.execute(_join_streamed_of(len(ids)), tuple(ids)).fetchall()
     return {
         message_id: streamed_joined(tx, message_id, not_text, joined)
