@@ -719,7 +719,9 @@ def test_a_double_click_on_stop_withdraws_the_queued_message_and_stops_nothing_m
     clicks posted: the first withdrew the message, the second - finding nothing to
     withdraw - interrupted the answer the user had not asked to stop.) The button takes
     no click while its request is in flight, as a console action's. Found by audit
-    (audB54)."""
+    (audB54). The button stays where it is while the answer's words wrap onto new lines:
+    it moved down under the pointer, and the double click landed on the answer and stopped
+    nothing (CI, stop 61)."""
     from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By
 
@@ -730,8 +732,11 @@ def test_a_double_click_on_stop_withdraws_the_queued_message_and_stops_nothing_m
         until(lambda: len(chat_texts(chrome, "assistant")) == 1, "the answer streaming", chrome)
         send(chrome, "never mind")
         until(lambda: typed.get_attribute("value") == "", "the second message stored", chrome)
-        ActionChains(chrome).double_click(chrome.find_element(By.ID, "stop")).perform()
+        stop = chrome.find_element(By.ID, "stop")
+        aimed_at = stop.rect
+        ActionChains(chrome).double_click(stop).perform()
         until_answers(chrome, [f"You said: {question}"], "the answer streamed to its end")
+        assert stop.rect == aimed_at, "the Stop button moved while the answer streamed"
         until(
             lambda: (
                 chrome.find_element(By.CSS_SELECTOR, ".message.assistant").get_attribute(
