@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -520,6 +521,35 @@ def test_token_files_are_private_and_removed_once_free(tmp_path: Path) -> None:
         os.path.basename(_liveness.token_path(directory, "alive"))
     ]
     os.close(held)
+
+
+async def test_the_watch_for_gone_owners_probes_their_token_files_off_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SQLite: the watch for gone owners probes the token files in a worker thread, not on
+    the event loop's. Each probe's system call gives up the GIL, and taking it back waits
+    for whatever C call another thread is in - a settle's encode of one part, 10-30 ms -
+    so a probe of a few files on the loop held it for 60-100 ms of wall time for 2 ms of
+    work: the longest loop steps while a drain settled four 300,000-node tool results."""
+    loop = threading.get_ident()
+    probed_on: list[int] = []
+    probed = trio.Event()
+    trio_token = trio.lowlevel.current_trio_token()
+    probe = _liveness.free_file_tokens
+
+    def noting_the_thread(database: Any, owner_ids: Any) -> set[str]:
+        probed_on.append(threading.get_ident())
+        trio_token.run_sync_soon(probed.set)
+        return probe(database, owner_ids)
+
+    async def drain(ctx: DrainContext) -> None:
+        await ctx.take_inputs()
+
+    async with trio_sessions.open_runtime(tmp_path / "db", drain, recovery_interval=3600):
+        # After the open's recovery pass, which probes inside its transaction.
+        monkeypatch.setattr(_liveness, "free_file_tokens", noting_the_thread)
+        await probed.wait()
+    assert probed_on and loop not in probed_on
 
 
 async def test_takeover_grace_is_validated_and_a_producer_holds_no_token(tmp_path: Path) -> None:

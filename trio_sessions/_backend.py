@@ -222,6 +222,17 @@ def reads_stored_bytes_first(op: Callable[..., T]) -> Callable[..., T]:
     return op
 
 
+def runs_off_the_loop(op: Callable[..., T]) -> Callable[..., T]:
+    """Mark a read whose work is system calls rather than SQL (SQLite's probe of the
+    liveness token files beside the database): an executor that reads on the event loop's
+    thread runs it in a worker thread. Each call gives up the GIL, and taking it back
+    waits for whatever C call another thread is in (a settle's encode of one part, 10-30
+    ms), so a probe of a few files held the loop for 60-100 ms of wall time for 2 ms of
+    work."""
+    op.__dict__["runs_off_the_loop"] = True
+    return op
+
+
 def skips_a_busy_session(op: Callable[..., T]) -> Callable[..., T]:
     """Mark an operation on one session that never waits for another transaction's lock on
     it (PostgreSQL: it answers at once instead - an acquire from a doorbell, which leaves

@@ -296,10 +296,11 @@ class ThreadExecutor:
         return self._handoff.in_flight and (batch is None or batch.begun)
 
     async def read(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
-        try:
-            return await self.reader.read(op, *args)
-        except _codec.OffTheLoop:
-            pass  # too much data for the loop: the worker thread reads it
+        if not op.__dict__.get("runs_off_the_loop"):
+            try:
+                return await self.reader.read(op, *args)
+            except _codec.OffTheLoop:
+                pass  # too much data for the loop: the worker thread reads it
         # A WAL reader never waits for the write lock; the loop's other readers, and the
         # writers, go on meanwhile.
         self.thread_reads += 1

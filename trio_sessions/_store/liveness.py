@@ -14,15 +14,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .._backend import Tx, autocommit_when_alone
+from .._backend import Tx, autocommit_when_alone, runs_off_the_loop
 from .common import _in_list
 
 
 @autocommit_when_alone
+@runs_off_the_loop
 def free_tokens(tx: Tx) -> set[str]:
     """Every owner on record whose liveness token is free now (read-only): one statement,
     which PostgreSQL runs alone in autocommit (one round trip: no BEGIN, no COMMIT, as a
-    function call's), every runtime that drains looking every `LIVENESS_POLL`."""
+    function call's), every runtime that drains looking every `LIVENESS_POLL`. SQLite's
+    form probes lock files, in a worker thread (`runs_off_the_loop`)."""
     return tx.free_tokens(None)
 
 
