@@ -5,6 +5,7 @@ released by the test itself, so ordering is forced, not hoped for."""
 from __future__ import annotations
 
 import contextlib
+import os
 import sqlite3
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -17,7 +18,7 @@ import trio
 from helpers import Raw
 
 import trio_sessions
-from trio_sessions import DrainContext, Outcome, Runtime, _codec, _sqlite
+from trio_sessions import DrainContext, Outcome, Runtime, _codec, _liveness, _sqlite, _store
 from trio_sessions._backend import Tx
 from trio_sessions._model import RuntimeStatistics
 
@@ -342,3 +343,37 @@ async def test_a_read_too_large_for_the_loop_never_holds_up_the_writes(tmp_path:
             nursery.start_soon(read)
             nursery.start_soon(write)
     assert results == [True]
+
+
+async def test_the_liveness_probe_never_waits_for_a_large_read(tmp_path: Path) -> None:
+    """The watch for gone owners probes their token files in a worker thread of its own,
+    not the read thread: a read too large for the loop holds that thread for as long as it
+    reads (a transcript holding four 300,000-node tool results, ~0.9 s here; three such
+    reads queued, ~2 s), and each look waited for it - a SIGKILLed owner's sessions then
+    resumed seconds late, not in about a second (DESIGN §4; a review's find). Here the
+    probe answers while a read holds the read thread."""
+    path = tmp_path / "s.db"
+    os.close(_liveness.take_file_token(path, "gone"))  # a free token: its owner is gone
+    loop = threading.get_ident()
+    trio_token = trio.lowlevel.current_trio_token()
+    reading, release = trio.Event(), threading.Event()
+
+    def held_read(tx: Tx) -> None:
+        if threading.get_ident() == loop:
+            raise _codec.OffTheLoop  # as a read over the loop's budget: the read thread's
+        trio_token.run_sync_soon(reading.set)
+        release.wait(20)
+
+    free: set[str] | None = None
+    async with (
+        _sqlite.SQLiteStore(path).open_executor(None) as executor,
+        trio.open_nursery() as nursery,
+    ):
+        nursery.start_soon(executor.read, held_read)
+        await reading.wait()
+        try:
+            with trio.move_on_after(10):  # a thread's start, unless it waits for the read
+                free = await executor.read(_store.free_tokens)
+        finally:
+            release.set()
+    assert free == {"gone"}, "the probe waited for the read in the read thread"

@@ -228,7 +228,9 @@ def runs_off_the_loop(op: Callable[..., T]) -> Callable[..., T]:
     thread runs it in a worker thread. Each call gives up the GIL, and taking it back
     waits for whatever C call another thread is in (a settle's encode of one part, 10-30
     ms), so a probe of a few files held the loop for 60-100 ms of wall time for 2 ms of
-    work."""
+    work. Its thread is its own, with no connection (`_sqlite.engine.run_without_sql`: a
+    statement there fails): in the read thread it waited for every large read queued
+    there, a second each (a transcript holding large tool results)."""
     op.__dict__["runs_off_the_loop"] = True
     return op
 

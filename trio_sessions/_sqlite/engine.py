@@ -180,6 +180,21 @@ def read_snapshot(
         conn.execute("ROLLBACK")
 
 
+# The connection of a Tx whose operation runs no SQL (`run_without_sql`): closed, so a
+# statement there fails at once instead of running on a connection another thread uses.
+_NO_CONNECTION = sqlite3.connect(":memory:", check_same_thread=False)
+_NO_CONNECTION.close()
+
+
+def run_without_sql(
+    op: Callable[..., T], clock: Callable[[], float], database: str, args: Sequence[Any]
+) -> T:
+    """`op(tx, *args)` for an operation marked `_backend.runs_off_the_loop` (system calls,
+    no SQL: the probe of the liveness tokens beside `database`), on no connection and in
+    no transaction: any thread may run it, beside the reads and writes on the others."""
+    return op(SQLiteTx(_NO_CONNECTION, now_ms(clock), database), *args)
+
+
 def database_file(conn: sqlite3.Connection) -> str | None:
     """The main database's file, symlinks resolved (None in memory: no liveness tokens
     there): every process finds the same tokens beside it, whatever name it opened."""

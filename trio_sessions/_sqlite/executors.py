@@ -72,7 +72,7 @@ from .connections import (
     database_name,
     poll_for_lock,
 )
-from .engine import database_file, read_snapshot, run_batch, try_run_batch
+from .engine import database_file, read_snapshot, run_batch, run_without_sql, try_run_batch
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
@@ -218,6 +218,9 @@ class ThreadExecutor:
     _worker_batch: BatchStart | None = None
     _limiter: trio.CapacityLimiter = attrs.Factory(lambda: trio.CapacityLimiter(1))
     _read_limiter: trio.CapacityLimiter = attrs.Factory(lambda: trio.CapacityLimiter(1))
+    # The reads that run no SQL (`_backend.runs_off_the_loop`: the liveness probe), in a
+    # thread of their own: a look for gone owners never waits for a large read.
+    _probe_limiter: trio.CapacityLimiter = attrs.Factory(lambda: trio.CapacityLimiter(1))
     _nursery: trio.Nursery | None = None
     _inline_since_checkpoint: int = 0
     _checkpoint_due: bool = False
@@ -296,7 +299,14 @@ class ThreadExecutor:
         return self._handoff.in_flight and (batch is None or batch.begun)
 
     async def read(self, op: Callable[[Tx, Unpack[Ts]], T], *args: *Ts) -> T:
-        if not op.__dict__.get("runs_off_the_loop"):
+        off_the_loop = op.__dict__.get("runs_off_the_loop", False)
+        if off_the_loop and self.file is not None:
+            # System calls only (the liveness probe): in a thread of its own, never queued
+            # behind a large read in the read thread (one transcript's: about a second).
+            return await trio.to_thread.run_sync(
+                run_without_sql, op, self.clock, self.file.tokens, args, limiter=self._probe_limiter
+            )
+        if not off_the_loop:
             try:
                 return await self.reader.read(op, *args)
             except _codec.OffTheLoop:
