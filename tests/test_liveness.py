@@ -548,7 +548,8 @@ async def test_the_watch_for_gone_owners_probes_their_token_files_off_the_event_
     async with trio_sessions.open_runtime(tmp_path / "db", drain, recovery_interval=3600):
         # After the open's recovery pass, which probes inside its transaction.
         monkeypatch.setattr(_liveness, "free_file_tokens", noting_the_thread)
-        await probed.wait()
+        with trio.fail_after(10):  # the watch looks every LIVENESS_POLL (0.25 s)
+            await probed.wait()
     assert probed_on and loop not in probed_on
 
 
