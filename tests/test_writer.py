@@ -10,7 +10,16 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from helpers import JumpingClock, Raw, run_and_jump, runtime, start_run, write_as_zombie
+from helpers import (
+    ExecutorSeam,
+    JumpingClock,
+    Raw,
+    WrappedStore,
+    run_and_jump,
+    runtime,
+    start_run,
+    write_as_zombie,
+)
 from trio.testing import MockClock
 
 import trio_sessions
@@ -25,6 +34,7 @@ from trio_sessions import (
     TextPart,
     ToolPart,
     UnknownToolCall,
+    _store,
 )
 
 Clock = Callable[[], float]
@@ -342,3 +352,56 @@ async def test_a_large_message_let_go_of_at_its_finish_refuses_writes_and_is_sho
         # Landed before the finish, or refused and failed by it - never both, never lost.
         assert (status == "completed") == (call_id not in refused), (call_id, status, refused)
     assert [m for m in seen if m.id == message.id][-1] == message
+
+
+class _BeginRepliesLate(ExecutorSeam):
+    """The runtime's executor, whose `begin_assistant` reply reaches its caller only once
+    `reply` is set; `landed` is set when its write has committed."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.landed = trio.Event()
+        self.reply = trio.Event()
+
+    async def run(self, op: Any, *args: Any) -> Any:
+        result = await self._inner.run(op, *args)
+        if op is _store.begin_assistant:
+            self.landed.set()
+            await self.reply.wait()
+        return result
+
+
+async def test_a_writer_begun_as_its_drain_returned_is_not_kept_by_the_drains_context(
+    store: Store, clock: Clock, autojump_clock: MockClock
+) -> None:
+    """A task the drain left running (started in a nursery of the caller's) whose
+    `begin_assistant` landed just as the drain returned gets a writer that the drain's
+    context does not keep. The context had let go of its writers when the drain returned
+    (`DrainContext._let_go`), and it kept this one for as long as the context lived, in a
+    reference cycle (context <-> writer) that only the garbage collector could free. The
+    writer holds little - a message just begun takes no further write - so what it fixes
+    is the cycle, and that every writer is let go by its context or by itself."""
+    wrapped = WrappedStore(store, _BeginRepliesLate)
+    contexts: list[DrainContext] = []
+    begun = trio.Event()
+
+    async with trio.open_nursery() as outside:
+
+        async def begin(ctx: DrainContext) -> None:
+            await ctx.begin_assistant()
+            begun.set()
+
+        async def drain(ctx: DrainContext) -> None:
+            contexts.append(ctx)
+            await ctx.take_inputs()
+            outside.start_soon(begin, ctx)
+            assert wrapped.executor is not None
+            await wrapped.executor.landed.wait()
+
+        async with runtime(wrapped, drain, clock) as rt:
+            await rt.submit("s", {"text": "hi"})
+            await rt.wait_idle("s")  # the drain returned, and its iteration ended
+            assert wrapped.executor is not None
+            wrapped.executor.reply.set()
+            await begun.wait()
+    assert contexts[0]._open_writers == {}

@@ -286,7 +286,6 @@ class AssistantWriter:
         self._context = context
         self.message_id = message_id
         self._seq = seq
-        context._open_writers[message_id] = self
         # The message as stored: `_data` (its encoding `_text`, when known: `_store.Known`)
         # plus the texts streamed onto it since, merged into `_view` only when a local
         # watcher needs a snapshot (an append costs the same on any message).
@@ -305,6 +304,13 @@ class AssistantWriter:
         self._in_step = True
         self._publish(version)
         self._offer(version, "message", data)
+        if context._returned:
+            # Begun by a task the drain left running, as the drain returned: the context
+            # let go of its writers then, and no write of this one follows. Registered, it
+            # would stay in a cycle with the context that only the collector frees.
+            self._let_go()
+        else:
+            context._open_writers[message_id] = self
 
     def _adopt(self, data: AssistantData, text: str | None) -> None:
         """Take `data` as the message as stored (`text`: its stored encoding, if known).
