@@ -11,8 +11,8 @@ import pytest
 import trio
 import trio.testing
 from helpers import (
-    ExecutorSeam,
     JumpingClock,
+    LateReply,
     Raw,
     WrappedStore,
     run_and_jump,
@@ -354,23 +354,6 @@ async def test_a_large_message_let_go_of_at_its_finish_refuses_writes_and_is_sho
     assert [m for m in seen if m.id == message.id][-1] == message
 
 
-class _BeginRepliesLate(ExecutorSeam):
-    """The runtime's executor, whose `begin_assistant` reply reaches its caller only once
-    `reply` is set; `landed` is set when its write has committed."""
-
-    def __init__(self, inner: Any) -> None:
-        super().__init__(inner)
-        self.landed = trio.Event()
-        self.reply = trio.Event()
-
-    async def run(self, op: Any, *args: Any) -> Any:
-        result = await self._inner.run(op, *args)
-        if op is _store.begin_assistant:
-            self.landed.set()
-            await self.reply.wait()
-        return result
-
-
 async def test_a_writer_begun_as_its_drain_returned_is_not_kept_by_the_drains_context(
     store: Store, clock: Clock, autojump_clock: MockClock
 ) -> None:
@@ -381,7 +364,7 @@ async def test_a_writer_begun_as_its_drain_returned_is_not_kept_by_the_drains_co
     reference cycle (context <-> writer) that only the garbage collector could free. The
     writer holds little - a message just begun takes no further write - so what it fixes
     is the cycle, and that every writer is let go by its context or by itself."""
-    wrapped = WrappedStore(store, _BeginRepliesLate)
+    wrapped = WrappedStore(store, lambda inner: LateReply(inner, _store.begin_assistant))
     contexts: list[DrainContext] = []
     begun = trio.Event()
 
@@ -396,12 +379,12 @@ async def test_a_writer_begun_as_its_drain_returned_is_not_kept_by_the_drains_co
             await ctx.take_inputs()
             outside.start_soon(begin, ctx)
             assert wrapped.executor is not None
-            await wrapped.executor.landed.wait()
+            await wrapped.executor.committed.wait()
 
         async with runtime(wrapped, drain, clock) as rt:
             await rt.submit("s", {"text": "hi"})
             await rt.wait_idle("s")  # the drain returned, and its iteration ended
             assert wrapped.executor is not None
-            wrapped.executor.reply.set()
+            wrapped.executor.answer.set()
             await begun.wait()
     assert contexts[0]._open_writers == {}
